@@ -1,0 +1,5 @@
+import sys
+
+from runplan.cli import main
+
+sys.exit(main())

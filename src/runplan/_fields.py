@@ -1,0 +1,73 @@
+"""Field helpers for the value classes.
+
+Value classes check the *types* of their fields and nothing else: a combination of
+values that contradicts the contract is for ``plan_run`` and ``check_plan`` to
+reject, so a plan read off the wire or built by hand can still be checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from attrs import validators as v
+
+
+def _not_bool(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool):
+        raise TypeError(f"'{attribute.name}' must be an int, not bool ({value!r})")
+
+
+def int_field(**kwargs: Any) -> Any:
+    """An ``int`` field (``bool`` refused)."""
+    return attrs.field(validator=[v.instance_of(int), _not_bool], **kwargs)
+
+
+def float_field(**kwargs: Any) -> Any:
+    """A ``float`` field; an ``int`` is converted."""
+    return attrs.field(
+        converter=lambda x: float(x) if isinstance(x, int) and not isinstance(x, bool) else x,
+        validator=v.instance_of(float),
+        **kwargs,
+    )
+
+
+def str_field(**kwargs: Any) -> Any:
+    return attrs.field(validator=v.instance_of(str), **kwargs)
+
+
+def bool_field(**kwargs: Any) -> Any:
+    return attrs.field(validator=v.instance_of(bool), **kwargs)
+
+
+def typed_field(cls: type | tuple[type, ...], **kwargs: Any) -> Any:
+    return attrs.field(validator=v.instance_of(cls), **kwargs)
+
+
+def _to_tuple(value: object) -> object:
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def tuple_field(member: type | tuple[type, ...], **kwargs: Any) -> Any:
+    """A tuple field whose members are ``member``; a list is converted to a tuple."""
+    return attrs.field(
+        converter=_to_tuple,
+        validator=v.deep_iterable(
+            member_validator=v.instance_of(member), iterable_validator=v.instance_of(tuple)
+        ),
+        **kwargs,
+    )
+
+
+def int_tuple_field(**kwargs: Any) -> Any:
+    """A tuple of ``int`` (``bool`` refused)."""
+    return attrs.field(
+        converter=_to_tuple,
+        validator=v.deep_iterable(
+            member_validator=[v.instance_of(int), _not_bool],
+            iterable_validator=v.instance_of(tuple),
+        ),
+        **kwargs,
+    )

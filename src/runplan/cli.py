@@ -1,0 +1,288 @@
+"""``python -m runplan facts MODEL`` and ``python -m runplan plan MODEL ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import cattrs
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from runplan import wire
+from runplan.config import RuntimeConfig
+from runplan.dtypes import DTYPES_BY_NAME
+from runplan.facts import ModelFacts
+from runplan.gguf_facts import model_facts_from_gguf
+from runplan.gguf_header import GgufError
+from runplan.memory import plan_stage_memory
+from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
+from runplan.placement import Placement
+from runplan.plan import RunPlan
+from runplan.planner import plan_run
+from runplan.pool import NodePool, NodeSpec
+from runplan.rejections import PlanRejection
+
+EXIT_REJECTED = 2
+EXIT_INPUT = 1
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``80GiB``, ``24GB``, ``512MiB``, ``1000`` (bytes) -> bytes."""
+    m = _SIZE_RE.match(text)
+    unit = m[2].lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
+    return int(float(m[1]) * _UNITS[unit])
+
+
+def parse_nodes(text: str) -> tuple[NodeSpec, ...]:
+    """``gpu0=80GiB,gpu1=24GiB@cuda:1`` -> node specs (``@device`` is optional; nodes
+    naming one device share its memory)."""
+    nodes = []
+    for item in text.split(","):
+        node_id, sep, rest = item.strip().partition("=")
+        if not sep or not node_id:
+            raise argparse.ArgumentTypeError(
+                f"bad node {item!r}: write NODE=SIZE or NODE=SIZE@DEVICE, e.g. gpu0=80GiB"
+            )
+        size, _, device = rest.partition("@")
+        nodes.append(NodeSpec(node_id, parse_size(size), device or None))
+    return tuple(nodes)
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _json_out(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+
+
+def _load_facts(args: argparse.Namespace) -> ModelFacts:
+    return model_facts_from_gguf(resolve_model(args.model), max_seq_len=args.max_seq_len)
+
+
+def _cmd_facts(args: argparse.Namespace) -> int:
+    facts = _load_facts(args)
+    if args.json:
+        _json_out({"facts": cattrs.unstructure(facts)})
+        return 0
+    table = Table(title=facts.model_id, show_header=False, box=box.SIMPLE)
+    table.add_column("fact")
+    table.add_column("value", overflow="fold")
+    rows: list[tuple[str, str]] = [
+        ("source", str(facts.gguf_source)),
+        ("architecture", facts.architecture),
+        ("layers", str(facts.num_layers)),
+        ("hidden dim", str(facts.hidden_dim)),
+        ("heads / kv heads", f"{facts.head_count} / {facts.head_count_kv}"),
+        ("head dim k / v", f"{facts.head_dim_k} / {facts.head_dim_v}"),
+        ("vocab size", str(facts.vocab_size)),
+        ("eos token id", str(facts.eos_token_id)),
+        ("context length", str(facts.context_length)),
+        ("max seq len", str(facts.max_seq_len)),
+        ("quant types", ", ".join(facts.quant_types)),
+        (
+            "block bytes",
+            f"{human_bytes(sum(facts.block_bytes))} in {facts.num_layers} blocks "
+            f"({human_bytes(min(facts.block_bytes, default=0))}"
+            f"..{human_bytes(max(facts.block_bytes, default=0))} each)",
+        ),
+        ("embedding", human_bytes(facts.embedding_bytes)),
+        (
+            "output norm + head",
+            human_bytes(facts.output_bytes)
+            + (" (tied to the embedding)" if facts.tied_embeddings else ""),
+        ),
+        ("shared tensors", human_bytes(facts.shared_bytes)),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+    return 0
+
+
+def _rejection_json(rejection: PlanRejection) -> dict[str, Any]:
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in rejection.values().items()}
+    return {"code": rejection.code, "message": str(rejection), **values}
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    facts = _load_facts(args)
+    family, width = DTYPES_BY_NAME[args.dtype]
+    config = RuntimeConfig(
+        run_id=args.run_id,
+        max_tokens=args.max_tokens,
+        activation_dtype_family=family,
+        activation_dtype_width_bytes=width,
+    )
+    pool = NodePool(orchestrator_node_id=args.orchestrator, nodes=args.nodes)
+    stage_count = args.stages if args.stages is not None else len(args.nodes)
+    chosen = tuple(n.node_id for n in args.nodes[:stage_count])
+    placement = (Placement.even if args.placement == "even" else Placement.by_memory)(chosen)
+    result = plan_run(facts, config, pool, stage_count=stage_count, placement=placement)
+    if isinstance(result, PlanRejection):
+        if args.json:
+            _json_out({"rejection": _rejection_json(result)})
+        else:
+            Console(stderr=True).print(f"[bold red]rejected[/] {result}", highlight=False)
+        return EXIT_REJECTED
+    _print_plan(args, facts, pool, result)
+    return 0
+
+
+def _print_plan(args: argparse.Namespace, facts: ModelFacts, pool: NodePool, plan: RunPlan) -> None:
+    nodes = {n.node_id: n for n in pool.nodes}
+    memory = plan_stage_memory(facts, plan)
+    device_use: dict[tuple[str, str], int] = {}
+    for stage, use in zip(plan.stages, memory, strict=True):
+        key = nodes[stage.node_id].device_key
+        device_use[key] = device_use.get(key, 0) + use.total
+    if args.json:
+        stages = []
+        for stage, use in zip(plan.stages, memory, strict=True):
+            node = nodes[stage.node_id]
+            stages.append(
+                {
+                    "stage_index": stage.stage_index,
+                    "node_id": stage.node_id,
+                    "device": node.device,
+                    "layer_start": stage.layer_start,
+                    "layer_end_exclusive": stage.layer_end_exclusive,
+                    "weight_bytes": use.weight_bytes,
+                    "kv_bytes": use.kv_bytes,
+                    "ring_bytes": use.ring_bytes,
+                    "total_bytes": use.total,
+                    "device_bytes_used": device_use[node.device_key],
+                    "device_bytes_available": node.memory_bytes,
+                }
+            )
+        _json_out({"plan": json.loads(wire.dumps(plan)), "memory": stages})
+        return
+    title = (
+        f"{plan.model.model_id}: {plan.stage_count} stages, run {plan.run_id!r}, "
+        f"max_seq_len {plan.model.max_seq_len}"
+    )
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for col in ("stage", "node", "layers", "weights", "KV cache", "ring", "total", "use"):
+        table.add_column(col, justify="left" if col in ("node", "layers") else "right")
+    for stage, use in zip(plan.stages, memory, strict=True):
+        node = nodes[stage.node_id]
+        share = device_use[node.device_key]
+        pct = 100.0 * share / node.memory_bytes if node.memory_bytes else float("inf")
+        where = stage.node_id + (f" @{node.device}" if node.device else "")
+        table.add_row(
+            str(stage.stage_index),
+            where,
+            f"{stage.layer_start}-{stage.layer_end_exclusive - 1}",
+            human_bytes(use.weight_bytes),
+            human_bytes(use.kv_bytes),
+            human_bytes(use.ring_bytes),
+            human_bytes(use.total),
+            f"{pct:.1f}%",
+        )
+    Console().print(table)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m runplan",
+        description="Plan pipeline-parallel runs of a GGUF model. Reads GGUF headers only.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "model",
+            nargs="?",
+            default=DEFAULT_MODEL,
+            help=f"a GGUF file, any file of a split set, or a bundled model name "
+            f"(default: {DEFAULT_MODEL})",
+        )
+        p.add_argument(
+            "--max-seq-len",
+            type=int,
+            default=None,
+            help="positions each stage's KV cache holds (default: the model's context length)",
+        )
+        p.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+
+    facts = sub.add_parser("facts", help="what the GGUF header says about the model")
+    model_args(facts)
+    facts.set_defaults(func=_cmd_facts)
+
+    plan = sub.add_parser(
+        "plan",
+        help="plan a run over a node pool",
+        description="Plan a run: print each stage's node, layers and memory, or the "
+        "rejection (exit status 2).",
+    )
+    model_args(plan)
+    plan.add_argument(
+        "--nodes",
+        type=parse_nodes,
+        required=True,
+        help="the node pool: NODE=SIZE[@DEVICE],... e.g. gpu0=80GiB,gpu1=24GiB; nodes that "
+        "name one device share its memory",
+    )
+    plan.add_argument(
+        "--stages", type=int, default=None, help="number of stages (default: one per node)"
+    )
+    plan.add_argument(
+        "--placement",
+        choices=("even", "memory"),
+        default="even",
+        help="split layers evenly, or in proportion to node memory (default: even)",
+    )
+    plan.add_argument(
+        "--dtype",
+        choices=sorted(k for k in DTYPES_BY_NAME if k != "u32"),
+        default="f32",
+        help="activation and KV-cache dtype (default: f32, as the CPU worker runs)",
+    )
+    plan.add_argument("--run-id", default="run-1", help="the run id (default: run-1)")
+    plan.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    plan.add_argument("--orchestrator", default="orchestrator", help="the orchestrator's node id")
+    plan.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except (GgufError, ModelNotFound) as exc:
+        if getattr(args, "json", False):
+            _json_out({"error": {"type": type(exc).__name__, "message": str(exc)}})
+        else:
+            Console(stderr=True).print(f"[bold red]error[/] {exc}", highlight=False)
+        return EXIT_INPUT
+    return code

@@ -1,0 +1,85 @@
+"""Run-wide choices: the single source of dtype, sampling, timeouts, rings and the
+worker's capabilities. Every field but ``run_id`` and ``max_tokens`` has a default."""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+from runplan._fields import (
+    bool_field,
+    float_field,
+    int_field,
+    str_field,
+    tuple_field,
+    typed_field,
+)
+from runplan.dtypes import DTypeFamily
+
+#: Quant types the NumPy reference worker runs (everything it dequantizes through the
+#: gguf package and that llama.cpp's fixtures cover).
+REFERENCE_QUANT_TYPES: tuple[str, ...] = (
+    "BF16",
+    "F16",
+    "F32",
+    "Q2_K",
+    "Q3_K",
+    "Q4_0",
+    "Q4_1",
+    "Q4_K",
+    "Q5_0",
+    "Q5_1",
+    "Q5_K",
+    "Q6_K",
+    "Q8_0",
+)
+REFERENCE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
+
+
+@frozen
+class WorkerCapabilities:
+    """What the chosen worker can run; the runtime fills it in for its worker."""
+
+    name: str = str_field(default="numpy-reference")
+    architectures: tuple[str, ...] = tuple_field(str, default=REFERENCE_ARCHITECTURES)
+    quant_types: tuple[str, ...] = tuple_field(str, default=REFERENCE_QUANT_TYPES)
+
+
+@frozen
+class SamplingConfig:
+    """How the last stage picks a token. ``temperature == 0`` is greedy; ``top_k == 0``
+    and ``top_p == 1`` disable those filters. The same seed and inputs give the same
+    tokens."""
+
+    temperature: float = float_field(default=0.0)
+    top_k: int = int_field(default=0)
+    top_p: float = float_field(default=1.0)
+    seed: int = int_field(default=0)
+
+
+@frozen
+class Timeouts:
+    """Bounds on every wait of a run, in milliseconds."""
+
+    ready_ms: int = int_field(default=120_000)  # provisioning to StageReady (weights load)
+    step_ms: int = int_field(default=60_000)  # one ExecuteStep
+    edge_wait_ms: int = int_field(default=60_000)  # one wait on a ring (either end)
+    stop_ms: int = int_field(default=10_000)  # StopRun to StageStopped
+
+
+@frozen
+class RuntimeConfig:
+    """Run-wide settings. Like every value class it checks field types only; values
+    that make no plan come back from ``plan_run`` as rejections."""
+
+    run_id: str = str_field()
+    max_tokens: int = int_field()
+    # Activations on edges and the KV cache use this dtype. f32 for CPU workers; the
+    # CUDA runtime passes f16.
+    activation_dtype_family: DTypeFamily = typed_field(DTypeFamily, default=DTypeFamily.FLOAT)
+    activation_dtype_width_bytes: int = int_field(default=4)
+    ring_slot_count: int = int_field(default=2)
+    ring_alignment: int = int_field(default=64)
+    sampling: SamplingConfig = typed_field(SamplingConfig, factory=SamplingConfig)
+    return_logits: bool = bool_field(default=False)
+    timeouts: Timeouts = typed_field(Timeouts, factory=Timeouts)
+    worker: WorkerCapabilities = typed_field(WorkerCapabilities, factory=WorkerCapabilities)

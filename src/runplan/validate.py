@@ -1,0 +1,165 @@
+"""Checks of single inputs, shared by ``plan_run`` (over its inputs) and ``check_plan``
+(over a plan from elsewhere). Each returns a rejection or ``None``."""
+
+from __future__ import annotations
+
+import math
+
+from runplan.config import SamplingConfig, Timeouts, WorkerCapabilities
+from runplan.dtypes import VALID_WIDTHS, DTypeFamily
+from runplan.facts import ModelFacts
+from runplan.plan import MAX_RUN_ID_BYTES, U64_MAX
+from runplan.rejections import (
+    InconsistentModelFacts,
+    InvalidAlignment,
+    InvalidConfig,
+    InvalidDtypeWidth,
+    InvalidExtent,
+    PlanRejection,
+    UnsupportedLayout,
+    UnsupportedModel,
+)
+from runplan.specs import is_power_of_two
+
+U32_MAX = 2**32 - 1
+
+
+def check_run_id(run_id: str) -> PlanRejection | None:
+    encoded = run_id.encode("utf-8", errors="surrogatepass")
+    if not encoded:
+        return InvalidConfig("run_id", repr(run_id), "a run id must not be empty")
+    if len(encoded) > MAX_RUN_ID_BYTES:
+        return InvalidConfig(
+            "run_id",
+            repr(run_id),
+            f"{len(encoded)} UTF-8 bytes; the object header holds at most {MAX_RUN_ID_BYTES}",
+        )
+    if any(ch == "\x00" or 0xD800 <= ord(ch) <= 0xDFFF for ch in run_id):
+        return InvalidConfig("run_id", repr(run_id), "NUL and lone surrogates are not allowed")
+    return None
+
+
+def check_max_tokens(max_tokens: int) -> PlanRejection | None:
+    if not 1 <= max_tokens <= U32_MAX:
+        return InvalidConfig("max_tokens", str(max_tokens), f"must be in 1..{U32_MAX}")
+    return None
+
+
+def check_sampling(sampling: SamplingConfig) -> PlanRejection | None:
+    t = sampling.temperature
+    if not (math.isfinite(t) and t >= 0.0):
+        return InvalidConfig("sampling.temperature", repr(t), "must be finite and >= 0")
+    if not 0 <= sampling.top_k <= U32_MAX:
+        return InvalidConfig("sampling.top_k", str(sampling.top_k), "must be >= 0 (0: off)")
+    p = sampling.top_p
+    if not (math.isfinite(p) and 0.0 < p <= 1.0):
+        return InvalidConfig("sampling.top_p", repr(p), "must be in (0, 1] (1: off)")
+    if not 0 <= sampling.seed <= U64_MAX:
+        return InvalidConfig("sampling.seed", str(sampling.seed), "must be in 0..2**64-1")
+    return None
+
+
+def check_timeouts(timeouts: Timeouts) -> PlanRejection | None:
+    for name in ("ready_ms", "step_ms", "edge_wait_ms", "stop_ms"):
+        value = getattr(timeouts, name)
+        if not 1 <= value <= U32_MAX:
+            return InvalidConfig(f"timeouts.{name}", str(value), f"must be in 1..{U32_MAX} ms")
+    return None
+
+
+def check_slot_count(slot_count: int, what: str) -> PlanRejection | None:
+    if not 1 <= slot_count <= U32_MAX:
+        return InvalidConfig(what, str(slot_count), "a ring needs at least one slot")
+    return None
+
+
+def check_alignment(alignment: int, what: str) -> PlanRejection | None:
+    if not is_power_of_two(alignment) or alignment > 2**30:
+        return InvalidAlignment(what, alignment)
+    return None
+
+
+def check_dtype(family: DTypeFamily, width: int, what: str) -> PlanRejection | None:
+    valid = VALID_WIDTHS[family]
+    if width not in valid:
+        return InvalidDtypeWidth(what, family.value, width, tuple(sorted(valid)))
+    return None
+
+
+def check_activation_family(family: DTypeFamily, what: str) -> PlanRejection | None:
+    if family is DTypeFamily.UINT:
+        return UnsupportedLayout(
+            what, "activations are ROW_MAJOR float rows; an integer dtype has no such layout"
+        )
+    return None
+
+
+def check_extent(value: int, what: str, expected: int | None = None) -> PlanRejection | None:
+    if value <= 0:
+        return InvalidExtent(what, value, expected, "an extent must be at least one byte")
+    if value > U64_MAX:
+        return InvalidExtent(what, value, expected, "overflows the header's u64 extent")
+    if expected is not None and value != expected:
+        return InvalidExtent(what, value, expected, "does not follow the model facts")
+    return None
+
+
+def check_facts(facts: ModelFacts) -> PlanRejection | None:
+    """Facts that contradict themselves or the layout the planner relies on."""
+    positive = (
+        "num_layers",
+        "hidden_dim",
+        "head_count",
+        "head_count_kv",
+        "head_dim_k",
+        "head_dim_v",
+        "vocab_size",
+        "context_length",
+        "embedding_bytes",
+        "output_bytes",
+    )
+    for name in positive:
+        value = getattr(facts, name)
+        if value < 1:
+            return InconsistentModelFacts(name, str(value), "must be at least 1")
+        if value > U64_MAX:
+            return InconsistentModelFacts(name, str(value), "does not fit in 64 bits")
+    if facts.shared_bytes < 0:
+        return InconsistentModelFacts("shared_bytes", str(facts.shared_bytes), "is negative")
+    if facts.num_layers > U32_MAX:
+        return InconsistentModelFacts("num_layers", str(facts.num_layers), "exceeds u32")
+    if facts.head_count % facts.head_count_kv:
+        return InconsistentModelFacts(
+            "head_count_kv",
+            str(facts.head_count_kv),
+            f"does not divide head_count {facts.head_count}",
+        )
+    if len(facts.block_bytes) != facts.num_layers:
+        return InconsistentModelFacts(
+            "block_bytes",
+            f"{len(facts.block_bytes)} blocks",
+            f"num_layers is {facts.num_layers}",
+        )
+    for i, size in enumerate(facts.block_bytes):
+        if size < 1:
+            return InconsistentModelFacts(f"block_bytes[{i}]", str(size), "a block has no bytes")
+    if not 0 <= facts.eos_token_id < facts.vocab_size:
+        return InconsistentModelFacts(
+            "eos_token_id", str(facts.eos_token_id), f"outside vocab 0..{facts.vocab_size - 1}"
+        )
+    if not facts.gguf_source.paths or any(not p for p in facts.gguf_source.paths):
+        return InconsistentModelFacts("gguf_source", repr(facts.gguf_source.paths), "names no file")
+    return None
+
+
+def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection | None:
+    bad_quants = tuple(q for q in facts.quant_types if q not in worker.quant_types)
+    if facts.architecture not in worker.architectures or bad_quants:
+        return UnsupportedModel(
+            worker=worker.name,
+            architecture=facts.architecture,
+            unsupported_quant_types=bad_quants,
+            supported_architectures=tuple(worker.architectures),
+            supported_quant_types=tuple(worker.quant_types),
+        )
+    return None

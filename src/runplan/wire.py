@@ -1,0 +1,153 @@
+"""The wire codec: ``dumps(obj) -> bytes`` and ``loads(data) -> obj`` for ``RunPlan``
+and every control message.
+
+The encoding is canonical JSON (sorted keys, no spaces, UTF-8) of the message's
+fields, tagged with ``"type"``. Decoding is strict: an unknown type, a missing or extra
+key, a value of the wrong JSON type, a negative or over-64-bit integer, a non-finite
+number or invalid UTF-8 raise ``WireError`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from typing import Any, TypeAlias, get_args, get_origin
+
+import cattrs
+from cattrs.strategies import configure_tagged_union
+
+from runplan.messages import ProvisionStage
+from runplan.plan import U64_MAX, OrchestratorEndpoint, RunPlan, StageEndpoint
+
+#: Largest message ``loads`` accepts.
+MAX_MESSAGE_BYTES = 64 * 2**20
+
+#: The types that travel on their own (tagged by ``"type"``).
+WireMessage: TypeAlias = RunPlan | ProvisionStage
+MESSAGE_TYPES: tuple[type, ...] = get_args(WireMessage)
+
+_TAG = "type"
+
+
+class WireError(ValueError):
+    """Bytes that are not a well-formed message of a known type."""
+
+
+def _strict_int(value: Any, _type: Any) -> int:
+    if type(value) is not int:
+        raise TypeError(f"expected an integer, got {type(value).__name__}")
+    if not 0 <= value <= U64_MAX:
+        raise ValueError(f"integer {value} outside 0..2**64-1")
+    return value
+
+
+def _strict_float(value: Any, _type: Any) -> float:
+    if type(value) not in (int, float):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError("number is not finite")
+    return result
+
+
+def _strict_str(value: Any, _type: Any) -> str:
+    if type(value) is not str:
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _strict_bool(value: Any, _type: Any) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"expected true or false, got {type(value).__name__}")
+    return value
+
+
+def _is_tuple(t: Any) -> bool:
+    return get_origin(t) is tuple
+
+
+def _tuple_hook(t: Any, converter: cattrs.Converter) -> Any:
+    args = get_args(t)
+    if len(args) != 2 or args[1] is not Ellipsis:
+        raise TypeError(f"the wire has only homogeneous tuples, not {t}")
+    member = converter.get_structure_hook(args[0])
+
+    def structure(value: Any, _type: Any) -> tuple[Any, ...]:
+        if type(value) is not list:
+            raise TypeError(f"expected a list, got {type(value).__name__}")
+        return tuple(member(v, args[0]) for v in value)
+
+    return structure
+
+
+def _is_enum(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, enum.Enum)
+
+
+def _enum_hook(t: Any) -> Any:
+    def structure(value: Any, _type: Any) -> Any:
+        if type(value) is not str:
+            raise TypeError(f"expected a {t.__name__} name, got {type(value).__name__}")
+        return t(value)
+
+    return structure
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=False)
+    conv.register_structure_hook(int, _strict_int)
+    conv.register_structure_hook(float, _strict_float)
+    conv.register_structure_hook(str, _strict_str)
+    conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook_factory(_is_enum, _enum_hook)
+    conv.register_structure_hook_factory(_is_tuple, lambda t: _tuple_hook(t, conv))
+    configure_tagged_union(OrchestratorEndpoint | StageEndpoint, conv, tag_name=_TAG)
+    configure_tagged_union(WireMessage, conv, tag_name=_TAG)
+    return conv
+
+
+_converter = _make_converter()
+
+
+def dumps(obj: Any) -> bytes:
+    """Encode a message (any of ``MESSAGE_TYPES``)."""
+    if not isinstance(obj, MESSAGE_TYPES):
+        raise TypeError(f"{type(obj).__name__} is not a wire message type")
+    raw = _converter.unstructure(obj, unstructure_as=WireMessage)
+    return json.dumps(raw, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number the wire allows")
+
+
+def loads(data: bytes | bytearray | memoryview) -> Any:
+    """Decode one message; ``WireError`` on anything malformed or unknown."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise WireError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        text = bytes(data).decode("utf-8")
+        raw = json.loads(text, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WireError(f"not a JSON message: {exc}") from None
+    if type(raw) is not dict:
+        raise WireError(f"a message is a JSON object, not {type(raw).__name__}")
+    tag = raw.get(_TAG)
+    if tag not in _TYPE_NAMES:
+        raise WireError(f"unknown message type {tag!r}; known: {sorted(_TYPE_NAMES)}")
+    try:
+        return _converter.structure(raw, WireMessage)  # type: ignore[arg-type]
+    except Exception as exc:  # cattrs, attrs validators: every failure is a WireError
+        raise WireError(f"malformed {tag}: {_describe(exc)}") from None
+
+
+_TYPE_NAMES = frozenset(t.__name__ for t in MESSAGE_TYPES)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"
