@@ -1,0 +1,129 @@
+"""Wire codec: every message round-trips; anything else raises ``WireError`` only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runplan import ProvisionStage, RunPlan, plan_run, provision_all
+from runplan.wire import MESSAGE_TYPES, WireError, dumps, loads
+from tests.strategies import PlanInputs, valid_plan_inputs
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> RunPlan:
+    inputs: PlanInputs = draw(valid_plan_inputs(max_layers=12))
+    plan = plan_run(inputs.facts, inputs.config, inputs.pool, **inputs.kwargs())
+    assert isinstance(plan, RunPlan)
+    return plan
+
+
+@st.composite
+def messages(draw: st.DrawFn) -> Any:
+    plan = draw(plans())
+    return draw(st.sampled_from([plan, *provision_all(plan)]))
+
+
+def test_every_message_type_is_generated() -> None:
+    assert set(MESSAGE_TYPES) == {RunPlan, ProvisionStage}
+
+
+@given(messages())
+def test_every_message_round_trips(msg: Any) -> None:
+    data = dumps(msg)
+    assert isinstance(data, bytes)
+    assert loads(data) == msg
+    assert dumps(loads(data)) == data  # canonical: one encoding per message
+
+
+@given(st.binary(max_size=512))
+def test_loads_on_random_bytes_raises_only_wire_error(data: bytes) -> None:
+    with contextlib.suppress(WireError):
+        loads(data)
+
+
+_JSON_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> tuple[bytes, Any]:
+    """A message's JSON with one node replaced, removed, or a key added."""
+    msg = draw(messages())
+    tree = json.loads(dumps(msg))
+    path = draw(st.sampled_from(_paths(tree)[1:]))
+    parent = tree
+    for step in path[:-1]:
+        parent = parent[step]
+    action = draw(st.sampled_from(["replace", "delete", "add_key"]))
+    if action == "replace":
+        parent[path[-1]] = draw(_JSON_LEAVES | st.lists(_JSON_LEAVES, max_size=2))
+    elif action == "delete":
+        del parent[path[-1]]
+    else:
+        target = parent[path[-1]] if isinstance(parent[path[-1]], dict) else parent
+        if isinstance(target, dict):
+            target[draw(st.text(min_size=1, max_size=6))] = draw(_JSON_LEAVES)
+    return json.dumps(tree).encode(), msg
+
+
+@given(mutated())
+def test_loads_on_mutated_messages_raises_only_wire_error(case: tuple[bytes, Any]) -> None:
+    data, _original = case
+    try:
+        result = loads(data)
+    except WireError:
+        return
+    # A mutation may still be a well-formed message (another number, say): then it is
+    # one of the message types and encodes again.
+    assert isinstance(result, MESSAGE_TYPES)
+    assert loads(dumps(result)) == result
+
+
+@given(messages(), st.data())
+def test_loads_on_truncated_or_flipped_bytes_raises_only_wire_error(
+    msg: Any, data: st.DataObject
+) -> None:
+    raw = bytearray(dumps(msg))
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    try:
+        loads(bytes(raw[:cut]))
+        raise AssertionError("a truncated message was accepted")
+    except WireError:
+        pass
+    i = data.draw(st.integers(0, len(raw) - 1))
+    raw[i] ^= data.draw(st.integers(1, 255))
+    try:
+        result = loads(bytes(raw))
+        assert isinstance(result, MESSAGE_TYPES)
+    except WireError:
+        pass
+
+
+def test_unknown_type_and_extra_keys_are_wire_errors() -> None:
+    for data in (b'{"type": "LaunchMissiles"}', b'{"type": 3}', b"{}", b"[]", b"null"):
+        try:
+            loads(data)
+            raise AssertionError(f"{data!r} accepted")
+        except WireError as exc:
+            assert "type" in str(exc) or "object" in str(exc)

@@ -1,0 +1,125 @@
+"""``python -m runplan``: tables, JSON, rejections (exit 2) and file errors (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runplan.cli import main, parse_nodes, parse_size
+from runplan.wire import loads
+from tests.fixtures.gguf_models import ModelShape, write_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_model(tmp_path_factory.mktemp("cli") / "tiny.gguf", ModelShape(n_layers=6)))
+
+
+def _json(capsys: pytest.CaptureFixture[str]) -> dict:  # type: ignore[type-arg]
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, out  # exactly one JSON object
+    return json.loads(out)
+
+
+def test_facts_json(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["facts", model, "--json"]) == 0
+    facts = _json(capsys)["facts"]
+    assert facts["num_layers"] == 6 and facts["architecture"] == "llama"
+
+
+def test_facts_table(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["facts", model]) == 0
+    out = capsys.readouterr().out
+    assert "architecture" in out and "llama" in out
+
+
+def test_plan_json_is_a_plan_the_wire_reads(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "plan",
+                model,
+                "--nodes",
+                "a=1GiB,b=2GiB,c=3GiB",
+                "--stages",
+                "3",
+                "--placement",
+                "memory",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    doc = _json(capsys)
+    plan = loads(json.dumps(doc["plan"]).encode())
+    assert [s.node_id for s in plan.stages] == ["a", "b", "c"]
+    assert [m["stage_index"] for m in doc["memory"]] == [0, 1, 2]
+    assert all(m["total_bytes"] <= m["device_bytes_available"] for m in doc["memory"])
+
+
+def test_plan_table(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", model, "--nodes", "a=1GiB,b=1GiB@gpu,c=1GiB@gpu"]) == 0
+    out = capsys.readouterr().out
+    for word in ("stage", "node", "layers", "KV cache", "use", "b @gpu"):
+        assert word in out
+
+
+def test_a_rejection_prints_its_code_and_values_and_exits_2(
+    model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", model, "--nodes", "a=1KiB,b=1GiB", "--json"]) == 2
+    rejection = _json(capsys)["rejection"]
+    assert rejection["code"] == "insufficient_memory"
+    assert rejection["device"] == "a" and rejection["bytes_available"] == 1024
+    assert main(["plan", model, "--nodes", "a=1KiB,b=1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "insufficient_memory" in err and "1024" in err
+
+
+def test_too_many_stages_is_a_rejection(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    nodes = ",".join(f"n{i}=1GiB" for i in range(7))
+    assert main(["plan", model, "--nodes", nodes, "--json"]) == 2
+    assert _json(capsys)["rejection"]["code"] == "invalid_stage_count"
+
+
+def test_a_broken_file_exits_1_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"nope")
+    assert main(["facts", str(bad), "--json"]) == 1
+    error = _json(capsys)["error"]
+    assert error["type"] == "GgufError" and str(bad) in error["message"]
+
+
+def test_sizes_and_nodes_parse() -> None:
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size("100") == 100
+    nodes = parse_nodes("gpu0=80GiB,gpu1=24GiB@cuda:1")
+    assert [(n.node_id, n.memory_bytes, n.device) for n in nodes] == [
+        ("gpu0", 80 * 2**30, None),
+        ("gpu1", 24 * 2**30, "cuda:1"),
+    ]
+
+
+def test_bad_node_syntax_is_a_usage_error(model: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", model, "--nodes", "gpu0:80GiB"])
+    assert exc.value.code == 2
+
+
+def test_module_entry_point_runs(model: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "runplan", "facts", model, "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["facts"]["num_layers"] == 6

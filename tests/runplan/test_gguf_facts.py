@@ -1,0 +1,251 @@
+"""Model facts from GGUF headers: generated models, SmolLM2, split sets, broken files."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from runplan import GgufError, NodePool, NodeSpec, RunPlan, RuntimeConfig, plan_run
+from runplan import model_facts_from_gguf as facts_of
+from runplan.gguf_header import GgufHeader
+from tests.fixtures.gguf_models import ModelShape, tiny_bpe, write_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("m") / "tiny.gguf", ModelShape())
+
+
+def test_facts_describe_a_generated_llama_model(tmp_path: Path) -> None:
+    shape = ModelShape(
+        n_layers=5,
+        hidden=96,
+        heads=6,
+        heads_kv=2,
+        ffn=160,
+        context_length=512,
+        quant="Q8_0",
+        tied=False,
+    )
+    path = write_model(tmp_path / "m.gguf", shape)
+    f = facts_of(path)
+    tokens, _ = tiny_bpe()
+    assert f.model_id == "m"
+    assert f.gguf_source.paths == (str(path.resolve()),)
+    assert f.architecture == "llama"
+    assert (f.num_layers, f.hidden_dim, f.head_count, f.head_count_kv) == (5, 96, 6, 2)
+    assert (f.head_dim_k, f.head_dim_v) == (16, 16)
+    assert f.vocab_size == len(tokens)
+    assert f.eos_token_id == tokens.index("<|im_end|>")
+    assert f.context_length == f.max_seq_len == 512
+    assert f.quant_types == ("F32", "Q8_0")
+    assert not f.tied_embeddings
+    # Byte sizes: Q8_0 stores 34 bytes per 32 weights; norms are f32.
+    q8 = lambda rows, cols: rows * cols // 32 * 34  # noqa: E731
+    block = (
+        q8(96, 96)
+        + 2 * q8(32, 96)
+        + q8(96, 96)  # q, k, v, output
+        + 3 * q8(160, 96)
+        + 2 * 96 * 4
+    )  # gate, up, down, two norms
+    assert f.block_bytes == (block,) * 5
+    assert f.embedding_bytes == q8(len(tokens), 96)
+    assert f.output_bytes == q8(len(tokens), 96) + 96 * 4
+    assert f.shared_bytes == 0
+
+
+def test_tied_head_is_the_embedding(tiny: Path) -> None:
+    f = facts_of(tiny)
+    assert f.tied_embeddings
+    assert f.output_bytes == f.embedding_bytes + f.hidden_dim * 4
+
+
+def test_qwen2_biases_count_in_their_block(tmp_path: Path) -> None:
+    llama = facts_of(write_model(tmp_path / "l.gguf", ModelShape(arch="llama")))
+    qwen = facts_of(write_model(tmp_path / "q.gguf", ModelShape(arch="qwen2")))
+    assert qwen.architecture == "qwen2"
+    bias_bytes = (4 + 2 + 2) * 16 * 4  # q, k, v biases of 16-wide heads in f32
+    assert qwen.block_bytes == tuple(b + bias_bytes for b in llama.block_bytes)
+
+
+def test_max_seq_len_overrides_the_context_length(tiny: Path) -> None:
+    f = facts_of(tiny, max_seq_len=64)
+    assert (f.context_length, f.max_seq_len) == (256, 64)
+
+
+def test_smollm2_facts(smollm2_path: str) -> None:
+    f = facts_of(smollm2_path)
+    assert f.architecture == "llama"
+    assert (f.num_layers, f.hidden_dim, f.head_count, f.head_count_kv) == (30, 576, 9, 3)
+    assert (f.vocab_size, f.eos_token_id, f.context_length) == (49152, 2, 8192)
+    assert f.quant_types == ("F32", "Q4_1", "Q8_0")
+    assert f.tied_embeddings
+    assert len(set(f.block_bytes)) == 1
+    # Everything the header lists is accounted for exactly once.
+    header = GgufHeader.read(smollm2_path)
+    total = sum(t.n_bytes for t in header.tensors.values())
+    assert (
+        sum(f.block_bytes)
+        + f.embedding_bytes
+        + f.shared_bytes
+        + (f.output_bytes - f.embedding_bytes)
+        == total
+    )
+
+
+def test_a_split_set_reads_as_one_model(tmp_path: Path) -> None:
+    shape = ModelShape(n_layers=3)
+    whole = facts_of(write_model(tmp_path / "whole.gguf", shape))
+    first = write_model(tmp_path / "parts.gguf", shape, split_max_tensors=10)
+    shards = sorted(tmp_path.glob("parts-*-of-*.gguf"))
+    assert len(shards) >= 2 and first == shards[0]
+    for any_shard in shards:  # any file of the set names the whole set
+        split = facts_of(any_shard)
+        assert split.gguf_source.paths == tuple(str(p.resolve()) for p in shards)
+        assert split.model_id == "parts"
+        assert split.block_bytes == whole.block_bytes
+        assert (split.embedding_bytes, split.output_bytes) == (
+            whole.embedding_bytes,
+            whole.output_bytes,
+        )
+
+
+def test_a_split_set_with_a_missing_shard_is_a_gguf_error(tmp_path: Path) -> None:
+    write_model(tmp_path / "parts.gguf", ModelShape(n_layers=3), split_max_tensors=10)
+    shards = sorted(tmp_path.glob("parts-*-of-*.gguf"))
+    shards[-1].unlink()
+    with pytest.raises(GgufError) as err:
+        facts_of(shards[0])
+    assert err.value.path == str(shards[-1].resolve())
+
+
+def _corrupt(src: Path, dst: Path, data: bytes) -> Path:
+    dst.write_bytes(data)
+    return dst
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.01, 0.05, 0.3, 0.6, 0.999])
+def test_truncated_files_are_gguf_errors(tiny: Path, tmp_path: Path, fraction: float) -> None:
+    data = tiny.read_bytes()
+    cut = _corrupt(tiny, tmp_path / "cut.gguf", data[: int(len(data) * fraction)])
+    with pytest.raises(GgufError) as err:
+        facts_of(cut)
+    assert err.value.path == str(cut)
+    assert str(cut) in str(err.value)
+
+
+@pytest.mark.parametrize("magic", [b"GGUG", b"\x00\x00\x00\x00", b"PK\x03\x04"])
+def test_wrong_magic_is_a_gguf_error(tiny: Path, tmp_path: Path, magic: bytes) -> None:
+    bad = _corrupt(tiny, tmp_path / "bad.gguf", magic + tiny.read_bytes()[4:])
+    with pytest.raises(GgufError, match="not a GGUF file"):
+        facts_of(bad)
+
+
+def test_a_directory_or_missing_file_is_a_gguf_error(tmp_path: Path) -> None:
+    with pytest.raises(GgufError, match="no such file"):
+        facts_of(tmp_path / "absent.gguf")
+    with pytest.raises(GgufError, match="directory"):
+        facts_of(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "llama.block_count",
+        "llama.embedding_length",
+        "llama.attention.head_count",
+        "llama.context_length",
+        "tokenizer.ggml.eos_token_id",
+    ],
+)
+def test_a_missing_required_key_is_a_gguf_error_naming_it(tmp_path: Path, key: str) -> None:
+    path = write_model(tmp_path / "m.gguf", ModelShape(), drop_keys=(key,))
+    with pytest.raises(GgufError) as err:
+        facts_of(path)
+    assert err.value.key == key
+    assert key in str(err.value) and str(path.resolve()) in str(err.value)
+
+
+def test_a_missing_embedding_is_a_gguf_error(tmp_path: Path) -> None:
+    path = write_model(tmp_path / "m.gguf", ModelShape(), drop_tensors=("token_embd.weight",))
+    with pytest.raises(GgufError, match=r"token_embd\.weight"):
+        facts_of(path)
+
+
+def test_an_unknown_quant_type_is_a_gguf_error_naming_the_tensor(
+    tiny: Path, tmp_path: Path
+) -> None:
+    data = bytearray(tiny.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    struct.pack_into("<I", data, type_at, 77)
+    bad = _corrupt(tiny, tmp_path / "bad.gguf", bytes(data))
+    with pytest.raises(GgufError, match=r"blk\.0\.attn_q\.weight.*unknown GGML type 77"):
+        facts_of(bad)
+
+
+def test_a_block_beyond_block_count_is_a_gguf_error(tmp_path: Path) -> None:
+    path = write_model(tmp_path / "m.gguf", ModelShape(n_layers=3))
+    data = bytearray(path.read_bytes())
+    # Claim two blocks while the file holds three.
+    key = b"llama.block_count"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 4
+    struct.pack_into("<I", data, at, 2)
+    bad = _corrupt(path, tmp_path / "bad.gguf", bytes(data))
+    with pytest.raises(GgufError, match=r"blk\.2\."):
+        facts_of(bad)
+
+
+def test_facts_read_headers_only_so_a_huge_sparse_file_is_fine(tmp_path: Path) -> None:
+    """A 60 GiB model (Llama-70B FFN shapes) whose data was never written (a
+    sparse file): the facts come from the header alone."""
+    path = tmp_path / "huge.gguf"
+    writer = GGUFWriter(path, "llama")
+    hidden, ffn, layers, vocab = 8192, 28672, 80, 128256
+    for key, value in (
+        ("block_count", layers),
+        ("context_length", 8192),
+        ("embedding_length", hidden),
+    ):
+        getattr(writer, f"add_{key}")(value)
+    writer.add_head_count(64)
+    writer.add_eos_token_id(2)
+    q8 = GGMLQuantizationType.Q8_0
+    tensors = [("token_embd.weight", (vocab, hidden))]
+    for i in range(layers):
+        tensors += [
+            (f"blk.{i}.ffn_gate.weight", (ffn, hidden)),
+            (f"blk.{i}.ffn_up.weight", (ffn, hidden)),
+            (f"blk.{i}.ffn_down.weight", (hidden, ffn)),
+        ]
+    for name, (rows, cols) in tensors:
+        writer.add_tensor_info(
+            name, (rows, cols * 34 // 32), np.dtype(np.uint8), rows * cols // 32 * 34, raw_dtype=q8
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    data_bytes = sum(rows * cols // 32 * 34 for _, (rows, cols) in tensors)
+    os.truncate(path, data_bytes + (1 << 20))  # sparse: no data blocks written
+    assert os.path.getsize(path) > 55 * 2**30
+    assert os.stat(path).st_blocks * 512 < 1 << 20
+    f = facts_of(path)
+    assert f.num_layers == layers
+    assert sum(f.block_bytes) == layers * 3 * (ffn * hidden // 32 * 34)
+    assert f.embedding_bytes == vocab * hidden // 32 * 34
+    plan = plan_run(
+        f,
+        RuntimeConfig(run_id="huge", max_tokens=8),
+        NodePool("orch", (NodeSpec("a", 2**40), NodeSpec("b", 2**40))),
+        stage_count=2,
+    )
+    assert isinstance(plan, RunPlan)

@@ -1,0 +1,105 @@
+"""Placement rules: even and by-memory splits (not part of the contract, which does
+not fix a heuristic; these pin the documented behaviour)."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runplan import (
+    GgufSource,
+    ModelFacts,
+    NodePool,
+    NodeSpec,
+    Placement,
+    RunPlan,
+    RuntimeConfig,
+    plan_run,
+)
+from runplan.layers import split_by_capacity, split_even
+
+
+def _uniform_facts(num_layers: int, block_bytes: int) -> ModelFacts:
+    """A model whose blocks all weigh ``block_bytes`` and whose embedding, head and
+    KV cache are negligible."""
+    return ModelFacts(
+        model_id="m",
+        gguf_source=GgufSource.single("/m.gguf"),
+        architecture="llama",
+        num_layers=num_layers,
+        hidden_dim=64,
+        head_count=4,
+        head_count_kv=4,
+        head_dim_k=16,
+        head_dim_v=16,
+        vocab_size=100,
+        eos_token_id=1,
+        context_length=16,
+        max_seq_len=16,
+        quant_types=("F32",),
+        block_bytes=(block_bytes,) * num_layers,
+        embedding_bytes=1,
+        output_bytes=1,
+        shared_bytes=0,
+        tied_embeddings=True,
+    )
+
+
+@given(st.integers(1, 200), st.data())
+def test_even_split_differs_by_at_most_one_layer(n_layers: int, data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, n_layers))
+    sizes = [b - a for a, b in split_even(n_layers, n)]
+    assert sum(sizes) == n_layers and max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)
+
+
+@given(
+    st.lists(st.integers(1, 10**6), min_size=1, max_size=64),
+    st.data(),
+)
+def test_capacity_split_is_a_valid_partition(costs: list[int], data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, len(costs)))
+    fixed = data.draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n))
+    capacity = data.draw(st.lists(st.integers(0, 10**9), min_size=n, max_size=n))
+    ranges = split_by_capacity(costs, fixed, capacity)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(costs)
+    assert all(a < b for a, b in ranges)
+    assert all(r1[1] == r2[0] for r1, r2 in itertools.pairwise(ranges))
+
+
+def test_by_memory_gives_a_bigger_node_more_layers() -> None:
+    facts = _uniform_facts(40, 10**6)
+    pool = NodePool("orch", (NodeSpec("big", 3 * 10**9), NodeSpec("small", 10**9)))
+    plan = plan_run(
+        facts,
+        RuntimeConfig(run_id="r", max_tokens=1),
+        pool,
+        stage_count=2,
+        placement=Placement.by_memory(["big", "small"]),
+    )
+    assert isinstance(plan, RunPlan)
+    sizes = [s.layer_end_exclusive - s.layer_start for s in plan.stages]
+    assert sizes == [30, 10]
+
+
+def test_by_memory_splits_a_shared_device_between_its_nodes() -> None:
+    facts = _uniform_facts(30, 10**6)
+    pool = NodePool(
+        "orch",
+        (
+            NodeSpec("a", 2 * 10**9),
+            NodeSpec("b", 2 * 10**9, "gpu"),
+            NodeSpec("c", 2 * 10**9, "gpu"),
+        ),
+    )
+    plan = plan_run(
+        facts,
+        RuntimeConfig(run_id="r", max_tokens=1),
+        pool,
+        stage_count=3,
+        placement=Placement.by_memory(["a", "b", "c"]),
+    )
+    assert isinstance(plan, RunPlan)
+    assert [s.layer_end_exclusive - s.layer_start for s in plan.stages] == [15, 8, 7]
