@@ -86,6 +86,7 @@ def main() -> None:
         ("even", Placement.even(chosen)),
         ("by_memory", Placement.by_memory(chosen)),
     ):
+
         def plan_and_provision(placement: Placement = placement) -> None:
             plan = plan_run(facts, config, pool, stage_count=128, placement=placement)
             assert isinstance(plan, RunPlan), plan

@@ -1,1 +1,3 @@
-"""runtime_sim: not built yet (see the open issues); the package exists so the layout is in place."""
+"""runtime_sim: not built yet (see the open issues).
+
+The package exists so that the layout is in place."""

@@ -75,9 +75,7 @@ def test_duplicate_stage_assignment_rejects(inputs: PlanInputs, data: st.DataObj
     extra = data.draw(st.sampled_from(rows))
     # The stage count may or may not count the extra row; either way it is a duplicate.
     stage_count = min(len(rows) + data.draw(st.integers(0, 1)), inputs.facts.num_layers)
-    result = _run(
-        inputs, placement=Placement(assignments=(*rows, extra)), stage_count=stage_count
-    )
+    result = _run(inputs, placement=Placement(assignments=(*rows, extra)), stage_count=stage_count)
     assert isinstance(result, DuplicateStage)
     assert result.stage_index == extra.stage_index and result.count == 2
 
