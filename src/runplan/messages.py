@@ -1,7 +1,10 @@
-"""Control messages (PIPELINE_ORCHESTRATION_MVP.md §4, §8). ``ProvisionStage`` is the
-planner's projection of one stage plan; the other messages join with the protocol."""
+"""Control messages (PIPELINE_ORCHESTRATION_MVP.md §4, §8): ``ProvisionStage`` (the
+planner's projection of one stage plan), ``StopRun``, ``StageReady``, ``StageFault``,
+``StageStopped`` and ``RewireEdge``."""
 
 from __future__ import annotations
+
+import enum
 
 from attrs import frozen
 
@@ -70,3 +73,76 @@ class ProvisionStage:
     @property
     def is_last(self) -> bool:
         return self.stage_index == self.stage_count - 1
+
+
+class StopReason(enum.Enum):
+    """Why the orchestrator tears a run down (the run's terminal outcome)."""
+
+    COMPLETED = "COMPLETED"  # EOS or max_tokens
+    FAULTED = "FAULTED"  # any fault
+    CANCELLED = "CANCELLED"  # the caller tore the run down
+
+
+class FaultKind(enum.Enum):
+    SETUP_FAILURE = "SETUP_FAILURE"  # worker, weights or an edge end could not be set up
+    SEQUENCE_VIOLATION = "SEQUENCE_VIOLATION"  # an inbound object out of sequence
+    STEP_FAILURE = "STEP_FAILURE"  # the worker failed a step
+    EDGE_FAULT = "EDGE_FAULT"  # an edge closed, broke, or carried a bad record
+    TIMEOUT = "TIMEOUT"  # a bounded wait ran out
+    REJECTED_MESSAGE = "REJECTED_MESSAGE"  # a message the run cannot accept
+    PROTOCOL_VIOLATION = "PROTOCOL_VIOLATION"  # an event the state machine has no entry for
+    PROCESS_DIED = "PROCESS_DIED"  # a stage process is gone (seen by the orchestrator)
+    ORCHESTRATOR_LOST = "ORCHESTRATOR_LOST"  # the control channel to the orchestrator closed
+
+
+@frozen
+class FaultReason:
+    kind: FaultKind = typed_field(FaultKind)
+    detail: str = str_field(default="")
+
+    def __str__(self) -> str:
+        return f"{self.kind.value.lower()}: {self.detail}" if self.detail else self.kind.value
+
+
+@frozen
+class StopRun:
+    """Orchestrator to stage: tear the run down. Authoritative for the active run."""
+
+    run_id: str = str_field()
+    reason: StopReason = typed_field(StopReason)
+
+
+@frozen
+class StageReady:
+    run_id: str = str_field()
+    stage_index: int = int_field()
+    node_id: str = str_field()
+
+
+@frozen
+class StageFault:
+    run_id: str = str_field()
+    stage_index: int = int_field()
+    node_id: str = str_field()
+    reason: FaultReason = typed_field(FaultReason)
+
+
+@frozen
+class StageStopped:
+    run_id: str = str_field()
+    stage_index: int = int_field()
+    node_id: str = str_field()
+
+
+@frozen
+class RewireEdge:
+    """A request to change an edge's peer. Only the plan wires a run, so every stage
+    rejects it (EDGES_AND_WORKERS.md §5); it exists so that the rejection is tested."""
+
+    run_id: str = str_field()
+    edge_id: int = int_field()
+    new_peer_node_id: str = str_field()
+
+
+#: Every control message that travels between the orchestrator and stages.
+ControlMessage = ProvisionStage | StopRun | StageReady | StageFault | StageStopped | RewireEdge

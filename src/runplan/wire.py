@@ -1,5 +1,5 @@
 """The wire codec: ``dumps(obj) -> bytes`` and ``loads(data) -> obj`` for ``RunPlan``
-and every control message.
+and every control message (``runplan.messages.ControlMessage``).
 
 The encoding is canonical JSON (sorted keys, no spaces, UTF-8) of the message's
 fields, tagged with ``"type"``. Decoding is strict: an unknown type, a missing or extra
@@ -17,14 +17,23 @@ from typing import Any, TypeAlias, get_args, get_origin
 import cattrs
 from cattrs.strategies import configure_tagged_union
 
-from runplan.messages import ProvisionStage
+from runplan.messages import (
+    ProvisionStage,
+    RewireEdge,
+    StageFault,
+    StageReady,
+    StageStopped,
+    StopRun,
+)
 from runplan.plan import U64_MAX, OrchestratorEndpoint, RunPlan, StageEndpoint
 
 #: Largest message ``loads`` accepts.
 MAX_MESSAGE_BYTES = 64 * 2**20
 
 #: The types that travel on their own (tagged by ``"type"``).
-WireMessage: TypeAlias = RunPlan | ProvisionStage
+WireMessage: TypeAlias = (
+    RunPlan | ProvisionStage | StopRun | StageReady | StageFault | StageStopped | RewireEdge
+)
 MESSAGE_TYPES: tuple[type, ...] = get_args(WireMessage)
 
 _TAG = "type"

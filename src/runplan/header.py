@@ -1,0 +1,191 @@
+"""The object header (EDGES_AND_WORKERS.md §1): a fixed 128-byte binary layout in front
+of every record on an edge, and its validation against the receiving end's edge.
+
+Layout (little-endian)::
+
+    offset size field
+         0    4 magic           b"GPOB"
+         4    2 version         1
+         6    1 kind            0 token, 1 activation
+         7    1 dtype           0 u32, 1 f16, 2 bf16, 3 f32
+         8    4 rows            u32
+        12    4 reserved        zero
+        16    8 edge_id         u64
+        24    8 sequence        u64
+        32    8 extent_bytes    u64
+        40   64 run_id          UTF-8, zero padded
+       104   24 reserved        zero
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+from attrs import frozen
+
+from runplan._fields import int_field, str_field, typed_field
+from runplan.dtypes import DTypeFamily
+from runplan.plan import MAX_RUN_ID_BYTES, OBJECT_HEADER_BYTES, Layout, ObjectKind, ObjectSpec
+
+MAGIC = b"GPOB"
+VERSION = 1
+_STRUCT = struct.Struct("<4sHBBI4sQQQ64s24s")
+assert _STRUCT.size == OBJECT_HEADER_BYTES
+_ZERO4 = bytes(4)
+_ZERO24 = bytes(24)
+
+
+class HeaderDType(enum.Enum):
+    U32 = 0
+    F16 = 1
+    BF16 = 2
+    F32 = 3
+
+    @property
+    def family_width(self) -> tuple[DTypeFamily, int]:
+        return _FAMILY_WIDTH[self]
+
+    @classmethod
+    def of(cls, family: DTypeFamily, width: int) -> HeaderDType:
+        """The header dtype of ``(family, width)``; ``ValueError`` if there is none."""
+        for dtype, pair in _FAMILY_WIDTH.items():
+            if pair == (family, width):
+                return dtype
+        raise ValueError(f"no header dtype for {family.value} of {width} bytes")
+
+
+_FAMILY_WIDTH = {
+    HeaderDType.U32: (DTypeFamily.UINT, 4),
+    HeaderDType.F16: (DTypeFamily.FLOAT, 2),
+    HeaderDType.BF16: (DTypeFamily.BFLOAT, 2),
+    HeaderDType.F32: (DTypeFamily.FLOAT, 4),
+}
+_KIND_CODES = {ObjectKind.TOKEN: 0, ObjectKind.ACTIVATION: 1}
+_KINDS = {v: k for k, v in _KIND_CODES.items()}
+
+
+class HeaderError(ValueError):
+    """Bytes that are not a well-formed object header."""
+
+
+@frozen
+class ObjectHeader:
+    run_id: str = str_field()
+    edge_id: int = int_field()
+    sequence: int = int_field()  # 0 = prefill, 1.. = decode steps
+    kind: ObjectKind = typed_field(ObjectKind)
+    dtype: HeaderDType = typed_field(HeaderDType)
+    rows: int = int_field()  # tokens in this object
+    extent_bytes: int = int_field()  # payload bytes
+
+    def pack(self) -> bytes:
+        """The 128 header bytes; ``HeaderError`` if a field does not fit its slot."""
+        run_id = self.run_id.encode("utf-8")
+        if not run_id or len(run_id) > MAX_RUN_ID_BYTES or b"\x00" in run_id:
+            raise HeaderError(f"run id {self.run_id!r} does not fit the header")
+        try:
+            return _STRUCT.pack(
+                MAGIC,
+                VERSION,
+                _KIND_CODES[self.kind],
+                self.dtype.value,
+                self.rows,
+                _ZERO4,
+                self.edge_id,
+                self.sequence,
+                self.extent_bytes,
+                run_id,
+                _ZERO24,
+            )
+        except struct.error as exc:
+            raise HeaderError(f"a header field is out of range: {exc}") from None
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> ObjectHeader:
+        """Parse the first 128 bytes of ``data``; ``HeaderError`` on anything malformed."""
+        if len(data) < OBJECT_HEADER_BYTES:
+            raise HeaderError(f"{len(data)} bytes, a header has {OBJECT_HEADER_BYTES}")
+        (magic, version, kind, dtype, rows, res4, edge_id, sequence, extent, run_id, res24) = (
+            _STRUCT.unpack_from(data)
+        )
+        if magic != MAGIC:
+            raise HeaderError(f"magic {magic!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise HeaderError(f"version {version}, expected {VERSION}")
+        if kind not in _KINDS:
+            raise HeaderError(f"unknown object kind code {kind}")
+        try:
+            header_dtype = HeaderDType(dtype)
+        except ValueError:
+            raise HeaderError(f"unknown dtype code {dtype}") from None
+        if res4 != _ZERO4 or res24 != _ZERO24:
+            raise HeaderError("reserved header bytes are not zero")
+        text = run_id.rstrip(b"\x00")
+        if not text or b"\x00" in text:
+            raise HeaderError("run id is empty or holds a NUL byte")
+        try:
+            decoded = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise HeaderError("run id is not UTF-8") from None
+        return cls(decoded, edge_id, sequence, _KINDS[kind], header_dtype, rows, extent)
+
+
+class HeaderRejection(enum.Enum):
+    """Why a receiving end refuses a record (an edge fault; nothing is consumed)."""
+
+    RUN_ID_MISMATCH = "RUN_ID_MISMATCH"
+    EDGE_ID_MISMATCH = "EDGE_ID_MISMATCH"
+    KIND_MISMATCH = "KIND_MISMATCH"
+    DTYPE_MISMATCH = "DTYPE_MISMATCH"
+    SEQUENCE_OUT_OF_ORDER = "SEQUENCE_OUT_OF_ORDER"
+    EXTENT_ZERO = "EXTENT_ZERO"
+    EXTENT_TOO_LARGE = "EXTENT_TOO_LARGE"
+    ROWS_MISMATCH = "ROWS_MISMATCH"
+
+
+@frozen
+class HeaderCheck:
+    """What a receiving end expects: its run, its edge, the edge's object spec, the
+    bytes of one payload row, and the next sequence."""
+
+    run_id: str = str_field()
+    edge_id: int = int_field()
+    object_spec: ObjectSpec = typed_field(ObjectSpec)
+    row_bytes: int = int_field()  # hidden_dim * width for activations, 4 for token ids
+
+    def validate(
+        self, header: ObjectHeader, expected_sequence: int
+    ) -> tuple[HeaderRejection, str] | None:
+        """``None`` if the record is acceptable, else the reason and a detail."""
+        spec = self.object_spec
+        if header.run_id != self.run_id:
+            return HeaderRejection.RUN_ID_MISMATCH, f"{header.run_id!r} != {self.run_id!r}"
+        if header.edge_id != self.edge_id:
+            return HeaderRejection.EDGE_ID_MISMATCH, f"{header.edge_id} != {self.edge_id}"
+        if header.kind is not spec.kind:
+            return HeaderRejection.KIND_MISMATCH, f"{header.kind.value} != {spec.kind.value}"
+        if header.dtype.family_width != (spec.dtype_family, spec.dtype_width_bytes):
+            return HeaderRejection.DTYPE_MISMATCH, f"{header.dtype.name}"
+        if header.sequence != expected_sequence:
+            return (
+                HeaderRejection.SEQUENCE_OUT_OF_ORDER,
+                f"sequence {header.sequence}, expected {expected_sequence}",
+            )
+        if header.extent_bytes == 0:
+            return HeaderRejection.EXTENT_ZERO, "empty payload"
+        if header.extent_bytes > spec.max_extent:
+            return (
+                HeaderRejection.EXTENT_TOO_LARGE,
+                f"{header.extent_bytes} > max_extent {spec.max_extent}",
+            )
+        if header.rows < 1 or (header.sequence > 0 and header.rows != 1):
+            return HeaderRejection.ROWS_MISMATCH, f"{header.rows} rows at {header.sequence}"
+        trailer = spec.max_extent - 4 if spec.layout is Layout.TOKEN_ID_WITH_LOGITS else 0
+        if header.extent_bytes != header.rows * self.row_bytes + trailer:
+            return (
+                HeaderRejection.ROWS_MISMATCH,
+                f"{header.rows} rows of {self.row_bytes} bytes (+{trailer}) "
+                f"!= extent {header.extent_bytes}",
+            )
+        return None
