@@ -15,12 +15,26 @@ from runplan import (
     NodePool,
     NodeSpec,
     Placement,
+    RunPlan,
     RuntimeConfig,
     SamplingConfig,
     StageAssignment,
     Timeouts,
+    plan_run,
+    provision_all,
 )
 from runplan.config import REFERENCE_ARCHITECTURES, REFERENCE_QUANT_TYPES
+from runplan.messages import (
+    FaultKind,
+    FaultReason,
+    ProvisionStage,
+    RewireEdge,
+    StageFault,
+    StageReady,
+    StageStopped,
+    StopReason,
+    StopRun,
+)
 
 ORCHESTRATOR = "orchestrator"
 PLENTY = 2**50  # bytes: more than any generated stage needs
@@ -159,3 +173,140 @@ def valid_plan_inputs(draw: st.DrawFn, *, max_layers: int = 48) -> PlanInputs:
         placement = Placement(assignments=tuple(draw(st.permutations(rows))))
     pool = NodePool(orchestrator_node_id=ORCHESTRATOR, nodes=nodes)
     return PlanInputs(facts, config, pool, stage_count, placement)
+
+
+# -- protocol: plans, messages and state-machine events ----------------------------
+
+
+def small_plan(
+    stage_count: int,
+    *,
+    max_tokens: int = 4,
+    vocab: int = 8,
+    eos: int = 0,
+    return_logits: bool = False,
+    run_id: str = "run-1",
+) -> RunPlan:
+    """A plan of a tiny model over ``stage_count`` nodes ``node-0..``; orchestrator
+    ``orchestrator``."""
+    facts = ModelFacts(
+        model_id="tiny",
+        gguf_source=GgufSource.single("/models/tiny.gguf"),
+        architecture="llama",
+        num_layers=max(stage_count, 4),
+        hidden_dim=8,
+        head_count=2,
+        head_count_kv=1,
+        head_dim_k=4,
+        head_dim_v=4,
+        vocab_size=vocab,
+        eos_token_id=eos,
+        context_length=64,
+        max_seq_len=64,
+        quant_types=("F32",),
+        block_bytes=(1024,) * max(stage_count, 4),
+        embedding_bytes=1024,
+        output_bytes=1024,
+        shared_bytes=0,
+        tied_embeddings=True,
+    )
+    config = RuntimeConfig(run_id=run_id, max_tokens=max_tokens, return_logits=return_logits)
+    pool = NodePool(ORCHESTRATOR, tuple(NodeSpec(n, PLENTY) for n in node_ids(stage_count)))
+    plan = plan_run(facts, config, pool, stage_count=stage_count)
+    assert isinstance(plan, RunPlan), plan
+    return plan
+
+
+STRANGER = "stranger"
+OTHER_RUN = "other-run"
+
+
+def fault_reasons() -> st.SearchStrategy[FaultReason]:
+    return st.builds(FaultReason, st.sampled_from(FaultKind), st.text(max_size=8))
+
+
+def message_strategies(plan: RunPlan) -> dict[type, st.SearchStrategy[Any]]:
+    """Per message type: messages about ``plan`` or a foreign run, with plausible or
+    wrong fields."""
+    n = plan.stage_count
+    run_ids = st.sampled_from([plan.run_id, OTHER_RUN])
+    stage_indices = st.integers(0, n)  # n is out of range
+    nodes = st.sampled_from([*[s.node_id for s in plan.stages], STRANGER, ORCHESTRATOR])
+    return {
+        ProvisionStage: st.sampled_from(provision_all(plan)),
+        StopRun: st.builds(StopRun, run_ids, st.sampled_from(StopReason)),
+        StageReady: st.builds(StageReady, run_ids, stage_indices, nodes),
+        StageFault: st.builds(StageFault, run_ids, stage_indices, nodes, fault_reasons()),
+        StageStopped: st.builds(StageStopped, run_ids, stage_indices, nodes),
+        RewireEdge: st.builds(RewireEdge, run_ids, st.integers(0, n + 2), nodes),
+    }
+
+
+def control_messages(plan: RunPlan) -> st.SearchStrategy[Any]:
+    """Any control message about ``plan`` or a foreign run."""
+    return st.one_of(*message_strategies(plan).values())
+
+
+def _messages_of(plan: RunPlan, cls: type) -> st.SearchStrategy[Any]:
+    return message_strategies(plan)[cls]
+
+
+def orchestrator_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[Any]]:
+    """One strategy per orchestrator event kind, with plausible and wrong payloads."""
+    from runplan.fsm import orchestrator as o
+
+    n = plan.stage_count
+    senders = st.sampled_from([*[s.node_id for s in plan.stages], STRANGER])
+    K = o.EventKind
+
+    def received(*classes: type) -> st.SearchStrategy[Any]:
+        return st.builds(o.Received, senders, st.one_of(*(_messages_of(plan, c) for c in classes)))
+
+    return {
+        K.START: st.just(o.Start()),
+        K.ENDPOINTS_READY: st.just(o.EndpointsReady()),
+        K.STAGE_READY: received(StageReady),
+        K.STAGE_FAULT: received(StageFault),
+        K.STAGE_STOPPED: received(StageStopped),
+        K.OTHER_MESSAGE: received(ProvisionStage, StopRun, RewireEdge),
+        K.TOKEN: st.builds(
+            o.TokenConsumed, st.integers(0, 6), st.integers(0, plan.model.vocab_size)
+        ),
+        K.ENDPOINT_FAULT: st.builds(o.EndpointFault, st.text(max_size=5)),
+        K.STAGE_DIED: st.builds(o.StageDied, st.integers(0, n), st.text(max_size=5)),
+        K.READY_TIMEOUT: st.just(o.TimerFired(o.Timer.READY)),
+        K.TOKEN_TIMEOUT: st.just(o.TimerFired(o.Timer.TOKEN)),
+        K.STOP_TIMEOUT: st.just(o.TimerFired(o.Timer.STOP)),
+        K.CANCEL: st.builds(o.Cancel, st.text(max_size=5)),
+    }
+
+
+def stage_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[Any]]:
+    """One strategy per stage event kind, with plausible and wrong payloads."""
+    from runplan.fsm import stage as s
+
+    senders = st.sampled_from([*[p.node_id for p in plan.stages], STRANGER, ORCHESTRATOR])
+    edge_ids = st.integers(0, plan.stage_count + 2)
+    K = s.EventKind
+
+    def received(*classes: type) -> st.SearchStrategy[Any]:
+        return st.builds(s.Received, senders, st.one_of(*(_messages_of(plan, c) for c in classes)))
+
+    return {
+        K.PROVISION: received(ProvisionStage),
+        K.STOP_RUN: received(StopRun),
+        K.REWIRE: received(RewireEdge),
+        K.OTHER_MESSAGE: received(StageReady, StageFault, StageStopped),
+        K.SETUP_DONE: st.builds(s.SetupDone, st.sampled_from(s.SetupPart)),
+        K.SETUP_FAILED: st.builds(s.SetupFailed, st.sampled_from(s.SetupPart), st.text(max_size=5)),
+        K.OBJECT_LOADED: st.builds(
+            s.ObjectLoaded, st.sampled_from([plan.run_id, OTHER_RUN]), edge_ids, st.integers(0, 5)
+        ),
+        K.STEP_COMPLETED: st.builds(s.StepCompleted, st.integers(0, 5)),
+        K.STEP_FAILED: st.builds(s.StepFailed, st.integers(0, 5), st.text(max_size=5)),
+        K.EDGE_FAULT: st.builds(s.EdgeFault, edge_ids, st.text(max_size=5)),
+        K.SETUP_TIMEOUT: st.just(s.TimerFired(s.Timer.SETUP)),
+        K.STEP_TIMEOUT: st.just(s.TimerFired(s.Timer.STEP)),
+        K.RELEASED: st.just(s.Released()),
+        K.ORCHESTRATOR_LOST: st.just(s.OrchestratorLost()),
+    }

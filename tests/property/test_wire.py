@@ -6,12 +6,13 @@ import contextlib
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runplan import ProvisionStage, RunPlan, plan_run, provision_all
+from runplan import RunPlan, plan_run, provision_all
 from runplan.wire import MESSAGE_TYPES, WireError, dumps, loads
-from tests.strategies import PlanInputs, valid_plan_inputs
+from tests.strategies import PlanInputs, message_strategies, small_plan, valid_plan_inputs
 
 
 @st.composite
@@ -24,12 +25,18 @@ def plans(draw: st.DrawFn) -> RunPlan:
 
 @st.composite
 def messages(draw: st.DrawFn) -> Any:
+    """A plan, one of its provisions, or any other control message about it."""
     plan = draw(plans())
-    return draw(st.sampled_from([plan, *provision_all(plan)]))
+    kind = draw(st.sampled_from(MESSAGE_TYPES))
+    if kind is RunPlan:
+        return plan
+    return draw(message_strategies(plan)[kind])
 
 
 def test_every_message_type_is_generated() -> None:
-    assert set(MESSAGE_TYPES) == {RunPlan, ProvisionStage}
+    plan = small_plan(2)
+    assert set(MESSAGE_TYPES) == {RunPlan, *message_strategies(plan)}
+    assert {type(m) for m in provision_all(plan)} <= set(MESSAGE_TYPES)
 
 
 @given(messages())
@@ -118,6 +125,20 @@ def test_loads_on_truncated_or_flipped_bytes_raises_only_wire_error(
         assert isinstance(result, MESSAGE_TYPES)
     except WireError:
         pass
+
+
+def test_enum_and_nested_union_values_are_checked() -> None:
+    plan = small_plan(1)
+    cases = [
+        (dumps(provision_all(plan)[0]), b'"kind":"TOKEN_IN"', b'"kind":"TOKEN_SIDEWAYS"'),
+        (dumps(plan), b'"type":"OrchestratorEndpoint"', b'"type":"Nobody"'),
+        (b'{"reason":"COMPLETED","run_id":"r","type":"StopRun"}', b"COMPLETED", b"FINISHED"),
+    ]
+    for good, old, new in cases:
+        assert old in good
+        loads(good)
+        with pytest.raises(WireError):
+            loads(good.replace(old, new, 1))
 
 
 def test_unknown_type_and_extra_keys_are_wire_errors() -> None:

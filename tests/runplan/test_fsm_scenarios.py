@@ -1,0 +1,177 @@
+"""Scripted runs of the two state machines: the paths a reader should see first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runplan import provision_all
+from runplan.fsm import orchestrator as o
+from runplan.fsm import stage as s
+from runplan.messages import (
+    FaultKind,
+    StageFault,
+    StageReady,
+    StageStopped,
+    StopReason,
+    StopRun,
+)
+from tests.strategies import ORCHESTRATOR, small_plan
+
+
+def _of(actions: tuple[Any, ...], cls: type) -> list[Any]:
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def _ready_stage(plan: Any, index: int) -> s.StageMachine:
+    msg = provision_all(plan)[index]
+    m, actions = s.step(
+        s.StageMachine.new(msg.node_id, ORCHESTRATOR), s.Received(ORCHESTRATOR, msg)
+    )
+    assert m.state is s.State.PREPARING and _of(actions, s.BeginSetup)
+    for part in s.SetupPart:
+        m, actions = s.step(m, s.SetupDone(part))
+    assert m.state is s.State.READY
+    assert _of(actions, s.SendToOrchestrator)[0].message == StageReady(
+        plan.run_id, index, msg.node_id
+    )
+    return m
+
+
+def _running(plan: Any, prompt: tuple[int, ...] = (3, 4)) -> o.OrchestratorMachine:
+    m, actions = o.step(o.OrchestratorMachine.for_plan(plan, prompt), o.Start())
+    assert len(_of(actions, o.SendProvision)) == plan.stage_count
+    m, actions = o.step(m, o.EndpointsReady())
+    assert not _of(actions, o.InjectTokens)  # the barrier holds until every stage is ready
+    for st_ in plan.stages:
+        m, actions = o.step(
+            m, o.Received(st_.node_id, StageReady(plan.run_id, st_.stage_index, st_.node_id))
+        )
+    assert m.state is o.State.RUNNING
+    assert _of(actions, o.InjectTokens) == [o.InjectTokens(0, prompt)]
+    return m
+
+
+def test_a_two_stage_run_to_eos() -> None:
+    plan = small_plan(2, max_tokens=10, eos=0)
+    orch = _running(plan)
+    stages = [_ready_stage(plan, 0), _ready_stage(plan, 1)]
+    edges = [p.inbound.edge_id for p in provision_all(plan)]
+    delivered = []
+    for sequence, token in enumerate([5, 6, 0]):
+        for i in (0, 1):
+            stages[i], actions = s.step(stages[i], s.ObjectLoaded(plan.run_id, edges[i], sequence))
+            assert _of(actions, s.ExecuteStep) == [s.ExecuteStep(sequence)]
+            stages[i], actions = s.step(stages[i], s.StepCompleted(sequence))
+            assert _of(actions, s.ReleaseInput) == [s.ReleaseInput(sequence)]
+        orch, actions = o.step(orch, o.TokenConsumed(sequence, token))
+        delivered += [a.token_id for a in _of(actions, o.DeliverToken)]
+        if token != 0:
+            assert _of(actions, o.InjectTokens) == [o.InjectTokens(sequence + 1, (token,))]
+    assert orch.state is o.State.TEARING_DOWN and orch.outcome is StopReason.COMPLETED
+    assert delivered == [5, 6]  # EOS is not delivered
+    stops = _of(actions, o.SendStopRun)
+    assert [a.stage_index for a in stops] == [0, 1]
+    for i in (0, 1):
+        stages[i], actions = s.step(stages[i], s.Received(ORCHESTRATOR, stops[i].message))
+        assert stages[i].state is s.State.STOPPING and _of(actions, s.ReleaseRun)
+        stages[i], actions = s.step(stages[i], s.Released())
+        assert stages[i].state is s.State.STOPPED
+        (sent,) = _of(actions, s.SendToOrchestrator)
+        orch, finished = o.step(orch, o.Received(sent.message.node_id, sent.message))
+    assert orch.state is o.State.DONE
+    assert _of(finished, o.RunFinished) == [
+        o.RunFinished(StopReason.COMPLETED, (5, 6), None, None, ())
+    ]
+
+
+def test_max_tokens_completes_the_run() -> None:
+    plan = small_plan(1, max_tokens=2, eos=0)
+    orch = _running(plan)
+    orch, actions = o.step(orch, o.TokenConsumed(0, 3))
+    assert _of(actions, o.InjectTokens)
+    orch, actions = o.step(orch, o.TokenConsumed(1, 4))
+    assert not _of(actions, o.InjectTokens)
+    assert orch.outcome is StopReason.COMPLETED and orch.tokens == (3, 4)
+
+
+def test_a_ready_timeout_faults_and_stops_every_provisioned_stage() -> None:
+    plan = small_plan(3)
+    m, _ = o.step(o.OrchestratorMachine.for_plan(plan, (1,)), o.Start())
+    m, actions = o.step(m, o.TimerFired(o.Timer.READY))
+    assert m.outcome is StopReason.FAULTED and m.fault.kind is FaultKind.TIMEOUT
+    assert [a.stage_index for a in _of(actions, o.SendStopRun)] == [0, 1, 2]
+    assert not _of(actions, o.InjectTokens)
+
+
+def test_the_first_fault_stands_and_injection_stops() -> None:
+    plan = small_plan(2)
+    orch = _running(plan)
+    fault = StageFault(
+        plan.run_id, 1, plan.stages[1].node_id, reason=s.FaultReason(FaultKind.STEP_FAILURE, "boom")
+    )
+    orch, _ = o.step(orch, o.Received(plan.stages[1].node_id, fault))
+    assert orch.outcome is StopReason.FAULTED and orch.fault_stage == 1
+    orch, actions = o.step(orch, o.TokenConsumed(0, 3))  # late token
+    assert actions == () and orch.outcome is StopReason.FAULTED
+    orch, actions = o.step(orch, o.StageDied(0, "gone"))  # late death
+    assert orch.fault.kind is FaultKind.STEP_FAILURE
+    orch, actions = o.step(
+        orch,
+        o.Received(plan.stages[1].node_id, StageStopped(plan.run_id, 1, plan.stages[1].node_id)),
+    )
+    assert orch.state is o.State.DONE  # stage 0 died, stage 1 stopped
+    (done,) = _of(actions, o.RunFinished)
+    assert done.outcome is StopReason.FAULTED and done.unconfirmed_stages == ()
+
+
+def test_a_token_out_of_sequence_faults_the_run() -> None:
+    orch = _running(small_plan(1))
+    orch, _ = o.step(orch, o.TokenConsumed(1, 3))
+    assert orch.fault.kind is FaultKind.SEQUENCE_VIOLATION
+
+
+def test_cancel_is_its_own_outcome() -> None:
+    orch = _running(small_plan(2))
+    orch, actions = o.step(orch, o.Cancel("ctrl-c"))
+    assert orch.outcome is StopReason.CANCELLED
+    assert {a.message.reason for a in _of(actions, o.SendStopRun)} == {StopReason.CANCELLED}
+
+
+def test_stop_timeout_finishes_with_the_stages_that_did_not_confirm() -> None:
+    plan = small_plan(2)
+    orch, _ = o.step(_running(plan), o.Cancel())
+    orch, actions = o.step(orch, o.TimerFired(o.Timer.STOP))
+    assert _of(actions, o.RunFinished)[0].unconfirmed_stages == (0, 1)
+
+
+def test_stop_run_while_executing_releases_and_late_results_are_ignored() -> None:
+    plan = small_plan(1)
+    stage = _ready_stage(plan, 0)
+    edge = provision_all(plan)[0].inbound.edge_id
+    stage, _ = s.step(stage, s.ObjectLoaded(plan.run_id, edge, 0))
+    stage, actions = s.step(
+        stage, s.Received(ORCHESTRATOR, StopRun(plan.run_id, StopReason.CANCELLED))
+    )
+    assert stage.state is s.State.STOPPING
+    assert _of(actions, s.ReleaseInput) == [s.ReleaseInput(0)] and _of(actions, s.ReleaseRun)
+    stage, actions = s.step(stage, s.StepCompleted(0))
+    assert stage.state is s.State.STOPPING and actions == ()
+
+
+def test_a_stopped_run_is_stale_and_a_new_run_is_accepted() -> None:
+    plan = small_plan(1)
+    stage = _ready_stage(plan, 0)
+    stage, _ = s.step(stage, s.Received(ORCHESTRATOR, StopRun(plan.run_id, StopReason.COMPLETED)))
+    stage, _ = s.step(stage, s.Released())
+    again = provision_all(plan)[0]
+    same, actions = s.step(stage, s.Received(ORCHESTRATOR, again))
+    assert same == stage and _of(actions, s.Reject)[0].reason is s.RejectReason.STALE_RUN
+    fresh = provision_all(small_plan(1, run_id="run-2"))[0]
+    stage, _ = s.step(stage, s.Received(ORCHESTRATOR, fresh))
+    assert stage.state is s.State.PREPARING and stage.run_id == "run-2"
+
+
+def test_losing_the_orchestrator_stops_the_stage_on_its_own() -> None:
+    plan = small_plan(1)
+    stage, actions = s.step(_ready_stage(plan, 0), s.OrchestratorLost())
+    assert stage.state is s.State.STOPPING and _of(actions, s.ReleaseRun)

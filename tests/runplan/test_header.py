@@ -1,0 +1,185 @@
+"""The object header: fixed binary layout, round trip, malformed bytes, validation
+against the receiving end's edge (EDGES_AND_WORKERS.md §1)."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runplan import ObjectKind, provision_all
+from runplan.header import (
+    HeaderCheck,
+    HeaderDType,
+    HeaderError,
+    HeaderRejection,
+    ObjectHeader,
+)
+from runplan.plan import OBJECT_HEADER_BYTES
+from tests.strategies import small_plan
+
+run_ids = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+    min_size=1,
+    max_size=16,
+)
+headers = st.builds(
+    ObjectHeader,
+    run_id=run_ids,
+    edge_id=st.integers(0, 2**64 - 1),
+    sequence=st.integers(0, 2**64 - 1),
+    kind=st.sampled_from(ObjectKind),
+    dtype=st.sampled_from(HeaderDType),
+    rows=st.integers(0, 2**32 - 1),
+    extent_bytes=st.integers(0, 2**64 - 1),
+)
+
+
+@given(headers)
+def test_pack_unpack_round_trip(header: ObjectHeader) -> None:
+    data = header.pack()
+    assert len(data) == OBJECT_HEADER_BYTES == 128
+    assert ObjectHeader.unpack(data) == header
+    assert ObjectHeader.unpack(data + b"payload") == header
+
+
+def test_layout_is_fixed() -> None:
+    header = ObjectHeader("run-1", 7, 3, ObjectKind.ACTIVATION, HeaderDType.F16, 1, 1152)
+    data = header.pack()
+    assert data[:4] == b"GPOB"
+    assert struct.unpack_from("<HBBI", data, 4) == (1, 1, 1, 1)
+    assert struct.unpack_from("<QQQ", data, 16) == (7, 3, 1152)
+    assert data[40:45] == b"run-1" and data[45:104] == bytes(59)
+
+
+def _mutate(data: bytes, offset: int, new: bytes) -> bytes:
+    return data[:offset] + new + data[offset + len(new) :]
+
+
+GOOD = ObjectHeader("run-1", 2, 0, ObjectKind.TOKEN, HeaderDType.U32, 3, 12).pack()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (GOOD[:127], "128"),
+        (_mutate(GOOD, 0, b"GPOC"), "magic"),
+        (_mutate(GOOD, 4, struct.pack("<H", 2)), "version"),
+        (_mutate(GOOD, 6, b"\x07"), "kind"),
+        (_mutate(GOOD, 7, b"\x09"), "dtype"),
+        (_mutate(GOOD, 12, b"\x01"), "reserved"),
+        (_mutate(GOOD, 110, b"\x01"), "reserved"),
+        (_mutate(GOOD, 40, bytes(64)), "run id"),
+        (_mutate(GOOD, 40, b"a\x00b"), "NUL"),
+        (_mutate(GOOD, 40, b"\xff\xfe"), "UTF-8"),
+    ],
+)
+def test_every_malformed_field_is_rejected(data: bytes, message: str) -> None:
+    with pytest.raises(HeaderError, match=message):
+        ObjectHeader.unpack(data)
+
+
+@given(st.binary(min_size=128, max_size=140))
+def test_unpack_on_random_bytes_raises_only_header_error(data: bytes) -> None:
+    with contextlib.suppress(HeaderError):
+        ObjectHeader.unpack(data)
+
+
+@pytest.mark.parametrize("run_id", ["", "x" * 65, "a\x00b"])
+def test_pack_refuses_what_the_layout_cannot_hold(run_id: str) -> None:
+    with pytest.raises(HeaderError):
+        ObjectHeader(run_id, 1, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4).pack()
+    with pytest.raises(HeaderError):
+        ObjectHeader("r", 2**64, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4).pack()
+
+
+def _checks(return_logits: bool = False) -> tuple[HeaderCheck, HeaderCheck, HeaderCheck]:
+    plan = small_plan(2, return_logits=return_logits)
+    first, second = provision_all(plan)
+    hidden = plan.model.hidden_dim * plan.model.dtype_width_bytes
+    return (
+        HeaderCheck(plan.run_id, first.inbound.edge_id, first.inbound.object_spec, 4),
+        HeaderCheck(plan.run_id, second.inbound.edge_id, second.inbound.object_spec, hidden),
+        HeaderCheck(plan.run_id, second.outbound.edge_id, second.outbound.object_spec, 4),
+    )
+
+
+def test_validation_accepts_the_records_a_run_sends() -> None:
+    token_in, activation, token_out = _checks()
+    assert (
+        token_in.validate(
+            ObjectHeader("run-1", token_in.edge_id, 0, ObjectKind.TOKEN, HeaderDType.U32, 5, 20), 0
+        )
+        is None
+    )
+    assert (
+        activation.validate(
+            ObjectHeader(
+                "run-1",
+                activation.edge_id,
+                3,
+                ObjectKind.ACTIVATION,
+                HeaderDType.F32,
+                1,
+                activation.row_bytes,
+            ),
+            3,
+        )
+        is None
+    )
+    assert (
+        token_out.validate(
+            ObjectHeader("run-1", token_out.edge_id, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4), 0
+        )
+        is None
+    )
+    (_, _, with_logits) = _checks(return_logits=True)
+    extent = with_logits.object_spec.max_extent
+    assert (
+        with_logits.validate(
+            ObjectHeader(
+                "run-1", with_logits.edge_id, 2, ObjectKind.TOKEN, HeaderDType.U32, 1, extent
+            ),
+            2,
+        )
+        is None
+    )
+
+
+def test_validation_rejects_each_mismatch() -> None:
+    token_in, activation, _ = _checks()
+    good = ObjectHeader(
+        "run-1",
+        activation.edge_id,
+        1,
+        ObjectKind.ACTIVATION,
+        HeaderDType.F32,
+        1,
+        activation.row_bytes,
+    )
+    assert activation.validate(good, 1) is None
+    cases = {
+        HeaderRejection.RUN_ID_MISMATCH: attrs.evolve(good, run_id="run-2"),
+        HeaderRejection.EDGE_ID_MISMATCH: attrs.evolve(good, edge_id=good.edge_id + 1),
+        HeaderRejection.KIND_MISMATCH: attrs.evolve(good, kind=ObjectKind.TOKEN),
+        HeaderRejection.DTYPE_MISMATCH: attrs.evolve(good, dtype=HeaderDType.F16),
+        HeaderRejection.SEQUENCE_OUT_OF_ORDER: attrs.evolve(good, sequence=2),
+        HeaderRejection.EXTENT_ZERO: attrs.evolve(good, extent_bytes=0),
+        HeaderRejection.EXTENT_TOO_LARGE: attrs.evolve(
+            good, extent_bytes=activation.object_spec.max_extent + 1
+        ),
+        HeaderRejection.ROWS_MISMATCH: attrs.evolve(
+            good, rows=2, extent_bytes=2 * good.extent_bytes
+        ),
+    }
+    for reason, header in cases.items():
+        result = activation.validate(header, 1)
+        assert result is not None and result[0] is reason, (reason, result)
+    # A prompt of 3 tokens must carry 12 bytes.
+    prompt = ObjectHeader("run-1", token_in.edge_id, 0, ObjectKind.TOKEN, HeaderDType.U32, 3, 8)
+    result = token_in.validate(prompt, 0)
+    assert result is not None and result[0] is HeaderRejection.ROWS_MISMATCH
