@@ -159,3 +159,19 @@ def valid_plan_inputs(draw: st.DrawFn, *, max_layers: int = 48) -> PlanInputs:
         placement = Placement(assignments=tuple(draw(st.permutations(rows))))
     pool = NodePool(orchestrator_node_id=ORCHESTRATOR, nodes=nodes)
     return PlanInputs(facts, config, pool, stage_count, placement)
+
+
+# -- tokenizer ----------------------------------------------------------------------
+# Text a tokenizer must take: any characters, with the pieces tokenizers treat
+# specially (special tokens and their fragments, whitespace runs, contractions)
+# drawn often enough to meet each other.
+_TOKENIZER_PIECES = st.sampled_from(
+    [
+        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "<|im", "|>", "<s>",
+        " ", "  ", "\t", "\n", "\r\n", "\u3000", "\xa0", "'s", "'LL", " 123", "4567",
+        "Zürich", " naïve", "你好", "😀", "👍🏽", "\u0301", "\u200d", " Q",
+    ]
+)  # fmt: skip
+tokenizer_texts = st.lists(st.one_of(st.text(max_size=8), _TOKENIZER_PIECES), max_size=12).map(
+    "".join
+)

@@ -26,6 +26,7 @@ first piece, and byte-level vocabularies may clean up spaces before punctuation.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 _SPACE = "\u2581"  # SentencePiece's visible space
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _SPECIAL = Attr.CONTROL | Attr.UNKNOWN
 
 
@@ -144,8 +146,10 @@ class Tokenizer:
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """``text`` cut into raw fragments and special token ids."""
-        # Lone surrogates cannot be UTF-8; llama.cpp would see U+FFFD for them.
-        text = text.encode("utf-8", "replace").decode("utf-8") if _has_surrogate(text) else text
+        # A lone surrogate has no UTF-8; it becomes U+FFFD, as invalid UTF-8 does in
+        # llama.cpp's pre-tokenizer.
+        if _has_surrogate(text):
+            text = _SURROGATE.sub("\ufffd", text)
         fragments: list[str | int] = [text] if text else []
         for token, token_id, special in self._specials:
             if special and not parse_special:
