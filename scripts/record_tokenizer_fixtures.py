@@ -16,7 +16,8 @@ supported ``tokenizer.ggml.pre`` name, it writes ``<name>.json`` holding:
   ``add_special`` / ``parse_special`` (keys ``"11"``, ``"10"``, ``"01"``, ``"00"``),
   and ``llama_detokenize`` of some of them (keys ``"<ids key>/<remove_special>
   <unparse_special>"``; the text, or ``{"hex": ...}`` for bytes that are not UTF-8);
-- ``decodes``: ``llama_detokenize`` of seeded random id lists, all four flag pairs.
+- ``decodes``: ``llama_detokenize`` of seeded random id lists, all four flag pairs,
+  and of every single token (SmolLM2: 600 of them) with and without ``special``.
 
 For SmolLM2 it also writes ``smollm2-135m.chat.json``: conversations rendered with
 the file's chat template by llama-cpp-python's Jinja2 formatter, and by llama.cpp's
@@ -247,12 +248,28 @@ def record_decodes(lv: LlamaVocab, seed: int, count: int) -> list[dict[str, Any]
     return out
 
 
+def record_pieces(lv: LlamaVocab, ids: list[int]) -> list[dict[str, Any]]:
+    """``llama_detokenize([id])`` of single tokens, with and without ``special``."""
+    return [
+        {
+            "ids": [i],
+            "decode": {f"0{int(us)}": _text_or_hex(lv.detokenize([i], False, us)) for us in (0, 1)},
+        }
+        for i in ids
+    ]
+
+
 def record_file(
     path: str, name: str, *, model: str, pre: str | None, full: bool, spec: VocabSpec | None
 ) -> dict[str, Any]:
     lv = LlamaVocab(path)
     try:
         texts = CORPUS + random_texts(1234, 100) if full else PRE_CORPUS
+        # Every token on its own, for the small vocabularies; SmolLM2's first 400.
+        n_vocab = llama_cpp.llama_vocab_n_tokens(lv.vocab)
+        pieces = list(range(min(n_vocab, 1000) if full else 0))
+        if n_vocab > 1000:
+            pieces = list(range(400)) + random.Random(7).sample(range(400, n_vocab), 200)
         return {
             "name": name,
             "spec": None if spec is None else attrs.asdict(spec),
@@ -263,7 +280,7 @@ def record_file(
             "meta": lv.meta(),
             "encode_keys": "ids[f'{int(add_special)}{int(parse_special)}']",
             "cases": record_cases(lv, texts, full),
-            "decodes": record_decodes(lv, 99, 60 if full else 10),
+            "decodes": record_decodes(lv, 99, 60 if full else 10) + record_pieces(lv, pieces),
         }
     finally:
         lv.close()
