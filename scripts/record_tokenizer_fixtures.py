@@ -22,6 +22,11 @@ supported ``tokenizer.ggml.pre`` name, it writes ``<name>.json`` holding:
 For SmolLM2 it also writes ``smollm2-135m.chat.json``: conversations rendered with
 the file's chat template by llama-cpp-python's Jinja2 formatter, and by llama.cpp's
 own ``llama_chat_apply_template`` (which recognises the template as ChatML).
+
+With ``--gguf FILE...`` it records those files instead (same format, plus their
+``path``), for a check against vocabularies the tests do not ship, such as the
+``ggml-vocab-*.gguf`` files in llama.cpp's source tree; compare them with
+``scripts/compare_tokenizer_fixtures.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import llama_cpp  # noqa: E402
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402
 from tests.fixtures.gguf_vocab import SPECS, VocabSpec, tokenizer_digest, write_vocab  # noqa: E402
 
+from runplan.gguf_header import GgufHeader  # noqa: E402
 from runplan.models import resolve_model  # noqa: E402
 from runtime_core.tokenizer_pre import PRE_TOKENIZERS  # noqa: E402
 
@@ -71,6 +77,7 @@ PRE_CORPUS = [
     "  two  spaces   three    four     five",
     "\u3000ideographic\u3000space\u00a0nbsp\u2009thin\u202fnarrow",
     "<|endoftext|>",
+    "a <mask> b  <mask>\t\nc <|im_end|>  d",
     " tokenizer Zürich 123 !!! naïve tokenizers",
     " Q. Quick Q Q! Qu",
 ]
@@ -379,12 +386,31 @@ def _write(out: Path, name: str, data: dict[str, Any]) -> None:
     print(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 
 
+def record_paths(paths: list[Path], out: Path) -> None:
+    """Record other GGUF files (by path) into ``out``, named by their stems."""
+    for path in paths:
+        header = GgufHeader.read(path)
+        model = header.string("tokenizer.ggml.model")
+        pre = header.string("tokenizer.ggml.pre", "") or None
+        data = record_file(str(path), path.stem, model=model, pre=pre, full=True, spec=None)
+        _write(out, path.stem, {**data, "path": str(path.resolve())})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        nargs="+",
+        help="record these files instead (for a check outside the test suite)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p())
+    if args.gguf:
+        record_paths(args.gguf, args.out)
+        return
 
     smol = resolve_model("smollm2-135m")
     _write(

@@ -18,7 +18,8 @@ and builds the merging on the ``tokenizers`` library (Hugging Face's Rust engine
 
 Before either, special tokens written in the text are cut out as llama.cpp does:
 longest token first, user-defined tokens always, control and unknown tokens only
-with ``parse_special``. ``decode`` follows llama.cpp's detokenizer: control tokens
+with ``parse_special``, some (Phi-3's) taking the whitespace beside them along.
+``decode`` follows llama.cpp's detokenizer: control tokens
 render only with ``special=True``, SentencePiece drops the leading space of the
 first piece, and byte-level vocabularies may clean up spaces before punctuation.
 """
@@ -53,6 +54,7 @@ __all__ = [
 
 _SPACE = "\u2581"  # SentencePiece's visible space
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_C_SPACE = " \t\n\x0b\x0c\r"  # C's isspace, which llama.cpp strips around some tokens
 _SPECIAL = Attr.CONTROL | Attr.UNKNOWN
 
 
@@ -83,7 +85,7 @@ class Tokenizer:
         # Special tokens cut out of the text before merging, longest (in bytes) first.
         specials = [i for i, a in enumerate(vocab.attrs) if a & (_SPECIAL | Attr.USER_DEFINED)]
         specials.sort(key=lambda i: -len(vocab.tokens[i].encode()))
-        self._specials = [(vocab.tokens[i], i, bool(vocab.attrs[i] & _SPECIAL)) for i in specials]
+        self._specials = [(vocab.tokens[i], i, vocab.attrs[i]) for i in specials]
         # Ids past the vocabulary stand for strings llama.cpp can merge through but
         # not emit; each maps to what llama.cpp emits instead.
         self._fallback: dict[int, list[int]] = {}
@@ -151,8 +153,8 @@ class Tokenizer:
         if _has_surrogate(text):
             text = _SURROGATE.sub("\ufffd", text)
         fragments: list[str | int] = [text] if text else []
-        for token, token_id, special in self._specials:
-            if special and not parse_special:
+        for token, token_id, attr in self._specials:
+            if attr & _SPECIAL and not parse_special:
                 continue
             if not any(isinstance(f, str) and token in f for f in fragments):
                 continue
@@ -161,9 +163,14 @@ class Tokenizer:
                 if isinstance(f, int) or token not in f:
                     cut.append(f)
                     continue
-                for k, part in enumerate(f.split(token)):
+                parts = f.split(token)
+                for k, part in enumerate(parts):
                     if k:
                         cut.append(token_id)
+                        if attr & Attr.RSTRIP:
+                            part = part.lstrip(_C_SPACE)  # noqa: PLW2901
+                    if k < len(parts) - 1 and attr & Attr.LSTRIP:
+                        part = part.rstrip(_C_SPACE)  # noqa: PLW2901
                     if part:
                         cut.append(part)
             fragments = cut

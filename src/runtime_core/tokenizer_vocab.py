@@ -4,7 +4,8 @@
 per tokenizer model, ids from the file when in range, ``add_bos`` / ``add_eos`` /
 ``add_space_prefix`` defaults overridden by the file's keys, token types turned into
 attributes, and the tokens llama.cpp recognises by their text (end-of-turn,
-fill-in-the-middle, ...) marked as control tokens.
+fill-in-the-middle, ...) marked as control tokens, and the whitespace-stripping
+special tokens of a few models named in the file (Phi-3, jina-v2, modern-bert).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Attr:
     CONTROL = 1 << 3
     USER_DEFINED = 1 << 4
     BYTE = 1 << 5
+    LSTRIP = 1 << 7  # cut out of text with the whitespace before it
+    RSTRIP = 1 << 8  # ... with the whitespace after it
 
 
 # GGUF token type (tokenizer.ggml.token_type) -> attribute.
@@ -196,6 +199,7 @@ class Vocab:
             raise TokenizerError(f"{path}: add_eos_token is true, but eos_token_id is not set")
 
         eog_ids = _mark_by_text(header, tokens, ids, attrs, eos_id)
+        _strip_by_name(header, ids, attrs, pre_name)
         template = header.string("tokenizer.chat_template", "") or None
         return cls(
             path=path,
@@ -313,6 +317,37 @@ def _mark_by_text(
         eog.discard(s)
         attrs[s] = Attr.NORMAL
     return frozenset(i for i in eog if i is not None)
+
+
+def _strip_by_name(header: GgufHeader, ids: dict[str, int], attrs: list[int], pre: str) -> None:
+    """The whitespace-stripping attributes llama.cpp gives by model or file name."""
+    name = header.string("general.name", "").lower()
+    arch = header.string("general.architecture", "")
+
+    def mark(text: str, bit: int, on: bool = True, required: bool = False) -> None:
+        i = ids.get(text)
+        if i is None:
+            if required:  # llama.cpp fails to load such a file
+                raise TokenizerError(
+                    f"{header.paths[0]}: a model named {name!r} needs the token {text!r}"
+                )
+            return
+        attrs[i] = attrs[i] | bit if on else attrs[i] & ~bit
+
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
+        a in arch for a in ("nomic-bert-moe", "jina-bert-v3")
+    ):
+        mark("<mask>", Attr.LSTRIP)
+    elif "phi-3" in name or "phi3" in name:
+        special = Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN
+        for i, attr in enumerate(attrs):
+            if attr & special:
+                attrs[i] = attr | Attr.RSTRIP
+        mark("</s>", Attr.RSTRIP, required=True)
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            mark(text, Attr.RSTRIP, on=False, required=True)
+    elif "modern-bert" in name:
+        mark("[MASK]", Attr.LSTRIP)
 
 
 def _in_range(header: GgufHeader, key: str, old: str | None, n: int) -> int | None:

@@ -94,6 +94,12 @@ def test_adding_bos_without_a_bos_id_is_refused(vocab_path: Write) -> None:
         Tokenizer.from_gguf(path)
 
 
+def test_a_phi3_file_without_the_tokens_llama_cpp_needs_is_refused(vocab_path: Write) -> None:
+    # llama.cpp fails to load a model named phi-3 whose vocabulary lacks </s>.
+    with pytest.raises(TokenizerError, match="needs the token '</s>'"):
+        Tokenizer.from_gguf(vocab_path(VocabSpec("bpe-phi-3", pre="gpt-2")))
+
+
 def test_decoding_an_id_outside_the_vocabulary_is_a_typed_error(smollm2: Tokenizer) -> None:
     for bad in (-1, smollm2.n_vocab):
         with pytest.raises(TokenizerError, match=str(bad)):
