@@ -35,7 +35,7 @@ from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HfTokenizer
 
 from runplan.gguf_header import GgufHeader
-from runtime_core.chat import NoChatTemplate, render_chat_template
+from runtime_core.chat import ChatTemplateError, NoChatTemplate, render_chat_template
 from runtime_core.tokenizer_vocab import (
     Attr,
     TokenizerError,
@@ -45,6 +45,7 @@ from runtime_core.tokenizer_vocab import (
 )
 
 __all__ = [
+    "ChatTemplateError",
     "NoChatTemplate",
     "Tokenizer",
     "TokenizerError",
@@ -122,9 +123,10 @@ class Tokenizer:
     def encode(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
-        """Token ids of ``text``. ``add_special`` adds BOS / EOS as the file's flags
-        say; ``parse_special`` turns control tokens written in the text (such as
-        ``<|im_start|>``) into their ids instead of spelling them out."""
+        """Token ids of ``text``, as llama.cpp's ``llama_tokenize``. ``add_special``
+        adds BOS / EOS as the file's flags say; ``parse_special`` turns control and
+        unknown tokens written in the text (such as ``<|im_start|>``) into their ids
+        instead of spelling them out. User-defined tokens are always recognised."""
         v = self.vocab
         out: list[int] = []
         if add_special and v.add_bos:
