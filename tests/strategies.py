@@ -310,3 +310,19 @@ def stage_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[Any]]:
         K.RELEASED: st.just(s.Released()),
         K.ORCHESTRATOR_LOST: st.just(s.OrchestratorLost()),
     }
+
+
+# -- tokenizer ----------------------------------------------------------------------
+# Text a tokenizer must take: any characters, with the pieces tokenizers treat
+# specially (special tokens and their fragments, whitespace runs, contractions)
+# drawn often enough to meet each other.
+_TOKENIZER_PIECES = st.sampled_from(
+    [
+        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "<|im", "|>", "<s>",
+        " ", "  ", "\t", "\n", "\r\n", "\u3000", "\xa0", "'s", "'LL", " 123", "4567",
+        "Zürich", " naïve", "你好", "😀", "👍🏽", "\u0301", "\u200d", " Q",
+    ]
+)  # fmt: skip
+tokenizer_texts = st.lists(st.one_of(st.text(max_size=8), _TOKENIZER_PIECES), max_size=12).map(
+    "".join
+)

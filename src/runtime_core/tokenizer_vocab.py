@@ -1,0 +1,355 @@
+"""The vocabulary of a GGUF file as llama.cpp reads it.
+
+``Vocab.from_header`` applies llama.cpp's loading rules: default special-token ids
+per tokenizer model, ids from the file when in range, ``add_bos`` / ``add_eos`` /
+``add_space_prefix`` defaults overridden by the file's keys, token types turned into
+attributes, and the tokens llama.cpp recognises by their text (end-of-turn,
+fill-in-the-middle, ...) marked as control tokens, and the whitespace-stripping
+special tokens of a few models named in the file (Phi-3, jina-v2, modern-bert).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from attrs import field, frozen
+
+from runplan.gguf_header import GgufHeader
+from runtime_core.tokenizer_pre import LLAMA_CPP_ONLY, PRE_TOKENIZERS, PreTokenizer
+
+
+class TokenizerError(ValueError):
+    """A GGUF file whose tokenizer cannot be built, or a call that cannot be served."""
+
+
+class UnknownTokenizerModel(TokenizerError):
+    """``tokenizer.ggml.model`` names a tokenizer this package does not implement."""
+
+    def __init__(self, path: str, model: str) -> None:
+        self.path = path
+        self.model = model
+        known = ", ".join(sorted(SUPPORTED_MODELS))
+        super().__init__(
+            f"{path}: unknown tokenizer model {model!r} (tokenizer.ggml.model); supported: {known}"
+        )
+
+
+class UnknownPreTokenizer(TokenizerError):
+    """``tokenizer.ggml.pre`` names a pre-tokenizer this package does not implement."""
+
+    def __init__(self, path: str, pre: str) -> None:
+        self.path = path
+        self.pre = pre
+        why = (
+            "llama.cpp knows it, but it is not implemented here"
+            if pre in LLAMA_CPP_ONLY
+            else "neither llama.cpp nor this package knows it"
+        )
+        super().__init__(
+            f"{path}: unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre): {why}; "
+            f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+
+
+class Attr:
+    """llama.cpp's token attributes (``llama_token_attr``): bit flags, kept as plain
+    ints because the vocabulary holds one per token."""
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+    LSTRIP = 1 << 7  # cut out of text with the whitespace before it
+    RSTRIP = 1 << 8  # ... with the whitespace after it
+
+
+# GGUF token type (tokenizer.ggml.token_type) -> attribute.
+_TYPE_ATTR = {
+    1: Attr.NORMAL,
+    2: Attr.UNKNOWN,
+    3: Attr.CONTROL,
+    4: Attr.USER_DEFINED,
+    5: Attr.UNUSED,
+    6: Attr.BYTE,
+}
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+# Tokens llama.cpp marks as control by their text, whatever their type in the file:
+# end of generation (and end of turn / message), and fill-in-the-middle markers when
+# the file does not name those ids.
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+        "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
+        "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+        "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    }
+)  # fmt: skip
+_FIM_TEXTS = {
+    "tokenizer.ggml.fim_pre_token_id": (
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+        "▁<PRE>", "<|code_prefix|>", "<|prefix|>",
+    ),
+    "tokenizer.ggml.fim_suf_token_id": (
+        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+        "▁<SUF>", "<|code_suffix|>", "<|suffix|>",
+    ),
+    "tokenizer.ggml.fim_mid_token_id": (
+        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+        "▁<MID>", "<|code_middle|>", "<|middle|>",
+    ),
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": (
+        "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    ),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}  # fmt: skip
+# Old names of three of the keys above.
+_FIM_OLD_KEYS = {
+    "tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_token_id",
+    "tokenizer.ggml.fim_suf_token_id": "tokenizer.ggml.suffix_token_id",
+    "tokenizer.ggml.fim_mid_token_id": "tokenizer.ggml.middle_token_id",
+}
+# Tokens llama.cpp always renders as text (gpt-oss's channel markers).
+_ALWAYS_USER_DEFINED = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+
+
+@frozen
+class Vocab:
+    """Everything the tokenizer needs from the file, as llama.cpp interprets it."""
+
+    path: str
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    pre: PreTokenizer | None  # None for SentencePiece
+    pre_name: str
+    tokens: tuple[str, ...]
+    attrs: tuple[int, ...]  # Attr bits
+    scores: tuple[float, ...]
+    merges: tuple[tuple[str, str], ...]  # BPE merges, by rank (first one wins a pair)
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    eog_ids: frozenset[int]
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    clean_spaces: bool
+    ignore_merges: bool
+    chat_template: str | None = field(repr=False)
+    ids: dict[str, int] = field(repr=False, eq=False)  # token text -> id
+
+    @property
+    def is_spm(self) -> bool:
+        return self.model == "llama"
+
+    @classmethod
+    def from_header(cls, header: GgufHeader) -> Vocab:
+        path = header.paths[0]
+        model = header.string("tokenizer.ggml.model")
+        if model not in SUPPORTED_MODELS:
+            raise UnknownTokenizerModel(path, model)
+        tokens = _tokens(header, path)
+        ids = {text: i for i, text in enumerate(tokens)}
+        if len(ids) != len(tokens):
+            _refuse_duplicates(path, tokens)
+        n = len(tokens)
+        scores = _numbers(header, "tokenizer.ggml.scores", n, 0.0)
+        types = _numbers(header, "tokenizer.ggml.token_type", n, 1)
+        attrs = [_TYPE_ATTR.get(t, Attr.UNDEFINED) for t in types]
+        pre_name = header.string("tokenizer.ggml.pre", "") if model == "gpt2" else ""
+
+        pre: PreTokenizer | None = None
+        merges: tuple[tuple[str, str], ...] = ()
+        if model == "gpt2":
+            pre = PRE_TOKENIZERS.get(pre_name or "default")
+            if pre is None:
+                raise UnknownPreTokenizer(path, pre_name)
+            merges = _merges(header)
+            defaults: dict[str, int | None] = {"bos": 11, "eos": 11, "unk": None}
+            add_bos, add_eos, add_space_prefix = pre.add_bos, False, False
+            clean_spaces, ignore_merges = pre.clean_spaces, pre.ignore_merges
+        else:
+            defaults = {"bos": 1, "eos": 2, "unk": 0}
+            add_bos, add_eos, add_space_prefix = True, False, True
+            clean_spaces, ignore_merges = False, False
+        add_space_prefix = _flag(header, "tokenizer.ggml.add_space_prefix", add_space_prefix)
+        add_bos = _flag(header, "tokenizer.ggml.add_bos_token", add_bos)
+        add_eos = _flag(header, "tokenizer.ggml.add_eos_token", add_eos)
+
+        def special(key: str, default: int | None) -> int | None:
+            if default is not None and default >= n:
+                default = None
+            if not header.has(key):
+                return default
+            value = header.integer(key)
+            return value if 0 <= value < n else default
+
+        bos_id = special("tokenizer.ggml.bos_token_id", defaults["bos"])
+        eos_id = special("tokenizer.ggml.eos_token_id", defaults["eos"])
+        unk_id = special("tokenizer.ggml.unknown_token_id", defaults["unk"])
+        if add_bos and bos_id is None:
+            raise TokenizerError(f"{path}: add_bos_token is true, but bos_token_id is not set")
+        if add_eos and eos_id is None:
+            raise TokenizerError(f"{path}: add_eos_token is true, but eos_token_id is not set")
+
+        eog_ids = _mark_by_text(header, tokens, ids, attrs, eos_id)
+        _strip_by_name(header, ids, attrs, pre_name)
+        template = header.string("tokenizer.chat_template", "") or None
+        return cls(
+            path=path,
+            model=model,
+            pre=pre,
+            pre_name=pre_name,
+            tokens=tuple(tokens),
+            attrs=tuple(attrs),
+            scores=tuple(scores),
+            merges=merges,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            unk_id=unk_id,
+            eog_ids=eog_ids,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_space_prefix=add_space_prefix,
+            clean_spaces=clean_spaces,
+            ignore_merges=ignore_merges,
+            chat_template=template,
+            ids=ids,
+        )
+
+
+def _tokens(header: GgufHeader, path: str) -> list[str]:
+    tokens = header.strings("tokenizer.ggml.tokens")
+    if "" in tokens:  # llama.cpp gives empty tokens a placeholder text
+        tokens = [text or f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
+    return tokens
+
+
+def _refuse_duplicates(path: str, tokens: list[str]) -> None:
+    seen: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        first = seen.setdefault(text, i)
+        if first != i:
+            raise TokenizerError(f"{path}: duplicate token {text!r} has ids {first} and {i}")
+
+
+def _numbers(header: GgufHeader, key: str, n: int, default: float) -> list[Any]:
+    if not header.has(key):
+        return [default] * n
+    values = header.array(key)
+    if len(values) < n:
+        raise TokenizerError(f"{header.paths[0]}: {key} has {len(values)} values for {n} tokens")
+    out: list[Any] = np.asarray(values[:n]).tolist()  # Python ints / floats
+    return out
+
+
+def _flag(header: GgufHeader, key: str, default: bool) -> bool:
+    return bool(header.get(key)) if header.has(key) else default
+
+
+def _merges(header: GgufHeader) -> tuple[tuple[str, str], ...]:
+    if not header.has("tokenizer.ggml.merges"):
+        raise TokenizerError(f"{header.paths[0]}: a BPE vocabulary without tokenizer.ggml.merges")
+    lines = header.strings("tokenizer.ggml.merges")
+    if any(line[:1] == " " for line in lines):
+        pairs = [_split_merge(line) for line in lines]
+    else:
+        pairs = [(a, b) if sep else None for a, sep, b in (line.partition(" ") for line in lines)]
+    # The first of two equal merges keeps its rank; a line without a space merges nothing.
+    return tuple(p for p in dict.fromkeys(pairs) if p is not None)
+
+
+def _split_merge(line: str) -> tuple[str, str] | None:
+    cut = line.find(" ", 1)  # the first part may itself start with a space
+    return None if cut < 0 else (line[:cut], line[cut + 1 :])
+
+
+def _mark_by_text(
+    header: GgufHeader, tokens: list[str], ids: dict[str, int], attrs: list[int], eos_id: int | None
+) -> frozenset[int]:
+    """Mark the tokens llama.cpp recognises by their text; return the end-of-generation
+    ids."""
+
+    def control(found: Iterable[str]) -> list[int]:
+        out = []
+        for text in found:
+            i = ids.get(text)
+            if i is not None:
+                attrs[i] |= Attr.CONTROL
+                out.append(i)
+        return out
+
+    eog: set[int | None] = set(control(_EOG_TEXTS))
+    for key, texts in _FIM_TEXTS.items():
+        old = _FIM_OLD_KEYS.get(key)
+        if header.has(key) or (old is not None and header.has(old)):
+            found: list[int | None] = [_in_range(header, key, old, len(tokens))]
+        else:
+            found = list(control(texts))
+        if key.endswith(("pad_token_id", "rep_token_id", "sep_token_id")):
+            eog.update(i for i in found if i is not None)
+    for i, attr in enumerate(attrs):
+        if attr & Attr.CONTROL and "unused" in tokens[i]:
+            attrs[i] = attr | Attr.UNUSED
+    for text in _ALWAYS_USER_DEFINED:
+        if text in ids:
+            attrs[ids[text]] = Attr.USER_DEFINED
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if header.has(key):
+            eog.add(_in_range(header, key, None, len(tokens)))
+    eog.add(eos_id)
+    eog.discard(None)
+    eog_texts = {tokens[i] for i in eog if i is not None}
+    if "<|end|>" in eog_texts and (
+        {"<|return|>", "<|call|>"} <= eog_texts or {"<|calls|>", "<|flush|>"} <= eog_texts
+    ):
+        end = ids["<|end|>"]
+        eog.discard(end)
+        attrs[end] = Attr.USER_DEFINED
+    if "<|tool_response>" in eog_texts and "</s>" in eog_texts:
+        s = ids["</s>"]
+        eog.discard(s)
+        attrs[s] = Attr.NORMAL
+    return frozenset(i for i in eog if i is not None)
+
+
+def _strip_by_name(header: GgufHeader, ids: dict[str, int], attrs: list[int], pre: str) -> None:
+    """The whitespace-stripping attributes llama.cpp gives by model or file name."""
+    name = header.string("general.name", "").lower()
+    arch = header.string("general.architecture", "")
+
+    def mark(text: str, bit: int, on: bool = True, required: bool = False) -> None:
+        i = ids.get(text)
+        if i is None:
+            if required:  # llama.cpp fails to load such a file
+                raise TokenizerError(
+                    f"{header.paths[0]}: a model named {name!r} needs the token {text!r}"
+                )
+            return
+        attrs[i] = attrs[i] | bit if on else attrs[i] & ~bit
+
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
+        a in arch for a in ("nomic-bert-moe", "jina-bert-v3")
+    ):
+        mark("<mask>", Attr.LSTRIP)
+    elif "phi-3" in name or "phi3" in name:
+        special = Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN
+        for i, attr in enumerate(attrs):
+            if attr & special:
+                attrs[i] = attr | Attr.RSTRIP
+        mark("</s>", Attr.RSTRIP, required=True)
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            mark(text, Attr.RSTRIP, on=False, required=True)
+    elif "modern-bert" in name:
+        mark("[MASK]", Attr.LSTRIP)
+
+
+def _in_range(header: GgufHeader, key: str, old: str | None, n: int) -> int | None:
+    value = header.integer(key if header.has(key) else str(old))
+    return value if 0 <= value < n else None
