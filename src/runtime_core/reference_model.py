@@ -1,0 +1,298 @@
+"""The transformer of one stage in NumPy, in the style of llama2.c.
+
+``StageWeights.load`` dequantizes the stage's tensors to float32 once, in the layout
+the forward pass wants: every matrix transposed to ``(n_in, n_out)`` and contiguous
+(a row of activations times a matrix is then one BLAS call over memory read in
+order), Q, K and V fused into one matrix, gate and up into another. ``StageModel``
+holds those weights, the rotary tables and a KV cache of ``max_seq_len`` positions,
+and runs ``forward(x, pos)`` over rows of the residual stream.
+
+The arithmetic follows llama.cpp's graph for llama and qwen2 (``llm_build_llama``,
+``llm_build_qwen2``): RMS norm, rotary embedding, grouped-query attention with a
+causal mask and scale ``1/sqrt(head_dim)``, SwiGLU feed-forward, output norm and head.
+Rotary embedding is applied as a complex multiplication of adjacent pairs; for an
+architecture whose pairs are the two halves of a head (NeoX, qwen2) the Q and K
+columns are permuted at load time into adjacent pairs. The attention scores of a head
+are dot products of its Q and K, which a permutation applied to both leaves
+unchanged, so nothing else changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from runtime_core.gguf_slice import EMBEDDING, OUTPUT_NORM, ROPE_FREQS, StageSlice, dequantize_rows
+from runtime_core.model_config import ModelConfig, RopeConfig
+
+F32 = npt.NDArray[np.float32]
+Progress = Callable[[int, int], None]
+
+
+@attrs.define
+class BlockWeights:
+    attn_norm: F32  # (hidden,)
+    wqkv: F32  # (hidden, q_dim + k_dim + v_dim): attn_q | attn_k | attn_v, transposed
+    bqkv: F32 | None  # (q_dim + k_dim + v_dim,): the attention biases (qwen2)
+    wo: F32  # (n_heads * head_dim_v, hidden): attn_output, transposed
+    bo: F32 | None  # (hidden,)
+    ffn_norm: F32  # (hidden,)
+    w13: F32  # (hidden, 2 * ffn): ffn_gate | ffn_up, transposed
+    w2: F32  # (ffn, hidden): ffn_down, transposed
+
+
+@attrs.define
+class Embedding:
+    """``token_embd`` as stored (quantized rows); a row is dequantized when used."""
+
+    rows: npt.NDArray[np.uint8]  # (vocab, row_bytes), an owned copy
+    ggml_type: str
+
+    def lookup(self, ids: npt.NDArray[np.integer]) -> F32:
+        return dequantize_rows(self.rows[ids], self.ggml_type)  # (len(ids), hidden)
+
+
+@attrs.define
+class StageWeights:
+    config: ModelConfig
+    blocks: list[BlockWeights]  # the stage's blocks, in order
+    embedding: Embedding | None  # first stage
+    output_norm: F32 | None  # (hidden,): last stage
+    head: F32 | None  # (hidden, vocab): output (or token_embd when tied), transposed
+    rope_freq_factors: F32 | None  # (rope_dims / 2,): llama3's rope_freqs, divides theta
+
+    @property
+    def nbytes(self) -> int:
+        arrays: list[npt.NDArray[np.generic] | None] = [
+            self.output_norm,
+            self.head,
+            self.rope_freq_factors,
+            None if self.embedding is None else self.embedding.rows,
+        ]
+        for b in self.blocks:
+            arrays += [b.attn_norm, b.wqkv, b.bqkv, b.wo, b.bo, b.ffn_norm, b.w13, b.w2]
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    @classmethod
+    def load(cls, stage: StageSlice, progress: Progress | None = None) -> StageWeights:
+        """Dequantize the stage's tensors, one at a time. ``progress(done, total)``
+        counts bytes as stored in the file."""
+        total = stage.stored_bytes
+        counted: set[str] = set()
+
+        def count(name: str) -> None:
+            if name not in counted:  # a tied head is the embedding: one tensor
+                counted.add(name)
+                if progress is not None:
+                    progress(sum(stage.tensors[n].n_bytes for n in counted), total)
+
+        def dense(name: str) -> F32:
+            out = stage.dequantize(name)
+            count(name)
+            return out
+
+        def optional(name: str) -> F32 | None:
+            return dense(name) if stage.has(name) else None
+
+        config = stage.config
+        to_pairs = _rope_pair_order(config)
+        blocks = []
+        for layer in stage.layers:
+            p = f"blk.{layer}."
+            q_k_v = [p + "attn_q", p + "attn_k", p + "attn_v"]
+            wqkv = _fused_transposed([dense(n + ".weight") for n in q_k_v])
+            wqkv[:, : to_pairs.size] = wqkv[:, to_pairs]
+            biases = [optional(n + ".bias") for n in q_k_v]
+            bqkv = None
+            if any(b is not None for b in biases):
+                widths = (config.q_dim, config.k_dim, config.v_dim)
+                bqkv = np.concatenate(
+                    [
+                        np.zeros(w, np.float32) if b is None else b
+                        for b, w in zip(biases, widths, strict=True)
+                    ]
+                )
+                bqkv[: to_pairs.size] = bqkv[to_pairs]
+            blocks.append(
+                BlockWeights(
+                    attn_norm=dense(p + "attn_norm.weight"),
+                    wqkv=wqkv,
+                    bqkv=bqkv,
+                    wo=_fused_transposed([dense(p + "attn_output.weight")]),
+                    bo=optional(p + "attn_output.bias"),
+                    ffn_norm=dense(p + "ffn_norm.weight"),
+                    w13=_fused_transposed(
+                        [dense(p + "ffn_gate.weight"), dense(p + "ffn_up.weight")]
+                    ),
+                    w2=_fused_transposed([dense(p + "ffn_down.weight")]),
+                )
+            )
+        embedding = None
+        if stage.is_first:
+            embedding = Embedding(
+                np.array(stage.raw(EMBEDDING)), stage.tensors[EMBEDDING].ggml_type
+            )
+            count(EMBEDDING)
+        output_norm = head = None
+        if stage.is_last and stage.head is not None:
+            output_norm = dense(OUTPUT_NORM)
+            head = _fused_transposed([dense(stage.head)])
+        return cls(
+            config=config,
+            blocks=blocks,
+            embedding=embedding,
+            output_norm=output_norm,
+            head=head,
+            rope_freq_factors=optional(ROPE_FREQS),
+        )
+
+
+def _fused_transposed(matrices: list[F32]) -> F32:
+    """``(n_out_i, n_in)`` matrices as one contiguous ``(n_in, sum n_out_i)`` matrix."""
+    n_in = matrices[0].shape[1]
+    out = np.empty((n_in, sum(m.shape[0] for m in matrices)), dtype=np.float32)
+    at = 0
+    for m in matrices:
+        out[:, at : at + m.shape[0]] = m.T
+        at += m.shape[0]
+    return out
+
+
+def _rope_pair_order(config: ModelConfig) -> npt.NDArray[np.intp]:
+    """Column order of the fused Q|K output that puts each rotary pair side by side:
+    the identity for llama's adjacent pairs; for NeoX, head by head, the rotary part
+    ``[0, n/2, 1, n/2 + 1, ...]`` and the rest of the head unchanged."""
+    hd, n = config.head_dim_k, config.rope.n_dims
+    within = np.arange(hd)
+    if config.rope.neox:
+        within[:n] = np.stack([np.arange(n // 2), np.arange(n // 2) + n // 2], axis=1).ravel()
+    heads = config.n_heads + config.n_kv_heads
+    return (np.arange(heads)[:, None] * hd + within[None, :]).ravel()
+
+
+def rope_rotations(
+    rope: RopeConfig, max_seq_len: int, freq_factors: F32 | None
+) -> npt.NDArray[np.complex64]:
+    """``exp(i * theta)`` for every position and rotary pair: ``(max_seq_len, n/2)``.
+
+    Computed as ggml does, in float32: ``theta_0 = pos``, ``theta_{i+1} = theta_i *
+    freq_base ** (-2 / n)``, each divided by its frequency factor and multiplied by
+    ``freq_scale``."""
+    half = rope.n_dims // 2
+    theta_scale = np.float32(rope.freq_base) ** np.float32(-2.0 / rope.n_dims)
+    theta = np.empty((max_seq_len, half), dtype=np.float32)
+    t = np.arange(max_seq_len, dtype=np.float32)
+    for i in range(half):
+        theta[:, i] = t
+        t = t * theta_scale
+    if freq_factors is not None:
+        theta /= freq_factors
+    theta *= np.float32(rope.freq_scale)
+    out = np.empty((max_seq_len, half), dtype=np.complex64)
+    out.real = np.cos(theta)
+    out.imag = np.sin(theta)
+    return out
+
+
+class StageModel:
+    """One stage's blocks (and embedding / head) with a KV cache of ``max_seq_len``
+    positions; ``forward`` runs rows of the residual stream through the blocks."""
+
+    def __init__(self, weights: StageWeights, max_seq_len: int) -> None:
+        c = weights.config
+        self.weights = weights
+        self.config = c
+        self.max_seq_len = max_seq_len
+        self.rot = rope_rotations(c.rope, max_seq_len, weights.rope_freq_factors)
+        n = len(weights.blocks)
+        # Untouched pages cost no memory: the cache grows as positions are written.
+        self.k_cache = np.empty((n, c.n_kv_heads, max_seq_len, c.head_dim_k), np.float32)
+        self.v_cache = np.empty((n, c.n_kv_heads, max_seq_len, c.head_dim_v), np.float32)
+        self.scale = np.float32(1.0 / np.sqrt(c.head_dim_k))
+
+    def embed(self, ids: npt.NDArray[np.integer]) -> F32:
+        assert self.weights.embedding is not None
+        return self.weights.embedding.lookup(ids)  # (rows, hidden)
+
+    def forward(self, x: F32, pos: int) -> F32:
+        """``x``: ``(rows, hidden)`` float32 residual rows at positions ``pos ..``,
+        updated in place and returned."""
+        c = self.config
+        rows = x.shape[0]
+        qd, kd = c.q_dim, c.k_dim
+        n_rot = c.rope.n_dims
+        rot = self.rot[pos : pos + rows, None, :]  # (rows, 1, n_rot/2)
+        for layer, w in enumerate(self.weights.blocks):
+            # attention
+            xn = rms_norm(x, w.attn_norm, c.rms_eps)
+            qkv = xn @ w.wqkv  # (rows, q_dim + k_dim + v_dim)
+            if w.bqkv is not None:
+                qkv += w.bqkv
+            qk = qkv[:, : qd + kd].reshape(rows, c.n_heads + c.n_kv_heads, c.head_dim_k)
+            qk[:, :, :n_rot].view(np.complex64)[...] *= rot
+            q = qk[:, : c.n_heads]  # (rows, n_heads, head_dim)
+            k = qk[:, c.n_heads :]  # (rows, n_kv_heads, head_dim)
+            v = qkv[:, qd + kd :].reshape(rows, c.n_kv_heads, c.head_dim_v)
+            self.k_cache[layer, :, pos : pos + rows] = k.transpose(1, 0, 2)
+            self.v_cache[layer, :, pos : pos + rows] = v.transpose(1, 0, 2)
+            att = self._attention(layer, q, pos)  # (rows, n_heads * head_dim_v)
+            out = att @ w.wo
+            if w.bo is not None:
+                out += w.bo
+            x += out
+            # feed-forward
+            xn = rms_norm(x, w.ffn_norm, c.rms_eps)
+            h = xn @ w.w13  # (rows, 2 * ffn): gate | up
+            f = h.shape[1] // 2
+            gate, up = h[:, :f], h[:, f:]
+            silu = np.exp(-gate)
+            silu += 1.0
+            np.divide(gate, silu, out=gate)
+            gate *= up
+            x += gate @ w.w2
+        return x
+
+    def _attention(self, layer: int, q: F32, pos: int) -> F32:
+        c = self.config
+        rows = q.shape[0]
+        n_ctx = pos + rows
+        group = c.n_heads // c.n_kv_heads
+        # (n_kv_heads, group * rows, head_dim): each kv head's query rows, head by head.
+        qg = q.reshape(rows, c.n_kv_heads, group, c.head_dim_k).transpose(1, 2, 0, 3)
+        qg = qg.reshape(c.n_kv_heads, group * rows, c.head_dim_k)  # type: ignore[assignment]
+        keys = self.k_cache[layer, :, :n_ctx]  # (n_kv_heads, n_ctx, head_dim)
+        values = self.v_cache[layer, :, :n_ctx]
+        scores: F32 = qg @ keys.transpose(0, 2, 1)  # (n_kv_heads, group * rows, n_ctx)
+        scores *= self.scale
+        if rows > 1:  # causal: row r (at pos + r) sees keys 0 .. pos + r
+            masked = np.arange(n_ctx)[None, :] > (pos + np.arange(rows))[:, None]
+            scores.reshape(c.n_kv_heads, group, rows, n_ctx)[:, :, masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out: F32 = scores @ values  # (n_kv_heads, group * rows, head_dim_v)
+        by_row = out.reshape(c.n_kv_heads, group, rows, c.head_dim_v).transpose(2, 0, 1, 3)
+        return by_row.reshape(rows, c.n_heads * c.head_dim_v)
+
+    def logits(self, x_last: F32) -> F32:
+        """Raw logits ``(vocab,)`` of one residual row ``(1, hidden)``."""
+        w = self.weights
+        assert w.output_norm is not None and w.head is not None
+        logits: F32 = rms_norm(x_last, w.output_norm, self.config.rms_eps) @ w.head
+        return logits.reshape(-1)
+
+
+def rms_norm(x: F32, weight: F32, eps: float) -> F32:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis of ``(rows, n)``."""
+    n = x.shape[1]
+    if x.shape[0] == 1:  # a decode step: scalar arithmetic costs less than array calls
+        out: F32 = x * np.float32(1.0 / math.sqrt(float(np.dot(x[0], x[0])) / n + eps))
+    else:
+        ms = np.einsum("ij,ij->i", x, x) / np.float32(n)
+        out = x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None]
+    out *= weight
+    return out
