@@ -19,14 +19,15 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def nucleus(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
-    """Every token that top-k then top-p may keep (ties at a boundary: either side)."""
+    """Every token that top-k then top-p may keep: ties at a boundary on either side,
+    and top-p read generously (a superset of what the sampler keeps)."""
     order = sorted(range(logits.size), key=lambda i: (-logits[i], i))
     if 0 < top_k < logits.size:
         kth = logits[order[top_k - 1]]
         order = [i for i in order if logits[i] >= kth]
     probs = softmax(logits[order])
     cum = np.cumsum(probs)
-    n = int(np.searchsorted(cum, top_p - 1e-9)) + 1
+    n = int(np.searchsorted(cum, top_p + 1e-9)) + 1
     last = logits[order[min(n, len(order)) - 1]]
     return {i for i in order if logits[i] >= last}
 
