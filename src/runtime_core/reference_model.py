@@ -4,9 +4,9 @@
 the forward pass wants: contiguous matrices (a row of activations times a matrix is
 then one BLAS call over memory read in order), Q, K and V fused into one matrix,
 gate and up into another, each in the orientation OpenBLAS multiplies fastest (see
-``BlockWeights``). ``StageModel``
-holds those weights, the rotary tables and a KV cache of ``max_seq_len`` positions,
-and runs ``forward(x, pos)`` over rows of the residual stream.
+``BlockWeights``). ``StageModel`` holds those weights, the rotary tables and a KV
+cache of ``max_seq_len`` positions, and runs ``forward(x, pos)`` over rows of the
+residual stream.
 
 The arithmetic follows llama.cpp's graph for llama and qwen2 (``llm_build_llama``,
 ``llm_build_qwen2``): RMS norm, rotary embedding, grouped-query attention with a
@@ -67,18 +67,6 @@ class StageWeights:
     output_norm: F32 | None  # (hidden,): last stage
     head: F32 | None  # (hidden, vocab): output (or token_embd when tied), transposed
     rope_freq_factors: F32 | None  # (rope_dims / 2,): llama3's rope_freqs, divides theta
-
-    @property
-    def nbytes(self) -> int:
-        arrays: list[npt.NDArray[np.generic] | None] = [
-            self.output_norm,
-            self.head,
-            self.rope_freq_factors,
-            None if self.embedding is None else self.embedding.rows,
-        ]
-        for b in self.blocks:
-            arrays += [b.attn_norm, b.wqkv, b.bqkv, b.wo, b.bo, b.ffn_norm, b.w13, b.w2]
-        return sum(a.nbytes for a in arrays if a is not None)
 
     @classmethod
     def load(cls, stage: StageSlice, progress: Progress | None = None) -> StageWeights:
