@@ -70,8 +70,8 @@ class StageWeights:
 
     @classmethod
     def load(cls, stage: StageSlice, progress: Progress | None = None) -> StageWeights:
-        """Dequantize the stage's tensors, one at a time. ``progress(done, total)``
-        counts bytes as stored in the file."""
+        """Dequantize the stage's tensors, a few rows at a time, into one allocation
+        (``_Arena``). ``progress(done, total)`` counts bytes as stored in the file."""
         total = stage.stored_bytes
         counted: set[str] = set()
 
@@ -89,13 +89,25 @@ class StageWeights:
         def optional(name: str) -> F32 | None:
             return dense(name) if stage.has(name) else None
 
+        def matrix(names: list[str], out: F32, *, transposed: bool = True) -> F32:
+            for name in names:
+                count(name)
+            return _load_rows(stage, names, out, transposed=transposed)
+
         config = stage.config
+        h, qkv_dim = config.hidden_dim, config.q_dim + config.k_dim + config.v_dim
+        o_dim = config.n_heads * config.head_dim_v
+        arena = _Arena(
+            sum(h * (qkv_dim + o_dim + 3 * config.ffn_dims[i]) for i in stage.layers)
+            + (h * stage.vocab_size if stage.head is not None else 0)
+        )
         to_pairs = _rope_pair_order(config)
         blocks = []
         for layer in stage.layers:
             p = f"blk.{layer}."
+            f = config.ffn_dims[layer]
             q_k_v = [p + "attn_q", p + "attn_k", p + "attn_v"]
-            wqkv = _fused_transposed([dense(n + ".weight") for n in q_k_v])
+            wqkv = matrix([n + ".weight" for n in q_k_v], arena.take(h, qkv_dim))
             wqkv[:, : to_pairs.size] = wqkv[:, to_pairs]
             biases = [optional(n + ".bias") for n in q_k_v]
             bqkv = None
@@ -113,13 +125,11 @@ class StageWeights:
                     attn_norm=dense(p + "attn_norm.weight"),
                     wqkv=wqkv,
                     bqkv=bqkv,
-                    wo=_fused_transposed([dense(p + "attn_output.weight")]),
+                    wo=matrix([p + "attn_output.weight"], arena.take(o_dim, h)),
                     bo=optional(p + "attn_output.bias"),
                     ffn_norm=dense(p + "ffn_norm.weight"),
-                    w13=_fused_transposed(
-                        [dense(p + "ffn_gate.weight"), dense(p + "ffn_up.weight")]
-                    ),
-                    w2=dense(p + "ffn_down.weight"),
+                    w13=matrix([p + "ffn_gate.weight", p + "ffn_up.weight"], arena.take(h, 2 * f)),
+                    w2=matrix([p + "ffn_down.weight"], arena.take(h, f), transposed=False),
                 )
             )
         embedding = None
@@ -131,7 +141,8 @@ class StageWeights:
         output_norm = head = None
         if stage.is_last and stage.head is not None:
             output_norm = dense(OUTPUT_NORM)
-            head = _fused_transposed([dense(stage.head)])
+            head = matrix([stage.head], arena.take(h, stage.vocab_size))
+        arena.check_full()
         return cls(
             config=config,
             blocks=blocks,
@@ -142,14 +153,46 @@ class StageWeights:
         )
 
 
-def _fused_transposed(matrices: list[F32]) -> F32:
-    """``(n_out_i, n_in)`` matrices as one contiguous ``(n_in, sum n_out_i)`` matrix."""
-    n_in = matrices[0].shape[1]
-    out = np.empty((n_in, sum(m.shape[0] for m in matrices)), dtype=np.float32)
+class _Arena:
+    """One allocation for every matrix of a stage, so that what loading allocates and
+    frees never sits between two of them."""
+
+    def __init__(self, n_floats: int) -> None:
+        self._data = np.empty(n_floats, dtype=np.float32)
+        self._at = 0
+
+    def take(self, rows: int, cols: int) -> F32:
+        """The next ``(rows, cols)`` of the arena, contiguous."""
+        view = self._data[self._at : self._at + rows * cols].reshape(rows, cols)
+        self._at += rows * cols
+        return view
+
+    def check_full(self) -> None:
+        assert self._at == self._data.size, (self._at, self._data.size)
+
+
+#: Rows dequantized at a time. The gguf package holds a few copies of what it
+#: dequantizes; a whole head (SmolLM2: 113 MB in float32) would leave the stage
+#: holding up to that much more memory after loading, depending on the heap's layout.
+_CHUNK_ROWS = 1024
+
+
+def _load_rows(stage: StageSlice, names: list[str], out: F32, *, transposed: bool) -> F32:
+    """Matrices ``names`` (``(n_out_i, n_in)`` once dequantized) stacked into ``out``:
+    side by side and transposed, ``(n_in, sum n_out_i)``, or one above the other as
+    stored, ``(sum n_out_i, n_in)``."""
     at = 0
-    for m in matrices:
-        out[:, at : at + m.shape[0]] = m.T
-        at += m.shape[0]
+    for name in names:
+        raw = stage.raw(name)  # (n_out, row_bytes)
+        for start in range(0, raw.shape[0], _CHUNK_ROWS):
+            rows = dequantize_rows(raw[start : start + _CHUNK_ROWS], stage.tensors[name].ggml_type)
+            span = slice(at + start, at + start + rows.shape[0])
+            if transposed:
+                out[:, span] = rows.T
+            else:
+                out[span] = rows
+        at += raw.shape[0]
+    assert at == (out.shape[1] if transposed else out.shape[0]), (names, out.shape)
     return out
 
 
