@@ -326,3 +326,32 @@ _TOKENIZER_PIECES = st.sampled_from(
 tokenizer_texts = st.lists(st.one_of(st.text(max_size=8), _TOKENIZER_PIECES), max_size=12).map(
     "".join
 )
+
+
+@st.composite
+def layer_ranges(draw: st.DrawFn, num_layers: int) -> tuple[int, int]:
+    """A non-empty range ``[start, end)`` of ``0..num_layers``."""
+    start = draw(st.integers(0, num_layers - 1))
+    return start, draw(st.integers(start + 1, num_layers))
+
+
+@st.composite
+def logits_vectors(draw: st.DrawFn, *, max_size: int = 64) -> Any:
+    """Finite float32 logits, with ties likely (values drawn from a small set)."""
+    import numpy as np
+
+    size = draw(st.integers(1, max_size))
+    values = st.one_of(
+        st.sampled_from([-3.0, -1.0, 0.0, 0.5, 2.0, 2.0]),
+        st.floats(-30.0, 30.0, width=32),
+    )
+    return np.array(draw(st.lists(values, min_size=size, max_size=size)), dtype=np.float32)
+
+
+sampling_configs = st.builds(
+    SamplingConfig,
+    temperature=st.one_of(st.just(0.0), st.floats(0.05, 3.0)),
+    top_k=st.integers(0, 80),
+    top_p=st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
+    seed=st.integers(0, 2**64 - 1),
+)

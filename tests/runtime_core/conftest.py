@@ -1,4 +1,5 @@
-"""Tokenizers of the files llama.cpp's fixtures were recorded from.
+"""Shared fixtures: the tokenizers of the files llama.cpp's fixtures were recorded
+from, and SmolLM2 bound in one stage.
 
 ``tests/fixtures/llamacpp/tokenizer/*.json`` come from
 ``scripts/record_tokenizer_fixtures.py``. SmolLM2 is the bundled file; every other
@@ -10,7 +11,7 @@ llama.cpp produced for a different vocabulary.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 
 from runtime_core.tokenizer import Tokenizer
 from tests.fixtures.gguf_vocab import SPECS, VocabSpec, tokenizer_digest, write_vocab
+from tests.runtime_core.chain import Chain, provisions
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "llamacpp" / "tokenizer"
 CHAT_FIXTURE = "smollm2-135m.chat"
@@ -82,3 +84,17 @@ def vocab_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[VocabSpec]
         return written[spec]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_chain(smollm2_path: str) -> Iterator[Chain]:
+    """SmolLM2 in one stage (first and last), greedy, returning logits."""
+    chain = Chain.bind(provisions(smollm2_path, 1, max_seq_len=96))
+    yield chain
+    chain.release()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where regenerated fixture models are written (once per session)."""
+    return tmp_path_factory.mktemp("models")

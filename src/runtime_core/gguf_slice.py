@@ -1,0 +1,258 @@
+"""One stage's slice of a GGUF model: exactly the tensors the stage owns.
+
+A stage owns the tensors of its blocks ``blk.{i}.*`` for ``i`` in
+``[layer_start, layer_end_exclusive)``, plus ``token_embd.weight`` on the first stage,
+``output_norm.weight`` and the head on the last (``output.weight``, or
+``token_embd.weight`` when the file has none: a tied head), plus the tensors every
+stage needs (llama3's ``rope_freqs.weight``). ``open_stage_slice`` reads the header
+(a split set reads as one file) and checks every owned tensor's presence, shape
+and type before anything is loaded, so a bad file fails as a whole with a typed
+error (``UnsupportedModel`` or ``GgufError``) and nothing half-loaded. Other stages'
+tensors are never read or checked. Data is read through the file's memory map, one
+tensor at a time, and dequantized with the gguf package.
+
+Shapes are llama.cpp's ``ne``: fastest-varying dimension first, so a matrix stored as
+``(n_in, n_out)`` dequantizes to a NumPy ``(n_out, n_in)`` array (one row per output).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+from attrs import frozen
+from gguf import GGMLQuantizationType, quants
+
+from runplan import GgufSource, WorkerCapabilities
+from runplan.gguf_header import GgufHeader, TensorInfo
+from runtime_core.errors import UnsupportedModel
+from runtime_core.model_config import ModelConfig
+
+EMBEDDING = "token_embd.weight"
+OUTPUT = "output.weight"
+OUTPUT_NORM = "output_norm.weight"
+ROPE_FREQS = "rope_freqs.weight"
+
+#: Block tensors (after ``blk.{i}.``) every architecture has.
+BLOCK_WEIGHTS = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
+#: Attention biases: required by qwen2, optional for llama.
+BLOCK_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
+_REQUIRED_BIASES = {"qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias")}
+
+
+@frozen
+class TensorSpec:
+    shape: tuple[int, ...]  # llama.cpp order: fastest-varying dimension first
+    required: bool
+
+
+def block_specs(config: ModelConfig, layer: int) -> dict[str, TensorSpec]:
+    """The tensors of block ``layer`` with the shapes the config implies."""
+    h, f = config.hidden_dim, config.ffn_dims[layer]
+    q, k, v = config.q_dim, config.k_dim, config.v_dim
+    o = config.n_heads * config.head_dim_v
+    shapes = {
+        "attn_norm.weight": (h,),
+        "attn_q.weight": (h, q),
+        "attn_k.weight": (h, k),
+        "attn_v.weight": (h, v),
+        "attn_output.weight": (o, h),
+        "ffn_norm.weight": (h,),
+        "ffn_gate.weight": (h, f),
+        "ffn_up.weight": (h, f),
+        "ffn_down.weight": (f, h),
+        "attn_q.bias": (q,),
+        "attn_k.bias": (k,),
+        "attn_v.bias": (v,),
+        "attn_output.bias": (h,),
+    }
+    required = set(BLOCK_WEIGHTS) | set(_REQUIRED_BIASES.get(config.architecture, ()))
+    return {
+        f"blk.{layer}.{name}": TensorSpec(shape, name in required) for name, shape in shapes.items()
+    }
+
+
+def dequantize_rows(raw: npt.NDArray[np.uint8], ggml_type: str) -> npt.NDArray[np.float32]:
+    """Rows of raw GGML data (``(..., row_bytes)``) as an owned float32 array
+    (``(..., row_elements)``), dequantized by the gguf package."""
+    out = quants.dequantize(raw, GGMLQuantizationType[ggml_type])
+    if np.shares_memory(out, raw):  # F32 comes back as a view of the file
+        out = out.copy()
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+@attrs.define
+class StageSlice:
+    """The checked tensors of one stage, read from the memory-mapped file on request.
+    ``close()`` (or leaving a ``with`` block) drops the mapping."""
+
+    path: str
+    config: ModelConfig
+    layer_start: int
+    layer_end_exclusive: int
+    is_first: bool
+    is_last: bool
+    vocab_size: int
+    head: str | None  # the head tensor's name on the last stage
+    tensors: Mapping[str, TensorInfo]  # exactly the tensors this stage owns
+    _header: GgufHeader | None
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end_exclusive)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the owned tensors as stored in the file."""
+        return sum(info.n_bytes for info in self.tensors.values())
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def raw(self, name: str) -> npt.NDArray[np.uint8]:
+        """The stored bytes of ``name`` as rows: ``(..., ne1, row_bytes)``, a view of the
+        memory-mapped file (valid until ``close``)."""
+        if self._header is None:
+            raise ValueError(f"{self.path}: the slice is closed")
+        info = self.tensors[name]  # KeyError for a tensor this stage does not own
+        data = self._header.tensor_bytes(name)
+        return data.reshape(*reversed(info.shape[1:]), -1)
+
+    def dequantize(self, name: str) -> npt.NDArray[np.float32]:
+        """``name`` as an owned float32 array of NumPy shape ``reversed(info.shape)``."""
+        return dequantize_rows(self.raw(name), self.tensors[name].ggml_type)
+
+    def close(self) -> None:
+        self._header = None
+
+    def __enter__(self) -> StageSlice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_stage_slice(
+    source: GgufSource | str | os.PathLike[str],
+    layer_start: int,
+    layer_end_exclusive: int,
+    *,
+    is_first: bool,
+    is_last: bool,
+    capabilities: WorkerCapabilities | None = None,
+) -> StageSlice:
+    """Read the header of ``source`` and check the stage's tensors.
+
+    Raises ``GgufError`` for a file that is not a readable GGUF model, and
+    ``UnsupportedModel`` for an architecture, quant type or rope scaling outside
+    ``capabilities`` (default: the NumPy reference worker's), or an owned tensor that
+    is missing, has the wrong shape, or is not part of the architecture. Raises
+    ``ValueError`` for a layer range outside the model.
+    """
+    caps = capabilities if capabilities is not None else WorkerCapabilities()
+    path = source.paths[0] if isinstance(source, GgufSource) else os.fspath(source)
+    header = GgufHeader.read(path)
+    path = header.paths[0]
+    config = ModelConfig.from_header(header, caps.architectures)
+    if not 0 <= layer_start < layer_end_exclusive <= config.n_layers:
+        raise ValueError(
+            f"{path}: layers [{layer_start}, {layer_end_exclusive}) are not a range of "
+            f"the model's {config.n_layers} blocks"
+        )
+    tensors = header.tensors
+    vocab = _vocab_size(header, config.architecture)
+    specs: dict[str, TensorSpec] = {}
+    for layer in range(layer_start, layer_end_exclusive):
+        specs.update(block_specs(config, layer))
+        _refuse_unknown_block_tensors(path, config, layer, tensors, specs)
+    h = config.hidden_dim
+    head = None
+    if is_first:
+        specs[EMBEDDING] = TensorSpec((h, vocab), True)
+    if is_last:
+        head = OUTPUT if OUTPUT in tensors else EMBEDDING
+        specs[OUTPUT_NORM] = TensorSpec((h,), True)
+        specs[head] = TensorSpec((h, vocab), True)
+    if ROPE_FREQS in tensors:
+        specs[ROPE_FREQS] = TensorSpec((config.rope.n_dims // 2,), True)
+
+    owned: dict[str, TensorInfo] = {}
+    for name, spec in specs.items():
+        info = tensors.get(name)
+        if info is None:
+            if spec.required:
+                raise UnsupportedModel(path, "a tensor the stage needs is missing", tensor=name)
+            continue
+        if info.shape != spec.shape:
+            raise UnsupportedModel(
+                path,
+                f"shape {list(info.shape)} where the model's metadata implies {list(spec.shape)}",
+                tensor=name,
+            )
+        if info.ggml_type not in caps.quant_types:
+            raise UnsupportedModel(
+                path,
+                f"quant type {info.ggml_type} is not one the {caps.name} worker runs "
+                f"({', '.join(caps.quant_types)})",
+                tensor=name,
+            )
+        owned[name] = info
+    return StageSlice(
+        path=path,
+        config=config,
+        layer_start=layer_start,
+        layer_end_exclusive=layer_end_exclusive,
+        is_first=is_first,
+        is_last=is_last,
+        vocab_size=vocab,
+        head=head,
+        tensors=owned,
+        header=header,
+    )
+
+
+def _vocab_size(header: GgufHeader, arch: str) -> int:
+    """As ``model_facts_from_gguf`` reads it: ``{arch}.vocab_size``, else the number
+    of tokens, else the embedding's second dimension."""
+    if header.has(f"{arch}.vocab_size"):
+        return header.integer(f"{arch}.vocab_size")
+    if header.has("tokenizer.ggml.tokens"):
+        return header.array_length("tokenizer.ggml.tokens")
+    info = header.tensors.get(EMBEDDING)
+    if info is None or len(info.shape) != 2:
+        raise UnsupportedModel(header.paths[0], "no 2-d token embedding", tensor=EMBEDDING)
+    return info.shape[1]
+
+
+def _block_tensor_names(layer: int, tensors: Mapping[str, TensorInfo]) -> Iterator[str]:
+    prefix = f"blk.{layer}."
+    return (name for name in tensors if name.startswith(prefix))
+
+
+def _refuse_unknown_block_tensors(
+    path: str,
+    config: ModelConfig,
+    layer: int,
+    tensors: Mapping[str, TensorInfo],
+    specs: Mapping[str, TensorSpec],
+) -> None:
+    for name in _block_tensor_names(layer, tensors):
+        if name not in specs:
+            raise UnsupportedModel(
+                path,
+                f"not a tensor of the {config.architecture} architecture as this worker runs it",
+                tensor=name,
+            )

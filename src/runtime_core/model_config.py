@@ -1,0 +1,159 @@
+"""The model's hyperparameters, read from GGUF metadata (llama2.c's ``Config``).
+
+Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
+
+- ``{arch}.block_count``, ``.embedding_length``, ``.feed_forward_length`` (a number,
+  or one per block), ``.attention.head_count``, ``.attention.head_count_kv``,
+  ``.attention.key_length`` / ``.value_length`` (default ``hidden / heads``),
+  ``.attention.layer_norm_rms_epsilon``.
+- Rotary embedding: ``{arch}.rope.freq_base`` (default 10000),
+  ``.rope.dimension_count`` (default the key head size), ``.rope.scaling.type``
+  (``none`` or ``linear``; llama.cpp's default when absent is linear) and
+  ``.rope.scaling.factor`` (or the older ``.rope.scale_linear``): positions are
+  multiplied by ``1 / factor``, and by 1 when the type is ``none``. YaRN and LongRoPE
+  are refused. llama3's ``rope_freqs.weight`` tensor (per-frequency divisors) is a
+  tensor, so the slice loads it, not this config.
+- The layout of rotary pairs is the architecture's: llama rotates adjacent pairs
+  ``(2i, 2i+1)`` ("normal"), qwen2 the two halves ``(i, i + n/2)`` ("NeoX").
+"""
+
+from __future__ import annotations
+
+from attrs import frozen
+from gguf import GGUFValueType
+
+from runplan.gguf_header import GgufError, GgufHeader
+from runtime_core.errors import UnsupportedModel
+
+#: Rotary layout of each architecture we run: True for NeoX (split halves).
+ROPE_NEOX: dict[str, bool] = {"llama": False, "qwen2": True}
+
+
+@frozen
+class RopeConfig:
+    n_dims: int  # leading dimensions of each head that rotate (even, <= head size)
+    freq_base: float  # theta_i = pos * freq_scale * freq_base ** (-2i / n_dims)
+    freq_scale: float  # 1 / linear scaling factor
+    neox: bool  # pairs (i, i + n_dims/2) when True, (2i, 2i+1) when False
+
+
+@frozen
+class ModelConfig:
+    architecture: str
+    n_layers: int
+    hidden_dim: int
+    ffn_dims: tuple[int, ...]  # feed-forward size of each block
+    n_heads: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    context_length: int
+    rms_eps: float
+    rope: RopeConfig
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim_k
+
+    @property
+    def k_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim_k
+
+    @property
+    def v_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim_v
+
+    @classmethod
+    def from_header(cls, header: GgufHeader, architectures: tuple[str, ...]) -> ModelConfig:
+        """The config of the model in ``header``. Raises ``UnsupportedModel`` for an
+        architecture outside ``architectures`` (or one we have no layout for), a
+        mixture of experts, or a rope scaling we do not run; ``GgufError`` for a
+        missing or malformed key."""
+        path = header.paths[0]
+        arch = header.string("general.architecture")
+        if arch not in architectures or arch not in ROPE_NEOX:
+            runs = ", ".join(a for a in architectures if a in ROPE_NEOX)
+            raise UnsupportedModel(
+                path,
+                f"architecture {arch!r} is not one this worker runs ({runs})",
+                key="general.architecture",
+            )
+        if header.integer(f"{arch}.expert_count", default=0) > 0:
+            raise UnsupportedModel(
+                path, "mixture-of-experts models are not supported", key=f"{arch}.expert_count"
+            )
+        n_layers = header.integer(f"{arch}.block_count")
+        hidden = header.integer(f"{arch}.embedding_length")
+        heads = header.integer(f"{arch}.attention.head_count")
+        heads_kv = header.integer(f"{arch}.attention.head_count_kv", default=heads)
+        if heads < 1 or heads_kv < 1 or heads % heads_kv:
+            raise GgufError(
+                path,
+                f"{heads} attention heads cannot share {heads_kv} key/value heads",
+                f"{arch}.attention.head_count_kv",
+            )
+        head_dim_k = header.integer(f"{arch}.attention.key_length", default=hidden // heads)
+        head_dim_v = header.integer(f"{arch}.attention.value_length", default=hidden // heads)
+        return cls(
+            architecture=arch,
+            n_layers=n_layers,
+            hidden_dim=hidden,
+            ffn_dims=_ffn_dims(header, arch, n_layers),
+            n_heads=heads,
+            n_kv_heads=heads_kv,
+            head_dim_k=head_dim_k,
+            head_dim_v=head_dim_v,
+            context_length=header.integer(f"{arch}.context_length"),
+            rms_eps=_float(header, f"{arch}.attention.layer_norm_rms_epsilon", None),
+            rope=_rope(header, arch, head_dim_k),
+        )
+
+
+def _float(header: GgufHeader, key: str, default: float | None) -> float:
+    if not header.has(key):
+        if default is not None:
+            return default
+        raise GgufError(header.paths[0], "required key is missing", key)
+    value = header.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GgufError(header.paths[0], f"expected a number, found {value!r}", key)
+    return float(value)
+
+
+def _ffn_dims(header: GgufHeader, arch: str, n_layers: int) -> tuple[int, ...]:
+    key = f"{arch}.feed_forward_length"
+    if header.has(key) and header.value_type(key) == GGUFValueType.ARRAY:
+        dims = tuple(int(d) for d in header.array(key))
+        if len(dims) != n_layers:
+            raise GgufError(header.paths[0], f"{len(dims)} sizes for {n_layers} blocks", key)
+        return dims
+    return (header.integer(key),) * n_layers
+
+
+def _rope(header: GgufHeader, arch: str, head_dim: int) -> RopeConfig:
+    path = header.paths[0]
+    n_dims = header.integer(f"{arch}.rope.dimension_count", default=head_dim)
+    if n_dims < 2 or n_dims % 2 or n_dims > head_dim:
+        raise UnsupportedModel(
+            path,
+            f"rotary dimension count {n_dims} for heads of {head_dim}",
+            key=f"{arch}.rope.dimension_count",
+        )
+    type_key = f"{arch}.rope.scaling.type"
+    scaling = header.string(type_key) if header.has(type_key) else "linear"
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModel(path, f"rope scaling {scaling!r} is not supported", key=type_key)
+    factor = _float(header, f"{arch}.rope.scaling.factor", 0.0)
+    if factor == 0.0:
+        factor = _float(header, f"{arch}.rope.scale_linear", 0.0)
+    if factor < 0.0:
+        raise UnsupportedModel(
+            path, f"rope scaling factor {factor}", key=f"{arch}.rope.scaling.factor"
+        )
+    freq_scale = 1.0 if scaling == "none" or factor == 0.0 else 1.0 / factor
+    return RopeConfig(
+        n_dims=n_dims,
+        freq_base=_float(header, f"{arch}.rope.freq_base", 10000.0),
+        freq_scale=freq_scale,
+        neox=ROPE_NEOX[arch],
+    )

@@ -1,0 +1,179 @@
+"""The NumPy reference worker (EDGES_AND_WORKERS.md §4): runs one stage on the CPU.
+
+Weights are dequantized to float32 at ``bind`` (only the stage's own tensors, see
+``gguf_slice``); the residual stream inside the stage is float32; activations leave
+and enter the stage in the plan's dtype (``activations``). The KV cache holds
+``max_seq_len`` positions of the stage's blocks in float32.
+
+Sequence 0 is the prefill of every prompt row at positions ``0..rows-1`` and starts
+the run's sequence afresh (cache and sampler); sequence ``k > 0`` must follow
+``k - 1`` and decodes one row at position ``prompt_len + k - 1``. The last stage
+samples from the raw logits of the last row and returns a ``TokenOutput`` (with the
+logits when the run asks for them).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from runplan import GgufSource, ProvisionStage, SamplingConfig, WorkerCapabilities
+from runplan.gguf_header import GgufError
+from runtime_core import activations
+from runtime_core.errors import UnsupportedModel
+from runtime_core.gguf_slice import open_stage_slice
+from runtime_core.reference_model import StageModel, StageWeights
+from runtime_core.sampling import Sampler
+from runtime_core.worker import Progress, TokenOutput, WorkerError
+
+
+@attrs.define
+class _Bound:
+    """What ``bind`` made: weights, cache, sampler, and where the sequence stands."""
+
+    model: StageModel
+    vocab_size: int
+    sampler: Sampler | None  # last stage
+    next_sequence: int | None = None  # None until a prefill
+    next_pos: int = 0
+
+
+class ReferenceWorker:
+    """One stage's compute engine in NumPy. Implements ``runtime_core.worker.Worker``."""
+
+    capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
+
+    def __init__(self) -> None:
+        self._provision: ProvisionStage | None = None
+        self._bound: _Bound | None = None
+
+    # -- Worker -----------------------------------------------------------------
+    def configure(self, provision: ProvisionStage) -> None:
+        if provision.model.architecture not in self.capabilities.architectures:
+            raise WorkerError(
+                f"architecture {provision.model.architecture!r} is not one the "
+                f"{self.capabilities.name} worker runs"
+            )
+        try:
+            activations.edge_dtype(provision.model.dtype_family, provision.model.dtype_width_bytes)
+        except ValueError as exc:
+            raise WorkerError(str(exc)) from exc
+        self._provision = provision
+        self._bound = None
+
+    def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
+        """Load the stage's tensors. A file that cannot be run raises ``WorkerError``
+        whose ``__cause__`` is the typed ``UnsupportedModel`` or ``GgufError``; the
+        worker then stays unbound."""
+        p = self._provision
+        if p is None:
+            raise WorkerError("bind before configure")
+        self._bound = None
+        try:
+            with open_stage_slice(
+                gguf_source,
+                p.layer_start,
+                p.layer_end_exclusive,
+                is_first=p.is_first,
+                is_last=p.is_last,
+                capabilities=self.capabilities,
+            ) as stage:
+                config = stage.config
+                if (config.architecture, config.hidden_dim) != (
+                    p.model.architecture,
+                    p.model.hidden_dim,
+                ):
+                    raise WorkerError(
+                        f"{stage.path}: a {config.architecture} model of hidden size "
+                        f"{config.hidden_dim}, the plan says {p.model.architecture} of "
+                        f"{p.model.hidden_dim}"
+                    )
+                weights = StageWeights.load(stage, progress)
+                vocab = stage.vocab_size
+        except (UnsupportedModel, GgufError, ValueError, OSError) as exc:
+            raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
+        sampler = None
+        if p.is_last:
+            try:
+                sampler = Sampler(p.sampling or SamplingConfig())
+            except ValueError as exc:
+                raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
+        self._bound = _Bound(StageModel(weights, p.model.max_seq_len), vocab, sampler)
+
+    def execute_step(
+        self, sequence: int, data: npt.NDArray[np.generic]
+    ) -> npt.NDArray[np.generic] | TokenOutput:
+        p, b = self._provision, self._bound
+        if p is None or b is None:
+            raise WorkerError(f"execute_step({sequence}) before bind completed")
+        pos = self._position(b, sequence, p.model.max_seq_len, data)
+        if sequence == 0 and b.sampler is not None:
+            b.sampler = Sampler(b.sampler.config)  # the sequence starts afresh: so do draws
+        edge = activations.edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
+        try:
+            if p.is_first:
+                x = b.model.embed(self._token_ids(data, b.vocab_size))
+            else:
+                x = activations.decode(self._activation_rows(data, p.model.hidden_dim), edge)
+            x = b.model.forward(x, pos)
+            result: npt.NDArray[np.generic] | TokenOutput
+            if p.is_last:
+                assert b.sampler is not None
+                logits = b.model.logits(x[-1:])
+                token = b.sampler.sample(logits)
+                result = TokenOutput(token, logits if p.return_logits else None)
+            else:
+                result = activations.encode(x, edge)
+        except WorkerError:
+            raise
+        except (ValueError, FloatingPointError, MemoryError) as exc:
+            raise WorkerError(f"step {sequence} failed: {exc}") from exc
+        b.next_sequence = sequence + 1
+        b.next_pos = pos + x.shape[0]
+        return result
+
+    def release(self) -> None:
+        self._bound = None
+        self._provision = None
+
+    # -- checks -------------------------------------------------------------------
+    @staticmethod
+    def _position(b: _Bound, sequence: int, max_seq_len: int, data: npt.NDArray[np.generic]) -> int:
+        rows = data.shape[0] if data.ndim >= 1 else 0
+        if sequence == 0:
+            pos = 0
+        elif sequence != b.next_sequence:
+            expected = "0 (a prefill)" if b.next_sequence is None else str(b.next_sequence)
+            raise WorkerError(f"step {sequence} out of order: expected {expected}")
+        else:
+            pos = b.next_pos
+            if rows != 1:
+                raise WorkerError(f"decode step {sequence} carries {rows} rows, expected 1")
+        if rows < 1:
+            raise WorkerError(f"step {sequence} carries no rows")
+        if pos + rows > max_seq_len:
+            raise WorkerError(
+                f"step {sequence} needs positions up to {pos + rows}, the run's "
+                f"max_seq_len is {max_seq_len}"
+            )
+        return pos
+
+    @staticmethod
+    def _token_ids(data: npt.NDArray[np.generic], vocab: int) -> npt.NDArray[np.intp]:
+        if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
+            raise WorkerError(
+                f"the first stage takes token ids (rows,), got {data.dtype} {data.shape}"
+            )
+        ids = data.astype(np.intp)
+        if ((ids < 0) | (ids >= vocab)).any():
+            raise WorkerError(f"token ids outside 0..{vocab - 1}: {data.tolist()}")
+        return ids
+
+    @staticmethod
+    def _activation_rows(data: npt.NDArray[np.generic], hidden: int) -> npt.NDArray[np.generic]:
+        if data.ndim != 2 or data.shape[1] != hidden:
+            raise WorkerError(f"activations of shape {data.shape}, expected (rows, {hidden})")
+        return data

@@ -1,0 +1,78 @@
+"""Picking the next token from the last stage's logits.
+
+``SamplingConfig(temperature, top_k, top_p, seed)``: temperature 0 is greedy (the
+first index of the largest logit). Otherwise, in llama.cpp's order (its default
+sampler chain): keep the ``top_k`` largest logits (0 = all), then the smallest set of
+the most likely of those whose probability (softmax of the raw logits) reaches
+``top_p`` (1 = all), then draw from the softmax of the kept logits divided by the
+temperature. Ties are ordered by token id. Each draw takes exactly one number from a
+``numpy.random.Generator(PCG64(seed))`` made for the run, so the same seed and the
+same logits give the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from runplan import SamplingConfig
+
+
+class Sampler:
+    """The sampling state of one run."""
+
+    def __init__(self, config: SamplingConfig) -> None:
+        if not (math.isfinite(config.temperature) and config.temperature >= 0.0):
+            raise ValueError(f"temperature {config.temperature} is not a finite number >= 0")
+        if config.top_k < 0:
+            raise ValueError(f"top_k {config.top_k} is negative")
+        if not 0.0 < config.top_p <= 1.0:
+            raise ValueError(f"top_p {config.top_p} is not in (0, 1]")
+        self.config = config
+        self._rng = np.random.Generator(np.random.PCG64(config.seed))
+
+    def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        """One token id for the raw ``logits`` (length ``n_vocab``)."""
+        if logits.ndim != 1 or logits.size == 0:
+            raise ValueError(f"logits of shape {logits.shape}, expected (n_vocab,)")
+        if not np.isfinite(logits).all():
+            raise ValueError("logits hold NaN or infinite values")
+        c = self.config
+        if c.temperature == 0.0:
+            return int(np.argmax(logits))
+        ids = _top_k(logits, c.top_k)
+        kept = logits[ids].astype(np.float64)
+        if c.top_p < 1.0:
+            probs = _softmax(kept)
+            n = int(np.searchsorted(np.cumsum(probs), c.top_p, side="left")) + 1
+            ids, kept = ids[:n], kept[:n]
+        probs = _softmax(kept / c.temperature)
+        cdf = np.cumsum(probs)
+        at = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
+        return int(ids[min(at, len(ids) - 1)])
+
+
+def _top_k(logits: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.intp]:
+    """Token ids of the ``k`` largest logits (all when ``k`` is 0), largest first,
+    ties by id."""
+    n = logits.size
+    if 0 < k < n:
+        part = np.argpartition(-logits, k - 1)[:k]
+        # The k-th largest value may be shared by ids argpartition left out: take
+        # the lowest ids among equals, so the choice depends on the values alone.
+        kth = logits[part].min()
+        above = np.flatnonzero(logits > kth)
+        ties = np.flatnonzero(logits == kth)[: k - above.size]
+        ids = np.concatenate([above, ties])
+    else:
+        ids = np.arange(n)
+    order = np.lexsort((ids, -logits[ids]))
+    return ids[order]
+
+
+def _softmax(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    e = np.exp(x - x.max())
+    out: npt.NDArray[np.float64] = e / e.sum()
+    return out

@@ -1,0 +1,35 @@
+"""Comparisons of logits and greedy tokens with llama.cpp's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+#: A step where llama.cpp's two largest logits are closer than this is a near-tie:
+#: within the measured distance between llama.cpp's logits and an exact float32
+#: computation of the same weights (up to ~0.1 on the quantized fixtures, ~1 on SmolLM2
+#: Q4_1, where most entries are far from the top), so either token is right.
+NEAR_TIE = 0.1
+
+
+def cosine(a: npt.NDArray[np.floating], b: npt.NDArray[np.floating]) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(a64 @ b64 / (np.linalg.norm(a64) * np.linalg.norm(b64)))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def first_near_tie(gaps: Sequence[float], n: int) -> int:
+    """The first of the first ``n`` steps whose top-2 gap is below ``NEAR_TIE`` (``n``
+    when there is none)."""
+    return next((i for i, g in enumerate(gaps[:n]) if g < NEAR_TIE), n)

@@ -1,0 +1,211 @@
+"""Loading one stage's slice of a GGUF model: exactly its tensors, typed errors for
+files it cannot run, nothing half-loaded, other stages' tensors never touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runplan import GgufError, GgufSource
+from runplan.gguf_header import GgufHeader
+from runtime_core.errors import UnsupportedModel
+from runtime_core.gguf_slice import open_stage_slice
+from runtime_core.reference import ReferenceWorker
+from runtime_core.worker import WorkerError
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.runtime_core.chain import provisions
+from tests.strategies import layer_ranges
+
+N_LAYERS = 4
+SHAPES = {
+    "tied": ModelShape(n_layers=N_LAYERS),
+    "untied": ModelShape(n_layers=N_LAYERS, tied=False, arch="qwen2", seed=5),
+    "rope_freqs": ModelShape(n_layers=N_LAYERS, rope_freqs=True, seed=6),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("slice")
+    return {key: write_model(d / f"{key}.gguf", shape) for key, shape in SHAPES.items()}
+
+
+def expected_tensors(path: Path, start: int, end: int) -> set[str]:
+    """Blocks ``start..end-1``; the embedding on the first stage; the output norm and
+    the head on the last (``token_embd`` when there is no ``output``); ``rope_freqs``
+    (if any) on every stage."""
+    names = set(GgufHeader.read(path).tensors)
+    want = {n for n in names if n.startswith("blk.") and start <= int(n.split(".")[1]) < end}
+    if start == 0:
+        want.add("token_embd.weight")
+    if end == N_LAYERS:
+        want.add("output_norm.weight")
+        want.add("output.weight" if "output.weight" in names else "token_embd.weight")
+    return want | ({"rope_freqs.weight"} & names)
+
+
+@given(key=st.sampled_from(sorted(SHAPES)), layers=layer_ranges(N_LAYERS))
+def test_a_stage_owns_exactly_its_blocks_and_its_ends(
+    models: dict[str, Path], key: str, layers: tuple[int, int]
+) -> None:
+    start, end = layers
+    with open_stage_slice(
+        models[key], start, end, is_first=start == 0, is_last=end == N_LAYERS
+    ) as stage:
+        assert set(stage.tensors) == expected_tensors(models[key], start, end)
+        if end == N_LAYERS:
+            assert stage.head == ("token_embd.weight" if key != "untied" else "output.weight")
+        else:
+            assert stage.head is None
+        for name, info in stage.tensors.items():
+            array = stage.dequantize(name)
+            assert array.dtype == np.float32
+            assert array.shape == tuple(reversed(info.shape))
+            assert array.flags.c_contiguous and array.flags.owndata
+
+
+def test_a_split_set_loads_like_one_file(tmp_path: Path) -> None:
+    shape = ModelShape(n_layers=3, quant="Q8_0")
+    single = write_model(tmp_path / "one.gguf", shape)
+    first = write_model(tmp_path / "parts.gguf", shape, split_max_tensors=7)
+    assert first.name == "parts-00001-of-00005.gguf"
+    for start, end in [(0, 1), (1, 2), (2, 3), (0, 3)]:
+        kwargs: dict[str, Any] = {"is_first": start == 0, "is_last": end == 3}
+        with (
+            open_stage_slice(single, start, end, **kwargs) as a,
+            open_stage_slice(first, start, end, **kwargs) as b,
+        ):
+            assert set(a.tensors) == set(b.tensors)
+            for name in a.tensors:
+                np.testing.assert_array_equal(a.dequantize(name), b.dequantize(name))
+
+
+def _unsupported(tensor: str | None = None, key: str | None = None) -> dict[str, Any]:
+    return {"error": UnsupportedModel, "tensor": tensor, "key": key}
+
+
+# (what the file lacks or has wrong, the stage that loads it, what it raises)
+BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
+    "missing block tensor": (
+        {"drop_tensors": ("blk.1.ffn_up.weight",)},
+        (1, 2),
+        _unsupported(tensor="blk.1.ffn_up.weight"),
+    ),
+    "missing output norm": (
+        {"drop_tensors": ("output_norm.weight",)},
+        (2, 4),
+        _unsupported(tensor="output_norm.weight"),
+    ),
+    "missing qwen2 bias": (
+        {"shape": ModelShape(arch="qwen2"), "drop_tensors": ("blk.0.attn_k.bias",)},
+        (0, 1),
+        _unsupported(tensor="blk.0.attn_k.bias"),
+    ),
+    "wrong shape": (
+        {"transpose_tensors": ("blk.2.attn_k.weight",)},
+        (2, 3),
+        _unsupported(tensor="blk.2.attn_k.weight"),
+    ),
+    "wrong embedding shape": (
+        {"transpose_tensors": ("token_embd.weight",)},
+        (0, 1),
+        _unsupported(tensor="token_embd.weight"),
+    ),
+    "unknown quant type id": (
+        {"raw_type_ids": {"blk.0.attn_q.weight": 200}},
+        (0, 1),
+        {"error": GgufError, "tensor": None, "key": None},
+    ),
+    "quant type the worker does not run": (
+        {"tensor_types": {"blk.3.ffn_up.weight": "IQ4_NL"}},
+        (3, 4),
+        _unsupported(tensor="blk.3.ffn_up.weight"),
+    ),
+    "architecture we do not run": (
+        {"shape": ModelShape(arch="phi3")},
+        (0, 4),
+        _unsupported(key="general.architecture"),
+    ),
+    "mixture of experts": (
+        {"extra_keys": {"llama.expert_count": 8}},
+        (0, 4),
+        _unsupported(key="llama.expert_count"),
+    ),
+    "rope scaling we do not run": (
+        {"extra_keys": {"llama.rope.scaling.type": "yarn"}},
+        (0, 4),
+        _unsupported(key="llama.rope.scaling.type"),
+    ),
+    "tensor outside the architecture": (
+        {"extra_tensors": {"blk.0.ffn_gate_inp.weight": np.ones((8, 64), np.float32)}},
+        (0, 1),
+        _unsupported(tensor="blk.0.ffn_gate_inp.weight"),
+    ),
+}
+
+
+def write_broken(tmp_path: Path, case: str) -> Path:
+    kwargs = dict(BROKEN[case][0])
+    shape = kwargs.pop("shape", ModelShape(n_layers=N_LAYERS))
+    return write_model(tmp_path / "broken.gguf", shape, **kwargs)
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_file_the_stage_cannot_run_raises_a_typed_error_naming_it(
+    tmp_path: Path, case: str
+) -> None:
+    path = write_broken(tmp_path, case)
+    _, (start, end), want = BROKEN[case]
+    with pytest.raises(want["error"]) as info:
+        open_stage_slice(path, start, end, is_first=start == 0, is_last=end == N_LAYERS)
+    message = str(info.value)
+    assert str(path) in message
+    if isinstance(info.value, UnsupportedModel):
+        assert (info.value.tensor, info.value.key) == (want["tensor"], want["key"])
+    named = want["tensor"] or want["key"]
+    if named is not None:
+        assert named in message
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing block tensor", "wrong shape", "quant type the worker does not run"],
+)
+def test_other_stages_never_touch_a_broken_tensor(tmp_path: Path, case: str) -> None:
+    path = write_broken(tmp_path, case)
+    broken_block = BROKEN[case][1][0]
+    for start in range(N_LAYERS):
+        if start == broken_block:
+            continue
+        end = start + 1
+        with open_stage_slice(path, start, end, is_first=start == 0, is_last=end == N_LAYERS) as s:
+            for name in s.tensors:
+                assert np.isfinite(s.dequantize(name)).all()
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_worker_that_cannot_bind_stays_unbound(
+    tmp_path: Path, models: dict[str, Path], case: str
+) -> None:
+    bad = write_broken(tmp_path, case)
+    good = provisions(models["tied"], [(0, N_LAYERS)])[0]
+    worker = ReferenceWorker()
+    worker.configure(good)
+    with pytest.raises(WorkerError) as info:
+        worker.bind(GgufSource.single(str(bad)))
+    assert isinstance(info.value.__cause__, UnsupportedModel | GgufError)
+    with pytest.raises(WorkerError, match="before bind"):
+        worker.execute_step(0, np.array([1, 2, 3], dtype=np.uint32))
+    worker.bind(good.gguf_source)  # the same worker binds a good file afterwards
+    assert worker.execute_step(0, np.array([1, 2, 3], dtype=np.uint32)) is not None
+
+
+def test_a_layer_range_outside_the_model_is_refused(models: dict[str, Path]) -> None:
+    for start, end in [(0, 0), (2, 1), (3, 5), (-1, 2)]:
+        with pytest.raises(ValueError, match="not a range"):
+            open_stage_slice(models["tied"], start, end, is_first=True, is_last=True)
