@@ -145,7 +145,7 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
     if type(raw) is not dict:
         raise WireError(f"a message is a JSON object, not {type(raw).__name__}")
     tag = raw.get(_TAG)
-    if tag not in _TYPE_NAMES:
+    if type(tag) is not str or tag not in _TYPE_NAMES:
         raise WireError(f"unknown message type {tag!r}; known: {sorted(_TYPE_NAMES)}")
     try:
         return _converter.structure(raw, WireMessage)  # type: ignore[arg-type]
