@@ -186,6 +186,7 @@ def small_plan(
     eos: int = 0,
     return_logits: bool = False,
     run_id: str = "run-1",
+    activation_width: int = 4,
 ) -> RunPlan:
     """A plan of a tiny model over ``stage_count`` nodes ``node-0..``; orchestrator
     ``orchestrator``."""
@@ -210,7 +211,12 @@ def small_plan(
         shared_bytes=0,
         tied_embeddings=True,
     )
-    config = RuntimeConfig(run_id=run_id, max_tokens=max_tokens, return_logits=return_logits)
+    config = RuntimeConfig(
+        run_id=run_id,
+        max_tokens=max_tokens,
+        return_logits=return_logits,
+        activation_dtype_width_bytes=activation_width,
+    )
     pool = NodePool(ORCHESTRATOR, tuple(NodeSpec(n, PLENTY) for n in node_ids(stage_count)))
     plan = plan_run(facts, config, pool, stage_count=stage_count)
     assert isinstance(plan, RunPlan), plan

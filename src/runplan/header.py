@@ -154,24 +154,40 @@ class HeaderCheck:
     object_spec: ObjectSpec = typed_field(ObjectSpec)
     row_bytes: int = int_field()  # hidden_dim * width for activations, 4 for token ids
 
+    @classmethod
+    def for_edge(
+        cls, run_id: str, edge_id: int, object_spec: ObjectSpec, hidden_dim: int
+    ) -> HeaderCheck:
+        """The check of an edge of a run whose activations are ``hidden_dim`` wide."""
+        if object_spec.kind is ObjectKind.TOKEN:
+            row_bytes = 4
+        else:
+            row_bytes = hidden_dim * object_spec.dtype_width_bytes
+        return cls(run_id, edge_id, object_spec, row_bytes)
+
     def validate(
         self, header: ObjectHeader, expected_sequence: int
     ) -> tuple[HeaderRejection, str] | None:
         """``None`` if the record is acceptable, else the reason and a detail."""
-        spec = self.object_spec
         if header.run_id != self.run_id:
             return HeaderRejection.RUN_ID_MISMATCH, f"{header.run_id!r} != {self.run_id!r}"
         if header.edge_id != self.edge_id:
             return HeaderRejection.EDGE_ID_MISMATCH, f"{header.edge_id} != {self.edge_id}"
-        if header.kind is not spec.kind:
-            return HeaderRejection.KIND_MISMATCH, f"{header.kind.value} != {spec.kind.value}"
-        if header.dtype.family_width != (spec.dtype_family, spec.dtype_width_bytes):
-            return HeaderRejection.DTYPE_MISMATCH, f"{header.dtype.name}"
         if header.sequence != expected_sequence:
             return (
                 HeaderRejection.SEQUENCE_OUT_OF_ORDER,
                 f"sequence {header.sequence}, expected {expected_sequence}",
             )
+        return self.validate_shape(header)
+
+    def validate_shape(self, header: ObjectHeader) -> tuple[HeaderRejection, str] | None:
+        """The checks of ``validate`` that do not depend on the run, the edge id or the
+        sequence: kind, dtype, extent and rows."""
+        spec = self.object_spec
+        if header.kind is not spec.kind:
+            return HeaderRejection.KIND_MISMATCH, f"{header.kind.value} != {spec.kind.value}"
+        if header.dtype.family_width != (spec.dtype_family, spec.dtype_width_bytes):
+            return HeaderRejection.DTYPE_MISMATCH, f"{header.dtype.name}"
         if header.extent_bytes == 0:
             return HeaderRejection.EXTENT_ZERO, "empty payload"
         if header.extent_bytes > spec.max_extent:

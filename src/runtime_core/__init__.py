@@ -1,3 +1,55 @@
-"""runtime_core: not built yet (see the open issues).
+"""runtime_core: what every runtime shares.
 
-The package exists so that the layout is in place."""
+Loading one stage's slice of a GGUF file, the tokenizer, the NumPy reference worker,
+sampling, the ring and its edge ends, and the controllers that drive the orchestrator
+and stage state machines of ``runplan.fsm``.
+"""
+
+from runtime_core.controller import StageController
+from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
+from runtime_core.errors import UnsupportedModel
+from runtime_core.gguf_slice import StageSlice, open_stage_slice
+from runtime_core.local import LocalEdges
+from runtime_core.model_config import ModelConfig
+from runtime_core.orchestrator import OrchestratorController
+from runtime_core.reference import ReferenceWorker
+from runtime_core.ring import EdgeClosed, EdgeTimeout, Ring, RingError
+from runtime_core.sampling import Sampler
+from runtime_core.tokenizer import (
+    ChatTemplateError,
+    NoChatTemplate,
+    Tokenizer,
+    TokenizerError,
+    UnknownPreTokenizer,
+    UnknownTokenizerModel,
+)
+from runtime_core.worker import TokenOutput, Worker, WorkerError
+
+__all__ = [
+    "ChatTemplateError",
+    "EdgeClosed",
+    "EdgeFaultError",
+    "EdgeTimeout",
+    "LocalEdges",
+    "ModelConfig",
+    "NoChatTemplate",
+    "OrchestratorController",
+    "ReceiveEnd",
+    "Record",
+    "ReferenceWorker",
+    "Ring",
+    "RingError",
+    "Sampler",
+    "SendEnd",
+    "StageController",
+    "StageSlice",
+    "TokenOutput",
+    "Tokenizer",
+    "TokenizerError",
+    "UnknownPreTokenizer",
+    "UnknownTokenizerModel",
+    "UnsupportedModel",
+    "Worker",
+    "WorkerError",
+    "open_stage_slice",
+]

@@ -1,0 +1,347 @@
+"""The stage controller: drives one stage's state machine (``runplan.fsm.stage``) with
+a worker, a control channel and two edge ends (PIPELINE_ORCHESTRATION_MVP.md §6-§7).
+
+It is control-path only and does no waiting of its own. ``handle(event)`` feeds the
+machine and carries out its actions at once; the work that takes time is left for the
+runtime to run when it chooses, each piece reporting back as events:
+
+- ``run_setup()`` (after provisioning): configure the worker, load and bind the range,
+  open the receive edge; ``try_attach_outbound()`` until the consumer's ring exists.
+- ``poll_inbound()`` while ``wants_input``: the next record, validated, becomes
+  ``ObjectLoaded`` (or an ``EdgeFault``).
+- ``run_step()`` while ``step_pending``: the worker's step over the loaded record; then
+  ``try_publish_output()`` until the output record is on the outbound edge, which is
+  when ``StepCompleted`` is fed (a full ring is backpressure: the runtime waits).
+- ``run_release()`` while ``release_pending``: close both ends, release the worker.
+
+The simulator calls these in virtual time; the process runtime in a loop with real
+waits. Both run the same machine, worker and edge ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from runplan.fsm import stage as fsm
+from runplan.header import HeaderDType
+from runplan.messages import ProvisionStage, StageFault, StageReady, StageStopped
+from runplan.plan import Layout
+from runtime_core.activations import edge_dtype
+from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
+from runtime_core.ring import EdgeClosed
+from runtime_core.worker import Progress, TokenOutput, Worker
+
+#: ``trace(kind, fields)``: what the controller did, for logs and Chrome traces.
+Trace = Callable[[str, dict[str, Any]], None]
+
+
+class Transport(Protocol):
+    """Makes a stage's edge ends. The receive end allocates the ring; the send end
+    attaches to its consumer's ring, which may not exist yet (``None``: try again)."""
+
+    def open_inbound(self, provision: ProvisionStage) -> ReceiveEnd: ...
+
+    def open_outbound(self, provision: ProvisionStage) -> SendEnd | None: ...
+
+
+class ControlChannel(Protocol):
+    def send(self, message: StageReady | StageFault | StageStopped) -> None: ...
+
+
+class Timers(Protocol):
+    def start(self, timer: fsm.Timer, ms: int) -> None: ...
+
+    def cancel(self, timer: fsm.Timer) -> None: ...
+
+
+def _no_trace(kind: str, fields: dict[str, Any]) -> None:
+    pass
+
+
+class StageController:
+    def __init__(
+        self,
+        node_id: str,
+        orchestrator_node_id: str,
+        worker: Worker,
+        transport: Transport,
+        control: ControlChannel,
+        timers: Timers,
+        trace: Trace | None = None,
+        stopped_runs: frozenset[str] = frozenset(),
+    ) -> None:
+        # ``stopped_runs``: runs this node served before (their ids stay stale).
+        self.machine = fsm.StageMachine.new(node_id, orchestrator_node_id)
+        if stopped_runs:
+            self.machine = attrs.evolve(self.machine, stale_runs=stopped_runs)
+        self.worker = worker
+        self.transport = transport
+        self.control = control
+        self.timers = timers
+        self.trace = trace or _no_trace
+        self._provision: ProvisionStage | None = None
+        self._setup_pending = False
+        self._outbound_pending = False
+        self._release_pending = False
+        self._inbound: ReceiveEnd | None = None
+        self._outbound: SendEnd | None = None
+        self._record: Record | None = None  # the loaded record, until released
+        self._step: int | None = None  # ExecuteStep issued, not yet run
+        self._output: tuple[int, int, HeaderDType, bytes] | None = None  # to publish
+
+    # -- state the runtime reads ----------------------------------------------------
+    @property
+    def state(self) -> fsm.State:
+        return self.machine.state
+
+    @property
+    def setup_pending(self) -> bool:
+        return self._setup_pending
+
+    @property
+    def outbound_pending(self) -> bool:
+        return self._outbound_pending
+
+    @property
+    def wants_input(self) -> bool:
+        return (
+            self.machine.state is fsm.State.READY
+            and self._inbound is not None
+            and self._record is None
+        )
+
+    @property
+    def record(self) -> Record | None:
+        """The loaded inbound record, until released."""
+        return self._record
+
+    @property
+    def provision(self) -> ProvisionStage | None:
+        return self._provision
+
+    @property
+    def step_pending(self) -> bool:
+        return self._step is not None
+
+    @property
+    def output_pending(self) -> bool:
+        return self._output is not None
+
+    @property
+    def release_pending(self) -> bool:
+        return self._release_pending
+
+    @property
+    def inbound(self) -> ReceiveEnd | None:
+        return self._inbound
+
+    @property
+    def outbound(self) -> SendEnd | None:
+        return self._outbound
+
+    # -- events in, actions out ----------------------------------------------------------
+    def handle(self, event: fsm.Event) -> None:
+        """Feed one event to the machine and carry out its actions."""
+        before = self.machine.state
+        self.machine, actions = fsm.step(self.machine, event)
+        if self.machine.state is not before:
+            self.trace(
+                "state",
+                {"from": before.name, "to": self.machine.state.name, "event": type(event).__name__},
+            )
+        for action in actions:
+            self._act(action)
+
+    def _act(self, action: fsm.Action) -> None:
+        if isinstance(action, fsm.BeginSetup):
+            self._provision = action.provision
+            self._setup_pending = True
+            self._outbound_pending = True
+        elif isinstance(action, fsm.SendToOrchestrator):
+            self.control.send(action.message)
+        elif isinstance(action, fsm.ExecuteStep):
+            self._step = action.sequence
+        elif isinstance(action, fsm.ReleaseInput | fsm.DiscardObject):
+            self._release_record(action.sequence)
+        elif isinstance(action, fsm.ReleaseRun):
+            self._setup_pending = False
+            self._outbound_pending = False
+            self._step = None
+            self._output = None
+            self._release_pending = True
+        elif isinstance(action, fsm.StartTimer):
+            self.timers.start(action.timer, action.ms)
+        elif isinstance(action, fsm.CancelTimer):
+            self.timers.cancel(action.timer)
+        elif isinstance(action, fsm.Reject):
+            self.trace(
+                "reject",
+                {"sender": action.sender, "reason": action.reason.value, "detail": action.detail},
+            )
+        elif isinstance(action, fsm.ProtocolViolation):
+            self.trace("protocol_violation", {"state": action.state.name, "kind": action.kind.name})
+
+    def _release_record(self, sequence: int) -> None:
+        record = self._record
+        if record is None or record.header.sequence != sequence or self._inbound is None:
+            return
+        self._record = None
+        with contextlib.suppress(EdgeClosed):
+            self._inbound.release(record)
+
+    # -- setup ---------------------------------------------------------------------------
+    def run_setup(self, progress: Progress | None = None) -> None:
+        """Configure the worker, bind its range, open the receive edge."""
+        provision = self._provision
+        if not self._setup_pending or provision is None:
+            return
+        self._setup_pending = False
+        steps: tuple[tuple[fsm.SetupPart, Callable[[], None]], ...] = (
+            (fsm.SetupPart.WORKER, lambda: self.worker.configure(provision)),
+            (fsm.SetupPart.SHARD, lambda: self.worker.bind(provision.gguf_source, progress)),
+            (fsm.SetupPart.INBOUND, self._open_inbound),
+        )
+        for part, work in steps:
+            try:
+                work()
+            except Exception as exc:  # any failure of setup is the stage's fault to report
+                self.handle(fsm.SetupFailed(part, f"{type(exc).__name__}: {exc}"))
+                return
+            self.handle(fsm.SetupDone(part))
+            if self.machine.state is not fsm.State.PREPARING:
+                return
+
+    def _open_inbound(self) -> None:
+        assert self._provision is not None
+        self._inbound = self.transport.open_inbound(self._provision)
+
+    def try_attach_outbound(self) -> bool:
+        """Attach the send end once its consumer's ring exists."""
+        if not self._outbound_pending or self._provision is None:
+            return False
+        try:
+            end = self.transport.open_outbound(self._provision)
+        except Exception as exc:
+            self._outbound_pending = False
+            self.handle(fsm.SetupFailed(fsm.SetupPart.OUTBOUND, f"{type(exc).__name__}: {exc}"))
+            return False
+        if end is None:
+            return False
+        self._outbound = end
+        self._outbound_pending = False
+        self.handle(fsm.SetupDone(fsm.SetupPart.OUTBOUND))
+        return True
+
+    # -- input -----------------------------------------------------------------------------
+    def poll_inbound(self) -> bool:
+        """Load the next record if one is published; ``True`` if one was taken."""
+        if not self.wants_input or self._inbound is None:
+            return False
+        try:
+            record = self._inbound.try_receive()
+        except (EdgeFaultError, EdgeClosed) as exc:
+            self.handle(fsm.EdgeFault(self._inbound.check.edge_id, str(exc)))
+            return True
+        if record is None:
+            return False
+        self._record = record
+        h = record.header
+        self.trace("loaded", {"edge_id": h.edge_id, "sequence": h.sequence, "rows": h.rows})
+        self.handle(fsm.ObjectLoaded(h.run_id, h.edge_id, h.sequence))
+        return True
+
+    # -- the step ----------------------------------------------------------------------------
+    def run_step(self) -> None:
+        """Run the worker over the loaded record and try to publish its output."""
+        sequence = self._step
+        record = self._record
+        if sequence is None or record is None:
+            return
+        self._step = None
+        try:
+            output = self.worker.execute_step(sequence, self._decode(record))
+            self._output = (sequence, *self._encode(output))
+        except Exception as exc:  # the worker's failure, reported as StepFailed
+            self.handle(fsm.StepFailed(sequence, f"{type(exc).__name__}: {exc}"))
+            return
+        self.try_publish_output()
+
+    def try_publish_output(self) -> bool:
+        """Publish the step's output; on success the step is complete. ``False`` while
+        the outbound ring is full."""
+        if self._output is None or self._outbound is None:
+            return False
+        sequence, rows, dtype, payload = self._output
+        try:
+            sent = self._outbound.try_send(sequence, rows, dtype, payload)
+        except EdgeClosed as exc:
+            self._output = None
+            self.handle(fsm.EdgeFault(self._outbound.edge_id, f"closed: {exc}"))
+            return False
+        if not sent:
+            return False
+        self._output = None
+        self.trace(
+            "published", {"edge_id": self._outbound.edge_id, "sequence": sequence, "rows": rows}
+        )
+        self.handle(fsm.StepCompleted(sequence))
+        return True
+
+    def _decode(self, record: Record) -> npt.NDArray[np.generic]:
+        provision = self._provision
+        assert provision is not None
+        spec = provision.inbound.object_spec
+        if spec.layout is Layout.ROW_MAJOR:
+            dtype = edge_dtype(spec.dtype_family, spec.dtype_width_bytes)
+            rows = record.header.rows
+            data = np.frombuffer(record.payload, dtype=dtype).reshape(rows, -1)
+            return data.copy()
+        return np.frombuffer(record.payload, dtype="<u4").astype(np.uint32)
+
+    def _encode(self, output: Any) -> tuple[int, HeaderDType, bytes]:
+        provision = self._provision
+        assert provision is not None
+        spec = provision.outbound.object_spec
+        if isinstance(output, TokenOutput):
+            payload = np.array([output.token_id], dtype="<u4").tobytes()
+            if spec.layout is Layout.TOKEN_ID_WITH_LOGITS:
+                if output.logits is None:
+                    raise ValueError("the run asks for logits; the worker gave none")
+                payload += np.ascontiguousarray(output.logits, dtype="<f4").tobytes()
+            return 1, HeaderDType.U32, payload
+        if spec.layout is not Layout.ROW_MAJOR:
+            raise ValueError(f"the last stage must return a TokenOutput, not {type(output)}")
+        array = np.ascontiguousarray(output)
+        dtype = HeaderDType.of(spec.dtype_family, spec.dtype_width_bytes)
+        if array.dtype != edge_dtype(spec.dtype_family, spec.dtype_width_bytes):
+            raise ValueError(f"activations of dtype {array.dtype}, the edge carries {dtype.name}")
+        if array.ndim != 2 or array.shape[1] != provision.model.hidden_dim:
+            raise ValueError(
+                f"activations of shape {array.shape}, expected (rows, {provision.model.hidden_dim})"
+            )
+        return array.shape[0], dtype, array.tobytes()
+
+    # -- release -------------------------------------------------------------------------
+    def run_release(self) -> None:
+        """Close both edge ends and release the worker; then ``Released``."""
+        if not self._release_pending:
+            return
+        self._release_pending = False
+        if self._record is not None and self._inbound is not None:
+            self._release_record(self._record.header.sequence)
+        for end in (self._inbound, self._outbound):
+            if end is not None:
+                end.close()
+        self._inbound = self._outbound = None
+        try:
+            self.worker.release()
+        except Exception as exc:
+            self.trace("release_failed", {"detail": f"{type(exc).__name__}: {exc}"})
+        self._provision = None
+        self.handle(fsm.Released())
