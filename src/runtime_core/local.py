@@ -9,7 +9,7 @@ from runplan import ProvisionStage, RunPlan
 from runplan.header import HeaderCheck
 from runplan.plan import EdgePlan, RingSpec
 from runtime_core.edges import ReceiveEnd, SendEnd
-from runtime_core.ring import Ring
+from runtime_core.ring import LocalRing, Ring
 
 
 class LocalEdges:
@@ -20,7 +20,7 @@ class LocalEdges:
         key = (run_id, edge_id)
         if key in self.rings:
             raise RuntimeError(f"edge {edge_id} of run {run_id!r} already has its consumer")
-        ring = self.rings[key] = Ring(spec)
+        ring = self.rings[key] = LocalRing(spec)
         return ring
 
     # -- stages ----------------------------------------------------------------------

@@ -107,7 +107,7 @@ class Ring:
     def _get(self, offset: int) -> int:
         return int(_U64.unpack_from(self._buf, offset)[0])
 
-    def _set(self, offset: int, value: int) -> None:
+    def _set_counter(self, offset: int, value: int) -> None:
         _U64.pack_into(self._buf, offset, value)
 
     @property
@@ -124,7 +124,7 @@ class Ring:
 
     def close(self) -> None:
         """Close the edge from either end; waiters wake with ``EdgeClosed``."""
-        self._set(_CLOSED, 1)
+        self._set_counter(_CLOSED, 1)
         self._data.notify()
         self._space.notify()
 
@@ -153,7 +153,7 @@ class Ring:
         if self.closed:
             self._reserved = None
             raise EdgeClosed("the edge is closed")
-        self._set(_PUBLISHED, self._reserved + 1)
+        self._set_counter(_PUBLISHED, self._reserved + 1)
         self._reserved = None
         self._data.notify()
 
@@ -177,7 +177,7 @@ class Ring:
         n = self.released
         if n >= self._acquired or index != n % self.spec.slot_count:
             raise RingError(f"slot {index} is not the oldest acquired slot")
-        self._set(_RELEASED, n + 1)
+        self._set_counter(_RELEASED, n + 1)
         self._space.notify()
 
     def wait_acquire(self, timeout_s: float) -> int:
@@ -212,3 +212,24 @@ class Ring:
             if left <= 0:
                 raise EdgeTimeout(f"no {what} within {timeout_s:.3f} s")
             signal.wait(left)
+
+
+class LocalRing(Ring):
+    """A ring whose two ends live in one process: the counters are plain attributes
+    (the slots stay in the buffer), which makes every operation cheaper."""
+
+    def __init__(
+        self,
+        spec: RingSpec,
+        buffer: memoryview | bytearray | None = None,
+        data: Signal | None = None,
+        space: Signal | None = None,
+    ) -> None:
+        self._counters = {_PUBLISHED: 0, _RELEASED: 0, _CLOSED: 0}
+        super().__init__(spec, buffer, data, space)
+
+    def _get(self, offset: int) -> int:
+        return self._counters[offset]
+
+    def _set_counter(self, offset: int, value: int) -> None:
+        self._counters[offset] = value

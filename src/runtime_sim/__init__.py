@@ -1,3 +1,11 @@
-"""runtime_sim: not built yet (see the open issues).
+"""runtime_sim: a deterministic simulator of a pipeline run.
 
-The package exists so that the layout is in place."""
+It runs a whole plan (orchestrator and every stage) in one thread on a virtual clock,
+with the same state machines, controllers and workers as the real runtime; injects
+faults from a seed; and checks every guarantee over the trace. ``generate`` runs a
+real GGUF model through N simulated stages.
+"""
+
+from runtime_sim.api import GenerateResult, PlanRejected, generate
+
+__all__ = ["GenerateResult", "PlanRejected", "generate"]

@@ -1,0 +1,209 @@
+"""``runtime_sim.generate``: run a real GGUF model through an N-stage simulated pipeline
+with the NumPy reference worker, and return its tokens and text."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from attrs import frozen
+
+from runplan import (
+    NodePool,
+    NodeSpec,
+    Placement,
+    PlanRejection,
+    RunPlan,
+    RuntimeConfig,
+    SamplingConfig,
+    model_facts_from_gguf,
+    plan_run,
+)
+from runplan.models import resolve_model
+from runtime_core.reference import ReferenceWorker
+from runtime_core.tokenizer import Tokenizer
+from runtime_sim.simulation import ORCHESTRATOR, SimResult, Simulation
+from runtime_sim.timing import Prediction, TimingModel, f32_stage_costs
+from runtime_sim.trace import Trace
+
+#: ``progress(stage_index, bytes_done, bytes_total)`` while a stage loads its weights.
+LoadProgress = Callable[[int, int, int], None]
+
+
+class PlanRejected(ValueError):
+    """The planner rejected the run; ``rejection`` says why."""
+
+    def __init__(self, rejection: PlanRejection) -> None:
+        self.rejection = rejection
+        super().__init__(str(rejection))
+
+
+@frozen
+class GenerateResult:
+    tokens: tuple[int, ...]  # generated ids (EOS excluded)
+    text: str  # decoded, invalid UTF-8 replaced
+    outcome: str  # "completed", "faulted" or "cancelled"
+    logits: tuple[npt.NDArray[np.float32], ...] | None  # per token, when asked for
+    fault: str | None  # the run's one failure reason, if it faulted
+    plan: RunPlan
+    prediction: Prediction  # the timing model's forecast for this plan
+    simulated_ttft_us: float | None  # virtual time from the barrier to the first token
+    simulated_tpot_us: float | None  # virtual time per later token
+    wall_s: float  # real time the host took, weights loading included
+    wall_decode_tokens_per_s: float | None  # real decode speed of the host's workers
+    trace: Trace | None = None  # the simulation's trace, when asked for
+
+
+def plan_for(
+    model_path: str,
+    *,
+    stages: int,
+    prompt_len: int,
+    max_tokens: int,
+    sampling: SamplingConfig,
+    return_logits: bool,
+    run_id: str = "sim-run",
+) -> RunPlan:
+    """The plan of a simulated run: one node per stage, layers split evenly, a KV cache
+    just long enough for the prompt and the tokens asked for."""
+    probe = model_facts_from_gguf(model_path)
+    needed = prompt_len + max_tokens
+    if needed > probe.context_length:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {needed} exceeds the "
+            f"model's context length {probe.context_length}"
+        )
+    facts = model_facts_from_gguf(model_path, max_seq_len=needed)
+    nodes = tuple(NodeSpec(f"stage-{i}", 64 * 2**30) for i in range(stages))
+    config = RuntimeConfig(
+        run_id=run_id,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        return_logits=return_logits,
+        worker=ReferenceWorker.capabilities,
+    )
+    result = plan_run(
+        facts,
+        config,
+        NodePool(ORCHESTRATOR, nodes),
+        stage_count=stages,
+        placement=Placement.even([n.node_id for n in nodes]),
+    )
+    if isinstance(result, PlanRejection):
+        raise PlanRejected(result)
+    return result
+
+
+def generate(
+    model_path: str | os.PathLike[str],
+    prompt_ids: Sequence[int],
+    *,
+    stages: int = 1,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    return_logits: bool = False,
+    on_token: Callable[[int], None] | None = None,
+    on_load: LoadProgress | None = None,
+    timing: TimingModel | None = None,
+    trace: bool = False,
+) -> GenerateResult:
+    """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
+    simulated stages, each running the NumPy reference worker over its layers.
+
+    ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
+    ``on_token(id)`` streams each generated token as the orchestrator consumes it.
+    Raises ``PlanRejected`` when the planner refuses the run and ``GgufError`` for a
+    file it cannot read.
+    """
+    path = resolve_model(model_path)
+    prompt = tuple(int(t) for t in prompt_ids)
+    if not prompt:
+        raise ValueError("the prompt has no tokens")
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    plan = plan_for(
+        path,
+        stages=stages,
+        prompt_len=len(prompt),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        return_logits=return_logits,
+    )
+    start = time.perf_counter()
+    result, sim = run_plan(
+        plan, prompt, on_token=on_token, on_load=on_load, timing=timing, trace=trace
+    )
+    wall = time.perf_counter() - start
+    tokenizer = Tokenizer.from_gguf(path)
+    return summarize(plan, prompt, result, sim, tokenizer, wall, return_logits)
+
+
+def run_plan(
+    plan: RunPlan,
+    prompt: tuple[int, ...],
+    *,
+    on_token: Callable[[int], None] | None = None,
+    on_load: LoadProgress | None = None,
+    timing: TimingModel | None = None,
+    trace: bool = False,
+) -> tuple[SimResult, Simulation]:
+    """Simulate ``plan`` with one reference worker per stage."""
+    from runtime_sim.simulation import SimSettings
+
+    settings = SimSettings(timing=timing or TimingModel())
+    workers: list[Any] = [ReferenceWorker() for _ in plan.stages]
+    sim = Simulation(
+        plan,
+        prompt,
+        workers,
+        f32_stage_costs(plan),
+        settings=settings,
+        on_token=(lambda _seq, token: on_token(token)) if on_token else None,
+        on_load=on_load,
+        trace=trace,
+        wall_clock=True,
+    )
+    return sim.run(), sim
+
+
+def summarize(
+    plan: RunPlan,
+    prompt: tuple[int, ...],
+    result: SimResult,
+    sim: Simulation,
+    tokenizer: Tokenizer,
+    wall_s: float,
+    return_logits: bool,
+) -> GenerateResult:
+    finished = result.finished
+    outcome = finished.outcome.value.lower() if finished is not None else "faulted"
+    fault = None
+    if finished is None:
+        fault = "the run did not end"
+    elif finished.fault is not None:
+        where = f"stage {finished.fault_stage}: " if finished.fault_stage is not None else ""
+        fault = where + str(finished.fault)
+    times = result.token_times_us
+    ttft = (times[0] - result.ready_us) if times and result.ready_us is not None else None
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    costs = f32_stage_costs(plan)
+    return GenerateResult(
+        tokens=result.tokens,
+        text=tokenizer.decode(list(result.tokens)),
+        outcome=outcome,
+        logits=result.logits if return_logits else None,
+        fault=fault,
+        plan=plan,
+        prediction=sim.settings.timing.predict(plan, costs, len(prompt)),
+        simulated_ttft_us=ttft,
+        simulated_tpot_us=tpot,
+        wall_s=wall_s,
+        wall_decode_tokens_per_s=sim.wall_decode_tokens_per_s(),
+        trace=sim.trace if sim.trace.enabled else None,
+    )

@@ -1,0 +1,317 @@
+"""``python -m runtime_sim run ...`` and ``python -m runtime_sim explore ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from runplan.gguf_header import GgufError
+from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
+from runtime_core.tokenizer import Tokenizer, TokenizerError
+from runtime_sim.api import GenerateResult, PlanRejected, generate
+from runtime_sim.explore import explore, report, report_json, self_test
+from runtime_sim.simulation import ORCHESTRATOR
+from runtime_sim.trace import chrome_trace
+
+EXIT_VIOLATION = 1
+EXIT_INPUT = 2
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad token ids {text!r}: write 1,2,3") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError("token ids are non-negative integers, at least one")
+    return ids
+
+
+class TextStream:
+    """Prints generated text as tokens arrive: the new part of the decoded text, holding
+    back an incomplete UTF-8 sequence at the end."""
+
+    def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def __call__(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        if text.startswith(self.shown):
+            self.out.write(text[len(self.shown) :])
+            self.out.flush()
+            self.shown = text
+
+    def finish(self, text: str) -> None:
+        if text.startswith(self.shown):
+            self.out.write(text[len(self.shown) :])
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    err = Console(stderr=True)
+    path = resolve_model(args.model)
+    tokenizer = Tokenizer.from_gguf(path)
+    if args.prompt_ids is not None:
+        prompt = args.prompt_ids
+    else:
+        text = args.prompt
+        if args.chat:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+        prompt = tokenizer.encode(text, add_special=True, parse_special=True)
+    stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
+    progress = Progress(
+        TextColumn("loading stage {task.fields[stage]}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    )
+    tasks: dict[int, Any] = {}
+
+    def on_load(stage: int, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = progress.add_task("load", total=total, stage=stage)
+        progress.update(tasks[stage], completed=done)
+
+    with progress:
+        result = generate(
+            path,
+            prompt,
+            stages=args.stages,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            on_token=stream,
+            on_load=on_load,
+            trace=args.trace is not None,
+        )
+    stream.finish(result.text)
+    if args.trace is not None:
+        _write_trace(args.trace, result)
+    if args.json:
+        sys.stdout.write(json.dumps(_result_json(result, len(prompt)), sort_keys=True) + "\n")
+    else:
+        _print_summary(Console(soft_wrap=True), result, len(prompt))
+    return 0 if result.outcome == "completed" else 1
+
+
+def _write_trace(path: Path, result: GenerateResult) -> None:
+    trace = result.trace
+    actors = [ORCHESTRATOR, *[s.node_id for s in result.plan.stages]]
+    path.write_text(json.dumps(chrome_trace(trace.entries if trace else [], actors)))
+
+
+def _timings(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
+    p = result.prediction
+    sim_tps = 1e6 / result.simulated_tpot_us if result.simulated_tpot_us else None
+    return {
+        "prompt_tokens": prompt_len,
+        "predicted_ttft_ms": round(p.ttft_us / 1000, 3),
+        "predicted_tokens_per_s": round(p.tokens_per_s, 2),
+        "simulated_ttft_ms": None
+        if result.simulated_ttft_us is None
+        else round(result.simulated_ttft_us / 1000, 3),
+        "simulated_tokens_per_s": None if sim_tps is None else round(sim_tps, 2),
+        "host_decode_tokens_per_s": None
+        if result.wall_decode_tokens_per_s is None
+        else round(result.wall_decode_tokens_per_s, 2),
+        "wall_s": round(result.wall_s, 3),
+    }
+
+
+def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
+    return {
+        "tokens": list(result.tokens),
+        "text": result.text,
+        "outcome": result.outcome,
+        "fault": result.fault,
+        "stages": [
+            {
+                "stage_index": s.stage_index,
+                "node_id": s.node_id,
+                "layer_start": s.layer_start,
+                "layer_end_exclusive": s.layer_end_exclusive,
+            }
+            for s in result.plan.stages
+        ],
+        "timings": _timings(result, prompt_len),
+    }
+
+
+def _print_summary(console: Console, result: GenerateResult, prompt_len: int) -> None:
+    console.print(
+        f"{result.plan.model.model_id} through {result.plan.stage_count} simulated stages",
+        highlight=False,
+    )
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("stage", "node", "layers"):
+        table.add_column(col)
+    for s in result.plan.stages:
+        table.add_row(str(s.stage_index), s.node_id, f"{s.layer_start}-{s.layer_end_exclusive - 1}")
+    console.print(table)
+    t = _timings(result, prompt_len)
+    status = result.outcome + (f" ({result.fault})" if result.fault else "")
+    console.print(
+        f"{len(result.tokens)} tokens, {status}. tokens/s predicted "
+        f"{t['predicted_tokens_per_s']}, simulated {t['simulated_tokens_per_s']}, "
+        f"host decode {t['host_decode_tokens_per_s']}; wall {t['wall_s']} s",
+        highlight=False,
+    )
+
+
+def _cmd_explore(args: argparse.Namespace) -> int:
+    out = Console()
+    if args.self_test:
+        results = self_test()
+        if args.json:
+            sys.stdout.write(
+                json.dumps(
+                    {
+                        "mutants": [
+                            {
+                                "mutation": r.mutation.value,
+                                "caught": r.caught,
+                                "seed": r.seed,
+                                "rules": list(r.rules),
+                            }
+                            for r in results
+                        ]
+                    },
+                    sort_keys=True,
+                )
+                + "\n"
+            )
+        else:
+            for r in results:
+                verdict = "caught" if r.caught else "MISSED"
+                out.print(
+                    f"{r.mutation.value:<22} {verdict}  {', '.join(r.rules)}", highlight=False
+                )
+        return 0 if all(r.caught for r in results) else EXIT_VIOLATION
+    began = time.perf_counter()
+    outcomes = explore(args.start, args.seeds)
+    if args.json:
+        sys.stdout.write(report_json(args.start, outcomes) + "\n")
+    else:
+        rep = report(args.start, outcomes)
+        spent = time.perf_counter() - began
+        out.print(
+            f"seeds {args.start}..{args.start + args.seeds - 1}: {rep['outcomes']}, "
+            f"{rep['events']} events in {spent:.2f} s",
+            highlight=False,
+        )
+        for v in rep["violations"]:
+            out.print(
+                f"[red]violation[/] seed {v['seed']}: {v['rule']}: {v['detail']} "
+                f"(faults {v['faults']})",
+                highlight=False,
+            )
+    return EXIT_VIOLATION if any(o.violations for o in outcomes) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m runtime_sim",
+        description="Run a GGUF model through a simulated pipeline, or explore seeded "
+        "fault scenarios and check every guarantee.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="generate text through N simulated stages",
+        description="Generate text from a GGUF model through N simulated "
+        "stages, each running the NumPy reference worker over its layers.",
+    )
+    run.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
+    )
+    run.add_argument("--stages", type=int, default=3, help="pipeline stages (default: 3)")
+    what = run.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="the prompt text")
+    what.add_argument("--prompt-ids", type=_ids, help="the prompt as token ids: 1,2,3")
+    run.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template as a user turn",
+    )
+    run.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (32)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    run.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    run.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    run.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object to stdout; text and progress go to stderr",
+    )
+    run.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write Chrome trace events (open in https://ui.perfetto.dev)",
+    )
+    run.set_defaults(func=_cmd_run)
+
+    ex = sub.add_parser(
+        "explore",
+        help="run seeded fault scenarios and check invariants",
+        description="Run N seeded scenarios (random plan shapes and faults, "
+        "synthetic workers) and report every violated guarantee with the "
+        "seed that reproduces it. Exit status 1 on any violation.",
+    )
+    ex.add_argument("--seeds", type=int, default=200, help="how many scenarios (200)")
+    ex.add_argument("--start", type=int, default=0, help="the first seed (0)")
+    ex.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON report (no wall-clock figures: same seeds, same bytes)",
+    )
+    ex.add_argument(
+        "--self-test",
+        action="store_true",
+        help="run the built-in mutants; exit 0 only if the checker catches each",
+    )
+    ex.set_defaults(func=_cmd_explore)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except (GgufError, ModelNotFound, PlanRejected, TokenizerError, ValueError) as exc:
+        if getattr(args, "json", False):
+            sys.stdout.write(
+                json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
+            )
+        else:
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {exc}", highlight=False)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        Console(stderr=True).print("cancelled")
+        return 130
+    return code

@@ -1,0 +1,125 @@
+"""Seeded fault schedules: what goes wrong in a simulated run, and when.
+
+A ``FaultPlan`` is data, drawn from the run's seed; the simulation consults it at the
+points where each fault can strike. Every fault names the stage (or the n-th control
+message) and the moment, so a seed reproduces a scenario exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+
+from attrs import frozen
+
+
+class FaultKind(enum.Enum):
+    # a stage process dies
+    KILL_BEFORE_READY = "KILL_BEFORE_READY"
+    KILL_MID_PREFILL = "KILL_MID_PREFILL"
+    KILL_MID_DECODE = "KILL_MID_DECODE"
+    KILL_IN_TEARDOWN = "KILL_IN_TEARDOWN"
+    # a control message (the n-th sent in the run)
+    DROP_MESSAGE = "DROP_MESSAGE"
+    DELAY_MESSAGE = "DELAY_MESSAGE"
+    DUPLICATE_MESSAGE = "DUPLICATE_MESSAGE"
+    REORDER_MESSAGE = "REORDER_MESSAGE"
+    # an edge (the stage's inbound edge)
+    EDGE_STALL = "EDGE_STALL"  # a record arrives far too late
+    EDGE_CLOSE = "EDGE_CLOSE"  # the edge is closed under the stage
+    # the worker
+    STEP_FAILS = "STEP_FAILS"
+    SLOW_STEP = "SLOW_STEP"  # the step outlasts the step timeout
+    # forged input at a stage
+    FORGED_STALE_RUN = "FORGED_STALE_RUN"
+    FORGED_UNKNOWN_RUN = "FORGED_UNKNOWN_RUN"
+    FORGED_WRONG_SENDER = "FORGED_WRONG_SENDER"
+    FORGED_UNKNOWN_EDGE = "FORGED_UNKNOWN_EDGE"
+    FORGED_REWIRE = "FORGED_REWIRE"
+
+
+KILLS = frozenset(
+    {
+        FaultKind.KILL_BEFORE_READY,
+        FaultKind.KILL_MID_PREFILL,
+        FaultKind.KILL_MID_DECODE,
+        FaultKind.KILL_IN_TEARDOWN,
+    }
+)
+MESSAGE_FAULTS = frozenset(
+    {
+        FaultKind.DROP_MESSAGE,
+        FaultKind.DELAY_MESSAGE,
+        FaultKind.DUPLICATE_MESSAGE,
+        FaultKind.REORDER_MESSAGE,
+    }
+)
+FORGERIES = frozenset(
+    {
+        FaultKind.FORGED_STALE_RUN,
+        FaultKind.FORGED_UNKNOWN_RUN,
+        FaultKind.FORGED_WRONG_SENDER,
+        FaultKind.FORGED_UNKNOWN_EDGE,
+        FaultKind.FORGED_REWIRE,
+    }
+)
+#: Faults that change no outcome: a run with only these must complete.
+HARMLESS = FORGERIES | {
+    FaultKind.DELAY_MESSAGE,
+    FaultKind.DUPLICATE_MESSAGE,
+    FaultKind.REORDER_MESSAGE,
+}
+
+
+@frozen
+class Fault:
+    kind: FaultKind
+    stage: int = 0  # the stage it strikes (stage faults)
+    sequence: int = 0  # the step it strikes (decode faults)
+    message: int = 0  # the n-th control message sent (message faults)
+    fraction: float = 0.5  # how far into the phase (kills before ready)
+
+    def describe(self) -> str:
+        if self.kind in MESSAGE_FAULTS:
+            return f"{self.kind.value} message #{self.message}"
+        if self.kind in (
+            FaultKind.KILL_MID_DECODE,
+            FaultKind.EDGE_STALL,
+            FaultKind.EDGE_CLOSE,
+            FaultKind.STEP_FAILS,
+            FaultKind.SLOW_STEP,
+        ):
+            return f"{self.kind.value} stage {self.stage} sequence {self.sequence}"
+        return f"{self.kind.value} stage {self.stage}"
+
+
+@frozen
+class FaultPlan:
+    faults: tuple[Fault, ...] = ()
+
+    def of(self, *kinds: FaultKind) -> list[Fault]:
+        return [f for f in self.faults if f.kind in kinds]
+
+    @property
+    def harmless(self) -> bool:
+        return all(f.kind in HARMLESS for f in self.faults)
+
+
+def random_fault_plan(
+    rng: random.Random, stages: int, max_tokens: int, max_faults: int = 2
+) -> FaultPlan:
+    """Zero to ``max_faults`` faults; about a quarter of the plans have none."""
+    count = rng.choice([0] + [n for n in range(1, max_faults + 1) for _ in range(3)])
+    faults = []
+    for _ in range(count):
+        kind = rng.choice(list(FaultKind))
+        faults.append(
+            Fault(
+                kind=kind,
+                stage=rng.randrange(stages),
+                sequence=rng.randrange(1, max(2, max_tokens)),
+                message=rng.randrange(0, 3 * stages + 2),
+                fraction=rng.random(),
+            )
+        )
+    return FaultPlan(tuple(faults))

@@ -1,0 +1,97 @@
+"""The synthetic worker: no weights, deterministic pseudo-tokens. With the timing model
+it lets the simulator run plans for models of any size (80 layers on 16 stages) in
+milliseconds of real time."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from runplan import GgufSource, ProvisionStage, WorkerCapabilities
+from runtime_core.activations import edge_dtype
+from runtime_core.worker import Progress, TokenOutput, WorkerError
+
+#: Runs any architecture and quant type: it never looks at the weights.
+SYNTHETIC_CAPABILITIES = WorkerCapabilities(
+    name="synthetic",
+    architectures=("llama", "qwen2", "mistral", "gemma", "phi3", "falcon"),
+    quant_types=tuple(
+        sorted(
+            {
+                "F32",
+                "F16",
+                "BF16",
+                "Q8_0",
+                "Q4_0",
+                "Q4_1",
+                "Q5_0",
+                "Q5_1",
+                "Q2_K",
+                "Q3_K",
+                "Q4_K",
+                "Q5_K",
+                "Q6_K",
+                "IQ4_XS",
+                "IQ2_XXS",
+            }
+        )
+    ),
+)
+
+
+def pseudo_token(seed: int, sequence: int, vocab: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{sequence}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % vocab
+
+
+class SyntheticWorker:
+    capabilities: ClassVar[WorkerCapabilities] = SYNTHETIC_CAPABILITIES
+
+    def __init__(
+        self, vocab_size: int, eos_token_id: int | None = None, eos_after: int | None = None
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_after = eos_after  # the sequence at which to emit EOS, if any
+        self._provision: ProvisionStage | None = None
+        self._bound = False
+
+    def configure(self, provision: ProvisionStage) -> None:
+        self._provision = provision
+        self._bound = False
+
+    def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
+        if self._provision is None:
+            raise WorkerError("bind before configure")
+        self._bound = True
+
+    def execute_step(
+        self, sequence: int, data: npt.NDArray[np.generic]
+    ) -> npt.NDArray[np.generic] | TokenOutput:
+        p = self._provision
+        if p is None or not self._bound:
+            raise WorkerError("execute_step before bind completed")
+        rows = int(data.shape[0])
+        if not p.is_last:
+            dtype = edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
+            return np.zeros((rows, p.model.hidden_dim), dtype=dtype)
+        if self.eos_after is not None and sequence >= self.eos_after:
+            assert self.eos_token_id is not None
+            token = self.eos_token_id
+        else:
+            seed = p.sampling.seed if p.sampling is not None else 0
+            token = pseudo_token(seed, sequence, self.vocab_size)
+            if token == self.eos_token_id:
+                token = (token + 1) % self.vocab_size
+        logits = None
+        if p.return_logits:
+            logits = np.zeros(self.vocab_size, dtype=np.float32)
+            logits[token] = 1.0
+        return TokenOutput(token, logits)
+
+    def release(self) -> None:
+        self._provision = None
+        self._bound = False

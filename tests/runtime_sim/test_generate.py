@@ -1,0 +1,80 @@
+"""``runtime_sim.generate``: real text from a simulated pipeline, the same tokens in any
+number of stages, and llama.cpp's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime_sim import PlanRejected, generate
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.fixtures.llamacpp_fixtures import load_doc
+
+NEAR_TIE = 0.1  # llama.cpp's top-2 logit gap below which its 8-bit activations may flip
+
+
+@pytest.fixture(scope="module")
+def france() -> dict:  # type: ignore[type-arg]
+    (entry,) = [p for p in load_doc("smollm2")["prompts"] if p["name"] == "france"]
+    return entry  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("sim") / "tiny.gguf", ModelShape(n_layers=4))
+
+
+def test_smollm2_through_three_stages_matches_one_stage_and_llama_cpp(
+    smollm2_path: str,
+    france: dict,  # type: ignore[type-arg]
+) -> None:
+    one = generate(smollm2_path, france["token_ids"], stages=1, max_tokens=16, return_logits=True)
+    three = generate(smollm2_path, france["token_ids"], stages=3, max_tokens=16, return_logits=True)
+    assert one.outcome == three.outcome == "completed"
+    assert one.tokens == three.tokens and len(one.tokens) == 16
+    assert one.logits is not None and three.logits is not None
+    for a, b in zip(one.logits, three.logits, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # llama.cpp's greedy tokens, up to its first near-tie.
+    gaps = france["gaps"]
+    agree = next((i for i, g in enumerate(gaps) if g < NEAR_TIE), len(gaps))
+    assert agree >= 5
+    assert list(one.tokens[:agree]) == france["greedy"][:agree]
+    assert one.text.startswith(" Paris.")
+
+
+def test_streamed_tokens_are_the_result(tiny: Path) -> None:
+    seen: list[int] = []
+    result = generate(tiny, [1, 2, 3], stages=2, max_tokens=6, on_token=seen.append)
+    assert seen == list(result.tokens)
+    assert len(result.plan.stages) == 2
+
+
+def test_the_same_seed_samples_the_same_tokens(tiny: Path) -> None:
+    kwargs = {"stages": 2, "max_tokens": 8, "temperature": 1.5, "top_k": 40}
+    a = generate(tiny, [5, 6], seed=7, **kwargs)  # type: ignore[arg-type]
+    b = generate(tiny, [5, 6], seed=7, **kwargs)  # type: ignore[arg-type]
+    others = {generate(tiny, [5, 6], seed=s, **kwargs).tokens for s in range(8, 12)}  # type: ignore[arg-type]
+    assert a.tokens == b.tokens
+    assert others - {a.tokens}  # other seeds sample something else
+
+
+def test_logits_are_raw_and_one_per_token(tiny: Path) -> None:
+    result = generate(tiny, [1], max_tokens=4, return_logits=True)
+    assert result.logits is not None and len(result.logits) == len(result.tokens)
+    for token, logits in zip(result.tokens, result.logits, strict=True):
+        assert logits.dtype == np.float32 and logits.shape == (result.plan.model.vocab_size,)
+        assert int(np.argmax(logits)) == token  # greedy
+
+
+def test_more_stages_than_layers_is_a_plan_rejection(tiny: Path) -> None:
+    with pytest.raises(PlanRejected) as err:
+        generate(tiny, [1], stages=5)
+    assert err.value.rejection.code == "invalid_stage_count"
+
+
+def test_a_prompt_past_the_context_is_refused(tiny: Path) -> None:
+    with pytest.raises(ValueError, match="context length"):
+        generate(tiny, [1] * 250, max_tokens=10)

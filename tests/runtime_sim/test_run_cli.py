@@ -1,0 +1,87 @@
+"""``python -m runtime_sim run``: streamed text, one JSON object with --json, a Chrome
+trace, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime_sim.cli import main
+from tests.fixtures.gguf_models import ModelShape, write_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(write_model(tmp_path_factory.mktemp("cli") / "tiny.gguf", ModelShape(n_layers=3)))
+
+
+def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime_sim",
+            "run",
+            "--model",
+            tiny,
+            "--stages",
+            "3",
+            "--prompt",
+            "the quick brown fox",
+            "--max-tokens",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["outcome"] == "completed" and len(doc["tokens"]) <= 5
+    assert [s["layer_start"] for s in doc["stages"]] == [0, 1, 2]
+    assert {"predicted_tokens_per_s", "simulated_tokens_per_s"} <= set(doc["timings"])
+    assert doc["text"] in proc.stderr  # the streamed text went to stderr
+
+
+def test_text_streams_to_stdout_and_a_trace_is_written(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.json"
+    code = main(
+        [
+            "run",
+            "--model",
+            tiny,
+            "--stages",
+            "2",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "4",
+            "--trace",
+            str(trace),
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "tokens" in out and "stage" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("step")]
+    assert len({e["tid"] for e in steps}) == 2  # both stages' steps, on their own tracks
+
+
+def test_a_model_without_a_chat_template_is_a_clear_error(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--model", tiny, "--prompt", "hi", "--chat", "--json"]) == 2
+    assert "chat_template" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+def test_a_missing_model_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", str(tmp_path / "nope.gguf"), "--prompt", "hi"]) == 2
+    assert "no such file" in capsys.readouterr().err
