@@ -57,6 +57,7 @@ def model_facts(draw: st.DrawFn, *, max_layers: int = 48) -> ModelFacts:
     vocab = draw(st.integers(2, 200_000))
     context = draw(st.integers(1, 32_768))
     block = draw(st.integers(1, 2**30))
+    elements = draw(st.booleans())  # facts read from a file know their element counts
     return ModelFacts(
         model_id=draw(st.text(min_size=1, max_size=16)),
         gguf_source=GgufSource(paths=(f"/models/{draw(st.integers(0, 99))}.gguf",)),
@@ -81,6 +82,13 @@ def model_facts(draw: st.DrawFn, *, max_layers: int = 48) -> ModelFacts:
         output_bytes=draw(st.integers(1, 2**32)),
         shared_bytes=draw(st.integers(0, 2**20)),
         tied_embeddings=draw(st.booleans()),
+        block_elements=tuple(
+            draw(st.lists(st.integers(1, 2**28), min_size=num_layers, max_size=num_layers))
+        )
+        if elements
+        else (),
+        embedding_elements=draw(st.integers(1, 2**30)) if elements else 0,
+        output_elements=draw(st.integers(1, 2**30)) if elements else 0,
     )
 
 

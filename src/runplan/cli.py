@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runplan import wire
-from runplan.config import RuntimeConfig
+from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.dtypes import DTYPES_BY_NAME
 from runplan.facts import ModelFacts
 from runplan.gguf_facts import model_facts_from_gguf
@@ -137,11 +137,17 @@ def _rejection_json(rejection: PlanRejection) -> dict[str, Any]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     facts = _load_facts(args)
     family, width = DTYPES_BY_NAME[args.dtype]
+    stored = args.weights == "stored"
     config = RuntimeConfig(
         run_id=args.run_id,
         max_tokens=args.max_tokens,
         activation_dtype_family=family,
         activation_dtype_width_bytes=width,
+        worker=WorkerCapabilities(
+            name="quantized" if stored else "numpy-reference",
+            weight_bytes_per_element=0 if stored else 4,
+            kv_bytes_per_element=0 if stored else 4,
+        ),
     )
     pool = NodePool(orchestrator_node_id=args.orchestrator, nodes=args.nodes)
     stage_count = args.stages if args.stages is not None else len(args.nodes)
@@ -156,13 +162,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 f"[bold red]rejected[/] {result}", highlight=False
             )
         return EXIT_REJECTED
-    _print_plan(args, facts, pool, result)
+    _print_plan(args, facts, pool, config, result)
     return 0
 
 
-def _print_plan(args: argparse.Namespace, facts: ModelFacts, pool: NodePool, plan: RunPlan) -> None:
+def _print_plan(
+    args: argparse.Namespace,
+    facts: ModelFacts,
+    pool: NodePool,
+    config: RuntimeConfig,
+    plan: RunPlan,
+) -> None:
     nodes = {n.node_id: n for n in pool.nodes}
-    memory = plan_stage_memory(facts, plan)
+    memory = plan_stage_memory(facts, config.worker, plan)
     device_use: dict[tuple[str, str], int] = {}
     for stage, use in zip(plan.stages, memory, strict=True):
         key = nodes[stage.node_id].device_key
@@ -268,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(k for k in DTYPES_BY_NAME if k != "u32"),
         default="f32",
         help="activation and KV-cache dtype (default: f32, as the CPU worker runs)",
+    )
+    plan.add_argument(
+        "--weights",
+        choices=("f32", "stored"),
+        default="f32",
+        help="how a worker holds weights and its KV cache: f32 (the NumPy reference worker, "
+        "the default) or stored (kept quantized as in the file, KV in the activation dtype, "
+        "as the CUDA worker does)",
     )
     plan.add_argument("--run-id", default="run-1", help="the run id (default: run-1)")
     plan.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")

@@ -37,11 +37,17 @@ REFERENCE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
 
 @frozen
 class WorkerCapabilities:
-    """What the chosen worker can run; the runtime fills it in for its worker."""
+    """What the chosen worker can run, and how it holds a model in memory; the runtime
+    fills it in for its worker. The defaults are the NumPy reference worker's: weights
+    dequantized to float32, a float32 KV cache."""
 
     name: str = str_field(default="numpy-reference")
     architectures: tuple[str, ...] = tuple_field(str, default=REFERENCE_ARCHITECTURES)
     quant_types: tuple[str, ...] = tuple_field(str, default=REFERENCE_QUANT_TYPES)
+    # Bytes per weight element in memory; 0: as stored in the file (kept quantized).
+    weight_bytes_per_element: int = int_field(default=4)
+    # Bytes per KV-cache element; 0: the run's activation dtype.
+    kv_bytes_per_element: int = int_field(default=4)
 
 
 @frozen

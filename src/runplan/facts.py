@@ -62,6 +62,12 @@ class ModelFacts:
     output_bytes: int = int_field()  # output_norm + output head (last stage)
     shared_bytes: int = int_field()  # tensors outside blocks every stage loads (rope_freqs ...)
     tied_embeddings: bool = bool_field()  # no output.weight: the head is token_embd
+    # Weight elements of the same parts (for workers that dequantize); empty / 0 when
+    # unknown, and then the planner counts stored bytes.
+    block_elements: tuple[int, ...] = int_tuple_field(default=())
+    embedding_elements: int = int_field(default=0)
+    output_elements: int = int_field(default=0)
+    shared_elements: int = int_field(default=0)
 
     def kv_bytes_per_token_per_layer(self, width_bytes: int) -> int:
         """KV-cache bytes that one position of one block takes at ``width_bytes``."""

@@ -51,7 +51,8 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         vocab = embedding.shape[-1]
 
     block_bytes = [0] * max(num_layers, 0)
-    shared = 0
+    block_elements = [0] * max(num_layers, 0)
+    shared = shared_elements = 0
     for name, info in tensors.items():
         if name.startswith(_BLOCK_PREFIX):
             index_text = name[len(_BLOCK_PREFIX) :].split(".", 1)[0]
@@ -62,13 +63,16 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
                     f"{arch}.block_count",
                 )
             block_bytes[int(index_text)] += info.n_bytes
+            block_elements[int(index_text)] += _elements(info.shape)
         elif name not in (EMBEDDING_TENSOR, OUTPUT_TENSOR, OUTPUT_NORM_TENSOR):
             shared += info.n_bytes
+            shared_elements += _elements(info.shape)
 
     tied = OUTPUT_TENSOR not in tensors
     head = embedding if tied else tensors[OUTPUT_TENSOR]
     norm = tensors.get(OUTPUT_NORM_TENSOR)
     output_bytes = head.n_bytes + (norm.n_bytes if norm is not None else 0)
+    output_elements = _elements(head.shape) + (_elements(norm.shape) if norm is not None else 0)
 
     return ModelFacts(
         model_id=model_id_for(first),
@@ -90,4 +94,15 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         output_bytes=output_bytes,
         shared_bytes=shared,
         tied_embeddings=tied,
+        block_elements=tuple(block_elements),
+        embedding_elements=_elements(embedding.shape),
+        output_elements=output_elements,
+        shared_elements=shared_elements,
     )
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,15 +1,19 @@
 """What a stage holds in memory: the planner's accounting for ``insufficient_memory``.
 
-A stage holds its blocks' weights as stored in the file, the tensors every stage needs
-(``shared_bytes``), the token embedding on the first stage, the output norm and head on
-the last, a KV cache of ``max_seq_len`` positions for each of its blocks in the
-activation dtype, and the ring of its inbound edge (the consumer end allocates it).
+A stage holds its blocks' weights, the tensors every stage needs, the token embedding
+on the first stage, the output norm and head on the last, a KV cache of
+``max_seq_len`` positions for each of its blocks, and the ring of its inbound edge (the
+consumer end allocates it). Weights count as stored in the file, or as
+``weight_bytes_per_element`` per element for a worker that dequantizes them (the NumPy
+reference worker holds float32); the KV cache in the activation dtype, or
+``kv_bytes_per_element`` when the worker says so.
 """
 
 from __future__ import annotations
 
 from attrs import frozen
 
+from runplan.config import WorkerCapabilities
 from runplan.facts import ModelFacts
 from runplan.plan import RunPlan
 
@@ -25,12 +29,37 @@ class StageMemory:
         return self.weight_bytes + self.kv_bytes + self.ring_bytes
 
 
+def kv_width(worker: WorkerCapabilities, activation_width: int) -> int:
+    return worker.kv_bytes_per_element or activation_width
+
+
 def kv_bytes_per_layer(facts: ModelFacts, width: int) -> int:
     return facts.max_seq_len * facts.kv_bytes_per_token_per_layer(width)
 
 
-def fixed_weight_bytes(facts: ModelFacts, *, first: bool, last: bool) -> int:
+def _dequantized(worker: WorkerCapabilities, facts: ModelFacts) -> bool:
+    return worker.weight_bytes_per_element > 0 and len(facts.block_elements) == facts.num_layers
+
+
+def block_weight_bytes(facts: ModelFacts, worker: WorkerCapabilities) -> tuple[int, ...]:
+    """What each block's weights take in the worker's memory."""
+    if _dequantized(worker, facts):
+        w = worker.weight_bytes_per_element
+        return tuple(n * w for n in facts.block_elements)
+    return facts.block_bytes
+
+
+def fixed_weight_bytes(
+    facts: ModelFacts, worker: WorkerCapabilities, *, first: bool, last: bool
+) -> int:
     """Weights a stage holds whatever its layers are."""
+    if _dequantized(worker, facts):
+        w = worker.weight_bytes_per_element
+        return w * (
+            facts.shared_elements
+            + (facts.embedding_elements if first else 0)
+            + (facts.output_elements if last else 0)
+        )
     return (
         facts.shared_bytes
         + (facts.embedding_bytes if first else 0)
@@ -40,25 +69,29 @@ def fixed_weight_bytes(facts: ModelFacts, *, first: bool, last: bool) -> int:
 
 def stage_memory(
     facts: ModelFacts,
+    worker: WorkerCapabilities,
     *,
     layer_start: int,
     layer_end_exclusive: int,
     first: bool,
     last: bool,
-    width: int,
+    activation_width: int,
     inbound_ring_bytes: int,
 ) -> StageMemory:
-    blocks = sum(facts.block_bytes[layer_start:layer_end_exclusive])
+    blocks = sum(block_weight_bytes(facts, worker)[layer_start:layer_end_exclusive])
     n_layers = layer_end_exclusive - layer_start
+    fixed = fixed_weight_bytes(facts, worker, first=first, last=last)
     return StageMemory(
-        weight_bytes=blocks + fixed_weight_bytes(facts, first=first, last=last),
-        kv_bytes=n_layers * kv_bytes_per_layer(facts, width),
+        weight_bytes=blocks + fixed,
+        kv_bytes=n_layers * kv_bytes_per_layer(facts, kv_width(worker, activation_width)),
         ring_bytes=inbound_ring_bytes,
     )
 
 
-def plan_stage_memory(facts: ModelFacts, plan: RunPlan) -> tuple[StageMemory, ...]:
-    """What each stage of ``plan`` holds, in stage order."""
+def plan_stage_memory(
+    facts: ModelFacts, worker: WorkerCapabilities, plan: RunPlan
+) -> tuple[StageMemory, ...]:
+    """What each stage of ``plan`` holds, in stage order, for ``worker``."""
     n = len(plan.stages)
     edges = {e.edge_id: e for e in plan.edges}
     out = []
@@ -67,11 +100,12 @@ def plan_stage_memory(facts: ModelFacts, plan: RunPlan) -> tuple[StageMemory, ..
         out.append(
             stage_memory(
                 facts,
+                worker,
                 layer_start=stage.layer_start,
                 layer_end_exclusive=stage.layer_end_exclusive,
                 first=i == 0,
                 last=i == n - 1,
-                width=plan.model.dtype_width_bytes,
+                activation_width=plan.model.dtype_width_bytes,
                 inbound_ring_bytes=ring.slot_count * ring.slot_bytes,
             )
         )

@@ -9,7 +9,13 @@ from collections.abc import Sequence
 from runplan.config import RuntimeConfig
 from runplan.facts import ModelFacts
 from runplan.layers import Range, split_by_capacity, split_even
-from runplan.memory import fixed_weight_bytes, kv_bytes_per_layer, plan_stage_memory
+from runplan.memory import (
+    block_weight_bytes,
+    fixed_weight_bytes,
+    kv_bytes_per_layer,
+    kv_width,
+    plan_stage_memory,
+)
 from runplan.placement import Placement, PlacementStrategy
 from runplan.plan import (
     U64_MAX,
@@ -118,7 +124,7 @@ def plan_run(
         return rows
 
     plan = _build(config, pool, model, rows, rings)
-    rejection = _check_memory(facts, nodes, plan)
+    rejection = _check_memory(facts, config, nodes, plan)
     if rejection:
         return rejection
     return plan
@@ -223,18 +229,18 @@ def _split_by_memory(
     rings: dict[EdgeKind, RingSpec],
 ) -> list[Range]:
     n = len(node_ids)
-    width = config.activation_dtype_width_bytes
-    kv = kv_bytes_per_layer(facts, width)
+    worker = config.worker
+    kv = kv_bytes_per_layer(facts, kv_width(worker, config.activation_dtype_width_bytes))
     sharers = Counter(nodes[nid].device_key for nid in node_ids)
     capacity = [nodes[nid].memory_bytes // sharers[nodes[nid].device_key] for nid in node_ids]
     fixed = []
     for i in range(n):
         inbound = rings[EdgeKind.TOKEN_IN if i == 0 else EdgeKind.ACTIVATION]
         fixed.append(
-            fixed_weight_bytes(facts, first=i == 0, last=i == n - 1)
+            fixed_weight_bytes(facts, worker, first=i == 0, last=i == n - 1)
             + inbound.slot_count * inbound.slot_bytes
         )
-    layer_cost = [b + kv for b in facts.block_bytes]
+    layer_cost = [b + kv for b in block_weight_bytes(facts, worker)]
     return split_by_capacity(layer_cost, fixed, capacity)
 
 
@@ -365,14 +371,14 @@ def _build(
 
 
 def _check_memory(
-    facts: ModelFacts, nodes: dict[str, NodeSpec], plan: RunPlan
+    facts: ModelFacts, config: RuntimeConfig, nodes: dict[str, NodeSpec], plan: RunPlan
 ) -> PlanRejection | None:
     """Each device's stages must fit its memory (the smallest ``memory_bytes`` of the
     run's nodes that name it)."""
     needed: dict[tuple[str, str], int] = {}
     available: dict[tuple[str, str], int] = {}
     members: dict[tuple[str, str], list[tuple[int, str]]] = {}
-    for stage, use in zip(plan.stages, plan_stage_memory(facts, plan), strict=True):
+    for stage, use in zip(plan.stages, plan_stage_memory(facts, config.worker, plan), strict=True):
         node = nodes[stage.node_id]
         key = node.device_key
         needed[key] = needed.get(key, 0) + use.total

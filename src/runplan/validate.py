@@ -134,6 +134,12 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
             str(facts.head_count_kv),
             f"does not divide head_count {facts.head_count}",
         )
+    if facts.block_elements and len(facts.block_elements) != facts.num_layers:
+        return InconsistentModelFacts(
+            "block_elements",
+            f"{len(facts.block_elements)} blocks",
+            f"num_layers is {facts.num_layers}",
+        )
     if len(facts.block_bytes) != facts.num_layers:
         return InconsistentModelFacts(
             "block_bytes",

@@ -14,9 +14,12 @@ from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runtime_core.activations import edge_dtype
 from runtime_core.worker import Progress, TokenOutput, WorkerError
 
-#: Runs any architecture and quant type: it never looks at the weights.
+#: Runs any architecture and quant type: it never looks at the weights. It stands for a
+#: worker that keeps weights as stored and its KV cache in the activation dtype.
 SYNTHETIC_CAPABILITIES = WorkerCapabilities(
     name="synthetic",
+    weight_bytes_per_element=0,
+    kv_bytes_per_element=0,
     architectures=("llama", "qwen2", "mistral", "gemma", "phi3", "falcon"),
     quant_types=tuple(
         sorted(

@@ -97,6 +97,15 @@ def test_smollm2_facts(smollm2_path: str) -> None:
         + (f.output_bytes - f.embedding_bytes)
         == total
     )
+    elements = sum(int(np.prod(t.shape)) for t in header.tensors.values())
+    assert (
+        sum(f.block_elements)
+        + f.embedding_elements
+        + f.shared_elements
+        + (f.output_elements - f.embedding_elements)
+        == elements
+    )
+    assert f.embedding_elements == 49152 * 576
 
 
 def test_a_split_set_reads_as_one_model(tmp_path: Path) -> None:

@@ -103,3 +103,38 @@ def test_by_memory_splits_a_shared_device_between_its_nodes() -> None:
     )
     assert isinstance(plan, RunPlan)
     assert [s.layer_end_exclusive - s.layer_start for s in plan.stages] == [15, 8, 7]
+
+
+def test_memory_counts_weights_as_the_worker_holds_them(smollm2_path: str) -> None:
+    """The NumPy worker holds float32 weights and a float32 KV cache; a worker that
+    keeps weights quantized holds what the file stores."""
+    from runplan import WorkerCapabilities, model_facts_from_gguf
+    from runplan.memory import plan_stage_memory
+
+    facts = model_facts_from_gguf(smollm2_path, max_seq_len=256)
+    pool = NodePool("orch", (NodeSpec("a", 2**34), NodeSpec("b", 2**34)))
+    stored = WorkerCapabilities(
+        name="quantized", weight_bytes_per_element=0, kv_bytes_per_element=0
+    )
+    for worker, weights in (
+        (WorkerCapabilities(), 4 * (sum(facts.block_elements[:15]) + facts.embedding_elements)),
+        (stored, sum(facts.block_bytes[:15]) + facts.embedding_bytes),
+    ):
+        config = RuntimeConfig(
+            run_id="r", max_tokens=1, activation_dtype_width_bytes=2, worker=worker
+        )
+        plan = plan_run(facts, config, pool, stage_count=2)
+        assert isinstance(plan, RunPlan)
+        first = plan_stage_memory(facts, worker, plan)[0]
+        assert first.weight_bytes == weights
+        kv_width = 4 if worker.kv_bytes_per_element else 2
+        assert first.kv_bytes == 15 * 256 * 3 * 64 * 2 * kv_width
+    # A node that fits the quantized stage but not the float32 one is rejected only for
+    # the NumPy worker.
+    tight = NodePool("orch", (NodeSpec("a", 200 * 2**20), NodeSpec("b", 200 * 2**20)))
+    f32 = plan_run(facts, RuntimeConfig(run_id="r", max_tokens=1), tight, stage_count=2)
+    quant = plan_run(
+        facts, RuntimeConfig(run_id="r", max_tokens=1, worker=stored), tight, stage_count=2
+    )
+    assert f32.code == "insufficient_memory"  # type: ignore[union-attr]
+    assert isinstance(quant, RunPlan)
