@@ -39,14 +39,34 @@ class Trace:
 
 
 def chrome_trace(entries: Iterable[Entry], actors: list[str]) -> dict[str, Any]:
-    """Chrome trace events: one track per actor, steps and loads as spans (gaps are
-    the pipeline's bubbles), messages and state changes as instants."""
+    """Chrome trace events: one track per actor, with steps and loads as spans, each
+    stage's waits for its next input as "wait" spans (the pipeline's bubbles), and
+    messages as instants."""
     tid = {actor: i for i, actor in enumerate(actors)}
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": 1, "tid": i, "name": "thread_name", "args": {"name": actor}}
         for actor, i in tid.items()
     ]
+    idle_since: dict[str, int] = {}  # stage -> when it last became free for work
     for time_us, actor, kind, what, detail in entries:
+        if kind == "state" and what == "READY" and actor not in idle_since:
+            idle_since[actor] = time_us
+        elif kind == "ev" and what == "ObjectLoaded" and actor in idle_since:
+            began = idle_since.pop(actor)
+            if time_us > began:
+                events.append(
+                    {
+                        "pid": 1,
+                        "tid": tid.setdefault(actor, len(tid)),
+                        "ts": began,
+                        "ph": "X",
+                        "name": "wait",
+                        "dur": time_us - began,
+                        "args": {"for": f"sequence {detail[0]}"},
+                    }
+                )
+        elif kind == "state" and what != "READY":
+            idle_since.pop(actor, None)
         if actor not in tid:
             tid[actor] = len(tid)
             events.append(

@@ -73,6 +73,9 @@ def test_text_streams_to_stdout_and_a_trace_is_written(
     events = json.loads(trace.read_text())["traceEvents"]
     steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("step")]
     assert len({e["tid"] for e in steps}) == 2  # both stages' steps, on their own tracks
+    waits = [e for e in events if e.get("ph") == "X" and e["name"] == "wait"]
+    assert {e["tid"] for e in waits} == {e["tid"] for e in steps}  # the bubbles
+    assert all(e["dur"] > 0 for e in waits)
 
 
 def test_a_model_without_a_chat_template_is_a_clear_error(
