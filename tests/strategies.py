@@ -20,6 +20,7 @@ from runplan import (
     SamplingConfig,
     StageAssignment,
     Timeouts,
+    WorkerCapabilities,
     plan_run,
     provision_all,
 )
@@ -37,6 +38,10 @@ from runplan.messages import (
 )
 
 ORCHESTRATOR = "orchestrator"
+#: A worker that keeps weights as the file stores them (as the CUDA worker does).
+STORED_WEIGHTS = WorkerCapabilities(
+    name="stored-weights", weight_bytes_per_element=0, kv_bytes_per_element=0
+)
 PLENTY = 2**50  # bytes: more than any generated stage needs
 
 run_ids = st.text(
@@ -180,6 +185,8 @@ def valid_plan_inputs(draw: st.DrawFn, *, max_layers: int = 48) -> PlanInputs:
         rows = [StageAssignment(i, chosen[i], a, b) for i, (a, b) in enumerate(ranges)]
         placement = Placement(assignments=tuple(draw(st.permutations(rows))))
     pool = NodePool(orchestrator_node_id=ORCHESTRATOR, nodes=nodes)
+    if not facts.block_elements:  # hand-made facts: plan for a worker that keeps weights as stored
+        config = attrs.evolve(config, worker=STORED_WEIGHTS)
     return PlanInputs(facts, config, pool, stage_count, placement)
 
 
@@ -224,6 +231,7 @@ def small_plan(
         max_tokens=max_tokens,
         return_logits=return_logits,
         activation_dtype_width_bytes=activation_width,
+        worker=STORED_WEIGHTS,
     )
     pool = NodePool(ORCHESTRATOR, tuple(NodeSpec(n, PLENTY) for n in node_ids(stage_count)))
     plan = plan_run(facts, config, pool, stage_count=stage_count)

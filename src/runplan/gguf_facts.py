@@ -43,12 +43,7 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     if EMBEDDING_TENSOR not in tensors:
         raise GgufError(first, f"the model has no {EMBEDDING_TENSOR!r} tensor")
     embedding = tensors[EMBEDDING_TENSOR]
-    if header.has(f"{arch}.vocab_size"):
-        vocab = header.integer(f"{arch}.vocab_size")
-    elif header.has("tokenizer.ggml.tokens"):
-        vocab = header.array_length("tokenizer.ggml.tokens")
-    else:
-        vocab = embedding.shape[-1]
+    vocab = vocab_size(header, arch)
 
     block_bytes = [0] * max(num_layers, 0)
     block_elements = [0] * max(num_layers, 0)
@@ -99,6 +94,19 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         output_elements=output_elements,
         shared_elements=shared_elements,
     )
+
+
+def vocab_size(header: GgufHeader, arch: str) -> int:
+    """``{arch}.vocab_size``, else the number of tokens, else the token embedding's
+    second dimension (``GgufError`` when there is none of them)."""
+    if header.has(f"{arch}.vocab_size"):
+        return header.integer(f"{arch}.vocab_size")
+    if header.has("tokenizer.ggml.tokens"):
+        return header.array_length("tokenizer.ggml.tokens")
+    info = header.tensors.get(EMBEDDING_TENSOR)
+    if info is None or len(info.shape) != 2:
+        raise GgufError(header.paths[0], f"no 2-d {EMBEDDING_TENSOR!r} to size the vocabulary")
+    return info.shape[1]
 
 
 def _elements(shape: tuple[int, ...]) -> int:

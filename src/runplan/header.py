@@ -30,6 +30,9 @@ from runplan.plan import MAX_RUN_ID_BYTES, OBJECT_HEADER_BYTES, Layout, ObjectKi
 
 MAGIC = b"GPOB"
 VERSION = 1
+#: Where a header keeps its sequence and, right after it, its extent (u64 each).
+SEQUENCE_OFFSET = 24
+EXTENT_OFFSET = 32
 _STRUCT = struct.Struct("<4sHBBI4sQQQ64s24s")
 assert _STRUCT.size == OBJECT_HEADER_BYTES
 _ZERO4 = bytes(4)
@@ -89,7 +92,10 @@ class ObjectHeader:
             raise HeaderError("a header needs a run id string and an object kind")
         if not isinstance(self.dtype, HeaderDType):
             raise HeaderError(f"dtype {self.dtype!r} is not a HeaderDType")
-        run_id = self.run_id.encode("utf-8")
+        try:
+            run_id = self.run_id.encode("utf-8")
+        except UnicodeEncodeError:
+            raise HeaderError(f"run id {self.run_id!r} is not valid Unicode") from None
         if not run_id or len(run_id) > MAX_RUN_ID_BYTES or b"\x00" in run_id:
             raise HeaderError(f"run id {self.run_id!r} does not fit the header")
         try:

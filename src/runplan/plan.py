@@ -135,6 +135,16 @@ class RunPlan:
     def stage_count(self) -> int:
         return len(self.stages)
 
+    @property
+    def token_in(self) -> EdgePlan:
+        """The edge stage 0 consumes (found by id: edges may come in any order)."""
+        return self.edge(self.stages[0].inbound_edge)
+
+    @property
+    def token_out(self) -> EdgePlan:
+        """The edge the last stage produces."""
+        return self.edge(self.stages[-1].outbound_edge)
+
     def edge(self, edge_id: int) -> EdgePlan:
         """The edge with id ``edge_id`` (``KeyError`` if the plan has none)."""
         for e in self.edges:

@@ -159,6 +159,8 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
 
 
 def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection | None:
+    """The worker runs the model's architecture and quant types, and the facts say
+    what the memory check needs to count the weights as the worker holds them."""
     bad_quants = tuple(q for q in facts.quant_types if q not in worker.quant_types)
     if facts.architecture not in worker.architectures or bad_quants:
         return UnsupportedModel(
@@ -167,5 +169,17 @@ def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection
             unsupported_quant_types=bad_quants,
             supported_architectures=tuple(worker.architectures),
             supported_quant_types=tuple(worker.quant_types),
+        )
+    if worker.weight_bytes_per_element < 0 or worker.kv_bytes_per_element < 0:
+        return InconsistentModelFacts(
+            "worker", worker.name, "bytes per weight or KV element must not be negative"
+        )
+    if worker.weight_bytes_per_element > 0 and not facts.block_elements:
+        return InconsistentModelFacts(
+            "block_elements",
+            "()",
+            f"worker {worker.name!r} holds weights at {worker.weight_bytes_per_element} bytes "
+            "per element, and the facts carry no element counts (model_facts_from_gguf "
+            "reads them)",
         )
     return None

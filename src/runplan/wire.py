@@ -63,6 +63,10 @@ def _strict_float(value: Any, _type: Any) -> float:
 def _strict_str(value: Any, _type: Any) -> str:
     if type(value) is not str:
         raise TypeError(f"expected a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("a string holds a lone surrogate") from None
     return value
 
 

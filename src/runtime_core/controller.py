@@ -150,6 +150,11 @@ class StageController:
         """Feed one event to the machine and carry out its actions."""
         before = self.machine.state
         self.machine, actions = fsm.step(self.machine, event)
+        if self.machine.state in (fsm.State.FAULTED, fsm.State.STOPPING):
+            # Reject new run work: a step not yet run, or an output not yet published,
+            # of a faulted or stopping stage goes nowhere.
+            self._step = None
+            self._output = None
         if self.machine.state is not before:
             self.trace(
                 "state",
@@ -261,9 +266,9 @@ class StageController:
         """Run the worker over the loaded record and try to publish its output."""
         sequence = self._step
         record = self._record
+        self._step = None
         if sequence is None or record is None:
             return
-        self._step = None
         try:
             output = self.worker.execute_step(sequence, self._decode(record))
             self._output = (sequence, *self._encode(output))
@@ -329,15 +334,19 @@ class StageController:
 
     # -- release -------------------------------------------------------------------------
     def run_release(self) -> None:
-        """Close both edge ends and release the worker; then ``Released``."""
+        """Stop the edge ends and release the worker; then ``Released``.
+
+        The stage closes its inbound edge, whose ring it made (EDGES_AND_WORKERS.md §3),
+        and lets go of its outbound edge without closing it: the next stage owns that
+        ring, and may still be waiting for its own StopRun, which a closed edge would
+        turn into a fault."""
         if not self._release_pending:
             return
         self._release_pending = False
         if self._record is not None and self._inbound is not None:
             self._release_record(self._record.header.sequence)
-        for end in (self._inbound, self._outbound):
-            if end is not None:
-                end.close()
+        if self._inbound is not None:
+            self._inbound.close()
         self._inbound = self._outbound = None
         try:
             self.worker.release()

@@ -27,6 +27,7 @@ from attrs import frozen
 from gguf import GGMLQuantizationType, quants
 
 from runplan import GgufSource, WorkerCapabilities
+from runplan.gguf_facts import vocab_size
 from runplan.gguf_header import GgufHeader, TensorInfo
 from runtime_core.errors import UnsupportedModel
 from runtime_core.model_config import ModelConfig
@@ -173,7 +174,7 @@ def open_stage_slice(
             f"the model's {config.n_layers} blocks"
         )
     tensors = header.tensors
-    vocab = _vocab_size(header, config.architecture)
+    vocab = vocab_size(header, config.architecture)
     specs: dict[str, TensorSpec] = {}
     for layer in range(layer_start, layer_end_exclusive):
         specs.update(block_specs(config, layer))
@@ -222,19 +223,6 @@ def open_stage_slice(
         tensors=owned,
         header=header,
     )
-
-
-def _vocab_size(header: GgufHeader, arch: str) -> int:
-    """As ``model_facts_from_gguf`` reads it: ``{arch}.vocab_size``, else the number
-    of tokens, else the embedding's second dimension."""
-    if header.has(f"{arch}.vocab_size"):
-        return header.integer(f"{arch}.vocab_size")
-    if header.has("tokenizer.ggml.tokens"):
-        return header.array_length("tokenizer.ggml.tokens")
-    info = header.tensors.get(EMBEDDING)
-    if info is None or len(info.shape) != 2:
-        raise UnsupportedModel(header.paths[0], "no 2-d token embedding", tensor=EMBEDDING)
-    return info.shape[1]
 
 
 def _block_tensor_names(layer: int, tensors: Mapping[str, TensorInfo]) -> Iterator[str]:

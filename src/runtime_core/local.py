@@ -20,8 +20,12 @@ class LocalEdges:
         key = (run_id, edge_id)
         if key in self.rings:
             raise RuntimeError(f"edge {edge_id} of run {run_id!r} already has its consumer")
-        ring = self.rings[key] = LocalRing(spec)
+        ring = self.rings[key] = self.new_ring(edge_id, spec)
         return ring
+
+    def new_ring(self, edge_id: int, spec: RingSpec) -> Ring:
+        """The ring of a new edge (a subclass may make its own kind)."""
+        return LocalRing(spec)
 
     # -- stages ----------------------------------------------------------------------
     def open_inbound(self, provision: ProvisionStage) -> ReceiveEnd:
@@ -41,7 +45,7 @@ class LocalEdges:
 
     # -- the orchestrator ------------------------------------------------------------------
     def open_token_out(self, plan: RunPlan) -> ReceiveEnd:
-        edge: EdgePlan = plan.edges[-1]
+        edge: EdgePlan = plan.token_out
         ring = self._make(plan.run_id, edge.edge_id, edge.ring_spec)
         check = HeaderCheck.for_edge(
             plan.run_id, edge.edge_id, edge.object_spec, plan.model.hidden_dim
@@ -49,7 +53,7 @@ class LocalEdges:
         return ReceiveEnd(ring, check)
 
     def open_token_in(self, plan: RunPlan) -> SendEnd | None:
-        edge = plan.edges[0]
+        edge = plan.token_in
         ring = self.rings.get((plan.run_id, edge.edge_id))
         if ring is None:
             return None

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.header import HeaderCheck, HeaderDType
+from runplan.header import HeaderCheck, HeaderDType, HeaderRejection
 from runplan.messages import ProvisionStage, StopRun
 from runplan.plan import Layout
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, SendEnd
@@ -186,6 +186,11 @@ class OrchestratorController:
         problem = check.validate(record.header, self.machine.injected)
         if problem is not None:
             end.release(record)
+            if problem[0] in (HeaderRejection.RUN_ID_MISMATCH, HeaderRejection.EDGE_ID_MISMATCH):
+                # Not this run's or this edge's record: refused, nothing else changes
+                # (as a stage refuses one, PIPELINE_ORCHESTRATION_MVP.md §10).
+                self.trace("reject", {"reason": problem[0].value, "detail": problem[1]})
+                return True
             self.handle(fsm.EndpointFault(f"token-out: {problem[0].value}: {problem[1]}"))
             return True
         values = np.frombuffer(record.payload, dtype="<u4")

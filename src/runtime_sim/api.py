@@ -3,11 +3,13 @@ with the NumPy reference worker, and return its tokens and text."""
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 from attrs import frozen
@@ -70,14 +72,14 @@ def plan_for(
 ) -> RunPlan:
     """The plan of a simulated run: one node per stage, layers split evenly, a KV cache
     just long enough for the prompt and the tokens asked for."""
-    probe = model_facts_from_gguf(model_path)
+    facts = model_facts_from_gguf(model_path)
     needed = prompt_len + max_tokens
-    if needed > probe.context_length:
+    if needed > facts.context_length:
         raise ValueError(
             f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {needed} exceeds the "
-            f"model's context length {probe.context_length}"
+            f"model's context length {facts.context_length}"
         )
-    facts = model_facts_from_gguf(model_path, max_seq_len=needed)
+    facts = attrs.evolve(facts, max_seq_len=needed)
     nodes = tuple(NodeSpec(f"stage-{i}", 64 * 2**30) for i in range(stages))
     config = RuntimeConfig(
         run_id=run_id,
@@ -113,19 +115,19 @@ def generate(
     on_load: LoadProgress | None = None,
     timing: TimingModel | None = None,
     trace: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
     simulated stages, each running the NumPy reference worker over its layers.
 
     ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
     ``on_token(id)`` streams each generated token as the orchestrator consumes it.
+    ``tokenizer`` saves loading the file's tokenizer again when the caller has it.
     Raises ``PlanRejected`` when the planner refuses the run and ``GgufError`` for a
     file it cannot read.
     """
     path = resolve_model(model_path)
-    prompt = tuple(int(t) for t in prompt_ids)
-    if not prompt:
-        raise ValueError("the prompt has no tokens")
+    prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     plan = plan_for(
         path,
@@ -140,7 +142,7 @@ def generate(
         plan, prompt, on_token=on_token, on_load=on_load, timing=timing, trace=trace
     )
     wall = time.perf_counter() - start
-    tokenizer = Tokenizer.from_gguf(path)
+    tokenizer = tokenizer or Tokenizer.from_gguf(path)
     return summarize(plan, prompt, result, sim, tokenizer, wall, return_logits)
 
 
@@ -192,7 +194,6 @@ def summarize(
     times = result.token_times_us
     ttft = (times[0] - result.ready_us) if times and result.ready_us is not None else None
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-    costs = f32_stage_costs(plan)
     return GenerateResult(
         tokens=result.tokens,
         text=tokenizer.decode(list(result.tokens)),
@@ -200,7 +201,7 @@ def summarize(
         logits=result.logits if return_logits else None,
         fault=fault,
         plan=plan,
-        prediction=sim.settings.timing.predict(plan, costs, len(prompt)),
+        prediction=sim.settings.timing.predict(plan, sim.costs, len(prompt)),
         simulated_ttft_us=ttft,
         simulated_tpot_us=tpot,
         wall_s=wall_s,

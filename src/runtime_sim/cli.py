@@ -38,8 +38,10 @@ def _ids(text: str) -> list[int]:
 
 
 class TextStream:
-    """Prints generated text as tokens arrive: the new part of the decoded text, holding
-    back an incomplete UTF-8 sequence at the end."""
+    """Prints generated text as tokens arrive: the new part of the decoded text. The
+    end of the text is held back while it may still change: an incomplete UTF-8
+    sequence (U+FFFD) and trailing whitespace, which a detokenizer that cleans up
+    spaces may drop once punctuation follows."""
 
     def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
         self.tokenizer = tokenizer
@@ -49,18 +51,18 @@ class TextStream:
 
     def __call__(self, token_id: int) -> None:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        if text.startswith(self.shown):
+        text = self.tokenizer.decode(self.ids).rstrip("\ufffd").rstrip()
+        if text.startswith(self.shown) and len(text) > len(self.shown):
             self.out.write(text[len(self.shown) :])
             self.out.flush()
             self.shown = text
 
     def finish(self, text: str) -> None:
+        """Write the rest of the final ``text`` and a newline."""
         if text.startswith(self.shown):
-            self.out.write(text[len(self.shown) :])
-        self.out.write("\n")
+            self.out.write(text[len(self.shown) :] + "\n")
+        else:  # a character already printed changed after all: print the whole text again
+            self.out.write("\n" + text + "\n")
         self.out.flush()
 
 
@@ -93,20 +95,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
             tasks[stage] = progress.add_task("load", total=total, stage=stage)
         progress.update(tasks[stage], completed=done)
 
-    with progress:
-        result = generate(
-            path,
-            prompt,
-            stages=args.stages,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            on_token=stream,
-            on_load=on_load,
-            trace=args.trace is not None,
-        )
+    try:
+        with progress:
+            result = generate(
+                path,
+                prompt,
+                stages=args.stages,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                on_token=stream,
+                on_load=on_load,
+                trace=args.trace is not None,
+                tokenizer=tokenizer,
+            )
+    except KeyboardInterrupt:
+        # The caller tore the run down: what was generated so far, and "cancelled".
+        text = tokenizer.decode(stream.ids)
+        stream.finish(text)
+        if args.json:
+            doc = {"tokens": stream.ids, "text": text, "outcome": "cancelled", "fault": None}
+            sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+        else:
+            err.print("cancelled", highlight=False)
+        return 130
     stream.finish(result.text)
     if args.trace is not None:
         _write_trace(args.trace, result)

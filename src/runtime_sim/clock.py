@@ -47,18 +47,13 @@ class Scheduler:
     def after(self, delay_us: int, fn: Callable[[], None]) -> Handle:
         return self.at(self.now_us + max(0, int(delay_us)), fn)
 
-    def run(self, *, until_us: int | None = None, max_events: int | None = None) -> None:
-        """Run calls until none is left, the clock would pass ``until_us``, or
-        ``max_events`` calls ran."""
+    def run(self, *, max_events: int | None = None) -> None:
+        """Run calls until none is left or ``max_events`` calls ran."""
         heap = self._heap
         pop = heapq.heappop
         budget = max_events if max_events is not None else -1
         while heap and budget != 0:
-            time_us = heap[0][0]
-            if until_us is not None and time_us > until_us:
-                self.now_us = until_us
-                return
-            handle = pop(heap)[2]
+            time_us, _, handle = pop(heap)
             fn = handle.fn
             if fn is None:
                 continue
@@ -67,10 +62,6 @@ class Scheduler:
             self.events_run += 1
             budget -= 1
             fn()
-
-    @property
-    def pending(self) -> int:
-        return sum(1 for _, _, h in self._heap if not h.cancelled)
 
 
 def derive_rng(seed: int, name: str) -> random.Random:

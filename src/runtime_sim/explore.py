@@ -27,7 +27,15 @@ from runplan import (
 )
 from runtime_sim.clock import derive_rng
 from runtime_sim.faults import FaultPlan, random_fault_plan
-from runtime_sim.invariants import Violation, check
+from runtime_sim.invariants import (
+    READY_AFTER_SETUP,
+    READY_BEFORE_INJECT,
+    RELEASE_AFTER_STEP,
+    SAME_SEQUENCE,
+    TEARDOWN_TO_ALL,
+    Violation,
+    check,
+)
 from runtime_sim.simulation import ORCHESTRATOR, Mutation, SimResult, Simulation
 from runtime_sim.synthetic import SYNTHETIC_CAPABILITIES, SyntheticWorker
 from runtime_sim.timing import stored_stage_costs
@@ -120,7 +128,7 @@ def scenario(seed: int) -> Scenario:
 
 
 def run_scenario(
-    s: Scenario, mutation: Mutation | None = None, trace: bool = True
+    s: Scenario, mutation: Mutation | None = None
 ) -> tuple[SimResult, Simulation, list[Violation]]:
     plan = s.plan
     workers: list[Any] = [
@@ -129,10 +137,10 @@ def run_scenario(
     ]
     costs = stored_stage_costs(plan, s.block_bytes, plan.model.vocab_size * 32)
     sim = Simulation(
-        plan, s.prompt, workers, costs, seed=s.seed, faults=s.faults, mutation=mutation, trace=trace
+        plan, s.prompt, workers, costs, seed=s.seed, faults=s.faults, mutation=mutation
     )
     result = sim.run()
-    return result, sim, check(sim, result, len(s.prompt))
+    return result, sim, check(sim, result)
 
 
 def explore(start: int, count: int) -> list[Outcome]:
@@ -184,13 +192,24 @@ def report_json(start: int, outcomes: list[Outcome]) -> str:
 @frozen
 class MutantResult:
     mutation: Mutation
-    caught: bool
+    caught: bool  # the rule the bug breaks fired
     seed: int | None
-    rules: tuple[str, ...]
+    rules: tuple[str, ...]  # every rule that fired
+
+
+#: The rule each built-in bug breaks; the self-test passes only if that rule fires.
+MUTANT_RULES: dict[Mutation, str] = {
+    Mutation.INJECT_BEFORE_READY: READY_BEFORE_INJECT,
+    Mutation.SKIP_STOP_RUN: TEARDOWN_TO_ALL,
+    Mutation.SEQUENCE_SHIFT: SAME_SEQUENCE,
+    Mutation.EARLY_SLOT_REUSE: RELEASE_AFTER_STEP,
+    Mutation.READY_BEFORE_BIND: READY_AFTER_SETUP,
+}
 
 
 def self_test(seeds: int = 20) -> list[MutantResult]:
-    """Run every built-in mutant on fault-free scenarios until the checker catches it."""
+    """Run every built-in mutant on fault-free scenarios until the checker reports the
+    rule its bug breaks."""
     results = []
     for mutation in Mutation:
         caught: MutantResult | None = None
@@ -198,10 +217,9 @@ def self_test(seeds: int = 20) -> list[MutantResult]:
             s = scenario(seed)
             s = Scenario(s.seed, s.plan, s.prompt, None, FaultPlan(), s.block_bytes)
             _result, _sim, violations = run_scenario(s, mutation)
-            if violations:
-                caught = MutantResult(
-                    mutation, True, seed, tuple(sorted({v.rule for v in violations}))
-                )
+            rules = tuple(sorted({v.rule for v in violations}))
+            if MUTANT_RULES[mutation] in rules:
+                caught = MutantResult(mutation, True, seed, rules)
                 break
         results.append(caught or MutantResult(mutation, False, None, ()))
     return results

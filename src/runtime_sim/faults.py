@@ -30,6 +30,8 @@ class FaultKind(enum.Enum):
     # the worker
     STEP_FAILS = "STEP_FAILS"
     SLOW_STEP = "SLOW_STEP"  # the step outlasts the step timeout
+    # the caller tears the run down (Ctrl-C) after consuming token ``sequence``
+    CALLER_CANCELS = "CALLER_CANCELS"
     # forged input at a stage
     FORGED_STALE_RUN = "FORGED_STALE_RUN"
     FORGED_UNKNOWN_RUN = "FORGED_UNKNOWN_RUN"
@@ -38,14 +40,6 @@ class FaultKind(enum.Enum):
     FORGED_REWIRE = "FORGED_REWIRE"
 
 
-KILLS = frozenset(
-    {
-        FaultKind.KILL_BEFORE_READY,
-        FaultKind.KILL_MID_PREFILL,
-        FaultKind.KILL_MID_DECODE,
-        FaultKind.KILL_IN_TEARDOWN,
-    }
-)
 MESSAGE_FAULTS = frozenset(
     {
         FaultKind.DROP_MESSAGE,
@@ -82,6 +76,8 @@ class Fault:
     def describe(self) -> str:
         if self.kind in MESSAGE_FAULTS:
             return f"{self.kind.value} message #{self.message}"
+        if self.kind is FaultKind.CALLER_CANCELS:
+            return f"{self.kind.value} after token {self.sequence}"
         if self.kind in (
             FaultKind.KILL_MID_DECODE,
             FaultKind.EDGE_STALL,
@@ -110,16 +106,20 @@ def random_fault_plan(
 ) -> FaultPlan:
     """Zero to ``max_faults`` faults; about a quarter of the plans have none."""
     count = rng.choice([0] + [n for n in range(1, max_faults + 1) for _ in range(3)])
-    faults = []
+    faults: list[Fault] = []
+    struck_messages: set[int] = set()
     for _ in range(count):
         kind = rng.choice(list(FaultKind))
-        faults.append(
-            Fault(
-                kind=kind,
-                stage=rng.randrange(stages),
-                sequence=rng.randrange(1, max(2, max_tokens)),
-                message=rng.randrange(0, 3 * stages + 2),
-                fraction=rng.random(),
-            )
+        fault = Fault(
+            kind=kind,
+            stage=rng.randrange(stages),
+            sequence=rng.randrange(1, max(2, max_tokens)),
+            message=rng.randrange(0, 3 * stages + 2),
+            fraction=rng.random(),
         )
+        if kind in MESSAGE_FAULTS:
+            if fault.message in struck_messages:
+                continue  # one fault per message, so every listed fault strikes
+            struck_messages.add(fault.message)
+        faults.append(fault)
     return FaultPlan(tuple(faults))

@@ -46,7 +46,7 @@ LIVENESS_STOP_RUN = "liveness: StopRun reaches every provisioned stage still ali
 LIVENESS_STOPPED = "liveness: every stage still alive stops"
 SECURITY = "security: forged input is rejected and changes nothing"
 PLAN = "plan: layer and edge assignment"
-HARMLESS = "outcome: a run with only harmless faults completes"
+HARMLESS = "outcome: a run with only harmless faults completes, no stage faulting"
 
 ALL_RULES = (
     PLAN,
@@ -71,7 +71,7 @@ ALL_RULES = (
 )
 
 
-def time_bound_us(plan: RunPlan, prompt_rows: int) -> int:
+def time_bound_us(plan: RunPlan) -> int:
     """When a run must have ended: every stage's setup, one token per allowed token
     (each bounded by the token timeout), the stop timeout, and slack for notices."""
     t = plan.timeouts
@@ -79,24 +79,27 @@ def time_bound_us(plan: RunPlan, prompt_rows: int) -> int:
     return (t.ready_ms + (plan.max_tokens + 1) * token_ms + t.stop_ms) * 1000 + 1_000_000
 
 
-def check(sim: Simulation, result: SimResult, prompt_rows: int) -> list[Violation]:
-    """Every violation in the trace of ``sim`` (empty when the run kept every rule)."""
-    return _Checker(sim, result, prompt_rows).run()
+def check(sim: Simulation, result: SimResult) -> list[Violation]:
+    """Every violation in the trace of ``sim`` (empty when the run kept every rule).
+    The checker reads the trace: a simulation run without one cannot be checked."""
+    if not sim.trace.enabled:
+        raise ValueError("a simulation without a trace cannot be checked")
+    return _Checker(sim, result).run()
 
 
 class _Checker:
-    def __init__(self, sim: Simulation, result: SimResult, prompt_rows: int) -> None:
+    def __init__(self, sim: Simulation, result: SimResult) -> None:
         self.sim = sim
         self.plan = sim.plan
         self.result = result
-        self.prompt_rows = prompt_rows
         self.faults: FaultPlan = sim.faults
         self.violations: list[Violation] = []
         self.node_index = {s.node_id: s.stage_index for s in self.plan.stages}
-        self.token_in = self.plan.edges[0].edge_id
-        self.token_out = self.plan.edges[-1].edge_id
+        self.token_in = self.plan.token_in.edge_id
+        self.token_out = self.plan.token_out.edge_id
         self.consumer_of = {e.edge_id: e.consumer.node_id for e in self.plan.edges}
         self.slots = {e.edge_id: e.ring_spec.slot_count for e in self.plan.edges}
+        self.inbound_of = {s.node_id: s.inbound_edge for s in self.plan.stages}
 
     def fail(self, rule: str, time_us: int, detail: str) -> None:
         self.violations.append(Violation(rule, time_us, detail))
@@ -125,7 +128,9 @@ class _Checker:
         release_pos: dict[tuple[int, int], tuple[int, int]] = {}
         step_end_pos: dict[tuple[str, int], int] = {}
         gave_up_pos: dict[str, int] = {}
+        faulted: set[str] = set()
         published: dict[int, list[int]] = defaultdict(list)  # edge -> record numbers
+        published_as: dict[tuple[int, int], tuple[int, int]] = {}  # -> (slot, sequence)
         released: dict[int, set[int]] = defaultdict(set)
         acquired: dict[int, int] = defaultdict(int)
         orch_ended_at: int | None = None
@@ -138,7 +143,9 @@ class _Checker:
                 if what == "SetupDone":
                     setup[actor].add(d[0])
                 elif what == "ObjectLoaded":
-                    loaded[actor].add(d[0])
+                    sequence, edge, run_id = d
+                    if edge == self.inbound_of[actor] and run_id == self.plan.run_id:
+                        loaded[actor].add(sequence)
                 elif what in ("StepCompleted", "StepFailed"):
                     step_end_pos.setdefault((actor, d[0]), pos)
             elif kind == "act" and actor != ORCHESTRATOR:
@@ -158,6 +165,8 @@ class _Checker:
             elif kind == "state" and actor != ORCHESTRATOR:
                 if what in (sfsm.State.FAULTED.name, sfsm.State.STOPPING.name):
                     gave_up_pos.setdefault(actor, pos)
+                if what == sfsm.State.FAULTED.name:
+                    faulted.add(actor)
             elif kind == "ev" and actor == ORCHESTRATOR:
                 if what == "Received" and d[1] == "StageReady":
                     sender, _, run_id, index, node_id = d
@@ -205,6 +214,7 @@ class _Checker:
                             f"{n - slots} is unreleased",
                         )
                     published[edge].append(n)
+                    published_as[(edge, n)] = (slot, sequence)
                     if actor == ORCHESTRATOR and edge == self.token_in:
                         self._injection(
                             time_us, sequence, ready_from, consumed, orch_ended_at, injected
@@ -218,15 +228,20 @@ class _Checker:
                                 f"{actor} published sequence {sequence} while executing {s}",
                             )
                 elif what == "acquire":
-                    n = d[1]
-                    record_of[(actor, d[3])] = (edge, n)
-                    if n != acquired[edge]:
+                    n, slot, sequence = d[1], d[2], d[3]
+                    record_of[(actor, sequence)] = (edge, n)
+                    # What the consumer read must be the oldest record not yet read,
+                    # from the slot it was published into.
+                    expected = acquired[edge]
+                    if n != expected or published_as.get((edge, n)) != (slot, sequence):
                         self.fail(
                             PUBLISH_ORDER,
                             time_us,
-                            f"edge {edge} handed out record {n}, expected {acquired[edge]}",
+                            f"edge {edge}: read sequence {sequence} from slot {slot} as record "
+                            f"{n}; the oldest unread record {expected} was published as "
+                            f"{published_as.get((edge, expected))}",
                         )
-                    acquired[edge] = n + 1
+                    acquired[edge] = expected + 1
                 elif what == "release":
                     released[edge].add(d[1])
                     release_pos.setdefault((edge, d[1]), (pos, time_us))
@@ -243,6 +258,7 @@ class _Checker:
                         freed[1],
                         f"{actor} released record {record[1]} (sequence {s}) before its step ended",
                     )
+        self.faulted_stages = faulted
         self.provisioned = provisioned
         self.stop_sent = stop_sent
         self.finished = finished
@@ -276,7 +292,7 @@ class _Checker:
     # -- at the end ----------------------------------------------------------------------------
     def _end(self) -> None:
         r = self.result
-        bound = time_bound_us(self.plan, self.prompt_rows)
+        bound = time_bound_us(self.plan)
         if self.finished != 1 or r.finished is None:
             self.fail(ONE_OUTCOME, r.end_us, f"{self.finished} terminal outcomes")
         if r.finished is None or r.finished_us is None or r.finished_us > bound:
@@ -304,17 +320,13 @@ class _Checker:
         for node, kind, ok, reason in self.sim.forgeries:
             if not ok:
                 self.fail(SECURITY, 0, f"{kind} at {node}: {reason}")
-        if (
-            self.faults.harmless
-            and self.sim.mutation is None
-            and (r.finished is None or r.finished.outcome.value != "COMPLETED")
-        ):
-            fault = r.finished.fault if r.finished is not None else None
-            self.fail(
-                HARMLESS,
-                r.end_us,
-                f"faults {[f.describe() for f in self.faults.faults]} ended the run: {fault}",
-            )
+        if self.faults.harmless and self.sim.mutation is None:
+            faults = [f.describe() for f in self.faults.faults]
+            if r.finished is None or r.finished.outcome.value != "COMPLETED":
+                fault = r.finished.fault if r.finished is not None else None
+                self.fail(HARMLESS, r.end_us, f"faults {faults} ended the run: {fault}")
+            for node in sorted(self.faulted_stages):
+                self.fail(HARMLESS, r.end_us, f"{node} faulted in a run with faults {faults}")
 
 
 def describe(violations: list[Violation]) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from attrs import frozen
 from runplan import ProvisionStage, RunPlan, wire
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
-from runplan.header import HeaderDType, ObjectHeader
+from runplan.header import EXTENT_OFFSET, SEQUENCE_OFFSET, HeaderDType, ObjectHeader
 from runplan.messages import RewireEdge, StopReason, StopRun
 from runplan.plan import OBJECT_HEADER_BYTES, EdgePlan, ObjectKind
 from runtime_core.controller import StageController
@@ -32,14 +32,15 @@ from runtime_core.orchestrator import OrchestratorController
 from runtime_core.ring import LocalRing, Ring
 from runtime_core.worker import Worker, WorkerError
 from runtime_sim.clock import Handle, Scheduler, derive_rng
-from runtime_sim.faults import FaultKind, FaultPlan
+from runtime_sim.faults import FORGERIES, MESSAGE_FAULTS, FaultKind, FaultPlan
 from runtime_sim.timing import StageCost, TimingModel
 from runtime_sim.trace import Trace
 
 ORCHESTRATOR = "orchestrator"
-# Where the object header keeps the sequence and the extent (runplan.header's layout).
+# The sequence and extent of a record, read straight from its header.
 _SEQUENCE = struct.Struct("<Q")
 _SEQUENCE_EXTENT = struct.Struct("<QQ")
+assert SEQUENCE_OFFSET + _SEQUENCE.size == EXTENT_OFFSET
 
 
 class Mutation(enum.Enum):
@@ -111,7 +112,7 @@ class SimRing(LocalRing):
         n = self.reserved
         super().publish(index)
         assert n is not None
-        sequence, extent = _SEQUENCE_EXTENT.unpack_from(self.slot(index), 24)
+        sequence, extent = _SEQUENCE_EXTENT.unpack_from(self.slot(index), SEQUENCE_OFFSET)
         sim = self.sim
         delay = int(sim.settings.timing.hop_us(OBJECT_HEADER_BYTES + extent))
         if sim.stalls:
@@ -135,7 +136,7 @@ class SimRing(LocalRing):
             return None  # still in flight
         index = super().try_acquire()
         if index is not None:
-            (sequence,) = _SEQUENCE.unpack_from(self.slot(index), 24)
+            (sequence,) = _SEQUENCE.unpack_from(self.slot(index), SEQUENCE_OFFSET)
             self.sim.trace.add(
                 self.sim.clock.now_us,
                 self.edge_consumer,
@@ -148,7 +149,7 @@ class SimRing(LocalRing):
             )
             if (
                 self.sim.mutation is Mutation.EARLY_SLOT_REUSE
-                and self.edge.edge_id == self.sim.plan.edges[-2].edge_id
+                and self.edge.edge_id == self.sim.plan.stages[-1].inbound_edge
             ):
                 # The bug: the last stage's slot is freed before its step reads it.
                 self._release(index)
@@ -195,12 +196,8 @@ class SimEdges(LocalEdges):
         self.sim = sim
         self.edges = {e.edge_id: e for e in sim.plan.edges}
 
-    def _make(self, run_id: str, edge_id: int, spec: Any) -> Ring:
-        key = (run_id, edge_id)
-        if key in self.rings:
-            raise RuntimeError(f"edge {edge_id} of run {run_id!r} already has its consumer")
-        ring = self.rings[key] = SimRing(self.sim, self.edges[edge_id])
-        return ring
+    def new_ring(self, edge_id: int, spec: Any) -> Ring:
+        return SimRing(self.sim, self.edges[edge_id])
 
     def ring(self, edge_id: int) -> SimRing | None:
         ring = self.rings.get((self.sim.plan.run_id, edge_id))
@@ -632,10 +629,14 @@ class OrchestratorNode(Node):
         self.timers = NodeTimers(self)
         self.token_times: list[int] = []
 
+        cancel_after = {f.sequence for f in sim.faults.of(FaultKind.CALLER_CANCELS)}
+
         def token(sequence: int, token_id: int) -> None:
             self.token_times.append(sim.clock.now_us)
             if on_token is not None:
                 on_token(sequence, token_id)
+            if sequence in cancel_after:
+                sim.clock.after(0, self.cancel)
 
         self.controller = TracedOrchestratorController(self, prompt_ids, token)
         self._retry: Handle | None = None
@@ -666,6 +667,12 @@ class OrchestratorNode(Node):
     def fire(self, timer: Any) -> None:
         if self.alive:
             self.controller.handle(ofsm.TimerFired(timer))
+            self.after_event()
+
+    def cancel(self) -> None:
+        """The caller tears the run down (Ctrl-C)."""
+        if self.alive:
+            self.controller.handle(ofsm.Cancel("the caller cancelled"))
             self.after_event()
 
     def stage_died(self, index: int) -> None:
@@ -722,9 +729,7 @@ class Network:
             f.message: rng.randrange(1, 20) * sim.settings.control_latency_us
             for f in sim.faults.of(FaultKind.REORDER_MESSAGE)
         }
-        self.faults = {
-            f.message: f.kind for f in sim.faults.faults if f.kind.value.endswith("_MESSAGE")
-        }
+        self.faults = {f.message: f.kind for f in sim.faults.faults if f.kind in MESSAGE_FAULTS}
 
     def send(self, src: str, dst: str, message: Any) -> None:
         sim = self.sim
@@ -783,8 +788,10 @@ class Simulation:
         wall_clock: bool = False,
     ) -> None:
         self.plan = plan
+        self.costs = costs
         self.seed = seed
         self.faults = faults
+        self.stalls = bool(faults.of(FaultKind.EDGE_STALL))
         self.settings = settings
         self.mutation = mutation
         self.clock = Scheduler()
@@ -796,7 +803,6 @@ class Simulation:
         # Real seconds the workers spent per sequence, summed over stages (when measured).
         self.wall_clock = wall_clock
         self.step_wall_s: dict[int, float] = {}
-        self._stalls = self.faults.of(FaultKind.EDGE_STALL)
         self.edges = SimEdges(self)
         self.network = Network(self)
         stopped = frozenset({self.previous_run})
@@ -816,10 +822,6 @@ class Simulation:
         summed step times (what a pipeline with one token in flight would do)."""
         decode = [t for seq, t in self.step_wall_s.items() if seq > 0]
         return len(decode) / sum(decode) if decode and sum(decode) > 0 else None
-
-    @property
-    def stalls(self) -> bool:
-        return bool(self._stalls)
 
     def stall_for(self, edge: EdgePlan, sequence: int) -> int:
         """Extra delay of a record: an edge stall far past every timeout."""
@@ -866,7 +868,7 @@ class Simulation:
         """Deliver the plan's forgeries to a stage that just became ready; each must be
         rejected without changing its machine."""
         for fault in self.faults.faults:
-            if fault.stage != node.index or not fault.kind.value.startswith("FORGED_"):
+            if fault.stage != node.index or fault.kind not in FORGERIES:
                 continue
             c = node.controller
             provision = c.provision

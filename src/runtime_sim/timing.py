@@ -10,8 +10,6 @@ prompt's rows.
 
 from __future__ import annotations
 
-import os
-
 from attrs import frozen
 
 from runplan import RunPlan
@@ -28,12 +26,17 @@ class NodeProfile:
     flops_per_s: float = 200e9  # sustained in a prefill matrix product
     step_overhead_us: float = 50.0  # per step, whatever its size (Python, dispatch)
     layer_overhead_us: float = 85.0  # per block in a step (the many small kernels)
-    load_bytes_per_s: float = 1.5e9  # weights loaded (and dequantized) per second
+    # Assumed, not measured: how fast weights load (and dequantize).
+    load_bytes_per_s: float = 1.5e9
 
 
 @frozen
 class LinkProfile:
-    latency_us: float = 30.0  # one hop: a control message or a record
+    """How a record crosses from one stage to the next. Assumed, not measured: shared
+    memory on one host (``benchmarks/hop_overhead.py`` of the process runtime measures
+    the real hop)."""
+
+    latency_us: float = 30.0  # one hop of a record
     bytes_per_s: float = 5e9
 
 
@@ -143,7 +146,3 @@ def stored_stage_costs(
         layers = stage.layer_end_exclusive - stage.layer_start
         costs.append(StageCost(read_bytes=read, elements=elements, load_bytes=read, layers=layers))
     return costs
-
-
-def cpu_count() -> int:
-    return os.cpu_count() or 1

@@ -250,3 +250,15 @@ def test_the_planner_is_the_only_source_of_stage_layer_edge_and_object_spec_assi
     for stage, msg in zip(plan.stages, provision_all(plan), strict=True):
         assert msg.inbound.object_spec == plan.edge(stage.inbound_edge).object_spec
         assert msg.outbound.object_spec == plan.edge(stage.outbound_edge).object_spec
+
+
+@given(valid_plan_inputs())
+def test_facts_without_element_counts_reject_for_a_worker_that_dequantizes(
+    inputs: PlanInputs,
+) -> None:
+    facts = attrs.evolve(inputs.facts, block_elements=(), embedding_elements=0, output_elements=0)
+    result = _run(
+        inputs, facts=facts, config=attrs.evolve(inputs.config, worker=WorkerCapabilities())
+    )
+    assert isinstance(result, InconsistentModelFacts)
+    assert result.field == "block_elements"

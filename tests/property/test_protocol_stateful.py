@@ -110,10 +110,12 @@ class Protocol(RuleBasedStateMachine):
         self.consumed: list[int] = []
         self.loaded: dict[str, list[int]] = {n: [] for n in self.nodes}
         self.executed: dict[str, list[tuple[int, int]]] = {n: [] for n in self.nodes}
+        self.step_inputs: dict[str, list[int | None]] = {n: [] for n in self.nodes}
         self.written: list[tuple[str, Obj]] = []
         self.outcomes: list[StopReason] = []
         self.finished: list[o.RunFinished] = []
         self.stop_sent: set[int] = set()
+        self.provision_sent: set[int] = set()  # stages the harness saw provisioned
         self.inject_after_outcome = False
         return multiple(*self._orch_step(o.Start()))
 
@@ -135,6 +137,7 @@ class Protocol(RuleBasedStateMachine):
         out: list[Envelope] = []
         for a in actions:
             if isinstance(a, o.SendProvision):
+                self.provision_sent.add(a.stage_index)
                 out.append(self._envelope(ORCHESTRATOR, a.node_id, a.message))
             elif isinstance(a, o.SendStopRun):
                 self.stop_sent.add(a.stage_index)
@@ -152,7 +155,7 @@ class Protocol(RuleBasedStateMachine):
                         tuple(self.consumed),
                     )
                 )
-                token_in = self.plan.edges[0].edge_id
+                token_in = self.plan.token_in.edge_id
                 self.edges[token_in].append(
                     Obj(token_in, a.sequence, len(a.token_ids), self.plan.run_id)
                 )
@@ -184,6 +187,8 @@ class Protocol(RuleBasedStateMachine):
             elif isinstance(a, s.ExecuteStep):
                 self.step_pending[node] = a.sequence
                 self.executed[node].append((a.sequence, len(self.loaded[node])))
+                # The step's input: the object the controller loaded last.
+                self.step_inputs[node].append(self.loaded[node][-1] if self.loaded[node] else None)
             elif isinstance(a, s.ReleaseRun):
                 self.step_pending[node] = None
                 self.setup_pending[node] = set()
@@ -314,12 +319,12 @@ class Protocol(RuleBasedStateMachine):
         lambda self: (
             self.orch_alive
             and self.orch.state is o.State.RUNNING
-            and bool(self.edges[self.plan.edges[-1].edge_id])
+            and bool(self.edges[self.plan.token_out.edge_id])
         )
     )
     @rule(target=messages)
     def consume_token(self) -> Any:
-        obj = self.edges[self.plan.edges[-1].edge_id].popleft()
+        obj = self.edges[self.plan.token_out.edge_id].popleft()
         assert obj.token_id is not None
         self.consumed.append(obj.sequence)
         return multiple(*self._orch_step(o.TokenConsumed(obj.sequence, obj.token_id)))
@@ -604,7 +609,7 @@ class Protocol(RuleBasedStateMachine):
 
     @invariant()
     def token_in_is_produced_by_the_orchestrator_and_consumed_by_stage_0(self) -> None:
-        edge = self.plan.edges[0]
+        edge = self.plan.token_in
         assert edge.kind is EdgeKind.TOKEN_IN
         assert edge.producer == OrchestratorEndpoint(ORCHESTRATOR)
         assert self.orch.provisions[0].inbound.edge_id == edge.edge_id
@@ -614,7 +619,7 @@ class Protocol(RuleBasedStateMachine):
     def token_out_is_produced_by_stage_n_minus_1_and_consumed_by_the_orchestrator(
         self,
     ) -> None:
-        edge = self.plan.edges[-1]
+        edge = self.plan.token_out
         assert edge.kind is EdgeKind.TOKEN_OUT and edge.consumer == OrchestratorEndpoint(
             ORCHESTRATOR
         )
@@ -669,8 +674,11 @@ class Protocol(RuleBasedStateMachine):
 
     @invariant()
     def stage_output_uses_the_same_sequence_as_its_input(self) -> None:
-        for node, obj in self.written:
-            assert obj.sequence in [seq for seq, _ in self.executed[node]]
+        # A step's output carries the ExecuteStep's sequence (the harness writes it so);
+        # that sequence must be the one of the object the step was given.
+        for node, executed in self.executed.items():
+            for (sequence, _), given in zip(executed, self.step_inputs[node], strict=True):
+                assert sequence == given, f"{node} ran step {sequence} on object {given}"
 
     @invariant()
     def orchestrator_injects_s_plus_1_only_after_consuming_token_s(self) -> None:
@@ -692,8 +700,9 @@ class Protocol(RuleBasedStateMachine):
 
     @invariant()
     def teardown_is_sent_to_every_stage_provisioned_for_the_run(self) -> None:
-        if self.orch.state in (o.State.TEARING_DOWN, o.State.DONE) and self.orch.provisioned:
-            assert self.stop_sent == set(self.orch.provisioned)
+        # Judged by what the harness saw sent, not by the machine's own bookkeeping.
+        if self.orch.state in (o.State.TEARING_DOWN, o.State.DONE):
+            assert self.stop_sent == self.provision_sent
 
     @invariant()
     def orchestrator_owns_eos_and_max_tokens(self) -> None:
@@ -772,7 +781,7 @@ class Protocol(RuleBasedStateMachine):
         if self.orch_alive:
             if self.endpoints_pending:
                 options.append(self._endpoints)
-            if self.orch.state is o.State.RUNNING and self.edges[self.plan.edges[-1].edge_id]:
+            if self.orch.state is o.State.RUNNING and self.edges[self.plan.token_out.edge_id]:
                 options.append(self._consume)
             if self.death_notices:
                 options.append(self._notice_death)
@@ -819,7 +828,7 @@ class Protocol(RuleBasedStateMachine):
         return self._orch_step(o.EndpointsReady())
 
     def _consume(self) -> list[Envelope]:
-        obj = self.edges[self.plan.edges[-1].edge_id].popleft()
+        obj = self.edges[self.plan.token_out.edge_id].popleft()
         assert obj.token_id is not None
         self.consumed.append(obj.sequence)
         return self._orch_step(o.TokenConsumed(obj.sequence, obj.token_id))

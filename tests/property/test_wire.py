@@ -141,6 +141,11 @@ def test_enum_and_nested_union_values_are_checked() -> None:
             loads(good.replace(old, new, 1))
 
 
+def test_a_lone_surrogate_is_a_wire_error() -> None:
+    with pytest.raises(WireError):
+        loads(b'{"node_id":"n","run_id":"\\ud800","stage_index":0,"type":"StageReady"}')
+
+
 def test_unknown_type_and_extra_keys_are_wire_errors() -> None:
     for data in (b'{"type": "LaunchMissiles"}', b'{"type": 3}', b"{}", b"[]", b"null"):
         try:

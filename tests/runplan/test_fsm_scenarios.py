@@ -175,3 +175,13 @@ def test_losing_the_orchestrator_stops_the_stage_on_its_own() -> None:
     plan = small_plan(1)
     stage, actions = s.step(_ready_stage(plan, 0), s.OrchestratorLost())
     assert stage.state is s.State.STOPPING and _of(actions, s.ReleaseRun)
+
+
+def test_a_prompt_the_run_cannot_take_is_refused_before_anything_starts() -> None:
+    import pytest
+
+    plan = small_plan(1, max_tokens=4, vocab=8)
+    for prompt in ((), (8,), (-1,), (1,) * 62, (1.0,)):
+        with pytest.raises(o.PromptError):
+            o.OrchestratorMachine.for_plan(plan, prompt)  # type: ignore[arg-type]
+    o.OrchestratorMachine.for_plan(plan, (1,) * 61)  # 61 + 4 - 1 = 64 positions: fits

@@ -89,7 +89,7 @@ def test_unpack_on_random_bytes_raises_only_header_error(data: bytes) -> None:
         ObjectHeader.unpack(data)
 
 
-@pytest.mark.parametrize("run_id", ["", "x" * 65, "a\x00b"])
+@pytest.mark.parametrize("run_id", ["", "x" * 65, "a\x00b", "\ud800"])
 def test_pack_refuses_what_the_layout_cannot_hold(run_id: str) -> None:
     with pytest.raises(HeaderError):
         ObjectHeader(run_id, 1, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4).pack()

@@ -44,6 +44,10 @@ def _uniform_facts(num_layers: int, block_bytes: int) -> ModelFacts:
         output_bytes=1,
         shared_bytes=0,
         tied_embeddings=True,
+        # float32 in memory: four bytes an element, as many bytes as the blocks store
+        block_elements=(block_bytes // 4,) * num_layers,
+        embedding_elements=1,
+        output_elements=1,
     )
 
 

@@ -22,7 +22,7 @@ from tests.strategies import ORCHESTRATOR, small_plan
 
 class FakeWorker:
     """Adds ``stage_index + 1`` to every activation; the first stage embeds ids as
-    ``id`` in every column; the last stage's token is ``sum(last row) % vocab``."""
+    ``id`` in every column; the last stage's token is its last row's value mod 7."""
 
     capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
 
@@ -56,7 +56,7 @@ class FakeWorker:
         x = x + (p.stage_index + 1)
         if p.is_last:
             return TokenOutput(
-                int(x[-1].sum()) % 8, x[-1].astype(np.float32) if p.return_logits else None
+                int(x[-1, 0]) % 7, x[-1].astype(np.float32) if p.return_logits else None
             )
         return x.astype(np.float32)
 
@@ -110,7 +110,7 @@ def _setup(controllers: list[tuple[StageController, Recorder]], rings: Rings, pl
 
 
 def _inject(rings: Rings, plan: Any, sequence: int, ids: list[int]) -> None:
-    edge = plan.edges[0]
+    edge = plan.token_in
     SendEnd(rings.by_edge(edge.edge_id), plan.run_id, edge.edge_id, edge.object_spec).send(
         sequence, len(ids), HeaderDType.U32, np.array(ids, "<u4").tobytes(), 1.0
     )
@@ -150,10 +150,10 @@ def test_a_three_stage_pipeline_runs_prefill_and_decode() -> None:
     _pump(controllers)
     token, logits = _token(rings, plan, 0)
     # id 3 (the last row) + 1 + 2 + 3 in each of 8 columns.
-    assert token == (9 * 8) % 8 and logits is not None and list(logits) == [9.0] * 8
+    assert token == 9 % 7 and logits is not None and list(logits) == [9.0] * 8
     _inject(rings, plan, 1, [token])
     _pump(controllers)
-    assert _token(rings, plan, 1)[0] == (6 * 8) % 8
+    assert _token(rings, plan, 1)[0] == (2 + 6) % 7
     assert [w.steps for w in workers] == [[0, 1]] * 3
     for c, _ in controllers:  # every slot released after its step
         assert c.inbound is not None and c.inbound.ring.holding == 0
@@ -189,11 +189,11 @@ def test_a_bad_record_is_an_edge_fault() -> None:
     rings = Rings()
     ((c, rec),) = _controllers(plan, rings, [FakeWorker()])
     _setup([(c, rec)], rings, plan)
-    ring = rings.by_edge(plan.edges[0].edge_id)
+    ring = rings.by_edge(plan.token_in.edge_id)
     slot = ring.try_reserve()
     assert slot is not None
     bad = ObjectHeader(
-        plan.run_id, plan.edges[0].edge_id, 0, ObjectKind.ACTIVATION, HeaderDType.F32, 1, 4
+        plan.run_id, plan.token_in.edge_id, 0, ObjectKind.ACTIVATION, HeaderDType.F32, 1, 4
     )  # an activation on a token edge
     ring.slot(slot)[:OBJECT_HEADER_BYTES] = bad.pack()
     ring.publish(slot)
@@ -207,7 +207,7 @@ def test_a_record_of_another_run_is_discarded_without_a_fault() -> None:
     rings = Rings()
     ((c, rec),) = _controllers(plan, rings, [FakeWorker()])
     _setup([(c, rec)], rings, plan)
-    edge = plan.edges[0]
+    edge = plan.token_in
     SendEnd(rings.by_edge(edge.edge_id), "run-9", edge.edge_id, edge.object_spec).send(
         0, 1, HeaderDType.U32, np.array([1], "<u4").tobytes(), 1.0
     )
@@ -228,7 +228,11 @@ def test_stop_run_releases_everything_and_reports_stopped() -> None:
         c.run_release()
         assert c.state is fsm.State.STOPPED and workers[i].released == 1
         assert rec.sent[-1] == StageStopped(plan.run_id, i, plan.stages[i].node_id)
-    assert all(r.closed for r in rings.rings.values())
+    # Each stage closed the ring it made (its inbound edge); the token-out ring is the
+    # orchestrator's to close.
+    for p in provision_all(plan):
+        assert rings.by_edge(p.inbound.edge_id).closed
+    assert not rings.by_edge(plan.token_out.edge_id).closed
 
 
 def test_outbound_waits_for_its_consumer() -> None:
@@ -251,10 +255,76 @@ def test_f16_activations_cross_the_edge() -> None:
     _setup(controllers, rings, plan)
     _inject(rings, plan, 0, [2])
     _pump(controllers)
-    assert _token(rings, plan, 0)[0] == (5 * 8) % 8
+    assert _token(rings, plan, 0)[0] == 5 % 7
 
 
 class F16Worker(FakeWorker):
     def execute_step(self, sequence: int, data: Any) -> Any:
         out = super().execute_step(sequence, data)
         return out if isinstance(out, TokenOutput) else out.astype(np.float16)
+
+
+def test_a_faulted_stage_never_publishes_its_pending_output() -> None:
+    plan = small_plan(2)
+    rings = Rings()
+    controllers = _controllers(plan, rings, [FakeWorker(), FakeWorker()])
+    _setup(controllers, rings, plan)
+    first, _ = controllers[0]
+    # Fill stage 1's inbound ring so that stage 0's output has nowhere to go.
+    edge = plan.edge(plan.stages[1].inbound_edge)
+    filler = SendEnd(rings.by_edge(edge.edge_id), plan.run_id, edge.edge_id, edge.object_spec)
+    row = np.zeros((1, plan.model.hidden_dim), np.float32).tobytes()
+    for sequence in (0, 1):
+        assert filler.try_send(sequence, 1, HeaderDType.F32, row)
+    _inject(rings, plan, 0, [4])
+    assert first.poll_inbound() and first.step_pending
+    first.run_step()
+    assert first.output_pending and first.state is fsm.State.EXECUTING
+    first.handle(fsm.TimerFired(fsm.Timer.STEP))  # the step ran out of time
+    assert first.state is fsm.State.FAULTED and not first.output_pending
+    ring = rings.by_edge(edge.edge_id)
+    ring.release(ring.wait_acquire(1.0))  # space at last
+    assert not first.try_publish_output()
+    assert ring.published == 2  # nothing more was published
+
+
+def test_the_orchestrator_refuses_a_token_of_another_run_and_takes_its_own() -> None:
+    from runtime_core.orchestrator import OrchestratorController
+
+    plan = small_plan(1, max_tokens=3)
+    rings = Rings()
+    rec = Recorder()
+    orch = OrchestratorController(plan, (1, 2), _Channels(), rings, rec)
+    orch.start()
+    rings.open_inbound(provision_all(plan)[0])  # stage 0's ring exists
+    assert orch.try_open_endpoints()
+    orch.handle(_ready(plan, 0))
+    assert orch.state.name == "RUNNING"
+    edge = plan.token_out
+    ring = rings.by_edge(edge.edge_id)
+    token = np.array([5], "<u4").tobytes()
+    SendEnd(ring, "another-run", edge.edge_id, edge.object_spec).send(
+        0, 1, HeaderDType.U32, token, 1.0
+    )
+    assert orch.poll_tokens()
+    assert orch.state.name == "RUNNING" and orch.machine.consumed == ()
+    SendEnd(ring, plan.run_id, edge.edge_id, edge.object_spec).send(
+        0, 1, HeaderDType.U32, token, 1.0
+    )
+    assert orch.poll_tokens()
+    assert orch.machine.consumed == (5,)
+
+
+class _Channels:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Any]] = []
+
+    def send(self, node_id: str, message: Any) -> None:
+        self.sent.append((node_id, message))
+
+
+def _ready(plan: Any, index: int) -> Any:
+    from runplan.fsm import orchestrator as ofsm
+
+    node = plan.stages[index].node_id
+    return ofsm.Received(node, StageReady(plan.run_id, index, node))

@@ -88,3 +88,41 @@ def test_a_model_without_a_chat_template_is_a_clear_error(
 def test_a_missing_model_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--model", str(tmp_path / "nope.gguf"), "--prompt", "hi"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+class _CleaningTokenizer:
+    """Decodes like a byte-level detokenizer: a space before punctuation is removed, and
+    the first byte of a two-byte character alone decodes as U+FFFD."""
+
+    def decode(self, ids: list[int]) -> str:
+        pieces = {1: "Hello", 2: " ", 3: ".", 4: " World", 5: "!", 6: "<c3>", 7: "<a9>"}
+        text = "".join(pieces[i] for i in ids)
+        text = text.replace("<c3><a9>", "\u00e9").replace("<c3>", "\ufffd")
+        return text.replace(" .", ".").replace(" !", "!")
+
+
+def test_streamed_text_survives_space_cleanup_and_partial_characters() -> None:
+    import io
+
+    from runtime_sim.cli import TextStream
+
+    out = io.StringIO()
+    tokenizer = _CleaningTokenizer()
+    stream = TextStream(tokenizer, out)  # type: ignore[arg-type]
+    ids = [1, 2, 3, 4, 6, 7, 2, 5]
+    for i in ids:
+        stream(i)
+    stream.finish(tokenizer.decode(ids))
+    assert out.getvalue() == "Hello. World\u00e9!\n"
+
+
+@pytest.mark.parametrize("ids", ["4294967296", "999999", "1," * 300 + "1"])
+def test_a_prompt_the_run_cannot_take_is_one_json_error(
+    tiny: str, ids: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["run", "--model", tiny, "--prompt-ids", ids, "--max-tokens", "4", "--json"])
+    assert code == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    error = json.loads(out)["error"]
+    assert error["type"] in ("PromptError", "ValueError") and error["message"]

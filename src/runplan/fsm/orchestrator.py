@@ -291,6 +291,10 @@ class OrchestratorMachine:
 
     @classmethod
     def for_plan(cls, plan: RunPlan, prompt: tuple[int, ...]) -> OrchestratorMachine:
+        """The machine of one run of ``plan`` on ``prompt``; ``PromptError`` if the
+        prompt cannot be run (no tokens, an id outside the vocabulary, or more
+        positions than the KV cache holds)."""
+        check_prompt(plan, prompt)
         return cls(
             state=State.PLANNED,
             run_id=plan.run_id,
@@ -317,6 +321,29 @@ class OrchestratorMachine:
 
 
 _Result = tuple[OrchestratorMachine, tuple[Action, ...]]
+
+
+class PromptError(ValueError):
+    """A prompt a run cannot take."""
+
+
+def check_prompt(plan: RunPlan, prompt: tuple[int, ...]) -> None:
+    """Raise ``PromptError`` unless every id is in the vocabulary and the prompt plus
+    ``max_tokens - 1`` fed-back tokens fit ``max_seq_len`` positions."""
+    vocab = plan.model.vocab_size
+    if not prompt:
+        raise PromptError("the prompt has no tokens")
+    for i, token in enumerate(prompt):
+        if type(token) is not int or not 0 <= token < vocab:
+            raise PromptError(
+                f"prompt token {i} is {token!r}, outside the vocabulary 0..{vocab - 1}"
+            )
+    positions = len(prompt) + plan.max_tokens - 1
+    if positions > plan.model.max_seq_len:
+        raise PromptError(
+            f"{len(prompt)} prompt tokens + {plan.max_tokens} tokens to generate need "
+            f"{positions} positions; the plan's max_seq_len is {plan.model.max_seq_len}"
+        )
 
 
 def step(machine: OrchestratorMachine, event: Event) -> _Result:
@@ -389,7 +416,7 @@ def _teardown(
     actions: tuple[Action, ...] = (),
 ) -> _Result:
     """Stop injecting, record the one outcome, send StopRun to every provisioned stage,
-    and wait for them (or the stop timeout)."""
+    and wait for them (or the stop timeout); the token endpoints close at the end."""
     m = attrs.evolve(
         m, state=State.TEARING_DOWN, outcome=outcome, fault=fault, fault_stage=fault_stage
     )
@@ -399,7 +426,6 @@ def _teardown(
         *actions,
         CancelTimer(Timer.READY),
         CancelTimer(Timer.TOKEN),
-        CloseTokenEndpoints(),
         *sends,
     )
     if not m.awaiting_stop:
@@ -412,7 +438,9 @@ def _finish(m: OrchestratorMachine, actions: tuple[Action, ...]) -> _Result:
     assert outcome is not None
     m = attrs.evolve(m, state=State.DONE)
     done = RunFinished(outcome, m.tokens, m.fault, m.fault_stage, tuple(sorted(m.awaiting_stop)))
-    return m, (*actions, done)
+    # The token endpoints close last: closing them earlier would fault a stage still
+    # waiting on token-in before its StopRun arrives (§5: StopRun first).
+    return m, (*actions, CloseTokenEndpoints(), done)
 
 
 def _fault(
