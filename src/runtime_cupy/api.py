@@ -1,0 +1,292 @@
+"""``runtime_cupy.generate``: run a GGUF model through N stage processes on this host and
+return its tokens and text, with the signature and result fields of
+``runtime_sim.generate``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from attrs import frozen
+
+from runplan import (
+    NodePool,
+    NodeSpec,
+    Placement,
+    PlanRejection,
+    RunPlan,
+    RuntimeConfig,
+    SamplingConfig,
+    model_facts_from_gguf,
+    plan_run,
+)
+from runplan.config import Timeouts
+from runplan.dtypes import DTypeFamily
+from runplan.messages import StageReady
+from runplan.models import resolve_model
+from runtime_core.tokenizer import Tokenizer
+from runtime_cupy.launcher import (
+    ORCHESTRATOR,
+    OnEvent,
+    ProcessRun,
+    ProcessRunResult,
+    StageProcessInfo,
+)
+from runtime_cupy.tracing import Event
+from runtime_cupy.workers import WorkerUnavailable, capabilities
+
+#: ``progress(stage_index, done, total)``. Stage processes load on their own and
+#: report readiness only, so it is called once per stage, with ``done == total == 1``.
+LoadProgress = Callable[[int, int, int], None]
+
+
+class PlanRejected(ValueError):
+    """The planner rejected the run; ``rejection`` says why."""
+
+    def __init__(self, rejection: PlanRejection) -> None:
+        self.rejection = rejection
+        super().__init__(str(rejection))
+
+
+@frozen
+class GenerateResult:
+    tokens: tuple[int, ...]  # generated ids (EOS excluded)
+    text: str  # decoded, invalid UTF-8 replaced
+    outcome: str  # "completed", "faulted" or "cancelled"
+    logits: tuple[npt.NDArray[np.float32], ...] | None  # per token, when asked for
+    fault: str | None  # the run's one failure reason, naming the stage and node
+    plan: RunPlan
+    stages: tuple[StageProcessInfo, ...]  # pid, device and exit status of each stage
+    fault_stage: int | None
+    fault_node: str | None
+    load_s: float | None  # stages started to the readiness barrier
+    ttft_us: float | None  # barrier to the first token
+    tpot_us: float | None  # per later token (decode), mean
+    wall_s: float  # real time of the whole run, start-up and teardown included
+    wall_decode_tokens_per_s: float | None  # decode tokens per second
+    trace: tuple[Event, ...] | None = None  # Chrome trace events, when asked for
+
+
+def host_memory_bytes() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def gpu_memory_bytes() -> dict[int, int]:
+    """Total memory of each GPU ``nvidia-smi`` lists (none without it)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    gpus: dict[int, int] = {}
+    for line in out.splitlines():
+        index, _, mib = line.partition(",")
+        if index.strip().isdigit() and mib.strip().isdigit():
+            gpus[int(index)] = int(mib) * 2**20
+    return gpus
+
+
+def place_stages(
+    stages: int, worker: str, gpus: Sequence[int] | None
+) -> tuple[tuple[NodeSpec, ...], tuple[int | None, ...]]:
+    """One node per stage process. NumPy stages share the host's memory; CUDA stage
+    ``i`` runs on ``gpus[i % len(gpus)]`` (every GPU ``nvidia-smi`` lists by default)
+    and stages on one GPU share its memory."""
+    if worker != "cuda":
+        host = host_memory_bytes()
+        nodes = tuple(NodeSpec(f"stage-{i}", host, device="host") for i in range(stages))
+        return nodes, (None,) * stages
+    memory = gpu_memory_bytes()
+    chosen = list(gpus) if gpus else sorted(memory)
+    if not chosen:
+        raise WorkerUnavailable("the CUDA worker needs a GPU; nvidia-smi lists none")
+    missing = [g for g in chosen if g not in memory]
+    if missing and memory:
+        raise ValueError(f"no GPU {missing} on this host (GPUs: {sorted(memory)})")
+    devices = tuple(chosen[i % len(chosen)] for i in range(stages))
+    nodes = tuple(
+        NodeSpec(f"stage-{i}", memory.get(g, 0) or 2**40, device=f"gpu{g}")
+        for i, g in enumerate(devices)
+    )
+    return nodes, devices
+
+
+def plan_for(
+    model_path: str,
+    *,
+    stages: int,
+    prompt_len: int,
+    max_tokens: int,
+    sampling: SamplingConfig,
+    return_logits: bool,
+    worker: str = "numpy",
+    gpus: Sequence[int] | None = None,
+    timeouts: Timeouts | None = None,
+    run_id: str | None = None,
+) -> tuple[RunPlan, tuple[int | None, ...]]:
+    """The plan of a process run and each stage's GPU: layers split evenly, a KV cache
+    just long enough for the prompt and the tokens asked for (as the simulator plans)."""
+    probe = model_facts_from_gguf(model_path)
+    needed = prompt_len + max_tokens
+    if needed > probe.context_length:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {needed} exceeds the "
+            f"model's context length {probe.context_length}"
+        )
+    facts = model_facts_from_gguf(model_path, max_seq_len=needed)
+    nodes, devices = place_stages(stages, worker, gpus)
+    half = worker == "cuda"  # the CUDA worker moves f16 activations
+    config = RuntimeConfig(
+        run_id=run_id or f"run-{uuid.uuid4().hex[:12]}",
+        max_tokens=max_tokens,
+        activation_dtype_family=DTypeFamily.FLOAT,
+        activation_dtype_width_bytes=2 if half else 4,
+        sampling=sampling,
+        return_logits=return_logits,
+        timeouts=timeouts or Timeouts(),
+        worker=capabilities(worker),
+    )
+    result = plan_run(
+        facts,
+        config,
+        NodePool(ORCHESTRATOR, nodes),
+        stage_count=stages,
+        placement=Placement.even([n.node_id for n in nodes]),
+    )
+    if isinstance(result, PlanRejection):
+        raise PlanRejected(result)
+    return result, devices
+
+
+def generate(
+    model_path: str | os.PathLike[str],
+    prompt_ids: Sequence[int],
+    *,
+    stages: int = 1,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    return_logits: bool = False,
+    on_token: Callable[[int], None] | None = None,
+    on_load: LoadProgress | None = None,
+    trace: bool = False,
+    worker: str = "numpy",
+    gpus: Sequence[int] | None = None,
+    timeouts: Timeouts | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    stage_faults: Mapping[int, Sequence[str]] | None = None,
+    on_event: OnEvent | None = None,
+) -> GenerateResult:
+    """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
+    stage processes, each running ``worker`` (``numpy`` or ``cuda``) over its layers.
+
+    ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
+    ``on_token(id)`` streams each generated token as the orchestrator consumes it.
+    ``gpus`` are the CUDA worker's GPUs (stage ``i`` on ``gpus[i % len(gpus)]``);
+    ``timeouts`` bound every wait; ``log_dir`` keeps each stage's log;
+    ``stage_faults`` makes stages fail on purpose (tests); ``on_event(kind, fields)``
+    sees what the launcher does (``spawned`` with each stage's pid, ``state``,
+    ``injected``, ``consumed``, ``received``, ``stage_died``). A run that faults or is
+    cancelled returns with that outcome, every process reaped and every resource freed.
+    Raises ``PlanRejected`` when the planner refuses the run, ``GgufError`` for a file
+    it cannot read, ``WorkerUnavailable`` for a worker this host cannot run.
+    """
+    path = resolve_model(model_path)
+    prompt = tuple(int(t) for t in prompt_ids)
+    if not prompt:
+        raise ValueError("the prompt has no tokens")
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    plan, devices = plan_for(
+        path,
+        stages=stages,
+        prompt_len=len(prompt),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        return_logits=return_logits,
+        worker=worker,
+        gpus=gpus,
+        timeouts=timeouts,
+    )
+    tokenizer = Tokenizer.from_gguf(path)
+
+    def events(kind: str, fields: dict[str, Any]) -> None:
+        message = fields.get("message")
+        if on_load is not None and kind == "received" and isinstance(message, StageReady):
+            on_load(message.stage_index, 1, 1)
+        if on_event is not None:
+            on_event(kind, fields)
+
+    began = time.perf_counter()
+    run = ProcessRun(
+        plan,
+        prompt,
+        worker=worker,
+        devices=devices,
+        on_token=on_token,
+        on_event=events,
+        log_dir=Path(log_dir) if log_dir is not None else None,
+        trace=trace,
+        stage_faults=stage_faults,
+    )
+    result = run.run()
+    wall = time.perf_counter() - began
+    return summarize(plan, result, tokenizer, wall, return_logits)
+
+
+def summarize(
+    plan: RunPlan,
+    result: ProcessRunResult,
+    tokenizer: Tokenizer,
+    wall_s: float,
+    return_logits: bool,
+) -> GenerateResult:
+    finished = result.finished
+    outcome = finished.outcome.value.lower() if finished is not None else "cancelled"
+    fault = fault_stage = fault_node = None
+    if finished is None:
+        fault = "the run was abandoned before its teardown finished"
+    elif finished.fault is not None:
+        fault_stage = finished.fault_stage
+        if fault_stage is not None:
+            fault_node = plan.stages[fault_stage].node_id
+            fault = f"stage {fault_stage} (node {fault_node}): {finished.fault}"
+        else:
+            fault = f"orchestrator (node {plan.orchestrator_node_id}): {finished.fault}"
+    times = result.token_times_s
+    ttft = (times[0] - result.ready_s) * 1e6 if times and result.ready_s is not None else None
+    tpot = (times[-1] - times[0]) / (len(times) - 1) * 1e6 if len(times) > 1 else None
+    return GenerateResult(
+        tokens=result.tokens,
+        text=tokenizer.decode(list(result.tokens)),
+        outcome=outcome,
+        logits=result.logits if return_logits else None,
+        fault=fault,
+        plan=plan,
+        stages=result.stages,
+        fault_stage=fault_stage,
+        fault_node=fault_node,
+        load_s=None if result.ready_s is None else result.ready_s - result.started_s,
+        ttft_us=ttft,
+        tpot_us=tpot,
+        wall_s=wall_s,
+        wall_decode_tokens_per_s=1e6 / tpot if tpot else None,
+        trace=result.trace,
+    )

@@ -1,0 +1,478 @@
+"""One stage process: ``python -m runtime_cupy.stage ...``, started by the launcher.
+
+It runs one ``StageController`` (the stage state machine, its worker and its two edge
+ends) in a single-threaded event loop that waits, with a bound, on the control socket,
+the wake-up FIFO of its inbound ring (while it wants input), the one of its outbound
+ring (while its output waits for a free slot), and its timers; then runs setup, steps,
+publishing and release when the controller asks for them.
+
+The run's secret arrives as one hex line on standard input. The control channel is an
+inherited socket (``--control-fd``); a second inherited descriptor, the read end of a
+pipe whose write end only the orchestrator holds (``--lifeline-fd``), reaches end of
+file the moment the orchestrator's process is gone, however it went. Either one
+closing is ``OrchestratorLost``: the stage stops on its own. A watchdog thread waits on
+the lifeline; if the loop has not finished ``--stop-ms`` after the loss (a step that
+runs on), it removes the run's resources this stage knows of and exits.
+
+On every way out the stage unlinks the shared memory and FIFOs of both its edges
+(named from the run id and edge ids), so a run whose orchestrator was killed leaves
+nothing behind. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
+stops the stage as a lost orchestrator does.
+
+Exit status: 0 after ``StopRun``, 3 after the orchestrator was lost, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from attrs import frozen
+
+from runplan import GgufSource, ProvisionStage, WorkerCapabilities
+from runplan.fsm import stage as fsm
+from runplan.messages import StageFault, StageReady, StageStopped
+from runtime_core.controller import StageController
+from runtime_core.worker import Progress, TokenOutput, Worker, WorkerError
+from runtime_cupy.control import ControlChannel, Incoming
+from runtime_cupy.timers import Deadlines
+from runtime_cupy.tracing import TraceLog, now_us
+from runtime_cupy.transport import ProcessEdges, ShmRing, remove_edge, remove_run_dir
+from runtime_cupy.workers import WORKERS, WorkerUnavailable, make_worker
+
+EXIT_STOPPED = 0
+EXIT_USAGE = 2
+EXIT_LOST = 3
+
+ATTACH_RETRY_S = 0.002  # retry attaching to the consumer's ring
+IDLE_WAKE_S = 1.0  # wake at least this often (parent check)
+
+log = logging.getLogger("runtime_cupy.stage")
+
+
+# -- faults for tests ------------------------------------------------------------------
+
+
+@frozen
+class InjectedFault:
+    """A fault the stage plays on purpose (``--inject-fault``), for tests:
+    ``setup-delay=SECONDS``, ``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``."""
+
+    kind: str
+    sequence: int | None = None
+    seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> InjectedFault:
+        kind, _, value = text.partition("=")
+        try:
+            if kind == "setup-delay":
+                return cls(kind, None, float(value))
+            if kind == "step-delay":
+                seq, _, secs = value.partition(":")
+                return cls(kind, int(seq), float(secs))
+            if kind == "step-fail":
+                return cls(kind, int(value))
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError(
+            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S or step-fail=SEQ"
+        )
+
+
+class FaultInjectingWorker:
+    """A worker that delays or fails where its faults say, else does what ``inner``
+    does."""
+
+    capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
+
+    def __init__(self, inner: Worker, faults: Sequence[InjectedFault]) -> None:
+        self.inner = inner
+        self.faults = tuple(faults)
+
+    def configure(self, provision: ProvisionStage) -> None:
+        for f in self.faults:
+            if f.kind == "setup-delay":
+                log.info("injected fault: setup delayed %.3f s", f.seconds)
+                time.sleep(f.seconds)
+        self.inner.configure(provision)
+
+    def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
+        self.inner.bind(gguf_source, progress)
+
+    def execute_step(self, sequence: int, data: Any) -> Any | TokenOutput:
+        for f in self.faults:
+            if f.sequence == sequence and f.kind == "step-delay":
+                log.info("injected fault: step %d delayed %.3f s", sequence, f.seconds)
+                time.sleep(f.seconds)
+            if f.sequence == sequence and f.kind == "step-fail":
+                raise WorkerError(f"injected failure at sequence {sequence}")
+        return self.inner.execute_step(sequence, data)
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+class UnavailableWorker:
+    """Stands in for a worker this process cannot load: configuring it fails, so the
+    stage reports a setup fault naming the reason instead of dying."""
+
+    capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def configure(self, provision: ProvisionStage) -> None:
+        raise WorkerError(self.reason)
+
+    def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
+        raise WorkerError(self.reason)
+
+    def execute_step(self, sequence: int, data: Any) -> Any:
+        raise WorkerError(self.reason)
+
+    def release(self) -> None:
+        pass
+
+
+# -- the process -------------------------------------------------------------------------
+
+
+class _Reporter:
+    """The controller's control port: frames to the orchestrator. A failed send marks
+    the channel broken; the loop then treats the orchestrator as lost."""
+
+    def __init__(self, stage: StageProcess) -> None:
+        self.stage = stage
+
+    def send(self, message: StageReady | StageFault | StageStopped) -> None:
+        stage = self.stage
+        stage.trace.instant(f"send {type(message).__name__}")
+        if isinstance(message, StageFault):
+            log.warning("fault: %s", message.reason)
+        else:
+            log.info("send %s", type(message).__name__)
+        if stage.channel.eof:
+            return
+        try:
+            stage.channel.send(message)
+        except OSError as exc:
+            log.warning("cannot reach the orchestrator: %s", exc)
+            stage.channel_broken = True
+
+
+class StageProcess:
+    def __init__(
+        self,
+        *,
+        stage_index: int,
+        node_id: str,
+        orchestrator_id: str,
+        channel: ControlChannel,
+        lifeline_fd: int,
+        worker: Worker,
+        stop_s: float,
+        trace: TraceLog,
+    ) -> None:
+        self.stage_index = stage_index
+        self.channel = channel
+        self.channel_broken = False
+        self.lifeline_fd = lifeline_fd
+        self.stop_s = stop_s
+        self.trace = trace
+        self.parent_pid = os.getppid()
+        self.edges = ProcessEdges()
+        self.timers: Deadlines[fsm.Timer] = Deadlines()
+        self.controller = StageController(
+            node_id,
+            orchestrator_id,
+            worker,
+            self.edges,
+            _Reporter(self),
+            self.timers,
+            trace=self._on_trace,
+        )
+        self.lost: str | None = None
+        self._lost_flag = threading.Event()  # set by the watchdog or a signal
+        self._lost_why = "the orchestrator's process is gone"
+        self._done = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._run: tuple[str, tuple[int, int]] | None = None  # run id, (inbound, outbound)
+        self._attach_at = 0.0
+        self._output_since: float | None = None
+
+    # -- trace and logs --------------------------------------------------------------
+    def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "state":
+            log.info("%s -> %s (%s)", fields["from"], fields["to"], fields["event"])
+            self.trace.instant(f"state {fields['to']}", event=fields["event"])
+        elif kind == "reject":
+            log.warning(
+                "rejected from %r: %s: %s", fields["sender"], fields["reason"], fields["detail"]
+            )
+            self.trace.instant("reject", **fields)
+        elif kind == "protocol_violation":
+            log.warning("protocol violation: %s in %s", fields["kind"], fields["state"])
+        elif kind in ("loaded", "published"):
+            log.debug("%s %s", kind, fields)
+            self.trace.instant(kind, **fields)
+        else:
+            log.info("%s %s", kind, fields)
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> int:
+        watchdog = threading.Thread(target=self._watch, name="lifeline", daemon=True)
+        watchdog.start()
+        try:
+            while True:
+                self._check_lost()
+                self._pump()
+                state = self.controller.state
+                if state is fsm.State.STOPPED or (
+                    self.lost is not None and state is fsm.State.UNPROVISIONED
+                ):
+                    return EXIT_STOPPED if self.lost is None else EXIT_LOST
+                self._wait()
+        finally:
+            self._done.set()
+            self._remove_resources()
+            self.channel.close()
+
+    def _check_lost(self) -> None:
+        if self._lost_flag.is_set():
+            self._lose(self._lost_why)
+        if self.channel_broken:
+            self._lose("the control channel broke")
+        if os.getppid() != self.parent_pid:
+            self._lose("the parent process is gone")
+
+    def _lose(self, why: str) -> None:
+        if self.lost is not None:
+            return
+        self.lost = why
+        log.warning("orchestrator lost (%s): stopping", why)
+        self.trace.instant("orchestrator lost", why=why)
+        self.controller.handle(fsm.OrchestratorLost())
+
+    def _pump(self) -> None:
+        c = self.controller
+        progress = True
+        while progress:
+            progress = False
+            if self._run is None and c.provision is not None:
+                p = c.provision
+                self._run = (p.run_id, (p.inbound.edge_id, p.outbound.edge_id))
+            if c.setup_pending:
+                start = now_us()
+                log.info("setup begins")
+                c.run_setup()
+                self.trace.span("setup", start)
+                progress = True
+            now = time.monotonic()
+            if c.outbound_pending and not c.setup_pending and now >= self._attach_at:
+                if c.try_attach_outbound():
+                    progress = True
+                else:
+                    self._attach_at = now + ATTACH_RETRY_S
+            if c.wants_input and c.poll_inbound():
+                progress = True
+            if c.step_pending and c.record is not None:
+                sequence, rows = c.record.header.sequence, c.record.header.rows
+                log.info("step %d begins (%d rows)", sequence, rows)
+                start = now_us()
+                c.run_step()
+                self.trace.span(f"step {sequence}", start, sequence=sequence, rows=rows)
+                progress = True
+            if c.output_pending and c.state is fsm.State.EXECUTING:
+                if c.try_publish_output():
+                    self._output_since = None
+                    progress = True
+                else:
+                    self._bound_output_wait(now)
+            if c.release_pending:
+                c.run_release()
+                self._remove_resources()
+                progress = True
+
+    def _bound_output_wait(self, now: float) -> None:
+        """A full outbound ring is backpressure, for at most the edge wait bound."""
+        c = self.controller
+        provision = c.provision
+        if self._output_since is None:
+            self._output_since = now
+            return
+        if provision is None or c.outbound is None:
+            return
+        bound = provision.timeouts.edge_wait_ms / 1000.0
+        if now - self._output_since > bound:
+            self._output_since = None
+            c.handle(fsm.EdgeFault(c.outbound.edge_id, f"no free slot within {bound:.3f} s"))
+
+    def _wait(self) -> None:
+        c = self.controller
+        poller = select.poll()
+        signals: dict[int, Any] = {}
+        if not self.channel.eof:
+            poller.register(self.channel.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        if c.wants_input and c.inbound is not None and isinstance(c.inbound.ring, ShmRing):
+            signals[c.inbound.ring.data_signal.fileno()] = c.inbound.ring.data_signal
+        if c.output_pending and c.outbound is not None and isinstance(c.outbound.ring, ShmRing):
+            signals[c.outbound.ring.space_signal.fileno()] = c.outbound.ring.space_signal
+        for fd in signals:
+            poller.register(fd, select.POLLIN)
+        now = time.monotonic()
+        until = now + IDLE_WAKE_S
+        due = self.timers.next_due()
+        if due is not None:
+            until = min(until, due)
+        if c.outbound_pending and not c.setup_pending:
+            until = min(until, self._attach_at)
+        if self._output_since is not None and c.provision is not None:
+            until = min(until, self._output_since + c.provision.timeouts.edge_wait_ms / 1000.0)
+        ready = poller.poll(max(0.0, until - now) * 1000.0)
+        for fd, _ in ready:
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            elif fd in signals:
+                signals[fd].drain()
+            else:
+                self._read_control()
+        for timer in self.timers.expired(time.monotonic()):
+            log.warning("timer %s ran out", timer.name)
+            c.handle(fsm.TimerFired(timer))
+
+    def _read_control(self) -> None:
+        for item in self.channel.receive():
+            if isinstance(item, Incoming):
+                log.info("received %s from %r", type(item.message).__name__, item.sender)
+                self.trace.instant(f"recv {type(item.message).__name__}", sender=item.sender)
+                self.controller.handle(fsm.Received(item.sender, item.message))
+            else:
+                log.warning("refused a control frame: %s", item.reason)
+                self.trace.instant("refused frame", reason=item.reason)
+        if self.channel.eof:
+            self._lose("the control channel closed")
+
+    # -- the orchestrator's death -------------------------------------------------------------
+    def _watch(self) -> None:
+        """Wait on the lifeline; once it ends, wake the loop, and exit if the loop has not
+        finished within the stop bound (a step that runs on)."""
+        with contextlib.suppress(OSError):
+            while os.read(self.lifeline_fd, 1):
+                pass
+        if self._done.is_set():
+            return
+        self.notice_loss("the orchestrator's process is gone (lifeline closed)")
+        if self._done.wait(self.stop_s):
+            return
+        log.error("orchestrator lost and not stopped within %.1f s: exiting now", self.stop_s)
+        self._remove_resources()
+        with contextlib.suppress(Exception):
+            logging.shutdown()
+        os._exit(EXIT_LOST)
+
+    def notice_loss(self, why: str) -> None:
+        """From another thread or a signal handler: the loop stops at its next turn."""
+        self._lost_why = why
+        self._lost_flag.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"!")
+
+    def _remove_resources(self) -> None:
+        """Unlink both edges' shared memory and FIFOs (idempotent, any thread)."""
+        if self._run is None:
+            return
+        run_id, edge_ids = self._run
+        for edge_id in edge_ids:
+            remove_edge(run_id, edge_id)
+        remove_run_dir(run_id)
+
+
+# -- entry point ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m runtime_cupy.stage",
+        description="One pipeline stage process (started by the runtime_cupy launcher; "
+        "the run's secret is read from standard input).",
+    )
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--stage-index", type=int, required=True)
+    p.add_argument("--node-id", required=True)
+    p.add_argument("--orchestrator-id", required=True)
+    p.add_argument("--control-fd", type=int, required=True)
+    p.add_argument("--lifeline-fd", type=int, required=True)
+    p.add_argument("--worker", choices=WORKERS, default="numpy")
+    p.add_argument("--stop-ms", type=int, default=10_000)
+    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--trace-file", type=Path, default=None)
+    p.add_argument("--inject-fault", type=InjectedFault.parse, action="append", default=[])
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s stage {args.stage_index} ({args.node_id}, pid {os.getpid()}) "
+        "%(levelname)s %(message)s",
+    )
+    try:
+        key = bytes.fromhex(sys.stdin.readline().strip())
+    except ValueError:
+        log.error("no run secret on standard input")
+        return EXIT_USAGE
+    sys.stdin.close()
+    sock = socket.socket(fileno=args.control_fd)
+    channel = ControlChannel(sock, key, args.node_id, args.orchestrator_id)
+    worker: Worker
+    try:
+        worker = make_worker(args.worker)
+    except WorkerUnavailable as exc:
+        log.error("%s", exc)
+        worker = UnavailableWorker(str(exc))
+    if args.inject_fault:
+        worker = FaultInjectingWorker(worker, args.inject_fault)
+    trace = TraceLog(args.node_id, enabled=args.trace_file is not None)
+    stage = StageProcess(
+        stage_index=args.stage_index,
+        node_id=args.node_id,
+        orchestrator_id=args.orchestrator_id,
+        channel=channel,
+        lifeline_fd=args.lifeline_fd,
+        worker=worker,
+        stop_s=args.stop_ms / 1000.0,
+        trace=trace,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: stage.notice_loss("SIGTERM"))
+    log.info("started (run %s)", args.run_id)
+    try:
+        code = stage.run()
+    finally:
+        if args.trace_file is not None:
+            with contextlib.suppress(OSError):
+                trace.write(args.trace_file)
+    log.info("exiting with status %d", code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Which worker a stage process runs: ``numpy`` (``runtime_core.ReferenceWorker``, any
+host) or ``cuda`` (``runtime_cupy.worker.CudaWorker``, imported only when asked for, so
+that nothing here imports CuPy). A CUDA stage sees one GPU: the launcher sets its
+``CUDA_VISIBLE_DEVICES``, so the worker uses device 0 of what it sees."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from runplan import WorkerCapabilities
+from runtime_core.reference import ReferenceWorker
+from runtime_core.worker import Worker
+
+WORKERS = ("numpy", "cuda")
+
+
+class WorkerUnavailable(RuntimeError):
+    """The chosen worker cannot run on this host (the CUDA worker needs CuPy and a GPU)."""
+
+
+def _cuda_class() -> Any:
+    try:
+        module = importlib.import_module("runtime_cupy.worker")
+        return module.CudaWorker
+    except Exception as exc:  # no CuPy, no driver, no GPU, or not built yet
+        raise WorkerUnavailable(
+            f"the CUDA worker needs CuPy and a GPU (pip install 'gguf-pipeline[cuda12]'): {exc}"
+        ) from exc
+
+
+def worker_class(name: str) -> Any:
+    """The worker class called ``name``; ``WorkerUnavailable`` if it cannot be loaded."""
+    if name == "numpy":
+        return ReferenceWorker
+    if name == "cuda":
+        return _cuda_class()
+    raise ValueError(f"unknown worker {name!r} (one of {', '.join(WORKERS)})")
+
+
+def capabilities(name: str) -> WorkerCapabilities:
+    """What the worker runs, for the planner."""
+    caps = worker_class(name).capabilities
+    assert isinstance(caps, WorkerCapabilities)
+    return caps
+
+
+def make_worker(name: str) -> Worker:
+    """A new worker of kind ``name``."""
+    worker: Worker = worker_class(name)()
+    return worker
