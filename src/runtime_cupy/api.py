@@ -150,6 +150,7 @@ def plan_for(
             f"model's context length {probe.context_length}"
         )
     facts = model_facts_from_gguf(model_path, max_seq_len=needed)
+    worker_capabilities = capabilities(worker)  # WorkerUnavailable before looking for GPUs
     nodes, devices = place_stages(stages, worker, gpus)
     half = worker == "cuda"  # the CUDA worker moves f16 activations
     config = RuntimeConfig(
@@ -160,7 +161,7 @@ def plan_for(
         sampling=sampling,
         return_logits=return_logits,
         timeouts=timeouts or Timeouts(),
-        worker=capabilities(worker),
+        worker=worker_capabilities,
     )
     result = plan_run(
         facts,

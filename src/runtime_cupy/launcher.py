@@ -96,6 +96,16 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
+_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _pythonpath() -> str:
     """This process's package folders first, so stages import the same code."""
     dirs: list[str] = []
@@ -293,6 +303,11 @@ class ProcessRun:
     def _spawn_all(self) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = _pythonpath()
+        # BLAS thread pools spin while idle: several stage processes with a pool the size
+        # of the machine each starve the one stage that computes. Split the cores.
+        threads = str(max(1, _cpus() // self.plan.stage_count))
+        for name in _THREAD_VARIABLES:
+            env.setdefault(name, threads)
         if self.trace.enabled:
             self._trace_dir = Path(tempfile.mkdtemp(prefix="gguf-pipeline-trace-"))
         for stage in self.plan.stages:
@@ -354,15 +369,22 @@ class ProcessRun:
         log.info("stage %d (%s) started: pid %d", index, node_id, proc.pid)
         self._emit("spawned", stage_index=index, node_id=node_id, pid=proc.pid)
 
-    def _stage_died(self, stage: _Stage, why: str | None = None) -> None:
+    def _stage_died(self, stage: _Stage, note: str | None = None) -> None:
+        """Feed the death of a stage whose channel closed or broke (``note``), saying
+        how its process ended when it has."""
         if stage.gone:
             return
         stage.gone = True
-        if why is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                stage.proc.wait(0.5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            stage.proc.wait(0.5)
+        if stage.proc.returncode is not None or note is None:
             why = describe_exit(stage.proc.returncode)
-        log.warning("stage %d (%s) is gone: %s", stage.index, stage.node_id, why)
+        else:
+            why = note
+        stopped = stage.index in self.controller.machine.stopped
+        (log.info if stopped else log.warning)(
+            "stage %d (%s) is gone: %s", stage.index, stage.node_id, why
+        )
         self.trace.instant("stage died", stage=stage.index, why=why)
         self._emit("stage_died", stage_index=stage.index, detail=why)
         self.controller.handle(fsm.StageDied(stage.index, why))

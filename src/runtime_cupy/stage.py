@@ -104,7 +104,7 @@ class FaultInjectingWorker:
     def configure(self, provision: ProvisionStage) -> None:
         for f in self.faults:
             if f.kind == "setup-delay":
-                log.info("injected fault: setup delayed %.3f s", f.seconds)
+                log.warning("injected fault: setup delayed %.3f s", f.seconds)
                 time.sleep(f.seconds)
         self.inner.configure(provision)
 
@@ -114,9 +114,10 @@ class FaultInjectingWorker:
     def execute_step(self, sequence: int, data: Any) -> Any | TokenOutput:
         for f in self.faults:
             if f.sequence == sequence and f.kind == "step-delay":
-                log.info("injected fault: step %d delayed %.3f s", sequence, f.seconds)
+                log.warning("injected fault: step %d delayed %.3f s", sequence, f.seconds)
                 time.sleep(f.seconds)
             if f.sequence == sequence and f.kind == "step-fail":
+                log.warning("injected fault: step %d fails", sequence)
                 raise WorkerError(f"injected failure at sequence {sequence}")
         return self.inner.execute_step(sequence, data)
 
@@ -159,10 +160,10 @@ class _Reporter:
     def send(self, message: StageReady | StageFault | StageStopped) -> None:
         stage = self.stage
         stage.trace.instant(f"send {type(message).__name__}")
-        if isinstance(message, StageFault):
-            log.warning("fault: %s", message.reason)
-        else:
-            log.info("send %s", type(message).__name__)
+        # A stage's fault is the orchestrator's to report (and during teardown, an edge
+        # closed by a neighbour that stopped first is expected): logged at INFO here.
+        detail = f": {message.reason}" if isinstance(message, StageFault) else ""
+        log.info("send %s%s", type(message).__name__, detail)
         if stage.channel.eof:
             return
         try:
@@ -252,7 +253,10 @@ class StageProcess:
             self.channel.close()
 
     def _check_lost(self) -> None:
-        if self._lost_flag.is_set():
+        if self._lost_flag.is_set() and self.lost is None:
+            # What the orchestrator wrote before it went (its provision, say) is still in
+            # the socket: read it first, so that the stage knows which edges to clean up.
+            self._drain_control()
             self._lose(self._lost_why)
         if self.channel_broken:
             self._lose("the control channel broke")
@@ -355,6 +359,12 @@ class StageProcess:
         for timer in self.timers.expired(time.monotonic()):
             log.warning("timer %s ran out", timer.name)
             c.handle(fsm.TimerFired(timer))
+
+    def _drain_control(self) -> None:
+        poller = select.poll()
+        poller.register(self.channel.fileno(), select.POLLIN)
+        while not self.channel.eof and poller.poll(0):
+            self._read_control()
 
     def _read_control(self) -> None:
         for item in self.channel.receive():

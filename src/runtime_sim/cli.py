@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from rich import box
 from rich.console import Console
@@ -17,6 +17,7 @@ from rich.table import Table
 
 from runplan.gguf_header import GgufError
 from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
+from runtime_core.console import TextStream, token_ids
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_sim.api import GenerateResult, PlanRejected, generate
 from runtime_sim.explore import explore, report, report_json, self_test
@@ -25,45 +26,6 @@ from runtime_sim.trace import chrome_trace
 
 EXIT_VIOLATION = 1
 EXIT_INPUT = 2
-
-
-def _ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad token ids {text!r}: write 1,2,3") from None
-    if not ids or any(i < 0 for i in ids):
-        raise argparse.ArgumentTypeError("token ids are non-negative integers, at least one")
-    return ids
-
-
-class TextStream:
-    """Prints generated text as tokens arrive: the new part of the decoded text. The
-    end of the text is held back while it may still change: an incomplete UTF-8
-    sequence (U+FFFD) and trailing whitespace, which a detokenizer that cleans up
-    spaces may drop once punctuation follows."""
-
-    def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
-        self.tokenizer = tokenizer
-        self.out = out
-        self.ids: list[int] = []
-        self.shown = ""
-
-    def __call__(self, token_id: int) -> None:
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids).rstrip("\ufffd").rstrip()
-        if text.startswith(self.shown) and len(text) > len(self.shown):
-            self.out.write(text[len(self.shown) :])
-            self.out.flush()
-            self.shown = text
-
-    def finish(self, text: str) -> None:
-        """Write the rest of the final ``text`` and a newline."""
-        if text.startswith(self.shown):
-            self.out.write(text[len(self.shown) :] + "\n")
-        else:  # a character already printed changed after all: print the whole text again
-            self.out.write("\n" + text + "\n")
-        self.out.flush()
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -266,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stages", type=int, default=3, help="pipeline stages (default: 3)")
     what = run.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the prompt text")
-    what.add_argument("--prompt-ids", type=_ids, help="the prompt as token ids: 1,2,3")
+    what.add_argument("--prompt-ids", type=token_ids, help="the prompt as token ids: 1,2,3")
     run.add_argument(
         "--chat",
         action="store_true",

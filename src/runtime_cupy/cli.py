@@ -1,0 +1,250 @@
+"""``python -m runtime_cupy --model PATH --stages N --prompt TEXT ...``: generate text
+through N stage processes, with the flags and output of ``python -m runtime_sim run``.
+
+Text streams to standard output as tokens arrive, then a summary; with ``--json``,
+standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
+``fault``, ``stages``, ``timings``) and everything else goes to standard error. A run
+that faults or is cancelled prints one line naming the stage, node and reason to
+standard error and exits 1 (faulted) or 130 (cancelled); bad input exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from runplan.gguf_header import GgufError
+from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
+from runtime_core.console import TextStream, token_ids
+from runtime_core.tokenizer import Tokenizer, TokenizerError
+from runtime_cupy.api import GenerateResult, PlanRejected, generate
+from runtime_cupy.tracing import chrome_trace
+from runtime_cupy.workers import WORKERS, WorkerUnavailable
+
+EXIT_FAULTED = 1
+EXIT_INPUT = 2
+EXIT_CANCELLED = 130
+
+
+def _gpus(text: str) -> list[int]:
+    try:
+        gpus = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad GPU list {text!r}: write 0,1") from None
+    if not gpus or any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError("GPU indices are non-negative integers, at least one")
+    return gpus
+
+
+def _run(args: argparse.Namespace) -> int:
+    err = Console(stderr=True, soft_wrap=True)
+    path = resolve_model(args.model)
+    tokenizer = Tokenizer.from_gguf(path)
+    if args.prompt_ids is not None:
+        prompt = args.prompt_ids
+    else:
+        text = args.prompt
+        if args.chat:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+        prompt = tokenizer.encode(text, add_special=True, parse_special=True)
+    stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
+    status = err.status(f"starting {args.stages} stage processes")
+    ready: set[int] = set()
+
+    def on_load(stage: int, _done: int, _total: int) -> None:
+        ready.add(stage)
+        status.update(f"stages ready: {len(ready)} of {args.stages}")
+        if len(ready) == args.stages:
+            status.stop()
+
+    status.start()
+    try:
+        result = generate(
+            path,
+            prompt,
+            stages=args.stages,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            on_token=stream,
+            on_load=on_load,
+            trace=args.trace is not None,
+            worker=args.worker,
+            gpus=args.gpus,
+        )
+    finally:
+        status.stop()
+    stream.finish(result.text)
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(chrome_trace(list(result.trace or ()))))
+    if args.json:
+        sys.stdout.write(json.dumps(_result_json(result, len(prompt)), sort_keys=True) + "\n")
+        sys.stdout.flush()
+    else:
+        _print_summary(Console(soft_wrap=True), result, len(prompt), args.worker)
+    if result.outcome == "completed":
+        return 0
+    err.print(f"error: run {result.outcome}: {result.fault or 'cancelled'}", highlight=False)
+    return EXIT_CANCELLED if result.outcome == "cancelled" else EXIT_FAULTED
+
+
+def _round(value: float | None, scale: float, digits: int) -> float | None:
+    return None if value is None else round(value * scale, digits)
+
+
+def _timings(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_len,
+        "load_s": _round(result.load_s, 1, 3),
+        "ttft_ms": _round(result.ttft_us, 1e-3, 3),
+        "tpot_ms": _round(result.tpot_us, 1e-3, 3),
+        "decode_tokens_per_s": _round(result.wall_decode_tokens_per_s, 1, 2),
+        "wall_s": round(result.wall_s, 3),
+    }
+
+
+def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
+    procs = {s.stage_index: s for s in result.stages}
+    return {
+        "tokens": list(result.tokens),
+        "text": result.text,
+        "outcome": result.outcome,
+        "fault": result.fault,
+        "stages": [
+            {
+                "stage_index": s.stage_index,
+                "node_id": s.node_id,
+                "layer_start": s.layer_start,
+                "layer_end_exclusive": s.layer_end_exclusive,
+                "pid": procs[s.stage_index].pid if s.stage_index in procs else None,
+                "device": procs[s.stage_index].device if s.stage_index in procs else None,
+                "exit_status": procs[s.stage_index].returncode if s.stage_index in procs else None,
+            }
+            for s in result.plan.stages
+        ],
+        "timings": _timings(result, prompt_len),
+    }
+
+
+def _print_summary(console: Console, result: GenerateResult, prompt_len: int, worker: str) -> None:
+    console.print(
+        f"{result.plan.model.model_id} through {result.plan.stage_count} stage processes "
+        f"({worker} worker)",
+        highlight=False,
+    )
+    procs = {s.stage_index: s for s in result.stages}
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("stage", "node", "layers", "pid", "device"):
+        table.add_column(col)
+    for s in result.plan.stages:
+        proc = procs.get(s.stage_index)
+        table.add_row(
+            str(s.stage_index),
+            s.node_id,
+            f"{s.layer_start}-{s.layer_end_exclusive - 1}",
+            str(proc.pid) if proc else "-",
+            "cpu" if proc is None or proc.device is None else f"gpu {proc.device}",
+        )
+    console.print(table)
+    t = _timings(result, prompt_len)
+    status = result.outcome + (f" ({result.fault})" if result.fault else "")
+    console.print(
+        f"{len(result.tokens)} tokens, {status}. time to first token {t['ttft_ms']} ms, "
+        f"decode {t['decode_tokens_per_s']} tokens/s; load {t['load_s']} s, "
+        f"wall {t['wall_s']} s",
+        highlight=False,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    run = argparse.ArgumentParser(
+        prog="python -m runtime_cupy",
+        description="Generate text from a GGUF model through N stage processes on this "
+        "host (one OS process per stage, shared-memory rings between them).",
+    )
+    run.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
+    )
+    run.add_argument("--stages", type=int, default=3, help="stage processes (default: 3)")
+    run.add_argument(
+        "--worker",
+        choices=WORKERS,
+        default="numpy",
+        help="numpy: the reference worker on the CPU (default); cuda: the CUDA worker",
+    )
+    run.add_argument(
+        "--gpus",
+        type=_gpus,
+        default=None,
+        help="GPUs of the cuda worker, stage i on the (i mod n)-th: 0,1 (default: all)",
+    )
+    what = run.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="the prompt text")
+    what.add_argument("--prompt-ids", type=token_ids, help="the prompt as token ids: 1,2,3")
+    run.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template as a user turn",
+    )
+    run.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (32)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    run.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    run.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    run.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object to stdout; text, progress and logs go to stderr",
+    )
+    run.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write Chrome trace events (open in https://ui.perfetto.dev)",
+    )
+    run.add_argument("-v", "--verbose", action="store_true", help="log what the launcher does")
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return _run(args)
+    except (
+        GgufError,
+        ModelNotFound,
+        PlanRejected,
+        TokenizerError,
+        ValueError,
+        WorkerUnavailable,
+    ) as exc:
+        if args.json:
+            sys.stdout.write(
+                json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
+            )
+        else:
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {exc}", highlight=False)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        Console(stderr=True).print("cancelled")
+        return EXIT_CANCELLED

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime_cupy.transport import unlink_segment
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.runtime_cupy.hygiene import SHM, TAG_VARIABLE, resources, tagged_processes
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("the process-runtime tests read /proc and /dev/shm", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test leaves no process and no shared memory or FIFO folder behind, even
+    when it fails: strays are killed and removed, then the test errors."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_VARIABLE, tag)  # inherited by every process a test starts
+    before = resources()
+    yield
+    stray = tagged_processes(tag)
+    for pid in stray:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    left = sorted(resources() - before)
+    for path in left:
+        if path.startswith(str(SHM)):
+            unlink_segment(Path(path).name)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    assert not stray, f"processes left running: {stray}"
+    assert not left, f"resources left behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 4-block random-weight llama (runs in a few ms per token)."""
+    return str(write_model(tmp_path_factory.mktemp("cupy") / "tiny.gguf", ModelShape(n_layers=4)))

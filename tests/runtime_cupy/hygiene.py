@@ -1,0 +1,66 @@
+"""What the process-runtime tests check after every run: no process left, no shared
+memory or FIFO folder left (Linux: /dev/shm and /proc)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from pathlib import Path
+
+from runtime_cupy.transport import PREFIX, run_dir, run_tag
+
+SHM = Path("/dev/shm")
+TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its parent counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until none of ``pids`` runs; those still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+def resources() -> set[str]:
+    """Every shared-memory segment and FIFO folder of this runtime on the host."""
+    found = {str(p) for p in SHM.glob(f"{PREFIX}*")}
+    found |= set(glob.glob(str(run_dir("x").parent / f"{PREFIX}*")))
+    return found
+
+
+def run_resources(run_id: str) -> list[str]:
+    """What is left of one run."""
+    tag = run_tag(run_id)
+    left = [str(p) for p in SHM.glob(f"{PREFIX}{tag}-*")]
+    if run_dir(run_id).exists():
+        left.append(str(run_dir(run_id)))
+    return left
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes started with ``TAG_VARIABLE=tag`` in their environment, but this
+    one."""
+    needle = f"{TAG_VARIABLE}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found

@@ -1,0 +1,112 @@
+"""The orchestrator's process SIGKILLed mid-run: its stages notice on their own (the
+control socket and the lifeline close), stop, unlink every shared-memory segment and
+FIFO of the run (the orchestrator's own token-out ring too), and exit within the stop
+timeout, also one stuck in a long step."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runtime_cupy.hygiene import alive, run_resources, wait_gone
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("driver.py")
+STOP_MS = 2_000
+
+
+class Driver:
+    """``driver.py`` in a process of its own, its JSON lines read by a thread."""
+
+    def __init__(self, model: str, faults: dict[int, list[str]], log: Path) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+        self.log = log
+        self._err = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(DRIVER), model, "3", "8", json.dumps(faults), str(STOP_MS)],
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.run_id = ""
+        self.pids: list[int] = []
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(json.loads(line))
+
+    def until(self, key: str, count: int = 1, timeout_s: float = 30) -> None:
+        """Read lines until ``count`` lines with ``key`` were seen."""
+        seen = 0
+        deadline = time.monotonic() + timeout_s
+        while seen < count:
+            try:
+                item = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no {key!r} from the driver in {timeout_s} s")
+            self.run_id = item.get("run_id", self.run_id)
+            if "spawned" in item:
+                self.pids.append(item["spawned"])
+            seen += key in item
+
+    def until_logged(self, text: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log.read_text():
+            if time.monotonic() > deadline:
+                pytest.fail(f"{text!r} not logged in {timeout_s} s")
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self._err.close()
+
+
+def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_mid_decode(
+    tiny: str, tmp_path: Path
+) -> None:
+    # Stage 1 sleeps 60 s in step 2: the orchestrator dies while it is stuck there.
+    driver = Driver(tiny, {1: ["step-delay=2:60"]}, tmp_path / "driver.log")
+    driver.until("token", 2)
+    driver.until_logged("step 2 delayed")  # stage 1 is in its long step
+    assert len(driver.pids) == 3 and all(alive(p) for p in driver.pids)
+    killed = time.monotonic()
+    driver.kill()
+    left = wait_gone(driver.pids, STOP_MS / 1000 + 8)
+    assert left == [], f"stage processes still running: {left}"
+    # Within the stop bound (plus start-up slack), not after the 60 s step.
+    assert time.monotonic() - killed < STOP_MS / 1000 + 8
+    assert driver.run_id and run_resources(driver.run_id) == []
+    log = (tmp_path / "driver.log").read_text()
+    assert "orchestrator lost" in log  # each stage says why it stopped
+    assert "not stopped within" in log  # the stuck one left through its watchdog
+
+
+def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_before_ready(
+    tiny: str, tmp_path: Path
+) -> None:
+    # Stage 2 takes 60 s to set up: when the orchestrator dies, stage 0 is ready and idle,
+    # stage 1 waits for stage 2's ring, stage 2 sleeps in its setup.
+    driver = Driver(tiny, {2: ["setup-delay=60"]}, tmp_path / "driver.log")
+    driver.until("ready", 1)
+    assert len(driver.pids) == 3
+    driver.kill()
+    left = wait_gone(driver.pids, STOP_MS / 1000 + 8)
+    assert left == [], f"stage processes still running: {left}"
+    log = (tmp_path / "driver.log").read_text()
+    assert driver.run_id and run_resources(driver.run_id) == [], log
