@@ -152,6 +152,9 @@ class ControlChannel:
             if self._skipping:
                 self._skipping = False
                 continue
+            if len(line) > MAX_FRAME_BYTES:
+                out.append(Refused(f"a frame over {MAX_FRAME_BYTES} bytes"))
+                continue
             try:
                 out.append(decode_frame(self.key, self.local_id, line))
             except FrameError as exc:

@@ -375,13 +375,14 @@ class ProcessRun:
         if stage.gone:
             return
         stage.gone = True
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            stage.proc.wait(0.5)
-        if stage.proc.returncode is not None or note is None:
+        stopped = stage.index in self.controller.machine.stopped
+        if not stopped:  # say how it died (a killed process is reaped at once)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                stage.proc.wait(0.5)
+        if stage.proc.poll() is not None or note is None:
             why = describe_exit(stage.proc.returncode)
         else:
             why = note
-        stopped = stage.index in self.controller.machine.stopped
         (log.info if stopped else log.warning)(
             "stage %d (%s) is gone: %s", stage.index, stage.node_id, why
         )

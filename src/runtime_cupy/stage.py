@@ -485,4 +485,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Leave at once: the run's resources are freed, and tearing the interpreter down
+    # (NumPy, mapped weights) would only delay the end of file the orchestrator waits on.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,109 @@
+"""``python -m runtime_cupy``: the flags and output of ``runtime_sim run``; one JSON object
+on stdout with ``--json``; a faulted run exits non-zero with one line naming the stage,
+node and reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import runtime_sim
+from runtime_cupy.cli import main
+from tests.runtime_cupy.hygiene import wait_gone
+from tests.runtime_cupy.test_kill_orchestrator import ROOT
+from tests.runtime_cupy.test_process_faults import _children
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    return env
+
+
+def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "3",
+         "--prompt-ids", "7,8,9", "--max-tokens", "5", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=_env(),
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # exactly one object: json.loads refuses anything more
+    assert doc["outcome"] == "completed" and doc["fault"] is None
+    assert doc["tokens"] == list(
+        runtime_sim.generate(tiny, [7, 8, 9], stages=3, max_tokens=5).tokens
+    )
+    assert [s["layer_start"] for s in doc["stages"]] == [0, 2, 3]
+    assert all(s["exit_status"] == 0 and s["pid"] > 0 for s in doc["stages"])
+    assert {"ttft_ms", "decode_tokens_per_s", "load_s", "wall_s"} <= set(doc["timings"])
+    assert doc["text"] in proc.stderr  # the streamed text went to stderr
+
+
+def test_text_streams_to_stdout_and_a_trace_is_written(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.json"
+    code = main(
+        ["--model", tiny, "--stages", "2", "--prompt", "the quick brown fox",
+         "--max-tokens", "4", "--trace", str(trace)]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "2 stage processes" in out and "4 tokens, completed" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("step")]
+    assert len({e["pid"] for e in steps}) == 2  # both stages' steps, on their own tracks
+    assert {e["name"] for e in steps} >= {"step 0", "step 1", "step 2", "step 3"}
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M"}
+    assert {"orchestrator", "stage-0", "stage-1"} <= names
+
+
+def test_a_killed_stage_exits_non_zero_with_one_line_naming_it(smollm2_path: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "3",
+         "--prompt-ids", "504,3575,282,4649,314", "--max-tokens", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )  # fmt: skip
+    pids = _children(proc.pid, 3)
+    assert proc.stdout is not None
+    assert proc.stdout.read(1)  # the first token's text streamed: the run is decoding
+    os.kill(pids[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    last = err.decode().strip().splitlines()[-1]
+    assert last.startswith("error: run faulted: stage 1 (node stage-1): process_died: ")
+    assert last.endswith("killed by SIGKILL")
+    assert "faulted" in out.decode()  # the summary says so too
+    assert wait_gone(list(pids.values()), 5) == []
+
+
+def test_a_model_without_a_chat_template_is_a_clear_error(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--model", tiny, "--prompt", "hi", "--chat", "--json"]) == 2
+    assert "chat_template" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+def test_the_cuda_worker_on_a_host_without_it_is_a_clear_error(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        import cupy  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
+    except Exception:
+        pass
+    else:
+        pytest.skip("CuPy is installed here")
+    assert main(["--model", tiny, "--prompt-ids", "1", "--worker", "cuda", "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "WorkerUnavailable" and "CuPy" in error["message"]

@@ -1,0 +1,112 @@
+"""Faults that are not deaths: a step that fails, a wait that runs out, Ctrl-C. Each ends
+with one outcome, every stage process reaped and nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from runplan.config import Timeouts
+from runtime_cupy import generate
+from tests.runtime_cupy.hygiene import alive, run_resources, wait_gone
+from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
+
+
+def test_a_failed_step_faults_the_run_naming_the_stage(tiny: str) -> None:
+    timeouts = Timeouts(ready_ms=20_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=5_000)
+    result = generate(
+        tiny, [1, 2], stages=3, max_tokens=8, timeouts=timeouts, stage_faults={1: ["step-fail=2"]}
+    )
+    assert result.outcome == "faulted"
+    assert result.fault_stage == 1 and result.fault_node == "stage-1"
+    assert result.fault is not None and result.fault.startswith("stage 1 (node stage-1): ")
+    assert "step_failure" in result.fault and "injected failure at sequence 2" in result.fault
+    assert len(result.tokens) == 2  # sequences 0 and 1
+    assert all(s.returncode == 0 for s in result.stages)  # the faulted stage stopped too
+    assert not [s.pid for s in result.stages if alive(s.pid)]
+    assert run_resources(result.plan.run_id) == []
+
+
+def test_a_token_that_does_not_come_in_time_faults_the_run(tiny: str) -> None:
+    # Stage 1 sleeps 30 s in step 1; the orchestrator waits step_ms per stage for a
+    # token, then tears down; stage 1 cannot answer StopRun while it sleeps, so after
+    # the stop timeout it is killed.
+    timeouts = Timeouts(ready_ms=20_000, step_ms=300, edge_wait_ms=20_000, stop_ms=1_000)
+    result = generate(
+        tiny,
+        [1, 2],
+        stages=3,
+        max_tokens=8,
+        timeouts=timeouts,
+        stage_faults={1: ["step-delay=1:30"]},
+    )
+    assert result.outcome == "faulted" and result.fault_stage is None
+    assert result.fault == "orchestrator (node orchestrator): timeout: token 1 not produced in time"
+    assert len(result.tokens) == 1
+    codes = {s.stage_index: s.returncode for s in result.stages}
+    assert codes == {0: 0, 1: -signal.SIGKILL, 2: 0}
+    assert result.wall_s < 15
+    assert run_resources(result.plan.run_id) == []
+
+
+def test_ctrl_c_cancels_the_run_and_cleans_up(tiny: str, tmp_path: Path) -> None:
+    driver = Driver(tiny, {1: ["step-delay=2:60"]}, tmp_path / "driver.log")
+    driver.until("token", 2)
+    driver.until_logged("step 2 delayed")
+    driver.proc.send_signal(signal.SIGINT)
+    assert driver.proc.wait(30) == 130
+    assert driver.proc.stdout is not None
+    driver.until("outcome")
+    assert wait_gone(driver.pids, 5) == []
+    assert driver.run_id and run_resources(driver.run_id) == []
+    driver.kill()
+
+
+def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str) -> None:
+    # SmolLM2's stages take seconds to load their weights: the signal comes while the
+    # orchestrator waits at the readiness barrier.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "2",
+         "--prompt-ids", "1,2", "--max-tokens", "4", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )  # fmt: skip
+    pids = _children(proc.pid, 2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    doc = json.loads(out)  # still exactly one JSON object on stdout
+    assert doc["outcome"] == "cancelled" and doc["tokens"] == []
+    assert err.strip().splitlines()[-1] == "error: run cancelled: cancelled"
+    assert wait_gone(list(pids.values()), 5) == []
+
+
+def _children(pid: int, count: int) -> dict[int, int]:
+    """Stage index -> pid of the ``count`` stage processes of ``pid``, once they run."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"runtime_cupy.stage" in args:
+                found[int(args[args.index(b"--stage-index") + 1])] = int(entry.name)
+        if len(found) == count:
+            return found
+        time.sleep(0.01)
+    raise AssertionError(f"{count} stage processes of {pid} did not start")
