@@ -260,8 +260,6 @@ class StageProcess:
             self._lose(self._lost_why)
         if self.channel_broken:
             self._lose("the control channel broke")
-        if os.getppid() != self.parent_pid:
-            self._lose("the parent process is gone")
 
     def _lose(self, why: str) -> None:
         if self.lost is not None:
@@ -348,6 +346,8 @@ class StageProcess:
         if self._output_since is not None and c.provision is not None:
             until = min(until, self._output_since + c.provision.timeouts.edge_wait_ms / 1000.0)
         ready = poller.poll(max(0.0, until - now) * 1000.0)
+        if not ready and os.getppid() != self.parent_pid:  # idle: a last look at the parent
+            self._lose("the parent process is gone")
         for fd, _ in ready:
             if fd == self._wake_r:
                 with contextlib.suppress(BlockingIOError):

@@ -157,7 +157,7 @@ class FifoSignal:
 
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):
-            while os.read(self._fd, 4096):
+            while len(os.read(self._fd, 4096)) == 4096:  # a short read emptied it
                 pass
 
     def wait(self, timeout_s: float) -> None:

@@ -1,0 +1,230 @@
+"""Hop overhead of the process runtime: time per decoded token through 1, 2 and 4 stage
+processes on one model (NumPy worker), and the overhead per hop per token derived from
+them.
+
+    python benchmarks/hop_overhead.py [--model PATH|smollm2-135m] [--tokens 200]
+                                      [--repeat 3] [--json]
+
+A decode token crosses ``stages + 1`` hops (orchestrator -> stage 0 -> ... -> stage
+N-1 -> orchestrator) and the model's blocks are the same whatever the split, so the
+slope of time per token against hops is what one more hop costs: a shared-memory
+record written, a process woken, the record validated and fed through the stage state
+machine, one more worker call over the same blocks. The time per token is the median
+interval between consumed decode tokens at the orchestrator, over ``--repeat`` rounds
+that run 1, 2 and 4 stages in turn (so that the load of a shared machine falls on all
+three alike).
+
+For scale, the same splits' worker steps are also timed in this one process (the sum
+over stages of each decode step, no processes, no rings, no state machines): what a
+token costs beyond them, divided by its hops, is the runtime's overhead per hop at that
+stage count. Every stage uses one BLAS thread (and so does this process), so the
+compute is the same at every stage count; stages are never busy at once (one token is
+in flight).
+
+By default the model is a random-weight llama of 4 blocks, 256 wide (written to a
+temporary folder by the test-model generator), whose steps are short enough that the
+hops show. Last, the floor: a bare ring hop between two processes (publish, wake-up,
+acquire), with the receiver busy just before and after it slept 2 ms, as a stage of a
+pipeline sleeps while the other stages work. Target (issue 6): under 200 us per hop.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before NumPy loads (here and, inherited, in every stage process): one BLAS thread.
+for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_name] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from runplan import RingSpec, SamplingConfig, provision_all  # noqa: E402
+from runtime_core.reference import ReferenceWorker  # noqa: E402
+from runtime_core.worker import TokenOutput  # noqa: E402
+from runtime_cupy import generate  # noqa: E402
+from runtime_cupy.api import plan_for  # noqa: E402
+from runtime_cupy.transport import ShmRing, remove_run  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.fixtures.gguf_models import ModelShape, write_model  # noqa: E402
+
+STAGES = (1, 2, 4)
+PROMPT = [1, 2, 3, 4]
+
+
+def process_intervals(model: str, stages: int, tokens: int) -> list[float]:
+    """Microseconds between consecutive decode tokens of one process run."""
+    stamps: list[float] = []
+    result = generate(
+        model,
+        PROMPT,
+        stages=stages,
+        max_tokens=tokens,
+        on_token=lambda _t: stamps.append(time.perf_counter()),
+    )
+    if result.outcome != "completed" or len(stamps) < 3:
+        raise SystemExit(f"{stages} stages: {result.outcome} {result.fault}")
+    return [float(d) * 1e6 for d in np.diff(stamps[1:])]  # decode tokens only
+
+
+def worker_us(model: str, stages: int, tokens: int) -> float:
+    """Median over decode tokens of the summed worker steps of ``stages`` stages, all
+    in this process."""
+    plan, _ = plan_for(
+        model,
+        stages=stages,
+        prompt_len=len(PROMPT),
+        max_tokens=tokens,
+        sampling=SamplingConfig(),
+        return_logits=False,
+    )
+    workers = []
+    for provision in provision_all(plan):
+        worker = ReferenceWorker()
+        worker.configure(provision)
+        worker.bind(provision.gguf_source)
+        workers.append(worker)
+    sums = []
+    data: object = np.array(PROMPT, np.uint32)
+    for sequence in range(tokens):
+        began = time.perf_counter()
+        for worker in workers:
+            data = worker.execute_step(sequence, data)  # type: ignore[arg-type]
+        if sequence > 0:
+            sums.append((time.perf_counter() - began) * 1e6)
+        assert isinstance(data, TokenOutput)
+        data = np.array([data.token_id], np.uint32)
+    return statistics.median(sums)
+
+
+def raw_hop_us(idle_us: float, rounds: int = 400) -> float:
+    """Median one-way latency of a bare ring hop between two processes (publish, FIFO
+    wake-up, acquire; no validation, no state machine) when the receiver has slept
+    ``idle_us`` before the record comes: the floor under every hop on this host."""
+    spec = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
+    run_id = f"hop-bench-{os.getpid()}"
+    there = ShmRing.create(run_id, 1, spec)  # the child consumes, stamps, answers
+    back = ShmRing.create(run_id, 2, spec)
+
+    def acquire(ring: ShmRing) -> int:
+        while (slot := ring.try_acquire()) is None:
+            ring.data_signal.wait(1.0)
+        return slot
+
+    pid = os.fork()
+    if pid == 0:  # the receiver
+        answer = ShmRing.attach(run_id, 2, spec)
+        assert answer is not None
+        for _ in range(rounds):
+            slot = acquire(there)
+            stamp = time.perf_counter_ns()
+            there.release(slot)
+            out = answer.try_reserve()
+            assert out is not None
+            answer.slot(out)[:8] = stamp.to_bytes(8, "little")
+            answer.publish(out)
+        os._exit(0)
+    try:
+        send = ShmRing.attach(run_id, 1, spec)
+        assert send is not None
+        latencies = []
+        for _ in range(rounds):
+            until = time.perf_counter_ns() + idle_us * 1000
+            while time.perf_counter_ns() < until:  # busy here while the receiver sleeps
+                pass
+            slot = send.try_reserve()
+            assert slot is not None
+            sent = time.perf_counter_ns()
+            send.publish(slot)
+            got = acquire(back)
+            latencies.append((int.from_bytes(back.slot(got)[:8], "little") - sent) / 1000)
+            back.release(got)
+        os.waitpid(pid, 0)
+        return statistics.median(latencies)
+    finally:
+        remove_run(run_id, [1, 2])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file or bundled model name")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens per run (200)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of 1, 2, 4 stages (3)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            shape = ModelShape(n_layers=4, hidden=256, heads=4, heads_kv=2, ffn=512)
+            model = str(write_model(Path(tmp) / "hop.gguf", shape))
+        intervals: dict[int, list[float]] = {n: [] for n in STAGES}
+        for _ in range(args.repeat):
+            for n in STAGES:
+                intervals[n] += process_intervals(model, n, args.tokens)
+        compute = {n: worker_us(model, n, args.tokens) for n in STAGES}
+    raw = {idle: raw_hop_us(idle) for idle in (0, 2000)}
+    rows = []
+    for n in STAGES:
+        median = statistics.median(intervals[n])
+        rows.append(
+            {
+                "stages": n,
+                "hops": n + 1,
+                "median_us": median,
+                "p10_us": float(np.percentile(intervals[n], 10)),
+                "p90_us": float(np.percentile(intervals[n], 90)),
+                "decode_tokens": len(intervals[n]),
+                "worker_us": compute[n],
+                "beyond_worker_per_hop_us": (median - compute[n]) / (n + 1),
+            }
+        )
+    hops = np.array([r["hops"] for r in rows], dtype=float)
+    times = np.array([r["median_us"] for r in rows])
+    slope, intercept = np.polyfit(hops, times, 1)
+    report = {
+        "model": args.model or "random llama, 4 blocks, hidden 256, ffn 512",
+        "tokens": args.tokens,
+        "repeat": args.repeat,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "rows": rows,
+        "overhead_per_hop_us": float(slope),
+        "bare_hop_us": {"receiver_busy": raw[0], "receiver_idle_2ms": raw[2000]},
+        "fit_intercept_us": float(intercept),
+        "target_us": 200,
+    }
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+        return 0
+    print(
+        f"model: {report['model']}; {args.tokens} tokens, {args.repeat} rounds; "
+        f"{report['cpus']} CPUs"
+    )
+    print(
+        f"{'stages':>6} {'hops':>4} {'us/token':>9} {'p10':>8} {'p90':>8} "
+        f"{'worker us':>10} {'beyond worker, per hop':>23}"
+    )
+    for r in rows:
+        print(
+            f"{r['stages']:>6} {r['hops']:>4} {r['median_us']:>9.1f} {r['p10_us']:>8.1f} "
+            f"{r['p90_us']:>8.1f} {r['worker_us']:>10.1f} {r['beyond_worker_per_hop_us']:>23.1f}"
+        )
+    print(
+        f"overhead per hop per token (slope over 1, 2, 4 stages): {slope:.1f} us; target < 200 us"
+    )
+    print(
+        f"bare ring hop between two processes: {raw[0]:.1f} us when the receiver just "
+        f"ran, {raw[2000]:.1f} us when it slept 2 ms before the record came"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
