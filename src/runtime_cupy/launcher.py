@@ -468,7 +468,11 @@ class ProcessRun:
 
     def _read_control(self, stage: _Stage) -> None:
         for item in stage.channel.receive():
-            if isinstance(item, Incoming):
+            if isinstance(item, Incoming) and item.sender != stage.node_id:
+                log.warning(
+                    "refused a frame on stage %d's channel signed as %r", stage.index, item.sender
+                )
+            elif isinstance(item, Incoming):
                 name = type(item.message).__name__
                 log.info("received %s from %r", name, item.sender)
                 self.trace.instant(f"recv {name}", sender=item.sender)

@@ -53,7 +53,7 @@ def test_text_streams_to_stdout_and_a_trace_is_written(
 ) -> None:
     trace = tmp_path / "trace.json"
     code = main(
-        ["--model", tiny, "--stages", "2", "--prompt", "the quick brown fox",
+        ["--model", tiny, "--stages", "2", "--prompt-ids", "11,12,13,14,15",
          "--max-tokens", "4", "--trace", str(trace)]
     )  # fmt: skip
     assert code == 0
@@ -63,6 +63,11 @@ def test_text_streams_to_stdout_and_a_trace_is_written(
     steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("step")]
     assert len({e["pid"] for e in steps}) == 2  # both stages' steps, on their own tracks
     assert {e["name"] for e in steps} >= {"step 0", "step 1", "step 2", "step 3"}
+    # Prefill moves the prompt's rows, decode one row per hop.
+    loaded = [e["args"] for e in events if e["name"] == "loaded"]
+    assert {(a["sequence"], a["rows"]) for a in loaded if a["sequence"] == 0} == {(0, 5)}
+    assert {a["rows"] for a in loaded if a["sequence"] > 0} == {1}
+    assert len(loaded) == 2 * 4  # each stage loaded sequences 0..3
     names = {e["args"]["name"] for e in events if e.get("ph") == "M"}
     assert {"orchestrator", "stage-0", "stage-1"} <= names
 
