@@ -47,6 +47,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from runplan import RingSpec, SamplingConfig, provision_all  # noqa: E402
+from runplan.models import resolve_model  # noqa: E402
 from runtime_core.reference import ReferenceWorker  # noqa: E402
 from runtime_core.worker import TokenOutput  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
@@ -161,7 +162,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
+        model = resolve_model(args.model) if args.model else None
         if model is None:
             shape = ModelShape(n_layers=4, hidden=256, heads=4, heads_kv=2, ffn=512)
             model = str(write_model(Path(tmp) / "hop.gguf", shape))
