@@ -408,6 +408,8 @@ class ProcessRun:
                 self._open_at = now + RETRY_S
             if c.inject_pending:
                 self._inject(now)
+            else:
+                self._inject_since = None
             while c.wants_tokens and c.poll_tokens():
                 pass
             if c.finished is None:

@@ -304,8 +304,11 @@ class StageProcess:
                     progress = True
                 else:
                     self._bound_output_wait(now)
+            else:
+                self._output_since = None
             if c.release_pending:
                 c.run_release()
+                self.edges.close()
                 self._remove_resources()
                 progress = True
 
