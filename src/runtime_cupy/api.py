@@ -4,6 +4,7 @@ return its tokens and text, with the signature and result fields of
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 from attrs import frozen
@@ -142,14 +144,14 @@ def plan_for(
 ) -> tuple[RunPlan, tuple[int | None, ...]]:
     """The plan of a process run and each stage's GPU: layers split evenly, a KV cache
     just long enough for the prompt and the tokens asked for (as the simulator plans)."""
-    probe = model_facts_from_gguf(model_path)
+    facts = model_facts_from_gguf(model_path)
     needed = prompt_len + max_tokens
-    if needed > probe.context_length:
+    if needed > facts.context_length:
         raise ValueError(
             f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {needed} exceeds the "
-            f"model's context length {probe.context_length}"
+            f"model's context length {facts.context_length}"
         )
-    facts = model_facts_from_gguf(model_path, max_seq_len=needed)
+    facts = attrs.evolve(facts, max_seq_len=needed)
     worker_capabilities = capabilities(worker)  # WorkerUnavailable before looking for GPUs
     nodes, devices = place_stages(stages, worker, gpus)
     half = worker == "cuda"  # the CUDA worker moves f16 activations
@@ -189,6 +191,7 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     on_load: LoadProgress | None = None,
     trace: bool = False,
+    tokenizer: Tokenizer | None = None,
     worker: str = "numpy",
     gpus: Sequence[int] | None = None,
     timeouts: Timeouts | None = None,
@@ -201,19 +204,20 @@ def generate(
 
     ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
     ``on_token(id)`` streams each generated token as the orchestrator consumes it.
+    ``tokenizer`` saves loading the file's tokenizer again when the caller has it.
     ``gpus`` are the CUDA worker's GPUs (stage ``i`` on ``gpus[i % len(gpus)]``);
     ``timeouts`` bound every wait; ``log_dir`` keeps each stage's log;
     ``stage_faults`` makes stages fail on purpose (tests); ``on_event(kind, fields)``
     sees what the launcher does (``spawned`` with each stage's pid, ``state``,
     ``injected``, ``consumed``, ``received``, ``stage_died``). A run that faults or is
     cancelled returns with that outcome, every process reaped and every resource freed.
-    Raises ``PlanRejected`` when the planner refuses the run, ``GgufError`` for a file
-    it cannot read, ``WorkerUnavailable`` for a worker this host cannot run.
+    Raises ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a
+    prompt it cannot run, ``GgufError`` for a file it cannot read,
+    ``WorkerUnavailable`` for a worker this host cannot run; all before any process
+    starts.
     """
     path = resolve_model(model_path)
-    prompt = tuple(int(t) for t in prompt_ids)
-    if not prompt:
-        raise ValueError("the prompt has no tokens")
+    prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     plan, devices = plan_for(
         path,
@@ -226,7 +230,7 @@ def generate(
         gpus=gpus,
         timeouts=timeouts,
     )
-    tokenizer = Tokenizer.from_gguf(path)
+    tokenizer = tokenizer or Tokenizer.from_gguf(path)
 
     def events(kind: str, fields: dict[str, Any]) -> None:
         message = fields.get("message")

@@ -4,8 +4,9 @@ through N stage processes, with the flags and output of ``python -m runtime_sim 
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
 ``fault``, ``stages``, ``timings``) and everything else goes to standard error. A run
-that faults or is cancelled prints one line naming the stage, node and reason to
-standard error and exits 1 (faulted) or 130 (cancelled); bad input exits 2.
+that faults prints one line naming the stage, node and reason to standard error and
+exits 1; Ctrl-C tears the run down, prints ``cancelled`` and exits 130; bad input
+exits 2.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
             on_token=stream,
             on_load=on_load,
             trace=args.trace is not None,
+            tokenizer=tokenizer,
             worker=args.worker,
             gpus=args.gpus,
         )
@@ -97,8 +99,11 @@ def _run(args: argparse.Namespace) -> int:
         _print_summary(Console(soft_wrap=True), result, len(prompt), args.worker)
     if result.outcome == "completed":
         return 0
-    err.print(f"error: run {result.outcome}: {result.fault or 'cancelled'}", highlight=False)
-    return EXIT_CANCELLED if result.outcome == "cancelled" else EXIT_FAULTED
+    if result.outcome == "cancelled":
+        err.print("cancelled", highlight=False)  # as runtime_sim run says it
+        return EXIT_CANCELLED
+    err.print(f"error: run faulted: {result.fault}", highlight=False)
+    return EXIT_FAULTED
 
 
 def _round(value: float | None, scale: float, digits: int) -> float | None:

@@ -234,7 +234,9 @@ class ProcessRun:
                 self._ready_s = time.monotonic()
         elif kind == "reject":
             log.warning(
-                "orchestrator rejected a message from %r: %s", fields["sender"], fields["reason"]
+                "orchestrator rejected %s: %s",
+                f"a message from {fields['sender']!r}" if "sender" in fields else "a record",
+                fields.get("detail", fields.get("reason")),
             )
         elif kind == "protocol_violation":
             log.warning(

@@ -296,7 +296,7 @@ class ProcessEdges:
 
     # -- the orchestrator ------------------------------------------------------------------
     def open_token_out(self, plan: RunPlan) -> ReceiveEnd:
-        edge = plan.edges[-1]
+        edge = plan.token_out
         ring = self._create(plan.run_id, edge.edge_id, edge.ring_spec)
         check = HeaderCheck.for_edge(
             plan.run_id, edge.edge_id, edge.object_spec, plan.model.hidden_dim
@@ -304,7 +304,7 @@ class ProcessEdges:
         return ReceiveEnd(ring, check)
 
     def open_token_in(self, plan: RunPlan) -> SendEnd | None:
-        edge = plan.edges[0]
+        edge = plan.token_in
         ring = self._attach(plan.run_id, edge.edge_id, edge.ring_spec)
         if ring is None:
             return None

@@ -86,7 +86,7 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str) -> None:
     assert proc.returncode == 130, err
     doc = json.loads(out)  # still exactly one JSON object on stdout
     assert doc["outcome"] == "cancelled" and doc["tokens"] == []
-    assert err.strip().splitlines()[-1] == "error: run cancelled: cancelled"
+    assert err.strip().splitlines()[-1] == "cancelled"
     assert wait_gone(list(pids.values()), 5) == []
 
 
