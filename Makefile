@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/tokenizer_speed.py
 	$(PY) benchmarks/sim_speed.py
 	$(PY) benchmarks/timing_model.py
+	$(PY) benchmarks/hop_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
