@@ -163,9 +163,9 @@ def decode(raw: U8, qtype: str) -> Decoded:
         nib = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
         q = ((qs >> nib) & 15).reshape(rows, chunks, 32).astype(np.int32)
         if qtype == "Q5_K":
-            qh = b[..., 16:48].reshape(rows, nb, 1, 32)
+            high_bits = b[..., 16:48].reshape(rows, nb, 1, 32)
             bits = np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-            q |= (((qh >> bits) & 1).reshape(rows, chunks, 32).astype(np.int32)) << 4
+            q |= (((high_bits >> bits) & 1).reshape(rows, chunks, 32).astype(np.int32)) << 4
         sc, mn = k4_scale_min(b[..., 4:16])
         return Decoded(
             qtype,
@@ -179,9 +179,9 @@ def decode(raw: U8, qtype: str) -> Decoded:
         ql = b[..., 0:128].reshape(rows, nb, 2, 1, 64)
         nib = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
         low = ((ql >> nib) & 15).reshape(rows, chunks, 32).astype(np.int32)
-        qh = b[..., 128:192].reshape(rows, nb, 2, 1, 32)
+        q_high = b[..., 128:192].reshape(rows, nb, 2, 1, 32)
         shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)
-        high = ((qh >> shifts) & 3).reshape(rows, chunks, 32).astype(np.int32)
+        high = ((q_high >> shifts) & 3).reshape(rows, chunks, 32).astype(np.int32)
         sc = b[..., 192:208].view(np.int8).astype(np.int32).reshape(rows, chunks, 2)
         return Decoded(qtype, (low | (high << 4)) - 32, _per_chunk(_f16(b[..., 208:210]), 8), sc=sc)
     raise ValueError(f"no block decoder for {qtype}")
@@ -255,15 +255,19 @@ def roundf(x: F32) -> F32:
 
 def quantize_q8(x: F32) -> Q8Act:
     """``quantize_q8`` / ``warp_quantize_chunk``: per chunk of 32, d = max|x| / 127,
-    q = roundf(x / d) (0 where d is 0), s = d * sum(q)."""
+    q = roundf(x / d) (0 where d is 0), s = d * sum(q); a chunk holding a NaN or an
+    infinity gets d = NaN and q = 0."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 1 or x.size % CHUNK:
         raise ValueError(f"a row of a multiple of {CHUNK} values, got shape {x.shape}")
     blocks = x.reshape(-1, CHUNK)
-    amax = np.abs(blocks).max(axis=1)
-    d = (amax / np.float32(127)).astype(np.float32)
+    bad = ~np.isfinite(blocks).all(axis=1)  # such a chunk: d = NaN, q = 0
+    amax = np.where(
+        bad, np.float32(0), np.abs(np.where(np.isfinite(blocks), blocks, 0)).max(axis=1)
+    )
+    d = np.where(bad, np.float32(np.nan), amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d[:, None] == 0, np.float32(0), roundf(blocks / d[:, None]))
+        q = np.where((amax == 0)[:, None], np.float32(0), roundf(blocks / d[:, None]))
     qi = q.astype(np.int32)
     s = (d * qi.sum(axis=1).astype(np.float32)).astype(np.float32)
     return Q8Act(qi.astype(np.int8).ravel(), d, s)
@@ -278,11 +282,11 @@ def _sums(q: npt.NDArray[np.int32], x: npt.NDArray[np.int32]) -> npt.NDArray[np.
     return out
 
 
-def chunk_terms_q8(raw: U8, qtype: str, act: Q8Act) -> F32:
+def chunk_terms_q8(raw: U8 | Decoded, qtype: str, act: Q8Act) -> F32:
     """The float32 term of every chunk of every row in ``matvec_q8_<T>``: (rows, chunks).
     Each is the expression of the type's ``dot_q8`` in quant.cuh, evaluated in the same
-    order with the same float32 roundings."""
-    dec = decode(raw, qtype)
+    order with the same float32 roundings. ``raw`` may be already ``decode``d."""
+    dec = raw if isinstance(raw, Decoded) else decode(raw, qtype)
     n_chunks = dec.q.shape[1]
     if act.q.size != n_chunks * CHUNK:
         raise ValueError(f"activations of {act.q.size} values for rows of {n_chunks * CHUNK}")
@@ -304,8 +308,7 @@ def chunk_terms_q8(raw: U8, qtype: str, act: Q8Act) -> F32:
         return np.asarray(out, dtype=np.float32)
     if qtype in ("Q4_K", "Q5_K"):
         assert dec.m is not None and dec.sc is not None and dec.mn is not None
-        sumi = _sums(dec.q, x)
-        scaled = (dec.sc * sumi).astype(f)
+        scaled = (dec.sc * _sums(dec.q, x)).astype(f)
         out = dec.d * (xd * scaled) - dec.m * (dec.mn.astype(f) * xs)
         return np.asarray(out, dtype=np.float32)
     # 16-element groups
@@ -337,15 +340,15 @@ class RowSums:
     scale: F64
 
 
-def matvec_q8(raw: U8, qtype: str, act: Q8Act) -> RowSums:
+def matvec_q8(raw: U8 | Decoded, qtype: str, act: Q8Act) -> RowSums:
     """``matvec_q8_<T>``: one output per row, the chunk terms added up."""
     terms = chunk_terms_q8(raw, qtype, act).astype(np.float64)
     return RowSums(terms.sum(axis=1).astype(np.float32), np.abs(terms).sum(axis=1))
 
 
-def matvec_f(raw: U8, qtype: str, x: F32) -> RowSums:
-    """``matvec_f_<T>``: the dequantized rows times a float32 row."""
-    w = dequantize(raw, qtype).astype(np.float64)
+def matvec_f(raw: U8, qtype: str, x: F32, dense: F32 | None = None) -> RowSums:
+    """``matvec_f_<T>``: the dequantized rows (``dense``, when given) times a float32 row."""
+    w = (dequantize(raw, qtype) if dense is None else dense).astype(np.float64)
     terms = w * np.asarray(x, np.float64)[None, :]
     return RowSums(terms.sum(axis=1).astype(np.float32), np.abs(terms).sum(axis=1))
 

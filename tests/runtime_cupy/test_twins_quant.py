@@ -190,3 +190,15 @@ def test_device_sampling_orders_by_logit_then_id() -> None:
     np.testing.assert_array_equal(device_sampling.descending_order(np, logits), [1, 3, 0, 2, 4, 5])
     with pytest.raises(ValueError, match="greedy"):
         device_sampling.sample(np, logits, SamplingConfig(), 0.5)
+
+
+def test_a_chunk_holding_nan_or_infinity_poisons_its_products() -> None:
+    x = np.ones(96, np.float32)
+    x[3] = np.nan
+    x[70] = -np.inf
+    act = twins.quantize_q8(x)
+    assert np.isnan(act.d[0]) and np.isnan(act.d[2]) and act.d[1] == np.float32(1 / 127)
+    assert not act.q[:32].any() and not act.q[64:].any()
+    assert np.all(act.q[32:64] == 127)
+    raw = random_rows(np.random.default_rng(0), "Q4_0", 2, 96)
+    assert np.isnan(twins.matvec_q8(raw, "Q4_0", act).y).all()

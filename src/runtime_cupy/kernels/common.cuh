@@ -204,13 +204,16 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 // Quantize one chunk of 32 floats, one per lane of a warp, to 8 bits (llama.cpp's q8_1
 // idea): d = max|v| / 127, q = round(v / d) (halves away from zero), s = d * sum(q).
+// A chunk holding a NaN or an infinity gets d = NaN and q = 0, so that it poisons
+// every product it enters instead of vanishing in the rounding.
 // Chunk `blk` of (xq, xd, xs). twins.quantize_q8 is the NumPy twin.
 __device__ __forceinline__ void warp_quantize_chunk(float v, i64 blk, i8* xq, float* xd,
                                                     float* xs) {
     int lane = threadIdx.x & 31;
     float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    int q = amax == 0.0f ? 0 : (int)roundf(v / d);
+    bool bad = __any_sync(FULL_MASK, !(fabsf(v) <= 3.402823466e38f));
+    float d = bad ? bits_to_float(0x7fc00000u) : amax / 127.0f;
+    int q = (bad || amax == 0.0f) ? 0 : (int)roundf(v / d);
     int sum = warp_sum_int(q);
     xq[32 * blk + lane] = (i8)q;
     if (lane == 0) {
