@@ -287,6 +287,11 @@ def _convert(src_dtype: Any, dst_dtype: Any, fn: Callable[[Any], Any]) -> Kernel
     return run
 
 
+def _f32_to_f16(v: npt.NDArray[np.float32]) -> npt.NDArray[np.float16]:
+    with np.errstate(over="ignore"):  # out of range: infinity, as the kernel rounds
+        return v.astype(np.float16)
+
+
 def _bf16_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
@@ -307,7 +312,7 @@ KERNEL_TWINS: dict[str, KernelTwin] = {
     "attention_f16": _attention(True),
     "argmax_partial": _argmax_partial,
     "argmax_final": _argmax_final,
-    "f32_to_f16": _convert(np.float32, np.float16, lambda v: v.astype(np.float16)),
+    "f32_to_f16": _convert(np.float32, np.float16, _f32_to_f16),
     "f16_to_f32": _convert(np.float16, np.float32, lambda v: v.astype(np.float32)),
     "f32_to_bf16": _convert(np.float32, np.uint16, float32_to_bf16),
     "bf16_to_f32": _convert(np.uint16, np.float32, _bf16_to_f32),

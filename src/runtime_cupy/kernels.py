@@ -77,6 +77,8 @@ def source(name: str) -> str:
 
     def expand(file: str) -> str:
         text = (KERNEL_DIR / file).read_text()
+        if file in HEADERS:  # inlined: its guard would be a pragma in the main file
+            text = re.sub(r"^\s*#\s*pragma\s+once\s*$", "", text, flags=re.MULTILINE)
 
         def include(match: re.Match[str]) -> str:
             header = match.group(1)
@@ -90,9 +92,11 @@ def source(name: str) -> str:
     return expand(name)
 
 
-#: Options for NVRTC (and for nvcc when GGUF_PIPELINE_CUDA_COMPILER=nvcc). No fast
-#: math: the twins assume IEEE division, square root and expf.
-COMPILE_OPTIONS: tuple[str, ...] = ("--std=c++17",)
+#: Options for NVRTC (and for nvcc when GGUF_PIPELINE_CUDA_COMPILER=nvcc): none. No
+#: fast math (the twins assume IEEE division and square root), and no language standard
+#: (the sources need C++11; CuPy picks its own default and adds ``-ftz=true``, which
+#: flushes float32 subnormals: no value the kernels compare is that small).
+COMPILE_OPTIONS: tuple[str, ...] = ()
 
 _NULL = np.uint64(0)
 
@@ -164,3 +168,23 @@ class KernelSet:
             raise ValueError(f"{name}: empty grid {grid3}")
         converted = tuple(_arg(c, a) for c, a in zip(codes, args, strict=True))
         self.function(name)(grid3, (block,), converted, shared_mem=shared_mem, stream=stream)
+
+
+def cuda_device_problem() -> str | None:
+    """Why no kernel can run here (a sentence for a skip or an error), or ``None`` when
+    CuPy imports and sees at least one CUDA device. Imports CuPy only if it is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:
+        return "no CUDA device: cupy is not importable (not installed)"
+    try:
+        import cupy
+    except Exception as exc:  # a broken install: say how it broke
+        return f"no CUDA device: cupy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no driver, no device
+        return f"no CUDA device: cupy.cuda.runtime.getDeviceCount() failed ({exc})"
+    if count == 0:
+        return "no CUDA device: cupy.cuda.runtime.getDeviceCount() == 0"
+    return None

@@ -1,6 +1,7 @@
 """Every kernel file compiles with nvcc for Hopper (sm_90) and Ampere (sm_80), with no
 warning, and the kernels in the PTX are exactly those ``kernels.py`` launches, with the
-parameter types it passes.
+parameter types it passes. What is compiled is each file as CuPy hands it to NVRTC at
+run time: one translation unit with our headers inlined (``kernels.source``).
 
 nvcc is on the CPU hosts and in CI; without it these tests are skipped, saying so.
 Each file is compiled once per architecture (two at a time), for all tests of the
@@ -29,19 +30,13 @@ PTX_TYPES = {"p": ".u64", "l": ".u64", "i": ".u32", "f": ".f32"}
 
 
 def _compile(cu: str, arch: str, out_dir: Path) -> tuple[str, str, int, str]:
+    """Compile the text CuPy hands to NVRTC (``kernels.source``: headers inlined)."""
     assert NVCC is not None
+    unit = out_dir / f"{Path(cu).stem}.{arch}.cu"
+    unit.write_text(source(cu))
     ptx = out_dir / f"{Path(cu).stem}.{arch}.ptx"
     proc = subprocess.run(
-        [
-            NVCC,
-            "--ptx",
-            f"-arch={arch}",
-            "-I",
-            str(KERNEL_DIR),
-            "-o",
-            str(ptx),
-            str(KERNEL_DIR / cu),
-        ],
+        [NVCC, "--ptx", f"-arch={arch}", "-o", str(ptx), str(unit)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,9 +14,11 @@ kernels themselves (the GPU tests do) and CuPy's own behaviour.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib.util
 import sys
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -134,12 +136,29 @@ def _memcpy_async(dst: int, src: int, n: int, kind: int, stream: int) -> None:
     RECORDER.run_or_record(lambda: ctypes.memmove(dst, src, n))
 
 
+#: Every live "device" allocation, for the memory pool's ``used_bytes``.
+ALLOCATIONS: dict[int, weakref.ref[FakeArray]] = {}
+
+
 def _checked_alloc(fn: Callable[..., Any]) -> Callable[..., FakeArray]:
     def alloc(*args: Any, **kwargs: Any) -> FakeArray:
         assert RECORDER.active is None, "no allocation while a graph is captured"
-        return _dev(fn(*args, **kwargs))
+        arr = _dev(fn(*args, **kwargs))
+        key = id(arr)
+        ALLOCATIONS[key] = weakref.ref(arr, lambda _: ALLOCATIONS.pop(key, None))
+        return arr
 
     return alloc
+
+
+class _Pool:
+    def free_all_blocks(self) -> None:
+        return None
+
+    def used_bytes(self) -> int:
+        gc.collect()
+        live = (r() for r in list(ALLOCATIONS.values()))
+        return sum(a.nbytes for a in live if a is not None)
 
 
 class FakeCupy(types.ModuleType):
@@ -153,9 +172,9 @@ class FakeCupy(types.ModuleType):
         self.ascontiguousarray = lambda a: _dev(np.ascontiguousarray(a))
         self.matmul = lambda a, b: _dev(np.matmul(np.asarray(a), np.asarray(b)))
         self.asnumpy = lambda a, stream=None: np.array(a).view(np.ndarray)
-        pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+        pool = _Pool()
         self.get_default_memory_pool = lambda: pool
-        runtime = types.SimpleNamespace(memcpyAsync=_memcpy_async)
+        runtime = types.SimpleNamespace(memcpyAsync=_memcpy_async, deviceSynchronize=lambda: None)
         self.cuda = types.SimpleNamespace(Device=_Device, Stream=_Stream, runtime=runtime)
 
     def __getattr__(self, name: str) -> Any:
