@@ -6,6 +6,8 @@ Used by the GPU tests and ``benchmarks/gpu_decode.py``; any ``Worker`` works.
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,8 +15,72 @@ from typing import Any
 import attrs
 import numpy as np
 
-from runplan import ProvisionStage
+from runplan import (
+    DTypeFamily,
+    NodePool,
+    NodeSpec,
+    Placement,
+    PlanRejection,
+    ProvisionStage,
+    RuntimeConfig,
+    SamplingConfig,
+    StageAssignment,
+    model_facts_from_gguf,
+    plan_run,
+    provision_all,
+)
 from runtime_core.worker import Progress, TokenOutput, Worker
+from runtime_cupy.worker import CUDA_CAPABILITIES
+
+DTYPES = {
+    "f32": (DTypeFamily.FLOAT, 4),
+    "f16": (DTypeFamily.FLOAT, 2),
+    "bf16": (DTypeFamily.BFLOAT, 2),
+}
+
+
+def even_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def provisions_for(
+    path: str | os.PathLike[str],
+    ranges: Sequence[tuple[int, int]] | int = 1,
+    *,
+    dtype: str = "f16",
+    max_seq_len: int = 256,
+    sampling: SamplingConfig | None = None,
+    return_logits: bool = False,
+) -> tuple[ProvisionStage, ...]:
+    """One provision per stage of a plan of ``path`` for the CUDA worker, one node per
+    stage (all may share one GPU), with explicit layer ``ranges`` or that many even
+    stages. Raises ``ValueError`` if the planner rejects it."""
+    facts = model_facts_from_gguf(path, max_seq_len=max_seq_len)
+    if isinstance(ranges, int):
+        ranges = even_ranges(facts.num_layers, ranges)
+    family, width = DTYPES[dtype]
+    config = RuntimeConfig(
+        run_id="cuda-chain",
+        max_tokens=max_seq_len,
+        activation_dtype_family=family,
+        activation_dtype_width_bytes=width,
+        sampling=sampling or SamplingConfig(),
+        return_logits=return_logits,
+        worker=CUDA_CAPABILITIES,
+    )
+    nodes = tuple(NodeSpec(f"gpu-stage-{i}", 2**50) for i in range(len(ranges)))
+    rows = tuple(StageAssignment(i, f"gpu-stage-{i}", a, b) for i, (a, b) in enumerate(ranges))
+    plan = plan_run(
+        facts,
+        config,
+        NodePool(orchestrator_node_id="orch", nodes=nodes),
+        stage_count=len(ranges),
+        placement=Placement(assignments=rows),
+    )
+    if isinstance(plan, PlanRejection):
+        raise ValueError(f"the plan was rejected: {plan}")
+    return provision_all(plan)
 
 
 @attrs.define

@@ -316,6 +316,13 @@ class CudaWorker(StageWorker):
         self.device_io = device_io
         self.device = device
 
+    def set_use_graph(self, use_graph: bool) -> None:
+        """Switch decode steps between graph replays and eager launches; takes effect
+        at the next step (a graph is captured at the first graph step)."""
+        self.use_graph = use_graph
+        if self._run is not None:
+            self._run.backend.use_graph = use_graph  # type: ignore[attr-defined]
+
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         try:
             from runtime_cupy.device_stage import DeviceBackend

@@ -448,3 +448,32 @@ def test_a_failed_launch_is_reported_not_hidden(models: dict[str, Path]) -> None
     """The emulated kernels refuse a launch whose grid would leave rows unwritten."""
     with pytest.raises(LaunchError):
         KERNEL_TWINS["matvec_f_F32"]((1,), 128, (None, 256, 2, 9, None, None, None, 0))
+
+
+def test_the_graph_switch_takes_effect_at_the_next_step(models: dict[str, Path]) -> None:
+    p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
+    w = EmulatedCudaWorker(use_graph=False)
+    w.configure(p)
+    w.bind(p.gguf_source)
+    backend = EmulatedCudaWorker.backends[-1]
+    k = DEVICE_STAGE._KERNELS[0]
+    outs = [w.execute_step(0, np.array(PROMPT, np.uint32))]
+    w.execute_step(1, np.array([4], np.uint32))
+    assert backend.graphs_captured == 0
+    w.set_use_graph(True)
+    outs.append(w.execute_step(2, np.array([5], np.uint32)))
+    launches = k.python_launches
+    outs.append(w.execute_step(3, np.array([6], np.uint32)))
+    assert backend.graphs_captured == 1 and k.python_launches == launches
+    w.set_use_graph(False)
+    outs.append(w.execute_step(4, np.array([7], np.uint32)))
+    assert k.python_launches > launches
+    twin = TwinWorker()
+    twin.configure(p)
+    twin.bind(p.gguf_source)
+    expected = [twin.execute_step(s, np.array(d, np.uint32)) for s, d in
+                enumerate([PROMPT, [4], [5], [6], [7]])]  # fmt: skip
+    for got, want in zip(outs, [expected[0], *expected[2:]], strict=True):
+        assert isinstance(got, TokenOutput) and isinstance(want, TokenOutput)
+        assert got.logits is not None and want.logits is not None
+        np.testing.assert_array_equal(got.logits, want.logits)

@@ -7,25 +7,26 @@ device, on small shapes and a small model: every launch, copy, index and asserti
 of their code runs. The kernels are their own twins here, so agreement is expected;
 what these runs catch is test code that could not run (wrong arguments, shapes,
 fixture keys) or that asserts something false of a correct worker. The SmolLM2 tests
-run with the reference worker standing in for the CUDA worker (whose thresholds the
-reference meets by the reference's own tests).
+run on llama.cpp's recorded outputs standing in for the CUDA worker's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import tests.runtime_cupy.test_gpu_kernels as gk
 import tests.runtime_cupy.test_gpu_worker as gw
-from runtime_core.reference import ReferenceWorker
+from runtime_core.worker import TokenOutput
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.fixtures.llamacpp_fixtures import load_doc
+from tests.fixtures.llamacpp_fixtures import load_doc, load_logits
 from tests.runtime_cupy.test_twins_device_stage import DEVICE_STAGE, EmulatedKernels, FakeCupy
 
 
@@ -118,18 +119,53 @@ def test_gpu_tiny_fixture_test_runs(emulated: EmulatedKernels, mode: str, tmp_pa
         gw.test_tiny_fixtures_in_every_type(entry, mode, tmp_path)
 
 
-@pytest.mark.slow
 def test_gpu_smollm2_tests_run(monkeypatch: pytest.MonkeyPatch, smollm2_path: str) -> None:
-    """With the reference worker as the CUDA worker: the SmolLM2 tests' code and
-    thresholds hold for a worker that computes what the reference computes."""
-    monkeypatch.setattr(gw, "CudaWorker", lambda **options: ReferenceWorker())
-    reference = gw.generate_all(smollm2_path, ReferenceWorker)
+    """The SmolLM2 tests' code on runs made of llama.cpp's own recorded tokens and
+    prompt logits (what a worker that computed exactly what llama.cpp computes would
+    return): their fixture keys, shapes and thresholds hold for such a worker."""
+    logits = load_logits("smollm2")
+    runs: gw.Runs = {}
+    for p in gw.PROMPTS:
+        first = logits[f"q4_1/{p['name']}"]
+        runs[p["name"]] = [
+            TokenOutput(t, first if i == 0 else np.roll(first, i))
+            for i, t in enumerate(p["greedy"][: gw.N])
+        ]
     names = tuple(p["name"] for p in gw.PROMPTS)
-    monkeypatch.setattr(  # both modes' runs are the reference's: one run of SmolLM2
-        gw,
-        "_cache",
-        {(smollm2_path, mode, "1", "f32", names, ()): reference for mode in ("q8", "f32")},
+    monkeypatch.setattr(
+        gw, "_cache", {(smollm2_path, mode, "1", "f32", names, ()): runs for mode in ("q8", "f32")}
     )
-    gw.test_smollm2_float_mode_gives_the_reference_workers_tokens(smollm2_path, reference)
-    gw.test_smollm2_against_llamacpp(smollm2_path, "q8")
-    gw.test_smollm2_8bit_mode_keeps_the_reference_tokens_up_to_a_near_tie(smollm2_path, reference)
+    gw.test_smollm2_float_mode_gives_the_reference_workers_tokens(smollm2_path, runs)
+    for mode in ("q8", "f32"):
+        gw.test_smollm2_against_llamacpp(smollm2_path, mode)
+    gw.test_smollm2_8bit_mode_keeps_the_reference_tokens_up_to_a_near_tie(smollm2_path, runs)
+
+
+def test_gpu_benchmark_code_runs(emulated: EmulatedKernels, small_subject: gw.Subject) -> None:
+    """``benchmarks/gpu_decode.py``'s measuring code (all but the copy bandwidth) on the
+    emulation: binding 1 and 2 stages, switching the graph, timing, the targets."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_decode", Path(gw.__file__).parents[2] / "benchmarks" / "gpu_decode.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = Path(small_subject.path)
+    prompt = list(range(3, 23))
+    rows = [
+        row | {"model": "smollm2", "of_bound": 0.5}
+        for stages in (1, 2)
+        for row in bench.run_case(path, stages, prompt, 4, [True, False])
+    ]
+    assert [(r["stages"], r["graph"]) for r in rows] == [
+        (1, True),
+        (1, False),
+        (2, True),
+        (2, False),
+    ]
+    assert all(r["decode_steps"] == 4 and r["prefill_tok_s"] > 0 for r in rows)
+    assert len({tuple(r["tokens"]) for r in rows}) == 1  # the same greedy tokens every way
+    assert bench.bytes_per_token(path, 10) > 0
+    lines = bench.check_targets(rows)
+    assert any("SmolLM2 1-stage decode" in line for line in lines)
+    assert any("2 stages / 1 stage" in line for line in lines)
