@@ -318,7 +318,10 @@ class DeviceBackend:
     # -- StageBackend ------------------------------------------------------------------
     def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None:
         with self.device:
-            self.k.compile_all()
+            try:
+                self.k.compile_all()
+            except Exception as exc:  # NVRTC's CompileException and friends
+                raise RuntimeError(f"compiling the CUDA kernels failed: {exc}") from exc
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self.weights = load_weights(stage, _Uploader(), max_seq_len, progress)
             self.ops = DeviceOps(self.k, self.weights, self.spec, max_seq_len, self.stream)

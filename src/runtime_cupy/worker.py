@@ -182,7 +182,11 @@ class StageWorker:
                 backend = self._make_backend(spec)
                 backend.load(stage, p.model.max_seq_len, progress)
                 vocab = stage.vocab_size
-        except (UnsupportedModel, GgufError, ValueError, OSError, MemoryError) as exc:
+        except WorkerError:
+            if backend is not None:
+                backend.release()
+            raise
+        except (UnsupportedModel, GgufError, ValueError, OSError, MemoryError, RuntimeError) as exc:
             if backend is not None:
                 backend.release()
             raise WorkerError(f"stage {p.stage_index}: {exc}") from exc

@@ -9,20 +9,20 @@
 #define GRID_LOOP(n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
-extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) f32_to_f16(const float* __restrict__ x, u16* __restrict__ out, i64 n) {
     GRID_LOOP(n) out[i] = float_to_half(x[i]);
 }
 
-extern "C" __global__ void f16_to_f32(const u16* __restrict__ x, float* __restrict__ out, i64 n) {
+extern "C" __global__ void __launch_bounds__(1024) f16_to_f32(const u16* __restrict__ x, float* __restrict__ out, i64 n) {
     GRID_LOOP(n) out[i] = half_to_float(x[i]);
 }
 
-extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, u16* __restrict__ out,
+extern "C" __global__ void __launch_bounds__(1024) f32_to_bf16(const float* __restrict__ x, u16* __restrict__ out,
                                        i64 n) {
     GRID_LOOP(n) out[i] = float_to_bf16(x[i]);
 }
 
-extern "C" __global__ void bf16_to_f32(const u16* __restrict__ x, float* __restrict__ out,
+extern "C" __global__ void __launch_bounds__(1024) bf16_to_f32(const u16* __restrict__ x, float* __restrict__ out,
                                        i64 n) {
     GRID_LOOP(n) out[i] = bf16_to_float(x[i]);
 }

@@ -31,7 +31,7 @@ __device__ __forceinline__ void dequant_rows_body(const u8* __restrict__ w, i64 
 }
 
 #define DEQUANT_ROWS(NAME, T)                                                               \
-    extern "C" __global__ void dequant_rows_##NAME(const u8* w, i64 row_bytes, int n_chunks, \
+    extern "C" __global__ void __launch_bounds__(1024) dequant_rows_##NAME(const u8* w, i64 row_bytes, int n_chunks, \
                                                    const int* ids, int row0, int n_rows,      \
                                                    float* out) {                              \
         dequant_rows_body<T>(w, row_bytes, n_chunks, ids, row0, n_rows, out);                 \

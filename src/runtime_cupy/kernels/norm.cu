@@ -17,7 +17,7 @@ __device__ __forceinline__ float rms_scale(float ss, int n, float eps) {
     return (float)(1.0 / sqrt((double)ss / (double)n + (double)eps));
 }
 
-extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_rows(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ out, int n, float eps) {
     __shared__ float scratch[32];
     const float* xr = x + (i64)blockIdx.x * n;
@@ -28,7 +28,7 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const float
     for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = (xr[i] * s) * w[i];
 }
 
-extern "C" __global__ void rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(const float* __restrict__ x, const float* __restrict__ w,
                                       float* __restrict__ out, int n, float eps, i8* xq,
                                       float* xd, float* xs) {
     __shared__ float scratch[32];
@@ -46,7 +46,7 @@ extern "C" __global__ void rmsnorm_q8(const float* __restrict__ x, const float* 
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-extern "C" __global__ void swiglu_rows(const float* __restrict__ h, float* __restrict__ out,
+extern "C" __global__ void __launch_bounds__(1024) swiglu_rows(const float* __restrict__ h, float* __restrict__ out,
                                        int n_ffn, int rows) {
     i64 total = (i64)rows * n_ffn;
     i64 step = (i64)gridDim.x * blockDim.x;
@@ -57,7 +57,7 @@ extern "C" __global__ void swiglu_rows(const float* __restrict__ h, float* __res
     }
 }
 
-extern "C" __global__ void swiglu_q8(const float* __restrict__ h, float* __restrict__ out,
+extern "C" __global__ void __launch_bounds__(1024) swiglu_q8(const float* __restrict__ h, float* __restrict__ out,
                                      int n_ffn, i8* xq, float* xd, float* xs) {
     int lane = threadIdx.x & 31;
     i64 blk = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -68,7 +68,7 @@ extern "C" __global__ void swiglu_q8(const float* __restrict__ h, float* __restr
     if (xq != 0) warp_quantize_chunk(v, blk, xq, xd, xs);
 }
 
-extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n_chunks, i8* xq,
+extern "C" __global__ void __launch_bounds__(1024) quantize_q8(const float* __restrict__ x, int n_chunks, i8* xq,
                                        float* xd, float* xs) {
     int lane = threadIdx.x & 31;
     i64 blk = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -76,7 +76,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, int n_chunks
     warp_quantize_chunk(x[32 * blk + lane], blk, xq, xd, xs);
 }
 
-extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y,
+extern "C" __global__ void __launch_bounds__(1024) add_inplace(float* __restrict__ x, const float* __restrict__ y,
                                        i64 n) {
     i64 step = (i64)gridDim.x * blockDim.x;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) x[i] += y[i];

@@ -76,7 +76,7 @@ __device__ __forceinline__ void rope_kv_body(float* __restrict__ qkv, int rows,
 }
 
 #define ROPE_KV(NAME, KV)                                                                      \
-    extern "C" __global__ void rope_kv_##NAME(float* qkv, int rows, const float* bias,         \
+    extern "C" __global__ void __launch_bounds__(1024) rope_kv_##NAME(float* qkv, int rows, const float* bias,         \
                                               const float* rot, const int* state, int n_heads, \
                                               int n_kv, int hd_k, int hd_v, int n_rot,         \
                                               int neox, KV* k_cache, KV* v_cache, int max_seq) { \

@@ -47,7 +47,7 @@ __device__ __forceinline__ void block_argmax(float* best, int* at, int* bad) {
     }
 }
 
-extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, float* pmax,
+extern "C" __global__ void __launch_bounds__(1024) argmax_partial(const float* __restrict__ x, int n, float* pmax,
                                           int* pidx, int* pbad) {
     float best = NEG_INF;
     int at = 0x7fffffff, bad = 0;
@@ -67,7 +67,7 @@ extern "C" __global__ void argmax_partial(const float* __restrict__ x, int n, fl
     }
 }
 
-extern "C" __global__ void argmax_final(const float* __restrict__ pmax,
+extern "C" __global__ void __launch_bounds__(1024) argmax_final(const float* __restrict__ pmax,
                                         const int* __restrict__ pidx,
                                         const int* __restrict__ pbad, int n_parts, int* out) {
     float best = NEG_INF;
