@@ -15,16 +15,18 @@
 #        the two models are written in the background while the tests run).
 #   then AT ONCE (the machine stays warm 30 s after a call):
 #   run(command="bash benchmarks/gpu_check.sh second", carry=[".whl", ".gpu_payload/part1"],
-#       timeout_s=420)
+#       timeout_s=360)
 #     -> joins SmolLM2 and checks its sha256; the whole-model tests
 #        (tests/runtime_cupy/test_gpu_worker.py); the SmolLM2 benchmark.
+#   then give_back().
 #
 # Each call writes its logs under $OUT (at most 5 files, no folders; 8 for `all`) and
-# prints a short summary last. Each step has its own time limit (200 s for a test file,
-# 120 s and 60 s for the benchmarks), so the first call ends within about 6 minutes and
-# the second within about 5 whatever happens; both usually take 2 to 4. `bash benchmarks/gpu_check.sh all` runs
-# both halves in one call where the model is already installed (a machine with the
-# network, or a second try on a warm machine that kept /tmp).
+# prints a short summary last; it exits non-zero if a step failed or every test of a
+# step was skipped. Each step has its own time limit (180 s for a test file, 100 s and
+# 45 s for the benchmarks), so the first call ends within about 5.5 minutes and the
+# second within about 4.5 whatever happens (a guess before any run: 2 to 3 each).
+# `bash benchmarks/gpu_check.sh all` runs both halves in one call where SmolLM2 is
+# installed already (a warm machine that kept /tmp, or one with the network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -66,7 +68,7 @@ print("python", sys.version.split()[0], "numpy", numpy.__version__, "cupy", cupy
 print("cuda runtime", cupy.cuda.runtime.runtimeGetVersion(), "driver",
       cupy.cuda.runtime.driverGetVersion(), "devices", cupy.cuda.runtime.getDeviceCount())
 import gguf, cattrs, attrs
-print("gguf", gguf.__file__, "cattrs", cattrs.__version__ if hasattr(cattrs, "__version__") else "?")
+print("gguf", gguf.__file__, "cattrs", getattr(cattrs, "__version__", "?"))
 from runtime_cupy.kernels import cuda_device_problem
 print("cuda_device_problem:", cuda_device_problem())
 PYEOF
@@ -92,7 +94,8 @@ install_smollm2() {
         return 0
     fi
     if [ ! -f "$STASH/smollm2.part0" ] || [ ! -f .gpu_payload/part1/smollm2.part1 ]; then
-        say "MISSING SmolLM2 halves ($STASH/smollm2.part0 from the first call, .gpu_payload/part1 carried now): SmolLM2 checks will fail"
+        say "MISSING SmolLM2 halves ($STASH/smollm2.part0 from the first call," \
+            ".gpu_payload/part1 carried now): SmolLM2 checks will fail"
         return 1
     fi
     mkdir -p "$dir"
@@ -110,7 +113,7 @@ install_smollm2() {
 }
 
 # -- steps -------------------------------------------------------------------------------------
-STEP_LIMIT=${STEP_LIMIT:-200}
+STEP_LIMIT=${STEP_LIMIT:-180}
 run_step() {  # run_step NAME LIMIT_S CMD...: output to $OUT/NAME.log, status to the summary
     local name=$1 limit=$2
     shift 2
@@ -146,7 +149,7 @@ first() {
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime_cupy/test_gpu_kernels.py
     wait "$W1" "$W2"
     say "models written: $(ls "$MODELS" 2>/dev/null | tr '\n' ' ')"
-    run_step gpu_decode_8b 120 "$PY" benchmarks/gpu_decode.py \
+    run_step gpu_decode_8b 100 "$PY" benchmarks/gpu_decode.py \
         --models llama8b-q4_0,llama8b-q4_k --model-dir "$MODELS" "${LAYERS_ARG[@]}" \
         --json "$OUT/gpu_decode_8b.json"
 }
@@ -156,7 +159,7 @@ second() {
     install_smollm2
     run_step gpu_worker_tests "$STEP_LIMIT" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime_cupy/test_gpu_worker.py
-    run_step gpu_decode_smollm2 60 "$PY" benchmarks/gpu_decode.py --models smollm2 \
+    run_step gpu_decode_smollm2 45 "$PY" benchmarks/gpu_decode.py --models smollm2 \
         --json "$OUT/gpu_decode_smollm2.json"
 }
 
