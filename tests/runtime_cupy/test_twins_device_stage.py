@@ -1,0 +1,479 @@
+"""The CUDA worker's device backend (``device_stage.py``), run on a CPU.
+
+A stand-in for CuPy (``FakeCupy``: NumPy arrays as device memory, ``memcpyAsync`` as a
+memory copy, streams that record a graph when they capture and replay it on launch)
+and the kernels' NumPy twins in place of the kernels (``kernel_twins``) let every line
+of ``device_stage.py`` run here: buffers, pointer offsets, launch arguments and grids,
+the prefill tiles, edges, the graph capture (a captured launch keeps the integer
+arguments it had; position and token must come from device memory), device-to-device
+inputs and sampling. The backend is compared with ``TwinWorker`` (the same program on
+host arrays) and with the NumPy reference worker. What this cannot check is the
+kernels themselves (the GPU tests do) and CuPy's own behaviour.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import sys
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from runplan import SamplingConfig
+from runtime_core.reference import ReferenceWorker
+from runtime_core.worker import TokenOutput, Worker
+from runtime_cupy import kernels as kernels_mod
+from runtime_cupy.cuda_chain import Chain
+from runtime_cupy.kernel_twins import KERNEL_TWINS, LaunchError
+from runtime_cupy.random_model import RandomModel, write_random_model
+from runtime_cupy.twin_stage import TwinWorker
+from runtime_cupy.worker import BackendSpec, CudaWorker, StageBackend
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.runtime_core.chain import provisions
+
+PROMPT = [5, 77, 300, 12, 9, 41]
+
+
+# ---- a stand-in for CuPy ---------------------------------------------------------------
+
+
+class _Recorder:
+    """Operations a capturing stream records instead of running."""
+
+    def __init__(self) -> None:
+        self.active: list[Callable[[], None]] | None = None
+
+    def run_or_record(self, op: Callable[[], None]) -> None:
+        if self.active is not None:
+            self.active.append(op)
+        else:
+            op()
+
+
+RECORDER = _Recorder()
+
+
+class _Ptr:
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+class FakeArray(np.ndarray):
+    """A NumPy array standing for device memory."""
+
+    @property  # type: ignore[override]
+    def data(self) -> _Ptr:
+        return _Ptr(int(self.__array_interface__["data"][0]))
+
+    def set(self, arr: Any, stream: Any = None) -> None:
+        src = np.asarray(arr)
+        assert src.shape == self.shape and src.dtype == self.dtype, (src.shape, self.shape)
+        np.copyto(self.view(np.ndarray), src)
+
+
+def _dev(a: Any) -> FakeArray:
+    return np.asarray(a).view(FakeArray)
+
+
+class _Graph:
+    def __init__(self, ops: list[Callable[[], None]]) -> None:
+        self.ops = ops
+        self.launches = 0
+
+    def launch(self, stream: Any = None) -> None:
+        self.launches += 1
+        for op in self.ops:
+            op()
+
+
+class _Stream:
+    def __init__(self, non_blocking: bool = False) -> None:
+        self.ptr = 0
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        assert RECORDER.active is None, "a capturing stream cannot be synchronized"
+
+    def begin_capture(self) -> None:
+        assert RECORDER.active is None
+        RECORDER.active = []
+
+    def end_capture(self) -> _Graph:
+        assert RECORDER.active is not None
+        graph = _Graph(RECORDER.active)
+        RECORDER.active = None
+        return graph
+
+
+class _Device:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    def __enter__(self) -> _Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        assert RECORDER.active is None
+
+
+def _memcpy_async(dst: int, src: int, n: int, kind: int, stream: int) -> None:
+    assert kind == 3, "only device-to-device copies go through memcpyAsync"
+    RECORDER.run_or_record(lambda: ctypes.memmove(dst, src, n))
+
+
+#: Every live "device" allocation, for the memory pool's ``used_bytes``.
+ALLOCATIONS: dict[int, weakref.ref[FakeArray]] = {}
+
+
+def _checked_alloc(fn: Callable[..., Any]) -> Callable[..., FakeArray]:
+    def alloc(*args: Any, **kwargs: Any) -> FakeArray:
+        assert RECORDER.active is None, "no allocation while a graph is captured"
+        arr = _dev(fn(*args, **kwargs))
+        key = id(arr)
+        ALLOCATIONS[key] = weakref.ref(arr, lambda _: ALLOCATIONS.pop(key, None))
+        return arr
+
+    return alloc
+
+
+class _Pool:
+    def free_all_blocks(self) -> None:
+        return None
+
+    def used_bytes(self) -> int:
+        gc.collect()
+        live = (r() for r in list(ALLOCATIONS.values()))
+        return sum(a.nbytes for a in live if a is not None)
+
+
+class FakeCupy(types.ModuleType):
+    ndarray = FakeArray
+
+    def __init__(self) -> None:
+        super().__init__("cupy")
+        self.zeros = _checked_alloc(np.zeros)
+        self.empty = _checked_alloc(_poisoned)
+        self.asarray = _checked_alloc(lambda a, dtype=None: np.array(a, dtype=dtype, copy=True))
+        self.ascontiguousarray = lambda a: _dev(np.ascontiguousarray(a))
+        self.matmul = lambda a, b: _dev(np.matmul(np.asarray(a), np.asarray(b)))
+        self.asnumpy = lambda a, stream=None: np.array(a).view(np.ndarray)
+        pool = _Pool()
+        self.get_default_memory_pool = lambda: pool
+        runtime = types.SimpleNamespace(memcpyAsync=_memcpy_async, deviceSynchronize=lambda: None)
+        self.cuda = types.SimpleNamespace(Device=_Device, Stream=_Stream, runtime=runtime)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+
+def _poisoned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
+    """``empty``: NaN (or 0x5A bytes) where real memory would hold leftovers, so that a
+    read of anything not written shows."""
+    dt = np.dtype(dtype)
+    if np.issubdtype(dt, np.floating):
+        return np.full(shape, np.nan, dt)
+    return np.full(shape, 0x5A, dt)
+
+
+class EmulatedKernels:
+    """``KernelSet`` with each kernel replaced by its NumPy twin. Checks each launch's
+    arguments against the kernel's parameter types, as the real launch converts them."""
+
+    def __init__(self) -> None:
+        self.python_launches = 0
+        self.launched: dict[str, int] = {}
+
+    def compile_all(self) -> None:
+        return None
+
+    def launch(
+        self,
+        name: str,
+        grid: int | tuple[int, ...],
+        block: int,
+        args: Sequence[Any],
+        *,
+        stream: Any = None,
+        shared_mem: int = 0,
+    ) -> None:
+        codes = kernels_mod.SIGNATURES[name].split()
+        assert len(codes) == len(args), (name, len(codes), len(args))
+        for code, value in zip(codes, args, strict=True):
+            if code == "p":
+                assert value is None or isinstance(value, FakeArray), (name, type(value))
+            elif code in "il":
+                assert isinstance(value, int | np.integer) and not isinstance(value, bool), name
+            else:
+                assert isinstance(value, float | np.floating), (name, value)
+        grid3 = (grid,) if isinstance(grid, int) else tuple(grid)
+        assert all(g >= 1 for g in grid3) and 1 <= block <= 1024, (name, grid3, block)
+        self.python_launches += 1
+        self.launched[name] = self.launched.get(name, 0) + 1
+        frozen = tuple(args)
+        RECORDER.run_or_record(lambda: KERNEL_TWINS[name](grid3, block, frozen))
+
+
+def _load_device_stage() -> types.ModuleType:
+    """``runtime_cupy/device_stage.py`` imported with FakeCupy as ``cupy``."""
+    path = Path(kernels_mod.__file__).with_name("device_stage.py")
+    spec = importlib.util.spec_from_file_location("emulated_device_stage", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get("cupy")
+    sys.modules["cupy"] = FakeCupy()
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del sys.modules["cupy"]
+        else:
+            sys.modules["cupy"] = saved
+    return module
+
+
+DEVICE_STAGE = _load_device_stage()
+
+
+class EmulatedCudaWorker(CudaWorker):
+    """The CUDA worker with FakeCupy and the kernels' twins."""
+
+    backends: ClassVar[list[Any]] = []
+
+    def _make_backend(self, spec: BackendSpec) -> StageBackend:
+        DEVICE_STAGE._KERNELS[self.device] = EmulatedKernels()
+        backend = DEVICE_STAGE.DeviceBackend(
+            spec, use_graph=self.use_graph, device_io=self.device_io, device=self.device
+        )
+        EmulatedCudaWorker.backends.append(backend)
+        return backend
+
+
+# ---- the tests --------------------------------------------------------------------------
+
+MIXED = RandomModel(
+    n_layers=2,
+    qtype="Q4_0",
+    embed_qtype="Q6_K",
+    head_qtype="Q5_K",
+    seed=7,
+    overrides=(
+        ("blk.0.attn_k.weight", "Q6_K"),
+        ("blk.0.attn_v.weight", "Q8_0"),
+        ("blk.1.ffn_up.weight", "Q5_1"),
+        ("blk.1.ffn_down.weight", "Q3_K"),
+        ("blk.1.attn_output.weight", "F16"),
+        ("blk.1.attn_q.weight", "BF16"),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("emulated")
+    rope = ModelShape(n_layers=2, quant="Q8_0", rope_freqs=True, rope_scaling_factor=4.0, seed=6)
+    return {
+        "llama-F32": write_model(folder / "f32.gguf", ModelShape(n_layers=3, tied=False)),
+        "qwen2-Q4_K": write_random_model(
+            folder / "qwen2.gguf",
+            RandomModel(arch="qwen2", n_layers=2, qtype="Q4_K", tied=True, seed=5),
+        ),
+        "llama-Q8_0-rope": write_model(folder / "rope.gguf", rope),
+        "mixed-types": write_random_model(folder / "mixed.gguf", MIXED),
+    }
+
+
+def generate(path: Path, make: Callable[[], Worker], stages: int, dtype: str, n: int = 6,
+             **kwargs: Any) -> list[TokenOutput]:  # fmt: skip
+    chain = Chain.bind(provisions(path, stages, max_seq_len=32, dtype=dtype, **kwargs), make)
+    try:
+        return chain.generate(PROMPT, n)
+    finally:
+        chain.release()
+
+
+def assert_same(a: list[TokenOutput], b: list[TokenOutput]) -> None:
+    assert [o.token_id for o in a] == [o.token_id for o in b]
+    for x, y in zip(a, b, strict=True):
+        assert x.logits is not None and y.logits is not None
+        np.testing.assert_array_equal(x.logits, y.logits)
+
+
+@pytest.mark.parametrize("split", [(1, "f32"), (2, "f16")], ids=["1-stage", "2-stage-f16"])
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+@pytest.mark.parametrize("mode", ["q8", "f32"])
+@pytest.mark.parametrize("name", ["llama-F32", "qwen2-Q4_K", "llama-Q8_0-rope", "mixed-types"])
+def test_the_device_backend_computes_what_the_twin_worker_computes(
+    models: dict[str, Path], name: str, mode: str, graph: bool, split: tuple[int, str]
+) -> None:
+    stages, dtype = split
+    twin = generate(models[name], lambda: TwinWorker(matvec=mode), stages, dtype)
+    device = generate(
+        models[name],
+        lambda: EmulatedCudaWorker(matvec=mode, use_graph=graph, device_io=graph),
+        stages,
+        dtype,
+    )
+    assert_same(device, twin)
+
+
+def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None:
+    p = provisions(models["qwen2-Q4_K"], 1, max_seq_len=32)[0]
+    w = EmulatedCudaWorker()
+    w.configure(p)
+    w.bind(p.gguf_source)
+    backend = EmulatedCudaWorker.backends[-1]
+    k = DEVICE_STAGE._KERNELS[0]
+    w.execute_step(0, np.array(PROMPT, np.uint32))
+    before = k.python_launches
+    w.execute_step(1, np.array([7], np.uint32))  # captures: launches recorded, then replayed
+    captured = k.python_launches - before
+    assert captured > 10 and backend.graphs_captured == 1
+    tokens = []
+    for s in range(2, 7):
+        out = w.execute_step(s, np.array([3 + s], np.uint32))
+        assert isinstance(out, TokenOutput)
+        tokens.append(out.token_id)
+    assert k.python_launches - before == captured  # nothing launched from Python
+    assert backend.graph.launches == 6
+    # the same steps launched eagerly give the same tokens
+    eager = EmulatedCudaWorker(use_graph=False)
+    eager.configure(p)
+    eager.bind(p.gguf_source)
+    eager.execute_step(0, np.array(PROMPT, np.uint32))
+    eager.execute_step(1, np.array([7], np.uint32))
+    again = [eager.execute_step(s, np.array([3 + s], np.uint32)) for s in range(2, 7)]
+    assert [o.token_id for o in again if isinstance(o, TokenOutput)] == tokens
+
+
+def test_a_new_prefill_reuses_the_graph(models: dict[str, Path]) -> None:
+    chain = Chain.bind(provisions(models["llama-F32"], 1, max_seq_len=32), EmulatedCudaWorker)
+    first = [o.token_id for o in chain.generate(PROMPT, 5)]
+    assert [o.token_id for o in chain.generate(PROMPT, 5)] == first
+    assert EmulatedCudaWorker.backends[-1].graphs_captured == 1
+
+
+def test_prefill_tiles_cover_every_row(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(DEVICE_STAGE, "TILE_FLOATS", 3 * 256 + 5)  # 3 rows a tile, odd
+    # float32 activations: 8-bit ones could turn a last-bit difference into a step of 1/127
+    twin = generate(models["mixed-types"], lambda: TwinWorker(matvec="f32"), 1, "f32")
+    device = generate(models["mixed-types"], lambda: EmulatedCudaWorker(matvec="f32"), 1, "f32")
+    assert [o.token_id for o in device] == [o.token_id for o in twin]
+    for x, y in zip(device, twin, strict=True):  # BLAS sums a narrower tile in another order
+        assert x.logits is not None and y.logits is not None
+        np.testing.assert_allclose(x.logits, y.logits, rtol=0, atol=1e-4)
+
+
+def test_a_one_token_prompt_runs_through_the_decode_path(models: dict[str, Path]) -> None:
+    make = lambda: EmulatedCudaWorker(use_graph=True)  # noqa: E731
+    for worker in (make, TwinWorker):
+        chain = Chain.bind(provisions(models["qwen2-Q4_K"], 2, max_seq_len=32), worker)
+        outs = chain.generate([42], 4)
+        chain.release()
+        if worker is make:
+            device = outs
+        else:
+            assert_same(device, outs)
+
+
+def test_device_io_passes_device_arrays_between_stages(models: dict[str, Path]) -> None:
+    provs = provisions(models["llama-F32"], 3, max_seq_len=32, dtype="f16")
+    workers = []
+    for p in provs:
+        w = EmulatedCudaWorker(device_io=True)
+        w.configure(p)
+        w.bind(p.gguf_source)
+        workers.append(w)
+    out = workers[0].execute_step(0, np.array(PROMPT, np.uint32))
+    assert isinstance(out, FakeArray) and out.dtype == np.float16 and out.shape == (6, 64)
+    out = workers[1].execute_step(0, out)
+    assert isinstance(out, FakeArray)
+    last = workers[2].execute_step(0, out)
+    assert isinstance(last, TokenOutput)
+    host = EmulatedCudaWorker(device_io=False)
+    host.configure(provs[0])
+    host.bind(provs[0].gguf_source)
+    plain = host.execute_step(0, np.array(PROMPT, np.uint32))
+    assert type(plain) is np.ndarray and plain.dtype == np.float16
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_edges_and_kv_dtypes(models: dict[str, Path], dtype: str) -> None:
+    for kv in ("auto", "f16", "f32"):
+        twin = generate(models["llama-Q8_0-rope"], lambda kv=kv: TwinWorker(kv_dtype=kv), 2, dtype)
+        device = generate(
+            models["llama-Q8_0-rope"], lambda kv=kv: EmulatedCudaWorker(kv_dtype=kv), 2, dtype
+        )
+        assert_same(device, twin)
+
+
+def test_sampling_on_the_device_draws_what_the_reference_draws(models: dict[str, Path]) -> None:
+    sampling = SamplingConfig(temperature=1.2, top_k=50, top_p=0.9, seed=5)
+    twin = generate(models["llama-F32"], TwinWorker, 1, "f32", n=10, sampling=sampling)
+    device = generate(models["llama-F32"], EmulatedCudaWorker, 2, "f32", n=10, sampling=sampling)
+    ref = generate(models["llama-F32"], ReferenceWorker, 1, "f32", n=10, sampling=sampling)
+    assert [o.token_id for o in device] == [o.token_id for o in twin] == [o.token_id for o in ref]
+
+
+def test_logits_with_nan_fail_the_step(models: dict[str, Path]) -> None:
+    from runtime_core.worker import WorkerError
+
+    p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
+    w = EmulatedCudaWorker()
+    w.configure(p)
+    w.bind(p.gguf_source)
+    backend = EmulatedCudaWorker.backends[-1]
+    backend.weights.output_norm[0] = np.nan  # poison the last stage's norm on the "device"
+    with pytest.raises(WorkerError, match="NaN or infinite"):
+        w.execute_step(0, np.array(PROMPT, np.uint32))
+
+
+def test_a_failed_launch_is_reported_not_hidden(models: dict[str, Path]) -> None:
+    """The emulated kernels refuse a launch whose grid would leave rows unwritten."""
+    with pytest.raises(LaunchError):
+        KERNEL_TWINS["matvec_f_F32"]((1,), 128, (None, 256, 2, 9, None, None, None, 0))
+
+
+def test_the_graph_switch_takes_effect_at_the_next_step(models: dict[str, Path]) -> None:
+    p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
+    w = EmulatedCudaWorker(use_graph=False)
+    w.configure(p)
+    w.bind(p.gguf_source)
+    backend = EmulatedCudaWorker.backends[-1]
+    k = DEVICE_STAGE._KERNELS[0]
+    outs = [w.execute_step(0, np.array(PROMPT, np.uint32))]
+    w.execute_step(1, np.array([4], np.uint32))
+    assert backend.graphs_captured == 0
+    w.set_use_graph(True)
+    outs.append(w.execute_step(2, np.array([5], np.uint32)))
+    launches = k.python_launches
+    outs.append(w.execute_step(3, np.array([6], np.uint32)))
+    assert backend.graphs_captured == 1 and k.python_launches == launches
+    w.set_use_graph(False)
+    outs.append(w.execute_step(4, np.array([7], np.uint32)))
+    assert k.python_launches > launches
+    twin = TwinWorker()
+    twin.configure(p)
+    twin.bind(p.gguf_source)
+    expected = [twin.execute_step(s, np.array(d, np.uint32)) for s, d in
+                enumerate([PROMPT, [4], [5], [6], [7]])]  # fmt: skip
+    for got, want in zip(outs, [expected[0], *expected[2:]], strict=True):
+        assert isinstance(got, TokenOutput) and isinstance(want, TokenOutput)
+        assert got.logits is not None and want.logits is not None
+        np.testing.assert_array_equal(got.logits, want.logits)

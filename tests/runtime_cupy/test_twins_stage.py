@@ -1,0 +1,342 @@
+"""The CUDA worker's program on the kernels' twins (``TwinWorker``) against the NumPy
+reference worker and llama.cpp: what the CUDA worker computes, checked on a CPU.
+
+- Interface: every rule of EDGES_AND_WORKERS.md §4 the reference worker keeps (steps
+  before bind, order, one decode row, max_seq_len, token ids, the plan's activations,
+  inputs left unchanged, logits only when asked, a new prefill restarting the sampler,
+  the same tokens from the same seed however the model is split).
+- ``matvec="f32"`` (dequantized weights times float32 activations) gives the reference
+  worker's tokens and logits within 2e-4 on llama (normal rotary, GQA, untied head),
+  qwen2 (NeoX rotary, Q/K/V biases, tied head), llama3 rotary factors with linear
+  scaling, and mixed weight types in one block (Q, K, V not fused).
+- Both modes, on llama.cpp's tiny fixtures of every type: the reference worker's
+  thresholds (prompt logits cosine >= 0.99999 on F32 / F16 and >= 0.9995 otherwise,
+  the same largest logit, greedy tokens up to the first near-tie, and all 16 for F32,
+  F16, BF16).
+- Splits: 1, 2 and 3 stages with f32 edges give identical logits; f16 edges the same
+  tokens and logits cosine >= 0.9999.
+- SmolLM2 (the real file: Q4_1 blocks, a tied Q8_0 embedding), 8-bit mode: the first
+  three greedy tokens are llama.cpp's and the prompt logits within cosine 0.999.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from runplan import SamplingConfig
+from runtime_core.reference import ReferenceWorker
+from runtime_core.worker import TokenOutput, Worker, WorkerError
+from runtime_cupy.cuda_chain import Chain
+from runtime_cupy.quant_types import QUANT_TYPES
+from runtime_cupy.random_model import RandomModel, write_random_model
+from runtime_cupy.twin_stage import TwinWorker
+from runtime_cupy.worker import CudaWorker
+from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
+from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
+from tests.runtime_core.chain import provisions
+from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+
+PROMPT = [5, 77, 300, 12, 9]
+TINY = load_doc("tiny")
+TINY_LOGITS = load_logits("tiny")
+N_TOKENS: int = TINY["greedy_tokens"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("twin-models")
+
+
+@pytest.fixture(scope="module")
+def model(folder: Path) -> Path:
+    return write_model(folder / "m.gguf", ModelShape(n_layers=4))
+
+
+def bound(path: Path, stages: int = 1, index: int = 0, **kwargs: Any) -> TwinWorker:
+    p = provisions(path, stages, **kwargs)[index]
+    w = TwinWorker()
+    w.configure(p)
+    w.bind(p.gguf_source)
+    return w
+
+
+def run(path: Path, make: Any, stages: int = 1, n: int = 8, **kwargs: Any) -> list[TokenOutput]:
+    chain = Chain.bind(provisions(path, stages, max_seq_len=64, **kwargs), make)
+    try:
+        return chain.generate(PROMPT, n)
+    finally:
+        chain.release()
+
+
+# ---- the worker interface ------------------------------------------------------------------
+
+
+def test_the_cuda_worker_runs_what_the_reference_runs() -> None:
+    worker: Worker = TwinWorker()
+    assert worker.capabilities.name == "cuda"
+    assert set(CudaWorker.capabilities.quant_types) == set(QUANT_TYPES)
+    assert len(CudaWorker.capabilities.quant_types) == 13
+    assert CudaWorker.capabilities.architectures == ("llama", "qwen2")
+    assert TwinWorker.capabilities == CudaWorker.capabilities
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="matvec"):
+        CudaWorker(matvec="int4")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        CudaWorker(kv_dtype="f8")
+
+
+def test_a_step_before_bind_or_after_release_is_an_error(model: Path) -> None:
+    w = TwinWorker()
+    with pytest.raises(WorkerError, match="before bind"):
+        w.execute_step(0, np.array(PROMPT, np.uint32))
+    with pytest.raises(WorkerError, match="before configure"):
+        w.bind(provisions(model)[0].gguf_source)
+    w.configure(provisions(model)[0])
+    with pytest.raises(WorkerError, match="before bind"):
+        w.execute_step(0, np.array(PROMPT, np.uint32))
+    w = bound(model)
+    w.execute_step(0, np.array(PROMPT, np.uint32))
+    w.release()
+    with pytest.raises(WorkerError, match="before bind"):
+        w.execute_step(1, np.array([3], np.uint32))
+
+
+def test_steps_must_come_in_order_and_decode_one_row(model: Path) -> None:
+    w = bound(model)
+    with pytest.raises(WorkerError, match="out of order"):
+        w.execute_step(1, np.array([3], np.uint32))
+    w.execute_step(0, np.array(PROMPT, np.uint32))
+    with pytest.raises(WorkerError, match="out of order"):
+        w.execute_step(2, np.array([3], np.uint32))
+    w.execute_step(1, np.array([3], np.uint32))
+    with pytest.raises(WorkerError, match="expected 1"):
+        w.execute_step(2, np.array([3, 4], np.uint32))
+
+
+def test_a_sequence_longer_than_max_seq_len_is_an_error(model: Path) -> None:
+    w = bound(model, max_seq_len=6)
+    w.execute_step(0, np.array(PROMPT, np.uint32))
+    w.execute_step(1, np.array([3], np.uint32))
+    with pytest.raises(WorkerError, match="max_seq_len"):
+        w.execute_step(2, np.array([3], np.uint32))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        np.array([], np.uint32),
+        np.array([[1, 2]], np.uint32),
+        np.array([1.0, 2.0], np.float32),
+        np.array([1, 323], np.uint32),
+    ],
+    ids=["empty", "2-d", "floats", "outside-vocab"],
+)
+def test_the_first_stage_refuses_what_is_not_token_ids(model: Path, data: np.ndarray) -> None:
+    with pytest.raises(WorkerError):
+        bound(model).execute_step(0, data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [np.zeros((3, 64), np.float16), np.zeros((3, 65), np.float32), np.zeros(64, np.float32)],
+    ids=["dtype", "width", "1-d"],
+)
+def test_a_later_stage_refuses_activations_the_plan_does_not_carry(
+    model: Path, data: np.ndarray
+) -> None:
+    with pytest.raises(WorkerError):
+        bound(model, 2, 1).execute_step(0, data)
+
+
+def test_a_stage_never_changes_its_input(model: Path) -> None:
+    first, last = bound(model, 2, 0), bound(model, 2, 1)
+    ids = np.array(PROMPT, np.uint32)
+    acts = first.execute_step(0, ids)
+    assert isinstance(acts, np.ndarray) and acts.shape == (5, 64) and acts.dtype == np.float32
+    kept = acts.copy()
+    last.execute_step(0, acts)
+    np.testing.assert_array_equal(ids, PROMPT)
+    np.testing.assert_array_equal(acts, kept)
+
+
+def test_logits_come_back_only_when_the_run_asks(model: Path) -> None:
+    ids = np.array(PROMPT, np.uint32)
+    with_logits = bound(model, return_logits=True).execute_step(0, ids)
+    without = bound(model, return_logits=False).execute_step(0, ids)
+    assert isinstance(with_logits, TokenOutput) and isinstance(without, TokenOutput)
+    assert without.logits is None
+    assert with_logits.logits is not None and with_logits.logits.shape == (323,)
+    assert with_logits.token_id == without.token_id == int(np.argmax(with_logits.logits))
+
+
+def test_a_new_prefill_starts_the_sequence_afresh(model: Path) -> None:
+    sampling = SamplingConfig(temperature=0.9, seed=3)
+    chain = Chain.bind(provisions(model, 2, sampling=sampling), TwinWorker)
+    first = [o.token_id for o in chain.generate(PROMPT, 8)]
+    assert [o.token_id for o in chain.generate(PROMPT, 8)] == first
+
+
+def test_sampling_draws_what_the_reference_draws_however_the_model_is_split(
+    model: Path,
+) -> None:
+    sampling = SamplingConfig(temperature=1.5, top_k=40, top_p=0.95, seed=11)
+    ref = [o.token_id for o in run(model, ReferenceWorker, n=12, sampling=sampling)]
+    for stages in (1, 2, 4):
+        ours = run(model, lambda: TwinWorker(matvec="f32"), stages, n=12, sampling=sampling)
+        assert [o.token_id for o in ours] == ref, stages
+
+
+def test_a_file_the_worker_cannot_run_is_a_typed_bind_error(folder: Path) -> None:
+    from runplan import GgufSource
+    from runtime_core.errors import UnsupportedModel
+
+    shape = ModelShape(n_layers=1)
+    good = write_model(folder / "good.gguf", shape)
+    bad = write_model(folder / "iq.gguf", shape, tensor_types={"blk.0.attn_q.weight": "IQ4_NL"})
+    w = TwinWorker()
+    w.configure(provisions(good)[0])
+    with pytest.raises(WorkerError) as info:
+        w.bind(GgufSource.single(str(bad)))
+    assert isinstance(info.value.__cause__, UnsupportedModel)
+    with pytest.raises(WorkerError, match="before bind"):
+        w.execute_step(0, np.array(PROMPT, np.uint32))
+
+
+def test_rows_the_kernels_cannot_read_are_refused_at_bind(folder: Path) -> None:
+    path = write_model(folder / "h48.gguf", ModelShape(n_layers=1, hidden=48, heads=4, heads_kv=2))
+    w = TwinWorker()
+    w.configure(provisions(path)[0])
+    with pytest.raises(WorkerError, match="multiple of 32"):
+        w.bind(provisions(path)[0].gguf_source)
+
+
+# ---- against the reference worker ---------------------------------------------------------
+
+MIXED = RandomModel(
+    n_layers=2,
+    qtype="Q4_0",
+    embed_qtype="Q6_K",
+    head_qtype="Q5_K",
+    seed=7,
+    overrides=(
+        ("blk.0.attn_k.weight", "Q6_K"),
+        ("blk.0.attn_v.weight", "Q8_0"),
+        ("blk.1.ffn_up.weight", "Q5_1"),
+        ("blk.1.ffn_down.weight", "Q3_K"),
+        ("blk.1.attn_output.weight", "F16"),
+        ("blk.1.attn_q.weight", "BF16"),
+    ),
+)
+NAMES = ["llama-F32-untied", "qwen2-Q4_K", "llama-Q8_0-rope", "mixed-types"]
+
+
+@pytest.fixture(scope="module")
+def shapes(folder: Path) -> dict[str, Path]:
+    rope = ModelShape(n_layers=2, quant="Q8_0", rope_freqs=True, rope_scaling_factor=4.0, seed=6)
+    qwen2 = RandomModel(arch="qwen2", n_layers=2, qtype="Q4_K", tied=True, seed=5)
+    return {
+        "llama-F32-untied": write_model(folder / "f32.gguf", ModelShape(n_layers=3, tied=False)),
+        "qwen2-Q4_K": write_random_model(folder / "qwen2-q4k.gguf", qwen2),
+        "llama-Q8_0-rope": write_model(folder / "rope.gguf", rope),
+        "mixed-types": write_random_model(folder / "mixed.gguf", MIXED),
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float_mode_gives_the_reference_workers_tokens_and_logits(
+    shapes: dict[str, Path], name: str
+) -> None:
+    ref = run(shapes[name], ReferenceWorker)
+    ours = run(shapes[name], lambda: TwinWorker(matvec="f32"))
+    assert [o.token_id for o in ours] == [o.token_id for o in ref]
+    for a, b in zip(ours, ref, strict=True):
+        assert a.logits is not None and b.logits is not None
+        np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_8bit_mode_stays_close_to_the_reference(shapes: dict[str, Path], name: str) -> None:
+    ref = run(shapes[name], ReferenceWorker, n=1)
+    ours = run(shapes[name], lambda: TwinWorker(matvec="q8"), n=1)
+    assert ours[0].logits is not None and ref[0].logits is not None
+    assert cosine(ours[0].logits, ref[0].logits) >= 0.999
+
+
+# ---- against llama.cpp --------------------------------------------------------------------
+
+MODELS: list[dict[str, Any]] = TINY["models"]
+
+
+@pytest.mark.parametrize("mode", ["q8", "f32"])
+@pytest.mark.parametrize("entry", MODELS, ids=[m["name"] for m in MODELS])
+def test_llamacpp_fixtures_pass_the_reference_workers_thresholds(
+    entry: dict[str, Any], mode: str, folder: Path
+) -> None:
+    path = model_file(entry, folder)
+    chain = Chain.bind(provisions(path, 1, max_seq_len=64), lambda: TwinWorker(matvec=mode))
+    outs = chain.generate(TINY["prompt"], N_TOKENS)
+    exact = entry["type"] in ("F32", "F16")
+    threshold = 0.99999 if exact else 0.9995
+    prompt = outs[0].logits
+    assert prompt is not None
+    theirs = TINY_LOGITS[f"{entry['name']}/prompt"]
+    assert cosine(prompt, theirs) >= threshold
+    assert int(np.argmax(prompt)) == int(np.argmax(theirs))
+    ours = [o.token_id for o in outs]
+    if entry["type"] in ("F32", "F16", "BF16"):
+        assert ours == entry["greedy"][:N_TOKENS]
+    assert common_prefix(ours, entry["greedy"]) >= first_near_tie(entry["gaps"], N_TOKENS)
+    if ours == entry["greedy"][:N_TOKENS]:
+        last = outs[-1].logits
+        assert last is not None
+        assert cosine(last, TINY_LOGITS[f"{entry['name']}/last_step"]) >= threshold
+
+
+# ---- splits --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rope_model(folder: Path) -> Path:
+    entry = next(m for m in MODELS if m["name"] == "tiny-llama-rope-F32")
+    assert FIXTURE_SHAPES["llama-rope"].n_layers == 3
+    return model_file(entry, folder)
+
+
+@pytest.mark.parametrize("mode", ["q8", "f32"])
+def test_stages_with_f32_edges_compute_what_one_stage_computes(rope_model: Path, mode: str) -> None:
+    runs = [run(rope_model, lambda: TwinWorker(matvec=mode), s, n=10) for s in (1, 2, 3)]
+    for other in runs[1:]:
+        assert [o.token_id for o in other] == [o.token_id for o in runs[0]]
+        for a, b in zip(other, runs[0], strict=True):
+            assert a.logits is not None and b.logits is not None
+            np.testing.assert_array_equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_stages_with_2_byte_edges_keep_the_tokens(rope_model: Path, dtype: str) -> None:
+    one = run(rope_model, TwinWorker, 1, n=10, dtype=dtype)
+    three = run(rope_model, TwinWorker, 3, n=10, dtype=dtype)
+    assert [o.token_id for o in three] == [o.token_id for o in one]
+    for a, b in zip(three, one, strict=True):
+        assert a.logits is not None and b.logits is not None
+        assert cosine(a.logits, b.logits) >= 0.9999
+
+
+# ---- SmolLM2 --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_first_tokens_are_llamacpps(smollm2_path: str) -> None:
+    doc, logits = load_doc("smollm2"), load_logits("smollm2")
+    prompt = doc["prompts"][3]
+    chain = Chain.bind(provisions(smollm2_path, 1, max_seq_len=64), TwinWorker)
+    outs = chain.generate(prompt["token_ids"], 3)
+    assert [o.token_id for o in outs] == prompt["greedy"][:3]
+    assert outs[0].logits is not None
+    assert cosine(outs[0].logits, logits[f"q4_1/{prompt['name']}"]) >= 0.999
