@@ -61,6 +61,9 @@ def _facts_128() -> ModelFacts:
         output_bytes=1_100_000_000,
         shared_bytes=0,
         tied_embeddings=False,
+        block_elements=(870_000_000,) * 128,
+        embedding_elements=128_256 * 8192,
+        output_elements=128_256 * 8192 + 8192,
     )
 
 
