@@ -294,9 +294,15 @@ class StageWorker:
         return TokenOutput(token, b.logits() if return_logits else None)
 
 
-#: What the CUDA worker runs: the reference worker's architectures and all 13 types.
+#: What the CUDA worker runs: the reference worker's architectures and all 13 types;
+#: weights stay as the file stores them and the KV cache takes the activation dtype
+#: (``kv_dtype="auto"``), which is what the planner's memory check counts.
 CUDA_CAPABILITIES = WorkerCapabilities(
-    name="cuda", architectures=REFERENCE_ARCHITECTURES, quant_types=QUANT_TYPES
+    name="cuda",
+    architectures=REFERENCE_ARCHITECTURES,
+    quant_types=QUANT_TYPES,
+    weight_bytes_per_element=0,
+    kv_bytes_per_element=0,
 )
 
 

@@ -6,6 +6,7 @@ that nothing here imports CuPy). A CUDA stage sees one GPU: the launcher sets it
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from runplan import WorkerCapabilities
@@ -20,6 +21,11 @@ class WorkerUnavailable(RuntimeError):
 
 
 def _cuda_class() -> Any:
+    if importlib.util.find_spec("cupy") is None:
+        raise WorkerUnavailable(
+            "the CUDA worker needs CuPy and a GPU; CuPy is not installed "
+            "(pip install 'gguf-pipeline[cuda12]')"
+        )
     try:
         module = importlib.import_module("runtime_cupy.worker")
         return module.CudaWorker

@@ -249,3 +249,12 @@ def test_every_kernel_has_a_signature_and_every_type_its_kernels() -> None:
         assert f"matvec_q8_{t}" not in SIGNATURES
     with pytest.raises(ValueError, match="compiler"):
         KernelSet(compiler="clang")
+
+
+def test_the_planner_counts_the_cuda_worker_s_weights_as_stored() -> None:
+    """The CUDA worker keeps weights quantized and its KV cache in the activation
+    dtype; the memory check must count them so, not as float32."""
+    from runtime_cupy.worker import CUDA_CAPABILITIES
+
+    assert CUDA_CAPABILITIES.weight_bytes_per_element == 0
+    assert CUDA_CAPABILITIES.kv_bytes_per_element == 0
