@@ -47,3 +47,42 @@ class TextStream:
         else:  # a character already printed changed after all: print the whole text again
             self.out.write("\n" + text + "\n")
         self.out.flush()
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: str) -> None:
+    """The flags both runtimes' ``run`` commands take: the model, the stage count, the
+    prompt, sampling, ``--json`` and ``--trace``."""
+    from pathlib import Path
+
+    from runplan.models import DEFAULT_MODEL
+
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--stages", type=int, default=3, help=stages_help)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="the prompt text")
+    what.add_argument("--prompt-ids", type=token_ids, help="the prompt as token ids: 1,2,3")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template as a user turn",
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object to stdout; text, progress and logs go to stderr",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write Chrome trace events (open in https://ui.perfetto.dev)",
+    )

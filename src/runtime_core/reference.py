@@ -27,7 +27,13 @@ from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.reference_model import StageModel, StageWeights
 from runtime_core.sampling import Sampler
-from runtime_core.worker import Progress, TokenOutput, WorkerError
+from runtime_core.worker import (
+    Progress,
+    TokenOutput,
+    WorkerError,
+    checked_token_ids,
+    step_position,
+)
 
 
 @attrs.define
@@ -109,13 +115,14 @@ class ReferenceWorker:
         p, b = self._provision, self._bound
         if p is None or b is None:
             raise WorkerError(f"execute_step({sequence}) before bind completed")
-        pos = self._position(b, sequence, p.model.max_seq_len, data)
+        rows = data.shape[0] if data.ndim >= 1 else 0
+        pos = step_position(sequence, b.next_sequence, b.next_pos, rows, p.model.max_seq_len)
         if sequence == 0 and b.sampler is not None:
             b.sampler = Sampler(b.sampler.config)  # the sequence starts afresh: so do draws
         edge = activations.edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
         try:
             if p.is_first:
-                x = b.model.embed(self._token_ids(data, b.vocab_size))
+                x = b.model.embed(checked_token_ids(data, b.vocab_size).astype(np.intp))
             else:
                 x = activations.decode(self._activation_rows(data, p.model.hidden_dim), edge)
             x = b.model.forward(x, pos)
@@ -140,38 +147,6 @@ class ReferenceWorker:
         self._provision = None
 
     # -- checks -------------------------------------------------------------------
-    @staticmethod
-    def _position(b: _Bound, sequence: int, max_seq_len: int, data: npt.NDArray[np.generic]) -> int:
-        rows = data.shape[0] if data.ndim >= 1 else 0
-        if sequence == 0:
-            pos = 0
-        elif sequence != b.next_sequence:
-            expected = "0 (a prefill)" if b.next_sequence is None else str(b.next_sequence)
-            raise WorkerError(f"step {sequence} out of order: expected {expected}")
-        else:
-            pos = b.next_pos
-            if rows != 1:
-                raise WorkerError(f"decode step {sequence} carries {rows} rows, expected 1")
-        if rows < 1:
-            raise WorkerError(f"step {sequence} carries no rows")
-        if pos + rows > max_seq_len:
-            raise WorkerError(
-                f"step {sequence} needs positions up to {pos + rows}, the run's "
-                f"max_seq_len is {max_seq_len}"
-            )
-        return pos
-
-    @staticmethod
-    def _token_ids(data: npt.NDArray[np.generic], vocab: int) -> npt.NDArray[np.intp]:
-        if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
-            raise WorkerError(
-                f"the first stage takes token ids (rows,), got {data.dtype} {data.shape}"
-            )
-        ids = data.astype(np.intp)
-        if ((ids < 0) | (ids >= vocab)).any():
-            raise WorkerError(f"token ids outside 0..{vocab - 1}: {data.tolist()}")
-        return ids
-
     @staticmethod
     def _activation_rows(data: npt.NDArray[np.generic], hidden: int) -> npt.NDArray[np.generic]:
         if data.ndim != 2 or data.shape[1] != hidden:

@@ -60,3 +60,40 @@ class Worker(Protocol):
     ) -> npt.NDArray[np.generic] | TokenOutput: ...
 
     def release(self) -> None: ...
+
+
+def step_position(
+    sequence: int, next_sequence: int | None, next_pos: int, rows: int, max_seq_len: int
+) -> int:
+    """Where step ``sequence`` of ``rows`` rows starts in the KV cache, by the worker
+    interface's rules; ``WorkerError`` for a step out of order, a decode step of more
+    than one row, an empty step, or one past ``max_seq_len``. ``next_sequence`` is
+    ``None`` before the first prefill."""
+    if sequence == 0:
+        pos = 0
+    elif sequence != next_sequence:
+        expected = "0 (a prefill)" if next_sequence is None else str(next_sequence)
+        raise WorkerError(f"step {sequence} out of order: expected {expected}")
+    else:
+        pos = next_pos
+        if rows != 1:
+            raise WorkerError(f"decode step {sequence} carries {rows} rows, expected 1")
+    if rows < 1:
+        raise WorkerError(f"step {sequence} carries no rows")
+    if pos + rows > max_seq_len:
+        raise WorkerError(
+            f"step {sequence} needs positions up to {pos + rows}, the run's "
+            f"max_seq_len is {max_seq_len}"
+        )
+    return pos
+
+
+def checked_token_ids(data: npt.NDArray[np.generic], vocab: int) -> npt.NDArray[np.int64]:
+    """The first stage's input as int64 ids; ``WorkerError`` unless it is a 1-d integer
+    array of ids in ``0..vocab - 1``."""
+    if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
+        raise WorkerError(f"the first stage takes token ids (rows,), got {data.dtype} {data.shape}")
+    ids = data.astype(np.int64)
+    if ((ids < 0) | (ids >= vocab)).any():
+        raise WorkerError(f"token ids outside 0..{vocab - 1}: {data.tolist()}")
+    return ids

@@ -7,7 +7,8 @@ runtime options (``worker="numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir`
 The CUDA worker (``runtime_cupy.worker``) is imported only when asked for.
 """
 
-from runtime_cupy.api import GenerateResult, PlanRejected, generate
+from runtime_core.runs import PlanRejected
+from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.launcher import ProcessRun, ProcessRunResult, StageProcessInfo
 from runtime_cupy.workers import WorkerUnavailable
 

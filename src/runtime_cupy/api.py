@@ -14,26 +14,21 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 from attrs import frozen
 
 from runplan import (
-    NodePool,
     NodeSpec,
-    Placement,
-    PlanRejection,
     RunPlan,
     RuntimeConfig,
     SamplingConfig,
-    model_facts_from_gguf,
-    plan_run,
 )
 from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.messages import StageReady
 from runplan.models import resolve_model
+from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.launcher import (
     ORCHESTRATOR,
@@ -48,14 +43,6 @@ from runtime_cupy.workers import WorkerUnavailable, capabilities
 #: ``progress(stage_index, done, total)``. Stage processes load on their own and
 #: report readiness only, so it is called once per stage, with ``done == total == 1``.
 LoadProgress = Callable[[int, int, int], None]
-
-
-class PlanRejected(ValueError):
-    """The planner rejected the run; ``rejection`` says why."""
-
-    def __init__(self, rejection: PlanRejection) -> None:
-        self.rejection = rejection
-        super().__init__(str(rejection))
 
 
 @frozen
@@ -144,14 +131,7 @@ def plan_for(
 ) -> tuple[RunPlan, tuple[int | None, ...]]:
     """The plan of a process run and each stage's GPU: layers split evenly, a KV cache
     just long enough for the prompt and the tokens asked for (as the simulator plans)."""
-    facts = model_facts_from_gguf(model_path)
-    needed = prompt_len + max_tokens
-    if needed > facts.context_length:
-        raise ValueError(
-            f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {needed} exceeds the "
-            f"model's context length {facts.context_length}"
-        )
-    facts = attrs.evolve(facts, max_seq_len=needed)
+    facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     worker_capabilities = capabilities(worker)  # WorkerUnavailable before looking for GPUs
     nodes, devices = place_stages(stages, worker, gpus)
     half = worker == "cuda"  # the CUDA worker moves f16 activations
@@ -165,16 +145,9 @@ def plan_for(
         timeouts=timeouts or Timeouts(),
         worker=worker_capabilities,
     )
-    result = plan_run(
-        facts,
-        config,
-        NodePool(ORCHESTRATOR, nodes),
-        stage_count=stages,
-        placement=Placement.even([n.node_id for n in nodes]),
-    )
-    if isinstance(result, PlanRejection):
-        raise PlanRejected(result)
-    return result, devices
+    if len(nodes) != stages:
+        raise ValueError(f"{len(nodes)} nodes placed for {stages} stages")
+    return plan_even(facts, config, ORCHESTRATOR, nodes), devices
 
 
 def generate(

@@ -16,7 +16,6 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rich import box
@@ -24,10 +23,11 @@ from rich.console import Console
 from rich.table import Table
 
 from runplan.gguf_header import GgufError
-from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
-from runtime_core.console import TextStream, token_ids
+from runplan.models import ModelNotFound, resolve_model
+from runtime_core.console import TextStream, add_generation_arguments
+from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
-from runtime_cupy.api import GenerateResult, PlanRejected, generate
+from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.tracing import chrome_trace
 from runtime_cupy.workers import WORKERS, WorkerUnavailable
 
@@ -180,12 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text from a GGUF model through N stage processes on this "
         "host (one OS process per stage, shared-memory rings between them).",
     )
-    run.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
-    )
-    run.add_argument("--stages", type=int, default=3, help="stage processes (default: 3)")
+    add_generation_arguments(run, stages_help="stage processes (default: 3)")
     run.add_argument(
         "--worker",
         choices=WORKERS,
@@ -197,30 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=_gpus,
         default=None,
         help="GPUs of the cuda worker, stage i on the (i mod n)-th: 0,1 (default: all)",
-    )
-    what = run.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="the prompt text")
-    what.add_argument("--prompt-ids", type=token_ids, help="the prompt as token ids: 1,2,3")
-    run.add_argument(
-        "--chat",
-        action="store_true",
-        help="wrap the prompt in the model's chat template as a user turn",
-    )
-    run.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (32)")
-    run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    run.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
-    run.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
-    run.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    run.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object to stdout; text, progress and logs go to stderr",
-    )
-    run.add_argument(
-        "--trace",
-        type=Path,
-        default=None,
-        help="write Chrome trace events (open in https://ui.perfetto.dev)",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log what the launcher does")
     return run

@@ -46,7 +46,13 @@ from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice, open_stage_slice
 from runtime_core.sampling import Sampler
-from runtime_core.worker import Progress, TokenOutput, WorkerError
+from runtime_core.worker import (
+    Progress,
+    TokenOutput,
+    WorkerError,
+    checked_token_ids,
+    step_position,
+)
 from runtime_cupy.quant_types import QUANT_TYPES
 
 MATVEC_MODES = ("q8", "f32")
@@ -203,13 +209,13 @@ class StageWorker:
         if p is None or r is None:
             raise WorkerError(f"execute_step({sequence}) before bind completed")
         rows = self._rows(data)
-        pos = self._position(r, sequence, rows, p.model.max_seq_len)
+        pos = step_position(sequence, r.next_sequence, r.next_pos, rows, p.model.max_seq_len)
         if sequence == 0 and r.sampling is not None:
             r.rng = np.random.Generator(np.random.PCG64(r.sampling.seed))
         b = r.backend
         try:
             if p.is_first:
-                b.put_tokens(self._token_ids(b.to_host(data), r.vocab_size))
+                b.put_tokens(checked_token_ids(b.to_host(data), r.vocab_size).astype(np.int32))
             else:
                 self._check_activations(data, p.model.hidden_dim, p)
                 b.put_activations(data)
@@ -241,37 +247,6 @@ class StageWorker:
         if shape is None or len(shape) < 1:
             raise WorkerError(f"a step carries an array of rows, got {type(data).__name__}")
         return int(shape[0])
-
-    @staticmethod
-    def _position(r: _Run, sequence: int, rows: int, max_seq_len: int) -> int:
-        if sequence == 0:
-            pos = 0
-        elif sequence != r.next_sequence:
-            expected = "0 (a prefill)" if r.next_sequence is None else str(r.next_sequence)
-            raise WorkerError(f"step {sequence} out of order: expected {expected}")
-        else:
-            pos = r.next_pos
-            if rows != 1:
-                raise WorkerError(f"decode step {sequence} carries {rows} rows, expected 1")
-        if rows < 1:
-            raise WorkerError(f"step {sequence} carries no rows")
-        if pos + rows > max_seq_len:
-            raise WorkerError(
-                f"step {sequence} needs positions up to {pos + rows}, the run's "
-                f"max_seq_len is {max_seq_len}"
-            )
-        return pos
-
-    @staticmethod
-    def _token_ids(data: npt.NDArray[np.generic], vocab: int) -> npt.NDArray[np.int32]:
-        if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
-            raise WorkerError(
-                f"the first stage takes token ids (rows,), got {data.dtype} {data.shape}"
-            )
-        ids = data.astype(np.int64)
-        if ((ids < 0) | (ids >= vocab)).any():
-            raise WorkerError(f"token ids outside 0..{vocab - 1}: {data.tolist()}")
-        return ids.astype(np.int32)
 
     @staticmethod
     def _check_activations(data: Any, hidden: int, p: ProvisionStage) -> None:

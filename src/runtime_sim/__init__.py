@@ -6,6 +6,7 @@ faults from a seed; and checks every guarantee over the trace. ``generate`` runs
 real GGUF model through N simulated stages.
 """
 
-from runtime_sim.api import GenerateResult, PlanRejected, generate
+from runtime_core.runs import PlanRejected
+from runtime_sim.api import GenerateResult, generate
 
 __all__ = ["GenerateResult", "PlanRejected", "generate"]

@@ -9,24 +9,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 from attrs import frozen
 
 from runplan import (
-    NodePool,
     NodeSpec,
-    Placement,
-    PlanRejection,
     RunPlan,
     RuntimeConfig,
     SamplingConfig,
-    model_facts_from_gguf,
-    plan_run,
 )
 from runplan.models import resolve_model
 from runtime_core.reference import ReferenceWorker
+from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_sim.simulation import ORCHESTRATOR, SimResult, Simulation
 from runtime_sim.timing import Prediction, TimingModel, f32_stage_costs
@@ -34,14 +29,6 @@ from runtime_sim.trace import Trace
 
 #: ``progress(stage_index, bytes_done, bytes_total)`` while a stage loads its weights.
 LoadProgress = Callable[[int, int, int], None]
-
-
-class PlanRejected(ValueError):
-    """The planner rejected the run; ``rejection`` says why."""
-
-    def __init__(self, rejection: PlanRejection) -> None:
-        self.rejection = rejection
-        super().__init__(str(rejection))
 
 
 @frozen
@@ -72,14 +59,7 @@ def plan_for(
 ) -> RunPlan:
     """The plan of a simulated run: one node per stage, layers split evenly, a KV cache
     just long enough for the prompt and the tokens asked for."""
-    facts = model_facts_from_gguf(model_path)
-    needed = prompt_len + max_tokens
-    if needed > facts.context_length:
-        raise ValueError(
-            f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {needed} exceeds the "
-            f"model's context length {facts.context_length}"
-        )
-    facts = attrs.evolve(facts, max_seq_len=needed)
+    facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     nodes = tuple(NodeSpec(f"stage-{i}", 64 * 2**30) for i in range(stages))
     config = RuntimeConfig(
         run_id=run_id,
@@ -88,16 +68,7 @@ def plan_for(
         return_logits=return_logits,
         worker=ReferenceWorker.capabilities,
     )
-    result = plan_run(
-        facts,
-        config,
-        NodePool(ORCHESTRATOR, nodes),
-        stage_count=stages,
-        placement=Placement.even([n.node_id for n in nodes]),
-    )
-    if isinstance(result, PlanRejection):
-        raise PlanRejected(result)
-    return result
+    return plan_even(facts, config, ORCHESTRATOR, nodes)
 
 
 def generate(

@@ -16,10 +16,11 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from runplan.gguf_header import GgufError
-from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
-from runtime_core.console import TextStream, token_ids
+from runplan.models import ModelNotFound, resolve_model
+from runtime_core.console import TextStream, add_generation_arguments
+from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
-from runtime_sim.api import GenerateResult, PlanRejected, generate
+from runtime_sim.api import GenerateResult, generate
 from runtime_sim.explore import explore, report, report_json, self_test
 from runtime_sim.simulation import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
@@ -220,36 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text from a GGUF model through N simulated "
         "stages, each running the NumPy reference worker over its layers.",
     )
-    run.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
-    )
-    run.add_argument("--stages", type=int, default=3, help="pipeline stages (default: 3)")
-    what = run.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", help="the prompt text")
-    what.add_argument("--prompt-ids", type=token_ids, help="the prompt as token ids: 1,2,3")
-    run.add_argument(
-        "--chat",
-        action="store_true",
-        help="wrap the prompt in the model's chat template as a user turn",
-    )
-    run.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (32)")
-    run.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    run.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
-    run.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
-    run.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    run.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object to stdout; text and progress go to stderr",
-    )
-    run.add_argument(
-        "--trace",
-        type=Path,
-        default=None,
-        help="write Chrome trace events (open in https://ui.perfetto.dev)",
-    )
+    add_generation_arguments(run, stages_help="pipeline stages (default: 3)")
     run.set_defaults(func=_cmd_run)
 
     ex = sub.add_parser(
