@@ -26,11 +26,12 @@ import numpy.typing as npt
 from attrs import frozen
 from gguf import GGMLQuantizationType, quants
 
-from runplan import GgufSource, WorkerCapabilities
+from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.gguf_facts import vocab_size
 from runplan.gguf_header import GgufHeader, TensorInfo
 from runtime_core.errors import UnsupportedModel
 from runtime_core.model_config import ModelConfig
+from runtime_core.worker import WorkerError
 
 EMBEDDING = "token_embd.weight"
 OUTPUT = "output.weight"
@@ -244,3 +245,27 @@ def _refuse_unknown_block_tensors(
                 f"not a tensor of the {config.architecture} architecture as this worker runs it",
                 tensor=name,
             )
+
+
+def open_provisioned_slice(
+    source: GgufSource, provision: ProvisionStage, capabilities: WorkerCapabilities
+) -> StageSlice:
+    """``open_stage_slice`` for a provisioned stage, checked against what the plan says
+    of the model: ``WorkerError`` if the file is another architecture or hidden size."""
+    stage = open_stage_slice(
+        source,
+        provision.layer_start,
+        provision.layer_end_exclusive,
+        is_first=provision.is_first,
+        is_last=provision.is_last,
+        capabilities=capabilities,
+    )
+    config, planned = stage.config, provision.model
+    if (config.architecture, config.hidden_dim) != (planned.architecture, planned.hidden_dim):
+        stage.close()
+        raise WorkerError(
+            f"{stage.path}: a {config.architecture} model of hidden size "
+            f"{config.hidden_dim}, the plan says {planned.architecture} of "
+            f"{planned.hidden_dim}"
+        )
+    return stage

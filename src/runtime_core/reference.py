@@ -24,7 +24,7 @@ from runplan import GgufSource, ProvisionStage, SamplingConfig, WorkerCapabiliti
 from runplan.gguf_header import GgufError
 from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
-from runtime_core.gguf_slice import open_stage_slice
+from runtime_core.gguf_slice import open_provisioned_slice
 from runtime_core.reference_model import StageModel, StageWeights
 from runtime_core.sampling import Sampler
 from runtime_core.worker import (
@@ -79,24 +79,7 @@ class ReferenceWorker:
             raise WorkerError("bind before configure")
         self._bound = None
         try:
-            with open_stage_slice(
-                gguf_source,
-                p.layer_start,
-                p.layer_end_exclusive,
-                is_first=p.is_first,
-                is_last=p.is_last,
-                capabilities=self.capabilities,
-            ) as stage:
-                config = stage.config
-                if (config.architecture, config.hidden_dim) != (
-                    p.model.architecture,
-                    p.model.hidden_dim,
-                ):
-                    raise WorkerError(
-                        f"{stage.path}: a {config.architecture} model of hidden size "
-                        f"{config.hidden_dim}, the plan says {p.model.architecture} of "
-                        f"{p.model.hidden_dim}"
-                    )
+            with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
                 weights = StageWeights.load(stage, progress)
                 vocab = stage.vocab_size
         except (UnsupportedModel, GgufError, ValueError, OSError) as exc:

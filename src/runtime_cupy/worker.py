@@ -44,7 +44,7 @@ from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.gguf_header import GgufError
 from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
-from runtime_core.gguf_slice import StageSlice, open_stage_slice
+from runtime_core.gguf_slice import StageSlice, open_provisioned_slice
 from runtime_core.sampling import Sampler
 from runtime_core.worker import (
     Progress,
@@ -167,24 +167,7 @@ class StageWorker:
         )
         backend: StageBackend | None = None
         try:
-            with open_stage_slice(
-                gguf_source,
-                p.layer_start,
-                p.layer_end_exclusive,
-                is_first=p.is_first,
-                is_last=p.is_last,
-                capabilities=self.capabilities,
-            ) as stage:
-                config = stage.config
-                if (config.architecture, config.hidden_dim) != (
-                    p.model.architecture,
-                    p.model.hidden_dim,
-                ):
-                    raise WorkerError(
-                        f"{stage.path}: a {config.architecture} model of hidden size "
-                        f"{config.hidden_dim}, the plan says {p.model.architecture} of "
-                        f"{p.model.hidden_dim}"
-                    )
+            with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
                 backend = self._make_backend(spec)
                 backend.load(stage, p.model.max_seq_len, progress)
                 vocab = stage.vocab_size
