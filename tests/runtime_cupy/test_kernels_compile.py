@@ -1,11 +1,13 @@
-"""Every kernel file compiles with nvcc for Hopper (sm_90) and Ampere (sm_80), with no
-warning, and the kernels in the PTX are exactly those ``kernels.py`` launches, with the
-parameter types it passes. What is compiled is each file as CuPy hands it to NVRTC at
-run time: one translation unit with our headers inlined (``kernels.source``).
+"""Every kernel file compiles, with nvcc and with NVRTC, for Hopper (sm_90) and Ampere
+(sm_80), with no warning, and the kernels in the PTX are exactly those ``kernels.py``
+launches, with the parameter types it passes. What is compiled is each file as CuPy
+hands it to NVRTC at run time: one translation unit with our headers inlined
+(``kernels.source``).
 
-nvcc is on the CPU hosts and in CI; without it these tests are skipped, saying so.
-Each file is compiled once per architecture (two at a time), for all tests of the
-module: about 15 s on two cores.
+nvcc is on the CPU hosts and in CI; NVRTC comes with the ``test`` extra (the
+``nvidia-cuda-nvrtc`` wheel). Without one of them its tests are skipped, saying so.
+Each file is compiled once per architecture and compiler, for all tests of the module:
+about 25 s on two cores.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ from pathlib import Path
 import pytest
 
 from runtime_cupy.kernels import HEADERS, KERNEL_DIR, KERNELS, SIGNATURES, SOURCES, source
+from tests.runtime_cupy.nvrtc import Nvrtc, NvrtcError, find_library
 
 NVCC = shutil.which("nvcc")
+NVRTC_LIB = find_library()
 ARCHS = ("sm_90", "sm_80")
+COMPILERS = ("nvcc", "nvrtc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: kernels not compiled")
+needs_nvrtc = pytest.mark.skipif(
+    NVRTC_LIB is None,
+    reason="no NVRTC library (pip install nvidia-cuda-nvrtc): kernels not compiled by NVRTC",
+)
 
 #: PTX parameter type of each code of kernels.SIGNATURES.
 PTX_TYPES = {"p": ".u64", "l": ".u64", "i": ".u32", "f": ".f32"}
@@ -46,15 +55,38 @@ def _compile(cu: str, arch: str, out_dir: Path) -> tuple[str, str, int, str]:
     return cu, arch, proc.returncode, (proc.stdout + proc.stderr).strip() + "\n" + text
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], str]]:
-    """(file, arch) -> PTX text, compiled once; fails on any error or warning."""
+def _compile_nvrtc(nvrtc: Nvrtc, cu: str, arch: str) -> tuple[str, str, int, str]:
+    """What CuPy's RawModule does with the file, to PTX for ``compute_XX``."""
+    try:
+        ptx, log = nvrtc.compile_ptx(source(cu), cu, arch.replace("sm_", "compute_"))
+    except NvrtcError as exc:
+        return cu, arch, 1, f"{exc}".replace("\n", " | ") + "\n"
+    return cu, arch, 0, log.replace("\n", " | ") + "\n" + ptx
+
+
+def _nvcc_ptx(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, str, int, str]]:
     if NVCC is None:
         pytest.skip("nvcc is not on PATH: kernels not compiled")
     out_dir = tmp_path_factory.mktemp("ptx")
     jobs = [(cu, arch) for cu in SOURCES for arch in ARCHS]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda job: _compile(job[0], job[1], out_dir), jobs))
+        return list(pool.map(lambda job: _compile(job[0], job[1], out_dir), jobs))
+
+
+def _nvrtc_ptx() -> list[tuple[str, str, int, str]]:
+    if NVRTC_LIB is None:
+        pytest.skip("no NVRTC library (pip install nvidia-cuda-nvrtc): kernels not compiled")
+    nvrtc = Nvrtc(NVRTC_LIB)
+    return [_compile_nvrtc(nvrtc, cu, arch) for cu in SOURCES for arch in ARCHS]
+
+
+@pytest.fixture(scope="module", params=COMPILERS)
+def compiled(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[tuple[str, str], str]]:
+    """(file, arch) -> PTX text, compiled once per compiler; fails on any error or
+    warning."""
+    results = _nvcc_ptx(tmp_path_factory) if request.param == "nvcc" else _nvrtc_ptx()
     ptx: dict[tuple[str, str], str] = {}
     failures = []
     for cu, arch, rc, text in results:
@@ -88,7 +120,22 @@ def test_sources_are_one_translation_unit_each() -> None:
         assert text.count("// ---- common.cuh ----") == 1, cu
 
 
-@needs_nvcc
+@needs_nvrtc
+def test_nvrtc_loads() -> None:
+    assert NVRTC_LIB is not None
+    major, _minor = Nvrtc(NVRTC_LIB).version()
+    assert major >= 12, NVRTC_LIB
+
+
+@needs_nvrtc
+def test_nvrtc_reports_a_compile_error() -> None:
+    """The NVRTC harness can fail: a kernel with a type error is refused, with a log."""
+    assert NVRTC_LIB is not None
+    bad = 'extern "C" __global__ void broken(float* x) { x[0] = undefined_name; }'
+    with pytest.raises(NvrtcError, match="undefined_name"):
+        Nvrtc(NVRTC_LIB).compile_ptx(bad, "broken.cu", "compute_90")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cu", SOURCES)
 def test_compiles_and_exports_the_launched_kernels(
@@ -103,7 +150,6 @@ def test_compiles_and_exports_the_launched_kernels(
         assert types == expected, (name, types, expected)
 
 
-@needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_no_kernel_uses_local_memory(compiled: dict[tuple[str, str], str], arch: str) -> None:
     """A register array indexed at run time would spill to local memory (slow)."""
