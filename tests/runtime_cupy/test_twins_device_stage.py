@@ -167,7 +167,7 @@ class FakeCupy(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("cupy")
         self.zeros = _checked_alloc(np.zeros)
-        self.empty = _checked_alloc(_poisoned)
+        self.empty = _checked_alloc(poisoned)
         self.asarray = _checked_alloc(lambda a, dtype=None: np.array(a, dtype=dtype, copy=True))
         self.ascontiguousarray = lambda a: _dev(np.ascontiguousarray(a))
         self.matmul = lambda a, b: _dev(np.matmul(np.asarray(a), np.asarray(b)))
@@ -181,18 +181,58 @@ class FakeCupy(types.ModuleType):
         return getattr(np, name)
 
 
-def _poisoned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
-    """``empty``: NaN (or 0x5A bytes) where real memory would hold leftovers, so that a
-    read of anything not written shows."""
+#: NaNs of a payload that neither NumPy nor a GPU computes, to poison memory with:
+#: a NaN written over one shows as a change of bits (``_GpuNans``).
+POISON_NAN_BITS: dict[np.dtype[Any], tuple[Any, int]] = {
+    np.dtype(np.float64): (np.uint64, 0x7FFA5A5A5A5A5A5A),
+    np.dtype(np.float32): (np.uint32, 0x7FD5A5A5),
+    np.dtype(np.float16): (np.uint16, 0x7E5A),
+}
+
+
+def poisoned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
+    """``empty``: NaN (``POISON_NAN_BITS``, or 0x5A bytes) where real memory would hold
+    leftovers, so that a read of anything not written shows."""
     dt = np.dtype(dtype)
+    if dt in POISON_NAN_BITS:
+        bits_type, bits = POISON_NAN_BITS[dt]
+        return np.full(shape, bits, bits_type).view(dt)
     if np.issubdtype(dt, np.floating):
         return np.full(shape, np.nan, dt)
     return np.full(shape, 0x5A, dt)
 
 
+#: The NaN a GPU writes for any NaN it computes (its arithmetic and conversions keep no
+#: payload), by dtype: (bits type, bits). NumPy keeps an operand's payload instead
+#: (0x7fc00000 for ``np.nan``).
+GPU_NAN_BITS: dict[np.dtype[Any], tuple[Any, int]] = {
+    np.dtype(np.float32): (np.uint32, 0x7FFFFFFF),
+    np.dtype(np.float16): (np.uint16, 0x7FFF),
+}
+
+
+class _GpuNans:
+    """A launch's float memory as a GPU leaves it: a NaN the kernel writes (where the
+    bits changed) is the GPU's (``GPU_NAN_BITS``); memory it leaves alone keeps its bits."""
+
+    def __init__(self, args: Sequence[Any]) -> None:
+        self.saved: list[tuple[Any, Any, Any]] = []  # (values, bits view, bits before)
+        for a in args:
+            if isinstance(a, FakeArray) and a.dtype in GPU_NAN_BITS:
+                values = a.view(np.ndarray)
+                bits = values.view(GPU_NAN_BITS[a.dtype][0])
+                self.saved.append((values, bits, bits.copy()))
+
+    def finish(self) -> None:
+        for values, bits, before in self.saved:
+            bits[np.isnan(values) & (bits != before)] = GPU_NAN_BITS[values.dtype][1]
+
+
 class EmulatedKernels:
     """``KernelSet`` with each kernel replaced by its NumPy twin. Checks each launch's
-    arguments against the kernel's parameter types, as the real launch converts them."""
+    arguments against the kernel's parameter types, as the real launch converts them.
+    A NaN a twin writes gets the GPU's bits, not NumPy's (``_GpuNans``): what a test
+    compares must not depend on NaN payloads."""
 
     def __init__(self) -> None:
         self.python_launches = 0
@@ -225,7 +265,13 @@ class EmulatedKernels:
         self.python_launches += 1
         self.launched[name] = self.launched.get(name, 0) + 1
         frozen = tuple(args)
-        RECORDER.run_or_record(lambda: KERNEL_TWINS[name](grid3, block, frozen))
+
+        def run() -> None:
+            nans = _GpuNans(frozen)
+            KERNEL_TWINS[name](grid3, block, frozen)
+            nans.finish()
+
+        RECORDER.run_or_record(run)
 
 
 def _load_device_stage() -> types.ModuleType:
