@@ -255,7 +255,7 @@ class DeviceOps:
         q8 = self._q8("att", rows)
         fused = q8 if (q8 is not None and c.head_dim_v % CHUNK == 0) else None
         self._launch(
-            f"attention_{kv}", (c.n_heads, rows), ATT_THREADS,
+            f"attention_{kv}", (rows, c.n_heads), ATT_THREADS,
             self.buf["qkv"], rows, self.k_cache[layer], self.v_cache[layer], self.state,
             c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, self.max_seq, self.scale,
             self.buf["att"],

@@ -218,8 +218,8 @@ def _attention(kv_half: bool) -> KernelTwin:
     def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
         (qkv, rows, kc, vc, state, n_heads, n_kv, hd_k, hd_v, max_seq, scale, out, oq, od,
          os_) = args  # fmt: skip
-        if tuple(grid) != (n_heads, rows) or block != 32 * ATT_WARPS:
-            raise LaunchError(f"attention of {n_heads} heads x {rows} rows launched as {grid}")
+        if tuple(grid) != (rows, n_heads) or block != 32 * ATT_WARPS:
+            raise LaunchError(f"attention of {rows} rows x {n_heads} heads launched as {grid}")
         if hd_k > 256 or hd_v > 256:
             raise LaunchError("heads larger than 256")
         pos = int(_flat(state, np.int32)[0])

@@ -292,7 +292,7 @@ def test_attention(ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, k
     scale = float(np.float32(1 / np.sqrt(hd)))
     args = [qkv, rows, kc, vc, state, n_heads, n_kv, hd, hd, max_seq, scale, out,
             *(q8 if fused else [None, None, None])]  # fmt: skip
-    dev, twin = launch_both(ks, f"attention_{kv}", (n_heads, rows), ATT_THREADS, args)
+    dev, twin = launch_both(ks, f"attention_{kv}", (rows, n_heads), ATT_THREADS, args)
     # an output is a weighted mean of values of magnitude ~1: float32 online softmax
     within(dev[11], twin[11], np.ones_like(twin[11]), rel=2e-5)
     if fused:

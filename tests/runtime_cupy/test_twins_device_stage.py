@@ -262,6 +262,9 @@ class EmulatedKernels:
                 assert isinstance(value, float | np.floating), (name, value)
         grid3 = (grid,) if isinstance(grid, int) else tuple(grid)
         assert all(g >= 1 for g in grid3) and 1 <= block <= 1024, (name, grid3, block)
+        # CUDA's limits: x up to 2**31 - 1 blocks, y and z up to 65535
+        assert len(grid3) <= 3 and grid3[0] < 2**31, (name, grid3)
+        assert all(g <= 65535 for g in grid3[1:]), (name, grid3)
         self.python_launches += 1
         self.launched[name] = self.launched.get(name, 0) + 1
         frozen = tuple(args)
@@ -488,6 +491,29 @@ def test_logits_with_nan_fail_the_step(models: dict[str, Path]) -> None:
     backend.weights.output_norm[0] = np.nan  # poison the last stage's norm on the "device"
     with pytest.raises(WorkerError, match="NaN or infinite"):
         w.execute_step(0, np.array(PROMPT, np.uint32))
+
+
+def test_a_long_prefill_launches_within_cuda_s_grid_limits(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every launch of a 70000-row step (the kernels' work skipped: only the launches'
+    geometry is checked) fits CUDA's grid: no dimension but x above 65535 blocks."""
+    p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
+    w = EmulatedCudaWorker(use_graph=False)
+    w.configure(p)
+    w.bind(p.gguf_source)
+    backend = EmulatedCudaWorker.backends[-1]
+    for name in KERNEL_TWINS:
+        monkeypatch.setitem(KERNEL_TWINS, name, lambda grid, block, args: None)
+    monkeypatch.setattr(
+        DEVICE_STAGE.cupy,
+        "matmul",
+        lambda a, b: _dev(np.zeros((a.shape[0], b.shape[1]), np.float32)),
+    )
+    k = DEVICE_STAGE._KERNELS[0]
+    backend._step(70_000)
+    assert {"attention_f32", "rope_kv_f32", "rmsnorm_rows", "swiglu_rows"} <= set(k.launched)
+    w.release()
 
 
 def test_a_failed_launch_is_reported_not_hidden(models: dict[str, Path]) -> None:

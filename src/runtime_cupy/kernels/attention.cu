@@ -2,12 +2,13 @@
 //
 //   attention_<KV>(qkv, rows, k_cache, v_cache, state, n_heads, n_kv, hd_k, hd_v,
 //                  max_seq, scale, out, oq, od, os)
-//   Grid (n_heads, rows), ATT_WARPS warps per block. Query row r (position
-//   p = state[0] + r, Q already rotated, in qkv) of head h attends to the cached keys
-//   and values 0 .. p of kv head h / (n_heads / n_kv): causal for a prefill, one row
-//   for a decode step. Scores are dot(q, k) * scale; softmax and the weighted sum of
-//   V run in one pass ("online softmax": a running maximum, sum and weighted sum per
-//   warp, merged across the warps at the end).
+//   Grid (rows, n_heads): rows in x, the one dimension that may exceed 65535 blocks;
+//   ATT_WARPS warps per block. Query row r (position p = state[0] + r, Q already
+//   rotated, in qkv) of head h attends to the cached keys and values 0 .. p of kv head
+//   h / (n_heads / n_kv): causal for a prefill, one row for a decode step. Scores are
+//   dot(q, k) * scale; softmax and the weighted sum of V run in one pass ("online
+//   softmax": a running maximum, sum and weighted sum per warp, merged across the warps
+//   at the end).
 //   out: (rows, n_heads * hd_v) float32. When oq is not null (one decode row, hd_v a
 //   multiple of 32), the head's outputs are also quantized to 8 bits in chunks of 32.
 //   Head sizes up to 256; lane l holds dimensions l, l + 32, ...
@@ -30,7 +31,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_acc[ATT_WARPS][32 * ATT_MAX_PER_LANE];
     __shared__ float s_out[32 * ATT_MAX_PER_LANE];
-    int h = blockIdx.x, r = blockIdx.y;
+    int r = blockIdx.x, h = blockIdx.y;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int n_ctx = state[0] + r + 1;
     int kvh = h / (n_heads / n_kv);
