@@ -348,7 +348,8 @@ class DeviceBackend:
         with self.device:
             target = self._edge_in if rows == 1 else cupy.empty(data.shape, self.spec.edge_dtype)
             if isinstance(data, cupy.ndarray):
-                src = cupy.ascontiguousarray(data)
+                with self.stream:  # a copy of a strided input is ordered before the memcpy
+                    src = cupy.ascontiguousarray(data)
                 cupy.cuda.runtime.memcpyAsync(
                     target.data.ptr, src.data.ptr, src.nbytes, _D2D, self.stream.ptr
                 )
