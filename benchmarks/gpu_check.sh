@@ -23,8 +23,9 @@
 # Each call writes its logs under $OUT (at most 5 files, no folders; 8 for `all`) and
 # prints a short summary last; it exits non-zero if a step failed or every test of a
 # step was skipped. Each step has its own time limit (180 s for a test file, 100 s and
-# 45 s for the benchmarks), so the first call ends within about 5.5 minutes and the
-# second within about 4.5 whatever happens (a guess before any run: 2 to 3 each).
+# 45 s for the benchmarks, 240 s for writing the models alongside the tests), so the
+# first call ends within about 6.5 minutes and the second within about 4.5 whatever
+# happens (a guess before any run: 2 to 3 each).
 # `bash benchmarks/gpu_check.sh all` runs both halves in one call where SmolLM2 is
 # installed already (a warm machine that kept /tmp, or one with the network).
 set -uo pipefail
@@ -131,13 +132,18 @@ run_step() {  # run_step NAME LIMIT_S CMD...: output to $OUT/NAME.log, status to
 }
 FAILED=""
 
+# Each writer is bounded (WRITE_LIMIT s, about 20 s each expected), so that waiting for
+# them cannot eat the benchmark's share of the call.
+WRITE_LIMIT=${WRITE_LIMIT:-240}
 write_models_in_background() {
     mkdir -p "$MODELS"
-    "$PY" benchmarks/gpu_decode.py --write-only --models llama8b-q4_0 --model-dir "$MODELS" \
-        "${LAYERS_ARG[@]}" >>"$SUMMARY" 2>&1 &
+    timeout --signal=INT --kill-after=10 "$WRITE_LIMIT" "$PY" benchmarks/gpu_decode.py \
+        --write-only --models llama8b-q4_0 --model-dir "$MODELS" "${LAYERS_ARG[@]}" \
+        >>"$SUMMARY" 2>&1 &
     W1=$!
-    "$PY" benchmarks/gpu_decode.py --write-only --models llama8b-q4_k --model-dir "$MODELS" \
-        "${LAYERS_ARG[@]}" >>"$SUMMARY" 2>&1 &
+    timeout --signal=INT --kill-after=10 "$WRITE_LIMIT" "$PY" benchmarks/gpu_decode.py \
+        --write-only --models llama8b-q4_k --model-dir "$MODELS" "${LAYERS_ARG[@]}" \
+        >>"$SUMMARY" 2>&1 &
     W2=$!
 }
 
