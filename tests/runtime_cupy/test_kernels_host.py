@@ -6,8 +6,10 @@ compile as host C++ (``HD`` functions; inline PTX only under ``__CUDA_ARCH__``).
 small harness built here with the host compiler runs every type's ``dequant`` and
 ``dot_q8`` over random blocks and writes the results; they must equal the twins'
 bit for bit (same integer sums, same float32 expressions, no fused multiply-add on
-either side). The GPU runs the very same source text, so what is left for the GPU
-tests is the device side: loads, warps, launches.
+either side). The harness is built with ``GGUF_CHECK_ALIGN``, so every multi-byte
+load of a block also checks that its address is aligned to its size, as a GPU requires,
+in rows laid out as on the device. The GPU runs the very same source text, so what is
+left for the GPU tests is the device side: warps, launches, the kernels' own loads.
 """
 
 from __future__ import annotations
@@ -33,9 +35,18 @@ needs_cxx = pytest.mark.skipif(CXX is None, reason="no host C++ compiler (g++) o
 HARNESS = r"""
 #include "quant.cuh"
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+// Built with GGUF_CHECK_ALIGN: each multi-byte load of quant.cuh checks its address.
+void check_aligned(const void* p, unsigned n, const char* what) {
+    if ((unsigned long long)p % n) {
+        std::fprintf(stderr, "misaligned %u-byte load (%s) at %p\n", n, what, p);
+        std::abort();
+    }
+}
 
 template <class T>
 static void dequant_all(const u8* raw, int rows, long long rb, int nc, float* out) {
@@ -131,8 +142,8 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src.write_text(HARNESS)
     exe = folder / "harness"
     proc = subprocess.run(
-        [CXX, "-std=c++17", "-O2", "-Wall", "-Werror", "-ffp-contract=off", "-I", str(KERNEL_DIR),
-         str(src), "-o", str(exe)],
+        [CXX, "-std=c++17", "-O2", "-Wall", "-Werror", "-ffp-contract=off", "-DGGUF_CHECK_ALIGN",
+         "-I", str(KERNEL_DIR), str(src), "-o", str(exe)],
         capture_output=True,
         text=True,
         check=False,
@@ -180,6 +191,37 @@ def test_device_decoders_equal_the_twins_bit_for_bit(
         np.testing.assert_array_equal(terms.view(np.uint32), expected.view(np.uint32))
     else:
         assert out.size == rows * n
+
+
+@needs_cxx
+@pytest.mark.parametrize(("qtype", "pad"), [("Q4_1", 1), ("Q2_K", 2), ("F16", 8)])
+def test_a_misaligned_load_stops_the_harness(
+    harness: Path, tmp_path: Path, qtype: str, pad: int
+) -> None:
+    """The harness is built with GGUF_CHECK_ALIGN: the decoders' loads check that they
+    are aligned as a GPU requires (so the test above proves every type's loads are, in
+    rows laid out as on the device). Rows ``pad`` bytes apart from their size are not."""
+    rng = np.random.default_rng(3)
+    rows, n = 3, SHAPES[qtype][1]
+    raw = random_rows(rng, qtype, rows, n)
+    padded = np.zeros((rows, raw.shape[1] + pad), np.uint8)
+    padded[:, : raw.shape[1]] = raw
+    nc = n // CHUNK
+    act = twins.quantize_q8(rng.standard_normal(n).astype(np.float32))
+    payload = (
+        np.array([rows, nc], np.int32).tobytes()
+        + np.array([padded.shape[1]], np.int64).tobytes()
+        + padded.tobytes()
+        + act.q.tobytes()
+        + act.d.tobytes()
+        + act.s.tobytes()
+    )
+    inp, out = tmp_path / "in", tmp_path / "out"
+    inp.write_bytes(payload)
+    proc = subprocess.run(
+        [str(harness), qtype, str(inp), str(out)], capture_output=True, check=False
+    )
+    assert proc.returncode != 0 and b"misaligned" in proc.stderr, proc.stderr
 
 
 @needs_cxx

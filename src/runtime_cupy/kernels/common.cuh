@@ -155,17 +155,36 @@ HD int dot4(int a, int b, int c) {
 #endif
 }
 
+// ---- alignment ------------------------------------------------------------------------
+// A GPU faults on a load of 2, 4, 8 or 16 bytes from an address not aligned to its size.
+// Built for the host with GGUF_CHECK_ALIGN (the CPU test harness of quant.cuh, which
+// defines check_aligned to stop on a misaligned address), every multi-byte load of a
+// block calls check_aligned(address, size, what).
+#if defined(GGUF_CHECK_ALIGN) && !defined(__CUDA_ARCH__)
+void check_aligned(const void* p, unsigned n, const char* what);
+#define CHECK_ALIGNED(p, n, what) check_aligned((const void*)(p), (n), (what))
+#else
+#define CHECK_ALIGNED(p, n, what) ((void)0)
+#endif
+
 // ---- unaligned little-endian loads ---------------------------------------------------
 // GGUF blocks of 18, 22, 34, 110 and 210 bytes are only 2-byte aligned in a row.
 
-HD u32 load_u16(const u8* p) { return *(const u16*)p; }
+HD u32 load_u16(const u8* p) {
+    CHECK_ALIGNED(p, 2, "load_u16");
+    return *(const u16*)p;
+}
 
 HD u32 load_u32_a2(const u8* p) {
+    CHECK_ALIGNED(p, 2, "load_u32_a2");
     const u16* q = (const u16*)p;
     return (u32)q[0] | ((u32)q[1] << 16);
 }
 
-HD u32 load_u32_a4(const u8* p) { return *(const u32*)p; }
+HD u32 load_u32_a4(const u8* p) {
+    CHECK_ALIGNED(p, 4, "load_u32_a4");
+    return *(const u32*)p;
+}
 
 // ---- warp and block reductions (device only) -------------------------------------------
 #ifdef __CUDACC__

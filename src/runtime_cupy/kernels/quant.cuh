@@ -72,6 +72,7 @@ HD int k3_scale(const u8* sc, int j) {
 struct TypeF32 {
     static const int BLOCK_ELEMS = 1, BLOCK_BYTES = 4;
     HD static void dequant(const u8* row, int c, float* v) {
+        CHECK_ALIGNED(row + 128 * c, 16, "F32 chunk");
         const F4* p = (const F4*)(row + 128 * c);
         UNROLL for (int i = 0; i < 8; ++i) {
             F4 f = p[i];
@@ -97,6 +98,7 @@ HD void unpack8(U4 u, float* v) {
 struct TypeF16 {
     static const int BLOCK_ELEMS = 1, BLOCK_BYTES = 2;
     HD static void dequant(const u8* row, int c, float* v) {
+        CHECK_ALIGNED(row + 64 * c, 16, "F16 chunk");
         const U4* p = (const U4*)(row + 64 * c);
         UNROLL for (int i = 0; i < 4; ++i) unpack8<false>(p[i], v + 8 * i);
     }
@@ -105,6 +107,7 @@ struct TypeF16 {
 struct TypeBF16 {
     static const int BLOCK_ELEMS = 1, BLOCK_BYTES = 2;
     HD static void dequant(const u8* row, int c, float* v) {
+        CHECK_ALIGNED(row + 64 * c, 16, "BF16 chunk");
         const U4* p = (const U4*)(row + 64 * c);
         UNROLL for (int i = 0; i < 4; ++i) unpack8<true>(p[i], v + 8 * i);
     }
