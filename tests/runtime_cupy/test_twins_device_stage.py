@@ -228,9 +228,37 @@ class _GpuNans:
             bits[np.isnan(values) & (bits != before)] = GPU_NAN_BITS[values.dtype][1]
 
 
+#: The widest load of a type's blocks in quant.cuh (2 bytes for the types not listed):
+#: a matrix's rows must start at multiples of it.
+BLOCK_LOAD_BYTES = {"F32": 16, "F16": 16, "BF16": 16, "Q4_1": 4, "Q5_1": 4, "Q2_K": 4,
+                    "Q4_K": 4, "Q5_K": 4}  # fmt: skip
+#: (kernel name prefix, pointer parameter): the 16-byte vectors a kernel reads or writes.
+VECTOR_PARAMETERS = {("matvec_q8_", 4), ("matvec_f_", 4), ("dequant_rows_", 6)}
+
+
+def pointer_alignment(name: str, index: int, array: np.ndarray) -> int:
+    """The alignment (bytes) a GPU needs of pointer parameter ``index`` of ``name``."""
+    if any(name.startswith(prefix) and index == at for prefix, at in VECTOR_PARAMETERS):
+        return 16
+    if name.startswith(("matvec_", "dequant_rows_")) and index == 0:  # GGUF rows
+        return BLOCK_LOAD_BYTES.get(name.split("_", 2)[2], 2)
+    return int(array.dtype.itemsize)
+
+
+def allocation_offset(array: np.ndarray) -> int:
+    """Where view ``array`` starts in the allocation it views (a GPU allocation is 256-byte
+    aligned, so this is its alignment there)."""
+    owner = array
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    start: int = array.__array_interface__["data"][0]
+    return start - int(owner.__array_interface__["data"][0])
+
+
 class EmulatedKernels:
     """``KernelSet`` with each kernel replaced by its NumPy twin. Checks each launch's
-    arguments against the kernel's parameter types, as the real launch converts them.
+    arguments against the kernel's parameter types, as the real launch converts them,
+    and each pointer's alignment (``pointer_alignment``) as a GPU needs it.
     A NaN a twin writes gets the GPU's bits, not NumPy's (``_GpuNans``): what a test
     compares must not depend on NaN payloads."""
 
@@ -253,13 +281,19 @@ class EmulatedKernels:
     ) -> None:
         codes = kernels_mod.SIGNATURES[name].split()
         assert len(codes) == len(args), (name, len(codes), len(args))
-        for code, value in zip(codes, args, strict=True):
+        for index, (code, value) in enumerate(zip(codes, args, strict=True)):
             if code == "p":
                 assert value is None or isinstance(value, FakeArray), (name, type(value))
+                if value is not None:
+                    need, at = pointer_alignment(name, index, value), allocation_offset(value)
+                    assert at % need == 0, f"{name}: argument {index} at {at}, not {need}-aligned"
             elif code in "il":
                 assert isinstance(value, int | np.integer) and not isinstance(value, bool), name
             else:
                 assert isinstance(value, float | np.floating), (name, value)
+        if name.startswith(("matvec_", "dequant_rows_")):  # every row aligned as the first
+            need = pointer_alignment(name, 0, args[0])
+            assert args[1] % need == 0, f"{name}: rows of {args[1]} bytes, not {need}-aligned"
         grid3 = (grid,) if isinstance(grid, int) else tuple(grid)
         assert all(g >= 1 for g in grid3) and 1 <= block <= 1024, (name, grid3, block)
         # CUDA's limits: x up to 2**31 - 1 blocks, y and z up to 65535
@@ -514,6 +548,23 @@ def test_a_long_prefill_launches_within_cuda_s_grid_limits(
     backend._step(70_000)
     assert {"attention_f32", "rope_kv_f32", "rmsnorm_rows", "swiglu_rows"} <= set(k.launched)
     w.release()
+
+
+def test_a_misaligned_pointer_or_row_is_refused() -> None:
+    """What a GPU would fault on ("misaligned address"): float32 activations read as
+    16-byte vectors from a view 4 bytes into its buffer; Q4_1 rows (4-byte loads) 2
+    bytes off; the emulated launch refuses both, and takes the aligned ones."""
+    k = EmulatedKernels()
+    rows, n = 4, 64
+    w = _dev(np.zeros((rows, 2 * 20), np.uint8))
+    y = _dev(np.zeros(rows, np.float32))
+    x = _dev(np.zeros(n + 4, np.float32))
+    k.launch("matvec_f_Q4_1", 1, 128, (w, 40, 2, rows, x[:n], y, None, 0))
+    with pytest.raises(AssertionError, match="argument 4 at 4, not 16-aligned"):
+        k.launch("matvec_f_Q4_1", 1, 128, (w, 40, 2, rows, x[1 : n + 1], y, None, 0))
+    odd = _dev(np.zeros(rows * 42, np.uint8))
+    with pytest.raises(AssertionError, match="rows of 42 bytes, not 4-aligned"):
+        k.launch("matvec_f_Q4_1", 1, 128, (odd, 42, 2, rows, x[:n], y, None, 0))
 
 
 def test_a_failed_launch_is_reported_not_hidden(models: dict[str, Path]) -> None:
