@@ -60,6 +60,17 @@ class _Recorder:
 RECORDER = _Recorder()
 
 
+def _not_while_capturing(what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, refused while a graph is captured: what a stream capture cannot record (a
+    host copy, an allocation, a wait) fails the capture on a GPU."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        assert RECORDER.active is None, f"{what} while a graph is captured"
+        return fn(*args, **kwargs)
+
+    return call
+
+
 class _Ptr:
     def __init__(self, ptr: int) -> None:
         self.ptr = ptr
@@ -73,6 +84,7 @@ class FakeArray(np.ndarray):
         return _Ptr(int(self.__array_interface__["data"][0]))
 
     def set(self, arr: Any, stream: Any = None) -> None:
+        assert RECORDER.active is None, "a copy from the host while a graph is captured"
         src = np.asarray(arr)
         assert src.shape == self.shape and src.dtype == self.dtype, (src.shape, self.shape)
         np.copyto(self.view(np.ndarray), src)
@@ -169,9 +181,18 @@ class FakeCupy(types.ModuleType):
         self.zeros = _checked_alloc(np.zeros)
         self.empty = _checked_alloc(poisoned)
         self.asarray = _checked_alloc(lambda a, dtype=None: np.array(a, dtype=dtype, copy=True))
-        self.ascontiguousarray = lambda a: _dev(np.ascontiguousarray(a))
-        self.matmul = lambda a, b: _dev(np.matmul(np.asarray(a), np.asarray(b)))
-        self.asnumpy = lambda a, stream=None: np.array(a).view(np.ndarray)
+        self.ascontiguousarray = lambda a: (
+            a if a.flags.c_contiguous else self._copy_while_not_capturing(a)
+        )
+        self._copy_while_not_capturing = _not_while_capturing(
+            "a copy (an allocation)", lambda a: _dev(np.ascontiguousarray(a))
+        )
+        self.matmul = _not_while_capturing(
+            "cuBLAS (an allocation)", lambda a, b: _dev(np.matmul(np.asarray(a), np.asarray(b)))
+        )
+        self.asnumpy = _not_while_capturing(
+            "a copy to the host", lambda a, stream=None: np.array(a).view(np.ndarray)
+        )
         pool = _Pool()
         self.get_default_memory_pool = lambda: pool
         runtime = types.SimpleNamespace(memcpyAsync=_memcpy_async, deviceSynchronize=lambda: None)
@@ -548,6 +569,30 @@ def test_a_long_prefill_launches_within_cuda_s_grid_limits(
     backend._step(70_000)
     assert {"attention_f32", "rope_kv_f32", "rmsnorm_rows", "swiglu_rows"} <= set(k.launched)
     w.release()
+
+
+def test_what_a_capture_cannot_record_is_refused() -> None:
+    """The stand-in refuses, while a stream captures, what fails a CUDA graph capture:
+    allocations, host copies both ways, cuBLAS, synchronizing."""
+    fake = DEVICE_STAGE.cupy
+    a = fake.zeros((2, 3), np.float32)
+    stream = fake.cuda.Stream(non_blocking=True)
+    stream.begin_capture()
+    try:
+        assert fake.ascontiguousarray(a) is a  # no copy, nothing to refuse
+        for attempt in (
+            lambda: fake.zeros(3, np.float32),
+            lambda: fake.empty(3, np.float32),
+            lambda: fake.ascontiguousarray(a.T),
+            lambda: fake.matmul(a, a.T),
+            lambda: fake.asnumpy(a),
+            lambda: a.set(np.ones((2, 3), np.float32)),
+            stream.synchronize,
+        ):
+            with pytest.raises(AssertionError, match="captur"):
+                attempt()
+    finally:
+        stream.end_capture()
 
 
 def test_a_misaligned_pointer_or_row_is_refused() -> None:
