@@ -50,15 +50,18 @@ class Nvrtc:
             name = self._lib.nvrtcGetErrorString(code).decode()
             raise NvrtcError(f"{name}\n{log}".strip())
 
-    def compile_ptx(self, text: str, name: str, arch: str) -> tuple[str, str]:
-        """(PTX, log) of ``text`` compiled for ``compute_XX`` architecture ``arch``."""
+    def compile_ptx(
+        self, text: str, name: str, arch: str, extra: tuple[str, ...] = ()
+    ) -> tuple[str, str]:
+        """(PTX, log) of ``text`` compiled for ``compute_XX`` architecture ``arch``, with
+        options ``extra`` after CuPy's."""
         lib = self._lib
         prog = ctypes.c_void_p()
         self._check(
             lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), name.encode(), 0, None, None)
         )
         try:
-            options = [*COMPILE_OPTIONS, f"-arch={arch}", "-ftz=true"]
+            options = [*COMPILE_OPTIONS, f"-arch={arch}", "-ftz=true", *extra]
             argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
             code = lib.nvrtcCompileProgram(prog, len(options), argv)
             size = ctypes.c_size_t()

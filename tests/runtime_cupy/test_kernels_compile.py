@@ -136,6 +136,18 @@ def test_nvrtc_reports_a_compile_error() -> None:
         Nvrtc(NVRTC_LIB).compile_ptx(bad, "broken.cu", "compute_90")
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("std", ["c++11", "c++14", "c++17", "c++20"])
+def test_nvrtc_compiles_under_every_language_standard(std: str) -> None:
+    """Whatever ``-std`` a CuPy version adds (NVRTC 13 defaults to C++17), the sources
+    compile without error or warning."""
+    assert NVRTC_LIB is not None
+    nvrtc = Nvrtc(NVRTC_LIB)
+    for cu in SOURCES:
+        _ptx, log = nvrtc.compile_ptx(source(cu), cu, "compute_90", (f"-std={std}",))
+        assert not log, (cu, std, log)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cu", SOURCES)
 def test_compiles_and_exports_the_launched_kernels(
