@@ -15,11 +15,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-import attrs
 from attrs import frozen
 
 from runplan.config import Timeouts
-from runplan.fsm.table import Transition, mermaid
+from runplan.fsm.table import Transition, evolver, mermaid
 from runplan.messages import (
     ControlMessage,
     FaultKind,
@@ -321,6 +320,7 @@ class OrchestratorMachine:
 
 
 _Result = tuple[OrchestratorMachine, tuple[Action, ...]]
+_evolve = evolver(OrchestratorMachine)
 
 
 class PromptError(ValueError):
@@ -360,7 +360,7 @@ def step(machine: OrchestratorMachine, event: Event) -> _Result:
 
 def _start(m: OrchestratorMachine, _e: Start) -> _Result:
     sends = tuple(SendProvision(i, m.node_ids[i], msg) for i, msg in enumerate(m.provisions))
-    m = attrs.evolve(m, state=State.WAITING_READY, provisioned=frozenset(range(len(sends))))
+    m = _evolve(m, state=State.WAITING_READY, provisioned=frozenset(range(len(sends))))
     return m, (OpenTokenEndpoints(), *sends, StartTimer(Timer.READY, m.timeouts.ready_ms))
 
 
@@ -381,7 +381,7 @@ def _maybe_run(m: OrchestratorMachine, actions: tuple[Action, ...]) -> _Result:
     """The readiness barrier: inject the prompt only once every stage reported ready
     and the local token endpoints are ready."""
     if m.endpoints_ready and len(m.ready) == len(m.node_ids):
-        m = attrs.evolve(m, state=State.RUNNING, injected=0)
+        m = _evolve(m, state=State.RUNNING, injected=0)
         return m, (
             *actions,
             CancelTimer(Timer.READY),
@@ -396,11 +396,11 @@ def _stage_ready(m: OrchestratorMachine, e: Received) -> _Result:
     if problem:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, StageReady)
-    return _maybe_run(attrs.evolve(m, ready=m.ready | {e.message.stage_index}), ())
+    return _maybe_run(_evolve(m, ready=m.ready | {e.message.stage_index}), ())
 
 
 def _endpoints_ready(m: OrchestratorMachine, _e: EndpointsReady) -> _Result:
-    return _maybe_run(attrs.evolve(m, endpoints_ready=True), ())
+    return _maybe_run(_evolve(m, endpoints_ready=True), ())
 
 
 def _ignore_ready(m: OrchestratorMachine, e: Received) -> _Result:
@@ -417,9 +417,7 @@ def _teardown(
 ) -> _Result:
     """Stop injecting, record the one outcome, send StopRun to every provisioned stage,
     and wait for them (or the stop timeout); the token endpoints close at the end."""
-    m = attrs.evolve(
-        m, state=State.TEARING_DOWN, outcome=outcome, fault=fault, fault_stage=fault_stage
-    )
+    m = _evolve(m, state=State.TEARING_DOWN, outcome=outcome, fault=fault, fault_stage=fault_stage)
     stop = StopRun(m.run_id, outcome)
     sends = tuple(SendStopRun(i, m.node_ids[i], stop) for i in sorted(m.provisioned))
     out: tuple[Action, ...] = (
@@ -436,7 +434,7 @@ def _teardown(
 def _finish(m: OrchestratorMachine, actions: tuple[Action, ...]) -> _Result:
     outcome = m.outcome
     assert outcome is not None
-    m = attrs.evolve(m, state=State.DONE)
+    m = _evolve(m, state=State.DONE)
     done = RunFinished(outcome, m.tokens, m.fault, m.fault_stage, tuple(sorted(m.awaiting_stop)))
     # The token endpoints close last: closing them earlier would fault a stage still
     # waiting on token-in before its StopRun arrives (§5: StopRun first).
@@ -463,14 +461,14 @@ def _stage_stopped_early(m: OrchestratorMachine, e: Received) -> _Result:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, StageStopped)
     i = e.message.stage_index
-    m = attrs.evolve(m, stopped=m.stopped | {i})
+    m = _evolve(m, stopped=m.stopped | {i})
     return _fault(m, FaultKind.PROTOCOL_VIOLATION, "stage stopped during the run", i)
 
 
 def _stage_died(m: OrchestratorMachine, e: StageDied) -> _Result:
     if not 0 <= e.stage_index < len(m.node_ids):
         return m, ()
-    m = attrs.evolve(m, dead=m.dead | {e.stage_index})
+    m = _evolve(m, dead=m.dead | {e.stage_index})
     detail = f"stage {e.stage_index} on {m.node_ids[e.stage_index]!r}: {e.detail}".rstrip(": ")
     return _fault(m, FaultKind.PROCESS_DIED, detail, e.stage_index)
 
@@ -497,12 +495,12 @@ def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
         )
     if not 0 <= e.token_id < m.vocab_size:
         return _fault(m, FaultKind.EDGE_FAULT, f"token id {e.token_id} outside the vocabulary")
-    m = attrs.evolve(m, consumed=(*m.consumed, e.token_id))
+    consumed = (*m.consumed, e.token_id)
     eos = e.token_id == m.eos_token_id
     delivered: tuple[Action, ...] = () if eos else (DeliverToken(e.sequence, e.token_id),)
-    if eos or len(m.consumed) >= m.max_tokens:
-        return _teardown(m, StopReason.COMPLETED, actions=delivered)
-    m = attrs.evolve(m, injected=e.sequence + 1)
+    if eos or len(consumed) >= m.max_tokens:
+        return _teardown(_evolve(m, consumed=consumed), StopReason.COMPLETED, actions=delivered)
+    m = _evolve(m, consumed=consumed, injected=e.sequence + 1)
     return m, (
         *delivered,
         CancelTimer(Timer.TOKEN),
@@ -516,7 +514,7 @@ def _cancel(m: OrchestratorMachine, e: Cancel) -> _Result:
 
 
 def _cancel_before_start(m: OrchestratorMachine, _e: Cancel) -> _Result:
-    return _finish(attrs.evolve(m, outcome=StopReason.CANCELLED), ())
+    return _finish(_evolve(m, outcome=StopReason.CANCELLED), ())
 
 
 def _stopped(m: OrchestratorMachine, e: Received) -> _Result:
@@ -524,7 +522,7 @@ def _stopped(m: OrchestratorMachine, e: Received) -> _Result:
     if problem:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, StageStopped)
-    m = attrs.evolve(m, stopped=m.stopped | {e.message.stage_index})
+    m = _evolve(m, stopped=m.stopped | {e.message.stage_index})
     if not m.awaiting_stop:
         return _finish(m, (CancelTimer(Timer.STOP),))
     return m, ()
@@ -533,7 +531,7 @@ def _stopped(m: OrchestratorMachine, e: Received) -> _Result:
 def _died_in_teardown(m: OrchestratorMachine, e: StageDied) -> _Result:
     if not 0 <= e.stage_index < len(m.node_ids):
         return m, ()
-    m = attrs.evolve(m, dead=m.dead | {e.stage_index})
+    m = _evolve(m, dead=m.dead | {e.stage_index})
     if not m.awaiting_stop:
         return _finish(m, (CancelTimer(Timer.STOP),))
     return m, ()

@@ -14,10 +14,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-import attrs
 from attrs import frozen
 
-from runplan.fsm.table import Transition, mermaid
+from runplan.fsm.table import Transition, evolver, mermaid
 from runplan.messages import (
     ControlMessage,
     FaultKind,
@@ -306,6 +305,7 @@ class StageMachine:
 
 
 _Result = tuple[StageMachine, tuple[Action, ...]]
+_evolve = evolver(StageMachine)
 
 
 def step(machine: StageMachine, event: Event) -> _Result:
@@ -382,7 +382,7 @@ def _provision(m: StageMachine, e: Received) -> _Result:
         return _reject(m, e.sender, problem)
     msg = e.message
     assert isinstance(msg, ProvisionStage)
-    m = attrs.evolve(
+    m = _evolve(
         m,
         state=State.PREPARING,
         provision=msg,
@@ -401,15 +401,15 @@ def _reject_provision(m: StageMachine, e: Received) -> _Result:
 
 
 def _setup_done(m: StageMachine, e: SetupDone) -> _Result:
-    m = attrs.evolve(m, setup=m.setup | {e.part})
+    m = _evolve(m, setup=m.setup | {e.part})
     if m.setup != _ALL_PARTS:
         return m, ()
-    m = attrs.evolve(m, state=State.READY)
+    m = _evolve(m, state=State.READY)
     return m, (CancelTimer(Timer.SETUP), SendToOrchestrator(StageReady(*m._ident())))
 
 
 def _to_faulted(m: StageMachine, reason: FaultReason, *actions: Action) -> _Result:
-    m = attrs.evolve(m, state=State.FAULTED, fault=reason, executing=None)
+    m = _evolve(m, state=State.FAULTED, fault=reason, executing=None)
     return m, (*actions, SendToOrchestrator(StageFault(*m._ident(), reason=reason)))
 
 
@@ -434,7 +434,7 @@ def _object_when_ready(m: StageMachine, e: ObjectLoaded) -> _Result:
         return _to_faulted(m, reason, ReleaseInput(e.sequence))
     assert m.provision is not None
     step_ms = m.provision.timeouts.step_ms
-    m = attrs.evolve(m, state=State.EXECUTING, executing=e.sequence)
+    m = _evolve(m, state=State.EXECUTING, executing=e.sequence)
     return m, (ExecuteStep(e.sequence), StartTimer(Timer.STEP, step_ms))
 
 
@@ -471,7 +471,7 @@ def _object_without_run(m: StageMachine, e: ObjectLoaded) -> _Result:
 def _step_completed(m: StageMachine, e: StepCompleted) -> _Result:
     if e.sequence != m.executing:
         return _violation(m, EventKind.STEP_COMPLETED, e)
-    m = attrs.evolve(m, state=State.READY, executing=None, next_sequence=e.sequence + 1)
+    m = _evolve(m, state=State.READY, executing=None, next_sequence=e.sequence + 1)
     return m, (CancelTimer(Timer.STEP), ReleaseInput(e.sequence))
 
 
@@ -508,7 +508,7 @@ def _begin_stopping(m: StageMachine) -> _Result:
     actions: tuple[Action, ...] = (CancelTimer(Timer.SETUP), CancelTimer(Timer.STEP))
     if m.executing is not None:
         actions += (ReleaseInput(m.executing),)
-    m = attrs.evolve(m, state=State.STOPPING, executing=None)
+    m = _evolve(m, state=State.STOPPING, executing=None)
     return m, (*actions, ReleaseRun())
 
 
@@ -525,7 +525,7 @@ def _orchestrator_lost(m: StageMachine, _e: OrchestratorLost) -> _Result:
 def _released(m: StageMachine, _e: Released) -> _Result:
     stopped = StageStopped(*m._ident())
     assert m.run_id is not None
-    m = attrs.evolve(
+    m = _evolve(
         m,
         state=State.STOPPED,
         stale_runs=m.stale_runs | {m.run_id},

@@ -13,10 +13,31 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
+import attrs
 from attrs import frozen
 
 S = TypeVar("S", bound=enum.Enum)  # state
 K = TypeVar("K", bound=enum.Enum)  # event kind
+M = TypeVar("M")  # a machine
+
+
+def evolver(cls: type[M]) -> Callable[..., M]:
+    """``attrs.evolve`` for one attrs class, made once: ``evolve(m, field=value, ...)``
+    is ``cls(...)`` with every field of ``m`` but those given, as ``attrs.evolve``
+    does, without looking the fields up on every call (a machine evolves a few times
+    per event). Only for classes whose fields all go through ``__init__`` under their
+    own names."""
+    fields = attrs.fields(cls)  # type: ignore[arg-type]
+    names = [a.name for a in fields]
+    if any(not a.init or a.alias != a.name or not a.name.isidentifier() for a in fields):
+        raise TypeError(f"{cls.__name__}: every field must be an __init__ argument of its name")
+    params = ", ".join(f"{n}=_SAME" for n in names)
+    args = ", ".join(f"m.{n} if {n} is _SAME else {n}" for n in names)
+    namespace: dict[str, Any] = {"cls": cls, "_SAME": object()}
+    exec(f"def evolve(m, *, {params}):\n    return cls({args})\n", namespace)
+    evolve: Callable[..., M] = namespace["evolve"]
+    evolve.__qualname__ = f"evolver({cls.__name__})"
+    return evolve
 
 
 @frozen
