@@ -47,7 +47,7 @@ class HeaderDType(enum.Enum):
 
     @property
     def family_width(self) -> tuple[DTypeFamily, int]:
-        return _FAMILY_WIDTH[self]
+        return _FAMILY_WIDTH_OF_CODE[self._value_]
 
     @classmethod
     def of(cls, family: DTypeFamily, width: int) -> HeaderDType:
@@ -66,6 +66,12 @@ _FAMILY_WIDTH = {
 }
 _KIND_CODES = {ObjectKind.TOKEN: 0, ObjectKind.ACTIVATION: 1}
 _KINDS = {v: k for k, v in _KIND_CODES.items()}
+# The same tables keyed by the members' values (``_value_``), for the per-record paths:
+# a dict keyed by an Enum member runs the member's Python-level ``__hash__``, and
+# ``HeaderDType(code)`` goes through ``EnumType.__call__``.
+_KIND_CODE_OF_VALUE = {kind._value_: code for kind, code in _KIND_CODES.items()}
+_FAMILY_WIDTH_OF_CODE = {dtype._value_: pair for dtype, pair in _FAMILY_WIDTH.items()}
+_DTYPE_OF_CODE = {dtype._value_: dtype for dtype in HeaderDType}
 
 
 class HeaderError(ValueError):
@@ -102,8 +108,8 @@ class ObjectHeader:
             return _STRUCT.pack(
                 MAGIC,
                 VERSION,
-                _KIND_CODES[self.kind],
-                self.dtype.value,
+                _KIND_CODE_OF_VALUE[self.kind._value_],
+                self.dtype._value_,
                 self.rows,
                 _ZERO4,
                 self.edge_id,
@@ -129,10 +135,9 @@ class ObjectHeader:
             raise HeaderError(f"version {version}, expected {VERSION}")
         if kind not in _KINDS:
             raise HeaderError(f"unknown object kind code {kind}")
-        try:
-            header_dtype = HeaderDType(dtype)
-        except ValueError:
-            raise HeaderError(f"unknown dtype code {dtype}") from None
+        header_dtype = _DTYPE_OF_CODE.get(dtype)
+        if header_dtype is None:
+            raise HeaderError(f"unknown dtype code {dtype}")
         if res4 != _ZERO4 or res24 != _ZERO24:
             raise HeaderError("reserved header bytes are not zero")
         text = run_id.rstrip(b"\x00")

@@ -216,7 +216,8 @@ class Ring:
 
 class LocalRing(Ring):
     """A ring whose two ends live in one process: the counters are plain attributes
-    (the slots stay in the buffer), which makes every operation cheaper."""
+    (the slots stay in the buffer), which makes every operation cheaper. The four
+    operations below are ``Ring``'s, reading the counters directly."""
 
     def __init__(
         self,
@@ -227,9 +228,64 @@ class LocalRing(Ring):
     ) -> None:
         self._counters = {_PUBLISHED: 0, _RELEASED: 0, _CLOSED: 0}
         super().__init__(spec, buffer, data, space)
+        self._slot_count = spec.slot_count
 
     def _get(self, offset: int) -> int:
         return self._counters[offset]
 
     def _set_counter(self, offset: int, value: int) -> None:
         self._counters[offset] = value
+
+    @property
+    def published(self) -> int:
+        return self._counters[_PUBLISHED]
+
+    @property
+    def released(self) -> int:
+        return self._counters[_RELEASED]
+
+    @property
+    def closed(self) -> bool:
+        return self._counters[_CLOSED] != 0
+
+    def try_reserve(self) -> int | None:
+        counters = self._counters
+        if counters[_CLOSED]:
+            raise EdgeClosed("the edge is closed")
+        if self._reserved is not None:
+            raise RingError("a slot is already reserved and not yet published")
+        n = counters[_PUBLISHED]
+        if n - counters[_RELEASED] >= self._slot_count:
+            return None
+        self._reserved = n
+        return n % self._slot_count
+
+    def publish(self, index: int) -> None:
+        reserved = self._reserved
+        if reserved is None or index != reserved % self._slot_count:
+            raise RingError(f"slot {index} was not reserved")
+        counters = self._counters
+        if counters[_CLOSED]:
+            self._reserved = None
+            raise EdgeClosed("the edge is closed")
+        counters[_PUBLISHED] = reserved + 1
+        self._reserved = None
+        self._data.notify()
+
+    def try_acquire(self) -> int | None:
+        counters = self._counters
+        if counters[_CLOSED]:
+            raise EdgeClosed("the edge is closed")
+        acquired = self._acquired
+        if acquired >= counters[_PUBLISHED]:
+            return None
+        self._acquired = acquired + 1
+        return acquired % self._slot_count
+
+    def release(self, index: int) -> None:
+        counters = self._counters
+        n = counters[_RELEASED]
+        if n >= self._acquired or index != n % self._slot_count:
+            raise RingError(f"slot {index} is not the oldest acquired slot")
+        counters[_RELEASED] = n + 1
+        self._space.notify()

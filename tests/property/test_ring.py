@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runplan import RingSpec
-from runtime_core.ring import EdgeClosed, EdgeTimeout, Ring, RingError
+from runtime_core.ring import EdgeClosed, EdgeTimeout, LocalRing, Ring, RingError
 
 SLOT_BYTES = 64
 
@@ -29,9 +29,11 @@ def _read_stamp(view: memoryview) -> int:
 
 
 class RingRules(RuleBasedStateMachine):
+    ring_class: type[Ring] = Ring
+
     @initialize(slots=st.integers(1, 4))
     def make(self, slots: int) -> None:
-        self.ring = Ring(RingSpec(slot_count=slots, alignment=64, slot_bytes=SLOT_BYTES))
+        self.ring = self.ring_class(RingSpec(slot_count=slots, alignment=64, slot_bytes=SLOT_BYTES))
         self.slots = slots
         self.next_record = 0
         self.reserved: int | None = None
@@ -120,6 +122,15 @@ class RingRules(RuleBasedStateMachine):
 
 
 TestRingRules = RingRules.TestCase
+
+
+class LocalRingRules(RingRules):
+    """The same rules for the in-process ring, which has its own operations."""
+
+    ring_class = LocalRing
+
+
+TestLocalRingRules = LocalRingRules.TestCase
 
 
 def _ring(slots: int = 1) -> Ring:
