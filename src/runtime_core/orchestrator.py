@@ -94,7 +94,7 @@ class OrchestratorController:
     def handle(self, event: fsm.Event) -> None:
         before = self.machine.state
         self.machine, actions = fsm.step(self.machine, event)
-        if self.machine.state is not before:
+        if self.machine.state is not before and self.trace is not _no_trace:
             self.trace(
                 "state",
                 {"from": before.name, "to": self.machine.state.name, "event": type(event).__name__},
@@ -103,26 +103,28 @@ class OrchestratorController:
             self._act(action)
 
     def _act(self, action: fsm.Action) -> None:
-        if isinstance(action, fsm.OpenTokenEndpoints):
-            self._endpoints_pending = True
-        elif isinstance(action, fsm.SendProvision | fsm.SendStopRun):
-            self.channels.send(action.node_id, action.message)
+        # The action classes are unrelated, so the order of the tests is free: the
+        # actions of every token come first.
+        if isinstance(action, fsm.DeliverToken):
+            if self.on_token is not None:
+                self.on_token(action.sequence, action.token_id)
+        elif isinstance(action, fsm.CancelTimer):
+            self.timers.cancel(action.timer)
         elif isinstance(action, fsm.InjectTokens):
             self._inject = (action.sequence, action.token_ids)
             self.try_inject()
-        elif isinstance(action, fsm.DeliverToken):
-            if self.on_token is not None:
-                self.on_token(action.sequence, action.token_id)
+        elif isinstance(action, fsm.StartTimer):
+            self.timers.start(action.timer, action.ms)
+        elif isinstance(action, fsm.OpenTokenEndpoints):
+            self._endpoints_pending = True
+        elif isinstance(action, (fsm.SendProvision, fsm.SendStopRun)):
+            self.channels.send(action.node_id, action.message)
         elif isinstance(action, fsm.CloseTokenEndpoints):
             self._endpoints_pending = False
             self._inject = None
             for end in (self.token_in, self.token_out):
                 if end is not None:
                     end.close()
-        elif isinstance(action, fsm.StartTimer):
-            self.timers.start(action.timer, action.ms)
-        elif isinstance(action, fsm.CancelTimer):
-            self.timers.cancel(action.timer)
         elif isinstance(action, fsm.RunFinished):
             self.finished = action
         elif isinstance(action, fsm.Rejected):
@@ -167,7 +169,8 @@ class OrchestratorController:
             return False
         if sent:
             self._inject = None
-            self.trace("injected", {"sequence": sequence, "rows": len(ids)})
+            if self.trace is not _no_trace:
+                self.trace("injected", {"sequence": sequence, "rows": len(ids)})
         return sent
 
     def poll_tokens(self) -> bool:
@@ -198,6 +201,7 @@ class OrchestratorController:
         if check.object_spec.layout is Layout.TOKEN_ID_WITH_LOGITS:
             self.logits.append(np.frombuffer(record.payload[4:], dtype="<f4").copy())
         end.release(record)
-        self.trace("consumed", {"sequence": record.header.sequence, "token_id": token})
+        if self.trace is not _no_trace:
+            self.trace("consumed", {"sequence": record.header.sequence, "token_id": token})
         self.handle(fsm.TokenConsumed(record.header.sequence, token))
         return True
