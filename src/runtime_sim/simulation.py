@@ -107,50 +107,53 @@ class SimRing(LocalRing):
         self.visible_at: dict[int, int] = {}
         self.released_calls = 0  # releases the consumer asked for
         self.freed_early: set[int] = set()  # EARLY_SLOT_REUSE: records freed on acquire
+        # Rings are made while the simulation runs, once its nodes exist.
+        self.producer_node = sim.node(self.edge_producer)
+        self.consumer_node = sim.node(self.edge_consumer)
+        self.early_reuse = (
+            sim.mutation is Mutation.EARLY_SLOT_REUSE
+            and edge.edge_id == sim.plan.stages[-1].inbound_edge
+        )
 
     def publish(self, index: int) -> None:
-        n = self.reserved
+        n = self._reserved
         super().publish(index)
         assert n is not None
         sequence, extent = _SEQUENCE_EXTENT.unpack_from(self.slot(index), SEQUENCE_OFFSET)
         sim = self.sim
+        clock = sim.clock
         delay = int(sim.settings.timing.hop_us(OBJECT_HEADER_BYTES + extent))
         if sim.stalls:
             delay += sim.stall_for(self.edge, sequence)
-        self.visible_at[n] = sim.clock.now_us + delay
-        sim.trace.add(
-            sim.clock.now_us,
-            self.edge_producer,
-            "ring",
-            "publish",
-            self.edge.edge_id,
-            n,
-            index,
-            sequence,
-        )
-        sim.clock.after(delay, sim.node(self.edge_consumer).wake)
+        now = clock.now_us
+        self.visible_at[n] = now + delay
+        if sim.trace.enabled:
+            sim.trace.add(
+                now, self.edge_producer, "ring", "publish", self.edge.edge_id, n, index, sequence
+            )
+        clock.after(delay, self.consumer_node.wake)
 
     def try_acquire(self) -> int | None:
-        n = self.acquired
-        if n < self.published and self.visible_at.get(n, 0) > self.sim.clock.now_us:
+        n = self._acquired
+        now = self.sim.clock.now_us
+        if n < self.published and self.visible_at.get(n, 0) > now:
             return None  # still in flight
         index = super().try_acquire()
         if index is not None:
-            (sequence,) = _SEQUENCE.unpack_from(self.slot(index), SEQUENCE_OFFSET)
-            self.sim.trace.add(
-                self.sim.clock.now_us,
-                self.edge_consumer,
-                "ring",
-                "acquire",
-                self.edge.edge_id,
-                n,
-                index,
-                sequence,
-            )
-            if (
-                self.sim.mutation is Mutation.EARLY_SLOT_REUSE
-                and self.edge.edge_id == self.sim.plan.stages[-1].inbound_edge
-            ):
+            trace = self.sim.trace
+            if trace.enabled:
+                (sequence,) = _SEQUENCE.unpack_from(self.slot(index), SEQUENCE_OFFSET)
+                trace.add(
+                    now,
+                    self.edge_consumer,
+                    "ring",
+                    "acquire",
+                    self.edge.edge_id,
+                    n,
+                    index,
+                    sequence,
+                )
+            if self.early_reuse:
                 # The bug: the last stage's slot is freed before its step reads it.
                 self._release(index)
                 self.freed_early.add(n)
@@ -167,10 +170,11 @@ class SimRing(LocalRing):
         n = self.released
         super().release(index)
         sim = self.sim
-        sim.trace.add(
-            sim.clock.now_us, self.edge_consumer, "ring", "release", self.edge.edge_id, n, index
-        )
-        producer = sim.node(self.edge_producer)
+        if sim.trace.enabled:
+            sim.trace.add(
+                sim.clock.now_us, self.edge_consumer, "ring", "release", self.edge.edge_id, n, index
+            )
+        producer = self.producer_node
         if producer.waiting_for_space:
             sim.clock.after(int(sim.settings.timing.link.latency_us), producer.wake)
 
@@ -178,8 +182,8 @@ class SimRing(LocalRing):
         if not self.closed:
             self.sim.trace.add(self.sim.clock.now_us, "sim", "ring", "close", self.edge.edge_id)
         super().close()
-        for node in (self.edge_producer, self.edge_consumer):
-            self.sim.clock.after(0, self.sim.node(node).wake)
+        for node in (self.producer_node, self.consumer_node):
+            self.sim.clock.after(0, node.wake)
 
     @property
     def edge_producer(self) -> str:
@@ -208,18 +212,29 @@ class SimEdges(LocalEdges):
 
 
 class NodeTimers:
+    """A node's running timers, by the timer's value (a dict keyed by an Enum member
+    would run the member's Python-level ``__hash__`` on every start and cancel)."""
+
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.handles: dict[enum.Enum, Handle] = {}
+        self.handles: dict[Any, Handle] = {}
 
     def start(self, timer: Any, ms: int) -> None:
-        self.cancel(timer)
-        self.handles[timer] = self.node.sim.clock.after(ms * 1000, lambda: self.node.fire(timer))
-
-    def cancel(self, timer: Any) -> None:
-        handle = self.handles.pop(timer, None)
+        key = timer._value_
+        handle = self.handles.pop(key, None)
         if handle is not None:
             handle.cancel()
+        self.handles[key] = self.node.sim.clock.after(ms * 1000, lambda: self.node.fire(timer))
+
+    def cancel(self, timer: Any) -> None:
+        handle = self.handles.pop(timer._value_, None)
+        if handle is not None:
+            handle.cancel()
+
+    def cancel_all(self) -> None:
+        for handle in self.handles.values():
+            handle.cancel()
+        self.handles.clear()
 
 
 class Node:
@@ -252,9 +267,11 @@ class Node:
         raise NotImplementedError
 
 
-def _state_tracer(sim: Simulation, actor: str) -> Callable[[str, dict[str, Any]], None]:
+def _state_tracer(sim: Simulation, actor: str) -> Callable[[str, dict[str, Any]], None] | None:
     """The controllers' trace callback: a state change is recorded when the machine
-    moves, before its actions are carried out."""
+    moves, before its actions are carried out. None (no callback) without a trace."""
+    if not sim.trace.enabled:
+        return None
 
     def trace(kind: str, fields: dict[str, Any]) -> None:
         if kind == "state":
@@ -371,6 +388,12 @@ class TracedOrchestratorController(OrchestratorController):
         super()._act(action)
 
 
+#: The fields ``_describe`` reports of any other event or action, in this order.
+_DESCRIBED = ("sequence", "part", "timer", "edge_id", "run_id", "reason", "token_id", "stage_index")
+#: Per class, which of ``_DESCRIBED`` its instances have (see ``_described_fields``).
+_DESCRIBED_OF: dict[type, tuple[str, ...] | None] = {}
+
+
 def _describe(obj: Any) -> tuple[Any, ...]:
     """The fields of an event or action the checker and the trace need."""
     if isinstance(obj, sfsm.Received | ofsm.Received):
@@ -391,21 +414,38 @@ def _describe(obj: Any) -> tuple[Any, ...]:
         return (obj.sequence, len(obj.token_ids))
     if isinstance(obj, ofsm.RunFinished):
         return (obj.outcome.value, len(obj.tokens), str(obj.fault) if obj.fault else None)
+    cls = type(obj)
+    if cls in _DESCRIBED_OF:
+        names = _DESCRIBED_OF[cls]
+    else:
+        names = _DESCRIBED_OF[cls] = _described_fields(cls)
+    if names is None:
+        names = tuple(name for name in _DESCRIBED if hasattr(obj, name))
     fields = []
-    for name in (
-        "sequence",
-        "part",
-        "timer",
-        "edge_id",
-        "run_id",
-        "reason",
-        "token_id",
-        "stage_index",
-    ):
-        if hasattr(obj, name):
-            value = getattr(obj, name)
-            fields.append(value.name if isinstance(value, enum.Enum) else value)
+    for name in names:
+        value = getattr(obj, name)
+        fields.append(value._name_ if isinstance(value, enum.Enum) else value)
     return tuple(fields)
+
+
+def _described_fields(cls: type) -> tuple[str, ...] | None:
+    """The names of ``_DESCRIBED`` that every instance of ``cls`` has, when the class
+    alone decides it: an attrs class whose fields are all set by ``__init__`` and that
+    has no other attribute of those names. None otherwise (ask each instance)."""
+    getattribute: Any = cls.__getattribute__
+    custom_lookup = hasattr(cls, "__getattr__") or getattribute is not object.__getattribute__
+    if not attrs.has(cls) or custom_lookup:
+        return None
+    fields = {a.name: a for a in attrs.fields(cls)}
+    names = []
+    for name in _DESCRIBED:
+        if name in fields:
+            if not fields[name].init:
+                return None
+            names.append(name)
+        elif hasattr(cls, name):
+            return None
+    return tuple(names)
 
 
 class FaultyWorker:
@@ -497,36 +537,37 @@ class StageNode(Node):
         for handle in (self._setup, self._step, self._release, self._attach, self._pump):
             if handle is not None:
                 handle.cancel()
-        for timer in list(self.timers.handles):
-            self.timers.cancel(timer)
+        self.timers.cancel_all()
         sim.clock.after(
             sim.settings.death_notice_us, lambda: sim.orchestrator.stage_died(self.index)
         )
 
     # -- work -----------------------------------------------------------------------------
     def pump(self) -> None:
+        # The node's own handles are read before the controller's (side-effect free)
+        # properties: most passes schedule nothing.
         c = self.controller
         sim = self.sim
-        timing = sim.settings.timing
         progress = True
         while progress and self.alive:
             progress = False
-            if c.setup_pending and self._setup is None:
-                self._setup = sim.clock.after(int(timing.load_us(self.cost)), self._run_setup)
-            if c.outbound_pending and not c.setup_pending and self._attach is None:
+            if self._setup is None and c.setup_pending:
+                load = int(sim.settings.timing.load_us(self.cost))
+                self._setup = sim.clock.after(load, self._run_setup)
+            if self._attach is None and c.outbound_pending and not c.setup_pending:
                 if c.try_attach_outbound():
                     progress = True
                 else:
                     self._attach = sim.clock.after(sim.settings.attach_retry_us, self._retry)
             if c.wants_input and c.poll_inbound():
                 progress = True
-            if c.step_pending and self._step is None and c.record is not None:
+            if self._step is None and c.step_pending and c.record is not None:
                 self._start_step(c.record)
             if c.output_pending and c.try_publish_output():
                 progress = True
-            if c.release_pending and self._release is None:
+            if self._release is None and c.release_pending:
                 self._release = sim.clock.after(sim.settings.release_us, self._run_release)
-            if self.controller.state is sfsm.State.READY and not self._forged:
+            if not self._forged and c.state is sfsm.State.READY:
                 self._forged = True
                 sim.forge(self)
 
@@ -548,8 +589,10 @@ class StageNode(Node):
 
     def _start_step(self, record: Record) -> None:
         sim = self.sim
-        sequence = record.header.sequence
-        duration = int(sim.settings.timing.step_us(self.cost, record.header.rows))
+        header = record.header
+        sequence = header.sequence
+        rows = header.rows
+        duration = int(sim.settings.timing.step_us(self.cost, rows))
         for fault in sim.faults.faults:
             if fault.stage != self.index:
                 continue
@@ -565,15 +608,10 @@ class StageNode(Node):
                 inbound = self.controller.inbound
                 if inbound is not None:
                     sim.clock.after(duration // 2, inbound.close)
-        sim.trace.add(
-            sim.clock.now_us,
-            self.node_id,
-            "span",
-            f"step {sequence}",
-            duration,
-            sequence,
-            record.header.rows,
-        )
+        if sim.trace.enabled:
+            sim.trace.add(
+                sim.clock.now_us, self.node_id, "span", f"step {sequence}", duration, sequence, rows
+            )
         self._step = sim.clock.after(duration, self._run_step)
 
     def _run_step(self) -> None:
