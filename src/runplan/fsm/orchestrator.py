@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from attrs import frozen
 
 from runplan.config import Timeouts
-from runplan.fsm.table import Transition, evolver, mermaid
+from runplan.fsm.table import Transition, by_value, evolver, mermaid
 from runplan.messages import (
     ControlMessage,
     FaultKind,
@@ -349,7 +349,7 @@ def check_prompt(plan: RunPlan, prompt: tuple[int, ...]) -> None:
 def step(machine: OrchestratorMachine, event: Event) -> _Result:
     """Feed one event; never raises for any (state, event) pair."""
     kind = event_kind(event)
-    transition = TABLE.get((machine.state, kind))
+    transition = _BY_VALUE.get((machine.state._value_, kind._value_))
     if transition is None:
         return _violation(machine, kind, event)
     return transition.handler(machine, event)
@@ -495,7 +495,7 @@ def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
         )
     if not 0 <= e.token_id < m.vocab_size:
         return _fault(m, FaultKind.EDGE_FAULT, f"token id {e.token_id} outside the vocabulary")
-    consumed = (*m.consumed, e.token_id)
+    consumed = m.consumed + (e.token_id,)  # noqa: RUF005 (one copy, not two: a run grows it per token)
     eos = e.token_id == m.eos_token_id
     delivered: tuple[Action, ...] = () if eos else (DeliverToken(e.sequence, e.token_id),)
     if eos or len(consumed) >= m.max_tokens:
@@ -636,6 +636,8 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     },
     (_S.DONE, _K.OTHER_MESSAGE): _T(_reject_message, {_S.DONE: ""}),
 }
+
+_BY_VALUE = by_value(TABLE)
 
 
 def diagram() -> str:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from attrs import frozen
 
-from runplan.fsm.table import Transition, evolver, mermaid
+from runplan.fsm.table import Transition, by_value, evolver, mermaid
 from runplan.messages import (
     ControlMessage,
     FaultKind,
@@ -311,7 +311,7 @@ _evolve = evolver(StageMachine)
 def step(machine: StageMachine, event: Event) -> _Result:
     """Feed one event; never raises for any (state, event) pair."""
     kind = event_kind(event)
-    transition = TABLE.get((machine.state, kind))
+    transition = _BY_VALUE.get((machine.state._value_, kind._value_))
     if transition is None:
         return _violation(machine, kind, event)
     return transition.handler(machine, event)
@@ -651,6 +651,8 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.STOPPING, _K.OBJECT_LOADED): _T(_object_discarded, {_S.STOPPING: ""}),
     **{(_S.STOPPING, k): _T(_ignore, {_S.STOPPING: ""}) for k in (*_LATE, _K.ORCHESTRATOR_LOST)},
 }
+
+_BY_VALUE = by_value(TABLE)
 
 
 def diagram() -> str:

@@ -48,6 +48,13 @@ class Transition(Generic[S]):
     targets: Mapping[S, str]
 
 
+def by_value(table: Mapping[tuple[S, K], Transition[S]]) -> dict[tuple[Any, Any], Transition[S]]:
+    """``table`` keyed by the values of its states and event kinds, for a machine's
+    ``step``: a key of two Enum members runs both members' Python-level ``__hash__`` on
+    every event. The table stays the one source; this is made from it at import."""
+    return {(state._value_, kind._value_): t for (state, kind), t in table.items()}
+
+
 def mermaid(title: str, initial: enum.Enum, table: Mapping[tuple[S, K], Transition[S]]) -> str:
     """A Mermaid ``stateDiagram-v2`` of ``table``, in a stable order. Transitions back to
     the same state are drawn only when they do something (their label)."""
