@@ -52,6 +52,10 @@ class HeaderDType(enum.Enum):
     @classmethod
     def of(cls, family: DTypeFamily, width: int) -> HeaderDType:
         """The header dtype of ``(family, width)``; ``ValueError`` if there is none."""
+        if isinstance(family, DTypeFamily) and type(width) is int:
+            found = _DTYPE_OF_FAMILY_WIDTH.get((family._value_, width))
+            if found is not None:
+                return found
         for dtype, pair in _FAMILY_WIDTH.items():
             if pair == (family, width):
                 return dtype
@@ -72,6 +76,7 @@ _KINDS = {v: k for k, v in _KIND_CODES.items()}
 _KIND_CODE_OF_VALUE = {kind._value_: code for kind, code in _KIND_CODES.items()}
 _FAMILY_WIDTH_OF_CODE = {dtype._value_: pair for dtype, pair in _FAMILY_WIDTH.items()}
 _DTYPE_OF_CODE = {dtype._value_: dtype for dtype in HeaderDType}
+_DTYPE_OF_FAMILY_WIDTH = {(f._value_, w): dtype for dtype, (f, w) in _FAMILY_WIDTH.items()}
 
 
 class HeaderError(ValueError):

@@ -20,6 +20,7 @@ waits. Both run the same machine, worker and edge ends.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -35,6 +36,9 @@ from runtime_core.activations import edge_dtype
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.ring import EdgeClosed
 from runtime_core.worker import Progress, TokenOutput, Worker
+
+_U32 = struct.Struct("<I")
+_U32_MAX = 2**32 - 1
 
 #: ``trace(kind, fields)``: what the controller did, for logs and Chrome traces.
 Trace = Callable[[str, dict[str, Any]], None]
@@ -319,7 +323,11 @@ class StageController:
         assert provision is not None
         spec = provision.outbound.object_spec
         if isinstance(output, TokenOutput):
-            payload = np.array([output.token_id], dtype="<u4").tobytes()
+            token_id = output.token_id
+            if type(token_id) is int and 0 <= token_id <= _U32_MAX:
+                payload = _U32.pack(token_id)  # the bytes NumPy would give, without an array
+            else:
+                payload = np.array([token_id], dtype="<u4").tobytes()
             if spec.layout is Layout.TOKEN_ID_WITH_LOGITS:
                 if output.logits is None:
                     raise ValueError("the run asks for logits; the worker gave none")
