@@ -114,6 +114,8 @@ class SimRing(LocalRing):
             sim.mutation is Mutation.EARLY_SLOT_REUSE
             and edge.edge_id == sim.plan.stages[-1].inbound_edge
         )
+        # A record's hop, by payload bytes (the timing model is frozen: a pure function).
+        self.hop_us: dict[int, int] = {}
 
     def publish(self, index: int) -> None:
         n = self._reserved
@@ -122,7 +124,10 @@ class SimRing(LocalRing):
         sequence, extent = _SEQUENCE_EXTENT.unpack_from(self.slot(index), SEQUENCE_OFFSET)
         sim = self.sim
         clock = sim.clock
-        delay = int(sim.settings.timing.hop_us(OBJECT_HEADER_BYTES + extent))
+        delay = self.hop_us.get(extent)
+        if delay is None:
+            delay = int(sim.settings.timing.hop_us(OBJECT_HEADER_BYTES + extent))
+            self.hop_us[extent] = delay
         if sim.stalls:
             delay += sim.stall_for(self.edge, sequence)
         now = clock.now_us
@@ -390,42 +395,78 @@ class TracedOrchestratorController(OrchestratorController):
 
 #: The fields ``_describe`` reports of any other event or action, in this order.
 _DESCRIBED = ("sequence", "part", "timer", "edge_id", "run_id", "reason", "token_id", "stage_index")
-#: Per class, which of ``_DESCRIBED`` its instances have (see ``_described_fields``).
-_DESCRIBED_OF: dict[type, tuple[str, ...] | None] = {}
+Describer = Callable[[Any], tuple[Any, ...]]
+#: How ``_describe`` describes each class it met (made once per class by ``_describer``).
+_DESCRIBERS: dict[type, Describer] = {}
 
 
 def _describe(obj: Any) -> tuple[Any, ...]:
     """The fields of an event or action the checker and the trace need."""
-    if isinstance(obj, sfsm.Received | ofsm.Received):
-        m = obj.message
-        return (
-            obj.sender,
-            type(m).__name__,
-            getattr(m, "run_id", None),
-            getattr(m, "stage_index", None),
-            getattr(m, "node_id", None),
-        )
-    if isinstance(obj, sfsm.SendToOrchestrator):
-        m = obj.message
-        return (type(m).__name__, m.stage_index, str(getattr(m, "reason", "")))
-    if isinstance(obj, ofsm.SendProvision | ofsm.SendStopRun):
-        return (obj.stage_index, obj.node_id)
-    if isinstance(obj, ofsm.InjectTokens):
-        return (obj.sequence, len(obj.token_ids))
-    if isinstance(obj, ofsm.RunFinished):
-        return (obj.outcome.value, len(obj.tokens), str(obj.fault) if obj.fault else None)
     cls = type(obj)
-    if cls in _DESCRIBED_OF:
-        names = _DESCRIBED_OF[cls]
-    else:
-        names = _DESCRIBED_OF[cls] = _described_fields(cls)
-    if names is None:
-        names = tuple(name for name in _DESCRIBED if hasattr(obj, name))
+    describer = _DESCRIBERS.get(cls)
+    if describer is None:
+        describer = _DESCRIBERS[cls] = _describer(cls)
+    return describer(obj)
+
+
+def _describe_received(obj: Any) -> tuple[Any, ...]:
+    m = obj.message
+    return (
+        obj.sender,
+        type(m).__name__,
+        getattr(m, "run_id", None),
+        getattr(m, "stage_index", None),
+        getattr(m, "node_id", None),
+    )
+
+
+def _describe_to_orchestrator(obj: Any) -> tuple[Any, ...]:
+    m = obj.message
+    return (type(m).__name__, m.stage_index, str(getattr(m, "reason", "")))
+
+
+def _describe_to_stage(obj: Any) -> tuple[Any, ...]:
+    return (obj.stage_index, obj.node_id)
+
+
+def _describe_inject(obj: Any) -> tuple[Any, ...]:
+    return (obj.sequence, len(obj.token_ids))
+
+
+def _describe_finished(obj: Any) -> tuple[Any, ...]:
+    return (obj.outcome.value, len(obj.tokens), str(obj.fault) if obj.fault else None)
+
+
+def _describe_fields(obj: Any, names: tuple[str, ...]) -> tuple[Any, ...]:
     fields = []
     for name in names:
         value = getattr(obj, name)
         fields.append(value._name_ if isinstance(value, enum.Enum) else value)
     return tuple(fields)
+
+
+def _describe_any(obj: Any) -> tuple[Any, ...]:
+    return _describe_fields(obj, tuple(name for name in _DESCRIBED if hasattr(obj, name)))
+
+
+def _describer(cls: type) -> Describer:
+    """How to describe the instances of ``cls``: the messages and actions the checker
+    reads have their own fields; any other event or action reports those of
+    ``_DESCRIBED`` it has, enum members by name."""
+    if issubclass(cls, (sfsm.Received, ofsm.Received)):
+        return _describe_received
+    if issubclass(cls, sfsm.SendToOrchestrator):
+        return _describe_to_orchestrator
+    if issubclass(cls, (ofsm.SendProvision, ofsm.SendStopRun)):
+        return _describe_to_stage
+    if issubclass(cls, ofsm.InjectTokens):
+        return _describe_inject
+    if issubclass(cls, ofsm.RunFinished):
+        return _describe_finished
+    names = _described_fields(cls)
+    if names is None:
+        return _describe_any
+    return partial(_describe_fields, names=names)
 
 
 def _described_fields(cls: type) -> tuple[str, ...] | None:
@@ -484,6 +525,7 @@ class StageNode(Node):
         self.index = index
         self.node_id = sim.plan.stages[index].node_id
         self.cost = cost
+        self.step_us: dict[int, int] = {}  # a step's time by rows (the model is frozen)
         self.alive = True
         self._pump = None
         self.timers = NodeTimers(self)
@@ -592,7 +634,9 @@ class StageNode(Node):
         header = record.header
         sequence = header.sequence
         rows = header.rows
-        duration = int(sim.settings.timing.step_us(self.cost, rows))
+        duration = self.step_us.get(rows)
+        if duration is None:
+            duration = self.step_us[rows] = int(sim.settings.timing.step_us(self.cost, rows))
         for fault in sim.faults.faults:
             if fault.stage != self.index:
                 continue
