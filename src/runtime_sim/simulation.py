@@ -254,15 +254,13 @@ class Node:
         return False
 
     def wake(self) -> None:
+        """Pump soon (once, however many wake it before then)."""
         if self.alive and self._pump is None:
-            self._pump = self.sim.clock.after(0, self._run_pump)
-
-    def _run_pump(self) -> None:
-        self._pump = None
-        if self.alive:
-            self.pump()
+            self._pump = self.sim.clock.after(0, self.pump)
 
     def pump(self) -> None:
+        """Do what the node can do now. It runs only as ``wake`` scheduled it: it
+        begins with ``self._pump = None`` and does nothing once the node is dead."""
         raise NotImplementedError
 
     def fire(self, timer: Any) -> None:
@@ -286,6 +284,10 @@ def _state_tracer(sim: Simulation, actor: str) -> Callable[[str, dict[str, Any]]
 
 
 class TracedStageController(StageController):
+    """A stage's controller whose events and actions are traced, that carries out the
+    mutants' bugs, and that tells its node when setup begins (for kills before
+    ready). A node without any of these runs a plain ``StageController``."""
+
     def __init__(self, node: StageNode, worker: Worker, stopped_runs: frozenset[str]) -> None:
         sim = node.sim
         super().__init__(
@@ -352,6 +354,9 @@ def ofsm_stage_ready(provision: ProvisionStage, node_id: str) -> Any:
 
 
 class TracedOrchestratorController(OrchestratorController):
+    """The orchestrator's controller, traced and carrying out the mutants' bugs (a
+    plain ``OrchestratorController`` without a trace or a mutant)."""
+
     def __init__(
         self,
         node: OrchestratorNode,
@@ -532,7 +537,22 @@ class StageNode(Node):
         fail_at = {f.sequence for f in sim.faults.of(FaultKind.STEP_FAILS) if f.stage == index}
         if fail_at:
             worker = FaultyWorker(worker, fail_at)  # type: ignore[assignment]
-        self.controller = TracedStageController(self, worker, stopped_runs)
+        self.controller: StageController
+        kill_before_ready = any(
+            f.stage == index for f in sim.faults.of(FaultKind.KILL_BEFORE_READY)
+        )
+        if sim.trace.enabled or sim.mutation is not None or kill_before_ready:
+            self.controller = TracedStageController(self, worker, stopped_runs)
+        else:  # nothing to watch between its actions: the controller as it is
+            self.controller = StageController(
+                self.node_id,
+                ORCHESTRATOR,
+                worker,
+                sim.edges,
+                _ToOrchestrator(sim, self.node_id),
+                self.timers,
+                stopped_runs=stopped_runs,
+            )
         self._setup: Handle | None = None
         self._step: Handle | None = None
         self._release: Handle | None = None
@@ -586,6 +606,7 @@ class StageNode(Node):
 
     # -- work -----------------------------------------------------------------------------
     def pump(self) -> None:
+        self._pump = None
         # The node's own handles are read before the controller's (side-effect free)
         # properties: most passes schedule nothing.
         c = self.controller
@@ -720,7 +741,13 @@ class OrchestratorNode(Node):
             if sequence in cancel_after:
                 sim.clock.after(0, self.cancel)
 
-        self.controller = TracedOrchestratorController(self, prompt_ids, token)
+        self.controller: OrchestratorController
+        if sim.trace.enabled or sim.mutation is not None:
+            self.controller = TracedOrchestratorController(self, prompt_ids, token)
+        else:  # nothing to watch between its actions: the controller as it is
+            self.controller = OrchestratorController(
+                sim.plan, prompt_ids, _ToStages(sim), sim.edges, self.timers, on_token=token
+            )
         self._retry: Handle | None = None
         self.finished_us: int | None = None
         self.ready_us: int | None = None
@@ -774,6 +801,9 @@ class OrchestratorNode(Node):
         return not self.alive
 
     def pump(self) -> None:
+        self._pump = None
+        if not self.alive:
+            return
         c = self.controller
         if c.endpoints_pending and self._retry is None:
             before = c.state
