@@ -77,6 +77,9 @@ _KIND_CODE_OF_VALUE = {kind._value_: code for kind, code in _KIND_CODES.items()}
 _FAMILY_WIDTH_OF_CODE = {dtype._value_: pair for dtype, pair in _FAMILY_WIDTH.items()}
 _DTYPE_OF_CODE = {dtype._value_: dtype for dtype in HeaderDType}
 _DTYPE_OF_FAMILY_WIDTH = {(f._value_, w): dtype for dtype, (f, w) in _FAMILY_WIDTH.items()}
+# Read for every record: on Python 3.11 ``Layout.TOKEN_ID_WITH_LOGITS`` goes through the
+# slow attribute hook of ``EnumType.__getattr__``.
+_WITH_LOGITS = Layout.TOKEN_ID_WITH_LOGITS
 
 
 class HeaderError(ValueError):
@@ -221,7 +224,7 @@ class HeaderCheck:
             )
         if header.rows < 1 or (header.sequence > 0 and header.rows != 1):
             return HeaderRejection.ROWS_MISMATCH, f"{header.rows} rows at {header.sequence}"
-        trailer = spec.max_extent - 4 if spec.layout is Layout.TOKEN_ID_WITH_LOGITS else 0
+        trailer = spec.max_extent - 4 if spec.layout is _WITH_LOGITS else 0
         if header.extent_bytes != header.rows * self.row_bytes + trailer:
             return (
                 HeaderRejection.ROWS_MISMATCH,

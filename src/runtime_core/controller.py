@@ -37,6 +37,13 @@ from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.ring import EdgeClosed
 from runtime_core.worker import Progress, TokenOutput, Worker
 
+# Enum members read on every event, bound once: on Python 3.11 ``Enum.MEMBER`` goes
+# through the slow attribute hook of ``EnumType.__getattr__`` (about 0.1 us a read).
+_READY = fsm.State.READY
+_GAVE_UP = (fsm.State.FAULTED, fsm.State.STOPPING)
+_ROW_MAJOR = Layout.ROW_MAJOR
+_WITH_LOGITS = Layout.TOKEN_ID_WITH_LOGITS
+_HEADER_U32 = HeaderDType.U32
 _U32 = struct.Struct("<I")
 _U32_MAX = 2**32 - 1
 
@@ -113,11 +120,7 @@ class StageController:
 
     @property
     def wants_input(self) -> bool:
-        return (
-            self.machine.state is fsm.State.READY
-            and self._inbound is not None
-            and self._record is None
-        )
+        return self.machine.state is _READY and self._inbound is not None and self._record is None
 
     @property
     def record(self) -> Record | None:
@@ -153,7 +156,7 @@ class StageController:
         """Feed one event to the machine and carry out its actions."""
         before = self.machine.state
         self.machine, actions = fsm.step(self.machine, event)
-        if self.machine.state in (fsm.State.FAULTED, fsm.State.STOPPING):
+        if self.machine.state in _GAVE_UP:
             # Reject new run work: a step not yet run, or an output not yet published,
             # of a faulted or stopping stage goes nowhere.
             self._step = None
@@ -311,7 +314,7 @@ class StageController:
         provision = self._provision
         assert provision is not None
         spec = provision.inbound.object_spec
-        if spec.layout is Layout.ROW_MAJOR:
+        if spec.layout is _ROW_MAJOR:
             dtype = edge_dtype(spec.dtype_family, spec.dtype_width_bytes)
             rows = record.header.rows
             data = np.frombuffer(record.payload, dtype=dtype).reshape(rows, -1)
@@ -328,12 +331,12 @@ class StageController:
                 payload = _U32.pack(token_id)  # the bytes NumPy would give, without an array
             else:
                 payload = np.array([token_id], dtype="<u4").tobytes()
-            if spec.layout is Layout.TOKEN_ID_WITH_LOGITS:
+            if spec.layout is _WITH_LOGITS:
                 if output.logits is None:
                     raise ValueError("the run asks for logits; the worker gave none")
                 payload += np.ascontiguousarray(output.logits, dtype="<f4").tobytes()
-            return 1, HeaderDType.U32, payload
-        if spec.layout is not Layout.ROW_MAJOR:
+            return 1, _HEADER_U32, payload
+        if spec.layout is not _ROW_MAJOR:
             raise ValueError(f"the last stage must return a TokenOutput, not {type(output)}")
         array = np.ascontiguousarray(output)
         dtype = HeaderDType.of(spec.dtype_family, spec.dtype_width_bytes)

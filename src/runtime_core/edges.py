@@ -39,7 +39,8 @@ class SendEnd:
         dtype: HeaderDType,
         payload: bytes | bytearray | memoryview,
     ) -> None:
-        data = memoryview(payload).cast("B")
+        # Bytes (what the controllers write) are already a flat run of bytes.
+        data = payload if type(payload) is bytes else memoryview(payload).cast("B")
         if not 0 < len(data) <= self.object_spec.max_extent:
             raise RingError(
                 f"payload of {len(data)} bytes; edge {self.edge_id} takes 1.."

@@ -64,6 +64,9 @@ class SimSettings:
 
 
 DEFAULT_SETTINGS = SimSettings()
+# Read on every pump: on Python 3.11 ``State.READY`` goes through the slow attribute hook
+# of ``EnumType.__getattr__``.
+_READY = sfsm.State.READY
 NO_FAULTS = FaultPlan()
 
 
@@ -630,7 +633,7 @@ class StageNode(Node):
                 progress = True
             if self._release is None and c.release_pending:
                 self._release = sim.clock.after(sim.settings.release_us, self._run_release)
-            if not self._forged and c.state is sfsm.State.READY:
+            if not self._forged and c.state is _READY:
                 self._forged = True
                 sim.forge(self)
 
