@@ -14,6 +14,7 @@ import struct
 import time
 from collections.abc import Callable
 from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import attrs
@@ -111,8 +112,12 @@ class SimRing(LocalRing):
         self.released_calls = 0  # releases the consumer asked for
         self.freed_early: set[int] = set()  # EARLY_SLOT_REUSE: records freed on acquire
         # Rings are made while the simulation runs, once its nodes exist.
-        self.producer_node = sim.node(self.edge_producer)
-        self.consumer_node = sim.node(self.edge_consumer)
+        self.producer_id = self.edge_producer
+        self.consumer_id = self.edge_consumer
+        self.producer_node = sim.node(self.producer_id)
+        self.consumer_node = sim.node(self.consumer_id)
+        self.clock = sim.clock
+        self.log = sim.trace.entries if sim.trace.enabled else None  # Trace.add's list
         self.early_reuse = (
             sim.mutation is Mutation.EARLY_SLOT_REUSE
             and edge.edge_id == sim.plan.stages[-1].inbound_edge
@@ -135,32 +140,22 @@ class SimRing(LocalRing):
             delay += sim.stall_for(self.edge, sequence)
         now = clock.now_us
         self.visible_at[n] = now + delay
-        if sim.trace.enabled:
-            sim.trace.add(
-                now, self.edge_producer, "ring", "publish", self.edge.edge_id, n, index, sequence
-            )
+        if self.log is not None:
+            detail = (self.edge.edge_id, n, index, sequence)
+            self.log.append((now, self.producer_id, "ring", "publish", detail))
         clock.after(delay, self.consumer_node.wake)
 
     def try_acquire(self) -> int | None:
         n = self._acquired
-        now = self.sim.clock.now_us
+        now = self.clock.now_us
         if n < self.published and self.visible_at.get(n, 0) > now:
             return None  # still in flight
         index = super().try_acquire()
         if index is not None:
-            trace = self.sim.trace
-            if trace.enabled:
+            if self.log is not None:
                 (sequence,) = _SEQUENCE.unpack_from(self.slot(index), SEQUENCE_OFFSET)
-                trace.add(
-                    now,
-                    self.edge_consumer,
-                    "ring",
-                    "acquire",
-                    self.edge.edge_id,
-                    n,
-                    index,
-                    sequence,
-                )
+                detail = (self.edge.edge_id, n, index, sequence)
+                self.log.append((now, self.consumer_id, "ring", "acquire", detail))
             if self.early_reuse:
                 # The bug: the last stage's slot is freed before its step reads it.
                 self._release(index)
@@ -177,14 +172,12 @@ class SimRing(LocalRing):
     def _release(self, index: int) -> None:
         n = self.released
         super().release(index)
-        sim = self.sim
-        if sim.trace.enabled:
-            sim.trace.add(
-                sim.clock.now_us, self.edge_consumer, "ring", "release", self.edge.edge_id, n, index
-            )
+        if self.log is not None:
+            detail = (self.edge.edge_id, n, index)
+            self.log.append((self.clock.now_us, self.consumer_id, "ring", "release", detail))
         producer = self.producer_node
         if producer.waiting_for_space:
-            sim.clock.after(int(sim.settings.timing.link.latency_us), producer.wake)
+            self.clock.after(int(self.sim.settings.timing.link.latency_us), producer.wake)
 
     def close(self) -> None:
         if not self.closed:
@@ -278,10 +271,12 @@ def _state_tracer(sim: Simulation, actor: str) -> Callable[[str, dict[str, Any]]
     moves, before its actions are carried out. None (no callback) without a trace."""
     if not sim.trace.enabled:
         return None
+    log = sim.trace.entries  # Trace.add's list
+    clock = sim.clock
 
     def trace(kind: str, fields: dict[str, Any]) -> None:
         if kind == "state":
-            sim.trace.add(sim.clock.now_us, actor, "state", fields["to"])
+            log.append((clock.now_us, actor, "state", fields["to"], ()))
 
     return trace
 
@@ -304,18 +299,22 @@ class TracedStageController(StageController):
             stopped_runs=stopped_runs,
         )
         self.node = node
+        self._clock = sim.clock
+        self._log = sim.trace.entries if sim.trace.enabled else None  # Trace.add's list
+        self._mutation = sim.mutation
 
     def handle(self, event: sfsm.Event) -> None:
-        sim = self.node.sim
-        if sim.trace.enabled:
-            sim.trace.add(
-                sim.clock.now_us, self.node.node_id, "ev", type(event).__name__, *_describe(event)
-            )
+        log = self._log
+        if log is not None:
+            cls = type(event)
+            detail = (_DESCRIBERS.get(cls) or _learn_describer(cls))(event)
+            log.append((self._clock.now_us, self.node.node_id, "ev", cls.__name__, detail))
         super().handle(event)
 
     def try_publish_output(self) -> bool:
         if (
-            self.node.sim.mutation is Mutation.SEQUENCE_SHIFT
+            self._mutation is not None
+            and self._mutation is Mutation.SEQUENCE_SHIFT
             and self.node.index == 0
             and self._output is not None
             and not getattr(self, "_shifted", False)
@@ -328,13 +327,15 @@ class TracedStageController(StageController):
     def _act(self, action: sfsm.Action) -> None:
         node = self.node
         sim = node.sim
-        if sim.trace.enabled:
-            sim.trace.add(
-                sim.clock.now_us, node.node_id, "act", type(action).__name__, *_describe(action)
-            )
-        mutation = sim.mutation
+        log = self._log
+        if log is not None:
+            cls = type(action)
+            detail = (_DESCRIBERS.get(cls) or _learn_describer(cls))(action)
+            log.append((self._clock.now_us, node.node_id, "act", cls.__name__, detail))
+        mutation = self._mutation
         if (
-            mutation is Mutation.READY_BEFORE_BIND
+            mutation is not None
+            and mutation is Mutation.READY_BEFORE_BIND
             and node.index == 0
             and isinstance(action, sfsm.BeginSetup)
         ):
@@ -377,27 +378,31 @@ class TracedOrchestratorController(OrchestratorController):
             trace=_state_tracer(sim, ORCHESTRATOR),
         )
         self.node = node
+        self._clock = sim.clock
+        self._log = sim.trace.entries if sim.trace.enabled else None  # Trace.add's list
+        self._mutation = sim.mutation
 
     def handle(self, event: ofsm.Event) -> None:
-        sim = self.node.sim
-        if sim.trace.enabled:
-            sim.trace.add(
-                sim.clock.now_us, ORCHESTRATOR, "ev", type(event).__name__, *_describe(event)
-            )
+        log = self._log
+        if log is not None:
+            cls = type(event)
+            detail = (_DESCRIBERS.get(cls) or _learn_describer(cls))(event)
+            log.append((self._clock.now_us, ORCHESTRATOR, "ev", cls.__name__, detail))
         super().handle(event)
 
     def _act(self, action: ofsm.Action) -> None:
-        sim = self.node.sim
         if (
-            sim.mutation is Mutation.SKIP_STOP_RUN
+            self._mutation is not None
+            and self._mutation is Mutation.SKIP_STOP_RUN
             and isinstance(action, ofsm.SendStopRun)
             and action.stage_index == 0
         ):
             return  # the bug: stage 0 never hears of the teardown
-        if sim.trace.enabled:
-            sim.trace.add(
-                sim.clock.now_us, ORCHESTRATOR, "act", type(action).__name__, *_describe(action)
-            )
+        log = self._log
+        if log is not None:
+            cls = type(action)
+            detail = (_DESCRIBERS.get(cls) or _learn_describer(cls))(action)
+            log.append((self._clock.now_us, ORCHESTRATOR, "act", cls.__name__, detail))
         super()._act(action)
 
 
@@ -411,10 +416,12 @@ _DESCRIBERS: dict[type, Describer] = {}
 def _describe(obj: Any) -> tuple[Any, ...]:
     """The fields of an event or action the checker and the trace need."""
     cls = type(obj)
-    describer = _DESCRIBERS.get(cls)
-    if describer is None:
-        describer = _DESCRIBERS[cls] = _describer(cls)
-    return describer(obj)
+    return (_DESCRIBERS.get(cls) or _learn_describer(cls))(obj)
+
+
+def _learn_describer(cls: type) -> Describer:
+    describer = _DESCRIBERS[cls] = _describer(cls)
+    return describer
 
 
 def _describe_received(obj: Any) -> tuple[Any, ...]:
@@ -474,7 +481,49 @@ def _describer(cls: type) -> Describer:
     names = _described_fields(cls)
     if names is None:
         return _describe_any
-    return partial(_describe_fields, names=names)
+    return _fields_describer(names)
+
+
+def _plain(value: Any) -> Any:
+    return value._name_ if isinstance(value, enum.Enum) else value
+
+
+def _fields_describer(names: tuple[str, ...]) -> Describer:
+    """``_describe_fields(obj, names)`` for one set of names, unrolled for the few
+    fields an event or action has (it runs for every one traced)."""
+    if not names:
+        return lambda obj: ()
+    get = attrgetter(*names)
+    Enum = enum.Enum
+    if len(names) == 1:
+
+        def describe_one(obj: Any) -> tuple[Any, ...]:
+            a = get(obj)
+            return (a._name_ if isinstance(a, Enum) else a,)
+
+        return describe_one
+    if len(names) == 2:
+
+        def describe_two(obj: Any) -> tuple[Any, ...]:
+            a, b = get(obj)
+            return (
+                a._name_ if isinstance(a, Enum) else a,
+                b._name_ if isinstance(b, Enum) else b,
+            )
+
+        return describe_two
+    if len(names) == 3:
+
+        def describe_three(obj: Any) -> tuple[Any, ...]:
+            a, b, c = get(obj)
+            return (
+                a._name_ if isinstance(a, Enum) else a,
+                b._name_ if isinstance(b, Enum) else b,
+                c._name_ if isinstance(c, Enum) else c,
+            )
+
+        return describe_three
+    return lambda obj: tuple(map(_plain, get(obj)))
 
 
 def _described_fields(cls: type) -> tuple[str, ...] | None:
