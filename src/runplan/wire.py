@@ -128,11 +128,16 @@ def dumps(obj: Any) -> bytes:
     if not isinstance(obj, MESSAGE_TYPES):
         raise TypeError(f"{type(obj).__name__} is not a wire message type")
     raw = _converter.unstructure(obj, unstructure_as=WireMessage)
-    return json.dumps(raw, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(raw).encode()
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number the wire allows")
+
+
+# What ``json.dumps`` / ``json.loads`` would make on every call with these arguments.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
 def loads(data: bytes | bytearray | memoryview) -> Any:
@@ -143,7 +148,9 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
         raise WireError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         text = bytes(data).decode("utf-8")
-        raw = json.loads(text, parse_constant=_reject_constant)
+        if text.startswith("\ufeff"):  # what json.loads says before decoding
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        raw = _DECODER.decode(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise WireError(f"not a JSON message: {exc}") from None
     if type(raw) is not dict:
