@@ -164,7 +164,11 @@ class StageController:
         if self.machine.state is not before and self.trace is not _no_trace:
             self.trace(
                 "state",
-                {"from": before.name, "to": self.machine.state.name, "event": type(event).__name__},
+                {
+                    "from": before._name_,
+                    "to": self.machine.state._name_,
+                    "event": type(event).__name__,
+                },
             )
         for action in actions:
             self._act(action)

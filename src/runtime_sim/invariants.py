@@ -71,6 +71,11 @@ ALL_RULES = (
 )
 
 
+# Names of stage states, looked up once (the scan compares every state entry with them).
+_FAULTED = sfsm.State.FAULTED.name
+_GAVE_UP = (_FAULTED, sfsm.State.STOPPING.name)
+
+
 def time_bound_us(plan: RunPlan) -> int:
     """When a run must have ended: every stage's setup, one token per allowed token
     (each bounded by the token timeout), the stop timeout, and slack for notices."""
@@ -163,9 +168,9 @@ class _Checker:
                     seqs.append(s)
                     executing[actor] = s
             elif kind == "state" and actor != ORCHESTRATOR:
-                if what in (sfsm.State.FAULTED.name, sfsm.State.STOPPING.name):
+                if what in _GAVE_UP:
                     gave_up_pos.setdefault(actor, pos)
-                if what == sfsm.State.FAULTED.name:
+                if what == _FAULTED:
                     faulted.add(actor)
             elif kind == "ev" and actor == ORCHESTRATOR:
                 if what == "Received" and d[1] == "StageReady":
