@@ -17,17 +17,19 @@ from runplan import DTypeFamily
 
 _BF16_QUIET_BIT = np.uint16(0x0040)
 _F32 = np.dtype(np.float32)
+_FLOAT = DTypeFamily.FLOAT  # bound once: Enum.MEMBER is slow on Python 3.11
+_BFLOAT = DTypeFamily.BFLOAT
 _F16 = np.dtype(np.float16)
 _U16 = np.dtype(np.uint16)
 
 
 def edge_dtype(family: DTypeFamily, width_bytes: int) -> np.dtype[np.generic]:
     """The NumPy dtype of activations of ``(family, width_bytes)`` on an edge."""
-    if family is DTypeFamily.FLOAT and width_bytes == 4:
+    if family is _FLOAT and width_bytes == 4:
         return _F32
-    if family is DTypeFamily.FLOAT and width_bytes == 2:
+    if family is _FLOAT and width_bytes == 2:
         return _F16
-    if family is DTypeFamily.BFLOAT and width_bytes == 2:
+    if family is _BFLOAT and width_bytes == 2:
         return _U16
     raise ValueError(f"no activation dtype is ({family.name}, {width_bytes} bytes)")
 
