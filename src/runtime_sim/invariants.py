@@ -144,7 +144,52 @@ class _Checker:
         stop_sent: set[int] = set()
 
         for pos, (time_us, actor, kind, what, d) in enumerate(self.sim.trace.entries):
-            if kind == "ev" and actor != ORCHESTRATOR:
+            # The branches test distinct kinds; ring operations, the most, come first.
+            if kind == "ring":
+                edge = d[0]
+                if what == "publish":
+                    n, slot, sequence = d[1], d[2], d[3]
+                    slots = self.slots[edge]
+                    if n >= slots and (n - slots) not in released[edge]:
+                        self.fail(
+                            NO_OVERWRITE,
+                            time_us,
+                            f"edge {edge} record {n} into slot {slot} while record "
+                            f"{n - slots} is unreleased",
+                        )
+                    published[edge].append(n)
+                    published_as[(edge, n)] = (slot, sequence)
+                    if actor == ORCHESTRATOR and edge == self.token_in:
+                        self._injection(
+                            time_us, sequence, ready_from, consumed, orch_ended_at, injected
+                        )
+                    elif actor in self.node_index:
+                        s = executing.get(actor)
+                        if s is None or s != sequence:
+                            self.fail(
+                                SAME_SEQUENCE,
+                                time_us,
+                                f"{actor} published sequence {sequence} while executing {s}",
+                            )
+                elif what == "acquire":
+                    n, slot, sequence = d[1], d[2], d[3]
+                    record_of[(actor, sequence)] = (edge, n)
+                    # What the consumer read must be the oldest record not yet read,
+                    # from the slot it was published into.
+                    expected = acquired[edge]
+                    if n != expected or published_as.get((edge, n)) != (slot, sequence):
+                        self.fail(
+                            PUBLISH_ORDER,
+                            time_us,
+                            f"edge {edge}: read sequence {sequence} from slot {slot} as record "
+                            f"{n}; the oldest unread record {expected} was published as "
+                            f"{published_as.get((edge, expected))}",
+                        )
+                    acquired[edge] = expected + 1
+                elif what == "release":
+                    released[edge].add(d[1])
+                    release_pos.setdefault((edge, d[1]), (pos, time_us))
+            elif kind == "ev" and actor != ORCHESTRATOR:
                 if what == "SetupDone":
                     setup[actor].add(d[0])
                 elif what == "ObjectLoaded":
@@ -206,50 +251,6 @@ class _Checker:
                             time_us,
                             f"{actor} sent StageReady without {sorted(missing)}",
                         )
-            elif kind == "ring":
-                edge = d[0]
-                if what == "publish":
-                    n, slot, sequence = d[1], d[2], d[3]
-                    slots = self.slots[edge]
-                    if n >= slots and (n - slots) not in released[edge]:
-                        self.fail(
-                            NO_OVERWRITE,
-                            time_us,
-                            f"edge {edge} record {n} into slot {slot} while record "
-                            f"{n - slots} is unreleased",
-                        )
-                    published[edge].append(n)
-                    published_as[(edge, n)] = (slot, sequence)
-                    if actor == ORCHESTRATOR and edge == self.token_in:
-                        self._injection(
-                            time_us, sequence, ready_from, consumed, orch_ended_at, injected
-                        )
-                    elif actor in self.node_index:
-                        s = executing.get(actor)
-                        if s is None or s != sequence:
-                            self.fail(
-                                SAME_SEQUENCE,
-                                time_us,
-                                f"{actor} published sequence {sequence} while executing {s}",
-                            )
-                elif what == "acquire":
-                    n, slot, sequence = d[1], d[2], d[3]
-                    record_of[(actor, sequence)] = (edge, n)
-                    # What the consumer read must be the oldest record not yet read,
-                    # from the slot it was published into.
-                    expected = acquired[edge]
-                    if n != expected or published_as.get((edge, n)) != (slot, sequence):
-                        self.fail(
-                            PUBLISH_ORDER,
-                            time_us,
-                            f"edge {edge}: read sequence {sequence} from slot {slot} as record "
-                            f"{n}; the oldest unread record {expected} was published as "
-                            f"{published_as.get((edge, expected))}",
-                        )
-                    acquired[edge] = expected + 1
-                elif what == "release":
-                    released[edge].add(d[1])
-                    release_pos.setdefault((edge, d[1]), (pos, time_us))
         for actor, seqs in executed.items():
             for s in seqs:
                 record = record_of.get((actor, s))
