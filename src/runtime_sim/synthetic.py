@@ -61,10 +61,18 @@ class SyntheticWorker:
         self.eos_after = eos_after  # the sequence at which to emit EOS, if any
         self._provision: ProvisionStage | None = None
         self._bound = False
+        self._last = False
+        self._seed = 0
+        self._rows_of: tuple[int, np.dtype[np.generic]] | None = None
 
     def configure(self, provision: ProvisionStage) -> None:
         self._provision = provision
         self._bound = False
+        # What every step reads of the provision (the activations' dtype on the first
+        # step, where a dtype without one fails as it always did).
+        self._last = provision.is_last
+        self._seed = provision.sampling.seed if provision.sampling is not None else 0
+        self._rows_of = None
 
     def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
         if self._provision is None:
@@ -78,15 +86,18 @@ class SyntheticWorker:
         if p is None or not self._bound:
             raise WorkerError("execute_step before bind completed")
         rows = int(data.shape[0])
-        if not p.is_last:
-            dtype = edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
-            return np.zeros((rows, p.model.hidden_dim), dtype=dtype)
+        if not self._last:
+            if self._rows_of is None:
+                model = p.model
+                dtype = edge_dtype(model.dtype_family, model.dtype_width_bytes)
+                self._rows_of = (model.hidden_dim, dtype)
+            hidden, dtype = self._rows_of
+            return np.zeros((rows, hidden), dtype=dtype)
         if self.eos_after is not None and sequence >= self.eos_after:
             assert self.eos_token_id is not None
             token = self.eos_token_id
         else:
-            seed = p.sampling.seed if p.sampling is not None else 0
-            token = pseudo_token(seed, sequence, self.vocab_size)
+            token = pseudo_token(self._seed, sequence, self.vocab_size)
             if token == self.eos_token_id:
                 token = (token + 1) % self.vocab_size
         logits = None
