@@ -320,6 +320,9 @@ class OrchestratorMachine:
 
 
 _Result = tuple[OrchestratorMachine, tuple[Action, ...]]
+# Bound once for the handler of every token: on Python 3.11 ``Timer.TOKEN`` reads
+# through the slow attribute hook of ``EnumType.__getattr__``.
+_TOKEN = Timer.TOKEN
 _evolve = evolver(OrchestratorMachine)
 
 
@@ -503,9 +506,9 @@ def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
     m = _evolve(m, consumed=consumed, injected=e.sequence + 1)
     return m, (
         *delivered,
-        CancelTimer(Timer.TOKEN),
+        CancelTimer(_TOKEN),
         InjectTokens(e.sequence + 1, (e.token_id,)),
-        StartTimer(Timer.TOKEN, m._token_ms()),
+        StartTimer(_TOKEN, m._token_ms()),
     )
 
 

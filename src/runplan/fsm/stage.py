@@ -305,6 +305,9 @@ class StageMachine:
 
 
 _Result = tuple[StageMachine, tuple[Action, ...]]
+# Members the handlers of every step use, bound once: on Python 3.11 ``State.READY``
+# reads through the slow attribute hook of ``EnumType.__getattr__``.
+_READY, _EXECUTING, _STEP = State.READY, State.EXECUTING, Timer.STEP
 _evolve = evolver(StageMachine)
 
 
@@ -434,8 +437,8 @@ def _object_when_ready(m: StageMachine, e: ObjectLoaded) -> _Result:
         return _to_faulted(m, reason, ReleaseInput(e.sequence))
     assert m.provision is not None
     step_ms = m.provision.timeouts.step_ms
-    m = _evolve(m, state=State.EXECUTING, executing=e.sequence)
-    return m, (ExecuteStep(e.sequence), StartTimer(Timer.STEP, step_ms))
+    m = _evolve(m, state=_EXECUTING, executing=e.sequence)
+    return m, (ExecuteStep(e.sequence), StartTimer(_STEP, step_ms))
 
 
 def _object_out_of_turn(m: StageMachine, e: ObjectLoaded) -> _Result:
@@ -471,8 +474,8 @@ def _object_without_run(m: StageMachine, e: ObjectLoaded) -> _Result:
 def _step_completed(m: StageMachine, e: StepCompleted) -> _Result:
     if e.sequence != m.executing:
         return _violation(m, EventKind.STEP_COMPLETED, e)
-    m = _evolve(m, state=State.READY, executing=None, next_sequence=e.sequence + 1)
-    return m, (CancelTimer(Timer.STEP), ReleaseInput(e.sequence))
+    m = _evolve(m, state=_READY, executing=None, next_sequence=e.sequence + 1)
+    return m, (CancelTimer(_STEP), ReleaseInput(e.sequence))
 
 
 def _step_failed(m: StageMachine, e: StepFailed) -> _Result:
