@@ -24,6 +24,7 @@ which waits in virtual time.
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from runplan import RingSpec
 
 CONTROL_BYTES = 64
 _U64 = struct.Struct("<Q")
-_PUBLISHED, _RELEASED, _CLOSED = 0, 8, 16
+_PUBLISHED, _RELEASED, _CLOSED = 0, 1, 2  # the u64 counters at offsets 0, 8 and 16
 
 
 class RingError(RuntimeError):
@@ -72,6 +73,37 @@ class ThreadSignal:
         self._event.clear()
 
 
+class _Counters(Protocol):
+    """The three u64 counters of a ring, by index (``_PUBLISHED``, ...)."""
+
+    def __getitem__(self, index: int, /) -> int: ...
+
+    def __setitem__(self, index: int, value: int, /) -> None: ...
+
+
+class _PackedCounters:
+    """The counters read and written one little-endian u64 at a time through
+    ``struct`` (for hosts that are not little-endian)."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self._buf = buf
+
+    def __getitem__(self, index: int) -> int:
+        return int(_U64.unpack_from(self._buf, 8 * index)[0])
+
+    def __setitem__(self, index: int, value: int) -> None:
+        _U64.pack_into(self._buf, 8 * index, value)
+
+
+def _shared_counters(buf: memoryview) -> _Counters:
+    """The counters at the start of ``buf``: on a little-endian host a view of them as
+    native u64 items, whose reads and writes are single aligned 8-byte accesses (the
+    buffer of a shared ring is page-aligned), and much cheaper than ``struct`` calls."""
+    if sys.byteorder == "little" and buf.contiguous and not buf.readonly:
+        return buf[: 3 * 8].cast("B").cast("Q")
+    return _PackedCounters(buf)
+
+
 def ring_bytes(spec: RingSpec) -> int:
     """Bytes of the buffer a ring of ``spec`` needs."""
     return CONTROL_BYTES + spec.slot_count * spec.slot_bytes
@@ -100,33 +132,36 @@ class Ring:
             raise RingError(f"buffer of {len(self._buf)} bytes, the ring needs {size}")
         self._data: Signal = data if data is not None else ThreadSignal()
         self._space: Signal = space if space is not None else ThreadSignal()
+        self._ctr: _Counters = _shared_counters(self._buf)
+        self._slot_count = spec.slot_count
         self._reserved: int | None = None  # producer: record number reserved, unpublished
         self._acquired = 0  # consumer: records handed out so far
 
     # -- shared counters ------------------------------------------------------------
-    def _get(self, offset: int) -> int:
-        return int(_U64.unpack_from(self._buf, offset)[0])
-
-    def _set_counter(self, offset: int, value: int) -> None:
-        _U64.pack_into(self._buf, offset, value)
-
     @property
     def published(self) -> int:
-        return self._get(_PUBLISHED)
+        return self._ctr[_PUBLISHED]
 
     @property
     def released(self) -> int:
-        return self._get(_RELEASED)
+        return self._ctr[_RELEASED]
 
     @property
     def closed(self) -> bool:
-        return self._get(_CLOSED) != 0
+        return self._ctr[_CLOSED] != 0
 
     def close(self) -> None:
         """Close the edge from either end; waiters wake with ``EdgeClosed``."""
-        self._set_counter(_CLOSED, 1)
+        self._ctr[_CLOSED] = 1
         self._data.notify()
         self._space.notify()
+
+    def _release_buffer(self) -> None:
+        """Let go of this object's views of the buffer (before the buffer is unmapped);
+        the ring is unusable afterwards."""
+        if isinstance(self._ctr, memoryview):
+            self._ctr.release()
+        self._buf.release()
 
     def slot(self, index: int) -> memoryview:
         """The bytes of slot ``index`` (header + payload)."""
@@ -136,24 +171,27 @@ class Ring:
     # -- producer ---------------------------------------------------------------------
     def try_reserve(self) -> int | None:
         """The slot for the next record, or ``None`` while every slot is in use."""
-        if self.closed:
+        ctr = self._ctr
+        if ctr[_CLOSED]:
             raise EdgeClosed("the edge is closed")
         if self._reserved is not None:
             raise RingError("a slot is already reserved and not yet published")
-        n = self.published
-        if n - self.released >= self.spec.slot_count:
+        n = ctr[_PUBLISHED]
+        if n - ctr[_RELEASED] >= self._slot_count:
             return None
         self._reserved = n
-        return n % self.spec.slot_count
+        return n % self._slot_count
 
     def publish(self, index: int) -> None:
         """Make the reserved slot ``index`` visible to the consumer."""
-        if self._reserved is None or index != self._reserved % self.spec.slot_count:
+        reserved = self._reserved
+        if reserved is None or index != reserved % self._slot_count:
             raise RingError(f"slot {index} was not reserved")
-        if self.closed:
+        ctr = self._ctr
+        if ctr[_CLOSED]:
             self._reserved = None
             raise EdgeClosed("the edge is closed")
-        self._set_counter(_PUBLISHED, self._reserved + 1)
+        ctr[_PUBLISHED] = reserved + 1
         self._reserved = None
         self._data.notify()
 
@@ -164,20 +202,22 @@ class Ring:
     # -- consumer ---------------------------------------------------------------------
     def try_acquire(self) -> int | None:
         """The slot of the next published record, in publish order, or ``None``."""
-        if self.closed:
+        ctr = self._ctr
+        if ctr[_CLOSED]:
             raise EdgeClosed("the edge is closed")
-        if self._acquired >= self.published:
+        acquired = self._acquired
+        if acquired >= ctr[_PUBLISHED]:
             return None
-        index = self._acquired % self.spec.slot_count
-        self._acquired += 1
-        return index
+        self._acquired = acquired + 1
+        return acquired % self._slot_count
 
     def release(self, index: int) -> None:
         """Free the oldest acquired, unreleased slot (``index`` must be it)."""
-        n = self.released
-        if n >= self._acquired or index != n % self.spec.slot_count:
+        ctr = self._ctr
+        n = ctr[_RELEASED]
+        if n >= self._acquired or index != n % self._slot_count:
             raise RingError(f"slot {index} is not the oldest acquired slot")
-        self._set_counter(_RELEASED, n + 1)
+        ctr[_RELEASED] = n + 1
         self._space.notify()
 
     def wait_acquire(self, timeout_s: float) -> int:
@@ -215,9 +255,8 @@ class Ring:
 
 
 class LocalRing(Ring):
-    """A ring whose two ends live in one process: the counters are plain attributes
-    (the slots stay in the buffer), which makes every operation cheaper. The four
-    operations below are ``Ring``'s, reading the counters directly."""
+    """A ring whose two ends live in one process: the counters are a plain list (the
+    slots stay in the buffer)."""
 
     def __init__(
         self,
@@ -226,66 +265,5 @@ class LocalRing(Ring):
         data: Signal | None = None,
         space: Signal | None = None,
     ) -> None:
-        self._counters = {_PUBLISHED: 0, _RELEASED: 0, _CLOSED: 0}
         super().__init__(spec, buffer, data, space)
-        self._slot_count = spec.slot_count
-
-    def _get(self, offset: int) -> int:
-        return self._counters[offset]
-
-    def _set_counter(self, offset: int, value: int) -> None:
-        self._counters[offset] = value
-
-    @property
-    def published(self) -> int:
-        return self._counters[_PUBLISHED]
-
-    @property
-    def released(self) -> int:
-        return self._counters[_RELEASED]
-
-    @property
-    def closed(self) -> bool:
-        return self._counters[_CLOSED] != 0
-
-    def try_reserve(self) -> int | None:
-        counters = self._counters
-        if counters[_CLOSED]:
-            raise EdgeClosed("the edge is closed")
-        if self._reserved is not None:
-            raise RingError("a slot is already reserved and not yet published")
-        n = counters[_PUBLISHED]
-        if n - counters[_RELEASED] >= self._slot_count:
-            return None
-        self._reserved = n
-        return n % self._slot_count
-
-    def publish(self, index: int) -> None:
-        reserved = self._reserved
-        if reserved is None or index != reserved % self._slot_count:
-            raise RingError(f"slot {index} was not reserved")
-        counters = self._counters
-        if counters[_CLOSED]:
-            self._reserved = None
-            raise EdgeClosed("the edge is closed")
-        counters[_PUBLISHED] = reserved + 1
-        self._reserved = None
-        self._data.notify()
-
-    def try_acquire(self) -> int | None:
-        counters = self._counters
-        if counters[_CLOSED]:
-            raise EdgeClosed("the edge is closed")
-        acquired = self._acquired
-        if acquired >= counters[_PUBLISHED]:
-            return None
-        self._acquired = acquired + 1
-        return acquired % self._slot_count
-
-    def release(self, index: int) -> None:
-        counters = self._counters
-        n = counters[_RELEASED]
-        if n >= self._acquired or index != n % self._slot_count:
-            raise RingError(f"slot {index} is not the oldest acquired slot")
-        counters[_RELEASED] = n + 1
-        self._space.notify()
+        self._ctr = [0, 0, 0]

@@ -230,7 +230,7 @@ class ShmRing(Ring):
     def detach(self) -> None:
         """Close this process's hold on the ring (the names stay until removed)."""
         with contextlib.suppress(BufferError):
-            self._buf.release()
+            self._release_buffer()
         self.segment.close()
         self.data_signal.close()
         self.space_signal.close()
