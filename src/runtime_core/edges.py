@@ -4,11 +4,47 @@ validates them; either may close the edge."""
 
 from __future__ import annotations
 
+import struct
+
 from attrs import frozen
 
-from runplan.header import HeaderCheck, HeaderDType, HeaderError, ObjectHeader
-from runplan.plan import OBJECT_HEADER_BYTES, ObjectSpec
+from runplan.header import (
+    EXTENT_OFFSET,
+    SEQUENCE_OFFSET,
+    HeaderCheck,
+    HeaderDType,
+    HeaderError,
+    ObjectHeader,
+)
+from runplan.plan import OBJECT_HEADER_BYTES, ObjectKind, ObjectSpec
 from runtime_core.ring import Ring, RingError
+
+# The header split into what one edge's records share (magic, version, kind, dtype;
+# reserved bytes and edge id; run id and reserved bytes) and what each record sets
+# (rows; sequence and extent): records are written from a template of the shared
+# bytes, and a record whose shared bytes are the template's is read without parsing
+# them again (any other record gets the full parse and its precise error).
+_ROWS_OFFSET = 8
+_SPLIT = struct.Struct("<8sI12sQQ88s")
+_ROWS = struct.Struct("<I")
+_SEQUENCE_EXTENT = struct.Struct("<QQ")
+
+
+def _check_split() -> None:
+    probe = ObjectHeader("r", 2, 3, ObjectKind.TOKEN, HeaderDType.U32, 4, 5).pack()
+    fields = _SPLIT.unpack(probe)
+    if (
+        _SPLIT.size != OBJECT_HEADER_BYTES
+        or SEQUENCE_OFFSET != 24
+        or EXTENT_OFFSET != 32
+        or fields[1] != 4
+        or fields[3:5] != (3, 5)
+        or _ROWS.unpack_from(probe, _ROWS_OFFSET)[0] != 4
+    ):
+        raise AssertionError("runtime_core.edges does not match the object header layout")
+
+
+_check_split()
 
 
 class EdgeFaultError(RuntimeError):
@@ -30,6 +66,16 @@ class SendEnd:
         self.run_id = run_id
         self.edge_id = edge_id
         self.object_spec = object_spec
+        self._templates: dict[HeaderDType, bytearray] = {}  # a header per dtype
+
+    def _template(self, dtype: HeaderDType) -> bytearray:
+        """A header of this edge's records of ``dtype``, its rows, sequence and extent
+        to be filled in (``HeaderError`` for what no header can hold)."""
+        template = self._templates.get(dtype) if isinstance(dtype, HeaderDType) else None
+        if template is None:
+            header = ObjectHeader(self.run_id, self.edge_id, 0, self.object_spec.kind, dtype, 0, 0)
+            template = self._templates[dtype] = bytearray(header.pack())
+        return template
 
     def _write(
         self,
@@ -46,11 +92,14 @@ class SendEnd:
                 f"payload of {len(data)} bytes; edge {self.edge_id} takes 1.."
                 f"{self.object_spec.max_extent}"
             )
-        header = ObjectHeader(
-            self.run_id, self.edge_id, sequence, self.object_spec.kind, dtype, rows, len(data)
-        )
+        header = self._template(dtype)
+        try:
+            _ROWS.pack_into(header, _ROWS_OFFSET, rows)
+            _SEQUENCE_EXTENT.pack_into(header, SEQUENCE_OFFSET, sequence, len(data))
+        except struct.error as exc:
+            raise HeaderError(f"a header field is out of range: {exc}") from None
         view = self.ring.slot(slot)
-        view[:OBJECT_HEADER_BYTES] = header.pack()
+        view[:OBJECT_HEADER_BYTES] = header
         view[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + len(data)] = data
 
     def try_send(
@@ -90,13 +139,36 @@ class ReceiveEnd:
     def __init__(self, ring: Ring, check: HeaderCheck) -> None:
         self.ring = ring
         self.check = check
+        self._expected: tuple[bytes, bytes, bytes, ObjectKind, HeaderDType] | None = None
+        spec = check.object_spec
+        try:
+            dtype = HeaderDType.of(spec.dtype_family, spec.dtype_width_bytes)
+            template = ObjectHeader(check.run_id, check.edge_id, 0, spec.kind, dtype, 0, 0)
+            fixed = _SPLIT.unpack(template.pack())
+        except (ValueError, HeaderError):  # no record can pass the check: parse each
+            pass
+        else:
+            if ring.spec.slot_bytes >= OBJECT_HEADER_BYTES:
+                self._expected = (fixed[0], fixed[2], fixed[5], spec.kind, dtype)
+
+    def _parse(self, view: memoryview) -> ObjectHeader:
+        expected = self._expected
+        if expected is not None:
+            head, rows, middle, sequence, extent, tail = _SPLIT.unpack_from(view)
+            if head == expected[0] and middle == expected[1] and tail == expected[2]:
+                check = self.check
+                kind, dtype = expected[3], expected[4]
+                return ObjectHeader(
+                    check.run_id, check.edge_id, sequence, kind, dtype, rows, extent
+                )
+        try:
+            return ObjectHeader.unpack(view)
+        except HeaderError as exc:
+            raise EdgeFaultError(f"edge {self.check.edge_id}: bad header: {exc}") from None
 
     def _read(self, slot: int) -> Record:
         view = self.ring.slot(slot)
-        try:
-            header = ObjectHeader.unpack(view)
-        except HeaderError as exc:
-            raise EdgeFaultError(f"edge {self.check.edge_id}: bad header: {exc}") from None
+        header = self._parse(view)
         problem = self.check.validate_shape(header)
         if problem is not None:
             raise EdgeFaultError(f"edge {self.check.edge_id}: {problem[0].value}: {problem[1]}")
