@@ -48,7 +48,13 @@ from runtime_core.worker import Progress, TokenOutput, Worker, WorkerError
 from runtime_cupy.control import ControlChannel, Incoming
 from runtime_cupy.timers import Deadlines
 from runtime_cupy.tracing import TraceLog, now_us
-from runtime_cupy.transport import ProcessEdges, ShmRing, remove_edge, remove_run_dir
+from runtime_cupy.transport import (
+    FifoSignal,
+    ProcessEdges,
+    ShmRing,
+    remove_edge,
+    remove_run_dir,
+)
 from runtime_cupy.workers import WORKERS, WorkerUnavailable, make_worker
 
 EXIT_STOPPED = 0
@@ -214,12 +220,21 @@ class StageProcess:
         self._run: tuple[str, tuple[int, int]] | None = None  # run id, (inbound, outbound)
         self._attach_at = 0.0
         self._output_since: float | None = None
+        self._poller = select.poll()
+        self._watched: tuple[int, int, int] | None = None  # what the poller watches
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
-        if kind == "state":
+        # Called for every record loaded and published: nothing is formatted unless the
+        # log level or the trace asks for it.
+        if kind in ("loaded", "published"):
+            log.debug("%s %s", kind, fields)
+            if self.trace.enabled:
+                self.trace.instant(kind, **fields)
+        elif kind == "state":
             log.info("%s -> %s (%s)", fields["from"], fields["to"], fields["event"])
-            self.trace.instant(f"state {fields['to']}", event=fields["event"])
+            if self.trace.enabled:
+                self.trace.instant(f"state {fields['to']}", event=fields["event"])
         elif kind == "reject":
             log.warning(
                 "rejected from %r: %s: %s", fields["sender"], fields["reason"], fields["detail"]
@@ -227,9 +242,6 @@ class StageProcess:
             self.trace.instant("reject", **fields)
         elif kind == "protocol_violation":
             log.warning("protocol violation: %s in %s", fields["kind"], fields["state"])
-        elif kind in ("loaded", "published"):
-            log.debug("%s %s", kind, fields)
-            self.trace.instant(kind, **fields)
         else:
             log.info("%s %s", kind, fields)
 
@@ -271,6 +283,7 @@ class StageProcess:
 
     def _pump(self) -> None:
         c = self.controller
+        tracing = self.trace.enabled
         progress = True
         while progress:
             progress = False
@@ -283,27 +296,30 @@ class StageProcess:
                 c.run_setup()
                 self.trace.span("setup", start)
                 progress = True
-            now = time.monotonic()
-            if c.outbound_pending and not c.setup_pending and now >= self._attach_at:
-                if c.try_attach_outbound():
-                    progress = True
-                else:
-                    self._attach_at = now + ATTACH_RETRY_S
+            if c.outbound_pending and not c.setup_pending:
+                now = time.monotonic()
+                if now >= self._attach_at:
+                    if c.try_attach_outbound():
+                        progress = True
+                    else:
+                        self._attach_at = now + ATTACH_RETRY_S
             if c.wants_input and c.poll_inbound():
                 progress = True
-            if c.step_pending and c.record is not None:
-                sequence, rows = c.record.header.sequence, c.record.header.rows
+            record = c.record
+            if record is not None and c.step_pending:
+                sequence, rows = record.header.sequence, record.header.rows
                 log.info("step %d begins (%d rows)", sequence, rows)
-                start = now_us()
+                start = now_us() if tracing else 0
                 c.run_step()
-                self.trace.span(f"step {sequence}", start, sequence=sequence, rows=rows)
+                if tracing:
+                    self.trace.span(f"step {sequence}", start, sequence=sequence, rows=rows)
                 progress = True
             if c.output_pending and c.state is fsm.State.EXECUTING:
                 if c.try_publish_output():
                     self._output_since = None
                     progress = True
                 else:
-                    self._bound_output_wait(now)
+                    self._bound_output_wait(time.monotonic())
             else:
                 self._output_since = None
             if c.release_pending:
@@ -328,35 +344,46 @@ class StageProcess:
 
     def _wait(self) -> None:
         c = self.controller
-        poller = select.poll()
-        signals: dict[int, Any] = {}
-        if not self.channel.eof:
-            poller.register(self.channel.fileno(), select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        if c.wants_input and c.inbound is not None and isinstance(c.inbound.ring, ShmRing):
-            signals[c.inbound.ring.data_signal.fileno()] = c.inbound.ring.data_signal
-        if c.output_pending and c.outbound is not None and isinstance(c.outbound.ring, ShmRing):
-            signals[c.outbound.ring.space_signal.fileno()] = c.outbound.ring.space_signal
-        for fd in signals:
-            poller.register(fd, select.POLLIN)
+        data: FifoSignal | None = None
+        space: FifoSignal | None = None
+        if c.wants_input:
+            inbound = c.inbound
+            if inbound is not None and isinstance(inbound.ring, ShmRing):
+                data = inbound.ring.data_signal
+        if c.output_pending:
+            outbound = c.outbound
+            if outbound is not None and isinstance(outbound.ring, ShmRing):
+                space = outbound.ring.space_signal
+        control = -1 if self.channel.eof else self.channel.fileno()
+        data_fd = -1 if data is None else data.fileno()
+        space_fd = -1 if space is None else space.fileno()
+        watched = (control, data_fd, space_fd)
+        if watched != self._watched:  # a new set of descriptors: a new poll object
+            self._watched = watched
+            self._poller = select.poll()
+            for fd in (self._wake_r, *watched):
+                if fd >= 0:
+                    self._poller.register(fd, select.POLLIN)
         now = time.monotonic()
         until = now + IDLE_WAKE_S
         due = self.timers.next_due()
-        if due is not None:
-            until = min(until, due)
-        if c.outbound_pending and not c.setup_pending:
-            until = min(until, self._attach_at)
+        if due is not None and due < until:
+            until = due
+        if c.outbound_pending and not c.setup_pending and self._attach_at < until:
+            until = self._attach_at
         if self._output_since is not None and c.provision is not None:
             until = min(until, self._output_since + c.provision.timeouts.edge_wait_ms / 1000.0)
-        ready = poller.poll(max(0.0, until - now) * 1000.0)
+        ready = self._poller.poll(max(0.0, until - now) * 1000.0)
         if not ready and os.getppid() != self.parent_pid:  # idle: a last look at the parent
             self._lose("the parent process is gone")
         for fd, _ in ready:
-            if fd == self._wake_r:
+            if fd == data_fd and data is not None:
+                data.drain()
+            elif fd == space_fd and space is not None:
+                space.drain()
+            elif fd == self._wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
-            elif fd in signals:
-                signals[fd].drain()
             else:
                 self._read_control()
         for timer in self.timers.expired(time.monotonic()):

@@ -26,6 +26,8 @@ class Deadlines(Generic[T]):
 
     def expired(self, now: float) -> list[T]:
         """The timers due by ``now``, earliest first; they are no longer running."""
+        if not self._due:
+            return []
         due = sorted((at, i, t) for i, (t, at) in enumerate(self._due.items()) if at <= now)
         for _, _, timer in due:
             del self._due[timer]
