@@ -49,7 +49,7 @@ from runtime_core.orchestrator import OrchestratorController
 from runtime_cupy.control import ControlChannel, Incoming, new_key
 from runtime_cupy.timers import Deadlines
 from runtime_cupy.tracing import Event, TraceLog, chrome_trace, read_events
-from runtime_cupy.transport import ProcessEdges, ShmRing, remove_run
+from runtime_cupy.transport import FifoSignal, ProcessEdges, ShmRing, remove_run
 
 log = logging.getLogger("runtime_cupy.launcher")
 
@@ -214,6 +214,8 @@ class ProcessRun:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._poller = select.poll()
+        self._watched: tuple[int, ...] | None = None  # what the poller watches
         self._cancel: list[str] = []  # requests (signal names), in order
         self._cancel_fed = 0
         self._open_at = 0.0
@@ -242,8 +244,10 @@ class ProcessRun:
             log.warning(
                 "orchestrator protocol violation: %s in %s", fields["kind"], fields["state"]
             )
-        self.trace.instant(kind, **{k: str(v) for k, v in fields.items()})
-        self._emit(kind, **fields)
+        if self.trace.enabled:
+            self.trace.instant(kind, **{k: str(v) for k, v in fields.items()})
+        if self.on_event is not None:
+            self.on_event(kind, fields)
 
     def _token(self, sequence: int, token_id: int) -> None:
         self._token_times.append(time.monotonic())
@@ -430,36 +434,43 @@ class ProcessRun:
 
     def _wait(self) -> None:
         c = self.controller
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
         channels: dict[int, _Stage] = {}
         for stage in self.stages:
             if not stage.gone and not stage.channel.eof:
                 channels[stage.channel.fileno()] = stage
-                poller.register(stage.channel.fileno(), select.POLLIN)
-        signals: dict[int, Any] = {}
+        data: FifoSignal | None = None
+        space: FifoSignal | None = None
         if c.wants_tokens and c.token_out is not None and isinstance(c.token_out.ring, ShmRing):
-            signals[c.token_out.ring.data_signal.fileno()] = c.token_out.ring.data_signal
+            data = c.token_out.ring.data_signal
         if c.inject_pending and c.token_in is not None and isinstance(c.token_in.ring, ShmRing):
-            signals[c.token_in.ring.space_signal.fileno()] = c.token_in.ring.space_signal
-        for fd in signals:
-            poller.register(fd, select.POLLIN)
+            space = c.token_in.ring.space_signal
+        data_fd = -1 if data is None else data.fileno()
+        space_fd = -1 if space is None else space.fileno()
+        watched = (data_fd, space_fd, *channels)
+        if watched != self._watched:  # a new set of descriptors: a new poll object
+            self._watched = watched
+            self._poller = select.poll()
+            for fd in (self._wake_r, *watched):
+                if fd >= 0:
+                    self._poller.register(fd, select.POLLIN)
         now = time.monotonic()
         until = now + IDLE_WAKE_S
         due = self.timers.next_due()
-        if due is not None:
-            until = min(until, due)
+        if due is not None and due < until:
+            until = due
         if c.endpoints_pending:
             until = min(until, self._open_at)
         if self._inject_since is not None:
             until = min(until, self._inject_since + self.plan.timeouts.edge_wait_ms / 1000.0)
-        ready = poller.poll(max(0.0, until - now) * 1000.0)
+        ready = self._poller.poll(max(0.0, until - now) * 1000.0)
         for fd, _ in ready:
-            if fd == self._wake_r:
+            if fd == data_fd and data is not None:
+                data.drain()
+            elif fd == space_fd and space is not None:
+                space.drain()
+            elif fd == self._wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
-            elif fd in signals:
-                signals[fd].drain()
             elif fd in channels:
                 self._read_control(channels[fd])
         for timer in self.timers.expired(time.monotonic()):
