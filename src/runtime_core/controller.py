@@ -85,8 +85,12 @@ class StageController:
         timers: Timers,
         trace: Trace | None = None,
         stopped_runs: frozenset[str] = frozenset(),
+        trace_steps: bool = True,
     ) -> None:
         # ``stopped_runs``: runs this node served before (their ids stay stale).
+        # ``trace_steps=False``: leave out the trace events that come with every step
+        # (``loaded``, ``published`` and ``state``), for a runtime that would drop them;
+        # rejections, protocol violations and failed releases are traced regardless.
         self.machine = fsm.StageMachine.new(node_id, orchestrator_node_id)
         if stopped_runs:
             self.machine = attrs.evolve(self.machine, stale_runs=stopped_runs)
@@ -95,6 +99,7 @@ class StageController:
         self.control = control
         self.timers = timers
         self.trace = trace or _no_trace
+        self._trace_steps = trace_steps
         self._provision: ProvisionStage | None = None
         self._setup_pending = False
         self._outbound_pending = False
@@ -161,7 +166,7 @@ class StageController:
             # of a faulted or stopping stage goes nowhere.
             self._step = None
             self._output = None
-        if self.machine.state is not before and self.trace is not _no_trace:
+        if self.machine.state is not before and self._trace_steps and self.trace is not _no_trace:
             self.trace(
                 "state",
                 {
@@ -271,7 +276,7 @@ class StageController:
             return False
         self._record = record
         h = record.header
-        if self.trace is not _no_trace:
+        if self._trace_steps and self.trace is not _no_trace:
             self.trace("loaded", {"edge_id": h.edge_id, "sequence": h.sequence, "rows": h.rows})
         self.handle(fsm.ObjectLoaded(h.run_id, h.edge_id, h.sequence))
         return True
@@ -307,7 +312,7 @@ class StageController:
         if not sent:
             return False
         self._output = None
-        if self.trace is not _no_trace:
+        if self._trace_steps and self.trace is not _no_trace:
             self.trace(
                 "published", {"edge_id": self._outbound.edge_id, "sequence": sequence, "rows": rows}
             )

@@ -209,6 +209,8 @@ class StageProcess:
             _Reporter(self),
             self.timers,
             trace=self._on_trace,
+            # What every step traces is only logged at INFO or DEBUG, or recorded.
+            trace_steps=trace.enabled or log.isEnabledFor(logging.INFO),
         )
         self.lost: str | None = None
         self._lost_flag = threading.Event()  # set by the watchdog or a signal
@@ -225,8 +227,8 @@ class StageProcess:
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
-        # Called for every record loaded and published: nothing is formatted unless the
-        # log level or the trace asks for it.
+        # The events of every step (loaded, published, state) come only when INFO logs
+        # or the trace are on (``trace_steps``), and are formatted only for those.
         if kind in ("loaded", "published"):
             log.debug("%s %s", kind, fields)
             if self.trace.enabled:

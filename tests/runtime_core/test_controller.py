@@ -328,3 +328,23 @@ def _ready(plan: Any, index: int) -> Any:
 
     node = plan.stages[index].node_id
     return ofsm.Received(node, StageReady(plan.run_id, index, node))
+
+
+def test_a_stage_that_does_not_trace_its_steps_still_traces_rejections() -> None:
+    provision = provision_all(small_plan(1, max_tokens=3))[0]
+    traced: list[str] = []
+    rec = Recorder()
+    c = StageController(
+        provision.node_id,
+        ORCHESTRATOR,
+        FakeWorker(),
+        Rings(),
+        rec,
+        rec,
+        trace=lambda kind, _fields: traced.append(kind),
+        trace_steps=False,
+    )
+    c.handle(fsm.Received(ORCHESTRATOR, provision))  # a state change: untraced
+    c.handle(fsm.Received("intruder", provision))
+    assert c.state is fsm.State.PREPARING
+    assert traced == ["reject"]
