@@ -21,6 +21,13 @@ stage count. Every stage uses one BLAS thread (and so does this process), so the
 compute is the same at every stage count; stages are never busy at once (one token is
 in flight).
 
+Where ``/proc/<pid>/schedstat`` exists (Linux), it also gives where the time goes: the
+CPU time per decoded token of the orchestrator's thread and of each stage process,
+next to that stage's worker step timed alone in this process. What a stage spends
+beyond its step is its share of a hop: the wake-up, the control path (validation, the
+state machine, timers, publishing, release) and its worker running slower in a process
+that slept while the others ran (caches taken by the other processes).
+
 By default the model is a random-weight llama of 4 blocks, 256 wide (written to a
 temporary folder by the test-model generator), whose steps are short enough that the
 hops show. Last, the floor: a bare ring hop between two processes (publish, wake-up,
@@ -43,6 +50,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -61,24 +69,63 @@ STAGES = (1, 2, 4)
 PROMPT = [1, 2, 3, 4]
 
 
-def process_intervals(model: str, stages: int, tokens: int) -> list[float]:
-    """Microseconds between consecutive decode tokens of one process run."""
-    stamps: list[float] = []
-    result = generate(
-        model,
-        PROMPT,
-        stages=stages,
-        max_tokens=tokens,
-        on_token=lambda _t: stamps.append(time.perf_counter()),
-    )
-    if result.outcome != "completed" or len(stamps) < 3:
-        raise SystemExit(f"{stages} stages: {result.outcome} {result.fault}")
-    return [float(d) * 1e6 for d in np.diff(stamps[1:])]  # decode tokens only
+def cpu_ns(pid: int) -> int | None:
+    """Nanoseconds process ``pid``'s main thread has run on a CPU (Linux), else None."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def worker_us(model: str, stages: int, tokens: int) -> float:
+class Run:
+    """One process run: the intervals between its decode tokens, and the CPU time per
+    decode token of the orchestrator (this thread) and of each stage process (from the
+    first decode token to the last, where /proc/<pid>/schedstat exists)."""
+
+    def __init__(self, model: str, stages: int, tokens: int) -> None:
+        self.stamps: list[float] = []
+        self.pids: dict[int, int] = {}
+        self.cpu: list[tuple[int, list[int | None]]] = []  # (orchestrator, stages) twice
+        self.tokens = tokens
+        result = generate(
+            model,
+            PROMPT,
+            stages=stages,
+            max_tokens=tokens,
+            on_token=self._token,
+            on_event=self._event,
+        )
+        if result.outcome != "completed" or len(self.stamps) < 3:
+            raise SystemExit(f"{stages} stages: {result.outcome} {result.fault}")
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "spawned":
+            self.pids[fields["stage_index"]] = fields["pid"]
+
+    def _token(self, _token_id: int) -> None:
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) in (2, self.tokens):  # the first and the last decode token
+            stages = [cpu_ns(self.pids[i]) for i in sorted(self.pids)]
+            self.cpu.append((time.thread_time_ns(), stages))
+
+    def intervals_us(self) -> list[float]:
+        """Microseconds between consecutive decode tokens."""
+        return [float(d) * 1e6 for d in np.diff(self.stamps[1:])]
+
+    def cpu_us(self) -> tuple[float, list[float]] | None:
+        """CPU microseconds per decode token: the orchestrator's, each stage's."""
+        if len(self.cpu) != 2 or None in self.cpu[0][1] + self.cpu[1][1]:
+            return None
+        (o0, s0), (o1, s1) = self.cpu
+        n = self.tokens - 2
+        stages = [(b - a) / n / 1000 for a, b in zip(s0, s1, strict=True)]  # type: ignore[operator]
+        return (o1 - o0) / n / 1000, stages
+
+
+def worker_us(model: str, stages: int, tokens: int) -> tuple[float, list[float]]:
     """Median over decode tokens of the summed worker steps of ``stages`` stages, all
-    in this process."""
+    in this process, and the median of each stage's step."""
     plan, _ = plan_for(
         model,
         stages=stages,
@@ -94,16 +141,20 @@ def worker_us(model: str, stages: int, tokens: int) -> float:
         worker.bind(provision.gguf_source)
         workers.append(worker)
     sums = []
+    steps: list[list[float]] = [[] for _ in workers]
     data: object = np.array(PROMPT, np.uint32)
     for sequence in range(tokens):
-        began = time.perf_counter()
-        for worker in workers:
+        began = step_began = time.perf_counter()
+        for worker, times in zip(workers, steps, strict=True):
             data = worker.execute_step(sequence, data)  # type: ignore[arg-type]
+            step_ended = time.perf_counter()
+            times.append((step_ended - step_began) * 1e6)
+            step_began = step_ended
         if sequence > 0:
             sums.append((time.perf_counter() - began) * 1e6)
         assert isinstance(data, TokenOutput)
         data = np.array([data.token_id], np.uint32)
-    return statistics.median(sums)
+    return statistics.median(sums), [statistics.median(t[1:]) for t in steps]
 
 
 def raw_hop_us(idle_us: float, rounds: int = 400) -> float:
@@ -167,9 +218,13 @@ def main() -> int:
             shape = ModelShape(n_layers=4, hidden=256, heads=4, heads_kv=2, ffn=512)
             model = str(write_model(Path(tmp) / "hop.gguf", shape))
         intervals: dict[int, list[float]] = {n: [] for n in STAGES}
+        cpu: dict[int, list[tuple[float, list[float]]]] = {n: [] for n in STAGES}
         for _ in range(args.repeat):
             for n in STAGES:
-                intervals[n] += process_intervals(model, n, args.tokens)
+                run = Run(model, n, args.tokens)
+                intervals[n] += run.intervals_us()
+                if (used := run.cpu_us()) is not None:
+                    cpu[n].append(used)
         compute = {n: worker_us(model, n, args.tokens) for n in STAGES}
     raw = {idle: raw_hop_us(idle) for idle in (0, 2000)}
     rows = []
@@ -183,8 +238,18 @@ def main() -> int:
                 "p10_us": float(np.percentile(intervals[n], 10)),
                 "p90_us": float(np.percentile(intervals[n], 90)),
                 "decode_tokens": len(intervals[n]),
-                "worker_us": compute[n],
-                "beyond_worker_per_hop_us": (median - compute[n]) / (n + 1),
+                "worker_us": compute[n][0],
+                "worker_stage_us": compute[n][1],
+                "beyond_worker_per_hop_us": (median - compute[n][0]) / (n + 1),
+                # CPU per decode token, median over rounds (None without /proc)
+                "cpu_orchestrator_us": (
+                    statistics.median(c[0] for c in cpu[n]) if cpu[n] else None
+                ),
+                "cpu_stage_us": (
+                    [statistics.median(c[1][i] for c in cpu[n]) for i in range(n)]
+                    if cpu[n]
+                    else None
+                ),
             }
         )
     hops = np.array([r["hops"] for r in rows], dtype=float)
@@ -220,6 +285,17 @@ def main() -> int:
     print(
         f"overhead per hop per token (slope over 1, 2, 4 stages): {slope:.1f} us; target < 200 us"
     )
+    for n in STAGES:
+        if cpu[n]:
+            per_stage = [statistics.median(c[1][i] for c in cpu[n]) for i in range(n)]
+            stages = ", ".join(
+                f"{u:.0f} ({alone:.0f})" for u, alone in zip(per_stage, compute[n][1], strict=True)
+            )
+            print(
+                f"CPU per decoded token, {n} stage(s): orchestrator "
+                f"{statistics.median(c[0] for c in cpu[n]):.0f} us; stages {stages} us "
+                "(in brackets: the stage's worker step alone, in this process)"
+            )
     print(
         f"bare ring hop between two processes: {raw[0]:.1f} us when the receiver just "
         f"ran, {raw[2000]:.1f} us when it slept 2 ms before the record came"
