@@ -200,3 +200,21 @@ def test_records_cross_threads_in_order_under_backpressure() -> None:
         ring.release(slot)
     producer.join(5.0)
     assert seen == list(range(n))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_counters_are_little_endian_u64_at_offsets_0_8_16(packed: bool) -> None:
+    """The layout another process reads, whichever way this host writes the counters
+    (a u64 view on little-endian hosts, struct calls elsewhere)."""
+    from runtime_core.ring import _PackedCounters
+
+    buf = bytearray(64 + 2 * SLOT_BYTES)
+    ring = Ring(RingSpec(slot_count=2, alignment=64, slot_bytes=SLOT_BYTES), buf)
+    if packed:
+        ring._ctr = _PackedCounters(memoryview(buf))
+    for _ in range(300):  # past one byte
+        ring.publish(ring.try_reserve())  # type: ignore[arg-type]
+        ring.release(ring.try_acquire())  # type: ignore[arg-type]
+    ring.close()
+    assert [int.from_bytes(buf[i : i + 8], "little") for i in (0, 8, 16)] == [300, 300, 1]
+    assert (ring.published, ring.released, ring.closed) == (300, 300, True)
