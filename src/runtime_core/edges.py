@@ -66,15 +66,19 @@ class SendEnd:
         self.run_id = run_id
         self.edge_id = edge_id
         self.object_spec = object_spec
-        self._templates: dict[HeaderDType, bytearray] = {}  # a header per dtype
+        self._templates: dict[int, bytearray] = {}  # a header per dtype's value
 
     def _template(self, dtype: HeaderDType) -> bytearray:
         """A header of this edge's records of ``dtype``, its rows, sequence and extent
         to be filled in (``HeaderError`` for what no header can hold)."""
-        template = self._templates.get(dtype) if isinstance(dtype, HeaderDType) else None
+        # Keyed by the member's value: an Enum key costs a Python-level __hash__.
+        known = type(dtype) is HeaderDType
+        template = self._templates.get(dtype._value_) if known else None
         if template is None:
             header = ObjectHeader(self.run_id, self.edge_id, 0, self.object_spec.kind, dtype, 0, 0)
-            template = self._templates[dtype] = bytearray(header.pack())
+            template = bytearray(header.pack())  # HeaderError for what cannot be packed
+            if known:
+                self._templates[dtype._value_] = template
         return template
 
     def _write(
