@@ -81,14 +81,11 @@ class SendEnd:
                 self._templates[dtype._value_] = template
         return template
 
-    def _write(
-        self,
-        slot: int,
-        sequence: int,
-        rows: int,
-        dtype: HeaderDType,
-        payload: bytes | bytearray | memoryview,
-    ) -> None:
+    def _prepare(
+        self, sequence: int, rows: int, dtype: HeaderDType, payload: bytes | bytearray | memoryview
+    ) -> tuple[bytearray, bytes | memoryview]:
+        """The header and payload bytes of one record, checked before a slot is reserved:
+        a record that cannot be written (``RingError``, ``HeaderError``) takes no slot."""
         # Bytes (what the controllers write) are already a flat run of bytes.
         data = payload if type(payload) is bytes else memoryview(payload).cast("B")
         if not 0 < len(data) <= self.object_spec.max_extent:
@@ -102,20 +99,24 @@ class SendEnd:
             _SEQUENCE_EXTENT.pack_into(header, SEQUENCE_OFFSET, sequence, len(data))
         except struct.error as exc:
             raise HeaderError(f"a header field is out of range: {exc}") from None
+        return header, data
+
+    def _write(self, slot: int, header: bytearray, data: bytes | memoryview) -> None:
         view = self.ring.slot(slot)
         view[:OBJECT_HEADER_BYTES] = header
         view[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + len(data)] = data
+        self.ring.publish(slot)
 
     def try_send(
         self, sequence: int, rows: int, dtype: HeaderDType, payload: bytes | bytearray | memoryview
     ) -> bool:
         """Write and publish one record; ``False`` (nothing written) while the ring is
         full. Raises ``EdgeClosed`` once the edge is closed."""
+        header, data = self._prepare(sequence, rows, dtype, payload)
         slot = self.ring.try_reserve()
         if slot is None:
             return False
-        self._write(slot, sequence, rows, dtype, payload)
-        self.ring.publish(slot)
+        self._write(slot, header, data)
         return True
 
     def send(
@@ -127,9 +128,8 @@ class SendEnd:
         timeout_s: float,
     ) -> None:
         """Write and publish one record, waiting up to ``timeout_s`` for a free slot."""
-        slot = self.ring.wait_reserve(timeout_s)
-        self._write(slot, sequence, rows, dtype, payload)
-        self.ring.publish(slot)
+        header, data = self._prepare(sequence, rows, dtype, payload)
+        self._write(self.ring.wait_reserve(timeout_s), header, data)
 
     def close(self) -> None:
         self.ring.close()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from runplan.header import HeaderCheck, HeaderDType, HeaderError, ObjectHeader
 from runplan.plan import OBJECT_HEADER_BYTES
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
-from runtime_core.ring import Ring
+from runtime_core.ring import Ring, RingError
 from tests.strategies import small_plan
 
 PLAN = small_plan(2, max_tokens=4)
@@ -59,10 +59,25 @@ def test_a_written_header_is_the_packed_header(sequence: int) -> None:
 def test_a_header_field_out_of_range_is_refused_and_nothing_published(
     sequence: int, rows: int, dtype: HeaderDType
 ) -> None:
-    ring, send, _ = _ends()
+    ring, send, receive = _ends()
     with pytest.raises(HeaderError):
         send.try_send(sequence, rows, dtype, ROW)
+    with pytest.raises(HeaderError):
+        send.send(sequence, rows, dtype, ROW, timeout_s=0.0)
     assert ring.published == 0
+    # The refused records took no slot: the next good one is written and read.
+    assert send.try_send(0, 1, HeaderDType.F32, ROW)
+    send.send(1, 1, HeaderDType.F32, ROW, timeout_s=0.0)
+    assert [receive.try_receive().header.sequence for _ in range(2)] == [0, 1]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("payload", [b"", ROW + b"x" * 10**6])
+def test_a_payload_of_the_wrong_size_takes_no_slot(payload: bytes) -> None:
+    ring, send, _ = _ends()
+    with pytest.raises(RingError, match="payload of"):
+        send.try_send(0, 1, HeaderDType.F32, payload)
+    assert send.try_send(0, 1, HeaderDType.F32, ROW)
+    assert ring.published == 1
 
 
 @settings(max_examples=300)
