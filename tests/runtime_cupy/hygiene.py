@@ -64,3 +64,24 @@ def tagged_processes(tag: str) -> list[int]:
         if needle in env.split(b"\0") and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def users(path: str) -> list[int]:
+    """Live processes but this one that map ``path`` (a shared-memory segment) or hold
+    it, or a file in it (a FIFO folder), open."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if path.startswith(str(SHM)) and path in (entry / "maps").read_text():
+                found.append(int(entry.name))
+                continue
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target == path or target.startswith(path + "/"):
+                    found.append(int(entry.name))
+                    break
+        except OSError:  # gone, or not ours to read
+            continue
+    return [pid for pid in found if alive(pid)]
