@@ -25,6 +25,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m mypy
+	$(PY) -m mypy benchmarks
 
 unit: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest

@@ -96,7 +96,7 @@ def copy_bandwidth() -> float:
         times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
     del src, dst
     cupy.get_default_memory_pool().free_all_blocks()
-    return 2 * n / statistics.median(times)
+    return float(2 * n / statistics.median(times))
 
 
 def bytes_per_token(path: Path, context: int) -> int:

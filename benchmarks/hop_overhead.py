@@ -192,10 +192,10 @@ def raw_hop_us(idle_us: float, rounds: int = 400) -> float:
             until = time.perf_counter_ns() + idle_us * 1000
             while time.perf_counter_ns() < until:  # busy here while the receiver sleeps
                 pass
-            slot = send.try_reserve()
-            assert slot is not None
+            reserved = send.try_reserve()
+            assert reserved is not None
             sent = time.perf_counter_ns()
-            send.publish(slot)
+            send.publish(reserved)
             got = acquire(back)
             latencies.append((int.from_bytes(back.slot(got)[:8], "little") - sent) / 1000)
             back.release(got)

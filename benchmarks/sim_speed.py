@@ -12,6 +12,7 @@ import argparse
 import json
 import time
 
+from runtime_core.worker import Worker
 from runtime_sim.clock import derive_rng
 from runtime_sim.explore import Scenario, run_scenario, synthetic_facts, synthetic_plan
 from runtime_sim.faults import random_fault_plan
@@ -24,7 +25,9 @@ def events_per_second(tokens: int, trace: bool) -> tuple[int, float]:
     facts = synthetic_facts(32, 256, 32_000, 10**6, tokens + 16)
     plan = synthetic_plan(facts, 4, max_tokens=tokens)
     costs = stored_stage_costs(plan, facts.block_bytes, 10**6)
-    workers = [SyntheticWorker(facts.vocab_size, facts.eos_token_id) for _ in range(4)]
+    workers: list[Worker] = [
+        SyntheticWorker(facts.vocab_size, facts.eos_token_id) for _ in range(4)
+    ]
     sim = Simulation(plan, tuple(range(1, 9)), workers, costs, trace=trace)
     began = time.perf_counter()
     sim.run()

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -120,7 +121,7 @@ def main() -> None:
                 "error_percent": round(100 * (predicted_us - measured_us) / measured_us, 1),
             }
         )
-    figures = {
+    figures: dict[str, Any] = {
         "node": {
             "read_GB_per_s": round(node.read_bytes_per_s / 1e9, 2),
             "GFLOP_per_s": round(node.flops_per_s / 1e9, 1),
