@@ -35,6 +35,10 @@ _DEQUANT = "p l i p i i p"
 _ROPE = "p i p p p i i i i i i p p i"
 _ATTENTION = "p i p p p i i i i i f p p p p"
 
+#: The largest head size ``attention.cu`` handles (``32 * ATT_MAX_PER_LANE``: each of a
+#: warp's 32 lanes holds up to 8 dimensions of a head).
+ATTENTION_MAX_HEAD_DIM = 256
+
 #: kernel name -> parameter codes, by source file.
 KERNELS: dict[str, dict[str, str]] = {
     "matvec.cu": {

@@ -53,6 +53,7 @@ from runtime_core.worker import (
     checked_token_ids,
     step_position,
 )
+from runtime_cupy.kernels import ATTENTION_MAX_HEAD_DIM
 from runtime_cupy.quant_types import QUANT_TYPES
 
 MATVEC_MODES = ("q8", "f32")
@@ -168,6 +169,13 @@ class StageWorker:
         backend: StageBackend | None = None
         try:
             with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
+                c = stage.config
+                if max(c.head_dim_k, c.head_dim_v) > ATTENTION_MAX_HEAD_DIM:
+                    raise UnsupportedModel(
+                        stage.path,
+                        f"head size {c.head_dim_k} (keys) / {c.head_dim_v} (values): the "
+                        f"CUDA attention kernel takes up to {ATTENTION_MAX_HEAD_DIM}",
+                    )
                 backend = self._make_backend(spec)
                 backend.load(stage, p.model.max_seq_len, progress)
                 vocab = stage.vocab_size

@@ -21,6 +21,7 @@ reference worker and llama.cpp: what the CUDA worker computes, checked on a CPU.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from runplan import SamplingConfig
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput, Worker, WorkerError
 from runtime_cupy.cuda_chain import Chain
+from runtime_cupy.kernels import ATTENTION_MAX_HEAD_DIM, source
 from runtime_cupy.quant_types import QUANT_TYPES
 from runtime_cupy.random_model import RandomModel, write_random_model
 from runtime_cupy.twin_stage import TwinWorker
@@ -214,6 +216,31 @@ def test_rows_the_kernels_cannot_read_are_refused_at_bind(folder: Path) -> None:
     w.configure(provisions(path)[0])
     with pytest.raises(WorkerError, match="multiple of 32"):
         w.bind(provisions(path)[0].gguf_source)
+
+
+def test_a_head_larger_than_the_attention_kernel_takes_is_refused_at_bind(folder: Path) -> None:
+    from runtime_core.errors import UnsupportedModel
+
+    path = write_model(
+        folder / "h512.gguf", ModelShape(n_layers=1, hidden=512, heads=1, heads_kv=1)
+    )
+    w = TwinWorker()
+    w.configure(provisions(path)[0])
+    with pytest.raises(WorkerError, match="head size 512") as info:
+        w.bind(provisions(path)[0].gguf_source)
+    assert isinstance(info.value.__cause__, UnsupportedModel)
+    # 256, the largest the kernel takes, binds.
+    ok = write_model(folder / "h256.gguf", ModelShape(n_layers=1, hidden=256, heads=1, heads_kv=1))
+    w.configure(provisions(ok)[0])
+    w.bind(provisions(ok)[0].gguf_source)
+    w.release()
+
+
+def test_the_largest_head_size_is_the_attention_kernel_s() -> None:
+    text = source("attention.cu")
+    per_lane = re.search(r"#define ATT_MAX_PER_LANE (\d+)", text)
+    assert per_lane is not None
+    assert 32 * int(per_lane.group(1)) == ATTENTION_MAX_HEAD_DIM
 
 
 # ---- against the reference worker ---------------------------------------------------------
