@@ -91,6 +91,17 @@ def generate_all(
         chain.release()
 
 
+#: Float32 on the GPU against float32 in NumPy: only the order of the sums differs, and
+#: the logits agree to about 1e-4, so a step whose two best reference logits are closer
+#: than this may go either way.
+F32_NEAR_TIE = 0.01
+
+
+def top2_gap(x: np.ndarray) -> float:
+    second, first = np.sort(x)[-2:]
+    return float(first - second)
+
+
 def tokens(outs: list[TokenOutput]) -> list[int]:
     return [o.token_id for o in outs]
 
@@ -132,11 +143,18 @@ def reference(smollm2_path: str) -> Runs:
 def test_smollm2_float_mode_gives_the_reference_workers_tokens(
     smollm2_path: str, reference: Runs
 ) -> None:
+    """Identical tokens up to the first step where the reference's two best logits are
+    within ``F32_NEAR_TIE`` (every token when there is none), and the logits of every
+    step up to the first difference with cosine >= 0.99999."""
     ours = cuda_runs(smollm2_path, "f32")
     for p in PROMPTS:
         name = p["name"]
-        assert tokens(ours[name]) == tokens(reference[name]), name
-        for a, b in zip(ours[name], reference[name], strict=True):
+        mine, theirs = ours[name], reference[name]
+        n = common_prefix(tokens(mine), tokens(theirs))
+        gaps = [top2_gap(logits(o)) for o in theirs]
+        tie = next((i for i, g in enumerate(gaps) if g < F32_NEAR_TIE), len(gaps))
+        assert n >= tie, (name, n, tie, tokens(mine), tokens(theirs))
+        for a, b in zip(mine[: n + 1], theirs[: n + 1], strict=False):  # the same inputs
             assert cosine(logits(a), logits(b)) >= 0.99999, name
 
 
