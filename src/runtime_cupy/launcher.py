@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -49,7 +48,7 @@ from runtime_core.orchestrator import OrchestratorController
 from runtime_cupy.control import ControlChannel, Incoming, new_key
 from runtime_cupy.timers import Deadlines
 from runtime_cupy.tracing import Event, TraceLog, chrome_trace, read_events
-from runtime_cupy.transport import FifoSignal, ProcessEdges, ShmRing, remove_run
+from runtime_cupy.transport import FifoSignal, ProcessEdges, ShmRing, Watch, remove_run
 
 log = logging.getLogger("runtime_cupy.launcher")
 
@@ -214,8 +213,7 @@ class ProcessRun:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller = select.poll()
-        self._watched: tuple[int, ...] | None = None  # what the poller watches
+        self._waiter = Watch(self._wake_r)
         self._cancel: list[str] = []  # requests (signal names), in order
         self._cancel_fed = 0
         self._open_at = 0.0
@@ -447,12 +445,6 @@ class ProcessRun:
         data_fd = -1 if data is None else data.fileno()
         space_fd = -1 if space is None else space.fileno()
         watched = (data_fd, space_fd, *channels)
-        if watched != self._watched:  # a new set of descriptors: a new poll object
-            self._watched = watched
-            self._poller = select.poll()
-            for fd in (self._wake_r, *watched):
-                if fd >= 0:
-                    self._poller.register(fd, select.POLLIN)
         now = time.monotonic()
         until = now + IDLE_WAKE_S
         due = self.timers.next_due()
@@ -462,7 +454,7 @@ class ProcessRun:
             until = min(until, self._open_at)
         if self._inject_since is not None:
             until = min(until, self._inject_since + self.plan.timeouts.edge_wait_ms / 1000.0)
-        ready = self._poller.poll(max(0.0, until - now) * 1000.0)
+        ready = self._waiter.poll(watched, max(0.0, until - now) * 1000.0)
         for fd, _ in ready:
             if fd == data_fd and data is not None:
                 data.drain()

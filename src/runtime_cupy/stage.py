@@ -52,6 +52,7 @@ from runtime_cupy.transport import (
     FifoSignal,
     ProcessEdges,
     ShmRing,
+    Watch,
     remove_edge,
     remove_run_dir,
 )
@@ -222,8 +223,7 @@ class StageProcess:
         self._run: tuple[str, tuple[int, int]] | None = None  # run id, (inbound, outbound)
         self._attach_at = 0.0
         self._output_since: float | None = None
-        self._poller = select.poll()
-        self._watched: tuple[int, int, int] | None = None  # what the poller watches
+        self._waiter = Watch(self._wake_r)
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
@@ -360,12 +360,6 @@ class StageProcess:
         data_fd = -1 if data is None else data.fileno()
         space_fd = -1 if space is None else space.fileno()
         watched = (control, data_fd, space_fd)
-        if watched != self._watched:  # a new set of descriptors: a new poll object
-            self._watched = watched
-            self._poller = select.poll()
-            for fd in (self._wake_r, *watched):
-                if fd >= 0:
-                    self._poller.register(fd, select.POLLIN)
         now = time.monotonic()
         until = now + IDLE_WAKE_S
         due = self.timers.next_due()
@@ -375,7 +369,7 @@ class StageProcess:
             until = self._attach_at
         if self._output_since is not None and c.provision is not None:
             until = min(until, self._output_since + c.provision.timeouts.edge_wait_ms / 1000.0)
-        ready = self._poller.poll(max(0.0, until - now) * 1000.0)
+        ready = self._waiter.poll(watched, max(0.0, until - now) * 1000.0)
         if not ready and os.getppid() != self.parent_pid:  # idle: a last look at the parent
             self._lose("the parent process is gone")
         for fd, _ in ready:

@@ -176,6 +176,27 @@ class FifoSignal:
             self._fd = -1
 
 
+class Watch:
+    """A poll object over a wake-up pipe's read end and a set of descriptors (``-1``
+    for none), made anew only when the set changes: a run's steps wait on the same
+    set, and building and registering a poll object per wait is a cost per hop."""
+
+    def __init__(self, wake_fd: int) -> None:
+        self._wake_fd = wake_fd
+        self._watched: tuple[int, ...] | None = None
+        self._poller = select.poll()
+
+    def poll(self, fds: tuple[int, ...], timeout_ms: float) -> list[tuple[int, int]]:
+        """``poll(2)`` on the wake-up pipe and ``fds`` (readable), for ``timeout_ms``."""
+        if fds != self._watched:
+            self._watched = fds
+            self._poller = select.poll()
+            for fd in (self._wake_fd, *fds):
+                if fd >= 0:
+                    self._poller.register(fd, select.POLLIN)
+        return self._poller.poll(timeout_ms)
+
+
 def _make_fifo(path: Path) -> None:
     path.parent.mkdir(mode=0o700, exist_ok=True)
     os.mkfifo(path, 0o600)
