@@ -32,7 +32,8 @@ REFERENCE_QUANT_TYPES: tuple[str, ...] = (
     "Q6_K",
     "Q8_0",
 )
-REFERENCE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
+#: Architectures the NumPy reference worker runs (``runtime_core.architectures``).
+REFERENCE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 
 
 @frozen

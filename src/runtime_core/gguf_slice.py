@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType, quants
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.gguf_facts import vocab_size
 from runplan.gguf_header import GgufHeader, TensorInfo
+from runtime_core.architectures import REFUSED_TENSORS, FfnLayout, Presence, QkvLayout
 from runtime_core.errors import UnsupportedModel
 from runtime_core.model_config import ModelConfig
 from runtime_core.worker import WorkerError
@@ -38,22 +39,6 @@ OUTPUT = "output.weight"
 OUTPUT_NORM = "output_norm.weight"
 ROPE_FREQS = "rope_freqs.weight"
 
-#: Block tensors (after ``blk.{i}.``) every architecture has.
-BLOCK_WEIGHTS = (
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_k.weight",
-    "attn_v.weight",
-    "attn_output.weight",
-    "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
-)
-#: Attention biases: required by qwen2, optional for llama.
-BLOCK_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
-_REQUIRED_BIASES = {"qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias")}
-
 
 @frozen
 class TensorSpec:
@@ -61,29 +46,54 @@ class TensorSpec:
     required: bool
 
 
-def block_specs(config: ModelConfig, layer: int) -> dict[str, TensorSpec]:
-    """The tensors of block ``layer`` with the shapes the config implies."""
+def qkv_layout(config: ModelConfig, layer: int, tensors: Mapping[str, TensorInfo]) -> QkvLayout:
+    """The layout of block ``layer``'s attention projections: fused when the file has
+    ``attn_qkv`` and the architecture allows it, else separate."""
+    fused = f"blk.{layer}.attn_qkv.weight" in tensors
+    if fused and QkvLayout.FUSED in config.spec.qkv_layouts:
+        return QkvLayout.FUSED
+    return QkvLayout.SEPARATE
+
+
+def block_specs(
+    config: ModelConfig, layer: int, qkv: QkvLayout = QkvLayout.SEPARATE
+) -> dict[str, TensorSpec]:
+    """The tensors block ``layer`` of the architecture may have, with the shapes the
+    config implies (``architectures.ArchSpec`` says which)."""
+    spec = config.spec
     h, f = config.hidden_dim, config.ffn_dims[layer]
     q, k, v = config.q_dim, config.k_dim, config.v_dim
     o = config.n_heads * config.head_dim_v
-    shapes = {
-        "attn_norm.weight": (h,),
-        "attn_q.weight": (h, q),
-        "attn_k.weight": (h, k),
-        "attn_v.weight": (h, v),
-        "attn_output.weight": (o, h),
-        "ffn_norm.weight": (h,),
-        "ffn_gate.weight": (h, f),
-        "ffn_up.weight": (h, f),
-        "ffn_down.weight": (f, h),
-        "attn_q.bias": (q,),
-        "attn_k.bias": (k,),
-        "attn_v.bias": (v,),
-        "attn_output.bias": (h,),
+    bias = spec.qkv_bias
+    out: dict[str, tuple[tuple[int, ...], Presence]] = {
+        "attn_norm.weight": ((h,), Presence.REQUIRED),
+        "attn_output.weight": ((o, h), Presence.REQUIRED),
+        "attn_output.bias": ((h,), spec.output_bias),
+        "ffn_norm.weight": ((h,), Presence.REQUIRED),
+        "ffn_down.weight": ((f, h), Presence.REQUIRED),
     }
-    required = set(BLOCK_WEIGHTS) | set(_REQUIRED_BIASES.get(config.architecture, ()))
+    if qkv is QkvLayout.FUSED:
+        out["attn_qkv.weight"] = ((h, q + k + v), Presence.REQUIRED)
+        out["attn_qkv.bias"] = ((q + k + v,), bias)
+    else:
+        for name, width in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
+            out[f"{name}.weight"] = ((h, width), Presence.REQUIRED)
+            out[f"{name}.bias"] = ((width,), bias)
+    if spec.ffn is FfnLayout.FUSED:
+        out["ffn_up.weight"] = ((h, 2 * f), Presence.REQUIRED)
+    else:
+        out["ffn_gate.weight"] = ((h, f), Presence.REQUIRED)
+        out["ffn_up.weight"] = ((h, f), Presence.REQUIRED)
+    if spec.qk_norm:
+        out["attn_q_norm.weight"] = ((config.head_dim_k,), Presence.REQUIRED)
+        out["attn_k_norm.weight"] = ((config.head_dim_k,), Presence.REQUIRED)
+    if spec.post_norms:
+        out["post_attention_norm.weight"] = ((h,), Presence.REQUIRED)
+        out["post_ffw_norm.weight"] = ((h,), Presence.REQUIRED)
     return {
-        f"blk.{layer}.{name}": TensorSpec(shape, name in required) for name, shape in shapes.items()
+        f"blk.{layer}.{name}": TensorSpec(shape, presence is Presence.REQUIRED)
+        for name, (shape, presence) in out.items()
+        if presence is not Presence.ABSENT
     }
 
 
@@ -176,9 +186,12 @@ def open_stage_slice(
         )
     tensors = header.tensors
     vocab = vocab_size(header, config.architecture)
+    for name, reason in REFUSED_TENSORS.items():
+        if name in tensors:
+            raise UnsupportedModel(path, reason, tensor=name)
     specs: dict[str, TensorSpec] = {}
     for layer in range(layer_start, layer_end_exclusive):
-        specs.update(block_specs(config, layer))
+        specs.update(block_specs(config, layer, qkv_layout(config, layer, tensors)))
         _refuse_unknown_block_tensors(path, config, layer, tensors, specs)
     h = config.hidden_dim
     head = None
@@ -189,6 +202,10 @@ def open_stage_slice(
         specs[OUTPUT_NORM] = TensorSpec((h,), True)
         specs[head] = TensorSpec((h, vocab), True)
     if ROPE_FREQS in tensors:
+        if not config.spec.rope_freqs:
+            raise UnsupportedModel(
+                path, f"not a tensor of the {config.architecture} architecture", tensor=ROPE_FREQS
+            )
         specs[ROPE_FREQS] = TensorSpec((config.rope.n_dims // 2,), True)
 
     owned: dict[str, TensorInfo] = {}

@@ -14,19 +14,36 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   are refused. llama3's ``rope_freqs.weight`` tensor (per-frequency divisors) is a
   tensor, so the slice loads it, not this config.
 - The layout of rotary pairs is the architecture's: llama rotates adjacent pairs
-  ``(2i, 2i+1)`` ("normal"), qwen2 the two halves ``(i, i + n/2)`` ("NeoX").
+  ``(2i, 2i+1)`` ("normal"), the others the two halves ``(i, i + n/2)`` ("NeoX").
+- Each block's attention (``runplan.layer_attention``): its sliding window (gemma3's
+  ``attention.sliding_window`` and ``sliding_window_pattern``) and rotary base. A
+  sliding block rotates with ``rope.freq_base_swa`` and no scaling (llama.cpp's
+  ``rope_freq_scale_train_swa`` is 1); a global one with ``rope.freq_base`` and the
+  file's scaling. Head sizes and rotary dimensions of sliding blocks must be those of
+  the global ones (``*_swa`` keys that differ are refused).
+- What else differs between architectures is in ``runtime_core.architectures``: the
+  embedding scale (gemma3: ``sqrt(hidden)``), the query scale, and gemma3's optional
+  ``final_logit_softcapping``.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 from attrs import frozen
 from gguf import GGUFValueType
 
 from runplan.gguf_header import GgufError, GgufHeader
+from runplan.layer_attention import layer_attention, number
+from runtime_core.architectures import (
+    ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    ArchSpec,
+    EmbeddingScale,
+    QueryScale,
+)
 from runtime_core.errors import UnsupportedModel
-
-#: Rotary layout of each architecture we run: True for NeoX (split halves).
-ROPE_NEOX: dict[str, bool] = {"llama": False, "qwen2": True}
 
 
 @frozen
@@ -40,6 +57,7 @@ class RopeConfig:
 @frozen
 class ModelConfig:
     architecture: str
+    spec: ArchSpec  # what the architecture's blocks hold and do
     n_layers: int
     hidden_dim: int
     ffn_dims: tuple[int, ...]  # feed-forward size of each block
@@ -49,7 +67,20 @@ class ModelConfig:
     head_dim_v: int
     context_length: int
     rms_eps: float
-    rope: RopeConfig
+    rope: RopeConfig  # global blocks
+    rope_swa: RopeConfig  # sliding-window blocks (``rope`` when there are none)
+    layer_windows: tuple[int, ...]  # each block's window in positions; 0: global
+    query_scale: float  # queries (or scores) are multiplied by this
+    embedding_scale: float  # token embeddings are multiplied by this (float32)
+    final_logit_softcap: float  # logits = c * tanh(logits / c); 0: none
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        return self.rope_swa if self.layer_windows[layer] else self.rope
+
+    @property
+    def sliding(self) -> bool:
+        """Some block attends within a sliding window."""
+        return any(self.layer_windows)
 
     @property
     def q_dim(self) -> int:
@@ -71,13 +102,20 @@ class ModelConfig:
         missing or malformed key."""
         path = header.paths[0]
         arch = header.string("general.architecture")
-        if arch not in architectures or arch not in ROPE_NEOX:
-            runs = ", ".join(a for a in architectures if a in ROPE_NEOX)
+        if arch in MOE_ARCHITECTURES:
+            raise UnsupportedModel(
+                path,
+                f"{arch!r} is a mixture-of-experts architecture: not supported",
+                key="general.architecture",
+            )
+        if arch not in architectures or arch not in ARCHITECTURES:
+            runs = ", ".join(a for a in architectures if a in ARCHITECTURES)
             raise UnsupportedModel(
                 path,
                 f"architecture {arch!r} is not one this worker runs ({runs})",
                 key="general.architecture",
             )
+        spec = ARCHITECTURES[arch]
         if header.integer(f"{arch}.expert_count", default=0) > 0:
             raise UnsupportedModel(
                 path, "mixture-of-experts models are not supported", key=f"{arch}.expert_count"
@@ -94,8 +132,17 @@ class ModelConfig:
             )
         head_dim_k = header.integer(f"{arch}.attention.key_length", default=hidden // heads)
         head_dim_v = header.integer(f"{arch}.attention.value_length", default=hidden // heads)
+        rope = _rope(header, arch, head_dim_k, spec.rope_neox)
+        attention = layer_attention(header, arch, n_layers)
+        if any(a.sliding for a in attention):
+            _same_for_sliding_blocks(header, arch, head_dim_k, head_dim_v, rope.n_dims)
+        swa_bases = {a.rope_freq_base for a in attention if a.sliding}
+        rope_swa = rope
+        if swa_bases:
+            rope_swa = RopeConfig(rope.n_dims, swa_bases.pop(), 1.0, rope.neox)
         return cls(
             architecture=arch,
+            spec=spec,
             n_layers=n_layers,
             hidden_dim=hidden,
             ffn_dims=_ffn_dims(header, arch, n_layers),
@@ -105,19 +152,50 @@ class ModelConfig:
             head_dim_v=head_dim_v,
             context_length=header.integer(f"{arch}.context_length"),
             rms_eps=_float(header, f"{arch}.attention.layer_norm_rms_epsilon", None),
-            rope=_rope(header, arch, head_dim_k),
+            rope=rope,
+            rope_swa=rope_swa,
+            layer_windows=tuple(a.window for a in attention),
+            query_scale=_query_scale(spec, n_layers, hidden, heads, head_dim_k),
+            embedding_scale=(
+                float(np.sqrt(np.float32(hidden)))
+                if spec.embedding_scale is EmbeddingScale.SQRT_HIDDEN
+                else 1.0
+            ),
+            final_logit_softcap=(
+                _float(header, f"{arch}.final_logit_softcapping", 0.0)
+                if spec.final_logit_softcap
+                else 0.0
+            ),
         )
 
 
+def _query_scale(spec: ArchSpec, n_layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    if spec.query_scale is QueryScale.GEMMA3 and n_layers == 62:  # Gemma 3 27B
+        return 1.0 / math.sqrt(hidden // heads)
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _same_for_sliding_blocks(
+    header: GgufHeader, arch: str, head_dim_k: int, head_dim_v: int, n_rot: int
+) -> None:
+    """Sliding blocks of another head size or rotary width are not supported."""
+    for suffix, value in (
+        ("attention.key_length_swa", head_dim_k),
+        ("attention.value_length_swa", head_dim_v),
+        ("rope.dimension_count_swa", n_rot),
+    ):
+        key = f"{arch}.{suffix}"
+        found = header.integer(key, default=value)
+        if found != value:
+            raise UnsupportedModel(
+                header.paths[0],
+                f"sliding-window blocks of {found} where the others have {value}: not supported",
+                key=key,
+            )
+
+
 def _float(header: GgufHeader, key: str, default: float | None) -> float:
-    if not header.has(key):
-        if default is not None:
-            return default
-        raise GgufError(header.paths[0], "required key is missing", key)
-    value = header.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise GgufError(header.paths[0], f"expected a number, found {value!r}", key)
-    return float(value)
+    return number(header, key, default)
 
 
 def _ffn_dims(header: GgufHeader, arch: str, n_layers: int) -> tuple[int, ...]:
@@ -130,7 +208,7 @@ def _ffn_dims(header: GgufHeader, arch: str, n_layers: int) -> tuple[int, ...]:
     return (header.integer(key),) * n_layers
 
 
-def _rope(header: GgufHeader, arch: str, head_dim: int) -> RopeConfig:
+def _rope(header: GgufHeader, arch: str, head_dim: int, neox: bool) -> RopeConfig:
     path = header.paths[0]
     n_dims = header.integer(f"{arch}.rope.dimension_count", default=head_dim)
     if n_dims < 2 or n_dims % 2 or n_dims > head_dim:
@@ -155,5 +233,5 @@ def _rope(header: GgufHeader, arch: str, head_dim: int) -> RopeConfig:
         n_dims=n_dims,
         freq_base=_float(header, f"{arch}.rope.freq_base", 10000.0),
         freq_scale=freq_scale,
-        neox=ROPE_NEOX[arch],
+        neox=neox,
     )

@@ -8,14 +8,23 @@ gate and up into another, each in the orientation OpenBLAS multiplies fastest (s
 cache of ``max_seq_len`` positions, and runs ``forward(x, pos)`` over rows of the
 residual stream.
 
-The arithmetic follows llama.cpp's graph for llama and qwen2 (``llm_build_llama``,
-``llm_build_qwen2``): RMS norm, rotary embedding, grouped-query attention with a
-causal mask and scale ``1/sqrt(head_dim)``, SwiGLU feed-forward, output norm and head.
+The arithmetic follows llama.cpp's graphs (``src/models/{llama,qwen2,qwen3,gemma3,
+phi3}.cpp``), as ``runtime_core.architectures`` lays them out: RMS norm, rotary
+embedding, grouped-query attention with a causal mask (and a sliding window on the
+blocks that have one), a gated feed-forward (SiLU or GELU), output norm and head;
+per-head Q/K norms, post-norms, the embedding scale and the logit soft cap where the
+architecture has them. A fused ``attn_qkv`` ([q; k; v]) or ``ffn_up`` ([gate; up]) is
+already the fused matrix this model multiplies by, so it loads as one.
+
 Rotary embedding is applied as a complex multiplication of adjacent pairs; for an
-architecture whose pairs are the two halves of a head (NeoX, qwen2) the Q and K
-columns are permuted at load time into adjacent pairs. The attention scores of a head
-are dot products of its Q and K, which a permutation applied to both leaves
-unchanged, so nothing else changes.
+architecture whose pairs are the two halves of a head (NeoX) the Q and K columns are
+permuted at load time into adjacent pairs. The attention scores of a head are dot
+products of its Q and K, which a permutation applied to both leaves unchanged; a
+per-head norm's mean square is unchanged too, and its weights are permuted alike.
+
+A block's KV cache holds ``max_seq_len`` positions, or a sliding block's window when
+that is shorter: a ring, position ``p`` in slot ``p % size``, so that a step only ever
+reads the positions its window sees (the planner counts it so).
 """
 
 from __future__ import annotations
@@ -27,7 +36,15 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from runtime_core.gguf_slice import EMBEDDING, OUTPUT_NORM, ROPE_FREQS, StageSlice, dequantize_rows
+from runtime_core.architectures import Activation, FfnLayout, QkvLayout
+from runtime_core.gguf_slice import (
+    EMBEDDING,
+    OUTPUT_NORM,
+    ROPE_FREQS,
+    StageSlice,
+    dequantize_rows,
+    qkv_layout,
+)
 from runtime_core.model_config import ModelConfig, RopeConfig
 
 F32 = npt.NDArray[np.float32]
@@ -37,15 +54,20 @@ Progress = Callable[[int, int], None]
 @attrs.define
 class BlockWeights:
     attn_norm: F32  # (hidden,)
-    wqkv: F32  # (hidden, q_dim + k_dim + v_dim): attn_q | attn_k | attn_v, transposed
+    # (hidden, q_dim + k_dim + v_dim): attn_q | attn_k | attn_v (or attn_qkv), transposed
+    wqkv: F32
     bqkv: F32 | None  # (q_dim + k_dim + v_dim,): the attention biases (qwen2)
+    q_norm: F32 | None  # (head_dim_k,): attn_q_norm, per head (qwen3, gemma3)
+    k_norm: F32 | None  # (head_dim_k,): attn_k_norm
     wo: F32  # (n_heads * head_dim_v, hidden): attn_output, transposed
     bo: F32 | None  # (hidden,)
+    post_attn_norm: F32 | None  # (hidden,): post_attention_norm (gemma3)
     ffn_norm: F32  # (hidden,)
-    w13: F32  # (hidden, 2 * ffn): ffn_gate | ffn_up, transposed
+    w13: F32  # (hidden, 2 * ffn): ffn_gate | ffn_up (or phi3's fused ffn_up), transposed
     # (hidden, ffn): ffn_down as stored, used transposed. A matrix with more inputs than
     # outputs multiplies faster this way round (OpenBLAS's gemv, measured on SmolLM2).
     w2: F32
+    post_ffn_norm: F32 | None  # (hidden,): post_ffw_norm (gemma3)
 
 
 @attrs.define
@@ -62,6 +84,7 @@ class Embedding:
 @attrs.define
 class StageWeights:
     config: ModelConfig
+    layers: range  # the model's block indices of ``blocks``
     blocks: list[BlockWeights]  # the stage's blocks, in order
     embedding: Embedding | None  # first stage
     output_norm: F32 | None  # (hidden,): last stage
@@ -102,34 +125,39 @@ class StageWeights:
             + (h * stage.vocab_size if stage.head is not None else 0)
         )
         to_pairs = _rope_pair_order(config)
+        head_pairs = _head_pair_order(config)
+        spec = config.spec
         blocks = []
         for layer in stage.layers:
             p = f"blk.{layer}."
             f = config.ffn_dims[layer]
-            q_k_v = [p + "attn_q", p + "attn_k", p + "attn_v"]
+            fused = qkv_layout(config, layer, stage.tensors) is QkvLayout.FUSED
+            q_k_v = [p + "attn_qkv"] if fused else [p + "attn_q", p + "attn_k", p + "attn_v"]
             wqkv = matrix([n + ".weight" for n in q_k_v], arena.take(h, qkv_dim))
             wqkv[:, : to_pairs.size] = wqkv[:, to_pairs]
-            biases = [optional(n + ".bias") for n in q_k_v]
-            bqkv = None
-            if any(b is not None for b in biases):
-                widths = (config.q_dim, config.k_dim, config.v_dim)
-                bqkv = np.concatenate(
-                    [
-                        np.zeros(w, np.float32) if b is None else b
-                        for b, w in zip(biases, widths, strict=True)
-                    ]
-                )
+            bqkv = _fused_bias(config, [optional(n + ".bias") for n in q_k_v])
+            if bqkv is not None:
                 bqkv[: to_pairs.size] = bqkv[to_pairs]
+            q_norm = k_norm = None
+            if spec.qk_norm:
+                q_norm = dense(p + "attn_q_norm.weight")[head_pairs]
+                k_norm = dense(p + "attn_k_norm.weight")[head_pairs]
+            gate_up = ["ffn_up"] if spec.ffn is FfnLayout.FUSED else ["ffn_gate", "ffn_up"]
+            post = spec.post_norms
             blocks.append(
                 BlockWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
                     wqkv=wqkv,
                     bqkv=bqkv,
+                    q_norm=q_norm,
+                    k_norm=k_norm,
                     wo=matrix([p + "attn_output.weight"], arena.take(o_dim, h)),
                     bo=optional(p + "attn_output.bias"),
+                    post_attn_norm=dense(p + "post_attention_norm.weight") if post else None,
                     ffn_norm=dense(p + "ffn_norm.weight"),
-                    w13=matrix([p + "ffn_gate.weight", p + "ffn_up.weight"], arena.take(h, 2 * f)),
+                    w13=matrix([f"{p}{n}.weight" for n in gate_up], arena.take(h, 2 * f)),
                     w2=matrix([p + "ffn_down.weight"], arena.take(h, f), transposed=False),
+                    post_ffn_norm=dense(p + "post_ffw_norm.weight") if post else None,
                 )
             )
         embedding = None
@@ -145,6 +173,7 @@ class StageWeights:
         arena.check_full()
         return cls(
             config=config,
+            layers=stage.layers,
             blocks=blocks,
             embedding=embedding,
             output_norm=output_norm,
@@ -196,16 +225,36 @@ def _load_rows(stage: StageSlice, names: list[str], out: F32, *, transposed: boo
     return out
 
 
-def _rope_pair_order(config: ModelConfig) -> npt.NDArray[np.intp]:
-    """Column order of the fused Q|K output that puts each rotary pair side by side:
-    the identity for llama's adjacent pairs; for NeoX, head by head, the rotary part
+def _fused_bias(config: ModelConfig, biases: list[F32 | None]) -> F32 | None:
+    """The Q|K|V bias ``(q_dim + k_dim + v_dim,)`` from the biases of the projections
+    (one fused, or Q, K and V; zeros for any missing), or ``None`` when there is none."""
+    if all(b is None for b in biases):
+        return None
+    if len(biases) == 1:
+        return biases[0]
+    widths = (config.q_dim, config.k_dim, config.v_dim)
+    return np.concatenate(
+        [np.zeros(w, np.float32) if b is None else b for b, w in zip(biases, widths, strict=True)]
+    )
+
+
+def _head_pair_order(config: ModelConfig) -> npt.NDArray[np.intp]:
+    """Order of one head's ``head_dim_k`` columns that puts each rotary pair side by
+    side: the identity for llama's adjacent pairs; for NeoX, the rotary part
     ``[0, n/2, 1, n/2 + 1, ...]`` and the rest of the head unchanged."""
-    hd, n = config.head_dim_k, config.rope.n_dims
-    within = np.arange(hd)
+    n = config.rope.n_dims
+    within = np.arange(config.head_dim_k)
     if config.rope.neox:
         within[:n] = np.stack([np.arange(n // 2), np.arange(n // 2) + n // 2], axis=1).ravel()
+    return within
+
+
+def _rope_pair_order(config: ModelConfig) -> npt.NDArray[np.intp]:
+    """Column order of the fused Q|K output that puts each rotary pair side by side,
+    head by head (``_head_pair_order``)."""
     heads = config.n_heads + config.n_kv_heads
-    return (np.arange(heads)[:, None] * hd + within[None, :]).ravel()
+    within = _head_pair_order(config)
+    return (np.arange(heads)[:, None] * config.head_dim_k + within[None, :]).ravel()
 
 
 def rope_rotations(
@@ -238,6 +287,7 @@ class Scratch:
     at bind time, so it allocates none of these and computes none of the views."""
 
     qkv: F32  # (rows, q_dim + k_dim + v_dim)
+    qk: F32  # (rows, n_heads + n_kv_heads, head_dim_k): the Q and K heads
     q: F32  # (rows, n_heads, head_dim_k)
     k_by_head: F32  # (n_kv_heads, rows, head_dim_k): as the KV cache holds them
     v_by_head: F32  # (n_kv_heads, rows, head_dim_v)
@@ -250,6 +300,7 @@ class Scratch:
         v = qkv[:, c.q_dim + c.k_dim :].reshape(rows, c.n_kv_heads, c.head_dim_v)
         return cls(
             qkv=qkv,
+            qk=qk,
             q=qk[:, : c.n_heads],
             k_by_head=qk[:, c.n_heads :].transpose(1, 0, 2),
             v_by_head=v.transpose(1, 0, 2),
@@ -258,8 +309,8 @@ class Scratch:
 
 
 class StageModel:
-    """One stage's blocks (and embedding / head) with a KV cache of ``max_seq_len``
-    positions; ``forward`` runs rows of the residual stream through the blocks."""
+    """One stage's blocks (and embedding / head) with a KV cache per block;
+    ``forward`` runs rows of the residual stream through the blocks."""
 
     def __init__(self, weights: StageWeights, max_seq_len: int) -> None:
         c = weights.config
@@ -267,16 +318,24 @@ class StageModel:
         self.config = c
         self.max_seq_len = max_seq_len
         self.rot = rope_rotations(c.rope, max_seq_len, weights.rope_freq_factors)
-        n = len(weights.blocks)
+        self.rot_swa = self.rot
+        self.windows = [c.layer_windows[i] for i in weights.layers]
+        if any(self.windows) and c.rope_swa != c.rope:
+            self.rot_swa = rope_rotations(c.rope_swa, max_seq_len, weights.rope_freq_factors)
+        # (n_kv_heads, size, head_dim) per block: max_seq_len positions, or the window.
         # Untouched pages cost no memory: the cache grows as positions are written.
-        self.k_cache = np.empty((n, c.n_kv_heads, max_seq_len, c.head_dim_k), np.float32)
-        self.v_cache = np.empty((n, c.n_kv_heads, max_seq_len, c.head_dim_v), np.float32)
-        self.scale = np.float32(1.0 / np.sqrt(c.head_dim_k))
+        sizes = [min(w, max_seq_len) if w else max_seq_len for w in self.windows]
+        self.k_cache = [np.empty((c.n_kv_heads, n, c.head_dim_k), np.float32) for n in sizes]
+        self.v_cache = [np.empty((c.n_kv_heads, n, c.head_dim_v), np.float32) for n in sizes]
+        self.scale = np.float32(c.query_scale)
         self.one_row = Scratch.make(c, 1)
 
     def embed(self, ids: npt.NDArray[np.integer]) -> F32:
         assert self.weights.embedding is not None
-        return self.weights.embedding.lookup(ids)  # (rows, hidden)
+        x = self.weights.embedding.lookup(ids)  # (rows, hidden)
+        if self.config.embedding_scale != 1.0:
+            x *= np.float32(self.config.embedding_scale)
+        return x
 
     def forward(self, x: F32, pos: int) -> F32:
         """``x``: ``(rows, hidden)`` float32 residual rows at positions ``pos ..``,
@@ -285,39 +344,83 @@ class StageModel:
         rows = x.shape[0]
         s = self.one_row if rows == 1 else Scratch.make(c, rows)
         rot = self.rot[pos : pos + rows, None, :]  # (rows, 1, rope_dims / 2)
-        for layer, w in enumerate(self.weights.blocks):
+        rot_swa = self.rot_swa[pos : pos + rows, None, :]
+        gelu = c.spec.activation is Activation.GELU_TANH
+        for i, w in enumerate(self.weights.blocks):
             # attention
             xn = rms_norm(x, w.attn_norm, c.rms_eps)
             linear(xn, w.wqkv, out=s.qkv)
             if w.bqkv is not None:
                 s.qkv += w.bqkv
-            s.rotary *= rot  # rotary embedding of Q and K
-            self.k_cache[layer, :, pos : pos + rows] = s.k_by_head
-            self.v_cache[layer, :, pos : pos + rows] = s.v_by_head
-            att = self._attention(layer, s.q, pos)  # (rows, n_heads * head_dim_v)
+            if w.q_norm is not None and w.k_norm is not None:
+                head_rms_norm(s.qk, c.n_heads, w.q_norm, w.k_norm, c.rms_eps)
+            s.rotary *= rot_swa if self.windows[i] else rot  # rotary embedding of Q and K
+            att = self._attention(i, s, pos)  # (rows, n_heads * head_dim_v)
             out = linear(att, w.wo)
             if w.bo is not None:
                 out += w.bo
+            if w.post_attn_norm is not None:
+                out = rms_norm(out, w.post_attn_norm, c.rms_eps)
             x += out
             # feed-forward
             xn = rms_norm(x, w.ffn_norm, c.rms_eps)
             h = linear(xn, w.w13)  # (rows, 2 * ffn): gate | up
             f = h.shape[1] // 2
             gate, up = h[:, :f], h[:, f:]
-            silu = np.exp(-gate)
-            silu += 1.0
-            np.divide(gate, silu, out=gate)
+            if gelu:
+                gelu_tanh(gate)
+            else:
+                silu(gate)
             gate *= up
-            x += linear(gate, w.w2.T)
+            down = linear(gate, w.w2.T)
+            if w.post_ffn_norm is not None:
+                down = rms_norm(down, w.post_ffn_norm, c.rms_eps)
+            x += down
         return x
 
-    def _attention(self, layer: int, q: F32, pos: int) -> F32:
-        """Causal attention of query rows ``q`` ``(rows, n_heads, head_dim)`` at
-        positions ``pos ..`` over the cached keys and values ``0 .. pos + rows - 1``;
-        query head ``h`` reads kv head ``h // (n_heads / n_kv_heads)``."""
+    def _attention(self, i: int, s: Scratch, pos: int) -> F32:
+        """Store the step's keys and values in block ``i``'s cache and attend: query rows
+        at positions ``pos ..`` see keys ``0 .. their own`` (causal), and a sliding
+        block's only the last ``window`` of them. Returns ``(rows, n_heads * head_dim_v)``.
+
+        The cache is a ring of ``size`` slots, position ``p`` in slot ``p % size``. While
+        the step's positions fit (always, for a global block), slot and position are
+        the same. Past that, a decode step sees the whole ring (its last ``size <=
+        window`` positions); a longer step sees the cached positions before it and its
+        own, masked by the window."""
+        kc, vc, window = self.k_cache[i], self.v_cache[i], self.windows[i]
+        rows, size = s.q.shape[0], kc.shape[1]
+        end = pos + rows
+        masked: npt.NDArray[np.bool_] | None = None
+        if end <= size:
+            kc[:, pos:end] = s.k_by_head
+            vc[:, pos:end] = s.v_by_head
+            keys, values = kc[:, :end], vc[:, :end]  # (n_kv_heads, n_ctx, head_dim)
+            if rows > 1:  # causal: row r (at pos + r) sees keys 0 .. pos + r
+                masked = np.arange(end)[None, :] > (pos + np.arange(rows))[:, None]
+        elif rows == 1:
+            kc[:, pos % size] = s.k_by_head[:, 0]
+            vc[:, pos % size] = s.v_by_head[:, 0]
+            keys, values = kc, vc  # positions pos - size + 1 .. pos, all in the window
+        else:
+            start = max(0, pos - size)
+            slots = np.arange(start, pos) % size
+            keys = np.concatenate([kc[:, slots], s.k_by_head], axis=1)
+            values = np.concatenate([vc[:, slots], s.v_by_head], axis=1)
+            key_pos = np.arange(start, end)[None, :]
+            query_pos = (pos + np.arange(rows))[:, None]
+            masked = (key_pos > query_pos) | (query_pos - key_pos >= window)
+            kept = np.arange(max(pos, end - size), end)  # the last ``size`` positions
+            kc[:, kept % size] = s.k_by_head[:, kept - pos]
+            vc[:, kept % size] = s.v_by_head[:, kept - pos]
+        return self._scores(s.q, keys, values, masked)
+
+    def _scores(self, q: F32, keys: F32, values: F32, masked: npt.NDArray[np.bool_] | None) -> F32:
+        """Attention of query rows ``q`` ``(rows, n_heads, head_dim)`` over ``keys`` and
+        ``values`` ``(n_kv_heads, n_ctx, head_dim)``, with ``masked`` ``(rows, n_ctx)``
+        (True: not seen); query head ``h`` reads kv head ``h // (n_heads / n_kv_heads)``."""
         c = self.config
-        rows = q.shape[0]
-        n_ctx = pos + rows
+        rows, n_ctx = q.shape[0], keys.shape[1]
         group = c.n_heads // c.n_kv_heads
         # (n_kv_heads, group * rows, head_dim): each kv head's query rows, head by head.
         qg: F32
@@ -326,12 +429,9 @@ class StageModel:
         else:
             by_head = q.reshape(rows, c.n_kv_heads, group, c.head_dim_k).transpose(1, 2, 0, 3)
             qg = by_head.reshape(c.n_kv_heads, group * rows, c.head_dim_k)
-        keys = self.k_cache[layer, :, :n_ctx]  # (n_kv_heads, n_ctx, head_dim)
-        values = self.v_cache[layer, :, :n_ctx]
         scores: F32 = qg @ keys.transpose(0, 2, 1)  # (n_kv_heads, group * rows, n_ctx)
         scores *= self.scale
-        if rows > 1:  # causal: row r (at pos + r) sees keys 0 .. pos + r
-            masked = np.arange(n_ctx)[None, :] > (pos + np.arange(rows))[:, None]
+        if masked is not None:
             scores.reshape(c.n_kv_heads, group, rows, n_ctx)[:, :, masked] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
@@ -345,7 +445,47 @@ class StageModel:
         """Raw logits ``(vocab,)`` of one residual row ``(1, hidden)``."""
         w = self.weights
         assert w.output_norm is not None and w.head is not None
-        return linear(rms_norm(x_last, w.output_norm, self.config.rms_eps), w.head).reshape(-1)
+        out = linear(rms_norm(x_last, w.output_norm, self.config.rms_eps), w.head).reshape(-1)
+        cap = self.config.final_logit_softcap
+        if cap > 0.0:
+            out *= np.float32(1.0 / cap)
+            np.tanh(out, out=out)
+            out *= np.float32(cap)
+        return out
+
+
+def silu(x: F32) -> None:
+    """``x * sigmoid(x)``, in place."""
+    e = np.exp(-x)
+    e += 1.0
+    np.divide(x, e, out=x)
+
+
+_GELU_A = np.float32(0.044715)
+_SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
+
+
+def gelu_tanh(x: F32) -> None:
+    """GELU's tanh form ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, in place."""
+    inner = x * x
+    inner *= _GELU_A
+    inner += 1.0
+    inner *= x
+    inner *= _SQRT_2_OVER_PI
+    np.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= 0.5
+    x *= inner
+
+
+def head_rms_norm(qk: F32, n_q_heads: int, q_weight: F32, k_weight: F32, eps: float) -> None:
+    """RMS norm of every head of ``qk`` ``(rows, heads, head_dim)`` over its
+    ``head_dim``, in place; the first ``n_q_heads`` heads times ``q_weight``, the others
+    times ``k_weight``."""
+    ms = np.einsum("rhd,rhd->rh", qk, qk) / np.float32(qk.shape[-1])
+    qk *= (1.0 / np.sqrt(ms + np.float32(eps)))[:, :, None]
+    qk[:, :n_q_heads] *= q_weight
+    qk[:, n_q_heads:] *= k_weight
 
 
 def linear(x: F32, w: F32, out: F32 | None = None) -> F32:

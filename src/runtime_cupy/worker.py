@@ -40,7 +40,6 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan import GgufSource, ProvisionStage, SamplingConfig, WorkerCapabilities
-from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.gguf_header import GgufError
 from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
@@ -132,10 +131,14 @@ class StageWorker:
     # -- Worker -----------------------------------------------------------------
     def configure(self, provision: ProvisionStage) -> None:
         if provision.model.architecture not in self.capabilities.architectures:
-            raise WorkerError(
+            refusal = UnsupportedModel(
+                str(provision.gguf_source),
                 f"architecture {provision.model.architecture!r} is not one the "
-                f"{self.capabilities.name} worker runs"
+                f"{self.capabilities.name} worker runs "
+                f"({', '.join(self.capabilities.architectures)})",
+                key="general.architecture",
             )
+            raise WorkerError(str(refusal)) from refusal
         try:
             activations.edge_dtype(provision.model.dtype_family, provision.model.dtype_width_bytes)
         except ValueError as exc:
@@ -260,12 +263,13 @@ class StageWorker:
         return TokenOutput(token, b.logits() if return_logits else None)
 
 
-#: What the CUDA worker runs: the reference worker's architectures and all 13 types;
+#: What the CUDA worker runs: llama and qwen2 (the other architectures of the reference
+#: worker are refused by name: ``UnsupportedModel``, ``unsupported_model``) and all 13 types;
 #: weights stay as the file stores them and the KV cache takes the activation dtype
 #: (``kv_dtype="auto"``), which is what the planner's memory check counts.
 CUDA_CAPABILITIES = WorkerCapabilities(
     name="cuda",
-    architectures=REFERENCE_ARCHITECTURES,
+    architectures=("llama", "qwen2"),
     quant_types=QUANT_TYPES,
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,

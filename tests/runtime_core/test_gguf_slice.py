@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -26,6 +27,9 @@ SHAPES = {
     "tied": ModelShape(n_layers=N_LAYERS),
     "untied": ModelShape(n_layers=N_LAYERS, tied=False, arch="qwen2", seed=5),
     "rope_freqs": ModelShape(n_layers=N_LAYERS, rope_freqs=True, seed=6),
+    "qwen3": ModelShape(arch="qwen3", n_layers=N_LAYERS, key_length=32, seed=7),
+    "gemma3": ModelShape(arch="gemma3", n_layers=N_LAYERS, sliding_window=4, seed=8),
+    "phi3": ModelShape(arch="phi3", n_layers=N_LAYERS, rope_dims=8, tied=False, seed=9),
 }
 
 
@@ -59,7 +63,8 @@ def test_a_stage_owns_exactly_its_blocks_and_its_ends(
     ) as stage:
         assert set(stage.tensors) == expected_tensors(models[key], start, end)
         if end == N_LAYERS:
-            assert stage.head == ("token_embd.weight" if key != "untied" else "output.weight")
+            tied = key not in ("untied", "phi3")
+            assert stage.head == ("token_embd.weight" if tied else "output.weight")
         else:
             assert stage.head is None
         for name, info in stage.tensors.items():
@@ -87,6 +92,10 @@ def test_a_split_set_loads_like_one_file(tmp_path: Path) -> None:
 
 def _unsupported(tensor: str | None = None, key: str | None = None) -> dict[str, Any]:
     return {"error": UnsupportedModel, "tensor": tensor, "key": key}
+
+
+def _ones(*shape: int) -> np.ndarray:
+    return np.ones(shape, np.float32)
 
 
 # (what the file lacks or has wrong, the stage that loads it, what it raises)
@@ -127,9 +136,54 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         _unsupported(tensor="blk.3.ffn_up.weight"),
     ),
     "architecture we do not run": (
-        {"shape": ModelShape(arch="phi3")},
+        {"shape": ModelShape(arch="falcon", n_layers=N_LAYERS)},
         (0, 4),
         _unsupported(key="general.architecture"),
+    ),
+    "mixture-of-experts architecture": (
+        {"shape": ModelShape(arch="qwen3moe", n_layers=N_LAYERS)},
+        (0, 4),
+        _unsupported(key="general.architecture"),
+    ),
+    "missing qwen3 query norm": (
+        {"shape": SHAPES["qwen3"], "drop_tensors": ("blk.2.attn_q_norm.weight",)},
+        (2, 3),
+        _unsupported(tensor="blk.2.attn_q_norm.weight"),
+    ),
+    "qwen3 with an output bias llama.cpp does not load": (
+        {"shape": SHAPES["qwen3"], "extra_tensors": {"blk.1.attn_output.bias": _ones(64)}},
+        (1, 2),
+        _unsupported(tensor="blk.1.attn_output.bias"),
+    ),
+    "qwen3 with llama3's rope_freqs": (
+        {"shape": attrs.evolve(SHAPES["qwen3"], rope_freqs=True)},
+        (1, 2),
+        _unsupported(tensor="rope_freqs.weight"),
+    ),
+    "missing gemma3 post-norm": (
+        {"shape": SHAPES["gemma3"], "drop_tensors": ("blk.3.post_ffw_norm.weight",)},
+        (3, 4),
+        _unsupported(tensor="blk.3.post_ffw_norm.weight"),
+    ),
+    "gemma3 sliding blocks of another head size": (
+        {"shape": SHAPES["gemma3"], "extra_keys": {"gemma3.attention.key_length_swa": 8}},
+        (0, 1),
+        _unsupported(key="gemma3.attention.key_length_swa"),
+    ),
+    "phi3 with a gate beside its fused gate/up": (
+        {"shape": SHAPES["phi3"], "extra_tensors": {"blk.0.ffn_gate.weight": _ones(128, 64)}},
+        (0, 1),
+        _unsupported(tensor="blk.0.ffn_gate.weight"),
+    ),
+    "phi3 with a separate query beside its fused attn_qkv": (
+        {"shape": SHAPES["phi3"], "extra_tensors": {"blk.2.attn_q.weight": _ones(64, 64)}},
+        (2, 3),
+        _unsupported(tensor="blk.2.attn_q.weight"),
+    ),
+    "phi3 LongRoPE": (
+        {"shape": SHAPES["phi3"], "extra_tensors": {"rope_factors_long.weight": _ones(4)}},
+        (1, 2),
+        _unsupported(tensor="rope_factors_long.weight"),
     ),
     "mixture of experts": (
         {"extra_keys": {"llama.expert_count": 8}},

@@ -32,7 +32,8 @@ def bound(model: Path, stages: int = 1, index: int = 0, **kwargs: object) -> Ref
 def test_it_is_a_worker_with_the_reference_capabilities() -> None:
     worker: Worker = ReferenceWorker()
     assert worker.capabilities == WorkerCapabilities()
-    assert ReferenceWorker.capabilities.architectures == ("llama", "qwen2")
+    archs = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+    assert ReferenceWorker.capabilities.architectures == archs
     assert len(ReferenceWorker.capabilities.quant_types) == 13
 
 

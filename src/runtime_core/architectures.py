@@ -1,0 +1,180 @@
+"""What differs between the architectures we run, as data: one ``ArchSpec`` each.
+
+Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
+gemma3,phi3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here
+is the same pre-norm transformer block; the spec says where one departs from it:
+
+    x = embed(token) * embedding_scale
+    per block:
+        h = rms_norm(x, attn_norm)
+        q, k, v = h @ Wq, h @ Wk, h @ Wv   (+ biases)   or h @ Wqkv split [q; k; v]
+        q, k = rms_norm per head (attn_q_norm, attn_k_norm)        if qk_norm
+        q, k = rope(q), rope(k)            (normal or NeoX pairs; the block's own base)
+        a = attention(q * query_scale, k, v)   (causal; within the window if sliding)
+        a = a @ Wo                          (+ bias)
+        a = rms_norm(a, post_attention_norm)                       if post_norms
+        x = x + a
+        h = rms_norm(x, ffn_norm)
+        g, u = h @ Wgate, h @ Wup           or h @ Wup split [gate; up]
+        f = (act(g) * u) @ Wdown            act: SiLU or GELU (tanh)
+        f = rms_norm(f, post_ffw_norm)                             if post_norms
+        x = x + f
+    logits = rms_norm(x, output_norm) @ Whead  (output, or token_embd when tied)
+    logits = softcap * tanh(logits / softcap)                      if softcap is set
+
+Consumers: ``model_config`` (hyperparameters), ``gguf_slice`` (which tensors a block
+has, and their shapes) and every worker's forward pass. Nothing here depends on how
+a worker computes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from attrs import frozen
+
+from runplan.config import REFERENCE_ARCHITECTURES
+
+
+class Presence(enum.Enum):
+    REQUIRED = "required"
+    OPTIONAL = "optional"
+    ABSENT = "absent"  # a file that has it is refused
+
+
+class QkvLayout(enum.Enum):
+    SEPARATE = "separate"  # attn_q, attn_k, attn_v (each with an optional bias)
+    FUSED = "fused"  # attn_qkv: rows [q; k; v], split by the config's q / k / v sizes
+
+
+class FfnLayout(enum.Enum):
+    SEPARATE = "separate"  # ffn_gate and ffn_up
+    FUSED = "fused"  # ffn_up alone, (hidden, 2 * ffn): rows [gate; up]
+
+
+class Activation(enum.Enum):
+    SILU = "silu"  # x * sigmoid(x)
+    GELU_TANH = "gelu_tanh"  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+
+
+class EmbeddingScale(enum.Enum):
+    NONE = "none"
+    SQRT_HIDDEN = "sqrt_hidden"  # embeddings times sqrt(hidden), in float32
+
+
+class QueryScale(enum.Enum):
+    """What the attention scores are divided by, as a square root."""
+
+    KEY_LENGTH = "key_length"  # 1 / sqrt(head_dim_k)
+    # gemma3: 1 / sqrt(head_dim_k), except for the 62-block model (Gemma 3 27B), whose
+    # queries are scaled by 1 / sqrt(hidden / heads) (llama.cpp keys it on the size).
+    GEMMA3 = "gemma3"
+
+
+@frozen
+class ArchSpec:
+    name: str  # general.architecture
+    rope_neox: bool  # rotary pairs (i, i + n/2) when True, (2i, 2i+1) when False
+    qkv_layouts: tuple[QkvLayout, ...]  # the layouts a file may use
+    qkv_bias: Presence  # attn_q/k/v.bias (attn_qkv.bias when fused)
+    output_bias: Presence  # attn_output.bias
+    qk_norm: bool  # attn_q_norm, attn_k_norm: (head_dim_k,) each, before rotary
+    post_norms: bool  # post_attention_norm, post_ffw_norm: (hidden,) each
+    ffn: FfnLayout
+    activation: Activation
+    embedding_scale: EmbeddingScale
+    query_scale: QueryScale
+    sliding_window: bool  # reads attention.sliding_window (runplan.layer_attention)
+    final_logit_softcap: bool  # reads final_logit_softcapping (absent or 0: none)
+    rope_freqs: bool  # may carry llama3's rope_freqs.weight
+
+
+_BASE = ArchSpec(
+    name="llama",
+    rope_neox=False,
+    qkv_layouts=(QkvLayout.SEPARATE,),
+    qkv_bias=Presence.OPTIONAL,
+    output_bias=Presence.OPTIONAL,
+    qk_norm=False,
+    post_norms=False,
+    ffn=FfnLayout.SEPARATE,
+    activation=Activation.SILU,
+    embedding_scale=EmbeddingScale.NONE,
+    query_scale=QueryScale.KEY_LENGTH,
+    sliding_window=False,
+    final_logit_softcap=False,
+    rope_freqs=True,
+)
+
+
+def _like_llama(**changes: Any) -> ArchSpec:
+    return attrs.evolve(_BASE, **changes)
+
+
+#: The architectures the NumPy reference worker runs. Mistral and Llama 3.x files are
+#: ``llama``. Mixture-of-experts variants (``qwen3moe``, ``llama`` with experts, ...)
+#: are not here, and are refused by name. Q/K/V biases are optional wherever llama.cpp's
+#: loader takes them (``create_tensor_qkv``); qwen2 requires them, as it always has
+#: here (every qwen2 file has them); an output bias only llama (and qwen2, as before)
+#: may have: llama.cpp loads none for the others, so a file with one is not theirs.
+ARCHITECTURES: Mapping[str, ArchSpec] = {
+    spec.name: spec
+    for spec in (
+        _BASE,
+        _like_llama(
+            name="qwen2",
+            rope_neox=True,
+            qkv_bias=Presence.REQUIRED,
+            rope_freqs=False,
+        ),
+        _like_llama(
+            name="qwen3",
+            rope_neox=True,
+            output_bias=Presence.ABSENT,
+            qk_norm=True,
+            rope_freqs=False,
+        ),
+        _like_llama(
+            name="gemma3",
+            rope_neox=True,
+            output_bias=Presence.ABSENT,
+            qk_norm=True,
+            post_norms=True,
+            activation=Activation.GELU_TANH,
+            embedding_scale=EmbeddingScale.SQRT_HIDDEN,
+            query_scale=QueryScale.GEMMA3,
+            sliding_window=True,
+            final_logit_softcap=True,
+            rope_freqs=False,
+        ),
+        _like_llama(
+            name="phi3",
+            rope_neox=True,
+            qkv_layouts=(QkvLayout.FUSED, QkvLayout.SEPARATE),
+            output_bias=Presence.ABSENT,
+            ffn=FfnLayout.FUSED,
+            rope_freqs=False,
+        ),
+    )
+}
+assert tuple(ARCHITECTURES) == REFERENCE_ARCHITECTURES, "runplan's defaults name these"
+
+#: Tensors outside the blocks that mark a variant we do not run, with the reason.
+REFUSED_TENSORS: Mapping[str, str] = {
+    "rope_factors_long.weight": "LongRoPE (per-frequency rope factors) is not supported",
+    "rope_factors_short.weight": "LongRoPE (per-frequency rope factors) is not supported",
+}
+
+#: Mixture-of-experts architectures, refused by name with that reason.
+MOE_ARCHITECTURES: tuple[str, ...] = (
+    "qwen2moe",
+    "qwen3moe",
+    "phimoe",
+    "mixtral",
+    "llama4",
+    "deepseek2",
+    "gpt-oss",
+)
