@@ -71,3 +71,26 @@ def int_tuple_field(**kwargs: Any) -> Any:
         ),
         **kwargs,
     )
+
+
+def _float_member(value: object) -> object:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _to_float_tuple(value: object) -> object:
+    if isinstance(value, list | tuple):
+        return tuple(_float_member(m) for m in value)
+    return value
+
+
+def float_tuple_field(**kwargs: Any) -> Any:
+    """A tuple of ``float`` (an ``int`` member is converted; ``bool`` refused)."""
+    return attrs.field(
+        converter=_to_float_tuple,
+        validator=v.deep_iterable(
+            member_validator=v.instance_of(float), iterable_validator=v.instance_of(tuple)
+        ),
+        **kwargs,
+    )

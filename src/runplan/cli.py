@@ -122,11 +122,51 @@ def _cmd_facts(args: argparse.Namespace) -> int:
             + (" (tied to the embedding)" if facts.tied_embeddings else ""),
         ),
         ("shared tensors", human_bytes(facts.shared_bytes)),
+        *_attention_rows(facts),
     ]
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
     return 0
+
+
+def _attention_rows(facts: ModelFacts) -> list[tuple[str, str]]:
+    """Each kind of block (sliding with its window, or global): how many, which, their
+    rotary base, and what one block's KV cache holds (positions, bytes at f32)."""
+    windows = facts.layer_windows or (0,) * facts.num_layers
+    bases = facts.layer_rope_freq_bases
+    positions = facts.layer_kv_positions()
+    kv = facts.layer_kv_bytes(4)
+    kinds: dict[tuple[int, float | None], list[int]] = {}
+    for i, window in enumerate(windows):
+        kinds.setdefault((window, bases[i] if bases else None), []).append(i)
+    rows = []
+    for (window, base), blocks in kinds.items():
+        kind = f"sliding window of {window}" if window else "global"
+        which = "every block" if len(blocks) == facts.num_layers else _block_list(blocks)
+        rope = f", rope base {base:g}" if base is not None else ""
+        i = blocks[0]
+        rows.append(
+            (
+                f"attention: {kind}",
+                f"{which}{rope}; KV cache {positions[i]} positions "
+                f"({human_bytes(kv[i])} per block at f32)",
+            )
+        )
+    return rows
+
+
+def _block_list(blocks: list[int]) -> str:
+    """``3 blocks (0-1, 5)``: how many, and which as runs of consecutive blocks."""
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and runs[-1][-1] == b - 1:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    spans = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    noun = "block" if len(blocks) == 1 else "blocks"
+    return f"{len(blocks)} {noun} ({spans})"
 
 
 def _rejection_json(rejection: PlanRejection) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from attrs import frozen
 
 from runplan._fields import (
     bool_field,
+    float_tuple_field,
     int_field,
     int_tuple_field,
     str_field,
@@ -68,7 +69,23 @@ class ModelFacts:
     embedding_elements: int = int_field(default=0)
     output_elements: int = int_field(default=0)
     shared_elements: int = int_field(default=0)
+    # Each block's attention (``runplan.layer_attention``): the positions it attends to
+    # (its sliding window; 0: all of them) and its rotary base. Empty when unknown, and
+    # then every block attends to all positions.
+    layer_windows: tuple[int, ...] = int_tuple_field(default=())
+    layer_rope_freq_bases: tuple[float, ...] = float_tuple_field(default=())
 
     def kv_bytes_per_token_per_layer(self, width_bytes: int) -> int:
         """KV-cache bytes that one position of one block takes at ``width_bytes``."""
         return self.head_count_kv * (self.head_dim_k + self.head_dim_v) * width_bytes
+
+    def layer_kv_positions(self) -> tuple[int, ...]:
+        """Positions each block's KV cache holds: ``max_seq_len``, or a sliding block's
+        window when that is shorter (it never looks further back)."""
+        windows = self.layer_windows or (0,) * self.num_layers
+        return tuple(min(w, self.max_seq_len) if w > 0 else self.max_seq_len for w in windows)
+
+    def layer_kv_bytes(self, width_bytes: int) -> tuple[int, ...]:
+        """KV-cache bytes of each block at ``width_bytes`` per element."""
+        per_token = self.kv_bytes_per_token_per_layer(width_bytes)
+        return tuple(n * per_token for n in self.layer_kv_positions())

@@ -6,6 +6,7 @@ import os
 
 from runplan.facts import GgufSource, ModelFacts
 from runplan.gguf_header import GgufError, GgufHeader, model_id_for
+from runplan.layer_attention import layer_attention
 
 _BLOCK_PREFIX = "blk."
 EMBEDDING_TENSOR = "token_embd.weight"
@@ -68,6 +69,7 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     norm = tensors.get(OUTPUT_NORM_TENSOR)
     output_bytes = head.n_bytes + (norm.n_bytes if norm is not None else 0)
     output_elements = _elements(head.shape) + (_elements(norm.shape) if norm is not None else 0)
+    attention = layer_attention(header, arch, max(num_layers, 0))
 
     return ModelFacts(
         model_id=model_id_for(first),
@@ -93,6 +95,8 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         embedding_elements=_elements(embedding.shape),
         output_elements=output_elements,
         shared_elements=shared_elements,
+        layer_windows=tuple(a.window for a in attention),
+        layer_rope_freq_bases=tuple(a.rope_freq_base for a in attention),
     )
 
 

@@ -1,8 +1,9 @@
 """What a stage holds in memory: the planner's accounting for ``insufficient_memory``.
 
 A stage holds its blocks' weights, the tensors every stage needs, the token embedding
-on the first stage, the output norm and head on the last, a KV cache of
-``max_seq_len`` positions for each of its blocks, and the ring of its inbound edge (the
+on the first stage, the output norm and head on the last, a KV cache for each of its
+blocks (``max_seq_len`` positions, or a sliding-window block's window when that is
+shorter: ``ModelFacts.layer_kv_positions``), and the ring of its inbound edge (the
 consumer end allocates it). Weights count as stored in the file, or as
 ``weight_bytes_per_element`` per element for a worker that dequantizes them (the NumPy
 reference worker holds float32); the KV cache in the activation dtype, or
@@ -33,8 +34,9 @@ def kv_width(worker: WorkerCapabilities, activation_width: int) -> int:
     return worker.kv_bytes_per_element or activation_width
 
 
-def kv_bytes_per_layer(facts: ModelFacts, width: int) -> int:
-    return facts.max_seq_len * facts.kv_bytes_per_token_per_layer(width)
+def kv_bytes_per_layer(facts: ModelFacts, width: int) -> tuple[int, ...]:
+    """What each block's KV cache takes at ``width`` bytes per element."""
+    return facts.layer_kv_bytes(width)
 
 
 def _dequantized(worker: WorkerCapabilities, facts: ModelFacts) -> bool:
@@ -79,11 +81,11 @@ def stage_memory(
     inbound_ring_bytes: int,
 ) -> StageMemory:
     blocks = sum(block_weight_bytes(facts, worker)[layer_start:layer_end_exclusive])
-    n_layers = layer_end_exclusive - layer_start
+    kv = kv_bytes_per_layer(facts, kv_width(worker, activation_width))
     fixed = fixed_weight_bytes(facts, worker, first=first, last=last)
     return StageMemory(
         weight_bytes=blocks + fixed,
-        kv_bytes=n_layers * kv_bytes_per_layer(facts, kv_width(worker, activation_width)),
+        kv_bytes=sum(kv[layer_start:layer_end_exclusive]),
         ring_bytes=inbound_ring_bytes,
     )
 

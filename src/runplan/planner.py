@@ -240,7 +240,7 @@ def _split_by_memory(
             fixed_weight_bytes(facts, worker, first=i == 0, last=i == n - 1)
             + inbound.slot_count * inbound.slot_bytes
         )
-    layer_cost = [b + kv for b in block_weight_bytes(facts, worker)]
+    layer_cost = [b + k for b, k in zip(block_weight_bytes(facts, worker), kv, strict=True)]
     return split_by_capacity(layer_cost, fixed, capacity)
 
 

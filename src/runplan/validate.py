@@ -149,6 +149,17 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
     for i, size in enumerate(facts.block_bytes):
         if size < 1:
             return InconsistentModelFacts(f"block_bytes[{i}]", str(size), "a block has no bytes")
+    for name in ("layer_windows", "layer_rope_freq_bases"):
+        per_layer = getattr(facts, name)
+        if per_layer and len(per_layer) != facts.num_layers:
+            return InconsistentModelFacts(
+                name, f"{len(per_layer)} blocks", f"num_layers is {facts.num_layers}"
+            )
+    for i, window in enumerate(facts.layer_windows):
+        if not 0 <= window <= U64_MAX:
+            return InconsistentModelFacts(
+                f"layer_windows[{i}]", str(window), "a window is 0 (global) or a position count"
+            )
     if not 0 <= facts.eos_token_id < facts.vocab_size:
         return InconsistentModelFacts(
             "eos_token_id", str(facts.eos_token_id), f"outside vocab 0..{facts.vocab_size - 1}"
