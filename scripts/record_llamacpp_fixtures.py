@@ -16,9 +16,11 @@ minute and a half on 2 cores, and writes the same bytes every time. It writes:
 - ``tests/fixtures/models/tiny-{arch}-{type}.gguf``: the random-weight models of
   ``tests/fixtures/gguf_models.py`` (``FIXTURE_SHAPES``), written in F32 by that
   generator and quantized by llama.cpp's own quantizer (``llama_model_quantize``
-  with its default parameters) to every type. F32 is not committed (the generator
-  writes it again in tests); neither are F16 and BF16 when the generator writes
-  tensors byte-identical to llama.cpp's conversion, which is recorded and checked.
+  with its default parameters) to the types of ``SHAPE_TYPES``: every type for
+  llama and qwen2, five for qwen3, gemma3 and phi3, F32 only for the other shapes.
+  F32 is not committed (the generator writes it again in tests); neither are F16
+  and BF16 when the generator writes tensors byte-identical to llama.cpp's
+  conversion, which is recorded and checked.
 - ``tests/fixtures/llamacpp/tiny.json`` and ``tiny_logits.npz``: for each of those
   models, the digest of its tensors, llama.cpp's logits of the last position of a
   fixed prompt of token ids, greedy tokens with their gaps, and the logits of the
@@ -101,6 +103,15 @@ QUANT_FTYPES: dict[str, str] = {
 }
 #: Types the generator writes itself (byte-identical to llama.cpp's, checked here).
 REGENERATED = ("F32", "F16", "BF16")
+#: The types each shape of ``FIXTURE_SHAPES`` is recorded in (F32 for the others): every
+#: type for llama and qwen2; for the later architectures the regenerated ones and two
+#: that llama.cpp's quantizer writes (Q8_0, and the Q4_K that most downloads use), to
+#: keep the committed files small (1 MB per architecture).
+SHAPE_TYPES: dict[str, tuple[str, ...]] = {
+    "llama": tuple(QUANT_FTYPES),
+    "qwen2": tuple(QUANT_FTYPES),
+    **{a: ("F32", "F16", "BF16", "Q8_0", "Q4_K") for a in ("qwen3", "gemma3", "phi3")},
+}
 
 
 def tensor_types(path: str | Path) -> dict[str, str]:
@@ -226,10 +237,9 @@ def record_tiny(out_dir: Path, models_dir: Path, work: Path) -> None:
     for key, shape in FIXTURE_SHAPES.items():
         f32 = write_model(work / f"tiny-{key}-F32.gguf", shape)
         files = {"F32": f32}
-        if key in ("llama", "qwen2"):
-            for qtype in [t for t in QUANT_FTYPES if t != "F32"]:
-                files[qtype] = work / f"tiny-{key}-{qtype}.gguf"
-                quantize(f32, files[qtype], qtype)
+        for qtype in [t for t in SHAPE_TYPES.get(key, ("F32",)) if t != "F32"]:
+            files[qtype] = work / f"tiny-{key}-{qtype}.gguf"
+            quantize(f32, files[qtype], qtype)
         for qtype, path in files.items():
             name = f"tiny-{key}-{qtype}"
             digest = tensor_digest(path)

@@ -2,8 +2,10 @@
 
 With float32 activations between stages, 1, 2 (15 + 15 blocks) and 3 (1 + 28 + 1
 blocks) stages of SmolLM2 give the same greedy tokens and logits within 1e-5 at every
-one of 16 steps; so do 1 and 3 stages of the three-block rope-scaled llama fixture,
-whose tokens are llama.cpp's and whose last-step logits are within cosine 0.99999 of
+one of 16 steps; so do 1 and 3 stages of the three-block rope-scaled llama fixture
+and of the qwen3, gemma3 (six blocks: two sliding ones per stage, the global one
+last) and phi3 fixtures of three or more blocks, whose tokens are llama.cpp's (up to
+a near-tie llama.cpp shows) and whose last-step logits are within cosine 0.99999 of
 llama.cpp's. With float16 or bfloat16 activations the edges carry that dtype,
 ``(rows, hidden)``, and the logits of a 3-stage run stay within cosine 0.99999 (f16)
 or 0.9999 (bf16) of llama.cpp's, with the same largest logit.
@@ -21,7 +23,7 @@ from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import Chain, provisions
-from tests.runtime_core.numerics import cosine
+from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
 
 SMOLLM2 = load_doc("smollm2")
 TINY = load_doc("tiny")
@@ -73,6 +75,29 @@ def test_rope_scaled_llama_split_in_three_matches_one_stage_and_llamacpp(
     assert [o.token_id for o in runs[1]] == ROPE_ENTRY["greedy"]
     assert runs[1][-1].logits is not None
     assert cosine(runs[1][-1].logits, TINY_LOGITS[f"{ROPE_ENTRY['name']}/last_step"]) >= 0.99999
+
+
+SPLIT_ENTRIES = [m for m in TINY["models"] if m["shape"] in ("qwen3-3", "gemma3-6", "phi3-3")]
+
+
+@pytest.mark.parametrize("entry", SPLIT_ENTRIES, ids=[m["name"] for m in SPLIT_ENTRIES])
+def test_later_architectures_split_in_three_match_one_stage_and_llamacpp(
+    entry: dict[str, Any], model_dir: Path
+) -> None:
+    path = model_file(entry, model_dir)
+    runs = []
+    for stages in (1, 3):
+        chain = Chain.bind(provisions(path, stages, max_seq_len=64))
+        assert len(chain.workers) == stages
+        runs.append(chain.generate(TINY["prompt"], N_TOKENS))
+        chain.release()
+    assert_same_run(runs[0], runs[1])
+    ours, theirs = [o.token_id for o in runs[1]], entry["greedy"]
+    assert common_prefix(ours, theirs) >= first_near_tie(entry["gaps"], N_TOKENS)
+    if ours == theirs:
+        last = runs[1][-1].logits
+        assert last is not None
+        assert cosine(last, TINY_LOGITS[f"{entry['name']}/last_step"]) >= 0.99999
 
 
 @pytest.mark.parametrize(
