@@ -51,7 +51,12 @@ SMOLLM2_LOGITS = load_logits("smollm2")
 PROMPTS: list[dict[str, Any]] = SMOLLM2["prompts"]
 TINY = load_doc("tiny")
 TINY_LOGITS = load_logits("tiny")
-TINY_MODELS: list[dict[str, Any]] = TINY["models"]
+#: The fixtures of the architectures the CUDA worker runs (it refuses the others).
+TINY_MODELS: list[dict[str, Any]] = [
+    m
+    for m in TINY["models"]
+    if TINY["shapes"][m["shape"]]["arch"] in CudaWorker.capabilities.architectures
+]
 N = 16
 SPLITS = {"2-even": [(0, 15), (15, 30)], "3-uneven": [(0, 1), (1, 29), (29, 30)]}
 

@@ -114,9 +114,9 @@ def test_every_gpu_worker_test_is_dry_run() -> None:
 
 @pytest.mark.parametrize("mode", ["q8", "f32"])
 def test_gpu_tiny_fixture_test_runs(emulated: EmulatedKernels, mode: str, tmp_path: Path) -> None:
-    models = load_doc("tiny")["models"]
-    for entry in (models[0], models[-2]):
-        gw.test_tiny_fixtures_in_every_type(entry, mode, tmp_path)
+    models = {m["name"]: m for m in load_doc("tiny")["models"]}
+    for name in ("tiny-llama-F32", "tiny-qwen2-Q6_K"):
+        gw.test_tiny_fixtures_in_every_type(models[name], mode, tmp_path)
 
 
 def test_gpu_smollm2_tests_run(monkeypatch: pytest.MonkeyPatch, smollm2_path: str) -> None:

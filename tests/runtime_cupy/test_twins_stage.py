@@ -28,7 +28,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runplan import SamplingConfig
+from runplan import (
+    NodePool,
+    NodeSpec,
+    PlanRejection,
+    RuntimeConfig,
+    SamplingConfig,
+    model_facts_from_gguf,
+    plan_run,
+)
+from runtime_core.errors import UnsupportedModel
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput, Worker, WorkerError
 from runtime_cupy.cuda_chain import Chain
@@ -77,13 +86,34 @@ def run(path: Path, make: Any, stages: int = 1, n: int = 8, **kwargs: Any) -> li
 # ---- the worker interface ------------------------------------------------------------------
 
 
-def test_the_cuda_worker_runs_what_the_reference_runs() -> None:
+def test_the_cuda_worker_runs_llama_and_qwen2_in_the_reference_types() -> None:
     worker: Worker = TwinWorker()
     assert worker.capabilities.name == "cuda"
     assert set(CudaWorker.capabilities.quant_types) == set(QUANT_TYPES)
     assert len(CudaWorker.capabilities.quant_types) == 13
     assert CudaWorker.capabilities.architectures == ("llama", "qwen2")
     assert TwinWorker.capabilities == CudaWorker.capabilities
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3"])
+def test_the_cuda_worker_refuses_the_later_architectures_by_name(folder: Path, arch: str) -> None:
+    """The planner rejects the run for the CUDA worker (``unsupported_model`` naming the
+    architecture), and a worker provisioned anyway refuses at configure with an
+    ``UnsupportedModel`` naming it, before it reads the file."""
+    path = write_model(folder / f"refused-{arch}.gguf", FIXTURE_SHAPES[arch])
+    facts = model_facts_from_gguf(path)
+    config = RuntimeConfig(run_id="r", max_tokens=1, worker=CudaWorker.capabilities)
+    pool = NodePool("orch", (NodeSpec("gpu0", 2**34),))
+    rejection = plan_run(facts, config, pool, stage_count=1)
+    assert isinstance(rejection, PlanRejection) and rejection.code == "unsupported_model"
+    assert rejection.values()["architecture"] == arch and arch in str(rejection)
+    provision = provisions(path, 1)[0]  # planned for the reference worker
+    worker = TwinWorker()
+    with pytest.raises(WorkerError, match=arch) as info:
+        worker.configure(provision)
+    cause = info.value.__cause__
+    assert isinstance(cause, UnsupportedModel) and cause.key == "general.architecture"
+    assert arch in str(cause)
 
 
 def test_options_are_checked() -> None:
@@ -297,7 +327,12 @@ def test_8bit_mode_stays_close_to_the_reference(shapes: dict[str, Path], name: s
 
 # ---- against llama.cpp --------------------------------------------------------------------
 
-MODELS: list[dict[str, Any]] = TINY["models"]
+#: The fixtures of the architectures the CUDA worker runs (it refuses the others).
+MODELS: list[dict[str, Any]] = [
+    m
+    for m in TINY["models"]
+    if TINY["shapes"][m["shape"]]["arch"] in CudaWorker.capabilities.architectures
+]
 
 
 @pytest.mark.parametrize("mode", ["q8", "f32"])
