@@ -19,9 +19,11 @@ supported ``tokenizer.ggml.pre`` name, it writes ``<name>.json`` holding:
 - ``decodes``: ``llama_detokenize`` of seeded random id lists, all four flag pairs,
   and of every single token (SmolLM2: 600 of them) with and without ``special``.
 
-For SmolLM2 it also writes ``smollm2-135m.chat.json``: conversations rendered with
-the file's chat template by llama-cpp-python's Jinja2 formatter, and by llama.cpp's
-own ``llama_chat_apply_template`` (which recognises the template as ChatML).
+For SmolLM2, and for each vocabulary with a chat template (Qwen3's, Gemma 3's and
+Phi-3.5's), it also writes ``<name>.chat.json``: conversations rendered with the
+file's chat template by llama-cpp-python's Jinja2 formatter (or the error the
+template raised), the ids llama.cpp gives each rendered text, and llama.cpp's own
+``llama_chat_apply_template`` where it recognises the template.
 
 With ``--gguf FILE...`` it records those files instead (same format, plus their
 ``path``), for a check against vocabularies the tests do not ship, such as the
@@ -306,10 +308,28 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "Ünïcödé 😀 <b>ok</b>"},
     ],
     [{"role": "system", "content": ""}, {"role": "user", "content": ""}],
+    # A reasoning turn (Qwen3's template keeps only the last one's thinking).
+    [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+        {"role": "user", "content": "  and 3+3?  "},
+    ],
+    # Roles that do not alternate (Gemma 3's template raises).
+    [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
 ]
+#: Vocabularies recorded on the short corpus only: bpe-qwen2's and spm-phi-3's with a
+#: few tokens more, there for their chat templates.
+SHORT_SPECS = ("bpe-qwen3", "spm-phi-3.5")
+#: Extra template variables each conversation is also rendered with, by the templates
+#: that read them.
+VARIANTS: list[dict[str, Any]] = [{}, {"enable_thinking": False}]
 
 
-def record_chat(path: str) -> dict[str, Any]:
+def record_chat(path: str, source: str) -> dict[str, Any]:
+    """The file's chat template rendered by llama-cpp-python's Jinja2 formatter (or
+    the error it raised), the ids llama.cpp gives the rendered text (specials parsed,
+    none added: the template writes them), and llama.cpp's built-in
+    ``llama_chat_apply_template`` where it recognises the template."""
     lv = LlamaVocab(path)
     try:
         buf = ctypes.create_string_buffer(1 << 16)
@@ -322,26 +342,33 @@ def record_chat(path: str) -> dict[str, Any]:
             piece(llama_cpp.llama_vocab_eos(lv.vocab)),
         )
         rendered = []
+        variants = [v for v in VARIANTS if all(name in template for name in v)]
         for messages in CONVERSATIONS:
-            for add_generation_prompt in (True, False):
-                jinja = Jinja2ChatFormatter(
-                    template,
-                    eos_token=eos,
-                    bos_token=bos,
-                    add_generation_prompt=add_generation_prompt,
-                )(messages=messages).prompt
-                rendered.append(
-                    {
+            for variables in variants:
+                for add_generation_prompt in (True, False):
+                    case: dict[str, Any] = {
                         "messages": messages,
                         "add_generation_prompt": add_generation_prompt,
-                        "jinja": jinja,
-                        "llama_chat_apply_template": _apply_template(
-                            template, messages, add_generation_prompt
-                        ),
+                        "variables": variables,
                     }
-                )
+                    try:
+                        jinja = Jinja2ChatFormatter(
+                            template,
+                            eos_token=eos,
+                            bos_token=bos,
+                            add_generation_prompt=add_generation_prompt,
+                        )(messages=messages, **variables).prompt
+                    except Exception as exc:  # the template's raise_exception
+                        case["error"] = str(exc)
+                    else:
+                        case["jinja"] = jinja
+                        case["ids"] = lv.tokenize(jinja, False, True)
+                        case["llama_chat_apply_template"] = _apply_template(
+                            template, messages, add_generation_prompt
+                        )
+                    rendered.append(case)
         return {
-            "source": "smollm2-135m",
+            "source": source,
             "llama_cpp_python": llama_cpp.__version__,
             "tokenizer_digest": tokenizer_digest(path),
             "bos_token": bos,
@@ -352,7 +379,10 @@ def record_chat(path: str) -> dict[str, Any]:
         lv.close()
 
 
-def _apply_template(template: str, messages: list[dict[str, str]], add_ass: bool) -> str:
+def _apply_template(
+    template: str, messages: list[dict[str, str]], add_ass: bool
+) -> str | None:
+    """llama.cpp's built-in rendering, or None where it does not know the template."""
     keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
     chat = (llama_cpp.llama_chat_message * len(keep))(
         *(llama_cpp.llama_chat_message(role=r, content=c) for r, c in keep)
@@ -361,7 +391,7 @@ def _apply_template(template: str, messages: list[dict[str, str]], add_ass: bool
     buf = ctypes.create_string_buffer(size)
     n = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(keep), add_ass, buf, size)
     if n < 0:
-        raise RuntimeError("llama_chat_apply_template failed")
+        return None
     return buf.raw[:n].decode()
 
 
@@ -418,16 +448,19 @@ def main() -> None:
         "smollm2-135m",
         record_file(smol, "smollm2-135m", model="gpt2", pre="smollm", full=True, spec=None),
     )
-    _write(args.out, "smollm2-135m.chat", record_chat(smol))
+    _write(args.out, "smollm2-135m.chat", record_chat(smol, "smollm2-135m"))
 
     covered = {spec.pre for spec in SPECS.values()}
     with tempfile.TemporaryDirectory() as tmp:
         for spec in SPECS.values():
             path = str(write_vocab(Path(tmp) / f"{spec.name}.gguf", spec))
+            full = spec.name not in SHORT_SPECS
             data = record_file(
-                path, spec.name, model=spec.model, pre=spec.pre, full=True, spec=spec
+                path, spec.name, model=spec.model, pre=spec.pre, full=full, spec=spec
             )
             _write(args.out, spec.name, data)
+            if spec.chat_template is not None:
+                _write(args.out, f"{spec.name}.chat", record_chat(path, spec.name))
         aliases = {}
         for pre in sorted(set(PRE_TOKENIZERS) - covered):
             spec = VocabSpec(f"bpe-alias-{pre}", pre=pre, add_bos=False)

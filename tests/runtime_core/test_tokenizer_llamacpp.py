@@ -3,17 +3,21 @@
 Every recorded case is asserted exactly: the ids of ``encode`` for each
 ``add_special`` / ``parse_special`` pair, the bytes of ``decode`` for each
 ``remove_special`` / ``special`` pair (and its text, invalid UTF-8 replaced), the
-round trip where llama.cpp round-trips, and the file facts llama.cpp reported.
+round trip where llama.cpp round-trips, the file facts llama.cpp reported, and the
+chat templates (SmolLM2's, Qwen3's, Gemma 3's, Phi-3.5's) as llama.cpp's Jinja path
+renders them, with llama.cpp's ids of the rendered prompt.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from runtime_core.tokenizer import Tokenizer
+from runtime_core.tokenizer import ChatTemplateError, Tokenizer
+from tests.fixtures.gguf_vocab import SPECS
 from tests.runtime_core.conftest import MAIN_FIXTURES, alias_names, recorded
 
 # Recorded cases we do not match, (fixture, text) -> why. A case listed here that
@@ -126,3 +130,39 @@ def test_the_fixtures_cover_every_model_and_required_pre_tokenizer() -> None:
         assert ("gpt2", pre) in seen
     assert ("llama", None) in seen
     assert recorded("smollm2-135m")["pre"] == "smollm"
+
+
+CHAT_FIXTURES = ["smollm2-135m", *(name for name, spec in SPECS.items() if spec.chat_template)]
+
+
+@pytest.mark.parametrize("name", CHAT_FIXTURES)
+def test_chat_templates_render_and_encode_as_llama_cpp_does(
+    name: str, recorded_tokenizer: Get
+) -> None:
+    """Each conversation renders as llama-cpp-python's Jinja2 formatter renders it (or
+    raises where the template raises), and the rendered prompt encodes to llama.cpp's
+    ids (specials parsed, none added: the template writes them)."""
+    tok = recorded_tokenizer(name)
+    chat = recorded(f"{name}.chat")
+    assert chat["tokenizer_digest"] == recorded(name)["tokenizer_digest"]
+    assert (chat["bos_token"], chat["eos_token"]) == (
+        tok.token_text(tok.bos_id or 0),
+        tok.token_text(tok.eos_id or 0),
+    )
+    for case in chat["rendered"]:
+        kwargs = {"add_generation_prompt": case["add_generation_prompt"], **case["variables"]}
+        if "error" in case:
+            with pytest.raises(ChatTemplateError, match=re.escape(case["error"])):
+                tok.apply_chat_template(case["messages"], **kwargs)
+            continue
+        text = tok.apply_chat_template(case["messages"], **kwargs)
+        assert text == case["jinja"]
+        assert tok.encode(text, add_special=False, parse_special=True) == case["ids"]
+
+
+def test_the_chat_fixtures_cover_each_later_architecture() -> None:
+    sources = {recorded(f"{name}.chat")["source"] for name in CHAT_FIXTURES}
+    assert {"bpe-qwen3", "spm-gemma3", "spm-phi-3.5"} <= sources
+    gemma = recorded("spm-gemma3")
+    assert gemma["meta"]["add_bos"] and gemma["spec"]["add_space_prefix"] is False
+    assert any("error" in case for case in recorded("spm-gemma3.chat")["rendered"])
