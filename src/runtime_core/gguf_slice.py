@@ -11,6 +11,12 @@ error (``UnsupportedModel`` or ``GgufError``) and nothing half-loaded. Other sta
 tensors are never read or checked. Data is read through the file's memory map, one
 tensor at a time, and dequantized with the gguf package.
 
+Which tensors a block has, and their shapes, is the architecture's (``block_specs``,
+from ``runtime_core.architectures``): per-head Q/K norms, post-norms, a fused
+``attn_qkv`` (where the architecture allows it and the file has it) or ``ffn_up``,
+biases required, optional or refused. A tensor a block may not have, or one of
+``REFUSED_TENSORS`` anywhere (LongRoPE's factors), is refused by name.
+
 Shapes are llama.cpp's ``ne``: fastest-varying dimension first, so a matrix stored as
 ``(n_in, n_out)`` dequantizes to a NumPy ``(n_out, n_in)`` array (one row per output).
 """
