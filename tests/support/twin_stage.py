@@ -17,16 +17,17 @@ from runplan import SamplingConfig, WorkerCapabilities
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
-from runtime_cupy import device_sampling, twins
-from runtime_cupy.program import (
+from runtime_cupy.cuda import device_sampling
+from runtime_cupy.cuda.program import (
     Linear,
     StageWeights,
     forward_blocks,
     forward_head,
     load_weights,
 )
-from runtime_cupy.quant_types import CHUNK
-from runtime_cupy.worker import CUDA_CAPABILITIES, BackendSpec, StageBackend, StageWorker
+from runtime_cupy.cuda.quant_types import CHUNK, uses_q8
+from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, BackendSpec, StageBackend, StageWorker
+from tests.support import twins
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
@@ -92,7 +93,7 @@ class TwinOps:
         out = np.zeros((rows, lin.n_out), np.float32)
         for part, raw in lin.parts:
             at = slice(part.out_offset, part.out_offset + part.n_out)
-            if rows == 1 and twins.uses_q8(part.qtype, self.mode):
+            if rows == 1 and uses_q8(part.qtype, self.mode):
                 dec = self._decoded.get(id(raw))
                 if dec is None:
                     dec = self._decoded[id(raw)] = twins.decode(raw, part.qtype)

@@ -43,3 +43,8 @@ def row_bytes(qtype: str, n: int) -> int:
     if n % elems:
         raise ValueError(f"{qtype}: a row of {n} elements is not whole blocks of {elems}")
     return n // elems * block_bytes(qtype)
+
+
+def uses_q8(qtype: str, mode: str) -> bool:
+    """Whether a one-row product of a ``qtype`` matrix runs on 8-bit activations."""
+    return mode == "q8" and qtype in QUANT_TYPES and qtype not in FLOAT_TYPES

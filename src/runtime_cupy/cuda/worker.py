@@ -27,8 +27,8 @@ Options (``CudaWorker(...)``):
 ``StageWorker`` holds everything that is not CUDA: the checks of the interface, the
 sequence and position, edges' dtypes, sampling state. Its backends are
 ``device_stage.DeviceBackend`` (CuPy, imported only at ``bind``) and the NumPy twin
-``twin_stage.TwinBackend``, which runs the same program on the kernels' twins so that
-all of this is tested on any CPU.
+``TwinBackend`` of ``tests/support/twin_stage.py``, which runs the same program on the
+kernels' twins so that all of this is tested on any CPU.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from runtime_core.worker import (
     checked_token_ids,
     step_position,
 )
-from runtime_cupy.kernels import ATTENTION_MAX_HEAD_DIM
-from runtime_cupy.quant_types import QUANT_TYPES
+from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
+from runtime_cupy.cuda.quant_types import QUANT_TYPES
 
 MATVEC_MODES = ("q8", "f32")
 KV_DTYPES = ("auto", "f16", "f32")
@@ -301,7 +301,7 @@ class CudaWorker(StageWorker):
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         try:
-            from runtime_cupy.device_stage import DeviceBackend
+            from runtime_cupy.cuda.device_stage import DeviceBackend
         except ImportError as exc:
             raise WorkerError(f"the CUDA worker needs CuPy: {exc}") from exc
         return DeviceBackend(
