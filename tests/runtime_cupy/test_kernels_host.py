@@ -25,7 +25,7 @@ import pytest
 
 from runtime_core.activations import float32_to_bf16
 from runtime_cupy.cuda.kernels import KERNEL_DIR, SIGNATURES, KernelSet, _arg
-from runtime_cupy.cuda.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES
+from runtime_cupy.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES
 from tests.support import twins
 from tests.support.random_blocks import random_rows
 
@@ -253,7 +253,7 @@ def test_importing_the_worker_does_not_import_cupy() -> None:
         "import sys; import runtime_cupy.cuda.worker, runtime_cupy.cuda.kernels, "
         "tests.support.twins, "
         "tests.support.twin_stage, tests.support.kernel_twins, tests.support.cuda_chain, "
-        "runtime_cupy.cuda.program, runtime_cupy.cuda.device_sampling; "
+        "runtime_cupy.program, runtime_cupy.cuda.device_sampling; "
         "print('cupy' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

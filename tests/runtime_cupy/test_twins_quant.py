@@ -26,7 +26,7 @@ from runplan import SamplingConfig
 from runplan.gguf_header import GgufHeader, TensorInfo
 from runtime_core.sampling import Sampler
 from runtime_cupy.cuda import device_sampling
-from runtime_cupy.cuda.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, block_bytes, row_bytes
+from runtime_cupy.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, block_bytes, row_bytes
 from tests.fixtures.llamacpp_fixtures import MODELS_DIR
 from tests.support import twins
 from tests.support.random_blocks import random_rows

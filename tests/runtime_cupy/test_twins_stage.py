@@ -32,8 +32,8 @@ from runplan import SamplingConfig
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput, Worker, WorkerError
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM, source
-from runtime_cupy.cuda.quant_types import QUANT_TYPES
 from runtime_cupy.cuda.worker import CudaWorker
+from runtime_cupy.quant_types import QUANT_TYPES
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import provisions
