@@ -7,7 +7,7 @@
 - Models: SmolLM2-135M-Instruct (Q4_1, the bundled file) and random-weight models with
   Llama-3-8B's shapes (32 blocks of 4096, 32 heads over 8 kv heads, feed-forward 14336,
   vocabulary 128256, untied head) in Q4_0 and in Q4_K, written once into ``--model-dir``
-  by ``runtime_cupy.random_model`` (random but valid blocks; ``--layers`` writes fewer
+  by ``tests.support.random_model`` (random but valid blocks; ``--layers`` writes fewer
   blocks, for a quick look). ``--write-only`` writes the models and exits (the GPU check
   writes them in the background while the tests run).
 - Each model in 1 and 2 stages on one GPU (2 stages pass f16 activations device to
@@ -46,10 +46,13 @@ from runplan.gguf_header import GgufHeader
 from runplan.models import resolve_model
 from runtime_core.gguf_slice import EMBEDDING, OUTPUT
 from runtime_core.model_config import ModelConfig
-from runtime_cupy.cuda_chain import Chain, provisions_for
-from runtime_cupy.kernels import cuda_device_problem
-from runtime_cupy.random_model import LLAMA3_8B, write_random_model
-from runtime_cupy.worker import CUDA_CAPABILITIES, CudaWorker
+from runtime_cupy.cuda.kernels import cuda_device_problem
+from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, CudaWorker
+
+# The in-process chain and the random-model writer live with the tests (tests/support).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.cuda_chain import Chain, provisions_for
+from tests.support.random_model import LLAMA3_8B, write_random_model
 
 MODELS = ("smollm2", "llama8b-q4_0", "llama8b-q4_k")
 DEFAULT_DIR = Path("/tmp/gguf-pipeline-models")

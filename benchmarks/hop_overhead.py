@@ -60,7 +60,7 @@ from runtime_core.reference import ReferenceWorker  # noqa: E402
 from runtime_core.worker import TokenOutput  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
 from runtime_cupy.api import plan_for  # noqa: E402
-from runtime_cupy.transport import ShmRing, remove_run  # noqa: E402
+from runtime_cupy.edges.shm import ShmRing, remove_run  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fixtures.gguf_models import ModelShape, write_model  # noqa: E402

@@ -4,7 +4,7 @@ shared-memory rings, authenticated control channels, clean teardown on any fault
 
 ``generate(...)`` has ``runtime_sim.generate``'s signature and result fields, plus
 runtime options (``worker="numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``).
-The CUDA worker (``runtime_cupy.worker``) is imported only when asked for.
+The CUDA worker (``runtime_cupy.cuda.worker``) is imported only when asked for.
 """
 
 from runtime_core.runs import PlanRejected

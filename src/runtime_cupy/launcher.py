@@ -46,9 +46,9 @@ from runplan.fsm import orchestrator as fsm
 from runplan.messages import ProvisionStage, StopReason, StopRun
 from runtime_core.orchestrator import OrchestratorController
 from runtime_cupy.control import ControlChannel, Incoming, new_key
+from runtime_cupy.edges.shm import FifoSignal, ProcessEdges, ShmRing, Watch, remove_run
 from runtime_cupy.timers import Deadlines
 from runtime_cupy.tracing import Event, TraceLog, chrome_trace, read_events
-from runtime_cupy.transport import FifoSignal, ProcessEdges, ShmRing, Watch, remove_run
 
 log = logging.getLogger("runtime_cupy.launcher")
 

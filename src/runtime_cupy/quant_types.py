@@ -1,4 +1,4 @@
-"""The GGUF weight types the CUDA kernels read, and their block geometry.
+"""The GGUF weight types our kernels read (CUDA and CPU), and their block geometry.
 
 Every kernel reads a row in chunks of 32 elements (``CHUNK``): one block of the
 32-element types, one eighth of a K-quant super-block, 32 values of a float type.
@@ -25,7 +25,7 @@ Q8_TYPES: tuple[str, ...] = (
     "Q5_K",
     "Q6_K",
 )
-#: Every type the CUDA worker runs (the reference worker's thirteen).
+#: Every type the quantized workers run (the reference worker's thirteen).
 QUANT_TYPES: tuple[str, ...] = FLOAT_TYPES + Q8_TYPES
 
 
@@ -43,3 +43,8 @@ def row_bytes(qtype: str, n: int) -> int:
     if n % elems:
         raise ValueError(f"{qtype}: a row of {n} elements is not whole blocks of {elems}")
     return n // elems * block_bytes(qtype)
+
+
+def uses_q8(qtype: str, mode: str) -> bool:
+    """Whether a one-row product of a ``qtype`` matrix runs on 8-bit activations."""
+    return mode == "q8" and qtype in QUANT_TYPES and qtype not in FLOAT_TYPES

@@ -46,9 +46,7 @@ from runplan.messages import StageFault, StageReady, StageStopped
 from runtime_core.controller import StageController
 from runtime_core.worker import Progress, TokenOutput, Worker, WorkerError
 from runtime_cupy.control import ControlChannel, Incoming
-from runtime_cupy.timers import Deadlines
-from runtime_cupy.tracing import TraceLog, now_us
-from runtime_cupy.transport import (
+from runtime_cupy.edges.shm import (
     FifoSignal,
     ProcessEdges,
     ShmRing,
@@ -56,6 +54,8 @@ from runtime_cupy.transport import (
     remove_edge,
     remove_run_dir,
 )
+from runtime_cupy.timers import Deadlines
+from runtime_cupy.tracing import TraceLog, now_us
 from runtime_cupy.workers import WORKERS, WorkerUnavailable, make_worker
 
 EXIT_STOPPED = 0

@@ -1,5 +1,5 @@
 """Which worker a stage process runs: ``numpy`` (``runtime_core.ReferenceWorker``, any
-host) or ``cuda`` (``runtime_cupy.worker.CudaWorker``, imported only when asked for, so
+host) or ``cuda`` (``runtime_cupy.cuda.worker.CudaWorker``, imported only when asked for, so
 that nothing here imports CuPy). A CUDA stage sees one GPU: the launcher sets its
 ``CUDA_VISIBLE_DEVICES``, so the worker uses device 0 of what it sees."""
 
@@ -27,7 +27,7 @@ def _cuda_class() -> Any:
             "(pip install 'gguf-pipeline[cuda12]')"
         )
     try:
-        module = importlib.import_module("runtime_cupy.worker")
+        module = importlib.import_module("runtime_cupy.cuda.worker")
         return module.CudaWorker
     except Exception as exc:  # no CuPy, no driver, no GPU, or not built yet
         raise WorkerUnavailable(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_cupy.transport import unlink_segment
+from runtime_cupy.edges.shm import unlink_segment
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.runtime_cupy.hygiene import (
     SHM,

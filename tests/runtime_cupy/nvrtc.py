@@ -13,7 +13,7 @@ import ctypes.util
 import importlib.util
 from pathlib import Path
 
-from runtime_cupy.kernels import COMPILE_OPTIONS
+from runtime_cupy.cuda.kernels import COMPILE_OPTIONS
 
 
 class NvrtcError(Exception):

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime_cupy import twins
-from runtime_cupy.kernel_twins import KERNEL_TWINS
-from runtime_cupy.kernels import KernelSet, cuda_device_problem
+from runtime_cupy.cuda.kernels import KernelSet, cuda_device_problem
 from runtime_cupy.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
-from runtime_cupy.random_blocks import random_rows
+from tests.support import twins
+from tests.support.kernel_twins import KERNEL_TWINS
+from tests.support.random_blocks import random_rows
 
 PROBLEM = cuda_device_problem()
 pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")

@@ -35,13 +35,13 @@ from runplan import SamplingConfig
 from runplan.gguf_header import GgufHeader
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput, Worker, WorkerError
-from runtime_cupy.cuda_chain import Chain
-from runtime_cupy.kernels import cuda_device_problem
-from runtime_cupy.twin_stage import TwinWorker
-from runtime_cupy.worker import CudaWorker
+from runtime_cupy.cuda.kernels import cuda_device_problem
+from runtime_cupy.cuda.worker import CudaWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import provisions
 from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.cuda_chain import Chain
+from tests.support.twin_stage import TwinWorker
 
 PROBLEM = cuda_device_problem()
 pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")

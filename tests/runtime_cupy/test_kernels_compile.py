@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_cupy.kernels import HEADERS, KERNEL_DIR, KERNELS, SIGNATURES, SOURCES, source
+from runtime_cupy.cuda.kernels import HEADERS, KERNEL_DIR, KERNELS, SIGNATURES, SOURCES, source
 from tests.runtime_cupy.nvrtc import Nvrtc, NvrtcError, find_library
 
 NVCC = shutil.which("nvcc")

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from runtime_core.activations import float32_to_bf16
-from runtime_cupy import twins
-from runtime_cupy.kernels import KERNEL_DIR, SIGNATURES, KernelSet, _arg
+from runtime_cupy.cuda.kernels import KERNEL_DIR, SIGNATURES, KernelSet, _arg
 from runtime_cupy.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES
-from runtime_cupy.random_blocks import random_rows
+from tests.support import twins
+from tests.support.random_blocks import random_rows
 
 CXX = shutil.which("g++") or shutil.which("c++")
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no host C++ compiler (g++) on PATH")
@@ -250,9 +250,10 @@ def test_half_and_bfloat16_conversions_are_exact(harness: Path, tmp_path: Path) 
 
 def test_importing_the_worker_does_not_import_cupy() -> None:
     code = (
-        "import sys; import runtime_cupy.worker, runtime_cupy.kernels, runtime_cupy.twins, "
-        "runtime_cupy.twin_stage, runtime_cupy.kernel_twins, runtime_cupy.cuda_chain, "
-        "runtime_cupy.program, runtime_cupy.device_sampling; "
+        "import sys; import runtime_cupy.cuda.worker, runtime_cupy.cuda.kernels, "
+        "tests.support.twins, "
+        "tests.support.twin_stage, tests.support.kernel_twins, tests.support.cuda_chain, "
+        "runtime_cupy.program, runtime_cupy.cuda.device_sampling; "
         "print('cupy' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -296,7 +297,7 @@ def test_every_kernel_has_a_signature_and_every_type_its_kernels() -> None:
 def test_the_planner_counts_the_cuda_worker_s_weights_as_stored() -> None:
     """The CUDA worker keeps weights quantized and its KV cache in the activation
     dtype; the memory check must count them so, not as float32."""
-    from runtime_cupy.worker import CUDA_CAPABILITIES
+    from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
 
     assert CUDA_CAPABILITIES.weight_bytes_per_element == 0
     assert CUDA_CAPABILITIES.kv_bytes_per_element == 0

@@ -21,7 +21,7 @@ from runplan.header import HeaderCheck, HeaderDType
 from runplan.plan import Layout, ObjectKind, ObjectSpec
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
-from runtime_cupy.transport import (
+from runtime_cupy.edges.shm import (
     MAX_SEGMENT_NAME,
     PREFIX,
     ShmRing,
@@ -64,7 +64,7 @@ def _producer(run_id: str, script: str) -> subprocess.Popen[str]:
         from runplan.plan import Layout, ObjectKind, ObjectSpec
         from runtime_core.edges import SendEnd
         from runtime_core.ring import EdgeClosed
-        from runtime_cupy.transport import ShmRing
+        from runtime_cupy.edges.shm import ShmRing
         spec = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
         ring = None
         while ring is None:
@@ -190,7 +190,7 @@ def test_remove_run_frees_the_ring_of_a_killed_owner() -> None:
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
             from runplan import RingSpec
-            from runtime_cupy.transport import ShmRing
+            from runtime_cupy.edges.shm import ShmRing
             ShmRing.create({run_id!r}, {EDGE}, RingSpec(2, 64, 256))
             print("made", flush=True)
             time.sleep(60)

@@ -2,7 +2,7 @@
 
 ``test_gpu_kernels.py`` and ``test_gpu_worker.py`` can only run on a CUDA device. Here
 their test functions are called directly (past their skip marks) with the stand-in
-for CuPy and the emulated kernels of ``test_twins_device_stage.py`` in place of the
+for CuPy and the emulated kernels of ``tests/support/emulated_cupy.py`` in place of the
 device, on small shapes and a small model: every launch, copy, index and assertion
 of their code runs. The kernels are their own twins here, so agreement is expected;
 what these runs catch is test code that could not run (wrong arguments, shapes,
@@ -27,14 +27,14 @@ import tests.runtime_cupy.test_gpu_worker as gw
 from runtime_core.worker import TokenOutput
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits
-from tests.runtime_cupy.test_twins_device_stage import DEVICE_STAGE, EmulatedKernels, FakeCupy
+from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy
 
 
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedKernels]:
     kernels = EmulatedKernels()
     monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
-    monkeypatch.setitem(sys.modules, "runtime_cupy.device_stage", DEVICE_STAGE)
+    monkeypatch.setitem(sys.modules, "runtime_cupy.cuda.device_stage", DEVICE_STAGE)
     monkeypatch.setitem(DEVICE_STAGE._KERNELS, 0, kernels)
     monkeypatch.setattr(gk, "SHAPES_32", [(1, 32), (7, 96), (9, 576)])
     monkeypatch.setattr(gk, "SHAPES_K", [(1, 256), (5, 768)])

@@ -25,10 +25,11 @@ from gguf import GGMLQuantizationType, quants
 from runplan import SamplingConfig
 from runplan.gguf_header import GgufHeader, TensorInfo
 from runtime_core.sampling import Sampler
-from runtime_cupy import device_sampling, twins
+from runtime_cupy.cuda import device_sampling
 from runtime_cupy.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, block_bytes, row_bytes
-from runtime_cupy.random_blocks import random_rows
 from tests.fixtures.llamacpp_fixtures import MODELS_DIR
+from tests.support import twins
+from tests.support.random_blocks import random_rows
 
 GGUF_QUANTIZES = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 

@@ -40,16 +40,16 @@ from runplan import (
 from runtime_core.errors import UnsupportedModel
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput, Worker, WorkerError
-from runtime_cupy.cuda_chain import Chain
-from runtime_cupy.kernels import ATTENTION_MAX_HEAD_DIM, source
+from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM, source
+from runtime_cupy.cuda.worker import CudaWorker
 from runtime_cupy.quant_types import QUANT_TYPES
-from runtime_cupy.random_model import RandomModel, write_random_model
-from runtime_cupy.twin_stage import TwinWorker
-from runtime_cupy.worker import CudaWorker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import provisions
 from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.cuda_chain import Chain
+from tests.support.random_model import RandomModel, write_random_model
+from tests.support.twin_stage import TwinWorker
 
 PROMPT = [5, 77, 300, 12, 9]
 TINY = load_doc("tiny")

@@ -9,7 +9,7 @@
 //                              quantized to 8 bits (x: 32 int8 packed in 8 ints,
 //                              value = xd * x[i]; xs = xd * sum(x)), by integer dot
 //                              products and one float expression per chunk.
-// The float expression of each dot_q8 is written down in runtime_cupy/twins.py
+// The float expression of each dot_q8 is written down in tests/support/twins.py
 // (`_chunk_terms_*`), which computes the same terms in NumPy.
 //
 // Byte layouts (offsets within one block; f16 = IEEE half; element e of a block):

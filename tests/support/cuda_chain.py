@@ -30,7 +30,7 @@ from runplan import (
     provision_all,
 )
 from runtime_core.worker import Progress, TokenOutput, Worker
-from runtime_cupy.worker import CUDA_CAPABILITIES
+from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
 
 DTYPES = {
     "f32": (DTypeFamily.FLOAT, 4),

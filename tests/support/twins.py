@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from runtime_cupy.quant_types import CHUNK, FLOAT_TYPES, QUANT_TYPES, block_bytes
+from runtime_cupy.quant_types import CHUNK, block_bytes
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -351,11 +351,6 @@ def matvec_f(raw: U8, qtype: str, x: F32, dense: F32 | None = None) -> RowSums:
     w = (dequantize(raw, qtype) if dense is None else dense).astype(np.float64)
     terms = w * np.asarray(x, np.float64)[None, :]
     return RowSums(terms.sum(axis=1).astype(np.float32), np.abs(terms).sum(axis=1))
-
-
-def uses_q8(qtype: str, mode: str) -> bool:
-    """Whether a one-row product of a ``qtype`` matrix runs on 8-bit activations."""
-    return mode == "q8" and qtype in QUANT_TYPES and qtype not in FLOAT_TYPES
 
 
 # ---- norm, rotary, attention, feed-forward, sampling -----------------------------------------

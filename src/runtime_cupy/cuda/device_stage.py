@@ -25,8 +25,8 @@ import numpy.typing as npt
 from runplan import SamplingConfig
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
-from runtime_cupy import device_sampling
-from runtime_cupy.kernels import KernelSet
+from runtime_cupy.cuda import device_sampling
+from runtime_cupy.cuda.kernels import KernelSet
 from runtime_cupy.program import (
     Linear,
     MatrixPart,
@@ -35,9 +35,8 @@ from runtime_cupy.program import (
     forward_head,
     load_weights,
 )
-from runtime_cupy.quant_types import CHUNK
-from runtime_cupy.twins import uses_q8
-from runtime_cupy.worker import BackendSpec
+from runtime_cupy.quant_types import CHUNK, uses_q8
+from runtime_cupy.stage_worker import BackendSpec
 
 TILE_FLOATS = 1 << 26  # 256 MiB of float32 per prefill tile
 MATVEC_WARPS = 4  # MV_WARPS in matvec.cu

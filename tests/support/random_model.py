@@ -19,7 +19,7 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from runtime_cupy.quant_types import row_bytes
-from runtime_cupy.random_blocks import random_rows
+from tests.support.random_blocks import random_rows
 
 
 @attrs.frozen

@@ -1,23 +1,24 @@
 """The CUDA worker's program on the kernels' NumPy twins, on any CPU.
 
-``TwinWorker`` is ``worker.StageWorker`` over ``TwinBackend``: the same interface logic,
-weight layout and step sequence (``program.py``) as ``CudaWorker``, with every kernel
+``TwinWorker`` is ``CudaWorker`` over ``TwinBackend``: the same interface logic, checks,
+weight layout and step sequence (``program.py``) as the CUDA worker, with every kernel
 replaced by its twin (``twins.py``). Tests run it against the NumPy reference worker and
 llama.cpp's fixtures on a CPU; on a GPU, the CUDA worker is compared with it.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from runplan import SamplingConfig, WorkerCapabilities
+from runplan import SamplingConfig
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
-from runtime_cupy import device_sampling, twins
+from runtime_cupy.cuda import device_sampling
+from runtime_cupy.cuda.worker import CudaWorker
 from runtime_cupy.program import (
     Linear,
     StageWeights,
@@ -25,8 +26,9 @@ from runtime_cupy.program import (
     forward_head,
     load_weights,
 )
-from runtime_cupy.quant_types import CHUNK
-from runtime_cupy.worker import CUDA_CAPABILITIES, BackendSpec, StageBackend, StageWorker
+from runtime_cupy.quant_types import CHUNK, uses_q8
+from runtime_cupy.stage_worker import BackendSpec, StageBackend
+from tests.support import twins
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
@@ -92,7 +94,7 @@ class TwinOps:
         out = np.zeros((rows, lin.n_out), np.float32)
         for part, raw in lin.parts:
             at = slice(part.out_offset, part.out_offset + part.n_out)
-            if rows == 1 and twins.uses_q8(part.qtype, self.mode):
+            if rows == 1 and uses_q8(part.qtype, self.mode):
                 dec = self._decoded.get(id(raw))
                 if dec is None:
                     dec = self._decoded[id(raw)] = twins.decode(raw, part.qtype)
@@ -207,10 +209,9 @@ class TwinBackend:
         self.weights = None
 
 
-class TwinWorker(StageWorker):
-    """The CUDA worker's program on NumPy twins. Implements ``runtime_core.worker.Worker``."""
-
-    capabilities: ClassVar[WorkerCapabilities] = CUDA_CAPABILITIES
+class TwinWorker(CudaWorker):
+    """The CUDA worker's program on NumPy twins, with the CUDA worker's checks.
+    Implements ``runtime_core.worker.Worker``."""
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         return TwinBackend(spec)

@@ -1,14 +1,14 @@
-"""The CUDA worker (EDGES_AND_WORKERS.md §4): one stage on an NVIDIA GPU.
+"""A stage worker whose weights stay as the GGUF file stores them, over a backend.
 
-Weights stay quantized on the device in their GGUF block layout; the kernels of
-``kernels/*.cu`` dequantize them as they multiply (``program.py`` has the sequence
-of a step). The residual stream inside a stage is float32; activations leave and
-enter the stage in the plan's dtype (f16 by default for CUDA, f32 or bf16 when the
-plan says so). The last stage computes the logits, the greedy token (or, with a
-temperature, the reference sampler's draw) on the device; only the id comes back,
-and the logits only when the run asks for them.
+``StageWorker`` holds the worker interface (EDGES_AND_WORKERS.md §4) for every worker
+that runs ``program.py``'s forward pass on a backend of its own: the checks of the
+interface, the sequence and position, the edges' dtypes, the sampling state. A
+``StageBackend`` holds the weights and runs the steps: the CUDA worker's
+``cuda.device_stage.DeviceBackend``, and the NumPy twin of its kernels
+(``tests/support/twin_stage.py``), which runs the same program on the CPU so that all
+of this is tested on any host.
 
-Options (``CudaWorker(...)``):
+Options common to every backend:
 
 - ``matvec``: ``"q8"`` (default) runs one-row products of quantized matrices on
   8-bit activations with integer dot products, as llama.cpp does; ``"f32"``
@@ -16,19 +16,6 @@ Options (``CudaWorker(...)``):
   the NumPy reference worker).
 - ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
   wide, float32 when 4), ``"f16"`` or ``"f32"``.
-- ``use_graph``: decode steps replay a CUDA graph captured at the first decode step
-  (position and token are read from device memory); ``False`` launches every kernel
-  from Python each step, for comparison.
-- ``device_io``: a stage that is not the last returns its activations as a CuPy array
-  on the device, and every stage accepts CuPy arrays, so that stages on one GPU pass
-  activations device to device. Default: NumPy arrays, as the worker interface says.
-- ``device``: the CUDA device index.
-
-``StageWorker`` holds everything that is not CUDA: the checks of the interface, the
-sequence and position, edges' dtypes, sampling state. Its backends are
-``device_stage.DeviceBackend`` (CuPy, imported only at ``bind``) and the NumPy twin
-``twin_stage.TwinBackend``, which runs the same program on the kernels' twins so that
-all of this is tested on any CPU.
 """
 
 from __future__ import annotations
@@ -52,8 +39,6 @@ from runtime_core.worker import (
     checked_token_ids,
     step_position,
 )
-from runtime_cupy.kernels import ATTENTION_MAX_HEAD_DIM
-from runtime_cupy.quant_types import QUANT_TYPES
 
 MATVEC_MODES = ("q8", "f32")
 KV_DTYPES = ("auto", "f16", "f32")
@@ -128,6 +113,10 @@ class StageWorker:
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         raise NotImplementedError
 
+    def _check_stage(self, stage: StageSlice) -> None:
+        """Refuse, with ``UnsupportedModel``, a checked slice this worker's backend
+        cannot run (before anything is loaded). Every slice passes by default."""
+
     # -- Worker -----------------------------------------------------------------
     def configure(self, provision: ProvisionStage) -> None:
         if provision.model.architecture not in self.capabilities.architectures:
@@ -172,13 +161,7 @@ class StageWorker:
         backend: StageBackend | None = None
         try:
             with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
-                c = stage.config
-                if max(c.head_dim_k, c.head_dim_v) > ATTENTION_MAX_HEAD_DIM:
-                    raise UnsupportedModel(
-                        stage.path,
-                        f"head size {c.head_dim_k} (keys) / {c.head_dim_v} (values): the "
-                        f"CUDA attention kernel takes up to {ATTENTION_MAX_HEAD_DIM}",
-                    )
+                self._check_stage(stage)
                 backend = self._make_backend(spec)
                 backend.load(stage, p.model.max_seq_len, progress)
                 vocab = stage.vocab_size
@@ -261,53 +244,3 @@ class StageWorker:
             assert r.rng is not None
             token = b.sample(r.sampling, float(r.rng.random()))
         return TokenOutput(token, b.logits() if return_logits else None)
-
-
-#: What the CUDA worker runs: llama and qwen2 (the other architectures of the reference
-#: worker are refused by name: ``UnsupportedModel``, ``unsupported_model``) and all 13 types;
-#: weights stay as the file stores them and the KV cache takes the activation dtype
-#: (``kv_dtype="auto"``), which is what the planner's memory check counts.
-CUDA_CAPABILITIES = WorkerCapabilities(
-    name="cuda",
-    architectures=("llama", "qwen2"),
-    quant_types=QUANT_TYPES,
-    weight_bytes_per_element=0,
-    kv_bytes_per_element=0,
-)
-
-
-class CudaWorker(StageWorker):
-    """One stage's compute engine on a CUDA GPU. Implements ``runtime_core.worker.Worker``.
-    CuPy is imported at ``bind``, not before."""
-
-    capabilities: ClassVar[WorkerCapabilities] = CUDA_CAPABILITIES
-
-    def __init__(
-        self,
-        *,
-        matvec: str = "q8",
-        kv_dtype: str = "auto",
-        use_graph: bool = True,
-        device_io: bool = False,
-        device: int = 0,
-    ) -> None:
-        super().__init__(matvec=matvec, kv_dtype=kv_dtype)
-        self.use_graph = use_graph
-        self.device_io = device_io
-        self.device = device
-
-    def set_use_graph(self, use_graph: bool) -> None:
-        """Switch decode steps between graph replays and eager launches; takes effect
-        at the next step (a graph is captured at the first graph step)."""
-        self.use_graph = use_graph
-        if self._run is not None:
-            self._run.backend.use_graph = use_graph  # type: ignore[attr-defined]
-
-    def _make_backend(self, spec: BackendSpec) -> StageBackend:
-        try:
-            from runtime_cupy.device_stage import DeviceBackend
-        except ImportError as exc:
-            raise WorkerError(f"the CUDA worker needs CuPy: {exc}") from exc
-        return DeviceBackend(
-            spec, use_graph=self.use_graph, device_io=self.device_io, device=self.device
-        )

@@ -1,0 +1,101 @@
+"""The CUDA worker (EDGES_AND_WORKERS.md §4): one stage on an NVIDIA GPU.
+
+Weights stay quantized on the device in their GGUF block layout; the kernels of
+``kernels/*.cu`` dequantize them as they multiply (``program.py`` has the sequence
+of a step). The residual stream inside a stage is float32; activations leave and
+enter the stage in the plan's dtype (f16 by default for CUDA, f32 or bf16 when the
+plan says so). The last stage computes the logits, the greedy token (or, with a
+temperature, the reference sampler's draw) on the device; only the id comes back,
+and the logits only when the run asks for them.
+
+Options (``CudaWorker(...)``):
+
+- ``matvec``: ``"q8"`` (default) runs one-row products of quantized matrices on
+  8-bit activations with integer dot products, as llama.cpp does; ``"f32"``
+  multiplies the dequantized weights with float32 activations (slower, and closest to
+  the NumPy reference worker).
+- ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
+  wide, float32 when 4), ``"f16"`` or ``"f32"``.
+- ``use_graph``: decode steps replay a CUDA graph captured at the first decode step
+  (position and token are read from device memory); ``False`` launches every kernel
+  from Python each step, for comparison.
+- ``device_io``: a stage that is not the last returns its activations as a CuPy array
+  on the device, and every stage accepts CuPy arrays, so that stages on one GPU pass
+  activations device to device. Default: NumPy arrays, as the worker interface says.
+- ``device``: the CUDA device index.
+
+``runtime_cupy.stage_worker.StageWorker`` holds everything that is not CUDA (the
+checks of the interface, the sequence and position, edges' dtypes, sampling state);
+the CUDA worker is that over ``device_stage.DeviceBackend`` (CuPy, imported only at
+``bind``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from runplan import WorkerCapabilities
+from runtime_core.errors import UnsupportedModel
+from runtime_core.gguf_slice import StageSlice
+from runtime_core.worker import WorkerError
+from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
+from runtime_cupy.quant_types import QUANT_TYPES
+from runtime_cupy.stage_worker import BackendSpec, StageBackend, StageWorker
+
+#: What the CUDA worker runs: llama and qwen2 (the other architectures of the reference
+#: worker are refused by name: ``UnsupportedModel``, ``unsupported_model``) and all 13 types;
+#: weights stay as the file stores them and the KV cache takes the activation dtype
+#: (``kv_dtype="auto"``), which is what the planner's memory check counts.
+CUDA_CAPABILITIES = WorkerCapabilities(
+    name="cuda",
+    architectures=("llama", "qwen2"),
+    quant_types=QUANT_TYPES,
+    weight_bytes_per_element=0,
+    kv_bytes_per_element=0,
+)
+
+
+class CudaWorker(StageWorker):
+    """One stage's compute engine on a CUDA GPU. Implements ``runtime_core.worker.Worker``.
+    CuPy is imported at ``bind``, not before."""
+
+    capabilities: ClassVar[WorkerCapabilities] = CUDA_CAPABILITIES
+
+    def __init__(
+        self,
+        *,
+        matvec: str = "q8",
+        kv_dtype: str = "auto",
+        use_graph: bool = True,
+        device_io: bool = False,
+        device: int = 0,
+    ) -> None:
+        super().__init__(matvec=matvec, kv_dtype=kv_dtype)
+        self.use_graph = use_graph
+        self.device_io = device_io
+        self.device = device
+
+    def set_use_graph(self, use_graph: bool) -> None:
+        """Switch decode steps between graph replays and eager launches; takes effect
+        at the next step (a graph is captured at the first graph step)."""
+        self.use_graph = use_graph
+        if self._run is not None:
+            self._run.backend.use_graph = use_graph  # type: ignore[attr-defined]
+
+    def _check_stage(self, stage: StageSlice) -> None:
+        c = stage.config
+        if max(c.head_dim_k, c.head_dim_v) > ATTENTION_MAX_HEAD_DIM:
+            raise UnsupportedModel(
+                stage.path,
+                f"head size {c.head_dim_k} (keys) / {c.head_dim_v} (values): the "
+                f"CUDA attention kernel takes up to {ATTENTION_MAX_HEAD_DIM}",
+            )
+
+    def _make_backend(self, spec: BackendSpec) -> StageBackend:
+        try:
+            from runtime_cupy.cuda.device_stage import DeviceBackend
+        except ImportError as exc:
+            raise WorkerError(f"the CUDA worker needs CuPy: {exc}") from exc
+        return DeviceBackend(
+            spec, use_graph=self.use_graph, device_io=self.device_io, device=self.device
+        )

@@ -1,0 +1,1 @@
+"""How an edge moves bytes between processes: shared memory on one host (``shm``)."""
