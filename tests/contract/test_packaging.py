@@ -47,3 +47,17 @@ assert main(["check", {str(plan_file)!r}]) == 0
 def test_the_plugin_imports_without_hypothesis() -> None:
     done = _python_without(("hypothesis",), "import runplan.testing.plugin")
     assert done.returncode == 0, done.stderr
+
+
+def test_without_hypothesis_the_strategies_say_what_to_install() -> None:
+    body = """
+try:
+    import runplan.testing.strategies
+except ImportError as exc:
+    print(exc)
+"""
+    done = _python_without(("hypothesis",), body)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "runplan.testing.strategies needs Hypothesis: pip install 'gguf-pipeline[testing]'"
+    )

@@ -28,7 +28,7 @@ from runplan.messages import ProvisionStage
 from runplan.plan import RunPlan
 from runplan.rejections import REJECTIONS, PlanRejection
 
-Plan = RunPlan | PlanRejection
+Plan = RunPlan | PlanRejection  # a rejection where a plan was expected fails
 Provisions = Sequence[ProvisionStage] | None
 Inputs = PlanInputs | None
 _FIRST = "planner_emits_exactly_one_runplan_or_a_typed_rejection"
@@ -69,9 +69,7 @@ def _assert(name: str, plan: object, provisions: Provisions, inputs: PlanInputs 
         raise ValueError(f"assert_{name} cannot check this clause: {verdict.note}")
 
 
-def assert_contract(
-    plan: RunPlan, provisions: Provisions = None, *, inputs: PlanInputs | None = None
-) -> None:
+def assert_contract(plan: Plan, provisions: Provisions = None, *, inputs: Inputs = None) -> None:
     """Every clause at once; the error lists each broken clause. Clauses that need the
     planner's inputs are skipped when ``inputs`` is not given."""
     if not isinstance(plan, RunPlan):

@@ -14,6 +14,7 @@ Needs Hypothesis (``pip install 'gguf-pipeline[testing]'``).
 """
 
 from runplan.contract.subject import PlanInputs
+from runplan.testing import _needs_hypothesis  # noqa: F401 (first: a clear error without it)
 from runplan.testing.strategies.contradictions import (
     Contradiction,
     contradictory_plan_inputs,

@@ -9,3 +9,12 @@ otherwise; see ``runplan.testing.plugin``). Our own ``tests/contract/`` runs it 
 A planner is called as ``planner(facts, config, pool, stage_count=N, placement=P)``
 and returns a ``RunPlan`` or a ``PlanRejection``.
 """
+
+import importlib.util
+
+for _needed in ("hypothesis", "pytest"):
+    if importlib.util.find_spec(_needed) is None:
+        raise ImportError(
+            f"the clause suite needs {_needed}: pip install 'gguf-pipeline[testing]'",
+            name=_needed,
+        )
