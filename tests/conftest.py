@@ -10,6 +10,10 @@ from hypothesis import HealthCheck, settings
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # for ``tests.fixtures`` and ``tests.strategies``
 
+# The clause suite's fixture (runplan_planner), also under PYTEST_DISABLE_PLUGIN_AUTOLOAD;
+# the entry point has this very name, so pytest registers it once either way.
+pytest_plugins = ["runplan.testing.plugin"]
+
 settings.register_profile(
     "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -1,30 +1,24 @@
-"""Hypothesis strategies shared by every test suite."""
+"""Hypothesis strategies shared by every test suite. Those of the RunPlan contract
+(model facts, configs, pools, placements, valid and contradictory planner inputs)
+live in the shipped ``runplan.testing.strategies`` and are re-exported here."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
-import attrs
 from hypothesis import strategies as st
 
 from runplan import (
-    DTypeFamily,
     GgufSource,
     ModelFacts,
     NodePool,
     NodeSpec,
-    Placement,
     RunPlan,
     RuntimeConfig,
     SamplingConfig,
-    StageAssignment,
-    Timeouts,
-    WorkerCapabilities,
     plan_run,
     provision_all,
 )
-from runplan.config import REFERENCE_ARCHITECTURES, REFERENCE_QUANT_TYPES
 from runplan.messages import (
     FaultKind,
     FaultReason,
@@ -36,159 +30,53 @@ from runplan.messages import (
     StopReason,
     StopRun,
 )
-
-ORCHESTRATOR = "orchestrator"
-#: A worker that keeps weights as the file stores them (as the CUDA worker does).
-STORED_WEIGHTS = WorkerCapabilities(
-    name="stored-weights", weight_bytes_per_element=0, kv_bytes_per_element=0
+from runplan.testing.strategies import (
+    ORCHESTRATOR,
+    PLACEMENT_KINDS,
+    PLENTY,
+    STORED_WEIGHTS,
+    PlanInputs,
+    activation_dtypes,
+    any_plan_inputs,
+    contradictory_plan_inputs,
+    cut_ranges,
+    model_facts,
+    node_ids,
+    run_ids,
+    runtime_configs,
+    tamperings,
+    valid_plan_inputs,
 )
-PLENTY = 2**50  # bytes: more than any generated stage needs
 
-run_ids = st.text(
-    alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=24
-)
-activation_dtypes = st.sampled_from(
-    [(DTypeFamily.FLOAT, 4), (DTypeFamily.FLOAT, 2), (DTypeFamily.BFLOAT, 2)]
-)
-
-
-@st.composite
-def model_facts(draw: st.DrawFn, *, max_layers: int = 48) -> ModelFacts:
-    """Self-consistent facts of a model the reference worker can run."""
-    num_layers = draw(st.integers(1, max_layers))
-    head_count_kv = draw(st.integers(1, 8))
-    head_count = head_count_kv * draw(st.integers(1, 4))
-    head_dim = draw(st.sampled_from([8, 16, 64, 128]))
-    vocab = draw(st.integers(2, 200_000))
-    context = draw(st.integers(1, 32_768))
-    block = draw(st.integers(1, 2**30))
-    elements = draw(st.booleans())  # facts read from a file know their element counts
-    return ModelFacts(
-        model_id=draw(st.text(min_size=1, max_size=16)),
-        gguf_source=GgufSource(paths=(f"/models/{draw(st.integers(0, 99))}.gguf",)),
-        architecture=draw(st.sampled_from(REFERENCE_ARCHITECTURES)),
-        num_layers=num_layers,
-        hidden_dim=head_count * head_dim,
-        head_count=head_count,
-        head_count_kv=head_count_kv,
-        head_dim_k=head_dim,
-        head_dim_v=head_dim,
-        vocab_size=vocab,
-        eos_token_id=draw(st.integers(0, vocab - 1)),
-        context_length=context,
-        max_seq_len=draw(st.integers(1, context)),
-        quant_types=tuple(
-            sorted(draw(st.sets(st.sampled_from(REFERENCE_QUANT_TYPES), min_size=1)))
-        ),
-        block_bytes=tuple(
-            draw(st.lists(st.integers(1, 2 * block), min_size=num_layers, max_size=num_layers))
-        ),
-        embedding_bytes=draw(st.integers(1, 2**32)),
-        output_bytes=draw(st.integers(1, 2**32)),
-        shared_bytes=draw(st.integers(0, 2**20)),
-        tied_embeddings=draw(st.booleans()),
-        block_elements=tuple(
-            draw(st.lists(st.integers(1, 2**28), min_size=num_layers, max_size=num_layers))
-        )
-        if elements
-        else (),
-        embedding_elements=draw(st.integers(1, 2**30)) if elements else 0,
-        output_elements=draw(st.integers(1, 2**30)) if elements else 0,
-    )
-
-
-@st.composite
-def runtime_configs(draw: st.DrawFn) -> RuntimeConfig:
-    family, width = draw(activation_dtypes)
-    return RuntimeConfig(
-        run_id=draw(run_ids),
-        max_tokens=draw(st.integers(1, 4096)),
-        activation_dtype_family=family,
-        activation_dtype_width_bytes=width,
-        ring_slot_count=draw(st.integers(1, 4)),
-        ring_alignment=2 ** draw(st.integers(0, 12)),
-        sampling=SamplingConfig(
-            temperature=draw(st.floats(0.0, 2.0)),
-            top_k=draw(st.integers(0, 100)),
-            top_p=draw(st.floats(0.01, 1.0)),
-            seed=draw(st.integers(0, 2**64 - 1)),
-        ),
-        return_logits=draw(st.booleans()),
-        timeouts=Timeouts(
-            ready_ms=draw(st.integers(1, 10**6)),
-            step_ms=draw(st.integers(1, 10**6)),
-            edge_wait_ms=draw(st.integers(1, 10**6)),
-            stop_ms=draw(st.integers(1, 10**6)),
-        ),
-    )
-
-
-def node_ids(n: int) -> list[str]:
-    return [f"node-{i}" for i in range(n)]
-
-
-@st.composite
-def cut_ranges(draw: st.DrawFn, num_layers: int, stage_count: int) -> list[tuple[int, int]]:
-    """``stage_count`` contiguous non-empty ranges covering ``0..num_layers``."""
-    cuts = (
-        sorted(
-            draw(
-                st.sets(
-                    st.integers(1, num_layers - 1),
-                    min_size=stage_count - 1,
-                    max_size=stage_count - 1,
-                )
-            )
-        )
-        if stage_count > 1
-        else []
-    )
-    bounds = [0, *cuts, num_layers]
-    return list(itertools.pairwise(bounds))
-
-
-@attrs.frozen
-class PlanInputs:
-    facts: ModelFacts
-    config: RuntimeConfig
-    pool: NodePool
-    stage_count: int
-    placement: Placement
-
-    def kwargs(self) -> dict[str, Any]:
-        return {"stage_count": self.stage_count, "placement": self.placement}
-
-
-@st.composite
-def valid_plan_inputs(draw: st.DrawFn, *, max_layers: int = 48) -> PlanInputs:
-    """Inputs ``plan_run`` must accept: nodes with plenty of memory, every
-    placement kind, spare nodes in the pool, devices shared or not."""
-    facts = draw(model_facts(max_layers=max_layers))
-    config = draw(runtime_configs())
-    stage_count = draw(st.integers(1, min(facts.num_layers, 16)))
-    spare = draw(st.integers(0, 3))
-    ids = node_ids(stage_count + spare)
-    order = draw(st.permutations(ids))
-    shared_device = draw(st.booleans())
-    nodes = tuple(
-        NodeSpec(nid, PLENTY * (1 + i % 3), "gpu-shared" if shared_device and i % 2 else None)
-        for i, nid in enumerate(ids)
-    )
-    chosen = order[:stage_count]
-    kind = draw(st.sampled_from(["even", "memory", "explicit"]))
-    if kind == "even":
-        placement = Placement.even(chosen)
-    elif kind == "memory":
-        placement = Placement.by_memory(chosen)
-    else:
-        ranges = draw(cut_ranges(facts.num_layers, stage_count))
-        rows = [StageAssignment(i, chosen[i], a, b) for i, (a, b) in enumerate(ranges)]
-        placement = Placement(assignments=tuple(draw(st.permutations(rows))))
-    pool = NodePool(orchestrator_node_id=ORCHESTRATOR, nodes=nodes)
-    if not facts.block_elements:  # hand-made facts: plan for a worker that keeps weights as stored
-        config = attrs.evolve(config, worker=STORED_WEIGHTS)
-    return PlanInputs(facts, config, pool, stage_count, placement)
-
+__all__ = [
+    "ORCHESTRATOR",
+    "OTHER_RUN",
+    "PLACEMENT_KINDS",
+    "PLENTY",
+    "STORED_WEIGHTS",
+    "STRANGER",
+    "PlanInputs",
+    "activation_dtypes",
+    "any_plan_inputs",
+    "contradictory_plan_inputs",
+    "control_messages",
+    "cut_ranges",
+    "fault_reasons",
+    "layer_ranges",
+    "logits_vectors",
+    "message_strategies",
+    "model_facts",
+    "node_ids",
+    "orchestrator_event_strategies",
+    "run_ids",
+    "runtime_configs",
+    "sampling_configs",
+    "small_plan",
+    "stage_event_strategies",
+    "tamperings",
+    "tokenizer_texts",
+    "valid_plan_inputs",
+]
 
 # -- protocol: plans, messages and state-machine events ----------------------------
 

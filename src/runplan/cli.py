@@ -1,4 +1,5 @@
-"""``python -m runplan facts MODEL`` and ``python -m runplan plan MODEL ...``."""
+"""``python -m runplan facts MODEL``, ``python -m runplan plan MODEL ...`` and
+``python -m runplan check PLAN.json`` (in ``runplan.check_cli``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runplan import wire
+from runplan.check_cli import add_check_parser
 from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.dtypes import DTYPES_BY_NAME
 from runplan.facts import ModelFacts
@@ -268,7 +270,8 @@ def _print_plan(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m runplan",
-        description="Plan pipeline-parallel runs of a GGUF model. Reads GGUF headers only.",
+        description="Plan pipeline-parallel runs of a GGUF model (reading GGUF headers "
+        "only), and check plans against the RunPlan contract.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -333,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     plan.add_argument("--orchestrator", default="orchestrator", help="the orchestrator's node id")
     plan.set_defaults(func=_cmd_plan)
+    add_check_parser(sub)
     return parser
 
 

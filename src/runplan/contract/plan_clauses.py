@@ -1,0 +1,388 @@
+"""Checks of the clauses about the plan itself: formation, layer and edge assignment,
+authority. Each yields what breaks its clause (the first is reported); each reads the
+plan afresh rather than trusting ``check_plan``, so the two are independent readings
+of the contract."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from runplan.contract.subject import Subject
+from runplan.plan import EdgeEndpoint, EdgeKind, OrchestratorEndpoint, StageEndpoint, StagePlan
+from runplan.wire import WireError, dumps, loads
+
+Check = Callable[[Subject], Iterator[str]]
+
+
+def describe(e: EdgeEndpoint) -> str:
+    if isinstance(e, OrchestratorEndpoint):
+        return f"orchestrator {e.node_id!r}"
+    return f"stage {e.stage_index} on {e.node_id!r}"
+
+
+def end(s: StagePlan) -> StageEndpoint:
+    return StageEndpoint(s.node_id, s.stage_index)
+
+
+def short(values: list[int], limit: int = 8) -> str:
+    text = ", ".join(map(str, values[:limit]))
+    return f"[{text}{', ...' if len(values) > limit else ''}]"
+
+
+# -- RunPlan Formation ----------------------------------------------------------------
+
+
+def one_plan_or_rejection(s: Subject) -> Iterator[str]:
+    """Over a plan: it is the plan of its inputs (when given); run-wide settings that
+    ``check_plan`` rejects are reported here (the planner should have rejected)."""
+    if s.inputs is None:
+        return
+    c, p = s.inputs.config, s.plan
+    for name, planned, configured in (
+        ("run_id", p.run_id, c.run_id),
+        ("max_tokens", p.max_tokens, c.max_tokens),
+        ("timeouts", p.timeouts, c.timeouts),
+        ("sampling", p.sampling, c.sampling),
+        ("return_logits", p.return_logits, c.return_logits),
+    ):
+        if planned != configured:
+            yield f"the plan's {name} is {planned!r}; the config says {configured!r}"
+
+
+def never_partial(s: Subject) -> Iterator[str]:
+    p = s.plan
+    n = len(p.stages)
+    if n == 0:
+        yield "the plan has no stages"
+    elif len(p.edges) != n + 1:
+        yield (
+            f"{n} stages need {n + 1} edges (token-in, {n - 1} activation, token-out); "
+            f"the plan has {len(p.edges)}"
+        )
+    for i, stage in enumerate(p.stages):
+        for side, edge_id in (("inbound", stage.inbound_edge), ("outbound", stage.outbound_edge)):
+            if edge_id not in s.edges:
+                yield f"stage {i} names {side} edge {edge_id}, which the plan lacks"
+    strays = [(f"stage {x.stage_index}", x.run_id) for x in p.stages]
+    strays += [(f"edge {e.edge_id}", e.run_id) for e in p.edges]
+    for what, run_id in strays:
+        if run_id != p.run_id:
+            yield f"{what} belongs to run {run_id!r}, not the plan's {p.run_id!r}"
+    if s.inputs is not None and n != s.inputs.stage_count:
+        yield f"the plan has {n} stages; {s.inputs.stage_count} were asked for"
+
+
+def no_hidden_topology(s: Subject) -> Iterator[str]:
+    p = s.plan
+    ends = {end(st) for st in p.stages}
+    orch = OrchestratorEndpoint(p.orchestrator_node_id)
+    used = {st.inbound_edge for st in p.stages} | {st.outbound_edge for st in p.stages}
+    for e in p.edges:
+        for side, x in (("producer", e.producer), ("consumer", e.consumer)):
+            if x != orch and x not in ends:
+                yield (
+                    f"edge {e.edge_id}'s {side} is {describe(x)}, neither a stage of the "
+                    f"plan nor its orchestrator {p.orchestrator_node_id!r}"
+                )
+        if e.edge_id not in used:
+            yield (
+                f"edge {e.edge_id} ({describe(e.producer)} -> {describe(e.consumer)}) "
+                "is used by no stage"
+            )
+    if s.inputs is not None and p.orchestrator_node_id != s.inputs.pool.orchestrator_node_id:
+        yield (
+            f"the plan's orchestrator is {p.orchestrator_node_id!r}; the pool's is "
+            f"{s.inputs.pool.orchestrator_node_id!r}"
+        )
+
+
+# -- Layer Assignment -----------------------------------------------------------------
+
+
+def contiguous(s: Subject) -> Iterator[str]:
+    stages = s.plan.stages
+    for a, b in itertools.pairwise(stages):
+        if a.layer_end_exclusive != b.layer_start:
+            yield (
+                f"stage {a.stage_index} ends at layer {a.layer_end_exclusive} but stage "
+                f"{b.stage_index} starts at layer {b.layer_start}"
+            )
+
+
+def no_overlap(s: Subject) -> Iterator[str]:
+    ranges = sorted(
+        (st.layer_start, st.layer_end_exclusive, st.stage_index)
+        for st in s.plan.stages
+        if st.layer_start < st.layer_end_exclusive
+    )
+    if not ranges:
+        return
+    widest = ranges[0]
+    for r in ranges[1:]:
+        if r[0] < widest[1]:
+            yield (
+                f"stages {widest[2]} and {r[2]} both hold layers [{r[0]}, {min(r[1], widest[1])})"
+            )
+        if r[1] > widest[1]:
+            widest = r
+
+
+def union_covers(s: Subject) -> Iterator[str]:
+    num_layers = s.plan.model.num_layers
+    if s.inputs is not None and num_layers != s.inputs.facts.num_layers:
+        yield (
+            f"the plan's model has {num_layers} layers; the model facts say "
+            f"{s.inputs.facts.num_layers}"
+        )
+    covered = 0  # every layer below this is in some stage
+    for start, stop in sorted((st.layer_start, st.layer_end_exclusive) for st in s.plan.stages):
+        if start > covered and covered < num_layers:
+            yield f"layers [{covered}, {min(start, num_layers)}) are in no stage's range"
+        covered = max(covered, stop)
+    if covered < num_layers:
+        yield f"layers [{covered}, {num_layers}) are in no stage's range"
+
+
+def non_empty(s: Subject) -> Iterator[str]:
+    num_layers = s.plan.model.num_layers
+    for st in s.plan.stages:
+        a, b = st.layer_start, st.layer_end_exclusive
+        if b <= a:
+            yield f"stage {st.stage_index} has the empty range [{a}, {b})"
+        elif a < 0 or b > num_layers:
+            yield f"stage {st.stage_index}'s range [{a}, {b}) is outside blocks 0..{num_layers}"
+
+
+def indices(s: Subject) -> Iterator[str]:
+    got = [st.stage_index for st in s.plan.stages]
+    n = len(got)
+    if got != list(range(n)):
+        yield f"the stages' indices are {short(got)}, not 0..{n - 1} in order"
+    for st in s.plan.stages:
+        if st.stage_count != n:
+            yield f"stage {st.stage_index} says stage_count {st.stage_count}; the plan has {n}"
+    if s.inputs is not None and n != s.inputs.stage_count:
+        yield f"the plan has {n} stages; stage_count {s.inputs.stage_count} was asked for"
+
+
+# -- Edge Assignment ------------------------------------------------------------------
+
+
+def unique_edge_ids(s: Subject) -> Iterator[str]:
+    for edge_id, count in Counter(e.edge_id for e in s.plan.edges).items():
+        if count > 1:
+            yield f"edge id {edge_id} is used by {count} edges"
+
+
+def one_producer_one_consumer(s: Subject) -> Iterator[str]:
+    p = s.plan
+    for e in p.edges:
+        if e.producer == e.consumer:
+            yield f"edge {e.edge_id} runs from {describe(e.producer)} to itself"
+    produced = Counter(e.producer for e in p.edges)
+    consumed = Counter(e.consumer for e in p.edges)
+    parties: list[EdgeEndpoint] = [OrchestratorEndpoint(p.orchestrator_node_id)]
+    parties += [end(st) for st in p.stages]
+    for x in parties:
+        for verb, counts in (("produces", produced), ("consumes", consumed)):
+            if counts[x] != 1:
+                yield f"{describe(x)} {verb} {counts[x]} edges, not exactly one"
+
+
+def _single(s: Subject, kind: EdgeKind, what: str) -> Iterator[str]:
+    found = [e for e in s.plan.edges if e.kind is kind]
+    if len(found) != 1:
+        yield f"the plan has {len(found)} {what} edges, not one"
+
+
+def _endpoints(
+    s: Subject, edge_id: int, kind: EdgeKind, producer: EdgeEndpoint, consumer: EdgeEndpoint
+) -> Iterator[str]:
+    e = s.edges.get(edge_id)
+    if e is None:
+        yield f"edge {edge_id} is not in the plan"
+        return
+    if e.kind is not kind:
+        yield f"edge {edge_id} is {e.kind.value}, not {kind.value}"
+    for side, want, got in (("producer", producer, e.producer), ("consumer", consumer, e.consumer)):
+        if got != want:
+            yield f"edge {edge_id}'s {side} is {describe(got)}, not {describe(want)}"
+
+
+def token_in(s: Subject) -> Iterator[str]:
+    p = s.plan
+    yield from _single(s, EdgeKind.TOKEN_IN, "token-in")
+    if p.stages:
+        orch = OrchestratorEndpoint(p.orchestrator_node_id)
+        first = p.stages[0]
+        yield from _endpoints(s, first.inbound_edge, EdgeKind.TOKEN_IN, orch, end(first))
+
+
+def activation(s: Subject) -> Iterator[str]:
+    p = s.plan
+    n = len(p.stages)
+    count = sum(e.kind is EdgeKind.ACTIVATION for e in p.edges)
+    if n and count != n - 1:
+        yield f"the plan has {count} activation edges; {n} stages need {n - 1}"
+    for a, b in zip(p.stages, p.stages[1:], strict=False):
+        if a.outbound_edge != b.inbound_edge:
+            yield (
+                f"stage {a.stage_index} sends on edge {a.outbound_edge} but stage "
+                f"{b.stage_index} receives on edge {b.inbound_edge}"
+            )
+        yield from _endpoints(s, a.outbound_edge, EdgeKind.ACTIVATION, end(a), end(b))
+
+
+def token_out(s: Subject) -> Iterator[str]:
+    p = s.plan
+    yield from _single(s, EdgeKind.TOKEN_OUT, "token-out")
+    if p.stages:
+        orch = OrchestratorEndpoint(p.orchestrator_node_id)
+        last = p.stages[-1]
+        yield from _endpoints(s, last.outbound_edge, EdgeKind.TOKEN_OUT, end(last), orch)
+
+
+def edge_ids_handed(s: Subject) -> Iterator[str]:
+    """A stage is handed its edge ids: its provision names the plan's edges it
+    consumes and produces, so there is nothing for it to derive."""
+    for q in s.provisions:
+        stage = s.stages.get(q.stage_index)
+        if stage is None:
+            continue  # reported by the provisioning clauses
+        for side, handed, planned in (
+            ("inbound", q.inbound.edge_id, stage.inbound_edge),
+            ("outbound", q.outbound.edge_id, stage.outbound_edge),
+        ):
+            if handed != planned:
+                yield (
+                    f"stage {q.stage_index} is handed {side} edge {handed}; the plan gives "
+                    f"it edge {planned}"
+                )
+        me = end(stage)
+        inbound, outbound = s.edges.get(q.inbound.edge_id), s.edges.get(q.outbound.edge_id)
+        if inbound is not None and inbound.consumer != me:
+            yield f"stage {q.stage_index}'s inbound edge {inbound.edge_id} is consumed by another"
+        if outbound is not None and outbound.producer != me:
+            yield f"stage {q.stage_index}'s outbound edge {outbound.edge_id} is produced by another"
+
+
+# -- Authority / Rejection ------------------------------------------------------------
+
+
+def known_nodes(s: Subject) -> Iterator[str]:
+    pool = s.need_inputs("its node pool").pool
+    ids = {n.node_id for n in pool.nodes}
+    for st in s.plan.stages:
+        if st.node_id not in ids:
+            yield f"stage {st.stage_index} runs on {st.node_id!r}, which is not in the node pool"
+
+
+def no_duplicate_assignment(s: Subject) -> Iterator[str]:
+    p = s.plan
+    for index, count in Counter(st.stage_index for st in p.stages).items():
+        if count > 1:
+            yield f"stage index {index} is assigned {count} times"
+    hosts: dict[str, int] = {}
+    for st in p.stages:
+        if st.node_id == p.orchestrator_node_id:
+            yield f"stage {st.stage_index} runs on the orchestrator's node {st.node_id!r}"
+        elif st.node_id in hosts:
+            yield f"node {st.node_id!r} hosts stages {hosts[st.node_id]} and {st.stage_index}"
+        hosts.setdefault(st.node_id, st.stage_index)
+
+
+def no_missing_stage(s: Subject) -> Iterator[str]:
+    n = len(s.plan.stages)
+    present = set(s.stages)
+    for i in range(n):
+        if i not in present:
+            yield f"stage index {i} of 0..{n - 1} has no stage"
+
+
+def valid_stage_count(s: Subject) -> Iterator[str]:
+    n, num_layers = len(s.plan.stages), s.plan.model.num_layers
+    if n < 1:
+        yield "a plan needs at least one stage"
+    if n > num_layers:
+        yield f"{n} stages for {num_layers} layers"
+    for st in s.plan.stages:
+        if st.stage_count != n:
+            yield f"stage {st.stage_index} says stage_count {st.stage_count}; the plan has {n}"
+    provisions = s.given if s.given is not None else s.derived or ()
+    for q in provisions:
+        if q.stage_count != n:
+            yield f"the provision of stage {q.stage_index} says stage_count {q.stage_count}"
+    if s.inputs is not None and n != s.inputs.stage_count:
+        yield f"the plan has {n} stages; stage_count {s.inputs.stage_count} was asked for"
+
+
+def named_endpoints(s: Subject) -> Iterator[str]:
+    p = s.plan
+    if not p.stages:
+        return
+    orch = OrchestratorEndpoint(p.orchestrator_node_id)
+    ends = [end(st) for st in p.stages]
+    Row = tuple[EdgeKind, EdgeEndpoint, EdgeEndpoint]
+    wanted: Counter[Row] = Counter(
+        [
+            (EdgeKind.TOKEN_IN, orch, ends[0]),
+            *((EdgeKind.ACTIVATION, a, b) for a, b in itertools.pairwise(ends)),
+            (EdgeKind.TOKEN_OUT, ends[-1], orch),
+        ]
+    )
+    actual: Counter[Row] = Counter((e.kind, e.producer, e.consumer) for e in p.edges)
+    for kind, producer, consumer in wanted - actual:
+        yield f"no {kind.value} edge {describe(producer)} -> {describe(consumer)}"
+    for kind, producer, consumer in actual - wanted:
+        yield (
+            f"a {kind.value} edge runs {describe(producer)} -> {describe(consumer)}, "
+            "which the contract does not name"
+        )
+
+
+def consistent_facts(s: Subject) -> Iterator[str]:
+    m = s.plan.model
+    for name in ("num_layers", "hidden_dim", "vocab_size", "max_seq_len"):
+        if getattr(m, name) < 1:
+            yield f"the model's {name} is {getattr(m, name)}"
+    if not 0 <= m.eos_token_id < m.vocab_size:
+        yield f"eos token {m.eos_token_id} is outside the vocabulary 0..{m.vocab_size - 1}"
+    if len(s.plan.stages) > m.num_layers >= 1:
+        yield f"{len(s.plan.stages)} stages for a model of {m.num_layers} layers"
+    if not m.gguf_source.paths or not all(m.gguf_source.paths):
+        yield f"the model's GGUF source {m.gguf_source.paths!r} names no file"
+    for st in s.plan.stages:
+        if st.gguf_source != m.gguf_source:
+            yield f"stage {st.stage_index} loads {st.gguf_source}, not the model's {m.gguf_source}"
+    if s.inputs is None:
+        return
+    f = s.inputs.facts
+    for name in (
+        "model_id",
+        "gguf_source",
+        "architecture",
+        "num_layers",
+        "hidden_dim",
+        "max_seq_len",
+        "eos_token_id",
+        "vocab_size",
+    ):
+        if getattr(m, name) != getattr(f, name):
+            planned, read = getattr(m, name), getattr(f, name)
+            yield f"the plan's model {name} is {planned!r}; the facts say {read!r}"
+
+
+def only_source(s: Subject) -> Iterator[str]:
+    """Stages are provisioned from the plan alone: the plan as it travels yields the
+    very provisions the stages get."""
+    try:
+        travelled = loads(dumps(s.plan))
+    except WireError as exc:
+        yield f"the plan does not survive the wire: {exc}"
+        return
+    if travelled != s.plan:
+        yield "the plan read back off the wire differs from the plan"
+    if s.given is not None and s.derived is not None and s.given != s.derived:
+        yield "the provisions given are not the ones derived from the plan"
