@@ -65,24 +65,40 @@ class Outbox:
     def wants_write(self) -> bool:
         return bool(self._pending)
 
-    def write(self, *parts: bytes | bytearray | memoryview) -> None:
-        """Send ``parts`` in order after what is pending; ``StreamBroken`` if the peer
-        is gone or the backlog would pass the limit."""
-        if self.broken is not None:
-            raise StreamBroken(self.broken)
-        if self._pending:
-            self._queue(parts)
-            self.flush()
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` after what is pending; ``StreamBroken`` if the peer is gone or
+        the backlog would pass the limit."""
+        if self._pending or self.broken is not None:
+            self._write_after((data,))
             return
         try:
-            sent = self.sock.sendmsg(parts) if len(parts) > 1 else self.sock.send(parts[0])
+            sent = self.sock.send(data)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             self._break(f"send failed: {exc}")
-        total = sum(len(p) for p in parts)
-        if sent < total:
-            self._queue(parts, skip=sent)
+        if sent != len(data):
+            self._queue((data,), skip=sent)
+
+    def write_pair(self, head: bytes, body: memoryview) -> None:
+        """``write(head + body)`` in one system call and no copy (``body`` of bytes)."""
+        if self._pending or self.broken is not None:
+            self._write_after((head, body))
+            return
+        try:
+            sent = self.sock.sendmsg((head, body))
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._break(f"send failed: {exc}")
+        if sent != len(head) + len(body):
+            self._queue((head, body), skip=sent)
+
+    def _write_after(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        if self.broken is not None:
+            raise StreamBroken(self.broken)
+        self._queue(parts)
+        self.flush()
 
     def _queue(self, parts: tuple[bytes | bytearray | memoryview, ...], skip: int = 0) -> None:
         for part in parts:

@@ -57,10 +57,13 @@ log = logging.getLogger("runtime_cupy.edges.tcp")
 
 _FRAME = struct.Struct("<BxxxI")
 RECORD, CREDIT, CLOSE, LEAVE = 1, 2, 3, 4
+_ONE_CREDIT = _FRAME.pack(CREDIT, 1)
 _U64 = struct.Struct("<Q")
 _PUBLISHED, _RELEASED, _CLOSED = 0, 1, 2
 #: Handshakes a consumer keeps open at once; a newer stranger pushes out the oldest.
 MAX_PENDING = 16
+#: What one read of a consumer's stream takes at most (a decode step's record, and more).
+_SCRATCH_BYTES = 64 << 10
 #: How long a process letting go of an end waits for its last frames to leave.
 DETACH_DRAIN_S = 0.5
 
@@ -153,6 +156,7 @@ class TcpReceiveRing(ProcessRing):
         self._done = False  # nothing more is read from the stream
         self._head = bytearray(_FRAME.size)
         self._head_got = 0
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         self._body: memoryview | None = None  # the slot a record is being read into
         self._body_got = 0
         self.refused: list[str] = []  # why each stranger was turned away
@@ -171,7 +175,7 @@ class TcpReceiveRing(ProcessRing):
         super().release(index)
         if self._out is not None and not self._done:
             try:
-                self._out.write(_FRAME.pack(CREDIT, 1))
+                self._out.write(_ONE_CREDIT)
             except StreamBroken as exc:
                 self._fail(f"cannot return credit: {exc}")
 
@@ -295,54 +299,80 @@ class TcpReceiveRing(ProcessRing):
 
     # -- the stream ---------------------------------------------------------------------
     def _pump(self) -> None:
-        """Read what the stream holds into the ring's slots."""
+        """Read what the stream holds into the ring's slots: a record that came with its
+        head is copied from the read buffer; the rest of a larger one is read straight
+        into its slot. One read when the socket had less than a buffer's worth (level-
+        triggered poll brings the loop back for whatever came later)."""
         conn = self._conn
         assert conn is not None
-        ctr = self._ctr
+        scratch = self._scratch
         while not self._done:
             body = self._body
             try:
-                if body is None:
-                    n = conn.recv_into(memoryview(self._head)[self._head_got :])
-                else:
+                if body is not None and len(body) - self._body_got >= len(scratch):
                     n = conn.recv_into(body[self._body_got :])
+                    if n:
+                        self._body_got += n
+                        if self._body_got == len(body):
+                            self._record_done(body)
+                        continue
+                else:
+                    n = conn.recv_into(scratch)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 self._fail(f"the producer's connection broke: {exc}")
                 return
             if n == 0:
-                if not self._left or body is not None or self._head_got:
+                if not self._left or self._body is not None or self._head_got:
                     self._fail("the producer's connection ended")
                 self._done = True
                 return
+            self._take(scratch[:n])
+            if n < len(scratch):
+                return
+
+    def _take(self, data: memoryview) -> None:
+        """Frames (or parts of them) read from the stream."""
+        pos, end = 0, len(data)
+        head = self._head
+        while pos < end and not self._done:
+            body = self._body
             if body is not None:
-                self._body_got += n
+                take = min(len(body) - self._body_got, end - pos)
+                body[self._body_got : self._body_got + take] = data[pos : pos + take]
+                self._body_got += take
+                pos += take
                 if self._body_got == len(body):
                     self._record_done(body)
                 continue
-            self._head_got += n
-            if self._head_got < _FRAME.size:
-                continue
-            self._head_got = 0
-            kind, value = _FRAME.unpack(self._head)
-            if kind == RECORD:
-                if ctr[_PUBLISHED] - ctr[_RELEASED] >= self._slot_count:
-                    self._fail("the producer sent beyond its credit")
-                elif not OBJECT_HEADER_BYTES <= value <= self.spec.slot_bytes:
-                    self._fail(
-                        f"a record of {value} bytes; slots hold "
-                        f"{OBJECT_HEADER_BYTES}..{self.spec.slot_bytes}"
-                    )
-                else:
-                    slot = self.slot(ctr[_PUBLISHED] % self._slot_count)
-                    self._body, self._body_got = slot[:value], 0
-            elif kind == CLOSE:
-                self._fail("the edge was closed by its producer")
-            elif kind == LEAVE:
-                self._left = True
+            take = min(_FRAME.size - self._head_got, end - pos)
+            head[self._head_got : self._head_got + take] = data[pos : pos + take]
+            self._head_got += take
+            pos += take
+            if self._head_got == _FRAME.size:
+                self._head_got = 0
+                self._frame(*_FRAME.unpack(head))
+
+    def _frame(self, kind: int, value: int) -> None:
+        ctr = self._ctr
+        if kind == RECORD:
+            if ctr[_PUBLISHED] - ctr[_RELEASED] >= self._slot_count:
+                self._fail("the producer sent beyond its credit")
+            elif not OBJECT_HEADER_BYTES <= value <= self.spec.slot_bytes:
+                self._fail(
+                    f"a record of {value} bytes; slots hold "
+                    f"{OBJECT_HEADER_BYTES}..{self.spec.slot_bytes}"
+                )
             else:
-                self._fail(f"a frame of unknown kind {kind}")
+                slot = self.slot(ctr[_PUBLISHED] % self._slot_count)
+                self._body, self._body_got = slot[:value], 0
+        elif kind == CLOSE:
+            self._fail("the edge was closed by its producer")
+        elif kind == LEAVE:
+            self._left = True
+        else:
+            self._fail(f"a frame of unknown kind {kind}")
 
     def _record_done(self, body: memoryview) -> None:
         self._body = None
@@ -406,7 +436,7 @@ class TcpSendRing(ProcessRing):
         view = super().slot(0)
         length = OBJECT_HEADER_BYTES + _U64.unpack_from(view, EXTENT_OFFSET)[0]
         try:
-            self._out.write(_FRAME.pack(RECORD, length), view[:length])
+            self._out.write_pair(_FRAME.pack(RECORD, length), view[:length])
         except StreamBroken as exc:
             self._fail(f"the consumer's connection broke: {exc}")
             raise EdgeClosed(self._why) from None
@@ -459,6 +489,7 @@ class TcpSendRing(ProcessRing):
                 self._fail("the consumer's connection ended")
                 return
             self._in += data
+            more = len(data) == 4096
             while len(self._in) >= _FRAME.size and not self._done:
                 kind, value = _FRAME.unpack_from(self._in)
                 del self._in[: _FRAME.size]
@@ -470,6 +501,8 @@ class TcpSendRing(ProcessRing):
                     self._fail("the edge was closed by its consumer")
                 else:
                     self._fail(f"a frame of unknown kind {kind}")
+            if not more:
+                return
 
     def detach(self) -> None:
         sock, self._sock = self._sock, None
@@ -480,6 +513,12 @@ class TcpSendRing(ProcessRing):
                 self._out.write(_FRAME.pack(LEAVE, 0))
         with contextlib.suppress(OSError, ValueError):
             self._out.drain(DETACH_DRAIN_S)
+            sock.shutdown(socket.SHUT_WR)
+        # Credits not read yet would make the close abortive (a reset, which may cost
+        # the consumer records it has not read yet): read them away first.
+        with contextlib.suppress(OSError):
+            while sock.recv(4096):
+                pass
         self._done = True
         sock.close()
 
