@@ -7,6 +7,7 @@ nothing."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -37,6 +38,24 @@ RING = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
 EDGE = 3
 
 
+class Refusals(logging.Handler):
+    """Why the consumer turned each connection away, from its log (any thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: list[str] = []
+        logging.getLogger("runtime_cupy.edges.tcp").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "refused a connection" in message:
+            self.reasons.append(message.split(": ", 2)[2])
+
+    def close(self) -> None:
+        logging.getLogger("runtime_cupy.edges.tcp").removeHandler(self)
+        super().close()
+
+
 class MemoryRendezvous:
     def __init__(self) -> None:
         self.addresses: dict[tuple[str, int], str] = {}
@@ -64,6 +83,7 @@ class Edge:
         self.ring = self.medium.create(self.run_id, EDGE, RING, self.key)
         self.receiver = ReceiveEnd(self.ring, HeaderCheck.for_edge(self.run_id, EDGE, SPEC, 8))
         self.producer_key = edge_key(producer_secret or self.secret, self.run_id, EDGE)
+        self.refusals = Refusals()
         self._stop = threading.Event()
 
     @property
@@ -91,6 +111,7 @@ class Edge:
     def close(self) -> None:
         self._stop.set()
         self.ring.detach()
+        self.refusals.close()
 
 
 def _record(n: int) -> bytes:
@@ -258,7 +279,7 @@ def test_a_producer_without_the_secret_is_refused_at_attach() -> None:
     try:
         with pytest.raises(EdgeSetupError, match="closed the connection"):
             edge.attach()
-        assert edge.ring.refused == ["wrong key: the peer does not hold this run's secret"]
+        assert edge.refusals.reasons == ["wrong key: the peer does not hold this run's secret"]
         assert not edge.ring.connected
     finally:
         edge.close()
@@ -325,9 +346,9 @@ def test_strangers_on_the_port_change_nothing() -> None:
         half.sendall(hs.PROOF_MAGIC + bytes([hs.VERSION]))
         strangers = [garbage, wrong, other, record, half]
         deadline = time.monotonic() + 10
-        while len(edge.ring.refused) < 4 and time.monotonic() < deadline:
+        while len(edge.refusals.reasons) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        refused = sorted(edge.ring.refused)
+        refused = sorted(edge.refusals.reasons)
         assert len(refused) == 4, refused
         assert refused[0] == f"a producer of edge {EDGE + 1} (this is edge {EDGE})"
         not_ours = "not a producer's handshake of this protocol (first bytes b'"
@@ -342,7 +363,7 @@ def test_strangers_on_the_port_change_nothing() -> None:
         sender.send(0, 1, HeaderDType.U32, _record(7), timeout_s=5)
         got = edge.receiver.receive(timeout_s=10)
         assert got.header.sequence == 0 and bytes(got.payload) == _record(7)
-        assert edge.ring.refused[-1] == "the edge has its producer, or is closed"
+        assert edge.refusals.reasons[-1] == "the edge has its producer, or is closed"
         assert edge.rendezvous.lookup(edge.run_id, EDGE) is None  # no longer listening
         with pytest.raises(OSError):
             socket.create_connection(address, timeout=5)

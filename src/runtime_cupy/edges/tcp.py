@@ -159,7 +159,6 @@ class TcpReceiveRing(ProcessRing):
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         self._body: memoryview | None = None  # the slot a record is being read into
         self._body_got = 0
-        self.refused: list[str] = []  # why each stranger was turned away
 
     @property
     def connected(self) -> bool:
@@ -249,7 +248,6 @@ class TcpReceiveRing(ProcessRing):
 
     def _refuse(self, pending: _Pending, why: str) -> None:
         log.warning("edge %d: refused a connection from %s: %s", self.edge_id, pending.peer, why)
-        self.refused.append(why)
         self._pending.pop(pending.sock.fileno(), None)
         pending.sock.close()
 
@@ -407,7 +405,8 @@ class TcpSendRing(ProcessRing):
         self._ctr = [0, 0, 0]
         self.edge_id = edge_id
         self._sock: socket.socket | None = sock
-        self._out = Outbox(sock)
+        # Credit bounds what can wait to leave: every record the consumer has room for.
+        self._out = Outbox(sock, spec.slot_count * (spec.slot_bytes + _FRAME.size) + (1 << 16))
         self._in = bytearray()
         self._why: str | None = None
         self._done = False
