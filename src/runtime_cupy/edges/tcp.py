@@ -26,7 +26,9 @@ port's rendezvous under ``(run_id, edge_id)``; the producer looks it up and conn
 Before a record flows, both prove they hold the run's secret (``handshake``). A stranger
 on the port (garbage, a wrong key, a half-finished handshake, a producer of another
 edge) is refused, logged, and changes nothing; once its producer is in, the consumer
-stops listening and withdraws its address.
+stops listening and withdraws its address. The handshake authenticates the connection;
+the records after it are neither signed nor encrypted (the stages are trusted, §10, and
+a stranger off the path cannot write into an established stream).
 
 Frames after the handshake are an 8-byte head ``kind:u8 pad:3 value:u32``:
 
