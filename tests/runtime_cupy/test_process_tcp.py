@@ -24,7 +24,7 @@ from runplan.plan import ObjectKind
 from runtime_cupy import generate
 from runtime_cupy.api import plan_for
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.tcp import _FRAME, RECORD, split_address
+from runtime_cupy.edges.tcp import FRAME, RECORD, split_address
 from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.keys import edge_key, new_secret
 from runtime_cupy.launcher import ProcessRun
@@ -108,7 +108,7 @@ class Strangers:
         header = ObjectHeader(
             self.run_id, self.edge_id + 1, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4
         )
-        self._connect(address).sendall(_FRAME.pack(RECORD, 132) + header.pack() + bytes(4))
+        self._connect(address).sendall(FRAME.pack(RECORD, 132) + header.pack() + bytes(4))
         half = self._connect(address)
         half.recv(hs.CHALLENGE_BYTES, socket.MSG_WAITALL)
         half.sendall(hs.PROOF_MAGIC)

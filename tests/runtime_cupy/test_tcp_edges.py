@@ -24,7 +24,7 @@ from runtime_core.ring import EdgeClosed, EdgeTimeout
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.base import EdgeSetupError
 from runtime_cupy.edges.tcp import (
-    _FRAME,
+    FRAME,
     RECORD,
     TcpMedium,
     TcpReceiveRing,
@@ -252,11 +252,11 @@ def _authenticated(edge: Edge) -> socket.socket:
 @pytest.mark.parametrize(
     ("frames", "reason"),
     [
-        (lambda body: _FRAME.pack(RECORD, 100_000) + body, "a record of 100000 bytes"),
-        (lambda body: _FRAME.pack(RECORD, len(body) + 4) + body + b"\0" * 4, "whose header says"),
-        (lambda body: _FRAME.pack(RECORD, len(body)) + body + _FRAME.pack(RECORD, len(body))
-         + body + _FRAME.pack(RECORD, len(body)) + body, "beyond its credit"),
-        (lambda body: _FRAME.pack(9, 0), "unknown kind 9"),
+        (lambda body: FRAME.pack(RECORD, 100_000) + body, "a record of 100000 bytes"),
+        (lambda body: FRAME.pack(RECORD, len(body) + 4) + body + b"\0" * 4, "whose header says"),
+        (lambda body: FRAME.pack(RECORD, len(body)) + body + FRAME.pack(RECORD, len(body))
+         + body + FRAME.pack(RECORD, len(body)) + body, "beyond its credit"),
+        (lambda body: FRAME.pack(9, 0), "unknown kind 9"),
     ],
 )  # fmt: skip
 def test_a_stream_that_breaks_the_framing_closes_the_edge(frames: object, reason: str) -> None:
@@ -339,7 +339,7 @@ def test_strangers_on_the_port_change_nothing() -> None:
         # A record for this edge without any handshake.
         header = ObjectHeader(edge.run_id, EDGE, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4)
         record = socket.create_connection(edge.address, timeout=10)
-        record.sendall(_FRAME.pack(RECORD, 132) + header.pack() + _record(0))
+        record.sendall(FRAME.pack(RECORD, 132) + header.pack() + _record(0))
         # Half a handshake, then silence.
         half = socket.create_connection(edge.address, timeout=10)
         half.recv(hs.CHALLENGE_BYTES, socket.MSG_WAITALL)
