@@ -1,9 +1,9 @@
 """Hop overhead of the process runtime: time per decoded token through 1, 2 and 4 stage
-processes on one model (NumPy worker), and the overhead per hop per token derived from
-them.
+processes on one model (NumPy worker), over shared-memory edges and over TCP edges on
+loopback, and the overhead per hop per token derived from them for each medium.
 
     python benchmarks/hop_overhead.py [--model PATH|smollm2-135m] [--tokens 200]
-                                      [--repeat 3] [--json]
+                                      [--repeat 3] [--edges shm,tcp] [--json]
 
 A decode token crosses ``stages + 1`` hops (orchestrator -> stage 0 -> ... -> stage
 N-1 -> orchestrator) and the model's blocks are the same whatever the split, so the
@@ -11,8 +11,9 @@ slope of time per token against hops is what one more hop costs: a shared-memory
 record written, a process woken, the record validated and fed through the stage state
 machine, one more worker call over the same blocks. The time per token is the median
 interval between consumed decode tokens at the orchestrator, over ``--repeat`` rounds
-that run 1, 2 and 4 stages in turn (so that the load of a shared machine falls on all
-three alike).
+that run 1, 2 and 4 stages over each medium in turn (so that the load of a shared
+machine falls on all of them alike). A TCP hop costs what a shared-memory hop costs
+plus the stream: a send, the kernel's loopback, a receive, and a credit back.
 
 For scale, the same splits' worker steps are also timed in this one process (the sum
 over stages of each decode step, no processes, no rings, no state machines): what a
@@ -31,8 +32,9 @@ that slept while the others ran (caches taken by the other processes).
 By default the model is a random-weight llama of 4 blocks, 256 wide (written to a
 temporary folder by the test-model generator), whose steps are short enough that the
 hops show. Last, the floor: a bare ring hop between two processes (publish, wake-up,
-acquire), with the receiver busy just before and after it slept 2 ms, as a stage of a
-pipeline sleeps while the other stages work. Target (issue 6): under 200 us per hop.
+acquire), over each medium, with the receiver busy just before and after it slept 2 ms,
+as a stage of a pipeline sleeps while the other stages work. Targets (issue 12): a
+shared-memory hop under 200 us per decoded token, a TCP hop at most 100 us more.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -60,7 +63,10 @@ from runtime_core.reference import ReferenceWorker  # noqa: E402
 from runtime_core.worker import TokenOutput  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
 from runtime_cupy.api import plan_for  # noqa: E402
-from runtime_cupy.edges.shm import ShmRing, remove_run  # noqa: E402
+from runtime_cupy.edges.base import ProcessRing  # noqa: E402
+from runtime_cupy.hosts.local import local_medium  # noqa: E402
+from runtime_cupy.keys import edge_key, new_secret  # noqa: E402
+from runtime_cupy.names import remove_run_dir  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fixtures.gguf_models import ModelShape, write_model  # noqa: E402
@@ -83,7 +89,7 @@ class Run:
     decode token of the orchestrator (this thread) and of each stage process (from the
     first decode token to the last, where /proc/<pid>/schedstat exists)."""
 
-    def __init__(self, model: str, stages: int, tokens: int) -> None:
+    def __init__(self, model: str, stages: int, tokens: int, edges: str) -> None:
         self.stamps: list[float] = []
         self.pids: dict[int, int] = {}
         self.cpu: list[tuple[int, list[int | None]]] = []  # (orchestrator, stages) twice
@@ -95,9 +101,12 @@ class Run:
             max_tokens=tokens,
             on_token=self._token,
             on_event=self._event,
+            edges=edges,
         )
         if result.outcome != "completed" or len(self.stamps) < 3:
-            raise SystemExit(f"{stages} stages: {result.outcome} {result.fault}")
+            raise SystemExit(f"{stages} stages over {edges}: {result.outcome} {result.fault}")
+        if set(result.media) != {edges}:
+            raise SystemExit(f"asked for {edges} edges, the run used {result.media}")
 
     def _event(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == "spawned":
@@ -157,76 +166,77 @@ def worker_us(model: str, stages: int, tokens: int) -> tuple[float, list[float]]
     return statistics.median(sums), [statistics.median(t[1:]) for t in steps]
 
 
-def raw_hop_us(idle_us: float, rounds: int = 400) -> float:
-    """Median one-way latency of a bare ring hop between two processes (publish, FIFO
-    wake-up, acquire; no validation, no state machine) when the receiver has slept
-    ``idle_us`` before the record comes: the floor under every hop on this host."""
+def _opened(
+    make: Callable[[], ProcessRing | None], serve: ProcessRing, timeout_s: float = 30
+) -> ProcessRing:
+    """``make()`` until it gives a ring, serving ``serve`` meanwhile (a TCP consumer's
+    handshakes), as a stage's loop would."""
+    deadline = time.monotonic() + timeout_s
+    while (ring := make()) is None:
+        if time.monotonic() > deadline:
+            raise SystemExit("the bare hop's rings never connected")
+        serve._data.wait(0.002)
+    return ring
+
+
+def raw_hop_us(medium_name: str, idle_us: float, rounds: int = 400) -> float:
+    """Median one-way latency of a bare ring hop between two processes over one medium
+    (publish, wake-up, acquire; no validation, no state machine) when the receiver has
+    slept ``idle_us`` before the record comes: the floor under every hop on this host."""
     spec = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
-    run_id = f"hop-bench-{os.getpid()}"
-    there = ShmRing.create(run_id, 1, spec)  # the child consumes, stamps, answers
-    back = ShmRing.create(run_id, 2, spec)
+    run_id = f"hop-bench-{os.getpid()}-{medium_name}-{int(idle_us)}"
+    secret = new_secret()
+    medium = local_medium(medium_name)
 
-    def acquire(ring: ShmRing) -> int:
-        while (slot := ring.try_acquire()) is None:
-            ring.data_signal.wait(1.0)
-        return slot
+    def key(edge: int) -> bytes:
+        return edge_key(secret, run_id, edge)
 
+    back = medium.create(run_id, 2, spec, key(2))  # this process consumes the answers
     pid = os.fork()
-    if pid == 0:  # the receiver
-        answer = ShmRing.attach(run_id, 2, spec)
-        assert answer is not None
+    if pid == 0:  # the receiver: consumes edge 1, stamps, answers on edge 2
+        there = medium.create(run_id, 1, spec, key(1))
+        answer = _opened(lambda: medium.attach(run_id, 2, spec, key(2)), there)
         for _ in range(rounds):
-            slot = acquire(there)
+            slot = there.wait_acquire(30)
             stamp = time.perf_counter_ns()
             there.release(slot)
-            out = answer.try_reserve()
-            assert out is not None
+            out = answer.wait_reserve(30)
             answer.slot(out)[:8] = stamp.to_bytes(8, "little")
             answer.publish(out)
+        answer.detach()
+        there.detach()
         os._exit(0)
     try:
-        send = ShmRing.attach(run_id, 1, spec)
-        assert send is not None
+        send = _opened(lambda: medium.attach(run_id, 1, spec, key(1)), back)
         latencies = []
         for _ in range(rounds):
             until = time.perf_counter_ns() + idle_us * 1000
             while time.perf_counter_ns() < until:  # busy here while the receiver sleeps
                 pass
-            reserved = send.try_reserve()
-            assert reserved is not None
+            reserved = send.wait_reserve(30)
             sent = time.perf_counter_ns()
             send.publish(reserved)
-            got = acquire(back)
+            got = back.wait_acquire(30)
             latencies.append((int.from_bytes(back.slot(got)[:8], "little") - sent) / 1000)
             back.release(got)
         os.waitpid(pid, 0)
+        send.detach()
         return statistics.median(latencies)
     finally:
-        remove_run(run_id, [1, 2])
+        back.detach()
+        for edge in (1, 2):
+            medium.remove(run_id, edge)
+        remove_run_dir(run_id)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a GGUF file or bundled model name")
-    parser.add_argument("--tokens", type=int, default=200, help="tokens per run (200)")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds of 1, 2, 4 stages (3)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = resolve_model(args.model) if args.model else None
-        if model is None:
-            shape = ModelShape(n_layers=4, hidden=256, heads=4, heads_kv=2, ffn=512)
-            model = str(write_model(Path(tmp) / "hop.gguf", shape))
-        intervals: dict[int, list[float]] = {n: [] for n in STAGES}
-        cpu: dict[int, list[tuple[float, list[float]]]] = {n: [] for n in STAGES}
-        for _ in range(args.repeat):
-            for n in STAGES:
-                run = Run(model, n, args.tokens)
-                intervals[n] += run.intervals_us()
-                if (used := run.cpu_us()) is not None:
-                    cpu[n].append(used)
-        compute = {n: worker_us(model, n, args.tokens) for n in STAGES}
-    raw = {idle: raw_hop_us(idle) for idle in (0, 2000)}
+def medium_report(
+    medium: str,
+    intervals: dict[int, list[float]],
+    cpu: dict[int, list[tuple[float, list[float]]]],
+    compute: dict[int, tuple[float, list[float]]],
+    slopes: list[float],
+) -> dict[str, Any]:
+    """The rows, the slope over hops and the bare hops of one medium."""
     rows = []
     for n in STAGES:
         median = statistics.median(intervals[n])
@@ -252,55 +262,157 @@ def main() -> int:
                 ),
             }
         )
-    hops = np.array([r["hops"] for r in rows], dtype=float)
-    times = np.array([r["median_us"] for r in rows])
+    slope, intercept = _slope({n: statistics.median(intervals[n]) for n in STAGES})
+    raw = {idle: raw_hop_us(medium, idle) for idle in (0, 2000)}
+    return {
+        "rows": rows,
+        "overhead_per_hop_us": slope,
+        "fit_intercept_us": intercept,
+        "round_slopes_us": slopes,
+        "bare_hop_us": {"receiver_busy": raw[0], "receiver_idle_2ms": raw[2000]},
+    }
+
+
+def _slope(per_stages: dict[int, float]) -> tuple[float, float]:
+    hops = np.array([n + 1 for n in per_stages], dtype=float)
+    times = np.array(list(per_stages.values()))
     slope, intercept = np.polyfit(hops, times, 1)
-    report = {
+    return float(slope), float(intercept)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file or bundled model name")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens per run (200)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of 1, 2, 4 stages (3)")
+    parser.add_argument("--edges", default="shm,tcp", help="media, in turn (shm,tcp)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    media = [m for m in args.edges.split(",") if m]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = resolve_model(args.model) if args.model else None
+        if model is None:
+            shape = ModelShape(n_layers=4, hidden=256, heads=4, heads_kv=2, ffn=512)
+            model = str(write_model(Path(tmp) / "hop.gguf", shape))
+        intervals: dict[str, dict[int, list[float]]] = {m: {n: [] for n in STAGES} for m in media}
+        cpu: dict[str, dict[int, list[tuple[float, list[float]]]]] = {
+            m: {n: [] for n in STAGES} for m in media
+        }
+        slopes: dict[str, list[float]] = {m: [] for m in media}
+        paired: list[float] = []  # per round and split: (tcp - shm) / hops
+        paired_cpu: list[float] = []  # per round, split and stage: tcp - shm CPU per token
+        load_before = os.getloadavg()
+        for _ in range(args.repeat):
+            medians: dict[str, dict[int, float]] = {m: {} for m in media}
+            used_by: dict[str, dict[int, tuple[float, list[float]] | None]] = {m: {} for m in media}
+            for medium in media:  # interleaved: each round runs every medium and split
+                for n in STAGES:
+                    run = Run(model, n, args.tokens, medium)
+                    intervals[medium][n] += run.intervals_us()
+                    medians[medium][n] = statistics.median(run.intervals_us())
+                    used_by[medium][n] = used = run.cpu_us()
+                    if used is not None:
+                        cpu[medium][n].append(used)
+                slopes[medium].append(_slope(medians[medium])[0])
+            if "shm" in media and "tcp" in media:
+                for n in STAGES:
+                    paired.append((medians["tcp"][n] - medians["shm"][n]) / (n + 1))
+                    a, b = used_by["shm"][n], used_by["tcp"][n]
+                    if a is not None and b is not None:
+                        paired_cpu += [y - x for x, y in zip(a[1], b[1], strict=True)]
+        load = (load_before, os.getloadavg())
+        compute = {n: worker_us(model, n, args.tokens) for n in STAGES}
+    reports = {m: medium_report(m, intervals[m], cpu[m], compute, slopes[m]) for m in media}
+    report: dict[str, Any] = {
         "model": args.model or "random llama, 4 blocks, hidden 256, ffn 512",
         "tokens": args.tokens,
         "repeat": args.repeat,
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "rows": rows,
-        "overhead_per_hop_us": float(slope),
-        "bare_hop_us": {"receiver_busy": raw[0], "receiver_idle_2ms": raw[2000]},
-        "fit_intercept_us": float(intercept),
-        "target_us": 200,
+        "load_average_before_after": load,
+        "media": reports,
+        "target_shm_us": 200,
+        "target_tcp_minus_shm_us": 100,
     }
+    if paired:
+        # The same split over both media, back to back: the worker's share cancels.
+        report["tcp_minus_shm_per_hop_us"] = statistics.median(paired)
+        report["tcp_minus_shm_per_hop_each_us"] = paired
+        # Each stage owns one end of two hops: its extra CPU is a hop's worth of ends.
+        report["tcp_minus_shm_stage_cpu_per_token_us"] = (
+            statistics.median(paired_cpu) if paired_cpu else None
+        )
     if args.json:
         print(json.dumps(report, sort_keys=True))
         return 0
     print(
         f"model: {report['model']}; {args.tokens} tokens, {args.repeat} rounds; "
-        f"{report['cpus']} CPUs"
+        f"{report['cpus']} CPUs; load average {load[0][0]:.1f} before, {load[1][0]:.1f} after"
     )
+    for medium, r in reports.items():
+        _print_medium(medium, r, compute)
+    if "shm" in reports:
+        shm, rounds = reports["shm"]["overhead_per_hop_us"], reports["shm"]["round_slopes_us"]
+        print(
+            f"shared-memory hop: {shm:.1f} us per decoded token; target < 200: "
+            f"{_verdict(shm < 200, rounds)}"
+        )
+    if paired:
+        extra = report["tcp_minus_shm_per_hop_us"]
+        extra_cpu = report["tcp_minus_shm_stage_cpu_per_token_us"]
+        print(
+            f"TCP hop beyond the shared-memory hop, same split back to back: {extra:+.1f} us "
+            f"per decoded token (each: {', '.join(f'{x:.0f}' for x in paired)}); target "
+            f"<= +100: {_verdict(extra <= 100, paired)}"
+        )
+        if extra_cpu is not None:
+            print(f"a stage's CPU per decoded token, TCP beyond shared memory: {extra_cpu:+.1f} us")
+    return 0
+
+
+def _verdict(met: bool, samples: list[float]) -> str:
+    """``met`` / ``MISSED``, unless the samples disagree so much (a machine busy with
+    other work) that no verdict holds: half their spread above their median's size."""
+    spread = float(np.percentile(samples, 90) - np.percentile(samples, 10))
+    if len(samples) > 1 and spread > 2 * abs(statistics.median(samples)):
+        return f"not measurable here (the samples spread over {spread:.0f} us)"
+    return "met" if met else "MISSED"
+
+
+def _print_medium(
+    medium: str, r: dict[str, Any], compute: dict[int, tuple[float, list[float]]]
+) -> None:
+    print(f"-- {medium} edges")
     print(
         f"{'stages':>6} {'hops':>4} {'us/token':>9} {'p10':>8} {'p90':>8} "
         f"{'worker us':>10} {'beyond worker, per hop':>23}"
     )
-    for r in rows:
+    for row in r["rows"]:
         print(
-            f"{r['stages']:>6} {r['hops']:>4} {r['median_us']:>9.1f} {r['p10_us']:>8.1f} "
-            f"{r['p90_us']:>8.1f} {r['worker_us']:>10.1f} {r['beyond_worker_per_hop_us']:>23.1f}"
+            f"{row['stages']:>6} {row['hops']:>4} {row['median_us']:>9.1f} "
+            f"{row['p10_us']:>8.1f} {row['p90_us']:>8.1f} {row['worker_us']:>10.1f} "
+            f"{row['beyond_worker_per_hop_us']:>23.1f}"
         )
+    rounds = ", ".join(f"{x:.0f}" for x in r["round_slopes_us"])
     print(
-        f"overhead per hop per token (slope over 1, 2, 4 stages): {slope:.1f} us; target < 200 us"
+        f"overhead per hop per token (slope over 1, 2, 4 stages, medians): "
+        f"{r['overhead_per_hop_us']:.1f} us (each round's: {rounds})"
     )
-    for n in STAGES:
-        if cpu[n]:
-            per_stage = [statistics.median(c[1][i] for c in cpu[n]) for i in range(n)]
+    for row, n in zip(r["rows"], STAGES, strict=True):
+        if row["cpu_stage_us"] is not None:
             stages = ", ".join(
-                f"{u:.0f} ({alone:.0f})" for u, alone in zip(per_stage, compute[n][1], strict=True)
+                f"{u:.0f} ({alone:.0f})"
+                for u, alone in zip(row["cpu_stage_us"], compute[n][1], strict=True)
             )
             print(
                 f"CPU per decoded token, {n} stage(s): orchestrator "
-                f"{statistics.median(c[0] for c in cpu[n]):.0f} us; stages {stages} us "
+                f"{row['cpu_orchestrator_us']:.0f} us; stages {stages} us "
                 "(in brackets: the stage's worker step alone, in this process)"
             )
+    bare = r["bare_hop_us"]
     print(
-        f"bare ring hop between two processes: {raw[0]:.1f} us when the receiver just "
-        f"ran, {raw[2000]:.1f} us when it slept 2 ms before the record came"
+        f"bare {medium} ring hop between two processes: {bare['receiver_busy']:.1f} us when "
+        f"the receiver just ran, {bare['receiver_idle_2ms']:.1f} us when it slept 2 ms"
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,22 +1,28 @@
-"""runtime_cupy: the real runtime. One OS process per stage (``python -m
-runtime_cupy.stage``), the orchestrator in the launching process, edges as
-shared-memory rings, authenticated control channels, clean teardown on any fault.
+"""runtime_cupy: the real runtime. The orchestrator in the launching process, each stage
+where a host puts it (``hosts``: by default one OS process per stage, ``python -m
+runtime_cupy.stage``), edges through shared memory or TCP (``edges``), authenticated
+control channels (``control``), clean teardown on any fault.
 
 ``generate(...)`` has ``runtime_sim.generate``'s signature and result fields, plus
-runtime options (``worker="numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``).
+runtime options (``worker="numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``,
+``edges="auto" | "shm" | "tcp"``, ``host``).
 The CUDA worker (``runtime_cupy.cuda.worker``) is imported only when asked for.
 """
 
 from runtime_core.runs import PlanRejected
 from runtime_cupy.api import GenerateResult, generate
-from runtime_cupy.launcher import ProcessRun, ProcessRunResult, StageProcessInfo
+from runtime_cupy.hosts.base import StageHost, StageProcessInfo
+from runtime_cupy.hosts.local import LocalProcessHost
+from runtime_cupy.launcher import ProcessRun, ProcessRunResult
 from runtime_cupy.workers import WorkerUnavailable
 
 __all__ = [
     "GenerateResult",
+    "LocalProcessHost",
     "PlanRejected",
     "ProcessRun",
     "ProcessRunResult",
+    "StageHost",
     "StageProcessInfo",
     "WorkerUnavailable",
     "generate",

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,8 @@ from runplan.messages import StageReady
 from runplan.models import resolve_model
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.launcher import (
-    ORCHESTRATOR,
-    OnEvent,
-    ProcessRun,
-    ProcessRunResult,
-    StageProcessInfo,
-)
+from runtime_cupy.hosts.base import StageHost, StageProcessInfo
+from runtime_cupy.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
 from runtime_cupy.tracing import Event
 from runtime_cupy.workers import WorkerUnavailable, capabilities
 
@@ -62,6 +57,7 @@ class GenerateResult:
     wall_s: float  # real time of the whole run, start-up and teardown included
     wall_decode_tokens_per_s: float | None  # decode tokens per second
     trace: tuple[Event, ...] | None = None  # Chrome trace events, when asked for
+    media: tuple[str, ...] = ()  # how each edge of the plan moved its bytes: shm or tcp
 
 
 def host_memory_bytes() -> int:
@@ -169,8 +165,9 @@ def generate(
     gpus: Sequence[int] | None = None,
     timeouts: Timeouts | None = None,
     log_dir: str | os.PathLike[str] | None = None,
-    stage_faults: Mapping[int, Sequence[str]] | None = None,
     on_event: OnEvent | None = None,
+    edges: str = "auto",
+    host: StageHost | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
     stage processes, each running ``worker`` (``numpy`` or ``cuda``) over its layers.
@@ -179,15 +176,17 @@ def generate(
     ``on_token(id)`` streams each generated token as the orchestrator consumes it.
     ``tokenizer`` saves loading the file's tokenizer again when the caller has it.
     ``gpus`` are the CUDA worker's GPUs (stage ``i`` on ``gpus[i % len(gpus)]``);
-    ``timeouts`` bound every wait; ``log_dir`` keeps each stage's log;
-    ``stage_faults`` makes stages fail on purpose (tests); ``on_event(kind, fields)``
-    sees what the launcher does (``spawned`` with each stage's pid, ``state``,
-    ``injected``, ``consumed``, ``received``, ``stage_died``). A run that faults or is
-    cancelled returns with that outcome, every process reaped and every resource freed.
-    Raises ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a
-    prompt it cannot run, ``GgufError`` for a file it cannot read,
-    ``WorkerUnavailable`` for a worker this host cannot run; all before any process
-    starts.
+    ``timeouts`` bound every wait; ``log_dir`` keeps each stage's log (of the default
+    host); ``on_event(kind, fields)`` sees what the launcher does (``spawned`` with each
+    stage's pid, ``state``, ``injected``, ``consumed``, ``received``, ``stage_died``).
+    ``edges``: ``auto`` (shared memory where both ends share a machine, else TCP),
+    ``shm`` or ``tcp`` (TCP on one host too). ``host`` starts the stages (default: one
+    OS process per stage on this machine, ``hosts.local.LocalProcessHost``). A run
+    that faults or is cancelled returns with that outcome, every process reaped and
+    every resource freed. Raises ``PlanRejected`` when the planner refuses the run,
+    ``PromptError`` for a prompt it cannot run, ``GgufError`` for a file it cannot
+    read, ``WorkerUnavailable`` for a worker this host cannot run, ``ValueError`` for
+    edges that cannot be; all before any process starts.
     """
     path = resolve_model(model_path)
     prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
@@ -222,7 +221,8 @@ def generate(
         on_event=events,
         log_dir=Path(log_dir) if log_dir is not None else None,
         trace=trace,
-        stage_faults=stage_faults,
+        host=host,
+        edges=edges,
     )
     result = run.run()
     wall = time.perf_counter() - began
@@ -267,4 +267,5 @@ def summarize(
         wall_s=wall_s,
         wall_decode_tokens_per_s=1e6 / tpot if tpot else None,
         trace=result.trace,
+        media=result.media,
     )

@@ -28,6 +28,7 @@ from runtime_core.console import TextStream, add_generation_arguments
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_cupy.api import GenerateResult, generate
+from runtime_cupy.edges.choice import PREFERENCES
 from runtime_cupy.tracing import chrome_trace
 from runtime_cupy.workers import WORKERS, WorkerUnavailable
 
@@ -86,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
             tokenizer=tokenizer,
             worker=args.worker,
             gpus=args.gpus,
+            edges=args.edges,
         )
     finally:
         status.stop()
@@ -140,6 +142,10 @@ def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
             }
             for s in result.plan.stages
         ],
+        "edges": [
+            {"edge_id": e.edge_id, "kind": e.kind.name.lower(), "medium": medium}
+            for e, medium in zip(result.plan.edges, result.media, strict=False)
+        ],
         "timings": _timings(result, prompt_len),
     }
 
@@ -147,7 +153,7 @@ def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
 def _print_summary(console: Console, result: GenerateResult, prompt_len: int, worker: str) -> None:
     console.print(
         f"{result.plan.model.model_id} through {result.plan.stage_count} stage processes "
-        f"({worker} worker)",
+        f"({worker} worker, edges: {', '.join(sorted(set(result.media))) or '-'})",
         highlight=False,
     )
     procs = {s.stage_index: s for s in result.stages}
@@ -178,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = argparse.ArgumentParser(
         prog="python -m runtime_cupy",
         description="Generate text from a GGUF model through N stage processes on this "
-        "host (one OS process per stage, shared-memory rings between them).",
+        "host (one OS process per stage, shared-memory or TCP edges between them).",
     )
     add_generation_arguments(run, stages_help="stage processes (default: 3)")
     run.add_argument(
@@ -192,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_gpus,
         default=None,
         help="GPUs of the cuda worker, stage i on the (i mod n)-th: 0,1 (default: all)",
+    )
+    run.add_argument(
+        "--edges",
+        choices=PREFERENCES,
+        default="auto",
+        help="how edges move bytes: auto (shared memory where both ends share a host, "
+        "else TCP; default), shm, or tcp (TCP on one host too, for tests and comparison)",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log what the launcher does")
     return run

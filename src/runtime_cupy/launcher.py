@@ -1,22 +1,26 @@
-"""The launcher: runs one plan with one OS process per stage and the orchestrator in
-this process (PIPELINE_ORCHESTRATION_MVP.md §5-§7).
+"""The launcher: runs one plan with the orchestrator in this process and every stage
+where its host puts it (PIPELINE_ORCHESTRATION_MVP.md §5-§7).
 
-``ProcessRun(plan, prompt, ...).run()`` starts every stage as ``python -m
-runtime_cupy.stage`` with an authenticated control channel (a socket pair) and a
-lifeline pipe, then drives ``OrchestratorController`` in an event loop: provisioning,
-the readiness barrier, the prompt as sequence 0 (there is no start broadcast), each
-token consumed and the next injected until EOS or ``max_tokens``. It waits, with a
-bound, on the stages' control sockets, the token-out ring's wake-up, the token-in
-ring's (while an injection waits for space), its timers and a self-pipe for SIGINT /
-SIGTERM.
+``ProcessRun(plan, prompt, ...).run()`` starts every stage through a ``StageHost``
+(by default ``hosts.local.LocalProcessHost``: one OS process per stage), each with its
+control channel and the stages' secret, then drives ``OrchestratorController`` in an
+event loop: provisioning, the readiness barrier, the prompt as sequence 0 (there is no
+start broadcast), each token consumed and the next injected until EOS or
+``max_tokens``. It waits, with a bound, on what the stages' control channels, its own
+two token ends and a self-pipe for SIGINT / SIGTERM hand it (``poller.Watch``), and on
+its timers.
+
+Each edge moves its bytes through shared memory when both ends share a machine and
+through TCP otherwise (``edges``: ``auto``), or through the medium asked for
+(``shm``, ``tcp``: TCP on one host, for tests and comparison).
 
 A stage whose control channel reaches end of file has died (however it died, SIGKILL
 included): ``StageDied`` faults the run. Any fault, a timer that runs out, or a
 cancellation tears the run down through the state machine: no more injections,
 ``StopRun`` to every provisioned stage, ``StageStopped`` awaited up to the stop
-timeout. Then, whatever happened (an exception too), every stage process is reaped
-(SIGKILL after a short grace) and every shared-memory segment and FIFO of the run is
-unlinked by name, also those whose owner was killed.
+timeout. Then, whatever happened (an exception too), every stage is reaped (killed
+after a short grace) and every resource of the run's edges is freed by name through
+the host, also those whose owner was killed.
 """
 
 from __future__ import annotations
@@ -25,50 +29,50 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 from attrs import frozen
 
-import runplan
-import runtime_core
-import runtime_cupy
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import ProvisionStage, StopReason, StopRun
+from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runtime_core.orchestrator import OrchestratorController
-from runtime_cupy.control import ControlChannel, Incoming, new_key
-from runtime_cupy.edges.shm import FifoSignal, ProcessEdges, ShmRing, Watch, remove_run
+from runtime_cupy.control import ChannelBroken, Incoming
+from runtime_cupy.edges.base import ProcessEdges
+from runtime_cupy.edges.choice import choose_medium
+from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch, StageProcessInfo
+from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
+from runtime_cupy.keys import new_secret
+from runtime_cupy.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.timers import Deadlines
-from runtime_cupy.tracing import Event, TraceLog, chrome_trace, read_events
+from runtime_cupy.tracing import Event, TraceLog, chrome_trace
 
 log = logging.getLogger("runtime_cupy.launcher")
 
 ORCHESTRATOR = "orchestrator"
 RETRY_S = 0.002  # retry opening the token endpoints
 IDLE_WAKE_S = 0.5  # look at the stage processes at least this often
-EXIT_GRACE_S = 3.0  # after the run ended, how long stages get to exit before SIGKILL
-REAP_S = 5.0  # how long to wait for a killed process
+EXIT_GRACE_S = 3.0  # after the run ended, how long stages get to exit before they are killed
+REAP_S = 5.0  # how long to wait for a killed stage
 
 #: ``on_event(kind, fields)``: what the launcher did (spawned, state, injected, ...).
 OnEvent = Callable[[str, dict[str, Any]], None]
 
-
-@frozen
-class StageProcessInfo:
-    stage_index: int
-    node_id: str
-    pid: int
-    device: int | None
-    returncode: int | None  # after reaping; negative: the signal that ended it
+__all__ = [
+    "ORCHESTRATOR",
+    "OnEvent",
+    "ProcessRun",
+    "ProcessRunResult",
+    "StageProcessInfo",
+    "describe_exit",
+    "trace_document",
+]
 
 
 @frozen
@@ -82,65 +86,19 @@ class ProcessRunResult:
     token_times_s: tuple[float, ...]  # each token consumed
     ended_s: float  # torn down and cleaned up
     trace: tuple[Event, ...] | None
-
-
-def describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "its control channel closed"
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with status {returncode}"
-
-
-_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _pythonpath() -> str:
-    """This process's package folders first, so stages import the same code."""
-    dirs: list[str] = []
-    for module in (runtime_cupy, runtime_core, runplan):
-        folder = str(Path(module.__file__ or ".").resolve().parent.parent)
-        if folder not in dirs:
-            dirs.append(folder)
-    rest = os.environ.get("PYTHONPATH")
-    return os.pathsep.join(dirs + ([rest] if rest else []))
+    media: tuple[str, ...] = ()  # how each edge moved its bytes, in plan order
 
 
 class _Stage:
-    """The launcher's handle on one stage process."""
+    """The launcher's state of one stage: its host's handle and what befell it."""
 
-    def __init__(
-        self,
-        index: int,
-        node_id: str,
-        proc: subprocess.Popen[bytes],
-        channel: ControlChannel,
-        lifeline: int,
-        device: int | None,
-    ) -> None:
-        self.index = index
-        self.node_id = node_id
-        self.proc = proc
-        self.channel = channel
-        self.lifeline = lifeline
-        self.device = device
+    def __init__(self, handle: StageHandle) -> None:
+        self.handle = handle
+        self.index = handle.stage_index
+        self.node_id = handle.node_id
+        self.channel = handle.channel
         self.gone = False  # its death was fed to the machine
         self.broken: str | None = None  # a send failed
-
-    def info(self) -> StageProcessInfo:
-        return StageProcessInfo(
-            self.index, self.node_id, self.proc.pid, self.device, self.proc.returncode
-        )
 
 
 class _Channels:
@@ -157,16 +115,15 @@ class _Channels:
         self.run.trace.instant(f"send {type(message).__name__}", to=node_id)
         try:
             stage.channel.send(message)
-        except OSError as exc:
+        except ChannelBroken as exc:
             stage.broken = f"control channel broke ({exc})"
 
 
 class ProcessRun:
-    """One run of ``plan`` in stage processes. ``worker`` is ``numpy`` or ``cuda``;
-    ``devices[i]`` the GPU of stage ``i`` (``None``: none). ``stage_faults[i]`` lists
-    faults stage ``i`` plays on purpose (tests: see ``runtime_cupy.stage``).
-    ``log_dir``: each stage's log goes to ``stage-<i>.log`` there (else to this
-    process's standard error)."""
+    """One run of ``plan``. ``worker`` is the registry's name of the stages' worker
+    (``numpy``, ``cuda``); ``devices[i]`` the GPU of stage ``i`` on its machine
+    (``None``: none). ``host`` starts the stages (default: ``LocalProcessHost`` with
+    ``log_dir`` and ``log_level``); ``edges`` is ``auto``, ``shm`` or ``tcp``."""
 
     def __init__(
         self,
@@ -175,12 +132,13 @@ class ProcessRun:
         *,
         worker: str = "numpy",
         devices: Sequence[int | None] | None = None,
+        host: StageHost | None = None,
+        edges: str = "auto",
         on_token: Callable[[int], None] | None = None,
         on_event: OnEvent | None = None,
         log_dir: Path | None = None,
         log_level: str | None = None,
         trace: bool = False,
-        stage_faults: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
         self.plan = plan
         self.prompt = tuple(int(t) for t in prompt)
@@ -188,16 +146,20 @@ class ProcessRun:
         self.devices = tuple(devices) if devices is not None else (None,) * plan.stage_count
         if len(self.devices) != plan.stage_count:
             raise ValueError(f"{len(self.devices)} devices for {plan.stage_count} stages")
+        if host is not None and (log_dir is not None or log_level is not None):
+            raise ValueError("log_dir and log_level are the default host's; give them to the host")
+        self.host: StageHost = host or LocalProcessHost(log_dir=log_dir, log_level=log_level)
+        self.media = {e.edge_id: self._medium(e, edges) for e in plan.edges}  # ValueError
         self.on_token = on_token
         self.on_event = on_event
-        self.log_dir = log_dir
-        self.log_level = log_level or ("INFO" if log_dir is not None else "WARNING")
-        self.stage_faults = dict(stage_faults or {})
         self.trace = TraceLog(ORCHESTRATOR, enabled=trace)
-        self._trace_dir: Path | None = None
         self._stage_events: list[Event] = []
-        self.key = new_key()
-        self.edges = ProcessEdges()
+        self.secret = new_secret()
+        self.edges = ProcessEdges(
+            self.host.medium(self.media[plan.token_out.edge_id]),
+            self.host.medium(self.media[plan.token_in.edge_id]),
+            self.secret,
+        )
         self.timers: Deadlines[fsm.Timer] = Deadlines()
         self.stages: list[_Stage] = []
         self.stage_by_node: dict[str, _Stage] = {}
@@ -213,7 +175,7 @@ class ProcessRun:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._waiter = Watch(self._wake_r)
+        self._waiter = Watch()
         self._cancel: list[str] = []  # requests (signal names), in order
         self._cancel_fed = 0
         self._open_at = 0.0
@@ -221,6 +183,15 @@ class ProcessRun:
         self._ready_s: float | None = None
         self._token_times: list[float] = []
         self._started_s = time.monotonic()
+
+    def _node(self, endpoint: Any) -> str:
+        if isinstance(endpoint, OrchestratorEndpoint):
+            return self.plan.orchestrator_node_id
+        return str(endpoint.node_id)
+
+    def _medium(self, edge: EdgePlan, preference: str) -> str:
+        producer, consumer = self._node(edge.producer), self._node(edge.consumer)
+        return choose_medium(preference, self.host.same_host(producer, consumer), edge.edge_id)
 
     # -- events --------------------------------------------------------------------------
     def _emit(self, kind: str, **fields: Any) -> None:
@@ -263,7 +234,7 @@ class ProcessRun:
     def run(self) -> ProcessRunResult:
         previous = self._install_signals()
         try:
-            self._spawn_all()
+            self._start_all()
             self.controller.start()
             self._loop()
         finally:
@@ -281,12 +252,13 @@ class ProcessRun:
             finished=finished,
             tokens=tokens,
             logits=tuple(c.logits[: len(tokens)]),
-            stages=tuple(s.info() for s in self.stages),
+            stages=tuple(s.handle.info() for s in self.stages),
             started_s=self._started_s,
             ready_s=self._ready_s,
             token_times_s=tuple(self._token_times),
             ended_s=time.monotonic(),
             trace=tuple(self._merged_trace()) if self.trace.enabled else None,
+            media=tuple(self.media[e.edge_id] for e in self.plan.edges),
         )
 
     def _install_signals(self) -> dict[int, Any]:
@@ -303,90 +275,41 @@ class ProcessRun:
         for signum, old in previous.items():
             signal.signal(signum, old)
 
-    # -- processes -----------------------------------------------------------------------
-    def _spawn_all(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _pythonpath()
-        # BLAS thread pools spin while idle: several stage processes with a pool the size
-        # of the machine each starve the one stage that computes. Split the cores.
-        threads = str(max(1, _cpus() // self.plan.stage_count))
-        for name in _THREAD_VARIABLES:
-            env.setdefault(name, threads)
-        if self.trace.enabled:
-            self._trace_dir = Path(tempfile.mkdtemp(prefix="gguf-pipeline-trace-"))
-        for stage in self.plan.stages:
-            self._spawn(stage.stage_index, stage.node_id, env)
-
-    def _spawn(self, index: int, node_id: str, env: dict[str, str]) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        life_r, life_w = os.pipe()
-        device = self.devices[index]
-        cmd = [
-            sys.executable, "-m", "runtime_cupy.stage",
-            "--run-id", self.plan.run_id,
-            "--stage-index", str(index),
-            "--node-id", node_id,
-            "--orchestrator-id", self.plan.orchestrator_node_id,
-            "--control-fd", str(theirs.fileno()),
-            "--lifeline-fd", str(life_r),
-            "--worker", self.worker,
-            "--stop-ms", str(self.plan.timeouts.stop_ms),
-            "--log-level", self.log_level,
-        ]  # fmt: skip
-        if self._trace_dir is not None:
-            cmd += ["--trace-file", str(self._trace_dir / f"stage-{index}.json")]
-        for fault in self.stage_faults.get(index, ()):
-            cmd += ["--inject-fault", fault]
-        stage_env = dict(env)
-        if device is not None:
-            stage_env["CUDA_VISIBLE_DEVICES"] = str(device)
-        out: IO[bytes] | int = 2
-        if self.log_dir is not None:
-            out = (self.log_dir / f"stage-{index}.log").open("ab")
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=out,
-                pass_fds=(theirs.fileno(), life_r),
-                env=stage_env,
+    # -- stages --------------------------------------------------------------------------
+    def _start_all(self) -> None:
+        plan = self.plan
+        for stage in plan.stages:
+            launch = StageLaunch(
+                run_id=plan.run_id,
+                stage_index=stage.stage_index,
+                stage_count=plan.stage_count,
+                node_id=stage.node_id,
+                orchestrator_id=plan.orchestrator_node_id,
+                worker=self.worker,
+                inbound_medium=self.media[stage.inbound_edge],
+                outbound_medium=self.media[stage.outbound_edge],
+                stop_ms=plan.timeouts.stop_ms,
+                device=self.devices[stage.stage_index],
+                trace=self.trace.enabled,
             )
-        except BaseException:
-            ours.close()
-            os.close(life_w)
-            raise
-        finally:
-            theirs.close()
-            os.close(life_r)
-            if not isinstance(out, int):
-                out.close()
-        assert proc.stdin is not None
-        with contextlib.suppress(OSError):  # a stage that died at once shows at its socket
-            proc.stdin.write(self.key.hex().encode("ascii") + b"\n")
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-        channel = ControlChannel(ours, self.key, self.plan.orchestrator_node_id, node_id)
-        handle = _Stage(index, node_id, proc, channel, life_w, device)
-        self.stages.append(handle)
-        self.stage_by_node[node_id] = handle
-        log.info("stage %d (%s) started: pid %d", index, node_id, proc.pid)
-        self._emit("spawned", stage_index=index, node_id=node_id, pid=proc.pid)
+            handle = _Stage(self.host.start(launch, self.secret))
+            self.stages.append(handle)
+            self.stage_by_node[handle.node_id] = handle
+            pid = handle.handle.info().pid
+            log.info("stage %d (%s) started: pid %d", handle.index, handle.node_id, pid)
+            self._emit("spawned", stage_index=handle.index, node_id=handle.node_id, pid=pid)
 
     def _stage_died(self, stage: _Stage, note: str | None = None) -> None:
         """Feed the death of a stage whose channel closed or broke (``note``), saying
-        how its process ended when it has."""
+        how it ended when it has."""
         if stage.gone:
             return
         stage.gone = True
         stopped = stage.index in self.controller.machine.stopped
         if not stopped:  # say how it died (a killed process is reaped at once)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                stage.proc.wait(0.5)
-        if stage.proc.poll() is not None or note is None:
-            why = describe_exit(stage.proc.returncode)
-        else:
-            why = note
+            stage.handle.wait(0.5)
+        reason = stage.handle.exit_reason()  # how it ended, if known; else the note
+        why = reason or note or describe_exit(None)
         (log.info if stopped else log.warning)(
             "stage %d (%s) is gone: %s", stage.index, stage.node_id, why
         )
@@ -433,18 +356,14 @@ class ProcessRun:
     def _wait(self) -> None:
         c = self.controller
         channels: dict[int, _Stage] = {}
+        entries: list[Entry] = [(self._wake_r, IN)]
         for stage in self.stages:
-            if not stage.gone and not stage.channel.eof:
-                channels[stage.channel.fileno()] = stage
-        data: FifoSignal | None = None
-        space: FifoSignal | None = None
-        if c.wants_tokens and c.token_out is not None and isinstance(c.token_out.ring, ShmRing):
-            data = c.token_out.ring.data_signal
-        if c.inject_pending and c.token_in is not None and isinstance(c.token_in.ring, ShmRing):
-            space = c.token_in.ring.space_signal
-        data_fd = -1 if data is None else data.fileno()
-        space_fd = -1 if space is None else space.fileno()
-        watched = (data_fd, space_fd, *channels)
+            if not stage.gone and stage.channel.fileno() >= 0:
+                mine = stage.channel.watch()
+                if mine:
+                    channels[stage.channel.fileno()] = stage
+                    entries += mine
+        entries += self.edges.watch(want_input=c.wants_tokens, want_space=c.inject_pending)
         now = time.monotonic()
         until = now + IDLE_WAKE_S
         due = self.timers.next_due()
@@ -454,23 +373,28 @@ class ProcessRun:
             until = min(until, self._open_at)
         if self._inject_since is not None:
             until = min(until, self._inject_since + self.plan.timeouts.edge_wait_ms / 1000.0)
-        ready = self._waiter.poll(watched, max(0.0, until - now) * 1000.0)
-        for fd, _ in ready:
-            if fd == data_fd and data is not None:
-                data.drain()
-            elif fd == space_fd and space is not None:
-                space.drain()
-            elif fd == self._wake_r:
+        ready = self._waiter.poll(tuple(entries), (until - now) * 1000.0)
+        for fd, events in ready:
+            if fd == self._wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
             elif fd in channels:
-                self._read_control(channels[fd])
+                stage = channels[fd]
+                if events & OUT:
+                    try:
+                        stage.channel.flush()
+                    except ChannelBroken as exc:
+                        stage.broken = f"control channel broke ({exc})"
+                if events & (IN | TROUBLE):
+                    self._read_control(stage)
+            else:
+                self.edges.ready(fd, events)
         for timer in self.timers.expired(time.monotonic()):
             log.warning("orchestrator timer %s ran out", timer.name)
             c.handle(fsm.TimerFired(timer))
         if not ready:
-            for stage in self.stages:  # a process gone without closing its channel
-                if not stage.gone and stage.proc.poll() is not None:
+            for stage in self.stages:  # a stage gone without closing its channel
+                if not stage.gone and stage.handle.exited():
                     self._stage_died(stage)
 
     def _read_control(self, stage: _Stage) -> None:
@@ -500,39 +424,26 @@ class ProcessRun:
                 with contextlib.suppress(OSError):
                     if not stage.gone and not stage.channel.eof:
                         stage.channel.send(stop)
+        for stage in self.stages:  # what waits to leave (a StopRun) goes now
+            with contextlib.suppress(OSError):
+                stage.channel.flush()
         unconfirmed = set(c.finished.unconfirmed_stages) if c.finished is not None else set()
         deadline = time.monotonic() + (EXIT_GRACE_S if c.finished is not None else 0.5)
         for stage in self.stages:
-            if stage.index in unconfirmed:
-                continue
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                stage.proc.wait(max(0.0, deadline - time.monotonic()))
+            if stage.index not in unconfirmed:
+                stage.handle.wait(deadline - time.monotonic())
         for stage in self.stages:
-            if stage.proc.poll() is None:
-                log.warning("stage %d (%s) did not exit: SIGKILL", stage.index, stage.node_id)
-                with contextlib.suppress(ProcessLookupError):
-                    stage.proc.kill()
+            if not stage.handle.exited():
+                log.warning("stage %d (%s) did not exit: killing it", stage.index, stage.node_id)
+                stage.handle.kill()
         for stage in self.stages:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                stage.proc.wait(REAP_S)
-            stage.channel.close()
-            with contextlib.suppress(OSError):
-                os.close(stage.lifeline)
-        self.edges.close()
-        remove_run(self.plan.run_id, [e.edge_id for e in self.plan.edges])
-        self._collect_stage_traces()
-
-    def _collect_stage_traces(self) -> None:
-        folder, self._trace_dir = self._trace_dir, None
-        if folder is None:
-            return
+            stage.handle.wait(REAP_S)
+            stage.handle.close()
+        self.edges.detach()
+        self._waiter.forget()
+        self.host.cleanup(self.plan.run_id, [e.edge_id for e in self.plan.edges])
         for stage in self.stages:
-            path = folder / f"stage-{stage.index}.json"
-            self._stage_events += read_events(path)
-            with contextlib.suppress(OSError):
-                path.unlink()
-        with contextlib.suppress(OSError):
-            folder.rmdir()
+            self._stage_events += stage.handle.trace_events()
 
     def _merged_trace(self) -> list[Event]:
         return self.trace.metadata() + self.trace.events + self._stage_events

@@ -1,21 +1,27 @@
-"""One stage process: ``python -m runtime_cupy.stage ...``, started by the launcher.
+"""One stage process: ``python -m runtime_cupy.stage ...``, started by the local-process
+host (``hosts.local``).
 
-It runs one ``StageController`` (the stage state machine, its worker and its two edge
-ends) in a single-threaded event loop that waits, with a bound, on the control socket,
-the wake-up FIFO of its inbound ring (while it wants input), the one of its outbound
-ring (while its output waits for a free slot), and its timers; then runs setup, steps,
-publishing and release when the controller asks for them.
+``StageProcess`` runs one ``StageController`` (the stage state machine, its worker and
+its two edge ends) in a single-threaded event loop that waits, with a bound, on what
+its control channel and its edge ends hand it (``poller.Watch``: the channel's socket;
+a FIFO or a socket per edge end, as the medium says; a wake-up pipe) and on its timers;
+then runs setup, steps, publishing and release when the controller asks for them. It
+knows no medium and no host: whoever starts it hands it its channel, its edges and, if
+it has one, a lifeline.
 
-The run's secret arrives as one hex line on standard input. The control channel is an
-inherited socket (``--control-fd``); a second inherited descriptor, the read end of a
-pipe whose write end only the orchestrator holds (``--lifeline-fd``), reaches end of
-file the moment the orchestrator's process is gone, however it went. Either one
-closing is ``OrchestratorLost``: the stage stops on its own. A watchdog thread waits on
-the lifeline; if the loop has not finished ``--stop-ms`` after the loss (a step that
-runs on), it removes the run's resources this stage knows of and exits.
+``main`` is the local host's side of a stage process: the stages' secret arrives as one
+hex line on standard input; the control channel is an inherited socket
+(``--control-fd``); a second inherited descriptor, the read end of a pipe whose write
+end only the orchestrator holds (``--lifeline-fd``), reaches end of file the moment the
+orchestrator's process is gone, however it went. Either one closing is
+``OrchestratorLost``: the stage stops on its own. A watchdog thread waits on the
+lifeline; if the loop has not finished ``--stop-ms`` after the loss (a step that runs
+on), it removes the run's resources this stage owns and exits.
 
-On every way out the stage unlinks the shared memory and FIFOs of both its edges
-(named from the run id and edge ids), so a run whose orchestrator was killed leaves
+Resources. A stopping stage frees what it owns: its inbound edge (whose ring it made,
+EDGES_AND_WORKERS.md §3), never its outbound edge, which belongs to the next stage and
+may still be in use. Only when the orchestrator is lost does the last stage also free
+the token-out edge, whose owner is gone; so a run whose orchestrator was killed leaves
 nothing behind. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
 stops the stage as a lost orchestrator does.
 
@@ -34,26 +40,22 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
-
-from attrs import frozen
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.fsm import stage as fsm
 from runplan.messages import StageFault, StageReady, StageStopped
+from runplan.plan import EdgeKind
 from runtime_core.controller import StageController
-from runtime_core.worker import Progress, TokenOutput, Worker, WorkerError
-from runtime_cupy.control import ControlChannel, Incoming
-from runtime_cupy.edges.shm import (
-    FifoSignal,
-    ProcessEdges,
-    ShmRing,
-    Watch,
-    remove_edge,
-    remove_run_dir,
-)
+from runtime_core.worker import Progress, Worker, WorkerError
+from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
+from runtime_cupy.edges.base import MEDIA, ProcessEdges
+from runtime_cupy.hosts.local import local_medium
+from runtime_cupy.keys import SECRET_BYTES, control_key
+from runtime_cupy.names import remove_run_dir
+from runtime_cupy.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.timers import Deadlines
 from runtime_cupy.tracing import TraceLog, now_us
 from runtime_cupy.workers import WORKERS, WorkerUnavailable, make_worker
@@ -67,69 +69,8 @@ IDLE_WAKE_S = 1.0  # wake at least this often (parent check)
 
 log = logging.getLogger("runtime_cupy.stage")
 
-
-# -- faults for tests ------------------------------------------------------------------
-
-
-@frozen
-class InjectedFault:
-    """A fault the stage plays on purpose (``--inject-fault``), for tests:
-    ``setup-delay=SECONDS``, ``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``."""
-
-    kind: str
-    sequence: int | None = None
-    seconds: float = 0.0
-
-    @classmethod
-    def parse(cls, text: str) -> InjectedFault:
-        kind, _, value = text.partition("=")
-        try:
-            if kind == "setup-delay":
-                return cls(kind, None, float(value))
-            if kind == "step-delay":
-                seq, _, secs = value.partition(":")
-                return cls(kind, int(seq), float(secs))
-            if kind == "step-fail":
-                return cls(kind, int(value))
-        except ValueError:
-            pass
-        raise argparse.ArgumentTypeError(
-            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S or step-fail=SEQ"
-        )
-
-
-class FaultInjectingWorker:
-    """A worker that delays or fails where its faults say, else does what ``inner``
-    does."""
-
-    capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
-
-    def __init__(self, inner: Worker, faults: Sequence[InjectedFault]) -> None:
-        self.inner = inner
-        self.faults = tuple(faults)
-
-    def configure(self, provision: ProvisionStage) -> None:
-        for f in self.faults:
-            if f.kind == "setup-delay":
-                log.warning("injected fault: setup delayed %.3f s", f.seconds)
-                time.sleep(f.seconds)
-        self.inner.configure(provision)
-
-    def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
-        self.inner.bind(gguf_source, progress)
-
-    def execute_step(self, sequence: int, data: Any) -> Any | TokenOutput:
-        for f in self.faults:
-            if f.sequence == sequence and f.kind == "step-delay":
-                log.warning("injected fault: step %d delayed %.3f s", sequence, f.seconds)
-                time.sleep(f.seconds)
-            if f.sequence == sequence and f.kind == "step-fail":
-                log.warning("injected fault: step %d fails", sequence)
-                raise WorkerError(f"injected failure at sequence {sequence}")
-        return self.inner.execute_step(sequence, data)
-
-    def release(self) -> None:
-        self.inner.release()
+#: ``make_worker(name)``: the worker a stage process runs (by default from the registry).
+MakeWorker = Callable[[str], Worker]
 
 
 class UnavailableWorker:
@@ -175,7 +116,7 @@ class _Reporter:
             return
         try:
             stage.channel.send(message)
-        except OSError as exc:
+        except ChannelBroken as exc:
             log.warning("cannot reach the orchestrator: %s", exc)
             stage.channel_broken = True
 
@@ -188,10 +129,11 @@ class StageProcess:
         node_id: str,
         orchestrator_id: str,
         channel: ControlChannel,
-        lifeline_fd: int,
+        edges: ProcessEdges,
         worker: Worker,
         stop_s: float,
         trace: TraceLog,
+        lifeline_fd: int | None = None,
     ) -> None:
         self.stage_index = stage_index
         self.channel = channel
@@ -200,7 +142,7 @@ class StageProcess:
         self.stop_s = stop_s
         self.trace = trace
         self.parent_pid = os.getppid()
-        self.edges = ProcessEdges()
+        self.edges = edges
         self.timers: Deadlines[fsm.Timer] = Deadlines()
         self.controller = StageController(
             node_id,
@@ -220,10 +162,12 @@ class StageProcess:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._run: tuple[str, tuple[int, int]] | None = None  # run id, (inbound, outbound)
+        # What this stage frees when it goes: run id, its inbound edge, and the
+        # token-out edge if it is the last stage (freed only if the orchestrator is lost).
+        self._run: tuple[str, int, int | None] | None = None
         self._attach_at = 0.0
         self._output_since: float | None = None
-        self._waiter = Watch(self._wake_r)
+        self._waiter = Watch()
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
@@ -249,8 +193,9 @@ class StageProcess:
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> int:
-        watchdog = threading.Thread(target=self._watch, name="lifeline", daemon=True)
-        watchdog.start()
+        if self.lifeline_fd is not None:
+            watchdog = threading.Thread(target=self._watch, name="lifeline", daemon=True)
+            watchdog.start()
         try:
             while True:
                 self._check_lost()
@@ -263,8 +208,9 @@ class StageProcess:
                 self._wait()
         finally:
             self._done.set()
+            self.edges.detach()
             self._remove_resources()
-            self.channel.close()
+            self.channel.close()  # what waits to leave (StageStopped) goes first, bounded
 
     def _check_lost(self) -> None:
         if self._lost_flag.is_set() and self.lost is None:
@@ -291,7 +237,8 @@ class StageProcess:
             progress = False
             if self._run is None and c.provision is not None:
                 p = c.provision
-                self._run = (p.run_id, (p.inbound.edge_id, p.outbound.edge_id))
+                last = p.outbound.edge_id if p.outbound.kind is EdgeKind.TOKEN_OUT else None
+                self._run = (p.run_id, p.inbound.edge_id, last)
             if c.setup_pending:
                 start = now_us()
                 log.info("setup begins")
@@ -326,7 +273,7 @@ class StageProcess:
                 self._output_since = None
             if c.release_pending:
                 c.run_release()
-                self.edges.close()
+                self.edges.detach()
                 self._remove_resources()
                 progress = True
 
@@ -346,20 +293,12 @@ class StageProcess:
 
     def _wait(self) -> None:
         c = self.controller
-        data: FifoSignal | None = None
-        space: FifoSignal | None = None
-        if c.wants_input:
-            inbound = c.inbound
-            if inbound is not None and isinstance(inbound.ring, ShmRing):
-                data = inbound.ring.data_signal
-        if c.output_pending:
-            outbound = c.outbound
-            if outbound is not None and isinstance(outbound.ring, ShmRing):
-                space = outbound.ring.space_signal
-        control = -1 if self.channel.eof else self.channel.fileno()
-        data_fd = -1 if data is None else data.fileno()
-        space_fd = -1 if space is None else space.fileno()
-        watched = (control, data_fd, space_fd)
+        channel = self.channel
+        entries: tuple[Entry, ...] = (
+            (self._wake_r, IN),
+            *channel.watch(),
+            *self.edges.watch(want_input=c.wants_input, want_space=c.output_pending),
+        )
         now = time.monotonic()
         until = now + IDLE_WAKE_S
         due = self.timers.next_due()
@@ -369,22 +308,31 @@ class StageProcess:
             until = self._attach_at
         if self._output_since is not None and c.provision is not None:
             until = min(until, self._output_since + c.provision.timeouts.edge_wait_ms / 1000.0)
-        ready = self._waiter.poll(watched, max(0.0, until - now) * 1000.0)
+        ready = self._waiter.poll(entries, (until - now) * 1000.0)
         if not ready and os.getppid() != self.parent_pid:  # idle: a last look at the parent
             self._lose("the parent process is gone")
-        for fd, _ in ready:
-            if fd == data_fd and data is not None:
-                data.drain()
-            elif fd == space_fd and space is not None:
-                space.drain()
-            elif fd == self._wake_r:
+        control = channel.fileno()
+        for fd, events in ready:
+            if fd == self._wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
+            elif fd == control:
+                if events & OUT:
+                    self._flush_control()
+                if events & (IN | TROUBLE):
+                    self._read_control()
             else:
-                self._read_control()
+                self.edges.ready(fd, events)
         for timer in self.timers.expired(time.monotonic()):
             log.warning("timer %s ran out", timer.name)
             c.handle(fsm.TimerFired(timer))
+
+    def _flush_control(self) -> None:
+        try:
+            self.channel.flush()
+        except ChannelBroken as exc:
+            log.warning("cannot reach the orchestrator: %s", exc)
+            self.channel_broken = True
 
     def _drain_control(self) -> None:
         poller = select.poll()
@@ -408,6 +356,7 @@ class StageProcess:
     def _watch(self) -> None:
         """Wait on the lifeline; once it ends, wake the loop, and exit if the loop has not
         finished within the stop bound (a step that runs on)."""
+        assert self.lifeline_fd is not None
         with contextlib.suppress(OSError):
             while os.read(self.lifeline_fd, 1):
                 pass
@@ -430,12 +379,14 @@ class StageProcess:
             os.write(self._wake_w, b"!")
 
     def _remove_resources(self) -> None:
-        """Unlink both edges' shared memory and FIFOs (idempotent, any thread)."""
+        """Free what this stage owns: its inbound edge's resources on this host, and, if
+        the orchestrator is lost, the token-out edge's (idempotent, any thread)."""
         if self._run is None:
             return
-        run_id, edge_ids = self._run
-        for edge_id in edge_ids:
-            remove_edge(run_id, edge_id)
+        run_id, inbound, token_out = self._run
+        self.edges.inbound_medium.remove(run_id, inbound)
+        if token_out is not None and (self.lost is not None or self._lost_flag.is_set()):
+            self.edges.outbound_medium.remove(run_id, token_out)
         remove_run_dir(run_id)
 
 
@@ -445,24 +396,27 @@ class StageProcess:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m runtime_cupy.stage",
-        description="One pipeline stage process (started by the runtime_cupy launcher; "
-        "the run's secret is read from standard input).",
+        description="One pipeline stage process (started by the runtime_cupy launcher's "
+        "local-process host; the stages' secret is read from standard input).",
     )
-    p.add_argument("--run-id", required=True)
+    p.add_argument("--run-id", required=True, help="the run (for logs)")
     p.add_argument("--stage-index", type=int, required=True)
     p.add_argument("--node-id", required=True)
     p.add_argument("--orchestrator-id", required=True)
-    p.add_argument("--control-fd", type=int, required=True)
-    p.add_argument("--lifeline-fd", type=int, required=True)
+    p.add_argument("--control-fd", type=int, required=True, help="inherited control socket")
+    p.add_argument("--lifeline-fd", type=int, required=True, help="inherited lifeline pipe")
     p.add_argument("--worker", choices=WORKERS, default="numpy")
+    p.add_argument("--inbound", choices=MEDIA, default="shm", help="how the inbound edge moves")
+    p.add_argument("--outbound", choices=MEDIA, default="shm", help="how the outbound edge moves")
     p.add_argument("--stop-ms", type=int, default=10_000)
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--trace-file", type=Path, default=None)
-    p.add_argument("--inject-fault", type=InjectedFault.parse, action="append", default=[])
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, make: MakeWorker = make_worker) -> int:
+    """A stage process of the local host; ``make(name)`` makes its worker (a stage
+    entry of another kind may wrap the registry's)."""
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -472,27 +426,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         "%(levelname)s %(message)s",
     )
     try:
-        key = bytes.fromhex(sys.stdin.readline().strip())
+        secret = bytes.fromhex(sys.stdin.readline().strip())
     except ValueError:
-        log.error("no run secret on standard input")
-        return EXIT_USAGE
+        secret = b""
     sys.stdin.close()
+    if len(secret) != SECRET_BYTES:
+        log.error("no stage secret on standard input")
+        return EXIT_USAGE
     sock = socket.socket(fileno=args.control_fd)
+    key = control_key(secret, args.node_id)
     channel = ControlChannel(sock, key, args.node_id, args.orchestrator_id)
     worker: Worker
     try:
-        worker = make_worker(args.worker)
+        worker = make(args.worker)
     except WorkerUnavailable as exc:
         log.error("%s", exc)
         worker = UnavailableWorker(str(exc))
-    if args.inject_fault:
-        worker = FaultInjectingWorker(worker, args.inject_fault)
     trace = TraceLog(args.node_id, enabled=args.trace_file is not None)
     stage = StageProcess(
         stage_index=args.stage_index,
         node_id=args.node_id,
         orchestrator_id=args.orchestrator_id,
         channel=channel,
+        edges=ProcessEdges(local_medium(args.inbound), local_medium(args.outbound), secret),
         lifeline_fd=args.lifeline_fd,
         worker=worker,
         stop_s=args.stop_ms / 1000.0,
@@ -510,11 +466,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-if __name__ == "__main__":
-    status = main()
-    # Leave at once: the run's resources are freed, and tearing the interpreter down
-    # (NumPy, mapped weights) would only delay the end of file the orchestrator waits on.
+def exit_now(status: int) -> None:
+    """Leave at once: the run's resources are freed, and tearing the interpreter down
+    (NumPy, mapped weights) would only delay the end of file the orchestrator waits on."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+if __name__ == "__main__":
+    exit_now(main())

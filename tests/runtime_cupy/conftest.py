@@ -16,6 +16,7 @@ from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.runtime_cupy.hygiene import (
     SHM,
     TAG_VARIABLE,
+    listening_sockets,
     resources,
     tagged_processes,
     users,
@@ -28,14 +29,18 @@ if not sys.platform.startswith("linux"):
 
 @pytest.fixture(autouse=True)
 def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every test leaves no process and no shared memory or FIFO folder behind, even
-    when it fails: strays are killed and removed, then the test errors. What appeared
-    meanwhile but is in use by a process this test did not start (another test session
-    or a benchmark on the same host) is not this test's, and is left alone."""
+    """Every test leaves no process, no shared memory or run folder and no listening
+    port behind, even when it fails: strays are killed and removed, then the test
+    errors. What appeared meanwhile but is in use by a process this test did not start
+    (another test session or a benchmark on the same host) is not this test's, and is
+    left alone. A stage's listening ports die with it; the test process's own (the
+    orchestrator's token-out) are checked here."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VARIABLE, tag)  # inherited by every process a test starts
     before = resources()
+    ports_before = listening_sockets(os.getpid())
     yield
+    ports_left = sorted(set(listening_sockets(os.getpid())) - set(ports_before))
     stray = tagged_processes(tag)
     for pid in stray:
         with contextlib.suppress(ProcessLookupError):
@@ -49,6 +54,7 @@ def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             shutil.rmtree(path, ignore_errors=True)
     assert not stray, f"processes left running: {stray}"
     assert not left, f"resources left behind: {left}"
+    assert not ports_left, f"listening sockets left open: {ports_left}"
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,12 @@
 """An orchestrator in a process of its own, for tests that kill or interrupt it:
 
-    python tests/runtime_cupy/driver.py MODEL STAGES MAX_TOKENS FAULTS_JSON STOP_MS
+    python tests/runtime_cupy/driver.py MODEL STAGES MAX_TOKENS FAULTS_JSON STOP_MS EDGES
 
 Prints one JSON object per line to standard output as the run goes: ``{"run_id"}``,
 ``{"spawned": pid}`` per stage, ``{"ready": index}`` per ready stage, ``{"token": id}``
 per token, and at the end ``{"outcome", "fault", "tokens", "returncodes"}``; exits 0
-when the run completed, 1 when it faulted, 130 when it was cancelled."""
+when the run completed, 1 when it faulted, 130 when it was cancelled. ``FAULTS_JSON``
+maps stage indices to the faults ``tests.support.hosts.FaultyHost`` plays there."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from runplan.config import Timeouts
 from runplan.messages import StageReady
 from runtime_cupy.api import plan_for
 from runtime_cupy.launcher import ProcessRun
+from tests.support.hosts import FaultyHost
 
 
 def say(**fields: object) -> None:
@@ -25,7 +27,7 @@ def say(**fields: object) -> None:
 
 
 def main() -> int:
-    model, stages, max_tokens, faults, stop_ms = sys.argv[1:6]
+    model, stages, max_tokens, faults, stop_ms, edges = sys.argv[1:7]
     prompt = [1, 2, 3]
     timeouts = Timeouts(ready_ms=20_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=int(stop_ms))
     plan, devices = plan_for(
@@ -51,7 +53,8 @@ def main() -> int:
         devices=devices,
         on_token=lambda t: say(token=t),
         on_event=on_event,
-        stage_faults={int(k): v for k, v in json.loads(faults).items()},
+        host=FaultyHost({int(k): v for k, v in json.loads(faults).items()}),
+        edges=edges,
     )
     result = run.run()
     finished = result.finished

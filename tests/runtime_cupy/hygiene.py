@@ -1,5 +1,6 @@
 """What the process-runtime tests check after every run: no process left, no shared
-memory or FIFO folder left (Linux: /dev/shm and /proc)."""
+memory, run folder (FIFOs, rendezvous files) or listening port left (Linux: /dev/shm
+and /proc)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from runtime_cupy.edges.shm import PREFIX, run_dir, run_tag
+from runtime_cupy.names import PREFIX, run_dir, run_tag
 
 SHM = Path("/dev/shm")
 TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"
@@ -85,3 +86,35 @@ def users(path: str) -> list[int]:
         except OSError:  # gone, or not ours to read
             continue
     return [pid for pid in found if alive(pid)]
+
+
+def _listening_inodes() -> set[str]:
+    """Socket inodes of every TCP socket of the host in the LISTEN state."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":  # TCP_LISTEN
+                found.add(fields[9])
+    return found
+
+
+def listening_sockets(pid: int) -> list[str]:
+    """The listening TCP sockets process ``pid`` holds open (``socket:[inode]``)."""
+    listening = _listening_inodes()
+    held = []
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                held.append(target)
+    except OSError:
+        return []
+    return sorted(held)

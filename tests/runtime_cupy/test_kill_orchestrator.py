@@ -1,7 +1,8 @@
-"""The orchestrator's process SIGKILLed mid-run: its stages notice on their own (the
-control socket and the lifeline close), stop, unlink every shared-memory segment and
-FIFO of the run (the orchestrator's own token-out ring too), and exit within the stop
-timeout, also one stuck in a long step."""
+"""The orchestrator's process SIGKILLed mid-run, with shared-memory and with TCP edges:
+its stages notice on their own (the control socket and the lifeline close), stop, free
+every resource of the run (segments, FIFOs, rendezvous files; the orchestrator's own
+token-out edge too), and exit within the stop timeout, also one stuck in a long step.
+No listening port outlives its process."""
 
 from __future__ import annotations
 
@@ -23,18 +24,21 @@ from tests.runtime_cupy.hygiene import alive, run_resources, wait_gone
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("driver.py")
 STOP_MS = 2_000
+EDGES = pytest.mark.parametrize("edges", ["shm", "tcp"])
 
 
 class Driver:
     """``driver.py`` in a process of its own, its JSON lines read by a thread."""
 
-    def __init__(self, model: str, faults: dict[int, list[str]], log: Path) -> None:
+    def __init__(
+        self, model: str, faults: dict[int, list[str]], log: Path, edges: str = "shm"
+    ) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
         self.log = log
         self._err = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(DRIVER), model, "3", "8", json.dumps(faults), str(STOP_MS)],
+            [sys.executable, str(DRIVER), model, "3", "8", json.dumps(faults), str(STOP_MS), edges],
             stdout=subprocess.PIPE,
             stderr=self._err,
             text=True,
@@ -77,11 +81,12 @@ class Driver:
         self._err.close()
 
 
+@EDGES
 def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_mid_decode(
-    tiny: str, tmp_path: Path
+    tiny: str, tmp_path: Path, edges: str
 ) -> None:
     # Stage 1 sleeps 60 s in step 2: the orchestrator dies while it is stuck there.
-    driver = Driver(tiny, {1: ["step-delay=2:60"]}, tmp_path / "driver.log")
+    driver = Driver(tiny, {1: ["step-delay=2:60"]}, tmp_path / "driver.log", edges)
     driver.until("token", 2)
     driver.until_logged("step 2 delayed")  # stage 1 is in its long step
     assert len(driver.pids) == 3 and all(alive(p) for p in driver.pids)
@@ -97,12 +102,13 @@ def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_mid_decode(
     assert "not stopped within" in log  # the stuck one left through its watchdog
 
 
+@EDGES
 def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_before_ready(
-    tiny: str, tmp_path: Path
+    tiny: str, tmp_path: Path, edges: str
 ) -> None:
     # Stage 2 takes 60 s to set up: when the orchestrator dies, stage 0 is ready and idle,
     # stage 1 waits for stage 2's ring, stage 2 sleeps in its setup.
-    driver = Driver(tiny, {2: ["setup-delay=60"]}, tmp_path / "driver.log")
+    driver = Driver(tiny, {2: ["setup-delay=60"]}, tmp_path / "driver.log", edges)
     driver.until("ready", 1)
     assert len(driver.pids) == 3
     driver.kill()

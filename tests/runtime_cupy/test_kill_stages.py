@@ -1,6 +1,7 @@
-"""A stage process SIGKILLed before it is ready, during prefill and during decode: the
-run faults naming that stage, its node and the signal; every other stage stops on
-``StopRun``; every process is reaped and nothing is left in /dev/shm."""
+"""A stage process SIGKILLed before it is ready, during prefill and during decode, with
+shared-memory and with TCP edges: the run faults naming that stage, its node and the
+signal; every other stage stops on ``StopRun``; every process is reaped and nothing is
+left (no segment, no run folder, no listening port: the conftest checks the last)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from runplan.config import Timeouts
 from runtime_cupy import GenerateResult, generate
 from tests.runtime_cupy.hygiene import alive, run_resources
+from tests.support.hosts import FaultyHost
 
-TIMEOUTS = Timeouts(ready_ms=20_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=3_000)
+# A generous stop bound: on a loaded machine a stage told to stop while it is still
+# starting (importing NumPy) answers only seconds later.
+TIMEOUTS = Timeouts(ready_ms=30_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=15_000)
+EDGES = pytest.mark.parametrize("edges", ["shm", "tcp"])
 
 
 class Killer:
@@ -69,8 +76,9 @@ def _assert_faulted_and_clean(result: GenerateResult, stage: int, killer: Killer
     assert run_resources(result.plan.run_id) == []
 
 
-def test_kill_a_stage_before_it_is_ready(tiny: str, tmp_path: Path) -> None:
-    # The last stage would take 30 s to set up; it dies as soon as it is started.
+@EDGES
+def test_kill_a_stage_before_it_is_ready(tiny: str, tmp_path: Path, edges: str) -> None:
+    # The last stage would take 60 s to set up; it dies as soon as it is started.
     killer = Killer(2, tmp_path, None)
     began = time.monotonic()
     result = generate(
@@ -79,17 +87,19 @@ def test_kill_a_stage_before_it_is_ready(tiny: str, tmp_path: Path) -> None:
         stages=3,
         max_tokens=8,
         timeouts=TIMEOUTS,
-        log_dir=tmp_path,
-        stage_faults={2: ["setup-delay=30"]},
+        host=FaultyHost({2: ["setup-delay=60"]}, log_dir=tmp_path),
+        edges=edges,
         on_event=killer.on_event,
     )
     assert result.tokens == ()  # nothing was injected: the barrier never passed
     assert result.ttft_us is None and result.load_s is None
-    assert time.monotonic() - began < 15
+    assert time.monotonic() - began < 40  # not the 60 s setup
+    assert set(result.media) == {edges}
     _assert_faulted_and_clean(result, 2, killer)
 
 
-def test_kill_a_stage_during_prefill(tiny: str, tmp_path: Path) -> None:
+@EDGES
+def test_kill_a_stage_during_prefill(tiny: str, tmp_path: Path, edges: str) -> None:
     killer = Killer(1, tmp_path, "step 0 begins")
     result = generate(
         tiny,
@@ -97,8 +107,8 @@ def test_kill_a_stage_during_prefill(tiny: str, tmp_path: Path) -> None:
         stages=3,
         max_tokens=8,
         timeouts=TIMEOUTS,
-        log_dir=tmp_path,
-        stage_faults={1: ["step-delay=0:30"]},
+        host=FaultyHost({1: ["step-delay=0:30"]}, log_dir=tmp_path),
+        edges=edges,
         on_event=killer.on_event,
     )
     assert result.tokens == ()
@@ -106,7 +116,8 @@ def test_kill_a_stage_during_prefill(tiny: str, tmp_path: Path) -> None:
     _assert_faulted_and_clean(result, 1, killer)
 
 
-def test_kill_a_stage_during_decode(tiny: str, tmp_path: Path) -> None:
+@EDGES
+def test_kill_a_stage_during_decode(tiny: str, tmp_path: Path, edges: str) -> None:
     killer = Killer(0, tmp_path, "step 3 begins")
     result = generate(
         tiny,
@@ -114,8 +125,8 @@ def test_kill_a_stage_during_decode(tiny: str, tmp_path: Path) -> None:
         stages=3,
         max_tokens=8,
         timeouts=TIMEOUTS,
-        log_dir=tmp_path,
-        stage_faults={0: ["step-delay=3:30"]},
+        host=FaultyHost({0: ["step-delay=3:30"]}, log_dir=tmp_path),
+        edges=edges,
         on_event=killer.on_event,
     )
     assert len(result.tokens) == 3  # sequences 0, 1, 2 came back; 3 never did

@@ -1,9 +1,11 @@
-"""The control channel: authenticated frames of ``runplan.wire`` bytes. Bad input (garbage,
-a stale or unknown run id, a message from the wrong peer) is refused and logged, and
-the stage keeps serving its run."""
+"""The control channel: authenticated, numbered frames of ``runplan.wire`` bytes. Bad input
+(garbage, a frame of another run, another stage or a forger, a replayed or reordered
+frame, a stale or unknown run id, a message from the wrong peer) is refused and logged,
+and the stage and the orchestrator keep serving their run."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -23,20 +25,28 @@ from runtime_cupy.control import (
     Refused,
     decode_frame,
     encode_frame,
-    new_key,
 )
+from runtime_cupy.keys import control_key, new_secret
 from runtime_cupy.launcher import ProcessRun
 from tests.runtime_cupy.hygiene import run_resources
+from tests.support.hosts import TapHost
 
-KEY = new_key()
+KEY = control_key(new_secret(), "stage-0")
 STOP = StopRun("r", StopReason.CANCELLED)
 
 
-def test_a_frame_round_trips_and_names_its_sender() -> None:
+def test_a_frame_round_trips_and_names_its_sender_and_number() -> None:
     msg = StageReady("run-1", 2, "stage-2")
-    frame = encode_frame(KEY, "stage-2", "orchestrator", msg)
+    frame = encode_frame(KEY, "stage-2", "orchestrator", 7, msg)
     assert frame.endswith(b"\n") and frame.count(b"\n") == 1
-    assert decode_frame(KEY, "orchestrator", frame[:-1]) == Incoming("stage-2", msg)
+    assert decode_frame(KEY, "orchestrator", frame[:-1]) == (7, Incoming("stage-2", msg))
+
+
+def test_each_stage_has_its_own_key() -> None:
+    secret = new_secret()
+    assert control_key(secret, "stage-0") != control_key(secret, "stage-1")
+    assert control_key(secret, "stage-0") == control_key(secret, "stage-0")
+    assert control_key(new_secret(), "stage-0") != control_key(secret, "stage-0")
 
 
 @pytest.mark.parametrize(
@@ -44,9 +54,13 @@ def test_a_frame_round_trips_and_names_its_sender() -> None:
     [
         (b"", "not a frame"),
         (b"\x00\xff garbage \x01", "not a frame"),
-        (b"ab cd {}", "not a frame"),
-        (encode_frame(new_key(), "orchestrator", "stage-0", STOP), "bad MAC"),  # another key
-        (encode_frame(KEY, "orchestrator", "stage-1", STOP), "bad MAC"),  # for another node
+        (b"ab cd 0 {}", "not a frame"),
+        (b"ab cd -1 {}", "not a frame"),
+        (encode_frame(control_key(new_secret(), "stage-0"), "orchestrator", "stage-0", 0, STOP),
+         "bad MAC"),  # another run's secret
+        (encode_frame(control_key(new_secret(), "stage-1"), "orchestrator", "stage-0", 0, STOP),
+         "bad MAC"),  # another stage's key
+        (encode_frame(KEY, "orchestrator", "stage-1", 0, STOP), "bad MAC"),  # for another node
     ],
 )  # fmt: skip
 def test_what_is_not_an_authentic_frame_for_this_receiver_is_refused(
@@ -57,31 +71,37 @@ def test_what_is_not_an_authentic_frame_for_this_receiver_is_refused(
 
 
 def test_a_tampered_frame_is_refused() -> None:
-    frame = encode_frame(KEY, "orchestrator", "stage-0", StopRun("run-1", StopReason.CANCELLED))
+    frame = encode_frame(KEY, "orchestrator", "stage-0", 3, StopRun("run-1", StopReason.CANCELLED))
     with pytest.raises(FrameError, match="bad MAC"):
         decode_frame(KEY, "stage-0", frame[:-1].replace(b"run-1", b"run-2"))
+    with pytest.raises(FrameError, match="bad MAC"):  # its number changed
+        decode_frame(KEY, "stage-0", frame[:-1].replace(b" 3 ", b" 4 "))
+
+
+def _read_all(reader: ControlChannel, write: threading.Thread) -> list[Incoming | Refused]:
+    items: list[Incoming | Refused] = []
+    write.start()
+    deadline = time.monotonic() + 20
+    while not reader.eof and time.monotonic() < deadline:
+        time.sleep(0.001)
+        items += reader.receive()
+    write.join(20)
+    return items
 
 
 def test_a_reader_resynchronises_after_garbage_and_over_long_lines() -> None:
     a, b = socket.socketpair()
     try:
         reader = ControlChannel(a, KEY, "stage-0", "orchestrator")
-        writer = ControlChannel(b, KEY, "orchestrator", "stage-0")
         stop = StopRun("run-1", StopReason.COMPLETED)
-        items: list[Incoming | Refused] = []
 
         def write() -> None:
-            writer.send_raw(b"\x00garbage\n")
-            writer.send_raw(b"x" * (MAX_FRAME_BYTES + 10) + b"\n")
-            writer.send(stop)
+            b.sendall(b"\x00garbage\n")
+            b.sendall(b"x" * (MAX_FRAME_BYTES + 10) + b"\n")
+            b.sendall(encode_frame(KEY, "orchestrator", "stage-0", 0, stop))
             b.shutdown(socket.SHUT_WR)
 
-        thread = threading.Thread(target=write)
-        thread.start()
-        deadline = time.monotonic() + 20
-        while not reader.eof and time.monotonic() < deadline:
-            items += reader.receive()
-        thread.join(20)
+        items = _read_all(reader, threading.Thread(target=write))
         refused = [i for i in items if isinstance(i, Refused)]
         assert len(refused) == 2 and "not a frame" in refused[0].reason
         assert "over" in refused[1].reason
@@ -91,57 +111,135 @@ def test_a_reader_resynchronises_after_garbage_and_over_long_lines() -> None:
         b.close()
 
 
-def test_bad_control_input_is_refused_logged_and_the_run_goes_on(tiny: str, tmp_path: Path) -> None:
-    prompt = [4, 5, 6]
+def test_replayed_and_reordered_frames_are_refused_and_the_next_one_is_read() -> None:
+    a, b = socket.socketpair()
+    try:
+        reader = ControlChannel(a, KEY, "stage-0", "orchestrator")
+        frames = [
+            encode_frame(
+                KEY, "orchestrator", "stage-0", n, StopRun(f"run-{n}", StopReason.CANCELLED)
+            )
+            for n in range(4)
+        ]
+
+        def write() -> None:
+            b.sendall(frames[0])
+            b.sendall(frames[0])  # captured and sent again
+            b.sendall(frames[2])  # ahead of frame 1: reordered
+            b.sendall(frames[1])
+            b.sendall(frames[1])  # again
+            b.sendall(frames[2])
+            b.sendall(frames[3])
+            b.shutdown(socket.SHUT_WR)
+
+        items = _read_all(reader, threading.Thread(target=write))
+        accepted = [i.message for i in items if isinstance(i, Incoming)]
+        assert [m.run_id for m in accepted if isinstance(m, StopRun)] == [
+            "run-0", "run-1", "run-2", "run-3"
+        ]  # fmt: skip
+        refused = [i.reason for i in items if isinstance(i, Refused)]
+        assert refused == [
+            "replayed frame: number 0, expected 1",
+            "out of order frame: number 2, expected 1",
+            "replayed frame: number 1, expected 2",
+        ]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_send_to_a_peer_that_does_not_read_never_blocks() -> None:
+    a, b = socket.socketpair()
+    try:
+        writer = ControlChannel(a, KEY, "orchestrator", "stage-0")
+        big = StopRun("r" * 60, StopReason.CANCELLED)
+        began = time.monotonic()
+        for _ in range(20_000):  # far more than the socket buffers hold
+            writer.send(big)
+        assert time.monotonic() - began < 5  # no send waited for the reader
+        assert writer.wants_write  # the rest waits for the loop to see the socket writable
+    finally:
+        a.close()
+        b.close()
+
+
+def _plan(tiny: str, prompt: list[int]) -> RunPlan:
     timeouts = Timeouts(ready_ms=20_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=5_000)
+    plan, _ = plan_for(
+        tiny,
+        stages=2,
+        prompt_len=len(prompt),
+        max_tokens=6,
+        sampling=SamplingConfig(),
+        return_logits=False,
+        timeouts=timeouts,
+    )
+    return plan
 
-    def new_plan() -> RunPlan:
-        plan, _ = plan_for(
-            tiny,
-            stages=2,
-            prompt_len=len(prompt),
-            max_tokens=6,
-            sampling=SamplingConfig(),
-            return_logits=False,
-            timeouts=timeouts,
-        )
-        return plan
 
-    clean = ProcessRun(new_plan(), prompt).run()
+def test_bad_control_input_is_refused_logged_and_the_run_goes_on(
+    tiny: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompt = [4, 5, 6]
+    clean = ProcessRun(_plan(tiny, prompt), prompt).run()
     assert clean.finished is not None and clean.finished.outcome is StopReason.COMPLETED
 
     forged: list[int] = []
+    host = TapHost(log_dir=tmp_path)
+    plan = _plan(tiny, prompt)
 
     def forge(token: int) -> None:  # on the first token: every stage is running
         if forged:
             return
         forged.append(token)
-        for stage in run.stages:
-            ch = stage.channel
-            node = stage.node_id
-            ch.send_raw(b"\x00\xff\xfe not a frame at all\n")
-            ch.send_raw(b'{"type": "StopRun"}\n')  # wire bytes without a MAC
+        secret = host.secret
+        for index, tap in host.taps.items():
+            node = plan.stages[index].node_id
+            key = control_key(secret, node)
             previous = StopRun("run-previous", StopReason.CANCELLED)
+            tap.to_stage(b"\x00\xff\xfe not a frame at all\n")
+            tap.to_stage(b'{"type": "StopRun"}\n')  # wire bytes without a MAC
             # The previous run's orchestrator: another secret.
-            ch.send_raw(encode_frame(new_key(), "orchestrator", node, previous))
-            # A run id that is not this stage's run, signed with this run's secret.
-            ch.send_raw(encode_frame(run.key, "orchestrator", node, previous))
-            # The wrong peer: a StopRun for this very run from another node.
-            stop = StopRun(plan.run_id, StopReason.CANCELLED)
-            ch.send_raw(encode_frame(run.key, "stage-9", node, stop))
+            tap.to_stage(
+                encode_frame(control_key(new_secret(), node), "orchestrator", node, 1, previous)
+            )
+            # A frame for the other stage, sent on this stage's channel.
+            other = plan.stages[1 - index].node_id
+            tap.to_stage(
+                encode_frame(control_key(secret, other), "orchestrator", node, 1, previous)
+            )
+            # The provision this stage got, captured on the wire and sent again.
+            assert len(tap.sent_to_stage) == 1
+            tap.to_stage(tap.sent_to_stage[0])
+            # A frame signed with this stage's key, but numbered past the next one.
+            tap.to_stage(encode_frame(key, "orchestrator", node, 5, previous))
+            # Frames that pass the channel and reach the state machine: a run id that is
+            # not this stage's run, and a StopRun for this very run from another node.
+            tap.forge_to_stage("orchestrator", previous)
+            tap.forge_to_stage("stage-9", StopRun(plan.run_id, StopReason.CANCELLED))
+            # To the orchestrator: the stage's StageReady, captured and sent again.
+            assert len(tap.sent_to_orchestrator) == 1
+            tap.to_orchestrator(tap.sent_to_orchestrator[0])
 
-    plan = new_plan()
-    run = ProcessRun(plan, prompt, on_token=forge, log_dir=tmp_path)
-    result = run.run()
+    run = ProcessRun(plan, prompt, on_token=forge, host=host)
+    with caplog.at_level(logging.WARNING, logger="runtime_cupy.launcher"):
+        result = run.run()
+    assert forged, "the run never got to its first token"
     assert result.finished is not None
     assert result.finished.outcome is StopReason.COMPLETED  # nothing of it stopped the run
     assert result.tokens == clean.tokens and len(result.tokens) == 6
-    assert all(s.returncode == 0 for s in result.stages)
+    assert all(s.returncode == 0 for s in result.stages)  # each stopped on its StopRun
     for stage in result.stages:
         log = (tmp_path / f"stage-{stage.stage_index}.log").read_text()
-        assert log.count("refused a control frame") == 3, log
-        assert log.count("not a frame") == 2 and log.count("bad MAC") == 1
+        assert log.count("refused a control frame") == 6, log
+        assert log.count("not a frame") == 2 and log.count("bad MAC") == 2
+        assert "replayed frame: number 0, expected 1" in log
+        assert "out of order frame: number 5, expected 1" in log
         assert "authentic frame" not in log
         assert "rejected from 'orchestrator': UNKNOWN_RUN" in log
         assert "rejected from 'stage-9': UNAUTHORIZED_SENDER" in log
+    replays = [r for r in caplog.records if "replayed frame: number 0, expected 1" in r.message]
+    assert len(replays) == 2  # the orchestrator refused each stage's StageReady again
+    for tap in host.taps.values():
+        tap.join(10)
     assert run_resources(plan.run_id) == []

@@ -11,16 +11,24 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from runplan.config import Timeouts
 from runtime_cupy import generate
 from tests.runtime_cupy.hygiene import alive, run_resources, wait_gone
 from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
+from tests.support.hosts import FaultyHost
 
 
 def test_a_failed_step_faults_the_run_naming_the_stage(tiny: str) -> None:
     timeouts = Timeouts(ready_ms=20_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=5_000)
     result = generate(
-        tiny, [1, 2], stages=3, max_tokens=8, timeouts=timeouts, stage_faults={1: ["step-fail=2"]}
+        tiny,
+        [1, 2],
+        stages=3,
+        max_tokens=8,
+        timeouts=timeouts,
+        host=FaultyHost({1: ["step-fail=2"]}),
     )
     assert result.outcome == "faulted"
     assert result.fault_stage == 1 and result.fault_node == "stage-1"
@@ -43,7 +51,7 @@ def test_a_token_that_does_not_come_in_time_faults_the_run(tiny: str) -> None:
         stages=3,
         max_tokens=8,
         timeouts=timeouts,
-        stage_faults={1: ["step-delay=1:30"]},
+        host=FaultyHost({1: ["step-delay=1:30"]}),
     )
     assert result.outcome == "faulted" and result.fault_stage is None
     assert result.fault == "orchestrator (node orchestrator): timeout: token 1 not produced in time"
@@ -54,8 +62,9 @@ def test_a_token_that_does_not_come_in_time_faults_the_run(tiny: str) -> None:
     assert run_resources(result.plan.run_id) == []
 
 
-def test_ctrl_c_cancels_the_run_and_cleans_up(tiny: str, tmp_path: Path) -> None:
-    driver = Driver(tiny, {1: ["step-delay=2:60"]}, tmp_path / "driver.log")
+@pytest.mark.parametrize("edges", ["shm", "tcp"])
+def test_ctrl_c_cancels_the_run_and_cleans_up(tiny: str, tmp_path: Path, edges: str) -> None:
+    driver = Driver(tiny, {1: ["step-delay=2:60"]}, tmp_path / "driver.log", edges)
     driver.until("token", 2)
     driver.until_logged("step 2 delayed")
     driver.proc.send_signal(signal.SIGINT)

@@ -1,1 +1,5 @@
-"""How an edge moves bytes between processes: shared memory on one host (``shm``)."""
+"""How an edge moves bytes between processes: the port (``base``: ``EdgeMedium``,
+``ProcessRing``, ``ProcessEdges``, ``Rendezvous``), shared memory on one host (``shm``),
+TCP between hosts (``tcp``: the medium; ``tcp_consumer``, ``tcp_producer`` and
+``tcp_frames``: its two ends and what they share; ``handshake``), and the choice between
+them (``choice``)."""

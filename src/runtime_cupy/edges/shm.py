@@ -1,57 +1,80 @@
 """Edges between processes on one host (EDGES_AND_WORKERS.md §2-§3): each edge is the
 ``runtime_core`` ring over a POSIX shared-memory segment, woken through two named FIFOs.
 
-Every resource of an edge is named from ``(run_id, edge_id)`` alone, so whoever tears a
-run down finds and frees all of it, also what a killed process created:
+Every resource of an edge is named from ``(run_id, edge_id)`` alone (``names``), so
+whoever tears a run down finds and frees all of it, also what a killed process created:
 
     segment   /gpp-<tag>-<edge_id>              the ring: 64-byte control block, then slots
     FIFOs     <tmp>/gpp-<tag>/e<edge_id>.data    wakes the consumer (published, or closed)
               <tmp>/gpp-<tag>/e<edge_id>.space   wakes the producer (released, or closed)
 
-``<tag>`` is the first 12 hex digits of the SHA-256 of the run id: names stay short
-(a segment name is at most 31 bytes on macOS) and every resource of one run shares the
-prefix ``gpp-<tag>``. The consumer's end creates the FIFOs, then the segment; the
-producer's end attaches once the segment exists at its full size.
+The consumer's end creates the FIFOs, then the segment; the producer's end attaches
+once the segment exists at its full size. A wake-up is one byte written to the FIFO
+(non-blocking; a full FIFO is already a pending wake-up); a waiter polls the FIFO's
+descriptor and drains it. Both ends open both FIFOs read-write, so neither open blocks
+and neither end sees end-of-file.
 
-A wake-up is one byte written to the FIFO (non-blocking; a full FIFO is already a
-pending wake-up); a waiter polls the FIFO's descriptor and drains it. Both ends open
-both FIFOs read-write, so neither open blocks and neither end sees end-of-file.
+Memory order. The producer writes a record's bytes into its slot, then the ``published``
+counter (one aligned 8-byte store); the consumer reads the counter, then the slot. Each
+of these is a separate call into CPython's C code, which the C compiler cannot reorder,
+but the processor may: only a machine whose stores become visible to other cores in
+program order, and whose loads are not reordered with older loads, makes this safe
+without fences. x86-64 (total store order) is such a machine; ARM and POWER are not,
+and Python has no portable fence. So this medium runs on x86-64 only and refuses
+elsewhere (``EdgeSetupError``), where ``--edges tcp`` moves the bytes through the
+kernel instead (whose system calls order them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import importlib
 import mmap
 import os
+import platform
 import select
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from runplan import ProvisionStage, RunPlan
-from runplan.header import HeaderCheck
 from runplan.plan import RingSpec
-from runtime_core.edges import ReceiveEnd, SendEnd
-from runtime_core.ring import Ring, ring_bytes
+from runtime_core.ring import ring_bytes
+from runtime_cupy.edges.base import EdgeSetupError, ProcessRing
+from runtime_cupy.names import PREFIX, in_run_dir, remove_run_dir, run_dir, run_tag
+from runtime_cupy.poller import IN, Entry
 
 # CPython's binding of shm_open / shm_unlink (what multiprocessing.shared_memory uses).
 # Used directly so that no process starts multiprocessing's resource tracker, which
 # would unlink segments behind our back when an attaching process exits.
 _posixshmem: Any = importlib.import_module("_posixshmem")
 
-#: The prefix of every shared-memory segment and run folder of this runtime.
-PREFIX = "gpp-"
 #: The longest shared-memory name (leading slash included) that macOS accepts.
 MAX_SEGMENT_NAME = 31
+#: Machines whose memory order makes a ring without fences safe (see the docstring).
+ORDERED_MACHINES = ("x86_64", "amd64")
+
+__all__ = [
+    "MAX_SEGMENT_NAME",
+    "PREFIX",
+    "FifoSignal",
+    "Segment",
+    "ShmMedium",
+    "ShmRing",
+    "remove_edge",
+    "remove_run",
+    "run_dir",
+    "run_tag",
+    "segment_name",
+    "shm_supported",
+    "signal_paths",
+    "unlink_segment",
+]
 
 
-def run_tag(run_id: str) -> str:
-    """12 hex digits that stand for ``run_id`` in resource names."""
-    return hashlib.sha256(run_id.encode("utf-8")).hexdigest()[:12]
+def shm_supported(machine: str | None = None) -> bool:
+    """Whether shared-memory rings are safe on ``machine`` (default: this one)."""
+    return (machine or platform.machine()).lower() in ORDERED_MACHINES
 
 
 def segment_name(run_id: str, edge_id: int) -> str:
@@ -60,11 +83,6 @@ def segment_name(run_id: str, edge_id: int) -> str:
     if len(name) + 1 > MAX_SEGMENT_NAME:
         raise ValueError(f"edge id {edge_id} makes the segment name {name!r} too long")
     return name
-
-
-def run_dir(run_id: str) -> Path:
-    """The folder that holds a run's FIFOs."""
-    return Path(tempfile.gettempdir()) / f"{PREFIX}{run_tag(run_id)}"
 
 
 def signal_paths(run_id: str, edge_id: int) -> tuple[Path, Path]:
@@ -176,36 +194,14 @@ class FifoSignal:
             self._fd = -1
 
 
-class Watch:
-    """A poll object over a wake-up pipe's read end and a set of descriptors (``-1``
-    for none), made anew only when the set changes: a run's steps wait on the same
-    set, and building and registering a poll object per wait is a cost per hop."""
-
-    def __init__(self, wake_fd: int) -> None:
-        self._wake_fd = wake_fd
-        self._watched: tuple[int, ...] | None = None
-        self._poller = select.poll()
-
-    def poll(self, fds: tuple[int, ...], timeout_ms: float) -> list[tuple[int, int]]:
-        """``poll(2)`` on the wake-up pipe and ``fds`` (readable), for ``timeout_ms``."""
-        if fds != self._watched:
-            self._watched = fds
-            self._poller = select.poll()
-            for fd in (self._wake_fd, *fds):
-                if fd >= 0:
-                    self._poller.register(fd, select.POLLIN)
-        return self._poller.poll(timeout_ms)
-
-
-def _make_fifo(path: Path) -> None:
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    os.mkfifo(path, 0o600)
+def _make_fifo(run_id: str, path: Path) -> None:
+    in_run_dir(run_id, lambda _folder: os.mkfifo(path, 0o600))
 
 
 # -- rings -------------------------------------------------------------------------------
 
 
-class ShmRing(Ring):
+class ShmRing(ProcessRing):
     """A ring in a shared-memory segment with FIFO wake-ups."""
 
     def __init__(
@@ -215,14 +211,15 @@ class ShmRing(Ring):
         self.segment = segment
         self.data_signal = data
         self.space_signal = space
+        self._consumer = True
 
     @classmethod
     def create(cls, run_id: str, edge_id: int, spec: RingSpec) -> ShmRing:
         """The consumer's end: make the FIFOs, then the segment (``FileExistsError``
         if this edge of this run already has its consumer)."""
         data_path, space_path = signal_paths(run_id, edge_id)
-        _make_fifo(data_path)
-        _make_fifo(space_path)
+        _make_fifo(run_id, data_path)
+        _make_fifo(run_id, space_path)
         data, space = FifoSignal(data_path), FifoSignal(space_path)
         try:
             segment = Segment.create(segment_name(run_id, edge_id), ring_bytes(spec))
@@ -250,7 +247,20 @@ class ShmRing(Ring):
             data.close()
             segment.close()
             return None
-        return cls(spec, segment, data, space)
+        ring = cls(spec, segment, data, space)
+        ring._consumer = False
+        return ring
+
+    # -- what the event loop waits on ---------------------------------------------------
+    def watch(self, want: bool) -> tuple[Entry, ...]:
+        if not want:
+            return ()
+        signal = self.data_signal if self._consumer else self.space_signal
+        fd = signal.fileno()
+        return ((fd, IN),) if fd >= 0 else ()
+
+    def ready(self, fd: int, events: int) -> None:
+        (self.data_signal if self._consumer else self.space_signal).drain()
 
     def detach(self) -> None:
         """Close this process's hold on the ring (the names stay until removed)."""
@@ -259,6 +269,30 @@ class ShmRing(Ring):
         self.segment.close()
         self.data_signal.close()
         self.space_signal.close()
+
+
+class ShmMedium:
+    """Shared memory, for both ends of an edge on one host (x86-64 only)."""
+
+    name = "shm"
+
+    def _check(self) -> None:
+        if not shm_supported():
+            raise EdgeSetupError(
+                f"shared-memory edges need x86-64's store order; this machine is "
+                f"{platform.machine()!r}: use --edges tcp"
+            )
+
+    def create(self, run_id: str, edge_id: int, spec: RingSpec, key: bytes) -> ShmRing:
+        self._check()
+        return ShmRing.create(run_id, edge_id, spec)
+
+    def attach(self, run_id: str, edge_id: int, spec: RingSpec, key: bytes) -> ShmRing | None:
+        self._check()
+        return ShmRing.attach(run_id, edge_id, spec)
+
+    def remove(self, run_id: str, edge_id: int) -> None:
+        remove_edge(run_id, edge_id)
 
 
 def remove_edge(run_id: str, edge_id: int) -> None:
@@ -270,76 +304,7 @@ def remove_edge(run_id: str, edge_id: int) -> None:
 
 
 def remove_run(run_id: str, edge_ids: tuple[int, ...] | list[int]) -> None:
-    """Unlink every resource of a run's edges and its folder, if empty."""
+    """Unlink every shared-memory resource of a run's edges and its folder, if empty."""
     for edge_id in edge_ids:
         remove_edge(run_id, edge_id)
     remove_run_dir(run_id)
-
-
-def remove_run_dir(run_id: str) -> None:
-    """Remove the run's folder if it is empty (another process may still own FIFOs in
-    it; whoever removes the last one removes the folder)."""
-    with contextlib.suppress(FileNotFoundError, OSError):
-        run_dir(run_id).rmdir()
-
-
-# -- the transport ------------------------------------------------------------------------
-
-
-class ProcessEdges:
-    """The ``Transport`` of a stage process and the ``OrchestratorTransport`` of the
-    launcher: receive ends make their ring, send ends attach to their consumer's."""
-
-    def __init__(self) -> None:
-        self.rings: dict[int, ShmRing] = {}
-
-    def _create(self, run_id: str, edge_id: int, spec: RingSpec) -> ShmRing:
-        ring = self.rings[edge_id] = ShmRing.create(run_id, edge_id, spec)
-        return ring
-
-    def _attach(self, run_id: str, edge_id: int, spec: RingSpec) -> ShmRing | None:
-        ring = ShmRing.attach(run_id, edge_id, spec)
-        if ring is not None:
-            self.rings[edge_id] = ring
-        return ring
-
-    # -- stages ----------------------------------------------------------------------
-    def open_inbound(self, provision: ProvisionStage) -> ReceiveEnd:
-        edge = provision.inbound
-        ring = self._create(provision.run_id, edge.edge_id, edge.ring_spec)
-        check = HeaderCheck.for_edge(
-            provision.run_id, edge.edge_id, edge.object_spec, provision.model.hidden_dim
-        )
-        return ReceiveEnd(ring, check)
-
-    def open_outbound(self, provision: ProvisionStage) -> SendEnd | None:
-        edge = provision.outbound
-        ring = self._attach(provision.run_id, edge.edge_id, edge.ring_spec)
-        if ring is None:
-            return None
-        return SendEnd(ring, provision.run_id, edge.edge_id, edge.object_spec)
-
-    # -- the orchestrator ------------------------------------------------------------------
-    def open_token_out(self, plan: RunPlan) -> ReceiveEnd:
-        edge = plan.token_out
-        ring = self._create(plan.run_id, edge.edge_id, edge.ring_spec)
-        check = HeaderCheck.for_edge(
-            plan.run_id, edge.edge_id, edge.object_spec, plan.model.hidden_dim
-        )
-        return ReceiveEnd(ring, check)
-
-    def open_token_in(self, plan: RunPlan) -> SendEnd | None:
-        edge = plan.token_in
-        ring = self._attach(plan.run_id, edge.edge_id, edge.ring_spec)
-        if ring is None:
-            return None
-        return SendEnd(ring, plan.run_id, edge.edge_id, edge.object_spec)
-
-    def ring(self, edge_id: int) -> ShmRing | None:
-        return self.rings.get(edge_id)
-
-    def close(self) -> None:
-        """Detach every ring this process opened."""
-        for ring in self.rings.values():
-            ring.detach()
-        self.rings.clear()

@@ -1,0 +1,298 @@
+"""The local-process host: every stage is an OS process on this machine, started as
+``python -m runtime_cupy.stage ...`` (recognisable in ``ps``).
+
+- **Control channel**: one end of a Unix socket pair, inherited (``--control-fd``).
+- **Secret**: one hex line on the stage's standard input, never on a command line.
+- **Gone**: the stage's end of the channel closes when its process ends, however it
+  ends (SIGKILL included); the launcher reaps it and reads its exit status. The other
+  way round, the stage inherits the read end of a pipe (``--lifeline-fd``) whose write
+  end only the launcher holds: it reaches end of file the moment the launcher's process
+  is gone, and the stage stops on its own.
+- **Devices and threads**: a CUDA stage sees its GPU as device 0
+  (``CUDA_VISIBLE_DEVICES``); NumPy stages split the CPUs' BLAS threads between them.
+- **Edges**: every node is on this machine, so edges use shared memory unless TCP is
+  asked for; TCP consumers listen on the loopback interface and publish their port in
+  a file of the run folder (``FileRendezvous``).
+- **Cleanup**: every shared-memory segment, FIFO and rendezvous file of the run, by name.
+
+Each stage's log goes to ``stage-<i>.log`` in ``log_dir``, else to this process's
+standard error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+import runplan
+import runtime_core
+import runtime_cupy
+from runtime_cupy.control import ControlChannel
+from runtime_cupy.edges.base import EdgeMedium, remove_edges
+from runtime_cupy.edges.shm import ShmMedium
+from runtime_cupy.edges.tcp import TcpMedium
+from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
+from runtime_cupy.keys import control_key
+from runtime_cupy.names import in_run_dir, remove_run_dir, run_dir
+from runtime_cupy.tracing import Event, read_events
+
+#: Where TCP consumers of this host listen.
+LOOPBACK = "127.0.0.1"
+_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "its control channel closed"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class FileRendezvous:
+    """The rendezvous of one machine: ``<run folder>/e<edge_id>.addr`` holds the address
+    of the edge's consumer, written whole (a new file renamed into place). The
+    publishing process keeps the file open until it withdraws it, so that the file
+    shows as in use (``/proc/<pid>/fd``) for as long as its consumer listens."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, int], int] = {}
+
+    def _path(self, run_id: str, edge_id: int) -> Path:
+        return run_dir(run_id) / f"e{edge_id}.addr"
+
+    def publish(self, run_id: str, edge_id: int, address: str) -> None:
+        path = self._path(run_id, edge_id)
+
+        def write(folder: Path) -> int:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".e{edge_id}.")
+            try:
+                os.write(fd, address.encode("utf-8"))
+                os.replace(tmp, path)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            return fd
+
+        fd = in_run_dir(run_id, write)
+        self._let_go(run_id, edge_id)
+        self._held[(run_id, edge_id)] = fd
+
+    def lookup(self, run_id: str, edge_id: int) -> str | None:
+        try:
+            return self._path(run_id, edge_id).read_text().strip() or None
+        except FileNotFoundError:
+            return None
+
+    def withdraw(self, run_id: str, edge_id: int) -> None:
+        self._let_go(run_id, edge_id)
+        with contextlib.suppress(FileNotFoundError):
+            self._path(run_id, edge_id).unlink()
+
+    def _let_go(self, run_id: str, edge_id: int) -> None:
+        fd = self._held.pop((run_id, edge_id), None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def local_medium(name: str) -> EdgeMedium:
+    """The medium ``name`` between processes of this machine."""
+    if name == "shm":
+        return ShmMedium()
+    if name == "tcp":
+        return TcpMedium(FileRendezvous(), LOOPBACK)
+    raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _pythonpath() -> str:
+    """This process's package folders first, so stages import the same code."""
+    dirs: list[str] = []
+    for module in (runtime_cupy, runtime_core, runplan):
+        folder = str(Path(module.__file__ or ".").resolve().parent.parent)
+        if folder not in dirs:
+            dirs.append(folder)
+    rest = os.environ.get("PYTHONPATH")
+    return os.pathsep.join(dirs + ([rest] if rest else []))
+
+
+class LocalStageHandle:
+    """A stage process of this machine."""
+
+    def __init__(
+        self,
+        launch: StageLaunch,
+        proc: subprocess.Popen[bytes],
+        channel: ControlChannel,
+        lifeline: int,
+        trace_file: Path | None,
+    ) -> None:
+        self.stage_index = launch.stage_index
+        self.node_id = launch.node_id
+        self.device = launch.device
+        self.proc = proc
+        self.channel = channel
+        self._lifeline = lifeline
+        self._trace_file = trace_file
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def wait(self, timeout_s: float) -> bool:
+        try:
+            self.proc.wait(max(0.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    def exit_reason(self) -> str | None:
+        code = self.proc.poll()
+        return None if code is None else describe_exit(code)
+
+    def info(self) -> StageProcessInfo:
+        return StageProcessInfo(
+            self.stage_index, self.node_id, self.proc.pid, self.device, self.proc.returncode
+        )
+
+    def trace_events(self) -> list[Event]:
+        path, self._trace_file = self._trace_file, None
+        if path is None:
+            return []
+        events = read_events(path)
+        shutil.rmtree(path.parent, ignore_errors=True)
+        return events
+
+    def close(self) -> None:
+        self.channel.close()
+        with contextlib.suppress(OSError):
+            os.close(self._lifeline)
+
+
+class LocalProcessHost:
+    """Stage processes on this machine. ``log_dir``: each stage's log goes to
+    ``stage-<i>.log`` there (default: this process's standard error); ``log_level``
+    (default ``INFO`` with a log folder, else ``WARNING``)."""
+
+    def __init__(self, *, log_dir: Path | None = None, log_level: str | None = None) -> None:
+        self.log_dir = log_dir
+        self.log_level = log_level or ("INFO" if log_dir is not None else "WARNING")
+        self._rendezvous = FileRendezvous()
+
+    # -- what a stage process is started with -------------------------------------------
+    def arguments(
+        self, launch: StageLaunch, control_fd: int, lifeline_fd: int, trace_file: Path | None
+    ) -> list[str]:
+        """The stage process's own arguments (``python -m runtime_cupy.stage --help``)."""
+        args = [
+            "--run-id", launch.run_id,
+            "--stage-index", str(launch.stage_index),
+            "--node-id", launch.node_id,
+            "--orchestrator-id", launch.orchestrator_id,
+            "--control-fd", str(control_fd),
+            "--lifeline-fd", str(lifeline_fd),
+            "--worker", launch.worker,
+            "--inbound", launch.inbound_medium,
+            "--outbound", launch.outbound_medium,
+            "--stop-ms", str(launch.stop_ms),
+            "--log-level", self.log_level,
+        ]  # fmt: skip
+        if trace_file is not None:
+            args += ["--trace-file", str(trace_file)]
+        return args
+
+    def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:
+        """The command line of a stage process."""
+        return [sys.executable, "-m", "runtime_cupy.stage", *arguments]
+
+    def environment(self, launch: StageLaunch) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _pythonpath()
+        # BLAS thread pools spin while idle: several stage processes with a pool the size
+        # of the machine each starve the one stage that computes. Split the cores.
+        threads = str(max(1, _cpus() // max(1, launch.stage_count)))
+        for name in _THREAD_VARIABLES:
+            env.setdefault(name, threads)
+        if launch.device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(launch.device)
+        return env
+
+    # -- the port ------------------------------------------------------------------------
+    def start(self, launch: StageLaunch, secret: bytes) -> LocalStageHandle:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        life_r, life_w = os.pipe()
+        trace_file = None
+        if launch.trace:
+            folder = Path(tempfile.mkdtemp(prefix="gguf-pipeline-trace-"))
+            trace_file = folder / f"stage-{launch.stage_index}.json"
+        cmd = self.command(launch, self.arguments(launch, theirs.fileno(), life_r, trace_file))
+        out: IO[bytes] | int = 2
+        if self.log_dir is not None:
+            out = (self.log_dir / f"stage-{launch.stage_index}.log").open("ab")
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=out,
+                pass_fds=(theirs.fileno(), life_r),
+                env=self.environment(launch),
+            )
+        except BaseException:
+            ours.close()
+            os.close(life_w)
+            raise
+        finally:
+            theirs.close()
+            os.close(life_r)
+            if not isinstance(out, int):
+                out.close()
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):  # a stage that died at once shows at its socket
+            proc.stdin.write(secret.hex().encode("ascii") + b"\n")
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        key = control_key(secret, launch.node_id)
+        channel = ControlChannel(ours, key, launch.orchestrator_id, launch.node_id)
+        return LocalStageHandle(launch, proc, channel, life_w, trace_file)
+
+    def same_host(self, node_a: str, node_b: str) -> bool:
+        return True
+
+    def medium(self, name: str) -> EdgeMedium:
+        return local_medium(name)
+
+    def rendezvous(self) -> FileRendezvous:
+        return self._rendezvous
+
+    def cleanup(self, run_id: str, edge_ids: Sequence[int]) -> None:
+        remove_edges((ShmMedium(), TcpMedium(self._rendezvous, LOOPBACK)), run_id, edge_ids)
+        remove_run_dir(run_id)

@@ -1,0 +1,54 @@
+"""The secrets of a set of stages, and the keys derived from them.
+
+The launcher makes one secret (32 random bytes) for the stages it starts and hands it
+to each through the host port (a local process reads it on its standard input; it
+never appears on a command line or on the wire). Everything else is derived from it
+with HMAC-SHA256, under a label per use, so that a key for one purpose is worthless
+for every other:
+
+- ``control_key(secret, node_id)``: the key of the control channel to one stage. A
+  frame signed for one stage verifies on no other stage's channel.
+- ``edge_key(secret, run_id, edge_id)``: the key with which the two ends of one TCP
+  edge of one run prove to each other that both hold the secret (edges/tcp.py).
+
+The stages are trusted (PIPELINE_ORCHESTRATION_MVP.md §10), so each holds the secret
+the keys come from; what the keys keep out is everyone else: another run's processes,
+a stray writer, a stranger on a port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+SECRET_BYTES = 32
+KEY_BYTES = 32
+_CONTROL = b"gguf-pipeline/control-key/1\x00"
+_EDGE = b"gguf-pipeline/edge-key/1\x00"
+
+
+class BadSecret(ValueError):
+    """A secret of the wrong size (what a host handed a stage is not a secret)."""
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def _check(secret: bytes) -> None:
+    if len(secret) != SECRET_BYTES:
+        raise BadSecret(f"a stage secret has {SECRET_BYTES} bytes, not {len(secret)}")
+
+
+def control_key(secret: bytes, node_id: str) -> bytes:
+    """The key of the control channel between the orchestrator and stage ``node_id``."""
+    _check(secret)
+    return hmac.new(secret, _CONTROL + node_id.encode("utf-8"), hashlib.sha256).digest()
+
+
+def edge_key(secret: bytes, run_id: str, edge_id: int) -> bytes:
+    """The key of edge ``edge_id`` of run ``run_id``."""
+    _check(secret)
+    label = _EDGE + run_id.encode("utf-8") + b"\x00" + str(edge_id).encode("ascii")
+    return hmac.new(secret, label, hashlib.sha256).digest()

@@ -1,0 +1,149 @@
+"""Who frees what: a stopping stage frees its inbound edge (whose ring it made) and
+leaves its outbound edge to the next stage; the run folder survives a neighbour's
+removal racing its creation; shared memory runs only where the memory order allows it,
+and the media are chosen as asked."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from runplan import SamplingConfig
+from runplan.config import Timeouts
+from runplan.messages import StageStopped
+from runplan.plan import RingSpec
+from runtime_cupy.api import plan_for
+from runtime_cupy.edges import choice, shm
+from runtime_cupy.edges.base import EdgeSetupError
+from runtime_cupy.edges.choice import choose_medium
+from runtime_cupy.edges.shm import ShmMedium, remove_run, segment_name, signal_paths
+from runtime_cupy.hosts.local import FileRendezvous
+from runtime_cupy.launcher import ProcessRun
+from runtime_cupy.names import in_run_dir, remove_run_dir, run_dir
+from tests.runtime_cupy.hygiene import SHM, alive, run_resources, wait_gone
+from tests.support.hosts import FaultyHost
+
+
+def test_a_stopping_stage_leaves_its_outbound_edge_to_the_next_stage(
+    tiny: str, tmp_path: Path
+) -> None:
+    # Stage 1 sleeps 30 s in step 1, so the orchestrator's token timer (300 ms) runs out
+    # and it tears down: stage 0 stops at once; stage 1, asleep, cannot. Stage 0 gone,
+    # the ring it produced to (edge 1, made by stage 1, which is still alive) must stay.
+    timeouts = Timeouts(ready_ms=20_000, step_ms=300, edge_wait_ms=20_000, stop_ms=2_000)
+    plan, _ = plan_for(
+        tiny, stages=2, prompt_len=2, max_tokens=8, sampling=SamplingConfig(),
+        return_logits=False, timeouts=timeouts,
+    )  # fmt: skip
+    edge = plan.stages[0].outbound_edge
+    pids: dict[int, int] = {}
+    seen: dict[str, object] = {}
+
+    def on_event(kind: str, fields: dict[str, object]) -> None:
+        if kind == "spawned":
+            pids[int(str(fields["stage_index"]))] = int(str(fields["pid"]))
+        message = fields.get("message")
+        if kind == "received" and isinstance(message, StageStopped) and message.stage_index == 0:
+            seen["stage 0 gone"] = wait_gone([pids[0]], 10) == []
+            seen["stage 1 alive"] = alive(pids[1])
+            seen["segment"] = (SHM / segment_name(plan.run_id, edge)).exists()
+            seen["fifos"] = all(p.exists() for p in signal_paths(plan.run_id, edge))
+
+    host = FaultyHost({1: ["step-delay=1:30"]}, log_dir=tmp_path)
+    result = ProcessRun(plan, [1, 2], host=host, edges="shm", on_event=on_event).run()
+    assert result.finished is not None and result.finished.fault is not None
+    assert seen == {"stage 0 gone": True, "stage 1 alive": True, "segment": True, "fifos": True}
+    assert run_resources(plan.run_id) == []  # the teardown freed it, by name
+
+
+def test_the_run_folder_is_made_again_when_a_neighbour_removes_it_in_between() -> None:
+    run_id = f"test-{uuid.uuid4().hex}"
+    made: list[Path] = []
+
+    def make(folder: Path) -> Path:
+        if not made:  # another stage's remove_run_dir wins the race once
+            made.append(folder)
+            remove_run_dir(run_id)
+        path = folder / "e1.data"
+        os.mkfifo(path, 0o600)
+        return path
+
+    try:
+        path = in_run_dir(run_id, make)
+        assert path.exists() and made == [run_dir(run_id)]
+        remove_run_dir(run_id)  # a folder holding a file stays
+        assert path.exists()
+    finally:
+        remove_run(run_id, [1])
+    assert run_resources(run_id) == []
+
+
+def test_shared_memory_is_refused_where_stores_may_be_reordered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert shm.shm_supported("x86_64") and shm.shm_supported("AMD64")
+    for machine in ("aarch64", "arm64", "ppc64le", "riscv64"):
+        assert not shm.shm_supported(machine)
+    monkeypatch.setattr(shm.platform, "machine", lambda: "aarch64")
+    with pytest.raises(EdgeSetupError, match=r"x86-64's store order.*aarch64"):
+        ShmMedium().create("r", 1, RingSpec(2, 64, 256), b"")
+    with pytest.raises(EdgeSetupError, match="use --edges tcp"):
+        ShmMedium().attach("r", 1, RingSpec(2, 64, 256), b"")
+    monkeypatch.setattr(choice, "shm_supported", lambda: False)
+    assert choose_medium("auto", True, 1) == "tcp"  # auto falls back to TCP
+    with pytest.raises(ValueError, match="x86-64"):
+        choose_medium("shm", True, 1)
+
+
+def test_media_are_chosen_as_asked() -> None:
+    assert choose_medium("auto", True, 1) == ("shm" if shm.shm_supported() else "tcp")
+    assert choose_medium("auto", False, 1) == "tcp"
+    assert choose_medium("tcp", True, 1) == "tcp"
+    with pytest.raises(ValueError, match="edge 4: shared memory between two machines"):
+        choose_medium("shm", False, 4)
+    with pytest.raises(ValueError, match="unknown edges 'udp'"):
+        choose_medium("udp", True, 1)
+
+
+def test_a_choice_that_cannot_be_fails_before_any_process_starts(tiny: str) -> None:
+    plan, _ = plan_for(
+        tiny, stages=2, prompt_len=1, max_tokens=2, sampling=SamplingConfig(),
+        return_logits=False,
+    )  # fmt: skip
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="unknown edges"):
+        ProcessRun(plan, [1], edges="carrier-pigeon")
+    assert time.monotonic() - began < 5
+
+
+def test_the_local_rendezvous_is_in_use_while_published_and_gone_when_withdrawn() -> None:
+    run_id = f"test-{uuid.uuid4().hex}"
+    publisher, reader = FileRendezvous(), FileRendezvous()
+    try:
+        assert reader.lookup(run_id, 2) is None
+        publisher.publish(run_id, 2, "127.0.0.1:4242")
+        assert reader.lookup(run_id, 2) == "127.0.0.1:4242"
+        # Held open by its publisher, so that a leftover check sees the folder in use
+        # (``users`` leaves out the asking process itself: the descriptor is looked up).
+        assert any(
+            os.readlink(f"/proc/self/fd/{fd}") == str(run_dir(run_id) / "e2.addr")
+            for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")
+        )
+        publisher.publish(run_id, 2, "127.0.0.1:4343")  # published again: the new address
+        assert reader.lookup(run_id, 2) == "127.0.0.1:4343"
+        publisher.withdraw(run_id, 2)
+        assert reader.lookup(run_id, 2) is None
+        assert not any(
+            os.readlink(f"/proc/self/fd/{fd}").startswith(str(run_dir(run_id)))
+            for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")
+        )
+    finally:
+        publisher.withdraw(run_id, 2)
+        remove_run_dir(run_id)
+    assert run_resources(run_id) == []

@@ -1,0 +1,100 @@
+"""A stage process that plays faults on purpose, for tests:
+
+    python -m tests.support.faulty_stage [--fault FAULT]... -- STAGE ARGUMENTS
+
+It runs ``runtime_cupy.stage.main`` with the stage arguments, its worker (from the
+registry) wrapped in ``FaultyWorker``. Faults: ``setup-delay=SECONDS``,
+``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``. Started by ``FaultyHost``
+(``tests/support/hosts.py``): the faults come in through the host port, and nothing of
+them is in the production stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from attrs import frozen
+
+from runplan import GgufSource, ProvisionStage, WorkerCapabilities
+from runtime_core.worker import Progress, TokenOutput, Worker, WorkerError
+from runtime_cupy import stage
+from runtime_cupy.workers import make_worker
+
+log = logging.getLogger("runtime_cupy.stage")
+
+
+@frozen
+class Fault:
+    """``setup-delay=SECONDS``, ``step-delay=SEQUENCE:SECONDS`` or ``step-fail=SEQUENCE``."""
+
+    kind: str
+    sequence: int | None = None
+    seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        kind, _, value = text.partition("=")
+        try:
+            if kind == "setup-delay":
+                return cls(kind, None, float(value))
+            if kind == "step-delay":
+                seq, _, secs = value.partition(":")
+                return cls(kind, int(seq), float(secs))
+            if kind == "step-fail":
+                return cls(kind, int(value))
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError(
+            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S or step-fail=SEQ"
+        )
+
+
+class FaultyWorker:
+    """A worker that delays or fails where its faults say, else does what ``inner`` does."""
+
+    capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
+
+    def __init__(self, inner: Worker, faults: Sequence[Fault]) -> None:
+        self.inner = inner
+        self.faults = tuple(faults)
+
+    def configure(self, provision: ProvisionStage) -> None:
+        for f in self.faults:
+            if f.kind == "setup-delay":
+                log.warning("injected fault: setup delayed %.3f s", f.seconds)
+                time.sleep(f.seconds)
+        self.inner.configure(provision)
+
+    def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
+        self.inner.bind(gguf_source, progress)
+
+    def execute_step(self, sequence: int, data: Any) -> Any | TokenOutput:
+        for f in self.faults:
+            if f.sequence == sequence and f.kind == "step-delay":
+                log.warning("injected fault: step %d delayed %.3f s", sequence, f.seconds)
+                time.sleep(f.seconds)
+            if f.sequence == sequence and f.kind == "step-fail":
+                log.warning("injected fault: step %d fails", sequence)
+                raise WorkerError(f"injected failure at sequence {sequence}")
+        return self.inner.execute_step(sequence, data)
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    split = args.index("--") if "--" in args else len(args)
+    parser = argparse.ArgumentParser(prog="python -m tests.support.faulty_stage")
+    parser.add_argument("--fault", type=Fault.parse, action="append", default=[])
+    faults = parser.parse_args(args[:split]).fault
+    return stage.main(args[split + 1 :], lambda name: FaultyWorker(make_worker(name), faults))
+
+
+if __name__ == "__main__":
+    stage.exit_now(main())

@@ -1,0 +1,169 @@
+"""Hosts for tests, which inject faults through the host port (nothing of them is in
+the production launcher, stage or channel):
+
+- ``FaultyHost``: the local-process host whose stages of given indices run
+  ``tests.support.faulty_stage`` (a setup or a step that is slow or fails).
+- ``TapHost``: any local host with a ``ControlTap`` on every stage's control channel,
+  which records the frames both ways and writes what a test gives it, in between
+  whole frames, as a writer on the wire would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from runplan.messages import ControlMessage
+from runtime_cupy.control import ControlChannel, decode_frame, encode_frame
+from runtime_cupy.hosts.base import StageLaunch
+from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, LocalStageHandle
+from runtime_cupy.keys import control_key
+from tests.support.faulty_stage import Fault
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FaultyHost(LocalProcessHost):
+    """``faults[i]``: the faults stage ``i`` plays (``faulty_stage.Fault``)."""
+
+    def __init__(
+        self,
+        faults: Mapping[int, Sequence[str]],
+        *,
+        log_dir: Path | None = None,
+        log_level: str | None = None,
+    ) -> None:
+        super().__init__(log_dir=log_dir, log_level=log_level)
+        for texts in faults.values():
+            for text in texts:
+                Fault.parse(text)  # a bad fault fails here, not in a stage
+        self.faults = {i: tuple(f) for i, f in faults.items()}
+
+    def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:
+        faults = self.faults.get(launch.stage_index, ())
+        if not faults:
+            return super().command(launch, arguments)
+        extra = [part for fault in faults for part in ("--fault", fault)]
+        return [sys.executable, "-m", "tests.support.faulty_stage", *extra, "--", *arguments]
+
+    def environment(self, launch: StageLaunch) -> dict[str, str]:
+        env = super().environment(launch)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env["PYTHONPATH"]])
+        return env
+
+
+class ControlTap:
+    """Between the launcher and one stage on their control channel: forwards every frame
+    both ways and records it; ``to_stage`` / ``to_orchestrator`` write bytes of the
+    test's in between frames. ``key``: the stage's control key, with which frames that
+    pass are renumbered after the test wrote frames that the receiver accepted
+    (``accepted_extra``), so that the real sender's numbers still follow."""
+
+    def __init__(self, stage_sock: socket.socket, key: bytes, stage_id: str, orch_id: str) -> None:
+        stage_sock.setblocking(True)
+        self.key, self.stage_id, self.orch_id = key, stage_id, orch_id
+        self._stage = stage_sock
+        self.launcher_sock, self._launcher = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sent_to_stage: list[bytes] = []  # frames from the orchestrator, as forwarded
+        self.sent_to_orchestrator: list[bytes] = []  # frames from the stage
+        self._shift = {"stage": 0, "orch": 0}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    # -- what a test writes ----------------------------------------------------------------
+    def to_stage(self, data: bytes) -> None:
+        with self._lock:
+            self._stage.sendall(data)
+
+    def to_orchestrator(self, data: bytes) -> None:
+        with self._lock:
+            self._launcher.sendall(data)
+
+    def forge_to_stage(self, sender: str, message: ControlMessage) -> None:
+        """A frame signed with the stage's key and numbered as the stage expects next:
+        it passes the channel and reaches the stage's state machine."""
+        with self._lock:
+            counter = len(self.sent_to_stage) + self._shift["stage"]
+            self._shift["stage"] += 1
+            self._stage.sendall(encode_frame(self.key, sender, self.stage_id, counter, message))
+
+    # -- forwarding ------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._stage, select.POLLIN)
+        poller.register(self._launcher, select.POLLIN)
+        pending = {self._stage.fileno(): bytearray(), self._launcher.fileno(): bytearray()}
+        open_ends = 2
+        while open_ends:
+            for fd, _ in poller.poll(1000):
+                source = self._stage if fd == self._stage.fileno() else self._launcher
+                target = self._launcher if source is self._stage else self._stage
+                try:
+                    data = source.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:
+                    poller.unregister(fd)
+                    open_ends -= 1
+                    with contextlib.suppress(OSError):
+                        target.shutdown(socket.SHUT_WR)
+                    continue
+                buf = pending[fd]
+                buf += data
+                while b"\n" in buf:
+                    end = buf.index(b"\n") + 1
+                    line = bytes(buf[:end])
+                    del buf[:end]
+                    self._forward(source is self._stage, line, target)
+        self._stage.close()
+        self._launcher.close()
+
+    def _forward(self, from_stage: bool, line: bytes, target: socket.socket) -> None:
+        with self._lock:
+            log = self.sent_to_orchestrator if from_stage else self.sent_to_stage
+            log.append(line)
+            shift = self._shift["orch" if from_stage else "stage"]
+            if shift:
+                receiver = self.orch_id if from_stage else self.stage_id
+                counter, incoming = decode_frame(self.key, receiver, line[:-1])
+                line = encode_frame(
+                    self.key, incoming.sender, receiver, counter + shift, incoming.message
+                )
+            with contextlib.suppress(OSError):
+                target.sendall(line)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+class TapHost(LocalProcessHost):
+    """The local-process host (or ``FaultyHost``'s faults, with ``faults``) with a
+    ``ControlTap`` on each stage's channel (``taps[i]``); ``secret`` is the stages'."""
+
+    def __init__(
+        self, *, log_dir: Path | None = None, faults: Mapping[int, Sequence[str]] | None = None
+    ) -> None:
+        super().__init__(log_dir=log_dir)
+        self.inner = FaultyHost(faults or {}, log_dir=log_dir)
+        self.taps: dict[int, ControlTap] = {}
+        self.secret = b""
+
+    def start(self, launch: StageLaunch, secret: bytes) -> LocalStageHandle:
+        handle = self.inner.start(launch, secret)
+        self.secret = secret
+        old = handle.channel
+        key = control_key(secret, launch.node_id)
+        tap = ControlTap(old.sock, key, launch.node_id, launch.orchestrator_id)
+        handle.channel = ControlChannel(tap.launcher_sock, old.key, old.local_id, old.peer_id)
+        self.taps[launch.stage_index] = tap
+        return handle
+
+    def rendezvous(self) -> FileRendezvous:
+        return self.inner.rendezvous()
