@@ -39,16 +39,28 @@ def facts_for_run(model_path: str, *, prompt_len: int, max_tokens: int) -> Model
     return attrs.evolve(facts, max_seq_len=needed)
 
 
+#: What ``placement`` takes: layers split evenly, or in proportion to node memory.
+PLACEMENTS = ("even", "memory")
+
+
 def plan_even(
-    facts: ModelFacts, config: RuntimeConfig, orchestrator: str, nodes: tuple[NodeSpec, ...]
+    facts: ModelFacts,
+    config: RuntimeConfig,
+    orchestrator: str,
+    nodes: tuple[NodeSpec, ...],
+    placement: str = "even",
 ) -> RunPlan:
-    """One stage per node, layers split evenly; ``PlanRejected`` if the planner says no."""
+    """One stage per node, layers split evenly (``placement="memory"``: in proportion
+    to node memory); ``PlanRejected`` if the planner says no."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r} (one of {', '.join(PLACEMENTS)})")
+    ids = [n.node_id for n in nodes]
     result = plan_run(
         facts,
         config,
         NodePool(orchestrator, nodes),
         stage_count=len(nodes),
-        placement=Placement.even([n.node_id for n in nodes]),
+        placement=Placement.even(ids) if placement == "even" else Placement.by_memory(ids),
     )
     if isinstance(result, PlanRejection):
         raise PlanRejected(result)

@@ -31,6 +31,7 @@ from runplan.models import resolve_model
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.base import StageHost, StageProcessInfo
+from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
 from runtime_cupy.tracing import Event
 from runtime_cupy.workers import WorkerUnavailable, capabilities
@@ -124,12 +125,18 @@ def plan_for(
     gpus: Sequence[int] | None = None,
     timeouts: Timeouts | None = None,
     run_id: str | None = None,
+    placement: str = "even",
+    cluster: Sequence[StageNode] | None = None,
 ) -> tuple[RunPlan, tuple[int | None, ...]]:
-    """The plan of a process run and each stage's GPU: layers split evenly, a KV cache
-    just long enough for the prompt and the tokens asked for (as the simulator plans)."""
+    """The plan of a process run and each stage's GPU: layers split evenly (or by
+    memory), a KV cache just long enough for the prompt and the tokens asked for (as the
+    simulator plans). ``cluster``: the stages' nodes on a Ray cluster (else this host's)."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     worker_capabilities = capabilities(worker)  # WorkerUnavailable before looking for GPUs
-    nodes, devices = place_stages(stages, worker, gpus)
+    if cluster is None:
+        nodes, devices = place_stages(stages, worker, gpus)
+    else:
+        nodes, devices = tuple(n.spec for n in cluster), tuple(n.device for n in cluster)
     half = worker == "cuda"  # the CUDA worker moves f16 activations
     config = RuntimeConfig(
         run_id=run_id or f"run-{uuid.uuid4().hex[:12]}",
@@ -143,7 +150,7 @@ def plan_for(
     )
     if len(nodes) != stages:
         raise ValueError(f"{len(nodes)} nodes placed for {stages} stages")
-    return plan_even(facts, config, ORCHESTRATOR, nodes), devices
+    return plan_even(facts, config, ORCHESTRATOR, nodes, placement), devices
 
 
 def generate(
@@ -168,6 +175,8 @@ def generate(
     on_event: OnEvent | None = None,
     edges: str = "auto",
     host: StageHost | None = None,
+    ray_address: str | None = None,
+    placement: str = "even",
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
     stage processes, each running ``worker`` (``numpy`` or ``cuda``) over its layers.
@@ -181,14 +190,28 @@ def generate(
     stage's pid, ``state``, ``injected``, ``consumed``, ``received``, ``stage_died``).
     ``edges``: ``auto`` (shared memory where both ends share a machine, else TCP),
     ``shm`` or ``tcp`` (TCP on one host too). ``host`` starts the stages (default: one
-    OS process per stage on this machine, ``hosts.local.LocalProcessHost``). A run
-    that faults or is cancelled returns with that outcome, every process reaped and
-    every resource freed. Raises ``PlanRejected`` when the planner refuses the run,
-    ``PromptError`` for a prompt it cannot run, ``GgufError`` for a file it cannot
-    read, ``WorkerUnavailable`` for a worker this host cannot run, ``ValueError`` for
-    edges that cannot be; all before any process starts.
+    OS process per stage on this machine, ``hosts.local.LocalProcessHost``).
+    ``ray_address`` (``auto`` or ``HOST:PORT``) runs the stages on the live hosts of a
+    Ray cluster instead (``hosts.ray``; this process becomes its driver), ``placement``
+    splits the layers ``even`` or by ``memory``. A run that faults or is cancelled
+    returns with that outcome, every process reaped and every resource freed. Raises
+    ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a prompt it
+    cannot run, ``GgufError`` for a file it cannot read, ``WorkerUnavailable`` for a
+    worker this host cannot run, ``ValueError`` for edges that cannot be,
+    ``ClusterError`` for a cluster that cannot be reached or has no room; all before
+    any process starts.
     """
     path = resolve_model(model_path)
+    cluster = ray_host = None
+    if ray_address is not None:
+        if host is not None:
+            raise ValueError("give either host or ray_address, not both")
+        from runtime_cupy.hosts.ray import session
+        from runtime_cupy.hosts.ray.host import RayHost
+
+        session.connect(ray_address)
+        cluster = session.stage_nodes(worker, stages)
+        host = ray_host = RayHost(cluster, session.orchestrator_address())
     prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     plan, devices = plan_for(
@@ -201,6 +224,8 @@ def generate(
         worker=worker,
         gpus=gpus,
         timeouts=timeouts,
+        placement=placement,
+        cluster=cluster,
     )
     tokenizer = tokenizer or Tokenizer.from_gguf(path)
 
@@ -224,6 +249,8 @@ def generate(
         host=host,
         edges=edges,
     )
+    if ray_host is not None and cluster is not None:
+        ray_host.prepare(n.node_id for n in cluster)  # their start-ups overlap
     result = run.run()
     wall = time.perf_counter() - began
     return summarize(plan, result, tokenizer, wall, return_logits)
@@ -245,7 +272,9 @@ def summarize(
         fault_stage = finished.fault_stage
         if fault_stage is not None:
             fault_node = plan.stages[fault_stage].node_id
-            fault = f"stage {fault_stage} (node {fault_node}): {finished.fault}"
+            host = next((s.host for s in result.stages if s.stage_index == fault_stage), None)
+            where = f"node {fault_node}" + (f", host {host}" if host else "")
+            fault = f"stage {fault_stage} ({where}): {finished.fault}"
         else:
             fault = f"orchestrator (node {plan.orchestrator_node_id}): {finished.fault}"
     times = result.token_times_s

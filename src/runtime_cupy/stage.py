@@ -51,7 +51,7 @@ from runplan.plan import EdgeKind
 from runtime_core.controller import StageController
 from runtime_core.worker import Progress, Worker, WorkerError
 from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
-from runtime_cupy.edges.base import MEDIA, ProcessEdges
+from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
 from runtime_cupy.keys import SECRET_BYTES, control_key
 from runtime_cupy.names import remove_run_dir
@@ -71,6 +71,8 @@ log = logging.getLogger("runtime_cupy.stage")
 
 #: ``make_worker(name)``: the worker a stage process runs (by default from the registry).
 MakeWorker = Callable[[str], Worker]
+#: ``media(name)``: how an edge of the stage moves bytes (by default, on this machine).
+MakeMedium = Callable[[str], EdgeMedium]
 
 
 class UnavailableWorker:
@@ -414,9 +416,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None, make: MakeWorker = make_worker) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    make: MakeWorker = make_worker,
+    media: MakeMedium = local_medium,
+) -> int:
     """A stage process of the local host; ``make(name)`` makes its worker (a stage
-    entry of another kind may wrap the registry's)."""
+    entry of another kind may wrap the registry's), ``media(name)`` its edges' media
+    (another host's stage entry gives its own: ``hosts.ray.stage_entry``)."""
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -448,7 +455,7 @@ def main(argv: Sequence[str] | None = None, make: MakeWorker = make_worker) -> i
         node_id=args.node_id,
         orchestrator_id=args.orchestrator_id,
         channel=channel,
-        edges=ProcessEdges(local_medium(args.inbound), local_medium(args.outbound), secret),
+        edges=ProcessEdges(media(args.inbound), media(args.outbound), secret),
         lifeline_fd=args.lifeline_fd,
         worker=worker,
         stop_s=args.stop_ms / 1000.0,

@@ -12,7 +12,7 @@ their consumers, and makes the media of the orchestrator's own token ends.
 The launcher, the controllers, the state machines and the workers know nothing of how
 a host does any of this: ``hosts.local`` starts OS processes with socket pairs, pipes
 and ``CUDA_VISIBLE_DEVICES``; a Ray host would start actors on the nodes its plan
-names and rendezvous through Ray's key-value store.
+names and rendezvous through Ray's key-value store (``hosts.ray``).
 """
 
 from __future__ import annotations
@@ -50,13 +50,15 @@ class StageLaunch:
 @frozen
 class StageProcessInfo:
     """How a stage ran: its process id on its host, its GPU, how it ended (after
-    reaping; negative: the signal that ended it)."""
+    reaping; negative: the signal that ended it), and its host when that is not this
+    machine (``None``: this machine)."""
 
     stage_index: int
     node_id: str
     pid: int
     device: int | None
     returncode: int | None
+    host: str | None = None
 
 
 class StageHandle(Protocol):

@@ -1,0 +1,126 @@
+"""The control channel of a stage on another host: a TCP connection from the stage's
+supervisor to the orchestrator, opened before the stage process starts and handed to it
+(its ``--control-fd``), so that the stage process is the same as on one host.
+
+The orchestrator listens on its host's address (one port per run, closed at cleanup);
+the supervisor connects and proves, with the challenge-response of TCP edges
+(``edges.handshake``: HMAC-SHA256 over fresh nonces), that it holds the stage's control
+key (``keys.control_key``), for the stage index it claims; the orchestrator proves the
+same back. A stranger on the port (garbage, a wrong key, a handshake left half done, a
+stage other than the one awaited) is refused, logged and changes nothing. Both ends get
+keepalive and ``TCP_USER_TIMEOUT`` (``streams.keep_alive``): a host that goes silent
+without a FIN breaks the channel within ``streams.SILENT_PEER_S``. Frames are then
+those of ``control.ControlChannel``, numbered and MAC'd per stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import time
+from collections.abc import Callable
+
+from runtime_cupy.edges import handshake as hs
+from runtime_cupy.streams import keep_alive
+
+log = logging.getLogger("runtime_cupy.hosts.ray")
+
+#: How long one connection may take over its handshake.
+HANDSHAKE_S = 10.0
+
+
+class ControlLinkError(ConnectionError):
+    """No authentic control connection came (in time)."""
+
+
+def _recv_exact(sock: socket.socket, n: int, check: Callable[[bytes], None]) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ControlLinkError(f"the peer closed the connection after {len(data)} bytes")
+        data += chunk
+        check(data)
+    return data
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"not a host:port address: {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class ControlListener:
+    """The orchestrator's port for its stages' control connections."""
+
+    def __init__(self, bind_host: str) -> None:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.bind((bind_host, 0))
+            self._sock.listen(16)
+        except BaseException:
+            self._sock.close()
+            raise
+        port = self._sock.getsockname()[1]
+        self.address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
+
+    def accept(
+        self, stage_index: int, key: bytes, timeout_s: float, gone: Callable[[], str | None]
+    ) -> socket.socket:
+        """The authentic connection of stage ``stage_index``; ``ControlLinkError`` if
+        none came within ``timeout_s``, or once ``gone()`` says why none will come."""
+        deadline = time.monotonic() + timeout_s
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        while True:
+            why = gone()
+            if why is not None:
+                raise ControlLinkError(why)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ControlLinkError(f"no control connection within {timeout_s:.0f} s")
+            if not poller.poll(min(left, 0.2) * 1000.0):
+                continue
+            conn, peer = self._sock.accept()
+            try:
+                conn.settimeout(HANDSHAKE_S)
+                nonce_c = hs.new_nonce()
+                conn.sendall(hs.challenge(nonce_c))
+                data = _recv_exact(conn, hs.PROOF_BYTES, hs.check_proof_prefix)
+                proof = hs.verify_proof(key, stage_index, nonce_c, data)
+                conn.sendall(hs.accept(key, stage_index, nonce_c, proof.nonce_p))
+            except (OSError, hs.HandshakeRefused) as exc:
+                log.warning("refused a control connection from %s: %s", peer, exc)
+                conn.close()
+                continue
+            conn.settimeout(None)
+            keep_alive(conn)
+            return conn
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def connect(address: str, stage_index: int, key: bytes, timeout_s: float) -> socket.socket:
+    """The supervisor's side: connect to the orchestrator and prove the stage's key."""
+    host, port = _split(address)
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock.settimeout(HANDSHAKE_S)
+        data = _recv_exact(sock, hs.CHALLENGE_BYTES, hs.check_challenge_prefix)
+        nonce_c = hs.read_challenge(data)
+        nonce_p = hs.new_nonce()
+        sock.sendall(hs.proof(key, stage_index, nonce_c, nonce_p))
+        data = _recv_exact(sock, hs.ACCEPT_BYTES, hs.check_accept_prefix)
+        hs.verify_accept(key, stage_index, nonce_c, nonce_p, data)
+        sock.settimeout(None)
+        keep_alive(sock)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            sock.close()
+        raise
+    return sock

@@ -1,0 +1,319 @@
+"""The Ray host: every stage of a run is a process on the node its plan names, started
+and watched by a Ray actor there (``supervisor.StageSupervisor``); the orchestrator
+runs in this process, a driver of the cluster.
+
+- **Placement**: each supervisor is pinned to its node's Ray node
+  (``NodeAffinitySchedulingStrategy``, not soft). It asks Ray for no CPU or GPU: the
+  planner has already sized the stages against the memory Ray reports, and a CUDA
+  stage sees the GPU its plan names (``CUDA_VISIBLE_DEVICES``), as on one host.
+  ``prepare`` creates every stage's actor at once, so that their start-up overlaps.
+- **Control**: a TCP connection per stage, from its supervisor to this process
+  (``control_link``: authenticated, keepalive), then ``ControlChannel``'s frames.
+- **Gone**: the stage's control connection closes when its process ends (however it
+  ends); its supervisor's ``supervise`` call returns the exit status, or fails when Ray
+  finds the actor or its node dead. ``exited`` and ``wait`` look at that call's result,
+  nothing else; ``exit_reason`` asks Ray once more, briefly, when it is not in.
+- **Edges**: shared memory between nodes of one machine (one address), TCP between
+  machines; consumers listen on their host's address and publish it in Ray's key-value
+  store under ``(run_id, edge_id)`` (``rendezvous``).
+- **Cleanup**: every supervisor still there frees what the run left on its host; this
+  process frees its own machine's and every address of the run; then the actors are
+  killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from runtime_cupy.control import ControlChannel
+from runtime_cupy.edges.base import EdgeMedium, remove_edges
+from runtime_cupy.edges.shm import ShmMedium
+from runtime_cupy.edges.tcp import TcpMedium
+from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
+from runtime_cupy.hosts.local import describe_exit
+from runtime_cupy.hosts.ray.cluster import StageNode
+from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListener
+from runtime_cupy.hosts.ray.rendezvous import KvRendezvous
+from runtime_cupy.hosts.ray.supervisor import StageSupervisor
+from runtime_cupy.keys import control_key
+from runtime_cupy.names import remove_run_dir
+from runtime_cupy.tracing import Event
+
+log = logging.getLogger("runtime_cupy.hosts.ray")
+
+#: How long a stage may take to be placed and connect its control channel.
+START_TIMEOUT_S = 120.0
+#: How long ``exit_reason`` waits for a supervisor's answer.
+PROBE_S = 2.0
+#: How long cleanup waits for the supervisors.
+CLEANUP_S = 10.0
+
+
+def _short(exc: BaseException) -> str:
+    """The first line of a Ray error, without its traceback."""
+    text = str(exc).strip().splitlines()
+    first = next((line.strip() for line in text if line.strip()), type(exc).__name__)
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
+class RayStageHandle:
+    """A stage process on a cluster host, through its supervisor."""
+
+    def __init__(
+        self,
+        launch: StageLaunch,
+        node: StageNode,
+        actor: Any,
+        pid: int,
+        done: Any,
+        channel: ControlChannel,
+    ) -> None:
+        self.stage_index = launch.stage_index
+        self.node_id = launch.node_id
+        self.node = node
+        self.channel = channel
+        self._actor = actor
+        self._pid = pid
+        self._done = done  # the ObjectRef of supervise()
+        self._result: int | BaseException | None = None
+
+    @property
+    def host(self) -> str:
+        return self.node.host.label
+
+    def _look(self, timeout_s: float) -> bool:
+        import ray
+
+        if self._result is not None:
+            return True
+        ready, _ = ray.wait([self._done], timeout=max(0.0, timeout_s))
+        if not ready:
+            return False
+        try:
+            self._result = int(ray.get(self._done))
+        except Exception as exc:  # the actor or its node died
+            self._result = exc
+        return True
+
+    def exited(self) -> bool:
+        return self._look(0.0)
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._look(timeout_s)
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self._actor.kill_stage.remote()
+
+    def exit_reason(self) -> str | None:
+        if not self._look(0.0):
+            return self._probe()
+        result = self._result
+        if isinstance(result, int):
+            return describe_exit(result)
+        assert result is not None
+        return f"its supervisor on host {self.host} is gone ({_short(result)})"
+
+    def _probe(self) -> str:
+        """Why a stage whose channel is gone has not been reported ended (yet)."""
+        import ray
+
+        try:
+            code = ray.get(self._actor.status.remote(), timeout=PROBE_S)
+        except ray.exceptions.GetTimeoutError:
+            return f"host {self.host} does not answer (its supervisor silent for {PROBE_S:.0f} s)"
+        except Exception as exc:
+            return f"its supervisor on host {self.host} is gone ({_short(exc)})"
+        if code is None:
+            return "its control channel closed while its process runs"
+        self._look(PROBE_S)
+        return describe_exit(int(code))
+
+    def info(self) -> StageProcessInfo:
+        code = self._result if isinstance(self._result, int) else None
+        return StageProcessInfo(
+            self.stage_index, self.node_id, self._pid, self.node.device, code, host=self.host
+        )
+
+    def trace_events(self) -> list[Event]:
+        return []  # a stage on another host keeps its trace there (not collected yet)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class UnstartedStage:
+    """A stage that could not be started: gone from the start, saying why (its channel
+    is at end of file at once, so the launcher ends the run the way it does for a stage
+    that died)."""
+
+    def __init__(self, launch: StageLaunch, node: StageNode | None, why: str) -> None:
+        self.stage_index = launch.stage_index
+        self.node_id = launch.node_id
+        self.host = node.host.label if node is not None else None
+        self.device = node.device if node is not None else None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.close()
+        self.channel = ControlChannel(
+            ours, control_key(b"\0" * 32, launch.node_id), launch.orchestrator_id, launch.node_id
+        )
+        self._why = why
+
+    def exited(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float) -> bool:
+        return True
+
+    def kill(self) -> None:
+        pass
+
+    def exit_reason(self) -> str:
+        return self._why
+
+    def info(self) -> StageProcessInfo:
+        return StageProcessInfo(self.stage_index, self.node_id, 0, self.device, None, self.host)
+
+    def trace_events(self) -> list[Event]:
+        return []
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RayHost:
+    """Stages on the nodes of a Ray cluster (``nodes``: where each node id of the plan
+    is, from ``cluster``); this process (a driver connected to the cluster) runs the
+    orchestrator on the machine at ``orchestrator_address``."""
+
+    def __init__(
+        self,
+        nodes: Sequence[StageNode],
+        orchestrator_address: str,
+        *,
+        log_level: str = "WARNING",
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        self.nodes = {n.node_id: n for n in nodes}
+        self.orchestrator_address = orchestrator_address
+        self.log_level = log_level
+        self.start_timeout_s = start_timeout_s
+        self._actors: dict[str, Any] = {}
+        self._listener: ControlListener | None = None
+        self._rendezvous = KvRendezvous()
+
+    # -- actors --------------------------------------------------------------------------
+    def _actor(self, node: StageNode) -> Any:
+        actor = self._actors.get(node.node_id)
+        if actor is None:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            where = NodeAffinitySchedulingStrategy(node.host.ray_node_id, soft=False)
+            actor = (
+                ray.remote(StageSupervisor)
+                .options(
+                    num_cpus=0,
+                    max_concurrency=8,
+                    max_restarts=0,
+                    scheduling_strategy=where,
+                    name=None,
+                )
+                .remote()
+            )
+            self._actors[node.node_id] = actor
+        return actor
+
+    def prepare(self, node_ids: Iterable[str]) -> None:
+        """Create the supervisors of these nodes now (their start-ups overlap)."""
+        for node_id in node_ids:
+            self._actor(self._node(node_id))
+
+    def _node(self, node_id: str) -> StageNode:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise ValueError(f"node {node_id!r} is not a node of this cluster's pool")
+        return node
+
+    def machine(self, node_id: str) -> str:
+        """The machine (address) of a node; the orchestrator's for a node not a stage's."""
+        node = self.nodes.get(node_id)
+        return node.host.address if node is not None else self.orchestrator_address
+
+    # -- the port ------------------------------------------------------------------------
+    def start(self, launch: StageLaunch, secret: bytes) -> RayStageHandle | UnstartedStage:
+        import ray
+
+        node = self._node(launch.node_id)
+        actor = self._actor(node)
+        if self._listener is None:
+            self._listener = ControlListener(self.orchestrator_address)
+        listener = self._listener
+        began = time.monotonic()
+        started = actor.start.remote(
+            launch, secret, listener.address, node.host.address, self.log_level
+        )
+
+        def gone() -> str | None:
+            ready, _ = ray.wait([started], timeout=0)
+            if not ready:
+                return None
+            try:
+                ray.get(started)
+            except Exception as exc:
+                return _short(exc)
+            return None  # started: its connection is already in the listener's backlog
+
+        key = control_key(secret, launch.node_id)
+        try:
+            sock = listener.accept(launch.stage_index, key, self.start_timeout_s, gone)
+            pid = int(ray.get(started, timeout=self.start_timeout_s))
+        except (ControlLinkError, ray.exceptions.RayError, OSError) as exc:
+            why = f"could not be started on host {node.host.label}: {_short(exc)}"
+            log.warning("stage %d (%s) %s", launch.stage_index, launch.node_id, why)
+            return UnstartedStage(launch, node, why)
+        log.info(
+            "stage %d (%s) started on host %s in %.1f s: pid %d",
+            launch.stage_index, launch.node_id, node.host.label, time.monotonic() - began, pid,
+        )  # fmt: skip
+        channel = ControlChannel(sock, key, launch.orchestrator_id, launch.node_id)
+        return RayStageHandle(launch, node, actor, pid, actor.supervise.remote(), channel)
+
+    def same_host(self, node_a: str, node_b: str) -> bool:
+        return self.machine(node_a) == self.machine(node_b)
+
+    def medium(self, name: str) -> EdgeMedium:
+        if name == "shm":
+            return ShmMedium()
+        if name == "tcp":
+            return TcpMedium(self._rendezvous, self.orchestrator_address)
+        raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
+
+    def rendezvous(self) -> KvRendezvous:
+        return self._rendezvous
+
+    def cleanup(self, run_id: str, edge_ids: Sequence[int]) -> None:
+        import ray
+
+        ids = list(edge_ids)
+        actors = list(self._actors.values())
+        refs = [actor.cleanup.remote(run_id, ids) for actor in actors]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=CLEANUP_S)
+        here = (ShmMedium(), TcpMedium(self._rendezvous, self.orchestrator_address))
+        remove_edges(here, run_id, ids)
+        remove_run_dir(run_id)
+        with contextlib.suppress(Exception):
+            self._rendezvous.withdraw_run(run_id)
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self._actors.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

@@ -1,0 +1,89 @@
+"""This process as a driver of a Ray cluster: connecting, and what the cluster says
+about its hosts (the query behind the node pool; ``runplan`` stays pure)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from runtime_cupy.hosts.ray.cluster import (
+    ClusterError,
+    RayHostInfo,
+    StageNode,
+    cpu_stage_nodes,
+    gpu_stage_nodes,
+    live_hosts,
+)
+
+log = logging.getLogger("runtime_cupy.hosts.ray")
+
+
+def connect(address: str) -> None:
+    """Connect this process to the cluster at ``address`` (``auto``: the one this
+    machine belongs to; or ``HOST:PORT`` of its head); ``ClusterError`` if there is none."""
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("--ray-address needs Ray: pip install 'gguf-pipeline[ray]'") from None
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(
+            address=address,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+            namespace="gguf-pipeline",
+        )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+
+
+def hosts() -> tuple[RayHostInfo, ...]:
+    """The cluster's live hosts, in label order."""
+    import ray
+
+    return live_hosts(ray.nodes())
+
+
+def orchestrator_address() -> str:
+    """The address of the machine this driver runs on, as the cluster knows it."""
+    import ray
+
+    mine = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == mine:
+            return str(node["NodeManagerAddress"])
+    return str(ray.util.get_node_ip_address())
+
+
+def _gpu_memory_there() -> dict[int, int]:
+    from runtime_cupy.api import gpu_memory_bytes
+
+    return gpu_memory_bytes()
+
+
+def gpu_memory(of: tuple[RayHostInfo, ...]) -> dict[str, dict[int, int]]:
+    """Each GPU host's GPUs' memory, as ``nvidia-smi`` on that host reports it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task: Any = ray.remote(_gpu_memory_there)
+    refs = {
+        h.ray_node_id: task.options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(h.ray_node_id, soft=False),
+        ).remote()
+        for h in of
+        if h.gpus
+    }
+    return {node: dict(ray.get(ref, timeout=120)) for node, ref in refs.items()}
+
+
+def stage_nodes(worker: str, stages: int) -> tuple[StageNode, ...]:
+    """Where the ``stages`` stages of ``worker`` go in the live cluster."""
+    if stages < 1:
+        raise ClusterError(f"a run has at least one stage, not {stages}")
+    live = hosts()
+    if worker == "cuda":
+        return gpu_stage_nodes(live, stages, gpu_memory(live))
+    return cpu_stage_nodes(live, stages)
