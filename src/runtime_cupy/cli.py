@@ -1,5 +1,7 @@
 """``python -m runtime_cupy --model PATH --stages N --prompt TEXT ...``: generate text
-through N stage processes, with the flags and output of ``python -m runtime_sim run``.
+through N stage processes, with the flags and output of ``python -m runtime_sim run``
+(``--ray-address``: on the hosts of a Ray cluster; ``python -m runtime_cupy plan``
+prints the plan, in ``plan_cli``).
 
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
@@ -25,10 +27,11 @@ from rich.table import Table
 from runplan.gguf_header import GgufError
 from runplan.models import ModelNotFound, resolve_model
 from runtime_core.console import TextStream, add_generation_arguments
-from runtime_core.runs import PlanRejected
+from runtime_core.runs import PLACEMENTS, PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.edges.choice import PREFERENCES
+from runtime_cupy.hosts.ray.cluster import ClusterError
 from runtime_cupy.tracing import chrome_trace
 from runtime_cupy.workers import WORKERS, WorkerUnavailable
 
@@ -88,6 +91,8 @@ def _run(args: argparse.Namespace) -> int:
             worker=args.worker,
             gpus=args.gpus,
             edges=args.edges,
+            ray_address=args.ray_address,
+            placement=args.placement,
         )
     finally:
         status.stop()
@@ -139,6 +144,8 @@ def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
                 "pid": procs[s.stage_index].pid if s.stage_index in procs else None,
                 "device": procs[s.stage_index].device if s.stage_index in procs else None,
                 "exit_status": procs[s.stage_index].returncode if s.stage_index in procs else None,
+                "host": (procs[s.stage_index].host if s.stage_index in procs else None)
+                or "this host",
             }
             for s in result.plan.stages
         ],
@@ -158,13 +165,14 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int, wo
     )
     procs = {s.stage_index: s for s in result.stages}
     table = Table(box=box.SIMPLE_HEAD)
-    for col in ("stage", "node", "layers", "pid", "device"):
+    for col in ("stage", "node", "host", "layers", "pid", "device"):
         table.add_column(col)
     for s in result.plan.stages:
         proc = procs.get(s.stage_index)
         table.add_row(
             str(s.stage_index),
             s.node_id,
+            (proc.host if proc else None) or "this host",
             f"{s.layer_start}-{s.layer_end_exclusive - 1}",
             str(proc.pid) if proc else "-",
             "cpu" if proc is None or proc.device is None else f"gpu {proc.device}",
@@ -206,11 +214,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="how edges move bytes: auto (shared memory where both ends share a host, "
         "else TCP; default), shm, or tcp (TCP on one host too, for tests and comparison)",
     )
+    run.add_argument(
+        "--ray-address",
+        default=None,
+        help="run the stages on the live hosts of a Ray cluster: auto (the cluster this "
+        "machine belongs to) or HOST:PORT of its head (see also: python -m runtime_cupy plan)",
+    )
+    run.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="even",
+        help="split the layers evenly (default) or in proportion to each node's memory",
+    )
     run.add_argument("-v", "--verbose", action="store_true", help="log what the launcher does")
     return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        from runtime_cupy.plan_cli import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -220,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except (
+        ClusterError,
         GgufError,
         ModelNotFound,
         PlanRejected,

@@ -4,6 +4,7 @@ about its hosts (the query behind the node pool; ``runplan`` stays pure)."""
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 from runtime_cupy.hosts.ray.cluster import (
@@ -17,6 +18,9 @@ from runtime_cupy.hosts.ray.cluster import (
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
+#: How long connecting to a cluster's head may take before it counts as absent.
+PROBE_S = 5.0
+
 
 def connect(address: str) -> None:
     """Connect this process to the cluster at ``address`` (``auto``: the one this
@@ -25,6 +29,8 @@ def connect(address: str) -> None:
         import ray
     except ImportError:
         raise ClusterError("--ray-address needs Ray: pip install 'gguf-pipeline[ray]'") from None
+    if address != "auto":
+        _reachable(address)
     if ray.is_initialized():
         return
     try:
@@ -36,6 +42,17 @@ def connect(address: str) -> None:
         )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+
+
+def _reachable(address: str) -> None:
+    """Refuse at once an address where nothing listens (Ray itself retries for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ClusterError(f"bad Ray address {address!r}: write auto or HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+    except OSError as exc:
+        raise ClusterError(f"no Ray cluster at {address}: {exc}") from None
 
 
 def hosts() -> tuple[RayHostInfo, ...]:

@@ -1,0 +1,195 @@
+"""Stages on the nodes of a Ray cluster (a one-machine cluster of three Ray nodes,
+``ray.cluster_utils.Cluster``): the node pool from the cluster, one supervisor actor
+per stage on the Ray node its plan names, the tokens of ``runtime_sim`` (NumPy worker)
+over shared memory and over TCP edges found through Ray's key-value store, ``python -m
+runtime_cupy plan`` against the cluster, and a stage SIGKILLed mid-decode. After each
+run: no stage process, no supervisor, no segment, no run folder, no address of the run
+left in the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra has it)")
+
+import runtime_sim  # noqa: E402
+from runtime_cupy import generate  # noqa: E402
+from runtime_cupy.cli import main as cli_main  # noqa: E402
+from runtime_cupy.hosts.ray.cluster import ClusterError  # noqa: E402
+from runtime_cupy.hosts.ray.rendezvous import NAMESPACE, run_prefix  # noqa: E402
+from runtime_cupy.hosts.ray.session import connect  # noqa: E402
+from tests.runtime_cupy.hygiene import run_resources  # noqa: E402
+from tests.runtime_cupy.ray_checks import (  # noqa: E402
+    ppid,
+    run_processes,
+    supervisors,
+    wait_until,
+)
+
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False},
+    )
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=1)
+        c.wait_for_nodes()
+        connect(c.address)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _raylets(cluster: Any) -> dict[int, str]:
+    """The pid of each Ray node's raylet -> that node's id."""
+    from ray._private import ray_constants
+
+    out = {}
+    for node in cluster.list_all_nodes():
+        info = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0]
+        out[info.process.pid] = node.node_id
+    return out
+
+
+class Spawned:
+    """The Ray node under which each stage process started (its supervisor's raylet)."""
+
+    def __init__(self, raylets: dict[int, str]) -> None:
+        self.raylets = raylets
+        self.nodes: dict[int, str | None] = {}
+
+    def on_event(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "spawned":
+            supervisor = ppid(int(fields["pid"]))
+            self.nodes[int(fields["stage_index"])] = self.raylets.get(ppid(supervisor))
+
+
+def _store_left(run_id: str) -> list[str]:
+    from ray.experimental import internal_kv
+
+    return list(internal_kv._internal_kv_list(run_prefix(run_id), namespace=NAMESPACE))
+
+
+def _assert_clean(run_id: str) -> None:
+    assert wait_until(lambda: run_processes(run_id), 10) == []
+    assert wait_until(supervisors, 20) == []
+    assert run_resources(run_id) == []
+    assert _store_left(run_id) == []
+
+
+@pytest.mark.parametrize("edges", ["auto", "tcp"])
+def test_three_stages_on_three_ray_nodes_give_the_simulators_tokens(
+    cluster: Any, tiny: str, edges: str
+) -> None:
+    spawned = Spawned(_raylets(cluster))
+    result = generate(
+        tiny,
+        PROMPT,
+        stages=3,
+        max_tokens=8,
+        worker="numpy",
+        ray_address=cluster.address,
+        edges=edges,
+        on_event=spawned.on_event,
+    )
+    expected = runtime_sim.generate(tiny, PROMPT, stages=3, max_tokens=8)  # NumPy worker
+    assert result.outcome == "completed", result.fault
+    assert result.tokens == expected.tokens
+    hosts = [s.host for s in result.stages]
+    assert len(set(hosts)) == 3 and all(h and "#" in h for h in hosts), hosts
+    assert [s.node_id for s in result.plan.stages] == [f"{h}/cpu0" for h in hosts]
+    # Each stage process ran under the Ray node its plan names, one per node.
+    ray_nodes = {h.label: h.ray_node_id for h in _cluster_hosts()}
+    assert spawned.nodes == {i: ray_nodes[h] for i, h in enumerate(hosts)}
+    # One machine: shared memory where asked for nothing else; TCP when forced.
+    assert set(result.media) == {"shm" if edges == "auto" else "tcp"}
+    assert all(s.returncode == 0 for s in result.stages)
+    _assert_clean(result.plan.run_id)
+
+
+def _cluster_hosts() -> Any:
+    from runtime_cupy.hosts.ray.session import hosts
+
+    return hosts()
+
+
+def test_plan_prints_the_plan_against_the_live_cluster(
+    cluster: Any, tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(
+        ["plan", "--model", tiny, "--ray-address", cluster.address, "--stages", "4",
+         "--placement", "memory", "--json"]
+    )  # fmt: skip
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    stages = doc["stages"]
+    labels = sorted(h.label for h in _cluster_hosts())
+    # Four stages on three Ray nodes: the first node holds two, consecutive.
+    assert [s["host"] for s in stages] == [labels[0], labels[0], labels[1], labels[2]]
+    assert [s["node_id"] for s in stages] == [
+        f"{labels[0]}/cpu0", f"{labels[0]}/cpu1", f"{labels[1]}/cpu0", f"{labels[2]}/cpu0"
+    ]  # fmt: skip
+    memory = {n["NodeID"]: n["Resources"]["memory"] for n in ray.nodes() if n["Alive"]}
+    assert all(s["host_memory_bytes"] == int(memory[s["ray_node_id"]]) for s in stages)
+    ranges = [(s["layer_start"], s["layer_end_exclusive"]) for s in stages]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 4
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert [s["stage_index"] for s in doc["plan"]["stages"]] == [0, 1, 2, 3]
+
+
+def test_a_stage_killed_mid_decode_ends_the_run_naming_it_and_its_host(
+    cluster: Any, tiny: str
+) -> None:
+    tokens: list[int] = []
+    pids: dict[int, int] = {}
+
+    def on_event(kind: str, fields: dict[str, Any]) -> None:
+        if kind == "spawned":
+            pids[int(fields["stage_index"])] = int(fields["pid"])
+
+    def on_token(token: int) -> None:
+        tokens.append(token)
+        if len(tokens) == 2:
+            os.kill(pids[1], signal.SIGKILL)
+
+    result = generate(
+        tiny,
+        PROMPT,
+        stages=3,
+        max_tokens=40,
+        worker="numpy",
+        ray_address=cluster.address,
+        edges="tcp",
+        on_event=on_event,
+        on_token=on_token,
+    )
+    assert result.outcome == "faulted"
+    assert result.fault_stage == 1
+    host = result.stages[1].host
+    node = result.plan.stages[1].node_id
+    assert result.fault is not None and "\n" not in result.fault
+    assert f"stage 1 (node {node}, host {host})" in result.fault, result.fault
+    assert "killed by SIGKILL" in result.fault, result.fault
+    codes = {s.stage_index: s.returncode for s in result.stages}
+    assert codes[1] == -signal.SIGKILL and codes[0] == 0 and codes[2] == 0, codes
+    assert len(result.tokens) < 40
+    _assert_clean(result.plan.run_id)
+
+
+def test_no_cluster_at_the_address_is_a_clear_error() -> None:
+    with pytest.raises(ClusterError, match="no Ray cluster at 127.0.0.1:1"):
+        connect("127.0.0.1:1")
