@@ -43,9 +43,9 @@ def supervisors() -> list[int]:
     """Live Ray workers that hold a stage supervisor (Ray titles them after the actor)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and SUPERVISOR_TITLE in cmdline(int(entry.name)):
-            if alive(int(entry.name)):
-                found.append(int(entry.name))
+        pid = int(entry.name) if entry.name.isdigit() else 0
+        if pid and SUPERVISOR_TITLE in cmdline(pid) and alive(pid):
+            found.append(pid)
     return found
 
 

@@ -8,6 +8,7 @@ left in the store."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -147,7 +148,7 @@ def test_plan_prints_the_plan_against_the_live_cluster(
     assert all(s["host_memory_bytes"] == int(memory[s["ray_node_id"]]) for s in stages)
     ranges = [(s["layer_start"], s["layer_end_exclusive"]) for s in stages]
     assert ranges[0][0] == 0 and ranges[-1][1] == 4
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert [s["stage_index"] for s in doc["plan"]["stages"]] == [0, 1, 2, 3]
 
 
@@ -191,5 +192,5 @@ def test_a_stage_killed_mid_decode_ends_the_run_naming_it_and_its_host(
 
 
 def test_no_cluster_at_the_address_is_a_clear_error() -> None:
-    with pytest.raises(ClusterError, match="no Ray cluster at 127.0.0.1:1"):
+    with pytest.raises(ClusterError, match=r"no Ray cluster at 127\.0\.0\.1:1"):
         connect("127.0.0.1:1")

@@ -222,7 +222,10 @@ class RayHost:
                     max_concurrency=8,
                     max_restarts=0,
                     scheduling_strategy=where,
-                    name=None,
+                    # Ray kills the children of a worker that exits; the stage process
+                    # must outlive its supervisor long enough to stop on its own and
+                    # free what it owns (its lifeline closes when the supervisor goes).
+                    runtime_env={"env_vars": {"RAY_kill_child_processes_on_worker_exit": "0"}},
                 )
                 .remote()
             )

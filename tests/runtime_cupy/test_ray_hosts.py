@@ -1,0 +1,280 @@
+"""Stages on three real hosts: each its own network and mount namespace (a private
+``/dev/shm`` and ``/tmp``), joined by a bridge, with a Ray head in the first and a Ray
+worker in each other (``tests/support/netns_hosts.py``); the orchestrator is a driver
+on the head's host (``ray_driver.py``). Three stages on three hosts give the tokens of
+``runtime_sim`` (NumPy worker); then each cross-host fault ends the run cleanly: a stage
+process SIGKILLed, the network to a host cut mid-decode (no FIN), the orchestrator
+killed, a whole host lost, and a host that lacks the GGUF file. After each: no stage
+process, shared-memory segment, run folder or listening port of the run on any host.
+Root only (skipped with the reason elsewhere)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import runtime_sim
+from runtime_cupy.names import run_tag
+from runtime_cupy.streams import SILENT_PEER_S
+from tests.runtime_cupy.ray_checks import STAGE_ENTRY, cmdline, run_processes, wait_until
+from tests.support.netns_hosts import ROOT, TestHosts, unavailable
+
+pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra has it)")
+
+DRIVER = Path(__file__).with_name("ray_driver.py")
+STOP_S, EDGE_S = 5.0, 20.0  # ray_driver.TIMEOUTS
+#: A loaded 2-core machine's slack on top of every bound below.
+SLACK_S = 30.0
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestHosts]:
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    h = TestHosts(3)
+    try:
+        h.up(tmp_path_factory.mktemp("ray-hosts"))
+        yield h
+    finally:
+        h.down()
+        assert h.left() == []
+
+
+@pytest.fixture(scope="module")
+def model(tiny: str) -> Iterator[str]:
+    """The tiny model at one path every host sees (not under the private /tmp)."""
+    folder = Path("/var/tmp") / f"gpp-test-{secrets.token_hex(4)}"
+    folder.mkdir()
+    try:
+        path = folder / "tiny.gguf"
+        shutil.copy(tiny, path)
+        yield str(path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class Driver:
+    """A run on the hosts, driven from the head's host."""
+
+    def __init__(self, hosts: TestHosts, model: str, *extra: str) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+        env.pop("GGUF_PIPELINE_TEST_TAG", None)
+        args = [str(DRIVER), "--address", hosts.head_address, "--model", model, *extra]
+        self.proc = subprocess.Popen(
+            hosts.driver(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def _next(self, timeout_s: float) -> dict[str, Any]:
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"the driver said nothing in {timeout_s} s") from None
+            if line is None:
+                raise AssertionError("the driver ended early:\n" + "".join(self.stderr[-40:]))
+            with contextlib.suppress(ValueError):
+                doc: dict[str, Any] = json.loads(line)
+                return doc
+
+    def paused(self) -> dict[str, Any]:
+        doc = self._next(240)
+        assert "paused" in doc, doc
+        return dict(doc["paused"])
+
+    def resume(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict[str, Any]:
+        doc = self._next(240)
+        assert "outcome" in doc, doc
+        self.proc.wait(60)
+        return doc
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+def _pids(paused: dict[str, Any]) -> dict[int, int]:
+    return {int(k): int(v) for k, v in paused["pids"].items()}
+
+
+def _listeners_of_ours(hosts: TestHosts, i: int) -> list[str]:
+    """Listening TCP sockets in host ``i``'s network namespace held by a stage process
+    or a driver (Ray's own are Ray's)."""
+    table = hosts.on_host(i, "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null")
+    inodes = {f[9] for f in (line.split() for line in table.splitlines()[1:])
+              if len(f) > 9 and f[3] == "0A"}  # fmt: skip
+    ours = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        line = cmdline(int(entry.name))
+        if STAGE_ENTRY not in line and "ray_driver.py" not in line:
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    ours.append(f"{line.split()[0]} (pid {entry.name}) listens")
+    return ours
+
+
+def _left_on(hosts: TestHosts, i: int, run_id: str) -> list[str]:
+    """What of the run is left on host ``i``."""
+    tag = run_tag(run_id)
+    out = hosts.on_host(i, f"ls -d /dev/shm/gpp-{tag}* /tmp/gpp-{tag}* 2>/dev/null").split()
+    mine = set(hosts.pids(i))
+    out += [f"stage process {p}" for p in run_processes(run_id) if p in mine]
+    return out + _listeners_of_ours(hosts, i)
+
+
+def _assert_nothing_left(hosts: TestHosts, run_id: str, on: tuple[int, ...] = (1, 2, 3)) -> None:
+    for i in on:
+        left = wait_until(lambda i=i: _left_on(hosts, i, run_id), 20)  # type: ignore[misc]
+        assert left == [], f"left on host {i}: {left}"
+
+
+def _ensure_three_hosts(hosts: TestHosts, tmp_path: Path) -> None:
+    """A host whose Ray node went (Ray declared it dead after a cut) starts anew."""
+    for i in (2, 3):
+        if hosts.anchors[i].poll() is not None:
+            hosts.lose(i)
+            hosts.start_ray(i, tmp_path)
+
+
+def test_three_stages_on_three_hosts_give_the_simulators_tokens(
+    hosts: TestHosts, model: str
+) -> None:
+    doc = Driver(hosts, model, "--max-tokens", "8").result()
+    expected = runtime_sim.generate(model, PROMPT, stages=3, max_tokens=8)  # NumPy worker
+    assert doc["outcome"] == "completed", doc
+    assert doc["tokens"] == list(expected.tokens)
+    assert [s["host"] for s in doc["stages"]] == [hosts.address(i) for i in (1, 2, 3)]
+    assert [s["node_id"] for s in doc["stages"]] == [f"{hosts.address(i)}/cpu0" for i in (1, 2, 3)]
+    # The orchestrator shares the head's host with stage 0: shared memory; TCP elsewhere.
+    assert doc["media"] == ["shm", "tcp", "tcp", "tcp"]
+    assert all(s["returncode"] == 0 for s in doc["stages"])
+    _assert_nothing_left(hosts, doc["run_id"])
+
+
+def test_a_host_without_the_model_file_fails_setup_naming_host_and_path(
+    hosts: TestHosts, model: str
+) -> None:
+    only_here = f"/tmp/gpp-only-on-the-head-{secrets.token_hex(4)}.gguf"  # a private /tmp
+    doc = Driver(hosts, model, "--copy-model-to", only_here).result()
+    assert doc["outcome"] == "faulted" and doc["tokens"] == [], doc
+    stage = doc["fault_stage"]
+    assert stage in (1, 2), doc
+    host = hosts.address(stage + 1)
+    assert f"host {host}" in doc["fault"] and only_here in doc["fault"], doc["fault"]
+    assert "setup" in doc["fault"], doc["fault"]
+    _assert_nothing_left(hosts, doc["run_id"])
+    hosts.on_host(1, f"rm -f {only_here}")
+
+
+def test_a_remote_stage_process_killed_mid_decode(hosts: TestHosts, model: str) -> None:
+    driver = Driver(hosts, model, "--max-tokens", "40", "--pause-at", "2")
+    pids = _pids(driver.paused())
+    assert pids[1] in hosts.pids(2)  # stage 1's process lives on host 2
+    os.kill(pids[1], signal.SIGKILL)
+    driver.resume()
+    doc = driver.result()
+    assert doc["outcome"] == "faulted" and doc["fault_stage"] == 1, doc
+    assert f"stage 1 (node {hosts.address(2)}/cpu0, host {hosts.address(2)})" in doc["fault"]
+    assert "killed by SIGKILL" in doc["fault"], doc["fault"]
+    codes = [s["returncode"] for s in doc["stages"]]
+    assert codes == [0, -signal.SIGKILL, 0], codes  # the others stopped on StopRun
+    assert doc["ended_s"] - doc["resumed_s"] < STOP_S + EDGE_S + SILENT_PEER_S + SLACK_S
+    _assert_nothing_left(hosts, doc["run_id"])
+
+
+def test_the_network_to_a_host_cut_mid_decode(hosts: TestHosts, model: str, tmp_path: Path) -> None:
+    driver = Driver(hosts, model, "--max-tokens", "40", "--pause-at", "2")
+    pids = _pids(driver.paused())
+    hosts.cut(3)
+    try:
+        driver.resume()
+        doc = driver.result()
+        assert doc["outcome"] == "faulted", doc
+        # The first to notice names itself: the cut host's stage (its channel went
+        # silent) or its neighbour (its edge to it did); either way, its host.
+        stage = doc["fault_stage"]
+        assert stage in (1, 2), doc
+        assert f"host {hosts.address(stage + 1)}" in doc["fault"], doc["fault"]
+        bound = STOP_S + EDGE_S + SILENT_PEER_S
+        assert doc["ended_s"] - doc["resumed_s"] < bound + SLACK_S, doc
+        # The cut host's stage stops on its own, cut off, within the bound.
+        assert wait_until(lambda: pids[2] in hosts.pids(3), bound + SLACK_S) is False
+    finally:
+        hosts.mend(3)
+    # Nothing resumes when the link comes back.
+    assert wait_until(lambda: run_processes(doc["run_id"]), 10) == []
+    _assert_nothing_left(hosts, doc["run_id"])
+    _ensure_three_hosts(hosts, tmp_path)
+
+
+def test_the_orchestrator_killed_mid_decode(hosts: TestHosts, model: str, tmp_path: Path) -> None:
+    _ensure_three_hosts(hosts, tmp_path)
+    driver = Driver(hosts, model, "--max-tokens", "40", "--pause-at", "2")
+    pids = _pids(driver.paused())
+    run_ids = {cmdline(pid).split("--run-id ")[1].split()[0] for pid in pids.values()}
+    assert len(run_ids) == 1
+    (run_id,) = run_ids
+    driver.kill()
+    # Every stage stops on its own (its control connection closed), on every host.
+    gone = wait_until(lambda: run_processes(run_id), STOP_S + SILENT_PEER_S + SLACK_S)
+    assert gone == [], gone
+    _assert_nothing_left(hosts, run_id)
+
+
+def test_a_whole_host_lost_mid_decode(hosts: TestHosts, model: str, tmp_path: Path) -> None:
+    _ensure_three_hosts(hosts, tmp_path)
+    driver = Driver(hosts, model, "--max-tokens", "40", "--pause-at", "2")
+    driver.paused()
+    hosts.lose(2)  # every process of host 2: its Ray node, the supervisor, the stage
+    driver.resume()
+    doc = driver.result()
+    assert doc["outcome"] == "faulted", doc
+    stage = doc["fault_stage"]
+    assert stage in (0, 1, 2), doc
+    assert f"host {hosts.address(stage + 1)}" in doc["fault"], doc["fault"]
+    if stage == 1:
+        assert hosts.address(2) in doc["fault"]
+    assert doc["ended_s"] - doc["resumed_s"] < STOP_S + EDGE_S + SILENT_PEER_S + SLACK_S
+    codes = {s["stage_index"]: s["returncode"] for s in doc["stages"]}
+    assert codes[0] == 0 and codes[2] == 0, codes  # the live hosts' stages stopped
+    assert hosts.pids(2) == []  # nothing of the lost host runs
+    _assert_nothing_left(hosts, doc["run_id"], on=(1, 3))

@@ -1,0 +1,186 @@
+"""Test hosts on one machine: each its own Linux network namespace *and* mount
+namespace (a private ``/dev/shm`` and ``/tmp``, so that shared memory cannot silently
+cross "hosts"), joined by veth pairs to a bridge, with a Ray node in each: the head in
+the first, a worker in each other, each with its own ``--node-ip-address`` and
+``--temp-dir``.
+
+Names and the subnet are drawn at random per cluster (``gpb<tag>``, ``gpn<tag><i>``,
+``gpv<tag><i>``, ``10.<a>.<b>.0/24``), so that two test sessions on one machine do not
+meet. ``TestHosts.down()`` removes everything it made: it kills every process of each
+namespace, then the namespaces, the veth pairs and the bridge. Root only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY_PORT = 6379
+#: Runs a command in a private mount namespace with its own /dev/shm and /tmp.
+_PRIVATE = (
+    "unshare", "--mount", "--propagation", "private", "sh", "-c",
+    'mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /tmp && exec "$@"', "sh",
+)  # fmt: skip
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot make test hosts (``None``: it can)."""
+    if os.geteuid() != 0:
+        return "needs root for network and mount namespaces (ip netns, unshare --mount)"
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (iproute2, util-linux)"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def _ray() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+class TestHosts:
+    """``count`` hosts; host ``i`` (1-based) is ``namespace(i)`` at ``address(i)``."""
+
+    __test__ = False  # not a test class, whatever pytest thinks of its name
+
+    def __init__(self, count: int = 3) -> None:
+        self.count = count
+        self.tag = secrets.token_hex(3)
+        a, b = 64 + secrets.randbelow(64), secrets.randbelow(250) + 1
+        self.subnet = f"10.{a}.{b}"
+        self.bridge = f"gpb{self.tag}"
+        self.anchors: dict[int, subprocess.Popen[bytes]] = {}  # host -> its `ray start`
+        self.logs: dict[int, Path] = {}
+
+    def namespace(self, i: int) -> str:
+        return f"gpn{self.tag}{i}"
+
+    def veth(self, i: int) -> str:
+        return f"gpv{self.tag}{i}"
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i}"
+
+    @property
+    def head_address(self) -> str:
+        return f"{self.address(1)}:{RAY_PORT}"
+
+    # -- up ------------------------------------------------------------------------------
+    def up(self, log_dir: Path) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        for i in range(1, self.count + 1):
+            ns = self.namespace(i)
+            _ip("netns", "add", ns)
+            _ip("link", "add", self.veth(i), "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", self.veth(i), "master", self.bridge, "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        for i in range(1, self.count + 1):
+            self.start_ray(i, log_dir)
+
+    def start_ray(self, i: int, log_dir: Path) -> None:
+        """Start host ``i``'s Ray node (again, in a fresh mount namespace)."""
+        common = [
+            f"--node-ip-address={self.address(i)}", "--temp-dir=/tmp/ray", "--num-cpus=1",
+            "--object-store-memory=100000000", "--disable-usage-stats", "--block",
+        ]  # fmt: skip
+        if i == 1:
+            role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
+        else:
+            role = [f"--address={self.head_address}"]
+        log = log_dir / f"ray-host{i}.log"
+        self.logs[i] = log
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        env.pop("GGUF_PIPELINE_TEST_TAG", None)
+        cmd = ["ip", "netns", "exec", self.namespace(i), *_PRIVATE, _ray(), "start", *role]
+        with log.open("ab") as out:
+            self.anchors[i] = subprocess.Popen(
+                [*cmd, *common], stdout=out, stderr=out, stdin=subprocess.DEVNULL, env=env, cwd=ROOT
+            )
+
+    def anchor(self, i: int) -> int:
+        """A process of host ``i``'s namespaces (its ``ray start``), to enter them by."""
+        return self.anchors[i].pid
+
+    def driver(self, args: list[str]) -> list[str]:
+        """The command line of a driver run on the head's host (its network and mount
+        namespaces, this worktree's code)."""
+        return ["nsenter", "-t", str(self.anchor(1)), "-m", "-n", f"--wd={ROOT}",
+                sys.executable, *args]  # fmt: skip
+
+    def on_host(self, i: int, command: str) -> str:
+        """Run a shell command in host ``i``'s network and mount namespaces."""
+        return subprocess.run(
+            ["nsenter", "-t", str(self.anchor(i)), "-m", "-n", "sh", "-c", command],
+            capture_output=True, text=True, check=False, timeout=30,
+        ).stdout  # fmt: skip
+
+    # -- faults --------------------------------------------------------------------------
+    def cut(self, i: int) -> None:
+        """Host ``i``'s cable out: its port on the bridge down, every packet to or from it
+        lost, no FIN, no reset; its processes run on."""
+        _ip("link", "set", self.veth(i), "down")
+
+    def mend(self, i: int) -> None:
+        _ip("link", "set", self.veth(i), "up")
+
+    def pids(self, i: int) -> list[int]:
+        out = _ip("netns", "pids", self.namespace(i), check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def lose(self, i: int) -> None:
+        """Host ``i`` lost: every process in it killed."""
+        for _ in range(5):
+            pids = self.pids(i)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+
+    # -- down ----------------------------------------------------------------------------
+    def down(self) -> None:
+        for proc in self.anchors.values():  # Ray's own shutdown: its processes exit
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.anchors.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+        for i in range(1, self.count + 1):
+            self.lose(i)
+        for proc in self.anchors.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        for i in range(1, self.count + 1):
+            _ip("netns", "del", self.namespace(i), check=False)
+            _ip("link", "del", self.veth(i), check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+    def left(self) -> list[str]:
+        """What of these hosts is still on the machine (after ``down``)."""
+        out = []
+        namespaces = _ip("netns", "list", check=False).stdout
+        links = _ip("link", "show", check=False).stdout
+        for i in range(1, self.count + 1):
+            if self.namespace(i) in namespaces:
+                out.append(f"namespace {self.namespace(i)}")
+            if self.veth(i) in links:
+                out.append(f"link {self.veth(i)}")
+        if self.bridge in links:
+            out.append(f"bridge {self.bridge}")
+        return out
