@@ -194,3 +194,20 @@ def test_a_stage_killed_mid_decode_ends_the_run_naming_it_and_its_host(
 def test_no_cluster_at_the_address_is_a_clear_error() -> None:
     with pytest.raises(ClusterError, match=r"no Ray cluster at 127\.0\.0\.1:1"):
         connect("127.0.0.1:1")
+
+
+def test_the_cli_runs_on_the_cluster_and_its_json_names_each_stages_host(
+    cluster: Any, tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(
+        ["--model", tiny, "--ray-address", cluster.address, "--stages", "2", "--worker",
+         "numpy", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json"]
+    )  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)  # exactly one object on stdout
+    assert code == 0 and doc["outcome"] == "completed", doc
+    assert doc["tokens"] == list(runtime_sim.generate(tiny, PROMPT, stages=2, max_tokens=4).tokens)
+    labels = {h.label for h in _cluster_hosts()}
+    hosts = [s["host"] for s in doc["stages"]]
+    assert len(set(hosts)) == 2 and set(hosts) <= labels, hosts
+    assert [s["node_id"] for s in doc["stages"]] == [f"{h}/cpu0" for h in hosts]
+    _assert_clean(doc["run_id"])

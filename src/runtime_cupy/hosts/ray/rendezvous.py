@@ -113,6 +113,10 @@ class SupervisorRendezvous:
         with contextlib.suppress(EdgeSetupError):  # a stopping stage's supervisor may be gone
             self._ask({"op": "withdraw", "run_id": run_id, "edge_id": edge_id})
 
+    def close(self) -> None:
+        self._reader.close()
+        self._sock.close()
+
 
 class PublishedAddresses:
     """What a supervisor's stage published and has not withdrawn."""

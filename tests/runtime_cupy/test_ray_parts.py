@@ -1,0 +1,178 @@
+"""The Ray host's parts that need no cluster: the node pool read from what
+``ray.nodes()`` returns (labels a person can read, distinct on one machine; stages
+spread with consecutive ones together; memory shared per machine or per GPU), the
+stage's control connection (a stranger on the orchestrator's port is refused and the
+stage's own connection still comes through), and the rendezvous a stage asks through its
+supervisor (what a stage published is withdrawn when it is gone)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import pytest
+
+from runtime_cupy.edges import handshake as hs
+from runtime_cupy.hosts.ray import control_link
+from runtime_cupy.hosts.ray.cluster import (
+    ClusterError,
+    cpu_stage_nodes,
+    gpu_stage_nodes,
+    live_hosts,
+    spread,
+)
+from runtime_cupy.hosts.ray.rendezvous import (
+    PublishedAddresses,
+    SupervisorRendezvous,
+    serve_rendezvous,
+)
+from runtime_cupy.keys import control_key, new_secret
+
+
+def _node(node_id: str, address: str, port: int, *, head: bool = False, **res: float) -> Any:
+    resources = {"memory": 8e9, **res, f"node:{address}": 1.0}
+    if head:
+        resources["node:__internal_head__"] = 1.0
+    return {"NodeID": node_id, "Alive": True, "NodeManagerAddress": address,
+            "NodeManagerPort": port, "Resources": resources}  # fmt: skip
+
+
+def test_hosts_are_labelled_by_address_and_kept_apart_on_one_machine() -> None:
+    nodes = [
+        _node("c", "10.0.0.10", 5),
+        _node("b", "10.0.0.9", 7),
+        _node("a2", "127.0.0.1", 9),
+        _node("a1", "127.0.0.1", 3, head=True),
+        {**_node("dead", "10.0.0.11", 1), "Alive": False},
+    ]
+    hosts = live_hosts(nodes)
+    # Numeric address order (10.0.0.9 before 10.0.0.10); the head first on its machine.
+    assert [h.label for h in hosts] == ["10.0.0.9", "10.0.0.10", "127.0.0.1#0", "127.0.0.1#1"]
+    assert [h.ray_node_id for h in hosts] == ["b", "c", "a1", "a2"]
+    assert hosts[2].is_head and not hosts[3].is_head
+
+
+def test_stages_spread_over_hosts_with_consecutive_stages_together() -> None:
+    assert spread(3, 3) == [0, 1, 2]
+    assert spread(4, 3) == [0, 0, 1, 2]
+    assert spread(2, 3) == [0, 1]
+    hosts = live_hosts([_node("a", "10.0.0.1", 1), _node("b", "10.0.0.2", 1)])
+    nodes = cpu_stage_nodes(hosts, 5)
+    assert [n.node_id for n in nodes] == [
+        "10.0.0.1/cpu0", "10.0.0.1/cpu1", "10.0.0.1/cpu2", "10.0.0.2/cpu0", "10.0.0.2/cpu1"
+    ]  # fmt: skip
+    # A machine's stages share its memory, as the planner's devices do.
+    assert {n.spec.device for n in nodes} == {"10.0.0.1", "10.0.0.2"}
+    assert all(n.spec.memory_bytes == 8_000_000_000 and n.device is None for n in nodes)
+
+
+def test_gpu_stages_go_to_gpus_and_need_their_memory() -> None:
+    hosts = live_hosts([_node("a", "10.0.0.1", 1, GPU=2), _node("b", "10.0.0.2", 1, GPU=1)])
+    memory = {"a": {0: 80 << 30, 1: 80 << 30}, "b": {0: 24 << 30}}
+    nodes = gpu_stage_nodes(hosts, 4, memory)
+    # Four stages on three GPUs: the first GPU holds two (consecutive), sharing it.
+    assert [n.node_id for n in nodes] == [
+        "10.0.0.1/gpu0", "10.0.0.1/gpu0.1", "10.0.0.1/gpu1", "10.0.0.2/gpu0"
+    ]  # fmt: skip
+    assert [n.device for n in nodes] == [0, 0, 1, 0]
+    assert nodes[0].spec.device == nodes[1].spec.device == "10.0.0.1/gpu0"
+    assert [n.spec.memory_bytes for n in nodes] == [80 << 30] * 3 + [24 << 30]
+    with pytest.raises(ClusterError, match="nvidia-smi there does not list GPU 1"):
+        gpu_stage_nodes(hosts, 2, {"a": {0: 1}})
+    with pytest.raises(ClusterError, match="no live node of the cluster has one"):
+        gpu_stage_nodes(live_hosts([_node("a", "10.0.0.1", 1)]), 1, {})
+    with pytest.raises(ClusterError, match="no live node"):
+        cpu_stage_nodes((), 1)
+
+
+def test_strangers_on_the_control_port_are_refused_and_the_stage_gets_through() -> None:
+    secret = new_secret()
+    key = control_key(secret, "10.0.0.2/cpu0")
+    listener = control_link.ControlListener("127.0.0.1")
+    host, port = listener.address.rsplit(":", 1)
+    outcomes: list[str] = []
+
+    def strangers_then_the_stage() -> None:
+        with socket.create_connection((host, int(port))) as s:  # garbage
+            s.recv(hs.CHALLENGE_BYTES)
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 100)
+        for who, k, index in (("wrong key", new_secret(), 1), ("other stage", key, 2)):
+            try:
+                control_link.connect(listener.address, index, control_key(k, "x") if
+                                     who == "wrong key" else k, 5)  # fmt: skip
+                outcomes.append(f"{who}: accepted")
+            except (OSError, hs.HandshakeRefused) as exc:
+                outcomes.append(f"{who}: refused ({type(exc).__name__})")
+        sock = control_link.connect(listener.address, 1, key, 5)
+        outcomes.append("stage: connected")
+        sock.close()
+
+    thread = threading.Thread(target=strangers_then_the_stage)
+    thread.start()
+    try:
+        conn = listener.accept(1, key, 30, lambda: None)
+        conn.close()
+    finally:
+        thread.join(30)
+        listener.close()
+    assert outcomes[-1] == "stage: connected"
+    assert all("refused" in o for o in outcomes[:-1]), outcomes
+
+
+def test_no_control_connection_ends_when_the_supervisor_says_why() -> None:
+    listener = control_link.ControlListener("127.0.0.1")
+    try:
+        with pytest.raises(control_link.ControlLinkError, match="node is gone"):
+            listener.accept(0, control_key(new_secret(), "n"), 30, lambda: "node is gone")
+    finally:
+        listener.close()
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.data: dict[tuple[str, int], str] = {}
+
+    def publish(self, run_id: str, edge_id: int, address: str) -> None:
+        self.data[(run_id, edge_id)] = address
+
+    def lookup(self, run_id: str, edge_id: int) -> str | None:
+        return self.data.get((run_id, edge_id))
+
+    def withdraw(self, run_id: str, edge_id: int) -> None:
+        self.data.pop((run_id, edge_id), None)
+
+
+def test_a_stage_asks_its_supervisor_and_what_it_published_goes_with_it() -> None:
+    store = DictStore()
+    published = PublishedAddresses(store)  # type: ignore[arg-type]
+    stage_end, supervisor_end = socket.socketpair()
+    server = threading.Thread(target=serve_rendezvous, args=(supervisor_end, published))
+    server.start()
+    rendezvous = SupervisorRendezvous(stage_end)
+    assert rendezvous.lookup("run", 2) is None
+    rendezvous.publish("run", 2, "10.0.0.2:4000")
+    rendezvous.publish("run", 3, "10.0.0.2:4001")
+    assert store.data == {("run", 2): "10.0.0.2:4000", ("run", 3): "10.0.0.2:4001"}
+    rendezvous.withdraw("run", 2)
+    assert store.data == {("run", 3): "10.0.0.2:4001"}
+    rendezvous.close()  # the stage is gone
+    server.join(10)
+    published.withdraw_all()
+    assert store.data == {}
+
+
+def test_a_cluster_that_is_not_there_is_one_line_and_exit_2() -> None:
+    import subprocess
+    import sys
+
+    from tests.runtime_cupy.test_process_cli import _env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime_cupy", "--ray-address", "127.0.0.1:1", "--stages", "2",
+         "--prompt-ids", "1,2", "--max-tokens", "2"],
+        capture_output=True, text=True, check=False, env=_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no Ray cluster at 127.0.0.1:1" in lines[0], proc.stderr
