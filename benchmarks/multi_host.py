@@ -96,7 +96,9 @@ def _env() -> dict[str, str]:
 
 def _case(command: list[str]) -> dict[str, Any]:
     began = time.monotonic()
-    proc = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=600)
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env=_env(), timeout=600, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{command[-6:]} failed:\n{proc.stderr[-3000:]}")
     doc: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -123,8 +125,9 @@ def main() -> int:
         print(json.dumps(one_run(args)), flush=True)
         return 0
 
-    from runplan.models import resolve_model
     from tests.support.netns_hosts import TestHosts, unavailable
+
+    from runplan.models import resolve_model
 
     reason = unavailable()
     if reason is not None:
