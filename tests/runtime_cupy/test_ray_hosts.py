@@ -28,7 +28,13 @@ import pytest
 import runtime_sim
 from runtime_cupy.names import run_tag
 from runtime_cupy.streams import SILENT_PEER_S
-from tests.runtime_cupy.ray_checks import STAGE_ENTRY, cmdline, run_processes, wait_until
+from tests.runtime_cupy.ray_checks import (
+    STAGE_ENTRY,
+    cmdline,
+    run_processes,
+    supervisors,
+    wait_until,
+)
 from tests.support.netns_hosts import ROOT, TestHosts, unavailable
 
 pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra has it)")
@@ -165,6 +171,8 @@ def _assert_nothing_left(hosts: TestHosts, run_id: str, on: tuple[int, ...] = (1
     for i in on:
         left = wait_until(lambda i=i: _left_on(hosts, i, run_id), 20)  # type: ignore[misc]
         assert left == [], f"left on host {i}: {left}"
+    # No stage supervisor either (the runs of this module are over): Ray ended them.
+    assert wait_until(supervisors, 60) == []
 
 
 def _ensure_three_hosts(hosts: TestHosts, tmp_path: Path) -> None:
@@ -224,6 +232,9 @@ def test_a_remote_stage_process_killed_mid_decode(hosts: TestHosts, model: str) 
 def test_the_network_to_a_host_cut_mid_decode(hosts: TestHosts, model: str, tmp_path: Path) -> None:
     driver = Driver(hosts, model, "--max-tokens", "40", "--pause-at", "2")
     pids = _pids(driver.paused())
+    # Each host has its stage's supervisor (so that the checks for none below can fail).
+    for i in (1, 2, 3):
+        assert set(supervisors()) & set(hosts.pids(i)), f"no supervisor seen on host {i}"
     hosts.cut(3)
     try:
         driver.resume()
@@ -236,12 +247,17 @@ def test_the_network_to_a_host_cut_mid_decode(hosts: TestHosts, model: str, tmp_
         assert f"host {hosts.address(stage + 1)}" in doc["fault"], doc["fault"]
         bound = STOP_S + EDGE_S + SILENT_PEER_S
         assert doc["ended_s"] - doc["resumed_s"] < bound + SLACK_S, doc
-        # The cut host's stage stops on its own, cut off, within the bound.
+        codes = [s["returncode"] for s in doc["stages"]]
+        assert codes[:2] == [0, 0], codes  # the reachable stages stopped on StopRun
+        # The cut host's stage stops on its own, cut off, within the bound; so does its
+        # supervisor.
         assert wait_until(lambda: pids[2] in hosts.pids(3), bound + SLACK_S) is False
+        assert wait_until(lambda: set(supervisors()) & set(hosts.pids(3)), 20) == set()
     finally:
         hosts.mend(3)
     # Nothing resumes when the link comes back.
     assert wait_until(lambda: run_processes(doc["run_id"]), 10) == []
+    assert wait_until(supervisors, 60) == []
     _assert_nothing_left(hosts, doc["run_id"])
     _ensure_three_hosts(hosts, tmp_path)
 
