@@ -115,6 +115,8 @@ class StageWorker:
     """The interface logic of a stage worker over a ``StageBackend``."""
 
     capabilities: ClassVar[WorkerCapabilities]
+    #: The largest head size the backend's attention takes (``None``: any).
+    max_head_dim: ClassVar[int | None] = ATTENTION_MAX_HEAD_DIM
 
     def __init__(self, *, matvec: str = "q8", kv_dtype: str = "auto") -> None:
         if matvec not in MATVEC_MODES:
@@ -170,11 +172,12 @@ class StageWorker:
         try:
             with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
                 c = stage.config
-                if max(c.head_dim_k, c.head_dim_v) > ATTENTION_MAX_HEAD_DIM:
+                limit = self.max_head_dim
+                if limit is not None and max(c.head_dim_k, c.head_dim_v) > limit:
                     raise UnsupportedModel(
                         stage.path,
                         f"head size {c.head_dim_k} (keys) / {c.head_dim_v} (values): the "
-                        f"CUDA attention kernel takes up to {ATTENTION_MAX_HEAD_DIM}",
+                        f"CUDA attention kernel takes up to {limit}",
                     )
                 backend = self._make_backend(spec)
                 backend.load(stage, p.model.max_seq_len, progress)
