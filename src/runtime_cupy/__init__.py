@@ -3,7 +3,7 @@ runtime_cupy.stage``), the orchestrator in the launching process, edges as
 shared-memory rings, authenticated control channels, clean teardown on any fault.
 
 ``generate(...)`` has ``runtime_sim.generate``'s signature and result fields, plus
-runtime options (``worker="numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``).
+runtime options (``worker="cpu" | "numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``).
 The CUDA worker (``runtime_cupy.worker``) is imported only when asked for.
 """
 
