@@ -55,8 +55,16 @@ typedef struct {
 typedef void (*dot_fn)(const uint8_t *w, int64_t n_chunks, const XRows *x, int64_t j0, int nj,
                        float *out);
 
+/* out[i] = row i of w (rows of row_bytes, i < nw <= WT) . activation row j: the same
+ * bits as nw calls of the type's dot_fn (a decode step's products, several weight rows
+ * sharing the activation's loads); NULL where an instruction set has none */
+#define WT 4
+typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, int nw, int64_t n_chunks,
+                        const XRows *x, int64_t j, float *out);
+
 typedef struct {
     const char *name;
+    rows_fn q8_rows[T_COUNT];
     dot_fn q8[T_COUNT]; /* NULL for the float types */
     dot_fn f[T_COUNT];  /* float activations */
     /* the attention's inner products: sum a[i] b[i] over n (b float or half), added as

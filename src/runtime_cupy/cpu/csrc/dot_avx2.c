@@ -158,6 +158,75 @@ AVX2_INLINE void legacy_body(const uint8_t *w, int64_t nc, const XRows *x, int64
     for (int k = 0; k < NJ; ++k) out[k] = sum8(acc[k]);
 }
 
+/* nw weight rows (rows of row_bytes from w) times one activation row j: per row the
+ * operations of legacy_body, the activation's loads shared */
+AVX2_INLINE void legacy_rows_body(const uint8_t *w, int64_t row_bytes, const int NW, int64_t nc,
+                                  const XRows *x, int64_t j, float *out, const int kind,
+                                  const int bb) {
+    float acc[WT][8];
+    for (int r = 0; r < NW; ++r) memset(acc[r], 0, sizeof acc[r]);
+    const int8_t *xq = x->q + j * x->n;
+    const float *xd = x->d + j * nc;
+    const float *xs = (kind == 2 || kind == 4) ? x->s + j * nc : NULL;
+    const int32_t *xg = x->g + j * 2 * nc;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int with_m = kind == 2 || kind == 4;
+    for (int64_t c = 0; c < nc; c += 8) {
+        const int n = nc - c < 8 ? (int)(nc - c) : 8;
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+        __m256i xv[8];
+        for (int i = 0; i < n; ++i) xv[i] = loadu256(xq + 32 * (c + i));
+        const __m256 dx = _mm256_maskload_ps(xd + c, live);
+        const __m256 sx = with_m ? _mm256_maskload_ps(xs + c, live) : _mm256_setzero_ps();
+        const __m256i gx = (kind == 1 || kind == 3)
+                               ? _mm256_slli_epi32(_mm256_maskload_epi32(xg + c, live), kind == 1 ? 3 : 4)
+                               : _mm256_setzero_si256();
+        for (int r = 0; r < NW; ++r) {
+            const uint8_t *b0 = w + r * row_bytes + bb * c;
+            __m256 dw, m = _mm256_setzero_ps();
+            halves8(b0, bb, n, &dw, with_m ? &m : NULL);
+            __m256i p[8];
+            for (int i = 0; i < 8; ++i) {
+                if (i < n) {
+                    __m256i wq;
+                    __m256i u = legacy_bytes(b0 + bb * i, kind, &wq);
+                    p[i] = dot_us(u, kind == 0 ? _mm256_sign_epi8(xv[i], wq) : xv[i], ones);
+                } else {
+                    p[i] = _mm256_setzero_si256();
+                }
+            }
+            __m256i si = hsum_8x8(p);
+            if (kind == 1 || kind == 3) si = _mm256_sub_epi32(si, gx);
+            __m256 fac = _mm256_mul_ps(dw, dx);
+            __m256 term = _mm256_mul_ps(fac, _mm256_cvtepi32_ps(si));
+            if (with_m) term = _mm256_add_ps(term, _mm256_mul_ps(m, sx));
+            __m256 a = _mm256_loadu_ps(acc[r]);
+            _mm256_storeu_ps(acc[r], n == 8 ? _mm256_add_ps(a, term)
+                                            : _mm256_blendv_ps(a, _mm256_add_ps(a, term),
+                                                               _mm256_castsi256_ps(live)));
+        }
+    }
+    for (int r = 0; r < NW; ++r) out[r] = sum8(acc[r]);
+}
+
+#define LEGACY_ROWS(NAME, KIND, BB)                                                            \
+    AVX2 static void q8_rows_##NAME(const uint8_t *w, int64_t row_bytes, int nw, int64_t nc,  \
+                                    const XRows *x, int64_t j, float *out) {                   \
+        switch (nw) {                                                                          \
+        case 1: legacy_rows_body(w, row_bytes, 1, nc, x, j, out, KIND, BB); break;             \
+        case 2: legacy_rows_body(w, row_bytes, 2, nc, x, j, out, KIND, BB); break;             \
+        case 3: legacy_rows_body(w, row_bytes, 3, nc, x, j, out, KIND, BB); break;             \
+        default: legacy_rows_body(w, row_bytes, 4, nc, x, j, out, KIND, BB); break;            \
+        }                                                                                      \
+    }
+
+LEGACY_ROWS(Q8_0, 0, 34)
+LEGACY_ROWS(Q4_0, 1, 18)
+LEGACY_ROWS(Q4_1, 2, 20)
+LEGACY_ROWS(Q5_0, 3, 22)
+LEGACY_ROWS(Q5_1, 4, 24)
+
 #define LEGACY(NAME, KIND, BB)                                                                 \
     AVX2 static void q8_##NAME(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,      \
                                int nj, float *out) {                                           \
@@ -501,6 +570,7 @@ AVX2 static void axpy_h_avx2(float *y, float p, const uint16_t *b, int64_t n) {
 
 const Isa ISA_AVX2 = {
     "avx2",
+    {NULL, NULL, NULL, q8_rows_Q8_0, q8_rows_Q4_0, q8_rows_Q4_1, q8_rows_Q5_0, q8_rows_Q5_1},
     {NULL, NULL, NULL, q8_Q8_0, q8_Q4_0, q8_Q4_1, q8_Q5_0, q8_Q5_1, q8_Q2_K, q8_Q3_K, q8_Q4_K,
      q8_Q5_K, q8_Q6_K},
     {f_F32, f_F16, f_BF16, f_Q8_0, f_Q4_0, f_Q4_1, f_Q5_0, f_Q5_1, f_Q2_K, f_Q3_K, f_Q4_K, f_Q5_K,

@@ -402,6 +402,7 @@ static void axpy_h_portable(float *y, float p, const uint16_t *b, int64_t n) {
 
 const Isa ISA_PORTABLE = {
     "portable",
+    {NULL},
     {NULL, NULL, NULL, q8_Q8_0, q8_Q4_0, q8_Q4_1, q8_Q5_0, q8_Q5_1, q8_Q2_K, q8_Q3_K, q8_Q4_K,
      q8_Q5_K, q8_Q6_K},
     {f_F32, f_F16, f_BF16, f_Q8_0, f_Q4_0, f_Q4_1, f_Q5_0, f_Q5_1, f_Q2_K, f_Q3_K, f_Q4_K, f_Q5_K,

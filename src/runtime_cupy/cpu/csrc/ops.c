@@ -14,6 +14,7 @@
 
 #define RB 16         /* weight rows per item */
 #define ELEMWISE 4096 /* values per item of the element-wise operations */
+#define ROWS_MAX_CHUNKS 24
 
 /* ---- 8-bit activations ---------------------------------------------------------------- */
 
@@ -59,8 +60,25 @@ static void linear_item(void *ctx, int64_t b) {
     const Part *pt = J->parts + p;
     int64_t r0 = (b - J->first[p]) * RB, r1 = r0 + RB < pt->n_out ? r0 + RB : pt->n_out;
     int64_t nc = pt->n_in / 32;
-    dot_fn dot = (J->use_q8 && !qtype_is_float(pt->t)) ? J->isa->q8[pt->t] : J->isa->f[pt->t];
-    float tmp[XT];
+    int q8 = J->use_q8 && !qtype_is_float(pt->t);
+    dot_fn dot = q8 ? J->isa->q8[pt->t] : J->isa->f[pt->t];
+    /* short rows (up to ROWS_MAX_CHUNKS chunks: a row's fixed costs outweigh its blocks)
+     * of a decode step: several weight rows per call, sharing the activation's loads */
+    rows_fn rows_dot = (q8 && nc <= ROWS_MAX_CHUNKS) ? J->isa->q8_rows[pt->t] : NULL;
+    float tmp[XT > WT ? XT : WT];
+    if (J->rows == 1 && rows_dot) {
+        for (int64_t r = r0; r < r1; r += WT) {
+            int nw = r1 - r < WT ? (int)(r1 - r) : WT;
+            rows_dot(pt->w + r * pt->row_bytes, pt->row_bytes, nw, nc, J->x, 0, tmp);
+            for (int i = 0; i < nw; ++i) {
+                int64_t col = pt->out_offset + r + i;
+                float v = tmp[i];
+                if (J->bias) v = v + J->bias[col];
+                J->y[col] = J->accumulate ? J->y[col] + v : v;
+            }
+        }
+        return;
+    }
     /* the block's weight rows stay in cache while every activation row passes */
     for (int64_t j0 = 0; j0 < J->rows; j0 += XT) {
         int nj = J->rows - j0 < XT ? (int)(J->rows - j0) : XT;
