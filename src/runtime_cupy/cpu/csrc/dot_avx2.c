@@ -76,7 +76,15 @@ AVX2_INLINE void halves8(const uint8_t *b, const int bb, int n, __m256 *lo, __m2
     const __m256i at = _mm256_mullo_epi32(lane, _mm256_set1_epi32(bb));
     __m256i v;
     if (n >= 8) {
-        v = _mm256_i32gather_epi32((const int *)b, at, 1);
+        __m128i lo4 = _mm_cvtsi32_si128((int)load_u32(b));
+        lo4 = _mm_insert_epi32(lo4, (int)load_u32(b + bb), 1);
+        lo4 = _mm_insert_epi32(lo4, (int)load_u32(b + 2 * bb), 2);
+        lo4 = _mm_insert_epi32(lo4, (int)load_u32(b + 3 * bb), 3);
+        __m128i hi4 = _mm_cvtsi32_si128((int)load_u32(b + 4 * bb));
+        hi4 = _mm_insert_epi32(hi4, (int)load_u32(b + 5 * bb), 1);
+        hi4 = _mm_insert_epi32(hi4, (int)load_u32(b + 6 * bb), 2);
+        hi4 = _mm_insert_epi32(hi4, (int)load_u32(b + 7 * bb), 3);
+        v = _mm256_set_m128i(hi4, lo4);
     } else {
         __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
         v = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)b, at, mask, 1);
