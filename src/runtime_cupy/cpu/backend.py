@@ -7,16 +7,16 @@ stores, each writing its columns of the output), the kernels multiply the GGUF b
 in place, and only norm weights and biases are copied (as float32). ``load`` reads
 every page of the stage's tensors once, so the first step does not wait on the disk.
 
-Products. With ``matvec="q8"`` (the default) every product of a quantized matrix runs
-on 8-bit activations, quantized per chunk of 32 as the CUDA kernels quantize them
-(``twins.quantize_q8``), by integer dot products; prefill rows as well as decode rows,
-as llama.cpp's CPU path does. A matrix of several rows (prefill) is a blocked product:
-each block of weight rows is read once from memory and multiplied with every
-activation row while it is in cache. A row's result is the same whichever rows it
-is computed with, so a prompt's prefill computes exactly what decoding it one row at
-a time would. ``matvec="f32"`` dequantizes chunks of the weights exactly (as the gguf
-package does) and multiplies float32 activations. Float weights (F32, F16, BF16)
-always take float32 activations.
+Products. With ``matvec="q8"`` (the default) activations are rounded as llama.cpp's
+CPU path rounds them for the weight type (``ACT_FORMAT``: Q8_0, Q8_1 or Q8_K blocks,
+``csrc/dot.h``; half or bfloat16 for F16 / BF16 weights), and quantized matrices
+multiply them by integer dot products, prefill rows as well as decode rows. A matrix of
+several rows (prefill) is a blocked product: each block of weight rows is read once
+from memory and multiplied with every activation row while it is in cache. A row's
+result is the same whichever rows it is computed with, so a prompt's prefill computes
+exactly what decoding it one row at a time would. ``matvec="f32"`` dequantizes chunks
+of the weights exactly (as the gguf package does) and multiplies float32 activations.
+A source's rounded forms are computed once per value of the source (``_Rows.fresh``).
 
 The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``).
 """
@@ -35,7 +35,7 @@ from runtime_core.worker import Progress
 from runtime_cupy import device_sampling
 from runtime_cupy.cpu import _kernels
 from runtime_cupy.program import Linear, StageWeights, forward_blocks, forward_head, load_weights
-from runtime_cupy.quant_types import CHUNK, FLOAT_TYPES
+from runtime_cupy.quant_types import CHUNK
 from runtime_cupy.worker import BackendSpec
 
 U8 = npt.NDArray[np.uint8]
@@ -53,10 +53,12 @@ class _MappedUploader:
         return np.array(data, dtype=np.float32, copy=True)
 
 
-#: The 8-bit activation format each weight type multiplies (csrc/dot.h), as llama.cpp
-#: pairs them; float weights take float32 activations.
+#: The activations each weight type multiplies, as llama.cpp pairs them: an 8-bit
+#: format (csrc/dot.h), or float32 rounded to half (F16 weights) or bfloat16 (BF16).
 ACT_FORMAT = {
-    **dict.fromkeys(FLOAT_TYPES, "f32"),
+    "F32": "f32",
+    "F16": "f16",
+    "BF16": "bf16",
     **dict.fromkeys(("Q8_0", "Q4_0", "Q5_0"), "q8_0"),
     **dict.fromkeys(("Q4_1", "Q5_1"), "q8_1"),
     **dict.fromkeys(("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), "q8_K"),
@@ -90,7 +92,8 @@ class _Rows:
         }
         self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}
         self.q8: dict[tuple[str, str], _Q8] = {}
-        self.fresh: set[tuple[str, str]] = set()  # 8-bit forms up to date with their source
+        self.rounded: dict[tuple[str, str], F32] = {}  # f16 / bf16 forms
+        self.fresh: dict[str, set[str]] = {}  # per source, its 8-bit forms up to date
 
     def q8_of(self, src: str, fmt: str) -> _Q8:
         key = (src, fmt)
@@ -153,7 +156,7 @@ class CpuOps:
         self.buf.fresh.clear()
 
     def _written(self, name: str) -> None:
-        self.buf.fresh = {key for key in self.buf.fresh if key[0] != name}
+        self.buf.fresh.pop(name, None)
 
     # -- Ops -------------------------------------------------------------------------------
     def embed(self, table: Linear[U8], rows: int) -> None:
@@ -193,19 +196,35 @@ class CpuOps:
         else:
             y = b.views[dst]
         for fmt, matrix in self.matrices[id(lin)]:
-            if fmt == "f32" or not self.use_q8:
+            if fmt in ("f32", "f16", "bf16") or not self.use_q8:
+                xf = self._rounded(src, fmt, x) if self.use_q8 and fmt != "f32" else x
                 _kernels.linear(
-                    matrix, rows, x, None, None, None, None,
+                    matrix, rows, xf, None, None, None, None,
                     False, False, y, bias, accumulate, self.threads,
                 )  # fmt: skip
                 continue
             q8 = b.q8_of(src, fmt)
-            quantize = (src, fmt) not in b.fresh
+            fresh = b.fresh.setdefault(src, set())
             _kernels.linear(
                 matrix, rows, x, q8.q, q8.d, q8.s, q8.g,
-                quantize, True, y, bias, accumulate, self.threads,
+                fmt not in fresh, True, y, bias, accumulate, self.threads,
             )  # fmt: skip
-            b.fresh.add((src, fmt))
+            fresh.add(fmt)
+
+    def _rounded(self, src: str, fmt: str, x: F32) -> F32:
+        """``x`` rounded to half or bfloat16 (nearest even), as float32: what llama.cpp's
+        products with F16 / BF16 weights multiply."""
+        b = self.buf
+        fresh = b.fresh.setdefault(src, set())
+        key = (src, fmt)
+        if fmt not in fresh or key not in b.rounded:
+            if fmt == "f16":
+                with np.errstate(over="ignore"):  # out of range: infinity, as llama.cpp
+                    b.rounded[key] = x.astype(np.float16).astype(np.float32)
+            else:
+                b.rounded[key] = activations.bf16_to_float32(activations.float32_to_bf16(x))
+            fresh.add(fmt)
+        return b.rounded[key]
 
     def rope_kv(self, layer: int, bias: F32 | None, rows: int) -> None:
         rope = self.w.config.rope
