@@ -7,6 +7,7 @@
 #include "ops.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -217,8 +218,7 @@ typedef struct {
     const Heads *hd;
     float scale;
     float *out;
-    float *scores; /* (threads... ) one row of scores per item: (items, pos + rows) */
-    int64_t stride;
+    atomic_int failed; /* an item could not get its scores' memory */
 } AttentionJob;
 
 static void attention_item(void *ctx, int64_t it) {
@@ -228,7 +228,11 @@ static void attention_item(void *ctx, int64_t it) {
     int64_t r = it / hd->n_heads, h = it - r * hd->n_heads, kv = h / (hd->n_heads / hd->n_kv);
     int64_t n_ctx = J->pos + r + 1;
     const float *q = J->qkv + r * width + h * hd->hd_k;
-    float *scores = J->scores + it * J->stride;
+    float *scores = malloc(sizeof(float) * (size_t)n_ctx);
+    if (!scores) {
+        atomic_store(&((AttentionJob *)ctx)->failed, 1);
+        return;
+    }
     float m = -INFINITY;
     for (int64_t t = 0; t < n_ctx; ++t) {
         int64_t at = (kv * hd->max_seq + t) * hd->hd_k;
@@ -251,18 +255,15 @@ static void attention_item(void *ctx, int64_t it) {
         else J->isa->axpy_f(o, scores[t], (const float *)J->v_cache + at, hd->hd_v);
     }
     for (int64_t i = 0; i < hd->hd_v; ++i) o[i] = o[i] / sum;
+    free(scores);
 }
 
 int attention_rows(const Isa *isa, const float *qkv, int64_t rows, const void *k_cache,
                    const void *v_cache, int64_t pos, const Heads *hd, float scale, float *out,
                    int threads) {
-    int64_t items = rows * hd->n_heads, stride = pos + rows;
-    float *scores = malloc(sizeof(float) * (size_t)(items * stride));
-    if (!scores) return -1;
-    AttentionJob J = {isa, qkv, k_cache, v_cache, pos, hd, scale, out, scores, stride};
-    pool_run(threads, items, attention_item, &J);
-    free(scores);
-    return 0;
+    AttentionJob J = {isa, qkv, k_cache, v_cache, pos, hd, scale, out, 0};
+    pool_run(threads, rows * hd->n_heads, attention_item, &J);
+    return atomic_load(&J.failed) ? -1 : 0;
 }
 
 /* ---- embedding and the greedy token ----------------------------------------------------- */

@@ -38,7 +38,8 @@ static struct {
     _Atomic int64_t n;
     _Atomic int active; /* workers 0 .. active - 1 take part */
     int n_workers;
-} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} P = {.job_lock = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+       .wake = PTHREAD_COND_INITIALIZER};
 
 static long now_ns(void) {
     struct timespec t;
