@@ -362,6 +362,18 @@ def summarize(results: list[dict[str, Any]], prompt_len: int) -> dict[str, float
     }
 
 
+def llamacpp_problem(python: str) -> str | None:
+    """Why ``python`` cannot run llama-cpp-python, or None."""
+    if not Path(python).exists():
+        return f"{python} does not exist (--llamacpp-python)"
+    proc = subprocess.run(
+        [python, "-c", "import llama_cpp"], check=False, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        return f"{python} cannot import llama_cpp: {proc.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -381,6 +393,11 @@ def main() -> None:
         return
     models = [m for m in args.models.split(",") if m]
     runners = [r for r in args.runners.split(",") if r]
+    problem = llamacpp_problem(args.llamacpp_python)
+    if problem is not None:  # no llama.cpp: no column, and no quantizer for the 8B shape
+        print(f"llama.cpp skipped: {problem}", file=sys.stderr)
+        runners = [r for r in runners if r != "llama.cpp"]
+        models = [m for m in models if m == "smollm2"]
     folder = args.model_dir or Path(tempfile.mkdtemp(prefix="gguf-pipeline-cpu-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"threads": args.threads, "models": {}}
