@@ -343,6 +343,26 @@ def test_rotary_cache_and_attention_are_the_twins(neox: bool, kv: str) -> None:
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_attention_does_not_depend_on_the_isa_or_the_threads(kv: str) -> None:
+    rng = np.random.default_rng(12)
+    n_heads, n_kv, hd, max_seq, rows = 8, 2, 72, 40, 30  # a head size with a tail past 64
+    dtype = np.float16 if kv == "f16" else np.float32
+    kc = rng.standard_normal((n_kv, max_seq, hd)).astype(dtype)
+    vc = rng.standard_normal((n_kv, max_seq, hd)).astype(dtype)
+    qkv = rng.standard_normal((rows, (n_heads + 2 * n_kv) * hd)).astype(np.float32)
+    heads = (n_heads, n_kv, hd, hd, max_seq, kv == "f16")
+    outs = []
+    for isa in ISAS:
+        _kernels.set_isa(isa)
+        for threads in (1, 3):
+            out = np.zeros((rows, n_heads * hd), np.float32)
+            _kernels.attention(qkv, rows, kc, vc, 7, heads, 0.125, out, threads)
+            outs.append(out)
+    for other in outs[1:]:
+        np.testing.assert_array_equal(other.view(np.uint32), outs[0].view(np.uint32))
+
+
 def test_the_f16_cache_rounds_as_numpy_does() -> None:
     values = np.array(
         [0.0, -0.0, 1.0, 65504.0, 65519.0, 65520.0, -1e6, 6.1e-5, 5.96e-8, 2.9e-8, 3.0e-8,

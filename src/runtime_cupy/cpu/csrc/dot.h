@@ -67,13 +67,13 @@ typedef struct {
     rows_fn q8_rows[T_COUNT];
     dot_fn q8[T_COUNT]; /* NULL for the float types */
     dot_fn f[T_COUNT];  /* float activations */
-    /* the attention's inner products: sum a[i] b[i] over n (b float or half), added as
-     * the float products are */
-    float (*dot_ff)(const float *a, const float *b, int64_t n);
-    float (*dot_fh)(const float *a, const uint16_t *b, int64_t n);
-    /* y[i] = y[i] + p * b[i] over n (b float or half) */
-    void (*axpy_f)(float *y, float p, const float *b, int64_t n);
-    void (*axpy_h)(float *y, float p, const uint16_t *b, int64_t n);
+    /* attention over n positions of a KV cache (rows of hd floats, or halves when
+     * half): scores[t] = (q . keys[t], added as the float products are) * scale;
+     * out[i] = out[i] + p[t] * values[t][i], t = 0, 1, .. in order */
+    void (*scores)(const float *q, const void *keys, int half, int64_t n, int64_t hd,
+                   float scale, float *out);
+    void (*mix)(float *out, const float *p, const void *values, int half, int64_t n,
+                int64_t hd);
 } Isa;
 
 extern const Isa ISA_PORTABLE;

@@ -529,51 +529,43 @@ DEQUANT_DOT(Q6_K)
 
 /* ---- attention's vectors ---------------------------------------------------------------- */
 
-AVX2 static float dot_ff_avx2(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    for (; i < n; ++i) {
-        float p = a[i] * b[i];
-        lanes[i & 7] += p;
+AVX2_INLINE __m256 cache8(const void *rows, int half, int64_t at) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)rows + at)));
+    return _mm256_loadu_ps((const float *)rows + at);
+}
+
+AVX2_INLINE float cache1(const void *rows, int half, int64_t at) {
+    return half ? _cvtsh_ss(((const uint16_t *)rows)[at]) : ((const float *)rows)[at];
+}
+
+AVX2 static void scores_avx2(const float *q, const void *keys, int half, int64_t n, int64_t hd,
+                             float scale, float *out) {
+    int64_t full = hd / 8 * 8;
+    for (int64_t t = 0; t < n; ++t) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < full; i += 8)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i), cache8(keys, half, t * hd + i)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        for (int64_t i = full; i < hd; ++i) {
+            float p = q[i] * cache1(keys, half, t * hd + i);
+            lanes[i & 7] += p;
+        }
+        out[t] = sum8(lanes) * scale;
     }
-    return sum8(lanes);
 }
 
-AVX2 static float dot_fh_avx2(const float *a, const uint16_t *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i),
-                                               _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)))));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    for (; i < n; ++i) {
-        float p = a[i] * _cvtsh_ss(b[i]);
-        lanes[i & 7] += p;
+AVX2 static void mix_avx2(float *out, const float *p, const void *values, int half, int64_t n,
+                          int64_t hd) {
+    int64_t full = hd / 8 * 8;
+    for (int64_t i = 0; i < full; i += 8) { /* 8 columns at a time, every position in order */
+        __m256 acc = _mm256_loadu_ps(out + i);
+        for (int64_t t = 0; t < n; ++t)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p[t]), cache8(values, half, t * hd + i)));
+        _mm256_storeu_ps(out + i, acc);
     }
-    return sum8(lanes);
-}
-
-AVX2 static void axpy_f_avx2(float *y, float p, const float *b, int64_t n) {
-    __m256 pv = _mm256_set1_ps(p);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_mul_ps(pv, _mm256_loadu_ps(b + i))));
-    for (; i < n; ++i) y[i] = y[i] + p * b[i];
-}
-
-AVX2 static void axpy_h_avx2(float *y, float p, const uint16_t *b, int64_t n) {
-    __m256 pv = _mm256_set1_ps(p);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(
-            y + i, _mm256_add_ps(_mm256_loadu_ps(y + i),
-                                 _mm256_mul_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i))))));
-    for (; i < n; ++i) y[i] = y[i] + p * _cvtsh_ss(b[i]);
+    for (int64_t i = full; i < hd; ++i)
+        for (int64_t t = 0; t < n; ++t) out[i] = out[i] + p[t] * cache1(values, half, t * hd + i);
 }
 
 const Isa ISA_AVX2 = {
@@ -583,10 +575,8 @@ const Isa ISA_AVX2 = {
      q8_Q5_K, q8_Q6_K},
     {f_F32, f_F16, f_BF16, f_Q8_0, f_Q4_0, f_Q4_1, f_Q5_0, f_Q5_1, f_Q2_K, f_Q3_K, f_Q4_K, f_Q5_K,
      f_Q6_K},
-    dot_ff_avx2,
-    dot_fh_avx2,
-    axpy_f_avx2,
-    axpy_h_avx2,
+    scores_avx2,
+    mix_avx2,
 };
 
 #endif

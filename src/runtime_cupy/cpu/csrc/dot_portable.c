@@ -374,30 +374,26 @@ BOTH_DOTS(Q6_K)
 
 /* ---- attention's vectors ---------------------------------------------------------------- */
 
-static float dot_ff_portable(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0};
-    for (int64_t i = 0; i < n; ++i) {
-        float p = a[i] * b[i];
-        acc[i & 7] += p;
+static inline float cache_value(const void *rows, int half, int64_t at) {
+    return half ? f16_to_f32(((const uint16_t *)rows)[at]) : ((const float *)rows)[at];
+}
+
+static void scores_portable(const float *q, const void *keys, int half, int64_t n, int64_t hd,
+                            float scale, float *out) {
+    for (int64_t t = 0; t < n; ++t) {
+        float acc[8] = {0};
+        for (int64_t i = 0; i < hd; ++i) {
+            float p = q[i] * cache_value(keys, half, t * hd + i);
+            acc[i & 7] += p;
+        }
+        out[t] = sum8(acc) * scale;
     }
-    return sum8(acc);
 }
 
-static float dot_fh_portable(const float *a, const uint16_t *b, int64_t n) {
-    float acc[8] = {0};
-    for (int64_t i = 0; i < n; ++i) {
-        float p = a[i] * f16_to_f32(b[i]);
-        acc[i & 7] += p;
-    }
-    return sum8(acc);
-}
-
-static void axpy_f_portable(float *y, float p, const float *b, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) y[i] = y[i] + p * b[i];
-}
-
-static void axpy_h_portable(float *y, float p, const uint16_t *b, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) y[i] = y[i] + p * f16_to_f32(b[i]);
+static void mix_portable(float *out, const float *p, const void *values, int half, int64_t n,
+                         int64_t hd) {
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < hd; ++i) out[i] = out[i] + p[t] * cache_value(values, half, t * hd + i);
 }
 
 const Isa ISA_PORTABLE = {
@@ -407,8 +403,6 @@ const Isa ISA_PORTABLE = {
      q8_Q5_K, q8_Q6_K},
     {f_F32, f_F16, f_BF16, f_Q8_0, f_Q4_0, f_Q4_1, f_Q5_0, f_Q5_1, f_Q2_K, f_Q3_K, f_Q4_K, f_Q5_K,
      f_Q6_K},
-    dot_ff_portable,
-    dot_fh_portable,
-    axpy_f_portable,
-    axpy_h_portable,
+    scores_portable,
+    mix_portable,
 };

@@ -228,20 +228,19 @@ static void attention_item(void *ctx, int64_t it) {
     int64_t r = it / hd->n_heads, h = it - r * hd->n_heads, kv = h / (hd->n_heads / hd->n_kv);
     int64_t n_ctx = J->pos + r + 1;
     const float *q = J->qkv + r * width + h * hd->hd_k;
-    float *scores = malloc(sizeof(float) * (size_t)n_ctx);
+    float stack[1024];
+    float *scores = n_ctx <= 1024 ? stack : malloc(sizeof(float) * (size_t)n_ctx);
     if (!scores) {
         atomic_store(&((AttentionJob *)ctx)->failed, 1);
         return;
     }
+    size_t esize = hd->kv_half ? 2 : 4;
+    const char *keys = (const char *)J->k_cache + (size_t)(kv * hd->max_seq * hd->hd_k) * esize;
+    const char *values = (const char *)J->v_cache + (size_t)(kv * hd->max_seq * hd->hd_v) * esize;
+    J->isa->scores(q, keys, hd->kv_half, n_ctx, hd->hd_k, J->scale, scores);
     float m = -INFINITY;
-    for (int64_t t = 0; t < n_ctx; ++t) {
-        int64_t at = (kv * hd->max_seq + t) * hd->hd_k;
-        float sc = hd->kv_half ? J->isa->dot_fh(q, (const uint16_t *)J->k_cache + at, hd->hd_k)
-                               : J->isa->dot_ff(q, (const float *)J->k_cache + at, hd->hd_k);
-        sc = sc * J->scale;
-        scores[t] = sc;
-        if (sc > m || isnan(sc)) m = sc;
-    }
+    for (int64_t t = 0; t < n_ctx; ++t)
+        if (scores[t] > m || isnan(scores[t])) m = scores[t];
     float sum = 0.0f;
     for (int64_t t = 0; t < n_ctx; ++t) {
         scores[t] = expf(scores[t] - m);
@@ -249,13 +248,9 @@ static void attention_item(void *ctx, int64_t it) {
     }
     float *o = J->out + (r * hd->n_heads + h) * hd->hd_v;
     memset(o, 0, sizeof(float) * (size_t)hd->hd_v);
-    for (int64_t t = 0; t < n_ctx; ++t) {
-        int64_t at = (kv * hd->max_seq + t) * hd->hd_v;
-        if (hd->kv_half) J->isa->axpy_h(o, scores[t], (const uint16_t *)J->v_cache + at, hd->hd_v);
-        else J->isa->axpy_f(o, scores[t], (const float *)J->v_cache + at, hd->hd_v);
-    }
+    J->isa->mix(o, scores, values, hd->kv_half, n_ctx, hd->hd_v);
     for (int64_t i = 0; i < hd->hd_v; ++i) o[i] = o[i] / sum;
-    free(scores);
+    if (scores != stack) free(scores);
 }
 
 int attention_rows(const Isa *isa, const float *qkv, int64_t rows, const void *k_cache,
