@@ -2,7 +2,7 @@
 ``runtime_cupy.cpu._kernels``), and the number of threads a stage uses (``csrc/pool.h``
 shares each operation's items out among them).
 
-The extension picks its instruction set at import: AVX2 with FMA and F16C where the
+The extension picks its instruction set at import: AVX2 and F16C where the
 processor has them, else the portable C path (``isas()``, ``set_isa(name)``). Every
 product of a weight row and an activation row is computed by one thread in an order
 the code fixes, so results do not depend on the thread count.
