@@ -248,7 +248,8 @@ class GgufHeader:
         field = self._field(key)
         if field.types[0] != GGUFValueType.ARRAY:
             raise GgufError(self.paths[0], "expected an array", key)
-        return int(field.parts[1][0])
+        # parts: key length, key, value type, item type, item count, items...
+        return int(field.parts[4][0])
 
     def _field(self, key: str) -> Any:
         field = self._readers[0].fields.get(key)

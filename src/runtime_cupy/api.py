@@ -33,7 +33,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.base import StageHost, StageProcessInfo
 from runtime_cupy.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
 from runtime_cupy.tracing import Event
-from runtime_cupy.workers import WorkerUnavailable, capabilities
+from runtime_cupy.workers import DEFAULT_WORKER, WorkerUnavailable, capabilities
 
 #: ``progress(stage_index, done, total)``. Stage processes load on their own and
 #: report readiness only, so it is called once per stage, with ``done == total == 1``.
@@ -120,7 +120,7 @@ def plan_for(
     max_tokens: int,
     sampling: SamplingConfig,
     return_logits: bool,
-    worker: str = "numpy",
+    worker: str = DEFAULT_WORKER,
     gpus: Sequence[int] | None = None,
     timeouts: Timeouts | None = None,
     run_id: str | None = None,
@@ -161,7 +161,7 @@ def generate(
     on_load: LoadProgress | None = None,
     trace: bool = False,
     tokenizer: Tokenizer | None = None,
-    worker: str = "numpy",
+    worker: str = DEFAULT_WORKER,
     gpus: Sequence[int] | None = None,
     timeouts: Timeouts | None = None,
     log_dir: str | os.PathLike[str] | None = None,
@@ -170,7 +170,8 @@ def generate(
     host: StageHost | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
-    stage processes, each running ``worker`` (``numpy`` or ``cuda``) over its layers.
+    stage processes, each running ``worker`` (``cpu``, the default; ``numpy``, the
+    reference worker; or ``cuda``) over its layers.
 
     ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
     ``on_token(id)`` streams each generated token as the orchestrator consumes it.

@@ -30,7 +30,7 @@ from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.edges.choice import PREFERENCES
 from runtime_cupy.tracing import chrome_trace
-from runtime_cupy.workers import WORKERS, WorkerUnavailable
+from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
 EXIT_FAULTED = 1
 EXIT_INPUT = 2
@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--worker",
         choices=WORKERS,
-        default="numpy",
-        help="numpy: the reference worker on the CPU (default); cuda: the CUDA worker",
+        default=DEFAULT_WORKER,
+        help="cpu: quantized weights and compiled kernels on the CPU (default); numpy: "
+        "the reference worker (readable, float32, slow); cuda: the CUDA worker",
     )
     run.add_argument(
         "--gpus",

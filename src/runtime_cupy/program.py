@@ -8,8 +8,9 @@ and the host logic; a test of each kernel against its twin (on a GPU) checks the
 
 Weights stay as stored: a matrix is its GGUF rows (``(n_out, row_bytes)`` bytes). Q, K
 and V become one matrix when they share a type (their rows concatenated, still GGUF
-rows), and so do the feed-forward gate and up; otherwise each part writes its own
-slice of the output row. Norm weights and biases are float32.
+rows), and so do the feed-forward gate and up, unless the backend keeps the file's
+rows where they are (``join_parts=False``: the CPU worker maps them); otherwise each
+part writes its own slice of the output row. Norm weights and biases are float32.
 
 A step of ``rows`` rows (a prefill of the prompt, or one decode row) runs, per block::
 
@@ -110,7 +111,8 @@ class Uploader(Protocol[H_co, V_co]):
     """How a backend takes the stage's tensors from the memory-mapped file."""
 
     def raw(self, data: U8) -> H_co:
-        """GGUF rows ``(n_out, row_bytes)``: an owned copy (on the device)."""
+        """GGUF rows ``(n_out, row_bytes)`` (a view of the file's memory map): a copy
+        (on the device), or the view itself for a backend that reads the mapping."""
         ...
 
     def f32(self, data: F32) -> V_co:
@@ -123,9 +125,13 @@ def load_weights(
     up: Uploader[H, V],
     max_seq_len: int,
     progress: Progress | None = None,
+    *,
+    join_parts: bool = True,
 ) -> StageWeights[H, V]:
     """The stage's tensors through ``up``; raises ``ValueError`` for a matrix whose rows
-    are not a multiple of 32 elements or of a type the kernels do not read."""
+    are not a multiple of 32 elements or of a type the kernels do not read.
+    ``join_parts``: Q, K, V (and gate, up) of one type become one matrix (a copy of
+    their rows, one launch); ``False`` keeps every stored matrix a part of its own."""
     config = stage.config
     total = stage.stored_bytes
     done: set[str] = set()
@@ -157,7 +163,7 @@ def load_weights(
                 )
         parts: list[tuple[MatrixPart, H]] = []
         n_out = sum(info.shape[1] for info in infos)
-        if len({info.ggml_type for info in infos}) == 1 and len(names) > 1:
+        if join_parts and len({info.ggml_type for info in infos}) == 1 and len(names) > 1:
             data = np.concatenate(
                 [
                     stage.raw(n).reshape(info.shape[1], -1)

@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
 def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "3",
-         "--prompt-ids", "7,8,9", "--max-tokens", "5", "--json"],
+         "--prompt-ids", "7,8,9", "--max-tokens", "5", "--worker", "numpy", "--json"],
         capture_output=True,
         text=True,
         check=False,

@@ -17,7 +17,7 @@ from runplan import SamplingConfig
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
-from runtime_cupy.cuda import device_sampling
+from runtime_cupy import device_sampling
 from runtime_cupy.cuda.worker import CudaWorker
 from runtime_cupy.program import (
     Linear,

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from runplan import SamplingConfig
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
-from runtime_cupy.cuda import device_sampling
+from runtime_cupy import device_sampling
 from runtime_cupy.cuda.kernels import KernelSet
 from runtime_cupy.program import (
     Linear,
