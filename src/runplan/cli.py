@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runplan import wire
+from runplan.arguments import OneLineParser, positive_int
 from runplan.check_cli import add_check_parser
 from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.dtypes import DTYPES_BY_NAME
@@ -268,7 +269,7 @@ def _print_plan(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m runplan",
         description="Plan pipeline-parallel runs of a GGUF model (reading GGUF headers "
         "only), and check plans against the RunPlan contract.",
@@ -285,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--max-seq-len",
-            type=int,
+            type=positive_int,
             default=None,
             help="positions each stage's KV cache holds (default: the model's context length)",
         )

@@ -22,6 +22,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from runplan.arguments import OneLineParser
 from runplan.gguf_header import GgufError
 from runplan.models import ModelNotFound, resolve_model
 from runtime_core.console import TextStream, add_generation_arguments
@@ -181,7 +182,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int, wo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    run = argparse.ArgumentParser(
+    run = OneLineParser(
         prog="python -m runtime_cupy",
         description="Generate text from a GGUF model through N stage processes on this "
         "host (one OS process per stage, shared-memory or TCP edges between them).",

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from runplan.arguments import OneLineParser, positive_int
 from runplan.gguf_header import GgufError
 from runplan.models import ModelNotFound, resolve_model
 from runtime_core.console import TextStream, add_generation_arguments
@@ -209,7 +210,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m runtime_sim",
         description="Run a GGUF model through a simulated pipeline, or explore seeded "
         "fault scenarios and check every guarantee.",
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         "synthetic workers) and report every violated guarantee with the "
         "seed that reproduces it. Exit status 1 on any violation.",
     )
-    ex.add_argument("--seeds", type=int, default=200, help="how many scenarios (200)")
+    ex.add_argument("--seeds", type=positive_int, default=200, help="how many scenarios (200)")
     ex.add_argument("--start", type=int, default=0, help="the first seed (0)")
     ex.add_argument(
         "--json",

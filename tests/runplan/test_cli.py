@@ -114,6 +114,17 @@ def test_bad_node_syntax_is_a_usage_error(model: str) -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("value", ["-5", "0", "many"])
+def test_a_bad_max_seq_len_is_one_line_naming_it(
+    model: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", model, "--nodes", "a=1GiB", "--max-seq-len", value])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--max-seq-len" in lines[0] and repr(value) in lines[0], lines
+
+
 def test_module_entry_point_runs(model: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "runplan", "facts", model, "--json"],
