@@ -35,7 +35,7 @@ def main() -> int:
         for name, n, deep in (("facts only", args.facts, False), ("every stage", args.deep, True)):
             tally = Tally(f"GGUF fuzz, {name}")
             try:
-                fuzz(bases, WEIGHTS, n, tally, deep=deep, seed=seed)
+                fuzz(bases, WEIGHTS, n, tally, deep=deep, seed=seed, progress_every=10_000)
             finally:
                 print("\n".join(tally.lines()), flush=True)
     print(f"total {time.perf_counter() - began:.1f} s")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -50,11 +51,12 @@ from tests.fuzz.mutants import Base, Mutant, mutants
 TYPED: tuple[type[Exception], ...] = (GgufError, UnsupportedModel, TokenizerError, WorkerError)
 STAGES = ("facts", "tokenizer", "plan", "slice", "step")
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"
-#: Per mutant: facts alone (about 3 ms, 25 ms for SmolLM2), and the whole pipeline
-#: (about 50 ms, 0.5 s for SmolLM2's tokenizer). Hundreds of times what they take,
-#: so a loaded machine never trips them; a forged count once took 20 s.
-FACTS_LIMIT_S = 10.0
-DEEP_LIMIT_S = 60.0
+#: Per mutant: facts alone (about 3 ms, 25 ms for SmolLM2; the slowest of 100,000 on a
+#: loaded 2-core host took 3.8 s), and the whole pipeline (about 15 ms, 0.5 s for
+#: SmolLM2's tokenizer). Far above what they take, so that a loaded machine does not
+#: trip them, and far below a hang (a forged block count of billions took minutes).
+FACTS_LIMIT_S = 20.0
+DEEP_LIMIT_S = 120.0
 #: The tallies of this process's fuzz runs, printed at the end of a pytest session.
 REPORTS: list[Tally] = []
 TEXT = "Hello, world! <|im_start|>user\nWhy is the sky blue?<|im_end|>"
@@ -238,9 +240,11 @@ def fuzz(
     deep: bool,
     derandomize: bool = False,
     seed: int | None = None,
+    progress_every: int = 0,
 ) -> None:
     """Run ``n`` Hypothesis-drawn mutants (``weights``: how often each base is drawn):
-    the same ones every time with ``derandomize``, those of ``seed`` with a seed."""
+    the same ones every time with ``derandomize``, those of ``seed`` with a seed; a
+    line on standard error every ``progress_every`` mutants."""
     by_name = {b.name: b for b in bases}
 
     @settings(
@@ -254,6 +258,8 @@ def fuzz(
     @given(mutant=mutants(bases, weights))
     def check(mutant: Mutant) -> None:
         run_one(by_name[mutant.base], mutant, tally, deep=deep)
+        if progress_every and tally.mutants % progress_every == 0:
+            print(f"  {tally.name}: {tally.mutants} mutants ...", file=sys.stderr, flush=True)
 
     if seed is not None:
         check = hypothesis.seed(seed)(check)

@@ -32,7 +32,7 @@ from tests.fuzz.mutants import Target, structure
 from tests.fuzz.pipeline import time_limit
 
 SHAPE = ModelShape(n_layers=3)
-LIMIT_S = 10.0
+LIMIT_S = 20.0
 
 
 def target(path: Path, label: str) -> Target:
