@@ -13,6 +13,7 @@ from typing import Any
 import cattrs
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from runplan import wire
@@ -202,7 +203,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             _json_out({"rejection": _rejection_json(result)})
         else:
             Console(stderr=True, soft_wrap=True).print(
-                f"[bold red]rejected[/] {result}", highlight=False
+                f"[bold red]rejected[/] {escape(str(result))}", highlight=False
             )
         return EXIT_REJECTED
     _print_plan(args, facts, pool, config, result)
@@ -350,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "json", False):
             _json_out({"error": {"type": type(exc).__name__, "message": str(exc)}})
         else:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {exc}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]error[/] {escape(str(exc))}", highlight=False
+            )
         return EXIT_INPUT
     return code

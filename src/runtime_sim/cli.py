@@ -12,6 +12,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -150,7 +151,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int) ->
         table.add_row(str(s.stage_index), s.node_id, f"{s.layer_start}-{s.layer_end_exclusive - 1}")
     console.print(table)
     t = _timings(result, prompt_len)
-    status = result.outcome + (f" ({result.fault})" if result.fault else "")
+    status = result.outcome + (f" ({escape(result.fault)})" if result.fault else "")
     console.print(
         f"{len(result.tokens)} tokens, {status}. tokens/s predicted "
         f"{t['predicted_tokens_per_s']}, simulated {t['simulated_tokens_per_s']}, "
@@ -258,7 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
             )
         else:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {exc}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]error[/] {escape(str(exc))}", highlight=False
+            )
         return EXIT_INPUT
     except KeyboardInterrupt:
         Console(stderr=True).print("cancelled")

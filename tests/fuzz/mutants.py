@@ -220,19 +220,18 @@ class Base:
         self._restore.clear()
 
 
-#: What an operation does, drawn as an index (each kind's share is its count here):
-#: half of them keep the header parsable (a forged scalar value, bad UTF-8 in a string,
-#: a flip in the tensor data) so that mutants reach the stages after the facts.
-_KINDS = (
+#: What an operation does, drawn as an index (each kind's share is its count here).
+#: For the facts, half of them break the header's structure; for the deeper stages,
+#: most keep the header parsable (a forged scalar value, bad UTF-8 in a string, a flip
+#: in the tensor data) so that mutants reach the stages after the facts.
+KINDS = (
     "forge_field", "forge_field", "forge_value", "forge_value", "bad_utf8", "bad_utf8",
     "flip_header", "flip_data", "truncate",
 )  # fmt: skip
-#: One operation as Hypothesis draws it: a kind and two raw numbers that the kind reads
-#: (few draws per mutant keep Hypothesis's own cost per mutant low; each number shrinks
-#: towards the simplest choice: the first field, the first forged value, byte 0).
-_RAW_OP = st.tuples(
-    st.integers(0, len(_KINDS) - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
-)
+DEEP_KINDS = (
+    "forge_field", "forge_value", "forge_value", "forge_value", "bad_utf8", "bad_utf8",
+    "flip_header", "flip_data", "flip_data", "truncate",
+)  # fmt: skip
 
 
 @attrs.frozen
@@ -251,8 +250,7 @@ class _Choices:
         )
 
 
-def _op(base: Base, choices: _Choices, raw: tuple[int, int, int]) -> Op:
-    kind, a, b = _KINDS[raw[0]], raw[1], raw[2]
+def _op(base: Base, choices: _Choices, kind: str, a: int, b: int) -> Op:
     if kind == "flip_data" and base.span <= base.header_end:
         kind = "flip_header"  # a large base's tensor data is not mutated
     if kind in ("forge_field", "forge_value"):
@@ -274,15 +272,25 @@ def _op(base: Base, choices: _Choices, raw: tuple[int, int, int]) -> Op:
     return Op("truncate", at, 0)
 
 
-def mutants(bases: Sequence[Base], weights: Sequence[int]) -> st.SearchStrategy[Mutant]:
+def mutants(
+    bases: Sequence[Base], weights: Sequence[int], kinds: Sequence[str] = KINDS
+) -> st.SearchStrategy[Mutant]:
     """Mutants of ``bases``, base ``i`` drawn ``weights[i]`` times as often as one of
-    weight 1, each with one to three operations."""
+    weight 1, each with one to three operations of ``kinds``.
+
+    An operation is drawn as a kind and two raw numbers that the kind reads: few draws
+    per mutant keep Hypothesis's own cost per mutant low, and each number shrinks
+    towards the simplest choice (the first field, the first forged value, byte 0)."""
     choices = {b.name: _Choices.of(b) for b in bases}
     by_name = {b.name: b for b in bases}
     names = [b.name for b, w in zip(bases, weights, strict=True) for _ in range(w)]
+    raw_op = st.tuples(
+        st.integers(0, len(kinds) - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
+    )
 
     def build(drawn: tuple[str, list[tuple[int, int, int]]]) -> Mutant:
         name, raw_ops = drawn
-        return Mutant(name, tuple(_op(by_name[name], choices[name], r) for r in raw_ops))
+        base, choice = by_name[name], choices[name]
+        return Mutant(name, tuple(_op(base, choice, kinds[k], a, b) for k, a, b in raw_ops))
 
-    return st.tuples(st.sampled_from(names), st.lists(_RAW_OP, min_size=1, max_size=3)).map(build)
+    return st.tuples(st.sampled_from(names), st.lists(raw_op, min_size=1, max_size=3)).map(build)

@@ -96,6 +96,16 @@ def test_a_broken_file_exits_1_naming_it(
     assert error["type"] == "GgufError" and str(bad) in error["message"]
 
 
+def test_an_error_names_a_path_with_brackets_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Messages are printed as text, not as rich markup: ``[v2]`` is not a style."""
+    bad = tmp_path / "model[v2].gguf"
+    bad.write_bytes(b"nope")
+    assert main(["facts", str(bad)]) == 1
+    assert str(bad) in capsys.readouterr().err
+
+
 def test_sizes_and_nodes_parse() -> None:
     assert parse_size("80GiB") == 80 * 2**30
     assert parse_size("24GB") == 24 * 10**9
