@@ -34,6 +34,7 @@ MAX_DIMS = 4
 # info (name length, dimension count, type, offset) take.
 _MIN_KV_BYTES = 8 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+_ITEMSIZE: dict[Any, int] = {}  # numpy type -> bytes, for the bounds check of every read
 
 
 @frozen
@@ -77,8 +78,10 @@ class HeaderReader(GGUFReader):
         override_order: Any = None,
     ) -> npt.NDArray[Any]:
         count = int(count)
-        end = int(offset) + np.dtype(dtype).itemsize * count
-        if count < 0 or end > len(self._data):
+        itemsize = _ITEMSIZE.get(dtype)
+        if itemsize is None:
+            itemsize = _ITEMSIZE.setdefault(dtype, np.dtype(dtype).itemsize)
+        if count < 0 or int(offset) + itemsize * count > len(self._data):
             raise ValueError(
                 f"truncated: {count} x {np.dtype(dtype).name} at byte {offset} run past "
                 f"the end of the file ({len(self._data)} bytes)"
