@@ -17,6 +17,12 @@ SPECIAL_TOKEN_DEFAULTS: dict[str, dict[str, int | None]] = {
     "gpt2": {"bos": 11, "eos": 11, "unk": None},
     "llama": {"bos": 1, "eos": 2, "unk": 0},
 }
+#: The key of each special token's id.
+SPECIAL_TOKEN_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+}
 EMBEDDING_TENSOR = "token_embd.weight"
 OUTPUT_TENSOR = "output.weight"
 OUTPUT_NORM_TENSOR = "output_norm.weight"
@@ -154,14 +160,14 @@ def block_count(header: GgufHeader, arch: str) -> int:
 
 def special_token_id(header: GgufHeader, kind: str, n_vocab: int) -> int | None:
     """The id of special token ``kind`` (``bos``, ``eos``, ``unk``) as llama.cpp reads
-    it: ``tokenizer.ggml.{kind}_token_id`` when inside the vocabulary, else the
-    tokenizer model's default (``SPECIAL_TOKEN_DEFAULTS``) when that is inside it,
-    else ``None``."""
+    it: its key (``SPECIAL_TOKEN_KEYS``) when inside the vocabulary, else the tokenizer
+    model's default (``SPECIAL_TOKEN_DEFAULTS``) when that is inside it, else
+    ``None``."""
     model = header.string("tokenizer.ggml.model", "")
     default = SPECIAL_TOKEN_DEFAULTS.get(model, {}).get(kind)
     if default is not None and not 0 <= default < n_vocab:
         default = None
-    key = f"tokenizer.ggml.{kind}_token_id"
+    key = SPECIAL_TOKEN_KEYS[kind]
     if not header.has(key):
         return default
     value = header.integer(key)

@@ -244,6 +244,19 @@ def test_an_eos_id_outside_the_vocabulary_is_the_models_default(tmp_path: Path) 
     assert Tokenizer.from_gguf(path).eos_id == 11
 
 
+@pytest.mark.parametrize(("unk", "want"), [(5, 5), (10**6, None)])
+def test_the_unknown_token_is_read_from_its_own_key(
+    tmp_path: Path, unk: int, want: int | None
+) -> None:
+    """``tokenizer.ggml.unknown_token_id`` (not ``unk_token_id``); ``gpt2`` has no
+    default, so an id outside the vocabulary leaves none."""
+    path = write_model(
+        tmp_path / "m.gguf", SHAPE, extra_keys={"tokenizer.ggml.unknown_token_id": unk}
+    )
+    assert Reading(path).value("tokenizer.ggml.unknown_token_id") == unk
+    assert Tokenizer.from_gguf(path).vocab.unk_id == want
+
+
 @pytest.mark.parametrize("key", REQUIRED_BY_FACTS)
 def test_facts_without_a_required_key_raise_naming_it(
     without: Callable[[str | None], Path], key: str
