@@ -119,9 +119,10 @@ class Tally:
 
 
 def load_bases(work_dir: Path) -> list[Base]:
-    """SmolLM2 (llama.cpp's converter and quantizer), two tiny models quantized by
-    llama.cpp (Q4_K llama with an untied head, Q5_0 qwen2 with biases) and a generated
-    F32 llama with llama3's ``rope_freqs`` and linear rope scaling."""
+    """SmolLM2 (llama.cpp's converter and quantizer), three tiny models quantized by
+    llama.cpp (Q4_K llama with an untied head, Q5_0 qwen2 with biases, Q8_0 gemma3 with
+    sliding-window blocks) and a generated F32 llama with llama3's ``rope_freqs`` and
+    linear rope scaling."""
     from tests.fixtures.gguf_models import ModelShape, write_model
 
     generated = write_model(
@@ -132,6 +133,7 @@ def load_bases(work_dir: Path) -> list[Base]:
         Base.load("smollm2", Path(resolve_model("smollm2-135m")), work_dir, deep=False, large=True),
         Base.load("llama-q4k", FIXTURES / "tiny-llama-Q4_K.gguf", work_dir, deep=True),
         Base.load("qwen2-q5_0", FIXTURES / "tiny-qwen2-Q5_0.gguf", work_dir, deep=True),
+        Base.load("gemma3-q8_0", FIXTURES / "tiny-gemma3-Q8_0.gguf", work_dir, deep=True),
         Base.load("llama-rope", generated, work_dir, deep=True),
     ]
 

@@ -1,10 +1,11 @@
-"""Hypothesis fuzzing of whole-file copies of SmolLM2 and three small models (two of
-them written by llama.cpp's quantizer): flipped bytes, cuts anywhere, forged counts,
-lengths, types, dimensions, offsets and values, bytes that are not UTF-8 in strings
-(``tests.fuzz.mutants``), through facts, the tokenizer, the plan, the slice loader and
-a step (``tests.fuzz.pipeline``). Every refusal is a typed error naming the file, every
-mutant ends within its time limit, and at least a tenth of the mutants get past the
-header checks to the slice loader, so that the deeper stages are fuzzed too.
+"""Hypothesis fuzzing of whole-file copies of SmolLM2 and four small models (three of
+them written by llama.cpp's quantizer, one with sliding-window blocks): flipped bytes,
+cuts anywhere, forged counts, lengths, types, dimensions, offsets and values, bytes
+that are not UTF-8 in strings (``tests.fuzz.mutants``), through facts, the tokenizer,
+the plan, the slice loader and a step (``tests.fuzz.pipeline``). Every refusal is a
+typed error naming the file, every mutant ends within its time limit, and at least a
+tenth of the mutants get past the header checks to the slice loader, so that the
+deeper stages are fuzzed too.
 
 CI runs ``FACTS_MUTANTS`` and ``DEEP_MUTANTS`` mutants, the same ones each run
 (``derandomize``); ``make fuzz`` runs 100,000 and 2,000 new ones and prints the same
@@ -23,8 +24,8 @@ from tests.fuzz.pipeline import REPORTS, Tally, fuzz, load_bases
 
 FACTS_MUTANTS = int(os.environ.get("GGUF_FUZZ_FACTS", "3000"))
 DEEP_MUTANTS = int(os.environ.get("GGUF_FUZZ_DEEP", "600"))
-#: SmolLM2's header takes ten times a small model's: drawn once for every 18 others.
-WEIGHTS = (1, 6, 6, 6)
+#: SmolLM2's header takes ten times a small model's: drawn once for every 24 others.
+WEIGHTS = (1, 6, 6, 6, 6)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ below write those rules out independently of our code:
 - ``{arch}.attention.head_count_kv``: ``head_count``;
 - ``{arch}.attention.key_length`` / ``value_length``: ``embedding_length / head_count``;
 - ``{arch}.rope.dimension_count``: the key head size;
-- ``{arch}.rope.freq_base``: 10000;
+- ``{arch}.rope.freq_base``: 10000 (and ``rope.freq_base_swa``, for gemma3's sliding
+  blocks; its ``attention.sliding_window_pattern``: every sixth block global);
 - ``tokenizer.ggml.bos_token_id`` / ``eos_token_id``: the tokenizer model's default
   (11 and 11 for ``gpt2``, 1 and 2 for ``llama``), also when the file's id is outside
   the vocabulary;
@@ -33,6 +34,7 @@ from gguf import GGUFReader
 
 from runplan import GgufError, GgufSource, ModelFacts, model_facts_from_gguf
 from runplan.gguf_header import GgufHeader
+from runtime_core.architectures import ARCHITECTURES
 from runtime_core.model_config import ModelConfig
 from runtime_core.tokenizer import Tokenizer
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
@@ -105,6 +107,7 @@ class Reading:
         ]
         embd = tensors["token_embd.weight"]
         ctx = self.value(f"{arch}.context_length")
+        windows, bases = self.attention(arch, layers)
         return ModelFacts(
             model_id=self.path.stem,
             gguf_source=_source(self.path),
@@ -129,6 +132,29 @@ class Reading:
             embedding_elements=int(embd.n_elements),
             output_elements=sum(int(t.n_elements) for t in out),
             shared_elements=sum(int(t.n_elements) for t in shared),
+            layer_windows=windows,
+            layer_rope_freq_bases=bases,
+        )
+
+    def attention(self, arch: str, layers: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """Each block's window and rope base by llama.cpp's rules: only gemma3 slides
+        (``attention.sliding_window`` > 0), on the blocks its pattern names (an array of
+        flags, or a period ``n``: block ``i`` slides when ``i % n < n - 1``; 6 without
+        the key); sliding blocks rotate with ``rope.freq_base_swa``, the others with
+        ``rope.freq_base`` (each 10000 by default)."""
+        base = float(np.float32(self.value(f"{arch}.rope.freq_base", 10000.0)))
+        window = self.value(f"{arch}.attention.sliding_window", 0) if arch == "gemma3" else 0
+        if not window:
+            return (0,) * layers, (base,) * layers
+        pattern = self.value(f"{arch}.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            slides = [bool(p) for p in pattern]
+        else:
+            slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+        swa = float(np.float32(self.value(f"{arch}.rope.freq_base_swa", 10000.0)))
+        return (
+            tuple(window if s else 0 for s in slides),
+            tuple(swa if s else base for s in slides),
         )
 
     def config(self) -> dict[str, Any]:
@@ -169,7 +195,7 @@ def _config_of(config: ModelConfig) -> dict[str, Any]:
 
 
 def _config(path: Path) -> ModelConfig:
-    return ModelConfig.from_header(GgufHeader.read(path), ("llama", "qwen2"))
+    return ModelConfig.from_header(GgufHeader.read(path), tuple(ARCHITECTURES))
 
 
 @pytest.fixture(scope="module")
