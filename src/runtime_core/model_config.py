@@ -34,6 +34,7 @@ import numpy as np
 from attrs import frozen
 from gguf import GGUFValueType
 
+from runplan.gguf_facts import block_count
 from runplan.gguf_header import GgufError, GgufHeader
 from runplan.layer_attention import layer_attention, number
 from runtime_core.architectures import (
@@ -120,7 +121,7 @@ class ModelConfig:
             raise UnsupportedModel(
                 path, "mixture-of-experts models are not supported", key=f"{arch}.expert_count"
             )
-        n_layers = header.integer(f"{arch}.block_count")
+        n_layers = block_count(header, arch)
         hidden = header.integer(f"{arch}.embedding_length")
         heads = header.integer(f"{arch}.attention.head_count")
         heads_kv = header.integer(f"{arch}.attention.head_count_kv", default=heads)

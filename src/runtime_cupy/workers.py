@@ -24,18 +24,24 @@ class WorkerUnavailable(RuntimeError):
     """The chosen worker cannot run on this host (the CUDA worker needs CuPy and a GPU)."""
 
 
+#: How to get CuPy: gguf-pipeline is not on PyPI, so its extras install from a checkout.
+INSTALL_CUPY = (
+    "from a checkout of gguf-pipeline: pip install -e '.[cuda12]' on a CUDA 12 host, "
+    "or -e '.[cuda13]' on a CUDA 13 host"
+)
+
+
 def _cuda_class() -> Any:
     if importlib.util.find_spec("cupy") is None:
         raise WorkerUnavailable(
-            "the CUDA worker needs CuPy and a GPU; CuPy is not installed "
-            "(pip install 'gguf-pipeline[cuda12]')"
+            f"the CUDA worker needs CuPy and a GPU; CuPy is not installed ({INSTALL_CUPY})"
         )
     try:
         module = importlib.import_module("runtime_cupy.cuda.worker")
         return module.CudaWorker
-    except Exception as exc:  # no CuPy, no driver, no GPU, or not built yet
+    except (ImportError, OSError, RuntimeError) as exc:  # a broken CuPy, no driver, no GPU
         raise WorkerUnavailable(
-            f"the CUDA worker needs CuPy and a GPU (pip install 'gguf-pipeline[cuda12]'): {exc}"
+            f"the CUDA worker needs CuPy and a GPU ({INSTALL_CUPY}): {type(exc).__name__}: {exc}"
         ) from exc
 
 

@@ -176,7 +176,6 @@ def test_a_directory_or_missing_file_is_a_gguf_error(tmp_path: Path) -> None:
         "llama.embedding_length",
         "llama.attention.head_count",
         "llama.context_length",
-        "tokenizer.ggml.eos_token_id",
     ],
 )
 def test_a_missing_required_key_is_a_gguf_error_naming_it(tmp_path: Path, key: str) -> None:
