@@ -27,20 +27,48 @@ def linear(
     threads: int,
 ) -> None: ...
 def quantize(fmt: str, x: Any, rows: int, n: int, q: Any, d: Any, s: Any, g: Any) -> None: ...
-def rmsnorm(x: Any, weight: Any, out: Any, rows: int, n: int, eps: float, threads: int) -> None: ...
+def rmsnorm(
+    x: Any,
+    weight: Any,
+    out: Any,
+    rows: int,
+    n: int,
+    eps: float,
+    threads: int,
+    accumulate: bool = False,
+) -> None: ...
 def swiglu(h: Any, act: Any, rows: int, ffn: int, threads: int) -> None: ...
+def geglu(h: Any, act: Any, rows: int, ffn: int, threads: int) -> None: ...
+def softcap(logits: Any, cap: float, threads: int) -> None: ...
+
+# heads: (n_heads, n_kv, head_dim_k, head_dim_v, ring positions, kv_half)
+Heads = tuple[int, int, int, int, int, bool]
+
+def qk_norm(
+    qkv: Any,
+    rows: int,
+    bias: Any | None,
+    q_norm: Any,
+    k_norm: Any,
+    heads: Heads,
+    eps: float,
+    threads: int,
+) -> None: ...
 def rope_kv(
     qkv: Any,
     rows: int,
     bias: Any | None,
     rot: Any,
     pos: int,
-    heads: tuple[int, int, int, int, int, bool],
+    heads: Heads,
     n_rot: int,
     neox: bool,
     k_cache: Any,
     v_cache: Any,
     threads: int,
+    q_scale: float = 1.0,
+    k_step: Any | None = None,
+    v_step: Any | None = None,
 ) -> None: ...
 def attention(
     qkv: Any,
@@ -48,10 +76,13 @@ def attention(
     k_cache: Any,
     v_cache: Any,
     pos: int,
-    heads: tuple[int, int, int, int, int, bool],
+    heads: Heads,
     scale: float,
     out: Any,
     threads: int,
+    window: int = 0,
+    k_step: Any | None = None,
+    v_step: Any | None = None,
 ) -> None: ...
 def embed(table: Matrix, ids: Any, out: Any, threads: int) -> None: ...
 def argmax(logits: Any) -> tuple[int, int]: ...

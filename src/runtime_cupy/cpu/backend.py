@@ -18,7 +18,18 @@ exactly what decoding it one row at a time would. ``matvec="f32"`` dequantizes c
 of the weights exactly (as the gguf package does) and multiplies float32 activations.
 A source's rounded forms are computed once per value of the source (``_Rows.fresh``).
 
-The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``).
+The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``),
+one ring per block: ``max_seq_len`` positions, or a sliding block's window when that is
+shorter (what the planner counts, ``ModelFacts.layer_kv_positions``), position ``p`` in
+slot ``p % size``. A prefill that would wrap a sliding block's ring holds its own keys
+and values beside the ring until attention has read the positions they overwrite.
+Attention reads every position in order, whether from the ring or the step's rows, so
+a prefill computes what decoding it row by row computes, past the window too.
+
+The architectures' optional steps (``program.py``) are the kernels' too: per-head Q/K
+norms, post-norms, GELU gating (llama.cpp's table of halves), the embedding scale, the
+query scale where llama.cpp applies it (the scores, or gemma3's and phi3's queries
+after rotary) and the logit soft cap.
 """
 
 from __future__ import annotations
@@ -34,7 +45,14 @@ from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
 from runtime_cupy import device_sampling
 from runtime_cupy.cpu import _kernels
-from runtime_cupy.program import Linear, StageWeights, forward_blocks, forward_head, load_weights
+from runtime_cupy.program import (
+    Linear,
+    StageWeights,
+    forward_blocks,
+    forward_embed,
+    forward_head,
+    load_weights,
+)
 from runtime_cupy.quant_types import CHUNK
 from runtime_cupy.stage_worker import BackendSpec
 
@@ -88,6 +106,7 @@ class _Rows:
             "xn": np.zeros((rows, hidden), np.float32),
             "qkv": np.zeros((rows, qkv), np.float32),
             "att": np.zeros((rows, att), np.float32),
+            "o": np.zeros((rows, hidden), np.float32),  # a block's output before its post-norm
             "xl": np.zeros((1, hidden), np.float32),
         }
         self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}
@@ -111,15 +130,24 @@ class CpuOps:
         c = w.config
         self.w, self.spec, self.max_seq, self.threads = w, spec, max_seq, threads
         self.use_q8 = spec.matvec == "q8"
-        kv = np.float16 if spec.kv_dtype == "f16" else np.float32
-        n = len(w.layers)
-        self.k_cache = np.zeros((n, c.n_kv_heads, max_seq, c.head_dim_k), kv)
-        self.v_cache = np.zeros((n, c.n_kv_heads, max_seq, c.head_dim_v), kv)
-        self.heads = (
-            c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, max_seq, kv == np.float16,
-        )  # fmt: skip
-        self.rot = np.ascontiguousarray(w.rot).view(np.float32)  # (max_seq, n_rot / 2 * 2)
-        self.scale = float(np.float32(1.0 / np.sqrt(c.head_dim_k)))
+        self.kv = np.float16 if spec.kv_dtype == "f16" else np.float32
+        # per block: its window (0: global), a ring of ``size`` positions, its rotations
+        self.windows = [layer.window for layer in w.layers]
+        sizes = [min(n, max_seq) if n else max_seq for n in self.windows]
+        self.k_cache = [np.zeros((c.n_kv_heads, n, c.head_dim_k), self.kv) for n in sizes]
+        self.v_cache = [np.zeros((c.n_kv_heads, n, c.head_dim_v), self.kv) for n in sizes]
+        self.heads = [
+            (c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, n, self.kv == np.float16)
+            for n in sizes
+        ]
+        tables = [r for r in (w.rot, w.rot_swa) if r is not None]
+        flat = {id(r): np.ascontiguousarray(r).view(np.float32) for r in tables}
+        self.rots = [flat[id(w.layer_rot(i))] for i in range(len(w.layers))]  # (max_seq, n_rot)
+        # llama.cpp scales the scores, or (gemma3, phi3) the rotated queries
+        scale = float(np.float32(c.query_scale))
+        self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
+        # a prefill's own keys and values, while a sliding block's ring cannot take them
+        self.step_kv: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
         self.qkv_dim = c.q_dim + c.k_dim + c.v_dim
         self.att_dim = c.n_heads * c.head_dim_v
         # per matrix, its parts grouped by the activations they take
@@ -163,11 +191,20 @@ class CpuOps:
         ((_, matrix),) = self.matrices[id(table)]
         _kernels.embed(matrix, self.ids[:rows], self.buf.x, self.threads)
 
+    def scale_x(self, factor: float, rows: int) -> None:
+        np.multiply(self.buf.x, np.float32(factor), out=self.buf.x)
+
     def norm(self, weight: F32, rows: int) -> None:
         c = self.w.config
         b = self.buf
         _kernels.rmsnorm(b.x, weight, b.views["xn"], rows, c.hidden_dim, c.rms_eps, self.threads)
         self._written("xn")
+
+    def add_norm(self, weight: F32, rows: int) -> None:
+        c = self.w.config
+        b = self.buf
+        o = b.views["o"]
+        _kernels.rmsnorm(o, weight, b.x, rows, c.hidden_dim, c.rms_eps, self.threads, True)
 
     def head_norm(self, weight: F32, rows: int) -> None:
         c = self.w.config
@@ -226,28 +263,56 @@ class CpuOps:
             fresh.add(fmt)
         return b.rounded[key]
 
+    def qk_norm(self, q_norm: F32, k_norm: F32, bias: F32 | None, rows: int) -> None:
+        _kernels.qk_norm(
+            self.buf.views["qkv"], rows, bias, q_norm, k_norm, self.heads[0],
+            self.w.config.rms_eps, self.threads,
+        )  # fmt: skip
+
     def rope_kv(self, layer: int, bias: F32 | None, rows: int) -> None:
-        rope = self.w.config.rope
+        rope = self.w.config.rope  # its rotated dims and pairs; the block's base is in rots
+        k, v, heads = self.k_cache[layer], self.v_cache[layer], self.heads[layer]
+        self.step_kv = None
+        if rows > 1 and self.pos + rows > k.shape[1]:  # a sliding block's ring would wrap
+            c = self.w.config
+            self.step_kv = (
+                np.empty((c.n_kv_heads, rows, c.head_dim_k), self.kv),
+                np.empty((c.n_kv_heads, rows, c.head_dim_v), self.kv),
+            )
+        step = self.step_kv or (None, None)
         _kernels.rope_kv(
-            self.buf.views["qkv"], rows, bias, self.rot, self.pos, self.heads, rope.n_dims,
-            rope.neox, self.k_cache[layer], self.v_cache[layer], self.threads,
+            self.buf.views["qkv"], rows, bias, self.rots[layer], self.pos, heads, rope.n_dims,
+            rope.neox, k, v, self.threads, self.q_scale, *step,
         )  # fmt: skip
 
     def attention(self, layer: int, rows: int) -> None:
         b = self.buf
+        k, v = self.k_cache[layer], self.v_cache[layer]
+        step = self.step_kv or (None, None)
         _kernels.attention(
-            b.views["qkv"], rows, self.k_cache[layer], self.v_cache[layer], self.pos,
-            self.heads, self.scale, b.views["att"], self.threads,
+            b.views["qkv"], rows, k, v, self.pos, self.heads[layer], self.scale, b.views["att"],
+            self.threads, self.windows[layer], *step,
         )  # fmt: skip
+        self.step_kv = None  # its last ``size`` positions are in the ring now
         self._written("att")
 
     def swiglu(self, rows: int) -> None:
+        self._gated(_kernels.swiglu, rows)
+
+    def geglu(self, rows: int) -> None:
+        self._gated(_kernels.geglu, rows)
+
+    def _gated(self, kernel: Any, rows: int) -> None:
         b = self.buf
         h = b.views["h"]
         f = h.shape[1] // 2
         act = b.views["act"] = b.act_flat[: rows * f].reshape(rows, f)
-        _kernels.swiglu(h, act, rows, f, self.threads)
+        kernel(h, act, rows, f, self.threads)
         self._written("act")
+
+    def softcap(self, cap: float) -> None:
+        assert self.logits is not None
+        _kernels.softcap(self.logits, cap, self.threads)
 
     def argmax(self) -> None:
         assert self.logits is not None
@@ -300,8 +365,7 @@ class CpuBackend:
         ops.pos = pos
         ops.use_rows(rows)
         if self.spec.is_first:
-            assert w.embedding is not None
-            ops.embed(w.embedding, rows)
+            forward_embed(ops, w, rows)
         else:
             assert self._input is not None
             np.copyto(ops.buf.x, self._input)

@@ -23,16 +23,19 @@ from __future__ import annotations
 from typing import ClassVar
 
 from runplan import WorkerCapabilities
+from runplan.config import REFERENCE_ARCHITECTURES
 from runtime_cupy.cpu.kernels import default_threads, load
 from runtime_cupy.quant_types import QUANT_TYPES
 from runtime_cupy.stage_worker import BackendSpec, StageBackend, StageWorker
 
-#: The architectures the kernels implement (a new one needs its operations here, not
-#: only in the reference worker), every one of the 13 weight types; weights as stored
-#: and a KV cache in the activation dtype, as the planner's memory check counts them.
+#: Every architecture the reference worker runs (``runtime_core.architectures``: the
+#: kernels implement each optional step; a new architecture needs its operations here,
+#: not only in the reference worker), every one of the 13 weight types; weights as
+#: stored and a KV cache in the activation dtype (a sliding block's only as long as its
+#: window), as the planner's memory check counts them.
 CPU_CAPABILITIES = WorkerCapabilities(
     name="cpu",
-    architectures=("llama", "qwen2"),
+    architectures=REFERENCE_ARCHITECTURES,
     quant_types=QUANT_TYPES,
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,

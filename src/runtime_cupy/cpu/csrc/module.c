@@ -9,6 +9,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
+
 #include "ops.h"
 
 #define MAX_PARTS 8
@@ -314,8 +316,9 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     PyObject *xo, *wo, *oo;
     long long rows, n;
     double eps;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOOLLdi", &xo, &wo, &oo, &rows, &n, &eps, &threads)) return NULL;
+    int threads, accumulate = 0;
+    if (!PyArg_ParseTuple(args, "OOOLLdi|p", &xo, &wo, &oo, &rows, &n, &eps, &threads, &accumulate))
+        return NULL;
     if (check_threads(threads) < 0) return NULL;
     if (rows < 1 || n < 1) return PyErr_Format(PyExc_ValueError, "%lld rows of %lld", rows, n);
     Buf x = {0}, w = {0}, o = {0};
@@ -325,7 +328,7 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
         goto done;
     Py_BEGIN_ALLOW_THREADS
     rmsnorm_rows((const float *)x.view.buf, (const float *)w.view.buf, (float *)o.view.buf, rows, n,
-                 eps, threads);
+                 eps, accumulate, threads);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -333,8 +336,9 @@ done:
     return result;
 }
 
-static PyObject *py_swiglu(PyObject *self, PyObject *args) {
-    (void)self;
+typedef void (*gated_fn)(const float *h, float *act, int64_t rows, int64_t f, int threads);
+
+static PyObject *gated(PyObject *args, gated_fn fn) {
     PyObject *ho, *ao;
     long long rows, f;
     int threads;
@@ -346,12 +350,39 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     if (get_buf(ho, &h, "f", 0, rows * 2 * f, "h") < 0 || get_buf(ao, &a, "f", 1, rows * f, "act") < 0)
         goto done;
     Py_BEGIN_ALLOW_THREADS
-    swiglu_rows((const float *)h.view.buf, (float *)a.view.buf, rows, f, threads);
+    fn((const float *)h.view.buf, (float *)a.view.buf, rows, f, threads);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
     release(&h); release(&a);
     return result;
+}
+
+static PyObject *py_swiglu(PyObject *self, PyObject *args) {
+    (void)self;
+    return gated(args, swiglu_rows);
+}
+
+static PyObject *py_geglu(PyObject *self, PyObject *args) {
+    (void)self;
+    return gated(args, geglu_rows);
+}
+
+static PyObject *py_softcap(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo;
+    float cap;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Ofi", &xo, &cap, &threads)) return NULL;
+    if (check_threads(threads) < 0) return NULL;
+    if (!(cap > 0.0f) || isinf(cap)) return PyErr_Format(PyExc_ValueError, "soft cap %g", (double)cap);
+    Buf x = {0};
+    if (get_buf(xo, &x, "f", 1, 1, "logits") < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    softcap_rows((float *)x.view.buf, x.view.len / 4, cap, threads);
+    Py_END_ALLOW_THREADS
+    release(&x);
+    Py_RETURN_NONE;
 }
 
 static int parse_heads(PyObject *t, Heads *hd) {
@@ -369,63 +400,131 @@ static int parse_heads(PyObject *t, Heads *hd) {
     return 0;
 }
 
-static PyObject *py_rope_kv(PyObject *self, PyObject *args) {
+/* k_step, v_step: both None, or both (n_kv, rows, hd) arrays of the cache's element type */
+static int get_step(PyObject *ko, PyObject *vo, Buf *k, Buf *v, const Heads *hd, int64_t rows,
+                    int writable, StepKV *step) {
+    *step = (StepKV){NULL, NULL};
+    k->held = v->held = 0;
+    if (ko == Py_None && vo == Py_None) return 0;
+    if (ko == Py_None || vo == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "k_step and v_step: both arrays, or both None");
+        return -1;
+    }
+    const char *kvf = hd->kv_half ? "e|H" : "f";
+    if (get_buf(ko, k, kvf, writable, hd->n_kv * rows * hd->hd_k, "k_step") < 0 ||
+        get_buf(vo, v, kvf, writable, hd->n_kv * rows * hd->hd_v, "v_step") < 0)
+        return -1;
+    *step = (StepKV){k->view.buf, v->view.buf};
+    return 0;
+}
+
+static PyObject *py_qk_norm(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *qo, *bo, *ro, *ho, *ko, *vo;
-    long long rows, pos, n_rot;
-    int neox, threads;
-    if (!PyArg_ParseTuple(args, "OLOOLOLpOOi", &qo, &rows, &bo, &ro, &pos, &ho, &n_rot, &neox, &ko,
-                          &vo, &threads))
+    PyObject *qo, *bo, *qno, *kno, *ho;
+    long long rows;
+    double eps;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OLOOOOdi", &qo, &rows, &bo, &qno, &kno, &ho, &eps, &threads))
         return NULL;
     Heads hd;
     if (parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return NULL;
-    if (rows < 1 || pos < 0 || pos + rows > hd.max_seq || n_rot < 0 || n_rot % 2 || n_rot > hd.hd_k)
-        return PyErr_Format(PyExc_ValueError, "rows %lld at %lld, %lld rotated dims: outside the cache "
-                            "or the head", rows, pos, n_rot);
+    if (rows < 1) return PyErr_Format(PyExc_ValueError, "rows %lld < 1", rows);
+    int64_t width = hd.n_heads * hd.hd_k + hd.n_kv * (hd.hd_k + hd.hd_v);
+    Buf q = {0}, b = {0}, qn = {0}, kn = {0};
+    PyObject *result = NULL;
+    if (get_buf(qo, &q, "f", 1, rows * width, "qkv") < 0 || get_opt(bo, &b, "f", width, "bias") < 0 ||
+        get_buf(qno, &qn, "f", 0, hd.hd_k, "q_norm") < 0 ||
+        get_buf(kno, &kn, "f", 0, hd.hd_k, "k_norm") < 0)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    qk_norm_rows((float *)q.view.buf, rows, b.held ? (const float *)b.view.buf : NULL,
+                 (const float *)qn.view.buf, (const float *)kn.view.buf, &hd, eps, threads);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    release(&q); release(&b); release(&qn); release(&kn);
+    return result;
+}
+
+static PyObject *py_rope_kv(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *qo, *bo, *ro, *ho, *ko, *vo, *kso = Py_None, *vso = Py_None;
+    long long rows, pos, n_rot;
+    int neox, threads;
+    float q_scale = 1.0f;
+    if (!PyArg_ParseTuple(args, "OLOOLOLpOOi|fOO", &qo, &rows, &bo, &ro, &pos, &ho, &n_rot, &neox,
+                          &ko, &vo, &threads, &q_scale, &kso, &vso))
+        return NULL;
+    Heads hd;
+    if (parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return NULL;
+    if (rows < 1 || pos < 0 || n_rot < 0 || n_rot % 2 || n_rot > hd.hd_k)
+        return PyErr_Format(PyExc_ValueError, "rows %lld at %lld, %lld rotated dims: outside the "
+                            "head", rows, pos, n_rot);
     int64_t width = hd.n_heads * hd.hd_k + hd.n_kv * (hd.hd_k + hd.hd_v);
     const char *kvf = hd.kv_half ? "e|H" : "f";
-    Buf q = {0}, b = {0}, r = {0}, k = {0}, v = {0};
+    Buf q = {0}, b = {0}, r = {0}, k = {0}, v = {0}, ks = {0}, vs = {0};
+    StepKV step;
     PyObject *result = NULL;
     if (get_buf(qo, &q, "f", 1, rows * width, "qkv") < 0 || get_opt(bo, &b, "f", width, "bias") < 0 ||
         get_buf(ro, &r, "f", 0, (pos + rows) * n_rot, "rot") < 0 ||
         get_buf(ko, &k, kvf, 1, hd.n_kv * hd.max_seq * hd.hd_k, "k_cache") < 0 ||
-        get_buf(vo, &v, kvf, 1, hd.n_kv * hd.max_seq * hd.hd_v, "v_cache") < 0)
+        get_buf(vo, &v, kvf, 1, hd.n_kv * hd.max_seq * hd.hd_v, "v_cache") < 0 ||
+        get_step(kso, vso, &ks, &vs, &hd, rows, 1, &step) < 0)
         goto done;
+    if (!step.k && rows > hd.max_seq) {
+        PyErr_Format(PyExc_ValueError, "%lld rows into a ring of %lld: give the step's buffers",
+                     rows, (long long)hd.max_seq);
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     rope_kv_rows((float *)q.view.buf, rows, b.held ? (const float *)b.view.buf : NULL,
-                 (const float *)r.view.buf, pos, &hd, n_rot, neox, k.view.buf, v.view.buf, threads);
+                 (const float *)r.view.buf, pos, &hd, n_rot, neox, q_scale, k.view.buf, v.view.buf,
+                 step, threads);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    release(&q); release(&b); release(&r); release(&k); release(&v);
+    release(&q); release(&b); release(&r); release(&k); release(&v); release(&ks); release(&vs);
     return result;
 }
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *qo, *ho, *ko, *vo, *oo;
-    long long rows, pos;
+    PyObject *qo, *ho, *ko, *vo, *oo, *kso = Py_None, *vso = Py_None;
+    long long rows, pos, window = 0;
     float scale;
     int threads;
-    if (!PyArg_ParseTuple(args, "OLOOLOfOi", &qo, &rows, &ko, &vo, &pos, &ho, &scale, &oo, &threads))
+    if (!PyArg_ParseTuple(args, "OLOOLOfOi|LOO", &qo, &rows, &ko, &vo, &pos, &ho, &scale, &oo,
+                          &threads, &window, &kso, &vso))
         return NULL;
     Heads hd;
     if (parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return NULL;
-    if (rows < 1 || pos < 0 || pos + rows > hd.max_seq)
-        return PyErr_Format(PyExc_ValueError, "rows %lld at %lld: outside the cache", rows, pos);
+    if (rows < 1 || pos < 0 || window < 0)
+        return PyErr_Format(PyExc_ValueError, "rows %lld at %lld, window %lld", rows, pos, window);
     int64_t width = hd.n_heads * hd.hd_k + hd.n_kv * (hd.hd_k + hd.hd_v);
     const char *kvf = hd.kv_half ? "e|H" : "f";
-    Buf q = {0}, k = {0}, v = {0}, o = {0};
+    Buf q = {0}, k = {0}, v = {0}, o = {0}, ks = {0}, vs = {0};
+    StepKV step;
     PyObject *result = NULL;
     int rc = 0;
     if (get_buf(qo, &q, "f", 0, rows * width, "qkv") < 0 ||
-        get_buf(ko, &k, kvf, 0, hd.n_kv * hd.max_seq * hd.hd_k, "k_cache") < 0 ||
-        get_buf(vo, &v, kvf, 0, hd.n_kv * hd.max_seq * hd.hd_v, "v_cache") < 0 ||
-        get_buf(oo, &o, "f", 1, rows * hd.n_heads * hd.hd_v, "out") < 0)
+        get_buf(ko, &k, kvf, kso != Py_None, hd.n_kv * hd.max_seq * hd.hd_k, "k_cache") < 0 ||
+        get_buf(vo, &v, kvf, vso != Py_None, hd.n_kv * hd.max_seq * hd.hd_v, "v_cache") < 0 ||
+        get_buf(oo, &o, "f", 1, rows * hd.n_heads * hd.hd_v, "out") < 0 ||
+        get_step(kso, vso, &ks, &vs, &hd, rows, 0, &step) < 0)
         goto done;
+    /* the first row sees from lo; the ring holds the max_seq positions before the step
+     * (step buffers given) or before the end of the step (the step's rows in the ring) */
+    long long lo = window && pos >= window ? pos - window + 1 : 0;
+    long long held_from = step.k ? pos - hd.max_seq : pos + rows - hd.max_seq;
+    if (lo < held_from) {
+        PyErr_Format(PyExc_ValueError, "rows %lld at %lld see positions from %lld: a ring of %lld "
+                     "%s holds them from %lld only", rows, pos, lo, (long long)hd.max_seq,
+                     step.k ? "beside the step's rows" : "with the step's rows", held_from);
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
-    rc = attention_rows(ISA, (const float *)q.view.buf, rows, k.view.buf, v.view.buf, pos, &hd,
-                        scale, (float *)o.view.buf, threads);
+    rc = attention_rows(ISA, (const float *)q.view.buf, rows, k.view.buf, v.view.buf, step, pos,
+                        window, &hd, scale, (float *)o.view.buf, threads);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         PyErr_NoMemory();
@@ -433,7 +532,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     }
     result = Py_NewRef(Py_None);
 done:
-    release(&q); release(&k); release(&v); release(&o);
+    release(&q); release(&k); release(&v); release(&o); release(&ks); release(&vs);
     return result;
 }
 
@@ -516,12 +615,21 @@ static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS, linear_doc},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(format, x, rows, n, q, d, s, g): the rows' 8-bit form, as linear computes it"},
-    {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, weight, out, rows, n, eps, threads)"},
+    {"rmsnorm", py_rmsnorm, METH_VARARGS,
+     "rmsnorm(x, weight, out, rows, n, eps, threads, accumulate=False): out (+)= rmsnorm(x) * weight"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(h, act, rows, ffn, threads): silu(gate) * up"},
+    {"geglu", py_geglu, METH_VARARGS,
+     "geglu(h, act, rows, ffn, threads): gelu(gate) * up, gelu as llama.cpp's table of halves"},
+    {"softcap", py_softcap, METH_VARARGS, "softcap(logits, cap, threads): cap * tanh(logits / cap)"},
+    {"qk_norm", py_qk_norm, METH_VARARGS,
+     "qk_norm(qkv, rows, bias, q_norm, k_norm, heads, eps, threads): qkv += bias, then every Q "
+     "and K head rmsnorm'd times its weight"},
     {"rope_kv", py_rope_kv, METH_VARARGS,
-     "rope_kv(qkv, rows, bias, rot, pos, heads, n_rot, neox, k_cache, v_cache, threads)"},
+     "rope_kv(qkv, rows, bias, rot, pos, heads, n_rot, neox, k_cache, v_cache, threads, "
+     "q_scale=1.0, k_step=None, v_step=None): K, V to ring slot p % max_seq, or the step's rows"},
     {"attention", py_attention, METH_VARARGS,
-     "attention(qkv, rows, k_cache, v_cache, pos, heads, scale, out, threads)"},
+     "attention(qkv, rows, k_cache, v_cache, pos, heads, scale, out, threads, window=0, "
+     "k_step=None, v_step=None): then the step's rows (when given) to the ring"},
     {"embed", py_embed, METH_VARARGS, "embed(table, ids, out, threads): rows of a table, dequantized"},
     {"argmax", py_argmax, METH_O, "argmax(logits) -> (first index of the largest finite, non-finite count)"},
     {"isas", py_isas, METH_NOARGS, "the instruction sets this host runs, portable first"},
@@ -541,6 +649,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     ISA = best_isa();
+    gelu_table_init();
     Py_INCREF(&MatrixType);
     if (PyModule_AddObject(m, "Matrix", (PyObject *)&MatrixType) < 0) {
         Py_DECREF(&MatrixType);
