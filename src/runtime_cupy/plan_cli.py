@@ -18,20 +18,21 @@ from rich.console import Console
 from rich.table import Table
 
 from runplan import SamplingConfig, model_facts_from_gguf, wire
+from runplan.arguments import OneLineParser, positive_int
 from runplan.cli import human_bytes
 from runplan.gguf_header import GgufError
 from runplan.memory import plan_stage_memory
 from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
 from runtime_core.runs import PLACEMENTS, PlanRejected, facts_for_run
 from runtime_cupy.hosts.ray.cluster import ClusterError, StageNode
-from runtime_cupy.workers import WORKERS, WorkerUnavailable
+from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
 EXIT_REJECTED = 2
 DEFAULT_SEQ_LEN = 2048
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m runtime_cupy plan",
         description="Print the plan of a run: each stage's node, host, layers and memory, "
         "against the live hosts of a Ray cluster (--ray-address) or this host.",
@@ -43,12 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the cluster: auto (the one this machine belongs to) or HOST:PORT of its head "
         "(default: this host's stage processes)",
     )
-    p.add_argument("--stages", type=int, default=3, help="number of stages (default: 3)")
+    p.add_argument("--stages", type=positive_int, default=3, help="number of stages (default: 3)")
     p.add_argument("--placement", choices=PLACEMENTS, default="even", help="even or memory")
-    p.add_argument("--worker", choices=WORKERS, default="numpy", help="the stages' worker")
+    p.add_argument("--worker", choices=WORKERS, default=DEFAULT_WORKER, help="the stages' worker")
     p.add_argument(
         "--max-seq-len",
-        type=int,
+        type=positive_int,
         default=None,
         help="positions of each KV cache (default: 2048, or the model's context if shorter)",
     )
