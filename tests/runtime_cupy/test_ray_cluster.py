@@ -1,8 +1,9 @@
 """Stages on the nodes of a Ray cluster (a one-machine cluster of three Ray nodes,
 ``ray.cluster_utils.Cluster``): the node pool from the cluster, one supervisor actor
 per stage on the Ray node its plan names, the tokens of ``runtime_sim`` (NumPy worker)
-over shared memory and over TCP edges found through Ray's key-value store, ``python -m
-runtime_cupy plan`` against the cluster, and a stage SIGKILLed mid-decode. After each
+over shared memory and over TCP edges found through Ray's key-value store, the default
+(CPU) worker's tokens as on local processes, ``python -m runtime_cupy plan`` against the
+cluster, and a stage SIGKILLed mid-decode. After each
 run: no stage process, no supervisor, no segment, no run folder, no address of the run
 left in the store."""
 
@@ -120,6 +121,21 @@ def test_three_stages_on_three_ray_nodes_give_the_simulators_tokens(
     assert set(result.media) == {"shm" if edges == "auto" else "tcp"}
     assert all(s.returncode == 0 for s in result.stages)
     _assert_clean(result.plan.run_id)
+
+
+def test_the_default_cpu_worker_on_the_cluster_gives_its_local_tokens(
+    cluster: Any, tiny: str
+) -> None:
+    """The default worker (the CPU worker, compiled kernels) runs in the cluster's stage
+    processes too: the same tokens as three local stage processes of that worker."""
+    on_cluster = generate(tiny, PROMPT, stages=3, max_tokens=8, ray_address=cluster.address)
+    local = generate(tiny, PROMPT, stages=3, max_tokens=8, worker="cpu")
+    assert on_cluster.outcome == "completed", on_cluster.fault
+    assert local.outcome == "completed", local.fault
+    assert len(on_cluster.tokens) == 8
+    assert on_cluster.tokens == local.tokens
+    assert len({s.host for s in on_cluster.stages}) == 3
+    _assert_clean(on_cluster.plan.run_id)
 
 
 def _cluster_hosts() -> Any:
