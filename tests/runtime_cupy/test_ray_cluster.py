@@ -9,11 +9,14 @@ left in the store."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,6 +48,7 @@ def cluster() -> Iterator[Any]:
         initialize_head=True,
         head_node_args={"num_cpus": 1, "include_dashboard": False},
     )
+    session = Path(c.head_node.get_session_dir_path())
     try:
         for _ in range(2):
             c.add_node(num_cpus=1)
@@ -54,6 +58,18 @@ def cluster() -> Iterator[Any]:
     finally:
         ray.shutdown()
         c.shutdown()
+        _remove_session(session)
+
+
+def _remove_session(session: Path) -> None:
+    """Ray keeps each session's folder (logs, sockets) under its temp dir: the
+    cluster's goes with it, and the temp dir too once empty."""
+    shutil.rmtree(session, ignore_errors=True)
+    latest = session.parent / "session_latest"
+    if latest.is_symlink() and not latest.exists():
+        latest.unlink()
+    with contextlib.suppress(OSError):
+        session.parent.rmdir()
 
 
 def _raylets(cluster: Any) -> dict[int, str]:

@@ -181,6 +181,7 @@ def _ensure_three_hosts(hosts: TestHosts, tmp_path: Path) -> None:
         if hosts.anchors[i].poll() is not None:
             hosts.lose(i)
             hosts.start_ray(i, tmp_path)
+            hosts.wait_started(i)
 
 
 def test_three_stages_on_three_hosts_give_the_simulators_tokens(

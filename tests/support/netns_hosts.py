@@ -24,6 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY_PORT = 6379
+#: What ``ray start`` logs once its node's processes are up (GCS, raylet, sockets).
+STARTED = "Ray runtime started."
+#: How long a host's Ray node may take to start on a loaded machine.
+START_S = 180.0
 #: Runs a command in a private mount namespace with its own /dev/shm and /tmp.
 _PRIVATE = (
     "unshare", "--mount", "--propagation", "private", "sh", "-c",
@@ -62,6 +66,7 @@ class TestHosts:
         self.bridge = f"gpb{self.tag}"
         self.anchors: dict[int, subprocess.Popen[bytes]] = {}  # host -> its `ray start`
         self.logs: dict[int, Path] = {}
+        self._starts: dict[int, int] = {}  # host -> STARTED lines in its log before its start
 
     def namespace(self, i: int) -> str:
         return f"gpn{self.tag}{i}"
@@ -90,6 +95,8 @@ class TestHosts:
             _ip("-n", ns, "link", "set", "lo", "up")
         for i in range(1, self.count + 1):
             self.start_ray(i, log_dir)
+        for i in range(1, self.count + 1):
+            self.wait_started(i)
 
     def start_ray(self, i: int, log_dir: Path) -> None:
         """Start host ``i``'s Ray node (again, in a fresh mount namespace)."""
@@ -103,6 +110,7 @@ class TestHosts:
             role = [f"--address={self.head_address}"]
         log = log_dir / f"ray-host{i}.log"
         self.logs[i] = log
+        self._starts[i] = log.read_text().count(STARTED) if log.exists() else 0
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
         env.pop("GGUF_PIPELINE_TEST_TAG", None)
         cmd = ["ip", "netns", "exec", self.namespace(i), *_PRIVATE, _ray(), "start", *role]
@@ -110,6 +118,19 @@ class TestHosts:
             self.anchors[i] = subprocess.Popen(
                 [*cmd, *common], stdout=out, stderr=out, stdin=subprocess.DEVNULL, env=env, cwd=ROOT
             )
+
+    def wait_started(self, i: int, timeout_s: float = START_S) -> None:
+        """Until host ``i``'s Ray node is up: a driver that connects before the head's
+        raylet has its socket dies in Ray's core worker. ``RuntimeError`` with the log's
+        end if the node's ``ray start`` ended or the time passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.logs[i].read_text().count(STARTED) <= self._starts[i]:
+            ended = self.anchors[i].poll() is not None
+            if ended or time.monotonic() > deadline:
+                why = "ended" if ended else f"did not start in {timeout_s:.0f} s"
+                tail = self.logs[i].read_text()[-2000:]
+                raise RuntimeError(f"host {i}'s Ray node {why}:\n{tail}")
+            time.sleep(0.2)
 
     def anchor(self, i: int) -> int:
         """A process of host ``i``'s namespaces (its ``ray start``), to enter them by."""
