@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -148,8 +149,9 @@ def main() -> int:
     hosts = TestHosts(3)
     load_before = os.getloadavg()[0]
     rounds: dict[str, list[dict[str, Any]]] = {"local": [], "ray": []}
+    logs = Path(tempfile.mkdtemp(prefix="gpp-multi-host-"))  # the Ray nodes' logs
     try:
-        hosts.up(Path(tempfile.mkdtemp(prefix="gpp-multi-host-")))
+        hosts.up(logs)
         _case(hosts.driver([*me[1:], "--ray-address", hosts.head_address]))  # warm-up
         for r in range(args.rounds):
             order = ("local", "ray") if r % 2 == 0 else ("ray", "local")
@@ -165,8 +167,12 @@ def main() -> int:
                     + (f" (connect {doc['connect_s']:.1f} s)" if doc["connect_s"] else ""),
                     file=sys.stderr,
                 )
-    finally:
+    except BaseException:
         hosts.down()
+        print(f"multi_host: the Ray nodes' logs are in {logs}", file=sys.stderr)
+        raise
+    hosts.down()
+    shutil.rmtree(logs, ignore_errors=True)
     load_after = os.getloadavg()[0]
     local, ray = rounds["local"], rounds["ray"]
     tps_local = _median([d["decode_tokens_per_s"] for d in local])
