@@ -7,6 +7,10 @@ standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
 that faults prints one line naming the stage, node and reason to standard error and
 exits 1; Ctrl-C tears the run down, prints ``cancelled`` and exits 130; bad input
 exits 2.
+
+Subcommands beside it: ``python -m runtime_cupy serve ...`` (an OpenAI-compatible HTTP
+API over warm stages, ``serve.cli``) and ``python -m runtime_cupy chat ...`` (a
+terminal chat on warm stages, ``serve.chat``).
 """
 
 from __future__ import annotations
@@ -185,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m runtime_cupy",
         description="Generate text from a GGUF model through N stage processes on this "
         "host (one OS process per stage, shared-memory or TCP edges between them).",
+        epilog="Also: 'python -m runtime_cupy serve --help' (an OpenAI-compatible HTTP API "
+        "over warm stages) and 'python -m runtime_cupy chat --help' (a terminal chat).",
     )
     add_generation_arguments(run, stages_help="stage processes (default: 3)")
     run.add_argument(
@@ -210,8 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
     return run
 
 
+def _subcommand(name: str, argv: Sequence[str]) -> int:
+    if name == "serve":
+        from runtime_cupy.serve.cli import main as serve
+
+        return serve(argv)
+    from runtime_cupy.serve.chat import main as chat
+
+    return chat(argv)
+
+
+SUBCOMMANDS = ("serve", "chat")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in SUBCOMMANDS:
+        return _subcommand(given[0], given[1:])
+    args = build_parser().parse_args(given)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         stream=sys.stderr,

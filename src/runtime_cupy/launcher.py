@@ -196,6 +196,10 @@ class ProcessRun:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        # cancel() may come from another thread (or a signal handler on this one) while
+        # the run closes its wake-up pipe: it never writes to a descriptor closed (and
+        # perhaps reused by then).
+        self._wake_lock = threading.RLock()
         self._waiter = Watch()
         self._cancel: list[str] = []  # requests (signal names), in order
         self._cancel_fed = 0
@@ -248,8 +252,9 @@ class ProcessRun:
         """Ask the run to tear down (any thread, or a signal handler); a second request
         while tearing down stops waiting for the stages."""
         self._cancel.append(why)
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"!")
+        with self._wake_lock, contextlib.suppress(OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"!")
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> ProcessRunResult:
@@ -263,9 +268,11 @@ class ProcessRun:
                 self._teardown()
             finally:
                 self._restore_signals(previous)
-                for fd in (self._wake_r, self._wake_w):
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                with self._wake_lock:
+                    fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+                    for fd in fds:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
         c = self.controller
         finished = c.finished
         tokens = finished.tokens if finished is not None else c.machine.tokens

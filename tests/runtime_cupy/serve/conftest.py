@@ -16,5 +16,5 @@ def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> str:
     template = Tokenizer.from_gguf(resolve_model("smollm2-135m")).vocab.chat_template
     assert template is not None
     path = tmp_path_factory.mktemp("serve") / "tiny-chat.gguf"
-    shape = ModelShape(n_layers=4, context_length=256)
+    shape = ModelShape(n_layers=4, context_length=1024)
     return str(write_model(Path(path), shape, extra_keys={"tokenizer.chat_template": template}))

@@ -70,11 +70,11 @@ def test_the_same_processes_serve_every_run_and_only_the_first_binds(
 def test_each_run_has_its_own_cache_and_sampler(chain: WarmChain, tiny: str) -> None:
     sampled = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 11}
     long_prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1, 40, 41, 42, 43, 44, 45]
-    expected = generate(tiny, long_prompt, stages=2, max_tokens=10, **sampled)  # type: ignore[arg-type]
+    expected = generate(tiny, long_prompt, stages=2, max_tokens=10, **sampled)
     chain.generate(PROMPT, max_tokens=20, temperature=0.7, seed=3)  # leaves a cache behind
-    run = chain.generate(long_prompt, max_tokens=10, **sampled)  # type: ignore[arg-type]
+    run = chain.generate(long_prompt, max_tokens=10, **sampled)
     assert run.result.tokens == expected.tokens
-    again = chain.generate(long_prompt, max_tokens=10, **sampled)  # type: ignore[arg-type]
+    again = chain.generate(long_prompt, max_tokens=10, **sampled)
     assert again.result.tokens == expected.tokens
 
 
