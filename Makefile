@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/sim_speed.py
 	$(PY) benchmarks/timing_model.py
 	$(PY) benchmarks/hop_overhead.py
+	$(PY) benchmarks/serve_load.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
