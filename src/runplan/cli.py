@@ -13,9 +13,11 @@ from typing import Any
 import cattrs
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from runplan import wire
+from runplan.arguments import OneLineParser, positive_int
 from runplan.check_cli import add_check_parser
 from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.dtypes import DTYPES_BY_NAME
@@ -201,7 +203,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             _json_out({"rejection": _rejection_json(result)})
         else:
             Console(stderr=True, soft_wrap=True).print(
-                f"[bold red]rejected[/] {result}", highlight=False
+                f"[bold red]rejected[/] {escape(str(result))}", highlight=False
             )
         return EXIT_REJECTED
     _print_plan(args, facts, pool, config, result)
@@ -268,7 +270,7 @@ def _print_plan(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m runplan",
         description="Plan pipeline-parallel runs of a GGUF model (reading GGUF headers "
         "only), and check plans against the RunPlan contract.",
@@ -285,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--max-seq-len",
-            type=int,
+            type=positive_int,
             default=None,
             help="positions each stage's KV cache holds (default: the model's context length)",
         )
@@ -349,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "json", False):
             _json_out({"error": {"type": type(exc).__name__, "message": str(exc)}})
         else:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {exc}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]error[/] {escape(str(exc))}", highlight=False
+            )
         return EXIT_INPUT
     return code

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import os
+import re
 
 from runplan.facts import GgufSource, ModelFacts
 from runplan.gguf_header import GgufError, GgufHeader, model_id_for
 from runplan.layer_attention import layer_attention
 
-_BLOCK_PREFIX = "blk."
+#: A block tensor's name as llama.cpp writes it: ``blk.{i}.{rest}``, ``i`` in decimal.
+BLOCK_TENSOR = re.compile(r"blk\.(0|[1-9][0-9]*)\.(.+)", re.ASCII)
+#: llama.cpp's default special token ids of each tokenizer model (``llama-vocab.cpp``),
+#: used when a file names none (or one outside its vocabulary).
+SPECIAL_TOKEN_DEFAULTS: dict[str, dict[str, int | None]] = {
+    "gpt2": {"bos": 11, "eos": 11, "unk": None},
+    "llama": {"bos": 1, "eos": 2, "unk": 0},
+}
+#: The key of each special token's id.
+SPECIAL_TOKEN_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+}
 EMBEDDING_TENSOR = "token_embd.weight"
 OUTPUT_TENSOR = "output.weight"
 OUTPUT_NORM_TENSOR = "output_norm.weight"
@@ -28,9 +42,14 @@ def model_facts_from_gguf(
 
 
 def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> ModelFacts:
+    """Facts of the model in ``header``. Where llama.cpp has a default for a key the
+    file lacks, the facts use it: ``head_count_kv`` = ``head_count``, key and value head
+    sizes = ``embedding_length / head_count``, the vocabulary from the token list, the
+    tokenizer model's end-of-sequence id; a key llama.cpp requires raises ``GgufError``
+    naming it."""
     first = header.paths[0]
     arch = header.string("general.architecture")
-    num_layers = header.integer(f"{arch}.block_count")
+    num_layers = block_count(header, arch)
     hidden = header.integer(f"{arch}.embedding_length")
     heads = header.integer(f"{arch}.attention.head_count")
     heads_kv = header.integer(f"{arch}.attention.head_count_kv", default=heads)
@@ -38,28 +57,29 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     head_dim_k = header.integer(f"{arch}.attention.key_length", default=default_head_dim)
     head_dim_v = header.integer(f"{arch}.attention.value_length", default=default_head_dim)
     context_length = header.integer(f"{arch}.context_length")
-    eos = header.integer("tokenizer.ggml.eos_token_id")
 
     tensors = header.tensors
     if EMBEDDING_TENSOR not in tensors:
         raise GgufError(first, f"the model has no {EMBEDDING_TENSOR!r} tensor")
     embedding = tensors[EMBEDDING_TENSOR]
     vocab = vocab_size(header, arch)
+    eos = special_token_id(header, "eos", vocab)
+    if eos is None:
+        raise GgufError(
+            first,
+            "missing, and the file's tokenizer model has no default end-of-sequence id "
+            "in its vocabulary",
+            "tokenizer.ggml.eos_token_id",
+        )
 
-    block_bytes = [0] * max(num_layers, 0)
-    block_elements = [0] * max(num_layers, 0)
+    block_bytes = [0] * num_layers
+    block_elements = [0] * num_layers
     shared = shared_elements = 0
     for name, info in tensors.items():
-        if name.startswith(_BLOCK_PREFIX):
-            index_text = name[len(_BLOCK_PREFIX) :].split(".", 1)[0]
-            if not index_text.isdigit() or int(index_text) >= num_layers:
-                raise GgufError(
-                    first,
-                    f"tensor {name!r} names a block outside 0..{num_layers - 1}",
-                    f"{arch}.block_count",
-                )
-            block_bytes[int(index_text)] += info.n_bytes
-            block_elements[int(index_text)] += _elements(info.shape)
+        block = block_index(name)
+        if block is not None:
+            block_bytes[block] += info.n_bytes
+            block_elements[block] += _elements(info.shape)
         elif name not in (EMBEDDING_TENSOR, OUTPUT_TENSOR, OUTPUT_NORM_TENSOR):
             shared += info.n_bytes
             shared_elements += _elements(info.shape)
@@ -98,6 +118,60 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         layer_windows=tuple(a.window for a in attention),
         layer_rope_freq_bases=tuple(a.rope_freq_base for a in attention),
     )
+
+
+def block_index(name: str) -> int | None:
+    """The block a tensor belongs to (``blk.{i}.*``), or ``None`` for other tensors."""
+    m = BLOCK_TENSOR.fullmatch(name)
+    return int(m[1]) if m is not None else None
+
+
+def block_count(header: GgufHeader, arch: str) -> int:
+    """``{arch}.block_count``, checked against the file's tensors before anything is
+    made per block: every block ``0..n-1`` holds at least one tensor and no tensor names
+    a block past them (``GgufError`` naming the key otherwise). So a forged count of
+    billions fails at once, and a file holding only some of a model's blocks (a shard
+    cut by block, which llama.cpp does not write) is refused here, not by a stage."""
+    key = f"{arch}.block_count"
+    n = header.integer(key)
+    first = header.paths[0]
+    blocks: set[int] = set()
+    for name in header.tensors:
+        block = block_index(name)
+        if block is None:
+            if name.startswith("blk."):
+                raise GgufError(first, f"tensor {name!r} is not named blk.<block>.<name>", key)
+            continue
+        if block >= n:
+            raise GgufError(first, f"tensor {name!r} names a block outside 0..{n - 1}", key)
+        blocks.add(block)
+    if n < 1:
+        raise GgufError(first, f"{n} blocks: a model has at least one", key)
+    if len(blocks) < n:
+        missing = next(i for i in range(len(blocks) + 1) if i not in blocks)
+        raise GgufError(
+            first,
+            f"{n} blocks, but the file holds tensors of {len(blocks)} "
+            f"(none of block {missing}); a file holding only some blocks is not a model",
+            key,
+        )
+    return n
+
+
+def special_token_id(header: GgufHeader, kind: str, n_vocab: int) -> int | None:
+    """The id of special token ``kind`` (``bos``, ``eos``, ``unk``) as llama.cpp reads
+    it: its key (``SPECIAL_TOKEN_KEYS``) when inside the vocabulary, else the tokenizer
+    model's default (``SPECIAL_TOKEN_DEFAULTS``) when that is inside it, else
+    ``None``."""
+    model = header.string("tokenizer.ggml.model", "")
+    default = SPECIAL_TOKEN_DEFAULTS.get(model, {}).get(kind)
+    if default is not None and not 0 <= default < n_vocab:
+        default = None
+    key = SPECIAL_TOKEN_KEYS[kind]
+    if not header.has(key):
+        return default
+    value = header.integer(key)
+    return value if 0 <= value < n_vocab else default
 
 
 def vocab_size(header: GgufHeader, arch: str) -> int:

@@ -1,18 +1,18 @@
 """Reading GGUF headers (metadata and tensor infos), never tensor data.
 
-This extends the gguf package's ``GGUFReader`` rather than parsing the format again:
-its parsing of a header is kept, with two changes that make a header of a real model
-readable in milliseconds: arrays of numbers become one NumPy view instead of one view
-per element, and arrays of strings (the vocabulary, the merges) are skipped over and
-decoded only on request. Tensor infos are collected without making data views.
+The bytes are parsed by ``gguf_reader`` (the gguf package's ``GGUFReader``, fast and
+strict); this module checks what they say as llama.cpp does (tensor types, shapes,
+where each tensor's data lies) and reads metadata through typed accessors. Every
+failure is a ``GgufError`` naming the file and, where there is one, the key or tensor;
+nothing takes time or memory in proportion to a count the file cannot back.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 from attrs import frozen
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from runplan.gguf_reader import HeaderReader
 
 
 class GgufError(ValueError):
@@ -45,98 +47,6 @@ class TensorInfo:
     n_bytes: int
     file_index: int  # which file of the source holds it
     offset: int  # absolute byte offset of the data in that file
-
-
-@frozen
-class _StringArray:
-    offset: int  # of the first string's length prefix
-    count: int
-
-
-class _HeaderReader(GGUFReader):
-    """``GGUFReader`` with fast arrays and no tensor data views."""
-
-    def __init__(self, path: str) -> None:
-        self._string_arrays: dict[int, _StringArray] = {}
-        self.tensor_infos: list[tuple[str, int, tuple[int, ...], int]] = []
-        super().__init__(path, "r")
-
-    # The base class keeps the file as an ``np.memmap``, whose every slice pays for
-    # memmap bookkeeping; a plain ndarray view of the same mapping slices faster.
-    @property  # type: ignore[override]
-    def data(self) -> npt.NDArray[np.uint8]:
-        return self._data
-
-    @data.setter
-    def data(self, value: npt.NDArray[np.uint8]) -> None:
-        self._data = value.view(np.ndarray)
-        self._view = self._data.data
-
-    def _struct_order(self) -> str:
-        host_little = sys.byteorder == "little"
-        file_little = host_little if self.byte_order == "I" else not host_little
-        return "<" if file_little else ">"
-
-    def _get_field_parts(
-        self, orig_offs: int, raw_type: int
-    ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[GGUFValueType]]:
-        if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        offs = orig_offs
-        raw_itype = self._get(offs, np.uint32)
-        alen = self._get(offs + 4, np.uint64)
-        offs += 12
-        itype = GGUFValueType(int(raw_itype[0]))
-        count = int(alen[0])
-        remaining = len(self.data) - offs
-        if itype == GGUFValueType.STRING:
-            if count * 8 > remaining:
-                raise ValueError(f"string array of {count} items runs past the end of the file")
-            self._string_arrays[orig_offs] = _StringArray(offs, count)
-            unpack = struct.Struct(self._struct_order() + "Q").unpack_from
-            buf = self._view
-            for _ in range(count):
-                offs += 8 + unpack(buf, offs)[0]
-            if offs > len(self.data):
-                raise ValueError("string array runs past the end of the file")
-            types = [GGUFValueType.ARRAY, GGUFValueType.STRING]
-            return offs - orig_offs, [raw_itype, alen], [], types
-        nptype = self.gguf_scalar_to_np.get(itype)
-        if nptype is None:  # arrays of arrays: the package's own (slow) path
-            return super()._get_field_parts(orig_offs, raw_type)
-        itemsize = np.dtype(nptype).itemsize
-        if count * itemsize > remaining:
-            raise ValueError(f"array of {count} {itype.name} runs past the end of the file")
-        values = self._get(offs, nptype, count)
-        return 12 + count * itemsize, [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, itype]
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        for field in fields:
-            _len, name_data, _n_dims, dims, raw_dtype, offset_tensor = field.parts
-            name = bytes(name_data).decode("utf-8")
-            self.tensor_infos.append(
-                (
-                    name,
-                    int(raw_dtype[0]),
-                    tuple(int(d) for d in dims),
-                    int(start_offs + offset_tensor[0]),
-                )
-            )
-        self.tensors = []
-
-    def strings(self, field: Any) -> list[str]:
-        key_len, key_data, value_type = field.parts[:3]
-        value_offset = field.offset + key_len.nbytes + key_data.nbytes + value_type.nbytes
-        arr = self._string_arrays[value_offset]
-        unpack = struct.Struct(self._struct_order() + "Q").unpack_from
-        buf = self._view
-        out = []
-        offs = arr.offset
-        for _ in range(arr.count):
-            (n,) = unpack(buf, offs)
-            out.append(str(buf[offs + 8 : offs + 8 + n], "utf-8", "replace"))
-            offs += 8 + n
-        return out
 
 
 _SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -166,10 +76,16 @@ def model_id_for(path: str | os.PathLike[str]) -> str:
 
 @attrs.define
 class GgufHeader:
-    """Metadata and tensor infos of one GGUF source (one file or a split set)."""
+    """Metadata and tensor infos of one GGUF source (one file or a split set).
+
+    The typed accessors (``integer``, ``number``, ``boolean``, ``string``, ``strings``,
+    ``array``) check a key's GGUF type before they read its value, and raise
+    ``GgufError`` naming the file and the key for a value of another type (an array
+    where a number belongs is refused without being read) or a string that is not
+    UTF-8."""
 
     paths: tuple[str, ...]
-    _readers: list[_HeaderReader]
+    _readers: list[HeaderReader]
     tensors: dict[str, TensorInfo]
 
     @classmethod
@@ -179,20 +95,21 @@ class GgufHeader:
         tensors: dict[str, TensorInfo] = {}
         for index, (p, reader) in enumerate(zip(paths, readers, strict=True)):
             if len(paths) > 1:
-                _check_shard(p, reader, index, len(paths))
-            size = len(reader.data)
-            for name, raw_type, shape, offset in reader.tensor_infos:
-                tensors[name] = _tensor_info(p, name, raw_type, shape, offset, index, size, tensors)
-        if len(paths) > 1:
-            field = readers[0].fields.get("split.tensors.count")
-            if field is not None and field.contents() != len(tensors):
+                _check_shard(cls((p,), [reader], {}), p, index, len(paths))
+            for info in _tensor_infos(p, reader, index):
+                if info.name in tensors:
+                    raise GgufError(p, f"tensor {info.name!r} appears twice in the split set")
+                tensors[info.name] = info
+        header = cls(paths, readers, tensors)
+        if len(paths) > 1 and header.has("split.tensors.count"):
+            claimed = header.integer("split.tensors.count")
+            if claimed != len(tensors):
                 raise GgufError(
                     paths[0],
-                    f"the split set holds {len(tensors)} tensors, its header says "
-                    f"{field.contents()}",
+                    f"the split set holds {len(tensors)} tensors, its header says {claimed}",
                     "split.tensors.count",
                 )
-        return cls(paths, readers, tensors)
+        return header
 
     # -- metadata ---------------------------------------------------------------
     def has(self, key: str) -> bool:
@@ -205,56 +122,99 @@ class GgufHeader:
         return self._field(key).types[0]  # type: ignore[no-any-return]
 
     def get(self, key: str) -> Any:
-        """A scalar or string value, or a list for an array of numbers."""
+        """A scalar or string value, or a list for an array (of numbers or strings)."""
         field = self._field(key)
-        if field.types[:2] == [GGUFValueType.ARRAY, GGUFValueType.STRING]:
-            return self.strings(key)
-        return field.contents()
+        kind = field.types[0]
+        if kind == GGUFValueType.STRING:
+            return self._decode(key, field.parts[-1])
+        if kind == GGUFValueType.ARRAY:
+            if field.types[1] == GGUFValueType.STRING:
+                return self.strings(key)
+            return self.array(key).tolist()
+        return field.parts[-1].tolist()[0]
 
     def integer(self, key: str, default: int | None = None) -> int:
         if not self.has(key):
             if default is not None:
                 return default
             raise GgufError(self.paths[0], "required key is missing", key)
-        value = self.get(key)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise GgufError(self.paths[0], f"expected an integer, found {value!r}", key)
+        field = self._field(key)
+        if field.types[0] not in _INTEGER_TYPES:
+            raise GgufError(self.paths[0], f"expected an integer, found {_describe(field)}", key)
+        return int(field.parts[-1][0])
+
+    def number(self, key: str, default: float | None = None) -> float:
+        """An integer or floating-point value, as a float; never infinite or NaN."""
+        if not self.has(key):
+            if default is not None:
+                return default
+            raise GgufError(self.paths[0], "required key is missing", key)
+        field = self._field(key)
+        if field.types[0] not in _INTEGER_TYPES | _FLOAT_TYPES:
+            raise GgufError(self.paths[0], f"expected a number, found {_describe(field)}", key)
+        value = float(field.parts[-1][0])
+        if not math.isfinite(value):
+            raise GgufError(self.paths[0], f"expected a finite number, found {value}", key)
         return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        """A bool value (llama.cpp reads flags only as GGUF bools)."""
+        if not self.has(key):
+            return default
+        field = self._field(key)
+        if field.types[0] != GGUFValueType.BOOL:
+            raise GgufError(self.paths[0], f"expected a bool, found {_describe(field)}", key)
+        return bool(field.parts[-1][0])
 
     def string(self, key: str, default: str | None = None) -> str:
         if not self.has(key):
             if default is not None:
                 return default
             raise GgufError(self.paths[0], "required key is missing", key)
-        value = self.get(key)
-        if not isinstance(value, str):
-            raise GgufError(self.paths[0], f"expected a string, found {value!r}", key)
-        return value
+        field = self._field(key)
+        if field.types[0] != GGUFValueType.STRING:
+            raise GgufError(self.paths[0], f"expected a string, found {_describe(field)}", key)
+        return self._decode(key, field.parts[-1])
 
     def strings(self, key: str) -> list[str]:
+        """An array of strings (invalid UTF-8 in an element replaced, as llama.cpp's
+        tokens are bytes)."""
         field = self._field(key)
         if field.types[:2] != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
-            raise GgufError(self.paths[0], "expected an array of strings", key)
+            raise GgufError(
+                self.paths[0], f"expected an array of strings, found {_describe(field)}", key
+            )
         return self._readers[0].strings(field)
 
     def array(self, key: str) -> npt.NDArray[Any]:
         """An array of numbers as one read-only NumPy array."""
         field = self._field(key)
         if field.types[0] != GGUFValueType.ARRAY or len(field.data) != 1:
-            raise GgufError(self.paths[0], "expected an array of numbers", key)
+            raise GgufError(
+                self.paths[0], f"expected an array of numbers, found {_describe(field)}", key
+            )
         return np.asarray(field.parts[field.data[0]])
 
     def array_length(self, key: str) -> int:
+        """The number of items of an array, without reading them."""
         field = self._field(key)
         if field.types[0] != GGUFValueType.ARRAY:
-            raise GgufError(self.paths[0], "expected an array", key)
-        return int(field.parts[1][0])
+            raise GgufError(self.paths[0], f"expected an array, found {_describe(field)}", key)
+        return _array_count(field)
 
     def _field(self, key: str) -> Any:
         field = self._readers[0].fields.get(key)
         if field is None:
             raise GgufError(self.paths[0], "required key is missing", key)
         return field
+
+    def _decode(self, key: str, data: npt.NDArray[np.uint8]) -> str:
+        try:
+            return data.tobytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise GgufError(
+                self.paths[0], f"the string is not valid UTF-8 (byte {exc.start})", key
+            ) from None
 
     # -- tensor data (for loaders; the planner never calls these) ----------------
     def tensor_bytes(self, name: str) -> npt.NDArray[np.uint8]:
@@ -264,19 +224,49 @@ class GgufHeader:
         return data[info.offset : info.offset + info.n_bytes]
 
 
-def _open(path: str) -> _HeaderReader:
+_INTEGER_TYPES = frozenset(
+    {
+        GGUFValueType.UINT8,
+        GGUFValueType.INT8,
+        GGUFValueType.UINT16,
+        GGUFValueType.INT16,
+        GGUFValueType.UINT32,
+        GGUFValueType.INT32,
+        GGUFValueType.UINT64,
+        GGUFValueType.INT64,
+    }
+)
+_FLOAT_TYPES = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
+
+
+def _array_count(field: Any) -> int:
+    # parts: key length, key, value type, item type, item count, ...
+    return int(field.parts[4][0])
+
+
+def _describe(field: Any) -> str:
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        return f"an array of {_array_count(field)} {field.types[1].name}"
+    if kind == GGUFValueType.STRING:
+        return f"a string of {len(field.parts[-1])} bytes"
+    return f"a {kind.name} ({field.parts[-1].tolist()[0]!r})"
+
+
+def _open(path: str) -> HeaderReader:
     if not os.path.exists(path):
         raise GgufError(path, "no such file")
     if os.path.isdir(path):
         raise GgufError(path, "is a directory, not a GGUF file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise GgufError(path, f"cannot be read: {exc.strerror}") from exc
     if magic != b"GGUF":
         raise GgufError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        return _HeaderReader(path)
-    except GgufError:
-        raise
+        return HeaderReader(path)
     except (
         ValueError,
         IndexError,
@@ -284,50 +274,59 @@ def _open(path: str) -> _HeaderReader:
         OverflowError,
         struct.error,
         UnicodeDecodeError,
-        MemoryError,
     ) as exc:
         raise GgufError(path, f"malformed or truncated header: {exc}") from exc
+    except OSError as exc:
+        raise GgufError(path, f"cannot be mapped: {exc.strerror}") from exc
 
 
-def _check_shard(path: str, reader: _HeaderReader, index: int, count: int) -> None:
+def _check_shard(shard: GgufHeader, path: str, index: int, count: int) -> None:
     for key, want in (("split.no", index), ("split.count", count)):
-        field = reader.fields.get(key)
-        if field is None:
+        if not shard.has(key):
             raise GgufError(path, "a shard of a split set lacks its split key", key)
-        got = field.contents()
+        got = shard.integer(key)
         if got != want:
             raise GgufError(path, f"is {got}, expected {want} for this shard", key)
 
 
-def _tensor_info(
-    path: str,
-    name: str,
-    raw_type: int,
-    shape: tuple[int, ...],
-    offset: int,
-    index: int,
-    file_size: int,
-    seen: dict[str, TensorInfo],
-) -> TensorInfo:
-    if name in seen:
-        raise GgufError(path, f"tensor {name!r} appears twice")
-    try:
-        qtype = GGMLQuantizationType(raw_type)
-    except ValueError:
-        raise GgufError(path, f"tensor {name!r} has unknown GGML type {raw_type}") from None
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if not shape or any(d < 1 for d in shape) or shape[0] % block_size:
-        raise GgufError(
-            path, f"tensor {name!r} has shape {list(shape)}, impossible for {qtype.name}"
-        )
-    n_elems = 1
-    for d in shape:
-        n_elems *= d
-    n_bytes = n_elems // block_size * type_size
-    if offset + n_bytes > file_size:
-        raise GgufError(
-            path,
-            f"truncated: tensor {name!r} needs bytes up to {offset + n_bytes}, "
-            f"the file has {file_size}",
-        )
-    return TensorInfo(name, qtype.name, shape, n_bytes, index, offset)
+def _tensor_infos(path: str, reader: HeaderReader, index: int) -> list[TensorInfo]:
+    """The tensors of one file, checked as llama.cpp's reader checks them: a known type,
+    a shape whose rows are whole blocks, and data that starts where the tensor before
+    it ends (rounded up to the file's alignment) and ends inside the file."""
+    alignment = int(reader.alignment)
+    data_start = int(reader.data_offset)
+    size = len(reader.data)
+    expected = 0  # where the next tensor's data must start, relative to data_start
+    out = []
+    for raw in reader.tensor_infos:
+        name, shape = raw.name, raw.shape
+        try:
+            qtype = GGMLQuantizationType(raw.raw_type)
+        except ValueError:
+            raise GgufError(path, f"tensor {name!r} has unknown GGML type {raw.raw_type}") from None
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_elems = 1
+        for d in shape:
+            n_elems *= d
+        if not shape or any(d < 1 for d in shape) or shape[0] % block_size or n_elems >= 2**63:
+            raise GgufError(
+                path, f"tensor {name!r} has shape {list(shape)}, impossible for {qtype.name}"
+            )
+        n_bytes = n_elems // block_size * type_size
+        if raw.offset != expected:
+            raise GgufError(
+                path,
+                f"tensor {name!r} has its data at offset {raw.offset}; it follows the "
+                f"tensor before it, at {expected} (each tensor's data is aligned to "
+                f"{alignment} bytes)",
+            )
+        start = data_start + raw.offset
+        if start + n_bytes > size:
+            raise GgufError(
+                path,
+                f"truncated: tensor {name!r} needs bytes up to {start + n_bytes}, "
+                f"the file has {size}",
+            )
+        expected += -(-n_bytes // alignment) * alignment
+        out.append(TensorInfo(name, qtype.name, shape, n_bytes, index, start))
+    return out

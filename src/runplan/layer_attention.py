@@ -88,12 +88,5 @@ def _sliding_blocks(header: GgufHeader, arch: str, n_layers: int) -> tuple[bool,
 
 def number(header: GgufHeader, key: str, default: float | None = None) -> float:
     """A numeric key as a float (``default`` when absent; ``GgufError`` when absent
-    without one, or not a number)."""
-    if not header.has(key):
-        if default is not None:
-            return default
-        raise GgufError(header.paths[0], "required key is missing", key)
-    value = header.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise GgufError(header.paths[0], f"expected a number, found {value!r}", key)
-    return float(value)
+    without one, not a number, or not finite): ``GgufHeader.number``."""
+    return header.number(key, default)

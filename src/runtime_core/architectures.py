@@ -11,6 +11,7 @@ is the same pre-norm transformer block; the spec says where one departs from it:
         q, k = rms_norm per head (attn_q_norm, attn_k_norm)        if qk_norm
         q, k = rope(q), rope(k)            (normal or NeoX pairs; the block's own base)
         a = attention(q * query_scale, k, v)   (causal; within the window if sliding)
+                                            (gemma3, phi3 scale q; the others the scores)
         a = a @ Wo                          (+ bias)
         a = rms_norm(a, post_attention_norm)                       if post_norms
         x = x + a
@@ -87,6 +88,9 @@ class ArchSpec:
     activation: Activation
     embedding_scale: EmbeddingScale
     query_scale: QueryScale
+    # Where llama.cpp's graph applies the query scale: to the rotated queries (then
+    # attention scales by 1), or to the scores. The same product, rounded differently.
+    queries_scaled: bool
     sliding_window: bool  # reads attention.sliding_window (runplan.layer_attention)
     final_logit_softcap: bool  # reads final_logit_softcapping (absent or 0: none)
     rope_freqs: bool  # may carry llama3's rope_freqs.weight
@@ -104,6 +108,7 @@ _BASE = ArchSpec(
     activation=Activation.SILU,
     embedding_scale=EmbeddingScale.NONE,
     query_scale=QueryScale.KEY_LENGTH,
+    queries_scaled=False,
     sliding_window=False,
     final_logit_softcap=False,
     rope_freqs=True,
@@ -146,6 +151,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             activation=Activation.GELU_TANH,
             embedding_scale=EmbeddingScale.SQRT_HIDDEN,
             query_scale=QueryScale.GEMMA3,
+            queries_scaled=True,
             sliding_window=True,
             final_logit_softcap=True,
             rope_freqs=False,
@@ -156,6 +162,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             qkv_layouts=(QkvLayout.FUSED, QkvLayout.SEPARATE),
             output_bias=Presence.ABSENT,
             ffn=FfnLayout.FUSED,
+            queries_scaled=True,
             rope_freqs=False,
         ),
     )

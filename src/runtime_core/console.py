@@ -4,8 +4,10 @@ streamed as tokens arrive."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TextIO
 
+from runplan.arguments import positive_int
 from runtime_core.tokenizer import Tokenizer
 
 
@@ -18,6 +20,24 @@ def token_ids(text: str) -> list[int]:
     if not ids or any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError("token ids are non-negative integers, at least one")
     return ids
+
+
+def writable_file(text: str) -> Path:
+    """An ``argparse`` type: a file this process can create or overwrite, checked when
+    the command line is read, so that a run never ends in a failed write. Leaves no
+    file behind where there was none."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a directory")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
+    if not existed:
+        path.unlink()
+    return path
 
 
 class IncrementalText:
@@ -79,8 +99,6 @@ class TextStream:
 def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: str) -> None:
     """The flags both runtimes' ``run`` commands take: the model, the stage count, the
     prompt, sampling, ``--json`` and ``--trace``."""
-    from pathlib import Path
-
     from runplan.models import DEFAULT_MODEL
 
     parser.add_argument(
@@ -88,7 +106,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: st
         default=DEFAULT_MODEL,
         help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
     )
-    parser.add_argument("--stages", type=int, default=3, help=stages_help)
+    parser.add_argument("--stages", type=positive_int, default=3, help=stages_help)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the prompt text")
     what.add_argument("--prompt-ids", type=token_ids, help="the prompt as token ids: 1,2,3")
@@ -109,7 +127,8 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: st
     )
     parser.add_argument(
         "--trace",
-        type=Path,
+        type=writable_file,
         default=None,
-        help="write Chrome trace events (open in https://ui.perfetto.dev)",
+        help="write Chrome trace events to this file (open in https://ui.perfetto.dev); "
+        "checked before the run starts",
     )

@@ -28,12 +28,11 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from attrs import frozen
 from gguf import GGUFValueType
 
+from runplan.gguf_facts import block_count
 from runplan.gguf_header import GgufError, GgufHeader
 from runplan.layer_attention import layer_attention, number
 from runtime_core.architectures import (
@@ -120,7 +119,7 @@ class ModelConfig:
             raise UnsupportedModel(
                 path, "mixture-of-experts models are not supported", key=f"{arch}.expert_count"
             )
-        n_layers = header.integer(f"{arch}.block_count")
+        n_layers = block_count(header, arch)
         hidden = header.integer(f"{arch}.embedding_length")
         heads = header.integer(f"{arch}.attention.head_count")
         heads_kv = header.integer(f"{arch}.attention.head_count_kv", default=heads)
@@ -170,9 +169,12 @@ class ModelConfig:
 
 
 def _query_scale(spec: ArchSpec, n_layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    """``1 / sqrt(n)`` in float32, as llama.cpp computes it (``1.0f / sqrtf(n)``: for
+    some sizes, 96 among them, one unit in the last place from the float64 value)."""
+    n = head_dim
     if spec.query_scale is QueryScale.GEMMA3 and n_layers == 62:  # Gemma 3 27B
-        return 1.0 / math.sqrt(hidden // heads)
-    return 1.0 / math.sqrt(head_dim)
+        n = hidden // heads
+    return float(np.float32(1.0) / np.sqrt(np.float32(n)))
 
 
 def _same_for_sliding_blocks(

@@ -20,6 +20,11 @@ import numpy.typing as npt
 from runplan import SamplingConfig
 
 
+class NonFiniteLogits(ValueError):
+    """Logits holding NaN or infinite values: no token can be drawn from them (the
+    weights that made them are damaged, or the model overflowed)."""
+
+
 class Sampler:
     """The sampling state of one run."""
 
@@ -38,7 +43,11 @@ class Sampler:
         if logits.ndim != 1 or logits.size == 0:
             raise ValueError(f"logits of shape {logits.shape}, expected (n_vocab,)")
         if not np.isfinite(logits).all():
-            raise ValueError("logits hold NaN or infinite values")
+            nan = int(np.isnan(logits).sum())
+            raise NonFiniteLogits(
+                f"logits hold NaN or infinite values ({nan} NaN, "
+                f"{int(np.isinf(logits).sum())} infinite of {logits.size})"
+            )
         c = self.config
         if c.temperature == 0.0:
             return int(np.argmax(logits))

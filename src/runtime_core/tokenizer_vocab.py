@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from attrs import field, frozen
 
+from runplan.gguf_facts import SPECIAL_TOKEN_DEFAULTS, special_token_id
 from runplan.gguf_header import GgufHeader
 from runtime_core.tokenizer_pre import LLAMA_CPP_ONLY, PRE_TOKENIZERS, PreTokenizer
 
@@ -79,6 +80,7 @@ _TYPE_ATTR = {
 }
 
 SUPPORTED_MODELS = ("gpt2", "llama")
+assert set(SPECIAL_TOKEN_DEFAULTS) == set(SUPPORTED_MODELS)
 
 # Tokens llama.cpp marks as control by their text, whatever their type in the file:
 # end of generation (and end of turn / message), and fill-in-the-middle markers when
@@ -171,28 +173,18 @@ class Vocab:
             if pre is None:
                 raise UnknownPreTokenizer(path, pre_name)
             merges = _merges(header)
-            defaults: dict[str, int | None] = {"bos": 11, "eos": 11, "unk": None}
             add_bos, add_eos, add_space_prefix = pre.add_bos, False, False
             clean_spaces, ignore_merges = pre.clean_spaces, pre.ignore_merges
         else:
-            defaults = {"bos": 1, "eos": 2, "unk": 0}
             add_bos, add_eos, add_space_prefix = True, False, True
             clean_spaces, ignore_merges = False, False
-        add_space_prefix = _flag(header, "tokenizer.ggml.add_space_prefix", add_space_prefix)
-        add_bos = _flag(header, "tokenizer.ggml.add_bos_token", add_bos)
-        add_eos = _flag(header, "tokenizer.ggml.add_eos_token", add_eos)
+        add_space_prefix = header.boolean("tokenizer.ggml.add_space_prefix", add_space_prefix)
+        add_bos = header.boolean("tokenizer.ggml.add_bos_token", add_bos)
+        add_eos = header.boolean("tokenizer.ggml.add_eos_token", add_eos)
 
-        def special(key: str, default: int | None) -> int | None:
-            if default is not None and default >= n:
-                default = None
-            if not header.has(key):
-                return default
-            value = header.integer(key)
-            return value if 0 <= value < n else default
-
-        bos_id = special("tokenizer.ggml.bos_token_id", defaults["bos"])
-        eos_id = special("tokenizer.ggml.eos_token_id", defaults["eos"])
-        unk_id = special("tokenizer.ggml.unknown_token_id", defaults["unk"])
+        bos_id = special_token_id(header, "bos", n)
+        eos_id = special_token_id(header, "eos", n)
+        unk_id = special_token_id(header, "unk", n)
         if add_bos and bos_id is None:
             raise TokenizerError(f"{path}: add_bos_token is true, but bos_token_id is not set")
         if add_eos and eos_id is None:
@@ -247,10 +239,6 @@ def _numbers(header: GgufHeader, key: str, n: int, default: float) -> list[Any]:
         raise TokenizerError(f"{header.paths[0]}: {key} has {len(values)} values for {n} tokens")
     out: list[Any] = np.asarray(values[:n]).tolist()  # Python ints / floats
     return out
-
-
-def _flag(header: GgufHeader, key: str, default: bool) -> bool:
-    return bool(header.get(key)) if header.has(key) else default
 
 
 def _merges(header: GgufHeader) -> tuple[tuple[str, str], ...]:

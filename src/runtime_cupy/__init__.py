@@ -4,7 +4,7 @@ runtime_cupy.stage``), edges through shared memory or TCP (``edges``), authentic
 control channels (``control``), clean teardown on any fault.
 
 ``generate(...)`` has ``runtime_sim.generate``'s signature and result fields, plus
-runtime options (``worker="numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``,
+runtime options (``worker="cpu" | "numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``,
 ``edges="auto" | "shm" | "tcp"``, ``host``).
 The CUDA worker (``runtime_cupy.cuda.worker``) is imported only when asked for.
 """

@@ -33,7 +33,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.base import StageHost, StageProcessInfo
 from runtime_cupy.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
 from runtime_cupy.tracing import Event
-from runtime_cupy.workers import WorkerUnavailable, capabilities
+from runtime_cupy.workers import DEFAULT_WORKER, WorkerUnavailable, capabilities
 
 #: ``progress(stage_index, done, total)``. Stage processes load on their own and
 #: report readiness only, so it is called once per stage, with ``done == total == 1``.
@@ -65,7 +65,8 @@ def host_memory_bytes() -> int:
 
 
 def gpu_memory_bytes() -> dict[int, int]:
-    """Total memory of each GPU ``nvidia-smi`` lists (none without it)."""
+    """Total memory of each GPU ``nvidia-smi`` lists (none without it; 0 for a GPU
+    whose memory it does not report, such as ``[N/A]``)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {}
@@ -82,9 +83,37 @@ def gpu_memory_bytes() -> dict[int, int]:
     gpus: dict[int, int] = {}
     for line in out.splitlines():
         index, _, mib = line.partition(",")
-        if index.strip().isdigit() and mib.strip().isdigit():
-            gpus[int(index)] = int(mib) * 2**20
+        if index.strip().isdigit():
+            gpus[int(index)] = int(mib) * 2**20 if mib.strip().isdigit() else 0
     return gpus
+
+
+def cupy_gpu_memory_bytes(gpus: Sequence[int]) -> dict[int, int]:
+    """Total memory of each of ``gpus`` as CuPy reads it (``cudaGetDeviceProperties``),
+    for hosts where ``nvidia-smi`` reports none; ``WorkerUnavailable`` when CuPy cannot
+    tell. CuPy numbers the devices this process sees, which are ``nvidia-smi``'s (the
+    numbers the launcher hands each stage) only while ``CUDA_VISIBLE_DEVICES`` is unset."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        raise WorkerUnavailable(
+            f"cannot tell the memory of GPU {list(gpus)}: nvidia-smi reports none, and "
+            "with CUDA_VISIBLE_DEVICES set CuPy's device numbers are not the GPUs' "
+            "(unset it, or make nvidia-smi report memory.total)"
+        )
+    try:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        count = int(runtime.getDeviceCount())
+        out = {}
+        for g in gpus:
+            if 0 <= g < count:
+                out[g] = int(runtime.getDeviceProperties(g)["totalGlobalMem"])
+    except (ImportError, RuntimeError) as exc:  # no CuPy; CUDARuntimeError: no driver
+        raise WorkerUnavailable(
+            f"cannot tell the memory of GPU {list(gpus)}: nvidia-smi reports none and "
+            f"CuPy cannot read it ({type(exc).__name__}: {exc})"
+        ) from exc
+    return out
 
 
 def place_stages(
@@ -92,7 +121,9 @@ def place_stages(
 ) -> tuple[tuple[NodeSpec, ...], tuple[int | None, ...]]:
     """One node per stage process. NumPy stages share the host's memory; CUDA stage
     ``i`` runs on ``gpus[i % len(gpus)]`` (every GPU ``nvidia-smi`` lists by default)
-    and stages on one GPU share its memory."""
+    and stages on one GPU share its memory: the GPU's total as ``nvidia-smi`` reports
+    it, or else as CuPy reads it. A GPU whose memory neither tells is refused
+    (``WorkerUnavailable``), never planned against a guess."""
     if worker != "cuda":
         host = host_memory_bytes()
         nodes = tuple(NodeSpec(f"stage-{i}", host, device="host") for i in range(stages))
@@ -100,14 +131,25 @@ def place_stages(
     memory = gpu_memory_bytes()
     chosen = list(gpus) if gpus else sorted(memory)
     if not chosen:
-        raise WorkerUnavailable("the CUDA worker needs a GPU; nvidia-smi lists none")
+        raise WorkerUnavailable(
+            "the CUDA worker needs a GPU; nvidia-smi lists none (name them with gpus=, "
+            "--gpus on the command line)"
+        )
     missing = [g for g in chosen if g not in memory]
     if missing and memory:
         raise ValueError(f"no GPU {missing} on this host (GPUs: {sorted(memory)})")
+    unknown = sorted({g for g in chosen if memory.get(g, 0) <= 0})
+    if unknown:
+        memory.update(cupy_gpu_memory_bytes(unknown))
+        still = [g for g in unknown if memory.get(g, 0) <= 0]
+        if still:
+            raise WorkerUnavailable(
+                f"cannot tell the memory of GPU {still}: neither nvidia-smi nor CuPy "
+                "reports it (CuPy sees no such device)"
+            )
     devices = tuple(chosen[i % len(chosen)] for i in range(stages))
     nodes = tuple(
-        NodeSpec(f"stage-{i}", memory.get(g, 0) or 2**40, device=f"gpu{g}")
-        for i, g in enumerate(devices)
+        NodeSpec(f"stage-{i}", memory[g], device=f"gpu{g}") for i, g in enumerate(devices)
     )
     return nodes, devices
 
@@ -120,7 +162,7 @@ def plan_for(
     max_tokens: int,
     sampling: SamplingConfig,
     return_logits: bool,
-    worker: str = "numpy",
+    worker: str = DEFAULT_WORKER,
     gpus: Sequence[int] | None = None,
     timeouts: Timeouts | None = None,
     run_id: str | None = None,
@@ -161,7 +203,7 @@ def generate(
     on_load: LoadProgress | None = None,
     trace: bool = False,
     tokenizer: Tokenizer | None = None,
-    worker: str = "numpy",
+    worker: str = DEFAULT_WORKER,
     gpus: Sequence[int] | None = None,
     timeouts: Timeouts | None = None,
     log_dir: str | os.PathLike[str] | None = None,
@@ -170,7 +212,8 @@ def generate(
     host: StageHost | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
-    stage processes, each running ``worker`` (``numpy`` or ``cuda``) over its layers.
+    stage processes, each running ``worker`` (``cpu``, the default; ``numpy``, the
+    reference worker; or ``cuda``) over its layers.
 
     ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
     ``on_token(id)`` streams each generated token as the orchestrator consumes it.

@@ -24,8 +24,10 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from runplan.arguments import OneLineParser
 from runplan.gguf_header import GgufError
 from runplan.models import ModelNotFound, resolve_model
 from runtime_core.console import TextStream, add_generation_arguments
@@ -34,7 +36,7 @@ from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.edges.choice import PREFERENCES
 from runtime_cupy.tracing import chrome_trace
-from runtime_cupy.workers import WORKERS, WorkerUnavailable
+from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
 EXIT_FAULTED = 1
 EXIT_INPUT = 2
@@ -108,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     if result.outcome == "cancelled":
         err.print("cancelled", highlight=False)  # as runtime_sim run says it
         return EXIT_CANCELLED
-    err.print(f"error: run faulted: {result.fault}", highlight=False)
+    err.print(f"error: run faulted: {escape(result.fault or '')}", highlight=False)
     return EXIT_FAULTED
 
 
@@ -175,7 +177,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int, wo
         )
     console.print(table)
     t = _timings(result, prompt_len)
-    status = result.outcome + (f" ({result.fault})" if result.fault else "")
+    status = result.outcome + (f" ({escape(result.fault)})" if result.fault else "")
     console.print(
         f"{len(result.tokens)} tokens, {status}. time to first token {t['ttft_ms']} ms, "
         f"decode {t['decode_tokens_per_s']} tokens/s; load {t['load_s']} s, "
@@ -185,7 +187,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int, wo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    run = argparse.ArgumentParser(
+    run = OneLineParser(
         prog="python -m runtime_cupy",
         description="Generate text from a GGUF model through N stage processes on this "
         "host (one OS process per stage, shared-memory or TCP edges between them).",
@@ -196,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--worker",
         choices=WORKERS,
-        default="numpy",
-        help="numpy: the reference worker on the CPU (default); cuda: the CUDA worker",
+        default=DEFAULT_WORKER,
+        help="cpu: quantized weights and compiled kernels on the CPU (default); numpy: "
+        "the reference worker (readable, float32, slow); cuda: the CUDA worker",
     )
     run.add_argument(
         "--gpus",
@@ -254,7 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
             )
         else:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {exc}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]error[/] {escape(str(exc))}", highlight=False
+            )
         return EXIT_INPUT
     except KeyboardInterrupt:
         Console(stderr=True).print("cancelled")

@@ -36,6 +36,24 @@ def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
+def parse_secret(line: str) -> bytes:
+    """The secret from the line a local stage reads on its standard input (the
+    launcher writes it in hex); ``BadSecret`` saying what was read instead (its length,
+    never its text: it may be most of a secret)."""
+    text = line.strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) != SECRET_BYTES:
+        got = "an empty line" if not text else f"{len(text)} characters that are not it"
+        raise BadSecret(
+            f"expected the stage secret on standard input ({2 * SECRET_BYTES} hex digits, "
+            f"as the launcher writes it), read {got}"
+        )
+    return secret
+
+
 def _check(secret: bytes) -> None:
     if len(secret) != SECRET_BYTES:
         raise BadSecret(f"a stage secret has {SECRET_BYTES} bytes, not {len(secret)}")

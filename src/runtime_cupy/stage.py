@@ -64,7 +64,7 @@ from runtime_core.worker import Progress, Worker, WorkerError
 from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
 from runtime_cupy.edges.base import MEDIA, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
-from runtime_cupy.keys import SECRET_BYTES, control_key
+from runtime_cupy.keys import BadSecret, control_key, parse_secret
 from runtime_cupy.names import remove_run_dir
 from runtime_cupy.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.timers import Deadlines
@@ -488,13 +488,12 @@ def main(argv: Sequence[str] | None = None, make: MakeWorker = make_worker) -> i
         format=f"%(asctime)s stage {args.stage_index} ({args.node_id}, pid {os.getpid()}) "
         "%(levelname)s %(message)s",
     )
-    try:
-        secret = bytes.fromhex(sys.stdin.readline().strip())
-    except ValueError:
-        secret = b""
+    line = sys.stdin.readline()
     sys.stdin.close()
-    if len(secret) != SECRET_BYTES:
-        log.error("no stage secret on standard input")
+    try:
+        secret = parse_secret(line)
+    except BadSecret as exc:
+        log.error("%s", exc)
         return EXIT_USAGE
     sock = socket.socket(fileno=args.control_fd)
     key = control_key(secret, args.node_id)

@@ -1,7 +1,10 @@
-"""Which worker a stage process runs: ``numpy`` (``runtime_core.ReferenceWorker``, any
-host) or ``cuda`` (``runtime_cupy.cuda.worker.CudaWorker``, imported only when asked for, so
-that nothing here imports CuPy). A CUDA stage sees one GPU: the launcher sets its
-``CUDA_VISIBLE_DEVICES``, so the worker uses device 0 of what it sees."""
+"""Which worker a stage process runs: ``cpu`` (``runtime_cupy.cpu.worker.CpuWorker``:
+quantized weights and compiled kernels, any host; the default), ``numpy``
+(``runtime_core.ReferenceWorker``, the readable oracle, any host) or ``cuda``
+(``runtime_cupy.cuda.worker.CudaWorker``, imported only when asked for, so that nothing here
+imports CuPy). A CUDA stage sees one GPU: the launcher sets its
+``CUDA_VISIBLE_DEVICES``, so the worker uses device 0 of what it sees; a CPU stage
+uses its share of the host's cores (the launcher's ``OMP_NUM_THREADS``)."""
 
 from __future__ import annotations
 
@@ -13,30 +16,51 @@ from runplan import WorkerCapabilities
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import Worker
 
-WORKERS = ("numpy", "cuda")
+WORKERS = ("cpu", "numpy", "cuda")
+DEFAULT_WORKER = "cpu"
 
 
 class WorkerUnavailable(RuntimeError):
     """The chosen worker cannot run on this host (the CUDA worker needs CuPy and a GPU)."""
 
 
+#: How to get CuPy: gguf-pipeline is not on PyPI, so its extras install from a checkout.
+INSTALL_CUPY = (
+    "from a checkout of gguf-pipeline: pip install -e '.[cuda12]' on a CUDA 12 host, "
+    "or -e '.[cuda13]' on a CUDA 13 host"
+)
+
+
 def _cuda_class() -> Any:
     if importlib.util.find_spec("cupy") is None:
         raise WorkerUnavailable(
-            "the CUDA worker needs CuPy and a GPU; CuPy is not installed "
-            "(pip install 'gguf-pipeline[cuda12]')"
+            f"the CUDA worker needs CuPy and a GPU; CuPy is not installed ({INSTALL_CUPY})"
         )
     try:
         module = importlib.import_module("runtime_cupy.cuda.worker")
         return module.CudaWorker
-    except Exception as exc:  # no CuPy, no driver, no GPU, or not built yet
+    except (ImportError, OSError, RuntimeError) as exc:  # a broken CuPy, no driver, no GPU
         raise WorkerUnavailable(
-            f"the CUDA worker needs CuPy and a GPU (pip install 'gguf-pipeline[cuda12]'): {exc}"
+            f"the CUDA worker needs CuPy and a GPU ({INSTALL_CUPY}): {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _cpu_class() -> Any:
+    from runtime_cupy.cpu.kernels import KernelsUnavailable, load
+
+    try:
+        load()
+    except KernelsUnavailable as exc:
+        raise WorkerUnavailable(str(exc)) from exc
+    from runtime_cupy.cpu.worker import CpuWorker
+
+    return CpuWorker
 
 
 def worker_class(name: str) -> Any:
     """The worker class called ``name``; ``WorkerUnavailable`` if it cannot be loaded."""
+    if name == "cpu":
+        return _cpu_class()
     if name == "numpy":
         return ReferenceWorker
     if name == "cuda":

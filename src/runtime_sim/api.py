@@ -94,8 +94,8 @@ def generate(
     ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
     ``on_token(id)`` streams each generated token as the orchestrator consumes it.
     ``tokenizer`` saves loading the file's tokenizer again when the caller has it.
-    Raises ``PlanRejected`` when the planner refuses the run and ``GgufError`` for a
-    file it cannot read.
+    Raises ``PlanRejected`` when the planner refuses the run, ``GgufError`` or
+    ``TokenizerError`` for a file it cannot read, before anything runs.
     """
     path = resolve_model(model_path)
     prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
@@ -108,12 +108,12 @@ def generate(
         sampling=sampling,
         return_logits=return_logits,
     )
+    tokenizer = tokenizer or Tokenizer.from_gguf(path)  # a file it cannot read fails first
     start = time.perf_counter()
     result, sim = run_plan(
         plan, prompt, on_token=on_token, on_load=on_load, timing=timing, trace=trace
     )
     wall = time.perf_counter() - start
-    tokenizer = tokenizer or Tokenizer.from_gguf(path)
     return summarize(plan, prompt, result, sim, tokenizer, wall, return_logits)
 
 

@@ -12,9 +12,11 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from runplan.arguments import OneLineParser, positive_int
 from runplan.gguf_header import GgufError
 from runplan.models import ModelNotFound, resolve_model
 from runtime_core.console import TextStream, add_generation_arguments
@@ -149,7 +151,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int) ->
         table.add_row(str(s.stage_index), s.node_id, f"{s.layer_start}-{s.layer_end_exclusive - 1}")
     console.print(table)
     t = _timings(result, prompt_len)
-    status = result.outcome + (f" ({result.fault})" if result.fault else "")
+    status = result.outcome + (f" ({escape(result.fault)})" if result.fault else "")
     console.print(
         f"{len(result.tokens)} tokens, {status}. tokens/s predicted "
         f"{t['predicted_tokens_per_s']}, simulated {t['simulated_tokens_per_s']}, "
@@ -209,7 +211,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m runtime_sim",
         description="Run a GGUF model through a simulated pipeline, or explore seeded "
         "fault scenarios and check every guarantee.",
@@ -231,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         "synthetic workers) and report every violated guarantee with the "
         "seed that reproduces it. Exit status 1 on any violation.",
     )
-    ex.add_argument("--seeds", type=int, default=200, help="how many scenarios (200)")
+    ex.add_argument("--seeds", type=positive_int, default=200, help="how many scenarios (200)")
     ex.add_argument("--start", type=int, default=0, help="the first seed (0)")
     ex.add_argument(
         "--json",
@@ -257,7 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
             )
         else:
-            Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {exc}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]error[/] {escape(str(exc))}", highlight=False
+            )
         return EXIT_INPUT
     except KeyboardInterrupt:
         Console(stderr=True).print("cancelled")

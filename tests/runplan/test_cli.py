@@ -96,6 +96,16 @@ def test_a_broken_file_exits_1_naming_it(
     assert error["type"] == "GgufError" and str(bad) in error["message"]
 
 
+def test_an_error_names_a_path_with_brackets_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Messages are printed as text, not as rich markup: ``[v2]`` is not a style."""
+    bad = tmp_path / "model[v2].gguf"
+    bad.write_bytes(b"nope")
+    assert main(["facts", str(bad)]) == 1
+    assert str(bad) in capsys.readouterr().err
+
+
 def test_sizes_and_nodes_parse() -> None:
     assert parse_size("80GiB") == 80 * 2**30
     assert parse_size("24GB") == 24 * 10**9
@@ -112,6 +122,17 @@ def test_bad_node_syntax_is_a_usage_error(model: str) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["plan", model, "--nodes", "gpu0:80GiB"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "many"])
+def test_a_bad_max_seq_len_is_one_line_naming_it(
+    model: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", model, "--nodes", "a=1GiB", "--max-seq-len", value])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--max-seq-len" in lines[0] and repr(value) in lines[0], lines
 
 
 def test_module_entry_point_runs(model: str) -> None:

@@ -60,6 +60,12 @@ def test_facts_describe_a_generated_llama_model(tmp_path: Path) -> None:
     assert f.shared_bytes == 0
 
 
+def test_without_a_vocab_size_key_the_vocabulary_is_the_token_list(tmp_path: Path) -> None:
+    path = write_model(tmp_path / "m.gguf", drop_keys=("llama.vocab_size",))
+    assert not GgufHeader.read(path).has("llama.vocab_size")
+    assert facts_of(path).vocab_size == len(tiny_bpe()[0])
+
+
 def test_tied_head_is_the_embedding(tiny: Path) -> None:
     f = facts_of(tiny)
     assert f.tied_embeddings
@@ -170,7 +176,6 @@ def test_a_directory_or_missing_file_is_a_gguf_error(tmp_path: Path) -> None:
         "llama.embedding_length",
         "llama.attention.head_count",
         "llama.context_length",
-        "tokenizer.ggml.eos_token_id",
     ],
 )
 def test_a_missing_required_key_is_a_gguf_error_naming_it(tmp_path: Path, key: str) -> None:

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from runtime_cupy.cuda.kernels import HEADERS, KERNEL_DIR, KERNELS, SIGNATURES, SOURCES, source
+from runtime_cupy.cuda.kernels import (
+    COMPILE_OPTIONS,
+    HEADERS,
+    KERNEL_DIR,
+    KERNELS,
+    SIGNATURES,
+    SOURCES,
+    source,
+)
 from tests.runtime_cupy.nvrtc import Nvrtc, NvrtcError, find_library
 
 NVCC = shutil.which("nvcc")
@@ -45,7 +53,7 @@ def _compile(cu: str, arch: str, out_dir: Path) -> tuple[str, str, int, str]:
     unit.write_text(source(cu))
     ptx = out_dir / f"{Path(cu).stem}.{arch}.ptx"
     proc = subprocess.run(
-        [NVCC, "--ptx", f"-arch={arch}", "-o", str(ptx), str(unit)],
+        [NVCC, "--ptx", *COMPILE_OPTIONS, f"-arch={arch}", "-o", str(ptx), str(unit)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -167,3 +175,42 @@ def test_no_kernel_uses_local_memory(compiled: dict[tuple[str, str], str], arch:
     """A register array indexed at run time would spill to local memory (slow)."""
     for cu in SOURCES:
         assert "__local_depot" not in compiled[(cu, arch)], cu
+
+
+#: A fused multiply-add in PTX (``-ftz=true`` writes ``fma.rn.ftz.f32``).
+_FMA = re.compile(r"\bfma\.rn(?:\.ftz)?\.f(?:16|32)\b")
+
+
+def _fma_per_kernel(ptx: str) -> dict[str, int]:
+    entries = ptx.split(".visible .entry ")[1:]
+    return {e.split("(", 1)[0]: len(_FMA.findall(e)) for e in entries}
+
+
+@needs_nvrtc
+def test_no_multiply_add_is_fused_but_those_the_source_writes(
+    compiled: dict[tuple[str, str], str], request: pytest.FixtureRequest
+) -> None:
+    """The kernels round where their source rounds: compiled as CuPy is asked to compile
+    them (``COMPILE_OPTIONS``), each kernel's PTX holds exactly the fused multiply-adds
+    of a compile that fuses none (``--fmad=false``): the source's own ``fmaf`` calls. The
+    block decoders' bit-for-bit match with their twins (test_kernels_host.py) and the
+    GPU tests' exact comparisons rest on this. NVRTC's default (``--fmad=true``) fuses
+    more, as the last assertion shows, so the check can fail."""
+    if request.node.callspec.params["compiled"] != "nvrtc":
+        pytest.skip("counted on what NVRTC, CuPy's run-time compiler, writes")
+    assert NVRTC_LIB is not None
+    nvrtc = Nvrtc(NVRTC_LIB)
+
+    def ptx(job: tuple[str, str]) -> str:
+        cu, fmad = job
+        return nvrtc.compile_ptx(source(cu), cu, "compute_90", (f"--fmad={fmad}",))[0]
+
+    jobs = [(cu, "false") for cu in SOURCES] + [("matvec.cu", "true")]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        out = dict(zip(jobs, pool.map(ptx, jobs), strict=True))
+    for cu in SOURCES:
+        ours = _fma_per_kernel(compiled[(cu, "sm_90")])
+        assert ours == _fma_per_kernel(out[(cu, "false")]), cu
+    default = _fma_per_kernel(out[("matvec.cu", "true")])
+    unfused = _fma_per_kernel(out[("matvec.cu", "false")])
+    assert default["matvec_q8_Q4_0"] > unfused["matvec_q8_Q4_0"] == 0

@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
 def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "3",
-         "--prompt-ids", "7,8,9", "--max-tokens", "5", "--json"],
+         "--prompt-ids", "7,8,9", "--max-tokens", "5", "--worker", "numpy", "--json"],
         capture_output=True,
         text=True,
         check=False,
@@ -112,3 +112,30 @@ def test_the_cuda_worker_on_a_host_without_it_is_a_clear_error(
     assert main(["--model", tiny, "--prompt-ids", "1", "--worker", "cuda", "--json"]) == 2
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["type"] == "WorkerUnavailable" and "CuPy" in error["message"]
+    # gguf-pipeline is not on PyPI: the way that works is an extra from a checkout
+    assert "pip install -e '.[cuda12]'" in error["message"]
+    assert "'.[cuda13]'" in error["message"]
+    assert main(["--model", tiny, "--prompt-ids", "1", "--worker", "cuda"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "pip install -e '.[cuda12]'" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--trace", "/nonexistent-dir/t.json"], "'/nonexistent-dir/t.json'"),
+        (["--trace", "/"], "'/': it is a directory"),
+        (["--stages", "-1"], "'-1'"),
+        (["--stages", "0"], "'0'"),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it_before_any_process_starts(
+    tiny: str, flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", tiny, "--prompt-ids", "1,2", "--max-tokens", "2", *flags])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and flags[0] in lines[0] and needle in lines[0], lines

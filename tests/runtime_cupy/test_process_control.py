@@ -6,7 +6,10 @@ and the stage and the orchestrator keep serving their run."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,9 +29,10 @@ from runtime_cupy.control import (
     decode_frame,
     encode_frame,
 )
-from runtime_cupy.keys import control_key, new_secret
+from runtime_cupy.keys import BadSecret, control_key, new_secret, parse_secret
 from runtime_cupy.launcher import ProcessRun
 from tests.runtime_cupy.hygiene import run_resources
+from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.support.hosts import TapHost
 
 KEY = control_key(new_secret(), "stage-0")
@@ -243,3 +247,44 @@ def test_bad_control_input_is_refused_logged_and_the_run_goes_on(
     for tap in host.taps.values():
         tap.join(10)
     assert run_resources(plan.run_id) == []
+
+
+SECRET = new_secret()
+
+
+@pytest.mark.parametrize(
+    "stdin", [b"", b"\n", b"zz\n", b"ab" * 31 + b"\n", SECRET.hex().encode()[:-2]]
+)
+def test_a_stage_without_its_secret_on_stdin_says_so_in_one_line(stdin: bytes) -> None:
+    """Started by hand (or by a launcher that failed to write the secret), a stage exits
+    with status 2 and one line saying what it read, not a traceback."""
+    a, b = socket.socketpair()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "runtime_cupy.stage", "--run-id", "r", "--stage-index", "0",
+             "--node-id", "n0", "--orchestrator-id", "orch", "--control-fd", str(a.fileno()),
+             "--lifeline-fd", str(a.fileno())],
+            input=stdin,
+            capture_output=True,
+            pass_fds=(a.fileno(),),
+            env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
+            timeout=60,
+            check=False,
+        )  # fmt: skip
+    finally:
+        a.close()
+        b.close()
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "secret on standard input" in lines[0], lines
+    assert ("an empty line" in lines[0]) == (stdin.strip() == b"")
+    assert SECRET.hex()[:20] not in err  # never echoes what may be most of a secret
+
+
+def test_the_secret_parses_only_whole() -> None:
+    assert parse_secret(SECRET.hex() + "\n") == SECRET
+    for bad in ("", "\n", SECRET.hex()[:-2], SECRET.hex() + "00", "g" * 64):
+        with pytest.raises(BadSecret, match="secret"):
+            parse_secret(bad)

@@ -1,5 +1,8 @@
 """``runtime_cupy.generate``: real stage processes give the simulator's tokens, stream
-them, stop at EOS and ``max_tokens``, and leave nothing behind."""
+them, stop at EOS and ``max_tokens``, and leave nothing behind. Every comparison of
+tokens names its worker: the reference worker (``numpy``) computes what the simulator
+computes; the default CPU worker rounds activations to 8 bits as llama.cpp does, so it
+is compared with its own in-process chain (``tests/runtime_cupy/cpu/``)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def _assert_clean(result: runtime_cupy.GenerateResult) -> None:
 def test_greedy_tokens_and_logits_are_the_simulators(tiny: str, stages: int) -> None:
     prompt = [5, 17, 42, 9]
     sim = runtime_sim.generate(tiny, prompt, stages=stages, max_tokens=8, return_logits=True)
-    real = generate(tiny, prompt, stages=stages, max_tokens=8, return_logits=True)
+    real = generate(tiny, prompt, stages=stages, max_tokens=8, return_logits=True, worker="numpy")
     assert real.outcome == sim.outcome == "completed"
     assert real.tokens == sim.tokens and len(real.tokens) == 8
     assert real.text == sim.text
@@ -42,9 +45,9 @@ def test_greedy_tokens_and_logits_are_the_simulators(tiny: str, stages: int) -> 
 def test_sampled_tokens_are_the_simulators(tiny: str) -> None:
     kwargs = {"stages": 2, "max_tokens": 10, "temperature": 1.3, "top_k": 40, "top_p": 0.95}
     sim = runtime_sim.generate(tiny, [3, 4], seed=11, **kwargs)  # type: ignore[arg-type]
-    real = generate(tiny, [3, 4], seed=11, **kwargs)  # type: ignore[arg-type]
+    real = generate(tiny, [3, 4], seed=11, worker="numpy", **kwargs)  # type: ignore[arg-type]
     assert real.tokens == sim.tokens
-    other = generate(tiny, [3, 4], seed=12, **kwargs)  # type: ignore[arg-type]
+    other = generate(tiny, [3, 4], seed=12, worker="numpy", **kwargs)  # type: ignore[arg-type]
     assert other.tokens != real.tokens  # the seed does reach the last stage's sampler
     _assert_clean(real)
 
@@ -52,7 +55,7 @@ def test_sampled_tokens_are_the_simulators(tiny: str) -> None:
 def test_smollm2_through_three_processes_is_the_simulators(smollm2_path: str) -> None:
     (france,) = [p for p in load_doc("smollm2")["prompts"] if p["name"] == "france"]
     sim = runtime_sim.generate(smollm2_path, france["token_ids"], stages=3, max_tokens=8)
-    real = generate(smollm2_path, france["token_ids"], stages=3, max_tokens=8)
+    real = generate(smollm2_path, france["token_ids"], stages=3, max_tokens=8, worker="numpy")
     assert real.outcome == "completed"
     assert real.tokens == sim.tokens and len(real.tokens) == 8
     assert real.text.startswith(" Paris.")
@@ -72,7 +75,14 @@ def test_eos_ends_the_run_and_is_not_returned(tiny: str) -> None:
         pytest.fail("no seed in 0..59 samples EOS within 40 tokens")
     eos = sim.plan.model.eos_token_id
     streamed: list[int] = []
-    real = generate(tiny, prompt, seed=seed, on_token=streamed.append, **kwargs)  # type: ignore[arg-type]
+    real = generate(
+        tiny,
+        prompt,
+        seed=seed,
+        on_token=streamed.append,
+        worker="numpy",
+        **kwargs,  # type: ignore[arg-type]
+    )
     assert real.outcome == "completed"
     assert real.tokens == sim.tokens and eos not in real.tokens
     assert streamed == list(real.tokens)

@@ -169,3 +169,38 @@ def test_gpu_benchmark_code_runs(emulated: EmulatedKernels, small_subject: gw.Su
     lines = bench.check_targets(rows)
     assert any("SmolLM2 1-stage decode" in line for line in lines)
     assert any("2 stages / 1 stage" in line for line in lines)
+
+
+class _DoublingKernels(EmulatedKernels):
+    """The emulated kernels with one bug: the 8-bit products store twice the product
+    (as a broken ``matvec.cu`` once did, and the store case's check passed it)."""
+
+    def launch(self, name: str, grid: Any, block: int, args: Any, **kw: Any) -> None:
+        super().launch(name, grid, block, args, **kw)
+        if name.startswith("matvec_q8_"):
+            n_out, y = args[3], args[7]
+            y.view(np.ndarray)[:n_out] *= 2
+
+
+@pytest.mark.parametrize("accumulate", [0, 1], ids=["store", "accumulate"])
+def test_the_product_check_fails_on_a_kernel_that_doubles(
+    emulated: EmulatedKernels, accumulate: int
+) -> None:
+    """The GPU product test can fail: its NaN-poisoned output once made the store
+    case's tolerance NaN, and every comparison with NaN false."""
+    broken = _DoublingKernels()
+    gk.test_matvec_q8(emulated, "Q4_0", accumulate)  # the faithful emulation passes
+    with pytest.raises(AssertionError):
+        gk.test_matvec_q8(broken, "Q4_0", accumulate)
+
+
+@pytest.mark.parametrize(
+    "scale", [np.full(3, np.nan), np.array([1.0, np.inf, 1.0]), np.array([1.0, -1.0, 1.0])]
+)
+def test_within_refuses_a_scale_that_bounds_nothing(scale: np.ndarray) -> None:
+    x = np.ones(3, np.float32)
+    with pytest.raises(AssertionError, match="scale"):
+        gk.within(x, x, scale)
+    with pytest.raises(AssertionError):
+        gk.within(x + 1, x, np.ones(3))  # and a real difference still fails
+    gk.within(x, x, np.ones(3))

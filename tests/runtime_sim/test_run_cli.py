@@ -126,3 +126,39 @@ def test_a_prompt_the_run_cannot_take_is_one_json_error(
     assert out.count("\n") == 1
     error = json.loads(out)["error"]
     assert error["type"] in ("PromptError", "ValueError") and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "needle"),
+    [
+        (["explore", "--seeds", "-3"], "--seeds", "'-3'"),
+        (["explore", "--seeds", "0"], "--seeds", "'0'"),
+        (["run", "--prompt-ids", "1", "--trace", "/nonexistent-dir/t.json"], "--trace",
+         "'/nonexistent-dir/t.json': No such file or directory"),
+        (["run", "--prompt-ids", "1", "--trace", "/"], "--trace", "it is a directory"),
+        (["run", "--prompt-ids", "1", "--stages", "-1"], "--stages", "'-1'"),
+    ],
+)  # fmt: skip
+def test_a_bad_flag_is_one_line_naming_it_before_anything_runs(
+    tiny: str, argv: list[str], flag: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if argv[0] == "run":
+        argv = [*argv, "--model", tiny]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and needle in lines[0], lines
+
+
+def test_a_trace_path_is_checked_without_leaving_a_file(tiny: str, tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    assert main(["run", "--model", tiny, "--prompt-ids", "1", "--max-tokens", "1",
+                 "--stages", "1", "--trace", str(trace), "--json"]) == 0  # fmt: skip
+    assert json.loads(trace.read_text())  # written after the run
+    from runtime_core.console import writable_file
+
+    fresh = tmp_path / "fresh.json"
+    assert writable_file(str(fresh)) == fresh and not fresh.exists()

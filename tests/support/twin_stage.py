@@ -17,10 +17,11 @@ from runplan import SamplingConfig
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
-from runtime_cupy.cuda import device_sampling
+from runtime_cupy import device_sampling
 from runtime_cupy.cuda.worker import CudaWorker
 from runtime_cupy.program import (
     Linear,
+    NoOptionalSteps,
     StageWeights,
     forward_blocks,
     forward_head,
@@ -42,8 +43,9 @@ class _HostUploader:
         return np.array(data, dtype=np.float32, copy=True)
 
 
-class TwinOps:
-    """``program.Ops`` on NumPy arrays, each operation its kernels' twin."""
+class TwinOps(NoOptionalSteps):
+    """``program.Ops`` on NumPy arrays, each operation its kernels' twin (the CUDA
+    worker's operations: none of the optional steps)."""
 
     def __init__(self, w: StageWeights[U8, F32], mode: str, kv_dtype: str, max_seq: int) -> None:
         c = w.config

@@ -25,11 +25,12 @@ import numpy.typing as npt
 from runplan import SamplingConfig
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
-from runtime_cupy.cuda import device_sampling
+from runtime_cupy import device_sampling
 from runtime_cupy.cuda.kernels import KernelSet
 from runtime_cupy.program import (
     Linear,
     MatrixPart,
+    NoOptionalSteps,
     StageWeights,
     forward_blocks,
     forward_head,
@@ -75,8 +76,9 @@ class _Q8:
         self.s = cupy.zeros(n // CHUNK, dtype=cupy.float32)
 
 
-class DeviceOps:
-    """``program.Ops`` as launches on ``stream``."""
+class DeviceOps(NoOptionalSteps):
+    """``program.Ops`` as launches on ``stream`` (none of the optional steps: the CUDA
+    worker refuses the architectures that need them)."""
 
     def __init__(
         self, k: KernelSet, w: StageWeights[Any, Any], spec: BackendSpec, max_seq: int, stream: Any

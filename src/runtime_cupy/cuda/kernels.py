@@ -96,11 +96,17 @@ def source(name: str) -> str:
     return expand(name)
 
 
-#: Options for NVRTC (and for nvcc when GGUF_PIPELINE_CUDA_COMPILER=nvcc): none. No
-#: fast math (the twins assume IEEE division and square root), and no language standard
-#: (the sources need C++11; CuPy picks its own default and adds ``-ftz=true``, which
-#: flushes float32 subnormals: no value the kernels compare is that small).
-COMPILE_OPTIONS: tuple[str, ...] = ()
+#: Options for NVRTC (and for nvcc when GGUF_PIPELINE_CUDA_COMPILER=nvcc). ``--fmad=false``:
+#: no multiply and add is fused unless the source says ``fmaf``, so a kernel rounds
+#: where its source and its NumPy twin round. Both compilers fuse by default; NVRTC 13
+#: then fuses 42 multiply-adds in matvec.cu (5 or 6 in each 8-bit product, in the
+#: block decoders' scale arithmetic that test_kernels_host.py checks bit for bit
+#: against the twins on the CPU), 6 in norm.cu and 36 in attention.cu
+#: (test_kernels_compile.py counts them). No fast math (the twins assume IEEE division
+#: and square root), and no language standard (the sources need C++11; CuPy picks its
+#: own default and adds ``-ftz=true``, which flushes float32 subnormals: no value the
+#: kernels compare is that small).
+COMPILE_OPTIONS: tuple[str, ...] = ("--fmad=false",)
 
 _NULL = np.uint64(0)
 

@@ -1,0 +1,488 @@
+"""The CPU worker against the NumPy reference worker and llama.cpp, side by side.
+
+    python benchmarks/cpu_decode.py [--models smollm2,8b-q4_0,8b-q4_k] [--layers 4]
+        [--threads N] [--prompt-len 32] [--tokens 32] [--repeat 3]
+        [--runners cpu,numpy,llama.cpp] [--llamacpp-python /work/llamacpp-venv/bin/python]
+        [--model-dir DIR] [--json OUT.json]
+
+- Models: SmolLM2-135M-Instruct Q4_1 (the bundled file), and a model of Llama-3-8B's
+  block shape (hidden 4096, feed-forward 14336, 32 heads over 8 kv heads, rotary base
+  500000; ``--layers`` blocks, a 32000-token vocabulary, untied head) written here with
+  ``gguf.GGUFWriter`` in F16 with random weights and quantized by llama.cpp's own
+  quantizer (``llama_model_quantize``: MOSTLY_Q4_0 and MOSTLY_Q4_K_S, its default
+  choices for the other tensors) into a temporary folder (``--model-dir`` keeps them).
+- Runners, each in a fresh process, interleaved (every repetition runs each runner
+  once, in a rotating order) on the same prompt (``--prompt-len`` random ids), thread
+  count and model: ``cpu`` (``CpuWorker``, one stage of every block), ``numpy``
+  (``ReferenceWorker``, its BLAS on the same threads), ``llama.cpp`` (llama-cpp-python
+  in ``--llamacpp-python``'s interpreter, memory-mapped weights, float32 KV cache like
+  the CPU worker's, no flash attention). Greedy decoding of ``--tokens`` tokens.
+- Figures (medians over the repetitions): decode tokens/s (1 / the median decode step),
+  prefill tokens/s (prompt length / the prefill's time), the resident memory above the
+  process's own after its imports (VmRSS now, and VmHWM, the peak), the bytes of
+  weights a decode step reads (every block's and the head's, one embedding row; float32
+  copies for the reference worker) over the median step time, as GB/s and as a share of
+  this machine's read bandwidth measured here (``--threads`` threads summing a 1 GiB
+  float64 buffer, best of 5). Also: warm start, the seconds from launching an interpreter to a
+  bound SmolLM2 CPU worker that has decoded one token (the kernels are compiled when the
+  package is installed; there is nothing to compile at start).
+- Targets (issue 15): decode >= 75 % of llama.cpp's tokens/s (stretch: equal); on the
+  8B shape, the CPU worker's resident memory above its baseline <= 1.25 x (the slice's
+  bytes + its KV cache); warm start < 2 s. Printed as measured with PASS / MISS; nothing
+  here is asserted. The machine may be shared: run it several times, compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMACPP_PYTHON = "/work/llamacpp-venv/bin/python"
+MODELS = ("smollm2", "8b-q4_0", "8b-q4_k")
+RUNNERS = ("cpu", "numpy", "llama.cpp")
+FTYPES = {"8b-q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "8b-q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S"}
+VOCAB = 32000
+
+# ---- the 8B-shape model ------------------------------------------------------------------
+
+
+def write_f16_model(path: Path, n_layers: int) -> None:
+    """A random-weight llama of Llama-3-8B's block shape in F16, one tensor at a time."""
+    from gguf import GGUFWriter
+
+    hidden, ffn, heads, heads_kv = 4096, 14336, 32, 8
+    hd = hidden // heads
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(path, "llama")
+    w.add_name("bench-8b-shape")
+    w.add_block_count(n_layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads_kv)
+    w.add_rope_freq_base(500000.0)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(1)  # MOSTLY_F16
+    tokens = [f"<t{i}>" for i in range(VOCAB)]  # ids only: nothing here tokenizes text
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges(["< t", "<t 1"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(VOCAB - 1)
+    w.add_add_bos_token(False)
+    specs: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (VOCAB, hidden))]
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        specs += [
+            (p + "attn_norm.weight", (hidden,)),
+            (p + "attn_q.weight", (hidden, hidden)),
+            (p + "attn_k.weight", (heads_kv * hd, hidden)),
+            (p + "attn_v.weight", (heads_kv * hd, hidden)),
+            (p + "attn_output.weight", (hidden, hidden)),
+            (p + "ffn_norm.weight", (hidden,)),
+            (p + "ffn_gate.weight", (ffn, hidden)),
+            (p + "ffn_up.weight", (ffn, hidden)),
+            (p + "ffn_down.weight", (hidden, ffn)),
+        ]
+    specs += [("output_norm.weight", (hidden,)), ("output.weight", (VOCAB, hidden))]
+    for name, shape in specs:
+        dtype = np.float32 if len(shape) == 1 else np.float16
+        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * dtype().itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _name, shape in specs:
+        if len(shape) == 1:
+            data = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            data = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])).astype(
+                np.float16
+            )
+        w.write_tensor_data(data)
+    w.close()
+
+
+QUANTIZE = """
+import ctypes, sys, llama_cpp
+src, dst, ftype, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, ftype)
+params.nthread = threads
+rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+sys.exit(rc)
+"""
+
+
+def model_path(name: str, folder: Path, layers: int, llamacpp: str, threads: int) -> Path:
+    if name == "smollm2":
+        from runplan.models import resolve_model
+
+        return Path(resolve_model("smollm2-135m"))
+    path = folder / f"{name}-{layers}l.gguf"
+    if not path.exists():
+        f16 = folder / f"8b-f16-{layers}l.gguf"
+        if not f16.exists():
+            print(f"writing {f16} ...", file=sys.stderr)
+            write_f16_model(f16, layers)
+        print(f"quantizing {path.name} with llama.cpp ...", file=sys.stderr)
+        subprocess.run(
+            [llamacpp, "-c", QUANTIZE, str(f16), str(path), FTYPES[name], str(threads)],
+            check=True,
+            capture_output=True,
+        )
+    return path
+
+
+# ---- the runners (each in its own process) --------------------------------------------------
+
+STATUS = """
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+"""
+
+LLAMACPP_CHILD = (
+    STATUS
+    + """
+import ctypes, json, sys, time
+import numpy as np
+import llama_cpp
+args = json.loads(sys.argv[1])
+base = status_kib("VmRSS")
+llm = llama_cpp.Llama(args["model"], n_ctx=args["max_seq"], n_batch=args["max_seq"],
+                      n_threads=args["threads"], n_threads_batch=args["threads"],
+                      type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                      flash_attn=False, verbose=False)
+n_vocab = llm.n_vocab()
+def last():
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                               shape=(n_vocab,))))
+t0 = time.perf_counter(); llm.eval(args["prompt"]); prefill = time.perf_counter() - t0
+tok, steps = last(), []
+for _ in range(args["tokens"]):
+    t0 = time.perf_counter(); llm.eval([tok]); steps.append(time.perf_counter() - t0)
+    tok = last()
+print(json.dumps({"prefill_s": prefill, "steps_s": steps, "base_kib": base,
+                  "rss_kib": status_kib("VmRSS"), "peak_kib": status_kib("VmHWM")}))
+"""
+)
+
+
+def provisions(model: str | Path, max_seq: int) -> Any:
+    """The provisions of one stage holding every block of ``model``."""
+    from runplan import (
+        NodePool,
+        NodeSpec,
+        Placement,
+        PlanRejection,
+        RuntimeConfig,
+        StageAssignment,
+        model_facts_from_gguf,
+        plan_run,
+        provision_all,
+    )
+
+    facts = model_facts_from_gguf(model, max_seq_len=max_seq)
+    plan = plan_run(
+        facts,
+        RuntimeConfig(run_id="bench", max_tokens=max_seq),
+        NodePool(orchestrator_node_id="orch", nodes=(NodeSpec("n0", 2**40),)),
+        stage_count=1,
+        placement=Placement(assignments=(StageAssignment(0, "n0", 0, facts.num_layers),)),
+    )
+    assert not isinstance(plan, PlanRejection), plan
+    return provision_all(plan)
+
+
+def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Run in a fresh process: bind one stage of every block, prefill, decode."""
+    if runner == "warm":
+        return warm_child()
+    from runtime_core.reference import ReferenceWorker
+    from runtime_core.worker import TokenOutput
+    from runtime_cupy.cpu.worker import CpuWorker
+
+    status: dict[str, Any] = {}
+    exec(STATUS, status)
+    base = status["status_kib"]("VmRSS")
+    (prov,) = provisions(args["model"], args["max_seq"])
+    worker: Any = CpuWorker(threads=args["threads"]) if runner == "cpu" else ReferenceWorker()
+    worker.configure(prov)
+    t0 = time.perf_counter()
+    worker.bind(prov.gguf_source)
+    bind_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = worker.execute_step(0, np.array(args["prompt"], np.uint32))
+    prefill = time.perf_counter() - t0
+    steps = []
+    for k in range(1, args["tokens"] + 1):
+        assert isinstance(out, TokenOutput)
+        t0 = time.perf_counter()
+        out = worker.execute_step(k, np.array([out.token_id], np.uint32))
+        steps.append(time.perf_counter() - t0)
+    return {
+        "prefill_s": prefill,
+        "steps_s": steps,
+        "bind_s": bind_s,
+        "base_kib": base,
+        "rss_kib": status["status_kib"]("VmRSS"),
+        "peak_kib": status["status_kib"]("VmHWM"),
+    }
+
+
+def run_child(runner: str, args: dict[str, Any], llamacpp: str) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(args["threads"])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    if runner == "llama.cpp":
+        cmd = [llamacpp, "-c", LLAMACPP_CHILD, json.dumps(args)]
+    else:
+        cmd = [sys.executable, __file__, "--child", runner, json.dumps(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{runner} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+# ---- what is measured ----------------------------------------------------------------------
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second ``threads`` threads read summing a 1 GiB buffer of float64
+    (NumPy's vectorized sum, far faster than memory; best of 5)."""
+    buf = np.ones(1 << 27, np.float64)  # 1 GiB, touched
+    parts = np.array_split(buf, threads)
+    best = 0.0
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, buf.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def weight_bytes(path: Path) -> dict[str, int]:
+    """Bytes a decode step reads: stored (quantized) and as float32 copies."""
+    from runplan.gguf_header import GgufHeader
+
+    header = GgufHeader.read(path)
+    stored = f32 = 0
+    for name, info in header.tensors.items():
+        n = int(np.prod(info.shape))
+        if name == "token_embd.weight":
+            row = info.shape[0]
+            stored += info.n_bytes // (n // row)
+            f32 += 4 * row
+        else:
+            stored += info.n_bytes
+            f32 += 4 * n
+    if "output.weight" not in header.tensors:  # tied head: the embedding, read whole
+        info = header.tensors["token_embd.weight"]
+        stored += info.n_bytes
+        f32 += 4 * int(np.prod(info.shape))
+    return {"stored": stored, "f32": f32}
+
+
+def slice_bytes(path: Path, max_seq: int) -> tuple[int, int]:
+    """(the stage's tensors as stored, its float32 KV cache) for one stage of every block."""
+    from runplan.gguf_header import GgufHeader
+    from runtime_core.model_config import ModelConfig
+
+    header = GgufHeader.read(path)
+    config = ModelConfig.from_header(header, ("llama", "qwen2"))
+    kv = config.n_layers * config.n_kv_heads * max_seq * (config.head_dim_k + config.head_dim_v)
+    return sum(i.n_bytes for i in header.tensors.values()), 4 * kv
+
+
+def warm_child() -> dict[str, float]:
+    """In a fresh interpreter: import the CPU worker, bind SmolLM2, decode one token."""
+    t0 = time.perf_counter()
+    from runplan.models import resolve_model
+    from runtime_cupy.cpu.worker import CpuWorker
+
+    t1 = time.perf_counter()
+    (prov,) = provisions(resolve_model("smollm2-135m"), 16)
+    worker = CpuWorker()
+    worker.configure(prov)
+    worker.bind(prov.gguf_source)
+    t2 = time.perf_counter()
+    worker.execute_step(0, np.array([504, 3575], np.uint32))
+    t3 = time.perf_counter()
+    return {"imports_s": t1 - t0, "bind_s": t2 - t1, "first_token_s": t3 - t2}
+
+
+def warm_start() -> dict[str, float]:
+    """Seconds from launching an interpreter to a bound SmolLM2 CPU worker's first token,
+    and their parts (the kernels were compiled when the package was installed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), ""]))
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", "warm", "{}"],
+        check=True, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    parts: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    parts["total_s"] = time.perf_counter() - t0
+    return parts
+
+
+def summarize(results: list[dict[str, Any]], prompt_len: int) -> dict[str, float]:
+    step = statistics.median(statistics.median(r["steps_s"]) for r in results)
+    prefill = statistics.median(r["prefill_s"] for r in results)
+    return {
+        "decode_tokens_per_s": 1.0 / step,
+        "decode_step_s": step,
+        "prefill_tokens_per_s": prompt_len / prefill,
+        "rss_above_base_mib": statistics.median(r["rss_kib"] - r["base_kib"] for r in results)
+        / 1024,
+        "peak_above_base_mib": statistics.median(r["peak_kib"] - r["base_kib"] for r in results)
+        / 1024,
+        "runs": len(results),
+    }
+
+
+def llamacpp_problem(python: str) -> str | None:
+    """Why ``python`` cannot run llama-cpp-python, or None."""
+    if not Path(python).exists():
+        return f"{python} does not exist (--llamacpp-python)"
+    proc = subprocess.run(
+        [python, "-c", "import llama_cpp"], check=False, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        return f"{python} cannot import llama_cpp: {proc.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--llamacpp-python", default=LLAMACPP_PYTHON)
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], json.loads(args.child[1]))))
+        return
+    models = [m for m in args.models.split(",") if m]
+    runners = [r for r in args.runners.split(",") if r]
+    problem = llamacpp_problem(args.llamacpp_python)
+    if problem is not None:  # no llama.cpp: no column, and no quantizer for the 8B shape
+        print(f"llama.cpp skipped: {problem}", file=sys.stderr)
+        runners = [r for r in runners if r != "llama.cpp"]
+        models = [m for m in models if m == "smollm2"]
+    folder = args.model_dir or Path(tempfile.mkdtemp(prefix="gguf-pipeline-cpu-bench-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"threads": args.threads, "models": {}}
+    try:
+        bandwidth = read_bandwidth(args.threads)
+        report["read_bandwidth_gb_s"] = bandwidth / 1e9
+        print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s")
+        if "cpu" in runners:
+            report["warm_start"] = ws = warm_start()
+            verdict = "PASS" if ws["total_s"] < 2.0 else "MISS"
+            print(
+                f"warm start, interpreter to a bound SmolLM2 CPU worker's first token: "
+                f"{ws['total_s']:.2f} s ({verdict}, target < 2 s; imports {ws['imports_s']:.2f}, "
+                f"bind {ws['bind_s']:.2f}, first token {ws['first_token_s']:.2f})"
+            )
+        for name in models:
+            path = model_path(name, folder, args.layers, args.llamacpp_python, args.threads)
+            rng = np.random.default_rng(1)
+            vocab = 49152 if name == "smollm2" else VOCAB
+            prompt = [int(t) for t in rng.integers(1, vocab - 1, args.prompt_len)]
+            max_seq = args.prompt_len + args.tokens + 1
+            job = {"model": str(path), "prompt": prompt, "tokens": args.tokens,
+                   "threads": args.threads, "max_seq": max_seq}  # fmt: skip
+            raw: dict[str, list[dict[str, Any]]] = {r: [] for r in runners}
+            for rep in range(args.repeat):
+                for runner in runners[rep % len(runners) :] + runners[: rep % len(runners)]:
+                    raw[runner].append(run_child(runner, job, args.llamacpp_python))
+            report["models"][name] = figures(name, path, raw, args, bandwidth, max_seq)
+    finally:
+        if args.model_dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def figures(
+    name: str,
+    path: Path,
+    raw: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    bandwidth: float,
+    max_seq: int,
+) -> dict[str, Any]:
+    wb = weight_bytes(path)
+    stored, kv = slice_bytes(path, max_seq)
+    out: dict[str, Any] = {"weight_bytes_per_token": wb, "slice_bytes": stored, "kv_bytes": kv}
+    print(
+        f"\n{name} ({path.name}, {stored / 2**20:.0f} MiB stored), {args.threads} threads, "
+        f"prompt {args.prompt_len}, {args.tokens} decode steps, {args.repeat} runs each"
+    )
+    print(
+        f"  {'runner':10} {'decode tok/s':>12} {'prefill tok/s':>13} {'RSS+ MiB':>9} "
+        f"{'peak+ MiB':>9} {'GB/tok':>7} {'GB/s':>6} {'of bw':>6}"
+    )
+    for runner, results in raw.items():
+        s = summarize(results, args.prompt_len)
+        nbytes = wb["f32"] if runner == "numpy" else wb["stored"]
+        s["weight_gb_s"] = nbytes / s["decode_step_s"] / 1e9
+        s["of_bandwidth"] = nbytes / s["decode_step_s"] / bandwidth
+        out[runner] = s
+        print(
+            f"  {runner:10} {s['decode_tokens_per_s']:12.1f} {s['prefill_tokens_per_s']:13.1f} "
+            f"{s['rss_above_base_mib']:9.0f} {s['peak_above_base_mib']:9.0f} "
+            f"{nbytes / 1e9:7.3f} {s['weight_gb_s']:6.1f} {s['of_bandwidth']:6.0%}"
+        )
+    if "cpu" in out and "llama.cpp" in out:
+        ratio = out["cpu"]["decode_tokens_per_s"] / out["llama.cpp"]["decode_tokens_per_s"]
+        pre = out["cpu"]["prefill_tokens_per_s"] / out["llama.cpp"]["prefill_tokens_per_s"]
+        out["decode_ratio_to_llamacpp"], out["prefill_ratio_to_llamacpp"] = ratio, pre
+        verdict = "PASS" if ratio >= 0.75 else "MISS"
+        print(
+            f"  cpu / llama.cpp: decode {ratio:.2f} ({verdict}, target >= 0.75), prefill {pre:.2f}"
+        )
+    if "cpu" in out and "numpy" in out:
+        print(
+            "  cpu / numpy: decode "
+            f"{out['cpu']['decode_tokens_per_s'] / out['numpy']['decode_tokens_per_s']:.2f}"
+        )
+    if "cpu" in out and name != "smollm2":
+        limit = 1.25 * (stored + kv) / 2**20
+        rss = out["cpu"]["rss_above_base_mib"]
+        verdict = "PASS" if rss <= limit else "MISS"
+        print(f"  cpu resident above baseline {rss:.0f} MiB, limit {limit:.0f} MiB: {verdict}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Parsing a GGUF header's bytes: the gguf package's ``GGUFReader``, made fast and strict.
+
+The package's parsing of a header is kept, with these changes:
+
+- Fast: arrays of numbers become one NumPy view instead of one view per element, and
+  arrays of strings (the vocabulary, the merges) are skipped over and decoded only on
+  request. Tensor infos are collected without making data views.
+- Strict, and in time bounded by the file's size: every read checks that its bytes are
+  in the file (the package's reads silently come back short at the end of the file),
+  and every count is checked against the bytes left before anything is read or made
+  for it, so a forged count of 2**60 fails at once. Reading stops at the first
+  structure llama.cpp's reader (``gguf.cpp``) refuses: an array of arrays, a tensor
+  with more than four dimensions, an empty or repeated tensor name.
+
+Every failure is a ``ValueError`` (or an ``IndexError``, ``KeyError``,
+``UnicodeDecodeError`` from the package's own code), which ``gguf_header`` turns into a
+``GgufError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from attrs import frozen
+from gguf import GGUFReader, GGUFValueType
+
+#: llama.cpp's GGML_MAX_DIMS.
+MAX_DIMS = 4
+# The fewest bytes a key-value pair (key length, type, a one-byte value) and a tensor
+# info (name length, dimension count, type, offset) take.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+_ITEMSIZE: dict[Any, int] = {}  # numpy type -> bytes, for the bounds check of every read
+
+
+@frozen
+class StringArray:
+    offset: int  # of the first string's length prefix
+    count: int
+
+
+@frozen
+class RawTensorInfo:
+    name: str
+    raw_type: int  # the GGML type id as stored
+    shape: tuple[int, ...]  # as stored: fastest-varying dimension first
+    offset: int  # relative to the start of the data section, as stored
+
+
+class HeaderReader(GGUFReader):
+    """``GGUFReader`` with fast arrays, strict reads and no tensor data views."""
+
+    def __init__(self, path: str) -> None:
+        self.string_arrays: dict[int, StringArray] = {}
+        self.tensor_infos: list[RawTensorInfo] = []
+        super().__init__(path, "r")
+
+    # The base class keeps the file as an ``np.memmap``, whose every slice pays for
+    # memmap bookkeeping; a plain ndarray view of the same mapping slices faster.
+    @property  # type: ignore[override]
+    def data(self) -> npt.NDArray[np.uint8]:
+        return self._data
+
+    @data.setter
+    def data(self, value: npt.NDArray[np.uint8]) -> None:
+        self._data = value.view(np.ndarray)
+        self._view = self._data.data
+
+    def _get(
+        self,
+        offset: int,
+        dtype: npt.DTypeLike,
+        count: int = 1,
+        override_order: Any = None,
+    ) -> npt.NDArray[Any]:
+        count = int(count)
+        itemsize = _ITEMSIZE.get(dtype)
+        if itemsize is None:
+            itemsize = _ITEMSIZE.setdefault(dtype, np.dtype(dtype).itemsize)
+        if count < 0 or int(offset) + itemsize * count > len(self._data):
+            raise ValueError(
+                f"truncated: {count} x {np.dtype(dtype).name} at byte {offset} run past "
+                f"the end of the file ({len(self._data)} bytes)"
+            )
+        return super()._get(offset, dtype, count, override_order)
+
+    def _struct_order(self) -> str:
+        host_little = sys.byteorder == "little"
+        file_little = host_little if self.byte_order == "I" else not host_little
+        return "<" if file_little else ">"
+
+    def _remaining(self, offs: int) -> int:
+        return len(self._data) - offs
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        count = int(count)
+        if count * _MIN_KV_BYTES > self._remaining(offs):
+            raise ValueError(
+                f"the header claims {count} key-value pairs; the {self._remaining(offs)} "
+                "bytes left cannot hold them"
+            )
+        return int(super()._build_fields(offs, count))
+
+    def _get_field_parts(
+        self, orig_offs: int, raw_type: int
+    ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[GGUFValueType]]:
+        if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        offs = orig_offs
+        raw_itype = self._get(offs, np.uint32)
+        alen = self._get(offs + 4, np.uint64)
+        offs += 12
+        itype = GGUFValueType(int(raw_itype[0]))
+        count = int(alen[0])
+        remaining = self._remaining(offs)
+        if itype == GGUFValueType.STRING:
+            if count * 8 > remaining:
+                raise ValueError(f"string array of {count} items runs past the end of the file")
+            self.string_arrays[orig_offs] = StringArray(offs, count)
+            offs = self._skip_strings(offs, count)
+            types = [GGUFValueType.ARRAY, GGUFValueType.STRING]
+            return offs - orig_offs, [raw_itype, alen], [], types
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is None:
+            raise ValueError(f"an array of {itype.name} (llama.cpp reads no arrays of arrays)")
+        itemsize = np.dtype(nptype).itemsize
+        if count * itemsize > remaining:
+            raise ValueError(f"array of {count} {itype.name} runs past the end of the file")
+        values = self._get(offs, nptype, count)
+        return 12 + count * itemsize, [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, itype]
+
+    def _skip_strings(self, offs: int, count: int) -> int:
+        """The offset past ``count`` length-prefixed strings starting at ``offs``. A
+        length read past the end of the file is a ``struct.error``."""
+        unpack = struct.Struct(self._struct_order() + "Q").unpack_from
+        buf = self._view
+        for _ in range(count):
+            offs += 8 + unpack(buf, offs)[0]
+        if offs > len(self._data):
+            raise ValueError(f"the last string of an array of {count} runs past the end")
+        return offs
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
+        count = int(count)
+        if count * _MIN_TENSOR_INFO_BYTES > self._remaining(offs):
+            raise ValueError(
+                f"the header claims {count} tensors; the {self._remaining(offs)} bytes "
+                "left cannot hold their infos"
+            )
+        names: set[str] = set()
+        for index in range(count):
+            field = self._get_tensor_info_field(offs)
+            offs += sum(int(part.nbytes) for part in field.parts)
+            _len, _name, n_dims, dims, raw_dtype, offset = field.parts
+            name = field.name
+            if not name:
+                raise ValueError(f"tensor {index} has an empty name")
+            if name in names:
+                raise ValueError(f"tensor {name!r} appears twice")
+            if int(n_dims[0]) > MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {int(n_dims[0])} dimensions (at most 4)")
+            names.add(name)
+            self.tensor_infos.append(
+                RawTensorInfo(name, int(raw_dtype[0]), tuple(int(d) for d in dims), int(offset[0]))
+            )
+        return offs, []
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        self.tensors = []
+
+    def strings(self, field: Any) -> list[str]:
+        """The strings of an array-of-strings field, invalid UTF-8 replaced."""
+        key_len, key_data, value_type = field.parts[:3]
+        value_offset = field.offset + key_len.nbytes + key_data.nbytes + value_type.nbytes
+        arr = self.string_arrays[value_offset]
+        unpack = struct.Struct(self._struct_order() + "Q").unpack_from
+        buf = self._view
+        out = []
+        offs = arr.offset
+        for _ in range(arr.count):
+            (n,) = unpack(buf, offs)
+            out.append(str(buf[offs + 8 : offs + 8 + n], "utf-8", "replace"))
+            offs += 8 + n
+        return out

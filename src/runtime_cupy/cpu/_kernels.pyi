@@ -1,0 +1,91 @@
+# The compiled extension (csrc/module.c). Arrays are C-contiguous NumPy arrays of the
+# element types named; the extension checks every one.
+from collections.abc import Sequence
+from typing import Any
+
+QTYPES: tuple[str, ...]
+
+class Matrix:
+    n_in: int
+    n_out: int
+    act_format: str  # "q8_0", "q8_1", "q8_K", or "f32" for float weights
+    def __init__(self, parts: Sequence[tuple[Any, str, int, int, int]]) -> None: ...
+
+def linear(
+    matrix: Matrix,
+    rows: int,
+    x: Any,
+    q: Any,
+    d: Any,
+    s: Any,
+    g: Any,
+    quantize: bool,
+    use_q8: bool,
+    y: Any,
+    bias: Any | None,
+    accumulate: bool,
+    threads: int,
+) -> None: ...
+def quantize(fmt: str, x: Any, rows: int, n: int, q: Any, d: Any, s: Any, g: Any) -> None: ...
+def rmsnorm(
+    x: Any,
+    weight: Any,
+    out: Any,
+    rows: int,
+    n: int,
+    eps: float,
+    threads: int,
+    accumulate: bool = False,
+) -> None: ...
+def swiglu(h: Any, act: Any, rows: int, ffn: int, threads: int) -> None: ...
+def geglu(h: Any, act: Any, rows: int, ffn: int, threads: int) -> None: ...
+def softcap(logits: Any, cap: float, threads: int) -> None: ...
+
+# heads: (n_heads, n_kv, head_dim_k, head_dim_v, ring positions, kv_half)
+Heads = tuple[int, int, int, int, int, bool]
+
+def qk_norm(
+    qkv: Any,
+    rows: int,
+    bias: Any | None,
+    q_norm: Any,
+    k_norm: Any,
+    heads: Heads,
+    eps: float,
+    threads: int,
+) -> None: ...
+def rope_kv(
+    qkv: Any,
+    rows: int,
+    bias: Any | None,
+    rot: Any,
+    pos: int,
+    heads: Heads,
+    n_rot: int,
+    neox: bool,
+    k_cache: Any,
+    v_cache: Any,
+    threads: int,
+    q_scale: float = 1.0,
+    k_step: Any | None = None,
+    v_step: Any | None = None,
+) -> None: ...
+def attention(
+    qkv: Any,
+    rows: int,
+    k_cache: Any,
+    v_cache: Any,
+    pos: int,
+    heads: Heads,
+    scale: float,
+    out: Any,
+    threads: int,
+    window: int = 0,
+    k_step: Any | None = None,
+    v_step: Any | None = None,
+) -> None: ...
+def embed(table: Matrix, ids: Any, out: Any, threads: int) -> None: ...
+def argmax(logits: Any) -> tuple[int, int]: ...
+def isas() -> tuple[str, ...]: ...
+def isa() -> str: ...
+def set_isa(name: str) -> None: ...

@@ -1,0 +1,93 @@
+/* dot.h: one weight row times up to XT activation rows, per weight type and per
+ * instruction set; the 8-bit activation formats.
+ *
+ * Activations are quantized as llama.cpp's CPU path quantizes them for the weight
+ * type (ggml's vec_dot_type), from float32 rows of n values:
+ *   q8_0 (for Q8_0, Q4_0, Q5_0): per block of 32, d = max|x| / 127, q = roundf(x / d)
+ *        computed as x * (1 / d), d kept as a half; g = sum(q) per block.
+ *   q8_1 (for Q4_1, Q5_1): q8_0, and s = d * sum(q) kept as a half.
+ *   q8_K (for the K-quants): per block of 256, m the first value of the largest
+ *        magnitude, q = min(127, round-half-even(x * (-127 / m))), d = 1 / (-127 / m)
+ *        (float); g = sum(q) per 16.
+ * d and s are stored as floats (a half's value where the format keeps a half). A block
+ * holding a NaN or an infinity gets d = NaN and q = 0.
+ *
+ * Products. Each block of a weight row (32 elements; 256 for the K-quants) gives an
+ * exact integer sum of weight integers times activation integers (with the type's
+ * offsets, scales and mins applied as integers) and one float term, llama.cpp's:
+ *   Q8_0, Q4_0, Q5_0  (dw * d) * sumi              Q4_1, Q5_1  (dw * d) * sumi + mw * s
+ *   Q2_K, Q4_K, Q5_K  (d * dw) * isum - (d * dmin) * imin          Q3_K, Q6_K  (d * dw) * isum
+ * Terms are added into 8 running sums (term i into sum i mod 8), which are added
+ * pairwise at the end: ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)). Float
+ * products (float weights, or the "f32" mode's exactly dequantized weights, times
+ * float32 activations) add w * x (rounded, no fused multiply-add) the same way, per
+ * element. Every instruction set computes these same roundings in this same order, so
+ * results are identical on every host, whatever its vector width or thread count.
+ */
+#ifndef GPP_DOT_H
+#define GPP_DOT_H
+
+#include <stdint.h>
+
+#include "quant.h"
+
+#define XT 4 /* activation rows per call */
+
+enum act_format { FMT_Q8_0, FMT_Q8_1, FMT_Q8_K, FMT_F32, FMT_COUNT };
+
+extern const char *const FORMAT_NAMES[FMT_COUNT];
+/* the activation format of each weight type (FMT_F32 for the float types) */
+extern const int QTYPE_FORMAT[T_COUNT];
+
+/* Row j of 8-bit activations: q + j n, d + j n / 32, s + j n / 32, g + j n / 16; each
+ * format uses the start of the row's d, s, g (n / 256 values of d, n / 16 of g for
+ * q8_K; n / 32 of each for q8_0 and q8_1). */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const float *s;
+    const int32_t *g;
+    const float *f; /* (rows, n) float activations */
+    int64_t n;
+} XRows;
+
+/* out[k] = row w (n_chunks chunks of 32 of its type) . activation row j0 + k, k < nj <= XT */
+typedef void (*dot_fn)(const uint8_t *w, int64_t n_chunks, const XRows *x, int64_t j0, int nj,
+                       float *out);
+
+/* out[i] = row i of w (rows of row_bytes, i < nw <= WT) . activation row j: the same
+ * bits as nw calls of the type's dot_fn (a decode step's products, several weight rows
+ * sharing the activation's loads); NULL where an instruction set has none */
+#define WT 4
+typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, int nw, int64_t n_chunks,
+                        const XRows *x, int64_t j, float *out);
+
+typedef struct {
+    const char *name;
+    rows_fn q8_rows[T_COUNT];
+    dot_fn q8[T_COUNT]; /* NULL for the float types */
+    dot_fn f[T_COUNT];  /* float activations */
+    /* attention over n positions of a KV cache (rows of hd floats, or halves when
+     * half): scores[t] = (q . keys[t], added as the float products are) * scale;
+     * out[i] = out[i] + p[t] * values[t][i], t = 0, 1, .. in order */
+    void (*scores)(const float *q, const void *keys, int half, int64_t n, int64_t hd,
+                   float scale, float *out);
+    void (*mix)(float *out, const float *p, const void *values, int half, int64_t n,
+                int64_t hd);
+} Isa;
+
+extern const Isa ISA_PORTABLE;
+#if defined(__GNUC__) && defined(__x86_64__)
+#define GPP_HAVE_AVX2 1
+extern const Isa ISA_AVX2;
+#endif
+
+/* shared by every instruction set */
+void dequant_chunk(const uint8_t *row, int t, int64_t c, float *v);
+void quantize_row(int fmt, const float *x, int64_t n, int8_t *q, float *d, float *s, int32_t *g);
+
+static inline float sum8(const float a[8]) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+#endif

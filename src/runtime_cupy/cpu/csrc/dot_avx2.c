@@ -1,0 +1,582 @@
+/* dot_avx2.c: the products with AVX2 and F16C (x86-64 hosts that have both; the module
+ * picks this set at import when the processor reports them).
+ *
+ * The same arithmetic as dot_portable.c, bit for bit (dot.h). A block's 32 weights are
+ * spread to 32 unsigned bytes (or, for the signed Q8_0, Q3_K and Q6_K, their
+ * magnitudes, the activations taking their signs), multiplied with the 32 activation
+ * bytes and added in pairs (vpmaddubsw), then in pairs again, times the 16-element
+ * scale of the K-quants (vpmaddwd): 8 exact int32 partial sums, added up exactly. The
+ * 32-element types take 8 blocks at once: their 8 sums side by side, their 8 float
+ * terms in one vector, added to the 8 running sums, lane i taking block i mod 8.
+ */
+#include "dot.h"
+
+#ifdef GPP_HAVE_AVX2
+
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,f16c")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,f16c")))
+
+/* the exact sum of 8 int32 */
+AVX2_INLINE int hsum_i32(__m256i v) {
+    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1));
+    return _mm_cvtsi128_si32(a);
+}
+
+/* lane i = the exact sum of the 8 int32 of p[i] */
+AVX2_INLINE __m256i hsum_8x8(const __m256i p[8]) {
+    __m256i t0 = _mm256_hadd_epi32(p[0], p[1]), t1 = _mm256_hadd_epi32(p[2], p[3]);
+    __m256i t2 = _mm256_hadd_epi32(p[4], p[5]), t3 = _mm256_hadd_epi32(p[6], p[7]);
+    __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                            _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+
+AVX2_INLINE float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+AVX2_INLINE __m256i loadu256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high nibbles */
+AVX2_INLINE __m256i nibbles16(const uint8_t *qs) {
+    __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* byte l = 0x10 where bit l of qh is set */
+AVX2_INLINE __m256i bit4_bytes(uint32_t qh) {
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                             0x0101010101010101LL, 0x0000000000000000LL);
+    const __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+/* 8 int32 sums of pairs of (u * x) pairs, each pair times its 16-bit scale */
+AVX2_INLINE __m256i dot_us(__m256i u, __m256i x, __m256i scale16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale16);
+}
+
+/* ---- the 32-element types --------------------------------------------------------------- */
+
+/* The halves at bytes 0-1 (lo) and 2-3 (hi) of 8 blocks of bb bytes from b, as floats. */
+/* The halves at bytes 0-1 (lo) and 2-3 (hi) of the first n (<= 8) of 8 blocks of bb
+ * bytes from b, as floats (0 past n). */
+AVX2_INLINE void halves8(const uint8_t *b, const int bb, int n, __m256 *lo, __m256 *hi) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i at = _mm256_mullo_epi32(lane, _mm256_set1_epi32(bb));
+    __m256i v;
+    if (n >= 8) {
+        __m128i lo4 = _mm_cvtsi32_si128((int)load_u32(b));
+        lo4 = _mm_insert_epi32(lo4, (int)load_u32(b + bb), 1);
+        lo4 = _mm_insert_epi32(lo4, (int)load_u32(b + 2 * bb), 2);
+        lo4 = _mm_insert_epi32(lo4, (int)load_u32(b + 3 * bb), 3);
+        __m128i hi4 = _mm_cvtsi32_si128((int)load_u32(b + 4 * bb));
+        hi4 = _mm_insert_epi32(hi4, (int)load_u32(b + 5 * bb), 1);
+        hi4 = _mm_insert_epi32(hi4, (int)load_u32(b + 6 * bb), 2);
+        hi4 = _mm_insert_epi32(hi4, (int)load_u32(b + 7 * bb), 3);
+        v = _mm256_set_m128i(hi4, lo4);
+    } else {
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+        v = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)b, at, mask, 1);
+    }
+    const __m256i pick_lo = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i pick_hi = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick_lo), 0x08)));
+    if (hi)
+        *hi = _mm256_cvtph_ps(_mm256_castsi256_si128(
+            _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick_hi), 0x08)));
+}
+
+/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1. Block b's weights as bytes u (for Q8_0
+ * their magnitudes, wq the signed bytes). */
+AVX2_INLINE __m256i legacy_bytes(const uint8_t *b, const int kind, __m256i *wq) {
+    if (kind == 0) {
+        *wq = loadu256(b + 2);
+        return _mm256_sign_epi8(*wq, *wq);
+    }
+    if (kind == 1) return nibbles16(b + 2);
+    if (kind == 2) return nibbles16(b + 4);
+    if (kind == 3) return _mm256_or_si256(nibbles16(b + 6), bit4_bytes(load_u32(b + 2)));
+    return _mm256_or_si256(nibbles16(b + 8), bit4_bytes(load_u32(b + 4)));
+}
+
+AVX2_INLINE void legacy_body(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,
+                             float *out, const int NJ, const int kind, const int bb) {
+    float acc[XT][8];
+    const int8_t *xq[XT];
+    const float *xd[XT], *xs[XT];
+    const int32_t *xg[XT];
+    for (int k = 0; k < NJ; ++k) {
+        memset(acc[k], 0, sizeof acc[k]);
+        xq[k] = x->q + (j0 + k) * x->n;
+        xd[k] = x->d + (j0 + k) * nc;
+        xs[k] = (kind == 2 || kind == 4) ? x->s + (j0 + k) * nc : NULL;
+        xg[k] = x->g + (j0 + k) * 2 * nc;
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int with_m = kind == 2 || kind == 4;
+    /* 8 blocks at a time; the last group may hold fewer (n), its other lanes left as
+     * they are */
+    for (int64_t c = 0; c < nc; c += 8) {
+        const int n = nc - c < 8 ? (int)(nc - c) : 8;
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+        const uint8_t *b0 = w + bb * c;
+        __m256i u[8], wq[8];
+        __m256 dw, m = _mm256_setzero_ps();
+        halves8(b0, bb, n, &dw, with_m ? &m : NULL);
+        for (int i = 0; i < n; ++i) u[i] = legacy_bytes(b0 + bb * i, kind, &wq[i]);
+        for (int k = 0; k < NJ; ++k) {
+            __m256i p[8];
+            for (int i = 0; i < 8; ++i) {
+                if (i < n) {
+                    __m256i xv = loadu256(xq[k] + 32 * (c + i));
+                    if (kind == 0) xv = _mm256_sign_epi8(xv, wq[i]);
+                    p[i] = dot_us(u[i], xv, ones);
+                } else {
+                    p[i] = _mm256_setzero_si256();
+                }
+            }
+            __m256i si = hsum_8x8(p);
+            if (kind == 1 || kind == 3)
+                si = _mm256_sub_epi32(
+                    si, _mm256_slli_epi32(_mm256_maskload_epi32(xg[k] + c, live), kind == 1 ? 3 : 4));
+            __m256 fac = _mm256_mul_ps(dw, _mm256_maskload_ps(xd[k] + c, live));
+            __m256 term = _mm256_mul_ps(fac, _mm256_cvtepi32_ps(si));
+            if (with_m) term = _mm256_add_ps(term, _mm256_mul_ps(m, _mm256_maskload_ps(xs[k] + c, live)));
+            __m256 a = _mm256_loadu_ps(acc[k]);
+            _mm256_storeu_ps(acc[k], n == 8 ? _mm256_add_ps(a, term)
+                                            : _mm256_blendv_ps(a, _mm256_add_ps(a, term),
+                                                               _mm256_castsi256_ps(live)));
+        }
+    }
+    for (int k = 0; k < NJ; ++k) out[k] = sum8(acc[k]);
+}
+
+/* nw weight rows (rows of row_bytes from w) times one activation row j: per row the
+ * operations of legacy_body, the activation's loads shared */
+AVX2_INLINE void legacy_rows_body(const uint8_t *w, int64_t row_bytes, const int NW, int64_t nc,
+                                  const XRows *x, int64_t j, float *out, const int kind,
+                                  const int bb) {
+    float acc[WT][8];
+    for (int r = 0; r < NW; ++r) memset(acc[r], 0, sizeof acc[r]);
+    const int8_t *xq = x->q + j * x->n;
+    const float *xd = x->d + j * nc;
+    const float *xs = (kind == 2 || kind == 4) ? x->s + j * nc : NULL;
+    const int32_t *xg = x->g + j * 2 * nc;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int with_m = kind == 2 || kind == 4;
+    for (int64_t c = 0; c < nc; c += 8) {
+        const int n = nc - c < 8 ? (int)(nc - c) : 8;
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+        __m256i xv[8];
+        for (int i = 0; i < n; ++i) xv[i] = loadu256(xq + 32 * (c + i));
+        const __m256 dx = _mm256_maskload_ps(xd + c, live);
+        const __m256 sx = with_m ? _mm256_maskload_ps(xs + c, live) : _mm256_setzero_ps();
+        const __m256i gx = (kind == 1 || kind == 3)
+                               ? _mm256_slli_epi32(_mm256_maskload_epi32(xg + c, live), kind == 1 ? 3 : 4)
+                               : _mm256_setzero_si256();
+        for (int r = 0; r < NW; ++r) {
+            const uint8_t *b0 = w + r * row_bytes + bb * c;
+            __m256 dw, m = _mm256_setzero_ps();
+            halves8(b0, bb, n, &dw, with_m ? &m : NULL);
+            __m256i p[8];
+            for (int i = 0; i < 8; ++i) {
+                if (i < n) {
+                    __m256i wq;
+                    __m256i u = legacy_bytes(b0 + bb * i, kind, &wq);
+                    p[i] = dot_us(u, kind == 0 ? _mm256_sign_epi8(xv[i], wq) : xv[i], ones);
+                } else {
+                    p[i] = _mm256_setzero_si256();
+                }
+            }
+            __m256i si = hsum_8x8(p);
+            if (kind == 1 || kind == 3) si = _mm256_sub_epi32(si, gx);
+            __m256 fac = _mm256_mul_ps(dw, dx);
+            __m256 term = _mm256_mul_ps(fac, _mm256_cvtepi32_ps(si));
+            if (with_m) term = _mm256_add_ps(term, _mm256_mul_ps(m, sx));
+            __m256 a = _mm256_loadu_ps(acc[r]);
+            _mm256_storeu_ps(acc[r], n == 8 ? _mm256_add_ps(a, term)
+                                            : _mm256_blendv_ps(a, _mm256_add_ps(a, term),
+                                                               _mm256_castsi256_ps(live)));
+        }
+    }
+    for (int r = 0; r < NW; ++r) out[r] = sum8(acc[r]);
+}
+
+#define LEGACY_ROWS(NAME, KIND, BB)                                                            \
+    AVX2 static void q8_rows_##NAME(const uint8_t *w, int64_t row_bytes, int nw, int64_t nc,  \
+                                    const XRows *x, int64_t j, float *out) {                   \
+        switch (nw) {                                                                          \
+        case 1: legacy_rows_body(w, row_bytes, 1, nc, x, j, out, KIND, BB); break;             \
+        case 2: legacy_rows_body(w, row_bytes, 2, nc, x, j, out, KIND, BB); break;             \
+        case 3: legacy_rows_body(w, row_bytes, 3, nc, x, j, out, KIND, BB); break;             \
+        default: legacy_rows_body(w, row_bytes, 4, nc, x, j, out, KIND, BB); break;            \
+        }                                                                                      \
+    }
+
+LEGACY_ROWS(Q8_0, 0, 34)
+LEGACY_ROWS(Q4_0, 1, 18)
+LEGACY_ROWS(Q4_1, 2, 20)
+LEGACY_ROWS(Q5_0, 3, 22)
+LEGACY_ROWS(Q5_1, 4, 24)
+
+#define LEGACY(NAME, KIND, BB)                                                                 \
+    AVX2 static void q8_##NAME(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,      \
+                               int nj, float *out) {                                           \
+        switch (nj) {                                                                          \
+        case 1: legacy_body(w, nc, x, j0, out, 1, KIND, BB); break;                            \
+        case 2: legacy_body(w, nc, x, j0, out, 2, KIND, BB); break;                            \
+        case 3: legacy_body(w, nc, x, j0, out, 3, KIND, BB); break;                            \
+        default: legacy_body(w, nc, x, j0, out, 4, KIND, BB); break;                           \
+        }                                                                                      \
+    }
+
+LEGACY(Q8_0, 0, 34)
+LEGACY(Q4_0, 1, 18)
+LEGACY(Q4_1, 2, 20)
+LEGACY(Q5_0, 3, 22)
+LEGACY(Q5_1, 4, 24)
+
+/* ---- K-quants ---------------------------------------------------------------------------- */
+
+/* A super-block decoded: the 8 chunks' weights as bytes u[s] (unsigned, or magnitudes
+ * with sign[s] carrying the signs); scales: Q4_K, Q5_K one per chunk (lane s of sc),
+ * Q2_K, Q3_K, Q6_K one per 16-element group, in the order hsum_groups leaves the
+ * groups' sums (sc: chunks 0-3, sc2: chunks 4-7); mins: Q4_K, Q5_K per chunk (mn),
+ * Q2_K per group in file order (mn: groups 0-7, mn2: 8-15). */
+typedef struct {
+    __m256i u[8], sign[8];
+    __m256i sc, sc2, mn, mn2;
+    float d, dmin;
+} Super;
+
+/* groups (chunk c, half k) of 4 chunks' pair sums p[0..3]: lanes
+ * [c0k0, c1k0, c2k0, c3k0, c0k1, c1k1, c2k1, c3k1] */
+AVX2_INLINE __m256i hsum_groups(const __m256i *p) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+}
+
+/* 16 group scales (group 2 s + k of chunk s) as the lanes hsum_groups gives */
+AVX2_INLINE void group_order(const int sc[16], __m256i *first, __m256i *second) {
+    *first = _mm256_setr_epi32(sc[0], sc[2], sc[4], sc[6], sc[1], sc[3], sc[5], sc[7]);
+    *second = _mm256_setr_epi32(sc[8], sc[10], sc[12], sc[14], sc[9], sc[11], sc[13], sc[15]);
+}
+
+/* the 8 scales (bytes 0-7) and mins (bytes 8-15) of a Q4_K / Q5_K super-block's 12 bytes */
+static inline void k4_unpack(const uint8_t *p, uint8_t out[16]) {
+    uint32_t u[4];
+    memcpy(u, p, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4);
+    uint32_t mins_low = u[1] & m6;
+    u[1] = (u[2] & m4) | (((u[0] >> 6) & m2) << 4);
+    u[2] = mins_low;
+    u[0] &= m6;
+    memcpy(out, u, 16);
+}
+
+/* kind: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K */
+AVX2_INLINE void decode_super(const uint8_t *b, Super *S, const int kind) {
+    const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i one = _mm256_set1_epi8(1);
+    int sc[16];
+    if (kind == 0) { /* Q2_K */
+        S->d = h2f(b + 80);
+        S->dmin = h2f(b + 82);
+        for (int h = 0; h < 2; ++h) {
+            __m256i q = loadu256(b + 16 + 32 * h);
+            for (int t = 0; t < 4; ++t)
+                S->u[4 * h + t] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * t), m2);
+        }
+        for (int g = 0; g < 16; ++g) sc[g] = b[g] & 15;
+        __m128i raw = _mm_loadu_si128((const __m128i *)b);
+        __m128i mins = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        S->mn = _mm256_cvtepu8_epi32(mins);
+        S->mn2 = _mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8));
+        group_order(sc, &S->sc, &S->sc2);
+    } else if (kind == 1) { /* Q3_K: q = low + 4 high - 4, signed */
+        S->d = h2f(b + 108);
+        S->dmin = 0.0f;
+        __m256i hm = loadu256(b);
+        for (int h = 0; h < 2; ++h) {
+            __m256i q = loadu256(b + 32 + 32 * h);
+            for (int t = 0; t < 4; ++t) {
+                int s = 4 * h + t;
+                __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * t), m2);
+                __m256i high = _mm256_and_si256(_mm256_srli_epi16(hm, s), one);
+                __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)),
+                                            _mm256_set1_epi8(4));
+                S->sign[s] = v;
+                S->u[s] = _mm256_sign_epi8(v, v);
+            }
+        }
+        for (int g = 0; g < 16; ++g) sc[g] = k3_scale(b + 96, g);
+        group_order(sc, &S->sc, &S->sc2);
+    } else if (kind == 2 || kind == 3) { /* Q4_K, Q5_K */
+        S->d = h2f(b);
+        S->dmin = h2f(b + 2);
+        const uint8_t *qs = b + (kind == 2 ? 16 : 48);
+        __m256i qh = kind == 3 ? loadu256(b + 16) : _mm256_setzero_si256();
+        for (int g = 0; g < 4; ++g) {
+            __m256i q = loadu256(qs + 32 * g);
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (kind == 3) {
+                __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), one);
+                __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g + 1), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+            }
+            S->u[2 * g] = lo;
+            S->u[2 * g + 1] = hi;
+        }
+        uint8_t sm[16];
+        k4_unpack(b + 4, sm);
+        __m128i v = _mm_loadu_si128((const __m128i *)sm);
+        S->sc = _mm256_cvtepu8_epi32(v);
+        S->mn = _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
+    } else { /* Q6_K: q = low | high << 4, minus 32, signed */
+        S->d = h2f(b + 208);
+        S->dmin = 0.0f;
+        for (int h = 0; h < 2; ++h) {
+            __m256i qh = loadu256(b + 128 + 32 * h);
+            __m256i ql0 = loadu256(b + 64 * h), ql1 = loadu256(b + 64 * h + 32);
+            for (int t = 0; t < 4; ++t) {
+                int s = 4 * h + t;
+                __m256i ql = (t & 1) ? ql1 : ql0;
+                __m256i low = _mm256_and_si256((t >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m4);
+                __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), m2);
+                __m256i v = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)),
+                                            _mm256_set1_epi8(32));
+                S->sign[s] = v;
+                S->u[s] = _mm256_sign_epi8(v, v);
+            }
+        }
+        for (int g = 0; g < 16; ++g) sc[g] = (int8_t)b[192 + g];
+        group_order(sc, &S->sc, &S->sc2);
+    }
+}
+
+AVX2_INLINE void kquant_body(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,
+                             float *out, const int NJ, const int kind, const int bb) {
+    float acc[XT][8];
+    const int8_t *xq[XT];
+    const float *xd[XT];
+    const int32_t *xg[XT];
+    for (int k = 0; k < NJ; ++k) {
+        memset(acc[k], 0, sizeof acc[k]);
+        xq[k] = x->q + (j0 + k) * x->n;
+        xd[k] = x->d + (j0 + k) * nc;
+        xg[k] = x->g + (j0 + k) * 2 * nc;
+    }
+    const int signed_q = kind == 1 || kind == 4, per_chunk = kind == 2 || kind == 3;
+    const __m256i ones = _mm256_set1_epi16(1);
+    Super S;
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        decode_super(w + bb * sb, &S, kind);
+        for (int k = 0; k < NJ; ++k) {
+            const int8_t *xb = xq[k] + 256 * sb;
+            const int32_t *g = xg[k] + 16 * sb;
+            __m256i p[8];
+            for (int s = 0; s < 8; ++s) {
+                __m256i xv = loadu256(xb + 32 * s);
+                if (signed_q) xv = _mm256_sign_epi8(xv, S.sign[s]);
+                p[s] = dot_us(S.u[s], xv, ones);
+            }
+            int isum, imin = 0;
+            if (per_chunk) {
+                isum = hsum_i32(_mm256_mullo_epi32(hsum_8x8(p), S.sc));
+                __m256i pairs = _mm256_permute4x64_epi64(
+                    _mm256_hadd_epi32(loadu256(g), loadu256(g + 8)), 0xD8); /* sum of chunk s */
+                imin = hsum_i32(_mm256_mullo_epi32(pairs, S.mn));
+            } else {
+                __m256i a = _mm256_mullo_epi32(hsum_groups(p), S.sc);
+                __m256i b2 = _mm256_mullo_epi32(hsum_groups(p + 4), S.sc2);
+                isum = hsum_i32(_mm256_add_epi32(a, b2));
+                if (kind == 0)
+                    imin = hsum_i32(_mm256_add_epi32(_mm256_mullo_epi32(loadu256(g), S.mn),
+                                                     _mm256_mullo_epi32(loadu256(g + 8), S.mn2)));
+            }
+            float term = (xd[k][sb] * S.d) * (float)isum;
+            if (kind == 0 || per_chunk) term = term - (xd[k][sb] * S.dmin) * (float)imin;
+            acc[k][sb & 7] += term;
+        }
+    }
+    for (int k = 0; k < NJ; ++k) out[k] = sum8(acc[k]);
+}
+
+#define KQUANT(NAME, KIND, BB)                                                                 \
+    AVX2 static void q8_##NAME(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,      \
+                               int nj, float *out) {                                           \
+        switch (nj) {                                                                          \
+        case 1: kquant_body(w, nc, x, j0, out, 1, KIND, BB); break;                            \
+        case 2: kquant_body(w, nc, x, j0, out, 2, KIND, BB); break;                            \
+        case 3: kquant_body(w, nc, x, j0, out, 3, KIND, BB); break;                            \
+        default: kquant_body(w, nc, x, j0, out, 4, KIND, BB); break;                           \
+        }                                                                                      \
+    }
+
+KQUANT(Q2_K, 0, 84)
+KQUANT(Q3_K, 1, 110)
+KQUANT(Q4_K, 2, 144)
+KQUANT(Q5_K, 3, 176)
+KQUANT(Q6_K, 4, 210)
+
+/* ---- float activations ----------------------------------------------------------------- */
+
+/* 8 weights of element i.. of a row as floats: kind 0 F32, 1 F16, 2 BF16 */
+AVX2_INLINE __m256 load8(const uint8_t *row, int64_t i, const int kind) {
+    if (kind == 0) return _mm256_loadu_ps((const float *)row + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+    if (kind == 1) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+AVX2_INLINE void float_body(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,
+                            float *out, const int NJ, const int kind) {
+    __m256 acc[XT];
+    const float *xf[XT];
+    for (int k = 0; k < NJ; ++k) {
+        acc[k] = _mm256_setzero_ps();
+        xf[k] = x->f + (j0 + k) * x->n;
+    }
+    for (int64_t i = 0; i < 32 * nc; i += 8) {
+        __m256 wv = load8(w, i, kind);
+        for (int k = 0; k < NJ; ++k)
+            acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(wv, _mm256_loadu_ps(xf[k] + i)));
+    }
+    float a[8];
+    for (int k = 0; k < NJ; ++k) {
+        _mm256_storeu_ps(a, acc[k]);
+        out[k] = sum8(a);
+    }
+}
+
+/* quantized weights, float activations ("f32" mode): chunks dequantized exactly */
+AVX2_INLINE void dequant_body(int t, const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,
+                              float *out, const int NJ) {
+    __m256 acc[XT];
+    const float *xf[XT];
+    for (int k = 0; k < NJ; ++k) {
+        acc[k] = _mm256_setzero_ps();
+        xf[k] = x->f + (j0 + k) * x->n;
+    }
+    float v[32];
+    for (int64_t c = 0; c < nc; ++c) {
+        dequant_chunk(w, t, c, v);
+        for (int i = 0; i < 32; i += 8) {
+            __m256 wv = _mm256_loadu_ps(v + i);
+            for (int k = 0; k < NJ; ++k)
+                acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(wv, _mm256_loadu_ps(xf[k] + 32 * c + i)));
+        }
+    }
+    float a[8];
+    for (int k = 0; k < NJ; ++k) {
+        _mm256_storeu_ps(a, acc[k]);
+        out[k] = sum8(a);
+    }
+}
+
+#define FLOAT_DOT(NAME, KIND)                                                                  \
+    AVX2 static void f_##NAME(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0, int nj,\
+                              float *out) {                                                    \
+        switch (nj) {                                                                          \
+        case 1: float_body(w, nc, x, j0, out, 1, KIND); break;                                 \
+        case 2: float_body(w, nc, x, j0, out, 2, KIND); break;                                 \
+        case 3: float_body(w, nc, x, j0, out, 3, KIND); break;                                 \
+        default: float_body(w, nc, x, j0, out, 4, KIND); break;                                \
+        }                                                                                      \
+    }
+
+#define DEQUANT_DOT(NAME)                                                                      \
+    AVX2 static void f_##NAME(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0, int nj,\
+                              float *out) {                                                    \
+        switch (nj) {                                                                          \
+        case 1: dequant_body(T_##NAME, w, nc, x, j0, out, 1); break;                           \
+        case 2: dequant_body(T_##NAME, w, nc, x, j0, out, 2); break;                           \
+        case 3: dequant_body(T_##NAME, w, nc, x, j0, out, 3); break;                           \
+        default: dequant_body(T_##NAME, w, nc, x, j0, out, 4); break;                          \
+        }                                                                                      \
+    }
+
+FLOAT_DOT(F32, 0)
+FLOAT_DOT(F16, 1)
+FLOAT_DOT(BF16, 2)
+DEQUANT_DOT(Q8_0)
+DEQUANT_DOT(Q4_0)
+DEQUANT_DOT(Q4_1)
+DEQUANT_DOT(Q5_0)
+DEQUANT_DOT(Q5_1)
+DEQUANT_DOT(Q2_K)
+DEQUANT_DOT(Q3_K)
+DEQUANT_DOT(Q4_K)
+DEQUANT_DOT(Q5_K)
+DEQUANT_DOT(Q6_K)
+
+/* ---- attention's vectors ---------------------------------------------------------------- */
+
+AVX2_INLINE __m256 cache8(const void *rows, int half, int64_t at) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)rows + at)));
+    return _mm256_loadu_ps((const float *)rows + at);
+}
+
+AVX2_INLINE float cache1(const void *rows, int half, int64_t at) {
+    return half ? _cvtsh_ss(((const uint16_t *)rows)[at]) : ((const float *)rows)[at];
+}
+
+AVX2 static void scores_avx2(const float *q, const void *keys, int half, int64_t n, int64_t hd,
+                             float scale, float *out) {
+    int64_t full = hd / 8 * 8;
+    for (int64_t t = 0; t < n; ++t) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < full; i += 8)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i), cache8(keys, half, t * hd + i)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        for (int64_t i = full; i < hd; ++i) {
+            float p = q[i] * cache1(keys, half, t * hd + i);
+            lanes[i & 7] += p;
+        }
+        out[t] = sum8(lanes) * scale;
+    }
+}
+
+AVX2 static void mix_avx2(float *out, const float *p, const void *values, int half, int64_t n,
+                          int64_t hd) {
+    int64_t full = hd / 8 * 8;
+    for (int64_t i = 0; i < full; i += 8) { /* 8 columns at a time, every position in order */
+        __m256 acc = _mm256_loadu_ps(out + i);
+        for (int64_t t = 0; t < n; ++t)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p[t]), cache8(values, half, t * hd + i)));
+        _mm256_storeu_ps(out + i, acc);
+    }
+    for (int64_t i = full; i < hd; ++i)
+        for (int64_t t = 0; t < n; ++t) out[i] = out[i] + p[t] * cache1(values, half, t * hd + i);
+}
+
+const Isa ISA_AVX2 = {
+    "avx2",
+    {NULL, NULL, NULL, q8_rows_Q8_0, q8_rows_Q4_0, q8_rows_Q4_1, q8_rows_Q5_0, q8_rows_Q5_1},
+    {NULL, NULL, NULL, q8_Q8_0, q8_Q4_0, q8_Q4_1, q8_Q5_0, q8_Q5_1, q8_Q2_K, q8_Q3_K, q8_Q4_K,
+     q8_Q5_K, q8_Q6_K},
+    {f_F32, f_F16, f_BF16, f_Q8_0, f_Q4_0, f_Q4_1, f_Q5_0, f_Q5_1, f_Q2_K, f_Q3_K, f_Q4_K, f_Q5_K,
+     f_Q6_K},
+    scores_avx2,
+    mix_avx2,
+};
+
+#endif

@@ -1,0 +1,457 @@
+/* ops.c: the fused operations of a step, their items shared out by pool_run.
+ *
+ * Every output value is computed whole by one item, in an order fixed by the code (the
+ * rows of a matrix in blocks of RB, attention by (row, head), the element-wise
+ * operations by ranges), so a result never depends on the thread count. The
+ * element-wise operations are scalar C shared by every instruction set, so they do not
+ * depend on it either.
+ */
+#include "ops.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+#define RB 16         /* weight rows per item */
+#define ELEMWISE 4096 /* values per item of the element-wise operations */
+#define ROWS_MAX_CHUNKS 24
+
+/* ---- 8-bit activations ---------------------------------------------------------------- */
+
+typedef struct {
+    int fmt;
+    const float *x;
+    int64_t n;
+    Q8Out out;
+} QuantizeJob;
+
+static void quantize_item(void *ctx, int64_t j) {
+    const QuantizeJob *J = ctx;
+    int64_t n = J->n, nc = n / 32;
+    quantize_row(J->fmt, J->x + j * n, n, J->out.q + j * n, J->out.d + j * nc,
+                 J->out.s + j * nc, J->out.g + j * 2 * nc);
+}
+
+void quantize_rows(int fmt, const float *x, int64_t rows, int64_t n, Q8Out out, int threads) {
+    QuantizeJob J = {fmt, x, n, out};
+    pool_run(threads, rows, quantize_item, &J);
+}
+
+/* ---- matrix products ------------------------------------------------------------------- */
+
+typedef struct {
+    const Isa *isa;
+    const Part *parts;
+    int n_parts;
+    int64_t first[9]; /* the first item of each part */
+    const XRows *x;
+    int64_t rows;
+    int use_q8;
+    float *y;
+    int64_t ldy;
+    const float *bias;
+    int accumulate;
+} LinearJob;
+
+static void linear_item(void *ctx, int64_t b) {
+    const LinearJob *J = ctx;
+    int p = 0;
+    while (b >= J->first[p + 1]) ++p;
+    const Part *pt = J->parts + p;
+    int64_t r0 = (b - J->first[p]) * RB, r1 = r0 + RB < pt->n_out ? r0 + RB : pt->n_out;
+    int64_t nc = pt->n_in / 32;
+    int q8 = J->use_q8 && !qtype_is_float(pt->t);
+    dot_fn dot = q8 ? J->isa->q8[pt->t] : J->isa->f[pt->t];
+    /* short rows (up to ROWS_MAX_CHUNKS chunks: a row's fixed costs outweigh its blocks)
+     * of a decode step: several weight rows per call, sharing the activation's loads */
+    rows_fn rows_dot = (q8 && nc <= ROWS_MAX_CHUNKS) ? J->isa->q8_rows[pt->t] : NULL;
+    float tmp[XT > WT ? XT : WT];
+    if (J->rows == 1 && rows_dot) {
+        for (int64_t r = r0; r < r1; r += WT) {
+            int nw = r1 - r < WT ? (int)(r1 - r) : WT;
+            rows_dot(pt->w + r * pt->row_bytes, pt->row_bytes, nw, nc, J->x, 0, tmp);
+            for (int i = 0; i < nw; ++i) {
+                int64_t col = pt->out_offset + r + i;
+                float v = tmp[i];
+                if (J->bias) v = v + J->bias[col];
+                J->y[col] = J->accumulate ? J->y[col] + v : v;
+            }
+        }
+        return;
+    }
+    /* the block's weight rows stay in cache while every activation row passes */
+    for (int64_t j0 = 0; j0 < J->rows; j0 += XT) {
+        int nj = J->rows - j0 < XT ? (int)(J->rows - j0) : XT;
+        for (int64_t r = r0; r < r1; ++r) {
+            dot(pt->w + r * pt->row_bytes, nc, J->x, j0, nj, tmp);
+            int64_t col = pt->out_offset + r;
+            for (int k = 0; k < nj; ++k) {
+                float v = tmp[k];
+                if (J->bias) v = v + J->bias[col];
+                float *out = J->y + (j0 + k) * J->ldy + col;
+                *out = J->accumulate ? *out + v : v;
+            }
+        }
+    }
+}
+
+void linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, int64_t rows,
+                 int use_q8, float *y, int64_t ldy, const float *bias, int accumulate,
+                 int threads) {
+    LinearJob J = {isa, parts, n_parts, {0}, x, rows, use_q8, y, ldy, bias, accumulate};
+    for (int p = 0; p < n_parts; ++p) J.first[p + 1] = J.first[p] + (parts[p].n_out + RB - 1) / RB;
+    pool_run(threads, J.first[n_parts], linear_item, &J);
+}
+
+/* ---- norm and feed-forward ------------------------------------------------------------- */
+
+/* 1 / sqrt(mean(x^2) + eps): the squares summed in double, in order */
+static float rms_scale(const float *x, int64_t n, double eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i) ss += (double)x[i] * (double)x[i];
+    return (float)(1.0 / sqrt((double)(float)ss / (double)n + eps));
+}
+
+typedef struct {
+    const float *x, *w;
+    float *out;
+    int64_t n;
+    double eps;
+    int accumulate;
+} NormJob;
+
+static void rmsnorm_item(void *ctx, int64_t j) {
+    const NormJob *J = ctx;
+    const float *xr = J->x + j * J->n;
+    float s = rms_scale(xr, J->n, J->eps);
+    float *o = J->out + j * J->n;
+    if (J->accumulate)
+        for (int64_t i = 0; i < J->n; ++i) o[i] = o[i] + (xr[i] * s) * J->w[i];
+    else
+        for (int64_t i = 0; i < J->n; ++i) o[i] = (xr[i] * s) * J->w[i];
+}
+
+void rmsnorm_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, double eps,
+                  int accumulate, int threads) {
+    NormJob J = {x, w, out, n, eps, accumulate};
+    pool_run(threads, rows, rmsnorm_item, &J);
+}
+
+typedef struct {
+    float *qkv;
+    const float *bias, *q_norm, *k_norm;
+    const Heads *hd;
+    double eps;
+} QkNormJob;
+
+static void qk_norm_item(void *ctx, int64_t r) {
+    const QkNormJob *J = ctx;
+    const Heads *hd = J->hd;
+    int64_t width = hd->n_heads * hd->hd_k + hd->n_kv * (hd->hd_k + hd->hd_v);
+    float *x = J->qkv + r * width;
+    if (J->bias)
+        for (int64_t i = 0; i < width; ++i) x[i] = x[i] + J->bias[i];
+    for (int64_t h = 0; h < hd->n_heads + hd->n_kv; ++h) {
+        float *v = x + h * hd->hd_k;
+        const float *w = h < hd->n_heads ? J->q_norm : J->k_norm;
+        float s = rms_scale(v, hd->hd_k, J->eps);
+        for (int64_t i = 0; i < hd->hd_k; ++i) v[i] = (v[i] * s) * w[i];
+    }
+}
+
+void qk_norm_rows(float *qkv, int64_t rows, const float *bias, const float *q_norm,
+                  const float *k_norm, const Heads *hd, double eps, int threads) {
+    QkNormJob J = {qkv, bias, q_norm, k_norm, hd, eps};
+    pool_run(threads, rows, qk_norm_item, &J);
+}
+
+typedef struct {
+    const float *h;
+    float *act;
+    int64_t f, total;
+} SwigluJob;
+
+static void swiglu_item(void *ctx, int64_t item) {
+    const SwigluJob *J = ctx;
+    int64_t end = (item + 1) * ELEMWISE < J->total ? (item + 1) * ELEMWISE : J->total;
+    for (int64_t i = item * ELEMWISE; i < end; ++i) {
+        int64_t j = i / J->f, e = i - j * J->f;
+        float g = J->h[j * 2 * J->f + e], u = J->h[j * 2 * J->f + J->f + e];
+        J->act[i] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+void swiglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads) {
+    SwigluJob J = {h, act, f, rows * f};
+    pool_run(threads, (J.total + ELEMWISE - 1) / ELEMWISE, swiglu_item, &J);
+}
+
+/* GELU as llama.cpp's CPU path computes it: a table of halves, gelu(v) rounded to half
+ * for every half v, read at the input rounded to half (0 below -10, the input above 10) */
+static uint16_t GELU_F16[65536];
+
+void gelu_table_init(void) {
+    const float a = 0.044715f, sqrt_2_over_pi = 0.7978845608028654f;
+    for (uint32_t i = 0; i < 65536; ++i) {
+        float v = f16_to_f32((uint16_t)i);
+        float g = 0.5f * v * (1.0f + tanhf(sqrt_2_over_pi * v * (1.0f + a * v * v)));
+        GELU_F16[i] = f32_to_f16(g);
+    }
+}
+
+static void geglu_item(void *ctx, int64_t item) {
+    const SwigluJob *J = ctx;
+    int64_t end = (item + 1) * ELEMWISE < J->total ? (item + 1) * ELEMWISE : J->total;
+    for (int64_t i = item * ELEMWISE; i < end; ++i) {
+        int64_t j = i / J->f, e = i - j * J->f;
+        float g = J->h[j * 2 * J->f + e], u = J->h[j * 2 * J->f + J->f + e];
+        if (g <= -10.0f)
+            J->act[i] = 0.0f;
+        else if (g >= 10.0f)
+            J->act[i] = g * u;
+        else
+            J->act[i] = f16_to_f32(GELU_F16[f32_to_f16(g)]) * u;
+    }
+}
+
+void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads) {
+    SwigluJob J = {h, act, f, rows * f};
+    pool_run(threads, (J.total + ELEMWISE - 1) / ELEMWISE, geglu_item, &J);
+}
+
+typedef struct {
+    float *x;
+    int64_t n;
+    float cap;
+} SoftcapJob;
+
+static void softcap_item(void *ctx, int64_t item) {
+    const SoftcapJob *J = ctx;
+    float inv = 1.0f / J->cap;
+    int64_t end = (item + 1) * ELEMWISE < J->n ? (item + 1) * ELEMWISE : J->n;
+    for (int64_t i = item * ELEMWISE; i < end; ++i) J->x[i] = tanhf(J->x[i] * inv) * J->cap;
+}
+
+void softcap_rows(float *x, int64_t n, float cap, int threads) {
+    SoftcapJob J = {x, n, cap};
+    pool_run(threads, (n + ELEMWISE - 1) / ELEMWISE, softcap_item, &J);
+}
+
+/* ---- rotary embedding and the KV cache ------------------------------------------------- */
+
+static void rotate(float *v, const float *rot, int64_t n_rot, int neox) {
+    int64_t half = n_rot / 2;
+    for (int64_t j = 0; j < half; ++j) {
+        int64_t a = neox ? j : 2 * j, b = neox ? j + half : 2 * j + 1;
+        float c = rot[2 * j], s = rot[2 * j + 1];
+        float va = v[a], vb = v[b];
+        v[a] = va * c - vb * s;
+        v[b] = va * s + vb * c;
+    }
+}
+
+static void store_kv(void *cache, int kv_half, int64_t at, const float *v, int64_t n) {
+    if (kv_half) {
+        uint16_t *dst = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16(v[i]);
+    } else {
+        memcpy((float *)cache + at, v, (size_t)n * 4);
+    }
+}
+
+typedef struct {
+    float *qkv;
+    const float *bias, *rot;
+    int64_t rows, pos, n_rot;
+    const Heads *hd;
+    int neox;
+    float q_scale;
+    void *k_cache, *v_cache;
+    StepKV step;
+} RopeJob;
+
+/* where position p's key (and value) of kv head h lies: the step's own rows, or the
+ * ring's slot p % max_seq */
+static int64_t kv_row(const Heads *hd, int in_step, int64_t rows, int64_t pos, int64_t h,
+                      int64_t p) {
+    return in_step ? h * rows + (p - pos) : h * hd->max_seq + p % hd->max_seq;
+}
+
+static void rope_item(void *ctx, int64_t r) {
+    const RopeJob *J = ctx;
+    const Heads *hd = J->hd;
+    int64_t q_dim = hd->n_heads * hd->hd_k, k_dim = hd->n_kv * hd->hd_k;
+    int64_t width = q_dim + k_dim + hd->n_kv * hd->hd_v;
+    float *x = J->qkv + r * width;
+    int64_t p = J->pos + r;
+    if (J->bias)
+        for (int64_t i = 0; i < width; ++i) x[i] = x[i] + J->bias[i];
+    const float *rp = J->rot + p * J->n_rot; /* n_rot / 2 (cos, sin) pairs */
+    for (int64_t h = 0; h < hd->n_heads; ++h) {
+        float *q = x + h * hd->hd_k;
+        rotate(q, rp, J->n_rot, J->neox);
+        if (J->q_scale != 1.0f)
+            for (int64_t i = 0; i < hd->hd_k; ++i) q[i] = q[i] * J->q_scale;
+    }
+    int in_step = J->step.k != NULL;
+    void *kc = in_step ? J->step.k : J->k_cache, *vc = in_step ? J->step.v : J->v_cache;
+    for (int64_t h = 0; h < hd->n_kv; ++h) {
+        float *k = x + q_dim + h * hd->hd_k;
+        rotate(k, rp, J->n_rot, J->neox);
+        int64_t at = kv_row(hd, in_step, J->rows, J->pos, h, p);
+        store_kv(kc, hd->kv_half, at * hd->hd_k, k, hd->hd_k);
+        store_kv(vc, hd->kv_half, at * hd->hd_v, x + q_dim + k_dim + h * hd->hd_v, hd->hd_v);
+    }
+}
+
+void rope_kv_rows(float *qkv, int64_t rows, const float *bias, const float *rot, int64_t pos,
+                  const Heads *hd, int64_t n_rot, int neox, float q_scale, void *k_cache,
+                  void *v_cache, StepKV step, int threads) {
+    RopeJob J = {qkv, bias, rot, rows, pos, n_rot, hd, neox, q_scale, k_cache, v_cache, step};
+    pool_run(threads, rows, rope_item, &J);
+}
+
+/* ---- attention --------------------------------------------------------------------------- */
+
+typedef struct {
+    const Isa *isa;
+    const float *qkv;
+    const void *k_cache, *v_cache;
+    StepKV step;
+    int64_t rows, pos, window;
+    const Heads *hd;
+    float scale;
+    float *out;
+    atomic_int failed; /* an item could not get its scores' memory */
+} AttentionJob;
+
+/* Runs of positions in order, each contiguous in the ring or the step's rows. */
+typedef struct {
+    int64_t row, n; /* the first key row (kv_row), and how many follow it */
+    int in_step;
+} Run;
+
+/* The positions lo .. q that query position q sees, as at most 3 runs: ring slots
+ * (wrapping once at the ring's end), then the step's own rows. */
+static int runs_of(const AttentionJob *J, int64_t kv, int64_t lo, int64_t q, Run runs[3]) {
+    const Heads *hd = J->hd;
+    int in_step = J->step.k != NULL, n = 0;
+    int64_t ring_hi = in_step ? (q < J->pos ? q : J->pos - 1) : q;
+    if (ring_hi >= lo) {
+        int64_t a = lo % hd->max_seq, count = ring_hi - lo + 1;
+        int64_t first = count < hd->max_seq - a ? count : hd->max_seq - a;
+        runs[n++] = (Run){kv * hd->max_seq + a, first, 0};
+        if (count > first) runs[n++] = (Run){kv * hd->max_seq, count - first, 0};
+    }
+    if (in_step) {
+        int64_t from = lo > J->pos ? lo : J->pos;
+        if (q >= from) runs[n++] = (Run){kv * J->rows + (from - J->pos), q - from + 1, 1};
+    }
+    return n;
+}
+
+static void attention_item(void *ctx, int64_t it) {
+    const AttentionJob *J = ctx;
+    const Heads *hd = J->hd;
+    int64_t q_dim = hd->n_heads * hd->hd_k, width = q_dim + hd->n_kv * (hd->hd_k + hd->hd_v);
+    int64_t r = it / hd->n_heads, h = it - r * hd->n_heads, kv = h / (hd->n_heads / hd->n_kv);
+    int64_t qp = J->pos + r, lo = J->window && qp >= J->window ? qp - J->window + 1 : 0;
+    int64_t n_ctx = qp - lo + 1;
+    const float *q = J->qkv + r * width + h * hd->hd_k;
+    float stack[1024];
+    float *scores = n_ctx <= 1024 ? stack : malloc(sizeof(float) * (size_t)n_ctx);
+    if (!scores) {
+        atomic_store(&((AttentionJob *)ctx)->failed, 1);
+        return;
+    }
+    size_t esize = hd->kv_half ? 2 : 4;
+    Run runs[3];
+    int n_runs = runs_of(J, kv, lo, qp, runs);
+    int64_t at = 0;
+    for (int i = 0; i < n_runs; ++i) {
+        const char *keys = (const char *)(runs[i].in_step ? J->step.k : J->k_cache);
+        J->isa->scores(q, keys + (size_t)(runs[i].row * hd->hd_k) * esize, hd->kv_half,
+                       runs[i].n, hd->hd_k, J->scale, scores + at);
+        at += runs[i].n;
+    }
+    float m = -INFINITY;
+    for (int64_t t = 0; t < n_ctx; ++t)
+        if (scores[t] > m || isnan(scores[t])) m = scores[t];
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n_ctx; ++t) {
+        scores[t] = expf(scores[t] - m);
+        sum += scores[t];
+    }
+    float *o = J->out + (r * hd->n_heads + h) * hd->hd_v;
+    memset(o, 0, sizeof(float) * (size_t)hd->hd_v);
+    at = 0;
+    for (int i = 0; i < n_runs; ++i) { /* positions in order: as one call over them all */
+        const char *values = (const char *)(runs[i].in_step ? J->step.v : J->v_cache);
+        J->isa->mix(o, scores + at, values + (size_t)(runs[i].row * hd->hd_v) * esize,
+                    hd->kv_half, runs[i].n, hd->hd_v);
+        at += runs[i].n;
+    }
+    for (int64_t i = 0; i < hd->hd_v; ++i) o[i] = o[i] / sum;
+    if (scores != stack) free(scores);
+}
+
+int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache, void *v_cache,
+                   StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
+                   float *out, int threads) {
+    AttentionJob J = {isa, qkv, k_cache, v_cache, step, rows, pos, window, hd, scale, out, 0};
+    pool_run(threads, rows * hd->n_heads, attention_item, &J);
+    if (step.k) { /* every query has read them: the step's last max_seq positions to the ring */
+        size_t esize = hd->kv_half ? 2 : 4;
+        int64_t from = pos + rows - hd->max_seq > pos ? pos + rows - hd->max_seq : pos;
+        for (int64_t h = 0; h < hd->n_kv; ++h)
+            for (int64_t p = from; p < pos + rows; ++p) {
+                int64_t src = kv_row(hd, 1, rows, pos, h, p), dst = kv_row(hd, 0, rows, pos, h, p);
+                memcpy((char *)k_cache + (size_t)(dst * hd->hd_k) * esize,
+                       (const char *)step.k + (size_t)(src * hd->hd_k) * esize,
+                       (size_t)hd->hd_k * esize);
+                memcpy((char *)v_cache + (size_t)(dst * hd->hd_v) * esize,
+                       (const char *)step.v + (size_t)(src * hd->hd_v) * esize,
+                       (size_t)hd->hd_v * esize);
+            }
+    }
+    return atomic_load(&J.failed) ? -1 : 0;
+}
+
+/* ---- embedding and the greedy token ----------------------------------------------------- */
+
+typedef struct {
+    const Part *table;
+    const int32_t *ids;
+    float *out;
+} EmbedJob;
+
+static void embed_item(void *ctx, int64_t j) {
+    const EmbedJob *J = ctx;
+    const Part *t = J->table;
+    const uint8_t *row = t->w + (int64_t)J->ids[j] * t->row_bytes;
+    for (int64_t c = 0; c < t->n_in / 32; ++c) dequant_chunk(row, t->t, c, J->out + j * t->n_in + 32 * c);
+}
+
+void embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads) {
+    EmbedJob J = {table, ids, out};
+    pool_run(threads, rows, embed_item, &J);
+}
+
+int64_t argmax_finite(const float *x, int64_t n, int64_t *bad) {
+    int64_t best = -1, nbad = 0;
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        float v = x[i];
+        if (!(fabsf(v) <= 3.402823466e38f)) {
+            ++nbad;
+        } else if (best < 0 || v > m) {
+            m = v;
+            best = i;
+        }
+    }
+    *bad = nbad;
+    return best < 0 ? 0x7FFFFFFF : best;
+}

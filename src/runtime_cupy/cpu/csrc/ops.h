@@ -1,0 +1,77 @@
+/* ops.h: the fused operations of a step on host memory (ops.c), called by module.c. */
+#ifndef GPP_OPS_H
+#define GPP_OPS_H
+
+#include <stdint.h>
+
+#include "dot.h"
+
+typedef struct {
+    const uint8_t *w; /* n_out rows of row_bytes */
+    int t;
+    int64_t n_out, n_in, row_bytes, out_offset;
+} Part;
+
+/* Rows of 8-bit activations, written by quantize_rows; row j at q + j n, d + j n / 32,
+ * s + j n / 32, g + j n / 16 (each format uses the start of its row's span). */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int32_t *g;
+} Q8Out;
+
+void quantize_rows(int fmt, const float *x, int64_t rows, int64_t n, Q8Out out, int threads);
+
+/* y[j, off + r] (+)= part row r . activation row j (+ bias[off + r]), for every part */
+void linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, int64_t rows,
+                 int use_q8, float *y, int64_t ldy, const float *bias, int accumulate, int threads);
+
+/* out = rmsnorm(x) * w, or out += rmsnorm(x) * w when accumulate */
+void rmsnorm_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, double eps,
+                  int accumulate, int threads);
+
+void swiglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads);
+
+/* act = gelu(gate) * up, gelu as llama.cpp's table of halves (gelu_table_init fills it) */
+void gelu_table_init(void);
+void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads);
+
+/* x = cap * tanh(x / cap) */
+void softcap_rows(float *x, int64_t n, float cap, int threads);
+
+/* A block's KV cache is a ring of max_seq slots: position p in slot p % max_seq (a
+ * global block's ring is as long as the sequence, so slot and position are one). */
+typedef struct {
+    int64_t n_heads, n_kv, hd_k, hd_v, max_seq;
+    int kv_half;
+} Heads;
+
+/* The step's own keys and values ((n_kv, rows, hd) each, the cache's element type), for a
+ * sliding block whose ring cannot take them before attention has read the positions
+ * they would overwrite; {NULL, NULL}: they go to the ring. */
+typedef struct {
+    void *k, *v;
+} StepKV;
+
+/* per row: qkv += bias; every Q head = rmsnorm(head) * q_norm, every K head * k_norm */
+void qk_norm_rows(float *qkv, int64_t rows, const float *bias, const float *q_norm,
+                  const float *k_norm, const Heads *hd, double eps, int threads);
+
+/* per row: qkv += bias; rotate Q, K; Q *= q_scale (unless 1); K, V to the ring or step */
+void rope_kv_rows(float *qkv, int64_t rows, const float *bias, const float *rot, int64_t pos,
+                  const Heads *hd, int64_t n_rot, int neox, float q_scale, void *k_cache,
+                  void *v_cache, StepKV step, int threads);
+
+/* Row r (position q = pos + r) attends to positions max(0, q - window + 1) .. q (window
+ * 0: 0 .. q), in order, read from the ring and (when given) the step's rows, whose last
+ * max_seq positions then go to the ring. Returns 0, or -1 when out of memory. */
+int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache, void *v_cache,
+                   StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
+                   float *out, int threads);
+
+void embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads);
+
+/* the first index of the largest finite value; *bad = the count of non-finite values */
+int64_t argmax_finite(const float *x, int64_t n, int64_t *bad);
+
+#endif
