@@ -1,6 +1,7 @@
 """Weights outlive a run (warm reuse), in the shared worker code every worker has: the
 NumPy reference worker (``runtime_core.reference``) and ``StageWorker``, the base of
-the CUDA and CPU workers, here over the NumPy twins of the CUDA kernels.
+the CUDA and CPU workers: over the NumPy twins of the CUDA kernels, and the CPU worker
+itself (its weights mapped from the file).
 
 A worker provisioned again for the same slice of the same file reuses its weights
 (nothing is read: no progress is reported) and gives the tokens a fresh worker gives;
@@ -19,12 +20,17 @@ from runplan import ProvisionStage, SamplingConfig
 from runtime_core.kept_weights import KeepsWeights
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput, Worker
+from runtime_cupy.cpu.worker import CpuWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.runtime_core.chain import provisions
 from tests.support.twin_stage import TwinWorker
 
 MakeWorker = Callable[[], Worker]
-WORKERS: dict[str, MakeWorker] = {"reference": ReferenceWorker, "stage-worker": TwinWorker}
+WORKERS: dict[str, MakeWorker] = {
+    "reference": ReferenceWorker,
+    "stage-worker": TwinWorker,
+    "cpu": lambda: CpuWorker(threads=1),
+}
 
 
 @pytest.fixture(params=sorted(WORKERS))
