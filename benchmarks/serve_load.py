@@ -1,7 +1,7 @@
 """Warm stages and the HTTP server: time to first token cold and warm, tokens per
 second, and what the server itself adds to a request.
 
-    python benchmarks/serve_load.py [--model smollm2-135m] [--stages 3] [--worker numpy]
+    python benchmarks/serve_load.py [--model smollm2-135m] [--stages 3] [--worker cpu|numpy|cuda]
         [--cold 3] [--rounds 5] [--cost-rounds 30] [--max-tokens 16] [--prompt TEXT]
         [--json]
 
@@ -60,6 +60,7 @@ from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.cli import _listen
 from runtime_cupy.serve.engine import Engine, chat_prompt
 from runtime_cupy.serve.requests import Message
+from runtime_cupy.workers import DEFAULT_WORKER, WORKERS
 
 Timing = dict[str, float]
 
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--worker", default="numpy")
+    p.add_argument("--worker", default=DEFAULT_WORKER, choices=WORKERS)
     p.add_argument("--rounds", type=int, default=5, help="warm rounds on --model (5)")
     p.add_argument("--cold", type=int, default=3, help="cold runs (3)")
     p.add_argument("--cost-rounds", type=int, default=30, help="rounds on the tiny model (30)")

@@ -53,7 +53,7 @@ from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.keys import new_secret
 from runtime_cupy.launcher import ORCHESTRATOR, ProcessRun
-from runtime_cupy.workers import capabilities
+from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 log = logging.getLogger("runtime_cupy.serve.chain")
 
@@ -99,7 +99,7 @@ class WarmChain:
         model: str,
         *,
         stages: int = 3,
-        worker: str = "numpy",
+        worker: str = DEFAULT_WORKER,
         gpus: Sequence[int] | None = None,
         edges: str = "auto",
         host: StageHost | None = None,

@@ -33,7 +33,7 @@ from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import TokenizerError
 from runtime_cupy.edges.choice import PREFERENCES
 from runtime_cupy.serve.chain import ChainError, WarmChain
-from runtime_cupy.workers import WORKERS, WorkerUnavailable
+from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
 API_KEY_VARIABLE = "GGUF_PIPELINE_API_KEY"
 EXIT_FAILED = 1
@@ -43,13 +43,6 @@ INPUT_ERRORS = (GgufError, ModelNotFound, PlanRejected, TokenizerError, ValueErr
                 WorkerUnavailable)  # fmt: skip
 
 log = logging.getLogger("runtime_cupy.serve")
-
-
-def _default_worker() -> str:
-    """The worker ``python -m runtime_cupy`` runs by default."""
-    from runtime_cupy.cli import build_parser
-
-    return str(build_parser().get_default("worker"))
 
 
 def _positive(text: str) -> int:
@@ -70,7 +63,7 @@ def _gpus(text: str) -> list[int]:
 
 def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of the warm stages, shared by ``serve`` and ``chat``."""
-    worker = _default_worker()
+    worker = DEFAULT_WORKER
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,

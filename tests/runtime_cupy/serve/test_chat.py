@@ -6,8 +6,8 @@
 - ``/reset`` forgets the conversation; Ctrl-C stops an answer being written and the
   chat goes on; ``/exit`` leaves with status 0 and no stage left behind.
 
-Expected answers are ``runtime_cupy.generate``'s (NumPy worker, greedy, the same stage
-count) on the prompt the chat template makes of each conversation.
+Expected answers are ``runtime_cupy.generate``'s (the chat's worker, greedy, the same
+stage count) on the prompt the chat template makes of each conversation.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy import generate
 from runtime_cupy.serve.engine import chat_prompt
 from runtime_cupy.serve.requests import Message
+from runtime_cupy.workers import DEFAULT_WORKER
 
 if not sys.platform.startswith("linux"):
     pytest.skip("pseudo-terminals as Linux has them", allow_module_level=True)
 
 MAX_TOKENS = 200
+WORKER = DEFAULT_WORKER
 PROMPT = b"\r\n> "
 
 
@@ -95,7 +97,7 @@ class Terminal:
 
 def answer(model: str, tok: Tokenizer, turns: list[tuple[str, str]]) -> str:
     ids = chat_prompt(tok, [Message(role, text) for role, text in turns])
-    result = generate(model, ids, stages=2, max_tokens=MAX_TOKENS, worker="numpy")
+    result = generate(model, ids, stages=2, max_tokens=MAX_TOKENS, worker=WORKER)
     assert result.outcome == "completed", result.fault
     return result.text
 
@@ -107,11 +109,11 @@ def test_a_conversation_in_the_terminal(tiny_chat: str) -> None:
     alone = answer(tiny_chat, tok, [("user", "again")])
     assert second != alone, "the test needs turns whose answer depends on the history"
     story = chat_prompt(tok, [Message("user", "Tell me a story.")])
-    long = generate(tiny_chat, story, stages=2, max_tokens=MAX_TOKENS, worker="numpy")
+    long = generate(tiny_chat, story, stages=2, max_tokens=MAX_TOKENS, worker=WORKER)
     assert len(long.tokens) == MAX_TOKENS, "the test needs an answer long enough to stop"
 
     argv = [sys.executable, "-m", "runtime_cupy", "chat", "--model", tiny_chat,
-            "--stages", "2", "--max-tokens", str(MAX_TOKENS)]  # fmt: skip
+            "--stages", "2", "--worker", WORKER, "--max-tokens", str(MAX_TOKENS)]  # fmt: skip
     term = Terminal(argv)
     try:
         term.read_until(b"> ", 0)

@@ -1,10 +1,10 @@
 """``python -m runtime_cupy serve`` against the official ``openai`` client on loopback.
 
-One server (two NumPy-worker stages of a tiny random model with SmolLM2's chat
+One server (two stages of the default worker, of a tiny random model with SmolLM2's chat
 template, a key from ``GGUF_PIPELINE_API_KEY``) serves every test here:
 
 - chat and completions, whole and streamed, give the text of ``runtime_cupy.generate``
-  (the NumPy worker, the same prompt, stage count and sampling: greedy, and with a
+  (the same worker, prompt, stage count and sampling: greedy, and with a
   temperature and a seed), with usage and ``finish_reason``; stop strings cut it;
 - four clients at once are all answered, one run at a time, in the order the server
   logged their arrival;
@@ -32,12 +32,14 @@ from runtime_cupy import generate
 from runtime_cupy.serve.cli import API_KEY_VARIABLE
 from runtime_cupy.serve.engine import chat_prompt
 from runtime_cupy.serve.requests import Message
+from runtime_cupy.workers import DEFAULT_WORKER
 from tests.runtime_cupy.hygiene import wait_gone
 from tests.runtime_cupy.serve.servers import ServerProcess, idle, metrics, wait_for
 
 KEY = "test-key-5f1b"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STAGES = 2
+WORKER = DEFAULT_WORKER  # what a user gets (the CPU worker); generate runs it too
 CONTEXT = 256
 
 
@@ -45,7 +47,8 @@ CONTEXT = 256
 def server(tiny_chat: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, API_KEY_VARIABLE: KEY}
-    args = ["--model", tiny_chat, "--stages", str(STAGES), "--port", "0", "--max-queue", "8"]
+    args = ["--model", tiny_chat, "--stages", str(STAGES), "--worker", WORKER, "--port", "0",
+            "--max-queue", "8"]  # fmt: skip
     s = ServerProcess([*args, "--context", str(CONTEXT)], log, env)
     try:
         s.wait_listening()
@@ -76,8 +79,8 @@ def tokenizer(tiny_chat: str) -> Tokenizer:
 
 
 def expected(model: str, ids: list[int], max_tokens: int, **sampling: Any) -> tuple[str, int]:
-    """What ``runtime_cupy.generate`` (NumPy worker) makes of ``ids``: text, tokens."""
-    result = generate(model, ids, stages=STAGES, max_tokens=max_tokens, worker="numpy", **sampling)
+    """What ``runtime_cupy.generate`` (the server's worker) makes of ``ids``: text, tokens."""
+    result = generate(model, ids, stages=STAGES, max_tokens=max_tokens, worker=WORKER, **sampling)
     assert result.outcome == "completed", result.fault
     return result.text, len(result.tokens)
 
