@@ -148,7 +148,9 @@ class Api:
         events: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            # A whole answer reads only its end: its pieces do not wake the loop.
+            if req.stream or not isinstance(event, Piece):
+                loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
             job = self.engine.submit(prepared, sink)
