@@ -204,13 +204,14 @@ class Api:
                     yield fmt.event(fmt.piece_chunk(job, self.model, event.text))
                     continue
                 over = True
+                # The end in one write (each write is a send to the client).
                 if isinstance(event, Finished):
-                    yield fmt.event(fmt.last_chunk(job, self.model, event))
+                    end = fmt.event(fmt.last_chunk(job, self.model, event))
                     if job.prepared.request.include_usage:
-                        yield fmt.event(fmt.usage_chunk(job, self.model, event))
+                        end += fmt.event(fmt.usage_chunk(job, self.model, event))
                 else:
-                    yield fmt.event(fmt.error_body(event))
-                yield fmt.DONE
+                    end = fmt.event(fmt.error_body(event))
+                yield end + fmt.DONE
                 return
         finally:
             if not over:  # the client went away (or the server stops): the run goes
