@@ -40,30 +40,57 @@ def writable_file(text: str) -> Path:
     return path
 
 
-class TextStream:
-    """Prints generated text as tokens arrive: the new part of the decoded text. The
-    end of the text is held back while it may still change: an incomplete UTF-8
-    sequence (U+FFFD) and trailing whitespace, which a detokenizer that cleans up
-    spaces may drop once punctuation follows."""
+class IncrementalText:
+    """The text of generated tokens, piece by piece as they arrive: ``push(token)``
+    returns the new part of the decoded text. The end of the text is held back while it
+    may still change: an incomplete UTF-8 sequence (U+FFFD) and trailing whitespace,
+    which a detokenizer that cleans up spaces may drop once punctuation follows.
+    ``finish(text)`` returns what is left of the final ``text`` (``None`` when a
+    character already returned changed after all)."""
 
-    def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.out = out
         self.ids: list[int] = []
         self.shown = ""
 
-    def __call__(self, token_id: int) -> None:
+    def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids).rstrip("\ufffd").rstrip()
         if text.startswith(self.shown) and len(text) > len(self.shown):
-            self.out.write(text[len(self.shown) :])
+            new, self.shown = text[len(self.shown) :], text
+            return new
+        return ""
+
+    def finish(self, text: str) -> str | None:
+        if not text.startswith(self.shown):
+            return None
+        rest, self.shown = text[len(self.shown) :], text
+        return rest
+
+
+class TextStream:
+    """Prints generated text as tokens arrive (``IncrementalText``)."""
+
+    def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
+        self.text = IncrementalText(tokenizer)
+        self.out = out
+
+    @property
+    def ids(self) -> list[int]:
+        """The tokens printed so far."""
+        return self.text.ids
+
+    def __call__(self, token_id: int) -> None:
+        new = self.text.push(token_id)
+        if new:
+            self.out.write(new)
             self.out.flush()
-            self.shown = text
 
     def finish(self, text: str) -> None:
         """Write the rest of the final ``text`` and a newline."""
-        if text.startswith(self.shown):
-            self.out.write(text[len(self.shown) :] + "\n")
+        rest = self.text.finish(text)
+        if rest is not None:
+            self.out.write(rest + "\n")
         else:  # a character already printed changed after all: print the whole text again
             self.out.write("\n" + text + "\n")
         self.out.flush()

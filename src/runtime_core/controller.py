@@ -6,7 +6,8 @@ machine and carries out its actions at once; the work that takes time is left fo
 runtime to run when it chooses, each piece reporting back as events:
 
 - ``run_setup()`` (after provisioning): configure the worker, load and bind the range,
-  open the receive edge; ``try_attach_outbound()`` until the consumer's ring exists.
+  open the receive edge (each part done traced as ``setup_done``, so that a runtime
+  can time them); ``try_attach_outbound()`` until the consumer's ring exists.
 - ``poll_inbound()`` while ``wants_input``: the next record, validated, becomes
   ``ObjectLoaded`` (or an ``EdgeFault``).
 - ``run_step()`` while ``step_pending``: the worker's step over the loaded record; then
@@ -237,6 +238,8 @@ class StageController:
             except Exception as exc:  # any failure of setup is the stage's fault to report
                 self.handle(fsm.SetupFailed(part, f"{type(exc).__name__}: {exc}"))
                 return
+            if self.trace is not _no_trace:  # once a run: the runtime may time the parts
+                self.trace("setup_done", {"part": part.value})
             self.handle(fsm.SetupDone(part))
             if self.machine.state is not fsm.State.PREPARING:
                 return

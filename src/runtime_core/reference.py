@@ -10,6 +10,11 @@ the run's sequence afresh (cache and sampler); sequence ``k > 0`` must follow
 ``k - 1`` and decodes one row at position ``prompt_len + k - 1``. The last stage
 samples from the raw logits of the last row and returns a ``TokenOutput`` (with the
 logits when the run asks for them).
+
+Weights outlive a run (``kept_weights``): ``release`` drops the run (KV cache, sampler,
+sequence) and keeps the dequantized weights; a later ``bind`` whose source and layer
+range match uses them again (``weights_reused``) and makes a new KV cache.
+``forget_weights`` lets them go.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from runplan.gguf_header import GgufError
 from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_provisioned_slice
+from runtime_core.kept_weights import WeightsKey, weights_key
 from runtime_core.reference_model import StageModel, StageWeights
 from runtime_core.sampling import Sampler
 from runtime_core.worker import (
@@ -36,9 +42,19 @@ from runtime_core.worker import (
 )
 
 
+@attrs.frozen
+class _Held:
+    """Weights bound for one stage's slice, kept across runs."""
+
+    key: WeightsKey
+    weights: StageWeights
+    vocab_size: int
+
+
 @attrs.define
 class _Bound:
-    """What ``bind`` made: weights, cache, sampler, and where the sequence stands."""
+    """One run's state: the model over the held weights with the run's KV cache, the
+    sampler, and where the sequence stands."""
 
     model: StageModel
     vocab_size: int
@@ -55,6 +71,8 @@ class ReferenceWorker:
     def __init__(self) -> None:
         self._provision: ProvisionStage | None = None
         self._bound: _Bound | None = None
+        self._held: _Held | None = None
+        self.weights_reused = False  # the last bind used weights already held
 
     # -- Worker -----------------------------------------------------------------
     def configure(self, provision: ProvisionStage) -> None:
@@ -71,26 +89,35 @@ class ReferenceWorker:
         self._bound = None
 
     def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
-        """Load the stage's tensors. A file that cannot be run raises ``WorkerError``
-        whose ``__cause__`` is the typed ``UnsupportedModel`` or ``GgufError``; the
-        worker then stays unbound."""
+        """Load the stage's tensors, or use those held when they are the same slice of
+        the same file. A file that cannot be run raises ``WorkerError`` whose
+        ``__cause__`` is the typed ``UnsupportedModel`` or ``GgufError``; the worker
+        then stays unbound."""
         p = self._provision
         if p is None:
             raise WorkerError("bind before configure")
         self._bound = None
-        try:
-            with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
-                weights = StageWeights.load(stage, progress)
-                vocab = stage.vocab_size
-        except (UnsupportedModel, GgufError, ValueError, OSError) as exc:
-            raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
+        key = weights_key(gguf_source, p)
+        held = self._held
+        self.weights_reused = held is not None and held.key.reusable_for(key)
+        if held is None or not self.weights_reused:
+            self._held = held = None  # the old weights go before new ones are read
+            try:
+                with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
+                    weights = StageWeights.load(stage, progress)
+                    vocab = stage.vocab_size
+            except (UnsupportedModel, GgufError, ValueError, OSError) as exc:
+                raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
+            held = self._held = _Held(key, weights, vocab)
         sampler = None
         if p.is_last:
             try:
                 sampler = Sampler(p.sampling or SamplingConfig())
             except ValueError as exc:
                 raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
-        self._bound = _Bound(StageModel(weights, p.model.max_seq_len), vocab, sampler)
+        self._bound = _Bound(
+            StageModel(held.weights, p.model.max_seq_len), held.vocab_size, sampler
+        )
 
     def execute_step(
         self, sequence: int, data: npt.NDArray[np.generic]
@@ -126,8 +153,14 @@ class ReferenceWorker:
         return result
 
     def release(self) -> None:
+        """End the run: its KV cache, sampler and provision go; the weights stay."""
         self._bound = None
         self._provision = None
+
+    def forget_weights(self) -> None:
+        """Let the held weights go (the next ``bind`` reads the file)."""
+        self._held = None
+        self.weights_reused = False
 
     # -- checks -------------------------------------------------------------------
     @staticmethod

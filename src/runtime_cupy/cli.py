@@ -9,6 +9,11 @@ standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
 that faults prints one line naming the stage, node and reason to standard error and
 exits 1; Ctrl-C tears the run down, prints ``cancelled`` and exits 130; bad input
 exits 2.
+
+Subcommands beside it: ``python -m runtime_cupy plan ...`` (``plan_cli``),
+``python -m runtime_cupy serve ...`` (an OpenAI-compatible HTTP
+API over warm stages, ``serve.cli``) and ``python -m runtime_cupy chat ...`` (a
+terminal chat on warm stages, ``serve.chat``).
 """
 
 from __future__ import annotations
@@ -195,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = OneLineParser(
         prog="python -m runtime_cupy",
         description="Generate text from a GGUF model through N stage processes on this "
-        "host (one OS process per stage, shared-memory or TCP edges between them).",
+        "host or on the hosts of a Ray cluster (one OS process per stage, shared-memory "
+        "or TCP edges between them).",
+        epilog="Also: 'python -m runtime_cupy plan --help' (the plan against this host or "
+        "a Ray cluster), 'python -m runtime_cupy serve --help' (an OpenAI-compatible HTTP "
+        "API over warm stages) and 'python -m runtime_cupy chat --help' (a terminal chat).",
     )
     add_generation_arguments(run, stages_help="stage processes (default: 3)")
     run.add_argument(
@@ -234,13 +243,28 @@ def build_parser() -> argparse.ArgumentParser:
     return run
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"]:
-        from runtime_cupy.plan_cli import main as plan_main
+def _subcommand(name: str, argv: Sequence[str]) -> int:
+    if name == "plan":
+        from runtime_cupy.plan_cli import main as plan
 
-        return plan_main(argv[1:])
-    args = build_parser().parse_args(argv)
+        return plan(argv)
+    if name == "serve":
+        from runtime_cupy.serve.cli import main as serve
+
+        return serve(argv)
+    from runtime_cupy.serve.chat import main as chat
+
+    return chat(argv)
+
+
+SUBCOMMANDS = ("plan", "serve", "chat")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in SUBCOMMANDS:
+        return _subcommand(given[0], given[1:])
+    args = build_parser().parse_args(given)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         stream=sys.stderr,

@@ -21,6 +21,13 @@ cancellation tears the run down through the state machine: no more injections,
 timeout. Then, whatever happened (an exception too), every stage is reaped (killed
 after a short grace) and every resource of the run's edges is freed by name through
 the host, also those whose owner was killed.
+
+Warm stages (``stages=``: handles started before, with ``StageLaunch(warm=True)``, and
+the ``secret`` they were started with) are provisioned for the run and kept after it:
+nothing is started, and a stage that confirmed ``StageStopped`` is left running for the
+next run. One that died, did not confirm its stop in time, or whose fault ended the
+run is killed and reaped and named in ``ProcessRunResult.broken``, for its owner to
+start again (``serve.chain.WarmChain``).
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class ProcessRunResult:
     ended_s: float  # torn down and cleaned up
     trace: tuple[Event, ...] | None
     media: tuple[str, ...] = ()  # how each edge moved its bytes, in plan order
+    broken: tuple[int, ...] = ()  # warm stages the run killed or found gone, by index
 
 
 class _Stage:
@@ -123,7 +131,9 @@ class ProcessRun:
     """One run of ``plan``. ``worker`` is the registry's name of the stages' worker
     (``numpy``, ``cuda``); ``devices[i]`` the GPU of stage ``i`` on its machine
     (``None``: none). ``host`` starts the stages (default: ``LocalProcessHost`` with
-    ``log_dir`` and ``log_level``); ``edges`` is ``auto``, ``shm`` or ``tcp``."""
+    ``log_dir`` and ``log_level``); ``edges`` is ``auto``, ``shm`` or ``tcp``.
+    ``stages``: warm stages of ``host`` to provision instead of starting new ones, one
+    per stage of the plan (same index and node), started with ``secret``."""
 
     def __init__(
         self,
@@ -139,6 +149,8 @@ class ProcessRun:
         log_dir: Path | None = None,
         log_level: str | None = None,
         trace: bool = False,
+        stages: Sequence[StageHandle] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.plan = plan
         self.prompt = tuple(int(t) for t in prompt)
@@ -154,7 +166,16 @@ class ProcessRun:
         self.on_event = on_event
         self.trace = TraceLog(ORCHESTRATOR, enabled=trace)
         self._stage_events: list[Event] = []
-        self.secret = new_secret()
+        self.warm = tuple(stages) if stages is not None else None
+        if self.warm is not None:
+            if secret is None:
+                raise ValueError("warm stages come with the secret they were started with")
+            given = sorted((h.stage_index, h.node_id) for h in self.warm)
+            planned = [(s.stage_index, s.node_id) for s in plan.stages]
+            if given != planned:
+                raise ValueError(f"warm stages {given} are not the plan's stages {planned}")
+        self.secret = secret if secret is not None else new_secret()
+        self._broken: set[int] = set()
         self.edges = ProcessEdges(
             self.host.medium(self.media[plan.token_out.edge_id]),
             self.host.medium(self.media[plan.token_in.edge_id]),
@@ -175,6 +196,10 @@ class ProcessRun:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        # cancel() may come from another thread (or a signal handler on this one) while
+        # the run closes its wake-up pipe: it never writes to a descriptor closed (and
+        # perhaps reused by then).
+        self._wake_lock = threading.RLock()
         self._waiter = Watch()
         self._cancel: list[str] = []  # requests (signal names), in order
         self._cancel_fed = 0
@@ -227,8 +252,9 @@ class ProcessRun:
         """Ask the run to tear down (any thread, or a signal handler); a second request
         while tearing down stops waiting for the stages."""
         self._cancel.append(why)
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"!")
+        with self._wake_lock, contextlib.suppress(OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"!")
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> ProcessRunResult:
@@ -242,9 +268,11 @@ class ProcessRun:
                 self._teardown()
             finally:
                 self._restore_signals(previous)
-                for fd in (self._wake_r, self._wake_w):
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                with self._wake_lock:
+                    fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+                    for fd in fds:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
         c = self.controller
         finished = c.finished
         tokens = finished.tokens if finished is not None else c.machine.tokens
@@ -259,6 +287,7 @@ class ProcessRun:
             ended_s=time.monotonic(),
             trace=tuple(self._merged_trace()) if self.trace.enabled else None,
             media=tuple(self.media[e.edge_id] for e in self.plan.edges),
+            broken=tuple(sorted(self._broken)),
         )
 
     def _install_signals(self) -> dict[int, Any]:
@@ -277,6 +306,14 @@ class ProcessRun:
 
     # -- stages --------------------------------------------------------------------------
     def _start_all(self) -> None:
+        if self.warm is not None:
+            for warm in sorted(self.warm, key=lambda h: h.stage_index):
+                kept = _Stage(warm)
+                self.stages.append(kept)
+                self.stage_by_node[kept.node_id] = kept
+                pid = warm.info().pid
+                self._emit("attached", stage_index=kept.index, node_id=kept.node_id, pid=pid)
+            return
         plan = self.plan
         for stage in plan.stages:
             launch = StageLaunch(
@@ -427,6 +464,48 @@ class ProcessRun:
         for stage in self.stages:  # what waits to leave (a StopRun) goes now
             with contextlib.suppress(OSError):
                 stage.channel.flush()
+        if self.warm is not None:
+            self._let_go_warm()
+        else:
+            self._reap_all()
+        self.edges.detach()
+        self._waiter.forget()
+        self.host.cleanup(self.plan.run_id, [e.edge_id for e in self.plan.edges])
+        for stage in self.stages:
+            self._stage_events += stage.handle.trace_events()
+
+    def _let_go_warm(self) -> None:
+        """Keep every warm stage that confirmed its stop; kill and reap the others."""
+        c = self.controller
+        fault_stage = c.finished.fault_stage if c.finished is not None else None
+        for stage in self.stages:
+            kept = (
+                stage.index in c.machine.stopped
+                and stage.index != fault_stage
+                and not stage.gone
+                and stage.broken is None
+                and not stage.channel.eof
+                and not stage.handle.exited()
+            )
+            if not kept:
+                self._broken.add(stage.index)
+        for stage in self.stages:
+            if stage.index in self._broken and not stage.handle.exited():
+                log.warning(
+                    "stage %d (%s): killing it (%s)",
+                    stage.index,
+                    stage.node_id,
+                    "its fault ended the run"
+                    if stage.index == fault_stage
+                    else "it did not confirm its stop",
+                )
+                stage.handle.kill()
+        for stage in self.stages:
+            if stage.index in self._broken:
+                stage.handle.wait(REAP_S)
+
+    def _reap_all(self) -> None:
+        c = self.controller
         unconfirmed = set(c.finished.unconfirmed_stages) if c.finished is not None else set()
         deadline = time.monotonic() + (EXIT_GRACE_S if c.finished is not None else 0.5)
         for stage in self.stages:
@@ -439,11 +518,6 @@ class ProcessRun:
         for stage in self.stages:
             stage.handle.wait(REAP_S)
             stage.handle.close()
-        self.edges.detach()
-        self._waiter.forget()
-        self.host.cleanup(self.plan.run_id, [e.edge_id for e in self.plan.edges])
-        for stage in self.stages:
-            self._stage_events += stage.handle.trace_events()
 
     def _merged_trace(self) -> list[Event]:
         return self.trace.metadata() + self.trace.events + self._stage_events

@@ -25,7 +25,17 @@ the token-out edge, whose owner is gone; so a run whose orchestrator was killed 
 nothing behind. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
 stops the stage as a lost orchestrator does.
 
-Exit status: 0 after ``StopRun``, 3 after the orchestrator was lost, 2 on bad usage.
+Warm stages (``--warm``) serve one run after another: after ``StopRun`` the stage
+stays, ``STOPPED``, and waits for the next ``ProvisionStage`` (the stage machine allows
+``STOPPED -> PREPARING`` and keeps the stopped runs' ids stale). Its worker keeps the
+weights it bound (``runtime_core.kept_weights``), so a later run of the same slice
+loads nothing: its trace has a ``weights reused`` instant where the first has a
+``bind`` span. Each run's trace events are written when the run ends, before
+``StageStopped``. A warm stage ends when its orchestrator closes the control channel
+(or is lost) while no run is active.
+
+Exit status: 0 after ``StopRun`` (warm: after the channel closed between runs), 3 after
+the orchestrator was lost (during a run), 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from runplan.fsm import stage as fsm
 from runplan.messages import StageFault, StageReady, StageStopped
 from runplan.plan import EdgeKind
 from runtime_core.controller import StageController
+from runtime_core.kept_weights import KeepsWeights
 from runtime_core.worker import Progress, Worker, WorkerError
 from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
 from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges
@@ -114,6 +125,8 @@ class _Reporter:
         # closed by a neighbour that stopped first is expected): logged at INFO here.
         detail = f": {message.reason}" if isinstance(message, StageFault) else ""
         log.info("send %s%s", type(message).__name__, detail)
+        if isinstance(message, StageStopped):
+            stage.run_ended()  # the run's trace is whole before the orchestrator hears
         if stage.channel.eof:
             return
         try:
@@ -136,8 +149,15 @@ class StageProcess:
         stop_s: float,
         trace: TraceLog,
         lifeline_fd: int | None = None,
+        warm: bool = False,
+        trace_file: Path | None = None,
     ) -> None:
+        # ``warm``: serve runs until the channel closes between runs. ``trace_file``:
+        # where a warm stage writes each run's trace events when the run ends.
         self.stage_index = stage_index
+        self.warm = warm
+        self.trace_file = trace_file
+        self.worker = worker
         self.channel = channel
         self.channel_broken = False
         self.lifeline_fd = lifeline_fd
@@ -169,6 +189,8 @@ class StageProcess:
         self._run: tuple[str, int, int | None] | None = None
         self._attach_at = 0.0
         self._output_since: float | None = None
+        self._setup_at = 0  # now_us() when setup began, then when its last part ended
+        self._lost_in: fsm.State | None = None  # the machine's state when it was lost
         self._waiter = Watch()
 
     # -- trace and logs --------------------------------------------------------------
@@ -190,8 +212,34 @@ class StageProcess:
             self.trace.instant("reject", **fields)
         elif kind == "protocol_violation":
             log.warning("protocol violation: %s in %s", fields["kind"], fields["state"])
+        elif kind == "setup_done":
+            self._setup_part_done(fields["part"])
         else:
             log.info("%s %s", kind, fields)
+
+    def _setup_part_done(self, part: str) -> None:
+        """Time each part of setup; the shard is a ``bind`` span only when the worker
+        read weights (a warm stage's later runs reuse them)."""
+        start, self._setup_at = self._setup_at, now_us()
+        if part == fsm.SetupPart.SHARD.value:
+            worker = self.worker
+            if isinstance(worker, KeepsWeights) and worker.weights_reused:
+                log.info("weights reused")
+                self.trace.instant("weights reused")
+            else:
+                log.info("bound weights in %.3f s", (self._setup_at - start) / 1e6)
+                self.trace.span("bind", start)
+        elif self.trace.enabled:
+            self.trace.span(part.lower(), start)
+
+    def run_ended(self) -> None:
+        """The run is over (StageStopped about to leave): a warm stage writes the run's
+        trace events now, for the orchestrator to read once it hears."""
+        if self.warm and self.trace.enabled and self.trace_file is not None:
+            try:
+                self.trace.flush(self.trace_file)
+            except OSError as exc:
+                log.warning("cannot write the run's trace: %s", exc)
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> int:
@@ -203,10 +251,13 @@ class StageProcess:
                 self._check_lost()
                 self._pump()
                 state = self.controller.state
-                if state is fsm.State.STOPPED or (
-                    self.lost is not None and state is fsm.State.UNPROVISIONED
-                ):
-                    return EXIT_STOPPED if self.lost is None else EXIT_LOST
+                idle = state in (fsm.State.STOPPED, fsm.State.UNPROVISIONED)
+                if self.lost is not None and idle:
+                    if self.warm and self._lost_in in (fsm.State.STOPPED, fsm.State.UNPROVISIONED):
+                        return EXIT_STOPPED  # the chain closed between runs
+                    return EXIT_LOST
+                if state is fsm.State.STOPPED and not self.warm:
+                    return EXIT_STOPPED
                 self._wait()
         finally:
             self._done.set()
@@ -227,7 +278,11 @@ class StageProcess:
         if self.lost is not None:
             return
         self.lost = why
-        log.warning("orchestrator lost (%s): stopping", why)
+        self._lost_in = self.controller.state
+        if self.warm and self._lost_in in (fsm.State.STOPPED, fsm.State.UNPROVISIONED):
+            log.info("the chain closed (%s): exiting", why)
+        else:
+            log.warning("orchestrator lost (%s): stopping", why)
         self.trace.instant("orchestrator lost", why=why)
         self.controller.handle(fsm.OrchestratorLost())
 
@@ -242,8 +297,8 @@ class StageProcess:
                 last = p.outbound.edge_id if p.outbound.kind is EdgeKind.TOKEN_OUT else None
                 self._run = (p.run_id, p.inbound.edge_id, last)
             if c.setup_pending:
-                start = now_us()
-                log.info("setup begins")
+                start = self._setup_at = now_us()
+                log.info("setup begins (run %s)", c.provision.run_id if c.provision else "?")
                 c.run_setup()
                 self.trace.span("setup", start)
                 progress = True
@@ -277,6 +332,8 @@ class StageProcess:
                 c.run_release()
                 self.edges.detach()
                 self._remove_resources()
+                self._run = None  # freed; a warm stage's next run names its own
+                self._output_since = None
                 progress = True
 
     def _bound_output_wait(self, now: float) -> None:
@@ -401,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="One pipeline stage process (started by the runtime_cupy launcher's "
         "local-process host; the stages' secret is read from standard input).",
     )
-    p.add_argument("--run-id", required=True, help="the run (for logs)")
+    p.add_argument("--run-id", required=True, help="the run, or a warm stage's chain (for logs)")
     p.add_argument("--stage-index", type=int, required=True)
     p.add_argument("--node-id", required=True)
     p.add_argument("--orchestrator-id", required=True)
@@ -411,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inbound", choices=MEDIA, default="shm", help="how the inbound edge moves")
     p.add_argument("--outbound", choices=MEDIA, default="shm", help="how the outbound edge moves")
     p.add_argument("--stop-ms", type=int, default=10_000)
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="serve one run after another, keeping the bound weights, until the control "
+        "channel closes between runs",
+    )
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--trace-file", type=Path, default=None)
     return p
@@ -459,6 +522,8 @@ def main(
         worker=worker,
         stop_s=args.stop_ms / 1000.0,
         trace=trace,
+        warm=args.warm,
+        trace_file=args.trace_file,
     )
     signal.signal(signal.SIGTERM, lambda *_: stage.notice_loss("SIGTERM"))
     log.info("started (run %s)", args.run_id)

@@ -16,6 +16,14 @@ Options common to every backend:
   the NumPy reference worker).
 - ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
   wide, float32 when 4), ``"f16"`` or ``"f32"``.
+
+Weights outlive a run (``runtime_core.kept_weights``): ``release`` ends the run (its
+sequence, position and sampling state) and keeps the backend with its weights; a later
+``bind`` for the same slice of the same file, with the same backend settings and cache
+length, uses that backend again (``weights_reused``) instead of loading. The backend's
+KV cache buffers are kept with it and hold nothing a new run reads: every run starts
+with a prefill at position 0, and a step reads only the positions its run wrote (causal
+attention over ``0..pos``). ``forget_weights`` releases the backend.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from runplan.gguf_header import GgufError
 from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice, open_provisioned_slice
+from runtime_core.kept_weights import WeightsKey, weights_key
 from runtime_core.sampling import Sampler
 from runtime_core.worker import (
     Progress,
@@ -79,8 +88,19 @@ class BackendSpec:
     matvec: str  # "q8" or "f32"
 
 
+@attrs.frozen
+class _Held:
+    """A loaded backend, kept across runs."""
+
+    key: WeightsKey
+    backend: StageBackend
+    vocab_size: int
+
+
 @attrs.define
 class _Run:
+    """One run's state over the held backend."""
+
     backend: StageBackend
     vocab_size: int
     sampling: SamplingConfig | None  # last stage
@@ -109,6 +129,8 @@ class StageWorker:
         self.kv_dtype = kv_dtype
         self._provision: ProvisionStage | None = None
         self._run: _Run | None = None
+        self._held: _Held | None = None
+        self.weights_reused = False  # the last bind used the backend already held
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         raise NotImplementedError
@@ -136,13 +158,14 @@ class StageWorker:
         self._provision = provision
 
     def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
-        """Load the stage's tensors onto the backend. A file that cannot be run raises
-        ``WorkerError`` whose ``__cause__`` is the typed ``UnsupportedModel`` or
-        ``GgufError``; the worker then stays unbound."""
+        """Load the stage's tensors onto a backend, or use the backend held when it has
+        the same slice of the same file with the same settings. A file that cannot be
+        run raises ``WorkerError`` whose ``__cause__`` is the typed ``UnsupportedModel``
+        or ``GgufError``; the worker then stays unbound."""
         p = self._provision
         if p is None:
             raise WorkerError("bind before configure")
-        self._drop_run()
+        self._run = None
         edge = activations.edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
         sampling = None
         if p.is_last:
@@ -158,13 +181,28 @@ class StageWorker:
             kv_dtype=kv_dtype_for(self.kv_dtype, p.model.dtype_width_bytes),
             matvec=self.matvec,
         )
+        key = weights_key(gguf_source, p, (spec, p.model.max_seq_len))
+        held = self._held
+        self.weights_reused = held is not None and held.key.reusable_for(key)
+        if held is None or not self.weights_reused:
+            self.forget_weights()  # the old backend goes before a new one loads
+            held = self._held = _Held(key, *self._load(gguf_source, p, spec, progress))
+        self._run = _Run(held.backend, held.vocab_size, sampling)
+
+    def _load(
+        self,
+        gguf_source: GgufSource,
+        p: ProvisionStage,
+        spec: BackendSpec,
+        progress: Progress | None,
+    ) -> tuple[StageBackend, int]:
         backend: StageBackend | None = None
         try:
             with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
                 self._check_stage(stage)
                 backend = self._make_backend(spec)
                 backend.load(stage, p.model.max_seq_len, progress)
-                vocab = stage.vocab_size
+                return backend, stage.vocab_size
         except WorkerError:
             if backend is not None:
                 backend.release()
@@ -177,7 +215,6 @@ class StageWorker:
             if backend is not None:
                 backend.release()
             raise
-        self._run = _Run(backend, vocab, sampling)
 
     def execute_step(
         self, sequence: int, data: npt.NDArray[np.generic]
@@ -209,13 +246,18 @@ class StageWorker:
         return result
 
     def release(self) -> None:
-        self._drop_run()
+        """End the run (sequence, position, sampling state); the backend and its weights
+        stay for the next run of the same slice."""
+        self._run = None
         self._provision = None
 
-    def _drop_run(self) -> None:
-        if self._run is not None:
-            run, self._run = self._run, None
-            run.backend.release()
+    def forget_weights(self) -> None:
+        """Release the held backend (the next ``bind`` loads)."""
+        self._run = None
+        self.weights_reused = False
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.backend.release()
 
     # -- checks ---------------------------------------------------------------------
     @staticmethod

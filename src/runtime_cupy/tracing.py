@@ -2,8 +2,9 @@
 
 Every process records its own events with timestamps of the monotonic clock, which all
 processes of one host share: the orchestrator keeps them in memory, a stage writes them
-to a file when it exits, and the launcher merges them into one trace with one track per
-process (the orchestrator and each stage)."""
+to a file when it exits (a warm stage, which serves many runs, also when each run ends,
+before it reports ``StageStopped``), and the launcher merges them into one trace with
+one track per process (the orchestrator and each stage)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,16 @@ class TraceLog:
         ]
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.metadata() + self.events))
+        """Write the events whole (a reader never sees half a file)."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.metadata() + self.events))
+        os.replace(tmp, path)
+
+    def flush(self, path: Path) -> None:
+        """Write the events recorded since the last flush and forget them (a stage that
+        serves many runs writes each run's events when the run ends)."""
+        self.write(path)
+        self.events = []
 
 
 def read_events(path: Path) -> list[Event]:

@@ -15,13 +15,21 @@ SHM = Path("/dev/shm")
 TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for its parent counts as gone)."""
+def _state(stat: Path) -> str:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        return "X"
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: any of its threads does (a zombie waiting for its parent
+    counts as gone). A killed process's first thread is a zombie before the others
+    have ended, and only once they all have can its parent reap it; so every thread
+    counts, not the first alone."""
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/stat"))
+    stats = tasks or [Path(f"/proc/{pid}/stat")]
+    return any(_state(stat) not in ("Z", "X") for stat in stats)
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:

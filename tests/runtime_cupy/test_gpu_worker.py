@@ -307,5 +307,7 @@ def test_interface_rules_hold_on_the_device(subject: Subject) -> None:
         w.execute_step(k, np.array([out.token_id], np.uint32))
     with pytest.raises(WorkerError, match="max_seq_len"):
         w.execute_step(6, np.array([1], np.uint32))
-    w.release()
+    w.release()  # the run ends; the weights stay for the next run of this slice
+    assert pool.used_bytes() - before > 0.9 * stored
+    w.forget_weights()
     assert pool.used_bytes() <= before + 1_000_000

@@ -32,7 +32,11 @@ class StageLaunch:
     """What a host needs to start one stage of a run: who it is, which worker it runs,
     how its two edges move bytes (``"shm"`` or ``"tcp"``), its GPU on its machine
     (``None``: none), how long a stop may take. No addresses: the stage finds its
-    peers through the host's rendezvous."""
+    peers through the host's rendezvous.
+
+    ``warm``: the stage serves one run after another (``run_id`` then names the chain,
+    for logs): it keeps its bound weights between runs and ends when its control
+    channel closes between runs (``python -m runtime_cupy.stage --warm``)."""
 
     run_id: str
     stage_index: int
@@ -45,6 +49,7 @@ class StageLaunch:
     stop_ms: int
     device: int | None = None
     trace: bool = False
+    warm: bool = False
 
 
 @frozen
@@ -88,7 +93,9 @@ class StageHandle(Protocol):
     def info(self) -> StageProcessInfo: ...
 
     def trace_events(self) -> list[Event]:
-        """The stage's Chrome trace events, once it is gone (none if it wrote none)."""
+        """The Chrome trace events the stage wrote since the last call (none if it
+        wrote none): once it is gone, or, for a warm stage, once it reported a run's
+        ``StageStopped``."""
         ...
 
     def close(self) -> None:

@@ -184,11 +184,15 @@ class LocalStageHandle:
         )
 
     def trace_events(self) -> list[Event]:
-        path, self._trace_file = self._trace_file, None
+        path = self._trace_file
         if path is None:
             return []
         events = read_events(path)
-        shutil.rmtree(path.parent, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        if self.exited():  # nothing more will come: the folder goes
+            self._trace_file = None
+            shutil.rmtree(path.parent, ignore_errors=True)
         return events
 
     def close(self) -> None:
@@ -227,6 +231,8 @@ class LocalProcessHost:
         ]  # fmt: skip
         if trace_file is not None:
             args += ["--trace-file", str(trace_file)]
+        if launch.warm:
+            args.append("--warm")
         return args
 
     def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:

@@ -1,0 +1,284 @@
+"""The HTTP API, a Starlette application over an ``Engine``:
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI's bodies
+  (``requests``), answered whole or, with ``stream: true``, as server-sent events
+  (``openai_format``). A client that goes away (mid-stream, or while it waits for a
+  whole answer or in the queue) cancels its request; the stages stay warm.
+- ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served.
+- ``GET /health``: 200 once every stage is up and bound, 503 before (and while a
+  broken stage is started again).
+- ``GET /metrics``: Prometheus's text format (``metrics``).
+
+Every error is an OpenAI error object with a status: 400 for a bad body (naming the
+field), 401 without the right ``Authorization: Bearer`` key (when the server has one;
+``/health`` needs none), 404 for an unknown model or path, 405, 413 for a body over
+``MAX_BODY_BYTES``, 429 when the queue is full, 500 / 503 when the pipeline cannot
+answer. A bug is logged with its traceback and answered 500 without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from runtime_cupy.serve import openai_format as fmt
+from runtime_cupy.serve.engine import Engine, Event, Failed, Finished, Job, Piece, QueueFull
+from runtime_cupy.serve.requests import (
+    CompletionRequest,
+    RequestError,
+    parse_chat,
+    parse_completion,
+)
+
+log = logging.getLogger("runtime_cupy.serve")
+
+MAX_BODY_BYTES = 8 << 20
+OWNER = "gguf-pipeline"
+
+
+def _error(error: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _failed(failed: Failed) -> JSONResponse:
+    return JSONResponse(fmt.error_body(failed), status_code=failed.status)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that end (and so cancel their request) the moment the client
+    goes away, whatever the ASGI server's spec version: it always listens."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, gone):
+                task.cancel()
+            await asyncio.gather(stream, gone, return_exceptions=True)
+            await self.events.aclose()  # its cleanup runs now, wherever it stood
+
+
+class Api:
+    """The routes over ``engine``; ``api_key``: required as a Bearer token."""
+
+    def __init__(self, engine: Engine, *, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.model = engine.model_names[0]
+
+    # -- checks ---------------------------------------------------------------------------
+    def _authorized(self, request: Request) -> bool:
+        if not self.api_key:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
+
+    def _unauthorized(self) -> JSONResponse:
+        error = RequestError(
+            "Incorrect or missing API key: send it as Authorization: Bearer <key>",
+            status=401,
+            code="invalid_api_key",
+        )
+        return _error(error, {"WWW-Authenticate": "Bearer"})
+
+    async def _body(self, request: Request) -> bytes:
+        size = int(request.headers.get("content-length") or 0)
+        if size > MAX_BODY_BYTES:
+            raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > MAX_BODY_BYTES:
+                raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, req: CompletionRequest) -> None:
+        if req.model not in self.engine.model_names:
+            raise RequestError(
+                f"The model {req.model!r} does not exist: this server serves {self.model!r}",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+
+    # -- completions ----------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, "chat", parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, "completion", parse_completion)
+
+    async def _complete(
+        self, request: Request, endpoint: str, parse: Callable[[bytes], CompletionRequest]
+    ) -> Response:
+        if not self._authorized(request):
+            self.engine.metrics.request(endpoint, "rejected")
+            return self._unauthorized()
+        try:
+            req = parse(await self._body(request))
+            self._check_model(req)
+            prepared = await asyncio.to_thread(self.engine.prepare, req)
+        except RequestError as exc:
+            log.info("refused a %s request: %s (%s)", endpoint, exc.message, exc.param)
+            self.engine.metrics.request(endpoint, "rejected")
+            return _error(exc)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            # A whole answer reads only its end: its pieces do not wake the loop.
+            if req.stream or not isinstance(event, Piece):
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            job = self.engine.submit(prepared, sink)
+        except QueueFull as exc:
+            self.engine.metrics.request(endpoint, "rejected")
+            error = RequestError(f"the server is busy: {exc}", status=429, code="queue_full",
+                                 type="rate_limit_error")  # fmt: skip
+            return _error(error, {"Retry-After": "1"})
+        if req.stream:
+            return _EventStream(self._stream(job, events))
+        return await self._whole(request, job, events)
+
+    async def _whole(self, request: Request, job: Job, events: asyncio.Queue[Event]) -> Response:
+        async def answer() -> Finished | Failed:
+            while True:
+                event = await events.get()
+                if isinstance(event, Finished | Failed):
+                    return event
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        waiting = asyncio.ensure_future(answer())
+        watching = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({waiting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+        if not waiting.done():
+            job.cancel()
+            waiting.cancel()
+            return Response(status_code=499)  # nobody reads it
+        done = waiting.result()
+        if isinstance(done, Failed):
+            return _failed(done)
+        if job.prepared.request.endpoint == "chat":
+            return JSONResponse(fmt.chat_response(job, self.model, done))
+        return JSONResponse(fmt.completion_response(job, self.model, done))
+
+    async def _stream(self, job: Job, events: asyncio.Queue[Event]) -> AsyncGenerator[bytes, None]:
+        over = False
+        try:
+            if job.prepared.request.endpoint == "chat":
+                yield fmt.event(
+                    fmt.chat_chunk(job, self.model, {"role": "assistant", "content": ""})
+                )
+            while True:
+                event = await events.get()
+                if isinstance(event, Piece):
+                    yield fmt.event(fmt.piece_chunk(job, self.model, event.text))
+                    continue
+                over = True
+                # The end in one write (each write is a send to the client).
+                if isinstance(event, Finished):
+                    end = fmt.event(fmt.last_chunk(job, self.model, event))
+                    if job.prepared.request.include_usage:
+                        end += fmt.event(fmt.usage_chunk(job, self.model, event))
+                else:
+                    end = fmt.event(fmt.error_body(event))
+                yield end + fmt.DONE
+                return
+        finally:
+            if not over:  # the client went away (or the server stops): the run goes
+                job.cancel()
+
+    # -- the rest -------------------------------------------------------------------------
+    def _model(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": OWNER}
+
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model_info(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        name = request.path_params["name"]
+        if name not in self.engine.model_names:
+            return _error(RequestError(f"The model {name!r} does not exist", param="model",
+                                       status=404, code="model_not_found"))  # fmt: skip
+        return JSONResponse(self._model())
+
+    async def health(self, request: Request) -> Response:
+        e = self.engine
+        if e.ready:
+            return JSONResponse({"status": "ok", "model": self.model})
+        status = "unavailable" if e.failure else "starting"
+        body = {"status": status, "model": self.model, "detail": e.failure}
+        return JSONResponse(body, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        return Response(self.engine.metrics.render(), media_type=_metrics_type())
+
+
+def _metrics_type() -> str:
+    from runtime_cupy.serve.metrics import CONTENT_TYPE
+
+    return CONTENT_TYPE
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    what = {404: "not found", 405: "method not allowed"}.get(exc.status_code, exc.detail)
+    message = f"{request.method} {request.url.path}: {what}"
+    return _error(RequestError(message, status=exc.status_code, code=str(what).replace(" ", "_")))
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    failed = Failed(500, f"internal error ({type(exc).__name__})", "internal_error")
+    return _failed(failed)
+
+
+def build_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
+    """The application; the engine is started and closed by whoever runs it."""
+    api = Api(engine, api_key=api_key)
+    routes = [
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", api.model_info, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes, exception_handlers={HTTPException: _http_error, Exception: _bug}
+    )

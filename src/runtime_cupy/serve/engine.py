@@ -1,0 +1,449 @@
+"""Requests to runs: the queue in front of the warm chain and the one thread that runs
+it (no batching in the MVP: one run at a time on the chain).
+
+``Engine.prepare(request)`` turns a checked request into a prompt (the model's chat
+template over the messages, or the completion's text or ids), its token limit and its
+seed, refusing what the context cannot hold (``RequestError``). ``submit`` admits it to
+a bounded queue (``QueueFull`` past ``max_queue`` waiting) and numbers it: requests are
+served strictly in the order they were admitted, which the log shows (``request #N
+queued`` ... ``started`` ... ``finished``). The runner thread takes them one by one:
+it starts the chain first (``GET /health`` says 503 until then), then runs each
+request on it, sending its events (``Piece``, ``Finished``, ``Failed``) to the
+request's sink as tokens arrive. ``Job.cancel()`` (a client that went away) takes a
+waiting request out of the queue or cancels its run; the stages stay warm. After a run
+that broke a stage, and when it finds one gone while idle, the runner starts it again
+(``/health`` says 503 meanwhile).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from attrs import frozen
+
+from runtime_core.chat import ChatTemplateError, NoChatTemplate
+from runtime_core.runs import PlanRejected
+from runtime_core.tokenizer import Tokenizer
+from runtime_cupy.launcher import ProcessRun
+from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
+from runtime_cupy.serve.metrics import Metrics
+from runtime_cupy.serve.requests import CompletionRequest, Message, RequestError
+from runtime_cupy.serve.text import Answer
+
+log = logging.getLogger("runtime_cupy.serve")
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+IDLE_CHECK_S = 1.0  # how often an idle runner looks for stages that went away
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue`` waiting requests."""
+
+
+# -- events a request's sink receives (from the runner thread) ------------------------
+
+
+@frozen
+class Piece:
+    """More of the answer's text."""
+
+    text: str
+
+
+@frozen
+class Finished:
+    """The answer is whole: ``finish_reason`` ``stop`` (EOS or a stop string) or
+    ``length`` (the token limit)."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@frozen
+class Failed:
+    """The request could not be answered: an HTTP status and an OpenAI error."""
+
+    status: int
+    message: str
+    code: str
+    type: str = "server_error"
+
+
+Event = Piece | Finished | Failed
+Sink = Callable[[Event], None]
+
+
+# -- prompts ------------------------------------------------------------------------------
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
+    """The prompt of a conversation: the model's chat template over it, with the
+    assistant's turn opened, as ``python -m runtime_cupy --chat`` encodes it."""
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+@frozen
+class Prepared:
+    """A request ready to run."""
+
+    request: CompletionRequest
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    seed: int
+
+
+# -- jobs ---------------------------------------------------------------------------------
+
+
+class Job:
+    """One admitted request. ``cancel()`` from any thread."""
+
+    def __init__(self, engine: Engine, prepared: Prepared, number: int, sink: Sink) -> None:
+        kind = "chatcmpl" if prepared.request.endpoint == "chat" else "cmpl"
+        self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
+        self.number = number
+        self.prepared = prepared
+        self.sink = sink
+        self.arrived_s = time.monotonic()
+        self.created = int(time.time())
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._run: ProcessRun | None = None
+        self.cancelled = False
+        self.stopped = False  # a stop string came: the run ends early, the answer is whole
+
+    def cancel(self) -> None:
+        """The client went away: out of the queue, or its run cancelled."""
+        with self._lock:
+            if self.cancelled:
+                return
+            self.cancelled = True
+            run = self._run
+        if run is not None:
+            run.cancel("the client went away")
+        else:
+            self._engine._drop(self)
+
+    def _attach(self, run: ProcessRun) -> None:
+        log.info("request #%d (%s) runs as %s", self.number, self.id, run.plan.run_id)
+        with self._lock:
+            self._run = run
+            cancel = self.cancelled
+        if cancel:
+            run.cancel("the client went away")
+
+    def _detach(self) -> None:
+        """The run is over: nothing cancels it any more."""
+        with self._lock:
+            self._run = None
+
+    def _stop_early(self) -> None:
+        with self._lock:
+            self.stopped = True
+            run = self._run
+        if run is not None:
+            run.cancel("a stop string")
+
+
+class Engine:
+    """The queue and the runner of ``chain``."""
+
+    def __init__(self, chain: WarmChain, *, max_queue: int = 16) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue {max_queue} is negative")
+        self.chain = chain
+        self.tokenizer = chain.tokenizer
+        self.max_queue = max_queue
+        self.model_names = (chain.model_id,)
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._numbers = 0
+        self._running: Job | None = None
+        self._closing = False
+        self.failure: str | None = None  # why the chain could not start, once it could not
+        self._backoff = 0.0  # seconds between tries to start broken stages again
+        self._retry_at = 0.0
+        self.metrics = Metrics(
+            queued=lambda: len(self._queue),
+            running=lambda: int(self._running is not None),
+            ready=lambda: self.ready,
+            restarts=lambda: self.chain.restarts,
+        )
+        self._thread = threading.Thread(target=self._serve, name="runner", daemon=True)
+        self._started = threading.Event()  # the chain is up (or failed to come up)
+
+    # -- the server's side ----------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.chain.ready and self.failure is None
+
+    def start(self) -> None:
+        """Start the runner: it brings the chain up, then serves the queue."""
+        self._thread.start()
+
+    def wait_started(self, timeout_s: float | None = None) -> bool:
+        """Wait until the chain is up or failed; whether it is up."""
+        self._started.wait(timeout_s)
+        return self.failure is None and self._started.is_set()
+
+    def prepare(self, request: CompletionRequest) -> Prepared:
+        """The prompt, token limit and seed of ``request``; ``RequestError`` for what
+        the model or its context cannot take."""
+        tok = self.tokenizer
+        param = "messages" if request.endpoint == "chat" else "prompt"
+        if request.endpoint == "chat":
+            try:
+                ids = chat_prompt(tok, request.messages)
+            except NoChatTemplate:
+                raise RequestError(
+                    f"the model {self.chain.model_id!r} has no chat template: use /v1/completions",
+                    param="messages",
+                    code="no_chat_template",
+                ) from None
+            except ChatTemplateError as exc:
+                raise RequestError(
+                    f"the chat template refused the messages: {exc}", param="messages"
+                ) from None
+        elif isinstance(request.prompt, str):
+            ids = tok.encode(request.prompt, add_special=True, parse_special=True)
+        else:
+            ids = list(request.prompt)
+            vocab = len(tok.vocab.tokens)
+            for i, token in enumerate(ids):
+                if token >= vocab:
+                    raise RequestError(
+                        f"prompt[{i}] is {token}, outside the vocabulary 0..{vocab - 1}",
+                        param=f"prompt[{i}]",
+                        code="invalid_value",
+                    )
+        if not ids:
+            raise RequestError(f"{param} holds no tokens", param=param, code="invalid_value")
+        context = self.chain.context
+        if len(ids) > context:
+            raise RequestError(
+                f"This model's maximum context length is {context} tokens; the prompt "
+                f"({param}) holds {len(ids)}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        room = context - len(ids) + 1  # the last token generated needs no position
+        limit = request.max_tokens
+        if limit is None:
+            limit = room if request.endpoint == "chat" else min(room, COMPLETION_MAX_TOKENS)
+        elif limit > room:
+            raise RequestError(
+                f"max_tokens is {limit}; this model's maximum context length is {context} "
+                f"tokens and the prompt ({param}) holds {len(ids)}, which leaves room for "
+                f"{room}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        seed = request.seed if request.seed is not None else secrets.randbits(64)
+        return Prepared(request, tuple(ids), limit, seed)
+
+    def submit(self, prepared: Prepared, sink: Sink) -> Job:
+        """Admit a request (``QueueFull`` when ``max_queue`` wait already)."""
+        with self._cond:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            if len(self._queue) >= self.max_queue and (self._running or self._queue):
+                raise QueueFull(f"{len(self._queue)} requests wait (--max-queue {self.max_queue})")
+            self._numbers += 1
+            job = Job(self, prepared, self._numbers, sink)
+            self._queue.append(job)
+            log.info(
+                "request #%d (%s) queued: %d prompt tokens, up to %d tokens; %d waiting",
+                job.number,
+                job.id,
+                len(prepared.prompt_ids),
+                prepared.max_tokens,
+                len(self._queue),
+            )
+            self._cond.notify()
+        return job
+
+    def _drop(self, job: Job) -> None:
+        with self._cond:
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                return
+        log.info("request #%d (%s) left the queue: the client went away", job.number, job.id)
+        self.metrics.request(job.prepared.request.endpoint, "cancelled")
+
+    def close(self) -> None:
+        """Stop taking requests, cancel what runs, close the chain."""
+        with self._cond:
+            self._closing = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            running = self._running
+            self._cond.notify_all()
+        for job in waiting:
+            self._deliver(job, Failed(503, "the server is shutting down", "shutting_down"))
+        if running is not None:
+            running.cancel()
+        if self._thread.is_alive():
+            self._thread.join()
+        else:
+            self.chain.close()
+
+    # -- the runner thread ----------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            try:
+                self.chain.start()
+            except ChainError as exc:
+                self.failure = str(exc)
+                log.error("the stages could not be started: %s", exc)
+                return
+            finally:
+                self._started.set()
+            log.info("ready: %d stages, pids %s", len(self.chain.pids()), self.chain.pids())
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closing:
+                        if not self._cond.wait(IDLE_CHECK_S):
+                            break  # idle: a look at the stages
+                    if self._closing:
+                        return
+                    job = self._queue.popleft() if self._queue else None
+                    self._running = job
+                if job is None:
+                    self._recover()
+                    continue
+                try:
+                    self._run(job)
+                except Exception as exc:  # a bug: the request gets an error, the server goes on
+                    log.exception("request #%d failed", job.number)
+                    self._deliver(job, Failed(500, f"internal error: {exc}", "internal_error"))
+                finally:
+                    with self._cond:
+                        self._running = None
+                self._recover()
+        finally:
+            self.chain.close()
+            with self._cond:
+                self._closing = True
+                waiting = list(self._queue)
+                self._queue.clear()
+            for job in waiting:
+                reason = self.failure or "the server is shutting down"
+                self._deliver(job, Failed(503, reason, "unavailable"))
+
+    def _recover(self) -> None:
+        """Start again what broke; after a failure, try again later and later (up to a
+        minute) rather than at every idle turn."""
+        now = time.monotonic()
+        if self._closing or self.chain.ready or now < self._retry_at:
+            return
+        try:
+            restarted = self.chain.recover()
+        except ChainError as exc:
+            self._backoff = min(60.0, max(1.0, 2 * self._backoff))
+            self._retry_at = time.monotonic() + self._backoff
+            log.error("the stages could not be started again (next try in %.0f s): %s",
+                      self._backoff, exc)  # fmt: skip
+            return
+        self._backoff, self._retry_at = 0.0, 0.0
+        if restarted:
+            log.warning("stages %s started again", list(restarted))
+
+    def _deliver(self, job: Job, event: Event) -> None:
+        try:
+            job.sink(event)
+        except Exception:  # the request's side is gone (its loop closed): nothing to tell
+            log.debug("request #%d: event not delivered", job.number, exc_info=True)
+
+    def _run(self, job: Job) -> None:
+        p = job.prepared
+        r = p.request
+        log.info("request #%d (%s) started", job.number, job.id)
+        answer = Answer(self.tokenizer, r.stop)
+        times: list[float] = []
+
+        def on_token(token_id: int) -> None:
+            if job.cancelled or answer.stopped:
+                return
+            times.append(time.monotonic())
+            piece = answer.push(token_id)
+            if piece:
+                self._deliver(job, Piece(piece))
+            if answer.stopped:
+                job._stop_early()
+
+        try:
+            run = self.chain.generate(
+                p.prompt_ids,
+                max_tokens=p.max_tokens,
+                temperature=r.temperature,
+                top_k=r.top_k,
+                top_p=r.top_p,
+                seed=p.seed,
+                on_token=on_token,
+                on_run=job._attach,
+            )
+        except ChainError as exc:
+            self._finish(job, "faulted", Failed(503, str(exc), "stages_unavailable"))
+            return
+        except (PlanRejected, ValueError) as exc:  # refused settings a check let through
+            failed = Failed(400, str(exc), "invalid_value", "invalid_request_error")
+            self._finish(job, "rejected", failed)
+            return
+        finally:
+            job._detach()
+        self._answer(job, run, answer, times)
+
+    def _answer(self, job: Job, run: WarmResult, answer: Answer, times: list[float]) -> None:
+        result = run.result
+        p = job.prepared
+        if job.cancelled:
+            self._finish(job, "cancelled", None, tokens=answer.tokens)
+            return
+        if job.stopped or result.outcome == "completed":
+            rest = answer.finish(None if job.stopped else result.text)
+            if rest:
+                self._deliver(job, Piece(rest))
+            stopped = job.stopped or len(result.tokens) < p.max_tokens
+            tokens = answer.tokens if job.stopped else len(result.tokens)
+            ttft = times[0] - job.arrived_s if times else None
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+            self.metrics.answered(len(p.prompt_ids), tokens, ttft, tpot)
+            finished = Finished(answer.content, "stop" if stopped else "length",
+                                len(p.prompt_ids), tokens)  # fmt: skip
+            self._finish(job, "completed", finished, tokens=tokens)
+            return
+        if result.outcome == "cancelled":
+            failed = Failed(503, "the run was cancelled: the server is shutting down", "cancelled")
+            self._finish(job, "cancelled", failed)
+            return
+        failed = Failed(500, f"the pipeline failed: {result.fault}", "pipeline_fault")
+        self._finish(job, "faulted", failed)
+
+    def _finish(self, job: Job, outcome: str, event: Event | None, *, tokens: int = 0) -> None:
+        log.info("request #%d (%s) finished: %s, %d tokens%s", job.number, job.id, outcome,
+                 tokens, f" ({event.message})" if isinstance(event, Failed) else "")  # fmt: skip
+        self.metrics.request(job.prepared.request.endpoint, outcome)
+        if event is not None:
+            self._deliver(job, event)
+
+    def describe(self) -> dict[str, Any]:
+        """For logs and /health."""
+        return {
+            "ready": self.ready,
+            "waiting": len(self._queue),
+            "running": self._running is not None,
+            "failure": self.failure,
+        }

@@ -1,0 +1,120 @@
+"""What ``GET /metrics`` shows, in Prometheus's text format (``prometheus_client``, a
+registry of the server's own):
+
+- ``gguf_pipeline_requests_total{endpoint, outcome}``: requests by outcome:
+  ``completed`` (answered: a stop, EOS or the token limit), ``cancelled`` (the client
+  went away), ``faulted`` (the pipeline failed the run), ``rejected`` (a 4xx: a bad
+  request, a wrong key, a full queue);
+- ``gguf_pipeline_prompt_tokens_total``, ``gguf_pipeline_completion_tokens_total``;
+- ``gguf_pipeline_time_to_first_token_seconds``: arrival to the first token (queueing
+  included), and ``gguf_pipeline_time_per_output_token_seconds``: between the first and
+  the last token, per token (histograms);
+- ``gguf_pipeline_queue_length`` (waiting, not counting the running one),
+  ``gguf_pipeline_requests_running``, ``gguf_pipeline_stages_ready`` (1 once every stage
+  is up and bound), ``gguf_pipeline_stage_restarts_total``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+OUTCOMES = ("completed", "cancelled", "faulted", "rejected")
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _Live:
+    """The values read from the server when scraped."""
+
+    def __init__(
+        self,
+        queued: Callable[[], int],
+        running: Callable[[], int],
+        ready: Callable[[], bool],
+        restarts: Callable[[], int],
+    ) -> None:
+        self.queued, self.running, self.ready, self.restarts = queued, running, ready, restarts
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("gguf_pipeline_queue_length", "Requests waiting", self.queued())
+        yield GaugeMetricFamily(
+            "gguf_pipeline_requests_running", "Requests running", self.running()
+        )
+        yield GaugeMetricFamily(
+            "gguf_pipeline_stages_ready", "1 when every stage is up and bound", int(self.ready())
+        )
+        yield CounterMetricFamily(
+            "gguf_pipeline_stage_restarts", "Stages started again after they broke", self.restarts()
+        )
+
+
+class Metrics:
+    """The server's metrics. ``queued``, ``running``, ``ready`` and ``restarts`` are
+    read when scraped."""
+
+    def __init__(
+        self,
+        *,
+        queued: Callable[[], int],
+        running: Callable[[], int],
+        ready: Callable[[], bool],
+        restarts: Callable[[], int],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "gguf_pipeline_requests", "Requests by outcome", ("endpoint", "outcome"), registry=r
+        )
+        self.prompt_tokens = Counter(
+            "gguf_pipeline_prompt_tokens", "Prompt tokens of answered requests", registry=r
+        )
+        self.completion_tokens = Counter(
+            "gguf_pipeline_completion_tokens", "Tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            "gguf_pipeline_time_to_first_token_seconds",
+            "Arrival of a request to its first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "gguf_pipeline_time_per_output_token_seconds",
+            "Time per token after the first",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        r.register(_Live(queued, running, ready, restarts))
+        for endpoint in ("chat", "completion"):
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint, outcome)  # every series shows from the start
+
+    def request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def answered(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        ttft_s: float | None,
+        tpot_s: float | None,
+    ) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

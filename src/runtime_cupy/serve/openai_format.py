@@ -1,0 +1,108 @@
+"""The response bodies and stream chunks of OpenAI's chat completions and (legacy)
+completions APIs, as the official clients parse them.
+
+A streamed answer is server-sent events: one ``data: <chunk JSON>`` event per piece of
+text, a last chunk with the ``finish_reason``, a chunk with ``usage`` when the request
+asked for it (``stream_options.include_usage``), then ``data: [DONE]``. An error after
+the stream began is one ``data: {"error": ...}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from runtime_cupy.serve.engine import Failed, Finished, Job
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(failed: Failed) -> dict[str, Any]:
+    return {"error": {"message": failed.message, "type": failed.type, "param": None,
+                      "code": failed.code}}  # fmt: skip
+
+
+def _head(job: Job, model: str, obj: str) -> dict[str, Any]:
+    return {"id": job.id, "object": obj, "created": job.created, "model": model}
+
+
+# -- whole answers ------------------------------------------------------------------------
+
+
+def chat_response(job: Job, model: str, done: Finished) -> dict[str, Any]:
+    return {
+        **_head(job, model, "chat.completion"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.text},
+                "logprobs": None,
+                "finish_reason": done.finish_reason,
+            }
+        ],
+        "usage": usage(done.prompt_tokens, done.completion_tokens),
+    }
+
+
+def completion_response(job: Job, model: str, done: Finished) -> dict[str, Any]:
+    return {
+        **_head(job, model, "text_completion"),
+        "choices": [
+            {"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}
+        ],
+        "usage": usage(done.prompt_tokens, done.completion_tokens),
+    }
+
+
+# -- chunks -------------------------------------------------------------------------------
+
+
+def chat_chunk(
+    job: Job, model: str, delta: dict[str, str], finish_reason: str | None = None
+) -> dict[str, Any]:
+    return {
+        **_head(job, model, "chat.completion.chunk"),
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def completion_chunk(
+    job: Job, model: str, text: str, finish_reason: str | None = None
+) -> dict[str, Any]:
+    return {
+        **_head(job, model, "text_completion"),
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(job: Job, model: str, done: Finished) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if job.prepared.request.endpoint == "chat" else "text_completion"
+    return {
+        **_head(job, model, obj),
+        "choices": [],
+        "usage": usage(done.prompt_tokens, done.completion_tokens),
+    }
+
+
+def piece_chunk(job: Job, model: str, text: str) -> dict[str, Any]:
+    if job.prepared.request.endpoint == "chat":
+        return chat_chunk(job, model, {"content": text})
+    return completion_chunk(job, model, text)
+
+
+def last_chunk(job: Job, model: str, done: Finished) -> dict[str, Any]:
+    if job.prepared.request.endpoint == "chat":
+        return chat_chunk(job, model, {}, done.finish_reason)
+    return completion_chunk(job, model, "", done.finish_reason)

@@ -1,0 +1,471 @@
+"""The bodies of ``POST /v1/chat/completions`` and ``POST /v1/completions``, checked
+into typed values (OpenAI's API reference for what each field means).
+
+A body is one JSON object. Every field the API defines has a rule here, as data
+(``CHAT_FIELDS``, ``COMPLETION_FIELDS``): the fields this server serves are checked for
+type and range; those it does not serve (penalties, logit bias, log probabilities,
+tools, ...) are accepted only at the value that changes nothing (``NEUTRAL``), so a
+request is never answered as if a setting applied that did not; any other field is
+refused by name, as OpenAI refuses an unrecognized argument. Message objects are
+strict the same way.
+
+Every refusal is a ``RequestError``: the HTTP status, a message, the offending
+parameter (``messages[1].content``), and OpenAI's error type and code, which the app
+turns into an OpenAI error object. Nothing here raises anything else for any body.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from attrs import frozen
+
+SEED_MAX = 2**64 - 1
+MAX_STOPS = 4  # as OpenAI
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class RequestError(Exception):
+    """A request this server refuses: ``status``, ``message``, the offending ``param``
+    (``None`` when the whole body is at fault), OpenAI's ``type`` and ``code``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@frozen
+class Message:
+    role: str  # system, user or assistant ("developer" reads as "system")
+    content: str
+
+
+@frozen
+class CompletionRequest:
+    """One request, checked. ``messages`` for a chat, ``prompt`` (text or token ids)
+    for a completion. ``max_tokens`` ``None``: the endpoint's default. ``seed`` ``None``:
+    a new seed for this request."""
+
+    endpoint: str  # "chat" or "completion"
+    model: str
+    messages: tuple[Message, ...] = ()
+    prompt: str | tuple[int, ...] = ""
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+# -- the rules of single values ---------------------------------------------------------
+
+Rule = Callable[[str, Any], Any]  # (param, value or None when absent / null) -> value
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _wrong(param: str, value: Any, expected: str) -> RequestError:
+    return RequestError(
+        f"{param} must be {expected}, not {_type_name(value)} {_show(value)}",
+        param=param,
+        code="invalid_type",
+    )
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _out_of_range(param: str, value: Any, allowed: str) -> RequestError:
+    return RequestError(
+        f"{param} is {_show(value)}; it must be {allowed}", param=param, code="invalid_value"
+    )
+
+
+def required_string(param: str, value: Any) -> str:
+    if value is None:
+        raise RequestError(f"you must provide {param}", param=param, code="missing_required")
+    if not isinstance(value, str):
+        raise _wrong(param, value, "a string")
+    return value
+
+
+def integer(low: int, high: int, default: int | None = None) -> Rule:
+    def rule(param: str, value: Any) -> int | None:
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # 16.0 is 16, as JSON numbers go
+            else:
+                raise _wrong(param, value, "an integer")
+        if not low <= value <= high:
+            raise _out_of_range(param, value, f"in {low}..{high}")
+        return int(value)
+
+    return rule
+
+
+def number(low: float, high: float, default: float, *, open_low: bool = False) -> Rule:
+    def rule(param: str, value: Any) -> float:
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _wrong(param, value, "a number")
+        x = float(value)
+        if not math.isfinite(x) or x > high or x < low or (open_low and x == low):
+            bracket = "(" if open_low else "["
+            raise _out_of_range(param, value, f"in {bracket}{low:g}, {high:g}]")
+        return x
+
+    return rule
+
+
+def boolean(param: str, value: Any) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _wrong(param, value, "a boolean")
+    return value
+
+
+def seed(param: str, value: Any) -> int | None:
+    """An integer in ``0..2**64-1``; null or -1 (llama.cpp's "random") is a new seed."""
+    if value is None or (type(value) is int and value == -1):
+        return None
+    checked = integer(0, SEED_MAX)(param, value)
+    assert checked is not None
+    return int(checked)
+
+
+def stop(param: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise _wrong(param, value, "a string or an array of strings")
+    if len(items) > MAX_STOPS:
+        raise _out_of_range(param, value, f"at most {MAX_STOPS} strings")
+    for i, item in enumerate(items):
+        where = param if isinstance(value, str) else f"{param}[{i}]"
+        if not isinstance(item, str):
+            raise _wrong(where, item, "a string")
+        if not item:
+            raise RequestError(f"{where} is empty", param=where, code="invalid_value")
+    return tuple(items)
+
+
+def only_one(param: str, value: Any) -> int:
+    n = integer(1, 2**31, 1)(param, value)
+    if n != 1:
+        raise RequestError(
+            f"{param} is {n}: this server makes one choice per request (n = 1)",
+            param=param,
+            code="unsupported_value",
+        )
+    return 1
+
+
+def stream_options(param: str, value: Any) -> bool:
+    """``{"include_usage": bool}``: whether a streamed answer ends with a usage chunk."""
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise _wrong(param, value, "an object")
+    for key in value:
+        if key != "include_usage":
+            raise _unknown(f"{param}.{key}")
+    return boolean(f"{param}.include_usage", value.get("include_usage"))
+
+
+def ignored_string(param: str, value: Any) -> None:
+    """A string the answer does not depend on (``user``)."""
+    if value is not None and not isinstance(value, str):
+        raise _wrong(param, value, "a string")
+
+
+def messages(param: str, value: Any) -> tuple[Message, ...]:
+    if value is None:
+        raise RequestError(f"you must provide {param}", param=param, code="missing_required")
+    if not isinstance(value, list):
+        raise _wrong(param, value, "an array of messages")
+    if not value:
+        raise RequestError(f"{param} is empty", param=param, code="invalid_value")
+    return tuple(_message(f"{param}[{i}]", m) for i, m in enumerate(value))
+
+
+_MESSAGE_KEYS = ("role", "content", "name")
+
+
+def _message(param: str, value: Any) -> Message:
+    if not isinstance(value, dict):
+        raise _wrong(param, value, "an object with role and content")
+    for key in value:
+        if key not in _MESSAGE_KEYS:
+            raise _unknown(f"{param}.{key}")
+    role = required_string(f"{param}.role", value.get("role"))
+    if role not in ROLES:
+        raise RequestError(
+            f"{param}.role is {role!r}; this server takes {', '.join(ROLES)}",
+            param=f"{param}.role",
+            code="invalid_value",
+        )
+    ignored_string(f"{param}.name", value.get("name"))
+    content = _content(f"{param}.content", value.get("content"), role)
+    return Message("system" if role == "developer" else role, content)
+
+
+def _content(param: str, value: Any, role: str) -> str:
+    if value is None:
+        if role == "assistant":
+            return ""
+        raise RequestError(f"you must provide {param}", param=param, code="missing_required")
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _wrong(param, value, "a string or an array of text parts")
+    parts = []
+    for i, part in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(part, dict):
+            raise _wrong(where, part, "an object")
+        for key in part:
+            if key not in ("type", "text"):
+                raise _unknown(f"{where}.{key}")
+        if part.get("type") != "text":
+            raise RequestError(
+                f"{where}.type is {_show(part.get('type'))}; this server reads text parts only",
+                param=f"{where}.type",
+                code="unsupported_value",
+            )
+        parts.append(required_string(f"{where}.text", part.get("text")))
+    return "".join(parts)
+
+
+def prompt(param: str, value: Any) -> str | tuple[int, ...]:
+    """Text, token ids, or an array holding exactly one of them."""
+    if value is None:
+        raise RequestError(f"you must provide {param}", param=param, code="missing_required")
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _wrong(param, value, "a string, an array of token ids, or an array of one")
+    nested = bool(value) and (isinstance(value[0], list) or all(isinstance(v, str) for v in value))
+    if nested:
+        if len(value) != 1:
+            raise RequestError(
+                f"{param} holds {len(value)} prompts: this server takes one per request",
+                param=param,
+                code="unsupported_value",
+            )
+        return prompt(f"{param}[0]", value[0])
+    ids = []
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise _wrong(f"{param}[{i}]", token, "a token id (an integer)")
+        if token < 0:
+            raise _out_of_range(f"{param}[{i}]", token, "a token id (>= 0)")
+        ids.append(token)
+    return tuple(ids)
+
+
+# -- what the API defines and this server does not serve ----------------------------------
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _empty(v: Any) -> bool:
+    return v is None or (isinstance(v, dict | list) and not v)
+
+
+NEUTRAL: Mapping[str, tuple[Callable[[Any], bool], str]] = {
+    "presence_penalty": (_zero, "0"),
+    "frequency_penalty": (_zero, "0"),
+    "logit_bias": (_empty, "null or {}"),
+    "logprobs": (lambda v: _false(v) or v == 0, "null or false"),
+    "top_logprobs": (_zero, "null or 0"),
+    "tools": (_empty, "null or []"),
+    "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+    "functions": (_empty, "null or []"),
+    "function_call": (lambda v: v in (None, "none"), 'null or "none"'),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
+    "store": (_false, "null or false"),
+    "metadata": (lambda v: v is None or isinstance(v, dict), "an object"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), '"auto"'),
+    "modalities": (lambda v: v in (None, ["text"]), '["text"]'),
+    "echo": (_false, "false"),
+    "suffix": (lambda v: v is None or v == "", "null"),
+    "best_of": (lambda v: v is None or (type(v) is int and v == 1), "1"),
+}
+_CHAT_NEUTRAL = frozenset(NEUTRAL) - {"echo", "suffix", "best_of"}
+_COMPLETION_NEUTRAL = frozenset(
+    {"presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo", "suffix"}
+    | {"best_of"}
+)
+
+
+def _unknown(param: str) -> RequestError:
+    return RequestError(
+        f"Unrecognized request argument supplied: {param}",
+        param=param,
+        code="unknown_parameter",
+    )
+
+
+_TOKENS = 2**31 - 1  # a bound for the parser; the context bounds them for real
+
+_COMMON: dict[str, Rule] = {
+    "model": required_string,
+    "max_tokens": integer(1, _TOKENS),
+    "temperature": number(0.0, 2.0, 1.0),
+    "top_p": number(0.0, 1.0, 1.0, open_low=True),
+    "top_k": integer(0, _TOKENS, 0),
+    "seed": seed,
+    "stop": stop,
+    "n": only_one,
+    "stream": boolean,
+    "stream_options": stream_options,
+    "user": ignored_string,
+}
+CHAT_FIELDS: Mapping[str, Rule] = {
+    **_COMMON,
+    "messages": messages,
+    "max_completion_tokens": integer(1, _TOKENS),
+}
+COMPLETION_FIELDS: Mapping[str, Rule] = {**_COMMON, "prompt": prompt}
+
+
+# -- bodies -------------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object; ``RequestError`` for anything else."""
+    try:
+        value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise RequestError("the request body is not UTF-8", code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(value, dict):
+        raise RequestError(
+            f"the request body must be a JSON object, not {_type_name(value)}",
+            code="invalid_json",
+        )
+    return value
+
+
+def _fields(body: bytes, rules: Mapping[str, Rule], neutral: frozenset[str]) -> dict[str, Any]:
+    obj = json_object(body)
+    for key in obj:
+        if key not in rules and key not in neutral:
+            raise _unknown(key)
+    for key in sorted(neutral & obj.keys()):
+        accepts, what = NEUTRAL[key]
+        if not accepts(obj[key]):
+            raise RequestError(
+                f"{key} is {_show(obj[key])}: this server does not serve it (only {what})",
+                param=key,
+                code="unsupported_parameter",
+            )
+    values = {key: rule(key, obj.get(key)) for key, rule in rules.items()}
+    if values["stream_options"] and not values["stream"]:
+        raise RequestError(
+            "stream_options is only allowed when stream is true",
+            param="stream_options",
+            code="invalid_value",
+        )
+    return values
+
+
+def _common(values: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": values["model"],
+        "temperature": values["temperature"],
+        "top_p": values["top_p"],
+        "top_k": values["top_k"],
+        "seed": values["seed"],
+        "stop": values["stop"],
+        "stream": values["stream"],
+        "include_usage": values["stream_options"],
+    }
+
+
+def parse_chat(body: bytes) -> CompletionRequest:
+    """A ``/v1/chat/completions`` body; ``RequestError`` naming what is wrong."""
+    v = _fields(body, CHAT_FIELDS, _CHAT_NEUTRAL)
+    limit = v["max_completion_tokens"]
+    if limit is not None and v["max_tokens"] is not None and limit != v["max_tokens"]:
+        raise RequestError(
+            f"max_tokens ({v['max_tokens']}) and max_completion_tokens ({limit}) disagree",
+            param="max_completion_tokens",
+            code="invalid_value",
+        )
+    return CompletionRequest(
+        endpoint="chat",
+        messages=v["messages"],
+        max_tokens=limit if limit is not None else v["max_tokens"],
+        **_common(v),
+    )
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    """A ``/v1/completions`` body; ``RequestError`` naming what is wrong."""
+    v = _fields(body, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
+    return CompletionRequest(
+        endpoint="completion", prompt=v["prompt"], max_tokens=v["max_tokens"], **_common(v)
+    )

@@ -1,0 +1,130 @@
+"""The server's queue, readiness and cancellation, on uvicorn in this process over warm
+stages whose host plays a slow step (``FaultyHost``: stage 1's decode step 1 takes two
+seconds), so that a run lasts long enough to act while it runs:
+
+- ``GET /health`` says 503 until every stage is up and bound; a request that came
+  meanwhile is served once they are;
+- a client that disconnects mid-stream cancels its run (outcome ``cancelled``), the
+  stages stay warm (same processes), and the next request is served;
+- past ``max_queue`` waiting requests, a request gets 429.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import httpx2
+import openai
+import pytest
+
+from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.serve.engine import Engine
+from tests.runtime_cupy.serve.servers import InProcessServer, idle, metrics, wait_for
+from tests.support.hosts import FaultyHost
+
+SLOW = {1: ["step-delay=1:2"]}  # every run that reaches decode step 1 waits 2 s there
+CANCELLED = "gguf_pipeline_requests_total{endpoint=chat,outcome=cancelled}"
+COMPLETED = "gguf_pipeline_requests_total{endpoint=chat,outcome=completed}"
+MSG = [{"role": "user", "content": "Tell me a story."}]
+
+
+def client(server: InProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_chat: str) -> Iterator[InProcessServer]:
+    chain = WarmChain(tiny_chat, stages=2, host=FaultyHost(SLOW), context=128)
+    engine = Engine(chain, max_queue=1)
+    server = InProcessServer(engine)
+    engine.start()
+    try:
+        assert engine.wait_started(120)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_health_is_503_until_the_stages_are_bound(tiny_chat: str) -> None:
+    engine = Engine(WarmChain(tiny_chat, stages=2, context=128))
+    server = InProcessServer(engine)
+    try:
+        r = httpx2.get(f"{server.base_url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "starting"
+        answers: list[str | None] = []
+
+        def ask() -> None:
+            r = client(server).chat.completions.create(
+                model="tiny-chat",
+                messages=MSG,
+                max_tokens=2,
+                temperature=0,
+            )
+            answers.append(r.choices[0].message.content)
+
+        early = threading.Thread(target=ask)
+        early.start()
+        wait_for(lambda: metrics(server.base_url)["gguf_pipeline_queue_length"] == 1, 30, "queued")
+        assert httpx2.get(f"{server.base_url}/health").status_code == 503
+        engine.start()
+        early.join(120)
+        assert len(answers) == 1 and answers[0] is not None
+        assert httpx2.get(f"{server.base_url}/health").json()["status"] == "ok"
+    finally:
+        server.stop()
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_run(slow: InProcessServer) -> None:
+    pids = slow.engine.chain.pids()
+    before = metrics(slow.base_url)
+    body = {"model": "tiny-chat", "messages": MSG, "max_tokens": 6, "stream": True}
+    with httpx2.stream("POST", f"{slow.base_url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held: a dropped iterator would close the stream
+        first = next(lines)
+        assert first.startswith("data: ")
+        wait_for(lambda: metrics(slow.base_url)["gguf_pipeline_requests_running"] == 1, 30,
+                 "the run to start")  # fmt: skip
+    # The client is gone, its run in the slow step: cancelled, not answered.
+    wait_for(lambda: idle(slow.base_url), 30, "the server to be idle")
+    after = metrics(slow.base_url)
+    assert after[CANCELLED] == before[CANCELLED] + 1
+    assert after[COMPLETED] == before[COMPLETED]
+    assert slow.engine.chain.pids() == pids, "the stages stay warm"
+    r2 = client(slow).chat.completions.create(
+        model="tiny-chat",
+        messages=MSG,
+        max_tokens=1,
+        temperature=0,
+    )
+    assert r2.choices[0].finish_reason in ("length", "stop")
+    assert metrics(slow.base_url)[COMPLETED] == before[COMPLETED] + 1
+
+
+def test_a_full_queue_answers_429(slow: InProcessServer) -> None:
+    c = client(slow)
+    done: list[str] = []
+
+    def long_one() -> None:  # runs through the slow step
+        r = c.chat.completions.create(model="tiny-chat", messages=MSG, max_tokens=3)
+        done.append(r.id)
+
+    def short_one() -> None:  # waits behind it
+        r = c.chat.completions.create(model="tiny-chat", messages=MSG, max_tokens=1)
+        done.append(r.id)
+
+    first = threading.Thread(target=long_one)
+    first.start()
+    wait_for(lambda: metrics(slow.base_url)["gguf_pipeline_requests_running"] == 1, 30, "running")
+    second = threading.Thread(target=short_one)
+    second.start()
+    wait_for(lambda: metrics(slow.base_url)["gguf_pipeline_queue_length"] == 1, 30, "queued")
+    with pytest.raises(openai.RateLimitError) as info:
+        c.chat.completions.create(model="tiny-chat", messages=MSG, max_tokens=1)
+    assert info.value.status_code == 429
+    body = info.value.body
+    assert isinstance(body, dict) and body["code"] == "queue_full"
+    first.join(60)
+    second.join(60)
+    assert len(done) == 2

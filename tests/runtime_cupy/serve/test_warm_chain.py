@@ -1,0 +1,163 @@
+"""Warm stages (``serve.chain.WarmChain``): the stage processes start and bind once and
+serve one run of the MVP's state machines after another.
+
+- The same processes serve every run; only the run that bound them has ``bind``
+  spans, later runs reuse the weights; their tokens are ``runtime_cupy.generate``'s.
+- Each run's KV cache and sampler are its own; cancelling a run leaves the stages warm.
+- A stale run's messages are refused across runs (§10) and the next run goes on.
+- A stage killed between runs is started again before the next one, which succeeds;
+  one killed or faulting in a run ends that run with its fault, named, and is started
+  again; closing the chain leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runplan.messages import StopReason, StopRun
+from runplan.provision import provision_all
+from runtime_cupy import generate
+from runtime_cupy.launcher import ProcessRun
+from runtime_cupy.serve.chain import WarmChain
+from tests.runtime_cupy.hygiene import alive, wait_gone
+from tests.support.hosts import FaultyHost, TapHost
+
+PROMPT = [5, 77, 30, 12, 9]
+
+
+def spans(trace: Any, name: str) -> list[dict[str, Any]]:
+    return [e for e in trace or () if e.get("ph") == "X" and e["name"] == name]
+
+
+def instants(trace: Any, name: str) -> list[dict[str, Any]]:
+    return [e for e in trace or () if e.get("ph") == "i" and e["name"] == name]
+
+
+@pytest.fixture(scope="module")
+def chain(tiny: str) -> Iterator[WarmChain]:
+    with WarmChain(tiny, stages=2, trace=True, context=128) as c:
+        pids = c.pids()
+        yield c
+    assert not wait_gone(list(pids), 10.0), "a warm stage outlived its chain"
+
+
+def test_the_same_processes_serve_every_run_and_only_the_first_binds(
+    chain: WarmChain, tiny: str
+) -> None:
+    assert chain.ready
+    pids = chain.pids()
+    assert chain.bind_run is not None
+    first = chain.bind_run.result.trace
+    assert len(spans(first, "bind")) == 2, "the run that bound the stages has a bind each"
+    cold = generate(tiny, PROMPT, stages=2, max_tokens=12)
+    for _ in range(3):
+        run = chain.generate(PROMPT, max_tokens=12)
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == cold.tokens
+        assert chain.pids() == pids
+        assert tuple(s.pid for s in run.result.stages) == pids
+        assert spans(run.result.trace, "bind") == []
+        assert len(instants(run.result.trace, "weights reused")) == 2
+        assert run.restarted == ()
+
+
+def test_each_run_has_its_own_cache_and_sampler(chain: WarmChain, tiny: str) -> None:
+    sampled = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 11}
+    long_prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1, 40, 41, 42, 43, 44, 45]
+    expected = generate(tiny, long_prompt, stages=2, max_tokens=10, **sampled)
+    chain.generate(PROMPT, max_tokens=20, temperature=0.7, seed=3)  # leaves a cache behind
+    run = chain.generate(long_prompt, max_tokens=10, **sampled)
+    assert run.result.tokens == expected.tokens
+    again = chain.generate(long_prompt, max_tokens=10, **sampled)
+    assert again.result.tokens == expected.tokens
+
+
+def test_a_cancelled_run_leaves_the_stages_warm(chain: WarmChain) -> None:
+    pids = chain.pids()
+    runs: list[ProcessRun] = []
+    seen: list[int] = []
+
+    def on_token(token: int) -> None:
+        seen.append(token)
+        if len(seen) == 2:
+            runs[0].cancel("the client went away")
+
+    run = chain.generate(PROMPT, max_tokens=100, on_token=on_token, on_run=runs.append)
+    assert run.result.outcome == "cancelled"
+    assert 2 <= len(run.result.tokens) < 100
+    assert chain.pids() == pids and chain.ready
+    after = chain.generate(PROMPT, max_tokens=4)
+    assert after.result.outcome == "completed"
+    assert after.result.tokens[:2] == tuple(seen[:2])
+
+
+def test_a_stale_run_s_messages_are_refused_across_runs(tiny: str, tmp_path: Path) -> None:
+    host = TapHost(log_dir=tmp_path)
+    with WarmChain(tiny, stages=2, host=host, context=64) as chain:
+        old = chain.generate(PROMPT, max_tokens=3)
+        assert old.result.outcome == "completed"
+        provision = provision_all(old.result.plan)[0]
+        # Signed and numbered as the orchestrator's: they pass the channel and reach
+        # stage 0's machine, which refuses a provision and a stop of a stopped run.
+        host.taps[0].forge_to_stage("orchestrator", provision)
+        stop = StopRun(old.result.plan.run_id, StopReason.CANCELLED)
+        host.taps[0].forge_to_stage("orchestrator", stop)
+        new = chain.generate(PROMPT, max_tokens=3)
+        assert new.result.outcome == "completed"
+        assert new.result.tokens == old.result.tokens
+    log = (tmp_path / "stage-0.log").read_text()
+    assert log.count("STALE_RUN") == 2, log
+
+
+def test_a_stage_killed_between_runs_is_started_again(tiny: str) -> None:
+    with WarmChain(tiny, stages=2, context=64) as chain:
+        before = chain.generate(PROMPT, max_tokens=6)
+        pids = chain.pids()
+        os.kill(pids[1], signal.SIGKILL)
+        assert not wait_gone([pids[1]], 10.0)
+        assert not chain.ready
+        after = chain.generate(PROMPT, max_tokens=6)
+        assert after.result.outcome == "completed", after.result.fault
+        assert after.result.tokens == before.result.tokens
+        assert after.restarted == (1,)
+        assert chain.pids()[0] == pids[0] and chain.pids()[1] != pids[1]
+        assert chain.ready and chain.restarts == 1
+
+
+def test_a_stage_killed_in_a_run_faults_that_run_alone(tiny: str) -> None:
+    with WarmChain(tiny, stages=2, context=64) as chain:
+        pids = chain.pids()
+        killed: list[int] = []
+
+        def on_token(token: int) -> None:
+            if not killed:
+                killed.append(pids[1])
+                os.kill(pids[1], signal.SIGKILL)
+
+        broken = chain.generate(PROMPT, max_tokens=40, on_token=on_token)
+        assert broken.result.outcome == "faulted"
+        assert broken.result.fault_stage == 1
+        assert "SIGKILL" in (broken.result.fault or ""), broken.result.fault
+        assert chain.recover() == (1,)
+        assert chain.ready and chain.pids()[0] == pids[0] and not alive(pids[1])
+        assert chain.generate(PROMPT, max_tokens=4).result.outcome == "completed"
+
+
+def test_a_stage_whose_fault_ended_a_run_is_started_again(tiny: str) -> None:
+    host = FaultyHost({1: ["step-fail=3"]})
+    with WarmChain(tiny, stages=2, host=host, context=64) as chain:
+        pids = chain.pids()
+        broken = chain.generate(PROMPT, max_tokens=10)
+        assert broken.result.outcome == "faulted"
+        assert broken.result.fault_stage == 1
+        assert "injected failure at sequence 3" in (broken.result.fault or "")
+        ok = chain.generate(PROMPT, max_tokens=3)  # sequences 0..2: the fault never comes
+        assert ok.result.outcome == "completed", ok.result.fault
+        assert ok.restarted == (1,)
+        assert chain.pids()[0] == pids[0] and chain.pids()[1] != pids[1]
