@@ -252,6 +252,65 @@ LEGACY(Q4_1, 2, 20)
 LEGACY(Q5_0, 3, 22)
 LEGACY(Q5_1, 4, 24)
 
+/* ---- x8 groups (repack.h) ----------------------------------------------------------------- */
+
+/* Q4_0: 8 rows side by side. Per block: the 8 factors in one load; each 32 bytes of
+ * nibbles are rows i and i + 4, whose low nibbles multiply the activation's first 16
+ * bytes (broadcast to both halves) and high nibbles its last 16; two horizontal adds
+ * of the four pairs' int32 sums leave lane i = row i's exact block sum. The float
+ * terms and their 8 running sums per row (block c into sum c mod 8, one vector per
+ * sum, lane = row) are those of legacy_body, so every row's bits are. */
+AVX2_INLINE void x8_q4_0_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0,
+                              float (*out)[8], const int NJ) {
+    float acc[XT][8][8];
+    memset(acc, 0, sizeof acc);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < nc; ++c) {
+        const uint8_t *b = grp + c * (8 * 18);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+        __m256i lo[4], hi[4];
+        for (int p = 0; p < 4; ++p) {
+            __m256i v = loadu256(b + 16 + 32 * p);
+            lo[p] = _mm256_and_si256(v, m4);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        for (int k = 0; k < NJ; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->n + 32 * c;
+            const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xq));
+            const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xq + 16)));
+            __m256i s[4];
+            for (int p = 0; p < 4; ++p)
+                s[p] = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xl), _mm256_maddubs_epi16(hi[p], xh)),
+                    ones);
+            __m256i si = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+            si = _mm256_sub_epi32(si, _mm256_set1_epi32(x->g[j * 2 * nc + c] << 3));
+            const __m256 fac = _mm256_mul_ps(dw, _mm256_set1_ps(x->d[j * nc + c]));
+            const __m256 term = _mm256_mul_ps(fac, _mm256_cvtepi32_ps(si));
+            float *a = acc[k][c & 7];
+            _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), term));
+        }
+    }
+    for (int k = 0; k < NJ; ++k) {
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc[k][i]);
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
+                                 _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
+        _mm256_storeu_ps(out[k], s);
+    }
+}
+
+AVX2 static void x8_Q4_0(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
+                         float (*out)[8]) {
+    switch (nj) {
+    case 1: x8_q4_0_body(grp, nc, x, j0, out, 1); break;
+    case 2: x8_q4_0_body(grp, nc, x, j0, out, 2); break;
+    case 3: x8_q4_0_body(grp, nc, x, j0, out, 3); break;
+    default: x8_q4_0_body(grp, nc, x, j0, out, 4); break;
+    }
+}
+
 /* ---- K-quants ---------------------------------------------------------------------------- */
 
 /* A super-block decoded: the 8 chunks' weights as bytes u[s] (unsigned, or magnitudes
@@ -577,6 +636,7 @@ const Isa ISA_AVX2 = {
      f_Q6_K},
     scores_avx2,
     mix_avx2,
+    {NULL, NULL, NULL, NULL, x8_Q4_0},
 };
 
 #endif
