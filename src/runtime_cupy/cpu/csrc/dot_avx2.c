@@ -636,7 +636,7 @@ const Isa ISA_AVX2 = {
      f_Q6_K},
     scores_avx2,
     mix_avx2,
-    {NULL, NULL, NULL, NULL, x8_Q4_0},
+    {[T_Q4_0] = x8_Q4_0},
 };
 
 #endif

@@ -8,9 +8,6 @@
 /* header and payload bytes of a block of each type that repacks */
 static int header_bytes(int t) { return t == T_Q4_0 ? 2 : 0; }
 
-/* where row i's payload lies among the group block's 8: rows i and i + 4 side by side */
-static int slot(int i) { return (i % 4) * 2 + i / 4; }
-
 int x8_supported(int t) { return t == T_Q4_0; }
 
 int64_t x8_bytes(int t, int64_t n_out, int64_t n_in) {
@@ -26,7 +23,7 @@ void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, uint8
             uint8_t *dst = out + (g * nb + c) * X8 * bb;
             for (int i = 0; i < X8; ++i) {
                 int64_t r = g * X8 + i;
-                uint8_t *h = dst + i * hb, *p = dst + X8 * hb + slot(i) * pb;
+                uint8_t *h = dst + i * hb, *p = dst + X8 * hb + x8_slot(i) * pb;
                 if (r < n_out) {
                     const uint8_t *b = rows + r * row_bytes + c * bb;
                     memcpy(h, b, (size_t)hb);
@@ -45,6 +42,6 @@ void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_chunks, uint8_t
     for (int64_t c = 0; c < nb; ++c) {
         const uint8_t *src = group + c * X8 * bb;
         memcpy(row + c * bb, src + i * hb, (size_t)hb);
-        memcpy(row + c * bb + hb, src + X8 * hb + slot(i) * pb, (size_t)pb);
+        memcpy(row + c * bb + hb, src + X8 * hb + x8_slot(i) * pb, (size_t)pb);
     }
 }
