@@ -330,7 +330,7 @@ static void dot_q8_portable(int t, const uint8_t *w, int64_t nc, const XRows *x,
 /* ---- x8 groups (repack.h) ------------------------------------------------------------- */
 
 /* Q4_0, 8 rows of a group: row i's block c read where the group keeps it (its factor
- * among the block's 8 headers, its nibbles at its slot), then legacy_term's arithmetic
+ * among the block's 8 headers, its nibbles at x8_at), then legacy_term's arithmetic
  * and dot_q8_portable's running sums, so each row's bits are the stored row's. */
 static void x8_Q4_0(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
                     float (*out)[8]) {
@@ -343,11 +343,12 @@ static void x8_Q4_0(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, 
             float acc[8] = {0};
             for (int64_t c = 0; c < nc; ++c) {
                 const uint8_t *b = grp + c * (X8 * 18);
-                const uint8_t *qs = b + X8 * 2 + x8_slot(i) * 16;
                 const int8_t *xc = xq + 32 * c;
                 int sumi = 0;
-                for (int l = 0; l < 16; ++l) sumi += (qs[l] & 15) * xc[l];
-                for (int l = 0; l < 16; ++l) sumi += (qs[l] >> 4) * xc[l + 16];
+                for (int l = 0; l < 16; ++l) {
+                    const int v = b[x8_at(2, i, l)];
+                    sumi += (v & 15) * xc[l] + (v >> 4) * xc[l + 16];
+                }
                 sumi -= 8 * xg[c];
                 float fac = load_f16(b + 2 * i) * xd[c];
                 acc[c & 7] += fac * (float)sumi;

@@ -5,6 +5,8 @@
 
 #include "quant.h"
 
+_Static_assert(X8 * 4 == 32, "a word of every row fills 32 bytes");
+
 /* header and payload bytes of a block of each type that repacks */
 static int header_bytes(int t) { return t == T_Q4_0 ? 2 : 0; }
 
@@ -23,14 +25,12 @@ void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, uint8
             uint8_t *dst = out + (g * nb + c) * X8 * bb;
             for (int i = 0; i < X8; ++i) {
                 int64_t r = g * X8 + i;
-                uint8_t *h = dst + i * hb, *p = dst + X8 * hb + x8_slot(i) * pb;
-                if (r < n_out) {
-                    const uint8_t *b = rows + r * row_bytes + c * bb;
-                    memcpy(h, b, (size_t)hb);
-                    memcpy(p, b + hb, (size_t)pb);
-                } else {
-                    memset(h, 0, (size_t)hb);
-                    memset(p, 0, (size_t)pb);
+                const uint8_t *b = r < n_out ? rows + r * row_bytes + c * bb : NULL;
+                if (b) memcpy(dst + i * hb, b, (size_t)hb);
+                else memset(dst + i * hb, 0, (size_t)hb);
+                for (int l = 0; l < pb; l += 4) {
+                    if (b) memcpy(dst + x8_at(hb, i, l), b + hb + l, 4);
+                    else memset(dst + x8_at(hb, i, l), 0, 4);
                 }
             }
         }
@@ -42,6 +42,6 @@ void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_chunks, uint8_t
     for (int64_t c = 0; c < nb; ++c) {
         const uint8_t *src = group + c * X8 * bb;
         memcpy(row + c * bb, src + i * hb, (size_t)hb);
-        memcpy(row + c * bb + hb, src + X8 * hb + x8_slot(i) * pb, (size_t)pb);
+        for (int l = 0; l < pb; l += 4) memcpy(row + c * bb + hb + l, src + x8_at(hb, i, l), 4);
     }
 }

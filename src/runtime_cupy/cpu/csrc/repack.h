@@ -4,8 +4,9 @@
  *
  * Group g holds rows 8g .. 8g + 7 (the last group padded with rows of zero factors and
  * zero quants). Its block c takes 8 blocks' bytes: the 8 rows' headers (their factors:
- * Q4_0's d), rows in order, then their payloads (Q4_0: 16 bytes of nibbles) in the
- * order x8_slot gives, which puts rows i and i + 4 in each 32 bytes. A repacked row
+ * Q4_0's d), rows in order, then their payloads (Q4_0: 16 bytes of nibbles) in words
+ * of 4 bytes, word w of the 8 rows side by side (x8_at): each 32 bytes hold one word
+ * of every row, lane i (4 bytes) row i's. A repacked row
  * computes what its stored row computes, bit for bit (dot.h's arithmetic, the same
  * order of every addition): the layout changes which rows a pass reads together,
  * not what any row computes.
@@ -27,7 +28,8 @@ void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, uint8
 void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_chunks, uint8_t *row);
 /* the bytes of a group: 8 stored rows */
 static inline int64_t x8_group_bytes(int64_t row_bytes) { return X8 * row_bytes; }
-/* where row i's payload lies among a group block's 8: rows i and i + 4 side by side */
-static inline int x8_slot(int i) { return (i % 4) * 2 + i / 4; }
+/* where byte l of row i's payload lies in a group block whose headers take hb bytes
+ * per row: after the 8 headers, word l / 4 of the 8 rows, row i's 4 bytes in lane i */
+static inline int x8_at(int hb, int i, int l) { return X8 * hb + ((l >> 2) * X8 + i) * 4 + (l & 3); }
 
 #endif
