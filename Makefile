@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/timing_model.py
 	$(PY) benchmarks/hop_overhead.py
 	$(PY) benchmarks/cpu_decode.py
+	$(PY) benchmarks/cpu_repack.py
 	$(PY) benchmarks/multi_host.py
 	$(PY) benchmarks/serve_load.py
 

@@ -9,7 +9,10 @@ class Matrix:
     n_in: int
     n_out: int
     act_format: str  # "q8_0", "q8_1", "q8_K", or "f32" for float weights
-    def __init__(self, parts: Sequence[tuple[Any, str, int, int, int]]) -> None: ...
+    repacked: tuple[bool, ...]  # per part: copied 8 rows at a time (csrc/repack.h)
+    def __init__(
+        self, parts: Sequence[tuple[Any, str, int, int, int]], repack: bool = False
+    ) -> None: ...
 
 def linear(
     matrix: Matrix,

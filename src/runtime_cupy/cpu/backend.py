@@ -4,8 +4,14 @@ the compiled kernels (``kernels.py``), split across the stage's threads.
 Weights are the file's own bytes: ``load_weights`` hands over views of the memory map
 (``join_parts=False``: Q, K, V and gate, up stay the separate matrices the file
 stores, each writing its columns of the output), the kernels multiply the GGUF blocks
-in place, and only norm weights and biases are copied (as float32). ``load`` reads
-every page of the stage's tensors once, so the first step does not wait on the disk.
+in place, and only norm weights and biases are copied (as float32). The exception is
+Q4_0 (the type with an x8 kernel, ``csrc/repack.h``): a Q4_0 matrix that products read
+is copied once at bind into groups of 8 interleaved rows, whose kernel computes 8 rows'
+products side by side, the same bits as on the stored rows; the copy replaces the
+mapped pages in the process (dropped with ``MADV_DONTNEED``: a copy of about the
+tensor's bytes, in private memory instead of the file's shared, reclaimable pages). An
+embedding only looked up stays mapped. ``load`` reads every other page of the stage's
+tensors once, so the first step does not wait on the disk.
 
 Products. With ``matvec="q8"`` (the default) activations are rounded as llama.cpp's
 CPU path rounds them for the weight type (``ACT_FORMAT``: Q8_0, Q8_1 or Q8_K blocks,
@@ -34,6 +40,7 @@ after rotary) and the logit soft cap.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import numpy as np
@@ -150,15 +157,33 @@ class CpuOps:
         self.step_kv: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
         self.qkv_dim = c.q_dim + c.k_dim + c.v_dim
         self.att_dim = c.n_heads * c.head_dim_v
-        # per matrix, its parts grouped by the activations they take
+        # per matrix, its parts grouped by the activations they take; the matrices a
+        # product reads (not an embedding only looked up) repacked where their type
+        # repacks, each stored tensor's pages then dropped (``released``)
         self.matrices: dict[int, list[tuple[str, _kernels.Matrix]]] = {}
+        self.released: set[int] = set()  # ids of the stored tensors no longer read
+        multiplied = {
+            id(raw) for lin in self._linears() if lin is not w.embedding for _, raw in lin.parts
+        }
+        built: dict[tuple[tuple[int, ...], tuple[int, ...]], _kernels.Matrix] = {}
         for lin in self._linears():
             groups: dict[str, list[tuple[U8, str, int, int, int]]] = {}
             for p, raw in lin.parts:
                 groups.setdefault(ACT_FORMAT[p.qtype], []).append(
                     (raw, p.qtype, p.n_out, p.n_in, p.out_offset)
                 )
-            self.matrices[id(lin)] = [(f, _kernels.Matrix(parts)) for f, parts in groups.items()]
+            mats = []
+            for f, parts in groups.items():
+                key = (tuple(id(part[0]) for part in parts), tuple(part[4] for part in parts))
+                if key not in built:  # a tied embedding shares the head's matrix
+                    repack = all(id(part[0]) in multiplied for part in parts)
+                    built[key] = _kernels.Matrix(parts, repack=repack)
+                    for part, packed in zip(parts, built[key].repacked, strict=True):
+                        if packed:
+                            _drop_pages(part[0])
+                            self.released.add(id(part[0]))
+                mats.append((f, built[key]))
+            self.matrices[id(lin)] = mats
         self.logits = np.zeros((1, w.vocab_size), np.float32) if spec.is_last else None
         self.one = self._make_rows(1)
         self.buf = self.one
@@ -319,6 +344,29 @@ class CpuOps:
         self.token = _kernels.argmax(self.logits[0])
 
 
+def _drop_pages(raw: U8) -> None:
+    """Drop the pages of ``raw`` from this process where it is a view of a file's read-only
+    memory map (a repacked tensor: its stored bytes are not read again). The pages stay
+    the file's (in the page cache until the kernel reclaims them; read back, whole pages,
+    if anything reads them again). Anything else (a private or writable mapping, an
+    array in memory) is left as it is."""
+    base: object = raw
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or not raw.size:
+        return
+    if not memoryview(base).readonly:  # MADV_DONTNEED would discard a private copy's writes
+        return
+    start = np.frombuffer(base, np.uint8).ctypes.data
+    first = raw.ctypes.data - start
+    last = first + raw.nbytes
+    if first < 0 or last > len(base):
+        return
+    page = mmap.PAGESIZE
+    first -= first % page
+    base.madvise(mmap.MADV_DONTNEED, first, min(len(base), -(-last // page) * page) - first)
+
+
 def _touch(raw: U8) -> None:
     """Read one byte of every page of ``raw`` (bring the mapped file into memory)."""
     flat = raw.reshape(-1)
@@ -344,7 +392,7 @@ class CpuBackend:
         seen: set[int] = set()
         for lin in self.ops._linears():
             for _, raw in lin.parts:
-                if id(raw) not in seen:
+                if id(raw) not in seen and id(raw) not in self.ops.released:
                     seen.add(id(raw))
                     _touch(raw)
 

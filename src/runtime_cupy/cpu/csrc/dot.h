@@ -62,6 +62,13 @@ typedef void (*dot_fn)(const uint8_t *w, int64_t n_chunks, const XRows *x, int64
 typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, int nw, int64_t n_chunks,
                         const XRows *x, int64_t j, float *out);
 
+/* out[k][i] = row i of an x8 group (repack.h: 8 rows of n_chunks chunks) . activation
+ * row j0 + k, k < nj <= XT: the same bits as the type's dot_fn on each stored row;
+ * NULL where an instruction set has none (the rows are then unpacked and each taken
+ * by dot_fn) */
+typedef void (*x8_fn)(const uint8_t *group, int64_t n_chunks, const XRows *x, int64_t j0, int nj,
+                      float (*out)[8]);
+
 typedef struct {
     const char *name;
     rows_fn q8_rows[T_COUNT];
@@ -74,6 +81,7 @@ typedef struct {
                    float scale, float *out);
     void (*mix)(float *out, const float *p, const void *values, int half, int64_t n,
                 int64_t hd);
+    x8_fn q8_x8[T_COUNT]; /* 8-bit activations times x8 groups */
 } Isa;
 
 extern const Isa ISA_PORTABLE;

@@ -3,6 +3,7 @@
 #include <math.h>
 
 #include "dot.h"
+#include "repack.h"
 
 const char *const QTYPE_NAMES[T_COUNT] = {
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -326,6 +327,37 @@ static void dot_q8_portable(int t, const uint8_t *w, int64_t nc, const XRows *x,
     }
 }
 
+/* ---- x8 groups (repack.h) ------------------------------------------------------------- */
+
+/* Q4_0, 8 rows of a group: row i's block c read where the group keeps it (its factor
+ * among the block's 8 headers, its nibbles at x8_at), then legacy_term's arithmetic
+ * and dot_q8_portable's running sums, so each row's bits are the stored row's. */
+static void x8_Q4_0(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
+                    float (*out)[8]) {
+    for (int k = 0; k < nj; ++k) {
+        const int64_t j = j0 + k;
+        const int8_t *xq = x->q + j * x->n;
+        const float *xd = x->d + j * nc;
+        const int32_t *xg = x->g + j * 2 * nc;
+        for (int i = 0; i < X8; ++i) {
+            float acc[8] = {0};
+            for (int64_t c = 0; c < nc; ++c) {
+                const uint8_t *b = grp + c * (X8 * 18);
+                const int8_t *xc = xq + 32 * c;
+                int sumi = 0;
+                for (int l = 0; l < 16; ++l) {
+                    const int v = b[x8_at(2, i, l)];
+                    sumi += (v & 15) * xc[l] + (v >> 4) * xc[l + 16];
+                }
+                sumi -= 8 * xg[c];
+                float fac = load_f16(b + 2 * i) * xd[c];
+                acc[c & 7] += fac * (float)sumi;
+            }
+            out[k][i] = sum8(acc);
+        }
+    }
+}
+
 /* ---- float products -------------------------------------------------------------------- */
 
 static void dot_f_portable(int t, const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,
@@ -405,4 +437,5 @@ const Isa ISA_PORTABLE = {
      f_Q6_K},
     scores_portable,
     mix_portable,
+    {[T_Q4_0] = x8_Q4_0},
 };

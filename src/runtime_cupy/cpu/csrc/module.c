@@ -88,18 +88,29 @@ typedef struct {
     int fmt; /* the activation format every part takes */
     int64_t n_in, n_out;
     Part parts[MAX_PARTS];
-    Buf views[MAX_PARTS];
+    Buf views[MAX_PARTS];     /* the stored rows a part reads in place */
+    uint8_t *owned[MAX_PARTS]; /* a repacked part's groups */
 } MatrixObject;
 
+static void drop_parts(MatrixObject *self) {
+    for (int p = 0; p < self->n_parts; ++p) {
+        release(&self->views[p]);
+        free(self->owned[p]);
+        self->owned[p] = NULL;
+    }
+    self->n_parts = 0;
+}
+
 static void Matrix_dealloc(MatrixObject *self) {
-    for (int p = 0; p < self->n_parts; ++p) release(&self->views[p]);
+    drop_parts(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"parts", NULL};
+    static char *kwlist[] = {"parts", "repack", NULL};
     PyObject *seq;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &seq)) return -1;
+    int repack = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &seq, &repack)) return -1;
     PyObject *fast = PySequence_Fast(seq, "parts: a sequence of (rows, qtype, n_out, n_in, offset)");
     if (!fast) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -108,8 +119,7 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
         Py_DECREF(fast);
         return -1;
     }
-    for (int p = 0; p < self->n_parts; ++p) release(&self->views[p]);
-    self->n_parts = 0;
+    drop_parts(self);
     self->n_in = -1;
     self->n_out = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
@@ -151,7 +161,23 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
             release(b);
             goto fail;
         }
-        self->parts[self->n_parts] = (Part){(const uint8_t *)b->view.buf, t, n_out, n_in, row_bytes, offset};
+        Part part = {(const uint8_t *)b->view.buf, t, n_out, n_in, row_bytes, offset, 0};
+        if (repack && x8_supported(t)) { /* the groups replace the view */
+            uint8_t *groups = malloc((size_t)x8_bytes(t, n_out, n_in));
+            if (!groups) {
+                release(b);
+                PyErr_NoMemory();
+                goto fail;
+            }
+            Py_BEGIN_ALLOW_THREADS
+            x8_pack(t, part.w, n_out, row_bytes, groups);
+            Py_END_ALLOW_THREADS
+            release(b);
+            self->owned[self->n_parts] = groups;
+            part.w = groups;
+            part.x8 = 1;
+        }
+        self->parts[self->n_parts] = part;
         self->n_parts++;
         self->fmt = QTYPE_FORMAT[t];
         self->n_in = n_in;
@@ -161,8 +187,7 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
     return 0;
 fail:
     Py_DECREF(fast);
-    for (int p = 0; p < self->n_parts; ++p) release(&self->views[p]);
-    self->n_parts = 0;
+    drop_parts(self);
     return -1;
 }
 
@@ -181,7 +206,17 @@ static PyObject *Matrix_get_format(MatrixObject *self, void *closure) {
     return PyUnicode_FromString(FORMAT_NAMES[self->fmt]);
 }
 
+static PyObject *Matrix_get_repacked(MatrixObject *self, void *closure) {
+    (void)closure;
+    PyObject *t = PyTuple_New(self->n_parts);
+    if (!t) return NULL;
+    for (int p = 0; p < self->n_parts; ++p) PyTuple_SET_ITEM(t, p, PyBool_FromLong(self->parts[p].x8));
+    return t;
+}
+
 static PyGetSetDef Matrix_getset[] = {
+    {"repacked", (getter)Matrix_get_repacked, NULL,
+     "per part: repacked 8 rows at a time (an owned copy; the stored rows are not read again)", NULL},
     {"act_format", (getter)Matrix_get_format, NULL, "the activations' 8-bit format (f32: float weights)", NULL},
     {"n_in", (getter)Matrix_get_n_in, NULL, "elements per row", NULL},
     {"n_out", (getter)Matrix_get_n_out, NULL, "columns of the output (the parts' extent)", NULL},
@@ -191,8 +226,9 @@ static PyGetSetDef Matrix_getset[] = {
 static PyTypeObject MatrixType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "runtime_cupy.cpu._kernels.Matrix",
-    .tp_doc = "Matrix(parts): stored GGUF rows, each part (rows, qtype, n_out, n_in, offset) "
-              "writing output columns offset .. offset + n_out",
+    .tp_doc = "Matrix(parts, repack=False): stored GGUF rows, each part (rows, qtype, n_out, n_in, "
+              "offset) writing output columns offset .. offset + n_out; repack: the parts of "
+              "the types that repack (Q4_0) are copied 8 rows at a time, computing the same bits",
     .tp_basicsize = sizeof(MatrixObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -256,6 +292,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     if (get_buf(yo, &y, "f", 1, rows * m->n_out, "y") < 0) goto done;
     if (get_opt(bo, &bias, "f", m->n_out, "bias") < 0) goto done;
     int64_t ldy = (int64_t)(y.view.len / 4) / rows;
+    int rc = 0;
     if (ldy < m->n_out) {
         PyErr_Format(PyExc_ValueError, "y: rows of %lld, the matrix writes %lld columns",
                      (long long)ldy, (long long)m->n_out);
@@ -270,9 +307,13 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     XRows xr = {q.held ? (const int8_t *)q.view.buf : NULL, d.held ? (const float *)d.view.buf : NULL,
                 s.held ? (const float *)s.view.buf : NULL, g.held ? (const int32_t *)g.view.buf : NULL,
                 (const float *)x.view.buf, n};
-    linear_rows(ISA, m->parts, m->n_parts, &xr, rows, use_q8, (float *)y.view.buf, ldy,
-                bias.held ? (const float *)bias.view.buf : NULL, accumulate, threads);
+    rc = linear_rows(ISA, m->parts, m->n_parts, &xr, rows, use_q8, (float *)y.view.buf, ldy,
+                     bias.held ? (const float *)bias.view.buf : NULL, accumulate, threads);
     Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
     result = Py_NewRef(Py_None);
 done:
     release(&x); release(&q); release(&d); release(&s); release(&g); release(&y); release(&bias);
@@ -558,9 +599,14 @@ static PyObject *py_embed(PyObject *self, PyObject *args) {
             goto done;
         }
     if (get_buf(oo, &o, "f", 1, rows * m->n_in, "out") < 0) goto done;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    embed_rows(&m->parts[0], id, rows, (float *)o.view.buf, threads);
+    rc = embed_rows(&m->parts[0], id, rows, (float *)o.view.buf, threads);
     Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
     result = Py_NewRef(Py_None);
 done:
     release(&ids); release(&o);

@@ -15,9 +15,11 @@
 
 #include "pool.h"
 
-#define RB 16         /* weight rows per item */
+#define RB 16         /* weight rows per item (whole x8 groups) */
 #define ELEMWISE 4096 /* values per item of the element-wise operations */
 #define ROWS_MAX_CHUNKS 24
+
+_Static_assert(RB % X8 == 0, "an item takes whole x8 groups");
 
 /* ---- 8-bit activations ---------------------------------------------------------------- */
 
@@ -54,10 +56,52 @@ typedef struct {
     int64_t ldy;
     const float *bias;
     int accumulate;
+    atomic_int failed; /* an item could not get a row's buffer */
 } LinearJob;
 
+static void put(const LinearJob *J, const Part *pt, int64_t j, int64_t r, float v) {
+    int64_t col = pt->out_offset + r;
+    if (J->bias) v = v + J->bias[col];
+    float *out = J->y + j * J->ldy + col;
+    *out = J->accumulate ? *out + v : v;
+}
+
+/* weight rows r0 .. r1 of an x8 part (r0 a multiple of 8) */
+static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int q8, dot_fn dot) {
+    int64_t nc = pt->n_in / 32;
+    x8_fn fast = q8 ? J->isa->q8_x8[pt->t] : NULL;
+    float out[XT][X8], tmp[XT];
+    uint8_t *row = NULL;
+    if (!fast && !(row = malloc((size_t)pt->row_bytes))) {
+        atomic_store(&J->failed, 1);
+        return;
+    }
+    for (int64_t g0 = r0; g0 < r1; g0 += X8) {
+        const uint8_t *grp = pt->w + (g0 / X8) * x8_group_bytes(pt->row_bytes);
+        int nr = r1 - g0 < X8 ? (int)(r1 - g0) : X8;
+        if (fast) {
+            for (int64_t j0 = 0; j0 < J->rows; j0 += XT) {
+                int nj = J->rows - j0 < XT ? (int)(J->rows - j0) : XT;
+                fast(grp, nc, J->x, j0, nj, out);
+                for (int k = 0; k < nj; ++k)
+                    for (int i = 0; i < nr; ++i) put(J, pt, j0 + k, g0 + i, out[k][i]);
+            }
+            continue;
+        }
+        for (int i = 0; i < nr; ++i) { /* each stored row, unpacked */
+            x8_unpack_row(pt->t, grp, i, nc, row);
+            for (int64_t j0 = 0; j0 < J->rows; j0 += XT) {
+                int nj = J->rows - j0 < XT ? (int)(J->rows - j0) : XT;
+                dot(row, nc, J->x, j0, nj, tmp);
+                for (int k = 0; k < nj; ++k) put(J, pt, j0 + k, g0 + i, tmp[k]);
+            }
+        }
+    }
+    free(row);
+}
+
 static void linear_item(void *ctx, int64_t b) {
-    const LinearJob *J = ctx;
+    LinearJob *J = ctx;
     int p = 0;
     while (b >= J->first[p + 1]) ++p;
     const Part *pt = J->parts + p;
@@ -65,6 +109,10 @@ static void linear_item(void *ctx, int64_t b) {
     int64_t nc = pt->n_in / 32;
     int q8 = J->use_q8 && !qtype_is_float(pt->t);
     dot_fn dot = q8 ? J->isa->q8[pt->t] : J->isa->f[pt->t];
+    if (pt->x8) {
+        linear_x8(J, pt, r0, r1, q8, dot);
+        return;
+    }
     /* short rows (up to ROWS_MAX_CHUNKS chunks: a row's fixed costs outweigh its blocks)
      * of a decode step: several weight rows per call, sharing the activation's loads */
     rows_fn rows_dot = (q8 && nc <= ROWS_MAX_CHUNKS) ? J->isa->q8_rows[pt->t] : NULL;
@@ -73,12 +121,7 @@ static void linear_item(void *ctx, int64_t b) {
         for (int64_t r = r0; r < r1; r += WT) {
             int nw = r1 - r < WT ? (int)(r1 - r) : WT;
             rows_dot(pt->w + r * pt->row_bytes, pt->row_bytes, nw, nc, J->x, 0, tmp);
-            for (int i = 0; i < nw; ++i) {
-                int64_t col = pt->out_offset + r + i;
-                float v = tmp[i];
-                if (J->bias) v = v + J->bias[col];
-                J->y[col] = J->accumulate ? J->y[col] + v : v;
-            }
+            for (int i = 0; i < nw; ++i) put(J, pt, 0, r + i, tmp[i]);
         }
         return;
     }
@@ -87,23 +130,18 @@ static void linear_item(void *ctx, int64_t b) {
         int nj = J->rows - j0 < XT ? (int)(J->rows - j0) : XT;
         for (int64_t r = r0; r < r1; ++r) {
             dot(pt->w + r * pt->row_bytes, nc, J->x, j0, nj, tmp);
-            int64_t col = pt->out_offset + r;
-            for (int k = 0; k < nj; ++k) {
-                float v = tmp[k];
-                if (J->bias) v = v + J->bias[col];
-                float *out = J->y + (j0 + k) * J->ldy + col;
-                *out = J->accumulate ? *out + v : v;
-            }
+            for (int k = 0; k < nj; ++k) put(J, pt, j0 + k, r, tmp[k]);
         }
     }
 }
 
-void linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, int64_t rows,
-                 int use_q8, float *y, int64_t ldy, const float *bias, int accumulate,
-                 int threads) {
-    LinearJob J = {isa, parts, n_parts, {0}, x, rows, use_q8, y, ldy, bias, accumulate};
+int linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, int64_t rows,
+                int use_q8, float *y, int64_t ldy, const float *bias, int accumulate,
+                int threads) {
+    LinearJob J = {isa, parts, n_parts, {0}, x, rows, use_q8, y, ldy, bias, accumulate, 0};
     for (int p = 0; p < n_parts; ++p) J.first[p + 1] = J.first[p] + (parts[p].n_out + RB - 1) / RB;
     pool_run(threads, J.first[n_parts], linear_item, &J);
+    return atomic_load(&J.failed) ? -1 : 0;
 }
 
 /* ---- norm and feed-forward ------------------------------------------------------------- */
@@ -426,18 +464,32 @@ typedef struct {
     const Part *table;
     const int32_t *ids;
     float *out;
+    atomic_int failed;
 } EmbedJob;
 
 static void embed_item(void *ctx, int64_t j) {
-    const EmbedJob *J = ctx;
+    EmbedJob *J = ctx;
     const Part *t = J->table;
-    const uint8_t *row = t->w + (int64_t)J->ids[j] * t->row_bytes;
-    for (int64_t c = 0; c < t->n_in / 32; ++c) dequant_chunk(row, t->t, c, J->out + j * t->n_in + 32 * c);
+    int64_t id = J->ids[j], nc = t->n_in / 32;
+    const uint8_t *row = t->w + id * t->row_bytes;
+    uint8_t *unpacked = NULL;
+    if (t->x8) {
+        if (!(unpacked = malloc((size_t)t->row_bytes))) {
+            atomic_store(&J->failed, 1);
+            return;
+        }
+        x8_unpack_row(t->t, t->w + (id / X8) * x8_group_bytes(t->row_bytes), (int)(id % X8), nc,
+                      unpacked);
+        row = unpacked;
+    }
+    for (int64_t c = 0; c < nc; ++c) dequant_chunk(row, t->t, c, J->out + j * t->n_in + 32 * c);
+    free(unpacked);
 }
 
-void embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads) {
-    EmbedJob J = {table, ids, out};
+int embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads) {
+    EmbedJob J = {table, ids, out, 0};
     pool_run(threads, rows, embed_item, &J);
+    return atomic_load(&J.failed) ? -1 : 0;
 }
 
 int64_t argmax_finite(const float *x, int64_t n, int64_t *bad) {

@@ -5,11 +5,13 @@
 #include <stdint.h>
 
 #include "dot.h"
+#include "repack.h"
 
 typedef struct {
-    const uint8_t *w; /* n_out rows of row_bytes */
+    const uint8_t *w; /* n_out rows of row_bytes, or their x8 groups (repack.h) */
     int t;
     int64_t n_out, n_in, row_bytes, out_offset;
+    int x8; /* repacked */
 } Part;
 
 /* Rows of 8-bit activations, written by quantize_rows; row j at q + j n, d + j n / 32,
@@ -22,9 +24,11 @@ typedef struct {
 
 void quantize_rows(int fmt, const float *x, int64_t rows, int64_t n, Q8Out out, int threads);
 
-/* y[j, off + r] (+)= part row r . activation row j (+ bias[off + r]), for every part */
-void linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, int64_t rows,
-                 int use_q8, float *y, int64_t ldy, const float *bias, int accumulate, int threads);
+/* y[j, off + r] (+)= part row r . activation row j (+ bias[off + r]), for every part.
+ * Returns 0, or -1 when out of memory (an x8 part without its instruction set's kernel
+ * unpacks rows into buffers). */
+int linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, int64_t rows,
+                int use_q8, float *y, int64_t ldy, const float *bias, int accumulate, int threads);
 
 /* out = rmsnorm(x) * w, or out += rmsnorm(x) * w when accumulate */
 void rmsnorm_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, double eps,
@@ -69,7 +73,8 @@ int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache
                    StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
                    float *out, int threads);
 
-void embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads);
+/* returns 0, or -1 when out of memory */
+int embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads);
 
 /* the first index of the largest finite value; *bad = the count of non-finite values */
 int64_t argmax_finite(const float *x, int64_t n, int64_t *bad);
