@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -301,14 +302,16 @@ def _supervisor_node(pid: int, raylets: dict[int, str]) -> str | None:
 def test_serve_keeps_its_stages_warm_on_the_cluster(
     cluster: Any, tiny: str, tmp_path: Path
 ) -> None:
-    """``serve --ray-address``: the same stage processes (on the Ray nodes their plan
-    names) answer the official client's requests, bound once, with the tokens of
+    """``serve --ray-address`` (TCP edges found through Ray's store, every run anew):
+    the same stage processes (on the Ray nodes their plan names) answer the official
+    client's requests, bound once, with the tokens of
     ``generate(..., ray_address=...)``; a stage SIGKILLed between two requests is
     started again on its node and the next request succeeds; once the server stops,
     nothing of it is left on the cluster."""
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}  # every stage's log line, as written
     args = ["--model", tiny, "--stages", str(SERVE_STAGES), "--worker", SERVE_WORKER,
-            "--ray-address", cluster.address, "--port", "0", "--context", "64", "-v"]  # fmt: skip
+            "--ray-address", cluster.address, "--edges", "tcp", "--port", "0", "--context", "64",
+            "-v"]  # fmt: skip
     server = ServerProcess(args, tmp_path / "server.log", env)
     stopped = False
     before = resources()
@@ -354,8 +357,48 @@ def test_serve_keeps_its_stages_warm_on_the_cluster(
         assert not wait_gone(live, 10.0), "stage processes outlived the server"
         assert wait_until(supervisors, 20) == []
         assert [p for p in resources() - before if not users(p)] == []  # /dev/shm/gpp-*
+        from ray.experimental import internal_kv
+
+        left = internal_kv._internal_kv_list(b"edge/", namespace=NAMESPACE)  # any run's
+        assert left == [], "addresses of the server's runs left in Ray's store"
         with pytest.raises(OSError):  # nothing listens where the server did
             socket.create_connection(("127.0.0.1", int(server.base_url.rsplit(":", 1)[1])), 2)
     finally:
         if not stopped:
             server.stop()
+
+
+def test_chat_keeps_its_stages_on_the_cluster(cluster: Any, tmp_path: Path) -> None:
+    """``chat --ray-address``: a turn typed in the terminal is answered by stages on the
+    cluster with ``generate(..., ray_address=...)``'s text; ``/exit`` leaves with status 0
+    and ends every stage and supervisor."""
+    from runplan.models import resolve_model
+    from runtime_core.tokenizer import Tokenizer
+    from runtime_cupy.serve.engine import chat_prompt
+    from runtime_cupy.serve.requests import Message
+    from tests.fixtures.gguf_models import ModelShape, write_model
+    from tests.runtime_cupy.serve.test_chat import Terminal
+
+    template = Tokenizer.from_gguf(resolve_model("smollm2-135m")).vocab.chat_template
+    assert template is not None
+    model = str(
+        write_model(
+            tmp_path / "tiny-chat.gguf",
+            ModelShape(n_layers=4, context_length=256),
+            extra_keys={"tokenizer.chat_template": template},
+        )
+    )
+    ids = chat_prompt(Tokenizer.from_gguf(model), [Message("user", "hello")])
+    expected = generate(model, ids, stages=SERVE_STAGES, max_tokens=8, worker=SERVE_WORKER,
+                        ray_address=cluster.address)  # fmt: skip
+    assert expected.outcome == "completed", expected.fault
+    argv = [sys.executable, "-m", "runtime_cupy", "chat", "--model", model, "--stages",
+            str(SERVE_STAGES), "--worker", SERVE_WORKER, "--max-tokens", "8",
+            "--ray-address", cluster.address]  # fmt: skip
+    term = Terminal(argv)
+    term.read_until(b"> ", 0)
+    assert term.say("hello") == expected.text
+    assert len(supervisors()) == SERVE_STAGES  # the chat's, on the cluster
+    term.type(b"/exit\r")
+    assert term.wait() == 0, term.text()
+    assert wait_until(supervisors, 20) == []
