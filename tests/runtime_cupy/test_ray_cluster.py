@@ -402,3 +402,37 @@ def test_chat_keeps_its_stages_on_the_cluster(cluster: Any, tmp_path: Path) -> N
     term.type(b"/exit\r")
     assert term.wait() == 0, term.text()
     assert wait_until(supervisors, 20) == []
+
+
+def test_a_warm_stage_killed_in_a_request_names_itself_and_comes_back(
+    cluster: Any, tiny: str
+) -> None:
+    """A warm stage on the cluster SIGKILLed mid-decode ends that run alone, with a
+    fault naming the stage, its node, its host and the cause; the next run starts it
+    again (on its node) and completes; closing the chain ends every supervisor."""
+    from runtime_cupy.serve.chain import WarmChain
+
+    with WarmChain(tiny, stages=SERVE_STAGES, worker=SERVE_WORKER, context=64,
+                   ray_address=cluster.address) as chain:  # fmt: skip
+        pids = chain.pids()
+        tokens: list[int] = []
+
+        def on_token(token: int) -> None:
+            tokens.append(token)
+            if len(tokens) == 2:
+                os.kill(pids[1], signal.SIGKILL)
+
+        broken = chain.generate(PROMPT, max_tokens=30, on_token=on_token).result
+        assert broken.outcome == "faulted" and broken.fault_stage == 1
+        node = chain.layout[1][1]
+        host = broken.stages[1].host
+        assert host is not None and node.startswith(host), (node, host)
+        assert f"stage 1 (node {node}, host {host})" in (broken.fault or ""), broken.fault
+        assert "killed by SIGKILL" in (broken.fault or ""), broken.fault
+        after = chain.generate(PROMPT, max_tokens=4)
+        assert after.result.outcome == "completed", after.result.fault
+        assert after.restarted == (1,)
+        again = chain.pids()
+        assert again[0] == pids[0] and again[1] != pids[1]
+        assert after.result.stages[1].host == host
+    assert wait_until(supervisors, 20) == []
