@@ -3,9 +3,10 @@
 per stage on the Ray node its plan names, the tokens of ``runtime_sim`` (NumPy worker)
 over shared memory and over TCP edges found through Ray's key-value store, the default
 (CPU) worker's tokens as on local processes, ``python -m runtime_cupy plan`` against the
-cluster, and a stage SIGKILLed mid-decode. After each
-run: no stage process, no supervisor, no segment, no run folder, no address of the run
-left in the store."""
+cluster, a stage SIGKILLed mid-decode, and ``python -m runtime_cupy serve
+--ray-address`` keeping its stages warm on the cluster (the official ``openai`` client on
+loopback). After each run: no stage process, no supervisor, no segment, no run folder,
+no address of the run left in the store; after the server, nothing of it."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
+import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra has it)")
@@ -29,13 +34,22 @@ from runtime_cupy.cli import main as cli_main  # noqa: E402
 from runtime_cupy.hosts.ray.cluster import ClusterError  # noqa: E402
 from runtime_cupy.hosts.ray.rendezvous import NAMESPACE, run_prefix  # noqa: E402
 from runtime_cupy.hosts.ray.session import connect  # noqa: E402
-from tests.runtime_cupy.hygiene import run_resources  # noqa: E402
+from tests.runtime_cupy.hygiene import (  # noqa: E402
+    alive,
+    resources,
+    run_resources,
+    users,
+    wait_gone,
+)
 from tests.runtime_cupy.ray_checks import (  # noqa: E402
+    SUPERVISOR_TITLE,
+    cmdline,
     ppid,
     run_processes,
     supervisors,
     wait_until,
 )
+from tests.runtime_cupy.serve.servers import ServerProcess, metrics, wait_for  # noqa: E402
 
 PROMPT = [1, 2, 3]
 
@@ -228,6 +242,22 @@ def test_no_cluster_at_the_address_is_a_clear_error() -> None:
         connect("127.0.0.1:1")
 
 
+def test_serve_refuses_what_a_cluster_cannot_take(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No cluster at the address, or one-host flags with it: a one-line error, exit 2,
+    before any stage or server starts."""
+    from runtime_cupy.serve.cli import main as serve_main
+
+    assert serve_main(["--model", tiny, "--ray-address", "127.0.0.1:1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: no Ray cluster at 127.0.0.1:1" in err and "Traceback" not in err, err
+    for flags in (["--gpus", "0"], ["--log-dir", "."]):
+        assert serve_main(["--model", tiny, "--ray-address", "auto", *flags]) == 2
+        err = capsys.readouterr().err
+        assert "give no host, gpus (--gpus) or log_dir (--log-dir)" in err, err
+
+
 def test_the_cli_runs_on_the_cluster_and_its_json_names_each_stages_host(
     cluster: Any, tiny: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -243,3 +273,166 @@ def test_the_cli_runs_on_the_cluster_and_its_json_names_each_stages_host(
     assert len(set(hosts)) == 2 and set(hosts) <= labels, hosts
     assert [s["node_id"] for s in doc["stages"]] == [f"{h}/cpu0" for h in hosts]
     _assert_clean(doc["run_id"])
+
+
+# -- warm stages on the cluster: python -m runtime_cupy serve --ray-address ---------------
+SERVE_STAGES = 2
+SERVE_WORKER = "numpy"
+
+
+def _stage_lines(server: ServerProcess, pid: int, text: str) -> int:
+    """How many times stage process ``pid`` logged ``text`` (its log reaches the
+    server's standard error through Ray's log streaming)."""
+    return len(re.findall(rf"pid {pid}\) INFO {re.escape(text)}", server.log()))
+
+
+def _logged(server: ServerProcess, pid: int, text: str, times: int) -> bool:
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: _stage_lines(server, pid, text) >= times, 30.0, text)
+    return _stage_lines(server, pid, text) == times
+
+
+def _supervisor_node(pid: int, raylets: dict[int, str]) -> str | None:
+    """The Ray node whose raylet started the supervisor of stage process ``pid``."""
+    supervisor = ppid(pid)
+    assert SUPERVISOR_TITLE in cmdline(supervisor), cmdline(supervisor)
+    return raylets.get(ppid(supervisor))
+
+
+def test_serve_keeps_its_stages_warm_on_the_cluster(
+    cluster: Any, tiny: str, tmp_path: Path
+) -> None:
+    """``serve --ray-address`` (TCP edges found through Ray's store, every run anew):
+    the same stage processes (on the Ray nodes their plan names) answer the official
+    client's requests, bound once, with the tokens of
+    ``generate(..., ray_address=...)``; a stage SIGKILLed between two requests is
+    started again on its node and the next request succeeds; once the server stops,
+    nothing of it is left on the cluster."""
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}  # every stage's log line, as written
+    args = ["--model", tiny, "--stages", str(SERVE_STAGES), "--worker", SERVE_WORKER,
+            "--ray-address", cluster.address, "--edges", "tcp", "--port", "0", "--context", "64",
+            "-v"]  # fmt: skip
+    server = ServerProcess(args, tmp_path / "server.log", env)
+    stopped = False
+    before = resources()
+    try:
+        server.wait_listening(120.0)
+        server.wait_ready(180.0)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="-", max_retries=0)
+        model = client.models.list().data[0].id
+        pids = server.stage_pids()
+        assert sorted(pids) == list(range(SERVE_STAGES)), server.log()
+        raylets = _raylets(cluster)
+        nodes = {i: _supervisor_node(pid, raylets) for i, pid in pids.items()}
+        assert len(set(nodes.values())) == SERVE_STAGES and None not in nodes.values(), nodes
+
+        def ask() -> str:
+            answer = client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=8, temperature=0
+            )
+            return answer.choices[0].text
+
+        first, second = ask(), ask()
+        expected = generate(tiny, PROMPT, stages=SERVE_STAGES, max_tokens=8,
+                            worker=SERVE_WORKER, ray_address=cluster.address)  # fmt: skip
+        assert expected.outcome == "completed", expected.fault
+        assert first == second == expected.text
+        assert server.stage_pids() == pids and all(alive(p) for p in pids.values())
+        # Bound once (the chain's start), then each request reused the weights.
+        for pid in pids.values():
+            assert _logged(server, pid, "bound weights in", 1), server.log()
+            assert _logged(server, pid, "weights reused", 2), server.log()
+
+        os.kill(pids[1], signal.SIGKILL)
+        assert not wait_gone([pids[1]], 10.0)
+        assert ask() == expected.text
+        again = server.stage_pids()
+        assert again[0] == pids[0] and again[1] != pids[1]
+        assert _supervisor_node(again[1], raylets) == nodes[1]  # the node its plan names
+        server.wait_ready()
+        assert metrics(server.base_url)["gguf_pipeline_stage_restarts_total"] >= 1
+        live = [pids[0], again[1]]
+        assert server.stop() == 0, server.log()
+        stopped = True
+        assert not wait_gone(live, 10.0), "stage processes outlived the server"
+        assert wait_until(supervisors, 20) == []
+        assert [p for p in resources() - before if not users(p)] == []  # /dev/shm/gpp-*
+        from ray.experimental import internal_kv
+
+        left = internal_kv._internal_kv_list(b"edge/", namespace=NAMESPACE)  # any run's
+        assert left == [], "addresses of the server's runs left in Ray's store"
+        with pytest.raises(OSError):  # nothing listens where the server did
+            socket.create_connection(("127.0.0.1", int(server.base_url.rsplit(":", 1)[1])), 2)
+    finally:
+        if not stopped:
+            server.stop()
+
+
+def test_chat_keeps_its_stages_on_the_cluster(cluster: Any, tmp_path: Path) -> None:
+    """``chat --ray-address``: a turn typed in the terminal is answered by stages on the
+    cluster with ``generate(..., ray_address=...)``'s text; ``/exit`` leaves with status 0
+    and ends every stage and supervisor."""
+    from runplan.models import resolve_model
+    from runtime_core.tokenizer import Tokenizer
+    from runtime_cupy.serve.engine import chat_prompt
+    from runtime_cupy.serve.requests import Message
+    from tests.fixtures.gguf_models import ModelShape, write_model
+    from tests.runtime_cupy.serve.test_chat import Terminal
+
+    template = Tokenizer.from_gguf(resolve_model("smollm2-135m")).vocab.chat_template
+    assert template is not None
+    model = str(
+        write_model(
+            tmp_path / "tiny-chat.gguf",
+            ModelShape(n_layers=4, context_length=256),
+            extra_keys={"tokenizer.chat_template": template},
+        )
+    )
+    ids = chat_prompt(Tokenizer.from_gguf(model), [Message("user", "hello")])
+    expected = generate(model, ids, stages=SERVE_STAGES, max_tokens=8, worker=SERVE_WORKER,
+                        ray_address=cluster.address)  # fmt: skip
+    assert expected.outcome == "completed", expected.fault
+    argv = [sys.executable, "-m", "runtime_cupy", "chat", "--model", model, "--stages",
+            str(SERVE_STAGES), "--worker", SERVE_WORKER, "--max-tokens", "8",
+            "--ray-address", cluster.address]  # fmt: skip
+    term = Terminal(argv)
+    term.read_until(b"> ", 0)
+    assert term.say("hello") == expected.text
+    assert len(supervisors()) == SERVE_STAGES  # the chat's, on the cluster
+    term.type(b"/exit\r")
+    assert term.wait() == 0, term.text()
+    assert wait_until(supervisors, 20) == []
+
+
+def test_a_warm_stage_killed_in_a_request_names_itself_and_comes_back(
+    cluster: Any, tiny: str
+) -> None:
+    """A warm stage on the cluster SIGKILLed mid-decode ends that run alone, with a
+    fault naming the stage, its node, its host and the cause; the next run starts it
+    again (on its node) and completes; closing the chain ends every supervisor."""
+    from runtime_cupy.serve.chain import WarmChain
+
+    with WarmChain(tiny, stages=SERVE_STAGES, worker=SERVE_WORKER, context=64,
+                   ray_address=cluster.address) as chain:  # fmt: skip
+        pids = chain.pids()
+        tokens: list[int] = []
+
+        def on_token(token: int) -> None:
+            tokens.append(token)
+            if len(tokens) == 2:
+                os.kill(pids[1], signal.SIGKILL)
+
+        broken = chain.generate(PROMPT, max_tokens=30, on_token=on_token).result
+        assert broken.outcome == "faulted" and broken.fault_stage == 1
+        node = chain.layout[1][1]
+        host = broken.stages[1].host
+        assert host is not None and node.startswith(host), (node, host)
+        assert f"stage 1 (node {node}, host {host})" in (broken.fault or ""), broken.fault
+        assert "killed by SIGKILL" in (broken.fault or ""), broken.fault
+        after = chain.generate(PROMPT, max_tokens=4)
+        assert after.result.outcome == "completed", after.result.fault
+        assert after.restarted == (1,)
+        again = chain.pids()
+        assert again[0] == pids[0] and again[1] != pids[1]
+        assert after.result.stages[1].host == host
+    assert wait_until(supervisors, 20) == []

@@ -19,6 +19,11 @@ fault ended a run is started again, and bound by a short run, before the next re
 the request it broke ends with its fault, which names the stage, node and cause.
 Before every run the chain also looks for stages that went away while idle.
 
+With ``ray_address`` (``auto`` or ``HOST:PORT``) the stages live on the hosts of a Ray
+cluster (``hosts.ray``, this process its driver), placed as ``runtime_cupy.generate``
+places them (``placement`` ``even`` or ``memory``); a stage started again goes to the
+node its plan names, under a new supervisor.
+
 One run at a time: ``generate`` and ``close`` are for one thread (the server's runner,
 or the terminal chat); ``ready`` and a run's ``cancel`` may be called from any.
 """
@@ -34,7 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from attrs import frozen
@@ -44,7 +49,7 @@ from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
-from runtime_core.runs import plan_even
+from runtime_core.runs import PLACEMENTS, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, place_stages, summarize
 from runtime_cupy.control import Incoming
@@ -54,6 +59,9 @@ from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.keys import new_secret
 from runtime_cupy.launcher import ORCHESTRATOR, ProcessRun
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
+
+if TYPE_CHECKING:
+    from runtime_cupy.hosts.ray.host import RayHost
 
 log = logging.getLogger("runtime_cupy.serve.chain")
 
@@ -91,8 +99,11 @@ class WarmChain:
     """The stages of ``model`` split evenly over ``stages`` processes of ``worker``,
     kept warm. ``context``: the cache length of every run (default: the model's
     context length); a run's prompt plus its tokens must fit it. ``host`` starts the
-    stages (default: ``LocalProcessHost`` with ``log_dir``); ``edges``: ``auto``,
-    ``shm`` or ``tcp``; ``trace``: record Chrome trace events of every run."""
+    stages (default: ``LocalProcessHost`` with ``log_dir``); ``ray_address``: on the
+    hosts of that Ray cluster instead, the layers split by ``placement`` (``even`` or
+    ``memory``); ``edges``: ``auto``, ``shm`` or ``tcp``; ``trace``: record Chrome
+    trace events of every run. Raises ``ClusterError`` for a cluster that cannot be
+    reached or has no room, before any process starts."""
 
     def __init__(
         self,
@@ -107,7 +118,17 @@ class WarmChain:
         timeouts: Timeouts | None = None,
         trace: bool = False,
         log_dir: Path | None = None,
+        ray_address: str | None = None,
+        placement: str = "even",
     ) -> None:
+        if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
+            raise ValueError(
+                "the stages on a Ray cluster (--ray-address) take its live hosts and GPUs "
+                "and log to Ray's worker logs: give no host, gpus (--gpus) or log_dir "
+                "(--log-dir) with it"
+            )
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {placement!r} (one of {', '.join(PLACEMENTS)})")
         self.path = resolve_model(model)
         facts = model_facts_from_gguf(self.path)
         if context is not None and not 1 < context <= facts.context_length:
@@ -119,7 +140,23 @@ class WarmChain:
         self.tokenizer = Tokenizer.from_gguf(self.path)
         self.worker = worker
         self.capabilities = capabilities(worker)  # WorkerUnavailable before any process
-        self.nodes, self.devices = place_stages(stages, worker, gpus)
+        self._ray_host: RayHost | None = None
+        if ray_address is not None:
+            from runtime_cupy.hosts.ray import session
+            from runtime_cupy.hosts.ray.host import RayHost
+
+            session.connect(ray_address)
+            cluster = session.stage_nodes(worker, stages)
+            self.nodes = tuple(n.spec for n in cluster)
+            self.devices = tuple(n.device for n in cluster)
+            verbose = logging.getLogger("runtime_cupy.hosts.ray").isEnabledFor(logging.INFO)
+            level = "INFO" if verbose else "WARNING"
+            host = self._ray_host = RayHost(
+                cluster, session.orchestrator_address(), log_level=level
+            )
+        else:
+            self.nodes, self.devices = place_stages(stages, worker, gpus)
+        self.placement = placement
         self.edges = edges
         self.host: StageHost = host or LocalProcessHost(log_dir=log_dir)
         self.timeouts = timeouts or Timeouts()
@@ -163,7 +200,7 @@ class WarmChain:
             timeouts=self.timeouts,
             worker=self.capabilities,
         )
-        return plan_even(self.facts, config, ORCHESTRATOR, self.nodes)
+        return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)
 
     def _medium(self, plan: RunPlan, edge: Any) -> str:
         def node(endpoint: Any) -> str:
@@ -249,6 +286,11 @@ class WarmChain:
                             index, handle.node_id, reason)  # fmt: skip
                 self._retire(index)
         started: list[int] = []
+        if self._ray_host is not None:  # their supervisors' start-ups overlap
+            self._ray_host.prepare(
+                launch.node_id for launch in self._launches
+                if launch.stage_index not in self._handles
+            )  # fmt: skip
         for launch in self._launches:
             if launch.stage_index in self._handles:
                 continue

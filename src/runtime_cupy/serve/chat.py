@@ -2,6 +2,7 @@
 
     python -m runtime_cupy chat --model M --stages N [--worker W] [--system TEXT]
         [--max-tokens T] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+        [--ray-address auto|HOST:PORT] [--placement even|memory]
 
 The stages start and bind once (``serve.chain.WarmChain``); then each line typed is a
 user turn: the model's chat template over the whole conversation so far, the answer

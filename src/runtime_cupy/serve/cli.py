@@ -1,7 +1,8 @@
 """``python -m runtime_cupy serve``: an OpenAI-compatible HTTP API over warm stages.
 
     python -m runtime_cupy serve --model M --stages N [--worker W] [--host 127.0.0.1]
-        [--port 8000] [--api-key KEY] [--max-queue Q] [--context C] [--edges E] [-v]
+        [--port 8000] [--api-key KEY] [--max-queue Q] [--context C] [--edges E]
+        [--ray-address auto|HOST:PORT] [--placement even|memory] [-v]
 
 The stage processes start and bind once; the server listens at once (``GET /health``
 says 503 until every stage is ready) and serves one request at a time on them, in the
@@ -9,7 +10,9 @@ order they arrived. The key comes from ``--api-key`` or ``GGUF_PIPELINE_API_KEY`
 without either, no key is asked for. It binds to 127.0.0.1 unless told otherwise.
 Standard error says where it listens (``listening on http://HOST:PORT``) and logs each
 request (``-v``: everything the runtime does). Ctrl-C or SIGTERM stops it: what runs
-is cancelled and every stage process exits.
+is cancelled and every stage process exits. With ``--ray-address`` the stages live on
+the hosts of that Ray cluster (this process its driver), placed as ``python -m
+runtime_cupy --ray-address`` places them.
 
 Exit status: 0 after a stop, 1 if the stages could not be started, 2 for bad input.
 """
@@ -29,9 +32,10 @@ from pathlib import Path
 
 from runplan.gguf_header import GgufError
 from runplan.models import DEFAULT_MODEL, ModelNotFound
-from runtime_core.runs import PlanRejected
+from runtime_core.runs import PLACEMENTS, PlanRejected
 from runtime_core.tokenizer import TokenizerError
 from runtime_cupy.edges.choice import PREFERENCES
+from runtime_cupy.hosts.ray.cluster import ClusterError
 from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
@@ -39,8 +43,8 @@ API_KEY_VARIABLE = "GGUF_PIPELINE_API_KEY"
 EXIT_FAILED = 1
 EXIT_INPUT = 2
 #: What a command line that cannot be served raises before any process starts.
-INPUT_ERRORS = (GgufError, ModelNotFound, PlanRejected, TokenizerError, ValueError,
-                WorkerUnavailable)  # fmt: skip
+INPUT_ERRORS = (ClusterError, GgufError, ModelNotFound, PlanRejected, TokenizerError,
+                ValueError, WorkerUnavailable)  # fmt: skip
 
 log = logging.getLogger("runtime_cupy.serve")
 
@@ -86,7 +90,21 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens a request's prompt and answer may hold together (default: the "
         "model's context length)",
     )
-    parser.add_argument("--log-dir", type=Path, default=None, help="keep each stage's log here")
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="keep each stage's log here (one host)"
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="keep the stages on the live hosts of a Ray cluster: auto (the cluster this "
+        "machine belongs to) or HOST:PORT of its head; their logs go to Ray's worker logs",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="even",
+        help="split the layers evenly (default) or in proportion to each node's memory",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the runtime does")
 
 
@@ -100,6 +118,8 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
         edges=args.edges,
         context=args.context,
         log_dir=args.log_dir,
+        ray_address=args.ray_address,
+        placement=args.placement,
     )
 
 

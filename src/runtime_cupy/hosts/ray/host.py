@@ -17,8 +17,16 @@ runs in this process, a driver of the cluster.
   machines; consumers listen on their host's address and publish it in Ray's key-value
   store under ``(run_id, edge_id)`` (``rendezvous``).
 - **Cleanup**: every supervisor still there frees what the run left on its host; this
-  process frees its own machine's and every address of the run; then the actors are
-  killed.
+  process frees its own machine's and every address of the run; then the actors of the
+  run's stages are killed, and the control port closes once no supervisor is left.
+- **Warm stages** (``StageLaunch(warm=True)``, ``serve.chain.WarmChain``): what is the
+  chain's lives as long as its stage process: the supervisor and its stage process,
+  their control connection, and this process's control port (while any warm stage is
+  there). What is a run's is freed at that run's cleanup, as for a cold run: the
+  edges' segments and run folder on every host, and the run's addresses in the store
+  (keyed by the run's id). A warm stage's handle, closed once its stage is gone (the
+  chain closed its channel, or retired a broken stage), kills that stage's supervisor;
+  the stage started again in its place gets a new one, on the node its plan names.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from runtime_cupy.control import ControlChannel
@@ -72,6 +80,7 @@ class RayStageHandle:
         pid: int,
         done: Any,
         channel: ControlChannel,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.stage_index = launch.stage_index
         self.node_id = launch.node_id
@@ -81,6 +90,7 @@ class RayStageHandle:
         self._pid = pid
         self._done = done  # the ObjectRef of supervise()
         self._result: int | BaseException | None = None
+        self._release = release  # a warm stage's: ends its supervisor once it is gone
 
     @property
     def host(self) -> str:
@@ -145,6 +155,9 @@ class RayStageHandle:
 
     def close(self) -> None:
         self.channel.close()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 class UnstartedStage:
@@ -204,6 +217,7 @@ class RayHost:
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
         self._actors: dict[str, Any] = {}
+        self._warm: set[str] = set()  # nodes whose supervisor outlives a run's cleanup
         self._listener: ControlListener | None = None
         self._rendezvous = KvRendezvous()
 
@@ -285,7 +299,32 @@ class RayHost:
             launch.stage_index, launch.node_id, node.host.label, time.monotonic() - began, pid,
         )  # fmt: skip
         channel = ControlChannel(sock, key, launch.orchestrator_id, launch.node_id)
-        return RayStageHandle(launch, node, actor, pid, actor.supervise.remote(), channel)
+        release = None
+        if launch.warm:
+            self._warm.add(launch.node_id)
+
+            def release() -> None:
+                self._release(launch.node_id, actor)
+
+        done = actor.supervise.remote()
+        return RayStageHandle(launch, node, actor, pid, done, channel, release)
+
+    def _release(self, node_id: str, actor: Any) -> None:
+        """A warm stage is gone for good: end its supervisor (and the control port
+        once no supervisor is left)."""
+        import ray
+
+        if self._actors.get(node_id) is actor:
+            del self._actors[node_id]
+            self._warm.discard(node_id)
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+        self._close_listener()
+
+    def _close_listener(self) -> None:
+        if self._listener is not None and not self._actors:
+            self._listener.close()
+            self._listener = None
 
     def same_host(self, node_a: str, node_b: str) -> bool:
         return self.machine(node_a) == self.machine(node_b)
@@ -313,10 +352,9 @@ class RayHost:
         remove_run_dir(run_id)
         with contextlib.suppress(Exception):
             self._rendezvous.withdraw_run(run_id)
-        for actor in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-        self._actors.clear()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        for node_id, actor in list(self._actors.items()):
+            if node_id not in self._warm:  # a cold run's stages are done with
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                del self._actors[node_id]
+        self._close_listener()
