@@ -5,9 +5,9 @@ Weights are the file's own bytes: ``load_weights`` hands over views of the memor
 (``join_parts=False``: Q, K, V and gate, up stay the separate matrices the file
 stores, each writing its columns of the output), the kernels multiply the GGUF blocks
 in place, and only norm weights and biases are copied (as float32). The exception is
-Q4_0 (the type with an x8 kernel, ``csrc/repack.h``): a Q4_0 matrix that products read
-is copied once at bind into groups of 8 interleaved rows, whose kernel computes 8 rows'
-products side by side, the same bits as on the stored rows; the copy replaces the
+Q4_0 and Q4_1 (the types with an x8 kernel, ``csrc/repack.h``): such a matrix that
+products read is copied once at bind into groups of 8 interleaved rows, whose kernel
+computes 8 rows' products side by side, the same bits as on the stored rows; the copy replaces the
 mapped pages in the process (dropped with ``MADV_DONTNEED``: a copy of about the
 tensor's bytes, in private memory instead of the file's shared, reclaimable pages). An
 embedding only looked up stays mapped. ``load`` reads every other page of the stage's

@@ -1,4 +1,4 @@
-"""Q4_0 matrices repacked 8 rows at a time (``csrc/repack.h``, ``Matrix(repack=True)``)
+"""Q4_0 and Q4_1 matrices repacked 8 rows at a time (``csrc/repack.h``, ``Matrix(repack=True)``)
 compute the stored rows' bits, and a bound stage keeps them instead of the file's pages.
 
 - Products: on every instruction set the host runs (each has its own x8 kernel), every
@@ -6,8 +6,8 @@ compute the stored rows' bits, and a bound stage keeps them instead of the file'
   threads, 8-bit and "f32" activations, rows multiplied together or one at a time:
   the same bits as the stored rows on the host's best instruction set; with other
   parts beside it (offsets, bias, accumulation) as well.
-- Only Q4_0 repacks; an embedding lookup of repacked rows is the gguf package's
-  dequantization.
+- Only Q4_0 and Q4_1 repack; an embedding lookup of repacked rows is the gguf
+  package's dequantization.
 - Memory: binding a Q4_0 stage grows the process's private memory by at most about
   the repacked tensors' bytes and its file-backed memory by about the other tensors'
   only (the stored pages of a repacked tensor are dropped from the process).
@@ -55,20 +55,24 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
 
 
+REPACKED = ("Q4_0", "Q4_1")
+
+
+@pytest.mark.parametrize("qtype", REPACKED)
 @pytest.mark.parametrize("use_q8", [True, False], ids=["q8", "f32"])
 @pytest.mark.parametrize("n_out", [*range(1, 18), 31, 64, 69])
-def test_repacked_rows_compute_the_stored_rows_bits(n_out: int, use_q8: bool) -> None:
+def test_repacked_rows_compute_the_stored_rows_bits(n_out: int, use_q8: bool, qtype: str) -> None:
     rng = np.random.default_rng(n_out)
     n = 32 * 13  # 13 blocks: a tail past the last 8 of the running sums
-    raw = random_rows(rng, "Q4_0", n_out, n, scale=1 / np.sqrt(n))
+    raw = random_rows(rng, qtype, n_out, n, scale=1 / np.sqrt(n))
     x = rng.standard_normal((6, n)).astype(np.float32)
     x[:, :32] *= 20.0
-    stored = _kernels.Matrix([(raw, "Q4_0", n_out, n, 0)])
+    stored = _kernels.Matrix([(raw, qtype, n_out, n, 0)])
     assert stored.repacked == (False,)
     expected = bits(linear(stored, x, use_q8, 1))
     for isa in ISAS:
         _kernels.set_isa(isa)
-        packed = _kernels.Matrix([(raw, "Q4_0", n_out, n, 0)], repack=True)
+        packed = _kernels.Matrix([(raw, qtype, n_out, n, 0)], repack=True)
         assert packed.repacked == (True,)
         for threads in (1, 2, 3, 5):
             np.testing.assert_array_equal(bits(linear(packed, x, use_q8, threads)), expected)
@@ -76,11 +80,14 @@ def test_repacked_rows_compute_the_stored_rows_bits(n_out: int, use_q8: bool) ->
         np.testing.assert_array_equal(bits(one_by_one), expected)
 
 
-def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumulation() -> None:
+@pytest.mark.parametrize(("qtype", "other"), [("Q4_0", "Q8_0"), ("Q4_1", "Q5_1")])
+def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumulation(
+    qtype: str, other: str
+) -> None:
     rng = np.random.default_rng(1)
     n = 256
-    a, b = random_rows(rng, "Q4_0", 13, n), random_rows(rng, "Q8_0", 5, n)
-    parts = [(a, "Q4_0", 13, n, 0), (b, "Q8_0", 5, n, 14)]
+    a, b = random_rows(rng, qtype, 13, n), random_rows(rng, other, 5, n)
+    parts = [(a, qtype, 13, n, 0), (b, other, 5, n, 14)]
     x = rng.standard_normal((3, n)).astype(np.float32)
     bias = rng.standard_normal(19).astype(np.float32)
     start = np.full((3, 19), 1.5, np.float32)
@@ -88,28 +95,29 @@ def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumula
     for isa in ISAS:
         _kernels.set_isa(isa)
         m = _kernels.Matrix(parts, repack=True)
-        assert m.repacked == (True, False)  # only Q4_0 repacks
+        assert m.repacked == (True, False)  # only Q4_0 and Q4_1 repack
         got = linear(m, x, True, 2, y=start.copy(), bias=bias)
         np.testing.assert_array_equal(bits(got), bits(want))
 
 
-def test_only_q4_0_repacks() -> None:
+def test_only_q4_0_and_q4_1_repack() -> None:
     rng = np.random.default_rng(2)
-    for qtype in ("Q8_0", "Q4_1", "Q5_0", "Q4_K", "F16"):
+    for qtype in ("Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K", "F16", "F32"):
         n = 256
         raw = random_rows(rng, qtype, 9, n)
         assert _kernels.Matrix([(raw, qtype, 9, n, 0)], repack=True).repacked == (False,)
 
 
-def test_looking_up_repacked_rows_is_the_gguf_packages_dequantization() -> None:
+@pytest.mark.parametrize("qtype", REPACKED)
+def test_looking_up_repacked_rows_is_the_gguf_packages_dequantization(qtype: str) -> None:
     rng = np.random.default_rng(3)
     n, rows = 32 * 5, 21
-    raw = random_rows(rng, "Q4_0", rows, n, scale=0.3)
-    m = _kernels.Matrix([(raw, "Q4_0", rows, n, 0)], repack=True)
+    raw = random_rows(rng, qtype, rows, n, scale=0.3)
+    m = _kernels.Matrix([(raw, qtype, rows, n, 0)], repack=True)
     ids = np.array([0, 7, 8, 20, 13, 20], np.int32)
     out = np.zeros((len(ids), n), np.float32)
     _kernels.embed(m, ids, out, 2)
-    want = np.asarray(quants.dequantize(raw, GGMLQuantizationType.Q4_0), np.float32)[ids]
+    want = np.asarray(quants.dequantize(raw, GGMLQuantizationType[qtype]), np.float32)[ids]
     np.testing.assert_array_equal(bits(out), bits(want))
 
 

@@ -329,33 +329,46 @@ static void dot_q8_portable(int t, const uint8_t *w, int64_t nc, const XRows *x,
 
 /* ---- x8 groups (repack.h) ------------------------------------------------------------- */
 
-/* Q4_0, 8 rows of a group: row i's block c read where the group keeps it (its factor
- * among the block's 8 headers, its nibbles at x8_at), then legacy_term's arithmetic
- * and dot_q8_portable's running sums, so each row's bits are the stored row's. */
-static void x8_Q4_0(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
-                    float (*out)[8]) {
+/* Q4_0 and Q4_1, 8 rows of a group: row i's block c read where the group keeps it (its
+ * halves among the block's 8 headers, its nibbles at x8_at), then legacy_term's
+ * arithmetic and dot_q8_portable's running sums, so each row's bits are the stored
+ * row's. */
+static void x8_legacy(int t, const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
+                      float (*out)[8]) {
+    const int hb = x8_header_bytes(t), bb = QTYPE_BLOCK_BYTES[t];
     for (int k = 0; k < nj; ++k) {
         const int64_t j = j0 + k;
         const int8_t *xq = x->q + j * x->n;
-        const float *xd = x->d + j * nc;
+        const float *xd = x->d + j * nc, *xs = t == T_Q4_1 ? x->s + j * nc : NULL;
         const int32_t *xg = x->g + j * 2 * nc;
         for (int i = 0; i < X8; ++i) {
             float acc[8] = {0};
             for (int64_t c = 0; c < nc; ++c) {
-                const uint8_t *b = grp + c * (X8 * 18);
+                const uint8_t *b = grp + c * (X8 * bb);
                 const int8_t *xc = xq + 32 * c;
                 int sumi = 0;
                 for (int l = 0; l < 16; ++l) {
-                    const int v = b[x8_at(2, i, l)];
+                    const int v = b[x8_at(hb, i, l)];
                     sumi += (v & 15) * xc[l] + (v >> 4) * xc[l + 16];
                 }
-                sumi -= 8 * xg[c];
+                if (t == T_Q4_0) sumi -= 8 * xg[c];
                 float fac = load_f16(b + 2 * i) * xd[c];
-                acc[c & 7] += fac * (float)sumi;
+                if (t == T_Q4_1) acc[c & 7] += fac * (float)sumi + load_f16(b + 2 * (X8 + i)) * xs[c];
+                else acc[c & 7] += fac * (float)sumi;
             }
             out[k][i] = sum8(acc);
         }
     }
+}
+
+static void x8_Q4_0(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
+                    float (*out)[8]) {
+    x8_legacy(T_Q4_0, grp, nc, x, j0, nj, out);
+}
+
+static void x8_Q4_1(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
+                    float (*out)[8]) {
+    x8_legacy(T_Q4_1, grp, nc, x, j0, nj, out);
 }
 
 /* ---- float products -------------------------------------------------------------------- */
@@ -437,5 +450,5 @@ const Isa ISA_PORTABLE = {
      f_Q6_K},
     scores_portable,
     mix_portable,
-    {[T_Q4_0] = x8_Q4_0},
+    {[T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1},
 };

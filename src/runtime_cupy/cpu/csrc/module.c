@@ -228,7 +228,7 @@ static PyTypeObject MatrixType = {
     .tp_name = "runtime_cupy.cpu._kernels.Matrix",
     .tp_doc = "Matrix(parts, repack=False): stored GGUF rows, each part (rows, qtype, n_out, n_in, "
               "offset) writing output columns offset .. offset + n_out; repack: the parts of "
-              "the types that repack (Q4_0) are copied 8 rows at a time, computing the same bits",
+              "the types that repack (Q4_0, Q4_1) are copied 8 rows at a time, computing the same bits",
     .tp_basicsize = sizeof(MatrixObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

@@ -215,10 +215,16 @@ typedef struct {
 static void swiglu_item(void *ctx, int64_t item) {
     const SwigluJob *J = ctx;
     int64_t end = (item + 1) * ELEMWISE < J->total ? (item + 1) * ELEMWISE : J->total;
-    for (int64_t i = item * ELEMWISE; i < end; ++i) {
-        int64_t j = i / J->f, e = i - j * J->f;
-        float g = J->h[j * 2 * J->f + e], u = J->h[j * 2 * J->f + J->f + e];
+    /* element i = (row j, column e), walked without a division per element */
+    int64_t i = item * ELEMWISE, j = i / J->f, e = i - j * J->f;
+    const float *gate = J->h + j * 2 * J->f;
+    for (; i < end; ++i) {
+        float g = gate[e], u = gate[J->f + e];
         J->act[i] = g / (1.0f + expf(-g)) * u;
+        if (++e == J->f) {
+            e = 0;
+            gate += 2 * J->f;
+        }
     }
 }
 
@@ -243,9 +249,14 @@ void gelu_table_init(void) {
 static void geglu_item(void *ctx, int64_t item) {
     const SwigluJob *J = ctx;
     int64_t end = (item + 1) * ELEMWISE < J->total ? (item + 1) * ELEMWISE : J->total;
-    for (int64_t i = item * ELEMWISE; i < end; ++i) {
-        int64_t j = i / J->f, e = i - j * J->f;
-        float g = J->h[j * 2 * J->f + e], u = J->h[j * 2 * J->f + J->f + e];
+    int64_t i = item * ELEMWISE, j = i / J->f, e = i - j * J->f;
+    const float *gate = J->h + j * 2 * J->f;
+    for (; i < end; ++i, ++e) {
+        if (e == J->f) {
+            e = 0;
+            gate += 2 * J->f;
+        }
+        float g = gate[e], u = gate[J->f + e];
         if (g <= -10.0f)
             J->act[i] = 0.0f;
         else if (g >= 10.0f)

@@ -3,8 +3,9 @@
  * each row's block across the vector; one stream of memory instead of eight.
  *
  * Group g holds rows 8g .. 8g + 7 (the last group padded with rows of zero factors and
- * zero quants). Its block c takes 8 blocks' bytes: the 8 rows' headers (their factors:
- * Q4_0's d), rows in order, then their payloads (Q4_0: 16 bytes of nibbles) in words
+ * zero quants). Its block c takes 8 blocks' bytes: the 8 rows' headers, half by half
+ * (each 16 bytes hold one of the header's halves for every row, rows in order: Q4_0's
+ * 8 d; Q4_1's 8 d, then its 8 m), then their payloads (16 bytes of nibbles) in words
  * of 4 bytes, word w of the 8 rows side by side (x8_at): each 32 bytes hold one word
  * of every row, lane i (4 bytes) row i's. A repacked row
  * computes what its stored row computes, bit for bit (dot.h's arithmetic, the same
@@ -18,8 +19,10 @@
 
 #define X8 8
 
-/* the types that repack: those with an x8 kernel (Q4_0) */
+/* the types that repack: those with an x8 kernel (Q4_0, Q4_1) */
 int x8_supported(int t);
+/* header bytes of a block of a type that repacks (halves: Q4_0 2, Q4_1 4) */
+int x8_header_bytes(int t);
 /* bytes of a repacked matrix of n_out rows of n_in elements of type t */
 int64_t x8_bytes(int t, int64_t n_out, int64_t n_in);
 /* rows (n_out of row_bytes) -> out (x8_bytes) */
