@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/hop_overhead.py
 	$(PY) benchmarks/cpu_decode.py
 	$(PY) benchmarks/cpu_repack.py
+	$(PY) benchmarks/cpu_prefill.py
 	$(PY) benchmarks/multi_host.py
 	$(PY) benchmarks/serve_load.py
 
