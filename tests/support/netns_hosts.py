@@ -42,6 +42,13 @@ def unavailable() -> str | None:
     for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"needs {tool} (iproute2, util-linux)"
+    for what, path in (("checkout", ROOT), ("interpreter", Path(sys.executable))):
+        for private in ("/tmp", "/dev/shm"):
+            if Path(private) in Path(os.path.abspath(path)).parents:
+                return (
+                    f"the {what} at {path} is under {private}, which each test host "
+                    "replaces with its own: clone the repository elsewhere"
+                )
     return None
 
 
