@@ -40,8 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def child(args: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: the prefill of one stage, per kernel, and the chain's tokens."""
     import numpy as np
-    from tests.runtime_core.chain import provisions
-    from tests.runtime_cupy.cpu.chain import Chain
+    from tests.runtime_core.chain import Chain, provisions
 
     from runplan.models import resolve_model
     from runtime_core.worker import TokenOutput

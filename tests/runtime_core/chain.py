@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -27,7 +27,7 @@ from runplan import (
     provision_all,
 )
 from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput
+from runtime_core.worker import TokenOutput, Worker
 
 DTYPES = {
     "f32": (DTypeFamily.FLOAT, 4),
@@ -81,20 +81,23 @@ def provisions(
 
 @attrs.define
 class Chain:
-    """Bound workers of every stage, in order."""
+    """Bound workers of every stage, in order, each stage's output the next one's input,
+    the way a pipeline drives them (any ``Worker``: the reference worker by default, the
+    CPU worker, ...)."""
 
-    workers: list[ReferenceWorker]
-    provisions: tuple[ProvisionStage, ...]
+    workers: list[Worker]
 
     @classmethod
-    def bind(cls, provs: tuple[ProvisionStage, ...]) -> Chain:
+    def bind(
+        cls, provs: Sequence[ProvisionStage], make: Callable[[], Worker] = ReferenceWorker
+    ) -> Chain:
         workers = []
         for p in provs:
-            w = ReferenceWorker()
+            w = make()
             w.configure(p)
             w.bind(p.gguf_source)
             workers.append(w)
-        return cls(workers, provs)
+        return cls(workers)
 
     def step(self, sequence: int, data: npt.NDArray[np.generic]) -> TokenOutput:
         out: npt.NDArray[np.generic] | TokenOutput = data
@@ -114,3 +117,14 @@ class Chain:
     def release(self) -> None:
         for w in self.workers:
             w.release()
+
+
+def run(
+    provs: Sequence[ProvisionStage], make: Callable[[], Worker], prompt: Sequence[int], n: int
+) -> list[TokenOutput]:
+    """``n`` greedy (or sampled) outputs of a fresh chain, released after."""
+    chain = Chain.bind(provs, make)
+    try:
+        return chain.generate(prompt, n)
+    finally:
+        chain.release()

@@ -44,9 +44,8 @@ from runplan.config import REFERENCE_ARCHITECTURES
 from runtime_core.worker import TokenOutput
 from runtime_cupy.cpu.worker import CpuWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
-from tests.runtime_core.chain import provisions
+from tests.runtime_core.chain import Chain, provisions, run
 from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
-from tests.runtime_cupy.cpu.chain import Chain, run
 
 TINY = load_doc("tiny")
 TINY_LOGITS = load_logits("tiny")

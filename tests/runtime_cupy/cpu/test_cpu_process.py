@@ -14,8 +14,7 @@ from runtime_cupy import generate
 from runtime_cupy.cli import build_parser
 from runtime_cupy.cpu.worker import CpuWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.runtime_core.chain import provisions
-from tests.runtime_cupy.cpu.chain import run
+from tests.runtime_core.chain import provisions, run
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ from runtime_cupy.cpu.worker import CpuWorker
 from runtime_cupy.program import load_weights
 from runtime_cupy.stage_worker import BackendSpec
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
-from tests.runtime_core.chain import provisions
-from tests.runtime_cupy.cpu.chain import Chain
+from tests.runtime_core.chain import Chain, provisions
 
 PROMPT = [257, 84, 104, 101, 32, 113, 117, 105, 99, 107, 300, 12, 45, 99, 200, 7]
 

@@ -37,9 +37,8 @@ from runtime_cupy.quant_types import QUANT_TYPES
 from runtime_cupy.workers import capabilities, make_worker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, model_file
-from tests.runtime_core.chain import provisions
+from tests.runtime_core.chain import Chain, provisions, run
 from tests.runtime_core.numerics import cosine
-from tests.runtime_cupy.cpu.chain import Chain, run
 from tests.support.random_model import RandomModel, write_random_model
 
 PROMPT = [5, 77, 300, 12, 9]
