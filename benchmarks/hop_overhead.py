@@ -382,6 +382,7 @@ def main() -> int:
         paired: list[float] = []  # per round and split: (tcp - shm) / hops
         paired_cpu: list[float] = []  # per round, split and stage: tcp - shm CPU per token
         sealed: list[float] = []  # per round and split: (encrypted - authenticated) / hops
+        sealed_cpu: list[float] = []  # per round, split and stage: the same, CPU per token
         load_before = os.getloadavg()
         for _ in range(args.repeat):
             medians: dict[str, dict[int, float]] = {m: {} for m in media}
@@ -405,6 +406,9 @@ def main() -> int:
                 for n in STAGES:
                     extra = medians["tcp-encrypted"][n] - medians["tcp"][n]
                     sealed.append(extra / (n + 1))
+                    a, b = used_by["tcp"][n], used_by["tcp-encrypted"][n]
+                    if a is not None and b is not None:
+                        sealed_cpu += [y - x for x, y in zip(a[1], b[1], strict=True)]
         load = (load_before, os.getloadavg())
         compute = {n: worker_us(model, n, args.tokens) for n in STAGES}
         hidden = _hidden(model)
@@ -435,6 +439,10 @@ def main() -> int:
     if sealed:
         report["encrypted_minus_authenticated_per_hop_us"] = statistics.median(sealed)
         report["encrypted_minus_authenticated_per_hop_each_us"] = sealed
+        # Each stage owns one end of two hops: its extra CPU is a hop's worth of ends.
+        report["encrypted_minus_authenticated_stage_cpu_per_token_us"] = (
+            statistics.median(sealed_cpu) if sealed_cpu else None
+        )
     if paired:
         # The same split over both media, back to back: the worker's share cancels.
         report["tcp_minus_shm_per_hop_us"] = statistics.median(paired)
@@ -494,8 +502,12 @@ def _print_protection(
         each = ", ".join(f"{x:.0f}" for x in sealed)
         print(
             f"encrypted beyond authenticated, same split back to back: "
-            f"{report['encrypted_minus_authenticated_per_hop_us']:+.1f} us per hop (each: {each})"
+            f"{report['encrypted_minus_authenticated_per_hop_us']:+.1f} us per hop (each: {each}; "
+            f"{_verdict(True, sealed).replace('met', 'resolved')})"
         )
+        cpu = report["encrypted_minus_authenticated_stage_cpu_per_token_us"]
+        if cpu is not None:
+            print(f"a stage's CPU per decoded token, encrypted beyond authenticated: {cpu:+.1f} us")
 
 
 def _hidden(model: str) -> int:

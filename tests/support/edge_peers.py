@@ -49,14 +49,20 @@ def sealed(seal: FrameSeal, kind: int, value: int = 0, body: bytes = b"") -> byt
     return head + bytes(out) + tag
 
 
+#: How long a port refuses connections before a flood takes it for closed.
+CLOSED_S = 0.3
+
+
 def flood(host: str, port: int, seconds: float, keep: int = 512) -> int:
     """Strangers on ``host:port`` for ``seconds``, as fast as one process opens them:
     connections begun without waiting (up to ``keep`` held at once, the oldest let go),
-    every third one saying something that is not a HELLO (garbage, half a HELLO); the
+    every third one saying something that is not a HELLO (garbage, half a HELLO), until
+    the port has refused them for ``CLOSED_S`` (its consumer got its producer); the
     connections begun."""
     held: list[socket.socket] = []
     made = 0
     deadline = time.monotonic() + seconds
+    refused_since: float | None = None
     garbage = (b"GET / HTTP/1.1\r\n\r\n", b"GPTH\x02", b"")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     while time.monotonic() < deadline:
@@ -64,8 +70,13 @@ def flood(host: str, port: int, seconds: float, keep: int = 512) -> int:
         sock.setblocking(False)
         if sock.connect_ex((host, port)) not in (0, errno.EINPROGRESS):
             sock.close()
+            now = time.monotonic()
+            refused_since = refused_since or now
+            if now - refused_since > CLOSED_S:
+                break
             time.sleep(0.001)  # refused: the port closed
             continue
+        refused_since = None
         made += 1
         with contextlib.suppress(OSError):
             sock.send(garbage[made % len(garbage)])
