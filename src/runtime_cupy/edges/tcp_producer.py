@@ -229,23 +229,20 @@ class Connector:
             self.out.write(hs.hello(self.key, self.edge_id, self.protection.code, self.nonce_p))
             self.state = "reply"
         self.out.flush()
-        try:
-            data = self.sock.recv(self.want - len(self.got))
-        except (BlockingIOError, InterruptedError):
-            return None
-        if not data:
-            raise hs.Dropped(
-                f"the consumer of edge {self.edge_id} at {self.address} closed the connection "
-                "before the handshake was done"
-            )
-        self.got += data
-        if len(self.got) < self.want:
-            hs.check_reply_prefix(bytes(self.got))
-            return None
-        if self.want == hs.REPLY_HEAD_BYTES:
-            self.want = hs.reply_bytes(bytes(self.got))
-            if self.want > len(self.got):
+        while len(self.got) < self.want:  # the reply's head, then the rest of it
+            try:
+                data = self.sock.recv(self.want - len(self.got))
+            except (BlockingIOError, InterruptedError):
                 return None
+            if not data:
+                raise hs.Dropped(
+                    f"the consumer of edge {self.edge_id} at {self.address} closed the "
+                    "connection before the handshake was done"
+                )
+            self.got += data
+            hs.check_reply_prefix(bytes(self.got))
+            if len(self.got) == hs.REPLY_HEAD_BYTES == self.want:
+                self.want = hs.reply_bytes(bytes(self.got))
         code = self.protection.code
         nonce_c = hs.read_reply(self.key, self.edge_id, code, self.nonce_p, bytes(self.got))
         self.out.write(hs.confirm(self.key, self.edge_id, code, nonce_c, self.nonce_p))
