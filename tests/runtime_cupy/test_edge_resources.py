@@ -6,6 +6,7 @@ are chosen as asked."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -23,7 +24,7 @@ from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.shm import ShmMedium, segment_name, signal_paths
 from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.launcher import ProcessRun
-from runtime_cupy.names import edge_dir
+from runtime_cupy.names import NameTaken, NotPrivate, edge_dir
 from tests.runtime_cupy.hygiene import SHM, alive, run_resources, wait_gone
 from tests.support.hosts import FaultyHost
 
@@ -123,4 +124,35 @@ def test_the_local_rendezvous_is_in_use_while_published_and_gone_when_withdrawn(
         )
     finally:
         publisher.withdraw(run_id, 2)
+    assert run_resources(run_id) == []
+
+
+def test_an_end_uses_only_what_its_consumer_can_have_made() -> None:
+    """A segment, edge folder or address file that is not this user's alone (another
+    owner, a mode open to others) is refused naming it, never attached to or read."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a resource of another user (chown)")
+    run_id = f"test-{uuid.uuid4().hex}"
+    ring = RingSpec(2, 64, 256)
+    segment = SHM / segment_name(run_id, 1)
+    folder = edge_dir(run_id, 2)
+    try:
+        os.close(os.open(segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        os.truncate(segment, 1 << 16)
+        os.chown(segment, 65534, 65534)
+        with pytest.raises(NotPrivate, match=f"{segment.name} is a file of uid 65534"):
+            ShmMedium().attach(run_id, 1, ring, b"")
+        with pytest.raises(NameTaken, match="exists before its consumer made it"):
+            ShmMedium().create(run_id, 1, ring, b"")
+        folder.mkdir(mode=0o755)
+        (folder / "addr").write_text("127.0.0.1:9")
+        with pytest.raises(NotPrivate, match="mode 0755, not a private folder"):
+            FileRendezvous().lookup(run_id, 2)
+        folder.chmod(0o700)
+        (folder / "addr").chmod(0o644)
+        with pytest.raises(NotPrivate, match="mode 0644, not a private file"):
+            FileRendezvous().lookup(run_id, 2)
+    finally:
+        segment.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
     assert run_resources(run_id) == []
