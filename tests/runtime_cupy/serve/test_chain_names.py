@@ -56,6 +56,7 @@ class Stranger:
     def __init__(self, pids: tuple[int, ...], what: str) -> None:
         self.what = what
         self.made: list[Path] = []
+        self.held: list[int] = []  # its squats held open: in use, no test session's to clear
         self.relays: list[Relay] = []
         self.pointed: list[Path] = []
         seen = {x for pid in pids for x in _flags(pid)}
@@ -79,13 +80,15 @@ class Stranger:
             if self.what == "shm":
                 for name in segments:
                     with contextlib.suppress(FileExistsError):
-                        os.close(os.open(SHM / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+                        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+                        self.held.append(os.open(SHM / name, flags, 0o666))
                         self.made.append(SHM / name)
             else:
                 for folder in folders:
                     with contextlib.suppress(FileExistsError):
                         folder.mkdir()
                         folder.chmod(0o777)
+                        self.held.append(os.open(folder, os.O_RDONLY))
                         self.made.append(folder)
         if self.what == "folders":
             self._thread = threading.Thread(target=self._point, daemon=True)
@@ -114,6 +117,8 @@ class Stranger:
             self._thread.join(10)
         for relay in self.relays:
             relay.close()
+        for fd in self.held:
+            os.close(fd)
         for path in self.made:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
@@ -150,15 +155,19 @@ def test_a_stranger_cannot_take_the_names_of_the_next_runs(
     assert stranger.pointed == [] and not any(r.connections for r in stranger.relays)
 
 
-def _another_users(path: Path, *, folder: bool) -> None:
+def _another_users(path: Path, *, folder: bool) -> int:
+    """A segment or edge folder of another user at ``path``, held open (in use: another
+    test session on the host leaves it alone); the descriptor."""
     if folder:
         path.mkdir(mode=0o777)
         path.chmod(0o777)
         (path / "addr").write_text("127.0.0.1:9")  # an address of its own, planted
         (path / "addr").chmod(0o666)
+        fd = os.open(path, os.O_RDONLY)
     else:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     os.chown(path, NOBODY, NOBODY)
+    return fd
 
 
 @pytest.mark.parametrize("edges", ["shm", "tcp"])
@@ -170,7 +179,7 @@ def test_a_name_taken_anyway_is_one_named_setup_fault_and_no_restart(
     taken = new_run_id("serve")
     ids = iter([new_run_id("serve"), taken, new_run_id("serve")])  # bind, taken, next
     squat = SHM / segment_name(taken, 2) if edges == "shm" else edge_dir(taken, 2)
-    _another_users(squat, folder=edges == "tcp")
+    held = _another_users(squat, folder=edges == "tcp")
     try:
         with WarmChain(tiny, stages=2, edges=edges, run_ids=ids.__next__, context=64) as chain:
             pids = chain.pids()
@@ -184,6 +193,7 @@ def test_a_name_taken_anyway_is_one_named_setup_fault_and_no_restart(
             assert ok.result.tokens == clean
             assert ok.restarted == () and chain.restarts == 0 and chain.pids() == pids
     finally:
+        os.close(held)
         if squat.is_dir():
             shutil.rmtree(squat, ignore_errors=True)
         else:
