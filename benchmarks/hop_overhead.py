@@ -1,9 +1,18 @@
 """Hop overhead of the process runtime: time per decoded token through 1, 2 and 4 stage
 processes on one model (NumPy worker), over shared-memory edges and over TCP edges on
-loopback, and the overhead per hop per token derived from them for each medium.
+loopback (authenticated, the default, and encrypted, ``--encrypt-edges``), and the
+overhead per hop per token derived from them for each.
 
     python benchmarks/hop_overhead.py [--model PATH|smollm2-135m] [--tokens 200]
-                                      [--repeat 3] [--edges shm,tcp] [--json]
+                                      [--repeat 3] [--edges shm,tcp,tcp-encrypted] [--json]
+
+What sealing a TCP edge's frames costs per hop is measured three ways, side by side for
+plain frames (which only this script makes: ``PLAIN``; the runtime always seals),
+authenticated ones (HMAC-SHA256) and encrypted ones (AES-256-GCM): the seals alone in
+this process (a decode step's record sealed and opened, and its credit back); a bare
+ring hop between two processes; and, for the two the runtime offers, the slope of whole
+runs, with the paired difference of encrypted over authenticated runs of the same split
+back to back.
 
 A decode token crosses ``stages + 1`` hops (orchestrator -> stage 0 -> ... -> stage
 N-1 -> orchestrator) and the model's blocks are the same whatever the split, so the
@@ -59,20 +68,83 @@ import numpy as np  # noqa: E402
 
 from runplan import RingSpec, SamplingConfig, provision_all  # noqa: E402
 from runplan.models import resolve_model  # noqa: E402
+from runplan.plan import OBJECT_HEADER_BYTES  # noqa: E402
 from runtime_core.reference import ReferenceWorker  # noqa: E402
 from runtime_core.worker import TokenOutput  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
 from runtime_cupy.api import plan_for  # noqa: E402
-from runtime_cupy.edges.base import ProcessRing  # noqa: E402
-from runtime_cupy.hosts.local import local_medium  # noqa: E402
+from runtime_cupy.edges.base import EdgeMedium, ProcessRing  # noqa: E402
+from runtime_cupy.edges.tcp import TcpMedium  # noqa: E402
+from runtime_cupy.edges.tcp_frames import CREDIT, FRAME, RECORD  # noqa: E402
+from runtime_cupy.edges.tcp_seal import (  # noqa: E402
+    AUTHENTICATED,
+    ENCRYPTED,
+    Body,
+    FrameSeal,
+    Protection,
+)
+from runtime_cupy.hosts.local import LOOPBACK, FileRendezvous, local_medium  # noqa: E402
 from runtime_cupy.keys import edge_key, new_secret  # noqa: E402
-from runtime_cupy.names import remove_run_dir  # noqa: E402
+from runtime_cupy.names import new_run_id  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fixtures.gguf_models import ModelShape, write_model  # noqa: E402
 
 STAGES = (1, 2, 4)
 PROMPT = [1, 2, 3, 4]
+#: The edges a run can take: the runtime's media, and TCP encrypted.
+VARIANTS = ("shm", "tcp", "tcp-encrypted")
+
+
+class _PlainSeal:
+    """No seal at all: what a TCP frame cost before frames were sealed (this script's
+    only; the runtime offers no such edge)."""
+
+    tag_bytes = 0
+
+    def seal(self, head: bytes, body: Body) -> tuple[Body, bytes]:
+        return body, b""
+
+    def open(self, head: bytes, body: memoryview, tag: bytes) -> bool:
+        return True
+
+
+def _plain(_key: bytes, _direction: int) -> FrameSeal:
+    return _PlainSeal()
+
+
+PLAIN = Protection(0, "plain (this benchmark only)", _plain)
+PROTECTIONS = {"plain": PLAIN, "authenticated": AUTHENTICATED, "encrypted": ENCRYPTED}
+#: The bare hop's medium of each.
+BARE = {"plain": "tcp-plain", "authenticated": "tcp", "encrypted": "tcp-encrypted"}
+
+
+def bench_medium(name: str) -> EdgeMedium:
+    """A medium for the bare hop: ``shm``, ``tcp`` (authenticated), ``tcp-encrypted`` or
+    ``tcp-plain``."""
+    if name == "tcp-plain":
+        return TcpMedium(FileRendezvous(), LOOPBACK, protection=PLAIN)
+    return local_medium(name.removesuffix("-encrypted"), name.endswith("-encrypted"))
+
+
+def seal_us(protection: Protection, record_bytes: int, rounds: int = 3000) -> float:
+    """Microseconds the seals of one hop take in this process (median of ``rounds``): a
+    decode step's record sealed by its producer and opened by its consumer, and the
+    credit for it sealed and opened on the way back."""
+    key, nonce_c, nonce_p = new_secret(), new_secret(), new_secret()
+    p_send, p_receive = protection.seals(key, nonce_c, nonce_p, producer=True)
+    c_send, c_receive = protection.seals(key, nonce_c, nonce_p, producer=False)
+    record = bytes(record_bytes)
+    head, credit = FRAME.pack(RECORD, record_bytes), FRAME.pack(CREDIT, 1)
+    times = []
+    for _ in range(rounds):
+        began = time.perf_counter_ns()
+        body, tag = p_send.seal(head, record)
+        assert c_receive.open(head, memoryview(bytearray(body)), tag)
+        _, tag = c_send.seal(credit, b"")
+        assert p_receive.open(credit, memoryview(bytearray()), tag)
+        times.append((time.perf_counter_ns() - began) / 1000)
+    return statistics.median(times)
 
 
 def cpu_ns(pid: int) -> int | None:
@@ -89,11 +161,12 @@ class Run:
     decode token of the orchestrator (this thread) and of each stage process (from the
     first decode token to the last, where /proc/<pid>/schedstat exists)."""
 
-    def __init__(self, model: str, stages: int, tokens: int, edges: str) -> None:
+    def __init__(self, model: str, stages: int, tokens: int, variant: str) -> None:
         self.stamps: list[float] = []
         self.pids: dict[int, int] = {}
         self.cpu: list[tuple[int, list[int | None]]] = []  # (orchestrator, stages) twice
         self.tokens = tokens
+        edges = variant.removesuffix("-encrypted")
         result = generate(
             model,
             PROMPT,
@@ -102,9 +175,10 @@ class Run:
             on_token=self._token,
             on_event=self._event,
             edges=edges,
+            encrypt_edges=variant.endswith("-encrypted"),
         )
         if result.outcome != "completed" or len(self.stamps) < 3:
-            raise SystemExit(f"{stages} stages over {edges}: {result.outcome} {result.fault}")
+            raise SystemExit(f"{stages} stages over {variant}: {result.outcome} {result.fault}")
         if set(result.media) != {edges}:
             raise SystemExit(f"asked for {edges} edges, the run used {result.media}")
 
@@ -184,9 +258,9 @@ def raw_hop_us(medium_name: str, idle_us: float, rounds: int = 400) -> float:
     (publish, wake-up, acquire; no validation, no state machine) when the receiver has
     slept ``idle_us`` before the record comes: the floor under every hop on this host."""
     spec = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
-    run_id = f"hop-bench-{os.getpid()}-{medium_name}-{int(idle_us)}"
+    run_id = new_run_id("hop-bench")
     secret = new_secret()
-    medium = local_medium(medium_name)
+    medium = bench_medium(medium_name)
 
     def key(edge: int) -> bytes:
         return edge_key(secret, run_id, edge)
@@ -226,7 +300,6 @@ def raw_hop_us(medium_name: str, idle_us: float, rounds: int = 400) -> float:
         back.detach()
         for edge in (1, 2):
             medium.remove(run_id, edge)
-        remove_run_dir(run_id)
 
 
 def medium_report(
@@ -285,10 +358,17 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a GGUF file or bundled model name")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per run (200)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of 1, 2, 4 stages (3)")
-    parser.add_argument("--edges", default="shm,tcp", help="media, in turn (shm,tcp)")
+    parser.add_argument(
+        "--edges",
+        default=",".join(VARIANTS),
+        help=f"edges, in turn ({','.join(VARIANTS)})",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     media = [m for m in args.edges.split(",") if m]
+    unknown = [m for m in media if m not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown edges {unknown} (of {', '.join(VARIANTS)})")
     with tempfile.TemporaryDirectory() as tmp:
         model = resolve_model(args.model) if args.model else None
         if model is None:
@@ -301,6 +381,8 @@ def main() -> int:
         slopes: dict[str, list[float]] = {m: [] for m in media}
         paired: list[float] = []  # per round and split: (tcp - shm) / hops
         paired_cpu: list[float] = []  # per round, split and stage: tcp - shm CPU per token
+        sealed: list[float] = []  # per round and split: (encrypted - authenticated) / hops
+        sealed_cpu: list[float] = []  # per round, split and stage: the same, CPU per token
         load_before = os.getloadavg()
         for _ in range(args.repeat):
             medians: dict[str, dict[int, float]] = {m: {} for m in media}
@@ -320,9 +402,28 @@ def main() -> int:
                     a, b = used_by["shm"][n], used_by["tcp"][n]
                     if a is not None and b is not None:
                         paired_cpu += [y - x for x, y in zip(a[1], b[1], strict=True)]
+            if "tcp" in media and "tcp-encrypted" in media:
+                for n in STAGES:
+                    extra = medians["tcp-encrypted"][n] - medians["tcp"][n]
+                    sealed.append(extra / (n + 1))
+                    a, b = used_by["tcp"][n], used_by["tcp-encrypted"][n]
+                    if a is not None and b is not None:
+                        sealed_cpu += [y - x for x, y in zip(a[1], b[1], strict=True)]
         load = (load_before, os.getloadavg())
         compute = {n: worker_us(model, n, args.tokens) for n in STAGES}
+        hidden = _hidden(model)
     reports = {m: medium_report(m, intervals[m], cpu[m], compute, slopes[m]) for m in media}
+    record = OBJECT_HEADER_BYTES + 4 * hidden  # a decode step's activation record (f32)
+    seals = {
+        name: {
+            "seals_us": seal_us(protection, record),
+            "bare_hop_us": {
+                "receiver_busy": raw_hop_us(BARE[name], 0),
+                "receiver_idle_2ms": raw_hop_us(BARE[name], 2000),
+            },
+        }
+        for name, protection in PROTECTIONS.items()
+    }
     report: dict[str, Any] = {
         "model": args.model or "random llama, 4 blocks, hidden 256, ffn 512",
         "tokens": args.tokens,
@@ -332,7 +433,16 @@ def main() -> int:
         "media": reports,
         "target_shm_us": 200,
         "target_tcp_minus_shm_us": 100,
+        "record_bytes": record,
+        "tcp_protection": seals,
     }
+    if sealed:
+        report["encrypted_minus_authenticated_per_hop_us"] = statistics.median(sealed)
+        report["encrypted_minus_authenticated_per_hop_each_us"] = sealed
+        # Each stage owns one end of two hops: its extra CPU is a hop's worth of ends.
+        report["encrypted_minus_authenticated_stage_cpu_per_token_us"] = (
+            statistics.median(sealed_cpu) if sealed_cpu else None
+        )
     if paired:
         # The same split over both media, back to back: the worker's share cancels.
         report["tcp_minus_shm_per_hop_us"] = statistics.median(paired)
@@ -366,7 +476,47 @@ def main() -> int:
         )
         if extra_cpu is not None:
             print(f"a stage's CPU per decoded token, TCP beyond shared memory: {extra_cpu:+.1f} us")
+    _print_protection(report, reports, sealed)
     return 0
+
+
+def _print_protection(
+    report: dict[str, Any], reports: dict[str, dict[str, Any]], sealed: list[float]
+) -> None:
+    """The per-hop cost of plain, authenticated and encrypted TCP frames, side by side."""
+    seals = report["tcp_protection"]
+    print(f"-- TCP frames per hop: plain / authenticated / encrypted ({report['record_bytes']} "
+          "byte decode record)")  # fmt: skip
+    names = ("plain", "authenticated", "encrypted")
+    row = " / ".join(f"{seals[n]['seals_us']:.1f}" for n in names)
+    print(f"seals of one hop in one process (record and credit, sealed and opened): {row} us")
+    for idle, label in (("receiver_busy", "the receiver just ran"),
+                        ("receiver_idle_2ms", "it slept 2 ms")):  # fmt: skip
+        row = " / ".join(f"{seals[n]['bare_hop_us'][idle]:.1f}" for n in names)
+        print(f"bare TCP ring hop between two processes, {label}: {row} us")
+    slopes = [reports[m]["overhead_per_hop_us"] if m in reports else None
+              for m in ("tcp", "tcp-encrypted")]  # fmt: skip
+    text = " / ".join("-" if x is None else f"{x:.1f}" for x in (None, *slopes))
+    print(f"whole runs, overhead per hop per token (slope): {text} us (plain: not a runtime edge)")
+    if sealed:
+        each = ", ".join(f"{x:.0f}" for x in sealed)
+        print(
+            f"encrypted beyond authenticated, same split back to back: "
+            f"{report['encrypted_minus_authenticated_per_hop_us']:+.1f} us per hop (each: {each}; "
+            f"{_verdict(True, sealed).replace('met', 'resolved')})"
+        )
+        cpu = report["encrypted_minus_authenticated_stage_cpu_per_token_us"]
+        if cpu is not None:
+            print(f"a stage's CPU per decoded token, encrypted beyond authenticated: {cpu:+.1f} us")
+
+
+def _hidden(model: str) -> int:
+    """The model's hidden width (for the size of a decode step's record)."""
+    plan, _ = plan_for(
+        model, stages=1, prompt_len=1, max_tokens=1, sampling=SamplingConfig(),
+        return_logits=False,
+    )  # fmt: skip
+    return plan.model.hidden_dim
 
 
 def _verdict(met: bool, samples: list[float]) -> str:

@@ -181,7 +181,8 @@ class OrchestratorController:
             sent = self.token_in.try_send(sequence, len(ids), _HEADER_U32, payload)
         except EdgeClosed as exc:
             self._inject = None
-            self.handle(fsm.EndpointFault(f"token-in closed: {exc}"))
+            edge = self.plan.token_in.edge_id
+            self.handle(fsm.EndpointFault(f"token-in (edge {edge}) closed: {exc}"))
             return False
         if sent:
             self._inject = None
@@ -197,7 +198,8 @@ class OrchestratorController:
         try:
             record = end.try_receive()
         except (EdgeFaultError, EdgeClosed) as exc:
-            self.handle(fsm.EndpointFault(str(exc)))
+            edge = self.plan.token_out.edge_id
+            self.handle(fsm.EndpointFault(f"token-out (edge {edge}): {exc}"))
             return True
         if record is None:
             return False

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.base import StageHost, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
+from runtime_cupy.names import new_run_id
 from runtime_cupy.tracing import Event
 from runtime_cupy.workers import DEFAULT_WORKER, WorkerUnavailable, capabilities
 
@@ -59,6 +59,7 @@ class GenerateResult:
     wall_decode_tokens_per_s: float | None  # decode tokens per second
     trace: tuple[Event, ...] | None = None  # Chrome trace events, when asked for
     media: tuple[str, ...] = ()  # how each edge of the plan moved its bytes: shm or tcp
+    encrypted_edges: bool = False  # TCP edges encrypted their frames (else authenticated)
 
 
 def host_memory_bytes() -> int:
@@ -172,7 +173,9 @@ def plan_for(
 ) -> tuple[RunPlan, tuple[int | None, ...]]:
     """The plan of a process run and each stage's GPU: layers split evenly (or by
     memory), a KV cache just long enough for the prompt and the tokens asked for (as the
-    simulator plans). ``cluster``: the stages' nodes on a Ray cluster (else this host's)."""
+    simulator plans). ``cluster``: the stages' nodes on a Ray cluster (else this host's).
+    ``run_id``: by default 128 random bits (``names.new_run_id``); a run id given here
+    names the run's resources on its hosts, so it must be as hard to guess."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     worker_capabilities = capabilities(worker)  # WorkerUnavailable before looking for GPUs
     if cluster is None:
@@ -181,7 +184,7 @@ def plan_for(
         nodes, devices = tuple(n.spec for n in cluster), tuple(n.device for n in cluster)
     half = worker == "cuda"  # the CUDA worker moves f16 activations
     config = RuntimeConfig(
-        run_id=run_id or f"run-{uuid.uuid4().hex[:12]}",
+        run_id=run_id or new_run_id("run"),
         max_tokens=max_tokens,
         activation_dtype_family=DTypeFamily.FLOAT,
         activation_dtype_width_bytes=2 if half else 4,
@@ -219,6 +222,7 @@ def generate(
     host: StageHost | None = None,
     ray_address: str | None = None,
     placement: str = "even",
+    encrypt_edges: bool = False,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
     stage processes, each running ``worker`` (``cpu``, the default; ``numpy``, the
@@ -236,8 +240,11 @@ def generate(
     OS process per stage on this machine, ``hosts.local.LocalProcessHost``).
     ``ray_address`` (``auto`` or ``HOST:PORT``) runs the stages on the live hosts of a
     Ray cluster instead (``hosts.ray``; this process becomes its driver), ``placement``
-    splits the layers ``even`` or by ``memory``. A run that faults or is cancelled
-    returns with that outcome, every process reaped and every resource freed. Raises
+    splits the layers ``even`` or by ``memory``. Every frame on a TCP edge is
+    authenticated; ``encrypt_edges`` encrypts it too (AES-256-GCM), for links across
+    networks one does not trust (shared-memory edges stay on their host). A run that
+    faults or is cancelled returns with that outcome, every process reaped and every
+    resource freed. Raises
     ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a prompt it
     cannot run, ``GgufError`` for a file it cannot read, ``WorkerUnavailable`` for a
     worker this host cannot run, ``ValueError`` for edges that cannot be,
@@ -291,6 +298,7 @@ def generate(
         trace=trace,
         host=host,
         edges=edges,
+        encrypt_edges=encrypt_edges,
     )
     if ray_host is not None and cluster is not None:
         ray_host.prepare(n.node_id for n in cluster)  # their start-ups overlap
@@ -340,4 +348,5 @@ def summarize(
         wall_decode_tokens_per_s=1e6 / tpot if tpot else None,
         trace=result.trace,
         media=result.media,
+        encrypted_edges=result.encrypted_edges,
     )

@@ -98,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
             worker=args.worker,
             gpus=args.gpus,
             edges=args.edges,
+            encrypt_edges=args.encrypt_edges,
             ray_address=args.ray_address,
             placement=args.placement,
         )
@@ -135,6 +136,13 @@ def _timings(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
     }
 
 
+def _frames(medium: str, encrypted: bool) -> str | None:
+    """How an edge's frames are sealed (``None``: shared memory, which seals none)."""
+    if medium != "tcp":
+        return None
+    return "encrypted" if encrypted else "authenticated"
+
+
 def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
     procs = {s.stage_index: s for s in result.stages}
     return {
@@ -158,7 +166,12 @@ def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
             for s in result.plan.stages
         ],
         "edges": [
-            {"edge_id": e.edge_id, "kind": e.kind.name.lower(), "medium": medium}
+            {
+                "edge_id": e.edge_id,
+                "kind": e.kind.name.lower(),
+                "medium": medium,
+                "frames": _frames(medium, result.encrypted_edges),
+            }
             for e, medium in zip(result.plan.edges, result.media, strict=False)
         ],
         "timings": _timings(result, prompt_len),
@@ -226,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="how edges move bytes: auto (shared memory where both ends share a host, "
         "else TCP; default), shm, or tcp (TCP on one host too, for tests and comparison)",
+    )
+    run.add_argument(
+        "--encrypt-edges",
+        action="store_true",
+        help="encrypt the frames of TCP edges (AES-256-GCM), for links across networks "
+        "one does not trust; without it they are authenticated (HMAC-SHA256) only",
     )
     run.add_argument(
         "--ray-address",

@@ -9,7 +9,11 @@ for every other:
 - ``control_key(secret, node_id)``: the key of the control channel to one stage. A
   frame signed for one stage verifies on no other stage's channel.
 - ``edge_key(secret, run_id, edge_id)``: the key with which the two ends of one TCP
-  edge of one run prove to each other that both hold the secret (edges/tcp.py).
+  edge of one run prove to each other that both hold the secret (edges/handshake.py).
+- ``record_keys(edge_key, protection, nonce_c, nonce_p)``: the two keys of one TCP
+  connection of that edge, one per direction, from the edge key and both ends' fresh
+  handshake nonces (edges/tcp_seal.py): a frame sealed for one direction, one
+  connection, one edge or one run opens on no other.
 
 The stages are trusted (PIPELINE_ORCHESTRATION_MVP.md §10), so each holds the secret
 the keys come from; what the keys keep out is everyone else: another run's processes,
@@ -26,6 +30,9 @@ SECRET_BYTES = 32
 KEY_BYTES = 32
 _CONTROL = b"gguf-pipeline/control-key/1\x00"
 _EDGE = b"gguf-pipeline/edge-key/1\x00"
+_RECORDS = b"gguf-pipeline/record-key/1\x00"
+#: The two directions of a TCP edge's stream, as ``record_keys`` orders its keys.
+TO_CONSUMER, TO_PRODUCER = 0, 1
 
 
 class BadSecret(ValueError):
@@ -70,3 +77,21 @@ def edge_key(secret: bytes, run_id: str, edge_id: int) -> bytes:
     _check(secret)
     label = _EDGE + run_id.encode("utf-8") + b"\x00" + str(edge_id).encode("ascii")
     return hmac.new(secret, label, hashlib.sha256).digest()
+
+
+def record_keys(
+    edge_key: bytes, protection: int, nonce_c: bytes, nonce_p: bytes
+) -> tuple[bytes, bytes]:
+    """The keys of the frames the producer sends (``TO_CONSUMER``) and of those the
+    consumer sends (``TO_PRODUCER``) on one connection of an edge, for the frame
+    protection numbered ``protection``: HMAC-SHA256 of the edge key over a label, the
+    protection, the direction and both handshake nonces."""
+    if len(edge_key) != KEY_BYTES:
+        raise BadSecret(f"an edge key has {KEY_BYTES} bytes, not {len(edge_key)}")
+    head = _RECORDS + bytes([protection])
+
+    def key(direction: int) -> bytes:
+        data = head + bytes([direction]) + nonce_c + nonce_p
+        return hmac.new(edge_key, data, hashlib.sha256).digest()
+
+    return key(TO_CONSUMER), key(TO_PRODUCER)

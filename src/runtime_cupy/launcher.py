@@ -12,7 +12,8 @@ its timers.
 
 Each edge moves its bytes through shared memory when both ends share a machine and
 through TCP otherwise (``edges``: ``auto``), or through the medium asked for
-(``shm``, ``tcp``: TCP on one host, for tests and comparison).
+(``shm``, ``tcp``: TCP on one host, for tests and comparison). TCP edges authenticate
+every frame; with ``encrypt_edges`` they encrypt it too (``edges.tcp_seal``).
 
 A stage whose control channel reaches end of file has died (however it died, SIGKILL
 included): ``StageDied`` faults the run. Any fault, a timer that runs out, or a
@@ -25,9 +26,9 @@ the host, also those whose owner was killed.
 Warm stages (``stages=``: handles started before, with ``StageLaunch(warm=True)``, and
 the ``secret`` they were started with) are provisioned for the run and kept after it:
 nothing is started, and a stage that confirmed ``StageStopped`` is left running for the
-next run. One that died, did not confirm its stop in time, or whose fault ended the
-run is killed and reaped and named in ``ProcessRunResult.broken``, for its owner to
-start again (``serve.chain.WarmChain``).
+next run. One that died, did not confirm its stop in time, or whose fault (but a setup
+fault) ended the run is killed and reaped and named in ``ProcessRunResult.broken``, for
+its owner to start again (``serve.chain.WarmChain``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from attrs import frozen
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.messages import ProvisionStage, StopReason, StopRun
+from runplan.messages import FaultKind, ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runtime_core.orchestrator import OrchestratorController
 from runtime_cupy.control import ChannelBroken, Incoming
@@ -95,6 +96,7 @@ class ProcessRunResult:
     trace: tuple[Event, ...] | None
     media: tuple[str, ...] = ()  # how each edge moved its bytes, in plan order
     broken: tuple[int, ...] = ()  # warm stages the run killed or found gone, by index
+    encrypted_edges: bool = False  # TCP edges encrypted their frames (else authenticated)
 
 
 class _Stage:
@@ -133,7 +135,9 @@ class ProcessRun:
     (``None``: none). ``host`` starts the stages (default: ``LocalProcessHost`` with
     ``log_dir`` and ``log_level``); ``edges`` is ``auto``, ``shm`` or ``tcp``.
     ``stages``: warm stages of ``host`` to provision instead of starting new ones, one
-    per stage of the plan (same index and node), started with ``secret``."""
+    per stage of the plan (same index and node), started with ``secret`` (and
+    ``encrypt_edges`` as the run has it). ``encrypt_edges``: TCP edges encrypt their
+    frames (AES-256-GCM), not only authenticate them."""
 
     def __init__(
         self,
@@ -151,8 +155,10 @@ class ProcessRun:
         trace: bool = False,
         stages: Sequence[StageHandle] | None = None,
         secret: bytes | None = None,
+        encrypt_edges: bool = False,
     ) -> None:
         self.plan = plan
+        self.encrypt_edges = encrypt_edges
         self.prompt = tuple(int(t) for t in prompt)
         self.worker = worker
         self.devices = tuple(devices) if devices is not None else (None,) * plan.stage_count
@@ -177,8 +183,8 @@ class ProcessRun:
         self.secret = secret if secret is not None else new_secret()
         self._broken: set[int] = set()
         self.edges = ProcessEdges(
-            self.host.medium(self.media[plan.token_out.edge_id]),
-            self.host.medium(self.media[plan.token_in.edge_id]),
+            self.host.medium(self.media[plan.token_out.edge_id], encrypt_edges),
+            self.host.medium(self.media[plan.token_in.edge_id], encrypt_edges),
             self.secret,
         )
         self.timers: Deadlines[fsm.Timer] = Deadlines()
@@ -288,6 +294,7 @@ class ProcessRun:
             trace=tuple(self._merged_trace()) if self.trace.enabled else None,
             media=tuple(self.media[e.edge_id] for e in self.plan.edges),
             broken=tuple(sorted(self._broken)),
+            encrypted_edges=self.encrypt_edges,
         )
 
     def _install_signals(self) -> dict[int, Any]:
@@ -328,6 +335,7 @@ class ProcessRun:
                 stop_ms=plan.timeouts.stop_ms,
                 device=self.devices[stage.stage_index],
                 trace=self.trace.enabled,
+                encrypt_edges=self.encrypt_edges,
             )
             handle = _Stage(self.host.start(launch, self.secret))
             self.stages.append(handle)
@@ -475,9 +483,16 @@ class ProcessRun:
             self._stage_events += stage.handle.trace_events()
 
     def _let_go_warm(self) -> None:
-        """Keep every warm stage that confirmed its stop; kill and reap the others."""
+        """Keep every warm stage that confirmed its stop; kill and reap the others. A
+        stage whose fault ended the run is killed too, unless the fault was its setup
+        (a name taken, no room for a ring, a file missing): setup failed before any
+        step ran and the stage released the run, so its process is sound, and starting
+        it again would find what it found."""
         c = self.controller
         fault_stage = c.finished.fault_stage if c.finished is not None else None
+        fault = c.finished.fault if c.finished is not None else None
+        if fault is not None and fault.kind is FaultKind.SETUP_FAILURE:
+            fault_stage = None
         for stage in self.stages:
             kept = (
                 stage.index in c.machine.stopped

@@ -1,61 +1,157 @@
-"""Names of a run's resources on one host, derived from ``(run_id, edge_id)`` alone
-(EDGES_AND_WORKERS.md §3), so that whoever tears a run down finds and frees all of
-them, also what a killed process made.
+"""Run ids, and the names of a run's resources on one host, derived from
+``(run_id, edge_id)`` alone (EDGES_AND_WORKERS.md §3), so that whoever tears a run down
+finds and frees all of them, also what a killed process made.
 
-``<tag>`` is the first 12 hex digits of the SHA-256 of the run id: names stay short (a
-shared-memory name is at most 31 bytes on macOS) and every resource of one run shares
-the prefix ``gpp-<tag>``. The run folder ``<tmp>/gpp-<tag>/`` holds the run's files on
-this host (the FIFOs of shared-memory edges, the local rendezvous of TCP edges); it is
-made by whoever needs it first and removed, once empty, by whoever frees its last file.
+Unguessable. A run id the runtime makes carries 128 random bits (``new_run_id``), and
+travels only inside the stages' authenticated control frames and the launcher's
+process: a stage's command line shows the run's *label* (``run_label``, a hash of its
+id), never the id itself. Each edge's resources are named by its *tag*: 24 base-32
+digits (120 bits) of a labelled SHA-256 of ``(run_id, edge_id)``. So a stranger on the
+host cannot name a resource of a run before the run makes it (to squat the name, or to
+plant a folder or an address of its own there), and the names of one edge (which a
+stranger can list in ``/dev/shm`` and ``/tmp`` once they exist) say nothing about
+another's. 120 bits: a stranger's guess hits with probability 2^-120, and two honest
+edges of all the runs a host will ever hold collide with a probability far below
+that of a hardware fault; and ``/gpp-`` with 24 digits stays two bytes under the 31
+bytes that macOS allows a shared-memory name. Lower-case base 32, because a file
+system may fold case (macOS's ``/tmp``).
+
+Exclusive. Each edge's files live in its own folder, ``<tmp>/gpp-<tag>/``, made by the
+edge's consumer (``make_edge_dir``: ``mkdir`` with mode 0700, never reusing a folder
+that exists), so a name that is taken is a setup fault naming it (``NameTaken``), and
+the other end trusts a folder, FIFO or file of the edge only when it is what its
+consumer made: of its type (never a symbolic link), this user's, and closed to
+everyone else (``check_private``, else ``NotPrivate``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import base64
 import hashlib
 import os
+import secrets
+import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
-#: The prefix of every shared-memory segment and run folder of this runtime.
+#: The prefix of every shared-memory segment and edge folder of this runtime.
 PREFIX = "gpp-"
-#: How often making a file retries when the run folder vanished under it.
-_MAKE_ATTEMPTS = 100
-
-T = TypeVar("T")
-
-
-def run_tag(run_id: str) -> str:
-    """12 hex digits that stand for ``run_id`` in resource names."""
-    return hashlib.sha256(run_id.encode("utf-8")).hexdigest()[:12]
+#: Random bytes in a run id the runtime makes.
+RUN_ID_BYTES = 16
+#: Base-32 digits of an edge's tag (5 bits each).
+TAG_DIGITS = 24
+_TAG_LABEL = b"gguf-pipeline/resource-name/1\x00"
+_RUN_LABEL = b"gguf-pipeline/run-label/1\x00"
 
 
-def run_dir(run_id: str) -> Path:
-    """The folder that holds a run's files on this host."""
-    return Path(tempfile.gettempdir()) / f"{PREFIX}{run_tag(run_id)}"
+class NameTaken(FileExistsError):
+    """A resource of an edge exists before its consumer made it (a stranger's squat, or a
+    collision): a setup fault naming it and what holds it."""
 
 
-def in_run_dir(run_id: str, make: Callable[[Path], T]) -> T:
-    """``make(folder)`` with the run folder present. Another process may remove the
-    folder once it is empty (``remove_run_dir``), between this ``mkdir`` and the file
-    ``make`` creates in it: then ``make`` raises ``FileNotFoundError`` and runs again
-    in a folder made anew. A folder holding a file is never removed, so once ``make``
-    succeeded its file stays."""
-    folder = run_dir(run_id)
-    for _ in range(_MAKE_ATTEMPTS - 1):
-        folder.mkdir(mode=0o700, exist_ok=True)
-        try:
-            return make(folder)
-        except FileNotFoundError:
-            continue  # the folder went between mkdir and make: again
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return make(folder)
+class NotPrivate(PermissionError):
+    """A resource of an edge that its consumer cannot have made (another owner, a mode
+    open to others, a link, another type): never used."""
 
 
-def remove_run_dir(run_id: str) -> None:
-    """Remove the run's folder if it is empty (a process may still own files in it;
-    whoever removes the last one removes the folder)."""
-    with contextlib.suppress(FileNotFoundError, OSError):
-        os.rmdir(run_dir(run_id))
+def new_run_id(kind: str = "run") -> str:
+    """``<kind>-`` and 128 random bits in hex: a run id no stranger can guess."""
+    return f"{kind}-{secrets.token_hex(RUN_ID_BYTES)}"
+
+
+def run_label(run_id: str) -> str:
+    """What a command line or a log shows of a run: 12 hex digits of a labelled hash of
+    its id (the id itself would name its resources)."""
+    return hashlib.sha256(_RUN_LABEL + run_id.encode("utf-8")).hexdigest()[:12]
+
+
+def edge_tag(run_id: str, edge_id: int) -> str:
+    """The 24 base-32 digits that name edge ``edge_id`` of run ``run_id`` on a host."""
+    data = _TAG_LABEL + run_id.encode("utf-8") + b"\x00" + str(edge_id).encode("ascii")
+    digest = hashlib.sha256(data).digest()
+    return base64.b32encode(digest).decode("ascii").lower()[:TAG_DIGITS]
+
+
+def edge_dir(run_id: str, edge_id: int) -> Path:
+    """The folder of an edge's files on this host (FIFOs, the rendezvous address)."""
+    return Path(tempfile.gettempdir()) / f"{PREFIX}{edge_tag(run_id, edge_id)}"
+
+
+def describe(path: Path | str) -> str:
+    """What is at ``path``, for a message: its type, owner and mode."""
+    try:
+        return _describe_stat(os.lstat(path))
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+
+
+def _describe_stat(st: os.stat_result) -> str:
+    kinds = (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISREG, "a file"),
+    )
+    kind = next((name for test, name in kinds if test(st.st_mode)), "a special file")
+    return f"{kind} of uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def make_edge_dir(run_id: str, edge_id: int) -> Path:
+    """Make the edge's folder, mode 0700; ``NameTaken`` if anything is there already."""
+    folder = edge_dir(run_id, edge_id)
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        raise NameTaken(
+            f"the folder {folder} of edge {edge_id} exists before its consumer made it "
+            f"({describe(folder)}): refused, never reused"
+        ) from None
+    return folder
+
+
+def check_private(path: Path | str, kind: str) -> os.stat_result:
+    """``lstat(path)`` if it is a ``kind`` (``folder``, ``FIFO``, ``file``) of this
+    user, closed to group and others; ``NotPrivate`` naming it if not,
+    ``FileNotFoundError`` if nothing is there."""
+    st = os.lstat(path)
+    return check_stat(st, path, kind)
+
+
+#: What each kind of resource must be. A shared-memory segment is a regular file where
+#: the system shows one (Linux's tmpfs); elsewhere anything but a link.
+def _not_a_link(mode: int) -> bool:
+    return not stat.S_ISLNK(mode)
+
+
+_KIND_TESTS: dict[str, Callable[[int], bool]] = {
+    "folder": stat.S_ISDIR,
+    "FIFO": stat.S_ISFIFO,
+    "file": stat.S_ISREG,
+    "segment": _not_a_link,
+}
+
+
+def check_stat(st: os.stat_result, path: Path | str, kind: str) -> os.stat_result:
+    """``st`` (of ``path``) if it describes a private ``kind`` of this user (see
+    ``check_private``); ``NotPrivate`` if not."""
+    mode = stat.S_IMODE(st.st_mode)
+    if not _KIND_TESTS[kind](st.st_mode) or st.st_uid != os.geteuid() or mode & 0o077:
+        raise NotPrivate(
+            f"{path} is {_describe_stat(st)}, not a private {kind} of this user "
+            f"(uid {os.geteuid()}): refused"
+        )
+    return st
+
+
+def remove_edge_dir(run_id: str, edge_id: int) -> None:
+    """Remove the edge's folder and what is in it, whoever made it (missing is fine; a
+    symbolic link in its place is left alone)."""
+    folder = edge_dir(run_id, edge_id)
+    try:
+        if stat.S_ISLNK(os.lstat(folder).st_mode):
+            return
+    except FileNotFoundError:
+        return
+    shutil.rmtree(folder, ignore_errors=True)

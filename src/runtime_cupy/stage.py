@@ -65,7 +65,7 @@ from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
 from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
 from runtime_cupy.keys import BadSecret, control_key, parse_secret
-from runtime_cupy.names import remove_run_dir
+from runtime_cupy.names import run_label
 from runtime_cupy.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.timers import Deadlines
 from runtime_cupy.tracing import TraceLog, now_us
@@ -82,8 +82,9 @@ log = logging.getLogger("runtime_cupy.stage")
 
 #: ``make_worker(name)``: the worker a stage process runs (by default from the registry).
 MakeWorker = Callable[[str], Worker]
-#: ``media(name)``: how an edge of the stage moves bytes (by default, on this machine).
-MakeMedium = Callable[[str], EdgeMedium]
+#: ``media(name, encrypt)``: how an edge of the stage moves bytes (by default, on this
+#: machine); ``encrypt``: TCP frames encrypted, not only authenticated.
+MakeMedium = Callable[[str, bool], EdgeMedium]
 
 
 class UnavailableWorker:
@@ -298,7 +299,8 @@ class StageProcess:
                 self._run = (p.run_id, p.inbound.edge_id, last)
             if c.setup_pending:
                 start = self._setup_at = now_us()
-                log.info("setup begins (run %s)", c.provision.run_id if c.provision else "?")
+                run = run_label(c.provision.run_id) if c.provision else "?"
+                log.info("setup begins (run %s)", run)
                 c.run_setup()
                 self.trace.span("setup", start)
                 progress = True
@@ -446,7 +448,6 @@ class StageProcess:
         self.edges.inbound_medium.remove(run_id, inbound)
         if token_out is not None and (self.lost is not None or self._lost_flag.is_set()):
             self.edges.outbound_medium.remove(run_id, token_out)
-        remove_run_dir(run_id)
 
 
 # -- entry point ---------------------------------------------------------------------------
@@ -458,7 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="One pipeline stage process (started by the runtime_cupy launcher's "
         "local-process host; the stages' secret is read from standard input).",
     )
-    p.add_argument("--run-id", required=True, help="the run, or a warm stage's chain (for logs)")
+    p.add_argument(
+        "--run-label",
+        required=True,
+        help="the run's label, or a warm stage's chain's (for logs and ps; never the run "
+        "id, which names the run's resources)",
+    )
     p.add_argument("--stage-index", type=int, required=True)
     p.add_argument("--node-id", required=True)
     p.add_argument("--orchestrator-id", required=True)
@@ -468,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inbound", choices=MEDIA, default="shm", help="how the inbound edge moves")
     p.add_argument("--outbound", choices=MEDIA, default="shm", help="how the outbound edge moves")
     p.add_argument("--stop-ms", type=int, default=10_000)
+    p.add_argument(
+        "--encrypt-edges",
+        action="store_true",
+        help="encrypt the frames of TCP edges (AES-256-GCM), not only authenticate them",
+    )
     p.add_argument(
         "--warm",
         action="store_true",
@@ -517,7 +528,11 @@ def main(
         node_id=args.node_id,
         orchestrator_id=args.orchestrator_id,
         channel=channel,
-        edges=ProcessEdges(media(args.inbound), media(args.outbound), secret),
+        edges=ProcessEdges(
+            media(args.inbound, args.encrypt_edges),
+            media(args.outbound, args.encrypt_edges),
+            secret,
+        ),
         lifeline_fd=args.lifeline_fd,
         worker=worker,
         stop_s=args.stop_ms / 1000.0,
@@ -526,7 +541,7 @@ def main(
         trace_file=args.trace_file,
     )
     signal.signal(signal.SIGTERM, lambda *_: stage.notice_loss("SIGTERM"))
-    log.info("started (run %s)", args.run_id)
+    log.info("started (run %s)", args.run_label)
     try:
         code = stage.run()
     finally:

@@ -80,19 +80,20 @@ class Outbox:
         if sent != len(data):
             self._queue((data,), skip=sent)
 
-    def write_pair(self, head: bytes, body: memoryview) -> None:
-        """``write(head + body)`` in one system call and no copy (``body`` of bytes)."""
+    def write_parts(self, *parts: bytes | bytearray | memoryview) -> None:
+        """``write`` of the parts joined (bytes, or views of bytes), in one system call
+        and no copy."""
         if self._pending or self.broken is not None:
-            self._write_after((head, body))
+            self._write_after(parts)
             return
         try:
-            sent = self.sock.sendmsg((head, body))
+            sent = self.sock.sendmsg(parts)
         except BlockingIOError:
             sent = 0
         except OSError as exc:
             self._break(f"send failed: {exc}")
-        if sent != len(head) + len(body):
-            self._queue((head, body), skip=sent)
+        if sent != sum(map(len, parts)):
+            self._queue(parts, skip=sent)
 
     def _write_after(self, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
         if self.broken is not None:

@@ -1,5 +1,5 @@
 """What the process-runtime tests check after every run: no process left, no shared
-memory, run folder (FIFOs, rendezvous files) or listening port left (Linux: /dev/shm
+memory, edge folder (FIFOs, rendezvous files) or listening port left (Linux: /dev/shm
 and /proc)."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ from __future__ import annotations
 import glob
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
-from runtime_cupy.names import PREFIX, run_dir, run_tag
+from runtime_cupy.edges.shm import segment_name
+from runtime_cupy.names import PREFIX, edge_dir
 
 SHM = Path("/dev/shm")
 TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"
@@ -43,18 +45,22 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def resources() -> set[str]:
-    """Every shared-memory segment and FIFO folder of this runtime on the host."""
+    """Every shared-memory segment and edge folder of this runtime on the host."""
     found = {str(p) for p in SHM.glob(f"{PREFIX}*")}
-    found |= set(glob.glob(str(run_dir("x").parent / f"{PREFIX}*")))
+    found |= set(glob.glob(str(edge_dir("x", 0).parent / f"{PREFIX}*")))
     return found
 
 
-def run_resources(run_id: str) -> list[str]:
-    """What is left of one run."""
-    tag = run_tag(run_id)
-    left = [str(p) for p in SHM.glob(f"{PREFIX}{tag}-*")]
-    if run_dir(run_id).exists():
-        left.append(str(run_dir(run_id)))
+#: Edge ids a plan of up to 62 stages numbers its edges with (the planner's 1..N+1).
+PLAN_EDGE_IDS = range(64)
+
+
+def run_resources(run_id: str, edge_ids: Iterable[int] = PLAN_EDGE_IDS) -> list[str]:
+    """What is left of one run: each edge's segment and folder, by name."""
+    left = []
+    for edge_id in edge_ids:
+        segment, folder = SHM / segment_name(run_id, edge_id), edge_dir(run_id, edge_id)
+        left += [str(p) for p in (segment, folder) if p.exists() or p.is_symlink()]
     return left
 
 
@@ -96,9 +102,9 @@ def users(path: str) -> list[int]:
     return [pid for pid in found if alive(pid)]
 
 
-def _listening_inodes() -> set[str]:
-    """Socket inodes of every TCP socket of the host in the LISTEN state."""
-    found: set[str] = set()
+def _listening() -> dict[str, int]:
+    """Socket inode -> local port of every TCP socket of the host in the LISTEN state."""
+    found: dict[str, int] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -107,8 +113,18 @@ def _listening_inodes() -> set[str]:
         for line in lines:
             fields = line.split()
             if len(fields) > 9 and fields[3] == "0A":  # TCP_LISTEN
-                found.add(fields[9])
+                found[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
     return found
+
+
+def _listening_inodes() -> set[str]:
+    return set(_listening())
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The local ports of the listening TCP sockets process ``pid`` holds open."""
+    listening = _listening()
+    return sorted(listening[s[8:-1]] for s in listening_sockets(pid) if s[8:-1] in listening)
 
 
 def listening_sockets(pid: int) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from runtime_cupy.names import run_label
 from tests.runtime_cupy.hygiene import alive
 
 STAGE_ENTRY = "runtime_cupy.hosts.ray.stage_entry"
@@ -29,12 +30,13 @@ def ppid(pid: int) -> int:
 
 
 def run_processes(run_id: str) -> list[int]:
-    """Live stage processes of the run (anywhere on this kernel)."""
+    """Live stage processes of the run (anywhere on this kernel), by its label."""
     found = []
+    needle = f"--run-label {run_label(run_id)} "
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             line = cmdline(int(entry.name))
-            if STAGE_ENTRY in line and f"--run-id {run_id} " in line and alive(int(entry.name)):
+            if STAGE_ENTRY in line and needle in line and alive(int(entry.name)):
                 found.append(int(entry.name))
     return found
 

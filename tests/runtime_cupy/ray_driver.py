@@ -7,7 +7,7 @@ network and mount namespaces:
 It waits for ``--hosts`` live hosts, runs ``runtime_cupy.generate`` on them (NumPy
 worker) and prints one JSON object with what happened. With ``--pause-at K`` it stops
 the run after its K-th token: it prints ``{"paused": ...}`` (the run id, each stage's
-pid and host) as a line and reads one line from standard input before going on, so
+pid) as a line and reads one line from standard input before going on, so
 that the test can do its fault to a run in mid-decode; ``resumed_s`` in the result is
 when it went on (monotonic, this machine's clock)."""
 
@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from runplan.config import Timeouts
+from runplan.messages import StageReady
 from runtime_cupy import generate
 from runtime_cupy.hosts.ray import session
 
@@ -58,11 +59,14 @@ def main() -> int:
     def on_event(kind: str, fields: dict[str, Any]) -> None:
         if kind == "spawned":
             pids[int(fields["stage_index"])] = int(fields["pid"])
+        if kind == "received" and isinstance(fields.get("message"), StageReady):
+            run_id[:] = [fields["message"].run_id]
 
     def on_token(token: int) -> None:
         tokens.append(token)
         if len(tokens) == args.pause_at:
-            print(json.dumps({"paused": {"pids": pids, "tokens": len(tokens)}}), flush=True)
+            paused = {"pids": pids, "tokens": len(tokens), "run_id": run_id[0]}
+            print(json.dumps({"paused": paused}), flush=True)
             sys.stdin.readline()
             resumed.append(time.monotonic())
 
@@ -79,7 +83,6 @@ def main() -> int:
         on_event=on_event,
         on_token=on_token,
     )
-    run_id.append(result.plan.run_id)
     print(
         json.dumps(
             {

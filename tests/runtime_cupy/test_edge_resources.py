@@ -1,11 +1,12 @@
 """Who frees what: a stopping stage frees its inbound edge (whose ring it made) and
-leaves its outbound edge to the next stage; the run folder survives a neighbour's
-removal racing its creation; shared memory runs only where the memory order allows it,
-and the media are chosen as asked."""
+leaves its outbound edge to the next stage; the local rendezvous is held while
+published; shared memory runs only where the memory order allows it, and the media
+are chosen as asked."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -20,10 +21,10 @@ from runtime_cupy.api import plan_for
 from runtime_cupy.edges import choice, shm
 from runtime_cupy.edges.base import EdgeSetupError
 from runtime_cupy.edges.choice import choose_medium
-from runtime_cupy.edges.shm import ShmMedium, remove_run, segment_name, signal_paths
+from runtime_cupy.edges.shm import ShmMedium, segment_name, signal_paths
 from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.launcher import ProcessRun
-from runtime_cupy.names import in_run_dir, remove_run_dir, run_dir
+from runtime_cupy.names import NameTaken, NotPrivate, edge_dir
 from tests.runtime_cupy.hygiene import SHM, alive, run_resources, wait_gone
 from tests.support.hosts import FaultyHost
 
@@ -58,28 +59,6 @@ def test_a_stopping_stage_leaves_its_outbound_edge_to_the_next_stage(
     assert result.finished is not None and result.finished.fault is not None
     assert seen == {"stage 0 gone": True, "stage 1 alive": True, "segment": True, "fifos": True}
     assert run_resources(plan.run_id) == []  # the teardown freed it, by name
-
-
-def test_the_run_folder_is_made_again_when_a_neighbour_removes_it_in_between() -> None:
-    run_id = f"test-{uuid.uuid4().hex}"
-    made: list[Path] = []
-
-    def make(folder: Path) -> Path:
-        if not made:  # another stage's remove_run_dir wins the race once
-            made.append(folder)
-            remove_run_dir(run_id)
-        path = folder / "e1.data"
-        os.mkfifo(path, 0o600)
-        return path
-
-    try:
-        path = in_run_dir(run_id, make)
-        assert path.exists() and made == [run_dir(run_id)]
-        remove_run_dir(run_id)  # a folder holding a file stays
-        assert path.exists()
-    finally:
-        remove_run(run_id, [1])
-    assert run_resources(run_id) == []
 
 
 def test_shared_memory_is_refused_where_stores_may_be_reordered(
@@ -130,7 +109,7 @@ def test_the_local_rendezvous_is_in_use_while_published_and_gone_when_withdrawn(
         # Held open by its publisher, so that a leftover check sees the folder in use
         # (``users`` leaves out the asking process itself: the descriptor is looked up).
         assert any(
-            os.readlink(f"/proc/self/fd/{fd}") == str(run_dir(run_id) / "e2.addr")
+            os.readlink(f"/proc/self/fd/{fd}") == str(edge_dir(run_id, 2) / "addr")
             for fd in os.listdir("/proc/self/fd")
             if os.path.exists(f"/proc/self/fd/{fd}")
         )
@@ -139,11 +118,41 @@ def test_the_local_rendezvous_is_in_use_while_published_and_gone_when_withdrawn(
         publisher.withdraw(run_id, 2)
         assert reader.lookup(run_id, 2) is None
         assert not any(
-            os.readlink(f"/proc/self/fd/{fd}").startswith(str(run_dir(run_id)))
+            os.readlink(f"/proc/self/fd/{fd}").startswith(str(edge_dir(run_id, 2)))
             for fd in os.listdir("/proc/self/fd")
             if os.path.exists(f"/proc/self/fd/{fd}")
         )
     finally:
         publisher.withdraw(run_id, 2)
-        remove_run_dir(run_id)
+    assert run_resources(run_id) == []
+
+
+def test_an_end_uses_only_what_its_consumer_can_have_made() -> None:
+    """A segment, edge folder or address file that is not this user's alone (another
+    owner, a mode open to others) is refused naming it, never attached to or read."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a resource of another user (chown)")
+    run_id = f"test-{uuid.uuid4().hex}"
+    ring = RingSpec(2, 64, 256)
+    segment = SHM / segment_name(run_id, 1)
+    folder = edge_dir(run_id, 2)
+    try:
+        os.close(os.open(segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        os.truncate(segment, 1 << 16)
+        os.chown(segment, 65534, 65534)
+        with pytest.raises(NotPrivate, match=f"{segment.name} is a file of uid 65534"):
+            ShmMedium().attach(run_id, 1, ring, b"")
+        with pytest.raises(NameTaken, match="exists before its consumer made it"):
+            ShmMedium().create(run_id, 1, ring, b"")
+        folder.mkdir(mode=0o755)
+        (folder / "addr").write_text("127.0.0.1:9")
+        with pytest.raises(NotPrivate, match="mode 0755, not a private folder"):
+            FileRendezvous().lookup(run_id, 2)
+        folder.chmod(0o700)
+        (folder / "addr").chmod(0o644)
+        with pytest.raises(NotPrivate, match="mode 0644, not a private file"):
+            FileRendezvous().lookup(run_id, 2)
+    finally:
+        segment.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
     assert run_resources(run_id) == []

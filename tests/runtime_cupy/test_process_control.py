@@ -261,7 +261,7 @@ def test_a_stage_without_its_secret_on_stdin_says_so_in_one_line(stdin: bytes) -
     a, b = socket.socketpair()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "runtime_cupy.stage", "--run-id", "r", "--stage-index", "0",
+            [sys.executable, "-m", "runtime_cupy.stage", "--run-label", "r", "--stage-index", "0",
              "--node-id", "n0", "--orchestrator-id", "orch", "--control-fd", str(a.fileno()),
              "--lifeline-fd", str(a.fileno())],
             input=stdin,

@@ -26,10 +26,10 @@ from runtime_cupy.edges.shm import (
     PREFIX,
     ShmRing,
     remove_run,
-    run_dir,
     segment_name,
     signal_paths,
 )
+from runtime_cupy.names import edge_dir
 from tests.runtime_cupy.hygiene import SHM, run_resources
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 
@@ -50,8 +50,8 @@ def test_names_derive_from_the_run_and_edge_and_stay_short() -> None:
     assert segment_name(run_id, 7) != segment_name(run_id + "y", 7)
     assert segment_name(run_id, 7) != segment_name(run_id, 8)
     data, space = signal_paths(run_id, 7)
-    assert data.parent == space.parent == run_dir(run_id)
-    assert run_dir(run_id).name.startswith(PREFIX)
+    assert data.parent == space.parent == edge_dir(run_id, 7)
+    assert edge_dir(run_id, 7).name == segment_name(run_id, 7)  # one tag per edge
 
 
 def _producer(run_id: str, script: str) -> subprocess.Popen[str]:

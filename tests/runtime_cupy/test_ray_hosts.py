@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 import runtime_sim
-from runtime_cupy.names import run_tag
+from runtime_cupy.edges.shm import segment_name
+from runtime_cupy.names import edge_dir, run_label
 from runtime_cupy.streams import SILENT_PEER_S
 from tests.runtime_cupy.ray_checks import (
     STAGE_ENTRY,
@@ -159,9 +160,10 @@ def _listeners_of_ours(hosts: TestHosts, i: int) -> list[str]:
 
 
 def _left_on(hosts: TestHosts, i: int, run_id: str) -> list[str]:
-    """What of the run is left on host ``i``."""
-    tag = run_tag(run_id)
-    out = hosts.on_host(i, f"ls -d /dev/shm/gpp-{tag}* /tmp/gpp-{tag}* 2>/dev/null").split()
+    """What of the run is left on host ``i``: its edges' segments and folders, by name
+    (a plan of three stages numbers its edges 1 to 4)."""
+    names = [f"/dev/shm/{segment_name(run_id, e)} {edge_dir(run_id, e)}" for e in range(1, 5)]
+    out = hosts.on_host(i, f"ls -d {' '.join(names)} 2>/dev/null").split()
     mine = set(hosts.pids(i))
     out += [f"stage process {p}" for p in run_processes(run_id) if p in mine]
     return out + _listeners_of_ours(hosts, i)
@@ -266,10 +268,10 @@ def test_the_network_to_a_host_cut_mid_decode(hosts: TestHosts, model: str, tmp_
 def test_the_orchestrator_killed_mid_decode(hosts: TestHosts, model: str, tmp_path: Path) -> None:
     _ensure_three_hosts(hosts, tmp_path)
     driver = Driver(hosts, model, "--max-tokens", "40", "--pause-at", "2")
-    pids = _pids(driver.paused())
-    run_ids = {cmdline(pid).split("--run-id ")[1].split()[0] for pid in pids.values()}
-    assert len(run_ids) == 1
-    (run_id,) = run_ids
+    paused = driver.paused()
+    run_id = str(paused["run_id"])  # never on a command line: each shows the run's label
+    labels = {cmdline(pid).split("--run-label ")[1].split()[0] for pid in _pids(paused).values()}
+    assert labels == {run_label(run_id)}
     driver.kill()
     # Every stage stops on its own (its control connection closed), on every host.
     gone = wait_until(lambda: run_processes(run_id), STOP_S + SILENT_PEER_S + SLACK_S)

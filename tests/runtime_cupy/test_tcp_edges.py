@@ -3,7 +3,9 @@ stays with the consumer, credit is its free slots, records arrive in publish ord
 full ring blocks the producer and nothing is dropped, waits are bounded, close wakes
 both ends, every header is checked before a record counts as loaded; before a record
 flows both ends prove they hold the run's secret, and strangers on the port change
-nothing."""
+nothing; every frame after the handshake is sealed, so a relay in the middle that holds
+no key can neither change, replay, reorder nor inject one, and with encryption it reads
+none."""
 
 from __future__ import annotations
 
@@ -31,7 +33,10 @@ from runtime_cupy.edges.tcp import (
     TcpSendRing,
     split_address,
 )
+from runtime_cupy.edges.tcp_frames import LEAVE
+from runtime_cupy.edges.tcp_seal import AUTHENTICATED, ENCRYPTED, Protection
 from runtime_cupy.keys import edge_key, new_secret
+from tests.support.edge_peers import as_producer, recv_exact, sealed
 
 SPEC = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
 RING = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
@@ -74,11 +79,20 @@ class Edge:
     """Both ends of one TCP edge in this process, the consumer serviced by a thread as
     its stage's loop would be (``service``), the producer attached as a stage does."""
 
-    def __init__(self, secret: bytes | None = None, producer_secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        secret: bytes | None = None,
+        producer_secret: bytes | None = None,
+        protection: Protection = AUTHENTICATED,
+        producer_protection: Protection | None = None,
+    ) -> None:
         self.run_id = f"test-{uuid.uuid4().hex}"
         self.secret = secret or new_secret()
         self.rendezvous = MemoryRendezvous()
-        self.medium = TcpMedium(self.rendezvous)
+        self.medium = TcpMedium(self.rendezvous, protection=protection)
+        self.producer_medium = TcpMedium(
+            self.rendezvous, protection=producer_protection or protection
+        )
         self.key = edge_key(self.secret, self.run_id, EDGE)
         self.ring = self.medium.create(self.run_id, EDGE, RING, self.key)
         self.receiver = ReceiveEnd(self.ring, HeaderCheck.for_edge(self.run_id, EDGE, SPEC, 8))
@@ -104,7 +118,7 @@ class Edge:
         deadline = time.monotonic() + timeout_s
         while ring is None:
             assert time.monotonic() < deadline, "the producer never attached"
-            ring = self.medium.attach(self.run_id, EDGE, RING, self.producer_key)
+            ring = self.producer_medium.attach(self.run_id, EDGE, RING, self.producer_key)
             self.ring._data.wait(0.002)
         return SendEnd(ring, self.run_id, EDGE, SPEC)
 
@@ -234,37 +248,38 @@ def test_a_malformed_record_is_refused_on_load_and_nothing_is_consumed() -> None
         edge.close()
 
 
-def _authenticated(edge: Edge) -> socket.socket:
-    """A raw connection that completed the handshake (holding the key)."""
+def _authenticated(edge: Edge) -> tuple[socket.socket, object]:
+    """A raw connection that completed the handshake (holding the key), and the seal of
+    what it sends."""
     sock = socket.create_connection(edge.address, timeout=10)
     thread = threading.Thread(target=edge.service_for, args=(1.0,))
     thread.start()
-    challenge = sock.recv(hs.CHALLENGE_BYTES, socket.MSG_WAITALL)
-    nonce_c = hs.read_challenge(challenge)
-    nonce_p = hs.new_nonce()
-    sock.sendall(hs.proof(edge.key, EDGE, nonce_c, nonce_p))
-    accept = sock.recv(hs.ACCEPT_BYTES, socket.MSG_WAITALL)
-    hs.verify_accept(edge.key, EDGE, nonce_c, nonce_p, accept)
+    send, _ = as_producer(sock, edge.key, EDGE)
     thread.join()
-    return sock
+    return sock, send
+
+
+def _header_and_body(edge: Edge) -> bytes:
+    header = ObjectHeader(edge.run_id, EDGE, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4)
+    return header.pack() + _record(0)
 
 
 @pytest.mark.parametrize(
     ("frames", "reason"),
     [
-        (lambda body: FRAME.pack(RECORD, 100_000) + body, "a record of 100000 bytes"),
-        (lambda body: FRAME.pack(RECORD, len(body) + 4) + body + b"\0" * 4, "whose header says"),
-        (lambda body: FRAME.pack(RECORD, len(body)) + body + FRAME.pack(RECORD, len(body))
-         + body + FRAME.pack(RECORD, len(body)) + body, "beyond its credit"),
-        (lambda body: FRAME.pack(9, 0), "unknown kind 9"),
+        (lambda seal, body: FRAME.pack(RECORD, 100_000) + body, "a record of 100000 bytes"),
+        (lambda seal, body: sealed(seal, RECORD, len(body) + 4, body + b"\0" * 4),
+         "whose header says"),
+        (lambda seal, body: b"".join(sealed(seal, RECORD, len(body), body) for _ in range(3)),
+         "beyond its credit"),
+        (lambda seal, body: FRAME.pack(9, 0), "unknown kind 9"),
     ],
 )  # fmt: skip
 def test_a_stream_that_breaks_the_framing_closes_the_edge(frames: object, reason: str) -> None:
     edge = Edge()
-    sock = _authenticated(edge)
+    sock, seal = _authenticated(edge)
     try:
-        header = ObjectHeader(edge.run_id, EDGE, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4)
-        sock.sendall(frames(header.pack() + _record(0)))  # type: ignore[operator]
+        sock.sendall(frames(seal, _header_and_body(edge)))  # type: ignore[operator]
         with pytest.raises(EdgeClosed, match=reason):
             for _ in range(3):  # the valid ones before the bad one still come out
                 record = edge.receiver.receive(timeout_s=10)
@@ -274,13 +289,49 @@ def test_a_stream_that_breaks_the_framing_closes_the_edge(frames: object, reason
         edge.close()
 
 
+def test_a_frame_without_its_seal_closes_the_edge_and_is_never_delivered() -> None:
+    """An unsealed record (as before frames were sealed), one sealed with another key,
+    one whose number was skipped: none is loaded, and the edge names why."""
+    for forge in ("unsealed", "other key", "skipped number"):
+        edge = Edge()
+        sock, seal = _authenticated(edge)
+        body = _header_and_body(edge)
+        try:
+            if forge == "unsealed":
+                sock.sendall(FRAME.pack(RECORD, len(body)) + body + bytes(32))
+            elif forge == "other key":
+                other, _ = AUTHENTICATED.seals(new_secret(), b"c" * 32, b"p" * 32, producer=True)
+                sock.sendall(sealed(other, RECORD, len(body), body))
+            else:
+                sealed(seal, LEAVE)  # sealed as frame 0, never sent: the record is frame 1
+                sock.sendall(sealed(seal, RECORD, len(body), body))
+            with pytest.raises(EdgeClosed, match="frame 0 from the producer failed authentication"):
+                edge.receiver.receive(timeout_s=10)
+            assert edge.ring.published == 0, forge
+        finally:
+            sock.close()
+            edge.close()
+
+
 def test_a_producer_without_the_secret_is_refused_at_attach() -> None:
     edge = Edge(producer_secret=new_secret())
     try:
-        with pytest.raises(EdgeSetupError, match="closed the connection"):
+        with pytest.raises(EdgeSetupError, match="does not hold its run's secret"):
             edge.attach()
         assert edge.refusals.reasons == ["wrong key: the peer does not hold this run's secret"]
         assert not edge.ring.connected
+    finally:
+        edge.close()
+
+
+def test_ends_that_seal_otherwise_are_refused_naming_it() -> None:
+    edge = Edge(protection=ENCRYPTED, producer_protection=AUTHENTICATED)
+    try:
+        with pytest.raises(EdgeSetupError, match="it seals its records otherwise"):
+            edge.attach()
+        assert edge.refusals.reasons == [
+            "a producer that seals its records with protection 1 (this end: 2)"
+        ]
     finally:
         edge.close()
 
@@ -296,9 +347,9 @@ def test_a_consumer_without_the_secret_gets_no_records() -> None:
 
     def impostor() -> None:
         conn, _ = listener.accept()
-        conn.sendall(hs.challenge(hs.new_nonce()))
-        conn.recv(hs.PROOF_BYTES, socket.MSG_WAITALL)
-        conn.sendall(hs.accept(edge_key(new_secret(), run_id, EDGE), EDGE, b"x" * 32, b"y" * 32))
+        hello = hs.verify_hello(key, EDGE, AUTHENTICATED.code, recv_exact(conn, hs.HELLO_BYTES))
+        wrong = edge_key(new_secret(), run_id, EDGE)
+        conn.sendall(hs.challenge(wrong, EDGE, AUTHENTICATED.code, hello.nonce_p, b"x" * 32))
         time.sleep(1)
         conn.close()
 
@@ -328,22 +379,19 @@ def test_strangers_on_the_port_change_nothing() -> None:
         garbage.sendall(b"GET / HTTP/1.1\r\n\r\n")
         # A wrong secret.
         wrong = socket.create_connection(edge.address, timeout=10)
-        nonce_c = hs.read_challenge(wrong.recv(hs.CHALLENGE_BYTES, socket.MSG_WAITALL))
         stranger_key = edge_key(new_secret(), edge.run_id, EDGE)
-        wrong.sendall(hs.proof(stranger_key, EDGE, nonce_c, hs.new_nonce()))
+        wrong.sendall(hs.hello(stranger_key, EDGE, AUTHENTICATED.code, hs.new_nonce()))
         # A producer of another edge of this run (the right secret, the wrong edge).
         other = socket.create_connection(edge.address, timeout=10)
-        nonce_c = hs.read_challenge(other.recv(hs.CHALLENGE_BYTES, socket.MSG_WAITALL))
         other_key = edge_key(edge.secret, edge.run_id, EDGE + 1)
-        other.sendall(hs.proof(other_key, EDGE + 1, nonce_c, hs.new_nonce()))
+        other.sendall(hs.hello(other_key, EDGE + 1, AUTHENTICATED.code, hs.new_nonce()))
         # A record for this edge without any handshake.
         header = ObjectHeader(edge.run_id, EDGE, 0, ObjectKind.TOKEN, HeaderDType.U32, 1, 4)
         record = socket.create_connection(edge.address, timeout=10)
         record.sendall(FRAME.pack(RECORD, 132) + header.pack() + _record(0))
         # Half a handshake, then silence.
         half = socket.create_connection(edge.address, timeout=10)
-        half.recv(hs.CHALLENGE_BYTES, socket.MSG_WAITALL)
-        half.sendall(hs.PROOF_MAGIC + bytes([hs.VERSION]))
+        half.sendall(hs.HELLO_MAGIC + bytes([hs.VERSION]))
         strangers = [garbage, wrong, other, record, half]
         deadline = time.monotonic() + 10
         while len(edge.refusals.reasons) < 4 and time.monotonic() < deadline:
@@ -355,6 +403,8 @@ def test_strangers_on_the_port_change_nothing() -> None:
         assert refused[1].startswith(not_ours + "G")
         assert refused[2].startswith(not_ours + "\\x01")
         assert refused[3] == "wrong key: the peer does not hold this run's secret"
+        # Those that sent a whole HELLO were told why.
+        assert hs.REFUSE_MAGIC in wrong.recv(64) and hs.REFUSE_MAGIC in other.recv(64)
         assert not edge.ring.connected and edge.ring.published == 0
         # The producer still gets in, and its records through; the half handshake is
         # turned away once it has.

@@ -4,7 +4,9 @@
 
 It runs ``runtime_cupy.stage.main`` with the stage arguments, its worker (from the
 registry) wrapped in ``FaultyWorker``. Faults: ``setup-delay=SECONDS``,
-``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``. Started by ``FaultyHost``
+``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``, and ``attach-delay=SECONDS``
+(each try to attach the outbound edge takes that long more: a producer on a busy host,
+slow to answer its consumer's handshake). Started by ``FaultyHost``
 (``tests/support/hosts.py``): the faults come in through the host port, and nothing of
 them is in the production stage.
 """
@@ -21,8 +23,11 @@ from typing import Any, ClassVar
 from attrs import frozen
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
+from runplan.plan import RingSpec
 from runtime_core.worker import Progress, TokenOutput, Worker, WorkerError
 from runtime_cupy import stage
+from runtime_cupy.edges.base import EdgeMedium, ProcessRing
+from runtime_cupy.hosts.local import local_medium
 from runtime_cupy.workers import make_worker
 
 log = logging.getLogger("runtime_cupy.stage")
@@ -40,7 +45,7 @@ class Fault:
     def parse(cls, text: str) -> Fault:
         kind, _, value = text.partition("=")
         try:
-            if kind == "setup-delay":
+            if kind in ("setup-delay", "attach-delay"):
                 return cls(kind, None, float(value))
             if kind == "step-delay":
                 seq, _, secs = value.partition(":")
@@ -50,7 +55,7 @@ class Fault:
         except ValueError:
             pass
         raise argparse.ArgumentTypeError(
-            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S or step-fail=SEQ"
+            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S, step-fail=SEQ or attach-delay=S"
         )
 
 
@@ -87,13 +92,38 @@ class FaultyWorker:
         self.inner.release()
 
 
+class SlowAttach:
+    """A medium whose ``attach`` takes ``seconds`` longer each time (else ``inner``)."""
+
+    def __init__(self, inner: EdgeMedium, seconds: float) -> None:
+        self.inner, self.seconds, self.name = inner, seconds, inner.name
+
+    def create(self, run_id: str, edge_id: int, spec: RingSpec, key: bytes) -> ProcessRing:
+        return self.inner.create(run_id, edge_id, spec, key)
+
+    def attach(self, run_id: str, edge_id: int, spec: RingSpec, key: bytes) -> ProcessRing | None:
+        time.sleep(self.seconds)
+        return self.inner.attach(run_id, edge_id, spec, key)
+
+    def remove(self, run_id: str, edge_id: int) -> None:
+        self.inner.remove(run_id, edge_id)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     split = args.index("--") if "--" in args else len(args)
     parser = argparse.ArgumentParser(prog="python -m tests.support.faulty_stage")
     parser.add_argument("--fault", type=Fault.parse, action="append", default=[])
     faults = parser.parse_args(args[:split]).fault
-    return stage.main(args[split + 1 :], lambda name: FaultyWorker(make_worker(name), faults))
+    slow = sum(f.seconds for f in faults if f.kind == "attach-delay")
+
+    def media(name: str, encrypt: bool) -> EdgeMedium:
+        medium = local_medium(name, encrypt)
+        return SlowAttach(medium, slow) if slow else medium
+
+    return stage.main(
+        args[split + 1 :], lambda name: FaultyWorker(make_worker(name), faults), media=media
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ the production launcher, stage or channel):
 - ``TapHost``: any local host with a ``ControlTap`` on every stage's control channel,
   which records the frames both ways and writes what a test gives it, in between
   whole frames, as a writer on the wire would.
+- ``DetourHost``: the local-process host whose orchestrator, producing to one edge over
+  TCP, is told a relay's address (``edge_relay.Relay``, holding no key) instead of its
+  consumer's: a man in the middle of that edge.
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from runplan.messages import ControlMessage
 from runtime_cupy.control import ControlChannel, decode_frame, encode_frame
+from runtime_cupy.edges.base import EdgeMedium, Rendezvous
+from runtime_cupy.edges.tcp import TcpMedium, split_address
 from runtime_cupy.hosts.base import StageLaunch
 from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, LocalStageHandle
 from runtime_cupy.keys import control_key
+from tests.support.edge_relay import Relay
 from tests.support.faulty_stage import Fault
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,3 +174,47 @@ class TapHost(LocalProcessHost):
 
     def rendezvous(self) -> FileRendezvous:
         return self.inner.rendezvous()
+
+
+class _Detour:
+    """A rendezvous that tells the producer of ``host.edge_id`` the relay's address,
+    the relay started (towards the real consumer) the moment the consumer published."""
+
+    def __init__(self, inner: Rendezvous, host: DetourHost) -> None:
+        self.inner, self.host = inner, host
+
+    def publish(self, run_id: str, edge_id: int, address: str) -> None:
+        self.inner.publish(run_id, edge_id, address)
+
+    def lookup(self, run_id: str, edge_id: int) -> str | None:
+        real = self.inner.lookup(run_id, edge_id)
+        if real is None or edge_id != self.host.edge_id:
+            return real
+        if self.host.relay is None:
+            upstream = split_address(real)
+            self.host.relay = Relay(lambda: upstream, self.host.attack)
+        host, port = self.host.relay.address
+        return f"{host}:{port}"
+
+    def withdraw(self, run_id: str, edge_id: int) -> None:
+        self.inner.withdraw(run_id, edge_id)
+
+
+class DetourHost(LocalProcessHost):
+    """The local host; the orchestrator's TCP producer end of ``edge_id`` reaches its
+    consumer through a relay playing ``attack`` (``edge_relay``: ``change@K``, ...)."""
+
+    def __init__(self, edge_id: int, attack: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.edge_id, self.attack = edge_id, attack
+        self.relay: Relay | None = None
+
+    def medium(self, name: str, *more: Any) -> EdgeMedium:
+        medium = super().medium(name, *more)
+        if isinstance(medium, TcpMedium):
+            medium.rendezvous = _Detour(medium.rendezvous, self)
+        return medium
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()

@@ -2,7 +2,8 @@
 namespace (a private ``/dev/shm`` and ``/tmp``, so that shared memory cannot silently
 cross "hosts"), joined by veth pairs to a bridge, with a Ray node in each: the head in
 the first, a worker in each other, each with its own ``--node-ip-address`` and
-``--temp-dir``.
+``--temp-dir``. Without Ray (``up(..., ray=False)``), each host holds only a process
+to enter it by, and this machine reaches the hosts at ``root_address`` on the bridge.
 
 Names and the subnet are drawn at random per cluster (``gpb<tag>``, ``gpn<tag><i>``,
 ``gpv<tag><i>``, ``10.<a>.<b>.0/24``), so that two test sessions on one machine do not
@@ -71,6 +72,8 @@ class TestHosts:
         a, b = 64 + secrets.randbelow(64), secrets.randbelow(250) + 1
         self.subnet = f"10.{a}.{b}"
         self.bridge = f"gpb{self.tag}"
+        #: This machine's own address on the bridge (hosts without Ray only).
+        self.root_address = f"{self.subnet}.254"
         self.anchors: dict[int, subprocess.Popen[bytes]] = {}  # host -> its `ray start`
         self.logs: dict[int, Path] = {}
         self._starts: dict[int, int] = {}  # host -> STARTED lines in its log before its start
@@ -89,9 +92,11 @@ class TestHosts:
         return f"{self.address(1)}:{RAY_PORT}"
 
     # -- up ------------------------------------------------------------------------------
-    def up(self, log_dir: Path) -> None:
+    def up(self, log_dir: Path, *, ray: bool = True) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "up")
+        if not ray:
+            _ip("addr", "add", f"{self.root_address}/24", "dev", self.bridge)
         for i in range(1, self.count + 1):
             ns = self.namespace(i)
             _ip("netns", "add", ns)
@@ -100,6 +105,23 @@ class TestHosts:
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+        if not ray:
+            env = dict(os.environ)
+            env.pop("GGUF_PIPELINE_TEST_TAG", None)  # the hosts outlive a test's process check
+            for i in range(1, self.count + 1):
+                self.anchors[i] = subprocess.Popen(
+                    ["ip", "netns", "exec", self.namespace(i), *_PRIVATE, "sleep", "infinity"],
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                )
+            for i in range(1, self.count + 1):  # in its namespaces, mounts made, once it sleeps
+                deadline = time.monotonic() + 30
+                comm = Path(f"/proc/{self.anchors[i].pid}/comm")
+                while comm.read_text().strip() != "sleep":
+                    if self.anchors[i].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"host {i}'s anchor did not start")
+                    time.sleep(0.01)
+            return
         for i in range(1, self.count + 1):
             self.start_ray(i, log_dir)
         for i in range(1, self.count + 1):

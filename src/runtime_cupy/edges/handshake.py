@@ -2,27 +2,39 @@
 proves that it holds the edge's key (``keys.edge_key``, derived from the stages' secret
 and ``(run_id, edge_id)``); the key itself never crosses the wire.
 
-The consumer listens and speaks first::
+The producer speaks first, as soon as it is connected, so that a consumer can tell it
+from the strangers on its port by its first bytes (``tcp_consumer``: strangers go
+first when the port is crowded)::
 
-    consumer -> producer   CHALLENGE  "GPTC" version:u8 pad:3  nonce_c:32            40 bytes
-    producer -> consumer   PROOF      "GPTP" version:u8 pad:3  edge_id:u64
-                                      nonce_p:32  mac_p:32                             80 bytes
-    consumer -> producer   ACCEPT     "GPTA" version:u8 pad:3  mac_c:32              40 bytes
+    producer -> consumer   HELLO      "GPTH" version:u8 protection:u8 pad:2
+                                      edge_id:u64 nonce_p:32 mac_h:32                  80 bytes
+    consumer -> producer   CHALLENGE  "GPTC" version:u8 protection:u8 pad:2
+                                      nonce_c:32 mac_c:32                              72 bytes
+                        or REFUSE     "GPTR" version:u8 refusal:u8 pad:2                8 bytes
+    producer -> consumer   CONFIRM    "GPTF" version:u8 pad:3 mac_p:32                 40 bytes
 
-    mac_p = HMAC-SHA256(key, "producer" | edge_id | nonce_c | nonce_p)
-    mac_c = HMAC-SHA256(key, "consumer" | edge_id | nonce_p | nonce_c)
+    mac_h = HMAC-SHA256(key, "hello"    | protection | edge_id | nonce_p)
+    mac_c = HMAC-SHA256(key, "consumer" | protection | edge_id | nonce_p | nonce_c)
+    mac_p = HMAC-SHA256(key, "producer" | protection | edge_id | nonce_c | nonce_p)
 
-Fresh random nonces on both sides make every proof good for one connection only: a
-recorded handshake replayed to another connection fails. The consumer checks the edge
-id (a producer of another edge is told apart from a wrong key in its log), then
-``mac_p``; the producer checks ``mac_c``, so a stranger listening where the rendezvous
-pointed cannot take an edge's records either. Anything else (garbage, a record sent
-without a handshake, a wrong key, a truncated message) is refused, and the connection
-closed, on the first byte that proves it wrong.
+A HELLO shows that its sender held the key at some time (it may be a copy of an earlier
+one); the CHALLENGE proves the consumer holds it now (over the producer's fresh
+nonce), and the CONFIRM that the producer does (over the consumer's). Fresh nonces on
+both sides make every proof good for one connection only, and the frames after the
+handshake are sealed with keys of that connection (``keys.record_keys``,
+``tcp_seal``). ``protection`` says how those frames are sealed (authenticated, or
+encrypted too); every MAC covers it, so no one on the path can change it, and a
+consumer refuses a producer that seals otherwise than it does.
+
+A HELLO of another edge, with a wrong key or another protection gets a REFUSE that
+says which (a producer that gets one faults its setup, naming the reason); anything
+else (garbage, a record sent without a handshake, a truncated message) is refused, and
+the connection closed, on the first byte that proves it wrong.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import secrets
@@ -30,32 +42,50 @@ import struct
 
 from attrs import frozen
 
-VERSION = 1
+VERSION = 2
 NONCE_BYTES = 32
-_CHALLENGE = struct.Struct(f"<4sB3x{NONCE_BYTES}s")
-_PROOF = struct.Struct(f"<4sB3xQ{NONCE_BYTES}s32s")
-_ACCEPT = struct.Struct("<4sB3x32s")
-CHALLENGE_MAGIC, PROOF_MAGIC, ACCEPT_MAGIC = b"GPTC", b"GPTP", b"GPTA"
+_HELLO = struct.Struct(f"<4sBB2xQ{NONCE_BYTES}s32s")
+_CHALLENGE = struct.Struct(f"<4sBB2x{NONCE_BYTES}s32s")
+_REFUSE = struct.Struct("<4sBB2x")
+_CONFIRM = struct.Struct("<4sB3x32s")
+HELLO_MAGIC, CHALLENGE_MAGIC, REFUSE_MAGIC, CONFIRM_MAGIC = b"GPTH", b"GPTC", b"GPTR", b"GPTF"
+HELLO_BYTES = _HELLO.size
 CHALLENGE_BYTES = _CHALLENGE.size
-PROOF_BYTES = _PROOF.size
-ACCEPT_BYTES = _ACCEPT.size
+REFUSE_BYTES = _REFUSE.size
+CONFIRM_BYTES = _CONFIRM.size
+#: What a producer reads first: enough to tell a CHALLENGE from a REFUSE.
+REPLY_HEAD_BYTES = REFUSE_BYTES
+
+
+class Refusal(enum.Enum):
+    """Why a consumer refused a well-formed HELLO (sent in REFUSE)."""
+
+    OTHER_EDGE = 1
+    WRONG_KEY = 2
+    OTHER_PROTECTION = 3
 
 
 class HandshakeRefused(ValueError):
-    """What a peer sent does not open this edge; the message says why."""
+    """What a peer sent does not open this edge; the message says why. ``refusal``:
+    what a consumer answers the HELLO with (``None``: nothing, the connection closes)."""
+
+    def __init__(self, message: str, refusal: Refusal | None = None) -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
-def _mac(key: bytes, role: bytes, edge_id: int, first: bytes, second: bytes) -> bytes:
-    data = role + struct.pack("<Q", edge_id) + first + second
+class Dropped(ConnectionError):
+    """The consumer closed the connection before the handshake was done without saying
+    why (it turned the connection away with the strangers on its port): try again."""
+
+
+def _mac(key: bytes, role: bytes, protection: int, edge_id: int, *nonces: bytes) -> bytes:
+    data = role + bytes([protection]) + struct.pack("<Q", edge_id) + b"".join(nonces)
     return hmac.new(key, data, hashlib.sha256).digest()
 
 
 def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
-
-
-def challenge(nonce_c: bytes) -> bytes:
-    return _CHALLENGE.pack(CHALLENGE_MAGIC, VERSION, nonce_c)
 
 
 def _check_prefix(data: bytes, magic: bytes, what: str) -> None:
@@ -66,57 +96,112 @@ def _check_prefix(data: bytes, magic: bytes, what: str) -> None:
         raise HandshakeRefused(f"not a {what} of this protocol (first bytes {head!r})")
 
 
-def check_proof_prefix(data: bytes) -> None:
-    _check_prefix(data, PROOF_MAGIC, "producer's handshake")
+def check_hello_prefix(data: bytes) -> None:
+    _check_prefix(data, HELLO_MAGIC, "producer's handshake")
 
 
-def check_challenge_prefix(data: bytes) -> None:
-    _check_prefix(data, CHALLENGE_MAGIC, "consumer's challenge")
+def check_confirm_prefix(data: bytes) -> None:
+    _check_prefix(data, CONFIRM_MAGIC, "producer's confirmation")
 
 
-def check_accept_prefix(data: bytes) -> None:
-    _check_prefix(data, ACCEPT_MAGIC, "consumer's acceptance")
+def check_reply_prefix(data: bytes) -> None:
+    """The first bytes of a consumer's CHALLENGE or REFUSE."""
+    head = data[:5]
+    for magic in (CHALLENGE_MAGIC, REFUSE_MAGIC):
+        if head == (magic + bytes([VERSION]))[: len(head)]:
+            return
+    raise HandshakeRefused(f"not a consumer's challenge of this protocol (first bytes {head!r})")
 
 
-@frozen
-class Proof:
-    edge_id: int
-    nonce_p: bytes
-    mac_p: bytes
+def reply_bytes(head: bytes) -> int:
+    """How long the consumer's reply that begins with ``head`` (``REPLY_HEAD_BYTES``) is."""
+    check_reply_prefix(head)
+    return REFUSE_BYTES if head[:4] == REFUSE_MAGIC else CHALLENGE_BYTES
 
 
-def read_challenge(data: bytes) -> bytes:
-    """The consumer's nonce from a whole CHALLENGE."""
-    check_challenge_prefix(data)
-    _, _, nonce_c = _CHALLENGE.unpack(data)
+# -- the producer's side ------------------------------------------------------------------
+
+
+def hello(key: bytes, edge_id: int, protection: int, nonce_p: bytes) -> bytes:
+    mac_h = _mac(key, b"hello", protection, edge_id, nonce_p)
+    return _HELLO.pack(HELLO_MAGIC, VERSION, protection, edge_id, nonce_p, mac_h)
+
+
+def read_reply(key: bytes, edge_id: int, protection: int, nonce_p: bytes, data: bytes) -> bytes:
+    """The consumer's nonce from a whole CHALLENGE that proves it holds the key;
+    ``HandshakeRefused`` for a REFUSE (saying why) or a consumer without the key."""
+    check_reply_prefix(data)
+    if data[:4] == REFUSE_MAGIC:
+        _, _, code = _REFUSE.unpack(data)
+        try:
+            why = {
+                Refusal.OTHER_EDGE: "it is not the consumer of this edge",
+                Refusal.WRONG_KEY: "this producer does not hold its run's secret",
+                Refusal.OTHER_PROTECTION: "it seals its records otherwise",
+            }[Refusal(code)]
+        except ValueError:
+            why = f"refusal {code}"
+        raise HandshakeRefused(f"the consumer of edge {edge_id} refused this producer: {why}")
+    _, _, claimed, nonce_c, mac_c = _CHALLENGE.unpack(data)
+    expected = _mac(key, b"consumer", protection, edge_id, nonce_p, nonce_c)
+    if claimed != protection or not hmac.compare_digest(mac_c, expected):
+        raise HandshakeRefused(f"the consumer of edge {edge_id} does not hold this run's secret")
     return bytes(nonce_c)
 
 
-def proof(key: bytes, edge_id: int, nonce_c: bytes, nonce_p: bytes) -> bytes:
-    """The producer's PROOF for ``edge_id`` after the consumer's ``nonce_c``."""
-    mac_p = _mac(key, b"producer", edge_id, nonce_c, nonce_p)
-    return _PROOF.pack(PROOF_MAGIC, VERSION, edge_id, nonce_p, mac_p)
+def confirm(key: bytes, edge_id: int, protection: int, nonce_c: bytes, nonce_p: bytes) -> bytes:
+    mac_p = _mac(key, b"producer", protection, edge_id, nonce_c, nonce_p)
+    return _CONFIRM.pack(CONFIRM_MAGIC, VERSION, mac_p)
 
 
-def verify_proof(key: bytes, edge_id: int, nonce_c: bytes, data: bytes) -> Proof:
-    """The producer's proof, checked; ``HandshakeRefused`` naming what is wrong."""
-    check_proof_prefix(data)
-    _, _, claimed, nonce_p, mac_p = _PROOF.unpack(data)
+# -- the consumer's side -----------------------------------------------------------------
+
+
+@frozen
+class Hello:
+    edge_id: int
+    protection: int
+    nonce_p: bytes
+
+
+def verify_hello(key: bytes, edge_id: int, protection: int, data: bytes) -> Hello:
+    """The producer's whole HELLO, checked; ``HandshakeRefused`` naming what is wrong
+    (with the ``Refusal`` to answer)."""
+    check_hello_prefix(data)
+    _, _, claimed_protection, claimed, nonce_p, mac_h = _HELLO.unpack(data)
     if claimed != edge_id:
-        raise HandshakeRefused(f"a producer of edge {claimed} (this is edge {edge_id})")
-    if not hmac.compare_digest(mac_p, _mac(key, b"producer", edge_id, nonce_c, nonce_p)):
-        raise HandshakeRefused("wrong key: the peer does not hold this run's secret")
-    return Proof(claimed, bytes(nonce_p), bytes(mac_p))
+        raise HandshakeRefused(
+            f"a producer of edge {claimed} (this is edge {edge_id})", Refusal.OTHER_EDGE
+        )
+    expected = _mac(key, b"hello", claimed_protection, edge_id, nonce_p)
+    if not hmac.compare_digest(mac_h, expected):
+        raise HandshakeRefused(
+            "wrong key: the peer does not hold this run's secret", Refusal.WRONG_KEY
+        )
+    if claimed_protection != protection:
+        raise HandshakeRefused(
+            f"a producer that seals its records with protection {claimed_protection} "
+            f"(this end: {protection})",
+            Refusal.OTHER_PROTECTION,
+        )
+    return Hello(claimed, claimed_protection, bytes(nonce_p))
 
 
-def accept(key: bytes, edge_id: int, nonce_c: bytes, nonce_p: bytes) -> bytes:
-    """The consumer's ACCEPT of a verified proof."""
-    return _ACCEPT.pack(ACCEPT_MAGIC, VERSION, _mac(key, b"consumer", edge_id, nonce_p, nonce_c))
+def challenge(key: bytes, edge_id: int, protection: int, nonce_p: bytes, nonce_c: bytes) -> bytes:
+    mac_c = _mac(key, b"consumer", protection, edge_id, nonce_p, nonce_c)
+    return _CHALLENGE.pack(CHALLENGE_MAGIC, VERSION, protection, nonce_c, mac_c)
 
 
-def verify_accept(key: bytes, edge_id: int, nonce_c: bytes, nonce_p: bytes, data: bytes) -> None:
-    """``HandshakeRefused`` unless the consumer's ACCEPT proves it holds the key."""
-    check_accept_prefix(data)
-    _, _, mac_c = _ACCEPT.unpack(data)
-    if not hmac.compare_digest(mac_c, _mac(key, b"consumer", edge_id, nonce_p, nonce_c)):
-        raise HandshakeRefused(f"the consumer of edge {edge_id} does not hold this run's secret")
+def refuse(refusal: Refusal) -> bytes:
+    return _REFUSE.pack(REFUSE_MAGIC, VERSION, refusal.value)
+
+
+def verify_confirm(
+    key: bytes, edge_id: int, protection: int, nonce_c: bytes, nonce_p: bytes, data: bytes
+) -> None:
+    """``HandshakeRefused`` unless the CONFIRM proves the producer holds the key now."""
+    check_confirm_prefix(data)
+    _, _, mac_p = _CONFIRM.unpack(data)
+    expected = _mac(key, b"producer", protection, edge_id, nonce_c, nonce_p)
+    if not hmac.compare_digest(mac_p, expected):
+        raise HandshakeRefused("wrong key: the peer's confirmation does not prove the secret")

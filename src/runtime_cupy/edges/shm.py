@@ -1,18 +1,30 @@
 """Edges between processes on one host (EDGES_AND_WORKERS.md §2-§3): each edge is the
 ``runtime_core`` ring over a POSIX shared-memory segment, woken through two named FIFOs.
 
-Every resource of an edge is named from ``(run_id, edge_id)`` alone (``names``), so
-whoever tears a run down finds and frees all of it, also what a killed process created:
+Every resource of an edge is named from ``(run_id, edge_id)`` alone (``names``: the
+edge's tag, unguessable without the run id), so whoever tears a run down finds and frees
+all of it, also what a killed process created:
 
-    segment   /gpp-<tag>-<edge_id>              the ring: 64-byte control block, then slots
-    FIFOs     <tmp>/gpp-<tag>/e<edge_id>.data    wakes the consumer (published, or closed)
-              <tmp>/gpp-<tag>/e<edge_id>.space   wakes the producer (released, or closed)
+    segment   /gpp-<tag>                 the ring: 64-byte control block, then slots
+    FIFOs     <tmp>/gpp-<tag>/data        wakes the consumer (published, or closed)
+              <tmp>/gpp-<tag>/space       wakes the producer (released, or closed)
 
-The consumer's end creates the FIFOs, then the segment; the producer's end attaches
-once the segment exists at its full size. A wake-up is one byte written to the FIFO
-(non-blocking; a full FIFO is already a pending wake-up); a waiter polls the FIFO's
-descriptor and drains it. Both ends open both FIFOs read-write, so neither open blocks
-and neither end sees end-of-file.
+The consumer's end makes the folder (mode 0700, never one that exists), the FIFOs in
+it, then the segment (mode 0600, ``O_EXCL``) with every page of it reserved
+(``posix_fallocate``): a name that is taken, or a ``/dev/shm`` without room for the
+ring, is a setup fault naming the resource (``NameTaken``, ``NoSpace``) and leaves
+nothing behind, instead of a SIGBUS at the first write to a page the file system cannot
+give. The producer's end attaches once the segment exists at its full size, and only to
+a segment, folder and FIFOs of this user closed to everyone else (``names.NotPrivate``
+otherwise). A wake-up is one byte written to the FIFO (non-blocking; a full FIFO is
+already a pending wake-up); a waiter polls the FIFO's descriptor and drains it. Both
+ends open both FIFOs read-write, so neither open blocks and neither end sees
+end-of-file.
+
+Shared-memory edges carry no MAC: both ends are processes of one user on one host, and
+the names, modes and checks above keep every other user out of the ring; what they do
+not keep out (root, or this user's own processes) could read or change the stages'
+memory as well.
 
 Memory order. The producer writes a record's bytes into its slot, then the ``published``
 counter (one aligned 8-byte store); the consumer reads the counter, then the slot. Each
@@ -34,14 +46,23 @@ import mmap
 import os
 import platform
 import select
-import stat
 from pathlib import Path
 from typing import Any
 
 from runplan.plan import RingSpec
 from runtime_core.ring import ring_bytes
 from runtime_cupy.edges.base import EdgeSetupError, ProcessRing
-from runtime_cupy.names import PREFIX, in_run_dir, remove_run_dir, run_dir, run_tag
+from runtime_cupy.names import (
+    PREFIX,
+    NameTaken,
+    check_private,
+    check_stat,
+    describe,
+    edge_dir,
+    edge_tag,
+    make_edge_dir,
+    remove_edge_dir,
+)
 from runtime_cupy.poller import IN, Entry
 
 # CPython's binding of shm_open / shm_unlink (what multiprocessing.shared_memory uses).
@@ -53,18 +74,19 @@ _posixshmem: Any = importlib.import_module("_posixshmem")
 MAX_SEGMENT_NAME = 31
 #: Machines whose memory order makes a ring without fences safe (see the docstring).
 ORDERED_MACHINES = ("x86_64", "amd64")
+#: Where Linux shows shared-memory segments as files (for messages and free space).
+SHM_DIR = Path("/dev/shm")
 
 __all__ = [
     "MAX_SEGMENT_NAME",
     "PREFIX",
     "FifoSignal",
+    "NoSpace",
     "Segment",
     "ShmMedium",
     "ShmRing",
     "remove_edge",
     "remove_run",
-    "run_dir",
-    "run_tag",
     "segment_name",
     "shm_supported",
     "signal_paths",
@@ -77,18 +99,29 @@ def shm_supported(machine: str | None = None) -> bool:
     return (machine or platform.machine()).lower() in ORDERED_MACHINES
 
 
+class NoSpace(EdgeSetupError):
+    """The shared-memory file system has no room for a ring (a setup fault)."""
+
+
 def segment_name(run_id: str, edge_id: int) -> str:
     """The shared-memory name of an edge's ring (without the leading slash)."""
-    name = f"{PREFIX}{run_tag(run_id)}-{edge_id}"
-    if len(name) + 1 > MAX_SEGMENT_NAME:
-        raise ValueError(f"edge id {edge_id} makes the segment name {name!r} too long")
+    name = f"{PREFIX}{edge_tag(run_id, edge_id)}"
+    assert len(name) + 1 <= MAX_SEGMENT_NAME, name
     return name
 
 
 def signal_paths(run_id: str, edge_id: int) -> tuple[Path, Path]:
     """The ``data`` and ``space`` FIFOs of an edge."""
-    folder = run_dir(run_id)
-    return folder / f"e{edge_id}.data", folder / f"e{edge_id}.space"
+    folder = edge_dir(run_id, edge_id)
+    return folder / "data", folder / "space"
+
+
+def _free_bytes() -> str:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return "free space unknown"
+    return f"{st.f_bavail * st.f_frsize} bytes free in {SHM_DIR}"
 
 
 # -- shared memory ---------------------------------------------------------------------
@@ -104,11 +137,18 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
-        """A new zero-filled segment; ``FileExistsError`` if the name is taken."""
+        """A new zero-filled segment, mode 0600, every page reserved; ``NameTaken`` if
+        the name exists, ``NoSpace`` if the file system cannot hold ``size`` bytes."""
         flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
-        fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
         try:
-            os.ftruncate(fd, size)
+            fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        except FileExistsError:
+            raise NameTaken(
+                f"the shared-memory segment /{name} exists before its consumer made it "
+                f"({describe(SHM_DIR / name)}): refused, never reused"
+            ) from None
+        try:
+            _reserve(fd, name, size)
             mapping = mmap.mmap(fd, size)
         except BaseException:
             unlink_segment(name)
@@ -119,13 +159,15 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str, size: int) -> Segment | None:
-        """The existing segment, once it has ``size`` bytes; ``None`` before."""
+        """The existing segment, once it has ``size`` bytes; ``None`` before;
+        ``names.NotPrivate`` if it is not this user's alone."""
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
         except FileNotFoundError:
             return None
         try:
-            if os.fstat(fd).st_size < size:
+            st = check_stat(os.fstat(fd), "/" + name, "segment")
+            if st.st_size < size:
                 return None  # created, not yet sized: try again
             return cls(name, mmap.mmap(fd, size))
         finally:
@@ -139,6 +181,25 @@ class Segment:
         if mapping is not None:
             with contextlib.suppress(BufferError):
                 mapping.close()
+
+
+def _reserve(fd: int, name: str, size: int) -> None:
+    """Give the segment ``size`` bytes with every page reserved, so that no write to it
+    can later find the file system full (a SIGBUS); where ``posix_fallocate`` is
+    missing, only its size."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:
+        os.ftruncate(fd, size)
+        return
+    try:
+        fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise
+        raise NoSpace(
+            f"no space for the shared-memory segment /{name}: {size} bytes asked, "
+            f"{_free_bytes()} ({exc.strerror})"
+        ) from None
 
 
 def unlink_segment(name: str) -> bool:
@@ -161,10 +222,12 @@ class FifoSignal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-        if not stat.S_ISFIFO(os.fstat(self._fd).st_mode):
+        self._fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            check_stat(os.fstat(self._fd), path, "FIFO")
+        except BaseException:
             os.close(self._fd)
-            raise OSError(errno.EINVAL, f"{path} is not a FIFO")
+            raise
 
     def fileno(self) -> int:
         return self._fd
@@ -194,10 +257,6 @@ class FifoSignal:
             self._fd = -1
 
 
-def _make_fifo(run_id: str, path: Path) -> None:
-    in_run_dir(run_id, lambda _folder: os.mkfifo(path, 0o600))
-
-
 # -- rings -------------------------------------------------------------------------------
 
 
@@ -215,38 +274,49 @@ class ShmRing(ProcessRing):
 
     @classmethod
     def create(cls, run_id: str, edge_id: int, spec: RingSpec) -> ShmRing:
-        """The consumer's end: make the FIFOs, then the segment (``FileExistsError``
-        if this edge of this run already has its consumer)."""
+        """The consumer's end: make the folder and its FIFOs, then the segment
+        (``NameTaken`` if any of them exists, ``NoSpace`` if ``/dev/shm`` is short);
+        a failure leaves nothing of them."""
         data_path, space_path = signal_paths(run_id, edge_id)
-        _make_fifo(run_id, data_path)
-        _make_fifo(run_id, space_path)
-        data, space = FifoSignal(data_path), FifoSignal(space_path)
+        make_edge_dir(run_id, edge_id)
+        signals: list[FifoSignal] = []
         try:
+            for path in (data_path, space_path):
+                os.mkfifo(path, 0o600)
+                signals.append(FifoSignal(path))
             segment = Segment.create(segment_name(run_id, edge_id), ring_bytes(spec))
         except BaseException:
-            data.close()
-            space.close()
+            for signal in signals:
+                signal.close()
+            remove_edge_dir(run_id, edge_id)
             raise
+        data, space = signals
         return cls(spec, segment, data, space)
 
     @classmethod
     def attach(cls, run_id: str, edge_id: int, spec: RingSpec) -> ShmRing | None:
-        """The producer's end, once the consumer made the ring; ``None`` before."""
+        """The producer's end, once the consumer made the ring; ``None`` before;
+        ``names.NotPrivate`` for a segment, folder or FIFO its consumer cannot have made."""
         segment = Segment.attach(segment_name(run_id, edge_id), ring_bytes(spec))
         if segment is None:
             return None
         data_path, space_path = signal_paths(run_id, edge_id)
+        signals: list[FifoSignal] = []
         try:
-            data = FifoSignal(data_path)
+            check_private(data_path.parent, "folder")
+            for path in (data_path, space_path):
+                signals.append(FifoSignal(path))
         except FileNotFoundError:
+            for signal in signals:
+                signal.close()
             segment.close()
             return None
-        try:
-            space = FifoSignal(space_path)
-        except FileNotFoundError:
-            data.close()
+        except BaseException:
+            for signal in signals:
+                signal.close()
             segment.close()
-            return None
+            raise
+        data, space = signals
         ring = cls(spec, segment, data, space)
         ring._consumer = False
         return ring
@@ -296,15 +366,13 @@ class ShmMedium:
 
 
 def remove_edge(run_id: str, edge_id: int) -> None:
-    """Unlink an edge's segment and FIFOs, whoever made them (missing ones are fine)."""
+    """Unlink an edge's segment and its folder of FIFOs, whoever made them (missing ones
+    are fine)."""
     unlink_segment(segment_name(run_id, edge_id))
-    for path in signal_paths(run_id, edge_id):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    remove_edge_dir(run_id, edge_id)
 
 
 def remove_run(run_id: str, edge_ids: tuple[int, ...] | list[int]) -> None:
-    """Unlink every shared-memory resource of a run's edges and its folder, if empty."""
+    """Unlink every shared-memory resource of a run's edges."""
     for edge_id in edge_ids:
         remove_edge(run_id, edge_id)
-    remove_run_dir(run_id)

@@ -23,14 +23,18 @@ So the ring contract holds unchanged across the network:
 
 The consumer listens on a port of its own and publishes ``host:port`` at the host
 port's rendezvous under ``(run_id, edge_id)``; the producer looks it up and connects.
-Before a record flows, both prove they hold the run's secret (``handshake``). A stranger
+Before a record flows, both prove they hold the edge's key (``handshake``). A stranger
 on the port (garbage, a wrong key, a half-finished handshake, a producer of another
-edge) is refused, logged, and changes nothing; once its producer is in, the consumer
-stops listening and withdraws its address. The handshake authenticates the connection;
-the records after it are neither signed nor encrypted (the stages are trusted, §10, and
-a stranger off the path cannot write into an established stream).
+edge, any number of idle connections) is refused, logged, and changes nothing: it never
+pushes the producer out (``tcp_consumer``), and a producer turned away before the
+handshake was done connects again. Once its producer is in, the consumer stops
+listening and withdraws its address.
 
-Frames after the handshake are an 8-byte head ``kind:u8 pad:3 value:u32``:
+Every frame after the handshake is sealed (``tcp_seal``): authenticated with a key of
+its direction on that connection and its number, and with ``--encrypt-edges``
+encrypted too, so a frame changed, replayed, reordered or injected on the way (by a
+relay that forwards the handshake, say) closes the edge, which faults naming itself.
+Frames are an 8-byte head ``kind:u8 pad:3 value:u32``, the body, the seal's tag:
 
     producer -> consumer   RECORD value=length, then the record (header + payload)
                            CLOSE, LEAVE
@@ -46,9 +50,11 @@ import socket
 from runplan.plan import RingSpec
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.base import EdgeSetupError, Rendezvous
-from runtime_cupy.edges.tcp_consumer import MAX_PENDING, TcpReceiveRing
+from runtime_cupy.edges.tcp_consumer import LISTEN_BACKLOG, TcpReceiveRing
 from runtime_cupy.edges.tcp_frames import FRAME, RECORD, split_address
 from runtime_cupy.edges.tcp_producer import Connector, TcpSendRing
+from runtime_cupy.edges.tcp_seal import AUTHENTICATED, Protection
+from runtime_cupy.names import NotPrivate
 from runtime_cupy.streams import StreamBroken
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
@@ -59,7 +65,8 @@ __all__ = ["FRAME", "RECORD", "TcpMedium", "TcpReceiveRing", "TcpSendRing", "spl
 class TcpMedium:
     """TCP, for an edge whose ends are on different hosts (or forced, on one host).
     The consumer listens on ``bind_host`` (a free port) and publishes
-    ``advertise_host:port`` at ``rendezvous``."""
+    ``advertise_host:port`` at ``rendezvous``; ``protection`` seals the frames
+    (``tcp_seal``: authenticated, or encrypted too)."""
 
     name = "tcp"
 
@@ -68,10 +75,12 @@ class TcpMedium:
         rendezvous: Rendezvous,
         bind_host: str = "127.0.0.1",
         advertise_host: str | None = None,
+        protection: Protection = AUTHENTICATED,
     ) -> None:
         self.rendezvous = rendezvous
         self.bind_host = bind_host
         self.advertise_host = advertise_host or bind_host
+        self.protection = protection
         self._connecting: dict[tuple[str, int], Connector] = {}
 
     def create(self, run_id: str, edge_id: int, spec: RingSpec, key: bytes) -> TcpReceiveRing:
@@ -79,10 +88,12 @@ class TcpMedium:
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             listener.bind((self.bind_host, 0))
-            listener.listen(MAX_PENDING)
+            listener.listen(LISTEN_BACKLOG)
             listener.setblocking(False)
             port = listener.getsockname()[1]
-            ring = TcpReceiveRing(spec, run_id, edge_id, key, listener, self.rendezvous)
+            ring = TcpReceiveRing(
+                spec, run_id, edge_id, key, listener, self.rendezvous, self.protection
+            )
             host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
             self.rendezvous.publish(run_id, edge_id, f"{host}:{port}")
             log.debug("edge %d: published %s:%d", edge_id, host, port)
@@ -99,22 +110,27 @@ class TcpMedium:
                 address = self.rendezvous.lookup(run_id, edge_id)
                 if address is None:
                     return None
-                connector = self._connecting[name] = Connector(address, edge_id, key)
-            sock = connector.progress()
+                connector = Connector(address, edge_id, key, self.protection)
+                self._connecting[name] = connector
+            seals = connector.progress()
         except hs.HandshakeRefused as exc:
             self._drop(name)
             raise EdgeSetupError(f"edge {edge_id}: {exc}") from None
+        except NotPrivate as exc:  # where the address would be is not its consumer's
+            self._drop(name)
+            raise EdgeSetupError(f"edge {edge_id}: {exc}") from None
         except (ConnectionError, OSError, StreamBroken) as exc:
+            # Not there (yet, or any more), or turned away with strangers: again later.
             log.info("edge %d: consumer not reachable yet: %s", edge_id, exc)
             self._drop(name)
-            return None  # the consumer is not there (yet, or any more): try again later
+            return None
         except ValueError as exc:  # what the rendezvous holds is no address
             self._drop(name)
             raise EdgeSetupError(f"edge {edge_id}: {exc}") from None
-        if sock is None:
+        if seals is None:
             return None
         del self._connecting[name]
-        return TcpSendRing(spec, edge_id, sock)
+        return TcpSendRing(spec, edge_id, connector.out, *seals)
 
     def _drop(self, name: tuple[str, int]) -> None:
         connector = self._connecting.pop(name, None)

@@ -1,6 +1,6 @@
 """What both ends of a TCP edge share: the frames after the handshake (an 8-byte head
-``kind:u8 pad:3 value:u32``), the ring counters' places, and the small pieces both ends
-use (see ``edges.tcp`` for the protocol)."""
+``kind:u8 pad:3 value:u32``, a RECORD's body, the seal's tag), the ring counters'
+places, and the small pieces both ends use (see ``edges.tcp`` for the protocol)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from runtime_cupy.edges.base import ProcessRing
 
 FRAME = struct.Struct("<BxxxI")
 RECORD, CREDIT, CLOSE, LEAVE = 1, 2, 3, 4
-ONE_CREDIT = FRAME.pack(CREDIT, 1)
 U64 = struct.Struct("<Q")
 PUBLISHED, RELEASED, CLOSED = 0, 1, 2  # the ring's counters, as runtime_core.ring orders them
 #: How long a process letting go of an end waits for its last frames to leave.
@@ -26,6 +25,14 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"not an address: {address!r} (expected host:port)")
     return host.strip("[]"), int(port)
+
+
+def unauthentic(sender: str, number: int) -> str:
+    """Why an edge closed on a frame whose seal does not open."""
+    return (
+        f"frame {number} from the {sender} failed authentication: changed, replayed, "
+        "reordered or injected on the way"
+    )
 
 
 def peer_of(sock: socket.socket) -> str:

@@ -1,5 +1,6 @@
 """The producer's end of a TCP edge: its connection from ``connect`` to a verified
-ACCEPT, then one slot of staging, records sent with credit (see ``edges.tcp``)."""
+CHALLENGE and the CONFIRM sent, then one slot of staging, records sent sealed and with
+credit (see ``edges.tcp``)."""
 
 from __future__ import annotations
 
@@ -28,23 +29,33 @@ from runtime_cupy.edges.tcp_frames import (
     SocketWait,
     anonymous,
     split_address,
+    unauthentic,
 )
+from runtime_cupy.edges.tcp_seal import FrameSeal, Protection
 from runtime_cupy.poller import IN, OUT, TROUBLE, Entry
 from runtime_cupy.streams import Outbox, StreamBroken, keep_alive
 
 
 class TcpSendRing(ProcessRing):
     """The producer's end: one slot of staging (the ring is the consumer's), records
-    sent with credit, credits counted as they come back."""
+    sent sealed with credit, credits counted as they come back (once they open)."""
 
-    def __init__(self, spec: RingSpec, edge_id: int, sock: socket.socket) -> None:
+    def __init__(
+        self, spec: RingSpec, edge_id: int, out: Outbox, send: FrameSeal, receive: FrameSeal
+    ) -> None:
         super().__init__(spec, anonymous(ring_bytes(spec)), Quiet(), SocketWait(self))
         self._ctr = [0, 0, 0]
         self.edge_id = edge_id
-        self._sock: socket.socket | None = sock
-        # Credit bounds what can wait to leave: every record the consumer has room for.
-        self._out = Outbox(sock, spec.slot_count * (spec.slot_bytes + FRAME.size) + (1 << 16))
+        self._sock: socket.socket | None = out.sock
+        self._seal, self._opener = send, receive
+        self._frame_bytes = FRAME.size + receive.tag_bytes  # the consumer's frames
+        # Credit bounds what can wait to leave: every record the consumer has room for
+        # (after what is left of the handshake).
+        frame = FRAME.size + send.tag_bytes
+        out.limit = spec.slot_count * (spec.slot_bytes + frame) + (1 << 16)
+        self._out = out
         self._in = bytearray()
+        self._frames_in = 0
         self._why: str | None = None
         self._done = False
 
@@ -71,18 +82,26 @@ class TcpSendRing(ProcessRing):
             raise EdgeClosed(self._why)
         view = super().slot(0)
         length = OBJECT_HEADER_BYTES + U64.unpack_from(view, EXTENT_OFFSET)[0]
+        head = FRAME.pack(RECORD, length)
+        body, tag = self._seal.seal(head, view[:length])
         try:
-            self._out.write_pair(FRAME.pack(RECORD, length), view[:length])
+            self._out.write_parts(head, body, tag)
         except StreamBroken as exc:
             self._fail(f"the consumer's connection broke: {exc}")
             raise EdgeClosed(self._why) from None
         self._ctr[PUBLISHED] = reserved + 1
 
+    def _send(self, kind: int) -> None:
+        """Send a frame without a body (CLOSE, LEAVE), sealed."""
+        head = FRAME.pack(kind, 0)
+        _, tag = self._seal.seal(head, b"")
+        self._out.write_parts(head, tag)
+
     def close(self) -> None:
         if self._why is None:
             self._why = "the edge was closed"
             with contextlib.suppress(StreamBroken):
-                self._out.write(FRAME.pack(CLOSE, 0))
+                self._send(CLOSE)
         self._ctr[CLOSED] = 1
 
     def _fail(self, why: str) -> None:
@@ -126,9 +145,16 @@ class TcpSendRing(ProcessRing):
                 return
             self._in += data
             more = len(data) == 4096
-            while len(self._in) >= FRAME.size and not self._done:
-                kind, value = FRAME.unpack_from(self._in)
-                del self._in[: FRAME.size]
+            size = self._frame_bytes
+            while len(self._in) >= size and not self._done:
+                head = bytes(self._in[: FRAME.size])
+                tag = bytes(self._in[FRAME.size : size])
+                del self._in[:size]
+                if not self._opener.open(head, memoryview(b""), tag):
+                    self._fail(unauthentic("consumer", self._frames_in))
+                    break
+                self._frames_in += 1
+                kind, value = FRAME.unpack(head)
                 if kind == CREDIT and ctr[RELEASED] + value <= ctr[PUBLISHED]:
                     ctr[RELEASED] += value
                 elif kind == CREDIT:
@@ -146,7 +172,7 @@ class TcpSendRing(ProcessRing):
             return
         if not self._done and self._why is None:
             with contextlib.suppress(StreamBroken):
-                self._out.write(FRAME.pack(LEAVE, 0))
+                self._send(LEAVE)
         with contextlib.suppress(OSError, ValueError):
             self._out.drain(DETACH_DRAIN_S)
             sock.shutdown(socket.SHUT_WR)
@@ -160,19 +186,22 @@ class TcpSendRing(ProcessRing):
 
 
 class Connector:
-    """A producer's connection to its consumer, from ``connect`` to a verified ACCEPT,
-    advanced without blocking each time the producer tries to attach."""
+    """A producer's connection to its consumer, from ``connect`` to a verified CHALLENGE
+    and the CONFIRM sent, advanced without blocking each time the producer tries to
+    attach. The HELLO leaves the moment the connection is up, so that the consumer
+    tells this producer from the strangers on its port by its first bytes."""
 
-    def __init__(self, address: str, edge_id: int, key: bytes) -> None:
+    def __init__(self, address: str, edge_id: int, key: bytes, protection: Protection) -> None:
         host, port = split_address(address)
         self.address, self.edge_id, self.key = address, edge_id, key
+        self.protection = protection
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setblocking(False)
         keep_alive(self.sock)
         self.state = "connecting"
         self.got = bytearray()
-        self.nonce_c = b""
+        self.want = hs.REPLY_HEAD_BYTES
         self.nonce_p = hs.new_nonce()
         self.out = Outbox(self.sock)
         err = self.sock.connect_ex((host, port))
@@ -180,10 +209,13 @@ class Connector:
             self.sock.close()
             raise ConnectionRefusedError(err, f"{address}: {errno.errorcode.get(err, err)}")
 
-    def progress(self) -> socket.socket | None:
-        """The authenticated socket once the handshake is done, else ``None``;
-        ``ConnectionError`` while the consumer cannot be reached (try again later),
-        ``hs.HandshakeRefused`` if it proves to be no consumer of this edge."""
+    def progress(self) -> tuple[FrameSeal, FrameSeal] | None:
+        """Move the handshake on: the seals ``(send, receive)`` once it is done (the
+        connection is then ``sock``, what is left to send of the handshake in ``out``),
+        else ``None``; ``ConnectionError`` while the consumer cannot be reached or
+        turned the connection away unread (``hs.Dropped``: try again later),
+        ``hs.HandshakeRefused`` if it refused this producer or proves to be no consumer
+        of this edge."""
         if self.state == "connecting":
             poller = select.poll()
             poller.register(self.sock.fileno(), select.POLLOUT)
@@ -194,32 +226,28 @@ class Connector:
                 raise ConnectionRefusedError(
                     err, f"{self.address}: {errno.errorcode.get(err, err)}"
                 )
-            self.state = "challenge"
-        want = hs.CHALLENGE_BYTES if self.state == "challenge" else hs.ACCEPT_BYTES
+            self.out.write(hs.hello(self.key, self.edge_id, self.protection.code, self.nonce_p))
+            self.state = "reply"
         self.out.flush()
-        try:
-            data = self.sock.recv(want - len(self.got))
-        except (BlockingIOError, InterruptedError):
-            return None
-        if not data:
-            raise hs.HandshakeRefused(
-                f"the consumer of edge {self.edge_id} at {self.address} closed the connection"
-            )
-        self.got += data
-        if self.state == "challenge":
-            if len(self.got) < want:
-                hs.check_challenge_prefix(bytes(self.got))
+        while len(self.got) < self.want:  # the reply's head, then the rest of it
+            try:
+                data = self.sock.recv(self.want - len(self.got))
+            except (BlockingIOError, InterruptedError):
                 return None
-            self.nonce_c = hs.read_challenge(bytes(self.got))
-            self.got.clear()
-            self.out.write(hs.proof(self.key, self.edge_id, self.nonce_c, self.nonce_p))
-            self.state = "accept"
-            return None
-        if len(self.got) < want:
-            hs.check_accept_prefix(bytes(self.got))
-            return None
-        hs.verify_accept(self.key, self.edge_id, self.nonce_c, self.nonce_p, bytes(self.got))
-        return self.sock
+            if not data:
+                raise hs.Dropped(
+                    f"the consumer of edge {self.edge_id} at {self.address} closed the "
+                    "connection before the handshake was done"
+                )
+            self.got += data
+            hs.check_reply_prefix(bytes(self.got))
+            if len(self.got) == hs.REPLY_HEAD_BYTES == self.want:
+                self.want = hs.reply_bytes(bytes(self.got))
+        code = self.protection.code
+        nonce_c = hs.read_reply(self.key, self.edge_id, code, self.nonce_p, bytes(self.got))
+        self.out.write(hs.confirm(self.key, self.edge_id, code, nonce_c, self.nonce_p))
+        self.state = "done"
+        return self.protection.seals(self.key, nonce_c, self.nonce_p, producer=True)
 
     def close(self) -> None:
         self.sock.close()

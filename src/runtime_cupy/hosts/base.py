@@ -36,7 +36,9 @@ class StageLaunch:
 
     ``warm``: the stage serves one run after another (``run_id`` then names the chain,
     for logs): it keeps its bound weights between runs and ends when its control
-    channel closes between runs (``python -m runtime_cupy.stage --warm``)."""
+    channel closes between runs (``python -m runtime_cupy.stage --warm``).
+    ``encrypt_edges``: its TCP edges encrypt their frames, not only authenticate them
+    (``edges.tcp_seal``; shared-memory edges are as they are)."""
 
     run_id: str
     stage_index: int
@@ -50,6 +52,7 @@ class StageLaunch:
     device: int | None = None
     trace: bool = False
     warm: bool = False
+    encrypt_edges: bool = False
 
 
 @frozen
@@ -115,8 +118,9 @@ class StageHost(Protocol):
         """Whether two nodes of the plan (stages' or the orchestrator's) share a machine."""
         ...
 
-    def medium(self, name: str) -> EdgeMedium:
-        """The medium ``name`` for the orchestrator's own token ends on this host."""
+    def medium(self, name: str, encrypt: bool = False) -> EdgeMedium:
+        """The medium ``name`` for the orchestrator's own token ends on this host
+        (``encrypt``: a TCP edge's frames encrypted too, not only authenticated)."""
         ...
 
     def rendezvous(self) -> Rendezvous: ...

@@ -12,8 +12,11 @@
   (``CUDA_VISIBLE_DEVICES``); NumPy stages split the CPUs' BLAS threads between them.
 - **Edges**: every node is on this machine, so edges use shared memory unless TCP is
   asked for; TCP consumers listen on the loopback interface and publish their port in
-  a file of the run folder (``FileRendezvous``).
-- **Cleanup**: every shared-memory segment, FIFO and rendezvous file of the run, by name.
+  a file of the edge's folder (``FileRendezvous``).
+- **Cleanup**: every shared-memory segment, edge folder (FIFOs, rendezvous file) of the
+  run, by name.
+- **No run id on a command line**: a stage shows its run's label (``--run-label``, a
+  hash of the id), since the id names the run's resources on this host (``names``).
 
 Each stage's log goes to ``stage-<i>.log`` in ``log_dir``, else to this process's
 standard error.
@@ -40,9 +43,17 @@ from runtime_cupy.control import ControlChannel
 from runtime_cupy.edges.base import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
+from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
 from runtime_cupy.keys import control_key
-from runtime_cupy.names import in_run_dir, remove_run_dir, run_dir
+from runtime_cupy.names import (
+    check_private,
+    check_stat,
+    edge_dir,
+    make_edge_dir,
+    remove_edge_dir,
+    run_label,
+)
 from runtime_cupy.tracing import Event, read_events
 
 #: Where TCP consumers of this host listen.
@@ -62,46 +73,53 @@ def describe_exit(returncode: int | None) -> str:
 
 
 class FileRendezvous:
-    """The rendezvous of one machine: ``<run folder>/e<edge_id>.addr`` holds the address
-    of the edge's consumer, written whole (a new file renamed into place). The
-    publishing process keeps the file open until it withdraws it, so that the file
-    shows as in use (``/proc/<pid>/fd``) for as long as its consumer listens."""
+    """The rendezvous of one machine: ``<edge folder>/addr`` holds the address of the
+    edge's consumer, written whole (a new file renamed into place) in the folder the
+    consumer makes for it (``names.make_edge_dir``: never one that exists). A lookup
+    reads it only from a folder and file of this user closed to everyone else
+    (``names.NotPrivate`` otherwise), so no stranger on the host can point a producer at
+    an address of its own. The publishing process keeps the file open until it
+    withdraws it, so that the file shows as in use (``/proc/<pid>/fd``) for as long as
+    its consumer listens."""
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, int], int] = {}
 
     def _path(self, run_id: str, edge_id: int) -> Path:
-        return run_dir(run_id) / f"e{edge_id}.addr"
+        return edge_dir(run_id, edge_id) / "addr"
 
     def publish(self, run_id: str, edge_id: int, address: str) -> None:
         path = self._path(run_id, edge_id)
-
-        def write(folder: Path) -> int:
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".e{edge_id}.")
-            try:
-                os.write(fd, address.encode("utf-8"))
-                os.replace(tmp, path)
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            return fd
-
-        fd = in_run_dir(run_id, write)
+        if (run_id, edge_id) not in self._held:
+            make_edge_dir(run_id, edge_id)  # NameTaken if it exists
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".addr.")
+        try:
+            os.write(fd, address.encode("utf-8"))
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         self._let_go(run_id, edge_id)
         self._held[(run_id, edge_id)] = fd
 
     def lookup(self, run_id: str, edge_id: int) -> str | None:
+        path = self._path(run_id, edge_id)
         try:
-            return self._path(run_id, edge_id).read_text().strip() or None
+            check_private(path.parent, "folder")
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        try:
+            check_stat(os.fstat(fd), path, "file")
+            return os.read(fd, 4096).decode("utf-8", "replace").strip() or None
+        finally:
+            os.close(fd)
 
     def withdraw(self, run_id: str, edge_id: int) -> None:
         self._let_go(run_id, edge_id)
-        with contextlib.suppress(FileNotFoundError):
-            self._path(run_id, edge_id).unlink()
+        remove_edge_dir(run_id, edge_id)
 
     def _let_go(self, run_id: str, edge_id: int) -> None:
         fd = self._held.pop((run_id, edge_id), None)
@@ -110,12 +128,13 @@ class FileRendezvous:
                 os.close(fd)
 
 
-def local_medium(name: str) -> EdgeMedium:
-    """The medium ``name`` between processes of this machine."""
+def local_medium(name: str, encrypt: bool = False) -> EdgeMedium:
+    """The medium ``name`` between processes of this machine (``encrypt``: TCP frames
+    encrypted too, not only authenticated)."""
     if name == "shm":
         return ShmMedium()
     if name == "tcp":
-        return TcpMedium(FileRendezvous(), LOOPBACK)
+        return TcpMedium(FileRendezvous(), LOOPBACK, protection=protection_for(encrypt))
     raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
 
 
@@ -217,7 +236,7 @@ class LocalProcessHost:
     ) -> list[str]:
         """The stage process's own arguments (``python -m runtime_cupy.stage --help``)."""
         args = [
-            "--run-id", launch.run_id,
+            "--run-label", run_label(launch.run_id),
             "--stage-index", str(launch.stage_index),
             "--node-id", launch.node_id,
             "--orchestrator-id", launch.orchestrator_id,
@@ -233,6 +252,8 @@ class LocalProcessHost:
             args += ["--trace-file", str(trace_file)]
         if launch.warm:
             args.append("--warm")
+        if launch.encrypt_edges:
+            args.append("--encrypt-edges")
         return args
 
     def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:
@@ -293,12 +314,11 @@ class LocalProcessHost:
     def same_host(self, node_a: str, node_b: str) -> bool:
         return True
 
-    def medium(self, name: str) -> EdgeMedium:
-        return local_medium(name)
+    def medium(self, name: str, encrypt: bool = False) -> EdgeMedium:
+        return local_medium(name, encrypt)
 
     def rendezvous(self) -> FileRendezvous:
         return self._rendezvous
 
     def cleanup(self, run_id: str, edge_ids: Sequence[int]) -> None:
         remove_edges((ShmMedium(), TcpMedium(self._rendezvous, LOOPBACK)), run_id, edge_ids)
-        remove_run_dir(run_id)

@@ -16,7 +16,9 @@ message is refused across runs (§10).
 
 A stage that died (killed, or gone after a fault), did not confirm its stop, or whose
 fault ended a run is started again, and bound by a short run, before the next request;
-the request it broke ends with its fault, which names the stage, node and cause.
+the request it broke ends with its fault, which names the stage, node and cause. A
+stage whose *setup* failed (a resource name taken, no room for a ring) is kept: the
+request ends with that named fault, and the next run, whose names are new, goes on.
 Before every run the chain also looks for stages that went away while idle.
 
 With ``ray_address`` (``auto`` or ``HOST:PORT``) the stages live on the hosts of a Ray
@@ -31,12 +33,10 @@ or the terminal chat); ``ready`` and a run's ``cancel`` may be called from any.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import select
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,7 @@ from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.keys import new_secret
 from runtime_cupy.launcher import ORCHESTRATOR, ProcessRun
+from runtime_cupy.names import new_run_id, run_label
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 if TYPE_CHECKING:
@@ -70,6 +71,10 @@ REAP_S = 5.0
 
 #: ``on_run(run)``: the run about to start, for its caller to cancel.
 OnRun = Callable[[ProcessRun], None]
+
+
+def _new_serve_run_id() -> str:
+    return new_run_id("serve")
 
 
 class ChainError(RuntimeError):
@@ -101,9 +106,12 @@ class WarmChain:
     context length); a run's prompt plus its tokens must fit it. ``host`` starts the
     stages (default: ``LocalProcessHost`` with ``log_dir``); ``ray_address``: on the
     hosts of that Ray cluster instead, the layers split by ``placement`` (``even`` or
-    ``memory``); ``edges``: ``auto``, ``shm`` or ``tcp``; ``trace``: record Chrome
-    trace events of every run. Raises ``ClusterError`` for a cluster that cannot be
-    reached or has no room, before any process starts."""
+    ``memory``); ``edges``: ``auto``, ``shm`` or ``tcp`` (``encrypt_edges``: TCP edges
+    encrypt their frames, not only authenticate them); ``trace``: record Chrome
+    trace events of every run. ``run_ids()`` gives each run its id (by default 128
+    random bits, ``names.new_run_id``: the id names the run's resources on its hosts,
+    so it must be as hard to guess). Raises ``ClusterError`` for a cluster that cannot
+    be reached or has no room, before any process starts."""
 
     def __init__(
         self,
@@ -120,6 +128,8 @@ class WarmChain:
         log_dir: Path | None = None,
         ray_address: str | None = None,
         placement: str = "even",
+        run_ids: Callable[[], str] | None = None,
+        encrypt_edges: bool = False,
     ) -> None:
         if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
             raise ValueError(
@@ -158,12 +168,13 @@ class WarmChain:
             self.nodes, self.devices = place_stages(stages, worker, gpus)
         self.placement = placement
         self.edges = edges
+        self.encrypt_edges = encrypt_edges
         self.host: StageHost = host or LocalProcessHost(log_dir=log_dir)
         self.timeouts = timeouts or Timeouts()
         self.trace = trace
         self.secret = new_secret()
-        self.chain_id = f"serve-{uuid.uuid4().hex[:12]}"
-        self._runs = itertools.count(1)
+        self.chain_id = new_run_id("chain")
+        self._run_ids = run_ids or _new_serve_run_id
         self._lock = threading.Lock()  # guards the handles for readers on other threads
         self._handles: dict[int, StageHandle] = {}
         self._warm = False  # every stage bound by a run since it started
@@ -226,6 +237,7 @@ class WarmChain:
             device=self.devices[index],
             trace=self.trace,
             warm=True,
+            encrypt_edges=self.encrypt_edges,
         )
 
     # -- the stages ----------------------------------------------------------------
@@ -364,7 +376,7 @@ class WarmChain:
         on_token: Callable[[int], None] | None,
         on_run: OnRun | None,
     ) -> WarmResult:
-        run_id = f"{self.chain_id}-r{next(self._runs)}"
+        run_id = self._run_ids()
         plan = self.plan(run_id, max_tokens=max_tokens, sampling=sampling)
         began = time.perf_counter()
         run = ProcessRun(
@@ -378,6 +390,7 @@ class WarmChain:
             trace=self.trace,
             stages=self.handles(),
             secret=self.secret,
+            encrypt_edges=self.encrypt_edges,
         )
         if on_run is not None:
             on_run(run)
@@ -385,7 +398,7 @@ class WarmChain:
         result = summarize(plan, outcome, self.tokenizer, time.perf_counter() - began, False)
         for index in outcome.broken:
             log.warning("stage %d is broken after run %s: it will be started again",
-                        index, run_id)  # fmt: skip
+                        index, run_label(run_id))  # fmt: skip
             self._retire(index)
         if outcome.broken:
             self._warm = False

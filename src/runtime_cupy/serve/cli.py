@@ -2,6 +2,7 @@
 
     python -m runtime_cupy serve --model M --stages N [--worker W] [--host 127.0.0.1]
         [--port 8000] [--api-key KEY] [--max-queue Q] [--context C] [--edges E]
+        [--encrypt-edges]
         [--ray-address auto|HOST:PORT] [--placement even|memory] [-v]
 
 The stage processes start and bind once; the server listens at once (``GET /health``
@@ -84,6 +85,12 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "--edges", choices=PREFERENCES, default="auto", help="how edges move bytes (auto)"
     )
     parser.add_argument(
+        "--encrypt-edges",
+        action="store_true",
+        help="encrypt the frames of TCP edges (AES-256-GCM), for links across networks "
+        "one does not trust; without it they are authenticated (HMAC-SHA256) only",
+    )
+    parser.add_argument(
         "--context",
         type=_positive,
         default=None,
@@ -116,6 +123,7 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
         worker=args.worker,
         gpus=args.gpus,
         edges=args.edges,
+        encrypt_edges=args.encrypt_edges,
         context=args.context,
         log_dir=args.log_dir,
         ray_address=args.ray_address,

@@ -32,6 +32,7 @@ from runtime_core.chat import ChatTemplateError, NoChatTemplate
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.launcher import ProcessRun
+from runtime_cupy.names import run_label
 from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
 from runtime_cupy.serve.metrics import Metrics
 from runtime_cupy.serve.requests import CompletionRequest, Message, RequestError
@@ -137,7 +138,7 @@ class Job:
             self._engine._drop(self)
 
     def _attach(self, run: ProcessRun) -> None:
-        log.info("request #%d (%s) runs as %s", self.number, self.id, run.plan.run_id)
+        log.info("request #%d (%s) runs as %s", self.number, self.id, run_label(run.plan.run_id))
         with self._lock:
             self._run = run
             cancel = self.cancelled

@@ -4,10 +4,12 @@ supervisor to the orchestrator, opened before the stage process starts and hande
 
 The orchestrator listens on its host's address (one port per run, closed at cleanup);
 the supervisor connects and proves, with the challenge-response of TCP edges
-(``edges.handshake``: HMAC-SHA256 over fresh nonces), that it holds the stage's control
-key (``keys.control_key``), for the stage index it claims; the orchestrator proves the
-same back. A stranger on the port (garbage, a wrong key, a handshake left half done, a
-stage other than the one awaited) is refused, logged and changes nothing. Both ends get
+(``edges.handshake``: HMAC-SHA256 over fresh nonces; the stage index in the edge id's
+place, protection ``CONTROL``: the channel seals its own frames), that it holds the
+stage's control key (``keys.control_key``), for the stage index it claims; the
+orchestrator proves the same back. A stranger on the port (garbage, a wrong key, a
+handshake left half done, a stage other than the one awaited) is refused, logged and
+changes nothing. Both ends get
 keepalive and ``TCP_USER_TIMEOUT`` (``streams.keep_alive``): a host that goes silent
 without a FIN breaks the channel within ``streams.SILENT_PEER_S``. Frames are then
 those of ``control.ControlChannel``, numbered and MAC'd per stage.
@@ -29,6 +31,9 @@ log = logging.getLogger("runtime_cupy.hosts.ray")
 
 #: How long one connection may take over its handshake.
 HANDSHAKE_S = 10.0
+#: The handshake's protection code for a control link (its frames are
+#: ``control.ControlChannel``'s, numbered and MAC'd).
+CONTROL = 0
 
 
 class ControlLinkError(ConnectionError):
@@ -88,11 +93,18 @@ class ControlListener:
             conn, peer = self._sock.accept()
             try:
                 conn.settimeout(HANDSHAKE_S)
+                data = _recv_exact(conn, hs.HELLO_BYTES, hs.check_hello_prefix)
+                try:
+                    hello = hs.verify_hello(key, stage_index, CONTROL, data)
+                except hs.HandshakeRefused as exc:
+                    if exc.refusal is not None:
+                        with contextlib.suppress(OSError):
+                            conn.sendall(hs.refuse(exc.refusal))
+                    raise
                 nonce_c = hs.new_nonce()
-                conn.sendall(hs.challenge(nonce_c))
-                data = _recv_exact(conn, hs.PROOF_BYTES, hs.check_proof_prefix)
-                proof = hs.verify_proof(key, stage_index, nonce_c, data)
-                conn.sendall(hs.accept(key, stage_index, nonce_c, proof.nonce_p))
+                conn.sendall(hs.challenge(key, stage_index, CONTROL, hello.nonce_p, nonce_c))
+                data = _recv_exact(conn, hs.CONFIRM_BYTES, hs.check_confirm_prefix)
+                hs.verify_confirm(key, stage_index, CONTROL, nonce_c, hello.nonce_p, data)
             except (OSError, hs.HandshakeRefused) as exc:
                 log.warning("refused a control connection from %s: %s", peer, exc)
                 conn.close()
@@ -111,12 +123,12 @@ def connect(address: str, stage_index: int, key: bytes, timeout_s: float) -> soc
     sock = socket.create_connection((host, port), timeout=timeout_s)
     try:
         sock.settimeout(HANDSHAKE_S)
-        data = _recv_exact(sock, hs.CHALLENGE_BYTES, hs.check_challenge_prefix)
-        nonce_c = hs.read_challenge(data)
         nonce_p = hs.new_nonce()
-        sock.sendall(hs.proof(key, stage_index, nonce_c, nonce_p))
-        data = _recv_exact(sock, hs.ACCEPT_BYTES, hs.check_accept_prefix)
-        hs.verify_accept(key, stage_index, nonce_c, nonce_p, data)
+        sock.sendall(hs.hello(key, stage_index, CONTROL, nonce_p))
+        head = _recv_exact(sock, hs.REPLY_HEAD_BYTES, hs.check_reply_prefix)
+        rest = _recv_exact(sock, hs.reply_bytes(head) - len(head), lambda _data: None)
+        nonce_c = hs.read_reply(key, stage_index, CONTROL, nonce_p, head + rest)
+        sock.sendall(hs.confirm(key, stage_index, CONTROL, nonce_c, nonce_p))
         sock.settimeout(None)
         keep_alive(sock)
     except BaseException:

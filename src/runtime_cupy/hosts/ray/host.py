@@ -23,7 +23,7 @@ runs in this process, a driver of the cluster.
   chain's lives as long as its stage process: the supervisor and its stage process,
   their control connection, and this process's control port (while any warm stage is
   there). What is a run's is freed at that run's cleanup, as for a cold run: the
-  edges' segments and run folder on every host, and the run's addresses in the store
+  edges' segments and folders on every host, and the run's addresses in the store
   (keyed by the run's id). A warm stage's handle, closed once its stage is gone (the
   chain closed its channel, or retired a broken stage), kills that stage's supervisor;
   the stage started again in its place gets a new one, on the node its plan names.
@@ -42,6 +42,7 @@ from runtime_cupy.control import ControlChannel
 from runtime_cupy.edges.base import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
+from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
 from runtime_cupy.hosts.local import describe_exit
 from runtime_cupy.hosts.ray.cluster import StageNode
@@ -49,7 +50,6 @@ from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListene
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous
 from runtime_cupy.hosts.ray.supervisor import StageSupervisor
 from runtime_cupy.keys import control_key
-from runtime_cupy.names import remove_run_dir
 from runtime_cupy.tracing import Event
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
@@ -329,11 +329,12 @@ class RayHost:
     def same_host(self, node_a: str, node_b: str) -> bool:
         return self.machine(node_a) == self.machine(node_b)
 
-    def medium(self, name: str) -> EdgeMedium:
+    def medium(self, name: str, encrypt: bool = False) -> EdgeMedium:
         if name == "shm":
             return ShmMedium()
         if name == "tcp":
-            return TcpMedium(self._rendezvous, self.orchestrator_address)
+            protection = protection_for(encrypt)
+            return TcpMedium(self._rendezvous, self.orchestrator_address, protection=protection)
         raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
 
     def rendezvous(self) -> KvRendezvous:
@@ -349,7 +350,6 @@ class RayHost:
             ray.wait(refs, num_returns=len(refs), timeout=CLEANUP_S)
         here = (ShmMedium(), TcpMedium(self._rendezvous, self.orchestrator_address))
         remove_edges(here, run_id, ids)
-        remove_run_dir(run_id)
         with contextlib.suppress(Exception):
             self._rendezvous.withdraw_run(run_id)
         for node_id, actor in list(self._actors.items()):

@@ -22,6 +22,7 @@ from runtime_cupy import stage
 from runtime_cupy.edges.base import EdgeMedium
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
+from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.hosts.ray.rendezvous import SupervisorRendezvous
 
 
@@ -37,11 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = args.stage_arguments[1:] if args.stage_arguments[:1] == ["--"] else args.stage_arguments
     rendezvous = SupervisorRendezvous(socket.socket(fileno=args.rendezvous_fd))
 
-    def media(name: str) -> EdgeMedium:
+    def media(name: str, encrypt: bool) -> EdgeMedium:
         if name == "shm":
             return ShmMedium()
         if name == "tcp":
-            return TcpMedium(rendezvous, args.bind_host)
+            return TcpMedium(rendezvous, args.bind_host, protection=protection_for(encrypt))
         raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
 
     return stage.main(rest, media=media)

@@ -17,7 +17,7 @@ orchestrator has its channel as soon as ``start`` returns, while the process sti
 imports. ``supervise`` blocks until the process ends and returns its exit status
 (negative: the signal): the orchestrator's handle waits on that call's result, which Ray
 also resolves, with an error, when the actor or its node dies. ``cleanup`` frees what
-a run left on this host (segments, FIFOs, run folder, addresses), also what a killed
+a run left on this host (segments, edge folders, addresses), also what a killed
 stage made. After a stage that lost its orchestrator has exited, the supervisor ends its
 own process: nothing of the run resumes on this host when a cut link comes back.
 """
@@ -42,7 +42,6 @@ from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.ray import control_link
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous, PublishedAddresses, serve_rendezvous
 from runtime_cupy.keys import control_key
-from runtime_cupy.names import remove_run_dir
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
@@ -149,7 +148,6 @@ class StageSupervisor:
         """Free what the run's edges left on this host."""
         rendezvous = KvRendezvous()
         remove_edges((ShmMedium(), TcpMedium(rendezvous)), run_id, edge_ids)
-        remove_run_dir(run_id)
         lifeline, self._lifeline = self._lifeline, None
         if lifeline is not None and self.status() is not None:
             with contextlib.suppress(OSError):

@@ -1,0 +1,275 @@
+"""Attacks on one TCP edge on loopback, as a stranger would play them: a relay in the
+middle that holds no key (``tests/support/edge_relay.py``) changes, replays, reorders or
+injects a frame, and the edge closes naming the frame that failed, before anything of it
+is loaded; with encryption the relay reads nothing of the records; a flood of idle and
+garbage connections on the consumer's port never pushes the producer out; a stranger
+that stays silent is turned away once its time is up."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from runplan import RingSpec
+from runplan.dtypes import DTypeFamily
+from runplan.header import HeaderCheck, HeaderDType
+from runplan.plan import Layout, ObjectKind, ObjectSpec
+from runtime_core.edges import ReceiveEnd, SendEnd
+from runtime_core.ring import EdgeClosed, EdgeTimeout
+from runtime_cupy.edges import tcp_consumer
+from runtime_cupy.edges.tcp import TcpMedium, TcpReceiveRing, TcpSendRing, split_address
+from runtime_cupy.edges.tcp_seal import AUTHENTICATED, ENCRYPTED, Protection
+from runtime_cupy.keys import edge_key, new_secret
+from tests.support.edge_peers import flood
+from tests.support.edge_relay import Relay
+
+SPEC = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
+RING = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
+EDGE = 5
+
+
+class Rendezvous:
+    """A rendezvous in memory; ``detour``: the address a producer is told instead."""
+
+    def __init__(self) -> None:
+        self.addresses: dict[tuple[str, int], str] = {}
+        self.detour: str | None = None
+
+    def publish(self, run_id: str, edge_id: int, address: str) -> None:
+        self.addresses[(run_id, edge_id)] = address
+
+    def lookup(self, run_id: str, edge_id: int) -> str | None:
+        return self.addresses.get((run_id, edge_id))
+
+    def withdraw(self, run_id: str, edge_id: int) -> None:
+        self.addresses.pop((run_id, edge_id), None)
+
+
+class Told:
+    """What the producer looks up: the consumer's address, or a detour's."""
+
+    def __init__(self, real: Rendezvous) -> None:
+        self.real = real
+        self.detour: str | None = None
+
+    def publish(self, run_id: str, edge_id: int, address: str) -> None:
+        raise AssertionError("a producer publishes nothing")
+
+    def lookup(self, run_id: str, edge_id: int) -> str | None:
+        return self.detour or self.real.lookup(run_id, edge_id)
+
+    def withdraw(self, run_id: str, edge_id: int) -> None:
+        pass
+
+
+class Refusals(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "refused a connection" in message:
+            self.reasons.append(message.split(": ", 2)[2])
+
+
+@pytest.fixture
+def refusals() -> Iterator[Refusals]:
+    handler = Refusals()
+    logger = logging.getLogger("runtime_cupy.edges.tcp")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+class Pair:
+    """Both ends of one edge in this process; the producer looks its consumer up
+    through ``told`` (a relay's address, when a test puts one in the way)."""
+
+    def __init__(self, protection: Protection = AUTHENTICATED) -> None:
+        self.run_id = f"test-{uuid.uuid4().hex}"
+        self.key = edge_key(new_secret(), self.run_id, EDGE)
+        self.rendezvous = Rendezvous()
+        self.told = Told(self.rendezvous)
+        self.ring = TcpMedium(self.rendezvous, protection=protection).create(
+            self.run_id, EDGE, RING, self.key
+        )
+        self.consumer_address = self.rendezvous.lookup(self.run_id, EDGE)
+        self.producer_medium = TcpMedium(self.told, protection=protection)
+        self.receiver = ReceiveEnd(self.ring, HeaderCheck.for_edge(self.run_id, EDGE, SPEC, 8))
+        self.sender: SendEnd | None = None
+
+    def serve(self, seconds: float) -> None:
+        """The consumer's loop for a while (accepting, handshakes)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.ring._data.wait(0.005)
+
+    def attach(self, timeout_s: float = 20) -> SendEnd:
+        deadline = time.monotonic() + timeout_s
+        ring: TcpSendRing | None = None
+        while ring is None:
+            assert time.monotonic() < deadline, "the producer never attached"
+            ring = self.producer_medium.attach(self.run_id, EDGE, RING, self.key)
+            self.ring._data.wait(0.002)
+        self.sender = SendEnd(ring, self.run_id, EDGE, SPEC)
+        return self.sender
+
+    def relay(self, attack: str) -> Relay:
+        assert self.consumer_address is not None
+        real = split_address(self.consumer_address)
+        relay = Relay(lambda: real, attack)
+        self.told.detour = f"{relay.address[0]}:{relay.address[1]}"
+        return relay
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.ring.detach()  # type: ignore[attr-defined]
+        self.ring.detach()
+
+
+def _token(n: int) -> bytes:
+    return n.to_bytes(4, "little")
+
+
+def _send_and_receive(pair: Pair, count: int, *, both_in_flight: bool = False) -> list[int]:
+    """Send ``count`` records (two at a time if ``both_in_flight``) and take them; the
+    tokens taken. ``EdgeClosed`` with its reason as soon as either end closes."""
+    sender = pair.attach()
+    got: list[int] = []
+    errors: list[EdgeClosed] = []
+
+    def produce() -> None:
+        try:
+            for n in range(count):
+                sender.send(n, 1, HeaderDType.U32, _token(n), timeout_s=10)
+        except EdgeClosed as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    if both_in_flight:
+        time.sleep(0.3)  # the producer sends two before the consumer takes any
+    deadline = time.monotonic() + 20
+    try:
+        while len(got) < count and not errors:
+            assert time.monotonic() < deadline, f"took {got} only"
+            try:
+                record = pair.receiver.receive(timeout_s=0.05)
+            except EdgeTimeout:
+                continue
+            got.append(int.from_bytes(record.payload, "little"))
+            pair.receiver.release(record)
+    finally:
+        pair.ring.detach()  # as a stage that stops: the producer's end learns at once
+        thread.join(15)
+    if errors:
+        raise errors[0]
+    return got
+
+
+@pytest.mark.parametrize("protection", [AUTHENTICATED, ENCRYPTED], ids=["hmac", "aes-gcm"])
+@pytest.mark.parametrize("attack", ["change@2", "replay@2", "inject@2", "reorder@2"])
+def test_a_relay_without_the_key_cannot_change_replay_inject_or_reorder_a_record(
+    attack: str, protection: Protection
+) -> None:
+    pair = Pair(protection)
+    relay = pair.relay(attack)
+    try:
+        with pytest.raises(EdgeClosed, match="frame 2 from the producer failed authentication"):
+            _send_and_receive(pair, 5, both_in_flight=attack.startswith("reorder"))
+        assert relay.done, "the relay never got to its attack"
+        assert pair.ring.published == 2  # records 0 and 1; nothing of the attack was loaded
+    finally:
+        relay.close()
+        pair.close()
+
+
+@pytest.mark.parametrize("protection", [AUTHENTICATED, ENCRYPTED], ids=["hmac", "aes-gcm"])
+def test_a_relay_without_the_key_cannot_reorder_the_consumers_credits(
+    protection: Protection,
+) -> None:
+    pair = Pair(protection)
+    relay = pair.relay("reorder-credits@0")
+    try:
+        with pytest.raises(EdgeClosed, match="frame 0 from the consumer failed authentication"):
+            _send_and_receive(pair, 6)
+        assert relay.done
+    finally:
+        relay.close()
+        pair.close()
+
+
+def test_an_encrypted_edge_shows_a_relay_nothing_of_its_records() -> None:
+    for protection in (AUTHENTICATED, ENCRYPTED):
+        pair = Pair(protection)
+        relay = pair.relay("pass")
+        try:
+            assert _send_and_receive(pair, 4) == [0, 1, 2, 3]  # an honest relay changes nothing
+            seen = b"".join(relay.records)
+            assert len(relay.records) == 4
+            in_clear = pair.run_id.encode() in seen
+            assert in_clear == (protection is AUTHENTICATED), protection.name
+        finally:
+            relay.close()
+            pair.close()
+
+
+def _begin(host: str, port: int) -> socket.socket:
+    """A connection begun, not waited for (a full backlog would make it wait)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.connect_ex((host, port))
+    return sock
+
+
+def test_a_flood_of_strangers_never_pushes_the_producer_out(refusals: Refusals) -> None:
+    """The producer connects; before the consumer reads its HELLO, more strangers than
+    the port keeps come, and more keep coming: the producer still gets in (proven on a
+    last look, or connected again), and its records through."""
+    pair = Pair()
+    assert pair.consumer_address is not None
+    host, port = split_address(pair.consumer_address)
+    assert pair.producer_medium.attach(pair.run_id, EDGE, RING, pair.key) is None  # connecting
+    pair.serve(0.05)  # its connection is accepted
+    idle = [_begin(host, port) for _ in range(tcp_consumer.MAX_STRANGERS + 16)]
+    flooder = threading.Thread(target=flood, args=(host, port, 4.0), daemon=True)
+    flooder.start()
+    try:
+        pair.serve(0.3)
+        sender = pair.attach()
+        sender.send(0, 1, HeaderDType.U32, _token(42), timeout_s=10)
+        record = pair.receiver.receive(timeout_s=10)
+        assert int.from_bytes(record.payload, "little") == 42
+        pushed = [r for r in refusals.reasons if r.startswith("pushed out")]
+        assert pushed and all("before it proved the key" in r for r in pushed)  # strangers
+    finally:
+        flooder.join(10)
+        for sock in idle:
+            sock.close()
+        pair.close()
+
+
+def test_a_silent_stranger_is_turned_away_when_its_time_is_up(
+    refusals: Refusals, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tcp_consumer, "HELLO_S", 0.2)
+    pair = Pair()
+    assert pair.consumer_address is not None
+    silent = socket.create_connection(split_address(pair.consumer_address))
+    try:
+        pair.serve(0.6)
+        assert refusals.reasons == ["did not prove it holds the key within 0.2 s"]
+        assert isinstance(pair.ring, TcpReceiveRing) and not pair.ring.connected
+        assert silent.recv(1) == b""  # closed
+    finally:
+        silent.close()
+        pair.close()

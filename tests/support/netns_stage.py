@@ -1,0 +1,53 @@
+"""A stage process on a test host without Ray (``tests/support/netns_hosts.py``,
+``NetnsStageHost``): ``runtime_cupy.stage``'s process, its TCP consumers listening on
+the host's address and finding each other through a rendezvous the test serves on a
+Unix socket (a path outside the hosts' private ``/tmp``), asked as a stage on a Ray host
+asks its supervisor (``hosts.ray.rendezvous.SupervisorRendezvous``).
+
+    python -m tests.support.netns_stage --bind-host ADDRESS --rendezvous PATH \
+        [--attach-delay SECONDS] -- STAGE ARGS
+
+``--attach-delay``: each try to attach the outbound edge takes that long more (a
+producer on a busy host, slow to answer its consumer's handshake).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+from runtime_cupy import stage
+from runtime_cupy.edges.base import EdgeMedium
+from runtime_cupy.edges.shm import ShmMedium
+from runtime_cupy.edges.tcp import TcpMedium
+from runtime_cupy.edges.tcp_seal import protection_for
+from runtime_cupy.hosts.ray.rendezvous import SupervisorRendezvous
+from tests.support.faulty_stage import SlowAttach
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bind-host", required=True)
+    parser.add_argument("--rendezvous", required=True)
+    parser.add_argument("--attach-delay", type=float, default=0.0)
+    parser.add_argument("stage_arguments", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    rest = args.stage_arguments[1:] if args.stage_arguments[:1] == ["--"] else args.stage_arguments
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.rendezvous)
+    rendezvous = SupervisorRendezvous(sock)
+
+    def media(name: str, encrypt: bool) -> EdgeMedium:
+        if name == "shm":
+            return ShmMedium()
+        tcp = TcpMedium(rendezvous, args.bind_host, protection=protection_for(encrypt))
+        return SlowAttach(tcp, args.attach_delay) if args.attach_delay else tcp
+
+    return stage.main(rest, media=media)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    stage.exit_now(code)
