@@ -31,12 +31,18 @@ import numpy.typing as npt
 
 from runplan.fsm import stage as fsm
 from runplan.header import HeaderDType
-from runplan.messages import ProvisionStage, StageFault, StageReady, StageStopped
+from runplan.messages import (
+    ProvisionRefused,
+    ProvisionStage,
+    StageFault,
+    StageReady,
+    StageStopped,
+)
 from runplan.plan import Layout
 from runtime_core.activations import edge_dtype
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.ring import EdgeClosed
-from runtime_core.worker import Progress, TokenOutput, Worker
+from runtime_core.worker import Progress, StepWorker, TokenOutput
 
 # Enum members read on every event, bound once: on Python 3.11 ``Enum.MEMBER`` goes
 # through the slow attribute hook of ``EnumType.__getattr__`` (about 0.1 us a read).
@@ -62,7 +68,9 @@ class Transport(Protocol):
 
 
 class ControlChannel(Protocol):
-    def send(self, message: StageReady | StageFault | StageStopped) -> None: ...
+    def send(
+        self, message: StageReady | StageFault | StageStopped | ProvisionRefused
+    ) -> None: ...
 
 
 class Timers(Protocol):
@@ -80,7 +88,7 @@ class StageController:
         self,
         node_id: str,
         orchestrator_node_id: str,
-        worker: Worker,
+        worker: StepWorker,
         transport: Transport,
         control: ControlChannel,
         timers: Timers,
