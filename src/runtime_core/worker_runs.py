@@ -31,6 +31,30 @@ from runtime_core.worker import (
 )
 
 
+def stage_facts(provision: ProvisionStage) -> tuple[object, ...]:
+    """What a provision says of the stage, as opposed to the run: every run a worker
+    serves at once is provisioned for the same stage facts."""
+    p = provision
+    return (
+        p.gguf_source,
+        p.stage_index,
+        p.stage_count,
+        p.node_id,
+        p.layer_start,
+        p.layer_end_exclusive,
+        p.model,
+        p.kv_budget_bytes,
+        p.max_batch_rows,
+        p.inbound.kind,
+        p.outbound.kind,
+    )
+
+
+def same_stage(a: ProvisionStage, b: ProvisionStage) -> bool:
+    """Whether two provisions are for the same stage of one chain."""
+    return stage_facts(a) == stage_facts(b)
+
+
 class KvBudget:
     """A stage's KV-cache budget and the runs' reservations in it."""
 
