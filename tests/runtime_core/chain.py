@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -24,6 +25,7 @@ from runplan import (
     Placement,
     PlanRejection,
     ProvisionStage,
+    RunPlan,
     RuntimeConfig,
     SamplingConfig,
     StageAssignment,
@@ -46,7 +48,7 @@ def even_cuts(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-def provisions(
+def plan_for(
     path: str | os.PathLike[str],
     ranges: Sequence[tuple[int, int]] | int = 1,
     *,
@@ -61,10 +63,10 @@ def provisions(
     kv_budget_bytes: int = 0,
     max_batch_rows: int = 512,
     prefill_chunk: int = 0,
-) -> tuple[ProvisionStage, ...]:
-    """One provision per stage for explicit ``ranges`` (or that many even stages), with
-    the RuntimeConfig fields of a chain of runs as given (``max_tokens`` defaults to
-    ``max_seq_len``)."""
+) -> RunPlan:
+    """A plan over nodes ``node-0..`` (orchestrator ``orch``) for explicit ``ranges``
+    (or that many even stages), with the RuntimeConfig fields of a chain of runs as
+    given (``max_tokens`` defaults to ``max_seq_len``)."""
     facts = model_facts_from_gguf(path, max_seq_len=max_seq_len)
     if isinstance(ranges, int):
         ranges = even_cuts(facts.num_layers, ranges)
@@ -95,7 +97,14 @@ def provisions(
     )
     if isinstance(plan, PlanRejection):
         raise AssertionError(f"the test plan was rejected: {plan}")
-    return provision_all(plan)
+    return plan
+
+
+def provisions(
+    path: str | os.PathLike[str], ranges: Sequence[tuple[int, int]] | int = 1, **kwargs: Any
+) -> tuple[ProvisionStage, ...]:
+    """One provision per stage of ``plan_for(path, ranges, **kwargs)``."""
+    return provision_all(plan_for(path, ranges, **kwargs))
 
 
 @attrs.define
