@@ -171,8 +171,10 @@ class StageWorker(SingleRunSteps):
         except ValueError as exc:
             raise WorkerError(str(exc)) from exc
         same = self._provision is not None and same_stage(self._provision, provision)
-        if not same:
-            self.release()
+        if self._runs and not same:
+            raise WorkerError(
+                f"configure for another stage while runs {sorted(self._runs)} are open"
+            )
         self._provision = provision
         self._budget.budget_bytes = provision.kv_budget_bytes
         self._bound = self._bound and same
