@@ -134,6 +134,9 @@ class ReferenceWorker(SingleRunSteps):
                 raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
             model = StageModel(weights, p.model.max_seq_len, positions=0)
             held = self._held = _Held(key, weights, vocab, model)
+        elif held.model.max_seq_len != p.model.max_seq_len:  # the rotary tables' length
+            model = StageModel(held.weights, p.model.max_seq_len, positions=0)
+            held = self._held = attrs.evolve(held, model=model)
         if p.is_last:  # the run's sampler is made at open_run; its settings fail here
             try:
                 Sampler(p.sampling or SamplingConfig())
