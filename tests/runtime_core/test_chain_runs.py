@@ -114,7 +114,6 @@ def test_eight_runs_at_once_each_give_their_tokens_alone(
     for stage in chain.stages:
         assert max(stage.batch_rows) > 1  # runs shared batches
         assert max(stage.batch_rows) <= 16
-        assert all(r.machine.state is sfsm.State.STOPPED for r in stage.runs.values())
     if chunk:  # prompts travelled in chunks of at most 2 rows
         assert all(f["rows"] <= 2 for f in chain.of("injected") if f["sequence"] == 0)
 
