@@ -22,6 +22,7 @@ from runplan import (
 from runplan.messages import (
     FaultKind,
     FaultReason,
+    ProvisionRefused,
     ProvisionStage,
     RewireEdge,
     StageFault,
@@ -149,6 +150,15 @@ def message_strategies(plan: RunPlan) -> dict[type, st.SearchStrategy[Any]]:
         StageFault: st.builds(StageFault, run_ids, stage_indices, nodes, fault_reasons()),
         StageStopped: st.builds(StageStopped, run_ids, stage_indices, nodes),
         RewireEdge: st.builds(RewireEdge, run_ids, st.integers(0, n + 2), nodes),
+        ProvisionRefused: st.builds(
+            ProvisionRefused,
+            run_ids,
+            stage_indices,
+            nodes,
+            st.integers(0, 2**20),
+            st.integers(0, 2**20),
+            st.integers(0, 2**20),
+        ),
     }
 
 
@@ -178,6 +188,7 @@ def orchestrator_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[
         K.STAGE_READY: received(StageReady),
         K.STAGE_FAULT: received(StageFault),
         K.STAGE_STOPPED: received(StageStopped),
+        K.PROVISION_REFUSED: received(ProvisionRefused),
         K.OTHER_MESSAGE: received(ProvisionStage, StopRun, RewireEdge),
         K.TOKEN: st.builds(
             o.TokenConsumed, st.integers(0, 6), st.integers(0, plan.model.vocab_size)
@@ -209,17 +220,41 @@ def stage_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[Any]]:
         K.OTHER_MESSAGE: received(StageReady, StageFault, StageStopped),
         K.SETUP_DONE: st.builds(s.SetupDone, st.sampled_from(s.SetupPart)),
         K.SETUP_FAILED: st.builds(s.SetupFailed, st.sampled_from(s.SetupPart), st.text(max_size=5)),
-        K.OBJECT_LOADED: st.builds(
-            s.ObjectLoaded, st.sampled_from([plan.run_id, OTHER_RUN]), edge_ids, st.integers(0, 5)
+        K.OBJECT_LOADED: st.one_of(
+            st.builds(
+                s.ObjectLoaded,
+                st.sampled_from([plan.run_id, OTHER_RUN]),
+                edge_ids,
+                st.integers(0, 5),
+            ),
+            _chunk_loads(plan.run_id, edge_ids),
         ),
-        K.STEP_COMPLETED: st.builds(s.StepCompleted, st.integers(0, 5)),
+        K.STEP_COMPLETED: st.builds(s.StepCompleted, st.integers(0, 5), st.integers(0, 3)),
         K.STEP_FAILED: st.builds(s.StepFailed, st.integers(0, 5), st.text(max_size=5)),
         K.EDGE_FAULT: st.builds(s.EdgeFault, edge_ids, st.text(max_size=5)),
         K.SETUP_TIMEOUT: st.just(s.TimerFired(s.Timer.SETUP)),
         K.STEP_TIMEOUT: st.just(s.TimerFired(s.Timer.STEP)),
         K.RELEASED: st.just(s.Released()),
         K.ORCHESTRATOR_LOST: st.just(s.OrchestratorLost()),
+        K.CACHE_UNAVAILABLE: st.builds(
+            s.CacheUnavailable,
+            st.integers(0, 2**20),
+            st.integers(0, 2**20),
+            st.integers(0, 2**20),
+        ),
+        K.CHAIN_FAULT: st.builds(s.ChainFault, fault_reasons()),
     }
+
+
+@st.composite
+def _chunk_loads(draw: st.DrawFn, run_id: str, edge_ids: st.SearchStrategy[int]) -> Any:
+    """A record of a prefill in chunks (or a decode record that claims to be one)."""
+    from runplan.fsm import stage as s
+
+    count = draw(st.integers(1, 4))
+    return s.ObjectLoaded(
+        run_id, draw(edge_ids), draw(st.integers(0, 2)), draw(st.integers(0, count - 1)), count
+    )
 
 
 # -- tokenizer ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from runplan.rejections import (
     EdgeEndpointMismatch,
     InconsistentModelFacts,
     InconsistentPlan,
+    InvalidConfig,
     InvalidExtent,
     InvalidStageCount,
     MissingStage,
@@ -59,8 +60,37 @@ def check_plan(plan: RunPlan) -> RunPlan | PlanRejection:
         or _check_model(plan.model)
         or _check_stages(plan)
         or _check_edges(plan)
+        or _check_concurrency(plan)
         or plan
     )
+
+
+def _check_concurrency(plan: RunPlan) -> PlanRejection | None:
+    """The run's KV positions within ``max_seq_len``, every stage's cache within its
+    budget, and a prefill chunk that fits one batch (CONCURRENT_RUNS.md §3-§5)."""
+    if not 1 <= plan.kv_positions <= plan.model.max_seq_len:
+        return InvalidConfig(
+            "kv_positions",
+            str(plan.kv_positions),
+            f"must be in 1..max_seq_len ({plan.model.max_seq_len})",
+        )
+    for stage in plan.stages:
+        if not 0 <= stage.kv_bytes <= min(stage.kv_budget_bytes, U64_MAX):
+            return InvalidConfig(
+                "kv_budget_bytes",
+                str(stage.kv_budget_bytes),
+                f"stage {stage.stage_index}'s budget does not hold the run's "
+                f"{stage.kv_bytes} bytes of KV cache",
+            )
+    if not 1 <= plan.max_batch_rows <= 2**32 - 1:
+        return InvalidConfig("max_batch_rows", str(plan.max_batch_rows), "must be in 1..2**32-1")
+    if not 1 <= plan.prefill_chunk <= plan.max_batch_rows:
+        return InvalidConfig(
+            "prefill_chunk",
+            str(plan.prefill_chunk),
+            f"must be in 1..max_batch_rows ({plan.max_batch_rows})",
+        )
+    return None
 
 
 def _check_model(m: GgufModelPlan) -> PlanRejection | None:

@@ -90,3 +90,16 @@ class RuntimeConfig:
     return_logits: bool = bool_field(default=False)
     timeouts: Timeouts = typed_field(Timeouts, factory=Timeouts)
     worker: WorkerCapabilities = typed_field(WorkerCapabilities, factory=WorkerCapabilities)
+    # Several runs on one chain (CONCURRENT_RUNS.md). The run's prompt length when known
+    # (0: unknown, the run reserves max_seq_len positions of KV cache on every stage).
+    prompt_tokens: int = int_field(default=0)
+    # Runs the chain holds at once: each stage's KV budget is this many full-length
+    # (max_seq_len) caches, unless ``kv_budget_bytes`` gives the budget itself.
+    max_concurrent_runs: int = int_field(default=1)
+    # KV-cache bytes each stage may hold for all its runs (0: from max_concurrent_runs).
+    kv_budget_bytes: int = int_field(default=0)
+    # Rows of one worker call on a stage, every run's step of the batch together.
+    max_batch_rows: int = int_field(default=512)
+    # Rows per prefill chunk (0: the prompt in one record when it fits max_batch_rows,
+    # else chunks of max_batch_rows).
+    prefill_chunk: int = int_field(default=0)

@@ -79,13 +79,16 @@ class ModelFacts:
         """KV-cache bytes that one position of one block takes at ``width_bytes``."""
         return self.head_count_kv * (self.head_dim_k + self.head_dim_v) * width_bytes
 
-    def layer_kv_positions(self) -> tuple[int, ...]:
-        """Positions each block's KV cache holds: ``max_seq_len``, or a sliding block's
-        window when that is shorter (it never looks further back)."""
+    def layer_kv_positions(self, positions: int | None = None) -> tuple[int, ...]:
+        """Positions each block's KV cache holds for a run of ``positions`` positions
+        (default ``max_seq_len``), or a sliding block's window when that is shorter (it
+        never looks further back)."""
+        n = self.max_seq_len if positions is None else positions
         windows = self.layer_windows or (0,) * self.num_layers
-        return tuple(min(w, self.max_seq_len) if w > 0 else self.max_seq_len for w in windows)
+        return tuple(min(w, n) if w > 0 else n for w in windows)
 
-    def layer_kv_bytes(self, width_bytes: int) -> tuple[int, ...]:
-        """KV-cache bytes of each block at ``width_bytes`` per element."""
+    def layer_kv_bytes(self, width_bytes: int, positions: int | None = None) -> tuple[int, ...]:
+        """KV-cache bytes of each block at ``width_bytes`` per element, for a run of
+        ``positions`` positions (default ``max_seq_len``)."""
         per_token = self.kv_bytes_per_token_per_layer(width_bytes)
-        return tuple(n * per_token for n in self.layer_kv_positions())
+        return tuple(n * per_token for n in self.layer_kv_positions(positions))

@@ -5,7 +5,7 @@ Layout (little-endian)::
 
     offset size field
          0    4 magic           b"GPOB"
-         4    2 version         1
+         4    2 version         2 (1 is still read)
          6    1 kind            0 token, 1 activation
          7    1 dtype           0 u32, 1 f16, 2 bf16, 3 f32
          8    4 rows            u32
@@ -14,7 +14,14 @@ Layout (little-endian)::
         24    8 sequence        u64
         32    8 extent_bytes    u64
         40   64 run_id          UTF-8, zero padded
-       104   24 reserved        zero
+       104    4 chunk_index     u32 (version 2)
+       108    4 chunk_count     u32 (version 2)
+       112   16 reserved        zero
+
+Version 2 (CONCURRENT_RUNS.md §4) carries a prefill (sequence 0) in ``chunk_count``
+chunk records, ``chunk_index`` ``0..chunk_count-1``; every other record is chunk 0 of 1.
+Writers write version 2. A version 1 record (bytes 104..127 reserved, zero) reads as
+chunk 0 of 1.
 """
 
 from __future__ import annotations
@@ -29,14 +36,19 @@ from runplan.dtypes import DTypeFamily
 from runplan.plan import MAX_RUN_ID_BYTES, OBJECT_HEADER_BYTES, Layout, ObjectKind, ObjectSpec
 
 MAGIC = b"GPOB"
-VERSION = 1
-#: Where a header keeps its sequence and, right after it, its extent (u64 each).
+VERSION = 2
+#: The versions ``unpack`` reads: 1 (no chunks) and 2.
+READ_VERSIONS = (1, 2)
+#: Where a header keeps its sequence and, right after it, its extent (u64 each); its
+#: chunk index and, right after it, its chunk count (u32 each).
 SEQUENCE_OFFSET = 24
 EXTENT_OFFSET = 32
-_STRUCT = struct.Struct("<4sHBBI4sQQQ64s24s")
+CHUNK_OFFSET = 104
+_STRUCT = struct.Struct("<4sHBBI4sQQQ64sII16s")
 assert _STRUCT.size == OBJECT_HEADER_BYTES
 _ZERO4 = bytes(4)
-_ZERO24 = bytes(24)
+_ZERO16 = bytes(16)
+_U32_MAX = 2**32 - 1
 
 
 class HeaderDType(enum.Enum):
@@ -99,9 +111,12 @@ class ObjectHeader:
     dtype: HeaderDType
     rows: int  # tokens in this object
     extent_bytes: int  # payload bytes
+    chunk_index: int = 0  # of sequence 0 carried in chunk_count records; else 0 of 1
+    chunk_count: int = 1
 
     def pack(self) -> bytes:
-        """The 128 header bytes; ``HeaderError`` if a field does not fit its slot."""
+        """The 128 header bytes (version 2); ``HeaderError`` if a field does not fit its
+        slot or the chunk is not one of its count."""
         if not isinstance(self.run_id, str) or not isinstance(self.kind, ObjectKind):
             raise HeaderError("a header needs a run id string and an object kind")
         if not isinstance(self.dtype, HeaderDType):
@@ -112,6 +127,9 @@ class ObjectHeader:
             raise HeaderError(f"run id {self.run_id!r} is not valid Unicode") from None
         if not run_id or len(run_id) > MAX_RUN_ID_BYTES or b"\x00" in run_id:
             raise HeaderError(f"run id {self.run_id!r} does not fit the header")
+        problem = chunk_problem(self.chunk_index, self.chunk_count)
+        if problem is not None:
+            raise HeaderError(problem)
         try:
             return _STRUCT.pack(
                 MAGIC,
@@ -124,7 +142,9 @@ class ObjectHeader:
                 self.sequence,
                 self.extent_bytes,
                 run_id,
-                _ZERO24,
+                self.chunk_index,
+                self.chunk_count,
+                _ZERO16,
             )
         except struct.error as exc:
             raise HeaderError(f"a header field is out of range: {exc}") from None
@@ -134,19 +154,39 @@ class ObjectHeader:
         """Parse the first 128 bytes of ``data``; ``HeaderError`` on anything malformed."""
         if len(data) < OBJECT_HEADER_BYTES:
             raise HeaderError(f"{len(data)} bytes, a header has {OBJECT_HEADER_BYTES}")
-        (magic, version, kind, dtype, rows, res4, edge_id, sequence, extent, run_id, res24) = (
-            _STRUCT.unpack_from(data)
-        )
+        (
+            magic,
+            version,
+            kind,
+            dtype,
+            rows,
+            res4,
+            edge_id,
+            sequence,
+            extent,
+            run_id,
+            chunk_index,
+            chunk_count,
+            res16,
+        ) = _STRUCT.unpack_from(data)
         if magic != MAGIC:
             raise HeaderError(f"magic {magic!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise HeaderError(f"version {version}, expected {VERSION}")
+        if version not in READ_VERSIONS:
+            raise HeaderError(f"version {version}, expected one of {READ_VERSIONS}")
+        if version == 1:  # no chunks: the bytes of the chunk fields are reserved, zero
+            if chunk_index or chunk_count:
+                raise HeaderError("reserved header bytes are not zero")
+            chunk_count = 1
+        else:
+            problem = chunk_problem(chunk_index, chunk_count)
+            if problem is not None:
+                raise HeaderError(problem)
         if kind not in _KINDS:
             raise HeaderError(f"unknown object kind code {kind}")
         header_dtype = _DTYPE_OF_CODE.get(dtype)
         if header_dtype is None:
             raise HeaderError(f"unknown dtype code {dtype}")
-        if res4 != _ZERO4 or res24 != _ZERO24:
+        if res4 != _ZERO4 or res16 != _ZERO16:
             raise HeaderError("reserved header bytes are not zero")
         text = run_id.rstrip(b"\x00")
         if not text or b"\x00" in text:
@@ -155,7 +195,28 @@ class ObjectHeader:
             decoded = text.decode("utf-8")
         except UnicodeDecodeError:
             raise HeaderError("run id is not UTF-8") from None
-        return cls(decoded, edge_id, sequence, _KINDS[kind], header_dtype, rows, extent)
+        return cls(
+            decoded,
+            edge_id,
+            sequence,
+            _KINDS[kind],
+            header_dtype,
+            rows,
+            extent,
+            chunk_index,
+            chunk_count,
+        )
+
+
+def chunk_problem(chunk_index: object, chunk_count: object) -> str | None:
+    """Why ``chunk_index`` of ``chunk_count`` is no chunk a header holds, or ``None``."""
+    if type(chunk_index) is not int or type(chunk_count) is not int:
+        return f"chunk {chunk_index!r} of {chunk_count!r} is not two integers"
+    if not 1 <= chunk_count <= _U32_MAX:
+        return f"chunk count {chunk_count} is not in 1..{_U32_MAX}"
+    if not 0 <= chunk_index < chunk_count:
+        return f"chunk index {chunk_index} is not one of 0..{chunk_count - 1}"
+    return None
 
 
 class HeaderRejection(enum.Enum):
@@ -169,6 +230,7 @@ class HeaderRejection(enum.Enum):
     EXTENT_ZERO = "EXTENT_ZERO"
     EXTENT_TOO_LARGE = "EXTENT_TOO_LARGE"
     ROWS_MISMATCH = "ROWS_MISMATCH"
+    CHUNK_MISMATCH = "CHUNK_MISMATCH"  # a chunked record of a sequence other than 0
 
 
 @frozen
@@ -209,7 +271,7 @@ class HeaderCheck:
 
     def validate_shape(self, header: ObjectHeader) -> tuple[HeaderRejection, str] | None:
         """The checks of ``validate`` that do not depend on the run, the edge id or the
-        sequence: kind, dtype, extent and rows."""
+        sequence: kind, dtype, extent, rows, and a chunk only at sequence 0."""
         spec = self.object_spec
         if header.kind is not spec.kind:
             return HeaderRejection.KIND_MISMATCH, f"{header.kind.value} != {spec.kind.value}"
@@ -224,6 +286,12 @@ class HeaderCheck:
             )
         if header.rows < 1 or (header.sequence > 0 and header.rows != 1):
             return HeaderRejection.ROWS_MISMATCH, f"{header.rows} rows at {header.sequence}"
+        if header.sequence > 0 and header.chunk_count != 1:
+            return (
+                HeaderRejection.CHUNK_MISMATCH,
+                f"chunk {header.chunk_index} of {header.chunk_count} at sequence "
+                f"{header.sequence}: only the prefill (sequence 0) is chunked",
+            )
         trailer = spec.max_extent - 4 if spec.layout is _WITH_LOGITS else 0
         if header.extent_bytes != header.rows * self.row_bytes + trailer:
             return (

@@ -1,10 +1,14 @@
 """What a stage holds in memory: the planner's accounting for ``insufficient_memory``.
 
 A stage holds its blocks' weights, the tensors every stage needs, the token embedding
-on the first stage, the output norm and head on the last, a KV cache for each of its
-blocks (``max_seq_len`` positions, or a sliding-window block's window when that is
-shorter: ``ModelFacts.layer_kv_positions``), and the ring of its inbound edge (the
-consumer end allocates it). Weights count as stored in the file, or as
+on the first stage, the output norm and head on the last, its KV budget, and the ring
+of its inbound edge (the consumer end allocates it). Weights count once, whatever the
+number of runs on the chain. The KV budget is what the stage may hold for all the
+chain's runs (CONCURRENT_RUNS.md §5): ``RuntimeConfig.kv_budget_bytes``, or
+``max_concurrent_runs`` caches of a full-length run (each block ``max_seq_len``
+positions, or a sliding-window block's window when that is shorter:
+``ModelFacts.layer_kv_positions``). One run's cache is the same count for the run's own
+``kv_positions``. Weights count as stored in the file, or as
 ``weight_bytes_per_element`` per element for a worker that dequantizes them (the NumPy
 reference worker holds float32); the KV cache in the activation dtype, or
 ``kv_bytes_per_element`` when the worker says so.
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 from attrs import frozen
 
-from runplan.config import WorkerCapabilities
+from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.facts import ModelFacts
 from runplan.plan import RunPlan
 
@@ -22,7 +26,7 @@ from runplan.plan import RunPlan
 @frozen
 class StageMemory:
     weight_bytes: int
-    kv_bytes: int
+    kv_bytes: int  # the stage's KV budget (every run's cache together)
     ring_bytes: int
 
     @property
@@ -34,9 +38,43 @@ def kv_width(worker: WorkerCapabilities, activation_width: int) -> int:
     return worker.kv_bytes_per_element or activation_width
 
 
-def kv_bytes_per_layer(facts: ModelFacts, width: int) -> tuple[int, ...]:
-    """What each block's KV cache takes at ``width`` bytes per element."""
-    return facts.layer_kv_bytes(width)
+def kv_bytes_per_layer(
+    facts: ModelFacts, width: int, positions: int | None = None
+) -> tuple[int, ...]:
+    """What each block's KV cache takes at ``width`` bytes per element, for a run of
+    ``positions`` positions (default ``max_seq_len``)."""
+    return facts.layer_kv_bytes(width, positions)
+
+
+def run_kv_bytes(
+    facts: ModelFacts,
+    worker: WorkerCapabilities,
+    *,
+    layer_start: int,
+    layer_end_exclusive: int,
+    activation_width: int,
+    positions: int | None = None,
+) -> int:
+    """One run's KV cache on the stage of blocks ``layer_start..layer_end_exclusive``."""
+    kv = kv_bytes_per_layer(facts, kv_width(worker, activation_width), positions)
+    return sum(kv[layer_start:layer_end_exclusive])
+
+
+def kv_budget_bytes(
+    facts: ModelFacts, config: RuntimeConfig, *, layer_start: int, layer_end_exclusive: int
+) -> int:
+    """A stage's KV budget: ``config.kv_budget_bytes``, or ``max_concurrent_runs``
+    caches of a full-length run."""
+    if config.kv_budget_bytes > 0:
+        return config.kv_budget_bytes
+    full = run_kv_bytes(
+        facts,
+        config.worker,
+        layer_start=layer_start,
+        layer_end_exclusive=layer_end_exclusive,
+        activation_width=config.activation_dtype_width_bytes,
+    )
+    return config.max_concurrent_runs * full
 
 
 def _dequantized(worker: WorkerCapabilities, facts: ModelFacts) -> bool:
@@ -77,23 +115,21 @@ def stage_memory(
     layer_end_exclusive: int,
     first: bool,
     last: bool,
-    activation_width: int,
+    kv_budget_bytes: int,
     inbound_ring_bytes: int,
 ) -> StageMemory:
     blocks = sum(block_weight_bytes(facts, worker)[layer_start:layer_end_exclusive])
-    kv = kv_bytes_per_layer(facts, kv_width(worker, activation_width))
     fixed = fixed_weight_bytes(facts, worker, first=first, last=last)
     return StageMemory(
-        weight_bytes=blocks + fixed,
-        kv_bytes=sum(kv[layer_start:layer_end_exclusive]),
-        ring_bytes=inbound_ring_bytes,
+        weight_bytes=blocks + fixed, kv_bytes=kv_budget_bytes, ring_bytes=inbound_ring_bytes
     )
 
 
 def plan_stage_memory(
     facts: ModelFacts, worker: WorkerCapabilities, plan: RunPlan
 ) -> tuple[StageMemory, ...]:
-    """What each stage of ``plan`` holds, in stage order, for ``worker``."""
+    """What each stage of ``plan`` holds, in stage order, for ``worker`` (the KV budget
+    as the plan gives it)."""
     n = len(plan.stages)
     edges = {e.edge_id: e for e in plan.edges}
     out = []
@@ -107,7 +143,7 @@ def plan_stage_memory(
                 layer_end_exclusive=stage.layer_end_exclusive,
                 first=i == 0,
                 last=i == n - 1,
-                activation_width=plan.model.dtype_width_bytes,
+                kv_budget_bytes=stage.kv_budget_bytes,
                 inbound_ring_bytes=ring.slot_count * ring.slot_bytes,
             )
         )

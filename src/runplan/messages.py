@@ -1,6 +1,7 @@
 """Control messages (PIPELINE_ORCHESTRATION_MVP.md §4, §8): ``ProvisionStage`` (the
 planner's projection of one stage plan), ``StopRun``, ``StageReady``, ``StageFault``,
-``StageStopped`` and ``RewireEdge``."""
+``StageStopped``, ``RewireEdge``, and ``ProvisionRefused`` (CONCURRENT_RUNS.md §5: a
+stage that cannot reserve a run's KV cache)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ class StageModelFacts:
 @frozen
 class ProvisionStage:
     """Everything one stage process needs for one run, and nothing of other stages:
-    its own layer range, one inbound and one outbound edge, the timeouts, and (last
-    stage only) the sampling settings."""
+    its own layer range, one inbound and one outbound edge, the timeouts, the run's KV
+    cache and the stage's budget, and (last stage only) the sampling settings."""
 
     run_id: str = str_field()
     stage_index: int = int_field()
@@ -63,6 +64,13 @@ class ProvisionStage:
     outbound: OutboundEdgeProvision = typed_field(OutboundEdgeProvision)
     model: StageModelFacts = typed_field(StageModelFacts)
     timeouts: Timeouts = typed_field(Timeouts)
+    # The run's KV cache on this stage: positions and bytes (what the worker's
+    # ``open_run`` reserves), the stage's budget for all the chain's runs, and the rows
+    # of one worker call (CONCURRENT_RUNS.md §3, §5).
+    kv_positions: int = int_field()
+    kv_bytes: int = int_field()
+    kv_budget_bytes: int = int_field()
+    max_batch_rows: int = int_field()
     sampling: SamplingConfig | None = typed_field((SamplingConfig, type(None)), default=None)
     return_logits: bool = bool_field(default=False)
 
@@ -93,6 +101,7 @@ class FaultKind(enum.Enum):
     PROTOCOL_VIOLATION = "PROTOCOL_VIOLATION"  # an event the state machine has no entry for
     PROCESS_DIED = "PROCESS_DIED"  # a stage process is gone (seen by the orchestrator)
     ORCHESTRATOR_LOST = "ORCHESTRATOR_LOST"  # the control channel to the orchestrator closed
+    KV_CACHE_UNAVAILABLE = "KV_CACHE_UNAVAILABLE"  # a stage could not reserve the run's cache
 
 
 @frozen
@@ -135,6 +144,20 @@ class StageStopped:
 
 
 @frozen
+class ProvisionRefused:
+    """Stage to orchestrator: the stage cannot reserve the run's KV cache now, so it did
+    not take the provision (nothing of the run is kept; the same provision may come
+    again). ``needed_bytes > budget_bytes``: the run never fits this stage."""
+
+    run_id: str = str_field()
+    stage_index: int = int_field()
+    node_id: str = str_field()
+    needed_bytes: int = int_field()
+    free_bytes: int = int_field()
+    budget_bytes: int = int_field()
+
+
+@frozen
 class RewireEdge:
     """A request to change an edge's peer. Only the plan wires a run, so every stage
     rejects it (EDGES_AND_WORKERS.md §5); it exists so that the rejection is tested."""
@@ -145,4 +168,12 @@ class RewireEdge:
 
 
 #: Every control message that travels between the orchestrator and stages.
-ControlMessage = ProvisionStage | StopRun | StageReady | StageFault | StageStopped | RewireEdge
+ControlMessage = (
+    ProvisionStage
+    | StopRun
+    | StageReady
+    | StageFault
+    | StageStopped
+    | ProvisionRefused
+    | RewireEdge
+)

@@ -97,6 +97,10 @@ class StagePlan:
     layer_end_exclusive: int = int_field()
     inbound_edge: int = int_field()
     outbound_edge: int = int_field()
+    # This run's KV cache on this stage (``RunPlan.kv_positions`` positions of its
+    # blocks), and what the stage may hold for all the chain's runs (CONCURRENT_RUNS.md §5).
+    kv_bytes: int = int_field()
+    kv_budget_bytes: int = int_field()
 
 
 @frozen
@@ -130,6 +134,12 @@ class RunPlan:
     timeouts: Timeouts = typed_field(Timeouts)
     sampling: SamplingConfig = typed_field(SamplingConfig)
     return_logits: bool = bool_field()
+    # Positions of KV cache the run reserves on every stage: its prompt plus max_tokens,
+    # within max_seq_len (max_seq_len when the prompt's length is not known).
+    kv_positions: int = int_field()
+    # Rows of one worker call on a stage; rows of each prefill chunk (<= max_batch_rows).
+    max_batch_rows: int = int_field()
+    prefill_chunk: int = int_field()
 
     @property
     def stage_count(self) -> int:

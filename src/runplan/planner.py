@@ -12,9 +12,11 @@ from runplan.layers import Range, split_by_capacity, split_even
 from runplan.memory import (
     block_weight_bytes,
     fixed_weight_bytes,
+    kv_budget_bytes,
     kv_bytes_per_layer,
     kv_width,
     plan_stage_memory,
+    run_kv_bytes,
 )
 from runplan.placement import Placement, PlacementStrategy
 from runplan.plan import (
@@ -34,6 +36,7 @@ from runplan.rejections import (
     DuplicateNode,
     DuplicateStage,
     InsufficientMemory,
+    InvalidConfig,
     InvalidExtent,
     InvalidLayerRange,
     InvalidStageCount,
@@ -45,6 +48,7 @@ from runplan.specs import expected_object_spec, ring_spec
 from runplan.validate import (
     check_activation_family,
     check_alignment,
+    check_batching,
     check_dtype,
     check_extent,
     check_facts,
@@ -91,7 +95,7 @@ def plan_run(
         return rejection
     if stage_count > facts.num_layers:
         return InvalidStageCount(stage_count, facts.num_layers, None, "more stages than layers")
-    rejection = _check_config(config)
+    rejection = _check_config(config) or _check_run_shape(facts, config)
     if rejection:
         return rejection
 
@@ -123,8 +127,8 @@ def plan_run(
     if isinstance(rows, PlanRejection):
         return rows
 
-    plan = _build(config, pool, model, rows, rings)
-    rejection = _check_memory(facts, config, nodes, plan)
+    plan = _build(facts, config, pool, model, rows, rings)
+    rejection = _check_budgets(config, plan) or _check_memory(facts, config, nodes, plan)
     if rejection:
         return rejection
     return plan
@@ -149,7 +153,45 @@ def _check_config(config: RuntimeConfig) -> PlanRejection | None:
         or check_alignment(config.ring_alignment, "ring_alignment")
         or check_sampling(config.sampling)
         or check_timeouts(config.timeouts)
+        or check_batching(config)
     )
+
+
+def _check_run_shape(facts: ModelFacts, config: RuntimeConfig) -> PlanRejection | None:
+    """A run of a known prompt length must fit ``max_seq_len`` (its last token is not
+    fed back: ``prompt_tokens + max_tokens - 1`` positions)."""
+    n = config.prompt_tokens
+    if n > 0 and n + config.max_tokens - 1 > facts.max_seq_len:
+        return InvalidConfig(
+            "prompt_tokens",
+            str(n),
+            f"{n} prompt tokens + max_tokens {config.max_tokens} need "
+            f"{n + config.max_tokens - 1} positions; max_seq_len is {facts.max_seq_len}",
+        )
+    return None
+
+
+def kv_positions(facts: ModelFacts, config: RuntimeConfig) -> int:
+    """Positions of KV cache a run reserves on every stage: its prompt plus
+    ``max_tokens`` within ``max_seq_len``, or ``max_seq_len`` when the prompt's length
+    is not known."""
+    if config.prompt_tokens > 0:
+        return min(config.prompt_tokens + config.max_tokens, facts.max_seq_len)
+    return facts.max_seq_len
+
+
+def _check_budgets(config: RuntimeConfig, plan: RunPlan) -> PlanRejection | None:
+    """An explicit KV budget must hold this run's cache on every stage (else the run
+    could never be admitted)."""
+    for stage in plan.stages:
+        if stage.kv_bytes > stage.kv_budget_bytes:
+            return InvalidConfig(
+                "kv_budget_bytes",
+                str(config.kv_budget_bytes),
+                f"stage {stage.stage_index} needs {stage.kv_bytes} bytes of KV cache for "
+                f"this run's {plan.kv_positions} positions",
+            )
+    return None
 
 
 def _model_plan(facts: ModelFacts, config: RuntimeConfig) -> GgufModelPlan:
@@ -230,7 +272,10 @@ def _split_by_memory(
 ) -> list[Range]:
     n = len(node_ids)
     worker = config.worker
+    # Each block's share of a stage's KV budget: max_concurrent_runs full-length caches;
+    # an explicit byte budget is the same on every stage, whatever its blocks.
     kv = kv_bytes_per_layer(facts, kv_width(worker, config.activation_dtype_width_bytes))
+    runs = 0 if config.kv_budget_bytes > 0 else config.max_concurrent_runs
     sharers = Counter(nodes[nid].device_key for nid in node_ids)
     capacity = [nodes[nid].memory_bytes // sharers[nodes[nid].device_key] for nid in node_ids]
     fixed = []
@@ -239,8 +284,9 @@ def _split_by_memory(
         fixed.append(
             fixed_weight_bytes(facts, worker, first=i == 0, last=i == n - 1)
             + inbound.slot_count * inbound.slot_bytes
+            + config.kv_budget_bytes
         )
-    layer_cost = [b + k for b, k in zip(block_weight_bytes(facts, worker), kv, strict=True)]
+    layer_cost = [b + runs * k for b, k in zip(block_weight_bytes(facts, worker), kv, strict=True)]
     return split_by_capacity(layer_cost, fixed, capacity)
 
 
@@ -310,6 +356,7 @@ def check_ranges(ranges: Sequence[Range], num_layers: int) -> InvalidLayerRange 
 
 
 def _build(
+    facts: ModelFacts,
     config: RuntimeConfig,
     pool: NodePool,
     model: GgufModelPlan,
@@ -343,6 +390,8 @@ def _build(
     edges += [edge(i + 2, EdgeKind.ACTIVATION, ends[i], ends[i + 1]) for i in range(n - 1)]
     edges.append(edge(n + 1, EdgeKind.TOKEN_OUT, ends[n - 1], orch))
 
+    positions = kv_positions(facts, config)
+    width = config.activation_dtype_width_bytes
     stages = tuple(
         StagePlan(
             run_id=run_id,
@@ -354,6 +403,17 @@ def _build(
             layer_end_exclusive=end,
             inbound_edge=edges[i].edge_id,
             outbound_edge=edges[i + 1].edge_id,
+            kv_bytes=run_kv_bytes(
+                facts,
+                config.worker,
+                layer_start=start,
+                layer_end_exclusive=end,
+                activation_width=width,
+                positions=positions,
+            ),
+            kv_budget_bytes=kv_budget_bytes(
+                facts, config, layer_start=start, layer_end_exclusive=end
+            ),
         )
         for i, node_id, start, end in rows
     )
@@ -367,6 +427,9 @@ def _build(
         timeouts=config.timeouts,
         sampling=config.sampling,
         return_logits=config.return_logits,
+        kv_positions=positions,
+        max_batch_rows=config.max_batch_rows,
+        prefill_chunk=config.prefill_chunk or config.max_batch_rows,
     )
 
 

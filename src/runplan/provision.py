@@ -72,6 +72,10 @@ def _provision(
         ),
         model=model,
         timeouts=plan.timeouts,
+        kv_positions=plan.kv_positions,
+        kv_bytes=stage.kv_bytes,
+        kv_budget_bytes=stage.kv_budget_bytes,
+        max_batch_rows=plan.max_batch_rows,
         sampling=plan.sampling if last else None,
         return_logits=plan.return_logits and last,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from runplan.config import SamplingConfig, Timeouts, WorkerCapabilities
+from runplan.config import RuntimeConfig, SamplingConfig, Timeouts, WorkerCapabilities
 from runplan.dtypes import VALID_WIDTHS, DTypeFamily
 from runplan.facts import ModelFacts
 from runplan.plan import MAX_RUN_ID_BYTES, U64_MAX
@@ -64,6 +64,29 @@ def check_timeouts(timeouts: Timeouts) -> PlanRejection | None:
         value = getattr(timeouts, name)
         if not 1 <= value <= U32_MAX:
             return InvalidConfig(f"timeouts.{name}", str(value), f"must be in 1..{U32_MAX} ms")
+    return None
+
+
+def check_batching(config: RuntimeConfig) -> PlanRejection | None:
+    """The chain's settings for several runs (CONCURRENT_RUNS.md): a prompt length,
+    run count, budget and batch rows the header and the stages can hold, and a prefill
+    chunk that fits one batch."""
+    ranges = (
+        ("prompt_tokens", config.prompt_tokens, 0, U32_MAX, "(0: not known)"),
+        ("max_concurrent_runs", config.max_concurrent_runs, 1, U32_MAX, ""),
+        ("kv_budget_bytes", config.kv_budget_bytes, 0, U64_MAX, "(0: from max_concurrent_runs)"),
+        ("max_batch_rows", config.max_batch_rows, 1, U32_MAX, ""),
+    )
+    for name, value, low, high, note in ranges:
+        if not low <= value <= high:
+            return InvalidConfig(name, str(value), f"must be in {low}..{high} {note}".rstrip())
+    if not 0 <= config.prefill_chunk <= config.max_batch_rows:
+        return InvalidConfig(
+            "prefill_chunk",
+            str(config.prefill_chunk),
+            f"must be in 0..max_batch_rows ({config.max_batch_rows}): a chunk is one "
+            "batch's rows at most (0: the prompt in chunks of max_batch_rows)",
+        )
     return None
 
 

@@ -18,6 +18,7 @@ import cattrs
 from cattrs.strategies import configure_tagged_union
 
 from runplan.messages import (
+    ProvisionRefused,
     ProvisionStage,
     RewireEdge,
     StageFault,
@@ -32,7 +33,14 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 
 #: The types that travel on their own (tagged by ``"type"``).
 WireMessage: TypeAlias = (
-    RunPlan | ProvisionStage | StopRun | StageReady | StageFault | StageStopped | RewireEdge
+    RunPlan
+    | ProvisionStage
+    | StopRun
+    | StageReady
+    | StageFault
+    | StageStopped
+    | ProvisionRefused
+    | RewireEdge
 )
 MESSAGE_TYPES: tuple[type, ...] = get_args(WireMessage)
 

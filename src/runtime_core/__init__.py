@@ -2,13 +2,18 @@
 
 Loading one stage's slice of a GGUF file, the tokenizer, the NumPy reference worker,
 sampling, the ring and its edge ends, and the controllers that drive the orchestrator
-and stage state machines of ``runplan.fsm``.
+and stage state machines of ``runplan.fsm``: one run at a time (``StageController``,
+``OrchestratorController``), or many runs on one chain (``ChainStageController``,
+``ChainOrchestrator``, over the chain's links and the workers' batched steps).
 """
 
+from runtime_core.chain_orchestrator import ChainOrchestrator, RunRefused
+from runtime_core.chain_stage import ChainStageController
 from runtime_core.controller import StageController
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice, open_stage_slice
+from runtime_core.links import LinkReceiver, LinkSender, LocalLinks
 from runtime_core.local import LocalEdges
 from runtime_core.model_config import ModelConfig
 from runtime_core.orchestrator import OrchestratorController
@@ -23,14 +28,29 @@ from runtime_core.tokenizer import (
     UnknownPreTokenizer,
     UnknownTokenizerModel,
 )
-from runtime_core.worker import TokenOutput, Worker, WorkerError
+from runtime_core.worker import (
+    BatchStep,
+    KvCacheUnavailable,
+    StepFailure,
+    StepWorker,
+    TokenOutput,
+    Worker,
+    WorkerError,
+)
 
 __all__ = [
+    "BatchStep",
+    "ChainOrchestrator",
+    "ChainStageController",
     "ChatTemplateError",
     "EdgeClosed",
     "EdgeFaultError",
     "EdgeTimeout",
+    "KvCacheUnavailable",
+    "LinkReceiver",
+    "LinkSender",
     "LocalEdges",
+    "LocalLinks",
     "ModelConfig",
     "NoChatTemplate",
     "OrchestratorController",
@@ -39,10 +59,13 @@ __all__ = [
     "ReferenceWorker",
     "Ring",
     "RingError",
+    "RunRefused",
     "Sampler",
     "SendEnd",
     "StageController",
     "StageSlice",
+    "StepFailure",
+    "StepWorker",
     "TokenOutput",
     "Tokenizer",
     "TokenizerError",

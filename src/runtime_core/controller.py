@@ -21,7 +21,6 @@ waits. Both run the same machine, worker and edge ends.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -31,22 +30,22 @@ import numpy.typing as npt
 
 from runplan.fsm import stage as fsm
 from runplan.header import HeaderDType
-from runplan.messages import ProvisionStage, StageFault, StageReady, StageStopped
-from runplan.plan import Layout
-from runtime_core.activations import edge_dtype
+from runplan.messages import (
+    ProvisionRefused,
+    ProvisionStage,
+    StageFault,
+    StageReady,
+    StageStopped,
+)
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
+from runtime_core.records import decode_input, encode_output
 from runtime_core.ring import EdgeClosed
-from runtime_core.worker import Progress, TokenOutput, Worker
+from runtime_core.worker import Progress, StepWorker
 
 # Enum members read on every event, bound once: on Python 3.11 ``Enum.MEMBER`` goes
 # through the slow attribute hook of ``EnumType.__getattr__`` (about 0.1 us a read).
 _READY = fsm.State.READY
 _GAVE_UP = (fsm.State.FAULTED, fsm.State.STOPPING)
-_ROW_MAJOR = Layout.ROW_MAJOR
-_WITH_LOGITS = Layout.TOKEN_ID_WITH_LOGITS
-_HEADER_U32 = HeaderDType.U32
-_U32 = struct.Struct("<I")
-_U32_MAX = 2**32 - 1
 
 #: ``trace(kind, fields)``: what the controller did, for logs and Chrome traces.
 Trace = Callable[[str, dict[str, Any]], None]
@@ -62,7 +61,7 @@ class Transport(Protocol):
 
 
 class ControlChannel(Protocol):
-    def send(self, message: StageReady | StageFault | StageStopped) -> None: ...
+    def send(self, message: StageReady | StageFault | StageStopped | ProvisionRefused) -> None: ...
 
 
 class Timers(Protocol):
@@ -80,7 +79,7 @@ class StageController:
         self,
         node_id: str,
         orchestrator_node_id: str,
-        worker: Worker,
+        worker: StepWorker,
         transport: Transport,
         control: ControlChannel,
         timers: Timers,
@@ -325,40 +324,12 @@ class StageController:
     def _decode(self, record: Record) -> npt.NDArray[np.generic]:
         provision = self._provision
         assert provision is not None
-        spec = provision.inbound.object_spec
-        if spec.layout is _ROW_MAJOR:
-            dtype = edge_dtype(spec.dtype_family, spec.dtype_width_bytes)
-            rows = record.header.rows
-            data = np.frombuffer(record.payload, dtype=dtype).reshape(rows, -1)
-            return data.copy()
-        return np.frombuffer(record.payload, dtype="<u4").astype(np.uint32)
+        return decode_input(provision.inbound.object_spec, record.header.rows, record.payload)
 
     def _encode(self, output: Any) -> tuple[int, HeaderDType, bytes]:
         provision = self._provision
         assert provision is not None
-        spec = provision.outbound.object_spec
-        if isinstance(output, TokenOutput):
-            token_id = output.token_id
-            if type(token_id) is int and 0 <= token_id <= _U32_MAX:
-                payload = _U32.pack(token_id)  # the bytes NumPy would give, without an array
-            else:
-                payload = np.array([token_id], dtype="<u4").tobytes()
-            if spec.layout is _WITH_LOGITS:
-                if output.logits is None:
-                    raise ValueError("the run asks for logits; the worker gave none")
-                payload += np.ascontiguousarray(output.logits, dtype="<f4").tobytes()
-            return 1, _HEADER_U32, payload
-        if spec.layout is not _ROW_MAJOR:
-            raise ValueError(f"the last stage must return a TokenOutput, not {type(output)}")
-        array = np.ascontiguousarray(output)
-        dtype = HeaderDType.of(spec.dtype_family, spec.dtype_width_bytes)
-        if array.dtype != edge_dtype(spec.dtype_family, spec.dtype_width_bytes):
-            raise ValueError(f"activations of dtype {array.dtype}, the edge carries {dtype.name}")
-        if array.ndim != 2 or array.shape[1] != provision.model.hidden_dim:
-            raise ValueError(
-                f"activations of shape {array.shape}, expected (rows, {provision.model.hidden_dim})"
-            )
-        return array.shape[0], dtype, array.tobytes()
+        return encode_output(provision, output)
 
     # -- release -------------------------------------------------------------------------
     def run_release(self) -> None:

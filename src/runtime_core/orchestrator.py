@@ -10,7 +10,6 @@ both token ends exist, ``try_inject()`` while an injection waits for ring space,
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -21,8 +20,8 @@ from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.header import HeaderCheck, HeaderDType, HeaderRejection
 from runplan.messages import ProvisionStage, StopRun
-from runplan.plan import Layout
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, SendEnd
+from runtime_core.records import read_token, token_payload
 from runtime_core.ring import EdgeClosed
 
 Trace = Callable[[str, dict[str, Any]], None]
@@ -30,10 +29,7 @@ Trace = Callable[[str, dict[str, Any]], None]
 # Enum members read on every event, bound once: on Python 3.11 ``Enum.MEMBER`` goes
 # through the slow attribute hook of ``EnumType.__getattr__`` (about 0.1 us a read).
 _RUNNING = fsm.State.RUNNING
-_WITH_LOGITS = Layout.TOKEN_ID_WITH_LOGITS
 _HEADER_U32 = HeaderDType.U32
-_U32 = struct.Struct("<I")
-_U32_MAX = 2**32 - 1
 
 
 class OrchestratorTransport(Protocol):
@@ -173,10 +169,7 @@ class OrchestratorController:
         if self._inject is None or self.token_in is None:
             return False
         sequence, ids = self._inject
-        if len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] <= _U32_MAX:
-            payload = _U32.pack(ids[0])  # a fed-back token: NumPy's bytes, without an array
-        else:
-            payload = np.asarray(ids, dtype="<u4").tobytes()
+        payload = token_payload(ids)
         try:
             sent = self.token_in.try_send(sequence, len(ids), _HEADER_U32, payload)
         except EdgeClosed as exc:
@@ -214,9 +207,9 @@ class OrchestratorController:
                 return True
             self.handle(fsm.EndpointFault(f"token-out: {problem[0].value}: {problem[1]}"))
             return True
-        (token,) = _U32.unpack_from(record.payload)  # a checked record holds at least one
-        if check.object_spec.layout is _WITH_LOGITS:
-            self.logits.append(np.frombuffer(record.payload[4:], dtype="<f4").copy())
+        token, logits = read_token(check.object_spec, record.payload)  # a checked record
+        if logits is not None:
+            self.logits.append(logits)
         end.release(record)
         if self.trace is not _no_trace:
             self.trace("consumed", {"sequence": record.header.sequence, "token_id": token})

@@ -312,7 +312,9 @@ class StageModel:
     """One stage's blocks (and embedding / head) with a KV cache per block;
     ``forward`` runs rows of the residual stream through the blocks."""
 
-    def __init__(self, weights: StageWeights, max_seq_len: int) -> None:
+    def __init__(
+        self, weights: StageWeights, max_seq_len: int, positions: int | None = None
+    ) -> None:
         c = weights.config
         self.weights = weights
         self.config = c
@@ -322,9 +324,27 @@ class StageModel:
         self.windows = [c.layer_windows[i] for i in weights.layers]
         if any(self.windows) and c.rope_swa != c.rope:
             self.rot_swa = rope_rotations(c.rope_swa, max_seq_len, weights.rope_freq_factors)
-        # (n_kv_heads, size, head_dim) per block: max_seq_len positions, or the window.
-        # Untouched pages cost no memory: the cache grows as positions are written.
-        sizes = [min(w, max_seq_len) if w else max_seq_len for w in self.windows]
+        self._make_cache(max_seq_len if positions is None else positions)
+
+    def for_run(self, positions: int) -> StageModel:
+        """A model over the same weights and rotary tables with a KV cache of its own for
+        ``positions`` positions: one run's (CONCURRENT_RUNS.md §3)."""
+        run = object.__new__(StageModel)
+        run.weights, run.config, run.max_seq_len = self.weights, self.config, self.max_seq_len
+        run.rot, run.rot_swa, run.windows = self.rot, self.rot_swa, self.windows
+        run._make_cache(positions)
+        return run
+
+    @property
+    def kv_bytes(self) -> int:
+        """What the KV cache holds (allocated: its pages are taken as they are written)."""
+        return sum(a.nbytes for a in (*self.k_cache, *self.v_cache))
+
+    def _make_cache(self, positions: int) -> None:
+        c = self.config
+        # (n_kv_heads, size, head_dim) per block: ``positions``, or the window when that is
+        # shorter. Untouched pages cost no memory: the cache grows as positions are written.
+        sizes = [min(w, positions) if w else positions for w in self.windows]
         self.k_cache = [np.empty((c.n_kv_heads, n, c.head_dim_k), np.float32) for n in sizes]
         self.v_cache = [np.empty((c.n_kv_heads, n, c.head_dim_v), np.float32) for n in sizes]
         self.scale = np.float32(c.query_scale)

@@ -8,6 +8,11 @@ the most likely of those whose probability (softmax of the raw logits) reaches
 temperature. Ties are ordered by token id. Each draw takes exactly one number from a
 ``numpy.random.Generator(PCG64(seed))`` made for the run, so the same seed and the
 same logits give the same tokens.
+
+The draws are counted (``Sampler.draws``: one per token sampled at a temperature above
+0, none when greedy), and ``Sampler(config, draws=k)`` continues exactly where a sampler
+that drew ``k`` numbers would (the generator advanced by ``k``), so an interrupted run
+can be replayed from any token.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ class NonFiniteLogits(ValueError):
 
 
 class Sampler:
-    """The sampling state of one run."""
+    """The sampling state of one run; ``draws`` numbers drawn so far."""
 
-    def __init__(self, config: SamplingConfig) -> None:
+    def __init__(self, config: SamplingConfig, draws: int = 0) -> None:
+        if type(draws) is not int or draws < 0:
+            raise ValueError(f"draws {draws!r} is not a count >= 0")
         if not (math.isfinite(config.temperature) and config.temperature >= 0.0):
             raise ValueError(f"temperature {config.temperature} is not a finite number >= 0")
         if config.top_k < 0:
@@ -36,7 +43,16 @@ class Sampler:
         if not 0.0 < config.top_p <= 1.0:
             raise ValueError(f"top_p {config.top_p} is not in (0, 1]")
         self.config = config
-        self._rng = np.random.Generator(np.random.PCG64(config.seed))
+        bits = np.random.PCG64(config.seed)
+        if draws:
+            bits.advance(draws)  # each draw below takes one 64-bit output
+        self._rng = np.random.Generator(bits)
+        self.draws = draws
+
+    def uniform(self) -> float:
+        """The next number in [0, 1) of the run's stream (one draw)."""
+        self.draws += 1
+        return float(self._rng.random())
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         """One token id for the raw ``logits`` (length ``n_vocab``)."""
@@ -59,7 +75,7 @@ class Sampler:
             ids, kept = ids[:n], kept[:n]
         probs = _softmax(kept / c.temperature)
         cdf = np.cumsum(probs)
-        at = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
+        at = int(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right"))
         return int(ids[min(at, len(ids) - 1)])
 
 

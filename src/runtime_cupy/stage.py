@@ -56,11 +56,11 @@ from typing import Any, ClassVar
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.fsm import stage as fsm
-from runplan.messages import StageFault, StageReady, StageStopped
+from runplan.messages import ProvisionRefused, StageFault, StageReady, StageStopped
 from runplan.plan import EdgeKind
 from runtime_core.controller import StageController
 from runtime_core.kept_weights import KeepsWeights
-from runtime_core.worker import Progress, Worker, WorkerError
+from runtime_core.worker import Progress, StepWorker, Worker, WorkerError
 from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
 from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
@@ -119,7 +119,7 @@ class _Reporter:
     def __init__(self, stage: StageProcess) -> None:
         self.stage = stage
 
-    def send(self, message: StageReady | StageFault | StageStopped) -> None:
+    def send(self, message: StageReady | StageFault | StageStopped | ProvisionRefused) -> None:
         stage = self.stage
         stage.trace.instant(f"send {type(message).__name__}")
         # A stage's fault is the orchestrator's to report (and during teardown, an edge
@@ -146,7 +146,7 @@ class StageProcess:
         orchestrator_id: str,
         channel: ControlChannel,
         edges: ProcessEdges,
-        worker: Worker,
+        worker: StepWorker,
         stop_s: float,
         trace: TraceLog,
         lifeline_fd: int | None = None,
@@ -516,7 +516,7 @@ def main(
     sock = socket.socket(fileno=args.control_fd)
     key = control_key(secret, args.node_id)
     channel = ControlChannel(sock, key, args.node_id, args.orchestrator_id)
-    worker: Worker
+    worker: StepWorker
     try:
         worker = make(args.worker)
     except WorkerUnavailable as exc:

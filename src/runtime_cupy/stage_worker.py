@@ -17,17 +17,22 @@ Options common to every backend:
 - ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
   wide, float32 when 4), ``"f16"`` or ``"f32"``.
 
-Weights outlive a run (``runtime_core.kept_weights``): ``release`` ends the run (its
-sequence, position and sampling state) and keeps the backend with its weights; a later
-``bind`` for the same slice of the same file, with the same backend settings and cache
-length, uses that backend again (``weights_reused``) instead of loading. The backend's
-KV cache buffers are kept with it and hold nothing a new run reads: every run starts
-with a prefill at position 0, and a step reads only the positions its run wrote (causal
-attention over ``0..pos``). ``forget_weights`` releases the backend.
+Runs (CONCURRENT_RUNS.md): each run on the chain (``open_run`` .. ``close_run``) has
+its own KV cache on the backend (``new_cache`` for its ``kv_positions`` positions),
+sampler and cursor; ``execute_batch`` runs a batch's steps through ``_run_steps``, the
+one place that loops over them (each step selects its run's cache, ``use_cache``, and
+runs alone, so a run's results do not depend on its batch). A backend's batched kernels
+replace that loop.
+
+Weights outlive a run (``runtime_core.kept_weights``): ``release`` closes every run and
+keeps the backend with its weights; a later ``bind`` for the same slice of the same
+file, with the same backend settings and rotary length, uses that backend again
+(``weights_reused``) instead of loading. ``forget_weights`` releases the backend.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
 import attrs
@@ -42,27 +47,37 @@ from runtime_core.gguf_slice import StageSlice, open_provisioned_slice
 from runtime_core.kept_weights import WeightsKey, weights_key
 from runtime_core.sampling import Sampler
 from runtime_core.worker import (
+    BatchStep,
     Progress,
+    StepFailure,
+    StepResult,
     TokenOutput,
     WorkerError,
     checked_token_ids,
-    step_position,
 )
+from runtime_core.worker_runs import KvBudget, RunCursor, SingleRunSteps, rows_of, same_stage
 
 MATVEC_MODES = ("q8", "f32")
 KV_DTYPES = ("auto", "f16", "f32")
 
 
 class StageBackend(Protocol):
-    """Where a stage's weights live and its steps run."""
+    """Where a stage's weights live and its steps run. A step reads and writes the KV
+    cache last given to ``use_cache`` (one per run, from ``new_cache``)."""
 
     def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None: ...
+
+    def new_cache(self, positions: int) -> Any: ...
+
+    def use_cache(self, cache: Any) -> None: ...
+
+    def free_cache(self, cache: Any) -> None: ...
 
     def put_tokens(self, ids: npt.NDArray[np.int32]) -> None: ...
 
     def put_activations(self, data: Any) -> None: ...
 
-    def run(self, rows: int, pos: int) -> None: ...
+    def run(self, rows: int, pos: int, head: bool = True) -> None: ...
 
     def take_activations(self, rows: int) -> Any: ...
 
@@ -99,14 +114,13 @@ class _Held:
 
 @attrs.define
 class _Run:
-    """One run's state over the held backend."""
+    """One run's state over the held backend: its provision, KV cache, sampler (last
+    stage) and cursor."""
 
-    backend: StageBackend
-    vocab_size: int
-    sampling: SamplingConfig | None  # last stage
-    rng: np.random.Generator | None = None
-    next_sequence: int | None = None
-    next_pos: int = 0
+    provision: ProvisionStage
+    cache: Any
+    sampler: Sampler | None
+    cursor: RunCursor
 
 
 def kv_dtype_for(option: str, edge_width: int) -> str:
@@ -115,7 +129,7 @@ def kv_dtype_for(option: str, edge_width: int) -> str:
     return option
 
 
-class StageWorker:
+class StageWorker(SingleRunSteps):
     """The interface logic of a stage worker over a ``StageBackend``."""
 
     capabilities: ClassVar[WorkerCapabilities]
@@ -127,9 +141,11 @@ class StageWorker:
             raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {KV_DTYPES}")
         self.matvec = matvec
         self.kv_dtype = kv_dtype
-        self._provision: ProvisionStage | None = None
-        self._run: _Run | None = None
+        self._provision: ProvisionStage | None = None  # the stage, from configure
+        self._bound = False
         self._held: _Held | None = None
+        self._runs: dict[str, _Run] = {}
+        self._budget = KvBudget()
         self.weights_reused = False  # the last bind used the backend already held
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
@@ -139,7 +155,7 @@ class StageWorker:
         """Refuse, with ``UnsupportedModel``, a checked slice this worker's backend
         cannot run (before anything is loaded). Every slice passes by default."""
 
-    # -- Worker -----------------------------------------------------------------
+    # -- Worker: the chain ---------------------------------------------------------------
     def configure(self, provision: ProvisionStage) -> None:
         if provision.model.architecture not in self.capabilities.architectures:
             refusal = UnsupportedModel(
@@ -154,8 +170,14 @@ class StageWorker:
             activations.edge_dtype(provision.model.dtype_family, provision.model.dtype_width_bytes)
         except ValueError as exc:
             raise WorkerError(str(exc)) from exc
-        self.release()
+        same = self._provision is not None and same_stage(self._provision, provision)
+        if self._runs and not same:
+            raise WorkerError(
+                f"configure for another stage while runs {sorted(self._runs)} are open"
+            )
         self._provision = provision
+        self._budget.budget_bytes = provision.kv_budget_bytes
+        self._bound = self._bound and same
 
     def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
         """Load the stage's tensors onto a backend, or use the backend held when it has
@@ -165,13 +187,10 @@ class StageWorker:
         p = self._provision
         if p is None:
             raise WorkerError("bind before configure")
-        self._run = None
         edge = activations.edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
-        sampling = None
         if p.is_last:
-            sampling = p.sampling or SamplingConfig()
             try:
-                Sampler(sampling)  # the reference's checks of the settings
+                Sampler(p.sampling or SamplingConfig())  # the reference's checks of the settings
             except ValueError as exc:
                 raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
         spec = BackendSpec(
@@ -185,9 +204,12 @@ class StageWorker:
         held = self._held
         self.weights_reused = held is not None and held.key.reusable_for(key)
         if held is None or not self.weights_reused:
+            if self._runs:
+                raise WorkerError(f"bind other weights while runs {sorted(self._runs)} are open")
+            self._bound = False
             self.forget_weights()  # the old backend goes before a new one loads
             held = self._held = _Held(key, *self._load(gguf_source, p, spec, progress))
-        self._run = _Run(held.backend, held.vocab_size, sampling)
+        self._bound = True
 
     def _load(
         self,
@@ -216,57 +238,117 @@ class StageWorker:
                 backend.release()
             raise
 
-    def execute_step(
-        self, sequence: int, data: npt.NDArray[np.generic]
-    ) -> npt.NDArray[np.generic] | TokenOutput:
-        p, r = self._provision, self._run
-        if p is None or r is None:
-            raise WorkerError(f"execute_step({sequence}) before bind completed")
-        rows = self._rows(data)
-        pos = step_position(sequence, r.next_sequence, r.next_pos, rows, p.model.max_seq_len)
-        if sequence == 0 and r.sampling is not None:
-            r.rng = np.random.Generator(np.random.PCG64(r.sampling.seed))
-        b = r.backend
-        try:
-            if p.is_first:
-                b.put_tokens(checked_token_ids(b.to_host(data), r.vocab_size).astype(np.int32))
-            else:
-                self._check_activations(data, p.model.hidden_dim, p)
-                b.put_activations(data)
-            b.run(rows, pos)
-            result: npt.NDArray[np.generic] | TokenOutput = (
-                self._token(r, p.return_logits) if p.is_last else b.take_activations(rows)
-            )
-        except WorkerError:
-            raise
-        except (ValueError, FloatingPointError, MemoryError, RuntimeError) as exc:
-            raise WorkerError(f"step {sequence} failed: {exc}") from exc
-        r.next_sequence = sequence + 1
-        r.next_pos = pos + rows
-        return result
+    @property
+    def single_run(self) -> ProvisionStage | None:
+        """The run of the single-run path: the provision configure was given, once
+        bound."""
+        return self._provision if self._bound else None
+
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self._budget.reserved_bytes
 
     def release(self) -> None:
-        """End the run (sequence, position, sampling state); the backend and its weights
-        stay for the next run of the same slice."""
-        self._run = None
+        """The chain's end: every run closes (its cache, sequence, sampling state); the
+        backend and its weights stay for the next run of the same slice."""
+        for run_id in list(self._runs):
+            self.close_run(run_id)
         self._provision = None
+        self._bound = False
 
     def forget_weights(self) -> None:
         """Release the held backend (the next ``bind`` loads)."""
-        self._run = None
+        for run_id in list(self._runs):
+            self.close_run(run_id)
+        self._bound = False
         self.weights_reused = False
         if self._held is not None:
             held, self._held = self._held, None
             held.backend.release()
 
-    # -- checks ---------------------------------------------------------------------
-    @staticmethod
-    def _rows(data: Any) -> int:
-        shape = getattr(data, "shape", None)
-        if shape is None or len(shape) < 1:
-            raise WorkerError(f"a step carries an array of rows, got {type(data).__name__}")
-        return int(shape[0])
+    # -- Worker: the runs ----------------------------------------------------------------
+    def open_run(self, provision: ProvisionStage) -> None:
+        p, held = self._provision, self._held
+        if p is None or held is None or not self._bound:
+            raise WorkerError(f"open_run({provision.run_id!r}) before bind completed")
+        if not same_stage(p, provision):
+            raise WorkerError(f"run {provision.run_id!r} is provisioned for another stage")
+        sampler = None
+        if provision.is_last:
+            try:
+                sampler = Sampler(provision.sampling or SamplingConfig())
+            except ValueError as exc:
+                raise WorkerError(f"run {provision.run_id!r}: {exc}") from exc
+        self._budget.reserve(provision.run_id, provision.kv_bytes)  # KvCacheUnavailable
+        try:
+            cache = held.backend.new_cache(provision.kv_positions)
+        except (MemoryError, RuntimeError, ValueError) as exc:
+            self._budget.free(provision.run_id)
+            raise WorkerError(f"run {provision.run_id!r}: its KV cache: {exc}") from exc
+        cursor = RunCursor(provision.kv_positions, provision.model.max_seq_len)
+        self._runs[provision.run_id] = _Run(provision, cache, sampler, cursor)
 
+    def run_is_open(self, run_id: str) -> bool:
+        return run_id in self._runs
+
+    def close_run(self, run_id: str) -> None:
+        run = self._runs.pop(run_id, None)
+        self._budget.free(run_id)
+        if run is not None and self._held is not None:
+            self._held.backend.free_cache(run.cache)
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        if self._provision is None or self._held is None or not self._bound:
+            raise WorkerError("execute_batch before bind completed")
+        runs = [s.run_id for s in steps]
+        if len(set(runs)) != len(runs):
+            raise WorkerError(f"a batch takes one step per run, got {runs}")
+        return self._run_steps(steps)
+
+    def _run_steps(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        """The batch's steps, one run after another, each with its own cache: the one
+        loop a backend's batched kernels replace."""
+        return tuple(self._step(step) for step in steps)
+
+    def _step(self, step: BatchStep) -> StepResult:
+        run, held = self._runs.get(step.run_id), self._held
+        if run is None:
+            return StepFailure(f"run {step.run_id!r} is not open on this stage")
+        assert held is not None
+        p, b = run.provision, held.backend
+        try:
+            rows = rows_of(step.data)
+        except WorkerError as exc:
+            return StepFailure(str(exc))
+        pos = run.cursor.place(step, rows)
+        if isinstance(pos, StepFailure):
+            return pos
+        head = step.sequence > 0 or step.is_last_chunk  # only then does the head run
+        try:
+            b.use_cache(run.cache)
+            if p.is_first:
+                b.put_tokens(
+                    checked_token_ids(b.to_host(step.data), held.vocab_size).astype(np.int32)
+                )
+            else:
+                self._check_activations(step.data, p.model.hidden_dim, p)
+                b.put_activations(step.data)
+            b.run(rows, pos, head)
+            result: StepResult
+            if not p.is_last:
+                result = b.take_activations(rows)
+            elif not head:
+                result = None
+            else:
+                result = self._token(run, b)
+        except WorkerError as exc:
+            return StepFailure(str(exc))
+        except (ValueError, FloatingPointError, MemoryError, RuntimeError) as exc:
+            return StepFailure(f"step {step.sequence} failed: {exc}")
+        run.cursor.advance(step, rows)
+        return result
+
+    # -- checks ---------------------------------------------------------------------
     @staticmethod
     def _check_activations(data: Any, hidden: int, p: ProvisionStage) -> None:
         edge = activations.edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
@@ -276,13 +358,12 @@ class StageWorker:
             raise WorkerError(f"activations of dtype {data.dtype}, the edge carries {edge}")
 
     @staticmethod
-    def _token(r: _Run, return_logits: bool) -> TokenOutput:
-        b = r.backend
+    def _token(run: _Run, b: StageBackend) -> TokenOutput:
         token, bad = b.token()
         if bad:
             raise WorkerError(f"the logits hold {bad} NaN or infinite values")
-        assert r.sampling is not None
-        if r.sampling.temperature > 0.0:
-            assert r.rng is not None
-            token = b.sample(r.sampling, float(r.rng.random()))
-        return TokenOutput(token, b.logits() if return_logits else None)
+        sampler = run.sampler
+        assert sampler is not None
+        if sampler.config.temperature > 0.0:
+            token = b.sample(sampler.config, sampler.uniform())
+        return TokenOutput(token, b.logits() if run.provision.return_logits else None)

@@ -1,18 +1,28 @@
 """The synthetic worker: no weights, deterministic pseudo-tokens. With the timing model
 it lets the simulator run plans for models of any size (80 layers on 16 stages) in
-milliseconds of real time."""
+milliseconds of real time. It keeps the worker interface's rules of a chain of runs
+(each run's cursor and share of the KV budget, ``runtime_core.worker_runs``): a run's
+token at sequence ``k`` depends on its seed and ``k`` only, whatever its batch."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
-import numpy.typing as npt
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runtime_core.activations import edge_dtype
-from runtime_core.worker import Progress, TokenOutput, WorkerError
+from runtime_core.worker import (
+    BatchStep,
+    Progress,
+    StepFailure,
+    StepResult,
+    TokenOutput,
+    WorkerError,
+)
+from runtime_core.worker_runs import KvBudget, RunCursor, SingleRunSteps, rows_of, same_stage
 
 #: Runs any architecture and quant type: it never looks at the weights. It stands for a
 #: worker that keeps weights as stored and its KV cache in the activation dtype.
@@ -50,7 +60,7 @@ def pseudo_token(seed: int, sequence: int, vocab: int) -> int:
     return int.from_bytes(digest, "little") % vocab
 
 
-class SyntheticWorker:
+class SyntheticWorker(SingleRunSteps):
     capabilities: ClassVar[WorkerCapabilities] = SYNTHETIC_CAPABILITIES
 
     def __init__(
@@ -61,17 +71,19 @@ class SyntheticWorker:
         self.eos_after = eos_after  # the sequence at which to emit EOS, if any
         self._provision: ProvisionStage | None = None
         self._bound = False
-        self._last = False
-        self._seed = 0
         self._rows_of: tuple[int, np.dtype[np.generic]] | None = None
+        self._runs: dict[str, tuple[ProvisionStage, RunCursor]] = {}
+        self._budget = KvBudget()
 
     def configure(self, provision: ProvisionStage) -> None:
+        same = self._provision is not None and same_stage(self._provision, provision)
+        if not same:
+            self.release()
         self._provision = provision
-        self._bound = False
+        self._budget.budget_bytes = provision.kv_budget_bytes
+        self._bound = self._bound and same
         # What every step reads of the provision (the activations' dtype on the first
         # step, where a dtype without one fails as it always did).
-        self._last = provision.is_last
-        self._seed = provision.sampling.seed if provision.sampling is not None else 0
         self._rows_of = None
 
     def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
@@ -79,25 +91,62 @@ class SyntheticWorker:
             raise WorkerError("bind before configure")
         self._bound = True
 
-    def execute_step(
-        self, sequence: int, data: npt.NDArray[np.generic]
-    ) -> npt.NDArray[np.generic] | TokenOutput:
-        p = self._provision
-        if p is None or not self._bound:
+    @property
+    def single_run(self) -> ProvisionStage | None:
+        return self._provision if self._bound else None
+
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self._budget.reserved_bytes
+
+    def open_run(self, provision: ProvisionStage) -> None:
+        if self._provision is None or not self._bound:
+            raise WorkerError(f"open_run({provision.run_id!r}) before bind completed")
+        self._budget.reserve(provision.run_id, provision.kv_bytes)
+        cursor = RunCursor(provision.kv_positions, provision.model.max_seq_len)
+        self._runs[provision.run_id] = (provision, cursor)
+
+    def run_is_open(self, run_id: str) -> bool:
+        return run_id in self._runs
+
+    def close_run(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+        self._budget.free(run_id)
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        if self._provision is None or not self._bound:
             raise WorkerError("execute_step before bind completed")
-        rows = int(data.shape[0])
-        if not self._last:
+        return tuple(self._step(s) for s in steps)
+
+    def _step(self, step: BatchStep) -> StepResult:
+        run = self._runs.get(step.run_id)
+        if run is None:
+            return StepFailure(f"run {step.run_id!r} is not open on this stage")
+        p, cursor = run
+        try:
+            rows = rows_of(step.data)
+        except WorkerError as exc:
+            return StepFailure(str(exc))
+        pos = cursor.place(step, rows)
+        if isinstance(pos, StepFailure):
+            return pos
+        cursor.advance(step, rows)
+        if not p.is_last:
             if self._rows_of is None:
                 model = p.model
                 dtype = edge_dtype(model.dtype_family, model.dtype_width_bytes)
                 self._rows_of = (model.hidden_dim, dtype)
             hidden, dtype = self._rows_of
             return np.zeros((rows, hidden), dtype=dtype)
+        if step.sequence == 0 and not step.is_last_chunk:
+            return None
+        sequence = step.sequence
         if self.eos_after is not None and sequence >= self.eos_after:
             assert self.eos_token_id is not None
             token = self.eos_token_id
         else:
-            token = pseudo_token(self._seed, sequence, self.vocab_size)
+            seed = p.sampling.seed if p.sampling is not None else 0
+            token = pseudo_token(seed, sequence, self.vocab_size)
             if token == self.eos_token_id:
                 token = (token + 1) % self.vocab_size
         logits = None
@@ -107,5 +156,7 @@ class SyntheticWorker:
         return TokenOutput(token, logits)
 
     def release(self) -> None:
+        for run_id in list(self._runs):
+            self.close_run(run_id)
         self._provision = None
         self._bound = False

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from runplan import provision_all
 from runplan.fsm import orchestrator as o
 from runplan.fsm import stage as s
 from runplan.messages import (
     FaultKind,
+    FaultReason,
+    ProvisionRefused,
     StageFault,
     StageReady,
     StageStopped,
@@ -185,3 +189,115 @@ def test_a_prompt_the_run_cannot_take_is_refused_before_anything_starts() -> Non
         with pytest.raises(o.PromptError):
             o.OrchestratorMachine.for_plan(plan, prompt)  # type: ignore[arg-type]
     o.OrchestratorMachine.for_plan(plan, (1,) * 61)  # 61 + 4 - 1 = 64 positions: fits
+
+
+# -- several runs on one chain (CONCURRENT_RUNS.md): the rows this adds ----------------
+
+
+def test_a_prefill_in_chunks_runs_chunk_by_chunk_and_completes_sequence_0_after_the_last() -> None:
+    plan = small_plan(2)
+    m = _ready_stage(plan, 1)
+    edge = provision_all(plan)[1].inbound.edge_id
+    for j in range(3):
+        m, actions = s.step(m, s.ObjectLoaded(plan.run_id, edge, 0, j, 3))
+        assert _of(actions, s.ExecuteStep) == [s.ExecuteStep(0, j, 3)]
+        m, actions = s.step(m, s.StepCompleted(0, j))
+        assert m.state is s.State.READY and _of(actions, s.ReleaseInput)
+        assert (m.next_sequence, m.next_chunk) == ((0, j + 1) if j < 2 else (1, 0))
+    m, actions = s.step(m, s.ObjectLoaded(plan.run_id, edge, 1))  # then the decode steps
+    assert _of(actions, s.ExecuteStep) == [s.ExecuteStep(1)]
+
+
+def test_a_chunk_out_of_order_is_a_sequence_violation() -> None:
+    plan = small_plan(2)
+    edge = provision_all(plan)[1].inbound.edge_id
+    run = plan.run_id
+    cases = [  # (chunks of 3 done first, the record that breaks the order)
+        (0, s.ObjectLoaded(run, edge, 0, 1, 3)),  # chunk 1 before chunk 0
+        (1, s.ObjectLoaded(run, edge, 1)),  # sequence 1 before the prefill's last chunk
+        (1, s.ObjectLoaded(run, edge, 0, 1, 4)),  # another count than chunk 0 gave
+        (1, s.ObjectLoaded(run, edge, 0, 0, 3)),  # chunk 0 again
+        (3, s.ObjectLoaded(run, edge, 1, 0, 2)),  # a decode step in chunks
+    ]
+    for done, bad in cases:
+        m = _ready_stage(plan, 1)
+        for j in range(done):
+            m, _ = s.step(m, s.ObjectLoaded(run, edge, 0, j, 3))
+            m, _ = s.step(m, s.StepCompleted(0, j))
+        m, actions = s.step(m, bad)
+        assert m.state is s.State.FAULTED, bad
+        (fault,) = _of(actions, s.SendToOrchestrator)
+        assert fault.message.reason.kind is FaultKind.SEQUENCE_VIOLATION
+
+
+def test_a_stage_without_room_for_the_run_s_cache_refuses_the_provision_and_keeps_nothing() -> None:
+    plan = small_plan(2)
+    msg = provision_all(plan)[1]
+    m, _ = s.step(s.StageMachine.new(msg.node_id, ORCHESTRATOR), s.Received(ORCHESTRATOR, msg))
+    m, _ = s.step(m, s.SetupDone(s.SetupPart.WORKER))
+    m, actions = s.step(m, s.CacheUnavailable(1000, 200, 800))
+    assert m.state is s.State.UNPROVISIONED and m.provision is None
+    assert plan.run_id not in m.stale_runs  # the same provision may come again
+    assert _of(actions, s.CancelTimer) == [s.CancelTimer(s.Timer.SETUP)]
+    (refused,) = _of(actions, s.SendToOrchestrator)
+    assert refused.message == ProvisionRefused(plan.run_id, 1, msg.node_id, 1000, 200, 800)
+    m, actions = s.step(m, s.Received(ORCHESTRATOR, msg))
+    assert m.state is s.State.PREPARING
+
+
+def test_a_chain_fault_faults_the_run_with_its_reason() -> None:
+    plan = small_plan(2)
+    reason = FaultReason(FaultKind.EDGE_FAULT, "inbound link: the edge is closed")
+    m = _ready_stage(plan, 0)
+    m, actions = s.step(m, s.ChainFault(reason))
+    assert m.state is s.State.FAULTED
+    (fault,) = _of(actions, s.SendToOrchestrator)
+    assert fault.message == StageFault(plan.run_id, 0, plan.stages[0].node_id, reason)
+    m, actions = s.step(m, s.ChainFault(reason))  # once faulted, nothing more
+    assert actions == ()
+
+
+def test_a_refused_provision_faults_the_run_and_the_refusing_stage_is_not_waited_for() -> None:
+    plan = small_plan(3)
+    m, _ = o.step(o.OrchestratorMachine.for_plan(plan, (3, 4)), o.Start())
+    m, _ = o.step(m, o.EndpointsReady())
+    node = plan.stages[1].node_id
+    m, actions = o.step(m, o.Received(node, ProvisionRefused(plan.run_id, 1, node, 10, 2, 8)))
+    assert m.state is o.State.TEARING_DOWN and m.outcome is StopReason.FAULTED
+    assert m.fault is not None and m.fault.kind is FaultKind.KV_CACHE_UNAVAILABLE
+    assert "needs 10 bytes, 2 of 8 free (more than its whole budget" in m.fault.detail
+    assert [a.stage_index for a in _of(actions, o.SendStopRun)] == [0, 2]
+    for i in (0, 2):
+        st_ = plan.stages[i]
+        m, actions = o.step(m, o.Received(st_.node_id, StageStopped(plan.run_id, i, st_.node_id)))
+    assert m.state is o.State.DONE
+    assert _of(actions, o.RunFinished)[0].unconfirmed_stages == ()
+
+
+def test_a_refusal_after_the_run_was_torn_down_ends_the_wait_for_that_stage() -> None:
+    plan = small_plan(2)
+    m, _ = o.step(o.OrchestratorMachine.for_plan(plan, (3, 4)), o.Start())
+    m, _ = o.step(m, o.Cancel())
+    st0 = plan.stages[0]
+    m, _ = o.step(m, o.Received(st0.node_id, StageStopped(plan.run_id, 0, st0.node_id)))
+    assert m.state is o.State.TEARING_DOWN  # stage 1's answer to StopRun is awaited
+    st1 = plan.stages[1]
+    refusal = ProvisionRefused(plan.run_id, 1, st1.node_id, 10, 0, 20)
+    m, _ = o.step(m, o.Received(st1.node_id, refusal))  # it crossed the StopRun
+    assert m.state is o.State.DONE and m.outcome is StopReason.CANCELLED
+
+
+def test_a_prompt_in_chunks_has_the_time_of_every_chunk_through_the_pipeline() -> None:
+    plan = attrs.evolve(small_plan(2), prefill_chunk=2)
+    prompt = (3, 4, 5, 1, 2)  # 3 chunks
+    m, _ = o.step(o.OrchestratorMachine.for_plan(plan, prompt), o.Start())
+    m, _ = o.step(m, o.EndpointsReady())
+    for st_ in plan.stages:
+        m, actions = o.step(
+            m, o.Received(st_.node_id, StageReady(plan.run_id, st_.stage_index, st_.node_id))
+        )
+    assert _of(actions, o.InjectTokens) == [o.InjectTokens(0, prompt, 2)]
+    step_ms = plan.timeouts.step_ms
+    assert o.StartTimer(o.Timer.TOKEN, step_ms * (2 + 3 - 1)) in actions
+    m, actions = o.step(m, o.TokenConsumed(0, 5))
+    assert o.StartTimer(o.Timer.TOKEN, step_ms * 2) in actions  # a decode token: a step a stage

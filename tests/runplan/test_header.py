@@ -36,7 +36,9 @@ headers = st.builds(
     dtype=st.sampled_from(HeaderDType),
     rows=st.integers(0, 2**32 - 1),
     extent_bytes=st.integers(0, 2**64 - 1),
-)
+    chunk_index=st.integers(0, 2**32 - 2),
+    chunk_count=st.integers(1, 2**32 - 1),
+).filter(lambda h: h.chunk_index < h.chunk_count)
 
 
 @given(headers)
@@ -51,9 +53,39 @@ def test_layout_is_fixed() -> None:
     header = ObjectHeader("run-1", 7, 3, ObjectKind.ACTIVATION, HeaderDType.F16, 1, 1152)
     data = header.pack()
     assert data[:4] == b"GPOB"
-    assert struct.unpack_from("<HBBI", data, 4) == (1, 1, 1, 1)
+    assert struct.unpack_from("<HBBI", data, 4) == (2, 1, 1, 1)  # writers write version 2
     assert struct.unpack_from("<QQQ", data, 16) == (7, 3, 1152)
     assert data[40:45] == b"run-1" and data[45:104] == bytes(59)
+    assert struct.unpack_from("<II", data, 104) == (0, 1)  # chunk 0 of 1
+    assert data[112:] == bytes(16)
+    chunked = attrs.evolve(header, sequence=0, chunk_index=2, chunk_count=5).pack()
+    assert struct.unpack_from("<II", chunked, 104) == (2, 5)
+
+
+def _version_1(header: ObjectHeader) -> bytes:
+    """``header`` as a version 1 writer wrote it: version 1, bytes 104.. all zero."""
+    data = header.pack()
+    return data[:4] + struct.pack("<H", 1) + data[6:104] + bytes(24)
+
+
+def test_version_1_records_read_as_chunk_0_of_1() -> None:
+    header = ObjectHeader("run-1", 7, 0, ObjectKind.TOKEN, HeaderDType.U32, 3, 12)
+    assert ObjectHeader.unpack(_version_1(header)) == header
+    assert header.chunk_index == 0 and header.chunk_count == 1
+    # Version 1 has no chunk fields: its bytes 104.. are reserved.
+    for offset in (104, 108, 120):
+        with pytest.raises(HeaderError, match="reserved"):
+            ObjectHeader.unpack(_mutate(_version_1(header), offset, b"\x01"))
+
+
+@pytest.mark.parametrize(("index", "count"), [(0, 0), (1, 1), (5, 3), (2**32 - 1, 2**32 - 1)])
+def test_a_chunk_outside_its_count_is_refused(index: int, count: int) -> None:
+    header = ObjectHeader("run-1", 7, 0, ObjectKind.TOKEN, HeaderDType.U32, 3, 12)
+    with pytest.raises(HeaderError, match="chunk"):
+        attrs.evolve(header, chunk_index=index, chunk_count=count).pack()
+    data = _mutate(header.pack(), 104, struct.pack("<II", index, count))
+    with pytest.raises(HeaderError, match="chunk"):
+        ObjectHeader.unpack(data)
 
 
 def _mutate(data: bytes, offset: int, new: bytes) -> bytes:
@@ -68,11 +100,14 @@ GOOD = ObjectHeader("run-1", 2, 0, ObjectKind.TOKEN, HeaderDType.U32, 3, 12).pac
     [
         (GOOD[:127], "128"),
         (_mutate(GOOD, 0, b"GPOC"), "magic"),
-        (_mutate(GOOD, 4, struct.pack("<H", 2)), "version"),
+        (_mutate(GOOD, 4, struct.pack("<H", 3)), "version"),
+        (_mutate(GOOD, 4, struct.pack("<H", 0)), "version"),
         (_mutate(GOOD, 6, b"\x07"), "kind"),
         (_mutate(GOOD, 7, b"\x09"), "dtype"),
         (_mutate(GOOD, 12, b"\x01"), "reserved"),
-        (_mutate(GOOD, 110, b"\x01"), "reserved"),
+        (_mutate(GOOD, 112, b"\x01"), "reserved"),
+        (_mutate(GOOD, 127, b"\x01"), "reserved"),
+        (_mutate(GOOD, 108, bytes(4)), "chunk count"),
         (_mutate(GOOD, 40, bytes(64)), "run id"),
         (_mutate(GOOD, 40, b"a\x00b"), "NUL"),
         (_mutate(GOOD, 40, b"\xff\xfe"), "UTF-8"),
@@ -175,6 +210,7 @@ def test_validation_rejects_each_mismatch() -> None:
         HeaderRejection.ROWS_MISMATCH: attrs.evolve(
             good, rows=2, extent_bytes=2 * good.extent_bytes
         ),
+        HeaderRejection.CHUNK_MISMATCH: attrs.evolve(good, chunk_index=0, chunk_count=2),
     }
     for reason, header in cases.items():
         result = activation.validate(header, 1)
@@ -183,3 +219,8 @@ def test_validation_rejects_each_mismatch() -> None:
     prompt = ObjectHeader("run-1", token_in.edge_id, 0, ObjectKind.TOKEN, HeaderDType.U32, 3, 8)
     result = token_in.validate(prompt, 0)
     assert result is not None and result[0] is HeaderRejection.ROWS_MISMATCH
+    # A chunk of a prompt is fine: chunk 1 of 3, 2 of its tokens.
+    chunk = ObjectHeader(
+        "run-1", token_in.edge_id, 0, ObjectKind.TOKEN, HeaderDType.U32, 2, 8, 1, 3
+    )
+    assert token_in.validate(chunk, 0) is None

@@ -1,12 +1,18 @@
-"""Drive reference workers the way a pipeline does, in one process: plan a run with
-explicit layer ranges, provision every stage, and pass each stage's output to the
-next (the first stage takes u32 token ids, the last returns a ``TokenOutput``)."""
+"""Drive workers the way a pipeline does, in one process: plan a run with explicit
+layer ranges, provision every stage, and pass each stage's output to the next (the
+first stage takes u32 token ids, the last returns a ``TokenOutput``).
+
+``Chain`` drives the workers directly: one run step by step (``generate``), or several
+runs at once in batches, each batch one step of every run, a prefill whole or in chunks
+(``generate_batched``). ``tests/runtime_core/chain_runs.py`` drives the same through
+the chain controllers."""
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -19,6 +25,7 @@ from runplan import (
     Placement,
     PlanRejection,
     ProvisionStage,
+    RunPlan,
     RuntimeConfig,
     SamplingConfig,
     StageAssignment,
@@ -27,7 +34,7 @@ from runplan import (
     provision_all,
 )
 from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput, Worker
+from runtime_core.worker import BatchStep, StepFailure, StepResult, TokenOutput, Worker
 
 DTYPES = {
     "f32": (DTypeFamily.FLOAT, 4),
@@ -41,7 +48,7 @@ def even_cuts(num_layers: int, stages: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-def provisions(
+def plan_for(
     path: str | os.PathLike[str],
     ranges: Sequence[tuple[int, int]] | int = 1,
     *,
@@ -49,19 +56,33 @@ def provisions(
     max_seq_len: int = 128,
     sampling: SamplingConfig | None = None,
     return_logits: bool = True,
-) -> tuple[ProvisionStage, ...]:
-    """One provision per stage for explicit ``ranges`` (or that many even stages)."""
+    run_id: str = "test-run",
+    max_tokens: int | None = None,
+    prompt_tokens: int = 0,
+    max_concurrent_runs: int = 1,
+    kv_budget_bytes: int = 0,
+    max_batch_rows: int = 512,
+    prefill_chunk: int = 0,
+) -> RunPlan:
+    """A plan over nodes ``node-0..`` (orchestrator ``orch``) for explicit ``ranges``
+    (or that many even stages), with the RuntimeConfig fields of a chain of runs as
+    given (``max_tokens`` defaults to ``max_seq_len``)."""
     facts = model_facts_from_gguf(path, max_seq_len=max_seq_len)
     if isinstance(ranges, int):
         ranges = even_cuts(facts.num_layers, ranges)
     family, width = DTYPES[dtype]
     config = RuntimeConfig(
-        run_id="test-run",
-        max_tokens=max_seq_len,
+        run_id=run_id,
+        max_tokens=max_seq_len if max_tokens is None else max_tokens,
         activation_dtype_family=family,
         activation_dtype_width_bytes=width,
         sampling=sampling or SamplingConfig(),
         return_logits=return_logits,
+        prompt_tokens=prompt_tokens,
+        max_concurrent_runs=max_concurrent_runs,
+        kv_budget_bytes=kv_budget_bytes,
+        max_batch_rows=max_batch_rows,
+        prefill_chunk=prefill_chunk,
     )
     nodes = tuple(NodeSpec(f"node-{i}", 2**40) for i in range(len(ranges)))
     placement = Placement(
@@ -76,7 +97,14 @@ def provisions(
     )
     if isinstance(plan, PlanRejection):
         raise AssertionError(f"the test plan was rejected: {plan}")
-    return provision_all(plan)
+    return plan
+
+
+def provisions(
+    path: str | os.PathLike[str], ranges: Sequence[tuple[int, int]] | int = 1, **kwargs: Any
+) -> tuple[ProvisionStage, ...]:
+    """One provision per stage of ``plan_for(path, ranges, **kwargs)``."""
+    return provision_all(plan_for(path, ranges, **kwargs))
 
 
 @attrs.define
@@ -117,6 +145,67 @@ class Chain:
     def release(self) -> None:
         for w in self.workers:
             w.release()
+
+    # -- several runs, in batches ----------------------------------------------------------
+    def open(self, provs: Sequence[ProvisionStage]) -> None:
+        """Open one run (its provisions, stage by stage) on every stage."""
+        for w, p in zip(self.workers, provs, strict=True):
+            w.open_run(p)
+
+    def close(self, run_id: str) -> None:
+        for w in self.workers:
+            w.close_run(run_id)
+
+    def step_batch(self, steps: Sequence[BatchStep]) -> dict[str, StepResult]:
+        """One batch through every stage: each stage's outputs are the next one's steps
+        (a last stage's prefill chunk before the last ends there). Each run's result on
+        the last stage (or its ``StepFailure`` where it failed)."""
+        results: dict[str, StepResult] = {}
+        for w in self.workers:
+            outs = w.execute_batch(steps)
+            following = []
+            for step, out in zip(steps, outs, strict=True):
+                if isinstance(out, (StepFailure, TokenOutput)) or out is None:
+                    results[step.run_id] = out
+                else:
+                    following.append(attrs.evolve(step, data=out))
+            steps = following
+        return results
+
+    def generate_batched(
+        self, prompts: Mapping[str, Sequence[int]], n: int, chunk: int = 0
+    ) -> dict[str, list[TokenOutput]]:
+        """``n`` outputs of each open run (by run id), every run in every batch: first
+        each run's prefill (in chunks of ``chunk`` rows, 0: whole), then its decode steps,
+        each fed back its last token."""
+        pending: dict[str, list[BatchStep]] = {}
+        for run_id, prompt in prompts.items():
+            ids = np.array(prompt, dtype=np.uint32)
+            size = chunk or len(ids)
+            count = -(-len(ids) // size)
+            pending[run_id] = [
+                BatchStep(run_id, 0, j, count, ids[j * size : (j + 1) * size]) for j in range(count)
+            ]
+        outputs: dict[str, list[TokenOutput]] = {run_id: [] for run_id in prompts}
+        while pending:
+            steps = [queue[0] for queue in pending.values()]
+            results = self.step_batch(steps)
+            for step in steps:
+                pending[step.run_id].pop(0)
+                out = results.get(step.run_id)
+                if isinstance(out, StepFailure):
+                    raise AssertionError(f"run {step.run_id}: {out.detail}")
+                if out is None:
+                    continue  # a chunk of the prefill before the last
+                assert isinstance(out, TokenOutput)
+                outputs[step.run_id].append(out)
+                if len(outputs[step.run_id]) < n:
+                    token = np.array([out.token_id], dtype=np.uint32)
+                    pending[step.run_id].append(
+                        BatchStep(step.run_id, step.sequence + 1, 0, 1, token)
+                    )
+            pending = {run_id: queue for run_id, queue in pending.items() if queue}
+        return outputs
 
 
 def run(

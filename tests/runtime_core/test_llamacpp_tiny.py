@@ -175,12 +175,16 @@ def test_the_window_check_can_fail(model_dir: Path, monkeypatch: pytest.MonkeyPa
     entry = next(m for m in MODELS if m["name"] == "tiny-gemma3-6-F32")
     unwindowed = reference_model.StageModel.__init__
 
-    def widened(self: reference_model.StageModel, weights: Any, max_seq_len: int) -> None:
+    def widened(
+        self: reference_model.StageModel,
+        weights: Any,
+        max_seq_len: int,
+        positions: int | None = None,
+    ) -> None:
         c = weights.config
         wide = tuple(max_seq_len if w else 0 for w in c.layer_windows)
-        unwindowed(
-            self, attrs.evolve(weights, config=attrs.evolve(c, layer_windows=wide)), max_seq_len
-        )
+        weights = attrs.evolve(weights, config=attrs.evolve(c, layer_windows=wide))
+        unwindowed(self, weights, max_seq_len, positions)
 
     monkeypatch.setattr(reference_model.StageModel, "__init__", widened)
     chain = Chain.bind(provisions(model_file(entry, model_dir), 1, max_seq_len=64))

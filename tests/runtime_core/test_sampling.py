@@ -102,3 +102,31 @@ def test_logits_that_are_not_finite_are_refused(bad: float) -> None:
     logits[3] = bad
     with pytest.raises(ValueError, match="NaN or infinite"):
         Sampler(SamplingConfig(temperature=1.0)).sample(logits)
+
+
+@given(
+    st.lists(logits_vectors(max_size=32), min_size=2, max_size=8),
+    sampling_configs,
+    st.integers(0, 8),
+)
+def test_a_sampler_made_with_k_draws_continues_where_one_that_drew_k_would(
+    steps: list[np.ndarray], config: SamplingConfig, k: int
+) -> None:
+    """Issue 25 replays an interrupted run from its token k: ``Sampler(config, draws)``
+    with the draws counted so far samples the tokens the uninterrupted sampler samples."""
+    whole = Sampler(config)
+    tokens = [whole.sample(logits) for logits in steps]
+    k = min(k, len(steps))
+    head = Sampler(config)
+    for logits in steps[:k]:
+        head.sample(logits)
+    assert head.draws == (k if config.temperature > 0.0 else 0)  # one per sampled token
+    resumed = Sampler(config, draws=head.draws)
+    assert [resumed.sample(logits) for logits in steps[k:]] == tokens[k:]
+    assert resumed.draws == whole.draws
+
+
+@pytest.mark.parametrize("draws", [-1, 1.0, True])
+def test_a_draw_count_that_is_not_a_count_is_refused(draws: object) -> None:
+    with pytest.raises(ValueError, match="draws"):
+        Sampler(SamplingConfig(), draws=draws)  # type: ignore[arg-type]

@@ -135,3 +135,18 @@ def test_forget_weights_lets_them_go(make: MakeWorker, model: Path) -> None:
     w.forget_weights()
     assert bind(w, p)
     assert not w.weights_reused
+
+
+def test_a_later_run_of_a_longer_sequence_computes_what_a_fresh_worker_computes(
+    make: MakeWorker, model: Path
+) -> None:
+    """A warm stage's next run may reserve more positions than the one before (its
+    plan's ``max_seq_len``): its rotary tables are that long."""
+    (short,) = provisions(model, 1, max_seq_len=16, return_logits=False)
+    (long,) = provisions(model, 1, max_seq_len=48, return_logits=False)
+    w = make()
+    bind(w, short)
+    greedy(w, [5, 77, 300], 4)
+    bind(w, long)
+    prompt = list(range(3, 33))  # positions past the first run's 16
+    assert greedy(w, prompt, 8) == fresh(make, long, prompt, 8)

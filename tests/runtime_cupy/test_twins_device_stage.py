@@ -127,7 +127,7 @@ def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None
         assert isinstance(out, TokenOutput)
         tokens.append(out.token_id)
     assert k.python_launches - before == captured  # nothing launched from Python
-    assert backend.graph.launches == 6
+    assert backend.cache.graph.launches == 6
     # the same steps launched eagerly give the same tokens
     eager = EmulatedCudaWorker(use_graph=False)
     eager.configure(p)
@@ -240,6 +240,7 @@ def test_a_long_prefill_launches_within_cuda_s_grid_limits(
         lambda a, b: _dev(np.zeros((a.shape[0], b.shape[1]), np.float32)),
     )
     k = DEVICE_STAGE._KERNELS[0]
+    backend.use_cache(backend.new_cache(32))
     backend._step(70_000)
     assert {"attention_f32", "rope_kv_f32", "rmsnorm_rows", "swiglu_rows"} <= set(k.launched)
     w.release()

@@ -48,13 +48,10 @@ class TwinOps(NoOptionalSteps):
     worker's operations: none of the optional steps)."""
 
     def __init__(self, w: StageWeights[U8, F32], mode: str, kv_dtype: str, max_seq: int) -> None:
-        c = w.config
         self.w = w
         self.mode = mode
         self.kv = np.float16 if kv_dtype == "f16" else np.float32
-        n = len(w.layers)
-        self.k_cache = np.zeros((n, c.n_kv_heads, max_seq, c.head_dim_k), self.kv)
-        self.v_cache = np.zeros((n, c.n_kv_heads, max_seq, c.head_dim_v), self.kv)
+        self.k_cache = self.v_cache = np.zeros((0,), self.kv)  # a run's (use_cache)
         self.bufs: dict[str, F32] = {}
         self.q8: dict[str, twins.Q8Act] = {}
         self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
@@ -63,6 +60,14 @@ class TwinOps(NoOptionalSteps):
         self._decoded: dict[int, twins.Decoded] = {}
         self.pos = 0
         self.token = (0, 0)
+
+    def new_cache(self, positions: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """A run's KV cache of ``positions`` positions (keys, values)."""
+        c, n = self.w.config, len(self.w.layers)
+        return (
+            np.zeros((n, c.n_kv_heads, positions, c.head_dim_k), self.kv),
+            np.zeros((n, c.n_kv_heads, positions, c.head_dim_v), self.kv),
+        )
 
     def _maybe_q8(self, name: str, rows: int) -> None:
         row = self.bufs[name]
@@ -174,7 +179,18 @@ class TwinBackend:
     def put_activations(self, data: Any) -> None:
         self._input = activations.decode(np.asarray(data), self.spec.edge_dtype)
 
-    def run(self, rows: int, pos: int) -> None:
+    def new_cache(self, positions: int) -> Any:
+        assert self.ops is not None
+        return self.ops.new_cache(positions)
+
+    def use_cache(self, cache: Any) -> None:
+        assert self.ops is not None
+        self.ops.k_cache, self.ops.v_cache = cache
+
+    def free_cache(self, cache: Any) -> None:
+        pass
+
+    def run(self, rows: int, pos: int, head: bool = True) -> None:
         ops, w = self.ops, self.weights
         assert ops is not None and w is not None
         ops.pos = pos
@@ -185,7 +201,7 @@ class TwinBackend:
             assert self._input is not None
             ops.bufs["x"] = self._input
         forward_blocks(ops, w, rows)
-        if self.spec.is_last:
+        if self.spec.is_last and head:
             forward_head(ops, w, rows)
 
     def take_activations(self, rows: int) -> npt.NDArray[np.generic]:

@@ -8,6 +8,13 @@ endpoints opening) -> ``RUNNING`` (prompt injected) -> ``TEARING_DOWN`` -> ``DON
 The spec's ``Completed`` / ``Faulted`` states are the run's ``outcome``, decided on
 entering ``TEARING_DOWN``; ``cancelled`` is the third outcome (the caller tore the run
 down). Exactly one outcome per run; the first decided stands.
+
+One machine per run: an orchestrator of a chain drives one per run in flight
+(CONCURRENT_RUNS.md). A stage that cannot reserve the run's KV cache answers its
+provision with ``ProvisionRefused``: the run faults (``KV_CACHE_UNAVAILABLE``), and that
+stage, which keeps nothing of it, gets no ``StopRun`` and is not waited for. The prompt
+may travel in chunks (``InjectTokens.chunk_rows``, the plan's ``prefill_chunk``); the
+token timer of sequence 0 then covers every chunk through the pipeline.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from runplan.messages import (
     ControlMessage,
     FaultKind,
     FaultReason,
+    ProvisionRefused,
     ProvisionStage,
     StageFault,
     StageReady,
@@ -124,6 +132,7 @@ class EventKind(enum.Enum):
     STAGE_READY = "STAGE_READY"
     STAGE_FAULT = "STAGE_FAULT"
     STAGE_STOPPED = "STAGE_STOPPED"
+    PROVISION_REFUSED = "PROVISION_REFUSED"  # a stage cannot reserve the run's KV cache
     OTHER_MESSAGE = "OTHER_MESSAGE"  # a message kind an orchestrator never receives
     TOKEN = "TOKEN"
     ENDPOINT_FAULT = "ENDPOINT_FAULT"
@@ -138,6 +147,7 @@ _MESSAGE_KINDS = {
     StageReady: EventKind.STAGE_READY,
     StageFault: EventKind.STAGE_FAULT,
     StageStopped: EventKind.STAGE_STOPPED,
+    ProvisionRefused: EventKind.PROVISION_REFUSED,
 }
 _TIMER_KINDS = {
     Timer.READY: EventKind.READY_TIMEOUT,
@@ -180,10 +190,12 @@ class SendProvision:
 
 @frozen
 class InjectTokens:
-    """Write the token object ``sequence`` (the prompt at 0, one id after) on token-in."""
+    """Write the token object ``sequence`` (the prompt at 0, one id after) on token-in;
+    ``chunk_rows > 0``: the prompt as records of at most that many rows, in order."""
 
     sequence: int
     token_ids: tuple[int, ...]
+    chunk_rows: int = 0
 
 
 @frozen
@@ -287,6 +299,8 @@ class OrchestratorMachine:
     outcome: Outcome | None = None
     fault: FaultReason | None = None
     fault_stage: int | None = None
+    refused: frozenset[int] = frozenset()  # stages that refused the provision
+    prefill_chunk: int = 0  # rows per chunk of the prompt (0: one record)
 
     @classmethod
     def for_plan(cls, plan: RunPlan, prompt: tuple[int, ...]) -> OrchestratorMachine:
@@ -304,6 +318,7 @@ class OrchestratorMachine:
             eos_token_id=plan.model.eos_token_id,
             vocab_size=plan.model.vocab_size,
             timeouts=plan.timeouts,
+            prefill_chunk=plan.prefill_chunk,
         )
 
     @property
@@ -313,10 +328,19 @@ class OrchestratorMachine:
 
     @property
     def awaiting_stop(self) -> frozenset[int]:
-        return self.provisioned - self.dead - self.stopped
+        return self.provisioned - self.dead - self.stopped - self.refused
 
-    def _token_ms(self) -> int:
-        return self.timeouts.step_ms * len(self.node_ids)
+    @property
+    def prefill_chunks(self) -> int:
+        """Records the prompt travels in."""
+        size = self.prefill_chunk
+        return 1 if size <= 0 else -(-len(self.prompt) // size)
+
+    def _token_ms(self, sequence: int = 1) -> int:
+        """The bound on one token: a step per stage, and for sequence 0 one more step
+        per chunk after the first (the chunks pipeline through the stages)."""
+        steps = len(self.node_ids) + (self.prefill_chunks - 1 if sequence == 0 else 0)
+        return self.timeouts.step_ms * steps
 
 
 _Result = tuple[OrchestratorMachine, tuple[Action, ...]]
@@ -332,7 +356,8 @@ class PromptError(ValueError):
 
 def check_prompt(plan: RunPlan, prompt: tuple[int, ...]) -> None:
     """Raise ``PromptError`` unless every id is in the vocabulary and the prompt plus
-    ``max_tokens - 1`` fed-back tokens fit ``max_seq_len`` positions."""
+    ``max_tokens - 1`` fed-back tokens fit the positions the run's stages reserve
+    (``kv_positions``, within ``max_seq_len``)."""
     vocab = plan.model.vocab_size
     if not prompt:
         raise PromptError("the prompt has no tokens")
@@ -346,6 +371,12 @@ def check_prompt(plan: RunPlan, prompt: tuple[int, ...]) -> None:
         raise PromptError(
             f"{len(prompt)} prompt tokens + {plan.max_tokens} tokens to generate need "
             f"{positions} positions; the plan's max_seq_len is {plan.model.max_seq_len}"
+        )
+    if positions > plan.kv_positions:
+        raise PromptError(
+            f"{len(prompt)} prompt tokens + {plan.max_tokens} tokens to generate need "
+            f"{positions} positions; the run's stages reserve {plan.kv_positions} "
+            "(RuntimeConfig.prompt_tokens)"
         )
 
 
@@ -369,7 +400,7 @@ def _start(m: OrchestratorMachine, _e: Start) -> _Result:
 
 def _check_stage_message(m: OrchestratorMachine, e: Received) -> str | None:
     msg = e.message
-    assert isinstance(msg, StageReady | StageFault | StageStopped)
+    assert isinstance(msg, StageReady | StageFault | StageStopped | ProvisionRefused)
     if msg.run_id != m.run_id:
         return f"run id {msg.run_id!r} is not this run's ({m.run_id!r})"
     if not 0 <= msg.stage_index < len(m.node_ids):
@@ -388,8 +419,8 @@ def _maybe_run(m: OrchestratorMachine, actions: tuple[Action, ...]) -> _Result:
         return m, (
             *actions,
             CancelTimer(Timer.READY),
-            InjectTokens(0, m.prompt),
-            StartTimer(Timer.TOKEN, m._token_ms()),
+            InjectTokens(0, m.prompt, m.prefill_chunk if m.prefill_chunks > 1 else 0),
+            StartTimer(Timer.TOKEN, m._token_ms(0)),
         )
     return m, actions
 
@@ -422,7 +453,7 @@ def _teardown(
     and wait for them (or the stop timeout); the token endpoints close at the end."""
     m = _evolve(m, state=State.TEARING_DOWN, outcome=outcome, fault=fault, fault_stage=fault_stage)
     stop = StopRun(m.run_id, outcome)
-    sends = tuple(SendStopRun(i, m.node_ids[i], stop) for i in sorted(m.provisioned))
+    sends = tuple(SendStopRun(i, m.node_ids[i], stop) for i in sorted(m.provisioned - m.refused))
     out: tuple[Action, ...] = (
         *actions,
         CancelTimer(Timer.READY),
@@ -456,6 +487,49 @@ def _stage_fault(m: OrchestratorMachine, e: Received) -> _Result:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, StageFault)
     return _teardown(m, StopReason.FAULTED, e.message.reason, e.message.stage_index)
+
+
+def _refusal_detail(msg: ProvisionRefused, node_id: str) -> str:
+    never = (
+        " (more than its whole budget: it never fits)"
+        if msg.needed_bytes > msg.budget_bytes
+        else ""
+    )
+    return (
+        f"stage {msg.stage_index} on {node_id!r}: the run's KV cache needs {msg.needed_bytes} "
+        f"bytes, {msg.free_bytes} of {msg.budget_bytes} free{never}"
+    )
+
+
+def _provision_refused(m: OrchestratorMachine, e: Received) -> _Result:
+    """A stage cannot reserve the run's KV cache: the run faults; that stage holds
+    nothing of it, so it gets no StopRun and is not waited for."""
+    problem = _check_stage_message(m, e)
+    if problem:
+        return m, (Rejected(e.sender, e.message, problem),)
+    msg = e.message
+    assert isinstance(msg, ProvisionRefused)
+    m = _evolve(m, refused=m.refused | {msg.stage_index})
+    reason = FaultReason(FaultKind.KV_CACHE_UNAVAILABLE, _refusal_detail(msg, msg.node_id))
+    return _teardown(m, StopReason.FAULTED, reason, msg.stage_index)
+
+
+def _refused_in_teardown(m: OrchestratorMachine, e: Received) -> _Result:
+    """A refusal that crossed the StopRun: that stage will send no StageStopped."""
+    problem = _check_stage_message(m, e)
+    if problem:
+        return m, (Rejected(e.sender, e.message, problem),)
+    assert isinstance(e.message, ProvisionRefused)
+    m = _evolve(m, refused=m.refused | {e.message.stage_index})
+    if not m.awaiting_stop:
+        return _finish(m, (CancelTimer(Timer.STOP),))
+    return m, ()
+
+
+def _refused_when_running(m: OrchestratorMachine, e: Received) -> _Result:
+    """Every stage reported ready: none can refuse the provision any more."""
+    problem = _check_stage_message(m, e) or "the stage reported ready: it cannot refuse now"
+    return m, (Rejected(e.sender, e.message, problem),)
 
 
 def _stage_stopped_early(m: OrchestratorMachine, e: Received) -> _Result:
@@ -508,7 +582,7 @@ def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
         *delivered,
         CancelTimer(_TOKEN),
         InjectTokens(e.sequence + 1, (e.token_id,)),
-        StartTimer(_TOKEN, m._token_ms()),
+        StartTimer(_TOKEN, m._token_ms(e.sequence + 1)),
     )
 
 
@@ -590,6 +664,14 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     },
     (_S.WAITING_READY, _K.STAGE_FAULT): _T(_stage_fault, _W),
     (_S.WAITING_READY, _K.STAGE_STOPPED): _T(_stage_stopped_early, _W),
+    (_S.WAITING_READY, _K.PROVISION_REFUSED): _T(
+        _provision_refused,
+        {
+            _S.WAITING_READY: "",
+            _S.TEARING_DOWN: "KV cache refused: fault, StopRun to the other stages",
+            _S.DONE: "KV cache refused, no stage left",
+        },
+    ),
     (_S.WAITING_READY, _K.STAGE_DIED): _T(_stage_died, _W),
     (_S.WAITING_READY, _K.ENDPOINT_FAULT): _T(_endpoint_fault, _FAULT),
     (_S.WAITING_READY, _K.READY_TIMEOUT): _T(_ready_timeout, _FAULT),
@@ -606,6 +688,7 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.RUNNING, _K.STAGE_READY): _T(_ignore_ready, {_S.RUNNING: ""}),
     (_S.RUNNING, _K.STAGE_FAULT): _T(_stage_fault, _R),
     (_S.RUNNING, _K.STAGE_STOPPED): _T(_stage_stopped_early, _R),
+    (_S.RUNNING, _K.PROVISION_REFUSED): _T(_refused_when_running, {_S.RUNNING: ""}),
     (_S.RUNNING, _K.STAGE_DIED): _T(_stage_died, _R),
     (_S.RUNNING, _K.ENDPOINT_FAULT): _T(_endpoint_fault, _FAULT),
     (_S.RUNNING, _K.TOKEN_TIMEOUT): _T(_token_timeout, _FAULT),
@@ -618,6 +701,9 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
         _died_in_teardown, {_S.TEARING_DOWN: "", _S.DONE: "no live stage left"}
     ),
     (_S.TEARING_DOWN, _K.STOP_TIMEOUT): _T(_stop_timeout, {_S.DONE: "stop timeout"}),
+    (_S.TEARING_DOWN, _K.PROVISION_REFUSED): _T(
+        _refused_in_teardown, {_S.TEARING_DOWN: "", _S.DONE: "no stage left to wait for"}
+    ),
     **{
         (_S.TEARING_DOWN, k): _T(_drop, {_S.TEARING_DOWN: ""})
         for k in (

@@ -1,12 +1,20 @@
 """The stage controller's state machine (PIPELINE_ORCHESTRATION_MVP.md §6, §10), sans
 I/O: ``step(machine, event) -> (machine, actions)``.
 
-One machine per stage node. It accepts provisioning only from the orchestrator
-authorized for its node, rejects (with a typed reason, changing nothing) unknown and
-stale run ids, duplicate provisioning, objects on edges its provision does not name,
-rewiring requests, and messages a stage never receives. ``StopRun`` for the active run
-is authoritative in every state. ``STOPPED`` ends a run; the node may then be
-provisioned for a new run (never for a stopped one).
+One machine per run on a stage node (a stage of a chain holds one per run it serves,
+CONCURRENT_RUNS.md). It accepts provisioning only from the orchestrator authorized for
+its node, rejects (with a typed reason, changing nothing) unknown and stale run ids,
+duplicate provisioning, objects on edges its provision does not name, rewiring
+requests, and messages a stage never receives. ``StopRun`` for the active run is
+authoritative in every state. ``STOPPED`` ends a run; the node may then be provisioned
+for a new run (never for a stopped one).
+
+A prefill may come in chunks (header version 2): chunk ``j`` of sequence 0 executes
+only after chunk ``j - 1``, and sequence 0 is complete after its last chunk. A stage
+that cannot reserve the run's KV cache while preparing (``CacheUnavailable``) refuses
+the provision (``ProvisionRefused``) and goes back to ``UNPROVISIONED`` keeping nothing
+of the run (its id is not made stale). A fault of what the run shares with the chain's
+other runs (a link, the worker as a whole) reaches it as ``ChainFault``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from runplan.messages import (
     ControlMessage,
     FaultKind,
     FaultReason,
+    ProvisionRefused,
     ProvisionStage,
     RewireEdge,
     StageFault,
@@ -89,18 +98,23 @@ class SetupFailed:
 
 @frozen
 class ObjectLoaded:
-    """The inbound end loaded a record with a well-formed header."""
+    """The inbound end loaded a record with a well-formed header (chunk ``chunk_index``
+    of ``chunk_count`` of its sequence: 0 of 1 but for a chunked prefill)."""
 
     run_id: str
     edge_id: int
     sequence: int
+    chunk_index: int = 0
+    chunk_count: int = 1
 
 
 @frozen
 class StepCompleted:
-    """The step wrote its output object (same sequence) to the outbound edge."""
+    """The step wrote its output object (same sequence and chunk) to the outbound edge
+    (a last stage's chunk before the last writes nothing)."""
 
     sequence: int
+    chunk_index: int = 0
 
 
 @frozen
@@ -120,6 +134,24 @@ class EdgeFault:
 @frozen
 class TimerFired:
     timer: Timer
+
+
+@frozen
+class CacheUnavailable:
+    """The worker could not reserve the run's KV cache: the budget has ``free_bytes``
+    of ``budget_bytes`` left, the run needs ``needed_bytes``."""
+
+    needed_bytes: int
+    free_bytes: int
+    budget_bytes: int
+
+
+@frozen
+class ChainFault:
+    """A fault of what the run shares with the chain's other runs (a link closed or
+    corrupt, the worker failed as a whole): every run of the stage gets it."""
+
+    reason: FaultReason
 
 
 @frozen
@@ -143,6 +175,8 @@ Event = (
     | TimerFired
     | Released
     | OrchestratorLost
+    | CacheUnavailable
+    | ChainFault
 )
 
 
@@ -161,6 +195,8 @@ class EventKind(enum.Enum):
     STEP_TIMEOUT = "STEP_TIMEOUT"
     RELEASED = "RELEASED"
     ORCHESTRATOR_LOST = "ORCHESTRATOR_LOST"
+    CACHE_UNAVAILABLE = "CACHE_UNAVAILABLE"
+    CHAIN_FAULT = "CHAIN_FAULT"
 
 
 _MESSAGE_KINDS = {
@@ -177,6 +213,8 @@ _EVENT_KINDS = {
     EdgeFault: EventKind.EDGE_FAULT,
     Released: EventKind.RELEASED,
     OrchestratorLost: EventKind.ORCHESTRATOR_LOST,
+    CacheUnavailable: EventKind.CACHE_UNAVAILABLE,
+    ChainFault: EventKind.CHAIN_FAULT,
 }
 
 
@@ -201,14 +239,17 @@ class BeginSetup:
 
 @frozen
 class SendToOrchestrator:
-    message: StageReady | StageFault | StageStopped
+    message: StageReady | StageFault | StageStopped | ProvisionRefused
 
 
 @frozen
 class ExecuteStep:
-    """Run exactly one step over the loaded inbound object ``sequence``."""
+    """Run exactly one step over the loaded inbound object ``sequence`` (chunk
+    ``chunk_index`` of ``chunk_count``)."""
 
     sequence: int
+    chunk_index: int = 0
+    chunk_count: int = 1
 
 
 @frozen
@@ -290,6 +331,10 @@ class StageMachine:
     executing: int | None = None
     stale_runs: frozenset[str] = frozenset()
     fault: FaultReason | None = None
+    # The prefill in chunks: the chunk of sequence 0 to load next (while executing: the
+    # one running), and the count chunk 0 gave.
+    next_chunk: int = 0
+    chunk_count: int = 1
 
     @classmethod
     def new(cls, node_id: str, orchestrator_node_id: str) -> StageMachine:
@@ -393,6 +438,8 @@ def _provision(m: StageMachine, e: Received) -> _Result:
         next_sequence=0,
         executing=None,
         fault=None,
+        next_chunk=0,
+        chunk_count=1,
     )
     return m, (BeginSetup(msg), StartTimer(Timer.SETUP, msg.timeouts.ready_ms))
 
@@ -426,11 +473,30 @@ def _setup_timeout(m: StageMachine, _e: TimerFired) -> _Result:
     return _to_faulted(m, FaultReason(FaultKind.TIMEOUT, f"setup not done: {missing}"))
 
 
+def _order_problem(m: StageMachine, e: ObjectLoaded) -> str | None:
+    """Why the object is not the next of the run: its sequence, or (sequence 0) its
+    chunk: chunk ``j`` only after chunk ``j - 1``, each of the count chunk 0 gave."""
+    if e.sequence != m.next_sequence:
+        return f"sequence {e.sequence}, expected {m.next_sequence}"
+    if e.sequence > 0:
+        return f"sequence {e.sequence} in chunks ({e.chunk_count}): only a prefill is chunked"
+    if e.chunk_index == m.next_chunk and (e.chunk_index == 0 or e.chunk_count == m.chunk_count):
+        return None
+    expected = f"chunk {m.next_chunk}" + (f" of {m.chunk_count}" if m.next_chunk else "")
+    return f"sequence {e.sequence} chunk {e.chunk_index} of {e.chunk_count}, expected {expected}"
+
+
 def _object_when_ready(m: StageMachine, e: ObjectLoaded) -> _Result:
     problem = _object_problem(m, e)
     if problem:
         return m, (Reject("", *problem), DiscardObject(e.edge_id, e.sequence))
-    if e.sequence != m.next_sequence:
+    if e.chunk_index or e.chunk_count != 1 or m.next_chunk:  # a prefill in chunks
+        order = _order_problem(m, e)
+        if order is not None:
+            reason = FaultReason(FaultKind.SEQUENCE_VIOLATION, order)
+            return _to_faulted(m, reason, ReleaseInput(e.sequence))
+        m = _evolve(m, chunk_count=e.chunk_count)
+    elif e.sequence != m.next_sequence:
         reason = FaultReason(
             FaultKind.SEQUENCE_VIOLATION, f"sequence {e.sequence}, expected {m.next_sequence}"
         )
@@ -438,7 +504,8 @@ def _object_when_ready(m: StageMachine, e: ObjectLoaded) -> _Result:
     assert m.provision is not None
     step_ms = m.provision.timeouts.step_ms
     m = _evolve(m, state=_EXECUTING, executing=e.sequence)
-    return m, (ExecuteStep(e.sequence), StartTimer(_STEP, step_ms))
+    execute = ExecuteStep(e.sequence, e.chunk_index, e.chunk_count)
+    return m, (execute, StartTimer(_STEP, step_ms))
 
 
 def _object_out_of_turn(m: StageMachine, e: ObjectLoaded) -> _Result:
@@ -472,9 +539,21 @@ def _object_without_run(m: StageMachine, e: ObjectLoaded) -> _Result:
 
 
 def _step_completed(m: StageMachine, e: StepCompleted) -> _Result:
-    if e.sequence != m.executing:
+    if e.sequence != m.executing or e.chunk_index != m.next_chunk:
         return _violation(m, EventKind.STEP_COMPLETED, e)
-    m = _evolve(m, state=_READY, executing=None, next_sequence=e.sequence + 1)
+    if e.chunk_index + 1 < m.chunk_count:  # a chunk of the prefill: the next one
+        m = _evolve(m, state=_READY, executing=None, next_chunk=e.chunk_index + 1)
+    elif m.chunk_count != 1:  # the last chunk: sequence 0 is complete
+        m = _evolve(
+            m,
+            state=_READY,
+            executing=None,
+            next_sequence=e.sequence + 1,
+            next_chunk=0,
+            chunk_count=1,
+        )
+    else:
+        m = _evolve(m, state=_READY, executing=None, next_sequence=e.sequence + 1)
     return m, (CancelTimer(_STEP), ReleaseInput(e.sequence))
 
 
@@ -498,6 +577,36 @@ def _edge_fault(m: StageMachine, e: EdgeFault) -> _Result:
     elif m.state is State.PREPARING:
         actions = (CancelTimer(Timer.SETUP),)
     return _to_faulted(m, reason, *actions)
+
+
+def _cache_unavailable(m: StageMachine, e: CacheUnavailable) -> _Result:
+    """The run's KV cache cannot be reserved: refuse the provision and keep nothing of
+    the run (its id is not stale: the provision may come again)."""
+    run_id, stage_index, node_id = m._ident()
+    refused = ProvisionRefused(
+        run_id, stage_index, node_id, e.needed_bytes, e.free_bytes, e.budget_bytes
+    )
+    m = _evolve(
+        m,
+        state=State.UNPROVISIONED,
+        provision=None,
+        setup=frozenset(),
+        next_sequence=0,
+        executing=None,
+        fault=None,
+        next_chunk=0,
+        chunk_count=1,
+    )
+    return m, (CancelTimer(Timer.SETUP), SendToOrchestrator(refused))
+
+
+def _chain_fault(m: StageMachine, e: ChainFault) -> _Result:
+    actions: tuple[Action, ...] = ()
+    if m.executing is not None:
+        actions = (CancelTimer(Timer.STEP), ReleaseInput(m.executing))
+    elif m.state is State.PREPARING:
+        actions = (CancelTimer(Timer.SETUP),)
+    return _to_faulted(m, e.reason, *actions)
 
 
 def _stop(m: StageMachine, e: Received) -> _Result:
@@ -588,6 +697,8 @@ _LATE = (  # news of a step or setup that no longer matters once faulted or stop
     _K.STEP_FAILED,
     _K.STEP_TIMEOUT,
     _K.EDGE_FAULT,
+    _K.CACHE_UNAVAILABLE,
+    _K.CHAIN_FAULT,
 )
 
 TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
@@ -604,6 +715,12 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     **{(s, _K.STOP_RUN): _T(_stop_without_run, {s: ""}) for s in _NO_RUN},
     **{(s, _K.OBJECT_LOADED): _T(_object_without_run, {s: ""}) for s in _NO_RUN},
     **{(s, _K.ORCHESTRATOR_LOST): _T(_ignore, {s: ""}) for s in _NO_RUN},
+    **{(s, _K.CHAIN_FAULT): _T(_ignore, {s: ""}) for s in _NO_RUN},
+    # A fault of what the chain's runs share faults every active run.
+    **{
+        (s, _K.CHAIN_FAULT): _T(_chain_fault, {_S.FAULTED: "chain fault: StageFault"})
+        for s in (_S.PREPARING, _S.READY, _S.EXECUTING)
+    },
     # With an active run: no second provisioning; StopRun is authoritative.
     **{(s, _K.PROVISION): _T(_reject_provision, {s: ""}) for s in _ACTIVE},
     **{
@@ -622,6 +739,9 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.PREPARING, _K.SETUP_FAILED): _T(_setup_failed, {_S.FAULTED: _FAULT}),
     (_S.PREPARING, _K.SETUP_TIMEOUT): _T(_setup_timeout, {_S.FAULTED: _FAULT}),
     (_S.PREPARING, _K.EDGE_FAULT): _T(_edge_fault, {_S.FAULTED: _FAULT}),
+    (_S.PREPARING, _K.CACHE_UNAVAILABLE): _T(
+        _cache_unavailable, {_S.UNPROVISIONED: "KV cache not reserved: ProvisionRefused"}
+    ),
     (_S.PREPARING, _K.OBJECT_LOADED): _T(
         _object_out_of_turn, {_S.PREPARING: "", _S.FAULTED: "sequence violation"}
     ),
@@ -630,14 +750,18 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
         _object_when_ready,
         {
             _S.READY: "",
-            _S.EXECUTING: "next sequence: ExecuteStep",
-            _S.FAULTED: "other sequence: sequence violation",
+            _S.EXECUTING: "next sequence (or chunk): ExecuteStep",
+            _S.FAULTED: "other sequence (or chunk): sequence violation",
         },
     ),
     (_S.READY, _K.EDGE_FAULT): _T(_edge_fault, {_S.FAULTED: _FAULT}),
     # Executing
     (_S.EXECUTING, _K.STEP_COMPLETED): _T(
-        _step_completed, {_S.READY: "release the input slot", _S.FAULTED: "not the step run"}
+        _step_completed,
+        {
+            _S.READY: "release the input slot (a chunk: the next one)",
+            _S.FAULTED: "not the step run",
+        },
     ),
     (_S.EXECUTING, _K.STEP_FAILED): _T(_step_failed, {_S.FAULTED: _FAULT}),
     (_S.EXECUTING, _K.STEP_TIMEOUT): _T(_step_timeout, {_S.FAULTED: _FAULT}),

@@ -25,12 +25,13 @@ of the weights exactly (as the gguf package does) and multiplies float32 activat
 A source's rounded forms are computed once per value of the source (``_Rows.fresh``).
 
 The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``),
-one ring per block: ``max_seq_len`` positions, or a sliding block's window when that is
-shorter (what the planner counts, ``ModelFacts.layer_kv_positions``), position ``p`` in
-slot ``p % size``. A prefill that would wrap a sliding block's ring holds its own keys
-and values beside the ring until attention has read the positions they overwrite.
-Attention reads every position in order, whether from the ring or the step's rows, so
-a prefill computes what decoding it row by row computes, past the window too.
+one per run (``new_cache``; ``use_cache`` picks the one a step uses), one ring per block:
+the run's positions, or a sliding block's window when that is shorter (what the planner
+counts, ``ModelFacts.layer_kv_positions``), position ``p`` in slot ``p % size``. A
+prefill that would wrap a sliding block's ring holds its own keys and values beside the
+ring until attention has read the positions they overwrite. Attention reads every
+position in order, whether from the ring or the step's rows, so a prefill computes what
+decoding it row by row computes, past the window too.
 
 The architectures' optional steps (``program.py``) are the kernels' too: per-head Q/K
 norms, post-norms, GELU gating (llama.cpp's table of halves), the embedding scale, the
@@ -43,6 +44,7 @@ from __future__ import annotations
 import mmap
 from typing import Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -128,6 +130,20 @@ class _Rows:
         return self.q8[key]
 
 
+@attrs.frozen
+class CpuCache:
+    """One run's KV cache: per block, keys, values, and the heads tuple the kernels
+    take (with the ring's size)."""
+
+    k: list[npt.NDArray[Any]]
+    v: list[npt.NDArray[Any]]
+    heads: list[tuple[int, int, int, int, int, bool]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.k, *self.v))
+
+
 class CpuOps:
     """``program.Ops`` as calls of the compiled kernels."""
 
@@ -138,15 +154,12 @@ class CpuOps:
         self.w, self.spec, self.max_seq, self.threads = w, spec, max_seq, threads
         self.use_q8 = spec.matvec == "q8"
         self.kv = np.float16 if spec.kv_dtype == "f16" else np.float32
-        # per block: its window (0: global), a ring of ``size`` positions, its rotations
+        # per block: its window (0: global), a ring of ``size`` positions (the cache in
+        # use: a run's, ``use_cache``), its rotations
         self.windows = [layer.window for layer in w.layers]
-        sizes = [min(n, max_seq) if n else max_seq for n in self.windows]
-        self.k_cache = [np.zeros((c.n_kv_heads, n, c.head_dim_k), self.kv) for n in sizes]
-        self.v_cache = [np.zeros((c.n_kv_heads, n, c.head_dim_v), self.kv) for n in sizes]
-        self.heads = [
-            (c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, n, self.kv == np.float16)
-            for n in sizes
-        ]
+        self.k_cache: list[npt.NDArray[Any]] = []
+        self.v_cache: list[npt.NDArray[Any]] = []
+        self.heads: list[tuple[int, int, int, int, int, bool]] = []
         tables = [r for r in (w.rot, w.rot_swa) if r is not None]
         flat = {id(r): np.ascontiguousarray(r).view(np.float32) for r in tables}
         self.rots = [flat[id(w.layer_rot(i))] for i in range(len(w.layers))]  # (max_seq, n_rot)
@@ -190,6 +203,24 @@ class CpuOps:
         self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         self.pos = 0
         self.token = (0, 0)
+
+    def new_cache(self, positions: int) -> CpuCache:
+        """A KV cache of ``positions`` positions: each block's ring holds that many, or
+        its window when that is shorter. Zeroed pages cost no memory until written."""
+        c = self.w.config
+        sizes = [min(n, positions) if n else positions for n in self.windows]
+        return CpuCache(
+            [np.zeros((c.n_kv_heads, n, c.head_dim_k), self.kv) for n in sizes],
+            [np.zeros((c.n_kv_heads, n, c.head_dim_v), self.kv) for n in sizes],
+            [
+                (c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, n, self.kv == np.float16)
+                for n in sizes
+            ],
+        )
+
+    def use_cache(self, cache: CpuCache) -> None:
+        """The KV cache the next step reads and writes (a run's)."""
+        self.k_cache, self.v_cache, self.heads = cache.k, cache.v, cache.heads
 
     def _linears(self) -> list[Linear[U8]]:
         w = self.w
@@ -407,9 +438,20 @@ class CpuBackend:
     def put_activations(self, data: Any) -> None:
         self._input = activations.decode(np.asarray(data), self.spec.edge_dtype)
 
-    def run(self, rows: int, pos: int) -> None:
+    def new_cache(self, positions: int) -> CpuCache:
+        return self._ops().new_cache(positions)
+
+    def use_cache(self, cache: Any) -> None:
+        self._ops().use_cache(cache)
+
+    def free_cache(self, cache: Any) -> None:
+        """Nothing to do: the cache's arrays go with the last reference to them."""
+
+    def run(self, rows: int, pos: int, head: bool = True) -> None:
         ops, w = self._ops(), self.weights
         assert w is not None
+        if not ops.k_cache:
+            raise RuntimeError("no KV cache in use: a step runs for an open run")
         ops.pos = pos
         ops.use_rows(rows)
         if self.spec.is_first:
@@ -418,7 +460,7 @@ class CpuBackend:
             assert self._input is not None
             np.copyto(ops.buf.x, self._input)
         forward_blocks(ops, w, rows)
-        if self.spec.is_last:
+        if self.spec.is_last and head:
             forward_head(ops, w, rows)
 
     def take_activations(self, rows: int) -> npt.NDArray[np.generic]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import cupy
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +77,17 @@ class _Q8:
         self.s = cupy.zeros(n // CHUNK, dtype=cupy.float32)
 
 
+@attrs.define(eq=False)
+class DeviceCache:
+    """One run's KV cache: keys and values of every block, ``positions`` long, and the
+    decode graph captured over them (a graph keeps the pointers it was captured with)."""
+
+    k: Any
+    v: Any
+    positions: int
+    graph: Any = None
+
+
 class DeviceOps(NoOptionalSteps):
     """``program.Ops`` as launches on ``stream`` (none of the optional steps: the CUDA
     worker refuses the architectures that need them)."""
@@ -86,10 +98,11 @@ class DeviceOps(NoOptionalSteps):
         c = w.config
         self.k, self.w, self.spec, self.max_seq, self.stream = k, w, spec, max_seq, stream
         self.kv_half = spec.kv_dtype == "f16"
-        kv = cupy.uint16 if self.kv_half else cupy.float32
-        n = len(w.layers)
-        self.k_cache = cupy.zeros((n, c.n_kv_heads, max_seq, c.head_dim_k), dtype=kv)
-        self.v_cache = cupy.zeros((n, c.n_kv_heads, max_seq, c.head_dim_v), dtype=kv)
+        # The KV cache in use (a run's: ``use_cache``) and its positions, the stride the
+        # kernels index it by.
+        self.k_cache: Any = None
+        self.v_cache: Any = None
+        self.cache_len = 0
         self.rot = cupy.asarray(np.ascontiguousarray(w.rot).view(np.float32))
         self.state = cupy.zeros(2, dtype=cupy.int32)  # [position of row 0, token id]
         self.tokens = cupy.zeros(max_seq, dtype=cupy.int32)
@@ -121,6 +134,19 @@ class DeviceOps(NoOptionalSteps):
         self.use_tokens = False  # embed from `tokens` (prefill) or state[1] (decode)
 
     # -- buffers ----------------------------------------------------------------------
+    def new_cache(self, positions: int) -> DeviceCache:
+        """A run's KV cache of ``positions`` positions on the device."""
+        c, n = self.w.config, len(self.w.layers)
+        kv = cupy.uint16 if self.kv_half else cupy.float32
+        return DeviceCache(
+            cupy.zeros((n, c.n_kv_heads, positions, c.head_dim_k), dtype=kv),
+            cupy.zeros((n, c.n_kv_heads, positions, c.head_dim_v), dtype=kv),
+            positions,
+        )
+
+    def use_cache(self, cache: DeviceCache) -> None:
+        self.k_cache, self.v_cache, self.cache_len = cache.k, cache.v, cache.positions
+
     def use_rows(self, rows: int) -> None:
         """Point the named buffers at the one-row set, or at fresh ones for ``rows``."""
         if rows == 1:
@@ -247,7 +273,7 @@ class DeviceOps(NoOptionalSteps):
             f"rope_kv_{kv}", rows, 256,
             self.buf["qkv"], rows, bias, self.rot, self.state, c.n_heads, c.n_kv_heads,
             c.head_dim_k, c.head_dim_v, c.rope.n_dims, int(c.rope.neox),
-            self.k_cache[layer], self.v_cache[layer], self.max_seq,
+            self.k_cache[layer], self.v_cache[layer], self.cache_len,
         )  # fmt: skip
 
     def attention(self, layer: int, rows: int) -> None:
@@ -258,7 +284,7 @@ class DeviceOps(NoOptionalSteps):
         self._launch(
             f"attention_{kv}", (rows, c.n_heads), ATT_THREADS,
             self.buf["qkv"], rows, self.k_cache[layer], self.v_cache[layer], self.state,
-            c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, self.max_seq, self.scale,
+            c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, self.cache_len, self.scale,
             self.buf["att"],
             fused.q if fused else None, fused.d if fused else None, fused.s if fused else None,
         )  # fmt: skip
@@ -308,7 +334,8 @@ class DeviceBackend:
         self.ops: DeviceOps | None = None
         self.weights: StageWeights[Any, Any] | None = None
         self.stream: Any = None
-        self.graph: Any = None
+        self.cache: DeviceCache | None = None  # the run's cache the next step uses
+        self._parked: DeviceCache | None = None  # the cache of the run that ended last
         self.graphs_captured = 0  # how often a decode graph was captured (for tests)
         self._edge_in: Any = None
         self._edge_out: Any = None
@@ -358,19 +385,58 @@ class DeviceBackend:
                 target.set(np.ascontiguousarray(data), stream=self.stream)
             self._input = target
 
-    def run(self, rows: int, pos: int) -> None:
+    def new_cache(self, positions: int) -> DeviceCache:
+        """A run's cache: the one last freed when it has the same positions (with its
+        captured graph: a warm stage's next run replays it), else a new one (the one
+        last freed goes first, so the stage never holds more than its runs had)."""
         ops = self._ops()
+        parked, self._parked = self._parked, None
+        if parked is not None and parked.positions == positions:
+            return parked
+        if parked is not None:
+            self._drop(parked)
+        with self.device:
+            return ops.new_cache(positions)
+
+    def use_cache(self, cache: Any) -> None:
+        self._ops().use_cache(cache)
+        self.cache = cache
+
+    def free_cache(self, cache: Any) -> None:
+        """A run is over: its cache is kept for the next run of its length (it holds
+        nothing a run reads: each starts with a prefill at position 0 and attends only
+        to the positions it wrote); the one kept before goes."""
+        if self.cache is cache:
+            self.cache = None
+            if self.ops is not None:
+                self.ops.k_cache = self.ops.v_cache = None
+        if self._parked is not None and self._parked is not cache:
+            self._drop(self._parked)
+        self._parked = cache
+
+    @staticmethod
+    def _drop(cache: DeviceCache) -> None:
+        cache.graph = cache.k = cache.v = None  # the memory returns to CuPy's pool
+
+    def run(self, rows: int, pos: int, head: bool = True) -> None:
+        """A step of ``rows`` rows at ``pos`` against the cache in use. A decode row
+        replays the graph captured for that cache (``head`` is ignored there: the
+        graph's head is cheap, and its result unused)."""
+        ops = self._ops()
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("no KV cache in use: a step runs for an open run")
         with self.device:
             self._host_state[0] = pos
             self._host_state[1] = self._token
             ops.state.set(self._host_state, stream=self.stream)
             ops.use_tokens = False
             if rows == 1 and self.use_graph:
-                if self.graph is None:
-                    self.graph = self._capture()
-                self.graph.launch(stream=self.stream)
+                if cache.graph is None:
+                    cache.graph = self._capture()
+                cache.graph.launch(stream=self.stream)
             else:
-                self._step(rows)
+                self._step(rows, head)
             self.stream.synchronize()
 
     def take_activations(self, rows: int) -> Any:
@@ -422,7 +488,10 @@ class DeviceBackend:
         if self.stream is not None:
             with self.device:
                 self.stream.synchronize()
-        self.graph = None
+        for cache in (self.cache, self._parked):
+            if cache is not None:
+                self._drop(cache)
+        self.cache = self._parked = None
         self.ops = None
         self.weights = None
         self._edge_in = self._edge_out = self._input = None
@@ -447,7 +516,7 @@ class DeviceBackend:
         self.graphs_captured += 1
         return graph
 
-    def _step(self, rows: int) -> None:
+    def _step(self, rows: int, head: bool = True) -> None:
         """Every launch of one step (captured into the graph for a decode row)."""
         ops, w = self._ops(), self.weights
         assert w is not None
@@ -459,7 +528,8 @@ class DeviceBackend:
             self._convert_in(self._input, ops.buf["x"])
         forward_blocks(ops, w, rows)
         if self.spec.is_last:
-            forward_head(ops, w, rows)
+            if head:
+                forward_head(ops, w, rows)
         elif rows == 1:
             self._convert_out(ops.buf["x"], self._edge_out)
 

@@ -79,8 +79,8 @@ class CudaWorker(StageWorker):
         """Switch decode steps between graph replays and eager launches; takes effect
         at the next step (a graph is captured at the first graph step)."""
         self.use_graph = use_graph
-        if self._run is not None:
-            self._run.backend.use_graph = use_graph  # type: ignore[attr-defined]
+        if self._held is not None:
+            self._held.backend.use_graph = use_graph  # type: ignore[attr-defined]
 
     def _check_stage(self, stage: StageSlice) -> None:
         c = stage.config

@@ -49,7 +49,8 @@ def test_each_block_holds_the_kv_cache_the_planner_counts(
     ) as stage:
         ops = CpuOps(load_weights(stage, _Mapped(), max_seq_len, join_parts=False), spec,
                      max_seq_len, 1)  # fmt: skip
-    held = [k.nbytes + v.nbytes for k, v in zip(ops.k_cache, ops.v_cache, strict=True)]
+    cache = ops.new_cache(max_seq_len)  # a run of max_seq_len positions
+    held = [k.nbytes + v.nbytes for k, v in zip(cache.k, cache.v, strict=True)]
     assert tuple(held) == facts.layer_kv_bytes(2 if kv == "f16" else 4)
     # a window shorter than the sequence: those blocks hold less than the global ones
     assert any(w and w < max_seq_len for w in facts.layer_windows) == (max_seq_len == 40)

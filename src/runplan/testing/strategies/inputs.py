@@ -87,6 +87,7 @@ def model_facts(draw: st.DrawFn, *, max_layers: int = 48) -> ModelFacts:
 @st.composite
 def runtime_configs(draw: st.DrawFn) -> RuntimeConfig:
     family, width = draw(activation_dtypes)
+    batch_rows = draw(st.integers(1, 1024))
     return RuntimeConfig(
         run_id=draw(run_ids),
         max_tokens=draw(st.integers(1, 4096)),
@@ -107,6 +108,9 @@ def runtime_configs(draw: st.DrawFn) -> RuntimeConfig:
             edge_wait_ms=draw(st.integers(1, 10**6)),
             stop_ms=draw(st.integers(1, 10**6)),
         ),
+        max_concurrent_runs=draw(st.integers(1, 8)),
+        max_batch_rows=batch_rows,
+        prefill_chunk=draw(st.integers(0, batch_rows)),
     )
 
 

@@ -1,0 +1,475 @@
+"""The orchestrator of a chain (CONCURRENT_RUNS.md): many runs over one chain's links.
+
+Each run is an MVP run in full, driven by its own ``runplan.fsm.orchestrator`` machine:
+its plan, provisions, readiness barrier, sequences, one outcome, ``StopRun`` to every
+stage. The runs share the chain's control channels and its two token links (token-in,
+whose ring stage 0 makes; token-out, whose ring this side makes). Like the other
+controllers it does no waiting of its own: ``handle(event)`` feeds machines and carries
+out their actions; the runtime calls ``try_open_links()`` while ``links_pending``,
+``try_inject()`` while ``inject_pending`` and ``poll_tokens()`` while ``wants_tokens``.
+
+- ``add_run(plan, prompt, on_token=...)`` starts a run, or holds it (QUEUED) while the
+  runs in flight leave some stage's KV budget without room for its cache (the plan's
+  ``kv_bytes`` against ``kv_budget_bytes``, stage by stage); it starts when runs in
+  flight end, first held, first started. A run whose cache exceeds a stage's whole
+  budget is refused at once (``RunRefused``): it could never run.
+- Token-in carries one queue of records for every run, in the order they were asked
+  for: a run's prompt (in chunks of the plan's ``prefill_chunk`` rows: chunk ``j`` of
+  ``P``, in order), then each fed-back token after the one before it was consumed.
+- Token-out records are routed by their run id: a record of a run this side does not
+  hold (unknown, or finished) is rejected, logged and dropped, and the link stays up; a
+  held run's record on another edge likewise; one that fails its run's checks (its
+  sequence, kind, extent; token 0 before the prompt's last chunk was written) is that
+  run's endpoint fault.
+- Control messages (``StageReady``, ``StageFault``, ``StageStopped``,
+  ``ProvisionRefused``) go to their run's machine; one for no held run is rejected.
+- A chain fault ends every run: ``StageDied`` (the runtime's notice that a stage
+  process or host is gone, its detail naming stage, node, host and cause) and a broken
+  token link go to every run in flight, each ending ``FAULTED`` with that reason; runs
+  still held end at once with the same reason (they were never provisioned).
+- ``cancel(run_id)`` ends one run (``CANCELLED``); the others go on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+from attrs import frozen
+
+from runplan import RunPlan
+from runplan.fsm import orchestrator as fsm
+from runplan.header import HeaderCheck, HeaderDType, HeaderRejection
+from runplan.messages import FaultKind, FaultReason, ProvisionStage, StopReason, StopRun
+from runtime_core.links import LinkFault, LinkReceiver, LinkSender
+from runtime_core.records import read_token, token_payload
+from runtime_core.ring import EdgeClosed
+
+Trace = Callable[[str, dict[str, Any]], None]
+#: ``on_token(run_id, sequence, token_id)``: a generated token for the caller.
+OnToken = Callable[[str, int, int], None]
+
+_RUNNING = fsm.State.RUNNING
+_DONE = fsm.State.DONE
+_U32 = HeaderDType.U32
+_NOT_THIS_RUN = (HeaderRejection.RUN_ID_MISMATCH, HeaderRejection.EDGE_ID_MISMATCH)
+
+
+class OrchestratorLinks(Protocol):
+    """The orchestrator's ends of a chain: token-out (it makes the ring) and token-in
+    (``None`` until stage 0's ring exists)."""
+
+    def open_token_out(self, plan: RunPlan) -> LinkReceiver: ...
+
+    def open_token_in(self, plan: RunPlan) -> LinkSender | None: ...
+
+
+class StageChannels(Protocol):
+    def send(self, node_id: str, message: ProvisionStage | StopRun) -> None: ...
+
+
+class RunTimers(Protocol):
+    """Timers per run; the runtime feeds ``RunTimerFired(run_id, timer)`` when one runs
+    out."""
+
+    def start(self, run_id: str, timer: fsm.Timer, ms: int) -> None: ...
+
+    def cancel(self, run_id: str, timer: fsm.Timer) -> None: ...
+
+
+@frozen
+class RunTimerFired:
+    """A run's timer ran out."""
+
+    run_id: str
+    timer: fsm.Timer
+
+
+class RunRefused(ValueError):
+    """A run the chain can never take: its KV cache exceeds a stage's whole budget, or
+    its run id is one the chain already has or had."""
+
+    def __init__(self, run_id: str, reason: str) -> None:
+        self.run_id = run_id
+        self.reason = reason
+        super().__init__(f"run {run_id!r} refused: {reason}")
+
+
+@frozen
+class _Record:
+    """A token-in record waiting for room on the link."""
+
+    run_id: str
+    sequence: int
+    ids: tuple[int, ...]
+    chunk_index: int
+    chunk_count: int
+
+
+@attrs.define(eq=False)
+class RunHandle:
+    """One run on the chain: its plan and machine, its logits (when it asks for them),
+    and its end (``finished``)."""
+
+    plan: RunPlan
+    machine: fsm.OrchestratorMachine
+    on_token: OnToken | None = None
+    logits: list[npt.NDArray[np.float32]] = attrs.field(factory=list)
+    finished: fsm.RunFinished | None = None
+    queued: bool = False  # held until the stages' budgets have room
+    needs_links: bool = False  # attached to the token links once they are open
+    unsent_chunks: int = 0  # chunks of the prompt not yet on token-in
+    check: HeaderCheck | None = None  # token-out records of this run
+
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.finished.tokens if self.finished is not None else self.machine.tokens
+
+
+def _no_trace(kind: str, fields: dict[str, Any]) -> None:
+    pass
+
+
+class ChainOrchestrator:
+    """Many runs over one chain."""
+
+    def __init__(
+        self,
+        channels: StageChannels,
+        links: OrchestratorLinks,
+        timers: RunTimers,
+        trace: Trace | None = None,
+    ) -> None:
+        self.channels = channels
+        self.links = links
+        self.timers = timers
+        self.trace = trace or _no_trace
+        self.runs: dict[str, RunHandle] = {}  # in flight and held, in the order added
+        self.done: set[str] = set()  # run ids that finished on this chain
+        self.token_in: LinkSender | None = None
+        self.token_out: LinkReceiver | None = None
+        self._inject: deque[_Record] = deque()
+        self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
+        self.broken: FaultReason | None = None  # a chain fault: no run starts any more
+
+    # -- runs ----------------------------------------------------------------------------
+    def add_run(
+        self, plan: RunPlan, prompt: Sequence[int], *, on_token: OnToken | None = None
+    ) -> RunHandle:
+        """Start a run of ``plan`` on ``prompt``, or hold it until the stages have room
+        for its KV cache. ``PromptError`` for a prompt the run cannot take;
+        ``RunRefused`` for a run that could never run (or a run id already used)."""
+        machine = fsm.OrchestratorMachine.for_plan(plan, tuple(prompt))
+        run_id = plan.run_id
+        if run_id in self.runs or run_id in self.done:
+            raise RunRefused(run_id, "the chain already has a run of this id")
+        for stage in plan.stages:
+            if stage.kv_bytes > stage.kv_budget_bytes:
+                raise RunRefused(
+                    run_id,
+                    f"its KV cache needs {stage.kv_bytes} bytes on stage {stage.stage_index} "
+                    f"({stage.node_id!r}), whose whole budget is {stage.kv_budget_bytes}",
+                )
+        handle = RunHandle(plan, machine, on_token)
+        self.runs[run_id] = handle
+        if self.broken is not None:
+            self._end_unstarted(handle, StopReason.FAULTED, self.broken)
+        elif self._fits(plan) and not any(h.queued for h in self.runs.values()):
+            self._start(handle)
+        else:
+            handle.queued = True
+            self.trace("queued", {"run_id": run_id})
+        return handle
+
+    def _fits(self, plan: RunPlan) -> bool:
+        return all(
+            self._reserved.get(s.stage_index, 0) + s.kv_bytes <= s.kv_budget_bytes
+            for s in plan.stages
+        )
+
+    def _start(self, handle: RunHandle) -> None:
+        handle.queued = False
+        for s in handle.plan.stages:
+            self._reserved[s.stage_index] = self._reserved.get(s.stage_index, 0) + s.kv_bytes
+        edge = handle.plan.token_out
+        handle.check = HeaderCheck.for_edge(
+            handle.run_id, edge.edge_id, edge.object_spec, handle.plan.model.hidden_dim
+        )
+        self._feed(handle, fsm.Start())
+
+    def _admit(self) -> None:
+        """Start held runs, first held first, while they fit."""
+        for handle in list(self.runs.values()):
+            if handle.queued:
+                if self.broken is not None or not self._fits(handle.plan):
+                    return
+                self._start(handle)
+
+    def cancel(self, run_id: str, detail: str = "") -> None:
+        """End one run at the caller's request (``CANCELLED``); the others go on."""
+        handle = self.runs.get(run_id)
+        if handle is None:
+            return
+        if handle.queued:
+            self._end_unstarted(handle, StopReason.CANCELLED, None)
+        else:
+            self._feed(handle, fsm.Cancel(detail or "the caller cancelled"))
+
+    def _end_unstarted(
+        self, handle: RunHandle, outcome: StopReason, fault: FaultReason | None
+    ) -> None:
+        """A run that never started ends with ``outcome``: nothing was provisioned."""
+        handle.queued = False
+        handle.finished = fsm.RunFinished(outcome, (), fault, None, ())
+        self._retire(handle)
+
+    def _retire(self, handle: RunHandle) -> None:
+        if self.runs.pop(handle.run_id, None) is None:
+            return
+        self.done.add(handle.run_id)
+        self._inject = deque(r for r in self._inject if r.run_id != handle.run_id)
+        if handle.check is not None:  # it started: its reservation goes
+            for s in handle.plan.stages:
+                self._reserved[s.stage_index] -= s.kv_bytes
+        self.trace("finished", {"run_id": handle.run_id, "outcome": _outcome(handle)})
+        self._admit()
+
+    # -- events in, actions out -------------------------------------------------------------
+    def handle(self, event: fsm.Received | fsm.StageDied | RunTimerFired) -> None:
+        """Feed one event: a control message to its run's machine, a stage's death to
+        every run (a chain fault), a timer to its run."""
+        if isinstance(event, fsm.Received):
+            run_id = getattr(event.message, "run_id", None)
+            handle = self.runs.get(run_id) if isinstance(run_id, str) else None
+            if handle is None or handle.queued:
+                reason = "a finished run" if run_id in self.done else "no run of this chain"
+                self.trace(
+                    "reject",
+                    {
+                        "sender": event.sender,
+                        "reason": f"{type(event.message).__name__} of {reason}",
+                    },
+                )
+                return
+            self._feed(handle, event)
+        elif isinstance(event, fsm.StageDied):
+            detail = f"stage {event.stage_index}: {event.detail}".rstrip(": ")
+            self._chain_fault(FaultReason(FaultKind.PROCESS_DIED, detail), event)
+        elif isinstance(event, RunTimerFired):
+            handle = self.runs.get(event.run_id)
+            if handle is not None and not handle.queued:
+                self._feed(handle, fsm.TimerFired(event.timer))
+        else:
+            raise TypeError(f"{type(event).__name__} is not an event of a chain's orchestrator")
+
+    def _chain_fault(self, reason: FaultReason, event: fsm.Event) -> None:
+        """Every run in flight gets ``event``; runs still held end with ``reason``."""
+        if self.broken is None:
+            self.broken = reason
+        self.trace("chain_fault", {"reason": str(reason)})
+        for handle in list(self.runs.values()):
+            if handle.queued:
+                self._end_unstarted(handle, StopReason.FAULTED, reason)
+            else:
+                self._feed(handle, event)
+
+    def _feed(self, handle: RunHandle, event: fsm.Event) -> None:
+        before = handle.machine.state
+        handle.machine, actions = fsm.step(handle.machine, event)
+        if handle.machine.state is not before and self.trace is not _no_trace:
+            self.trace(
+                "state",
+                {
+                    "run_id": handle.run_id,
+                    "from": before._name_,
+                    "to": handle.machine.state._name_,
+                    "event": type(event).__name__,
+                },
+            )
+        for action in actions:
+            self._act(handle, action)
+        if handle.machine.state is _DONE:
+            self._retire(handle)
+
+    def _act(self, handle: RunHandle, action: fsm.Action) -> None:
+        run_id = handle.run_id
+        if isinstance(action, fsm.DeliverToken):
+            if handle.on_token is not None:
+                handle.on_token(run_id, action.sequence, action.token_id)
+        elif isinstance(action, fsm.CancelTimer):
+            self.timers.cancel(run_id, action.timer)
+        elif isinstance(action, fsm.StartTimer):
+            self.timers.start(run_id, action.timer, action.ms)
+        elif isinstance(action, fsm.InjectTokens):
+            self._queue(handle, action)
+        elif isinstance(action, fsm.OpenTokenEndpoints):
+            handle.needs_links = True
+        elif isinstance(action, (fsm.SendProvision, fsm.SendStopRun)):
+            self.channels.send(action.node_id, action.message)
+        elif isinstance(action, fsm.CloseTokenEndpoints):
+            # The chain's links stay: only the run's records still waiting go.
+            handle.needs_links = False
+            self._inject = deque(r for r in self._inject if r.run_id != run_id)
+        elif isinstance(action, fsm.RunFinished):
+            handle.finished = action
+        elif isinstance(action, fsm.Rejected):
+            self.trace(
+                "reject", {"run_id": run_id, "sender": action.sender, "reason": action.reason}
+            )
+        elif isinstance(action, fsm.ProtocolViolation):
+            self.trace(
+                "protocol_violation",
+                {"run_id": run_id, "state": action.state.name, "kind": action.kind.name},
+            )
+
+    def _queue(self, handle: RunHandle, action: fsm.InjectTokens) -> None:
+        ids, size = action.token_ids, action.chunk_rows
+        if action.sequence == 0 and 0 < size < len(ids):
+            count = -(-len(ids) // size)
+            chunks = [ids[j * size : (j + 1) * size] for j in range(count)]
+        else:
+            count, chunks = 1, [ids]
+        for j, chunk in enumerate(chunks):
+            self._inject.append(_Record(handle.run_id, action.sequence, chunk, j, count))
+        if action.sequence == 0:
+            handle.unsent_chunks = count
+        self.try_inject()
+
+    # -- the links ---------------------------------------------------------------------------
+    @property
+    def links_pending(self) -> bool:
+        return bool(self._waiting_links())
+
+    def _waiting_links(self) -> list[RunHandle]:
+        return [
+            h
+            for h in self.runs.values()
+            if h.needs_links and h.machine.state is fsm.State.WAITING_READY
+        ]
+
+    def try_open_links(self) -> bool:
+        """Make the token-out ring and attach to token-in, once for the chain; every
+        run waiting for them gets ``EndpointsReady``."""
+        waiting = self._waiting_links()
+        if not waiting:
+            return False
+        plan = waiting[0].plan
+        try:
+            if self.token_out is None:
+                self.token_out = self.links.open_token_out(plan)
+            if self.token_in is None:
+                self.token_in = self.links.open_token_in(plan)
+        except Exception as exc:
+            reason = FaultReason(FaultKind.EDGE_FAULT, f"token links: {type(exc).__name__}: {exc}")
+            self._chain_fault(reason, fsm.EndpointFault(str(reason.detail)))
+            return False
+        if self.token_in is None:
+            return False
+        for handle in waiting:
+            handle.needs_links = False
+            if handle.run_id in self.runs:
+                self._feed(handle, fsm.EndpointsReady())
+        return True
+
+    @property
+    def inject_pending(self) -> bool:
+        return bool(self._inject) and self.token_in is not None
+
+    def try_inject(self) -> bool:
+        """Write the waiting token-in records, in order; ``False`` while the link is
+        full."""
+        while self._inject and self.token_in is not None:
+            record = self._inject[0]
+            handle = self.runs.get(record.run_id)
+            if handle is None or handle.machine.state is not _RUNNING:
+                self._inject.popleft()
+                continue
+            try:
+                sent = self.token_in.try_send(
+                    record.run_id,
+                    handle.plan.token_in.edge_id,
+                    record.sequence,
+                    len(record.ids),
+                    _U32,
+                    token_payload(record.ids),
+                    record.chunk_index,
+                    record.chunk_count,
+                )
+            except EdgeClosed as exc:
+                self._link_fault(f"token-in closed: {exc}")
+                return False
+            if not sent:
+                return False
+            self._inject.popleft()
+            if record.sequence == 0:
+                handle.unsent_chunks -= 1
+            if self.trace is not _no_trace:
+                fields = {"run_id": record.run_id, "sequence": record.sequence}
+                self.trace("injected", {**fields, "rows": len(record.ids)})
+        return True
+
+    @property
+    def wants_tokens(self) -> bool:
+        return self.token_out is not None and self.broken is None
+
+    def poll_tokens(self) -> bool:
+        """Take one token-out record and route it; ``True`` if one was taken (or the
+        link broke)."""
+        if not self.wants_tokens or self.token_out is None:
+            return False
+        try:
+            taken = self.token_out.try_take()
+        except (LinkFault, EdgeClosed) as exc:
+            self._link_fault(f"token-out: {exc}")
+            return True
+        if taken is None:
+            return False
+        h = taken.header
+        handle = self.runs.get(h.run_id)
+        if handle is None or handle.check is None:
+            reason = "STALE_RUN" if h.run_id in self.done else "UNKNOWN_RUN"
+            self.trace("reject", {"run_id": h.run_id, "reason": reason, "sequence": h.sequence})
+            return True
+        if handle.machine.state is not _RUNNING:
+            return True  # a record of a run already decided: nothing to do
+        problem = handle.check.validate(h, handle.machine.injected)
+        if problem is not None and problem[0] in _NOT_THIS_RUN:
+            self.trace("reject", {"run_id": h.run_id, "reason": problem[0].value})
+            return True
+        if problem is None and h.sequence == 0 and handle.unsent_chunks > 0:
+            problem = (
+                HeaderRejection.SEQUENCE_OUT_OF_ORDER,
+                "token 0 before the prompt's last chunk",
+            )
+        if problem is not None:
+            detail = f"token-out: {problem[0].value}: {problem[1]}"
+            self._feed(handle, fsm.EndpointFault(detail))
+            return True
+        token, logits = read_token(handle.check.object_spec, taken.payload)
+        if logits is not None:
+            handle.logits.append(logits)
+        if self.trace is not _no_trace:
+            self.trace("consumed", {"run_id": h.run_id, "sequence": h.sequence, "token_id": token})
+        self._feed(handle, fsm.TokenConsumed(h.sequence, token))
+        return True
+
+    def _link_fault(self, detail: str) -> None:
+        self._chain_fault(FaultReason(FaultKind.EDGE_FAULT, detail), fsm.EndpointFault(detail))
+
+    def close(self) -> None:
+        """The chain's end: the token-out ring (this side made it) closes."""
+        if self.token_out is not None:
+            self.token_out.close()
+        self.token_in = self.token_out = None
+
+
+def _outcome(handle: RunHandle) -> str:
+    return handle.finished.outcome.value if handle.finished is not None else "?"

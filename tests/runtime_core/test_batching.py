@@ -1,0 +1,90 @@
+"""The batch policy of a chain's stage (``runtime_core.batching``): at most one record
+per run and ``max_batch_rows`` rows a batch; decodes first in load order, then prefill
+records that fit; a prefill record left out goes first in the next batch, so neither a
+decode nor a prefill record waits for good."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runtime_core.batching import BatchScheduler, Candidate
+
+
+def decode(run: str, loaded: int) -> Candidate:
+    return Candidate(run, loaded, 1, prefill=False)
+
+
+def prefill(run: str, loaded: int, rows: int) -> Candidate:
+    return Candidate(run, loaded, rows, prefill=True)
+
+
+def runs(batch: tuple[Candidate, ...]) -> list[str]:
+    return [c.run_id for c in batch]
+
+
+def test_decodes_come_first_in_load_order_then_prefills_that_fit() -> None:
+    s = BatchScheduler(6)
+    batch = s.choose([prefill("q", 2, 2), decode("b", 3), decode("a", 1), prefill("p", 0, 4)])
+    assert runs(batch) == ["a", "b", "p"]  # q (2 rows, loaded after p) does not fit
+    assert s.owed == "q"
+    # q was passed over: it goes first now, before the decodes that arrived meanwhile.
+    batch = s.choose([prefill("q", 2, 2), decode("a", 7), decode("b", 8), decode("c", 9)])
+    assert runs(batch) == ["q", "a", "b", "c"] and s.owed is None
+
+
+def test_a_long_prefill_never_starves_decodes_nor_is_starved() -> None:
+    """Prefill chunks of a whole batch's rows alternate with the decodes."""
+    s = BatchScheduler(4)
+    kinds = []
+    for t in range(6):
+        batch = s.choose([prefill("long", t, 4), decode("a", 100 + t), decode("b", 200 + t)])
+        kinds.append(runs(batch))
+    assert kinds == [["a", "b"], ["long"]] * 3
+
+
+def test_a_candidate_of_more_rows_than_a_batch_is_never_chosen() -> None:
+    s = BatchScheduler(3)
+    assert s.choose([prefill("big", 0, 4)]) == ()
+    with pytest.raises(ValueError, match="one candidate per run"):
+        s.choose([decode("a", 0), decode("a", 1)])
+    with pytest.raises(ValueError, match="at least 1"):
+        BatchScheduler(0)
+
+
+def test_a_run_that_is_gone_is_owed_nothing() -> None:
+    s = BatchScheduler(2)
+    s.choose([decode("a", 0), decode("b", 1), prefill("p", 2, 2)])
+    assert s.owed == "p"
+    s.forget("p")
+    assert s.owed is None
+
+
+candidates = st.lists(
+    st.builds(
+        Candidate,
+        st.sampled_from("abcdefgh"),
+        st.integers(0, 1000),
+        st.integers(1, 8),
+        st.booleans(),
+    ).map(lambda c: Candidate(c.run_id, c.loaded, c.rows if c.prefill else 1, c.prefill)),
+    unique_by=lambda c: c.run_id,
+    max_size=8,
+)
+
+
+@given(st.integers(1, 8), st.lists(candidates, min_size=1, max_size=6))
+def test_every_batch_holds_one_record_per_run_within_max_batch_rows(
+    max_rows: int, rounds: list[list[Candidate]]
+) -> None:
+    s = BatchScheduler(max_rows)
+    for offered in rounds:
+        batch = s.choose(offered)
+        assert len({c.run_id for c in batch}) == len(batch)
+        assert sum(c.rows for c in batch) <= max_rows
+        assert set(batch) <= set(offered)
+        fitting = [c for c in offered if c.rows <= max_rows]
+        assert bool(batch) == bool(fitting)  # never idle while something can run
+        decodes = [c.loaded for c in batch if not c.prefill]
+        assert decodes == sorted(decodes)  # first loaded, first served

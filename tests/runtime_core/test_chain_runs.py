@@ -1,0 +1,389 @@
+"""Several runs on one chain through the chain controllers (CONCURRENT_RUNS.md), in one
+process (``tests/runtime_core/chain_runs.py``): each run completes with the tokens it
+has alone, whatever runs share its batches and however its prompt is chunked; a run
+fault ends that run alone; a chain fault ends every run, each naming the cause; every
+KV reservation is freed after every outcome."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from runplan import RunPlan, SamplingConfig
+from runplan.fsm import orchestrator as ofsm
+from runplan.fsm import stage as sfsm
+from runplan.messages import FaultKind, StopReason
+from runtime_core.chain_orchestrator import RunRefused
+from runtime_core.reference import ReferenceWorker
+from runtime_core.worker import (
+    BatchStep,
+    KvCacheUnavailable,
+    StepResult,
+    Worker,
+    WorkerError,
+)
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.runtime_core.chain import Chain, plan_for, provisions
+from tests.runtime_core.chain_runs import ChainRuns
+
+PROMPTS = [
+    [5, 77, 300, 12, 9],
+    [1, 2, 3],
+    [200, 17, 45, 99, 3, 8, 250, 31, 77, 5, 6],
+    [42],
+    [7, 7, 7, 7],
+    [310, 11, 64, 128, 256, 3],
+    [9, 8],
+    [100, 101, 102, 103, 104, 105, 106, 107, 108],
+]
+N = 5  # tokens each run generates
+MAX_SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("chain") / "m.gguf", ModelShape(n_layers=3))
+
+
+def sampling(k: int) -> SamplingConfig:
+    return SamplingConfig() if k % 2 == 0 else SamplingConfig(temperature=0.7, top_k=20, seed=k)
+
+
+def plan(model: Path, k: int, stages: int = 3, **chain: int) -> RunPlan:
+    defaults = {"max_concurrent_runs": 8, "max_tokens": N}
+    return plan_for(
+        model,
+        stages,
+        max_seq_len=MAX_SEQ,
+        run_id=f"run-{k}",
+        sampling=sampling(k),
+        **{**defaults, **chain},  # type: ignore[arg-type]
+    )
+
+
+def solo(model: Path, k: int) -> list[int]:
+    """Run ``k``'s tokens alone, through the workers one step at a time."""
+    provs = provisions(model, 3, max_seq_len=MAX_SEQ, run_id=f"run-{k}", sampling=sampling(k))
+    chain = Chain.bind(provs)
+    try:
+        return [o.token_id for o in chain.generate(PROMPTS[k], N)]
+    finally:
+        chain.release()
+
+
+@pytest.fixture(scope="module")
+def alone(model: Path) -> dict[str, list[int]]:
+    return {f"run-{k}": solo(model, k) for k in range(len(PROMPTS))}
+
+
+def reference(_: int) -> Worker:
+    return ReferenceWorker()
+
+
+def assert_nothing_held(chain: ChainRuns) -> None:
+    """Every run is gone from every live stage and its KV cache freed."""
+    for i, stage in enumerate(chain.stages):
+        if chain.alive[i]:
+            assert stage.runs == {}, f"stage {i} holds {sorted(stage.runs)}"
+            assert stage.worker.kv_reserved_bytes == 0  # type: ignore[attr-defined]
+    assert chain.orchestrator.runs == {}
+
+
+# -- runs together ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_eight_runs_at_once_each_give_their_tokens_alone(
+    model: Path, alone: dict[str, list[int]], chunk: int
+) -> None:
+    chain = ChainRuns(3, reference)
+    handles = [
+        chain.add(plan(model, k, prefill_chunk=chunk, max_batch_rows=16), PROMPTS[k])
+        for k in range(8)
+    ]
+    chain.pump()
+    for h in handles:
+        assert h.finished is not None and h.finished.outcome is StopReason.COMPLETED, h.finished
+        assert list(h.tokens) == alone[h.run_id]
+        assert [t for _, t in chain.tokens[h.run_id]] == alone[h.run_id]
+    assert_nothing_held(chain)
+    for stage in chain.stages:
+        assert max(stage.batch_rows) > 1  # runs shared batches
+        assert max(stage.batch_rows) <= 16
+    if chunk:  # prompts travelled in chunks of at most 2 rows
+        assert all(f["rows"] <= 2 for f in chain.of("injected") if f["sequence"] == 0)
+
+
+def test_prefill_chunks_pipeline_and_decode_rows_join_their_batches(
+    model: Path, alone: dict[str, list[int]]
+) -> None:
+    """Stage 1 runs chunk 0 of a prompt before stage 0 runs its chunk 2, and a batch on
+    stage 0 holds a decode row of one run and a prefill chunk of another."""
+    chain = ChainRuns(3, reference)
+    first = chain.add(plan(model, 0, prefill_chunk=3), PROMPTS[0])
+    chain.pump()  # run-0 is done: it decodes no more; start another to overlap
+    assert first.finished is not None
+    chain.stages[0].batch_rows.clear()
+    a = chain.add(plan(model, 1, prefill_chunk=3), PROMPTS[1])
+    b = chain.add(plan(model, 2, prefill_chunk=3), PROMPTS[2])  # 11 tokens: 4 chunks
+    chain.pump()
+    assert list(a.tokens) == alone["run-1"] and list(b.tokens) == alone["run-2"]
+    batches = [(a, f) for a, k, f in chain.traces if k == "batch"]
+    loaded = [(a, f) for a, k, f in chain.traces if k == "loaded" and f["run_id"] == "run-2"]
+    order = [(a, f["chunk"]) for a, f in loaded if f["sequence"] == 0]
+    assert order.index(("node-1", 0)) < order.index(("node-0", 2))
+    mixed = [f for node, f in batches if node == "node-0" and {"run-1", "run-2"} <= set(f["runs"])]
+    assert mixed, "no batch of stage 0 held both runs"
+
+
+def test_runs_beyond_the_budget_wait_and_then_run(model: Path, alone: dict[str, list[int]]) -> None:
+    chain = ChainRuns(3, reference)
+    handles = [chain.add(plan(model, k, max_concurrent_runs=2), PROMPTS[k]) for k in range(4)]
+    assert [h.queued for h in handles] == [False, False, True, True]
+    most = 0
+    for _ in range(10_000):
+        most = max(most, *(len(s.runs) for s in chain.stages))
+        if not chain._round():
+            break
+    assert most == 2
+    for h in handles:
+        assert list(h.tokens) == alone[h.run_id]
+    assert_nothing_held(chain)
+
+
+def test_a_run_that_could_never_fit_is_refused_at_once(model: Path) -> None:
+    chain = ChainRuns(3, reference)
+    p = plan(model, 0)
+    big = attrs.evolve(p.stages[1], kv_bytes=p.stages[1].kv_budget_bytes + 1)
+    with pytest.raises(RunRefused, match="stage 1"):
+        chain.add(attrs.evolve(p, stages=(p.stages[0], big, p.stages[2])), PROMPTS[0])
+    assert chain.orchestrator.runs == {}
+
+
+# -- a run fault ends that run alone -----------------------------------------------------
+
+
+def run_all(chain: ChainRuns, model: Path, runs: Sequence[int], **kw: int) -> dict[str, Any]:
+    return {f"run-{k}": chain.add(plan(model, k, **kw), PROMPTS[k]) for k in runs}
+
+
+def assert_others_complete(handles: dict[str, Any], alone: dict[str, list[int]], but: str) -> None:
+    for run_id, h in handles.items():
+        if run_id != but:
+            assert h.finished.outcome is StopReason.COMPLETED, (run_id, h.finished)
+            assert list(h.tokens) == alone[run_id]
+
+
+def test_a_forged_record_with_a_wrong_sequence_ends_only_its_run(
+    model: Path, alone: dict[str, list[int]]
+) -> None:
+    chain = ChainRuns(3, reference)
+    handles = run_all(chain, model, range(4))
+    for _ in range(6):
+        chain._round()
+    # run-1's record 9 on stage 1's inbound link: a sequence no stage sent.
+    edge = handles["run-1"].plan.stages[1].inbound_edge
+    chain.forge(1, "run-1", edge, 9)
+    chain.pump()
+    bad = handles["run-1"].finished
+    assert bad.outcome is StopReason.FAULTED and bad.fault.kind is FaultKind.SEQUENCE_VIOLATION
+    assert bad.fault_stage == 1 and "sequence 9" in bad.fault.detail
+    assert_others_complete(handles, alone, "run-1")
+    assert_nothing_held(chain)
+
+
+def test_records_of_unknown_and_finished_runs_are_rejected_and_the_link_stays_up(
+    model: Path, alone: dict[str, list[int]]
+) -> None:
+    chain = ChainRuns(3, reference)
+    handles = run_all(chain, model, [0])
+    chain.pump()
+    handles |= run_all(chain, model, [1, 2])
+    chain._round()
+    chain.forge(1, "never-provisioned", 2, 0)
+    chain.forge(1, "run-0", 2, 1)  # run-0 finished: stale on every stage
+    chain.pump()
+    rejects = [f for f in chain.of("reject", "node-1")]
+    assert [f["reason"] for f in rejects] == ["UNKNOWN_RUN", "STALE_RUN"]
+    assert_others_complete(handles, alone, "none")
+    assert_nothing_held(chain)
+
+
+class RefusingWorker:
+    """A worker whose budget has no room for ``refuse`` (a port: the stage cannot
+    reserve that run's cache, whatever the orchestrator counted)."""
+
+    def __init__(self, inner: Worker, refuse: str) -> None:
+        self.inner = inner
+        self.refuse = refuse
+
+    def open_run(self, provision: Any) -> None:
+        if provision.run_id == self.refuse:
+            raise KvCacheUnavailable(provision.run_id, provision.kv_bytes, 0, 1)
+        self.inner.open_run(provision)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_run_whose_cache_cannot_be_reserved_is_refused_alone(
+    model: Path, alone: dict[str, list[int]]
+) -> None:
+    chain = ChainRuns(
+        3, lambda i: RefusingWorker(ReferenceWorker(), "run-2") if i == 1 else ReferenceWorker()
+    )
+    handles = run_all(chain, model, range(4))
+    chain.pump()
+    refused = handles["run-2"].finished
+    assert refused.outcome is StopReason.FAULTED
+    assert refused.fault.kind is FaultKind.KV_CACHE_UNAVAILABLE and refused.fault_stage == 1
+    assert "node-1" in refused.fault.detail and "0 of 1 free" in refused.fault.detail
+    assert refused.unconfirmed_stages == ()  # stage 1 was not waited for; 0 and 2 stopped
+    assert "run-2" not in chain.stages[1].stale_runs  # nothing of it kept: it may come again
+    assert_others_complete(handles, alone, "run-2")
+    assert_nothing_held(chain)
+
+
+def test_a_cancelled_run_ends_alone(model: Path, alone: dict[str, list[int]]) -> None:
+    chain = ChainRuns(3, reference)
+    handles = run_all(chain, model, range(4))
+    for _ in range(8):
+        chain._round()
+    chain.orchestrator.cancel("run-3")
+    chain.pump()
+    assert handles["run-3"].finished.outcome is StopReason.CANCELLED
+    assert_others_complete(handles, alone, "run-3")
+    assert_nothing_held(chain)
+
+
+def test_a_step_timeout_ends_only_its_run(model: Path, alone: dict[str, list[int]]) -> None:
+    """While stage 2 takes nothing, stage 1's outputs wait for room on its ring (2
+    slots): their steps' timers run. When one runs out, only that run faults."""
+    chain = ChainRuns(3, reference)
+    handles = run_all(chain, model, range(4))
+    while any(h.machine.state is not ofsm.State.RUNNING for h in handles.values()):
+        chain._round()  # every stage set up, the prompts injected
+    chain.paused.add(2)
+    chain.pump()
+    running = [r for (r, t) in chain.stage_timers[1].running if t is sfsm.Timer.STEP]
+    assert running, "no step of stage 1 is waiting"
+    late_run = running[0]
+    chain.fire(1, late_run, sfsm.Timer.STEP)
+    chain.paused.clear()
+    chain.pump()
+    late = handles[late_run].finished
+    assert late.outcome is StopReason.FAULTED and late.fault.kind is FaultKind.TIMEOUT
+    assert late.fault_stage == 1
+    assert_others_complete(handles, alone, late_run)
+    assert_nothing_held(chain)
+
+
+class FailingWorker:
+    """A worker whose batch fails, for one run's step (``StepFailure``) or as a whole
+    (an exception)."""
+
+    def __init__(self, inner: Worker, fail: Callable[[BatchStep], str | None]) -> None:
+        self.inner = inner
+        self.fail = fail
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        for step in steps:
+            what = self.fail(step)
+            if what == "crash":
+                raise WorkerError("the device is gone")
+        from runtime_core.worker import StepFailure
+
+        results = self.inner.execute_batch(steps)  # type: ignore[attr-defined]
+        return tuple(
+            StepFailure("injected") if self.fail(s) == "run" else r
+            for s, r in zip(steps, results, strict=True)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_step_failing_for_one_run_ends_that_run_alone(
+    model: Path, alone: dict[str, list[int]]
+) -> None:
+    def fail(step: BatchStep) -> str | None:
+        return "run" if (step.run_id, step.sequence) == ("run-2", 2) else None
+
+    chain = ChainRuns(
+        3, lambda i: FailingWorker(ReferenceWorker(), fail) if i == 2 else ReferenceWorker()
+    )
+    handles = run_all(chain, model, range(4))
+    chain.pump()
+    failed = handles["run-2"].finished
+    assert failed.outcome is StopReason.FAULTED and failed.fault.kind is FaultKind.STEP_FAILURE
+    assert failed.fault_stage == 2 and "injected" in failed.fault.detail
+    assert_others_complete(handles, alone, "run-2")
+    assert_nothing_held(chain)
+
+
+# -- a chain fault ends every run ----------------------------------------------------------
+
+
+def assert_every_run_faulted(handles: dict[str, Any], kind: FaultKind, *words: str) -> None:
+    for run_id, h in handles.items():
+        assert h.finished is not None, run_id
+        assert h.finished.outcome is StopReason.FAULTED, (run_id, h.finished)
+        assert h.finished.fault.kind is kind, (run_id, h.finished.fault)
+        for word in words:
+            assert word in h.finished.fault.detail, (run_id, h.finished.fault)
+
+
+def test_a_stage_killed_with_four_runs_in_flight_ends_them_all_naming_it(model: Path) -> None:
+    chain = ChainRuns(3, reference)
+    handles = run_all(chain, model, range(4), max_concurrent_runs=4)
+    queued = run_all(chain, model, [4], max_concurrent_runs=4)
+    for _ in range(6):
+        chain._round()
+    chain.kill(1, "node-1 on host h1: process exited with signal 9")
+    chain.pump()
+    assert_every_run_faulted(handles, FaultKind.PROCESS_DIED, "stage 1", "node-1", "h1", "signal 9")
+    assert all(h.finished.fault_stage == 1 for h in handles.values())
+    # the run still waiting for room ends with the same cause; nothing starts any more
+    assert_every_run_faulted(queued, FaultKind.PROCESS_DIED, "stage 1", "signal 9")
+    assert_nothing_held(chain)
+
+
+def test_a_closed_link_ends_every_run(model: Path) -> None:
+    chain = ChainRuns(3, reference)
+    handles = run_all(chain, model, range(3))
+    for _ in range(5):
+        chain._round()
+    chain.links.rings[2].close()  # stage 2's inbound link
+    chain.pump()
+    assert_every_run_faulted(handles, FaultKind.EDGE_FAULT, "link", "closed")
+    assert {h.finished.fault_stage for h in handles.values()} <= {1, 2}
+    assert_nothing_held(chain)
+
+
+def test_a_worker_failing_as_a_whole_ends_every_run(model: Path) -> None:
+    def crash(step: BatchStep) -> str | None:
+        return "crash" if step.sequence == 2 else None
+
+    chain = ChainRuns(
+        3, lambda i: FailingWorker(ReferenceWorker(), crash) if i == 0 else ReferenceWorker()
+    )
+    handles = run_all(chain, model, range(4))
+    chain.pump()
+    assert_every_run_faulted(handles, FaultKind.STEP_FAILURE, "the device is gone")
+    assert {h.finished.fault_stage for h in handles.values()} == {0}
+    assert_nothing_held(chain)
+
+
+def test_the_same_runs_on_one_stage_and_on_three_give_the_same_tokens(
+    model: Path, alone: dict[str, list[int]]
+) -> None:
+    chain = ChainRuns(1, reference)
+    handles = [chain.add(plan(model, k, stages=1, prefill_chunk=4), PROMPTS[k]) for k in range(8)]
+    chain.pump()
+    for h in handles:
+        assert list(h.tokens) == alone[h.run_id]
+    assert_nothing_held(chain)
