@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from runplan.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
 from runtime_cupy.cuda.kernels import KernelSet, cuda_device_problem
-from runtime_cupy.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
 from tests.support import twins
 from tests.support.kernel_twins import KERNEL_TWINS
 from tests.support.random_blocks import random_rows

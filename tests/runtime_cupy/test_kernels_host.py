@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runplan.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES
 from runtime_core.activations import float32_to_bf16
 from runtime_cupy.cuda.kernels import KERNEL_DIR, SIGNATURES, KernelSet, _arg
-from runtime_cupy.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES
 from tests.support import twins
 from tests.support.random_blocks import random_rows
 

@@ -37,12 +37,12 @@ from runplan import (
     model_facts_from_gguf,
     plan_run,
 )
+from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput, Worker, WorkerError
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM, source
 from runtime_cupy.cuda.worker import CudaWorker
-from runtime_cupy.quant_types import QUANT_TYPES
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import provisions

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from runplan.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, row_bytes
 from runtime_core.activations import float32_to_bf16
-from runtime_cupy.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, row_bytes
 from tests.support import twins
 
 KernelTwin = Callable[[tuple[int, ...], int, Sequence[Any]], None]

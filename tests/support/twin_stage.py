@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan import SamplingConfig
+from runplan.quant_types import CHUNK, uses_q8
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
@@ -27,7 +28,6 @@ from runtime_cupy.program import (
     forward_head,
     load_weights,
 )
-from runtime_cupy.quant_types import CHUNK, uses_q8
 from runtime_cupy.stage_worker import BackendSpec, StageBackend
 from tests.support import twins
 

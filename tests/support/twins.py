@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from runtime_cupy.quant_types import CHUNK, block_bytes
+from runplan.quant_types import CHUNK, block_bytes
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]

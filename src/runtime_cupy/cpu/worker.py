@@ -24,8 +24,8 @@ from typing import ClassVar
 
 from runplan import WorkerCapabilities
 from runplan.config import REFERENCE_ARCHITECTURES
+from runplan.quant_types import QUANT_TYPES
 from runtime_cupy.cpu.kernels import default_threads, load
-from runtime_cupy.quant_types import QUANT_TYPES
 from runtime_cupy.stage_worker import BackendSpec, StageBackend, StageWorker
 
 #: Every architecture the reference worker runs (``runtime_core.architectures``: the

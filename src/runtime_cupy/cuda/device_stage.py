@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan import SamplingConfig
+from runplan.quant_types import CHUNK, uses_q8
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import Progress
 from runtime_cupy import device_sampling
@@ -36,7 +37,6 @@ from runtime_cupy.program import (
     forward_head,
     load_weights,
 )
-from runtime_cupy.quant_types import CHUNK, uses_q8
 from runtime_cupy.stage_worker import BackendSpec
 
 TILE_FLOATS = 1 << 26  # 256 MiB of float32 per prefill tile

@@ -35,11 +35,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from runplan import WorkerCapabilities
+from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import WorkerError
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
-from runtime_cupy.quant_types import QUANT_TYPES
 from runtime_cupy.stage_worker import BackendSpec, StageBackend, StageWorker
 
 #: What the CUDA worker runs: llama and qwen2 (the other architectures of the reference

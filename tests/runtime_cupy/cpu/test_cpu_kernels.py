@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
+from runplan.quant_types import FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
 from runtime_cupy.cpu import _kernels
 from runtime_cupy.cpu.backend import ACT_FORMAT
-from runtime_cupy.quant_types import FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
 from tests.support import twins
 from tests.support.random_blocks import random_rows
 
