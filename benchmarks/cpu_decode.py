@@ -219,8 +219,8 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run in a fresh process: bind one stage of every block, prefill, decode."""
     if runner == "warm":
         return warm_child()
-    from runtime_core.reference import ReferenceWorker
-    from runtime_core.worker import TokenOutput
+    from runtime_core.workers.interface import TokenOutput
+    from runtime_core.workers.reference.worker import ReferenceWorker
     from runtime_cupy.cpu.worker import CpuWorker
 
     status: dict[str, Any] = {}

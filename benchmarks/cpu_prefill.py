@@ -43,7 +43,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     from tests.runtime_core.chain import Chain, provisions
 
     from runplan.models import resolve_model
-    from runtime_core.worker import TokenOutput
+    from runtime_core.workers.interface import TokenOutput
     from runtime_cupy.cpu import _kernels, backend
     from runtime_cupy.cpu.worker import CpuWorker
 

@@ -59,8 +59,8 @@ import numpy as np  # noqa: E402
 
 from runplan import RingSpec, SamplingConfig, provision_all  # noqa: E402
 from runplan.models import resolve_model  # noqa: E402
-from runtime_core.reference import ReferenceWorker  # noqa: E402
-from runtime_core.worker import TokenOutput  # noqa: E402
+from runtime_core.workers.interface import TokenOutput  # noqa: E402
+from runtime_core.workers.reference.worker import ReferenceWorker  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
 from runtime_cupy.api import plan_for  # noqa: E402
 from runtime_cupy.edges.base import ProcessRing  # noqa: E402

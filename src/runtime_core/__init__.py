@@ -12,9 +12,7 @@ from runtime_core.gguf_slice import StageSlice, open_stage_slice
 from runtime_core.local import LocalEdges
 from runtime_core.model_config import ModelConfig
 from runtime_core.orchestrator import OrchestratorController
-from runtime_core.reference import ReferenceWorker
 from runtime_core.ring import EdgeClosed, EdgeTimeout, Ring, RingError
-from runtime_core.sampling import Sampler
 from runtime_core.tokenizer import (
     ChatTemplateError,
     NoChatTemplate,
@@ -23,7 +21,9 @@ from runtime_core.tokenizer import (
     UnknownPreTokenizer,
     UnknownTokenizerModel,
 )
-from runtime_core.worker import TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
+from runtime_core.workers.reference.worker import ReferenceWorker
+from runtime_core.workers.sampling import Sampler
 
 __all__ = [
     "ChatTemplateError",

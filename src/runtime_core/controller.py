@@ -36,7 +36,7 @@ from runplan.plan import Layout
 from runtime_core.activations import edge_dtype
 from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.ring import EdgeClosed
-from runtime_core.worker import Progress, TokenOutput, Worker
+from runtime_core.workers.interface import Progress, TokenOutput, Worker
 
 # Enum members read on every event, bound once: on Python 3.11 ``Enum.MEMBER`` goes
 # through the slow attribute hook of ``EnumType.__getattr__`` (about 0.1 us a read).

@@ -1,6 +1,6 @@
 """The reference sampler's choice, computed where the logits are.
 
-``sample(xp, logits, config, u)`` picks the token that ``runtime_core.sampling.Sampler``
+``sample(xp, logits, config, u)`` picks the token that ``runtime_core.workers.sampling.Sampler``
 picks for the same logits when its generator draws ``u``, with array module ``xp``:
 CuPy on the GPU (the logits never leave the device; only the id comes back), NumPy
 for checking on a CPU. The reference orders the kept tokens by descending logit, ties

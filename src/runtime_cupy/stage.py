@@ -28,7 +28,7 @@ stops the stage as a lost orchestrator does.
 Warm stages (``--warm``) serve one run after another: after ``StopRun`` the stage
 stays, ``STOPPED``, and waits for the next ``ProvisionStage`` (the stage machine allows
 ``STOPPED -> PREPARING`` and keeps the stopped runs' ids stale). Its worker keeps the
-weights it bound (``runtime_core.kept_weights``), so a later run of the same slice
+weights it bound (``runtime_core.workers.kept_weights``), so a later run of the same slice
 loads nothing: its trace has a ``weights reused`` instant where the first has a
 ``bind`` span. Each run's trace events are written when the run ends, before
 ``StageStopped``. A warm stage ends when its orchestrator closes the control channel
@@ -59,8 +59,8 @@ from runplan.fsm import stage as fsm
 from runplan.messages import StageFault, StageReady, StageStopped
 from runplan.plan import EdgeKind
 from runtime_core.controller import StageController
-from runtime_core.kept_weights import KeepsWeights
-from runtime_core.worker import Progress, Worker, WorkerError
+from runtime_core.workers.interface import Progress, Worker, WorkerError
+from runtime_core.workers.kept_weights import KeepsWeights
 from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
 from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium

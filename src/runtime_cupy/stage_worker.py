@@ -17,7 +17,7 @@ Options common to every backend:
 - ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
   wide, float32 when 4), ``"f16"`` or ``"f32"``.
 
-Weights outlive a run (``runtime_core.kept_weights``): ``release`` ends the run (its
+Weights outlive a run (``runtime_core.workers.kept_weights``): ``release`` ends the run (its
 sequence, position and sampling state) and keeps the backend with its weights; a later
 ``bind`` for the same slice of the same file, with the same backend settings and cache
 length, uses that backend again (``weights_reused``) instead of loading. The backend's
@@ -39,15 +39,15 @@ from runplan.gguf_header import GgufError
 from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice, open_provisioned_slice
-from runtime_core.kept_weights import WeightsKey, weights_key
-from runtime_core.sampling import Sampler
-from runtime_core.worker import (
+from runtime_core.workers.interface import (
     Progress,
     TokenOutput,
     WorkerError,
     checked_token_ids,
     step_position,
 )
+from runtime_core.workers.kept_weights import WeightsKey, weights_key
+from runtime_core.workers.sampling import Sampler
 
 MATVEC_MODES = ("q8", "f32")
 KV_DTYPES = ("auto", "f16", "f32")

@@ -13,8 +13,8 @@ import importlib.util
 from typing import Any
 
 from runplan import WorkerCapabilities
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import Worker
+from runtime_core.workers.interface import Worker
+from runtime_core.workers.reference.worker import ReferenceWorker
 
 WORKERS = ("cpu", "numpy", "cuda")
 DEFAULT_WORKER = "cpu"

@@ -20,9 +20,9 @@ from runplan import (
     SamplingConfig,
 )
 from runplan.models import resolve_model
-from runtime_core.reference import ReferenceWorker
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
+from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_sim.simulation import ORCHESTRATOR, SimResult, Simulation
 from runtime_sim.timing import Prediction, TimingModel, f32_stage_costs
 from runtime_sim.trace import Trace

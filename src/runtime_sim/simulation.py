@@ -31,7 +31,7 @@ from runtime_core.edges import Record
 from runtime_core.local import LocalEdges
 from runtime_core.orchestrator import OrchestratorController
 from runtime_core.ring import LocalRing, Ring
-from runtime_core.worker import Worker, WorkerError
+from runtime_core.workers.interface import Worker, WorkerError
 from runtime_sim.clock import Handle, Scheduler, derive_rng
 from runtime_sim.faults import FORGERIES, MESSAGE_FAULTS, FaultKind, FaultPlan
 from runtime_sim.timing import StageCost, TimingModel

@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runtime_core.activations import edge_dtype
-from runtime_core.worker import Progress, TokenOutput, WorkerError
+from runtime_core.workers.interface import Progress, TokenOutput, WorkerError
 
 #: Runs any architecture and quant type: it never looks at the weights. It stands for a
 #: worker that keeps weights as stored and its KV cache in the activation dtype.

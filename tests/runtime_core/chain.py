@@ -26,8 +26,8 @@ from runplan import (
     plan_run,
     provision_all,
 )
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput, Worker
+from runtime_core.workers.interface import TokenOutput, Worker
+from runtime_core.workers.reference.worker import ReferenceWorker
 
 DTYPES = {
     "f32": (DTypeFamily.FLOAT, 4),

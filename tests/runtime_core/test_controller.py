@@ -16,7 +16,7 @@ from runtime_core.controller import StageController
 from runtime_core.edges import ReceiveEnd, SendEnd
 from runtime_core.local import LocalEdges
 from runtime_core.ring import Ring
-from runtime_core.worker import TokenOutput, WorkerError
+from runtime_core.workers.interface import TokenOutput, WorkerError
 from tests.strategies import ORCHESTRATOR, small_plan
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime_core.worker import TokenOutput
+from runtime_core.workers.interface import TokenOutput
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, tensor_digest
 from tests.runtime_core.chain import Chain
 from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from runplan import SamplingConfig, WorkerCapabilities
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
+from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.runtime_core.chain import Chain, provisions
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runplan import SamplingConfig
-from runtime_core.sampling import Sampler
+from runtime_core.workers.sampling import Sampler
 from tests.strategies import logits_vectors, sampling_configs
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput
+from runtime_core.workers.interface import TokenOutput
+from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import Chain, provisions
 from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie

@@ -33,8 +33,8 @@ import pytest
 
 from runplan import SamplingConfig
 from runplan.gguf_header import GgufHeader
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
+from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.kernels import cuda_device_problem
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file

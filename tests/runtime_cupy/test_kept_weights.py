@@ -1,5 +1,5 @@
 """Weights outlive a run (warm reuse), in the shared worker code every worker has: the
-NumPy reference worker (``runtime_core.reference``) and ``StageWorker``, the base of
+NumPy reference worker (``runtime_core.workers.reference.worker``) and ``StageWorker``, the base of
 the CUDA and CPU workers: over the NumPy twins of the CUDA kernels, and the CPU worker
 itself (its weights mapped from the file).
 
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from runplan import ProvisionStage, SamplingConfig
-from runtime_core.kept_weights import KeepsWeights
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput, Worker
+from runtime_core.workers.interface import TokenOutput, Worker
+from runtime_core.workers.kept_weights import KeepsWeights
+from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cpu.worker import CpuWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.runtime_core.chain import provisions

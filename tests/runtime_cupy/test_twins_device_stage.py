@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from runplan import SamplingConfig
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput, Worker
+from runtime_core.workers.interface import TokenOutput, Worker
+from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.runtime_core.chain import provisions
 from tests.support.cuda_chain import Chain
@@ -210,7 +210,7 @@ def test_sampling_on_the_device_draws_what_the_reference_draws(models: dict[str,
 
 
 def test_logits_with_nan_fail_the_step(models: dict[str, Path]) -> None:
-    from runtime_core.worker import WorkerError
+    from runtime_core.workers.interface import WorkerError
 
     p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
     w = EmulatedCudaWorker()

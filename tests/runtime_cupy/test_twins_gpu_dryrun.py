@@ -24,7 +24,7 @@ import pytest
 
 import tests.runtime_cupy.test_gpu_kernels as gk
 import tests.runtime_cupy.test_gpu_worker as gw
-from runtime_core.worker import TokenOutput
+from runtime_core.workers.interface import TokenOutput
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits
 from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy

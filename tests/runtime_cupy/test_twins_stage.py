@@ -39,8 +39,8 @@ from runplan import (
 )
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
+from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM, source
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model

@@ -29,7 +29,7 @@ from runplan import (
     plan_run,
     provision_all,
 )
-from runtime_core.worker import Progress, TokenOutput, Worker
+from runtime_core.workers.interface import Progress, TokenOutput, Worker
 from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
 
 DTYPES = {

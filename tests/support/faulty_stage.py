@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from attrs import frozen
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
-from runtime_core.worker import Progress, TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import Progress, TokenOutput, Worker, WorkerError
 from runtime_cupy import stage
 from runtime_cupy.workers import make_worker
 

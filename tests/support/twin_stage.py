@@ -17,7 +17,7 @@ from runplan import SamplingConfig
 from runplan.quant_types import CHUNK, uses_q8
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.worker import Progress
+from runtime_core.workers.interface import Progress
 from runtime_cupy import device_sampling
 from runtime_cupy.cuda.worker import CudaWorker
 from runtime_cupy.program import (
@@ -213,7 +213,7 @@ class TwinBackend:
 
 class TwinWorker(CudaWorker):
     """The CUDA worker's program on NumPy twins, with the CUDA worker's checks.
-    Implements ``runtime_core.worker.Worker``."""
+    Implements ``runtime_core.workers.interface.Worker``."""
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         return TwinBackend(spec)

@@ -50,7 +50,7 @@ from runplan import SamplingConfig
 from runplan.quant_types import CHUNK
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.worker import Progress
+from runtime_core.workers.interface import Progress
 from runtime_cupy import device_sampling
 from runtime_cupy.cpu import _kernels
 from runtime_cupy.program import (

@@ -43,7 +43,8 @@ CPU_CAPABILITIES = WorkerCapabilities(
 
 
 class CpuWorker(StageWorker):
-    """One stage's compute engine on the CPU. Implements ``runtime_core.worker.Worker``."""
+    """One stage's compute engine on the CPU. Implements
+    ``runtime_core.workers.interface.Worker``."""
 
     capabilities: ClassVar[WorkerCapabilities] = CPU_CAPABILITIES
 

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from runplan import SamplingConfig
 from runplan.quant_types import CHUNK, uses_q8
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.worker import Progress
+from runtime_core.workers.interface import Progress
 from runtime_cupy import device_sampling
 from runtime_cupy.cuda.kernels import KernelSet
 from runtime_cupy.program import (

@@ -38,7 +38,7 @@ from runplan import WorkerCapabilities
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.worker import WorkerError
+from runtime_core.workers.interface import WorkerError
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
 from runtime_cupy.stage_worker import BackendSpec, StageBackend, StageWorker
 
@@ -56,8 +56,8 @@ CUDA_CAPABILITIES = WorkerCapabilities(
 
 
 class CudaWorker(StageWorker):
-    """One stage's compute engine on a CUDA GPU. Implements ``runtime_core.worker.Worker``.
-    CuPy is imported at ``bind``, not before."""
+    """One stage's compute engine on a CUDA GPU. Implements
+    ``runtime_core.workers.interface.Worker``. CuPy is imported at ``bind``, not before."""
 
     capabilities: ClassVar[WorkerCapabilities] = CUDA_CAPABILITIES
 

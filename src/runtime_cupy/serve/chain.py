@@ -9,7 +9,7 @@ given) and makes one short run, which binds every stage's slice; the chain is th
 same stages (same nodes, layer ranges, GGUF source and cache length), ``ProvisionStage``
 to every stage, the readiness barrier, the prompt, teardown (``launcher.ProcessRun``
 over the warm handles). A stage provisioned for a slice it has bound reuses its
-weights (``runtime_core.kept_weights``), so a later run's time to first token holds
+weights (``runtime_core.workers.kept_weights``), so a later run's time to first token holds
 no load and its trace no ``bind`` span; its KV cache and sampler are the run's own.
 The stages' machines keep every stopped run's id stale, so a stale or replayed
 message is refused across runs (§10).

@@ -41,7 +41,7 @@ import pytest
 
 from runplan import model_facts_from_gguf
 from runplan.config import REFERENCE_ARCHITECTURES
-from runtime_core.worker import TokenOutput
+from runtime_core.workers.interface import TokenOutput
 from runtime_cupy.cpu.worker import CpuWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import Chain, provisions, run

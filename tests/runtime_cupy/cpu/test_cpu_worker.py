@@ -31,8 +31,8 @@ from runplan import GgufSource, SamplingConfig
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
+from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cpu.worker import CPU_CAPABILITIES, CpuWorker
 from runtime_cupy.workers import capabilities, make_worker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model

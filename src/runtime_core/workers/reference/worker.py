@@ -30,16 +30,16 @@ from runplan.gguf_header import GgufError
 from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_provisioned_slice
-from runtime_core.kept_weights import WeightsKey, weights_key
-from runtime_core.reference_model import StageModel, StageWeights
-from runtime_core.sampling import Sampler
-from runtime_core.worker import (
+from runtime_core.workers.interface import (
     Progress,
     TokenOutput,
     WorkerError,
     checked_token_ids,
     step_position,
 )
+from runtime_core.workers.kept_weights import WeightsKey, weights_key
+from runtime_core.workers.reference.model import StageModel, StageWeights
+from runtime_core.workers.sampling import Sampler
 
 
 @attrs.frozen
@@ -64,7 +64,7 @@ class _Bound:
 
 
 class ReferenceWorker:
-    """One stage's compute engine in NumPy. Implements ``runtime_core.worker.Worker``."""
+    """One stage's compute engine in NumPy. Implements ``runtime_core.workers.interface.Worker``."""
 
     capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
 
