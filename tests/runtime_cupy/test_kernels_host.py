@@ -257,7 +257,7 @@ def test_importing_the_worker_does_not_import_cupy() -> None:
         "import sys; import runtime_cupy.cuda.worker, runtime_cupy.cuda.kernels, "
         "tests.support.twins, "
         "tests.support.twin_stage, tests.support.kernel_twins, tests.support.cuda_chain, "
-        "runtime_cupy.program, runtime_cupy.device_sampling; "
+        "runtime_core.workers.forward_program, runtime_core.workers.device_sampling; "
         "print('cupy' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -25,8 +25,8 @@ from gguf import GGMLQuantizationType, quants
 from runplan import SamplingConfig
 from runplan.gguf_header import GgufHeader, TensorInfo
 from runplan.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, block_bytes, row_bytes
+from runtime_core.workers import device_sampling
 from runtime_core.workers.sampling import Sampler
-from runtime_cupy import device_sampling
 from tests.fixtures.llamacpp_fixtures import MODELS_DIR
 from tests.support import twins
 from tests.support.random_blocks import random_rows

@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from runtime_core.workers.stage_worker import BackendSpec, StageBackend
 from runtime_cupy.cuda import kernels as kernels_mod
 from runtime_cupy.cuda.worker import CudaWorker
-from runtime_cupy.stage_worker import BackendSpec, StageBackend
 from tests.support.kernel_twins import KERNEL_TWINS
 
 # ---- a stand-in for CuPy ---------------------------------------------------------------

@@ -17,10 +17,8 @@ from runplan import SamplingConfig
 from runplan.quant_types import CHUNK, uses_q8
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.workers.interface import Progress
-from runtime_cupy import device_sampling
-from runtime_cupy.cuda.worker import CudaWorker
-from runtime_cupy.program import (
+from runtime_core.workers import device_sampling
+from runtime_core.workers.forward_program import (
     Linear,
     NoOptionalSteps,
     StageWeights,
@@ -28,7 +26,9 @@ from runtime_cupy.program import (
     forward_head,
     load_weights,
 )
-from runtime_cupy.stage_worker import BackendSpec, StageBackend
+from runtime_core.workers.interface import Progress
+from runtime_core.workers.stage_worker import BackendSpec, StageBackend
+from runtime_cupy.cuda.worker import CudaWorker
 from tests.support import twins
 
 U8 = npt.NDArray[np.uint8]

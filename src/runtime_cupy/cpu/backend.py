@@ -50,10 +50,8 @@ from runplan import SamplingConfig
 from runplan.quant_types import CHUNK
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.workers.interface import Progress
-from runtime_cupy import device_sampling
-from runtime_cupy.cpu import _kernels
-from runtime_cupy.program import (
+from runtime_core.workers import device_sampling
+from runtime_core.workers.forward_program import (
     Linear,
     StageWeights,
     forward_blocks,
@@ -61,7 +59,9 @@ from runtime_cupy.program import (
     forward_head,
     load_weights,
 )
-from runtime_cupy.stage_worker import BackendSpec
+from runtime_core.workers.interface import Progress
+from runtime_core.workers.stage_worker import BackendSpec
+from runtime_cupy.cpu import _kernels
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]

@@ -25,10 +25,8 @@ import numpy.typing as npt
 from runplan import SamplingConfig
 from runplan.quant_types import CHUNK, uses_q8
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.workers.interface import Progress
-from runtime_cupy import device_sampling
-from runtime_cupy.cuda.kernels import KernelSet
-from runtime_cupy.program import (
+from runtime_core.workers import device_sampling
+from runtime_core.workers.forward_program import (
     Linear,
     MatrixPart,
     NoOptionalSteps,
@@ -37,7 +35,9 @@ from runtime_cupy.program import (
     forward_head,
     load_weights,
 )
-from runtime_cupy.stage_worker import BackendSpec
+from runtime_core.workers.interface import Progress
+from runtime_core.workers.stage_worker import BackendSpec
+from runtime_cupy.cuda.kernels import KernelSet
 
 TILE_FLOATS = 1 << 26  # 256 MiB of float32 per prefill tile
 MATVEC_WARPS = 4  # MV_WARPS in matvec.cu

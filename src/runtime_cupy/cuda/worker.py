@@ -24,7 +24,7 @@ Options (``CudaWorker(...)``):
   activations device to device. Default: NumPy arrays, as the worker interface says.
 - ``device``: the CUDA device index.
 
-``runtime_cupy.stage_worker.StageWorker`` holds everything that is not CUDA (the
+``runtime_core.workers.stage_worker.StageWorker`` holds everything that is not CUDA (the
 checks of the interface, the sequence and position, edges' dtypes, sampling state);
 the CUDA worker is that over ``device_stage.DeviceBackend`` (CuPy, imported only at
 ``bind``).
@@ -39,8 +39,8 @@ from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers.interface import WorkerError
+from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
-from runtime_cupy.stage_worker import BackendSpec, StageBackend, StageWorker
 
 #: What the CUDA worker runs: llama and qwen2 (the other architectures of the reference
 #: worker are refused by name: ``UnsupportedModel``, ``unsupported_model``) and all 13 types;
