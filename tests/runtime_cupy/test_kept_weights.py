@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from runplan import ProvisionStage, SamplingConfig
+from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import TokenOutput, Worker
 from runtime_core.workers.kept_weights import KeepsWeights
 from runtime_core.workers.reference.worker import ReferenceWorker
-from runtime_cupy.cpu.worker import CpuWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.runtime_core.chain import provisions
 from tests.support.twin_stage import TwinWorker

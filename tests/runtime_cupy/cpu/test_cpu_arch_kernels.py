@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime_cupy.cpu import _kernels
+from runtime_core.workers.cpu import _kernels
 
 ISAS = _kernels.isas()
 F32 = np.float32

@@ -1,4 +1,4 @@
-"""The CPU worker's compiled kernels (``runtime_cupy.cpu._kernels``) against independent
+"""The CPU worker's compiled kernels (``runtime_core.workers.cpu._kernels``) against independent
 readings of the same numbers.
 
 - Embedding rows (the kernels' dequantization) equal ``gguf.quants.dequantize`` bit
@@ -29,8 +29,8 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from runplan.quant_types import FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
-from runtime_cupy.cpu import _kernels
-from runtime_cupy.cpu.backend import ACT_FORMAT
+from runtime_core.workers.cpu import _kernels
+from runtime_core.workers.cpu.backend import ACT_FORMAT
 from tests.support import twins
 from tests.support.random_blocks import random_rows
 

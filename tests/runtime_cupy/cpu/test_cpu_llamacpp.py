@@ -41,8 +41,8 @@ import pytest
 
 from runplan import model_facts_from_gguf
 from runplan.config import REFERENCE_ARCHITECTURES
+from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import TokenOutput
-from runtime_cupy.cpu.worker import CpuWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import Chain, provisions, run
 from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie

@@ -12,10 +12,10 @@ import pytest
 
 from runplan import model_facts_from_gguf
 from runtime_core.gguf_slice import open_stage_slice
+from runtime_core.workers.cpu.backend import CpuOps
+from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.forward_program import load_weights
 from runtime_core.workers.stage_worker import BackendSpec
-from runtime_cupy.cpu.backend import CpuOps
-from runtime_cupy.cpu.worker import CpuWorker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
 from tests.runtime_core.chain import Chain, provisions
 

@@ -31,9 +31,9 @@ from runplan import GgufSource, SamplingConfig
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
+from runtime_core.workers.cpu.worker import CPU_CAPABILITIES, CpuWorker
 from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
 from runtime_core.workers.reference.worker import ReferenceWorker
-from runtime_cupy.cpu.worker import CPU_CAPABILITIES, CpuWorker
 from runtime_cupy.workers import capabilities, make_worker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, model_file

@@ -1,5 +1,5 @@
 """The CPU worker's compiled kernels (``csrc/*.c``, built by ``pip install`` as
-``runtime_cupy.cpu._kernels``), and the number of threads a stage uses (``csrc/pool.h``
+``runtime_core.workers.cpu._kernels``), and the number of threads a stage uses (``csrc/pool.h``
 shares each operation's items out among them).
 
 The extension picks its instruction set at import: AVX2 and F16C where the
@@ -24,7 +24,7 @@ class KernelsUnavailable(RuntimeError):
 def load() -> ModuleType:
     """The ``_kernels`` extension; ``KernelsUnavailable`` if it was not built."""
     try:
-        from runtime_cupy.cpu import _kernels
+        from runtime_core.workers.cpu import _kernels
     except ImportError as exc:
         raise KernelsUnavailable(
             "the CPU worker's kernels are not built (reinstall gguf-pipeline with a C "

@@ -25,8 +25,8 @@ from typing import ClassVar
 from runplan import WorkerCapabilities
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
+from runtime_core.workers.cpu.kernels import default_threads, load
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
-from runtime_cupy.cpu.kernels import default_threads, load
 
 #: Every architecture the reference worker runs (``runtime_core.architectures``: the
 #: kernels implement each optional step; a new architecture needs its operations here,
@@ -58,6 +58,6 @@ class CpuWorker(StageWorker):
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         load()  # KernelsUnavailable (a RuntimeError: WorkerError at bind) if not built
-        from runtime_cupy.cpu.backend import CpuBackend
+        from runtime_core.workers.cpu.backend import CpuBackend
 
         return CpuBackend(spec, self.threads)

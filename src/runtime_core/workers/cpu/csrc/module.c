@@ -1,4 +1,4 @@
-/* module.c: runtime_cupy.cpu._kernels, the CPU worker's kernels as Python functions.
+/* module.c: runtime_core.workers.cpu._kernels, the CPU worker's kernels as Python functions.
  *
  * Arrays arrive through the buffer protocol; every one is checked (C-contiguous, its
  * element format, enough elements for the sizes passed, writable where written) so a
@@ -225,7 +225,7 @@ static PyGetSetDef Matrix_getset[] = {
 
 static PyTypeObject MatrixType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "runtime_cupy.cpu._kernels.Matrix",
+    .tp_name = "runtime_core.workers.cpu._kernels.Matrix",
     .tp_doc = "Matrix(parts, repack=False): stored GGUF rows, each part (rows, qtype, n_out, n_in, "
               "offset) writing output columns offset .. offset + n_out; repack: the parts of "
               "the types that repack (Q4_0, Q4_1) are copied 8 rows at a time, computing the same bits",
@@ -686,7 +686,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_kernels",
-    "The CPU worker's kernels (runtime_cupy/cpu/csrc).", -1, methods,
+    "The CPU worker's kernels (runtime_core/workers/cpu/csrc).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -51,6 +51,7 @@ from runplan.quant_types import CHUNK
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
+from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.forward_program import (
     Linear,
     StageWeights,
@@ -61,7 +62,6 @@ from runtime_core.workers.forward_program import (
 )
 from runtime_core.workers.interface import Progress
 from runtime_core.workers.stage_worker import BackendSpec
-from runtime_cupy.cpu import _kernels
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
