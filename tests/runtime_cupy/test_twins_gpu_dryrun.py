@@ -34,7 +34,7 @@ from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy
 def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedKernels]:
     kernels = EmulatedKernels()
     monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
-    monkeypatch.setitem(sys.modules, "runtime_cupy.cuda.device_stage", DEVICE_STAGE)
+    monkeypatch.setitem(sys.modules, "runtime_cupy.cuda.backend", DEVICE_STAGE)
     monkeypatch.setitem(DEVICE_STAGE._KERNELS, 0, kernels)
     monkeypatch.setattr(gk, "SHAPES_32", [(1, 32), (7, 96), (9, 576)])
     monkeypatch.setattr(gk, "SHAPES_K", [(1, 256), (5, 768)])

@@ -5,7 +5,7 @@ that record a graph when they capture and replay it on launch; it refuses what a
 would fault on or a capture cannot record. ``EmulatedKernels``: the kernels' NumPy
 twins (``kernel_twins``) in place of the kernels, with the launch checks of a GPU
 (grid limits, pointer alignment, GPU NaNs). ``DEVICE_STAGE`` is
-``runtime_cupy/cuda/device_stage.py`` imported with ``FakeCupy`` as ``cupy``, and
+``runtime_cupy/cuda/backend.py`` imported with ``FakeCupy`` as ``cupy``, and
 ``EmulatedCudaWorker`` the CUDA worker on both. Only tests import this module.
 """
 
@@ -320,8 +320,8 @@ class EmulatedKernels:
 
 
 def _load_device_stage() -> types.ModuleType:
-    """``runtime_cupy/cuda/device_stage.py`` imported with FakeCupy as ``cupy``."""
-    path = Path(kernels_mod.__file__).with_name("device_stage.py")
+    """``runtime_cupy/cuda/backend.py`` imported with FakeCupy as ``cupy``."""
+    path = Path(kernels_mod.__file__).with_name("backend.py")
     spec = importlib.util.spec_from_file_location("emulated_device_stage", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

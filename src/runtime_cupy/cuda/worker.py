@@ -93,7 +93,7 @@ class CudaWorker(StageWorker):
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         try:
-            from runtime_cupy.cuda.device_stage import DeviceBackend
+            from runtime_cupy.cuda.backend import DeviceBackend
         except ImportError as exc:
             raise WorkerError(f"the CUDA worker needs CuPy: {exc}") from exc
         return DeviceBackend(
