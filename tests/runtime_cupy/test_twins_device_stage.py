@@ -1,9 +1,9 @@
-"""The CUDA worker's device backend (``device_stage.py``), run on a CPU.
+"""The CUDA worker's device backend (``cuda/backend.py``), run on a CPU.
 
 A stand-in for CuPy (``FakeCupy`` of ``tests/support/emulated_cupy.py``: NumPy arrays
 as device memory, ``memcpyAsync`` as a memory copy, streams that record a graph when
 they capture and replay it on launch) and the kernels' NumPy twins in place of the
-kernels (``kernel_twins``) let every line of ``device_stage.py`` run here: buffers,
+kernels (``kernel_twins``) let every line of ``backend.py`` run here: buffers,
 pointer offsets, launch arguments and grids, the prefill tiles, edges, the graph
 capture (a captured launch keeps the integer arguments it had; position and token must
 come from device memory), device-to-device inputs and sampling. The backend is compared

@@ -7,7 +7,7 @@ that the launch geometry covers the work the way the kernel expects (a launch th
 would leave rows unwritten fails here).
 
 The GPU tests run a kernel and its twin on the same random inputs; the CPU tests run
-the whole device backend (``device_stage``) with these twins in place of the kernels
+the whole device backend (``cuda/backend.py``) with these twins in place of the kernels
 (``tests/runtime_cupy/test_twins_device_stage.py``).
 """
 

@@ -1,7 +1,7 @@
 """The CUDA worker's program on the kernels' NumPy twins, on any CPU.
 
 ``TwinWorker`` is ``CudaWorker`` over ``TwinBackend``: the same interface logic, checks,
-weight layout and step sequence (``program.py``) as the CUDA worker, with every kernel
+weight layout and step sequence (``forward_program.py``) as the CUDA worker, with every kernel
 replaced by its twin (``twins.py``). Tests run it against the NumPy reference worker and
 llama.cpp's fixtures on a CPU; on a GPU, the CUDA worker is compared with it.
 """

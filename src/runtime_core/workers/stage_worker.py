@@ -1,10 +1,10 @@
 """A stage worker whose weights stay as the GGUF file stores them, over a backend.
 
 ``StageWorker`` holds the worker interface (EDGES_AND_WORKERS.md §4) for every worker
-that runs ``program.py``'s forward pass on a backend of its own: the checks of the
+that runs ``forward_program.py``'s forward pass on a backend of its own: the checks of the
 interface, the sequence and position, the edges' dtypes, the sampling state. A
 ``StageBackend`` holds the weights and runs the steps: the CUDA worker's
-``cuda.device_stage.DeviceBackend``, and the NumPy twin of its kernels
+``runtime_cupy.cuda.backend.DeviceBackend``, and the NumPy twin of its kernels
 (``tests/support/twin_stage.py``), which runs the same program on the CPU so that all
 of this is tested on any host.
 

@@ -1,7 +1,7 @@
 """The CUDA worker (EDGES_AND_WORKERS.md §4): one stage on an NVIDIA GPU.
 
 Weights stay quantized on the device in their GGUF block layout; the kernels of
-``kernels/*.cu`` dequantize them as they multiply (``program.py`` has the sequence
+``kernels/*.cu`` dequantize them as they multiply (``forward_program.py`` has the sequence
 of a step). The residual stream inside a stage is float32; activations leave and
 enter the stage in the plan's dtype (f16 by default for CUDA, f32 or bf16 when the
 plan says so). The last stage computes the logits, the greedy token (or, with a
@@ -26,7 +26,7 @@ Options (``CudaWorker(...)``):
 
 ``runtime_core.workers.stage_worker.StageWorker`` holds everything that is not CUDA (the
 checks of the interface, the sequence and position, edges' dtypes, sampling state);
-the CUDA worker is that over ``device_stage.DeviceBackend`` (CuPy, imported only at
+the CUDA worker is that over ``backend.DeviceBackend`` (CuPy, imported only at
 ``bind``).
 """
 

@@ -2,7 +2,7 @@
 
 It rounds activations as llama.cpp's CPU path does for each weight type (Q8_0, Q8_1,
 Q8_K blocks, ``csrc/dot.h``; half or bfloat16 for F16 / BF16 weights) and follows its
-graphs step by step (``program.py``: per-head Q/K norms, post-norms, GELU as its table
+graphs step by step (``forward_program.py``: per-head Q/K norms, post-norms, GELU as its table
 of halves, the query scale where it applies it, sliding windows), so on the tiny random
 models of every architecture and type it reproduces llama.cpp's logits almost to the
 last bit: cosine >= 0.99999 on every model (the reference worker's threshold for F32 /

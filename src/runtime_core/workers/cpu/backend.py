@@ -32,7 +32,7 @@ and values beside the ring until attention has read the positions they overwrite
 Attention reads every position in order, whether from the ring or the step's rows, so
 a prefill computes what decoding it row by row computes, past the window too.
 
-The architectures' optional steps (``program.py``) are the kernels' too: per-head Q/K
+The architectures' optional steps (``forward_program.py``) are the kernels' too: per-head Q/K
 norms, post-norms, GELU gating (llama.cpp's table of halves), the embedding scale, the
 query scale where llama.cpp applies it (the scores, or gemma3's and phi3's queries
 after rotary) and the logit soft cap.

@@ -3,7 +3,7 @@ in their GGUF blocks.
 
 ``CpuWorker`` is ``worker.StageWorker`` (the interface's checks, sequence and position,
 edge dtypes, sampling) over ``backend.CpuBackend``: the stage's forward pass of
-``program.py`` on compiled kernels (``csrc/``). Its memory is the stage's slice of the
+``forward_program.py`` on compiled kernels (``csrc/``). Its memory is the stage's slice of the
 file as stored (mapped, not copied) plus the KV cache and a few rows of buffers, which
 is what ``CPU_CAPABILITIES`` tells the planner.
 
