@@ -1,4 +1,6 @@
-"""The GGUF weight types our kernels read (CUDA and CPU), and their block geometry.
+"""The GGUF weight types the project runs, one table for every package: the types every
+worker runs (the reference worker's, the CPU and CUDA kernels'), and their block
+geometry.
 
 Every kernel reads a row in chunks of 32 elements (``CHUNK``): one block of the
 32-element types, one eighth of a K-quant super-block, 32 values of a float type.
@@ -25,7 +27,7 @@ Q8_TYPES: tuple[str, ...] = (
     "Q5_K",
     "Q6_K",
 )
-#: Every type the quantized workers run (the reference worker's thirteen).
+#: Every type the workers run (all thirteen: the reference, CPU and CUDA workers').
 QUANT_TYPES: tuple[str, ...] = FLOAT_TYPES + Q8_TYPES
 
 

@@ -11,9 +11,12 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
+from runplan.quant_types import QUANT_TYPES
 from runtime_core.activations import edge_dtype
 from runtime_core.workers.interface import Progress, TokenOutput, WorkerError
 
+#: Types no worker runs yet, which the synthetic worker plans all the same.
+NO_WORKER_TYPES = ("IQ4_XS", "IQ2_XXS")
 #: Runs any architecture and quant type: it never looks at the weights. It stands for a
 #: worker that keeps weights as stored and its KV cache in the activation dtype.
 SYNTHETIC_CAPABILITIES = WorkerCapabilities(
@@ -21,27 +24,7 @@ SYNTHETIC_CAPABILITIES = WorkerCapabilities(
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,
     architectures=("llama", "qwen2", "mistral", "gemma", "phi3", "falcon"),
-    quant_types=tuple(
-        sorted(
-            {
-                "F32",
-                "F16",
-                "BF16",
-                "Q8_0",
-                "Q4_0",
-                "Q4_1",
-                "Q5_0",
-                "Q5_1",
-                "Q2_K",
-                "Q3_K",
-                "Q4_K",
-                "Q5_K",
-                "Q6_K",
-                "IQ4_XS",
-                "IQ2_XXS",
-            }
-        )
-    ),
+    quant_types=tuple(sorted({*QUANT_TYPES, *NO_WORKER_TYPES})),
 )
 
 
