@@ -65,8 +65,8 @@ from runtime_cupy import generate  # noqa: E402
 from runtime_cupy.api import plan_for  # noqa: E402
 from runtime_cupy.edges.base import ProcessRing  # noqa: E402
 from runtime_cupy.hosts.local import local_medium  # noqa: E402
-from runtime_cupy.keys import edge_key, new_secret  # noqa: E402
-from runtime_cupy.names import remove_run_dir  # noqa: E402
+from runtime_cupy.process.keys import edge_key, new_secret  # noqa: E402
+from runtime_cupy.process.names import remove_run_dir  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fixtures.gguf_models import ModelShape, write_model  # noqa: E402

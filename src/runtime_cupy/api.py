@@ -32,8 +32,8 @@ from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.base import StageHost, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
-from runtime_cupy.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
-from runtime_cupy.tracing import Event
+from runtime_cupy.process.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
+from runtime_cupy.process.tracing import Event
 from runtime_cupy.workers import DEFAULT_WORKER, WorkerUnavailable, capabilities
 
 #: ``progress(stage_index, done, total)``. Stage processes load on their own and

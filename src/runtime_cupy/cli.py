@@ -39,7 +39,7 @@ from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.edges.choice import PREFERENCES
 from runtime_cupy.hosts.ray.cluster import ClusterError
-from runtime_cupy.tracing import chrome_trace
+from runtime_cupy.process.tracing import chrome_trace
 from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
 EXIT_FAULTED = 1

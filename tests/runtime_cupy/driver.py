@@ -17,7 +17,7 @@ from runplan import SamplingConfig
 from runplan.config import Timeouts
 from runplan.messages import StageReady
 from runtime_cupy.api import plan_for
-from runtime_cupy.launcher import ProcessRun
+from runtime_cupy.process.launcher import ProcessRun
 from tests.support.hosts import FaultyHost
 
 

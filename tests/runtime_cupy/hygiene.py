@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from runtime_cupy.names import PREFIX, run_dir, run_tag
+from runtime_cupy.process.names import PREFIX, run_dir, run_tag
 
 SHM = Path("/dev/shm")
 TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"

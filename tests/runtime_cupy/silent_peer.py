@@ -18,7 +18,7 @@ import time
 from runplan import SamplingConfig
 from runplan.config import Timeouts
 from runtime_cupy.api import plan_for
-from runtime_cupy.launcher import ProcessRun
+from runtime_cupy.process.launcher import ProcessRun
 
 
 def main() -> int:

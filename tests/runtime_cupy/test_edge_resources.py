@@ -22,8 +22,8 @@ from runtime_cupy.edges.base import EdgeSetupError
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.shm import ShmMedium, remove_run, segment_name, signal_paths
 from runtime_cupy.hosts.local import FileRendezvous
-from runtime_cupy.launcher import ProcessRun
-from runtime_cupy.names import in_run_dir, remove_run_dir, run_dir
+from runtime_cupy.process.launcher import ProcessRun
+from runtime_cupy.process.names import in_run_dir, remove_run_dir, run_dir
 from tests.runtime_cupy.hygiene import SHM, alive, run_resources, wait_gone
 from tests.support.hosts import FaultyHost
 

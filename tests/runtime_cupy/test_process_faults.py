@@ -113,7 +113,7 @@ def _children(pid: int, count: int) -> dict[int, int]:
             except OSError:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == pid and b"runtime_cupy.stage" in args:
+            if ppid == pid and b"runtime_cupy.process.stage_process" in args:
                 found[int(args[args.index(b"--stage-index") + 1])] = int(entry.name)
         if len(found) == count:
             return found

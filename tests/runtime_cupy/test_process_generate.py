@@ -136,7 +136,7 @@ def test_stage_processes_are_recognisable_in_ps(tiny: str) -> None:
     assert sorted(cmdlines) == sorted(s.pid for s in result.stages)
     for line in cmdlines.values():
         assert "runtime_cupy" in line and "stage" in line
-        assert "-m runtime_cupy.stage" in line
+        assert "-m runtime_cupy.process.stage_process" in line
 
 
 def test_generate_has_the_simulators_signature_and_result() -> None:

@@ -26,8 +26,8 @@ from runtime_cupy.api import plan_for
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.tcp import FRAME, RECORD, split_address
 from runtime_cupy.hosts.local import FileRendezvous
-from runtime_cupy.keys import edge_key, new_secret
-from runtime_cupy.launcher import ProcessRun
+from runtime_cupy.process.keys import edge_key, new_secret
+from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.hygiene import alive, run_resources
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hosts import FaultyHost

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 import runtime_sim
-from runtime_cupy.names import run_tag
-from runtime_cupy.streams import SILENT_PEER_S
+from runtime_cupy.process.names import run_tag
+from runtime_cupy.process.streams import SILENT_PEER_S
 from tests.runtime_cupy.ray_checks import (
     STAGE_ENTRY,
     cmdline,

@@ -31,7 +31,7 @@ from runtime_cupy.edges.tcp import (
     TcpSendRing,
     split_address,
 )
-from runtime_cupy.keys import edge_key, new_secret
+from runtime_cupy.process.keys import edge_key, new_secret
 
 SPEC = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
 RING = RingSpec(slot_count=2, alignment=64, slot_bytes=256)

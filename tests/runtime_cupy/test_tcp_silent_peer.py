@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_cupy.streams import SILENT_PEER_S
+from runtime_cupy.process.streams import SILENT_PEER_S
 from tests.runtime_cupy.hygiene import run_resources
 from tests.runtime_cupy.test_process_cli import _env
 

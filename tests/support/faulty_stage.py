@@ -2,7 +2,7 @@
 
     python -m tests.support.faulty_stage [--fault FAULT]... -- STAGE ARGUMENTS
 
-It runs ``runtime_cupy.stage.main`` with the stage arguments, its worker (from the
+It runs ``runtime_cupy.process.stage_process.main`` with the stage arguments, its worker (from the
 registry) wrapped in ``FaultyWorker``. Faults: ``setup-delay=SECONDS``,
 ``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``. Started by ``FaultyHost``
 (``tests/support/hosts.py``): the faults come in through the host port, and nothing of
@@ -22,10 +22,10 @@ from attrs import frozen
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runtime_core.workers.interface import Progress, TokenOutput, Worker, WorkerError
-from runtime_cupy import stage
+from runtime_cupy.process import stage_process as stage
 from runtime_cupy.workers import make_worker
 
-log = logging.getLogger("runtime_cupy.stage")
+log = logging.getLogger("runtime_cupy.process.stage_process")
 
 
 @frozen

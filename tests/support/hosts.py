@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runplan.messages import ControlMessage
-from runtime_cupy.control import ControlChannel, decode_frame, encode_frame
 from runtime_cupy.hosts.base import StageLaunch
 from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, LocalStageHandle
-from runtime_cupy.keys import control_key
+from runtime_cupy.process.control_channel import ControlChannel, decode_frame, encode_frame
+from runtime_cupy.process.keys import control_key
 from tests.support.faulty_stage import Fault
 
 ROOT = Path(__file__).resolve().parents[2]

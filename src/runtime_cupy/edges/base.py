@@ -29,8 +29,8 @@ from runplan.header import HeaderCheck
 from runplan.plan import RingSpec
 from runtime_core.edges import ReceiveEnd, SendEnd
 from runtime_core.ring import Ring
-from runtime_cupy.keys import edge_key
-from runtime_cupy.poller import Entry
+from runtime_cupy.process.keys import edge_key
+from runtime_cupy.process.poller import Entry
 
 #: The media, by the names ``--edges`` takes.
 MEDIA = ("shm", "tcp")

@@ -41,8 +41,8 @@ from typing import Any
 from runplan.plan import RingSpec
 from runtime_core.ring import ring_bytes
 from runtime_cupy.edges.base import EdgeSetupError, ProcessRing
-from runtime_cupy.names import PREFIX, in_run_dir, remove_run_dir, run_dir, run_tag
-from runtime_cupy.poller import IN, Entry
+from runtime_cupy.process.names import PREFIX, in_run_dir, remove_run_dir, run_dir, run_tag
+from runtime_cupy.process.poller import IN, Entry
 
 # CPython's binding of shm_open / shm_unlink (what multiprocessing.shared_memory uses).
 # Used directly so that no process starts multiprocessing's resource tracker, which

@@ -49,7 +49,7 @@ from runtime_cupy.edges.base import EdgeSetupError, Rendezvous
 from runtime_cupy.edges.tcp_consumer import MAX_PENDING, TcpReceiveRing
 from runtime_cupy.edges.tcp_frames import FRAME, RECORD, split_address
 from runtime_cupy.edges.tcp_producer import Connector, TcpSendRing
-from runtime_cupy.streams import StreamBroken
+from runtime_cupy.process.streams import StreamBroken
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
 

@@ -28,8 +28,8 @@ from runtime_cupy.edges.tcp_frames import (
     anonymous,
     peer_of,
 )
-from runtime_cupy.poller import IN, OUT, TROUBLE, Entry
-from runtime_cupy.streams import Outbox, StreamBroken, keep_alive
+from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry
+from runtime_cupy.process.streams import Outbox, StreamBroken, keep_alive
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
 

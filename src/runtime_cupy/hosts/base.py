@@ -22,9 +22,9 @@ from typing import Protocol
 
 from attrs import frozen
 
-from runtime_cupy.control import ControlChannel
 from runtime_cupy.edges.base import EdgeMedium, Rendezvous
-from runtime_cupy.tracing import Event
+from runtime_cupy.process.control_channel import ControlChannel
+from runtime_cupy.process.tracing import Event
 
 
 @frozen
@@ -36,7 +36,7 @@ class StageLaunch:
 
     ``warm``: the stage serves one run after another (``run_id`` then names the chain,
     for logs): it keeps its bound weights between runs and ends when its control
-    channel closes between runs (``python -m runtime_cupy.stage --warm``)."""
+    channel closes between runs (``python -m runtime_cupy.process.stage_process --warm``)."""
 
     run_id: str
     stage_index: int

@@ -1,5 +1,5 @@
 """The local-process host: every stage is an OS process on this machine, started as
-``python -m runtime_cupy.stage ...`` (recognisable in ``ps``).
+``python -m runtime_cupy.process.stage_process ...`` (recognisable in ``ps``).
 
 - **Control channel**: one end of a Unix socket pair, inherited (``--control-fd``).
 - **Secret**: one hex line on the stage's standard input, never on a command line.
@@ -36,14 +36,14 @@ from typing import IO
 import runplan
 import runtime_core
 import runtime_cupy
-from runtime_cupy.control import ControlChannel
 from runtime_cupy.edges.base import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
 from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
-from runtime_cupy.keys import control_key
-from runtime_cupy.names import in_run_dir, remove_run_dir, run_dir
-from runtime_cupy.tracing import Event, read_events
+from runtime_cupy.process.control_channel import ControlChannel
+from runtime_cupy.process.keys import control_key
+from runtime_cupy.process.names import in_run_dir, remove_run_dir, run_dir
+from runtime_cupy.process.tracing import Event, read_events
 
 #: Where TCP consumers of this host listen.
 LOOPBACK = "127.0.0.1"
@@ -215,7 +215,8 @@ class LocalProcessHost:
     def arguments(
         self, launch: StageLaunch, control_fd: int, lifeline_fd: int, trace_file: Path | None
     ) -> list[str]:
-        """The stage process's own arguments (``python -m runtime_cupy.stage --help``)."""
+        """The stage process's own arguments (``python -m
+        runtime_cupy.process.stage_process --help``)."""
         args = [
             "--run-id", launch.run_id,
             "--stage-index", str(launch.stage_index),
@@ -237,7 +238,7 @@ class LocalProcessHost:
 
     def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:
         """The command line of a stage process."""
-        return [sys.executable, "-m", "runtime_cupy.stage", *arguments]
+        return [sys.executable, "-m", "runtime_cupy.process.stage_process", *arguments]
 
     def environment(self, launch: StageLaunch) -> dict[str, str]:
         env = dict(os.environ)

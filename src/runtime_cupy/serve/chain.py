@@ -52,12 +52,12 @@ from runplan.plan import OrchestratorEndpoint
 from runtime_core.runs import PLACEMENTS, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, place_stages, summarize
-from runtime_cupy.control import Incoming
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.keys import new_secret
-from runtime_cupy.launcher import ORCHESTRATOR, ProcessRun
+from runtime_cupy.process.control_channel import Incoming
+from runtime_cupy.process.keys import new_secret
+from runtime_cupy.process.launcher import ORCHESTRATOR, ProcessRun
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 if TYPE_CHECKING:

@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from runtime_cupy.control import ControlChannel
 from runtime_cupy.edges.base import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
@@ -48,9 +47,10 @@ from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListener
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous
 from runtime_cupy.hosts.ray.supervisor import StageSupervisor
-from runtime_cupy.keys import control_key
-from runtime_cupy.names import remove_run_dir
-from runtime_cupy.tracing import Event
+from runtime_cupy.process.control_channel import ControlChannel
+from runtime_cupy.process.keys import control_key
+from runtime_cupy.process.names import remove_run_dir
+from runtime_cupy.process.tracing import Event
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 

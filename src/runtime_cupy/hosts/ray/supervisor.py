@@ -1,15 +1,15 @@
 """The Ray actor of one stage: it lives on the node the plan names, starts the stage
 process there and watches it.
 
-Why an actor that supervises a process rather than an actor that is the stage: the
-stage process stays the one of a single host (``python -m runtime_cupy.stage``'s loop,
-with no Ray inside it: none of Ray's threads in its event loop, its own signals, its
-own exit status), it can be killed like any process (SIGKILL included), and its
-supervisor reaps it and says how it ended (``killed by SIGKILL``), which a dead actor
-cannot. The supervisor holds the write end of the stage's lifeline: if Ray ends the
-actor (its owner, the orchestrator's driver, died; its node is being removed), the stage
-process sees its lifeline close and stops on its own, as it does on one host when the
-launcher goes.
+Why an actor that supervises a process rather than an actor that is the stage: the stage
+process stays the one of a single host (``python -m
+runtime_cupy.process.stage_process``'s loop, with no Ray inside it: none of Ray's
+threads in its event loop, its own signals, its own exit status), it can be killed like
+any process (SIGKILL included), and its supervisor reaps it and says how it ended
+(``killed by SIGKILL``), which a dead actor cannot. The supervisor holds the write end
+of the stage's lifeline: if Ray ends the actor (its owner, the orchestrator's driver,
+died; its node is being removed), the stage process sees its lifeline close and stops on
+its own, as it does on one host when the launcher goes.
 
 ``start`` opens the stage's control connection to the orchestrator (``control_link``)
 before the process exists, and hands it over as the process's ``--control-fd``: the
@@ -41,8 +41,8 @@ from runtime_cupy.hosts.base import StageLaunch
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.ray import control_link
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous, PublishedAddresses, serve_rendezvous
-from runtime_cupy.keys import control_key
-from runtime_cupy.names import remove_run_dir
+from runtime_cupy.process.keys import control_key
+from runtime_cupy.process.names import remove_run_dir
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 

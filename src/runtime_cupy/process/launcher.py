@@ -50,17 +50,17 @@ from runplan.fsm import orchestrator as fsm
 from runplan.messages import ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runtime_core.orchestrator import OrchestratorController
-from runtime_cupy.control import ChannelBroken, Incoming
 from runtime_cupy.edges.base import ProcessEdges
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch, StageProcessInfo
 from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
-from runtime_cupy.keys import new_secret
-from runtime_cupy.poller import IN, OUT, TROUBLE, Entry, Watch
-from runtime_cupy.timers import Deadlines
-from runtime_cupy.tracing import Event, TraceLog, chrome_trace
+from runtime_cupy.process.control_channel import ChannelBroken, Incoming
+from runtime_cupy.process.keys import new_secret
+from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
+from runtime_cupy.process.timers import Deadlines
+from runtime_cupy.process.tracing import Event, TraceLog, chrome_trace
 
-log = logging.getLogger("runtime_cupy.launcher")
+log = logging.getLogger("runtime_cupy.process.launcher")
 
 ORCHESTRATOR = "orchestrator"
 RETRY_S = 0.002  # retry opening the token endpoints

@@ -1,5 +1,5 @@
-"""One stage process: ``python -m runtime_cupy.stage ...``, started by the local-process
-host (``hosts.local``).
+"""One stage process: ``python -m runtime_cupy.process.stage_process ...``, started by the
+local-process host (``hosts.local``).
 
 ``StageProcess`` runs one ``StageController`` (the stage state machine, its worker and
 its two edge ends) in a single-threaded event loop that waits, with a bound, on what
@@ -61,14 +61,14 @@ from runplan.plan import EdgeKind
 from runtime_core.controller import StageController
 from runtime_core.workers.interface import Progress, Worker, WorkerError
 from runtime_core.workers.kept_weights import KeepsWeights
-from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
 from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
-from runtime_cupy.keys import BadSecret, control_key, parse_secret
-from runtime_cupy.names import remove_run_dir
-from runtime_cupy.poller import IN, OUT, TROUBLE, Entry, Watch
-from runtime_cupy.timers import Deadlines
-from runtime_cupy.tracing import TraceLog, now_us
+from runtime_cupy.process.control_channel import ChannelBroken, ControlChannel, Incoming
+from runtime_cupy.process.keys import BadSecret, control_key, parse_secret
+from runtime_cupy.process.names import remove_run_dir
+from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
+from runtime_cupy.process.timers import Deadlines
+from runtime_cupy.process.tracing import TraceLog, now_us
 from runtime_cupy.workers import WORKERS, WorkerUnavailable, make_worker
 
 EXIT_STOPPED = 0
@@ -78,7 +78,7 @@ EXIT_LOST = 3
 ATTACH_RETRY_S = 0.002  # retry attaching to the consumer's ring
 IDLE_WAKE_S = 1.0  # wake at least this often (parent check)
 
-log = logging.getLogger("runtime_cupy.stage")
+log = logging.getLogger("runtime_cupy.process.stage_process")
 
 #: ``make_worker(name)``: the worker a stage process runs (by default from the registry).
 MakeWorker = Callable[[str], Worker]
@@ -454,7 +454,7 @@ class StageProcess:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m runtime_cupy.stage",
+        prog="python -m runtime_cupy.process.stage_process",
         description="One pipeline stage process (started by the runtime_cupy launcher's "
         "local-process host; the stages' secret is read from standard input).",
     )

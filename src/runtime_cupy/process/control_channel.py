@@ -35,9 +35,9 @@ from attrs import frozen
 from runplan import wire
 from runplan.messages import ControlMessage
 from runplan.plan import RunPlan
-from runtime_cupy.keys import KEY_BYTES
-from runtime_cupy.poller import IN, OUT, Entry
-from runtime_cupy.streams import Outbox, StreamBroken
+from runtime_cupy.process.keys import KEY_BYTES
+from runtime_cupy.process.poller import IN, OUT, Entry
+from runtime_cupy.process.streams import Outbox, StreamBroken
 
 #: Longest frame a reader accepts (a provision is a few KiB).
 MAX_FRAME_BYTES = 1 << 20
