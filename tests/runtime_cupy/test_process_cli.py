@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import runtime_sim
-from runtime_cupy.cli import main
+from runtime_cupy.cli.main import main
 from tests.runtime_cupy.hygiene import wait_gone
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.runtime_cupy.test_process_faults import _children

@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra 
 
 import runtime_sim  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
-from runtime_cupy.cli import main as cli_main  # noqa: E402
+from runtime_cupy.cli.main import main as cli_main  # noqa: E402
 from runtime_cupy.hosts.ray.cluster import ClusterError  # noqa: E402
 from runtime_cupy.hosts.ray.rendezvous import NAMESPACE, run_prefix  # noqa: E402
 from runtime_cupy.hosts.ray.session import connect  # noqa: E402
@@ -247,7 +247,7 @@ def test_serve_refuses_what_a_cluster_cannot_take(
 ) -> None:
     """No cluster at the address, or one-host flags with it: a one-line error, exit 2,
     before any stage or server starts."""
-    from runtime_cupy.serve.cli import main as serve_main
+    from runtime_cupy.cli.serve import main as serve_main
 
     assert serve_main(["--model", tiny, "--ray-address", "127.0.0.1:1", "--port", "0"]) == 2
     err = capsys.readouterr().err

@@ -24,8 +24,8 @@ import httpx2
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime_cupy.cli.serve import _listen
 from runtime_cupy.serve.app import build_app
-from runtime_cupy.serve.cli import _listen
 from runtime_cupy.serve.engine import Engine
 
 LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")

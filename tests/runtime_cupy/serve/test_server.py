@@ -29,7 +29,7 @@ import pytest
 
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy import generate
-from runtime_cupy.serve.cli import API_KEY_VARIABLE
+from runtime_cupy.cli.serve import API_KEY_VARIABLE
 from runtime_cupy.serve.engine import chat_prompt
 from runtime_cupy.serve.requests import Message
 from runtime_cupy.workers import DEFAULT_WORKER

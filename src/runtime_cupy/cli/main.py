@@ -1,7 +1,7 @@
 """``python -m runtime_cupy --model PATH --stages N --prompt TEXT ...``: generate text
 through N stage processes, with the flags and output of ``python -m runtime_sim run``
 (``--ray-address``: on the hosts of a Ray cluster; ``python -m runtime_cupy plan``
-prints the plan, in ``plan_cli``).
+prints the plan, in ``cli.plan``).
 
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
@@ -10,10 +10,10 @@ that faults prints one line naming the stage, node and reason to standard error 
 exits 1; Ctrl-C tears the run down, prints ``cancelled`` and exits 130; bad input
 exits 2.
 
-Subcommands beside it: ``python -m runtime_cupy plan ...`` (``plan_cli``),
+Subcommands beside it: ``python -m runtime_cupy plan ...`` (``cli.plan``),
 ``python -m runtime_cupy serve ...`` (an OpenAI-compatible HTTP
-API over warm stages, ``serve.cli``) and ``python -m runtime_cupy chat ...`` (a
-terminal chat on warm stages, ``serve.chat``).
+API over warm stages, ``cli.serve``) and ``python -m runtime_cupy chat ...`` (a
+terminal chat on warm stages, ``cli.chat``).
 """
 
 from __future__ import annotations
@@ -245,14 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subcommand(name: str, argv: Sequence[str]) -> int:
     if name == "plan":
-        from runtime_cupy.plan_cli import main as plan
+        from runtime_cupy.cli.plan import main as plan
 
         return plan(argv)
     if name == "serve":
-        from runtime_cupy.serve.cli import main as serve
+        from runtime_cupy.cli.serve import main as serve
 
         return serve(argv)
-    from runtime_cupy.serve.chat import main as chat
+    from runtime_cupy.cli.chat import main as chat
 
     return chat(argv)
 

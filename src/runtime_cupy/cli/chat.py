@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from runtime_core.console import TextStream
+from runtime_cupy.cli.serve import INPUT_ERRORS, add_chain_arguments, chain_from
 from runtime_cupy.serve.chain import ChainError, WarmChain
-from runtime_cupy.serve.cli import INPUT_ERRORS, add_chain_arguments, chain_from
 from runtime_cupy.serve.engine import chat_prompt
 from runtime_cupy.serve.requests import Message
 

@@ -60,7 +60,7 @@ def _positive(text: str) -> int:
 
 
 def _gpus(text: str) -> list[int]:
-    from runtime_cupy.cli import _gpus as gpus
+    from runtime_cupy.cli.main import _gpus as gpus
 
     return gpus(text)
 
