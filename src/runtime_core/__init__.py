@@ -5,14 +5,14 @@ sampling, the ring and its edge ends, and the controllers that drive the orchest
 and stage state machines of ``runplan.fsm``.
 """
 
-from runtime_core.controller import StageController
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice, open_stage_slice
-from runtime_core.local import LocalEdges
+from runtime_core.in_process_edges import LocalEdges
 from runtime_core.model_config import ModelConfig
-from runtime_core.orchestrator import OrchestratorController
+from runtime_core.orchestrator_controller import OrchestratorController
 from runtime_core.ring import EdgeClosed, EdgeTimeout, Ring, RingError
+from runtime_core.stage_controller import StageController
 from runtime_core.tokenizer import (
     ChatTemplateError,
     NoChatTemplate,

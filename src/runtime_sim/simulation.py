@@ -23,14 +23,14 @@ from attrs import frozen
 from runplan import ProvisionStage, RunPlan, wire
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
-from runplan.header import EXTENT_OFFSET, SEQUENCE_OFFSET, HeaderDType, ObjectHeader
 from runplan.messages import RewireEdge, StopReason, StopRun
 from runplan.plan import OBJECT_HEADER_BYTES, EdgePlan, ObjectKind
-from runtime_core.controller import StageController
-from runtime_core.edges import Record
-from runtime_core.local import LocalEdges
-from runtime_core.orchestrator import OrchestratorController
+from runplan.record_header import EXTENT_OFFSET, SEQUENCE_OFFSET, HeaderDType, ObjectHeader
+from runtime_core.edge_ends import Record
+from runtime_core.in_process_edges import LocalEdges
+from runtime_core.orchestrator_controller import OrchestratorController
 from runtime_core.ring import LocalRing, Ring
+from runtime_core.stage_controller import StageController
 from runtime_core.workers.interface import Worker, WorkerError
 from runtime_sim.clock import Handle, Scheduler, derive_rng
 from runtime_sim.faults import FORGERIES, MESSAGE_FAULTS, FaultKind, FaultPlan

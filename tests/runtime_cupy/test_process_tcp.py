@@ -18,9 +18,9 @@ from pathlib import Path
 import runtime_sim
 from runplan import RunPlan, SamplingConfig
 from runplan.config import Timeouts
-from runplan.header import HeaderDType, ObjectHeader
 from runplan.messages import StopReason
 from runplan.plan import ObjectKind
+from runplan.record_header import HeaderDType, ObjectHeader
 from runtime_cupy import generate
 from runtime_cupy.api import plan_for
 from runtime_cupy.edges import handshake as hs

@@ -17,9 +17,9 @@ import pytest
 
 from runplan import RingSpec
 from runplan.dtypes import DTypeFamily
-from runplan.header import HeaderCheck, HeaderDType
 from runplan.plan import Layout, ObjectKind, ObjectSpec
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, SendEnd
+from runplan.record_header import HeaderCheck, HeaderDType
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
 from runtime_cupy.edges.shm import (
     MAX_SEGMENT_NAME,
@@ -60,9 +60,9 @@ def _producer(run_id: str, script: str) -> subprocess.Popen[str]:
         import sys, time
         from runplan import RingSpec
         from runplan.dtypes import DTypeFamily
-        from runplan.header import HeaderDType
+        from runplan.record_header import HeaderDType
         from runplan.plan import Layout, ObjectKind, ObjectSpec
-        from runtime_core.edges import SendEnd
+        from runtime_core.edge_ends import SendEnd
         from runtime_core.ring import EdgeClosed
         from runtime_cupy.edges.shm import ShmRing
         spec = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)

@@ -17,9 +17,9 @@ import pytest
 
 from runplan import RingSpec
 from runplan.dtypes import DTypeFamily
-from runplan.header import HeaderCheck, HeaderDType, ObjectHeader
 from runplan.plan import Layout, ObjectKind, ObjectSpec
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, SendEnd
+from runplan.record_header import HeaderCheck, HeaderDType, ObjectHeader
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.base import EdgeSetupError

@@ -13,9 +13,10 @@ its event loop which descriptors to wait on (``watch``) and takes what poll repo
 them (``ready``): a FIFO to drain, a stream to read, a handshake to finish, bytes to
 flush. No loop knows which medium an end uses, and no loop polls an edge on a timer.
 
-``ProcessEdges`` is the controllers' transport (``runtime_core.controller.Transport``
-for a stage, ``runtime_core.orchestrator.OrchestratorTransport`` for the orchestrator):
-one medium for the end this process consumes, one for the end it produces to.
+``ProcessEdges`` is the controllers' transport
+(``runtime_core.stage_controller.Transport`` for a stage,
+``runtime_core.orchestrator_controller.OrchestratorTransport`` for the orchestrator): one
+medium for the end this process consumes, one for the end it produces to.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from runplan import ProvisionStage, RunPlan
-from runplan.header import HeaderCheck
 from runplan.plan import RingSpec
-from runtime_core.edges import ReceiveEnd, SendEnd
+from runplan.record_header import HeaderCheck
+from runtime_core.edge_ends import ReceiveEnd, SendEnd
 from runtime_core.ring import Ring
 from runtime_cupy.process.keys import edge_key
 from runtime_cupy.process.poller import Entry
@@ -122,7 +123,7 @@ class ProcessEdges:
             self._send = ring
         return ring
 
-    # -- a stage (runtime_core.controller.Transport) -------------------------------------
+    # -- a stage (runtime_core.stage_controller.Transport) -------------------------------
     def open_inbound(self, provision: ProvisionStage) -> ReceiveEnd:
         edge = provision.inbound
         check = HeaderCheck.for_edge(
@@ -137,7 +138,7 @@ class ProcessEdges:
             return None
         return SendEnd(ring, provision.run_id, edge.edge_id, edge.object_spec)
 
-    # -- the orchestrator (runtime_core.orchestrator.OrchestratorTransport) ----------------
+    # -- the orchestrator (runtime_core.orchestrator_controller.OrchestratorTransport) -----
     def open_token_out(self, plan: RunPlan) -> ReceiveEnd:
         edge = plan.token_out
         check = HeaderCheck.for_edge(

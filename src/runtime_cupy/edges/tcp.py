@@ -17,7 +17,7 @@ So the ring contract holds unchanged across the network:
   other end's loop and its next operation raises ``EdgeClosed``; a producer that lets
   go without closing (its stage stopped; the consumer may still wait for its own
   StopRun) says so with LEAVE;
-- the receiving end (``runtime_core.edges.ReceiveEnd``) validates every header before
+- the receiving end (``runtime_core.edge_ends.ReceiveEnd``) validates every header before
   a record counts as loaded; the stream itself is checked as it is read (a record
   larger than a slot, or whose header disagrees with its frame, breaks the stream).
 

@@ -49,7 +49,7 @@ from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
-from runtime_core.orchestrator import OrchestratorController
+from runtime_core.orchestrator_controller import OrchestratorController
 from runtime_cupy.edges.base import ProcessEdges
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch, StageProcessInfo

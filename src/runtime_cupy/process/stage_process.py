@@ -58,7 +58,7 @@ from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.fsm import stage as fsm
 from runplan.messages import StageFault, StageReady, StageStopped
 from runplan.plan import EdgeKind
-from runtime_core.controller import StageController
+from runtime_core.stage_controller import StageController
 from runtime_core.workers.interface import Progress, Worker, WorkerError
 from runtime_core.workers.kept_weights import KeepsWeights
 from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges

@@ -12,14 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runplan import ObjectKind, provision_all
-from runplan.header import (
+from runplan.plan import OBJECT_HEADER_BYTES
+from runplan.record_header import (
     HeaderCheck,
     HeaderDType,
     HeaderError,
     HeaderRejection,
     ObjectHeader,
 )
-from runplan.plan import OBJECT_HEADER_BYTES
 from tests.strategies import small_plan
 
 run_ids = st.text(

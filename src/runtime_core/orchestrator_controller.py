@@ -19,10 +19,10 @@ import numpy.typing as npt
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.header import HeaderCheck, HeaderDType, HeaderRejection
 from runplan.messages import ProvisionStage, StopRun
 from runplan.plan import Layout
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, SendEnd
+from runplan.record_header import HeaderCheck, HeaderDType, HeaderRejection
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed
 
 Trace = Callable[[str, dict[str, Any]], None]

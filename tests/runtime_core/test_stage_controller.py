@@ -9,13 +9,13 @@ import numpy as np
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities, provision_all
 from runplan.fsm import stage as fsm
-from runplan.header import HeaderDType, ObjectHeader
 from runplan.messages import FaultKind, StageFault, StageReady, StageStopped, StopReason, StopRun
 from runplan.plan import OBJECT_HEADER_BYTES, ObjectKind
-from runtime_core.controller import StageController
-from runtime_core.edges import ReceiveEnd, SendEnd
-from runtime_core.local import LocalEdges
+from runplan.record_header import HeaderDType, ObjectHeader
+from runtime_core.edge_ends import ReceiveEnd, SendEnd
+from runtime_core.in_process_edges import LocalEdges
 from runtime_core.ring import Ring
+from runtime_core.stage_controller import StageController
 from runtime_core.workers.interface import TokenOutput, WorkerError
 from tests.strategies import ORCHESTRATOR, small_plan
 
@@ -289,7 +289,7 @@ def test_a_faulted_stage_never_publishes_its_pending_output() -> None:
 
 
 def test_the_orchestrator_refuses_a_token_of_another_run_and_takes_its_own() -> None:
-    from runtime_core.orchestrator import OrchestratorController
+    from runtime_core.orchestrator_controller import OrchestratorController
 
     plan = small_plan(1, max_tokens=3)
     rings = Rings()

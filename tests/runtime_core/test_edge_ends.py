@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runplan.header import HeaderCheck, HeaderDType, HeaderError, ObjectHeader
 from runplan.plan import OBJECT_HEADER_BYTES
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
+from runplan.record_header import HeaderCheck, HeaderDType, HeaderError, ObjectHeader
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.ring import Ring, RingError
 from tests.strategies import small_plan
 

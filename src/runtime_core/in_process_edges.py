@@ -6,9 +6,9 @@ the orchestrator's transport."""
 from __future__ import annotations
 
 from runplan import ProvisionStage, RunPlan
-from runplan.header import HeaderCheck
 from runplan.plan import EdgePlan, RingSpec
-from runtime_core.edges import ReceiveEnd, SendEnd
+from runplan.record_header import HeaderCheck
+from runtime_core.edge_ends import ReceiveEnd, SendEnd
 from runtime_core.ring import LocalRing, Ring
 
 

@@ -8,7 +8,8 @@ import struct
 
 from attrs import frozen
 
-from runplan.header import (
+from runplan.plan import OBJECT_HEADER_BYTES, ObjectKind, ObjectSpec
+from runplan.record_header import (
     EXTENT_OFFSET,
     SEQUENCE_OFFSET,
     HeaderCheck,
@@ -16,7 +17,6 @@ from runplan.header import (
     HeaderError,
     ObjectHeader,
 )
-from runplan.plan import OBJECT_HEADER_BYTES, ObjectKind, ObjectSpec
 from runtime_core.ring import Ring, RingError
 
 # The header split into what one edge's records share (magic, version, kind, dtype;
@@ -41,7 +41,7 @@ def _check_split() -> None:
         or fields[3:5] != (3, 5)
         or _ROWS.unpack_from(probe, _ROWS_OFFSET)[0] != 4
     ):
-        raise AssertionError("runtime_core.edges does not match the object header layout")
+        raise AssertionError("runtime_core.edge_ends does not match the object header layout")
 
 
 _check_split()

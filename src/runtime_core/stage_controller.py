@@ -30,11 +30,11 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan.fsm import stage as fsm
-from runplan.header import HeaderDType
 from runplan.messages import ProvisionStage, StageFault, StageReady, StageStopped
 from runplan.plan import Layout
+from runplan.record_header import HeaderDType
 from runtime_core.activations import edge_dtype
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.ring import EdgeClosed
 from runtime_core.workers.interface import Progress, TokenOutput, Worker
 
