@@ -63,7 +63,7 @@ from runtime_core.workers.interface import TokenOutput  # noqa: E402
 from runtime_core.workers.reference.worker import ReferenceWorker  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
 from runtime_cupy.api import plan_for  # noqa: E402
-from runtime_cupy.edges.base import ProcessRing  # noqa: E402
+from runtime_cupy.edges.port import ProcessRing  # noqa: E402
 from runtime_cupy.hosts.local import local_medium  # noqa: E402
 from runtime_cupy.process.keys import edge_key, new_secret  # noqa: E402
 from runtime_cupy.process.names import remove_run_dir  # noqa: E402

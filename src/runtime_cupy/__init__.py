@@ -11,8 +11,8 @@ The CUDA worker (``runtime_cupy.cuda.worker``) is imported only when asked for.
 
 from runtime_core.runs import PlanRejected
 from runtime_cupy.api import GenerateResult, generate
-from runtime_cupy.hosts.base import StageHost, StageProcessInfo
 from runtime_cupy.hosts.local import LocalProcessHost
+from runtime_cupy.hosts.port import StageHost, StageProcessInfo
 from runtime_cupy.process.launcher import ProcessRun, ProcessRunResult
 from runtime_cupy.workers import WorkerUnavailable
 

@@ -30,7 +30,7 @@ from runplan.messages import StageReady
 from runplan.models import resolve_model
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.hosts.base import StageHost, StageProcessInfo
+from runtime_cupy.hosts.port import StageHost, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.process.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
 from runtime_cupy.process.tracing import Event

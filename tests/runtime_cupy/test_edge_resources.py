@@ -18,8 +18,8 @@ from runplan.messages import StageStopped
 from runplan.plan import RingSpec
 from runtime_cupy.api import plan_for
 from runtime_cupy.edges import choice, shm
-from runtime_cupy.edges.base import EdgeSetupError
 from runtime_cupy.edges.choice import choose_medium
+from runtime_cupy.edges.port import EdgeSetupError
 from runtime_cupy.edges.shm import ShmMedium, remove_run, segment_name, signal_paths
 from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.process.launcher import ProcessRun

@@ -22,7 +22,7 @@ from runplan.record_header import HeaderCheck, HeaderDType, ObjectHeader
 from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.base import EdgeSetupError
+from runtime_cupy.edges.port import EdgeSetupError
 from runtime_cupy.edges.tcp import (
     FRAME,
     RECORD,

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runplan.messages import ControlMessage
-from runtime_cupy.hosts.base import StageLaunch
 from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, LocalStageHandle
+from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.process.control_channel import ControlChannel, decode_frame, encode_frame
 from runtime_cupy.process.keys import control_key
 from tests.support.faulty_stage import Fault

@@ -40,7 +40,7 @@ from typing import Any
 
 from runplan.plan import RingSpec
 from runtime_core.ring import ring_bytes
-from runtime_cupy.edges.base import EdgeSetupError, ProcessRing
+from runtime_cupy.edges.port import EdgeSetupError, ProcessRing
 from runtime_cupy.process.names import PREFIX, in_run_dir, remove_run_dir, run_dir, run_tag
 from runtime_cupy.process.poller import IN, Entry
 

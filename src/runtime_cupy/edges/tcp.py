@@ -45,7 +45,7 @@ import socket
 
 from runplan.plan import RingSpec
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.base import EdgeSetupError, Rendezvous
+from runtime_cupy.edges.port import EdgeSetupError, Rendezvous
 from runtime_cupy.edges.tcp_consumer import MAX_PENDING, TcpReceiveRing
 from runtime_cupy.edges.tcp_frames import FRAME, RECORD, split_address
 from runtime_cupy.edges.tcp_producer import Connector, TcpSendRing

@@ -11,7 +11,7 @@ from runplan.plan import OBJECT_HEADER_BYTES, RingSpec
 from runplan.record_header import EXTENT_OFFSET
 from runtime_core.ring import EdgeClosed, ring_bytes
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.base import ProcessRing, Rendezvous
+from runtime_cupy.edges.port import ProcessRing, Rendezvous
 from runtime_cupy.edges.tcp_frames import (
     CLOSE,
     CLOSED,

@@ -36,10 +36,10 @@ from typing import IO
 import runplan
 import runtime_core
 import runtime_cupy
-from runtime_cupy.edges.base import EdgeMedium, remove_edges
+from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
+from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.keys import control_key
 from runtime_cupy.process.names import in_run_dir, remove_run_dir, run_dir

@@ -50,10 +50,10 @@ from runplan.fsm import orchestrator as fsm
 from runplan.messages import ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runtime_core.orchestrator_controller import OrchestratorController
-from runtime_cupy.edges.base import ProcessEdges
 from runtime_cupy.edges.choice import choose_medium
-from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch, StageProcessInfo
+from runtime_cupy.edges.port import ProcessEdges
 from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
+from runtime_cupy.hosts.port import StageHandle, StageHost, StageLaunch, StageProcessInfo
 from runtime_cupy.process.control_channel import ChannelBroken, Incoming
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch

@@ -61,7 +61,7 @@ from runplan.plan import EdgeKind
 from runtime_core.stage_controller import StageController
 from runtime_core.workers.interface import Progress, Worker, WorkerError
 from runtime_core.workers.kept_weights import KeepsWeights
-from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges
+from runtime_cupy.edges.port import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
 from runtime_cupy.process.control_channel import ChannelBroken, ControlChannel, Incoming
 from runtime_cupy.process.keys import BadSecret, control_key, parse_secret

@@ -38,11 +38,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from runtime_cupy.edges.base import EdgeMedium, remove_edges
+from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
 from runtime_cupy.hosts.local import describe_exit
+from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListener
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous

@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from runtime_cupy.edges.base import EdgeMedium
+from runtime_cupy.edges.port import EdgeMedium
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
 from runtime_cupy.hosts.ray.rendezvous import SupervisorRendezvous

@@ -34,11 +34,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from runtime_cupy.edges.base import remove_edges
+from runtime_cupy.edges.port import remove_edges
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.hosts.base import StageLaunch
 from runtime_cupy.hosts.local import LocalProcessHost
+from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.hosts.ray import control_link
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous, PublishedAddresses, serve_rendezvous
 from runtime_cupy.process.keys import control_key

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from attrs import frozen
 
-from runtime_cupy.edges.base import EdgeMedium, Rendezvous
+from runtime_cupy.edges.port import EdgeMedium, Rendezvous
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.tracing import Event
 
