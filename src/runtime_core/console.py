@@ -116,10 +116,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: st
         help="wrap the prompt in the model's chat template as a user turn",
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (32)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    add_sampling_arguments(parser)
     parser.add_argument(
         "--json",
         action="store_true",
@@ -132,3 +129,11 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: st
         help="write Chrome trace events to this file (open in https://ui.perfetto.dev); "
         "checked before the run starts",
     )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--temperature``, ``--top-k``, ``--top-p`` and ``--seed``."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")

@@ -18,13 +18,17 @@ Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from runtime_core.console import TextStream
-from runtime_cupy.cli.serve import INPUT_ERRORS, add_chain_arguments, chain_from
+from runtime_core.console import TextStream, add_sampling_arguments
+from runtime_cupy.cli.arguments import (
+    INPUT_ERRORS,
+    add_chain_arguments,
+    chain_from,
+    configure_logs,
+)
 from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.serve.engine import chat_prompt
 from runtime_cupy.serve.requests import Message
@@ -119,10 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chain_arguments(p)
     p.add_argument("--system", default=None, help="a system prompt")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most (512)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    add_sampling_arguments(p)
     return p
 
 
@@ -156,11 +157,7 @@ def _loop(chat: Chat) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    configure_logs(args.verbose)
     if args.max_tokens < 1:
         print(f"error: --max-tokens {args.max_tokens} is not at least 1", file=sys.stderr)
         return EXIT_INPUT

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -31,30 +30,23 @@ from rich.markup import escape
 from rich.table import Table
 
 from runplan.arguments import OneLineParser
-from runplan.gguf_header import GgufError
-from runplan.models import ModelNotFound, resolve_model
+from runplan.models import resolve_model
 from runtime_core.console import TextStream, add_generation_arguments
-from runtime_core.runs import PLACEMENTS, PlanRejected
-from runtime_core.tokenizer import Tokenizer, TokenizerError
+from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
-from runtime_cupy.edges.choice import PREFERENCES
-from runtime_cupy.hosts.ray.cluster import ClusterError
+from runtime_cupy.cli.arguments import (
+    INPUT_ERRORS,
+    add_cluster,
+    add_devices,
+    add_verbose,
+    add_worker,
+    configure_logs,
+)
 from runtime_cupy.process.tracing import chrome_trace
-from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
 EXIT_FAULTED = 1
 EXIT_INPUT = 2
 EXIT_CANCELLED = 130
-
-
-def _gpus(text: str) -> list[int]:
-    try:
-        gpus = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad GPU list {text!r}: write 0,1") from None
-    if not gpus or any(g < 0 for g in gpus):
-        raise argparse.ArgumentTypeError("GPU indices are non-negative integers, at least one")
-    return gpus
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -207,39 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         "API over warm stages) and 'python -m runtime_cupy chat --help' (a terminal chat).",
     )
     add_generation_arguments(run, stages_help="stage processes (default: 3)")
-    run.add_argument(
-        "--worker",
-        choices=WORKERS,
-        default=DEFAULT_WORKER,
-        help="cpu: quantized weights and compiled kernels on the CPU (default); numpy: "
-        "the reference worker (readable, float32, slow); cuda: the CUDA worker",
-    )
-    run.add_argument(
-        "--gpus",
-        type=_gpus,
-        default=None,
-        help="GPUs of the cuda worker, stage i on the (i mod n)-th: 0,1 (default: all)",
-    )
-    run.add_argument(
-        "--edges",
-        choices=PREFERENCES,
-        default="auto",
-        help="how edges move bytes: auto (shared memory where both ends share a host, "
-        "else TCP; default), shm, or tcp (TCP on one host too, for tests and comparison)",
-    )
-    run.add_argument(
-        "--ray-address",
-        default=None,
-        help="run the stages on the live hosts of a Ray cluster: auto (the cluster this "
-        "machine belongs to) or HOST:PORT of its head (see also: python -m runtime_cupy plan)",
-    )
-    run.add_argument(
-        "--placement",
-        choices=PLACEMENTS,
-        default="even",
-        help="split the layers evenly (default) or in proportion to each node's memory",
-    )
-    run.add_argument("-v", "--verbose", action="store_true", help="log what the launcher does")
+    add_worker(run)
+    add_devices(run)
+    add_cluster(run)
+    add_verbose(run)
     return run
 
 
@@ -265,22 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if given and given[0] in SUBCOMMANDS:
         return _subcommand(given[0], given[1:])
     args = build_parser().parse_args(given)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    configure_logs(args.verbose)
     try:
         return _run(args)
-    except (
-        ClusterError,
-        GgufError,
-        ModelNotFound,
-        PlanRejected,
-        TokenizerError,
-        ValueError,
-        WorkerUnavailable,
-    ) as exc:
+    except INPUT_ERRORS as exc:
         if args.json:
             sys.stdout.write(
                 json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"

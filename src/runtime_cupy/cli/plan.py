@@ -20,12 +20,11 @@ from rich.table import Table
 from runplan import SamplingConfig, model_facts_from_gguf, wire
 from runplan.arguments import OneLineParser, positive_int
 from runplan.cli import human_bytes
-from runplan.gguf_header import GgufError
 from runplan.memory import plan_stage_memory
-from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
-from runtime_core.runs import PLACEMENTS, PlanRejected, facts_for_run
-from runtime_cupy.hosts.ray.cluster import ClusterError, StageNode
-from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
+from runplan.models import resolve_model
+from runtime_core.runs import PlanRejected, facts_for_run
+from runtime_cupy.cli.arguments import INPUT_ERRORS, add_cluster, add_model, add_stages, add_worker
+from runtime_cupy.hosts.ray.cluster import StageNode
 
 EXIT_REJECTED = 2
 DEFAULT_SEQ_LEN = 2048
@@ -37,16 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the plan of a run: each stage's node, host, layers and memory, "
         "against the live hosts of a Ray cluster (--ray-address) or this host.",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="a GGUF file or a bundled model name")
-    p.add_argument(
-        "--ray-address",
-        default=None,
-        help="the cluster: auto (the one this machine belongs to) or HOST:PORT of its head "
-        "(default: this host's stage processes)",
-    )
-    p.add_argument("--stages", type=positive_int, default=3, help="number of stages (default: 3)")
-    p.add_argument("--placement", choices=PLACEMENTS, default="even", help="even or memory")
-    p.add_argument("--worker", choices=WORKERS, default=DEFAULT_WORKER, help="the stages' worker")
+    add_model(p)
+    add_stages(p)
+    add_worker(p)
+    add_cluster(p)
     p.add_argument(
         "--max-seq-len",
         type=positive_int,
@@ -145,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanRejected as exc:
         _error(args, exc, code=exc.rejection.code)
         return EXIT_REJECTED
-    except (ClusterError, GgufError, ModelNotFound, ValueError, WorkerUnavailable) as exc:
+    except INPUT_ERRORS as exc:
         _error(args, exc)
         return EXIT_REJECTED
 

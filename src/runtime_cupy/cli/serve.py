@@ -28,99 +28,19 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
-from runplan.gguf_header import GgufError
-from runplan.models import DEFAULT_MODEL, ModelNotFound
-from runtime_core.runs import PLACEMENTS, PlanRejected
-from runtime_core.tokenizer import TokenizerError
-from runtime_cupy.edges.choice import PREFERENCES
-from runtime_cupy.hosts.ray.cluster import ClusterError
-from runtime_cupy.serve.chain import ChainError, WarmChain
-from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
+from runtime_cupy.cli.arguments import (
+    INPUT_ERRORS,
+    add_chain_arguments,
+    chain_from,
+    configure_logs,
+)
+from runtime_cupy.serve.chain import ChainError
 
 API_KEY_VARIABLE = "GGUF_PIPELINE_API_KEY"
 EXIT_FAILED = 1
 EXIT_INPUT = 2
-#: What a command line that cannot be served raises before any process starts.
-INPUT_ERRORS = (ClusterError, GgufError, ModelNotFound, PlanRejected, TokenizerError,
-                ValueError, WorkerUnavailable)  # fmt: skip
-
 log = logging.getLogger("runtime_cupy.serve")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
-
-
-def _gpus(text: str) -> list[int]:
-    from runtime_cupy.cli.main import _gpus as gpus
-
-    return gpus(text)
-
-
-def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the warm stages, shared by ``serve`` and ``chat``."""
-    worker = DEFAULT_WORKER
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
-    )
-    parser.add_argument("--stages", type=_positive, default=3, help="stage processes (3)")
-    parser.add_argument(
-        "--worker", choices=WORKERS, default=worker, help=f"the stages' worker ({worker})"
-    )
-    parser.add_argument(
-        "--gpus", type=_gpus, default=None, help="GPUs of the cuda worker: 0,1 (default: all)"
-    )
-    parser.add_argument(
-        "--edges", choices=PREFERENCES, default="auto", help="how edges move bytes (auto)"
-    )
-    parser.add_argument(
-        "--context",
-        type=_positive,
-        default=None,
-        help="tokens a request's prompt and answer may hold together (default: the "
-        "model's context length)",
-    )
-    parser.add_argument(
-        "--log-dir", type=Path, default=None, help="keep each stage's log here (one host)"
-    )
-    parser.add_argument(
-        "--ray-address",
-        default=None,
-        help="keep the stages on the live hosts of a Ray cluster: auto (the cluster this "
-        "machine belongs to) or HOST:PORT of its head; their logs go to Ray's worker logs",
-    )
-    parser.add_argument(
-        "--placement",
-        choices=PLACEMENTS,
-        default="even",
-        help="split the layers evenly (default) or in proportion to each node's memory",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the runtime does")
-
-
-def chain_from(args: argparse.Namespace) -> WarmChain:
-    """The warm chain the flags describe (not started)."""
-    return WarmChain(
-        args.model,
-        stages=args.stages,
-        worker=args.worker,
-        gpus=args.gpus,
-        edges=args.edges,
-        context=args.context,
-        log_dir=args.log_dir,
-        ray_address=args.ray_address,
-        placement=args.placement,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,11 +87,7 @@ def _noted(signum: int, _frame: object) -> None:
 
 
 def _configure_logs(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    configure_logs(verbose)
     logging.getLogger("runtime_cupy.serve").setLevel(logging.INFO)
 
 
@@ -243,4 +159,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ChainError", "add_chain_arguments", "build_parser", "chain_from", "main"]
+__all__ = ["ChainError", "build_parser", "main"]
