@@ -22,6 +22,7 @@ standard error.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -33,9 +34,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-import runplan
-import runtime_core
-import runtime_cupy
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import ShmMedium
 from runtime_cupy.edges.tcp import TcpMedium
@@ -127,10 +125,13 @@ def _cpus() -> int:
 
 
 def _pythonpath() -> str:
-    """This process's package folders first, so stages import the same code."""
+    """This process's package folders first, so stages import the same code (found as
+    the import system finds them, without importing a package to read its file)."""
     dirs: list[str] = []
-    for module in (runtime_cupy, runtime_core, runplan):
-        folder = str(Path(module.__file__ or ".").resolve().parent.parent)
+    for package in ("runtime_cupy", "runtime_core", "runplan"):
+        spec = importlib.util.find_spec(package)
+        origin = spec.origin if spec is not None else None
+        folder = str(Path(origin or ".").resolve().parent.parent)
         if folder not in dirs:
             dirs.append(folder)
     rest = os.environ.get("PYTHONPATH")

@@ -51,10 +51,11 @@ from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
 from runtime_core.runs import PLACEMENTS, plan_even
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.api import GenerateResult, place_stages, summarize
+from runtime_cupy.api import GenerateResult, summarize
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageHandle, StageHost, StageLaunch
+from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.control_channel import Incoming
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import ORCHESTRATOR, ProcessRun
