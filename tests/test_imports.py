@@ -183,3 +183,21 @@ def test_dependencies_point_down_only() -> None:
         and dep.split(".")[0] not in ALLOWED[module.split(".")[0]]
     )
     assert not wrong, "imports against the layering:\n" + "\n".join(f"{a} -> {b}" for a, b in wrong)
+
+
+#: A medium's own modules: only ``runtime_cupy.edges`` itself imports them (through
+#: ``edges.media``), so adding a medium never touches a host, a loop or a worker.
+MEDIUM_MODULES = ("shm", "tcp", "tcp_consumer", "tcp_producer", "tcp_frames")
+
+
+def test_hosts_and_loops_reach_the_media_through_the_edge_port_only() -> None:
+    media = {f"runtime_cupy.edges.{m}" for m in MEDIUM_MODULES}
+    wrong = sorted(
+        (module, dep)
+        for module, deps in import_graph().items()
+        if not module.startswith("runtime_cupy.edges")
+        for dep in deps & media
+    )
+    assert not wrong, "a medium constructed outside runtime_cupy.edges:\n" + "\n".join(
+        f"{a} -> {b}" for a, b in wrong
+    )

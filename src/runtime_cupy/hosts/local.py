@@ -34,9 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
 from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.keys import control_key
@@ -110,11 +109,7 @@ class FileRendezvous:
 
 def local_medium(name: str) -> EdgeMedium:
     """The medium ``name`` between processes of this machine."""
-    if name == "shm":
-        return ShmMedium()
-    if name == "tcp":
-        return TcpMedium(FileRendezvous(), LOOPBACK)
-    raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
+    return open_medium(name, FileRendezvous(), LOOPBACK)
 
 
 def _cpus() -> int:
@@ -302,5 +297,5 @@ class LocalProcessHost:
         return self._rendezvous
 
     def cleanup(self, run_id: str, edge_ids: Sequence[int]) -> None:
-        remove_edges((ShmMedium(), TcpMedium(self._rendezvous, LOOPBACK)), run_id, edge_ids)
+        remove_edges(every_medium(self._rendezvous), run_id, edge_ids)
         remove_run_dir(run_id)

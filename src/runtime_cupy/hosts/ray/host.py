@@ -38,9 +38,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
 from runtime_cupy.hosts.local import describe_exit
 from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
@@ -330,11 +329,7 @@ class RayHost:
         return self.machine(node_a) == self.machine(node_b)
 
     def medium(self, name: str) -> EdgeMedium:
-        if name == "shm":
-            return ShmMedium()
-        if name == "tcp":
-            return TcpMedium(self._rendezvous, self.orchestrator_address)
-        raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
+        return open_medium(name, self._rendezvous, self.orchestrator_address)
 
     def rendezvous(self) -> KvRendezvous:
         return self._rendezvous
@@ -347,8 +342,7 @@ class RayHost:
         refs = [actor.cleanup.remote(run_id, ids) for actor in actors]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=CLEANUP_S)
-        here = (ShmMedium(), TcpMedium(self._rendezvous, self.orchestrator_address))
-        remove_edges(here, run_id, ids)
+        remove_edges(every_medium(self._rendezvous), run_id, ids)
         remove_run_dir(run_id)
         with contextlib.suppress(Exception):
             self._rendezvous.withdraw_run(run_id)

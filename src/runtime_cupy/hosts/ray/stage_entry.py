@@ -18,9 +18,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from runtime_cupy.edges.media import open_medium
 from runtime_cupy.edges.port import EdgeMedium
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
 from runtime_cupy.hosts.ray.rendezvous import SupervisorRendezvous
 from runtime_cupy.process import stage_process as stage
 
@@ -38,11 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rendezvous = SupervisorRendezvous(socket.socket(fileno=args.rendezvous_fd))
 
     def media(name: str) -> EdgeMedium:
-        if name == "shm":
-            return ShmMedium()
-        if name == "tcp":
-            return TcpMedium(rendezvous, args.bind_host)
-        raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
+        return open_medium(name, rendezvous, args.bind_host)
 
     return stage.main(rest, media=media)
 

@@ -34,9 +34,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from runtime_cupy.edges.media import every_medium
 from runtime_cupy.edges.port import remove_edges
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.hosts.ray import control_link
@@ -148,7 +147,7 @@ class StageSupervisor:
     def cleanup(self, run_id: str, edge_ids: list[int]) -> None:
         """Free what the run's edges left on this host."""
         rendezvous = KvRendezvous()
-        remove_edges((ShmMedium(), TcpMedium(rendezvous)), run_id, edge_ids)
+        remove_edges(every_medium(rendezvous), run_id, edge_ids)
         remove_run_dir(run_id)
         lifeline, self._lifeline = self._lifeline, None
         if lifeline is not None and self.status() is not None:
