@@ -24,7 +24,8 @@ from runplan.models import resolve_model
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_core.workers.registry import CORE_WORKERS
-from runtime_sim.simulation import ORCHESTRATOR, SimResult, Simulation
+from runtime_sim.driver import SimResult, SimSettings, Simulation
+from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.timing import Prediction, TimingModel, f32_stage_costs
 from runtime_sim.trace import Trace
 
@@ -137,8 +138,6 @@ def run_plan(
     worker: str = DEFAULT_WORKER,
 ) -> tuple[SimResult, Simulation]:
     """Simulate ``plan`` with one ``worker`` per stage."""
-    from runtime_sim.simulation import SimSettings
-
     settings = SimSettings(timing=timing or TimingModel())
     workers: list[Any] = [CORE_WORKERS.make_worker(worker) for _ in plan.stages]
     sim = Simulation(

@@ -24,7 +24,7 @@ from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_sim.api import GenerateResult, generate
 from runtime_sim.explore import explore, report, report_json, self_test
-from runtime_sim.simulation import ORCHESTRATOR
+from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
 
 EXIT_VIOLATION = 1
