@@ -13,7 +13,7 @@ import importlib.util
 from typing import Any
 
 from runplan import WorkerCapabilities
-from runtime_core.workers.interface import Worker
+from runtime_core.workers.interface import TraceEvent, Worker
 from runtime_core.workers.registry import CORE_WORKERS, WorkerUnavailable
 
 #: How to get CuPy: gguf-pipeline is not on PyPI, so its extras install from a checkout.
@@ -53,9 +53,9 @@ def capabilities(name: str) -> WorkerCapabilities:
     return REGISTRY.capabilities(name)
 
 
-def make_worker(name: str) -> Worker:
-    """A new worker of kind ``name``."""
-    return REGISTRY.make_worker(name)
+def make_worker(name: str, trace: TraceEvent | None = None) -> Worker:
+    """A new worker of kind ``name``, its own events going to ``trace``."""
+    return REGISTRY.make_worker(name, trace)
 
 
 __all__ = [

@@ -41,6 +41,13 @@ from tests.support.twin_stage import TwinWorker
 PROMPT = [5, 77, 300, 12, 9, 41]
 
 
+class Events(list[str]):
+    """A worker's trace events, by name."""
+
+    def __call__(self, name: str, **_fields: Any) -> None:
+        self.append(name)
+
+
 # ---- the tests --------------------------------------------------------------------------
 
 MIXED = RandomModel(
@@ -111,23 +118,25 @@ def test_the_device_backend_computes_what_the_twin_worker_computes(
 
 def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None:
     p = provisions(models["qwen2-Q4_K"], 1, max_seq_len=32)[0]
-    w = EmulatedCudaWorker()
+    events = Events()
+    w = EmulatedCudaWorker(trace=events)
     w.configure(p)
     w.bind(p.gguf_source)
     backend = EmulatedCudaWorker.backends[-1]
     k = DEVICE_STAGE._KERNELS[0]
     w.execute_step(0, np.array(PROMPT, np.uint32))
+    assert events == []  # a prefill is launched, never captured
     before = k.python_launches
     w.execute_step(1, np.array([7], np.uint32))  # captures: launches recorded, then replayed
     captured = k.python_launches - before
-    assert captured > 10 and backend.graphs_captured == 1
+    assert captured > 10 and events == ["graph captured"]
     tokens = []
     for s in range(2, 7):
         out = w.execute_step(s, np.array([3 + s], np.uint32))
         assert isinstance(out, TokenOutput)
         tokens.append(out.token_id)
     assert k.python_launches - before == captured  # nothing launched from Python
-    assert backend.graph.launches == 6
+    assert backend.graph.launches == 6 and events == ["graph captured"]
     # the same steps launched eagerly give the same tokens
     eager = EmulatedCudaWorker(use_graph=False)
     eager.configure(p)
@@ -139,10 +148,13 @@ def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None
 
 
 def test_a_new_prefill_reuses_the_graph(models: dict[str, Path]) -> None:
-    chain = Chain.bind(provisions(models["llama-F32"], 1, max_seq_len=32), EmulatedCudaWorker)
+    events = Events()
+    chain = Chain.bind(
+        provisions(models["llama-F32"], 1, max_seq_len=32), lambda: EmulatedCudaWorker(trace=events)
+    )
     first = [o.token_id for o in chain.generate(PROMPT, 5)]
     assert [o.token_id for o in chain.generate(PROMPT, 5)] == first
-    assert EmulatedCudaWorker.backends[-1].graphs_captured == 1
+    assert events == ["graph captured"]
 
 
 def test_prefill_tiles_cover_every_row(
@@ -292,30 +304,30 @@ def test_a_failed_launch_is_reported_not_hidden(models: dict[str, Path]) -> None
         KERNEL_TWINS["matvec_f_F32"]((1,), 128, (None, 256, 2, 9, None, None, None, 0))
 
 
-def test_the_graph_switch_takes_effect_at_the_next_step(models: dict[str, Path]) -> None:
+def test_graph_use_is_a_construction_option_and_changes_no_bit(models: dict[str, Path]) -> None:
     p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
-    w = EmulatedCudaWorker(use_graph=False)
-    w.configure(p)
-    w.bind(p.gguf_source)
-    backend = EmulatedCudaWorker.backends[-1]
-    k = DEVICE_STAGE._KERNELS[0]
-    outs = [w.execute_step(0, np.array(PROMPT, np.uint32))]
-    w.execute_step(1, np.array([4], np.uint32))
-    assert backend.graphs_captured == 0
-    w.set_use_graph(True)
-    outs.append(w.execute_step(2, np.array([5], np.uint32)))
-    launches = k.python_launches
-    outs.append(w.execute_step(3, np.array([6], np.uint32)))
-    assert backend.graphs_captured == 1 and k.python_launches == launches
-    w.set_use_graph(False)
-    outs.append(w.execute_step(4, np.array([7], np.uint32)))
-    assert k.python_launches > launches
+    inputs = [PROMPT, [4], [5], [6], [7]]
+    runs = {}
+    for use_graph in (False, True):
+        events = Events()
+        w = EmulatedCudaWorker(use_graph=use_graph, trace=events)
+        w.configure(p)
+        w.bind(p.gguf_source)
+        k = DEVICE_STAGE._KERNELS[0]
+        outs = [w.execute_step(s, np.array(d, np.uint32)) for s, d in enumerate(inputs[:3])]
+        launches = k.python_launches
+        outs += [w.execute_step(s, np.array(d, np.uint32)) for s, d in enumerate(inputs) if s > 2]
+        # replays launch nothing from Python; eager steps launch every kernel
+        assert (k.python_launches == launches) is use_graph
+        assert events == (["graph captured"] if use_graph else [])
+        runs[use_graph] = outs
     twin = TwinWorker()
     twin.configure(p)
     twin.bind(p.gguf_source)
-    expected = [twin.execute_step(s, np.array(d, np.uint32)) for s, d in
-                enumerate([PROMPT, [4], [5], [6], [7]])]  # fmt: skip
-    for got, want in zip(outs, [expected[0], *expected[2:]], strict=True):
-        assert isinstance(got, TokenOutput) and isinstance(want, TokenOutput)
-        assert got.logits is not None and want.logits is not None
+    expected = [twin.execute_step(s, np.array(d, np.uint32)) for s, d in enumerate(inputs)]
+    for got, eager, want in zip(runs[True], runs[False], expected, strict=True):
+        assert isinstance(got, TokenOutput) and isinstance(eager, TokenOutput)
+        assert isinstance(want, TokenOutput)
+        assert got.logits is not None and eager.logits is not None and want.logits is not None
         np.testing.assert_array_equal(got.logits, want.logits)
+        np.testing.assert_array_equal(eager.logits, want.logits)

@@ -348,7 +348,11 @@ class EmulatedCudaWorker(CudaWorker):
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         DEVICE_STAGE._KERNELS[self.device] = EmulatedKernels()
         backend = DEVICE_STAGE.DeviceBackend(
-            spec, use_graph=self.use_graph, device_io=self.device_io, device=self.device
+            spec,
+            use_graph=self.use_graph,
+            device_io=self.device_io,
+            device=self.device,
+            trace=self.trace,
         )
         EmulatedCudaWorker.backends.append(backend)
         return backend

@@ -93,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.support.faulty_stage")
     parser.add_argument("--fault", type=Fault.parse, action="append", default=[])
     faults = parser.parse_args(args[:split]).fault
-    return stage.main(args[split + 1 :], lambda name: FaultyWorker(make_worker(name), faults))
+    return stage.main(
+        args[split + 1 :], lambda name, trace: FaultyWorker(make_worker(name, trace), faults)
+    )
 
 
 if __name__ == "__main__":

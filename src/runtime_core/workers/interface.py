@@ -16,6 +16,10 @@ from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 
 #: ``progress(done, total)``: bytes of weights loaded so far, for progress bars.
 Progress = Callable[[int, int], None]
+#: ``trace(name, **fields)``: one of a worker's own events (the CUDA worker's graph
+#: capture, say), an instant in its stage's trace. Every worker takes one at
+#: construction (``trace=``; ``None``: not traced); the stage process passes its trace's.
+TraceEvent = Callable[..., None]
 
 
 @frozen

@@ -16,7 +16,7 @@ from typing import Any
 from attrs import frozen
 
 from runplan import WorkerCapabilities
-from runtime_core.workers.interface import Worker
+from runtime_core.workers.interface import TraceEvent, Worker
 
 #: Loads a worker's class (``WorkerUnavailable`` if this host cannot run it).
 LoadWorker = Callable[[], Any]
@@ -57,9 +57,9 @@ class WorkerRegistry:
         assert isinstance(caps, WorkerCapabilities)
         return caps
 
-    def make_worker(self, name: str) -> Worker:
-        """A new worker of kind ``name``."""
-        worker: Worker = self.worker_class(name)()
+    def make_worker(self, name: str, trace: TraceEvent | None = None) -> Worker:
+        """A new worker of kind ``name``, its own events going to ``trace``."""
+        worker: Worker = self.worker_class(name)(trace=trace)
         return worker
 
 

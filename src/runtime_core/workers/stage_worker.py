@@ -42,6 +42,7 @@ from runtime_core.gguf_slice import StageSlice, open_provisioned_slice
 from runtime_core.workers.interface import (
     Progress,
     TokenOutput,
+    TraceEvent,
     WorkerError,
     checked_token_ids,
     step_position,
@@ -120,13 +121,16 @@ class StageWorker:
 
     capabilities: ClassVar[WorkerCapabilities]
 
-    def __init__(self, *, matvec: str = "q8", kv_dtype: str = "auto") -> None:
+    def __init__(
+        self, *, matvec: str = "q8", kv_dtype: str = "auto", trace: TraceEvent | None = None
+    ) -> None:
         if matvec not in MATVEC_MODES:
             raise ValueError(f"matvec {matvec!r} is not one of {MATVEC_MODES}")
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {KV_DTYPES}")
         self.matvec = matvec
         self.kv_dtype = kv_dtype
+        self.trace = trace  # the backend's own events (interface.TraceEvent)
         self._provision: ProvisionStage | None = None
         self._run: _Run | None = None
         self._held: _Held | None = None

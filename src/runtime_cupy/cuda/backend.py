@@ -35,7 +35,7 @@ from runtime_core.workers.forward_program import (
     forward_head,
     load_weights,
 )
-from runtime_core.workers.interface import Progress
+from runtime_core.workers.interface import Progress, TraceEvent
 from runtime_core.workers.stage_worker import BackendSpec
 from runtime_cupy.cuda.kernels import KernelSet
 
@@ -299,9 +299,18 @@ class DeviceOps(NoOptionalSteps):
 class DeviceBackend:
     """``worker.StageBackend`` on one CUDA device."""
 
-    def __init__(self, spec: BackendSpec, *, use_graph: bool, device_io: bool, device: int) -> None:
+    def __init__(
+        self,
+        spec: BackendSpec,
+        *,
+        use_graph: bool,
+        device_io: bool,
+        device: int,
+        trace: TraceEvent | None = None,
+    ) -> None:
         self.spec = spec
         self.use_graph = use_graph
+        self.trace = trace
         self.device_io = device_io
         self.device = cupy.cuda.Device(device)
         self.k = kernels_for(device)
@@ -309,7 +318,6 @@ class DeviceBackend:
         self.weights: StageWeights[Any, Any] | None = None
         self.stream: Any = None
         self.graph: Any = None
-        self.graphs_captured = 0  # how often a decode graph was captured (for tests)
         self._edge_in: Any = None
         self._edge_out: Any = None
         self._host_state = np.zeros(2, dtype=np.int32)
@@ -444,7 +452,8 @@ class DeviceBackend:
                 self._step(1)
             finally:
                 graph = s.end_capture()
-        self.graphs_captured += 1
+        if self.trace is not None:
+            self.trace("graph captured", rows=1)
         return graph
 
     def _step(self, rows: int) -> None:

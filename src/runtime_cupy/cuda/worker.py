@@ -38,7 +38,7 @@ from runplan import WorkerCapabilities
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.workers.interface import WorkerError
+from runtime_core.workers.interface import TraceEvent, WorkerError
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
 
@@ -69,18 +69,12 @@ class CudaWorker(StageWorker):
         use_graph: bool = True,
         device_io: bool = False,
         device: int = 0,
+        trace: TraceEvent | None = None,
     ) -> None:
-        super().__init__(matvec=matvec, kv_dtype=kv_dtype)
+        super().__init__(matvec=matvec, kv_dtype=kv_dtype, trace=trace)
         self.use_graph = use_graph
         self.device_io = device_io
         self.device = device
-
-    def set_use_graph(self, use_graph: bool) -> None:
-        """Switch decode steps between graph replays and eager launches; takes effect
-        at the next step (a graph is captured at the first graph step)."""
-        self.use_graph = use_graph
-        if self._run is not None:
-            self._run.backend.use_graph = use_graph  # type: ignore[attr-defined]
 
     def _check_stage(self, stage: StageSlice) -> None:
         c = stage.config
@@ -97,5 +91,9 @@ class CudaWorker(StageWorker):
         except ImportError as exc:
             raise WorkerError(f"the CUDA worker needs CuPy: {exc}") from exc
         return DeviceBackend(
-            spec, use_graph=self.use_graph, device_io=self.device_io, device=self.device
+            spec,
+            use_graph=self.use_graph,
+            device_io=self.device_io,
+            device=self.device,
+            trace=self.trace,
         )

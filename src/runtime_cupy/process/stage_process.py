@@ -59,7 +59,7 @@ from runplan.fsm import stage as fsm
 from runplan.messages import StageFault, StageReady, StageStopped
 from runplan.plan import EdgeKind
 from runtime_core.stage_controller import StageController
-from runtime_core.workers.interface import Progress, Worker, WorkerError
+from runtime_core.workers.interface import Progress, TraceEvent, Worker, WorkerError
 from runtime_core.workers.kept_weights import KeepsWeights
 from runtime_cupy.edges.port import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
@@ -80,8 +80,9 @@ IDLE_WAKE_S = 1.0  # wake at least this often (parent check)
 
 log = logging.getLogger("runtime_cupy.process.stage_process")
 
-#: ``make_worker(name)``: the worker a stage process runs (by default from the registry).
-MakeWorker = Callable[[str], Worker]
+#: ``make_worker(name, trace)``: the worker a stage process runs (by default from the
+#: registry), its own events going to ``trace`` (the stage's trace, when it keeps one).
+MakeWorker = Callable[[str, TraceEvent | None], Worker]
 #: ``media(name)``: how an edge of the stage moves bytes (by default, on this machine).
 MakeMedium = Callable[[str], EdgeMedium]
 
@@ -484,7 +485,7 @@ def main(
     make: MakeWorker = make_worker,
     media: MakeMedium = local_medium,
 ) -> int:
-    """A stage process of the local host; ``make(name)`` makes its worker (a stage
+    """A stage process of the local host; ``make(name, trace)`` makes its worker (a stage
     entry of another kind may wrap the registry's), ``media(name)`` its edges' media
     (another host's stage entry gives its own: ``hosts.ray.stage_entry``)."""
     args = build_parser().parse_args(argv)
@@ -505,13 +506,13 @@ def main(
     sock = socket.socket(fileno=args.control_fd)
     key = control_key(secret, args.node_id)
     channel = ControlChannel(sock, key, args.node_id, args.orchestrator_id)
+    trace = TraceLog(args.node_id, enabled=args.trace_file is not None)
     worker: Worker
     try:
-        worker = make(args.worker)
+        worker = make(args.worker, trace.instant if trace.enabled else None)
     except WorkerUnavailable as exc:
         log.error("%s", exc)
         worker = UnavailableWorker(str(exc))
-    trace = TraceLog(args.node_id, enabled=args.trace_file is not None)
     stage = StageProcess(
         stage_index=args.stage_index,
         node_id=args.node_id,

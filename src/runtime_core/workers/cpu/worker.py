@@ -26,6 +26,7 @@ from runplan import WorkerCapabilities
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.workers.cpu.kernels import default_threads, load
+from runtime_core.workers.interface import TraceEvent
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
 
 #: Every architecture the reference worker runs (``runtime_core.architectures``: the
@@ -49,9 +50,14 @@ class CpuWorker(StageWorker):
     capabilities: ClassVar[WorkerCapabilities] = CPU_CAPABILITIES
 
     def __init__(
-        self, *, matvec: str = "q8", kv_dtype: str = "auto", threads: int | None = None
+        self,
+        *,
+        matvec: str = "q8",
+        kv_dtype: str = "auto",
+        threads: int | None = None,
+        trace: TraceEvent | None = None,
     ) -> None:
-        super().__init__(matvec=matvec, kv_dtype=kv_dtype)
+        super().__init__(matvec=matvec, kv_dtype=kv_dtype, trace=trace)
         if threads is not None and (isinstance(threads, bool) or threads < 1):
             raise ValueError(f"threads {threads!r} is not a positive count")
         self.threads = threads if threads is not None else default_threads()

@@ -33,6 +33,7 @@ from runtime_core.gguf_slice import open_provisioned_slice
 from runtime_core.workers.interface import (
     Progress,
     TokenOutput,
+    TraceEvent,
     WorkerError,
     checked_token_ids,
     step_position,
@@ -68,7 +69,8 @@ class ReferenceWorker:
 
     capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
 
-    def __init__(self) -> None:
+    def __init__(self, *, trace: TraceEvent | None = None) -> None:
+        self.trace = trace  # the reference worker has no events of its own to trace
         self._provision: ProvisionStage | None = None
         self._bound: _Bound | None = None
         self._held: _Held | None = None
