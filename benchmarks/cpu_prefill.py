@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def child(args: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: the prefill of one stage, per kernel, and the chain's tokens."""
     import numpy as np
-    from tests.runtime_core.chain import Chain, provisions
+    from tests.support.chain import Chain, provisions
 
     from runplan.models import resolve_model
     from runtime_core.workers.cpu import _kernels, backend

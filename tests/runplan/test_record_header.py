@@ -20,7 +20,7 @@ from runplan.record_header import (
     HeaderRejection,
     ObjectHeader,
 )
-from tests.strategies import small_plan
+from tests.support.strategies import small_plan
 
 run_ids = st.text(
     alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),

@@ -13,7 +13,7 @@ from runplan.plan import OBJECT_HEADER_BYTES
 from runplan.record_header import HeaderCheck, HeaderDType, HeaderError, ObjectHeader
 from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.ring import Ring, RingError
-from tests.strategies import small_plan
+from tests.support.strategies import small_plan
 
 PLAN = small_plan(2, max_tokens=4)
 EDGE = PLAN.edges[1]  # stage 0 -> stage 1: activations

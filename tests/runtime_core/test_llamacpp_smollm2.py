@@ -23,8 +23,8 @@ import pytest
 
 from runtime_core.workers.interface import TokenOutput
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, tensor_digest
-from tests.runtime_core.chain import Chain
-from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.chain import Chain
+from tests.support.numerics import common_prefix, cosine, first_near_tie
 
 DOC = load_doc("smollm2")
 LOGITS = load_logits("smollm2")

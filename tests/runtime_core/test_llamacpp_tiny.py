@@ -31,8 +31,8 @@ from runplan import model_facts_from_gguf
 from runtime_core.workers.interface import TokenOutput
 from runtime_core.workers.reference import model as reference_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
-from tests.runtime_core.chain import Chain, provisions
-from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.chain import Chain, provisions
+from tests.support.numerics import common_prefix, cosine, first_near_tie
 
 DOC = load_doc("tiny")
 LOGITS = load_logits("tiny")

@@ -11,7 +11,7 @@ from runplan import SamplingConfig, WorkerCapabilities
 from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.runtime_core.chain import Chain, provisions
+from tests.support.chain import Chain, provisions
 
 PROMPT = np.array([5, 77, 300, 12, 9], dtype=np.uint32)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from runplan import SamplingConfig
 from runtime_core.workers.sampling import Sampler
-from tests.strategies import logits_vectors, sampling_configs
+from tests.support.strategies import logits_vectors, sampling_configs
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

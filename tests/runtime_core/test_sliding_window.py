@@ -12,7 +12,7 @@ from runplan import model_facts_from_gguf
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.reference.model import StageModel, StageWeights
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
-from tests.runtime_core.chain import Chain, provisions
+from tests.support.chain import Chain, provisions
 
 PROMPT = [257, 84, 104, 101, 32, 113, 117, 105, 99, 107, 300, 12, 45, 99, 200, 7]
 

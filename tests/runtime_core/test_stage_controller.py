@@ -17,7 +17,7 @@ from runtime_core.in_process_edges import LocalEdges
 from runtime_core.ring import Ring
 from runtime_core.stage_controller import StageController
 from runtime_core.workers.interface import TokenOutput, WorkerError
-from tests.strategies import ORCHESTRATOR, small_plan
+from tests.support.strategies import ORCHESTRATOR, small_plan
 
 
 class FakeWorker:

@@ -22,8 +22,8 @@ import pytest
 from runtime_core.workers.interface import TokenOutput
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
-from tests.runtime_core.chain import Chain, provisions
-from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.chain import Chain, provisions
+from tests.support.numerics import common_prefix, cosine, first_near_tie
 
 SMOLLM2 = load_doc("smollm2")
 TINY = load_doc("tiny")

@@ -24,8 +24,8 @@ from runtime_cupy.edges.shm import ShmMedium, remove_run, segment_name, signal_p
 from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.process.names import in_run_dir, remove_run_dir, run_dir
-from tests.runtime_cupy.hygiene import SHM, alive, run_resources, wait_gone
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import SHM, alive, run_resources, wait_gone
 
 
 def test_a_stopping_stage_leaves_its_outbound_edge_to_the_next_stage(

@@ -38,9 +38,9 @@ from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.kernels import cuda_device_problem
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
-from tests.runtime_core.chain import provisions
-from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.chain import provisions
 from tests.support.cuda_chain import Chain
+from tests.support.numerics import common_prefix, cosine, first_near_tie
 from tests.support.twin_stage import TwinWorker
 
 PROBLEM = cuda_device_problem()

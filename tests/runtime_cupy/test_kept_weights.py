@@ -22,7 +22,7 @@ from runtime_core.workers.interface import TokenOutput, Worker
 from runtime_core.workers.kept_weights import KeepsWeights
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.runtime_core.chain import provisions
+from tests.support.chain import provisions
 from tests.support.twin_stage import TwinWorker
 
 MakeWorker = Callable[[], Worker]

@@ -30,7 +30,7 @@ from runtime_cupy.cuda.kernels import (
     SOURCES,
     source,
 )
-from tests.runtime_cupy.nvrtc import Nvrtc, NvrtcError, find_library
+from tests.support.nvrtc import Nvrtc, NvrtcError, find_library
 
 NVCC = shutil.which("nvcc")
 NVRTC_LIB = find_library()

@@ -15,8 +15,8 @@ import pytest
 
 from runplan.config import Timeouts
 from runtime_cupy import GenerateResult, generate
-from tests.runtime_cupy.hygiene import alive, run_resources
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import alive, run_resources
 
 # A generous stop bound: on a loaded machine a stage told to stop while it is still
 # starting (importing NumPy) answers only seconds later.

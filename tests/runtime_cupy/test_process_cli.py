@@ -15,9 +15,9 @@ import pytest
 
 import runtime_sim
 from runtime_cupy.cli.main import main
-from tests.runtime_cupy.hygiene import wait_gone
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.runtime_cupy.test_process_faults import _children
+from tests.support.hygiene import wait_gone
 
 
 def _env() -> dict[str, str]:

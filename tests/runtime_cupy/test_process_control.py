@@ -31,9 +31,9 @@ from runtime_cupy.process.control_channel import (
 )
 from runtime_cupy.process.keys import BadSecret, control_key, new_secret, parse_secret
 from runtime_cupy.process.launcher import ProcessRun
-from tests.runtime_cupy.hygiene import run_resources
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.support.hosts import TapHost
+from tests.support.hygiene import run_resources
 
 KEY = control_key(new_secret(), "stage-0")
 STOP = StopRun("r", StopReason.CANCELLED)

@@ -15,9 +15,9 @@ import pytest
 
 from runplan.config import Timeouts
 from runtime_cupy import generate
-from tests.runtime_cupy.hygiene import alive, run_resources, wait_gone
 from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import alive, run_resources, wait_gone
 
 
 def test_a_failed_step_faults_the_run_naming_the_stage(tiny: str) -> None:

@@ -17,7 +17,7 @@ import runtime_cupy
 import runtime_sim
 from runtime_cupy import generate
 from tests.fixtures.llamacpp_fixtures import load_doc
-from tests.runtime_cupy.hygiene import alive, run_resources
+from tests.support.hygiene import alive, run_resources
 
 
 def _assert_clean(result: runtime_cupy.GenerateResult) -> None:

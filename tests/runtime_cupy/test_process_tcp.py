@@ -28,9 +28,9 @@ from runtime_cupy.edges.tcp import FRAME, RECORD, split_address
 from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.process.keys import edge_key, new_secret
 from runtime_cupy.process.launcher import ProcessRun
-from tests.runtime_cupy.hygiene import alive, run_resources
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import alive, run_resources
 
 
 def test_tcp_edges_give_the_simulators_tokens(tiny: str) -> None:

@@ -30,8 +30,8 @@ from runtime_cupy.edges.shm import (
     segment_name,
     signal_paths,
 )
-from tests.runtime_cupy.hygiene import SHM, run_resources
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
+from tests.support.hygiene import SHM, run_resources
 
 SPEC = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
 RING = RingSpec(slot_count=2, alignment=64, slot_bytes=256)

@@ -34,14 +34,14 @@ from runtime_cupy.cli.main import main as cli_main  # noqa: E402
 from runtime_cupy.hosts.ray.cluster import ClusterError  # noqa: E402
 from runtime_cupy.hosts.ray.rendezvous import NAMESPACE, run_prefix  # noqa: E402
 from runtime_cupy.hosts.ray.session import connect  # noqa: E402
-from tests.runtime_cupy.hygiene import (  # noqa: E402
+from tests.support.hygiene import (  # noqa: E402
     alive,
     resources,
     run_resources,
     users,
     wait_gone,
 )
-from tests.runtime_cupy.ray_checks import (  # noqa: E402
+from tests.support.ray_checks import (  # noqa: E402
     SUPERVISOR_TITLE,
     cmdline,
     ppid,
@@ -49,7 +49,7 @@ from tests.runtime_cupy.ray_checks import (  # noqa: E402
     supervisors,
     wait_until,
 )
-from tests.runtime_cupy.serve.servers import ServerProcess, metrics, wait_for  # noqa: E402
+from tests.support.servers import ServerProcess, metrics, wait_for  # noqa: E402
 
 PROMPT = [1, 2, 3]
 

@@ -28,18 +28,18 @@ import pytest
 import runtime_sim
 from runtime_cupy.process.names import run_tag
 from runtime_cupy.process.streams import SILENT_PEER_S
-from tests.runtime_cupy.ray_checks import (
+from tests.support.netns_hosts import ROOT, TestHosts, unavailable
+from tests.support.ray_checks import (
     STAGE_ENTRY,
     cmdline,
     run_processes,
     supervisors,
     wait_until,
 )
-from tests.support.netns_hosts import ROOT, TestHosts, unavailable
 
 pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra has it)")
 
-DRIVER = Path(__file__).with_name("ray_driver.py")
+DRIVER = Path(__file__).parents[1] / "support" / "ray_driver.py"
 STOP_S, EDGE_S = 5.0, 20.0  # ray_driver.TIMEOUTS
 #: A loaded 2-core machine's slack on top of every bound below.
 SLACK_S = 30.0

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from runtime_cupy.process.streams import SILENT_PEER_S
-from tests.runtime_cupy.hygiene import run_resources
 from tests.runtime_cupy.test_process_cli import _env
+from tests.support.hygiene import run_resources
 
-SCRIPT = Path(__file__).with_name("silent_peer.py")
+SCRIPT = Path(__file__).parents[1] / "support" / "silent_peer.py"
 
 
 def _no_namespace() -> str | None:

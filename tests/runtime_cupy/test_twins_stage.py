@@ -45,9 +45,9 @@ from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM, source
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
-from tests.runtime_core.chain import provisions
-from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.chain import provisions
 from tests.support.cuda_chain import Chain
+from tests.support.numerics import common_prefix, cosine, first_near_tie
 from tests.support.random_model import RandomModel, write_random_model
 from tests.support.twin_stage import TwinWorker
 

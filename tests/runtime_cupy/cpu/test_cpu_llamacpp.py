@@ -44,8 +44,8 @@ from runplan.config import REFERENCE_ARCHITECTURES
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import TokenOutput
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
-from tests.runtime_core.chain import Chain, provisions, run
-from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.chain import Chain, provisions, run
+from tests.support.numerics import common_prefix, cosine, first_near_tie
 
 TINY = load_doc("tiny")
 TINY_LOGITS = load_logits("tiny")

@@ -14,7 +14,7 @@ from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_cupy import generate
 from runtime_cupy.cli.main import build_parser
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.runtime_core.chain import provisions, run
+from tests.support.chain import provisions, run
 
 
 @pytest.fixture(scope="module")

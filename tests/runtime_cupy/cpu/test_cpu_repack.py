@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.worker import CpuWorker
-from tests.runtime_core.chain import provisions
+from tests.support.chain import provisions
 from tests.support.random_blocks import random_rows
 from tests.support.random_model import RandomModel, write_random_model
 

@@ -17,7 +17,7 @@ from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.forward_program import load_weights
 from runtime_core.workers.stage_worker import BackendSpec
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
-from tests.runtime_core.chain import Chain, provisions
+from tests.support.chain import Chain, provisions
 
 PROMPT = [257, 84, 104, 101, 32, 113, 117, 105, 99, 107, 300, 12, 45, 99, 200, 7]
 

@@ -37,8 +37,8 @@ from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.workers import capabilities, make_worker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, model_file
-from tests.runtime_core.chain import Chain, provisions, run
-from tests.runtime_core.numerics import cosine
+from tests.support.chain import Chain, provisions, run
+from tests.support.numerics import cosine
 from tests.support.random_model import RandomModel, write_random_model
 
 PROMPT = [5, 77, 300, 12, 9]

@@ -25,8 +25,8 @@ from runplan.provision import provision_all
 from runtime_cupy import generate
 from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.serve.chain import WarmChain
-from tests.runtime_cupy.hygiene import alive, wait_gone
 from tests.support.hosts import FaultyHost, TapHost
+from tests.support.hygiene import alive, wait_gone
 
 PROMPT = [5, 77, 30, 12, 9]
 

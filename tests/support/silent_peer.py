@@ -3,7 +3,7 @@ TCP edges over that namespace's loopback, the loopback link taken down after the
 token (no FIN, no reset: every packet is lost, as with a cut cable), and the run left to
 notice.
 
-    unshare -n python tests/runtime_cupy/silent_peer.py MODEL
+    unshare -n python tests/support/silent_peer.py MODEL
 
 Prints one JSON object: the outcome, the fault, the seconds from the cut to the run's
 end, and the stages' exit statuses."""

@@ -1,7 +1,7 @@
 """A run on the test hosts (``tests/support/netns_hosts.py``), started in the head's
 network and mount namespaces:
 
-    python tests/runtime_cupy/ray_driver.py --address HEAD:PORT --model PATH --hosts N \
+    python tests/support/ray_driver.py --address HEAD:PORT --model PATH --hosts N \
         [--stages N] [--max-tokens N] [--pause-at K] [--copy-model-to PATH]
 
 It waits for ``--hosts`` live hosts, runs ``runtime_cupy.generate`` on them (NumPy

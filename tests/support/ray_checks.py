@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.runtime_cupy.hygiene import alive
+from tests.support.hygiene import alive
 
 STAGE_ENTRY = "runtime_cupy.hosts.ray.stage_entry"
 SUPERVISOR_TITLE = "StageSupervisor"

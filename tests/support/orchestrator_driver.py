@@ -1,6 +1,6 @@
 """An orchestrator in a process of its own, for tests that kill or interrupt it:
 
-    python tests/runtime_cupy/driver.py MODEL STAGES MAX_TOKENS FAULTS_JSON STOP_MS EDGES
+    python tests/support/orchestrator_driver.py MODEL STAGES MAX_TOKENS FAULTS_JSON STOP_MS EDGES
 
 Prints one JSON object per line to standard output as the run goes: ``{"run_id"}``,
 ``{"spawned": pid}`` per stage, ``{"ready": index}`` per ready stage, ``{"token": id}``
