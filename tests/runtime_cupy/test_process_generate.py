@@ -3,7 +3,7 @@ them, stop at EOS and ``max_tokens``, and leave nothing behind. Every comparison
 tokens names its worker: the reference worker (``numpy``) computes what the simulator
 computes; the default CPU worker rounds activations to 8 bits as llama.cpp does, so it
 is compared with the simulator running the CPU worker, and with its own in-process chain
-(``tests/runtime_cupy/cpu/``)."""
+(``tests/runtime_core/workers/cpu/``)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ would leave rows unwritten fails here).
 
 The GPU tests run a kernel and its twin on the same random inputs; the CPU tests run
 the whole device backend (``cuda/backend.py``) with these twins in place of the kernels
-(``tests/runtime_cupy/test_twins_device_stage.py``).
+(``tests/runtime_cupy/cuda/test_twins_device_stage.py``).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-import tests.runtime_cupy.test_gpu_kernels as gk
-import tests.runtime_cupy.test_gpu_worker as gw
+import tests.runtime_cupy.cuda.test_gpu_kernels as gk
+import tests.runtime_cupy.cuda.test_gpu_worker as gw
 from runtime_core.workers.interface import TokenOutput
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits
@@ -145,7 +145,7 @@ def test_gpu_benchmark_code_runs(emulated: EmulatedKernels, small_subject: gw.Su
     """``benchmarks/gpu_decode.py``'s measuring code (all but the copy bandwidth) on the
     emulation: binding 1 and 2 stages, switching the graph, timing, the targets."""
     spec = importlib.util.spec_from_file_location(
-        "gpu_decode", Path(gw.__file__).parents[2] / "benchmarks" / "gpu_decode.py"
+        "gpu_decode", Path(gw.__file__).parents[3] / "benchmarks" / "gpu_decode.py"
     )
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

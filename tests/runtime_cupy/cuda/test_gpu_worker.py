@@ -10,7 +10,7 @@
   all 16 on 3 of them, parting after a near-tie on the others). The 8-bit mode also
   keeps the reference worker's tokens up to that near-tie.
 - llama.cpp's tiny llama and qwen2 fixtures in all 13 types, both modes: the reference
-  worker's thresholds (``tests/runtime_core/test_llamacpp_tiny.py``), and prompt
+  worker's thresholds (``tests/runtime_core/workers/reference/test_llamacpp_tiny.py``), and prompt
   logits within cosine 0.99999 of the NumPy twin worker's in the same mode.
 - SmolLM2 in 2 (15 + 15) and 3 (1 + 28 + 1) stages on one GPU, device to device:
   with f32 edges the tokens and logits of 1 stage (logits within 1e-5); with f16
