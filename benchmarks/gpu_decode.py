@@ -52,7 +52,7 @@ from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, CudaWorker
 
 # The in-process chain and the random-model writer live with the tests (tests/support).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.cuda_chain import Chain, provisions_for
+from tests.support.chain import Chain, provisions
 from tests.support.random_model import LLAMA3_8B, write_random_model
 
 MODELS = ("smollm2", "llama8b-q4_0", "llama8b-q4_k")
@@ -124,7 +124,14 @@ def run_case(
     """Time a prefill and the decode steps with and without the graph (use_graph is a
     construction option: each setting binds its own workers)."""
     max_seq = len(prompt) + decode + 8
-    provs = provisions_for(path, stages, dtype="f16", max_seq_len=max_seq)
+    provs = provisions(
+        path,
+        stages,
+        dtype="f16",
+        max_seq_len=max_seq,
+        return_logits=False,
+        worker=CUDA_CAPABILITIES,
+    )
     rows = []
     for graph in graphs:
         t0 = time.perf_counter()

@@ -256,7 +256,7 @@ def test_importing_the_worker_does_not_import_cupy() -> None:
     code = (
         "import sys; import runtime_cupy.cuda.worker, runtime_cupy.cuda.kernels, "
         "tests.support.twins, "
-        "tests.support.twin_stage, tests.support.kernel_twins, tests.support.cuda_chain, "
+        "tests.support.twin_stage, tests.support.kernel_twins, tests.support.chain, "
         "runtime_core.workers.forward_program, runtime_core.workers.device_sampling; "
         "print('cupy' in sys.modules)"
     )

@@ -25,8 +25,7 @@ from runplan import SamplingConfig
 from runtime_core.workers.interface import TokenOutput, Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.support.chain import provisions
-from tests.support.cuda_chain import Chain
+from tests.support.chain import Chain, provisions
 from tests.support.emulated_cupy import (
     DEVICE_STAGE,
     EmulatedCudaWorker,

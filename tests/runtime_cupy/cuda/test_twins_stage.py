@@ -1,10 +1,9 @@
 """The CUDA worker's program on the kernels' twins (``TwinWorker``) against the NumPy
 reference worker and llama.cpp: what the CUDA worker computes, checked on a CPU.
 
-- Interface: every rule of EDGES_AND_WORKERS.md §4 the reference worker keeps (steps
-  before bind, order, one decode row, max_seq_len, token ids, the plan's activations,
-  inputs left unchanged, logits only when asked, a new prefill restarting the sampler,
-  the same tokens from the same seed however the model is split).
+- Interface: ``tests/runtime_core/workers/test_worker_contract.py`` runs the CUDA worker
+  itself on the emulated CuPy; here, what it runs and refuses (architectures, options,
+  rows and heads its kernels cannot take).
 - ``matvec="f32"`` (dequantized weights times float32 activations) gives the reference
   worker's tokens and logits within 2e-4 on llama (normal rotary, GQA, untied head),
   qwen2 (NeoX rotary, Q/K/V biases, tied head), llama3 rotary factors with linear
@@ -33,7 +32,6 @@ from runplan import (
     NodeSpec,
     PlanRejection,
     RuntimeConfig,
-    SamplingConfig,
     model_facts_from_gguf,
     plan_run,
 )
@@ -45,8 +43,7 @@ from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM, source
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
-from tests.support.chain import provisions
-from tests.support.cuda_chain import Chain
+from tests.support.chain import Chain, provisions
 from tests.support.numerics import common_prefix, cosine, first_near_tie
 from tests.support.random_model import RandomModel, write_random_model
 from tests.support.twin_stage import TwinWorker
@@ -60,19 +57,6 @@ N_TOKENS: int = TINY["greedy_tokens"]
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("twin-models")
-
-
-@pytest.fixture(scope="module")
-def model(folder: Path) -> Path:
-    return write_model(folder / "m.gguf", ModelShape(n_layers=4))
-
-
-def bound(path: Path, stages: int = 1, index: int = 0, **kwargs: Any) -> TwinWorker:
-    p = provisions(path, stages, **kwargs)[index]
-    w = TwinWorker()
-    w.configure(p)
-    w.bind(p.gguf_source)
-    return w
 
 
 def run(path: Path, make: Any, stages: int = 1, n: int = 8, **kwargs: Any) -> list[TokenOutput]:
@@ -121,123 +105,6 @@ def test_options_are_checked() -> None:
         CudaWorker(matvec="int4")
     with pytest.raises(ValueError, match="kv_dtype"):
         CudaWorker(kv_dtype="f8")
-
-
-def test_a_step_before_bind_or_after_release_is_an_error(model: Path) -> None:
-    w = TwinWorker()
-    with pytest.raises(WorkerError, match="before bind"):
-        w.execute_step(0, np.array(PROMPT, np.uint32))
-    with pytest.raises(WorkerError, match="before configure"):
-        w.bind(provisions(model)[0].gguf_source)
-    w.configure(provisions(model)[0])
-    with pytest.raises(WorkerError, match="before bind"):
-        w.execute_step(0, np.array(PROMPT, np.uint32))
-    w = bound(model)
-    w.execute_step(0, np.array(PROMPT, np.uint32))
-    w.release()
-    with pytest.raises(WorkerError, match="before bind"):
-        w.execute_step(1, np.array([3], np.uint32))
-
-
-def test_steps_must_come_in_order_and_decode_one_row(model: Path) -> None:
-    w = bound(model)
-    with pytest.raises(WorkerError, match="out of order"):
-        w.execute_step(1, np.array([3], np.uint32))
-    w.execute_step(0, np.array(PROMPT, np.uint32))
-    with pytest.raises(WorkerError, match="out of order"):
-        w.execute_step(2, np.array([3], np.uint32))
-    w.execute_step(1, np.array([3], np.uint32))
-    with pytest.raises(WorkerError, match="expected 1"):
-        w.execute_step(2, np.array([3, 4], np.uint32))
-
-
-def test_a_sequence_longer_than_max_seq_len_is_an_error(model: Path) -> None:
-    w = bound(model, max_seq_len=6)
-    w.execute_step(0, np.array(PROMPT, np.uint32))
-    w.execute_step(1, np.array([3], np.uint32))
-    with pytest.raises(WorkerError, match="max_seq_len"):
-        w.execute_step(2, np.array([3], np.uint32))
-
-
-@pytest.mark.parametrize(
-    "data",
-    [
-        np.array([], np.uint32),
-        np.array([[1, 2]], np.uint32),
-        np.array([1.0, 2.0], np.float32),
-        np.array([1, 323], np.uint32),
-    ],
-    ids=["empty", "2-d", "floats", "outside-vocab"],
-)
-def test_the_first_stage_refuses_what_is_not_token_ids(model: Path, data: np.ndarray) -> None:
-    with pytest.raises(WorkerError):
-        bound(model).execute_step(0, data)
-
-
-@pytest.mark.parametrize(
-    "data",
-    [np.zeros((3, 64), np.float16), np.zeros((3, 65), np.float32), np.zeros(64, np.float32)],
-    ids=["dtype", "width", "1-d"],
-)
-def test_a_later_stage_refuses_activations_the_plan_does_not_carry(
-    model: Path, data: np.ndarray
-) -> None:
-    with pytest.raises(WorkerError):
-        bound(model, 2, 1).execute_step(0, data)
-
-
-def test_a_stage_never_changes_its_input(model: Path) -> None:
-    first, last = bound(model, 2, 0), bound(model, 2, 1)
-    ids = np.array(PROMPT, np.uint32)
-    acts = first.execute_step(0, ids)
-    assert isinstance(acts, np.ndarray) and acts.shape == (5, 64) and acts.dtype == np.float32
-    kept = acts.copy()
-    last.execute_step(0, acts)
-    np.testing.assert_array_equal(ids, PROMPT)
-    np.testing.assert_array_equal(acts, kept)
-
-
-def test_logits_come_back_only_when_the_run_asks(model: Path) -> None:
-    ids = np.array(PROMPT, np.uint32)
-    with_logits = bound(model, return_logits=True).execute_step(0, ids)
-    without = bound(model, return_logits=False).execute_step(0, ids)
-    assert isinstance(with_logits, TokenOutput) and isinstance(without, TokenOutput)
-    assert without.logits is None
-    assert with_logits.logits is not None and with_logits.logits.shape == (323,)
-    assert with_logits.token_id == without.token_id == int(np.argmax(with_logits.logits))
-
-
-def test_a_new_prefill_starts_the_sequence_afresh(model: Path) -> None:
-    sampling = SamplingConfig(temperature=0.9, seed=3)
-    chain = Chain.bind(provisions(model, 2, sampling=sampling), TwinWorker)
-    first = [o.token_id for o in chain.generate(PROMPT, 8)]
-    assert [o.token_id for o in chain.generate(PROMPT, 8)] == first
-
-
-def test_sampling_draws_what_the_reference_draws_however_the_model_is_split(
-    model: Path,
-) -> None:
-    sampling = SamplingConfig(temperature=1.5, top_k=40, top_p=0.95, seed=11)
-    ref = [o.token_id for o in run(model, ReferenceWorker, n=12, sampling=sampling)]
-    for stages in (1, 2, 4):
-        ours = run(model, lambda: TwinWorker(matvec="f32"), stages, n=12, sampling=sampling)
-        assert [o.token_id for o in ours] == ref, stages
-
-
-def test_a_file_the_worker_cannot_run_is_a_typed_bind_error(folder: Path) -> None:
-    from runplan import GgufSource
-    from runtime_core.errors import UnsupportedModel
-
-    shape = ModelShape(n_layers=1)
-    good = write_model(folder / "good.gguf", shape)
-    bad = write_model(folder / "iq.gguf", shape, tensor_types={"blk.0.attn_q.weight": "IQ4_NL"})
-    w = TwinWorker()
-    w.configure(provisions(good)[0])
-    with pytest.raises(WorkerError) as info:
-        w.bind(GgufSource.single(str(bad)))
-    assert isinstance(info.value.__cause__, UnsupportedModel)
-    with pytest.raises(WorkerError, match="before bind"):
-        w.execute_step(0, np.array(PROMPT, np.uint32))
 
 
 def test_rows_the_kernels_cannot_read_are_refused_at_bind(folder: Path) -> None:

@@ -3,10 +3,8 @@ the planner, how it holds a model, and what it computes however a run is split.
 
 - Capabilities: the 13 types, the five architectures of the reference worker, weights
   as stored (the planner's memory check counts the file's bytes, not float32 copies).
-- Interface (EDGES_AND_WORKERS.md §4): steps before bind, order, one decode row,
-  max_seq_len, token ids, the plan's activations, inputs left unchanged, logits only
-  when asked, a new prefill restarting the sampler; a file it cannot run is a typed
-  bind error; any head size binds.
+- Interface: ``tests/runtime_core/workers/test_worker_contract.py`` (every worker);
+  here, rows the kernels cannot read are refused at bind, and any head size binds.
 - Memory: binding maps the weights from the file: the process's anonymous memory grows
   by far less than the slice's bytes, its file-backed memory by about the slice.
 - Numbers: ``matvec="f32"`` gives the reference worker's logits within 2e-4 (mixed
@@ -15,24 +13,21 @@ the planner, how it holds a model, and what it computes however a run is split.
   exact function); the same logits bit for bit on 1, 2 or 3 threads, in 1, 2 or 3
   stages with f32 edges (f16 edges: the same tokens), and for a prompt prefilled at
   once or fed one row at a time, on every architecture; an f16 KV cache stays within
-  cosine 0.9999 of the f32 one; sampling draws the reference's tokens.
+  cosine 0.9999 of the f32 one.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import attrs
 import numpy as np
 import pytest
 
-from runplan import GgufSource, SamplingConfig
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
-from runtime_core.errors import UnsupportedModel
 from runtime_core.workers.cpu.worker import CPU_CAPABILITIES, CpuWorker
-from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import TokenOutput, WorkerError
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.workers import capabilities, make_worker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
@@ -47,19 +42,6 @@ PROMPT = [5, 77, 300, 12, 9]
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cpu-models")
-
-
-@pytest.fixture(scope="module")
-def model(folder: Path) -> Path:
-    return write_model(folder / "m.gguf", ModelShape(n_layers=4, quant="Q8_0"))
-
-
-def bound(path: Path, stages: int = 1, index: int = 0, **kwargs: Any) -> CpuWorker:
-    p = provisions(path, stages, **kwargs)[index]
-    w = CpuWorker()
-    w.configure(p)
-    w.bind(p.gguf_source)
-    return w
 
 
 def logits(out: TokenOutput) -> np.ndarray:
@@ -97,104 +79,6 @@ def test_the_threads_default_to_the_launchers_share(monkeypatch: pytest.MonkeyPa
 
 
 # ---- the worker interface -------------------------------------------------------------------
-
-
-def test_a_step_before_bind_or_after_release_is_an_error(model: Path) -> None:
-    w = CpuWorker()
-    with pytest.raises(WorkerError, match="before bind"):
-        w.execute_step(0, np.array(PROMPT, np.uint32))
-    with pytest.raises(WorkerError, match="before configure"):
-        w.bind(provisions(model)[0].gguf_source)
-    w = bound(model)
-    w.execute_step(0, np.array(PROMPT, np.uint32))
-    w.release()
-    with pytest.raises(WorkerError, match="before bind"):
-        w.execute_step(1, np.array([3], np.uint32))
-
-
-def test_steps_must_come_in_order_decode_one_row_and_fit_max_seq_len(model: Path) -> None:
-    w = bound(model, max_seq_len=7)
-    with pytest.raises(WorkerError, match="out of order"):
-        w.execute_step(1, np.array([3], np.uint32))
-    w.execute_step(0, np.array(PROMPT, np.uint32))
-    with pytest.raises(WorkerError, match="expected 1"):
-        w.execute_step(1, np.array([3, 4], np.uint32))
-    w.execute_step(1, np.array([3], np.uint32))
-    w.execute_step(2, np.array([3], np.uint32))
-    with pytest.raises(WorkerError, match="max_seq_len"):
-        w.execute_step(3, np.array([3], np.uint32))
-
-
-@pytest.mark.parametrize(
-    "data",
-    [
-        np.array([], np.uint32),
-        np.array([[1, 2]], np.uint32),
-        np.array([1.0, 2.0], np.float32),
-        np.array([1, 323], np.uint32),
-    ],
-    ids=["empty", "2-d", "floats", "outside-vocab"],
-)
-def test_the_first_stage_refuses_what_is_not_token_ids(model: Path, data: np.ndarray) -> None:
-    with pytest.raises(WorkerError):
-        bound(model).execute_step(0, data)
-
-
-@pytest.mark.parametrize(
-    "data",
-    [np.zeros((3, 64), np.float16), np.zeros((3, 65), np.float32), np.zeros(64, np.float32)],
-    ids=["dtype", "width", "1-d"],
-)
-def test_a_later_stage_refuses_activations_the_plan_does_not_carry(
-    model: Path, data: np.ndarray
-) -> None:
-    with pytest.raises(WorkerError):
-        bound(model, 2, 1).execute_step(0, data)
-
-
-def test_a_stage_never_changes_its_input(model: Path) -> None:
-    first, last = bound(model, 2, 0), bound(model, 2, 1)
-    ids = np.array(PROMPT, np.uint32)
-    acts = first.execute_step(0, ids)
-    assert isinstance(acts, np.ndarray) and acts.shape == (5, 64) and acts.dtype == np.float32
-    kept = acts.copy()
-    last.execute_step(0, acts)
-    again = first.execute_step(0, ids)  # the stage's own buffers are not what it returned
-    np.testing.assert_array_equal(ids, PROMPT)
-    np.testing.assert_array_equal(acts, kept)
-    assert isinstance(again, np.ndarray)
-    np.testing.assert_array_equal(again, kept)
-
-
-def test_logits_come_back_only_when_the_run_asks(model: Path) -> None:
-    ids = np.array(PROMPT, np.uint32)
-    with_logits = bound(model, return_logits=True).execute_step(0, ids)
-    without = bound(model, return_logits=False).execute_step(0, ids)
-    assert isinstance(with_logits, TokenOutput) and isinstance(without, TokenOutput)
-    assert without.logits is None
-    assert with_logits.logits is not None and with_logits.logits.shape == (323,)
-    assert with_logits.token_id == without.token_id == int(np.argmax(with_logits.logits))
-
-
-def test_a_new_prefill_starts_the_sequence_afresh(model: Path) -> None:
-    sampling = SamplingConfig(temperature=0.9, seed=3)
-    chain = Chain.bind(provisions(model, 2, sampling=sampling), CpuWorker)
-    first = [o.token_id for o in chain.generate(PROMPT, 8)]
-    assert [o.token_id for o in chain.generate(PROMPT, 8)] == first
-    chain.release()
-
-
-def test_a_file_the_worker_cannot_run_is_a_typed_bind_error(folder: Path) -> None:
-    shape = ModelShape(n_layers=1)
-    good = write_model(folder / "good.gguf", shape)
-    bad = write_model(folder / "iq.gguf", shape, tensor_types={"blk.0.attn_q.weight": "IQ4_NL"})
-    w = CpuWorker()
-    w.configure(provisions(good)[0])
-    with pytest.raises(WorkerError) as info:
-        w.bind(GgufSource.single(str(bad)))
-    assert isinstance(info.value.__cause__, UnsupportedModel)
-    with pytest.raises(WorkerError, match="before bind"):
-        w.execute_step(0, np.array(PROMPT, np.uint32))
 
 
 def test_rows_the_kernels_cannot_read_are_refused_at_bind(folder: Path) -> None:
@@ -372,20 +256,3 @@ def test_an_f16_kv_cache_stays_close_to_the_f32_one(shapes: dict[str, Path], nam
     chain.release()
     for a, b in zip(f16, f32, strict=True):
         assert cosine(logits(a), logits(b)) >= 0.9999
-
-
-def test_sampling_draws_what_the_reference_draws_however_the_model_is_split(
-    shapes: dict[str, Path],
-) -> None:
-    path = shapes["llama-F32-untied"]  # float weights: the reference's logits
-    sampling = SamplingConfig(temperature=1.5, top_k=40, top_p=0.95, seed=11)
-    ref = run(provisions(path, 1, max_seq_len=64, sampling=sampling), ReferenceWorker, PROMPT, 12)
-    for stages in (1, 3):
-        provs = provisions(path, stages, max_seq_len=64, sampling=sampling)
-        ours: list[TokenOutput] = run(provs, CpuWorker, PROMPT, 12)
-        assert [o.token_id for o in ours] == [o.token_id for o in ref], stages
-
-
-def test_a_worker_is_what_the_interface_says(model: Path) -> None:
-    worker: Worker = CpuWorker()
-    assert worker.capabilities is CPU_CAPABILITIES
