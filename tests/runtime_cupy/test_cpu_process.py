@@ -16,6 +16,9 @@ from runtime_cupy.cli.main import build_parser
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.chain import provisions, run
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def q8_model(tmp_path_factory: pytest.TempPathFactory) -> str:

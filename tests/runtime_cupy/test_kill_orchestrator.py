@@ -21,6 +21,9 @@ import pytest
 
 from tests.support.hygiene import alive, run_resources, wait_gone
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).parents[1] / "support" / "orchestrator_driver.py"
 STOP_MS = 2_000

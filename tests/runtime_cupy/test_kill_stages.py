@@ -18,6 +18,9 @@ from runtime_cupy import GenerateResult, generate
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import alive, run_resources
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 # A generous stop bound: on a loaded machine a stage told to stop while it is still
 # starting (importing NumPy) answers only seconds later.
 TIMEOUTS = Timeouts(ready_ms=30_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=15_000)

@@ -19,6 +19,9 @@ from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.runtime_cupy.test_process_faults import _children
 from tests.support.hygiene import wait_gone
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)

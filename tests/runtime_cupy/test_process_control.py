@@ -35,6 +35,9 @@ from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.support.hosts import TapHost
 from tests.support.hygiene import run_resources
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 KEY = control_key(new_secret(), "stage-0")
 STOP = StopRun("r", StopReason.CANCELLED)
 

@@ -19,6 +19,9 @@ from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import alive, run_resources, wait_gone
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 
 def test_a_failed_step_faults_the_run_naming_the_stage(tiny: str) -> None:
     timeouts = Timeouts(ready_ms=20_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=5_000)

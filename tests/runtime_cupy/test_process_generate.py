@@ -19,6 +19,9 @@ from runtime_cupy import generate
 from tests.fixtures.llamacpp_fixtures import load_doc
 from tests.support.hygiene import alive, run_resources
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 
 def _assert_clean(result: runtime_cupy.GenerateResult) -> None:
     assert len(result.stages) == result.plan.stage_count

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import runtime_sim
 from runplan import RunPlan, SamplingConfig
 from runplan.config import Timeouts
@@ -31,6 +33,9 @@ from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import alive, run_resources
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 
 def test_tcp_edges_give_the_simulators_tokens(tiny: str) -> None:

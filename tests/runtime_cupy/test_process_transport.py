@@ -32,6 +32,10 @@ from runtime_cupy.edges.shm import (
 )
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.support.hygiene import SHM, run_resources
+from tests.support.waits import blocked_in_poll
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 SPEC = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
 RING = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
@@ -103,7 +107,7 @@ def test_records_cross_processes_in_order_with_backpressure() -> None:
                 deadline = time.monotonic() + 10
                 while ring.published < RING.slot_count and time.monotonic() < deadline:
                     time.sleep(0.005)
-                time.sleep(0.05)
+                assert blocked_in_poll(producer.pid, 10)  # it waits for a free slot now
                 assert ring.published == RING.slot_count  # never more: no overwrite
             got.append(int.from_bytes(record.payload, "little"))
             receiver.release(record)
@@ -134,7 +138,7 @@ def test_close_wakes_a_waiting_producer_in_another_process() -> None:
         )
         assert producer.stdout is not None
         assert producer.stdout.readline().strip() == "full"
-        time.sleep(0.1)  # it waits for space now
+        assert blocked_in_poll(producer.pid, 10)  # it waits for space now
         began = time.monotonic()
         ring.close()
         out, _ = producer.communicate(timeout=20)

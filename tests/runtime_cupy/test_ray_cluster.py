@@ -51,6 +51,9 @@ from tests.support.ray_checks import (  # noqa: E402
 )
 from tests.support.servers import ServerProcess, metrics, wait_for  # noqa: E402
 
+#: A Ray cluster of its own and real stage processes (make fast leaves these out).
+pytestmark = [pytest.mark.ray, pytest.mark.process]
+
 PROMPT = [1, 2, 3]
 
 

@@ -37,6 +37,9 @@ from tests.support.ray_checks import (
     wait_until,
 )
 
+#: Ray hosts in network namespaces, real stage processes (make fast leaves these out).
+pytestmark = [pytest.mark.ray, pytest.mark.netns, pytest.mark.process]
+
 pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra has it)")
 
 DRIVER = Path(__file__).parents[1] / "support" / "ray_driver.py"

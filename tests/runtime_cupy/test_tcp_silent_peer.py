@@ -19,6 +19,9 @@ from runtime_cupy.process.streams import SILENT_PEER_S
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hygiene import run_resources
 
+#: A network namespace and real stage processes (make fast leaves these out).
+pytestmark = [pytest.mark.netns, pytest.mark.process]
+
 SCRIPT = Path(__file__).parents[1] / "support" / "silent_peer.py"
 
 

@@ -32,6 +32,9 @@ from runtime_cupy.cuda.kernels import (
 )
 from tests.support.nvrtc import Nvrtc, NvrtcError, find_library
 
+#: Minutes, not seconds (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.slow
+
 NVCC = shutil.which("nvcc")
 NVRTC_LIB = find_library()
 ARCHS = ("sm_90", "sm_80")

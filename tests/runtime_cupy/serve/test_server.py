@@ -36,6 +36,9 @@ from runtime_cupy.workers import DEFAULT_WORKER
 from tests.support.hygiene import wait_gone
 from tests.support.servers import ServerProcess, idle, metrics, wait_for
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 KEY = "test-key-5f1b"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 STAGES = 2

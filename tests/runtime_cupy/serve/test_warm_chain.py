@@ -28,6 +28,9 @@ from runtime_cupy.serve.chain import WarmChain
 from tests.support.hosts import FaultyHost, TapHost
 from tests.support.hygiene import alive, wait_gone
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 PROMPT = [5, 77, 30, 12, 9]
 
 

@@ -146,6 +146,7 @@ def smollm2(smollm2_path: str) -> dict[str, list[TokenOutput]]:
         chain.release()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [p["name"] for p in PROMPTS])
 def test_smollm2_prompt_logits_meet_the_reference_workers_thresholds(
     smollm2: dict[str, list[TokenOutput]], name: str
@@ -156,6 +157,7 @@ def test_smollm2_prompt_logits_meet_the_reference_workers_thresholds(
     assert int(np.argmax(ours)) == int(np.argmax(theirs))
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_tokens_part_from_llamacpps_only_at_near_ties(
     smollm2: dict[str, list[TokenOutput]],
 ) -> None:
@@ -168,6 +170,7 @@ def test_smollm2_greedy_tokens_part_from_llamacpps_only_at_near_ties(
     assert sum(n == 16 for n in agree.values()) >= 3, agree
 
 
+@pytest.mark.slow
 def test_smollm2_in_float_mode_is_llamacpp_on_its_float32_weights(smollm2_path: str) -> None:
     chain = Chain.bind(provisions(smollm2_path, 1, max_seq_len=96), lambda: CpuWorker(matvec="f32"))
     try:

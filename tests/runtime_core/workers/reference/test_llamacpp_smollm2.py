@@ -26,6 +26,9 @@ from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, tensor_diges
 from tests.support.chain import Chain
 from tests.support.numerics import common_prefix, cosine, first_near_tie
 
+#: Minutes, not seconds (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.slow
+
 DOC = load_doc("smollm2")
 LOGITS = load_logits("smollm2")
 PROMPTS: list[dict[str, Any]] = DOC["prompts"]

@@ -45,6 +45,7 @@ def assert_same_run(a: list[TokenOutput], b: list[TokenOutput]) -> None:
         np.testing.assert_allclose(x.logits, y.logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ranges", [[(0, 15), (15, 30)], [(0, 1), (1, 29), (29, 30)]], ids=["2-even", "3-uneven"]
 )
