@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from runplan.arguments import positive_int
 from runtime_core.tokenizer import Tokenizer
@@ -137,3 +137,31 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+
+
+def prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
+    """The prompt the flags of ``add_generation_arguments`` give: ``--prompt-ids`` as
+    they are, or ``--prompt`` encoded (wrapped as a user turn in the model's chat
+    template with ``--chat``)."""
+    if args.prompt_ids is not None:
+        return list(args.prompt_ids)
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+    return tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+def generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of either runtime's ``generate`` that the flags of
+    ``add_generation_arguments`` set."""
+    return {
+        "stages": args.stages,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "trace": args.trace is not None,
+    }

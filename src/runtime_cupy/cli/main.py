@@ -31,7 +31,12 @@ from rich.table import Table
 
 from runplan.arguments import OneLineParser
 from runplan.models import resolve_model
-from runtime_core.console import TextStream, add_generation_arguments
+from runtime_core.console import (
+    TextStream,
+    add_generation_arguments,
+    generation_options,
+    prompt_ids,
+)
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.cli.arguments import (
@@ -53,15 +58,7 @@ def _run(args: argparse.Namespace) -> int:
     err = Console(stderr=True, soft_wrap=True)
     path = resolve_model(args.model)
     tokenizer = Tokenizer.from_gguf(path)
-    if args.prompt_ids is not None:
-        prompt = args.prompt_ids
-    else:
-        text = args.prompt
-        if args.chat:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True
-            )
-        prompt = tokenizer.encode(text, add_special=True, parse_special=True)
+    prompt = prompt_ids(args, tokenizer)
     stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
     status = err.status(f"starting {args.stages} stage processes")
     ready: set[int] = set()
@@ -77,15 +74,9 @@ def _run(args: argparse.Namespace) -> int:
         result = generate(
             path,
             prompt,
-            stages=args.stages,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
+            **generation_options(args),
             on_token=stream,
             on_load=on_load,
-            trace=args.trace is not None,
             tokenizer=tokenizer,
             worker=args.worker,
             gpus=args.gpus,
