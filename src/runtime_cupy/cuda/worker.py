@@ -10,12 +10,8 @@ and the logits only when the run asks for them.
 
 Options (``CudaWorker(...)``):
 
-- ``matvec``: ``"q8"`` (default) runs one-row products of quantized matrices on
-  8-bit activations with integer dot products, as llama.cpp does; ``"f32"``
-  multiplies the dequantized weights with float32 activations (slower, and closest to
-  the NumPy reference worker).
-- ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
-  wide, float32 when 4), ``"f16"`` or ``"f32"``.
+- ``matvec``, ``kv_dtype`` and ``trace``: as for every stage worker
+  (``runtime_core.workers.stage_worker``); ``trace`` receives ``graph captured``.
 - ``use_graph``: decode steps replay a CUDA graph captured at the first decode step
   (position and token are read from device memory); ``False`` launches every kernel
   from Python each step, for comparison.
