@@ -90,7 +90,7 @@ GENERIC_WORKER_TESTS = [
     "test_graph_and_eager_launches_agree",
     "test_host_and_device_edges_agree",
     "test_sampling_on_the_device_draws_the_reference_tokens",
-    "test_interface_rules_hold_on_the_device",
+    "test_the_weights_live_on_the_device_as_stored_and_outlive_a_run",
 ]
 
 
