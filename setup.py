@@ -1,4 +1,4 @@
-"""Builds the CPU worker's kernels (``runtime_cupy.cpu._kernels``: C, POSIX threads);
+"""Builds the CPU worker's kernels (``runtime_core.workers.cpu._kernels``: C, POSIX threads);
 everything else about the package is in pyproject.toml."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-CSRC = Path("src/runtime_cupy/cpu/csrc")
+CSRC = Path("src/runtime_core/workers/cpu/csrc")
 
 if sys.platform == "win32":
     compile_args = ["/O2", "/fp:precise"]
@@ -22,7 +22,7 @@ else:
 setup(
     ext_modules=[
         Extension(
-            "runtime_cupy.cpu._kernels",
+            "runtime_core.workers.cpu._kernels",
             sources=[str(p) for p in sorted(CSRC.glob("*.c"))],
             depends=[str(p) for p in sorted(CSRC.glob("*.h"))],
             extra_compile_args=compile_args,

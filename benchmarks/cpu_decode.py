@@ -219,9 +219,9 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run in a fresh process: bind one stage of every block, prefill, decode."""
     if runner == "warm":
         return warm_child()
-    from runtime_core.reference import ReferenceWorker
-    from runtime_core.worker import TokenOutput
-    from runtime_cupy.cpu.worker import CpuWorker
+    from runtime_core.workers.cpu.worker import CpuWorker
+    from runtime_core.workers.interface import TokenOutput
+    from runtime_core.workers.reference.worker import ReferenceWorker
 
     status: dict[str, Any] = {}
     exec(STATUS, status)
@@ -320,7 +320,7 @@ def warm_child() -> dict[str, float]:
     """In a fresh interpreter: import the CPU worker, bind SmolLM2, decode one token."""
     t0 = time.perf_counter()
     from runplan.models import resolve_model
-    from runtime_cupy.cpu.worker import CpuWorker
+    from runtime_core.workers.cpu.worker import CpuWorker
 
     t1 = time.perf_counter()
     (prov,) = provisions(resolve_model("smollm2-135m"), 16)

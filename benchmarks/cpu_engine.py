@@ -7,7 +7,7 @@ of this project: ``python -m venv /tmp/nb && /tmp/nb/bin/pip install numba``). O
 Q4_1 x Q8_1 product (SmolLM2's weight type), the block formula of ``csrc/dot.h``, written
 straightforwardly with ``@njit(parallel=True, cache=True)`` (Numba has no half floats on
 the CPU: the factors are decoded with integer operations), against the C kernel
-(``runtime_cupy.cpu._kernels.linear``) on the same random blocks, for a 1536 x 576
+(``runtime_core.workers.cpu._kernels.linear``) on the same random blocks, for a 1536 x 576
 matrix (in cache) and a 49152 x 576 one (SmolLM2's head size, from memory).
 
 Printed: Numba's import time, its first call in a fresh cache folder (compilation) and
@@ -92,7 +92,7 @@ print(json.dumps(out))
 
 
 def c_product_s(w: np.ndarray, n_in: int, threads: int, repeat: int) -> float:
-    from runtime_cupy.cpu import _kernels
+    from runtime_core.workers.cpu import _kernels
 
     n_out = w.shape[0]
     m = _kernels.Matrix([(w, "Q4_1", n_out, n_in, 0)])

@@ -40,12 +40,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def child(args: dict[str, Any]) -> dict[str, Any]:
     """In a fresh process: the prefill of one stage, per kernel, and the chain's tokens."""
     import numpy as np
-    from tests.runtime_core.chain import Chain, provisions
+    from tests.support.chain import Chain, provisions
 
     from runplan.models import resolve_model
-    from runtime_core.worker import TokenOutput
-    from runtime_cupy.cpu import _kernels, backend
-    from runtime_cupy.cpu.worker import CpuWorker
+    from runtime_core.workers.cpu import _kernels, backend
+    from runtime_core.workers.cpu.worker import CpuWorker
+    from runtime_core.workers.interface import TokenOutput
 
     provs = provisions(resolve_model("smollm2-135m"), args["stages"], max_seq_len=256)
     rng = np.random.default_rng(args["seed"])
@@ -138,8 +138,8 @@ def main() -> None:
         parser.error("need 0 <= --stage < --stages, --prompt-len >= 1, --threads >= 1")
     builds = {"this": ROOT / "src"}
     if args.baseline is not None:
-        if not (args.baseline / "src" / "runtime_cupy" / "cpu").is_dir():
-            parser.error(f"--baseline {args.baseline}: no src/runtime_cupy/cpu there")
+        if not (args.baseline / "src" / "runtime_core" / "workers" / "cpu").is_dir():
+            parser.error(f"--baseline {args.baseline}: no src/runtime_core/workers/cpu there")
         builds["baseline"] = args.baseline / "src"
     cargs = {
         k: getattr(args, k) for k in ("stages", "stage", "prompt_len", "threads", "tokens", "seed")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime_cupy.cpu import _kernels
+from runtime_core.workers.cpu import _kernels
 
 SHAPES = ((1024, 4096), (14336, 4096))
 

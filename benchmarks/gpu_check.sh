@@ -11,13 +11,13 @@
 #   run(command="bash benchmarks/gpu_check.sh first", carry=[".whl", ".gpu_payload/part0"],
 #       timeout_s=420)
 #     -> keeps part0 in /tmp for the second call; the kernel-vs-twin tests
-#        (tests/runtime_cupy/test_gpu_kernels.py); the 8B-shape benchmarks (Q4_0, Q4_K;
+#        (tests/runtime_cupy/cuda/test_gpu_kernels.py); the 8B-shape benchmarks (Q4_0, Q4_K;
 #        the two models are written in the background while the tests run).
 #   then AT ONCE (the machine stays warm 30 s after a call):
 #   run(command="bash benchmarks/gpu_check.sh second", carry=[".whl", ".gpu_payload/part1"],
 #       timeout_s=360)
 #     -> joins SmolLM2 and checks its sha256; the whole-model tests
-#        (tests/runtime_cupy/test_gpu_worker.py); the SmolLM2 benchmark.
+#        (tests/runtime_cupy/cuda/test_gpu_worker.py); the SmolLM2 benchmark.
 #   then give_back().
 #
 # Each call writes its logs under $OUT (at most 5 files, no folders; 8 for `all`) and
@@ -152,7 +152,7 @@ first() {
     setup
     write_models_in_background
     run_step gpu_kernel_tests "$STEP_LIMIT" \
-        "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime_cupy/test_gpu_kernels.py
+        "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime_cupy/cuda/test_gpu_kernels.py
     wait "$W1" "$W2"
     say "models written: $(ls "$MODELS" 2>/dev/null | tr '\n' ' ')"
     run_step gpu_decode_8b 100 "$PY" benchmarks/gpu_decode.py \
@@ -164,7 +164,7 @@ second() {
     setup
     install_smollm2
     run_step gpu_worker_tests "$STEP_LIMIT" \
-        "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime_cupy/test_gpu_worker.py
+        "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime_cupy/cuda/test_gpu_worker.py
     run_step gpu_decode_smollm2 45 "$PY" benchmarks/gpu_decode.py --models smollm2 \
         --json "$OUT/gpu_decode_smollm2.json"
 }

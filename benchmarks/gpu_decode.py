@@ -36,6 +36,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, CudaWorker
 
 # The in-process chain and the random-model writer live with the tests (tests/support).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.cuda_chain import Chain, provisions_for
+from tests.support.chain import Chain, provisions
 from tests.support.random_model import LLAMA3_8B, write_random_model
 
 MODELS = ("smollm2", "llama8b-q4_0", "llama8b-q4_k")
@@ -120,38 +121,43 @@ def bytes_per_token(path: Path, context: int) -> int:
 def run_case(
     path: Path, stages: int, prompt: list[int], decode: int, graphs: list[bool]
 ) -> list[dict[str, Any]]:
-    """Bind once; time a prefill and the decode steps with and without the graph."""
+    """Time a prefill and the decode steps with and without the graph (use_graph is a
+    construction option: each setting binds its own workers)."""
     max_seq = len(prompt) + decode + 8
-    provs = provisions_for(path, stages, dtype="f16", max_seq_len=max_seq)
-    t0 = time.perf_counter()
-    chain = Chain.bind(provs, lambda: CudaWorker(device_io=stages > 1))
-    bind_s = time.perf_counter() - t0
+    provs = provisions(
+        path,
+        stages,
+        dtype="f16",
+        max_seq_len=max_seq,
+        return_logits=False,
+        worker=CUDA_CAPABILITIES,
+    )
     rows = []
-    try:
-        for graph in graphs:
-            for w in chain.workers:
-                assert isinstance(w, CudaWorker)
-                w.set_use_graph(graph)
+    for graph in graphs:
+        t0 = time.perf_counter()
+        chain = Chain.bind(provs, partial(CudaWorker, device_io=stages > 1, use_graph=graph))
+        bind_s = time.perf_counter() - t0
+        try:
             chain.generate(prompt[:16], 8)  # warm-up: compile, capture, allocate
             outs, prefill_s, steps = chain.timed_generate(prompt, decode + 1)
-            rows.append(
-                {
-                    "stages": stages,
-                    "graph": graph,
-                    "bind_s": round(bind_s, 3),
-                    "prompt_tokens": len(prompt),
-                    "prefill_s": prefill_s,
-                    "prefill_tok_s": len(prompt) / prefill_s,
-                    "decode_steps": len(steps),
-                    "decode_median_ms": 1e3 * statistics.median(steps),
-                    "decode_p90_ms": 1e3 * float(np.percentile(steps, 90)),
-                    "decode_tok_s": 1.0 / statistics.median(steps),
-                    "decode_mean_tok_s": len(steps) / sum(steps),
-                    "tokens": [o.token_id for o in outs[:8]],
-                }
-            )
-    finally:
-        chain.release()
+        finally:
+            chain.release()
+        rows.append(
+            {
+                "stages": stages,
+                "graph": graph,
+                "bind_s": round(bind_s, 3),
+                "prompt_tokens": len(prompt),
+                "prefill_s": prefill_s,
+                "prefill_tok_s": len(prompt) / prefill_s,
+                "decode_steps": len(steps),
+                "decode_median_ms": 1e3 * statistics.median(steps),
+                "decode_p90_ms": 1e3 * float(np.percentile(steps, 90)),
+                "decode_tok_s": 1.0 / statistics.median(steps),
+                "decode_mean_tok_s": len(steps) / sum(steps),
+                "tokens": [o.token_id for o in outs[:8]],
+            }
+        )
     return rows
 
 

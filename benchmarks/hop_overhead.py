@@ -69,11 +69,11 @@ import numpy as np  # noqa: E402
 from runplan import RingSpec, SamplingConfig, provision_all  # noqa: E402
 from runplan.models import resolve_model  # noqa: E402
 from runplan.plan import OBJECT_HEADER_BYTES  # noqa: E402
-from runtime_core.reference import ReferenceWorker  # noqa: E402
-from runtime_core.worker import TokenOutput  # noqa: E402
+from runtime_core.workers.interface import TokenOutput  # noqa: E402
+from runtime_core.workers.reference.worker import ReferenceWorker  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
 from runtime_cupy.api import plan_for  # noqa: E402
-from runtime_cupy.edges.base import EdgeMedium, ProcessRing  # noqa: E402
+from runtime_cupy.edges.port import EdgeMedium, ProcessRing  # noqa: E402
 from runtime_cupy.edges.tcp import TcpMedium  # noqa: E402
 from runtime_cupy.edges.tcp_frames import CREDIT, FRAME, RECORD  # noqa: E402
 from runtime_cupy.edges.tcp_seal import (  # noqa: E402
@@ -84,8 +84,8 @@ from runtime_cupy.edges.tcp_seal import (  # noqa: E402
     Protection,
 )
 from runtime_cupy.hosts.local import LOOPBACK, FileRendezvous, local_medium  # noqa: E402
-from runtime_cupy.keys import edge_key, new_secret  # noqa: E402
-from runtime_cupy.names import new_run_id  # noqa: E402
+from runtime_cupy.process.keys import edge_key, new_secret  # noqa: E402
+from runtime_cupy.process.names import new_run_id  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fixtures.gguf_models import ModelShape, write_model  # noqa: E402

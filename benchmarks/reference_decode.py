@@ -37,8 +37,8 @@ from runplan import (
     provision_all,
 )
 from runplan.models import resolve_model
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import TokenOutput
+from runtime_core.workers.interface import TokenOutput
+from runtime_core.workers.reference.worker import ReferenceWorker
 
 MODEL = "smollm2-135m"
 # "The capital of France is" as llama.cpp tokenizes it for SmolLM2.

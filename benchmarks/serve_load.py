@@ -55,9 +55,9 @@ from tests.fixtures.gguf_models import ModelShape, write_model
 from runplan.models import resolve_model
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy import generate
+from runtime_cupy.cli.serve import _listen
 from runtime_cupy.serve.app import build_app
 from runtime_cupy.serve.chain import WarmChain
-from runtime_cupy.serve.cli import _listen
 from runtime_cupy.serve.engine import Engine, chat_prompt
 from runtime_cupy.serve.requests import Message
 from runtime_cupy.workers import DEFAULT_WORKER, WORKERS

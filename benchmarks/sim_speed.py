@@ -12,11 +12,11 @@ import argparse
 import json
 import time
 
-from runtime_core.worker import Worker
+from runtime_core.workers.interface import Worker
 from runtime_sim.clock import derive_rng
+from runtime_sim.driver import Simulation
 from runtime_sim.explore import Scenario, run_scenario, synthetic_facts, synthetic_plan
 from runtime_sim.faults import random_fault_plan
-from runtime_sim.simulation import Simulation
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import stored_stage_costs
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # for ``tests.fixtures`` and ``tests.strategies``
+sys.path.insert(0, str(ROOT))  # for ``tests.fixtures`` and ``tests.support``
 
 # The clause suite's fixture (runplan_planner), also under PYTEST_DISABLE_PLUGIN_AUTOLOAD;
 # the entry point has this very name, so pytest registers it once either way.

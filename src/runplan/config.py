@@ -14,24 +14,12 @@ from runplan._fields import (
     typed_field,
 )
 from runplan.dtypes import DTypeFamily
+from runplan.quant_types import QUANT_TYPES
 
-#: Quant types the NumPy reference worker runs (everything it dequantizes through the
-#: gguf package and that llama.cpp's fixtures cover).
-REFERENCE_QUANT_TYPES: tuple[str, ...] = (
-    "BF16",
-    "F16",
-    "F32",
-    "Q2_K",
-    "Q3_K",
-    "Q4_0",
-    "Q4_1",
-    "Q4_K",
-    "Q5_0",
-    "Q5_1",
-    "Q5_K",
-    "Q6_K",
-    "Q8_0",
-)
+#: Quant types the NumPy reference worker runs: every type of the project's table
+#: (``runplan.quant_types``; what it dequantizes through the gguf package and what
+#: llama.cpp's fixtures cover), in name order.
+REFERENCE_QUANT_TYPES: tuple[str, ...] = tuple(sorted(QUANT_TYPES))
 #: Architectures the NumPy reference worker runs (``runtime_core.architectures``).
 REFERENCE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 

@@ -9,17 +9,15 @@ and stage state machines of ``runplan.fsm``: one run at a time (``StageControlle
 
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunRefused
 from runtime_core.chain_stage import ChainStageController
-from runtime_core.controller import StageController
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, Record, SendEnd
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice, open_stage_slice
+from runtime_core.in_process_edges import LocalEdges
 from runtime_core.links import LinkReceiver, LinkSender, LocalLinks
-from runtime_core.local import LocalEdges
 from runtime_core.model_config import ModelConfig
-from runtime_core.orchestrator import OrchestratorController
-from runtime_core.reference import ReferenceWorker
+from runtime_core.orchestrator_controller import OrchestratorController
 from runtime_core.ring import EdgeClosed, EdgeTimeout, Ring, RingError
-from runtime_core.sampling import Sampler
+from runtime_core.stage_controller import StageController
 from runtime_core.tokenizer import (
     ChatTemplateError,
     NoChatTemplate,
@@ -28,7 +26,7 @@ from runtime_core.tokenizer import (
     UnknownPreTokenizer,
     UnknownTokenizerModel,
 )
-from runtime_core.worker import (
+from runtime_core.workers.interface import (
     BatchStep,
     KvCacheUnavailable,
     StepFailure,
@@ -37,6 +35,8 @@ from runtime_core.worker import (
     Worker,
     WorkerError,
 )
+from runtime_core.workers.reference.worker import ReferenceWorker
+from runtime_core.workers.sampling import Sampler
 
 __all__ = [
     "BatchStep",

@@ -43,8 +43,8 @@ from attrs import frozen
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.header import HeaderCheck, HeaderDType, HeaderRejection
 from runplan.messages import FaultKind, FaultReason, ProvisionStage, StopReason, StopRun
+from runplan.record_header import HeaderCheck, HeaderDType, HeaderRejection
 from runtime_core.links import LinkFault, LinkReceiver, LinkSender
 from runtime_core.records import read_token, token_payload
 from runtime_core.ring import EdgeClosed

@@ -52,7 +52,6 @@ from attrs import frozen
 
 from runplan import ProvisionStage
 from runplan.fsm import stage as fsm
-from runplan.header import HeaderCheck, HeaderDType, ObjectHeader
 from runplan.messages import (
     FaultKind,
     FaultReason,
@@ -61,12 +60,19 @@ from runplan.messages import (
     StageReady,
     StageStopped,
 )
+from runplan.record_header import HeaderCheck, HeaderDType, ObjectHeader
 from runtime_core.batching import BatchScheduler, Candidate
 from runtime_core.links import LinkFault, LinkReceiver, LinkSender, Taken
 from runtime_core.records import decode_input, encode_output
 from runtime_core.ring import EdgeClosed
-from runtime_core.worker import BatchStep, KvCacheUnavailable, Progress, StepFailure, Worker
-from runtime_core.worker_runs import same_stage
+from runtime_core.workers.interface import (
+    BatchStep,
+    KvCacheUnavailable,
+    Progress,
+    StepFailure,
+    Worker,
+)
+from runtime_core.workers.worker_runs import same_stage
 
 Trace = Callable[[str, dict[str, Any]], None]
 

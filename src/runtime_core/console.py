@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from runplan.arguments import positive_int
 from runtime_core.tokenizer import Tokenizer
@@ -116,10 +116,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: st
         help="wrap the prompt in the model's chat template as a user turn",
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (32)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    add_sampling_arguments(parser)
     parser.add_argument(
         "--json",
         action="store_true",
@@ -132,3 +129,39 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: st
         help="write Chrome trace events to this file (open in https://ui.perfetto.dev); "
         "checked before the run starts",
     )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--temperature``, ``--top-k``, ``--top-p`` and ``--seed``."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+
+
+def prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
+    """The prompt the flags of ``add_generation_arguments`` give: ``--prompt-ids`` as
+    they are, or ``--prompt`` encoded (wrapped as a user turn in the model's chat
+    template with ``--chat``)."""
+    if args.prompt_ids is not None:
+        return list(args.prompt_ids)
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+    return tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+def generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of either runtime's ``generate`` that the flags of
+    ``add_generation_arguments`` set."""
+    return {
+        "stages": args.stages,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "trace": args.trace is not None,
+    }

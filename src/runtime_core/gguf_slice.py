@@ -38,7 +38,7 @@ from runplan.gguf_header import GgufHeader, TensorInfo
 from runtime_core.architectures import REFUSED_TENSORS, FfnLayout, Presence, QkvLayout
 from runtime_core.errors import UnsupportedModel
 from runtime_core.model_config import ModelConfig
-from runtime_core.worker import WorkerError
+from runtime_core.workers.interface import WorkerError
 
 EMBEDDING = "token_embd.weight"
 OUTPUT = "output.weight"

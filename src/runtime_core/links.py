@@ -20,8 +20,8 @@ from __future__ import annotations
 from attrs import frozen
 
 from runplan import ProvisionStage, RunPlan
-from runplan.header import HeaderDType, HeaderError, ObjectHeader
 from runplan.plan import OBJECT_HEADER_BYTES, ObjectKind, RingSpec
+from runplan.record_header import HeaderDType, HeaderError, ObjectHeader
 from runplan.specs import ring_spec
 from runtime_core.ring import LocalRing, Ring, RingError
 

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from runplan.header import HeaderDType
 from runplan.messages import ProvisionStage
 from runplan.plan import Layout, ObjectSpec
+from runplan.record_header import HeaderDType
 from runtime_core.activations import edge_dtype
-from runtime_core.worker import TokenOutput
+from runtime_core.workers.interface import TokenOutput
 
 # Enum members read on every record, bound once: on Python 3.11 ``Enum.MEMBER`` goes
 # through the slow attribute hook of ``EnumType.__getattr__``.

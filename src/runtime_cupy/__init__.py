@@ -1,6 +1,6 @@
 """runtime_cupy: the real runtime. The orchestrator in the launching process, each stage
 where a host puts it (``hosts``: by default one OS process per stage, ``python -m
-runtime_cupy.stage``), edges through shared memory or TCP (``edges``), authenticated
+runtime_cupy.process.stage_process``), edges through shared memory or TCP (``edges``), authenticated
 control channels (``control``), clean teardown on any fault.
 
 ``generate(...)`` has ``runtime_sim.generate``'s signature and result fields, plus
@@ -11,9 +11,9 @@ The CUDA worker (``runtime_cupy.cuda.worker``) is imported only when asked for.
 
 from runtime_core.runs import PlanRejected
 from runtime_cupy.api import GenerateResult, generate
-from runtime_cupy.hosts.base import StageHost, StageProcessInfo
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.launcher import ProcessRun, ProcessRunResult
+from runtime_cupy.hosts.port import StageHost, StageProcessInfo
+from runtime_cupy.process.launcher import ProcessRun, ProcessRunResult
 from runtime_cupy.workers import WorkerUnavailable
 
 __all__ = [

@@ -1,5 +1,5 @@
 import sys
 
-from runtime_cupy.cli import main
+from runtime_cupy.cli.main import main
 
 sys.exit(main())

@@ -1,8 +1,8 @@
-"""Which worker a stage process runs: ``cpu`` (``runtime_cupy.cpu.worker.CpuWorker``:
-quantized weights and compiled kernels, any host; the default), ``numpy``
-(``runtime_core.ReferenceWorker``, the readable oracle, any host) or ``cuda``
-(``runtime_cupy.cuda.worker.CudaWorker``, imported only when asked for, so that nothing here
-imports CuPy). A CUDA stage sees one GPU: the launcher sets its
+"""Which worker a stage process runs: the workers of ``runtime_core``
+(``runtime_core.workers.registry.CORE_WORKERS``: ``cpu``, quantized weights and
+compiled kernels on any host, the default; ``numpy``, the readable oracle) and ``cuda``
+(``runtime_cupy.cuda.worker.CudaWorker``, imported only when asked for, so that nothing
+here imports CuPy). A CUDA stage sees one GPU: the launcher sets its
 ``CUDA_VISIBLE_DEVICES``, so the worker uses device 0 of what it sees; a CPU stage
 uses its share of the host's cores (the launcher's ``OMP_NUM_THREADS``)."""
 
@@ -13,16 +13,8 @@ import importlib.util
 from typing import Any
 
 from runplan import WorkerCapabilities
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import Worker
-
-WORKERS = ("cpu", "numpy", "cuda")
-DEFAULT_WORKER = "cpu"
-
-
-class WorkerUnavailable(RuntimeError):
-    """The chosen worker cannot run on this host (the CUDA worker needs CuPy and a GPU)."""
-
+from runtime_core.workers.interface import TraceEvent, Worker
+from runtime_core.workers.registry import CORE_WORKERS, WorkerUnavailable
 
 #: How to get CuPy: gguf-pipeline is not on PyPI, so its extras install from a checkout.
 INSTALL_CUPY = (
@@ -45,37 +37,34 @@ def _cuda_class() -> Any:
         ) from exc
 
 
-def _cpu_class() -> Any:
-    from runtime_cupy.cpu.kernels import KernelsUnavailable, load
-
-    try:
-        load()
-    except KernelsUnavailable as exc:
-        raise WorkerUnavailable(str(exc)) from exc
-    from runtime_cupy.cpu.worker import CpuWorker
-
-    return CpuWorker
+#: The process runtime's workers: ``cpu``, ``numpy`` and ``cuda``.
+REGISTRY = CORE_WORKERS.with_worker("cuda", _cuda_class)
+WORKERS = REGISTRY.names
+DEFAULT_WORKER = REGISTRY.default
 
 
 def worker_class(name: str) -> Any:
     """The worker class called ``name``; ``WorkerUnavailable`` if it cannot be loaded."""
-    if name == "cpu":
-        return _cpu_class()
-    if name == "numpy":
-        return ReferenceWorker
-    if name == "cuda":
-        return _cuda_class()
-    raise ValueError(f"unknown worker {name!r} (one of {', '.join(WORKERS)})")
+    return REGISTRY.worker_class(name)
 
 
 def capabilities(name: str) -> WorkerCapabilities:
     """What the worker runs, for the planner."""
-    caps = worker_class(name).capabilities
-    assert isinstance(caps, WorkerCapabilities)
-    return caps
+    return REGISTRY.capabilities(name)
 
 
-def make_worker(name: str) -> Worker:
-    """A new worker of kind ``name``."""
-    worker: Worker = worker_class(name)()
-    return worker
+def make_worker(name: str, trace: TraceEvent | None = None) -> Worker:
+    """A new worker of kind ``name``, its own events going to ``trace``."""
+    return REGISTRY.make_worker(name, trace)
+
+
+__all__ = [
+    "DEFAULT_WORKER",
+    "INSTALL_CUPY",
+    "REGISTRY",
+    "WORKERS",
+    "WorkerUnavailable",
+    "capabilities",
+    "make_worker",
+    "worker_class",
+]

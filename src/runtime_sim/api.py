@@ -1,5 +1,6 @@
 """``runtime_sim.generate``: run a real GGUF model through an N-stage simulated pipeline
-with the NumPy reference worker, and return its tokens and text."""
+with a real worker (the NumPy reference worker by default, or the CPU worker), and
+return its tokens and text."""
 
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ from runplan import (
     SamplingConfig,
 )
 from runplan.models import resolve_model
-from runtime_core.reference import ReferenceWorker
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
-from runtime_sim.simulation import ORCHESTRATOR, SimResult, Simulation
+from runtime_core.workers.registry import CORE_WORKERS
+from runtime_sim.driver import SimResult, SimSettings, Simulation
+from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.timing import Prediction, TimingModel, f32_stage_costs
 from runtime_sim.trace import Trace
 
+#: The simulator's worker unless told: the reference worker (``runtime_core``'s
+#: workers are the choices: ``numpy`` or ``cpu``).
+DEFAULT_WORKER = "numpy"
 #: ``progress(stage_index, bytes_done, bytes_total)`` while a stage loads its weights.
 LoadProgress = Callable[[int, int, int], None]
 
@@ -56,9 +61,10 @@ def plan_for(
     sampling: SamplingConfig,
     return_logits: bool,
     run_id: str = "sim-run",
+    worker: str = DEFAULT_WORKER,
 ) -> RunPlan:
-    """The plan of a simulated run: one node per stage, layers split evenly, a KV cache
-    just long enough for the prompt and the tokens asked for."""
+    """The plan of a simulated run of ``worker``: one node per stage, layers split
+    evenly, a KV cache just long enough for the prompt and the tokens asked for."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     nodes = tuple(NodeSpec(f"stage-{i}", 64 * 2**30) for i in range(stages))
     config = RuntimeConfig(
@@ -66,7 +72,7 @@ def plan_for(
         max_tokens=max_tokens,
         sampling=sampling,
         return_logits=return_logits,
-        worker=ReferenceWorker.capabilities,
+        worker=CORE_WORKERS.capabilities(worker),
     )
     return plan_even(facts, config, ORCHESTRATOR, nodes)
 
@@ -87,9 +93,12 @@ def generate(
     timing: TimingModel | None = None,
     trace: bool = False,
     tokenizer: Tokenizer | None = None,
+    worker: str = DEFAULT_WORKER,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
-    simulated stages, each running the NumPy reference worker over its layers.
+    simulated stages, each running ``worker`` over its layers: ``numpy``, the NumPy
+    reference worker (the default), or ``cpu``, the CPU worker the process runtime runs
+    by default (``WorkerUnavailable`` where its kernels are not built).
 
     ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
     ``on_token(id)`` streams each generated token as the orchestrator consumes it.
@@ -107,11 +116,12 @@ def generate(
         max_tokens=max_tokens,
         sampling=sampling,
         return_logits=return_logits,
+        worker=worker,
     )
     tokenizer = tokenizer or Tokenizer.from_gguf(path)  # a file it cannot read fails first
     start = time.perf_counter()
     result, sim = run_plan(
-        plan, prompt, on_token=on_token, on_load=on_load, timing=timing, trace=trace
+        plan, prompt, on_token=on_token, on_load=on_load, timing=timing, trace=trace, worker=worker
     )
     wall = time.perf_counter() - start
     return summarize(plan, prompt, result, sim, tokenizer, wall, return_logits)
@@ -125,12 +135,11 @@ def run_plan(
     on_load: LoadProgress | None = None,
     timing: TimingModel | None = None,
     trace: bool = False,
+    worker: str = DEFAULT_WORKER,
 ) -> tuple[SimResult, Simulation]:
-    """Simulate ``plan`` with one reference worker per stage."""
-    from runtime_sim.simulation import SimSettings
-
+    """Simulate ``plan`` with one ``worker`` per stage."""
     settings = SimSettings(timing=timing or TimingModel())
-    workers: list[Any] = [ReferenceWorker() for _ in plan.stages]
+    workers: list[Any] = [CORE_WORKERS.make_worker(worker) for _ in plan.stages]
     sim = Simulation(
         plan,
         prompt,

@@ -19,12 +19,17 @@ from rich.table import Table
 from runplan.arguments import OneLineParser, positive_int
 from runplan.gguf_header import GgufError
 from runplan.models import ModelNotFound, resolve_model
-from runtime_core.console import TextStream, add_generation_arguments
+from runtime_core.console import (
+    TextStream,
+    add_generation_arguments,
+    generation_options,
+    prompt_ids,
+)
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_sim.api import GenerateResult, generate
 from runtime_sim.explore import explore, report, report_json, self_test
-from runtime_sim.simulation import ORCHESTRATOR
+from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
 
 EXIT_VIOLATION = 1
@@ -35,15 +40,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     path = resolve_model(args.model)
     tokenizer = Tokenizer.from_gguf(path)
-    if args.prompt_ids is not None:
-        prompt = args.prompt_ids
-    else:
-        text = args.prompt
-        if args.chat:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True
-            )
-        prompt = tokenizer.encode(text, add_special=True, parse_special=True)
+    prompt = prompt_ids(args, tokenizer)
     stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
     progress = Progress(
         TextColumn("loading stage {task.fields[stage]}"),
@@ -65,15 +62,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             result = generate(
                 path,
                 prompt,
-                stages=args.stages,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                seed=args.seed,
+                **generation_options(args),
                 on_token=stream,
                 on_load=on_load,
-                trace=args.trace is not None,
                 tokenizer=tokenizer,
             )
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from runplan import (
     plan_run,
 )
 from runtime_sim.clock import derive_rng
+from runtime_sim.driver import PLAIN, SimResult, Simulation
 from runtime_sim.faults import FaultPlan, random_fault_plan
 from runtime_sim.invariants import (
     READY_AFTER_SETUP,
@@ -36,7 +37,8 @@ from runtime_sim.invariants import (
     Violation,
     check,
 )
-from runtime_sim.simulation import ORCHESTRATOR, Mutation, SimResult, Simulation
+from runtime_sim.links import ORCHESTRATOR
+from runtime_sim.mutants import Mutation, parts_for
 from runtime_sim.synthetic import SYNTHETIC_CAPABILITIES, SyntheticWorker
 from runtime_sim.timing import stored_stage_costs
 
@@ -136,9 +138,8 @@ def run_scenario(
         for _ in plan.stages
     ]
     costs = stored_stage_costs(plan, s.block_bytes, plan.model.vocab_size * 32)
-    sim = Simulation(
-        plan, s.prompt, workers, costs, seed=s.seed, faults=s.faults, mutation=mutation
-    )
+    parts = PLAIN if mutation is None else parts_for(mutation)
+    sim = Simulation(plan, s.prompt, workers, costs, seed=s.seed, faults=s.faults, parts=parts)
     result = sim.run()
     return result, sim, check(sim, result)
 

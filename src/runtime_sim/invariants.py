@@ -14,8 +14,9 @@ from attrs import frozen
 
 from runplan import RunPlan, check_plan
 from runplan.fsm import stage as sfsm
+from runtime_sim.driver import SimResult, Simulation
 from runtime_sim.faults import FaultPlan
-from runtime_sim.simulation import ORCHESTRATOR, SimResult, Simulation
+from runtime_sim.links import ORCHESTRATOR
 
 
 @frozen
@@ -326,7 +327,7 @@ class _Checker:
         for node, kind, ok, reason in self.sim.forgeries:
             if not ok:
                 self.fail(SECURITY, 0, f"{kind} at {node}: {reason}")
-        if self.faults.harmless and self.sim.mutation is None:
+        if self.faults.harmless and self.sim.parts.mutant is None:
             faults = [f.describe() for f in self.faults.faults]
             if r.finished is None or r.finished.outcome.value != "COMPLETED":
                 fault = r.finished.fault if r.finished is not None else None

@@ -1,7 +1,7 @@
 """The synthetic worker: no weights, deterministic pseudo-tokens. With the timing model
 it lets the simulator run plans for models of any size (80 layers on 16 stages) in
 milliseconds of real time. It keeps the worker interface's rules of a chain of runs
-(each run's cursor and share of the KV budget, ``runtime_core.worker_runs``): a run's
+(each run's cursor and share of the KV budget, ``runtime_core.workers.worker_runs``): a run's
 token at sequence ``k`` depends on its seed and ``k`` only, whatever its batch."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import ClassVar
 import numpy as np
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
+from runplan.quant_types import QUANT_TYPES
 from runtime_core.activations import edge_dtype
-from runtime_core.worker import (
+from runtime_core.workers.interface import (
     BatchStep,
     Progress,
     StepFailure,
@@ -22,8 +23,16 @@ from runtime_core.worker import (
     TokenOutput,
     WorkerError,
 )
-from runtime_core.worker_runs import KvBudget, RunCursor, SingleRunSteps, rows_of, same_stage
+from runtime_core.workers.worker_runs import (
+    KvBudget,
+    RunCursor,
+    SingleRunSteps,
+    rows_of,
+    same_stage,
+)
 
+#: Types no worker runs yet, which the synthetic worker plans all the same.
+NO_WORKER_TYPES = ("IQ4_XS", "IQ2_XXS")
 #: Runs any architecture and quant type: it never looks at the weights. It stands for a
 #: worker that keeps weights as stored and its KV cache in the activation dtype.
 SYNTHETIC_CAPABILITIES = WorkerCapabilities(
@@ -31,27 +40,7 @@ SYNTHETIC_CAPABILITIES = WorkerCapabilities(
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,
     architectures=("llama", "qwen2", "mistral", "gemma", "phi3", "falcon"),
-    quant_types=tuple(
-        sorted(
-            {
-                "F32",
-                "F16",
-                "BF16",
-                "Q8_0",
-                "Q4_0",
-                "Q4_1",
-                "Q5_0",
-                "Q5_1",
-                "Q2_K",
-                "Q3_K",
-                "Q4_K",
-                "Q5_K",
-                "Q6_K",
-                "IQ4_XS",
-                "IQ2_XXS",
-            }
-        )
-    ),
+    quant_types=tuple(sorted({*QUANT_TYPES, *NO_WORKER_TYPES})),
 )
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from runplan import RunPlan, WorkerCapabilities, plan_run
 from runplan.rejections import InconsistentModelFacts, InsufficientMemory, UnsupportedModel
 from runplan.testing.suite.test_authority import *  # noqa: F403
-from tests.strategies import PlanInputs, valid_plan_inputs
+from tests.support.strategies import PlanInputs, valid_plan_inputs
 
 
 def _run(inputs: PlanInputs, **changes: object) -> object:

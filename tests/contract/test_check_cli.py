@@ -18,7 +18,7 @@ from runplan import RunPlan, plan_run, provision_all, wire
 from runplan.cli import main
 from runplan.contract import CLAUSE, CLAUSES
 from runplan.testing.strategies import Tampering
-from tests.strategies import PlanInputs, small_plan, tamperings, valid_plan_inputs
+from tests.support.strategies import PlanInputs, small_plan, tamperings, valid_plan_inputs
 
 ISSUE_TAMPERINGS = [
     "duplicate edge id",

@@ -29,7 +29,7 @@ from runplan.plan import EdgeKind, Layout, ObjectKind
 from runplan.rejections import REJECTIONS
 from runplan.testing import suite
 from runplan.testing.strategies import Tampering
-from tests.strategies import PlanInputs, tamperings, valid_plan_inputs
+from tests.support.strategies import PlanInputs, tamperings, valid_plan_inputs
 
 SPEC = Path(__file__).resolve().parents[3] / "shared" / "spec" / "RUNPLAN_CONTRACT.md"
 NEEDS_INPUTS = {"unknown_node_id_rejects"}
@@ -188,7 +188,7 @@ def test_check_clause_names_an_unknown_clause() -> None:
 
 
 def _small() -> RunPlan:
-    from tests.strategies import small_plan
+    from tests.support.strategies import small_plan
 
     return small_plan(2)
 

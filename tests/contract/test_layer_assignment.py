@@ -7,7 +7,7 @@ from hypothesis import given
 
 from runplan import RunPlan, plan_run
 from runplan.testing.suite.test_layers import *  # noqa: F403
-from tests.strategies import PlanInputs, valid_plan_inputs
+from tests.support.strategies import PlanInputs, valid_plan_inputs
 
 
 @given(valid_plan_inputs())

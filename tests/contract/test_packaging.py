@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from runplan import wire
-from tests.strategies import small_plan
+from tests.support.strategies import small_plan
 
 WITHOUT = """
 import sys

@@ -16,6 +16,9 @@ import pytest
 from runplan.contract import CLAUSE, CLAUSES
 from runplan.testing.plugin import load_planner
 
+#: Minutes, not seconds (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.slow
+
 WRONG_PLANNERS = '''
 import attrs
 from runplan import RunPlan, plan_run

@@ -15,7 +15,7 @@ from runplan import (
     provision_all,
 )
 from runplan.testing.suite.test_provisioning import *  # noqa: F403
-from tests.strategies import PlanInputs, valid_plan_inputs
+from tests.support.strategies import PlanInputs, valid_plan_inputs
 
 
 def test_a_provision_has_one_layer_range_one_inbound_and_one_outbound_edge_and_no_producer() -> (

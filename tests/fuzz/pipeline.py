@@ -43,10 +43,10 @@ from runplan.gguf_header import GgufError
 from runplan.models import resolve_model
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_provisioned_slice
-from runtime_core.reference import ReferenceWorker
-from runtime_core.sampling import NonFiniteLogits
 from runtime_core.tokenizer import Tokenizer, TokenizerError
-from runtime_core.worker import TokenOutput, WorkerError
+from runtime_core.workers.interface import TokenOutput, WorkerError
+from runtime_core.workers.reference.worker import ReferenceWorker
+from runtime_core.workers.sampling import NonFiniteLogits
 from tests.fuzz.mutants import DEEP_KINDS, KINDS, Base, Mutant, mutants
 
 TYPED: tuple[type[Exception], ...] = (GgufError, UnsupportedModel, TokenizerError, WorkerError)

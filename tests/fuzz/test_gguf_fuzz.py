@@ -22,6 +22,9 @@ import pytest
 from tests.fuzz.mutants import Base
 from tests.fuzz.pipeline import REPORTS, Tally, fuzz, load_bases
 
+#: Minutes, not seconds (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.slow
+
 FACTS_MUTANTS = int(os.environ.get("GGUF_FUZZ_FACTS", "3000"))
 DEEP_MUTANTS = int(os.environ.get("GGUF_FUZZ_DEEP", "600"))
 #: SmolLM2's header takes ten times a small model's: drawn once for every 24 others.

@@ -25,7 +25,7 @@ from runplan.cli import main as runplan_main
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.cli import main as cupy_main
+from runtime_cupy.cli.main import main as cupy_main
 from runtime_sim.cli import main as sim_main
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.fuzz.mutants import Target, structure

@@ -28,16 +28,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from runplan import ProvisionStage, WorkerCapabilities, provision_all
 from runplan.fsm import stage as s
-from runplan.header import HeaderDType
 from runplan.messages import StopReason, StopRun
 from runplan.plan import ObjectKind
+from runplan.record_header import HeaderDType
 from runtime_core.chain_stage import ChainStageController, RunTimerFired
 from runtime_core.links import LinkReceiver, LinkSender
 from runtime_core.ring import LocalRing
-from runtime_core.worker import BatchStep, StepFailure, StepResult
-from runtime_core.worker_runs import KvBudget, RunCursor, rows_of
-from tests.runtime_core.chain_runs import ManualTimers
-from tests.strategies import ORCHESTRATOR, small_plan
+from runtime_core.workers.interface import BatchStep, StepFailure, StepResult
+from runtime_core.workers.worker_runs import KvBudget, RunCursor, rows_of
+from tests.support.chain_runs import ManualTimers
+from tests.support.strategies import ORCHESTRATOR, small_plan
 
 RUNS = [f"run-{k}" for k in range(5)]
 MAX_ROWS = 4

@@ -16,7 +16,7 @@ from runplan import RunPlan, provision_all
 from runplan.fsm import orchestrator as o
 from runplan.fsm import stage as s
 from runplan.messages import StageReady, StageStopped, StopReason, StopRun
-from tests.strategies import (
+from tests.support.strategies import (
     ORCHESTRATOR,
     orchestrator_event_strategies,
     small_plan,

@@ -41,7 +41,7 @@ from runplan.messages import (
     StopReason,
     StopRun,
 )
-from tests.strategies import ORCHESTRATOR, STRANGER, small_plan
+from tests.support.strategies import ORCHESTRATOR, STRANGER, small_plan
 
 VOCAB = 6
 EOS = 0

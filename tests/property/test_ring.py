@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from runplan import RingSpec
 from runtime_core.ring import EdgeClosed, EdgeTimeout, LocalRing, Ring, RingError
+from tests.support.waits import WatchedSignal
 
 SLOT_BYTES = 64
 
@@ -138,12 +139,13 @@ def _ring(slots: int = 1) -> Ring:
 
 
 def test_a_full_ring_blocks_the_producer_until_the_consumer_releases() -> None:
-    ring = _ring(1)
+    space = WatchedSignal()
+    ring = Ring(RingSpec(slot_count=1, alignment=64, slot_bytes=SLOT_BYTES), space=space)
     ring.publish(ring.wait_reserve(1.0))
     got: list[int] = []
     producer = threading.Thread(target=lambda: got.append(ring.wait_reserve(5.0)))
     producer.start()
-    time.sleep(0.1)
+    assert space.waiting.wait(5.0)  # the producer found the ring full and waits
     assert not got  # still waiting: backpressure
     slot = ring.wait_acquire(1.0)
     ring.release(slot)
@@ -163,7 +165,8 @@ def test_a_wait_that_runs_out_is_an_edge_timeout() -> None:
 
 
 def test_close_wakes_a_waiting_consumer_with_edge_closed() -> None:
-    ring = _ring(2)
+    data = WatchedSignal()
+    ring = Ring(RingSpec(slot_count=2, alignment=64, slot_bytes=SLOT_BYTES), data=data)
     errors: list[BaseException] = []
 
     def consume() -> None:
@@ -174,7 +177,7 @@ def test_close_wakes_a_waiting_consumer_with_edge_closed() -> None:
 
     consumer = threading.Thread(target=consume)
     consumer.start()
-    time.sleep(0.05)
+    assert data.waiting.wait(5.0)  # the consumer found no record and waits
     ring.close()
     consumer.join(2.0)
     assert not consumer.is_alive()

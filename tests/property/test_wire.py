@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from runplan import RunPlan, plan_run, provision_all
 from runplan.wire import MESSAGE_TYPES, WireError, dumps, loads
-from tests.strategies import PlanInputs, message_strategies, small_plan, valid_plan_inputs
+from tests.support.strategies import PlanInputs, message_strategies, small_plan, valid_plan_inputs
 
 
 @st.composite

@@ -22,7 +22,7 @@ from runplan import (
 from runplan.fsm.orchestrator import OrchestratorMachine, PromptError
 from runplan.memory import plan_stage_memory
 from runplan.rejections import InsufficientMemory, InvalidConfig
-from tests.strategies import STORED_WEIGHTS
+from tests.support.strategies import STORED_WEIGHTS
 
 LAYERS = 6
 KV_HEADS, HEAD_DIM = 2, 4

@@ -19,7 +19,7 @@ from runplan.messages import (
     StopReason,
     StopRun,
 )
-from tests.strategies import ORCHESTRATOR, small_plan
+from tests.support.strategies import ORCHESTRATOR, small_plan
 
 
 def _of(actions: tuple[Any, ...], cls: type) -> list[Any]:

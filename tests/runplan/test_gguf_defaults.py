@@ -312,6 +312,7 @@ def test_facts_of_the_fixture_shapes_are_the_packages_reading(tmp_path: Path, na
     assert _config_of(_config(path)) == reading.config()
 
 
+@pytest.mark.slow
 def test_smollm2_facts_are_the_packages_reading(smollm2_path: str) -> None:
     reading = Reading(Path(smollm2_path))
     assert model_facts_from_gguf(smollm2_path) == reading.facts()

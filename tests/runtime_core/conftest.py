@@ -20,7 +20,7 @@ import pytest
 
 from runtime_core.tokenizer import Tokenizer
 from tests.fixtures.gguf_vocab import SPECS, VocabSpec, tokenizer_digest, write_vocab
-from tests.runtime_core.chain import Chain, provisions
+from tests.support.chain import Chain, provisions
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "llamacpp" / "tokenizer"
 CHAT_FIXTURE = "smollm2-135m.chat"

@@ -1,5 +1,5 @@
 """Several runs on one chain through the chain controllers (CONCURRENT_RUNS.md), in one
-process (``tests/runtime_core/chain_runs.py``): each run completes with the tokens it
+process (``tests/support/chain_runs.py``): each run completes with the tokens it
 has alone, whatever runs share its batches and however its prompt is chunked; a run
 fault ends that run alone; a chain fault ends every run, each naming the cause; every
 KV reservation is freed after every outcome."""
@@ -18,17 +18,17 @@ from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.messages import FaultKind, StopReason
 from runtime_core.chain_orchestrator import RunRefused
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import (
+from runtime_core.workers.interface import (
     BatchStep,
     KvCacheUnavailable,
     StepResult,
     Worker,
     WorkerError,
 )
+from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.runtime_core.chain import Chain, plan_for, provisions
-from tests.runtime_core.chain_runs import ChainRuns
+from tests.support.chain import Chain, plan_for, provisions
+from tests.support.chain_runs import ChainRuns
 
 PROMPTS = [
     [5, 77, 300, 12, 9],
@@ -295,7 +295,7 @@ class FailingWorker:
             what = self.fail(step)
             if what == "crash":
                 raise WorkerError("the device is gone")
-        from runtime_core.worker import StepFailure
+        from runtime_core.workers.interface import StepFailure
 
         results = self.inner.execute_batch(steps)  # type: ignore[attr-defined]
         return tuple(

@@ -16,11 +16,11 @@ from runplan import GgufError, GgufSource
 from runplan.gguf_header import GgufHeader
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_stage_slice
-from runtime_core.reference import ReferenceWorker
-from runtime_core.worker import WorkerError
+from runtime_core.workers.interface import WorkerError
+from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.runtime_core.chain import provisions
-from tests.strategies import layer_ranges
+from tests.support.chain import provisions
+from tests.support.strategies import layer_ranges
 
 N_LAYERS = 4
 SHAPES = {

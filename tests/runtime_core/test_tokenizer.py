@@ -20,7 +20,7 @@ from runtime_core.tokenizer import (
 from tests.fixtures.gguf_models import bytes_to_unicode
 from tests.fixtures.gguf_vocab import SPECS, VocabSpec
 from tests.runtime_core.conftest import CHAT_FIXTURE, fixture
-from tests.strategies import tokenizer_texts
+from tests.support.strategies import tokenizer_texts
 
 Write = Callable[[VocabSpec], Path]
 

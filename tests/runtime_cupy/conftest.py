@@ -13,7 +13,7 @@ import pytest
 
 from runtime_cupy.edges.shm import unlink_segment
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.runtime_cupy.hygiene import (
+from tests.support.hygiene import (
     SHM,
     TAG_VARIABLE,
     listening_sockets,

@@ -19,14 +19,14 @@ from runplan.messages import StageStopped
 from runplan.plan import RingSpec
 from runtime_cupy.api import plan_for
 from runtime_cupy.edges import choice, shm
-from runtime_cupy.edges.base import EdgeSetupError
 from runtime_cupy.edges.choice import choose_medium
+from runtime_cupy.edges.port import EdgeSetupError
 from runtime_cupy.edges.shm import ShmMedium, segment_name, signal_paths
 from runtime_cupy.hosts.local import FileRendezvous
-from runtime_cupy.launcher import ProcessRun
-from runtime_cupy.names import NameTaken, NotPrivate, edge_dir
-from tests.runtime_cupy.hygiene import SHM, alive, run_resources, wait_gone
+from runtime_cupy.process.launcher import ProcessRun
+from runtime_cupy.process.names import NameTaken, NotPrivate, edge_dir
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import SHM, alive, run_resources, wait_gone
 
 
 def test_a_stopping_stage_leaves_its_outbound_edge_to_the_next_stage(

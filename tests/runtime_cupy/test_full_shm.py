@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime_cupy.hygiene import run_resources
 from tests.runtime_cupy.test_process_cli import _env
+from tests.support.hygiene import run_resources
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 #: One page: the token-out ring (a few hundred bytes) fits, an activation ring does not.
 SHM_SIZE = "4k"

@@ -8,7 +8,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from tests.runtime_cupy.hygiene import SHM, alive, users, wait_gone
+from tests.support.hygiene import SHM, alive, users, wait_gone
 
 HOLD = """
 import mmap, os, sys, time

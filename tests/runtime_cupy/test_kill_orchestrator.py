@@ -19,16 +19,19 @@ from typing import Any
 
 import pytest
 
-from tests.runtime_cupy.hygiene import alive, run_resources, wait_gone
+from tests.support.hygiene import alive, run_resources, wait_gone
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("driver.py")
+DRIVER = Path(__file__).parents[1] / "support" / "orchestrator_driver.py"
 STOP_MS = 2_000
 EDGES = pytest.mark.parametrize("edges", ["shm", "tcp"])
 
 
 class Driver:
-    """``driver.py`` in a process of its own, its JSON lines read by a thread."""
+    """``orchestrator_driver.py`` in a process of its own, its JSON lines read by a thread."""
 
     def __init__(
         self, model: str, faults: dict[int, list[str]], log: Path, edges: str = "shm"

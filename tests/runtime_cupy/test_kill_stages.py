@@ -15,8 +15,11 @@ import pytest
 
 from runplan.config import Timeouts
 from runtime_cupy import GenerateResult, generate
-from tests.runtime_cupy.hygiene import alive, run_resources
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import alive, run_resources
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 # A generous stop bound: on a loaded machine a stage told to stop while it is still
 # starting (importing NumPy) answers only seconds later.

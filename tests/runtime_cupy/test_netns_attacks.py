@@ -32,12 +32,15 @@ import pytest
 from runplan import RunPlan, SamplingConfig
 from runplan.config import Timeouts
 from runtime_cupy.api import plan_for
-from runtime_cupy.launcher import ProcessRun
-from tests.runtime_cupy.hygiene import run_resources
+from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.edge_peers import made
+from tests.support.hygiene import run_resources
 from tests.support.netns_hosts import ROOT, TestHosts, unavailable
 from tests.support.netns_stages import NetnsStageHost
+
+#: Test hosts in network namespaces, real stage processes (make fast leaves these out).
+pytestmark = [pytest.mark.netns, pytest.mark.process]
 
 PROMPT = [3, 1, 4, 1, 5]
 TIMEOUTS = Timeouts(ready_ms=60_000, step_ms=30_000, edge_wait_ms=30_000, stop_ms=5_000)

@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 
 import runtime_sim
-from runtime_cupy.cli import main
-from tests.runtime_cupy.hygiene import wait_gone
+from runtime_cupy.cli.main import main
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.runtime_cupy.test_process_faults import _children
+from tests.support.hygiene import wait_gone
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 
 def _env() -> dict[str, str]:

@@ -20,7 +20,7 @@ from runplan import RunPlan, SamplingConfig
 from runplan.config import Timeouts
 from runplan.messages import StageReady, StopReason, StopRun
 from runtime_cupy.api import plan_for
-from runtime_cupy.control import (
+from runtime_cupy.process.control_channel import (
     MAX_FRAME_BYTES,
     ControlChannel,
     FrameError,
@@ -29,11 +29,14 @@ from runtime_cupy.control import (
     decode_frame,
     encode_frame,
 )
-from runtime_cupy.keys import BadSecret, control_key, new_secret, parse_secret
-from runtime_cupy.launcher import ProcessRun
-from tests.runtime_cupy.hygiene import run_resources
+from runtime_cupy.process.keys import BadSecret, control_key, new_secret, parse_secret
+from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.support.hosts import TapHost
+from tests.support.hygiene import run_resources
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 KEY = control_key(new_secret(), "stage-0")
 STOP = StopRun("r", StopReason.CANCELLED)
@@ -226,7 +229,7 @@ def test_bad_control_input_is_refused_logged_and_the_run_goes_on(
             tap.to_orchestrator(tap.sent_to_orchestrator[0])
 
     run = ProcessRun(plan, prompt, on_token=forge, host=host)
-    with caplog.at_level(logging.WARNING, logger="runtime_cupy.launcher"):
+    with caplog.at_level(logging.WARNING, logger="runtime_cupy.process.launcher"):
         result = run.run()
     assert forged, "the run never got to its first token"
     assert result.finished is not None
@@ -261,9 +264,9 @@ def test_a_stage_without_its_secret_on_stdin_says_so_in_one_line(stdin: bytes) -
     a, b = socket.socketpair()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "runtime_cupy.stage", "--run-label", "r", "--stage-index", "0",
-             "--node-id", "n0", "--orchestrator-id", "orch", "--control-fd", str(a.fileno()),
-             "--lifeline-fd", str(a.fileno())],
+            [sys.executable, "-m", "runtime_cupy.process.stage_process", "--run-label", "r",
+             "--stage-index", "0", "--node-id", "n0", "--orchestrator-id", "orch",
+             "--control-fd", str(a.fileno()), "--lifeline-fd", str(a.fileno())],
             input=stdin,
             capture_output=True,
             pass_fds=(a.fileno(),),

@@ -15,9 +15,12 @@ import pytest
 
 from runplan.config import Timeouts
 from runtime_cupy import generate
-from tests.runtime_cupy.hygiene import alive, run_resources, wait_gone
 from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import alive, run_resources, wait_gone
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 
 def test_a_failed_step_faults_the_run_naming_the_stage(tiny: str) -> None:
@@ -113,7 +116,7 @@ def _children(pid: int, count: int) -> dict[int, int]:
             except OSError:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == pid and b"runtime_cupy.stage" in args:
+            if ppid == pid and b"runtime_cupy.process.stage_process" in args:
                 found[int(args[args.index(b"--stage-index") + 1])] = int(entry.name)
         if len(found) == count:
             return found

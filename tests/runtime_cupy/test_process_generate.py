@@ -2,7 +2,8 @@
 them, stop at EOS and ``max_tokens``, and leave nothing behind. Every comparison of
 tokens names its worker: the reference worker (``numpy``) computes what the simulator
 computes; the default CPU worker rounds activations to 8 bits as llama.cpp does, so it
-is compared with its own in-process chain (``tests/runtime_cupy/cpu/``)."""
+is compared with the simulator running the CPU worker, and with its own in-process chain
+(``tests/runtime_core/workers/cpu/``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import runtime_cupy
 import runtime_sim
 from runtime_cupy import generate
 from tests.fixtures.llamacpp_fixtures import load_doc
-from tests.runtime_cupy.hygiene import alive, run_resources
+from tests.support.hygiene import alive, run_resources
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 
 def _assert_clean(result: runtime_cupy.GenerateResult) -> None:
@@ -39,6 +43,28 @@ def test_greedy_tokens_and_logits_are_the_simulators(tiny: str, stages: int) -> 
     for a, b in zip(real.logits, sim.logits, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     assert all(s.returncode == 0 for s in real.stages)  # each stopped on StopRun
+    _assert_clean(real)
+
+
+def test_the_simulator_running_the_cpu_worker_gives_the_process_runtimes_tokens(
+    tiny: str,
+) -> None:
+    # The same worker on the same plan (f32 edges, one KV cache length) computes the same
+    # bits in one simulated thread as in stage processes: its results depend on neither
+    # the thread count nor the process, so logits are compared exactly.
+    prompt = [5, 17, 42, 9]
+    kwargs = {"stages": 2, "max_tokens": 8, "return_logits": True, "worker": "cpu"}
+    sim = runtime_sim.generate(tiny, prompt, **kwargs)  # type: ignore[arg-type]
+    real = generate(tiny, prompt, **kwargs)  # type: ignore[arg-type]
+    assert real.outcome == sim.outcome == "completed"
+    assert real.tokens == sim.tokens and len(real.tokens) == 8
+    assert real.logits is not None and sim.logits is not None
+    for a, b in zip(real.logits, sim.logits, strict=True):
+        np.testing.assert_array_equal(a, b)
+    sampled = {"stages": 3, "max_tokens": 10, "temperature": 1.3, "top_k": 40, "seed": 5}
+    sim = runtime_sim.generate(tiny, [3, 4], worker="cpu", **sampled)  # type: ignore[arg-type]
+    real = generate(tiny, [3, 4], worker="cpu", **sampled)  # type: ignore[arg-type]
+    assert real.tokens == sim.tokens
     _assert_clean(real)
 
 
@@ -113,7 +139,7 @@ def test_stage_processes_are_recognisable_in_ps(tiny: str) -> None:
     assert sorted(cmdlines) == sorted(s.pid for s in result.stages)
     for line in cmdlines.values():
         assert "runtime_cupy" in line and "stage" in line
-        assert "-m runtime_cupy.stage" in line
+        assert "-m runtime_cupy.process.stage_process" in line
 
 
 def test_generate_has_the_simulators_signature_and_result() -> None:
@@ -123,7 +149,8 @@ def test_generate_has_the_simulators_signature_and_result() -> None:
         if name == "timing":  # the simulator's timing model: nothing to model here
             continue
         assert name in real, name
-        assert real[name].default == param.default, name
+        if name != "worker":  # each runtime's default: the simulator's is the reference
+            assert real[name].default == param.default, name
         assert real[name].kind == param.kind, name
     assert list(real)[: len(sim) - 1] == [n for n in sim if n != "timing"]
     shared = {"tokens", "text", "outcome", "logits", "fault", "plan", "wall_s", "trace"}

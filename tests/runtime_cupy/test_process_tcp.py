@@ -15,22 +15,27 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import runtime_sim
 from runplan import RunPlan, SamplingConfig
 from runplan.config import Timeouts
-from runplan.header import HeaderDType, ObjectHeader
 from runplan.messages import StopReason
 from runplan.plan import ObjectKind
+from runplan.record_header import HeaderDType, ObjectHeader
 from runtime_cupy import generate
 from runtime_cupy.api import plan_for
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.tcp import FRAME, RECORD, split_address
 from runtime_cupy.hosts.local import FileRendezvous
-from runtime_cupy.keys import edge_key, new_secret
-from runtime_cupy.launcher import ProcessRun
-from tests.runtime_cupy.hygiene import alive, run_resources
+from runtime_cupy.process.keys import edge_key, new_secret
+from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import alive, run_resources
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 
 def test_tcp_edges_give_the_simulators_tokens(tiny: str) -> None:

@@ -17,9 +17,9 @@ import pytest
 
 from runplan import RingSpec
 from runplan.dtypes import DTypeFamily
-from runplan.header import HeaderCheck, HeaderDType
 from runplan.plan import Layout, ObjectKind, ObjectSpec
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, SendEnd
+from runplan.record_header import HeaderCheck, HeaderDType
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
 from runtime_cupy.edges.shm import (
     MAX_SEGMENT_NAME,
@@ -29,9 +29,13 @@ from runtime_cupy.edges.shm import (
     segment_name,
     signal_paths,
 )
-from runtime_cupy.names import edge_dir
-from tests.runtime_cupy.hygiene import SHM, run_resources
+from runtime_cupy.process.names import edge_dir
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
+from tests.support.hygiene import SHM, run_resources
+from tests.support.waits import blocked_in_poll
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 SPEC = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
 RING = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
@@ -60,9 +64,9 @@ def _producer(run_id: str, script: str) -> subprocess.Popen[str]:
         import sys, time
         from runplan import RingSpec
         from runplan.dtypes import DTypeFamily
-        from runplan.header import HeaderDType
+        from runplan.record_header import HeaderDType
         from runplan.plan import Layout, ObjectKind, ObjectSpec
-        from runtime_core.edges import SendEnd
+        from runtime_core.edge_ends import SendEnd
         from runtime_core.ring import EdgeClosed
         from runtime_cupy.edges.shm import ShmRing
         spec = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
@@ -103,7 +107,7 @@ def test_records_cross_processes_in_order_with_backpressure() -> None:
                 deadline = time.monotonic() + 10
                 while ring.published < RING.slot_count and time.monotonic() < deadline:
                     time.sleep(0.005)
-                time.sleep(0.05)
+                assert blocked_in_poll(producer.pid, 10)  # it waits for a free slot now
                 assert ring.published == RING.slot_count  # never more: no overwrite
             got.append(int.from_bytes(record.payload, "little"))
             receiver.release(record)
@@ -134,7 +138,7 @@ def test_close_wakes_a_waiting_producer_in_another_process() -> None:
         )
         assert producer.stdout is not None
         assert producer.stdout.readline().strip() == "full"
-        time.sleep(0.1)  # it waits for space now
+        assert blocked_in_poll(producer.pid, 10)  # it waits for space now
         began = time.monotonic()
         ring.close()
         out, _ = producer.communicate(timeout=20)

@@ -30,18 +30,18 @@ ray = pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra 
 
 import runtime_sim  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
-from runtime_cupy.cli import main as cli_main  # noqa: E402
+from runtime_cupy.cli.main import main as cli_main  # noqa: E402
 from runtime_cupy.hosts.ray.cluster import ClusterError  # noqa: E402
 from runtime_cupy.hosts.ray.rendezvous import NAMESPACE, run_prefix  # noqa: E402
 from runtime_cupy.hosts.ray.session import connect  # noqa: E402
-from tests.runtime_cupy.hygiene import (  # noqa: E402
+from tests.support.hygiene import (  # noqa: E402
     alive,
     resources,
     run_resources,
     users,
     wait_gone,
 )
-from tests.runtime_cupy.ray_checks import (  # noqa: E402
+from tests.support.ray_checks import (  # noqa: E402
     SUPERVISOR_TITLE,
     cmdline,
     ppid,
@@ -49,7 +49,10 @@ from tests.runtime_cupy.ray_checks import (  # noqa: E402
     supervisors,
     wait_until,
 )
-from tests.runtime_cupy.serve.servers import ServerProcess, metrics, wait_for  # noqa: E402
+from tests.support.servers import ServerProcess, metrics, wait_for  # noqa: E402
+
+#: A Ray cluster of its own and real stage processes (make fast leaves these out).
+pytestmark = [pytest.mark.ray, pytest.mark.process]
 
 PROMPT = [1, 2, 3]
 
@@ -247,7 +250,7 @@ def test_serve_refuses_what_a_cluster_cannot_take(
 ) -> None:
     """No cluster at the address, or one-host flags with it: a one-line error, exit 2,
     before any stage or server starts."""
-    from runtime_cupy.serve.cli import main as serve_main
+    from runtime_cupy.cli.serve import main as serve_main
 
     assert serve_main(["--model", tiny, "--ray-address", "127.0.0.1:1", "--port", "0"]) == 2
     err = capsys.readouterr().err

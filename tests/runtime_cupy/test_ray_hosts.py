@@ -27,20 +27,23 @@ import pytest
 
 import runtime_sim
 from runtime_cupy.edges.shm import segment_name
-from runtime_cupy.names import edge_dir, run_label
-from runtime_cupy.streams import SILENT_PEER_S
-from tests.runtime_cupy.ray_checks import (
+from runtime_cupy.process.names import edge_dir, run_label
+from runtime_cupy.process.streams import SILENT_PEER_S
+from tests.support.netns_hosts import ROOT, TestHosts, unavailable
+from tests.support.ray_checks import (
     STAGE_ENTRY,
     cmdline,
     run_processes,
     supervisors,
     wait_until,
 )
-from tests.support.netns_hosts import ROOT, TestHosts, unavailable
+
+#: Ray hosts in network namespaces, real stage processes (make fast leaves these out).
+pytestmark = [pytest.mark.ray, pytest.mark.netns, pytest.mark.process]
 
 pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra has it)")
 
-DRIVER = Path(__file__).with_name("ray_driver.py")
+DRIVER = Path(__file__).parents[1] / "support" / "ray_driver.py"
 STOP_S, EDGE_S = 5.0, 20.0  # ray_driver.TIMEOUTS
 #: A loaded 2-core machine's slack on top of every bound below.
 SLACK_S = 30.0

@@ -27,7 +27,7 @@ from runtime_cupy.hosts.ray.rendezvous import (
     SupervisorRendezvous,
     serve_rendezvous,
 )
-from runtime_cupy.keys import control_key, new_secret
+from runtime_cupy.process.keys import control_key, new_secret
 
 
 def _node(node_id: str, address: str, port: int, *, head: bool = False, **res: float) -> Any:

@@ -25,11 +25,14 @@ import pytest
 from runplan import RunPlan, SamplingConfig
 from runplan.config import Timeouts
 from runtime_cupy.api import plan_for
-from runtime_cupy.launcher import ProcessRun
-from tests.runtime_cupy.hygiene import listening_ports, run_resources
+from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.edge_peers import made
 from tests.support.hosts import DetourHost, FaultyHost
+from tests.support.hygiene import listening_ports, run_resources
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 PROMPT = [3, 1, 4, 1, 5]
 TIMEOUTS = Timeouts(ready_ms=30_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=5_000)

@@ -18,14 +18,14 @@ import pytest
 
 from runplan import RingSpec
 from runplan.dtypes import DTypeFamily
-from runplan.header import HeaderCheck, HeaderDType
 from runplan.plan import Layout, ObjectKind, ObjectSpec
-from runtime_core.edges import ReceiveEnd, SendEnd
+from runplan.record_header import HeaderCheck, HeaderDType
+from runtime_core.edge_ends import ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
 from runtime_cupy.edges import tcp_consumer
 from runtime_cupy.edges.tcp import TcpMedium, TcpReceiveRing, TcpSendRing, split_address
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, ENCRYPTED, Protection
-from runtime_cupy.keys import edge_key, new_secret
+from runtime_cupy.process.keys import edge_key, new_secret
 from tests.support.edge_peers import flood
 from tests.support.edge_relay import Relay
 

@@ -19,12 +19,12 @@ import pytest
 
 from runplan import RingSpec
 from runplan.dtypes import DTypeFamily
-from runplan.header import HeaderCheck, HeaderDType, ObjectHeader
 from runplan.plan import Layout, ObjectKind, ObjectSpec
-from runtime_core.edges import EdgeFaultError, ReceiveEnd, SendEnd
+from runplan.record_header import HeaderCheck, HeaderDType, ObjectHeader
+from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.base import EdgeSetupError
+from runtime_cupy.edges.port import EdgeSetupError
 from runtime_cupy.edges.tcp import (
     FRAME,
     RECORD,
@@ -35,8 +35,9 @@ from runtime_cupy.edges.tcp import (
 )
 from runtime_cupy.edges.tcp_frames import LEAVE
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, ENCRYPTED, Protection
-from runtime_cupy.keys import edge_key, new_secret
+from runtime_cupy.process.keys import edge_key, new_secret
 from tests.support.edge_peers import as_producer, recv_exact, sealed
+from tests.support.waits import watch_space
 
 SPEC = ObjectSpec(ObjectKind.TOKEN, Layout.TOKEN_IDS, DTypeFamily.UINT, 4, 64)
 RING = RingSpec(slot_count=2, alignment=64, slot_bytes=256)
@@ -135,6 +136,7 @@ def _record(n: int) -> bytes:
 def test_records_arrive_in_order_and_a_full_ring_blocks_the_producer() -> None:
     edge = Edge()
     sender = edge.attach()
+    producer_waits = watch_space(sender.ring)
     sent: list[int] = []
 
     def produce() -> None:  # 20 records through 2 slots
@@ -150,7 +152,7 @@ def test_records_arrive_in_order_and_a_full_ring_blocks_the_producer() -> None:
             record = edge.receiver.receive(timeout_s=20)
             assert record.header.sequence == n and record.header.run_id == edge.run_id
             if n == 0:  # a slow step: the producer fills the other slot, then must wait
-                time.sleep(0.3)
+                assert producer_waits.wait(10)
                 assert len(sent) == RING.slot_count  # sent with credit, no more
                 assert edge.ring.published - edge.ring.released <= RING.slot_count
             got.append(int.from_bytes(record.payload, "little"))
@@ -192,9 +194,10 @@ def test_close_wakes_both_ends() -> None:
             except EdgeClosed as exc:
                 woken.append(str(exc))
 
+        waiting = watch_space(sender.ring)
         thread = threading.Thread(target=wait_for_space)
         thread.start()
-        time.sleep(0.1)  # it waits for credit now
+        assert waiting.wait(10)  # it waits for credit now
         began = time.monotonic()
         edge.receiver.close()
         edge.ring.detach()  # what the stopping consumer does next: CLOSE leaves
@@ -345,12 +348,14 @@ def test_a_consumer_without_the_secret_gets_no_records() -> None:
     medium = TcpMedium(rendezvous)
     key = edge_key(new_secret(), run_id, EDGE)
 
+    refused = threading.Event()
+
     def impostor() -> None:
         conn, _ = listener.accept()
         hello = hs.verify_hello(key, EDGE, AUTHENTICATED.code, recv_exact(conn, hs.HELLO_BYTES))
         wrong = edge_key(new_secret(), run_id, EDGE)
         conn.sendall(hs.challenge(wrong, EDGE, AUTHENTICATED.code, hello.nonce_p, b"x" * 32))
-        time.sleep(1)
+        refused.wait(10)  # hold the connection until the producer has refused it
         conn.close()
 
     thread = threading.Thread(target=impostor)
@@ -363,6 +368,7 @@ def test_a_consumer_without_the_secret_gets_no_records() -> None:
                     pytest.fail("attached to an impostor")
                 time.sleep(0.002)
     finally:
+        refused.set()
         thread.join(10)
         listener.close()
 

@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime_cupy.streams import SILENT_PEER_S
-from tests.runtime_cupy.hygiene import run_resources
+from runtime_cupy.process.streams import SILENT_PEER_S
 from tests.runtime_cupy.test_process_cli import _env
+from tests.support.hygiene import run_resources
 
-SCRIPT = Path(__file__).with_name("silent_peer.py")
+#: A network namespace and real stage processes (make fast leaves these out).
+pytestmark = [pytest.mark.netns, pytest.mark.process]
+
+SCRIPT = Path(__file__).parents[1] / "support" / "silent_peer.py"
 
 
 def _no_namespace() -> str | None:

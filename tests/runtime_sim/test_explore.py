@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from runtime_sim.cli import main
+from runtime_sim.driver import PLAIN
 from runtime_sim.explore import (
     MUTANT_RULES,
     explore,
@@ -16,7 +17,8 @@ from runtime_sim.explore import (
     self_test,
 )
 from runtime_sim.faults import FaultKind
-from runtime_sim.simulation import Mutation
+from runtime_sim.mutants import Mutation, parts_for
+from tests.support.import_graph import import_graph
 
 CI_SEEDS = 500
 
@@ -61,3 +63,18 @@ def test_explore_cli_json_and_exit_status(capsys: object) -> None:
     assert rep["seeds"] == 20 and rep["start"] == 5 and rep["violations"] == []
     assert "wall" not in out and "seconds" not in out
     assert main(["explore", "--self-test"]) == 0
+
+
+def test_each_mutant_enters_as_one_subclassed_part_and_production_knows_none() -> None:
+    # The simulator's own modules never import the mutants: a bug enters only through
+    # the Parts port of the one simulation that asks for it.
+    graph = import_graph()
+    users = sorted(m for m, deps in graph.items() if "runtime_sim.mutants" in deps)
+    assert users == ["runtime_sim.explore"]
+    fields = ("ring", "stage_controller", "orchestrator_controller", "orchestrator")
+    for mutation in Mutation:
+        parts = parts_for(mutation)
+        assert parts.mutant == mutation.value and PLAIN.mutant is None
+        swapped = [f for f in fields if getattr(parts, f) is not getattr(PLAIN, f)]
+        assert len(swapped) == 1, (mutation, swapped)
+        assert issubclass(getattr(parts, swapped[0]), getattr(PLAIN, swapped[0]))

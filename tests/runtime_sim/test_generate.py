@@ -26,6 +26,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("sim") / "tiny.gguf", ModelShape(n_layers=4))
 
 
+@pytest.mark.slow
 def test_smollm2_through_three_stages_matches_one_stage_and_llama_cpp(
     smollm2_path: str,
     france: dict,  # type: ignore[type-arg]

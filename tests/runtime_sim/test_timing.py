@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from runplan import Timeouts
+from runtime_sim.driver import Simulation
 from runtime_sim.explore import synthetic_facts, synthetic_plan
-from runtime_sim.simulation import Simulation
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import LinkProfile, NodeProfile, StageCost, TimingModel, stored_stage_costs
 

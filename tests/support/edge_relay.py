@@ -40,8 +40,8 @@ import sys
 import threading
 from collections.abc import Callable
 
-from runplan.header import HeaderDType, HeaderError, ObjectHeader
 from runplan.plan import OBJECT_HEADER_BYTES
+from runplan.record_header import HeaderDType, HeaderError, ObjectHeader
 from runtime_cupy.edges.tcp_frames import FRAME, RECORD
 
 #: Seal tags by the HELLO's protection code.

@@ -5,7 +5,7 @@ that record a graph when they capture and replay it on launch; it refuses what a
 would fault on or a capture cannot record. ``EmulatedKernels``: the kernels' NumPy
 twins (``kernel_twins``) in place of the kernels, with the launch checks of a GPU
 (grid limits, pointer alignment, GPU NaNs). ``DEVICE_STAGE`` is
-``runtime_cupy/cuda/device_stage.py`` imported with ``FakeCupy`` as ``cupy``, and
+``runtime_cupy/cuda/backend.py`` imported with ``FakeCupy`` as ``cupy``, and
 ``EmulatedCudaWorker`` the CUDA worker on both. Only tests import this module.
 """
 
@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from runtime_core.workers.stage_worker import BackendSpec, StageBackend
 from runtime_cupy.cuda import kernels as kernels_mod
 from runtime_cupy.cuda.worker import CudaWorker
-from runtime_cupy.stage_worker import BackendSpec, StageBackend
 from tests.support.kernel_twins import KERNEL_TWINS
 
 # ---- a stand-in for CuPy ---------------------------------------------------------------
@@ -320,8 +320,8 @@ class EmulatedKernels:
 
 
 def _load_device_stage() -> types.ModuleType:
-    """``runtime_cupy/cuda/device_stage.py`` imported with FakeCupy as ``cupy``."""
-    path = Path(kernels_mod.__file__).with_name("device_stage.py")
+    """``runtime_cupy/cuda/backend.py`` imported with FakeCupy as ``cupy``."""
+    path = Path(kernels_mod.__file__).with_name("backend.py")
     spec = importlib.util.spec_from_file_location("emulated_device_stage", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -348,7 +348,11 @@ class EmulatedCudaWorker(CudaWorker):
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         DEVICE_STAGE._KERNELS[self.device] = EmulatedKernels()
         backend = DEVICE_STAGE.DeviceBackend(
-            spec, use_graph=self.use_graph, device_io=self.device_io, device=self.device
+            spec,
+            use_graph=self.use_graph,
+            device_io=self.device_io,
+            device=self.device,
+            trace=self.trace,
         )
         EmulatedCudaWorker.backends.append(backend)
         return backend

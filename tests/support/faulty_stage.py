@@ -2,7 +2,7 @@
 
     python -m tests.support.faulty_stage [--fault FAULT]... -- STAGE ARGUMENTS
 
-It runs ``runtime_cupy.stage.main`` with the stage arguments, its worker (from the
+It runs ``runtime_cupy.process.stage_process.main`` with the stage arguments, its worker (from the
 registry) wrapped in ``FaultyWorker``. Faults: ``setup-delay=SECONDS``,
 ``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``, and ``attach-delay=SECONDS``
 (each try to attach the outbound edge takes that long more: a producer on a busy host,
@@ -24,13 +24,13 @@ from attrs import frozen
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.plan import RingSpec
-from runtime_core.worker import Progress, TokenOutput, Worker, WorkerError
-from runtime_cupy import stage
-from runtime_cupy.edges.base import EdgeMedium, ProcessRing
+from runtime_core.workers.interface import Progress, TokenOutput, Worker, WorkerError
+from runtime_cupy.edges.port import EdgeMedium, ProcessRing
 from runtime_cupy.hosts.local import local_medium
+from runtime_cupy.process import stage_process as stage
 from runtime_cupy.workers import make_worker
 
-log = logging.getLogger("runtime_cupy.stage")
+log = logging.getLogger("runtime_cupy.process.stage_process")
 
 
 @frozen
@@ -122,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return SlowAttach(medium, slow) if slow else medium
 
     return stage.main(
-        args[split + 1 :], lambda name: FaultyWorker(make_worker(name), faults), media=media
+        args[split + 1 :],
+        lambda name, trace: FaultyWorker(make_worker(name, trace), faults),
+        media=media,
     )
 
 

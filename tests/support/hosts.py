@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from runplan.messages import ControlMessage
-from runtime_cupy.control import ControlChannel, decode_frame, encode_frame
-from runtime_cupy.edges.base import EdgeMedium, Rendezvous
+from runtime_cupy.edges.port import EdgeMedium, Rendezvous
 from runtime_cupy.edges.tcp import TcpMedium, split_address
-from runtime_cupy.hosts.base import StageLaunch
 from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, LocalStageHandle
-from runtime_cupy.keys import control_key
+from runtime_cupy.hosts.port import StageLaunch
+from runtime_cupy.process.control_channel import ControlChannel, decode_frame, encode_frame
+from runtime_cupy.process.keys import control_key
 from tests.support.edge_relay import Relay
 from tests.support.faulty_stage import Fault
 

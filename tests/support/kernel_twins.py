@@ -7,8 +7,8 @@ that the launch geometry covers the work the way the kernel expects (a launch th
 would leave rows unwritten fails here).
 
 The GPU tests run a kernel and its twin on the same random inputs; the CPU tests run
-the whole device backend (``device_stage``) with these twins in place of the kernels
-(``tests/runtime_cupy/test_twins_device_stage.py``).
+the whole device backend (``cuda/backend.py``) with these twins in place of the kernels
+(``tests/runtime_cupy/cuda/test_twins_device_stage.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from runplan.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, row_bytes
 from runtime_core.activations import float32_to_bf16
-from runtime_cupy.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, row_bytes
 from tests.support import twins
 
 KernelTwin = Callable[[tuple[int, ...], int, Sequence[Any]], None]

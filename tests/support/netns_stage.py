@@ -1,7 +1,7 @@
 """A stage process on a test host without Ray (``tests/support/netns_hosts.py``,
-``NetnsStageHost``): ``runtime_cupy.stage``'s process, its TCP consumers listening on
-the host's address and finding each other through a rendezvous the test serves on a
-Unix socket (a path outside the hosts' private ``/tmp``), asked as a stage on a Ray host
+``NetnsStageHost``): ``runtime_cupy.process.stage_process``'s process, its TCP consumers
+listening on the host's address and finding each other through a rendezvous the test
+serves on a Unix socket (a path outside the hosts' private ``/tmp``), asked as a stage on a Ray host
 asks its supervisor (``hosts.ray.rendezvous.SupervisorRendezvous``).
 
     python -m tests.support.netns_stage --bind-host ADDRESS --rendezvous PATH \
@@ -17,12 +17,10 @@ import argparse
 import socket
 import sys
 
-from runtime_cupy import stage
-from runtime_cupy.edges.base import EdgeMedium
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.edges.tcp_seal import protection_for
+from runtime_cupy.edges.media import open_medium
+from runtime_cupy.edges.port import EdgeMedium
 from runtime_cupy.hosts.ray.rendezvous import SupervisorRendezvous
+from runtime_cupy.process import stage_process as stage
 from tests.support.faulty_stage import SlowAttach
 
 
@@ -39,10 +37,9 @@ def main() -> int:
     rendezvous = SupervisorRendezvous(sock)
 
     def media(name: str, encrypt: bool) -> EdgeMedium:
-        if name == "shm":
-            return ShmMedium()
-        tcp = TcpMedium(rendezvous, args.bind_host, protection=protection_for(encrypt))
-        return SlowAttach(tcp, args.attach_delay) if args.attach_delay else tcp
+        medium = open_medium(name, rendezvous, args.bind_host, encrypt)
+        slow = args.attach_delay if name == "tcp" else 0.0
+        return SlowAttach(medium, slow) if slow else medium
 
     return stage.main(rest, media=media)
 

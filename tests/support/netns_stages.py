@@ -21,14 +21,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime_cupy.edges.base import EdgeMedium, remove_edges
-from runtime_cupy.edges.shm import ShmMedium, segment_name
-from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.edges.tcp_seal import protection_for
-from runtime_cupy.hosts.base import StageLaunch
+from runtime_cupy.edges.media import every_medium, open_medium
+from runtime_cupy.edges.port import EdgeMedium, remove_edges
+from runtime_cupy.edges.shm import segment_name
 from runtime_cupy.hosts.local import LocalProcessHost
+from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.hosts.ray.rendezvous import PublishedAddresses, serve_rendezvous
-from runtime_cupy.names import edge_dir
+from runtime_cupy.process.names import edge_dir
 from tests.support.netns_hosts import ROOT, TestHosts
 
 
@@ -118,15 +117,13 @@ class NetnsStageHost(LocalProcessHost):
         return self.host_of(node_a) == self.host_of(node_b)
 
     def medium(self, name: str, encrypt: bool = False) -> EdgeMedium:
-        if name == "shm":
-            return ShmMedium()
-        return TcpMedium(self.store, self.hosts.root_address, protection=protection_for(encrypt))
+        return open_medium(name, self.store, self.hosts.root_address, encrypt)
 
     def rendezvous(self) -> SharedRendezvous:  # type: ignore[override]
         return self.store
 
     def cleanup(self, run_id: str, edge_ids: Sequence[int]) -> None:
-        remove_edges((ShmMedium(), TcpMedium(self.store)), run_id, edge_ids)
+        remove_edges(every_medium(self.store), run_id, edge_ids)
         names = " ".join(
             f"/dev/shm/{segment_name(run_id, e)} {edge_dir(run_id, e)}" for e in edge_ids
         )

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from runplan.quant_types import block_bytes, block_elems
 from runtime_core.activations import float32_to_bf16
-from runtime_cupy.quant_types import block_bytes, block_elems
 
 #: Per type: byte offsets of d (and of m / dmin), the spread of the integer part of a
 #: value (so d = scale / spread), and the offset dmin / d (or -m / d) that centres it.

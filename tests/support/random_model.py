@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from runtime_cupy.quant_types import row_bytes
+from runplan.quant_types import row_bytes
 from tests.support.random_blocks import random_rows
 
 

@@ -1,7 +1,7 @@
 """The CUDA worker's program on the kernels' NumPy twins, on any CPU.
 
 ``TwinWorker`` is ``CudaWorker`` over ``TwinBackend``: the same interface logic, checks,
-weight layout and step sequence (``program.py``) as the CUDA worker, with every kernel
+weight layout and step sequence (``forward_program.py``) as the CUDA worker, with every kernel
 replaced by its twin (``twins.py``). Tests run it against the NumPy reference worker and
 llama.cpp's fixtures on a CPU; on a GPU, the CUDA worker is compared with it.
 """
@@ -14,12 +14,11 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan import SamplingConfig
+from runplan.quant_types import CHUNK, uses_q8
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.worker import Progress
-from runtime_cupy import device_sampling
-from runtime_cupy.cuda.worker import CudaWorker
-from runtime_cupy.program import (
+from runtime_core.workers import device_sampling
+from runtime_core.workers.forward_program import (
     Linear,
     NoOptionalSteps,
     StageWeights,
@@ -27,8 +26,9 @@ from runtime_cupy.program import (
     forward_head,
     load_weights,
 )
-from runtime_cupy.quant_types import CHUNK, uses_q8
-from runtime_cupy.stage_worker import BackendSpec, StageBackend
+from runtime_core.workers.interface import Progress
+from runtime_core.workers.stage_worker import BackendSpec, StageBackend
+from runtime_cupy.cuda.worker import CudaWorker
 from tests.support import twins
 
 U8 = npt.NDArray[np.uint8]
@@ -229,7 +229,7 @@ class TwinBackend:
 
 class TwinWorker(CudaWorker):
     """The CUDA worker's program on NumPy twins, with the CUDA worker's checks.
-    Implements ``runtime_core.worker.Worker``."""
+    Implements ``runtime_core.workers.interface.Worker``."""
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         return TwinBackend(spec)

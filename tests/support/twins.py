@@ -8,7 +8,7 @@ block's tree), the twin sums in float64 and also returns the sum of the terms'
 magnitudes, the scale of the rounding a float32 sum may add; a kernel's result is
 within a few units of ``1e-7 * scale`` of the twin's.
 
-Block layouts: ``kernels/quant.cuh`` (the comment at its top) and ``quant_types.py``.
+Block layouts: ``kernels/quant.cuh`` (the comment at its top) and ``runplan/quant_types.py``.
 Every matrix is a ``(rows, row_bytes)`` uint8 array of GGUF blocks; a row is read in
 chunks of 32 elements.
 """
@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from runtime_cupy.quant_types import CHUNK, block_bytes
+from runplan.quant_types import CHUNK, block_bytes
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]

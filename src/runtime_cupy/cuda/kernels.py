@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime_cupy.quant_types import FLOAT_TYPES, Q8_TYPES, QUANT_TYPES
+from runplan.quant_types import FLOAT_TYPES, Q8_TYPES, QUANT_TYPES
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 HEADERS: tuple[str, ...] = ("common.cuh", "quant.cuh")

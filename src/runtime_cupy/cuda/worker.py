@@ -1,7 +1,7 @@
 """The CUDA worker (EDGES_AND_WORKERS.md §4): one stage on an NVIDIA GPU.
 
 Weights stay quantized on the device in their GGUF block layout; the kernels of
-``kernels/*.cu`` dequantize them as they multiply (``program.py`` has the sequence
+``kernels/*.cu`` dequantize them as they multiply (``forward_program.py`` has the sequence
 of a step). The residual stream inside a stage is float32; activations leave and
 enter the stage in the plan's dtype (f16 by default for CUDA, f32 or bf16 when the
 plan says so). The last stage computes the logits, the greedy token (or, with a
@@ -10,12 +10,8 @@ and the logits only when the run asks for them.
 
 Options (``CudaWorker(...)``):
 
-- ``matvec``: ``"q8"`` (default) runs one-row products of quantized matrices on
-  8-bit activations with integer dot products, as llama.cpp does; ``"f32"``
-  multiplies the dequantized weights with float32 activations (slower, and closest to
-  the NumPy reference worker).
-- ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
-  wide, float32 when 4), ``"f16"`` or ``"f32"``.
+- ``matvec``, ``kv_dtype`` and ``trace``: as for every stage worker
+  (``runtime_core.workers.stage_worker``); ``trace`` receives ``graph captured``.
 - ``use_graph``: decode steps replay a CUDA graph captured at the first decode step
   (position and token are read from device memory); ``False`` launches every kernel
   from Python each step, for comparison.
@@ -24,9 +20,9 @@ Options (``CudaWorker(...)``):
   activations device to device. Default: NumPy arrays, as the worker interface says.
 - ``device``: the CUDA device index.
 
-``runtime_cupy.stage_worker.StageWorker`` holds everything that is not CUDA (the
+``runtime_core.workers.stage_worker.StageWorker`` holds everything that is not CUDA (the
 checks of the interface, the sequence and position, edges' dtypes, sampling state);
-the CUDA worker is that over ``device_stage.DeviceBackend`` (CuPy, imported only at
+the CUDA worker is that over ``backend.DeviceBackend`` (CuPy, imported only at
 ``bind``).
 """
 
@@ -35,12 +31,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 from runplan import WorkerCapabilities
+from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice
-from runtime_core.worker import WorkerError
+from runtime_core.workers.interface import TraceEvent, WorkerError
+from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
-from runtime_cupy.quant_types import QUANT_TYPES
-from runtime_cupy.stage_worker import BackendSpec, StageBackend, StageWorker
 
 #: What the CUDA worker runs: llama and qwen2 (the other architectures of the reference
 #: worker are refused by name: ``UnsupportedModel``, ``unsupported_model``) and all 13 types;
@@ -56,8 +52,8 @@ CUDA_CAPABILITIES = WorkerCapabilities(
 
 
 class CudaWorker(StageWorker):
-    """One stage's compute engine on a CUDA GPU. Implements ``runtime_core.worker.Worker``.
-    CuPy is imported at ``bind``, not before."""
+    """One stage's compute engine on a CUDA GPU. Implements
+    ``runtime_core.workers.interface.Worker``. CuPy is imported at ``bind``, not before."""
 
     capabilities: ClassVar[WorkerCapabilities] = CUDA_CAPABILITIES
 
@@ -69,18 +65,12 @@ class CudaWorker(StageWorker):
         use_graph: bool = True,
         device_io: bool = False,
         device: int = 0,
+        trace: TraceEvent | None = None,
     ) -> None:
-        super().__init__(matvec=matvec, kv_dtype=kv_dtype)
+        super().__init__(matvec=matvec, kv_dtype=kv_dtype, trace=trace)
         self.use_graph = use_graph
         self.device_io = device_io
         self.device = device
-
-    def set_use_graph(self, use_graph: bool) -> None:
-        """Switch decode steps between graph replays and eager launches; takes effect
-        at the next step (a graph is captured at the first graph step)."""
-        self.use_graph = use_graph
-        if self._held is not None:
-            self._held.backend.use_graph = use_graph  # type: ignore[attr-defined]
 
     def _check_stage(self, stage: StageSlice) -> None:
         c = stage.config
@@ -93,9 +83,13 @@ class CudaWorker(StageWorker):
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         try:
-            from runtime_cupy.cuda.device_stage import DeviceBackend
+            from runtime_cupy.cuda.backend import DeviceBackend
         except ImportError as exc:
             raise WorkerError(f"the CUDA worker needs CuPy: {exc}") from exc
         return DeviceBackend(
-            spec, use_graph=self.use_graph, device_io=self.device_io, device=self.device
+            spec,
+            use_graph=self.use_graph,
+            device_io=self.device_io,
+            device=self.device,
+            trace=self.trace,
         )

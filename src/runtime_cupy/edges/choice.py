@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import platform
 
-from runtime_cupy.edges.base import MEDIA
+from runtime_cupy.edges.port import MEDIA
 from runtime_cupy.edges.shm import shm_supported
 
 #: What ``--edges`` takes: ``auto`` is shared memory where both ends share a machine

@@ -51,8 +51,8 @@ from typing import Any
 
 from runplan.plan import RingSpec
 from runtime_core.ring import ring_bytes
-from runtime_cupy.edges.base import EdgeSetupError, ProcessRing
-from runtime_cupy.names import (
+from runtime_cupy.edges.port import EdgeSetupError, ProcessRing
+from runtime_cupy.process.names import (
     PREFIX,
     NameTaken,
     check_private,
@@ -63,7 +63,7 @@ from runtime_cupy.names import (
     make_edge_dir,
     remove_edge_dir,
 )
-from runtime_cupy.poller import IN, Entry
+from runtime_cupy.process.poller import IN, Entry
 
 # CPython's binding of shm_open / shm_unlink (what multiprocessing.shared_memory uses).
 # Used directly so that no process starts multiprocessing's resource tracker, which

@@ -17,7 +17,7 @@ So the ring contract holds unchanged across the network:
   other end's loop and its next operation raises ``EdgeClosed``; a producer that lets
   go without closing (its stage stopped; the consumer may still wait for its own
   StopRun) says so with LEAVE;
-- the receiving end (``runtime_core.edges.ReceiveEnd``) validates every header before
+- the receiving end (``runtime_core.edge_ends.ReceiveEnd``) validates every header before
   a record counts as loaded; the stream itself is checked as it is read (a record
   larger than a slot, or whose header disagrees with its frame, breaks the stream).
 
@@ -49,13 +49,13 @@ import socket
 
 from runplan.plan import RingSpec
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.base import EdgeSetupError, Rendezvous
+from runtime_cupy.edges.port import EdgeSetupError, Rendezvous
 from runtime_cupy.edges.tcp_consumer import LISTEN_BACKLOG, TcpReceiveRing
 from runtime_cupy.edges.tcp_frames import FRAME, RECORD, split_address
 from runtime_cupy.edges.tcp_producer import Connector, TcpSendRing
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, Protection
-from runtime_cupy.names import NotPrivate
-from runtime_cupy.streams import StreamBroken
+from runtime_cupy.process.names import NotPrivate
+from runtime_cupy.process.streams import StreamBroken
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
 

@@ -18,11 +18,11 @@ import logging
 import socket
 import time
 
-from runplan.header import EXTENT_OFFSET
 from runplan.plan import OBJECT_HEADER_BYTES, RingSpec
+from runplan.record_header import EXTENT_OFFSET
 from runtime_core.ring import EdgeClosed, ring_bytes
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.base import ProcessRing, Rendezvous
+from runtime_cupy.edges.port import ProcessRing, Rendezvous
 from runtime_cupy.edges.tcp_frames import (
     CLOSE,
     CLOSED,
@@ -41,8 +41,8 @@ from runtime_cupy.edges.tcp_frames import (
     unauthentic,
 )
 from runtime_cupy.edges.tcp_seal import FrameSeal, Protection
-from runtime_cupy.poller import IN, OUT, TROUBLE, Entry
-from runtime_cupy.streams import Outbox, StreamBroken, keep_alive
+from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry
+from runtime_cupy.process.streams import Outbox, StreamBroken, keep_alive
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
 

@@ -9,7 +9,7 @@ import select
 import socket
 import struct
 
-from runtime_cupy.edges.base import ProcessRing
+from runtime_cupy.edges.port import ProcessRing
 
 FRAME = struct.Struct("<BxxxI")
 RECORD, CREDIT, CLOSE, LEAVE = 1, 2, 3, 4

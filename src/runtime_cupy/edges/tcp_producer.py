@@ -9,11 +9,11 @@ import errno
 import select
 import socket
 
-from runplan.header import EXTENT_OFFSET
 from runplan.plan import OBJECT_HEADER_BYTES, RingSpec
+from runplan.record_header import EXTENT_OFFSET
 from runtime_core.ring import EdgeClosed, RingError, ring_bytes
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.base import ProcessRing
+from runtime_cupy.edges.port import ProcessRing
 from runtime_cupy.edges.tcp_frames import (
     CLOSE,
     CLOSED,
@@ -32,8 +32,8 @@ from runtime_cupy.edges.tcp_frames import (
     unauthentic,
 )
 from runtime_cupy.edges.tcp_seal import FrameSeal, Protection
-from runtime_cupy.poller import IN, OUT, TROUBLE, Entry
-from runtime_cupy.streams import Outbox, StreamBroken, keep_alive
+from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry
+from runtime_cupy.process.streams import Outbox, StreamBroken, keep_alive
 
 
 class TcpSendRing(ProcessRing):

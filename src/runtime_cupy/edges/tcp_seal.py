@@ -32,7 +32,7 @@ from attrs import frozen
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from runtime_cupy.keys import TO_CONSUMER, TO_PRODUCER, record_keys
+from runtime_cupy.process.keys import TO_CONSUMER, TO_PRODUCER, record_keys
 
 _NUMBER = struct.Struct("<Q")
 _DIRECTION = struct.Struct("<I")

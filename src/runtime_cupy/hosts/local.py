@@ -1,5 +1,5 @@
 """The local-process host: every stage is an OS process on this machine, started as
-``python -m runtime_cupy.stage ...`` (recognisable in ``ps``).
+``python -m runtime_cupy.process.stage_process ...`` (recognisable in ``ps``).
 
 - **Control channel**: one end of a Unix socket pair, inherited (``--control-fd``).
 - **Secret**: one hex line on the stage's standard input, never on a command line.
@@ -25,6 +25,7 @@ standard error.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -36,17 +37,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-import runplan
-import runtime_core
-import runtime_cupy
-from runtime_cupy.control import ControlChannel
-from runtime_cupy.edges.base import EdgeMedium, remove_edges
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.edges.tcp_seal import protection_for
-from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
-from runtime_cupy.keys import control_key
-from runtime_cupy.names import (
+from runtime_cupy.edges.media import every_medium, open_medium
+from runtime_cupy.edges.port import EdgeMedium, remove_edges
+from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
+from runtime_cupy.process.control_channel import ControlChannel
+from runtime_cupy.process.keys import control_key
+from runtime_cupy.process.names import (
     check_private,
     check_stat,
     edge_dir,
@@ -54,7 +50,7 @@ from runtime_cupy.names import (
     remove_edge_dir,
     run_label,
 )
-from runtime_cupy.tracing import Event, read_events
+from runtime_cupy.process.tracing import Event, read_events
 
 #: Where TCP consumers of this host listen.
 LOOPBACK = "127.0.0.1"
@@ -131,11 +127,7 @@ class FileRendezvous:
 def local_medium(name: str, encrypt: bool = False) -> EdgeMedium:
     """The medium ``name`` between processes of this machine (``encrypt``: TCP frames
     encrypted too, not only authenticated)."""
-    if name == "shm":
-        return ShmMedium()
-    if name == "tcp":
-        return TcpMedium(FileRendezvous(), LOOPBACK, protection=protection_for(encrypt))
-    raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
+    return open_medium(name, FileRendezvous(), LOOPBACK, encrypt)
 
 
 def _cpus() -> int:
@@ -146,10 +138,13 @@ def _cpus() -> int:
 
 
 def _pythonpath() -> str:
-    """This process's package folders first, so stages import the same code."""
+    """This process's package folders first, so stages import the same code (found as
+    the import system finds them, without importing a package to read its file)."""
     dirs: list[str] = []
-    for module in (runtime_cupy, runtime_core, runplan):
-        folder = str(Path(module.__file__ or ".").resolve().parent.parent)
+    for package in ("runtime_cupy", "runtime_core", "runplan"):
+        spec = importlib.util.find_spec(package)
+        origin = spec.origin if spec is not None else None
+        folder = str(Path(origin or ".").resolve().parent.parent)
         if folder not in dirs:
             dirs.append(folder)
     rest = os.environ.get("PYTHONPATH")
@@ -234,7 +229,8 @@ class LocalProcessHost:
     def arguments(
         self, launch: StageLaunch, control_fd: int, lifeline_fd: int, trace_file: Path | None
     ) -> list[str]:
-        """The stage process's own arguments (``python -m runtime_cupy.stage --help``)."""
+        """The stage process's own arguments (``python -m
+        runtime_cupy.process.stage_process --help``)."""
         args = [
             "--run-label", run_label(launch.run_id),
             "--stage-index", str(launch.stage_index),
@@ -258,7 +254,7 @@ class LocalProcessHost:
 
     def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:
         """The command line of a stage process."""
-        return [sys.executable, "-m", "runtime_cupy.stage", *arguments]
+        return [sys.executable, "-m", "runtime_cupy.process.stage_process", *arguments]
 
     def environment(self, launch: StageLaunch) -> dict[str, str]:
         env = dict(os.environ)
@@ -321,4 +317,4 @@ class LocalProcessHost:
         return self._rendezvous
 
     def cleanup(self, run_id: str, edge_ids: Sequence[int]) -> None:
-        remove_edges((ShmMedium(), TcpMedium(self._rendezvous, LOOPBACK)), run_id, edge_ids)
+        remove_edges(every_medium(self._rendezvous), run_id, edge_ids)

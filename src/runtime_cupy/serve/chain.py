@@ -9,7 +9,7 @@ given) and makes one short run, which binds every stage's slice; the chain is th
 same stages (same nodes, layer ranges, GGUF source and cache length), ``ProvisionStage``
 to every stage, the readiness barrier, the prompt, teardown (``launcher.ProcessRun``
 over the warm handles). A stage provisioned for a slice it has bound reuses its
-weights (``runtime_core.kept_weights``), so a later run's time to first token holds
+weights (``runtime_core.workers.kept_weights``), so a later run's time to first token holds
 no load and its trace no ``bind`` span; its KV cache and sampler are the run's own.
 The stages' machines keep every stopped run's id stale, so a stale or replayed
 message is refused across runs (§10).
@@ -51,14 +51,15 @@ from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
 from runtime_core.runs import PLACEMENTS, plan_even
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.api import GenerateResult, place_stages, summarize
-from runtime_cupy.control import Incoming
+from runtime_cupy.api import GenerateResult, summarize
 from runtime_cupy.edges.choice import choose_medium
-from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.keys import new_secret
-from runtime_cupy.launcher import ORCHESTRATOR, ProcessRun
-from runtime_cupy.names import new_run_id, run_label
+from runtime_cupy.hosts.port import StageHandle, StageHost, StageLaunch
+from runtime_cupy.hosts.this_machine import place_stages
+from runtime_cupy.process.control_channel import Incoming
+from runtime_cupy.process.keys import new_secret
+from runtime_cupy.process.launcher import ORCHESTRATOR, ProcessRun
+from runtime_cupy.process.names import new_run_id, run_label
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 if TYPE_CHECKING:

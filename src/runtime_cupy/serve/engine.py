@@ -31,8 +31,8 @@ from attrs import frozen
 from runtime_core.chat import ChatTemplateError, NoChatTemplate
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.launcher import ProcessRun
-from runtime_cupy.names import run_label
+from runtime_cupy.process.launcher import ProcessRun
+from runtime_cupy.process.names import run_label
 from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
 from runtime_cupy.serve.metrics import Metrics
 from runtime_cupy.serve.requests import CompletionRequest, Message, RequestError

@@ -30,12 +30,15 @@ import pytest
 from runtime_cupy import generate
 from runtime_cupy.edges.shm import segment_name
 from runtime_cupy.edges.tcp import split_address
-from runtime_cupy.names import edge_dir, new_run_id
+from runtime_cupy.process.names import edge_dir, new_run_id
 from runtime_cupy.serve.chain import WarmChain
-from tests.runtime_cupy.hygiene import SHM
-from tests.runtime_cupy.ray_checks import cmdline
 from tests.support.edge_relay import Relay
 from tests.support.hosts import FaultyHost
+from tests.support.hygiene import SHM
+from tests.support.ray_checks import cmdline
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 PROMPT = [5, 77, 30, 12, 9]
 NOBODY = 65534

@@ -28,6 +28,9 @@ from runtime_cupy.serve.engine import chat_prompt
 from runtime_cupy.serve.requests import Message
 from runtime_cupy.workers import DEFAULT_WORKER
 
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
 if not sys.platform.startswith("linux"):
     pytest.skip("pseudo-terminals as Linux has them", allow_module_level=True)
 

@@ -29,12 +29,15 @@ import pytest
 
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy import generate
-from runtime_cupy.serve.cli import API_KEY_VARIABLE
+from runtime_cupy.cli.serve import API_KEY_VARIABLE
 from runtime_cupy.serve.engine import chat_prompt
 from runtime_cupy.serve.requests import Message
 from runtime_cupy.workers import DEFAULT_WORKER
-from tests.runtime_cupy.hygiene import wait_gone
-from tests.runtime_cupy.serve.servers import ServerProcess, idle, metrics, wait_for
+from tests.support.hygiene import wait_gone
+from tests.support.servers import ServerProcess, idle, metrics, wait_for
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 KEY = "test-key-5f1b"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -20,8 +20,11 @@ import pytest
 
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
-from tests.runtime_cupy.serve.servers import InProcessServer, idle, metrics, wait_for
 from tests.support.hosts import FaultyHost
+from tests.support.servers import InProcessServer, idle, metrics, wait_for
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 SLOW = {1: ["step-delay=1:2"]}  # every run that reaches decode step 1 waits 2 s there
 CANCELLED = "gguf_pipeline_requests_total{endpoint=chat,outcome=cancelled}"

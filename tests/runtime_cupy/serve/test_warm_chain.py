@@ -23,10 +23,13 @@ import pytest
 from runplan.messages import StopReason, StopRun
 from runplan.provision import provision_all
 from runtime_cupy import generate
-from runtime_cupy.launcher import ProcessRun
+from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.serve.chain import WarmChain
-from tests.runtime_cupy.hygiene import alive, wait_gone
 from tests.support.hosts import FaultyHost, TapHost
+from tests.support.hygiene import alive, wait_gone
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
 
 PROMPT = [5, 77, 30, 12, 9]
 

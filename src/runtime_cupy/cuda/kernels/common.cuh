@@ -4,7 +4,7 @@
 // compile exactly the same text. Half-precision conversions and the 4-way int8 dot
 // product are written as inline PTX on the device. The functions marked HD also
 // compile for the host (nvcc's host pass, no GPU needed), so that the block decoders
-// of quant.cuh can be run and checked on a CPU (tests/runtime_cupy/test_kernels_host.py).
+// of quant.cuh can be run and checked on a CPU (tests/runtime_cupy/cuda/test_kernels_host.py).
 #pragma once
 
 #ifdef __CUDACC__

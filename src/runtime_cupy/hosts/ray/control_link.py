@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.streams import keep_alive
+from runtime_cupy.process.streams import keep_alive
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 

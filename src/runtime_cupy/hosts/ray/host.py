@@ -38,19 +38,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from runtime_cupy.control import ControlChannel
-from runtime_cupy.edges.base import EdgeMedium, remove_edges
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.edges.tcp_seal import protection_for
-from runtime_cupy.hosts.base import StageLaunch, StageProcessInfo
+from runtime_cupy.edges.media import every_medium, open_medium
+from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.hosts.local import describe_exit
+from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListener
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous
 from runtime_cupy.hosts.ray.supervisor import StageSupervisor
-from runtime_cupy.keys import control_key
-from runtime_cupy.tracing import Event
+from runtime_cupy.process.control_channel import ControlChannel
+from runtime_cupy.process.keys import control_key
+from runtime_cupy.process.tracing import Event
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
@@ -330,12 +328,7 @@ class RayHost:
         return self.machine(node_a) == self.machine(node_b)
 
     def medium(self, name: str, encrypt: bool = False) -> EdgeMedium:
-        if name == "shm":
-            return ShmMedium()
-        if name == "tcp":
-            protection = protection_for(encrypt)
-            return TcpMedium(self._rendezvous, self.orchestrator_address, protection=protection)
-        raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
+        return open_medium(name, self._rendezvous, self.orchestrator_address, encrypt)
 
     def rendezvous(self) -> KvRendezvous:
         return self._rendezvous
@@ -348,8 +341,7 @@ class RayHost:
         refs = [actor.cleanup.remote(run_id, ids) for actor in actors]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=CLEANUP_S)
-        here = (ShmMedium(), TcpMedium(self._rendezvous, self.orchestrator_address))
-        remove_edges(here, run_id, ids)
+        remove_edges(every_medium(self._rendezvous), run_id, ids)
         with contextlib.suppress(Exception):
             self._rendezvous.withdraw_run(run_id)
         for node_id, actor in list(self._actors.items()):

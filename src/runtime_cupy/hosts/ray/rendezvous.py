@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from runtime_cupy.edges.base import EdgeSetupError
+from runtime_cupy.edges.port import EdgeSetupError
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 

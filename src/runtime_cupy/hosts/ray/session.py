@@ -74,7 +74,7 @@ def orchestrator_address() -> str:
 
 
 def _gpu_memory_there() -> dict[int, int]:
-    from runtime_cupy.api import gpu_memory_bytes
+    from runtime_cupy.hosts.this_machine import gpu_memory_bytes
 
     return gpu_memory_bytes()
 

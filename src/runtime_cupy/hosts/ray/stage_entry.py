@@ -4,7 +4,7 @@
     python -m runtime_cupy.hosts.ray.stage_entry --bind-host ADDRESS --rendezvous-fd FD \
         -- STAGE ARGUMENTS
 
-It is ``runtime_cupy.stage``'s process (the same loop, control channel on
+It is ``runtime_cupy.process.stage_process``'s process (the same loop, control channel on
 ``--control-fd``, lifeline, secret on standard input), with the media of a cluster host:
 shared memory between stages of this machine, and TCP edges whose consumers listen on
 ``--bind-host`` (this host's address in the cluster) and find each other through Ray's
@@ -18,12 +18,10 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from runtime_cupy import stage
-from runtime_cupy.edges.base import EdgeMedium
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.edges.tcp_seal import protection_for
+from runtime_cupy.edges.media import open_medium
+from runtime_cupy.edges.port import EdgeMedium
 from runtime_cupy.hosts.ray.rendezvous import SupervisorRendezvous
+from runtime_cupy.process import stage_process as stage
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,11 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rendezvous = SupervisorRendezvous(socket.socket(fileno=args.rendezvous_fd))
 
     def media(name: str, encrypt: bool) -> EdgeMedium:
-        if name == "shm":
-            return ShmMedium()
-        if name == "tcp":
-            return TcpMedium(rendezvous, args.bind_host, protection=protection_for(encrypt))
-        raise ValueError(f"unknown edge medium {name!r} (shm or tcp)")
+        return open_medium(name, rendezvous, args.bind_host, encrypt)
 
     return stage.main(rest, media=media)
 

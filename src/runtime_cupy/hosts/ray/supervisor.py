@@ -1,15 +1,15 @@
 """The Ray actor of one stage: it lives on the node the plan names, starts the stage
 process there and watches it.
 
-Why an actor that supervises a process rather than an actor that is the stage: the
-stage process stays the one of a single host (``python -m runtime_cupy.stage``'s loop,
-with no Ray inside it: none of Ray's threads in its event loop, its own signals, its
-own exit status), it can be killed like any process (SIGKILL included), and its
-supervisor reaps it and says how it ended (``killed by SIGKILL``), which a dead actor
-cannot. The supervisor holds the write end of the stage's lifeline: if Ray ends the
-actor (its owner, the orchestrator's driver, died; its node is being removed), the stage
-process sees its lifeline close and stops on its own, as it does on one host when the
-launcher goes.
+Why an actor that supervises a process rather than an actor that is the stage: the stage
+process stays the one of a single host (``python -m
+runtime_cupy.process.stage_process``'s loop, with no Ray inside it: none of Ray's
+threads in its event loop, its own signals, its own exit status), it can be killed like
+any process (SIGKILL included), and its supervisor reaps it and says how it ended
+(``killed by SIGKILL``), which a dead actor cannot. The supervisor holds the write end
+of the stage's lifeline: if Ray ends the actor (its owner, the orchestrator's driver,
+died; its node is being removed), the stage process sees its lifeline close and stops on
+its own, as it does on one host when the launcher goes.
 
 ``start`` opens the stage's control connection to the orchestrator (``control_link``)
 before the process exists, and hands it over as the process's ``--control-fd``: the
@@ -34,14 +34,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from runtime_cupy.edges.base import remove_edges
-from runtime_cupy.edges.shm import ShmMedium
-from runtime_cupy.edges.tcp import TcpMedium
-from runtime_cupy.hosts.base import StageLaunch
+from runtime_cupy.edges.media import every_medium
+from runtime_cupy.edges.port import remove_edges
 from runtime_cupy.hosts.local import LocalProcessHost
+from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.hosts.ray import control_link
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous, PublishedAddresses, serve_rendezvous
-from runtime_cupy.keys import control_key
+from runtime_cupy.process.keys import control_key
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
@@ -147,7 +146,7 @@ class StageSupervisor:
     def cleanup(self, run_id: str, edge_ids: list[int]) -> None:
         """Free what the run's edges left on this host."""
         rendezvous = KvRendezvous()
-        remove_edges((ShmMedium(), TcpMedium(rendezvous)), run_id, edge_ids)
+        remove_edges(every_medium(rendezvous), run_id, edge_ids)
         lifeline, self._lifeline = self._lifeline, None
         if lifeline is not None and self.status() is not None:
             with contextlib.suppress(OSError):

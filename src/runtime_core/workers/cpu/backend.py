@@ -1,0 +1,486 @@
+"""The CPU worker's backend: ``program.Ops`` on host memory, each operation one call of
+the compiled kernels (``kernels.py``), split across the stage's threads.
+
+Weights are the file's own bytes: ``load_weights`` hands over views of the memory map
+(``join_parts=False``: Q, K, V and gate, up stay the separate matrices the file
+stores, each writing its columns of the output), the kernels multiply the GGUF blocks
+in place, and only norm weights and biases are copied (as float32). The exception is
+Q4_0 and Q4_1 (the types with an x8 kernel, ``csrc/repack.h``): such a matrix that
+products read is copied once at bind into groups of 8 interleaved rows, whose kernel
+computes 8 rows' products side by side, the same bits as on the stored rows; the copy replaces the
+mapped pages in the process (dropped with ``MADV_DONTNEED``: a copy of about the
+tensor's bytes, in private memory instead of the file's shared, reclaimable pages). An
+embedding only looked up stays mapped. ``load`` reads every other page of the stage's
+tensors once, so the first step does not wait on the disk.
+
+Products. With ``matvec="q8"`` (the default) activations are rounded as llama.cpp's
+CPU path rounds them for the weight type (``ACT_FORMAT``: Q8_0, Q8_1 or Q8_K blocks,
+``csrc/dot.h``; half or bfloat16 for F16 / BF16 weights), and quantized matrices
+multiply them by integer dot products, prefill rows as well as decode rows. A matrix of
+several rows (prefill) is a blocked product: each block of weight rows is read once
+from memory and multiplied with every activation row while it is in cache. A row's
+result is the same whichever rows it is computed with, so a prompt's prefill computes
+exactly what decoding it one row at a time would. ``matvec="f32"`` dequantizes chunks
+of the weights exactly (as the gguf package does) and multiplies float32 activations.
+A source's rounded forms are computed once per value of the source (``_Rows.fresh``).
+
+The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``),
+one per run (``new_cache``; ``use_cache`` picks the one a step uses), one ring per block:
+the run's positions, or a sliding block's window when that is shorter (what the planner
+counts, ``ModelFacts.layer_kv_positions``), position ``p`` in slot ``p % size``. A
+prefill that would wrap a sliding block's ring holds its own keys and values beside the
+ring until attention has read the positions they overwrite. Attention reads every
+position in order, whether from the ring or the step's rows, so a prefill computes what
+decoding it row by row computes, past the window too.
+
+The architectures' optional steps (``forward_program.py``) are the kernels' too: per-head Q/K
+norms, post-norms, GELU gating (llama.cpp's table of halves), the embedding scale, the
+query scale where llama.cpp applies it (the scores, or gemma3's and phi3's queries
+after rotary) and the logit soft cap.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from runplan import SamplingConfig
+from runplan.quant_types import CHUNK
+from runtime_core import activations
+from runtime_core.gguf_slice import StageSlice
+from runtime_core.workers import device_sampling
+from runtime_core.workers.cpu import _kernels
+from runtime_core.workers.forward_program import (
+    Linear,
+    StageWeights,
+    forward_blocks,
+    forward_embed,
+    forward_head,
+    load_weights,
+)
+from runtime_core.workers.interface import Progress
+from runtime_core.workers.stage_worker import BackendSpec
+
+U8 = npt.NDArray[np.uint8]
+F32 = npt.NDArray[np.float32]
+PAGE = 4096
+
+
+class _MappedUploader:
+    """Matrices stay views of the file's memory map; vectors become owned float32."""
+
+    def raw(self, data: U8) -> U8:
+        return data
+
+    def f32(self, data: F32) -> F32:
+        return np.array(data, dtype=np.float32, copy=True)
+
+
+#: The activations each weight type multiplies, as llama.cpp pairs them: an 8-bit
+#: format (csrc/dot.h), or float32 rounded to half (F16 weights) or bfloat16 (BF16).
+ACT_FORMAT = {
+    "F32": "f32",
+    "F16": "f16",
+    "BF16": "bf16",
+    **dict.fromkeys(("Q8_0", "Q4_0", "Q5_0"), "q8_0"),
+    **dict.fromkeys(("Q4_1", "Q5_1"), "q8_1"),
+    **dict.fromkeys(("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), "q8_K"),
+}
+
+
+class _Q8:
+    """Rows in an 8-bit format (``_kernels.linear`` writes them): q, d, s, g."""
+
+    def __init__(self, rows: int, n: int) -> None:
+        self.q = np.zeros((rows, n), np.int8)
+        self.d = np.zeros((rows, n // CHUNK), np.float32)
+        self.s = np.zeros((rows, n // CHUNK), np.float32)
+        self.g = np.zeros((rows, 2 * (n // CHUNK)), np.int32)
+
+
+class _Rows:
+    """The named buffers of a step of ``rows`` rows, and the 8-bit forms of its sources."""
+
+    def __init__(self, rows: int, hidden: int, qkv: int, att: int, ffn: int) -> None:
+        self.rows = rows
+        self.x = np.zeros((rows, hidden), np.float32)
+        self.h_flat = np.zeros(rows * 2 * ffn, np.float32)  # viewed (rows, 2 ffn) per layer
+        self.act_flat = np.zeros(rows * ffn, np.float32)  # viewed (rows, ffn) per layer
+        self.views: dict[str, F32] = {
+            "x": self.x,
+            "xn": np.zeros((rows, hidden), np.float32),
+            "qkv": np.zeros((rows, qkv), np.float32),
+            "att": np.zeros((rows, att), np.float32),
+            "o": np.zeros((rows, hidden), np.float32),  # a block's output before its post-norm
+            "xl": np.zeros((1, hidden), np.float32),
+        }
+        self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}
+        self.q8: dict[tuple[str, str], _Q8] = {}
+        self.rounded: dict[tuple[str, str], F32] = {}  # f16 / bf16 forms
+        self.fresh: dict[str, set[str]] = {}  # per source, its 8-bit forms up to date
+
+    def q8_of(self, src: str, fmt: str) -> _Q8:
+        key = (src, fmt)
+        if key not in self.q8:
+            self.q8[key] = _Q8(1 if src == "xl" else self.rows, self.widths[src])
+        return self.q8[key]
+
+
+@attrs.frozen
+class CpuCache:
+    """One run's KV cache: per block, keys, values, and the heads tuple the kernels
+    take (with the ring's size)."""
+
+    k: list[npt.NDArray[Any]]
+    v: list[npt.NDArray[Any]]
+    heads: list[tuple[int, int, int, int, int, bool]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.k, *self.v))
+
+
+class CpuOps:
+    """``program.Ops`` as calls of the compiled kernels."""
+
+    def __init__(
+        self, w: StageWeights[U8, F32], spec: BackendSpec, max_seq: int, threads: int
+    ) -> None:
+        c = w.config
+        self.w, self.spec, self.max_seq, self.threads = w, spec, max_seq, threads
+        self.use_q8 = spec.matvec == "q8"
+        self.kv = np.float16 if spec.kv_dtype == "f16" else np.float32
+        # per block: its window (0: global), a ring of ``size`` positions (the cache in
+        # use: a run's, ``use_cache``), its rotations
+        self.windows = [layer.window for layer in w.layers]
+        self.k_cache: list[npt.NDArray[Any]] = []
+        self.v_cache: list[npt.NDArray[Any]] = []
+        self.heads: list[tuple[int, int, int, int, int, bool]] = []
+        tables = [r for r in (w.rot, w.rot_swa) if r is not None]
+        flat = {id(r): np.ascontiguousarray(r).view(np.float32) for r in tables}
+        self.rots = [flat[id(w.layer_rot(i))] for i in range(len(w.layers))]  # (max_seq, n_rot)
+        # llama.cpp scales the scores, or (gemma3, phi3) the rotated queries
+        scale = float(np.float32(c.query_scale))
+        self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
+        # a prefill's own keys and values, while a sliding block's ring cannot take them
+        self.step_kv: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
+        self.qkv_dim = c.q_dim + c.k_dim + c.v_dim
+        self.att_dim = c.n_heads * c.head_dim_v
+        # per matrix, its parts grouped by the activations they take; the matrices a
+        # product reads (not an embedding only looked up) repacked where their type
+        # repacks, each stored tensor's pages then dropped (``released``)
+        self.matrices: dict[int, list[tuple[str, _kernels.Matrix]]] = {}
+        self.released: set[int] = set()  # ids of the stored tensors no longer read
+        multiplied = {
+            id(raw) for lin in self._linears() if lin is not w.embedding for _, raw in lin.parts
+        }
+        built: dict[tuple[tuple[int, ...], tuple[int, ...]], _kernels.Matrix] = {}
+        for lin in self._linears():
+            groups: dict[str, list[tuple[U8, str, int, int, int]]] = {}
+            for p, raw in lin.parts:
+                groups.setdefault(ACT_FORMAT[p.qtype], []).append(
+                    (raw, p.qtype, p.n_out, p.n_in, p.out_offset)
+                )
+            mats = []
+            for f, parts in groups.items():
+                key = (tuple(id(part[0]) for part in parts), tuple(part[4] for part in parts))
+                if key not in built:  # a tied embedding shares the head's matrix
+                    repack = all(id(part[0]) in multiplied for part in parts)
+                    built[key] = _kernels.Matrix(parts, repack=repack)
+                    for part, packed in zip(parts, built[key].repacked, strict=True):
+                        if packed:
+                            _drop_pages(part[0])
+                            self.released.add(id(part[0]))
+                mats.append((f, built[key]))
+            self.matrices[id(lin)] = mats
+        self.logits = np.zeros((1, w.vocab_size), np.float32) if spec.is_last else None
+        self.one = self._make_rows(1)
+        self.buf = self.one
+        self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self.pos = 0
+        self.token = (0, 0)
+
+    def new_cache(self, positions: int) -> CpuCache:
+        """A KV cache of ``positions`` positions: each block's ring holds that many, or
+        its window when that is shorter. Zeroed pages cost no memory until written."""
+        c = self.w.config
+        sizes = [min(n, positions) if n else positions for n in self.windows]
+        return CpuCache(
+            [np.zeros((c.n_kv_heads, n, c.head_dim_k), self.kv) for n in sizes],
+            [np.zeros((c.n_kv_heads, n, c.head_dim_v), self.kv) for n in sizes],
+            [
+                (c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, n, self.kv == np.float16)
+                for n in sizes
+            ],
+        )
+
+    def use_cache(self, cache: CpuCache) -> None:
+        """The KV cache the next step reads and writes (a run's)."""
+        self.k_cache, self.v_cache, self.heads = cache.k, cache.v, cache.heads
+
+    def _linears(self) -> list[Linear[U8]]:
+        w = self.w
+        out = [
+            lin for layer in w.layers for lin in (layer.qkv, layer.wo, layer.gate_up, layer.down)
+        ]
+        out += [lin for lin in (w.embedding, w.head) if lin is not None]
+        return out
+
+    def _make_rows(self, rows: int) -> _Rows:
+        c = self.w.config
+        return _Rows(rows, c.hidden_dim, self.qkv_dim, self.att_dim, self.w.max_ffn)
+
+    def use_rows(self, rows: int) -> None:
+        """Point the named buffers at the one-row set, or at fresh ones for ``rows``."""
+        self.buf = self.one if rows == 1 else self._make_rows(rows)
+        self.buf.fresh.clear()
+
+    def _written(self, name: str) -> None:
+        self.buf.fresh.pop(name, None)
+
+    # -- Ops -------------------------------------------------------------------------------
+    def embed(self, table: Linear[U8], rows: int) -> None:
+        ((_, matrix),) = self.matrices[id(table)]
+        _kernels.embed(matrix, self.ids[:rows], self.buf.x, self.threads)
+
+    def scale_x(self, factor: float, rows: int) -> None:
+        np.multiply(self.buf.x, np.float32(factor), out=self.buf.x)
+
+    def norm(self, weight: F32, rows: int) -> None:
+        c = self.w.config
+        b = self.buf
+        _kernels.rmsnorm(b.x, weight, b.views["xn"], rows, c.hidden_dim, c.rms_eps, self.threads)
+        self._written("xn")
+
+    def add_norm(self, weight: F32, rows: int) -> None:
+        c = self.w.config
+        b = self.buf
+        o = b.views["o"]
+        _kernels.rmsnorm(o, weight, b.x, rows, c.hidden_dim, c.rms_eps, self.threads, True)
+
+    def head_norm(self, weight: F32, rows: int) -> None:
+        c = self.w.config
+        b = self.buf
+        last = b.x[rows - 1 : rows]
+        _kernels.rmsnorm(last, weight, b.views["xl"], 1, c.hidden_dim, c.rms_eps, self.threads)
+        self._written("xl")
+
+    def linear(
+        self,
+        lin: Linear[U8],
+        src: str,
+        dst: str,
+        rows: int,
+        *,
+        accumulate: bool = False,
+        bias: F32 | None = None,
+    ) -> None:
+        b = self.buf
+        x = b.views[src]
+        if dst == "h":
+            y = b.views["h"] = b.h_flat[: rows * lin.n_out].reshape(rows, lin.n_out)
+        elif dst == "logits":
+            assert self.logits is not None
+            y = self.logits
+        else:
+            y = b.views[dst]
+        for fmt, matrix in self.matrices[id(lin)]:
+            if fmt in ("f32", "f16", "bf16") or not self.use_q8:
+                xf = self._rounded(src, fmt, x) if self.use_q8 and fmt != "f32" else x
+                _kernels.linear(
+                    matrix, rows, xf, None, None, None, None,
+                    False, False, y, bias, accumulate, self.threads,
+                )  # fmt: skip
+                continue
+            q8 = b.q8_of(src, fmt)
+            fresh = b.fresh.setdefault(src, set())
+            _kernels.linear(
+                matrix, rows, x, q8.q, q8.d, q8.s, q8.g,
+                fmt not in fresh, True, y, bias, accumulate, self.threads,
+            )  # fmt: skip
+            fresh.add(fmt)
+
+    def _rounded(self, src: str, fmt: str, x: F32) -> F32:
+        """``x`` rounded to half or bfloat16 (nearest even), as float32: what llama.cpp's
+        products with F16 / BF16 weights multiply."""
+        b = self.buf
+        fresh = b.fresh.setdefault(src, set())
+        key = (src, fmt)
+        if fmt not in fresh or key not in b.rounded:
+            if fmt == "f16":
+                with np.errstate(over="ignore"):  # out of range: infinity, as llama.cpp
+                    b.rounded[key] = x.astype(np.float16).astype(np.float32)
+            else:
+                b.rounded[key] = activations.bf16_to_float32(activations.float32_to_bf16(x))
+            fresh.add(fmt)
+        return b.rounded[key]
+
+    def qk_norm(self, q_norm: F32, k_norm: F32, bias: F32 | None, rows: int) -> None:
+        _kernels.qk_norm(
+            self.buf.views["qkv"], rows, bias, q_norm, k_norm, self.heads[0],
+            self.w.config.rms_eps, self.threads,
+        )  # fmt: skip
+
+    def rope_kv(self, layer: int, bias: F32 | None, rows: int) -> None:
+        rope = self.w.config.rope  # its rotated dims and pairs; the block's base is in rots
+        k, v, heads = self.k_cache[layer], self.v_cache[layer], self.heads[layer]
+        self.step_kv = None
+        if rows > 1 and self.pos + rows > k.shape[1]:  # a sliding block's ring would wrap
+            c = self.w.config
+            self.step_kv = (
+                np.empty((c.n_kv_heads, rows, c.head_dim_k), self.kv),
+                np.empty((c.n_kv_heads, rows, c.head_dim_v), self.kv),
+            )
+        step = self.step_kv or (None, None)
+        _kernels.rope_kv(
+            self.buf.views["qkv"], rows, bias, self.rots[layer], self.pos, heads, rope.n_dims,
+            rope.neox, k, v, self.threads, self.q_scale, *step,
+        )  # fmt: skip
+
+    def attention(self, layer: int, rows: int) -> None:
+        b = self.buf
+        k, v = self.k_cache[layer], self.v_cache[layer]
+        step = self.step_kv or (None, None)
+        _kernels.attention(
+            b.views["qkv"], rows, k, v, self.pos, self.heads[layer], self.scale, b.views["att"],
+            self.threads, self.windows[layer], *step,
+        )  # fmt: skip
+        self.step_kv = None  # its last ``size`` positions are in the ring now
+        self._written("att")
+
+    def swiglu(self, rows: int) -> None:
+        self._gated(_kernels.swiglu, rows)
+
+    def geglu(self, rows: int) -> None:
+        self._gated(_kernels.geglu, rows)
+
+    def _gated(self, kernel: Any, rows: int) -> None:
+        b = self.buf
+        h = b.views["h"]
+        f = h.shape[1] // 2
+        act = b.views["act"] = b.act_flat[: rows * f].reshape(rows, f)
+        kernel(h, act, rows, f, self.threads)
+        self._written("act")
+
+    def softcap(self, cap: float) -> None:
+        assert self.logits is not None
+        _kernels.softcap(self.logits, cap, self.threads)
+
+    def argmax(self) -> None:
+        assert self.logits is not None
+        self.token = _kernels.argmax(self.logits[0])
+
+
+def _drop_pages(raw: U8) -> None:
+    """Drop the pages of ``raw`` from this process where it is a view of a file's read-only
+    memory map (a repacked tensor: its stored bytes are not read again). The pages stay
+    the file's (in the page cache until the kernel reclaims them; read back, whole pages,
+    if anything reads them again). Anything else (a private or writable mapping, an
+    array in memory) is left as it is."""
+    base: object = raw
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or not raw.size:
+        return
+    if not memoryview(base).readonly:  # MADV_DONTNEED would discard a private copy's writes
+        return
+    start = np.frombuffer(base, np.uint8).ctypes.data
+    first = raw.ctypes.data - start
+    last = first + raw.nbytes
+    if first < 0 or last > len(base):
+        return
+    page = mmap.PAGESIZE
+    first -= first % page
+    base.madvise(mmap.MADV_DONTNEED, first, min(len(base), -(-last // page) * page) - first)
+
+
+def _touch(raw: U8) -> None:
+    """Read one byte of every page of ``raw`` (bring the mapped file into memory)."""
+    flat = raw.reshape(-1)
+    if flat.size:
+        int(flat[::PAGE].sum(dtype=np.uint64))
+
+
+class CpuBackend:
+    """``worker.StageBackend`` on the host's cores."""
+
+    def __init__(self, spec: BackendSpec, threads: int) -> None:
+        self.spec = spec
+        self.threads = threads
+        self.ops: CpuOps | None = None
+        self.weights: StageWeights[U8, F32] | None = None
+        self._input: F32 | None = None
+
+    def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None:
+        self.weights = load_weights(
+            stage, _MappedUploader(), max_seq_len, progress, join_parts=False
+        )
+        self.ops = CpuOps(self.weights, self.spec, max_seq_len, self.threads)
+        seen: set[int] = set()
+        for lin in self.ops._linears():
+            for _, raw in lin.parts:
+                if id(raw) not in seen and id(raw) not in self.ops.released:
+                    seen.add(id(raw))
+                    _touch(raw)
+
+    def _ops(self) -> CpuOps:
+        if self.ops is None:
+            raise RuntimeError("the stage is not bound")
+        return self.ops
+
+    def put_tokens(self, ids: npt.NDArray[np.int32]) -> None:
+        self._ops().ids = np.ascontiguousarray(ids, np.int32)
+
+    def put_activations(self, data: Any) -> None:
+        self._input = activations.decode(np.asarray(data), self.spec.edge_dtype)
+
+    def new_cache(self, positions: int) -> CpuCache:
+        return self._ops().new_cache(positions)
+
+    def use_cache(self, cache: Any) -> None:
+        self._ops().use_cache(cache)
+
+    def free_cache(self, cache: Any) -> None:
+        """Nothing to do: the cache's arrays go with the last reference to them."""
+
+    def run(self, rows: int, pos: int, head: bool = True) -> None:
+        ops, w = self._ops(), self.weights
+        assert w is not None
+        if not ops.k_cache:
+            raise RuntimeError("no KV cache in use: a step runs for an open run")
+        ops.pos = pos
+        ops.use_rows(rows)
+        if self.spec.is_first:
+            forward_embed(ops, w, rows)
+        else:
+            assert self._input is not None
+            np.copyto(ops.buf.x, self._input)
+        forward_blocks(ops, w, rows)
+        if self.spec.is_last and head:
+            forward_head(ops, w, rows)
+
+    def take_activations(self, rows: int) -> npt.NDArray[np.generic]:
+        return activations.encode(self._ops().buf.x[:rows], self.spec.edge_dtype)
+
+    def token(self) -> tuple[int, int]:
+        return self._ops().token
+
+    def logits(self) -> F32:
+        logits = self._ops().logits
+        assert logits is not None
+        return np.array(logits[0], dtype=np.float32, copy=True)
+
+    def sample(self, config: SamplingConfig, u: float) -> int:
+        return int(device_sampling.sample(np, self.logits(), config, u))
+
+    def to_host(self, data: Any) -> npt.NDArray[np.generic]:
+        return np.asarray(data)
+
+    def release(self) -> None:
+        self.ops = None
+        self.weights = None
+        self._input = None

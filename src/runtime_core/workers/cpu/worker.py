@@ -1,0 +1,69 @@
+"""The CPU worker (EDGES_AND_WORKERS.md §4): one stage on the host's cores, weights kept
+in their GGUF blocks.
+
+``CpuWorker`` is ``worker.StageWorker`` (the interface's checks, sequence and position,
+edge dtypes, sampling) over ``backend.CpuBackend``: the stage's forward pass of
+``forward_program.py`` on compiled kernels (``csrc/``). Its memory is the stage's slice of the
+file as stored (mapped, not copied) plus the KV cache and a few rows of buffers, which
+is what ``CPU_CAPABILITIES`` tells the planner.
+
+Options (``CpuWorker(...)``):
+
+- ``matvec``: ``"q8"`` (default) multiplies quantized weights with 8-bit activations
+  by integer dot products, as llama.cpp's CPU path does; ``"f32"`` with float32
+  activations (slower; closest to the NumPy reference worker).
+- ``kv_dtype``: ``"auto"`` (default: float32 with 4-byte activations, float16 with
+  2-byte ones), ``"f16"`` or ``"f32"``.
+- ``threads``: how many threads a step uses (default: ``kernels.default_threads()``,
+  the stage's share of the host's cores). Results do not depend on it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from runplan import WorkerCapabilities
+from runplan.config import REFERENCE_ARCHITECTURES
+from runplan.quant_types import QUANT_TYPES
+from runtime_core.workers.cpu.kernels import default_threads, load
+from runtime_core.workers.interface import TraceEvent
+from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
+
+#: Every architecture the reference worker runs (``runtime_core.architectures``: the
+#: kernels implement each optional step; a new architecture needs its operations here,
+#: not only in the reference worker), every one of the 13 weight types; weights as
+#: stored and a KV cache in the activation dtype (a sliding block's only as long as its
+#: window), as the planner's memory check counts them.
+CPU_CAPABILITIES = WorkerCapabilities(
+    name="cpu",
+    architectures=REFERENCE_ARCHITECTURES,
+    quant_types=QUANT_TYPES,
+    weight_bytes_per_element=0,
+    kv_bytes_per_element=0,
+)
+
+
+class CpuWorker(StageWorker):
+    """One stage's compute engine on the CPU. Implements
+    ``runtime_core.workers.interface.Worker``."""
+
+    capabilities: ClassVar[WorkerCapabilities] = CPU_CAPABILITIES
+
+    def __init__(
+        self,
+        *,
+        matvec: str = "q8",
+        kv_dtype: str = "auto",
+        threads: int | None = None,
+        trace: TraceEvent | None = None,
+    ) -> None:
+        super().__init__(matvec=matvec, kv_dtype=kv_dtype, trace=trace)
+        if threads is not None and (isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"threads {threads!r} is not a positive count")
+        self.threads = threads if threads is not None else default_threads()
+
+    def _make_backend(self, spec: BackendSpec) -> StageBackend:
+        load()  # KernelsUnavailable (a RuntimeError: WorkerError at bind) if not built
+        from runtime_core.workers.cpu.backend import CpuBackend
+
+        return CpuBackend(spec, self.threads)

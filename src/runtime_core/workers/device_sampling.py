@@ -1,0 +1,53 @@
+"""The reference sampler's choice, computed where the logits are.
+
+``sample(xp, logits, config, u)`` picks the token that ``runtime_core.workers.sampling.Sampler``
+picks for the same logits when its generator draws ``u``, with array module ``xp``:
+CuPy on the GPU (the logits never leave the device; only the id comes back), NumPy
+for checking on a CPU. The reference orders the kept tokens by descending logit, ties
+by id; here one sort of 64-bit keys ``(order-preserving bits of -logit) << 32 | id``
+gives that order, then top-k, top-p and the draw follow the reference step by step
+in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runplan import SamplingConfig
+
+
+def _softmax(xp: Any, x: Any) -> Any:
+    e = xp.exp(x - x.max())
+    return e / e.sum()
+
+
+def descending_order(xp: Any, logits: Any) -> Any:
+    """Token ids by descending logit, ties by ascending id (``int64``)."""
+    n = int(logits.size)
+    x = logits.astype(xp.float32) + xp.float32(0.0)  # -0.0 sorts as +0.0
+    bits = x.view(xp.uint32)
+    negative = (bits >> xp.uint32(31)) != 0
+    ascending = xp.where(negative, ~bits, bits | xp.uint32(0x80000000))
+    key = (~ascending).astype(xp.uint64) << xp.uint64(32)
+    key |= xp.arange(n, dtype=xp.uint64)
+    return (xp.sort(key) & xp.uint64(0xFFFFFFFF)).astype(xp.int64)
+
+
+def sample(xp: Any, logits: Any, config: SamplingConfig, u: float) -> int:
+    """The id the reference sampler draws with uniform ``u`` (``temperature > 0``;
+    the logits must be finite)."""
+    if config.temperature <= 0.0:
+        raise ValueError("sample() is for temperature > 0; greedy is the argmax")
+    n = int(logits.size)
+    order = descending_order(xp, logits)
+    k = config.top_k if 0 < config.top_k < n else n
+    ids = order[:k]
+    kept = logits[ids].astype(xp.float64)
+    if config.top_p < 1.0:
+        cdf = xp.cumsum(_softmax(xp, kept))
+        m = int(xp.searchsorted(cdf, xp.asarray(config.top_p, dtype=xp.float64), side="left")) + 1
+        ids, kept = ids[:m], kept[:m]
+    cdf = xp.cumsum(_softmax(xp, kept / config.temperature))
+    target = xp.asarray(u, dtype=xp.float64) * cdf[-1]
+    at = int(xp.searchsorted(cdf, target, side="right"))
+    return int(ids[min(at, int(ids.size) - 1)])

@@ -1,0 +1,404 @@
+"""One stage's forward pass, written once over a backend.
+
+The CUDA worker and its NumPy twin run the same sequence of fused operations (the
+``Ops`` protocol), each on its own buffers: ``DeviceOps`` launches the kernels of
+``kernels/*.cu``, ``TwinOps`` calls their twins. A test of the twin stage against
+the reference worker (on any CPU) therefore checks this sequence, the tensor layout
+and the host logic; a test of each kernel against its twin (on a GPU) checks the rest.
+
+Weights stay as stored: a matrix is its GGUF rows (``(n_out, row_bytes)`` bytes). Q, K
+and V become one matrix when they share a type (their rows concatenated, still GGUF
+rows), and so do the feed-forward gate and up, unless the backend keeps the file's
+rows where they are (``join_parts=False``: the CPU worker maps them); otherwise each
+part writes its own slice of the output row. A file's fused ``attn_qkv`` or ``ffn_up``
+(phi3) is one such matrix already, rows ``[q; k; v]`` or ``[gate; up]``: the step splits
+its output by the config's sizes, as it splits the joined parts'. Norm weights and biases
+are float32.
+
+A step of ``rows`` rows (a prefill of the prompt, or one decode row) runs, per block
+(``runtime_core.architectures`` says which of the optional steps, marked ``[...]``, an
+architecture has)::
+
+    xn  = rmsnorm(x) * attn_norm             (+ 8-bit xn when rows == 1)
+    qkv = xn @ Wqkv^T                         one-row product, or tiles + matmul
+                                              (attn_q, attn_k, attn_v or phi3's attn_qkv)
+    [qk_norm: qkv += bias; per-head rmsnorm of Q and K]          qwen3, gemma3
+    rope_kv: qkv += bias; rotate Q, K (the block's rope base);   K, V -> the block's cache
+    att = attention(Q, cache)                 (+ 8-bit att; a sliding block's window)
+    x  += att @ Wo^T (+ bo)                   [gemma3: o = att @ Wo^T; x += rmsnorm(o) * w]
+    xn  = rmsnorm(x) * ffn_norm
+    h   = xn @ [Wgate | Wup]^T                (ffn_gate, ffn_up or phi3's fused ffn_up)
+    act = silu(h_gate) * h_up                 [gemma3: gelu_tanh(h_gate) * h_up]
+    x  += act @ Wdown^T                       [gemma3: post-norm as above]
+
+with ``x = embed(ids) [* embedding_scale]`` on the first stage (``forward_embed``), and
+on the last ``xl = rmsnorm(x[rows - 1]) * output_norm``, ``logits = xl @ head^T``
+[``logits = cap * tanh(logits / cap)``: gemma3's soft cap], ``token = argmax(logits)``.
+Buffer names: sources ``xn``, ``att``, ``act``, ``xl``; destinations ``qkv``, ``x``,
+``o``, ``h``, ``logits``.
+
+A backend that does not implement the optional steps (the CUDA worker's, which refuses
+the architectures that need them) takes them from ``NoOptionalSteps``: each raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, NoReturn, Protocol, TypeVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+from attrs import frozen
+
+from runplan.quant_types import CHUNK, QUANT_TYPES, row_bytes
+from runtime_core.architectures import Activation, FfnLayout, QkvLayout
+from runtime_core.gguf_slice import EMBEDDING, OUTPUT_NORM, ROPE_FREQS, StageSlice, qkv_layout
+from runtime_core.model_config import ModelConfig
+from runtime_core.workers.reference.model import rope_rotations
+
+H = TypeVar("H")  # a backend's handle of raw GGUF rows
+V = TypeVar("V")  # a backend's handle of a float32 vector
+H_co = TypeVar("H_co", covariant=True)
+V_co = TypeVar("V_co", covariant=True)
+V_contra = TypeVar("V_contra", contravariant=True)
+U8 = npt.NDArray[np.uint8]
+F32 = npt.NDArray[np.float32]
+Progress = Callable[[int, int], None]
+
+
+@frozen
+class MatrixPart:
+    """One stored matrix (or several of one type, stacked): ``n_out`` rows of ``n_in``
+    elements of ``qtype``, whose outputs go to ``out_offset ..`` of the output row."""
+
+    name: str
+    qtype: str
+    n_out: int
+    n_in: int
+    out_offset: int
+
+    @property
+    def row_bytes(self) -> int:
+        return row_bytes(self.qtype, self.n_in)
+
+
+@attrs.define
+class Linear(Generic[H]):
+    """``y = x @ W^T`` for a matrix made of one or more parts."""
+
+    parts: tuple[tuple[MatrixPart, H], ...]
+    n_in: int
+    n_out: int
+
+
+@attrs.define
+class Layer(Generic[H, V]):
+    attn_norm: V  # (hidden,)
+    qkv: Linear[H]  # (q_dim + k_dim + v_dim) x hidden
+    qkv_bias: V | None  # (q_dim + k_dim + v_dim,): zeros where a bias is absent
+    wo: Linear[H]  # hidden x (n_heads * head_dim_v)
+    wo_bias: V | None  # (hidden,)
+    ffn_norm: V  # (hidden,)
+    gate_up: Linear[H]  # (2 ffn) x hidden: rows [gate; up]
+    down: Linear[H]  # hidden x ffn
+    window: int = 0  # positions a sliding block attends to; 0: every one (global)
+    q_norm: V | None = None  # (head_dim_k,): attn_q_norm (qwen3, gemma3)
+    k_norm: V | None = None  # (head_dim_k,): attn_k_norm
+    post_attn_norm: V | None = None  # (hidden,): post_attention_norm (gemma3)
+    post_ffn_norm: V | None = None  # (hidden,): post_ffw_norm (gemma3)
+
+
+@attrs.define
+class StageWeights(Generic[H, V]):
+    config: ModelConfig
+    layers: list[Layer[H, V]]
+    embedding: Linear[H] | None  # first stage: vocab x hidden, rows looked up by id
+    output_norm: V | None  # last stage
+    head: Linear[H] | None  # last stage: vocab x hidden (the embedding when tied)
+    rot: npt.NDArray[np.complex64]  # (max_seq_len, rope_dims / 2): exp(i theta)
+    vocab_size: int
+    stored_bytes: int  # the stage's tensors as stored (quantized) in the file
+    # (max_seq_len, rope_dims / 2): the sliding blocks' rotations (their own base), or
+    # ``rot`` when the stage has none or their rotary is the global one
+    rot_swa: npt.NDArray[np.complex64] | None = None
+
+    def layer_rot(self, layer: int) -> npt.NDArray[np.complex64]:
+        """The rotations of the stage's block ``layer``."""
+        if self.layers[layer].window and self.rot_swa is not None:
+            return self.rot_swa
+        return self.rot
+
+    @property
+    def max_ffn(self) -> int:
+        return max((layer.down.n_in for layer in self.layers), default=0)
+
+
+class Uploader(Protocol[H_co, V_co]):
+    """How a backend takes the stage's tensors from the memory-mapped file."""
+
+    def raw(self, data: U8) -> H_co:
+        """GGUF rows ``(n_out, row_bytes)`` (a view of the file's memory map): a copy
+        (on the device), or the view itself for a backend that reads the mapping."""
+        ...
+
+    def f32(self, data: F32) -> V_co:
+        """A float32 vector: an owned copy (on the device)."""
+        ...
+
+
+def load_weights(
+    stage: StageSlice,
+    up: Uploader[H, V],
+    max_seq_len: int,
+    progress: Progress | None = None,
+    *,
+    join_parts: bool = True,
+) -> StageWeights[H, V]:
+    """The stage's tensors through ``up``; raises ``ValueError`` for a matrix whose rows
+    are not a multiple of 32 elements or of a type the kernels do not read.
+    ``join_parts``: Q, K, V (and gate, up) of one type become one matrix (a copy of
+    their rows, one launch); ``False`` keeps every stored matrix a part of its own."""
+    config = stage.config
+    total = stage.stored_bytes
+    done: set[str] = set()
+    raw_cache: dict[str, H] = {}
+
+    def count(name: str) -> None:
+        if name not in done:
+            done.add(name)
+            if progress is not None:
+                progress(sum(stage.tensors[n].n_bytes for n in done), total)
+
+    def vector(name: str) -> V:
+        count(name)
+        return up.f32(np.ascontiguousarray(stage.dequantize(name).reshape(-1)))
+
+    def optional(name: str) -> V | None:
+        return vector(name) if stage.has(name) else None
+
+    def linear(names: list[str]) -> Linear[H]:
+        infos = [stage.tensors[n] for n in names]
+        n_in = infos[0].shape[0]
+        for name, info in zip(names, infos, strict=True):
+            if info.ggml_type not in QUANT_TYPES:
+                raise ValueError(f"{name}: type {info.ggml_type} is not one the kernels read")
+            if info.shape[0] != n_in or n_in % CHUNK:
+                raise ValueError(
+                    f"{name}: rows of {info.shape[0]} elements; the CUDA kernels read rows "
+                    f"of a multiple of {CHUNK}, the same for every part"
+                )
+        parts: list[tuple[MatrixPart, H]] = []
+        n_out = sum(info.shape[1] for info in infos)
+        if join_parts and len({info.ggml_type for info in infos}) == 1 and len(names) > 1:
+            data = np.concatenate(
+                [
+                    stage.raw(n).reshape(info.shape[1], -1)
+                    for n, info in zip(names, infos, strict=True)
+                ]
+            )
+            part = MatrixPart("+".join(names), infos[0].ggml_type, n_out, n_in, 0)
+            parts.append((part, up.raw(data)))
+        else:
+            at = 0
+            for name, info in zip(names, infos, strict=True):
+                if name not in raw_cache:
+                    raw_cache[name] = up.raw(stage.raw(name).reshape(info.shape[1], -1))
+                parts.append(
+                    (MatrixPart(name, info.ggml_type, info.shape[1], n_in, at), raw_cache[name])
+                )
+                at += info.shape[1]
+        for name in names:
+            count(name)
+        return Linear(tuple(parts), n_in, n_out)
+
+    spec = config.spec
+    layers: list[Layer[H, V]] = []
+    for i in stage.layers:
+        p = f"blk.{i}."
+        fused = qkv_layout(config, i, stage.tensors) is QkvLayout.FUSED
+        q_k_v = [p + "attn_qkv"] if fused else [p + "attn_q", p + "attn_k", p + "attn_v"]
+        widths = (config.q_dim + config.k_dim + config.v_dim,) if fused else (
+            config.q_dim, config.k_dim, config.v_dim,
+        )  # fmt: skip
+        biases = [stage.has(n + ".bias") for n in q_k_v]
+        qkv_bias = None
+        if any(biases):
+            pieces = []
+            for name, has, width in zip(q_k_v, biases, widths, strict=True):
+                if has:
+                    count(name + ".bias")
+                    pieces.append(stage.dequantize(name + ".bias").reshape(-1))
+                else:
+                    pieces.append(np.zeros(width, np.float32))
+            qkv_bias = up.f32(np.concatenate(pieces).astype(np.float32))
+        gate_up = [p + "ffn_up"] if spec.ffn is FfnLayout.FUSED else [p + "ffn_gate", p + "ffn_up"]
+        post = spec.post_norms
+        layers.append(
+            Layer(
+                attn_norm=vector(p + "attn_norm.weight"),
+                qkv=linear([n + ".weight" for n in q_k_v]),
+                qkv_bias=qkv_bias,
+                wo=linear([p + "attn_output.weight"]),
+                wo_bias=optional(p + "attn_output.bias"),
+                ffn_norm=vector(p + "ffn_norm.weight"),
+                gate_up=linear([n + ".weight" for n in gate_up]),
+                down=linear([p + "ffn_down.weight"]),
+                window=config.layer_windows[i],
+                q_norm=vector(p + "attn_q_norm.weight") if spec.qk_norm else None,
+                k_norm=vector(p + "attn_k_norm.weight") if spec.qk_norm else None,
+                post_attn_norm=vector(p + "post_attention_norm.weight") if post else None,
+                post_ffn_norm=vector(p + "post_ffw_norm.weight") if post else None,
+            )
+        )
+    embedding = linear([EMBEDDING]) if stage.is_first else None
+    output_norm = head = None
+    if stage.is_last:
+        assert stage.head is not None
+        output_norm = vector(OUTPUT_NORM)
+        head = linear([stage.head])
+    factors = None
+    if stage.has(ROPE_FREQS):
+        count(ROPE_FREQS)
+        factors = stage.dequantize(ROPE_FREQS).reshape(-1)
+    rot = rope_rotations(config.rope, max_seq_len, factors)
+    rot_swa = None
+    if any(layer.window for layer in layers) and config.rope_swa != config.rope:
+        rot_swa = rope_rotations(config.rope_swa, max_seq_len, factors)
+    return StageWeights(
+        config=config,
+        layers=layers,
+        embedding=embedding,
+        output_norm=output_norm,
+        head=head,
+        rot=rot,
+        vocab_size=stage.vocab_size,
+        stored_bytes=total,
+        rot_swa=rot_swa,
+    )
+
+
+class Ops(Protocol[H, V_contra]):
+    """The fused operations of a step, on the backend's own buffers. Every operation
+    takes the step's ``rows``; ``rows == 1`` runs the one-row (decode) kernels, with
+    8-bit activations where the backend's mode says so."""
+
+    def embed(self, table: Linear[H], rows: int) -> None:
+        """x = rows of ``table`` picked by the step's token ids."""
+
+    def norm(self, weight: V_contra, rows: int) -> None:
+        """xn = rmsnorm(x) * weight."""
+
+    def linear(
+        self,
+        lin: Linear[H],
+        src: str,
+        dst: str,
+        rows: int,
+        *,
+        accumulate: bool = False,
+        bias: V_contra | None = None,
+    ) -> None:
+        """dst (+)= src @ lin^T (+ bias)."""
+
+    def rope_kv(self, layer: int, bias: V_contra | None, rows: int) -> None:
+        """Biases, rotary embedding, and K, V into the cache of the stage's ``layer``."""
+
+    def attention(self, layer: int, rows: int) -> None:
+        """att = attention of the rotated Q rows over the cache of ``layer``."""
+
+    def swiglu(self, rows: int) -> None:
+        """act = silu(h_gate) * h_up."""
+
+    def head_norm(self, weight: V_contra, rows: int) -> None:
+        """xl = rmsnorm(x[rows - 1]) * weight (one row)."""
+
+    def argmax(self) -> None:
+        """token = the first index of the largest logit (and a count of non-finite ones)."""
+
+    # -- the optional steps (runtime_core.architectures) ----------------------------------
+    def scale_x(self, factor: float, rows: int) -> None:
+        """x *= factor (gemma3's embedding scale)."""
+
+    def qk_norm(self, q_norm: V_contra, k_norm: V_contra, bias: V_contra | None, rows: int) -> None:
+        """qkv += bias; each Q head = rmsnorm(head) * q_norm, each K head likewise."""
+
+    def add_norm(self, weight: V_contra, rows: int) -> None:
+        """x += rmsnorm(o) * weight (gemma3's post-attention and post-feed-forward norms)."""
+
+    def geglu(self, rows: int) -> None:
+        """act = gelu_tanh(h_gate) * h_up."""
+
+    def softcap(self, cap: float) -> None:
+        """logits = cap * tanh(logits / cap)."""
+
+
+class NoOptionalSteps:
+    """The optional steps of ``Ops`` for a backend without them: each raises (its
+    worker refuses the architectures that need them before anything runs)."""
+
+    def _missing(self, step: str) -> NoReturn:
+        raise NotImplementedError(f"{type(self).__name__} has no {step} step")
+
+    def scale_x(self, factor: float, rows: int) -> None:
+        self._missing("embedding scale")
+
+    def qk_norm(self, q_norm: object, k_norm: object, bias: object, rows: int) -> None:
+        self._missing("per-head Q/K norm")
+
+    def add_norm(self, weight: object, rows: int) -> None:
+        self._missing("post-norm")
+
+    def geglu(self, rows: int) -> None:
+        self._missing("GELU gating")
+
+    def softcap(self, cap: float) -> None:
+        self._missing("logit soft cap")
+
+
+def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
+    """x = the embeddings of the step's token ids (first stage)."""
+    assert w.embedding is not None
+    ops.embed(w.embedding, rows)
+    if w.config.embedding_scale != 1.0:
+        ops.scale_x(w.config.embedding_scale, rows)
+
+
+def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
+    """Run the residual rows ``x`` of a step through the stage's blocks."""
+    gelu = w.config.spec.activation is Activation.GELU_TANH
+    for i, layer in enumerate(w.layers):
+        ops.norm(layer.attn_norm, rows)
+        ops.linear(layer.qkv, "xn", "qkv", rows)
+        bias = layer.qkv_bias
+        if layer.q_norm is not None and layer.k_norm is not None:
+            ops.qk_norm(layer.q_norm, layer.k_norm, bias, rows)  # adds the bias first
+            bias = None
+        ops.rope_kv(i, bias, rows)
+        ops.attention(i, rows)
+        if layer.post_attn_norm is None:
+            ops.linear(layer.wo, "att", "x", rows, accumulate=True, bias=layer.wo_bias)
+        else:
+            ops.linear(layer.wo, "att", "o", rows, bias=layer.wo_bias)
+            ops.add_norm(layer.post_attn_norm, rows)
+        ops.norm(layer.ffn_norm, rows)
+        ops.linear(layer.gate_up, "xn", "h", rows)
+        if gelu:
+            ops.geglu(rows)
+        else:
+            ops.swiglu(rows)
+        if layer.post_ffn_norm is None:
+            ops.linear(layer.down, "act", "x", rows, accumulate=True)
+        else:
+            ops.linear(layer.down, "act", "o", rows)
+            ops.add_norm(layer.post_ffn_norm, rows)
+
+
+def forward_head(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
+    """Logits of the last row and the greedy token (last stage)."""
+    assert w.output_norm is not None and w.head is not None
+    ops.head_norm(w.output_norm, rows)
+    ops.linear(w.head, "xl", "logits", 1)
+    if w.config.final_logit_softcap > 0.0:
+        ops.softcap(w.config.final_logit_softcap)
+    ops.argmax()

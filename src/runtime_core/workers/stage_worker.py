@@ -1,0 +1,379 @@
+"""A stage worker whose weights stay as the GGUF file stores them, over a backend.
+
+``StageWorker`` holds the worker interface (EDGES_AND_WORKERS.md §4) for every worker
+that runs ``forward_program.py``'s forward pass on a backend of its own: the checks of the
+interface, the sequence and position, the edges' dtypes, the sampling state. A
+``StageBackend`` holds the weights and runs the steps: the CUDA worker's
+``runtime_cupy.cuda.backend.DeviceBackend``, and the NumPy twin of its kernels
+(``tests/support/twin_stage.py``), which runs the same program on the CPU so that all
+of this is tested on any host.
+
+Options common to every backend:
+
+- ``matvec``: ``"q8"`` (default) runs one-row products of quantized matrices on
+  8-bit activations with integer dot products, as llama.cpp does; ``"f32"``
+  multiplies the dequantized weights with float32 activations (slower, and closest to
+  the NumPy reference worker).
+- ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
+  wide, float32 when 4), ``"f16"`` or ``"f32"``.
+
+Runs (CONCURRENT_RUNS.md): each run on the chain (``open_run`` .. ``close_run``) has
+its own KV cache on the backend (``new_cache`` for its ``kv_positions`` positions),
+sampler and cursor; ``execute_batch`` runs a batch's steps through ``_run_steps``, the
+one place that loops over them (each step selects its run's cache, ``use_cache``, and
+runs alone, so a run's results do not depend on its batch). A backend's batched kernels
+replace that loop.
+
+Weights outlive a run (``runtime_core.workers.kept_weights``): ``release`` closes every
+run and keeps the backend with its weights; a later ``bind`` for the same slice of the
+same file, with the same backend settings and rotary length, uses that backend again
+(``weights_reused``) instead of loading. ``forget_weights`` releases the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from runplan import GgufSource, ProvisionStage, SamplingConfig, WorkerCapabilities
+from runplan.gguf_header import GgufError
+from runtime_core import activations
+from runtime_core.errors import UnsupportedModel
+from runtime_core.gguf_slice import StageSlice, open_provisioned_slice
+from runtime_core.workers.interface import (
+    BatchStep,
+    Progress,
+    StepFailure,
+    StepResult,
+    TokenOutput,
+    TraceEvent,
+    WorkerError,
+    checked_token_ids,
+)
+from runtime_core.workers.kept_weights import WeightsKey, weights_key
+from runtime_core.workers.sampling import Sampler
+from runtime_core.workers.worker_runs import (
+    KvBudget,
+    RunCursor,
+    SingleRunSteps,
+    rows_of,
+    same_stage,
+)
+
+MATVEC_MODES = ("q8", "f32")
+KV_DTYPES = ("auto", "f16", "f32")
+
+
+class StageBackend(Protocol):
+    """Where a stage's weights live and its steps run. A step reads and writes the KV
+    cache last given to ``use_cache`` (one per run, from ``new_cache``)."""
+
+    def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None: ...
+
+    def new_cache(self, positions: int) -> Any: ...
+
+    def use_cache(self, cache: Any) -> None: ...
+
+    def free_cache(self, cache: Any) -> None: ...
+
+    def put_tokens(self, ids: npt.NDArray[np.int32]) -> None: ...
+
+    def put_activations(self, data: Any) -> None: ...
+
+    def run(self, rows: int, pos: int, head: bool = True) -> None: ...
+
+    def take_activations(self, rows: int) -> Any: ...
+
+    def token(self) -> tuple[int, int]: ...
+
+    def logits(self) -> npt.NDArray[np.float32]: ...
+
+    def sample(self, config: SamplingConfig, u: float) -> int: ...
+
+    def to_host(self, data: Any) -> npt.NDArray[np.generic]: ...
+
+    def release(self) -> None: ...
+
+
+@attrs.frozen
+class BackendSpec:
+    """What a backend needs to know of the stage beyond its tensors."""
+
+    is_first: bool
+    is_last: bool
+    edge_dtype: np.dtype[np.generic]  # activations on the edges (runtime_core.activations)
+    kv_dtype: str  # "f16" or "f32"
+    matvec: str  # "q8" or "f32"
+
+
+@attrs.frozen
+class _Held:
+    """A loaded backend, kept across runs."""
+
+    key: WeightsKey
+    backend: StageBackend
+    vocab_size: int
+
+
+@attrs.define
+class _Run:
+    """One run's state over the held backend: its provision, KV cache, sampler (last
+    stage) and cursor."""
+
+    provision: ProvisionStage
+    cache: Any
+    sampler: Sampler | None
+    cursor: RunCursor
+
+
+def kv_dtype_for(option: str, edge_width: int) -> str:
+    if option == "auto":
+        return "f32" if edge_width == 4 else "f16"
+    return option
+
+
+class StageWorker(SingleRunSteps):
+    """The interface logic of a stage worker over a ``StageBackend``."""
+
+    capabilities: ClassVar[WorkerCapabilities]
+
+    def __init__(
+        self, *, matvec: str = "q8", kv_dtype: str = "auto", trace: TraceEvent | None = None
+    ) -> None:
+        if matvec not in MATVEC_MODES:
+            raise ValueError(f"matvec {matvec!r} is not one of {MATVEC_MODES}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {KV_DTYPES}")
+        self.matvec = matvec
+        self.kv_dtype = kv_dtype
+        self.trace = trace  # the backend's own events (interface.TraceEvent)
+        self._provision: ProvisionStage | None = None  # the stage, from configure
+        self._bound = False
+        self._held: _Held | None = None
+        self._runs: dict[str, _Run] = {}
+        self._budget = KvBudget()
+        self.weights_reused = False  # the last bind used the backend already held
+
+    def _make_backend(self, spec: BackendSpec) -> StageBackend:
+        raise NotImplementedError
+
+    def _check_stage(self, stage: StageSlice) -> None:
+        """Refuse, with ``UnsupportedModel``, a checked slice this worker's backend
+        cannot run (before anything is loaded). Every slice passes by default."""
+
+    # -- Worker: the chain ---------------------------------------------------------------
+    def configure(self, provision: ProvisionStage) -> None:
+        if provision.model.architecture not in self.capabilities.architectures:
+            refusal = UnsupportedModel(
+                str(provision.gguf_source),
+                f"architecture {provision.model.architecture!r} is not one the "
+                f"{self.capabilities.name} worker runs "
+                f"({', '.join(self.capabilities.architectures)})",
+                key="general.architecture",
+            )
+            raise WorkerError(str(refusal)) from refusal
+        try:
+            activations.edge_dtype(provision.model.dtype_family, provision.model.dtype_width_bytes)
+        except ValueError as exc:
+            raise WorkerError(str(exc)) from exc
+        same = self._provision is not None and same_stage(self._provision, provision)
+        if self._runs and not same:
+            raise WorkerError(
+                f"configure for another stage while runs {sorted(self._runs)} are open"
+            )
+        self._provision = provision
+        self._budget.budget_bytes = provision.kv_budget_bytes
+        self._bound = self._bound and same
+
+    def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
+        """Load the stage's tensors onto a backend, or use the backend held when it has
+        the same slice of the same file with the same settings. A file that cannot be
+        run raises ``WorkerError`` whose ``__cause__`` is the typed ``UnsupportedModel``
+        or ``GgufError``; the worker then stays unbound."""
+        p = self._provision
+        if p is None:
+            raise WorkerError("bind before configure")
+        edge = activations.edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
+        if p.is_last:
+            try:
+                Sampler(p.sampling or SamplingConfig())  # the reference's checks of the settings
+            except ValueError as exc:
+                raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
+        spec = BackendSpec(
+            is_first=p.is_first,
+            is_last=p.is_last,
+            edge_dtype=edge,
+            kv_dtype=kv_dtype_for(self.kv_dtype, p.model.dtype_width_bytes),
+            matvec=self.matvec,
+        )
+        key = weights_key(gguf_source, p, (spec, p.model.max_seq_len))
+        held = self._held
+        self.weights_reused = held is not None and held.key.reusable_for(key)
+        if held is None or not self.weights_reused:
+            if self._runs:
+                raise WorkerError(f"bind other weights while runs {sorted(self._runs)} are open")
+            self._bound = False
+            self.forget_weights()  # the old backend goes before a new one loads
+            held = self._held = _Held(key, *self._load(gguf_source, p, spec, progress))
+        self._bound = True
+
+    def _load(
+        self,
+        gguf_source: GgufSource,
+        p: ProvisionStage,
+        spec: BackendSpec,
+        progress: Progress | None,
+    ) -> tuple[StageBackend, int]:
+        backend: StageBackend | None = None
+        try:
+            with open_provisioned_slice(gguf_source, p, self.capabilities) as stage:
+                self._check_stage(stage)
+                backend = self._make_backend(spec)
+                backend.load(stage, p.model.max_seq_len, progress)
+                return backend, stage.vocab_size
+        except WorkerError:
+            if backend is not None:
+                backend.release()
+            raise
+        except (UnsupportedModel, GgufError, ValueError, OSError, MemoryError, RuntimeError) as exc:
+            if backend is not None:
+                backend.release()
+            raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
+        except BaseException:
+            if backend is not None:
+                backend.release()
+            raise
+
+    @property
+    def single_run(self) -> ProvisionStage | None:
+        """The run of the single-run path: the provision configure was given, once
+        bound."""
+        return self._provision if self._bound else None
+
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self._budget.reserved_bytes
+
+    def release(self) -> None:
+        """The chain's end: every run closes (its cache, sequence, sampling state); the
+        backend and its weights stay for the next run of the same slice."""
+        for run_id in list(self._runs):
+            self.close_run(run_id)
+        self._provision = None
+        self._bound = False
+
+    def forget_weights(self) -> None:
+        """Release the held backend (the next ``bind`` loads)."""
+        for run_id in list(self._runs):
+            self.close_run(run_id)
+        self._bound = False
+        self.weights_reused = False
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.backend.release()
+
+    # -- Worker: the runs ----------------------------------------------------------------
+    def open_run(self, provision: ProvisionStage) -> None:
+        p, held = self._provision, self._held
+        if p is None or held is None or not self._bound:
+            raise WorkerError(f"open_run({provision.run_id!r}) before bind completed")
+        if not same_stage(p, provision):
+            raise WorkerError(f"run {provision.run_id!r} is provisioned for another stage")
+        sampler = None
+        if provision.is_last:
+            try:
+                sampler = Sampler(provision.sampling or SamplingConfig())
+            except ValueError as exc:
+                raise WorkerError(f"run {provision.run_id!r}: {exc}") from exc
+        self._budget.reserve(provision.run_id, provision.kv_bytes)  # KvCacheUnavailable
+        try:
+            cache = held.backend.new_cache(provision.kv_positions)
+        except (MemoryError, RuntimeError, ValueError) as exc:
+            self._budget.free(provision.run_id)
+            raise WorkerError(f"run {provision.run_id!r}: its KV cache: {exc}") from exc
+        cursor = RunCursor(provision.kv_positions, provision.model.max_seq_len)
+        self._runs[provision.run_id] = _Run(provision, cache, sampler, cursor)
+
+    def run_is_open(self, run_id: str) -> bool:
+        return run_id in self._runs
+
+    def close_run(self, run_id: str) -> None:
+        run = self._runs.pop(run_id, None)
+        self._budget.free(run_id)
+        if run is not None and self._held is not None:
+            self._held.backend.free_cache(run.cache)
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        if self._provision is None or self._held is None or not self._bound:
+            raise WorkerError("execute_batch before bind completed")
+        runs = [s.run_id for s in steps]
+        if len(set(runs)) != len(runs):
+            raise WorkerError(f"a batch takes one step per run, got {runs}")
+        return self._run_steps(steps)
+
+    def _run_steps(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        """The batch's steps, one run after another, each with its own cache: the one
+        loop a backend's batched kernels replace."""
+        return tuple(self._step(step) for step in steps)
+
+    def _step(self, step: BatchStep) -> StepResult:
+        run, held = self._runs.get(step.run_id), self._held
+        if run is None:
+            return StepFailure(f"run {step.run_id!r} is not open on this stage")
+        assert held is not None
+        p, b = run.provision, held.backend
+        try:
+            rows = rows_of(step.data)
+        except WorkerError as exc:
+            return StepFailure(str(exc))
+        pos = run.cursor.place(step, rows)
+        if isinstance(pos, StepFailure):
+            return pos
+        head = step.sequence > 0 or step.is_last_chunk  # only then does the head run
+        try:
+            b.use_cache(run.cache)
+            if p.is_first:
+                b.put_tokens(
+                    checked_token_ids(b.to_host(step.data), held.vocab_size).astype(np.int32)
+                )
+            else:
+                self._check_activations(step.data, p.model.hidden_dim, p)
+                b.put_activations(step.data)
+            b.run(rows, pos, head)
+            result: StepResult
+            if not p.is_last:
+                result = b.take_activations(rows)
+            elif not head:
+                result = None
+            else:
+                result = self._token(run, b)
+        except WorkerError as exc:
+            return StepFailure(str(exc))
+        except (ValueError, FloatingPointError, MemoryError, RuntimeError) as exc:
+            return StepFailure(f"step {step.sequence} failed: {exc}")
+        run.cursor.advance(step, rows)
+        return result
+
+    # -- checks ---------------------------------------------------------------------
+    @staticmethod
+    def _check_activations(data: Any, hidden: int, p: ProvisionStage) -> None:
+        edge = activations.edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
+        if data.ndim != 2 or data.shape[1] != hidden:
+            raise WorkerError(f"activations of shape {data.shape}, expected (rows, {hidden})")
+        if data.dtype != edge:
+            raise WorkerError(f"activations of dtype {data.dtype}, the edge carries {edge}")
+
+    @staticmethod
+    def _token(run: _Run, b: StageBackend) -> TokenOutput:
+        token, bad = b.token()
+        if bad:
+            raise WorkerError(f"the logits hold {bad} NaN or infinite values")
+        sampler = run.sampler
+        assert sampler is not None
+        if sampler.config.temperature > 0.0:
+            token = b.sample(sampler.config, sampler.uniform())
+        return TokenOutput(token, b.logits() if run.provision.return_logits else None)

@@ -1,0 +1,147 @@
+"""The flags every ``python -m runtime_cupy`` command shares (``main``, ``plan``,
+``serve``, ``chat``), what they read, and the errors a command line reports as bad
+input (exit status 2) before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from runplan.arguments import positive_int
+from runplan.gguf_header import GgufError
+from runplan.models import DEFAULT_MODEL, ModelNotFound
+from runtime_core.runs import PLACEMENTS, PlanRejected
+from runtime_core.tokenizer import TokenizerError
+from runtime_cupy.edges.choice import PREFERENCES
+from runtime_cupy.hosts.ray.cluster import ClusterError
+from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
+
+#: What a command line that cannot be run raises before any process starts.
+INPUT_ERRORS = (ClusterError, GgufError, ModelNotFound, PlanRejected, TokenizerError,
+                ValueError, WorkerUnavailable)  # fmt: skip
+
+
+def gpu_list(text: str) -> list[int]:
+    """An ``argparse`` type: ``0,1`` as a list of GPU indices."""
+    try:
+        gpus = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad GPU list {text!r}: write 0,1") from None
+    if not gpus or any(g < 0 for g in gpus):
+        raise argparse.ArgumentTypeError("GPU indices are non-negative integers, at least one")
+    return gpus
+
+
+def add_model(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
+    )
+
+
+def add_stages(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stages", type=positive_int, default=3, help="stage processes (3)")
+
+
+def add_worker(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--worker",
+        choices=WORKERS,
+        default=DEFAULT_WORKER,
+        help="cpu: quantized weights and compiled kernels on the CPU (default); numpy: "
+        "the reference worker (readable, float32, slow); cuda: the CUDA worker",
+    )
+
+
+def add_devices(parser: argparse.ArgumentParser) -> None:
+    """``--gpus``, ``--edges`` and ``--encrypt-edges``: where a stage computes and how
+    its edges move bytes."""
+    parser.add_argument(
+        "--gpus",
+        type=gpu_list,
+        default=None,
+        help="GPUs of the cuda worker, stage i on the (i mod n)-th: 0,1 (default: all)",
+    )
+    parser.add_argument(
+        "--edges",
+        choices=PREFERENCES,
+        default="auto",
+        help="how edges move bytes: auto (shared memory where both ends share a host, "
+        "else TCP; default), shm, or tcp (TCP on one host too, for tests and comparison)",
+    )
+    parser.add_argument(
+        "--encrypt-edges",
+        action="store_true",
+        help="encrypt the frames of TCP edges (AES-256-GCM), for links across networks "
+        "one does not trust; without it they are authenticated (HMAC-SHA256) only",
+    )
+
+
+def add_cluster(parser: argparse.ArgumentParser) -> None:
+    """``--ray-address`` and ``--placement``: which hosts, and how the layers split."""
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="the stages on the live hosts of a Ray cluster: auto (the cluster this "
+        "machine belongs to) or HOST:PORT of its head (default: this host); stages on "
+        "other hosts log to Ray's worker logs",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="even",
+        help="split the layers evenly (default) or in proportion to each node's memory",
+    )
+
+
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the runtime does")
+
+
+def configure_logs(verbose: bool) -> None:
+    """Logs to standard error: the runtime's INFO lines with ``-v``, else warnings."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the warm stages, shared by ``serve`` and ``chat``."""
+    add_model(parser)
+    add_stages(parser)
+    add_worker(parser)
+    add_devices(parser)
+    parser.add_argument(
+        "--context",
+        type=positive_int,
+        default=None,
+        help="tokens a request's prompt and answer may hold together (default: the "
+        "model's context length)",
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="keep each stage's log here (one host)"
+    )
+    add_cluster(parser)
+    add_verbose(parser)
+
+
+def chain_from(args: argparse.Namespace) -> WarmChain:
+    """The warm chain the flags of ``add_chain_arguments`` describe (not started)."""
+    return WarmChain(
+        args.model,
+        stages=args.stages,
+        worker=args.worker,
+        gpus=args.gpus,
+        edges=args.edges,
+        encrypt_edges=args.encrypt_edges,
+        context=args.context,
+        log_dir=args.log_dir,
+        ray_address=args.ray_address,
+        placement=args.placement,
+    )

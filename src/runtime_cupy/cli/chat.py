@@ -1,0 +1,195 @@
+"""``python -m runtime_cupy chat``: a terminal chat on warm stages.
+
+    python -m runtime_cupy chat --model M --stages N [--worker W] [--system TEXT]
+        [--max-tokens T] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+        [--ray-address auto|HOST:PORT] [--placement even|memory]
+
+The stages start and bind once (``serve.chain.WarmChain``); then each line typed is a
+user turn: the model's chat template over the whole conversation so far, the answer
+streamed as it is generated. ``/reset`` starts a new conversation, ``/exit`` (or
+Ctrl-D) leaves; Ctrl-C stops the answer being written (what was written stays in the
+conversation) and the chat goes on. A conversation longer than the context loses its
+oldest turns (the system prompt stays), with a note. The answer goes to standard
+output; everything else to standard error.
+
+Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from runtime_core.console import TextStream, add_sampling_arguments
+from runtime_cupy.cli.arguments import (
+    INPUT_ERRORS,
+    add_chain_arguments,
+    chain_from,
+    configure_logs,
+)
+from runtime_cupy.serve.chain import ChainError, WarmChain
+from runtime_cupy.serve.engine import chat_prompt
+from runtime_cupy.serve.requests import Message
+
+EXIT_FAILED = 1
+EXIT_INPUT = 2
+HELP = "/reset starts over, /exit (or Ctrl-D) leaves, Ctrl-C stops an answer"
+
+
+class Chat:
+    """A conversation on ``chain``: ``say(text)`` streams the answer to ``out``."""
+
+    def __init__(
+        self,
+        chain: WarmChain,
+        *,
+        system: str | None = None,
+        max_tokens: int = 512,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        out: TextIO = sys.stdout,
+        err: TextIO = sys.stderr,
+    ) -> None:
+        self.chain = chain
+        self.system = system
+        self.max_tokens = max_tokens
+        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.out = out
+        self.err = err
+        self.turns: list[Message] = []
+
+    def reset(self) -> None:
+        self.turns = []
+
+    def _messages(self) -> list[Message]:
+        head = [Message("system", self.system)] if self.system else []
+        return head + self.turns
+
+    def _prompt(self) -> list[int]:
+        """The conversation's prompt, its oldest turns dropped while it leaves no room
+        for an answer."""
+        tok = self.chain.tokenizer
+        ids = chat_prompt(tok, self._messages())
+        while len(ids) >= self.chain.context and len(self.turns) > 1:
+            self.turns = self.turns[2:] if self.turns[0].role == "user" else self.turns[1:]
+            self.err.write("(the conversation outgrew the context: its oldest turn is dropped)\n")
+            ids = chat_prompt(tok, self._messages())
+        return ids
+
+    def say(self, text: str) -> str | None:
+        """One turn: the answer's text (``None`` if the turn failed: it is forgotten)."""
+        self.turns.append(Message("user", text))
+        ids = self._prompt()
+        room = self.chain.context - len(ids) + 1
+        if room < 1:
+            self.turns.pop()
+            self.err.write(f"error: the message needs {len(ids)} tokens; the context holds "
+                           f"{self.chain.context}\n")  # fmt: skip
+            return None
+        stream = TextStream(self.chain.tokenizer, self.out)
+        run = self.chain.generate(
+            ids,
+            max_tokens=min(self.max_tokens, room),
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            on_token=stream,
+        )
+        result = run.result
+        if result.outcome == "faulted":
+            self.out.write("\n")
+            self.err.write(f"error: {result.fault}\n")
+            self.turns.pop()
+            self.chain.recover()
+            return None
+        stream.finish(result.text)
+        if result.outcome == "cancelled":
+            self.err.write("(stopped)\n")
+        self.turns.append(Message("assistant", result.text))
+        return result.text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m runtime_cupy chat",
+        description="Chat with a GGUF model in the terminal, on warm stage processes "
+        f"(started and bound once). {HELP}.",
+    )
+    add_chain_arguments(p)
+    p.add_argument("--system", default=None, help="a system prompt")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most (512)")
+    add_sampling_arguments(p)
+    return p
+
+
+def _loop(chat: Chat) -> None:
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+            print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/exit":
+            return
+        if text == "/reset":
+            chat.reset()
+            print("(a new conversation)", file=sys.stderr)
+            continue
+        if text.startswith("/") and text.split()[0] in ("/help", "/?"):
+            print(HELP, file=sys.stderr)
+            continue
+        try:
+            chat.say(line)
+        except KeyboardInterrupt:  # between the run's own handling: the turn is over
+            print("\n(stopped)", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logs(args.verbose)
+    if args.max_tokens < 1:
+        print(f"error: --max-tokens {args.max_tokens} is not at least 1", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        chain = chain_from(args)
+    except INPUT_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    try:
+        print(f"starting {args.stages} stage processes of {chain.model_id} ...", file=sys.stderr)
+        try:
+            chain.start()
+        except ChainError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"ready ({HELP})", file=sys.stderr)
+        chat = Chat(
+            chain,
+            system=args.system,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+        _loop(chat)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        chain.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

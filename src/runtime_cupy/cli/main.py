@@ -1,0 +1,250 @@
+"""``python -m runtime_cupy --model PATH --stages N --prompt TEXT ...``: generate text
+through N stage processes, with the flags and output of ``python -m runtime_sim run``
+(``--ray-address``: on the hosts of a Ray cluster; ``python -m runtime_cupy plan``
+prints the plan, in ``cli.plan``).
+
+Text streams to standard output as tokens arrive, then a summary; with ``--json``,
+standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
+``fault``, ``stages``, ``timings``) and everything else goes to standard error. A run
+that faults prints one line naming the stage, node and reason to standard error and
+exits 1; Ctrl-C tears the run down, prints ``cancelled`` and exits 130; bad input
+exits 2.
+
+Subcommands beside it: ``python -m runtime_cupy plan ...`` (``cli.plan``),
+``python -m runtime_cupy serve ...`` (an OpenAI-compatible HTTP
+API over warm stages, ``cli.serve``) and ``python -m runtime_cupy chat ...`` (a
+terminal chat on warm stages, ``cli.chat``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from runplan.arguments import OneLineParser
+from runplan.models import resolve_model
+from runtime_core.console import (
+    TextStream,
+    add_generation_arguments,
+    generation_options,
+    prompt_ids,
+)
+from runtime_core.tokenizer import Tokenizer
+from runtime_cupy.api import GenerateResult, generate
+from runtime_cupy.cli.arguments import (
+    INPUT_ERRORS,
+    add_cluster,
+    add_devices,
+    add_verbose,
+    add_worker,
+    configure_logs,
+)
+from runtime_cupy.process.tracing import chrome_trace
+
+EXIT_FAULTED = 1
+EXIT_INPUT = 2
+EXIT_CANCELLED = 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    err = Console(stderr=True, soft_wrap=True)
+    path = resolve_model(args.model)
+    tokenizer = Tokenizer.from_gguf(path)
+    prompt = prompt_ids(args, tokenizer)
+    stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
+    status = err.status(f"starting {args.stages} stage processes")
+    ready: set[int] = set()
+
+    def on_load(stage: int, _done: int, _total: int) -> None:
+        ready.add(stage)
+        status.update(f"stages ready: {len(ready)} of {args.stages}")
+        if len(ready) == args.stages:
+            status.stop()
+
+    status.start()
+    try:
+        result = generate(
+            path,
+            prompt,
+            **generation_options(args),
+            on_token=stream,
+            on_load=on_load,
+            tokenizer=tokenizer,
+            worker=args.worker,
+            gpus=args.gpus,
+            edges=args.edges,
+            encrypt_edges=args.encrypt_edges,
+            ray_address=args.ray_address,
+            placement=args.placement,
+        )
+    finally:
+        status.stop()
+    stream.finish(result.text)
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(chrome_trace(list(result.trace or ()))))
+    if args.json:
+        sys.stdout.write(json.dumps(_result_json(result, len(prompt)), sort_keys=True) + "\n")
+        sys.stdout.flush()
+    else:
+        _print_summary(Console(soft_wrap=True), result, len(prompt), args.worker)
+    if result.outcome == "completed":
+        return 0
+    if result.outcome == "cancelled":
+        err.print("cancelled", highlight=False)  # as runtime_sim run says it
+        return EXIT_CANCELLED
+    err.print(f"error: run faulted: {escape(result.fault or '')}", highlight=False)
+    return EXIT_FAULTED
+
+
+def _round(value: float | None, scale: float, digits: int) -> float | None:
+    return None if value is None else round(value * scale, digits)
+
+
+def _timings(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_len,
+        "load_s": _round(result.load_s, 1, 3),
+        "ttft_ms": _round(result.ttft_us, 1e-3, 3),
+        "tpot_ms": _round(result.tpot_us, 1e-3, 3),
+        "decode_tokens_per_s": _round(result.wall_decode_tokens_per_s, 1, 2),
+        "wall_s": round(result.wall_s, 3),
+    }
+
+
+def _frames(medium: str, encrypted: bool) -> str | None:
+    """How an edge's frames are sealed (``None``: shared memory, which seals none)."""
+    if medium != "tcp":
+        return None
+    return "encrypted" if encrypted else "authenticated"
+
+
+def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
+    procs = {s.stage_index: s for s in result.stages}
+    return {
+        "run_id": result.plan.run_id,
+        "tokens": list(result.tokens),
+        "text": result.text,
+        "outcome": result.outcome,
+        "fault": result.fault,
+        "stages": [
+            {
+                "stage_index": s.stage_index,
+                "node_id": s.node_id,
+                "layer_start": s.layer_start,
+                "layer_end_exclusive": s.layer_end_exclusive,
+                "pid": procs[s.stage_index].pid if s.stage_index in procs else None,
+                "device": procs[s.stage_index].device if s.stage_index in procs else None,
+                "exit_status": procs[s.stage_index].returncode if s.stage_index in procs else None,
+                "host": (procs[s.stage_index].host if s.stage_index in procs else None)
+                or "this host",
+            }
+            for s in result.plan.stages
+        ],
+        "edges": [
+            {
+                "edge_id": e.edge_id,
+                "kind": e.kind.name.lower(),
+                "medium": medium,
+                "frames": _frames(medium, result.encrypted_edges),
+            }
+            for e, medium in zip(result.plan.edges, result.media, strict=False)
+        ],
+        "timings": _timings(result, prompt_len),
+    }
+
+
+def _print_summary(console: Console, result: GenerateResult, prompt_len: int, worker: str) -> None:
+    console.print(
+        f"{result.plan.model.model_id} through {result.plan.stage_count} stage processes "
+        f"({worker} worker, edges: {', '.join(sorted(set(result.media))) or '-'})",
+        highlight=False,
+    )
+    procs = {s.stage_index: s for s in result.stages}
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("stage", "node", "host", "layers", "pid", "device"):
+        table.add_column(col)
+    for s in result.plan.stages:
+        proc = procs.get(s.stage_index)
+        table.add_row(
+            str(s.stage_index),
+            s.node_id,
+            (proc.host if proc else None) or "this host",
+            f"{s.layer_start}-{s.layer_end_exclusive - 1}",
+            str(proc.pid) if proc else "-",
+            "cpu" if proc is None or proc.device is None else f"gpu {proc.device}",
+        )
+    console.print(table)
+    t = _timings(result, prompt_len)
+    status = result.outcome + (f" ({escape(result.fault)})" if result.fault else "")
+    console.print(
+        f"{len(result.tokens)} tokens, {status}. time to first token {t['ttft_ms']} ms, "
+        f"decode {t['decode_tokens_per_s']} tokens/s; load {t['load_s']} s, "
+        f"wall {t['wall_s']} s",
+        highlight=False,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    run = OneLineParser(
+        prog="python -m runtime_cupy",
+        description="Generate text from a GGUF model through N stage processes on this "
+        "host or on the hosts of a Ray cluster (one OS process per stage, shared-memory "
+        "or TCP edges between them).",
+        epilog="Also: 'python -m runtime_cupy plan --help' (the plan against this host or "
+        "a Ray cluster), 'python -m runtime_cupy serve --help' (an OpenAI-compatible HTTP "
+        "API over warm stages) and 'python -m runtime_cupy chat --help' (a terminal chat).",
+    )
+    add_generation_arguments(run, stages_help="stage processes (default: 3)")
+    add_worker(run)
+    add_devices(run)
+    add_cluster(run)
+    add_verbose(run)
+    return run
+
+
+def _subcommand(name: str, argv: Sequence[str]) -> int:
+    if name == "plan":
+        from runtime_cupy.cli.plan import main as plan
+
+        return plan(argv)
+    if name == "serve":
+        from runtime_cupy.cli.serve import main as serve
+
+        return serve(argv)
+    from runtime_cupy.cli.chat import main as chat
+
+    return chat(argv)
+
+
+SUBCOMMANDS = ("plan", "serve", "chat")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in SUBCOMMANDS:
+        return _subcommand(given[0], given[1:])
+    args = build_parser().parse_args(given)
+    configure_logs(args.verbose)
+    try:
+        return _run(args)
+    except INPUT_ERRORS as exc:
+        if args.json:
+            sys.stdout.write(
+                json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
+            )
+        else:
+            Console(stderr=True, soft_wrap=True).print(
+                f"[bold red]error[/] {escape(str(exc))}", highlight=False
+            )
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        Console(stderr=True).print("cancelled")
+        return EXIT_CANCELLED

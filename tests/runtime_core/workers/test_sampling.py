@@ -1,0 +1,132 @@
+"""Sampling in the last stage: greedy, temperature, top-k, top-p, seeded."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runplan import SamplingConfig
+from runtime_core.workers.sampling import Sampler
+from tests.support.strategies import logits_vectors, sampling_configs
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x.astype(np.float64) - x.max())
+    return e / e.sum()
+
+
+def nucleus(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
+    """Every token that top-k then top-p may keep: ties at a boundary on either side,
+    and top-p read generously (a superset of what the sampler keeps)."""
+    order = sorted(range(logits.size), key=lambda i: (-logits[i], i))
+    if 0 < top_k < logits.size:
+        kth = logits[order[top_k - 1]]
+        order = [i for i in order if logits[i] >= kth]
+    probs = softmax(logits[order])
+    cum = np.cumsum(probs)
+    n = int(np.searchsorted(cum, top_p + 1e-9)) + 1
+    last = logits[order[min(n, len(order)) - 1]]
+    return {i for i in order if logits[i] >= last}
+
+
+@given(logits=logits_vectors(), config=sampling_configs)
+def test_greedy_takes_the_first_largest_logit(logits: np.ndarray, config: SamplingConfig) -> None:
+    greedy = attrs.evolve(config, temperature=0.0)
+    assert Sampler(greedy).sample(logits) == int(np.flatnonzero(logits == logits.max())[0])
+    top1 = attrs.evolve(config, top_k=1)  # one candidate: any temperature is greedy
+    assert Sampler(top1).sample(logits) == int(np.argmax(logits))
+
+
+@given(logits=logits_vectors(), config=sampling_configs)
+def test_a_sampled_token_is_one_top_k_and_top_p_keep(
+    logits: np.ndarray, config: SamplingConfig
+) -> None:
+    sampler = Sampler(config)
+    for _ in range(5):
+        token = sampler.sample(logits)
+        assert 0 <= token < logits.size
+        if config.temperature > 0:
+            assert token in nucleus(logits, config.top_k, config.top_p)
+
+
+@given(logits=logits_vectors(), config=sampling_configs)
+def test_the_same_seed_and_logits_sample_the_same_tokens(
+    logits: np.ndarray, config: SamplingConfig
+) -> None:
+    a, b = Sampler(config), Sampler(config)
+    assert [a.sample(logits) for _ in range(10)] == [b.sample(logits) for _ in range(10)]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_draws_follow_the_softmax_of_logits_over_temperature(temperature: float) -> None:
+    # Every expected count is at least 80, as a chi-square test needs.
+    logits = np.array([1.5, 1.0, 0.5, 0.0, -0.5, -1.0], dtype=np.float32)
+    sampler = Sampler(SamplingConfig(temperature=temperature, seed=1234))
+    n = 20_000
+    counts = np.bincount([sampler.sample(logits) for _ in range(n)], minlength=logits.size)
+    expected = softmax(logits / temperature) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+
+
+def test_top_p_draws_only_from_the_nucleus_in_proportion() -> None:
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    sampler = Sampler(SamplingConfig(temperature=1.0, top_p=0.8, seed=7))
+    n = 20_000
+    counts = np.bincount([sampler.sample(logits) for _ in range(n)], minlength=4)
+    assert counts[2] == counts[3] == 0  # 0.5 + 0.3 reaches 0.8
+    assert abs(counts[0] / n - 0.625) < 0.02  # 0.5 / 0.8
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(temperature=-1.0),
+        SamplingConfig(temperature=float("nan")),
+        SamplingConfig(top_k=-1),
+        SamplingConfig(top_p=0.0),
+        SamplingConfig(top_p=1.5),
+    ],
+)
+def test_settings_no_run_can_have_are_refused(config: SamplingConfig) -> None:
+    with pytest.raises(ValueError):
+        Sampler(config)
+
+
+@given(bad=st.sampled_from([np.nan, np.inf, -np.inf]))
+def test_logits_that_are_not_finite_are_refused(bad: float) -> None:
+    logits = np.zeros(8, dtype=np.float32)
+    logits[3] = bad
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        Sampler(SamplingConfig(temperature=1.0)).sample(logits)
+
+
+@given(
+    st.lists(logits_vectors(max_size=32), min_size=2, max_size=8),
+    sampling_configs,
+    st.integers(0, 8),
+)
+def test_a_sampler_made_with_k_draws_continues_where_one_that_drew_k_would(
+    steps: list[np.ndarray], config: SamplingConfig, k: int
+) -> None:
+    """Issue 25 replays an interrupted run from its token k: ``Sampler(config, draws)``
+    with the draws counted so far samples the tokens the uninterrupted sampler samples."""
+    whole = Sampler(config)
+    tokens = [whole.sample(logits) for logits in steps]
+    k = min(k, len(steps))
+    head = Sampler(config)
+    for logits in steps[:k]:
+        head.sample(logits)
+    assert head.draws == (k if config.temperature > 0.0 else 0)  # one per sampled token
+    resumed = Sampler(config, draws=head.draws)
+    assert [resumed.sample(logits) for logits in steps[k:]] == tokens[k:]
+    assert resumed.draws == whole.draws
+
+
+@pytest.mark.parametrize("draws", [-1, 1.0, True])
+def test_a_draw_count_that_is_not_a_count_is_refused(draws: object) -> None:
+    with pytest.raises(ValueError, match="draws"):
+        Sampler(SamplingConfig(), draws=draws)  # type: ignore[arg-type]

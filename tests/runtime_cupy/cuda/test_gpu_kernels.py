@@ -1,0 +1,350 @@
+"""Every CUDA kernel against its NumPy twin (``kernel_twins``), on random inputs of the
+shapes real models have (SmolLM2's 576 and 1536, Llama-3-8B's 4096 and 14336) and odd
+ones (a chunk count not a multiple of the warp, a row count not a multiple of a
+block's rows, one row), for every weight type.
+
+Needs a CUDA device; skipped, saying why, where there is none. Each kernel runs
+through ``KernelSet.launch`` on copies of the inputs; its twin runs on the host
+arrays; outputs start poisoned (NaN, or 0x5A bytes) in both, so an unwritten element
+shows. Exact where the twin reproduces the arithmetic (decoding, conversions,
+quantizing a given row, rotary, argmax), except that a NaN matches any NaN (a GPU's
+NaNs carry no payload); within a few float32 roundings of the sum of the terms'
+magnitudes where the kernel sums in its own order (products, norms, attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from runplan.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
+from runtime_cupy.cuda.kernels import KernelSet, cuda_device_problem
+from tests.support import twins
+from tests.support.kernel_twins import KERNEL_TWINS
+from tests.support.random_blocks import random_rows
+
+PROBLEM = cuda_device_problem()
+pytestmark = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+
+MV_WARPS, ATT_THREADS = 4, 256
+#: (rows, n_in) per kind of type: one row, odd rows and chunks, real widths, long rows.
+SHAPES_32 = [(1, 32), (7, 96), (577, 576), (1031, 4192), (64, 14336), (4099, 1536)]
+SHAPES_K = [(1, 256), (5, 768), (1027, 4352), (64, 14336), (4099, 4096)]
+
+
+def shapes_for(qtype: str) -> list[tuple[int, int]]:
+    return SHAPES_K if qtype.endswith("_K") else SHAPES_32
+
+
+@pytest.fixture(scope="module")
+def ks() -> KernelSet:
+    k = KernelSet()
+    k.compile_all()
+    return k
+
+
+#: The NaNs float outputs start as: a payload that neither NumPy nor a GPU computes, so
+#: that the emulation of the kernels (test_twins_gpu_dryrun.py) can tell a NaN written
+#: over one from the one left there.
+POISON_NAN: dict[np.dtype[Any], tuple[Any, int]] = {
+    np.dtype(np.float32): (np.uint32, 0x7FD5A5A5),
+    np.dtype(np.float16): (np.uint16, 0x7E5A),
+}
+
+
+def poison(shape: Any, dtype: Any) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if dt in POISON_NAN:
+        bits_type, bits = POISON_NAN[dt]
+        return np.full(shape, bits, bits_type).view(dt)
+    if np.issubdtype(dt, np.floating):
+        return np.full(shape, np.nan, dt)
+    return np.full(shape, 0x5A, dt)
+
+
+def launch_both(
+    ks: KernelSet, name: str, grid: int | tuple[int, ...], block: int, args: Sequence[Any]
+) -> tuple[list[Any], list[Any]]:
+    """Run kernel ``name`` on device copies of ``args`` and its twin on host copies;
+    return (device results, twin results), each argument as a host array (or as given)."""
+    import cupy
+
+    dev = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+    host = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    ks.launch(name, grid, block, dev)
+    cupy.cuda.runtime.deviceSynchronize()
+    grid3 = (grid,) if isinstance(grid, int) else tuple(grid)
+    KERNEL_TWINS[name](grid3, block, host)
+    return [cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a for a in dev], host
+
+
+def within(got: np.ndarray, want: np.ndarray, scale: np.ndarray, rel: float = 1e-5) -> None:
+    """``got`` within ``rel * scale`` of ``want``, elementwise. Every comparison is
+    written so that a NaN fails it: a NaN scale (say one made from a poisoned output)
+    would otherwise make every bound false, and so every check pass."""
+    scale = np.asarray(scale, dtype=np.float64)
+    assert np.isfinite(scale).all() and (scale >= 0).all(), "the tolerance's scale is not finite"
+    assert np.isfinite(want).all(), "the twin's result is not finite"
+    assert not np.isnan(got).any(), "unwritten or NaN output"
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    ok = err <= rel * scale + 1e-30
+    assert ok.all(), (int((~ok).sum()), float((err / np.maximum(scale, 1e-30)).max()))
+
+
+def same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    """Bit for bit, except that a NaN equals any NaN: a GPU writes its own canonical
+    NaN (0x7fffffff, or 0x7fff in half precision) where NumPy keeps an operand's
+    payload, so NaN bits are not the kernels' to match."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if np.issubdtype(got.dtype, np.floating):
+        nan = np.isnan(got)
+        np.testing.assert_array_equal(nan, np.isnan(want), "NaN in different places")
+        got, want = got[~nan], want[~nan]
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+# ---- products -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accumulate", [0, 1], ids=["store", "accumulate"])
+@pytest.mark.parametrize("qtype", Q8_TYPES)
+def test_matvec_q8(ks: KernelSet, qtype: str, accumulate: int) -> None:
+    rng = np.random.default_rng(Q8_TYPES.index(qtype) + 100 * accumulate)
+    for n_out, n_in in shapes_for(qtype):
+        raw = random_rows(rng, qtype, n_out, n_in)
+        act = twins.quantize_q8(rng.standard_normal(n_in).astype(np.float32))
+        y = (
+            rng.standard_normal(n_out + 3).astype(np.float32)
+            if accumulate
+            else poison(n_out + 3, np.float32)
+        )
+        bias = rng.standard_normal(n_out).astype(np.float32) if n_out % 2 else None
+        args = [raw, row_bytes(qtype, n_in), n_in // CHUNK, n_out, act.q, act.d, act.s, y, bias,
+                accumulate]  # fmt: skip
+        dev, twin = launch_both(
+            ks, f"matvec_q8_{qtype}", -(-n_out // MV_WARPS), 32 * MV_WARPS, args
+        )
+        scale = twins.matvec_q8(raw, qtype, act).scale
+        if accumulate:  # y holds the NaN poison when storing: no part of the scale
+            scale = scale + np.abs(y[:n_out])
+        within(dev[7][:n_out], twin[7][:n_out], scale + (np.abs(bias) if bias is not None else 0))
+        same_bits(dev[7][n_out:], y[n_out:])  # rows past the matrix untouched
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_matvec_f(ks: KernelSet, qtype: str) -> None:
+    rng = np.random.default_rng(QUANT_TYPES.index(qtype) + 50)
+    for n_out, n_in in shapes_for(qtype):
+        raw = random_rows(rng, qtype, n_out, n_in)
+        x = rng.standard_normal(n_in).astype(np.float32)
+        y = poison(n_out, np.float32)
+        args = [raw, row_bytes(qtype, n_in), n_in // CHUNK, n_out, x, y, None, 0]
+        dev, twin = launch_both(ks, f"matvec_f_{qtype}", -(-n_out // MV_WARPS), 32 * MV_WARPS, args)
+        within(dev[5], twin[5], twins.matvec_f(raw, qtype, x).scale)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_dequant_rows_by_id_and_by_range(ks: KernelSet, qtype: str) -> None:
+    rng = np.random.default_rng(QUANT_TYPES.index(qtype) + 7)
+    n = 768 if qtype.endswith("_K") else 576
+    raw = random_rows(rng, qtype, 50, n)
+    ids = rng.integers(0, 50, 9).astype(np.int32)
+    for pick, row0 in ((ids, 0), (None, 13)):
+        out = poison((9, n), np.float32)
+        args = [raw, row_bytes(qtype, n), n // CHUNK, pick, row0, 9, out]
+        dev, twin = launch_both(ks, f"dequant_rows_{qtype}", 4, 128, args)
+        same_bits(dev[6], twin[6])
+
+
+def test_float_types_have_no_8bit_product() -> None:
+    assert not {f"matvec_q8_{t}" for t in FLOAT_TYPES} & set(KERNEL_TWINS)
+
+
+# ---- norms, SwiGLU, quantizing --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [64, 576, 4096, 8192])
+def test_rmsnorm_q8(ks: KernelSet, n: int) -> None:
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    out = poison(n, np.float32)
+    q, d, s = poison(n, np.int8), poison(n // 32, np.float32), poison(n // 32, np.float32)
+    dev, twin = launch_both(ks, "rmsnorm_q8", 1, 1024, [x, w, out, n, 1e-5, q, d, s])
+    within(dev[2], twin[2], np.abs(twin[2]), rel=2e-6)
+    act = twins.quantize_q8(dev[2])  # the 8-bit row of the kernel's own output: exact
+    same_bits(dev[5], act.q)
+    same_bits(dev[6], act.d)
+    same_bits(dev[7], act.s)
+
+
+@pytest.mark.parametrize("rows", [2, 37])
+def test_rmsnorm_rows(ks: KernelSet, rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    n = 576
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    dev, twin = launch_both(
+        ks, "rmsnorm_rows", rows, 256, [x, w, poison((rows, n), np.float32), n, 1e-6]
+    )
+    within(dev[2], twin[2], np.abs(twin[2]), rel=2e-6)
+
+
+@pytest.mark.parametrize("n_ffn", [1536, 14336])
+def test_swiglu_q8_and_rows(ks: KernelSet, n_ffn: int) -> None:
+    rng = np.random.default_rng(n_ffn)
+    h = (rng.standard_normal(2 * n_ffn) * 4).astype(np.float32)
+    out = poison(n_ffn, np.float32)
+    q, d, s = (
+        poison(n_ffn, np.int8),
+        poison(n_ffn // 32, np.float32),
+        poison(n_ffn // 32, np.float32),
+    )
+    dev, twin = launch_both(ks, "swiglu_q8", -(-n_ffn // 256), 256, [h, out, n_ffn, q, d, s])
+    within(dev[1], twin[1], np.abs(twin[1]), rel=4e-7 * 8)
+    act = twins.quantize_q8(dev[1])
+    same_bits(dev[3], act.q)
+    same_bits(dev[4], act.d)
+    rows = 5
+    hr = rng.standard_normal((rows, 2 * n_ffn)).astype(np.float32)
+    dev, twin = launch_both(
+        ks, "swiglu_rows", 64, 256, [hr, poison((rows, n_ffn), np.float32), n_ffn, rows]
+    )
+    within(dev[1], twin[1], np.abs(twin[1]), rel=4e-7 * 8)
+
+
+@pytest.mark.parametrize("n_chunks", [1, 18, 129])
+def test_quantize_q8_is_exact(ks: KernelSet, n_chunks: int) -> None:
+    rng = np.random.default_rng(n_chunks)
+    x = (rng.standard_normal(32 * n_chunks) * rng.uniform(0.01, 50)).astype(np.float32)
+    x[:32] = 0.0
+    if n_chunks > 2:
+        x[40] = np.nan
+        x[70] = np.inf
+    q, d, s = poison(x.size, np.int8), poison(n_chunks, np.float32), poison(n_chunks, np.float32)
+    dev, twin = launch_both(ks, "quantize_q8", -(-n_chunks // 8), 256, [x, n_chunks, q, d, s])
+    for i in (2, 3, 4):
+        same_bits(dev[i], twin[i])
+
+
+def test_add_inplace(ks: KernelSet) -> None:
+    rng = np.random.default_rng(0)
+    x, y = (
+        rng.standard_normal(10001).astype(np.float32),
+        rng.standard_normal(10001).astype(np.float32),
+    )
+    dev, twin = launch_both(ks, "add_inplace", 8, 256, [x, y, 10001])
+    same_bits(dev[0], twin[0])
+
+
+# ---- rotary and attention -------------------------------------------------------------------
+
+#: (n_heads, n_kv, head_dim, rope dims, neox): SmolLM2, Llama-3-8B, qwen2-like, partial
+#: rotary, the tiny fixtures' heads.
+HEADS = [(9, 3, 64, 64, 0), (32, 8, 128, 128, 0), (14, 2, 64, 64, 1), (4, 4, 80, 64, 1),
+         (4, 2, 16, 16, 0)]  # fmt: skip
+
+
+def _rot_table(max_seq: int, n_rot: int, rng: np.random.Generator) -> np.ndarray:
+    angles = rng.uniform(-np.pi, np.pi, (max_seq, n_rot // 2))
+    table = np.empty((max_seq, n_rot // 2, 2), np.float32)
+    table[..., 0], table[..., 1] = np.cos(angles), np.sin(angles)
+    return table
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("heads", HEADS, ids=[str(h) for h in HEADS])
+@pytest.mark.parametrize(("rows", "pos"), [(1, 0), (1, 77), (13, 5)])
+def test_rope_kv_is_exact(
+    ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, kv: str
+) -> None:
+    n_heads, n_kv, hd, n_rot, neox = heads
+    rng = np.random.default_rng(rows * 1000 + pos + hd)
+    max_seq = 96
+    width = (n_heads + 2 * n_kv) * hd
+    qkv = rng.standard_normal((rows, width)).astype(np.float32)
+    bias = rng.standard_normal(width).astype(np.float32) if neox else None
+    rot = _rot_table(max_seq, n_rot, rng)
+    state = np.array([pos, 0], np.int32)
+    kvt = np.uint16 if kv == "f16" else np.float32
+    kc, vc = poison((n_kv, max_seq, hd), kvt), poison((n_kv, max_seq, hd), kvt)
+    args = [qkv, rows, bias, rot, state, n_heads, n_kv, hd, hd, n_rot, neox, kc, vc, max_seq]
+    dev, twin = launch_both(ks, f"rope_kv_{kv}", rows, 256, args)
+    same_bits(dev[0][:, : n_heads * hd], twin[0][:, : n_heads * hd])
+    same_bits(dev[11][:, pos : pos + rows], twin[11][:, pos : pos + rows])
+    same_bits(dev[12][:, pos : pos + rows], twin[12][:, pos : pos + rows])
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("heads", HEADS, ids=[str(h) for h in HEADS])
+@pytest.mark.parametrize(("rows", "pos"), [(1, 0), (1, 300), (37, 0)])
+def test_attention(ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, kv: str) -> None:
+    n_heads, n_kv, hd, _, _ = heads
+    rng = np.random.default_rng(rows * 7 + pos + hd)
+    max_seq = 400
+    width = (n_heads + 2 * n_kv) * hd
+    qkv = rng.standard_normal((rows, width)).astype(np.float32)
+    cache = rng.standard_normal((2, n_kv, max_seq, hd)).astype(np.float32)
+    if kv == "f16":
+        kc, vc = (c.astype(np.float16).view(np.uint16) for c in cache)
+    else:
+        kc, vc = cache[0].copy(), cache[1].copy()
+    state = np.array([pos, 0], np.int32)
+    out = poison((rows, n_heads * hd), np.float32)
+    fused = rows == 1 and hd % 32 == 0
+    nq = n_heads * hd
+    q8 = [poison(nq, np.int8), poison(nq // 32, np.float32), poison(nq // 32, np.float32)]
+    scale = float(np.float32(1 / np.sqrt(hd)))
+    args = [qkv, rows, kc, vc, state, n_heads, n_kv, hd, hd, max_seq, scale, out,
+            *(q8 if fused else [None, None, None])]  # fmt: skip
+    dev, twin = launch_both(ks, f"attention_{kv}", (rows, n_heads), ATT_THREADS, args)
+    # an output is a weighted mean of values of magnitude ~1: float32 online softmax
+    within(dev[11], twin[11], np.ones_like(twin[11]), rel=2e-5)
+    if fused:
+        act = twins.quantize_q8(dev[11].reshape(-1))
+        same_bits(dev[12], act.q)
+        same_bits(dev[13], act.d)
+
+
+# ---- argmax and conversions ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [323, 49152, 128256])
+def test_argmax(ks: KernelSet, n: int) -> None:
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    x[n // 3] = x[n // 2] = x.max() + 1  # a tie: the first wins
+    for poisoned in (False, True):
+        if poisoned:
+            x[5], x[n - 1] = np.nan, -np.inf
+        parts = 128
+        pm, pi, pb = poison(parts, np.float32), poison(parts, np.int32), poison(parts, np.int32)
+        dev, twin = launch_both(ks, "argmax_partial", parts, 256, [x, n, pm, pi, pb])
+        out = poison(2, np.int32)
+        dev2, _ = launch_both(ks, "argmax_final", 1, 256, [dev[2], dev[3], dev[4], parts, out])
+        assert dev2[4].tolist() == [n // 3, 2 if poisoned else 0]
+        assert dev2[4].tolist() == list(twins.argmax(x))
+        same_bits(dev[3], twin[3])
+
+
+@pytest.mark.parametrize(("name", "src", "dst"), [
+    ("f32_to_f16", np.float32, np.float16), ("f16_to_f32", np.float16, np.float32),
+    ("f32_to_bf16", np.float32, np.uint16), ("bf16_to_f32", np.uint16, np.float32),
+])  # fmt: skip
+def test_conversions_are_exact(ks: KernelSet, name: str, src: Any, dst: Any) -> None:
+    rng = np.random.default_rng(1)
+    values = (rng.standard_normal(4099) * 1e3).astype(np.float32)
+    values[:6] = [0.0, -0.0, np.inf, 1e6, np.nan, 6e-8]
+    with np.errstate(over="ignore"):
+        x = values.astype(src) if src != np.uint16 else twins_bf16(values)
+    dev, twin = launch_both(ks, name, 8, 256, [x, poison(4099, dst), 4099])
+    same_bits(dev[1], twin[1])
+
+
+def twins_bf16(values: np.ndarray) -> np.ndarray:
+    from runtime_core.activations import float32_to_bf16
+
+    return float32_to_bf16(values)

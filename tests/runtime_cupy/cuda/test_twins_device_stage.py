@@ -1,0 +1,333 @@
+"""The CUDA worker's device backend (``cuda/backend.py``), run on a CPU.
+
+A stand-in for CuPy (``FakeCupy`` of ``tests/support/emulated_cupy.py``: NumPy arrays
+as device memory, ``memcpyAsync`` as a memory copy, streams that record a graph when
+they capture and replay it on launch) and the kernels' NumPy twins in place of the
+kernels (``kernel_twins``) let every line of ``backend.py`` run here: buffers,
+pointer offsets, launch arguments and grids, the prefill tiles, edges, the graph
+capture (a captured launch keeps the integer arguments it had; position and token must
+come from device memory), device-to-device inputs and sampling. The backend is compared
+with ``TwinWorker`` (the same program on host arrays) and with the NumPy reference
+worker. What this cannot check is the
+kernels themselves (the GPU tests do) and CuPy's own behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from runplan import SamplingConfig
+from runtime_core.workers.interface import TokenOutput, Worker
+from runtime_core.workers.reference.worker import ReferenceWorker
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.support.chain import Chain, provisions
+from tests.support.emulated_cupy import (
+    DEVICE_STAGE,
+    EmulatedCudaWorker,
+    EmulatedKernels,
+    FakeArray,
+    _dev,
+)
+from tests.support.kernel_twins import KERNEL_TWINS, LaunchError
+from tests.support.random_model import RandomModel, write_random_model
+from tests.support.twin_stage import TwinWorker
+
+PROMPT = [5, 77, 300, 12, 9, 41]
+
+
+class Events(list[str]):
+    """A worker's trace events, by name."""
+
+    def __call__(self, name: str, **_fields: Any) -> None:
+        self.append(name)
+
+
+# ---- the tests --------------------------------------------------------------------------
+
+MIXED = RandomModel(
+    n_layers=2,
+    qtype="Q4_0",
+    embed_qtype="Q6_K",
+    head_qtype="Q5_K",
+    seed=7,
+    overrides=(
+        ("blk.0.attn_k.weight", "Q6_K"),
+        ("blk.0.attn_v.weight", "Q8_0"),
+        ("blk.1.ffn_up.weight", "Q5_1"),
+        ("blk.1.ffn_down.weight", "Q3_K"),
+        ("blk.1.attn_output.weight", "F16"),
+        ("blk.1.attn_q.weight", "BF16"),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("emulated")
+    rope = ModelShape(n_layers=2, quant="Q8_0", rope_freqs=True, rope_scaling_factor=4.0, seed=6)
+    return {
+        "llama-F32": write_model(folder / "f32.gguf", ModelShape(n_layers=3, tied=False)),
+        "qwen2-Q4_K": write_random_model(
+            folder / "qwen2.gguf",
+            RandomModel(arch="qwen2", n_layers=2, qtype="Q4_K", tied=True, seed=5),
+        ),
+        "llama-Q8_0-rope": write_model(folder / "rope.gguf", rope),
+        "mixed-types": write_random_model(folder / "mixed.gguf", MIXED),
+    }
+
+
+def generate(path: Path, make: Callable[[], Worker], stages: int, dtype: str, n: int = 6,
+             **kwargs: Any) -> list[TokenOutput]:  # fmt: skip
+    chain = Chain.bind(provisions(path, stages, max_seq_len=32, dtype=dtype, **kwargs), make)
+    try:
+        return chain.generate(PROMPT, n)
+    finally:
+        chain.release()
+
+
+def assert_same(a: list[TokenOutput], b: list[TokenOutput]) -> None:
+    assert [o.token_id for o in a] == [o.token_id for o in b]
+    for x, y in zip(a, b, strict=True):
+        assert x.logits is not None and y.logits is not None
+        np.testing.assert_array_equal(x.logits, y.logits)
+
+
+@pytest.mark.parametrize("split", [(1, "f32"), (2, "f16")], ids=["1-stage", "2-stage-f16"])
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+@pytest.mark.parametrize("mode", ["q8", "f32"])
+@pytest.mark.parametrize("name", ["llama-F32", "qwen2-Q4_K", "llama-Q8_0-rope", "mixed-types"])
+def test_the_device_backend_computes_what_the_twin_worker_computes(
+    models: dict[str, Path], name: str, mode: str, graph: bool, split: tuple[int, str]
+) -> None:
+    stages, dtype = split
+    twin = generate(models[name], lambda: TwinWorker(matvec=mode), stages, dtype)
+    device = generate(
+        models[name],
+        lambda: EmulatedCudaWorker(matvec=mode, use_graph=graph, device_io=graph),
+        stages,
+        dtype,
+    )
+    assert_same(device, twin)
+
+
+def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None:
+    p = provisions(models["qwen2-Q4_K"], 1, max_seq_len=32)[0]
+    events = Events()
+    w = EmulatedCudaWorker(trace=events)
+    w.configure(p)
+    w.bind(p.gguf_source)
+    backend = EmulatedCudaWorker.backends[-1]
+    k = DEVICE_STAGE._KERNELS[0]
+    w.execute_step(0, np.array(PROMPT, np.uint32))
+    assert events == []  # a prefill is launched, never captured
+    before = k.python_launches
+    w.execute_step(1, np.array([7], np.uint32))  # captures: launches recorded, then replayed
+    captured = k.python_launches - before
+    assert captured > 10 and events == ["graph captured"]
+    tokens = []
+    for s in range(2, 7):
+        out = w.execute_step(s, np.array([3 + s], np.uint32))
+        assert isinstance(out, TokenOutput)
+        tokens.append(out.token_id)
+    assert k.python_launches - before == captured  # nothing launched from Python
+    assert backend.cache.graph.launches == 6 and events == ["graph captured"]
+    # the same steps launched eagerly give the same tokens
+    eager = EmulatedCudaWorker(use_graph=False)
+    eager.configure(p)
+    eager.bind(p.gguf_source)
+    eager.execute_step(0, np.array(PROMPT, np.uint32))
+    eager.execute_step(1, np.array([7], np.uint32))
+    again = [eager.execute_step(s, np.array([3 + s], np.uint32)) for s in range(2, 7)]
+    assert [o.token_id for o in again if isinstance(o, TokenOutput)] == tokens
+
+
+def test_a_new_prefill_reuses_the_graph(models: dict[str, Path]) -> None:
+    events = Events()
+    chain = Chain.bind(
+        provisions(models["llama-F32"], 1, max_seq_len=32), lambda: EmulatedCudaWorker(trace=events)
+    )
+    first = [o.token_id for o in chain.generate(PROMPT, 5)]
+    assert [o.token_id for o in chain.generate(PROMPT, 5)] == first
+    assert events == ["graph captured"]
+
+
+def test_prefill_tiles_cover_every_row(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(DEVICE_STAGE, "TILE_FLOATS", 3 * 256 + 5)  # 3 rows a tile, odd
+    # float32 activations: 8-bit ones could turn a last-bit difference into a step of 1/127
+    twin = generate(models["mixed-types"], lambda: TwinWorker(matvec="f32"), 1, "f32")
+    device = generate(models["mixed-types"], lambda: EmulatedCudaWorker(matvec="f32"), 1, "f32")
+    assert [o.token_id for o in device] == [o.token_id for o in twin]
+    for x, y in zip(device, twin, strict=True):  # BLAS sums a narrower tile in another order
+        assert x.logits is not None and y.logits is not None
+        np.testing.assert_allclose(x.logits, y.logits, rtol=0, atol=1e-4)
+
+
+def test_a_one_token_prompt_runs_through_the_decode_path(models: dict[str, Path]) -> None:
+    make = lambda: EmulatedCudaWorker(use_graph=True)  # noqa: E731
+    for worker in (make, TwinWorker):
+        chain = Chain.bind(provisions(models["qwen2-Q4_K"], 2, max_seq_len=32), worker)
+        outs = chain.generate([42], 4)
+        chain.release()
+        if worker is make:
+            device = outs
+        else:
+            assert_same(device, outs)
+
+
+def test_device_io_passes_device_arrays_between_stages(models: dict[str, Path]) -> None:
+    provs = provisions(models["llama-F32"], 3, max_seq_len=32, dtype="f16")
+    workers = []
+    for p in provs:
+        w = EmulatedCudaWorker(device_io=True)
+        w.configure(p)
+        w.bind(p.gguf_source)
+        workers.append(w)
+    out = workers[0].execute_step(0, np.array(PROMPT, np.uint32))
+    assert isinstance(out, FakeArray) and out.dtype == np.float16 and out.shape == (6, 64)
+    out = workers[1].execute_step(0, out)
+    assert isinstance(out, FakeArray)
+    last = workers[2].execute_step(0, out)
+    assert isinstance(last, TokenOutput)
+    host = EmulatedCudaWorker(device_io=False)
+    host.configure(provs[0])
+    host.bind(provs[0].gguf_source)
+    plain = host.execute_step(0, np.array(PROMPT, np.uint32))
+    assert type(plain) is np.ndarray and plain.dtype == np.float16
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_edges_and_kv_dtypes(models: dict[str, Path], dtype: str) -> None:
+    for kv in ("auto", "f16", "f32"):
+        twin = generate(models["llama-Q8_0-rope"], lambda kv=kv: TwinWorker(kv_dtype=kv), 2, dtype)
+        device = generate(
+            models["llama-Q8_0-rope"], lambda kv=kv: EmulatedCudaWorker(kv_dtype=kv), 2, dtype
+        )
+        assert_same(device, twin)
+
+
+def test_sampling_on_the_device_draws_what_the_reference_draws(models: dict[str, Path]) -> None:
+    sampling = SamplingConfig(temperature=1.2, top_k=50, top_p=0.9, seed=5)
+    twin = generate(models["llama-F32"], TwinWorker, 1, "f32", n=10, sampling=sampling)
+    device = generate(models["llama-F32"], EmulatedCudaWorker, 2, "f32", n=10, sampling=sampling)
+    ref = generate(models["llama-F32"], ReferenceWorker, 1, "f32", n=10, sampling=sampling)
+    assert [o.token_id for o in device] == [o.token_id for o in twin] == [o.token_id for o in ref]
+
+
+def test_logits_with_nan_fail_the_step(models: dict[str, Path]) -> None:
+    from runtime_core.workers.interface import WorkerError
+
+    p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
+    w = EmulatedCudaWorker()
+    w.configure(p)
+    w.bind(p.gguf_source)
+    backend = EmulatedCudaWorker.backends[-1]
+    backend.weights.output_norm[0] = np.nan  # poison the last stage's norm on the "device"
+    with pytest.raises(WorkerError, match="NaN or infinite"):
+        w.execute_step(0, np.array(PROMPT, np.uint32))
+
+
+def test_a_long_prefill_launches_within_cuda_s_grid_limits(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every launch of a 70000-row step (the kernels' work skipped: only the launches'
+    geometry is checked) fits CUDA's grid: no dimension but x above 65535 blocks."""
+    p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
+    w = EmulatedCudaWorker(use_graph=False)
+    w.configure(p)
+    w.bind(p.gguf_source)
+    backend = EmulatedCudaWorker.backends[-1]
+    for name in KERNEL_TWINS:
+        monkeypatch.setitem(KERNEL_TWINS, name, lambda grid, block, args: None)
+    monkeypatch.setattr(
+        DEVICE_STAGE.cupy,
+        "matmul",
+        lambda a, b: _dev(np.zeros((a.shape[0], b.shape[1]), np.float32)),
+    )
+    k = DEVICE_STAGE._KERNELS[0]
+    backend.use_cache(backend.new_cache(32))
+    backend._step(70_000)
+    assert {"attention_f32", "rope_kv_f32", "rmsnorm_rows", "swiglu_rows"} <= set(k.launched)
+    w.release()
+
+
+def test_what_a_capture_cannot_record_is_refused() -> None:
+    """The stand-in refuses, while a stream captures, what fails a CUDA graph capture:
+    allocations, host copies both ways, cuBLAS, synchronizing."""
+    fake = DEVICE_STAGE.cupy
+    a = fake.zeros((2, 3), np.float32)
+    stream = fake.cuda.Stream(non_blocking=True)
+    stream.begin_capture()
+    try:
+        assert fake.ascontiguousarray(a) is a  # no copy, nothing to refuse
+        for attempt in (
+            lambda: fake.zeros(3, np.float32),
+            lambda: fake.empty(3, np.float32),
+            lambda: fake.ascontiguousarray(a.T),
+            lambda: fake.matmul(a, a.T),
+            lambda: fake.asnumpy(a),
+            lambda: a.set(np.ones((2, 3), np.float32)),
+            stream.synchronize,
+        ):
+            with pytest.raises(AssertionError, match="captur"):
+                attempt()
+    finally:
+        stream.end_capture()
+
+
+def test_a_misaligned_pointer_or_row_is_refused() -> None:
+    """What a GPU would fault on ("misaligned address"): float32 activations read as
+    16-byte vectors from a view 4 bytes into its buffer; Q4_1 rows (4-byte loads) 2
+    bytes off; the emulated launch refuses both, and takes the aligned ones."""
+    k = EmulatedKernels()
+    rows, n = 4, 64
+    w = _dev(np.zeros((rows, 2 * 20), np.uint8))
+    y = _dev(np.zeros(rows, np.float32))
+    x = _dev(np.zeros(n + 4, np.float32))
+    k.launch("matvec_f_Q4_1", 1, 128, (w, 40, 2, rows, x[:n], y, None, 0))
+    with pytest.raises(AssertionError, match="argument 4 at 4, not 16-aligned"):
+        k.launch("matvec_f_Q4_1", 1, 128, (w, 40, 2, rows, x[1 : n + 1], y, None, 0))
+    odd = _dev(np.zeros(rows * 42, np.uint8))
+    with pytest.raises(AssertionError, match="rows of 42 bytes, not 4-aligned"):
+        k.launch("matvec_f_Q4_1", 1, 128, (odd, 42, 2, rows, x[:n], y, None, 0))
+
+
+def test_a_failed_launch_is_reported_not_hidden(models: dict[str, Path]) -> None:
+    """The emulated kernels refuse a launch whose grid would leave rows unwritten."""
+    with pytest.raises(LaunchError):
+        KERNEL_TWINS["matvec_f_F32"]((1,), 128, (None, 256, 2, 9, None, None, None, 0))
+
+
+def test_graph_use_is_a_construction_option_and_changes_no_bit(models: dict[str, Path]) -> None:
+    p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
+    inputs = [PROMPT, [4], [5], [6], [7]]
+    runs = {}
+    for use_graph in (False, True):
+        events = Events()
+        w = EmulatedCudaWorker(use_graph=use_graph, trace=events)
+        w.configure(p)
+        w.bind(p.gguf_source)
+        k = DEVICE_STAGE._KERNELS[0]
+        outs = [w.execute_step(s, np.array(d, np.uint32)) for s, d in enumerate(inputs[:3])]
+        launches = k.python_launches
+        outs += [w.execute_step(s, np.array(d, np.uint32)) for s, d in enumerate(inputs) if s > 2]
+        # replays launch nothing from Python; eager steps launch every kernel
+        assert (k.python_launches == launches) is use_graph
+        assert events == (["graph captured"] if use_graph else [])
+        runs[use_graph] = outs
+    twin = TwinWorker()
+    twin.configure(p)
+    twin.bind(p.gguf_source)
+    expected = [twin.execute_step(s, np.array(d, np.uint32)) for s, d in enumerate(inputs)]
+    for got, eager, want in zip(runs[True], runs[False], expected, strict=True):
+        assert isinstance(got, TokenOutput) and isinstance(eager, TokenOutput)
+        assert isinstance(want, TokenOutput)
+        assert got.logits is not None and eager.logits is not None and want.logits is not None
+        np.testing.assert_array_equal(got.logits, want.logits)
+        np.testing.assert_array_equal(eager.logits, want.logits)

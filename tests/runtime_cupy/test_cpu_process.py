@@ -1,0 +1,66 @@
+"""The CPU worker in stage processes: the default worker of ``runtime_cupy.generate`` and
+of ``python -m runtime_cupy``; through processes it computes what it computes in one
+process; each stage process is told its share of the host's cores."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime_core.workers.cpu.worker import CpuWorker
+from runtime_cupy import generate
+from runtime_cupy.cli.main import build_parser
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.support.chain import provisions, run
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("cpu-process") / "q8.gguf"
+    return str(write_model(path, ModelShape(n_layers=4, quant="Q8_0", seed=4)))
+
+
+def test_the_cpu_worker_is_the_default() -> None:
+    assert build_parser().parse_args(["--prompt", "hi"]).worker == "cpu"
+    assert generate.__kwdefaults__ is not None and generate.__kwdefaults__["worker"] == "cpu"
+
+
+def test_stage_processes_compute_what_one_process_computes(q8_model: str) -> None:
+    prompt = [5, 17, 42, 9]
+    result = generate(q8_model, prompt, stages=2, max_tokens=6, return_logits=True, worker="cpu")
+    assert result.outcome == "completed"
+    ours = run(provisions(q8_model, 2, max_seq_len=len(prompt) + 6), CpuWorker, prompt, 6)
+    assert list(result.tokens) == [o.token_id for o in ours]
+    assert result.logits is not None
+    for a, b in zip(result.logits, ours, strict=True):
+        assert b.logits is not None
+        np.testing.assert_array_equal(a, b.logits)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
+def test_each_stage_process_is_given_its_share_of_the_cores(
+    q8_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    pids: list[int] = []
+    environs: list[dict[str, str]] = []
+
+    def on_event(kind: str, fields: dict[str, object]) -> None:
+        if kind == "spawned":
+            pids.append(int(str(fields["pid"])))
+
+    def on_token(_token: int) -> None:
+        if not environs:  # every stage process is running by now
+            for pid in pids:
+                raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                environs.append(dict(e.decode().split("=", 1) for e in raw if b"=" in e))
+
+    generate(q8_model, [1, 2], stages=2, max_tokens=2, on_event=on_event, on_token=on_token)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert [env.get("OMP_NUM_THREADS") for env in environs] == [share, share]

@@ -1,0 +1,144 @@
+"""What the process-runtime tests check after every run: no process left, no shared
+memory, edge folder (FIFOs, rendezvous files) or listening port left (Linux: /dev/shm
+and /proc)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from runtime_cupy.edges.shm import segment_name
+from runtime_cupy.process.names import PREFIX, edge_dir
+
+SHM = Path("/dev/shm")
+TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"
+
+
+def _state(stat: Path) -> str:
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: any of its threads does (a zombie waiting for its parent
+    counts as gone). A killed process's first thread is a zombie before the others
+    have ended, and only once they all have can its parent reap it; so every thread
+    counts, not the first alone."""
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/stat"))
+    stats = tasks or [Path(f"/proc/{pid}/stat")]
+    return any(_state(stat) not in ("Z", "X") for stat in stats)
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until none of ``pids`` runs; those still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+def resources() -> set[str]:
+    """Every shared-memory segment and edge folder of this runtime on the host."""
+    found = {str(p) for p in SHM.glob(f"{PREFIX}*")}
+    found |= set(glob.glob(str(edge_dir("x", 0).parent / f"{PREFIX}*")))
+    return found
+
+
+#: Edge ids a plan of up to 62 stages numbers its edges with (the planner's 1..N+1).
+PLAN_EDGE_IDS = range(64)
+
+
+def run_resources(run_id: str, edge_ids: Iterable[int] = PLAN_EDGE_IDS) -> list[str]:
+    """What is left of one run: each edge's segment and folder, by name."""
+    left = []
+    for edge_id in edge_ids:
+        segment, folder = SHM / segment_name(run_id, edge_id), edge_dir(run_id, edge_id)
+        left += [str(p) for p in (segment, folder) if p.exists() or p.is_symlink()]
+    return left
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes started with ``TAG_VARIABLE=tag`` in their environment, but this
+    one."""
+    needle = f"{TAG_VARIABLE}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def users(path: str) -> list[int]:
+    """Live processes but this one that map ``path`` (a shared-memory segment) or hold
+    it, or a file in it (a FIFO folder), open."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if path.startswith(str(SHM)) and path in (entry / "maps").read_text():
+                found.append(int(entry.name))
+                continue
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target == path or target.startswith(path + "/"):
+                    found.append(int(entry.name))
+                    break
+        except OSError:  # gone, or not ours to read
+            continue
+    return [pid for pid in found if alive(pid)]
+
+
+def _listening() -> dict[str, int]:
+    """Socket inode -> local port of every TCP socket of the host in the LISTEN state."""
+    found: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":  # TCP_LISTEN
+                found[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    return found
+
+
+def _listening_inodes() -> set[str]:
+    return set(_listening())
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The local ports of the listening TCP sockets process ``pid`` holds open."""
+    listening = _listening()
+    return sorted(listening[s[8:-1]] for s in listening_sockets(pid) if s[8:-1] in listening)
+
+
+def listening_sockets(pid: int) -> list[str]:
+    """The listening TCP sockets process ``pid`` holds open (``socket:[inode]``)."""
+    listening = _listening_inodes()
+    held = []
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                held.append(target)
+    except OSError:
+        return []
+    return sorted(held)

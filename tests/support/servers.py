@@ -1,0 +1,138 @@
+"""Servers for the tests, on loopback:
+
+- ``ServerProcess``: ``python -m runtime_cupy serve ...`` as a user starts it, its
+  standard error in a file (where it says where it listens and logs every request).
+- ``InProcessServer``: the same application on uvicorn in a thread of the test, over a
+  ``WarmChain`` whose host the test chooses (a host that plays faults: a slow step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime_cupy.cli.serve import _listen
+from runtime_cupy.serve.app import build_app
+from runtime_cupy.serve.engine import Engine
+
+LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
+STAGE_STARTED = re.compile(r"stage (\d+) \(\S+\) started: pid (\d+)")
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def metrics(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """Every sample of ``GET /metrics``: ``name{label=value,...}`` -> value."""
+    text = httpx2.get(f"{base_url}/metrics", headers=headers or {}).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def idle(base_url: str, headers: dict[str, str] | None = None) -> bool:
+    m = metrics(base_url, headers)
+    return m["gguf_pipeline_requests_running"] == 0 and m["gguf_pipeline_queue_length"] == 0
+
+
+class ServerProcess:
+    """``python -m runtime_cupy serve ARGS``."""
+
+    def __init__(self, args: Sequence[str], log: Path, env: dict[str, str] | None = None):
+        self.log_path = log
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime_cupy", "serve", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env if env is not None else dict(os.environ),
+        )
+        self.base_url = ""
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_listening(self, timeout_s: float = 60.0) -> str:
+        def found() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited {self.proc.returncode}:\n{self.log()}")
+            return LISTENING.search(self.log()) is not None
+
+        wait_for(found, timeout_s, "the server to listen")
+        match = LISTENING.search(self.log())
+        assert match is not None
+        self.base_url = f"http://{match.group(1)}:{match.group(2)}"
+        return self.base_url
+
+    def health(self) -> int:
+        return httpx2.get(f"{self.base_url}/health").status_code
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        wait_for(lambda: self.health() == 200, timeout_s, "GET /health to say 200")
+
+    def stage_pids(self) -> dict[int, int]:
+        """Each stage's latest process id, from the log."""
+        return {int(i): int(pid) for i, pid in STAGE_STARTED.findall(self.log())}
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+class InProcessServer:
+    """The application on uvicorn in a thread, on a free port of 127.0.0.1."""
+
+    def __init__(self, engine: Engine, *, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.sock = _listen("127.0.0.1", 0)
+        port = self.sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(
+            build_app(engine, api_key=api_key),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+        self.thread.start()
+        wait_for(lambda: self.server.started, 30.0, "uvicorn to start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30.0)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.engine.close()

@@ -1,0 +1,48 @@
+"""The docs site's architecture page is the project's living inventory: it names every
+module of ``src/`` under its folder, and no module that is not there (a page that
+falls behind a change fails here, in the same commit). ``make docs`` builds the site
+with ``mkdocs build --strict``: a broken link or an anchor that is not there fails it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+PAGE = ROOT / "docs" / "architecture.md"
+
+
+def _modules_in_src() -> set[tuple[str, str]]:
+    return {
+        (str(p.parent.relative_to(SRC)), p.name)
+        for p in SRC.glob("*/**/*.py")
+        if p.parent.name != "__pycache__" and not p.parent.name.endswith(".egg-info")
+    }
+
+
+def _modules_on_the_page() -> set[tuple[str, str]]:
+    listed = set()
+    folder = None
+    for line in PAGE.read_text().splitlines():
+        heading = re.fullmatch(r"### `([\w/]+)/`", line)
+        if heading:
+            folder = heading.group(1)
+            continue
+        row = re.match(r"\| `([\w]+\.py)` \|", line)
+        if row and folder is not None:
+            listed.add((folder, row.group(1)))
+    return listed
+
+
+def test_the_architecture_page_names_every_module_of_src_and_no_other() -> None:
+    in_src, on_page = _modules_in_src(), _modules_on_the_page()
+    missing = sorted(f"{d}/{n}" for d, n in in_src - on_page)
+    gone = sorted(f"{d}/{n}" for d, n in on_page - in_src)
+    assert not missing, f"modules the architecture page does not name: {missing}"
+    assert not gone, f"modules the architecture page names that src/ lacks: {gone}"
+
+
+def test_the_page_is_read_at_all() -> None:
+    assert ("runtime_core/workers", "interface.py") in _modules_on_the_page()
+    assert len(_modules_on_the_page()) > 100
