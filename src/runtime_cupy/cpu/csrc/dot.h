@@ -84,10 +84,14 @@ typedef struct {
     x8_fn q8_x8[T_COUNT]; /* 8-bit activations times x8 groups */
 } Isa;
 
+/* The instruction sets, portable first; the module offers those the processor runs
+ * (module.c: isa_named) and uses the best unless a caller names another. */
 extern const Isa ISA_PORTABLE;
 #if defined(__GNUC__) && defined(__x86_64__)
 #define GPP_HAVE_AVX2 1
 extern const Isa ISA_AVX2;
+#define GPP_HAVE_AVX512 1
+const Isa *isa_avx512(void); /* AVX2's, with VNNI x8 products */
 #endif
 
 /* shared by every instruction set */

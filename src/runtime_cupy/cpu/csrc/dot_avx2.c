@@ -329,6 +329,12 @@ AVX2_INLINE void x8_legacy_body(const uint8_t *grp, int64_t nc, const XRows *x, 
 X8_LEGACY(Q4_0, 1)
 X8_LEGACY(Q4_1, 2)
 
+/* Q8_0 and the K-quants (and the Q4_0, Q4_1 bodies the AVX-512 set takes with VNNI; the
+ * two above, summing in 16 bits, are AVX2's own): x8_kernels.h with vpmaddubsw */
+#define X8_TARGET "avx2,f16c"
+#define X8_VNNI 0
+#include "x8_kernels.h"
+
 /* ---- K-quants ---------------------------------------------------------------------------- */
 
 /* A super-block decoded: the 8 chunks' weights as bytes u[s] (unsigned, or magnitudes
@@ -654,7 +660,8 @@ const Isa ISA_AVX2 = {
      f_Q6_K},
     scores_avx2,
     mix_avx2,
-    {[T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1},
+    {[T_Q8_0] = x8_q8_0, [T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1, [T_Q4_K] = x8_q4_k,
+     [T_Q5_K] = x8_q5_k, [T_Q6_K] = x8_q6_k},
 };
 
 #endif

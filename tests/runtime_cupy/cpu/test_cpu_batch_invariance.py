@@ -1,0 +1,64 @@
+"""Batch invariance of the CPU worker's products (CONCURRENT_RUNS.md §3): a matrix times R
+activation rows (``_kernels.linear``, the product a prefill and a batch of several runs'
+decode rows share) gives each row the bits that row gets alone, whatever the other rows
+(random content), their number (1 to 16 others), the row's place among them, the
+thread count (1 to 4) and the instruction set (each a parameter, skipped with the
+reason where this processor lacks it).
+
+Matrices are held as the worker holds them (``repack=True``: the six types with an x8
+layout repacked, the others as stored), 8-bit and float ("f32") activations; 45 rows
+of output (a last group of 5 padded rows) and rows of 512 elements (two K-quant
+super-blocks, 16 blocks of 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime_cupy.cpu import _kernels
+from tests.support.cpu_isas import isa_params
+from tests.support.random_blocks import random_rows
+
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q2_K", "F16")
+N_IN, N_OUT = 512, 45
+
+
+def linear(m: _kernels.Matrix, x: np.ndarray, use_q8: bool, threads: int, isa: str) -> np.ndarray:
+    rows, n = x.shape
+    y = np.zeros((rows, m.n_out), np.float32)
+    if use_q8 and m.act_format != "f32":
+        q, d = np.zeros((rows, n), np.int8), np.zeros((rows, n // 32), np.float32)
+        s, g = d.copy(), np.zeros((rows, n // 16), np.int32)
+        _kernels.linear(m, rows, x, q, d, s, g, True, True, y, None, False, threads, isa=isa)
+    else:
+        _kernels.linear(
+            m, rows, x, None, None, None, None, False, False, y, None, False, threads, isa=isa
+        )
+    return y
+
+
+def activations(rng: np.random.Generator, rows: int) -> np.ndarray:
+    x = (rng.standard_normal((rows, N_IN)) * rng.uniform(0.1, 10.0, (rows, 1))).astype(np.float32)
+    x[:, :32] *= 20.0  # an outlier block, as real residual streams have
+    return x
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("use_q8", [True, False], ids=["q8", "f32"])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(
+    qtype: str, use_q8: bool, isa: str
+) -> None:
+    rng = np.random.default_rng(TYPES.index(qtype))
+    raw = random_rows(rng, qtype, N_OUT, N_IN, scale=1 / np.sqrt(N_IN))
+    m = _kernels.Matrix([(raw, qtype, N_OUT, N_IN, 0)], repack=True, threads=2)
+    row = activations(rng, 1)
+    alone = linear(m, row, use_q8, 1, "portable")[0].view(np.uint32)
+    for others in range(1, 17):
+        batch = activations(rng, others + 1)
+        at = int(rng.integers(0, others + 1))
+        batch[at] = row[0]
+        for threads in (1, 2, 3, 4):
+            got = linear(m, batch, use_q8, threads, isa)[at].view(np.uint32)
+            np.testing.assert_array_equal(got, alone, err_msg=f"{others} others, {threads} threads")
