@@ -270,7 +270,7 @@ LEGACY(Q5_1, 4, 24)
 AVX2_INLINE void x8_legacy_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0,
                                 float (*out)[8], const int NJ, const int kind) {
     const int bb = kind == 1 ? 18 : 20, hb = kind == 1 ? 2 : 4;
-    float acc[XT][8][8];
+    float acc[X8_XT][8][8];
     memset(acc, 0, sizeof acc);
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < nc; ++c) {

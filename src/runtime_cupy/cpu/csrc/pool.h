@@ -26,7 +26,9 @@
 
 #include <stdint.h>
 
-#define POOL_SPIN_NS 100000L  /* 100 us */
+#ifndef POOL_SPIN_NS
+#define POOL_SPIN_NS 100000L /* 100 us */
+#endif
 #define POOL_MIN_WORK 65536   /* below this, one thread */
 
 typedef void (*pool_fn)(void *ctx, int64_t item);

@@ -17,8 +17,8 @@
  * running sums per row (block c into sum c mod 8) are dot.h's, in its order, so every
  * row's bits are the stored row's on every instruction set.
  *
- * The activation rows j0 .. j0 + nj - 1 (nj <= XT) share one decoding of each block:
- * a prefill multiplies every block read from memory with XT rows while it is in cache.
+ * The activation rows j0 .. j0 + nj - 1 (nj <= X8_XT) share one decoding of each block:
+ * a prefill multiplies every block read from memory with X8_XT rows while it is in cache.
  */
 #ifndef X8_TARGET
 #error "define X8_TARGET and X8_VNNI before including x8_kernels.h"
@@ -58,7 +58,7 @@ X8_INL void x8_prefetch(const uint8_t *p, int bytes) {
 }
 
 /* out[k][i] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), lane by lane */
-X8_INL void x8_finish(__m256 acc[XT][8], int nj, float (*out)[8]) {
+X8_INL void x8_finish(__m256 acc[X8_XT][8], int nj, float (*out)[8]) {
     for (int k = 0; k < nj; ++k) {
         __m256 *a = acc[k];
         __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
@@ -67,7 +67,7 @@ X8_INL void x8_finish(__m256 acc[XT][8], int nj, float (*out)[8]) {
     }
 }
 
-X8_INL void x8_zero(__m256 acc[XT][8], int nj) {
+X8_INL void x8_zero(__m256 acc[X8_XT][8], int nj) {
     for (int k = 0; k < nj; ++k)
         for (int i = 0; i < 8; ++i) acc[k][i] = _mm256_setzero_ps();
 }
@@ -76,7 +76,7 @@ X8_INL void x8_zero(__m256 acc[XT][8], int nj) {
 
 X8_INL void x8_q8_0_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0,
                          float (*out)[8], const int NJ) {
-    __m256 acc[XT][8];
+    __m256 acc[X8_XT][8];
     x8_zero(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * 272;
@@ -115,7 +115,7 @@ X8_INL void x8_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j
                        float (*out)[8], const int NJ, const int q4_1) {
     const int gb = q4_1 ? 160 : 144, at = q4_1 ? 32 : 16;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[XT][8];
+    __m256 acc[X8_XT][8];
     x8_zero(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
@@ -150,82 +150,102 @@ X8_INL void x8_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j
 
 enum { X8_Q4_K, X8_Q5_K, X8_Q6_K };
 
-/* a group super-block's quants as unsigned bytes: u[s][w] = word w of sub-block s */
-X8_INL void x8_k_decode(const uint8_t *b, const int kind, __m256i u[8][8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-    const __m256i two = _mm256_set1_epi8(0x30);
+/* word w of sub-blocks 2p (lo) and 2p + 1 (hi) of a group super-block as unsigned bytes */
+X8_INL void x8_k_word(const uint8_t *b, const int kind, int p, int w, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int at = kind == X8_Q4_K ? 160 : kind == X8_Q5_K ? 416 : 144;
-    for (int p = 0; p < 4; ++p) {
-        const __m256i h0 = kind == X8_Q5_K ? x8_load(b + 160 + 64 * p) : _mm256_setzero_si256();
-        const __m256i h1 = kind == X8_Q5_K ? x8_load(b + 192 + 64 * p) : _mm256_setzero_si256();
-        for (int w = 0; w < 8; ++w) {
-            const __m256i v = x8_load(b + at + 256 * p + 32 * w);
-            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            if (kind == X8_Q5_K) { /* bit w of each byte to bit 4 */
-                __m256i a = w <= 4 ? _mm256_slli_epi16(h0, 4 - w) : _mm256_srli_epi16(h0, w - 4);
-                __m256i c = w <= 4 ? _mm256_slli_epi16(h1, 4 - w) : _mm256_srli_epi16(h1, w - 4);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(a, bit4));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(c, bit4));
-            } else if (kind == X8_Q6_K) { /* the high 2 bits to bits 4-5 */
-                const __m256i h = x8_load(b + 1168 + 128 * p + 32 * (w >> 1));
-                __m256i a = (w & 1) ? h : _mm256_slli_epi16(h, 4);
-                __m256i c = (w & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(a, two));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(c, two));
-            }
-            u[2 * p][w] = lo;
-            u[2 * p + 1][w] = hi;
-        }
+    const __m256i v = x8_load(b + at + 256 * p + 32 * w);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (kind == X8_Q5_K) { /* bit w of each byte to bit 4 */
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        const __m256i h0 = x8_load(b + 160 + 64 * p), h1 = x8_load(b + 192 + 64 * p);
+        __m256i a = w <= 4 ? _mm256_slli_epi16(h0, 4 - w) : _mm256_srli_epi16(h0, w - 4);
+        __m256i c = w <= 4 ? _mm256_slli_epi16(h1, 4 - w) : _mm256_srli_epi16(h1, w - 4);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(a, bit4));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(c, bit4));
+    } else if (kind == X8_Q6_K) { /* the high 2 bits to bits 4-5 */
+        const __m256i two = _mm256_set1_epi8(0x30);
+        const __m256i h = x8_load(b + 1168 + 128 * p + 32 * (w >> 1));
+        __m256i a = (w & 1) ? h : _mm256_slli_epi16(h, 4);
+        __m256i c = (w & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(a, two));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(c, two));
     }
 }
 
+/* Each word is decoded once and multiplied with the NJ rows' activations at once; per
+ * row, the sums of a sub-block (Q6_K: of a 16-element group) times its scale go into
+ * isum, exactly. */
 X8_INL void x8_k_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0,
                       float (*out)[8], const int NJ, const int kind) {
     const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
-    __m256 acc[XT][8];
+    __m256 acc[X8_XT][8];
     x8_zero(acc, NJ);
-    __m256i u[8][8];
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
         const uint8_t *b = grp + sb * gb;
         x8_prefetch(b + X8_PREFETCH, gb);
-        x8_k_decode(b, kind, u);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
-        const __m256 dmin = kind == X8_Q6_K ? _mm256_setzero_ps()
-                                            : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
+        const int8_t *xq[X8_XT];
+        const int32_t *xg[X8_XT];
         for (int k = 0; k < NJ; ++k) {
-            const int64_t j = j0 + k;
-            const int8_t *xq = x->q + j * x->n + 256 * sb;
-            const int32_t *xg = x->g + j * 2 * nc + 16 * sb;
-            const __m256 xd = _mm256_set1_ps(x->d[j * nc + sb]);
-            __m256i isum = _mm256_setzero_si256();
-            __m256 term;
-            if (kind == X8_Q6_K) {
-                for (int s = 0; s < 8; ++s)
-                    for (int h = 0; h < 2; ++h) { /* 16-element group 2s + h: words 4h .. 4h + 3 */
-                        __m256i a = _mm256_set1_epi32(-32 * xg[2 * s + h]);
-                        for (int w = 4 * h; w < 4 * h + 4; ++w)
-                            a = x8_dot4(a, u[s][w], x8_bcast(xq + 32 * s + 4 * w));
-                        __m128i sc = _mm_loadl_epi64((const __m128i *)(b + 16 + 8 * (2 * s + h)));
-                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(a, _mm256_cvtepi8_epi32(sc)));
+            xq[k] = x->q + (j0 + k) * x->n + 256 * sb;
+            xg[k] = x->g + (j0 + k) * 2 * nc + 16 * sb;
+        }
+        __m256i isum[X8_XT];
+        for (int k = 0; k < NJ; ++k) isum[k] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+            __m256i alo[X8_XT], ahi[X8_XT];
+            for (int k = 0; k < NJ; ++k) alo[k] = ahi[k] = _mm256_setzero_si256();
+            for (int w = 0; w < 8; ++w) {
+                __m256i lo, hi;
+                x8_k_word(b, kind, p, w, &lo, &hi);
+                for (int k = 0; k < NJ; ++k) {
+                    alo[k] = x8_dot4(alo[k], lo, x8_bcast(xq[k] + 64 * p + 4 * w));
+                    ahi[k] = x8_dot4(ahi[k], hi, x8_bcast(xq[k] + 64 * p + 32 + 4 * w));
+                }
+                if (kind == X8_Q6_K && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
+                    const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
+                    const __m256i slo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * glo)));
+                    const __m256i shi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * ghi)));
+                    for (int k = 0; k < NJ; ++k) { /* q + 32 times x, less 32 times the sums */
+                        __m256i l = _mm256_sub_epi32(alo[k], _mm256_set1_epi32(32 * xg[k][glo]));
+                        __m256i r = _mm256_sub_epi32(ahi[k], _mm256_set1_epi32(32 * xg[k][ghi]));
+                        isum[k] = _mm256_add_epi32(isum[k], _mm256_add_epi32(_mm256_mullo_epi32(l, slo),
+                                                                             _mm256_mullo_epi32(r, shi)));
+                        alo[k] = ahi[k] = _mm256_setzero_si256();
                     }
-                term = _mm256_mul_ps(_mm256_mul_ps(xd, dw), _mm256_cvtepi32_ps(isum));
-            } else {
-                for (int s = 0; s < 8; ++s) {
-                    __m256i a = _mm256_setzero_si256();
-                    for (int w = 0; w < 8; ++w) a = x8_dot4(a, u[s][w], x8_bcast(xq + 32 * s + 4 * w));
-                    __m128i sc = _mm_loadl_epi64((const __m128i *)(b + 32 + 8 * s));
-                    isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(a, _mm256_cvtepu8_epi32(sc)));
                 }
-                __m256i imin = _mm256_setzero_si256();
-                for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
-                    int32_t s0 = xg[4 * p] + xg[4 * p + 1], s1 = xg[4 * p + 2] + xg[4 * p + 3];
-                    __m256i xs = _mm256_set1_epi32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
-                    __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 96 + 16 * p)));
-                    imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn, xs));
-                }
-                term = _mm256_mul_ps(_mm256_mul_ps(xd, dw), _mm256_cvtepi32_ps(isum));
-                term = _mm256_sub_ps(term, _mm256_mul_ps(_mm256_mul_ps(xd, dmin), _mm256_cvtepi32_ps(imin)));
             }
+            if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
+                const __m256i slo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 32 + 16 * p)));
+                const __m256i shi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 40 + 16 * p)));
+                for (int k = 0; k < NJ; ++k)
+                    isum[k] = _mm256_add_epi32(isum[k], _mm256_add_epi32(_mm256_mullo_epi32(alo[k], slo),
+                                                                         _mm256_mullo_epi32(ahi[k], shi)));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+        if (kind == X8_Q6_K) {
+            for (int k = 0; k < NJ; ++k) {
+                const __m256 xd = _mm256_set1_ps(x->d[(j0 + k) * nc + sb]);
+                const __m256 term = _mm256_mul_ps(_mm256_mul_ps(xd, dw), _mm256_cvtepi32_ps(isum[k]));
+                acc[k][sb & 7] = _mm256_add_ps(acc[k][sb & 7], term);
+            }
+            continue;
+        }
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)));
+        __m256i mn[4];
+        for (int p = 0; p < 4; ++p) mn[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 96 + 16 * p)));
+        for (int k = 0; k < NJ; ++k) {
+            __m256i imin = _mm256_setzero_si256();
+            for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
+                int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
+                __m256i xs = _mm256_set1_epi32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[p], xs));
+            }
+            const __m256 xd = _mm256_set1_ps(x->d[(j0 + k) * nc + sb]);
+            __m256 term = _mm256_mul_ps(_mm256_mul_ps(xd, dw), _mm256_cvtepi32_ps(isum[k]));
+            term = _mm256_sub_ps(term, _mm256_mul_ps(_mm256_mul_ps(xd, dmin), _mm256_cvtepi32_ps(imin)));
             acc[k][sb & 7] = _mm256_add_ps(acc[k][sb & 7], term);
         }
     }
