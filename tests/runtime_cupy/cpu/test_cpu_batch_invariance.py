@@ -9,16 +9,28 @@ Matrices are held as the worker holds them (``repack=True``: the six types with 
 layout repacked, the others as stored), 8-bit and float ("f32") activations; 45 rows
 of output (a last group of 5 padded rows) and rows of 512 elements (two K-quant
 super-blocks, 16 blocks of 32).
+
+A stage's backend (``CpuBackend``) given a prompt in chunks (steps of several rows at
+positions past 0, as CONCURRENT_RUNS.md §4 carries a prefill) computes the last row's
+logits, bit for bit, that it computes given the prompt whole, on every instruction set
+and thread count.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from runtime_core.gguf_slice import open_stage_slice
 from runtime_cupy.cpu import _kernels
+from runtime_cupy.cpu.backend import CpuBackend
+from runtime_cupy.cpu.worker import CpuWorker
+from runtime_cupy.stage_worker import BackendSpec
 from tests.support.cpu_isas import isa_params
 from tests.support.random_blocks import random_rows
+from tests.support.random_model import RandomModel, write_random_model
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q2_K", "F16")
 N_IN, N_OUT = 512, 45
@@ -81,3 +93,50 @@ def test_idle_threads_block_instead_of_spinning() -> None:
     cpu0 = time.process_time()
     time.sleep(0.5)
     assert time.process_time() - cpu0 < 0.05
+
+
+#: every type with an x8 layout and some without, in one model
+CHUNKED = RandomModel(
+    n_layers=2,
+    qtype="Q4_K",
+    embed_qtype="Q8_0",
+    head_qtype="Q6_K",
+    seed=11,
+    overrides=(
+        ("blk.0.attn_q.weight", "Q4_0"),
+        ("blk.0.attn_v.weight", "Q8_0"),
+        ("blk.0.ffn_down.weight", "Q5_K"),
+        ("blk.1.ffn_up.weight", "Q4_1"),
+        ("blk.1.attn_k.weight", "Q5_0"),
+        ("blk.1.attn_output.weight", "Q2_K"),
+    ),
+)
+
+
+def prompt_logits(path: Path, chunks: list[int], threads: int, isa: str) -> np.ndarray:
+    """The last row's logits after feeding a prompt in chunks of these sizes."""
+    spec = BackendSpec(True, True, np.dtype(np.float32), "f32", "q8")
+    backend = CpuBackend(spec, threads, isa)
+    with open_stage_slice(path, 0, 2, is_first=True, is_last=True,
+                          capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
+        backend.load(stage, 64, None)
+    ids = np.random.default_rng(3).integers(0, 512, sum(chunks)).astype(np.int32)
+    pos = 0
+    for rows in chunks:
+        backend.put_tokens(ids[pos : pos + rows])
+        backend.run(rows, pos)
+        pos += rows
+    logits = backend.logits()
+    backend.release()
+    return logits
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_a_prompt_in_chunks_computes_the_logits_of_the_prompt_whole(
+    tmp_path: Path, isa: str
+) -> None:
+    path = write_random_model(tmp_path / "chunked.gguf", CHUNKED)
+    whole = prompt_logits(path, [23], 1, "portable").view(np.uint32)
+    for chunks, threads in (([23], 3), ([1, 7, 3, 12], 2), ([5, 5, 5, 5, 3], 4), ([1] * 23, 1)):
+        got = prompt_logits(path, chunks, threads, isa).view(np.uint32)
+        np.testing.assert_array_equal(got, whole, err_msg=f"chunks {chunks}, {threads} threads")
