@@ -10,6 +10,10 @@
 #include <Python.h>
 
 #include <math.h>
+#include <stdlib.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "ops.h"
 #include "pool.h"
@@ -121,6 +125,24 @@ static int qtype_code(const char *name) {
 
 /* ---- Matrix ---------------------------------------------------------------------------- */
 
+#define HUGE_PAGE ((size_t)2 << 20)
+
+/* memory for a repacked part: a copy of HUGE_PAGE or more lies in 2 MiB pages where the
+ * system gives them on request (Linux's transparent huge pages in "madvise" mode), so
+ * that streaming it crosses a page (and its TLB entry, and the stream prefetchers'
+ * window) every 2 MiB instead of every 4 KiB; the last page's unused tail is < 2 MiB */
+static uint8_t *alloc_groups(size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= HUGE_PAGE) {
+        void *p = NULL;
+        if (posix_memalign(&p, HUGE_PAGE, bytes) != 0) return NULL;
+        madvise(p, bytes, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
+        return p;
+    }
+#endif
+    return malloc(bytes);
+}
+
 typedef struct {
     PyObject_HEAD
     int n_parts;
@@ -219,7 +241,7 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
         }
         Part part = {(const uint8_t *)b->view.buf, t, n_out, n_in, row_bytes, offset, 0};
         if (repack && x8_supported(t)) { /* the groups replace the view */
-            uint8_t *groups = malloc((size_t)x8_bytes(t, n_out, n_in));
+            uint8_t *groups = alloc_groups((size_t)x8_bytes(t, n_out, n_in));
             if (!groups) {
                 release(b);
                 PyErr_NoMemory();
