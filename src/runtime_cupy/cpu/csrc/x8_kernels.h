@@ -194,9 +194,19 @@ X8_INL void x8_k_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0
         __m256i isum[X8_XT];
         for (int k = 0; k < NJ; ++k) isum[k] = _mm256_setzero_si256();
         for (int p = 0; p < 4; ++p) {
+            /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
+             * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
             __m256i alo[X8_XT], ahi[X8_XT];
-            for (int k = 0; k < NJ; ++k) alo[k] = ahi[k] = _mm256_setzero_si256();
+            for (int k = 0; k < NJ; ++k) {
+                alo[k] = kind == X8_Q6_K ? _mm256_set1_epi32(-32 * xg[k][4 * p]) : _mm256_setzero_si256();
+                ahi[k] = kind == X8_Q6_K ? _mm256_set1_epi32(-32 * xg[k][4 * p + 2]) : _mm256_setzero_si256();
+            }
             for (int w = 0; w < 8; ++w) {
+                if (kind == X8_Q6_K && w == 4)
+                    for (int k = 0; k < NJ; ++k) {
+                        alo[k] = _mm256_set1_epi32(-32 * xg[k][4 * p + 1]);
+                        ahi[k] = _mm256_set1_epi32(-32 * xg[k][4 * p + 3]);
+                    }
                 __m256i lo, hi;
                 x8_k_word(b, kind, p, w, &lo, &hi);
                 for (int k = 0; k < NJ; ++k) {
@@ -207,13 +217,9 @@ X8_INL void x8_k_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0
                     const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
                     const __m256i slo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * glo)));
                     const __m256i shi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * ghi)));
-                    for (int k = 0; k < NJ; ++k) { /* q + 32 times x, less 32 times the sums */
-                        __m256i l = _mm256_sub_epi32(alo[k], _mm256_set1_epi32(32 * xg[k][glo]));
-                        __m256i r = _mm256_sub_epi32(ahi[k], _mm256_set1_epi32(32 * xg[k][ghi]));
-                        isum[k] = _mm256_add_epi32(isum[k], _mm256_add_epi32(_mm256_mullo_epi32(l, slo),
-                                                                             _mm256_mullo_epi32(r, shi)));
-                        alo[k] = ahi[k] = _mm256_setzero_si256();
-                    }
+                    for (int k = 0; k < NJ; ++k)
+                        isum[k] = _mm256_add_epi32(isum[k], _mm256_add_epi32(_mm256_mullo_epi32(alo[k], slo),
+                                                                             _mm256_mullo_epi32(ahi[k], shi)));
                 }
             }
             if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
