@@ -30,7 +30,9 @@
   weights a decode step reads (every block's and the head's as the file stores them,
   one embedding row; float32 copies for the reference worker) over the median step
   time, as GB/s and as a share of this machine's read bandwidth measured here (as many
-  threads summing a 1 GiB float64 buffer, best of 5). Also: warm start, the seconds
+  threads summing a 1 GiB float64 buffer, best of 5); the process's CPU time per decode
+  token and per prompt token (every thread's; at 1 thread, the ratio a busy host
+  distorts least, printed beside the wall-clock ratio). Also: warm start, the seconds
   from launching an interpreter to a bound SmolLM2 CPU worker that has decoded one
   token (the kernels are compiled when the package is installed).
 - Targets (issue 26), printed as measured with PASS / MISS (nothing here is asserted):
@@ -198,12 +200,15 @@ def last():
     ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
     return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
                                                shape=(n_vocab,))))
-t0 = time.perf_counter(); llm.eval(args["prompt"]); prefill = time.perf_counter() - t0
-tok, steps = last(), []
+c0, t0 = time.process_time(), time.perf_counter(); llm.eval(args["prompt"])
+prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
+tok, steps, steps_cpu = last(), [], []
 for _ in range(args["tokens"]):
-    t0 = time.perf_counter(); llm.eval([tok]); steps.append(time.perf_counter() - t0)
+    c0, t0 = time.process_time(), time.perf_counter(); llm.eval([tok])
+    steps.append(time.perf_counter() - t0); steps_cpu.append(time.process_time() - c0)
     tok = last()
-print(json.dumps({"prefill_s": prefill, "steps_s": steps, "base_kib": base,
+print(json.dumps({"prefill_s": prefill, "steps_s": steps, "prefill_cpu_s": prefill_cpu,
+                  "steps_cpu_s": steps_cpu, "base_kib": base,
                   "rss_kib": status_kib("VmRSS"), "peak_kib": status_kib("VmHWM")}))
 """
 )
@@ -257,18 +262,21 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     worker.bind(prov.gguf_source)
     bind_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     out = worker.execute_step(0, np.array(args["prompt"], np.uint32))
-    prefill = time.perf_counter() - t0
-    steps = []
+    prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
+    steps, steps_cpu = [], []
     for k in range(1, args["tokens"] + 1):
         assert isinstance(out, TokenOutput)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = worker.execute_step(k, np.array([out.token_id], np.uint32))
         steps.append(time.perf_counter() - t0)
+        steps_cpu.append(time.process_time() - c0)
     return {
         "prefill_s": prefill,
         "steps_s": steps,
+        "prefill_cpu_s": prefill_cpu,
+        "steps_cpu_s": steps_cpu,
         "bind_s": bind_s,
         "base_kib": base,
         "rss_kib": status["status_kib"]("VmRSS"),
@@ -375,10 +383,16 @@ def warm_start() -> dict[str, float]:
 def summarize(results: list[dict[str, Any]], prompt_len: int) -> dict[str, float]:
     step = statistics.median(statistics.median(r["steps_s"]) for r in results)
     prefill = statistics.median(r["prefill_s"] for r in results)
+    step_cpu = statistics.median(statistics.median(r["steps_cpu_s"]) for r in results)
+    prefill_cpu = statistics.median(r["prefill_cpu_s"] for r in results)
     return {
         "decode_tokens_per_s": 1.0 / step,
         "decode_step_s": step,
         "prefill_tokens_per_s": prompt_len / prefill,
+        # the process's CPU time (every thread's) per token: on one thread, the figure a
+        # busy host changes least (time waiting for a core is not counted)
+        "decode_cpu_ms_per_token": 1e3 * step_cpu,
+        "prefill_cpu_ms_per_token": 1e3 * prefill_cpu / prompt_len,
         "rss_above_base_mib": statistics.median(r["rss_kib"] - r["base_kib"] for r in results)
         / 1024,
         "peak_above_base_mib": statistics.median(r["peak_kib"] - r["base_kib"] for r in results)
@@ -523,7 +537,8 @@ def figures(
     )
     print(
         f"  {'runner':10} {'decode tok/s':>12} {'prefill tok/s':>13} {'RSS+ MiB':>9} "
-        f"{'peak+ MiB':>9} {'GB/tok':>7} {'GB/s':>6} {'of bw':>6}"
+        f"{'peak+ MiB':>9} {'GB/tok':>7} {'GB/s':>6} {'of bw':>6} {'CPU ms/tok: decode':>18} "
+        f"{'prefill':>7}"
     )
     for runner, results in raw.items():
         s = summarize(results, args.prompt_len)
@@ -534,7 +549,8 @@ def figures(
         print(
             f"  {runner:10} {s['decode_tokens_per_s']:12.1f} {s['prefill_tokens_per_s']:13.1f} "
             f"{s['rss_above_base_mib']:9.0f} {s['peak_above_base_mib']:9.0f} "
-            f"{nbytes / 1e9:7.3f} {s['weight_gb_s']:6.1f} {s['of_bandwidth']:6.0%}"
+            f"{nbytes / 1e9:7.3f} {s['weight_gb_s']:6.1f} {s['of_bandwidth']:6.0%} "
+            f"{s['decode_cpu_ms_per_token']:18.2f} {s['prefill_cpu_ms_per_token']:7.2f}"
         )
     ours = [r for r in raw if r.startswith("cpu")]
     if "llama.cpp" in out:
@@ -548,6 +564,15 @@ def figures(
                 f"  {runner} / llama.cpp: decode {dec:.2f} ({pass_miss(dec >= 1.0)}, "
                 f"target >= 1.0), prefill {pre:.2f} ({pass_miss(pre >= 1.0)}, target >= 1.0)"
             )
+            if threads == 1:  # CPU time per token, llama.cpp's over ours
+                r["decode_cpu_ratio"] = lc["decode_cpu_ms_per_token"] / r["decode_cpu_ms_per_token"]
+                r["prefill_cpu_ratio"] = (
+                    lc["prefill_cpu_ms_per_token"] / r["prefill_cpu_ms_per_token"]
+                )
+                print(
+                    f"    on CPU time (1 thread, waiting for a core not counted): decode "
+                    f"{r['decode_cpu_ratio']:.2f}, prefill {r['prefill_cpu_ratio']:.2f}"
+                )
     if "cpu" in out and "numpy" in out:
         print(
             "  cpu / numpy: decode "
