@@ -316,8 +316,9 @@ AVX2_INLINE void x8_legacy_body(const uint8_t *grp, int64_t nc, const XRows *x, 
 }
 
 #define X8_LEGACY(NAME, KIND)                                                                  \
-    AVX2 static void x8_##NAME(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0,    \
-                               int nj, float (*out)[8]) {                                      \
+    AVX2 static void x8_##NAME(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x,    \
+                               int64_t j0, int nj, float (*out)[8]) {                          \
+        (void)gs;                                                                              \
         switch (nj) {                                                                          \
         case 1: x8_legacy_body(grp, nc, x, j0, out, 1, KIND); break;                           \
         case 2: x8_legacy_body(grp, nc, x, j0, out, 2, KIND); break;                           \
@@ -333,6 +334,7 @@ X8_LEGACY(Q4_1, 2)
  * two above, summing in 16 bits, are AVX2's own): x8_kernels.h with vpmaddubsw */
 #define X8_TARGET "avx2,f16c"
 #define X8_VNNI 0
+#define X8_WIDTH 256
 #include "x8_kernels.h"
 
 /* ---- K-quants ---------------------------------------------------------------------------- */
@@ -662,6 +664,7 @@ const Isa ISA_AVX2 = {
     mix_avx2,
     {[T_Q8_0] = x8_q8_0, [T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1, [T_Q4_K] = x8_q4_k,
      [T_Q5_K] = x8_q5_k, [T_Q6_K] = x8_q6_k},
+    {NULL}, /* no 512-bit vectors */
 };
 
 #endif

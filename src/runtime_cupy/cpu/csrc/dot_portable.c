@@ -361,13 +361,15 @@ static void x8_legacy(int t, const uint8_t *grp, int64_t nc, const XRows *x, int
     }
 }
 
-static void x8_Q4_0(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
-                    float (*out)[8]) {
+static void x8_Q4_0(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                    int nj, float (*out)[8]) {
+    (void)gs;
     x8_legacy(T_Q4_0, grp, nc, x, j0, nj, out);
 }
 
-static void x8_Q4_1(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
-                    float (*out)[8]) {
+static void x8_Q4_1(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                    int nj, float (*out)[8]) {
+    (void)gs;
     x8_legacy(T_Q4_1, grp, nc, x, j0, nj, out);
 }
 
@@ -451,4 +453,5 @@ const Isa ISA_PORTABLE = {
     scores_portable,
     mix_portable,
     {[T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1},
+    {NULL},
 };

@@ -78,16 +78,31 @@ static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int 
         atomic_store(&J->failed, 1);
         return;
     }
-    for (int64_t g0 = r0; g0 < r1; g0 += X8) {
-        const uint8_t *grp = pt->w + (g0 / X8) * x8_group_bytes(pt->t, pt->n_in);
+    const int64_t gs = x8_group_bytes(pt->t, pt->n_in);
+    x16_fn fast16 = q8 ? J->isa->q8_x16[pt->t] : NULL;
+    for (int64_t g0 = r0; g0 < r1;) {
+        const uint8_t *grp = pt->w + (g0 / X8) * gs;
+        if (fast16 && r1 - g0 > X8) { /* this group and the next at once */
+            float out16[X8_XT][2 * X8];
+            int nr = r1 - g0 < 2 * X8 ? (int)(r1 - g0) : 2 * X8;
+            for (int64_t j0 = 0; j0 < J->rows; j0 += X8_XT) {
+                int nj = J->rows - j0 < X8_XT ? (int)(J->rows - j0) : X8_XT;
+                fast16(grp, gs, nc, J->x, j0, nj, out16);
+                for (int k = 0; k < nj; ++k)
+                    for (int i = 0; i < nr; ++i) put(J, pt, j0 + k, g0 + i, out16[k][i]);
+            }
+            g0 += 2 * X8;
+            continue;
+        }
         int nr = r1 - g0 < X8 ? (int)(r1 - g0) : X8;
         if (fast) {
             for (int64_t j0 = 0; j0 < J->rows; j0 += X8_XT) {
                 int nj = J->rows - j0 < X8_XT ? (int)(J->rows - j0) : X8_XT;
-                fast(grp, nc, J->x, j0, nj, out);
+                fast(grp, gs, nc, J->x, j0, nj, out);
                 for (int k = 0; k < nj; ++k)
                     for (int i = 0; i < nr; ++i) put(J, pt, j0 + k, g0 + i, out[k][i]);
             }
+            g0 += X8;
             continue;
         }
         for (int i = 0; i < nr; ++i) { /* each stored row, unpacked */
@@ -98,6 +113,7 @@ static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int 
                 for (int k = 0; k < nj; ++k) put(J, pt, j0 + k, g0 + i, tmp[k]);
             }
         }
+        g0 += X8;
     }
     free(row);
 }
