@@ -296,6 +296,27 @@ X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
                 alo[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p]) : v_zero();
                 ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
             }
+#if !X8_VNNI
+            if (kind == X8_Q4_K) { /* pairs of nibble products summed in 16 bits (at most
+                                    * 8 words * 2 * 15 * 127 < 2^15), then times the scale */
+                __m256i plo[X8_XT], phi[X8_XT];
+                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
+                for (int w = 0; w < 8; ++w) {
+                    VI lo, hi;
+                    XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                    for (int k = 0; k < NJ; ++k) {
+                        plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xq[k] + 64 * p + 4 * w)));
+                        phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xq[k] + 64 * p + 32 + 4 * w)));
+                    }
+                }
+                const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs), s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+                const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
+                const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+                for (int k = 0; k < NJ; ++k)
+                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+                continue;
+            }
+#endif
             for (int w = 0; w < 8; ++w) {
                 if (kind == X8_Q6_K && w == 4)
                     for (int k = 0; k < NJ; ++k) {
