@@ -225,7 +225,8 @@ static void qk_norm_item(void *ctx, int64_t r) {
 void qk_norm_rows(float *qkv, int64_t rows, const float *bias, const float *q_norm,
                   const float *k_norm, const Heads *hd, double eps, int threads) {
     QkNormJob J = {qkv, bias, q_norm, k_norm, hd, eps};
-    pool_run(pool_threads(threads, rows * (hd->n_heads + hd->n_kv) * hd->hd_k), rows, qk_norm_item, &J);
+    int64_t work = rows * (hd->n_heads + hd->n_kv) * hd->hd_k;
+    pool_run(pool_threads(threads, work), rows, qk_norm_item, &J);
 }
 
 typedef struct {
@@ -252,7 +253,8 @@ static void swiglu_item(void *ctx, int64_t item) {
 
 void swiglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads) {
     SwigluJob J = {h, act, f, rows * f};
-    pool_run(pool_threads(threads, 16 * J.total), (J.total + ELEMWISE - 1) / ELEMWISE, swiglu_item, &J);
+    int64_t items = (J.total + ELEMWISE - 1) / ELEMWISE;
+    pool_run(pool_threads(threads, 16 * J.total), items, swiglu_item, &J); /* expf: ~16 units */
 }
 
 /* GELU as llama.cpp's CPU path computes it: a table of halves, gelu(v) rounded to half
@@ -290,7 +292,8 @@ static void geglu_item(void *ctx, int64_t item) {
 
 void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads) {
     SwigluJob J = {h, act, f, rows * f};
-    pool_run(pool_threads(threads, 16 * J.total), (J.total + ELEMWISE - 1) / ELEMWISE, geglu_item, &J);
+    int64_t items = (J.total + ELEMWISE - 1) / ELEMWISE;
+    pool_run(pool_threads(threads, 16 * J.total), items, geglu_item, &J);
 }
 
 typedef struct {
@@ -382,7 +385,8 @@ void rope_kv_rows(float *qkv, int64_t rows, const float *bias, const float *rot,
                   const Heads *hd, int64_t n_rot, int neox, float q_scale, void *k_cache,
                   void *v_cache, StepKV step, int threads) {
     RopeJob J = {qkv, bias, rot, rows, pos, n_rot, hd, neox, q_scale, k_cache, v_cache, step};
-    pool_run(pool_threads(threads, 4 * rows * (hd->n_heads + hd->n_kv) * hd->hd_k), rows, rope_item, &J);
+    int64_t work = 4 * rows * (hd->n_heads + hd->n_kv) * hd->hd_k;
+    pool_run(pool_threads(threads, work), rows, rope_item, &J);
 }
 
 /* ---- attention --------------------------------------------------------------------------- */
@@ -473,9 +477,9 @@ int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache
                    StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
                    float *out, int threads) {
     AttentionJob J = {isa, qkv, k_cache, v_cache, step, rows, pos, window, hd, scale, out, 0};
-    int64_t seen = window && window < pos + rows ? window : pos + rows; /* positions a row sees, at most */
-    pool_run(pool_threads(threads, rows * hd->n_heads * seen * (hd->hd_k + hd->hd_v)), rows * hd->n_heads,
-             attention_item, &J);
+    int64_t seen = window && window < pos + rows ? window : pos + rows; /* at most, per row */
+    int64_t work = rows * hd->n_heads * seen * (hd->hd_k + hd->hd_v);
+    pool_run(pool_threads(threads, work), rows * hd->n_heads, attention_item, &J);
     if (step.k) { /* every query has read them: the step's last max_seq positions to the ring */
         size_t esize = hd->kv_half ? 2 : 4;
         int64_t from = pos + rows - hd->max_seq > pos ? pos + rows - hd->max_seq : pos;

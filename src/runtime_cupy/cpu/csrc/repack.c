@@ -73,7 +73,8 @@ static void k4_pack(int t, const uint8_t *b, int i, uint8_t *G) {
     }
     const int qs = t == T_Q4_K ? 16 : 48, at = t == T_Q4_K ? K4_HEADER : K5_NIBBLES;
     for (int p = 0; p < 4; ++p)
-        for (int w = 0; w < 8; ++w) memcpy(G + at + 256 * p + word_at(0, w, i, 0), b + qs + 32 * p + 4 * w, 4);
+        for (int w = 0; w < 8; ++w)
+            memcpy(G + at + 256 * p + word_at(0, w, i, 0), b + qs + 32 * p + 4 * w, 4);
     if (t == T_Q5_K) /* bit s of stored qh[l]: the fifth bit of element l of sub-block s */
         for (int s = 0; s < 8; ++s)
             for (int l = 0; l < 32; ++l) {
@@ -93,7 +94,8 @@ static void k4_unpack(int t, const uint8_t *G, int i, uint8_t *b) {
     k4_pack_scales(sc, mn, b + 4);
     const int qs = t == T_Q4_K ? 16 : 48, at = t == T_Q4_K ? K4_HEADER : K5_NIBBLES;
     for (int p = 0; p < 4; ++p)
-        for (int w = 0; w < 8; ++w) memcpy(b + qs + 32 * p + 4 * w, G + at + 256 * p + word_at(0, w, i, 0), 4);
+        for (int w = 0; w < 8; ++w)
+            memcpy(b + qs + 32 * p + 4 * w, G + at + 256 * p + word_at(0, w, i, 0), 4);
     if (t == T_Q5_K) {
         memset(b + 16, 0, 32);
         for (int s = 0; s < 8; ++s)

@@ -305,11 +305,13 @@ X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
                     VI lo, hi;
                     XN(k_word)(b, gs, kind, p, w, &lo, &hi);
                     for (int k = 0; k < NJ; ++k) {
-                        plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xq[k] + 64 * p + 4 * w)));
-                        phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xq[k] + 64 * p + 32 + 4 * w)));
+                        const int8_t *xp = xq[k] + 64 * p + 4 * w;
+                        plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
+                        phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
                     }
                 }
-                const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs), s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+                const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+                const __m256i s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
                 const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
                 const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
                 for (int k = 0; k < NJ; ++k)
