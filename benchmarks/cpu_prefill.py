@@ -102,7 +102,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         "tokens": tokens,
         "decode_s": statistics.median(steps) if steps else None,
         "logits_bits": logits,
-        "isa": _kernels.isa(),
+        "isa": getattr(chain.workers[0], "isa", None) or _kernels.isas()[-1],
     }
 
 

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 QTYPES: tuple[str, ...]
+KNOWN_ISAS: tuple[str, ...]  # every instruction set the kernels know, portable first
 
 class Matrix:
     n_in: int
@@ -11,7 +12,10 @@ class Matrix:
     act_format: str  # "q8_0", "q8_1", "q8_K", or "f32" for float weights
     repacked: tuple[bool, ...]  # per part: copied 8 rows at a time (csrc/repack.h)
     def __init__(
-        self, parts: Sequence[tuple[Any, str, int, int, int]], repack: bool = False
+        self,
+        parts: Sequence[tuple[Any, str, int, int, int]],
+        repack: bool = False,
+        threads: int = 1,
     ) -> None: ...
 
 def linear(
@@ -28,6 +32,9 @@ def linear(
     bias: Any | None,
     accumulate: bool,
     threads: int,
+    /,
+    *,
+    isa: str | None = None,
 ) -> None: ...
 def quantize(fmt: str, x: Any, rows: int, n: int, q: Any, d: Any, s: Any, g: Any) -> None: ...
 def rmsnorm(
@@ -86,9 +93,9 @@ def attention(
     window: int = 0,
     k_step: Any | None = None,
     v_step: Any | None = None,
+    *,
+    isa: str | None = None,
 ) -> None: ...
 def embed(table: Matrix, ids: Any, out: Any, threads: int) -> None: ...
 def argmax(logits: Any) -> tuple[int, int]: ...
-def isas() -> tuple[str, ...]: ...
-def isa() -> str: ...
-def set_isa(name: str) -> None: ...
+def isas() -> tuple[str, ...]: ...  # those this processor runs, portable first, the best last

@@ -5,13 +5,19 @@ Weights are the file's own bytes: ``load_weights`` hands over views of the memor
 (``join_parts=False``: Q, K, V and gate, up stay the separate matrices the file
 stores, each writing its columns of the output), the kernels multiply the GGUF blocks
 in place, and only norm weights and biases are copied (as float32). The exception is
-Q4_0 and Q4_1 (the types with an x8 kernel, ``csrc/repack.h``): such a matrix that
-products read is copied once at bind into groups of 8 interleaved rows, whose kernel
-computes 8 rows' products side by side, the same bits as on the stored rows; the copy replaces the
-mapped pages in the process (dropped with ``MADV_DONTNEED``: a copy of about the
-tensor's bytes, in private memory instead of the file's shared, reclaimable pages). An
-embedding only looked up stays mapped. ``load`` reads every other page of the stage's
-tensors once, so the first step does not wait on the disk.
+the types decode reads most, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K (those with x8
+kernels, ``csrc/repack.h``): such a matrix that products read is copied once at bind
+(on the stage's threads) into groups of 8 interleaved rows, whose kernels compute 8
+rows' products side by side, the same bits as on the stored rows; the copy replaces
+the mapped pages in the process (dropped with ``MADV_DONTNEED``: a copy of the
+tensor's bytes, 2.8 % more for Q4_K and Q5_K whose scales it keeps unpacked, in private
+memory instead of the file's shared, reclaimable pages). An embedding only looked up
+stays mapped. ``load`` reads every other page of the stage's tensors once, so the first
+step does not wait on the disk.
+
+Every kernel call names the worker's instruction set (``isa``: ``kernels.py``), and a
+matrix times R activation rows gives each row the bits it gets alone, whatever the
+other rows, the threads or the set: the product prefill and batched steps share.
 
 Products. With ``matvec="q8"`` (the default) activations are rounded as llama.cpp's
 CPU path rounds them for the weight type (``ACT_FORMAT``: Q8_0, Q8_1 or Q8_K blocks,
@@ -148,10 +154,16 @@ class CpuOps:
     """``program.Ops`` as calls of the compiled kernels."""
 
     def __init__(
-        self, w: StageWeights[U8, F32], spec: BackendSpec, max_seq: int, threads: int
+        self,
+        w: StageWeights[U8, F32],
+        spec: BackendSpec,
+        max_seq: int,
+        threads: int,
+        isa: str | None = None,
     ) -> None:
         c = w.config
         self.w, self.spec, self.max_seq, self.threads = w, spec, max_seq, threads
+        self.isa = isa  # the kernels' instruction set (None: the best)
         self.use_q8 = spec.matvec == "q8"
         self.kv = np.float16 if spec.kv_dtype == "f16" else np.float32
         # per block: its window (0: global), a ring of ``size`` positions (the cache in
@@ -190,7 +202,7 @@ class CpuOps:
                 key = (tuple(id(part[0]) for part in parts), tuple(part[4] for part in parts))
                 if key not in built:  # a tied embedding shares the head's matrix
                     repack = all(id(part[0]) in multiplied for part in parts)
-                    built[key] = _kernels.Matrix(parts, repack=repack)
+                    built[key] = _kernels.Matrix(parts, repack=repack, threads=threads)
                     for part, packed in zip(parts, built[key].repacked, strict=True):
                         if packed:
                             _drop_pages(part[0])
@@ -293,14 +305,14 @@ class CpuOps:
                 xf = self._rounded(src, fmt, x) if self.use_q8 and fmt != "f32" else x
                 _kernels.linear(
                     matrix, rows, xf, None, None, None, None,
-                    False, False, y, bias, accumulate, self.threads,
+                    False, False, y, bias, accumulate, self.threads, isa=self.isa,
                 )  # fmt: skip
                 continue
             q8 = b.q8_of(src, fmt)
             fresh = b.fresh.setdefault(src, set())
             _kernels.linear(
                 matrix, rows, x, q8.q, q8.d, q8.s, q8.g,
-                fmt not in fresh, True, y, bias, accumulate, self.threads,
+                fmt not in fresh, True, y, bias, accumulate, self.threads, isa=self.isa,
             )  # fmt: skip
             fresh.add(fmt)
 
@@ -347,7 +359,7 @@ class CpuOps:
         step = self.step_kv or (None, None)
         _kernels.attention(
             b.views["qkv"], rows, k, v, self.pos, self.heads[layer], self.scale, b.views["att"],
-            self.threads, self.windows[layer], *step,
+            self.threads, self.windows[layer], *step, isa=self.isa,
         )  # fmt: skip
         self.step_kv = None  # its last ``size`` positions are in the ring now
         self._written("att")
@@ -408,9 +420,10 @@ def _touch(raw: U8) -> None:
 class CpuBackend:
     """``worker.StageBackend`` on the host's cores."""
 
-    def __init__(self, spec: BackendSpec, threads: int) -> None:
+    def __init__(self, spec: BackendSpec, threads: int, isa: str | None = None) -> None:
         self.spec = spec
         self.threads = threads
+        self.isa = isa
         self.ops: CpuOps | None = None
         self.weights: StageWeights[U8, F32] | None = None
         self._input: F32 | None = None
@@ -419,7 +432,7 @@ class CpuBackend:
         self.weights = load_weights(
             stage, _MappedUploader(), max_seq_len, progress, join_parts=False
         )
-        self.ops = CpuOps(self.weights, self.spec, max_seq_len, self.threads)
+        self.ops = CpuOps(self.weights, self.spec, max_seq_len, self.threads, self.isa)
         seen: set[int] = set()
         for lin in self.ops._linears():
             for _, raw in lin.parts:

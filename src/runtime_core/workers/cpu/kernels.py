@@ -1,11 +1,15 @@
 """The CPU worker's compiled kernels (``csrc/*.c``, built by ``pip install`` as
-``runtime_core.workers.cpu._kernels``), and the number of threads a stage uses (``csrc/pool.h``
-shares each operation's items out among them).
+``runtime_core.workers.cpu._kernels``), the instruction set and the number of threads a
+stage uses (``csrc/pool.h`` shares each operation's items out among them).
 
-The extension picks its instruction set at import: AVX2 and F16C where the
-processor has them, else the portable C path (``isas()``, ``set_isa(name)``). Every
-product of a weight row and an activation row is computed by one thread in an order
-the code fixes, so results do not depend on the thread count.
+Instruction sets (``_kernels.KNOWN_ISAS``): ``"portable"`` (C, any host), ``"avx2"``
+(AVX2 and F16C), ``"avx512"`` (AVX-512 F, BW, VL and VNNI). ``_kernels.isas()`` lists
+those this processor runs, the best last; a call of ``linear`` or ``attention`` names
+the one it uses (``isa=``; the best by default), so each worker chooses its own
+(``CpuWorker(isa=...)``) and nothing is switched for the whole process. Every set
+computes the same bits, and every product of a weight row and an activation row is
+computed by one thread in an order the code fixes, so results depend neither on the
+set nor on the thread count.
 """
 
 from __future__ import annotations
@@ -49,3 +53,27 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
+
+
+def host_isas() -> tuple[str, ...]:
+    """The instruction sets this processor runs, portable first, the best last."""
+    isas: tuple[str, ...] = load().isas()
+    return isas
+
+
+def checked_isa(isa: str | None) -> str | None:
+    """``isa`` if this processor runs it (None: the best it runs), or ValueError naming
+    it and the sets it runs; None when the kernels are not built (binding says so)."""
+    if isa is not None and not isinstance(isa, str):
+        raise ValueError(f"isa {isa!r} is not the name of an instruction set")
+    try:
+        host = host_isas()
+    except KernelsUnavailable:
+        return isa
+    if isa is None:
+        return host[-1]
+    if isa not in host:
+        known = load().KNOWN_ISAS
+        what = "one this processor runs" if isa in known else f"one of {', '.join(known)}"
+        raise ValueError(f"isa {isa!r} is not {what} (this processor runs {', '.join(host)})")
+    return isa

@@ -16,6 +16,9 @@ Options (``CpuWorker(...)``):
   2-byte ones), ``"f16"`` or ``"f32"``.
 - ``threads``: how many threads a step uses (default: ``kernels.default_threads()``,
   the stage's share of the host's cores). Results do not depend on it.
+- ``isa``: the instruction set of the kernels (``"portable"``, ``"avx2"``,
+  ``"avx512"``; default: the best this processor runs, ``kernels.host_isas()[-1]``).
+  Results do not depend on it; a set the processor lacks is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import ClassVar
 from runplan import WorkerCapabilities
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
-from runtime_core.workers.cpu.kernels import default_threads, load
+from runtime_core.workers.cpu.kernels import checked_isa, default_threads, load
 from runtime_core.workers.interface import TraceEvent
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
 
@@ -55,15 +58,17 @@ class CpuWorker(StageWorker):
         matvec: str = "q8",
         kv_dtype: str = "auto",
         threads: int | None = None,
+        isa: str | None = None,
         trace: TraceEvent | None = None,
     ) -> None:
         super().__init__(matvec=matvec, kv_dtype=kv_dtype, trace=trace)
         if threads is not None and (isinstance(threads, bool) or threads < 1):
             raise ValueError(f"threads {threads!r} is not a positive count")
         self.threads = threads if threads is not None else default_threads()
+        self.isa = checked_isa(isa)  # the set's name (None only where nothing is built)
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         load()  # KernelsUnavailable (a RuntimeError: WorkerError at bind) if not built
         from runtime_core.workers.cpu.backend import CpuBackend
 
-        return CpuBackend(spec, self.threads)
+        return CpuBackend(spec, self.threads, checked_isa(self.isa))

@@ -26,16 +26,9 @@ import numpy as np
 import pytest
 
 from runtime_core.workers.cpu import _kernels
+from tests.support.cpu_isas import isa_params
 
-ISAS = _kernels.isas()
 F32 = np.float32
-
-
-@pytest.fixture(autouse=True)
-def best_isa() -> Any:
-    _kernels.set_isa(ISAS[-1])
-    yield
-    _kernels.set_isa(ISAS[-1])
 
 
 def rms64(x: np.ndarray, eps: float) -> np.ndarray:
@@ -163,8 +156,8 @@ class Ring:
     """One sliding block's cache driven as the CPU worker drives it: a step that would
     wrap the ring keeps its own keys and values beside it (``k_step``, ``v_step``)."""
 
-    def __init__(self, window: int, kv: str, threads: int = 2) -> None:
-        self.window, self.threads = window, threads
+    def __init__(self, window: int, kv: str, threads: int = 2, isa: str | None = None) -> None:
+        self.window, self.threads, self.isa = window, threads, isa
         self.dtype = np.float16 if kv == "f16" else F32
         self.k = np.zeros((N_KV, window, HD), self.dtype)
         self.v = np.zeros_like(self.k)
@@ -180,7 +173,7 @@ class Ring:
                          self.threads, 1.0, *step)  # fmt: skip
         out = np.zeros((rows, N_HEADS * HD), F32)
         _kernels.attention(x, rows, self.k, self.v, pos, self.heads, 0.125, out, self.threads,
-                           self.window, *step)  # fmt: skip
+                           self.window, *step, isa=self.isa)  # fmt: skip
         return out
 
 
@@ -223,18 +216,18 @@ def test_a_ring_of_the_window_attends_to_exactly_the_window(kv: str) -> None:
             np.testing.assert_array_equal(ring.k[:, p % window], k.astype(ring.dtype))
 
 
-def test_a_ring_gives_the_same_bits_on_every_isa_thread_count_and_step_size() -> None:
+@pytest.mark.parametrize("isa", isa_params(portable=False))
+def test_a_ring_gives_the_same_bits_on_every_isa_thread_count_and_step_size(isa: str) -> None:
     rng = np.random.default_rng(7)
     window, total = 8, 40
     rot = np.exp(1j * rng.uniform(0, 6.3, (total, HD // 2))).astype(np.complex64).view(F32)
     history = rng.standard_normal((total, HEAD_WIDTH)).astype(F32)
     runs = []
-    for isa in ISAS:
-        _kernels.set_isa(isa)
+    for name in ("portable", isa):
         for threads in (1, 3):
-            ring = Ring(window, "f16", threads)
+            ring = Ring(window, "f16", threads, name)
             runs.append(np.concatenate([ring.step(history[p : p + r], p, rot) for p, r in STEPS]))
-    rows = Ring(window, "f16")  # every position a decode step of its own
+    rows = Ring(window, "f16", isa=isa)  # every position a decode step of its own
     runs.append(np.concatenate([rows.step(history[p : p + 1], p, rot) for p in range(total)]))
     for other in runs[1:]:
         np.testing.assert_array_equal(other.view(np.uint32), runs[0].view(np.uint32))

@@ -12,17 +12,18 @@ readings of the same numbers.
   ``twins.decode`` reads from the same bytes, within float32 rounding of the sum
   (2e-6 of the terms' magnitudes); float weights, and the "f32" mode, equal the exact
   product of the gguf package's dequantization with the float32 rows.
-- The same numbers on every instruction set the host runs, for any thread count and
-  whichever rows share a call (bit for bit), so a prefill computes what decoding the
-  rows one at a time computes.
+- The same numbers on every instruction set the host runs (the portable one's bits;
+  each set a parameter, skipped with the reason where the processor lacks it), for any
+  thread count and whichever rows share a call (bit for bit), so a prefill computes
+  what decoding the rows one at a time computes.
+- The instruction set is a per-call choice (``isa=``): one this processor lacks, or
+  one the kernels do not know, is a ValueError naming it.
 - rmsnorm, rotary, attention (f32 and f16 caches), SwiGLU and argmax agree with the
   NumPy twins; the f16 cache rounds as NumPy's ``astype(float16)`` does.
 - Every malformed call is a TypeError or ValueError naming what is wrong.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import pytest
@@ -32,18 +33,10 @@ from runplan.quant_types import FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.backend import ACT_FORMAT
 from tests.support import twins
+from tests.support.cpu_isas import HOST_ISAS, isa_params
 from tests.support.random_blocks import random_rows
 
-ISAS = _kernels.isas()
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
-
-@pytest.fixture(autouse=True)
-def best_isa() -> Any:
-    """Each test starts (and ends) on the host's best instruction set."""
-    _kernels.set_isa(ISAS[-1])
-    yield
-    _kernels.set_isa(ISAS[-1])
 
 
 def width(qtype: str, chunks: int = 9) -> int:
@@ -69,7 +62,13 @@ def q8(fmt: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
 
 
 def linear(
-    raw: np.ndarray, qtype: str, x: np.ndarray, *, use_q8: bool = True, threads: int = 1
+    raw: np.ndarray,
+    qtype: str,
+    x: np.ndarray,
+    *,
+    use_q8: bool = True,
+    threads: int = 1,
+    isa: str | None = None,
 ) -> np.ndarray:
     rows, n = x.shape
     m = _kernels.Matrix([(raw, qtype, raw.shape[0], n, 0)])
@@ -78,9 +77,11 @@ def linear(
         q = np.zeros((rows, n), np.int8)
         d = np.zeros((rows, n // 32), np.float32)
         s, g = d.copy(), np.zeros((rows, n // 16), np.int32)
-        _kernels.linear(m, rows, x, q, d, s, g, True, True, y, None, False, threads)
+        _kernels.linear(m, rows, x, q, d, s, g, True, True, y, None, False, threads, isa=isa)
     else:
-        _kernels.linear(m, rows, x, None, None, None, None, False, False, y, None, False, threads)
+        _kernels.linear(
+            m, rows, x, None, None, None, None, False, False, y, None, False, threads, isa=isa
+        )
     return y
 
 
@@ -241,25 +242,23 @@ def test_float_products_are_the_exact_product_of_the_dequantized_rows(qtype: str
     assert np.all(np.abs(ours - terms.sum(axis=2)) <= 2e-6 * np.abs(terms).sum(axis=2))
 
 
+@pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("use_q8", [True, False], ids=["q8", "f32"])
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_products_do_not_depend_on_the_isa_the_threads_or_the_rows_computed_together(
-    qtype: str, use_q8: bool
+    qtype: str, use_q8: bool, isa: str
 ) -> None:
     rng = np.random.default_rng(50 + QUANT_TYPES.index(qtype))
     n = width(qtype, chunks=13)
     raw = random_rows(rng, qtype, 53, n, scale=1 / np.sqrt(n))
     x = activations(rng, 7, n)
-    results = []
-    for isa in ISAS:
-        _kernels.set_isa(isa)
-        for threads in (1, 2, 3, 5):
-            results.append(linear(raw, qtype, x, use_q8=use_q8, threads=threads))
-        # one row at a time, as decode steps multiply
-        rows = [linear(raw, qtype, x[j : j + 1], use_q8=use_q8) for j in range(7)]
-        results.append(np.concatenate(rows))
-    for other in results[1:]:
-        np.testing.assert_array_equal(other.view(np.uint32), results[0].view(np.uint32))
+    expected = linear(raw, qtype, x, use_q8=use_q8, isa="portable").view(np.uint32)
+    for threads in (1, 2, 3, 5):
+        got = linear(raw, qtype, x, use_q8=use_q8, threads=threads, isa=isa)
+        np.testing.assert_array_equal(got.view(np.uint32), expected)
+    # one row at a time, as decode steps multiply
+    rows = [linear(raw, qtype, x[j : j + 1], use_q8=use_q8, isa=isa) for j in range(7)]
+    np.testing.assert_array_equal(np.concatenate(rows).view(np.uint32), expected)
 
 
 def test_a_matrix_of_parts_writes_each_parts_columns_with_bias_and_accumulation() -> None:
@@ -343,8 +342,9 @@ def test_rotary_cache_and_attention_are_the_twins(neox: bool, kv: str) -> None:
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("isa", isa_params(portable=False))
 @pytest.mark.parametrize("kv", ["f32", "f16"])
-def test_attention_does_not_depend_on_the_isa_or_the_threads(kv: str) -> None:
+def test_attention_does_not_depend_on_the_isa_or_the_threads(kv: str, isa: str) -> None:
     rng = np.random.default_rng(12)
     n_heads, n_kv, hd, max_seq, rows = 8, 2, 72, 40, 30  # a head size with a tail past 64
     dtype = np.float16 if kv == "f16" else np.float32
@@ -353,11 +353,10 @@ def test_attention_does_not_depend_on_the_isa_or_the_threads(kv: str) -> None:
     qkv = rng.standard_normal((rows, (n_heads + 2 * n_kv) * hd)).astype(np.float32)
     heads = (n_heads, n_kv, hd, hd, max_seq, kv == "f16")
     outs = []
-    for isa in ISAS:
-        _kernels.set_isa(isa)
+    for name in ("portable", isa):
         for threads in (1, 3):
             out = np.zeros((rows, n_heads * hd), np.float32)
-            _kernels.attention(qkv, rows, kc, vc, 7, heads, 0.125, out, threads)
+            _kernels.attention(qkv, rows, kc, vc, 7, heads, 0.125, out, threads, isa=name)
             outs.append(out)
     for other in outs[1:]:
         np.testing.assert_array_equal(other.view(np.uint32), outs[0].view(np.uint32))
@@ -436,5 +435,15 @@ def test_a_malformed_product_is_refused_naming_what_is_wrong() -> None:
         _kernels.linear(m, 2, x, q, d, s, g, True, False, y, None, False, 1)
     with pytest.raises(ValueError, match=r"token id 3 outside 0\.\.2"):
         _kernels.embed(m, np.array([0, 3], np.int32), np.zeros((2, 64), np.float32), 1)
-    with pytest.raises(ValueError, match="instruction set"):
-        _kernels.set_isa("avx9000")
+    with pytest.raises(ValueError, match="instruction set avx9000 is not one the kernels know"):
+        _kernels.linear(m, 2, x, q, d, s, g, True, True, y, None, False, 1, isa="avx9000")
+    lacking = [name for name in _kernels.KNOWN_ISAS if name not in HOST_ISAS]
+    for name in lacking:
+        with pytest.raises(ValueError, match=f"instruction set {name} is not one this processor"):
+            _kernels.linear(m, 2, x, q, d, s, g, True, True, y, None, False, 1, isa=name)
+    with pytest.raises(ValueError, match="instruction set avx9000"):
+        _kernels.attention(
+            np.zeros((1, 3 * 32), np.float32), 1, np.zeros((1, 4, 32), np.float32),
+            np.zeros((1, 4, 32), np.float32), 0, (1, 1, 32, 32, 4, False), 1.0,
+            np.zeros((1, 32), np.float32), 1, isa="avx9000",
+        )  # fmt: skip

@@ -1,13 +1,14 @@
-"""Q4_0 and Q4_1 matrices repacked 8 rows at a time (``csrc/repack.h``, ``Matrix(repack=True)``)
-compute the stored rows' bits, and a bound stage keeps them instead of the file's pages.
+"""Matrices of the types decode reads most (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) repacked 8
+rows at a time (``csrc/repack.h``, ``Matrix(repack=True)``) compute the stored rows'
+bits, and a bound stage keeps them instead of the file's pages.
 
-- Products: on every instruction set the host runs (each has its own x8 kernel), every
-  row count from 1 to 17 and past (a last group of 1 to 7 rows padded), 1, 2, 3 and 5
-  threads, 8-bit and "f32" activations, rows multiplied together or one at a time:
-  the same bits as the stored rows on the host's best instruction set; with other
-  parts beside it (offsets, bias, accumulation) as well.
-- Only Q4_0 and Q4_1 repack; an embedding lookup of repacked rows is the gguf
-  package's dequantization.
+- Products: on every instruction set (a parameter each, skipped with the reason where
+  the processor lacks it), every row count from 1 to 17 and past (a last group of 1 to
+  7 rows padded), 1, 2, 3 and 5 threads, 8-bit and "f32" activations, rows multiplied
+  together or one at a time: the same bits as the stored rows on the portable set;
+  with other parts beside it (offsets, bias, accumulation) as well.
+- Only those six types repack; an embedding lookup of repacked rows is the gguf
+  package's dequantization (a repacked row unpacks to its stored bytes).
 - Memory: binding a Q4_0 stage grows the process's private memory by at most about
   the repacked tensors' bytes and its file-backed memory by about the other tensors'
   only (the stored pages of a repacked tensor are dropped from the process).
@@ -25,29 +26,25 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.worker import CpuWorker
 from tests.support.chain import provisions
+from tests.support.cpu_isas import isa_params
 from tests.support.random_blocks import random_rows
 from tests.support.random_model import RandomModel, write_random_model
 
-ISAS = _kernels.isas()
 
-
-@pytest.fixture(autouse=True)
-def best_isa() -> Any:
-    _kernels.set_isa(ISAS[-1])
-    yield
-    _kernels.set_isa(ISAS[-1])
-
-
-def linear(m: _kernels.Matrix, x: np.ndarray, use_q8: bool, threads: int, **kw: Any) -> np.ndarray:
+def linear(
+    m: _kernels.Matrix, x: np.ndarray, use_q8: bool, threads: int, isa: str, **kw: Any
+) -> np.ndarray:
     rows, n = x.shape
     y = kw.get("y", np.zeros((rows, m.n_out), np.float32))
     bias, acc = kw.get("bias"), "y" in kw
     if use_q8:
         q, d = np.zeros((rows, n), np.int8), np.zeros((rows, n // 32), np.float32)
         s, g = d.copy(), np.zeros((rows, n // 16), np.int32)
-        _kernels.linear(m, rows, x, q, d, s, g, True, True, y, bias, acc, threads)
+        _kernels.linear(m, rows, x, q, d, s, g, True, True, y, bias, acc, threads, isa=isa)
     else:
-        _kernels.linear(m, rows, x, None, None, None, None, False, False, y, bias, acc, threads)
+        _kernels.linear(
+            m, rows, x, None, None, None, None, False, False, y, bias, acc, threads, isa=isa
+        )
     return y
 
 
@@ -55,34 +52,43 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
 
 
-REPACKED = ("Q4_0", "Q4_1")
+REPACKED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
+def width(qtype: str) -> int:
+    """13 blocks (a tail past the last 8 of the running sums), or 9 super-blocks."""
+    return 256 * 9 if qtype.endswith("_K") else 32 * 13
+
+
+@pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("qtype", REPACKED)
 @pytest.mark.parametrize("use_q8", [True, False], ids=["q8", "f32"])
 @pytest.mark.parametrize("n_out", [*range(1, 18), 31, 64, 69])
-def test_repacked_rows_compute_the_stored_rows_bits(n_out: int, use_q8: bool, qtype: str) -> None:
+def test_repacked_rows_compute_the_stored_rows_bits(
+    n_out: int, use_q8: bool, qtype: str, isa: str
+) -> None:
     rng = np.random.default_rng(n_out)
-    n = 32 * 13  # 13 blocks: a tail past the last 8 of the running sums
+    n = width(qtype)
     raw = random_rows(rng, qtype, n_out, n, scale=1 / np.sqrt(n))
     x = rng.standard_normal((6, n)).astype(np.float32)
     x[:, :32] *= 20.0
     stored = _kernels.Matrix([(raw, qtype, n_out, n, 0)])
     assert stored.repacked == (False,)
-    expected = bits(linear(stored, x, use_q8, 1))
-    for isa in ISAS:
-        _kernels.set_isa(isa)
-        packed = _kernels.Matrix([(raw, qtype, n_out, n, 0)], repack=True)
-        assert packed.repacked == (True,)
-        for threads in (1, 2, 3, 5):
-            np.testing.assert_array_equal(bits(linear(packed, x, use_q8, threads)), expected)
-        one_by_one = np.concatenate([linear(packed, x[j : j + 1], use_q8, 1) for j in range(6)])
-        np.testing.assert_array_equal(bits(one_by_one), expected)
+    expected = bits(linear(stored, x, use_q8, 1, "portable"))
+    packed = _kernels.Matrix([(raw, qtype, n_out, n, 0)], repack=True, threads=3)
+    assert packed.repacked == (True,)
+    for threads in (1, 2, 3, 5):
+        np.testing.assert_array_equal(bits(linear(packed, x, use_q8, threads, isa)), expected)
+    one_by_one = np.concatenate([linear(packed, x[j : j + 1], use_q8, 1, isa) for j in range(6)])
+    np.testing.assert_array_equal(bits(one_by_one), expected)
 
 
-@pytest.mark.parametrize(("qtype", "other"), [("Q4_0", "Q8_0"), ("Q4_1", "Q5_1")])
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize(
+    ("qtype", "other"), [("Q4_0", "Q5_0"), ("Q4_1", "Q5_1"), ("Q4_K", "Q3_K"), ("Q6_K", "Q2_K")]
+)
 def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumulation(
-    qtype: str, other: str
+    qtype: str, other: str, isa: str
 ) -> None:
     rng = np.random.default_rng(1)
     n = 256
@@ -91,27 +97,28 @@ def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumula
     x = rng.standard_normal((3, n)).astype(np.float32)
     bias = rng.standard_normal(19).astype(np.float32)
     start = np.full((3, 19), 1.5, np.float32)
-    want = linear(_kernels.Matrix(parts), x, True, 1, y=start.copy(), bias=bias)
-    for isa in ISAS:
-        _kernels.set_isa(isa)
-        m = _kernels.Matrix(parts, repack=True)
-        assert m.repacked == (True, False)  # only Q4_0 and Q4_1 repack
-        got = linear(m, x, True, 2, y=start.copy(), bias=bias)
-        np.testing.assert_array_equal(bits(got), bits(want))
+    want = linear(_kernels.Matrix(parts), x, True, 1, "portable", y=start.copy(), bias=bias)
+    m = _kernels.Matrix(parts, repack=True)
+    assert m.repacked == (True, False)  # the other type does not repack
+    got = linear(m, x, True, 2, isa, y=start.copy(), bias=bias)
+    np.testing.assert_array_equal(bits(got), bits(want))
 
 
-def test_only_q4_0_and_q4_1_repack() -> None:
+def test_only_the_six_types_repack() -> None:
     rng = np.random.default_rng(2)
-    for qtype in ("Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q6_K", "F16", "F32"):
+    for qtype in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "F16", "BF16", "F32"):
         n = 256
         raw = random_rows(rng, qtype, 9, n)
         assert _kernels.Matrix([(raw, qtype, 9, n, 0)], repack=True).repacked == (False,)
+    for qtype in REPACKED:
+        raw = random_rows(rng, qtype, 9, 256)
+        assert _kernels.Matrix([(raw, qtype, 9, 256, 0)], repack=True).repacked == (True,)
 
 
 @pytest.mark.parametrize("qtype", REPACKED)
 def test_looking_up_repacked_rows_is_the_gguf_packages_dequantization(qtype: str) -> None:
     rng = np.random.default_rng(3)
-    n, rows = 32 * 5, 21
+    n, rows = (512 if qtype.endswith("_K") else 32 * 5), 21
     raw = random_rows(rng, qtype, rows, n, scale=0.3)
     m = _kernels.Matrix([(raw, qtype, rows, n, 0)], repack=True)
     ids = np.array([0, 7, 8, 20, 13, 20], np.int32)
@@ -138,7 +145,9 @@ def test_a_bound_stage_holds_the_repacked_copy_instead_of_the_files_pages(
                     qtype="Q4_0", embed_qtype="Q8_0", head_qtype="Q8_0", seed=3),
     )  # fmt: skip
     tensors = GGUFReader(path).tensors
-    packed = sum(int(t.n_bytes) for t in tensors if t.tensor_type == GGMLQuantizationType.Q4_0)
+    packed = sum(  # every matrix a product reads: the embedding is only looked up
+        int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" and len(t.shape) == 2
+    )
     other = sum(int(t.n_bytes) for t in tensors) - packed
     assert packed > 2 * other
     (prov,) = provisions(path, 1, max_seq_len=32)

@@ -5,14 +5,17 @@ the planner, how it holds a model, and what it computes however a run is split.
   as stored (the planner's memory check counts the file's bytes, not float32 copies).
 - Interface: ``tests/runtime_core/workers/test_worker_contract.py`` (every worker);
   here, rows the kernels cannot read are refused at bind, and any head size binds.
-- Memory: binding maps the weights from the file: the process's anonymous memory grows
-  by far less than the slice's bytes, its file-backed memory by about the slice.
+- Memory: binding maps the weights of a type without an x8 layout from the file: the
+  process's anonymous memory grows by far less than the slice's bytes, its file-backed
+  memory by about the slice.
 - Numbers: ``matvec="f32"`` gives the reference worker's logits within 2e-4 (mixed
   types, biases, tied and untied heads, rope factors, qwen3's and phi3's blocks;
   gemma3's within 5e-3: its GELU is llama.cpp's table of halves, the reference's the
   exact function); the same logits bit for bit on 1, 2 or 3 threads, in 1, 2 or 3
   stages with f32 edges (f16 edges: the same tokens), and for a prompt prefilled at
-  once or fed one row at a time, on every architecture; an f16 KV cache stays within
+  once or fed one row at a time, on every architecture, and on every instruction set
+  (the portable one's bits; ``CpuWorker(isa=...)``, a set this processor lacks skipped
+  with the reason, and refused as an option naming it); an f16 KV cache stays within
   cosine 0.9999 of the f32 one.
 """
 
@@ -26,6 +29,7 @@ import pytest
 
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
+from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.worker import CPU_CAPABILITIES, CpuWorker
 from runtime_core.workers.interface import TokenOutput, WorkerError
 from runtime_core.workers.reference.worker import ReferenceWorker
@@ -33,6 +37,7 @@ from runtime_cupy.workers import capabilities, make_worker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, model_file
 from tests.support.chain import Chain, provisions, run
+from tests.support.cpu_isas import HOST_ISAS, isa_params
 from tests.support.numerics import cosine
 from tests.support.random_model import RandomModel, write_random_model
 
@@ -69,6 +74,16 @@ def test_options_are_checked() -> None:
         CpuWorker(kv_dtype="f8")
     with pytest.raises(ValueError, match="threads 0"):
         CpuWorker(threads=0)
+    with pytest.raises(ValueError, match="isa 'avx9000' is not one of portable, avx2, avx512"):
+        CpuWorker(isa="avx9000")
+    for lacking in (n for n in _kernels.KNOWN_ISAS if n not in HOST_ISAS):
+        with pytest.raises(ValueError, match=f"isa '{lacking}' is not one this processor runs"):
+            CpuWorker(isa=lacking)
+
+
+def test_the_instruction_set_is_the_best_the_processor_runs_unless_named() -> None:
+    assert CpuWorker().isa == HOST_ISAS[-1]
+    assert [CpuWorker(isa=n).isa for n in HOST_ISAS] == list(HOST_ISAS)
 
 
 def test_the_threads_default_to_the_launchers_share(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,10 +125,11 @@ def _status_kib(field: str) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 def test_binding_maps_the_weights_instead_of_copying_them(folder: Path) -> None:
+    # Q5_0 has no x8 layout (test_cpu_repack.py: the types that repack are copied)
     path = write_random_model(
         folder / "big.gguf",
         RandomModel(n_layers=4, hidden=1024, ffn=2816, heads=8, heads_kv=2, vocab=4096,
-                    qtype="Q8_0", seed=3),
+                    qtype="Q5_0", seed=3),
     )  # fmt: skip
     (prov,) = provisions(path, 1, max_seq_len=32)
     stored = sum(f.stat().st_size for f in [path])  # the whole file: every tensor is this stage's
@@ -198,6 +214,17 @@ def test_the_thread_count_changes_no_bit(shapes: dict[str, Path], name: str) -> 
         for a, b in zip(other, runs[0], strict=True):
             assert a.token_id == b.token_id
             np.testing.assert_array_equal(logits(a), logits(b))
+
+
+@pytest.mark.parametrize("isa", isa_params(portable=False))
+@pytest.mark.parametrize("name", NAMES)
+def test_the_instruction_set_changes_no_bit(shapes: dict[str, Path], name: str, isa: str) -> None:
+    provs = provisions(shapes[name], 1, max_seq_len=64)
+    portable = run(provs, lambda: CpuWorker(isa="portable", threads=2), PROMPT, 6)
+    ours = run(provs, lambda: CpuWorker(isa=isa, threads=2), PROMPT, 6)
+    for a, b in zip(ours, portable, strict=True):
+        assert a.token_id == b.token_id
+        np.testing.assert_array_equal(logits(a), logits(b))
 
 
 @pytest.mark.parametrize("mode", ["q8", "f32"])

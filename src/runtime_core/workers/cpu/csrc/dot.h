@@ -63,11 +63,17 @@ typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, int nw, int64_t n_c
                         const XRows *x, int64_t j, float *out);
 
 /* out[k][i] = row i of an x8 group (repack.h: 8 rows of n_chunks chunks) . activation
- * row j0 + k, k < nj <= XT: the same bits as the type's dot_fn on each stored row;
+ * row j0 + k, k < nj <= X8_XT: the same bits as the type's dot_fn on each stored row;
  * NULL where an instruction set has none (the rows are then unpacked and each taken
- * by dot_fn) */
-typedef void (*x8_fn)(const uint8_t *group, int64_t n_chunks, const XRows *x, int64_t j0, int nj,
-                      float (*out)[8]);
+ * by dot_fn). A group's blocks are decoded once for the nj rows. */
+#define X8_XT 4 /* measured: 8 spills registers (Q4_K, Q8_0 prefill 30 % slower) */
+typedef void (*x8_fn)(const uint8_t *group, int64_t gstride, int64_t n_chunks, const XRows *x,
+                      int64_t j0, int nj, float (*out)[8]);
+/* out[k][i] = row i of two consecutive x8 groups (the first at group, the second
+ * gstride bytes on; rows 8 .. 15 the second's) . activation row j0 + k: the x8_fn's
+ * bits on each group, 16 rows in one vector (NULL where a set has none) */
+typedef void (*x16_fn)(const uint8_t *group, int64_t gstride, int64_t n_chunks, const XRows *x,
+                       int64_t j0, int nj, float (*out)[16]);
 
 typedef struct {
     const char *name;
@@ -81,13 +87,18 @@ typedef struct {
                    float scale, float *out);
     void (*mix)(float *out, const float *p, const void *values, int half, int64_t n,
                 int64_t hd);
-    x8_fn q8_x8[T_COUNT]; /* 8-bit activations times x8 groups */
+    x8_fn q8_x8[T_COUNT];   /* 8-bit activations times x8 groups */
+    x16_fn q8_x16[T_COUNT]; /* ... times two x8 groups at once */
 } Isa;
 
+/* The instruction sets, portable first; the module offers those the processor runs
+ * (module.c: isa_named) and uses the best unless a caller names another. */
 extern const Isa ISA_PORTABLE;
 #if defined(__GNUC__) && defined(__x86_64__)
 #define GPP_HAVE_AVX2 1
 extern const Isa ISA_AVX2;
+#define GPP_HAVE_AVX512 1
+const Isa *isa_avx512(void); /* AVX2's, with VNNI x8 products */
 #endif
 
 /* shared by every instruction set */

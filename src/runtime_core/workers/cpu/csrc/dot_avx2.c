@@ -270,7 +270,7 @@ LEGACY(Q5_1, 4, 24)
 AVX2_INLINE void x8_legacy_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0,
                                 float (*out)[8], const int NJ, const int kind) {
     const int bb = kind == 1 ? 18 : 20, hb = kind == 1 ? 2 : 4;
-    float acc[XT][8][8];
+    float acc[X8_XT][8][8];
     memset(acc, 0, sizeof acc);
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < nc; ++c) {
@@ -316,8 +316,9 @@ AVX2_INLINE void x8_legacy_body(const uint8_t *grp, int64_t nc, const XRows *x, 
 }
 
 #define X8_LEGACY(NAME, KIND)                                                                  \
-    AVX2 static void x8_##NAME(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0,    \
-                               int nj, float (*out)[8]) {                                      \
+    AVX2 static void x8_##NAME(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x,    \
+                               int64_t j0, int nj, float (*out)[8]) {                          \
+        (void)gs;                                                                              \
         switch (nj) {                                                                          \
         case 1: x8_legacy_body(grp, nc, x, j0, out, 1, KIND); break;                           \
         case 2: x8_legacy_body(grp, nc, x, j0, out, 2, KIND); break;                           \
@@ -328,6 +329,13 @@ AVX2_INLINE void x8_legacy_body(const uint8_t *grp, int64_t nc, const XRows *x, 
 
 X8_LEGACY(Q4_0, 1)
 X8_LEGACY(Q4_1, 2)
+
+/* Q8_0 and the K-quants (and the Q4_0, Q4_1 bodies the AVX-512 set takes with VNNI; the
+ * two above, summing in 16 bits, are AVX2's own): x8_kernels.h with vpmaddubsw */
+#define X8_TARGET "avx2,f16c"
+#define X8_VNNI 0
+#define X8_WIDTH 256
+#include "x8_kernels.h"
 
 /* ---- K-quants ---------------------------------------------------------------------------- */
 
@@ -654,7 +662,9 @@ const Isa ISA_AVX2 = {
      f_Q6_K},
     scores_avx2,
     mix_avx2,
-    {[T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1},
+    {[T_Q8_0] = x8_q8_0, [T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1, [T_Q4_K] = x8_q4_k,
+     [T_Q5_K] = x8_q5_k, [T_Q6_K] = x8_q6_k},
+    {NULL}, /* no 512-bit vectors */
 };
 
 #endif

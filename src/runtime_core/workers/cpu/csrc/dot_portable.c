@@ -330,12 +330,12 @@ static void dot_q8_portable(int t, const uint8_t *w, int64_t nc, const XRows *x,
 /* ---- x8 groups (repack.h) ------------------------------------------------------------- */
 
 /* Q4_0 and Q4_1, 8 rows of a group: row i's block c read where the group keeps it (its
- * halves among the block's 8 headers, its nibbles at x8_at), then legacy_term's
- * arithmetic and dot_q8_portable's running sums, so each row's bits are the stored
- * row's. */
+ * halves among the block's 8 headers, its nibbles in lane i of the words), then
+ * legacy_term's arithmetic and dot_q8_portable's running sums, so each row's bits are
+ * the stored row's. (The other types' groups are unpacked row by row, ops.c.) */
 static void x8_legacy(int t, const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
                       float (*out)[8]) {
-    const int hb = x8_header_bytes(t), bb = QTYPE_BLOCK_BYTES[t];
+    const int gb = x8_block_bytes(t), words = t == T_Q4_1 ? 32 : 16;
     for (int k = 0; k < nj; ++k) {
         const int64_t j = j0 + k;
         const int8_t *xq = x->q + j * x->n;
@@ -344,16 +344,16 @@ static void x8_legacy(int t, const uint8_t *grp, int64_t nc, const XRows *x, int
         for (int i = 0; i < X8; ++i) {
             float acc[8] = {0};
             for (int64_t c = 0; c < nc; ++c) {
-                const uint8_t *b = grp + c * (X8 * bb);
+                const uint8_t *b = grp + c * gb;
                 const int8_t *xc = xq + 32 * c;
                 int sumi = 0;
                 for (int l = 0; l < 16; ++l) {
-                    const int v = b[x8_at(hb, i, l)];
+                    const int v = b[words + 32 * (l >> 2) + 4 * i + (l & 3)];
                     sumi += (v & 15) * xc[l] + (v >> 4) * xc[l + 16];
                 }
                 if (t == T_Q4_0) sumi -= 8 * xg[c];
                 float fac = load_f16(b + 2 * i) * xd[c];
-                if (t == T_Q4_1) acc[c & 7] += fac * (float)sumi + load_f16(b + 2 * (X8 + i)) * xs[c];
+                if (t == T_Q4_1) acc[c & 7] += fac * (float)sumi + load_f16(b + 16 + 2 * i) * xs[c];
                 else acc[c & 7] += fac * (float)sumi;
             }
             out[k][i] = sum8(acc);
@@ -361,13 +361,15 @@ static void x8_legacy(int t, const uint8_t *grp, int64_t nc, const XRows *x, int
     }
 }
 
-static void x8_Q4_0(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
-                    float (*out)[8]) {
+static void x8_Q4_0(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                    int nj, float (*out)[8]) {
+    (void)gs;
     x8_legacy(T_Q4_0, grp, nc, x, j0, nj, out);
 }
 
-static void x8_Q4_1(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, int nj,
-                    float (*out)[8]) {
+static void x8_Q4_1(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                    int nj, float (*out)[8]) {
+    (void)gs;
     x8_legacy(T_Q4_1, grp, nc, x, j0, nj, out);
 }
 
@@ -451,4 +453,5 @@ const Isa ISA_PORTABLE = {
     scores_portable,
     mix_portable,
     {[T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1},
+    {NULL},
 };

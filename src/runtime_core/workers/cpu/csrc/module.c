@@ -10,12 +10,55 @@
 #include <Python.h>
 
 #include <math.h>
+#include <stdlib.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "ops.h"
+#include "pool.h"
 
 #define MAX_PARTS 8
 
-static const Isa *ISA = &ISA_PORTABLE;
+/* ---- instruction sets ------------------------------------------------------------------------ */
+
+/* every set the kernels know, portable first; those the host runs, in the same order */
+static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avx512"};
+#define N_KNOWN (int)(sizeof KNOWN_ISAS / sizeof KNOWN_ISAS[0])
+static const Isa *HOST_ISAS[N_KNOWN];
+static int N_HOST;
+
+static void find_host_isas(void) {
+    N_HOST = 0;
+    HOST_ISAS[N_HOST++] = &ISA_PORTABLE;
+#ifdef GPP_HAVE_AVX2
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+        HOST_ISAS[N_HOST++] = &ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            HOST_ISAS[N_HOST++] = isa_avx512();
+    }
+#endif
+}
+
+/* the set called name (NULL: the best the host runs); NULL and ValueError if the host
+ * runs none of that name */
+static const Isa *isa_named(const char *name) {
+    if (!name) return HOST_ISAS[N_HOST - 1];
+    for (int i = 0; i < N_HOST; ++i)
+        if (strcmp(name, HOST_ISAS[i]->name) == 0) return HOST_ISAS[i];
+    char runs[64] = "";
+    for (int i = 0; i < N_HOST; ++i) {
+        strncat(runs, HOST_ISAS[i]->name, sizeof runs - strlen(runs) - 3);
+        if (i + 1 < N_HOST) strcat(runs, ", ");
+    }
+    int known = 0;
+    for (int i = 0; i < N_KNOWN; ++i) known |= strcmp(name, KNOWN_ISAS[i]) == 0;
+    PyErr_Format(PyExc_ValueError, "instruction set %s is %s (this host runs %s)", name,
+                 known ? "not one this processor has" : "not one the kernels know", runs);
+    return NULL;
+}
 
 /* ---- buffers ----------------------------------------------------------------------------- */
 
@@ -82,6 +125,24 @@ static int qtype_code(const char *name) {
 
 /* ---- Matrix ---------------------------------------------------------------------------- */
 
+#define HUGE_PAGE ((size_t)2 << 20)
+
+/* memory for a repacked part: a copy of HUGE_PAGE or more lies in 2 MiB pages where the
+ * system gives them on request (Linux's transparent huge pages in "madvise" mode), so
+ * that streaming it crosses a page (and its TLB entry, and the stream prefetchers'
+ * window) every 2 MiB instead of every 4 KiB; the last page's unused tail is < 2 MiB */
+static uint8_t *alloc_groups(size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= HUGE_PAGE) {
+        void *p = NULL;
+        if (posix_memalign(&p, HUGE_PAGE, bytes) != 0) return NULL;
+        madvise(p, bytes, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
+        return p;
+    }
+#endif
+    return malloc(bytes);
+}
+
 typedef struct {
     PyObject_HEAD
     int n_parts;
@@ -106,11 +167,28 @@ static void Matrix_dealloc(MatrixObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* packing a part's groups, shared out among threads */
+typedef struct {
+    int t;
+    const uint8_t *rows;
+    int64_t n_out, row_bytes, groups;
+    uint8_t *out;
+} PackJob;
+
+#define PACK_GROUPS 16 /* groups per item */
+
+static void pack_item(void *ctx, int64_t item) {
+    const PackJob *J = ctx;
+    int64_t g0 = item * PACK_GROUPS, g1 = g0 + PACK_GROUPS < J->groups ? g0 + PACK_GROUPS : J->groups;
+    x8_pack(J->t, J->rows, J->n_out, J->row_bytes, g0, g1, J->out);
+}
+
 static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"parts", "repack", NULL};
+    static char *kwlist[] = {"parts", "repack", "threads", NULL};
     PyObject *seq;
-    int repack = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &seq, &repack)) return -1;
+    int repack = 0, threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|pi", kwlist, &seq, &repack, &threads)) return -1;
+    if (check_threads(threads) < 0) return -1;
     PyObject *fast = PySequence_Fast(seq, "parts: a sequence of (rows, qtype, n_out, n_in, offset)");
     if (!fast) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -163,14 +241,15 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
         }
         Part part = {(const uint8_t *)b->view.buf, t, n_out, n_in, row_bytes, offset, 0};
         if (repack && x8_supported(t)) { /* the groups replace the view */
-            uint8_t *groups = malloc((size_t)x8_bytes(t, n_out, n_in));
+            uint8_t *groups = alloc_groups((size_t)x8_bytes(t, n_out, n_in));
             if (!groups) {
                 release(b);
                 PyErr_NoMemory();
                 goto fail;
             }
+            PackJob job = {t, part.w, n_out, row_bytes, (n_out + X8 - 1) / X8, groups};
             Py_BEGIN_ALLOW_THREADS
-            x8_pack(t, part.w, n_out, row_bytes, groups);
+            pool_run(threads, (job.groups + PACK_GROUPS - 1) / PACK_GROUPS, pack_item, &job);
             Py_END_ALLOW_THREADS
             release(b);
             self->owned[self->n_parts] = groups;
@@ -226,9 +305,10 @@ static PyGetSetDef Matrix_getset[] = {
 static PyTypeObject MatrixType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "runtime_core.workers.cpu._kernels.Matrix",
-    .tp_doc = "Matrix(parts, repack=False): stored GGUF rows, each part (rows, qtype, n_out, n_in, "
-              "offset) writing output columns offset .. offset + n_out; repack: the parts of "
-              "the types that repack (Q4_0, Q4_1) are copied 8 rows at a time, computing the same bits",
+    .tp_doc = "Matrix(parts, repack=False, threads=1): stored GGUF rows, each part (rows, qtype, "
+              "n_out, n_in, offset) writing output columns offset .. offset + n_out; repack: the "
+              "parts of the types that repack (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) are copied 8 "
+              "rows at a time (on `threads` threads), computing the same bits",
     .tp_basicsize = sizeof(MatrixObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -253,24 +333,31 @@ static MatrixObject *as_matrix(PyObject *obj) {
 /* ---- linear ------------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(linear_doc,
-"linear(matrix, rows, x, q, d, s, g, quantize, use_q8, y, bias, accumulate, threads)\n"
+"linear(matrix, rows, x, q, d, s, g, quantize, use_q8, y, bias, accumulate, threads, *, isa=None)\n"
 "\n"
 "y[j, offset + r] (+)= part row r . row j of the activations (+ bias[offset + r]) for\n"
-"every part and j < rows. x: (rows, n_in) float32. use_q8: quantized parts multiply\n"
-"the rows' 8-bit form q, d, s, g (int8 (rows, n_in), float32 (rows, n_in / 32) twice,\n"
-"int32 (rows, n_in / 16)), first computed from x when `quantize`; without use_q8 they\n"
-"may be None and every part takes x. y: (rows, ldy) float32, ldy = y's size / rows.");
+"every part and j < rows: the matrix times `rows` activation rows, each row's result\n"
+"the same bits whatever the other rows, their number, the threads or the instruction\n"
+"set. x: (rows, n_in) float32. use_q8: quantized parts multiply the rows' 8-bit form\n"
+"q, d, s, g (int8 (rows, n_in), float32 (rows, n_in / 32) twice, int32 (rows, n_in /\n"
+"16)), first computed from x when `quantize`; without use_q8 they may be None and every\n"
+"part takes x. y: (rows, ldy) float32, ldy = y's size / rows. isa: an instruction set\n"
+"of isas() (None: the best).");
 
-static PyObject *py_linear(PyObject *self, PyObject *args) {
+static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
+    static char *kwlist[] = {"", "", "", "", "", "", "", "", "", "", "", "", "", "isa", NULL};
     PyObject *mo, *xo, *qo, *do_, *so, *go, *yo, *bo;
     long long rows;
     int quantize, use_q8, accumulate, threads;
-    if (!PyArg_ParseTuple(args, "OLOOOOOppOOpi", &mo, &rows, &xo, &qo, &do_, &so, &go, &quantize,
-                          &use_q8, &yo, &bo, &accumulate, &threads))
+    const char *isa_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLOOOOOppOOpi|$z", kwlist, &mo, &rows, &xo, &qo,
+                                     &do_, &so, &go, &quantize, &use_q8, &yo, &bo, &accumulate,
+                                     &threads, &isa_name))
         return NULL;
     MatrixObject *m = as_matrix(mo);
-    if (!m || check_threads(threads) < 0) return NULL;
+    const Isa *isa = isa_named(isa_name);
+    if (!m || !isa || check_threads(threads) < 0) return NULL;
     if (rows < 1) return PyErr_Format(PyExc_ValueError, "rows %lld < 1", rows);
     int64_t n = m->n_in;
     Buf x = {0}, q = {0}, d = {0}, s = {0}, g = {0}, y = {0}, bias = {0};
@@ -307,7 +394,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     XRows xr = {q.held ? (const int8_t *)q.view.buf : NULL, d.held ? (const float *)d.view.buf : NULL,
                 s.held ? (const float *)s.view.buf : NULL, g.held ? (const int32_t *)g.view.buf : NULL,
                 (const float *)x.view.buf, n};
-    rc = linear_rows(ISA, m->parts, m->n_parts, &xr, rows, use_q8, (float *)y.view.buf, ldy,
+    rc = linear_rows(isa, m->parts, m->n_parts, &xr, rows, use_q8, (float *)y.view.buf, ldy,
                      bias.held ? (const float *)bias.view.buf : NULL, accumulate, threads);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
@@ -528,17 +615,22 @@ done:
     return result;
 }
 
-static PyObject *py_attention(PyObject *self, PyObject *args) {
+static PyObject *py_attention(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
+    static char *kwlist[] = {"", "", "", "", "", "", "", "", "", "window", "k_step", "v_step",
+                             "isa", NULL};
     PyObject *qo, *ho, *ko, *vo, *oo, *kso = Py_None, *vso = Py_None;
     long long rows, pos, window = 0;
     float scale;
     int threads;
-    if (!PyArg_ParseTuple(args, "OLOOLOfOi|LOO", &qo, &rows, &ko, &vo, &pos, &ho, &scale, &oo,
-                          &threads, &window, &kso, &vso))
+    const char *isa_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLOOLOfOi|LOO$z", kwlist, &qo, &rows, &ko, &vo,
+                                     &pos, &ho, &scale, &oo, &threads, &window, &kso, &vso,
+                                     &isa_name))
         return NULL;
     Heads hd;
-    if (parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return NULL;
+    const Isa *isa = isa_named(isa_name);
+    if (!isa || parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return NULL;
     if (rows < 1 || pos < 0 || window < 0)
         return PyErr_Format(PyExc_ValueError, "rows %lld at %lld, window %lld", rows, pos, window);
     int64_t width = hd.n_heads * hd.hd_k + hd.n_kv * (hd.hd_k + hd.hd_v);
@@ -564,7 +656,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = attention_rows(ISA, (const float *)q.view.buf, rows, k.view.buf, v.view.buf, step, pos,
+    rc = attention_rows(isa, (const float *)q.view.buf, rows, k.view.buf, v.view.buf, step, pos,
                         window, &hd, scale, (float *)o.view.buf, threads);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
@@ -624,41 +716,17 @@ static PyObject *py_argmax(PyObject *self, PyObject *arg) {
 
 /* ---- instruction sets ---------------------------------------------------------------------- */
 
-static const Isa *best_isa(void) {
-#ifdef GPP_HAVE_AVX2
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-        return &ISA_AVX2;
-#endif
-    return &ISA_PORTABLE;
-}
-
 static PyObject *py_isas(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-    if (best_isa() != &ISA_PORTABLE) return Py_BuildValue("(ss)", ISA_PORTABLE.name, best_isa()->name);
-    return Py_BuildValue("(s)", ISA_PORTABLE.name);
-}
-
-static PyObject *py_isa(PyObject *self, PyObject *noargs) {
-    (void)self;
-    (void)noargs;
-    return PyUnicode_FromString(ISA->name);
-}
-
-static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
-    (void)self;
-    const char *name = PyUnicode_AsUTF8(arg);
-    if (!name) return NULL;
-    const Isa *best = best_isa();
-    if (strcmp(name, ISA_PORTABLE.name) == 0) ISA = &ISA_PORTABLE;
-    else if (strcmp(name, best->name) == 0) ISA = best;
-    else return PyErr_Format(PyExc_ValueError, "instruction set %s is not one this host runs", name);
-    Py_RETURN_NONE;
+    PyObject *t = PyTuple_New(N_HOST);
+    if (!t) return NULL;
+    for (int i = 0; i < N_HOST; ++i) PyTuple_SET_ITEM(t, i, PyUnicode_FromString(HOST_ISAS[i]->name));
+    return t;
 }
 
 static PyMethodDef methods[] = {
-    {"linear", py_linear, METH_VARARGS, linear_doc},
+    {"linear", (PyCFunction)(void (*)(void))py_linear, METH_VARARGS | METH_KEYWORDS, linear_doc},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(format, x, rows, n, q, d, s, g): the rows' 8-bit form, as linear computes it"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS,
@@ -673,14 +741,13 @@ static PyMethodDef methods[] = {
     {"rope_kv", py_rope_kv, METH_VARARGS,
      "rope_kv(qkv, rows, bias, rot, pos, heads, n_rot, neox, k_cache, v_cache, threads, "
      "q_scale=1.0, k_step=None, v_step=None): K, V to ring slot p % max_seq, or the step's rows"},
-    {"attention", py_attention, METH_VARARGS,
+    {"attention", (PyCFunction)(void (*)(void))py_attention, METH_VARARGS | METH_KEYWORDS,
      "attention(qkv, rows, k_cache, v_cache, pos, heads, scale, out, threads, window=0, "
-     "k_step=None, v_step=None): then the step's rows (when given) to the ring"},
+     "k_step=None, v_step=None, *, isa=None): then the step's rows (when given) to the ring"},
     {"embed", py_embed, METH_VARARGS, "embed(table, ids, out, threads): rows of a table, dequantized"},
     {"argmax", py_argmax, METH_O, "argmax(logits) -> (first index of the largest finite, non-finite count)"},
-    {"isas", py_isas, METH_NOARGS, "the instruction sets this host runs, portable first"},
-    {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
-    {"set_isa", py_set_isa, METH_O, "use the instruction set called name"},
+    {"isas", py_isas, METH_NOARGS,
+     "the instruction sets this host runs, portable first, the best last (the default)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -694,7 +761,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (PyType_Ready(&MatrixType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    ISA = best_isa();
+    find_host_isas();
     gelu_table_init();
     Py_INCREF(&MatrixType);
     if (PyModule_AddObject(m, "Matrix", (PyObject *)&MatrixType) < 0) {
@@ -710,6 +777,17 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     for (int t = 0; t < T_COUNT; ++t) PyTuple_SET_ITEM(names, t, PyUnicode_FromString(QTYPE_NAMES[t]));
     if (PyModule_AddObject(m, "QTYPES", names) < 0) {
         Py_DECREF(names);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *known = PyTuple_New(N_KNOWN);
+    if (!known) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    for (int i = 0; i < N_KNOWN; ++i) PyTuple_SET_ITEM(known, i, PyUnicode_FromString(KNOWN_ISAS[i]));
+    if (PyModule_AddObject(m, "KNOWN_ISAS", known) < 0) {
+        Py_DECREF(known);
         Py_DECREF(m);
         return NULL;
     }

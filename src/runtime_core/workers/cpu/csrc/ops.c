@@ -1,4 +1,6 @@
-/* ops.c: the fused operations of a step, their items shared out by pool_run.
+/* ops.c: the fused operations of a step, their items shared out by pool_run (an
+ * operation too small to be worth waking other threads for, pool_threads, runs on the
+ * caller's).
  *
  * Every output value is computed whole by one item, in an order fixed by the code (the
  * rows of a matrix in blocks of RB, attention by (row, head), the element-wise
@@ -39,7 +41,7 @@ static void quantize_item(void *ctx, int64_t j) {
 
 void quantize_rows(int fmt, const float *x, int64_t rows, int64_t n, Q8Out out, int threads) {
     QuantizeJob J = {fmt, x, n, out};
-    pool_run(threads, rows, quantize_item, &J);
+    pool_run(pool_threads(threads, rows * n), rows, quantize_item, &J);
 }
 
 /* ---- matrix products ------------------------------------------------------------------- */
@@ -70,32 +72,48 @@ static void put(const LinearJob *J, const Part *pt, int64_t j, int64_t r, float 
 static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int q8, dot_fn dot) {
     int64_t nc = pt->n_in / 32;
     x8_fn fast = q8 ? J->isa->q8_x8[pt->t] : NULL;
-    float out[XT][X8], tmp[XT];
+    float out[X8_XT][X8], tmp[XT];
     uint8_t *row = NULL;
     if (!fast && !(row = malloc((size_t)pt->row_bytes))) {
         atomic_store(&J->failed, 1);
         return;
     }
-    for (int64_t g0 = r0; g0 < r1; g0 += X8) {
-        const uint8_t *grp = pt->w + (g0 / X8) * x8_group_bytes(pt->row_bytes);
+    const int64_t gs = x8_group_bytes(pt->t, pt->n_in);
+    x16_fn fast16 = q8 ? J->isa->q8_x16[pt->t] : NULL;
+    for (int64_t g0 = r0; g0 < r1;) {
+        const uint8_t *grp = pt->w + (g0 / X8) * gs;
+        if (fast16 && r1 - g0 > X8) { /* this group and the next at once */
+            float out16[X8_XT][2 * X8];
+            int nr = r1 - g0 < 2 * X8 ? (int)(r1 - g0) : 2 * X8;
+            for (int64_t j0 = 0; j0 < J->rows; j0 += X8_XT) {
+                int nj = J->rows - j0 < X8_XT ? (int)(J->rows - j0) : X8_XT;
+                fast16(grp, gs, nc, J->x, j0, nj, out16);
+                for (int k = 0; k < nj; ++k)
+                    for (int i = 0; i < nr; ++i) put(J, pt, j0 + k, g0 + i, out16[k][i]);
+            }
+            g0 += 2 * X8;
+            continue;
+        }
         int nr = r1 - g0 < X8 ? (int)(r1 - g0) : X8;
         if (fast) {
-            for (int64_t j0 = 0; j0 < J->rows; j0 += XT) {
-                int nj = J->rows - j0 < XT ? (int)(J->rows - j0) : XT;
-                fast(grp, nc, J->x, j0, nj, out);
+            for (int64_t j0 = 0; j0 < J->rows; j0 += X8_XT) {
+                int nj = J->rows - j0 < X8_XT ? (int)(J->rows - j0) : X8_XT;
+                fast(grp, gs, nc, J->x, j0, nj, out);
                 for (int k = 0; k < nj; ++k)
                     for (int i = 0; i < nr; ++i) put(J, pt, j0 + k, g0 + i, out[k][i]);
             }
+            g0 += X8;
             continue;
         }
         for (int i = 0; i < nr; ++i) { /* each stored row, unpacked */
-            x8_unpack_row(pt->t, grp, i, nc, row);
+            x8_unpack_row(pt->t, grp, i, pt->n_in, row);
             for (int64_t j0 = 0; j0 < J->rows; j0 += XT) {
                 int nj = J->rows - j0 < XT ? (int)(J->rows - j0) : XT;
                 dot(row, nc, J->x, j0, nj, tmp);
                 for (int k = 0; k < nj; ++k) put(J, pt, j0 + k, g0 + i, tmp[k]);
             }
         }
+        g0 += X8;
     }
     free(row);
 }
@@ -139,8 +157,12 @@ int linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, 
                 int use_q8, float *y, int64_t ldy, const float *bias, int accumulate,
                 int threads) {
     LinearJob J = {isa, parts, n_parts, {0}, x, rows, use_q8, y, ldy, bias, accumulate, 0};
-    for (int p = 0; p < n_parts; ++p) J.first[p + 1] = J.first[p] + (parts[p].n_out + RB - 1) / RB;
-    pool_run(threads, J.first[n_parts], linear_item, &J);
+    int64_t work = 0; /* multiply-adds */
+    for (int p = 0; p < n_parts; ++p) {
+        J.first[p + 1] = J.first[p] + (parts[p].n_out + RB - 1) / RB;
+        work += rows * parts[p].n_out * parts[p].n_in;
+    }
+    pool_run(pool_threads(threads, work), J.first[n_parts], linear_item, &J);
     return atomic_load(&J.failed) ? -1 : 0;
 }
 
@@ -175,7 +197,7 @@ static void rmsnorm_item(void *ctx, int64_t j) {
 void rmsnorm_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, double eps,
                   int accumulate, int threads) {
     NormJob J = {x, w, out, n, eps, accumulate};
-    pool_run(threads, rows, rmsnorm_item, &J);
+    pool_run(pool_threads(threads, rows * n), rows, rmsnorm_item, &J);
 }
 
 typedef struct {
@@ -203,7 +225,8 @@ static void qk_norm_item(void *ctx, int64_t r) {
 void qk_norm_rows(float *qkv, int64_t rows, const float *bias, const float *q_norm,
                   const float *k_norm, const Heads *hd, double eps, int threads) {
     QkNormJob J = {qkv, bias, q_norm, k_norm, hd, eps};
-    pool_run(threads, rows, qk_norm_item, &J);
+    int64_t work = rows * (hd->n_heads + hd->n_kv) * hd->hd_k;
+    pool_run(pool_threads(threads, work), rows, qk_norm_item, &J);
 }
 
 typedef struct {
@@ -230,7 +253,8 @@ static void swiglu_item(void *ctx, int64_t item) {
 
 void swiglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads) {
     SwigluJob J = {h, act, f, rows * f};
-    pool_run(threads, (J.total + ELEMWISE - 1) / ELEMWISE, swiglu_item, &J);
+    int64_t items = (J.total + ELEMWISE - 1) / ELEMWISE;
+    pool_run(pool_threads(threads, 16 * J.total), items, swiglu_item, &J); /* expf: ~16 units */
 }
 
 /* GELU as llama.cpp's CPU path computes it: a table of halves, gelu(v) rounded to half
@@ -268,7 +292,8 @@ static void geglu_item(void *ctx, int64_t item) {
 
 void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads) {
     SwigluJob J = {h, act, f, rows * f};
-    pool_run(threads, (J.total + ELEMWISE - 1) / ELEMWISE, geglu_item, &J);
+    int64_t items = (J.total + ELEMWISE - 1) / ELEMWISE;
+    pool_run(pool_threads(threads, 16 * J.total), items, geglu_item, &J);
 }
 
 typedef struct {
@@ -286,7 +311,7 @@ static void softcap_item(void *ctx, int64_t item) {
 
 void softcap_rows(float *x, int64_t n, float cap, int threads) {
     SoftcapJob J = {x, n, cap};
-    pool_run(threads, (n + ELEMWISE - 1) / ELEMWISE, softcap_item, &J);
+    pool_run(pool_threads(threads, 16 * n), (n + ELEMWISE - 1) / ELEMWISE, softcap_item, &J);
 }
 
 /* ---- rotary embedding and the KV cache ------------------------------------------------- */
@@ -360,7 +385,8 @@ void rope_kv_rows(float *qkv, int64_t rows, const float *bias, const float *rot,
                   const Heads *hd, int64_t n_rot, int neox, float q_scale, void *k_cache,
                   void *v_cache, StepKV step, int threads) {
     RopeJob J = {qkv, bias, rot, rows, pos, n_rot, hd, neox, q_scale, k_cache, v_cache, step};
-    pool_run(threads, rows, rope_item, &J);
+    int64_t work = 4 * rows * (hd->n_heads + hd->n_kv) * hd->hd_k;
+    pool_run(pool_threads(threads, work), rows, rope_item, &J);
 }
 
 /* ---- attention --------------------------------------------------------------------------- */
@@ -451,7 +477,9 @@ int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache
                    StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
                    float *out, int threads) {
     AttentionJob J = {isa, qkv, k_cache, v_cache, step, rows, pos, window, hd, scale, out, 0};
-    pool_run(threads, rows * hd->n_heads, attention_item, &J);
+    int64_t seen = window && window < pos + rows ? window : pos + rows; /* at most, per row */
+    int64_t work = rows * hd->n_heads * seen * (hd->hd_k + hd->hd_v);
+    pool_run(pool_threads(threads, work), rows * hd->n_heads, attention_item, &J);
     if (step.k) { /* every query has read them: the step's last max_seq positions to the ring */
         size_t esize = hd->kv_half ? 2 : 4;
         int64_t from = pos + rows - hd->max_seq > pos ? pos + rows - hd->max_seq : pos;
@@ -489,8 +517,8 @@ static void embed_item(void *ctx, int64_t j) {
             atomic_store(&J->failed, 1);
             return;
         }
-        x8_unpack_row(t->t, t->w + (id / X8) * x8_group_bytes(t->row_bytes), (int)(id % X8), nc,
-                      unpacked);
+        x8_unpack_row(t->t, t->w + (id / X8) * x8_group_bytes(t->t, t->n_in), (int)(id % X8),
+                      t->n_in, unpacked);
         row = unpacked;
     }
     for (int64_t c = 0; c < nc; ++c) dequant_chunk(row, t->t, c, J->out + j * t->n_in + 32 * c);
@@ -499,7 +527,7 @@ static void embed_item(void *ctx, int64_t j) {
 
 int embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads) {
     EmbedJob J = {table, ids, out, 0};
-    pool_run(threads, rows, embed_item, &J);
+    pool_run(pool_threads(threads, rows * table->n_in), rows, embed_item, &J);
     return atomic_load(&J.failed) ? -1 : 0;
 }
 

@@ -1,5 +1,13 @@
 /* pool.c: pool_run (pool.h) on POSIX threads; one pool per process, its workers made
- * on first use. Without POSIX threads every item runs on the caller's thread. */
+ * on first use. Without POSIX threads every item runs on the caller's thread.
+ *
+ * A job is published by writing its function, context, item count and the ranges'
+ * words, then incrementing the generation `gen`. Every range word holds the generation
+ * in its high 32 bits and the range's next item in its low 32: a claim is a
+ * compare-and-swap that succeeds only for the job it was read for, so a worker that
+ * wakes late (its job finished, another published) claims nothing of the wrong job.
+ * `done` counts finished items; each participant adds its count once per range (not
+ * once per item), and whoever completes the job wakes the caller if it sleeps. */
 #include "pool.h"
 
 #if defined(_WIN32)
@@ -11,13 +19,13 @@ void pool_run(int threads, int64_t n, pool_fn fn, void *ctx) {
 
 #else
 
+#include <limits.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
 
-#define MAX_WORKERS 255
-#define SPIN_NS 200000L /* a worker spins this long after its last item, then sleeps */
+#define MAX_THREADS 256
+#define LINE 64
 
 #if defined(__x86_64__) || defined(__i386__)
 #define RELAX() __builtin_ia32_pause()
@@ -25,21 +33,59 @@ void pool_run(int threads, int64_t n, pool_fn fn, void *ctx) {
 #define RELAX() ((void)0)
 #endif
 
+/* ---- blocking on a word: a futex on Linux, a condition variable elsewhere ---------------- */
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* sleep while *word == value (returns at once when it differs; may return spuriously) */
+static void wait_word(_Atomic uint32_t *word, uint32_t value) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+
+static void wake_word(_Atomic uint32_t *word) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+#else
+static pthread_mutex_t word_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t word_cv = PTHREAD_COND_INITIALIZER;
+
+static void wait_word(_Atomic uint32_t *word, uint32_t value) {
+    pthread_mutex_lock(&word_mu);
+    if (atomic_load(word) == value) pthread_cond_wait(&word_cv, &word_mu);
+    pthread_mutex_unlock(&word_mu);
+}
+
+static void wake_word(_Atomic uint32_t *word) {
+    (void)word;
+    pthread_mutex_lock(&word_mu);
+    pthread_cond_broadcast(&word_cv);
+    pthread_mutex_unlock(&word_mu);
+}
+#endif
+
+/* ---- the pool ------------------------------------------------------------------------------- */
+
+typedef struct {
+    _Alignas(LINE) _Atomic uint64_t next; /* gen << 32 | the range's next item */
+    _Atomic int64_t end;                  /* one past its last item */
+} Range;
+
 static struct {
     pthread_mutex_t job_lock; /* one job at a time; another caller runs its own inline */
-    pthread_mutex_t mu;
-    pthread_cond_t wake;
-    _Atomic uint32_t gen;     /* the job's number; workers wait for it to change */
-    _Atomic uint64_t ticket;  /* gen << 32 | the next item */
-    _Atomic int64_t done;     /* items finished of the current job */
-    _Atomic int sleepers;
-    _Atomic(pool_fn) fn;
+    int n_workers;
+    _Alignas(LINE) _Atomic uint32_t gen; /* the job's number: idle workers block on it */
+    _Atomic int sleepers;                /* workers blocked on gen */
+    _Alignas(LINE) _Atomic int64_t done; /* items finished of the current job */
+    _Atomic uint32_t caller_waits;       /* 1 while the caller blocks on it */
+    _Alignas(LINE) _Atomic(pool_fn) fn;
     _Atomic(void *) ctx;
     _Atomic int64_t n;
-    _Atomic int active; /* workers 0 .. active - 1 take part */
-    int n_workers;
-} P = {.job_lock = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
-       .wake = PTHREAD_COND_INITIALIZER};
+    _Atomic int parts; /* participants 0 (the caller) .. parts - 1 */
+    Range range[MAX_THREADS];
+} P = {.job_lock = PTHREAD_MUTEX_INITIALIZER};
 
 static long now_ns(void) {
     struct timespec t;
@@ -47,48 +93,73 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* claim the next item of job g; 0 when the job has none left (or is over) */
-static int claim(uint32_t g, int64_t n, int64_t *item) {
-    uint64_t t = atomic_load_explicit(&P.ticket, memory_order_relaxed);
+/* claim the next item of range r for job g; 0 when it has none left (or g is over) */
+static int claim(Range *r, uint32_t g, int64_t *item) {
+    uint64_t t = atomic_load_explicit(&r->next, memory_order_acquire);
     for (;;) {
-        if ((uint32_t)(t >> 32) != g || (int64_t)(t & 0xffffffffu) >= n) return 0;
-        if (atomic_compare_exchange_weak_explicit(&P.ticket, &t, t + 1, memory_order_acquire,
-                                                  memory_order_relaxed)) {
-            *item = (int64_t)(t & 0xffffffffu);
+        if ((uint32_t)(t >> 32) != g) return 0;
+        int64_t i = (int64_t)(t & 0xffffffffu);
+        if (i >= atomic_load_explicit(&r->end, memory_order_relaxed)) return 0;
+        if (atomic_compare_exchange_weak_explicit(&r->next, &t, t + 1, memory_order_acquire,
+                                                  memory_order_acquire)) {
+            *item = i;
             return 1;
         }
     }
 }
 
-static void work(uint32_t g) {
-    pool_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
-    void *ctx = atomic_load_explicit(&P.ctx, memory_order_relaxed);
-    int64_t n = atomic_load_explicit(&P.n, memory_order_relaxed), item;
-    while (claim(g, n, &item)) { /* a claim succeeds only while job g runs: fn is g's */
-        fn(ctx, item);
-        atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
+/* `count` more items of a job of n finished; the one completing it wakes the caller */
+static void finished(int64_t count, int64_t n) {
+    if (atomic_fetch_add(&P.done, count) + count == n && atomic_load(&P.caller_waits)) {
+        atomic_store(&P.caller_waits, 0);
+        wake_word(&P.caller_waits);
     }
 }
 
-static void *worker(void *arg) {
-    int id = (int)(intptr_t)arg;
-    uint32_t seen = atomic_load(&P.gen);
-    for (;;) {
-        uint32_t g;
-        long since = now_ns();
-        int spins = 0;
-        while ((g = atomic_load(&P.gen)) == seen) {
-            RELAX();
-            if (++spins % 64 == 0 && now_ns() - since > SPIN_NS) {
-                pthread_mutex_lock(&P.mu);
-                atomic_fetch_add(&P.sleepers, 1);
-                while (atomic_load(&P.gen) == seen) pthread_cond_wait(&P.wake, &P.mu);
-                atomic_fetch_sub(&P.sleepers, 1);
-                pthread_mutex_unlock(&P.mu);
-            }
+/* participant p of job g: its own range in order, then the others' leftovers */
+static void participate(uint32_t g, int p, pool_fn fn, void *ctx, int64_t n, int parts) {
+    int64_t item, count = 0;
+    while (claim(&P.range[p], g, &item)) {
+        fn(ctx, item);
+        ++count;
+    }
+    if (count) finished(count, n);
+    for (int k = 1; k < parts; ++k) {
+        Range *r = &P.range[(p + k) % parts];
+        while (claim(r, g, &item)) {
+            fn(ctx, item);
+            finished(1, n);
         }
-        seen = g;
-        if (id < atomic_load(&P.active)) work(g);
+    }
+}
+
+/* the next job after `seen`: spin POOL_SPIN_NS, then block */
+static uint32_t next_job(uint32_t seen) {
+    long since = now_ns();
+    for (int spins = 1;; ++spins) {
+        uint32_t g = atomic_load_explicit(&P.gen, memory_order_acquire);
+        if (g != seen) return g;
+        RELAX();
+        if (spins % 64 == 0 && now_ns() - since > POOL_SPIN_NS) break;
+    }
+    atomic_fetch_add(&P.sleepers, 1);
+    while (atomic_load(&P.gen) == seen) wait_word(&P.gen, seen);
+    atomic_fetch_sub(&P.sleepers, 1);
+    return atomic_load_explicit(&P.gen, memory_order_acquire);
+}
+
+static void *worker(void *arg) {
+    int p = (int)(intptr_t)arg; /* its participant index, 1 .. */
+    uint32_t g = atomic_load(&P.gen);
+    for (;;) {
+        g = next_job(g);
+        pool_fn fn = atomic_load_explicit(&P.fn, memory_order_acquire);
+        void *ctx = atomic_load_explicit(&P.ctx, memory_order_acquire);
+        int64_t n = atomic_load_explicit(&P.n, memory_order_acquire);
+        int parts = atomic_load_explicit(&P.parts, memory_order_acquire);
+        /* fields of a later job than g (read while it was published) claim nothing:
+         * job g's items are all claimed before another job is written */
+        if (p < parts) participate(g, p, fn, ctx, n, parts);
     }
     return NULL;
 }
@@ -97,8 +168,6 @@ static void after_fork_in_child(void) {
     /* the child has none of the parent's workers; its jobs run on its own thread until
      * it makes new ones */
     pthread_mutex_init(&P.job_lock, NULL);
-    pthread_mutex_init(&P.mu, NULL);
-    pthread_cond_init(&P.wake, NULL);
     atomic_store(&P.sleepers, 0);
     P.n_workers = 0;
 }
@@ -109,12 +178,12 @@ static void grow(int want) {
         pthread_atfork(NULL, NULL, after_fork_in_child);
         hooked = 1;
     }
-    while (P.n_workers < want && P.n_workers < MAX_WORKERS) {
+    while (P.n_workers < want && P.n_workers < MAX_THREADS - 1) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &attr, worker, (void *)(intptr_t)P.n_workers);
+        int rc = pthread_create(&t, &attr, worker, (void *)(intptr_t)(P.n_workers + 1));
         pthread_attr_destroy(&attr);
         if (rc != 0) break; /* fewer threads: still correct */
         P.n_workers++;
@@ -122,33 +191,35 @@ static void grow(int want) {
 }
 
 void pool_run(int threads, int64_t n, pool_fn fn, void *ctx) {
-    if (threads <= 1 || n <= 1 || pthread_mutex_trylock(&P.job_lock) != 0) {
+    if (threads > n) threads = (int)n;
+    if (threads <= 1 || n >= INT32_MAX || pthread_mutex_trylock(&P.job_lock) != 0) {
         for (int64_t i = 0; i < n; ++i) fn(ctx, i);
         return;
     }
     grow(threads - 1);
-    atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&P.ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&P.n, n, memory_order_relaxed);
-    atomic_store_explicit(&P.active, threads - 1, memory_order_relaxed);
-    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    int parts = threads < P.n_workers + 1 ? threads : P.n_workers + 1;
     uint32_t g = atomic_load(&P.gen) + 1;
-    atomic_store_explicit(&P.ticket, (uint64_t)g << 32, memory_order_relaxed);
-    atomic_store(&P.gen, g); /* publishes the job (sequentially consistent) */
-    if (atomic_load(&P.sleepers) > 0) {
-        pthread_mutex_lock(&P.mu);
-        pthread_cond_broadcast(&P.wake);
-        pthread_mutex_unlock(&P.mu);
+    atomic_store_explicit(&P.fn, fn, memory_order_release);
+    atomic_store_explicit(&P.ctx, ctx, memory_order_release);
+    atomic_store_explicit(&P.n, n, memory_order_release);
+    atomic_store_explicit(&P.parts, parts, memory_order_release);
+    atomic_store(&P.done, 0);
+    atomic_store(&P.caller_waits, 0);
+    for (int p = 0; p < parts; ++p) {
+        atomic_store_explicit(&P.range[p].end, (p + 1) * n / parts, memory_order_relaxed);
+        atomic_store_explicit(&P.range[p].next, (uint64_t)g << 32 | (uint64_t)(p * n / parts),
+                              memory_order_release);
     }
-    work(g);
-    /* wait for the items other threads claimed */
-    long since = 0;
-    int spins = 0;
-    while (atomic_load_explicit(&P.done, memory_order_acquire) < n) {
+    atomic_store(&P.gen, g); /* publishes the job */
+    if (atomic_load(&P.sleepers) > 0) wake_word(&P.gen);
+    participate(g, 0, fn, ctx, n, parts);
+    /* the items the others hold: spin a while, then block until the last one ends */
+    long since = now_ns();
+    for (int spins = 1; atomic_load(&P.done) < n; ++spins) {
         RELAX();
-        if (++spins % 64 == 0) {
-            if (!since) since = now_ns();
-            else if (now_ns() - since > 20000L) sched_yield(); /* let a preempted one run */
+        if (spins % 64 == 0 && now_ns() - since > POOL_SPIN_NS) {
+            atomic_store(&P.caller_waits, 1);
+            if (atomic_load(&P.done) < n) wait_word(&P.caller_waits, 1);
         }
     }
     pthread_mutex_unlock(&P.job_lock);

@@ -1,4 +1,5 @@
-/* repack.c: the x8 layout (repack.h). */
+/* repack.c: the x8 layouts (repack.h). Each type moves a stored block of row i into
+ * its group block (pack_block) and back (unpack_block); the two are inverse bit moves. */
 #include "repack.h"
 
 #include <string.h>
@@ -7,45 +8,183 @@
 
 _Static_assert(X8 * 4 == 32, "a word of every row fills 32 bytes");
 
-int x8_header_bytes(int t) { return t == T_Q4_0 ? 2 : t == T_Q4_1 ? 4 : 0; }
-
-int x8_supported(int t) { return t == T_Q4_0 || t == T_Q4_1; }
-
-/* a block's header is halves (2 bytes each): half f of row i at x8_half(f, i) */
-static int x8_half(int f, int i) { return (f * X8 + i) * 2; }
-
-int64_t x8_bytes(int t, int64_t n_out, int64_t n_in) {
-    int64_t groups = (n_out + X8 - 1) / X8;
-    return groups * X8 * (n_in / QTYPE_BLOCK_ELEMS[t]) * QTYPE_BLOCK_BYTES[t];
+int x8_supported(int t) {
+    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
 }
 
-void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, uint8_t *out) {
-    const int bb = QTYPE_BLOCK_BYTES[t], hb = x8_header_bytes(t), pb = bb - hb;
-    const int64_t nb = row_bytes / bb, groups = (n_out + X8 - 1) / X8;
-    for (int64_t g = 0; g < groups; ++g)
+int x8_block_bytes(int t) {
+    switch (t) {
+    case T_Q4_K: return 1184;
+    case T_Q5_K: return 1440;
+    default: return X8 * QTYPE_BLOCK_BYTES[t]; /* the others move bytes only */
+    }
+}
+
+int64_t x8_group_bytes(int t, int64_t n_in) { return n_in / QTYPE_BLOCK_ELEMS[t] * x8_block_bytes(t); }
+
+int64_t x8_bytes(int t, int64_t n_out, int64_t n_in) {
+    return (n_out + X8 - 1) / X8 * x8_group_bytes(t, n_in);
+}
+
+/* byte b (0..3) of word w of row i, from a word area at `at` */
+static inline int word_at(int at, int w, int i, int b) { return at + 32 * w + 4 * i + b; }
+
+/* ---- the 32-element types: halves side by side, then the payload's words ---------------- */
+
+static int legacy_halves(int t) { return t == T_Q4_1 ? 2 : 1; }
+
+static void legacy_pack(int t, const uint8_t *b, int i, uint8_t *G) {
+    const int nh = legacy_halves(t), pb = QTYPE_BLOCK_BYTES[t] - 2 * nh;
+    for (int f = 0; f < nh; ++f) memcpy(G + 16 * f + 2 * i, b + 2 * f, 2);
+    for (int l = 0; l < pb; l += 4) memcpy(G + word_at(16 * nh, l / 4, i, 0), b + 2 * nh + l, 4);
+}
+
+static void legacy_unpack(int t, const uint8_t *G, int i, uint8_t *b) {
+    const int nh = legacy_halves(t), pb = QTYPE_BLOCK_BYTES[t] - 2 * nh;
+    for (int f = 0; f < nh; ++f) memcpy(b + 2 * f, G + 16 * f + 2 * i, 2);
+    for (int l = 0; l < pb; l += 4) memcpy(b + 2 * nh + l, G + word_at(16 * nh, l / 4, i, 0), 4);
+}
+
+/* ---- Q4_K, Q5_K -------------------------------------------------------------------------- */
+
+#define K4_SCALES 32
+#define K4_MINS 96
+#define K4_HEADER 160
+#define K5_HIGH 160
+#define K5_NIBBLES 416
+
+/* the stored 12 bytes of 8 (scale, min) pairs of 6 bits: k4_scale_min inverted */
+static void k4_pack_scales(const int sc[8], const int mn[8], uint8_t out[12]) {
+    for (int j = 0; j < 4; ++j) {
+        out[j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+        out[j + 4] = (uint8_t)((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+        out[j + 8] = (uint8_t)((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+    }
+}
+
+static void k4_pack(int t, const uint8_t *b, int i, uint8_t *G) {
+    memcpy(G + 2 * i, b, 2);
+    memcpy(G + 16 + 2 * i, b + 2, 2);
+    for (int s = 0; s < 8; ++s) {
+        int sc, mn;
+        k4_scale_min(b + 4, s, &sc, &mn);
+        G[K4_SCALES + 8 * s + i] = (uint8_t)sc;
+        G[K4_MINS + 16 * (s >> 1) + 2 * i + (s & 1)] = (uint8_t)mn;
+    }
+    const int qs = t == T_Q4_K ? 16 : 48, at = t == T_Q4_K ? K4_HEADER : K5_NIBBLES;
+    for (int p = 0; p < 4; ++p)
+        for (int w = 0; w < 8; ++w)
+            memcpy(G + at + 256 * p + word_at(0, w, i, 0), b + qs + 32 * p + 4 * w, 4);
+    if (t == T_Q5_K) /* bit s of stored qh[l]: the fifth bit of element l of sub-block s */
+        for (int s = 0; s < 8; ++s)
+            for (int l = 0; l < 32; ++l) {
+                uint8_t *h = G + K5_HIGH + 32 * s + 4 * i + (l & 3);
+                *h = (uint8_t)(*h | (((b[16 + l] >> s) & 1) << (l >> 2)));
+            }
+}
+
+static void k4_unpack(int t, const uint8_t *G, int i, uint8_t *b) {
+    memcpy(b, G + 2 * i, 2);
+    memcpy(b + 2, G + 16 + 2 * i, 2);
+    int sc[8], mn[8];
+    for (int s = 0; s < 8; ++s) {
+        sc[s] = G[K4_SCALES + 8 * s + i];
+        mn[s] = G[K4_MINS + 16 * (s >> 1) + 2 * i + (s & 1)];
+    }
+    k4_pack_scales(sc, mn, b + 4);
+    const int qs = t == T_Q4_K ? 16 : 48, at = t == T_Q4_K ? K4_HEADER : K5_NIBBLES;
+    for (int p = 0; p < 4; ++p)
+        for (int w = 0; w < 8; ++w)
+            memcpy(b + qs + 32 * p + 4 * w, G + at + 256 * p + word_at(0, w, i, 0), 4);
+    if (t == T_Q5_K) {
+        memset(b + 16, 0, 32);
+        for (int s = 0; s < 8; ++s)
+            for (int l = 0; l < 32; ++l) {
+                int bit = (G[K5_HIGH + 32 * s + 4 * i + (l & 3)] >> (l >> 2)) & 1;
+                b[16 + l] = (uint8_t)(b[16 + l] | (bit << s));
+            }
+    }
+}
+
+/* ---- Q6_K ------------------------------------------------------------------------------------- */
+
+#define K6_SCALES 16
+#define K6_LOW 144
+#define K6_HIGH 1168
+
+/* where element l of sub-block s keeps its low 4 bits (byte, shift) and high 2 bits,
+ * stored (chunk_ints' reading) and in the group */
+static void k6_stored(int s, int l, int *lo_byte, int *lo_shift, int *hi_byte, int *hi_shift) {
+    int h = s >> 2, tt = s & 3;
+    *lo_byte = 64 * h + 32 * (tt & 1) + l;
+    *lo_shift = 4 * (tt >> 1);
+    *hi_byte = 128 + 32 * h + l;
+    *hi_shift = 2 * tt;
+}
+
+static void k6_group(int s, int l, int i, int *lo_byte, int *lo_shift, int *hi_byte,
+                     int *hi_shift) {
+    int p = s >> 1, e = s & 1, w = l >> 2, b = l & 3;
+    *lo_byte = K6_LOW + 256 * p + word_at(0, w, i, b);
+    *lo_shift = 4 * e;
+    *hi_byte = K6_HIGH + 128 * p + word_at(0, w >> 1, i, b);
+    *hi_shift = 2 * (2 * (w & 1) + e);
+}
+
+static void k6_pack(const uint8_t *b, int i, uint8_t *G) {
+    memcpy(G + 2 * i, b + 208, 2);
+    for (int j = 0; j < 16; ++j) G[K6_SCALES + 8 * j + i] = b[192 + j];
+    for (int s = 0; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+            int sl, ss, sh, shs, gl, gs, gh, ghs;
+            k6_stored(s, l, &sl, &ss, &sh, &shs);
+            k6_group(s, l, i, &gl, &gs, &gh, &ghs);
+            G[gl] = (uint8_t)(G[gl] | (((b[sl] >> ss) & 15) << gs));
+            G[gh] = (uint8_t)(G[gh] | (((b[sh] >> shs) & 3) << ghs));
+        }
+}
+
+static void k6_unpack(const uint8_t *G, int i, uint8_t *b) {
+    memset(b, 0, 192);
+    for (int s = 0; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+            int sl, ss, sh, shs, gl, gs, gh, ghs;
+            k6_stored(s, l, &sl, &ss, &sh, &shs);
+            k6_group(s, l, i, &gl, &gs, &gh, &ghs);
+            b[sl] = (uint8_t)(b[sl] | (((G[gl] >> gs) & 15) << ss));
+            b[sh] = (uint8_t)(b[sh] | (((G[gh] >> ghs) & 3) << shs));
+        }
+    for (int j = 0; j < 16; ++j) b[192 + j] = G[K6_SCALES + 8 * j + i];
+    memcpy(b + 208, G + 2 * i, 2);
+}
+
+/* ---- whole matrices ----------------------------------------------------------------------- */
+
+void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, int64_t g0, int64_t g1,
+             uint8_t *out) {
+    const int bb = QTYPE_BLOCK_BYTES[t], gb = x8_block_bytes(t);
+    const int64_t nb = row_bytes / bb;
+    for (int64_t g = g0; g < g1; ++g)
         for (int64_t c = 0; c < nb; ++c) {
-            uint8_t *dst = out + (g * nb + c) * X8 * bb;
-            for (int i = 0; i < X8; ++i) {
-                int64_t r = g * X8 + i;
-                const uint8_t *b = r < n_out ? rows + r * row_bytes + c * bb : NULL;
-                for (int f = 0; f < hb / 2; ++f) {
-                    if (b) memcpy(dst + x8_half(f, i), b + 2 * f, 2);
-                    else memset(dst + x8_half(f, i), 0, 2);
-                }
-                for (int l = 0; l < pb; l += 4) {
-                    if (b) memcpy(dst + x8_at(hb, i, l), b + hb + l, 4);
-                    else memset(dst + x8_at(hb, i, l), 0, 4);
-                }
+            uint8_t *G = out + (g * nb + c) * gb;
+            memset(G, 0, (size_t)gb); /* a padding row: zero factors, zero quants */
+            for (int i = 0; i < X8 && g * X8 + i < n_out; ++i) {
+                const uint8_t *b = rows + (g * X8 + i) * row_bytes + c * bb;
+                if (t == T_Q4_K || t == T_Q5_K) k4_pack(t, b, i, G);
+                else if (t == T_Q6_K) k6_pack(b, i, G);
+                else legacy_pack(t, b, i, G);
             }
         }
 }
 
-void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_chunks, uint8_t *row) {
-    const int bb = QTYPE_BLOCK_BYTES[t], hb = x8_header_bytes(t), pb = bb - hb;
-    const int64_t nb = n_chunks * 32 / QTYPE_BLOCK_ELEMS[t];
+void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_in, uint8_t *row) {
+    const int bb = QTYPE_BLOCK_BYTES[t], gb = x8_block_bytes(t);
+    const int64_t nb = n_in / QTYPE_BLOCK_ELEMS[t];
     for (int64_t c = 0; c < nb; ++c) {
-        const uint8_t *src = group + c * X8 * bb;
-        for (int f = 0; f < hb / 2; ++f) memcpy(row + c * bb + 2 * f, src + x8_half(f, i), 2);
-        for (int l = 0; l < pb; l += 4) memcpy(row + c * bb + hb + l, src + x8_at(hb, i, l), 4);
+        const uint8_t *G = group + c * gb;
+        uint8_t *b = row + c * bb;
+        if (t == T_Q4_K || t == T_Q5_K) k4_unpack(t, G, i, b);
+        else if (t == T_Q6_K) k6_unpack(G, i, b);
+        else legacy_unpack(t, G, i, b);
     }
 }

@@ -3,14 +3,34 @@
  * each row's block across the vector; one stream of memory instead of eight.
  *
  * Group g holds rows 8g .. 8g + 7 (the last group padded with rows of zero factors and
- * zero quants). Its block c takes 8 blocks' bytes: the 8 rows' headers, half by half
- * (each 16 bytes hold one of the header's halves for every row, rows in order: Q4_0's
- * 8 d; Q4_1's 8 d, then its 8 m), then their payloads (16 bytes of nibbles) in words
- * of 4 bytes, word w of the 8 rows side by side (x8_at): each 32 bytes hold one word
- * of every row, lane i (4 bytes) row i's. A repacked row
- * computes what its stored row computes, bit for bit (dot.h's arithmetic, the same
- * order of every addition): the layout changes which rows a pass reads together,
- * not what any row computes.
+ * zero quants), block after block: block c of the group holds block c of its 8 rows
+ * (a block of 32 elements; a super-block of 256 for the K-quants). Within it the rows'
+ * quants lie in "words": 32 bytes holding 4 bytes of every row, lane i (bytes 4i ..
+ * 4i + 3) row i's, so that one 4-byte group of activations, broadcast, multiplies
+ * the 8 rows at once. The headers come first, each field of the 8 rows side by side.
+ * Per type, a group block is (offsets in bytes; "word w" = 32 bytes as above):
+ *
+ *   Q8_0 (272)  0: 8 d (halves); 16: word w (0..7) = the quants 4w .. 4w + 3 (int8).
+ *   Q4_0 (144)  0: 8 d; 16: word w (0..3) = stored bytes 4w .. 4w + 3 of the nibbles
+ *               (low nibble element l, high nibble element l + 16, as stored).
+ *   Q4_1 (160)  0: 8 d; 16: 8 m; 32: the nibbles as Q4_0's.
+ *   Q4_K (1184) 0: 8 d; 16: 8 dmin; 32 + 8 s + i: the 6-bit scale of sub-block s of
+ *               row i; 96 + 16 p + 2 i + e: the min of sub-block 2 p + e of row i
+ *               (pairs, for 16-bit multiply-adds); 160 + 256 p + 32 w: word w of
+ *               sub-blocks 2p, 2p+1: byte b of row i holds element 4w + b of sub-block
+ *               2p (low nibble) and of 2p + 1 (high nibble), as stored.
+ *   Q5_K (1440) Q4_K's header (160 bytes); 160 + 64 p + 32 e: the fifth bits of
+ *               sub-block 2p + e, byte b of row i holding in bit w element 4w + b's;
+ *               416: the nibbles as Q4_K's.
+ *   Q6_K (1680) 0: 8 d; 16 + 8 j + i: the int8 scale of 16-element group j of row i;
+ *               144 + 256 p + 32 w: the low 4 bits, as Q4_K's nibbles; 1168 + 128 p +
+ *               32 k: the high 2 bits of words 2k (bits 0-1 sub-block 2p, bits 2-3
+ *               2p + 1) and 2k + 1 (bits 4-5 and 6-7), byte b of row i.
+ *
+ * The layouts move bits, never change them: a row unpacked (x8_unpack_row) is the
+ * stored row, byte for byte, and a repacked row computes what its stored row computes,
+ * bit for bit (dot.h's arithmetic, the same order of every addition): the layout
+ * changes which rows a pass reads together, not what any row computes.
  */
 #ifndef GPP_REPACK_H
 #define GPP_REPACK_H
@@ -19,20 +39,18 @@
 
 #define X8 8
 
-/* the types that repack: those with an x8 kernel (Q4_0, Q4_1) */
+/* the types that repack: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K */
 int x8_supported(int t);
-/* header bytes of a block of a type that repacks (halves: Q4_0 2, Q4_1 4) */
-int x8_header_bytes(int t);
+/* bytes of one block of a group (8 rows' blocks, see above) */
+int x8_block_bytes(int t);
+/* bytes of a group of rows of n_in elements */
+int64_t x8_group_bytes(int t, int64_t n_in);
 /* bytes of a repacked matrix of n_out rows of n_in elements of type t */
 int64_t x8_bytes(int t, int64_t n_out, int64_t n_in);
-/* rows (n_out of row_bytes) -> out (x8_bytes) */
-void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, uint8_t *out);
-/* row i (< 8) of a group (blocks of n_chunks chunks) as its stored bytes */
-void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_chunks, uint8_t *row);
-/* the bytes of a group: 8 stored rows */
-static inline int64_t x8_group_bytes(int64_t row_bytes) { return X8 * row_bytes; }
-/* where byte l of row i's payload lies in a group block whose headers take hb bytes
- * per row: after the 8 headers, word l / 4 of the 8 rows, row i's 4 bytes in lane i */
-static inline int x8_at(int hb, int i, int l) { return X8 * hb + ((l >> 2) * X8 + i) * 4 + (l & 3); }
+/* groups g0 .. g1 - 1 of rows (n_out of row_bytes) -> out (x8_bytes) */
+void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, int64_t g0, int64_t g1,
+             uint8_t *out);
+/* row i (< 8) of a group (rows of n_in elements) as its stored bytes */
+void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_in, uint8_t *row);
 
 #endif

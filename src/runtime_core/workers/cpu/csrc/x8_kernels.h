@@ -1,0 +1,438 @@
+/* x8_kernels.h: the products of x8 groups (repack.h) with 8-bit activations, for one
+ * x86 instruction set and vector width: included by its file (dot_avx2.c,
+ * dot_avx512.c), once per width, after it defines
+ *
+ *   X8_TARGET   the target attribute's string ("avx2,f16c", ...)
+ *   X8_VNNI     1 where vpdpbusd (4 unsigned-by-signed byte products added to an int32)
+ *               exists, 0 for AVX2's vpmaddubsw + vpmaddwd
+ *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, x8_fn);
+ *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
+ *               next's (defines x16_q8_0 .. x16_q6_k, x16_fn; needs AVX-512 BW and VNNI)
+ *
+ * A word (32 bytes: 4 quants of every row of a group) is multiplied by 4 activation
+ * bytes broadcast to every lane, the 4 products added exactly into each row's int32
+ * (the unsigned weights times the signed activations: Q4_0's nibbles, Q6_K's q + 32 and
+ * Q8_0's q + 128 (its sign flipped), with the offset's product taken back from the
+ * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
+ * Q8_0 takes |q| times the activations given q's sign). Every integer sum is exact, so
+ * its order is free; the float terms and their 8 running sums per row (block c into
+ * sum c mod 8) are dot.h's, in its order, so every row's bits are the stored row's on
+ * every instruction set and width.
+ *
+ * The activation rows j0 .. j0 + nj - 1 (nj <= X8_XT) share one decoding of each block:
+ * a prefill multiplies every block read from memory with X8_XT rows while it is in cache.
+ */
+#ifndef X8_TARGET
+#error "define X8_TARGET, X8_VNNI and X8_WIDTH before including x8_kernels.h"
+#endif
+
+#include <immintrin.h>
+
+#include "repack.h"
+
+#define X8_FN __attribute__((target(X8_TARGET)))
+#define X8_INL static inline __attribute__((always_inline, target(X8_TARGET)))
+
+#ifndef X8_PREFETCH
+#define X8_PREFETCH 1536 /* bytes ahead of the block being read */
+#endif
+
+/* ---- the vector operations of one width --------------------------------------------------- */
+
+#if X8_WIDTH == 256
+#define XN(name) x8_##name
+#define XL 8
+#define VI __m256i
+#define VF __m256
+#define v_and _mm256_and_si256
+#define v_or _mm256_or_si256
+#define v_xor _mm256_xor_si256
+#define v_srli16 _mm256_srli_epi16
+#define v_slli16 _mm256_slli_epi16
+#define v_add32 _mm256_add_epi32
+#define v_mullo32 _mm256_mullo_epi32
+#define v_madd16 _mm256_madd_epi16
+#define v_set1_8 _mm256_set1_epi8
+#define v_set1_32 _mm256_set1_epi32
+#define v_zero _mm256_setzero_si256
+#define f_mul _mm256_mul_ps
+#define f_add _mm256_add_ps
+#define f_sub _mm256_sub_ps
+#define f_cvt _mm256_cvtepi32_ps
+#define f_set1 _mm256_set1_ps
+#define f_zero _mm256_setzero_ps
+#define f_store _mm256_storeu_ps
+
+/* `bytes` bytes at p of the group (gs: ignored) */
+X8_INL VI XN(ld)(const uint8_t *p, int64_t gs) {
+    (void)gs;
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+/* 16 bytes per group at p, widened: the 8 halves as floats; bytes to int16 */
+X8_INL VF XN(ld_halves)(const uint8_t *p, int64_t gs) {
+    (void)gs;
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+X8_INL VI XN(ld_u8_i16)(const uint8_t *p, int64_t gs) {
+    (void)gs;
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+/* 8 bytes per group at p as int32 lanes, unsigned or signed */
+X8_INL VI XN(ld_u8_i32)(const uint8_t *p, int64_t gs) {
+    (void)gs;
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+X8_INL VI XN(ld_i8_i32)(const uint8_t *p, int64_t gs) {
+    (void)gs;
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#if X8_VNNI
+#define v_dot4 _mm256_dpbusd_epi32
+#else
+X8_INL VI v_dot4(VI acc, VI u, VI x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+#endif
+
+#elif X8_WIDTH == 512
+#define XN(name) x16_##name
+#define XL 16
+#define VI __m512i
+#define VF __m512
+#define v_and _mm512_and_si512
+#define v_or _mm512_or_si512
+#define v_xor _mm512_xor_si512
+#define v_srli16 _mm512_srli_epi16
+#define v_slli16 _mm512_slli_epi16
+#define v_add32 _mm512_add_epi32
+#define v_mullo32 _mm512_mullo_epi32
+#define v_madd16 _mm512_madd_epi16
+#define v_set1_8 _mm512_set1_epi8
+#define v_set1_32 _mm512_set1_epi32
+#define v_zero _mm512_setzero_si512
+#define v_dot4 _mm512_dpbusd_epi32
+#define f_mul _mm512_mul_ps
+#define f_add _mm512_add_ps
+#define f_sub _mm512_sub_ps
+#define f_cvt _mm512_cvtepi32_ps
+#define f_set1 _mm512_set1_ps
+#define f_zero _mm512_setzero_ps
+#define f_store _mm512_storeu_ps
+
+X8_INL VI XN(ld)(const uint8_t *p, int64_t gs) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                              _mm256_loadu_si256((const __m256i *)(p + gs)), 1);
+}
+X8_INL __m256i XN(ld16x2)(const uint8_t *p, int64_t gs) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                   _mm_loadu_si128((const __m128i *)(p + gs)), 1);
+}
+X8_INL VF XN(ld_halves)(const uint8_t *p, int64_t gs) { return _mm512_cvtph_ps(XN(ld16x2)(p, gs)); }
+X8_INL VI XN(ld_u8_i16)(const uint8_t *p, int64_t gs) { return _mm512_cvtepu8_epi16(XN(ld16x2)(p, gs)); }
+X8_INL __m128i XN(ld8x2)(const uint8_t *p, int64_t gs) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)p), _mm_loadl_epi64((const __m128i *)(p + gs)));
+}
+X8_INL VI XN(ld_u8_i32)(const uint8_t *p, int64_t gs) { return _mm512_cvtepu8_epi32(XN(ld8x2)(p, gs)); }
+X8_INL VI XN(ld_i8_i32)(const uint8_t *p, int64_t gs) { return _mm512_cvtepi8_epi32(XN(ld8x2)(p, gs)); }
+#else
+#error "X8_WIDTH is 256 or 512"
+#endif
+
+/* 4 activation bytes at p, broadcast to every lane */
+X8_INL VI XN(bcast)(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v_set1_32(v);
+}
+
+X8_INL void XN(prefetch)(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+}
+
+/* out[k][i] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), lane by lane */
+X8_INL void XN(finish)(VF acc[X8_XT][8], int nj, float (*out)[XL]) {
+    for (int k = 0; k < nj; ++k) {
+        VF *a = acc[k];
+        f_store(out[k], f_add(f_add(f_add(a[0], a[1]), f_add(a[2], a[3])),
+                              f_add(f_add(a[4], a[5]), f_add(a[6], a[7]))));
+    }
+}
+
+X8_INL void XN(zero)(VF acc[X8_XT][8], int nj) {
+    for (int k = 0; k < nj; ++k)
+        for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
+}
+
+/* ---- Q8_0: (dw * d) * sumi -------------------------------------------------------------------- */
+
+X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                          float (*out)[XL], const int NJ) {
+    VF acc[X8_XT][8];
+    XN(zero)(acc, NJ);
+    for (int64_t c = 0; c < nc; ++c) {
+        const uint8_t *b = grp + c * 272;
+        XN(prefetch)(b + X8_PREFETCH, 272);
+        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, 272);
+        const VF dw = XN(ld_halves)(b, gs);
+        VI u[8], q[8];
+        for (int w = 0; w < 8; ++w) {
+            q[w] = XN(ld)(b + 16 + 32 * w, gs);
+#if X8_VNNI
+            u[w] = v_xor(q[w], v_set1_8((char)0x80)); /* q + 128 */
+#else
+            u[w] = _mm256_abs_epi8(q[w]);
+#endif
+        }
+        for (int k = 0; k < NJ; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->n + 32 * c;
+#if X8_VNNI
+            VI si = v_set1_32(-128 * x->g[j * 2 * nc + c]);
+            for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+#else
+            VI si = v_zero();
+            for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], _mm256_sign_epi8(XN(bcast)(xq + 4 * w), q[w]));
+#endif
+            const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
+            acc[k][c & 7] = f_add(acc[k][c & 7], f_mul(fac, f_cvt(si)));
+        }
+    }
+    XN(finish)(acc, NJ, out);
+}
+
+/* ---- Q4_0: (dw * d) * (sumi - 8 g); Q4_1: (dw * d) * sumi + m * s ------------------------------- */
+
+X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                        float (*out)[XL], const int NJ, const int q4_1) {
+    const int gb = q4_1 ? 160 : 144, at = q4_1 ? 32 : 16;
+    const VI m4 = v_set1_8(0x0F);
+    VF acc[X8_XT][8];
+    XN(zero)(acc, NJ);
+    for (int64_t c = 0; c < nc; ++c) {
+        const uint8_t *b = grp + c * gb;
+        XN(prefetch)(b + X8_PREFETCH, gb);
+        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        const VF dw = XN(ld_halves)(b, gs);
+        const VF mw = q4_1 ? XN(ld_halves)(b + 16, gs) : f_zero();
+        VI lo[4], hi[4];
+        for (int w = 0; w < 4; ++w) {
+            VI v = XN(ld)(b + at + 32 * w, gs);
+            lo[w] = v_and(v, m4);
+            hi[w] = v_and(v_srli16(v, 4), m4);
+        }
+        for (int k = 0; k < NJ; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->n + 32 * c;
+            VI si = q4_1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]);
+            for (int w = 0; w < 4; ++w) {
+                si = v_dot4(si, lo[w], XN(bcast)(xq + 4 * w));
+                si = v_dot4(si, hi[w], XN(bcast)(xq + 16 + 4 * w));
+            }
+            const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
+            VF term = f_mul(fac, f_cvt(si));
+            if (q4_1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
+            acc[k][c & 7] = f_add(acc[k][c & 7], term);
+        }
+    }
+    XN(finish)(acc, NJ, out);
+}
+
+/* ---- K-quants: Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q6_K (d * dw) * isum -------- */
+
+#ifndef X8_KINDS
+#define X8_KINDS
+enum { X8_Q4_K, X8_Q5_K, X8_Q6_K };
+#endif
+
+/* word w of sub-blocks 2p (lo) and 2p + 1 (hi) of a group super-block as unsigned bytes */
+X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int w, VI *lo, VI *hi) {
+    const VI m4 = v_set1_8(0x0F);
+    const int at = kind == X8_Q4_K ? 160 : kind == X8_Q5_K ? 416 : 144;
+    const VI v = XN(ld)(b + at + 256 * p + 32 * w, gs);
+    *lo = v_and(v, m4);
+    *hi = v_and(v_srli16(v, 4), m4);
+    if (kind == X8_Q5_K) { /* bit w of each byte to bit 4 */
+        const VI bit4 = v_set1_8(0x10);
+        const VI h0 = XN(ld)(b + 160 + 64 * p, gs), h1 = XN(ld)(b + 192 + 64 * p, gs);
+        VI a = w <= 4 ? v_slli16(h0, 4 - w) : v_srli16(h0, w - 4);
+        VI c = w <= 4 ? v_slli16(h1, 4 - w) : v_srli16(h1, w - 4);
+        *lo = v_or(*lo, v_and(a, bit4));
+        *hi = v_or(*hi, v_and(c, bit4));
+    } else if (kind == X8_Q6_K) { /* the high 2 bits to bits 4-5 */
+        const VI two = v_set1_8(0x30);
+        const VI h = XN(ld)(b + 1168 + 128 * p + 32 * (w >> 1), gs);
+        VI a = (w & 1) ? h : v_slli16(h, 4);
+        VI c = (w & 1) ? v_srli16(h, 2) : v_slli16(h, 2);
+        *lo = v_or(*lo, v_and(a, two));
+        *hi = v_or(*hi, v_and(c, two));
+    }
+}
+
+/* Each word is decoded once and multiplied with the NJ rows' activations at once; per
+ * row, the sums of a sub-block (Q6_K: of a 16-element group) times its scale go into
+ * isum, exactly. */
+X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                       float (*out)[XL], const int NJ, const int kind) {
+    const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
+    VF acc[X8_XT][8];
+    XN(zero)(acc, NJ);
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * gb;
+        XN(prefetch)(b + X8_PREFETCH, gb);
+        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        const int8_t *xq[X8_XT];
+        const int32_t *xg[X8_XT];
+        for (int k = 0; k < NJ; ++k) {
+            xq[k] = x->q + (j0 + k) * x->n + 256 * sb;
+            xg[k] = x->g + (j0 + k) * 2 * nc + 16 * sb;
+        }
+        VI isum[X8_XT];
+        for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
+        for (int p = 0; p < 4; ++p) {
+            /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
+             * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
+            VI alo[X8_XT], ahi[X8_XT];
+            for (int k = 0; k < NJ; ++k) {
+                alo[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p]) : v_zero();
+                ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
+            }
+#if !X8_VNNI
+            if (kind == X8_Q4_K) { /* pairs of nibble products summed in 16 bits (at most
+                                    * 8 words * 2 * 15 * 127 < 2^15), then times the scale */
+                __m256i plo[X8_XT], phi[X8_XT];
+                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
+                for (int w = 0; w < 8; ++w) {
+                    VI lo, hi;
+                    XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                    for (int k = 0; k < NJ; ++k) {
+                        const int8_t *xp = xq[k] + 64 * p + 4 * w;
+                        plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
+                        phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
+                    }
+                }
+                const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+                const __m256i s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+                const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
+                const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+                for (int k = 0; k < NJ; ++k)
+                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+                continue;
+            }
+#endif
+            for (int w = 0; w < 8; ++w) {
+                if (kind == X8_Q6_K && w == 4)
+                    for (int k = 0; k < NJ; ++k) {
+                        alo[k] = v_set1_32(-32 * xg[k][4 * p + 1]);
+                        ahi[k] = v_set1_32(-32 * xg[k][4 * p + 3]);
+                    }
+                VI lo, hi;
+                XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                for (int k = 0; k < NJ; ++k) {
+                    alo[k] = v_dot4(alo[k], lo, XN(bcast)(xq[k] + 64 * p + 4 * w));
+                    ahi[k] = v_dot4(ahi[k], hi, XN(bcast)(xq[k] + 64 * p + 32 + 4 * w));
+                }
+                if (kind == X8_Q6_K && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
+                    const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
+                    const VI slo = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
+                    const VI shi = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
+                    for (int k = 0; k < NJ; ++k)
+                        isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+                }
+            }
+            if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
+                const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+                const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+                for (int k = 0; k < NJ; ++k)
+                    isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+            }
+        }
+        const VF dw = XN(ld_halves)(b, gs);
+        if (kind == X8_Q6_K) {
+            for (int k = 0; k < NJ; ++k) {
+                const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+                acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(f_mul(xd, dw), f_cvt(isum[k])));
+            }
+            continue;
+        }
+        const VF dmin = XN(ld_halves)(b + 16, gs);
+        VI mn[4];
+        for (int p = 0; p < 4; ++p) mn[p] = XN(ld_u8_i16)(b + 96 + 16 * p, gs);
+        for (int k = 0; k < NJ; ++k) {
+            VI imin = v_zero();
+            for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
+                int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
+                VI xs = v_set1_32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
+                imin = v_add32(imin, v_madd16(mn[p], xs));
+            }
+            const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+            VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
+            term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
+            acc[k][sb & 7] = f_add(acc[k][sb & 7], term);
+        }
+    }
+    XN(finish)(acc, NJ, out);
+}
+
+/* ---- the entries: one body per row count, so that its loops unroll -------------------------- */
+
+#define X8_ENTRY(NAME, CALL)                                                                   \
+    X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
+                                                       const XRows *x, int64_t j0, int nj,      \
+                                                       float (*out)[XL]) {                      \
+        switch (nj) {                                                                           \
+        case 1: CALL(1); break;                                                                 \
+        case 2: CALL(2); break;                                                                 \
+        case 3: CALL(3); break;                                                                 \
+        default: CALL(4); break;                                                                \
+        }                                                                                       \
+    }
+
+#define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, j0, out, N)
+#define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, j0, out, N, 0)
+#define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, j0, out, N, 1)
+#define X8_CALL_Q4_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q4_K)
+#define X8_CALL_Q5_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q5_K)
+#define X8_CALL_Q6_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q6_K)
+
+X8_ENTRY(q8_0, X8_CALL_Q8_0)
+X8_ENTRY(q4_0, X8_CALL_Q4_0)
+X8_ENTRY(q4_1, X8_CALL_Q4_1)
+X8_ENTRY(q4_k, X8_CALL_Q4_K)
+X8_ENTRY(q5_k, X8_CALL_Q5_K)
+X8_ENTRY(q6_k, X8_CALL_Q6_K)
+
+/* ---- ready for another width ------------------------------------------------------------- */
+
+#undef X8_ENTRY
+#undef X8_CALL_Q8_0
+#undef X8_CALL_Q4_0
+#undef X8_CALL_Q4_1
+#undef X8_CALL_Q4_K
+#undef X8_CALL_Q5_K
+#undef X8_CALL_Q6_K
+#undef XN
+#undef XL
+#undef VI
+#undef VF
+#undef v_and
+#undef v_or
+#undef v_xor
+#undef v_srli16
+#undef v_slli16
+#undef v_add32
+#undef v_mullo32
+#undef v_madd16
+#undef v_set1_8
+#undef v_set1_32
+#undef v_zero
+#undef v_dot4
+#undef f_mul
+#undef f_add
+#undef f_sub
+#undef f_cvt
+#undef f_set1
+#undef f_zero
+#undef f_store
+#undef X8_FN
+#undef X8_INL
+#undef X8_WIDTH

@@ -1,0 +1,143 @@
+"""Batch invariance of the CPU worker's products (CONCURRENT_RUNS.md §3): a matrix times R
+activation rows (``_kernels.linear``, the product a prefill and a batch of several runs'
+decode rows share) gives each row the bits that row gets alone, whatever the other rows
+(random content), their number (1 to 16 others), the row's place among them, the
+thread count (1 to 4) and the instruction set (each a parameter, skipped with the
+reason where this processor lacks it).
+
+Matrices are held as the worker holds them (``repack=True``: the six types with an x8
+layout repacked, the others as stored), 8-bit and float ("f32") activations; 45 rows
+of output (a last group of 5 padded rows) and rows of 512 elements (two K-quant
+super-blocks, 16 blocks of 32).
+
+A stage's backend (``CpuBackend``) given a prompt in chunks (steps of several rows at
+positions past 0, as CONCURRENT_RUNS.md §4 carries a prefill) computes the last row's
+logits, bit for bit, that it computes given the prompt whole, on every instruction set
+and thread count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime_core.gguf_slice import open_stage_slice
+from runtime_core.workers.cpu import _kernels
+from runtime_core.workers.cpu.backend import CpuBackend
+from runtime_core.workers.cpu.worker import CpuWorker
+from runtime_core.workers.stage_worker import BackendSpec
+from tests.support.cpu_isas import isa_params
+from tests.support.random_blocks import random_rows
+from tests.support.random_model import RandomModel, write_random_model
+
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q2_K", "F16")
+N_IN, N_OUT = 512, 45
+
+
+def linear(m: _kernels.Matrix, x: np.ndarray, use_q8: bool, threads: int, isa: str) -> np.ndarray:
+    rows, n = x.shape
+    y = np.zeros((rows, m.n_out), np.float32)
+    if use_q8 and m.act_format != "f32":
+        q, d = np.zeros((rows, n), np.int8), np.zeros((rows, n // 32), np.float32)
+        s, g = d.copy(), np.zeros((rows, n // 16), np.int32)
+        _kernels.linear(m, rows, x, q, d, s, g, True, True, y, None, False, threads, isa=isa)
+    else:
+        _kernels.linear(
+            m, rows, x, None, None, None, None, False, False, y, None, False, threads, isa=isa
+        )
+    return y
+
+
+def activations(rng: np.random.Generator, rows: int) -> np.ndarray:
+    x = (rng.standard_normal((rows, N_IN)) * rng.uniform(0.1, 10.0, (rows, 1))).astype(np.float32)
+    x[:, :32] *= 20.0  # an outlier block, as real residual streams have
+    return x
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("use_q8", [True, False], ids=["q8", "f32"])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(
+    qtype: str, use_q8: bool, isa: str
+) -> None:
+    rng = np.random.default_rng(TYPES.index(qtype))
+    raw = random_rows(rng, qtype, N_OUT, N_IN, scale=1 / np.sqrt(N_IN))
+    m = _kernels.Matrix([(raw, qtype, N_OUT, N_IN, 0)], repack=True, threads=2)
+    row = activations(rng, 1)
+    alone = linear(m, row, use_q8, 1, "portable")[0].view(np.uint32)
+    for others in range(1, 17):
+        batch = activations(rng, others + 1)
+        at = int(rng.integers(0, others + 1))
+        batch[at] = row[0]
+        for threads in (1, 2, 3, 4):
+            got = linear(m, batch, use_q8, threads, isa)[at].view(np.uint32)
+            np.testing.assert_array_equal(got, alone, err_msg=f"{others} others, {threads} threads")
+
+
+def test_idle_threads_block_instead_of_spinning() -> None:
+    """The pool's workers spin 100 us after an operation (csrc/pool.h), then block: a
+    stage waiting for its next step leaves the host's cores to the other stages. Over
+    0.5 s of waiting after a product on 4 threads, the process spends under 50 ms of
+    CPU time (3 workers spinning 100 us each is 0.3 ms; a worker that spun on would
+    spend the 0.5 s, or its share of a busy host's core, far above 50 ms)."""
+    import time
+
+    rng = np.random.default_rng(0)
+    raw = random_rows(rng, "Q4_0", 512, N_IN, scale=1 / np.sqrt(N_IN))
+    m = _kernels.Matrix([(raw, "Q4_0", 512, N_IN, 0)], repack=True)
+    x = activations(rng, 4)
+    for _ in range(20):
+        linear(m, x, True, 4, _kernels.isas()[-1])
+    cpu0 = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu0 < 0.05
+
+
+#: every type with an x8 layout and some without, in one model
+CHUNKED = RandomModel(
+    n_layers=2,
+    qtype="Q4_K",
+    embed_qtype="Q8_0",
+    head_qtype="Q6_K",
+    seed=11,
+    overrides=(
+        ("blk.0.attn_q.weight", "Q4_0"),
+        ("blk.0.attn_v.weight", "Q8_0"),
+        ("blk.0.ffn_down.weight", "Q5_K"),
+        ("blk.1.ffn_up.weight", "Q4_1"),
+        ("blk.1.attn_k.weight", "Q5_0"),
+        ("blk.1.attn_output.weight", "Q2_K"),
+    ),
+)
+
+
+def prompt_logits(path: Path, chunks: list[int], threads: int, isa: str) -> np.ndarray:
+    """The last row's logits after feeding a prompt in chunks of these sizes."""
+    spec = BackendSpec(True, True, np.dtype(np.float32), "f32", "q8")
+    backend = CpuBackend(spec, threads, isa)
+    with open_stage_slice(path, 0, 2, is_first=True, is_last=True,
+                          capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
+        backend.load(stage, 64, None)
+    backend.use_cache(backend.new_cache(64))  # the run's cache (a fresh one per prompt)
+    ids = np.random.default_rng(3).integers(0, 512, sum(chunks)).astype(np.int32)
+    pos = 0
+    for rows in chunks:
+        backend.put_tokens(ids[pos : pos + rows])
+        backend.run(rows, pos)
+        pos += rows
+    logits = backend.logits()
+    backend.release()
+    return logits
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_a_prompt_in_chunks_computes_the_logits_of_the_prompt_whole(
+    tmp_path: Path, isa: str
+) -> None:
+    path = write_random_model(tmp_path / "chunked.gguf", CHUNKED)
+    whole = prompt_logits(path, [23], 1, "portable").view(np.uint32)
+    for chunks, threads in (([23], 3), ([1, 7, 3, 12], 2), ([5, 5, 5, 5, 3], 4), ([1] * 23, 1)):
+        got = prompt_logits(path, chunks, threads, isa).view(np.uint32)
+        np.testing.assert_array_equal(got, whole, err_msg=f"chunks {chunks}, {threads} threads")
