@@ -13,7 +13,10 @@ super-blocks, 16 blocks of 32).
 A stage's backend (``CpuBackend``) given a prompt in chunks (steps of several rows at
 positions past 0, as CONCURRENT_RUNS.md §4 carries a prefill) computes the last row's
 logits, bit for bit, that it computes given the prompt whole, on every instruction set
-and thread count.
+and thread count; and three runs on a 2-stage chain of CPU workers, batched together
+through the chain's interface (``open_run``, ``execute_batch``: CONCURRENT_RUNS.md §4)
+with their prompts in chunks, give each run's tokens and logits of the portable set
+running it alone, whole, bit for bit, on every instruction set.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runplan import SamplingConfig
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.backend import CpuBackend
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.stage_worker import BackendSpec
+from tests.support.chain import Chain, provisions
 from tests.support.cpu_isas import isa_params
 from tests.support.random_blocks import random_rows
 from tests.support.random_model import RandomModel, write_random_model
@@ -141,3 +146,43 @@ def test_a_prompt_in_chunks_computes_the_logits_of_the_prompt_whole(
     for chunks, threads in (([23], 3), ([1, 7, 3, 12], 2), ([5, 5, 5, 5, 3], 4), ([1] * 23, 1)):
         got = prompt_logits(path, chunks, threads, isa).view(np.uint32)
         np.testing.assert_array_equal(got, whole, err_msg=f"chunks {chunks}, {threads} threads")
+
+
+PROMPTS = {"a": [5, 77, 300, 12, 9, 41, 8], "b": [1, 2, 3], "c": [200, 17, 45, 99, 3, 8, 250, 6]}
+
+
+def batched_outputs(
+    path: Path, isa: str, runs: list[str], chunk: int
+) -> dict[str, list[tuple[int, np.ndarray]]]:
+    """Each run's 4 (token, logits) on a 2-stage chain of ``CpuWorker(isa=isa)``, the
+    ``runs`` batched together; run "b" samples (temperature 0.8), the others are greedy."""
+    provs = {
+        r: provisions(path, 2, max_seq_len=32, run_id=f"run-{r}", max_concurrent_runs=3,
+                      sampling=SamplingConfig(temperature=0.8, seed=4) if r == "b" else None)
+        for r in PROMPTS
+    }  # fmt: skip
+    chain = Chain.bind(provs["a"], lambda: CpuWorker(isa=isa, threads=2))
+    try:
+        for r in runs:
+            chain.open(provs[r])
+        outs = chain.generate_batched({f"run-{r}": PROMPTS[r] for r in runs}, 4, chunk)
+    finally:
+        chain.release()
+    assert all(o.logits is not None for got in outs.values() for o in got)
+    return {
+        r.removeprefix("run-"): [(o.token_id, np.asarray(o.logits).view(np.uint32)) for o in got]
+        for r, got in outs.items()
+    }
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_runs_batched_in_chunks_compute_what_each_computes_alone_whole(
+    tmp_path: Path, isa: str
+) -> None:
+    path = write_random_model(tmp_path / "chunked.gguf", CHUNKED)
+    together = batched_outputs(path, isa, list(PROMPTS), 3)
+    for r in PROMPTS:
+        (alone,) = batched_outputs(path, "portable", [r], 0).values()
+        assert [t for t, _ in together[r]] == [t for t, _ in alone], f"run {r}"
+        for (_, got), (_, want) in zip(together[r], alone, strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=f"run {r}")

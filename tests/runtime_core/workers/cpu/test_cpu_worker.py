@@ -22,6 +22,7 @@ the planner, how it holds a model, and what it computes however a run is split.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -31,7 +32,7 @@ from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.worker import CPU_CAPABILITIES, CpuWorker
-from runtime_core.workers.interface import TokenOutput, WorkerError
+from runtime_core.workers.interface import BatchStep, TokenOutput, WorkerError
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.workers import capabilities, make_worker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
@@ -84,6 +85,52 @@ def test_options_are_checked() -> None:
 def test_the_instruction_set_is_the_best_the_processor_runs_unless_named() -> None:
     assert CpuWorker().isa == HOST_ISAS[-1]
     assert [CpuWorker(isa=n).isa for n in HOST_ISAS] == list(HOST_ISAS)
+
+
+def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
+    """Every ``_kernels.linear`` and ``attention`` call from now on, as (kernel, its
+    ``isa=``), each still computed by the kernel."""
+    calls: list[tuple[str, str | None]] = []
+    for name in ("linear", "attention"):
+        kernel = getattr(_kernels, name)
+
+        def spy(*args: Any, _name: str = name, _kernel: Any = kernel, **kw: Any) -> Any:
+            calls.append((_name, kw.get("isa")))
+            return _kernel(*args, **kw)
+
+        monkeypatch.setattr(_kernels, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("isa", [None, *isa_params()])
+def test_every_kernel_call_names_the_workers_instruction_set(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None
+) -> None:
+    """The option reaches the kernels (the sets compute the same bits, so only the calls
+    show it): built by the registry, as a stage process builds it (``make_worker(name,
+    trace)``: the best set, the trace kept), or by hand with ``isa=`` and ``trace=``; on
+    the batched interface (``open_run``, ``execute_batch``) and the single-run path."""
+    path = write_model(folder / "isa-calls.gguf", ModelShape(n_layers=2))
+    (prov,) = provisions(path, 1, max_seq_len=16)
+    events: list[str] = []
+
+    def trace(name: str, **fields: Any) -> None:
+        events.append(name)
+
+    w = make_worker("cpu", trace) if isa is None else CpuWorker(isa=isa, trace=trace)
+    assert isinstance(w, CpuWorker) and w.trace is trace
+    expected = HOST_ISAS[-1] if isa is None else isa
+    assert w.isa == expected
+    calls = _kernel_calls(monkeypatch)
+    w.configure(prov)
+    w.bind(prov.gguf_source)
+    w.open_run(prov)
+    (out,) = w.execute_batch([BatchStep(prov.run_id, 0, 0, 1, np.array(PROMPT, np.uint32))])
+    assert isinstance(out, TokenOutput)
+    w.execute_step(0, np.array(PROMPT[:2], np.uint32))
+    w.release()
+    assert {kernel for kernel, _ in calls} == {"linear", "attention"}
+    assert {named for _, named in calls} == {expected}
 
 
 def test_the_threads_default_to_the_launchers_share(monkeypatch: pytest.MonkeyPatch) -> None:
