@@ -160,7 +160,7 @@ class TwinOps(NoOptionalSteps):
 
 
 class TwinBackend:
-    """``worker.StageBackend`` on the twins."""
+    """``stage_worker.StageBackend`` on the twins."""
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec

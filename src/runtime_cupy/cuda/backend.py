@@ -323,7 +323,7 @@ class DeviceOps(NoOptionalSteps):
 
 
 class DeviceBackend:
-    """``worker.StageBackend`` on one CUDA device."""
+    """``stage_worker.StageBackend`` on one CUDA device."""
 
     def __init__(
         self,

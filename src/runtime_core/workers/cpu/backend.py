@@ -418,7 +418,7 @@ def _touch(raw: U8) -> None:
 
 
 class CpuBackend:
-    """``worker.StageBackend`` on the host's cores."""
+    """``stage_worker.StageBackend`` on the host's cores."""
 
     def __init__(self, spec: BackendSpec, threads: int, isa: str | None = None) -> None:
         self.spec = spec

@@ -1,7 +1,7 @@
 """The CPU worker (EDGES_AND_WORKERS.md §4): one stage on the host's cores, weights kept
 in their GGUF blocks.
 
-``CpuWorker`` is ``worker.StageWorker`` (the interface's checks, sequence and position,
+``CpuWorker`` is ``stage_worker.StageWorker`` (the interface's checks, sequence and position,
 edge dtypes, sampling) over ``backend.CpuBackend``: the stage's forward pass of
 ``forward_program.py`` on compiled kernels (``csrc/``). Its memory is the stage's slice of the
 file as stored (mapped, not copied) plus the KV cache and a few rows of buffers, which

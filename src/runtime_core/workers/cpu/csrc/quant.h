@@ -4,7 +4,7 @@
  *
  * A row of a matrix is read in chunks of 32 elements: one block of the 32-element
  * types, one eighth of a K-quant super-block, 32 values of a float type. The byte
- * layouts are those of runtime_cupy/kernels/quant.cuh (the comment at its top); the
+ * layouts are those of runtime_cupy/cuda/kernels/quant.cuh (the comment at its top); the
  * NumPy twins in tests/support/twins.py decode the same bytes.
  */
 #ifndef GPP_QUANT_H
