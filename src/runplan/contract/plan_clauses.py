@@ -36,7 +36,9 @@ def short(values: list[int], limit: int = 8) -> str:
 
 def one_plan_or_rejection(s: Subject) -> Iterator[str]:
     """Over a plan: it is the plan of its inputs (when given); run-wide settings that
-    ``check_plan`` rejects are reported here (the planner should have rejected)."""
+    ``check_plan`` rejects (the chain's settings among them) are reported here (the
+    planner should have rejected)."""
+    yield from _chain_settings(s)
     if s.inputs is None:
         return
     c, p = s.inputs.config, s.plan
@@ -49,6 +51,29 @@ def one_plan_or_rejection(s: Subject) -> Iterator[str]:
     ):
         if planned != configured:
             yield f"the plan's {name} is {planned!r}; the config says {configured!r}"
+
+
+def _chain_settings(s: Subject) -> Iterator[str]:
+    """The run-wide settings of a run on a chain (CONCURRENT_RUNS.md §3-§5), read from
+    the spec: the run reserves between 1 and ``max_seq_len`` positions, every stage's
+    cache for them fits that stage's KV budget, a batch holds at least one row and a
+    prefill chunk fits one batch."""
+    p = s.plan
+    if not 1 <= p.kv_positions <= p.model.max_seq_len:
+        yield (
+            f"the run reserves {p.kv_positions} KV positions, outside "
+            f"1..max_seq_len ({p.model.max_seq_len})"
+        )
+    for stage in p.stages:
+        if not 0 <= stage.kv_bytes <= stage.kv_budget_bytes:
+            yield (
+                f"stage {stage.stage_index}'s KV cache of {stage.kv_bytes} bytes does not fit "
+                f"its budget of {stage.kv_budget_bytes} bytes"
+            )
+    if p.max_batch_rows < 1:
+        yield f"a batch of {p.max_batch_rows} rows holds no step"
+    if not 1 <= p.prefill_chunk <= max(p.max_batch_rows, 1):
+        yield f"prefill chunks of {p.prefill_chunk} rows, outside 1..max_batch_rows ({p.max_batch_rows})"
 
 
 def never_partial(s: Subject) -> Iterator[str]:
