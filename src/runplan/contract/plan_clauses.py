@@ -73,7 +73,10 @@ def _chain_settings(s: Subject) -> Iterator[str]:
     if p.max_batch_rows < 1:
         yield f"a batch of {p.max_batch_rows} rows holds no step"
     if not 1 <= p.prefill_chunk <= max(p.max_batch_rows, 1):
-        yield f"prefill chunks of {p.prefill_chunk} rows, outside 1..max_batch_rows ({p.max_batch_rows})"
+        yield (
+            f"prefill chunks of {p.prefill_chunk} rows, "
+            f"outside 1..max_batch_rows ({p.max_batch_rows})"
+        )
 
 
 def never_partial(s: Subject) -> Iterator[str]:
