@@ -93,6 +93,31 @@ def small_plan(
 ) -> RunPlan:
     """A plan of a tiny model over ``stage_count`` nodes ``node-0..``; orchestrator
     ``orchestrator``."""
+    facts, config, pool = small_plan_inputs(
+        stage_count,
+        max_tokens=max_tokens,
+        vocab=vocab,
+        eos=eos,
+        return_logits=return_logits,
+        run_id=run_id,
+        activation_width=activation_width,
+    )
+    plan = plan_run(facts, config, pool, stage_count=stage_count)
+    assert isinstance(plan, RunPlan), plan
+    return plan
+
+
+def small_plan_inputs(
+    stage_count: int,
+    *,
+    max_tokens: int = 4,
+    vocab: int = 8,
+    eos: int = 0,
+    return_logits: bool = False,
+    run_id: str = "run-1",
+    activation_width: int = 4,
+) -> tuple[ModelFacts, RuntimeConfig, NodePool]:
+    """The facts, config and pool ``small_plan`` plans."""
     facts = ModelFacts(
         model_id="tiny",
         gguf_source=GgufSource.single("/models/tiny.gguf"),
@@ -122,9 +147,7 @@ def small_plan(
         worker=STORED_WEIGHTS,
     )
     pool = NodePool(ORCHESTRATOR, tuple(NodeSpec(n, PLENTY) for n in node_ids(stage_count)))
-    plan = plan_run(facts, config, pool, stage_count=stage_count)
-    assert isinstance(plan, RunPlan), plan
-    return plan
+    return facts, config, pool
 
 
 STRANGER = "stranger"
@@ -184,6 +207,7 @@ def orchestrator_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[
         ),
         K.ENDPOINT_FAULT: st.builds(o.EndpointFault, st.text(max_size=5)),
         K.STAGE_DIED: st.builds(o.StageDied, st.integers(0, n), st.text(max_size=5)),
+        K.STAGE_SILENT: st.builds(o.StageSilent, st.integers(0, n), st.integers(0, 10**7)),
         K.READY_TIMEOUT: st.just(o.TimerFired(o.Timer.READY)),
         K.TOKEN_TIMEOUT: st.just(o.TimerFired(o.Timer.TOKEN)),
         K.STOP_TIMEOUT: st.just(o.TimerFired(o.Timer.STOP)),
@@ -210,7 +234,11 @@ def stage_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[Any]]:
         K.SETUP_DONE: st.builds(s.SetupDone, st.sampled_from(s.SetupPart)),
         K.SETUP_FAILED: st.builds(s.SetupFailed, st.sampled_from(s.SetupPart), st.text(max_size=5)),
         K.OBJECT_LOADED: st.builds(
-            s.ObjectLoaded, st.sampled_from([plan.run_id, OTHER_RUN]), edge_ids, st.integers(0, 5)
+            s.ObjectLoaded,
+            st.sampled_from([plan.run_id, OTHER_RUN]),
+            edge_ids,
+            st.integers(0, 5),
+            st.integers(1, plan.model.max_seq_len),
         ),
         K.STEP_COMPLETED: st.builds(s.StepCompleted, st.integers(0, 5)),
         K.STEP_FAILED: st.builds(s.StepFailed, st.integers(0, 5), st.text(max_size=5)),

@@ -716,7 +716,7 @@ class StageNode(Node):
             if fault.kind is FaultKind.SLOW_STEP and fault.sequence == sequence:
                 provision = self.controller.provision
                 assert provision is not None
-                duration += 2 * provision.timeouts.step_ms * 1000
+                duration += 2 * provision.timeouts.step_limit_ms(rows) * 1000
             if (fault.kind is FaultKind.KILL_MID_PREFILL and sequence == 0) or (
                 fault.kind is FaultKind.KILL_MID_DECODE and fault.sequence == sequence
             ):
@@ -993,7 +993,8 @@ class Simulation:
             consumer = edge.consumer
             if getattr(consumer, "stage_index", None) == fault.stage and sequence == fault.sequence:
                 t = self.plan.timeouts
-                return 10 * (t.step_ms * self.plan.stage_count + t.edge_wait_ms) * 1000
+                step_ms = t.step_limit_ms(self.plan.model.max_seq_len)
+                return 10 * (step_ms * self.plan.stage_count + t.edge_wait_ms) * 1000
         return 0
 
     def orchestrator_exited(self) -> None:

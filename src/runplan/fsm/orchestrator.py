@@ -46,7 +46,7 @@ class State(enum.Enum):
 
 class Timer(enum.Enum):
     READY = "READY"  # provisioning to the readiness barrier (timeouts.ready_ms)
-    TOKEN = "TOKEN"  # injecting a token object to consuming its token (step_ms per stage)
+    TOKEN = "TOKEN"  # injecting a token object to consuming its token (a step's limit per stage)
     STOP = "STOP"  # StopRun to every StageStopped (timeouts.stop_ms)
 
 
@@ -95,6 +95,16 @@ class StageDied:
 
 
 @frozen
+class StageSilent:
+    """Stage ``stage_index`` sent nothing, not even a heartbeat, for ``silent_ms``
+    (longer than the heartbeat bound): stopped or hung, it is taken for gone (the
+    runtime kills it)."""
+
+    stage_index: int
+    silent_ms: int
+
+
+@frozen
 class TimerFired:
     timer: Timer
 
@@ -113,6 +123,7 @@ Event = (
     | TokenConsumed
     | EndpointFault
     | StageDied
+    | StageSilent
     | TimerFired
     | Cancel
 )
@@ -128,6 +139,7 @@ class EventKind(enum.Enum):
     TOKEN = "TOKEN"
     ENDPOINT_FAULT = "ENDPOINT_FAULT"
     STAGE_DIED = "STAGE_DIED"
+    STAGE_SILENT = "STAGE_SILENT"
     READY_TIMEOUT = "READY_TIMEOUT"
     TOKEN_TIMEOUT = "TOKEN_TIMEOUT"
     STOP_TIMEOUT = "STOP_TIMEOUT"
@@ -150,6 +162,7 @@ _EVENT_KINDS = {
     TokenConsumed: EventKind.TOKEN,
     EndpointFault: EventKind.ENDPOINT_FAULT,
     StageDied: EventKind.STAGE_DIED,
+    StageSilent: EventKind.STAGE_SILENT,
     Cancel: EventKind.CANCEL,
 }
 
@@ -280,7 +293,7 @@ class OrchestratorMachine:
     provisioned: frozenset[int] = frozenset()
     ready: frozenset[int] = frozenset()
     endpoints_ready: bool = False
-    dead: frozenset[int] = frozenset()
+    dead: frozenset[int] = frozenset()  # stages gone: died, or silent (and killed)
     stopped: frozenset[int] = frozenset()
     injected: int = -1  # last sequence injected
     consumed: tuple[int, ...] = ()  # token ids consumed, sequence order (EOS included)
@@ -315,8 +328,9 @@ class OrchestratorMachine:
     def awaiting_stop(self) -> frozenset[int]:
         return self.provisioned - self.dead - self.stopped
 
-    def _token_ms(self) -> int:
-        return self.timeouts.step_ms * len(self.node_ids)
+    def _token_ms(self, rows: int) -> int:
+        """The token timer of an object of ``rows`` rows: one step's limit per stage."""
+        return self.timeouts.step_limit_ms(rows) * len(self.node_ids)
 
 
 _Result = tuple[OrchestratorMachine, tuple[Action, ...]]
@@ -389,7 +403,7 @@ def _maybe_run(m: OrchestratorMachine, actions: tuple[Action, ...]) -> _Result:
             *actions,
             CancelTimer(Timer.READY),
             InjectTokens(0, m.prompt),
-            StartTimer(Timer.TOKEN, m._token_ms()),
+            StartTimer(Timer.TOKEN, m._token_ms(len(m.prompt))),
         )
     return m, actions
 
@@ -476,6 +490,15 @@ def _stage_died(m: OrchestratorMachine, e: StageDied) -> _Result:
     return _fault(m, FaultKind.PROCESS_DIED, detail, e.stage_index)
 
 
+def _stage_silent(m: OrchestratorMachine, e: StageSilent) -> _Result:
+    if not 0 <= e.stage_index < len(m.node_ids):
+        return m, ()
+    m = _evolve(m, dead=m.dead | {e.stage_index})
+    node = m.node_ids[e.stage_index]
+    detail = f"stage {e.stage_index} on {node!r}: no heartbeat for {e.silent_ms / 1000:.1f} s"
+    return _fault(m, FaultKind.STAGE_SILENT, detail, e.stage_index)
+
+
 def _endpoint_fault(m: OrchestratorMachine, e: EndpointFault) -> _Result:
     return _fault(m, FaultKind.EDGE_FAULT, f"orchestrator token endpoint: {e.detail}")
 
@@ -508,7 +531,7 @@ def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
         *delivered,
         CancelTimer(_TOKEN),
         InjectTokens(e.sequence + 1, (e.token_id,)),
-        StartTimer(_TOKEN, m._token_ms()),
+        StartTimer(_TOKEN, m._token_ms(1)),
     )
 
 
@@ -531,7 +554,7 @@ def _stopped(m: OrchestratorMachine, e: Received) -> _Result:
     return m, ()
 
 
-def _died_in_teardown(m: OrchestratorMachine, e: StageDied) -> _Result:
+def _died_in_teardown(m: OrchestratorMachine, e: StageDied | StageSilent) -> _Result:
     if not 0 <= e.stage_index < len(m.node_ids):
         return m, ()
     m = _evolve(m, dead=m.dead | {e.stage_index})
@@ -591,6 +614,7 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.WAITING_READY, _K.STAGE_FAULT): _T(_stage_fault, _W),
     (_S.WAITING_READY, _K.STAGE_STOPPED): _T(_stage_stopped_early, _W),
     (_S.WAITING_READY, _K.STAGE_DIED): _T(_stage_died, _W),
+    (_S.WAITING_READY, _K.STAGE_SILENT): _T(_stage_silent, _W),
     (_S.WAITING_READY, _K.ENDPOINT_FAULT): _T(_endpoint_fault, _FAULT),
     (_S.WAITING_READY, _K.READY_TIMEOUT): _T(_ready_timeout, _FAULT),
     (_S.WAITING_READY, _K.CANCEL): _T(_cancel, _CANCEL),
@@ -607,6 +631,7 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.RUNNING, _K.STAGE_FAULT): _T(_stage_fault, _R),
     (_S.RUNNING, _K.STAGE_STOPPED): _T(_stage_stopped_early, _R),
     (_S.RUNNING, _K.STAGE_DIED): _T(_stage_died, _R),
+    (_S.RUNNING, _K.STAGE_SILENT): _T(_stage_silent, _R),
     (_S.RUNNING, _K.ENDPOINT_FAULT): _T(_endpoint_fault, _FAULT),
     (_S.RUNNING, _K.TOKEN_TIMEOUT): _T(_token_timeout, _FAULT),
     (_S.RUNNING, _K.CANCEL): _T(_cancel, _CANCEL),
@@ -614,9 +639,12 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.TEARING_DOWN, _K.STAGE_STOPPED): _T(
         _stopped, {_S.TEARING_DOWN: "", _S.DONE: "every live stage stopped"}
     ),
-    (_S.TEARING_DOWN, _K.STAGE_DIED): _T(
-        _died_in_teardown, {_S.TEARING_DOWN: "", _S.DONE: "no live stage left"}
-    ),
+    **{
+        (_S.TEARING_DOWN, k): _T(
+            _died_in_teardown, {_S.TEARING_DOWN: "", _S.DONE: "no live stage left"}
+        )
+        for k in (_K.STAGE_DIED, _K.STAGE_SILENT)
+    },
     (_S.TEARING_DOWN, _K.STOP_TIMEOUT): _T(_stop_timeout, {_S.DONE: "stop timeout"}),
     **{
         (_S.TEARING_DOWN, k): _T(_drop, {_S.TEARING_DOWN: ""})

@@ -49,7 +49,7 @@ class SetupPart(enum.Enum):
 
 class Timer(enum.Enum):
     SETUP = "SETUP"  # timeouts.ready_ms
-    STEP = "STEP"  # timeouts.step_ms
+    STEP = "STEP"  # timeouts.step_limit_ms(rows)
 
 
 class RejectReason(enum.Enum):
@@ -94,6 +94,7 @@ class ObjectLoaded:
     run_id: str
     edge_id: int
     sequence: int
+    rows: int = 1  # the record's rows: its step's time limit grows with them
 
 
 @frozen
@@ -436,7 +437,7 @@ def _object_when_ready(m: StageMachine, e: ObjectLoaded) -> _Result:
         )
         return _to_faulted(m, reason, ReleaseInput(e.sequence))
     assert m.provision is not None
-    step_ms = m.provision.timeouts.step_ms
+    step_ms = m.provision.timeouts.step_limit_ms(e.rows)
     m = _evolve(m, state=_EXECUTING, executing=e.sequence)
     return m, (ExecuteStep(e.sequence), StartTimer(_STEP, step_ms))
 

@@ -106,6 +106,8 @@ def runtime_configs(draw: st.DrawFn) -> RuntimeConfig:
             step_ms=draw(st.integers(1, 10**6)),
             edge_wait_ms=draw(st.integers(1, 10**6)),
             stop_ms=draw(st.integers(1, 10**6)),
+            step_row_ms=draw(st.integers(0, 10**4)),
+            heartbeat_ms=draw(st.integers(100, 10**6)),
         ),
     )
 
