@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runplan.messages import ControlMessage
-from runtime_cupy.control import ControlChannel, decode_frame, encode_frame
+from runtime_cupy.control import Beat, ControlChannel, decode_frame, encode_frame
 from runtime_cupy.hosts.base import StageLaunch
 from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, LocalStageHandle
 from runtime_cupy.keys import control_key
@@ -60,7 +60,8 @@ class FaultyHost(LocalProcessHost):
 
 class ControlTap:
     """Between the launcher and one stage on their control channel: forwards every frame
-    both ways and records it; ``to_stage`` / ``to_orchestrator`` write bytes of the
+    both ways and records it (heartbeats are counted and passed on, not recorded);
+    ``to_stage`` / ``to_orchestrator`` write bytes of the
     test's in between frames. ``key``: the stage's control key, with which frames that
     pass are renumbered after the test wrote frames that the receiver accepted
     (``accepted_extra``), so that the real sender's numbers still follow."""
@@ -72,6 +73,7 @@ class ControlTap:
         self.launcher_sock, self._launcher = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sent_to_stage: list[bytes] = []  # frames from the orchestrator, as forwarded
         self.sent_to_orchestrator: list[bytes] = []  # frames from the stage
+        self.beats = 0  # heartbeats passed on (not in the lists)
         self._shift = {"stage": 0, "orch": 0}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -127,15 +129,18 @@ class ControlTap:
 
     def _forward(self, from_stage: bool, line: bytes, target: socket.socket) -> None:
         with self._lock:
-            log = self.sent_to_orchestrator if from_stage else self.sent_to_stage
-            log.append(line)
-            shift = self._shift["orch" if from_stage else "stage"]
-            if shift:
-                receiver = self.orch_id if from_stage else self.stage_id
-                counter, incoming = decode_frame(self.key, receiver, line[:-1])
-                line = encode_frame(
-                    self.key, incoming.sender, receiver, counter + shift, incoming.message
-                )
+            receiver = self.orch_id if from_stage else self.stage_id
+            counter, item = decode_frame(self.key, receiver, line[:-1])
+            if isinstance(item, Beat):  # numbered on their own: passed on as they are
+                self.beats += 1
+            else:
+                log = self.sent_to_orchestrator if from_stage else self.sent_to_stage
+                log.append(line)
+                shift = self._shift["orch" if from_stage else "stage"]
+                if shift:
+                    line = encode_frame(
+                        self.key, item.sender, receiver, counter + shift, item.message
+                    )
             with contextlib.suppress(OSError):
                 target.sendall(line)
 
