@@ -3,6 +3,8 @@ the production launcher, stage or channel):
 
 - ``FaultyHost``: the local-process host whose stages of given indices run
   ``tests.support.faulty_stage`` (a setup or a step that is slow or fails).
+- ``GatedHost``: ``FaultyHost`` whose faults play once, and whose stage starts wait
+  while the test holds its gate.
 - ``TapHost``: any local host with a ``ControlTap`` on every stage's control channel,
   which records the frames both ways and writes what a test gives it, in between
   whole frames, as a writer on the wire would.
@@ -56,6 +58,45 @@ class FaultyHost(LocalProcessHost):
         env = super().environment(launch)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env["PYTHONPATH"]])
         return env
+
+
+class GatedHost(FaultyHost):
+    """``FaultyHost`` whose faults play in the first process of each stage only, and
+    whose ``start`` waits while the test holds its gate (``hold()`` / ``release()``):
+    a stage started again stays out until the test lets it in, so that what a server
+    says meanwhile can be seen for as long as the test looks."""
+
+    def __init__(
+        self,
+        faults: Mapping[int, Sequence[str]],
+        *,
+        log_dir: Path | None = None,
+        log_level: str | None = None,
+    ) -> None:
+        super().__init__(faults, log_dir=log_dir, log_level=log_level)
+        self._open = threading.Event()
+        self._open.set()
+        self.waiting = threading.Event()  # a start is held at the gate now
+        self._started: set[int] = set()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:
+        if launch.stage_index in self._started:
+            return LocalProcessHost.command(self, launch, arguments)
+        self._started.add(launch.stage_index)
+        return super().command(launch, arguments)
+
+    def start(self, launch: StageLaunch, secret: bytes) -> LocalStageHandle:
+        if not self._open.is_set():
+            self.waiting.set()
+            self._open.wait(120.0)
+            self.waiting.clear()
+        return super().start(launch, secret)
 
 
 class ControlTap:

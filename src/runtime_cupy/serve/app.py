@@ -5,8 +5,9 @@
   (``openai_format``). A client that goes away (mid-stream, or while it waits for a
   whole answer or in the queue) cancels its request; the stages stay warm.
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served.
-- ``GET /health``: 200 once every stage is up and bound, 503 before (and while a
-  broken stage is started again).
+- ``GET /health``: 200 once every stage is up, bound and heard, 503 before and while
+  the chain is not whole (a stage broken, gone or silent: ``detail`` names it) until
+  it is started again.
 - ``GET /metrics``: Prometheus's text format (``metrics``).
 
 Every error is an OpenAI error object with a status: 400 for a bad body (naming the
@@ -239,8 +240,14 @@ class Api:
         e = self.engine
         if e.ready:
             return JSONResponse({"status": "ok", "model": self.model})
-        status = "unavailable" if e.failure else "starting"
-        body = {"status": status, "model": self.model, "detail": e.failure}
+        trouble = e.chain.trouble
+        if e.failure:
+            status, detail = "unavailable", e.failure
+        elif trouble:
+            status, detail = "recovering", trouble
+        else:
+            status, detail = "starting", None
+        body = {"status": status, "model": self.model, "detail": detail}
         return JSONResponse(body, status_code=503)
 
     async def metrics(self, request: Request) -> Response:

@@ -11,8 +11,8 @@ it starts the chain first (``GET /health`` says 503 until then), then runs each
 request on it, sending its events (``Piece``, ``Finished``, ``Failed``) to the
 request's sink as tokens arrive. ``Job.cancel()`` (a client that went away) takes a
 waiting request out of the queue or cancels its run; the stages stay warm. After a run
-that broke a stage, and when it finds one gone while idle, the runner starts it again
-(``/health`` says 503 meanwhile).
+that broke a stage, and when the chain finds one gone or silent while idle, the runner
+starts it again (``/health`` says 503 and why meanwhile).
 """
 
 from __future__ import annotations
@@ -446,4 +446,5 @@ class Engine:
             "waiting": len(self._queue),
             "running": self._running is not None,
             "failure": self.failure,
+            "trouble": self.chain.trouble,
         }
