@@ -15,6 +15,9 @@ field), 401 without the right ``Authorization: Bearer`` key (when the server has
 ``/health`` needs none), 404 for an unknown model or path, 405, 413 for a body over
 ``MAX_BODY_BYTES``, 429 when the queue is full, 500 / 503 when the pipeline cannot
 answer. A bug is logged with its traceback and answered 500 without it.
+
+A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
+on the event loop: ``/health`` and the streams of other requests go on meanwhile.
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ class Api:
             self.engine.metrics.request(endpoint, "rejected")
             return self._unauthorized()
         try:
-            req = parse(await self._body(request))
+            req = await asyncio.to_thread(parse, await self._body(request))
             self._check_model(req)
             prepared = await asyncio.to_thread(self.engine.prepare, req)
         except RequestError as exc:
