@@ -23,9 +23,15 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from runplan.arguments import OneLineParser
 from runtime_core.console import TextStream
 from runtime_cupy.serve.chain import ChainError, WarmChain
-from runtime_cupy.serve.cli import INPUT_ERRORS, add_chain_arguments, chain_from
+from runtime_cupy.serve.cli import (
+    INPUT_ERRORS,
+    add_chain_arguments,
+    chain_from,
+    check_chain_arguments,
+)
 from runtime_cupy.serve.engine import chat_prompt
 from runtime_cupy.serve.requests import Message
 
@@ -111,7 +117,7 @@ class Chat:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m runtime_cupy chat",
         description="Chat with a GGUF model in the terminal, on warm stage processes "
         f"(started and bound once). {HELP}.",
@@ -155,7 +161,9 @@ def _loop(chat: Chat) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_chain_arguments(parser, args)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         stream=sys.stderr,

@@ -1,18 +1,28 @@
 """``python -m runtime_cupy serve``: an OpenAI-compatible HTTP API over warm stages.
 
     python -m runtime_cupy serve --model M --stages N [--worker W] [--host 127.0.0.1]
-        [--port 8000] [--api-key KEY] [--max-queue Q] [--context C] [--edges E]
+        [--port 8000] [--api-key-file PATH | GGUF_PIPELINE_API_KEY=KEY] [--max-queue Q]
+        [--context C] [--edges E]
         [--ray-address auto|HOST:PORT] [--placement even|memory] [-v]
 
-The stage processes start and bind once; the server listens at once (``GET /health``
-says 503 until every stage is ready) and serves one request at a time on them, in the
-order they arrived. The key comes from ``--api-key`` or ``GGUF_PIPELINE_API_KEY``;
-without either, no key is asked for. It binds to 127.0.0.1 unless told otherwise.
-Standard error says where it listens (``listening on http://HOST:PORT``) and logs each
-request (``-v``: everything the runtime does). Ctrl-C or SIGTERM stops it: what runs
-is cancelled and every stage process exits. With ``--ray-address`` the stages live on
-the hosts of that Ray cluster (this process its driver), placed as ``python -m
-runtime_cupy --ray-address`` places them.
+Every option is checked before anything starts: a bad one is one line naming it and
+its value, exit status 2 (a port outside 0..65535, a log folder that is not a
+writable folder, GPUs for a worker that runs on the CPU, ...). The stage processes
+then start and bind once; the server listens at once (``GET /health`` says 503 until
+every stage is ready) and serves one request at a time on them, in the order they
+arrived.
+
+The key comes from ``GGUF_PIPELINE_API_KEY`` or the first line of ``--api-key-file``;
+without either, no key is asked for. A key on the command line is visible to every
+user of the machine (``ps``): ``--api-key`` is refused, saying so. An empty key is
+refused (it would silently turn the check off), and so is one with a character a
+Bearer token cannot carry.
+
+It binds to 127.0.0.1 unless told otherwise. Standard error says where it listens (``listening on http://HOST:PORT``)
+and logs each request (``-v``: everything the runtime does). Ctrl-C or SIGTERM stops
+it: what runs is cancelled and every stage process exits. With ``--ray-address`` the
+stages live on the hosts of that Ray cluster (this process its driver), placed as
+``python -m runtime_cupy --ray-address`` places them.
 
 Exit status: 0 after a stop, 1 if the stages could not be started, 2 for bad input.
 """
@@ -27,9 +37,10 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from runplan.arguments import OneLineParser
 from runplan.gguf_header import GgufError
 from runplan.models import DEFAULT_MODEL, ModelNotFound
 from runtime_core.runs import PLACEMENTS, PlanRejected
@@ -57,6 +68,35 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not at least 1")
     return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0..65535; 0: any free one)")
+    return value
+
+
+def _log_dir(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder this user can write in")
+    return path
 
 
 def _gpus(text: str) -> list[int]:
@@ -91,7 +131,10 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "model's context length)",
     )
     parser.add_argument(
-        "--log-dir", type=Path, default=None, help="keep each stage's log here (one host)"
+        "--log-dir",
+        type=_log_dir,
+        default=None,
+        help="keep each stage's log in this folder (one host)",
     )
     parser.add_argument(
         "--ray-address",
@@ -106,6 +149,15 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         help="split the layers evenly (default) or in proportion to each node's memory",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the runtime does")
+
+
+def check_chain_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What no single flag's type can check (one line and exit status 2)."""
+    if args.gpus is not None and args.worker != "cuda":
+        parser.error(
+            f"argument --gpus: {','.join(map(str, args.gpus))} names GPUs, but the "
+            f"{args.worker} worker runs on the CPU (--gpus is for --worker cuda)"
+        )
 
 
 def chain_from(args: argparse.Namespace) -> WarmChain:
@@ -124,7 +176,7 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m runtime_cupy serve",
         description="Serve a GGUF model over an OpenAI-compatible HTTP API "
         "(POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
@@ -133,19 +185,72 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_chain_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (8000; 0: any free one)")
+    p.add_argument("--port", type=_port, default=8000, help="port (8000; 0: any free one)")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="a file whose first line is the Bearer token every request must carry (or "
+        f"{API_KEY_VARIABLE}; default: no key)",
+    )
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"the Bearer token every request must carry (or {API_KEY_VARIABLE}; default: none)",
+        help=f"refused: a key on the command line is visible to every user (ps); use "
+        f"{API_KEY_VARIABLE} or --api-key-file",
     )
     p.add_argument(
         "--max-queue",
-        type=int,
+        type=_non_negative,
         default=16,
         help="requests that may wait behind the running one; more get 429 (16)",
     )
     return p
+
+
+class KeyRefused(ValueError):
+    """An API key the server will not serve with (the message never holds the key)."""
+
+
+def api_key_from(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The key every request must carry: from ``GGUF_PIPELINE_API_KEY`` or the first
+    line of ``--api-key-file`` (``None``: neither gives one); ``KeyRefused`` for a key
+    on the command line, two sources, a file that cannot be read, an empty key, or one
+    with a character a Bearer token cannot carry."""
+    if args.api_key is not None:
+        raise KeyRefused(
+            "--api-key is refused: a key on the command line is visible to every user of "
+            f"this machine (ps); put it in {API_KEY_VARIABLE} or in a file given to "
+            "--api-key-file"
+        )
+    variable = environ.get(API_KEY_VARIABLE)
+    path: Path | None = args.api_key_file
+    if path is not None and variable is not None:
+        raise KeyRefused(f"both {API_KEY_VARIABLE} and --api-key-file give a key: give one")
+    if path is not None:
+        where = f"--api-key-file {str(path)!r}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise KeyRefused(f"{where}: cannot read the key ({why})") from None
+        key = text.splitlines()[0].strip() if text.strip() else ""
+    elif variable is not None:
+        where, key = API_KEY_VARIABLE, variable.strip()
+    else:
+        return None
+    if not key:
+        raise KeyRefused(
+            f"{where}: the key is empty, which would turn the key check off (to serve "
+            f"without a key, give none)"
+        )
+    bad = next((c for c in key if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise KeyRefused(
+            f"{where}: the key holds {bad!r}, which a Bearer token cannot carry (printable "
+            "ASCII, no spaces)"
+        )
+    return key
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -176,7 +281,9 @@ def _configure_logs(verbose: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_chain_arguments(parser, args)
     _configure_logs(args.verbose)
     try:
         import uvicorn
@@ -187,11 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: serving needs the serve extra: pip install 'gguf-pipeline[serve]' ({exc})",
               file=sys.stderr)  # fmt: skip
         return EXIT_INPUT
-    if args.max_queue < 0:
-        print(f"error: --max-queue {args.max_queue} is negative", file=sys.stderr)
-        return EXIT_INPUT
-    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     try:
+        api_key = api_key_from(args, os.environ)
         chain = chain_from(args)
         sock = _listen(args.host, args.port)
     except INPUT_ERRORS as exc:
@@ -243,4 +347,12 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["ChainError", "add_chain_arguments", "build_parser", "chain_from", "main"]
+__all__ = [
+    "ChainError",
+    "add_chain_arguments",
+    "api_key_from",
+    "build_parser",
+    "chain_from",
+    "check_chain_arguments",
+    "main",
+]
