@@ -12,9 +12,10 @@
 
 Every error is an OpenAI error object with a status: 400 for a bad body (naming the
 field), 401 without the right ``Authorization: Bearer`` key (when the server has one;
-``/health`` needs none), 404 for an unknown model or path, 405, 413 for a body over
-``MAX_BODY_BYTES``, 429 when the queue is full, 500 / 503 when the pipeline cannot
-answer. A bug is logged with its traceback and answered 500 without it.
+``/health`` needs none), 404 for an unknown model or path, 405, 408 for a body that
+does not arrive within the client timeout, 413 for a body over ``MAX_BODY_BYTES``, 429
+when the queue is full, 500 / 503 when the pipeline cannot answer. A bug is logged
+with its traceback and answered 500 without it.
 
 A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
 on the event loop: ``/health`` and the streams of other requests go on meanwhile.
@@ -48,6 +49,8 @@ log = logging.getLogger("runtime_cupy.serve")
 
 MAX_BODY_BYTES = 8 << 20
 OWNER = "gguf-pipeline"
+#: How long a client may take to send a request's body (``build_app`` takes another).
+CLIENT_TIMEOUT_S = 10.0
 
 
 def _error(error: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -82,9 +85,12 @@ class _EventStream(StreamingResponse):
 class Api:
     """The routes over ``engine``; ``api_key``: required as a Bearer token."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None = None) -> None:
+    def __init__(
+        self, engine: Engine, *, api_key: str | None = None, client_timeout_s: float
+    ) -> None:
         self.engine = engine
         self.api_key = api_key
+        self.client_timeout_s = client_timeout_s
         self.model = engine.model_names[0]
 
     # -- checks ---------------------------------------------------------------------------
@@ -109,11 +115,19 @@ class Api:
         if size > MAX_BODY_BYTES:
             raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
         chunks, total = [], 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > MAX_BODY_BYTES:
-                raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.client_timeout_s):
+                async for chunk in request.stream():
+                    total += len(chunk)
+                    if total > MAX_BODY_BYTES:
+                        raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(
+                f"the body did not arrive within {self.client_timeout_s:g} s",
+                status=408,
+                code="request_timeout",
+            ) from None
         return b"".join(chunks)
 
     def _check_model(self, req: CompletionRequest) -> None:
@@ -278,9 +292,11 @@ async def _bug(request: Request, exc: Exception) -> Response:
     return _failed(failed)
 
 
-def build_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
+def build_app(
+    engine: Engine, *, api_key: str | None = None, client_timeout_s: float = CLIENT_TIMEOUT_S
+) -> Starlette:
     """The application; the engine is started and closed by whoever runs it."""
-    api = Api(engine, api_key=api_key)
+    api = Api(engine, api_key=api_key, client_timeout_s=client_timeout_s)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),

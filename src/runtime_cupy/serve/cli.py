@@ -2,7 +2,7 @@
 
     python -m runtime_cupy serve --model M --stages N [--worker W] [--host 127.0.0.1]
         [--port 8000] [--api-key-file PATH | GGUF_PIPELINE_API_KEY=KEY] [--max-queue Q]
-        [--context C] [--edges E]
+        [--context C] [--edges E] [--max-connections N] [--client-timeout S]
         [--ray-address auto|HOST:PORT] [--placement even|memory] [-v]
 
 Every option is checked before anything starts: a bad one is one line naming it and
@@ -18,7 +18,11 @@ user of the machine (``ps``): ``--api-key`` is refused, saying so. An empty key 
 refused (it would silently turn the check off), and so is one with a character a
 Bearer token cannot carry.
 
-It binds to 127.0.0.1 unless told otherwise. Standard error says where it listens (``listening on http://HOST:PORT``)
+Connections are bounded (``serve.connections``): at most ``--max-connections``, and
+fewer when the descriptor limit (``RLIMIT_NOFILE``, raised to its hard limit first)
+leaves less room beside the descriptors kept for the stages; a client has
+``--client-timeout`` seconds to send its request. It binds to 127.0.0.1 unless told
+otherwise. Standard error says where it listens (``listening on http://HOST:PORT``)
 and logs each request (``-v``: everything the runtime does). Ctrl-C or SIGTERM stops
 it: what runs is cancelled and every stage process exits. With ``--ray-address`` the
 stages live on the hosts of that Ray cluster (this process its driver), placed as
@@ -32,7 +36,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
+import resource
 import signal
 import socket
 import sys
@@ -53,6 +59,15 @@ from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 API_KEY_VARIABLE = "GGUF_PIPELINE_API_KEY"
 EXIT_FAILED = 1
 EXIT_INPUT = 2
+#: Descriptors kept for the stages whatever the connections take: the server's own
+#: (listening socket, event loop) and the chain's (per stage its control channel and
+#: lifeline; while one starts again its pipes, socket pair and log; a run's wake-up
+#: pipe and token edges), with room to spare.
+RESERVED_FDS = 32
+RESERVED_FDS_PER_STAGE = 12
+#: Fewer connections than this and the server could not answer /health beside a request.
+MIN_CONNECTIONS = 4
+BACKLOG = 128
 #: What a command line that cannot be served raises before any process starts.
 INPUT_ERRORS = (ClusterError, GgufError, ModelNotFound, PlanRejected, TokenizerError,
                 ValueError, WorkerUnavailable)  # fmt: skip
@@ -87,6 +102,16 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port (0..65535; 0: any free one)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
 
 
@@ -205,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         help="requests that may wait behind the running one; more get 429 (16)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=256,
+        help="open connections at most (256; fewer if the descriptor limit leaves less room)",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=_seconds,
+        default=10.0,
+        help="seconds a client may take to send a request's head, or its body (10)",
+    )
     return p
 
 
@@ -253,6 +290,35 @@ def api_key_from(args: argparse.Namespace, environ: Mapping[str, str]) -> str | 
     return key
 
 
+def connection_room(stages: int, wanted: int, extra: int = 0) -> int:
+    """How many connections the server may hold: ``wanted``, or fewer when the
+    descriptor limit (first raised to its hard limit) leaves less room beside those open
+    now, those kept for ``stages`` stages and ``extra`` more that the connections may
+    take beyond their number (while some close); ``ValueError`` when it leaves fewer
+    than ``MIN_CONNECTIONS``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    try:
+        in_use = len(os.listdir("/proc/self/fd")) - 1  # not the listing's own
+    except OSError:
+        in_use = 16
+    reserve = RESERVED_FDS + RESERVED_FDS_PER_STAGE * stages
+    room = soft - in_use - reserve - extra
+    if room < MIN_CONNECTIONS:
+        raise ValueError(
+            f"the descriptor limit (ulimit -n) of {soft} leaves room for {max(0, room)} "
+            f"connections beside the {in_use} open and the {reserve} kept for {stages} "
+            f"stages; the server needs at least {MIN_CONNECTIONS}: raise the limit"
+        )
+    return min(wanted, room)
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -289,6 +355,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvicorn
 
         from runtime_cupy.serve.app import build_app
+        from runtime_cupy.serve.connections import (
+            ConnectionGuard,
+            ConnectionLimits,
+            QuietLog,
+            bounded_h11,
+            guarded_listener,
+        )
         from runtime_cupy.serve.engine import Engine
     except ImportError as exc:
         print(f"error: serving needs the serve extra: pip install 'gguf-pipeline[serve]' ({exc})",
@@ -296,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INPUT
     try:
         api_key = api_key_from(args, os.environ)
+        overhead = ConnectionLimits(0, 1.0).descriptors  # beyond max_connections
+        connections = connection_room(args.stages, args.max_connections, overhead)
         chain = chain_from(args)
         sock = _listen(args.host, args.port)
     except INPUT_ERRORS as exc:
@@ -305,13 +380,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return EXIT_INPUT
     engine = Engine(chain, max_queue=args.max_queue)
+    guard = ConnectionGuard(ConnectionLimits(connections, args.client_timeout))
+    sock = guarded_listener(sock, guard)
     config = uvicorn.Config(
-        build_app(engine, api_key=api_key),
+        build_app(engine, api_key=api_key, client_timeout_s=args.client_timeout),
+        http=bounded_h11(guard),
+        backlog=BACKLOG,
+        timeout_keep_alive=max(1, math.ceil(args.client_timeout)),
         log_level="warning",
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=5,
     )
+    QuietLog().install()  # after uvicorn configured its loggers
     server = uvicorn.Server(config)
 
     def stop_if_the_stages_fail() -> None:
@@ -320,9 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    log.info("listening on http://%s:%d (model %s, %d %s stages; %s)", shown, port,
-             chain.model_id, args.stages, args.worker,
-             "a key is required" if api_key else "no key")  # fmt: skip
+    log.info("listening on http://%s:%d (model %s, %d %s stages; %s; at most %d "
+             "connections)", shown, port, chain.model_id, args.stages, args.worker,
+             "a key is required" if api_key else "no key", connections)  # fmt: skip
     engine.start()
     threading.Thread(target=stop_if_the_stages_fail, name="watch-start", daemon=True).start()
     # uvicorn handles SIGINT / SIGTERM while it runs, then raises the signal again under
@@ -354,5 +435,6 @@ __all__ = [
     "build_parser",
     "chain_from",
     "check_chain_arguments",
+    "connection_room",
     "main",
 ]

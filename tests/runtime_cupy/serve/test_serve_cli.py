@@ -38,6 +38,8 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]
         (["--log-dir", "/nonexistent/x"], "--log-dir: '/nonexistent/x' is not a folder"),
         (["--gpus", "0"], "--gpus: 0 names GPUs, but the cpu worker runs on the CPU"),
         (["--max-queue", "-1"], "--max-queue: -1 is negative"),
+        (["--client-timeout", "0"], "--client-timeout: '0' is not a positive number"),
+        (["--max-connections", "0"], "--max-connections: 0 is not at least 1"),
         (["--api-key", "s3cret-key"], "--api-key is refused"),
     ],
 )
