@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime_cupy.serve import cli
 from runtime_cupy.serve.cli import (
     API_KEY_VARIABLE,
     KeyRefused,
@@ -18,6 +19,21 @@ from runtime_cupy.serve.cli import (
     build_parser,
     main,
 )
+
+
+class WouldListen(AssertionError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def never_listen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An option that is not refused reaches the listening socket: the test fails there
+    at once, with nothing started, instead of serving forever."""
+
+    def listen(host: str, port: int) -> None:
+        raise WouldListen(f"the server would listen on {host}:{port}")
+
+    monkeypatch.setattr(cli, "_listen", listen)
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
