@@ -23,7 +23,7 @@ from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
 from tests.runtime_cupy.serve.servers import InProcessServer
 
-CONTEXT = 4096
+CONTEXT = 8192
 
 
 class WatchedTokenizer:
@@ -77,9 +77,15 @@ def test_health_answers_while_a_large_prompt_is_tokenized(
     tok.left.clear()
     asking.start()
     assert tok.entered.wait(60), "the prompt was never tokenized"
-    health = httpx2.get(f"{server.base_url}/health", timeout=60)
-    assert not tok.left.is_set(), "GET /health waited for the tokenizer"
-    assert health.status_code == 503 and health.json()["status"] == "starting"
+    # Ask again and again while it is tokenized (for seconds here): a loop held
+    # by the tokenizer would answer once at most, before the merging began.
+    answered = 0
+    with httpx2.Client(base_url=server.base_url, timeout=60) as http:
+        while not tok.left.is_set():
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "starting"
+            answered += not tok.left.is_set()
+    assert answered >= 5, f"GET /health answered {answered} times while the prompt was tokenized"
     asking.join(120)
     error = answers[0].json()["error"]
     assert answers[0].status_code == 400 and error["code"] == "context_length_exceeded", error
