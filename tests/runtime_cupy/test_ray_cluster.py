@@ -257,7 +257,7 @@ def test_a_stage_stopped_mid_decode_is_named_silent_with_its_host(cluster: Any, 
     result = generate(
         tiny,
         PROMPT,
-        stages=3,
+        stages=2,
         max_tokens=40,
         worker="numpy",
         ray_address=cluster.address,
@@ -271,7 +271,7 @@ def test_a_stage_stopped_mid_decode_is_named_silent_with_its_host(cluster: Any, 
     silent = f"stage 1 (node {node}, host {host}): stage_silent: stage 1 on '{node}': no heartbeat"
     assert result.fault is not None and silent in result.fault, result.fault
     codes = {s.stage_index: s.returncode for s in result.stages}
-    assert codes[1] == -signal.SIGKILL and codes[0] == 0 and codes[2] == 0, codes
+    assert codes == {0: 0, 1: -signal.SIGKILL}, codes
     _assert_clean(result.plan.run_id)
 
 

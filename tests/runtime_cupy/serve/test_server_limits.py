@@ -1,5 +1,5 @@
 """``python -m runtime_cupy serve`` as a user starts it, with 100 file descriptors
-(``RLIMIT_NOFILE``, soft and hard) and a client timeout of 2 s, against strangers that
+(``RLIMIT_NOFILE``, soft and hard) and a client timeout of 1 s, against strangers that
 open connections and send nothing, half a request head, or half a body:
 
 - with 100 idle connections open, ``GET /health`` and a request are answered (the
@@ -53,7 +53,7 @@ def test_idle_connections_past_the_descriptor_limit_leave_clients_and_restarts_w
     tiny_chat: str, tmp_path: Path
 ) -> None:
     args = ["--model", tiny_chat, "--stages", "2", "--port", "0", "--context", "128",
-            "--client-timeout", "2"]  # fmt: skip
+            "--client-timeout", "1"]  # fmt: skip
     server = ServerProcess(args, tmp_path / "server.log", nofile=NOFILE)
     held: list[socket.socket] = []
     try:
@@ -90,4 +90,4 @@ def test_idle_connections_past_the_descriptor_limit_leave_clients_and_restarts_w
     assert code == 0, log
     assert "Traceback" not in log and "Too many open files" not in log, log
     assert len(log.splitlines()) < 40, log
-    assert "closed a connection that sent no whole request within 2 s" in log
+    assert "closed a connection that sent no whole request within 1 s" in log
