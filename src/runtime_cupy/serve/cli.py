@@ -177,8 +177,9 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_chain_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What no single flag's type can check (one line and exit status 2)."""
-    if args.gpus is not None and args.worker != "cuda":
+    """What no single flag's type can check (one line and exit status 2). (With
+    ``--ray-address`` the chain refuses ``--gpus`` whatever the worker.)"""
+    if args.gpus is not None and args.worker != "cuda" and args.ray_address is None:
         parser.error(
             f"argument --gpus: {','.join(map(str, args.gpus))} names GPUs, but the "
             f"{args.worker} worker runs on the CPU (--gpus is for --worker cuda)"
