@@ -63,9 +63,14 @@ class IdleWatch:
         """Hold the channels: the watcher reads none of them until the block ends."""
         with self._cond:
             self._holders += 1
-            self._wake()
-            while self._watching:
-                self._cond.wait()
+            try:
+                self._wake()
+                while self._watching:
+                    self._cond.wait()
+            except BaseException:  # Ctrl-C while waiting: the channels were not taken
+                self._holders -= 1
+                self._cond.notify_all()
+                raise
         try:
             yield
         finally:
