@@ -53,12 +53,25 @@ class SamplingConfig:
 
 @frozen
 class Timeouts:
-    """Bounds on every wait of a run, in milliseconds."""
+    """Bounds on every wait of a run, in milliseconds.
+
+    A step's limit grows with its rows (``step_limit_ms``): ``step_ms`` for any step
+    plus ``step_row_ms`` per row, so a prompt as long as the context admits has as
+    much time per row as a decode step. Liveness does not rest on that limit: a stage
+    sends a heartbeat on its control channel from a thread of its own, whatever it
+    computes, and one silent for ``heartbeat_ms`` is named at once. The step limit is
+    the backstop for a stage that is alive but never finishes."""
 
     ready_ms: int = int_field(default=120_000)  # provisioning to StageReady (weights load)
-    step_ms: int = int_field(default=60_000)  # one ExecuteStep
+    step_ms: int = int_field(default=60_000)  # one ExecuteStep, whatever its rows
     edge_wait_ms: int = int_field(default=60_000)  # one wait on a ring (either end)
     stop_ms: int = int_field(default=10_000)  # StopRun to StageStopped
+    step_row_ms: int = int_field(default=100)  # one ExecuteStep, for each of its rows
+    heartbeat_ms: int = int_field(default=5_000)  # a stage's longest silence
+
+    def step_limit_ms(self, rows: int) -> int:
+        """How long one step of ``rows`` rows may take on one stage."""
+        return self.step_ms + max(0, rows) * self.step_row_ms
 
 
 @frozen

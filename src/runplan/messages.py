@@ -100,6 +100,7 @@ class FaultKind(enum.Enum):
     REJECTED_MESSAGE = "REJECTED_MESSAGE"  # a message the run cannot accept
     PROTOCOL_VIOLATION = "PROTOCOL_VIOLATION"  # an event the state machine has no entry for
     PROCESS_DIED = "PROCESS_DIED"  # a stage process is gone (seen by the orchestrator)
+    STAGE_SILENT = "STAGE_SILENT"  # a stage sent no heartbeat within the bound (stopped, hung)
     ORCHESTRATOR_LOST = "ORCHESTRATOR_LOST"  # the control channel to the orchestrator closed
     KV_CACHE_UNAVAILABLE = "KV_CACHE_UNAVAILABLE"  # a stage could not reserve the run's cache
 

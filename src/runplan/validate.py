@@ -59,11 +59,26 @@ def check_sampling(sampling: SamplingConfig) -> PlanRejection | None:
     return None
 
 
+#: The shortest heartbeat bound: a stage beats four times per bound, and a beat more
+#: often than every 25 ms would be a cost of its own.
+MIN_HEARTBEAT_MS = 100
+
+
 def check_timeouts(timeouts: Timeouts) -> PlanRejection | None:
     for name in ("ready_ms", "step_ms", "edge_wait_ms", "stop_ms"):
         value = getattr(timeouts, name)
         if not 1 <= value <= U32_MAX:
             return InvalidConfig(f"timeouts.{name}", str(value), f"must be in 1..{U32_MAX} ms")
+    if not 0 <= timeouts.step_row_ms <= U32_MAX:
+        return InvalidConfig(
+            "timeouts.step_row_ms", str(timeouts.step_row_ms), f"must be in 0..{U32_MAX} ms"
+        )
+    if not MIN_HEARTBEAT_MS <= timeouts.heartbeat_ms <= U32_MAX:
+        return InvalidConfig(
+            "timeouts.heartbeat_ms",
+            str(timeouts.heartbeat_ms),
+            f"must be in {MIN_HEARTBEAT_MS}..{U32_MAX} ms",
+        )
     return None
 
 

@@ -629,7 +629,9 @@ def _record_problem(slot: RunSlot, h: ObjectHeader) -> str | None:
 
 
 def _loaded(h: ObjectHeader) -> fsm.ObjectLoaded:
-    return fsm.ObjectLoaded(h.run_id, h.edge_id, h.sequence, h.chunk_index, h.chunk_count)
+    return fsm.ObjectLoaded(
+        h.run_id, h.edge_id, h.sequence, h.chunk_index, h.chunk_count, rows=h.rows
+    )
 
 
 def _prefill(taken: Taken) -> bool:

@@ -280,7 +280,7 @@ class StageController:
         h = record.header
         if self._trace_steps and self.trace is not _no_trace:
             self.trace("loaded", {"edge_id": h.edge_id, "sequence": h.sequence, "rows": h.rows})
-        self.handle(fsm.ObjectLoaded(h.run_id, h.edge_id, h.sequence))
+        self.handle(fsm.ObjectLoaded(h.run_id, h.edge_id, h.sequence, rows=h.rows))
         return True
 
     # -- the step ----------------------------------------------------------------------------

@@ -92,6 +92,14 @@ class Tokenizer:
         self._fallback: dict[int, list[int]] = {}
         self._hf = self._build_spm() if vocab.is_spm else self._build_bpe()
         self._pieces: dict[tuple[int, bool], bytes] = {}
+        # The most bytes of text one token stands for (its own text's UTF-8 bytes: a
+        # SentencePiece "▁" is 3 for one space, a byte-level stand-in 1 or 2 for one
+        # byte, a byte token 6 for one), and whether some token also takes the
+        # whitespace beside it (LSTRIP / RSTRIP), which no bound can count.
+        self.longest_token_bytes = max(
+            (len(t.encode("utf-8", "surrogatepass")) for t in vocab.tokens), default=1
+        )
+        self._strips = any(a & (Attr.LSTRIP | Attr.RSTRIP) for _, _, a in self._specials)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -120,6 +128,18 @@ class Tokenizer:
         return self.vocab.tokens[self._check(token_id)]
 
     # -- encoding -----------------------------------------------------------------
+    def min_token_count(self, text: str) -> int:
+        """A lower bound on ``len(encode(text, add_special=False))``, found without
+        tokenizing (so that a text too long for a context is refused by its size): no
+        token stands for more bytes of text than ``longest_token_bytes``. In a
+        vocabulary whose special tokens take the whitespace beside them along, the
+        whitespace is not counted."""
+        data = text.encode("utf-8", "surrogatepass")  # a lone surrogate: 3, as U+FFFD
+        size = len(data)
+        if self._strips:
+            size -= sum(data.count(c) for c in _C_SPACE.encode())
+        return -(-size // max(1, self.longest_token_bytes))
+
     def encode(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
@@ -179,7 +199,9 @@ class Tokenizer:
         return fragments
 
     def _merge(self, fragment: str) -> list[int]:
-        ids: list[int] = self._hf.encode(fragment, add_special_tokens=False).ids
+        # ``encode_batch`` lets go of the interpreter while it merges (``encode`` holds
+        # it): a long text tokenized in a thread does not stop the others.
+        ids: list[int] = self._hf.encode_batch([fragment], add_special_tokens=False)[0].ids
         if self._fallback and any(i >= self.n_vocab for i in ids):
             ids = [j for i in ids for j in self._fallback.get(i, (i,))]
         return ids

@@ -135,7 +135,8 @@ class Simulation:
             consumer = edge.consumer
             if getattr(consumer, "stage_index", None) == fault.stage and sequence == fault.sequence:
                 t = self.plan.timeouts
-                return 10 * (t.step_ms * self.plan.stage_count + t.edge_wait_ms) * 1000
+                step_ms = t.step_limit_ms(self.plan.model.max_seq_len)
+                return 10 * (step_ms * self.plan.stage_count + t.edge_wait_ms) * 1000
         return 0
 
     def orchestrator_exited(self) -> None:

@@ -79,10 +79,12 @@ _GAVE_UP = (_FAULTED, sfsm.State.STOPPING.name)
 
 def time_bound_us(plan: RunPlan) -> int:
     """When a run must have ended: every stage's setup, one token per allowed token
-    (each bounded by the token timeout), the stop timeout, and slack for notices."""
+    (each bounded by the token timeout: the prompt's by its rows, at most the cache's
+    length), the stop timeout, and slack for notices."""
     t = plan.timeouts
-    token_ms = t.step_ms * plan.stage_count
-    return (t.ready_ms + (plan.max_tokens + 1) * token_ms + t.stop_ms) * 1000 + 1_000_000
+    prompt_ms = t.step_limit_ms(plan.model.max_seq_len) * plan.stage_count
+    token_ms = t.step_limit_ms(1) * plan.stage_count
+    return (t.ready_ms + prompt_ms + plan.max_tokens * token_ms + t.stop_ms) * 1000 + 1_000_000
 
 
 def check(sim: Simulation, result: SimResult) -> list[Violation]:

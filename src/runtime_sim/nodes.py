@@ -230,7 +230,7 @@ class StageNode(Node):
             if fault.kind is FaultKind.SLOW_STEP and fault.sequence == sequence:
                 provision = self.controller.provision
                 assert provision is not None
-                duration += 2 * provision.timeouts.step_ms * 1000
+                duration += 2 * provision.timeouts.step_limit_ms(rows) * 1000
             if (fault.kind is FaultKind.KILL_MID_PREFILL and sequence == 0) or (
                 fault.kind is FaultKind.KILL_MID_DECODE and fault.sequence == sequence
             ):

@@ -297,7 +297,56 @@ def test_a_prompt_in_chunks_has_the_time_of_every_chunk_through_the_pipeline() -
             m, o.Received(st_.node_id, StageReady(plan.run_id, st_.stage_index, st_.node_id))
         )
     assert _of(actions, o.InjectTokens) == [o.InjectTokens(0, prompt, 2)]
-    step_ms = plan.timeouts.step_ms
+    step_ms = plan.timeouts.step_limit_ms(2)  # each step of the prompt: a chunk of 2 rows
     assert o.StartTimer(o.Timer.TOKEN, step_ms * (2 + 3 - 1)) in actions
     m, actions = o.step(m, o.TokenConsumed(0, 5))
-    assert o.StartTimer(o.Timer.TOKEN, step_ms * 2) in actions  # a decode token: a step a stage
+    decode_ms = plan.timeouts.step_limit_ms(1)
+    assert o.StartTimer(o.Timer.TOKEN, decode_ms * 2) in actions  # a decode token: a step a stage
+
+
+def test_a_steps_time_limit_grows_with_its_rows() -> None:
+    plan = small_plan(2, max_tokens=10, eos=0)
+    t = plan.timeouts
+    assert t.step_limit_ms(6) == t.step_ms + 6 * t.step_row_ms > t.step_limit_ms(1)
+    prompt = (1, 2, 3, 4, 5, 6)
+    m, _ = o.step(o.OrchestratorMachine.for_plan(plan, prompt), o.Start())
+    m, _ = o.step(m, o.EndpointsReady())
+    for st_ in plan.stages:
+        m, actions = o.step(
+            m, o.Received(st_.node_id, StageReady(plan.run_id, st_.stage_index, st_.node_id))
+        )
+    # The prompt's token: one prompt-sized step per stage; a decoded token's: one row's.
+    assert o.StartTimer(o.Timer.TOKEN, 2 * t.step_limit_ms(6)) in actions
+    m, actions = o.step(m, o.TokenConsumed(0, 5))
+    assert o.StartTimer(o.Timer.TOKEN, 2 * t.step_limit_ms(1)) in actions
+    stage = _ready_stage(plan, 1)
+    edge = provision_all(plan)[1].inbound.edge_id
+    _, actions = s.step(stage, s.ObjectLoaded(plan.run_id, edge, 0, rows=6))
+    assert s.StartTimer(s.Timer.STEP, t.step_limit_ms(6)) in actions
+    # A chunk's step has its own rows' limit.
+    stage = _ready_stage(plan, 1)
+    _, actions = s.step(stage, s.ObjectLoaded(plan.run_id, edge, 0, 0, 3, rows=2))
+    assert s.StartTimer(s.Timer.STEP, t.step_limit_ms(2)) in actions
+
+
+def test_a_silent_stage_faults_the_run_naming_it_and_is_not_waited_for() -> None:
+    plan = small_plan(3)
+    orch = _running(plan)
+    orch, actions = o.step(orch, o.StageSilent(1, 5_250))
+    assert orch.outcome is StopReason.FAULTED and orch.fault_stage == 1
+    assert orch.fault == s.FaultReason(
+        FaultKind.STAGE_SILENT, "stage 1 on 'node-1': no heartbeat for 5.2 s"
+    )
+    assert [a.stage_index for a in _of(actions, o.SendStopRun)] == [0, 1, 2]
+    for i in (0, 2):  # the silent one is gone: only the others' stops are awaited
+        node = plan.stages[i].node_id
+        orch, actions = o.step(orch, o.Received(node, StageStopped(plan.run_id, i, node)))
+    assert orch.state is o.State.DONE
+    (done,) = _of(actions, o.RunFinished)
+    assert done.unconfirmed_stages == () and done.fault_stage == 1
+    # In teardown, a stage that falls silent is not waited for either.
+    orch = _running(plan)
+    orch, _ = o.step(orch, o.Cancel())
+    orch, actions = o.step(orch, o.StageSilent(0, 9_000))
+    assert orch.outcome is StopReason.CANCELLED and orch.state is o.State.TEARING_DOWN
+    assert orch.awaiting_stop == frozenset({1, 2})

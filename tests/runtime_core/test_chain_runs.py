@@ -28,7 +28,7 @@ from runtime_core.workers.interface import (
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.chain import Chain, plan_for, provisions
-from tests.support.chain_runs import ChainRuns
+from tests.support.chain_runs import ChainRuns, ManualTimers
 
 PROMPTS = [
     [5, 77, 300, 12, 9],
@@ -138,6 +138,39 @@ def test_prefill_chunks_pipeline_and_decode_rows_join_their_batches(
     assert order.index(("node-1", 0)) < order.index(("node-0", 2))
     mixed = [f for node, f in batches if node == "node-0" and {"run-1", "run-2"} <= set(f["runs"])]
     assert mixed, "no batch of stage 0 held both runs"
+
+
+class RecordingTimers(ManualTimers):
+    """``ManualTimers`` that also keep every timer started, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: list[tuple[Any, int]] = []
+
+    def start(self, run_id: str, timer: Any, ms: int) -> None:
+        self.started.append((timer, ms))
+        super().start(run_id, timer, ms)
+
+
+def test_each_step_s_time_limit_is_that_of_its_record_s_rows(model: Path) -> None:
+    """A stage's step timer grows with the rows of the record it runs (a chunk's rows in
+    a prefill in chunks), and the orchestrator's token timer of the prompt covers one
+    chunk's limit per step through the pipeline."""
+    chain = ChainRuns(3, reference)
+    chain.stages[0].timers = chain.stage_timers[0] = stage_0 = RecordingTimers()
+    chain.orchestrator.timers = chain.orchestrator_timers = orchestrator = RecordingTimers()
+    p = plan(model, 2, prefill_chunk=3)
+    handle = chain.add(p, PROMPTS[2])  # 11 tokens: chunks of 3, 3, 3 and 2 rows
+    chain.pump()
+    assert handle.finished is not None and handle.finished.outcome is StopReason.COMPLETED
+    t = p.timeouts
+    assert t.step_row_ms > 0  # else every limit below would be the same
+    steps = [ms for timer, ms in stage_0.started if timer is sfsm.Timer.STEP]
+    limits = [t.step_limit_ms(rows) for rows in (3, 3, 3, 2)]
+    assert steps == limits + [t.step_limit_ms(1)] * (N - 1)
+    tokens = [ms for timer, ms in orchestrator.started if timer is ofsm.Timer.TOKEN]
+    assert tokens[0] == t.step_limit_ms(3) * (3 + 4 - 1)
+    assert set(tokens[1:]) == {t.step_limit_ms(1) * 3}
 
 
 def test_runs_beyond_the_budget_wait_and_then_run(model: Path, alone: dict[str, list[int]]) -> None:

@@ -238,3 +238,40 @@ def test_decode_never_raises_on_ids_in_range(
 
 def test_a_lone_surrogate_is_encoded_as_the_replacement_character(smollm2: Tokenizer) -> None:
     assert smollm2.encode("a\ud800b") == smollm2.encode("a\ufffdb")
+
+
+@pytest.fixture(scope="module")
+def longest_ids(vocab_tokenizers: dict[str, Tokenizer], smollm2: Tokenizer) -> dict[int, list[int]]:
+    """Per tokenizer (by id()), the ids of its 8 longest tokens."""
+    out = {}
+    for tok in (smollm2, *vocab_tokenizers.values()):
+        by_size = sorted(range(tok.n_vocab), key=lambda i: -len(tok.token_text(i).encode()))
+        out[id(tok)] = by_size[:8]
+    return out
+
+
+@given(data=st.data())
+def test_min_token_count_is_a_lower_bound_on_the_tokens(
+    vocab_tokenizers: dict[str, Tokenizer],
+    smollm2: Tokenizer,
+    longest_ids: dict[int, list[int]],
+    data: st.DataObject,
+) -> None:
+    # Texts that come close to the bound: the vocabulary's longest tokens (and any
+    # others) written out, special ones included, with the pieces tokenizers treat
+    # specially (whitespace runs beside special tokens, which phi-3's take along).
+    for tok in (smollm2, *vocab_tokenizers.values()):
+        ids = st.one_of(st.sampled_from(longest_ids[id(tok)]), st.integers(0, tok.n_vocab - 1))
+        drawn = data.draw(st.lists(ids, max_size=48))
+        text = tok.decode(drawn, special=True) + data.draw(tokenizer_texts)
+        bound = tok.min_token_count(text)
+        for parse_special in (True, False):
+            assert bound <= len(tok.encode(text, add_special=False, parse_special=parse_special))
+
+
+def test_min_token_count_counts_a_long_text_without_tokenizing_it(smollm2: Tokenizer) -> None:
+    longest = max(range(smollm2.n_vocab), key=lambda i: len(smollm2.token_text(i).encode()))
+    text = smollm2.decode([longest]) * 1000
+    bound = smollm2.min_token_count(text)
+    assert bound == -(-len(text.encode()) // smollm2.longest_token_bytes) > 100
+    assert bound <= len(smollm2.encode(text, add_special=False))

@@ -29,6 +29,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray host needs Ray (the test extra has it)")
 
 import runtime_sim  # noqa: E402
+from runplan.config import Timeouts  # noqa: E402
 from runtime_cupy import generate  # noqa: E402
 from runtime_cupy.cli.main import main as cli_main  # noqa: E402
 from runtime_cupy.hosts.ray.cluster import ClusterError  # noqa: E402
@@ -237,6 +238,43 @@ def test_a_stage_killed_mid_decode_ends_the_run_naming_it_and_its_host(
     codes = {s.stage_index: s.returncode for s in result.stages}
     assert codes[1] == -signal.SIGKILL and codes[0] == 0 and codes[2] == 0, codes
     assert len(result.tokens) < 40
+    _assert_clean(result.plan.run_id)
+
+
+def test_a_stage_stopped_mid_decode_is_named_silent_with_its_host(cluster: Any, tiny: str) -> None:
+    """SIGSTOP: the stage lives, its control connection stays up (no keepalive fails on
+    one machine), only its heartbeats stop; the run names it within the bound and its
+    supervisor kills it."""
+    tokens: list[int] = []
+    pids: dict[int, int] = {}
+
+    def on_event(kind: str, fields: dict[str, Any]) -> None:
+        if kind == "spawned":
+            pids[int(fields["stage_index"])] = int(fields["pid"])
+
+    def on_token(token: int) -> None:
+        tokens.append(token)
+        if len(tokens) == 2:
+            os.kill(pids[1], signal.SIGSTOP)
+
+    result = generate(
+        tiny,
+        PROMPT,
+        stages=2,
+        max_tokens=40,
+        worker="numpy",
+        ray_address=cluster.address,
+        timeouts=Timeouts(heartbeat_ms=2_000),
+        on_event=on_event,
+        on_token=on_token,
+    )
+    assert result.outcome == "faulted" and result.fault_stage == 1, result.fault
+    host = result.stages[1].host
+    node = result.plan.stages[1].node_id
+    silent = f"stage 1 (node {node}, host {host}): stage_silent: stage 1 on '{node}': no heartbeat"
+    assert result.fault is not None and silent in result.fault, result.fault
+    codes = {s.stage_index: s.returncode for s in result.stages}
+    assert codes == {0: 0, 1: -signal.SIGKILL}, codes
     _assert_clean(result.plan.run_id)
 
 

@@ -3,6 +3,8 @@ the production launcher, stage or channel):
 
 - ``FaultyHost``: the local-process host whose stages of given indices run
   ``tests.support.faulty_stage`` (a setup or a step that is slow or fails).
+- ``GatedHost``: ``FaultyHost`` whose faults play once, and whose stage starts wait
+  while the test holds its gate.
 - ``TapHost``: any local host with a ``ControlTap`` on every stage's control channel,
   which records the frames both ways and writes what a test gives it, in between
   whole frames, as a writer on the wire would.
@@ -28,7 +30,7 @@ from runtime_cupy.edges.port import EdgeMedium, Rendezvous
 from runtime_cupy.edges.tcp import TcpMedium, split_address
 from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, LocalStageHandle
 from runtime_cupy.hosts.port import StageLaunch
-from runtime_cupy.process.control_channel import ControlChannel, decode_frame, encode_frame
+from runtime_cupy.process.control_channel import Beat, ControlChannel, decode_frame, encode_frame
 from runtime_cupy.process.keys import control_key
 from tests.support.edge_relay import Relay
 from tests.support.faulty_stage import Fault
@@ -65,9 +67,49 @@ class FaultyHost(LocalProcessHost):
         return env
 
 
+class GatedHost(FaultyHost):
+    """``FaultyHost`` whose faults play in the first process of each stage only, and
+    whose ``start`` waits while the test holds its gate (``hold()`` / ``release()``):
+    a stage started again stays out until the test lets it in, so that what a server
+    says meanwhile can be seen for as long as the test looks."""
+
+    def __init__(
+        self,
+        faults: Mapping[int, Sequence[str]],
+        *,
+        log_dir: Path | None = None,
+        log_level: str | None = None,
+    ) -> None:
+        super().__init__(faults, log_dir=log_dir, log_level=log_level)
+        self._open = threading.Event()
+        self._open.set()
+        self.waiting = threading.Event()  # a start is held at the gate now
+        self._started: set[int] = set()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:
+        if launch.stage_index in self._started:
+            return LocalProcessHost.command(self, launch, arguments)
+        self._started.add(launch.stage_index)
+        return super().command(launch, arguments)
+
+    def start(self, launch: StageLaunch, secret: bytes) -> LocalStageHandle:
+        if not self._open.is_set():
+            self.waiting.set()
+            self._open.wait(120.0)
+            self.waiting.clear()
+        return super().start(launch, secret)
+
+
 class ControlTap:
     """Between the launcher and one stage on their control channel: forwards every frame
-    both ways and records it; ``to_stage`` / ``to_orchestrator`` write bytes of the
+    both ways and records it (heartbeats are counted and passed on, not recorded);
+    ``to_stage`` / ``to_orchestrator`` write bytes of the
     test's in between frames. ``key``: the stage's control key, with which frames that
     pass are renumbered after the test wrote frames that the receiver accepted
     (``accepted_extra``), so that the real sender's numbers still follow."""
@@ -79,6 +121,7 @@ class ControlTap:
         self.launcher_sock, self._launcher = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sent_to_stage: list[bytes] = []  # frames from the orchestrator, as forwarded
         self.sent_to_orchestrator: list[bytes] = []  # frames from the stage
+        self.beats = 0  # heartbeats passed on (not in the lists)
         self._shift = {"stage": 0, "orch": 0}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -134,15 +177,18 @@ class ControlTap:
 
     def _forward(self, from_stage: bool, line: bytes, target: socket.socket) -> None:
         with self._lock:
-            log = self.sent_to_orchestrator if from_stage else self.sent_to_stage
-            log.append(line)
-            shift = self._shift["orch" if from_stage else "stage"]
-            if shift:
-                receiver = self.orch_id if from_stage else self.stage_id
-                counter, incoming = decode_frame(self.key, receiver, line[:-1])
-                line = encode_frame(
-                    self.key, incoming.sender, receiver, counter + shift, incoming.message
-                )
+            receiver = self.orch_id if from_stage else self.stage_id
+            counter, item = decode_frame(self.key, receiver, line[:-1])
+            if isinstance(item, Beat):  # numbered on their own: passed on as they are
+                self.beats += 1
+            else:
+                log = self.sent_to_orchestrator if from_stage else self.sent_to_stage
+                log.append(line)
+                shift = self._shift["orch" if from_stage else "stage"]
+                if shift:
+                    line = encode_frame(
+                        self.key, item.sender, receiver, counter + shift, item.message
+                    )
             with contextlib.suppress(OSError):
                 target.sendall(line)
 

@@ -56,14 +56,32 @@ def idle(base_url: str, headers: dict[str, str] | None = None) -> bool:
     return m["gguf_pipeline_requests_running"] == 0 and m["gguf_pipeline_queue_length"] == 0
 
 
+_WITH_NOFILE = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
 class ServerProcess:
     """``python -m runtime_cupy serve ARGS``."""
 
-    def __init__(self, args: Sequence[str], log: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: Sequence[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        *,
+        nofile: int | None = None,
+    ):
+        # ``nofile``: the server's descriptor limit (RLIMIT_NOFILE, soft and hard), set
+        # by a first interpreter that then becomes the server (exec).
         self.log_path = log
         self._log = log.open("wb")
+        command = [sys.executable, "-m", "runtime_cupy", "serve", *args]
+        if nofile is not None:
+            command = [sys.executable, "-c", _WITH_NOFILE, str(nofile), *command]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime_cupy", "serve", *args],
+            command,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -85,6 +103,11 @@ class ServerProcess:
         assert match is not None
         self.base_url = f"http://{match.group(1)}:{match.group(2)}"
         return self.base_url
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, _, port = self.base_url.removeprefix("http://").rpartition(":")
+        return host, int(port)
 
     def health(self) -> int:
         return httpx2.get(f"{self.base_url}/health").status_code

@@ -94,6 +94,31 @@ def small_plan(
 ) -> RunPlan:
     """A plan of a tiny model over ``stage_count`` nodes ``node-0..``; orchestrator
     ``orchestrator``."""
+    facts, config, pool = small_plan_inputs(
+        stage_count,
+        max_tokens=max_tokens,
+        vocab=vocab,
+        eos=eos,
+        return_logits=return_logits,
+        run_id=run_id,
+        activation_width=activation_width,
+    )
+    plan = plan_run(facts, config, pool, stage_count=stage_count)
+    assert isinstance(plan, RunPlan), plan
+    return plan
+
+
+def small_plan_inputs(
+    stage_count: int,
+    *,
+    max_tokens: int = 4,
+    vocab: int = 8,
+    eos: int = 0,
+    return_logits: bool = False,
+    run_id: str = "run-1",
+    activation_width: int = 4,
+) -> tuple[ModelFacts, RuntimeConfig, NodePool]:
+    """The facts, config and pool ``small_plan`` plans."""
     facts = ModelFacts(
         model_id="tiny",
         gguf_source=GgufSource.single("/models/tiny.gguf"),
@@ -123,9 +148,7 @@ def small_plan(
         worker=STORED_WEIGHTS,
     )
     pool = NodePool(ORCHESTRATOR, tuple(NodeSpec(n, PLENTY) for n in node_ids(stage_count)))
-    plan = plan_run(facts, config, pool, stage_count=stage_count)
-    assert isinstance(plan, RunPlan), plan
-    return plan
+    return facts, config, pool
 
 
 STRANGER = "stranger"
@@ -195,6 +218,7 @@ def orchestrator_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[
         ),
         K.ENDPOINT_FAULT: st.builds(o.EndpointFault, st.text(max_size=5)),
         K.STAGE_DIED: st.builds(o.StageDied, st.integers(0, n), st.text(max_size=5)),
+        K.STAGE_SILENT: st.builds(o.StageSilent, st.integers(0, n), st.integers(0, 10**7)),
         K.READY_TIMEOUT: st.just(o.TimerFired(o.Timer.READY)),
         K.TOKEN_TIMEOUT: st.just(o.TimerFired(o.Timer.TOKEN)),
         K.STOP_TIMEOUT: st.just(o.TimerFired(o.Timer.STOP)),
@@ -226,8 +250,9 @@ def stage_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[Any]]:
                 st.sampled_from([plan.run_id, OTHER_RUN]),
                 edge_ids,
                 st.integers(0, 5),
+                rows=st.integers(1, plan.model.max_seq_len),
             ),
-            _chunk_loads(plan.run_id, edge_ids),
+            _chunk_loads(plan.run_id, edge_ids, plan.model.max_seq_len),
         ),
         K.STEP_COMPLETED: st.builds(s.StepCompleted, st.integers(0, 5), st.integers(0, 3)),
         K.STEP_FAILED: st.builds(s.StepFailed, st.integers(0, 5), st.text(max_size=5)),
@@ -247,13 +272,20 @@ def stage_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[Any]]:
 
 
 @st.composite
-def _chunk_loads(draw: st.DrawFn, run_id: str, edge_ids: st.SearchStrategy[int]) -> Any:
+def _chunk_loads(
+    draw: st.DrawFn, run_id: str, edge_ids: st.SearchStrategy[int], max_rows: int
+) -> Any:
     """A record of a prefill in chunks (or a decode record that claims to be one)."""
     from runplan.fsm import stage as s
 
     count = draw(st.integers(1, 4))
     return s.ObjectLoaded(
-        run_id, draw(edge_ids), draw(st.integers(0, 2)), draw(st.integers(0, count - 1)), count
+        run_id,
+        draw(edge_ids),
+        draw(st.integers(0, 2)),
+        draw(st.integers(0, count - 1)),
+        count,
+        rows=draw(st.integers(1, max_rows)),
     )
 
 

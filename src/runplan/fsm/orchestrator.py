@@ -54,7 +54,7 @@ class State(enum.Enum):
 
 class Timer(enum.Enum):
     READY = "READY"  # provisioning to the readiness barrier (timeouts.ready_ms)
-    TOKEN = "TOKEN"  # injecting a token object to consuming its token (step_ms per stage)
+    TOKEN = "TOKEN"  # injecting a token object to consuming its token (a step's limit per stage)
     STOP = "STOP"  # StopRun to every StageStopped (timeouts.stop_ms)
 
 
@@ -103,6 +103,16 @@ class StageDied:
 
 
 @frozen
+class StageSilent:
+    """Stage ``stage_index`` sent nothing, not even a heartbeat, for ``silent_ms``
+    (longer than the heartbeat bound): stopped or hung, it is taken for gone (the
+    runtime kills it)."""
+
+    stage_index: int
+    silent_ms: int
+
+
+@frozen
 class TimerFired:
     timer: Timer
 
@@ -121,6 +131,7 @@ Event = (
     | TokenConsumed
     | EndpointFault
     | StageDied
+    | StageSilent
     | TimerFired
     | Cancel
 )
@@ -137,6 +148,7 @@ class EventKind(enum.Enum):
     TOKEN = "TOKEN"
     ENDPOINT_FAULT = "ENDPOINT_FAULT"
     STAGE_DIED = "STAGE_DIED"
+    STAGE_SILENT = "STAGE_SILENT"
     READY_TIMEOUT = "READY_TIMEOUT"
     TOKEN_TIMEOUT = "TOKEN_TIMEOUT"
     STOP_TIMEOUT = "STOP_TIMEOUT"
@@ -160,6 +172,7 @@ _EVENT_KINDS = {
     TokenConsumed: EventKind.TOKEN,
     EndpointFault: EventKind.ENDPOINT_FAULT,
     StageDied: EventKind.STAGE_DIED,
+    StageSilent: EventKind.STAGE_SILENT,
     Cancel: EventKind.CANCEL,
 }
 
@@ -292,7 +305,7 @@ class OrchestratorMachine:
     provisioned: frozenset[int] = frozenset()
     ready: frozenset[int] = frozenset()
     endpoints_ready: bool = False
-    dead: frozenset[int] = frozenset()
+    dead: frozenset[int] = frozenset()  # stages gone: died, or silent (and killed)
     stopped: frozenset[int] = frozenset()
     injected: int = -1  # last sequence injected
     consumed: tuple[int, ...] = ()  # token ids consumed, sequence order (EOS included)
@@ -337,10 +350,16 @@ class OrchestratorMachine:
         return 1 if size <= 0 else -(-len(self.prompt) // size)
 
     def _token_ms(self, sequence: int = 1) -> int:
-        """The bound on one token: a step per stage, and for sequence 0 one more step
-        per chunk after the first (the chunks pipeline through the stages)."""
-        steps = len(self.node_ids) + (self.prefill_chunks - 1 if sequence == 0 else 0)
-        return self.timeouts.step_ms * steps
+        """The bound on one token: a step's limit per stage, and for sequence 0 one more
+        step per chunk after the first (the chunks pipeline through the stages), each
+        step's limit grown by the rows of the longest record (the prompt, or its first
+        chunk); a decoded token's record has one row."""
+        if sequence != 0:
+            return self.timeouts.step_limit_ms(1) * len(self.node_ids)
+        chunked = self.prefill_chunks > 1
+        rows = min(self.prefill_chunk, len(self.prompt)) if chunked else len(self.prompt)
+        steps = len(self.node_ids) + self.prefill_chunks - 1
+        return self.timeouts.step_limit_ms(rows) * steps
 
 
 _Result = tuple[OrchestratorMachine, tuple[Action, ...]]
@@ -550,6 +569,15 @@ def _stage_died(m: OrchestratorMachine, e: StageDied) -> _Result:
     return _fault(m, FaultKind.PROCESS_DIED, detail, e.stage_index)
 
 
+def _stage_silent(m: OrchestratorMachine, e: StageSilent) -> _Result:
+    if not 0 <= e.stage_index < len(m.node_ids):
+        return m, ()
+    m = _evolve(m, dead=m.dead | {e.stage_index})
+    node = m.node_ids[e.stage_index]
+    detail = f"stage {e.stage_index} on {node!r}: no heartbeat for {e.silent_ms / 1000:.1f} s"
+    return _fault(m, FaultKind.STAGE_SILENT, detail, e.stage_index)
+
+
 def _endpoint_fault(m: OrchestratorMachine, e: EndpointFault) -> _Result:
     return _fault(m, FaultKind.EDGE_FAULT, f"orchestrator token endpoint: {e.detail}")
 
@@ -605,7 +633,7 @@ def _stopped(m: OrchestratorMachine, e: Received) -> _Result:
     return m, ()
 
 
-def _died_in_teardown(m: OrchestratorMachine, e: StageDied) -> _Result:
+def _died_in_teardown(m: OrchestratorMachine, e: StageDied | StageSilent) -> _Result:
     if not 0 <= e.stage_index < len(m.node_ids):
         return m, ()
     m = _evolve(m, dead=m.dead | {e.stage_index})
@@ -673,6 +701,7 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
         },
     ),
     (_S.WAITING_READY, _K.STAGE_DIED): _T(_stage_died, _W),
+    (_S.WAITING_READY, _K.STAGE_SILENT): _T(_stage_silent, _W),
     (_S.WAITING_READY, _K.ENDPOINT_FAULT): _T(_endpoint_fault, _FAULT),
     (_S.WAITING_READY, _K.READY_TIMEOUT): _T(_ready_timeout, _FAULT),
     (_S.WAITING_READY, _K.CANCEL): _T(_cancel, _CANCEL),
@@ -690,6 +719,7 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.RUNNING, _K.STAGE_STOPPED): _T(_stage_stopped_early, _R),
     (_S.RUNNING, _K.PROVISION_REFUSED): _T(_refused_when_running, {_S.RUNNING: ""}),
     (_S.RUNNING, _K.STAGE_DIED): _T(_stage_died, _R),
+    (_S.RUNNING, _K.STAGE_SILENT): _T(_stage_silent, _R),
     (_S.RUNNING, _K.ENDPOINT_FAULT): _T(_endpoint_fault, _FAULT),
     (_S.RUNNING, _K.TOKEN_TIMEOUT): _T(_token_timeout, _FAULT),
     (_S.RUNNING, _K.CANCEL): _T(_cancel, _CANCEL),
@@ -697,9 +727,12 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.TEARING_DOWN, _K.STAGE_STOPPED): _T(
         _stopped, {_S.TEARING_DOWN: "", _S.DONE: "every live stage stopped"}
     ),
-    (_S.TEARING_DOWN, _K.STAGE_DIED): _T(
-        _died_in_teardown, {_S.TEARING_DOWN: "", _S.DONE: "no live stage left"}
-    ),
+    **{
+        (_S.TEARING_DOWN, k): _T(
+            _died_in_teardown, {_S.TEARING_DOWN: "", _S.DONE: "no live stage left"}
+        )
+        for k in (_K.STAGE_DIED, _K.STAGE_SILENT)
+    },
     (_S.TEARING_DOWN, _K.STOP_TIMEOUT): _T(_stop_timeout, {_S.DONE: "stop timeout"}),
     (_S.TEARING_DOWN, _K.PROVISION_REFUSED): _T(
         _refused_in_teardown, {_S.TEARING_DOWN: "", _S.DONE: "no stage left to wait for"}

@@ -58,7 +58,7 @@ class SetupPart(enum.Enum):
 
 class Timer(enum.Enum):
     SETUP = "SETUP"  # timeouts.ready_ms
-    STEP = "STEP"  # timeouts.step_ms
+    STEP = "STEP"  # timeouts.step_limit_ms(rows)
 
 
 class RejectReason(enum.Enum):
@@ -106,6 +106,7 @@ class ObjectLoaded:
     sequence: int
     chunk_index: int = 0
     chunk_count: int = 1
+    rows: int = 1  # the record's rows: its step's time limit grows with them
 
 
 @frozen
@@ -502,7 +503,7 @@ def _object_when_ready(m: StageMachine, e: ObjectLoaded) -> _Result:
         )
         return _to_faulted(m, reason, ReleaseInput(e.sequence))
     assert m.provision is not None
-    step_ms = m.provision.timeouts.step_ms
+    step_ms = m.provision.timeouts.step_limit_ms(e.rows)
     m = _evolve(m, state=_EXECUTING, executing=e.sequence)
     execute = ExecuteStep(e.sequence, e.chunk_index, e.chunk_count)
     return m, (execute, StartTimer(_STEP, step_ms))

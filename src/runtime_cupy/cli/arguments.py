@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +35,38 @@ def gpu_list(text: str) -> list[int]:
     if not gpus or any(g < 0 for g in gpus):
         raise argparse.ArgumentTypeError("GPU indices are non-negative integers, at least one")
     return gpus
+
+
+def port_number(text: str) -> int:
+    """An ``argparse`` type: a TCP port, 0..65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0..65535; 0: any free one)")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An ``argparse`` type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def writable_folder(text: str) -> Path:
+    """An ``argparse`` type: a folder this user can write in (a log folder)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder this user can write in")
+    return path
 
 
 def add_model(parser: argparse.ArgumentParser) -> None:
@@ -125,10 +159,24 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "model's context length)",
     )
     parser.add_argument(
-        "--log-dir", type=Path, default=None, help="keep each stage's log here (one host)"
+        "--log-dir",
+        type=writable_folder,
+        default=None,
+        help="keep each stage's log in this folder (one host)",
     )
     add_cluster(parser)
     add_verbose(parser)
+
+
+def check_chain_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What no single flag of ``add_chain_arguments`` can check alone (one line and exit
+    status 2). (With ``--ray-address`` the chain refuses ``--gpus`` whatever the
+    worker.)"""
+    if args.gpus is not None and args.worker != "cuda" and args.ray_address is None:
+        parser.error(
+            f"argument --gpus: {','.join(map(str, args.gpus))} names GPUs, but the "
+            f"{args.worker} worker runs on the CPU (--gpus is for --worker cuda)"
+        )
 
 
 def chain_from(args: argparse.Namespace) -> WarmChain:

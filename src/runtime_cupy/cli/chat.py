@@ -22,11 +22,13 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from runplan.arguments import OneLineParser
 from runtime_core.console import TextStream, add_sampling_arguments
 from runtime_cupy.cli.arguments import (
     INPUT_ERRORS,
     add_chain_arguments,
     chain_from,
+    check_chain_arguments,
     configure_logs,
 )
 from runtime_cupy.serve.chain import ChainError, WarmChain
@@ -115,7 +117,7 @@ class Chat:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m runtime_cupy chat",
         description="Chat with a GGUF model in the terminal, on warm stage processes "
         f"(started and bound once). {HELP}.",
@@ -156,7 +158,9 @@ def _loop(chat: Chat) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_chain_arguments(parser, args)
     configure_logs(args.verbose)
     if args.max_tokens < 1:
         print(f"error: --max-tokens {args.max_tokens} is not at least 1", file=sys.stderr)

@@ -242,6 +242,7 @@ class LocalProcessHost:
             "--inbound", launch.inbound_medium,
             "--outbound", launch.outbound_medium,
             "--stop-ms", str(launch.stop_ms),
+            "--heartbeat-ms", str(launch.heartbeat_ms),
             "--log-level", self.log_level,
         ]  # fmt: skip
         if trace_file is not None:

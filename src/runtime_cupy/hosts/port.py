@@ -31,7 +31,8 @@ from runtime_cupy.process.tracing import Event
 class StageLaunch:
     """What a host needs to start one stage of a run: who it is, which worker it runs,
     how its two edges move bytes (``"shm"`` or ``"tcp"``), its GPU on its machine
-    (``None``: none), how long a stop may take. No addresses: the stage finds its
+    (``None``: none), how long a stop may take, how long it may be silent (it beats
+    four times as often on its control channel). No addresses: the stage finds its
     peers through the host's rendezvous.
 
     ``warm``: the stage serves one run after another (``run_id`` then names the chain,
@@ -53,6 +54,7 @@ class StageLaunch:
     trace: bool = False
     warm: bool = False
     encrypt_edges: bool = False
+    heartbeat_ms: int = 5_000  # the orchestrator's bound on the stage's silence
 
 
 @frozen

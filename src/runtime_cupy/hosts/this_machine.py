@@ -76,8 +76,14 @@ def place_stages(
     ``i`` runs on ``gpus[i % len(gpus)]`` (every GPU ``nvidia-smi`` lists by default)
     and stages on one GPU share its memory: the GPU's total as ``nvidia-smi`` reports
     it, or else as CuPy reads it. A GPU whose memory neither tells is refused
-    (``WorkerUnavailable``), never planned against a guess."""
+    (``WorkerUnavailable``), never planned against a guess; GPUs named for a worker
+    that runs on the CPU are refused too (``ValueError``), never ignored."""
     if worker != "cuda":
+        if gpus:
+            raise ValueError(
+                f"GPUs {list(gpus)} were named, but the {worker} worker runs on the CPU: "
+                "GPUs are the cuda worker's"
+            )
         host = host_memory_bytes()
         nodes = tuple(NodeSpec(f"stage-{i}", host, device="host") for i in range(stages))
         return nodes, (None,) * stages

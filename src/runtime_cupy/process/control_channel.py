@@ -19,6 +19,16 @@ provisioning only from its orchestrator). ``runplan.wire`` output is one line of
 so a frame never holds a line feed, and a reader resynchronises on the next line feed
 after any garbage.
 
+A heartbeat is a frame with no message (``<hmac hex> SP <sender> SP <counter> SP LF``)
+under a domain tag of its own and numbered in a sequence of its own: authenticated, and
+refused when replayed, like any frame, and the numbers of the messages do not depend on
+how many beats went between them. ``Heartbeat`` sends one from a thread of its own
+every ``1 / BEATS_PER_BOUND`` of the bound, whatever the owner's loop is doing (a long
+step, a slow load): liveness is the channel's concern, not a run's, and a warm stage
+beats between runs too. The receiving end notes when it last heard an authentic frame
+of either kind (``heard_s``) and never hands a beat to its owner; the owner calls the
+peer silent once that is longer ago than the bound (``silent_s``).
+
 Sending never blocks the loop: what the socket does not take at once waits in an
 ``Outbox`` for the loop to see the socket writable (``watch()`` asks for it). A peer
 that has stopped reading for good shows as a broken channel, not as a stall.
@@ -28,7 +38,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import socket
+import threading
+import time
 
 from attrs import frozen
 
@@ -45,8 +58,13 @@ MAX_FRAME_BYTES = 1 << 20
 MAX_BACKLOG_BYTES = 16 << 20
 #: How long a closing end waits for its last frames to leave.
 CLOSE_DRAIN_S = 1.0
+#: Beats per heartbeat bound: a peer is silent after missing this many in a row.
+BEATS_PER_BOUND = 4
 _DOMAIN = b"gguf-pipeline/control/2\x00"
+_BEAT_DOMAIN = b"gguf-pipeline/heartbeat/1\x00"
 _MAX_COUNTER = 2**64 - 1
+
+log = logging.getLogger("runtime_cupy.process.control_channel")
 
 
 class FrameError(ValueError):
@@ -72,9 +90,18 @@ class Refused:
     reason: str
 
 
-def _mac(key: bytes, sender: str, receiver: str, counter: int, payload: bytes) -> bytes:
+@frozen
+class Beat:
+    """A verified heartbeat and the node id that signed it."""
+
+    sender: str
+
+
+def _mac(
+    key: bytes, sender: str, receiver: str, counter: int, payload: bytes, domain: bytes = _DOMAIN
+) -> bytes:
     head = (
-        _DOMAIN
+        domain
         + sender.encode("utf-8")
         + b"\x00"
         + receiver.encode("utf-8")
@@ -93,9 +120,15 @@ def encode_frame(
     return f"{mac} {sender.encode('utf-8').hex()} {counter} ".encode("ascii") + payload + b"\n"
 
 
-def decode_frame(key: bytes, receiver: str, line: bytes) -> tuple[int, Incoming]:
-    """The counter and message of one frame (without its line feed); ``FrameError`` if
-    it is not an authentic frame for ``receiver`` holding a control message."""
+def encode_beat(key: bytes, sender: str, receiver: str, counter: int) -> bytes:
+    """Heartbeat number ``counter`` from ``sender`` to ``receiver``, line feed included."""
+    mac = _mac(key, sender, receiver, counter, b"", _BEAT_DOMAIN).hex()
+    return f"{mac} {sender.encode('utf-8').hex()} {counter} \n".encode("ascii")
+
+
+def decode_frame(key: bytes, receiver: str, line: bytes) -> tuple[int, Incoming | Beat]:
+    """The counter and message (or heartbeat) of one frame (without its line feed);
+    ``FrameError`` if it is not an authentic frame for ``receiver``."""
     parts = line.split(b" ", 3)
     if len(parts) != 4:
         raise FrameError("not a frame (expected: mac sender counter message)")
@@ -108,6 +141,14 @@ def decode_frame(key: bytes, receiver: str, line: bytes) -> tuple[int, Incoming]
         counter = int(counter_text)
     except (UnicodeDecodeError, ValueError):
         raise FrameError("not a frame (malformed mac, sender or counter)") from None
+    if not payload:
+        if counter > _MAX_COUNTER or not hmac.compare_digest(
+            mac, _mac(key, sender, receiver, counter, b"", _BEAT_DOMAIN)
+        ):
+            raise FrameError(
+                f"bad MAC: a heartbeat claiming sender {sender!r} not signed for this channel"
+            )
+        return counter, Beat(sender)
     if counter > _MAX_COUNTER or not hmac.compare_digest(
         mac, _mac(key, sender, receiver, counter, payload)
     ):
@@ -125,7 +166,8 @@ class ControlChannel:
     """One end of a control channel: ``local_id`` writes, ``peer_id`` is the node at the
     other end, ``key`` the stage's control key. The owner's loop waits on ``watch()``,
     then calls ``receive()`` when the socket is readable and ``flush()`` when it is
-    writable."""
+    writable. ``beat()`` may come from another thread (``Heartbeat``): sending is
+    serialised by a lock; receiving is the owner's alone."""
 
     def __init__(self, sock: socket.socket, key: bytes, local_id: str, peer_id: str) -> None:
         if len(key) != KEY_BYTES:
@@ -135,11 +177,17 @@ class ControlChannel:
         self.local_id = local_id
         self.peer_id = peer_id
         self._out = Outbox(sock, MAX_BACKLOG_BYTES)  # makes the socket non-blocking
+        self._send_lock = threading.Lock()
         self._sent = 0  # the next frame's number
+        self._beats_sent = 0  # the next heartbeat's number
         self._expected = 0  # the number of the next frame to accept
+        self._beats_expected = 0  # the number of the next heartbeat to accept
         self._buffer = bytearray()
         self._skipping = False  # inside an over-long line, dropping to its end
+        self._closed = False
         self.eof = False
+        #: When (monotonic) the last authentic frame or beat came; ``None``: none yet.
+        self.heard_s: float | None = None
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -156,8 +204,22 @@ class ControlChannel:
     def send(self, message: ControlMessage) -> None:
         """Queue one frame; ``ChannelBroken`` if the peer is gone or has stopped
         reading."""
-        frame = encode_frame(self.key, self.local_id, self.peer_id, self._sent, message)
-        self._sent += 1
+        with self._send_lock:
+            frame = encode_frame(self.key, self.local_id, self.peer_id, self._sent, message)
+            self._sent += 1
+            self._write(frame)
+
+    def beat(self) -> None:
+        """Queue one heartbeat (any thread); ``ChannelBroken`` as for send. Nothing
+        once the channel is closed."""
+        with self._send_lock:
+            if self._closed:
+                return
+            frame = encode_beat(self.key, self.local_id, self.peer_id, self._beats_sent)
+            self._beats_sent += 1
+            self._write(frame)
+
+    def _write(self, frame: bytes) -> None:
         try:
             self._out.write(frame)
         except StreamBroken as exc:
@@ -165,18 +227,25 @@ class ControlChannel:
 
     def flush(self) -> None:
         """Send what waits (the socket is writable); ``ChannelBroken`` as for send."""
-        try:
-            self._out.flush()
-        except StreamBroken as exc:
-            raise ChannelBroken(str(exc)) from None
+        with self._send_lock:
+            try:
+                self._out.flush()
+            except StreamBroken as exc:
+                raise ChannelBroken(str(exc)) from None
 
     @property
     def wants_write(self) -> bool:
         return self._out.wants_write
 
+    def silent_s(self, now: float) -> float | None:
+        """How long the peer has said nothing at ``now`` (monotonic), counted from its
+        first authentic frame or beat; ``None`` before it said anything."""
+        return None if self.heard_s is None else now - self.heard_s
+
     def receive(self) -> list[Incoming | Refused]:
         """Read what is available (the socket is readable) and return its frames in
-        order. Sets ``eof`` once the peer closed its end."""
+        order (heartbeats are noted in ``heard_s``, not returned). Sets ``eof`` once the
+        peer closed its end."""
         try:
             data = self.sock.recv(1 << 16)
         except (BlockingIOError, InterruptedError):
@@ -208,22 +277,67 @@ class ControlChannel:
             if len(line) > MAX_FRAME_BYTES:
                 out.append(Refused(f"a frame over {MAX_FRAME_BYTES} bytes"))
                 continue
-            out.append(self._accept(line))
+            accepted = self._accept(line)
+            if accepted is not None:
+                out.append(accepted)
 
-    def _accept(self, line: bytes) -> Incoming | Refused:
+    def _accept(self, line: bytes) -> Incoming | Refused | None:
         try:
-            counter, incoming = decode_frame(self.key, self.local_id, line)
+            counter, item = decode_frame(self.key, self.local_id, line)
         except FrameError as exc:
             return Refused(str(exc))
-        expected = self._expected
+        beat = isinstance(item, Beat)
+        expected = self._beats_expected if beat else self._expected
         if counter != expected:
             what = "replayed" if counter < expected else "out of order"
-            return Refused(f"{what} frame: number {counter}, expected {expected}")
+            kind = "heartbeat" if beat else "frame"
+            return Refused(f"{what} {kind}: number {counter}, expected {expected}")
+        self.heard_s = time.monotonic()
+        if isinstance(item, Beat):
+            self._beats_expected = expected + 1
+            return None
         self._expected = expected + 1
-        return incoming
+        return item
 
     def close(self) -> None:
         """Send what still waits (bounded by ``CLOSE_DRAIN_S``), then close."""
-        if self.sock.fileno() >= 0 and self._out.wants_write:
-            self._out.drain(CLOSE_DRAIN_S)
-        self.sock.close()
+        with self._send_lock:
+            self._closed = True
+            if self.sock.fileno() >= 0 and self._out.wants_write:
+                self._out.drain(CLOSE_DRAIN_S)
+            self.sock.close()
+
+
+class Heartbeat:
+    """Beats on ``channel`` every ``bound_s / BEATS_PER_BOUND`` from a daemon thread of
+    its own, until ``stop()`` or the channel breaks. Only a process that cannot run at
+    all (stopped, frozen, starved of every CPU) falls silent; one that computes does
+    not: the thread needs the interpreter for microseconds, and the workers' kernels
+    let go of it while they run."""
+
+    def __init__(self, channel: ControlChannel, bound_s: float) -> None:
+        if not bound_s > 0:
+            raise ValueError(f"a heartbeat bound of {bound_s} s is not positive")
+        self.channel = channel
+        self.interval_s = bound_s / BEATS_PER_BOUND
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.channel.beat()
+            except (ChannelBroken, OSError, ValueError) as exc:  # the owner hears of it too
+                log.debug("heartbeats end: %s", exc)
+                return
+            if self._stop.wait(self.interval_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()

@@ -16,12 +16,15 @@ through TCP otherwise (``edges``: ``auto``), or through the medium asked for
 every frame; with ``encrypt_edges`` they encrypt it too (``edges.tcp_seal``).
 
 A stage whose control channel reaches end of file has died (however it died, SIGKILL
-included): ``StageDied`` faults the run. Any fault, a timer that runs out, or a
-cancellation tears the run down through the state machine: no more injections,
-``StopRun`` to every provisioned stage, ``StageStopped`` awaited up to the stop
-timeout. Then, whatever happened (an exception too), every stage is reaped (killed
-after a short grace) and every resource of the run's edges is freed by name through
-the host, also those whose owner was killed.
+included): ``StageDied`` faults the run. A stage that has spoken once and then sends
+nothing, not even a heartbeat, for ``timeouts.heartbeat_ms`` is stopped or hung
+(SIGSTOP, a frozen host): it is killed and ``StageSilent`` faults the run, naming the
+stage, its node and how long it was silent, within the bound and not at a step limit.
+Any fault, a timer that runs out, or a cancellation tears the run down through the
+state machine: no more injections, ``StopRun`` to every provisioned stage,
+``StageStopped`` awaited up to the stop timeout. Then, whatever happened (an exception
+too), every stage is reaped (killed after a short grace) and every resource of the
+run's edges is freed by name through the host, also those whose owner was killed.
 
 Warm stages (``stages=``: handles started before, with ``StageLaunch(warm=True)``, and
 the ``secret`` they were started with) are provisioned for the run and kept after it:
@@ -333,6 +336,7 @@ class ProcessRun:
                 inbound_medium=self.media[stage.inbound_edge],
                 outbound_medium=self.media[stage.outbound_edge],
                 stop_ms=plan.timeouts.stop_ms,
+                heartbeat_ms=plan.timeouts.heartbeat_ms,
                 device=self.devices[stage.stage_index],
                 trace=self.trace.enabled,
                 encrypt_edges=self.encrypt_edges,
@@ -343,6 +347,25 @@ class ProcessRun:
             pid = handle.handle.info().pid
             log.info("stage %d (%s) started: pid %d", handle.index, handle.node_id, pid)
             self._emit("spawned", stage_index=handle.index, node_id=handle.node_id, pid=pid)
+
+    def _stage_silent(self, stage: _Stage, silent_s: float) -> None:
+        """Feed the silence of a stage that sent nothing for longer than the heartbeat
+        bound; it is killed first (a stopped process dies of SIGKILL too), so that it
+        holds nothing and says nothing more."""
+        stage.gone = True
+        stage.handle.kill()
+        why = f"no heartbeat for {silent_s:.1f} s"
+        log.warning("stage %d (%s) is silent: %s; killed", stage.index, stage.node_id, why)
+        self.trace.instant("stage silent", stage=stage.index, why=why)
+        self._emit("stage_silent", stage_index=stage.index, silent_s=silent_s)
+        self.controller.handle(fsm.StageSilent(stage.index, int(silent_s * 1000)))
+
+    def _check_silence(self, now: float) -> None:
+        bound = self.plan.timeouts.heartbeat_ms / 1000.0
+        for stage in self.stages:
+            silent = stage.channel.silent_s(now)
+            if not stage.gone and silent is not None and silent > bound:
+                self._stage_silent(stage, silent)
 
     def _stage_died(self, stage: _Stage, note: str | None = None) -> None:
         """Feed the death of a stage whose channel closed or broke (``note``), saying
@@ -414,6 +437,11 @@ class ProcessRun:
         due = self.timers.next_due()
         if due is not None and due < until:
             until = due
+        bound = self.plan.timeouts.heartbeat_ms / 1000.0
+        for stage in self.stages:
+            heard = stage.channel.heard_s
+            if not stage.gone and heard is not None:
+                until = min(until, heard + bound)
         if c.endpoints_pending:
             until = min(until, self._open_at)
         if self._inject_since is not None:
@@ -437,6 +465,7 @@ class ProcessRun:
         for timer in self.timers.expired(time.monotonic()):
             log.warning("orchestrator timer %s ran out", timer.name)
             c.handle(fsm.TimerFired(timer))
+        self._check_silence(time.monotonic())  # after reading: what waited was heard
         if not ready:
             for stage in self.stages:  # a stage gone without closing its channel
                 if not stage.gone and stage.handle.exited():

@@ -34,6 +34,11 @@ loads nothing: its trace has a ``weights reused`` instant where the first has a
 ``StageStopped``. A warm stage ends when its orchestrator closes the control channel
 (or is lost) while no run is active.
 
+Heartbeats. From the start of its loop to its end a stage beats on its control channel
+from a thread of its own (``control_channel.Heartbeat``, every quarter of ``--heartbeat-ms``),
+whatever its loop does: a stage whose orchestrator hears nothing for that long is
+stopped or hung, never merely busy.
+
 Exit status: 0 after ``StopRun`` (warm: after the channel closed between runs), 3 after
 the orchestrator was lost (during a run), 2 on bad usage.
 """
@@ -63,7 +68,12 @@ from runtime_core.workers.interface import Progress, StepWorker, TraceEvent, Wor
 from runtime_core.workers.kept_weights import KeepsWeights
 from runtime_cupy.edges.port import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
-from runtime_cupy.process.control_channel import ChannelBroken, ControlChannel, Incoming
+from runtime_cupy.process.control_channel import (
+    ChannelBroken,
+    ControlChannel,
+    Heartbeat,
+    Incoming,
+)
 from runtime_cupy.process.keys import BadSecret, control_key, parse_secret
 from runtime_cupy.process.names import run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
@@ -153,10 +163,14 @@ class StageProcess:
         lifeline_fd: int | None = None,
         warm: bool = False,
         trace_file: Path | None = None,
+        heartbeat_s: float | None = None,
     ) -> None:
         # ``warm``: serve runs until the channel closes between runs. ``trace_file``:
         # where a warm stage writes each run's trace events when the run ends.
+        # ``heartbeat_s``: the orchestrator's bound on this stage's silence (``None``:
+        # no heartbeats, for a caller that watches the stage otherwise).
         self.stage_index = stage_index
+        self.heartbeat_s = heartbeat_s
         self.warm = warm
         self.trace_file = trace_file
         self.worker = worker
@@ -248,6 +262,9 @@ class StageProcess:
         if self.lifeline_fd is not None:
             watchdog = threading.Thread(target=self._watch, name="lifeline", daemon=True)
             watchdog.start()
+        heartbeat = None
+        if self.heartbeat_s is not None:
+            heartbeat = Heartbeat(self.channel, self.heartbeat_s).start()
         try:
             while True:
                 self._check_lost()
@@ -263,6 +280,8 @@ class StageProcess:
                 self._wait()
         finally:
             self._done.set()
+            if heartbeat is not None:
+                heartbeat.stop()
             self.edges.detach()
             self._remove_resources()
             self.channel.close()  # what waits to leave (StageStopped) goes first, bounded
@@ -481,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="encrypt the frames of TCP edges (AES-256-GCM), not only authenticate them",
     )
     p.add_argument(
+        "--heartbeat-ms",
+        type=int,
+        default=5_000,
+        help="the orchestrator's bound on this stage's silence: beat four times as often",
+    )
+    p.add_argument(
         "--warm",
         action="store_true",
         help="serve one run after another, keeping the bound weights, until the control "
@@ -540,6 +565,7 @@ def main(
         trace=trace,
         warm=args.warm,
         trace_file=args.trace_file,
+        heartbeat_s=args.heartbeat_ms / 1000.0 if args.heartbeat_ms > 0 else None,
     )
     signal.signal(signal.SIGTERM, lambda *_: stage.notice_loss("SIGTERM"))
     log.info("started (run %s)", args.run_label)

@@ -5,15 +5,20 @@
   (``openai_format``). A client that goes away (mid-stream, or while it waits for a
   whole answer or in the queue) cancels its request; the stages stay warm.
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served.
-- ``GET /health``: 200 once every stage is up and bound, 503 before (and while a
-  broken stage is started again).
+- ``GET /health``: 200 once every stage is up, bound and heard, 503 before and while
+  the chain is not whole (a stage broken, gone or silent: ``detail`` names it) until
+  it is started again.
 - ``GET /metrics``: Prometheus's text format (``metrics``).
 
 Every error is an OpenAI error object with a status: 400 for a bad body (naming the
 field), 401 without the right ``Authorization: Bearer`` key (when the server has one;
-``/health`` needs none), 404 for an unknown model or path, 405, 413 for a body over
-``MAX_BODY_BYTES``, 429 when the queue is full, 500 / 503 when the pipeline cannot
-answer. A bug is logged with its traceback and answered 500 without it.
+``/health`` needs none), 404 for an unknown model or path, 405, 408 for a body that
+does not arrive within the client timeout, 413 for a body over ``MAX_BODY_BYTES``, 429
+when the queue is full, 500 / 503 when the pipeline cannot answer. A bug is logged
+with its traceback and answered 500 without it.
+
+A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
+on the event loop: ``/health`` and the streams of other requests go on meanwhile.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ log = logging.getLogger("runtime_cupy.serve")
 
 MAX_BODY_BYTES = 8 << 20
 OWNER = "gguf-pipeline"
+#: How long a client may take to send a request's body (``build_app`` takes another).
+CLIENT_TIMEOUT_S = 10.0
 
 
 def _error(error: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -78,9 +85,12 @@ class _EventStream(StreamingResponse):
 class Api:
     """The routes over ``engine``; ``api_key``: required as a Bearer token."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None = None) -> None:
+    def __init__(
+        self, engine: Engine, *, api_key: str | None = None, client_timeout_s: float
+    ) -> None:
         self.engine = engine
         self.api_key = api_key
+        self.client_timeout_s = client_timeout_s
         self.model = engine.model_names[0]
 
     # -- checks ---------------------------------------------------------------------------
@@ -105,11 +115,19 @@ class Api:
         if size > MAX_BODY_BYTES:
             raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
         chunks, total = [], 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > MAX_BODY_BYTES:
-                raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.client_timeout_s):
+                async for chunk in request.stream():
+                    total += len(chunk)
+                    if total > MAX_BODY_BYTES:
+                        raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise RequestError(
+                f"the body did not arrive within {self.client_timeout_s:g} s",
+                status=408,
+                code="request_timeout",
+            ) from None
         return b"".join(chunks)
 
     def _check_model(self, req: CompletionRequest) -> None:
@@ -135,7 +153,7 @@ class Api:
             self.engine.metrics.request(endpoint, "rejected")
             return self._unauthorized()
         try:
-            req = parse(await self._body(request))
+            req = await asyncio.to_thread(parse, await self._body(request))
             self._check_model(req)
             prepared = await asyncio.to_thread(self.engine.prepare, req)
         except RequestError as exc:
@@ -239,8 +257,14 @@ class Api:
         e = self.engine
         if e.ready:
             return JSONResponse({"status": "ok", "model": self.model})
-        status = "unavailable" if e.failure else "starting"
-        body = {"status": status, "model": self.model, "detail": e.failure}
+        trouble = e.chain.trouble
+        if e.failure:
+            status, detail = "unavailable", e.failure
+        elif trouble:
+            status, detail = "recovering", trouble
+        else:
+            status, detail = "starting", None
+        body = {"status": status, "model": self.model, "detail": detail}
         return JSONResponse(body, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
@@ -268,9 +292,11 @@ async def _bug(request: Request, exc: Exception) -> Response:
     return _failed(failed)
 
 
-def build_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
+def build_app(
+    engine: Engine, *, api_key: str | None = None, client_timeout_s: float = CLIENT_TIMEOUT_S
+) -> Starlette:
     """The application; the engine is started and closed by whoever runs it."""
-    api = Api(engine, api_key=api_key)
+    api = Api(engine, api_key=api_key, client_timeout_s=client_timeout_s)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),

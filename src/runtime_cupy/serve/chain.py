@@ -19,7 +19,10 @@ fault ended a run is started again, and bound by a short run, before the next re
 the request it broke ends with its fault, which names the stage, node and cause. A
 stage whose *setup* failed (a resource name taken, no room for a ring) is kept: the
 request ends with that named fault, and the next run, whose names are new, goes on.
-Before every run the chain also looks for stages that went away while idle.
+Between runs a thread (``idle_watch.IdleWatch``) reads the stages' control channels:
+a stage that went silent (no heartbeat within ``timeouts.heartbeat_ms``: stopped, hung)
+or away while idle is named at once. Until the chain is whole again it is not
+``ready`` and ``trouble`` says why.
 
 With ``ray_address`` (``auto`` or ``HOST:PORT``) the stages live on the hosts of a Ray
 cluster (``hosts.ray``, this process its driver), placed as ``runtime_cupy.generate``
@@ -60,6 +63,7 @@ from runtime_cupy.process.control_channel import Incoming
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import ORCHESTRATOR, ProcessRun
 from runtime_cupy.process.names import new_run_id, run_label
+from runtime_cupy.serve.idle_watch import IdleWatch
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 if TYPE_CHECKING:
@@ -180,6 +184,11 @@ class WarmChain:
         self._handles: dict[int, StageHandle] = {}
         self._warm = False  # every stage bound by a run since it started
         self._closed = False
+        self._lost: dict[int, str] = {}  # stages found silent or gone while idle: why
+        #: Why the chain is not whole (a stage broken, silent, gone), until it is again.
+        self.trouble: str | None = None
+        self._watch = IdleWatch(self.handles, self.timeouts.heartbeat_ms / 1000.0, self._on_lost)
+        self._watching = False
         self.restarts = 0  # stages started again after they broke
         self.bind_run: WarmResult | None = None  # the last run that bound the stages
         # The stages' plan, once: PlanRejected / ValueError before any process starts.
@@ -235,6 +244,7 @@ class WarmChain:
             inbound_medium=self._media[stage.inbound_edge],
             outbound_medium=self._media[stage.outbound_edge],
             stop_ms=plan.timeouts.stop_ms,
+            heartbeat_ms=plan.timeouts.heartbeat_ms,
             device=self.devices[index],
             trace=self.trace,
             warm=True,
@@ -247,19 +257,30 @@ class WarmChain:
         if they cannot be."""
         if self._closed:
             raise ChainError("the chain is closed")
-        self._heal()
+        with self._watch.paused():
+            self._heal()
+        if not self._watching:
+            self._watching = True
+            self._watch.start()
 
     @property
     def ready(self) -> bool:
-        """Every stage started, bound, and still there (any thread)."""
+        """Every stage started, bound, and still there and heard (any thread)."""
         with self._lock:
             handles = list(self._handles.values())
         return (
             self._warm
             and not self._closed
+            and not self._lost
             and len(handles) == len(self._launches)
             and not any(h.exited() for h in handles)
         )
+
+    def _on_lost(self, index: int, why: str) -> None:
+        """The idle watch found a stage silent or gone (its thread)."""
+        log.warning("%s: it will be started again", why)
+        self._lost[index] = why
+        self.trouble = why
 
     def pids(self) -> tuple[int, ...]:
         """Each stage's process id, by stage index."""
@@ -293,10 +314,12 @@ class WarmChain:
         """Start the stages that are missing or gone and bind them; the indices
         started (their first run binds them)."""
         for index, handle in list(self._handles.items()):
-            if self._gone(handle):
-                reason = handle.exit_reason() or "its control channel closed"
+            lost = self._lost.pop(index, None)
+            if lost is not None or self._gone(handle):
+                reason = lost or handle.exit_reason() or "its control channel closed"
                 log.warning("stage %d (%s) is gone (%s): starting it again",
                             index, handle.node_id, reason)  # fmt: skip
+                self.trouble = self.trouble or reason
                 self._retire(index)
         started: list[int] = []
         if self._ray_host is not None:  # their supervisors' start-ups overlap
@@ -310,7 +333,8 @@ class WarmChain:
             try:
                 handle = self.host.start(launch, self.secret)
             except OSError as exc:
-                raise ChainError(f"stage {launch.stage_index} could not be started: {exc}") from exc
+                self.trouble = f"stage {launch.stage_index} could not be started: {exc}"
+                raise ChainError(self.trouble) from exc
             with self._lock:
                 self._handles[launch.stage_index] = handle
             log.info("stage %d (%s) started: pid %d",
@@ -328,8 +352,10 @@ class WarmChain:
         outcome = self.bind_run = self._run(prompt, 1, SamplingConfig(), None, None)
         result = outcome.result
         if result.outcome != "completed":
-            raise ChainError(f"the stages could not be bound: {result.fault or result.outcome}")
+            self.trouble = f"the stages could not be bound: {result.fault or result.outcome}"
+            raise ChainError(self.trouble)
         self._warm = True
+        self.trouble = None
         log.info("warm: %d stages bound in %.2f s", len(self._launches), result.wall_s)
 
     def _retire(self, index: int) -> None:
@@ -364,9 +390,10 @@ class WarmChain:
         cancelled returns with that outcome."""
         if self._closed:
             raise ChainError("the chain is closed")
-        restarted = self._heal()
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        outcome = self._run(tuple(prompt_ids), max_tokens, sampling, on_token, on_run)
+        with self._watch.paused():
+            restarted = self._heal()
+            outcome = self._run(tuple(prompt_ids), max_tokens, sampling, on_token, on_run)
         return attrs.evolve(outcome, restarted=restarted)
 
     def _run(
@@ -403,6 +430,8 @@ class WarmChain:
             self._retire(index)
         if outcome.broken:
             self._warm = False
+            broke = f"stages {list(outcome.broken)} broke in run {run_label(run_id)}"
+            self.trouble = result.fault or broke
         times = outcome.token_times_s
         return WarmResult(
             result=result,
@@ -414,13 +443,15 @@ class WarmChain:
     def recover(self) -> tuple[int, ...]:
         """Start and bind the stages that broke (after a run that broke them, so that
         the next request finds the chain warm); the indices started."""
-        return self._heal()
+        with self._watch.paused():
+            return self._heal()
 
     # -- the end -------------------------------------------------------------------
     def close(self) -> None:
         """Stop every stage: its control channel closes, it exits; one that does not
         within ``CLOSE_GRACE_S`` is killed. Idempotent."""
         self._closed = True
+        self._watch.close()
         with self._lock:
             handles, self._handles = list(self._handles.values()), {}
         for handle in handles:

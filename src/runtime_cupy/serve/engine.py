@@ -3,16 +3,19 @@ it (no batching in the MVP: one run at a time on the chain).
 
 ``Engine.prepare(request)`` turns a checked request into a prompt (the model's chat
 template over the messages, or the completion's text or ids), its token limit and its
-seed, refusing what the context cannot hold (``RequestError``). ``submit`` admits it to
-a bounded queue (``QueueFull`` past ``max_queue`` waiting) and numbers it: requests are
-served strictly in the order they were admitted, which the log shows (``request #N
-queued`` ... ``started`` ... ``finished``). The runner thread takes them one by one:
-it starts the chain first (``GET /health`` says 503 until then), then runs each
-request on it, sending its events (``Piece``, ``Finished``, ``Failed``) to the
-request's sink as tokens arrive. ``Job.cancel()`` (a client that went away) takes a
-waiting request out of the queue or cancels its run; the stages stay warm. After a run
-that broke a stage, and when it finds one gone while idle, the runner starts it again
-(``/health`` says 503 meanwhile).
+seed, refusing what the context cannot hold (``RequestError``): a text is first
+measured against the context by its size (``Tokenizer.min_token_count``), so one too
+long is refused without being tokenized; the server calls it in a thread, and the
+tokenizer lets go of the interpreter while it merges, so the event loop goes on.
+``submit`` admits it to a bounded queue (``QueueFull`` past ``max_queue`` waiting) and
+numbers it: requests are served strictly in the order they were admitted, which the
+log shows (``request #N queued`` ... ``started`` ... ``finished``). The runner thread
+takes them one by one: it starts the chain first (``GET /health`` says 503 until
+then), then runs each request on it, sending its events (``Piece``, ``Finished``,
+``Failed``) to the request's sink as tokens arrive. ``Job.cancel()`` (a client that went
+away) takes a waiting request out of the queue or cancels its run; the stages stay
+warm. After a run that broke a stage, and when the chain finds one gone or silent
+while idle, the runner starts it again (``/health`` says 503 and why meanwhile).
 """
 
 from __future__ import annotations
@@ -86,13 +89,17 @@ Sink = Callable[[Event], None]
 # -- prompts ------------------------------------------------------------------------------
 
 
-def chat_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
-    """The prompt of a conversation: the model's chat template over it, with the
-    assistant's turn opened, as ``python -m runtime_cupy --chat`` encodes it."""
-    text = tokenizer.apply_chat_template(
+def chat_text(tokenizer: Tokenizer, messages: Sequence[Message]) -> str:
+    """The text of a conversation: the model's chat template over it, with the
+    assistant's turn opened."""
+    return tokenizer.apply_chat_template(
         [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
     )
-    return tokenizer.encode(text, add_special=True, parse_special=True)
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
+    """The prompt of a conversation, as ``python -m runtime_cupy --chat`` encodes it."""
+    return tokenizer.encode(chat_text(tokenizer, messages), add_special=True, parse_special=True)
 
 
 @frozen
@@ -204,9 +211,10 @@ class Engine:
         the model or its context cannot take."""
         tok = self.tokenizer
         param = "messages" if request.endpoint == "chat" else "prompt"
+        context = self.chain.context
         if request.endpoint == "chat":
             try:
-                ids = chat_prompt(tok, request.messages)
+                text = chat_text(tok, request.messages)
             except NoChatTemplate:
                 raise RequestError(
                     f"the model {self.chain.model_id!r} has no chat template: use /v1/completions",
@@ -217,7 +225,10 @@ class Engine:
                 raise RequestError(
                     f"the chat template refused the messages: {exc}", param="messages"
                 ) from None
+            self._check_size(text, param)
+            ids = tok.encode(text, add_special=True, parse_special=True)
         elif isinstance(request.prompt, str):
+            self._check_size(request.prompt, param)
             ids = tok.encode(request.prompt, add_special=True, parse_special=True)
         else:
             ids = list(request.prompt)
@@ -231,7 +242,6 @@ class Engine:
                     )
         if not ids:
             raise RequestError(f"{param} holds no tokens", param=param, code="invalid_value")
-        context = self.chain.context
         if len(ids) > context:
             raise RequestError(
                 f"This model's maximum context length is {context} tokens; the prompt "
@@ -253,6 +263,23 @@ class Engine:
             )
         seed = request.seed if request.seed is not None else secrets.randbits(64)
         return Prepared(request, tuple(ids), limit, seed)
+
+    def _check_size(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text that holds more tokens than the context
+        whatever they are: its bytes over ``context * longest_token_bytes``."""
+        tok, context = self.tokenizer, self.chain.context
+        fewest = tok.min_token_count(text)
+        if fewest > context:
+            limit = context * tok.longest_token_bytes
+            size = len(text.encode("utf-8", "surrogatepass"))
+            raise RequestError(
+                f"This model's maximum context length is {context} tokens; the prompt "
+                f"({param}) holds at least {fewest}: it has {size} bytes, and a prompt "
+                f"over {limit} bytes ({context} tokens of at most {tok.longest_token_bytes} "
+                "bytes) is refused before it is tokenized",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def submit(self, prepared: Prepared, sink: Sink) -> Job:
         """Admit a request (``QueueFull`` when ``max_queue`` wait already)."""
@@ -447,4 +474,5 @@ class Engine:
             "waiting": len(self._queue),
             "running": self._running is not None,
             "failure": self.failure,
+            "trouble": self.chain.trouble,
         }

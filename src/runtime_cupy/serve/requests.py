@@ -11,7 +11,11 @@ strict the same way.
 
 Every refusal is a ``RequestError``: the HTTP status, a message, the offending
 parameter (``messages[1].content``), and OpenAI's error type and code, which the app
-turns into an OpenAI error object. Nothing here raises anything else for any body.
+turns into an OpenAI error object. Nothing here raises anything else for any body:
+the body parser bounds how deep it nests (``MAX_DEPTH``) before any rule looks at it,
+every number is checked by type and range before it is used (a 400-digit integer is
+out of range, not an ``OverflowError``), and a message or parameter name that quotes
+the body can always be encoded (a lone surrogate is written as its escape).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from attrs import frozen
 
 SEED_MAX = 2**64 - 1
 MAX_STOPS = 4  # as OpenAI
+#: How deep a body may nest: an object holding messages holding parts is 5 deep.
+MAX_DEPTH = 32
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -41,9 +47,10 @@ class RequestError(Exception):
         code: str | None = None,
         type: str = "invalid_request_error",
     ) -> None:
+        message = _encodable(message)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = None if param is None else _encodable(param)
         self.status = status
         self.code = code
         self.type = type
@@ -86,6 +93,11 @@ class CompletionRequest:
     include_usage: bool = False
 
 
+def _encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot hold (lone surrogates) written as escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 # -- the rules of single values ---------------------------------------------------------
 
 Rule = Callable[[str, Any], Any]  # (param, value or None when absent / null) -> value
@@ -114,7 +126,10 @@ def _wrong(param: str, value: Any, expected: str) -> RequestError:
 
 
 def _show(value: Any) -> str:
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (ValueError, TypeError, RecursionError):  # never for a body the parser took
+        text = _type_name(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -154,9 +169,12 @@ def number(low: float, high: float, default: float, *, open_low: bool = False) -
             return default
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _wrong(param, value, "a number")
-        x = float(value)
+        bracket = "(" if open_low else "["
+        try:
+            x = float(value)
+        except OverflowError:  # an integer past every float
+            raise _out_of_range(param, value, f"in {bracket}{low:g}, {high:g}]") from None
         if not math.isfinite(x) or x > high or x < low or (open_low and x == low):
-            bracket = "(" if open_low else "["
             raise _out_of_range(param, value, f"in {bracket}{low:g}, {high:g}]")
         return x
 
@@ -397,7 +415,9 @@ def json_object(body: bytes) -> dict[str, Any]:
         value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError:
         raise RequestError("the request body is not UTF-8", code="invalid_json") from None
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:  # nested past what the interpreter's stack holds
+        raise _too_deep() from None
+    except ValueError as exc:
         raise RequestError(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
@@ -406,7 +426,28 @@ def json_object(body: bytes) -> dict[str, Any]:
             f"the request body must be a JSON object, not {_type_name(value)}",
             code="invalid_json",
         )
+    if _deeper_than(value, MAX_DEPTH):
+        raise _too_deep()
     return value
+
+
+def _too_deep() -> RequestError:
+    return RequestError(
+        f"the request body nests deeper than {MAX_DEPTH} levels (arrays and objects)",
+        code="invalid_json",
+    )
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` deep (without recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 def _fields(body: bytes, rules: Mapping[str, Rule], neutral: frozenset[str]) -> dict[str, Any]:

@@ -316,6 +316,15 @@ def one(**message: Any) -> list[dict[str, Any]]:
     return [{"role": "user", "content": "x", **message}]
 
 
+def nested(field: str, depth: int) -> bytes:
+    """A chat body whose ``field`` is 0.5 inside ``depth`` arrays."""
+    inner = b"[" * depth + b"0.5" + b"]" * depth
+    return b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (
+        field.encode(),
+        inner,
+    )
+
+
 BAD: list[tuple[str, Any, int, str | None]] = [
     # (endpoint, body (bytes: sent as they are), status, the param the error names)
     ("chat", b"{not json", 400, None),
@@ -357,6 +366,12 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("completion", completion(prompt=""), 400, "prompt"),
     ("completion", completion(echo=True), 400, "echo"),
     ("completion", completion(messages=MSG), 400, "messages"),
+    # Once 500s: a number past every float, a field named by a lone surrogate, nesting.
+    ("chat", chat(temperature=10**400), 400, "temperature"),
+    ("completion", completion(top_p=10**400), 400, "top_p"),
+    ("completion", b'{"model": "tiny-chat", "prompt": "x", "\\ud800": 1}', 400, "\\ud800"),
+    ("chat", nested("temperature", 961), 400, None),
+    ("chat", nested("temperature", 962), 400, None),
 ]
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -378,6 +393,15 @@ def test_a_bad_request_gets_its_4xx_naming_the_field(
     if param is not None:
         assert param.split("[")[0].split(".")[0] in error["message"]
     assert "Traceback" not in r.text
+
+
+def test_the_openai_client_gets_400s_for_what_were_500s(client: openai.OpenAI) -> None:
+    for sampling in ({"temperature": 10**400}, {"top_p": -(10**400)}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny-chat", messages=MSG, **sampling)  # type: ignore[call-overload]
+        body = info.value.body
+        assert isinstance(body, dict) and body["param"] == next(iter(sampling)), body
+    # (The client cannot send a lone surrogate at all: BAD sends one as raw HTTP.)
 
 
 def test_the_rest_of_the_http_surface_is_4xx_too(server: ServerProcess) -> None:

@@ -107,6 +107,8 @@ def runtime_configs(draw: st.DrawFn) -> RuntimeConfig:
             step_ms=draw(st.integers(1, 10**6)),
             edge_wait_ms=draw(st.integers(1, 10**6)),
             stop_ms=draw(st.integers(1, 10**6)),
+            step_row_ms=draw(st.integers(0, 10**4)),
+            heartbeat_ms=draw(st.integers(100, 10**6)),
         ),
         max_concurrent_runs=draw(st.integers(1, 8)),
         max_batch_rows=batch_rows,

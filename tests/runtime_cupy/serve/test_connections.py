@@ -1,0 +1,94 @@
+"""The parts of ``serve.connections`` on their own (the server under a flood of idle
+connections is ``test_server_limits.py``):
+
+- ``ConnectionGuard`` admits a connection while fewer than the most are open; past it,
+  it closes the one waiting longest for a request (never one whose request runs), at
+  most ``EVICTION_SLACK`` at a time, and otherwise refuses the newcomer;
+- ``QuietLog`` passes one record per kind and interval, and the next one says how
+  many were held back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from runtime_cupy.serve.connections import (
+    EVICTION_SLACK,
+    ConnectionGuard,
+    ConnectionLimits,
+    QuietLog,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Conn:
+    """What the guard reads of a protocol."""
+
+    def __init__(self, waiting_since: float | None) -> None:
+        self.waiting_since = waiting_since
+        self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+
+
+def _guard(limit: int) -> ConnectionGuard:
+    return ConnectionGuard(ConnectionLimits(limit, 1.0), clock=Clock())
+
+
+def _open(guard: ConnectionGuard, *conns: Any) -> None:
+    for c in conns:
+        assert guard.admit()
+        guard.made(c)
+
+
+def test_past_the_most_the_longest_waiting_makes_room_and_a_busy_one_never_does() -> None:
+    guard = _guard(3)
+    idle_old, busy, idle_new = Conn(1.0), Conn(None), Conn(2.0)
+    _open(guard, idle_old, busy, idle_new)
+    assert guard.admit()  # the fourth: the longest waiting goes
+    assert idle_old.evicted and not busy.evicted and not idle_new.evicted
+    guard.lost(idle_old)
+    guard.made(Conn(None))
+    assert guard.admit() and idle_new.evicted
+    guard.lost(idle_new)
+    guard.made(Conn(None))
+    assert not guard.admit()  # every one has a request: the newcomer is refused
+    assert guard.live == 3
+
+
+def test_at_most_the_slack_closes_at_a_time() -> None:
+    guard = _guard(1)
+    waiting = [Conn(float(i)) for i in range(EVICTION_SLACK + 2)]
+    _open(guard, waiting[0])
+    for conn in waiting[1:]:  # each newcomer closes one, none of them gone yet
+        admitted = guard.admit()
+        if admitted:
+            guard.made(conn)
+    assert sum(c.evicted for c in waiting) == EVICTION_SLACK
+    assert guard.live == EVICTION_SLACK + 1 <= ConnectionLimits(1, 1.0).descriptors
+
+
+def test_the_log_passes_one_record_per_kind_and_interval_and_counts_the_rest() -> None:
+    clock = Clock()
+    quiet = QuietLog(interval_s=10.0, clock=clock)
+    logger = logging.getLogger("tests.quiet")
+
+    def record(msg: str, *args: object) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 1, msg, args, None)
+
+    assert quiet.filter(record("closed %d", 1))
+    assert not any(quiet.filter(record("closed %d", n)) for n in range(2, 500))
+    assert quiet.filter(record("another kind"))  # its own kind
+    clock.now = 10.0
+    passed = record("closed %d", 500)
+    assert quiet.filter(passed)
+    assert passed.getMessage() == "closed 500 (498 more like this in the 10 s before, not logged)"

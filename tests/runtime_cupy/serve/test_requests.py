@@ -1,0 +1,114 @@
+"""The request bodies' parser (``serve.requests``) refuses every body it does not take
+with a ``RequestError`` whose error object can always be encoded, whatever the body:
+any JSON value in any field (integers past every float, lone surrogates, deep
+nesting), any key, any bytes. Nothing else is ever raised (a 500 is a bug)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runtime_cupy.serve.requests import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    MAX_DEPTH,
+    NEUTRAL,
+    RequestError,
+    parse_chat,
+    parse_completion,
+)
+
+PARSERS = {"chat": parse_chat, "completion": parse_completion}
+# Text with what UTF-8 cannot hold (lone surrogates), and keys the API knows.
+TEXT = st.text(st.characters(codec=None, categories=None), max_size=6)
+KEYS = st.one_of(st.sampled_from(sorted({*CHAT_FIELDS, *COMPLETION_FIELDS, *NEUTRAL})), TEXT)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**400), max_value=10**400),
+    st.floats(allow_nan=False, allow_infinity=False),
+    TEXT,
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(KEYS, inner, max_size=4)),
+    max_leaves=12,
+)
+
+
+def _nested(field: str, depth: int) -> bytes:
+    """A chat body whose ``field`` is 0.5 inside ``depth`` arrays (written out: too deep
+    for ``json.dumps`` here)."""
+    value = b"[" * depth + b"0.5" + b"]" * depth
+    return b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "%s": %s}' % (
+        field.encode(),
+        value,
+    )
+
+
+def _assert_refused_cleanly(endpoint: str, body: bytes) -> None:
+    try:
+        PARSERS[endpoint](body)
+    except RequestError as exc:
+        error = exc.body()["error"]
+        # What the app sends: JSON of the error object, as UTF-8.
+        json.dumps(exc.body(), ensure_ascii=False).encode("utf-8")
+        assert isinstance(error["message"], str) and error["message"]
+        assert 400 <= exc.status < 500
+
+
+@given(endpoint=st.sampled_from(sorted(PARSERS)), fields=st.dictionaries(KEYS, VALUES, max_size=6))
+def test_any_json_object_is_taken_or_refused_with_an_encodable_error(
+    endpoint: str, fields: dict[str, Any]
+) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "x", **fields}
+    if endpoint == "chat":
+        body.pop("prompt", None)
+    else:
+        body.pop("messages", None)
+    data = json.dumps(body, ensure_ascii=True).encode()  # lone surrogates as \ud800
+    _assert_refused_cleanly(endpoint, data)
+
+
+@given(endpoint=st.sampled_from(sorted(PARSERS)), data=st.binary(max_size=64))
+def test_any_bytes_are_taken_or_refused_with_an_encodable_error(endpoint: str, data: bytes) -> None:
+    _assert_refused_cleanly(endpoint, data)
+
+
+BIG = 10**400
+SURROGATE_KEY = b'{"model": "m", "prompt": "x", "\\ud800": 1}'
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param", "words"),
+    [
+        ("chat", {"temperature": BIG}, "temperature", "in [0, 2]"),
+        ("chat", {"top_p": BIG}, "top_p", "in (0, 1]"),
+        ("completion", {"temperature": -BIG}, "temperature", "in [0, 2]"),
+        ("chat", _nested("temperature", 961), None, f"deeper than {MAX_DEPTH}"),
+        ("chat", _nested("temperature", 962), None, f"deeper than {MAX_DEPTH}"),
+        ("chat", _nested("stop", MAX_DEPTH), None, f"deeper than {MAX_DEPTH}"),
+        ("chat", _nested("stop", 10**5), None, f"deeper than {MAX_DEPTH}"),
+        ("completion", SURROGATE_KEY, "\\ud800", "Unrecognized request argument"),
+    ],
+)
+def test_the_bodies_that_were_500s_are_400s_naming_the_field(
+    endpoint: str, body: dict[str, Any] | bytes, param: str | None, words: str
+) -> None:
+    if isinstance(body, dict):
+        base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        if endpoint == "completion":
+            base = {"model": "m", "prompt": "x"}
+        data = json.dumps({**base, **body}).encode()
+    else:
+        data = body
+    with pytest.raises(RequestError) as info:
+        PARSERS[endpoint](data)
+    assert info.value.status == 400
+    assert info.value.param == param
+    assert words in info.value.message
+    json.dumps(info.value.body(), ensure_ascii=False).encode("utf-8")

@@ -1,0 +1,78 @@
+"""Heartbeats of a run (the launcher, as ``python -m runtime_cupy`` drives it): a
+stage stopped by SIGSTOP mid-decode (alive, silent) faults the run as
+``stage_silent``, naming the stage, its node and its silence, within the heartbeat
+bound and not at the token timer (here 40 s away); it is killed, the others stop,
+nothing is left. Until it was stopped, the stage slept in a long step without falling
+silent: its heartbeats come from a thread of their own. (``test_step_limits.py``: a
+stage busy past the bound in a long prefill is not silent either.)
+
+The test synchronises on the run's events (a stage spawned, a token consumed), not on
+sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from runplan.config import Timeouts
+from runtime_cupy import generate
+from tests.support.hosts import FaultyHost
+from tests.support.hygiene import alive, run_resources
+
+pytestmark = pytest.mark.process
+
+HEARTBEAT_MS = 2_000
+# The token timer of a decode step is 2 x 20 s: far past the heartbeat bound.
+TIMEOUTS = Timeouts(
+    ready_ms=30_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=15_000,
+    heartbeat_ms=HEARTBEAT_MS,
+)  # fmt: skip
+
+
+class Pids:
+    def __init__(self) -> None:
+        self.by_stage: dict[int, int] = {}
+
+    def on_event(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "spawned":
+            self.by_stage[int(fields["stage_index"])] = int(fields["pid"])
+
+
+def test_a_stage_stopped_mid_decode_is_named_silent_within_the_bound(tiny: str) -> None:
+    pids = Pids()
+    tokens: list[int] = []
+    stopped: list[int] = []
+
+    def on_token(token: int) -> None:
+        tokens.append(token)
+        if len(tokens) == 2:  # decode runs: stage 1 is in (or about to enter) step 2
+            os.kill(pids.by_stage[1], signal.SIGSTOP)
+            stopped.append(pids.by_stage[1])
+
+    result = generate(
+        tiny,
+        [1, 2, 3],
+        stages=2,
+        max_tokens=40,
+        timeouts=TIMEOUTS,
+        # Stage 1 sleeps in step 2, as a long step would: busy, not silent, until stopped.
+        host=FaultyHost({1: ["step-delay=2:30"]}),
+        on_event=pids.on_event,
+        on_token=on_token,
+    )
+    assert stopped, "the run never reached decode"
+    assert result.outcome == "faulted"
+    assert result.fault_stage == 1 and result.fault_node == "stage-1"
+    assert result.fault is not None
+    assert "stage 1 (node stage-1): stage_silent: stage 1 on 'stage-1': no heartbeat for" in (
+        result.fault
+    ), result.fault
+    assert "timeout" not in result.fault  # named by its silence, not by a timer
+    codes = {s.stage_index: s.returncode for s in result.stages}
+    assert codes == {0: 0, 1: -signal.SIGKILL}, codes  # the silent one killed, stage 0 stopped
+    assert not [s.pid for s in result.stages if alive(s.pid)]
+    assert run_resources(result.plan.run_id) == []
