@@ -243,7 +243,7 @@ class ChainOrchestrator:
         self._admit()
 
     # -- events in, actions out -------------------------------------------------------------
-    def handle(self, event: fsm.Received | fsm.StageDied | RunTimerFired) -> None:
+    def handle(self, event: fsm.Received | fsm.StageDied | fsm.StageSilent | RunTimerFired) -> None:
         """Feed one event: a control message to its run's machine, a stage's death to
         every run (a chain fault), a timer to its run."""
         if isinstance(event, fsm.Received):
@@ -263,6 +263,9 @@ class ChainOrchestrator:
         elif isinstance(event, fsm.StageDied):
             detail = f"stage {event.stage_index}: {event.detail}".rstrip(": ")
             self._chain_fault(FaultReason(FaultKind.PROCESS_DIED, detail), event)
+        elif isinstance(event, fsm.StageSilent):
+            detail = f"stage {event.stage_index}: no heartbeat for {event.silent_ms / 1000:.1f} s"
+            self._chain_fault(FaultReason(FaultKind.STAGE_SILENT, detail), event)
         elif isinstance(event, RunTimerFired):
             handle = self.runs.get(event.run_id)
             if handle is not None and not handle.queued:
@@ -460,6 +463,10 @@ class ChainOrchestrator:
             self.trace("consumed", {"run_id": h.run_id, "sequence": h.sequence, "token_id": token})
         self._feed(handle, fsm.TokenConsumed(h.sequence, token))
         return True
+
+    def link_fault(self, detail: str) -> None:
+        """The runtime's notice that a token link is stuck or gone (a chain fault)."""
+        self._link_fault(detail)
 
     def _link_fault(self, detail: str) -> None:
         self._chain_fault(FaultReason(FaultKind.EDGE_FAULT, detail), fsm.EndpointFault(detail))

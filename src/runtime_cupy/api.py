@@ -58,6 +58,7 @@ class GenerateResult:
     trace: tuple[Event, ...] | None = None  # Chrome trace events, when asked for
     media: tuple[str, ...] = ()  # how each edge of the plan moved its bytes: shm or tcp
     encrypted_edges: bool = False  # TCP edges encrypted their frames (else authenticated)
+    chain_id: str = ""  # the chain that ran it: names its links (one per hop) on its hosts
 
 
 def plan_for(
@@ -253,4 +254,5 @@ def summarize(
         trace=result.trace,
         media=result.media,
         encrypted_edges=result.encrypted_edges,
+        chain_id=result.chain_id,
     )

@@ -48,7 +48,7 @@ def test_tcp_edges_give_the_simulators_tokens(tiny: str) -> None:
     assert real.media == ("tcp",) * 4  # token-in, two activation edges, token-out
     assert all(s.returncode == 0 for s in real.stages)
     assert not [s.pid for s in real.stages if alive(s.pid)]
-    assert run_resources(real.plan.run_id) == []
+    assert run_resources(real.chain_id) == []
 
 
 def test_the_cli_takes_edges_tcp(tiny: str) -> None:

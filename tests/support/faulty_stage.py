@@ -24,7 +24,15 @@ from attrs import frozen
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.plan import RingSpec
-from runtime_core.workers.interface import Progress, TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import (
+    BatchStep,
+    Progress,
+    StepFailure,
+    StepResult,
+    TokenOutput,
+    Worker,
+    WorkerError,
+)
 from runtime_cupy.edges.port import EdgeMedium, ProcessRing
 from runtime_cupy.hosts.local import local_medium
 from runtime_cupy.process import stage_process as stage
@@ -78,15 +86,43 @@ class FaultyWorker:
     def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
         self.inner.bind(gguf_source, progress)
 
-    def execute_step(self, sequence: int, data: Any) -> Any | TokenOutput:
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self.inner.kv_reserved_bytes
+
+    def _failed(self, sequence: int) -> str | None:
+        """Play the faults of a step at ``sequence``: a delay, or a failure (its text)."""
+        failure = None
         for f in self.faults:
             if f.sequence == sequence and f.kind == "step-delay":
                 log.warning("injected fault: step %d delayed %.3f s", sequence, f.seconds)
                 time.sleep(f.seconds)
             if f.sequence == sequence and f.kind == "step-fail":
                 log.warning("injected fault: step %d fails", sequence)
-                raise WorkerError(f"injected failure at sequence {sequence}")
+                failure = f"injected failure at sequence {sequence}"
+        return failure
+
+    def execute_step(self, sequence: int, data: Any) -> Any | TokenOutput:
+        failure = self._failed(sequence)
+        if failure is not None:
+            raise WorkerError(failure)
         return self.inner.execute_step(sequence, data)
+
+    def open_run(self, provision: ProvisionStage) -> None:
+        self.inner.open_run(provision)
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        """The batch's steps; a step whose sequence a ``step-fail`` names is that run's
+        ``StepFailure`` (the others' results stand)."""
+        failures = [self._failed(step.sequence) for step in steps]
+        kept = [step for step, failure in zip(steps, failures, strict=True) if failure is None]
+        results = iter(self.inner.execute_batch(kept) if kept else ())
+        return tuple(
+            next(results) if failure is None else StepFailure(failure) for failure in failures
+        )
+
+    def close_run(self, run_id: str) -> None:
+        self.inner.close_run(run_id)
 
     def release(self) -> None:
         self.inner.release()
