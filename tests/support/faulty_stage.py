@@ -4,7 +4,8 @@
 
 It runs ``runtime_cupy.process.stage_process.main`` with the stage arguments, its worker (from the
 registry) wrapped in ``FaultyWorker``. Faults: ``setup-delay=SECONDS``,
-``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``, and ``attach-delay=SECONDS``
+``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE`` (that run's step fails alone),
+``kv-full=N`` (the N-th run's KV cache finds no room), and ``attach-delay=SECONDS``
 (each try to attach the outbound edge takes that long more: a producer on a busy host,
 slow to answer its consumer's handshake). Started by ``FaultyHost``
 (``tests/support/hosts.py``): the faults come in through the host port, and nothing of
@@ -26,6 +27,7 @@ from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.plan import RingSpec
 from runtime_core.workers.interface import (
     BatchStep,
+    KvCacheUnavailable,
     Progress,
     StepFailure,
     StepResult,
@@ -58,12 +60,13 @@ class Fault:
             if kind == "step-delay":
                 seq, _, secs = value.partition(":")
                 return cls(kind, int(seq), float(secs))
-            if kind == "step-fail":
+            if kind in ("step-fail", "kv-full"):
                 return cls(kind, int(value))
         except ValueError:
             pass
         raise argparse.ArgumentTypeError(
-            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S, step-fail=SEQ or attach-delay=S"
+            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S, step-fail=SEQ, kv-full=N "
+            "or attach-delay=S"
         )
 
 
@@ -75,6 +78,7 @@ class FaultyWorker:
     def __init__(self, inner: Worker, faults: Sequence[Fault]) -> None:
         self.inner = inner
         self.faults = tuple(faults)
+        self.opened = 0  # runs opened so far (kv-full=N refuses the N-th)
 
     def configure(self, provision: ProvisionStage) -> None:
         for f in self.faults:
@@ -109,6 +113,12 @@ class FaultyWorker:
         return self.inner.execute_step(sequence, data)
 
     def open_run(self, provision: ProvisionStage) -> None:
+        self.opened += 1
+        for f in self.faults:
+            if f.kind == "kv-full" and f.sequence == self.opened:
+                log.warning("injected fault: no room for run %d's cache", self.opened)
+                budget = provision.kv_budget_bytes
+                raise KvCacheUnavailable(provision.run_id, provision.kv_bytes, 0, budget)
         self.inner.open_run(provision)
 
     def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:

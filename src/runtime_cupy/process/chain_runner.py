@@ -326,6 +326,15 @@ class ChainRunner:
     def handles(self) -> tuple[StageHandle, ...]:
         return tuple(s.handle for s in self.stages)
 
+    @property
+    def whole(self) -> bool:
+        """Every stage started and none known gone, and no chain fault (any thread)."""
+        return (
+            self.dead is None
+            and bool(self.stages)
+            and not any(s.gone or s.handle.exited() for s in self.stages)
+        )
+
     # -- any thread --------------------------------------------------------------------------
     def submit(
         self, plan: RunPlan, prompt: Sequence[int], on_token: OnToken | None = None

@@ -73,6 +73,15 @@ def _new_serve_run_id() -> str:
     return new_run_id("serve")
 
 
+def _serve_chain(runner: ChainRunner) -> None:
+    """The chain's thread: its loop until it is closed or broken and its runs ended,
+    then its end (a broken chain's stages reaped and its links freed at once)."""
+    try:
+        runner.loop()
+    finally:
+        runner.close()
+
+
 class ChainError(RuntimeError):
     """The chain cannot serve: its stages could not be started or bound."""
 
@@ -251,13 +260,7 @@ class WarmChain:
         """The chain started, bound, and not broken (any thread)."""
         with self._lock:
             runner = self._runner
-        return (
-            self._warm
-            and not self._closed
-            and runner is not None
-            and runner.dead is None
-            and not any(h.exited() for h in runner.handles())
-        )
+        return self._warm and not self._closed and runner is not None and runner.whole
 
     @property
     def in_flight(self) -> int:
@@ -312,7 +315,7 @@ class WarmChain:
             self.trouble = f"the stages could not be started: {exc}"
             runner.close()
             raise ChainError(self.trouble) from exc
-        thread = threading.Thread(target=runner.loop, name="chain", daemon=True)
+        thread = threading.Thread(target=_serve_chain, args=(runner,), name="chain", daemon=True)
         with self._lock:
             self._runner, self._thread = runner, thread
         self.chain_id = runner.chain_id
