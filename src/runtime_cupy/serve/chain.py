@@ -54,6 +54,7 @@ from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner
 from runtime_cupy.process.launcher import run_result
+from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.names import new_run_id
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
@@ -114,8 +115,9 @@ class WarmChain:
     ``memory``); ``edges``: ``auto``, ``shm`` or ``tcp`` (``encrypt_edges``: TCP edges
     encrypt their frames, not only authenticate them); ``trace``: record Chrome
     trace events of every run. ``run_ids()`` gives each run its id (by default 128
-    random bits, ``names.new_run_id``: the id names the run's resources on its hosts,
-    so it must be as hard to guess). Raises ``ClusterError`` for a cluster that cannot
+    random bits, ``names.new_run_id``); ``secrets()`` gives each chain started its secret
+    (by default 32 random bytes): the chain's id, which names its links on its hosts, is
+    derived from it. Raises ``ClusterError`` for a cluster that cannot
     be reached or has no room, before any process starts."""
 
     def __init__(
@@ -136,6 +138,7 @@ class WarmChain:
         run_ids: Callable[[], str] | None = None,
         encrypt_edges: bool = False,
         max_concurrent: int | None = None,
+        secrets: Callable[[], bytes] | None = None,
     ) -> None:
         if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
             raise ValueError(
@@ -179,6 +182,7 @@ class WarmChain:
         self.timeouts = timeouts or Timeouts()
         self.trace = trace
         self._run_ids = run_ids or _new_serve_run_id
+        self._secrets = secrets or new_secret
         self.max_concurrent = max_concurrent or DEFAULT_MAX_CONCURRENT
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent {self.max_concurrent} is not at least 1")
@@ -307,6 +311,7 @@ class WarmChain:
             edges=self.edges,
             encrypt_edges=self.encrypt_edges,
             trace=self.trace,
+            secret=self._secrets(),
         )
         self._warm = False
         try:
@@ -321,7 +326,11 @@ class WarmChain:
         self.chain_id = runner.chain_id
         thread.start()
         log.info("chain started: pids %s", self.pids())
-        self._bind_all()
+        try:
+            self._bind_all()
+        except ChainError:
+            self._stop_runner()  # the next start makes a new chain
+            raise
         return tuple(range(len(self.layout)))
 
     def _stop_runner(self) -> None:
