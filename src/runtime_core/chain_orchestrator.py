@@ -213,6 +213,11 @@ class ChainOrchestrator:
                     return
                 self._start(handle)
 
+    def kv_reserved(self) -> dict[int, int]:
+        """KV-cache bytes the runs in flight hold on each stage (the planner's figures,
+        as the stages reserve them), by stage index."""
+        return dict(self._reserved)
+
     def cancel(self, run_id: str, detail: str = "") -> None:
         """End one run at the caller's request (``CANCELLED``); the others go on."""
         handle = self.runs.get(run_id)

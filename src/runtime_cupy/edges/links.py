@@ -35,6 +35,7 @@ from runtime_cupy.edges.port import EdgeMedium, ProcessRing
 from runtime_cupy.process.keys import edge_key
 from runtime_cupy.process.poller import Entry
 
+
 def chain_hops(stage_count: int) -> tuple[int, ...]:
     """Every hop of a chain of ``stage_count`` stages (what its cleanup frees)."""
     return tuple(range(stage_count + 1))

@@ -366,6 +366,15 @@ class ChainRunner:
             if self._wake_w >= 0:
                 os.write(self._wake_w, b"!")
 
+    def kv_in_use(self) -> tuple[tuple[int, int, int], ...]:
+        """Each stage's KV cache held by the runs in flight: ``(stage_index, bytes,
+        budget_bytes)`` (any thread)."""
+        held = self.orchestrator.kv_reserved()
+        return tuple(
+            (s.stage_index, held.get(s.stage_index, 0), s.kv_budget_bytes)
+            for s in self.template.stages
+        )
+
     @property
     def in_flight(self) -> int:
         """Runs submitted and not yet ended."""

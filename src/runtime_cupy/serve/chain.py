@@ -272,6 +272,12 @@ class WarmChain:
         runner = self._runner
         return runner.in_flight if runner is not None else 0
 
+    def kv_in_use(self) -> tuple[tuple[int, int, int], ...]:
+        """Each stage's KV cache held by the runs in flight: ``(stage_index, bytes,
+        budget_bytes)`` (any thread; none before the chain started)."""
+        runner = self._runner
+        return runner.kv_in_use() if runner is not None else ()
+
     def pids(self) -> tuple[int, ...]:
         """Each stage's process id, by stage index."""
         return tuple(h.info().pid for h in self.handles())
@@ -280,10 +286,6 @@ class WarmChain:
         with self._lock:
             runner = self._runner
         return runner.handles() if runner is not None else ()
-
-    def batch_rows(self) -> tuple[int, ...]:
-        """Rows of the batches the stages ran (not known to this process: ``()``)."""
-        return ()
 
     def _heal(self) -> tuple[int, ...]:
         """Start the chain again if it is not whole (a stage gone or silent, a chain

@@ -190,6 +190,8 @@ class Engine:
             running=lambda: len(self._running),
             ready=lambda: self.ready,
             restarts=lambda: self.chain.restarts,
+            in_flight=lambda: self.chain.in_flight,
+            kv=self.chain.kv_in_use,
         )
         self._thread = threading.Thread(target=self._serve, name="runner", daemon=True)
         self._job_threads: set[threading.Thread] = set()

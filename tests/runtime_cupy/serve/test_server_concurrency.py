@@ -1,7 +1,7 @@
 """Continuous batching through the server (issue 22): eight streaming chat requests
 through the official ``openai`` client at once, on 2 and on 3 stages, each answered
 exactly as the same request served alone (greedy and seeded), and the metrics saw
-several runs in flight."""
+several runs in flight holding KV cache, all of it freed once they ended."""
 
 from __future__ import annotations
 
@@ -70,13 +70,19 @@ def test_eight_concurrent_streams_each_equal_their_request_alone(
         for t in threads:
             t.start()
         gate.wait()
+        kv_share = 0.0
         while any(t.is_alive() for t in threads):
-            running = metrics(server.base_url)["gguf_pipeline_requests_running"]
-            most[0] = max(most[0], int(running))
+            seen = metrics(server.base_url)
+            most[0] = max(most[0], int(seen["gguf_pipeline_runs_in_flight"]))
+            kv_share = max(kv_share, seen["gguf_pipeline_kv_cache_share{stage=0}"])
             for t in threads:
                 t.join(0.01)
         assert answers == alone
         assert most[0] > 1, "the requests were never in flight together"
+        assert 0 < kv_share <= 1
         wait_for(lambda: idle(server.base_url), 10.0, "the server to be idle")
+        after = metrics(server.base_url)
+        assert after["gguf_pipeline_runs_in_flight"] == 0
+        assert all(after[f"gguf_pipeline_kv_cache_bytes{{stage={i}}}"] == 0 for i in range(stages))
     finally:
         server.stop()
