@@ -93,9 +93,15 @@ class ChainRun:
     """One run handed to the runner: ``cancel()`` and ``wait()`` from any thread."""
 
     def __init__(
-        self, runner: ChainRunner, plan: RunPlan, prompt: tuple[int, ...], on_token: OnToken | None
+        self,
+        runner: ChainRunner,
+        plan: RunPlan,
+        prompt: tuple[int, ...],
+        on_token: OnToken | None,
+        on_done: Callable[[ChainRun], None] | None = None,
     ) -> None:
         self.runner = runner
+        self.on_done = on_done
         self.plan = plan
         self.prompt = prompt
         self.on_token = on_token
@@ -145,11 +151,19 @@ class ChainRun:
             tuple(self.token_times),
             time.monotonic(),
         )
-        self._done.set()
+        self._finish()
 
     def _refused(self, exc: Exception) -> None:
         self.error = exc
+        self._finish()
+
+    def _finish(self) -> None:
         self._done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # the caller's: the chain goes on
+                log.exception("run %s: on_done failed", run_label(self.run_id))
 
 
 @attrs.define(eq=False)
@@ -337,12 +351,18 @@ class ChainRunner:
 
     # -- any thread --------------------------------------------------------------------------
     def submit(
-        self, plan: RunPlan, prompt: Sequence[int], on_token: OnToken | None = None
+        self,
+        plan: RunPlan,
+        prompt: Sequence[int],
+        on_token: OnToken | None = None,
+        *,
+        on_done: Callable[[ChainRun], None] | None = None,
     ) -> ChainRun:
         """Hand a run to the loop (any thread); it starts at the loop's next turn, or
         ends at once refused (``ChainRun.wait`` raises ``PromptError`` or
-        ``RunRefused``) or faulted (the chain is dead or closing)."""
-        run = ChainRun(self, plan, tuple(int(t) for t in prompt), on_token)
+        ``RunRefused``) or faulted (the chain is dead or closing). ``on_done(run)``
+        when it ended (from the loop's thread)."""
+        run = ChainRun(self, plan, tuple(int(t) for t in prompt), on_token, on_done)
         with self._lock:
             self._adds.append(run)
         self._wake()

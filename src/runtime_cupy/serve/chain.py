@@ -53,8 +53,8 @@ from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner
-from runtime_cupy.process.launcher import run_result
 from runtime_cupy.process.keys import new_secret
+from runtime_cupy.process.launcher import run_result
 from runtime_cupy.process.names import new_run_id
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
@@ -397,28 +397,47 @@ class WarmChain:
         on_token: Callable[[int], None] | None,
         on_run: OnRun | None,
     ) -> WarmResult:
+        began = time.perf_counter()
+        run = self.submit(prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token)
+        if on_run is not None:
+            on_run(run)
+        run.wait()
+        return self.result(run, time.perf_counter() - began)
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        sampling: SamplingConfig,
+        on_token: Callable[[int], None] | None = None,
+        on_done: Callable[[ChainRun], None] | None = None,
+    ) -> ChainRun:
+        """Hand one run to the chain and return at once (any thread): ``run.wait()``,
+        then ``result(run)``. ``on_done(run)`` when it ended (from the chain's thread).
+        Raises ``ChainError`` when the chain is not up, ``PlanRejected`` for settings the
+        planner refuses."""
         runner = self._runner
         if runner is None:
             raise ChainError(self.trouble or "the chain is not up")
-        run_id = self._run_ids()
         plan = self.plan(
-            run_id, max_tokens=max_tokens, sampling=sampling, prompt_tokens=len(prompt)
+            self._run_ids(), max_tokens=max_tokens, sampling=sampling, prompt_tokens=len(prompt)
         )
-        began = time.perf_counter()
-        run = runner.submit(plan, prompt, on_token)
-        if on_run is not None:
-            on_run(run)
+        return runner.submit(plan, prompt, on_token, on_done=on_done)
+
+    def result(self, run: ChainRun, wall_s: float | None = None) -> WarmResult:
+        """What an ended run gave (``wait`` raises what refused it: ``PromptError``)."""
         outcome = run.wait()
         assert outcome is not None
-        result = summarize(
-            plan, run_result(runner, outcome), self.tokenizer, time.perf_counter() - began, False
-        )
+        runner = run.runner
+        wall = wall_s if wall_s is not None else outcome.ended_s - outcome.submitted_s
+        result = summarize(run.plan, run_result(runner, outcome), self.tokenizer, wall, False)
         if runner.dead is not None:
             self.trouble = result.fault or runner.dead
         times = outcome.token_times_s
         return WarmResult(
             result=result,
-            prompt_tokens=len(prompt),
+            prompt_tokens=len(run.prompt),
             started_s=outcome.submitted_s,
             first_token_s=times[0] if times else None,
         )
