@@ -492,7 +492,9 @@ class ChainRunner:
         log.warning("stage %d (%s) is gone: %s", stage.index, stage.node_id, why)
         self.trace.instant("stage died", stage=stage.index, why=why)
         self._emit("stage_died", stage_index=stage.index, detail=why)
-        self.orchestrator.handle(fsm.StageDied(stage.index, f"{self._where(stage)}: {why}"))
+        where = self._where(stage)
+        self.dead = self.dead or f"stage {stage.index} ({where}) is gone: {why}"
+        self.orchestrator.handle(fsm.StageDied(stage.index, f"{where}: {why}"))
 
     def _stage_silent(self, stage: _Stage, silent_s: float) -> None:
         stage.gone = True
@@ -501,6 +503,7 @@ class ChainRunner:
         log.warning("stage %d (%s) is silent: %s; killed", stage.index, stage.node_id, why)
         self.trace.instant("stage silent", stage=stage.index, why=why)
         self._emit("stage_silent", stage_index=stage.index, silent_s=silent_s)
+        self.dead = self.dead or f"stage {stage.index} on {stage.node_id!r}: {why}"
         self.orchestrator.handle(fsm.StageSilent(stage.index, int(silent_s * 1000)))
 
     def _check_silence(self, now: float) -> None:

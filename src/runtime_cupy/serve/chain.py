@@ -192,8 +192,7 @@ class WarmChain:
         self._thread: threading.Thread | None = None
         self._warm = False  # every stage bound by a run since the chain started
         self._closed = False
-        #: Why the chain is not whole (a stage broken, silent, gone), until it is again.
-        self.trouble: str | None = None
+        self._trouble: str | None = None
         self.restarts = 0  # stages started again after the chain broke
         self.bind_run: WarmResult | None = None  # the last run that bound the stages
         self.chain_id = ""  # the running chain's id (names its links)
@@ -265,6 +264,19 @@ class WarmChain:
         with self._lock:
             runner = self._runner
         return self._warm and not self._closed and runner is not None and runner.whole
+
+    @property
+    def trouble(self) -> str | None:
+        """Why the chain is not whole (a stage broken, silent, gone), until it is again
+        (any thread)."""
+        runner = self._runner
+        if runner is not None and runner.dead is not None:
+            return runner.dead
+        return self._trouble
+
+    @trouble.setter
+    def trouble(self, why: str | None) -> None:
+        self._trouble = why
 
     @property
     def in_flight(self) -> int:
