@@ -26,7 +26,7 @@ from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.process.names import NameTaken, NotPrivate, edge_dir
 from tests.support.hosts import FaultyHost
-from tests.support.hygiene import SHM, alive, run_resources, wait_gone
+from tests.support.hygiene import SHM, alive, run_resources
 
 
 def test_a_stage_that_stopped_its_run_keeps_the_chain_s_links(tiny: str, tmp_path: Path) -> None:

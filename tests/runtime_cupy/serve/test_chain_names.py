@@ -32,7 +32,7 @@ from runtime_cupy import generate
 from runtime_cupy.edges.shm import segment_name
 from runtime_cupy.edges.tcp import split_address
 from runtime_cupy.process.keys import chain_id, new_secret
-from runtime_cupy.process.names import edge_dir, new_run_id
+from runtime_cupy.process.names import edge_dir
 from runtime_cupy.serve.chain import ChainError, WarmChain
 from tests.support.edge_relay import Relay
 from tests.support.hosts import FaultyHost
