@@ -491,7 +491,15 @@ class ChainStageController:
         self.batches += 1
         self.batch_rows.append(sum(s.data.shape[0] for s in steps))
         if self.trace is not _no_trace:
-            self.trace("batch", {"runs": [s.run_id for s in steps], "rows": self.batch_rows[-1]})
+            self.trace(
+                "batch",
+                {
+                    "runs": [s.run_id for s in steps],
+                    "sequences": [s.sequence for s in steps],
+                    "step_rows": [s.data.shape[0] for s in steps],
+                    "rows": self.batch_rows[-1],
+                },
+            )
         try:
             results = self.worker.execute_batch(steps)
             if len(results) != len(steps):

@@ -75,7 +75,7 @@ def test_ctrl_c_cancels_the_run_and_cleans_up(tiny: str, tmp_path: Path, edges: 
     assert driver.proc.stdout is not None
     driver.until("outcome")
     assert wait_gone(driver.pids, 5) == []
-    assert driver.run_id and run_resources(driver.run_id) == []
+    assert run_resources(driver.chain_id) == []
     driver.kill()
 
 

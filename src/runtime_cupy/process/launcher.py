@@ -116,6 +116,7 @@ class ProcessRun:
             on_event=on_event,
         )  # ValueError for edges or devices that cannot be
         self.chain_id = self.runner.chain_id
+        self.secret = self.runner.secret
         self._cancel: list[str] = []
         self._cancel_lock = threading.Lock()
         self._run: ChainRun | None = None

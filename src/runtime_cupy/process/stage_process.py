@@ -214,6 +214,11 @@ class StageProcess:
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "batch" and log.isEnabledFor(logging.INFO):
+            for run_id, sequence, rows in zip(
+                fields["runs"], fields["sequences"], fields["step_rows"], strict=True
+            ):
+                log.info("step %d begins (run %s, %d rows)", sequence, run_label(run_id), rows)
         if kind in ("loaded", "published", "batch"):
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s %s", kind, fields)
@@ -291,10 +296,10 @@ class StageProcess:
             self._done.set()
             if heartbeat is not None:
                 heartbeat.stop()
+            self._remove_resources()  # while the controller still knows the chain's length
             with contextlib.suppress(Exception):
                 self.controller.close()
             self.links.detach()
-            self._remove_resources()
             self.channel.close()  # what waits to leave (StageStopped) goes first, bounded
 
     def _check_lost(self) -> None:
@@ -463,14 +468,24 @@ class StageProcess:
 
     def _remove_resources(self) -> None:
         """Free what this stage owns: its inbound link's resources on this host, and, if
-        the orchestrator is lost, token-out's (idempotent, any thread)."""
+        the orchestrator is lost and this is the last stage, token-out's (idempotent,
+        any thread)."""
         links = self.links
         links.remove_inbound()
-        lost = self.lost is not None or self._lost_flag.is_set()
-        hop = links.outbound_hop
-        chain = self.controller.chain
-        if lost and hop is not None and chain is not None and hop == chain.stage_count:
-            links.remove_hops((hop,))
+        place = self._place()
+        if (self.lost is not None or self._lost_flag.is_set()) and place is not None:
+            index, count = place
+            if index == count - 1:
+                links.remove_hops((count,))
+
+    def _place(self) -> tuple[int, int] | None:
+        """This stage's index and the chain's stage count, once a provision said them
+        (any thread)."""
+        c = self.controller
+        known = c.chain or next(
+            (s.provision for s in list(c.runs.values()) if s.provision is not None), None
+        )
+        return None if known is None else (known.stage_index, known.stage_count)
 
 
 # -- entry point ---------------------------------------------------------------------------
