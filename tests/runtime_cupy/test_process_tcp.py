@@ -136,8 +136,8 @@ def test_strangers_on_a_stages_port_are_refused_and_the_run_completes(
     plan = plan_()
     host = FaultyHost({0: ["setup-delay=2"]}, log_dir=tmp_path)
     run = ProcessRun(plan, prompt, edges="tcp", host=host)
-    edge = plan.stages[1].inbound_edge
-    strangers = Strangers(plan.run_id, edge, run.secret)
+    edge = 1  # stage 1's inbound link: hop 1 of the chain
+    strangers = Strangers(run.chain_id, edge, run.secret)
     try:
         result = run.run()
     finally:
@@ -155,4 +155,4 @@ def test_strangers_on_a_stages_port_are_refused_and_the_run_completes(
     assert f"a producer of edge {edge + 1} (this is edge {edge})" in reasons
     assert "the edge has its producer, or is closed" in reasons  # the half handshake
     assert "producer 127.0.0.1" in log  # and the real producer got in
-    assert run_resources(plan.run_id) == []
+    assert run_resources(result.chain_id) == []

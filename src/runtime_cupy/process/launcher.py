@@ -135,6 +135,7 @@ class ProcessRun:
     def run(self) -> ProcessRunResult:
         previous = self._install_signals()
         runner = self.runner
+        events: list[Event] = []
         try:
             try:
                 runner.start()
@@ -142,6 +143,8 @@ class ProcessRun:
                 if self._cancel:
                     runner.cancel(self.plan.run_id, self._cancel[0])
                 runner.loop(until=lambda: run.done)
+                if runner.trace.enabled:  # what each stage wrote when the run ended
+                    events += runner.trace_events()
             finally:
                 runner.request_close(abandon=len(self._cancel) > 1)
                 runner.close()
@@ -158,7 +161,7 @@ class ProcessRun:
             ready_s=outcome.ready_s if outcome is not None else None,
             token_times_s=outcome.token_times_s if outcome is not None else (),
             ended_s=time.monotonic(),
-            trace=tuple(runner.trace_events()) if runner.trace.enabled else None,
+            trace=tuple(events + runner.trace_events()) if runner.trace.enabled else None,
             media=runner.media_names,
             encrypted_edges=self.encrypt_edges,
             chain_id=self.chain_id,

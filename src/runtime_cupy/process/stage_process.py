@@ -210,20 +210,24 @@ class StageProcess:
         self._setup_at = 0  # now_us() when setup began, then when its last part ended
         self._bound = False  # the worker bound the chain's weights
         self._held_when_lost = False
+        self._batch: list[tuple[str, int, int]] = []  # the last batch's steps
         self._waiter = Watch()
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
-        if kind == "batch" and log.isEnabledFor(logging.INFO):
-            for run_id, sequence, rows in zip(
-                fields["runs"], fields["sequences"], fields["step_rows"], strict=True
-            ):
-                log.info("step %d begins (run %s, %d rows)", sequence, run_label(run_id), rows)
+        if kind == "batch":
+            self._batch = list(
+                zip(fields["runs"], fields["sequences"], fields["step_rows"], strict=True)
+            )
+            if log.isEnabledFor(logging.INFO):
+                for run_id, sequence, rows in self._batch:
+                    label = run_label(run_id)
+                    log.info("step %d begins (run %s, %d rows)", sequence, label, rows)
         if kind in ("loaded", "published", "batch"):
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s %s", kind, fields)
             if self.trace.enabled:
-                self.trace.instant(kind, **{k: str(v) for k, v in fields.items()})
+                self.trace.instant(kind, **fields)
         elif kind == "state":
             log.info(
                 "run %s: %s -> %s (%s)",
@@ -350,6 +354,9 @@ class StageProcess:
                 c.run_batch()
                 if tracing and c.batches > batches:
                     self.trace.span("batch", start, rows=c.batch_rows[-1])
+                    for run_id, sequence, rows in self._batch:  # each step ran in it
+                        label = run_label(run_id)
+                        self.trace.span(f"step {sequence}", start, run=label, rows=rows)
                 if c.batches > batches:
                     log.debug("batch %d: %d rows", c.batches, c.batch_rows[-1])
                 progress = True

@@ -339,7 +339,9 @@ class WarmChain:
             self._runner, self._thread = runner, thread
         self.chain_id = runner.chain_id
         thread.start()
-        log.info("chain started: pids %s", self.pids())
+        for handle in runner.handles():
+            log.info("stage %d (%s) started: pid %d",
+                     handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
         try:
             self._bind_all()
         except ChainError:
