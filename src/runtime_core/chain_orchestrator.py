@@ -412,7 +412,7 @@ class ChainOrchestrator:
                     record.chunk_count,
                 )
             except EdgeClosed as exc:
-                self._link_fault(f"token-in closed: {exc}")
+                self._link_fault(f"token-in (hop 0) closed: {exc}")
                 return False
             if not sent:
                 return False
@@ -436,7 +436,7 @@ class ChainOrchestrator:
         try:
             taken = self.token_out.try_take()
         except (LinkFault, EdgeClosed) as exc:
-            self._link_fault(f"token-out: {exc}")
+            self._link_fault(f"token-out (hop {handle_hops(self.runs)}): {exc}")
             return True
         if taken is None:
             return False
@@ -481,6 +481,13 @@ class ChainOrchestrator:
         if self.token_out is not None:
             self.token_out.close()
         self.token_in = self.token_out = None
+
+
+def handle_hops(runs: dict[str, RunHandle]) -> str:
+    """Token-out's hop (the chain's stage count), from any run held; ``?`` if none."""
+    for handle in runs.values():
+        return str(handle.plan.stage_count)
+    return "?"
 
 
 def _outcome(handle: RunHandle) -> str:

@@ -437,7 +437,7 @@ class ChainStageController:
         try:
             taken = self.inbound.try_take()
         except (LinkFault, EdgeClosed) as exc:
-            self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"inbound link: {exc}"))
+            self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{self._link('inbound')}: {exc}"))
             return True
         if taken is None:
             return False
@@ -566,7 +566,7 @@ class ChainStageController:
                         out.chunk_count,
                     )
                 except EdgeClosed as exc:
-                    self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"outbound link: {exc}"))
+                    self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{self._link('outbound')}: {exc}"))
                     return False
                 if not sent:
                     return False
@@ -581,8 +581,16 @@ class ChainStageController:
         """The runtime's bound on a full outbound ring (``edge_wait_ms``) ran out: the
         next stage does not take records, a fault of the chain."""
         if self._outputs:
-            detail = f"outbound link: no free slot within {waited_ms} ms"
+            detail = f"{self._link('outbound')}: no free slot within {waited_ms} ms"
             self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, detail))
+
+    def _link(self, end: str) -> str:
+        """A link's name in a fault: ``inbound link (hop i)``; hop ``i`` feeds stage
+        ``i``."""
+        if self.chain is None:
+            return f"{end} link"
+        hop = self.chain.stage_index + (end == "outbound")
+        return f"{end} link (hop {hop})"
 
     def chain_fault(self, reason: FaultReason) -> None:
         """A fault of what every run shares: each held run faults with ``reason``."""
