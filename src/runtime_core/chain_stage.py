@@ -566,7 +566,9 @@ class ChainStageController:
                         out.chunk_count,
                     )
                 except EdgeClosed as exc:
-                    self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{self._link('outbound')}: {exc}"))
+                    self.chain_fault(
+                        FaultReason(FaultKind.EDGE_FAULT, f"{self._link('outbound')}: {exc}")
+                    )
                     return False
                 if not sent:
                     return False
