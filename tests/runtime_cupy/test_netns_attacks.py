@@ -161,7 +161,7 @@ def test_a_strangers_relay_between_two_hosts_changes_nothing_unseen(
     def lie(host: NetnsStageHost) -> None:
         host.store.detours[ACTIVATIONS] = relay.detour
 
-    plan, result, _ = _run(hosts, model, setup=lie)
+    _, result, _ = _run(hosts, model, setup=lie)
     report = relay.report()
     assert report["connections"] == 1 and report["done"], report
     finished = result.finished  # type: ignore[attr-defined]
@@ -218,7 +218,7 @@ def test_a_flood_from_another_host_does_not_fail_the_run(
     def setup(host: NetnsStageHost) -> None:
         host.store.detours[ACTIVATIONS] = hold_back
 
-    plan, result, _ = _run(hosts, model, setup=setup, attach_delay={0: 0.2})
+    _, result, _ = _run(hosts, model, setup=setup, attach_delay={0: 0.2})
     strangers = sum(made(proc) for proc in floods)
     finished = result.finished  # type: ignore[attr-defined]
     assert finished is not None and finished.fault is None, finished
