@@ -382,7 +382,9 @@ class ChainRunner:
         self._wake()
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError):
+        # Under the lock that close() takes to close the pipe: never a write to a
+        # descriptor closed (and perhaps reused by then).
+        with self._lock, contextlib.suppress(OSError):
             if self._wake_w >= 0:
                 os.write(self._wake_w, b"!")
 
@@ -621,10 +623,11 @@ class ChainRunner:
         self.links.detach()
         self._waiter.forget()
         self.host.cleanup(self.chain_id, chain_hops(self.template.stage_count))
-        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def trace_events(self) -> list[Event]:
         """The Chrome trace events of the orchestrator and of every stage since the last
