@@ -335,7 +335,13 @@ class ChainRunner:
             self.stage_by_node[kept.node_id] = kept
             pid = kept.handle.info().pid
             log.info("stage %d (%s) started: pid %d", kept.index, kept.node_id, pid)
-            self._emit("spawned", stage_index=kept.index, node_id=kept.node_id, pid=pid)
+            self._emit(
+                "spawned",
+                stage_index=kept.index,
+                node_id=kept.node_id,
+                pid=pid,
+                chain_id=self.chain_id,
+            )
 
     def handles(self) -> tuple[StageHandle, ...]:
         return tuple(s.handle for s in self.stages)

@@ -361,7 +361,7 @@ class Engine:
                 if job is None:
                     if idle:
                         self._recover()
-                        if not self.chain.ready:
+                        if self._backoff > 0:  # the chain could not be started again
                             self._fail_waiting()
                     if not self.chain.ready:
                         with self._cond:  # runs of a broken chain end first, then recovery
