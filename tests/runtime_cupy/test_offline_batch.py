@@ -22,8 +22,15 @@ pytestmark = pytest.mark.process
 PROMPTS = [[5, 77, 30, 12, 9], [3, 4], [100, 7, 7, 7, 7, 7, 7, 2], [42], [9, 8, 7]]
 
 
-def test_every_prompt_at_once_gives_its_tokens_alone(tiny: str) -> None:
-    alone = [generate(tiny, p, stages=2, max_tokens=7, worker="numpy").tokens for p in PROMPTS]
+@pytest.fixture(scope="module")
+def alone(tiny: str) -> list[tuple[int, ...]]:
+    """Each prompt's tokens run alone."""
+    return [generate(tiny, p, stages=2, max_tokens=7, worker="numpy").tokens for p in PROMPTS]
+
+
+def test_every_prompt_at_once_gives_its_tokens_alone(
+    tiny: str, alone: list[tuple[int, ...]]
+) -> None:
     seen: dict[int, tuple[int, ...]] = {}
     chains = set()
     for index, result in generate_batch(tiny, PROMPTS, stages=2, max_tokens=7, worker="numpy"):
@@ -43,10 +50,12 @@ def test_no_prompt_or_an_empty_one_is_refused() -> None:
         generate_batch("unused.gguf", [[1], []])
 
 
-def test_the_prompts_file_prints_one_json_line_per_prompt(tiny: str, tmp_path: Path) -> None:
+def test_the_prompts_file_prints_one_json_line_per_prompt(
+    tiny: str, tmp_path: Path, alone: list[tuple[int, ...]]
+) -> None:
     file = tmp_path / "prompts.jsonl"
     file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:3]))
-    args = ["--model", tiny, "--stages", "2", "--worker", "numpy", "--max-tokens", "5"]
+    args = ["--model", tiny, "--stages", "2", "--worker", "numpy", "--max-tokens", "7"]
     done = subprocess.run(
         [sys.executable, "-m", "runtime_cupy", *args, "--prompts-file", str(file)],
         capture_output=True,
@@ -58,8 +67,7 @@ def test_the_prompts_file_prints_one_json_line_per_prompt(tiny: str, tmp_path: P
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert sorted(line["index"] for line in lines) == [0, 1, 2]
     for line in lines:
-        alone = generate(tiny, PROMPTS[line["index"]], stages=2, max_tokens=5, worker="numpy")
-        assert line["outcome"] == "completed" and tuple(line["tokens"]) == alone.tokens
+        assert line["outcome"] == "completed" and tuple(line["tokens"]) == alone[line["index"]]
     file.write_text('{"prompt_ids": [1, 2]}\n{"prompt": 3}\n')
     bad = subprocess.run(
         [sys.executable, "-m", "runtime_cupy", *args, "--prompts-file", str(file)],
