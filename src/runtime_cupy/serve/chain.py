@@ -68,6 +68,11 @@ log = logging.getLogger("runtime_cupy.serve.chain")
 OnRun = Callable[[ChainRun], None]
 #: Runs in flight at once when not told (the stages' KV budget holds as many).
 DEFAULT_MAX_CONCURRENT = 4
+#: Rows of a prompt per prefill record: a long prompt goes through the stages in chunks
+#: of this many rows, each batched with the decode rows of the runs in flight, so that
+#: their next tokens wait for one chunk, not for the whole prompt (0: whole prompts up
+#: to the batch's rows).
+DEFAULT_PREFILL_CHUNK = 64
 
 
 def _new_serve_run_id() -> str:
@@ -117,7 +122,8 @@ class WarmChain:
     trace events of every run. ``run_ids()`` gives each run its id (by default 128
     random bits, ``names.new_run_id``); ``secrets()`` gives each chain started its secret
     (by default 32 random bytes): the chain's id, which names its links on its hosts, is
-    derived from it. Raises ``ClusterError`` for a cluster that cannot
+    derived from it. ``prefill_chunk``: rows of a prompt per prefill record (a long
+    prompt's chunks interleave with the other runs' decode steps). Raises ``ClusterError`` for a cluster that cannot
     be reached or has no room, before any process starts."""
 
     def __init__(
@@ -139,6 +145,7 @@ class WarmChain:
         encrypt_edges: bool = False,
         max_concurrent: int | None = None,
         secrets: Callable[[], bytes] | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
             raise ValueError(
@@ -183,6 +190,7 @@ class WarmChain:
         self.trace = trace
         self._run_ids = run_ids or _new_serve_run_id
         self._secrets = secrets or new_secret
+        self.prefill_chunk = prefill_chunk
         self.max_concurrent = max_concurrent or DEFAULT_MAX_CONCURRENT
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent {self.max_concurrent} is not at least 1")
@@ -237,6 +245,7 @@ class WarmChain:
             worker=self.capabilities,
             prompt_tokens=prompt_tokens,
             max_concurrent_runs=self.max_concurrent,
+            prefill_chunk=self.prefill_chunk,
         )
         return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)
 
