@@ -15,7 +15,7 @@ import pytest
 
 import runtime_sim
 from runtime_cupy.cli import main
-from tests.runtime_cupy.hygiene import wait_gone
+from tests.runtime_cupy.hygiene import learn_run_ids, wait_gone
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.runtime_cupy.test_process_faults import _children
 
@@ -38,6 +38,7 @@ def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # exactly one object: json.loads refuses anything more
+    learn_run_ids([doc["run_id"]])
     assert doc["outcome"] == "completed" and doc["fault"] is None
     assert doc["tokens"] == list(
         runtime_sim.generate(tiny, [7, 8, 9], stages=3, max_tokens=5).tokens

@@ -27,9 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime_cupy.serve.app import build_app
 from runtime_cupy.serve.cli import _listen
 from runtime_cupy.serve.engine import Engine
+from tests.runtime_cupy.hygiene import learn_run_ids
 
 LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 STAGE_STARTED = re.compile(r"stage (\d+) \(\S+\) started: pid (\d+)")
+RUN_STARTED = re.compile(r"request #\d+ \(\S+\) runs as (\S+)")
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
@@ -105,6 +107,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+        learn_run_ids(RUN_STARTED.findall(self.log()))
         return self.proc.returncode
 
 
