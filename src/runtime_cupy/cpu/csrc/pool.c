@@ -61,9 +61,12 @@ static int claim(uint32_t g, int64_t n, int64_t *item) {
 }
 
 static void work(uint32_t g) {
-    pool_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
-    void *ctx = atomic_load_explicit(&P.ctx, memory_order_relaxed);
-    int64_t n = atomic_load_explicit(&P.n, memory_order_relaxed), item;
+    /* Job g's fields, unless a later job's are in place already: then that job's
+     * pool_run moved the ticket on before it wrote any of them (and a field read here
+     * acquires that write), so no claim of g succeeds below. */
+    pool_fn fn = atomic_load_explicit(&P.fn, memory_order_acquire);
+    void *ctx = atomic_load_explicit(&P.ctx, memory_order_acquire);
+    int64_t n = atomic_load_explicit(&P.n, memory_order_acquire), item;
     while (claim(g, n, &item)) { /* a claim succeeds only while job g runs: fn is g's */
         fn(ctx, item);
         atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
@@ -127,13 +130,19 @@ void pool_run(int threads, int64_t n, pool_fn fn, void *ctx) {
         return;
     }
     grow(threads - 1);
-    atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&P.ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&P.n, n, memory_order_relaxed);
-    atomic_store_explicit(&P.active, threads - 1, memory_order_relaxed);
-    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    /* First the ticket moves to this job, which ends every claim of the last one: a
+     * worker may still be in it (it saw its number, then was not running while the job
+     * ended). Only then this job's fields, each stored with release: a worker that
+     * reads one of them sees the ticket moved on, and cannot take an item of the last
+     * job with this job's n (nor run this job's function on an item twice, nor count a
+     * stray item in `done`, which let a job return before an item was finished). */
     uint32_t g = atomic_load(&P.gen) + 1;
-    atomic_store_explicit(&P.ticket, (uint64_t)g << 32, memory_order_relaxed);
+    atomic_store(&P.ticket, (uint64_t)g << 32);
+    atomic_store_explicit(&P.fn, fn, memory_order_release);
+    atomic_store_explicit(&P.ctx, ctx, memory_order_release);
+    atomic_store_explicit(&P.n, n, memory_order_release);
+    atomic_store_explicit(&P.active, threads - 1, memory_order_release);
+    atomic_store_explicit(&P.done, 0, memory_order_release);
     atomic_store(&P.gen, g); /* publishes the job (sequentially consistent) */
     if (atomic_load(&P.sleepers) > 0) {
         pthread_mutex_lock(&P.mu);
