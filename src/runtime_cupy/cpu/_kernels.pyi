@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 QTYPES: tuple[str, ...]
+POISON: int  # 1 in a debug build: scratch memory starts as 0xFF bytes (csrc/scratch.h)
 
 class Matrix:
     n_in: int

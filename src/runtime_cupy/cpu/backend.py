@@ -90,14 +90,25 @@ ACT_FORMAT = {
 }
 
 
+def buffer(shape: int | tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+    """A buffer the kernels write before anything reads it: zeros, or, from a debug build
+    of the kernels (``_kernels.POISON``: ``make sanitize-address``), 0xFF bytes (NaN as
+    a float or a half), so that a value read before it was written shows."""
+    if not _kernels.POISON:
+        return np.zeros(shape, dtype)
+    out = np.empty(shape, dtype)
+    out.view(np.uint8)[...] = 0xFF
+    return out
+
+
 class _Q8:
     """Rows in an 8-bit format (``_kernels.linear`` writes them): q, d, s, g."""
 
     def __init__(self, rows: int, n: int) -> None:
-        self.q = np.zeros((rows, n), np.int8)
-        self.d = np.zeros((rows, n // CHUNK), np.float32)
-        self.s = np.zeros((rows, n // CHUNK), np.float32)
-        self.g = np.zeros((rows, 2 * (n // CHUNK)), np.int32)
+        self.q = buffer((rows, n), np.int8)
+        self.d = buffer((rows, n // CHUNK), np.float32)
+        self.s = buffer((rows, n // CHUNK), np.float32)
+        self.g = buffer((rows, 2 * (n // CHUNK)), np.int32)
 
 
 class _Rows:
@@ -105,16 +116,16 @@ class _Rows:
 
     def __init__(self, rows: int, hidden: int, qkv: int, att: int, ffn: int) -> None:
         self.rows = rows
-        self.x = np.zeros((rows, hidden), np.float32)
-        self.h_flat = np.zeros(rows * 2 * ffn, np.float32)  # viewed (rows, 2 ffn) per layer
-        self.act_flat = np.zeros(rows * ffn, np.float32)  # viewed (rows, ffn) per layer
+        self.x = buffer((rows, hidden), np.float32)
+        self.h_flat = buffer(rows * 2 * ffn, np.float32)  # viewed (rows, 2 ffn) per layer
+        self.act_flat = buffer(rows * ffn, np.float32)  # viewed (rows, ffn) per layer
         self.views: dict[str, F32] = {
             "x": self.x,
-            "xn": np.zeros((rows, hidden), np.float32),
-            "qkv": np.zeros((rows, qkv), np.float32),
-            "att": np.zeros((rows, att), np.float32),
-            "o": np.zeros((rows, hidden), np.float32),  # a block's output before its post-norm
-            "xl": np.zeros((1, hidden), np.float32),
+            "xn": buffer((rows, hidden), np.float32),
+            "qkv": buffer((rows, qkv), np.float32),
+            "att": buffer((rows, att), np.float32),
+            "o": buffer((rows, hidden), np.float32),  # a block's output before its post-norm
+            "xl": buffer((1, hidden), np.float32),
         }
         self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}
         self.q8: dict[tuple[str, str], _Q8] = {}
@@ -141,8 +152,8 @@ class CpuOps:
         # per block: its window (0: global), a ring of ``size`` positions, its rotations
         self.windows = [layer.window for layer in w.layers]
         sizes = [min(n, max_seq) if n else max_seq for n in self.windows]
-        self.k_cache = [np.zeros((c.n_kv_heads, n, c.head_dim_k), self.kv) for n in sizes]
-        self.v_cache = [np.zeros((c.n_kv_heads, n, c.head_dim_v), self.kv) for n in sizes]
+        self.k_cache = [buffer((c.n_kv_heads, n, c.head_dim_k), self.kv) for n in sizes]
+        self.v_cache = [buffer((c.n_kv_heads, n, c.head_dim_v), self.kv) for n in sizes]
         self.heads = [
             (c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, n, self.kv == np.float16)
             for n in sizes
@@ -184,7 +195,7 @@ class CpuOps:
                             self.released.add(id(part[0]))
                 mats.append((f, built[key]))
             self.matrices[id(lin)] = mats
-        self.logits = np.zeros((1, w.vocab_size), np.float32) if spec.is_last else None
+        self.logits = buffer((1, w.vocab_size), np.float32) if spec.is_last else None
         self.one = self._make_rows(1)
         self.buf = self.one
         self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
@@ -301,8 +312,8 @@ class CpuOps:
         if rows > 1 and self.pos + rows > k.shape[1]:  # a sliding block's ring would wrap
             c = self.w.config
             self.step_kv = (
-                np.empty((c.n_kv_heads, rows, c.head_dim_k), self.kv),
-                np.empty((c.n_kv_heads, rows, c.head_dim_v), self.kv),
+                buffer((c.n_kv_heads, rows, c.head_dim_k), self.kv),
+                buffer((c.n_kv_heads, rows, c.head_dim_v), self.kv),
             )
         step = self.step_kv or (None, None)
         _kernels.rope_kv(

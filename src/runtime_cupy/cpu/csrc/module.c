@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "ops.h"
+#include "scratch.h"
 
 #define MAX_PARTS 8
 
@@ -163,7 +164,7 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
         }
         Part part = {(const uint8_t *)b->view.buf, t, n_out, n_in, row_bytes, offset, 0};
         if (repack && x8_supported(t)) { /* the groups replace the view */
-            uint8_t *groups = malloc((size_t)x8_bytes(t, n_out, n_in));
+            uint8_t *groups = scratch_alloc((size_t)x8_bytes(t, n_out, n_in));
             if (!groups) {
                 release(b);
                 PyErr_NoMemory();
@@ -710,6 +711,11 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     for (int t = 0; t < T_COUNT; ++t) PyTuple_SET_ITEM(names, t, PyUnicode_FromString(QTYPE_NAMES[t]));
     if (PyModule_AddObject(m, "QTYPES", names) < 0) {
         Py_DECREF(names);
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* a debug build's scratch memory starts as 0xFF bytes (scratch.h) */
+    if (PyModule_AddIntConstant(m, "POISON", GPP_POISONED) < 0) {
         Py_DECREF(m);
         return NULL;
     }
