@@ -35,10 +35,9 @@ from runtime_cupy.hosts.ray.cluster import ClusterError  # noqa: E402
 from runtime_cupy.hosts.ray.rendezvous import NAMESPACE, run_prefix  # noqa: E402
 from runtime_cupy.hosts.ray.session import connect  # noqa: E402
 from tests.runtime_cupy.hygiene import (  # noqa: E402
+    RunLedger,
     alive,
-    resources,
     run_resources,
-    users,
     wait_gone,
 )
 from tests.runtime_cupy.ray_checks import (  # noqa: E402
@@ -314,7 +313,6 @@ def test_serve_keeps_its_stages_warm_on_the_cluster(
             "-v"]  # fmt: skip
     server = ServerProcess(args, tmp_path / "server.log", env)
     stopped = False
-    before = resources()
     try:
         server.wait_listening(120.0)
         server.wait_ready(180.0)
@@ -356,7 +354,10 @@ def test_serve_keeps_its_stages_warm_on_the_cluster(
         stopped = True
         assert not wait_gone(live, 10.0), "stage processes outlived the server"
         assert wait_until(supervisors, 20) == []
-        assert [p for p in resources() - before if not users(p)] == []  # /dev/shm/gpp-*
+        runs = RunLedger()
+        runs.learn(server.run_ids())
+        assert len(runs.run_ids) >= 3, server.log()  # a run per request
+        assert runs.leftovers() == []  # /dev/shm/gpp-*, the run folders
         from ray.experimental import internal_kv
 
         left = internal_kv._internal_kv_list(b"edge/", namespace=NAMESPACE)  # any run's

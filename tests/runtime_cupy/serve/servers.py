@@ -107,8 +107,12 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
-        learn_run_ids(RUN_STARTED.findall(self.log()))
+        learn_run_ids(self.run_ids())
         return self.proc.returncode
+
+    def run_ids(self) -> list[str]:
+        """The runs of the requests it logged (with ``-v``)."""
+        return RUN_STARTED.findall(self.log())
 
 
 class InProcessServer:
