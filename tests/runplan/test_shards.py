@@ -132,7 +132,7 @@ def test_a_plain_shard_file_is_still_refused_by_the_facts_naming_its_manifest(
     shards: Path,
 ) -> None:
     file = shards / _manifest(shards)["shards"][1]["file"]  # type: ignore[index]
-    with pytest.raises(GgufError, match="only some blocks.*read it through its manifest"):
+    with pytest.raises(GgufError, match=r"only some blocks.*read it through its manifest"):
         model_facts_from_gguf(file)
 
 
@@ -166,7 +166,7 @@ def test_a_manifest_that_does_not_match_its_shards_is_refused_naming_the_file(
     assert isinstance(entries, list)
     entries[0]["file"], entries[1]["file"] = entries[1]["file"], entries[0]["file"]
     (bad / MANIFEST_NAME).write_text(json.dumps(doc))
-    with pytest.raises(GgufError, match=f"{ShardKeys.LAYER_START}.*its manifest says"):
+    with pytest.raises(GgufError, match=rf"{ShardKeys.LAYER_START}.*its manifest says"):
         model_facts_from_gguf(bad)
     for broken, match in (
         ({**doc, "version": 9}, "version 9"),
