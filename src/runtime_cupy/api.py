@@ -33,6 +33,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.base import StageHost, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
+from runtime_cupy.slices.server import StageTransfer
 from runtime_cupy.tracing import Event
 from runtime_cupy.workers import DEFAULT_WORKER, WorkerUnavailable, capabilities
 
@@ -59,6 +60,7 @@ class GenerateResult:
     wall_decode_tokens_per_s: float | None  # decode tokens per second
     trace: tuple[Event, ...] | None = None  # Chrome trace events, when asked for
     media: tuple[str, ...] = ()  # how each edge of the plan moved its bytes: shm or tcp
+    slices: tuple[StageTransfer, ...] = ()  # stages that asked for their slice of the model
 
 
 def host_memory_bytes() -> int:
@@ -219,6 +221,7 @@ def generate(
     host: StageHost | None = None,
     ray_address: str | None = None,
     placement: str = "even",
+    on_slice: Callable[[StageTransfer], None] | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
     stage processes, each running ``worker`` (``cpu``, the default; ``numpy``, the
@@ -236,7 +239,9 @@ def generate(
     OS process per stage on this machine, ``hosts.local.LocalProcessHost``).
     ``ray_address`` (``auto`` or ``HOST:PORT``) runs the stages on the live hosts of a
     Ray cluster instead (``hosts.ray``; this process becomes its driver), ``placement``
-    splits the layers ``even`` or by ``memory``. A run that faults or is cancelled
+    splits the layers ``even`` or by ``memory``; a stage on a host that lacks the model
+    gets its slice from this host (``runtime_cupy.slices``), and ``on_slice(transfer)``
+    sees each one move (on other threads). A run that faults or is cancelled
     returns with that outcome, every process reaped and every resource freed. Raises
     ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a prompt it
     cannot run, ``GgufError`` for a file it cannot read, ``WorkerUnavailable`` for a
@@ -255,6 +260,7 @@ def generate(
         session.connect(ray_address)
         cluster = session.stage_nodes(worker, stages)
         host = ray_host = RayHost(cluster, session.orchestrator_address())
+        ray_host.on_slice_change = on_slice
     prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     plan, devices = plan_for(
@@ -296,7 +302,8 @@ def generate(
         ray_host.prepare(n.node_id for n in cluster)  # their start-ups overlap
     result = run.run()
     wall = time.perf_counter() - began
-    return summarize(plan, result, tokenizer, wall, return_logits)
+    slices = ray_host.slice_transfers() if ray_host is not None else ()
+    return summarize(plan, result, tokenizer, wall, return_logits, slices)
 
 
 def summarize(
@@ -305,6 +312,7 @@ def summarize(
     tokenizer: Tokenizer,
     wall_s: float,
     return_logits: bool,
+    slices: tuple[StageTransfer, ...] = (),
 ) -> GenerateResult:
     finished = result.finished
     outcome = finished.outcome.value.lower() if finished is not None else "cancelled"
@@ -340,4 +348,5 @@ def summarize(
         wall_decode_tokens_per_s=1e6 / tpot if tpot else None,
         trace=result.trace,
         media=result.media,
+        slices=slices,
     )

@@ -10,6 +10,9 @@ for every other:
   frame signed for one stage verifies on no other stage's channel.
 - ``edge_key(secret, run_id, edge_id)``: the key with which the two ends of one TCP
   edge of one run prove to each other that both hold the secret (edges/tcp.py).
+- ``slice_key(secret, node_id)``: the key with which a stage on another host and the
+  orchestrator's slice server prove the same before its slice of the model travels
+  (slices/).
 
 The stages are trusted (PIPELINE_ORCHESTRATION_MVP.md §10), so each holds the secret
 the keys come from; what the keys keep out is everyone else: another run's processes,
@@ -26,6 +29,7 @@ SECRET_BYTES = 32
 KEY_BYTES = 32
 _CONTROL = b"gguf-pipeline/control-key/1\x00"
 _EDGE = b"gguf-pipeline/edge-key/1\x00"
+_SLICE = b"gguf-pipeline/slice-key/1\x00"
 
 
 class BadSecret(ValueError):
@@ -70,3 +74,9 @@ def edge_key(secret: bytes, run_id: str, edge_id: int) -> bytes:
     _check(secret)
     label = _EDGE + run_id.encode("utf-8") + b"\x00" + str(edge_id).encode("ascii")
     return hmac.new(secret, label, hashlib.sha256).digest()
+
+
+def slice_key(secret: bytes, node_id: str) -> bytes:
+    """The key of the slice transfers of stage ``node_id``."""
+    _check(secret)
+    return hmac.new(secret, _SLICE + node_id.encode("utf-8"), hashlib.sha256).digest()

@@ -64,9 +64,11 @@ from runtime_core.worker import Progress, Worker, WorkerError
 from runtime_cupy.control import ChannelBroken, ControlChannel, Incoming
 from runtime_cupy.edges.base import MEDIA, EdgeMedium, ProcessEdges
 from runtime_cupy.hosts.local import local_medium
-from runtime_cupy.keys import BadSecret, control_key, parse_secret
+from runtime_cupy.keys import BadSecret, control_key, parse_secret, slice_key
 from runtime_cupy.names import remove_run_dir
 from runtime_cupy.poller import IN, OUT, TROUBLE, Entry, Watch
+from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin
+from runtime_cupy.slices.worker import sliced
 from runtime_cupy.timers import Deadlines
 from runtime_cupy.tracing import TraceLog, now_us
 from runtime_cupy.workers import WORKERS, WorkerUnavailable, make_worker
@@ -476,6 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--trace-file", type=Path, default=None)
+    p.add_argument(
+        "--slice-server",
+        default=None,
+        help="HOST:PORT of the orchestrator's slice server: where this stage gets its slice "
+        "of the model when its host lacks it (runtime_cupy.slices)",
+    )
+    p.add_argument("--slice-source-key", default=None, help="the plan's source's content key")
     return p
 
 
@@ -511,6 +520,10 @@ def main(
     except WorkerUnavailable as exc:
         log.error("%s", exc)
         worker = UnavailableWorker(str(exc))
+    if args.slice_server is not None:
+        origin = SliceOrigin(args.slice_server, args.slice_source_key or "")
+        key = slice_key(secret, args.node_id)
+        worker = sliced(worker, SliceFetcher(origin, args.stage_index, key))
     trace = TraceLog(args.node_id, enabled=args.trace_file is not None)
     stage = StageProcess(
         stage_index=args.stage_index,

@@ -18,12 +18,14 @@ names and rendezvous through Ray's key-value store (``hosts.ray``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from attrs import frozen
 
+from runplan import GgufSource
 from runtime_cupy.control import ControlChannel
 from runtime_cupy.edges.base import EdgeMedium, Rendezvous
+from runtime_cupy.slices.fetch import SliceOrigin
 from runtime_cupy.tracing import Event
 
 
@@ -36,7 +38,11 @@ class StageLaunch:
 
     ``warm``: the stage serves one run after another (``run_id`` then names the chain,
     for logs): it keeps its bound weights between runs and ends when its control
-    channel closes between runs (``python -m runtime_cupy.stage --warm``)."""
+    channel closes between runs (``python -m runtime_cupy.stage --warm``).
+
+    ``source``: the plan's GGUF source, for a host whose stages may lack it (a stage on
+    another machine gets its slice from the orchestrator's host); ``slices``: where
+    such a stage gets it, filled in by that host (``runtime_cupy.slices``)."""
 
     run_id: str
     stage_index: int
@@ -50,6 +56,8 @@ class StageLaunch:
     device: int | None = None
     trace: bool = False
     warm: bool = False
+    source: GgufSource | None = None
+    slices: SliceOrigin | None = None
 
 
 @frozen
@@ -100,6 +108,17 @@ class StageHandle(Protocol):
 
     def close(self) -> None:
         """Let go of the handle's resources (channel, lifeline) once the stage is gone."""
+        ...
+
+
+@runtime_checkable
+class MovesSlices(Protocol):
+    """A host that brings its stages their slices of the model over the network
+    (``hosts.ray``). The launcher keeps the readiness bound open while they move."""
+
+    def slice_activity(self) -> float | None:
+        """When a byte of a slice last moved (monotonic; now while one moves), or
+        ``None`` if none has."""
         ...
 
 

@@ -233,6 +233,9 @@ class LocalProcessHost:
             args += ["--trace-file", str(trace_file)]
         if launch.warm:
             args.append("--warm")
+        if launch.slices is not None:
+            args += ["--slice-server", launch.slices.address]
+            args += ["--slice-source-key", launch.slices.source_key]
         return args
 
     def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:

@@ -226,6 +226,7 @@ class WarmChain:
             device=self.devices[index],
             trace=self.trace,
             warm=True,
+            source=plan.model.gguf_source,
         )
 
     # -- the stages ----------------------------------------------------------------

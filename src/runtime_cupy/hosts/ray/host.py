@@ -19,6 +19,11 @@ runs in this process, a driver of the cluster.
 - **Cleanup**: every supervisor still there frees what the run left on its host; this
   process frees its own machine's and every address of the run; then the actors of the
   run's stages are killed, and the control port closes once no supervisor is left.
+- **Slices**: a stage on another machine than the orchestrator's gets its slice of the
+  model from this process (``slices``: a slice server on the orchestrator's address,
+  started with the first such stage and closed with the control port), unless its host
+  has it already: in its cache, or a file at the plan's path that holds what the plan's
+  source holds.
 - **Warm stages** (``StageLaunch(warm=True)``, ``serve.chain.WarmChain``): what is the
   chain's lives as long as its stage process: the supervisor and its stage process,
   their control connection, and this process's control port (while any warm stage is
@@ -38,6 +43,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
+
 from runtime_cupy.control import ControlChannel
 from runtime_cupy.edges.base import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import ShmMedium
@@ -48,8 +55,12 @@ from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListener
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous
 from runtime_cupy.hosts.ray.supervisor import StageSupervisor
-from runtime_cupy.keys import control_key
+from runtime_cupy.keys import control_key, slice_key
 from runtime_cupy.names import remove_run_dir
+from runtime_cupy.slices.cache import SliceCache
+from runtime_cupy.slices.digests import DigestStore
+from runtime_cupy.slices.fetch import SliceOrigin
+from runtime_cupy.slices.server import SliceServer, StageTransfer
 from runtime_cupy.tracing import Event
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
@@ -220,6 +231,10 @@ class RayHost:
         self._warm: set[str] = set()  # nodes whose supervisor outlives a run's cleanup
         self._listener: ControlListener | None = None
         self._rendezvous = KvRendezvous()
+        self._slices: SliceServer | None = None
+        self._slices_done: tuple[StageTransfer, ...] = ()  # of the server last closed
+        #: Called (on the slice server's threads) as each stage's slice moves.
+        self.on_slice_change: Callable[[StageTransfer], None] | None = None
 
     # -- actors --------------------------------------------------------------------------
     def _actor(self, node: StageNode) -> Any:
@@ -271,6 +286,8 @@ class RayHost:
         if self._listener is None:
             self._listener = ControlListener(self.orchestrator_address)
         listener = self._listener
+        if launch.source is not None and node.host.address != self.orchestrator_address:
+            launch = self._with_slices(launch, secret, node)
         began = time.monotonic()
         started = actor.start.remote(
             launch, secret, listener.address, node.host.address, self.log_level
@@ -309,6 +326,36 @@ class RayHost:
         done = actor.supervise.remote()
         return RayStageHandle(launch, node, actor, pid, done, channel, release)
 
+    # -- slices -------------------------------------------------------------------------
+    def _with_slices(self, launch: StageLaunch, secret: bytes, node: StageNode) -> StageLaunch:
+        """``launch`` with where its stage gets its slice: this process's slice server."""
+        assert launch.source is not None
+        if self._slices is None:
+            digests = DigestStore(SliceCache().digests)
+            self._slices = SliceServer(self.orchestrator_address, digests)
+            self._slices.on_change = self._slice_changed
+        key = self._slices.offer(launch.source)
+        self._slices.expect(
+            launch.stage_index, launch.node_id, slice_key(secret, launch.node_id), node.host.label
+        )
+        return attrs.evolve(launch, slices=SliceOrigin(self._slices.address, key))
+
+    def _slice_changed(self, transfer: StageTransfer) -> None:
+        if self.on_slice_change is not None:
+            self.on_slice_change(transfer)
+
+    def slice_activity(self) -> float | None:
+        return self._slices.last_activity() if self._slices is not None else None
+
+    def slice_transfers(self) -> tuple[StageTransfer, ...]:
+        """What each stage's slice did since the last ``forget_slice_transfers``."""
+        return self._slices.transfers() if self._slices is not None else self._slices_done
+
+    def forget_slice_transfers(self) -> None:
+        self._slices_done = ()
+        if self._slices is not None:
+            self._slices.forget_transfers()
+
     def _release(self, node_id: str, actor: Any) -> None:
         """A warm stage is gone for good: end its supervisor (and the control port
         once no supervisor is left)."""
@@ -325,6 +372,10 @@ class RayHost:
         if self._listener is not None and not self._actors:
             self._listener.close()
             self._listener = None
+        if self._slices is not None and not self._actors:
+            self._slices_done = self._slices.transfers()
+            self._slices.close()
+            self._slices = None
 
     def same_host(self, node_a: str, node_b: str) -> bool:
         return self.machine(node_a) == self.machine(node_b)
