@@ -6,7 +6,9 @@ process and the disk of a fetch run on its own (``tests.support.fetch_slice``)."
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -19,6 +21,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
+from rich.console import Console
 
 from runplan import GgufSource, RunPlan, model_facts_from_gguf
 from runplan.gguf_header import GgufHeader
@@ -34,8 +37,9 @@ from runtime_cupy.slices.fetch import (
     SliceOrigin,
     SliceTransferFailed,
 )
+from runtime_cupy.slices.progress import SliceBars, SliceLog, describe, figures
 from runtime_cupy.slices.protocol import Refused, open_as_stage
-from runtime_cupy.slices.server import SliceServer
+from runtime_cupy.slices.server import SliceServer, StageTransfer
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.faulty_link import FaultyLink
 
@@ -329,3 +333,36 @@ def test_the_server_admits_only_its_stages_and_only_the_source_it_serves(
     with pytest.raises(SliceTransferFailed, match="the source changed since the stage"):
         untied.resolve(stale)
     assert _entries_and_tmp(tmp_path / "host") == ([], [])
+
+
+def test_progress_bars_log_lines_and_figures_follow_each_stages_slice(
+    untied: Source, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = io.StringIO()
+    bars = SliceBars(Console(file=out, force_terminal=True, width=120))
+    seen: list[StageTransfer] = []
+    logged = SliceLog()
+
+    def changed(t: StageTransfer) -> None:
+        seen.append(t)
+        bars(t)
+        logged(t)
+
+    untied.server.on_change = changed
+    with caplog.at_level(logging.INFO, logger="runtime_cupy.slices"):
+        untied.resolve(untied.fetcher(tmp_path / "host"))
+    bars.stop()
+    states = [t.state for t in seen]
+    assert states[0] == "connected" and "sending" in states and states[-1] == "done"
+    assert [t.sent_bytes for t in seen] == sorted(t.sent_bytes for t in seen)
+    final = seen[-1]
+    assert "stage 1 slice -> host1" in out.getvalue()
+    assert "MiB" in out.getvalue() or "KiB" in out.getvalue()
+    text = describe(final)
+    assert text.startswith("stage 1's slice (host host1): ") and " in " in text
+    assert any("stage 1's slice (host host1)" in r.message for r in caplog.records)
+    (row,) = figures(untied.server.transfers())
+    assert row["state"] == "done" and row["sent_bytes"] == final.sent_bytes
+    assert row["tensor_bytes"] == untied.slice_bytes(MIDDLE) and row["seconds"] > 0
+    moving = attrs.evolve(final, state="sending", sent_bytes=final.total_bytes // 2, ended_s=None)
+    assert " of " in describe(moving) and "left" in describe(moving)

@@ -6,7 +6,9 @@
   whole answer or in the queue) cancels its request; the stages stay warm.
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served.
 - ``GET /health``: 200 once every stage is up and bound, 503 before (and while a
-  broken stage is started again).
+  broken stage is started again), saying what it waits for (``waiting_for``: each
+  stage's slice of the model still travelling to its host, with bytes, rate and time
+  left; else the stages to start and bind).
 - ``GET /metrics``: Prometheus's text format (``metrics``).
 
 Every error is an OpenAI error object with a status: 400 for a bad body (naming the
@@ -240,7 +242,12 @@ class Api:
         if e.ready:
             return JSONResponse({"status": "ok", "model": self.model})
         status = "unavailable" if e.failure else "starting"
-        body = {"status": status, "model": self.model, "detail": e.failure}
+        body = {
+            "status": status,
+            "model": self.model,
+            "detail": e.failure,
+            "waiting_for": [] if e.failure else e.chain.waiting_for(),
+        }
         return JSONResponse(body, status_code=503)
 
     async def metrics(self, request: Request) -> Response:

@@ -22,7 +22,9 @@ Before every run the chain also looks for stages that went away while idle.
 With ``ray_address`` (``auto`` or ``HOST:PORT``) the stages live on the hosts of a Ray
 cluster (``hosts.ray``, this process its driver), placed as ``runtime_cupy.generate``
 places them (``placement`` ``even`` or ``memory``); a stage started again goes to the
-node its plan names, under a new supervisor.
+node its plan names, under a new supervisor. A stage on a host without the model gets
+its slice from this host (``runtime_cupy.slices``), logged as it moves
+(``waiting_for`` says what is still on its way).
 
 One run at a time: ``generate`` and ``close`` are for one thread (the server's runner,
 or the terminal chat); ``ready`` and a run's ``cancel`` may be called from any.
@@ -58,6 +60,7 @@ from runtime_cupy.hosts.base import StageHandle, StageHost, StageLaunch
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.keys import new_secret
 from runtime_cupy.launcher import ORCHESTRATOR, ProcessRun
+from runtime_cupy.slices.progress import SliceLog, describe
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 if TYPE_CHECKING:
@@ -154,6 +157,7 @@ class WarmChain:
             host = self._ray_host = RayHost(
                 cluster, session.orchestrator_address(), log_level=level
             )
+            self._ray_host.on_slice_change = SliceLog()  # serve logs slices as they move
         else:
             self.nodes, self.devices = place_stages(stages, worker, gpus)
         self.placement = placement
@@ -248,6 +252,22 @@ class WarmChain:
             and len(handles) == len(self._launches)
             and not any(h.exited() for h in handles)
         )
+
+    def waiting_for(self) -> list[str]:
+        """What the chain waits for before it serves (nothing once ready): each stage's
+        slice still travelling to its host (bytes, rate, time left), else its stages."""
+        if self.ready:
+            return []
+        host = self._ray_host
+        moving = [describe(t) for t in host.slice_transfers() if t.moving] if host else []
+        if moving:
+            return moving
+        with self._lock:
+            started = len(self._handles)
+        total = len(self._launches)
+        if started < total:
+            return [f"stages to start: {started} of {total} started"]
+        return [f"the {total} stages to bind their slices of the model"]
 
     def pids(self) -> tuple[int, ...]:
         """Each stage's process id, by stage index."""

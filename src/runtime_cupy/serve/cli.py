@@ -173,6 +173,7 @@ def _configure_logs(verbose: bool) -> None:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     logging.getLogger("runtime_cupy.serve").setLevel(logging.INFO)
+    logging.getLogger("runtime_cupy.slices").setLevel(logging.INFO)  # slices as they travel
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -159,6 +159,16 @@ class SliceServer:
                 served = self._sources.setdefault(paths, served)
         return served.content.key
 
+    def slice_of(
+        self, source: GgufSource, parts: SliceParts
+    ) -> tuple[GgufHeader, tuple[str, ...], bytes]:
+        """What a stage holding ``parts`` of an offered source gets: the source's header,
+        the slice's tensor names and the slice's GGUF header (``KeyError`` if not
+        offered)."""
+        served = self._sources[tuple(source.paths)]
+        names, data = served.slice(parts)
+        return served.header, names, data
+
     def expect(self, stage_index: int, node_id: str, key: bytes, host: str | None = None) -> None:
         """Admit stage ``stage_index`` (``node_id``, on ``host``) with its slice key."""
         with self._lock:
