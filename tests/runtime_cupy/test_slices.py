@@ -86,6 +86,15 @@ def untied(tmp_path: Path) -> Iterator[Source]:
     source.server.close()
 
 
+def _settled(server: SliceServer) -> tuple[StageTransfer, ...]:
+    """The server's transfers once none moves: it hears a stage's last word (its DONE)
+    just after the stage has its slice."""
+    deadline = time.monotonic() + 10
+    while any(t.moving for t in server.transfers()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server.transfers()
+
+
 def _entries_and_tmp(cache: Path) -> tuple[list[Path], list[str]]:
     entries = [e.path for e in SliceCache(cache, limit=None).entries()]
     tmp = sorted(os.listdir(cache / "tmp")) if (cache / "tmp").exists() else []
@@ -117,7 +126,7 @@ def test_a_host_without_the_file_receives_exactly_its_slice_then_uses_its_cache(
     line = fetcher.last
     header_bytes = int(line["header_bytes"])
     assert line["tensor_bytes_received"] == untied.slice_bytes(MIDDLE)
-    (sent,) = untied.server.transfers()
+    (sent,) = _settled(untied.server)
     assert (sent.state, sent.header_bytes, sent.tensor_bytes) == (
         "done", header_bytes, untied.slice_bytes(MIDDLE),
     )  # fmt: skip
@@ -179,7 +188,7 @@ def test_a_file_at_the_path_is_used_when_it_holds_the_same_slice(
     fetcher = untied.fetcher(tmp_path / "host")
     assert untied.resolve(fetcher) == GgufSource((str(untied.path),))
     assert fetcher.last["outcome"] == "local"
-    (sent,) = untied.server.transfers()
+    (sent,) = _settled(untied.server)
     assert (sent.state, sent.tensor_bytes) == ("local", 0)  # the header only
     # Remembered: the next run asks the server nothing.
     again = untied.fetcher(tmp_path / "host")
@@ -351,6 +360,7 @@ def test_progress_bars_log_lines_and_figures_follow_each_stages_slice(
     untied.server.on_change = changed
     with caplog.at_level(logging.INFO, logger="runtime_cupy.slices"):
         untied.resolve(untied.fetcher(tmp_path / "host"))
+        _settled(untied.server)
     bars.stop()
     states = [t.state for t in seen]
     assert states[0] == "connected" and "sending" in states and states[-1] == "done"
@@ -366,3 +376,31 @@ def test_progress_bars_log_lines_and_figures_follow_each_stages_slice(
     assert row["tensor_bytes"] == untied.slice_bytes(MIDDLE) and row["seconds"] > 0
     moving = attrs.evolve(final, state="sending", sent_bytes=final.total_bytes // 2, ended_s=None)
     assert " of " in describe(moving) and "left" in describe(moving)
+
+
+def test_a_host_holding_its_own_shard_of_a_split_model_uses_it(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "model.gguf", UNTIED)
+    plan = split_plan(model_facts_from_gguf(model), 3, None, "even")
+    assert isinstance(plan, RunPlan)
+    split = split_model(str(model), plan, tmp_path / "shards")
+    secret = new_secret()
+    server = SliceServer("127.0.0.1", DigestStore(tmp_path / "orchestrator"))
+    try:
+        source = GgufSource((split.manifest_path,))
+        key = server.offer(source)
+        assert key == split.manifest.source  # the split model's key is the file's
+        server.expect(1, "node1", slice_key(secret, "node1"))
+        for i in (0, 2):  # this host was given the manifest and stage 1's shard only
+            (tmp_path / "shards" / split.manifest.shards[i].file).unlink()
+        fetcher = SliceFetcher(
+            SliceOrigin(server.address, key),
+            1,
+            slice_key(secret, "node1"),
+            SliceCache(tmp_path / "host", limit=None),
+        )
+        assert fetcher.resolve(source, MIDDLE) == source
+        assert fetcher.last["outcome"] == "local"
+        (sent,) = _settled(server)
+        assert (sent.state, sent.tensor_bytes) == ("local", 0)
+    finally:
+        server.close()

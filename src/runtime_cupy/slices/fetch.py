@@ -119,7 +119,7 @@ class SliceFetcher:
             entry = self.cache.entry(source_key, parts)
             if entry is not None:
                 return self._use(entry, "cache", began)
-            local = self._local(source)
+            local = self._local(source, parts)
             if local is not None and self.digests.verified(local, mark):
                 self._record("local", parts, began, path=source.paths[0])
                 return source
@@ -137,11 +137,13 @@ class SliceFetcher:
         log.info("slice %s from the cache: %s", entry.parts.label(), entry.path)
         return GgufSource((str(entry.path),))
 
-    def _local(self, source: GgufSource) -> GgufHeader | None:
+    def _local(self, source: GgufSource, parts: SliceParts) -> GgufHeader | None:
+        """What this host has at the plan's path (of a shard manifest, the shards these
+        parts need), or ``None``."""
         if not source.paths or not all(os.path.exists(p) for p in source.paths):
             return None
         try:
-            return GgufHeader.read(source.paths[0])
+            return GgufHeader.read(source.paths[0], parts)
         except GgufError as exc:
             log.warning("the file at the plan's path cannot be read (%s): receiving", exc)
             return None

@@ -62,15 +62,19 @@ class Link:
     """One authenticated connection: framed messages both ways and raw byte streams,
     with every byte it reads counted (``received``)."""
 
-    def __init__(self, sock: socket.socket, session: bytes, outgoing: bytes) -> None:
+    def __init__(self, sock: socket.socket, outgoing: bytes) -> None:
         self.sock = sock
-        self._key = session
+        self._key = b""  # the session's, once the handshake is done
         self._out = outgoing
         self._in = TO_STAGE if outgoing == TO_SERVER else TO_SERVER
         self._sent_frames = 0
         self._read_frames = 0
         self.received = 0  # bytes read from the socket (handshake included)
         self.sent = 0
+
+    def start_session(self, key: bytes, nonce_c: bytes, nonce_p: bytes) -> None:
+        """The handshake is done: frames are MAC'd under this connection's session key."""
+        self._key = session_key(key, nonce_c, nonce_p)
 
     # -- raw -----------------------------------------------------------------------
     def send_raw(self, data: Any) -> None:
@@ -106,6 +110,8 @@ class Link:
         ).digest()
 
     def send(self, message: dict[str, Any]) -> None:
+        if not self._key:
+            raise TransferError("no frame before the handshake")
         body = json.dumps(message, sort_keys=True).encode("utf-8")
         mac = self._mac(self._out, self._sent_frames, body)
         self._sent_frames += 1
@@ -146,7 +152,7 @@ def open_as_server(sock: socket.socket, keys: dict[int, bytes]) -> tuple[Link, i
     """The server's end of the handshake with a stage holding one of ``keys`` (stage
     index -> slice key): its link and the stage's index. ``Refused`` otherwise."""
     sock.settimeout(HANDSHAKE_S)
-    link = Link(sock, b"", TO_STAGE)
+    link = Link(sock, TO_STAGE)
     try:
         nonce_c = hs.new_nonce()
         link.send_raw(hs.challenge(nonce_c))
@@ -159,7 +165,7 @@ def open_as_server(sock: socket.socket, keys: dict[int, bytes]) -> tuple[Link, i
                 why = str(exc) if "wrong key" in str(exc) else why
                 continue
             link.send_raw(hs.accept(key, index, nonce_c, proof.nonce_p))
-            link._key = session_key(key, nonce_c, proof.nonce_p)
+            link.start_session(key, nonce_c, proof.nonce_p)
             sock.settimeout(None)
             keep_alive(sock)
             return link, index
@@ -178,7 +184,7 @@ def open_as_stage(
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except (OSError, ValueError) as exc:
         raise TransferError(f"cannot connect to the slice server at {address}: {exc}") from exc
-    link = Link(sock, b"", TO_SERVER)
+    link = Link(sock, TO_SERVER)
     try:
         data = _read_message(link, hs.CHALLENGE_BYTES, hs.check_challenge_prefix)
         nonce_c = hs.read_challenge(data)
@@ -191,7 +197,7 @@ def open_as_stage(
         raise Refused(
             f"the slice server at {address} refused or failed the handshake: {exc}"
         ) from exc
-    link._key = session_key(key, nonce_c, nonce_p)
+    link.start_session(key, nonce_c, nonce_p)
     sock.settimeout(None)
     keep_alive(sock)
     return link
