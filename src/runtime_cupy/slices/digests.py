@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import secrets
 from collections.abc import Iterable, Mapping
@@ -33,6 +34,7 @@ from runplan.gguf_header import GgufHeader
 from runtime_core.kept_weights import FileIdentity
 
 _VERSION = 1
+log = logging.getLogger("runtime_cupy.slices")
 
 
 def identity_of(header: GgufHeader) -> list[dict[str, Any]]:
@@ -88,6 +90,8 @@ class DigestStore:
         key = doc.get("content_key")
         if isinstance(key, str) and isinstance(hashes, dict) and set(hashes) == set(header.tensors):
             return SourceContent(key, dict(hashes))
+        size = sum(t.n_bytes for t in header.tensors.values())
+        log.info("hashing every tensor of %s once (%.2f GiB)", header.source_paths[0], size / 2**30)
         hashes = tensor_sha256(header)
         key = content_key(header, hashes)
         self._save(identity, {**doc, "content_key": key, "tensor_sha256": hashes})
