@@ -7,8 +7,8 @@ time to first token on a cold host against a warm cache.
 The hosts are network and mount namespaces of this machine joined by a bridge, with a
 Ray node in each (``tests/support/netns_hosts.py``); each host's ``/tmp`` (where its
 slice cache lives, ``GGUF_PIPELINE_CACHE``) is its own memory-backed file system. The
-model lies outside ``/tmp``, seen by every host until an empty file system is mounted
-over its folder on hosts 2 and 3.
+model lies outside ``/tmp``, on host 1 only: an empty file system is mounted over its
+folder on hosts 2 and 3.
 
 1. **Link speed** (interleaved rounds, medians): host 1 serves the whole model as one
    stage's slice (``runtime_cupy.slices.server.SliceServer``) and, on another port, the
@@ -126,7 +126,10 @@ def fetch(args: argparse.Namespace) -> int:
     began = time.monotonic()
     fetcher.resolve(GgufSource((args.model,)), SliceParts(start, end, True, True))
     seconds = time.monotonic() - began
-    print(json.dumps({"seconds": seconds, "bytes": fetcher.last["socket_bytes"]}), flush=True)
+    last = fetcher.last
+    doc = {"seconds": seconds, "bytes": last["socket_bytes"], "outcome": last["outcome"]}
+    doc.update({k: last[k] for k in ("receive_s", "hash_wait_s", "sync_s") if k in last})
+    print(json.dumps(doc), flush=True)
     shutil.rmtree(args.cache, ignore_errors=True)
     return 0
 
@@ -215,6 +218,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--rate",
+        default=None,
+        help="shape the link into host 2 to this rate (tc tbf, e.g. 1gbit, 10gbit); "
+        "default: the veth pair as it is (memory speed, so CPU-bound)",
+    )
     p.add_argument("--json", action="store_true")
     for hidden in ("--serve", "--fetch", "--raw", "--one-run"):
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
@@ -246,12 +255,20 @@ def main() -> int:
     shutil.copy(resolve_model(args.model), model)
     me = [sys.executable, str(Path(__file__).resolve())]
     hosts = TestHosts(3)
-    logs = Path(tempfile.mkdtemp(prefix="gpp-slice-bench-"))
+    logs = Path(tempfile.mkdtemp(prefix="gguf-pipeline-slice-bench-"))
     load_before = os.getloadavg()[0]
     os.environ["GGUF_PIPELINE_CACHE"] = CACHE  # the Ray nodes' stages inherit it
     server: subprocess.Popen[str] | None = None
     try:
         hosts.up(logs)
+        for i in (2, 3):  # the model is not on hosts 2 and 3 (an empty file system over it)
+            hosts.on_host(i, f"mount -t tmpfs -o size=64k tmpfs {folder}")
+        if args.rate:  # what enters host 2 leaves the bridge through its veth
+            subprocess.run(
+                ["tc", "qdisc", "add", "dev", hosts.veth(2), "root", "tbf", "rate", args.rate,
+                 "burst", "4mb", "latency", "100ms"],
+                check=True,
+            )  # fmt: skip
         # 1. link speed
         server = subprocess.Popen(
             hosts.driver([*me[1:], "--serve", "1", "--model", model,
@@ -275,6 +292,8 @@ def main() -> int:
                          "--parts", parts, "--cache", cache, "--model", model],
                         offer["secret"] + "\n",
                     )  # fmt: skip
+                if doc.get("outcome", "received") != "received":
+                    raise RuntimeError(f"the slice did not travel: {doc}")
                 doc["mb_per_s"] = doc["bytes"] / doc["seconds"] / 1e6
                 if r > 0:
                     link[case].append(doc)
@@ -288,8 +307,6 @@ def main() -> int:
         server.wait(30)
         server = None
         # 2. and 3.: runs with the model hidden on hosts 2 and 3
-        for i in (2, 3):
-            hosts.on_host(i, f"mount -t tmpfs -o size=64k tmpfs {folder}")
         runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
         for r in range(args.rounds):
             for case in ("cold", "warm"):
@@ -342,9 +359,15 @@ def main() -> int:
     slice_mbs = statistics.median(d["mb_per_s"] for d in link["slice"])
     ttft_cold = statistics.median(d["first_token_s"] for d in runs["cold"])
     ttft_warm = statistics.median(d["first_token_s"] for d in runs["warm"])
+    breakdown = {
+        k: statistics.median(d[k] for d in link["slice"])
+        for k in ("receive_s", "hash_wait_s", "sync_s")
+    }
     figures = {
         "model": Path(model).name,
         "rounds": args.rounds,
+        "link_rate": args.rate or "veth, unshaped",
+        "slice_seconds_breakdown": breakdown,
         "link_bytes": link["slice"][0]["bytes"],
         "raw_copy_mb_per_s": raw_mbs,
         "slice_transfer_mb_per_s": slice_mbs,
@@ -369,6 +392,11 @@ def main() -> int:
           f"{slice_mbs:.0f} MB/s, raw TCP copy {raw_mbs:.0f} MB/s: ratio {figures['ratio']:.2f} "
           f"(target >= 0.80: {ok}); spread raw {figures['spread']['raw']:.0%}, slice "
           f"{figures['spread']['slice']:.0%}")  # fmt: skip
+    print(
+        f"slice (medians): receiving {breakdown['receive_s']:.3f} s, then waiting for the "
+        f"last hashes {breakdown['hash_wait_s']:.3f} s, then fsync {breakdown['sync_s']:.3f} s; "
+        f"link: {figures['link_rate']}"
+    )
     for h in per_host:
         print(
             f"stage {h['stage_index']} (host {h['host']}): sent {h['sent_bytes']} bytes = "

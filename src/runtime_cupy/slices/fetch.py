@@ -192,7 +192,7 @@ class SliceFetcher:
             wanted = [n for n in names if n not in donors]
             self.cache.make_room(int(info["file_bytes"]), tuple(e for _, e in donors.values()))
             link.send({"tensors": wanted})
-            received = self._receive_tensors(link, sent, partial, expected, donors)
+            timing = self._receive_tensors(link, sent, partial, expected, donors)
             self._finish(partial, sent, parts)
             entry_path = self.cache.commit(partial, source_key, parts)
             partial = None
@@ -204,8 +204,8 @@ class SliceFetcher:
                 path=str(entry_path),
                 link=link,
                 header_bytes=int(info["header_bytes"]),
-                tensor_bytes_received=received,
                 tensor_bytes_copied=sum(sent.tensors[n].n_bytes for n in donors),
+                **timing,
             )
             return GgufSource((str(entry_path),))
         except _Failed as exc:
@@ -293,11 +293,13 @@ class SliceFetcher:
         partial: Path,
         expected: dict[str, str],
         donors: dict[str, tuple[GgufHeader, CacheEntry]],
-    ) -> int:
-        """Every tensor into the entry's file, each hashed; the bytes received."""
+    ) -> dict[str, Any]:
+        """Every tensor into the entry's file, each hashed; the bytes received and where
+        the time went (receiving, then waiting for the last hashes, then the disk)."""
         path = partial / "slice.gguf"
         fd = os.open(path, os.O_RDWR)
         received = 0
+        began = time.monotonic()
         try:
             size = os.fstat(fd).st_size
             mapped = mmap.mmap(fd, size)
@@ -329,7 +331,9 @@ class SliceFetcher:
                         hashes.append(
                             (name, pool.submit(_sha256, mapped, info.offset, info.n_bytes))
                         )
+                    received_at = time.monotonic()
                     _check_hashes(hashes, expected, done_only=False)
+                    hashed_at = time.monotonic()
                 finally:
                     for _, future in hashes:
                         future.cancel()
@@ -338,7 +342,12 @@ class SliceFetcher:
             os.fsync(fd)
         finally:
             os.close(fd)
-        return received
+        return {
+            "tensor_bytes_received": received,
+            "receive_s": round(received_at - began, 6),
+            "hash_wait_s": round(hashed_at - received_at, 6),
+            "sync_s": round(time.monotonic() - hashed_at, 6),
+        }
 
     def _finish(self, partial: Path, sent: GgufHeader, parts: SliceParts) -> None:
         """Name the entry's file and write its manifest (the entry is whole after)."""
