@@ -34,6 +34,7 @@ import cattrs
 from attrs import frozen
 
 from runplan._fields import bool_field, int_field, str_field, tuple_field, typed_field
+from runplan.plan import StagePlan
 from runplan.tensor_names import EMBEDDING_TENSOR, OUTPUT_NORM_TENSOR, OUTPUT_TENSOR, block_index
 
 MANIFEST_NAME = "manifest.json"
@@ -67,6 +68,12 @@ class SliceParts:
     layer_end_exclusive: int = int_field()
     embedding: bool = bool_field()
     output: bool = bool_field()
+
+    @classmethod
+    def of_stage(cls, stage: StagePlan) -> SliceParts:
+        """What a planned stage holds."""
+        last = stage.stage_index == stage.stage_count - 1
+        return cls(stage.layer_start, stage.layer_end_exclusive, stage.stage_index == 0, last)
 
     @property
     def blocks(self) -> range:

@@ -107,12 +107,7 @@ def split_model(
     entries: list[ShardEntry] = []
     sizes: list[int] = []
     for stage in plan.stages:
-        parts = SliceParts(
-            stage.layer_start,
-            stage.layer_end_exclusive,
-            stage.stage_index == 0,
-            stage.stage_index == plan.stage_count - 1,
-        )
+        parts = SliceParts.of_stage(stage)
         names = slice_tensor_names(header.tensors, parts)
         name = shard_file_name(model_id, stage.stage_index, plan.stage_count)
 

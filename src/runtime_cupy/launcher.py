@@ -14,8 +14,9 @@ Each edge moves its bytes through shared memory when both ends share a machine a
 through TCP otherwise (``edges``: ``auto``), or through the medium asked for
 (``shm``, ``tcp``: TCP on one host, for tests and comparison).
 
-While the stages' slices of the model travel to their hosts (a host that moves them:
-``hosts.base.MovesSlices``), the readiness bound counts from the last byte that moved.
+A host that brings stages on other machines their slices of the model
+(``hosts.base.MovesSlices``) is waited for before provisioning: the readiness bound
+starts once the slices are in place.
 
 A stage whose control channel reaches end of file has died (however it died, SIGKILL
 included): ``StageDied`` faults the run. Any fault, a timer that runs out, or a
@@ -52,6 +53,7 @@ from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
+from runplan.shards import SliceParts
 from runtime_core.orchestrator import OrchestratorController
 from runtime_cupy.control import ChannelBroken, Incoming
 from runtime_cupy.edges.base import ProcessEdges
@@ -270,6 +272,8 @@ class ProcessRun:
         previous = self._install_signals()
         try:
             self._start_all()
+            if isinstance(self.host, MovesSlices):
+                self.host.wait_for_slices(lambda: bool(self._cancel))
             self.controller.start()
             self._loop()
         finally:
@@ -338,6 +342,7 @@ class ProcessRun:
                 device=self.devices[stage.stage_index],
                 trace=self.trace.enabled,
                 source=plan.model.gguf_source,
+                parts=SliceParts.of_stage(stage),
             )
             handle = _Stage(self.host.start(launch, self.secret))
             self.stages.append(handle)
@@ -437,28 +442,12 @@ class ProcessRun:
             else:
                 self.edges.ready(fd, events)
         for timer in self.timers.expired(time.monotonic()):
-            if timer is fsm.Timer.READY and self._slices_moving():
-                continue
             log.warning("orchestrator timer %s ran out", timer.name)
             c.handle(fsm.TimerFired(timer))
         if not ready:
             for stage in self.stages:  # a stage gone without closing its channel
                 if not stage.gone and stage.handle.exited():
                     self._stage_died(stage)
-
-    def _slices_moving(self) -> bool:
-        """While stages' slices travel (``MovesSlices``), the readiness bound counts from
-        the last byte that moved: re-armed, and ``True``, when that was within it."""
-        if not isinstance(self.host, MovesSlices):
-            return False
-        last = self.host.slice_activity()
-        bound = self.plan.timeouts.ready_ms / 1000.0
-        left = None if last is None else last + bound - time.monotonic()
-        if left is None or left <= 0:
-            return False
-        log.info("slices still travel: the readiness bound runs %.1f s more", left)
-        self.timers.start(fsm.Timer.READY, int(left * 1000) + 1)
-        return True
 
     def _read_control(self, stage: _Stage) -> None:
         for item in stage.channel.receive():

@@ -17,12 +17,13 @@ names and rendezvous through Ray's key-value store (``hosts.ray``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from attrs import frozen
 
 from runplan import GgufSource
+from runplan.shards import SliceParts
 from runtime_cupy.control import ControlChannel
 from runtime_cupy.edges.base import EdgeMedium, Rendezvous
 from runtime_cupy.slices.fetch import SliceOrigin
@@ -40,9 +41,10 @@ class StageLaunch:
     for logs): it keeps its bound weights between runs and ends when its control
     channel closes between runs (``python -m runtime_cupy.stage --warm``).
 
-    ``source``: the plan's GGUF source, for a host whose stages may lack it (a stage on
-    another machine gets its slice from the orchestrator's host); ``slices``: where
-    such a stage gets it, filled in by that host (``runtime_cupy.slices``)."""
+    ``source`` and ``parts``: the plan's GGUF source and what of it the stage holds, for
+    a host whose stages may lack it (a stage on another machine gets its slice from the
+    orchestrator's host); ``slices``: where such a stage gets it, filled in by that host
+    (``runtime_cupy.slices``)."""
 
     run_id: str
     stage_index: int
@@ -57,6 +59,7 @@ class StageLaunch:
     trace: bool = False
     warm: bool = False
     source: GgufSource | None = None
+    parts: SliceParts | None = None
     slices: SliceOrigin | None = None
 
 
@@ -114,11 +117,14 @@ class StageHandle(Protocol):
 @runtime_checkable
 class MovesSlices(Protocol):
     """A host that brings its stages their slices of the model over the network
-    (``hosts.ray``). The launcher keeps the readiness bound open while they move."""
+    (``hosts.ray``), from the moment it starts them. The launcher waits for them before
+    it provisions the stages, so that no stage's readiness bound runs while its slice
+    travels (a stage whose slice did not come tries again as it binds, and reports why
+    it cannot)."""
 
-    def slice_activity(self) -> float | None:
-        """When a byte of a slice last moved (monotonic; now while one moves), or
-        ``None`` if none has."""
+    def wait_for_slices(self, cancelled: Callable[[], bool]) -> None:
+        """Return once every started stage's slice is on its host (or failed to come),
+        or at once when ``cancelled()`` says so."""
         ...
 
 

@@ -51,6 +51,7 @@ from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
+from runplan.shards import SliceParts
 from runtime_core.runs import PLACEMENTS, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, place_stages, summarize
@@ -231,6 +232,7 @@ class WarmChain:
             trace=self.trace,
             warm=True,
             source=plan.model.gguf_source,
+            parts=SliceParts.of_stage(stage),
         )
 
     # -- the stages ----------------------------------------------------------------

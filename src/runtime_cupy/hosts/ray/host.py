@@ -23,7 +23,9 @@ runs in this process, a driver of the cluster.
   model from this process (``slices``: a slice server on the orchestrator's address,
   started with the first such stage and closed with the control port), unless its host
   has it already: in its cache, or a file at the plan's path that holds what the plan's
-  source holds.
+  source holds. Its supervisor fetches it while the stage process starts
+  (``prefetch``); the launcher waits for that before provisioning (``wait_for_slices``),
+  and the stage's bind then finds it in the cache (or tries again, and reports why not).
 - **Warm stages** (``StageLaunch(warm=True)``, ``serve.chain.WarmChain``): what is the
   chain's lives as long as its stage process: the supervisor and its stage process,
   their control connection, and this process's control port (while any warm stage is
@@ -233,6 +235,7 @@ class RayHost:
         self._rendezvous = KvRendezvous()
         self._slices: SliceServer | None = None
         self._slices_done: tuple[StageTransfer, ...] = ()  # of the server last closed
+        self._prefetching: dict[int, Any] = {}  # stage index -> its supervisor's prefetch
         #: Called (on the slice server's threads) as each stage's slice moves.
         self.on_slice_change: Callable[[StageTransfer], None] | None = None
 
@@ -292,6 +295,8 @@ class RayHost:
         started = actor.start.remote(
             launch, secret, listener.address, node.host.address, self.log_level
         )
+        if launch.slices is not None:  # the slice travels while the stage starts
+            self._prefetching[launch.stage_index] = actor.prefetch.remote(launch, secret)
 
         def gone() -> str | None:
             ready, _ = ray.wait([started], timeout=0)
@@ -344,8 +349,26 @@ class RayHost:
         if self.on_slice_change is not None:
             self.on_slice_change(transfer)
 
-    def slice_activity(self) -> float | None:
-        return self._slices.last_activity() if self._slices is not None else None
+    def wait_for_slices(self, cancelled: Callable[[], bool]) -> None:
+        """Until the slices of the stages started since the last wait are on their hosts
+        (their supervisors fetch them as they start the stages: ``prefetch``)."""
+        import ray
+
+        pending, self._prefetching = dict(self._prefetching), {}
+        while pending and not cancelled():
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=0.2)
+            for ref in ready:
+                index = next(i for i, r in pending.items() if r is ref)
+                del pending[index]
+                try:
+                    done = ray.get(ref)
+                except Exception as exc:  # the supervisor or its host is gone
+                    done = {"ok": False, "error": _short(exc)}
+                if not done.get("ok"):
+                    log.warning(
+                        "stage %d's slice did not come before provisioning (it tries again "
+                        "as it binds): %s", index, done.get("error"),
+                    )  # fmt: skip
 
     def slice_transfers(self) -> tuple[StageTransfer, ...]:
         """What each stage's slice did since the last ``forget_slice_transfers``."""
