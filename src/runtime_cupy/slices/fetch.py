@@ -188,11 +188,14 @@ class SliceFetcher:
                 link.send({"ok": True, "bytes": link.received, "local": True})
                 self._record("local", parts, began, path=source.paths[0], link=link)
                 return source
+            where = "the cache"
             donors = dict(self._donors(source_key, parts, names, expected))
             wanted = [n for n in names if n not in donors]
             self.cache.make_room(int(info["file_bytes"]), tuple(e for _, e in donors.values()))
+            where = "the tensors"
             link.send({"tensors": wanted})
             timing = self._receive_tensors(link, sent, partial, expected, donors)
+            where = "the entry"
             self._finish(partial, sent, parts)
             entry_path = self.cache.commit(partial, source_key, parts)
             partial = None
