@@ -23,7 +23,7 @@ from runtime_core.chain_orchestrator import ChainOrchestrator, RunHandle
 from runtime_core.chain_orchestrator import RunTimerFired as OrchestratorTimerFired
 from runtime_core.chain_stage import ChainStageController, RunTimerFired
 from runtime_core.links import LinkSender, LocalLinks
-from runtime_core.workers.interface import Worker
+from runtime_core.workers.interface import BatchStep, StepFailure, StepResult, Worker, WorkerError
 
 ORCHESTRATOR = "orch"
 
@@ -191,3 +191,26 @@ class ChainRuns:
                 stage.run_release()
                 busy = True
         return busy
+
+
+class FailingWorker:
+    """A worker whose batch fails, for one run's step (``StepFailure``) or as a whole
+    (an exception)."""
+
+    def __init__(self, inner: Worker, fail: Callable[[BatchStep], str | None]) -> None:
+        self.inner = inner
+        self.fail = fail
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        for step in steps:
+            what = self.fail(step)
+            if what == "crash":
+                raise WorkerError("the device is gone")
+        results = self.inner.execute_batch(steps)  # type: ignore[attr-defined]
+        return tuple(
+            StepFailure("injected") if self.fail(s) == "run" else r
+            for s, r in zip(steps, results, strict=True)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
