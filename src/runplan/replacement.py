@@ -13,9 +13,9 @@ new plan, or says why there is none:
   process restarted where it was). Every other stage stays on its node with its
   range. The planner's memory check decides whether an assignment fits; the first
   that fits, in that order, is taken.
-- Else the planner places the model over the remaining nodes (``Placement.by_memory``
-  over the live nodes with the most memory): the original stage count when there are
-  that many nodes, else more nodes, else fewer, the first that the memory check passes.
+- Else the planner places the model over the remaining nodes (the live nodes with the
+  most memory, layers split by memory, else evenly): the original stage count when
+  there are that many nodes, else more nodes, else fewer; the first plan it accepts.
 - Else ``Unplaceable``, naming the lost nodes and stages and the planner's own
   rejection (for the placement over every remaining node).
 
@@ -214,11 +214,11 @@ def _placed_afresh(
     live: NodePool,
     survivors: Sequence[StagePlan],
 ) -> RunPlan | PlanRejection:
-    """The planner's placement (by memory) over the remaining nodes: ``count`` stages on
-    the ``count`` live nodes with the most memory (a surviving stage's node first among
-    equals, then pool order), for the original stage count, then more, then fewer; the
-    first plan the memory check passes. The rejection, when none does, is the
-    planner's over every remaining node."""
+    """The planner's placement over the remaining nodes: ``count`` stages on the
+    ``count`` live nodes with the most memory (a surviving stage's node first among
+    equals, then pool order), layers split by memory, else evenly; for the original
+    stage count, then more, then fewer; the first plan the planner accepts. The
+    rejection, when none does, is the planner's over every remaining node (by memory)."""
     held = {s.node_id for s in survivors}
     order = sorted(
         (n for n in live.nodes if n.node_id != live.orchestrator_node_id),
@@ -230,15 +230,13 @@ def _placed_afresh(
     counts = [*range(first, most + 1), *range(first - 1, 0, -1)] or [0]
     widest: PlanRejection | None = None
     for count in counts:
-        new = plan_run(
-            facts, config, live, stage_count=count, placement=Placement.by_memory(nodes[:count])
-        )
-        if isinstance(new, RunPlan):
-            return new
-        if count in (most, 0):
-            widest = new
-        if not isinstance(new, InsufficientMemory):
-            return new
+        chosen = nodes[:count]
+        for placement in (Placement.by_memory(chosen), Placement.even(chosen)):
+            new = plan_run(facts, config, live, stage_count=count, placement=placement)
+            if isinstance(new, RunPlan):
+                return new
+            if count in (most, 0) and widest is None:
+                widest = new
     assert widest is not None
     return widest
 

@@ -150,12 +150,13 @@ def test_a_run_interrupted_anywhere_continues_its_stream_exactly(
     assert "run-0" in chain.chain.stages[0].stale_runs  # the old id stays stale
 
 
+@pytest.mark.parametrize("name", ["reference", "cpu"])
 def test_four_runs_in_flight_interrupted_by_one_fault_all_continue_exactly(
-    facts: ModelFacts,
+    facts: ModelFacts, name: str
 ) -> None:
     samplings = [GREEDY, SEEDED, attrs.evolve(SEEDED, seed=99, top_k=0), GREEDY]
-    expected = [unbroken(facts, "reference", k, samplings[k]) for k in range(4)]
-    chain = recovering(facts, "reference", "spare-0")
+    expected = [unbroken(facts, name, k, samplings[k]) for k in range(4)]
+    chain = recovering(facts, name, "spare-0")
     streams = [chain.start(f"run-{k}", PROMPTS[k], sampling=samplings[k]) for k in range(4)]
     pump_until(chain, lambda: len(streams[3].tokens) >= 2)
     progress = [len(s.tokens) for s in streams]
