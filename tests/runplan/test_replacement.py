@@ -285,3 +285,10 @@ def assert_nothing_fits(
             for placement in (Placement.by_memory(nodes), Placement.even(nodes)):
                 tried = plan_run(inputs.facts, config, live, stage_count=count, placement=placement)
                 assert not isinstance(tried, RunPlan), f"{placement} fits"
+
+
+def test_facts_of_another_model_are_a_clear_error(facts: ModelFacts) -> None:
+    plan, _ = three_stages(facts)
+    other = attrs.evolve(facts, model_id="another")
+    with pytest.raises(ValueError, match="'another'"):
+        replace_lost(plan, other, config("run-b"), pool(("node-0", BIG)), lost_nodes=["node-1"])
