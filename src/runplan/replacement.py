@@ -36,13 +36,14 @@ from attrs import frozen
 from runplan._fields import bool_field, int_tuple_field, str_field, tuple_field, typed_field
 from runplan.config import RuntimeConfig
 from runplan.facts import ModelFacts
+from runplan.memory import block_weight_bytes, fixed_weight_bytes
 from runplan.placement import Placement, StageAssignment
 from runplan.plan import RunPlan, StagePlan
 from runplan.planner import plan_run
 from runplan.pool import NodePool
 from runplan.rejections import InsufficientMemory, PlanRejection
 
-#: Most spare assignments tried before the planner places the model afresh (many
+#: Most spare assignments the planner checks before it places the model afresh (many
 #: lost stages over many spares would otherwise be a factorial search).
 MAX_SPARE_TRIES = 4096
 
@@ -184,8 +185,16 @@ def _on_spares(
         if n.node_id not in used and n.node_id not in own and n.node_id != live.orchestrator_node_id
     ]
     candidates = [*spares, *own]
-    for tries, nodes in enumerate(permutations(candidates, len(lost))):
-        if tries >= MAX_SPARE_TRIES:
+    memory = {n.node_id: n.memory_bytes for n in live.nodes}
+    # A node whose memory is below a stage's weights alone never holds it (nodes that
+    # share a device only have less): skipped without asking the planner.
+    weights = {i: _weight_bytes(facts, config, plan, i) for i in lost}
+    tries = 0
+    for nodes in permutations(candidates, len(lost)):
+        if any(memory[n] < weights[i] for i, n in zip(lost, nodes, strict=True)):
+            continue
+        tries += 1
+        if tries > MAX_SPARE_TRIES:
             return None
         on = dict(zip(lost, nodes, strict=True))
         placement = Placement(
@@ -205,6 +214,16 @@ def _on_spares(
         if not isinstance(new, InsufficientMemory):
             return new
     return None
+
+
+def _weight_bytes(facts: ModelFacts, config: RuntimeConfig, plan: RunPlan, index: int) -> int:
+    """The weights stage ``index`` of ``plan`` holds, for the config's worker."""
+    s = plan.stages[index]
+    blocks = block_weight_bytes(facts, config.worker)[s.layer_start : s.layer_end_exclusive]
+    fixed = fixed_weight_bytes(
+        facts, config.worker, first=index == 0, last=index == plan.stage_count - 1
+    )
+    return sum(blocks) + fixed
 
 
 def _placed_afresh(

@@ -206,7 +206,7 @@ class FailingWorker:
             what = self.fail(step)
             if what == "crash":
                 raise WorkerError("the device is gone")
-        results = self.inner.execute_batch(steps)  # type: ignore[attr-defined]
+        results = self.inner.execute_batch(steps)
         return tuple(
             StepFailure("injected") if self.fail(s) == "run" else r
             for s, r in zip(steps, results, strict=True)

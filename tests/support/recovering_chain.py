@@ -11,6 +11,7 @@ token a stream receives must be the stream's next (``stream_sequence``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -97,7 +98,7 @@ class RecoveringChain:
             self.pool, nodes=tuple(n for n in self.pool.nodes if n.node_id not in self.lost_nodes)
         )
 
-    def start(self, run_id: str, prompt: Sequence[int], **config: object) -> Stream:
+    def start(self, run_id: str, prompt: Sequence[int], **config: Any) -> Stream:
         """A new stream: run ``run_id`` with the base config's ``config`` fields changed."""
         cfg = attrs.evolve(self.base, run_id=run_id, **config)
         plan = plan_run(
