@@ -73,7 +73,7 @@ class RecoveringChain:
         self.placement = placement
         self.stage_count = len(placement.assignments) or len(placement.nodes)
         self.lost_nodes: set[str] = set()
-        self.stale: set[str] = set()
+        self.stale: set[str] = set()  # the run ids stale on the chain now up
         self.streams: dict[str, Stream] = {}  # by the id of the run serving it now
         self.replacements: list[Replacement] = []
         self.chain = self._chain(self._nodes(placement))
@@ -177,8 +177,6 @@ class RecoveringChain:
         return Interrupted.of_replay(s.replay, s.plan, delivered)
 
     def _recover(self, streams: list[Stream], lost_stages: Sequence[int]) -> bool:
-        # Everything of the old chain is stale from now on, everywhere.
-        self.stale |= set(self.chain.orchestrator.done) | set(self.streams)
         old_plan = streams[0].plan
         n = len(self.replacements) + 1
         new = replace_lost(
@@ -194,6 +192,8 @@ class RecoveringChain:
                 s.ended = new
             return False
         self.replacements.append(new)
+        # Everything of the old chain is stale on the new one, from its first message.
+        self.stale |= set(self.chain.orchestrator.done) | set(self.streams)
         self.chain.orchestrator.close()
         self.placement = new.placement
         self.stage_count = new.plan.stage_count
