@@ -120,6 +120,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/multi_host.py
 	$(PY) benchmarks/slice_transfer.py
 	$(PY) benchmarks/serve_load.py
+	$(PY) benchmarks/recovery_inprocess.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build
