@@ -20,11 +20,12 @@ from runplan import (
     RuntimeConfig,
     SamplingConfig,
 )
+from runplan.fsm import orchestrator as ofsm
 from runplan.models import resolve_model
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_core.workers.registry import CORE_WORKERS
-from runtime_sim.driver import SimResult, SimSettings, Simulation
+from runtime_sim.chain_driver import ChainSimulation, RunResult, RunSpec, SimSettings
 from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.timing import Prediction, TimingModel, f32_stage_costs
 from runtime_sim.trace import Trace
@@ -136,29 +137,54 @@ def run_plan(
     timing: TimingModel | None = None,
     trace: bool = False,
     worker: str = DEFAULT_WORKER,
-) -> tuple[SimResult, Simulation]:
-    """Simulate ``plan`` with one ``worker`` per stage."""
+) -> tuple[RunResult, ChainSimulation]:
+    """Simulate ``plan`` with one ``worker`` per stage: a chain of one run."""
+    results, sim = run_plans(
+        [RunSpec(plan, prompt)],
+        on_token=(lambda _run, _seq, token: on_token(token)) if on_token else None,
+        on_load=on_load,
+        timing=timing,
+        trace=trace,
+        worker=worker,
+    )
+    return results[0], sim
+
+
+def run_plans(
+    runs: Sequence[RunSpec],
+    *,
+    on_token: Callable[[str, int, int], None] | None = None,
+    on_load: LoadProgress | None = None,
+    timing: TimingModel | None = None,
+    trace: bool = False,
+    worker: str = DEFAULT_WORKER,
+) -> tuple[tuple[RunResult, ...], ChainSimulation]:
+    """Simulate ``runs`` through one chain (their plans share its stages), with one
+    ``worker`` per stage: each run's result, in the order given. ``PromptError`` for a
+    prompt its run cannot take."""
+    for spec in runs:  # a prompt a run cannot take fails here, before anything runs
+        ofsm.OrchestratorMachine.for_plan(spec.plan, spec.prompt)
     settings = SimSettings(timing=timing or TimingModel())
+    plan = runs[0].plan
     workers: list[Any] = [CORE_WORKERS.make_worker(worker) for _ in plan.stages]
-    sim = Simulation(
-        plan,
-        prompt,
+    sim = ChainSimulation(
+        runs,
         workers,
         f32_stage_costs(plan),
         settings=settings,
-        on_token=(lambda _seq, token: on_token(token)) if on_token else None,
+        on_token=on_token,
         on_load=on_load,
         trace=trace,
         wall_clock=True,
     )
-    return sim.run(), sim
+    return sim.run().runs, sim
 
 
 def summarize(
     plan: RunPlan,
     prompt: tuple[int, ...],
-    result: SimResult,
-    sim: Simulation,
+    result: RunResult,
+    sim: ChainSimulation,
     tokenizer: Tokenizer,
     wall_s: float,
     return_logits: bool,
@@ -166,7 +192,9 @@ def summarize(
     finished = result.finished
     outcome = finished.outcome.value.lower() if finished is not None else "faulted"
     fault = None
-    if finished is None:
+    if result.refused is not None:
+        fault = result.refused
+    elif finished is None:
         fault = "the run did not end"
     elif finished.fault is not None:
         where = f"stage {finished.fault_stage}: " if finished.fault_stage is not None else ""
@@ -178,7 +206,7 @@ def summarize(
         tokens=result.tokens,
         text=tokenizer.decode(list(result.tokens)),
         outcome=outcome,
-        logits=result.logits if return_logits else None,
+        logits=result.logits[: len(result.tokens)] if return_logits else None,
         fault=fault,
         plan=plan,
         prediction=sim.settings.timing.predict(plan, sim.costs, len(prompt)),

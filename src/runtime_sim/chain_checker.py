@@ -280,9 +280,7 @@ class _Checker:
                     if not steps and at != (0, 0):
                         fail(PREFILL_IS_ZERO, time_us, f"{actor} first runs {run_id!r} at {at}")
                     if steps and at <= steps[-1]:
-                        fail(
-                            INCREASING, time_us, f"{actor} runs {run_id!r} {at} after {steps[-1]}"
-                        )
+                        fail(INCREASING, time_us, f"{actor} runs {run_id!r} {at} after {steps[-1]}")
                     if steps and at[0] == 0 and at[1] != steps[-1][1] + 1:
                         fail(
                             INCREASING,

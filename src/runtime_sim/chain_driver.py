@@ -126,6 +126,7 @@ class ChainSimulation:
         parts: Parts = PLAIN,
         on_token: OnToken | None = None,
         on_load: Callable[[int, int, int], None] | None = None,
+        trace: bool = True,
         wall_clock: bool = False,
     ) -> None:
         if not runs:
@@ -140,7 +141,7 @@ class ChainSimulation:
         self.on_token = on_token
         self.on_load = on_load
         self.clock = Scheduler()
-        self.trace = Trace(True)
+        self.trace = Trace(trace)
         self.dropped: list[tuple[str, str, str]] = []
         self.forgeries: list[tuple[str, str, bool, str]] = []
         self.delivered: list[list[tuple[str, int, int]]] = [[] for _ in runs]
@@ -148,7 +149,7 @@ class ChainSimulation:
         self.wall_clock = wall_clock
         self.step_wall_s: dict[int, float] = {}
         self.links = SimChainLinks(self)
-        self.network = Network(self)  # type: ignore[arg-type]
+        self.network = Network(self)
         stopped = frozenset({self.previous_run})
         self.stages = [
             ChainStageNode(self, i, w, c, stopped)

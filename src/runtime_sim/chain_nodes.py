@@ -119,7 +119,7 @@ class TracedChainStage(ChainStageController):
             ORCHESTRATOR,
             worker,
             sim.links,
-            ToOrchestrator(sim, node.node_id),  # type: ignore[arg-type]
+            ToOrchestrator(sim, node.node_id),
             node.timers,
             trace=self._trace_ctl,
             stopped_runs=stopped_runs,
@@ -369,7 +369,13 @@ class ChainStageNode(Node):
                 inbound = c.inbound
                 if inbound is not None:
                     sim.clock.after(duration // 2, inbound.close)
-        sim.trace.add(now, self.node_id, "span", "batch", duration, rows, steps)
+        if sim.trace.enabled:
+            runs_in = {r for r, _, _ in steps}
+            if len(runs_in) == 1:
+                name = f"step {steps[0][1]}"
+            else:
+                name = "step " + " ".join(f"{r}:{q}" for r, q, _ in steps)
+            sim.trace.add(now, self.node_id, "span", name, duration, rows, steps)
         self._batch = sim.clock.after(duration, self._end_batch)
 
     def _end_batch(self) -> None:
@@ -396,7 +402,7 @@ class TracedChainOrchestrator(ChainOrchestrator):
         self.node = node
         self._sim_trace = sim.trace
         self._clock = sim.clock
-        super().__init__(ToStages(sim), sim.links, node.timers, trace=self._trace_ctl)  # type: ignore[arg-type]
+        super().__init__(ToStages(sim), sim.links, node.timers, trace=self._trace_ctl)
 
     def _trace_ctl(self, kind: str, fields: dict[str, Any]) -> None:
         self._sim_trace.add(self._clock.now_us, ORCHESTRATOR, "ctl", kind, fields)

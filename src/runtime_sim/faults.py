@@ -19,8 +19,6 @@ from runtime_core.workers.interface import (
     KvCacheUnavailable,
     StepFailure,
     StepResult,
-    Worker,
-    WorkerError,
 )
 
 
@@ -162,29 +160,6 @@ def random_fault_plan(
             struck_messages.add(fault.message)
         faults.append(fault)
     return FaultPlan(tuple(faults))
-
-
-class FaultyWorker:
-    """Wraps a worker so that a step fails where the fault plan says."""
-
-    def __init__(self, worker: Worker, fail_at: set[int]) -> None:
-        self.inner = worker
-        self.fail_at = fail_at
-        self.capabilities = worker.capabilities
-
-    def configure(self, provision: Any) -> None:
-        self.inner.configure(provision)
-
-    def bind(self, gguf_source: Any, progress: Any = None) -> None:
-        self.inner.bind(gguf_source, progress)
-
-    def execute_step(self, sequence: int, data: Any) -> Any:
-        if sequence in self.fail_at:
-            raise WorkerError(f"injected failure at sequence {sequence}")
-        return self.inner.execute_step(sequence, data)
-
-    def release(self) -> None:
-        self.inner.release()
 
 
 class FaultyChainWorker:
