@@ -14,8 +14,8 @@ import json
 import time
 
 from runtime_core.workers.interface import Worker
-from runtime_sim.clock import derive_rng
 from runtime_sim.chain_driver import ChainSimulation, RunSpec
+from runtime_sim.clock import derive_rng
 from runtime_sim.explore import Scenario, run_scenario, synthetic_facts, synthetic_plan
 from runtime_sim.faults import random_fault_plan
 from runtime_sim.synthetic import SyntheticWorker
