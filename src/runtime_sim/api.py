@@ -63,9 +63,11 @@ def plan_for(
     return_logits: bool,
     run_id: str = "sim-run",
     worker: str = DEFAULT_WORKER,
+    concurrent_runs: int = 1,
 ) -> RunPlan:
     """The plan of a simulated run of ``worker``: one node per stage, layers split
-    evenly, a KV cache just long enough for the prompt and the tokens asked for."""
+    evenly, a KV cache just long enough for the prompt and the tokens asked for (each
+    stage's budget holds ``concurrent_runs`` such caches)."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     nodes = tuple(NodeSpec(f"stage-{i}", 64 * 2**30) for i in range(stages))
     config = RuntimeConfig(
@@ -74,6 +76,8 @@ def plan_for(
         sampling=sampling,
         return_logits=return_logits,
         worker=CORE_WORKERS.capabilities(worker),
+        prompt_tokens=prompt_len,
+        max_concurrent_runs=concurrent_runs,
     )
     return plan_even(facts, config, ORCHESTRATOR, nodes)
 
@@ -126,6 +130,72 @@ def generate(
     )
     wall = time.perf_counter() - start
     return summarize(plan, prompt, result, sim, tokenizer, wall, return_logits)
+
+
+@frozen
+class ConcurrentResult:
+    """Several runs of one prompt through one simulated chain."""
+
+    runs: tuple[GenerateResult, ...]  # by run, each with its own sampling seed
+    simulated_tokens_per_s: float | None  # every run's tokens over the virtual time they took
+    wall_s: float
+
+
+def generate_runs(
+    model_path: str | os.PathLike[str],
+    prompt_ids: Sequence[int],
+    *,
+    runs: int,
+    stages: int = 1,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    timing: TimingModel | None = None,
+    trace: bool = False,
+    tokenizer: Tokenizer | None = None,
+    worker: str = DEFAULT_WORKER,
+) -> ConcurrentResult:
+    """``runs`` runs of ``prompt_ids`` in flight at once through one chain of ``stages``
+    simulated stages (run ``i`` samples with seed ``seed + i``), batched on each stage
+    as the chain controllers batch them. Raises as ``generate`` does."""
+    if runs < 1:
+        raise ValueError(f"runs {runs} is not at least 1")
+    path = resolve_model(model_path)
+    prompt = tuple(operator.index(t) for t in prompt_ids)
+    plans = [
+        plan_for(
+            path,
+            stages=stages,
+            prompt_len=len(prompt),
+            max_tokens=max_tokens,
+            sampling=SamplingConfig(
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i
+            ),
+            return_logits=False,
+            run_id=f"sim-run-{i}",
+            worker=worker,
+            concurrent_runs=runs,
+        )
+        for i in range(runs)
+    ]
+    tokenizer = tokenizer or Tokenizer.from_gguf(path)
+    start = time.perf_counter()
+    results, sim = run_plans(
+        [RunSpec(plan, prompt) for plan in plans], timing=timing, trace=trace, worker=worker
+    )
+    wall = time.perf_counter() - start
+    each = tuple(
+        summarize(plan, prompt, result, sim, tokenizer, wall, False)
+        for plan, result in zip(plans, results, strict=True)
+    )
+    times = [t for r in results for t in r.token_times_us]
+    readies = [r.ready_us for r in results if r.ready_us is not None]
+    rate = None
+    if times and readies and max(times) > min(readies):
+        rate = len(times) * 1e6 / (max(times) - min(readies))
+    return ConcurrentResult(each, rate, wall)
 
 
 def run_plan(

@@ -223,10 +223,10 @@ def run_scenario(
     return result, sim, check(sim, result, solo(s) if len(s.runs) > 1 else None)
 
 
-def explore(start: int, count: int) -> list[Outcome]:
+def explore(start: int, count: int, *, max_runs: int = 6) -> list[Outcome]:
     outcomes = []
     for seed in range(start, start + count):
-        s = scenario(seed)
+        s = scenario(seed, max_runs=max_runs)
         result, _sim, violations = run_scenario(s)
         outcomes.append(
             Outcome(

@@ -162,3 +162,16 @@ def test_a_trace_path_is_checked_without_leaving_a_file(tiny: str, tmp_path: Pat
 
     fresh = tmp_path / "fresh.json"
     assert writable_file(str(fresh)) == fresh and not fresh.exists()
+
+
+def test_several_runs_of_one_prompt_through_one_chain_each_equal_to_alone(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", "--model", tiny, "--stages", "2", "--prompt-ids", "1,2,3"]
+    assert main([*argv, "--max-tokens", "4", "--runs", "3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["outcome"] for r in doc["runs"]] == ["completed"] * 3
+    assert doc["simulated_tokens_per_s"] > 0
+    assert main([*argv, "--max-tokens", "4", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert all(r["tokens"] == alone["tokens"] for r in doc["runs"])  # greedy: batch-invariant
