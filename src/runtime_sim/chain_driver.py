@@ -22,13 +22,8 @@ from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runtime_core.workers.interface import Worker
 from runtime_sim.chain_links import ChainRing, SimChainLinks
-from runtime_sim.chain_nodes import (
-    ChainOrchestratorNode,
-    ChainStageNode,
-    Node,
-    TracedChainOrchestrator,
-    TracedChainStage,
-)
+from runtime_sim.chain_nodes import ChainStageNode, Node, TracedChainStage
+from runtime_sim.chain_orchestrator_node import ChainOrchestratorNode, TracedChainOrchestrator
 from runtime_sim.clock import Scheduler
 from runtime_sim.faults import FaultKind, FaultPlan
 from runtime_sim.links import ORCHESTRATOR, Network

@@ -45,24 +45,24 @@ class ChainRing(LocalRing):
         self.producer_id = ORCHESTRATOR if hop == 0 else sim.stages[hop - 1].node_id
         self.consumer_id = ORCHESTRATOR if hop == stages else sim.stages[hop].node_id
         self.visible_at: dict[int, int] = {}
-        self.heard: dict[int, tuple[str, int, int, int | None]] = {}  # record -> its header
         self.hop_us: dict[int, int] = {}
 
-    def _header(self, index: int) -> tuple[str, int, int, int | None]:
+    def _header(self, index: int) -> tuple[str, int, int, int | None, int]:
+        """The record's run, sequence, chunk, token id (a token record's, else None) and
+        payload bytes."""
         view = self.slot(index)
         h = ObjectHeader.unpack(view)
         token = None
         if h.dtype.name == "U32" and h.extent_bytes >= 4:
             (token,) = _U32.unpack_from(view, OBJECT_HEADER_BYTES)
-        return h.run_id, h.sequence, h.chunk_index, token
+        return h.run_id, h.sequence, h.chunk_index, token, h.extent_bytes
 
     def publish(self, index: int) -> None:
         n = self._reserved
         super().publish(index)
         assert n is not None
         sim = self.sim
-        run_id, sequence, chunk, token = self._header(index)
-        extent = ObjectHeader.unpack(self.slot(index)).extent_bytes
+        run_id, sequence, chunk, token, extent = self._header(index)
         delay = self.hop_us.get(extent)
         if delay is None:
             delay = self.hop_us[extent] = int(
@@ -71,7 +71,6 @@ class ChainRing(LocalRing):
         delay += sim.link_delay_us(self.hop, run_id, sequence)
         now = sim.clock.now_us
         self.visible_at[n] = now + delay
-        self.heard[n] = (run_id, sequence, chunk, token)
         detail = (self.hop, n, index, run_id, sequence, chunk, token)
         sim.trace.add(now, self.producer_id, "ring", "publish", *detail)
         sim.clock.after(delay, sim.node(self.consumer_id).wake)
@@ -83,7 +82,7 @@ class ChainRing(LocalRing):
             return None  # still in flight
         index = super().try_acquire()
         if index is not None:
-            run_id, sequence, chunk, token = self._header(index)
+            run_id, sequence, chunk, token, _ = self._header(index)
             detail = (self.hop, n, index, run_id, sequence, chunk, token)
             self.sim.trace.add(now, self.consumer_id, "ring", "acquire", *detail)
         return index

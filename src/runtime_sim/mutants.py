@@ -19,7 +19,8 @@ from runtime_core.links import LinkSender
 from runtime_core.records import token_payload
 from runtime_sim.chain_driver import ChainSimulation, Parts
 from runtime_sim.chain_links import ChainRing
-from runtime_sim.chain_nodes import TracedChainOrchestrator, TracedChainStage
+from runtime_sim.chain_nodes import TracedChainStage
+from runtime_sim.chain_orchestrator_node import TracedChainOrchestrator
 
 
 class Mutation(enum.Enum):

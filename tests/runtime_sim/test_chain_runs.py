@@ -4,8 +4,11 @@ virtual time, and every run's tokens are its tokens alone (the checker reruns ea
 
 from __future__ import annotations
 
+from typing import Any
+
 from runplan.messages import FaultKind as RunFaultKind
-from runtime_sim.chain_driver import RunSpec
+from runtime_sim.chain_checker import KV_FREED, check
+from runtime_sim.chain_driver import ChainSimulation, RunSpec
 from runtime_sim.explore import (
     EXPLORE_CAPABILITIES,
     Scenario,
@@ -15,6 +18,8 @@ from runtime_sim.explore import (
     synthetic_plan,
 )
 from runtime_sim.faults import Fault, FaultKind, FaultPlan
+from runtime_sim.synthetic import SyntheticWorker
+from runtime_sim.timing import stored_stage_costs
 
 
 def chain(
@@ -111,3 +116,22 @@ def test_batching_pays_in_virtual_time_and_chunks_keep_the_tokens() -> None:
 
     # Weights are read once per batch: eight runs' decode rows cost little more than one.
     assert tokens_per_s(eight) > 3 * tokens_per_s(one)
+
+
+class _LeakyWorker(SyntheticWorker):
+    """Keeps a run's KV reservation when the run is closed (a worker bug)."""
+
+    def close_run(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+
+
+def test_the_checker_names_a_kv_reservation_a_stage_never_freed() -> None:
+    s = chain(2)
+    model = s.plan.model
+    workers: list[Any] = [_LeakyWorker(model.vocab_size, model.eos_token_id) for _ in s.plan.stages]
+    costs = stored_stage_costs(s.plan, s.block_bytes, model.vocab_size * 32)
+    sim = ChainSimulation(s.runs, workers, costs, seed=s.seed)
+    result = sim.run()
+    assert [r.outcome for r in result.runs] == ["completed", "completed"]
+    rules = {v.rule for v in check(sim, result)}
+    assert rules == {KV_FREED}
