@@ -40,6 +40,15 @@ def test_seeded_chain_scenarios_keep_every_guarantee() -> None:
     assert rep["outcomes"].get("mixed", 0) > 10
     kinds = {f.split()[0] for o in outcomes for f in o.faults}
     assert kinds == {k.value for k in FaultKind}
+    # ... and the chains: staggered arrivals, prompts in chunks, batches fuller than
+    # their rows allow, runs waiting for the KV budget.
+    chains = [scenario(seed) for seed in range(CI_SEEDS)]
+    assert any(len({r.arrival_us for r in c.runs}) > 1 for c in chains)
+    assert any(c.plan.prefill_chunk < max(len(r.prompt) for r in c.runs) for c in chains)
+    assert any(c.plan.max_batch_rows < sum(len(r.prompt) for r in c.runs) for c in chains)
+    assert any(
+        c.plan.stages[0].kv_budget_bytes < len(c.runs) * c.plan.stages[0].kv_bytes for c in chains
+    )
 
 
 def test_the_same_seed_gives_a_byte_identical_trace() -> None:
