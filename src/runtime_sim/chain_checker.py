@@ -331,6 +331,8 @@ class _Checker:
                 if fields["to"] == _FAULTED:
                     stage_faulted[fields["run_id"]].add(actor)
                 if fields["to"] in (_FAULTED, "STOPPING", "STOPPED"):
+                    # records still waiting for the run are dropped, later ones discarded
+                    unordered.add((actor, fields["run_id"]))
                     open_steps[actor].discard(fields["run_id"])
                     for step in [s for s in unpublished[actor] if s[0] == fields["run_id"]]:
                         unpublished[actor].discard(step)
