@@ -7,10 +7,9 @@ only its caller), batch invariance (each run's tokens equal its tokens alone: th
 checker reruns it alone, on the same seed, through the same worker), every KV
 reservation freed, one batch at a time per stage, at most one step per run in a batch,
 each run's records run in the order they were loaded (chunks in order). The rings keep
-EDGES_AND_WORKERS.md §2 as a chain's links do: no slot overwritten before its release,
-records read in publish order, and a slot released at load (after its payload is
-copied). The checker looks at what happened on the wire and in the rings, not at what a
-machine meant to do, so a bug in a controller is caught as surely as one in a machine.
+the ring rules of a chain's links (``chain_ring_rules``). The checker looks at what
+happened on the wire and in the rings, not at what a machine meant to do, so a bug in a
+controller is caught as surely as one in a machine.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from attrs import frozen
 from runplan import RunPlan, check_plan
 from runplan.fsm import stage as sfsm
 from runtime_sim.chain_driver import ChainResult, ChainSimulation, RunSpec
+from runtime_sim.chain_ring_rules import NO_OVERWRITE, PUBLISH_ORDER, RELEASE_AT_LOAD, RingRules
 from runtime_sim.links import ORCHESTRATOR
 
 
@@ -48,9 +48,6 @@ CONSUME_BEFORE_INJECT = "execution: sequence s + 1 injected only after consuming
 ONE_OUTCOME = "termination: one terminal outcome per run"
 NO_INJECT_AFTER_END = "termination: no injection after the run's outcome"
 TEARDOWN_TO_ALL = "termination: teardown sent to every provisioned stage"
-NO_OVERWRITE = "ring: no slot overwritten before release"
-PUBLISH_ORDER = "ring: records leave in publish order"
-RELEASE_AT_LOAD = "ring: a receiving end releases a record's slot at load, after copying it"
 LIVENESS_OUTCOME = "liveness: one terminal outcome within the time bound"
 LIVENESS_STOP_RUN = "liveness: StopRun reaches every provisioned stage still alive"
 LIVENESS_STOPPED = "liveness: every stage still alive ends holding no run"
@@ -159,11 +156,7 @@ class _Checker:
         unordered: set[tuple[str, str]] = set()  # runs whose order is no longer followed
         in_batch: dict[str, set[str] | None] = {}  # stage -> runs of its running batch
         open_steps: dict[str, set[str]] = defaultdict(set)  # stage -> runs stepping
-        published: dict[int, int] = defaultdict(int)
-        published_as: dict[tuple[int, int], tuple[int, str, int, int]] = {}
-        released: dict[int, set[int]] = defaultdict(set)
-        acquired: dict[int, int] = defaultdict(int)
-        holding: dict[int, tuple[int, int] | None] = {}  # hop -> (record, time) not released
+        rings = RingRules(self.slots, fail)
         ended: dict[str, int] = {}  # run -> when its orchestrator machine gave up or finished
         finished: dict[str, int] = defaultdict(int)  # outcomes: the orchestrator retired it
         machine_finished: dict[str, int] = defaultdict(int)
@@ -179,16 +172,7 @@ class _Checker:
                 hop = d[0]
                 if what == "publish":
                     n, slot, run_id, sequence, chunk, token = d[1:7]
-                    slots = self.slots[hop]
-                    if n >= slots and (n - slots) not in released[hop]:
-                        fail(
-                            NO_OVERWRITE,
-                            time_us,
-                            f"hop {hop} record {n} into slot {slot} while record {n - slots} "
-                            "is unreleased",
-                        )
-                    published[hop] = n + 1
-                    published_as[(hop, n)] = (slot, run_id, sequence, chunk)
+                    rings.publish(time_us, hop, n, slot, run_id, sequence, chunk)
                     if actor == ORCHESTRATOR and hop == 0:
                         self._injection(
                             time_us, run_id, sequence, chunk, ready_from, consumed, ended, injected
@@ -207,43 +191,11 @@ class _Checker:
                             made[run_id][sequence] = token
                 elif what == "acquire":
                     n, slot, run_id, sequence, chunk = d[1:6]
-                    expected = acquired[hop]
-                    if n != expected or published_as.get((hop, n)) != (
-                        slot,
-                        run_id,
-                        sequence,
-                        chunk,
-                    ):
-                        fail(
-                            PUBLISH_ORDER,
-                            time_us,
-                            f"hop {hop}: read record {n} ({run_id!r} sequence {sequence}) "
-                            f"from slot {slot}; the oldest unread was record {expected}, "
-                            f"published as {published_as.get((hop, expected))}",
-                        )
-                    acquired[hop] = expected + 1
-                    if holding.get(hop) is not None:
-                        fail(
-                            RELEASE_AT_LOAD,
-                            time_us,
-                            f"hop {hop}: record {n} read while record {holding[hop]} is held",
-                        )
-                    holding[hop] = (n, time_us)
+                    rings.acquire(time_us, hop, n, slot, run_id, sequence, chunk)
                     if actor in self.node_index:
                         acquired_by[(actor, run_id)].append((sequence, chunk, 0))
                 elif what == "release":
-                    n = d[1]
-                    released[hop].add(n)
-                    held = holding.get(hop)
-                    if held is not None and held[0] == n:
-                        if held[1] != time_us:
-                            fail(
-                                RELEASE_AT_LOAD,
-                                time_us,
-                                f"hop {hop}: record {n} released {time_us - held[1]} us after "
-                                "its load",
-                            )
-                        holding[hop] = None
+                    rings.release(time_us, hop, d[1])
             elif kind == "ev" and actor != ORCHESTRATOR:
                 run_id = d[0]
                 if what == "SetupDone":
@@ -369,9 +321,7 @@ class _Checker:
                     ended.setdefault(fields["run_id"], time_us)
                 elif what == "finished":
                     finished[fields["run_id"]] += 1
-        for hop, held in holding.items():
-            if held is not None:
-                fail(RELEASE_AT_LOAD, held[1], f"hop {hop}: record {held[0]} never released")
+        rings.finish()
         self.made = made
         self.consumed = consumed
         self.provisioned: dict[str, set[int]] = defaultdict(set)

@@ -34,7 +34,6 @@ from runtime_sim.chain_checker import (
     ISOLATION,
     READY_AFTER_SETUP,
     READY_BEFORE_INJECT,
-    RELEASE_AT_LOAD,
     SAME_SEQUENCE,
     STEP_ORDER,
     TEARDOWN_TO_ALL,
@@ -43,6 +42,7 @@ from runtime_sim.chain_checker import (
     check,
 )
 from runtime_sim.chain_driver import PLAIN, ChainResult, ChainSimulation, RunSpec
+from runtime_sim.chain_ring_rules import RELEASE_AT_LOAD
 from runtime_sim.clock import derive_rng
 from runtime_sim.faults import FaultPlan, random_fault_plan
 from runtime_sim.links import ORCHESTRATOR
