@@ -135,3 +135,16 @@ def test_the_checker_names_a_kv_reservation_a_stage_never_freed() -> None:
     assert [r.outcome for r in result.runs] == ["completed", "completed"]
     rules = {v.rule for v in check(sim, result)}
     assert rules == {KV_FREED}
+
+
+def test_each_batch_takes_the_timing_model_s_time_for_its_rows() -> None:
+    s = chain(6, prefill_chunk=3, arrival_us=700)
+    result, sim, violations = run_scenario(s)
+    assert violations == []
+    spans = [e for e in result.trace.entries if e[2] == "span" and e[3].startswith("step")]
+    assert any(len({r for r, _, _ in e[4][2]}) > 1 for e in spans)  # batches of several runs
+    timing = sim.settings.timing
+    for _time, actor, _kind, _what, (duration, rows, steps) in spans:
+        stage = next(n for n in sim.stages if n.node_id == actor)
+        assert rows >= len(steps)
+        assert duration == int(timing.step_us(stage.cost, rows))
