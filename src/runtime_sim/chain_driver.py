@@ -112,7 +112,7 @@ class ChainSimulation:
     def __init__(
         self,
         runs: Sequence[RunSpec],
-        workers: list[Worker],
+        workers: Sequence[Worker],
         costs: list[StageCost],
         *,
         seed: int = 0,
