@@ -112,7 +112,10 @@ def chain_bound_us(runs: tuple[RunSpec, ...]) -> int:
 
 def check(sim: ChainSimulation, result: ChainResult, solo: Solo | None = None) -> list[Violation]:
     """Every violation in the trace of ``sim`` (empty when the runs kept every rule);
-    with ``solo``, each run's tokens are also compared with its tokens alone."""
+    with ``solo``, each run's tokens are also compared with its tokens alone. The checker
+    reads the trace: a simulation run without one cannot be checked (``ValueError``)."""
+    if not sim.trace.enabled:
+        raise ValueError("a simulation without a trace cannot be checked")
     return _Checker(sim, result, solo).run()
 
 

@@ -135,18 +135,20 @@ class TracedChainStage(ChainStageController):
         return getattr(message, "run_id", None)
 
     def _feed(self, slot: RunSlot, event: sfsm.Event, held: bool = True) -> None:
-        detail = (self._run_of(slot, event), *_event_detail(event))
-        self._sim_trace.add(
-            self._clock.now_us, self.node.node_id, "ev", type(event).__name__, *detail
-        )
+        if self._sim_trace.enabled:
+            detail = (self._run_of(slot, event), *_event_detail(event))
+            self._sim_trace.add(
+                self._clock.now_us, self.node.node_id, "ev", type(event).__name__, *detail
+            )
         super()._feed(slot, event, held)
 
     def _act(self, slot: RunSlot, action: sfsm.Action) -> None:
         run_id = self._run_of(slot)
-        detail = (run_id, *_action_detail(action))
-        self._sim_trace.add(
-            self._clock.now_us, self.node.node_id, "act", type(action).__name__, *detail
-        )
+        if self._sim_trace.enabled:
+            detail = (run_id, *_action_detail(action))
+            self._sim_trace.add(
+                self._clock.now_us, self.node.node_id, "act", type(action).__name__, *detail
+            )
         super()._act(slot, action)
         if isinstance(action, sfsm.BeginSetup):
             self.node.on_provisioned()

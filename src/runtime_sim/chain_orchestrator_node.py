@@ -37,17 +37,19 @@ class TracedChainOrchestrator(ChainOrchestrator):
         self._sim_trace.add(self._clock.now_us, ORCHESTRATOR, "ctl", kind, fields)
 
     def _feed(self, handle: RunHandle, event: ofsm.Event) -> None:
-        name = type(event).__name__
-        self._sim_trace.add(
-            self._clock.now_us, ORCHESTRATOR, "ev", name, handle.run_id, *describe(event)
-        )
+        if self._sim_trace.enabled:
+            name = type(event).__name__
+            self._sim_trace.add(
+                self._clock.now_us, ORCHESTRATOR, "ev", name, handle.run_id, *describe(event)
+            )
         super()._feed(handle, event)
 
     def _act(self, handle: RunHandle, action: ofsm.Action) -> None:
-        name = type(action).__name__
-        self._sim_trace.add(
-            self._clock.now_us, ORCHESTRATOR, "act", name, handle.run_id, *describe(action)
-        )
+        if self._sim_trace.enabled:
+            name = type(action).__name__
+            self._sim_trace.add(
+                self._clock.now_us, ORCHESTRATOR, "act", name, handle.run_id, *describe(action)
+            )
         super()._act(handle, action)
 
 
