@@ -94,6 +94,8 @@ def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt:
     options = generation_options(args)
     many = generate_runs(path, prompt, runs=args.runs, tokenizer=tokenizer, **options)
     rate = many.simulated_tokens_per_s
+    if args.trace is not None:
+        _write_trace(args.trace, many.runs[0])  # every run's shares the chain's trace
     if args.json:
         doc = {
             "runs": [_result_json(r, len(prompt)) for r in many.runs],
