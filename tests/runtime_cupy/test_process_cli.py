@@ -48,6 +48,7 @@ def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
     assert [s["layer_start"] for s in doc["stages"]] == [0, 2, 3]
     assert all(s["exit_status"] == 0 and s["pid"] > 0 for s in doc["stages"])
     assert {"ttft_ms", "decode_tokens_per_s", "load_s", "wall_s"} <= set(doc["timings"])
+    assert doc["slices"] == []  # every stage on this host: no slice travelled
     assert doc["text"] in proc.stderr  # the streamed text went to stderr
 
 
