@@ -232,6 +232,12 @@ def test_a_misaligned_load_stops_the_harness(
     assert proc.returncode != 0 and b"misaligned" in proc.stderr, proc.stderr
 
 
+#: Half precision's edges: the largest half, values rounding to it or to infinity,
+#: subnormal steps and ties, the smallest normal and the largest subnormal.
+HALF_EDGES = [65504, 65519.99, 65520, -65520, 2.0**-24, 2.0**-25, 3 * 2.0**-25,
+              2.0**-25 + 2.0**-40, 2.0**-14, 2.0**-14 - 2.0**-25]  # fmt: skip
+
+
 @needs_cxx
 def test_half_and_bfloat16_conversions_are_exact(harness: Path, tmp_path: Path) -> None:
     """Every half and bfloat16 to float, and float to bfloat16 and to half (its host path,
@@ -241,9 +247,7 @@ def test_half_and_bfloat16_conversions_are_exact(harness: Path, tmp_path: Path) 
         [
             rng.standard_normal(4096).astype(np.float32) * np.float32(1e4),
             np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 3.4e38, -1.5], np.float32),
-            # half's edges: largest, rounding to infinity, subnormal ties and steps
-            np.array([65504, 65519.99, 65520, -65520, 2.0**-24, 2.0**-25, 3 * 2.0**-25,
-                      2.0**-25 + 2.0**-40, 2.0**-14, 2.0**-14 - 2.0**-25], np.float32),  # fmt: skip
+            np.array(HALF_EDGES, np.float32),
             (np.float32(2.0**-14) * rng.random(4096).astype(np.float32)),
             rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32).view(np.float32),
         ]

@@ -5,7 +5,7 @@ that record a graph when they capture and replay it on launch; it refuses what a
 would fault on or a capture cannot record. ``EmulatedKernels``: the kernels' real
 source (``kernels/*.cu``) run on the SIMT emulator (``tests/support/simt``), in a
 thread order of the caller's, with the launch checks of a GPU (grid limits, pointer
-alignment, GPU NaNs). ``DEVICE_STAGE`` is ``runtime_cupy/cuda/device_stage.py``
+alignment). ``DEVICE_STAGE`` is ``runtime_cupy/cuda/device_stage.py``
 imported with ``FakeCupy`` as ``cupy``, and ``EmulatedCudaWorker`` the CUDA worker on
 both. The kernels' NumPy twins (``kernel_twins``) are what tests compare with. Only
 tests import this module.
@@ -213,33 +213,6 @@ def poisoned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
     return np.full(shape, 0x5A, dt)
 
 
-#: The NaN a GPU writes for any NaN it computes (its arithmetic and conversions keep no
-#: payload), by dtype: (bits type, bits). NumPy keeps an operand's payload instead
-#: (0x7fc00000 for ``np.nan``).
-GPU_NAN_BITS: dict[np.dtype[Any], tuple[Any, int]] = {
-    np.dtype(np.float32): (np.uint32, 0x7FFFFFFF),
-    np.dtype(np.float16): (np.uint16, 0x7FFF),
-}
-
-
-class _GpuNans:
-    """A launch's float memory as a GPU leaves it: a NaN the kernel writes (where the
-    bits changed) is the GPU's (``GPU_NAN_BITS``; an x86 CPU computes others); memory it
-    leaves alone keeps its bits."""
-
-    def __init__(self, args: Sequence[Any]) -> None:
-        self.saved: list[tuple[Any, Any, Any]] = []  # (values, bits view, bits before)
-        for a in args:
-            if isinstance(a, FakeArray) and a.dtype in GPU_NAN_BITS:
-                values = a.view(np.ndarray)
-                bits = values.view(GPU_NAN_BITS[a.dtype][0])
-                self.saved.append((values, bits, bits.copy()))
-
-    def finish(self) -> None:
-        for values, bits, before in self.saved:
-            bits[np.isnan(values) & (bits != before)] = GPU_NAN_BITS[values.dtype][1]
-
-
 #: The widest load of a type's blocks in quant.cuh (2 bytes for the types not listed):
 #: a matrix's rows must start at multiples of it.
 BLOCK_LOAD_BYTES = {"F32": 16, "F16": 16, "BF16": 16, "Q4_1": 4, "Q5_1": 4, "Q2_K": 4,
@@ -271,8 +244,9 @@ class EmulatedKernels:
     """``KernelSet`` on the SIMT emulator (``kernels``: a ``SimtKernelSet`` in thread
     order ``order``). Checks each launch's arguments against the kernel's parameter
     types, as the real launch converts them, and each pointer's alignment
-    (``pointer_alignment``) as a GPU needs it. A NaN a kernel writes gets the GPU's bits
-    (``_GpuNans``): what a test compares must not depend on NaN payloads."""
+    (``pointer_alignment``) as a GPU needs it. A NaN the emulated kernels compute carries
+    an x86 payload, not a GPU's canonical one: what a test compares must not depend on
+    NaN payloads."""
 
     def __init__(self, order: ThreadOrder = FORWARD) -> None:
         self.python_launches = 0
@@ -317,9 +291,7 @@ class EmulatedKernels:
         frozen = tuple(args)
 
         def run() -> None:
-            nans = _GpuNans(frozen)
             self.kernels.launch(name, grid3, block, frozen)
-            nans.finish()
 
         RECORDER.run_or_record(run)
 

@@ -58,6 +58,7 @@
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <pthread.h>
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define SIMT_ASAN 1
@@ -219,6 +220,8 @@ struct Emulator {
     // the block
     std::vector<Thread> threads;
     std::vector<Warp> warps;
+    std::vector<unsigned> perm;  // the current round's order of threads
+    unsigned round_at = 0;  // the next position of `perm` to look at
     unsigned n_threads = 0, live = 0, at_barrier = 0;
     Site barrier_site{"", 0};
     unsigned long long barrier_count = 0;
@@ -333,20 +336,40 @@ inline void asan_finish_switch(void* fake, const void** bottom_old, size_t* size
 #endif
 }
 
-// From a fiber to the scheduler; returns when the scheduler runs this fiber again.
-inline void yield_to_scheduler() {
-    Thread* me = g.cur;
-    asan_start_switch(&me->fake_stack, g.sched_stack_bottom, g.sched_stack_size);
-    simt_fiber_switch(&me->sp, g.sched_sp);
-    asan_finish_switch(me->fake_stack, nullptr, nullptr);
+// The next thread of the current scheduling round that can run, if any.
+inline Thread* next_ready() {
+    while (g.round_at < g.n_threads) {
+        Thread* t = &g.threads[g.perm[g.round_at++]];
+        if (t->state == READY) return t;
+    }
+    return nullptr;
 }
 
-[[noreturn]] inline void leave_for_good() {
+// Leave the running fiber for the next ready one of the round, or for the scheduler (end
+// of the round, or a failure). `dying`: the fiber will not run again.
+inline void switch_away(bool dying) {
     Thread* me = g.cur;
-    void* dead;
-    asan_start_switch(nullptr, g.sched_stack_bottom, g.sched_stack_size);
-    simt_fiber_switch(&dead, g.sched_sp);
-    (void)me;
+    Thread* next = g.failed ? nullptr : next_ready();
+    void* dead = nullptr;
+    void** save = dying ? &dead : &me->sp;
+    void** fake = dying ? nullptr : &me->fake_stack;
+    if (next != nullptr) {
+        g.cur = next;
+        asan_start_switch(fake, next->stack, STACK_BYTES);
+        simt_fiber_switch(save, next->sp);
+    } else {
+        g.cur = nullptr;
+        asan_start_switch(fake, g.sched_stack_bottom, g.sched_stack_size);
+        simt_fiber_switch(save, g.sched_sp);
+    }
+    asan_finish_switch(me->fake_stack, nullptr, nullptr);  // resumed by another fiber
+}
+
+// Wait (the thread is BLOCKED): returns when a release made it READY and a round ran it.
+inline void yield_to_scheduler() { switch_away(false); }
+
+[[noreturn]] inline void leave_for_good() {
+    switch_away(true);
     __builtin_unreachable();
 }
 
@@ -797,24 +820,22 @@ inline void run_block() {
     g.warps.assign((n + 31) / 32, Warp{0, 0, 0, {}});
     g.live = n;
     g.at_barrier = 0;
-    std::vector<unsigned> perm;
     for (;;) {
-        bool ran = false;
-        make_order(perm, n);
-        for (unsigned k = 0; k < n; ++k) {
-            Thread* t = &g.threads[perm[k]];
-            if (t->state != READY) continue;
-            ran = true;
+        // a round: every thread that can run, in the order; a fiber that waits or exits
+        // passes control to the next ready one itself, the last back to here
+        make_order(g.perm, n);
+        g.round_at = 0;
+        Thread* t = next_ready();
+        if (t != nullptr) {
             g.cur = t;
             void* sched_fake = nullptr;
             asan_start_switch(&sched_fake, t->stack, STACK_BYTES);
             simt_fiber_switch(&g.sched_sp, t->sp);
             asan_finish_switch(sched_fake, nullptr, nullptr);
             g.cur = nullptr;
-            if (g.failed) return;
         }
-        if (g.live == 0) return;
-        if (!ran) {
+        if (g.failed || g.live == 0) return;
+        if (t == nullptr) {
             g.failed = true;
             g.error = format("deadlock in block (%u,%u,%u): %u live threads, none can go on%s",
                              g.block_idx.x, g.block_idx.y, g.block_idx.z, g.live,
@@ -845,7 +866,7 @@ namespace detail {
 // A fiber's first instructions (from simt_fiber_entry): run the kernel as its thread.
 extern "C" void simt_fiber_main() {
     using namespace simt::detail;
-    asan_finish_switch(nullptr, &g.sched_stack_bottom, &g.sched_stack_size);
+    asan_finish_switch(nullptr, nullptr, nullptr);
     g.invoke(g.args);
     thread_exit();
 }
@@ -1213,6 +1234,19 @@ extern "C" __attribute__((visibility("default"))) int simt_launch(
     g.order = order;
     g.rng = seed;
     g.dynamic_bytes = dynamic_bytes;
+#if SIMT_ASAN
+    {  // the calling thread's stack, which fibers switch back to
+        pthread_attr_t attr;
+        void* lo = nullptr;
+        size_t size = 0;
+        if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+            pthread_attr_getstack(&attr, &lo, &size);
+            pthread_attr_destroy(&attr);
+        }
+        g.sched_stack_bottom = lo;
+        g.sched_stack_size = size;
+    }
+#endif
     unsigned long long n = (unsigned long long)block[0] * block[1] * block[2];
     unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
     std::string bad;

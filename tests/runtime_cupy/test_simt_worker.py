@@ -1,0 +1,108 @@
+"""The CUDA worker, whole, with its kernels' real source on the SIMT emulator.
+
+- SmolLM2-135M (Q4_1) through the process runtime: two stage processes of the emulated
+  CUDA worker (``tests/support/simt_stage.SimtHost``: ``device_stage.py`` on the emulated
+  CuPy, 8-bit products, f16 activations between the stages as a CUDA run plans them, the
+  kernels' threads in a seeded random order). On two of llama.cpp's recorded prompts it
+  gives the NumPy reference worker's greedy tokens up to llama.cpp's first near-tie
+  (``numerics.first_near_tie``: "mountain" has none in its 16 steps, so every token
+  asked for; "france" has one at step 5), and its prompt logits meet the reference
+  worker's thresholds against llama.cpp's (cosine >= 0.999, the same largest logit).
+  Affordable: about 20 CPU seconds for 8 + 6 tokens (a decode step of SmolLM2 is some
+  6 million emulated CUDA threads).
+- llama.cpp's tiny fixtures of every architecture the CUDA worker runs, in every type it
+  has (13 for llama and qwen2), both product modes, in one process: the GPU test of the
+  same name (``test_gpu_worker.test_tiny_fixtures_in_every_type``: llama.cpp's
+  thresholds, and prompt logits within cosine 0.99999 of the NumPy twin worker's) on the
+  emulated CuPy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tests.runtime_cupy.test_gpu_worker as gw
+from runtime_core.reference import ReferenceWorker
+from tests.fixtures.llamacpp_fixtures import load_doc, load_logits
+from tests.runtime_core.chain import Chain, provisions
+from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
+from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy
+from tests.support.simt.loader import random_order
+from tests.support.simt_stage import SimtHost, run_emulated
+
+if shutil.which("g++") is None:
+    pytest.skip("the SIMT emulator needs a host C++ compiler (g++)", allow_module_level=True)
+
+SMOLLM2 = {p["name"]: p for p in load_doc("smollm2")["prompts"]}
+SMOLLM2_LOGITS = load_logits("smollm2")
+#: (prompt, tokens): a prompt with no near-tie in its first 16 steps, and one with a
+#: near-tie at step 5.
+RUNS = (("mountain", 8), ("france", 6))
+
+
+@pytest.fixture(scope="module")
+def emulated_smollm2(smollm2_path: str) -> dict[str, Any]:
+    """Each prompt's run through two emulated CUDA stage processes."""
+    host = SimtHost(order=random_order(11))
+    return {
+        name: run_emulated(
+            smollm2_path, SMOLLM2[name]["token_ids"], stages=2, max_tokens=n, host=host
+        )
+        for name, n in RUNS
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_smollm2(smollm2_path: str) -> dict[str, list[int]]:
+    chain = Chain.bind(provisions(smollm2_path, 1, max_seq_len=64), ReferenceWorker)
+    try:
+        return {
+            name: [o.token_id for o in chain.generate(SMOLLM2[name]["token_ids"], n)]
+            for name, n in RUNS
+        }
+    finally:
+        chain.release()
+
+
+@pytest.mark.parametrize(("name", "n"), RUNS, ids=[name for name, _ in RUNS])
+def test_smollm2_in_two_emulated_cuda_stage_processes(
+    emulated_smollm2: dict[str, Any], reference_smollm2: dict[str, list[int]], name: str, n: int
+) -> None:
+    result = emulated_smollm2[name]
+    assert result.finished is not None and result.finished.outcome.value == "COMPLETED", result
+    assert len(result.tokens) == n and len(result.logits) == n
+    prompt_logits = np.asarray(result.logits[0])
+    theirs = SMOLLM2_LOGITS[f"q4_1/{name}"]
+    assert cosine(prompt_logits, theirs) >= 0.999
+    assert int(np.argmax(prompt_logits)) == int(np.argmax(theirs))
+    agree = common_prefix(list(result.tokens), reference_smollm2[name])
+    assert agree >= first_near_tie(SMOLLM2[name]["gaps"], n), (
+        name,
+        result.tokens,
+        reference_smollm2[name],
+    )
+
+
+@pytest.fixture
+def emulated_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedKernels]:
+    kernels = EmulatedKernels()
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
+    monkeypatch.setitem(sys.modules, "runtime_cupy.cuda.device_stage", DEVICE_STAGE)
+    monkeypatch.setitem(DEVICE_STAGE._KERNELS, 0, kernels)
+    yield kernels
+
+
+@pytest.mark.parametrize("mode", ["q8", "f32"])
+@pytest.mark.parametrize("entry", gw.TINY_MODELS, ids=[m["name"] for m in gw.TINY_MODELS])
+def test_tiny_fixtures_in_every_type(
+    emulated_cupy: EmulatedKernels, entry: dict[str, Any], mode: str, tmp_path: Path
+) -> None:
+    gw.test_tiny_fixtures_in_every_type(entry, mode, tmp_path)
+    assert emulated_cupy.python_launches > 0
