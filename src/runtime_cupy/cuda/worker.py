@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from runplan import WorkerCapabilities
+from runplan.config import REFERENCE_ARCHITECTURES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.worker import WorkerError
@@ -42,13 +43,13 @@ from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
 from runtime_cupy.quant_types import QUANT_TYPES
 from runtime_cupy.stage_worker import BackendSpec, StageBackend, StageWorker
 
-#: What the CUDA worker runs: llama and qwen2 (the other architectures of the reference
-#: worker are refused by name: ``UnsupportedModel``, ``unsupported_model``) and all 13 types;
-#: weights stay as the file stores them and the KV cache takes the activation dtype
-#: (``kv_dtype="auto"``), which is what the planner's memory check counts.
+#: What the CUDA worker runs: every architecture of the reference worker
+#: (``runtime_core.architectures``) and all 13 types; weights stay as the file stores them
+#: and the KV cache takes the activation dtype (``kv_dtype="auto"``; a sliding block's
+#: holds its window), which is what the planner's memory check counts.
 CUDA_CAPABILITIES = WorkerCapabilities(
     name="cuda",
-    architectures=("llama", "qwen2"),
+    architectures=REFERENCE_ARCHITECTURES,
     quant_types=QUANT_TYPES,
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,

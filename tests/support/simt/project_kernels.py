@@ -7,6 +7,10 @@ in the set's thread order (``order``). Its checks against ``kernels.py``: each s
 file has exactly the kernels ``KERNELS`` lists, each with the parameter types its codes
 say (``p`` a pointer, ``i`` 32-bit, ``l`` 64-bit integer, ``f`` float32); a Python value
 of another type than a launch through ``KernelSet`` would convert is refused.
+
+``GGUF_PIPELINE_SIMT_ASAN=1`` builds them with AddressSanitizer (``make simt-asan``, which
+preloads ASan's runtime): a kernel's access outside a shared array or outside the memory
+of an array it is given stops the run with ASan's report, naming the source line.
 """
 
 from __future__ import annotations
@@ -55,21 +59,33 @@ def compile_project(asan: bool = False) -> dict[str, SimtModule]:
     return modules
 
 
-_modules: dict[bool, dict[str, SimtModule]] = {}
+_modules: dict[bool, dict[str, SimtModule] | Exception] = {}
 
 
 def project_modules(asan: bool = False) -> dict[str, SimtModule]:
+    """``compile_project``, once per process (a failure too: every launch raises it)."""
     if asan not in _modules:
-        _modules[asan] = compile_project(asan)
-    return _modules[asan]
+        try:
+            _modules[asan] = compile_project(asan)
+        except Exception as exc:
+            _modules[asan] = exc
+    built = _modules[asan]
+    if isinstance(built, Exception):
+        raise built
+    return built
+
+
+def asan_requested() -> bool:
+    return os.environ.get("GGUF_PIPELINE_SIMT_ASAN", "") == "1"
 
 
 class SimtKernelSet:
-    """``KernelSet`` over the emulator: the same ``launch``, the kernels' real source."""
+    """``KernelSet`` over the emulator: the same ``launch``, the kernels' real source
+    (built with ASan when ``asan``, by default when ``GGUF_PIPELINE_SIMT_ASAN=1``)."""
 
-    def __init__(self, order: ThreadOrder = FORWARD, *, asan: bool = False) -> None:
+    def __init__(self, order: ThreadOrder = FORWARD, *, asan: bool | None = None) -> None:
         self.order = order
-        self.asan = asan
+        self.asan = asan_requested() if asan is None else asan
         self.launches = 0
 
     def compile_all(self) -> None:

@@ -233,6 +233,7 @@ struct Emulator {
     void* sched_sp = nullptr;
     char* stacks = nullptr;
     size_t n_stacks = 0;
+    bool stacks_dirty = false;  // a failed launch abandoned fibers mid-way
     const void* sched_stack_bottom = nullptr;
     size_t sched_stack_size = 0;
     // outcome
@@ -403,7 +404,10 @@ inline char* stack_of(size_t i) {
 // Lay out a new fiber's stack so that switching to it enters simt_fiber_entry.
 inline void start_fiber(Thread* t) {
 #if SIMT_ASAN
-    ASAN_UNPOISON_MEMORY_REGION(t->stack, STACK_BYTES);  // what an abandoned fiber left
+    // A fiber that returned from the kernel left poisoned only the frames it exits
+    // through (near the top); after a failed launch, abandoned frames anywhere.
+    size_t dirty = g.stacks_dirty ? STACK_BYTES : 16 * 1024;
+    ASAN_UNPOISON_MEMORY_REGION(t->stack + STACK_BYTES - dirty, dirty);
 #endif
     // stack tops at different offsets within a page, so that fibers' frames do not all
     // compete for the same cache sets
@@ -1283,6 +1287,7 @@ extern "C" __attribute__((visibility("default"))) int simt_launch(
         if (g.failed) break;
     }
     g.cur = nullptr;
+    g.stacks_dirty = g.failed;
     if (g.failed) {
         snprintf(err, (size_t)err_len, "%s", g.error.c_str());
         return 1;
