@@ -20,13 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
 from runplan import SamplingConfig
 from runtime_core.reference import ReferenceWorker
 from runtime_core.worker import TokenOutput, Worker
-from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.runtime_core.chain import provisions
 from tests.runtime_core.numerics import common_prefix, cosine
 from tests.support.cuda_chain import Chain
@@ -81,6 +82,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "llama-Q8_0-rope": write_model(folder / "rope.gguf", rope),
         "mixed-types": write_random_model(folder / "mixed.gguf", MIXED),
+        # sliding blocks of 4 positions: the 6-token prefill wraps their ring; soft cap
+        "gemma3-window": write_model(
+            folder / "gemma3.gguf",
+            attrs.evolve(FIXTURE_SHAPES["gemma3"], sliding_window=4, final_logit_softcap=3.0),
+        ),
+        "phi3": write_model(  # partial rotary, fused Q|K|V and gate|up
+            folder / "phi3.gguf", attrs.evolve(FIXTURE_SHAPES["phi3"], n_layers=2)
+        ),
     }
 
 
@@ -120,7 +129,10 @@ def logits(out: TokenOutput) -> np.ndarray:
 
 @pytest.mark.parametrize("split", [(1, "f32"), (2, "f16")], ids=["1-stage", "2-stage-f16"])
 @pytest.mark.parametrize("mode", ["q8", "f32"])
-@pytest.mark.parametrize("name", ["llama-F32", "qwen2-Q4_K", "llama-Q8_0-rope", "mixed-types"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama-F32", "qwen2-Q4_K", "llama-Q8_0-rope", "mixed-types", "gemma3-window", "phi3"],
+)
 def test_the_device_backend_computes_what_the_twin_worker_computes(
     models: dict[str, Path], name: str, mode: str, split: tuple[int, str]
 ) -> None:
