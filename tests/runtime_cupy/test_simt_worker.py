@@ -15,6 +15,13 @@
   same name (``test_gpu_worker.test_tiny_fixtures_in_every_type``: llama.cpp's
   thresholds, and prompt logits within cosine 0.99999 of the NumPy twin worker's) on the
   emulated CuPy.
+- The 6-block gemma3 fixture (sliding windows past which the run goes, post-norms, GELU)
+  split 3 + 3 across two emulated stage processes with float32 activations, its kernels'
+  threads in reverse order: the tokens of one stage in this process and its logits
+  within 1e-5 (the GPU test's bound for stages against one stage: the prefill's matrix
+  products are NumPy's here, standing for cuBLAS, and OpenBLAS sums in another order
+  with the stage processes' one thread than with this process's several), and llama.cpp's
+  prompt logits within its F32 thresholds.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import pytest
 
 import tests.runtime_cupy.test_gpu_worker as gw
 from runtime_core.reference import ReferenceWorker
-from tests.fixtures.llamacpp_fixtures import load_doc, load_logits
+from runtime_cupy.cuda.worker import CudaWorker
+from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.runtime_core.chain import Chain, provisions
 from tests.runtime_core.numerics import common_prefix, cosine, first_near_tie
 from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy
-from tests.support.simt.loader import random_order
+from tests.support.simt.loader import REVERSE, random_order
 from tests.support.simt_stage import SimtHost, run_emulated
 
 if shutil.which("g++") is None:
@@ -106,3 +114,27 @@ def test_tiny_fixtures_in_every_type(
 ) -> None:
     gw.test_tiny_fixtures_in_every_type(entry, mode, tmp_path)
     assert emulated_cupy.python_launches > 0
+
+
+def test_a_six_block_gemma3_split_across_two_emulated_stage_processes(
+    emulated_cupy: EmulatedKernels, tmp_path: Path
+) -> None:
+    tiny = load_doc("tiny")
+    entry = next(m for m in tiny["models"] if m["name"] == "tiny-gemma3-6-F32")
+    path = model_file(entry, tmp_path)
+    prompt, n = tiny["prompt"], tiny["greedy_tokens"]
+    split = run_emulated(
+        path, prompt, stages=2, max_tokens=n, host=SimtHost(order=REVERSE), activation_bytes=4
+    )
+    assert split.finished is not None and split.finished.outcome.value == "COMPLETED", split
+    chain = Chain.bind(provisions(path, 1, max_seq_len=len(prompt) + n), CudaWorker)
+    try:
+        one = chain.generate(prompt, n)
+    finally:
+        chain.release()
+    assert list(split.tokens) == [o.token_id for o in one]
+    for ours, theirs in zip(split.logits, one, strict=True):
+        np.testing.assert_allclose(ours, theirs.logits, rtol=0, atol=1e-5)
+    llamacpp = load_logits("tiny")[f"{entry['name']}/prompt"]
+    assert cosine(np.asarray(split.logits[0]), llamacpp) >= 0.99999
+    assert int(np.argmax(split.logits[0])) == int(np.argmax(llamacpp))

@@ -77,14 +77,16 @@ def run_emulated(
     max_tokens: int,
     host: SimtHost,
     return_logits: bool = True,
+    activation_bytes: int = 2,
 ) -> ProcessRunResult:
-    """One run of the CUDA worker in ``stages`` processes of ``host`` (greedy)."""
+    """One run of the CUDA worker in ``stages`` processes of ``host`` (greedy), its
+    activations float16 between stages (as a CUDA run plans them) or float32 (4)."""
     facts = facts_for_run(model_path, prompt_len=len(prompt), max_tokens=max_tokens)
     config = RuntimeConfig(
         run_id=f"simt-{uuid.uuid4().hex[:12]}",
         max_tokens=max_tokens,
         activation_dtype_family=DTypeFamily.FLOAT,
-        activation_dtype_width_bytes=2,
+        activation_dtype_width_bytes=activation_bytes,
         sampling=SamplingConfig(),
         return_logits=return_logits,
         worker=CUDA_CAPABILITIES,
