@@ -43,12 +43,14 @@ fuzz: $(STAMP)
 # The CUDA kernels' real source on the SIMT emulator (tests/support/simt), built with
 # AddressSanitizer: every kernel against its twin, and the tiny models on the emulated
 # CUDA worker; an access outside a shared array or an array's memory stops the run with
-# ASan's report. Needs g++ with libasan.
+# ASan's report (--capture=sys: pytest does not swallow what ASan writes to fd 2).
+# Needs g++ with libasan.
 ASAN_RUNTIME = $(shell g++ -print-file-name=libasan.so)
 simt-asan: $(STAMP)
 	GGUF_PIPELINE_SIMT_ASAN=1 LD_PRELOAD=$(ASAN_RUNTIME) ASAN_OPTIONS=detect_leaks=0 \
-		$(PY) -m pytest -q -p no:cacheprovider tests/runtime_cupy/test_simt_kernels.py \
-		tests/runtime_cupy/test_simt_worker.py -k "not smollm2"
+		$(PY) -m pytest -q --capture=sys -p no:cacheprovider \
+		tests/runtime_cupy/test_simt_kernels.py tests/runtime_cupy/test_simt_worker.py \
+		-k "not smollm2"
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_speed.py

@@ -379,11 +379,25 @@ inline size_t page_size() {
     return page;
 }
 
+inline char* stack_of(size_t i) {
+    size_t page = page_size();
+    return g.stacks + i * (STACK_BYTES + page) + page;
+}
+
 inline void ensure_stacks(size_t n) {
     if (n <= g.n_stacks) return;
     size_t page = page_size();
     size_t each = STACK_BYTES + page;  // a guard page below each stack
-    if (g.stacks != nullptr) munmap(g.stacks, g.n_stacks * each);
+    if (g.stacks != nullptr) {
+        // ASan keeps a region's poison past munmap: the next mapping there (a model
+        // file, say) would inherit our fibers' frames
+        for (size_t i = 0; i < g.n_stacks; ++i) {
+#if SIMT_ASAN
+            ASAN_UNPOISON_MEMORY_REGION(stack_of(i), STACK_BYTES);
+#endif
+        }
+        munmap(g.stacks, g.n_stacks * each);
+    }
     void* p = mmap(nullptr, n * each, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
     if (p == MAP_FAILED) {
@@ -396,10 +410,6 @@ inline void ensure_stacks(size_t n) {
     for (size_t i = 0; i < n; ++i) mprotect(g.stacks + i * each, page, PROT_NONE);
 }
 
-inline char* stack_of(size_t i) {
-    size_t page = page_size();
-    return g.stacks + i * (STACK_BYTES + page) + page;
-}
 
 // Lay out a new fiber's stack so that switching to it enters simt_fiber_entry.
 inline void start_fiber(Thread* t) {
