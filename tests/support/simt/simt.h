@@ -1249,13 +1249,16 @@ extern "C" __attribute__((visibility("default"))) int simt_launch(
     g.rng = seed;
     g.dynamic_bytes = dynamic_bytes;
 #if SIMT_ASAN
-    {  // the calling thread's stack, which fibers switch back to
-        pthread_attr_t attr;
-        void* lo = nullptr;
-        size_t size = 0;
-        if (pthread_getattr_np(pthread_self(), &attr) == 0) {
-            pthread_attr_getstack(&attr, &lo, &size);
-            pthread_attr_destroy(&attr);
+    {  // the calling thread's stack, which fibers switch back to (asked once per thread:
+       // for the main thread glibc reads /proc/self/maps)
+        static thread_local void* lo = nullptr;
+        static thread_local size_t size = 0;
+        if (lo == nullptr) {
+            pthread_attr_t attr;
+            if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+                pthread_attr_getstack(&attr, &lo, &size);
+                pthread_attr_destroy(&attr);
+            }
         }
         g.sched_stack_bottom = lo;
         g.sched_stack_size = size;
