@@ -193,7 +193,7 @@ class FakeCupy(types.ModuleType):
 
 
 #: NaNs of a payload that neither NumPy nor a GPU computes, to poison memory with:
-#: a NaN written over one shows as a change of bits (``_GpuNans``).
+#: a NaN written over one shows as a change of bits.
 POISON_NAN_BITS: dict[np.dtype[Any], tuple[Any, int]] = {
     np.dtype(np.float64): (np.uint64, 0x7FFA5A5A5A5A5A5A),
     np.dtype(np.float32): (np.uint32, 0x7FD5A5A5),

@@ -46,6 +46,8 @@ from attrs import frozen
 from tests.support.simt.rewrite import find_kernels, rewrite_shared
 
 HEADER = Path(__file__).resolve().with_name("simt.h")
+#: simt.h and the parts it includes: all of them go into the cache key.
+HEADERS = tuple(sorted(HEADER.parent.glob("simt*.h")))
 #: Bumped when what the loader writes around a source changes.
 ABI = 1
 CXX = os.environ.get("GGUF_PIPELINE_SIMT_CXX") or shutil.which("g++") or "g++"
@@ -177,7 +179,8 @@ def compile_cu(
         rewritten[name] = f'#line 1 "{files[name]}"\n{text}'
     flags = [*FLAGS, *(ASAN_FLAGS if asan else ()), *(f"-D{d}" for d in defines)]
     digest = hashlib.sha256()
-    for part in (str(ABI), HEADER.read_text(), _compiler_version(), " ".join(flags), source.name):
+    headers = "".join(h.name + "\0" + h.read_text() for h in HEADERS)
+    for part in (str(ABI), headers, _compiler_version(), " ".join(flags), source.name):
         digest.update(part.encode() + b"\0")
     for name in sorted(rewritten):
         digest.update(name.encode() + b"\0" + rewritten[name].encode() + b"\0")
