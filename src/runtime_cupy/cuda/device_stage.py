@@ -289,8 +289,8 @@ class DeviceOps:
         v = cupy.empty((ring_v.shape[0], end, ring_v.shape[2]), ring_v.dtype)
         start = max(0, self.pos - size)
         if start < self.pos:
-            held = cupy.arange(start, self.pos) % size
-            with self.stream:
+            with self.stream:  # the index array too: the stage's stream does not wait for others
+                held = cupy.arange(start, self.pos) % size
                 k[:, start : self.pos] = ring_k[:, held]
                 v[:, start : self.pos] = ring_v[:, held]
         return k, v
@@ -312,8 +312,8 @@ class DeviceOps:
         if self.step_kv is not None:  # the ring keeps the step's last `size` positions
             ring_k, ring_v = self.k_cache[layer], self.v_cache[layer]
             size, end = ring_k.shape[1], self.pos + rows
-            kept = cupy.arange(max(self.pos, end - size), end)
             with self.stream:
+                kept = cupy.arange(max(self.pos, end - size), end)
                 ring_k[:, kept % size] = k[:, kept]
                 ring_v[:, kept % size] = v[:, kept]
             self.step_kv = None
