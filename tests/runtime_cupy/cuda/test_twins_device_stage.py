@@ -27,6 +27,7 @@ import pytest
 from runplan import SamplingConfig
 from runtime_core.workers.interface import TokenOutput, Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
+from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.support.chain import Chain, provisions
 from tests.support.emulated_cupy import (
@@ -160,6 +161,46 @@ def test_the_device_backend_computes_what_the_twin_worker_computes(
     )
     assert_same(graph, eager)
     assert_close(graph, twin)
+
+
+def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
+    models: dict[str, Path],
+) -> None:
+    """A run's KV cache (``DeviceCache``) is a ring per block of its own, a sliding
+    block's its window long: the device holds for a run the bytes the planner counted
+    for it, and two gemma3 runs whose prefills wrap the 4-position window, stepped in
+    the same batches (whole and in chunks of 3), give what each gives alone, bit for
+    bit."""
+    path = models["gemma3-window"]
+    prompts = {"run-0": PROMPT, "run-1": [9, 8, 7, 6, 5, 4, 3]}
+    provs = {
+        r: provisions(
+            path, 1, max_seq_len=32, run_id=r, max_concurrent_runs=2, worker=CUDA_CAPABILITIES
+        )
+        for r in prompts
+    }
+
+    def generate(run_ids: list[str], chunk: int = 0) -> dict[str, list[TokenOutput]]:
+        chain = Chain.bind(provs["run-0"], EmulatedCudaWorker)
+        try:
+            for r in run_ids:
+                chain.open(provs[r])
+            return chain.generate_batched({r: prompts[r] for r in run_ids}, 5, chunk)
+        finally:
+            chain.release()
+
+    (p,) = provs["run-0"]
+    w = EmulatedCudaWorker()
+    w.configure(p)
+    w.bind(p.gguf_source)
+    cache = EmulatedCudaWorker.backends[-1].new_cache(p.kv_positions)
+    assert sorted({k.shape[1] for k in cache.k}) == [4, p.kv_positions]
+    assert sum(a.nbytes for a in (*cache.k, *cache.v)) == p.kv_bytes
+    w.release()
+    for chunk in (0, 3):
+        together = generate(list(prompts), chunk)
+        for r in prompts:
+            assert_same(generate([r], chunk)[r], together[r])
 
 
 def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None:
