@@ -36,6 +36,9 @@ from tests.runtime_cupy.cuda.test_twins_gpu_dryrun import parameter_sets
 from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeArray, FakeCupy
 from tests.support.simt.loader import REVERSE, ThreadOrder, random_order
 
+#: Minutes: every parameter set of every kernel test, twice.
+pytestmark = pytest.mark.slow
+
 if shutil.which("g++") is None:
     pytest.skip("the SIMT emulator needs a host C++ compiler (g++)", allow_module_level=True)
 

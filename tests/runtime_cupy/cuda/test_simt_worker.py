@@ -79,6 +79,8 @@ def reference_smollm2(smollm2_path: str) -> dict[str, list[int]]:
         chain.release()
 
 
+@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize(("name", "n"), RUNS, ids=[name for name, _ in RUNS])
 def test_smollm2_in_two_emulated_cuda_stage_processes(
     emulated_smollm2: dict[str, Any], reference_smollm2: dict[str, list[int]], name: str, n: int
@@ -107,6 +109,7 @@ def emulated_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedKernels]:
     yield kernels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["q8", "f32"])
 @pytest.mark.parametrize("entry", gw.TINY_MODELS, ids=[m["name"] for m in gw.TINY_MODELS])
 def test_tiny_fixtures_in_every_type(
@@ -116,6 +119,7 @@ def test_tiny_fixtures_in_every_type(
     assert emulated_cupy.python_launches > 0
 
 
+@pytest.mark.process
 def test_a_six_block_gemma3_split_across_two_emulated_stage_processes(
     emulated_cupy: EmulatedKernels, tmp_path: Path
 ) -> None:
