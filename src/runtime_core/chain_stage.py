@@ -74,6 +74,12 @@ from runtime_core.workers.interface import (
 )
 from runtime_core.workers.worker_runs import same_stage
 
+#: How the detail of a chain fault of the stage's links begins (``EDGE_FAULT``): the
+#: link to the stage before (or the orchestrator's token-in) or to the stage after (or
+#: token-out) is gone. A run's own bad record names its edge instead (``edge N: ...``).
+INBOUND_LINK = "inbound link"
+OUTBOUND_LINK = "outbound link"
+
 Trace = Callable[[str, dict[str, Any]], None]
 
 _PREPARING = fsm.State.PREPARING
@@ -589,10 +595,11 @@ class ChainStageController:
     def _link(self, end: str) -> str:
         """A link's name in a fault: ``inbound link (hop i)``; hop ``i`` feeds stage
         ``i``."""
+        name = OUTBOUND_LINK if end == "outbound" else INBOUND_LINK
         if self.chain is None:
-            return f"{end} link"
+            return name
         hop = self.chain.stage_index + (end == "outbound")
-        return f"{end} link (hop {hop})"
+        return f"{name} (hop {hop})"
 
     def chain_fault(self, reason: FaultReason) -> None:
         """A fault of what every run shares: each held run faults with ``reason``."""

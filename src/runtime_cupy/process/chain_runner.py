@@ -44,6 +44,7 @@ from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import ProvisionStage, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
+from runplan.shards import SliceParts
 from runtime_core.chain_orchestrator import (
     ChainOrchestrator,
     RunHandle,
@@ -329,6 +330,8 @@ class ChainRunner:
                 trace=self.trace.enabled,
                 warm=True,
                 encrypt_edges=self.encrypt_edges,
+                source=plan.model.gguf_source,
+                parts=SliceParts.of_stage(stage),
             )
             kept = _Stage(self.host.start(launch, self.secret))
             self.stages.append(kept)

@@ -17,6 +17,10 @@ through TCP otherwise (``edges``: ``auto``), or through the medium asked for
 (``shm``, ``tcp``: TCP on one host, for tests and comparison). TCP links authenticate
 every frame; with ``encrypt_edges`` they encrypt it too (``edges.tcp_seal``).
 
+A host that brings stages on other machines their slices of the model
+(``hosts.port.MovesSlices``) is waited for before the run is handed to the chain: the
+readiness bound starts once the slices are in place.
+
 Faults are the chain runner's: a stage that dies or goes silent faults the run naming
 the stage, its node, its host and the cause.
 """
@@ -36,7 +40,7 @@ from attrs import frozen
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
-from runtime_cupy.hosts.port import StageHost, StageProcessInfo
+from runtime_cupy.hosts.port import MovesSlices, StageHost, StageProcessInfo
 from runtime_cupy.process.chain_runner import (
     ORCHESTRATOR,
     ChainRun,
@@ -139,6 +143,8 @@ class ProcessRun:
         try:
             try:
                 runner.start()
+                if isinstance(self.host, MovesSlices):  # the slices in place first
+                    self.host.wait_for_slices(lambda: bool(self._cancel))
                 run = self._run = runner.submit(self.plan, self.prompt, self.on_token)
                 if self._cancel:
                     runner.cancel(self.plan.run_id, self._cancel[0])

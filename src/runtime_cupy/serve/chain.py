@@ -22,7 +22,9 @@ heartbeats at all times, between runs too. Until the chain is whole again it is 
 
 With ``ray_address`` (``auto`` or ``HOST:PORT``) the stages live on the hosts of a Ray
 cluster (``hosts.ray``, this process its driver), placed as ``runtime_cupy.generate``
-places them (``placement`` ``even`` or ``memory``).
+places them (``placement`` ``even`` or ``memory``). A stage on a host without the model
+gets its slice from this host (``runtime_cupy.slices``), logged as it moves
+(``waiting_for`` says what is still on its way).
 
 ``generate``, ``ready`` and a run's ``cancel`` may be called from any thread; ``start``,
 ``recover`` and ``close`` from the owner's.
@@ -56,6 +58,7 @@ from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunne
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import run_result
 from runtime_cupy.process.names import new_run_id
+from runtime_cupy.slices.progress import SliceLog, describe
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 if TYPE_CHECKING:
@@ -123,8 +126,9 @@ class WarmChain:
     random bits, ``names.new_run_id``); ``secrets()`` gives each chain started its secret
     (by default 32 random bytes): the chain's id, which names its links on its hosts, is
     derived from it. ``prefill_chunk``: rows of a prompt per prefill record (a long
-    prompt's chunks interleave with the other runs' decode steps). Raises ``ClusterError`` for a cluster that cannot
-    be reached or has no room, before any process starts."""
+    prompt's chunks interleave with the other runs' decode steps). Raises
+    ``ClusterError`` for a cluster that cannot be reached or has no room, before any
+    process starts."""
 
     def __init__(
         self,
@@ -180,6 +184,7 @@ class WarmChain:
             host = self._ray_host = RayHost(
                 cluster, session.orchestrator_address(), log_level=level
             )
+            self._ray_host.on_slice_change = SliceLog()  # serve logs slices as they move
         else:
             self.nodes, self.devices = place_stages(stages, worker, gpus)
         self.placement = placement
@@ -292,6 +297,21 @@ class WarmChain:
         """Runs on the chain now (any thread)."""
         runner = self._runner
         return runner.in_flight if runner is not None else 0
+
+    def waiting_for(self) -> list[str]:
+        """What the chain waits for before it serves (nothing once ready): each stage's
+        slice still travelling to its host (bytes, rate, time left), else its stages."""
+        if self.ready:
+            return []
+        host = self._ray_host
+        moving = [describe(t) for t in host.slice_transfers() if t.moving] if host else []
+        if moving:
+            return moving
+        started = len(self.handles())
+        total = len(self.layout)
+        if started < total:
+            return [f"stages to start: {started} of {total} started"]
+        return [f"the {total} stages to bind their slices of the model"]
 
     def kv_in_use(self) -> tuple[tuple[int, int, int], ...]:
         """Each stage's KV cache held by the runs in flight: ``(stage_index, bytes,
