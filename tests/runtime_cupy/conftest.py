@@ -37,7 +37,8 @@ def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     errors. It checks what it made itself: the processes carrying its tag, the
     resources of the chains it used (``hygiene.RunLedger``: every ``ChainRunner`` made
     in this process, a ``ProcessRun``'s or a warm chain's, and the runs it learned of
-    from processes it started), and its own process's listening ports (the orchestrator's token-out; a stage's die with it).
+    from processes it started), and its own process's listening ports (the
+    orchestrator's token-out; a stage's die with it).
     A resource of one of its runs that a process it did not start still uses (a warm
     chain of a fixture wider than the test) is not a leftover. Nothing else on the
     host is looked at, so a stranger's run or server never makes a test fail, and is
