@@ -16,6 +16,7 @@ synchronizing it, so a device array it returns is ready for another stream.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -31,12 +32,14 @@ from runtime_core.workers.forward_program import (
     Linear,
     MatrixPart,
     NoOptionalSteps,
+    Segment,
     StageWeights,
     forward_blocks,
     forward_head,
     load_weights,
 )
 from runtime_core.workers.interface import Progress, TraceEvent
+from runtime_core.workers.looped_batch import Kept, RunsOneAtATime
 from runtime_core.workers.stage_worker import BackendSpec
 from runtime_cupy.cuda.kernels import KernelSet
 
@@ -190,8 +193,9 @@ class DeviceOps(NoOptionalSteps):
     def norm(self, weight: Any, rows: int) -> None:
         self._norm(self.buf["x"], weight, self.buf["xn"], rows, self._q8("xn", rows))
 
-    def head_norm(self, weight: Any, rows: int) -> None:
-        last = self.buf["x"][rows - 1 : rows]
+    def head_norm(self, weight: Any, heads: Sequence[int]) -> None:
+        (row,) = heads  # one run's step at a time (``RunsOneAtATime``)
+        last = self.buf["x"][row : row + 1]
         self._norm(
             last, weight, self.buf["xl"], 1, self.q8.get("xl") if self.spec.matvec == "q8" else None
         )
@@ -266,7 +270,8 @@ class DeviceOps(NoOptionalSteps):
                 else:
                     y[:, r0 : r0 + nt] = out
 
-    def rope_kv(self, layer: int, bias: Any, rows: int) -> None:
+    def rope_kv(self, layer: int, bias: Any, seg: Segment) -> None:
+        rows = seg.rows  # the step's only segment; its position is in ``state``
         c = self.w.config
         kv = "f16" if self.kv_half else "f32"
         self._launch(
@@ -276,7 +281,8 @@ class DeviceOps(NoOptionalSteps):
             self.k_cache[layer], self.v_cache[layer], self.cache_len,
         )  # fmt: skip
 
-    def attention(self, layer: int, rows: int) -> None:
+    def attention(self, layer: int, seg: Segment) -> None:
+        rows = seg.rows
         c = self.w.config
         kv = "f16" if self.kv_half else "f32"
         q8 = self._q8("att", rows)
@@ -311,8 +317,8 @@ class DeviceOps(NoOptionalSteps):
         else:
             self._launch("swiglu_rows", min(_cdiv(rows * f, 256), 65535), 256, h, act, f, rows)
 
-    def argmax(self) -> None:
-        assert self.logits is not None
+    def argmax(self, rows: int) -> None:
+        assert self.logits is not None and rows == 1
         n = self.logits.shape[1]
         self._launch(
             "argmax_partial", ARGMAX_PARTS, 256, self.logits, n, self.pmax, self.pidx, self.pbad
@@ -322,8 +328,9 @@ class DeviceOps(NoOptionalSteps):
         )
 
 
-class DeviceBackend:
-    """``stage_worker.StageBackend`` on one CUDA device."""
+class DeviceBackend(RunsOneAtATime):
+    """``stage_worker.StageBackend`` on one CUDA device. Its batched entry runs a batch's
+    steps one run at a time (``RunsOneAtATime``: the CUDA kernels take one run's rows)."""
 
     def __init__(
         self,
@@ -350,6 +357,7 @@ class DeviceBackend:
         self._host_state = np.zeros(2, dtype=np.int32)
         self._token = 0
         self._rows_in = 0
+        self.kept: list[Kept] = []  # the outputs of the last batch's steps
 
     # -- StageBackend ------------------------------------------------------------------
     def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None:
@@ -482,8 +490,23 @@ class DeviceBackend:
     def sample(self, config: SamplingConfig, u: float) -> int:
         ops = self._ops()
         assert ops.logits is not None
+        return self.sample_kept(ops.logits[0], config, u)
+
+    def keep_logits(self) -> Any:
+        ops = self._ops()
+        assert ops.logits is not None
         with self.device, self.stream:
-            token = device_sampling.sample(cupy, ops.logits[0], config, u)
+            return ops.logits[0].copy()
+
+    def kept_to_host(self, logits: Any) -> npt.NDArray[np.float32]:
+        with self.device:
+            out = cupy.asnumpy(logits, stream=self.stream)
+            self.stream.synchronize()
+        return np.asarray(out, dtype=np.float32)
+
+    def sample_kept(self, logits: Any, config: SamplingConfig, u: float) -> int:
+        with self.device, self.stream:
+            token = device_sampling.sample(cupy, logits, config, u)
         return token
 
     def to_host(self, data: Any) -> npt.NDArray[np.generic]:
@@ -535,10 +558,11 @@ class DeviceBackend:
             ops.embed(w.embedding, rows)
         else:
             self._convert_in(self._input, ops.buf["x"])
-        forward_blocks(ops, w, rows)
+        # one segment; the kernels read its position from ``state`` (graph replays)
+        forward_blocks(ops, w, (Segment(0, rows, int(self._host_state[0]), self.cache),))
         if self.spec.is_last:
             if head:
-                forward_head(ops, w, rows)
+                forward_head(ops, w, (rows - 1,))
         elif rows == 1:
             self._convert_out(ops.buf["x"], self._edge_out)
 

@@ -4,8 +4,10 @@ worker, the CPU worker, the CUDA worker on the emulated CuPy and on a GPU where 
 is one) and the CUDA worker's program on its NumPy twins (``TwinWorker``).
 
 - Batch invariance: a run's tokens and logits are the same alone and beside seven other
-  runs in every batch (bit for bit on the compiled workers; the reference worker within
-  1e-5: it is the oracle, and BLAS may sum in another order over other row counts).
+  runs in every batch, also when the runs join one batch after another (prefill chunks
+  beside decode rows at other positions) (bit for bit on the compiled workers; the
+  reference worker within 1e-5: it is the oracle, and BLAS may sum in another order
+  over other row counts).
 - Chunked prefill: a run's tokens and logits are the same whatever ``prefill_chunk`` is
   (bit for bit on the CPU worker, whose products and attention compute each row the same
   way whatever rows it is computed with; within 1e-5 on the reference worker; the CUDA
@@ -96,13 +98,17 @@ def _chain(
 
 
 def _generate(
-    model: Path, make: MakeWorker, together: list[int], chunk: int = 0
+    model: Path, make: MakeWorker, together: list[int], chunk: int = 0, staggered: bool = False
 ) -> dict[str, list[TokenOutput]]:
+    """``N`` outputs of each run of ``together`` batched on one chain; ``staggered``: run
+    ``k`` joins at batch ``k``, its prefill chunks beside the others' decode rows."""
     chain, provs = _chain(model, make, 8)
+    join = {f"run-{k}": k for k in together} if staggered else None
     try:
         for k in together:
             chain.open(provs[k])
-        return chain.generate_batched({f"run-{k}": PROMPTS[k] for k in together}, N, chunk)
+        prompts = {f"run-{k}": PROMPTS[k] for k in together}
+        return chain.generate_batched(prompts, N, chunk, join)
     finally:
         chain.release()
 
@@ -131,6 +137,18 @@ def test_a_run_alone_and_beside_seven_others_gives_the_same_outputs(
     together = _generate(model, make, list(range(8)))
     for k in range(8):
         alone = _generate(model, make, [k])
+        _same(alone[f"run-{k}"], together[f"run-{k}"], _atol(worker_name))
+
+
+def test_a_run_beside_seven_others_at_other_steps_gives_what_it_gives_alone(
+    model: Path, worker_name: str
+) -> None:
+    """Runs joining one batch after another, prefills in chunks of 3: batches of prefill
+    chunks of several lengths beside decode rows at other positions."""
+    make = RUN_WORKERS[worker_name]
+    together = _generate(model, make, list(range(8)), 3, staggered=True)
+    for k in range(8):
+        alone = _generate(model, make, [k], 3)
         _same(alone[f"run-{k}"], together[f"run-{k}"], _atol(worker_name))
 
 
