@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -33,6 +34,7 @@ from runtime_core.workers.cpu.backend import CpuBackend
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import BatchStep, TokenOutput
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep
+from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
 from tests.support.chain import Chain, provisions
 from tests.support.cpu_isas import isa_params
 from tests.support.random_blocks import random_rows
@@ -201,14 +203,20 @@ EIGHT = [
 
 
 def eight_runs(
-    path: Path, isa: str, runs: list[int], chunk: int, staggered: bool
+    path: Path,
+    isa: str,
+    runs: list[int],
+    chunk: int,
+    staggered: bool,
+    prompts: list[list[int]] = EIGHT,
+    tokens: int = 4,
 ) -> tuple[dict[int, list[tuple[int, np.ndarray]]], dict[int, np.ndarray]]:
-    """Each run's 4 (token, logits) and its first stage's output rows (all its steps',
-    stacked) on a 2-stage chain of ``CpuWorker(isa=isa)``; ``staggered``: run k joins at
+    """Each run's ``tokens`` (token, logits) and its first stage's output rows (all its
+    steps', stacked) on a 2-stage chain of ``CpuWorker(isa=isa)``; ``staggered``: run k joins at
     batch k, so batches hold prefill chunks of several lengths beside decode rows at
     other positions. Odd runs sample (temperature 0.8), even ones are greedy."""
     provs = {
-        k: provisions(path, 2, max_seq_len=32, run_id=f"run-{k}", max_concurrent_runs=8,
+        k: provisions(path, 2, max_seq_len=48, run_id=f"run-{k}", max_concurrent_runs=8,
                       sampling=SamplingConfig(temperature=0.8, seed=k) if k % 2 else None)
         for k in runs
     }  # fmt: skip
@@ -218,7 +226,7 @@ def eight_runs(
         for k in runs:
             chain.open(provs[k])
         join = {f"run-{k}": k for k in runs} if staggered else None
-        outs = chain.generate_batched({f"run-{k}": EIGHT[k] for k in runs}, 4, chunk, join)
+        outs = chain.generate_batched({f"run-{k}": prompts[k] for k in runs}, tokens, chunk, join)
     finally:
         chain.release()
     tokens = {
@@ -240,6 +248,29 @@ def test_eight_runs_at_other_steps_compute_what_each_computes_alone_whole(
     tokens, rows = eight_runs(path, isa, list(range(8)), 3, staggered=True)
     for k in range(8):
         alone_tokens, alone_rows = eight_runs(path, "portable", [k], 0, staggered=False)
+        np.testing.assert_array_equal(rows[k], alone_rows[k], err_msg=f"run {k}")
+        assert [t for t, _ in tokens[k]] == [t for t, _ in alone_tokens[k]], f"run {k}"
+        for (_, got), (_, want) in zip(tokens[k], alone_tokens[k], strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=f"run {k}")
+
+
+#: gemma3 (block 0 slides over a window of 12, block 1 is global; per-head Q/K norms,
+#: post-norms, GELU gating) with a logit soft cap: every optional step, batched
+GEMMA3 = attrs.evolve(FIXTURE_SHAPES["gemma3"], final_logit_softcap=30.0)
+#: prompts of 14 to 20 tokens: prefills and decodes past the window of 12
+LONG = [[(7 * k + 3 * j) % 250 + 1 for j in range(14 + 2 * k)] for k in range(4)]
+
+
+def test_runs_past_a_sliding_window_batched_compute_what_each_computes_alone(
+    tmp_path: Path,
+) -> None:
+    """Four gemma3 runs joining one batch after another, prompts in chunks of 5 and
+    decodes past the window: each run's activations, tokens and logits are those of
+    the run alone with its prompt whole, bit for bit (its own ring, at its positions)."""
+    path = write_model(tmp_path / "gemma3.gguf", GEMMA3)
+    tokens, rows = eight_runs(path, "portable", [0, 1, 2, 3], 5, True, LONG, 6)
+    for k in range(4):
+        alone_tokens, alone_rows = eight_runs(path, "portable", [k], 0, False, LONG, 6)
         np.testing.assert_array_equal(rows[k], alone_rows[k], err_msg=f"run {k}")
         assert [t for t, _ in tokens[k]] == [t for t, _ in alone_tokens[k]], f"run {k}"
         for (_, got), (_, want) in zip(tokens[k], alone_tokens[k], strict=True):
