@@ -20,9 +20,11 @@
 - Interleaved: every repetition runs, per thread count, ours and llama.cpp once each
   (each a fresh process measuring every ``n``), in an order that alternates.
 - Figures (medians over the repetitions): aggregate decode tokens/s (``n`` x steps /
-  the steps' summed wall time) of each, their ratio (ours / llama.cpp), and each one's
-  speed-up over its own ``n = 1``. Nothing is asserted; on a shared machine the
-  figures are "under load": compare ratios, run it several times.
+  the steps' summed wall time) of each, their ratio (ours / llama.cpp), each one's
+  speed-up over its own ``n = 1``, and each one's process CPU time per decoded token
+  (every thread's; the figure a busy host distorts least) with their ratio. Nothing is
+  asserted; on a shared machine the figures are "under load": compare ratios, run it
+  several times.
 """
 
 from __future__ import annotations
@@ -155,18 +157,33 @@ def counts(text: str) -> list[int]:
     return values
 
 
+def cpu_ms_per_token(row: dict[str, Any]) -> float:
+    """The process's CPU time (every thread's) per decoded token: the figure a busy host
+    changes least (time spent waiting for a core is not counted)."""
+    steps: list[float] = row["steps_cpu_s"]
+    return 1e3 * sum(steps) / (int(row["sequences"]) * len(steps))
+
+
 def table(name: str, figures: dict[tuple[int, int], dict[str, list[float]]]) -> None:
-    print(f"\n{name}: aggregate decode tokens/s, medians (under load: the machine is shared)")
-    print(f"{'threads':>7} {'n':>3} {'ours':>9} {'llama.cpp':>10} {'ours/l.cpp':>10} "
-          f"{'ours xn=1':>9} {'l.cpp xn=1':>10}")  # fmt: skip
+    print(f"\n{name}: medians (under load: the machine is shared)")
+    print(f"{'threads':>7} {'n':>3} {'ours tok/s':>10} {'l.cpp tok/s':>11} {'ratio':>6} "
+          f"{'ours xn=1':>9} {'l.cpp xn=1':>10} {'ours cpu ms/tok':>15} "
+          f"{'l.cpp cpu ms/tok':>16} {'cpu ratio':>9}")  # fmt: skip
+
+    def med(f: dict[str, list[float]], key: str) -> float:
+        return statistics.median(f[key]) if f[key] else float("nan")
+
     for (threads, n), f in sorted(figures.items()):
-        ours = statistics.median(f["ours"])
-        peer = statistics.median(f["llama.cpp"]) if f["llama.cpp"] else float("nan")
         base = figures[(threads, min(k for t, k in figures if t == threads))]
-        ours1 = statistics.median(base["ours"])
-        peer1 = statistics.median(base["llama.cpp"]) if base["llama.cpp"] else float("nan")
-        print(f"{threads:>7} {n:>3} {ours:>9.1f} {peer:>10.1f} {ours / peer:>10.2f} "
-              f"{ours / ours1:>9.2f} {peer / peer1:>10.2f}")  # fmt: skip
+        ours, peer = med(f, "ours"), med(f, "llama.cpp")
+        ours_cpu, peer_cpu = med(f, "ours cpu"), med(f, "llama.cpp cpu")
+        print(f"{threads:>7} {n:>3} {ours:>10.1f} {peer:>11.1f} {ours / peer:>6.2f} "
+              f"{ours / med(base, 'ours'):>9.2f} {peer / med(base, 'llama.cpp'):>10.2f} "
+              f"{ours_cpu:>15.2f} {peer_cpu:>16.2f} {peer_cpu / ours_cpu:>9.2f}")  # fmt: skip
+    print(
+        "ratio: ours / llama.cpp tokens/s; cpu ratio: llama.cpp / ours CPU time per token "
+        "(above 1: ours spends less)"
+    )
 
 
 def main() -> None:
@@ -203,7 +220,9 @@ def main() -> None:
                 continue
             model = model_path(name, folder, args.layers, args.llamacpp_python, 2)
             figures: dict[tuple[int, int], dict[str, list[float]]] = {
-                (t, n): {"ours": [], "llama.cpp": []} for t in args.threads for n in args.sequences
+                (t, n): {"ours": [], "llama.cpp": [], "ours cpu": [], "llama.cpp cpu": []}
+                for t in args.threads
+                for n in args.sequences
             }
             for rep in range(args.repeat):
                 for threads in args.threads:
@@ -218,8 +237,11 @@ def main() -> None:
                             job, args.llamacpp_python
                         )  # fmt: skip
                         for row in rows:
-                            figures[(threads, row["sequences"])][who].append(row["tokens_per_s"])
+                            f = figures[(threads, row["sequences"])]
+                            f[who].append(row["tokens_per_s"])
+                            f[who + " cpu"].append(cpu_ms_per_token(row))
                             print(json.dumps({"model": name, "runner": who, "repeat": rep,
+                                              "cpu_ms_per_token": cpu_ms_per_token(row),
                                               **{k: row[k] for k in ("threads", "sequences",
                                                  "tokens_per_s", "prefill_s")}}))  # fmt: skip
             table(name, figures)
