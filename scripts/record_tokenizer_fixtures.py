@@ -379,9 +379,7 @@ def record_chat(path: str, source: str) -> dict[str, Any]:
         lv.close()
 
 
-def _apply_template(
-    template: str, messages: list[dict[str, str]], add_ass: bool
-) -> str | None:
+def _apply_template(template: str, messages: list[dict[str, str]], add_ass: bool) -> str | None:
     """llama.cpp's built-in rendering, or None where it does not know the template."""
     keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
     chat = (llama_cpp.llama_chat_message * len(keep))(

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,21 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=60, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The slice cache of every process the tests start (runtime_cupy.slices.cache):
+    a folder of this session's, never the user's ~/.cache. Under /tmp, so that each
+    network-namespace test host (its own /tmp) has a cache of its own."""
+    folder = tmp_path_factory.mktemp("slice-cache")
+    before = os.environ.get("GGUF_PIPELINE_CACHE")
+    os.environ["GGUF_PIPELINE_CACHE"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("GGUF_PIPELINE_CACHE", None)
+    else:
+        os.environ["GGUF_PIPELINE_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

@@ -47,8 +47,11 @@ def test_dependencies_point_down_only() -> None:
 
 
 #: A medium's own modules: only ``runtime_cupy.edges`` itself imports them (through
-#: ``edges.media``), so adding a medium never touches a host, a loop or a worker.
-MEDIUM_MODULES = ("shm", "tcp", "tcp_consumer", "tcp_producer", "tcp_frames", "tcp_seal")
+#: ``edges.media``), so adding a medium never touches a host, a loop or a worker. The
+#: TCP handshake (``edges.handshake``) and the frame seals (``edges.tcp_seal``) are
+#: protocol pieces, not media: the other authenticated TCP links (the slice server's,
+#: ``runtime_cupy.slices.protocol``) open and seal their frames with the same code.
+MEDIUM_MODULES = ("shm", "tcp", "tcp_consumer", "tcp_producer", "tcp_frames")
 
 
 def test_hosts_and_loops_reach_the_media_through_the_edge_port_only() -> None:

@@ -4,8 +4,11 @@ and argument types that name the bad value."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import NoReturn
+
+from runplan.pool import NodeSpec
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -39,3 +42,53 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``80GiB``, ``24GB``, ``512MiB``, ``1000`` (bytes) -> bytes."""
+    m = _SIZE_RE.match(text)
+    unit = m[2].lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
+    return int(float(m[1]) * _UNITS[unit])
+
+
+def parse_nodes(text: str) -> tuple[NodeSpec, ...]:
+    """``gpu0=80GiB,gpu1=24GiB@cuda:1`` -> node specs (``@device`` is optional; nodes
+    naming one device share its memory)."""
+    nodes = []
+    for item in text.split(","):
+        node_id, sep, rest = item.strip().partition("=")
+        if not sep or not node_id:
+            raise argparse.ArgumentTypeError(
+                f"bad node {item!r}: write NODE=SIZE or NODE=SIZE@DEVICE, e.g. gpu0=80GiB"
+            )
+        size, _, device = rest.partition("@")
+        nodes.append(NodeSpec(node_id, parse_size(size), device or None))
+    return tuple(nodes)
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

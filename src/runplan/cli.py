@@ -1,11 +1,11 @@
-"""``python -m runplan facts MODEL``, ``python -m runplan plan MODEL ...`` and
-``python -m runplan check PLAN.json`` (in ``runplan.check_cli``)."""
+"""``python -m runplan facts MODEL``, ``python -m runplan plan MODEL ...``,
+``python -m runplan check PLAN.json`` (in ``runplan.check_cli``) and
+``python -m runplan split MODEL ...`` (in ``runplan.shard_cli``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +17,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from runplan import wire
-from runplan.arguments import OneLineParser, positive_int
+from runplan.arguments import (
+    OneLineParser,
+    human_bytes,
+    parse_nodes,
+    parse_size,
+    positive_int,
+)
 from runplan.check_cli import add_check_parser
 from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.dtypes import DTYPES_BY_NAME
@@ -29,60 +35,14 @@ from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
 from runplan.placement import Placement
 from runplan.plan import RunPlan
 from runplan.planner import plan_run
-from runplan.pool import NodePool, NodeSpec
+from runplan.pool import NodePool
 from runplan.rejections import PlanRejection
+from runplan.shard_cli import add_split_parser, print_shard_facts, shard_facts
 
 EXIT_REJECTED = 2
 EXIT_INPUT = 1
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """``80GiB``, ``24GB``, ``512MiB``, ``1000`` (bytes) -> bytes."""
-    m = _SIZE_RE.match(text)
-    unit = m[2].lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"bad size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
-        )
-    return int(float(m[1]) * _UNITS[unit])
-
-
-def parse_nodes(text: str) -> tuple[NodeSpec, ...]:
-    """``gpu0=80GiB,gpu1=24GiB@cuda:1`` -> node specs (``@device`` is optional; nodes
-    naming one device share its memory)."""
-    nodes = []
-    for item in text.split(","):
-        node_id, sep, rest = item.strip().partition("=")
-        if not sep or not node_id:
-            raise argparse.ArgumentTypeError(
-                f"bad node {item!r}: write NODE=SIZE or NODE=SIZE@DEVICE, e.g. gpu0=80GiB"
-            )
-        size, _, device = rest.partition("@")
-        nodes.append(NodeSpec(node_id, parse_size(size), device or None))
-    return tuple(nodes)
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+__all__ = ["EXIT_INPUT", "EXIT_REJECTED", "build_parser", "human_bytes", "main", "parse_nodes",
+           "parse_size"]  # fmt: skip
 
 
 def _json_out(obj: Any) -> None:
@@ -94,6 +54,10 @@ def _load_facts(args: argparse.Namespace) -> ModelFacts:
 
 
 def _cmd_facts(args: argparse.Namespace) -> int:
+    shard = shard_facts(resolve_model(args.model))
+    if shard is not None:
+        print_shard_facts(shard, args.json)
+        return 0
     facts = _load_facts(args)
     if args.json:
         _json_out({"facts": cattrs.unstructure(facts)})
@@ -282,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
             "model",
             nargs="?",
             default=DEFAULT_MODEL,
-            help=f"a GGUF file, any file of a split set, or a bundled model name "
-            f"(default: {DEFAULT_MODEL})",
+            help=f"a GGUF file, any file of a split set, a folder of shards (or its "
+            f"manifest.json), or a bundled model name (default: {DEFAULT_MODEL})",
         )
         p.add_argument(
             "--max-seq-len",
@@ -339,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--orchestrator", default="orchestrator", help="the orchestrator's node id")
     plan.set_defaults(func=_cmd_plan)
     add_check_parser(sub)
+    add_split_parser(sub, model_args)
     return parser
 
 

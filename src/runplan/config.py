@@ -43,12 +43,19 @@ class WorkerCapabilities:
 class SamplingConfig:
     """How the last stage picks a token. ``temperature == 0`` is greedy; ``top_k == 0``
     and ``top_p == 1`` disable those filters. The same seed and inputs give the same
-    tokens."""
+    tokens.
+
+    ``tokens_delivered``: tokens of the same stream that an earlier, interrupted run
+    already sampled and delivered (0 for a fresh run). A replay (``runtime_core.replay``)
+    continues that stream: its sampler starts where the interrupted one stood after
+    those tokens (``Sampler.for_run``: seeded sampling takes one draw per token, greedy
+    none)."""
 
     temperature: float = float_field(default=0.0)
     top_k: int = int_field(default=0)
     top_p: float = float_field(default=1.0)
     seed: int = int_field(default=0)
+    tokens_delivered: int = int_field(default=0)
 
 
 @frozen

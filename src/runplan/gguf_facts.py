@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import os
-import re
 
 from runplan.facts import GgufSource, ModelFacts
 from runplan.gguf_header import GgufError, GgufHeader, model_id_for
 from runplan.layer_attention import layer_attention
+from runplan.shards import ShardKeys
+from runplan.tensor_names import (
+    BLOCK_TENSOR,
+    EMBEDDING_TENSOR,
+    OUTPUT_NORM_TENSOR,
+    OUTPUT_TENSOR,
+    block_index,
+)
 
-#: A block tensor's name as llama.cpp writes it: ``blk.{i}.{rest}``, ``i`` in decimal.
-BLOCK_TENSOR = re.compile(r"blk\.(0|[1-9][0-9]*)\.(.+)", re.ASCII)
+__all__ = [
+    "BLOCK_TENSOR",
+    "EMBEDDING_TENSOR",
+    "OUTPUT_NORM_TENSOR",
+    "OUTPUT_TENSOR",
+    "block_count",
+    "block_index",
+    "facts_from_header",
+    "model_facts_from_gguf",
+    "special_token_id",
+    "vocab_size",
+]
 #: llama.cpp's default special token ids of each tokenizer model (``llama-vocab.cpp``),
 #: used when a file names none (or one outside its vocabulary).
 SPECIAL_TOKEN_DEFAULTS: dict[str, dict[str, int | None]] = {
@@ -23,9 +40,6 @@ SPECIAL_TOKEN_KEYS = {
     "eos": "tokenizer.ggml.eos_token_id",
     "unk": "tokenizer.ggml.unknown_token_id",
 }
-EMBEDDING_TENSOR = "token_embd.weight"
-OUTPUT_TENSOR = "output.weight"
-OUTPUT_NORM_TENSOR = "output_norm.weight"
 
 
 def model_facts_from_gguf(
@@ -92,8 +106,8 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     attention = layer_attention(header, arch, max(num_layers, 0))
 
     return ModelFacts(
-        model_id=model_id_for(first),
-        gguf_source=GgufSource(paths=header.paths),
+        model_id=header.model_id or model_id_for(first),
+        gguf_source=GgufSource(paths=header.source_paths),
         architecture=arch,
         num_layers=num_layers,
         hidden_dim=hidden,
@@ -120,18 +134,16 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     )
 
 
-def block_index(name: str) -> int | None:
-    """The block a tensor belongs to (``blk.{i}.*``), or ``None`` for other tensors."""
-    m = BLOCK_TENSOR.fullmatch(name)
-    return int(m[1]) if m is not None else None
-
-
 def block_count(header: GgufHeader, arch: str) -> int:
     """``{arch}.block_count``, checked against the file's tensors before anything is
     made per block: every block ``0..n-1`` holds at least one tensor and no tensor names
     a block past them (``GgufError`` naming the key otherwise). So a forged count of
     billions fails at once, and a file holding only some of a model's blocks (a shard
-    cut by block, which llama.cpp does not write) is refused here, not by a stage."""
+    cut by block, which llama.cpp does not write) is refused here, not by a stage.
+
+    The one exception, on purpose: a header read through a shard manifest of the shards
+    one stage needs (``header.held_blocks``, ``runplan.shards``) holds the blocks the
+    manifest says, and only those."""
     key = f"{arch}.block_count"
     n = header.integer(key)
     first = header.paths[0]
@@ -147,12 +159,22 @@ def block_count(header: GgufHeader, arch: str) -> int:
         blocks.add(block)
     if n < 1:
         raise GgufError(first, f"{n} blocks: a model has at least one", key)
+    if header.held_blocks is not None:  # some shards, through their manifest
+        if blocks != header.held_blocks:
+            raise GgufError(first, "the shards do not hold the blocks their manifest says", key)
+        return n
     if len(blocks) < n:
         missing = next(i for i in range(len(blocks) + 1) if i not in blocks)
+        shard = ""
+        if header.has(ShardKeys.LAYER_START):
+            shard = (
+                "; it is a shard written by 'python -m runplan split': read it through "
+                "its manifest (the folder, or its manifest.json)"
+            )
         raise GgufError(
             first,
             f"{n} blocks, but the file holds tensors of {len(blocks)} "
-            f"(none of block {missing}); a file holding only some blocks is not a model",
+            f"(none of block {missing}); a file holding only some blocks is not a model" + shard,
             key,
         )
     return n

@@ -23,6 +23,17 @@ from attrs import frozen
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from runplan.gguf_reader import HeaderReader
+from runplan.shards import (
+    ManifestError,
+    ShardEntry,
+    ShardKeys,
+    ShardManifest,
+    SliceParts,
+    manifest_path,
+    read_manifest,
+    shards_for,
+)
+from runplan.tensor_names import block_index
 
 
 class GgufError(ValueError):
@@ -76,20 +87,40 @@ def model_id_for(path: str | os.PathLike[str]) -> str:
 
 @attrs.define
 class GgufHeader:
-    """Metadata and tensor infos of one GGUF source (one file or a split set).
+    """Metadata and tensor infos of one GGUF source: one file, a llama.cpp split set, or
+    the shards a manifest names (``runplan.shards``).
 
     The typed accessors (``integer``, ``number``, ``boolean``, ``string``, ``strings``,
     ``array``) check a key's GGUF type before they read its value, and raise
     ``GgufError`` naming the file and the key for a value of another type (an array
     where a number belongs is refused without being read) or a string that is not
-    UTF-8."""
+    UTF-8.
+
+    ``paths`` are the files read; ``source_paths`` what names the source (the manifest
+    for shards, else ``paths``). ``held_blocks`` is ``None`` when the files hold every
+    block of the model; only a header read through a manifest, of the shards one stage
+    needs, holds some blocks (those), which the facts reader then accepts."""
 
     paths: tuple[str, ...]
     _readers: list[HeaderReader]
     tensors: dict[str, TensorInfo]
+    held_blocks: frozenset[int] | None = None
+    source_paths: tuple[str, ...] = ()
+    model_id: str | None = None  # the source's, when its file names do not say it
+
+    def __attrs_post_init__(self) -> None:
+        if not self.source_paths:
+            self.source_paths = self.paths
 
     @classmethod
-    def read(cls, path: str | os.PathLike[str]) -> GgufHeader:
+    def read(cls, path: str | os.PathLike[str], parts: SliceParts | None = None) -> GgufHeader:
+        """The header of the source ``path`` names: a GGUF file, any file of a split
+        set, or a shard manifest (``manifest.json`` or its folder). Through a manifest,
+        ``parts`` reads only the shards a stage holding those parts needs (``None``:
+        every shard)."""
+        manifest = manifest_path(path)
+        if manifest is not None:
+            return cls._read_shards(manifest, parts)
         paths = tuple(os.path.abspath(p) for p in split_paths(path))
         readers = [_open(p) for p in paths]
         tensors: dict[str, TensorInfo] = {}
@@ -110,6 +141,53 @@ class GgufHeader:
                     "split.tensors.count",
                 )
         return header
+
+    @classmethod
+    def _read_shards(cls, path: str, parts: SliceParts | None) -> GgufHeader:
+        """The shards of the manifest at ``path`` that ``parts`` needs, read as one
+        source; each checked to be the shard its manifest names (its keys, its blocks)."""
+        path = os.path.abspath(path)
+        try:
+            manifest = read_manifest(path)
+        except ManifestError as exc:
+            raise GgufError(path, str(exc).removeprefix(f"{exc.path}: ")) from None
+        folder = os.path.dirname(path)
+        entries = shards_for(manifest, parts)
+        if not entries:
+            raise GgufError(path, f"no shard holds {parts.describe() if parts else 'anything'}")
+        paths = tuple(os.path.join(folder, e.file) for e in entries)
+        readers = [_open(p) for p in paths]
+        tensors: dict[str, TensorInfo] = {}
+        held: set[int] = set()
+        for index, (p, reader, entry) in enumerate(zip(paths, readers, entries, strict=True)):
+            _check_shard_of(cls((p,), [reader], {}), p, entry, manifest)
+            infos = _tensor_infos(p, reader, index)
+            blocks = {b for b in (block_index(i.name) for i in infos) if b is not None}
+            if blocks != set(entry.parts.blocks):
+                raise GgufError(
+                    p,
+                    f"holds blocks {_spans(blocks)}; its manifest says "
+                    f"{entry.parts.layer_start}-{entry.parts.layer_end_exclusive - 1}",
+                    ShardKeys.LAYER_START,
+                )
+            held |= blocks
+            for info in infos:
+                first = tensors.setdefault(info.name, info)
+                if (first.ggml_type, first.shape) != (info.ggml_type, info.shape):
+                    raise GgufError(
+                        p,
+                        f"tensor {info.name!r} is {info.ggml_type} {list(info.shape)}, in "
+                        f"{paths[first.file_index]} {first.ggml_type} {list(first.shape)}",
+                    )
+        whole = held == set(range(manifest.block_count))
+        return cls(
+            paths,
+            readers,
+            tensors,
+            held_blocks=None if whole else frozenset(held),
+            source_paths=(path,),
+            model_id=manifest.model_id,
+        )
 
     # -- metadata ---------------------------------------------------------------
     def has(self, key: str) -> bool:
@@ -215,6 +293,31 @@ class GgufHeader:
             raise GgufError(
                 self.paths[0], f"the string is not valid UTF-8 (byte {exc.start})", key
             ) from None
+
+    # -- metadata as stored (for writing shards and keying sources) ------------------
+    def field_bytes(self, key: str) -> bytes:
+        """The key-value pair ``key`` exactly as the (first) file stores it: key, type
+        and value."""
+        reader = self._readers[0]
+        field = self._field(key)
+        later = [f.offset for f in reader.fields.values() if f.offset > field.offset]
+        end = min(later, default=reader.kv_end)
+        return bytes(reader.data[field.offset : end])
+
+    def writer_value(self, key: str) -> tuple[GGUFValueType, Any, GGUFValueType | None]:
+        """``key``'s value as ``gguf.GGUFWriter.add_key_value`` takes it to write the
+        same bytes: its type, the value (strings as their stored bytes, arrays as lists)
+        and an array's item type."""
+        field = self._field(key)
+        kind = field.types[0]
+        if kind == GGUFValueType.STRING:
+            return kind, bytes(field.parts[-1]), None
+        if kind != GGUFValueType.ARRAY:
+            return kind, field.parts[-1].tolist()[0], None
+        item = field.types[1]
+        if item == GGUFValueType.STRING:
+            return kind, self._readers[0].raw_strings(field), item
+        return kind, self.array(key).tolist(), item
 
     # -- tensor data (for loaders; the planner never calls these) ----------------
     def tensor_bytes(self, name: str) -> npt.NDArray[np.uint8]:
@@ -330,3 +433,45 @@ def _tensor_infos(path: str, reader: HeaderReader, index: int) -> list[TensorInf
         expected += -(-n_bytes // alignment) * alignment
         out.append(TensorInfo(name, qtype.name, shape, n_bytes, index, start))
     return out
+
+
+def _check_shard_of(
+    shard: GgufHeader, path: str, entry: ShardEntry, manifest: ShardManifest
+) -> None:
+    """``GgufError`` unless the shard's own keys say what its manifest says of it."""
+    parts = entry.parts
+    for key, want in (
+        (ShardKeys.LAYER_START, parts.layer_start),
+        (ShardKeys.LAYER_END, parts.layer_end_exclusive),
+    ):
+        if not shard.has(key):
+            raise GgufError(path, "a shard named by a manifest lacks its shard key", key)
+        got = shard.integer(key)
+        if got != want:
+            raise GgufError(path, f"is {got}; its manifest says {want}", key)
+    for key, flag in ((ShardKeys.EMBEDDING, parts.embedding), (ShardKeys.OUTPUT, parts.output)):
+        if shard.boolean(key, False) != flag:
+            raise GgufError(path, f"is {not flag}; its manifest says {flag}", key)
+    source = shard.string(ShardKeys.SOURCE, "")
+    if source != manifest.source:
+        raise GgufError(
+            path, f"is a shard of {source or 'no source'}, its manifest's is {manifest.source}",
+            ShardKeys.SOURCE,
+        )  # fmt: skip
+    arch = shard.string("general.architecture")
+    blocks = shard.integer(f"{arch}.block_count")
+    if blocks != manifest.block_count:
+        raise GgufError(
+            path, f"is {blocks}; its manifest says {manifest.block_count}", f"{arch}.block_count"
+        )
+
+
+def _spans(blocks: set[int]) -> str:
+    """``0-4, 7``: blocks as runs of consecutive ones (``none``)."""
+    runs: list[list[int]] = []
+    for b in sorted(blocks):
+        if runs and runs[-1][-1] == b - 1:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "none"

@@ -57,6 +57,7 @@ class HeaderReader(GGUFReader):
     def __init__(self, path: str) -> None:
         self.string_arrays: dict[int, StringArray] = {}
         self.tensor_infos: list[RawTensorInfo] = []
+        self.kv_end = 0  # where the key-value pairs end (and the tensor infos begin)
         super().__init__(path, "r")
 
     # The base class keeps the file as an ``np.memmap``, whose every slice pays for
@@ -145,6 +146,7 @@ class HeaderReader(GGUFReader):
         return offs
 
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
+        self.kv_end = int(offs)
         count = int(count)
         if count * _MIN_TENSOR_INFO_BYTES > self._remaining(offs):
             raise ValueError(
@@ -174,6 +176,10 @@ class HeaderReader(GGUFReader):
 
     def strings(self, field: Any) -> list[str]:
         """The strings of an array-of-strings field, invalid UTF-8 replaced."""
+        return [str(raw, "utf-8", "replace") for raw in self.raw_strings(field)]
+
+    def raw_strings(self, field: Any) -> list[bytes]:
+        """The strings of an array-of-strings field, as the file stores them."""
         key_len, key_data, value_type = field.parts[:3]
         value_offset = field.offset + key_len.nbytes + key_data.nbytes + value_type.nbytes
         arr = self.string_arrays[value_offset]
@@ -183,6 +189,6 @@ class HeaderReader(GGUFReader):
         offs = arr.offset
         for _ in range(arr.count):
             (n,) = unpack(buf, offs)
-            out.append(str(buf[offs + 8 : offs + 8 + n], "utf-8", "replace"))
+            out.append(bytes(buf[offs + 8 : offs + 8 + n]))
             offs += 8 + n
         return out

@@ -56,6 +56,12 @@ def check_sampling(sampling: SamplingConfig) -> PlanRejection | None:
         return InvalidConfig("sampling.top_p", repr(p), "must be in (0, 1] (1: off)")
     if not 0 <= sampling.seed <= U64_MAX:
         return InvalidConfig("sampling.seed", str(sampling.seed), "must be in 0..2**64-1")
+    if not 0 <= sampling.tokens_delivered <= U32_MAX:
+        return InvalidConfig(
+            "sampling.tokens_delivered",
+            str(sampling.tokens_delivered),
+            f"must be in 0..{U32_MAX} (tokens an interrupted run delivered)",
+        )
     return None
 
 

@@ -74,6 +74,12 @@ from runtime_core.workers.interface import (
 )
 from runtime_core.workers.worker_runs import same_stage
 
+#: How the detail of a chain fault of the stage's links begins (``EDGE_FAULT``): the
+#: link to the stage before (or the orchestrator's token-in) or to the stage after (or
+#: token-out) is gone. A run's own bad record names its edge instead (``edge N: ...``).
+INBOUND_LINK = "inbound link"
+OUTBOUND_LINK = "outbound link"
+
 Trace = Callable[[str, dict[str, Any]], None]
 
 _PREPARING = fsm.State.PREPARING
@@ -437,7 +443,7 @@ class ChainStageController:
         try:
             taken = self.inbound.try_take()
         except (LinkFault, EdgeClosed) as exc:
-            self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"inbound link: {exc}"))
+            self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{INBOUND_LINK}: {exc}"))
             return True
         if taken is None:
             return False
@@ -558,7 +564,7 @@ class ChainStageController:
                         out.chunk_count,
                     )
                 except EdgeClosed as exc:
-                    self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"outbound link: {exc}"))
+                    self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{OUTBOUND_LINK}: {exc}"))
                     return False
                 if not sent:
                     return False
@@ -573,7 +579,7 @@ class ChainStageController:
         """The runtime's bound on a full outbound ring (``edge_wait_ms``) ran out: the
         next stage does not take records, a fault of the chain."""
         if self._outputs:
-            detail = f"outbound link: no free slot within {waited_ms} ms"
+            detail = f"{OUTBOUND_LINK}: no free slot within {waited_ms} ms"
             self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, detail))
 
     def chain_fault(self, reason: FaultReason) -> None:

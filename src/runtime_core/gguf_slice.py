@@ -5,7 +5,8 @@ A stage owns the tensors of its blocks ``blk.{i}.*`` for ``i`` in
 ``output_norm.weight`` and the head on the last (``output.weight``, or
 ``token_embd.weight`` when the file has none: a tied head), plus the tensors every
 stage needs (llama3's ``rope_freqs.weight``). ``open_stage_slice`` reads the header
-(a split set reads as one file) and checks every owned tensor's presence, shape
+(a split set reads as one file; of a shard manifest, only the shards holding the
+stage's parts, ``runplan.shards``) and checks every owned tensor's presence, shape
 and type before anything is loaded, so a bad file fails as a whole with a typed
 error (``UnsupportedModel`` or ``GgufError``) and nothing half-loaded. Other stages'
 tensors are never read or checked. Data is read through the file's memory map, one
@@ -35,6 +36,7 @@ from gguf import GGMLQuantizationType, quants
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.gguf_facts import vocab_size
 from runplan.gguf_header import GgufHeader, TensorInfo
+from runplan.shards import SliceParts
 from runtime_core.architectures import REFUSED_TENSORS, FfnLayout, Presence, QkvLayout
 from runtime_core.errors import UnsupportedModel
 from runtime_core.model_config import ModelConfig
@@ -182,7 +184,9 @@ def open_stage_slice(
     """
     caps = capabilities if capabilities is not None else WorkerCapabilities()
     path = source.paths[0] if isinstance(source, GgufSource) else os.fspath(source)
-    header = GgufHeader.read(path)
+    # A shard manifest: only the shards holding this stage's parts are read.
+    parts = SliceParts(layer_start, layer_end_exclusive, is_first, is_last)
+    header = GgufHeader.read(path, parts)
     path = header.paths[0]
     config = ModelConfig.from_header(header, caps.architectures)
     if not 0 <= layer_start < layer_end_exclusive <= config.n_layers:

@@ -32,6 +32,7 @@ from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
 from runtime_cupy.process.names import new_run_id
 from runtime_cupy.process.tracing import Event
+from runtime_cupy.slices.server import StageTransfer
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 #: ``progress(stage_index, done, total)``. Stage processes load on their own and
@@ -58,6 +59,7 @@ class GenerateResult:
     trace: tuple[Event, ...] | None = None  # Chrome trace events, when asked for
     media: tuple[str, ...] = ()  # how each edge of the plan moved its bytes: shm or tcp
     encrypted_edges: bool = False  # TCP edges encrypted their frames (else authenticated)
+    slices: tuple[StageTransfer, ...] = ()  # stages that asked for their slice of the model
 
 
 def plan_for(
@@ -127,6 +129,7 @@ def generate(
     ray_address: str | None = None,
     placement: str = "even",
     encrypt_edges: bool = False,
+    on_slice: Callable[[StageTransfer], None] | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
     stage processes, each running ``worker`` (``cpu``, the default; ``numpy``, the
@@ -144,11 +147,13 @@ def generate(
     OS process per stage on this machine, ``hosts.local.LocalProcessHost``).
     ``ray_address`` (``auto`` or ``HOST:PORT``) runs the stages on the live hosts of a
     Ray cluster instead (``hosts.ray``; this process becomes its driver), ``placement``
-    splits the layers ``even`` or by ``memory``. Every frame on a TCP edge is
-    authenticated; ``encrypt_edges`` encrypts it too (AES-256-GCM), for links across
-    networks one does not trust (shared-memory edges stay on their host). A run that
-    faults or is cancelled returns with that outcome, every process reaped and every
-    resource freed. Raises
+    splits the layers ``even`` or by ``memory``; a stage on a host that lacks the model
+    gets its slice from this host (``runtime_cupy.slices``), and ``on_slice(transfer)``
+    sees each one move (on other threads). Every frame on a TCP edge is authenticated;
+    ``encrypt_edges`` encrypts it too (AES-256-GCM), for links across networks one does
+    not trust (shared-memory edges stay on their host). A run that faults or is
+    cancelled returns with that outcome, every process reaped and every resource freed.
+    Raises
     ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a prompt it
     cannot run, ``GgufError`` for a file it cannot read, ``WorkerUnavailable`` for a
     worker this host cannot run, ``ValueError`` for edges that cannot be,
@@ -166,6 +171,7 @@ def generate(
         session.connect(ray_address)
         cluster = session.stage_nodes(worker, stages)
         host = ray_host = RayHost(cluster, session.orchestrator_address())
+        ray_host.on_slice_change = on_slice
     prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     plan, devices = plan_for(
@@ -208,7 +214,8 @@ def generate(
         ray_host.prepare(n.node_id for n in cluster)  # their start-ups overlap
     result = run.run()
     wall = time.perf_counter() - began
-    return summarize(plan, result, tokenizer, wall, return_logits)
+    slices = ray_host.slice_transfers() if ray_host is not None else ()
+    return summarize(plan, result, tokenizer, wall, return_logits, slices)
 
 
 def summarize(
@@ -217,6 +224,7 @@ def summarize(
     tokenizer: Tokenizer,
     wall_s: float,
     return_logits: bool,
+    slices: tuple[StageTransfer, ...] = (),
 ) -> GenerateResult:
     finished = result.finished
     outcome = finished.outcome.value.lower() if finished is not None else "cancelled"
@@ -253,4 +261,5 @@ def summarize(
         trace=result.trace,
         media=result.media,
         encrypted_edges=result.encrypted_edges,
+        slices=slices,
     )

@@ -15,6 +15,7 @@ from runplan import (
     PlanRejection,
     RunPlan,
     RuntimeConfig,
+    SamplingConfig,
     check_plan,
     plan_run,
     provision_all,
@@ -162,3 +163,16 @@ def test_a_prompt_longer_than_its_stages_reserve_is_refused_before_anything_is_s
     OrchestratorMachine.for_plan(p, (1, 2, 3, 4, 5))  # 5 + 8 - 1 = 12 positions: fits
     with pytest.raises(PromptError, match="reserve 12"):
         OrchestratorMachine.for_plan(p, (1, 2, 3, 4, 5, 6))
+
+
+@pytest.mark.parametrize("value", [-1, 2**32])
+def test_a_replay_s_token_count_outside_u32_is_invalid_config(value: int) -> None:
+    """``SamplingConfig.tokens_delivered`` (a replay's sampler resumes after that many
+    tokens) is a u32 count, refused by plan_run and check_plan alike."""
+    sampling = SamplingConfig(tokens_delivered=value)
+    rejection = planned(sampling=sampling)  # type: ignore[arg-type]
+    assert isinstance(rejection, InvalidConfig), rejection
+    assert rejection.field == "sampling.tokens_delivered" and str(value) in str(rejection)
+    checked = check_plan(attrs.evolve(plan(), sampling=sampling))
+    assert isinstance(checked, InvalidConfig) and checked.field == "sampling.tokens_delivered"
+    assert isinstance(planned(sampling=SamplingConfig(tokens_delivered=2**32 - 1)), RunPlan)  # type: ignore[arg-type]

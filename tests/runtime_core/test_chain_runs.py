@@ -6,7 +6,7 @@ KV reservation is freed after every outcome."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +21,12 @@ from runtime_core.chain_orchestrator import RunRefused
 from runtime_core.workers.interface import (
     BatchStep,
     KvCacheUnavailable,
-    StepResult,
     Worker,
-    WorkerError,
 )
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.chain import Chain, plan_for, provisions
-from tests.support.chain_runs import ChainRuns, ManualTimers
+from tests.support.chain_runs import ChainRuns, FailingWorker, ManualTimers
 
 PROMPTS = [
     [5, 77, 300, 12, 9],
@@ -313,31 +311,6 @@ def test_a_step_timeout_ends_only_its_run(model: Path, alone: dict[str, list[int
     assert late.fault_stage == 1
     assert_others_complete(handles, alone, late_run)
     assert_nothing_held(chain)
-
-
-class FailingWorker:
-    """A worker whose batch fails, for one run's step (``StepFailure``) or as a whole
-    (an exception)."""
-
-    def __init__(self, inner: Worker, fail: Callable[[BatchStep], str | None]) -> None:
-        self.inner = inner
-        self.fail = fail
-
-    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
-        for step in steps:
-            what = self.fail(step)
-            if what == "crash":
-                raise WorkerError("the device is gone")
-        from runtime_core.workers.interface import StepFailure
-
-        results = self.inner.execute_batch(steps)  # type: ignore[attr-defined]
-        return tuple(
-            StepFailure("injected") if self.fail(s) == "run" else r
-            for s, r in zip(steps, results, strict=True)
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def test_a_step_failing_for_one_run_ends_that_run_alone(

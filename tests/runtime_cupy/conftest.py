@@ -8,18 +8,21 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from runplan import RunPlan
 from runtime_cupy.edges.shm import unlink_segment
+from runtime_cupy.process.launcher import ProcessRun
 from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.support import hygiene
 from tests.support.hygiene import (
     SHM,
     TAG_VARIABLE,
+    RunLedger,
     listening_sockets,
-    resources,
     tagged_processes,
-    users,
     wait_gone,
 )
 
@@ -31,13 +34,25 @@ if not sys.platform.startswith("linux"):
 def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test leaves no process, no shared memory or run folder and no listening
     port behind, even when it fails: strays are killed and removed, then the test
-    errors. What appeared meanwhile but is in use by a process this test did not start
-    (another test session or a benchmark on the same host) is not this test's, and is
-    left alone. A stage's listening ports die with it; the test process's own (the
-    orchestrator's token-out) are checked here."""
+    errors. It checks what it made itself: the processes carrying its tag, the
+    resources of the runs it used (``hygiene.RunLedger``: every ``ProcessRun`` made in
+    this process, and the runs it learned of from processes it started), and its own
+    process's listening ports (the orchestrator's token-out; a stage's die with it).
+    A resource of one of its runs that a process it did not start still uses (a warm
+    chain of a fixture wider than the test) is not a leftover. Nothing else on the
+    host is looked at, so a stranger's run or server never makes a test fail, and is
+    never removed."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VARIABLE, tag)  # inherited by every process a test starts
-    before = resources()
+    ledger = RunLedger()
+    monkeypatch.setattr(hygiene, "current_ledger", ledger)
+    made = ProcessRun.__init__
+
+    def observed(self: ProcessRun, plan: RunPlan, *args: Any, **kwargs: Any) -> None:
+        ledger.learn([plan.run_id])
+        made(self, plan, *args, **kwargs)
+
+    monkeypatch.setattr(ProcessRun, "__init__", observed)
     ports_before = listening_sockets(os.getpid())
     yield
     ports_left = sorted(set(listening_sockets(os.getpid())) - set(ports_before))
@@ -46,7 +61,7 @@ def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     wait_gone(stray, 5.0)
-    left = sorted(path for path in resources() - before if not users(path))
+    left = ledger.leftovers()
     for path in left:
         if path.startswith(str(SHM)):
             unlink_segment(Path(path).name)

@@ -1,14 +1,34 @@
-"""The leftover check of every process-runtime test tells this test's leftovers from
-resources another process on the host is using (``hygiene.users``)."""
+"""The leftover check of every process-runtime test looks at what the test made itself:
+the resources of the runs it used (``hygiene.RunLedger``), never a stranger's on the
+host, and not those another process is using (``hygiene.users``)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.support.hygiene import SHM, alive, users, wait_gone
+import pytest
+
+import runtime_cupy
+from runplan import RingSpec
+from runtime_cupy.edges.shm import ShmMedium, remove_run
+from runtime_cupy.process.names import PREFIX
+from tests.support import hygiene
+from tests.support.hygiene import (
+    SHM,
+    TAG_VARIABLE,
+    RunLedger,
+    alive,
+    run_resources,
+    users,
+    wait_gone,
+)
 
 HOLD = """
 import mmap, os, sys, time
@@ -60,3 +80,73 @@ def test_a_mapped_segment_names_its_mapper() -> None:
         assert users(str(segment)) == []
     finally:
         segment.unlink()
+
+
+STRANGER = """
+import os, sys
+from pathlib import Path
+Path(sys.argv[1]).write_bytes(b"")  # a segment, held by no one
+os.mkdir(sys.argv[2], 0o700)  # an edge folder
+os.mkfifo(os.path.join(sys.argv[2], "data"), 0o600)
+"""
+
+
+@pytest.fixture(scope="session")
+def strangers() -> Iterator[list[Path]]:
+    """Resources a stranger made on this host; removed at the end of the session, after
+    every test's leftover check. (Another test session on the host may remove them
+    before: a stranger's resources come and go as they will.)"""
+    made: list[Path] = []
+    yield made
+    for path in made:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _stranger_makes_resources(strangers: list[Path]) -> tuple[Path, Path]:
+    """A process that is not this test's (no tag in its environment) makes a segment and
+    an edge folder with this runtime's prefix, and exits: nobody holds them."""
+    segment = SHM / f"{PREFIX}{uuid.uuid4().hex[:12]}-1"
+    folder = Path(tempfile.gettempdir()) / f"{PREFIX}{uuid.uuid4().hex[:12]}"
+    strangers += [segment, folder]
+    env = {k: v for k, v in os.environ.items() if k != TAG_VARIABLE}
+    subprocess.run([sys.executable, "-c", STRANGER, str(segment), str(folder)], env=env, check=True)
+    assert segment.exists() and (folder / "data").exists()
+    assert users(str(segment)) == [] and users(str(folder)) == []
+    return segment, folder
+
+
+def test_a_strangers_resources_made_during_a_test_are_not_its_leftovers(
+    strangers: list[Path],
+) -> None:
+    """The leftover check of this very test (``conftest.no_leftovers``) passes, and
+    leaves the stranger's resources where they are."""
+    segment, folder = _stranger_makes_resources(strangers)
+    assert not {str(segment), str(folder)} & set(hygiene.current_ledger.resources())
+
+
+def test_a_run_of_the_ledger_left_behind_is_found_and_a_strangers_is_not(
+    strangers: list[Path],
+) -> None:
+    segment, folder = _stranger_makes_resources(strangers)
+    ours = f"test-{uuid.uuid4().hex}"
+    ledger = RunLedger()
+    ledger.learn([ours])
+    ring = ShmMedium().create(ours, 1, RingSpec(2, 64, 256), b"")
+    try:
+        ring.close()  # this process lets go; the names stay, as a killed stage's would
+        left = ledger.leftovers()
+        assert left == sorted(run_resources(ours)) and len(left) >= 2  # a segment, a folder
+        assert str(segment) not in left and str(folder) not in left
+    finally:
+        remove_run(ours, [1])
+    assert ledger.leftovers() == []
+
+
+@pytest.mark.process
+def test_a_run_made_in_the_tests_process_is_in_its_ledger(tiny: str) -> None:
+    result = runtime_cupy.generate(tiny, [1, 2], max_tokens=2, stages=2, worker="numpy")
+    assert result.outcome == "completed"
+    assert result.plan.run_id in hygiene.current_ledger.run_ids

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.hygiene import alive, run_resources, wait_gone
+from tests.support.hygiene import alive, learn_run_ids, run_resources, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -66,7 +66,9 @@ class Driver:
                 item = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 pytest.fail(f"no {key!r} from the driver in {timeout_s} s")
-            self.run_id = item.get("run_id", self.run_id)
+            if "run_id" in item:
+                self.run_id = item["run_id"]
+                learn_run_ids([self.run_id])
             if "spawned" in item:
                 self.pids.append(item["spawned"])
             seen += key in item

@@ -17,7 +17,7 @@ import runtime_sim
 from runtime_cupy.cli.main import main
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.runtime_cupy.test_process_faults import _children
-from tests.support.hygiene import wait_gone
+from tests.support.hygiene import learn_run_ids, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -41,6 +41,7 @@ def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # exactly one object: json.loads refuses anything more
+    learn_run_ids([doc["run_id"]])
     assert doc["outcome"] == "completed" and doc["fault"] is None
     assert doc["tokens"] == list(
         runtime_sim.generate(tiny, [7, 8, 9], stages=3, max_tokens=5).tokens
@@ -48,6 +49,7 @@ def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
     assert [s["layer_start"] for s in doc["stages"]] == [0, 2, 3]
     assert all(s["exit_status"] == 0 and s["pid"] > 0 for s in doc["stages"])
     assert {"ttft_ms", "decode_tokens_per_s", "load_s", "wall_s"} <= set(doc["timings"])
+    assert doc["slices"] == []  # every stage on this host: no slice travelled
     assert doc["text"] in proc.stderr  # the streamed text went to stderr
 
 

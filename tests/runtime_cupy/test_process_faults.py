@@ -17,7 +17,7 @@ from runplan.config import Timeouts
 from runtime_cupy import generate
 from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
 from tests.support.hosts import FaultyHost
-from tests.support.hygiene import alive, run_resources, wait_gone
+from tests.support.hygiene import alive, learn_run_ids, run_resources, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -97,6 +97,7 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str) -> None:
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     doc = json.loads(out)  # still exactly one JSON object on stdout
+    learn_run_ids([doc["run_id"]])
     assert doc["outcome"] == "cancelled" and doc["tokens"] == []
     assert err.strip().splitlines()[-1] == "cancelled"
     assert wait_gone(list(pids.values()), 5) == []

@@ -37,9 +37,7 @@ from runtime_cupy.hosts.ray.rendezvous import NAMESPACE, run_prefix  # noqa: E40
 from runtime_cupy.hosts.ray.session import connect  # noqa: E402
 from tests.support.hygiene import (  # noqa: E402
     alive,
-    resources,
     run_resources,
-    users,
     wait_gone,
 )
 from tests.support.ray_checks import (  # noqa: E402
@@ -355,7 +353,6 @@ def test_serve_keeps_its_stages_warm_on_the_cluster(
             "-v"]  # fmt: skip
     server = ServerProcess(args, tmp_path / "server.log", env)
     stopped = False
-    before = resources()
     try:
         server.wait_listening(120.0)
         server.wait_ready(180.0)
@@ -397,7 +394,10 @@ def test_serve_keeps_its_stages_warm_on_the_cluster(
         stopped = True
         assert not wait_gone(live, 10.0), "stage processes outlived the server"
         assert wait_until(supervisors, 20) == []
-        assert [p for p in resources() - before if not users(p)] == []  # /dev/shm/gpp-*
+        # A run per request. Its id stays in the server (the log names its label), and its
+        # TCP edges found each other through Ray's store, not /dev/shm or /tmp: what is
+        # left of its runs would be there (the store of this test's own cluster).
+        assert len(set(server.run_labels())) >= 3, server.log()
         from ray.experimental import internal_kv
 
         left = internal_kv._internal_kv_list(b"edge/", namespace=NAMESPACE)  # any run's

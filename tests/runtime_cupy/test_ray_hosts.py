@@ -4,8 +4,11 @@ worker in each other (``tests/support/netns_hosts.py``); the orchestrator is a d
 on the head's host (``ray_driver.py``). Three stages on three hosts give the tokens of
 ``runtime_sim`` (NumPy worker); then each cross-host fault ends the run cleanly: a stage
 process SIGKILLed, the network to a host cut mid-decode (no FIN), the orchestrator
-killed, a whole host lost, and a host that lacks the GGUF file. After each: no stage
-process, shared-memory segment, run folder or listening port of the run on any host.
+killed, a whole host lost. Hosts that cannot see the GGUF file (an empty file system
+mounted over its folder) get their slices from the orchestrator's host, byte-exact, and
+start from their cache the next time; a cache on a full disk is a named fault. After
+each: no stage process, shared-memory segment, run folder or listening port of the run
+on any host.
 Root only (skipped with the reason elsewhere)."""
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 import pytest
 
 import runtime_sim
+from runplan.gguf_header import GgufHeader
+from runplan.shards import SliceParts, slice_tensor_names
 from runtime_cupy.edges.shm import segment_name
 from runtime_cupy.process.names import edge_dir, run_label
 from runtime_cupy.process.streams import SILENT_PEER_S
@@ -204,19 +209,106 @@ def test_three_stages_on_three_hosts_give_the_simulators_tokens(
     _assert_nothing_left(hosts, doc["run_id"])
 
 
-def test_a_host_without_the_model_file_fails_setup_naming_host_and_path(
+def _hidden(
+    hosts: TestHosts, folder: Path, on: tuple[int, ...]
+) -> contextlib.AbstractContextManager[None]:
+    """The model's folder looks empty on hosts ``on``: an empty file system mounted over
+    it in their mount namespaces (the file is really not there for their processes)."""
+
+    @contextlib.contextmanager
+    def hidden() -> Iterator[None]:
+        for i in on:
+            hosts.on_host(i, f"mount -t tmpfs -o size=64k tmpfs {folder}")
+            assert hosts.on_host(i, f"ls {folder}").split() == [], f"host {i} sees the model"
+        try:
+            yield
+        finally:
+            for i in on:
+                hosts.on_host(i, f"umount {folder}")
+
+    return hidden()
+
+
+def _transfers(hosts: TestHosts, i: int) -> list[dict[str, Any]]:
+    """What host ``i``'s stages wrote of their slices (``<cache>/transfers.jsonl``)."""
+    cache = os.environ["GGUF_PIPELINE_CACHE"]  # tests/conftest.py: each host's own /tmp
+    text = hosts.on_host(i, f"cat {cache}/transfers.jsonl 2>/dev/null")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _slice_bytes(model: str, layers: list[int], index: int, count: int) -> int:
+    header = GgufHeader.read(model)
+    parts = SliceParts(layers[0], layers[1], index == 0, index == count - 1)
+    return sum(header.tensors[n].n_bytes for n in slice_tensor_names(header.tensors, parts))
+
+
+def test_hosts_without_the_model_file_get_their_slices_then_start_from_their_cache(
     hosts: TestHosts, model: str
 ) -> None:
-    only_here = f"/tmp/gpp-only-on-the-head-{secrets.token_hex(4)}.gguf"  # a private /tmp
-    doc = Driver(hosts, model, "--copy-model-to", only_here).result()
-    assert doc["outcome"] == "faulted" and doc["tokens"] == [], doc
-    stage = doc["fault_stage"]
-    assert stage in (1, 2), doc
-    host = hosts.address(stage + 1)
-    assert f"host {host}" in doc["fault"] and only_here in doc["fault"], doc["fault"]
-    assert "setup" in doc["fault"], doc["fault"]
+    # The tokens of a run where every host has the file are runtime_sim's (the first test).
+    expected = list(runtime_sim.generate(model, PROMPT, stages=3, max_tokens=8).tokens)
+    with _hidden(hosts, Path(model).parent, on=(2, 3)):
+        doc = Driver(hosts, model, "--max-tokens", "8").result()
+        assert doc["outcome"] == "completed", doc
+        assert doc["tokens"] == expected
+        # Stage 0 shares the orchestrator's host; stages 1 and 2 received their slices.
+        slices = {t["stage_index"]: t for t in doc["slices"]}
+        assert sorted(slices) == [1, 2]
+        for i, t in slices.items():
+            expected_bytes = _slice_bytes(model, doc["layers"][i], i, 3)
+            assert t["state"] == "done" and t["host"] == hosts.address(i + 1), t
+            assert t["tensor_bytes"] == expected_bytes
+            assert t["sent_bytes"] == t["header_bytes"] + expected_bytes
+            # Measured on the receiving host: what it read off its socket (its stage's
+            # supervisor fetched the slice while the stage started; the stage's bind
+            # then found it in the cache).
+            lines = _transfers(hosts, i + 1)
+            assert [x["outcome"] for x in lines[-2:]] == ["received", "cache"], lines
+            line = lines[-2]
+            assert line["host"] == hosts.address(i + 1)
+            assert line["tensor_bytes_received"] == expected_bytes
+            assert line["header_bytes"] == t["header_bytes"]
+            assert line["socket_bytes"] == t["received_bytes"]
+            assert 0 < line["socket_bytes"] - t["sent_bytes"] < 1024  # handshake, frames
+        # The next run transfers nothing: every stage starts from its host's cache.
+        again = Driver(hosts, model, "--max-tokens", "8").result()
+        assert again["outcome"] == "completed" and again["tokens"] == expected, again
+        assert again["slices"] == []
+        for i in (2, 3):
+            line = _transfers(hosts, i)[-1]
+            assert (line["outcome"], line["socket_bytes"]) == ("cache", 0), line
     _assert_nothing_left(hosts, doc["run_id"])
-    hosts.on_host(1, f"rm -f {only_here}")
+
+
+def test_a_full_cache_disk_on_a_host_is_a_named_fault_and_the_run_after_succeeds(
+    hosts: TestHosts, model: str
+) -> None:
+    cache = os.environ["GGUF_PIPELINE_CACHE"]
+    # The last of 3 stages of an even split holds the last blocks and the head.
+    blocks = GgufHeader.read(model).integer("llama.block_count")
+    last = [blocks - blocks // 3, blocks]
+    size = _slice_bytes(model, last, 2, 3) // 2  # the header fits, not every tensor
+    hosts.on_host(3, f"mkdir -p {cache} && mount -t tmpfs -o size={size} tmpfs {cache}")
+    try:
+        with _hidden(hosts, Path(model).parent, on=(3,)):
+            doc = Driver(hosts, model, "--max-tokens", "2").result()
+        assert doc["outcome"] == "faulted" and doc["fault_stage"] == 2, doc
+        assert doc["layers"][2] == last
+        fault = doc["fault"]
+        assert f"stage 2 (node {hosts.address(3)}/cpu0, host {hosts.address(3)})" in fault
+        assert f"to host {hosts.address(3)}" in fault and "tensor " in fault, fault
+        assert "no space left" in fault and "no cache entry was made" in fault, fault
+        left = hosts.on_host(3, f"find {cache}/slices {cache}/tmp -mindepth 1 2>/dev/null")
+        assert left.split() == [], left  # no entry, nothing half-written
+    finally:
+        hosts.on_host(3, f"umount {cache}")
+    with _hidden(hosts, Path(model).parent, on=(3,)):
+        after = Driver(hosts, model, "--max-tokens", "2").result()
+    assert after["outcome"] == "completed", after
+    assert after["tokens"] == list(
+        runtime_sim.generate(model, PROMPT, stages=3, max_tokens=2).tokens
+    )
+    _assert_nothing_left(hosts, doc["run_id"])
 
 
 def test_a_remote_stage_process_killed_mid_decode(hosts: TestHosts, model: str) -> None:

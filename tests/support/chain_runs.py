@@ -23,7 +23,7 @@ from runtime_core.chain_orchestrator import ChainOrchestrator, RunHandle
 from runtime_core.chain_orchestrator import RunTimerFired as OrchestratorTimerFired
 from runtime_core.chain_stage import ChainStageController, RunTimerFired
 from runtime_core.links import LinkSender, LocalLinks
-from runtime_core.workers.interface import Worker
+from runtime_core.workers.interface import BatchStep, StepFailure, StepResult, Worker, WorkerError
 
 ORCHESTRATOR = "orch"
 
@@ -57,8 +57,8 @@ class _Outbox:
 
 
 class ChainRuns:
-    """Stages of one chain (``stage_count``, nodes ``node-0..``) over workers from
-    ``make(stage_index)``, and the orchestrator of its runs."""
+    """Stages of one chain (``stage_count``, nodes ``node-0..`` or ``node_ids``) over
+    workers from ``make(stage_index)``, and the orchestrator of its runs."""
 
     def __init__(
         self,
@@ -66,7 +66,10 @@ class ChainRuns:
         make: Callable[[int], Worker],
         *,
         stopped_runs: frozenset[str] = frozenset(),
+        node_ids: Sequence[str] = (),
     ) -> None:
+        self.node_ids = list(node_ids) or [f"node-{i}" for i in range(stage_count)]
+        assert len(self.node_ids) == stage_count, (self.node_ids, stage_count)
         self.links = LocalLinks()
         self.to_orchestrator: deque[tuple[str, bytes]] = deque()
         self.to_stages: deque[tuple[str, bytes]] = deque()
@@ -76,13 +79,13 @@ class ChainRuns:
         self.workers = [make(i) for i in range(stage_count)]
         self.stages = [
             ChainStageController(
-                f"node-{i}",
+                self.node_ids[i],
                 ORCHESTRATOR,
                 self.workers[i],
                 self.links,
-                _Outbox(f"node-{i}", self.to_orchestrator),
+                _Outbox(self.node_ids[i], self.to_orchestrator),
                 self.stage_timers[i],
-                trace=self._tracer(f"node-{i}"),
+                trace=self._tracer(self.node_ids[i]),
                 stopped_runs=stopped_runs,
             )
             for i in range(stage_count)
@@ -155,7 +158,7 @@ class ChainRuns:
         while self.to_stages:
             busy = True
             node_id, data = self.to_stages.popleft()
-            i = int(node_id.split("-")[1])
+            i = self.node_ids.index(node_id)
             if self.alive[i]:
                 self.stages[i].handle(sfsm.Received(ORCHESTRATOR, wire.loads(data)))
         while self.to_orchestrator:
@@ -188,3 +191,26 @@ class ChainRuns:
                 stage.run_release()
                 busy = True
         return busy
+
+
+class FailingWorker:
+    """A worker whose batch fails, for one run's step (``StepFailure``) or as a whole
+    (an exception)."""
+
+    def __init__(self, inner: Worker, fail: Callable[[BatchStep], str | None]) -> None:
+        self.inner = inner
+        self.fail = fail
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        for step in steps:
+            what = self.fail(step)
+            if what == "crash":
+                raise WorkerError("the device is gone")
+        results = self.inner.execute_batch(steps)
+        return tuple(
+            StepFailure("injected") if self.fail(s) == "run" else r
+            for s, r in zip(steps, results, strict=True)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -1,20 +1,57 @@
 """What the process-runtime tests check after every run: no process left, no shared
 memory, edge folder (FIFOs, rendezvous files) or listening port left (Linux: /dev/shm
-and /proc)."""
+and /proc).
+
+A test checks what it made itself, never the host: the processes that carry its tag
+(``TAG_VARIABLE``, inherited by every process it starts) and the resources of the runs
+it used (``RunLedger``). A run's resources are found from its id alone
+(``run_resources``, which follows ``runtime_cupy.process.names``), so a stranger's
+resource on the host, whatever its name, is never this test's."""
 
 from __future__ import annotations
 
-import glob
 import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import attrs
+
 from runtime_cupy.edges.shm import segment_name
-from runtime_cupy.process.names import PREFIX, edge_dir
+from runtime_cupy.process.names import edge_dir
 
 SHM = Path("/dev/shm")
 TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"
+
+
+@attrs.define
+class RunLedger:
+    """The run ids one test used: every ``ProcessRun`` made in the test's process (the
+    orchestrator of each run, cold or warm), and those a test learned from a process it
+    started (``learn``: a driver's or the CLI's JSON naming its run). A server process
+    logs only its runs' labels (``names.run_label``), never their ids."""
+
+    run_ids: set[str] = attrs.field(factory=set)
+
+    def learn(self, run_ids: Iterable[str]) -> None:
+        self.run_ids.update(run_ids)
+
+    def resources(self) -> list[str]:
+        """What is left on this host of the runs in the ledger."""
+        return sorted({path for run_id in self.run_ids for path in run_resources(run_id)})
+
+    def leftovers(self) -> list[str]:
+        """What is left of the ledger's runs and held by no process but this one."""
+        return [path for path in self.resources() if not users(path)]
+
+
+#: The ledger of the test running now (``conftest.no_leftovers`` sets it).
+current_ledger = RunLedger()
+
+
+def learn_run_ids(run_ids: Iterable[str]) -> None:
+    """Count runs that a process this test started orchestrated as the test's own."""
+    current_ledger.learn(run_ids)
 
 
 def _state(stat: Path) -> str:
@@ -42,13 +79,6 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.02)
-
-
-def resources() -> set[str]:
-    """Every shared-memory segment and edge folder of this runtime on the host."""
-    found = {str(p) for p in SHM.glob(f"{PREFIX}*")}
-    found |= set(glob.glob(str(edge_dir("x", 0).parent / f"{PREFIX}*")))
-    return found
 
 
 #: Edge ids a plan of up to 62 stages numbers its edges with (the planner's 1..N+1).

@@ -9,7 +9,8 @@ worker) and prints one JSON object with what happened. With ``--pause-at K`` it 
 the run after its K-th token: it prints ``{"paused": ...}`` (the run id, each stage's
 pid) as a line and reads one line from standard input before going on, so
 that the test can do its fault to a run in mid-decode; ``resumed_s`` in the result is
-when it went on (monotonic, this machine's clock)."""
+when it went on (monotonic, this machine's clock); ``slices`` what each stage's slice
+of the model did that travelled from the orchestrator's host."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from runplan.config import Timeouts
 from runplan.messages import StageReady
 from runtime_cupy import generate
 from runtime_cupy.hosts.ray import session
+from runtime_cupy.slices.progress import figures
 
 #: Bounds beyond the silent-peer bound: a cut link is noticed by keepalive, not by them.
 TIMEOUTS = Timeouts(ready_ms=90_000, step_ms=30_000, edge_wait_ms=20_000, stop_ms=5_000)
@@ -97,6 +99,8 @@ def main() -> int:
                      "pid": s.pid, "returncode": s.returncode}
                     for s in result.stages
                 ],
+                "layers": [[s.layer_start, s.layer_end_exclusive] for s in result.plan.stages],
+                "slices": figures(result.slices),
                 "wall_s": time.monotonic() - began,
                 "ended_s": time.monotonic(),
                 "resumed_s": resumed[0] if resumed else None,

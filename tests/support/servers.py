@@ -30,6 +30,7 @@ from runtime_cupy.serve.engine import Engine
 
 LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 STAGE_STARTED = re.compile(r"stage (\d+) \(\S+\) started: pid (\d+)")
+RUN_STARTED = re.compile(r"request #\d+ \(\S+\) runs as (\S+)")
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
@@ -129,6 +130,11 @@ class ServerProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+    def run_labels(self) -> list[str]:
+        """The labels of the runs of the requests it logged (with ``-v``): a server
+        shows a run's label (``names.run_label``), never its id."""
+        return RUN_STARTED.findall(self.log())
 
 
 class InProcessServer:

@@ -9,10 +9,13 @@ temperature. Ties are ordered by token id. Each draw takes exactly one number fr
 ``numpy.random.Generator(PCG64(seed))`` made for the run, so the same seed and the
 same logits give the same tokens.
 
-The draws are counted (``Sampler.draws``: one per token sampled at a temperature above
-0, none when greedy), and ``Sampler(config, draws=k)`` continues exactly where a sampler
-that drew ``k`` numbers would (the generator advanced by ``k``), so an interrupted run
-can be replayed from any token.
+Seeded sampling takes exactly one draw per token; greedy takes none. The draws are
+counted (``Sampler.draws``), and ``Sampler(config, draws=k)`` continues exactly where a
+sampler that drew ``k`` numbers would (the generator advanced by ``k``). So the state
+after ``n`` delivered tokens is known without replaying them:
+``Sampler.resumed(config, n)``; a worker makes each run's sampler with
+``Sampler.for_run(config)``, which resumes after ``config.tokens_delivered`` (0 for a
+fresh run; a replay's count, ``runtime_core.replay``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,21 @@ class Sampler:
             bits.advance(draws)  # each draw below takes one 64-bit output
         self._rng = np.random.Generator(bits)
         self.draws = draws
+
+    @classmethod
+    def resumed(cls, config: SamplingConfig, tokens_delivered: int) -> Sampler:
+        """The sampler of a stream that already delivered ``tokens_delivered`` tokens:
+        seeded sampling takes one draw per token (the generator advanced by that many),
+        greedy takes none."""
+        if type(tokens_delivered) is not int or tokens_delivered < 0:
+            raise ValueError(f"tokens_delivered {tokens_delivered!r} is not a count >= 0")
+        return cls(config, draws=tokens_delivered if config.temperature > 0.0 else 0)
+
+    @classmethod
+    def for_run(cls, config: SamplingConfig) -> Sampler:
+        """A run's sampler: resumed after ``config.tokens_delivered`` tokens (a replay),
+        fresh when that is 0."""
+        return cls.resumed(config, config.tokens_delivered)
 
     def uniform(self) -> float:
         """The next number in [0, 1) of the run's stream (one draw)."""

@@ -220,7 +220,8 @@ class StageWorker(SingleRunSteps):
         edge = activations.edge_dtype(p.model.dtype_family, p.model.dtype_width_bytes)
         if p.is_last:
             try:
-                Sampler(p.sampling or SamplingConfig())  # the reference's checks of the settings
+                # the reference's checks of the settings
+                Sampler.for_run(p.sampling or SamplingConfig())
             except ValueError as exc:
                 raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
         spec = BackendSpec(
@@ -306,7 +307,7 @@ class StageWorker(SingleRunSteps):
         sampler = None
         if provision.is_last:
             try:
-                sampler = Sampler(provision.sampling or SamplingConfig())
+                sampler = Sampler.for_run(provision.sampling or SamplingConfig())
             except ValueError as exc:
                 raise WorkerError(f"run {provision.run_id!r}: {exc}") from exc
         self._budget.reserve(provision.run_id, provision.kv_bytes)  # KvCacheUnavailable

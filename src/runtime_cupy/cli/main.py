@@ -5,15 +5,18 @@ prints the plan, in ``cli.plan``).
 
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
-``fault``, ``stages``, ``timings``) and everything else goes to standard error. A run
+``fault``, ``stages``, ``timings``, ``slices``: bytes and seconds of each stage's slice
+that travelled) and everything else goes to standard error. While slices of the model
+travel to stages on other hosts, standard error shows a progress bar per stage. A run
 that faults prints one line naming the stage, node and reason to standard error and
 exits 1; Ctrl-C tears the run down, prints ``cancelled`` and exits 130; bad input
 exits 2.
 
 Subcommands beside it: ``python -m runtime_cupy plan ...`` (``cli.plan``),
 ``python -m runtime_cupy serve ...`` (an OpenAI-compatible HTTP
-API over warm stages, ``cli.serve``) and ``python -m runtime_cupy chat ...`` (a
-terminal chat on warm stages, ``cli.chat``).
+API over warm stages, ``cli.serve``), ``python -m runtime_cupy chat ...`` (a
+terminal chat on warm stages, ``cli.chat``) and ``python -m runtime_cupy cache
+list|clear`` (this host's slice cache, ``cli.cache``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from runtime_cupy.cli.arguments import (
     configure_logs,
 )
 from runtime_cupy.process.tracing import chrome_trace
+from runtime_cupy.slices.progress import SliceBars, describe, figures
+from runtime_cupy.slices.server import StageTransfer
 
 EXIT_FAULTED = 1
 EXIT_INPUT = 2
@@ -62,6 +67,11 @@ def _run(args: argparse.Namespace) -> int:
     stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
     status = err.status(f"starting {args.stages} stage processes")
     ready: set[int] = set()
+    bars = SliceBars(err)
+
+    def on_slice(transfer: StageTransfer) -> None:
+        status.stop()  # one live display at a time: the bars
+        bars(transfer)
 
     def on_load(stage: int, _done: int, _total: int) -> None:
         ready.add(stage)
@@ -84,9 +94,11 @@ def _run(args: argparse.Namespace) -> int:
             encrypt_edges=args.encrypt_edges,
             ray_address=args.ray_address,
             placement=args.placement,
+            on_slice=on_slice,
         )
     finally:
         status.stop()
+        bars.stop()
     stream.finish(result.text)
     if args.trace is not None:
         args.trace.write_text(json.dumps(chrome_trace(list(result.trace or ()))))
@@ -158,6 +170,7 @@ def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
             for e, medium in zip(result.plan.edges, result.media, strict=False)
         ],
         "timings": _timings(result, prompt_len),
+        "slices": figures(result.slices),
     }
 
 
@@ -182,6 +195,8 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int, wo
             "cpu" if proc is None or proc.device is None else f"gpu {proc.device}",
         )
     console.print(table)
+    for transfer in result.slices:
+        console.print(describe(transfer), highlight=False)
     t = _timings(result, prompt_len)
     status = result.outcome + (f" ({escape(result.fault)})" if result.fault else "")
     console.print(
@@ -200,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         "or TCP edges between them).",
         epilog="Also: 'python -m runtime_cupy plan --help' (the plan against this host or "
         "a Ray cluster), 'python -m runtime_cupy serve --help' (an OpenAI-compatible HTTP "
-        "API over warm stages) and 'python -m runtime_cupy chat --help' (a terminal chat).",
+        "API over warm stages), 'python -m runtime_cupy chat --help' (a terminal chat) and "
+        "'python -m runtime_cupy cache list|clear' (this host's cache of model slices).",
     )
     add_generation_arguments(run, stages_help="stage processes (default: 3)")
     add_worker(run)
@@ -219,12 +235,16 @@ def _subcommand(name: str, argv: Sequence[str]) -> int:
         from runtime_cupy.cli.serve import main as serve
 
         return serve(argv)
+    if name == "cache":
+        from runtime_cupy.cli.cache import main as cache
+
+        return cache(argv)
     from runtime_cupy.cli.chat import main as chat
 
     return chat(argv)
 
 
-SUBCOMMANDS = ("plan", "serve", "chat")
+SUBCOMMANDS = ("plan", "serve", "chat", "cache")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

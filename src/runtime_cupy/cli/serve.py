@@ -214,6 +214,7 @@ def _noted(signum: int, _frame: object) -> None:
 def _configure_logs(verbose: bool) -> None:
     configure_logs(verbose)
     logging.getLogger("runtime_cupy.serve").setLevel(logging.INFO)
+    logging.getLogger("runtime_cupy.slices").setLevel(logging.INFO)  # slices as they travel
 
 
 def main(argv: Sequence[str] | None = None) -> int:

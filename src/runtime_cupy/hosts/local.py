@@ -251,6 +251,9 @@ class LocalProcessHost:
             args.append("--warm")
         if launch.encrypt_edges:
             args.append("--encrypt-edges")
+        if launch.slices is not None:
+            args += ["--slice-server", launch.slices.address]
+            args += ["--slice-source-key", launch.slices.source_key]
         return args
 
     def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:

@@ -17,14 +17,17 @@ names and rendezvous through Ray's key-value store (``hosts.ray``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from attrs import frozen
 
+from runplan import GgufSource
+from runplan.shards import SliceParts
 from runtime_cupy.edges.port import EdgeMedium, Rendezvous
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.tracing import Event
+from runtime_cupy.slices.fetch import SliceOrigin
 
 
 @frozen
@@ -39,7 +42,12 @@ class StageLaunch:
     for logs): it keeps its bound weights between runs and ends when its control
     channel closes between runs (``python -m runtime_cupy.process.stage_process --warm``).
     ``encrypt_edges``: its TCP edges encrypt their frames, not only authenticate them
-    (``edges.tcp_seal``; shared-memory edges are as they are)."""
+    (``edges.tcp_seal``; shared-memory edges are as they are).
+
+    ``source`` and ``parts``: the plan's GGUF source and what of it the stage holds, for
+    a host whose stages may lack it (a stage on another machine gets its slice from the
+    orchestrator's host); ``slices``: where such a stage gets it, filled in by that host
+    (``runtime_cupy.slices``)."""
 
     run_id: str
     stage_index: int
@@ -55,6 +63,9 @@ class StageLaunch:
     warm: bool = False
     encrypt_edges: bool = False
     heartbeat_ms: int = 5_000  # the orchestrator's bound on the stage's silence
+    source: GgufSource | None = None
+    parts: SliceParts | None = None
+    slices: SliceOrigin | None = None
 
 
 @frozen
@@ -105,6 +116,20 @@ class StageHandle(Protocol):
 
     def close(self) -> None:
         """Let go of the handle's resources (channel, lifeline) once the stage is gone."""
+        ...
+
+
+@runtime_checkable
+class MovesSlices(Protocol):
+    """A host that brings its stages their slices of the model over the network
+    (``hosts.ray``), from the moment it starts them. The launcher waits for them before
+    it provisions the stages, so that no stage's readiness bound runs while its slice
+    travels (a stage whose slice did not come tries again as it binds, and reports why
+    it cannot)."""
+
+    def wait_for_slices(self, cancelled: Callable[[], bool]) -> None:
+        """Return once every started stage's slice is on its host (or failed to come),
+        or at once when ``cancelled()`` says so."""
         ...
 
 

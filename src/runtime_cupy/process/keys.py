@@ -14,6 +14,9 @@ for every other:
   connection of that edge, one per direction, from the edge key and both ends' fresh
   handshake nonces (edges/tcp_seal.py): a frame sealed for one direction, one
   connection, one edge or one run opens on no other.
+- ``slice_key(secret, node_id)``: the key with which a stage on another host and the
+  orchestrator's slice server prove the same before its slice of the model travels
+  (slices/), its frames then sealed as an edge's are.
 
 The stages are trusted (PIPELINE_ORCHESTRATION_MVP.md §10), so each holds the secret
 the keys come from; what the keys keep out is everyone else: another run's processes,
@@ -30,6 +33,7 @@ SECRET_BYTES = 32
 KEY_BYTES = 32
 _CONTROL = b"gguf-pipeline/control-key/1\x00"
 _EDGE = b"gguf-pipeline/edge-key/1\x00"
+_SLICE = b"gguf-pipeline/slice-key/1\x00"
 _RECORDS = b"gguf-pipeline/record-key/1\x00"
 #: The two directions of a TCP edge's stream, as ``record_keys`` orders its keys.
 TO_CONSUMER, TO_PRODUCER = 0, 1
@@ -95,3 +99,9 @@ def record_keys(
         return hmac.new(edge_key, data, hashlib.sha256).digest()
 
     return key(TO_CONSUMER), key(TO_PRODUCER)
+
+
+def slice_key(secret: bytes, node_id: str) -> bytes:
+    """The key of the slice transfers of stage ``node_id``."""
+    _check(secret)
+    return hmac.new(secret, _SLICE + node_id.encode("utf-8"), hashlib.sha256).digest()

@@ -15,6 +15,10 @@ through TCP otherwise (``edges``: ``auto``), or through the medium asked for
 (``shm``, ``tcp``: TCP on one host, for tests and comparison). TCP edges authenticate
 every frame; with ``encrypt_edges`` they encrypt it too (``edges.tcp_seal``).
 
+A host that brings stages on other machines their slices of the model
+(``hosts.port.MovesSlices``) is waited for before provisioning: the readiness bound
+starts once the slices are in place.
+
 A stage whose control channel reaches end of file has died (however it died, SIGKILL
 included): ``StageDied`` faults the run. A stage that has spoken once and then sends
 nothing, not even a heartbeat, for ``timeouts.heartbeat_ms`` is stopped or hung
@@ -53,11 +57,18 @@ from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import FaultKind, ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
+from runplan.shards import SliceParts
 from runtime_core.orchestrator_controller import OrchestratorController
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.port import ProcessEdges
 from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
-from runtime_cupy.hosts.port import StageHandle, StageHost, StageLaunch, StageProcessInfo
+from runtime_cupy.hosts.port import (
+    MovesSlices,
+    StageHandle,
+    StageHost,
+    StageLaunch,
+    StageProcessInfo,
+)
 from runtime_cupy.process.control_channel import ChannelBroken, Incoming
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
@@ -270,6 +281,8 @@ class ProcessRun:
         previous = self._install_signals()
         try:
             self._start_all()
+            if isinstance(self.host, MovesSlices):
+                self.host.wait_for_slices(lambda: bool(self._cancel))
             self.controller.start()
             self._loop()
         finally:
@@ -340,6 +353,8 @@ class ProcessRun:
                 device=self.devices[stage.stage_index],
                 trace=self.trace.enabled,
                 encrypt_edges=self.encrypt_edges,
+                source=plan.model.gguf_source,
+                parts=SliceParts.of_stage(stage),
             )
             handle = _Stage(self.host.start(launch, self.secret))
             self.stages.append(handle)

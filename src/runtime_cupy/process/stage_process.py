@@ -74,11 +74,13 @@ from runtime_cupy.process.control_channel import (
     Heartbeat,
     Incoming,
 )
-from runtime_cupy.process.keys import BadSecret, control_key, parse_secret
+from runtime_cupy.process.keys import BadSecret, control_key, parse_secret, slice_key
 from runtime_cupy.process.names import run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.process.timers import Deadlines
 from runtime_cupy.process.tracing import TraceLog, now_us
+from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin
+from runtime_cupy.slices.worker import sliced
 from runtime_cupy.workers import WORKERS, WorkerUnavailable, make_worker
 
 EXIT_STOPPED = 0
@@ -513,6 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--trace-file", type=Path, default=None)
+    p.add_argument(
+        "--slice-server",
+        default=None,
+        help="HOST:PORT of the orchestrator's slice server: where this stage gets its slice "
+        "of the model when its host lacks it (runtime_cupy.slices)",
+    )
+    p.add_argument("--slice-source-key", default=None, help="the plan's source's content key")
     return p
 
 
@@ -549,6 +558,10 @@ def main(
     except WorkerUnavailable as exc:
         log.error("%s", exc)
         worker = UnavailableWorker(str(exc))
+    if args.slice_server is not None:
+        origin = SliceOrigin(args.slice_server, args.slice_source_key or "")
+        key = slice_key(secret, args.node_id)
+        worker = sliced(worker, SliceFetcher(origin, args.stage_index, key))
     stage = StageProcess(
         stage_index=args.stage_index,
         node_id=args.node_id,

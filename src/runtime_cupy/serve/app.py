@@ -7,7 +7,9 @@
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served.
 - ``GET /health``: 200 once every stage is up, bound and heard, 503 before and while
   the chain is not whole (a stage broken, gone or silent: ``detail`` names it) until
-  it is started again.
+  it is started again, saying what it waits for (``waiting_for``: each stage's slice of
+  the model still travelling to its host, with bytes, rate and time left; else the
+  stages to start and bind).
 - ``GET /metrics``: Prometheus's text format (``metrics``).
 
 Every error is an OpenAI error object with a status: 400 for a bad body (naming the
@@ -264,7 +266,12 @@ class Api:
             status, detail = "recovering", trouble
         else:
             status, detail = "starting", None
-        body = {"status": status, "model": self.model, "detail": detail}
+        body = {
+            "status": status,
+            "model": self.model,
+            "detail": detail,
+            "waiting_for": [] if e.failure else e.chain.waiting_for(),
+        }
         return JSONResponse(body, status_code=503)
 
     async def metrics(self, request: Request) -> Response:

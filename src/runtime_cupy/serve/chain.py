@@ -27,7 +27,9 @@ or away while idle is named at once. Until the chain is whole again it is not
 With ``ray_address`` (``auto`` or ``HOST:PORT``) the stages live on the hosts of a Ray
 cluster (``hosts.ray``, this process its driver), placed as ``runtime_cupy.generate``
 places them (``placement`` ``even`` or ``memory``); a stage started again goes to the
-node its plan names, under a new supervisor.
+node its plan names, under a new supervisor. A stage on a host without the model gets
+its slice from this host (``runtime_cupy.slices``), logged as it moves
+(``waiting_for`` says what is still on its way).
 
 One run at a time: ``generate`` and ``close`` are for one thread (the server's runner,
 or the terminal chat); ``ready`` and a run's ``cancel`` may be called from any.
@@ -52,6 +54,7 @@ from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
+from runplan.shards import SliceParts
 from runtime_core.runs import PLACEMENTS, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, summarize
@@ -64,6 +67,7 @@ from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import ORCHESTRATOR, ProcessRun
 from runtime_cupy.process.names import new_run_id, run_label
 from runtime_cupy.serve.idle_watch import IdleWatch
+from runtime_cupy.slices.progress import SliceLog, describe
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 if TYPE_CHECKING:
@@ -169,6 +173,7 @@ class WarmChain:
             host = self._ray_host = RayHost(
                 cluster, session.orchestrator_address(), log_level=level
             )
+            self._ray_host.on_slice_change = SliceLog()  # serve logs slices as they move
         else:
             self.nodes, self.devices = place_stages(stages, worker, gpus)
         self.placement = placement
@@ -249,6 +254,8 @@ class WarmChain:
             trace=self.trace,
             warm=True,
             encrypt_edges=self.encrypt_edges,
+            source=plan.model.gguf_source,
+            parts=SliceParts.of_stage(stage),
         )
 
     # -- the stages ----------------------------------------------------------------
@@ -281,6 +288,22 @@ class WarmChain:
         log.warning("%s: it will be started again", why)
         self._lost[index] = why
         self.trouble = why
+
+    def waiting_for(self) -> list[str]:
+        """What the chain waits for before it serves (nothing once ready): each stage's
+        slice still travelling to its host (bytes, rate, time left), else its stages."""
+        if self.ready:
+            return []
+        host = self._ray_host
+        moving = [describe(t) for t in host.slice_transfers() if t.moving] if host else []
+        if moving:
+            return moving
+        with self._lock:
+            started = len(self._handles)
+        total = len(self._launches)
+        if started < total:
+            return [f"stages to start: {started} of {total} started"]
+        return [f"the {total} stages to bind their slices of the model"]
 
     def pids(self) -> tuple[int, ...]:
         """Each stage's process id, by stage index."""

@@ -130,3 +130,30 @@ def test_a_sampler_made_with_k_draws_continues_where_one_that_drew_k_would(
 def test_a_draw_count_that_is_not_a_count_is_refused(draws: object) -> None:
     with pytest.raises(ValueError, match="draws"):
         Sampler(SamplingConfig(), draws=draws)  # type: ignore[arg-type]
+
+
+@given(
+    st.lists(logits_vectors(max_size=32), min_size=2, max_size=8),
+    sampling_configs,
+    st.integers(0, 8),
+)
+def test_a_sampler_resumed_after_k_tokens_samples_the_rest_of_the_stream(
+    steps: list[np.ndarray], config: SamplingConfig, k: int
+) -> None:
+    """``Sampler.resumed(config, k)``: seeded sampling takes one draw per token, greedy
+    none; so a run that delivered ``k`` tokens is continued by counting its tokens
+    alone. ``Sampler.for_run`` resumes after ``config.tokens_delivered``."""
+    whole = Sampler(config)
+    tokens = [whole.sample(logits) for logits in steps]
+    k = min(k, len(steps))
+    resumed = Sampler.resumed(config, k)
+    assert [resumed.sample(logits) for logits in steps[k:]] == tokens[k:]
+    assert resumed.draws == whole.draws
+    for_run = Sampler.for_run(attrs.evolve(config, tokens_delivered=k))
+    assert [for_run.sample(logits) for logits in steps[k:]] == tokens[k:]
+
+
+@pytest.mark.parametrize("tokens", [-1, 1.0, True])
+def test_a_token_count_that_is_not_a_count_is_refused(tokens: object) -> None:
+    with pytest.raises(ValueError, match="tokens_delivered"):
+        Sampler.resumed(SamplingConfig(temperature=1.0), tokens)  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -195,6 +196,27 @@ def test_the_same_seed_draws_the_reference_tokens_however_the_model_is_split(
     other = run(provisions(model, 1, sampling=SamplingConfig(temperature=1.5, seed=12)),
                 make, PROMPT, 12)  # fmt: skip
     assert [o.token_id for o in other] != reference
+
+
+@pytest.mark.parametrize("k", [1, 6, 11])
+def test_a_replay_after_k_tokens_continues_the_stream(
+    make: MakeWorker, model: Path, k: int
+) -> None:
+    """Issue 25's replay: a run of the stream's prompt and first ``k`` tokens, its
+    sampler resumed after them (``sampling.tokens_delivered``), samples the stream's
+    tokens from ``k`` on: on every worker a seeded token takes exactly one draw (device
+    sampling included) and a greedy one none."""
+    seeded = SamplingConfig(temperature=1.5, top_k=40, top_p=0.95, seed=11)
+    for sampling in (SamplingConfig(), seeded):
+        whole = [o.token_id for o in run(provisions(model, 2, sampling=sampling), make, PROMPT, 12)]
+        resumed = attrs.evolve(sampling, tokens_delivered=k)
+        rest = run(provisions(model, 2, sampling=resumed), make, PROMPT + whole[:k], 12 - k)
+        assert [o.token_id for o in rest] == whole[k:], sampling
+    # the count matters: resumed after another number of tokens, the draws differ
+    wrong = attrs.evolve(seeded, tokens_delivered=k + 1)
+    whole = [o.token_id for o in run(provisions(model, 2, sampling=seeded), make, PROMPT, 12)]
+    rest = run(provisions(model, 2, sampling=wrong), make, PROMPT + whole[:k], 12 - k)
+    assert [o.token_id for o in rest] != whole[k:]
 
 
 def test_bind_reports_progress_up_to_the_stage_bytes(make: MakeWorker, model: Path) -> None:

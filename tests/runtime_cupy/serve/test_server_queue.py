@@ -55,6 +55,7 @@ def test_health_is_503_until_the_stages_are_bound(tiny_chat: str) -> None:
     try:
         r = httpx2.get(f"{server.base_url}/health")
         assert r.status_code == 503 and r.json()["status"] == "starting"
+        assert r.json()["waiting_for"] == ["stages to start: 0 of 2 started"]
         answers: list[str | None] = []
 
         def ask() -> None:

@@ -100,6 +100,7 @@ def runtime_configs(draw: st.DrawFn) -> RuntimeConfig:
             top_k=draw(st.integers(0, 100)),
             top_p=draw(st.floats(0.01, 1.0)),
             seed=draw(st.integers(0, 2**64 - 1)),
+            tokens_delivered=draw(st.sampled_from([0, 0, 1, 2**32 - 1])),
         ),
         return_logits=draw(st.booleans()),
         timeouts=Timeouts(

@@ -5,6 +5,7 @@ from typing import Any
 
 QTYPES: tuple[str, ...]
 KNOWN_ISAS: tuple[str, ...]  # every instruction set the kernels know, portable first
+POISON: int  # 1 in a debug build: scratch memory starts as 0xFF bytes (csrc/scratch.h)
 
 class Matrix:
     n_in: int

@@ -109,14 +109,25 @@ ACT_FORMAT = {
 }
 
 
+def buffer(shape: int | tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+    """A buffer the kernels write before anything reads it: zeros, or, from a debug build
+    of the kernels (``_kernels.POISON``: ``make sanitize-address``), 0xFF bytes (NaN as
+    a float or a half), so that a value read before it was written shows."""
+    if not _kernels.POISON:
+        return np.zeros(shape, dtype)
+    out = np.empty(shape, dtype)
+    out.view(np.uint8)[...] = 0xFF
+    return out
+
+
 class _Q8:
     """Rows in an 8-bit format (``_kernels.linear`` writes them): q, d, s, g."""
 
     def __init__(self, rows: int, n: int) -> None:
-        self.q = np.zeros((rows, n), np.int8)
-        self.d = np.zeros((rows, n // CHUNK), np.float32)
-        self.s = np.zeros((rows, n // CHUNK), np.float32)
-        self.g = np.zeros((rows, 2 * (n // CHUNK)), np.int32)
+        self.q = buffer((rows, n), np.int8)
+        self.d = buffer((rows, n // CHUNK), np.float32)
+        self.s = buffer((rows, n // CHUNK), np.float32)
+        self.g = buffer((rows, 2 * (n // CHUNK)), np.int32)
 
 
 class _Rows:
@@ -124,16 +135,16 @@ class _Rows:
 
     def __init__(self, rows: int, hidden: int, qkv: int, att: int, ffn: int) -> None:
         self.rows = rows
-        self.x = np.zeros((rows, hidden), np.float32)
-        self.h_flat = np.zeros(rows * 2 * ffn, np.float32)  # viewed (rows, 2 ffn) per layer
-        self.act_flat = np.zeros(rows * ffn, np.float32)  # viewed (rows, ffn) per layer
+        self.x = buffer((rows, hidden), np.float32)
+        self.h_flat = buffer(rows * 2 * ffn, np.float32)  # viewed (rows, 2 ffn) per layer
+        self.act_flat = buffer(rows * ffn, np.float32)  # viewed (rows, ffn) per layer
         self.views: dict[str, F32] = {
             "x": self.x,
-            "xn": np.zeros((rows, hidden), np.float32),
-            "qkv": np.zeros((rows, qkv), np.float32),
-            "att": np.zeros((rows, att), np.float32),
-            "o": np.zeros((rows, hidden), np.float32),  # a block's output before its post-norm
-            "xl": np.zeros((rows, hidden), np.float32),  # the head's rows (first ones used)
+            "xn": buffer((rows, hidden), np.float32),
+            "qkv": buffer((rows, qkv), np.float32),
+            "att": buffer((rows, att), np.float32),
+            "o": buffer((rows, hidden), np.float32),  # a block's output before its post-norm
+            "xl": buffer((rows, hidden), np.float32),  # the head's rows (first ones used)
         }
         self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}
         self.q8: dict[tuple[str, str], _Q8] = {}
@@ -219,7 +230,7 @@ class CpuOps:
                             self.released.add(id(part[0]))
                 mats.append((f, built[key]))
             self.matrices[id(lin)] = mats
-        self.logits = np.zeros((1, w.vocab_size), np.float32) if spec.is_last else None
+        self.logits = buffer((1, w.vocab_size), np.float32) if spec.is_last else None
         self.one = self._make_rows(1)
         self.many: _Rows | None = None  # the last step of several rows' buffers, kept
         self.buf = self.one
@@ -228,12 +239,13 @@ class CpuOps:
 
     def new_cache(self, positions: int) -> CpuCache:
         """A KV cache of ``positions`` positions: each block's ring holds that many, or
-        its window when that is shorter. Zeroed pages cost no memory until written."""
+        its window when that is shorter. Zeroed pages cost no memory until written (a
+        debug build's poisoned ones do: ``buffer``)."""
         c = self.w.config
         sizes = [min(n, positions) if n else positions for n in self.windows]
         return CpuCache(
-            [np.zeros((c.n_kv_heads, n, c.head_dim_k), self.kv) for n in sizes],
-            [np.zeros((c.n_kv_heads, n, c.head_dim_v), self.kv) for n in sizes],
+            [buffer((c.n_kv_heads, n, c.head_dim_k), self.kv) for n in sizes],
+            [buffer((c.n_kv_heads, n, c.head_dim_v), self.kv) for n in sizes],
             [
                 (c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, n, self.kv == np.float16)
                 for n in sizes
@@ -267,7 +279,7 @@ class CpuOps:
     def use_heads(self, rows: int) -> None:
         """The logits of ``rows`` head rows (each run's last row that needs a token)."""
         if self.logits is None or self.logits.shape[0] != rows:
-            self.logits = np.zeros((rows, self.w.vocab_size), np.float32)
+            self.logits = buffer((rows, self.w.vocab_size), np.float32)
 
     def _written(self, name: str) -> None:
         self.buf.fresh.pop(name, None)
@@ -366,8 +378,8 @@ class CpuOps:
         if rows > 1 and pos + rows > k.shape[1]:  # a sliding block's ring would wrap
             c = self.w.config
             self.step_kv = (
-                np.empty((c.n_kv_heads, rows, c.head_dim_k), self.kv),
-                np.empty((c.n_kv_heads, rows, c.head_dim_v), self.kv),
+                buffer((c.n_kv_heads, rows, c.head_dim_k), self.kv),
+                buffer((c.n_kv_heads, rows, c.head_dim_v), self.kv),
             )
         step = self.step_kv or (None, None)
         _kernels.rope_kv(

@@ -141,7 +141,7 @@ class ReferenceWorker(SingleRunSteps):
             held = self._held = attrs.evolve(held, model=model)
         if p.is_last:  # the run's sampler is made at open_run; its settings fail here
             try:
-                Sampler(p.sampling or SamplingConfig())
+                Sampler.for_run(p.sampling or SamplingConfig())
             except ValueError as exc:
                 raise WorkerError(f"stage {p.stage_index}: {exc}") from exc
         self._bound = True
@@ -181,7 +181,7 @@ class ReferenceWorker(SingleRunSteps):
         sampler = None
         if provision.is_last:
             try:
-                sampler = Sampler(provision.sampling or SamplingConfig())
+                sampler = Sampler.for_run(provision.sampling or SamplingConfig())
             except ValueError as exc:
                 raise WorkerError(f"run {provision.run_id!r}: {exc}") from exc
         positions = provision.kv_positions

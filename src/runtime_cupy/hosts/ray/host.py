@@ -19,6 +19,13 @@ runs in this process, a driver of the cluster.
 - **Cleanup**: every supervisor still there frees what the run left on its host; this
   process frees its own machine's and every address of the run; then the actors of the
   run's stages are killed, and the control port closes once no supervisor is left.
+- **Slices**: a stage on another machine than the orchestrator's gets its slice of the
+  model from this process (``slices``: a slice server on the orchestrator's address,
+  started with the first such stage and closed with the control port), unless its host
+  has it already: in its cache, or a file at the plan's path that holds what the plan's
+  source holds. Its supervisor fetches it while the stage process starts
+  (``prefetch``); the launcher waits for that before provisioning (``wait_for_slices``),
+  and the stage's bind then finds it in the cache (or tries again, and reports why not).
 - **Warm stages** (``StageLaunch(warm=True)``, ``serve.chain.WarmChain``): what is the
   chain's lives as long as its stage process: the supervisor and its stage process,
   their control connection, and this process's control port (while any warm stage is
@@ -38,6 +45,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
+
 from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.hosts.local import describe_exit
@@ -47,8 +56,12 @@ from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListene
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous
 from runtime_cupy.hosts.ray.supervisor import StageSupervisor
 from runtime_cupy.process.control_channel import ControlChannel
-from runtime_cupy.process.keys import control_key
+from runtime_cupy.process.keys import control_key, slice_key
 from runtime_cupy.process.tracing import Event
+from runtime_cupy.slices.cache import SliceCache
+from runtime_cupy.slices.digests import DigestStore
+from runtime_cupy.slices.fetch import SliceOrigin
+from runtime_cupy.slices.server import SliceServer, StageTransfer
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
@@ -218,6 +231,11 @@ class RayHost:
         self._warm: set[str] = set()  # nodes whose supervisor outlives a run's cleanup
         self._listener: ControlListener | None = None
         self._rendezvous = KvRendezvous()
+        self._slices: SliceServer | None = None
+        self._slices_done: tuple[StageTransfer, ...] = ()  # of the server last closed
+        self._prefetching: dict[int, Any] = {}  # stage index -> its supervisor's prefetch
+        #: Called (on the slice server's threads) as each stage's slice moves.
+        self.on_slice_change: Callable[[StageTransfer], None] | None = None
 
     # -- actors --------------------------------------------------------------------------
     def _actor(self, node: StageNode) -> Any:
@@ -269,10 +287,14 @@ class RayHost:
         if self._listener is None:
             self._listener = ControlListener(self.orchestrator_address)
         listener = self._listener
+        if launch.source is not None and node.host.address != self.orchestrator_address:
+            launch = self._with_slices(launch, secret, node)
         began = time.monotonic()
         started = actor.start.remote(
             launch, secret, listener.address, node.host.address, self.log_level
         )
+        if launch.slices is not None:  # the slice travels while the stage starts
+            self._prefetching[launch.stage_index] = actor.prefetch.remote(launch, secret)
 
         def gone() -> str | None:
             ready, _ = ray.wait([started], timeout=0)
@@ -307,6 +329,54 @@ class RayHost:
         done = actor.supervise.remote()
         return RayStageHandle(launch, node, actor, pid, done, channel, release)
 
+    # -- slices -------------------------------------------------------------------------
+    def _with_slices(self, launch: StageLaunch, secret: bytes, node: StageNode) -> StageLaunch:
+        """``launch`` with where its stage gets its slice: this process's slice server."""
+        assert launch.source is not None
+        if self._slices is None:
+            digests = DigestStore(SliceCache().digests)
+            self._slices = SliceServer(self.orchestrator_address, digests)
+            self._slices.on_change = self._slice_changed
+        key = self._slices.offer(launch.source)
+        self._slices.expect(
+            launch.stage_index, launch.node_id, slice_key(secret, launch.node_id), node.host.label
+        )
+        return attrs.evolve(launch, slices=SliceOrigin(self._slices.address, key))
+
+    def _slice_changed(self, transfer: StageTransfer) -> None:
+        if self.on_slice_change is not None:
+            self.on_slice_change(transfer)
+
+    def wait_for_slices(self, cancelled: Callable[[], bool]) -> None:
+        """Until the slices of the stages started since the last wait are on their hosts
+        (their supervisors fetch them as they start the stages: ``prefetch``)."""
+        import ray
+
+        pending, self._prefetching = dict(self._prefetching), {}
+        while pending and not cancelled():
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=0.2)
+            for ref in ready:
+                index = next(i for i, r in pending.items() if r is ref)
+                del pending[index]
+                try:
+                    done = ray.get(ref)
+                except Exception as exc:  # the supervisor or its host is gone
+                    done = {"ok": False, "error": _short(exc)}
+                if not done.get("ok"):
+                    log.warning(
+                        "stage %d's slice did not come before provisioning (it tries again "
+                        "as it binds): %s", index, done.get("error"),
+                    )  # fmt: skip
+
+    def slice_transfers(self) -> tuple[StageTransfer, ...]:
+        """What each stage's slice did since the last ``forget_slice_transfers``."""
+        return self._slices.transfers() if self._slices is not None else self._slices_done
+
+    def forget_slice_transfers(self) -> None:
+        self._slices_done = ()
+        if self._slices is not None:
+            self._slices.forget_transfers()
+
     def _release(self, node_id: str, actor: Any) -> None:
         """A warm stage is gone for good: end its supervisor (and the control port
         once no supervisor is left)."""
@@ -323,6 +393,10 @@ class RayHost:
         if self._listener is not None and not self._actors:
             self._listener.close()
             self._listener = None
+        if self._slices is not None and not self._actors:
+            self._slices_done = self._slices.transfers()
+            self._slices.close()
+            self._slices = None
 
     def same_host(self, node_a: str, node_b: str) -> bool:
         return self.machine(node_a) == self.machine(node_b)

@@ -11,6 +11,9 @@ of the stage's lifeline: if Ray ends the actor (its owner, the orchestrator's dr
 died; its node is being removed), the stage process sees its lifeline close and stops on
 its own, as it does on one host when the launcher goes.
 
+``prefetch`` brings the stage's slice of the model into this host's cache, when its
+host lacks it (``runtime_cupy.slices``), while the stage process starts.
+
 ``start`` opens the stage's control connection to the orchestrator (``control_link``)
 before the process exists, and hands it over as the process's ``--control-fd``: the
 orchestrator has its channel as soon as ``start`` returns, while the process still
@@ -40,7 +43,8 @@ from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.hosts.ray import control_link
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous, PublishedAddresses, serve_rendezvous
-from runtime_cupy.process.keys import control_key
+from runtime_cupy.process.keys import control_key, slice_key
+from runtime_cupy.slices.fetch import SliceFetcher, SliceTransferFailed
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
@@ -119,6 +123,21 @@ class StageSupervisor:
             target=serve_rendezvous, args=(rendezvous, self._published), daemon=True
         ).start()
         return proc.pid
+
+    def prefetch(self, launch: StageLaunch, secret: bytes) -> dict[str, Any]:
+        """Bring the stage's slice into this host's cache (``launch.slices``) while the
+        stage process starts: what the fetch did (``transfers.jsonl``'s line), with
+        ``ok`` false and the ``error`` when it failed (the stage's bind tries again and
+        reports it)."""
+        if launch.slices is None or launch.source is None or launch.parts is None:
+            return {"ok": True, "outcome": "none"}
+        key = slice_key(secret, launch.node_id)
+        fetcher = SliceFetcher(launch.slices, launch.stage_index, key)
+        try:
+            fetcher.resolve(launch.source, launch.parts)
+        except SliceTransferFailed as exc:
+            return {"ok": False, "error": str(exc)}
+        return {"ok": True, **fetcher.last}
 
     def supervise(self) -> int:
         """Wait for the stage process to end; its exit status (negative: the signal)."""

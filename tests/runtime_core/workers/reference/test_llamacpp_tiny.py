@@ -15,7 +15,18 @@ thresholds.
 
 llama.cpp's CPU GELU (gemma3) is a table of float16 values indexed by the input
 rounded to float16, about 1e-3 from the exact function: its F32 logits stand up to
-~1e-3 from ours. With that table in place of our GELU, they stand within 1e-5.
+~1e-3 from ours. That this is the only difference is shown on its own tensors
+(``blocks.json``, ``scripts/record_llamacpp_tensors.py``): given llama.cpp's input of
+each feed-forward, our products are its products within the float32 bound of a sum of
+K products in any order (``numerics.product_bound``), and its gated activation is the
+table's, bit for bit, the exact GELU's within the table's own error. Every comparison
+there is bounded from the values' magnitudes, so it holds whatever order a BLAS adds
+in. (The logits with the table in our forward are not compared within a fixed bound:
+the table is not continuous, and a last-bit difference of an input that lies near a
+float16 rounding boundary, which any other summation order makes, moves its output by
+a whole step of the table. Measured: 4e-6 from llama.cpp's logits with OpenBLAS's
+Haswell kernels on 2 threads, 1.6e-4 on 1 thread or with its SkylakeX kernels, against
+8e-4 without the table. They are asserted closer to llama.cpp's than without it.)
 """
 
 from __future__ import annotations
@@ -28,11 +39,12 @@ import numpy as np
 import pytest
 
 from runplan import model_facts_from_gguf
+from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.interface import TokenOutput
 from runtime_core.workers.reference import model as reference_model
-from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
+from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, load_tensors, model_file
 from tests.support.chain import Chain, provisions
-from tests.support.numerics import common_prefix, cosine, first_near_tie
+from tests.support.numerics import U32, common_prefix, cosine, first_near_tie, product_bound
 
 DOC = load_doc("tiny")
 LOGITS = load_logits("tiny")
@@ -107,22 +119,126 @@ def ggml_gelu(x: np.ndarray) -> None:
 
 
 EXACT_GELU = reference_model.gelu_tanh
+#: The steepest slope of GELU's tanh form (at x ~ 1.5): an input moved by e moves its
+#: output by at most this times e.
+GELU_SLOPE = 1.13
+#: Units in the last place within which a float32 ``tanh`` is exact: generous for
+#: glibc's ``tanhf`` (llama.cpp's table) and NumPy's float32 ``tanh`` (ours), each
+#: within a few.
+TANH_ULPS = 16
 
 
-def test_gemma3_logits_stand_from_llamacpps_by_its_float16_gelu_only(
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh form in float64."""
+    x = np.asarray(x, np.float64)
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * x * (1 + 0.044715 * x * x)))
+
+
+def gelu_f32_error(x: np.ndarray) -> np.ndarray:
+    """How far a float32 evaluation of ``0.5 x (1 + tanh(y))``, ``y = sqrt(2/pi) x (1 +
+    0.044715 x^2)``, can be from the exact value: ``tanh``'s error and the rounding of
+    ``1 + tanh`` (which cancels for negative ``x``: at x = -4, 1 + tanh is 4e-5, and one
+    unit of tanh is 1e-3 of it), and ``y``'s rounding through tanh's slope."""
+    x = np.asarray(x, np.float64)
+    y = np.sqrt(2 / np.pi) * x * (1 + 0.044715 * x * x)
+    t = np.tanh(y)
+    tanh_and_sum = TANH_ULPS * U32 * (np.abs(t) + 1 + t)
+    return 0.5 * np.abs(x) * (tanh_and_sum + (1 - t * t) * 4 * U32 * np.abs(y))
+
+
+def half_step(v: np.ndarray) -> np.ndarray:
+    """The distance from ``v`` to the next float16 away from zero."""
+    return np.spacing(np.abs(np.asarray(v, np.float64)).astype(np.float16)).astype(np.float64)
+
+
+def table_error_bound(x: np.ndarray) -> np.ndarray:
+    """How far llama.cpp's table can be from the exact GELU at ``x`` (``|x| < 10``):
+    the input's rounding to a half, through GELU's steepest slope; the float32
+    evaluation of GELU at that half; the output's rounding to a half."""
+    x16 = np.asarray(x).astype(np.float16).astype(np.float64)
+    return (
+        GELU_SLOPE * half_step(x) / 2
+        + gelu_f32_error(x16)
+        + half_step(gelu(x16) + gelu_f32_error(x16)) / 2
+    )
+
+
+def assert_same_table(
+    gate: np.ndarray, up: np.ndarray, ours: np.ndarray, theirs: np.ndarray
+) -> None:
+    """``ours`` (our table's value times up) is llama.cpp's bit for bit, but where the
+    two tables' entries differ: each rounds its own float32 evaluation of GELU at the
+    half to a half, so they may, where the two evaluations can be a float16 step or
+    more apart (``gelu_f32_error``). There they are within what both evaluations and
+    their rounding allow."""
+    apart = ours != theirs
+    x16 = gate[apart].astype(np.float16).astype(np.float64)
+    err, exact = gelu_f32_error(x16), gelu(x16)
+    allowed = (2 * err + half_step(np.abs(exact) + err)) * np.abs(up[apart])
+    diff = np.abs(ours[apart].astype(np.float64) - theirs[apart])
+    assert (diff <= allowed + 2 * U32 * np.abs(theirs[apart])).all()
+    assert apart.mean() < 0.01  # a rare coincidence, not another table
+
+
+BLOCKS = load_doc("blocks")
+BLOCK_TENSORS = load_tensors("blocks")
+
+
+def test_llamacpps_gemma3_feed_forward_is_ours_but_for_its_float16_gelu(model_dir: Path) -> None:
+    """Each block's feed-forward on llama.cpp's input: the gate, up and down products
+    within the float32 bound of llama.cpp's, its GELU-gated product its table's bit for
+    bit, and the exact GELU's within the table's error, and visibly apart from it."""
+    entry = next(m for m in MODELS if m["name"] == "tiny-gemma3-F32")
+    assert any(m["name"] == entry["name"] for m in BLOCKS["models"])
+    weights = stage_weights(model_file(entry, model_dir))
+    t = {k.split("/", 1)[1]: v for k, v in BLOCK_TENSORS.items() if k.startswith(entry["name"])}
+    above_float32 = 0
+    for i, block in enumerate(weights.blocks):
+        x, f = t[f"ffn_norm-{i}"], block.w2.shape[1]
+        ours = reference_model.linear(x, block.w13)  # (rows, 2 ffn): gate | up
+        bound = product_bound(x, block.w13)
+        gate, up = t[f"ffn_gate-{i}"], t[f"ffn_up-{i}"]
+        assert (np.abs(ours[:, :f] - gate) <= bound[:, :f]).all()
+        assert (np.abs(ours[:, f:] - up) <= bound[:, f:]).all()
+        assert (np.abs(gate) < 10).all()  # the table's range
+        geglu = t[f"ffn_geglu-{i}"]
+        table = gate.copy()
+        ggml_gelu(table)
+        assert_same_table(gate, up, table * up, geglu)
+        exact = gate.copy()
+        EXACT_GELU(exact)
+        err = np.abs(exact.astype(np.float64) - table) * np.abs(up)
+        allowed = (table_error_bound(gate) + gelu_f32_error(gate)) * np.abs(up)
+        allowed += 2 * U32 * np.abs(geglu)
+        assert (err <= allowed).all()
+        above_float32 += int((err > 2 * U32 * np.abs(geglu)).sum())
+        down = product_bound(geglu, block.w2.T)
+        assert (np.abs(reference_model.linear(geglu, block.w2.T) - t[f"ffn_out-{i}"]) <= down).all()
+    assert above_float32 > 0  # the table is not the exact function rounded
+
+
+def test_gemma3_logits_come_closer_to_llamacpps_with_its_gelu_table(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     entry = next(m for m in MODELS if m["name"] == "tiny-gemma3-F32")
-    theirs = LOGITS[f"{entry['name']}/prompt"]
-    ours = logits_of(run(entry, model_dir)[0])
-    assert 1e-4 < float(np.abs(ours - theirs).max()) < 3e-3
+    theirs = [LOGITS[f"{entry['name']}/prompt"], LOGITS[f"{entry['name']}/last_step"]]
+    exact = run(entry, model_dir)
     monkeypatch.setattr(reference_model, "gelu_tanh", ggml_gelu)
     chain = Chain.bind(provisions(model_file(entry, model_dir), 1, max_seq_len=64))
     with_table = chain.generate(DOC["prompt"], N_TOKENS)
     chain.release()
-    np.testing.assert_allclose(logits_of(with_table[0]), theirs, rtol=0, atol=1e-5)
-    last = LOGITS[f"{entry['name']}/last_step"]
-    np.testing.assert_allclose(logits_of(with_table[-1]), last, rtol=0, atol=1e-5)
+    assert [o.token_id for o in with_table] == [o.token_id for o in exact] == entry["greedy"]
+    for step, want in zip((0, -1), theirs, strict=True):
+        a, b = logits_of(with_table[step]), logits_of(exact[step])
+        assert np.linalg.norm(a - want) < np.linalg.norm(b - want)
+        assert cosine(a, want) >= 0.99999 and cosine(b, want) >= 0.99999
+
+
+def stage_weights(path: Path) -> reference_model.StageWeights:
+    """The reference worker's weights of the whole model (one stage)."""
+    facts = model_facts_from_gguf(path)
+    stage = open_stage_slice(path, 0, facts.num_layers, is_first=True, is_last=True)
+    return reference_model.StageWeights.load(stage)
 
 
 @pytest.mark.parametrize("entry", MODELS, ids=[m["name"] for m in MODELS])

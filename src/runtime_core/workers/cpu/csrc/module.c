@@ -17,6 +17,7 @@
 
 #include "ops.h"
 #include "pool.h"
+#include "scratch.h"
 
 #define MAX_PARTS 8
 
@@ -130,17 +131,19 @@ static int qtype_code(const char *name) {
 /* memory for a repacked part: a copy of HUGE_PAGE or more lies in 2 MiB pages where the
  * system gives them on request (Linux's transparent huge pages in "madvise" mode), so
  * that streaming it crosses a page (and its TLB entry, and the stream prefetchers'
- * window) every 2 MiB instead of every 4 KiB; the last page's unused tail is < 2 MiB */
+ * window) every 2 MiB instead of every 4 KiB; the last page's unused tail is < 2 MiB.
+ * Poisoned like scratch memory in a debug build (scratch.h) */
 static uint8_t *alloc_groups(size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     if (bytes >= HUGE_PAGE) {
         void *p = NULL;
         if (posix_memalign(&p, HUGE_PAGE, bytes) != 0) return NULL;
         madvise(p, bytes, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
+        scratch_poison(p, bytes);
         return p;
     }
 #endif
-    return malloc(bytes);
+    return scratch_alloc(bytes);
 }
 
 typedef struct {
@@ -788,6 +791,11 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     for (int i = 0; i < N_KNOWN; ++i) PyTuple_SET_ITEM(known, i, PyUnicode_FromString(KNOWN_ISAS[i]));
     if (PyModule_AddObject(m, "KNOWN_ISAS", known) < 0) {
         Py_DECREF(known);
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* a debug build's scratch memory starts as 0xFF bytes (scratch.h) */
+    if (PyModule_AddIntConstant(m, "POISON", GPP_POISONED) < 0) {
         Py_DECREF(m);
         return NULL;
     }

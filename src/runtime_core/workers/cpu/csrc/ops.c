@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "scratch.h"
 
 #define RB 16         /* weight rows per item (whole x8 groups) */
 #define ELEMWISE 4096 /* values per item of the element-wise operations */
@@ -74,7 +75,7 @@ static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int 
     x8_fn fast = q8 ? J->isa->q8_x8[pt->t] : NULL;
     float out[X8_XT][X8], tmp[XT];
     uint8_t *row = NULL;
-    if (!fast && !(row = malloc((size_t)pt->row_bytes))) {
+    if (!fast && !(row = scratch_alloc((size_t)pt->row_bytes))) {
         atomic_store(&J->failed, 1);
         return;
     }
@@ -437,7 +438,8 @@ static void attention_item(void *ctx, int64_t it) {
     int64_t n_ctx = qp - lo + 1;
     const float *q = J->qkv + r * width + h * hd->hd_k;
     float stack[1024];
-    float *scores = n_ctx <= 1024 ? stack : malloc(sizeof(float) * (size_t)n_ctx);
+    float *scores = n_ctx <= 1024 ? stack : scratch_alloc(sizeof(float) * (size_t)n_ctx);
+    if (scores == stack) scratch_poison(stack, sizeof(float) * (size_t)n_ctx);
     if (!scores) {
         atomic_store(&((AttentionJob *)ctx)->failed, 1);
         return;
@@ -513,7 +515,7 @@ static void embed_item(void *ctx, int64_t j) {
     const uint8_t *row = t->w + id * t->row_bytes;
     uint8_t *unpacked = NULL;
     if (t->x8) {
-        if (!(unpacked = malloc((size_t)t->row_bytes))) {
+        if (!(unpacked = scratch_alloc((size_t)t->row_bytes))) {
             atomic_store(&J->failed, 1);
             return;
         }

@@ -2,10 +2,12 @@
  * on first use. Without POSIX threads every item runs on the caller's thread.
  *
  * A job is published by writing its function, context, item count and the ranges'
- * words, then incrementing the generation `gen`. Every range word holds the generation
- * in its high 32 bits and the range's next item in its low 32: a claim is a
- * compare-and-swap that succeeds only for the job it was read for, so a worker that
- * wakes late (its job finished, another published) claims nothing of the wrong job.
+ * words, then incrementing the generation `gen`. Every range word (its ticket) holds
+ * the generation in its high 32 bits and the range's next item in its low 32: a claim
+ * is a compare-and-swap that succeeds only for the job it was read for, so a worker
+ * that wakes late (its job finished, another published) claims nothing of the wrong
+ * job. A range's ticket moves to a new job before the range's end is written (see
+ * pool_run), so no claim pairs a job's ticket with another job's end.
  * `done` counts finished items; each participant adds its count once per range (not
  * once per item), and whoever completes the job wakes the caller if it sleeps. */
 #include "pool.h"
@@ -99,7 +101,7 @@ static int claim(Range *r, uint32_t g, int64_t *item) {
     for (;;) {
         if ((uint32_t)(t >> 32) != g) return 0;
         int64_t i = (int64_t)(t & 0xffffffffu);
-        if (i >= atomic_load_explicit(&r->end, memory_order_relaxed)) return 0;
+        if (i >= atomic_load_explicit(&r->end, memory_order_acquire)) return 0;
         if (atomic_compare_exchange_weak_explicit(&r->next, &t, t + 1, memory_order_acquire,
                                                   memory_order_acquire)) {
             *item = i;
@@ -205,10 +207,19 @@ void pool_run(int threads, int64_t n, pool_fn fn, void *ctx) {
     atomic_store_explicit(&P.parts, parts, memory_order_release);
     atomic_store(&P.done, 0);
     atomic_store(&P.caller_waits, 0);
+    /* Each range's ticket moves to this job before its end is written. A worker may
+     * still be in a claim of the last job (it read the range's ticket of that job, then
+     * was not running while the job ended): had it read this job's end with its old
+     * ticket, it could take an item past the last job's end, run the last job's
+     * function on it with that job's (gone) context, and count it in this job's
+     * `done`, which lets this job return while an item of it is unfinished. The end is
+     * stored with release and claim reads it with acquire: a claim that sees this
+     * job's end sees the ticket moved too, and its compare-and-swap of the old one
+     * fails. */
     for (int p = 0; p < parts; ++p) {
-        atomic_store_explicit(&P.range[p].end, (p + 1) * n / parts, memory_order_relaxed);
         atomic_store_explicit(&P.range[p].next, (uint64_t)g << 32 | (uint64_t)(p * n / parts),
                               memory_order_release);
+        atomic_store_explicit(&P.range[p].end, (p + 1) * n / parts, memory_order_release);
     }
     atomic_store(&P.gen, g); /* publishes the job */
     if (atomic_load(&P.sleepers) > 0) wake_word(&P.gen);

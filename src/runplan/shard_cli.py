@@ -1,0 +1,198 @@
+"""The command lines of shards: ``python -m runplan split MODEL --stages N [--nodes ...]
+[--placement ...] --out DIR`` (``runplan.split``), and what ``python -m runplan facts``
+says of a shard file (what it holds, and the manifest that names it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from runplan.arguments import human_bytes, parse_nodes
+from runplan.gguf_facts import model_facts_from_gguf
+from runplan.gguf_header import GgufHeader
+from runplan.models import resolve_model
+from runplan.rejections import PlanRejection
+from runplan.shards import (
+    MANIFEST_NAME,
+    ManifestError,
+    ShardKeys,
+    read_manifest,
+)
+from runplan.split import _Bars, split_model, split_plan
+from runplan.tensor_names import block_index
+
+EXIT_REJECTED = 2
+
+
+def add_split_parser(sub: Any, model_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """``split`` on ``python -m runplan``'s parser."""
+    p = sub.add_parser(
+        "split",
+        help="cut a model into one GGUF file per stage of a plan, and a manifest",
+        description="Write one GGUF file per stage of the plan (each holding what that "
+        "stage loads) and DIR/manifest.json naming them; then run with --model DIR.",
+    )
+    model_args(p)
+    p.add_argument("--stages", type=int, default=None, help="stages (default: one per node)")
+    p.add_argument(
+        "--nodes",
+        type=parse_nodes,
+        default=None,
+        help="plan against this pool, NODE=SIZE[@DEVICE],... as 'plan' takes it (default: "
+        "--stages nodes of unbounded memory)",
+    )
+    p.add_argument(
+        "--placement",
+        choices=("even", "memory"),
+        default="even",
+        help="split layers evenly (default), or in proportion to node memory (with --nodes)",
+    )
+    p.add_argument("--out", type=Path, required=True, help="the folder to write into")
+    p.set_defaults(func=cmd_split)
+
+
+def cmd_split(args: argparse.Namespace) -> int:
+    if args.stages is None and args.nodes is None:
+        sys.stderr.write("python -m runplan split: error: give --stages or --nodes\n")
+        return EXIT_REJECTED
+    if args.stages is not None and args.stages < 1:
+        sys.stderr.write(f"python -m runplan split: error: --stages {args.stages} is not >= 1\n")
+        return EXIT_REJECTED
+    path = resolve_model(args.model)
+    facts = model_facts_from_gguf(path, max_seq_len=args.max_seq_len)
+    stages = args.stages if args.stages is not None else len(args.nodes)
+    plan = split_plan(facts, stages, args.nodes, args.placement)
+    err = Console(stderr=True, soft_wrap=True)
+    if isinstance(plan, PlanRejection):
+        if args.json:
+            sys.stdout.write(
+                json.dumps({"rejection": {"code": plan.code, "message": str(plan)}}) + "\n"
+            )
+        else:
+            err.print(f"[bold red]rejected[/] {escape(str(plan))}", highlight=False)
+        return EXIT_REJECTED
+    bars = _Bars(err)
+    with bars.progress:
+        result = split_model(path, plan, args.out, placement=args.placement, progress=bars)
+    manifest = result.manifest
+    if args.json:
+        doc = {
+            "manifest": result.manifest_path,
+            "source": manifest.source,
+            "model_id": manifest.model_id,
+            "shards": [
+                {
+                    "stage_index": i,
+                    "node_id": manifest.nodes[i] if i < len(manifest.nodes) else None,
+                    "file": str(Path(args.out) / e.file),
+                    "layer_start": e.parts.layer_start,
+                    "layer_end_exclusive": e.parts.layer_end_exclusive,
+                    "embedding": e.parts.embedding,
+                    "output": e.parts.output,
+                    "tensor_bytes": e.tensor_bytes,
+                    "file_bytes": size,
+                }
+                for i, (e, size) in enumerate(zip(manifest.shards, result.file_bytes, strict=True))
+            ],
+        }
+        sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+        return 0
+    table = Table(title=f"{manifest.model_id}: {len(manifest.shards)} shards", box=box.SIMPLE_HEAD)
+    for col in ("stage", "node", "holds", "tensors", "file size", "file"):
+        table.add_column(col)
+    for i, (e, size) in enumerate(zip(manifest.shards, result.file_bytes, strict=True)):
+        table.add_row(
+            str(i),
+            manifest.nodes[i] if i < len(manifest.nodes) else "-",
+            e.parts.describe(),
+            human_bytes(e.tensor_bytes),
+            human_bytes(size),
+            e.file,
+        )
+    console = Console(soft_wrap=True)
+    console.print(table)
+    console.print(f"manifest: {result.manifest_path} (source {manifest.source})", highlight=False)
+    return 0
+
+
+# -- facts of a shard ----------------------------------------------------------------------
+
+
+def shard_facts(path: str) -> dict[str, Any] | None:
+    """What the shard file at ``path`` holds, or ``None`` if it is not a shard (a plain
+    model file, a manifest, a folder). ``GgufError`` for a file that cannot be read."""
+    if os.path.isdir(path) or path.endswith(".json"):
+        return None
+    header = GgufHeader.read(path)
+    if not header.has(ShardKeys.LAYER_START):
+        return None
+    arch = header.string("general.architecture")
+    blocks = sorted({b for b in (block_index(n) for n in header.tensors) if b is not None})
+    doc: dict[str, Any] = {
+        "file": os.path.abspath(path),
+        "model_id": header.string(ShardKeys.MODEL_ID, ""),
+        "source": header.string(ShardKeys.SOURCE, ""),
+        "architecture": arch,
+        "block_count": header.integer(f"{arch}.block_count"),
+        "layer_start": header.integer(ShardKeys.LAYER_START),
+        "layer_end_exclusive": header.integer(ShardKeys.LAYER_END),
+        "blocks_held": blocks,
+        "embedding": header.boolean(ShardKeys.EMBEDDING, False),
+        "output": header.boolean(ShardKeys.OUTPUT, False),
+        "tensors": len(header.tensors),
+        "tensor_bytes": sum(i.n_bytes for i in header.tensors.values()),
+        "manifest": None,
+        "stage_index": None,
+        "stage_count": None,
+    }
+    manifest_file = os.path.join(os.path.dirname(doc["file"]), MANIFEST_NAME)
+    if os.path.isfile(manifest_file):
+        try:
+            manifest = read_manifest(manifest_file)
+        except ManifestError:
+            return doc
+        names = [e.file for e in manifest.shards]
+        if os.path.basename(path) in names:
+            doc["manifest"] = manifest_file
+            doc["stage_index"] = names.index(os.path.basename(path))
+            doc["stage_count"] = len(names)
+    return doc
+
+
+def print_shard_facts(doc: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps({"shard": doc}, sort_keys=True) + "\n")
+        return
+    table = Table(title=os.path.basename(doc["file"]), show_header=False, box=box.SIMPLE)
+    table.add_column("fact")
+    table.add_column("value", overflow="fold")
+    first, last = doc["layer_start"], doc["layer_end_exclusive"] - 1
+    parts = [f"blocks {first}-{last} of the model's {doc['block_count']}"]
+    if doc["embedding"]:
+        parts.append("the token embedding")
+    if doc["output"]:
+        parts.append("the output norm and head")
+    where = "no manifest beside it names it"
+    if doc["manifest"] is not None:
+        where = f"{doc['manifest']} (stage {doc['stage_index']} of {doc['stage_count']})"
+    rows = [
+        ("a shard of", f"{doc['model_id']} ({doc['architecture']})"),
+        ("source", doc["source"]),
+        ("holds", ", ".join(parts) + ", and the tensors every stage needs"),
+        ("tensors", f"{doc['tensors']} ({human_bytes(doc['tensor_bytes'])})"),
+        ("manifest", where),
+        ("the whole model", "python -m runplan facts <the manifest's folder>"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console(soft_wrap=True).print(table)

@@ -1,0 +1,142 @@
+"""One shard as a GGUF file (``runplan.shards``): some tensors of a source, its metadata
+copied as stored, and the shard's own keys, written with ``gguf.GGUFWriter``.
+
+``shard_header`` is the header of such a file (magic, key-value pairs, tensor infos,
+padding up to the first tensor's data) as bytes: what a slice transfer sends before the
+tensors (``runtime_cupy.slices``). ``write_shard`` writes a whole shard file from the
+source's memory map, under a temporary name renamed into place once complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from runplan.content import CUT_KEY_PREFIXES
+from runplan.gguf_header import GgufError, GgufHeader
+from runplan.shards import ShardKeys, SliceParts
+
+#: ``progress(done_bytes, total_bytes)`` while a shard's tensors are written.
+WriteProgress = Callable[[int, int], None]
+
+
+def _writer(
+    header: GgufHeader,
+    names: Sequence[str],
+    parts: SliceParts,
+    source_key: str,
+    tensor_sha256: Mapping[str, str],
+    model_id: str,
+) -> GGUFWriter:
+    """A writer holding the shard's metadata and tensor infos, no file yet."""
+    arch = header.string("general.architecture")
+    writer = GGUFWriter(path=None, arch=arch)
+    for key in header.keys():  # noqa: SIM118 (a header is not a mapping)
+        if key.startswith(CUT_KEY_PREFIXES) or key == "general.architecture":
+            continue  # the writer wrote the architecture itself, the same bytes
+        vtype, value, item = header.writer_value(key)
+        if vtype == GGUFValueType.ARRAY and not value:
+            raise GgufError(header.paths[0], "an empty array, which GGUFWriter cannot write", key)
+        writer.add_key_value(key, value, vtype, item)
+    if header.has("general.alignment"):
+        writer.data_alignment = header.integer("general.alignment")
+    writer.add_uint32(ShardKeys.LAYER_START, parts.layer_start)
+    writer.add_uint32(ShardKeys.LAYER_END, parts.layer_end_exclusive)
+    writer.add_bool(ShardKeys.EMBEDDING, parts.embedding)
+    writer.add_bool(ShardKeys.OUTPUT, parts.output)
+    writer.add_key_value(ShardKeys.SOURCE, source_key, GGUFValueType.STRING)
+    writer.add_key_value(ShardKeys.MODEL_ID, model_id, GGUFValueType.STRING)
+    writer.add_key_value(
+        ShardKeys.TENSOR_SHA256,
+        [tensor_sha256[n] for n in names],
+        GGUFValueType.ARRAY,
+        GGUFValueType.STRING,
+    )
+    for name in names:
+        info = header.tensors[name]
+        rows = 1
+        for d in info.shape[1:]:
+            rows *= d
+        byte_shape = (*reversed(info.shape[1:]), info.n_bytes // rows)
+        writer.add_tensor_info(
+            name,
+            byte_shape,
+            np.dtype(np.uint8),
+            info.n_bytes,
+            raw_dtype=GGMLQuantizationType[info.ggml_type],
+        )
+    return writer
+
+
+def _write_header(writer: GGUFWriter, path: Path) -> None:
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None
+    out = writer.fout[0]
+    writer.write_padding(out, out.tell())  # the data section starts aligned
+    writer.flush()
+
+
+def shard_header(
+    header: GgufHeader,
+    names: Sequence[str],
+    parts: SliceParts,
+    source_key: str,
+    tensor_sha256: Mapping[str, str],
+    model_id: str,
+) -> bytes:
+    """The header of the shard of ``names`` (in that order): every byte of the file
+    before its first tensor's data."""
+    writer = _writer(header, names, parts, source_key, tensor_sha256, model_id)
+    with tempfile.TemporaryDirectory(prefix="gguf-pipeline-header-") as folder:
+        path = Path(folder) / "header.gguf"
+        try:
+            _write_header(writer, path)
+        finally:
+            writer.close()
+        return path.read_bytes()
+
+
+def write_shard(
+    header: GgufHeader,
+    names: Sequence[str],
+    parts: SliceParts,
+    source_key: str,
+    tensor_sha256: Mapping[str, str],
+    model_id: str,
+    path: str | os.PathLike[str],
+    progress: WriteProgress | None = None,
+) -> int:
+    """Write the shard of ``names`` to ``path`` (through ``path.partial``, renamed into
+    place once whole); its size in bytes. ``OSError`` (a full disk ...) leaves nothing
+    at ``path``."""
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    writer = _writer(header, names, parts, source_key, tensor_sha256, model_id)
+    total = sum(header.tensors[n].n_bytes for n in names)
+    done = 0
+    try:
+        _write_header(writer, partial)
+        for name in names:
+            writer.write_tensor_data(header.tensor_bytes(name))
+            done += header.tensors[name].n_bytes
+            if progress is not None:
+                progress(done, total)
+        writer.flush()
+        assert writer.fout is not None
+        os.fsync(writer.fout[0].fileno())
+        writer.close()
+        os.replace(partial, target)
+    except BaseException:
+        writer.close()
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
+    return target.stat().st_size

@@ -1,0 +1,171 @@
+"""``python -m runplan split MODEL --stages N [--nodes ...] [--placement ...] --out DIR``:
+cut a model into one GGUF file per stage of a plan, and a manifest.
+
+The plan is ``plan_run``'s for the node pool given (``--nodes``, as ``plan`` takes it),
+or for ``N`` nodes of unbounded memory; the stages' layer ranges decide the shards.
+Shard ``i`` holds what stage ``i`` loads (``runplan.shards.slice_tensor_names``) and is
+written with ``gguf.GGUFWriter`` (``runplan.shard_file``); ``DIR/manifest.json`` names
+them, and is written last: a folder with a manifest is whole. ``--model DIR`` (or the
+manifest) then loads each stage from its own shard, and ``facts`` on a shard says what
+it holds.
+
+This command reads every tensor (to hash it and to copy it) and writes files: it is the
+one part of ``runplan`` that does more than read headers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from attrs import frozen
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from runplan.config import RuntimeConfig, WorkerCapabilities
+from runplan.content import source_content
+from runplan.facts import ModelFacts
+from runplan.gguf_header import GgufHeader
+from runplan.placement import Placement
+from runplan.plan import RunPlan
+from runplan.planner import plan_run
+from runplan.pool import NodePool, NodeSpec
+from runplan.rejections import PlanRejection
+from runplan.shard_file import write_shard
+from runplan.shards import (
+    MANIFEST_NAME,
+    ShardEntry,
+    ShardManifest,
+    SliceParts,
+    manifest_json,
+    slice_tensor_names,
+)
+
+#: The memory of each node when no pool is given: the split is then by layers only.
+UNBOUNDED = 2**62
+#: ``progress(what, done_bytes, total_bytes)``.
+SplitProgress = Callable[[str, int, int], None]
+
+
+@frozen
+class SplitResult:
+    manifest_path: str
+    manifest: ShardManifest
+    file_bytes: tuple[int, ...]  # each shard file's size
+
+
+def split_plan(
+    facts: ModelFacts,
+    stages: int,
+    nodes: tuple[NodeSpec, ...] | None,
+    placement: str,
+) -> RunPlan | PlanRejection:
+    """The plan whose stages the shards follow: ``nodes`` (or ``stages`` nodes of
+    unbounded memory), weights counted as stored."""
+    pool_nodes = nodes or tuple(NodeSpec(f"stage-{i}", UNBOUNDED) for i in range(stages))
+    config = RuntimeConfig(
+        run_id="split",
+        max_tokens=1,
+        worker=WorkerCapabilities(
+            name="stored", weight_bytes_per_element=0, kv_bytes_per_element=0
+        ),
+    )
+    chosen = tuple(n.node_id for n in pool_nodes[:stages])
+    place = Placement.even(chosen) if placement == "even" else Placement.by_memory(chosen)
+    return plan_run(
+        facts, config, NodePool("orchestrator", pool_nodes), stage_count=stages, placement=place
+    )
+
+
+def shard_file_name(model_id: str, stage_index: int, stage_count: int) -> str:
+    # Not ``-0000i-of-0000n.gguf``: that names a llama.cpp split set.
+    return f"{model_id}.stage-{stage_index}-of-{stage_count}.gguf"
+
+
+def split_model(
+    model_path: str,
+    plan: RunPlan,
+    out: str | os.PathLike[str],
+    *,
+    placement: str = "even",
+    progress: SplitProgress | None = None,
+) -> SplitResult:
+    """Write one shard per stage of ``plan`` and the manifest into ``out``."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    header = GgufHeader.read(model_path)
+    model_id = plan.model.model_id
+
+    def hashed(done: int, total: int) -> None:
+        if progress is not None:
+            progress("hash", done, total)
+
+    content = source_content(header, progress=hashed)
+    entries: list[ShardEntry] = []
+    sizes: list[int] = []
+    for stage in plan.stages:
+        parts = SliceParts.of_stage(stage)
+        names = slice_tensor_names(header.tensors, parts)
+        name = shard_file_name(model_id, stage.stage_index, plan.stage_count)
+
+        def wrote(done: int, total: int, what: str = name) -> None:
+            if progress is not None:
+                progress(what, done, total)
+
+        sizes.append(
+            write_shard(
+                header,
+                names,
+                parts,
+                content.key,
+                content.tensor_sha256,
+                model_id,
+                folder / name,
+                wrote,
+            )
+        )
+        tensor_bytes = sum(header.tensors[n].n_bytes for n in names)
+        entries.append(ShardEntry(name, parts, tensor_bytes))
+    manifest = ShardManifest(
+        model_id=model_id,
+        source=content.key,
+        block_count=plan.model.num_layers,
+        shards=tuple(entries),
+        nodes=tuple(s.node_id for s in plan.stages),
+        placement=placement,
+    )
+    target = folder / MANIFEST_NAME
+    partial = folder / (MANIFEST_NAME + ".partial")
+    try:
+        partial.write_text(manifest_json(manifest))
+        os.replace(partial, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
+    return SplitResult(str(target), manifest, tuple(sizes))
+
+
+class _Bars:
+    """Progress bars on standard error: hashing, then each shard."""
+
+    def __init__(self, console: Console) -> None:
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(binary_units=True),
+            TransferSpeedColumn(),
+            console=console,
+            transient=False,
+        )
+        self.tasks: dict[str, Any] = {}
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        task = self.tasks.get(what)
+        if task is None:
+            label = "hashing tensors" if what == "hash" else f"writing {what}"
+            task = self.tasks[what] = self.progress.add_task(label, total=total)
+        self.progress.update(task, completed=done, total=total)

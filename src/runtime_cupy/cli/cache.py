@@ -1,0 +1,83 @@
+"""``python -m runtime_cupy cache list|clear [--json]``: this host's slice cache
+(``slices.cache``): where it is, its limit, and each entry (the model, what the slice
+holds, its size, when it was last used); ``clear`` removes every entry."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from runplan.arguments import OneLineParser, human_bytes
+from runtime_cupy.slices.cache import LIMIT_VARIABLE, CacheError, SliceCache
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="python -m runtime_cupy cache",
+        description="This host's cache of model slices ($GGUF_PIPELINE_CACHE, else "
+        "$XDG_CACHE_HOME/gguf-pipeline, else ~/.cache/gguf-pipeline; size limit: "
+        f"${LIMIT_VARIABLE}).",
+    )
+    p.add_argument("action", choices=("list", "clear"), help="show the entries, or remove them")
+    p.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cache = SliceCache()
+    except CacheError as exc:
+        print(f"python -m runtime_cupy cache: error: {exc}", file=sys.stderr)
+        return 2
+    if args.action == "clear":
+        count, size = cache.clear()
+        if args.json:
+            doc = {"root": str(cache.root), "removed": count, "removed_bytes": size}
+            sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+        else:
+            print(f"removed {count} entries ({human_bytes(size)}) from {cache.root}")
+        return 0
+    entries = cache.entries()
+    if args.json:
+        doc = {
+            "root": str(cache.root),
+            "limit_bytes": cache.limit,
+            "total_bytes": sum(e.bytes for e in entries),
+            "entries": [
+                {
+                    "path": str(e.path),
+                    "source": e.source,
+                    "model_id": e.model_id,
+                    "layer_start": e.parts.layer_start,
+                    "layer_end_exclusive": e.parts.layer_end_exclusive,
+                    "embedding": e.parts.embedding,
+                    "output": e.parts.output,
+                    "bytes": e.bytes,
+                    "last_used": e.last_used,
+                }
+                for e in entries
+            ],
+        }
+        sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+        return 0
+    limit = human_bytes(cache.limit) if cache.limit is not None else f"none (${LIMIT_VARIABLE})"
+    title = (
+        f"{cache.root}: {len(entries)} entries, {human_bytes(sum(e.bytes for e in entries))}; "
+        f"limit {limit}"
+    )
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for col in ("model", "holds", "size", "last used", "source"):
+        table.add_column(col)
+    for e in reversed(entries):  # most recently used first
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        table.add_row(e.model_id, e.parts.describe(), human_bytes(e.bytes), used, e.source[:19])
+    Console(soft_wrap=True).print(table)
+    return 0

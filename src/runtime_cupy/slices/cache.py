@@ -1,0 +1,307 @@
+"""A host's cache of model slices, where users expect it:
+``$GGUF_PIPELINE_CACHE``, else ``$XDG_CACHE_HOME/gguf-pipeline``, else
+``~/.cache/gguf-pipeline``.
+
+::
+
+    <cache>/slices/<key>/<parts>/      one entry: a shard collection of one shard
+        manifest.json                  (runplan.shards), read as any manifest is
+        <model>.<parts>.gguf
+    <cache>/tmp/                       entries being written (never read as entries)
+    <cache>/locks/<key>.lock           held (flock) while a slice of that source is fetched
+    <cache>/digests/<identity>.json    what hashing a local file found (``digests``)
+
+``<key>`` is the first 32 hex digits of the source's content key (``runplan.content``),
+``<parts>`` what the slice holds (``SliceParts.label``: ``L0-9.embd``). An entry is
+made in ``tmp/`` and renamed into place only once complete and verified: whatever a
+fetch that broke off, was killed or hit a full disk left behind lies in ``tmp/``, is
+never taken for an entry, and is removed by the next fetch of that source (whose lock
+says no one else writes it).
+
+Least recently used entries go first when the cache would grow past its limit
+(``$GGUF_PIPELINE_CACHE_LIMIT``, ``50GiB`` style; none by default): every use of an
+entry touches its manifest. ``python -m runtime_cupy cache list|clear``
+(``cli.cache``) shows and empties it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from attrs import frozen
+
+from runplan.arguments import parse_size
+from runplan.shards import MANIFEST_NAME, ManifestError, ShardManifest, SliceParts, read_manifest
+
+CACHE_VARIABLE = "GGUF_PIPELINE_CACHE"
+LIMIT_VARIABLE = "GGUF_PIPELINE_CACHE_LIMIT"
+_KEY_DIGITS = 32
+
+
+class CacheError(OSError):
+    """The cache cannot be used: a limit that is not a size, a slice bigger than the
+    limit, a folder that cannot be made."""
+
+
+def default_root() -> Path:
+    """Where the cache lives on this host (the variables above, then ``~/.cache``)."""
+    chosen = os.environ.get(CACHE_VARIABLE)
+    if chosen:
+        return Path(chosen)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "gguf-pipeline"
+
+
+def default_limit() -> int | None:
+    """The cache's size limit in bytes (``$GGUF_PIPELINE_CACHE_LIMIT``), ``None``: none."""
+    text = os.environ.get(LIMIT_VARIABLE, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_size(text)
+    except Exception:  # argparse's ArgumentTypeError, with the text
+        raise CacheError(
+            f"{LIMIT_VARIABLE}={text!r} is not a size (write 50GiB, 200GB, ...)"
+        ) from None
+
+
+def key_folder(source_key: str) -> str:
+    """The folder name of a source key (``sha256:<hex>``)."""
+    digits = source_key.split(":", 1)[-1]
+    if len(digits) < _KEY_DIGITS or any(c not in "0123456789abcdef" for c in digits):
+        raise CacheError(f"not a source content key: {source_key!r}")
+    return digits[:_KEY_DIGITS]
+
+
+@frozen
+class CacheEntry:
+    """One complete entry: a slice of the source ``source`` holding ``parts``."""
+
+    path: Path  # the entry's folder (its manifest names its shard)
+    source: str
+    model_id: str
+    parts: SliceParts
+    shard: Path
+    bytes: int  # on disk
+    last_used: float  # seconds since the epoch
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST_NAME
+
+
+class SliceCache:
+    """The slice cache at ``root`` (default: ``default_root()``) with ``limit`` bytes at
+    most (default: ``default_limit()``)."""
+
+    def __init__(self, root: Path | None = None, limit: int | None = -1) -> None:
+        self.root = Path(root) if root is not None else default_root()
+        self.limit = default_limit() if limit == -1 else limit
+
+    # -- layout ----------------------------------------------------------------------
+    @property
+    def slices(self) -> Path:
+        return self.root / "slices"
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
+
+    @property
+    def digests(self) -> Path:
+        return self.root / "digests"
+
+    def folder(self, name: Path) -> Path:
+        try:
+            name.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"cannot make the cache folder {name}: {exc.strerror}") from exc
+        return name
+
+    def entry_path(self, source_key: str, parts: SliceParts) -> Path:
+        return self.slices / key_folder(source_key) / parts.label()
+
+    # -- entries ---------------------------------------------------------------------
+    def entry(self, source_key: str, parts: SliceParts) -> CacheEntry | None:
+        """The complete entry of that slice, or ``None``."""
+        return self._read_entry(self.entry_path(source_key, parts), source_key)
+
+    def entries(self, source_key: str | None = None) -> list[CacheEntry]:
+        """Every complete entry (of one source), least recently used first."""
+        out = []
+        keys = [key_folder(source_key)] if source_key else _names(self.slices)
+        for key in keys:
+            for label in _names(self.slices / key):
+                entry = self._read_entry(self.slices / key / label, source_key)
+                if entry is not None:
+                    out.append(entry)
+        return sorted(out, key=lambda e: e.last_used)
+
+    def _read_entry(self, path: Path, source_key: str | None) -> CacheEntry | None:
+        manifest_file = path / MANIFEST_NAME
+        try:
+            manifest: ShardManifest = read_manifest(manifest_file)
+            used = manifest_file.stat().st_mtime
+        except (ManifestError, OSError):
+            return None
+        if len(manifest.shards) != 1 or (source_key and manifest.source != source_key):
+            return None
+        shard = manifest.shards[0]
+        size = sum(_size(p) for p in path.iterdir()) if path.is_dir() else 0
+        return CacheEntry(
+            path, manifest.source, manifest.model_id, shard.parts, path / shard.file, size, used
+        )
+
+    def touch(self, entry: CacheEntry) -> None:
+        """Mark an entry used now (least-recently-used order)."""
+        with contextlib.suppress(OSError):
+            os.utime(entry.manifest)
+
+    def total_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries())
+
+    def make_room(self, incoming: int, keep: tuple[CacheEntry, ...] = ()) -> list[CacheEntry]:
+        """Remove least recently used entries (not those in ``keep``) until ``incoming``
+        more bytes fit the limit; the entries removed. ``CacheError`` if the slice alone
+        is bigger than the limit."""
+        if self.limit is None:
+            return []
+        if incoming > self.limit:
+            raise CacheError(
+                f"a slice of {incoming} bytes does not fit the cache's limit of "
+                f"{self.limit} bytes ({LIMIT_VARIABLE})"
+            )
+        removed = []
+        entries = self.entries()
+        total = sum(e.bytes for e in entries)
+        kept = {e.path for e in keep}
+        for entry in entries:
+            if total + incoming <= self.limit:
+                break
+            if entry.path in kept:
+                continue
+            self.remove(entry)
+            removed.append(entry)
+            total -= entry.bytes
+        return removed
+
+    def remove(self, entry: CacheEntry) -> None:
+        """Remove an entry (a stage that maps its file keeps reading it: the file goes
+        when the last mapping does)."""
+        doomed = self.tmp / f"gone-{secrets.token_hex(6)}"
+        try:
+            self.folder(self.tmp)
+            os.rename(entry.path, doomed)  # no half-removed entry is ever seen
+        except OSError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def clear(self) -> tuple[int, int]:
+        """Remove every entry, and what fetches no longer running left in ``tmp/``; the
+        entries and bytes removed."""
+        count = size = 0
+        for entry in self.entries():
+            self.remove(entry)
+            count += 1
+            size += entry.bytes
+        for key in _names(self.slices):
+            with contextlib.suppress(OSError):
+                (self.slices / key).rmdir()
+        for name in _names(self.tmp):
+            key = name.split(".", 1)[0]
+            with self.try_lock(key) as held:
+                if held or name.startswith("gone-"):
+                    shutil.rmtree(self.tmp / name, ignore_errors=True)
+        return count, size
+
+    # -- writing ---------------------------------------------------------------------
+    def new_partial(self, source_key: str, parts: SliceParts) -> Path:
+        """A fresh folder in ``tmp/`` for an entry being written."""
+        name = f"{key_folder(source_key)}.{parts.label()}.{os.getpid()}.{secrets.token_hex(4)}"
+        path = self.folder(self.tmp) / name
+        path.mkdir()
+        return path
+
+    def remove_stale(self, source_key: str) -> None:
+        """Remove what earlier fetches of this source left in ``tmp/`` (call with the
+        source's lock held: no one else writes there)."""
+        prefix = key_folder(source_key) + "."
+        for name in _names(self.tmp):
+            if name.startswith(prefix):
+                shutil.rmtree(self.tmp / name, ignore_errors=True)
+
+    def commit(self, partial: Path, source_key: str, parts: SliceParts) -> Path:
+        """Rename a complete, verified entry into place (replacing an older one)."""
+        target = self.entry_path(source_key, parts)
+        self.folder(target.parent)
+        if target.exists():
+            doomed = self.tmp / f"gone-{secrets.token_hex(6)}"
+            os.rename(target, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(partial, target)
+        return target
+
+    # -- locks -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, source_key: str, timeout_s: float | None = None) -> Iterator[None]:
+        """Hold the lock of a source's slices (one fetch of a source at a time on this
+        host: a second stage waits, then finds what the first brought). The kernel
+        releases it when the process dies."""
+        path = self.folder(self.root / "locks") / f"{key_folder(source_key)}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline else 0))
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise CacheError(
+                            f"another process has held {path} for {timeout_s:.0f} s"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def try_lock(self, key: str) -> Iterator[bool]:
+        """The lock of key folder ``key`` if free now: whether it is held."""
+        path = self.root / "locks" / f"{key}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            yield True  # never locked: no fetch of it runs
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

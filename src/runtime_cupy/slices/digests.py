@@ -1,0 +1,145 @@
+"""What hashing a GGUF source on this host found, kept so that it is hashed once: its
+content key and tensors' SHA-256 (``runplan.content``), and which slices of which
+source its tensors were found to be.
+
+A record is keyed by the identity of the source's files as they are on disk (path,
+device, inode, size, modification time: ``kept_weights.FileIdentity``), so a file
+replaced or touched is hashed again. Records live in the slice cache's ``digests/``
+(``cache.SliceCache``), one small JSON file each, written whole (a new file renamed
+into place).
+
+- The orchestrator's host keys the source it serves (``content``): every tensor hashed,
+  on the first run only.
+- A stage's host that has a file at the plan's path checks it against the slice the
+  plan's source would send (``matches``): the metadata as stored and the slice's
+  tensors' hashes; it hashes only that slice's tensors, and remembers the verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from runplan.content import SourceContent, content_key, tensor_sha256
+from runplan.gguf_header import GgufHeader
+from runtime_core.workers.kept_weights import FileIdentity
+
+_VERSION = 1
+log = logging.getLogger("runtime_cupy.slices")
+
+
+def identity_of(header: GgufHeader) -> list[dict[str, Any]]:
+    """The identity of every file the header was read from (and of its manifest)."""
+    paths = dict.fromkeys([*header.source_paths, *header.paths])
+    out = []
+    for path in paths:
+        ident = FileIdentity.of(path)
+        out.append(attrs.asdict(ident) if ident is not None else {"path": path})
+    return out
+
+
+class DigestStore:
+    """The records in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def _path(self, identity: list[dict[str, Any]]) -> Path:
+        text = json.dumps(identity, sort_keys=True)
+        return self.folder / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+
+    def _load(self, identity: list[dict[str, Any]]) -> dict[str, Any]:
+        try:
+            doc = json.loads(self._path(identity).read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(doc, dict) or doc.get("version") != _VERSION:
+            return {}
+        if doc.get("identity") != identity:
+            return {}
+        return doc
+
+    def _save(self, identity: list[dict[str, Any]], doc: dict[str, Any]) -> None:
+        """Write a record whole; a cache that cannot be written only costs hashing again."""
+        doc = {**doc, "version": _VERSION, "identity": identity}
+        path = self._path(identity)
+        partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(doc, sort_keys=True))
+            os.replace(partial, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+
+    def content(self, header: GgufHeader) -> SourceContent:
+        """The source's content key and every tensor's hash (hashed now if the record
+        of these files lacks them)."""
+        identity = identity_of(header)
+        doc = self._load(identity)
+        hashes = doc.get("tensor_sha256") or {}
+        key = doc.get("content_key")
+        if isinstance(key, str) and isinstance(hashes, dict) and set(hashes) == set(header.tensors):
+            return SourceContent(key, dict(hashes))
+        size = sum(t.n_bytes for t in header.tensors.values())
+        log.info("hashing every tensor of %s once (%.2f GiB)", header.source_paths[0], size / 2**30)
+        hashes = tensor_sha256(header)
+        key = content_key(header, hashes)
+        self._save(identity, {**doc, "content_key": key, "tensor_sha256": hashes})
+        return SourceContent(key, hashes)
+
+    def tensor_hashes(self, header: GgufHeader, names: Iterable[str]) -> dict[str, str]:
+        """The hashes of ``names`` (those the record lacks hashed now)."""
+        identity = identity_of(header)
+        doc = self._load(identity)
+        known: dict[str, str] = dict(doc.get("tensor_sha256") or {})
+        wanted = list(names)
+        missing = [n for n in wanted if n not in known]
+        if missing:
+            known.update(tensor_sha256(header, missing))
+            self._save(identity, {**doc, "tensor_sha256": known})
+        return {n: known[n] for n in wanted}
+
+    def verified(self, header: GgufHeader, mark: str) -> bool:
+        """Whether these files were found to hold what ``mark`` names (a source key and
+        the parts of a slice)."""
+        return mark in (self._load(identity_of(header)).get("verified") or [])
+
+    def mark_verified(self, header: GgufHeader, mark: str) -> None:
+        identity = identity_of(header)
+        doc = self._load(identity)
+        marks = list(doc.get("verified") or [])
+        if mark not in marks:
+            self._save(identity, {**doc, "verified": [*marks, mark]})
+
+
+def metadata_matches(local: GgufHeader, sent: GgufHeader, skip: Iterable[str]) -> str | None:
+    """``None`` when every key-value pair of ``sent`` (a slice's header) but ``skip``'s
+    prefixes is stored as ``local`` stores it and ``local`` has no other; else the
+    first key that differs."""
+    prefixes = tuple(skip)
+    mine = {k for k in local.keys() if not k.startswith(prefixes)}  # noqa: SIM118
+    theirs = {k for k in sent.keys() if not k.startswith(prefixes)}  # noqa: SIM118
+    for key in sorted(mine ^ theirs):
+        return key
+    for key in sorted(theirs):
+        if local.field_bytes(key) != sent.field_bytes(key):
+            return key
+    return None
+
+
+def hashes_match(local: Mapping[str, str], sent: Mapping[str, str]) -> str | None:
+    """``None`` when the hashes agree; else the first tensor that differs."""
+    for name in sent:
+        if local.get(name) != sent[name]:
+            return name
+    return None

@@ -1,0 +1,331 @@
+"""The orchestrator's slice server: on the orchestrator's host, it sends each stage on
+another host the slice of the model that stage holds (``protocol`` has the wire).
+
+``offer(source)`` makes a source servable and returns its content key (hashed once per
+file, ``digests``); ``expect(stage_index, node_id, key)`` admits a stage (its slice
+key, ``keys.slice_key``). Each connection runs on a thread of its own: the handshake,
+the slice's header (``runplan.shard_file.shard_header``, made once per slice), then the
+tensors the stage asked for, read through the source's memory map and handed to the
+kernel in large pieces (``sendall`` of the mapped pages: no copy loop of ours), so a
+transfer runs at what the link takes. What moves is counted per stage
+(``transfers()``: bytes, rate, time left), for progress bars and logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from attrs import evolve, frozen
+
+from runplan import GgufSource
+from runplan.content import SourceContent
+from runplan.gguf_header import GgufError, GgufHeader, model_id_for
+from runplan.shard_file import shard_header
+from runplan.shards import SliceParts, slice_tensor_names
+from runtime_cupy.slices.digests import DigestStore
+from runtime_cupy.slices.protocol import Link, Refused, TransferError, open_as_server
+
+log = logging.getLogger("runtime_cupy.slices")
+
+#: Bytes handed to the kernel per send (and per progress update).
+CHUNK = 8 << 20
+#: How long the server waits for a stage's next control frame.
+FRAME_WAIT_S = 600.0
+
+
+@frozen
+class StageTransfer:
+    """What one stage's slice did: ``state`` is ``connected`` (its header sent),
+    ``sending``, ``done``, ``local`` (its host had the file, or had every tensor),
+    ``failed`` (``error``). Bytes count what this server sent; ``received`` what the
+    stage said it read (handshake and frames included)."""
+
+    stage_index: int
+    node_id: str
+    host: str | None
+    state: str
+    header_bytes: int = 0
+    tensor_bytes: int = 0  # of the tensors it asked for
+    sent_bytes: int = 0
+    received_bytes: int | None = None
+    started_s: float | None = None  # monotonic
+    ended_s: float | None = None
+    error: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.header_bytes + self.tensor_bytes
+
+    @property
+    def seconds(self) -> float:
+        if self.started_s is None:
+            return 0.0
+        return (self.ended_s or time.monotonic()) - self.started_s
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second so far."""
+        return self.sent_bytes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def time_left_s(self) -> float | None:
+        if self.state != "sending" or self.rate <= 0:
+            return None
+        return (self.total_bytes - self.sent_bytes) / self.rate
+
+    @property
+    def moving(self) -> bool:
+        return self.state in ("connected", "sending")
+
+
+class _Served:
+    """A source this server sends slices of."""
+
+    def __init__(self, header: GgufHeader, content: SourceContent, model_id: str) -> None:
+        self.header = header
+        self.content = content
+        self.model_id = model_id
+        self._headers: dict[SliceParts, tuple[tuple[str, ...], bytes]] = {}
+        self._lock = threading.Lock()
+
+    def slice(self, parts: SliceParts) -> tuple[tuple[str, ...], bytes]:
+        """The slice's tensor names and its GGUF header (made once)."""
+        with self._lock:
+            made = self._headers.get(parts)
+            if made is None:
+                names = slice_tensor_names(self.header.tensors, parts)
+                data = shard_header(
+                    self.header,
+                    names,
+                    parts,
+                    self.content.key,
+                    self.content.tensor_sha256,
+                    self.model_id,
+                )
+                made = self._headers[parts] = (names, data)
+            return made
+
+
+class SliceServer:
+    """Listens on ``bind_host`` (the orchestrator's address the stages reach);
+    ``digests``: where the content of served sources is remembered."""
+
+    def __init__(self, bind_host: str, digests: DigestStore) -> None:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.bind((bind_host, 0))
+            self._sock.listen(16)
+        except BaseException:
+            self._sock.close()
+            raise
+        port = self._sock.getsockname()[1]
+        self.address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
+        self._digests = digests
+        self._sources: dict[tuple[str, ...], _Served] = {}
+        self._keys: dict[int, bytes] = {}
+        self._who: dict[int, tuple[str, str | None]] = {}
+        self._transfers: dict[int, StageTransfer] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._links: set[Link] = set()
+        self.on_change: Callable[[StageTransfer], None] | None = None
+        self._thread = threading.Thread(target=self._accept, name="slice-server", daemon=True)
+        self._thread.start()
+
+    # -- what is served, to whom ---------------------------------------------------------
+    def offer(self, source: GgufSource) -> str:
+        """Serve ``source``; its content key (``GgufError`` for a file it cannot read)."""
+        paths = tuple(source.paths)
+        with self._lock:
+            served = self._sources.get(paths)
+        if served is None:
+            header = GgufHeader.read(paths[0])
+            began = time.monotonic()
+            content = self._digests.content(header)
+            log.info(
+                "serving slices of %s (%s), keyed in %.2f s",
+                paths[0], content.key, time.monotonic() - began,
+            )  # fmt: skip
+            served = _Served(header, content, header.model_id or model_id_for(paths[0]))
+            with self._lock:
+                served = self._sources.setdefault(paths, served)
+        return served.content.key
+
+    def slice_of(
+        self, source: GgufSource, parts: SliceParts
+    ) -> tuple[GgufHeader, tuple[str, ...], bytes]:
+        """What a stage holding ``parts`` of an offered source gets: the source's header,
+        the slice's tensor names and the slice's GGUF header (``KeyError`` if not
+        offered)."""
+        served = self._sources[tuple(source.paths)]
+        names, data = served.slice(parts)
+        return served.header, names, data
+
+    def expect(self, stage_index: int, node_id: str, key: bytes, host: str | None = None) -> None:
+        """Admit stage ``stage_index`` (``node_id``, on ``host``) with its slice key."""
+        with self._lock:
+            self._keys[stage_index] = key
+            self._who[stage_index] = (node_id, host)
+
+    def transfers(self) -> tuple[StageTransfer, ...]:
+        with self._lock:
+            return tuple(self._transfers[i] for i in sorted(self._transfers))
+
+    def forget_transfers(self) -> None:
+        """Start counting afresh (a warm chain's next bind)."""
+        with self._lock:
+            self._transfers.clear()
+
+    def last_activity(self) -> float | None:
+        """When a byte last moved (monotonic), or ``None`` if none moved."""
+        with self._lock:
+            times = [t.ended_s or time.monotonic() for t in self._transfers.values() if t.started_s]
+            moving = any(t.moving for t in self._transfers.values())
+        if moving:
+            return time.monotonic()
+        return max(times, default=None)
+
+    def _update(self, index: int, **fields: object) -> StageTransfer:
+        with self._lock:
+            current = self._transfers.get(index)
+            if current is None:
+                node_id, host = self._who.get(index, (f"stage {index}", None))
+                current = StageTransfer(index, node_id, host, "connected")
+            record = self._transfers[index] = evolve(current, **fields)  # type: ignore[arg-type]
+        if self.on_change is not None:
+            with contextlib.suppress(Exception):
+                self.on_change(record)
+        return record
+
+    # -- connections ---------------------------------------------------------------------
+    def _accept(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        while not self._closed.is_set():
+            try:
+                if not poller.poll(200):
+                    continue
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._serve, args=(conn, peer), name="slice-send", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        with self._lock:
+            keys = dict(self._keys)
+        try:
+            link, index = open_as_server(conn, keys)
+        except Refused as exc:
+            log.warning("refused a slice connection from %s: %s", peer, exc)
+            conn.close()
+            return
+        with self._lock:
+            self._links.add(link)
+        try:
+            self._send_slice(link, index)
+        except (TransferError, OSError, GgufError, ValueError, KeyError, TypeError) as exc:
+            reason = str(exc) or type(exc).__name__
+            log.warning("slice of stage %d: %s", index, reason)
+            self._update(index, state="failed", error=reason, ended_s=time.monotonic())
+            with contextlib.suppress(OSError):
+                link.send({"error": reason})
+        finally:
+            with self._lock:
+                self._links.discard(link)
+            link.close()
+
+    def _send_slice(self, link: Link, index: int) -> None:
+        link.sock.settimeout(FRAME_WAIT_S)
+        request = link.receive()
+        paths = tuple(str(p) for p in request["source"])
+        parts = SliceParts(**request["parts"])
+        with self._lock:
+            served = self._sources.get(paths)
+        if served is None:
+            raise TransferError(f"this server does not serve {paths[0] if paths else '-'}")
+        if request["source_key"] != served.content.key:
+            raise TransferError(
+                f"the source changed since the stage was started: it is now "
+                f"{served.content.key}, the stage asked for {request['source_key']}"
+            )
+        names, header_data = served.slice(parts)
+        tensors = served.header.tensors
+        began = time.monotonic()
+        self._update(
+            index,
+            state="connected",
+            header_bytes=len(header_data),
+            tensor_bytes=0,
+            sent_bytes=0,
+            received_bytes=None,
+            started_s=began,
+            ended_s=None,
+            error=None,
+        )
+        file_bytes = len(header_data) + padded_data_bytes(served.header, names)
+        link.send(
+            {
+                "header_bytes": len(header_data),
+                "header_sha256": hashlib.sha256(header_data).hexdigest(),
+                "file_bytes": file_bytes,
+                "tensor_bytes": sum(tensors[n].n_bytes for n in names),
+            }
+        )
+        link.send_raw(header_data)
+        self._update(index, sent_bytes=len(header_data))
+        want = link.receive()["tensors"]
+        wanted = set(want)
+        if not wanted <= set(names):
+            raise TransferError(
+                f"asked for tensors not in its slice: {sorted(wanted - set(names))}"
+            )
+        self._update(
+            index,
+            state="sending" if wanted else "local",
+            tensor_bytes=sum(tensors[n].n_bytes for n in wanted),
+        )
+        sent = len(header_data)
+        for name in names:
+            if name not in wanted:
+                continue
+            view = served.header.tensor_bytes(name).data
+            for start in range(0, len(view), CHUNK):
+                piece = view[start : start + CHUNK]
+                link.send_raw(piece)
+                sent += len(piece)
+                self._update(index, sent_bytes=sent)
+        done = link.receive()
+        ended = time.monotonic()
+        if not done.get("ok"):
+            raise TransferError(str(done.get("error", "the stage gave up")))
+        state = "local" if done.get("local") or not wanted else "done"
+        self._update(index, state=state, received_bytes=int(done["bytes"]), ended_s=ended)
+        log.info("slice of stage %d: %d bytes in %.2f s (%s)", index, sent, ended - began, state)
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with self._lock:
+            links = list(self._links)
+        for link in links:
+            with contextlib.suppress(OSError):
+                link.sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(2.0)
+
+
+def padded_data_bytes(header: GgufHeader, names: tuple[str, ...]) -> int:
+    """Bytes of a shard's data section holding ``names``: each tensor's data padded to
+    the source's alignment, as ``GGUFWriter`` writes them (the last one too)."""
+    align = header.integer("general.alignment", 32)
+    return sum(-(-header.tensors[n].n_bytes // align) * align for n in names)

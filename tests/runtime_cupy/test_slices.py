@@ -1,0 +1,426 @@
+"""Slice transfer between the orchestrator's slice server and a stage's host, in one
+process: the server maps the model, then the file leaves the path the plan names (the
+server keeps reading its map), so the "host" has to receive its slice. Faults enter
+through the network between them (``tests.support.faulty_link``) or through the
+process and the disk of a fetch run on its own (``tests.support.fetch_slice``)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+from rich.console import Console
+
+from runplan import GgufSource, RunPlan, model_facts_from_gguf
+from runplan.gguf_header import GgufHeader
+from runplan.shards import SliceParts, slice_tensor_names
+from runplan.split import split_model, split_plan
+from runtime_core.gguf_slice import open_stage_slice
+from runtime_cupy.edges import handshake as hs
+from runtime_cupy.process.keys import new_secret, slice_key
+from runtime_cupy.slices.cache import SliceCache
+from runtime_cupy.slices.digests import DigestStore
+from runtime_cupy.slices.fetch import (
+    TRANSFER_LOG,
+    SliceFetcher,
+    SliceOrigin,
+    SliceTransferFailed,
+)
+from runtime_cupy.slices.progress import SliceBars, SliceLog, describe, figures
+from runtime_cupy.slices.protocol import Refused, open_as_stage
+from runtime_cupy.slices.server import SliceServer, StageTransfer
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.support.faulty_link import FaultyLink
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Untied head, a tensor every stage needs; tensors of 16-64 KiB, so a fault lands in one.
+UNTIED = ModelShape(n_layers=6, hidden=128, ffn=256, tied=False, rope_freqs=True, quant="F32")
+TIED = ModelShape(n_layers=4, hidden=128, ffn=256, tied=True, rope_freqs=True, quant="F32")
+MIDDLE = SliceParts(2, 4, False, False)
+
+
+class Source:
+    """A model served by a slice server, gone from its path on "this host"."""
+
+    def __init__(self, folder: Path, shape: ModelShape) -> None:
+        self.folder = folder
+        self.path = write_model(folder / "model.gguf", shape)
+        self.header = GgufHeader.read(self.path)
+        self.secret = new_secret()
+        self.server = SliceServer("127.0.0.1", DigestStore(folder / "orchestrator"))
+        self.key = self.server.offer(GgufSource((str(self.path),)))
+        for i in range(4):
+            self.server.expect(i, f"node{i}", slice_key(self.secret, f"node{i}"), f"host{i}")
+        self.away = folder / "kept-by-the-server.gguf"
+        os.rename(self.path, self.away)  # the server reads its memory map
+
+    def fetcher(self, cache: Path, stage: int = 1, address: str | None = None) -> SliceFetcher:
+        origin = SliceOrigin(address or self.server.address, self.key)
+        key = slice_key(self.secret, f"node{stage}")
+        return SliceFetcher(origin, stage, key, SliceCache(cache, limit=None))
+
+    def slice_bytes(self, parts: SliceParts) -> int:
+        names = slice_tensor_names(self.header.tensors, parts)
+        return sum(self.header.tensors[n].n_bytes for n in names)
+
+    def resolve(self, fetcher: SliceFetcher, parts: SliceParts = MIDDLE) -> GgufSource:
+        return fetcher.resolve(GgufSource((str(self.path),)), parts)
+
+
+@pytest.fixture
+def untied(tmp_path: Path) -> Iterator[Source]:
+    (tmp_path / "src").mkdir()
+    source = Source(tmp_path / "src", UNTIED)
+    yield source
+    source.server.close()
+
+
+def _settled(server: SliceServer) -> tuple[StageTransfer, ...]:
+    """The server's transfers once none moves: it hears a stage's last word (its DONE)
+    just after the stage has its slice."""
+    deadline = time.monotonic() + 10
+    while any(t.moving for t in server.transfers()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server.transfers()
+
+
+def _entries_and_tmp(cache: Path) -> tuple[list[Path], list[str]]:
+    entries = [e.path for e in SliceCache(cache, limit=None).entries()]
+    tmp = sorted(os.listdir(cache / "tmp")) if (cache / "tmp").exists() else []
+    return entries, tmp
+
+
+def _same_tensors(entry: str, source: Source, parts: SliceParts) -> None:
+    with open_stage_slice(
+        entry, parts.layer_start, parts.layer_end_exclusive,
+        is_first=parts.embedding, is_last=parts.output,
+    ) as got:  # fmt: skip
+        names = slice_tensor_names(source.header.tensors, parts)
+        assert sorted(got.tensors) == sorted(names)
+        for name in names:
+            assert np.array_equal(got.raw(name).ravel(), source.header.tensor_bytes(name)), name
+
+
+def test_a_host_without_the_file_receives_exactly_its_slice_then_uses_its_cache(
+    untied: Source, tmp_path: Path
+) -> None:
+    cache = tmp_path / "host"
+    fetcher = untied.fetcher(cache)
+    got = untied.resolve(fetcher)
+    entry = got.paths[0]
+    assert Path(entry).parent.parent == cache / "slices"
+    _same_tensors(entry, untied, MIDDLE)
+    # Bytes: the slice's tensors and its header, measured on both ends; the rest of what
+    # the host read is the handshake and a few frames.
+    line = fetcher.last
+    header_bytes = int(line["header_bytes"])
+    assert line["tensor_bytes_received"] == untied.slice_bytes(MIDDLE)
+    (sent,) = _settled(untied.server)
+    assert (sent.state, sent.header_bytes, sent.tensor_bytes) == (
+        "done", header_bytes, untied.slice_bytes(MIDDLE),
+    )  # fmt: skip
+    assert sent.sent_bytes == header_bytes + untied.slice_bytes(MIDDLE)
+    overhead = line["socket_bytes"] - sent.sent_bytes
+    assert 0 < overhead < 1024, overhead
+    assert sent.received_bytes == line["socket_bytes"]
+    whole = untied.away.stat().st_size
+    assert sent.sent_bytes < whole / 2  # 2 of 6 blocks, no embedding, no head
+    # The entry is what split writes for that stage, byte for byte (a file of the same
+    # name: the model id is in the header).
+    (tmp_path / "copy").mkdir()
+    copy = shutil.copy(untied.away, tmp_path / "copy" / untied.path.name)
+    plan = split_plan(model_facts_from_gguf(copy), 3, None, "even")
+    assert isinstance(plan, RunPlan)
+    split = split_model(str(copy), plan, tmp_path / "split")
+    shard = split.manifest.shards[1]
+    assert shard.parts == MIDDLE
+    ours = SliceCache(cache, limit=None).entry(untied.key, MIDDLE)
+    assert ours is not None
+    assert ours.shard.read_bytes() == (tmp_path / "split" / shard.file).read_bytes()
+    # The next run starts from the cache: no connection at all.
+    connections = untied.server.transfers()
+    again = untied.fetcher(cache)
+    assert untied.resolve(again) == got
+    assert again.last["outcome"] == "cache" and again.last["socket_bytes"] == 0
+    assert untied.server.transfers() == connections
+    lines = [json.loads(x) for x in (cache / TRANSFER_LOG).read_text().splitlines()]
+    assert [x["outcome"] for x in lines] == ["received", "cache"]
+
+
+def test_two_stages_on_one_host_share_the_tensors_both_need(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    tied = Source(tmp_path / "src", TIED)
+    try:
+        cache = tmp_path / "host"
+        first, last = SliceParts(0, 2, True, False), SliceParts(2, 4, False, True)
+        a = tied.fetcher(cache, stage=0)
+        tied.resolve(a, first)
+        b = tied.fetcher(cache, stage=1)
+        got = tied.resolve(b, last)
+        # The tied head is the embedding: the last stage copies it and rope_freqs from the
+        # first stage's entry instead of receiving them again.
+        shared = ("token_embd.weight", "rope_freqs.weight")
+        shared_bytes = sum(tied.header.tensors[n].n_bytes for n in shared)
+        assert b.last["tensor_bytes_copied"] == shared_bytes
+        assert b.last["tensor_bytes_received"] == tied.slice_bytes(last) - shared_bytes
+        _same_tensors(got.paths[0], tied, last)
+        transfers = {t.stage_index: t for t in tied.server.transfers()}
+        assert transfers[1].tensor_bytes == tied.slice_bytes(last) - shared_bytes
+    finally:
+        tied.server.close()
+
+
+def test_a_file_at_the_path_is_used_when_it_holds_the_same_slice(
+    untied: Source, tmp_path: Path
+) -> None:
+    shutil.copy(untied.away, untied.path)  # a copy: another inode, the same content
+    fetcher = untied.fetcher(tmp_path / "host")
+    assert untied.resolve(fetcher) == GgufSource((str(untied.path),))
+    assert fetcher.last["outcome"] == "local"
+    (sent,) = _settled(untied.server)
+    assert (sent.state, sent.tensor_bytes) == ("local", 0)  # the header only
+    # Remembered: the next run asks the server nothing.
+    again = untied.fetcher(tmp_path / "host")
+    assert untied.resolve(again) == GgufSource((str(untied.path),))
+    assert again.last == {**again.last, "outcome": "local", "socket_bytes": 0}
+    assert untied.server.transfers() == (sent,)
+
+
+def test_a_file_at_the_path_that_differs_is_not_used(untied: Source, tmp_path: Path) -> None:
+    write_model(untied.path, attrs.evolve(UNTIED, seed=7))  # same shapes, other weights
+    fetcher = untied.fetcher(tmp_path / "host")
+    got = untied.resolve(fetcher)
+    assert fetcher.last["outcome"] == "received"
+    _same_tensors(got.paths[0], untied, MIDDLE)
+
+
+def test_a_transfer_that_breaks_off_is_a_named_fault_and_leaves_no_entry(
+    untied: Source, tmp_path: Path
+) -> None:
+    cache = tmp_path / "host"
+    probe = untied.fetcher(tmp_path / "probe")
+    untied.resolve(probe)
+    half = int(probe.last["header_bytes"]) + untied.slice_bytes(MIDDLE) // 2
+    link = FaultyLink(untied.server.address, cut_after=half)
+    try:
+        with pytest.raises(SliceTransferFailed) as failed:
+            untied.resolve(untied.fetcher(cache, address=link.address))
+    finally:
+        link.close()
+    text = str(failed.value)
+    assert "to host 127.0.0.1" in text and "tensor blk." in text, text
+    assert "connection closed" in text and "no cache entry was made" in text, text
+    assert _entries_and_tmp(cache) == ([], [])
+    # The run after it succeeds.
+    got = untied.resolve(untied.fetcher(cache))
+    _same_tensors(got.paths[0], untied, MIDDLE)
+
+
+def test_a_tensor_damaged_in_flight_is_a_named_fault_and_leaves_no_entry(
+    untied: Source, tmp_path: Path
+) -> None:
+    cache = tmp_path / "host"
+    probe = untied.fetcher(tmp_path / "probe")
+    untied.resolve(probe)
+    # One byte inside the third tensor's data: past what came before the header (the
+    # handshake and a frame), the header, and the first two tensors.
+    names = slice_tensor_names(untied.header.tensors, MIDDLE)
+    before = probe.last["socket_bytes"] - probe.last["header_bytes"] - untied.slice_bytes(MIDDLE)
+    start = sum(untied.header.tensors[n].n_bytes for n in names[:2])
+    offset = before + int(probe.last["header_bytes"]) + start + 5
+    link = FaultyLink(untied.server.address, flip_at=offset)
+    try:
+        with pytest.raises(SliceTransferFailed) as failed:
+            untied.resolve(untied.fetcher(cache, address=link.address))
+    finally:
+        link.close()
+    text = str(failed.value)
+    assert "SHA-256" in text and "damaged in flight" in text and "tensor blk." in text, text
+    assert _entries_and_tmp(cache) == ([], [])
+    got = untied.resolve(untied.fetcher(cache))
+    _same_tensors(got.paths[0], untied, MIDDLE)
+
+
+def test_a_control_frame_changed_in_flight_fails_its_seal_and_leaves_no_entry(
+    untied: Source, tmp_path: Path
+) -> None:
+    # The server's first frame (HEADER) comes right after its handshake reply: one byte
+    # of its JSON body changed on the way fails the seal the TCP edges use
+    # (edges.tcp_seal), before anything it says is used.
+    offset = hs.CHALLENGE_BYTES + 4 + 1
+    link = FaultyLink(untied.server.address, flip_at=offset)
+    cache = tmp_path / "host"
+    try:
+        with pytest.raises(SliceTransferFailed) as failed:
+            untied.resolve(untied.fetcher(cache, address=link.address))
+    finally:
+        link.close()
+    text = str(failed.value)
+    assert "the header" in text and "failed its seal" in text, text
+    assert _entries_and_tmp(cache) == ([], [])
+
+
+def _fetch_process(
+    source: Source, cache: Path, address: str, *, wrap: list[str] | None = None
+) -> subprocess.Popen[str]:
+    parts = f"{MIDDLE.layer_start},{MIDDLE.layer_end_exclusive},0,0"
+    args = [
+        sys.executable, "-m", "tests.support.fetch_slice", "--server", address,
+        "--source-key", source.key, "--stage-index", "1", "--node-id", "node1",
+        "--source", str(source.path), "--parts", parts, "--cache", str(cache),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
+    proc = subprocess.Popen(
+        [*(wrap or []), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write(source.secret.hex() + "\n")
+    proc.stdin.close()
+    return proc
+
+
+def test_a_fetch_killed_halfway_leaves_nothing_usable_and_the_next_succeeds(
+    untied: Source, tmp_path: Path
+) -> None:
+    cache = tmp_path / "host"
+    total = untied.slice_bytes(MIDDLE)
+    link = FaultyLink(untied.server.address, rate=total / 4.0)  # about 4 s for the slice
+    try:
+        proc = _fetch_process(untied, cache, link.address)
+        deadline = time.monotonic() + 60
+        while link.forwarded < total // 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "it ended early"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        link.close()
+    entries, tmp = _entries_and_tmp(cache)
+    assert entries == [] and len(tmp) == 1  # what it wrote, never an entry
+    fetcher = untied.fetcher(cache)
+    got = untied.resolve(fetcher)
+    _same_tensors(got.paths[0], untied, MIDDLE)
+    assert _entries_and_tmp(cache) == ([Path(got.paths[0])], [])  # the leftover went
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root")
+def test_a_cache_on_a_full_disk_is_a_named_fault_and_the_next_run_succeeds(
+    untied: Source, tmp_path: Path
+) -> None:
+    cache = tmp_path / "small-disk"
+    cache.mkdir()
+    small = untied.slice_bytes(MIDDLE) // 2  # room for the header and some tensors
+    # Two fetches in one mount namespace: on a disk too small, then on one with room.
+    script = (
+        f"read -r secret; mount -t tmpfs -o size={small} tmpfs {cache} && "
+        f'echo $secret | "$@" && '
+        f"mount -o remount,size={8 * untied.slice_bytes(MIDDLE)} {cache} && "
+        f'echo $secret | "$@"'
+    )
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+    proc = _fetch_process(untied, cache, untied.server.address, wrap=wrap)
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.wait(120)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert len(lines) == 2, out
+    failed, after = lines
+    assert failed["ok"] is False, failed
+    assert "no space left" in failed["error"] and "tensor blk." in failed["error"], failed
+    assert "to host 127.0.0.1" in failed["error"], failed
+    assert failed["entries"] == [] and failed["tmp"] == [], failed
+    assert after["ok"] is True and after["entries"] == [after["path"]], after
+    assert after["last"]["tensor_bytes_received"] == untied.slice_bytes(MIDDLE)
+
+
+def test_the_server_admits_only_its_stages_and_only_the_source_it_serves(
+    untied: Source, tmp_path: Path
+) -> None:
+    with pytest.raises(Refused, match="refused or failed the handshake"):
+        open_as_stage(untied.server.address, 1, slice_key(new_secret(), "node1"))
+    with pytest.raises(Refused):
+        open_as_stage(untied.server.address, 9, slice_key(untied.secret, "node9"))
+    stale = SliceFetcher(
+        SliceOrigin(untied.server.address, "sha256:" + "0" * 64),
+        1,
+        slice_key(untied.secret, "node1"),
+        SliceCache(tmp_path / "host", limit=None),
+    )
+    with pytest.raises(SliceTransferFailed, match="the source changed since the stage"):
+        untied.resolve(stale)
+    assert _entries_and_tmp(tmp_path / "host") == ([], [])
+
+
+def test_progress_bars_log_lines_and_figures_follow_each_stages_slice(
+    untied: Source, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = io.StringIO()
+    bars = SliceBars(Console(file=out, force_terminal=True, width=120))
+    seen: list[StageTransfer] = []
+    logged = SliceLog()
+
+    def changed(t: StageTransfer) -> None:
+        seen.append(t)
+        bars(t)
+        logged(t)
+
+    untied.server.on_change = changed
+    with caplog.at_level(logging.INFO, logger="runtime_cupy.slices"):
+        untied.resolve(untied.fetcher(tmp_path / "host"))
+        _settled(untied.server)
+    bars.stop()
+    states = [t.state for t in seen]
+    assert states[0] == "connected" and "sending" in states and states[-1] == "done"
+    assert [t.sent_bytes for t in seen] == sorted(t.sent_bytes for t in seen)
+    final = seen[-1]
+    assert "stage 1 slice -> host1" in out.getvalue()
+    assert "MiB" in out.getvalue() or "KiB" in out.getvalue()
+    text = describe(final)
+    assert text.startswith("stage 1's slice (host host1): ") and " in " in text
+    assert any("stage 1's slice (host host1)" in r.message for r in caplog.records)
+    (row,) = figures(untied.server.transfers())
+    assert row["state"] == "done" and row["sent_bytes"] == final.sent_bytes
+    assert row["tensor_bytes"] == untied.slice_bytes(MIDDLE) and row["seconds"] > 0
+    moving = attrs.evolve(final, state="sending", sent_bytes=final.total_bytes // 2, ended_s=None)
+    assert " of " in describe(moving) and "left" in describe(moving)
+
+
+def test_a_host_holding_its_own_shard_of_a_split_model_uses_it(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "model.gguf", UNTIED)
+    plan = split_plan(model_facts_from_gguf(model), 3, None, "even")
+    assert isinstance(plan, RunPlan)
+    split = split_model(str(model), plan, tmp_path / "shards")
+    secret = new_secret()
+    server = SliceServer("127.0.0.1", DigestStore(tmp_path / "orchestrator"))
+    try:
+        source = GgufSource((split.manifest_path,))
+        key = server.offer(source)
+        assert key == split.manifest.source  # the split model's key is the file's
+        server.expect(1, "node1", slice_key(secret, "node1"))
+        for i in (0, 2):  # this host was given the manifest and stage 1's shard only
+            (tmp_path / "shards" / split.manifest.shards[i].file).unlink()
+        fetcher = SliceFetcher(
+            SliceOrigin(server.address, key),
+            1,
+            slice_key(secret, "node1"),
+            SliceCache(tmp_path / "host", limit=None),
+        )
+        assert fetcher.resolve(source, MIDDLE) == source
+        assert fetcher.last["outcome"] == "local"
+        (sent,) = _settled(server)
+        assert (sent.state, sent.tensor_bytes) == ("local", 0)
+    finally:
+        server.close()
