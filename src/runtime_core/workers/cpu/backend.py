@@ -85,6 +85,9 @@ from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
 PAGE = 4096
+#: the most rows whose step buffers a stage keeps from one step to the next (a batch of
+#: decode rows); a step of more rows (a prefill) allocates its own
+KEPT_ROWS = 64
 
 
 class _MappedUploader:
@@ -265,11 +268,14 @@ class CpuOps:
         return _Rows(rows, c.hidden_dim, self.qkv_dim, self.att_dim, self.w.max_ffn)
 
     def use_rows(self, rows: int) -> None:
-        """Point the named buffers at the one-row set, or at a set for ``rows`` (the
-        last one kept: a stage's decode batches have the same rows again and again).
-        Every step writes each buffer before reading it."""
+        """Point the named buffers at the one-row set, or at a set for ``rows``: the last
+        one of at most ``KEPT_ROWS`` rows is kept (a stage's decode batches have the same
+        rows again and again), a larger one (a prefill) goes with its step. Every step
+        writes each buffer before reading it."""
         if rows == 1:
             self.buf = self.one
+        elif rows > KEPT_ROWS:
+            self.buf = self._make_rows(rows)
         else:
             if self.many is None or self.many.rows != rows:
                 self.many = self._make_rows(rows)
