@@ -319,11 +319,13 @@ AVX2_INLINE void x8_legacy_body(const uint8_t *grp, int64_t nc, const XRows *x, 
     AVX2 static void x8_##NAME(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x,    \
                                int64_t j0, int nj, float (*out)[8]) {                          \
         (void)gs;                                                                              \
-        switch (nj) {                                                                          \
-        case 1: x8_legacy_body(grp, nc, x, j0, out, 1, KIND); break;                           \
-        case 2: x8_legacy_body(grp, nc, x, j0, out, 2, KIND); break;                           \
-        case 3: x8_legacy_body(grp, nc, x, j0, out, 3, KIND); break;                           \
-        default: x8_legacy_body(grp, nc, x, j0, out, 4, KIND); break;                          \
+        for (int k = 0; k < nj; k += X8_XT) { /* X8_XT rows at a time */                       \
+            switch (nj - k) {                                                                  \
+            case 1: x8_legacy_body(grp, nc, x, j0 + k, out + k, 1, KIND); break;               \
+            case 2: x8_legacy_body(grp, nc, x, j0 + k, out + k, 2, KIND); break;               \
+            case 3: x8_legacy_body(grp, nc, x, j0 + k, out + k, 3, KIND); break;               \
+            default: x8_legacy_body(grp, nc, x, j0 + k, out + k, 4, KIND); break;              \
+            }                                                                                  \
         }                                                                                      \
     }
 

@@ -19,8 +19,12 @@
  * sum c mod 8) are dot.h's, in its order, so every row's bits are the stored row's on
  * every instruction set and width.
  *
- * The activation rows j0 .. j0 + nj - 1 (nj <= X8_XT) share one decoding of each block:
- * a prefill multiplies every block read from memory with X8_XT rows while it is in cache.
+ * The activation rows j0 .. j0 + nj - 1 (nj <= X8_TILE) share the blocks read from
+ * memory: X8_XT rows at a time share one decoding of each block while it is in cache;
+ * the K-quants' tiles (k_tile: Q6_K's and Q5_K's high bits cost more to decode than the
+ * products of X8_XT rows) decode each super-block once into cache for all nj rows.
+ * AVX2's Q4_K and Q6_K sum pairs of products in 16 bits (bounds at the sums), then times
+ * the scales in 32.
  */
 #ifndef X8_TARGET
 #error "define X8_TARGET, X8_VNNI and X8_WIDTH before including x8_kernels.h"
@@ -268,9 +272,160 @@ X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int 
     }
 }
 
-/* Each word is decoded once and multiplied with the NJ rows' activations at once; per
- * row, the sums of a sub-block (Q6_K: of a 16-element group) times its scale go into
- * isum, exactly. */
+/* The integer sums of super-block b (isum[k], exact) for the NJ rows of xq, xg: per row,
+ * the sums of a sub-block (Q6_K: of a 16-element group) times its scale. The words come
+ * decoded from dec (XN(k_decode): a tile's rows share one decoding) or, dec NULL, are
+ * decoded here for these NJ rows. */
+X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
+                       const int8_t *const *xq, const int32_t *const *xg, VI *isum) {
+    for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
+    for (int p = 0; p < 4; ++p) {
+#if !X8_VNNI
+        if (kind == X8_Q4_K) { /* pairs of nibble products summed in 16 bits (at most
+                                * 8 words * 2 * 15 * 127 < 2^15), then times the scale */
+            __m256i plo[X8_XT], phi[X8_XT];
+            for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
+            for (int w = 0; w < 8; ++w) {
+                VI lo, hi;
+                if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+                else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                for (int k = 0; k < NJ; ++k) {
+                    const int8_t *xp = xq[k] + 64 * p + 4 * w;
+                    plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
+                    phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
+                }
+            }
+            const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+            const __m256i s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+            const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
+            const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+            for (int k = 0; k < NJ; ++k)
+                isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+            continue;
+        }
+        if (kind == X8_Q6_K) { /* q + 32 (< 64) times x: two words' pairs stay within 16 bits
+                                * (2 * 2 * 63 * 127 < 2^15); each half-group's 16-bit sums
+                                * times the group's scale (pairs of int16 in each lane:
+                                * both its scale) into 32 bits; the offsets' -32 s g below */
+            for (int h = 0; h < 2; ++h) {
+                const int glo = 4 * p + h, ghi = 4 * p + 2 + h;
+                const __m256i s0 = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
+                const __m256i s1 = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
+                const __m256i slo = _mm256_or_si256(_mm256_and_si256(s0, _mm256_set1_epi32(0xFFFF)),
+                                                    _mm256_slli_epi32(s0, 16));
+                const __m256i shi = _mm256_or_si256(_mm256_and_si256(s1, _mm256_set1_epi32(0xFFFF)),
+                                                    _mm256_slli_epi32(s1, 16));
+                for (int half = 0; half < 2; ++half) {
+                    __m256i plo[X8_XT], phi[X8_XT];
+                    for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
+                    for (int w = 4 * h + 2 * half; w < 4 * h + 2 * half + 2; ++w) {
+                        VI lo, hi;
+                        if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+                        else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                        for (int k = 0; k < NJ; ++k) {
+                            const int8_t *xp = xq[k] + 64 * p + 4 * w;
+                            plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
+                            phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
+                        }
+                    }
+                    for (int k = 0; k < NJ; ++k)
+                        isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+                }
+            }
+            continue;
+        }
+#endif
+        /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
+         * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
+        VI alo[X8_XT], ahi[X8_XT];
+        for (int k = 0; k < NJ; ++k) {
+            alo[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p]) : v_zero();
+            ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
+        }
+        for (int w = 0; w < 8; ++w) {
+            if (kind == X8_Q6_K && w == 4)
+                for (int k = 0; k < NJ; ++k) {
+                    alo[k] = v_set1_32(-32 * xg[k][4 * p + 1]);
+                    ahi[k] = v_set1_32(-32 * xg[k][4 * p + 3]);
+                }
+            VI lo, hi;
+            if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+            else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+            for (int k = 0; k < NJ; ++k) {
+                alo[k] = v_dot4(alo[k], lo, XN(bcast)(xq[k] + 64 * p + 4 * w));
+                ahi[k] = v_dot4(ahi[k], hi, XN(bcast)(xq[k] + 64 * p + 32 + 4 * w));
+            }
+            if (kind == X8_Q6_K && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
+                const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
+                const VI slo = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
+                const VI shi = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
+                for (int k = 0; k < NJ; ++k)
+                    isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+            }
+        }
+        if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
+            const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+            const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+            for (int k = 0; k < NJ; ++k)
+                isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+        }
+    }
+#if !X8_VNNI
+    if (kind == X8_Q6_K) { /* the offsets: -32 times sum over the 16 groups of s g, in pairs
+                            * of int16 (|g| <= 16 * 127, |s| <= 128) */
+        for (int gp = 0; gp < 8; ++gp) {
+            const __m256i s0 = XN(ld_i8_i32)(b + 16 + 8 * (2 * gp), gs);
+            const __m256i s1 = XN(ld_i8_i32)(b + 16 + 8 * (2 * gp + 1), gs);
+            const __m256i sp = _mm256_or_si256(_mm256_and_si256(s0, _mm256_set1_epi32(0xFFFF)),
+                                               _mm256_slli_epi32(s1, 16));
+            for (int k = 0; k < NJ; ++k) {
+                const uint32_t g0 = (uint32_t)xg[k][2 * gp] & 0xFFFFu, g1 = (uint32_t)xg[k][2 * gp + 1];
+                const VI off = v_madd16(sp, v_set1_32((int32_t)(g1 << 16 | g0)));
+                isum[k] = _mm256_sub_epi32(isum[k], _mm256_slli_epi32(off, 5));
+            }
+        }
+    }
+#endif
+}
+
+/* the float terms of super-block sb (b) for rows j0 .. j0 + NJ - 1 into acc[k][sb mod 8] */
+X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *isum, const int NJ,
+                        const XRows *x, int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8],
+                        const int32_t *const *xg) {
+    const VF dw = XN(ld_halves)(b, gs);
+    if (kind == X8_Q6_K) {
+        for (int k = 0; k < NJ; ++k) {
+            const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+            acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(f_mul(xd, dw), f_cvt(isum[k])));
+        }
+        return;
+    }
+    const VF dmin = XN(ld_halves)(b + 16, gs);
+    VI mn[4];
+    for (int p = 0; p < 4; ++p) mn[p] = XN(ld_u8_i16)(b + 96 + 16 * p, gs);
+    for (int k = 0; k < NJ; ++k) {
+        VI imin = v_zero();
+        for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
+            int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
+            VI xs = v_set1_32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
+            imin = v_add32(imin, v_madd16(mn[p], xs));
+        }
+        const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+        VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
+        term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
+        acc[k][sb & 7] = f_add(acc[k][sb & 7], term);
+    }
+}
+
+X8_INL void XN(k_rows)(const int8_t **xq, const int32_t **xg, const XRows *x, int64_t j0, int64_t nc,
+                       int64_t sb, const int NJ) {
+    for (int k = 0; k < NJ; ++k) {
+        xq[k] = x->q + (j0 + k) * x->n + 256 * sb;
+        xg[k] = x->g + (j0 + k) * 2 * nc + 16 * sb;
+    }
+}
+
+/* NJ (<= X8_XT) rows: each word decoded once and multiplied with the NJ rows' activations */
 X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
                        float (*out)[XL], const int NJ, const int kind) {
     const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
@@ -282,134 +437,109 @@ X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
         const int8_t *xq[X8_XT];
         const int32_t *xg[X8_XT];
-        for (int k = 0; k < NJ; ++k) {
-            xq[k] = x->q + (j0 + k) * x->n + 256 * sb;
-            xg[k] = x->g + (j0 + k) * 2 * nc + 16 * sb;
-        }
+        XN(k_rows)(xq, xg, x, j0, nc, sb, NJ);
         VI isum[X8_XT];
-        for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
-        for (int p = 0; p < 4; ++p) {
-            /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
-             * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
-            VI alo[X8_XT], ahi[X8_XT];
-            for (int k = 0; k < NJ; ++k) {
-                alo[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p]) : v_zero();
-                ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
-            }
-#if !X8_VNNI
-            if (kind == X8_Q4_K) { /* pairs of nibble products summed in 16 bits (at most
-                                    * 8 words * 2 * 15 * 127 < 2^15), then times the scale */
-                __m256i plo[X8_XT], phi[X8_XT];
-                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
-                for (int w = 0; w < 8; ++w) {
-                    VI lo, hi;
-                    XN(k_word)(b, gs, kind, p, w, &lo, &hi);
-                    for (int k = 0; k < NJ; ++k) {
-                        const int8_t *xp = xq[k] + 64 * p + 4 * w;
-                        plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
-                        phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
-                    }
-                }
-                const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
-                const __m256i s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
-                const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
-                const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
-                for (int k = 0; k < NJ; ++k)
-                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
-                continue;
-            }
-#endif
-            for (int w = 0; w < 8; ++w) {
-                if (kind == X8_Q6_K && w == 4)
-                    for (int k = 0; k < NJ; ++k) {
-                        alo[k] = v_set1_32(-32 * xg[k][4 * p + 1]);
-                        ahi[k] = v_set1_32(-32 * xg[k][4 * p + 3]);
-                    }
-                VI lo, hi;
-                XN(k_word)(b, gs, kind, p, w, &lo, &hi);
-                for (int k = 0; k < NJ; ++k) {
-                    alo[k] = v_dot4(alo[k], lo, XN(bcast)(xq[k] + 64 * p + 4 * w));
-                    ahi[k] = v_dot4(ahi[k], hi, XN(bcast)(xq[k] + 64 * p + 32 + 4 * w));
-                }
-                if (kind == X8_Q6_K && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
-                    const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
-                    const VI slo = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
-                    const VI shi = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
-                    for (int k = 0; k < NJ; ++k)
-                        isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
-                }
-            }
-            if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
-                const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
-                const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
-                for (int k = 0; k < NJ; ++k)
-                    isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
-            }
-        }
-        const VF dw = XN(ld_halves)(b, gs);
-        if (kind == X8_Q6_K) {
-            for (int k = 0; k < NJ; ++k) {
-                const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
-                acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(f_mul(xd, dw), f_cvt(isum[k])));
-            }
-            continue;
-        }
-        const VF dmin = XN(ld_halves)(b + 16, gs);
-        VI mn[4];
-        for (int p = 0; p < 4; ++p) mn[p] = XN(ld_u8_i16)(b + 96 + 16 * p, gs);
-        for (int k = 0; k < NJ; ++k) {
-            VI imin = v_zero();
-            for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
-                int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
-                VI xs = v_set1_32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
-                imin = v_add32(imin, v_madd16(mn[p], xs));
-            }
-            const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
-            VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
-            term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
-            acc[k][sb & 7] = f_add(acc[k][sb & 7], term);
-        }
+        XN(k_isum)(b, gs, kind, NULL, NJ, xq, xg, isum);
+        XN(k_terms)(b, gs, kind, isum, NJ, x, j0, nc, sb, acc, xg);
     }
     XN(finish)(acc, NJ, out);
 }
 
+/* NJ rows (X8_XT < nj <= X8_TILE) of a tile: a super-block's words decoded once (into
+ * dec, in cache), then taken by the rows X8_XT at a time; each row's running sums in
+ * acc (memory). Every row computes what k_body computes, in its order. */
+X8_INL void XN(k_chunk)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const XRows *x,
+                        int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8], const int NJ) {
+    const int8_t *xq[X8_XT];
+    const int32_t *xg[X8_XT];
+    XN(k_rows)(xq, xg, x, j0, nc, sb, NJ);
+    VI isum[X8_XT];
+    XN(k_isum)(b, gs, kind, dec, NJ, xq, xg, isum);
+    XN(k_terms)(b, gs, kind, isum, NJ, x, j0, nc, sb, acc, xg);
+}
+
+X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
+                       float (*out)[XL], const int kind) {
+    const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
+    VF acc[X8_TILE][8];
+    VI dec[64];
+    for (int k = 0; k < nj; ++k)
+        for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * gb;
+        XN(prefetch)(b + X8_PREFETCH, gb);
+        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        for (int p = 0; p < 4; ++p)
+            for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
+        int k = 0;
+        for (; k + X8_XT <= nj; k += X8_XT) XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, X8_XT);
+        switch (nj - k) {
+        case 1: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 1); break;
+        case 2: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 2); break;
+        case 3: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 3); break;
+        default: break;
+        }
+    }
+    for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
+}
+
 /* ---- the entries: one body per row count, so that its loops unroll -------------------------- */
 
+/* nj <= X8_TILE rows, X8_XT at a time */
 #define X8_ENTRY(NAME, CALL)                                                                   \
     X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
                                                        const XRows *x, int64_t j0, int nj,      \
                                                        float (*out)[XL]) {                      \
-        switch (nj) {                                                                           \
-        case 1: CALL(1); break;                                                                 \
-        case 2: CALL(2); break;                                                                 \
-        case 3: CALL(3); break;                                                                 \
-        default: CALL(4); break;                                                                \
+        for (int k = 0; k < nj; k += X8_XT) {                                                   \
+            const int64_t jk = j0 + k;                                                          \
+            float(*ok)[XL] = out + k;                                                           \
+            switch (nj - k) {                                                                   \
+            case 1: CALL(1); break;                                                             \
+            case 2: CALL(2); break;                                                             \
+            case 3: CALL(3); break;                                                             \
+            default: CALL(4); break;                                                            \
+            }                                                                                   \
+        }                                                                                       \
+    }
+/* the K-quants: more than X8_XT rows as a tile (k_tile) */
+#define X8_K_ENTRY(NAME, KIND)                                                           \
+    X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
+                                                       const XRows *x, int64_t j0, int nj,      \
+                                                       float (*out)[XL]) {                      \
+        if (nj > X8_XT) {                                                                                                                                      \
+            XN(k_tile)(grp, gs, nc, x, j0, nj, out, KIND);                                      \
+            return;                                                                             \
+        }                                                                                       \
+        for (int k = 0; k < nj; k += X8_XT) {                                                   \
+            const int64_t jk = j0 + k;                                                          \
+            float(*ok)[XL] = out + k;                                                           \
+            switch (nj - k) {                                                                   \
+            case 1: XN(k_body)(grp, gs, nc, x, jk, ok, 1, KIND); break;                         \
+            case 2: XN(k_body)(grp, gs, nc, x, jk, ok, 2, KIND); break;                         \
+            case 3: XN(k_body)(grp, gs, nc, x, jk, ok, 3, KIND); break;                         \
+            default: XN(k_body)(grp, gs, nc, x, jk, ok, 4, KIND); break;                        \
+            }                                                                                   \
         }                                                                                       \
     }
 
-#define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, j0, out, N)
-#define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, j0, out, N, 0)
-#define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, j0, out, N, 1)
-#define X8_CALL_Q4_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q4_K)
-#define X8_CALL_Q5_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q5_K)
-#define X8_CALL_Q6_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q6_K)
+#define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N)
+#define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 0)
+#define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 1)
 
 X8_ENTRY(q8_0, X8_CALL_Q8_0)
 X8_ENTRY(q4_0, X8_CALL_Q4_0)
 X8_ENTRY(q4_1, X8_CALL_Q4_1)
-X8_ENTRY(q4_k, X8_CALL_Q4_K)
-X8_ENTRY(q5_k, X8_CALL_Q5_K)
-X8_ENTRY(q6_k, X8_CALL_Q6_K)
+X8_K_ENTRY(q4_k, X8_Q4_K)
+X8_K_ENTRY(q5_k, X8_Q5_K)
+X8_K_ENTRY(q6_k, X8_Q6_K)
 
 /* ---- ready for another width ------------------------------------------------------------- */
 
 #undef X8_ENTRY
+#undef X8_K_ENTRY
 #undef X8_CALL_Q8_0
 #undef X8_CALL_Q4_0
 #undef X8_CALL_Q4_1
-#undef X8_CALL_Q4_K
-#undef X8_CALL_Q5_K
-#undef X8_CALL_Q6_K
 #undef XN
 #undef XL
 #undef VI
