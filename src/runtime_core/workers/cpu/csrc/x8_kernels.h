@@ -23,8 +23,6 @@
  * memory: X8_XT rows at a time share one decoding of each block while it is in cache;
  * the K-quants' tiles (k_tile: Q6_K's and Q5_K's high bits cost more to decode than the
  * products of X8_XT rows) decode each super-block once into cache for all nj rows.
- * AVX2's Q4_K and Q6_K sum pairs of products in 16 bits (bounds at the sums), then times
- * the scales in 32.
  */
 #ifndef X8_TARGET
 #error "define X8_TARGET, X8_VNNI and X8_WIDTH before including x8_kernels.h"
@@ -303,37 +301,6 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
                 isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
             continue;
         }
-        if (kind == X8_Q6_K) { /* q + 32 (< 64) times x: two words' pairs stay within 16 bits
-                                * (2 * 2 * 63 * 127 < 2^15); each half-group's 16-bit sums
-                                * times the group's scale (pairs of int16 in each lane:
-                                * both its scale) into 32 bits; the offsets' -32 s g below */
-            for (int h = 0; h < 2; ++h) {
-                const int glo = 4 * p + h, ghi = 4 * p + 2 + h;
-                const __m256i s0 = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
-                const __m256i s1 = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
-                const __m256i slo = _mm256_or_si256(_mm256_and_si256(s0, _mm256_set1_epi32(0xFFFF)),
-                                                    _mm256_slli_epi32(s0, 16));
-                const __m256i shi = _mm256_or_si256(_mm256_and_si256(s1, _mm256_set1_epi32(0xFFFF)),
-                                                    _mm256_slli_epi32(s1, 16));
-                for (int half = 0; half < 2; ++half) {
-                    __m256i plo[X8_XT], phi[X8_XT];
-                    for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
-                    for (int w = 4 * h + 2 * half; w < 4 * h + 2 * half + 2; ++w) {
-                        VI lo, hi;
-                        if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
-                        else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
-                        for (int k = 0; k < NJ; ++k) {
-                            const int8_t *xp = xq[k] + 64 * p + 4 * w;
-                            plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
-                            phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
-                        }
-                    }
-                    for (int k = 0; k < NJ; ++k)
-                        isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
-                }
-            }
-            continue;
-        }
 #endif
         /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
          * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
@@ -370,22 +337,6 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
                 isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
         }
     }
-#if !X8_VNNI
-    if (kind == X8_Q6_K) { /* the offsets: -32 times sum over the 16 groups of s g, in pairs
-                            * of int16 (|g| <= 16 * 127, |s| <= 128) */
-        for (int gp = 0; gp < 8; ++gp) {
-            const __m256i s0 = XN(ld_i8_i32)(b + 16 + 8 * (2 * gp), gs);
-            const __m256i s1 = XN(ld_i8_i32)(b + 16 + 8 * (2 * gp + 1), gs);
-            const __m256i sp = _mm256_or_si256(_mm256_and_si256(s0, _mm256_set1_epi32(0xFFFF)),
-                                               _mm256_slli_epi32(s1, 16));
-            for (int k = 0; k < NJ; ++k) {
-                const uint32_t g0 = (uint32_t)xg[k][2 * gp] & 0xFFFFu, g1 = (uint32_t)xg[k][2 * gp + 1];
-                const VI off = v_madd16(sp, v_set1_32((int32_t)(g1 << 16 | g0)));
-                isum[k] = _mm256_sub_epi32(isum[k], _mm256_slli_epi32(off, 5));
-            }
-        }
-    }
-#endif
 }
 
 /* the float terms of super-block sb (b) for rows j0 .. j0 + NJ - 1 into acc[k][sb mod 8] */
