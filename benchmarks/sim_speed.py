@@ -1,5 +1,6 @@
 """Simulator speed: simulated events per second, and seeds per second for a 4-stage,
-32-token synthetic run with a random fault plan and the invariant check.
+32-token synthetic run with a random fault plan and the invariant check (a chain of one
+run: ``python -m runtime_sim explore`` times chains of several).
 
     python benchmarks/sim_speed.py [--seeds 1000] [--json]
 
@@ -13,8 +14,8 @@ import json
 import time
 
 from runtime_core.workers.interface import Worker
+from runtime_sim.chain_driver import ChainSimulation, RunSpec
 from runtime_sim.clock import derive_rng
-from runtime_sim.driver import Simulation
 from runtime_sim.explore import Scenario, run_scenario, synthetic_facts, synthetic_plan
 from runtime_sim.faults import random_fault_plan
 from runtime_sim.synthetic import SyntheticWorker
@@ -28,7 +29,7 @@ def events_per_second(tokens: int, trace: bool) -> tuple[int, float]:
     workers: list[Worker] = [
         SyntheticWorker(facts.vocab_size, facts.eos_token_id) for _ in range(4)
     ]
-    sim = Simulation(plan, tuple(range(1, 9)), workers, costs, trace=trace)
+    sim = ChainSimulation([RunSpec(plan, tuple(range(1, 9)))], workers, costs, trace=trace)
     began = time.perf_counter()
     sim.run()
     spent = time.perf_counter() - began
@@ -43,9 +44,9 @@ def seeds(count: int) -> tuple[float, dict[str, int], int]:
     began = time.perf_counter()
     for seed in range(count):
         faults = random_fault_plan(derive_rng(seed, "faults"), 4, 32)
-        s = Scenario(seed, plan, tuple(range(1, 9)), None, faults, facts.block_bytes)
+        s = Scenario(seed, (RunSpec(plan, tuple(range(1, 9))),), None, faults, facts.block_bytes)
         result, _sim, found = run_scenario(s)
-        name = result.finished.outcome.value.lower() if result.finished else "unfinished"
+        name = result.runs[0].outcome
         outcomes[name] = outcomes.get(name, 0) + 1
         violations += len(found)
     return time.perf_counter() - began, outcomes, violations

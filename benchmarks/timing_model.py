@@ -6,6 +6,14 @@ time per output token at 1 and 3 stages, and compare with what the workers measu
     python benchmarks/timing_model.py [--tokens 64] [--repeat 3] [--json]
 
 Target (issue 5): predicted within 15% of measured.
+
+With ``--concurrency``, the timing model alone (no calibration, nothing measured): a
+chain of 4 hosts on 1 GbE, SmolLM2-shaped and 8B-shaped stages, and the aggregate
+tokens/s the simulator's clock gives for 1 to 16 runs in flight (each run its own
+prompt, the stages batching their rows), for this host's node profile and for an
+assumed GPU-class one:
+
+    python benchmarks/timing_model.py --concurrency [--tokens 64] [--json]
 """
 
 from __future__ import annotations
@@ -22,10 +30,19 @@ from typing import Any
 import attrs
 import numpy as np
 
-from runplan import SamplingConfig
+from runplan import SamplingConfig, Timeouts
 from runplan.models import resolve_model
 from runtime_sim.api import generate, plan_for
-from runtime_sim.timing import NodeProfile, TimingModel, f32_stage_costs
+from runtime_sim.chain_driver import ChainSimulation, RunSpec, SimSettings
+from runtime_sim.explore import synthetic_facts, synthetic_plan
+from runtime_sim.synthetic import SyntheticWorker
+from runtime_sim.timing import (
+    LinkProfile,
+    NodeProfile,
+    TimingModel,
+    f32_stage_costs,
+    stored_stage_costs,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fixtures.gguf_models import ModelShape, write_model
@@ -93,12 +110,99 @@ def calibrate(repeat: int) -> tuple[NodeProfile, list[dict[str, float]]]:
     return node, rows
 
 
+#: 1 GbE between hosts: 125 MB/s, and an assumed 100 us per hop (switch, TCP, copies).
+GBE = LinkProfile(latency_us=100.0, bytes_per_s=1.25e8)
+#: An assumed GPU-class node (not measured): HBM-rate weight reads, tensor-core flops.
+GPU_CLASS = NodeProfile(
+    read_bytes_per_s=3e12, flops_per_s=2e14, step_overhead_us=30.0, layer_overhead_us=10.0
+)
+#: (name, layers, hidden, vocab, bytes per block, head bytes): SmolLM2-135M as stored
+#: in Q4_1 (about 3.5 M weights a block at 5 bits), Llama-3-8B in Q4_K (about 218 M
+#: weights a block at 4.5 bits, the Q6_K head).
+SHAPES = (
+    ("smollm2-135m", 30, 576, 49_152, 2_200_000, 17_700_000),
+    ("8b", 32, 4096, 128_256, 122_600_000, 430_900_000),
+)
+IN_FLIGHT = (1, 2, 4, 8, 16)
+PROMPT = 32
+
+
+def concurrency(tokens: int) -> list[dict[str, Any]]:
+    """Aggregate tokens/s (every run's tokens over the virtual time from the first run
+    ready to the last token) for runs in flight, per shape and node profile."""
+    rows = []
+    for node_name, node in (
+        ("this host (fitted)", NodeProfile()),
+        ("GPU-class (assumed)", GPU_CLASS),
+    ):
+        settings = SimSettings(timing=TimingModel(node=node, link=GBE))
+        for name, layers, hidden, vocab, block, head in SHAPES:
+            facts = synthetic_facts(layers, hidden, vocab, block, PROMPT + tokens + 8)
+            for runs in IN_FLIGHT:
+                specs = []
+                for i in range(runs):
+                    plan = synthetic_plan(
+                        facts,
+                        4,
+                        max_tokens=tokens,
+                        run_id=f"run-{i}",
+                        slot_count=runs + 1,
+                        prompt_tokens=PROMPT,
+                        seed=i,
+                        max_concurrent_runs=runs,
+                        timeouts=Timeouts(),
+                    )
+                    specs.append(RunSpec(plan, tuple(range(1, PROMPT + 1))))
+                costs = stored_stage_costs(specs[0].plan, facts.block_bytes, head)
+                workers: list[Any] = [SyntheticWorker(vocab) for _ in range(4)]
+                sim = ChainSimulation(specs, workers, costs, settings=settings, trace=False)
+                result = sim.run()
+                done = [r for r in result.runs if r.outcome == "completed"]
+                assert len(done) == runs, [(r.outcome, r.finished) for r in result.runs]
+                first = min(r.ready_us for r in done if r.ready_us is not None)
+                last = max(r.token_times_us[-1] for r in done)
+                count = sum(len(r.token_times_us) for r in done)
+                rows.append(
+                    {
+                        "node": node_name,
+                        "shape": name,
+                        "runs": runs,
+                        "tokens_per_s": round(count * 1e6 / (last - first), 1),
+                        "batch_rows_max": max(max(b) for b in result.batches),
+                    }
+                )
+    return rows
+
+
+def print_concurrency(rows: list[dict[str, Any]]) -> None:
+    print("4 hosts on 1 GbE, aggregate tokens/s by runs in flight (timing model):")
+    keys = sorted({(r["node"], r["shape"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    print(f"{'node':<22}{'shape':<14}" + "".join(f"{n:>10}" for n in IN_FLIGHT))
+    for node, shape in keys:
+        cells = {
+            r["runs"]: r["tokens_per_s"] for r in rows if (r["node"], r["shape"]) == (node, shape)
+        }
+        print(f"{node:<22}{shape:<14}" + "".join(f"{cells[n]:>10}" for n in IN_FLIGHT))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="runs per case (median)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--concurrency",
+        action="store_true",
+        help="the timing model's aggregate tokens/s for 1 to 16 runs in flight",
+    )
     args = parser.parse_args()
+    if args.concurrency:
+        table = concurrency(args.tokens)
+        if args.json:
+            print(json.dumps({"concurrency": table}, sort_keys=True))
+        else:
+            print_concurrency(table)
+        return
     node, fit = calibrate(args.repeat)
     model = TimingModel(node=node)
     path = resolve_model("smollm2-135m")

@@ -20,11 +20,12 @@ from runplan import (
     RuntimeConfig,
     SamplingConfig,
 )
+from runplan.fsm import orchestrator as ofsm
 from runplan.models import resolve_model
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_core.workers.registry import CORE_WORKERS
-from runtime_sim.driver import SimResult, SimSettings, Simulation
+from runtime_sim.chain_driver import ChainSimulation, RunResult, RunSpec, SimSettings
 from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.timing import Prediction, TimingModel, f32_stage_costs
 from runtime_sim.trace import Trace
@@ -62,9 +63,11 @@ def plan_for(
     return_logits: bool,
     run_id: str = "sim-run",
     worker: str = DEFAULT_WORKER,
+    concurrent_runs: int = 1,
 ) -> RunPlan:
     """The plan of a simulated run of ``worker``: one node per stage, layers split
-    evenly, a KV cache just long enough for the prompt and the tokens asked for."""
+    evenly, a KV cache just long enough for the prompt and the tokens asked for (each
+    stage's budget holds ``concurrent_runs`` such caches)."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     nodes = tuple(NodeSpec(f"stage-{i}", 64 * 2**30) for i in range(stages))
     config = RuntimeConfig(
@@ -73,6 +76,8 @@ def plan_for(
         sampling=sampling,
         return_logits=return_logits,
         worker=CORE_WORKERS.capabilities(worker),
+        prompt_tokens=prompt_len,
+        max_concurrent_runs=concurrent_runs,
     )
     return plan_even(facts, config, ORCHESTRATOR, nodes)
 
@@ -127,6 +132,72 @@ def generate(
     return summarize(plan, prompt, result, sim, tokenizer, wall, return_logits)
 
 
+@frozen
+class ConcurrentResult:
+    """Several runs of one prompt through one simulated chain."""
+
+    runs: tuple[GenerateResult, ...]  # by run, each with its own sampling seed
+    simulated_tokens_per_s: float | None  # every run's tokens over the virtual time they took
+    wall_s: float
+
+
+def generate_runs(
+    model_path: str | os.PathLike[str],
+    prompt_ids: Sequence[int],
+    *,
+    runs: int,
+    stages: int = 1,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    timing: TimingModel | None = None,
+    trace: bool = False,
+    tokenizer: Tokenizer | None = None,
+    worker: str = DEFAULT_WORKER,
+) -> ConcurrentResult:
+    """``runs`` runs of ``prompt_ids`` in flight at once through one chain of ``stages``
+    simulated stages (run ``i`` samples with seed ``seed + i``), batched on each stage
+    as the chain controllers batch them. Raises as ``generate`` does."""
+    if runs < 1:
+        raise ValueError(f"runs {runs} is not at least 1")
+    path = resolve_model(model_path)
+    prompt = tuple(operator.index(t) for t in prompt_ids)
+    plans = [
+        plan_for(
+            path,
+            stages=stages,
+            prompt_len=len(prompt),
+            max_tokens=max_tokens,
+            sampling=SamplingConfig(
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i
+            ),
+            return_logits=False,
+            run_id=f"sim-run-{i}",
+            worker=worker,
+            concurrent_runs=runs,
+        )
+        for i in range(runs)
+    ]
+    tokenizer = tokenizer or Tokenizer.from_gguf(path)
+    start = time.perf_counter()
+    results, sim = run_plans(
+        [RunSpec(plan, prompt) for plan in plans], timing=timing, trace=trace, worker=worker
+    )
+    wall = time.perf_counter() - start
+    each = tuple(
+        summarize(plan, prompt, result, sim, tokenizer, wall, False)
+        for plan, result in zip(plans, results, strict=True)
+    )
+    times = [t for r in results for t in r.token_times_us]
+    readies = [r.ready_us for r in results if r.ready_us is not None]
+    rate = None
+    if times and readies and max(times) > min(readies):
+        rate = len(times) * 1e6 / (max(times) - min(readies))
+    return ConcurrentResult(each, rate, wall)
+
+
 def run_plan(
     plan: RunPlan,
     prompt: tuple[int, ...],
@@ -136,29 +207,54 @@ def run_plan(
     timing: TimingModel | None = None,
     trace: bool = False,
     worker: str = DEFAULT_WORKER,
-) -> tuple[SimResult, Simulation]:
-    """Simulate ``plan`` with one ``worker`` per stage."""
+) -> tuple[RunResult, ChainSimulation]:
+    """Simulate ``plan`` with one ``worker`` per stage: a chain of one run."""
+    results, sim = run_plans(
+        [RunSpec(plan, prompt)],
+        on_token=(lambda _run, _seq, token: on_token(token)) if on_token else None,
+        on_load=on_load,
+        timing=timing,
+        trace=trace,
+        worker=worker,
+    )
+    return results[0], sim
+
+
+def run_plans(
+    runs: Sequence[RunSpec],
+    *,
+    on_token: Callable[[str, int, int], None] | None = None,
+    on_load: LoadProgress | None = None,
+    timing: TimingModel | None = None,
+    trace: bool = False,
+    worker: str = DEFAULT_WORKER,
+) -> tuple[tuple[RunResult, ...], ChainSimulation]:
+    """Simulate ``runs`` through one chain (their plans share its stages), with one
+    ``worker`` per stage: each run's result, in the order given. ``PromptError`` for a
+    prompt its run cannot take."""
+    for spec in runs:  # a prompt a run cannot take fails here, before anything runs
+        ofsm.OrchestratorMachine.for_plan(spec.plan, spec.prompt)
     settings = SimSettings(timing=timing or TimingModel())
+    plan = runs[0].plan
     workers: list[Any] = [CORE_WORKERS.make_worker(worker) for _ in plan.stages]
-    sim = Simulation(
-        plan,
-        prompt,
+    sim = ChainSimulation(
+        runs,
         workers,
         f32_stage_costs(plan),
         settings=settings,
-        on_token=(lambda _seq, token: on_token(token)) if on_token else None,
+        on_token=on_token,
         on_load=on_load,
         trace=trace,
         wall_clock=True,
     )
-    return sim.run(), sim
+    return sim.run().runs, sim
 
 
 def summarize(
     plan: RunPlan,
     prompt: tuple[int, ...],
-    result: SimResult,
-    sim: Simulation,
+    result: RunResult,
+    sim: ChainSimulation,
     tokenizer: Tokenizer,
     wall_s: float,
     return_logits: bool,
@@ -166,7 +262,9 @@ def summarize(
     finished = result.finished
     outcome = finished.outcome.value.lower() if finished is not None else "faulted"
     fault = None
-    if finished is None:
+    if result.refused is not None:
+        fault = result.refused
+    elif finished is None:
         fault = "the run did not end"
     elif finished.fault is not None:
         where = f"stage {finished.fault_stage}: " if finished.fault_stage is not None else ""
@@ -178,7 +276,7 @@ def summarize(
         tokens=result.tokens,
         text=tokenizer.decode(list(result.tokens)),
         outcome=outcome,
-        logits=result.logits if return_logits else None,
+        logits=result.logits[: len(result.tokens)] if return_logits else None,
         fault=fault,
         plan=plan,
         prediction=sim.settings.timing.predict(plan, sim.costs, len(prompt)),

@@ -27,7 +27,7 @@ from runtime_core.console import (
 )
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
-from runtime_sim.api import GenerateResult, generate
+from runtime_sim.api import GenerateResult, generate, generate_runs
 from runtime_sim.explore import explore, report, report_json, self_test
 from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
@@ -41,6 +41,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     tokenizer = Tokenizer.from_gguf(path)
     prompt = prompt_ids(args, tokenizer)
+    if args.runs > 1:
+        return _run_many(args, path, tokenizer, prompt)
     stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
     progress = Progress(
         TextColumn("loading stage {task.fields[stage]}"),
@@ -85,6 +87,35 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         _print_summary(Console(soft_wrap=True), result, len(prompt))
     return 0 if result.outcome == "completed" else 1
+
+
+def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt: list[int]) -> int:
+    """``--runs N``: N runs of the prompt in flight at once through one chain."""
+    options = generation_options(args)
+    many = generate_runs(path, prompt, runs=args.runs, tokenizer=tokenizer, **options)
+    rate = many.simulated_tokens_per_s
+    if args.trace is not None:
+        _write_trace(args.trace, many.runs[0])  # every run's shares the chain's trace
+    if args.json:
+        doc = {
+            "runs": [_result_json(r, len(prompt)) for r in many.runs],
+            "simulated_tokens_per_s": None if rate is None else round(rate, 2),
+            "wall_s": round(many.wall_s, 3),
+        }
+        sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+    else:
+        console = Console(soft_wrap=True)
+        for i, r in enumerate(many.runs):
+            status = r.outcome + (f" ({escape(r.fault)})" if r.fault else "")
+            console.print(f"run {i}: {escape(r.text)!r} ({status})", highlight=False)
+        shown = "-" if rate is None else f"{rate:.1f}"
+        console.print(
+            f"{args.runs} runs through {args.stages} simulated stages: "
+            f"{sum(len(r.tokens) for r in many.runs)} tokens, simulated {shown} tokens/s "
+            f"in all; wall {many.wall_s:.2f} s",
+            highlight=False,
+        )
+    return 0 if all(r.outcome == "completed" for r in many.runs) else 1
 
 
 def _write_trace(path: Path, result: GenerateResult) -> None:
@@ -181,7 +212,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
                 )
         return 0 if all(r.caught for r in results) else EXIT_VIOLATION
     began = time.perf_counter()
-    outcomes = explore(args.start, args.seeds)
+    outcomes = explore(args.start, args.seeds, max_runs=args.max_runs)
     if args.json:
         sys.stdout.write(report_json(args.start, outcomes) + "\n")
     else:
@@ -215,17 +246,30 @@ def build_parser() -> argparse.ArgumentParser:
         "stages, each running the NumPy reference worker over its layers.",
     )
     add_generation_arguments(run, stages_help="pipeline stages (default: 3)")
+    run.add_argument(
+        "--runs",
+        type=positive_int,
+        default=1,
+        help="runs of the prompt in flight at once through the chain, run i sampling "
+        "with seed + i (1)",
+    )
     run.set_defaults(func=_cmd_run)
 
     ex = sub.add_parser(
         "explore",
         help="run seeded fault scenarios and check invariants",
-        description="Run N seeded scenarios (random plan shapes and faults, "
-        "synthetic workers) and report every violated guarantee with the "
+        description="Run N seeded scenarios (random chain shapes, concurrent runs and "
+        "faults, synthetic workers) and report every violated guarantee with the "
         "seed that reproduces it. Exit status 1 on any violation.",
     )
     ex.add_argument("--seeds", type=positive_int, default=200, help="how many scenarios (200)")
     ex.add_argument("--start", type=int, default=0, help="the first seed (0)")
+    ex.add_argument(
+        "--max-runs",
+        type=positive_int,
+        default=6,
+        help="each scenario draws 1 to N concurrent runs on its chain (6)",
+    )
     ex.add_argument(
         "--json",
         action="store_true",

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import enum
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from attrs import frozen
 
-from runtime_core.workers.interface import Worker, WorkerError
+from runtime_core.workers.interface import (
+    BatchStep,
+    KvCacheUnavailable,
+    StepFailure,
+    StepResult,
+)
 
 
 class FaultKind(enum.Enum):
@@ -41,6 +47,9 @@ class FaultKind(enum.Enum):
     FORGED_WRONG_SENDER = "FORGED_WRONG_SENDER"
     FORGED_UNKNOWN_EDGE = "FORGED_UNKNOWN_EDGE"
     FORGED_REWIRE = "FORGED_REWIRE"
+    # faults of one run of a chain (``Fault.run``)
+    FORGED_WRONG_SEQUENCE = "FORGED_WRONG_SEQUENCE"  # a record of the run, out of its order
+    KV_REFUSED = "KV_REFUSED"  # the stage cannot reserve the run's KV cache
 
 
 MESSAGE_FAULTS = frozenset(
@@ -60,6 +69,16 @@ FORGERIES = frozenset(
         FaultKind.FORGED_REWIRE,
     }
 )
+#: Faults that strike one run of a chain (``Fault.run``): the others must complete. (A
+#: slow step is not one: it slows its whole batch, every run in it.)
+RUN_FAULTS = frozenset(
+    {
+        FaultKind.STEP_FAILS,
+        FaultKind.CALLER_CANCELS,
+        FaultKind.FORGED_WRONG_SEQUENCE,
+        FaultKind.KV_REFUSED,
+    }
+)
 #: Faults that change no outcome: a run with only these must complete.
 HARMLESS = FORGERIES | {
     FaultKind.DELAY_MESSAGE,
@@ -75,8 +94,13 @@ class Fault:
     sequence: int = 0  # the step it strikes (decode faults)
     message: int = 0  # the n-th control message sent (message faults)
     fraction: float = 0.5  # how far into the phase (kills before ready)
+    run: int = 0  # the run it strikes, by arrival (run faults of a chain)
 
     def describe(self) -> str:
+        text = self._describe()
+        return f"{text} run {self.run}" if self.kind in RUN_FAULTS | {FaultKind.SLOW_STEP} else text
+
+    def _describe(self) -> str:
         if self.kind in MESSAGE_FAULTS:
             return f"{self.kind.value} message #{self.message}"
         if self.kind is FaultKind.CALLER_CANCELS:
@@ -87,6 +111,7 @@ class Fault:
             FaultKind.EDGE_CLOSE,
             FaultKind.STEP_FAILS,
             FaultKind.SLOW_STEP,
+            FaultKind.FORGED_WRONG_SEQUENCE,
         ):
             return f"{self.kind.value} stage {self.stage} sequence {self.sequence}"
         return f"{self.kind.value} stage {self.stage}"
@@ -103,11 +128,19 @@ class FaultPlan:
     def harmless(self) -> bool:
         return all(f.kind in HARMLESS for f in self.faults)
 
+    def harmless_for(self, run: int) -> bool:
+        """Whether run ``run`` (by arrival) must complete: every fault is harmless or
+        strikes another run alone."""
+        return all(
+            f.kind in HARMLESS or (f.kind in RUN_FAULTS and f.run != run) for f in self.faults
+        )
+
 
 def random_fault_plan(
-    rng: random.Random, stages: int, max_tokens: int, max_faults: int = 2
+    rng: random.Random, stages: int, max_tokens: int, max_faults: int = 2, runs: int = 1
 ) -> FaultPlan:
-    """Zero to ``max_faults`` faults; about a quarter of the plans have none."""
+    """Zero to ``max_faults`` faults, each of a stage, a message or one of ``runs`` runs;
+    about a quarter of the plans have none."""
     count = rng.choice([0] + [n for n in range(1, max_faults + 1) for _ in range(3)])
     faults: list[Fault] = []
     struck_messages: set[int] = set()
@@ -117,8 +150,9 @@ def random_fault_plan(
             kind=kind,
             stage=rng.randrange(stages),
             sequence=rng.randrange(1, max(2, max_tokens)),
-            message=rng.randrange(0, 3 * stages + 2),
+            message=rng.randrange(0, (3 * stages + 2) * runs),
             fraction=rng.random(),
+            run=rng.randrange(runs),
         )
         if kind in MESSAGE_FAULTS:
             if fault.message in struck_messages:
@@ -128,24 +162,33 @@ def random_fault_plan(
     return FaultPlan(tuple(faults))
 
 
-class FaultyWorker:
-    """Wraps a worker so that a step fails where the fault plan says."""
+class FaultyChainWorker:
+    """Wraps a chain stage's worker so that one run's step fails (a ``StepFailure``, the
+    worker itself sound) and one run's KV cache cannot be reserved, where the fault
+    plan says; everything else goes to the worker as it is."""
 
-    def __init__(self, worker: Worker, fail_at: set[int]) -> None:
+    def __init__(self, worker: Any, fail_at: set[tuple[str, int]], refuse: set[str]) -> None:
         self.inner = worker
         self.fail_at = fail_at
+        self.refuse = refuse
         self.capabilities = worker.capabilities
 
-    def configure(self, provision: Any) -> None:
-        self.inner.configure(provision)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
-    def bind(self, gguf_source: Any, progress: Any = None) -> None:
-        self.inner.bind(gguf_source, progress)
+    def open_run(self, provision: Any) -> None:
+        if provision.run_id in self.refuse:
+            free = provision.kv_budget_bytes - self.inner.kv_reserved_bytes
+            raise KvCacheUnavailable(
+                provision.run_id, provision.kv_bytes, free, provision.kv_budget_bytes
+            )
+        self.inner.open_run(provision)
 
-    def execute_step(self, sequence: int, data: Any) -> Any:
-        if sequence in self.fail_at:
-            raise WorkerError(f"injected failure at sequence {sequence}")
-        return self.inner.execute_step(sequence, data)
-
-    def release(self) -> None:
-        self.inner.release()
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        results = self.inner.execute_batch(steps)
+        return tuple(
+            StepFailure(f"injected failure of run {s.run_id!r} at sequence {s.sequence}")
+            if (s.run_id, s.sequence) in self.fail_at
+            else r
+            for s, r in zip(steps, results, strict=True)
+        )

@@ -6,116 +6,158 @@ knows of them."""
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.messages import StageReady
-from runplan.plan import EdgePlan
-from runtime_core.stage_controller import StageController
-from runtime_core.workers.interface import Worker
-from runtime_sim.driver import Parts, Simulation
-from runtime_sim.links import SimRing
-from runtime_sim.nodes import OrchestratorNode, StageNode
-from runtime_sim.trace import describe
-from runtime_sim.traced_controllers import TracedOrchestratorController, TracedStageController
+from runplan.plan import RingSpec
+from runplan.record_header import HeaderDType
+from runtime_core.chain_orchestrator import RunHandle
+from runtime_core.chain_stage import RunSlot
+from runtime_core.links import LinkSender
+from runtime_core.records import token_payload
+from runtime_sim.chain_driver import ChainSimulation, Parts
+from runtime_sim.chain_links import ChainRing
+from runtime_sim.chain_nodes import TracedChainStage
+from runtime_sim.chain_orchestrator_node import TracedChainOrchestrator
 
 
 class Mutation(enum.Enum):
     """Deliberate bugs for ``explore --self-test``: the checker must catch each."""
 
-    INJECT_BEFORE_READY = "INJECT_BEFORE_READY"  # the prompt goes out before the barrier
+    INJECT_BEFORE_READY = "INJECT_BEFORE_READY"  # a prompt goes out before the barrier
     SKIP_STOP_RUN = "SKIP_STOP_RUN"  # teardown forgets stage 0
-    SEQUENCE_SHIFT = "SEQUENCE_SHIFT"  # stage 0 labels its output with the next sequence
-    EARLY_SLOT_REUSE = "EARLY_SLOT_REUSE"  # the last stage frees its slot before the step
+    SEQUENCE_SHIFT = "SEQUENCE_SHIFT"  # stage 0 labels an output with the next sequence
+    LATE_RELEASE = "LATE_RELEASE"  # the last stage holds a slot past its load
     READY_BEFORE_BIND = "READY_BEFORE_BIND"  # stage 0 reports ready before its weights
+    CROSS_RUN_LEAK = "CROSS_RUN_LEAK"  # one run's token goes to another run's caller
+    REORDERED_STEPS = "REORDERED_STEPS"  # a batch takes one run's records out of order
 
 
-class InjectBeforeReady(OrchestratorNode):
-    """The prompt goes out as soon as token-in exists, before the readiness barrier."""
+class InjectBeforeReady(TracedChainOrchestrator):
+    """A run's prompt goes out as soon as token-in exists, before the readiness barrier."""
 
-    def start(self) -> None:
-        self.controller.start()
-        self.controller._inject = (0, self.controller.machine.prompt)
-        self.wake()
+    def try_open_links(self) -> bool:
+        waiting = self._waiting_links()
+        opened = super().try_open_links()
+        if opened and self.token_in is not None:
+            for handle in waiting:
+                if handle.machine.state is not ofsm.State.RUNNING:
+                    prompt = handle.machine.prompt
+                    edge = handle.plan.token_in.edge_id
+                    payload = token_payload(prompt)
+                    self.token_in.try_send(
+                        handle.run_id, edge, 0, len(prompt), HeaderDType.U32, payload
+                    )
+        return opened
 
 
-class SkipStopRun(TracedOrchestratorController):
-    """Stage 0 never hears of the teardown."""
+class SkipStopRun(TracedChainOrchestrator):
+    """Stage 0 never hears of a run's teardown."""
 
-    def _act(self, action: ofsm.Action) -> None:
+    def _act(self, handle: RunHandle, action: ofsm.Action) -> None:
         if isinstance(action, ofsm.SendStopRun) and action.stage_index == 0:
             return
-        super()._act(action)
+        super()._act(handle, action)
 
 
-class SequenceShift(TracedStageController):
+class _ShiftingSender(LinkSender):
+    """Labels the first record it writes with the next sequence."""
+
+    def __init__(self, inner: LinkSender) -> None:
+        super().__init__(inner.ring, inner.kind)
+        self.shifted = False
+
+    def try_send(self, run_id: str, edge_id: int, sequence: int, *rest: Any) -> bool:
+        if not self.shifted:
+            self.shifted = True
+            sequence += 1
+        return super().try_send(run_id, edge_id, sequence, *rest)
+
+
+class SequenceShift(TracedChainStage):
     """Stage 0 labels its first output with the next sequence."""
 
-    def __init__(self, node: StageNode, worker: Worker, stopped_runs: frozenset[str]) -> None:
-        super().__init__(node, worker, stopped_runs)
-        self._shifted = False
-
-    def try_publish_output(self) -> bool:
-        if self.node.index == 0 and self._output is not None and not self._shifted:
-            sequence, *rest = self._output
-            self._output = (sequence + 1, *rest)  # type: ignore[assignment]
-            self._shifted = True
-        return super().try_publish_output()
+    def try_attach_links(self) -> bool:
+        attached = super().try_attach_links()
+        out = self.outbound
+        if self.node.index == 0 and out is not None and not isinstance(out, _ShiftingSender):
+            self.outbound = _ShiftingSender(out)
+        return attached
 
 
-class EarlySlotReuse(SimRing):
-    """The last stage's inbound ring frees a slot when its record is acquired, before the
-    step that reads it."""
+class LateRelease(ChainRing):
+    """The last stage's inbound ring frees a record's slot a step's time after its load
+    (as a slot held until its step ends would be), not at load."""
 
-    def __init__(self, sim: Simulation, edge: EdgePlan) -> None:
-        super().__init__(sim, edge)
-        self.early = edge.edge_id == sim.plan.stages[-1].inbound_edge
-        self.release_calls = 0  # releases the consumer asked for
-        self.freed_early: set[int] = set()  # records freed on acquire
-
-    def try_acquire(self) -> int | None:
-        n = self._acquired
-        index = super().try_acquire()
-        if index is not None and self.early:
-            super().release(index)
-            self.freed_early.add(n)
-        return index
+    def __init__(self, sim: ChainSimulation, hop: int, spec: RingSpec) -> None:
+        super().__init__(sim, hop, spec)
+        self.late = hop == len(sim.stages) - 1
+        consumer = sim.stages[hop] if hop < len(sim.stages) else None
+        self.hold_us = int(sim.settings.timing.step_us(consumer.cost, 1)) if consumer else 0
 
     def release(self, index: int) -> None:
-        n = self.release_calls
-        self.release_calls += 1
-        if n not in self.freed_early:
+        if self.late:
+            self.sim.clock.after(self.hold_us, lambda: super(LateRelease, self).release(index))
+        else:
             super().release(index)
 
 
-class ReadyBeforeBind(TracedStageController):
-    """Stage 0 reports ready as its setup begins, before its weights are bound."""
+class ReadyBeforeBind(TracedChainStage):
+    """Stage 0 reports a run ready as its setup begins, before its weights are bound."""
 
-    def _act(self, action: sfsm.Action) -> None:
-        node = self.node
-        if node.index != 0 or not isinstance(action, sfsm.BeginSetup):
-            super()._act(action)
-            return
-        sim = node.sim
-        self._trace_action(action)
-        StageController._act(self, action)
-        provision = action.provision
-        ready = sfsm.SendToOrchestrator(
-            StageReady(provision.run_id, provision.stage_index, node.node_id)
-        )
-        sim.trace.add(sim.clock.now_us, node.node_id, "act", "SendToOrchestrator", *describe(ready))
-        StageController._act(self, ready)
+    def _act(self, slot: RunSlot, action: sfsm.Action) -> None:
+        super()._act(slot, action)
+        if self.node.index == 0 and isinstance(action, sfsm.BeginSetup):
+            p = action.provision
+            ready = StageReady(p.run_id, p.stage_index, self.node_id)
+            super()._act(slot, sfsm.SendToOrchestrator(ready))
+
+
+class CrossRunLeak(TracedChainOrchestrator):
+    """One token of a run is delivered to the caller of another run in flight."""
+
+    leaked = False
+
+    def _act(self, handle: RunHandle, action: ofsm.Action) -> None:
+        if isinstance(action, ofsm.DeliverToken) and not self.leaked:
+            other = next((h for h in self.runs.values() if h is not handle), None)
+            if other is not None and other.on_token is not None:
+                self.leaked = True
+                other.on_token(handle.run_id, action.sequence, action.token_id)
+                return
+        super()._act(handle, action)
+
+
+class ReorderedSteps(TracedChainStage):
+    """A batch takes a run's second loaded record before its first (once)."""
+
+    reordered = False
+
+    def run_batch(self) -> None:
+        if not self.reordered:
+            for slot in self.runs.values():
+                if len(slot.inbox) >= 2 and slot.machine.state is sfsm.State.READY:
+                    slot.inbox[0], slot.inbox[1] = slot.inbox[1], slot.inbox[0]
+                    self.reordered = True
+                    break
+        super().run_batch()
 
 
 def parts_for(mutation: Mutation) -> Parts:
     """A simulation's parts with ``mutation``'s bug in one of them."""
     name = mutation.value
     if mutation is Mutation.INJECT_BEFORE_READY:
-        return Parts(orchestrator=InjectBeforeReady, mutant=name)
+        return Parts(orchestrator_controller=InjectBeforeReady, mutant=name)
     if mutation is Mutation.SKIP_STOP_RUN:
         return Parts(orchestrator_controller=SkipStopRun, mutant=name)
     if mutation is Mutation.SEQUENCE_SHIFT:
         return Parts(stage_controller=SequenceShift, mutant=name)
-    if mutation is Mutation.EARLY_SLOT_REUSE:
-        return Parts(ring=EarlySlotReuse, mutant=name)
+    if mutation is Mutation.LATE_RELEASE:
+        return Parts(ring=LateRelease, mutant=name)
+    if mutation is Mutation.CROSS_RUN_LEAK:
+        return Parts(orchestrator_controller=CrossRunLeak, mutant=name)
+    if mutation is Mutation.REORDERED_STEPS:
+        return Parts(stage_controller=ReorderedSteps, mutant=name)
     return Parts(stage_controller=ReadyBeforeBind, mutant=name)

@@ -17,7 +17,8 @@ from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 
 #: (time_us, actor, kind, what, detail): ``kind`` is "ev" (an event a machine handled),
-#: "act" (an action it took), "net" (a control message), "ring" (a ring operation),
+#: "act" (an action it took), "ctl" (a controller's own trace: its fields), "net" (a
+#: control message), "ring" (a ring operation),
 #: "span" (a step or a load, detail holds its duration) or "sim" (the simulator).
 Entry = tuple[int, str, str, str, tuple[Any, ...]]
 
@@ -46,9 +47,9 @@ class Trace:
 
 
 def chrome_trace(entries: Iterable[Entry], actors: list[str]) -> dict[str, Any]:
-    """Chrome trace events: one track per actor, with steps and loads as spans, each
-    stage's waits for its next input as "wait" spans (the pipeline's bubbles), and
-    messages as instants."""
+    """Chrome trace events: one track per actor, with batches ("step ...") and loads as
+    spans, each stage's waits for its next batch as "wait" spans (the pipeline's
+    bubbles), and messages as instants."""
     tid = {actor: i for i, actor in enumerate(actors)}
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": 1, "tid": i, "name": "thread_name", "args": {"name": actor}}
@@ -56,9 +57,11 @@ def chrome_trace(entries: Iterable[Entry], actors: list[str]) -> dict[str, Any]:
     ]
     idle_since: dict[str, int] = {}  # stage -> when it last became free for work
     for time_us, actor, kind, what, detail in entries:
-        if kind == "state" and what == "READY" and actor not in idle_since:
+        if kind == "ctl" and what == "state" and detail[0]["to"] == "READY":
+            idle_since.setdefault(actor, time_us)
+        elif kind == "sim" and what == "batch_end":
             idle_since[actor] = time_us
-        elif kind == "ev" and what == "ObjectLoaded" and actor in idle_since:
+        elif kind == "sim" and what == "batch_begin" and actor in idle_since:
             began = idle_since.pop(actor)
             if time_us > began:
                 events.append(
@@ -69,11 +72,9 @@ def chrome_trace(entries: Iterable[Entry], actors: list[str]) -> dict[str, Any]:
                         "ph": "X",
                         "name": "wait",
                         "dur": time_us - began,
-                        "args": {"for": f"sequence {detail[0]}"},
+                        "args": {},
                     }
                 )
-        elif kind == "state" and what != "READY":
-            idle_since.pop(actor, None)
         if actor not in tid:
             tid[actor] = len(tid)
             events.append(
@@ -100,6 +101,7 @@ def chrome_trace(entries: Iterable[Entry], actors: list[str]) -> dict[str, Any]:
             kind in ("net", "sim")
             or (kind == "act" and what in ("InjectTokens", "SendToOrchestrator", "RunFinished"))
             or (kind == "ev" and what in ("TokenConsumed",))
+            or (kind == "ctl" and what in ("batch", "finished", "chain_fault", "queued"))
         ):
             events.append(
                 {

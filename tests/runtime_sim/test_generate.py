@@ -79,3 +79,19 @@ def test_more_stages_than_layers_is_a_plan_rejection(tiny: Path) -> None:
 def test_a_prompt_past_the_context_is_refused(tiny: Path) -> None:
     with pytest.raises(ValueError, match="context length"):
         generate(tiny, [1] * 250, max_tokens=10)
+
+
+@pytest.mark.parametrize("worker", ["numpy", "cpu"])
+def test_sampled_runs_through_one_chain_each_sample_as_they_would_alone(
+    tiny: Path, worker: str
+) -> None:
+    from runtime_sim.api import generate_runs
+
+    prompt = [1, 2, 3, 4, 5]
+    options = {"stages": 2, "max_tokens": 6, "temperature": 0.8, "worker": worker}
+    many = generate_runs(tiny, prompt, runs=3, seed=5, **options)  # type: ignore[arg-type]
+    assert [r.outcome for r in many.runs] == ["completed"] * 3
+    for i, run in enumerate(many.runs):  # run i samples with seed 5 + i
+        alone = generate(tiny, prompt, seed=5 + i, **options)  # type: ignore[arg-type]
+        assert run.tokens == alone.tokens and len(run.tokens) == 6
+    assert len({r.tokens for r in many.runs}) > 1  # the seeds differ, and so do the runs

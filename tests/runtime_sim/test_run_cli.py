@@ -162,3 +162,20 @@ def test_a_trace_path_is_checked_without_leaving_a_file(tiny: str, tmp_path: Pat
 
     fresh = tmp_path / "fresh.json"
     assert writable_file(str(fresh)) == fresh and not fresh.exists()
+
+
+def test_several_runs_of_one_prompt_through_one_chain_each_equal_to_alone(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", "--model", tiny, "--stages", "2", "--prompt-ids", "1,2,3"]
+    trace = tmp_path / "trace.json"
+    assert main([*argv, "--max-tokens", "4", "--runs", "3", "--json", "--trace", str(trace)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = [e["name"] for e in events if e.get("ph") == "X" and e["name"].startswith("step")]
+    assert any("sim-run-0" in n and "sim-run-1" in n for n in steps)  # a batch of two runs
+    assert [r["outcome"] for r in doc["runs"]] == ["completed"] * 3
+    assert doc["simulated_tokens_per_s"] > 0
+    assert main([*argv, "--max-tokens", "4", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert all(r["tokens"] == alone["tokens"] for r in doc["runs"])  # greedy: batch-invariant

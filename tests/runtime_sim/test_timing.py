@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runplan import Timeouts
-from runtime_sim.driver import Simulation
+from runtime_sim.chain_driver import ChainSimulation, RunSpec
 from runtime_sim.explore import synthetic_facts, synthetic_plan
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import LinkProfile, NodeProfile, StageCost, TimingModel, stored_stage_costs
@@ -20,8 +20,8 @@ def test_a_fault_free_simulation_runs_at_the_predicted_pace(
     plan = synthetic_plan(facts, stages, max_tokens=32, timeouts=Timeouts())
     costs = stored_stage_costs(plan, facts.block_bytes, facts.output_bytes)
     workers = [SyntheticWorker(facts.vocab_size, facts.eos_token_id) for _ in range(stages)]
-    sim = Simulation(plan, tuple(range(1, prompt + 1)), workers, costs)
-    result = sim.run()
+    sim = ChainSimulation([RunSpec(plan, tuple(range(1, prompt + 1)))], workers, costs)
+    (result,) = sim.run().runs
     assert result.finished is not None and result.finished.outcome.value == "COMPLETED"
     predicted = sim.settings.timing.predict(plan, costs, prompt)
     times = result.token_times_us

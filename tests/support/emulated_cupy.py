@@ -2,11 +2,13 @@
 
 ``FakeCupy``: NumPy arrays as device memory, ``memcpyAsync`` as a memory copy, streams
 that record a graph when they capture and replay it on launch; it refuses what a GPU
-would fault on or a capture cannot record. ``EmulatedKernels``: the kernels' NumPy
-twins (``kernel_twins``) in place of the kernels, with the launch checks of a GPU
-(grid limits, pointer alignment, GPU NaNs). ``DEVICE_STAGE`` is
-``runtime_cupy/cuda/backend.py`` imported with ``FakeCupy`` as ``cupy``, and
-``EmulatedCudaWorker`` the CUDA worker on both. Only tests import this module.
+would fault on or a capture cannot record. ``EmulatedKernels``: the kernels' real
+source (``kernels/*.cu``) run on the SIMT emulator (``tests/support/simt``), in a
+thread order of the caller's, with the launch checks of a GPU (grid limits, pointer
+alignment). ``DEVICE_STAGE`` is ``runtime_cupy/cuda/backend.py``
+imported with ``FakeCupy`` as ``cupy``, and ``EmulatedCudaWorker`` the CUDA worker on
+both. The kernels' NumPy twins (``kernel_twins``) are what tests compare with. Only
+tests import this module.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import numpy as np
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend
 from runtime_cupy.cuda import kernels as kernels_mod
 from runtime_cupy.cuda.worker import CudaWorker
-from tests.support.kernel_twins import KERNEL_TWINS
+from tests.support.simt.loader import FORWARD, ThreadOrder
+from tests.support.simt.project_kernels import SimtKernelSet
 
 # ---- a stand-in for CuPy ---------------------------------------------------------------
 
@@ -190,7 +193,7 @@ class FakeCupy(types.ModuleType):
 
 
 #: NaNs of a payload that neither NumPy nor a GPU computes, to poison memory with:
-#: a NaN written over one shows as a change of bits (``_GpuNans``).
+#: a NaN written over one shows as a change of bits.
 POISON_NAN_BITS: dict[np.dtype[Any], tuple[Any, int]] = {
     np.dtype(np.float64): (np.uint64, 0x7FFA5A5A5A5A5A5A),
     np.dtype(np.float32): (np.uint32, 0x7FD5A5A5),
@@ -208,32 +211,6 @@ def poisoned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
     if np.issubdtype(dt, np.floating):
         return np.full(shape, np.nan, dt)
     return np.full(shape, 0x5A, dt)
-
-
-#: The NaN a GPU writes for any NaN it computes (its arithmetic and conversions keep no
-#: payload), by dtype: (bits type, bits). NumPy keeps an operand's payload instead
-#: (0x7fc00000 for ``np.nan``).
-GPU_NAN_BITS: dict[np.dtype[Any], tuple[Any, int]] = {
-    np.dtype(np.float32): (np.uint32, 0x7FFFFFFF),
-    np.dtype(np.float16): (np.uint16, 0x7FFF),
-}
-
-
-class _GpuNans:
-    """A launch's float memory as a GPU leaves it: a NaN the kernel writes (where the
-    bits changed) is the GPU's (``GPU_NAN_BITS``); memory it leaves alone keeps its bits."""
-
-    def __init__(self, args: Sequence[Any]) -> None:
-        self.saved: list[tuple[Any, Any, Any]] = []  # (values, bits view, bits before)
-        for a in args:
-            if isinstance(a, FakeArray) and a.dtype in GPU_NAN_BITS:
-                values = a.view(np.ndarray)
-                bits = values.view(GPU_NAN_BITS[a.dtype][0])
-                self.saved.append((values, bits, bits.copy()))
-
-    def finish(self) -> None:
-        for values, bits, before in self.saved:
-            bits[np.isnan(values) & (bits != before)] = GPU_NAN_BITS[values.dtype][1]
 
 
 #: The widest load of a type's blocks in quant.cuh (2 bytes for the types not listed):
@@ -264,15 +241,17 @@ def allocation_offset(array: np.ndarray) -> int:
 
 
 class EmulatedKernels:
-    """``KernelSet`` with each kernel replaced by its NumPy twin. Checks each launch's
-    arguments against the kernel's parameter types, as the real launch converts them,
-    and each pointer's alignment (``pointer_alignment``) as a GPU needs it.
-    A NaN a twin writes gets the GPU's bits, not NumPy's (``_GpuNans``): what a test
-    compares must not depend on NaN payloads."""
+    """``KernelSet`` on the SIMT emulator (``kernels``: a ``SimtKernelSet`` in thread
+    order ``order``). Checks each launch's arguments against the kernel's parameter
+    types, as the real launch converts them, and each pointer's alignment
+    (``pointer_alignment``) as a GPU needs it. A NaN the emulated kernels compute carries
+    an x86 payload, not a GPU's canonical one: what a test compares must not depend on
+    NaN payloads."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: ThreadOrder = FORWARD) -> None:
         self.python_launches = 0
         self.launched: dict[str, int] = {}
+        self.kernels: Any = SimtKernelSet(order)
 
     def compile_all(self) -> None:
         return None
@@ -312,9 +291,7 @@ class EmulatedKernels:
         frozen = tuple(args)
 
         def run() -> None:
-            nans = _GpuNans(frozen)
-            KERNEL_TWINS[name](grid3, block, frozen)
-            nans.finish()
+            self.kernels.launch(name, grid3, block, frozen)
 
         RECORDER.run_or_record(run)
 
@@ -341,12 +318,14 @@ DEVICE_STAGE = _load_device_stage()
 
 
 class EmulatedCudaWorker(CudaWorker):
-    """The CUDA worker with FakeCupy and the kernels' twins."""
+    """The CUDA worker with FakeCupy and the kernels on the SIMT emulator (in thread
+    order ``order``, a class attribute a test may set)."""
 
     backends: ClassVar[list[Any]] = []
+    order: ClassVar[ThreadOrder] = FORWARD
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
-        DEVICE_STAGE._KERNELS[self.device] = EmulatedKernels()
+        DEVICE_STAGE._KERNELS[self.device] = EmulatedKernels(self.order)
         backend = DEVICE_STAGE.DeviceBackend(
             spec,
             use_graph=self.use_graph,

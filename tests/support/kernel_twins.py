@@ -6,9 +6,10 @@ place, flat, as the kernel indexes it; integers and floats as passed. It also ch
 that the launch geometry covers the work the way the kernel expects (a launch that
 would leave rows unwritten fails here).
 
-The GPU tests run a kernel and its twin on the same random inputs; the CPU tests run
-the whole device backend (``cuda/backend.py``) with these twins in place of the kernels
-(``tests/runtime_cupy/cuda/test_twins_device_stage.py``).
+The GPU tests run a kernel and its twin on the same random inputs, on a GPU and on the
+SIMT emulator (``tests/runtime_cupy/cuda/test_simt_kernels.py``); the twin worker
+(``twin_stage.py``) runs the CUDA worker's program on them, as a reference for the
+device backend (``tests/runtime_cupy/cuda/test_twins_device_stage.py``).
 """
 
 from __future__ import annotations
@@ -144,27 +145,56 @@ def _rmsnorm_q8(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
         _store_q8(y[0, : n // CHUNK * CHUNK], 0, xq, xd, xs)
 
 
-def _silu(h: npt.NDArray[np.float32], n_ffn: int) -> npt.NDArray[np.float32]:
-    return twins.silu_mul(h[..., :n_ffn], h[..., n_ffn:])
+Gate = Callable[[npt.NDArray[np.float32], npt.NDArray[np.float32]], npt.NDArray[np.float32]]
 
 
-def _swiglu_rows(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
-    h, out, n_ffn, rows = args
-    if _threads(grid, block) < 1:
-        raise LaunchError("empty launch")
-    hv = _flat(h, np.float32)[: rows * 2 * n_ffn].reshape(rows, 2 * n_ffn)
-    _flat(out, np.float32)[: rows * n_ffn] = _silu(hv, n_ffn).reshape(-1)
+def _gated_rows(act: Gate) -> KernelTwin:
+    def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
+        h, out, n_ffn, rows = args
+        if _threads(grid, block) < 1:
+            raise LaunchError("empty launch")
+        hv = _flat(h, np.float32)[: rows * 2 * n_ffn].reshape(rows, 2 * n_ffn)
+        _flat(out, np.float32)[: rows * n_ffn] = act(hv[:, :n_ffn], hv[:, n_ffn:]).reshape(-1)
+
+    return run
 
 
-def _swiglu_q8(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
-    h, out, n_ffn, xq, xd, xs = args
-    if _threads(grid, block) // 32 < n_ffn // CHUNK or block % 32:
-        raise LaunchError(f"swiglu_q8 of {n_ffn} launched as {grid} x {block}")
-    v = _silu(_flat(h, np.float32)[: 2 * n_ffn], n_ffn)
-    n = n_ffn // CHUNK * CHUNK
-    _flat(out, np.float32)[:n] = v[:n]
-    if xq is not None:
-        _store_q8(v[:n], 0, xq, xd, xs)
+def _gated_q8(act: Gate) -> KernelTwin:
+    def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
+        h, out, n_ffn, xq, xd, xs = args
+        if _threads(grid, block) // 32 < n_ffn // CHUNK or block % 32:
+            raise LaunchError(f"a gated q8 kernel of {n_ffn} launched as {grid} x {block}")
+        hv = _flat(h, np.float32)[: 2 * n_ffn]
+        v = act(hv[:n_ffn], hv[n_ffn:])
+        n = n_ffn // CHUNK * CHUNK
+        _flat(out, np.float32)[:n] = v[:n]
+        if xq is not None:
+            _store_q8(v[:n], 0, xq, xd, xs)
+
+    return run
+
+
+def _rmsnorm_add_rows(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
+    o, w, x, n, eps = args
+    rows = grid[0]
+    y, _ = twins.rmsnorm(
+        _flat(o, np.float32)[: rows * n].reshape(rows, n), _flat(w, np.float32)[:n], eps
+    )
+    xv = _flat(x, np.float32)
+    xv[: rows * n] = xv[: rows * n] + y.reshape(-1)
+
+
+def _head_rmsnorm(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
+    qkv, rows, bias, q_norm, k_norm, n_heads, n_kv, hd_k, hd_v, eps = args
+    if tuple(grid) != (rows, n_heads + 2 * n_kv) or block != 32:
+        raise LaunchError(f"head_rmsnorm of {rows} rows launched as {grid} x {block}")
+    width = (n_heads + n_kv) * hd_k + n_kv * hd_v
+    x = _flat(qkv, np.float32)[: rows * width].reshape(rows, width)
+    b = None if bias is None else _flat(bias, np.float32)[:width]
+    x[:] = twins.head_rmsnorm(
+        x, b, _flat(q_norm, np.float32)[:hd_k], _flat(k_norm, np.float32)[:hd_k],
+        (n_heads, n_kv, hd_k, hd_v), eps,
+    )  # fmt: skip
 
 
 def _quantize_q8(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
@@ -180,64 +210,84 @@ def _add_inplace(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None
     xv[:n] = xv[:n] + _flat(y, np.float32)[:n]
 
 
+def _scale_inplace(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
+    x, factor, n = args
+    xv = _flat(x, np.float32)
+    xv[:n] = xv[:n] * np.float32(factor)
+
+
+def _softcap(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
+    x, inv_cap, cap, n = args
+    xv = _flat(x, np.float32)
+    xv[:n] = (np.tanh(xv[:n] * np.float32(inv_cap)) * np.float32(cap)).astype(np.float32)
+
+
 def _rope_kv(kv_half: bool) -> KernelTwin:
     kv_dtype = np.float16 if kv_half else np.float32
 
     def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
-        (qkv, rows, bias, rot, state, n_heads, n_kv, hd_k, hd_v, n_rot, neox, kc, vc,
-         max_seq) = args  # fmt: skip
+        (qkv, rows, bias, rot, state, n_heads, n_kv, hd_k, hd_v, n_rot, neox, q_scale, kc, vc,
+         cache_size) = args  # fmt: skip
         if grid[0] < rows:
             raise LaunchError(f"rope_kv of {rows} rows launched as {grid}")
+        if rows > cache_size:  # two rows of the launch would write one slot
+            raise LaunchError(f"{rows} rows into a ring of {cache_size} slots")
         pos = int(_flat(state, np.int32)[0])
         q_dim, k_dim, v_dim = n_heads * hd_k, n_kv * hd_k, n_kv * hd_v
         width = q_dim + k_dim + v_dim
-        if pos + rows > max_seq:
-            raise LaunchError(f"positions up to {pos + rows} in a cache of {max_seq}")
         x = _flat(qkv, np.float32)[: rows * width].reshape(rows, width)
         v = x.copy()
         if bias is not None:
             v = (v + _flat(bias, np.float32)[:width]).astype(np.float32)
-        r = _flat(rot, np.float32).reshape(max_seq, n_rot // 2, 2)[pos : pos + rows]
+        table = _flat(rot, np.float32).reshape(-1, n_rot // 2, 2)
+        if pos + rows > table.shape[0]:
+            raise LaunchError(f"positions up to {pos + rows} in a table of {table.shape[0]}")
+        r = table[pos : pos + rows]
         rot_c = (r[..., 0] + 1j * r[..., 1]).astype(np.complex64)
         q = twins.rotate(v[:, :q_dim].reshape(rows, n_heads, hd_k), rot_c, n_rot, bool(neox))
         k = twins.rotate(
             v[:, q_dim : q_dim + k_dim].reshape(rows, n_kv, hd_k), rot_c, n_rot, bool(neox)
         )
-        x[:, :q_dim] = q.reshape(rows, q_dim)
+        x[:, :q_dim] = (q * np.float32(q_scale)).reshape(rows, q_dim)
         cache_view = np.float16 if kv_half else np.float32
-        kcache = _flat(kc, cache_view)[: n_kv * max_seq * hd_k].reshape(n_kv, max_seq, hd_k)
-        vcache = _flat(vc, cache_view)[: n_kv * max_seq * hd_v].reshape(n_kv, max_seq, hd_v)
-        kcache[:, pos : pos + rows] = k.transpose(1, 0, 2).astype(kv_dtype)
+        kcache = _flat(kc, cache_view)[: n_kv * cache_size * hd_k].reshape(n_kv, cache_size, hd_k)
+        vcache = _flat(vc, cache_view)[: n_kv * cache_size * hd_v].reshape(n_kv, cache_size, hd_v)
+        slots = (pos + np.arange(rows)) % cache_size
+        kcache[:, slots] = k.transpose(1, 0, 2).astype(kv_dtype)
         vv = v[:, q_dim + k_dim :].reshape(rows, n_kv, hd_v)
-        vcache[:, pos : pos + rows] = vv.transpose(1, 0, 2).astype(kv_dtype)
+        vcache[:, slots] = vv.transpose(1, 0, 2).astype(kv_dtype)
 
     return run
 
 
 def _attention(kv_half: bool) -> KernelTwin:
     def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
-        (qkv, rows, kc, vc, state, n_heads, n_kv, hd_k, hd_v, max_seq, scale, out, oq, od,
-         os_) = args  # fmt: skip
+        (qkv, rows, kc, vc, state, n_heads, n_kv, hd_k, hd_v, cache_size, window, scale, out,
+         oq, od, os_) = args  # fmt: skip
         if tuple(grid) != (rows, n_heads) or block != 32 * ATT_WARPS:
             raise LaunchError(f"attention of {rows} rows x {n_heads} heads launched as {grid}")
         if hd_k > 256 or hd_v > 256:
             raise LaunchError("heads larger than 256")
         pos = int(_flat(state, np.int32)[0])
+        end = pos + rows
+        first = twins.first_seen(pos, window)  # the oldest position a row sees
+        if first + cache_size < end:  # the ring no longer holds it
+            raise LaunchError(
+                f"rows at {pos} .. {end - 1} see position {first}, which a ring of "
+                f"{cache_size} slots no longer holds"
+            )
         width = n_heads * hd_k + n_kv * hd_k + n_kv * hd_v
         x = _flat(qkv, np.float32)[: rows * width].reshape(rows, width)
         q = x[:, : n_heads * hd_k].reshape(rows, n_heads, hd_k)
         view = np.float16 if kv_half else np.float32
-        n_ctx = pos + rows
-        keys = _flat(kc, view)[: n_kv * max_seq * hd_k].reshape(n_kv, max_seq, hd_k)
-        values = _flat(vc, view)[: n_kv * max_seq * hd_v].reshape(n_kv, max_seq, hd_v)
-        att = twins.attention(
-            q,
-            keys[:, :n_ctx].astype(np.float32),
-            values[:, :n_ctx].astype(np.float32),
-            pos,
-            n_heads // n_kv,
-            scale,
-        )
+        kring = _flat(kc, view)[: n_kv * cache_size * hd_k].reshape(n_kv, cache_size, hd_k)
+        vring = _flat(vc, view)[: n_kv * cache_size * hd_v].reshape(n_kv, cache_size, hd_v)
+        keys = np.zeros((n_kv, end, hd_k), np.float32)  # by position; before `first`: unread
+        values = np.zeros((n_kv, end, hd_v), np.float32)
+        seen = np.arange(first, end)
+        keys[:, first:] = kring[:, seen % cache_size]
+        values[:, first:] = vring[:, seen % cache_size]
+        att = twins.attention(q, keys, values, pos, n_heads // n_kv, scale, window)
         _flat(out, np.float32)[: att.size] = att.reshape(-1)
         if oq is not None:
             if hd_v % CHUNK:
@@ -301,11 +351,17 @@ KERNEL_TWINS: dict[str, KernelTwin] = {
     **{f"matvec_f_{t}": _matvec_f(t) for t in QUANT_TYPES},
     **{f"dequant_rows_{t}": _dequant_rows(t) for t in QUANT_TYPES},
     "rmsnorm_rows": _rmsnorm_rows,
+    "rmsnorm_add_rows": _rmsnorm_add_rows,
     "rmsnorm_q8": _rmsnorm_q8,
-    "swiglu_rows": _swiglu_rows,
-    "swiglu_q8": _swiglu_q8,
+    "head_rmsnorm": _head_rmsnorm,
+    "swiglu_rows": _gated_rows(twins.silu_mul),
+    "swiglu_q8": _gated_q8(twins.silu_mul),
+    "geglu_rows": _gated_rows(twins.gelu_mul),
+    "geglu_q8": _gated_q8(twins.gelu_mul),
     "quantize_q8": _quantize_q8,
     "add_inplace": _add_inplace,
+    "scale_inplace": _scale_inplace,
+    "softcap": _softcap,
     "rope_kv_f32": _rope_kv(False),
     "rope_kv_f16": _rope_kv(True),
     "attention_f32": _attention(False),

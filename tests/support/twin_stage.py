@@ -20,9 +20,9 @@ from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
 from runtime_core.workers.forward_program import (
     Linear,
-    NoOptionalSteps,
     StageWeights,
     forward_blocks,
+    forward_embed,
     forward_head,
     load_weights,
 )
@@ -43,11 +43,13 @@ class _HostUploader:
         return np.array(data, dtype=np.float32, copy=True)
 
 
-class TwinOps(NoOptionalSteps):
-    """``program.Ops`` on NumPy arrays, each operation its kernels' twin (the CUDA
-    worker's operations: none of the optional steps)."""
+class TwinOps:
+    """``program.Ops`` on NumPy arrays, each operation its kernels' twin. The KV cache
+    holds every position (a sliding block's ring on the device holds what its window
+    sees, which is what attention reads here)."""
 
     def __init__(self, w: StageWeights[U8, F32], mode: str, kv_dtype: str, max_seq: int) -> None:
+        c = w.config
         self.w = w
         self.mode = mode
         self.kv = np.float16 if kv_dtype == "f16" else np.float32
@@ -60,6 +62,9 @@ class TwinOps(NoOptionalSteps):
         self._decoded: dict[int, twins.Decoded] = {}
         self.pos = 0
         self.token = (0, 0)
+        self.windows = [layer.window for layer in w.layers]
+        scale = float(np.float32(c.query_scale))
+        self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
 
     def new_cache(self, positions: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """A run's KV cache of ``positions`` positions (keys, values)."""
@@ -127,7 +132,7 @@ class TwinOps(NoOptionalSteps):
         if bias is not None:
             qkv = qkv + bias
         qd, kd = c.q_dim, c.k_dim
-        rot = self.w.rot[self.pos : self.pos + rows]
+        rot = self.w.layer_rot(layer)[self.pos : self.pos + rows]
         q = qkv[:, :qd].reshape(rows, c.n_heads, c.head_dim_k)
         k = qkv[:, qd : qd + kd].reshape(rows, c.n_kv_heads, c.head_dim_k)
         v = qkv[:, qd + kd :].reshape(rows, c.n_kv_heads, c.head_dim_v)
@@ -136,7 +141,7 @@ class TwinOps(NoOptionalSteps):
         span = slice(self.pos, self.pos + rows)
         self.k_cache[layer][:, span] = k.transpose(1, 0, 2).astype(self.kv)
         self.v_cache[layer][:, span] = v.transpose(1, 0, 2).astype(self.kv)
-        self.bufs["q"] = q.reshape(rows, -1)
+        self.bufs["q"] = (q * np.float32(self.q_scale)).reshape(rows, -1)
 
     def attention(self, layer: int, rows: int) -> None:
         c = self.w.config
@@ -144,9 +149,10 @@ class TwinOps(NoOptionalSteps):
         q = self.bufs["q"].reshape(rows, c.n_heads, c.head_dim_k)
         keys = self.k_cache[layer][:, :n_ctx].astype(np.float32)
         values = self.v_cache[layer][:, :n_ctx].astype(np.float32)
-        scale = float(np.float32(1.0 / np.sqrt(c.head_dim_k)))
         group = c.n_heads // c.n_kv_heads
-        self.bufs["att"] = twins.attention(q, keys, values, self.pos, group, scale)
+        self.bufs["att"] = twins.attention(
+            q, keys, values, self.pos, group, self.scale, self.windows[layer]
+        )
         self._maybe_q8("att", rows)
 
     def swiglu(self, rows: int) -> None:
@@ -154,6 +160,29 @@ class TwinOps(NoOptionalSteps):
         f = h.shape[1] // 2
         self.bufs["act"] = twins.silu_mul(h[:, :f], h[:, f:])
         self._maybe_q8("act", rows)
+
+    def geglu(self, rows: int) -> None:
+        h = self.bufs["h"][:rows]
+        f = h.shape[1] // 2
+        self.bufs["act"] = twins.gelu_mul(h[:, :f], h[:, f:])
+        self._maybe_q8("act", rows)
+
+    def scale_x(self, factor: float, rows: int) -> None:
+        self.bufs["x"] = (self.bufs["x"][:rows] * np.float32(factor)).astype(np.float32)
+
+    def qk_norm(self, q_norm: F32, k_norm: F32, bias: F32 | None, rows: int) -> None:
+        c = self.w.config
+        heads = (c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v)
+        self.bufs["qkv"] = twins.head_rmsnorm(
+            self.bufs["qkv"][:rows], bias, q_norm, k_norm, heads, c.rms_eps
+        )
+
+    def add_norm(self, weight: F32, rows: int) -> None:
+        y, _ = twins.rmsnorm(self.bufs["o"][:rows], weight, self.w.config.rms_eps)
+        self.bufs["x"] = (self.bufs["x"][:rows] + y).astype(np.float32)
+
+    def softcap(self, cap: float) -> None:
+        self.bufs["logits"] = twins.softcap(self.bufs["logits"], cap)
 
     def argmax(self) -> None:
         self.token = twins.argmax(self.bufs["logits"][0])
@@ -195,8 +224,7 @@ class TwinBackend:
         assert ops is not None and w is not None
         ops.pos = pos
         if self.spec.is_first:
-            assert w.embedding is not None
-            ops.embed(w.embedding, rows)
+            forward_embed(ops, w, rows)
         else:
             assert self._input is not None
             ops.bufs["x"] = self._input

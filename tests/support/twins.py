@@ -386,16 +386,67 @@ def rotate(x: F32, rot: npt.NDArray[np.complex64], n_rot: int, neox: bool) -> F3
     return out
 
 
+def head_rmsnorm(
+    qkv: F32,
+    bias: F32 | None,
+    q_norm: F32,
+    k_norm: F32,
+    heads: tuple[int, int, int, int],
+    eps: float,
+) -> F32:
+    """``head_rmsnorm``: rows of Q|K|V ``(rows, width)`` plus ``bias``, then every Q and K
+    head normed as ``rmsnorm`` norms a row, times ``q_norm`` or ``k_norm``; ``heads`` =
+    (n_heads, n_kv, hd_k, hd_v)."""
+    n_heads, n_kv, hd_k, _ = heads
+    x = np.asarray(qkv, np.float32)
+    if bias is not None:
+        x = (x + bias).astype(np.float32)
+    out = x.copy()
+    rows = x.shape[0]
+    for h in range(n_heads + n_kv):
+        cols = slice(h * hd_k, (h + 1) * hd_k)
+        out[:, cols], _ = rmsnorm(
+            x[:, cols].reshape(rows, hd_k), q_norm if h < n_heads else k_norm, eps
+        )
+    return out
+
+
 def silu_mul(gate: F32, up: F32) -> F32:
-    """``silu_mul`` in norm.cu: gate / (1 + exp(-gate)) * up, in float32."""
+    """``swiglu_*`` in norm.cu: gate / (1 + exp(-gate)) * up, in float32."""
     g = np.asarray(gate, np.float32)
     return (g / (np.float32(1) + np.exp(-g)) * up).astype(np.float32)
 
 
-def attention(q: F32, keys: F32, values: F32, pos0: int, group: int, scale: float) -> F32:
+_GELU_A = np.float32(0.044715)
+_SQRT_2_OVER_PI = np.float32(0.7978845608028654)
+
+
+def gelu_mul(gate: F32, up: F32) -> F32:
+    """``geglu_*`` in norm.cu: GELU's tanh form of gate, times up, each step rounded in
+    float32 in the reference worker's order (``reference_model.gelu_tanh``)."""
+    g = np.asarray(gate, np.float32)
+    inner = ((g * g) * _GELU_A + np.float32(1)) * g * _SQRT_2_OVER_PI
+    return (g * ((np.tanh(inner) + np.float32(1)) * np.float32(0.5)) * up).astype(np.float32)
+
+
+def softcap(x: F32, cap: float) -> F32:
+    """``softcap`` as the CUDA worker launches it: tanh(x * float32(1 / cap)) * cap."""
+    inv = np.float32(1.0 / cap)
+    return (np.tanh(np.asarray(x, np.float32) * inv) * np.float32(cap)).astype(np.float32)
+
+
+def first_seen(pos: int, window: int) -> int:
+    """The first position a query at ``pos`` attends to (``window`` 0: every one)."""
+    return pos - window + 1 if window and pos >= window else 0
+
+
+def attention(
+    q: F32, keys: F32, values: F32, pos0: int, group: int, scale: float, window: int = 0
+) -> F32:
     """``attention_<KV>``: query rows ``q`` (rows, n_heads, hd_k) at positions pos0 ..,
-    over ``keys`` (n_kv, n_ctx, hd_k) and ``values`` (n_kv, n_ctx, hd_v); causal; query
-    head h reads kv head h // group. Exact softmax in float64; (rows, n_heads * hd_v)."""
+    over ``keys`` (n_kv, n_ctx, hd_k) and ``values`` (n_kv, n_ctx, hd_v) of positions
+    0 .. n_ctx - 1; causal, and within ``window`` positions when it is not 0; query head h
+    reads kv head h // group. Exact softmax in float64; (rows, n_heads * hd_v)."""
     rows, n_heads, _ = q.shape
     hd_v = values.shape[2]
     out = np.empty((rows, n_heads, hd_v), np.float64)
@@ -403,10 +454,10 @@ def attention(q: F32, keys: F32, values: F32, pos0: int, group: int, scale: floa
         k = keys[h // group].astype(np.float64)
         v = values[h // group].astype(np.float64)
         for r in range(rows):
-            n_ctx = pos0 + r + 1
-            scores = (k[:n_ctx] @ q[r, h].astype(np.float64)) * np.float32(scale)
+            seen = slice(first_seen(pos0 + r, window), pos0 + r + 1)
+            scores = (k[seen] @ q[r, h].astype(np.float64)) * np.float32(scale)
             p = np.exp(scores - scores.max())
-            out[r, h] = (p / p.sum()) @ v[:n_ctx]
+            out[r, h] = (p / p.sum()) @ v[seen]
     return out.reshape(rows, n_heads * hd_v).astype(np.float32)
 
 

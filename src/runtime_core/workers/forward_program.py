@@ -1,10 +1,11 @@
 """One stage's forward pass, written once over a backend.
 
-The CUDA worker and its NumPy twin run the same sequence of fused operations (the
-``Ops`` protocol), each on its own buffers: ``DeviceOps`` launches the kernels of
-``kernels/*.cu``, ``TwinOps`` calls their twins. A test of the twin stage against
-the reference worker (on any CPU) therefore checks this sequence, the tensor layout
-and the host logic; a test of each kernel against its twin (on a GPU) checks the rest.
+The CUDA worker, its NumPy twin and the CPU worker run the same sequence of fused
+operations (the ``Ops`` protocol), each on its own buffers: ``DeviceOps`` launches the
+kernels of ``kernels/*.cu``, ``TwinOps`` calls their twins, ``CpuOps`` the compiled
+CPU kernels. A test of the twin stage against the reference worker therefore checks this
+sequence, the tensor layout and the host logic; a test of each kernel against its twin
+(on a GPU, and on the SIMT emulator of the tests) checks the rest.
 
 Weights stay as stored: a matrix is its GGUF rows (``(n_out, row_bytes)`` bytes). Q, K
 and V become one matrix when they share a type (their rows concatenated, still GGUF
@@ -36,15 +37,12 @@ on the last ``xl = rmsnorm(x[rows - 1]) * output_norm``, ``logits = xl @ head^T`
 [``logits = cap * tanh(logits / cap)``: gemma3's soft cap], ``token = argmax(logits)``.
 Buffer names: sources ``xn``, ``att``, ``act``, ``xl``; destinations ``qkv``, ``x``,
 ``o``, ``h``, ``logits``.
-
-A backend that does not implement the optional steps (the CUDA worker's, which refuses
-the architectures that need them) takes them from ``NoOptionalSteps``: each raises.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, NoReturn, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -331,29 +329,6 @@ class Ops(Protocol[H, V_contra]):
 
     def softcap(self, cap: float) -> None:
         """logits = cap * tanh(logits / cap)."""
-
-
-class NoOptionalSteps:
-    """The optional steps of ``Ops`` for a backend without them: each raises (its
-    worker refuses the architectures that need them before anything runs)."""
-
-    def _missing(self, step: str) -> NoReturn:
-        raise NotImplementedError(f"{type(self).__name__} has no {step} step")
-
-    def scale_x(self, factor: float, rows: int) -> None:
-        self._missing("embedding scale")
-
-    def qk_norm(self, q_norm: object, k_norm: object, bias: object, rows: int) -> None:
-        self._missing("per-head Q/K norm")
-
-    def add_norm(self, weight: object, rows: int) -> None:
-        self._missing("post-norm")
-
-    def geglu(self, rows: int) -> None:
-        self._missing("GELU gating")
-
-    def softcap(self, cap: float) -> None:
-        self._missing("logit soft cap")
 
 
 def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:

@@ -10,6 +10,18 @@ allocates its row buffers for the step, runs eagerly, and multiplies matrices as
 float32 tiles dequantized by ``dequant_rows_<T>`` and cuBLAS (``cupy.matmul``, no
 TF32), a tile at most ``TILE_FLOATS`` floats.
 
+A run's KV cache (``DeviceCache``) is one ring per block (``rope.cu``): the run's
+positions, or a sliding block's window when that is shorter (what the planner counts,
+``ModelFacts.layer_kv_positions``), position ``p`` in slot ``p % size``. A prefill whose
+positions would wrap a sliding block's ring writes its keys and values to a cache of
+every position of the step instead (the ring's positions the step sees copied in
+first), attends there, and leaves its last ``size`` positions in the ring.
+
+The architectures' optional steps (``forward_program.py``) are kernels too: per-head Q/K norms
+(``head_rmsnorm``), post-norms (``rmsnorm_add_rows``), GELU gating (``geglu_*``), the
+embedding scale, the query scale where llama.cpp applies it (the scores, or gemma3's and
+phi3's rotated queries: ``rope_kv``'s ``q_scale``) and the logit soft cap.
+
 Every launch and copy of a stage runs on the stage's own stream; a step returns after
 synchronizing it, so a device array it returns is ready for another stream.
 """
@@ -30,9 +42,9 @@ from runtime_core.workers import device_sampling
 from runtime_core.workers.forward_program import (
     Linear,
     MatrixPart,
-    NoOptionalSteps,
     StageWeights,
     forward_blocks,
+    forward_embed,
     forward_head,
     load_weights,
 )
@@ -79,18 +91,18 @@ class _Q8:
 
 @attrs.define(eq=False)
 class DeviceCache:
-    """One run's KV cache: keys and values of every block, ``positions`` long, and the
-    decode graph captured over them (a graph keeps the pointers it was captured with)."""
+    """One run's KV cache: per block, a ring of keys and one of values (``positions``
+    long, or a sliding block's window when that is shorter), and the decode graph
+    captured over them (a graph keeps the pointers it was captured with)."""
 
-    k: Any
+    k: Any  # list of (n_kv_heads, size, head_dim_k) arrays, one per block
     v: Any
     positions: int
     graph: Any = None
 
 
-class DeviceOps(NoOptionalSteps):
-    """``program.Ops`` as launches on ``stream`` (none of the optional steps: the CUDA
-    worker refuses the architectures that need them)."""
+class DeviceOps:
+    """``program.Ops`` as launches on ``stream``."""
 
     def __init__(
         self, k: KernelSet, w: StageWeights[Any, Any], spec: BackendSpec, max_seq: int, stream: Any
@@ -98,12 +110,25 @@ class DeviceOps(NoOptionalSteps):
         c = w.config
         self.k, self.w, self.spec, self.max_seq, self.stream = k, w, spec, max_seq, stream
         self.kv_half = spec.kv_dtype == "f16"
-        # The KV cache in use (a run's: ``use_cache``) and its positions, the stride the
-        # kernels index it by.
+        # per block: its window (0: global); a run's cache is a ring per block of that
+        # many positions or all of the run's (``new_cache``)
+        self.windows = [layer.window for layer in w.layers]
+        # The KV cache in use (a run's: ``use_cache``), per block.
         self.k_cache: Any = None
         self.v_cache: Any = None
-        self.cache_len = 0
-        self.rot = cupy.asarray(np.ascontiguousarray(w.rot).view(np.float32))
+        tables = {
+            id(r): cupy.asarray(np.ascontiguousarray(r).view(np.float32))
+            for r in (w.rot, w.rot_swa)
+            if r is not None
+        }
+        self.rots = [tables[id(w.layer_rot(i))] for i in range(len(w.layers))]
+        # llama.cpp scales the scores, or (gemma3, phi3) the rotated queries
+        scale = float(np.float32(c.query_scale))
+        self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
+        self.pos = 0  # the step's first position (a prefill's; a graph reads `state`)
+        # a prefill's keys and values, by position, while a sliding block's ring cannot
+        # take them (``_wrapping_cache``)
+        self.step_kv: tuple[Any, Any] | None = None
         self.state = cupy.zeros(2, dtype=cupy.int32)  # [position of row 0, token id]
         self.tokens = cupy.zeros(max_seq, dtype=cupy.int32)
         self.token_out = cupy.zeros(2, dtype=cupy.int32)  # [id, non-finite count]
@@ -112,7 +137,6 @@ class DeviceOps(NoOptionalSteps):
         self.pbad = cupy.zeros(ARGMAX_PARTS, dtype=cupy.int32)
         self.qkv_dim = c.q_dim + c.k_dim + c.v_dim
         self.att_dim = c.n_heads * c.head_dim_v
-        self.scale = float(np.float32(1.0 / np.sqrt(c.head_dim_k)))
         # one-row buffers (decode), fixed for the graph
         h, f = c.hidden_dim, w.max_ffn
         self.one = {
@@ -122,6 +146,7 @@ class DeviceOps(NoOptionalSteps):
             "att": cupy.zeros((1, self.att_dim), cupy.float32),
             "h": cupy.zeros(2 * f, cupy.float32),  # viewed (1, 2 ffn) per layer
             "act": cupy.zeros(f, cupy.float32),  # viewed (1, ffn) per layer
+            "o": cupy.zeros((1, h), cupy.float32),  # a block's output before its post-norm
             "xl": cupy.zeros((1, h), cupy.float32),
         }
         self.q8 = {
@@ -135,17 +160,19 @@ class DeviceOps(NoOptionalSteps):
 
     # -- buffers ----------------------------------------------------------------------
     def new_cache(self, positions: int) -> DeviceCache:
-        """A run's KV cache of ``positions`` positions on the device."""
-        c, n = self.w.config, len(self.w.layers)
+        """A run's KV cache of ``positions`` positions on the device: a ring per block of
+        that many positions, or of a sliding block's window when that is shorter."""
+        c = self.w.config
         kv = cupy.uint16 if self.kv_half else cupy.float32
+        sizes = [min(n, positions) if n else positions for n in self.windows]
         return DeviceCache(
-            cupy.zeros((n, c.n_kv_heads, positions, c.head_dim_k), dtype=kv),
-            cupy.zeros((n, c.n_kv_heads, positions, c.head_dim_v), dtype=kv),
+            [cupy.zeros((c.n_kv_heads, n, c.head_dim_k), dtype=kv) for n in sizes],
+            [cupy.zeros((c.n_kv_heads, n, c.head_dim_v), dtype=kv) for n in sizes],
             positions,
         )
 
     def use_cache(self, cache: DeviceCache) -> None:
-        self.k_cache, self.v_cache, self.cache_len = cache.k, cache.v, cache.positions
+        self.k_cache, self.v_cache = cache.k, cache.v
 
     def use_rows(self, rows: int) -> None:
         """Point the named buffers at the one-row set, or at fresh ones for ``rows``."""
@@ -158,6 +185,7 @@ class DeviceOps(NoOptionalSteps):
                 "xn": cupy.empty((rows, c.hidden_dim), cupy.float32),
                 "qkv": cupy.empty((rows, self.qkv_dim), cupy.float32),
                 "att": cupy.empty((rows, self.att_dim), cupy.float32),
+                "o": cupy.empty((rows, c.hidden_dim), cupy.float32),
                 "xl": self.one["xl"],
                 "_h": cupy.empty(rows * 2 * f, cupy.float32),
                 "_act": cupy.empty(rows * f, cupy.float32),
@@ -269,32 +297,65 @@ class DeviceOps(NoOptionalSteps):
     def rope_kv(self, layer: int, bias: Any, rows: int) -> None:
         c = self.w.config
         kv = "f16" if self.kv_half else "f32"
+        k, v = self.k_cache[layer], self.v_cache[layer]
+        self.step_kv = None
+        if rows > 1 and self.pos + rows > k.shape[1]:  # a sliding block's ring would wrap
+            k, v = self.step_kv = self._wrapping_cache(layer, rows)
         self._launch(
             f"rope_kv_{kv}", rows, 256,
-            self.buf["qkv"], rows, bias, self.rot, self.state, c.n_heads, c.n_kv_heads,
-            c.head_dim_k, c.head_dim_v, c.rope.n_dims, int(c.rope.neox),
-            self.k_cache[layer], self.v_cache[layer], self.cache_len,
+            self.buf["qkv"], rows, bias, self.rots[layer], self.state, c.n_heads, c.n_kv_heads,
+            c.head_dim_k, c.head_dim_v, c.rope.n_dims, int(c.rope.neox), self.q_scale,
+            k, v, k.shape[1],
         )  # fmt: skip
+
+    def _wrapping_cache(self, layer: int, rows: int) -> tuple[Any, Any]:
+        """Caches of every position of a prefill of ``rows`` at ``self.pos``, holding the
+        ring's positions before it (the older ones no row sees)."""
+        ring_k, ring_v = self.k_cache[layer], self.v_cache[layer]
+        size, end = ring_k.shape[1], self.pos + rows
+        k = cupy.empty((ring_k.shape[0], end, ring_k.shape[2]), ring_k.dtype)
+        v = cupy.empty((ring_v.shape[0], end, ring_v.shape[2]), ring_v.dtype)
+        start = max(0, self.pos - size)
+        if start < self.pos:
+            with self.stream:  # the index array too: the stage's stream does not wait for others
+                held = cupy.arange(start, self.pos) % size
+                k[:, start : self.pos] = ring_k[:, held]
+                v[:, start : self.pos] = ring_v[:, held]
+        return k, v
 
     def attention(self, layer: int, rows: int) -> None:
         c = self.w.config
         kv = "f16" if self.kv_half else "f32"
         q8 = self._q8("att", rows)
         fused = q8 if (q8 is not None and c.head_dim_v % CHUNK == 0) else None
+        k, v = self.step_kv or (self.k_cache[layer], self.v_cache[layer])
         self._launch(
             f"attention_{kv}", (rows, c.n_heads), ATT_THREADS,
-            self.buf["qkv"], rows, self.k_cache[layer], self.v_cache[layer], self.state,
-            c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, self.cache_len, self.scale,
-            self.buf["att"],
+            self.buf["qkv"], rows, k, v, self.state, c.n_heads, c.n_kv_heads, c.head_dim_k,
+            c.head_dim_v, k.shape[1], self.windows[layer], self.scale, self.buf["att"],
             fused.q if fused else None, fused.d if fused else None, fused.s if fused else None,
         )  # fmt: skip
         if q8 is not None and fused is None:
             self._quantize(self.buf["att"], q8, self.att_dim // CHUNK)
+        if self.step_kv is not None:  # the ring keeps the step's last `size` positions
+            ring_k, ring_v = self.k_cache[layer], self.v_cache[layer]
+            size, end = ring_k.shape[1], self.pos + rows
+            with self.stream:
+                kept = cupy.arange(max(self.pos, end - size), end)
+                ring_k[:, kept % size] = k[:, kept]
+                ring_v[:, kept % size] = v[:, kept]
+            self.step_kv = None
 
     def _quantize(self, x: Any, q8: _Q8, n_chunks: int) -> None:
         self._launch("quantize_q8", _cdiv(n_chunks, 8), 256, x, n_chunks, q8.q, q8.d, q8.s)
 
     def swiglu(self, rows: int) -> None:
+        self._gated("swiglu", rows)
+
+    def geglu(self, rows: int) -> None:
+        self._gated("geglu", rows)
+
+    def _gated(self, kernel: str, rows: int) -> None:
         h = self.buf["h"]
         f = h.shape[1] // 2
         act = self._flat("act", rows)[: rows * f].reshape(rows, f)
@@ -303,13 +364,39 @@ class DeviceOps(NoOptionalSteps):
             q8 = self._q8("act", rows)
             if f % CHUNK == 0:
                 self._launch(
-                    "swiglu_q8", _cdiv(f // CHUNK, 8), 256, h, act, f,
+                    f"{kernel}_q8", _cdiv(f // CHUNK, 8), 256, h, act, f,
                     q8.q if q8 else None, q8.d if q8 else None, q8.s if q8 else None,
                 )  # fmt: skip
             else:
-                self._launch("swiglu_rows", _cdiv(f, 256), 256, h, act, f, 1)
+                self._launch(f"{kernel}_rows", _cdiv(f, 256), 256, h, act, f, 1)
         else:
-            self._launch("swiglu_rows", min(_cdiv(rows * f, 256), 65535), 256, h, act, f, rows)
+            self._launch(f"{kernel}_rows", min(_cdiv(rows * f, 256), 65535), 256, h, act, f, rows)
+
+    def scale_x(self, factor: float, rows: int) -> None:
+        n = rows * self.w.config.hidden_dim
+        f = float(np.float32(factor))
+        self._launch("scale_inplace", min(_cdiv(n, 256), 4096), 256, self.buf["x"], f, n)
+
+    def qk_norm(self, q_norm: Any, k_norm: Any, bias: Any, rows: int) -> None:
+        c = self.w.config
+        self._launch(
+            "head_rmsnorm", (rows, c.n_heads + 2 * c.n_kv_heads), 32,
+            self.buf["qkv"], rows, bias, q_norm, k_norm, c.n_heads, c.n_kv_heads, c.head_dim_k,
+            c.head_dim_v, c.rms_eps,
+        )  # fmt: skip
+
+    def add_norm(self, weight: Any, rows: int) -> None:
+        c = self.w.config
+        self._launch(
+            "rmsnorm_add_rows", rows, 256, self.buf["o"], weight, self.buf["x"], c.hidden_dim,
+            c.rms_eps,
+        )  # fmt: skip
+
+    def softcap(self, cap: float) -> None:
+        assert self.logits is not None
+        n = self.logits.shape[1]
+        inv, c = float(np.float32(1.0 / cap)), float(np.float32(cap))
+        self._launch("softcap", min(_cdiv(n, 256), 4096), 256, self.logits, inv, c, n)
 
     def argmax(self) -> None:
         assert self.logits is not None
@@ -438,6 +525,7 @@ class DeviceBackend:
             self._host_state[0] = pos
             self._host_state[1] = self._token
             ops.state.set(self._host_state, stream=self.stream)
+            ops.pos = pos
             ops.use_tokens = False
             if rows == 1 and self.use_graph:
                 if cache.graph is None:
@@ -531,8 +619,7 @@ class DeviceBackend:
         assert w is not None
         ops.use_rows(rows)
         if self.spec.is_first:
-            assert w.embedding is not None
-            ops.embed(w.embedding, rows)
+            forward_embed(ops, w, rows)
         else:
             self._convert_in(self._input, ops.buf["x"])
         forward_blocks(ops, w, rows)

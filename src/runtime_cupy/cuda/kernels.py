@@ -32,8 +32,8 @@ HEADERS: tuple[str, ...] = ("common.cuh", "quant.cuh")
 _MATVEC_Q8 = "p l i i p p p p p i"
 _MATVEC_F = "p l i i p p p i"
 _DEQUANT = "p l i p i i p"
-_ROPE = "p i p p p i i i i i i p p i"
-_ATTENTION = "p i p p p i i i i i f p p p p"
+_ROPE = "p i p p p i i i i i i f p p i"
+_ATTENTION = "p i p p p i i i i i i f p p p p"
 
 #: The largest head size ``attention.cu`` handles (``32 * ATT_MAX_PER_LANE``: each of a
 #: warp's 32 lanes holds up to 8 dimensions of a head).
@@ -48,11 +48,17 @@ KERNELS: dict[str, dict[str, str]] = {
     "dequant.cu": {f"dequant_rows_{t}": _DEQUANT for t in QUANT_TYPES},
     "norm.cu": {
         "rmsnorm_rows": "p p p i f",
+        "rmsnorm_add_rows": "p p p i f",
         "rmsnorm_q8": "p p p i f p p p",
+        "head_rmsnorm": "p i p p p i i i i f",
         "swiglu_rows": "p p i i",
         "swiglu_q8": "p p i p p p",
+        "geglu_rows": "p p i i",
+        "geglu_q8": "p p i p p p",
         "quantize_q8": "p i p p p",
         "add_inplace": "p p l",
+        "scale_inplace": "p f l",
+        "softcap": "p f f l",
     },
     "rope.cu": {"rope_kv_f32": _ROPE, "rope_kv_f16": _ROPE},
     "attention.cu": {"attention_f32": _ATTENTION, "attention_f16": _ATTENTION},

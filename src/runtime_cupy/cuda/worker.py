@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from runplan import WorkerCapabilities
+from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice
@@ -38,13 +39,13 @@ from runtime_core.workers.interface import TraceEvent, WorkerError
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
 
-#: What the CUDA worker runs: llama and qwen2 (the other architectures of the reference
-#: worker are refused by name: ``UnsupportedModel``, ``unsupported_model``) and all 13 types;
-#: weights stay as the file stores them and the KV cache takes the activation dtype
-#: (``kv_dtype="auto"``), which is what the planner's memory check counts.
+#: What the CUDA worker runs: every architecture of the reference worker
+#: (``runtime_core.architectures``) and all 13 types; weights stay as the file stores them
+#: and the KV cache takes the activation dtype (``kv_dtype="auto"``; a sliding block's
+#: holds its window), which is what the planner's memory check counts.
 CUDA_CAPABILITIES = WorkerCapabilities(
     name="cuda",
-    architectures=("llama", "qwen2"),
+    architectures=REFERENCE_ARCHITECTURES,
     quant_types=QUANT_TYPES,
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,

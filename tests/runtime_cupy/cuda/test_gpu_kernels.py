@@ -193,9 +193,15 @@ def test_rmsnorm_rows(ks: KernelSet, rows: int) -> None:
     within(dev[2], twin[2], np.abs(twin[2]), rel=2e-6)
 
 
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
 @pytest.mark.parametrize("n_ffn", [1536, 14336])
-def test_swiglu_q8_and_rows(ks: KernelSet, n_ffn: int) -> None:
-    rng = np.random.default_rng(n_ffn)
+def test_gated_q8_and_rows(ks: KernelSet, n_ffn: int, act: str) -> None:
+    """SiLU's rounding is the twin's but for ``expf`` (a few ulp on a GPU, as NumPy's
+    ``exp``): within ``4e-7 * 8`` of the result. GELU's tanh is as close to 1 in
+    absolute terms (``tanhf``'s ulp is that of 1), and ``tanh + 1`` cancels where the
+    gate is negative: within ``4e-7 * 8`` of ``|gate * up|`` (the product's size
+    before the activation) as well."""
+    rng = np.random.default_rng(n_ffn + len(act))
     h = (rng.standard_normal(2 * n_ffn) * 4).astype(np.float32)
     out = poison(n_ffn, np.float32)
     q, d, s = (
@@ -203,17 +209,19 @@ def test_swiglu_q8_and_rows(ks: KernelSet, n_ffn: int) -> None:
         poison(n_ffn // 32, np.float32),
         poison(n_ffn // 32, np.float32),
     )
-    dev, twin = launch_both(ks, "swiglu_q8", -(-n_ffn // 256), 256, [h, out, n_ffn, q, d, s])
-    within(dev[1], twin[1], np.abs(twin[1]), rel=4e-7 * 8)
-    act = twins.quantize_q8(dev[1])
-    same_bits(dev[3], act.q)
-    same_bits(dev[4], act.d)
+    dev, twin = launch_both(ks, f"{act}_q8", -(-n_ffn // 256), 256, [h, out, n_ffn, q, d, s])
+    size = np.abs(twin[1]) + (np.abs(h[:n_ffn] * h[n_ffn:]) if act == "geglu" else 0)
+    within(dev[1], twin[1], size, rel=4e-7 * 8)
+    act8 = twins.quantize_q8(dev[1])
+    same_bits(dev[3], act8.q)
+    same_bits(dev[4], act8.d)
     rows = 5
     hr = rng.standard_normal((rows, 2 * n_ffn)).astype(np.float32)
     dev, twin = launch_both(
-        ks, "swiglu_rows", 64, 256, [hr, poison((rows, n_ffn), np.float32), n_ffn, rows]
+        ks, f"{act}_rows", 64, 256, [hr, poison((rows, n_ffn), np.float32), n_ffn, rows]
     )
-    within(dev[1], twin[1], np.abs(twin[1]), rel=4e-7 * 8)
+    size = np.abs(twin[1]) + (np.abs(hr[:, :n_ffn] * hr[:, n_ffn:]) if act == "geglu" else 0)
+    within(dev[1], twin[1], size, rel=4e-7 * 8)
 
 
 @pytest.mark.parametrize("n_chunks", [1, 18, 129])
@@ -228,6 +236,56 @@ def test_quantize_q8_is_exact(ks: KernelSet, n_chunks: int) -> None:
     dev, twin = launch_both(ks, "quantize_q8", -(-n_chunks // 8), 256, [x, n_chunks, q, d, s])
     for i in (2, 3, 4):
         same_bits(dev[i], twin[i])
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rmsnorm_add_rows(ks: KernelSet, rows: int) -> None:
+    rng = np.random.default_rng(rows + 3)
+    n = 640
+    o = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    dev, twin = launch_both(ks, "rmsnorm_add_rows", rows, 256, [o, w, x, n, 1e-6])
+    _, size = twins.rmsnorm(o, w, 1e-6)
+    within(dev[2], twin[2], size + np.abs(x) + np.abs(twin[2]), rel=2e-6)
+
+
+#: (n_heads, n_kv, hd_k, hd_v): qwen3-like, gemma3's head size, a small one.
+QK_HEADS = [(16, 8, 128, 128), (8, 4, 256, 256), (4, 1, 32, 32)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("heads", QK_HEADS, ids=[str(h) for h in QK_HEADS])
+def test_head_rmsnorm(
+    ks: KernelSet, heads: tuple[int, int, int, int], rows: int, bias: bool
+) -> None:
+    """Q and K heads as ``test_rmsnorm_rows`` checks a row; V gets its bias only (exact)."""
+    n_heads, n_kv, hd_k, hd_v = heads
+    rng = np.random.default_rng(rows * 10 + hd_k + bias)
+    width = (n_heads + n_kv) * hd_k + n_kv * hd_v
+    qkv = (rng.standard_normal((rows, width)) * 2).astype(np.float32)
+    b = rng.standard_normal(width).astype(np.float32) if bias else None
+    qn = rng.standard_normal(hd_k).astype(np.float32)
+    kn = rng.standard_normal(hd_k).astype(np.float32)
+    grid = (rows, n_heads + 2 * n_kv)
+    args = [qkv, rows, b, qn, kn, n_heads, n_kv, hd_k, hd_v, 1e-6]
+    dev, twin = launch_both(ks, "head_rmsnorm", grid, 32, args)
+    qk = (n_heads + n_kv) * hd_k
+    within(dev[0][:, :qk], twin[0][:, :qk], np.abs(twin[0][:, :qk]), rel=2e-6)
+    same_bits(dev[0][:, qk:], twin[0][:, qk:])
+
+
+def test_scale_inplace_is_exact_and_softcap_close(ks: KernelSet) -> None:
+    """A product is exact; the soft cap is ``tanhf`` (a few ulp of values below 1) times
+    the cap: within ``4e-7 * 4`` of the cap."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(10001) * 40).astype(np.float32)
+    dev, twin = launch_both(ks, "scale_inplace", 8, 256, [x, 16.0, 10001])
+    same_bits(dev[0], twin[0])
+    cap = 30.0
+    dev, twin = launch_both(ks, "softcap", 8, 256, [x, float(np.float32(1 / cap)), cap, 10001])
+    within(dev[0], twin[0], np.full(10001, cap), rel=4e-7 * 4)
 
 
 def test_add_inplace(ks: KernelSet) -> None:
@@ -257,12 +315,16 @@ def _rot_table(max_seq: int, n_rot: int, rng: np.random.Generator) -> np.ndarray
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("heads", HEADS, ids=[str(h) for h in HEADS])
-@pytest.mark.parametrize(("rows", "pos"), [(1, 0), (1, 77), (13, 5)])
+@pytest.mark.parametrize(("rows", "pos", "cache"), [(1, 0, 96), (1, 77, 96), (13, 5, 96),
+                                                    (1, 77, 20), (13, 15, 20)])  # fmt: skip
 def test_rope_kv_is_exact(
-    ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, kv: str
+    ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, cache: int, kv: str
 ) -> None:
+    """Exact, Q scaled (by 1 for llama and qwen2, by the query scale where llama.cpp
+    scales the rotated queries); K and V in slot ``position % cache`` of a ring of
+    ``cache`` slots (96: every position; 20: a sliding block's, wrapping)."""
     n_heads, n_kv, hd, n_rot, neox = heads
-    rng = np.random.default_rng(rows * 1000 + pos + hd)
+    rng = np.random.default_rng(rows * 1000 + pos + hd + cache)
     max_seq = 96
     width = (n_heads + 2 * n_kv) * hd
     qkv = rng.standard_normal((rows, width)).astype(np.float32)
@@ -270,43 +332,51 @@ def test_rope_kv_is_exact(
     rot = _rot_table(max_seq, n_rot, rng)
     state = np.array([pos, 0], np.int32)
     kvt = np.uint16 if kv == "f16" else np.float32
-    kc, vc = poison((n_kv, max_seq, hd), kvt), poison((n_kv, max_seq, hd), kvt)
-    args = [qkv, rows, bias, rot, state, n_heads, n_kv, hd, hd, n_rot, neox, kc, vc, max_seq]
+    kc, vc = poison((n_kv, cache, hd), kvt), poison((n_kv, cache, hd), kvt)
+    q_scale = 1.0 if neox else float(np.float32(1 / np.sqrt(hd)))
+    args = [qkv, rows, bias, rot, state, n_heads, n_kv, hd, hd, n_rot, neox, q_scale, kc, vc,
+            cache]  # fmt: skip
     dev, twin = launch_both(ks, f"rope_kv_{kv}", rows, 256, args)
     same_bits(dev[0][:, : n_heads * hd], twin[0][:, : n_heads * hd])
-    same_bits(dev[11][:, pos : pos + rows], twin[11][:, pos : pos + rows])
-    same_bits(dev[12][:, pos : pos + rows], twin[12][:, pos : pos + rows])
+    same_bits(dev[12], twin[12])  # every slot: written, or still poison in both
+    same_bits(dev[13], twin[13])
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("heads", HEADS, ids=[str(h) for h in HEADS])
-@pytest.mark.parametrize(("rows", "pos"), [(1, 0), (1, 300), (37, 0)])
-def test_attention(ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, kv: str) -> None:
+@pytest.mark.parametrize(("rows", "pos", "window"), [(1, 0, 0), (1, 300, 0), (37, 0, 0),
+                                                     (1, 300, 24), (37, 10, 24)])  # fmt: skip
+def test_attention(
+    ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, window: int, kv: str
+) -> None:
+    """Global blocks (window 0, a cache of every position) and sliding ones (window 24:
+    a decode step over a ring of 24 slots, a prefill over a cache of every position)."""
     n_heads, n_kv, hd, _, _ = heads
-    rng = np.random.default_rng(rows * 7 + pos + hd)
+    rng = np.random.default_rng(rows * 7 + pos + hd + window)
     max_seq = 400
+    cache = window if window and rows == 1 else max_seq
     width = (n_heads + 2 * n_kv) * hd
     qkv = rng.standard_normal((rows, width)).astype(np.float32)
-    cache = rng.standard_normal((2, n_kv, max_seq, hd)).astype(np.float32)
+    kv_values = rng.standard_normal((2, n_kv, cache, hd)).astype(np.float32)
     if kv == "f16":
-        kc, vc = (c.astype(np.float16).view(np.uint16) for c in cache)
+        kc, vc = (c.astype(np.float16).view(np.uint16) for c in kv_values)
     else:
-        kc, vc = cache[0].copy(), cache[1].copy()
+        kc, vc = kv_values[0].copy(), kv_values[1].copy()
     state = np.array([pos, 0], np.int32)
     out = poison((rows, n_heads * hd), np.float32)
     fused = rows == 1 and hd % 32 == 0
     nq = n_heads * hd
     q8 = [poison(nq, np.int8), poison(nq // 32, np.float32), poison(nq // 32, np.float32)]
     scale = float(np.float32(1 / np.sqrt(hd)))
-    args = [qkv, rows, kc, vc, state, n_heads, n_kv, hd, hd, max_seq, scale, out,
+    args = [qkv, rows, kc, vc, state, n_heads, n_kv, hd, hd, cache, window, scale, out,
             *(q8 if fused else [None, None, None])]  # fmt: skip
     dev, twin = launch_both(ks, f"attention_{kv}", (rows, n_heads), ATT_THREADS, args)
     # an output is a weighted mean of values of magnitude ~1: float32 online softmax
-    within(dev[11], twin[11], np.ones_like(twin[11]), rel=2e-5)
+    within(dev[12], twin[12], np.ones_like(twin[12]), rel=2e-5)
     if fused:
-        act = twins.quantize_q8(dev[11].reshape(-1))
-        same_bits(dev[12], act.q)
-        same_bits(dev[13], act.d)
+        act = twins.quantize_q8(dev[12].reshape(-1))
+        same_bits(dev[13], act.q)
+        same_bits(dev[14], act.d)
 
 
 # ---- argmax and conversions ----------------------------------------------------------------

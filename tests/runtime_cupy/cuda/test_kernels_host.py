@@ -111,6 +111,10 @@ int main(int argc, char** argv) {
             unsigned short b = float_to_bf16(f[i]);
             std::fwrite(&b, 2, 1, out);
         }
+        for (int i = 0; i < n; ++i) {
+            unsigned short h = float_to_half(f[i]);
+            std::fwrite(&h, 2, 1, out);
+        }
         return 0;
     }
     int rows = 0, nc = 0;
@@ -228,13 +232,23 @@ def test_a_misaligned_load_stops_the_harness(
     assert proc.returncode != 0 and b"misaligned" in proc.stderr, proc.stderr
 
 
+#: Half precision's edges: the largest half, values rounding to it or to infinity,
+#: subnormal steps and ties, the smallest normal and the largest subnormal.
+HALF_EDGES = [65504, 65519.99, 65520, -65520, 2.0**-24, 2.0**-25, 3 * 2.0**-25,
+              2.0**-25 + 2.0**-40, 2.0**-14, 2.0**-14 - 2.0**-25]  # fmt: skip
+
+
 @needs_cxx
 def test_half_and_bfloat16_conversions_are_exact(harness: Path, tmp_path: Path) -> None:
+    """Every half and bfloat16 to float, and float to bfloat16 and to half (its host path,
+    which the SIMT emulator runs) on random, edge and subnormal values, bit for bit."""
     rng = np.random.default_rng(7)
     values = np.concatenate(
         [
             rng.standard_normal(4096).astype(np.float32) * np.float32(1e4),
             np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 3.4e38, -1.5], np.float32),
+            np.array(HALF_EDGES, np.float32),
+            (np.float32(2.0**-14) * rng.random(4096).astype(np.float32)),
             rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32).view(np.float32),
         ]
     )
@@ -248,8 +262,14 @@ def test_half_and_bfloat16_conversions_are_exact(harness: Path, tmp_path: Path) 
         else:
             expected = (all_bits.astype(np.uint32) << 16).view(np.float32)
         np.testing.assert_array_equal(floats.view(np.uint32), expected.view(np.uint32))
-        bf = np.frombuffer(out[65536 * 4 :], np.uint16)
+        bf = np.frombuffer(out[65536 * 4 : 65536 * 4 + 2 * values.size], np.uint16)
         np.testing.assert_array_equal(bf, float32_to_bf16(values))
+        halves = np.frombuffer(out[65536 * 4 + 2 * values.size :], np.uint16)
+        nan = np.isnan(values)
+        with np.errstate(over="ignore"):
+            expected_halves = values.astype(np.float16).view(np.uint16)
+        np.testing.assert_array_equal(halves[~nan], expected_halves[~nan])
+        assert (halves[nan] == 0x7FFF).all()  # cvt.rn.f16.f32's canonical NaN
 
 
 def test_importing_the_worker_does_not_import_cupy() -> None:

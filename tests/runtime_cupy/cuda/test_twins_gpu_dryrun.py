@@ -2,12 +2,14 @@
 
 ``test_gpu_kernels.py`` and ``test_gpu_worker.py`` can only run on a CUDA device. Here
 their test functions are called directly (past their skip marks) with the stand-in
-for CuPy and the emulated kernels of ``tests/support/emulated_cupy.py`` in place of the
-device, on small shapes and a small model: every launch, copy, index and assertion
-of their code runs. The kernels are their own twins here, so agreement is expected;
-what these runs catch is test code that could not run (wrong arguments, shapes,
-fixture keys) or that asserts something false of a correct worker. The SmolLM2 tests
-run on llama.cpp's recorded outputs standing in for the CUDA worker's.
+for CuPy of ``tests/support/emulated_cupy.py`` and the kernels' real source on the SIMT
+emulator in place of the device, on small shapes and a small model: every launch, copy,
+index and assertion of their code runs. What these runs catch is test code that could
+not run (wrong arguments, shapes, fixture keys) or that asserts something false of a
+correct worker. The SmolLM2 tests run on llama.cpp's recorded outputs standing in for
+the CUDA worker's. (Every kernel test with all its parameters, in two thread orders,
+is ``test_simt_kernels.py``; the tiny fixtures of every type and SmolLM2 on the
+emulated worker, ``test_simt_worker.py``.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import tests.runtime_cupy.cuda.test_gpu_kernels as gk
 import tests.runtime_cupy.cuda.test_gpu_worker as gw
 from runtime_core.workers.interface import TokenOutput
 from tests.fixtures.gguf_models import ModelShape, write_model
-from tests.fixtures.llamacpp_fixtures import load_doc, load_logits
+from tests.fixtures.llamacpp_fixtures import load_logits
 from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy
 
 
@@ -110,13 +112,6 @@ def test_every_gpu_worker_test_is_dry_run() -> None:
         "test_smollm2_8bit_mode_keeps_the_reference_tokens_up_to_a_near_tie",
     }
     assert {n for n in dir(gw) if n.startswith("test_")} == tested
-
-
-@pytest.mark.parametrize("mode", ["q8", "f32"])
-def test_gpu_tiny_fixture_test_runs(emulated: EmulatedKernels, mode: str, tmp_path: Path) -> None:
-    models = {m["name"]: m for m in load_doc("tiny")["models"]}
-    for name in ("tiny-llama-F32", "tiny-qwen2-Q6_K"):
-        gw.test_tiny_fixtures_in_every_type(models[name], mode, tmp_path)
 
 
 def test_gpu_smollm2_tests_run(monkeypatch: pytest.MonkeyPatch, smollm2_path: str) -> None:

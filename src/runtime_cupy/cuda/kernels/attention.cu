@@ -1,14 +1,16 @@
 // attention.cu: grouped-query attention of query rows over the KV cache.
 //
 //   attention_<KV>(qkv, rows, k_cache, v_cache, state, n_heads, n_kv, hd_k, hd_v,
-//                  max_seq, scale, out, oq, od, os)
+//                  cache_size, window, scale, out, oq, od, os)
 //   Grid (rows, n_heads): rows in x, the one dimension that may exceed 65535 blocks;
 //   ATT_WARPS warps per block. Query row r (position p = state[0] + r, Q already
-//   rotated, in qkv) of head h attends to the cached keys and values 0 .. p of kv head
-//   h / (n_heads / n_kv): causal for a prefill, one row for a decode step. Scores are
-//   dot(q, k) * scale; softmax and the weighted sum of V run in one pass ("online
-//   softmax": a running maximum, sum and weighted sum per warp, merged across the warps
-//   at the end).
+//   rotated, in qkv) of head h attends to the cached keys and values of kv head
+//   h / (n_heads / n_kv) at positions 0 .. p (causal for a prefill, one row for a decode
+//   step), or p - window + 1 .. p when window > 0 (a sliding block). The cache is a
+//   ring of cache_size slots per kv head, position j in slot j % cache_size (rope.cu).
+//   Scores are dot(q, k) * scale; softmax and the weighted sum of V run in one pass
+//   ("online softmax": a running maximum, sum and weighted sum per warp, merged across the
+//   warps at the end).
 //   out: (rows, n_heads * hd_v) float32. When oq is not null (one decode row, hd_v a
 //   multiple of 32), the head's outputs are also quantized to 8 bits in chunks of 32.
 //   Head sizes up to 256; lane l holds dimensions l, l + 32, ...
@@ -25,15 +27,16 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
                                                const KV* __restrict__ k_cache,
                                                const KV* __restrict__ v_cache,
                                                const int* __restrict__ state, int n_heads,
-                                               int n_kv, int hd_k, int hd_v, int max_seq,
-                                               float scale, float* __restrict__ out, i8* oq,
-                                               float* od, float* os) {
+                                               int n_kv, int hd_k, int hd_v, int cache_size,
+                                               int window, float scale, float* __restrict__ out,
+                                               i8* oq, float* od, float* os) {
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_acc[ATT_WARPS][32 * ATT_MAX_PER_LANE];
     __shared__ float s_out[32 * ATT_MAX_PER_LANE];
     int r = blockIdx.x, h = blockIdx.y;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int n_ctx = state[0] + r + 1;
+    int p = state[0] + r;  // the row's position
+    int seen = window > 0 && p >= window ? p - window + 1 : 0;  // the first position it sees
     int kvh = h / (n_heads / n_kv);
     int stride = n_heads * hd_k + n_kv * hd_k + n_kv * hd_v;  // a row of qkv
     const float* q = qkv + (i64)r * stride + h * hd_k;
@@ -44,10 +47,11 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
         acc[i] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    const KV* kb = k_cache + (i64)kvh * max_seq * hd_k;
-    const KV* vb = v_cache + (i64)kvh * max_seq * hd_v;
-    for (int j = warp; j < n_ctx; j += ATT_WARPS) {
-        const KV* k = kb + (i64)j * hd_k;
+    const KV* kb = k_cache + (i64)kvh * cache_size * hd_k;
+    const KV* vb = v_cache + (i64)kvh * cache_size * hd_v;
+    for (int j = seen + warp; j <= p; j += ATT_WARPS) {
+        int slot = j % cache_size;
+        const KV* k = kb + (i64)slot * hd_k;
         float dot = 0.0f;
         UNROLL for (int i = 0; i < ATT_MAX_PER_LANE; ++i) {
             int d = lane + 32 * i;
@@ -57,7 +61,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
         float m_new = fmaxf(m, s);
         float corr = expf(m - m_new), p = expf(s - m_new);
         l = l * corr + p;
-        const KV* v = vb + (i64)j * hd_v;
+        const KV* v = vb + (i64)slot * hd_v;
         UNROLL for (int i = 0; i < ATT_MAX_PER_LANE; ++i) {
             int d = lane + 32 * i;
             if (d < hd_v) acc[i] = acc[i] * corr + p * load_kv(v + d);
@@ -97,10 +101,10 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
 #define ATTENTION(NAME, KV)                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_##NAME(            \
         const float* qkv, int rows, const KV* k_cache, const KV* v_cache, const int* state,   \
-        int n_heads, int n_kv, int hd_k, int hd_v, int max_seq, float scale, float* out,      \
-        i8* oq, float* od, float* os) {                                                        \
+        int n_heads, int n_kv, int hd_k, int hd_v, int cache_size, int window, float scale,   \
+        float* out, i8* oq, float* od, float* os) {                                            \
         attention_body<KV>(qkv, rows, k_cache, v_cache, state, n_heads, n_kv, hd_k, hd_v,     \
-                           max_seq, scale, out, oq, od, os);                                   \
+                           cache_size, window, scale, out, oq, od, os);                        \
     }
 
 ATTENTION(f32, float)

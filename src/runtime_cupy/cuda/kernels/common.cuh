@@ -100,14 +100,6 @@ HD u16 float_to_bf16(float f) {
     return (u16)((bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16);
 }
 
-#ifdef __CUDACC__
-// float -> IEEE half bits, rounded to nearest even (as NumPy's astype(float16)).
-__device__ __forceinline__ u16 float_to_half(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-#endif
 
 // ---- products that the compiler must not fuse -------------------------------------
 // Dequantization rounds like the gguf package's NumPy code (a product, then a sum,
@@ -137,6 +129,31 @@ HD float sub_rn(float a, float b) {
 #else
     volatile float r = a - b;
     return r;
+#endif
+}
+
+// float -> IEEE half bits, rounded to nearest even (as NumPy's astype(float16)); a NaN
+// becomes 0x7fff, the GPU's canonical NaN (NumPy keeps some of the payload).
+HD u16 float_to_half(float f) {
+#ifdef __CUDA_ARCH__
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    u32 x = float_to_bits(f);
+    u32 sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7fffu;
+    if (a >= 0x47800000u) return (u16)(sign | 0x7c00u);  // 65536 and up: infinity
+    if (a < 0x38800000u) {
+        // below 2^-14: a subnormal half or zero. Adding 0.5 (whose float ulp is 2^-24,
+        // the subnormal half's step) rounds to nearest even; the low bits are the half.
+        float s = add_rn(bits_to_float(a), 0.5f);
+        return (u16)(sign | (float_to_bits(s) - 0x3f000000u));
+    }
+    // rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even;
+    // a carry into the exponent is right, up to infinity (65520 and up)
+    a += 0xc8000fffu + ((a >> 13) & 1u);
+    return (u16)(sign | (a >> 13));
 #endif
 }
 

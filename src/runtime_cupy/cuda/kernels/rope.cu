@@ -1,18 +1,24 @@
 // rope.cu: the Q|K|V rows of a step after their matrix product: add the biases (qwen2),
-// rotate Q and K (rotary position embedding), and store K and V in the KV cache.
+// rotate Q and K (rotary position embedding), scale Q, and store K and V in the KV cache.
 //
 //   rope_kv_<KV>(qkv, rows, bias, rot, state, n_heads, n_kv, hd_k, hd_v, n_rot, neox,
-//                k_cache, v_cache, max_seq)
-//   qkv: (rows, q_dim + k_dim + v_dim) float32; Q is rotated in place, K and V are
-//       written to the cache only. Row r is at position state[0] + r.
+//                q_scale, k_cache, v_cache, cache_size)
+//   qkv: (rows, q_dim + k_dim + v_dim) float32; Q is rotated (and multiplied by q_scale)
+//       in place, K and V are written to the cache only. Row r is at position
+//       state[0] + r.
 //   bias: (q_dim + k_dim + v_dim,) or null.
-//   rot: (max_seq, n_rot / 2) pairs (cos, sin) of every position's angles, computed on
-//       the host exactly as the reference computes them (reference_model.rope_rotations).
+//   rot: (positions, n_rot / 2) pairs (cos, sin) of every position's angles (the block's
+//       own rope base), computed on the host exactly as the reference computes them
+//       (reference_model.rope_rotations).
 //   A head's rotary pair j < n_rot / 2 is (2j, 2j + 1) ("normal", llama) or
 //       (j, j + n_rot / 2) (neox, qwen2); dimensions n_rot .. hd_k - 1 pass unchanged.
 //       (a, b) -> (a cos - b sin, a sin + b cos), each product rounded (no fused
 //       multiply-add), as NumPy's complex64 product rounds.
-//   k_cache, v_cache: this layer's (n_kv, max_seq, hd) in KV (float or half bits).
+//   q_scale: 1, or the query scale where llama.cpp multiplies the rotated queries
+//       (gemma3, phi3), each element rounded once.
+//   k_cache, v_cache: this layer's (n_kv, cache_size, hd) in KV (float or half bits), a
+//       ring: position p in slot p % cache_size (a block's whole context, or a sliding
+//       block's window).
 //   Grid: one block per row.
 #include "common.cuh"
 
@@ -25,11 +31,11 @@ __device__ __forceinline__ void rope_kv_body(float* __restrict__ qkv, int rows,
                                              const float* __restrict__ rot,
                                              const int* __restrict__ state, int n_heads,
                                              int n_kv, int hd_k, int hd_v, int n_rot, int neox,
-                                             KV* __restrict__ k_cache, KV* __restrict__ v_cache,
-                                             int max_seq) {
+                                             float q_scale, KV* __restrict__ k_cache,
+                                             KV* __restrict__ v_cache, int cache_size) {
     int r = blockIdx.x;
     if (r >= rows) return;
-    int pos = state[0] + r;
+    int pos = state[0] + r, slot = pos % cache_size;
     int q_dim = n_heads * hd_k, k_dim = n_kv * hd_k, v_dim = n_kv * hd_v;
     float* x = qkv + (i64)r * (q_dim + k_dim + v_dim);
     int half_k = hd_k / 2, half_rot = n_rot / 2;
@@ -58,10 +64,10 @@ __device__ __forceinline__ void rope_kv_body(float* __restrict__ qkv, int rows,
             vb = rb;
         }
         if (head < n_heads) {
-            x[ia] = va;
-            x[ib] = vb;
+            x[ia] = va * q_scale;
+            x[ib] = vb * q_scale;
         } else {
-            KV* k = k_cache + ((i64)(head - n_heads) * max_seq + pos) * hd_k;
+            KV* k = k_cache + ((i64)(head - n_heads) * cache_size + slot) * hd_k;
             store_kv(k + a, va);
             store_kv(k + b, vb);
         }
@@ -71,17 +77,17 @@ __device__ __forceinline__ void rope_kv_body(float* __restrict__ qkv, int rows,
         float v = x[at];
         if (bias) v += bias[at];
         int head = i / hd_v, d = i % hd_v;
-        store_kv(v_cache + ((i64)head * max_seq + pos) * hd_v + d, v);
+        store_kv(v_cache + ((i64)head * cache_size + slot) * hd_v + d, v);
     }
 }
 
 #define ROPE_KV(NAME, KV)                                                                      \
-    extern "C" __global__ void __launch_bounds__(1024) rope_kv_##NAME(float* qkv, int rows, const float* bias,         \
-                                              const float* rot, const int* state, int n_heads, \
-                                              int n_kv, int hd_k, int hd_v, int n_rot,         \
-                                              int neox, KV* k_cache, KV* v_cache, int max_seq) { \
+    extern "C" __global__ void __launch_bounds__(1024) rope_kv_##NAME(                        \
+        float* qkv, int rows, const float* bias, const float* rot, const int* state,          \
+        int n_heads, int n_kv, int hd_k, int hd_v, int n_rot, int neox, float q_scale,        \
+        KV* k_cache, KV* v_cache, int cache_size) {                                            \
         rope_kv_body<KV>(qkv, rows, bias, rot, state, n_heads, n_kv, hd_k, hd_v, n_rot, neox,  \
-                         k_cache, v_cache, max_seq);                                           \
+                         q_scale, k_cache, v_cache, cache_size);                               \
     }
 
 ROPE_KV(f32, float)

@@ -1,0 +1,144 @@
+"""The CUDA worker, whole, with its kernels' real source on the SIMT emulator.
+
+- SmolLM2-135M (Q4_1) through the process runtime: two stage processes of the emulated
+  CUDA worker (``tests/support/simt_stage.SimtHost``: ``cuda/backend.py`` on the emulated
+  CuPy, 8-bit products, f16 activations between the stages as a CUDA run plans them, the
+  kernels' threads in a seeded random order). On two of llama.cpp's recorded prompts it
+  gives the NumPy reference worker's greedy tokens up to llama.cpp's first near-tie
+  (``numerics.first_near_tie``: "mountain" has none in its 16 steps, so every token
+  asked for; "france" has one at step 5), and its prompt logits meet the reference
+  worker's thresholds against llama.cpp's (cosine >= 0.999, the same largest logit).
+  Affordable: about 20 CPU seconds for 8 + 6 tokens (a decode step of SmolLM2 is some
+  6 million emulated CUDA threads).
+- llama.cpp's tiny fixtures of every architecture the CUDA worker runs, in every type it
+  has (13 for llama and qwen2), both product modes, in one process: the GPU test of the
+  same name (``test_gpu_worker.test_tiny_fixtures_in_every_type``: llama.cpp's
+  thresholds, and prompt logits within cosine 0.99999 of the NumPy twin worker's) on the
+  emulated CuPy.
+- The 6-block gemma3 fixture (sliding windows past which the run goes, post-norms, GELU)
+  split 3 + 3 across two emulated stage processes with float32 activations, its kernels'
+  threads in reverse order: the tokens of one stage in this process and its logits
+  within 1e-5 (the GPU test's bound for stages against one stage: the prefill's matrix
+  products are NumPy's here, standing for cuBLAS, and OpenBLAS sums in another order
+  with the stage processes' one thread than with this process's several), and llama.cpp's
+  prompt logits within its F32 thresholds.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tests.runtime_cupy.cuda.test_gpu_worker as gw
+from runtime_core.workers.reference.worker import ReferenceWorker
+from runtime_cupy.cuda.worker import CudaWorker
+from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
+from tests.support.chain import Chain, provisions
+from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy
+from tests.support.numerics import common_prefix, cosine, first_near_tie
+from tests.support.simt.loader import REVERSE, random_order
+from tests.support.simt_stage import SimtHost, run_emulated
+
+if shutil.which("g++") is None:
+    pytest.skip("the SIMT emulator needs a host C++ compiler (g++)", allow_module_level=True)
+
+SMOLLM2 = {p["name"]: p for p in load_doc("smollm2")["prompts"]}
+SMOLLM2_LOGITS = load_logits("smollm2")
+#: (prompt, tokens): a prompt with no near-tie in its first 16 steps, and one with a
+#: near-tie at step 5.
+RUNS = (("mountain", 8), ("france", 6))
+
+
+@pytest.fixture(scope="module")
+def emulated_smollm2(smollm2_path: str) -> dict[str, Any]:
+    """Each prompt's run through two emulated CUDA stage processes."""
+    host = SimtHost(order=random_order(11))
+    return {
+        name: run_emulated(
+            smollm2_path, SMOLLM2[name]["token_ids"], stages=2, max_tokens=n, host=host
+        )
+        for name, n in RUNS
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_smollm2(smollm2_path: str) -> dict[str, list[int]]:
+    chain = Chain.bind(provisions(smollm2_path, 1, max_seq_len=64), ReferenceWorker)
+    try:
+        return {
+            name: [o.token_id for o in chain.generate(SMOLLM2[name]["token_ids"], n)]
+            for name, n in RUNS
+        }
+    finally:
+        chain.release()
+
+
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.parametrize(("name", "n"), RUNS, ids=[name for name, _ in RUNS])
+def test_smollm2_in_two_emulated_cuda_stage_processes(
+    emulated_smollm2: dict[str, Any], reference_smollm2: dict[str, list[int]], name: str, n: int
+) -> None:
+    result = emulated_smollm2[name]
+    assert result.finished is not None and result.finished.outcome.value == "COMPLETED", result
+    assert len(result.tokens) == n and len(result.logits) == n
+    prompt_logits = np.asarray(result.logits[0])
+    theirs = SMOLLM2_LOGITS[f"q4_1/{name}"]
+    assert cosine(prompt_logits, theirs) >= 0.999
+    assert int(np.argmax(prompt_logits)) == int(np.argmax(theirs))
+    agree = common_prefix(list(result.tokens), reference_smollm2[name])
+    assert agree >= first_near_tie(SMOLLM2[name]["gaps"], n), (
+        name,
+        result.tokens,
+        reference_smollm2[name],
+    )
+
+
+@pytest.fixture
+def emulated_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedKernels]:
+    kernels = EmulatedKernels()
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
+    monkeypatch.setitem(sys.modules, "runtime_cupy.cuda.backend", DEVICE_STAGE)
+    monkeypatch.setitem(DEVICE_STAGE._KERNELS, 0, kernels)
+    yield kernels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["q8", "f32"])
+@pytest.mark.parametrize("entry", gw.TINY_MODELS, ids=[m["name"] for m in gw.TINY_MODELS])
+def test_tiny_fixtures_in_every_type(
+    emulated_cupy: EmulatedKernels, entry: dict[str, Any], mode: str, tmp_path: Path
+) -> None:
+    gw.test_tiny_fixtures_in_every_type(entry, mode, tmp_path)
+    assert emulated_cupy.python_launches > 0
+
+
+@pytest.mark.process
+def test_a_six_block_gemma3_split_across_two_emulated_stage_processes(
+    emulated_cupy: EmulatedKernels, tmp_path: Path
+) -> None:
+    tiny = load_doc("tiny")
+    entry = next(m for m in tiny["models"] if m["name"] == "tiny-gemma3-6-F32")
+    path = model_file(entry, tmp_path)
+    prompt, n = tiny["prompt"], tiny["greedy_tokens"]
+    split = run_emulated(
+        path, prompt, stages=2, max_tokens=n, host=SimtHost(order=REVERSE), activation_bytes=4
+    )
+    assert split.finished is not None and split.finished.outcome.value == "COMPLETED", split
+    chain = Chain.bind(provisions(path, 1, max_seq_len=len(prompt) + n), CudaWorker)
+    try:
+        one = chain.generate(prompt, n)
+    finally:
+        chain.release()
+    assert list(split.tokens) == [o.token_id for o in one]
+    for ours, theirs in zip(split.logits, one, strict=True):
+        np.testing.assert_allclose(ours, theirs.logits, rtol=0, atol=1e-5)
+    llamacpp = load_logits("tiny")[f"{entry['name']}/prompt"]
+    assert cosine(np.asarray(split.logits[0]), llamacpp) >= 0.99999
+    assert int(np.argmax(split.logits[0])) == int(np.argmax(llamacpp))
