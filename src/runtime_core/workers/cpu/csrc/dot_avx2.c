@@ -335,6 +335,7 @@ X8_LEGACY(Q4_1, 2)
  * two above, summing in 16 bits, are AVX2's own): x8_kernels.h with vpmaddubsw */
 #define X8_TARGET "avx2,f16c"
 #define X8_VNNI 0
+#define X8_B32_TILE 1 /* Q8_0's prefill: measured 20 % faster */
 #define X8_WIDTH 256
 #include "x8_kernels.h"
 

@@ -5,6 +5,8 @@
  *   X8_TARGET   the target attribute's string ("avx2,f16c", ...)
  *   X8_VNNI     1 where vpdpbusd (4 unsigned-by-signed byte products added to an int32)
  *               exists, 0 for AVX2's vpmaddubsw + vpmaddwd
+ *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1 take more than X8_XT rows
+ *               as a tile, each block decoded once (b32_tile)
  *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
  *               next's (defines x16_q8_0 .. x16_q6_k, x16_fn; needs AVX-512 BW and VNNI)
@@ -239,6 +241,67 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
     XN(finish)(acc, NJ, out);
 }
 
+/* Q4_0, Q4_1, Q8_0 for a tile of nj (> X8_XT) rows: each block decoded once, then the
+ * rows one after another (their running sums in acc, memory): q4_body's and
+ * q8_0_body's arithmetic, in their order */
+X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
+                         float (*out)[XL], const int kind /* 0 Q4_0, 1 Q4_1, 2 Q8_0 */) {
+    const int gb = kind == 2 ? 272 : kind == 1 ? 160 : 144, at = kind == 1 ? 32 : 16;
+    const VI m4 = v_set1_8(0x0F);
+    VF acc[X8_TILE][8];
+    for (int k = 0; k < nj; ++k)
+        for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
+    for (int64_t c = 0; c < nc; ++c) {
+        const uint8_t *b = grp + c * gb;
+        XN(prefetch)(b + X8_PREFETCH, gb);
+        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        const VF dw = XN(ld_halves)(b, gs);
+        const VF mw = kind == 1 ? XN(ld_halves)(b + 16, gs) : f_zero();
+        VI u[8], q[8];
+        if (kind == 2) {
+            for (int w = 0; w < 8; ++w) {
+                q[w] = XN(ld)(b + 16 + 32 * w, gs);
+#if X8_VNNI
+                u[w] = v_xor(q[w], v_set1_8((char)0x80));
+#else
+                u[w] = _mm256_abs_epi8(q[w]);
+#endif
+            }
+        } else {
+            for (int w = 0; w < 4; ++w) {
+                VI v = XN(ld)(b + at + 32 * w, gs);
+                u[w] = v_and(v, m4);
+                u[4 + w] = v_and(v_srli16(v, 4), m4);
+            }
+        }
+        for (int k = 0; k < nj; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->n + 32 * c;
+            VI si;
+            if (kind == 2) {
+#if X8_VNNI
+                si = v_set1_32(-128 * x->g[j * 2 * nc + c]);
+                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+#else
+                si = v_zero();
+                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], _mm256_sign_epi8(XN(bcast)(xq + 4 * w), q[w]));
+#endif
+            } else {
+                si = kind == 1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]);
+                for (int w = 0; w < 4; ++w) {
+                    si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+                    si = v_dot4(si, u[4 + w], XN(bcast)(xq + 16 + 4 * w));
+                }
+            }
+            const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
+            VF term = f_mul(fac, f_cvt(si));
+            if (kind == 1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
+            acc[k][c & 7] = f_add(acc[k][c & 7], term);
+        }
+    }
+    for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
+}
+
 /* ---- K-quants: Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q6_K (d * dw) * isum -------- */
 
 #ifndef X8_KINDS
@@ -436,11 +499,15 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
 
 /* ---- the entries: one body per row count, so that its loops unroll -------------------------- */
 
-/* nj <= X8_TILE rows, X8_XT at a time */
-#define X8_ENTRY(NAME, CALL)                                                                   \
+/* nj <= X8_TILE rows: more than X8_XT as a tile (b32_tile), else at once */
+#define X8_ENTRY(NAME, CALL, KIND)                                                             \
     X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
                                                        const XRows *x, int64_t j0, int nj,      \
                                                        float (*out)[XL]) {                      \
+        if (X8_B32_TILE && nj > X8_XT) {                                                        \
+            XN(b32_tile)(grp, gs, nc, x, j0, nj, out, KIND);                                    \
+            return;                                                                             \
+        }                                                                                       \
         for (int k = 0; k < nj; k += X8_XT) {                                                   \
             const int64_t jk = j0 + k;                                                          \
             float(*ok)[XL] = out + k;                                                           \
@@ -477,9 +544,12 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
 #define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 0)
 #define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 1)
 
-X8_ENTRY(q8_0, X8_CALL_Q8_0)
-X8_ENTRY(q4_0, X8_CALL_Q4_0)
-X8_ENTRY(q4_1, X8_CALL_Q4_1)
+#ifndef X8_B32_TILE /* AVX2 only: measured no faster with VNNI */
+#define X8_B32_TILE 0
+#endif
+X8_ENTRY(q8_0, X8_CALL_Q8_0, 2)
+X8_ENTRY(q4_0, X8_CALL_Q4_0, 0)
+X8_ENTRY(q4_1, X8_CALL_Q4_1, 1)
 X8_K_ENTRY(q4_k, X8_Q4_K)
 X8_K_ENTRY(q5_k, X8_Q5_K)
 X8_K_ENTRY(q6_k, X8_Q6_K)
@@ -487,6 +557,7 @@ X8_K_ENTRY(q6_k, X8_Q6_K)
 /* ---- ready for another width ------------------------------------------------------------- */
 
 #undef X8_ENTRY
+#undef X8_B32_TILE
 #undef X8_K_ENTRY
 #undef X8_CALL_Q8_0
 #undef X8_CALL_Q4_0
