@@ -2,9 +2,9 @@
 
 Loading one stage's slice of a GGUF file, the tokenizer, the NumPy reference worker,
 sampling, the ring and its edge ends, and the controllers that drive the orchestrator
-and stage state machines of ``runplan.fsm``: one run at a time (``StageController``,
-``OrchestratorController``), or many runs on one chain (``ChainStageController``,
-``ChainOrchestrator``, over the chain's links and the workers' batched steps).
+and stage state machines of ``runplan.fsm`` for the runs of one chain
+(``ChainStageController``, ``ChainOrchestrator``, over the chain's links and the
+workers' batched steps; a single request is a chain with one run).
 """
 
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunRefused
@@ -12,12 +12,9 @@ from runtime_core.chain_stage import ChainStageController
 from runtime_core.edge_ends import EdgeFaultError, ReceiveEnd, Record, SendEnd
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice, open_stage_slice
-from runtime_core.in_process_edges import LocalEdges
 from runtime_core.links import LinkReceiver, LinkSender, LocalLinks
 from runtime_core.model_config import ModelConfig
-from runtime_core.orchestrator_controller import OrchestratorController
 from runtime_core.ring import EdgeClosed, EdgeTimeout, Ring, RingError
-from runtime_core.stage_controller import StageController
 from runtime_core.tokenizer import (
     ChatTemplateError,
     NoChatTemplate,
@@ -49,11 +46,9 @@ __all__ = [
     "KvCacheUnavailable",
     "LinkReceiver",
     "LinkSender",
-    "LocalEdges",
     "LocalLinks",
     "ModelConfig",
     "NoChatTemplate",
-    "OrchestratorController",
     "ReceiveEnd",
     "Record",
     "ReferenceWorker",
@@ -62,7 +57,6 @@ __all__ = [
     "RunRefused",
     "Sampler",
     "SendEnd",
-    "StageController",
     "StageSlice",
     "StepFailure",
     "StepWorker",

@@ -213,6 +213,11 @@ class ChainOrchestrator:
                     return
                 self._start(handle)
 
+    def kv_reserved(self) -> dict[int, int]:
+        """KV-cache bytes the runs in flight hold on each stage (the planner's figures,
+        as the stages reserve them), by stage index."""
+        return dict(self._reserved)
+
     def cancel(self, run_id: str, detail: str = "") -> None:
         """End one run at the caller's request (``CANCELLED``); the others go on."""
         handle = self.runs.get(run_id)
@@ -243,7 +248,7 @@ class ChainOrchestrator:
         self._admit()
 
     # -- events in, actions out -------------------------------------------------------------
-    def handle(self, event: fsm.Received | fsm.StageDied | RunTimerFired) -> None:
+    def handle(self, event: fsm.Received | fsm.StageDied | fsm.StageSilent | RunTimerFired) -> None:
         """Feed one event: a control message to its run's machine, a stage's death to
         every run (a chain fault), a timer to its run."""
         if isinstance(event, fsm.Received):
@@ -263,6 +268,9 @@ class ChainOrchestrator:
         elif isinstance(event, fsm.StageDied):
             detail = f"stage {event.stage_index}: {event.detail}".rstrip(": ")
             self._chain_fault(FaultReason(FaultKind.PROCESS_DIED, detail), event)
+        elif isinstance(event, fsm.StageSilent):
+            detail = f"stage {event.stage_index}: no heartbeat for {event.silent_ms / 1000:.1f} s"
+            self._chain_fault(FaultReason(FaultKind.STAGE_SILENT, detail), event)
         elif isinstance(event, RunTimerFired):
             handle = self.runs.get(event.run_id)
             if handle is not None and not handle.queued:
@@ -404,7 +412,7 @@ class ChainOrchestrator:
                     record.chunk_count,
                 )
             except EdgeClosed as exc:
-                self._link_fault(f"token-in closed: {exc}")
+                self._link_fault(f"token-in (hop 0) closed: {exc}")
                 return False
             if not sent:
                 return False
@@ -428,7 +436,7 @@ class ChainOrchestrator:
         try:
             taken = self.token_out.try_take()
         except (LinkFault, EdgeClosed) as exc:
-            self._link_fault(f"token-out: {exc}")
+            self._link_fault(f"token-out (hop {handle_hops(self.runs)}): {exc}")
             return True
         if taken is None:
             return False
@@ -461,6 +469,10 @@ class ChainOrchestrator:
         self._feed(handle, fsm.TokenConsumed(h.sequence, token))
         return True
 
+    def link_fault(self, detail: str) -> None:
+        """The runtime's notice that a token link is stuck or gone (a chain fault)."""
+        self._link_fault(detail)
+
     def _link_fault(self, detail: str) -> None:
         self._chain_fault(FaultReason(FaultKind.EDGE_FAULT, detail), fsm.EndpointFault(detail))
 
@@ -469,6 +481,13 @@ class ChainOrchestrator:
         if self.token_out is not None:
             self.token_out.close()
         self.token_in = self.token_out = None
+
+
+def handle_hops(runs: dict[str, RunHandle]) -> str:
+    """Token-out's hop (the chain's stage count), from any run held; ``?`` if none."""
+    for handle in runs.values():
+        return str(handle.plan.stage_count)
+    return "?"
 
 
 def _outcome(handle: RunHandle) -> str:

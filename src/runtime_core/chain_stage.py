@@ -443,7 +443,7 @@ class ChainStageController:
         try:
             taken = self.inbound.try_take()
         except (LinkFault, EdgeClosed) as exc:
-            self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{INBOUND_LINK}: {exc}"))
+            self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{self._link('inbound')}: {exc}"))
             return True
         if taken is None:
             return False
@@ -497,7 +497,15 @@ class ChainStageController:
         self.batches += 1
         self.batch_rows.append(sum(s.data.shape[0] for s in steps))
         if self.trace is not _no_trace:
-            self.trace("batch", {"runs": [s.run_id for s in steps], "rows": self.batch_rows[-1]})
+            self.trace(
+                "batch",
+                {
+                    "runs": [s.run_id for s in steps],
+                    "sequences": [s.sequence for s in steps],
+                    "step_rows": [s.data.shape[0] for s in steps],
+                    "rows": self.batch_rows[-1],
+                },
+            )
         try:
             results = self.worker.execute_batch(steps)
             if len(results) != len(steps):
@@ -564,7 +572,9 @@ class ChainStageController:
                         out.chunk_count,
                     )
                 except EdgeClosed as exc:
-                    self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{OUTBOUND_LINK}: {exc}"))
+                    self.chain_fault(
+                        FaultReason(FaultKind.EDGE_FAULT, f"{self._link('outbound')}: {exc}")
+                    )
                     return False
                 if not sent:
                     return False
@@ -579,8 +589,17 @@ class ChainStageController:
         """The runtime's bound on a full outbound ring (``edge_wait_ms``) ran out: the
         next stage does not take records, a fault of the chain."""
         if self._outputs:
-            detail = f"{OUTBOUND_LINK}: no free slot within {waited_ms} ms"
+            detail = f"{self._link('outbound')}: no free slot within {waited_ms} ms"
             self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, detail))
+
+    def _link(self, end: str) -> str:
+        """A link's name in a fault: ``inbound link (hop i)``; hop ``i`` feeds stage
+        ``i``."""
+        name = OUTBOUND_LINK if end == "outbound" else INBOUND_LINK
+        if self.chain is None:
+            return name
+        hop = self.chain.stage_index + (end == "outbound")
+        return f"{name} (hop {hop})"
 
     def chain_fault(self, reason: FaultReason) -> None:
         """A fault of what every run shares: each held run faults with ``reason``."""

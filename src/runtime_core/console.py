@@ -96,9 +96,12 @@ class TextStream:
         self.out.flush()
 
 
-def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: str) -> None:
+def add_generation_arguments(
+    parser: argparse.ArgumentParser, *, stages_help: str, prompts_file: bool = False
+) -> None:
     """The flags both runtimes' ``run`` commands take: the model, the stage count, the
-    prompt, sampling, ``--json`` and ``--trace``."""
+    prompt, sampling, ``--json`` and ``--trace`` (``prompts_file``: also
+    ``--prompts-file``, in place of one prompt)."""
     from runplan.models import DEFAULT_MODEL
 
     parser.add_argument(
@@ -110,6 +113,14 @@ def add_generation_arguments(parser: argparse.ArgumentParser, *, stages_help: st
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the prompt text")
     what.add_argument("--prompt-ids", type=token_ids, help="the prompt as token ids: 1,2,3")
+    if prompts_file:
+        what.add_argument(
+            "--prompts-file",
+            type=Path,
+            help='a JSON Lines file of prompts ({"prompt": TEXT} or {"prompt_ids": '
+            "[IDS]} a line), all run at once on one chain; one JSON line per prompt is "
+            "printed as it completes",
+        )
     parser.add_argument(
         "--chat",
         action="store_true",
@@ -145,8 +156,13 @@ def prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
     template with ``--chat``)."""
     if args.prompt_ids is not None:
         return list(args.prompt_ids)
-    text = args.prompt
-    if args.chat:
+    return encode_prompt(args.prompt, tokenizer, chat=args.chat)
+
+
+def encode_prompt(text: str, tokenizer: Tokenizer, *, chat: bool) -> list[int]:
+    """A prompt's text encoded as ``--prompt`` is (a user turn in the model's chat
+    template with ``chat``)."""
+    if chat:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )

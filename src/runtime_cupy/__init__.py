@@ -5,12 +5,14 @@ control channels (``control``), clean teardown on any fault.
 
 ``generate(...)`` has ``runtime_sim.generate``'s signature and result fields, plus
 runtime options (``worker="cpu" | "numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``,
-``edges="auto" | "shm" | "tcp"``, ``host``).
+``edges="auto" | "shm" | "tcp"``, ``host``). ``generate_batch(model, prompts, ...)``
+runs many prompts at once on one chain and yields each result as it completes.
 The CUDA worker (``runtime_cupy.cuda.worker``) is imported only when asked for.
 """
 
 from runtime_core.runs import PlanRejected
 from runtime_cupy.api import GenerateResult, generate
+from runtime_cupy.batch import generate_batch
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageHost, StageProcessInfo
 from runtime_cupy.process.launcher import ProcessRun, ProcessRunResult
@@ -26,4 +28,5 @@ __all__ = [
     "StageProcessInfo",
     "WorkerUnavailable",
     "generate",
+    "generate_batch",
 ]

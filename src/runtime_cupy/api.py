@@ -59,6 +59,7 @@ class GenerateResult:
     trace: tuple[Event, ...] | None = None  # Chrome trace events, when asked for
     media: tuple[str, ...] = ()  # how each edge of the plan moved its bytes: shm or tcp
     encrypted_edges: bool = False  # TCP edges encrypted their frames (else authenticated)
+    chain_id: str = ""  # the chain that ran it: names its links (one per hop) on its hosts
     slices: tuple[StageTransfer, ...] = ()  # stages that asked for their slice of the model
 
 
@@ -76,12 +77,15 @@ def plan_for(
     run_id: str | None = None,
     placement: str = "even",
     cluster: Sequence[StageNode] | None = None,
+    max_concurrent_runs: int = 1,
 ) -> tuple[RunPlan, tuple[int | None, ...]]:
     """The plan of a process run and each stage's GPU: layers split evenly (or by
     memory), a KV cache just long enough for the prompt and the tokens asked for (as the
     simulator plans). ``cluster``: the stages' nodes on a Ray cluster (else this host's).
     ``run_id``: by default 128 random bits (``names.new_run_id``); a run id given here
-    names the run's resources on its hosts, so it must be as hard to guess."""
+    names the run's resources on its hosts, so it must be as hard to guess.
+    ``max_concurrent_runs``: the runs of a chain of these stages held at once (sizes
+    each stage's KV budget; plans of one chain must agree on it)."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     worker_capabilities = capabilities(worker)  # WorkerUnavailable before looking for GPUs
     if cluster is None:
@@ -98,6 +102,7 @@ def plan_for(
         return_logits=return_logits,
         timeouts=timeouts or Timeouts(),
         worker=worker_capabilities,
+        max_concurrent_runs=max_concurrent_runs,
     )
     if len(nodes) != stages:
         raise ValueError(f"{len(nodes)} nodes placed for {stages} stages")
@@ -261,5 +266,6 @@ def summarize(
         trace=result.trace,
         media=result.media,
         encrypted_edges=result.encrypted_edges,
+        chain_id=result.chain_id,
         slices=slices,
     )

@@ -14,7 +14,7 @@ import pytest
 
 from runplan import RunPlan
 from runtime_cupy.edges.shm import unlink_segment
-from runtime_cupy.process.launcher import ProcessRun
+from runtime_cupy.process.chain_runner import ChainRunner
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support import hygiene
 from tests.support.hygiene import (
@@ -35,9 +35,10 @@ def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test leaves no process, no shared memory or run folder and no listening
     port behind, even when it fails: strays are killed and removed, then the test
     errors. It checks what it made itself: the processes carrying its tag, the
-    resources of the runs it used (``hygiene.RunLedger``: every ``ProcessRun`` made in
-    this process, and the runs it learned of from processes it started), and its own
-    process's listening ports (the orchestrator's token-out; a stage's die with it).
+    resources of the chains it used (``hygiene.RunLedger``: every ``ChainRunner`` made
+    in this process, a ``ProcessRun``'s or a warm chain's, and the runs it learned of
+    from processes it started), and its own process's listening ports (the
+    orchestrator's token-out; a stage's die with it).
     A resource of one of its runs that a process it did not start still uses (a warm
     chain of a fixture wider than the test) is not a leftover. Nothing else on the
     host is looked at, so a stranger's run or server never makes a test fail, and is
@@ -46,13 +47,13 @@ def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv(TAG_VARIABLE, tag)  # inherited by every process a test starts
     ledger = RunLedger()
     monkeypatch.setattr(hygiene, "current_ledger", ledger)
-    made = ProcessRun.__init__
+    made = ChainRunner.__init__
 
-    def observed(self: ProcessRun, plan: RunPlan, *args: Any, **kwargs: Any) -> None:
-        ledger.learn([plan.run_id])
+    def observed(self: ChainRunner, plan: RunPlan, *args: Any, **kwargs: Any) -> None:
         made(self, plan, *args, **kwargs)
+        ledger.learn([self.chain_id])  # its links are named from the chain's id
 
-    monkeypatch.setattr(ProcessRun, "__init__", observed)
+    monkeypatch.setattr(ChainRunner, "__init__", observed)
     ports_before = listening_sockets(os.getpid())
     yield
     ports_left = sorted(set(listening_sockets(os.getpid())) - set(ports_before))

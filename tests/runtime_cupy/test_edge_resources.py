@@ -26,39 +26,41 @@ from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.process.names import NameTaken, NotPrivate, edge_dir
 from tests.support.hosts import FaultyHost
-from tests.support.hygiene import SHM, alive, run_resources, wait_gone
+from tests.support.hygiene import SHM, alive, run_resources
 
 
-def test_a_stopping_stage_leaves_its_outbound_edge_to_the_next_stage(
-    tiny: str, tmp_path: Path
-) -> None:
+def test_a_stage_that_stopped_its_run_keeps_the_chain_s_links(tiny: str, tmp_path: Path) -> None:
     # Stage 1 sleeps 30 s in step 1, so the orchestrator's token timer (300 ms) runs out
-    # and it tears down: stage 0 stops at once; stage 1, asleep, cannot. Stage 0 gone,
-    # the ring it produced to (edge 1, made by stage 1, which is still alive) must stay.
+    # and the run is torn down: stage 0 stops the run at once; stage 1, asleep, cannot.
+    # Stage 0 stays (it serves the chain), and so does the link it produces to (hop 1,
+    # made by stage 1): the chain's links outlive its runs. Closing the chain frees
+    # them, by name.
     timeouts = Timeouts(ready_ms=20_000, step_ms=300, edge_wait_ms=20_000, stop_ms=2_000)
     plan, _ = plan_for(
         tiny, stages=2, prompt_len=2, max_tokens=8, sampling=SamplingConfig(),
         return_logits=False, timeouts=timeouts,
     )  # fmt: skip
-    edge = plan.stages[0].outbound_edge
     pids: dict[int, int] = {}
     seen: dict[str, object] = {}
+    chain: list[str] = []
 
     def on_event(kind: str, fields: dict[str, object]) -> None:
         if kind == "spawned":
             pids[int(str(fields["stage_index"]))] = int(str(fields["pid"]))
         message = fields.get("message")
         if kind == "received" and isinstance(message, StageStopped) and message.stage_index == 0:
-            seen["stage 0 gone"] = wait_gone([pids[0]], 10) == []
+            seen["stage 0 alive"] = alive(pids[0])
             seen["stage 1 alive"] = alive(pids[1])
-            seen["segment"] = (SHM / segment_name(plan.run_id, edge)).exists()
-            seen["fifos"] = all(p.exists() for p in signal_paths(plan.run_id, edge))
+            seen["segment"] = (SHM / segment_name(chain[0], 1)).exists()
+            seen["fifos"] = all(p.exists() for p in signal_paths(chain[0], 1))
 
     host = FaultyHost({1: ["step-delay=1:30"]}, log_dir=tmp_path)
-    result = ProcessRun(plan, [1, 2], host=host, edges="shm", on_event=on_event).run()
+    run = ProcessRun(plan, [1, 2], host=host, edges="shm", on_event=on_event)
+    chain.append(run.chain_id)
+    result = run.run()
     assert result.finished is not None and result.finished.fault is not None
-    assert seen == {"stage 0 gone": True, "stage 1 alive": True, "segment": True, "fifos": True}
-    assert run_resources(plan.run_id) == []  # the teardown freed it, by name
+    assert seen == {"stage 0 alive": True, "stage 1 alive": True, "segment": True, "fifos": True}
+    assert run_resources(result.chain_id) == []  # the chain's close freed it, by name
 
 
 def test_shared_memory_is_refused_where_stores_may_be_reordered(

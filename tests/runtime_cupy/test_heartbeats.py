@@ -75,4 +75,4 @@ def test_a_stage_stopped_mid_decode_is_named_silent_within_the_bound(tiny: str) 
     codes = {s.stage_index: s.returncode for s in result.stages}
     assert codes == {0: 0, 1: -signal.SIGKILL}, codes  # the silent one killed, stage 0 stopped
     assert not [s.pid for s in result.stages if alive(s.pid)]
-    assert run_resources(result.plan.run_id) == []
+    assert run_resources(result.chain_id) == []

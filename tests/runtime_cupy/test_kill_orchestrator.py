@@ -50,6 +50,7 @@ class Driver:
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.run_id = ""
+        self.chain_id = ""  # names the run's links
         self.pids: list[int] = []
 
     def _read(self) -> None:
@@ -69,6 +70,9 @@ class Driver:
             if "run_id" in item:
                 self.run_id = item["run_id"]
                 learn_run_ids([self.run_id])
+            if "chain_id" in item:
+                self.chain_id = item["chain_id"]
+                learn_run_ids([self.chain_id])
             if "spawned" in item:
                 self.pids.append(item["spawned"])
             seen += key in item
@@ -101,7 +105,7 @@ def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_mid_decode(
     assert left == [], f"stage processes still running: {left}"
     # Within the stop bound (plus start-up slack), not after the 60 s step.
     assert time.monotonic() - killed < STOP_MS / 1000 + 8
-    assert driver.run_id and run_resources(driver.run_id) == []
+    assert run_resources(driver.chain_id) == []
     log = (tmp_path / "driver.log").read_text()
     assert "orchestrator lost" in log  # each stage says why it stopped
     assert "not stopped within" in log  # the stuck one left through its watchdog
@@ -120,4 +124,4 @@ def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_before_ready(
     left = wait_gone(driver.pids, STOP_MS / 1000 + 8)
     assert left == [], f"stage processes still running: {left}"
     log = (tmp_path / "driver.log").read_text()
-    assert driver.run_id and run_resources(driver.run_id) == [], log
+    assert run_resources(driver.chain_id) == [], log

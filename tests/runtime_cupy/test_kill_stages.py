@@ -76,7 +76,7 @@ def _assert_faulted_and_clean(result: GenerateResult, stage: int, killer: Killer
     assert codes[stage] == -signal.SIGKILL
     assert all(codes[i] == 0 for i in codes if i != stage), codes  # stopped on StopRun
     assert not [s.pid for s in result.stages if alive(s.pid)]
-    assert run_resources(result.plan.run_id) == []
+    assert run_resources(result.chain_id) == []
 
 
 @EDGES

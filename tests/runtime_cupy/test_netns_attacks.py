@@ -46,7 +46,7 @@ PROMPT = [3, 1, 4, 1, 5]
 TIMEOUTS = Timeouts(ready_ms=60_000, step_ms=30_000, edge_wait_ms=30_000, stop_ms=5_000)
 #: Stage 0 on host 1, stage 1 on host 2; host 3 is the stranger's.
 WHERE = (1, 2)
-ACTIVATIONS = 2  # the edge from stage 0 to stage 1
+ACTIVATIONS = 1  # the link from stage 0 to stage 1: hop 1 of the chain
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +147,10 @@ def clean(hosts: TestHosts, model: str) -> tuple[int, ...]:
 @pytest.mark.parametrize(
     ("attack", "fault", "stage"),
     [
-        ("change@1", "edge 2: frame 1 from the producer failed authentication", 1),
-        ("replay@2", "edge 2: frame 2 from the producer failed authentication", 1),
-        ("inject@2", "edge 2: frame 2 from the producer failed authentication", 1),
-        ("reorder-credits@0", "edge 2: closed: frame 0 from the consumer failed auth", 0),
+        ("change@1", "(hop 1): frame 1 from the producer failed authentication", 1),
+        ("replay@2", "(hop 1): frame 2 from the producer failed authentication", 1),
+        ("inject@2", "(hop 1): frame 2 from the producer failed authentication", 1),
+        ("reorder-credits@0", "(hop 1): frame 0 from the consumer failed auth", 0),
     ],
 )
 def test_a_strangers_relay_between_two_hosts_changes_nothing_unseen(
@@ -161,7 +161,7 @@ def test_a_strangers_relay_between_two_hosts_changes_nothing_unseen(
     def lie(host: NetnsStageHost) -> None:
         host.store.detours[ACTIVATIONS] = relay.detour
 
-    plan, result, _ = _run(hosts, model, setup=lie)
+    _, result, _ = _run(hosts, model, setup=lie)
     report = relay.report()
     assert report["connections"] == 1 and report["done"], report
     finished = result.finished  # type: ignore[attr-defined]
@@ -169,7 +169,7 @@ def test_a_strangers_relay_between_two_hosts_changes_nothing_unseen(
     assert fault in str(finished.fault) and finished.fault_stage == stage, finished
     tokens = tuple(result.tokens)  # type: ignore[attr-defined]
     assert tokens == clean[: len(tokens)]
-    assert run_resources(plan.run_id) == []
+    assert run_resources(result.chain_id) == []  # type: ignore[attr-defined]
 
 
 def test_an_encrypted_edge_between_two_hosts_shows_a_relay_nothing(
@@ -218,10 +218,10 @@ def test_a_flood_from_another_host_does_not_fail_the_run(
     def setup(host: NetnsStageHost) -> None:
         host.store.detours[ACTIVATIONS] = hold_back
 
-    plan, result, _ = _run(hosts, model, setup=setup, attach_delay={0: 0.2})
+    _, result, _ = _run(hosts, model, setup=setup, attach_delay={0: 0.2})
     strangers = sum(made(proc) for proc in floods)
     finished = result.finished  # type: ignore[attr-defined]
     assert finished is not None and finished.fault is None, finished
     assert tuple(result.tokens) == clean  # type: ignore[attr-defined]
     assert strangers > 64, f"only {strangers} strangers came (a consumer keeps 64)"
-    assert run_resources(plan.run_id) == []
+    assert run_resources(result.chain_id) == []  # type: ignore[attr-defined]

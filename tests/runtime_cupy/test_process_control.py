@@ -249,7 +249,7 @@ def test_bad_control_input_is_refused_logged_and_the_run_goes_on(
     assert len(replays) == 2  # the orchestrator refused each stage's StageReady again
     for tap in host.taps.values():
         tap.join(10)
-    assert run_resources(plan.run_id) == []
+    assert run_resources(result.chain_id) == []
 
 
 SECRET = new_secret()

@@ -40,7 +40,7 @@ def test_a_failed_step_faults_the_run_naming_the_stage(tiny: str) -> None:
     assert len(result.tokens) == 2  # sequences 0 and 1
     assert all(s.returncode == 0 for s in result.stages)  # the faulted stage stopped too
     assert not [s.pid for s in result.stages if alive(s.pid)]
-    assert run_resources(result.plan.run_id) == []
+    assert run_resources(result.chain_id) == []
 
 
 def test_a_token_that_does_not_come_in_time_faults_the_run(tiny: str) -> None:
@@ -62,7 +62,7 @@ def test_a_token_that_does_not_come_in_time_faults_the_run(tiny: str) -> None:
     codes = {s.stage_index: s.returncode for s in result.stages}
     assert codes == {0: 0, 1: -signal.SIGKILL, 2: 0}
     assert result.wall_s < 15
-    assert run_resources(result.plan.run_id) == []
+    assert run_resources(result.chain_id) == []
 
 
 @pytest.mark.parametrize("edges", ["shm", "tcp"])
@@ -75,7 +75,7 @@ def test_ctrl_c_cancels_the_run_and_cleans_up(tiny: str, tmp_path: Path, edges: 
     assert driver.proc.stdout is not None
     driver.until("outcome")
     assert wait_gone(driver.pids, 5) == []
-    assert driver.run_id and run_resources(driver.run_id) == []
+    assert run_resources(driver.chain_id) == []
     driver.kill()
 
 

@@ -28,7 +28,7 @@ def _assert_clean(result: runtime_cupy.GenerateResult) -> None:
     for stage in result.stages:
         assert stage.returncode is not None, f"stage {stage.stage_index} not reaped"
         assert not alive(stage.pid)
-    assert run_resources(result.plan.run_id) == []
+    assert run_resources(result.chain_id) == []
 
 
 @pytest.mark.parametrize("stages", [1, 3])

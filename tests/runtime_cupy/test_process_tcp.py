@@ -48,7 +48,7 @@ def test_tcp_edges_give_the_simulators_tokens(tiny: str) -> None:
     assert real.media == ("tcp",) * 4  # token-in, two activation edges, token-out
     assert all(s.returncode == 0 for s in real.stages)
     assert not [s.pid for s in real.stages if alive(s.pid)]
-    assert run_resources(real.plan.run_id) == []
+    assert run_resources(real.chain_id) == []
 
 
 def test_the_cli_takes_edges_tcp(tiny: str) -> None:
@@ -137,8 +137,8 @@ def test_strangers_on_a_stages_port_are_refused_and_the_run_completes(
     plan = plan_()
     host = FaultyHost({0: ["setup-delay=2"]}, log_dir=tmp_path)
     run = ProcessRun(plan, prompt, edges="tcp", host=host)
-    edge = plan.stages[1].inbound_edge
-    strangers = Strangers(plan.run_id, edge, run.secret)
+    edge = 1  # stage 1's inbound link: hop 1 of the chain
+    strangers = Strangers(run.chain_id, edge, run.secret)
     try:
         result = run.run()
     finally:
@@ -156,4 +156,4 @@ def test_strangers_on_a_stages_port_are_refused_and_the_run_completes(
     assert f"a producer of edge {edge + 1} (this is edge {edge})" in reasons
     assert "the edge has its producer, or is closed" in reasons  # the half handshake
     assert "producer 127.0.0.1" in log  # and the real producer got in
-    assert run_resources(plan.run_id) == []
+    assert run_resources(result.chain_id) == []

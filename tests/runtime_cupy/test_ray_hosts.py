@@ -168,9 +168,9 @@ def _listeners_of_ours(hosts: TestHosts, i: int) -> list[str]:
 
 
 def _left_on(hosts: TestHosts, i: int, run_id: str) -> list[str]:
-    """What of the run is left on host ``i``: its edges' segments and folders, by name
-    (a plan of three stages numbers its edges 1 to 4)."""
-    names = [f"/dev/shm/{segment_name(run_id, e)} {edge_dir(run_id, e)}" for e in range(1, 5)]
+    """What of the run's chain (``run_id``: the chain's id) is left on host ``i``: its
+    links' segments and folders, by name (a chain of three stages has hops 0 to 3)."""
+    names = [f"/dev/shm/{segment_name(run_id, e)} {edge_dir(run_id, e)}" for e in range(0, 4)]
     out = hosts.on_host(i, f"ls -d {' '.join(names)} 2>/dev/null").split()
     mine = set(hosts.pids(i))
     out += [f"stage process {p}" for p in run_processes(run_id) if p in mine]
@@ -206,7 +206,7 @@ def test_three_stages_on_three_hosts_give_the_simulators_tokens(
     # The orchestrator shares the head's host with stage 0: shared memory; TCP elsewhere.
     assert doc["media"] == ["shm", "tcp", "tcp", "tcp"]
     assert all(s["returncode"] == 0 for s in doc["stages"])
-    _assert_nothing_left(hosts, doc["run_id"])
+    _assert_nothing_left(hosts, doc["chain_id"])
 
 
 def _hidden(
@@ -277,7 +277,7 @@ def test_hosts_without_the_model_file_get_their_slices_then_start_from_their_cac
         for i in (2, 3):
             line = _transfers(hosts, i)[-1]
             assert (line["outcome"], line["socket_bytes"]) == ("cache", 0), line
-    _assert_nothing_left(hosts, doc["run_id"])
+    _assert_nothing_left(hosts, doc["chain_id"])
 
 
 def test_a_full_cache_disk_on_a_host_is_a_named_fault_and_the_run_after_succeeds(
@@ -308,7 +308,7 @@ def test_a_full_cache_disk_on_a_host_is_a_named_fault_and_the_run_after_succeeds
     assert after["tokens"] == list(
         runtime_sim.generate(model, PROMPT, stages=3, max_tokens=2).tokens
     )
-    _assert_nothing_left(hosts, doc["run_id"])
+    _assert_nothing_left(hosts, doc["chain_id"])
 
 
 def test_a_remote_stage_process_killed_mid_decode(hosts: TestHosts, model: str) -> None:
@@ -324,7 +324,7 @@ def test_a_remote_stage_process_killed_mid_decode(hosts: TestHosts, model: str) 
     codes = [s["returncode"] for s in doc["stages"]]
     assert codes == [0, -signal.SIGKILL, 0], codes  # the others stopped on StopRun
     assert doc["ended_s"] - doc["resumed_s"] < STOP_S + EDGE_S + SILENT_PEER_S + SLACK_S
-    _assert_nothing_left(hosts, doc["run_id"])
+    _assert_nothing_left(hosts, doc["chain_id"])
 
 
 def test_the_network_to_a_host_cut_mid_decode(hosts: TestHosts, model: str, tmp_path: Path) -> None:
@@ -354,9 +354,9 @@ def test_the_network_to_a_host_cut_mid_decode(hosts: TestHosts, model: str, tmp_
     finally:
         hosts.mend(3)
     # Nothing resumes when the link comes back.
-    assert wait_until(lambda: run_processes(doc["run_id"]), 10) == []
+    assert wait_until(lambda: run_processes(doc["chain_id"]), 10) == []
     assert wait_until(supervisors, 60) == []
-    _assert_nothing_left(hosts, doc["run_id"])
+    _assert_nothing_left(hosts, doc["chain_id"])
     _ensure_three_hosts(hosts, tmp_path)
 
 
@@ -364,7 +364,7 @@ def test_the_orchestrator_killed_mid_decode(hosts: TestHosts, model: str, tmp_pa
     _ensure_three_hosts(hosts, tmp_path)
     driver = Driver(hosts, model, "--max-tokens", "40", "--pause-at", "2")
     paused = driver.paused()
-    run_id = str(paused["run_id"])  # never on a command line: each shows the run's label
+    run_id = str(paused["chain_id"])  # never on a command line: each shows its label
     labels = {cmdline(pid).split("--run-label ")[1].split()[0] for pid in _pids(paused).values()}
     assert labels == {run_label(run_id)}
     driver.kill()
@@ -391,4 +391,4 @@ def test_a_whole_host_lost_mid_decode(hosts: TestHosts, model: str, tmp_path: Pa
     codes = {s["stage_index"]: s["returncode"] for s in doc["stages"]}
     assert codes[0] == 0 and codes[2] == 0, codes  # the live hosts' stages stopped
     assert hosts.pids(2) == []  # nothing of the lost host runs
-    _assert_nothing_left(hosts, doc["run_id"], on=(1, 3))
+    _assert_nothing_left(hosts, doc["chain_id"], on=(1, 3))

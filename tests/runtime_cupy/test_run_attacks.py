@@ -56,15 +56,15 @@ def clean_tokens(tiny: str) -> tuple[int, ...]:
 @pytest.mark.parametrize(
     ("attack", "fault"),
     [
-        ("change@0", "edge {edge}: frame 0 from the producer failed authentication"),
-        ("reorder-credits@0", "(edge {edge}) closed: frame 0 from the consumer failed auth"),
+        ("change@0", "(hop {edge}): frame 0 from the producer failed authentication"),
+        ("reorder-credits@0", "(hop {edge}) closed: frame 0 from the consumer failed auth"),
     ],
 )
 def test_a_relay_in_the_middle_of_an_edge_changes_nothing_unseen(
     tiny: str, clean_tokens: tuple[int, ...], attack: str, fault: str
 ) -> None:
     plan = _plan(tiny)
-    edge = plan.token_in.edge_id
+    edge = 0  # token-in: hop 0 of the chain
     host = DetourHost(edge, attack)
     try:
         result = ProcessRun(plan, PROMPT, edges="tcp", host=host).run()
@@ -76,7 +76,7 @@ def test_a_relay_in_the_middle_of_an_edge_changes_nothing_unseen(
     assert fault.format(edge=edge) in str(finished.fault), finished.fault
     # What came out before the tampered record is the clean run's; nothing after it.
     assert result.tokens == clean_tokens[: len(result.tokens)]
-    assert run_resources(plan.run_id) == []
+    assert run_resources(result.chain_id) == []
 
 
 def test_an_encrypted_run_shows_a_relay_nothing_and_passes_unchanged(
@@ -85,7 +85,7 @@ def test_an_encrypted_run_shows_a_relay_nothing_and_passes_unchanged(
     seen: dict[bool, bytes] = {}
     for encrypt in (False, True):
         plan = _plan(tiny)
-        host = DetourHost(plan.token_in.edge_id, "pass")
+        host = DetourHost(0, "pass")  # token-in: hop 0 of the chain
         try:
             result = ProcessRun(plan, PROMPT, edges="tcp", host=host, encrypt_edges=encrypt).run()
         finally:
@@ -156,4 +156,4 @@ def test_a_flood_on_a_stages_port_during_setup_does_not_fail_the_run(
     log = (tmp_path / "stage-1.log").read_text()
     assert strangers > 64 and "pushed out" in log, (strangers, log[-2000:])
     assert "producer 127.0.0.1" in log
-    assert run_resources(plan.run_id) == []
+    assert run_resources(result.chain_id) == []

@@ -36,4 +36,4 @@ def test_a_long_prompt_gets_the_time_its_rows_allow_and_a_busy_stage_is_not_sile
     short = generate(tiny, prompt[:3], stages=2, max_tokens=4, timeouts=timeouts, host=slow)
     assert short.outcome == "faulted"
     assert short.fault is not None and "timeout: token 0 not produced in time" in short.fault
-    assert run_resources(short.plan.run_id) == []
+    assert run_resources(short.chain_id) == []

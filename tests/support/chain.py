@@ -124,6 +124,9 @@ class Chain:
     """Bound workers of every stage, in order."""
 
     workers: list[Worker]
+    #: every stage's output rows of each run, in order (``step_batch`` appends them:
+    #: (stage index, run id) -> arrays), when a test asks for them
+    activations: dict[tuple[int, str], list[Any]] | None = None
 
     @classmethod
     def bind(
@@ -193,23 +196,34 @@ class Chain:
         (a last stage's prefill chunk before the last ends there). Each run's result on
         the last stage (or its ``StepFailure`` where it failed)."""
         results: dict[str, StepResult] = {}
-        for w in self.workers:
+        for stage, w in enumerate(self.workers):
             outs = w.execute_batch(steps)
             following = []
             for step, out in zip(steps, outs, strict=True):
                 if isinstance(out, (StepFailure, TokenOutput)) or out is None:
                     results[step.run_id] = out
                 else:
+                    if self.activations is not None:
+                        got = getattr(out, "get", None)  # a device array, copied back
+                        kept = np.array(got() if callable(got) else out, copy=True)
+                        self.activations.setdefault((stage, step.run_id), []).append(kept)
                     following.append(attrs.evolve(step, data=out))
             steps = following
         return results
 
     def generate_batched(
-        self, prompts: Mapping[str, Sequence[int]], n: int, chunk: int = 0
+        self,
+        prompts: Mapping[str, Sequence[int]],
+        n: int,
+        chunk: int = 0,
+        join_at: Mapping[str, int] | None = None,
     ) -> dict[str, list[TokenOutput]]:
-        """``n`` outputs of each open run (by run id), every run in every batch: first
-        each run's prefill (in chunks of ``chunk`` rows, 0: whole), then its decode steps,
-        each fed back its last token."""
+        """``n`` outputs of each open run (by run id), every run in every batch from the
+        batch ``join_at[run]`` (default 0) on: first each run's prefill (in chunks of
+        ``chunk`` rows, 0: whole), then its decode steps, each fed back its last token.
+        Runs that join later put their prefill chunks beside the others' decode rows."""
+        join = join_at or {}
+        batch = 0
         pending: dict[str, list[BatchStep]] = {}
         for run_id, prompt in prompts.items():
             ids = np.array(prompt, dtype=np.uint32)
@@ -220,7 +234,10 @@ class Chain:
             ]
         outputs: dict[str, list[TokenOutput]] = {run_id: [] for run_id in prompts}
         while pending:
-            steps = [queue[0] for queue in pending.values()]
+            steps = [queue[0] for r, queue in pending.items() if join.get(r, 0) <= batch]
+            batch += 1
+            if not steps:
+                continue
             results = self.step_batch(steps)
             for step in steps:
                 pending[step.run_id].pop(0)

@@ -4,7 +4,8 @@
 
 It runs ``runtime_cupy.process.stage_process.main`` with the stage arguments, its worker (from the
 registry) wrapped in ``FaultyWorker``. Faults: ``setup-delay=SECONDS``,
-``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE``, and ``attach-delay=SECONDS``
+``step-delay=SEQUENCE:SECONDS``, ``step-fail=SEQUENCE`` (that run's step fails alone),
+``kv-full=N`` (the N-th run's KV cache finds no room), and ``attach-delay=SECONDS``
 (each try to attach the outbound edge takes that long more: a producer on a busy host,
 slow to answer its consumer's handshake). Started by ``FaultyHost``
 (``tests/support/hosts.py``): the faults come in through the host port, and nothing of
@@ -24,7 +25,16 @@ from attrs import frozen
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.plan import RingSpec
-from runtime_core.workers.interface import Progress, TokenOutput, Worker, WorkerError
+from runtime_core.workers.interface import (
+    BatchStep,
+    KvCacheUnavailable,
+    Progress,
+    StepFailure,
+    StepResult,
+    TokenOutput,
+    Worker,
+    WorkerError,
+)
 from runtime_cupy.edges.port import EdgeMedium, ProcessRing
 from runtime_cupy.hosts.local import local_medium
 from runtime_cupy.process import stage_process as stage
@@ -50,12 +60,13 @@ class Fault:
             if kind == "step-delay":
                 seq, _, secs = value.partition(":")
                 return cls(kind, int(seq), float(secs))
-            if kind == "step-fail":
+            if kind in ("step-fail", "kv-full"):
                 return cls(kind, int(value))
         except ValueError:
             pass
         raise argparse.ArgumentTypeError(
-            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S, step-fail=SEQ or attach-delay=S"
+            f"bad fault {text!r}: setup-delay=S, step-delay=SEQ:S, step-fail=SEQ, kv-full=N "
+            "or attach-delay=S"
         )
 
 
@@ -67,6 +78,7 @@ class FaultyWorker:
     def __init__(self, inner: Worker, faults: Sequence[Fault]) -> None:
         self.inner = inner
         self.faults = tuple(faults)
+        self.opened = 0  # runs opened so far (kv-full=N refuses the N-th)
 
     def configure(self, provision: ProvisionStage) -> None:
         for f in self.faults:
@@ -78,15 +90,49 @@ class FaultyWorker:
     def bind(self, gguf_source: GgufSource, progress: Progress | None = None) -> None:
         self.inner.bind(gguf_source, progress)
 
-    def execute_step(self, sequence: int, data: Any) -> Any | TokenOutput:
+    @property
+    def kv_reserved_bytes(self) -> int:
+        return self.inner.kv_reserved_bytes
+
+    def _failed(self, sequence: int) -> str | None:
+        """Play the faults of a step at ``sequence``: a delay, or a failure (its text)."""
+        failure = None
         for f in self.faults:
             if f.sequence == sequence and f.kind == "step-delay":
                 log.warning("injected fault: step %d delayed %.3f s", sequence, f.seconds)
                 time.sleep(f.seconds)
             if f.sequence == sequence and f.kind == "step-fail":
                 log.warning("injected fault: step %d fails", sequence)
-                raise WorkerError(f"injected failure at sequence {sequence}")
+                failure = f"injected failure at sequence {sequence}"
+        return failure
+
+    def execute_step(self, sequence: int, data: Any) -> Any | TokenOutput:
+        failure = self._failed(sequence)
+        if failure is not None:
+            raise WorkerError(failure)
         return self.inner.execute_step(sequence, data)
+
+    def open_run(self, provision: ProvisionStage) -> None:
+        self.opened += 1
+        for f in self.faults:
+            if f.kind == "kv-full" and f.sequence == self.opened:
+                log.warning("injected fault: no room for run %d's cache", self.opened)
+                budget = provision.kv_budget_bytes
+                raise KvCacheUnavailable(provision.run_id, provision.kv_bytes, 0, budget)
+        self.inner.open_run(provision)
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        """The batch's steps; a step whose sequence a ``step-fail`` names is that run's
+        ``StepFailure`` (the others' results stand)."""
+        failures = [self._failed(step.sequence) for step in steps]
+        kept = [step for step, failure in zip(steps, failures, strict=True) if failure is None]
+        results = iter(self.inner.execute_batch(kept) if kept else ())
+        return tuple(
+            next(results) if failure is None else StepFailure(failure) for failure in failures
+        )
+
+    def close_run(self, run_id: str) -> None:
+        self.inner.close_run(run_id)
 
     def release(self) -> None:
         self.inner.release()

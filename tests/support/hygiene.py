@@ -81,12 +81,15 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
         time.sleep(0.02)
 
 
-#: Edge ids a plan of up to 62 stages numbers its edges with (the planner's 1..N+1).
+#: Edge ids a plan of up to 62 stages numbers its edges with (the planner's 1..N+1), and
+#: the hops of a chain of as many (0..N).
 PLAN_EDGE_IDS = range(64)
 
 
 def run_resources(run_id: str, edge_ids: Iterable[int] = PLAN_EDGE_IDS) -> list[str]:
-    """What is left of one run: each edge's segment and folder, by name."""
+    """What is left of one run or chain (``run_id``: a run's id, or a chain's, which
+    names its links): each edge's or hop's segment and folder, by name."""
+    assert run_id, "no run or chain id to look for"
     left = []
     for edge_id in edge_ids:
         segment, folder = SHM / segment_name(run_id, edge_id), edge_dir(run_id, edge_id)

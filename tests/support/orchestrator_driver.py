@@ -39,7 +39,6 @@ def main() -> int:
         return_logits=False,
         timeouts=timeouts,
     )
-    say(run_id=plan.run_id)
 
     def on_event(kind: str, fields: dict[str, object]) -> None:
         if kind == "spawned":
@@ -56,6 +55,7 @@ def main() -> int:
         host=FaultyHost({int(k): v for k, v in json.loads(faults).items()}),
         edges=edges,
     )
+    say(run_id=plan.run_id, chain_id=run.chain_id)
     result = run.run()
     finished = result.finished
     outcome = finished.outcome.value.lower() if finished is not None else "abandoned"

@@ -57,17 +57,24 @@ def main() -> int:
     tokens: list[int] = []
     resumed: list[float] = []
     run_id: list[str] = []
+    chain_id: list[str] = []
 
     def on_event(kind: str, fields: dict[str, Any]) -> None:
         if kind == "spawned":
             pids[int(fields["stage_index"])] = int(fields["pid"])
+            chain_id[:] = [str(fields["chain_id"])]
         if kind == "received" and isinstance(fields.get("message"), StageReady):
             run_id[:] = [fields["message"].run_id]
 
     def on_token(token: int) -> None:
         tokens.append(token)
         if len(tokens) == args.pause_at:
-            paused = {"pids": pids, "tokens": len(tokens), "run_id": run_id[0]}
+            paused = {
+                "pids": pids,
+                "tokens": len(tokens),
+                "run_id": run_id[0],
+                "chain_id": chain_id[0],
+            }
             print(json.dumps({"paused": paused}), flush=True)
             sys.stdin.readline()
             resumed.append(time.monotonic())
@@ -89,6 +96,7 @@ def main() -> int:
         json.dumps(
             {
                 "run_id": result.plan.run_id,
+                "chain_id": result.chain_id,
                 "outcome": result.outcome,
                 "fault": result.fault,
                 "fault_stage": result.fault_stage,

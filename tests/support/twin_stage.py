@@ -8,6 +8,7 @@ llama.cpp's fixtures on a CPU; on a GPU, the CUDA worker is compared with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
 from runtime_core.workers.forward_program import (
     Linear,
+    Segment,
     StageWeights,
     forward_blocks,
     forward_embed,
@@ -27,6 +29,7 @@ from runtime_core.workers.forward_program import (
     load_weights,
 )
 from runtime_core.workers.interface import Progress
+from runtime_core.workers.looped_batch import Kept, RunsOneAtATime
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.support import twins
@@ -87,8 +90,9 @@ class TwinOps:
         self.bufs["xn"], _ = twins.rmsnorm(self.bufs["x"][:rows], weight, self.w.config.rms_eps)
         self._maybe_q8("xn", rows)
 
-    def head_norm(self, weight: F32, rows: int) -> None:
-        last = self.bufs["x"][rows - 1 : rows]
+    def head_norm(self, weight: F32, heads: Sequence[int]) -> None:
+        (row,) = heads  # one run's step at a time, as the CUDA worker's
+        last = self.bufs["x"][row : row + 1]
         self.bufs["xl"], _ = twins.rmsnorm(last, weight, self.w.config.rms_eps)
         self._maybe_q8("xl", 1)
 
@@ -126,7 +130,8 @@ class TwinOps:
         else:
             self.bufs[dst] = out
 
-    def rope_kv(self, layer: int, bias: F32 | None, rows: int) -> None:
+    def rope_kv(self, layer: int, bias: F32 | None, seg: Segment) -> None:
+        rows = seg.rows  # the step's only segment, at ``pos``
         c = self.w.config
         qkv = self.bufs["qkv"][:rows]
         if bias is not None:
@@ -143,7 +148,8 @@ class TwinOps:
         self.v_cache[layer][:, span] = v.transpose(1, 0, 2).astype(self.kv)
         self.bufs["q"] = (q * np.float32(self.q_scale)).reshape(rows, -1)
 
-    def attention(self, layer: int, rows: int) -> None:
+    def attention(self, layer: int, seg: Segment) -> None:
+        rows = seg.rows
         c = self.w.config
         n_ctx = self.pos + rows
         q = self.bufs["q"].reshape(rows, c.n_heads, c.head_dim_k)
@@ -181,21 +187,25 @@ class TwinOps:
         y, _ = twins.rmsnorm(self.bufs["o"][:rows], weight, self.w.config.rms_eps)
         self.bufs["x"] = (self.bufs["x"][:rows] + y).astype(np.float32)
 
-    def softcap(self, cap: float) -> None:
+    def softcap(self, cap: float, rows: int) -> None:
+        assert rows == 1  # one run's step at a time, as the CUDA worker's
         self.bufs["logits"] = twins.softcap(self.bufs["logits"], cap)
 
-    def argmax(self) -> None:
+    def argmax(self, rows: int) -> None:
+        assert rows == 1
         self.token = twins.argmax(self.bufs["logits"][0])
 
 
-class TwinBackend:
-    """``stage_worker.StageBackend`` on the twins."""
+class TwinBackend(RunsOneAtATime):
+    """``stage_worker.StageBackend`` on the twins, one run's step at a time, as the CUDA
+    worker's."""
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.ops: TwinOps | None = None
         self.weights: StageWeights[U8, F32] | None = None
         self._input: F32 | None = None
+        self.kept: list[Kept] = []
 
     def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None:
         self.weights = load_weights(stage, _HostUploader(), max_seq_len, progress)
@@ -228,9 +238,9 @@ class TwinBackend:
         else:
             assert self._input is not None
             ops.bufs["x"] = self._input
-        forward_blocks(ops, w, rows)
+        forward_blocks(ops, w, (Segment(0, rows, pos, None),))
         if self.spec.is_last and head:
-            forward_head(ops, w, rows)
+            forward_head(ops, w, (rows - 1,))
 
     def take_activations(self, rows: int) -> npt.NDArray[np.generic]:
         assert self.ops is not None
@@ -246,6 +256,15 @@ class TwinBackend:
 
     def sample(self, config: SamplingConfig, u: float) -> int:
         return device_sampling.sample(np, self.logits(), config, u)
+
+    def keep_logits(self) -> F32:
+        return self.logits()
+
+    def kept_to_host(self, logits: Any) -> F32:
+        return np.array(logits, dtype=np.float32, copy=True)
+
+    def sample_kept(self, logits: Any, config: SamplingConfig, u: float) -> int:
+        return device_sampling.sample(np, logits, config, u)
 
     def to_host(self, data: Any) -> npt.NDArray[np.generic]:
         return np.asarray(data)

@@ -33,16 +33,24 @@ architecture has)::
     x  += act @ Wdown^T                       [gemma3: post-norm as above]
 
 with ``x = embed(ids) [* embedding_scale]`` on the first stage (``forward_embed``), and
-on the last ``xl = rmsnorm(x[rows - 1]) * output_norm``, ``logits = xl @ head^T``
-[``logits = cap * tanh(logits / cap)``: gemma3's soft cap], ``token = argmax(logits)``.
+on the last ``xl = rmsnorm(x[heads]) * output_norm``, ``logits = xl @ head^T``
+[``logits = cap * tanh(logits / cap)``: gemma3's soft cap], ``token = argmax(logits)``
+per row (``forward_head``).
+
+A step is a batch (CONCURRENT_RUNS.md §3): the rows of several runs' steps stacked, each
+run's a ``Segment`` (its first row in the step, its rows, its first position, its KV
+cache). Every product and row-wise operation runs once over all the step's rows, so a
+backend whose kernels take several rows reads each weight once per batch; ``rope_kv``
+and ``attention`` run per segment, each against its run's cache at its run's positions.
+The head runs for the rows ``heads``: each run's last row that needs a token.
 Buffer names: sources ``xn``, ``att``, ``act``, ``xl``; destinations ``qkv``, ``x``,
 ``o``, ``h``, ``logits``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import numpy as np
@@ -63,6 +71,31 @@ V_contra = TypeVar("V_contra", contravariant=True)
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
 Progress = Callable[[int, int], None]
+
+
+@frozen
+class Segment:
+    """One run's rows in a step: rows ``start .. start + rows`` of the step's buffers, at
+    positions ``pos .. pos + rows`` of that run's KV cache ``cache`` (the backend's)."""
+
+    start: int
+    rows: int
+    pos: int
+    cache: Any
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+
+def segments_of(steps: Sequence[tuple[int, int, Any]]) -> tuple[Segment, ...]:
+    """The segments of a batch of ``(rows, pos, cache)`` steps stacked in order."""
+    out: list[Segment] = []
+    start = 0
+    for rows, pos, cache in steps:
+        out.append(Segment(start, rows, pos, cache))
+        start += rows
+    return tuple(out)
 
 
 @frozen
@@ -299,20 +332,23 @@ class Ops(Protocol[H, V_contra]):
     ) -> None:
         """dst (+)= src @ lin^T (+ bias)."""
 
-    def rope_kv(self, layer: int, bias: V_contra | None, rows: int) -> None:
-        """Biases, rotary embedding, and K, V into the cache of the stage's ``layer``."""
+    def rope_kv(self, layer: int, bias: V_contra | None, seg: Segment) -> None:
+        """The segment's rows: biases, rotary embedding at the segment's positions, and
+        K, V into block ``layer`` of the segment's cache."""
 
-    def attention(self, layer: int, rows: int) -> None:
-        """att = attention of the rotated Q rows over the cache of ``layer``."""
+    def attention(self, layer: int, seg: Segment) -> None:
+        """att = attention of the segment's rotated Q rows over block ``layer`` of the
+        segment's cache."""
 
     def swiglu(self, rows: int) -> None:
         """act = silu(h_gate) * h_up."""
 
-    def head_norm(self, weight: V_contra, rows: int) -> None:
-        """xl = rmsnorm(x[rows - 1]) * weight (one row)."""
+    def head_norm(self, weight: V_contra, heads: Sequence[int]) -> None:
+        """xl[k] = rmsnorm(x[heads[k]]) * weight for each k."""
 
-    def argmax(self) -> None:
-        """token = the first index of the largest logit (and a count of non-finite ones)."""
+    def argmax(self, rows: int) -> None:
+        """Per row of ``logits[:rows]``: the token, the first index of its largest logit
+        (and a count of its non-finite ones)."""
 
     # -- the optional steps (runtime_core.architectures) ----------------------------------
     def scale_x(self, factor: float, rows: int) -> None:
@@ -327,8 +363,8 @@ class Ops(Protocol[H, V_contra]):
     def geglu(self, rows: int) -> None:
         """act = gelu_tanh(h_gate) * h_up."""
 
-    def softcap(self, cap: float) -> None:
-        """logits = cap * tanh(logits / cap)."""
+    def softcap(self, cap: float, rows: int) -> None:
+        """logits[:rows] = cap * tanh(logits[:rows] / cap)."""
 
 
 def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
@@ -339,8 +375,11 @@ def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
         ops.scale_x(w.config.embedding_scale, rows)
 
 
-def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
-    """Run the residual rows ``x`` of a step through the stage's blocks."""
+def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], segments: Sequence[Segment]) -> None:
+    """Run the residual rows ``x`` of a step (the ``segments``' rows, stacked) through the
+    stage's blocks: every product and row-wise operation once over all rows, rotary
+    embedding and attention per segment."""
+    rows = segments[-1].end
     gelu = w.config.spec.activation is Activation.GELU_TANH
     for i, layer in enumerate(w.layers):
         ops.norm(layer.attn_norm, rows)
@@ -349,8 +388,9 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
         if layer.q_norm is not None and layer.k_norm is not None:
             ops.qk_norm(layer.q_norm, layer.k_norm, bias, rows)  # adds the bias first
             bias = None
-        ops.rope_kv(i, bias, rows)
-        ops.attention(i, rows)
+        for seg in segments:
+            ops.rope_kv(i, bias, seg)
+            ops.attention(i, seg)
         if layer.post_attn_norm is None:
             ops.linear(layer.wo, "att", "x", rows, accumulate=True, bias=layer.wo_bias)
         else:
@@ -369,11 +409,12 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
             ops.add_norm(layer.post_ffn_norm, rows)
 
 
-def forward_head(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
-    """Logits of the last row and the greedy token (last stage)."""
+def forward_head(ops: Ops[H, V], w: StageWeights[H, V], heads: Sequence[int]) -> None:
+    """Logits of the rows ``heads`` and their greedy tokens (last stage), the head's
+    weights read once for all of them."""
     assert w.output_norm is not None and w.head is not None
-    ops.head_norm(w.output_norm, rows)
-    ops.linear(w.head, "xl", "logits", 1)
+    ops.head_norm(w.output_norm, heads)
+    ops.linear(w.head, "xl", "logits", len(heads))
     if w.config.final_logit_softcap > 0.0:
-        ops.softcap(w.config.final_logit_softcap)
-    ops.argmax()
+        ops.softcap(w.config.final_logit_softcap, len(heads))
+    ops.argmax(len(heads))

@@ -19,10 +19,14 @@ Options common to every backend:
 
 Runs (CONCURRENT_RUNS.md): each run on the chain (``open_run`` .. ``close_run``) has
 its own KV cache on the backend (``new_cache`` for its ``kv_positions`` positions),
-sampler and cursor; ``execute_batch`` runs a batch's steps through ``_run_steps``, the
-one place that loops over them (each step selects its run's cache, ``use_cache``, and
-runs alone, so a run's results do not depend on its batch). A backend's batched kernels
-replace that loop.
+sampler and cursor. ``execute_batch`` checks each step (order, positions, token ids,
+activations: a bad one is that step's ``StepFailure``), then hands the backend the
+others in one call, ``run_batch``: each a ``BackendStep`` (its run's cache, input,
+first position, whether its last row needs a token). The CPU backend runs them as one
+step of all their rows (``forward_program.py``: each weight read once per batch); the
+CUDA backend, one after another (``looped_batch.py``). Either way a run's results do
+not depend on its batch. Then per step, in order: its activations, or its token (its
+run's sampler drawing where it samples) and logits.
 
 Weights outlive a run (``runtime_core.workers.kept_weights``): ``release`` closes every
 run and keeps the backend with its weights; a later ``bind`` for the same slice of the
@@ -68,31 +72,47 @@ MATVEC_MODES = ("q8", "f32")
 KV_DTYPES = ("auto", "f16", "f32")
 
 
+@attrs.frozen
+class BackendStep:
+    """One run's step in a batch, as a backend runs it: ``data`` (the first stage's
+    int32 token ids, else activations of the edge's dtype, ``rows`` rows) at positions
+    ``pos ..`` of the run's KV cache ``cache`` (from ``new_cache``); ``head``: the last
+    stage computes its last row's logits and token."""
+
+    cache: Any
+    data: Any
+    rows: int
+    pos: int
+    head: bool
+
+
 class StageBackend(Protocol):
-    """Where a stage's weights live and its steps run. A step reads and writes the KV
-    cache last given to ``use_cache`` (one per run, from ``new_cache``)."""
+    """Where a stage's weights live and its steps run: a batch of runs' steps in one
+    ``run_batch``, then each step's outputs by its index in the batch."""
 
     def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None: ...
 
     def new_cache(self, positions: int) -> Any: ...
 
-    def use_cache(self, cache: Any) -> None: ...
-
     def free_cache(self, cache: Any) -> None: ...
 
-    def put_tokens(self, ids: npt.NDArray[np.int32]) -> None: ...
+    def run_batch(self, steps: Sequence[BackendStep]) -> None: ...
 
-    def put_activations(self, data: Any) -> None: ...
+    def activations_of(self, index: int) -> Any:
+        """Step ``index``'s output rows (a stage before the last)."""
+        ...
 
-    def run(self, rows: int, pos: int, head: bool = True) -> None: ...
+    def token_of(self, index: int) -> tuple[int, int]:
+        """Step ``index``'s greedy token and its count of non-finite logits (a head step)."""
+        ...
 
-    def take_activations(self, rows: int) -> Any: ...
+    def logits_of(self, index: int) -> npt.NDArray[np.float32]:
+        """Step ``index``'s logits, a host copy (a head step)."""
+        ...
 
-    def token(self) -> tuple[int, int]: ...
-
-    def logits(self) -> npt.NDArray[np.float32]: ...
-
-    def sample(self, config: SamplingConfig, u: float) -> int: ...
+    def sample_of(self, index: int, config: SamplingConfig, u: float) -> int:
+        """Step ``index``'s token drawn from its logits with the uniform ``u``."""
+        ...
 
     def to_host(self, data: Any) -> npt.NDArray[np.generic]: ...
 
@@ -317,15 +337,36 @@ class StageWorker(SingleRunSteps):
         return self._run_steps(steps)
 
     def _run_steps(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
-        """The batch's steps, one run after another, each with its own cache: the one
-        loop a backend's batched kernels replace."""
-        return tuple(self._step(step) for step in steps)
+        """The batch's steps: each checked against its run, those that pass run in one
+        ``run_batch``, then each one's output in order."""
+        held = self._held
+        assert held is not None
+        results: list[StepResult] = [None] * len(steps)
+        ready: list[tuple[int, _Run, BackendStep]] = []
+        for i, step in enumerate(steps):
+            prepared = self._prepare(step, held)
+            if isinstance(prepared, StepFailure):
+                results[i] = prepared
+            else:
+                ready.append((i, *prepared))
+        if not ready:
+            return tuple(results)
+        b = held.backend
+        try:
+            b.run_batch([backend_step for _, _, backend_step in ready])
+        except (ValueError, FloatingPointError, MemoryError, RuntimeError) as exc:
+            for i, _, _ in ready:  # one computation: every step of it failed
+                results[i] = StepFailure(f"step {steps[i].sequence} failed: {exc}")
+            return tuple(results)
+        for index, (i, run, backend_step) in enumerate(ready):
+            results[i] = self._output(steps[i], run, backend_step, index, b)
+        return tuple(results)
 
-    def _step(self, step: BatchStep) -> StepResult:
-        run, held = self._runs.get(step.run_id), self._held
+    def _prepare(self, step: BatchStep, held: _Held) -> tuple[_Run, BackendStep] | StepFailure:
+        """``step`` as its backend runs it, or why it cannot run."""
+        run = self._runs.get(step.run_id)
         if run is None:
             return StepFailure(f"run {step.run_id!r} is not open on this stage")
-        assert held is not None
         p, b = run.provision, held.backend
         try:
             rows = rows_of(step.data)
@@ -334,29 +375,35 @@ class StageWorker(SingleRunSteps):
         pos = run.cursor.place(step, rows)
         if isinstance(pos, StepFailure):
             return pos
-        head = step.sequence > 0 or step.is_last_chunk  # only then does the head run
+        head = p.is_last and (step.sequence > 0 or step.is_last_chunk)  # only then the head
+        data: Any
         try:
-            b.use_cache(run.cache)
             if p.is_first:
-                b.put_tokens(
-                    checked_token_ids(b.to_host(step.data), held.vocab_size).astype(np.int32)
-                )
+                data = checked_token_ids(b.to_host(step.data), held.vocab_size).astype(np.int32)
             else:
                 self._check_activations(step.data, p.model.hidden_dim, p)
-                b.put_activations(step.data)
-            b.run(rows, pos, head)
-            result: StepResult
-            if not p.is_last:
-                result = b.take_activations(rows)
-            elif not head:
+                data = step.data
+        except WorkerError as exc:
+            return StepFailure(str(exc))
+        return run, BackendStep(run.cache, data, rows, pos, head)
+
+    def _output(
+        self, step: BatchStep, run: _Run, backend_step: BackendStep, index: int, b: StageBackend
+    ) -> StepResult:
+        """Step ``index`` of the batch that ran: its output; its run's cursor moves on."""
+        result: StepResult
+        try:
+            if not run.provision.is_last:
+                result = b.activations_of(index)
+            elif not backend_step.head:
                 result = None
             else:
-                result = self._token(run, b)
+                result = self._token(run, b, index)
         except WorkerError as exc:
             return StepFailure(str(exc))
         except (ValueError, FloatingPointError, MemoryError, RuntimeError) as exc:
             return StepFailure(f"step {step.sequence} failed: {exc}")
-        run.cursor.advance(step, rows)
+        run.cursor.advance(step, backend_step.rows)
         return result
 
     # -- checks ---------------------------------------------------------------------
@@ -369,12 +416,12 @@ class StageWorker(SingleRunSteps):
             raise WorkerError(f"activations of dtype {data.dtype}, the edge carries {edge}")
 
     @staticmethod
-    def _token(run: _Run, b: StageBackend) -> TokenOutput:
-        token, bad = b.token()
+    def _token(run: _Run, b: StageBackend, index: int) -> TokenOutput:
+        token, bad = b.token_of(index)
         if bad:
             raise WorkerError(f"the logits hold {bad} NaN or infinite values")
         sampler = run.sampler
         assert sampler is not None
         if sampler.config.temperature > 0.0:
-            token = b.sample(sampler.config, sampler.uniform())
-        return TokenOutput(token, b.logits() if run.provision.return_logits else None)
+            token = b.sample_of(index, sampler.config, sampler.uniform())
+        return TokenOutput(token, b.logits_of(index) if run.provision.return_logits else None)

@@ -164,6 +164,13 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="keep each stage's log in this folder (one host)",
     )
+    parser.add_argument(
+        "--max-concurrent",
+        type=positive_int,
+        default=None,
+        help="runs in flight at once on the chain, batched by its stages (default 4); "
+        "each stage's KV budget holds this many full-length runs",
+    )
     add_cluster(parser)
     add_verbose(parser)
 
@@ -192,4 +199,5 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
         log_dir=args.log_dir,
         ray_address=args.ray_address,
         placement=args.placement,
+        max_concurrent=args.max_concurrent,
     )

@@ -3,6 +3,9 @@ through N stage processes, with the flags and output of ``python -m runtime_sim 
 (``--ray-address``: on the hosts of a Ray cluster; ``python -m runtime_cupy plan``
 prints the plan, in ``cli.plan``).
 
+``--prompts-file FILE.jsonl`` runs every prompt of the file at once on one chain
+(``batch.generate_batch``) and prints one JSON line per prompt as it completes.
+
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
 ``fault``, ``stages``, ``timings``, ``slices``: bytes and seconds of each stage's slice
@@ -25,6 +28,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich import box
@@ -37,11 +41,13 @@ from runplan.models import resolve_model
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
+    encode_prompt,
     generation_options,
     prompt_ids,
 )
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
+from runtime_cupy.batch import generate_batch
 from runtime_cupy.cli.arguments import (
     INPUT_ERRORS,
     add_cluster,
@@ -59,7 +65,73 @@ EXIT_INPUT = 2
 EXIT_CANCELLED = 130
 
 
+class PromptsFileError(ValueError):
+    """A line of ``--prompts-file`` that is no prompt, named by its line number."""
+
+
+def _read_prompts(path: Path, tokenizer: Tokenizer, chat: bool) -> list[list[int]]:
+    """Each line of a JSON Lines file: ``{"prompt": TEXT}`` (encoded as ``--prompt``
+    is) or ``{"prompt_ids": [IDS]}``; blank lines skipped."""
+    prompts = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PromptsFileError(f"--prompts-file {str(path)!r}: {exc}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--prompts-file {str(path)!r} line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptsFileError(f"{where}: not JSON ({exc})") from None
+        if isinstance(item, dict) and isinstance(item.get("prompt"), str) and len(item) == 1:
+            prompts.append(encode_prompt(item["prompt"], tokenizer, chat=chat))
+        elif (
+            isinstance(item, dict)
+            and len(item) == 1
+            and isinstance(item.get("prompt_ids"), list)
+            and all(type(t) is int and t >= 0 for t in item["prompt_ids"])
+        ):
+            prompts.append(list(item["prompt_ids"]))
+        else:
+            raise PromptsFileError(
+                f'{where}: {line[:80]!r} is neither {{"prompt": TEXT}} nor {{"prompt_ids": [IDS]}}'
+            )
+    if not prompts:
+        raise PromptsFileError(f"--prompts-file {str(path)!r} holds no prompt")
+    return prompts
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    """Every prompt of ``--prompts-file`` on one chain; one JSON line per prompt as it
+    completes (``index``, ``tokens``, ``text``, ``outcome``, ``fault``); exit 1 if any
+    faulted."""
+    path = resolve_model(args.model)
+    tokenizer = Tokenizer.from_gguf(path)
+    prompts = _read_prompts(args.prompts_file, tokenizer, args.chat)
+    options = generation_options(args)
+    options.pop("trace")
+    faulted = 0
+    for index, result in generate_batch(
+        path, prompts, **options, worker=args.worker, edges=args.edges
+    ):
+        line = {
+            "index": index,
+            "tokens": list(result.tokens),
+            "text": result.text,
+            "outcome": result.outcome,
+            "fault": result.fault,
+        }
+        faulted += result.outcome != "completed"
+        sys.stdout.write(json.dumps(line, sort_keys=True) + "\n")
+        sys.stdout.flush()
+    return EXIT_FAULTED if faulted else 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.prompts_file is not None:
+        return _run_batch(args)
     err = Console(stderr=True, soft_wrap=True)
     path = resolve_model(args.model)
     tokenizer = Tokenizer.from_gguf(path)
@@ -218,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "API over warm stages), 'python -m runtime_cupy chat --help' (a terminal chat) and "
         "'python -m runtime_cupy cache list|clear' (this host's cache of model slices).",
     )
-    add_generation_arguments(run, stages_help="stage processes (default: 3)")
+    add_generation_arguments(run, stages_help="stage processes (default: 3)", prompts_file=True)
     add_worker(run)
     add_devices(run)
     add_cluster(run)

@@ -28,6 +28,7 @@ synchronizing it, so a device array it returns is ready for another stream.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -42,6 +43,7 @@ from runtime_core.workers import device_sampling
 from runtime_core.workers.forward_program import (
     Linear,
     MatrixPart,
+    Segment,
     StageWeights,
     forward_blocks,
     forward_embed,
@@ -49,6 +51,7 @@ from runtime_core.workers.forward_program import (
     load_weights,
 )
 from runtime_core.workers.interface import Progress, TraceEvent
+from runtime_core.workers.looped_batch import Kept, RunsOneAtATime
 from runtime_core.workers.stage_worker import BackendSpec
 from runtime_cupy.cuda.kernels import KernelSet
 
@@ -218,8 +221,9 @@ class DeviceOps:
     def norm(self, weight: Any, rows: int) -> None:
         self._norm(self.buf["x"], weight, self.buf["xn"], rows, self._q8("xn", rows))
 
-    def head_norm(self, weight: Any, rows: int) -> None:
-        last = self.buf["x"][rows - 1 : rows]
+    def head_norm(self, weight: Any, heads: Sequence[int]) -> None:
+        (row,) = heads  # one run's step at a time (``RunsOneAtATime``)
+        last = self.buf["x"][row : row + 1]
         self._norm(
             last, weight, self.buf["xl"], 1, self.q8.get("xl") if self.spec.matvec == "q8" else None
         )
@@ -294,7 +298,8 @@ class DeviceOps:
                 else:
                     y[:, r0 : r0 + nt] = out
 
-    def rope_kv(self, layer: int, bias: Any, rows: int) -> None:
+    def rope_kv(self, layer: int, bias: Any, seg: Segment) -> None:
+        rows = seg.rows  # the step's only segment, at ``self.pos`` (and in ``state``)
         c = self.w.config
         kv = "f16" if self.kv_half else "f32"
         k, v = self.k_cache[layer], self.v_cache[layer]
@@ -323,7 +328,8 @@ class DeviceOps:
                 v[:, start : self.pos] = ring_v[:, held]
         return k, v
 
-    def attention(self, layer: int, rows: int) -> None:
+    def attention(self, layer: int, seg: Segment) -> None:
+        rows = seg.rows  # the step's only segment, at ``self.pos``
         c = self.w.config
         kv = "f16" if self.kv_half else "f32"
         q8 = self._q8("att", rows)
@@ -392,14 +398,14 @@ class DeviceOps:
             c.rms_eps,
         )  # fmt: skip
 
-    def softcap(self, cap: float) -> None:
-        assert self.logits is not None
+    def softcap(self, cap: float, rows: int) -> None:
+        assert self.logits is not None and rows == 1  # one run's step at a time
         n = self.logits.shape[1]
         inv, c = float(np.float32(1.0 / cap)), float(np.float32(cap))
         self._launch("softcap", min(_cdiv(n, 256), 4096), 256, self.logits, inv, c, n)
 
-    def argmax(self) -> None:
-        assert self.logits is not None
+    def argmax(self, rows: int) -> None:
+        assert self.logits is not None and rows == 1
         n = self.logits.shape[1]
         self._launch(
             "argmax_partial", ARGMAX_PARTS, 256, self.logits, n, self.pmax, self.pidx, self.pbad
@@ -409,8 +415,9 @@ class DeviceOps:
         )
 
 
-class DeviceBackend:
-    """``stage_worker.StageBackend`` on one CUDA device."""
+class DeviceBackend(RunsOneAtATime):
+    """``stage_worker.StageBackend`` on one CUDA device. Its batched entry runs a batch's
+    steps one run at a time (``RunsOneAtATime``: the CUDA kernels take one run's rows)."""
 
     def __init__(
         self,
@@ -437,6 +444,7 @@ class DeviceBackend:
         self._host_state = np.zeros(2, dtype=np.int32)
         self._token = 0
         self._rows_in = 0
+        self.kept: list[Kept] = []  # the outputs of the last batch's steps
 
     # -- StageBackend ------------------------------------------------------------------
     def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None:
@@ -570,8 +578,23 @@ class DeviceBackend:
     def sample(self, config: SamplingConfig, u: float) -> int:
         ops = self._ops()
         assert ops.logits is not None
+        return self.sample_kept(ops.logits[0], config, u)
+
+    def keep_logits(self) -> Any:
+        ops = self._ops()
+        assert ops.logits is not None
         with self.device, self.stream:
-            token = device_sampling.sample(cupy, ops.logits[0], config, u)
+            return ops.logits[0].copy()
+
+    def kept_to_host(self, logits: Any) -> npt.NDArray[np.float32]:
+        with self.device:
+            out = cupy.asnumpy(logits, stream=self.stream)
+            self.stream.synchronize()
+        return np.asarray(out, dtype=np.float32)
+
+    def sample_kept(self, logits: Any, config: SamplingConfig, u: float) -> int:
+        with self.device, self.stream:
+            token = device_sampling.sample(cupy, logits, config, u)
         return token
 
     def to_host(self, data: Any) -> npt.NDArray[np.generic]:
@@ -622,10 +645,11 @@ class DeviceBackend:
             forward_embed(ops, w, rows)
         else:
             self._convert_in(self._input, ops.buf["x"])
-        forward_blocks(ops, w, rows)
+        # one segment; the kernels read its position from ``state`` (graph replays)
+        forward_blocks(ops, w, (Segment(0, rows, int(self._host_state[0]), self.cache),))
         if self.spec.is_last:
             if head:
-                forward_head(ops, w, rows)
+                forward_head(ops, w, (rows - 1,))
         elif rows == 1:
             self._convert_out(ops.buf["x"], self._edge_out)
 

@@ -10,6 +10,10 @@ for every other:
   frame signed for one stage verifies on no other stage's channel.
 - ``edge_key(secret, run_id, edge_id)``: the key with which the two ends of one TCP
   edge of one run prove to each other that both hold the secret (edges/handshake.py).
+- ``chain_id(secret)``: the id of the chain the stages of this secret make (128 bits
+  of a labelled HMAC): it names the chain's links (one per hop) on every host, so it is
+  as hard to guess as a run id, and it travels nowhere: every holder of the secret
+  derives it. A chain started again gets a new secret, hence new names.
 - ``record_keys(edge_key, protection, nonce_c, nonce_p)``: the two keys of one TCP
   connection of that edge, one per direction, from the edge key and both ends' fresh
   handshake nonces (edges/tcp_seal.py): a frame sealed for one direction, one
@@ -35,6 +39,8 @@ _CONTROL = b"gguf-pipeline/control-key/1\x00"
 _EDGE = b"gguf-pipeline/edge-key/1\x00"
 _SLICE = b"gguf-pipeline/slice-key/1\x00"
 _RECORDS = b"gguf-pipeline/record-key/1\x00"
+_CHAIN = b"gguf-pipeline/chain-id/1\x00"
+CHAIN_ID_BYTES = 16
 #: The two directions of a TCP edge's stream, as ``record_keys`` orders its keys.
 TO_CONSUMER, TO_PRODUCER = 0, 1
 
@@ -74,6 +80,12 @@ def control_key(secret: bytes, node_id: str) -> bytes:
     """The key of the control channel between the orchestrator and stage ``node_id``."""
     _check(secret)
     return hmac.new(secret, _CONTROL + node_id.encode("utf-8"), hashlib.sha256).digest()
+
+
+def chain_id(secret: bytes) -> str:
+    """The id of the chain whose stages hold ``secret``: ``chain-`` and 128 bits in hex."""
+    _check(secret)
+    return "chain-" + hmac.new(secret, _CHAIN, hashlib.sha256).hexdigest()[: 2 * CHAIN_ID_BYTES]
 
 
 def edge_key(secret: bytes, run_id: str, edge_id: int) -> bytes:

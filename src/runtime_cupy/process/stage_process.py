@@ -1,46 +1,46 @@
 """One stage process: ``python -m runtime_cupy.process.stage_process ...``, started by the
-local-process host (``hosts.local``).
+local-process host (``hosts.local``) or a cluster host's supervisor.
 
-``StageProcess`` runs one ``StageController`` (the stage state machine, its worker and
-its two edge ends) in a single-threaded event loop that waits, with a bound, on what
-its control channel and its edge ends hand it (``poller.Watch``: the channel's socket;
-a FIFO or a socket per edge end, as the medium says; a wake-up pipe) and on its timers;
-then runs setup, steps, publishing and release when the controller asks for them. It
-knows no medium and no host: whoever starts it hands it its channel, its edges and, if
-it has one, a lifeline.
+``StageProcess`` runs one ``ChainStageController`` (CONCURRENT_RUNS.md: a stage machine
+per run it holds, the chain's worker with a KV cache per run, the chain's two links,
+the batch scheduler) in a single-threaded event loop that waits, with a bound, on what
+its control channel and its two links hand it (``poller.Watch``: the channel's socket;
+a FIFO or a socket per link, as the medium says; a wake-up pipe) and on each run's
+timers; then runs setup, batches, publishing and release when the controller asks for
+them. It knows no medium and no host: whoever starts it hands it its channel, its links
+(``edges.links.ProcessLinks``, named from the chain's id) and, if it has one, a
+lifeline.
 
-``main`` is the local host's side of a stage process: the stages' secret arrives as one
-hex line on standard input; the control channel is an inherited socket
-(``--control-fd``); a second inherited descriptor, the read end of a pipe whose write
-end only the orchestrator holds (``--lifeline-fd``), reaches end of file the moment the
-orchestrator's process is gone, however it went. Either one closing is
-``OrchestratorLost``: the stage stops on its own. A watchdog thread waits on the
-lifeline; if the loop has not finished ``--stop-ms`` after the loss (a step that runs
-on), it removes the run's resources this stage owns and exits.
+``main`` is the local host's side of a stage process: the chain's secret arrives as one
+hex line on standard input (the chain's id is derived from it, ``keys.chain_id``); the
+control channel is an inherited socket (``--control-fd``); a second inherited
+descriptor, the read end of a pipe whose write end only the orchestrator holds
+(``--lifeline-fd``), reaches end of file the moment the orchestrator's process is
+gone, however it went. Either one closing is ``OrchestratorLost`` for every run held:
+the stage stops them and ends. A watchdog thread waits on the lifeline; if the loop has
+not finished ``--stop-ms`` after the loss (a batch that runs on), it removes the
+chain's resources this stage owns and exits.
 
-Resources. A stopping stage frees what it owns: its inbound edge (whose ring it made,
-EDGES_AND_WORKERS.md §3), never its outbound edge, which belongs to the next stage and
-may still be in use. Only when the orchestrator is lost does the last stage also free
-the token-out edge, whose owner is gone; so a run whose orchestrator was killed leaves
+Resources. The stage makes its inbound link's ring once, when the first run comes
+(EDGES_AND_WORKERS.md §3), and frees it when it ends, never its outbound link, which
+belongs to the next stage. Only when the orchestrator is lost does the last stage also
+free token-out, whose owner is gone; so a chain whose orchestrator was killed leaves
 nothing behind. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
 stops the stage as a lost orchestrator does.
 
-Warm stages (``--warm``) serve one run after another: after ``StopRun`` the stage
-stays, ``STOPPED``, and waits for the next ``ProvisionStage`` (the stage machine allows
-``STOPPED -> PREPARING`` and keeps the stopped runs' ids stale). Its worker keeps the
-weights it bound (``runtime_core.workers.kept_weights``), so a later run of the same slice
-loads nothing: its trace has a ``weights reused`` instant where the first has a
-``bind`` span. Each run's trace events are written when the run ends, before
-``StageStopped``. A warm stage ends when its orchestrator closes the control channel
-(or is lost) while no run is active.
+Every stage serves runs until its control channel closes: several at once, one after
+another (a run's id stays stale once it stopped). Its worker binds the weights once for
+the chain (a later run's trace has a ``weights reused`` instant where the first has a
+``bind`` span). With ``--trace-file`` the trace events are written when each run ends,
+before its ``StageStopped``, and at the end.
 
 Heartbeats. From the start of its loop to its end a stage beats on its control channel
-from a thread of its own (``control_channel.Heartbeat``, every quarter of ``--heartbeat-ms``),
-whatever its loop does: a stage whose orchestrator hears nothing for that long is
-stopped or hung, never merely busy.
+from a thread of its own (``control_channel.Heartbeat``, every quarter of
+``--heartbeat-ms``), whatever its loop does: a stage whose orchestrator hears nothing
+for that long is stopped or hung, never merely busy.
 
-Exit status: 0 after ``StopRun`` (warm: after the channel closed between runs), 3 after
-the orchestrator was lost (during a run), 2 on bad usage.
+Exit status: 0 after the channel closed while no run was held, 3 after the
+orchestrator was lost while runs were held, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ from typing import Any, ClassVar
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.fsm import stage as fsm
 from runplan.messages import ProvisionRefused, StageFault, StageReady, StageStopped
-from runplan.plan import EdgeKind
-from runtime_core.stage_controller import StageController
-from runtime_core.workers.interface import Progress, StepWorker, TraceEvent, Worker, WorkerError
+from runtime_core.chain_stage import ChainStageController, RunTimerFired
+from runtime_core.workers.interface import BatchStep, Progress, TraceEvent, Worker, WorkerError
 from runtime_core.workers.kept_weights import KeepsWeights
-from runtime_cupy.edges.port import MEDIA, EdgeMedium, ProcessEdges
+from runtime_cupy.edges.links import ProcessLinks
+from runtime_cupy.edges.port import MEDIA, EdgeMedium
 from runtime_cupy.hosts.local import local_medium
 from runtime_cupy.process.control_channel import (
     ChannelBroken,
@@ -74,10 +74,10 @@ from runtime_cupy.process.control_channel import (
     Heartbeat,
     Incoming,
 )
-from runtime_cupy.process.keys import BadSecret, control_key, parse_secret, slice_key
+from runtime_cupy.process.keys import BadSecret, chain_id, control_key, parse_secret, slice_key
 from runtime_cupy.process.names import run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
-from runtime_cupy.process.timers import Deadlines
+from runtime_cupy.process.timers import RunDeadlines
 from runtime_cupy.process.tracing import TraceLog, now_us
 from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin
 from runtime_cupy.slices.worker import sliced
@@ -101,10 +101,11 @@ MakeMedium = Callable[[str, bool], EdgeMedium]
 
 
 class UnavailableWorker:
-    """Stands in for a worker this process cannot load: configuring it fails, so the
-    stage reports a setup fault naming the reason instead of dying."""
+    """Stands in for a worker this process cannot load: configuring it fails, so each
+    run's setup faults naming the reason instead of the stage dying."""
 
     capabilities: ClassVar[WorkerCapabilities] = WorkerCapabilities()
+    kv_reserved_bytes = 0
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -117,6 +118,15 @@ class UnavailableWorker:
 
     def execute_step(self, sequence: int, data: Any) -> Any:
         raise WorkerError(self.reason)
+
+    def open_run(self, provision: ProvisionStage) -> None:
+        raise WorkerError(self.reason)
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[Any, ...]:
+        raise WorkerError(self.reason)
+
+    def close_run(self, run_id: str) -> None:
+        pass
 
     def release(self) -> None:
         pass
@@ -134,11 +144,11 @@ class _Reporter:
 
     def send(self, message: StageReady | StageFault | StageStopped | ProvisionRefused) -> None:
         stage = self.stage
-        stage.trace.instant(f"send {type(message).__name__}")
-        # A stage's fault is the orchestrator's to report (and during teardown, an edge
+        stage.trace.instant(f"send {type(message).__name__}", run=run_label(message.run_id))
+        # A stage's fault is the orchestrator's to report (and during teardown, a link
         # closed by a neighbour that stopped first is expected): logged at INFO here.
         detail = f": {message.reason}" if isinstance(message, StageFault) else ""
-        log.info("send %s%s", type(message).__name__, detail)
+        log.info("send %s (run %s)%s", type(message).__name__, run_label(message.run_id), detail)
         if isinstance(message, StageStopped):
             stage.run_ended()  # the run's trace is whole before the orchestrator hears
         if stage.channel.eof:
@@ -158,22 +168,19 @@ class StageProcess:
         node_id: str,
         orchestrator_id: str,
         channel: ControlChannel,
-        edges: ProcessEdges,
-        worker: StepWorker,
+        links: ProcessLinks,
+        worker: Worker,
         stop_s: float,
         trace: TraceLog,
         lifeline_fd: int | None = None,
-        warm: bool = False,
         trace_file: Path | None = None,
         heartbeat_s: float | None = None,
     ) -> None:
-        # ``warm``: serve runs until the channel closes between runs. ``trace_file``:
-        # where a warm stage writes each run's trace events when the run ends.
+        # ``trace_file``: where the stage writes its trace events when each run ends.
         # ``heartbeat_s``: the orchestrator's bound on this stage's silence (``None``:
         # no heartbeats, for a caller that watches the stage otherwise).
         self.stage_index = stage_index
         self.heartbeat_s = heartbeat_s
-        self.warm = warm
         self.trace_file = trace_file
         self.worker = worker
         self.channel = channel
@@ -182,18 +189,16 @@ class StageProcess:
         self.stop_s = stop_s
         self.trace = trace
         self.parent_pid = os.getppid()
-        self.edges = edges
-        self.timers: Deadlines[fsm.Timer] = Deadlines()
-        self.controller = StageController(
+        self.links = links
+        self.timers: RunDeadlines[fsm.Timer] = RunDeadlines()
+        self.controller = ChainStageController(
             node_id,
             orchestrator_id,
             worker,
-            self.edges,
+            links,
             _Reporter(self),
             self.timers,
             trace=self._on_trace,
-            # What every step traces is only logged at INFO or DEBUG, or recorded.
-            trace_steps=trace.enabled or log.isEnabledFor(logging.INFO),
         )
         self.lost: str | None = None
         self._lost_flag = threading.Event()  # set by the watchdog or a signal
@@ -202,58 +207,77 @@ class StageProcess:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        # What this stage frees when it goes: run id, its inbound edge, and the
-        # token-out edge if it is the last stage (freed only if the orchestrator is lost).
-        self._run: tuple[str, int, int | None] | None = None
         self._attach_at = 0.0
         self._output_since: float | None = None
         self._setup_at = 0  # now_us() when setup began, then when its last part ended
-        self._lost_in: fsm.State | None = None  # the machine's state when it was lost
+        self._bound = False  # the worker bound the chain's weights
+        self._held_when_lost = False
+        self._batch: list[tuple[str, int, int]] = []  # the last batch's steps
         self._waiter = Watch()
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
-        # The events of every step (loaded, published, state) come only when INFO logs
-        # or the trace are on (``trace_steps``), and are formatted only for those.
-        if kind in ("loaded", "published"):
-            log.debug("%s %s", kind, fields)
+        if kind == "batch":
+            self._batch = list(
+                zip(fields["runs"], fields["sequences"], fields["step_rows"], strict=True)
+            )
+            if log.isEnabledFor(logging.INFO):
+                for run_id, sequence, rows in self._batch:
+                    label = run_label(run_id)
+                    log.info("step %d begins (run %s, %d rows)", sequence, label, rows)
+        if kind in ("loaded", "published", "batch"):
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s %s", kind, fields)
             if self.trace.enabled:
                 self.trace.instant(kind, **fields)
         elif kind == "state":
-            log.info("%s -> %s (%s)", fields["from"], fields["to"], fields["event"])
+            log.info(
+                "run %s: %s -> %s (%s)",
+                run_label(fields["run_id"]) if fields["run_id"] else "?",
+                fields["from"],
+                fields["to"],
+                fields["event"],
+            )
             if self.trace.enabled:
                 self.trace.instant(f"state {fields['to']}", event=fields["event"])
         elif kind == "reject":
             log.warning(
-                "rejected from %r: %s: %s", fields["sender"], fields["reason"], fields["detail"]
+                "rejected from %r: %s: %s",
+                fields.get("sender", ""),
+                fields["reason"],
+                fields.get("detail", ""),
             )
-            self.trace.instant("reject", **fields)
+            self.trace.instant("reject", **{k: str(v) for k, v in fields.items()})
         elif kind == "protocol_violation":
             log.warning("protocol violation: %s in %s", fields["kind"], fields["state"])
         elif kind == "setup_done":
             self._setup_part_done(fields["part"])
+        elif kind == "chain_fault":
+            log.warning("chain fault: %s", fields["reason"])
+            self.trace.instant("chain fault", reason=fields["reason"])
         else:
             log.info("%s %s", kind, fields)
 
     def _setup_part_done(self, part: str) -> None:
         """Time each part of setup; the shard is a ``bind`` span only when the worker
-        read weights (a warm stage's later runs reuse them)."""
+        read weights (the chain's later runs reuse them)."""
         start, self._setup_at = self._setup_at, now_us()
         if part == fsm.SetupPart.SHARD.value:
             worker = self.worker
-            if isinstance(worker, KeepsWeights) and worker.weights_reused:
+            if self._bound or (isinstance(worker, KeepsWeights) and worker.weights_reused):
                 log.info("weights reused")
                 self.trace.instant("weights reused")
             else:
                 log.info("bound weights in %.3f s", (self._setup_at - start) / 1e6)
                 self.trace.span("bind", start)
+            self._bound = True
         elif self.trace.enabled:
             self.trace.span(part.lower(), start)
 
     def run_ended(self) -> None:
-        """The run is over (StageStopped about to leave): a warm stage writes the run's
-        trace events now, for the orchestrator to read once it hears."""
-        if self.warm and self.trace.enabled and self.trace_file is not None:
+        """A run is over (its StageStopped about to leave): the trace events so far are
+        written now, for the orchestrator to read once it hears."""
+        if self.trace.enabled and self.trace_file is not None:
             try:
                 self.trace.flush(self.trace_file)
             except OSError as exc:
@@ -271,27 +295,23 @@ class StageProcess:
             while True:
                 self._check_lost()
                 self._pump()
-                state = self.controller.state
-                idle = state in (fsm.State.STOPPED, fsm.State.UNPROVISIONED)
-                if self.lost is not None and idle:
-                    if self.warm and self._lost_in in (fsm.State.STOPPED, fsm.State.UNPROVISIONED):
-                        return EXIT_STOPPED  # the chain closed between runs
-                    return EXIT_LOST
-                if state is fsm.State.STOPPED and not self.warm:
-                    return EXIT_STOPPED
+                if self.lost is not None and not self.controller.runs:
+                    return EXIT_LOST if self._held_when_lost else EXIT_STOPPED
                 self._wait()
         finally:
             self._done.set()
             if heartbeat is not None:
                 heartbeat.stop()
-            self.edges.detach()
-            self._remove_resources()
+            self._remove_resources()  # while the controller still knows the chain's length
+            with contextlib.suppress(Exception):
+                self.controller.close()
+            self.links.detach()
             self.channel.close()  # what waits to leave (StageStopped) goes first, bounded
 
     def _check_lost(self) -> None:
         if self._lost_flag.is_set() and self.lost is None:
-            # What the orchestrator wrote before it went (its provision, say) is still in
-            # the socket: read it first, so that the stage knows which edges to clean up.
+            # What the orchestrator wrote before it went (a provision, say) is still in
+            # the socket: read it first, so that the stage knows what it holds.
             self._drain_control()
             self._lose(self._lost_why)
         if self.channel_broken:
@@ -301,11 +321,11 @@ class StageProcess:
         if self.lost is not None:
             return
         self.lost = why
-        self._lost_in = self.controller.state
-        if self.warm and self._lost_in in (fsm.State.STOPPED, fsm.State.UNPROVISIONED):
-            log.info("the chain closed (%s): exiting", why)
+        self._held_when_lost = bool(self.controller.runs)
+        if self._held_when_lost:
+            log.warning("orchestrator lost (%s): stopping its runs", why)
         else:
-            log.warning("orchestrator lost (%s): stopping", why)
+            log.info("the chain closed (%s): exiting", why)
         self.trace.instant("orchestrator lost", why=why)
         self.controller.handle(fsm.OrchestratorLost())
 
@@ -315,37 +335,35 @@ class StageProcess:
         progress = True
         while progress:
             progress = False
-            if self._run is None and c.provision is not None:
-                p = c.provision
-                last = p.outbound.edge_id if p.outbound.kind is EdgeKind.TOKEN_OUT else None
-                self._run = (p.run_id, p.inbound.edge_id, last)
             if c.setup_pending:
                 start = self._setup_at = now_us()
-                run = run_label(c.provision.run_id) if c.provision else "?"
-                log.info("setup begins (run %s)", run)
+                log.info("setup begins (%d runs held)", len(c.runs))
                 c.run_setup()
                 self.trace.span("setup", start)
                 progress = True
-            if c.outbound_pending and not c.setup_pending:
+            if c.links_pending:
                 now = time.monotonic()
                 if now >= self._attach_at:
-                    if c.try_attach_outbound():
+                    if c.try_attach_links():
                         progress = True
                     else:
                         self._attach_at = now + ATTACH_RETRY_S
-            if c.wants_input and c.poll_inbound():
+            while c.wants_input and c.poll_inbound():
                 progress = True
-            record = c.record
-            if record is not None and c.step_pending:
-                sequence, rows = record.header.sequence, record.header.rows
-                log.info("step %d begins (%d rows)", sequence, rows)
+            if c.batch_ready:
                 start = now_us() if tracing else 0
-                c.run_step()
-                if tracing:
-                    self.trace.span(f"step {sequence}", start, sequence=sequence, rows=rows)
+                batches = c.batches
+                c.run_batch()
+                if tracing and c.batches > batches:
+                    self.trace.span("batch", start, rows=c.batch_rows[-1])
+                    for run_id, sequence, rows in self._batch:  # each step ran in it
+                        label = run_label(run_id)
+                        self.trace.span(f"step {sequence}", start, run=label, rows=rows)
+                if c.batches > batches:
+                    log.debug("batch %d: %d rows", c.batches, c.batch_rows[-1])
                 progress = True
-            if c.output_pending and c.state is fsm.State.EXECUTING:
-                if c.try_publish_output():
+            if c.output_pending:
+                if c.try_publish_outputs():
                     self._output_since = None
                     progress = True
                 else:
@@ -354,25 +372,21 @@ class StageProcess:
                 self._output_since = None
             if c.release_pending:
                 c.run_release()
-                self.edges.detach()
-                self._remove_resources()
-                self._run = None  # freed; a warm stage's next run names its own
-                self._output_since = None
                 progress = True
+
+    def _edge_wait_s(self) -> float:
+        chain = self.controller.chain
+        return (chain.timeouts.edge_wait_ms if chain is not None else 10_000) / 1000.0
 
     def _bound_output_wait(self, now: float) -> None:
         """A full outbound ring is backpressure, for at most the edge wait bound."""
-        c = self.controller
-        provision = c.provision
         if self._output_since is None:
             self._output_since = now
             return
-        if provision is None or c.outbound is None:
-            return
-        bound = provision.timeouts.edge_wait_ms / 1000.0
+        bound = self._edge_wait_s()
         if now - self._output_since > bound:
             self._output_since = None
-            c.handle(fsm.EdgeFault(c.outbound.edge_id, f"no free slot within {bound:.3f} s"))
+            self.controller.output_stuck(int(bound * 1000))
 
     def _wait(self) -> None:
         c = self.controller
@@ -380,17 +394,17 @@ class StageProcess:
         entries: tuple[Entry, ...] = (
             (self._wake_r, IN),
             *channel.watch(),
-            *self.edges.watch(want_input=c.wants_input, want_space=c.output_pending),
+            *self.links.watch(want_input=c.wants_input, want_space=c.output_pending),
         )
         now = time.monotonic()
         until = now + IDLE_WAKE_S
         due = self.timers.next_due()
         if due is not None and due < until:
             until = due
-        if c.outbound_pending and not c.setup_pending and self._attach_at < until:
+        if c.links_pending and self._attach_at < until:
             until = self._attach_at
-        if self._output_since is not None and c.provision is not None:
-            until = min(until, self._output_since + c.provision.timeouts.edge_wait_ms / 1000.0)
+        if self._output_since is not None:
+            until = min(until, self._output_since + self._edge_wait_s())
         ready = self._waiter.poll(entries, (until - now) * 1000.0)
         if not ready and os.getppid() != self.parent_pid:  # idle: a last look at the parent
             self._lose("the parent process is gone")
@@ -405,10 +419,10 @@ class StageProcess:
                 if events & (IN | TROUBLE):
                     self._read_control()
             else:
-                self.edges.ready(fd, events)
-        for timer in self.timers.expired(time.monotonic()):
-            log.warning("timer %s ran out", timer.name)
-            c.handle(fsm.TimerFired(timer))
+                self.links.ready(fd, events)
+        for run_id, timer in self.timers.expired(time.monotonic()):
+            log.warning("run %s: timer %s ran out", run_label(run_id), timer.name)
+            c.handle(RunTimerFired(run_id, timer))
 
     def _flush_control(self) -> None:
         try:
@@ -438,7 +452,7 @@ class StageProcess:
     # -- the orchestrator's death -------------------------------------------------------------
     def _watch(self) -> None:
         """Wait on the lifeline; once it ends, wake the loop, and exit if the loop has not
-        finished within the stop bound (a step that runs on)."""
+        finished within the stop bound (a batch that runs on)."""
         assert self.lifeline_fd is not None
         with contextlib.suppress(OSError):
             while os.read(self.lifeline_fd, 1):
@@ -462,14 +476,25 @@ class StageProcess:
             os.write(self._wake_w, b"!")
 
     def _remove_resources(self) -> None:
-        """Free what this stage owns: its inbound edge's resources on this host, and, if
-        the orchestrator is lost, the token-out edge's (idempotent, any thread)."""
-        if self._run is None:
-            return
-        run_id, inbound, token_out = self._run
-        self.edges.inbound_medium.remove(run_id, inbound)
-        if token_out is not None and (self.lost is not None or self._lost_flag.is_set()):
-            self.edges.outbound_medium.remove(run_id, token_out)
+        """Free what this stage owns: its inbound link's resources on this host, and, if
+        the orchestrator is lost and this is the last stage, token-out's (idempotent,
+        any thread)."""
+        links = self.links
+        links.remove_inbound()
+        place = self._place()
+        if (self.lost is not None or self._lost_flag.is_set()) and place is not None:
+            index, count = place
+            if index == count - 1:
+                links.remove_hops((count,))
+
+    def _place(self) -> tuple[int, int] | None:
+        """This stage's index and the chain's stage count, once a provision said them
+        (any thread)."""
+        c = self.controller
+        known = c.chain or next(
+            (s.provision for s in list(c.runs.values()) if s.provision is not None), None
+        )
+        return None if known is None else (known.stage_index, known.stage_count)
 
 
 # -- entry point ---------------------------------------------------------------------------
@@ -510,8 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warm",
         action="store_true",
-        help="serve one run after another, keeping the bound weights, until the control "
-        "channel closes between runs",
+        help="accepted for older launchers: every stage serves runs (several at once, one "
+        "after another, keeping its bound weights) until its control channel closes",
     )
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--trace-file", type=Path, default=None)
@@ -552,7 +577,7 @@ def main(
     key = control_key(secret, args.node_id)
     channel = ControlChannel(sock, key, args.node_id, args.orchestrator_id)
     trace = TraceLog(args.node_id, enabled=args.trace_file is not None)
-    worker: StepWorker
+    worker: Worker
     try:
         worker = make(args.worker, trace.instant if trace.enabled else None)
     except WorkerUnavailable as exc:
@@ -567,16 +592,16 @@ def main(
         node_id=args.node_id,
         orchestrator_id=args.orchestrator_id,
         channel=channel,
-        edges=ProcessEdges(
+        links=ProcessLinks(
             media(args.inbound, args.encrypt_edges),
             media(args.outbound, args.encrypt_edges),
             secret,
+            chain_id(secret),
         ),
         lifeline_fd=args.lifeline_fd,
         worker=worker,
         stop_s=args.stop_ms / 1000.0,
         trace=trace,
-        warm=args.warm,
         trace_file=args.trace_file,
         heartbeat_s=args.heartbeat_ms / 1000.0 if args.heartbeat_ms > 0 else None,
     )

@@ -32,3 +32,24 @@ class Deadlines(Generic[T]):
         for _, _, timer in due:
             del self._due[timer]
         return [timer for _, _, timer in due]
+
+
+class RunDeadlines(Generic[T]):
+    """The ``RunTimers`` port of the chain controllers: each run's timers
+    (``start(run_id, timer, ms)`` / ``cancel(run_id, timer)``), due as ``(run_id,
+    timer)`` pairs."""
+
+    def __init__(self) -> None:
+        self._due: Deadlines[tuple[str, T]] = Deadlines()
+
+    def start(self, run_id: str, timer: T, ms: int) -> None:
+        self._due.start((run_id, timer), ms)
+
+    def cancel(self, run_id: str, timer: T) -> None:
+        self._due.cancel((run_id, timer))
+
+    def next_due(self) -> float | None:
+        return self._due.next_due()
+
+    def expired(self, now: float) -> list[tuple[str, T]]:
+        return self._due.expired(now)

@@ -1,45 +1,38 @@
-"""Warm stages: the stage processes of one model, started and bound once, serving one
-run after another (the spec's deferred "warm reuse", with the MVP's state machines
-unchanged).
+"""Warm stages: the stage processes of one model, started and bound once, serving
+many runs at once (CONCURRENT_RUNS.md: a chain).
 
-``WarmChain(model, stages=N).start()`` starts every stage through the host port
-(``StageLaunch(warm=True)``: a local process each by default, or whatever host is
-given) and makes one short run, which binds every stage's slice; the chain is then
-``ready``. Each ``generate(...)`` is one run of the MVP: a new run id, a plan of the
-same stages (same nodes, layer ranges, GGUF source and cache length), ``ProvisionStage``
-to every stage, the readiness barrier, the prompt, teardown (``launcher.ProcessRun``
-over the warm handles). A stage provisioned for a slice it has bound reuses its
-weights (``runtime_core.workers.kept_weights``), so a later run's time to first token holds
-no load and its trace no ``bind`` span; its KV cache and sampler are the run's own.
-The stages' machines keep every stopped run's id stale, so a stale or replayed
-message is refused across runs (§10).
+``WarmChain(model, stages=N).start()`` starts a chain (``process.chain_runner``): every
+stage through the host port (a local process each by default, or whatever host is
+given), the chain's links made once, the chain's loop in a thread of its own; then one
+short run binds every stage's slice, and the chain is ``ready``. Each
+``generate(...)`` is one run of the MVP on it, from any thread and as many at once as
+the stages' KV budget holds (``max_concurrent``; more wait, first come first started):
+a new run id, a plan of the same stages (same nodes, layer ranges, GGUF source, cache
+length, budget and batch settings), ``ProvisionStage`` to every stage, the readiness
+barrier, the prompt, teardown. The stages' workers keep the weights they bound, so a
+run's time to first token holds no load; its KV cache and sampler are its own, and the
+stages batch the next rows of every run they hold into one worker call.
 
-A stage that died (killed, or gone after a fault), did not confirm its stop, or whose
-fault ended a run is started again, and bound by a short run, before the next request;
-the request it broke ends with its fault, which names the stage, node and cause. A
-stage whose *setup* failed (a resource name taken, no room for a ring) is kept: the
-request ends with that named fault, and the next run, whose names are new, goes on.
-Between runs a thread (``idle_watch.IdleWatch``) reads the stages' control channels:
-a stage that went silent (no heartbeat within ``timeouts.heartbeat_ms``: stopped, hung)
-or away while idle is named at once. Until the chain is whole again it is not
+A run's own fault ends that run alone. A fault of the chain (a stage that died or went
+silent, a link cut) ends every run in flight, each naming the stage, its node, its host
+and the cause; the chain is then started again (every stage, a new secret and so new
+link names) and bound before the next request. The chain's loop watches the stages' channels and
+heartbeats at all times, between runs too. Until the chain is whole again it is not
 ``ready`` and ``trouble`` says why.
 
 With ``ray_address`` (``auto`` or ``HOST:PORT``) the stages live on the hosts of a Ray
 cluster (``hosts.ray``, this process its driver), placed as ``runtime_cupy.generate``
-places them (``placement`` ``even`` or ``memory``); a stage started again goes to the
-node its plan names, under a new supervisor. A stage on a host without the model gets
-its slice from this host (``runtime_cupy.slices``), logged as it moves
+places them (``placement`` ``even`` or ``memory``). A stage on a host without the model
+gets its slice from this host (``runtime_cupy.slices``), logged as it moves
 (``waiting_for`` says what is still on its way).
 
-One run at a time: ``generate`` and ``close`` are for one thread (the server's runner,
-or the terminal chat); ``ready`` and a run's ``cancel`` may be called from any.
+``generate``, ``ready`` and a run's ``cancel`` may be called from any thread; ``start``,
+``recover`` and ``close`` from the owner's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,19 +47,17 @@ from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
-from runplan.shards import SliceParts
 from runtime_core.runs import PLACEMENTS, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, summarize
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.hosts.port import StageHandle, StageHost, StageLaunch
+from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
-from runtime_cupy.process.control_channel import Incoming
+from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner
 from runtime_cupy.process.keys import new_secret
-from runtime_cupy.process.launcher import ORCHESTRATOR, ProcessRun
-from runtime_cupy.process.names import new_run_id, run_label
-from runtime_cupy.serve.idle_watch import IdleWatch
+from runtime_cupy.process.launcher import run_result
+from runtime_cupy.process.names import new_run_id
 from runtime_cupy.slices.progress import SliceLog, describe
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
@@ -75,15 +66,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runtime_cupy.serve.chain")
 
-CLOSE_GRACE_S = 5.0  # how long stages get to exit once their channels close
-REAP_S = 5.0
 
 #: ``on_run(run)``: the run about to start, for its caller to cancel.
-OnRun = Callable[[ProcessRun], None]
+OnRun = Callable[[ChainRun], None]
+#: Runs in flight at once when not told (the stages' KV budget holds as many).
+DEFAULT_MAX_CONCURRENT = 4
+#: Rows of a prompt per prefill record: a long prompt goes through the stages in chunks
+#: of this many rows, each batched with the decode rows of the runs in flight, so that
+#: their next tokens wait for one chunk, not for the whole prompt (0: whole prompts up
+#: to the batch's rows).
+DEFAULT_PREFILL_CHUNK = 64
 
 
 def _new_serve_run_id() -> str:
     return new_run_id("serve")
+
+
+def _serve_chain(runner: ChainRunner) -> None:
+    """The chain's thread: its loop until it is closed or broken and its runs ended,
+    then its end (a broken chain's stages reaped and its links freed at once)."""
+    try:
+        runner.loop()
+    finally:
+        runner.close()
 
 
 class ChainError(RuntimeError):
@@ -118,9 +123,12 @@ class WarmChain:
     ``memory``); ``edges``: ``auto``, ``shm`` or ``tcp`` (``encrypt_edges``: TCP edges
     encrypt their frames, not only authenticate them); ``trace``: record Chrome
     trace events of every run. ``run_ids()`` gives each run its id (by default 128
-    random bits, ``names.new_run_id``: the id names the run's resources on its hosts,
-    so it must be as hard to guess). Raises ``ClusterError`` for a cluster that cannot
-    be reached or has no room, before any process starts."""
+    random bits, ``names.new_run_id``); ``secrets()`` gives each chain started its secret
+    (by default 32 random bytes): the chain's id, which names its links on its hosts, is
+    derived from it. ``prefill_chunk``: rows of a prompt per prefill record (a long
+    prompt's chunks interleave with the other runs' decode steps). Raises
+    ``ClusterError`` for a cluster that cannot be reached or has no room, before any
+    process starts."""
 
     def __init__(
         self,
@@ -139,6 +147,9 @@ class WarmChain:
         placement: str = "even",
         run_ids: Callable[[], str] | None = None,
         encrypt_edges: bool = False,
+        max_concurrent: int | None = None,
+        secrets: Callable[[], bytes] | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
             raise ValueError(
@@ -182,28 +193,31 @@ class WarmChain:
         self.host: StageHost = host or LocalProcessHost(log_dir=log_dir)
         self.timeouts = timeouts or Timeouts()
         self.trace = trace
-        self.secret = new_secret()
-        self.chain_id = new_run_id("chain")
         self._run_ids = run_ids or _new_serve_run_id
-        self._lock = threading.Lock()  # guards the handles for readers on other threads
-        self._handles: dict[int, StageHandle] = {}
-        self._warm = False  # every stage bound by a run since it started
+        self._secrets = secrets or new_secret
+        self.prefill_chunk = prefill_chunk
+        self.max_concurrent = max_concurrent or DEFAULT_MAX_CONCURRENT
+        if self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent {self.max_concurrent} is not at least 1")
+        self._lock = threading.Lock()  # guards the runner for readers on other threads
+        self._heal_lock = threading.RLock()  # one thread starts the chain again
+        self._runner: ChainRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._warm = False  # every stage bound by a run since the chain started
         self._closed = False
-        self._lost: dict[int, str] = {}  # stages found silent or gone while idle: why
-        #: Why the chain is not whole (a stage broken, silent, gone), until it is again.
-        self.trouble: str | None = None
-        self._watch = IdleWatch(self.handles, self.timeouts.heartbeat_ms / 1000.0, self._on_lost)
-        self._watching = False
-        self.restarts = 0  # stages started again after they broke
+        self._trouble: str | None = None
+        self.restarts = 0  # stages started again after the chain broke
         self.bind_run: WarmResult | None = None  # the last run that bound the stages
+        self.chain_id = ""  # the running chain's id (names its links)
         # The stages' plan, once: PlanRejected / ValueError before any process starts.
-        template = self.plan(f"{self.chain_id}-plan", max_tokens=1, sampling=SamplingConfig())
+        template = self.plan(_new_serve_run_id(), max_tokens=1, sampling=SamplingConfig())
         self.layout = tuple(
             (s.stage_index, s.node_id, s.layer_start, s.layer_end_exclusive)
             for s in template.stages
         )
-        self._media = {e.edge_id: self._medium(template, e) for e in template.edges}
-        self._launches = tuple(self._launch(template, s.stage_index) for s in template.stages)
+        self.template = template
+        choose = {e.edge_id: self._medium(template, e) for e in template.edges}
+        del choose  # ValueError now for edges that cannot be
 
     # -- plans ---------------------------------------------------------------------
     @property
@@ -214,8 +228,17 @@ class WarmChain:
     def model_id(self) -> str:
         return self.facts.model_id
 
-    def plan(self, run_id: str, *, max_tokens: int, sampling: SamplingConfig) -> RunPlan:
-        """The plan of one run on these stages (``PlanRejected`` if the planner says no)."""
+    def plan(
+        self,
+        run_id: str,
+        *,
+        max_tokens: int,
+        sampling: SamplingConfig,
+        prompt_tokens: int = 0,
+    ) -> RunPlan:
+        """The plan of one run on these stages (``PlanRejected`` if the planner says
+        no): every run has the chain's stage facts (cache length, KV budget for
+        ``max_concurrent`` runs, batch rows) and its own prompt length and token limit."""
         half = self.worker == "cuda"  # the CUDA worker moves f16 activations
         config = RuntimeConfig(
             run_id=run_id,
@@ -225,6 +248,9 @@ class WarmChain:
             sampling=sampling,
             timeouts=self.timeouts,
             worker=self.capabilities,
+            prompt_tokens=prompt_tokens,
+            max_concurrent_runs=self.max_concurrent,
+            prefill_chunk=self.prefill_chunk,
         )
         return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)
 
@@ -237,57 +263,40 @@ class WarmChain:
         same = self.host.same_host(node(edge.producer), node(edge.consumer))
         return choose_medium(self.edges, same, edge.edge_id)
 
-    def _launch(self, plan: RunPlan, index: int) -> StageLaunch:
-        stage = plan.stages[index]
-        return StageLaunch(
-            run_id=self.chain_id,
-            stage_index=index,
-            stage_count=plan.stage_count,
-            node_id=stage.node_id,
-            orchestrator_id=plan.orchestrator_node_id,
-            worker=self.worker,
-            inbound_medium=self._media[stage.inbound_edge],
-            outbound_medium=self._media[stage.outbound_edge],
-            stop_ms=plan.timeouts.stop_ms,
-            heartbeat_ms=plan.timeouts.heartbeat_ms,
-            device=self.devices[index],
-            trace=self.trace,
-            warm=True,
-            encrypt_edges=self.encrypt_edges,
-            source=plan.model.gguf_source,
-            parts=SliceParts.of_stage(stage),
-        )
-
-    # -- the stages ----------------------------------------------------------------
+    # -- the chain -----------------------------------------------------------------
     def start(self) -> None:
-        """Start every stage and bind its slice (one run of one token); ``ChainError``
-        if they cannot be."""
+        """Start the chain and bind every stage's slice (one run of one token);
+        ``ChainError`` if they cannot be."""
         if self._closed:
             raise ChainError("the chain is closed")
-        with self._watch.paused():
+        with self._heal_lock:
             self._heal()
-        if not self._watching:
-            self._watching = True
-            self._watch.start()
 
     @property
     def ready(self) -> bool:
-        """Every stage started, bound, and still there and heard (any thread)."""
+        """The chain started, bound, and not broken (any thread)."""
         with self._lock:
-            handles = list(self._handles.values())
-        return (
-            self._warm
-            and not self._closed
-            and not self._lost
-            and len(handles) == len(self._launches)
-            and not any(h.exited() for h in handles)
-        )
+            runner = self._runner
+        return self._warm and not self._closed and runner is not None and runner.whole
 
-    def _on_lost(self, index: int, why: str) -> None:
-        """The idle watch found a stage silent or gone (its thread)."""
-        log.warning("%s: it will be started again", why)
-        self._lost[index] = why
-        self.trouble = why
+    @property
+    def trouble(self) -> str | None:
+        """Why the chain is not whole (a stage broken, silent, gone), until it is again
+        (any thread)."""
+        runner = self._runner
+        if runner is not None and runner.dead is not None:
+            return runner.dead
+        return self._trouble
+
+    @trouble.setter
+    def trouble(self, why: str | None) -> None:
+        self._trouble = why
+
+    @property
+    def in_flight(self) -> int:
+        """Runs on the chain now (any thread)."""
+        runner = self._runner
+        return runner.in_flight if runner is not None else 0
 
     def waiting_for(self) -> list[str]:
         """What the chain waits for before it serves (nothing once ready): each stage's
@@ -298,79 +307,91 @@ class WarmChain:
         moving = [describe(t) for t in host.slice_transfers() if t.moving] if host else []
         if moving:
             return moving
-        with self._lock:
-            started = len(self._handles)
-        total = len(self._launches)
+        started = len(self.handles())
+        total = len(self.layout)
         if started < total:
             return [f"stages to start: {started} of {total} started"]
         return [f"the {total} stages to bind their slices of the model"]
 
+    def kv_in_use(self) -> tuple[tuple[int, int, int], ...]:
+        """Each stage's KV cache held by the runs in flight: ``(stage_index, bytes,
+        budget_bytes)`` (any thread; none before the chain started)."""
+        runner = self._runner
+        return runner.kv_in_use() if runner is not None else ()
+
     def pids(self) -> tuple[int, ...]:
         """Each stage's process id, by stage index."""
-        with self._lock:
-            return tuple(self._handles[i].info().pid for i in sorted(self._handles))
+        return tuple(h.info().pid for h in self.handles())
 
     def handles(self) -> tuple[StageHandle, ...]:
         with self._lock:
-            return tuple(self._handles[i] for i in sorted(self._handles))
-
-    def _gone(self, handle: StageHandle) -> bool:
-        """Whether a stage went away while idle: its process ended or its channel
-        closed. What it sent between runs is read and dropped (logged)."""
-        if handle.exited():
-            return True
-        channel = handle.channel
-        fd = channel.fileno()
-        if fd < 0 or channel.eof:
-            return True
-        with contextlib.suppress(OSError, ValueError):
-            while select.select([fd], [], [], 0)[0]:
-                items = channel.receive()
-                for item in items:
-                    what = type(item.message).__name__ if isinstance(item, Incoming) else item
-                    log.warning("stage %d sent between runs: %s", handle.stage_index, what)
-                if channel.eof or not items:
-                    break
-        return channel.eof
+            runner = self._runner
+        return runner.handles() if runner is not None else ()
 
     def _heal(self) -> tuple[int, ...]:
-        """Start the stages that are missing or gone and bind them; the indices
-        started (their first run binds them)."""
-        for index, handle in list(self._handles.items()):
-            lost = self._lost.pop(index, None)
-            if lost is not None or self._gone(handle):
-                reason = lost or handle.exit_reason() or "its control channel closed"
-                log.warning("stage %d (%s) is gone (%s): starting it again",
-                            index, handle.node_id, reason)  # fmt: skip
-                self.trouble = self.trouble or reason
-                self._retire(index)
-        started: list[int] = []
-        if self._ray_host is not None:  # their supervisors' start-ups overlap
-            self._ray_host.prepare(
-                launch.node_id for launch in self._launches
-                if launch.stage_index not in self._handles
-            )  # fmt: skip
-        for launch in self._launches:
-            if launch.stage_index in self._handles:
-                continue
-            try:
-                handle = self.host.start(launch, self.secret)
-            except OSError as exc:
-                self.trouble = f"stage {launch.stage_index} could not be started: {exc}"
-                raise ChainError(self.trouble) from exc
-            with self._lock:
-                self._handles[launch.stage_index] = handle
+        """Start the chain again if it is not whole (a stage gone or silent, a chain
+        fault) and bind it; the stage indices started."""
+        runner = self._runner
+        if (
+            runner is not None
+            and runner.dead is None
+            and not any(h.exited() for h in runner.handles())
+        ):
+            return ()
+        if runner is not None:
+            why = runner.dead or next(
+                (h.exit_reason() or "gone" for h in runner.handles() if h.exited()), "gone"
+            )
+            log.warning("the chain is broken (%s): starting it again", why)
+            self.trouble = self.trouble or why
+            self.restarts += len(runner.handles())
+            self._stop_runner()
+        runner = ChainRunner(
+            self.template,
+            worker=self.worker,
+            devices=self.devices,
+            host=self.host,
+            edges=self.edges,
+            encrypt_edges=self.encrypt_edges,
+            trace=self.trace,
+            secret=self._secrets(),
+        )
+        self._warm = False
+        try:
+            runner.start()
+        except OSError as exc:
+            self.trouble = f"the stages could not be started: {exc}"
+            runner.close()
+            raise ChainError(self.trouble) from exc
+        thread = threading.Thread(target=_serve_chain, args=(runner,), name="chain", daemon=True)
+        with self._lock:
+            self._runner, self._thread = runner, thread
+        self.chain_id = runner.chain_id
+        thread.start()
+        for handle in runner.handles():
             log.info("stage %d (%s) started: pid %d",
-                     launch.stage_index, launch.node_id, handle.info().pid)  # fmt: skip
-            started.append(launch.stage_index)
-        if started or not self._warm:
-            self._warm = False
+                     handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
+        try:
             self._bind_all()
-        return tuple(started)
+        except ChainError:
+            self._stop_runner()  # the next start makes a new chain
+            raise
+        return tuple(range(len(self.layout)))
+
+    def _stop_runner(self) -> None:
+        with self._lock:
+            runner, thread = self._runner, self._thread
+            self._runner = self._thread = None
+        if runner is None:
+            return
+        runner.request_close()
+        if thread is not None:
+            thread.join()
+        runner.close()
 
     def _bind_all(self) -> None:
-        """One run of one token: every stage binds its slice (those that hold it reuse
-        it); ``ChainError`` naming the fault if it fails."""
+        """One run of one token: every stage binds its slice; ``ChainError`` naming the
+        fault if it fails."""
         prompt = (self.tokenizer.vocab.bos_id or 0,)
         outcome = self.bind_run = self._run(prompt, 1, SamplingConfig(), None, None)
         result = outcome.result
@@ -379,19 +400,7 @@ class WarmChain:
             raise ChainError(self.trouble)
         self._warm = True
         self.trouble = None
-        log.info("warm: %d stages bound in %.2f s", len(self._launches), result.wall_s)
-
-    def _retire(self, index: int) -> None:
-        with self._lock:
-            handle = self._handles.pop(index, None)
-        if handle is None:
-            return
-        self.restarts += 1
-        if not handle.exited():
-            handle.kill()
-        handle.wait(REAP_S)
-        handle.close()
-        handle.trace_events()
+        log.info("warm: %d stages bound in %.2f s", len(self.layout), result.wall_s)
 
     # -- runs ----------------------------------------------------------------------
     def generate(
@@ -406,17 +415,21 @@ class WarmChain:
         on_token: Callable[[int], None] | None = None,
         on_run: OnRun | None = None,
     ) -> WarmResult:
-        """One run of ``prompt_ids`` on the warm stages (started again first if any is
-        gone). Raises ``ChainError`` when the stages cannot be brought up, and what
-        ``ProcessRun`` raises for a prompt it cannot run (``PromptError``) and the
-        planner for settings it refuses (``PlanRejected``); a run that faults or is
-        cancelled returns with that outcome."""
+        """One run of ``prompt_ids`` on the chain (any thread; it joins the runs in
+        flight). Raises ``ChainError`` when the chain is not up, and what the chain
+        raises for a prompt it cannot run (``PromptError``) and the planner for settings
+        it refuses (``PlanRejected``); a run that faults or is cancelled returns with
+        that outcome."""
         if self._closed:
             raise ChainError("the chain is closed")
+        restarted: tuple[int, ...] = ()
+        with self._heal_lock:  # a chain broken while no run is in flight starts again
+            if not self.ready and self.in_flight == 0:
+                restarted = self._heal()
+        if not self.ready:
+            raise ChainError(self.trouble or "the chain is not up")
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        with self._watch.paused():
-            restarted = self._heal()
-            outcome = self._run(tuple(prompt_ids), max_tokens, sampling, on_token, on_run)
+        outcome = self._run(tuple(prompt_ids), max_tokens, sampling, on_token, on_run)
         return attrs.evolve(outcome, restarted=restarted)
 
     def _run(
@@ -427,68 +440,65 @@ class WarmChain:
         on_token: Callable[[int], None] | None,
         on_run: OnRun | None,
     ) -> WarmResult:
-        run_id = self._run_ids()
-        plan = self.plan(run_id, max_tokens=max_tokens, sampling=sampling)
         began = time.perf_counter()
-        run = ProcessRun(
-            plan,
-            prompt,
-            worker=self.worker,
-            devices=self.devices,
-            host=self.host,
-            edges=self.edges,
-            on_token=on_token,
-            trace=self.trace,
-            stages=self.handles(),
-            secret=self.secret,
-            encrypt_edges=self.encrypt_edges,
-        )
+        run = self.submit(prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token)
         if on_run is not None:
             on_run(run)
-        outcome = run.run()
-        result = summarize(plan, outcome, self.tokenizer, time.perf_counter() - began, False)
-        for index in outcome.broken:
-            log.warning("stage %d is broken after run %s: it will be started again",
-                        index, run_label(run_id))  # fmt: skip
-            self._retire(index)
-        if outcome.broken:
-            self._warm = False
-            broke = f"stages {list(outcome.broken)} broke in run {run_label(run_id)}"
-            self.trouble = result.fault or broke
+        run.wait()
+        return self.result(run, time.perf_counter() - began)
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        sampling: SamplingConfig,
+        on_token: Callable[[int], None] | None = None,
+        on_done: Callable[[ChainRun], None] | None = None,
+    ) -> ChainRun:
+        """Hand one run to the chain and return at once (any thread): ``run.wait()``,
+        then ``result(run)``. ``on_done(run)`` when it ended (from the chain's thread).
+        Raises ``ChainError`` when the chain is not up, ``PlanRejected`` for settings the
+        planner refuses."""
+        runner = self._runner
+        if runner is None:
+            raise ChainError(self.trouble or "the chain is not up")
+        plan = self.plan(
+            self._run_ids(), max_tokens=max_tokens, sampling=sampling, prompt_tokens=len(prompt)
+        )
+        return runner.submit(plan, prompt, on_token, on_done=on_done)
+
+    def result(self, run: ChainRun, wall_s: float | None = None) -> WarmResult:
+        """What an ended run gave (``wait`` raises what refused it: ``PromptError``)."""
+        outcome = run.wait()
+        assert outcome is not None
+        runner = run.runner
+        wall = wall_s if wall_s is not None else outcome.ended_s - outcome.submitted_s
+        result = summarize(run.plan, run_result(runner, outcome), self.tokenizer, wall, False)
+        if runner.dead is not None:
+            self.trouble = result.fault or runner.dead
         times = outcome.token_times_s
         return WarmResult(
             result=result,
-            prompt_tokens=len(prompt),
-            started_s=outcome.started_s,
+            prompt_tokens=len(run.prompt),
+            started_s=outcome.submitted_s,
             first_token_s=times[0] if times else None,
         )
 
     def recover(self) -> tuple[int, ...]:
-        """Start and bind the stages that broke (after a run that broke them, so that
-        the next request finds the chain warm); the indices started."""
-        with self._watch.paused():
+        """Start the chain again when it broke (after a chain fault, so that the next
+        request finds it warm); the stage indices started."""
+        if self._closed:
+            return ()
+        with self._heal_lock:
             return self._heal()
 
     # -- the end -------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every stage: its control channel closes, it exits; one that does not
-        within ``CLOSE_GRACE_S`` is killed. Idempotent."""
+        """Stop the chain: runs cancelled, every stage's channel closed and the stage
+        reaped (killed after a grace), the links freed. Idempotent."""
         self._closed = True
-        self._watch.close()
-        with self._lock:
-            handles, self._handles = list(self._handles.values()), {}
-        for handle in handles:
-            with contextlib.suppress(OSError):
-                handle.channel.close()
-        deadline = time.monotonic() + CLOSE_GRACE_S
-        for handle in handles:
-            if not handle.wait(deadline - time.monotonic()):
-                log.warning("stage %d did not exit: killing it", handle.stage_index)
-                handle.kill()
-        for handle in handles:
-            handle.wait(REAP_S)
-            handle.close()
-            handle.trace_events()  # frees what is left of its trace
+        self._stop_runner()
 
     def __enter__(self) -> WarmChain:
         self.start()

@@ -1,5 +1,6 @@
-"""Requests to runs: the queue in front of the warm chain and the one thread that runs
-it (no batching in the MVP: one run at a time on the chain).
+"""Requests to runs: the queue in front of the warm chain, and continuous batching on
+it: up to the chain's ``max_concurrent`` runs in flight at once, each request joining
+the stages' batches at their next step and leaving them when it ends.
 
 ``Engine.prepare(request)`` turns a checked request into a prompt (the model's chat
 template over the messages, or the completion's text or ids), its token limit and its
@@ -8,14 +9,15 @@ measured against the context by its size (``Tokenizer.min_token_count``), so one
 long is refused without being tokenized; the server calls it in a thread, and the
 tokenizer lets go of the interpreter while it merges, so the event loop goes on.
 ``submit`` admits it to a bounded queue (``QueueFull`` past ``max_queue`` waiting) and
-numbers it: requests are served strictly in the order they were admitted, which the
-log shows (``request #N queued`` ... ``started`` ... ``finished``). The runner thread
-takes them one by one: it starts the chain first (``GET /health`` says 503 until
-then), then runs each request on it, sending its events (``Piece``, ``Finished``,
-``Failed``) to the request's sink as tokens arrive. ``Job.cancel()`` (a client that went
-away) takes a waiting request out of the queue or cancels its run; the stages stay
-warm. After a run that broke a stage, and when the chain finds one gone or silent
-while idle, the runner starts it again (``/health`` says 503 and why meanwhile).
+numbers it: requests start strictly in the order they were admitted, which the log
+shows (``request #N queued`` ... ``started`` ... ``finished``). The runner thread
+starts the chain first (``GET /health`` says 503 until then), then starts each request
+as soon as fewer than ``max_concurrent`` run, each in a thread of its own that sends
+its events (``Piece``, ``Finished``, ``Failed``) to the request's sink as tokens
+arrive. ``Job.cancel()`` (a client that went away) takes a waiting request out of the
+queue or cancels its run alone; the stages stay warm and the other runs go on. After a
+chain fault (every run in flight ends naming its cause), once those runs have ended,
+the runner starts the chain again (``/health`` says 503 and why meanwhile).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from attrs import frozen
 from runtime_core.chat import ChatTemplateError, NoChatTemplate
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.process.launcher import ProcessRun
+from runtime_cupy.process.chain_runner import ChainRun
 from runtime_cupy.process.names import run_label
 from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
 from runtime_cupy.serve.metrics import Metrics
@@ -128,7 +130,7 @@ class Job:
         self.created = int(time.time())
         self._engine = engine
         self._lock = threading.Lock()
-        self._run: ProcessRun | None = None
+        self._run: ChainRun | None = None
         self.cancelled = False
         self.stopped = False  # a stop string came: the run ends early, the answer is whole
 
@@ -144,7 +146,7 @@ class Job:
         else:
             self._engine._drop(self)
 
-    def _attach(self, run: ProcessRun) -> None:
+    def _attach(self, run: ChainRun) -> None:
         log.info("request #%d (%s) runs as %s", self.number, self.id, run_label(run.plan.run_id))
         with self._lock:
             self._run = run
@@ -178,18 +180,21 @@ class Engine:
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._numbers = 0
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._closing = False
         self.failure: str | None = None  # why the chain could not start, once it could not
         self._backoff = 0.0  # seconds between tries to start broken stages again
         self._retry_at = 0.0
         self.metrics = Metrics(
             queued=lambda: len(self._queue),
-            running=lambda: int(self._running is not None),
+            running=lambda: len(self._running),
             ready=lambda: self.ready,
             restarts=lambda: self.chain.restarts,
+            in_flight=lambda: self.chain.in_flight,
+            kv=self.chain.kv_in_use,
         )
         self._thread = threading.Thread(target=self._serve, name="runner", daemon=True)
+        self._job_threads: set[threading.Thread] = set()
         self._started = threading.Event()  # the chain is up (or failed to come up)
 
     # -- the server's side ----------------------------------------------------------------
@@ -317,12 +322,12 @@ class Engine:
             self._closing = True
             waiting = list(self._queue)
             self._queue.clear()
-            running = self._running
+            running = list(self._running)
             self._cond.notify_all()
         for job in waiting:
             self._deliver(job, Failed(503, "the server is shutting down", "shutting_down"))
-        if running is not None:
-            running.cancel()
+        for job in running:
+            job.cancel()
         if self._thread.is_alive():
             self._thread.join()
         else:
@@ -340,28 +345,36 @@ class Engine:
             finally:
                 self._started.set()
             log.info("ready: %d stages, pids %s", len(self.chain.pids()), self.chain.pids())
+            limit = self.chain.max_concurrent
             while True:
                 with self._cond:
-                    while not self._queue and not self._closing:
+                    while not self._closing and (not self._queue or len(self._running) >= limit):
                         if not self._cond.wait(IDLE_CHECK_S):
-                            break  # idle: a look at the stages
+                            break  # idle: a look at the chain
                     if self._closing:
-                        return
-                    job = self._queue.popleft() if self._queue else None
-                    self._running = job
+                        break
+                    job = None
+                    if self._queue and len(self._running) < limit and self.chain.ready:
+                        job = self._queue.popleft()
+                        self._running.add(job)
+                    idle = not self._running
                 if job is None:
-                    self._recover()
+                    if idle:
+                        self._recover()
+                        if self._backoff > 0:  # the chain could not be started again
+                            self._fail_waiting()
+                    if not self.chain.ready:
+                        with self._cond:  # runs of a broken chain end first, then recovery
+                            self._cond.wait(IDLE_CHECK_S / 10)
                     continue
-                try:
-                    self._run(job)
-                except Exception as exc:  # a bug: the request gets an error, the server goes on
-                    log.exception("request #%d failed", job.number)
-                    self._deliver(job, Failed(500, f"internal error: {exc}", "internal_error"))
-                finally:
-                    with self._cond:
-                        self._running = None
-                self._recover()
+                thread = threading.Thread(
+                    target=self._run_job, args=(job,), name=f"request-{job.number}", daemon=True
+                )
+                self._job_threads.add(thread)
+                thread.start()
         finally:
+            for thread in list(self._job_threads):
+                thread.join()
             self.chain.close()
             with self._cond:
                 self._closing = True
@@ -370,6 +383,27 @@ class Engine:
             for job in waiting:
                 reason = self.failure or "the server is shutting down"
                 self._deliver(job, Failed(503, reason, "unavailable"))
+
+    def _fail_waiting(self) -> None:
+        """The chain could not be started again: the requests waiting get a 503."""
+        with self._cond:
+            waiting = list(self._queue)
+            self._queue.clear()
+        reason = self.chain.trouble or "the stages are not up"
+        for job in waiting:
+            self._finish(job, "faulted", Failed(503, reason, "stages_unavailable"))
+
+    def _run_job(self, job: Job) -> None:
+        try:
+            self._run(job)
+        except Exception as exc:  # a bug: the request gets an error, the server goes on
+            log.exception("request #%d failed", job.number)
+            self._deliver(job, Failed(500, f"internal error: {exc}", "internal_error"))
+        finally:
+            with self._cond:
+                self._running.discard(job)
+                self._job_threads.discard(threading.current_thread())
+                self._cond.notify_all()
 
     def _recover(self) -> None:
         """Start again what broke; after a failure, try again later and later (up to a
@@ -472,7 +506,7 @@ class Engine:
         return {
             "ready": self.ready,
             "waiting": len(self._queue),
-            "running": self._running is not None,
+            "running": len(self._running),
             "failure": self.failure,
             "trouble": self.chain.trouble,
         }

@@ -11,7 +11,12 @@ registry of the server's own):
   the last token, per token (histograms);
 - ``gguf_pipeline_queue_length`` (waiting, not counting the running one),
   ``gguf_pipeline_requests_running``, ``gguf_pipeline_stages_ready`` (1 once every stage
-  is up and bound), ``gguf_pipeline_stage_restarts_total``.
+  is up and bound), ``gguf_pipeline_stage_restarts_total``;
+- ``gguf_pipeline_runs_in_flight`` (runs on the chain: provisioning, decoding or
+  tearing down, and those waiting for room in the stages' KV budgets), and
+  ``gguf_pipeline_kv_cache_bytes{stage}`` / ``gguf_pipeline_kv_cache_share{stage}``:
+  the KV cache the runs in flight hold on each stage, in bytes and as a share of its
+  budget.
 """
 
 from __future__ import annotations
@@ -43,8 +48,11 @@ class _Live:
         running: Callable[[], int],
         ready: Callable[[], bool],
         restarts: Callable[[], int],
+        in_flight: Callable[[], int],
+        kv: Callable[[], tuple[tuple[int, int, int], ...]],
     ) -> None:
         self.queued, self.running, self.ready, self.restarts = queued, running, ready, restarts
+        self.in_flight, self.kv = in_flight, kv
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("gguf_pipeline_queue_length", "Requests waiting", self.queued())
@@ -57,11 +65,28 @@ class _Live:
         yield CounterMetricFamily(
             "gguf_pipeline_stage_restarts", "Stages started again after they broke", self.restarts()
         )
+        yield GaugeMetricFamily(
+            "gguf_pipeline_runs_in_flight", "Runs on the chain now", self.in_flight()
+        )
+        used = GaugeMetricFamily(
+            "gguf_pipeline_kv_cache_bytes", "KV cache the runs hold, by stage", labels=["stage"]
+        )
+        share = GaugeMetricFamily(
+            "gguf_pipeline_kv_cache_share",
+            "KV cache the runs hold, as a share of the stage's budget",
+            labels=["stage"],
+        )
+        for stage, held, budget in self.kv():
+            used.add_metric([str(stage)], held)
+            share.add_metric([str(stage)], held / budget if budget else 0.0)
+        yield used
+        yield share
 
 
 class Metrics:
-    """The server's metrics. ``queued``, ``running``, ``ready`` and ``restarts`` are
-    read when scraped."""
+    """The server's metrics. ``queued``, ``running``, ``ready``, ``restarts``,
+    ``in_flight`` and ``kv`` (each stage's ``(index, bytes, budget)``) are read when
+    scraped."""
 
     def __init__(
         self,
@@ -70,6 +95,8 @@ class Metrics:
         running: Callable[[], int],
         ready: Callable[[], bool],
         restarts: Callable[[], int],
+        in_flight: Callable[[], int] = lambda: 0,
+        kv: Callable[[], tuple[tuple[int, int, int], ...]] = lambda: (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -94,7 +121,7 @@ class Metrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
-        r.register(_Live(queued, running, ready, restarts))
+        r.register(_Live(queued, running, ready, restarts, in_flight, kv))
         for endpoint in ("chat", "completion"):
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)  # every series shows from the start

@@ -5,6 +5,7 @@ orchestrator's host) before the worker binds it. Everything else is the worker's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -12,12 +13,19 @@ import numpy.typing as npt
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.shards import SliceParts
-from runtime_core.workers.interface import Progress, StepWorker, TokenOutput, WorkerError
+from runtime_core.workers.interface import (
+    BatchStep,
+    Progress,
+    StepResult,
+    StepWorker,
+    TokenOutput,
+    WorkerError,
+)
 from runtime_core.workers.kept_weights import KeepsWeights
 from runtime_cupy.slices.fetch import SliceFetcher
 
 
-def sliced(worker: StepWorker, fetcher: SliceFetcher) -> StepWorker:
+def sliced(worker: StepWorker, fetcher: SliceFetcher) -> Any:
     """``worker``, binding what ``fetcher`` resolves (a class of its own per worker
     class, so that it has the worker's capabilities)."""
     cls = type(
@@ -54,6 +62,25 @@ class SlicedWorker:
         self, sequence: int, data: npt.NDArray[np.generic]
     ) -> npt.NDArray[np.generic] | TokenOutput:
         return self.inner.execute_step(sequence, data)
+
+    # -- the chain's batched interface (runtime_core.workers.interface.Worker) ---------
+    @property
+    def kv_reserved_bytes(self) -> int:
+        inner: Any = self.inner
+        return int(inner.kv_reserved_bytes)
+
+    def open_run(self, provision: ProvisionStage) -> None:
+        inner: Any = self.inner
+        inner.open_run(provision)
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        inner: Any = self.inner
+        results: tuple[StepResult, ...] = inner.execute_batch(steps)
+        return results
+
+    def close_run(self, run_id: str) -> None:
+        inner: Any = self.inner
+        inner.close_run(run_id)
 
     def release(self) -> None:
         self.inner.release()

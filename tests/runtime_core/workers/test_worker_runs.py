@@ -4,8 +4,10 @@ worker, the CPU worker, the CUDA worker on the emulated CuPy and on a GPU where 
 is one) and the CUDA worker's program on its NumPy twins (``TwinWorker``).
 
 - Batch invariance: a run's tokens and logits are the same alone and beside seven other
-  runs in every batch (bit for bit on the compiled workers; the reference worker within
-  1e-5: it is the oracle, and BLAS may sum in another order over other row counts).
+  runs in every batch, also when the runs join one batch after another (prefill chunks
+  beside decode rows at other positions) (bit for bit on the compiled workers; the
+  reference worker within 1e-5: it is the oracle, and BLAS may sum in another order
+  over other row counts).
 - Chunked prefill: a run's tokens and logits are the same whatever ``prefill_chunk`` is
   (bit for bit on the CPU worker, whose products and attention compute each row the same
   way whatever rows it is computed with; within 1e-5 on the reference worker; the CUDA
@@ -15,11 +17,13 @@ is one) and the CUDA worker's program on its NumPy twins (``TwinWorker``).
 - Each run's KV cache is reserved at ``open_run`` within the stage's budget: no room is
   ``KvCacheUnavailable`` naming the bytes, and changes nothing; ``close_run`` frees it.
 - One run's failed step is its ``StepFailure``; the batch's other runs go on unchanged.
+  A batch the backend fails as a whole is each of its steps' ``StepFailure``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,6 +37,7 @@ from runtime_core.workers.interface import (
     TokenOutput,
 )
 from runtime_core.workers.reference.worker import ReferenceWorker
+from runtime_core.workers.stage_worker import BackendSpec, StageBackend
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.chain import Chain, provisions
 from tests.support.every_worker import COMPILED, CUDA, WORKERS, MakeWorker, worker_for
@@ -96,13 +101,17 @@ def _chain(
 
 
 def _generate(
-    model: Path, make: MakeWorker, together: list[int], chunk: int = 0
+    model: Path, make: MakeWorker, together: list[int], chunk: int = 0, staggered: bool = False
 ) -> dict[str, list[TokenOutput]]:
+    """``N`` outputs of each run of ``together`` batched on one chain; ``staggered``: run
+    ``k`` joins at batch ``k``, its prefill chunks beside the others' decode rows."""
     chain, provs = _chain(model, make, 8)
+    join = {f"run-{k}": k for k in together} if staggered else None
     try:
         for k in together:
             chain.open(provs[k])
-        return chain.generate_batched({f"run-{k}": PROMPTS[k] for k in together}, N, chunk)
+        prompts = {f"run-{k}": PROMPTS[k] for k in together}
+        return chain.generate_batched(prompts, N, chunk, join)
     finally:
         chain.release()
 
@@ -131,6 +140,18 @@ def test_a_run_alone_and_beside_seven_others_gives_the_same_outputs(
     together = _generate(model, make, list(range(8)))
     for k in range(8):
         alone = _generate(model, make, [k])
+        _same(alone[f"run-{k}"], together[f"run-{k}"], _atol(worker_name))
+
+
+def test_a_run_beside_seven_others_at_other_steps_gives_what_it_gives_alone(
+    model: Path, worker_name: str
+) -> None:
+    """Runs joining one batch after another, prefills in chunks of 3: batches of prefill
+    chunks of several lengths beside decode rows at other positions."""
+    make = RUN_WORKERS[worker_name]
+    together = _generate(model, make, list(range(8)), 3, staggered=True)
+    for k in range(8):
+        alone = _generate(model, make, [k], 3)
         _same(alone[f"run-{k}"], together[f"run-{k}"], _atol(worker_name))
 
 
@@ -237,3 +258,56 @@ def test_the_cache_a_run_reserves_is_the_one_the_planner_counts(model: Path) -> 
     cpu.bind(p.gguf_source)
     cpu.open_run(p)
     assert cpu._runs[p.run_id].cache.nbytes == p.kv_bytes
+
+
+class _FailingOnce:
+    """A CPU backend whose next ``run_batch`` raises (a fault through the backend port)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.fail_next = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    def run_batch(self, steps: Any) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the backend gave up")
+        self.backend.run_batch(steps)
+
+
+class _FaultyCpuWorker(CpuWorker):
+    def _make_backend(self, spec: BackendSpec) -> StageBackend:
+        self.faulty = _FailingOnce(super()._make_backend(spec))
+        return self.faulty  # type: ignore[return-value]
+
+
+def test_a_batch_the_backend_fails_is_each_of_its_steps_failure(model: Path) -> None:
+    """The batch runs as one computation: when the backend raises, every step of it is
+    that run's ``StepFailure`` naming the cause, no cursor moves, and the same steps
+    run again compute what a worker that never failed computes."""
+    provs = [provisions(model, 1, max_seq_len=MAX_SEQ, run_id=f"r{k}", max_concurrent_runs=2)[0]
+             for k in range(2)]  # fmt: skip
+    steps = [BatchStep(p.run_id, 0, 0, 1, np.array(PROMPTS[k], np.uint32)) for k, p in
+             enumerate(provs)]  # fmt: skip
+    outputs = []
+    for fail in (True, False):
+        w = _FaultyCpuWorker(threads=1)
+        w.configure(provs[0])
+        w.bind(provs[0].gguf_source)
+        for p in provs:
+            w.open_run(p)
+        w.faulty.fail_next = fail
+        if fail:
+            failed = w.execute_batch(steps)
+            assert all(
+                isinstance(f, StepFailure) and "the backend gave up" in f.detail for f in failed
+            )
+        outputs.append(w.execute_batch(steps))
+        w.release()
+    for again, clean in zip(*outputs, strict=True):
+        assert isinstance(again, TokenOutput) and isinstance(clean, TokenOutput)
+        assert again.token_id == clean.token_id
+        assert again.logits is not None and clean.logits is not None
+        assert np.array_equal(again.logits, clean.logits)

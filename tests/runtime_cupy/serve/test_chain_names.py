@@ -9,9 +9,10 @@ where their edges' files go, whose address files it then points at a relay of it
 Nothing of it touches a run: run ids are 128 random bits, no command line shows one, and
 every request completes with the tokens of a run nobody attacked.
 
-A collision that still happens (forced here through the chain's ``run_ids`` port) is
-one setup fault naming the resource and what holds it, the stages are kept (no restart),
-and the next run goes on.
+The chain's links are named from its id, derived from its secret (``keys.chain_id``):
+a collision that still happens (forced here through the chain's ``secrets`` port) is
+one setup fault naming the resource and what holds it; the chain does not start, and
+the next one (a new secret, new names) goes on.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import pytest
 from runtime_cupy import generate
 from runtime_cupy.edges.shm import segment_name
 from runtime_cupy.edges.tcp import split_address
-from runtime_cupy.process.names import edge_dir, new_run_id
-from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.process.keys import chain_id, new_secret
+from runtime_cupy.process.names import edge_dir
+from runtime_cupy.serve.chain import ChainError, WarmChain
 from tests.support.edge_relay import Relay
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import SHM
@@ -174,27 +176,30 @@ def _another_users(path: Path, *, folder: bool) -> int:
 
 
 @pytest.mark.parametrize("edges", ["shm", "tcp"])
-def test_a_name_taken_anyway_is_one_named_setup_fault_and_no_restart(
+def test_a_link_name_taken_anyway_is_one_named_fault_and_the_next_chain_goes_on(
     tiny: str, clean: tuple[int, ...], edges: str
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root, to make a resource of another user (chown)")
-    taken = new_run_id("serve")
-    ids = iter([new_run_id("serve"), taken, new_run_id("serve")])  # bind, taken, next
-    squat = SHM / segment_name(taken, 2) if edges == "shm" else edge_dir(taken, 2)
+    taken = new_secret()
+    secrets = iter([taken, new_secret()])  # the first chain's names are taken, not the next's
+    name = chain_id(taken)
+    squat = SHM / segment_name(name, 1) if edges == "shm" else edge_dir(name, 1)
     held = _another_users(squat, folder=edges == "tcp")
     try:
-        with WarmChain(tiny, stages=2, edges=edges, run_ids=ids.__next__, context=64) as chain:
-            pids = chain.pids()
-            faulted = chain.generate(PROMPT, max_tokens=8).result
-            assert faulted.outcome == "faulted" and faulted.tokens == ()
-            fault = faulted.fault or ""
+        chain = WarmChain(tiny, stages=2, edges=edges, secrets=secrets.__next__, context=64)
+        try:
+            with pytest.raises(ChainError) as refused:
+                chain.start()
+            fault = str(refused.value)
             assert "setup_failure" in fault and str(squat).removeprefix(str(SHM)) in fault
             assert f"uid {NOBODY}" in fault, fault
+            chain.start()  # a new chain: a new secret, new names
             ok = chain.generate(PROMPT, max_tokens=8)
             assert ok.result.outcome == "completed", ok.result.fault
             assert ok.result.tokens == clean
-            assert ok.restarted == () and chain.restarts == 0 and chain.pids() == pids
+        finally:
+            chain.close()
     finally:
         os.close(held)
         if squat.is_dir():

@@ -198,7 +198,7 @@ def test_a_stop_string_cuts_the_answer(
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_four_clients_at_once_are_answered_in_the_order_they_arrived(
+def test_four_clients_at_once_start_in_the_order_they_arrived_and_run_together(
     client: openai.OpenAI, server: ServerProcess
 ) -> None:
     prompts = [f"Request number {i} says" for i in range(4)]
@@ -238,9 +238,13 @@ def test_four_clients_at_once_are_answered_in_the_order_they_arrived(
     queued = [i for what, i in events if what == "queued"]
     started = [i for what, i in events if what == "started"]
     assert sorted(queued) == sorted(ids) and started == queued, events
-    # One run at a time: each request finishes before the next one starts.
-    running = [what for what, _ in events if what != "queued"]
-    assert running == ["started", "finished"] * 4, events
+    # Several runs at a time (continuous batching): some request started while another
+    # ran.
+    running, most = 0, 0
+    for what, _ in events:
+        running += {"started": 1, "finished": -1}.get(what, 0)
+        most = max(most, running)
+    assert most > 1, events
 
 
 def test_a_stage_killed_between_requests_is_started_again(
@@ -257,7 +261,7 @@ def test_a_stage_killed_between_requests_is_started_again(
     )
     assert after.choices[0].text == before.choices[0].text
     new = server.stage_pids()
-    assert new[0] == pids[0] and new[1] != pids[1]
+    assert not set(new.values()) & set(pids.values())  # the whole chain started again
     server.wait_ready()
     assert metrics(server.base_url, AUTH)["gguf_pipeline_stage_restarts_total"] >= 1
 

@@ -5,10 +5,10 @@ read for as long as the test looks:
 
 - mid-decode (stage 1 in a long step): the request fails naming the stage, its node
   and its silence (not a timer: the token timer is a minute away), ``/health`` says 503
-  with that reason until the stage is back, then 200, and the next request is
-  answered;
-- between requests: ``/health`` says 503 naming the stopped stage (the idle watch
-  hears no heartbeat), and the next request is answered on the stage started again.
+  with that reason until the chain (every stage) is back, then 200, and the next
+  request is answered;
+- between requests: ``/health`` says 503 naming the stopped stage (the chain's loop
+  hears no heartbeat), and the next request is answered on the chain started again.
 
 Nothing is left (the conftest checks processes, segments, run folders and ports).
 """
@@ -86,7 +86,7 @@ def test_a_stage_stopped_mid_decode_or_idle_is_named_and_started_again(
         again = httpx2.post(f"{server.base_url}/v1/chat/completions", json=BODY, timeout=120)
         assert again.status_code == 200, again.text
         second = chain.pids()
-        assert second[0] == first[0] and second[1] != first[1]
+        assert not set(second) & set(first)  # a chain fault: the whole chain started again
 
         # Between requests: stage 0 stopped while idle.
         host.hold()

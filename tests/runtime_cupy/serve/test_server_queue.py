@@ -38,7 +38,9 @@ def client(server: InProcessServer) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def slow(tiny_chat: str) -> Iterator[InProcessServer]:
-    chain = WarmChain(tiny_chat, stages=2, host=FaultyHost(SLOW), context=128)
+    # One run in flight at a time: a second request waits in the queue, a third finds it
+    # full.
+    chain = WarmChain(tiny_chat, stages=2, host=FaultyHost(SLOW), context=128, max_concurrent=1)
     engine = Engine(chain, max_queue=1)
     server = InProcessServer(engine)
     engine.start()

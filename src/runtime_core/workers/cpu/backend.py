@@ -19,6 +19,14 @@ Every kernel call names the worker's instruction set (``isa``: ``kernels.py``), 
 matrix times R activation rows gives each row the bits it gets alone, whatever the
 other rows, the threads or the set: the product prefill and batched steps share.
 
+Batches (``run_batch``, CONCURRENT_RUNS.md §3): the rows of every step of a batch (prefill
+chunks and decode rows of several runs) are stacked into one step; each product is one
+kernel call over all of them, so a batch of 8 decode rows reads each weight block once,
+not 8 times, and so are the norms, gates and the head (for each run's last row that
+needs a token). Rotary embedding and attention run per run (``forward_program.Segment``)
+against that run's cache at its positions. Every row's arithmetic is that of the row
+alone: a run computes the same bits alone or beside others, in one prefill or in chunks.
+
 Products. With ``matvec="q8"`` (the default) activations are rounded as llama.cpp's
 CPU path rounds them for the weight type (``ACT_FORMAT``: Q8_0, Q8_1 or Q8_K blocks,
 ``csrc/dot.h``; half or bfloat16 for F16 / BF16 weights), and quantized matrices
@@ -31,7 +39,7 @@ of the weights exactly (as the gguf package does) and multiplies float32 activat
 A source's rounded forms are computed once per value of the source (``_Rows.fresh``).
 
 The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``),
-one per run (``new_cache``; ``use_cache`` picks the one a step uses), one ring per block:
+one per run (``new_cache``; each step of a batch names its run's), one ring per block:
 the run's positions, or a sliding block's window when that is shorter (what the planner
 counts, ``ModelFacts.layer_kv_positions``), position ``p`` in slot ``p % size``. A
 prefill that would wrap a sliding block's ring holds its own keys and values beside the
@@ -48,6 +56,7 @@ after rotary) and the logit soft cap.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -62,18 +71,23 @@ from runtime_core.workers import device_sampling
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.forward_program import (
     Linear,
+    Segment,
     StageWeights,
     forward_blocks,
     forward_embed,
     forward_head,
     load_weights,
+    segments_of,
 )
 from runtime_core.workers.interface import Progress
-from runtime_core.workers.stage_worker import BackendSpec
+from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
 PAGE = 4096
+#: the most rows whose step buffers a stage keeps from one step to the next (a batch of
+#: decode rows); a step of more rows (a prefill) allocates its own
+KEPT_ROWS = 64
 
 
 class _MappedUploader:
@@ -133,7 +147,7 @@ class _Rows:
             "qkv": buffer((rows, qkv), np.float32),
             "att": buffer((rows, att), np.float32),
             "o": buffer((rows, hidden), np.float32),  # a block's output before its post-norm
-            "xl": buffer((1, hidden), np.float32),
+            "xl": buffer((rows, hidden), np.float32),  # the head's rows (first ones used)
         }
         self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}
         self.q8: dict[tuple[str, str], _Q8] = {}
@@ -143,7 +157,7 @@ class _Rows:
     def q8_of(self, src: str, fmt: str) -> _Q8:
         key = (src, fmt)
         if key not in self.q8:
-            self.q8[key] = _Q8(1 if src == "xl" else self.rows, self.widths[src])
+            self.q8[key] = _Q8(self.rows, self.widths[src])
         return self.q8[key]
 
 
@@ -177,12 +191,11 @@ class CpuOps:
         self.isa = isa  # the kernels' instruction set (None: the best)
         self.use_q8 = spec.matvec == "q8"
         self.kv = np.float16 if spec.kv_dtype == "f16" else np.float32
-        # per block: its window (0: global), a ring of ``size`` positions (the cache in
-        # use: a run's, ``use_cache``), its rotations
+        # per block: its window (0: global; a run's cache holds a ring of ``size``
+        # positions per block), its rotations
         self.windows = [layer.window for layer in w.layers]
-        self.k_cache: list[npt.NDArray[Any]] = []
-        self.v_cache: list[npt.NDArray[Any]] = []
-        self.heads: list[tuple[int, int, int, int, int, bool]] = []
+        # the heads tuple of the batch's first run: the shape of its heads (qk_norm)
+        self.heads: tuple[int, int, int, int, int, bool] | None = None
         tables = [r for r in (w.rot, w.rot_swa) if r is not None]
         flat = {id(r): np.ascontiguousarray(r).view(np.float32) for r in tables}
         self.rots = [flat[id(w.layer_rot(i))] for i in range(len(w.layers))]  # (max_seq, n_rot)
@@ -222,10 +235,10 @@ class CpuOps:
             self.matrices[id(lin)] = mats
         self.logits = buffer((1, w.vocab_size), np.float32) if spec.is_last else None
         self.one = self._make_rows(1)
+        self.many: _Rows | None = None  # the last step of several rows' buffers, kept
         self.buf = self.one
         self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
-        self.pos = 0
-        self.token = (0, 0)
+        self.tokens: list[tuple[int, int]] = []  # per head row: (token, non-finite logits)
 
     def new_cache(self, positions: int) -> CpuCache:
         """A KV cache of ``positions`` positions: each block's ring holds that many, or
@@ -242,10 +255,6 @@ class CpuOps:
             ],
         )
 
-    def use_cache(self, cache: CpuCache) -> None:
-        """The KV cache the next step reads and writes (a run's)."""
-        self.k_cache, self.v_cache, self.heads = cache.k, cache.v, cache.heads
-
     def _linears(self) -> list[Linear[U8]]:
         w = self.w
         out = [
@@ -259,9 +268,24 @@ class CpuOps:
         return _Rows(rows, c.hidden_dim, self.qkv_dim, self.att_dim, self.w.max_ffn)
 
     def use_rows(self, rows: int) -> None:
-        """Point the named buffers at the one-row set, or at fresh ones for ``rows``."""
-        self.buf = self.one if rows == 1 else self._make_rows(rows)
+        """Point the named buffers at the one-row set, or at a set for ``rows``: the last
+        one of at most ``KEPT_ROWS`` rows is kept (a stage's decode batches have the same
+        rows again and again), a larger one (a prefill) goes with its step. Every step
+        writes each buffer before reading it."""
+        if rows == 1:
+            self.buf = self.one
+        elif rows > KEPT_ROWS:
+            self.buf = self._make_rows(rows)
+        else:
+            if self.many is None or self.many.rows != rows:
+                self.many = self._make_rows(rows)
+            self.buf = self.many
         self.buf.fresh.clear()
+
+    def use_heads(self, rows: int) -> None:
+        """The logits of ``rows`` head rows (each run's last row that needs a token)."""
+        if self.logits is None or self.logits.shape[0] != rows:
+            self.logits = buffer((rows, self.w.vocab_size), np.float32)
 
     def _written(self, name: str) -> None:
         self.buf.fresh.pop(name, None)
@@ -286,11 +310,12 @@ class CpuOps:
         o = b.views["o"]
         _kernels.rmsnorm(o, weight, b.x, rows, c.hidden_dim, c.rms_eps, self.threads, True)
 
-    def head_norm(self, weight: F32, rows: int) -> None:
+    def head_norm(self, weight: F32, heads: Sequence[int]) -> None:
         c = self.w.config
         b = self.buf
-        last = b.x[rows - 1 : rows]
-        _kernels.rmsnorm(last, weight, b.views["xl"], 1, c.hidden_dim, c.rms_eps, self.threads)
+        n = len(heads)
+        rows = b.x[heads[0] : heads[0] + 1] if n == 1 else np.ascontiguousarray(b.x[list(heads)])
+        _kernels.rmsnorm(rows, weight, b.views["xl"], n, c.hidden_dim, c.rms_eps, self.threads)
         self._written("xl")
 
     def linear(
@@ -304,7 +329,7 @@ class CpuOps:
         bias: F32 | None = None,
     ) -> None:
         b = self.buf
-        x = b.views[src]
+        x = b.views[src][:rows]  # the head's rows are the first of ``xl``
         if dst == "h":
             y = b.views["h"] = b.h_flat[: rows * lin.n_out].reshape(rows, lin.n_out)
         elif dst == "logits":
@@ -344,16 +369,19 @@ class CpuOps:
         return b.rounded[key]
 
     def qk_norm(self, q_norm: F32, k_norm: F32, bias: F32 | None, rows: int) -> None:
+        assert self.heads is not None
         _kernels.qk_norm(
-            self.buf.views["qkv"], rows, bias, q_norm, k_norm, self.heads[0],
+            self.buf.views["qkv"], rows, bias, q_norm, k_norm, self.heads,
             self.w.config.rms_eps, self.threads,
         )  # fmt: skip
 
-    def rope_kv(self, layer: int, bias: F32 | None, rows: int) -> None:
+    def rope_kv(self, layer: int, bias: F32 | None, seg: Segment) -> None:
         rope = self.w.config.rope  # its rotated dims and pairs; the block's base is in rots
-        k, v, heads = self.k_cache[layer], self.v_cache[layer], self.heads[layer]
+        cache: CpuCache = seg.cache
+        k, v, heads = cache.k[layer], cache.v[layer], cache.heads[layer]
+        rows, pos = seg.rows, seg.pos
         self.step_kv = None
-        if rows > 1 and self.pos + rows > k.shape[1]:  # a sliding block's ring would wrap
+        if rows > 1 and pos + rows > k.shape[1]:  # a sliding block's ring would wrap
             c = self.w.config
             self.step_kv = (
                 buffer((c.n_kv_heads, rows, c.head_dim_k), self.kv),
@@ -361,16 +389,17 @@ class CpuOps:
             )
         step = self.step_kv or (None, None)
         _kernels.rope_kv(
-            self.buf.views["qkv"], rows, bias, self.rots[layer], self.pos, heads, rope.n_dims,
-            rope.neox, k, v, self.threads, self.q_scale, *step,
+            self.buf.views["qkv"][seg.start : seg.end], rows, bias, self.rots[layer], pos,
+            heads, rope.n_dims, rope.neox, k, v, self.threads, self.q_scale, *step,
         )  # fmt: skip
 
-    def attention(self, layer: int, rows: int) -> None:
+    def attention(self, layer: int, seg: Segment) -> None:
         b = self.buf
-        k, v = self.k_cache[layer], self.v_cache[layer]
+        cache: CpuCache = seg.cache
         step = self.step_kv or (None, None)
         _kernels.attention(
-            b.views["qkv"], rows, k, v, self.pos, self.heads[layer], self.scale, b.views["att"],
+            b.views["qkv"][seg.start : seg.end], seg.rows, cache.k[layer], cache.v[layer],
+            seg.pos, cache.heads[layer], self.scale, b.views["att"][seg.start : seg.end],
             self.threads, self.windows[layer], *step, isa=self.isa,
         )  # fmt: skip
         self.step_kv = None  # its last ``size`` positions are in the ring now
@@ -390,13 +419,13 @@ class CpuOps:
         kernel(h, act, rows, f, self.threads)
         self._written("act")
 
-    def softcap(self, cap: float) -> None:
+    def softcap(self, cap: float, rows: int) -> None:
         assert self.logits is not None
-        _kernels.softcap(self.logits, cap, self.threads)
+        _kernels.softcap(self.logits[:rows], cap, self.threads)
 
-    def argmax(self) -> None:
+    def argmax(self, rows: int) -> None:
         assert self.logits is not None
-        self.token = _kernels.argmax(self.logits[0])
+        self.tokens = [_kernels.argmax(self.logits[r]) for r in range(rows)]
 
 
 def _drop_pages(raw: U8) -> None:
@@ -438,7 +467,8 @@ class CpuBackend:
         self.isa = isa
         self.ops: CpuOps | None = None
         self.weights: StageWeights[U8, F32] | None = None
-        self._input: F32 | None = None
+        self.segments: tuple[Segment, ...] = ()  # the last batch's, by step
+        self.head_of: dict[int, int] = {}  # step index -> its row of ``ops.logits``
 
     def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None:
         self.weights = load_weights(
@@ -457,50 +487,62 @@ class CpuBackend:
             raise RuntimeError("the stage is not bound")
         return self.ops
 
-    def put_tokens(self, ids: npt.NDArray[np.int32]) -> None:
-        self._ops().ids = np.ascontiguousarray(ids, np.int32)
-
-    def put_activations(self, data: Any) -> None:
-        self._input = activations.decode(np.asarray(data), self.spec.edge_dtype)
-
     def new_cache(self, positions: int) -> CpuCache:
         return self._ops().new_cache(positions)
-
-    def use_cache(self, cache: Any) -> None:
-        self._ops().use_cache(cache)
 
     def free_cache(self, cache: Any) -> None:
         """Nothing to do: the cache's arrays go with the last reference to them."""
 
-    def run(self, rows: int, pos: int, head: bool = True) -> None:
+    def run_batch(self, steps: Sequence[BackendStep]) -> None:
+        """The steps' rows stacked into one step: each weight read once for all of them,
+        each run's attention against its own cache, the head for each head step's last
+        row."""
         ops, w = self._ops(), self.weights
         assert w is not None
-        if not ops.k_cache:
-            raise RuntimeError("no KV cache in use: a step runs for an open run")
-        ops.pos = pos
+        if not steps:
+            raise ValueError("a batch of no steps")
+        if not all(isinstance(s.cache, CpuCache) for s in steps):
+            raise RuntimeError("a step without its run's KV cache")
+        segments = segments_of([(s.rows, s.pos, s.cache) for s in steps])
+        rows = segments[-1].end
         ops.use_rows(rows)
+        ops.heads = steps[0].cache.heads[0]
         if self.spec.is_first:
+            ids = [np.asarray(s.data, np.int32).reshape(-1) for s in steps]
+            ops.ids = np.ascontiguousarray(ids[0] if len(ids) == 1 else np.concatenate(ids))
             forward_embed(ops, w, rows)
         else:
-            assert self._input is not None
-            np.copyto(ops.buf.x, self._input)
-        forward_blocks(ops, w, rows)
-        if self.spec.is_last and head:
-            forward_head(ops, w, rows)
+            for seg, s in zip(segments, steps, strict=True):
+                ops.buf.x[seg.start : seg.end] = activations.decode(
+                    np.asarray(s.data), self.spec.edge_dtype
+                )
+        forward_blocks(ops, w, segments)
+        heads = [i for i, s in enumerate(steps) if s.head and self.spec.is_last]
+        self.segments = segments
+        self.head_of = {i: k for k, i in enumerate(heads)}
+        if heads:
+            ops.use_heads(len(heads))
+            forward_head(ops, w, [segments[i].end - 1 for i in heads])
 
-    def take_activations(self, rows: int) -> npt.NDArray[np.generic]:
-        return activations.encode(self._ops().buf.x[:rows], self.spec.edge_dtype)
+    def activations_of(self, index: int) -> npt.NDArray[np.generic]:
+        seg = self.segments[index]
+        return activations.encode(self._ops().buf.x[seg.start : seg.end], self.spec.edge_dtype)
 
-    def token(self) -> tuple[int, int]:
-        return self._ops().token
+    def _head(self, index: int) -> int:
+        if index not in self.head_of:
+            raise RuntimeError(f"step {index} of the batch computed no token")
+        return self.head_of[index]
 
-    def logits(self) -> F32:
+    def token_of(self, index: int) -> tuple[int, int]:
+        return self._ops().tokens[self._head(index)]
+
+    def logits_of(self, index: int) -> F32:
         logits = self._ops().logits
         assert logits is not None
-        return np.array(logits[0], dtype=np.float32, copy=True)
+        return np.array(logits[self._head(index)], dtype=np.float32, copy=True)
 
-    def sample(self, config: SamplingConfig, u: float) -> int:
-        return int(device_sampling.sample(np, self.logits(), config, u))
+    def sample_of(self, index: int, config: SamplingConfig, u: float) -> int:
+        return int(device_sampling.sample(np, self.logits_of(index), config, u))
 
     def to_host(self, data: Any) -> npt.NDArray[np.generic]:
         return np.asarray(data)
@@ -508,4 +550,5 @@ class CpuBackend:
     def release(self) -> None:
         self.ops = None
         self.weights = None
-        self._input = None
+        self.segments = ()
+        self.head_of = {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -31,7 +32,9 @@ from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.backend import CpuBackend
 from runtime_core.workers.cpu.worker import CpuWorker
-from runtime_core.workers.stage_worker import BackendSpec
+from runtime_core.workers.interface import BatchStep, TokenOutput
+from runtime_core.workers.stage_worker import BackendSpec, BackendStep
+from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
 from tests.support.chain import Chain, provisions
 from tests.support.cpu_isas import isa_params
 from tests.support.random_blocks import random_rows
@@ -125,14 +128,13 @@ def prompt_logits(path: Path, chunks: list[int], threads: int, isa: str) -> np.n
     with open_stage_slice(path, 0, 2, is_first=True, is_last=True,
                           capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
         backend.load(stage, 64, None)
-    backend.use_cache(backend.new_cache(64))  # the run's cache (a fresh one per prompt)
+    cache = backend.new_cache(64)  # the run's cache (a fresh one per prompt)
     ids = np.random.default_rng(3).integers(0, 512, sum(chunks)).astype(np.int32)
     pos = 0
     for rows in chunks:
-        backend.put_tokens(ids[pos : pos + rows])
-        backend.run(rows, pos)
+        backend.run_batch([BackendStep(cache, ids[pos : pos + rows], rows, pos, True)])
         pos += rows
-    logits = backend.logits()
+    logits = backend.logits_of(0)
     backend.release()
     return logits
 
@@ -186,3 +188,139 @@ def test_runs_batched_in_chunks_compute_what_each_computes_alone_whole(
         assert [t for t, _ in together[r]] == [t for t, _ in alone], f"run {r}"
         for (_, got), (_, want) in zip(together[r], alone, strict=True):
             np.testing.assert_array_equal(got, want, err_msg=f"run {r}")
+
+
+EIGHT = [
+    [5, 77, 300, 12, 9, 41, 8],
+    [1, 2, 3],
+    [200, 17, 45, 99, 3, 8, 250, 6],
+    [42],
+    [7, 7, 7, 7, 7],
+    [310, 11, 64, 128, 256, 3],
+    [9, 8],
+    [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],
+]
+
+
+def eight_runs(
+    path: Path,
+    isa: str,
+    runs: list[int],
+    chunk: int,
+    staggered: bool,
+    prompts: list[list[int]] = EIGHT,
+    tokens: int = 4,
+) -> tuple[dict[int, list[tuple[int, np.ndarray]]], dict[int, np.ndarray]]:
+    """Each run's ``tokens`` (token, logits) and its first stage's output rows (all its
+    steps', stacked) on a 2-stage chain of ``CpuWorker(isa=isa)``; ``staggered``: run k joins at
+    batch k, so batches hold prefill chunks of several lengths beside decode rows at
+    other positions. Odd runs sample (temperature 0.8), even ones are greedy."""
+    provs = {
+        k: provisions(path, 2, max_seq_len=48, run_id=f"run-{k}", max_concurrent_runs=8,
+                      sampling=SamplingConfig(temperature=0.8, seed=k) if k % 2 else None)
+        for k in runs
+    }  # fmt: skip
+    chain = Chain.bind(provs[runs[0]], lambda: CpuWorker(isa=isa, threads=2))
+    chain.activations = {}
+    try:
+        for k in runs:
+            chain.open(provs[k])
+        join = {f"run-{k}": k for k in runs} if staggered else None
+        outs = chain.generate_batched({f"run-{k}": prompts[k] for k in runs}, tokens, chunk, join)
+    finally:
+        chain.release()
+    tokens = {
+        k: [(o.token_id, np.asarray(o.logits).view(np.uint32)) for o in outs[f"run-{k}"]]
+        for k in runs
+    }
+    rows = {k: np.concatenate(chain.activations[(0, f"run-{k}")]).view(np.uint32) for k in runs}
+    return tokens, rows
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_eight_runs_at_other_steps_compute_what_each_computes_alone_whole(
+    tmp_path: Path, isa: str
+) -> None:
+    """Eight runs joining one batch after another, prefills in chunks of 3 (batches of
+    1 to 8 runs mixing chunks and decode rows): each run's activations, tokens and logits
+    are those of the portable set running it alone with its prompt whole, bit for bit."""
+    path = write_random_model(tmp_path / "chunked.gguf", CHUNKED)
+    tokens, rows = eight_runs(path, isa, list(range(8)), 3, staggered=True)
+    for k in range(8):
+        alone_tokens, alone_rows = eight_runs(path, "portable", [k], 0, staggered=False)
+        np.testing.assert_array_equal(rows[k], alone_rows[k], err_msg=f"run {k}")
+        assert [t for t, _ in tokens[k]] == [t for t, _ in alone_tokens[k]], f"run {k}"
+        for (_, got), (_, want) in zip(tokens[k], alone_tokens[k], strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=f"run {k}")
+
+
+#: gemma3 (block 0 slides over a window of 12, block 1 is global; per-head Q/K norms,
+#: post-norms, GELU gating) with a logit soft cap: every optional step, batched
+GEMMA3 = attrs.evolve(FIXTURE_SHAPES["gemma3"], final_logit_softcap=30.0)
+#: prompts of 14 to 20 tokens: prefills and decodes past the window of 12
+LONG = [[(7 * k + 3 * j) % 250 + 1 for j in range(14 + 2 * k)] for k in range(4)]
+
+
+def test_runs_past_a_sliding_window_batched_compute_what_each_computes_alone(
+    tmp_path: Path,
+) -> None:
+    """Four gemma3 runs joining one batch after another, prompts in chunks of 5 and
+    decodes past the window: each run's activations, tokens and logits are those of
+    the run alone with its prompt whole, bit for bit (its own ring, at its positions)."""
+    path = write_model(tmp_path / "gemma3.gguf", GEMMA3)
+    tokens, rows = eight_runs(path, "portable", [0, 1, 2, 3], 5, True, LONG, 6)
+    for k in range(4):
+        alone_tokens, alone_rows = eight_runs(path, "portable", [k], 0, False, LONG, 6)
+        np.testing.assert_array_equal(rows[k], alone_rows[k], err_msg=f"run {k}")
+        assert [t for t, _ in tokens[k]] == [t for t, _ in alone_tokens[k]], f"run {k}"
+        for (_, got), (_, want) in zip(tokens[k], alone_tokens[k], strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=f"run {k}")
+
+
+class _CountingKernels:
+    """The compiled kernels, counting each product call's rows."""
+
+    def __init__(self) -> None:
+        self.linear_rows: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(_kernels, name)
+
+    def linear(self, matrix: _kernels.Matrix, rows: int, *args: object, **kw: object) -> None:
+        self.linear_rows.append(rows)
+        _kernels.linear(matrix, rows, *args, **kw)  # type: ignore[arg-type]
+
+
+def test_a_batch_of_eight_decode_rows_multiplies_each_weight_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU worker reads each weight once per batch: a batch of 8 runs' decode steps
+    makes as many product calls (``_kernels.linear``) as a batch of one run's, each over
+    the 8 rows (the head's too: every run's last row needs a token)."""
+    import runtime_core.workers.cpu.backend as cpu_backend
+
+    path = write_random_model(tmp_path / "chunked.gguf", CHUNKED)
+    provs = [provisions(path, 1, max_seq_len=32, run_id=f"r{k}", max_concurrent_runs=8)[0]
+             for k in range(8)]  # fmt: skip
+    worker = CpuWorker(threads=2)
+    worker.configure(provs[0])
+    worker.bind(provs[0].gguf_source)
+    counting = _CountingKernels()
+    monkeypatch.setattr(cpu_backend, "_kernels", counting)
+    try:
+        for p in provs:
+            worker.open_run(p)
+        prefill = [BatchStep(p.run_id, 0, 0, 1, np.array([3, 4, 5], np.uint32)) for p in provs]
+        assert all(isinstance(o, TokenOutput) for o in worker.execute_batch(prefill))
+        counting.linear_rows.clear()
+        (one,) = worker.execute_batch([BatchStep("r0", 1, 0, 1, np.array([7], np.uint32))])
+        assert isinstance(one, TokenOutput)
+        alone = list(counting.linear_rows)
+        assert alone and set(alone) == {1}
+        counting.linear_rows.clear()
+        decode = [BatchStep(p.run_id, 1, 0, 1, np.array([7], np.uint32)) for p in provs[1:]]
+        outs = worker.execute_batch([*decode, BatchStep("r0", 2, 0, 1, np.array([9], np.uint32))])
+        assert all(isinstance(o, TokenOutput) for o in outs)
+        assert counting.linear_rows == [8] * len(alone)
+    finally:
+        worker.release()

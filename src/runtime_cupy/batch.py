@@ -1,0 +1,89 @@
+"""Offline batches (vLLM's ``LLM.generate(prompts)`` habit): many prompts over one
+chain, every prompt in flight at once (as many as the stages' KV budgets hold; the rest
+wait for room, first given, first started), each result yielded as it completes.
+
+``generate_batch(model, prompts, ...)`` starts a chain of ``stages`` stage processes
+(``serve.chain.WarmChain``, its cache length the longest prompt plus ``max_tokens``,
+its KV budget for ``max_concurrent`` such runs: by default every prompt), hands it
+every prompt as a run of its own, and yields ``(index, GenerateResult)`` in the order
+the runs end; the chain is closed (every process reaped, every link freed) when the
+iterator is exhausted or closed. Each run samples with its own sampler from ``seed``
+(two equal prompts with equal settings give equal tokens). ``python -m runtime_cupy
+--prompts-file FILE.jsonl`` is its command line (``cli.main``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from collections.abc import Iterator, Sequence
+
+from runplan import SamplingConfig
+from runplan.models import resolve_model
+from runtime_cupy.api import GenerateResult
+from runtime_cupy.process.chain_runner import ChainRun
+from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.workers import DEFAULT_WORKER
+
+
+class BatchError(ValueError):
+    """Prompts that no batch can run (none, or one with no tokens), named."""
+
+
+def generate_batch(
+    model_path: str | os.PathLike[str],
+    prompts: Sequence[Sequence[int]],
+    *,
+    stages: int = 1,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    worker: str = DEFAULT_WORKER,
+    edges: str = "auto",
+    max_concurrent: int | None = None,
+) -> Iterator[tuple[int, GenerateResult]]:
+    """Generate up to ``max_tokens`` tokens after each of ``prompts`` on one chain;
+    yields ``(index, result)`` as each run ends. ``BatchError`` for no prompts or an
+    empty one; ``ValueError`` for a context the model cannot hold; the planner's and
+    the chain's errors as ``runtime_cupy.generate`` raises them."""
+    if not prompts:
+        raise BatchError("no prompts")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise BatchError(f"prompt {i} holds no tokens")
+    longest = max(len(p) for p in prompts)
+    context = longest + max_tokens
+    chain = WarmChain(
+        str(resolve_model(model_path)),
+        stages=stages,
+        worker=worker,
+        edges=edges,
+        context=context,
+        max_concurrent=max_concurrent or len(prompts),
+    )
+    return _results(chain, prompts, max_tokens, SamplingConfig(temperature, top_k, top_p, seed))
+
+
+def _results(
+    chain: WarmChain,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    sampling: SamplingConfig,
+) -> Iterator[tuple[int, GenerateResult]]:
+    ended: queue.SimpleQueue[ChainRun] = queue.SimpleQueue()
+    try:
+        chain.start()
+        runs = {
+            id(run): i
+            for i, run in enumerate(
+                chain.submit(p, max_tokens=max_tokens, sampling=sampling, on_done=ended.put)
+                for p in prompts
+            )
+        }
+        for _ in range(len(runs)):
+            run = ended.get()
+            yield runs[id(run)], chain.result(run).result
+    finally:
+        chain.close()

@@ -1,0 +1,79 @@
+"""Offline batches (issue 22): ``runtime_cupy.generate_batch`` runs many prompts at once
+on one chain and yields each result as it completes, each the tokens of the same prompt
+run alone; ``python -m runtime_cupy --prompts-file FILE.jsonl`` prints one JSON line per
+prompt; the chain leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime_cupy import generate, generate_batch
+from runtime_cupy.batch import BatchError
+from tests.support.hygiene import run_resources
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
+PROMPTS = [[5, 77, 30, 12, 9], [3, 4], [100, 7, 7, 7, 7, 7, 7, 2], [42], [9, 8, 7]]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny: str) -> list[tuple[int, ...]]:
+    """Each prompt's tokens run alone."""
+    return [generate(tiny, p, stages=2, max_tokens=7, worker="numpy").tokens for p in PROMPTS]
+
+
+def test_every_prompt_at_once_gives_its_tokens_alone(
+    tiny: str, alone: list[tuple[int, ...]]
+) -> None:
+    seen: dict[int, tuple[int, ...]] = {}
+    chains = set()
+    for index, result in generate_batch(tiny, PROMPTS, stages=2, max_tokens=7, worker="numpy"):
+        assert index not in seen
+        assert result.outcome == "completed", result.fault
+        seen[index] = result.tokens
+        chains.add(result.chain_id)
+    assert [seen[i] for i in range(len(PROMPTS))] == alone
+    (chain_id,) = chains  # one chain ran them all
+    assert run_resources(chain_id) == []
+
+
+def test_no_prompt_or_an_empty_one_is_refused() -> None:
+    with pytest.raises(BatchError, match="no prompts"):
+        generate_batch("unused.gguf", [])
+    with pytest.raises(BatchError, match="prompt 1 holds no tokens"):
+        generate_batch("unused.gguf", [[1], []])
+
+
+def test_the_prompts_file_prints_one_json_line_per_prompt(
+    tiny: str, tmp_path: Path, alone: list[tuple[int, ...]]
+) -> None:
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:3]))
+    args = ["--model", tiny, "--stages", "2", "--worker", "numpy", "--max-tokens", "7"]
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime_cupy", *args, "--prompts-file", str(file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert sorted(line["index"] for line in lines) == [0, 1, 2]
+    for line in lines:
+        assert line["outcome"] == "completed" and tuple(line["tokens"]) == alone[line["index"]]
+    file.write_text('{"prompt_ids": [1, 2]}\n{"prompt": 3}\n')
+    bad = subprocess.run(
+        [sys.executable, "-m", "runtime_cupy", *args, "--prompts-file", str(file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2 and "line 2" in bad.stderr, bad.stderr
