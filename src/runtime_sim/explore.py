@@ -115,6 +115,43 @@ def synthetic_facts(
 EXPLORE_CAPABILITIES = attrs.evolve(SYNTHETIC_CAPABILITIES, kv_bytes_per_element=2)
 
 
+def synthetic_config(
+    *,
+    max_tokens: int,
+    run_id: str = "explore",
+    slot_count: int = 2,
+    timeouts: Timeouts | None = None,
+    prompt_tokens: int = 0,
+    seed: int = 0,
+    max_concurrent_runs: int = 1,
+    max_batch_rows: int = 512,
+    prefill_chunk: int = 0,
+    capabilities: WorkerCapabilities = SYNTHETIC_CAPABILITIES,
+) -> RuntimeConfig:
+    """The settings of a run for the synthetic worker (a replay's base)."""
+    return RuntimeConfig(
+        run_id=run_id,
+        max_tokens=max_tokens,
+        activation_dtype_width_bytes=2,
+        ring_slot_count=slot_count,
+        worker=capabilities,
+        sampling=SamplingConfig(seed=seed),
+        timeouts=timeouts or Timeouts(ready_ms=2_000, step_ms=500, edge_wait_ms=2_000, stop_ms=500),
+        prompt_tokens=prompt_tokens,
+        max_concurrent_runs=max_concurrent_runs,
+        max_batch_rows=max_batch_rows,
+        prefill_chunk=prefill_chunk,
+    )
+
+
+def synthetic_pool(stages: int, spares: int = 0) -> NodePool:
+    """The explorer's cluster: a node per stage (``node-i``), then ``spares`` spare
+    nodes (``spare-j``), each with memory to spare."""
+    nodes = [NodeSpec(f"node-{i}", 2**50) for i in range(stages)]
+    nodes += [NodeSpec(f"spare-{j}", 2**50) for j in range(spares)]
+    return NodePool(ORCHESTRATOR, tuple(nodes))
+
+
 def synthetic_plan(
     facts: ModelFacts,
     stages: int,
@@ -130,21 +167,24 @@ def synthetic_plan(
     prefill_chunk: int = 0,
     capabilities: WorkerCapabilities = SYNTHETIC_CAPABILITIES,
 ) -> RunPlan:
-    config = RuntimeConfig(
-        run_id=run_id,
+    config = synthetic_config(
         max_tokens=max_tokens,
-        activation_dtype_width_bytes=2,
-        ring_slot_count=slot_count,
-        worker=capabilities,
-        sampling=SamplingConfig(seed=seed),
-        timeouts=timeouts or Timeouts(ready_ms=2_000, step_ms=500, edge_wait_ms=2_000, stop_ms=500),
+        run_id=run_id,
+        slot_count=slot_count,
+        timeouts=timeouts,
         prompt_tokens=prompt_tokens,
+        seed=seed,
         max_concurrent_runs=max_concurrent_runs,
         max_batch_rows=max_batch_rows,
         prefill_chunk=prefill_chunk,
+        capabilities=capabilities,
     )
-    nodes = tuple(NodeSpec(f"node-{i}", 2**50) for i in range(stages))
-    result = plan_run(facts, config, NodePool(ORCHESTRATOR, nodes), stage_count=stages)
+    return synthetic_plan_of(facts, config, stages)
+
+
+def synthetic_plan_of(facts: ModelFacts, config: RuntimeConfig, stages: int) -> RunPlan:
+    """The plan of ``config`` on the explorer's first ``stages`` nodes."""
+    result = plan_run(facts, config, synthetic_pool(stages), stage_count=stages)
     if isinstance(result, PlanRejection):
         raise ValueError(str(result))
     return result
