@@ -30,6 +30,8 @@ from runplan import (
     WorkerCapabilities,
     plan_run,
 )
+from runplan.replacement import Unplaceable
+from runtime_core.workers.interface import Worker
 from runtime_sim.chain_checker import (
     ISOLATION,
     READY_AFTER_SETUP,
@@ -42,11 +44,26 @@ from runtime_sim.chain_checker import (
     check,
 )
 from runtime_sim.chain_driver import PLAIN, ChainResult, ChainSimulation, RunSpec
+from runtime_sim.chain_recovery import (
+    CostsFor,
+    Epoch,
+    RecoveringSimulation,
+    RecoveryAction,
+    RecoveryRun,
+    WorkersFor,
+)
 from runtime_sim.chain_ring_rules import RELEASE_AT_LOAD
 from runtime_sim.clock import derive_rng
-from runtime_sim.faults import FaultPlan, random_fault_plan
+from runtime_sim.faults import Fault, FaultKind, FaultPlan, random_fault_plan
 from runtime_sim.links import ORCHESTRATOR
-from runtime_sim.mutants import Mutation, parts_for
+from runtime_sim.mutants import RECOVERY_MUTATIONS, Mutation, parts_for
+from runtime_sim.recovery_checker import (
+    LOST_HOST_UNUSED,
+    STALE_NEVER_ACCEPTED,
+    STREAM_ONE_OUTCOME,
+    STREAM_UNBROKEN,
+    check_recovery,
+)
 from runtime_sim.synthetic import SYNTHETIC_CAPABILITIES, SyntheticWorker
 from runtime_sim.timing import StageCost, stored_stage_costs
 
@@ -58,6 +75,8 @@ class Scenario:
     eos_after: int | None
     faults: FaultPlan
     block_bytes: tuple[int, ...]
+    # The runner's recovery after a loss (issue 25); None: a loss ends the runs.
+    recovery: RecoveryAction | None = None
 
     @property
     def plan(self) -> RunPlan:
@@ -73,7 +92,10 @@ class Outcome:
     violations: tuple[Violation, ...]
     faults: tuple[str, ...]
     events: int
-    end_us: int
+    end_us: int  # summed over its chains (each on its own clock)
+    recovered: int = 0  # streams replayed at least once
+    replacements: tuple[str, ...] = ()  # each re-placement: spare, afresh, unplaceable:CODE
+    losses_during: int = 0  # re-placed chains a loss struck (a loss during a recovery)
 
     @property
     def outcome(self) -> str:
@@ -190,10 +212,11 @@ def synthetic_plan_of(facts: ModelFacts, config: RuntimeConfig, stages: int) -> 
     return result
 
 
-def scenario(seed: int, *, max_runs: int = 6) -> Scenario:
+def scenario(seed: int, *, max_runs: int = 6, recover: bool = False) -> Scenario:
     """Scenario ``seed``: a chain of 1 to 6 stages and 1 to ``max_runs`` runs arriving
     staggered, each with its own prompt, tokens and sampling seed; the chain's batch
-    rows, prefill chunk and KV budget (how many runs fit at once); the faults."""
+    rows, prefill chunk and KV budget (how many runs fit at once); the faults; whether
+    and how the runner recovers after a loss (``recover``: always)."""
     rng = derive_rng(seed, "scenario")
     stages = rng.randint(1, 6)
     layers = rng.randint(stages, 12)
@@ -206,11 +229,10 @@ def scenario(seed: int, *, max_runs: int = 6) -> Scenario:
     concurrent = rng.randint(1, count)
     slot_count = rng.randint(1, 3)
     runs = []
+    configs = []
     arrival = 0
     for i, (prompt_len, max_tokens) in enumerate(shapes):
-        plan = synthetic_plan(
-            facts,
-            stages,
+        config = synthetic_config(
             max_tokens=max_tokens,
             run_id=f"explore-{i}",
             slot_count=slot_count,
@@ -221,6 +243,8 @@ def scenario(seed: int, *, max_runs: int = 6) -> Scenario:
             prefill_chunk=prefill_chunk,
             capabilities=EXPLORE_CAPABILITIES,
         )
+        configs.append(config)
+        plan = synthetic_plan_of(facts, config, stages)
         prompt = tuple(rng.randrange(1, 500) for _ in range(prompt_len))
         runs.append(RunSpec(plan, prompt, arrival))
         arrival += rng.choice([0, 0, rng.randrange(1, 20_000)])
@@ -228,55 +252,145 @@ def scenario(seed: int, *, max_runs: int = 6) -> Scenario:
     faults = random_fault_plan(
         derive_rng(seed, "faults"), stages, max(t for _, t in shapes), runs=count
     )
-    return Scenario(seed, tuple(runs), eos_after, faults, facts.block_bytes)
+    recovery = recovery_action(seed, facts, tuple(configs), stages, always=recover)
+    return Scenario(seed, tuple(runs), eos_after, faults, facts.block_bytes, recovery)
 
 
-def _workers(s: Scenario) -> list[Any]:
-    model = s.plan.model
-    return [
-        SyntheticWorker(model.vocab_size, model.eos_token_id, s.eos_after) for _ in s.plan.stages
-    ]
+#: Of the explorer's scenarios, the share whose runner recovers after a loss.
+RECOVERING_SHARE = 0.5
+#: Faults that lose a stage's process (and, with ``host_lost``, its host): the losses
+#: the explorer strikes a re-placed chain with.
+LOSSES = (FaultKind.KILL_BEFORE_READY, FaultKind.KILL_MID_PREFILL, FaultKind.KILL_MID_DECODE)
 
 
-def _costs(s: Scenario) -> list[StageCost]:
-    return stored_stage_costs(s.plan, s.block_bytes, s.plan.model.vocab_size * 32)
+def recovery_action(
+    seed: int,
+    facts: ModelFacts,
+    configs: tuple[RuntimeConfig, ...],
+    stages: int,
+    *,
+    always: bool = False,
+) -> RecoveryAction | None:
+    """Scenario ``seed``'s recovery (from its own PRNG, so the rest of the scenario is
+    drawn as without one): about half the scenarios (``always``: every one) recover
+    after a loss, on a cluster of the chain's nodes and 0 to 2 spares; a lost stage
+    takes its host with it or not; 0 to 2 losses strike the chains of the recoveries
+    (a loss during a recovery)."""
+    rng = derive_rng(seed, "recovery")
+    if not always and rng.random() >= RECOVERING_SHARE:
+        return None
+    spares = rng.choice([0, 0, 1, 2])
+    host_lost = rng.random() < 0.5
+    most = max(c.max_tokens for c in configs)
+    losses = tuple(
+        Fault(
+            rng.choice(LOSSES),
+            stage=rng.randrange(6),
+            sequence=rng.randrange(1, max(2, most)),
+            fraction=rng.random(),
+        )
+        for _ in range(rng.choice([0, 0, 1, 2]))
+    )
+    return RecoveryAction(synthetic_pool(stages, spares), facts, configs, host_lost, losses)
+
+
+def _workers(s: Scenario) -> WorkersFor:
+    """The synthetic workers of a chain of ``s`` (the first, or a re-placed one)."""
+
+    def make(plan: RunPlan) -> list[Worker]:
+        model = plan.model
+        eos = model.eos_token_id
+        return [SyntheticWorker(model.vocab_size, eos, s.eos_after) for _ in plan.stages]
+
+    return make
+
+
+def _costs(s: Scenario) -> CostsFor:
+    def costs(plan: RunPlan) -> list[StageCost]:
+        return stored_stage_costs(plan, s.block_bytes, plan.model.vocab_size * 32)
+
+    return costs
 
 
 def solo(s: Scenario) -> Solo:
-    """Runs one run of ``s`` alone, on the same seed, through the same kind of worker."""
+    """Runs one run of ``s`` alone, on the same seed, through the same kind of worker,
+    on its own plan's chain, with no fault."""
 
     def alone(spec: RunSpec) -> tuple[int, ...]:
+        plan = spec.plan
         sim = ChainSimulation(
-            [RunSpec(spec.plan, spec.prompt, 0)], _workers(s), _costs(s), seed=s.seed
+            [RunSpec(plan, spec.prompt, 0)], _workers(s)(plan), _costs(s)(plan), seed=s.seed
         )
         return sim.run().runs[0].tokens
 
     return alone
 
 
+def run_recovering(
+    s: Scenario, mutation: Mutation | None = None
+) -> tuple[RecoveryRun, list[Violation]]:
+    """Scenario ``s``, recovered after a loss when it says so: every chain it took, and
+    every violation (each chain's own, ``chain N:`` for the re-placed ones, and the
+    recovery's)."""
+    parts = PLAIN if mutation is None else parts_for(mutation)
+    run = RecoveringSimulation(
+        s.runs,
+        _workers(s),
+        _costs(s),
+        seed=s.seed,
+        faults=s.faults,
+        action=s.recovery,
+        parts=parts,
+    ).run()
+    alone = solo(s)
+    violations: list[Violation] = []
+    for n, epoch in enumerate(run.epochs):
+        found = check(epoch.sim, epoch.result, alone if len(epoch.sim.runs) > 1 else None)
+        violations += [
+            v if n == 0 else Violation(v.rule, v.time_us, f"chain {n}: {v.detail}") for v in found
+        ]
+    violations += check_recovery(run, alone)
+    return run, violations
+
+
 def run_scenario(
     s: Scenario, mutation: Mutation | None = None
 ) -> tuple[ChainResult, ChainSimulation, list[Violation]]:
-    parts = PLAIN if mutation is None else parts_for(mutation)
-    sim = ChainSimulation(s.runs, _workers(s), _costs(s), seed=s.seed, faults=s.faults, parts=parts)
-    result = sim.run()
-    return result, sim, check(sim, result, solo(s) if len(s.runs) > 1 else None)
+    """Scenario ``s``: its first chain's result and simulation, and every violation of
+    every chain it took (``run_recovering`` has the chains of its recoveries)."""
+    run, violations = run_recovering(s, mutation)
+    first = run.epochs[0]
+    return first.result, first.sim, violations
+
+
+def _replacement(epoch: Epoch) -> str | None:
+    """How a chain's runs were recovered: on spares, placed afresh, or unplaceable."""
+    new = epoch.replacement
+    if new is None:
+        return None
+    if isinstance(new, Unplaceable):
+        return f"unplaceable:{new.rejection.code}"
+    return "spare" if new.on_spares else "afresh"
 
 
 def explore(start: int, count: int, *, max_runs: int = 6) -> list[Outcome]:
     outcomes = []
     for seed in range(start, start + count):
         s = scenario(seed, max_runs=max_runs)
-        result, _sim, violations = run_scenario(s)
+        run, violations = run_recovering(s)
+        epochs = run.epochs
         outcomes.append(
             Outcome(
                 seed=seed,
-                runs=tuple(r.outcome for r in result.runs),
-                tokens=sum(len(r.tokens) for r in result.runs),
+                runs=tuple(st.outcome for st in run.streams),
+                tokens=sum(len(st.tokens) for st in run.streams),
                 violations=tuple(violations),
                 faults=tuple(f.describe() for f in s.faults.faults),
-                events=result.events,
-                end_us=result.end_us,
+                events=sum(e.result.events for e in epochs),
+                end_us=sum(e.result.end_us for e in epochs),
+                recovered=sum(st.recovered > 0 for st in run.streams),
+                replacements=tuple(r for e in epochs if (r := _replacement(e)) is not None),
+                losses_during=sum(bool(e.sim.faults.faults) for e in epochs[1:]),
             )
         )
     return outcomes
@@ -292,6 +406,9 @@ def report(start: int, outcomes: list[Outcome]) -> dict[str, Any]:
         "outcomes": dict(sorted(counts.items())),
         "runs": dict(sorted(runs.items())),
         "events": sum(o.events for o in outcomes),
+        "recovered_streams": sum(o.recovered for o in outcomes),
+        "replacements": dict(sorted(Counter(r for o in outcomes for r in o.replacements).items())),
+        "losses_during_recovery": sum(o.losses_during for o in outcomes),
         "violations": [
             {
                 "seed": o.seed,
@@ -327,17 +444,33 @@ MUTANT_RULES: dict[Mutation, str] = {
     Mutation.READY_BEFORE_BIND: READY_AFTER_SETUP,
     Mutation.CROSS_RUN_LEAK: ISOLATION,
     Mutation.REORDERED_STEPS: STEP_ORDER,
+    Mutation.REPLAY_RESTARTS_SAMPLER: STREAM_UNBROKEN,
+    Mutation.STALE_RUN_ACCEPTED: STALE_NEVER_ACCEPTED,
+    Mutation.REUSES_LOST_HOST: LOST_HOST_UNUSED,
+    Mutation.FORGETS_A_RUN: STREAM_ONE_OUTCOME,
 }
 
 
+def loss_scenario(seed: int) -> Scenario:
+    """Scenario ``seed`` with a runner that recovers, no EOS and one loss: stage
+    ``seed mod stages`` dies as it steps sequence 1 (the recovery mutants' ground)."""
+    s = scenario(seed, recover=True)
+    kill = Fault(FaultKind.KILL_MID_DECODE, stage=seed % s.plan.stage_count, sequence=1)
+    return attrs.evolve(s, eos_after=None, faults=FaultPlan((kill,)))
+
+
 def self_test(seeds: int = 40) -> list[MutantResult]:
-    """Run every built-in mutant on fault-free scenarios until the checker reports the
-    rule its bug breaks."""
+    """Run every built-in mutant until the checker reports the rule its bug breaks: on
+    fault-free scenarios, the recovery mutants on scenarios with a loss
+    (``loss_scenario``)."""
     results = []
     for mutation in Mutation:
         caught: MutantResult | None = None
         for seed in range(seeds):
-            s = attrs.evolve(scenario(seed), eos_after=None, faults=FaultPlan())
+            if mutation in RECOVERY_MUTATIONS:
+                s = loss_scenario(seed)
+            else:
+                s = attrs.evolve(scenario(seed), eos_after=None, faults=FaultPlan(), recovery=None)
             _result, _sim, violations = run_scenario(s, mutation)
             rules = tuple(sorted({v.rule for v in violations}))
             if MUTANT_RULES[mutation] in rules:

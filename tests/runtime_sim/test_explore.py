@@ -49,6 +49,12 @@ def test_seeded_chain_scenarios_keep_every_guarantee() -> None:
     assert any(
         c.plan.stages[0].kv_budget_bytes < len(c.runs) * c.plan.stages[0].kv_bytes for c in chains
     )
+    # ... and the recoveries (issue 25): streams replayed after a loss, onto a spare,
+    # over the remaining nodes, or ended when no node is left; a loss during a recovery.
+    assert rep["recovered_streams"] > 20
+    assert {"spare", "afresh", "unplaceable:invalid_stage_count"} <= set(rep["replacements"])
+    assert rep["losses_during_recovery"] > 5
+    assert any(c.recovery is None for c in chains) and any(c.recovery for c in chains)
 
 
 def test_the_same_seed_gives_a_byte_identical_trace() -> None:
@@ -87,7 +93,7 @@ def test_each_mutant_enters_as_one_subclassed_part_and_production_knows_none() -
     graph = import_graph()
     users = sorted(m for m, deps in graph.items() if "runtime_sim.mutants" in deps)
     assert users == ["runtime_sim.explore"]
-    fields = ("ring", "stage_controller", "orchestrator_controller", "orchestrator")
+    fields = ("ring", "stage_controller", "orchestrator_controller", "orchestrator", "recoverer")
     for mutation in Mutation:
         parts = parts_for(mutation)
         assert parts.mutant == mutation.value and PLAIN.mutant is None
