@@ -139,9 +139,11 @@ class RecoveringSimulation:
         self.action = action
         self.parts = parts
 
-    def _sim(
+    def chain(
         self, specs: Sequence[RunSpec], faults: FaultPlan, stale: frozenset[str]
     ) -> ChainSimulation:
+        """A chain of ``specs`` (their plans share its stages) struck by ``faults``, its
+        stages holding ``stale`` run ids stale."""
         plan = specs[0].plan
         return ChainSimulation(
             specs,
@@ -155,85 +157,16 @@ class RecoveringSimulation:
 
     def run(self) -> RecoveryRun:
         streams = [Stream(i, spec) for i, spec in enumerate(self.runs)]
-        sim = self._sim(self.runs, self.faults, frozenset())
+        sim = self.chain(self.runs, self.faults, frozenset())
         epoch = Epoch(sim, sim.run(), tuple(range(len(self.runs))))
         epochs = [epoch]
         self._collect(epoch, streams)
         action = self.action
-        if action is None:
-            return RecoveryRun(tuple(epochs), tuple(streams), None)
-        recoverer = self.parts.recoverer(action.policy, action.facts, action.pool)
-        lost_hosts: set[str] = set()
-        stale: set[str] = set()
-        while True:
-            sim, result = epoch.sim, epoch.result
-            # Each run of this chain: its stream, its spec, its result.
-            by_run = {
-                spec.plan.run_id: (streams[s], spec, r)
-                for s, spec, r in zip(epoch.streams, sim.runs, result.runs, strict=True)
-            }
-            ended = [
-                (self._interrupted(stream, spec, r.finished), r.finished)
-                for stream, spec, r in by_run.values()
-                if r.finished is not None and stream.end is None
-            ]
-            decision = recoverer.decide(
-                [(i, f) for i, f in ended if f is not None],
-                sim.plan.stage_count,
-                sim.orchestrator.controller.broken,
-            )
-            epoch.decision = decision
-            for end in decision.end:
-                by_run[end.run_id][0].end = end
-            if not decision.recover:
-                break
-            if action.host_lost:
-                lost_hosts |= dead_hosts(epoch)
-            n = len(epochs)
-            new = recoverer.replace(
-                sim.plan,
-                attrs.evolve(action.configs[0], run_id=f"placement-{n}"),
-                sorted(lost_hosts),
-                decision.lost_stages,
-            )
-            epoch.replacement = new
-            if isinstance(new, Unplaceable):
-                for r in decision.recover:
-                    by_run[r.run_id][0].end = new
-                break
-            stale |= {spec.plan.run_id for e in epochs for spec in e.sim.runs}
-            specs: list[RunSpec] = []
-            served: list[int] = []
-            for r in decision.recover:
-                stream, spec, run = by_run[r.run_id]
-                interrupted = self._interrupted(stream, spec, run.finished)
-                run_id = f"{stream.run_ids[0]}~r{interrupted.recoveries + 1}"
-                planned = recoverer.replay(
-                    interrupted,
-                    run_id,
-                    action.configs[stream.index],
-                    sorted(lost_hosts),
-                    new.placement,
-                )
-                if isinstance(planned, ReplayRefused):
-                    stream.end = planned
-                    continue
-                replay, plan = planned
-                stream.replays.append(replay)
-                specs.append(RunSpec(plan, replay.prompt, 0))
-                served.append(stream.index)
-            if not specs:
-                break
-            faults = FaultPlan()
-            if n - 1 < len(action.losses):
-                loss = action.losses[n - 1]
-                faults = FaultPlan((attrs.evolve(loss, stage=loss.stage % new.plan.stage_count),))
-            sim = self._sim(specs, faults, frozenset(stale))
-            epoch = Epoch(sim, result, tuple(served))
-            self._forge_stale(epoch, epochs[-1].sim.plan)
-            epoch.result = sim.run()
-            epochs.append(epoch)
-            self._collect(epoch, streams)
+        if action is not None:
+            recovery = _Recovery(self, action, streams)
+            while (following := recovery.after(epochs)) is not None:
+                epochs.append(following)
+                self._collect(following, streams)
         return RecoveryRun(tuple(epochs), tuple(streams), action)
 
     @staticmethod
@@ -246,27 +179,113 @@ class RecoveringSimulation:
             stream.tokens.extend(r.tokens)
             stream.last = r.outcome
 
-    @staticmethod
-    def _interrupted(stream: Stream, spec: RunSpec, finished: RunFinished | None) -> Interrupted:
-        """What the caller had of the run ``spec`` that now serves ``stream``."""
-        run_tokens = finished.tokens if finished is not None else ()
-        if not stream.replays:
-            return Interrupted.of_plan(spec.plan, spec.prompt, run_tokens)
-        return Interrupted.of_replay(stream.replays[-1], spec.plan, run_tokens)
 
-    def _forge_stale(self, epoch: Epoch, stale_plan: RunPlan) -> None:
-        """At the new chain's first instant, each stage gets a late provision of the
-        chain before's first run (stale), addressed to it."""
-        sim = epoch.sim
-        last = stale_plan.stage_count - 1
+class _Recovery:
+    """The runner's state across chains: the hosts it lost, the run ids gone stale."""
 
-        def forge() -> None:
-            for node in sim.stages:
-                stale = provision_stage(stale_plan, min(node.index, last))
-                reason = forge_stale_provision(sim, node, stale)
-                epoch.stale_forgeries.append((node.node_id, stale.run_id, reason))
+    def __init__(
+        self, sim: RecoveringSimulation, action: RecoveryAction, streams: list[Stream]
+    ) -> None:
+        self.sim = sim
+        self.action = action
+        self.streams = streams
+        self.recoverer = sim.parts.recoverer(action.policy, action.facts, action.pool)
+        self.lost_hosts: set[str] = set()
+        self.stale: set[str] = set()
 
-        sim.clock.at(0, forge)
+    def after(self, epochs: list[Epoch]) -> Epoch | None:
+        """The chain that follows the last of ``epochs`` (run), or ``None`` when no run
+        is recovered: the policy's decision for every run that ended, the re-placement,
+        each recovered run's replay."""
+        epoch = epochs[-1]
+        sim, result, action, recoverer = epoch.sim, epoch.result, self.action, self.recoverer
+        # Each run of this chain: its stream, its spec, its result.
+        by_run = {
+            spec.plan.run_id: (self.streams[s], spec, r)
+            for s, spec, r in zip(epoch.streams, sim.runs, result.runs, strict=True)
+        }
+        ended = [
+            (_interrupted(stream, spec, r.finished), r.finished)
+            for stream, spec, r in by_run.values()
+            if r.finished is not None
+        ]
+        decision = recoverer.decide(
+            [(i, f) for i, f in ended if f is not None],
+            sim.plan.stage_count,
+            sim.orchestrator.controller.broken,
+        )
+        epoch.decision = decision
+        for end in decision.end:
+            by_run[end.run_id][0].end = end
+        if not decision.recover:
+            return None
+        if action.host_lost:
+            self.lost_hosts |= dead_hosts(epoch)
+        lost = sorted(self.lost_hosts)
+        n = len(epochs)
+        new = recoverer.replace(
+            sim.plan,
+            attrs.evolve(action.configs[0], run_id=f"placement-{n}"),
+            lost,
+            decision.lost_stages,
+        )
+        epoch.replacement = new
+        if isinstance(new, Unplaceable):
+            for r in decision.recover:
+                by_run[r.run_id][0].end = new
+            return None
+        self.stale |= {spec.plan.run_id for e in epochs for spec in e.sim.runs}
+        specs: list[RunSpec] = []
+        served: list[int] = []
+        for r in decision.recover:
+            stream, spec, run = by_run[r.run_id]
+            interrupted = _interrupted(stream, spec, run.finished)
+            run_id = f"{stream.run_ids[0]}~r{interrupted.recoveries + 1}"
+            base = action.configs[stream.index]
+            planned = recoverer.replay(interrupted, run_id, base, lost, new.placement)
+            if isinstance(planned, ReplayRefused):
+                stream.end = planned
+                continue
+            replay, plan = planned
+            stream.replays.append(replay)
+            specs.append(RunSpec(plan, replay.prompt, 0))
+            served.append(stream.index)
+        if not specs:
+            return None
+        faults = NO_FAULTS
+        if n - 1 < len(action.losses):
+            loss = action.losses[n - 1]
+            faults = FaultPlan((attrs.evolve(loss, stage=loss.stage % new.plan.stage_count),))
+        chain = self.sim.chain(specs, faults, frozenset(self.stale))
+        forgeries = _forge_stale(chain, sim.plan)
+        following = Epoch(chain, chain.run(), tuple(served))
+        following.stale_forgeries = forgeries
+        return following
+
+
+def _interrupted(stream: Stream, spec: RunSpec, finished: RunFinished | None) -> Interrupted:
+    """What the caller had of the run ``spec`` that now serves ``stream``."""
+    run_tokens = finished.tokens if finished is not None else ()
+    if not stream.replays:
+        return Interrupted.of_plan(spec.plan, spec.prompt, run_tokens)
+    return Interrupted.of_replay(stream.replays[-1], spec.plan, run_tokens)
+
+
+def _forge_stale(sim: ChainSimulation, stale_plan: RunPlan) -> list[tuple[str, str, str]]:
+    """At a re-placed chain's first instant, each stage gets a late provision of the
+    chain before's first run (stale), addressed to it: (node, run id, the reason it is
+    refused with), filled in as the chain runs."""
+    last = stale_plan.stage_count - 1
+    forgeries: list[tuple[str, str, str]] = []
+
+    def forge() -> None:
+        for node in sim.stages:
+            stale = provision_stage(stale_plan, min(node.index, last))
+            reason = forge_stale_provision(sim, node, stale)
+            forgeries.append((node.node_id, stale.run_id, reason))
+
+    sim.clock.at(0, forge)
+    return forgeries
 
 
 def dead_hosts(epoch: Epoch) -> set[str]:

@@ -30,6 +30,7 @@ from runplan import (
     WorkerCapabilities,
     plan_run,
 )
+from runplan.memory import plan_stage_memory
 from runplan.replacement import Unplaceable
 from runtime_core.workers.interface import Worker
 from runtime_sim.chain_checker import (
@@ -252,12 +253,14 @@ def scenario(seed: int, *, max_runs: int = 6, recover: bool = False) -> Scenario
     faults = random_fault_plan(
         derive_rng(seed, "faults"), stages, max(t for _, t in shapes), runs=count
     )
-    recovery = recovery_action(seed, facts, tuple(configs), stages, always=recover)
+    recovery = recovery_action(seed, facts, tuple(configs), runs[0].plan, always=recover)
     return Scenario(seed, tuple(runs), eos_after, faults, facts.block_bytes, recovery)
 
 
 #: Of the explorer's scenarios, the share whose runner recovers after a loss.
 RECOVERING_SHARE = 0.5
+#: Of the recovering scenarios, the share whose nodes hold no more than the largest stage.
+TIGHT_SHARE = 0.3
 #: Faults that lose a stage's process (and, with ``host_lost``, its host): the losses
 #: the explorer strikes a re-placed chain with.
 LOSSES = (FaultKind.KILL_BEFORE_READY, FaultKind.KILL_MID_PREFILL, FaultKind.KILL_MID_DECODE)
@@ -267,15 +270,18 @@ def recovery_action(
     seed: int,
     facts: ModelFacts,
     configs: tuple[RuntimeConfig, ...],
-    stages: int,
+    plan: RunPlan,
     *,
     always: bool = False,
 ) -> RecoveryAction | None:
-    """Scenario ``seed``'s recovery (from its own PRNG, so the rest of the scenario is
-    drawn as without one): about half the scenarios (``always``: every one) recover
-    after a loss, on a cluster of the chain's nodes and 0 to 2 spares; a lost stage
-    takes its host with it or not; 0 to 2 losses strike the chains of the recoveries
-    (a loss during a recovery)."""
+    """Scenario ``seed``'s recovery of the chain ``plan`` (from its own PRNG, so the
+    rest of the scenario is drawn as without one): about half the scenarios
+    (``always``: every one) recover after a loss, on a cluster of the chain's nodes and
+    0 to 2 spares, each node with memory to spare or, in about a third, only what the
+    chain's largest stage needs (so the remaining nodes cannot take a lost stage's
+    layers: the planner's rejection ends the runs); a lost stage takes its host with it
+    or not; 0 to 2 losses strike the chains of the recoveries (a loss during a
+    recovery)."""
     rng = derive_rng(seed, "recovery")
     if not always and rng.random() >= RECOVERING_SHARE:
         return None
@@ -291,7 +297,13 @@ def recovery_action(
         )
         for _ in range(rng.choice([0, 0, 1, 2]))
     )
-    return RecoveryAction(synthetic_pool(stages, spares), facts, configs, host_lost, losses)
+    pool = synthetic_pool(plan.stage_count, spares)
+    if rng.random() < TIGHT_SHARE:
+        largest = max(m.total for m in plan_stage_memory(facts, configs[0].worker, plan))
+        pool = attrs.evolve(
+            pool, nodes=tuple(attrs.evolve(n, memory_bytes=largest) for n in pool.nodes)
+        )
+    return RecoveryAction(pool, facts, configs, host_lost, losses)
 
 
 def _workers(s: Scenario) -> WorkersFor:

@@ -1,9 +1,10 @@
 """The checker of a recovering chain (issue 25), over every chain of a
 ``RecoveryRun``; each chain is also checked on its own by ``chain_checker``.
 
-- **Unbroken stream**: a stream that was recovered holds, token for token, what its
-  run produces unbroken (alone on a fault-free chain, same seed, same worker): all of
-  it when the stream completed, a prefix when a recovery ended it.
+- **Unbroken stream**: what the caller of a recovered stream received (each run's
+  tokens from its sequence 0, chain after chain) is, token for token, what its run
+  produces unbroken (alone on a fault-free chain, same seed, same worker): all of it
+  when the stream completed, a prefix when a recovery ended it.
 - **One outcome, as the policy decides**: for every run a chain's end found ended, the
   checker asks the recovery policy itself (the action's, the runtime's value) with what
   it reads of the stream: a ``Recover`` must be followed by exactly one run of the
@@ -48,9 +49,10 @@ def check_recovery(run: RecoveryRun, unbroken: Unbroken) -> list[Violation]:
     out: list[Violation] = []
     if run.action is None:
         return out
-    for stream in run.streams:
+    received = _received(run, out)
+    for stream, got in zip(run.streams, received, strict=True):
         if stream.recovered:
-            _unbroken(stream, unbroken, out)
+            _unbroken(stream, tuple(got), unbroken, out)
     _outcomes(run, out)
     stale: set[str] = set()
     lost: set[str] = set()
@@ -72,9 +74,31 @@ def check_recovery(run: RecoveryRun, unbroken: Unbroken) -> list[Violation]:
     return out
 
 
-def _unbroken(stream: Stream, unbroken: Unbroken, out: list[Violation]) -> None:
+def _received(run: RecoveryRun, out: list[Violation]) -> list[list[int]]:
+    """The stream each caller read: the tokens its runs' callers received, chain after
+    chain, each run's from its sequence 0 on (a replay's token ``s`` is its stream's
+    next)."""
+    streams: list[list[int]] = [[] for _ in run.streams]
+    for n, epoch in enumerate(run.epochs):
+        for s, r in zip(epoch.streams, epoch.result.runs, strict=True):
+            for k, (_run_id, sequence, token) in enumerate(r.delivered):
+                if sequence != k:
+                    out.append(
+                        Violation(
+                            STREAM_UNBROKEN,
+                            0,
+                            f"chain {n}: the caller of {r.run_id!r} got sequence {sequence} "
+                            f"as its token {k}",
+                        )
+                    )
+                streams[s].append(token)
+    return streams
+
+
+def _unbroken(
+    stream: Stream, got: tuple[int, ...], unbroken: Unbroken, out: list[Violation]
+) -> None:
     alone = unbroken(stream.spec)
-    got = tuple(stream.tokens)
     same = alone == got if stream.outcome == "completed" else alone[: len(got)] == got
     if not same:
         out.append(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import attrs
 
 from runplan import RunPlan
+from runplan.memory import plan_stage_memory
 from runplan.replacement import Replacement, Unplaceable
 from runtime_core.recovery import End, EndReason
 from runtime_core.replay import Interrupted, Replay, replay_of
@@ -180,6 +181,26 @@ def test_no_node_left_ends_each_stream_once_with_the_planners_rejection() -> Non
         assert st.end.lost_nodes == ("node-0",)
         assert "no placement after losing stages [0]" in str(st.end)
         assert tuple(st.tokens) == alone[: len(st.tokens)]
+
+
+def test_no_room_on_the_remaining_nodes_ends_each_stream_with_the_memory_rejection() -> None:
+    s = recovering(2, (kill(1),))
+    assert s.recovery is not None
+    largest = max(
+        m.total for m in plan_stage_memory(s.recovery.facts, s.recovery.configs[0].worker, s.plan)
+    )
+    pool = attrs.evolve(
+        s.recovery.pool,
+        nodes=tuple(attrs.evolve(n, memory_bytes=largest) for n in s.recovery.pool.nodes),
+    )
+    s = attrs.evolve(s, recovery=attrs.evolve(s.recovery, pool=pool))
+    run, violations = run_recovering(s)
+    assert violations == []
+    for st in run.streams:
+        assert isinstance(st.end, Unplaceable) and st.outcome == "faulted"
+        assert st.end.rejection.code == "insufficient_memory"
+        assert str(st.end).startswith("no placement after losing stages [1] (nodes ['node-1'])")
+        assert f"has {largest}" in str(st.end)
 
 
 def test_a_loss_during_a_recovery_is_recovered_in_turn_until_the_policy_says_no() -> None:
