@@ -18,6 +18,7 @@ from runtime_sim.explore import (
     EXPLORE_CAPABILITIES,
     MUTANT_RULES,
     Scenario,
+    loss_scenario,
     run_recovering,
     solo,
     synthetic_config,
@@ -255,3 +256,13 @@ def test_each_recovery_mutant_is_caught_by_the_rule_its_bug_breaks() -> None:
         assert clean == [], mutation
         _run, violations = run_recovering(s, mutation)
         assert MUTANT_RULES[mutation] in {v.rule for v in violations}, (mutation, violations)
+
+
+def test_the_same_seed_gives_byte_identical_traces_of_every_chain() -> None:
+    for seed in (3, 8):  # two chains of 4 runs; three chains of 2
+        first, _ = run_recovering(loss_scenario(seed))
+        second, _ = run_recovering(loss_scenario(seed))
+        assert len(first.epochs) > 1
+        assert [e.result.trace.dumps() for e in first.epochs] == [
+            e.result.trace.dumps() for e in second.epochs
+        ]
