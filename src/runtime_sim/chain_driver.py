@@ -92,9 +92,10 @@ class ChainResult:
 
 @frozen
 class Parts:
-    """The classes a simulation builds its rings, controllers and orchestrator node from:
-    the port through which the self-test's mutants (``runtime_sim.mutants``) put in
-    subclasses that carry one deliberate bug each. ``mutant`` names that bug (``None``:
+    """The classes a simulation builds its rings, controllers and orchestrator node from,
+    and the runner's recovery (``chain_recovery``): the port through which the
+    self-test's mutants (``runtime_sim.mutants``) put in subclasses that carry one
+    deliberate bug each. ``mutant`` names that bug (``None``:
     the production classes)."""
 
     ring: type[ChainRing] = ChainRing

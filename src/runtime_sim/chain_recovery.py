@@ -13,9 +13,10 @@ losses``), recovered the same way while the policy allows. Each chain runs on it
 virtual clock from 0: the time between chains (detection, re-plan, bind) is the
 process runtime's to measure, not modelled here.
 
-Before a re-placed chain's first message, every stage of it gets a late provision of a
-stale run addressed to it (``chain_forgeries.forge_stale_provision``); the checker
-(``recovery_checker``) requires each to be refused as ``STALE_RUN``.
+Before a re-placed chain's first message, every stage of it gets a late provision of
+the first run of every chain before (stale), addressed to it
+(``chain_forgeries.forge_stale_provision``); the checker (``recovery_checker``)
+requires each to be refused as ``STALE_RUN``.
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ class _Recovery:
             loss = action.losses[n - 1]
             faults = FaultPlan((attrs.evolve(loss, stage=loss.stage % new.plan.stage_count),))
         chain = self.sim.chain(specs, faults, frozenset(self.stale))
-        forgeries = _forge_stale(chain, sim.plan)
+        forgeries = _forge_stale(chain, [e.sim.plan for e in epochs])
         following = Epoch(chain, chain.run(), tuple(served))
         following.stale_forgeries = forgeries
         return following
@@ -271,18 +272,20 @@ def _interrupted(stream: Stream, spec: RunSpec, finished: RunFinished | None) ->
     return Interrupted.of_replay(stream.replays[-1], spec.plan, run_tokens)
 
 
-def _forge_stale(sim: ChainSimulation, stale_plan: RunPlan) -> list[tuple[str, str, str]]:
+def _forge_stale(
+    sim: ChainSimulation, stale_plans: Sequence[RunPlan]
+) -> list[tuple[str, str, str]]:
     """At a re-placed chain's first instant, each stage gets a late provision of the
-    chain before's first run (stale), addressed to it: (node, run id, the reason it is
-    refused with), filled in as the chain runs."""
-    last = stale_plan.stage_count - 1
+    first run of every chain before (stale), addressed to it: (node, run id, the reason
+    it is refused with), filled in as the chain runs."""
     forgeries: list[tuple[str, str, str]] = []
 
     def forge() -> None:
-        for node in sim.stages:
-            stale = provision_stage(stale_plan, min(node.index, last))
-            reason = forge_stale_provision(sim, node, stale)
-            forgeries.append((node.node_id, stale.run_id, reason))
+        for plan in stale_plans:
+            for node in sim.stages:
+                stale = provision_stage(plan, min(node.index, plan.stage_count - 1))
+                reason = forge_stale_provision(sim, node, stale)
+                forgeries.append((node.node_id, stale.run_id, reason))
 
     sim.clock.at(0, forge)
     return forgeries

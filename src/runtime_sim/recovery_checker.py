@@ -12,9 +12,9 @@
   re-placement's ``Unplaceable``; an ``End`` ends the stream there. A stream is served by
   at most one run per chain, and nothing serves it after it ended.
 - **No stale run accepted**: on a re-placed chain, every run id of an earlier chain is
-  stale: a late provision of one is refused as ``STALE_RUN`` at every stage, and no
-  stage sets up, steps or reports ready for one, and the orchestrator delivers none's
-  token.
+  stale: a late provision of each earlier chain's first run is refused as ``STALE_RUN``
+  at every stage, no stage sets up, steps or reports ready for a stale run, and the
+  orchestrator delivers no stale run's token.
 - **No lost host**: a re-placed chain places no stage on a host lost before it (with
   ``host_lost``, the host of every stage that died).
 """
@@ -58,7 +58,7 @@ def check_recovery(run: RecoveryRun, unbroken: Unbroken) -> list[Violation]:
     lost: set[str] = set()
     for n, epoch in enumerate(run.epochs):
         if n:
-            _stale(epoch, stale, out)
+            _stale(epoch, n, stale, out)
             used = sorted(lost & {s.node_id for s in epoch.sim.plan.stages})
             if used:
                 out.append(
@@ -178,14 +178,18 @@ def _outcomes(run: RecoveryRun, out: list[Violation]) -> None:
                 )
 
 
-def _stale(epoch: Epoch, stale: set[str], out: list[Violation]) -> None:
+def _stale(epoch: Epoch, n: int, stale: set[str], out: list[Violation]) -> None:
+    """Chain ``n`` (after ``n`` chains, each of which sent a stale provision to each of
+    its stages) accepted none of the ``stale`` run ids."""
     sim = epoch.sim
-    if len(epoch.stale_forgeries) != len(sim.stages):
+    sent = len(epoch.stale_forgeries)
+    if sent != n * len(sim.stages):
         out.append(
             Violation(
                 STALE_NEVER_ACCEPTED,
                 0,
-                f"{len(epoch.stale_forgeries)} stale provisions sent to {len(sim.stages)} stages",
+                f"chain {n}: {sent} stale provisions to {len(sim.stages)} stages, "
+                f"{n} chains before it",
             )
         )
     for node, run_id, reason in epoch.stale_forgeries:

@@ -214,6 +214,10 @@ def test_a_loss_during_a_recovery_is_recovered_in_turn_until_the_policy_says_no(
     assert [tuple(st.tokens) for st in run.streams] == unbroken_streams(s)
     lost = {n for e in run.epochs[:2] for n in dead_hosts(e)}
     assert not lost & set(nodes(run.epochs[2].sim.plan))
+    # The third chain's stages refuse a late provision of each chain before's run.
+    forged = run.epochs[2].stale_forgeries
+    assert {r for _, r, _ in forged} == {"run-0", "run-0~r1"}
+    assert [reason for _, _, reason in forged] == ["STALE_RUN"] * 6
     # A third loss: the streams have spent their recoveries and end with the fault.
     s = recovering(2, (kill(1, 1),), spares=3, losses=(kill(0, 1), kill(2, 1)))
     run, violations = run_recovering(s)
