@@ -1,10 +1,10 @@
 """The checker of a recovering chain (issue 25), over every chain of a
 ``RecoveryRun``; each chain is also checked on its own by ``chain_checker``.
 
-- **Unbroken stream**: what the caller of a recovered stream received (each run's
-  tokens from its sequence 0, chain after chain) is, token for token, what its run
-  produces unbroken (alone on a fault-free chain, same seed, same worker): all of it
-  when the stream completed, a prefix when a recovery ended it.
+- **Unbroken stream**: what the caller of every stream received (each run's tokens from
+  its sequence 0, chain after chain) is, token for token, what its run produces
+  unbroken (alone on a fault-free chain, same seed, same worker): all of it when the
+  stream completed, a prefix when a fault or a recovery ended it.
 - **One outcome, as the policy decides**: for every run a chain's end found ended, the
   checker asks the recovery policy itself (the action's, the runtime's value) with what
   it reads of the stream: a ``Recover`` must be followed by exactly one run of the
@@ -31,7 +31,7 @@ from runtime_sim.chain_driver import RunSpec
 from runtime_sim.chain_recovery import Epoch, RecoveryRun, Stream, dead_hosts
 from runtime_sim.links import ORCHESTRATOR
 
-STREAM_UNBROKEN = "recovery: a recovered stream holds its unbroken run's tokens"
+STREAM_UNBROKEN = "recovery: every stream holds its unbroken run's tokens, recovered or not"
 STREAM_ONE_OUTCOME = "recovery: every stream ends with one outcome, as the recovery policy decides"
 STALE_NEVER_ACCEPTED = "recovery: no stale run id is ever accepted again"
 LOST_HOST_UNUSED = "recovery: a re-placed chain places no stage on a lost host"
@@ -51,8 +51,7 @@ def check_recovery(run: RecoveryRun, unbroken: Unbroken) -> list[Violation]:
         return out
     received = _received(run, out)
     for stream, got in zip(run.streams, received, strict=True):
-        if stream.recovered:
-            _unbroken(stream, tuple(got), unbroken, out)
+        _unbroken(stream, tuple(got), unbroken, out)
     _outcomes(run, out)
     stale: set[str] = set()
     lost: set[str] = set()
