@@ -14,11 +14,11 @@ from runtime_sim.explore import (
     report,
     report_json,
     run_scenario,
-    scenario,
     self_test,
 )
 from runtime_sim.faults import FaultKind
 from runtime_sim.mutants import Mutation, parts_for
+from runtime_sim.scenarios import scenario
 from tests.support.import_graph import import_graph
 
 #: Scenarios CI explores (each runs up to six runs, and reruns each run alone):

@@ -14,20 +14,18 @@ from runtime_core.recovery import End, EndReason
 from runtime_core.replay import Interrupted, Replay, replay_of
 from runtime_sim.chain_driver import RunSpec
 from runtime_sim.chain_recovery import RecoveryAction, dead_hosts
-from runtime_sim.explore import (
+from runtime_sim.explore import MUTANT_RULES, run_recovering, solo
+from runtime_sim.faults import Fault, FaultKind, FaultPlan
+from runtime_sim.mutants import RECOVERY_MUTATIONS, Mutation
+from runtime_sim.scenarios import (
     EXPLORE_CAPABILITIES,
-    MUTANT_RULES,
     Scenario,
     loss_scenario,
-    run_recovering,
-    solo,
     synthetic_config,
     synthetic_facts,
     synthetic_plan_of,
     synthetic_pool,
 )
-from runtime_sim.faults import Fault, FaultKind, FaultPlan
-from runtime_sim.mutants import RECOVERY_MUTATIONS, Mutation
 
 PROMPT = (11, 12, 13, 14, 15)
 
