@@ -13,9 +13,13 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
   ``kv_bytes`` against ``kv_budget_bytes``, stage by stage); it starts when runs in
   flight end, first held, first started. A run whose cache exceeds a stage's whole
   budget is refused at once (``RunRefused``): it could never run.
-- Token-in carries one queue of records for every run, in the order they were asked
-  for: a run's prompt (in chunks of the plan's ``prefill_chunk`` rows: chunk ``j`` of
-  ``P``, in order), then each fed-back token after the one before it was consumed.
+- Token-in carries the records of every run: a run's prompt (in chunks of the plan's
+  ``prefill_chunk`` rows: chunk ``j`` of ``P``, in order), then each fed-back token
+  after the one before it was consumed. Fed-back tokens go first, in the order they
+  were asked for, then prompt chunks in theirs: a decoding run's next token never
+  waits behind another run's long prompt (a ring of a few slots would otherwise let it
+  in only after every chunk of that prompt). A run's own order stands: its token 0
+  comes only after its last chunk was written.
 - Token-out records are routed by their run id: a record of a run this side does not
   hold (unknown, or finished) is rejected, logged and dropped, and the link stays up; a
   held run's record on another edge likewise; one that fails its run's checks (its
@@ -156,7 +160,8 @@ class ChainOrchestrator:
         self.done: set[str] = set()  # run ids that finished on this chain
         self.token_in: LinkSender | None = None
         self.token_out: LinkReceiver | None = None
-        self._inject: deque[_Record] = deque()
+        self._decodes: deque[_Record] = deque()  # fed-back tokens waiting for token-in
+        self._chunks: deque[_Record] = deque()  # prompt records waiting for token-in
         self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
 
@@ -240,7 +245,7 @@ class ChainOrchestrator:
         if self.runs.pop(handle.run_id, None) is None:
             return
         self.done.add(handle.run_id)
-        self._inject = deque(r for r in self._inject if r.run_id != handle.run_id)
+        self._drop_records(handle.run_id)
         if handle.check is not None:  # it started: its reservation goes
             for s in handle.plan.stages:
                 self._reserved[s.stage_index] -= s.kv_bytes
@@ -325,7 +330,7 @@ class ChainOrchestrator:
         elif isinstance(action, fsm.CloseTokenEndpoints):
             # The chain's links stay: only the run's records still waiting go.
             handle.needs_links = False
-            self._inject = deque(r for r in self._inject if r.run_id != run_id)
+            self._drop_records(run_id)
         elif isinstance(action, fsm.RunFinished):
             handle.finished = action
         elif isinstance(action, fsm.Rejected):
@@ -345,11 +350,22 @@ class ChainOrchestrator:
             chunks = [ids[j * size : (j + 1) * size] for j in range(count)]
         else:
             count, chunks = 1, [ids]
+        queue = self._chunks if action.sequence == 0 else self._decodes
         for j, chunk in enumerate(chunks):
-            self._inject.append(_Record(handle.run_id, action.sequence, chunk, j, count))
+            queue.append(_Record(handle.run_id, action.sequence, chunk, j, count))
         if action.sequence == 0:
             handle.unsent_chunks = count
         self.try_inject()
+
+    def _drop_records(self, run_id: str) -> None:
+        """A run's records still waiting for token-in go."""
+        self._decodes = deque(r for r in self._decodes if r.run_id != run_id)
+        self._chunks = deque(r for r in self._chunks if r.run_id != run_id)
+
+    def _next_record(self) -> deque[_Record] | None:
+        """The queue whose first record goes next: fed-back tokens before prompt
+        chunks."""
+        return self._decodes or self._chunks or None
 
     # -- the links ---------------------------------------------------------------------------
     @property
@@ -389,16 +405,16 @@ class ChainOrchestrator:
 
     @property
     def inject_pending(self) -> bool:
-        return bool(self._inject) and self.token_in is not None
+        return self._next_record() is not None and self.token_in is not None
 
     def try_inject(self) -> bool:
-        """Write the waiting token-in records, in order; ``False`` while the link is
-        full."""
-        while self._inject and self.token_in is not None:
-            record = self._inject[0]
+        """Write the waiting token-in records (fed-back tokens first); ``False`` while
+        the link is full."""
+        while (queue := self._next_record()) is not None and self.token_in is not None:
+            record = queue[0]
             handle = self.runs.get(record.run_id)
             if handle is None or handle.machine.state is not _RUNNING:
-                self._inject.popleft()
+                queue.popleft()
                 continue
             try:
                 sent = self.token_in.try_send(
@@ -416,7 +432,7 @@ class ChainOrchestrator:
                 return False
             if not sent:
                 return False
-            self._inject.popleft()
+            queue.popleft()
             if record.sequence == 0:
                 handle.unsent_chunks -= 1
             if self.trace is not _no_trace:

@@ -393,3 +393,39 @@ def test_the_same_runs_on_one_stage_and_on_three_give_the_same_tokens(
     for h in handles:
         assert list(h.tokens) == alone[h.run_id]
     assert_nothing_held(chain)
+
+
+def test_a_long_prompt_s_chunks_do_not_hold_back_decoding_runs(model: Path) -> None:
+    """A run decoding while another's long prompt arrives in many chunks: its fed-back
+    tokens go onto token-in ahead of the prompt's chunks still waiting there, so stage 0
+    runs it every few batches (not after the whole prompt), and both runs give the
+    tokens they give alone."""
+    long_prompt = [(7 * i) % 300 + 1 for i in range(24)]  # 24 chunks of 1 row
+    decoding = plan(model, 0, stages=2, max_tokens=20)
+    prefilling = plan(model, 1, stages=2, prefill_chunk=1)
+
+    def alone_tokens(p: RunPlan, prompt: list[int]) -> list[int]:
+        chain = ChainRuns(2, reference)
+        handle = chain.add(p, prompt)
+        chain.pump()
+        return list(handle.tokens)
+
+    chain = ChainRuns(2, reference)
+    a = chain.add(decoding, PROMPTS[1])
+    while len(chain.tokens["run-0"]) < 3:  # run-0 decodes
+        assert chain._round()
+    b = chain.add(prefilling, long_prompt)
+    chain.pump()
+    assert list(a.tokens) == alone_tokens(decoding, PROMPTS[1])
+    assert list(b.tokens) == alone_tokens(prefilling, long_prompt)
+    stage_0 = [f["runs"] for node, k, f in chain.traces if k == "batch" and node == "node-0"]
+    first = next(i for i, runs in enumerate(stage_0) if "run-1" in runs)
+    last_a = max(i for i, runs in enumerate(stage_0) if "run-0" in runs)
+    assert last_a > first + 3  # run-0 decoded while run-1's prompt went in
+    without_a, longest = 0, 0
+    for runs in stage_0[first : last_a + 1]:
+        without_a = 0 if "run-0" in runs else without_a + 1
+        longest = max(longest, without_a)
+    # run-0's next token is injected the round after its last was consumed: stage 0
+    # runs one batch per round, and the token passes 2 stages and the orchestrator.
+    assert longest <= 3, stage_0[first : last_a + 1]
