@@ -10,7 +10,7 @@ import enum
 from attrs import frozen
 
 from runplan._fields import bool_field, int_field, str_field, typed_field
-from runplan.config import SamplingConfig, Timeouts
+from runplan.config import SamplingConfig, Timeouts, shared_batch_rows
 from runplan.dtypes import DTypeFamily
 from runplan.facts import GgufSource
 from runplan.plan import EdgeKind, ObjectSpec, RingSpec
@@ -73,6 +73,11 @@ class ProvisionStage:
     max_batch_rows: int = int_field()
     sampling: SamplingConfig | None = typed_field((SamplingConfig, type(None)), default=None)
     return_logits: bool = bool_field(default=False)
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows this run's batches on the stage may hold in all (0: it runs alone)."""
+        return shared_batch_rows(self.max_batch_rows, self.kv_bytes, self.kv_budget_bytes)
 
     @property
     def is_first(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 from attrs import frozen
 
 from runplan import RunPlan, check_plan
+from runplan.config import shared_batch_rows
 from runplan.fsm import stage as sfsm
 from runtime_sim.chain_driver import ChainResult, ChainSimulation, RunSpec
 from runtime_sim.chain_ring_rules import NO_OVERWRITE, PUBLISH_ORDER, RELEASE_AT_LOAD, RingRules
@@ -99,8 +100,13 @@ def time_bound_us(plan: RunPlan) -> int:
     allowed token (each bounded by the token timeout: the prompt's by its rows, at most
     the cache's length), the stop timeout, and slack for notices."""
     t = plan.timeouts
-    prompt_ms = t.step_limit_ms(plan.model.max_seq_len) * plan.stage_count
-    token_ms = t.step_limit_ms(1) * plan.stage_count
+    batch_rows = max(
+        shared_batch_rows(plan.max_batch_rows, s.kv_bytes, s.kv_budget_bytes) for s in plan.stages
+    )
+    longest, size = plan.model.max_seq_len, plan.prefill_chunk
+    chunks, rows = (-(-longest // size), size) if 0 < size < longest else (1, longest)
+    prompt_ms = t.token_limit_ms(plan.stage_count, chunks, rows, batch_rows)
+    token_ms = t.token_limit_ms(plan.stage_count, 1, 1, batch_rows)
     return (t.ready_ms + prompt_ms + plan.max_tokens * token_ms + t.stop_ms) * 1000 + 1_000_000
 
 

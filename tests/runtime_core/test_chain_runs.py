@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import pytest
 
-from runplan import RunPlan, SamplingConfig
+from runplan import RunPlan, SamplingConfig, Timeouts
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.messages import FaultKind, StopReason
@@ -26,7 +26,14 @@ from runtime_core.workers.interface import (
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.chain import Chain, plan_for, provisions
-from tests.support.chain_runs import ChainRuns, FailingWorker, ManualTimers
+from tests.support.chain_runs import (
+    ChainRuns,
+    Clock,
+    ClockTimers,
+    FailingWorker,
+    ManualTimers,
+    TimedWorker,
+)
 
 PROMPTS = [
     [5, 77, 300, 12, 9],
@@ -150,25 +157,66 @@ class RecordingTimers(ManualTimers):
         super().start(run_id, timer, ms)
 
 
-def test_each_step_s_time_limit_is_that_of_its_record_s_rows(model: Path) -> None:
-    """A stage's step timer grows with the rows of the record it runs (a chunk's rows in
-    a prefill in chunks), and the orchestrator's token timer of the prompt covers one
-    chunk's limit per step through the pipeline."""
+@pytest.mark.parametrize("runs", [1, 8])
+def test_each_step_s_time_limit_is_that_of_its_batch(model: Path, runs: int) -> None:
+    """A run alone: a stage's step timer grows with the rows of the record it runs (a
+    chunk's rows in a prefill in chunks), and the orchestrator's token timer of the
+    prompt covers one chunk's limit per step through the pipeline. A run whose stages
+    hold other runs too: every step's limit is that of a whole batch
+    (``max_batch_rows``), and a token waits through ``SHARED_BATCHES`` batches a step."""
     chain = ChainRuns(3, reference)
     chain.stages[0].timers = chain.stage_timers[0] = stage_0 = RecordingTimers()
     chain.orchestrator.timers = chain.orchestrator_timers = orchestrator = RecordingTimers()
-    p = plan(model, 2, prefill_chunk=3)
+    p = plan(model, 2, prefill_chunk=3, max_concurrent_runs=runs, max_batch_rows=16)
     handle = chain.add(p, PROMPTS[2])  # 11 tokens: chunks of 3, 3, 3 and 2 rows
     chain.pump()
     assert handle.finished is not None and handle.finished.outcome is StopReason.COMPLETED
     t = p.timeouts
     assert t.step_row_ms > 0  # else every limit below would be the same
     steps = [ms for timer, ms in stage_0.started if timer is sfsm.Timer.STEP]
-    limits = [t.step_limit_ms(rows) for rows in (3, 3, 3, 2)]
-    assert steps == limits + [t.step_limit_ms(1)] * (N - 1)
     tokens = [ms for timer, ms in orchestrator.started if timer is ofsm.Timer.TOKEN]
-    assert tokens[0] == t.step_limit_ms(3) * (3 + 4 - 1)
-    assert set(tokens[1:]) == {t.step_limit_ms(1) * 3}
+    if runs == 1:
+        limits = [t.step_limit_ms(rows) for rows in (3, 3, 3, 2)]
+        assert steps == limits + [t.step_limit_ms(1)] * (N - 1)
+        assert tokens[0] == t.step_limit_ms(3) * (3 + 4 - 1)
+        assert set(tokens[1:]) == {t.step_limit_ms(1) * 3}
+    else:
+        assert set(steps) == {t.SHARED_BATCHES * t.step_limit_ms(16)}
+        assert len(steps) == 4 + N - 1
+        assert tokens[0] == t.SHARED_BATCHES * t.step_limit_ms(16) * (3 + 4 - 1)
+        assert set(tokens[1:]) == {t.SHARED_BATCHES * t.step_limit_ms(16) * 3}
+
+
+def test_batches_that_take_just_under_their_rows_limit_run_out_no_timer(model: Path) -> None:
+    """Eight runs share the batches of 3 stages working in parallel, each batch taking 1
+    ms less than a step of all its rows may (tight timeouts): no stage's step timer and
+    no orchestrator's token timer runs out (limits of a record's own rows would: a
+    decode row shares a batch of up to 16 rows)."""
+    tight = Timeouts(step_ms=100, step_row_ms=10)
+    clock = Clock()
+    chain = ChainRuns(
+        3,
+        lambda i: TimedWorker(ReferenceWorker(), clock, i, lambda r: tight.step_limit_ms(r) - 1),
+    )
+    timers = [ClockTimers(clock, i) for i in range(3)] + [ClockTimers(clock, None)]
+    for stage, stage_timers in zip(chain.stages, timers, strict=False):
+        stage.timers = stage_timers
+    chain.orchestrator.timers = timers[3]
+    handles = [
+        chain.add(
+            attrs.evolve(plan(model, k, prefill_chunk=2, max_batch_rows=16), timeouts=tight),
+            PROMPTS[k],
+        )
+        for k in range(8)
+    ]
+    for _ in range(100_000):
+        if not chain._round():
+            break
+        clock.tick()
+    assert all(h.finished and h.finished.outcome is StopReason.COMPLETED for h in handles)
+    assert max(max(stage.batch_rows) for stage in chain.stages) > 1  # runs shared batches
+    overruns = [(o[1], o[2], o[3]) for ts in timers for o in ts.overruns]
+    assert overruns == [], [(ts.stage_index, o) for ts in timers for o in ts.overruns]
 
 
 def test_runs_beyond_the_budget_wait_and_then_run(model: Path, alone: dict[str, list[int]]) -> None:

@@ -54,7 +54,7 @@ class State(enum.Enum):
 
 class Timer(enum.Enum):
     READY = "READY"  # provisioning to the readiness barrier (timeouts.ready_ms)
-    TOKEN = "TOKEN"  # injecting a token object to consuming its token (a step's limit per stage)
+    TOKEN = "TOKEN"  # injecting a token object to consuming its token (timeouts.token_limit_ms)
     STOP = "STOP"  # StopRun to every StageStopped (timeouts.stop_ms)
 
 
@@ -350,16 +350,19 @@ class OrchestratorMachine:
         return 1 if size <= 0 else -(-len(self.prompt) // size)
 
     def _token_ms(self, sequence: int = 1) -> int:
-        """The bound on one token: a step's limit per stage, and for sequence 0 one more
-        step per chunk after the first (the chunks pipeline through the stages), each
-        step's limit grown by the rows of the longest record (the prompt, or its first
-        chunk); a decoded token's record has one row."""
+        """The bound on one token (``Timeouts.token_limit_ms``): a step per stage, and
+        for sequence 0 one more step per chunk after the first (the chunks pipeline
+        through the stages), each within the limit of the rows of the longest record
+        (the prompt, or its first chunk; a decoded token's record has one row) or, with
+        other runs sharing the stages, of the largest batch, waiting through as many
+        batches a stage as the timeouts allow."""
+        batch_rows = max((p.batch_rows for p in self.provisions), default=0)
+        stages = len(self.node_ids)
         if sequence != 0:
-            return self.timeouts.step_limit_ms(1) * len(self.node_ids)
+            return self.timeouts.token_limit_ms(stages, 1, 1, batch_rows)
         chunked = self.prefill_chunks > 1
         rows = min(self.prefill_chunk, len(self.prompt)) if chunked else len(self.prompt)
-        steps = len(self.node_ids) + self.prefill_chunks - 1
-        return self.timeouts.step_limit_ms(rows) * steps
+        return self.timeouts.token_limit_ms(stages, self.prefill_chunks, rows, batch_rows)
 
 
 _Result = tuple[OrchestratorMachine, tuple[Action, ...]]
