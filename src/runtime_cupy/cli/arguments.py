@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from runplan.arguments import positive_int
+from runplan.arguments import parse_size, positive_int
 from runplan.gguf_header import GgufError
 from runplan.models import DEFAULT_MODEL, ModelNotFound
 from runtime_core.runs import PLACEMENTS, PlanRejected
@@ -168,11 +168,27 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent",
         type=positive_int,
         default=None,
-        help="runs in flight at once on the chain, batched by its stages (default 4); "
-        "each stage's KV budget holds this many full-length runs",
+        help="runs in flight at once on the chain, batched by its stages (default: as "
+        "many full-length runs as the smallest stage's --kv-budget holds, else 4); "
+        "without --kv-budget each stage's KV budget holds this many full-length runs",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        type=kv_budget_size,
+        default=None,
+        help="KV cache each stage may hold for all its runs (e.g. 512MiB); runs beyond "
+        "it wait for room (default: --max-concurrent full-length runs)",
     )
     add_cluster(parser)
     add_verbose(parser)
+
+
+def kv_budget_size(text: str) -> int:
+    """``--kv-budget``: a size of at least one byte."""
+    size = parse_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: a KV budget holds at least 1 byte")
+    return size
 
 
 def check_chain_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -200,4 +216,5 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
         ray_address=args.ray_address,
         placement=args.placement,
         max_concurrent=args.max_concurrent,
+        kv_budget_bytes=args.kv_budget,
     )

@@ -150,6 +150,7 @@ class WarmChain:
         max_concurrent: int | None = None,
         secrets: Callable[[], bytes] | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        kv_budget_bytes: int | None = None,
     ) -> None:
         if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
             raise ValueError(
@@ -196,9 +197,12 @@ class WarmChain:
         self._run_ids = run_ids or _new_serve_run_id
         self._secrets = secrets or new_secret
         self.prefill_chunk = prefill_chunk
+        if kv_budget_bytes is not None and kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes {kv_budget_bytes} is not at least 1")
+        self.kv_budget_bytes = kv_budget_bytes or 0  # 0: max_concurrent full-length runs
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError(f"max_concurrent {max_concurrent} is not at least 1")
         self.max_concurrent = max_concurrent or DEFAULT_MAX_CONCURRENT
-        if self.max_concurrent < 1:
-            raise ValueError(f"max_concurrent {self.max_concurrent} is not at least 1")
         self._lock = threading.Lock()  # guards the runner for readers on other threads
         self._heal_lock = threading.RLock()  # one thread starts the chain again
         self._runner: ChainRunner | None = None
@@ -210,6 +214,8 @@ class WarmChain:
         self.bind_run: WarmResult | None = None  # the last run that bound the stages
         self.chain_id = ""  # the running chain's id (names its links)
         # The stages' plan, once: PlanRejected / ValueError before any process starts.
+        if max_concurrent is None and self.kv_budget_bytes:
+            self.max_concurrent = self._runs_in_budget()
         template = self.plan(_new_serve_run_id(), max_tokens=1, sampling=SamplingConfig())
         self.layout = tuple(
             (s.stage_index, s.node_id, s.layer_start, s.layer_end_exclusive)
@@ -220,6 +226,25 @@ class WarmChain:
         del choose  # ValueError now for edges that cannot be
 
     # -- plans ---------------------------------------------------------------------
+    def _runs_in_budget(self) -> int:
+        """How many full-length runs (the whole context) the smallest stage's KV budget
+        holds; ``ValueError`` naming the stage when it holds none."""
+        budget, self.kv_budget_bytes = self.kv_budget_bytes, 0
+        self.max_concurrent = 1
+        try:  # one full-length run's cache on each stage: the planner's figures
+            alone = self.plan(_new_serve_run_id(), max_tokens=1, sampling=SamplingConfig())
+        finally:
+            self.kv_budget_bytes = budget
+        runs, index, need = min(
+            (budget // s.kv_bytes, s.stage_index, s.kv_bytes) for s in alone.stages
+        )
+        if runs < 1:
+            raise ValueError(
+                f"a KV budget of {budget} bytes holds no full-length run on stage {index}: "
+                f"one needs {need} bytes (a smaller context needs less)"
+            )
+        return runs
+
     @property
     def context(self) -> int:
         return self.facts.max_seq_len
@@ -237,8 +262,9 @@ class WarmChain:
         prompt_tokens: int = 0,
     ) -> RunPlan:
         """The plan of one run on these stages (``PlanRejected`` if the planner says
-        no): every run has the chain's stage facts (cache length, KV budget for
-        ``max_concurrent`` runs, batch rows) and its own prompt length and token limit."""
+        no): every run has the chain's stage facts (cache length, KV budget:
+        ``kv_budget_bytes`` or ``max_concurrent`` full-length runs, batch rows) and its
+        own prompt length and token limit."""
         half = self.worker == "cuda"  # the CUDA worker moves f16 activations
         config = RuntimeConfig(
             run_id=run_id,
@@ -250,6 +276,7 @@ class WarmChain:
             worker=self.capabilities,
             prompt_tokens=prompt_tokens,
             max_concurrent_runs=self.max_concurrent,
+            kv_budget_bytes=self.kv_budget_bytes,
             prefill_chunk=self.prefill_chunk,
         )
         return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)

@@ -167,3 +167,22 @@ def test_a_step_that_fails_ends_its_run_alone_and_the_stages_stay(tiny: str) -> 
         assert ok.result.outcome == "completed", ok.result.fault
         assert ok.restarted == ()  # a run's own fault: the chain is whole
         assert chain.pids() == pids
+
+
+def test_max_concurrent_defaults_to_the_full_length_runs_the_smallest_stage_s_budget_holds(
+    tiny: str,
+) -> None:
+    """No process starts: the chain's plan alone. With a KV budget and no
+    ``max_concurrent``, runs in flight are the full-length caches the smallest stage's
+    budget holds; a budget that holds none is refused naming the stage and its need."""
+    probe = WarmChain(tiny, stages=2, context=64, max_concurrent=1)
+    needs = [s.kv_bytes for s in probe.template.stages]  # one full-length run a stage
+    budget = 3 * max(needs) + 1
+    chain = WarmChain(tiny, stages=2, context=64, kv_budget_bytes=budget)
+    assert chain.max_concurrent == min(budget // n for n in needs) == 3
+    assert {s.kv_budget_bytes for s in chain.template.stages} == {budget}
+    given = WarmChain(tiny, stages=2, context=64, kv_budget_bytes=budget, max_concurrent=5)
+    assert given.max_concurrent == 5  # given: kept (runs beyond the budget wait for room)
+    assert WarmChain(tiny, stages=2, context=64).max_concurrent == 4  # neither: as before
+    with pytest.raises(ValueError, match=r"holds no full-length run on stage \d: one needs"):
+        WarmChain(tiny, stages=2, context=64, kv_budget_bytes=min(needs) - 1)
