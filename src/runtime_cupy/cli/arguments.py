@@ -18,7 +18,7 @@ from runtime_core.runs import PLACEMENTS, PlanRejected
 from runtime_core.tokenizer import TokenizerError
 from runtime_cupy.edges.choice import PREFERENCES
 from runtime_cupy.hosts.ray.cluster import ClusterError
-from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.serve.chain import DEFAULT_PREFILL_CHUNK, WarmChain
 from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
 #: What a command line that cannot be run raises before any process starts.
@@ -173,6 +173,14 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "without --kv-budget each stage's KV budget holds this many full-length runs",
     )
     parser.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help="rows of a prompt per prefill record: the runs decoding beside a long prompt "
+        f"wait for one such chunk a step (default {DEFAULT_PREFILL_CHUNK}; smaller: shorter "
+        "waits, slower prompts)",
+    )
+    parser.add_argument(
         "--kv-budget",
         type=kv_budget_size,
         default=None,
@@ -217,4 +225,5 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
         placement=args.placement,
         max_concurrent=args.max_concurrent,
         kv_budget_bytes=args.kv_budget,
+        prefill_chunk=args.prefill_chunk,
     )

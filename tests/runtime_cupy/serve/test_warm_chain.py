@@ -13,6 +13,7 @@ serve one run of the MVP's state machines after another.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import pytest
 from runplan.messages import StopReason, StopRun
 from runplan.provision import provision_all
 from runtime_cupy import generate
+from runtime_cupy.cli.arguments import add_chain_arguments, chain_from
 from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.serve.chain import WarmChain
 from tests.support.hosts import FaultyHost, TapHost
@@ -186,3 +188,20 @@ def test_max_concurrent_defaults_to_the_full_length_runs_the_smallest_stage_s_bu
     assert WarmChain(tiny, stages=2, context=64).max_concurrent == 4  # neither: as before
     with pytest.raises(ValueError, match=r"holds no full-length run on stage \d: one needs"):
         WarmChain(tiny, stages=2, context=64, kv_budget_bytes=min(needs) - 1)
+
+
+def test_the_chain_flags_give_its_kv_budget_and_prefill_chunk(tiny: str) -> None:
+    """``--kv-budget`` and ``--prefill-chunk`` reach the chain's plan (no process starts);
+    a budget of no bytes is refused naming the flag."""
+    parser = argparse.ArgumentParser()
+    add_chain_arguments(parser)
+    flags = ["--model", tiny, "--stages", "2", "--context", "64"]
+    args = parser.parse_args([*flags, "--kv-budget", "1MiB", "--prefill-chunk", "16"])
+    chain = chain_from(args)
+    assert chain.template.prefill_chunk == 16
+    assert {s.kv_budget_bytes for s in chain.template.stages} == {2**20}
+    assert chain.max_concurrent == min(
+        2**20 // n for n in (s.kv_bytes for s in chain.template.stages)
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args([*flags, "--kv-budget", "0"])
