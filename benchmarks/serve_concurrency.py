@@ -4,7 +4,7 @@ beside llama.cpp decoding the same model for as many sequences in one batch.
     python benchmarks/serve_concurrency.py [--model smollm2-135m] [--clients 1,2,4,8]
         [--prompt-tokens 32] [--tokens 48] [--long-prompt 2000]
         [--llamacpp-python /work/llamacpp-venv/bin/python] [--only-long-prompt]
-        [--prefill-chunk 64] [--json]
+        [--prefill-chunk 16] [--json]
 
 Two servers (``python -m runtime_cupy serve``, the CPU worker, ``--max-concurrent 8``)
 run at once, idle while the other is measured: **2 stages of 1 thread each** and **1

@@ -74,8 +74,11 @@ DEFAULT_MAX_CONCURRENT = 4
 #: Rows of a prompt per prefill record: a long prompt goes through the stages in chunks
 #: of this many rows, each batched with the decode rows of the runs in flight, so that
 #: their next tokens wait for one chunk, not for the whole prompt (0: whole prompts up
-#: to the batch's rows).
-DEFAULT_PREFILL_CHUNK = 64
+#: to the batch's rows). A chunk's time grows with its position (its attention over
+#: the positions before it): near position 2,000 of SmolLM2 on the CPU worker a 64-row
+#: chunk took ~1 s a stage, a 16-row one ~0.45 s (docs/benchmarks.md), and the prompt as
+#: a whole took no longer in chunks of 16.
+DEFAULT_PREFILL_CHUNK = 16
 
 
 def _new_serve_run_id() -> str:
