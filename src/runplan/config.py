@@ -82,11 +82,13 @@ class Timeouts:
 
     #: Batches a record may wait through on one stage when other runs share it.
     SHARED_BATCHES = 3
+    #: Worker calls a stage may finish before it releases a run it was told to stop.
+    STOP_BATCHES = 2
 
     ready_ms: int = int_field(default=120_000)  # provisioning to StageReady (weights load)
     step_ms: int = int_field(default=60_000)  # one ExecuteStep, whatever its rows
     edge_wait_ms: int = int_field(default=60_000)  # one wait on a ring (either end)
-    stop_ms: int = int_field(default=10_000)  # StopRun to StageStopped
+    stop_ms: int = int_field(default=10_000)  # StopRun to StageStopped (stop_limit_ms)
     step_row_ms: int = int_field(default=100)  # one ExecuteStep, for each of its rows
     heartbeat_ms: int = int_field(default=5_000)  # a stage's longest silence
 
@@ -109,6 +111,15 @@ class Timeouts:
         one row), each within ``batch_step_limit_ms``."""
         steps = stages + max(1, chunks) - 1
         return self.batch_step_limit_ms(rows, batch_rows) * steps
+
+    def stop_limit_ms(self, rows: int, batch_rows: int) -> int:
+        """How long ``StopRun`` to every stage's ``StageStopped`` may take: a stage reads
+        its ``StopRun`` once the worker call in progress ends, and its loop may begin
+        one more before it releases the run (it releases after a batch): ``STOP_BATCHES``
+        worker calls, each one step of at most ``rows`` rows (a run alone) or one batch
+        of at most ``batch_rows`` rows (runs sharing its batches), ``step_limit_ms`` of
+        the larger; then the stage stops the run within ``stop_ms``."""
+        return self.stop_ms + self.STOP_BATCHES * self.step_limit_ms(max(rows, batch_rows))
 
 
 def shared_batch_rows(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int) -> int:

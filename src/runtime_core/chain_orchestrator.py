@@ -27,6 +27,8 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
   run's endpoint fault.
 - Control messages (``StageReady``, ``StageFault``, ``StageStopped``,
   ``ProvisionRefused``) go to their run's machine; one for no held run is rejected.
+  The batches a ``StageStopped`` reports (the stage's since its previous one, by rows)
+  are added to ``batch_counts`` when it comes from one of its run's stages.
 - A chain fault ends every run: ``StageDied`` (the runtime's notice that a stage
   process or host is gone, its detail naming stage, node, host and cause) and a broken
   token link go to every run in flight, each ending ``FAULTED`` with that reason; runs
@@ -47,7 +49,14 @@ from attrs import frozen
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.messages import FaultKind, FaultReason, ProvisionStage, StopReason, StopRun
+from runplan.messages import (
+    FaultKind,
+    FaultReason,
+    ProvisionStage,
+    StageStopped,
+    StopReason,
+    StopRun,
+)
 from runplan.record_header import HeaderCheck, HeaderDType, HeaderRejection
 from runtime_core.links import LinkFault, LinkReceiver, LinkSender
 from runtime_core.records import read_token, token_payload
@@ -164,6 +173,9 @@ class ChainOrchestrator:
         self._chunks: deque[_Record] = deque()  # prompt records waiting for token-in
         self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
+        #: Batches each stage reported (stage index -> rows -> batches). Replaced, never
+        #: changed in place: another thread may read it whole at any time.
+        self.batch_counts: dict[int, dict[int, int]] = {}
 
     # -- runs ----------------------------------------------------------------------------
     def add_run(
@@ -269,6 +281,8 @@ class ChainOrchestrator:
                     },
                 )
                 return
+            if isinstance(event.message, StageStopped) and event.message.batches:
+                self._count_batches(handle, event)
             self._feed(handle, event)
         elif isinstance(event, fsm.StageDied):
             detail = f"stage {event.stage_index}: {event.detail}".rstrip(": ")
@@ -282,6 +296,22 @@ class ChainOrchestrator:
                 self._feed(handle, fsm.TimerFired(event.timer))
         else:
             raise TypeError(f"{type(event).__name__} is not an event of a chain's orchestrator")
+
+    def _count_batches(self, handle: RunHandle, event: fsm.Received) -> None:
+        """Add the batches a ``StageStopped`` of one of the run's stages reports (one
+        of another sender, or of rows or counts below 1, is rejected and not added)."""
+        message = event.message
+        assert isinstance(message, StageStopped)
+        problem = fsm.stage_message_problem(handle.machine, event)
+        bad = [c for c in message.batches if c.rows < 1 or c.batches < 1]
+        if problem is not None or bad:
+            reason = problem or f"batch counts below 1: {bad}"
+            self.trace("reject", {"sender": event.sender, "reason": f"StageStopped: {reason}"})
+            return
+        counts = dict(self.batch_counts.get(message.stage_index, {}))
+        for c in message.batches:
+            counts[c.rows] = counts.get(c.rows, 0) + c.batches
+        self.batch_counts = {**self.batch_counts, message.stage_index: counts}
 
     def _chain_fault(self, reason: FaultReason, event: fsm.Event) -> None:
         """Every run in flight gets ``event``; runs still held end with ``reason``."""

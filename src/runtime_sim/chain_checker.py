@@ -107,7 +107,8 @@ def time_bound_us(plan: RunPlan) -> int:
     chunks, rows = (-(-longest // size), size) if 0 < size < longest else (1, longest)
     prompt_ms = t.token_limit_ms(plan.stage_count, chunks, rows, batch_rows)
     token_ms = t.token_limit_ms(plan.stage_count, 1, 1, batch_rows)
-    return (t.ready_ms + prompt_ms + plan.max_tokens * token_ms + t.stop_ms) * 1000 + 1_000_000
+    stop_ms = t.stop_limit_ms(rows, batch_rows)
+    return (t.ready_ms + prompt_ms + plan.max_tokens * token_ms + stop_ms) * 1000 + 1_000_000
 
 
 def chain_bound_us(runs: tuple[RunSpec, ...]) -> int:

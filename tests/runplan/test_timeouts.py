@@ -87,3 +87,26 @@ def test_a_stage_and_the_orchestrator_time_a_step_by_the_batches_it_may_share(ru
     machine = ofsm.OrchestratorMachine.for_plan(plan, (1, 2))
     decode = t.step_limit_ms(1) if alone else t.SHARED_BATCHES * t.step_limit_ms(8)
     assert machine._token_ms(1) == 2 * decode
+
+
+@pytest.mark.parametrize("runs", [1, 4])
+def test_the_orchestrator_times_a_teardown_by_the_batches_a_stage_may_finish_first(
+    runs: int,
+) -> None:
+    """The orchestrator machine's STOP timer: a stage reads ``StopRun`` after the worker
+    call in progress and may begin one more before it releases the run, so the bound is
+    ``stop_ms`` and ``STOP_BATCHES`` steps of the run's longest record (a run alone) or
+    batches of ``max_batch_rows`` rows (its stages hold other runs too)."""
+    facts, config, pool = small_plan_inputs(2)
+    config = attrs.evolve(config, max_concurrent_runs=runs, max_batch_rows=8)
+    plan = plan_run(facts, config, pool, stage_count=2)
+    assert isinstance(plan, RunPlan), plan
+    t = plan.timeouts
+    assert t.step_ms > 0 and t.stop_ms > 0
+    machine = ofsm.OrchestratorMachine.for_plan(plan, (1, 2, 3))
+    machine, _ = ofsm.step(machine, ofsm.Start())
+    _, actions = ofsm.step(machine, ofsm.Cancel("the client went away"))
+    stop = [a.ms for a in actions if isinstance(a, ofsm.StartTimer) and a.timer is ofsm.Timer.STOP]
+    rows = 3 if runs == 1 else 8  # the prompt's record, or a batch of 8 rows
+    assert stop == [t.stop_ms + t.STOP_BATCHES * t.step_limit_ms(rows)]
+    assert stop[0] > t.stop_ms + t.step_limit_ms(rows)  # two worker calls, not one

@@ -237,12 +237,13 @@ class Clock:
 class ClockTimers:
     """Timers of a stage (or the orchestrator: ``None``) against a ``Clock``: each one
     cancelled later than its limit is an overrun (the timer would have run out first),
-    kept as ``(run_id, timer, limit, elapsed)``."""
+    kept as ``(run_id, timer, limit, elapsed)`` (``measured``: every one cancelled)."""
 
     def __init__(self, clock: Clock, stage_index: int | None) -> None:
         self.clock = clock
         self.stage_index = stage_index
         self.running: dict[tuple[str, Any], tuple[int, int]] = {}
+        self.measured: list[tuple[str, Any, int, int]] = []
         self.overruns: list[tuple[str, Any, int, int]] = []
 
     def start(self, run_id: str, timer: Any, ms: int) -> None:
@@ -252,6 +253,7 @@ class ClockTimers:
         started = self.running.pop((run_id, timer), None)
         if started is not None:
             elapsed = self.clock.at(self.stage_index) - started[0]
+            self.measured.append((run_id, timer, started[1], elapsed))
             if elapsed > started[1]:
                 self.overruns.append((run_id, timer, started[1], elapsed))
 

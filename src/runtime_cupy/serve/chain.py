@@ -81,6 +81,18 @@ DEFAULT_MAX_CONCURRENT = 4
 DEFAULT_PREFILL_CHUNK = 16
 
 
+def added_counts(
+    a: dict[int, dict[int, int]], b: dict[int, dict[int, int]]
+) -> dict[int, dict[int, int]]:
+    """Batch counts (stage -> rows -> batches) of ``a`` and ``b`` together (new dicts)."""
+    out = {stage: dict(rows) for stage, rows in a.items()}
+    for stage, rows in b.items():
+        mine = out.setdefault(stage, {})
+        for n, batches in rows.items():
+            mine[n] = mine.get(n, 0) + batches
+    return out
+
+
 def _new_serve_run_id() -> str:
     return new_run_id("serve")
 
@@ -210,6 +222,8 @@ class WarmChain:
         self._heal_lock = threading.RLock()  # one thread starts the chain again
         self._runner: ChainRunner | None = None
         self._thread: threading.Thread | None = None
+        self._closing: ChainRunner | None = None  # a runner being stopped
+        self._batches_before: dict[int, dict[int, int]] = {}  # of the chains stopped
         self._warm = False  # every stage bound by a run since the chain started
         self._closed = False
         self._trouble: str | None = None
@@ -412,12 +426,28 @@ class WarmChain:
         with self._lock:
             runner, thread = self._runner, self._thread
             self._runner = self._thread = None
+            self._closing = runner
         if runner is None:
             return
         runner.request_close()
         if thread is not None:
             thread.join()
         runner.close()
+        with self._lock:  # its batches stay counted
+            self._batches_before = added_counts(self._batches_before, runner.batch_counts())
+            self._closing = None
+
+    def batch_counts(self) -> dict[int, dict[int, int]]:
+        """The batches each stage ran since this chain was made, counted by rows (stage
+        index -> rows -> batches), as the stages reported them when runs stopped:
+        chains stopped and started again included, the one that binds included (any
+        thread)."""
+        with self._lock:
+            counts = self._batches_before
+            for runner in (self._closing, self._runner):
+                if runner is not None:
+                    counts = added_counts(counts, runner.batch_counts())
+        return counts
 
     def _bind_all(self) -> None:
         """One run of one token: every stage binds its slice; ``ChainError`` naming the

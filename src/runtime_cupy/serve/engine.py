@@ -209,6 +209,7 @@ class Engine:
             restarts=lambda: self.chain.restarts,
             in_flight=lambda: self.chain.in_flight,
             kv=self.chain.kv_in_use,
+            batches=self.chain.batch_counts,
         )
         self._thread = threading.Thread(target=self._serve, name="runner", daemon=True)
         self._job_threads: set[threading.Thread] = set()
