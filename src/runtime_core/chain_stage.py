@@ -335,9 +335,7 @@ class ChainStageController:
         elif isinstance(action, fsm.SendToOrchestrator):
             message = action.message
             if isinstance(message, StageStopped) and self._unreported:
-                counts = sorted(self._unreported.items())
-                self._unreported = {}
-                message = attrs.evolve(message, batches=tuple(BatchCount(*c) for c in counts))
+                message = attrs.evolve(message, batches=self._batch_report())
             self.control.send(message)
         elif isinstance(action, fsm.BeginSetup):
             p = action.provision
@@ -362,6 +360,11 @@ class ChainStageController:
                 "protocol_violation",
                 {"run_id": run_id, "state": action.state.name, "kind": action.kind.name},
             )
+
+    def _batch_report(self) -> tuple[BatchCount, ...]:
+        """The batches run since the last report, by rows; they are reported now."""
+        counts, self._unreported = sorted(self._unreported.items()), {}
+        return tuple(BatchCount(rows, batches) for rows, batches in counts)
 
     # -- setup ------------------------------------------------------------------------------
     def run_setup(self, progress: Progress | None = None) -> None:
