@@ -219,6 +219,7 @@ class StageProcess:
         self._place_when_lost: tuple[int, int] | None = None
         self._batch: list[tuple[str, int, int]] = []  # the last batch's steps
         self._waiter = Watch()
+        self._control_poll = select.poll()  # the control channel, read without waiting
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
@@ -337,11 +338,17 @@ class StageProcess:
         self.controller.handle(fsm.OrchestratorLost())
 
     def _pump(self) -> None:
+        """Everything the controller can do now, until it can do nothing more. Before
+        each turn, the control messages already come are read: a stage that has a
+        batch to run after every batch (runs decoding at once) still reads a
+        ``StopRun`` or a provision after the worker call in progress, not once its
+        runs go idle (``Timeouts.stop_limit_ms``)."""
         c = self.controller
         tracing = self.trace.enabled
         progress = True
         while progress:
             progress = False
+            self._drain_control()
             if c.setup_pending:
                 start = self._setup_at = now_us()
                 log.info("setup begins (%d runs held)", len(c.runs))
@@ -439,9 +446,11 @@ class StageProcess:
             self.channel_broken = True
 
     def _drain_control(self) -> None:
-        poller = select.poll()
-        poller.register(self.channel.fileno(), select.POLLIN)
-        while not self.channel.eof and poller.poll(0):
+        """Read what the control channel holds now, without waiting."""
+        if self.channel.eof or self.channel.fileno() < 0:
+            return
+        self._control_poll.register(self.channel.fileno(), select.POLLIN)
+        while not self.channel.eof and self._control_poll.poll(0):
             self._read_control()
 
     def _read_control(self) -> None:
