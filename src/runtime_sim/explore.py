@@ -15,6 +15,7 @@ from runplan import RunPlan
 from runplan.replacement import Unplaceable
 from runtime_core.workers.interface import Worker
 from runtime_sim.chain_checker import (
+    BATCHES_REPORTED,
     ISOLATION,
     READY_AFTER_SETUP,
     READY_BEFORE_INJECT,
@@ -218,6 +219,7 @@ MUTANT_RULES: dict[Mutation, str] = {
     Mutation.READY_BEFORE_BIND: READY_AFTER_SETUP,
     Mutation.CROSS_RUN_LEAK: ISOLATION,
     Mutation.REORDERED_STEPS: STEP_ORDER,
+    Mutation.BATCHES_REPORTED_TWICE: BATCHES_REPORTED,
     Mutation.REPLAY_RESTARTS_SAMPLER: STREAM_UNBROKEN,
     Mutation.STALE_RUN_ACCEPTED: STALE_NEVER_ACCEPTED,
     Mutation.REUSES_LOST_HOST: LOST_HOST_UNUSED,

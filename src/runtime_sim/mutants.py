@@ -6,6 +6,7 @@ knows of them."""
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ from runplan import NodePool, Placement, RunPlan, RuntimeConfig
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.fsm.orchestrator import RunFinished
-from runplan.messages import FaultReason, StageReady
+from runplan.messages import BatchCount, FaultReason, StageReady
 from runplan.plan import RingSpec
 from runplan.record_header import HeaderDType
 from runplan.replacement import Replacement, Unplaceable
@@ -42,6 +43,7 @@ class Mutation(enum.Enum):
     READY_BEFORE_BIND = "READY_BEFORE_BIND"  # stage 0 reports ready before its weights
     CROSS_RUN_LEAK = "CROSS_RUN_LEAK"  # one run's token goes to another run's caller
     REORDERED_STEPS = "REORDERED_STEPS"  # a batch takes one run's records out of order
+    BATCHES_REPORTED_TWICE = "BATCHES_REPORTED_TWICE"  # a stop reports batches reported before
     # a recovery's (issue 25)
     REPLAY_RESTARTS_SAMPLER = "REPLAY_RESTARTS_SAMPLER"  # a replay draws from the start
     STALE_RUN_ACCEPTED = "STALE_RUN_ACCEPTED"  # a re-placed chain's stages forget stale ids
@@ -170,6 +172,16 @@ class ReorderedSteps(TracedChainStage):
         super().run_batch()
 
 
+class BatchesReportedTwice(TracedChainStage):
+    """Each ``StageStopped`` reports every batch the stage ran, not those since the last
+    one."""
+
+    def _batch_report(self) -> tuple[BatchCount, ...]:
+        ran = sorted(Counter(self.batch_rows).items())
+        self._unreported = {}
+        return tuple(BatchCount(rows, batches) for rows, batches in ran)
+
+
 class RestartsSampler(Recoverer):
     """A replay's sampler starts over (``tokens_delivered`` 0) instead of resuming
     after the tokens its stream delivered."""
@@ -251,4 +263,6 @@ def parts_for(mutation: Mutation) -> Parts:
         return Parts(recoverer=ReusesLostHost, mutant=name)
     if mutation is Mutation.FORGETS_A_RUN:
         return Parts(recoverer=ForgetsARun, mutant=name)
+    if mutation is Mutation.BATCHES_REPORTED_TWICE:
+        return Parts(stage_controller=BatchesReportedTwice, mutant=name)
     return Parts(stage_controller=ReadyBeforeBind, mutant=name)
