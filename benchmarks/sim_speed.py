@@ -16,8 +16,9 @@ import time
 from runtime_core.workers.interface import Worker
 from runtime_sim.chain_driver import ChainSimulation, RunSpec
 from runtime_sim.clock import derive_rng
-from runtime_sim.explore import Scenario, run_scenario, synthetic_facts, synthetic_plan
+from runtime_sim.explore import run_scenario
 from runtime_sim.faults import random_fault_plan
+from runtime_sim.scenarios import Scenario, synthetic_facts, synthetic_plan
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import stored_stage_costs
 

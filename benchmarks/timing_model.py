@@ -34,7 +34,7 @@ from runplan import SamplingConfig, Timeouts
 from runplan.models import resolve_model
 from runtime_sim.api import generate, plan_for
 from runtime_sim.chain_driver import ChainSimulation, RunSpec, SimSettings
-from runtime_sim.explore import synthetic_facts, synthetic_plan
+from runtime_sim.scenarios import synthetic_facts, synthetic_plan
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import (
     LinkProfile,

@@ -27,6 +27,7 @@ from runtime_sim.chain_orchestrator_node import ChainOrchestratorNode, TracedCha
 from runtime_sim.clock import Scheduler
 from runtime_sim.faults import FaultKind, FaultPlan
 from runtime_sim.links import ORCHESTRATOR, Network
+from runtime_sim.recoverer import Recoverer
 from runtime_sim.timing import StageCost, TimingModel
 from runtime_sim.trace import Trace
 
@@ -93,15 +94,18 @@ class ChainResult:
 
 @frozen
 class Parts:
-    """The classes a simulation builds its rings, controllers and orchestrator node from:
-    the port through which the self-test's mutants (``runtime_sim.mutants``) put in
-    subclasses that carry one deliberate bug each. ``mutant`` names that bug (``None``:
+    """The classes a simulation builds its rings, controllers and orchestrator node from,
+    and the runner's recovery (``chain_recovery``): the port through which the
+    self-test's mutants (``runtime_sim.mutants``) put in subclasses that carry one
+    deliberate bug each. ``mutant`` names that bug (``None``:
     the production classes)."""
 
     ring: type[ChainRing] = ChainRing
     stage_controller: type[TracedChainStage] = TracedChainStage
     orchestrator_controller: type[TracedChainOrchestrator] = TracedChainOrchestrator
     orchestrator: type[ChainOrchestratorNode] = ChainOrchestratorNode
+    # What the runner does after a chain fault (``chain_recovery``): decide, re-place, replay.
+    recoverer: type[Recoverer] = Recoverer
     mutant: str | None = None
 
 
@@ -125,7 +129,10 @@ class ChainSimulation:
         on_load: Callable[[int, int, int], None] | None = None,
         trace: bool = True,
         wall_clock: bool = False,
+        stale_runs: frozenset[str] = frozenset(),
     ) -> None:
+        """``stale_runs``: run ids of chains before this one (a recovery's), stale on
+        every stage of this chain from its first message."""
         if not runs:
             raise ValueError("a chain simulation needs at least one run")
         self.runs = tuple(runs)
@@ -147,7 +154,8 @@ class ChainSimulation:
         self.step_wall_s: dict[int, float] = {}
         self.links = SimChainLinks(self)
         self.network = Network(self)
-        stopped = frozenset({self.previous_run})
+        self.stale_runs = stale_runs
+        stopped = frozenset({self.previous_run}) | stale_runs
         self.stages = [
             ChainStageNode(self, i, w, c, stopped)
             for i, (w, c) in enumerate(zip(workers, costs, strict=True))

@@ -103,3 +103,19 @@ def _forge_record(
     payload = bytes(width)
     header = ObjectHeader(p.run_id, edge_id, sequence, kind, dtype, 1, len(payload))
     return ring.forge(header, payload, "forger")
+
+
+def forge_stale_provision(sim: ChainSimulation, node: ChainStageNode, stale: ProvisionStage) -> str:
+    """A late provision of a stale run (a run of a chain before a recovery) reaches a
+    stage of the re-placed chain, addressed to it and from its orchestrator: the reason
+    the stage rejects it with (``"none"`` when it took it). Traced as ``("sim",
+    "forged_stale", (run_id, reason))``."""
+    c = node.controller
+    rejects_before = len(sim.trace.of("ctl", "reject", node.node_id))
+    message = attrs.evolve(stale, node_id=node.node_id)
+    c.handle(sfsm.Received(ORCHESTRATOR, message))
+    rejects = sim.trace.of("ctl", "reject", node.node_id)[rejects_before:]
+    reason = str(rejects[0][4][0]["reason"]) if rejects else "none"
+    sim.trace.add(sim.clock.now_us, node.node_id, "sim", "forged_stale", stale.run_id, reason)
+    node.wake()
+    return reason

@@ -208,7 +208,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
             for r in results:
                 verdict = "caught" if r.caught else "MISSED"
                 out.print(
-                    f"{r.mutation.value:<22} {verdict}  {', '.join(r.rules)}", highlight=False
+                    f"{r.mutation.value:<24} {verdict}  {', '.join(r.rules)}", highlight=False
                 )
         return 0 if all(r.caught for r in results) else EXIT_VIOLATION
     began = time.perf_counter()
@@ -220,7 +220,9 @@ def _cmd_explore(args: argparse.Namespace) -> int:
         spent = time.perf_counter() - began
         out.print(
             f"seeds {args.start}..{args.start + args.seeds - 1}: {rep['outcomes']}, "
-            f"{rep['events']} events in {spent:.2f} s",
+            f"{rep['events']} events in {spent:.2f} s; {rep['recovered_streams']} streams "
+            f"recovered, re-placements {rep['replacements']}, "
+            f"{rep['losses_during_recovery']} losses during a recovery",
             highlight=False,
         )
         for v in rep["violations"]:

@@ -7,21 +7,30 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
+
+from runplan import NodePool, Placement, RunPlan, RuntimeConfig
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
-from runplan.messages import BatchCount, StageReady
+from runplan.fsm.orchestrator import RunFinished
+from runplan.messages import BatchCount, FaultReason, StageReady
 from runplan.plan import RingSpec
 from runplan.record_header import HeaderDType
+from runplan.replacement import Replacement, Unplaceable
 from runtime_core.chain_orchestrator import RunHandle
 from runtime_core.chain_stage import RunSlot
 from runtime_core.links import LinkSender
 from runtime_core.records import token_payload
+from runtime_core.recovery import ChainRecovery
+from runtime_core.replay import Interrupted, Replay, ReplayRefused
 from runtime_sim.chain_driver import ChainSimulation, Parts
 from runtime_sim.chain_links import ChainRing
 from runtime_sim.chain_nodes import TracedChainStage
 from runtime_sim.chain_orchestrator_node import TracedChainOrchestrator
+from runtime_sim.recoverer import Recoverer
 
 
 class Mutation(enum.Enum):
@@ -35,6 +44,22 @@ class Mutation(enum.Enum):
     CROSS_RUN_LEAK = "CROSS_RUN_LEAK"  # one run's token goes to another run's caller
     REORDERED_STEPS = "REORDERED_STEPS"  # a batch takes one run's records out of order
     BATCHES_REPORTED_TWICE = "BATCHES_REPORTED_TWICE"  # a stop reports batches reported before
+    # a recovery's (issue 25)
+    REPLAY_RESTARTS_SAMPLER = "REPLAY_RESTARTS_SAMPLER"  # a replay draws from the start
+    STALE_RUN_ACCEPTED = "STALE_RUN_ACCEPTED"  # a re-placed chain's stages forget stale ids
+    REUSES_LOST_HOST = "REUSES_LOST_HOST"  # the runner re-places onto the host it lost
+    FORGETS_A_RUN = "FORGETS_A_RUN"  # the runner neither replays nor ends one recovered run
+
+
+#: The mutants a recovery shows: the self-test runs them on scenarios with a loss.
+RECOVERY_MUTATIONS = frozenset(
+    {
+        Mutation.REPLAY_RESTARTS_SAMPLER,
+        Mutation.STALE_RUN_ACCEPTED,
+        Mutation.REUSES_LOST_HOST,
+        Mutation.FORGETS_A_RUN,
+    }
+)
 
 
 class InjectBeforeReady(TracedChainOrchestrator):
@@ -157,6 +182,64 @@ class BatchesReportedTwice(TracedChainStage):
         return tuple(BatchCount(rows, batches) for rows, batches in ran)
 
 
+class RestartsSampler(Recoverer):
+    """A replay's sampler starts over (``tokens_delivered`` 0) instead of resuming
+    after the tokens its stream delivered."""
+
+    def replay(
+        self,
+        interrupted: Interrupted,
+        run_id: str,
+        base: RuntimeConfig,
+        lost_nodes: Sequence[str],
+        placement: Placement,
+    ) -> tuple[Replay, RunPlan] | ReplayRefused:
+        planned = super().replay(interrupted, run_id, base, lost_nodes, placement)
+        if isinstance(planned, ReplayRefused):
+            return planned
+        replay, plan = planned
+        fresh = attrs.evolve(plan.sampling, tokens_delivered=0)
+        return attrs.evolve(replay, sampling=fresh), attrs.evolve(plan, sampling=fresh)
+
+
+class AcceptsStaleRuns(TracedChainStage):
+    """A stage that is not told the run ids of the chains before its own."""
+
+    def __init__(self, node: Any, worker: Any, stopped_runs: frozenset[str]) -> None:
+        super().__init__(node, worker, frozenset())
+
+
+class ReusesLostHost(Recoverer):
+    """The runner forgets which hosts it lost: it re-places over the whole cluster."""
+
+    def live_pool(self, lost_nodes: Iterable[str]) -> NodePool:
+        return self.pool
+
+    def replace(
+        self,
+        plan: RunPlan,
+        config: RuntimeConfig,
+        lost_nodes: Sequence[str],
+        lost_stages: Sequence[int],
+    ) -> Replacement | Unplaceable:
+        return super().replace(plan, config, (), lost_stages)
+
+
+class ForgetsARun(Recoverer):
+    """The runner loses one run the policy recovers: it is neither replayed nor ended."""
+
+    def decide(
+        self,
+        ended: Sequence[tuple[Interrupted, RunFinished]],
+        stage_count: int,
+        chain_fault: FaultReason | None,
+    ) -> ChainRecovery:
+        decision = super().decide(ended, stage_count, chain_fault)
+        if not decision.recover:
+            return decision
+        return attrs.evolve(decision, recover=decision.recover[:-1])
+
+
 def parts_for(mutation: Mutation) -> Parts:
     """A simulation's parts with ``mutation``'s bug in one of them."""
     name = mutation.value
@@ -172,6 +255,14 @@ def parts_for(mutation: Mutation) -> Parts:
         return Parts(orchestrator_controller=CrossRunLeak, mutant=name)
     if mutation is Mutation.REORDERED_STEPS:
         return Parts(stage_controller=ReorderedSteps, mutant=name)
+    if mutation is Mutation.REPLAY_RESTARTS_SAMPLER:
+        return Parts(recoverer=RestartsSampler, mutant=name)
+    if mutation is Mutation.STALE_RUN_ACCEPTED:
+        return Parts(stage_controller=AcceptsStaleRuns, mutant=name)
+    if mutation is Mutation.REUSES_LOST_HOST:
+        return Parts(recoverer=ReusesLostHost, mutant=name)
+    if mutation is Mutation.FORGETS_A_RUN:
+        return Parts(recoverer=ForgetsARun, mutant=name)
     if mutation is Mutation.BATCHES_REPORTED_TWICE:
         return Parts(stage_controller=BatchesReportedTwice, mutant=name)
     return Parts(stage_controller=ReadyBeforeBind, mutant=name)

@@ -2,7 +2,10 @@
 it lets the simulator run plans for models of any size (80 layers on 16 stages) in
 milliseconds of real time. It keeps the worker interface's rules of a chain of runs
 (each run's cursor and share of the KV budget, ``runtime_core.workers.worker_runs``): a run's
-token at sequence ``k`` depends on its seed and ``k`` only, whatever its batch."""
+token at sequence ``k`` depends on its seed and its stream's position ``k`` only, whatever its
+batch. A replay (``SamplingConfig.tokens_delivered = d``: the stream already delivered ``d``
+tokens) continues the stream: its token at sequence ``k`` is the stream's token ``d + k``, as
+a resumed sampler continues its draws (``Sampler.resumed``)."""
 
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ class SyntheticWorker(SingleRunSteps):
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.eos_after = eos_after  # the sequence at which to emit EOS, if any
+        self.eos_after = eos_after  # the stream position at which to emit EOS, if any
         self._provision: ProvisionStage | None = None
         self._bound = False
         self._rows_of: tuple[int, np.dtype[np.generic]] | None = None
@@ -129,13 +132,15 @@ class SyntheticWorker(SingleRunSteps):
             return np.zeros((rows, hidden), dtype=dtype)
         if step.sequence == 0 and not step.is_last_chunk:
             return None
-        sequence = step.sequence
-        if self.eos_after is not None and sequence >= self.eos_after:
+        # The stream's position: a replay's sequence 0 is its stream's token d.
+        delivered = p.sampling.tokens_delivered if p.sampling is not None else 0
+        position = delivered + step.sequence
+        if self.eos_after is not None and position >= self.eos_after:
             assert self.eos_token_id is not None
             token = self.eos_token_id
         else:
             seed = p.sampling.seed if p.sampling is not None else 0
-            token = pseudo_token(seed, sequence, self.vocab_size)
+            token = pseudo_token(seed, position, self.vocab_size)
             if token == self.eos_token_id:
                 token = (token + 1) % self.vocab_size
         logits = None

@@ -9,15 +9,14 @@ from typing import Any
 from runplan.messages import FaultKind as RunFaultKind
 from runtime_sim.chain_checker import KV_FREED, check
 from runtime_sim.chain_driver import ChainSimulation, RunSpec
-from runtime_sim.explore import (
+from runtime_sim.explore import run_scenario, solo
+from runtime_sim.faults import Fault, FaultKind, FaultPlan
+from runtime_sim.scenarios import (
     EXPLORE_CAPABILITIES,
     Scenario,
-    run_scenario,
-    solo,
     synthetic_facts,
     synthetic_plan,
 )
-from runtime_sim.faults import Fault, FaultKind, FaultPlan
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import stored_stage_costs
 

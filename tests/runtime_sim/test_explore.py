@@ -14,11 +14,11 @@ from runtime_sim.explore import (
     report,
     report_json,
     run_scenario,
-    scenario,
     self_test,
 )
 from runtime_sim.faults import FaultKind
 from runtime_sim.mutants import Mutation, parts_for
+from runtime_sim.scenarios import scenario
 from tests.support.import_graph import import_graph
 
 #: Scenarios CI explores (each runs up to six runs, and reruns each run alone):
@@ -49,6 +49,17 @@ def test_seeded_chain_scenarios_keep_every_guarantee() -> None:
     assert any(
         c.plan.stages[0].kv_budget_bytes < len(c.runs) * c.plan.stages[0].kv_bytes for c in chains
     )
+    # ... and the recoveries (issue 25): streams replayed after a loss, onto a spare,
+    # over the remaining nodes, or ended when no node is left; a loss during a recovery.
+    assert rep["recovered_streams"] > 20
+    assert set(rep["replacements"]) == {
+        "spare",
+        "afresh",
+        "unplaceable:insufficient_memory",  # nodes that hold only the largest stage
+        "unplaceable:invalid_stage_count",  # a one-stage chain's host lost, no spare
+    }
+    assert rep["losses_during_recovery"] > 5
+    assert any(c.recovery is None for c in chains) and any(c.recovery for c in chains)
 
 
 def test_the_same_seed_gives_a_byte_identical_trace() -> None:
@@ -87,7 +98,7 @@ def test_each_mutant_enters_as_one_subclassed_part_and_production_knows_none() -
     graph = import_graph()
     users = sorted(m for m, deps in graph.items() if "runtime_sim.mutants" in deps)
     assert users == ["runtime_sim.explore"]
-    fields = ("ring", "stage_controller", "orchestrator_controller", "orchestrator")
+    fields = ("ring", "stage_controller", "orchestrator_controller", "orchestrator", "recoverer")
     for mutation in Mutation:
         parts = parts_for(mutation)
         assert parts.mutant == mutation.value and PLAIN.mutant is None

@@ -7,7 +7,7 @@ import pytest
 
 from runplan import Timeouts
 from runtime_sim.chain_driver import ChainSimulation, RunSpec
-from runtime_sim.explore import synthetic_facts, synthetic_plan
+from runtime_sim.scenarios import synthetic_facts, synthetic_plan
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import LinkProfile, NodeProfile, StageCost, TimingModel, stored_stage_costs
 
