@@ -15,7 +15,7 @@ controller is caught as surely as one in a machine.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -469,7 +469,7 @@ class _Checker:
                 continue
             if any(run.finished and s in run.finished.unconfirmed_stages for run in r.runs):
                 continue
-            ran = dict(Counter(r.batches[s]))
+            ran = r.batches[s]
             reported = r.batch_counts.get(s, {})
             if reported != ran:
                 self.fail(

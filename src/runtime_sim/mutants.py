@@ -6,7 +6,6 @@ knows of them."""
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from typing import Any
 
 from runplan.fsm import orchestrator as ofsm
@@ -152,7 +151,7 @@ class BatchesReportedTwice(TracedChainStage):
     one."""
 
     def _batch_report(self) -> tuple[BatchCount, ...]:
-        ran = sorted(Counter(self.batch_rows).items())
+        ran = sorted(self.batch_counts.items())
         self._unreported = {}
         return tuple(BatchCount(rows, batches) for rows, batches in ran)
 

@@ -6,7 +6,7 @@ KV reservation is freed after every outcome."""
 
 from __future__ import annotations
 
-import collections
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,8 +118,8 @@ def test_eight_runs_at_once_each_give_their_tokens_alone(
         assert [t for _, t in chain.tokens[h.run_id]] == alone[h.run_id]
     assert_nothing_held(chain)
     for stage in chain.stages:
-        assert max(stage.batch_rows) > 1  # runs shared batches
-        assert max(stage.batch_rows) <= 16
+        assert max(stage.batch_counts) > 1  # runs shared batches
+        assert max(stage.batch_counts) <= 16
     if chunk:  # prompts travelled in chunks of at most 2 rows
         assert all(f["rows"] <= 2 for f in chain.of("injected") if f["sequence"] == 0)
 
@@ -133,7 +133,6 @@ def test_prefill_chunks_pipeline_and_decode_rows_join_their_batches(
     first = chain.add(plan(model, 0, prefill_chunk=3), PROMPTS[0])
     chain.pump()  # run-0 is done: it decodes no more; start another to overlap
     assert first.finished is not None
-    chain.stages[0].batch_rows.clear()
     a = chain.add(plan(model, 1, prefill_chunk=3), PROMPTS[1])
     b = chain.add(plan(model, 2, prefill_chunk=3), PROMPTS[2])  # 11 tokens: 4 chunks
     chain.pump()
@@ -234,7 +233,7 @@ def test_batches_that_take_just_under_their_rows_limit_run_out_no_timer(model: P
     chain, clock, timers, handles = _timed_chain(model, tight, lambda r: tight.step_limit_ms(r) - 1)
     _run_timed(chain, clock)
     assert all(h.finished and h.finished.outcome is StopReason.COMPLETED for h in handles)
-    assert max(max(stage.batch_rows) for stage in chain.stages) > 1  # runs shared batches
+    assert max(max(stage.batch_counts) for stage in chain.stages) > 1  # runs shared batches
     assert _overruns(timers) == []
 
 
@@ -259,7 +258,7 @@ def test_a_run_cancelled_while_the_stages_run_shared_batches_stops_in_time(
     chain, clock, timers, handles = _timed_chain(model, tight, took)
     victim = handles[3]
     _run_timed(chain, clock, until=lambda: len(chain.tokens[victim.run_id]) >= 2)
-    assert max(max(stage.batch_rows) for stage in chain.stages) > 1  # runs share batches
+    assert max(max(stage.batch_counts) for stage in chain.stages) > 1  # runs share batches
     full[0] = True
     chain.orchestrator.cancel(victim.run_id)
     _run_timed(chain, clock)
@@ -273,6 +272,45 @@ def test_a_run_cancelled_while_the_stages_run_shared_batches_stops_in_time(
     tokens = [m for ts in timers for m in ts.measured if m[1] is ofsm.Timer.TOKEN]
     assert len(tokens) >= 7 * N, len(tokens)  # every token of the 7 others timed
     assert _overruns(timers) == []
+
+
+def _sizes(stage: object) -> dict[str, int]:
+    """The length of each container a stage controller holds, but the ids of the runs it
+    stopped (one a run, not a batch)."""
+    kinds = (list, dict, deque, set, frozenset)
+    return {k: len(v) for k, v in vars(stage).items() if isinstance(v, kinds) and k != "stale_runs"}
+
+
+def _run_0(model: Path, run_id: str) -> RunPlan:
+    """Run 0's plan of 12 tokens under another id."""
+    return plan_for(
+        model,
+        3,
+        max_seq_len=MAX_SEQ,
+        run_id=run_id,
+        sampling=sampling(0),
+        max_concurrent_runs=8,
+        max_tokens=12,
+    )
+
+
+def test_a_stage_s_batch_records_do_not_grow_with_its_batches(model: Path) -> None:
+    """A long-lived stage keeps its batches by size, not one entry per batch: after a
+    run, the same run again (the same batch sizes) adds to no container of any stage's
+    controller (before: ``batch_rows`` grew by one entry per batch)."""
+    chain = ChainRuns(3, reference)
+    first = chain.add(_run_0(model, "first"), PROMPTS[0])
+    chain.pump()
+    assert first.finished is not None and first.finished.outcome is StopReason.COMPLETED
+    before = [(_sizes(s), s.batches) for s in chain.stages]
+    again = chain.add(_run_0(model, "again"), PROMPTS[0])
+    chain.pump()
+    assert again.finished is not None and again.finished.outcome is StopReason.COMPLETED
+    assert list(again.tokens) == list(first.tokens)  # the same steps, batch for batch
+    for (sizes, batches), stage in zip(before, chain.stages, strict=True):
+        assert stage.batches >= batches + 12  # a batch per token at least
+        assert _sizes(stage) == sizes
+    assert sum(chain.stages[0].batch_counts.values()) == chain.stages[0].batches
 
 
 def test_runs_beyond_the_budget_wait_and_then_run(model: Path, alone: dict[str, list[int]]) -> None:
@@ -413,8 +451,8 @@ def test_the_orchestrator_learns_each_stage_s_batches_once_from_its_stops(
     assert_others_complete(handles, alone, "run-3")
     counts = chain.orchestrator.batch_counts
     for i, stage in enumerate(chain.stages):
-        assert max(stage.batch_rows) > 1  # runs shared batches
-        assert counts[i] == dict(collections.Counter(stage.batch_rows)), i
+        assert max(stage.batch_counts) > 1  # runs shared batches
+        assert counts[i] == stage.batch_counts, i
         assert sum(counts[i].values()) == stage.batches
     # A stop naming stage 0 from stage 1's node, for a run still held: rejected,
     # counted nowhere.
