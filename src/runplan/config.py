@@ -71,17 +71,28 @@ class Timeouts:
 
     Runs that share a chain share its stages' batches (CONCURRENT_RUNS.md §3): a step
     of ``rows`` rows then runs in a batch of up to ``max_batch_rows`` rows in all
-    (``batch_rows``, 0 for a run alone), and each step's limit is ``SHARED_BATCHES``
-    limits of such a batch (``batch_step_limit_ms``): on a stage, a record may wait
-    through the batch in progress when it arrived and one it was left out of (its rows
-    did not fit beside a prefill record owed the batch) before its own batch runs (the
-    orchestrator's ``token_limit_ms``), and once its batch ran, its output may wait for
-    the next stage to take it through that stage's batch in progress and one more (a
-    ring of fewer slots than the batch has outputs takes them over two of its loops;
-    the stage's step timer)."""
+    (``batch_rows``, 0 for a run alone), and each step's limit is ``batches`` limits of
+    such a batch (``batch_step_limit_ms``), ``shared_batches(runs, slots)`` of them for
+    batches of at most ``runs`` runs and rings of ``slots`` slots. A step, from its
+    record's load on a stage to its output's load on the next:
 
-    #: Batches a record may wait through on one stage when other runs share it.
-    SHARED_BATCHES = 3
+    - its record may be left out of one batch (its rows did not fit beside a prefill
+      record owed the batch) before its own batch runs: 2 batches of this stage;
+    - its own batch writes one output per run, ``runs`` in all, in batch order on the
+      one ring to the next stage, which holds ``slots``; the next stage takes what the
+      ring holds between its batches, so the last output is taken after the next
+      stage's batch in progress and ``ceil(runs / slots) - 1`` more of its batches (it
+      frees ``slots`` each): ``ceil(runs / slots)`` batches of the next stage.
+
+    That is ``2 + ceil(runs / slots)`` batches a step (3 while a batch's outputs fit
+    the ring; seen overrun with a fixed 3: 8 runs on 2-slot rings, 4 batches of the
+    next stage to take one batch's outputs). ``runs`` is the most runs one batch may
+    hold: at most one record a run, each of at least one row, so at most
+    ``max_batch_rows``, and at most the runs a stage's KV budget holds of this run's
+    cache (``batch_runs``: the chain's concurrency when its runs reserve full-length
+    caches). The orchestrator's token timer counts such steps (``token_limit_ms``); a
+    stage's step timer one."""
+
     #: Worker calls a stage may finish before it releases a run it was told to stop.
     STOP_BATCHES = 2
 
@@ -96,21 +107,24 @@ class Timeouts:
         """How long one step of ``rows`` rows may take on one stage."""
         return self.step_ms + max(0, rows) * self.step_row_ms
 
-    def batch_step_limit_ms(self, rows: int, batch_rows: int) -> int:
+    def batch_step_limit_ms(self, rows: int, batch_rows: int, batches: int) -> int:
         """How long one step of ``rows`` rows may take on one stage, its batch run and
-        its output taken, when its batches may hold ``batch_rows`` rows in all (0: its
-        own rows only, a run alone: ``step_limit_ms(rows)``)."""
+        its output taken, when its batches may hold ``batch_rows`` rows in all and it
+        may wait through ``batches`` batches (``shared_batches``); ``batch_rows`` 0: its
+        own rows only, a run alone: ``step_limit_ms(rows)``."""
         if batch_rows <= 0:
             return self.step_limit_ms(rows)
-        return self.SHARED_BATCHES * self.step_limit_ms(max(rows, batch_rows))
+        return max(1, batches) * self.step_limit_ms(max(rows, batch_rows))
 
-    def token_limit_ms(self, stages: int, chunks: int, rows: int, batch_rows: int) -> int:
+    def token_limit_ms(
+        self, stages: int, chunks: int, rows: int, batch_rows: int, batches: int
+    ) -> int:
         """How long a token may take from its first record's injection to its
         consumption: ``stages + chunks - 1`` steps (a prompt's ``chunks`` records of at
         most ``rows`` rows pipeline through the stages; a decoded token is one record of
         one row), each within ``batch_step_limit_ms``."""
         steps = stages + max(1, chunks) - 1
-        return self.batch_step_limit_ms(rows, batch_rows) * steps
+        return self.batch_step_limit_ms(rows, batch_rows, batches) * steps
 
     def stop_limit_ms(self, rows: int, batch_rows: int) -> int:
         """How long ``StopRun`` to every stage's ``StageStopped`` may take: a stage reads
@@ -120,6 +134,24 @@ class Timeouts:
         of at most ``batch_rows`` rows (runs sharing its batches), ``step_limit_ms`` of
         the larger; then the stage stops the run within ``stop_ms``."""
         return self.stop_ms + self.STOP_BATCHES * self.step_limit_ms(max(rows, batch_rows))
+
+
+def shared_batches(batch_runs: int, ring_slots: int) -> int:
+    """Batches a step of a run sharing batches may wait through (``Timeouts``):
+    ``2 + ceil(batch_runs / ring_slots)`` for batches of at most ``batch_runs`` runs
+    whose outputs go out on rings of ``ring_slots`` slots."""
+    if batch_runs < 1 or ring_slots < 1:
+        raise ValueError(f"batch_runs {batch_runs} and ring_slots {ring_slots} must be at least 1")
+    return 2 + -(-batch_runs // ring_slots)
+
+
+def batch_runs(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int) -> int:
+    """The most runs one batch on a stage may hold beside (and with) a run whose cache
+    takes ``kv_bytes``: a record a run of at least one row, so ``max_batch_rows``, and
+    no more runs than the stage's budget holds caches of that size (at least 1)."""
+    if kv_bytes <= 0:
+        return max(1, max_batch_rows)
+    return max(1, min(max_batch_rows, kv_budget_bytes // kv_bytes))
 
 
 def shared_batch_rows(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int) -> int:

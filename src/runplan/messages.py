@@ -11,7 +11,7 @@ import enum
 from attrs import frozen
 
 from runplan._fields import bool_field, int_field, str_field, tuple_field, typed_field
-from runplan.config import SamplingConfig, Timeouts, shared_batch_rows
+from runplan.config import SamplingConfig, Timeouts, batch_runs, shared_batch_rows, shared_batches
 from runplan.dtypes import DTypeFamily
 from runplan.facts import GgufSource
 from runplan.plan import EdgeKind, ObjectSpec, RingSpec
@@ -79,6 +79,13 @@ class ProvisionStage:
     def batch_rows(self) -> int:
         """Rows this run's batches on the stage may hold in all (0: it runs alone)."""
         return shared_batch_rows(self.max_batch_rows, self.kv_bytes, self.kv_budget_bytes)
+
+    @property
+    def shared_batches(self) -> int:
+        """Batches a step of this run on the stage may wait through when it shares them
+        (``Timeouts``): its batches' outputs go out on the outbound ring."""
+        runs = batch_runs(self.max_batch_rows, self.kv_bytes, self.kv_budget_bytes)
+        return shared_batches(runs, self.outbound.ring_spec.slot_count)
 
     @property
     def is_first(self) -> bool:

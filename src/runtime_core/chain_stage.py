@@ -200,7 +200,11 @@ class ChainStageController:
         self._outputs: deque[_Output] = deque()
         self._release: list[str] = []
         self.batches = 0  # worker calls so far
-        self.batch_rows: list[int] = []  # rows of each batch (for tests and traces)
+        # Rows of the latest batch (for traces and logs), and the batches run over the
+        # stage's life by rows (rows -> batches: at most one entry per batch size, however
+        # long the stage serves).
+        self.last_batch_rows = 0
+        self.batch_counts: dict[int, int] = {}
         self._unreported: dict[int, int] = {}  # rows -> batches not yet in a StageStopped
 
     # -- state the runtime reads -------------------------------------------------------
@@ -509,7 +513,8 @@ class ChainStageController:
             return
         self.batches += 1
         rows = sum(s.data.shape[0] for s in steps)
-        self.batch_rows.append(rows)
+        self.last_batch_rows = rows
+        self.batch_counts[rows] = self.batch_counts.get(rows, 0) + 1
         self._unreported[rows] = self._unreported.get(rows, 0) + 1
         if self.trace is not _no_trace:
             self.trace(
@@ -518,7 +523,7 @@ class ChainStageController:
                     "runs": [s.run_id for s in steps],
                     "sequences": [s.sequence for s in steps],
                     "step_rows": [s.data.shape[0] for s in steps],
-                    "rows": self.batch_rows[-1],
+                    "rows": rows,
                 },
             )
         try:

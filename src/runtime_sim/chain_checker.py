@@ -15,14 +15,14 @@ controller is caught as surely as one in a machine.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
 
 from runplan import RunPlan, check_plan
-from runplan.config import shared_batch_rows
+from runplan.config import batch_runs, shared_batch_rows, shared_batches
 from runplan.fsm import stage as sfsm
 from runtime_sim.chain_driver import ChainResult, ChainSimulation, RunSpec
 from runtime_sim.chain_ring_rules import NO_OVERWRITE, PUBLISH_ORDER, RELEASE_AT_LOAD, RingRules
@@ -106,10 +106,15 @@ def time_bound_us(plan: RunPlan) -> int:
     batch_rows = max(
         shared_batch_rows(plan.max_batch_rows, s.kv_bytes, s.kv_budget_bytes) for s in plan.stages
     )
+    slots = min(e.ring_spec.slot_count for e in plan.edges)
+    batches = max(
+        shared_batches(batch_runs(plan.max_batch_rows, s.kv_bytes, s.kv_budget_bytes), slots)
+        for s in plan.stages
+    )
     longest, size = plan.model.max_seq_len, plan.prefill_chunk
     chunks, rows = (-(-longest // size), size) if 0 < size < longest else (1, longest)
-    prompt_ms = t.token_limit_ms(plan.stage_count, chunks, rows, batch_rows)
-    token_ms = t.token_limit_ms(plan.stage_count, 1, 1, batch_rows)
+    prompt_ms = t.token_limit_ms(plan.stage_count, chunks, rows, batch_rows, batches)
+    token_ms = t.token_limit_ms(plan.stage_count, 1, 1, batch_rows, batches)
     stop_ms = t.stop_limit_ms(rows, batch_rows)
     return (t.ready_ms + prompt_ms + plan.max_tokens * token_ms + stop_ms) * 1000 + 1_000_000
 
@@ -464,7 +469,7 @@ class _Checker:
                 continue
             if any(run.finished and s in run.finished.unconfirmed_stages for run in r.runs):
                 continue
-            ran = dict(Counter(r.batches[s]))
+            ran = r.batches[s]
             reported = r.batch_counts.get(s, {})
             if reported != ran:
                 self.fail(

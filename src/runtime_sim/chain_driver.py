@@ -87,7 +87,7 @@ class ChainResult:
     alive: tuple[bool, ...]
     held: tuple[tuple[tuple[str, sfsm.State], ...], ...]  # each stage's runs at the end
     kv_reserved: tuple[int, ...]  # each stage's KV bytes still reserved at the end
-    batches: tuple[tuple[int, ...], ...]  # each stage's batch rows
+    batches: tuple[dict[int, int], ...]  # each stage's batches run, by rows (rows -> batches)
     # The orchestrator's count of each stage's batches, from their StageStopped messages.
     batch_counts: dict[int, dict[int, int]]
 
@@ -227,6 +227,6 @@ class ChainSimulation:
             alive=tuple(s.alive for s in self.stages),
             held=tuple(tuple(s.controller.held()) for s in self.stages),
             kv_reserved=tuple(s.worker.kv_reserved_bytes for s in self.stages),
-            batches=tuple(tuple(s.controller.batch_rows) for s in self.stages),
+            batches=tuple(dict(s.controller.batch_counts) for s in self.stages),
             batch_counts=o.controller.batch_counts,
         )

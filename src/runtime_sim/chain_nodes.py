@@ -346,7 +346,7 @@ class ChainStageNode(Node):
         if sim.wall_clock and len(steps) == 1:
             sequence = steps[0][1]
             sim.step_wall_s[sequence] = sim.step_wall_s.get(sequence, 0.0) + spent
-        rows = c.batch_rows[-1]
+        rows = c.last_batch_rows
         duration = self.step_us.get(rows)
         if duration is None:
             duration = self.step_us[rows] = int(sim.settings.timing.step_us(self.cost, rows))

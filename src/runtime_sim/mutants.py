@@ -6,7 +6,6 @@ knows of them."""
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -177,7 +176,7 @@ class BatchesReportedTwice(TracedChainStage):
     one."""
 
     def _batch_report(self) -> tuple[BatchCount, ...]:
-        ran = sorted(Counter(self.batch_rows).items())
+        ran = sorted(self.batch_counts.items())
         self._unreported = {}
         return tuple(BatchCount(rows, batches) for rows, batches in ran)
 

@@ -7,7 +7,7 @@ import attrs
 import pytest
 
 from runplan import RunPlan, plan_run
-from runplan.config import Timeouts
+from runplan.config import Timeouts, batch_runs, shared_batches
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.provision import provision_all
@@ -52,20 +52,38 @@ def test_the_smallest_heartbeat_and_no_budget_per_row_plan() -> None:
 
 def test_a_step_that_shares_its_batches_has_the_limit_of_shared_batches() -> None:
     t = Timeouts(step_ms=1_000, step_row_ms=20)
-    assert t.batch_step_limit_ms(3, 0) == t.step_limit_ms(3)  # a run alone: its rows
-    assert t.batch_step_limit_ms(3, 64) == t.SHARED_BATCHES * t.step_limit_ms(64)
-    assert t.batch_step_limit_ms(100, 64) == t.SHARED_BATCHES * t.step_limit_ms(100)
+    assert t.batch_step_limit_ms(3, 0, 5) == t.step_limit_ms(3)  # a run alone: its rows
+    assert t.batch_step_limit_ms(3, 64, 3) == 3 * t.step_limit_ms(64)
+    assert t.batch_step_limit_ms(100, 64, 5) == 5 * t.step_limit_ms(100)
     # a prompt in 4 chunks of 16 rows through 2 stages: 5 steps, each of its batch
-    assert t.token_limit_ms(2, 4, 16, 0) == 5 * t.step_limit_ms(16)
-    assert t.token_limit_ms(2, 4, 16, 64) == 5 * t.SHARED_BATCHES * t.step_limit_ms(64)
-    assert t.token_limit_ms(2, 1, 1, 64) == 2 * t.SHARED_BATCHES * t.step_limit_ms(64)
+    assert t.token_limit_ms(2, 4, 16, 0, 3) == 5 * t.step_limit_ms(16)
+    assert t.token_limit_ms(2, 4, 16, 64, 3) == 5 * 3 * t.step_limit_ms(64)
+    assert t.token_limit_ms(2, 1, 1, 64, 6) == 2 * 6 * t.step_limit_ms(64)
+
+
+def test_shared_batches_count_the_next_stage_s_batches_that_take_a_batch_s_outputs() -> None:
+    """A step waits through a batch it was left out of, and the next stage takes its
+    batch's outputs over ``ceil(runs / slots)`` of its batches."""
+    assert shared_batches(1, 2) == 3
+    assert shared_batches(2, 2) == 3
+    assert shared_batches(3, 2) == 4
+    assert shared_batches(8, 2) == 6  # the overrun issue 22's report names
+    assert shared_batches(8, 8) == 3
+    with pytest.raises(ValueError, match="ring_slots 0"):
+        shared_batches(2, 0)
+    # the most runs of a batch: the rows (a row at least each), the budget's caches
+    assert batch_runs(16, 100, 800) == 8
+    assert batch_runs(4, 100, 800) == 4
+    assert batch_runs(16, 100, 50) == 1
+    assert batch_runs(16, 0, 800) == 16
 
 
 @pytest.mark.parametrize("runs", [1, 4])
 def test_a_stage_and_the_orchestrator_time_a_step_by_the_batches_it_may_share(runs: int) -> None:
     """The stage machine's STEP timer and the orchestrator machine's TOKEN timer of a
-    decoded token: a record's own rows for a run alone, else ``SHARED_BATCHES`` batches
-    of ``max_batch_rows`` rows a step (the stage's KV budget holds other runs)."""
+    decoded token: a record's own rows for a run alone, else ``shared_batches`` batches
+    of ``max_batch_rows`` rows a step (the stage's KV budget holds other runs): 4 runs
+    a batch at most, their outputs over 2 of the next stage's batches (2-slot rings)."""
     facts, config, pool = small_plan_inputs(2)
     config = attrs.evolve(config, max_concurrent_runs=runs, max_batch_rows=8)
     plan = plan_run(facts, config, pool, stage_count=2)
@@ -83,9 +101,11 @@ def test_a_stage_and_the_orchestrator_time_a_step_by_the_batches_it_may_share(ru
     _, actions = sfsm.step(stage, loaded)
     step_ms = [a.ms for a in actions if isinstance(a, sfsm.StartTimer)]
     alone = runs == 1
-    assert step_ms == [t.step_limit_ms(2) if alone else t.SHARED_BATCHES * t.step_limit_ms(8)]
+    assert config.ring_slot_count == 2
+    assert {p.shared_batches for p in provisions} == {3 if alone else 4}
+    assert step_ms == [t.step_limit_ms(2) if alone else 4 * t.step_limit_ms(8)]
     machine = ofsm.OrchestratorMachine.for_plan(plan, (1, 2))
-    decode = t.step_limit_ms(1) if alone else t.SHARED_BATCHES * t.step_limit_ms(8)
+    decode = t.step_limit_ms(1) if alone else 4 * t.step_limit_ms(8)
     assert machine._token_ms(1) == 2 * decode
 
 

@@ -6,7 +6,7 @@ KV reservation is freed after every outcome."""
 
 from __future__ import annotations
 
-import collections
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,8 +118,8 @@ def test_eight_runs_at_once_each_give_their_tokens_alone(
         assert [t for _, t in chain.tokens[h.run_id]] == alone[h.run_id]
     assert_nothing_held(chain)
     for stage in chain.stages:
-        assert max(stage.batch_rows) > 1  # runs shared batches
-        assert max(stage.batch_rows) <= 16
+        assert max(stage.batch_counts) > 1  # runs shared batches
+        assert max(stage.batch_counts) <= 16
     if chunk:  # prompts travelled in chunks of at most 2 rows
         assert all(f["rows"] <= 2 for f in chain.of("injected") if f["sequence"] == 0)
 
@@ -133,7 +133,6 @@ def test_prefill_chunks_pipeline_and_decode_rows_join_their_batches(
     first = chain.add(plan(model, 0, prefill_chunk=3), PROMPTS[0])
     chain.pump()  # run-0 is done: it decodes no more; start another to overlap
     assert first.finished is not None
-    chain.stages[0].batch_rows.clear()
     a = chain.add(plan(model, 1, prefill_chunk=3), PROMPTS[1])
     b = chain.add(plan(model, 2, prefill_chunk=3), PROMPTS[2])  # 11 tokens: 4 chunks
     chain.pump()
@@ -164,7 +163,9 @@ def test_each_step_s_time_limit_is_that_of_its_batch(model: Path, runs: int) -> 
     chunk's rows in a prefill in chunks), and the orchestrator's token timer of the
     prompt covers one chunk's limit per step through the pipeline. A run whose stages
     hold other runs too: every step's limit is that of a whole batch
-    (``max_batch_rows``), and a token waits through ``SHARED_BATCHES`` batches a step."""
+    (``max_batch_rows``), and a token waits through ``Timeouts.shared_batches`` batches
+    a step: 8 runs a batch at most (the KV budget), whose outputs the next stage takes
+    over 4 of its batches (2-slot rings), 2 + 4."""
     chain = ChainRuns(3, reference)
     chain.stages[0].timers = chain.stage_timers[0] = stage_0 = RecordingTimers()
     chain.orchestrator.timers = chain.orchestrator_timers = orchestrator = RecordingTimers()
@@ -182,10 +183,10 @@ def test_each_step_s_time_limit_is_that_of_its_batch(model: Path, runs: int) -> 
         assert tokens[0] == t.step_limit_ms(3) * (3 + 4 - 1)
         assert set(tokens[1:]) == {t.step_limit_ms(1) * 3}
     else:
-        assert set(steps) == {t.SHARED_BATCHES * t.step_limit_ms(16)}
+        assert set(steps) == {6 * t.step_limit_ms(16)}
         assert len(steps) == 4 + N - 1
-        assert tokens[0] == t.SHARED_BATCHES * t.step_limit_ms(16) * (3 + 4 - 1)
-        assert set(tokens[1:]) == {t.SHARED_BATCHES * t.step_limit_ms(16) * 3}
+        assert tokens[0] == 6 * t.step_limit_ms(16) * (3 + 4 - 1)
+        assert set(tokens[1:]) == {6 * t.step_limit_ms(16) * 3}
 
 
 def _timed_chain(
@@ -232,7 +233,7 @@ def test_batches_that_take_just_under_their_rows_limit_run_out_no_timer(model: P
     chain, clock, timers, handles = _timed_chain(model, tight, lambda r: tight.step_limit_ms(r) - 1)
     _run_timed(chain, clock)
     assert all(h.finished and h.finished.outcome is StopReason.COMPLETED for h in handles)
-    assert max(max(stage.batch_rows) for stage in chain.stages) > 1  # runs shared batches
+    assert max(max(stage.batch_counts) for stage in chain.stages) > 1  # runs shared batches
     assert _overruns(timers) == []
 
 
@@ -244,9 +245,10 @@ def test_a_run_cancelled_while_the_stages_run_shared_batches_stops_in_time(
     after the batch in progress, and runs one more before it releases the run, far
     longer than ``stop_ms``. The orchestrator's stop timer allows for both
     (``stop_limit_ms``): no stop timer runs out (before: every one did), the run ends
-    CANCELLED with every stage's stop confirmed, the others complete. (Token timers are
-    not checked here: with every batch as long as a full one, a decoded token may take
-    a round more than ``token_limit_ms``, which the report of issue 22 names.)"""
+    CANCELLED with every stage's stop confirmed, the others complete. No token timer runs
+    out either: with every batch as long as a full one, a batch's 8 outputs reach the
+    next stage over 4 of its batches (2-slot rings), which ``Timeouts.shared_batches``
+    allows for (before: a fixed 3 batches a step, and a decoded token overran it)."""
     tight = Timeouts(step_ms=100, step_row_ms=10, stop_ms=50)
     full = [False]  # every batch as long as a full one may be
 
@@ -256,7 +258,7 @@ def test_a_run_cancelled_while_the_stages_run_shared_batches_stops_in_time(
     chain, clock, timers, handles = _timed_chain(model, tight, took)
     victim = handles[3]
     _run_timed(chain, clock, until=lambda: len(chain.tokens[victim.run_id]) >= 2)
-    assert max(max(stage.batch_rows) for stage in chain.stages) > 1  # runs share batches
+    assert max(max(stage.batch_counts) for stage in chain.stages) > 1  # runs share batches
     full[0] = True
     chain.orchestrator.cancel(victim.run_id)
     _run_timed(chain, clock)
@@ -267,6 +269,48 @@ def test_a_run_cancelled_while_the_stages_run_shared_batches_stops_in_time(
     stops = [m for m in timers[3].measured if m[1] is ofsm.Timer.STOP]
     assert len(stops) == 8  # every run's teardown timed, the victim's amid full batches
     assert [m for m in stops if m[3] > m[2]] == [], stops
+    tokens = [m for ts in timers for m in ts.measured if m[1] is ofsm.Timer.TOKEN]
+    assert len(tokens) >= 7 * N, len(tokens)  # every token of the 7 others timed
+    assert _overruns(timers) == []
+
+
+def _sizes(stage: object) -> dict[str, int]:
+    """The length of each container a stage controller holds, but the ids of the runs it
+    stopped (one a run, not a batch)."""
+    kinds = (list, dict, deque, set, frozenset)
+    return {k: len(v) for k, v in vars(stage).items() if isinstance(v, kinds) and k != "stale_runs"}
+
+
+def _run_0(model: Path, run_id: str) -> RunPlan:
+    """Run 0's plan of 12 tokens under another id."""
+    return plan_for(
+        model,
+        3,
+        max_seq_len=MAX_SEQ,
+        run_id=run_id,
+        sampling=sampling(0),
+        max_concurrent_runs=8,
+        max_tokens=12,
+    )
+
+
+def test_a_stage_s_batch_records_do_not_grow_with_its_batches(model: Path) -> None:
+    """A long-lived stage keeps its batches by size, not one entry per batch: after a
+    run, the same run again (the same batch sizes) adds to no container of any stage's
+    controller (before: ``batch_rows`` grew by one entry per batch)."""
+    chain = ChainRuns(3, reference)
+    first = chain.add(_run_0(model, "first"), PROMPTS[0])
+    chain.pump()
+    assert first.finished is not None and first.finished.outcome is StopReason.COMPLETED
+    before = [(_sizes(s), s.batches) for s in chain.stages]
+    again = chain.add(_run_0(model, "again"), PROMPTS[0])
+    chain.pump()
+    assert again.finished is not None and again.finished.outcome is StopReason.COMPLETED
+    assert list(again.tokens) == list(first.tokens)  # the same steps, batch for batch
+    for (sizes, batches), stage in zip(before, chain.stages, strict=True):
+        assert stage.batches >= batches + 12  # a batch per token at least
+        assert _sizes(stage) == sizes
+    assert sum(chain.stages[0].batch_counts.values()) == chain.stages[0].batches
 
 
 def test_runs_beyond_the_budget_wait_and_then_run(model: Path, alone: dict[str, list[int]]) -> None:
@@ -407,8 +451,8 @@ def test_the_orchestrator_learns_each_stage_s_batches_once_from_its_stops(
     assert_others_complete(handles, alone, "run-3")
     counts = chain.orchestrator.batch_counts
     for i, stage in enumerate(chain.stages):
-        assert max(stage.batch_rows) > 1  # runs shared batches
-        assert counts[i] == dict(collections.Counter(stage.batch_rows)), i
+        assert max(stage.batch_counts) > 1  # runs shared batches
+        assert counts[i] == stage.batch_counts, i
         assert sum(counts[i].values()) == stage.batches
     # A stop naming stage 0 from stage 1's node, for a run still held: rejected,
     # counted nowhere.

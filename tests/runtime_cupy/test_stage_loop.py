@@ -30,7 +30,7 @@ class BusyController:
     def __init__(self, batches: int) -> None:
         self.left = batches
         self.batches = 0
-        self.batch_rows: list[int] = []
+        self.last_batch_rows = 0
         self.handled: list[tuple[int, Any]] = []
         self.runs: dict[str, Any] = {}
         self.setup_pending = self.links_pending = self.wants_input = False
@@ -43,7 +43,7 @@ class BusyController:
     def run_batch(self) -> None:
         self.left -= 1
         self.batches += 1
-        self.batch_rows.append(8)
+        self.last_batch_rows = 8
 
     def handle(self, event: Any) -> None:
         self.handled.append((self.batches, event))

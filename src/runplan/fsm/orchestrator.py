@@ -356,6 +356,12 @@ class OrchestratorMachine:
         return max((p.batch_rows for p in self.provisions), default=0)
 
     @property
+    def shared_batches(self) -> int:
+        """Batches a step of the run may wait through on a stage it shares (the most of
+        any stage's, ``ProvisionStage.shared_batches``)."""
+        return max((p.shared_batches for p in self.provisions), default=1)
+
+    @property
     def prompt_record_rows(self) -> int:
         """Rows of the run's longest record: the prompt, or its first chunk."""
         chunked = self.prefill_chunks > 1
@@ -366,13 +372,14 @@ class OrchestratorMachine:
         for sequence 0 one more step per chunk after the first (the chunks pipeline
         through the stages), each within the limit of the rows of the longest record
         (the prompt, or its first chunk; a decoded token's record has one row) or, with
-        other runs sharing the stages, of the largest batch, waiting through as many
-        batches a stage as the timeouts allow."""
+        other runs sharing the stages, of the largest batch, waiting through
+        ``shared_batches`` batches a step."""
         stages = len(self.node_ids)
         if sequence != 0:
-            return self.timeouts.token_limit_ms(stages, 1, 1, self.batch_rows)
+            return self.timeouts.token_limit_ms(stages, 1, 1, self.batch_rows, self.shared_batches)
         rows, chunks = self.prompt_record_rows, self.prefill_chunks
-        return self.timeouts.token_limit_ms(stages, chunks, rows, self.batch_rows)
+        batches = self.shared_batches
+        return self.timeouts.token_limit_ms(stages, chunks, rows, self.batch_rows, batches)
 
     def _stop_ms(self) -> int:
         """The bound on the teardown (``Timeouts.stop_limit_ms``): each stage may be in

@@ -369,12 +369,12 @@ class StageProcess:
                 batches = c.batches
                 c.run_batch()
                 if tracing and c.batches > batches:
-                    self.trace.span("batch", start, rows=c.batch_rows[-1], runs=len(self._batch))
+                    self.trace.span("batch", start, rows=c.last_batch_rows, runs=len(self._batch))
                     for run_id, sequence, rows in self._batch:  # each step ran in it
                         label = run_label(run_id)
                         self.trace.span(f"step {sequence}", start, run=label, rows=rows)
                 if c.batches > batches:
-                    log.debug("batch %d: %d rows", c.batches, c.batch_rows[-1])
+                    log.debug("batch %d: %d rows", c.batches, c.last_batch_rows)
                 progress = True
             if c.output_pending:
                 if c.try_publish_outputs():
