@@ -16,7 +16,9 @@
  * (the unsigned weights times the signed activations: Q4_0's nibbles, Q6_K's q + 32 and
  * Q8_0's q + 128 (its sign flipped), with the offset's product taken back from the
  * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
- * Q8_0 takes |q| times the activations given q's sign). Every integer sum is exact, so
+ * Q8_0 takes |q| times the activations given q's sign; AVX2's Q4_K and, in a tile, Q6_K
+ * add several words' pairs in 16 bits before the scale's vpmaddwd: k_isum, k6_isum).
+ * Every integer sum is exact, so
  * its order is free; the float terms and their 8 running sums per row (block c into
  * sum c mod 8) are dot.h's, in its order, so every row's bits are the stored row's on
  * every instruction set and width.
@@ -478,11 +480,21 @@ X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *
     for (int p = 0; p < 4; ++p) mn[p] = XN(ld_u8_i16)(b + 96 + 16 * p, gs);
     for (int k = 0; k < NJ; ++k) {
         VI imin = v_zero();
+#if X8_WIDTH == 256 /* the 8 sub-blocks' sums (|s| <= 32 * 128) as int16 pairs, in lanes
+                     * (s0 s1) (s4 s5) .. (s2 s3) (s6 s7) .. */
+        const __m256i sub = _mm256_hadd_epi32(_mm256_loadu_si256((const __m256i *)xg[k]),
+                                              _mm256_loadu_si256((const __m256i *)(xg[k] + 8)));
+        const __m256i pairs = _mm256_packs_epi32(sub, sub);
+        static const int lane_of_p[4] = {0, 4, 1, 5};
+        for (int p = 0; p < 4; ++p)
+            imin = v_add32(imin, v_madd16(mn[p], _mm256_permutevar8x32_epi32(pairs, v_set1_32(lane_of_p[p]))));
+#else
         for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
             int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
             VI xs = v_set1_32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
             imin = v_add32(imin, v_madd16(mn[p], xs));
         }
+#endif
         const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
         VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
         term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
