@@ -18,10 +18,9 @@
  * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
  * Q8_0 takes |q| times the activations given q's sign; AVX2's Q4_K and, in a tile, Q6_K
  * add several words' pairs in 16 bits before the scale's vpmaddwd: k_isum, k6_isum).
- * Every integer sum is exact, so
- * its order is free; the float terms and their 8 running sums per row (block c into
- * sum c mod 8) are dot.h's, in its order, so every row's bits are the stored row's on
- * every instruction set and width.
+ * Every integer sum is exact, so its order is free; the float terms and their 8 running
+ * sums per row (block c into sum c mod 8) are dot.h's, in its order, so every row's bits
+ * are the stored row's on every instruction set and width.
  *
  * The activation rows j0 .. j0 + nj - 1 (nj <= X8_TILE) share the blocks read from
  * memory: X8_XT rows at a time share one decoding of each block while it is in cache;
