@@ -344,9 +344,16 @@ def test_rotary_cache_and_attention_are_the_twins(neox: bool, kv: str) -> None:
 
 @pytest.mark.parametrize("isa", isa_params(portable=False))
 @pytest.mark.parametrize("kv", ["f32", "f16"])
-def test_attention_does_not_depend_on_the_isa_or_the_threads(kv: str, isa: str) -> None:
+@pytest.mark.parametrize(
+    ("hd", "pos"),
+    [(72, 7), (64, 7), (64, 1100)],  # a tail past 64; whole vectors; past 1024 positions
+)
+def test_attention_does_not_depend_on_the_isa_or_the_threads(
+    kv: str, isa: str, hd: int, pos: int
+) -> None:
     rng = np.random.default_rng(12)
-    n_heads, n_kv, hd, max_seq, rows = 8, 2, 72, 40, 30  # a head size with a tail past 64
+    n_heads, n_kv, rows = 8, 2, 30
+    max_seq = pos + 33  # scores of keys 8 at a time and a few more (pos + 1 .. pos + 30)
     dtype = np.float16 if kv == "f16" else np.float32
     kc = rng.standard_normal((n_kv, max_seq, hd)).astype(dtype)
     vc = rng.standard_normal((n_kv, max_seq, hd)).astype(dtype)
@@ -356,7 +363,7 @@ def test_attention_does_not_depend_on_the_isa_or_the_threads(kv: str, isa: str) 
     for name in ("portable", isa):
         for threads in (1, 3):
             out = np.zeros((rows, n_heads * hd), np.float32)
-            _kernels.attention(qkv, rows, kc, vc, 7, heads, 0.125, out, threads, isa=name)
+            _kernels.attention(qkv, rows, kc, vc, pos, heads, 0.125, out, threads, isa=name)
             outs.append(out)
     for other in outs[1:]:
         np.testing.assert_array_equal(other.view(np.uint32), outs[0].view(np.uint32))

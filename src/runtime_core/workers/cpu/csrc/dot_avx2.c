@@ -625,34 +625,96 @@ AVX2_INLINE float cache1(const void *rows, int half, int64_t at) {
     return half ? _cvtsh_ss(((const uint16_t *)rows)[at]) : ((const float *)rows)[at];
 }
 
-AVX2 static void scores_avx2(const float *q, const void *keys, int half, int64_t n, int64_t hd,
-                             float scale, float *out) {
-    int64_t full = hd / 8 * 8;
-    for (int64_t t = 0; t < n; ++t) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < full; i += 8)
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i), cache8(keys, half, t * hd + i)));
+/* Attention computes dot.h's order (dot_portable.c: scores_portable, mix_portable), and
+ * only its independent chains side by side: the scores of SCORE_KEYS keys at once, each
+ * key's own 8 running sums (lane i: elements i mod 8) as one key alone computes them,
+ * q read once for them all; the mix's columns MIX_COLS at a time, each column's sum
+ * over the positions in order (t = 0, 1, ..), one position's value row read once for
+ * them all. One chain per key (or per 8 columns) waited on its addition's latency. */
+#define SCORE_KEYS 8
+#define MIX_VECS 8 /* 8-column vectors of a pass: 64 columns */
+
+AVX2_INLINE void scores_keys(const float *q, const void *keys, int half, int64_t t0, const int NB,
+                             int64_t hd, float scale, float *out) {
+    const int64_t full = hd / 8 * 8;
+    __m256 acc[SCORE_KEYS];
+    for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < full; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int b = 0; b < NB; ++b)
+            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(qv, cache8(keys, half, (t0 + b) * hd + i)));
+    }
+    if (NB == 8 && full == hd) { /* the 8 keys' sum8 side by side (hadd adds lanes 0 + 1,
+                                  * 2 + 3; the second hadd their pairs; then the halves) */
+        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+        const __m256 s8 = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+        _mm256_storeu_ps(out + t0, _mm256_mul_ps(s8, _mm256_set1_ps(scale)));
+        return;
+    }
+    for (int b = 0; b < NB; ++b) {
         float lanes[8];
-        _mm256_storeu_ps(lanes, acc);
+        _mm256_storeu_ps(lanes, acc[b]);
         for (int64_t i = full; i < hd; ++i) {
-            float p = q[i] * cache1(keys, half, t * hd + i);
+            float p = q[i] * cache1(keys, half, (t0 + b) * hd + i);
             lanes[i & 7] += p;
         }
-        out[t] = sum8(lanes) * scale;
+        out[t0 + b] = sum8(lanes) * scale;
     }
+}
+
+AVX2 static void scores_avx2(const float *q, const void *keys, int half, int64_t n, int64_t hd,
+                             float scale, float *out) {
+    int64_t t = 0;
+    for (; t + SCORE_KEYS <= n; t += SCORE_KEYS) scores_keys(q, keys, half, t, SCORE_KEYS, hd, scale, out);
+    switch (n - t) {
+    case 7: scores_keys(q, keys, half, t, 7, hd, scale, out); break;
+    case 6: scores_keys(q, keys, half, t, 6, hd, scale, out); break;
+    case 5: scores_keys(q, keys, half, t, 5, hd, scale, out); break;
+    case 4: scores_keys(q, keys, half, t, 4, hd, scale, out); break;
+    case 3: scores_keys(q, keys, half, t, 3, hd, scale, out); break;
+    case 2: scores_keys(q, keys, half, t, 2, hd, scale, out); break;
+    case 1: scores_keys(q, keys, half, t, 1, hd, scale, out); break;
+    default: break;
+    }
+}
+
+/* columns i0 .. i0 + 8 NV - 1 */
+AVX2_INLINE void mix_cols(float *out, const float *p, const void *values, int half, int64_t n,
+                          int64_t hd, int64_t i0, const int NV) {
+    __m256 acc[MIX_VECS];
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(out + i0 + 8 * v);
+    for (int64_t t = 0; t < n; ++t) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        for (int v = 0; v < NV; ++v)
+            acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(pt, cache8(values, half, t * hd + i0 + 8 * v)));
+    }
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + i0 + 8 * v, acc[v]);
 }
 
 AVX2 static void mix_avx2(float *out, const float *p, const void *values, int half, int64_t n,
                           int64_t hd) {
-    int64_t full = hd / 8 * 8;
-    for (int64_t i = 0; i < full; i += 8) { /* 8 columns at a time, every position in order */
-        __m256 acc = _mm256_loadu_ps(out + i);
-        for (int64_t t = 0; t < n; ++t)
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p[t]), cache8(values, half, t * hd + i)));
-        _mm256_storeu_ps(out + i, acc);
+    const int64_t full = hd / 8 * 8;
+    for (int64_t i0 = 0; i0 < full; i0 += 8 * MIX_VECS) {
+        switch ((full - i0) / 8 < MIX_VECS ? (int)((full - i0) / 8) : MIX_VECS) {
+        case 1: mix_cols(out, p, values, half, n, hd, i0, 1); break;
+        case 2: mix_cols(out, p, values, half, n, hd, i0, 2); break;
+        case 3: mix_cols(out, p, values, half, n, hd, i0, 3); break;
+        case 4: mix_cols(out, p, values, half, n, hd, i0, 4); break;
+        case 5: mix_cols(out, p, values, half, n, hd, i0, 5); break;
+        case 6: mix_cols(out, p, values, half, n, hd, i0, 6); break;
+        case 7: mix_cols(out, p, values, half, n, hd, i0, 7); break;
+        default: mix_cols(out, p, values, half, n, hd, i0, MIX_VECS); break;
+        }
     }
-    for (int64_t i = full; i < hd; ++i)
-        for (int64_t t = 0; t < n; ++t) out[i] = out[i] + p[t] * cache1(values, half, t * hd + i);
+    if (full < hd) { /* the last hd mod 8 columns: their chains side by side */
+        float tail[8];
+        for (int64_t i = full; i < hd; ++i) tail[i - full] = out[i];
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t i = full; i < hd; ++i)
+                tail[i - full] = tail[i - full] + p[t] * cache1(values, half, t * hd + i);
+        for (int64_t i = full; i < hd; ++i) out[i] = tail[i - full];
+    }
 }
 
 const Isa ISA_AVX2 = {

@@ -429,6 +429,32 @@ static int runs_of(const AttentionJob *J, int64_t kv, int64_t lo, int64_t q, Run
     return n;
 }
 
+/* The largest score, or the last NaN where there is one (what a scan in order keeping
+ * the first of equal values finds: max is exact, so 8 lanes find the same value; of
+ * +0 and -0 either, and x - m is the same for both) */
+static float scores_max(const float *scores, int64_t n) {
+    float lane[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                     -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int nan = 0;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8)
+        for (int i = 0; i < 8; ++i) {
+            float v = scores[t + i];
+            nan |= v != v;
+            lane[i] = v > lane[i] ? v : lane[i];
+        }
+    float m = -INFINITY;
+    for (int i = 0; i < 8; ++i) m = lane[i] > m ? lane[i] : m;
+    for (; t < n; ++t) {
+        nan |= scores[t] != scores[t];
+        m = scores[t] > m ? scores[t] : m;
+    }
+    if (nan)
+        for (t = n - 1; t >= 0; --t)
+            if (isnan(scores[t])) return scores[t];
+    return m;
+}
+
 static void attention_item(void *ctx, int64_t it) {
     const AttentionJob *J = ctx;
     const Heads *hd = J->hd;
@@ -454,9 +480,7 @@ static void attention_item(void *ctx, int64_t it) {
                        runs[i].n, hd->hd_k, J->scale, scores + at);
         at += runs[i].n;
     }
-    float m = -INFINITY;
-    for (int64_t t = 0; t < n_ctx; ++t)
-        if (scores[t] > m || isnan(scores[t])) m = scores[t];
+    float m = scores_max(scores, n_ctx);
     float sum = 0.0f;
     for (int64_t t = 0; t < n_ctx; ++t) {
         scores[t] = expf(scores[t] - m);

@@ -16,10 +16,11 @@
  * (the unsigned weights times the signed activations: Q4_0's nibbles, Q6_K's q + 32 and
  * Q8_0's q + 128 (its sign flipped), with the offset's product taken back from the
  * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
- * Q8_0 takes |q| times the activations given q's sign). Every integer sum is exact, so
- * its order is free; the float terms and their 8 running sums per row (block c into
- * sum c mod 8) are dot.h's, in its order, so every row's bits are the stored row's on
- * every instruction set and width.
+ * Q8_0 takes |q| times the activations given q's sign; AVX2's Q4_K and, in a tile, Q6_K
+ * add several words' pairs in 16 bits before the scale's vpmaddwd: k_isum, k6_isum).
+ * Every integer sum is exact, so its order is free; the float terms and their 8 running
+ * sums per row (block c into sum c mod 8) are dot.h's, in its order, so every row's bits
+ * are the stored row's on every instruction set and width.
  *
  * The activation rows j0 .. j0 + nj - 1 (nj <= X8_TILE) share the blocks read from
  * memory: X8_XT rows at a time share one decoding of each block while it is in cache;
@@ -54,6 +55,7 @@
 #define v_srli16 _mm256_srli_epi16
 #define v_slli16 _mm256_slli_epi16
 #define v_add32 _mm256_add_epi32
+#define v_sub32 _mm256_sub_epi32
 #define v_mullo32 _mm256_mullo_epi32
 #define v_madd16 _mm256_madd_epi16
 #define v_set1_8 _mm256_set1_epi8
@@ -109,6 +111,7 @@ X8_INL VI v_dot4(VI acc, VI u, VI x) {
 #define v_srli16 _mm512_srli_epi16
 #define v_slli16 _mm512_slli_epi16
 #define v_add32 _mm512_add_epi32
+#define v_sub32 _mm512_sub_epi32
 #define v_mullo32 _mm512_mullo_epi32
 #define v_madd16 _mm512_madd_epi16
 #define v_set1_8 _mm512_set1_epi8
@@ -333,12 +336,69 @@ X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int 
     }
 }
 
+#if !X8_VNNI
+/* AVX2's Q6_K tile: after a super-block's 64 decoded words, dec[64 + j] (j < 16) holds in
+ * each row's lane the int16 pair (s, s) of group j's scale s, and dec[80 + m] (m < 8) the
+ * pair (s of group 2m, s of group 2m + 1), decoded once for the tile's rows. */
+#define K6_SCALES 24
+X8_INL void XN(k6_scales)(const uint8_t *b, int64_t gs, VI *out) {
+    const VI low = v_set1_32(0xFFFF);
+    VI s[16];
+    for (int j = 0; j < 16; ++j) s[j] = XN(ld_i8_i32)(b + 16 + 8 * j, gs); /* sign-extended */
+    for (int j = 0; j < 16; ++j) out[j] = v_or(v_and(s[j], low), _mm256_slli_epi32(s[j], 16));
+    for (int m = 0; m < 8; ++m) out[16 + m] = v_or(v_and(s[2 * m], low), _mm256_slli_epi32(s[2 * m + 1], 16));
+}
+
+/* The same integer sums as k_isum's Q6_K (exact, so the same bits), with half its
+ * multiplications: the products of two words (q + 32 <= 63 times |x| <= 128, pairs
+ * summed by vpmaddubsw: 2 * 2 * 63 * 128 < 2^15) added in 16 bits, then times the
+ * group's scale by vpmaddwd (sc: k6_scales); the offset's sum over the super-block,
+ * 32 * sum_j s_j g_j, by vpmaddwd of the scale pairs and the rows' group sums (|g| <=
+ * 16 * 128 fits in 16 bits), taken once at the end. */
+X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int NJ, const int8_t *const *xq,
+                        const int32_t *const *xg, VI *isum) {
+    for (int k = 0; k < NJ; ++k) {
+        /* the 16 group sums as int16 pairs: lanes (g0 g1) (g2 g3) (g8 g9) (g10 g11) (g4 g5)
+         * (g6 g7) (g12 g13) (g14 g15) */
+        const VI gp = _mm256_packs_epi32(XN(ld)((const uint8_t *)xg[k], 0), XN(ld)((const uint8_t *)(xg[k] + 8), 0));
+        static const int lane_of_pair[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+        VI corr = v_zero();
+        for (int m = 0; m < 8; ++m)
+            corr = v_add32(corr, v_madd16(sc[16 + m], _mm256_permutevar8x32_epi32(gp, v_set1_32(lane_of_pair[m]))));
+        isum[k] = v_sub32(v_zero(), _mm256_slli_epi32(corr, 5));
+    }
+    for (int p = 0; p < 4; ++p)
+        for (int h = 0; h < 2; ++h) { /* groups 4p + h (sub-block 2p: lo), 4p + 2 + h (hi) */
+            const VI slo = sc[4 * p + h], shi = sc[4 * p + 2 + h];
+            for (int half = 0; half < 2; ++half) { /* words 4h + 2 half, + 1 */
+                const int w0 = 4 * h + 2 * half;
+                const VI lo0 = dec[16 * p + 2 * w0], hi0 = dec[16 * p + 2 * w0 + 1];
+                const VI lo1 = dec[16 * p + 2 * w0 + 2], hi1 = dec[16 * p + 2 * w0 + 3];
+                for (int k = 0; k < NJ; ++k) {
+                    const int8_t *xp = xq[k] + 64 * p + 4 * w0;
+                    const VI plo = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, XN(bcast)(xp)),
+                                                    _mm256_maddubs_epi16(lo1, XN(bcast)(xp + 4)));
+                    const VI phi = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, XN(bcast)(xp + 32)),
+                                                    _mm256_maddubs_epi16(hi1, XN(bcast)(xp + 36)));
+                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo, slo), v_madd16(phi, shi)));
+                }
+            }
+        }
+}
+#endif
+
 /* The integer sums of super-block b (isum[k], exact) for the NJ rows of xq, xg: per row,
  * the sums of a sub-block (Q6_K: of a 16-element group) times its scale. The words come
  * decoded from dec (XN(k_decode): a tile's rows share one decoding) or, dec NULL, are
  * decoded here for these NJ rows. */
 X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
                        const int8_t *const *xq, const int32_t *const *xg, VI *isum) {
+#if !X8_VNNI
+    if (kind == X8_Q6_K && dec) { /* a tile's: its scales decoded after its words */
+        XN(k6_isum)(dec, dec + 64, NJ, xq, xg, isum);
+        return;
+    }
+#endif
     for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
     for (int p = 0; p < 4; ++p) {
 #if !X8_VNNI
@@ -419,11 +479,21 @@ X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *
     for (int p = 0; p < 4; ++p) mn[p] = XN(ld_u8_i16)(b + 96 + 16 * p, gs);
     for (int k = 0; k < NJ; ++k) {
         VI imin = v_zero();
+#if X8_WIDTH == 256 /* the 8 sub-blocks' sums (|s| <= 32 * 128) as int16 pairs, in lanes
+                     * (s0 s1) (s4 s5) .. (s2 s3) (s6 s7) .. */
+        const __m256i sub = _mm256_hadd_epi32(_mm256_loadu_si256((const __m256i *)xg[k]),
+                                              _mm256_loadu_si256((const __m256i *)(xg[k] + 8)));
+        const __m256i pairs = _mm256_packs_epi32(sub, sub);
+        static const int lane_of_p[4] = {0, 4, 1, 5};
+        for (int p = 0; p < 4; ++p)
+            imin = v_add32(imin, v_madd16(mn[p], _mm256_permutevar8x32_epi32(pairs, v_set1_32(lane_of_p[p]))));
+#else
         for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
             int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
             VI xs = v_set1_32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
             imin = v_add32(imin, v_madd16(mn[p], xs));
         }
+#endif
         const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
         VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
         term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
@@ -476,7 +546,11 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
                        float (*out)[XL], const int kind) {
     const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
     VF acc[X8_TILE][8];
+#if X8_VNNI
     VI dec[64];
+#else
+    VI dec[64 + K6_SCALES];
+#endif
     for (int k = 0; k < nj; ++k)
         for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
@@ -485,6 +559,9 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
         for (int p = 0; p < 4; ++p)
             for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
+#if !X8_VNNI
+        if (kind == X8_Q6_K) XN(k6_scales)(b, gs, dec + 64);
+#endif
         int k = 0;
         for (; k + X8_XT <= nj; k += X8_XT) XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, X8_XT);
         switch (nj - k) {
@@ -572,6 +649,7 @@ X8_K_ENTRY(q6_k, X8_Q6_K)
 #undef v_srli16
 #undef v_slli16
 #undef v_add32
+#undef v_sub32
 #undef v_mullo32
 #undef v_madd16
 #undef v_set1_8
