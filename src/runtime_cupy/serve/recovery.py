@@ -93,7 +93,7 @@ def describe_placement(replacement: Replacement) -> str:
         for s in replacement.plan.stages
     ]
     how = "the lost ranges on spare nodes" if replacement.on_spares else "placed afresh"
-    return f"{'; '.join(rows)} ({how}; kept {list(replacement.kept)})"
+    return f"{'; '.join(rows)} ({how})"
 
 
 @attrs.define
