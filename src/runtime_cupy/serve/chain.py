@@ -49,6 +49,7 @@ from attrs import frozen
 
 from runplan import (
     NodePool,
+    NodeSpec,
     Placement,
     PlanRejection,
     RunPlan,
@@ -69,7 +70,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, summarize
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.hosts.port import StageHandle, StageHost
+from runtime_cupy.hosts.port import KnowsLiveNodes, StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner
 from runtime_cupy.process.keys import new_secret
@@ -146,7 +147,10 @@ class WarmChain:
     derived from it. ``prefill_chunk``: rows of a prompt per prefill record (a long
     prompt's chunks interleave with the other runs' decode steps). ``recover``: a run
     a lost stage process, host or link interrupted is replayed on the re-placed chain,
-    at most ``max_recoveries`` times per stream (``serve.recovery``). Raises
+    at most ``max_recoveries`` times per stream (``serve.recovery``), over the live
+    nodes: a Ray cluster's, else the stages' nodes and ``spares`` (``NodeSpec``s the
+    host can start a stage on; a lost range goes to a spare first). ``nodes``: the
+    stages' nodes (one each) instead of this machine's (``place_stages``). Raises
     ``ClusterError`` for a cluster that cannot be reached or has no room, before any
     process starts."""
 
@@ -172,7 +176,14 @@ class WarmChain:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         recover: bool = False,
         max_recoveries: int = DEFAULT_MAX_RECOVERIES,
+        nodes: Sequence[NodeSpec] | None = None,
+        spares: Sequence[NodeSpec] = (),
     ) -> None:
+        if nodes is not None and (ray_address is not None or len(nodes) != stages):
+            raise ValueError(
+                f"nodes names the {stages} stages' nodes (one each), on this machine or "
+                f"where the host puts them, not on a Ray cluster; {len(nodes)} given"
+            )
         if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
             raise ValueError(
                 "the stages on a Ray cluster (--ray-address) take its live hosts and GPUs "
@@ -207,12 +218,17 @@ class WarmChain:
                 cluster, session.orchestrator_address(), log_level=level
             )
             self._ray_host.on_slice_change = SliceLog()  # serve logs slices as they move
+        elif nodes is not None:
+            self.nodes, self.devices = tuple(nodes), (None,) * stages
         else:
             self.nodes, self.devices = place_stages(stages, worker, gpus)
         self.placement = placement
         # Every node a stage was or may be placed on, and its device (re-placement).
-        self._known = {n.node_id: n for n in self.nodes}
+        self._known = {n.node_id: n for n in (*self.nodes, *spares)}
         self._device_of = {n.node_id: d for n, d in zip(self.nodes, self.devices, strict=True)}
+        self._device_of.update(
+            (n.node_id, None) for n in spares if n.node_id not in self._device_of
+        )
         self._placement: Placement | None = None  # explicit rows once re-placed
         self.policy = RecoveryPolicy(max_recoveries) if recover else None  # ValueError
         self.recoveries = Recoveries()
@@ -371,19 +387,21 @@ class WarmChain:
             runner = self._runner
         return runner.handles() if runner is not None else ()
 
-    def _heal(self) -> tuple[int, ...]:
+    def _heal(self, lost: str | None = None) -> tuple[int, ...]:
         """Start the chain again if it is not whole (a stage gone or silent, a chain
-        fault) and bind it; the stage indices started."""
+        fault), or if it ``lost`` a stage (a link a stage saw break, which need not make
+        the chain's fault), and bind it; the stage indices started."""
         runner = self._runner
         if (
-            runner is not None
+            lost is None
+            and runner is not None
             and runner.dead is None
             and not any(h.exited() for h in runner.handles())
         ):
             return ()
         if runner is not None:
             why = runner.dead or next(
-                (h.exit_reason() or "gone" for h in runner.handles() if h.exited()), "gone"
+                (h.exit_reason() or "gone" for h in runner.handles() if h.exited()), lost or "gone"
             )
             log.warning("the chain is broken (%s): starting it again", why)
             self.trouble = self.trouble or why
@@ -439,11 +457,13 @@ class WarmChain:
                 raise ChainError("the chain is closed")
             if self._runner is not lost_from and self.ready:
                 return  # another stream's recovery brought the new chain up
-            if self._runner is lost_from:
-                nodes = sorted({lost_from.template.stages[i].node_id for i in lost_stages})
-                log.warning("lost stages %s on %s: %s", list(lost_stages), nodes, cause)
-                self._lost = tuple(lost_stages)
-            self._heal()
+            if self._runner is not lost_from:  # a newer chain, itself broken or never up
+                self._heal()
+                return
+            nodes = sorted({lost_from.template.stages[i].node_id for i in lost_stages})
+            log.warning("lost stages %s on %s: %s", list(lost_stages), nodes, cause)
+            self._lost = tuple(lost_stages)
+            self._heal(lost=cause)
 
     def _place_again(self, lost_stages: tuple[int, ...]) -> None:
         """The chain's plan over the live nodes without ``lost_stages``; ``ChainError``
@@ -463,21 +483,17 @@ class WarmChain:
         self._adopt(new)
 
     def _live_pool(self) -> NodePool:
-        """The nodes the chain may be placed on now: this machine's stage nodes (a lost
-        process is started again), or one node per live host (per GPU for the CUDA
-        worker) of the Ray cluster."""
-        if self._ray_host is None:
+        """The nodes the chain may be placed on now: those its host says are live
+        (``KnowsLiveNodes``: a Ray cluster's live hosts), else the chain's nodes and
+        spares, every one taken as live (a lost process starts again where it was)."""
+        if not isinstance(self.host, KnowsLiveNodes):
             return NodePool(ORCHESTRATOR, tuple(self._known.values()))
-        from runtime_cupy.hosts.ray import session
-
-        live = session.hosts()
-        slots = sum(h.gpus for h in live) if self.worker == "cuda" else len(live)
-        found = session.stage_nodes(self.worker, max(1, slots))
-        for node in found:
-            self._ray_host.nodes.setdefault(node.node_id, node)
-            self._known.setdefault(node.node_id, node.spec)
-            self._device_of.setdefault(node.node_id, node.device)
-        return NodePool(ORCHESTRATOR, tuple(n.spec for n in found))
+        known = [(n, self._device_of[n.node_id]) for n in self._known.values()]
+        live = self.host.live_nodes(known, self.worker)
+        for spec, device in live:
+            self._known.setdefault(spec.node_id, spec)
+            self._device_of.setdefault(spec.node_id, device)
+        return NodePool(ORCHESTRATOR, tuple(spec for spec, _ in live))
 
     def _adopt(self, new: Replacement) -> None:
         self.recoveries.placed(new)
@@ -610,7 +626,7 @@ class WarmChain:
         runner = run.runner
         wall = wall_s if wall_s is not None else outcome.ended_s - outcome.submitted_s
         result = summarize(run.plan, run_result(runner, outcome), self.tokenizer, wall, False)
-        if runner.dead is not None:
+        if runner.dead is not None and self._unplaceable is None:
             self.trouble = result.fault or runner.dead
         times = outcome.token_times_s
         return WarmResult(
