@@ -253,6 +253,9 @@ class WarmChain:
         self._closed = False
         self._trouble: str | None = None
         self.restarts = 0  # stages started again after the chain broke
+        #: When the last start of the chain had the broken one stopped, placed the
+        #: stages, started them and bound them (monotonic seconds, by those names).
+        self.heal_marks: dict[str, float] = {}
         self.bind_run: WarmResult | None = None  # the last run that bound the stages
         self.chain_id = ""  # the running chain's id (names its links)
         # The stages' plan, once: PlanRejected / ValueError before any process starts.
@@ -407,8 +410,10 @@ class WarmChain:
             self.trouble = self.trouble or why
             self.restarts += len(runner.handles())
             self._stop_runner()
+        marks = {"stopped": time.monotonic()}
         if self._lost is not None:
             self._place_again(self._lost)  # ChainError: no placement over the live nodes
+        marks["placed"] = time.monotonic()
         runner = ChainRunner(
             self.template,
             worker=self.worker,
@@ -431,6 +436,7 @@ class WarmChain:
             self._runner, self._thread = runner, thread
         self.chain_id = runner.chain_id
         thread.start()
+        marks["started"] = time.monotonic()
         for handle in runner.handles():
             log.info("stage %d (%s) started: pid %d",
                      handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
@@ -439,6 +445,8 @@ class WarmChain:
         except ChainError:
             self._stop_runner()  # the next start makes a new chain
             raise
+        marks["bound"] = time.monotonic()
+        self.heal_marks = marks
         return tuple(range(len(self.layout)))
 
     # -- re-placement (issue 25) ------------------------------------------------------

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import attrs
+from attrs import frozen
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from runplan import SamplingConfig
@@ -47,6 +48,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("runtime_cupy.serve.recovery")
 
 
+@frozen
+class RecoveryTimes:
+    """One stream's recovery on the monotonic clock: its run ended by the fault (the
+    loss detected), the broken chain stopped, the new plan made, the new stages started,
+    bound, and the replay's first token delivered. When another stream's recovery
+    brought the chain up, the chain's times are that one's."""
+
+    ended_s: float
+    stopped_s: float
+    placed_s: float
+    started_s: float
+    bound_s: float
+    first_token_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.first_token_s - self.ended_s
+
+
 class Recoveries:
     """How many streams were recovered and their seconds (any thread)."""
 
@@ -55,11 +75,13 @@ class Recoveries:
         self.count = 0
         self.seconds = 0.0
         self.replacements: list[Replacement] = []
+        self.times: list[RecoveryTimes] = []
 
-    def recovered(self, seconds: float) -> None:
+    def recovered(self, times: RecoveryTimes) -> None:
         with self._lock:
             self.count += 1
-            self.seconds += seconds
+            self.seconds += times.seconds
+            self.times.append(times)
 
     def placed(self, replacement: Replacement) -> None:
         with self._lock:
@@ -138,7 +160,7 @@ def run_stream(
             break
         lost = decision.lost_stages(last.run.plan.stage_count)
         cause = str(finished.fault)
-        lost_at = time.monotonic()
+        lost_at = last.outcome.ended_s  # the loop ended the run: the loss detected
         try:
             chain.replace(last.run.runner, lost, cause)
         except Exception as exc:  # ChainError: unplaceable, or the new chain did not bind
@@ -173,8 +195,18 @@ def run_stream(
         if on_run is not None:
             on_run(run)
         outcome = _wait(run)
+        marks = chain.heal_marks
         chain.recoveries.recovered(
-            (outcome.token_times_s[0] if outcome.token_times_s else outcome.ended_s) - lost_at
+            RecoveryTimes(
+                ended_s=lost_at,
+                stopped_s=marks.get("stopped", lost_at),
+                placed_s=marks.get("placed", lost_at),
+                started_s=marks.get("started", lost_at),
+                bound_s=marks.get("bound", lost_at),
+                first_token_s=outcome.token_times_s[0]
+                if outcome.token_times_s
+                else outcome.ended_s,
+            )
         )
         segments.append(_Segment(run, outcome, replay))
         interrupted = Interrupted.of_replay(replay, run.plan, outcome.tokens)
