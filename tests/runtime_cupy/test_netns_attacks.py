@@ -18,14 +18,11 @@ Root only (skipped with the reason elsewhere); the hosts go when the module ends
 from __future__ import annotations
 
 import json
-import secrets
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -36,7 +33,7 @@ from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.edge_peers import made
 from tests.support.hygiene import run_resources
-from tests.support.netns_hosts import ROOT, TestHosts, unavailable
+from tests.support.netns_hosts import ROOT, TestHosts, hosts_up, shared_model
 from tests.support.netns_stages import NetnsStageHost
 
 #: Test hosts in network namespaces, real stage processes (make fast leaves these out).
@@ -51,28 +48,14 @@ ACTIVATIONS = 1  # the link from stage 0 to stage 1: hop 1 of the chain
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestHosts]:
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    h = TestHosts(3)
-    try:
-        h.up(tmp_path_factory.mktemp("netns-attacks"), ray=False)
+    with hosts_up(3, tmp_path_factory.mktemp("netns-attacks")) as h:
         yield h
-    finally:
-        h.down()
-        assert h.left() == []
 
 
 @pytest.fixture(scope="module")
 def model(tiny: str) -> Iterator[str]:
-    """The tiny model at one path every host sees (not under the private /tmp)."""
-    folder = Path("/var/tmp") / f"gpp-test-{secrets.token_hex(4)}"
-    folder.mkdir()
-    try:
-        shutil.copy(tiny, folder / "tiny.gguf")
-        yield str(folder / "tiny.gguf")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with shared_model(tiny) as path:
+        yield path
 
 
 def _plan(model: str) -> RunPlan:

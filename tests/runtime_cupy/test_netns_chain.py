@@ -8,10 +8,7 @@ Root only (skipped with the reason elsewhere); the hosts go when the module ends
 
 from __future__ import annotations
 
-import secrets
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +17,7 @@ from runplan.config import Timeouts
 from runtime_cupy.api import plan_for
 from runtime_cupy.process.chain_runner import ChainRunner
 from tests.support.hygiene import run_resources
-from tests.support.netns_hosts import TestHosts, unavailable
+from tests.support.netns_hosts import TestHosts, hosts_up, shared_model
 from tests.support.netns_stages import NetnsStageHost
 
 #: Test hosts in network namespaces, real stage processes (make fast leaves these out).
@@ -39,28 +36,14 @@ SAMPLING = [
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestHosts]:
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    h = TestHosts(3)
-    try:
-        h.up(tmp_path_factory.mktemp("netns-chain"), ray=False)
+    with hosts_up(3, tmp_path_factory.mktemp("netns-chain")) as h:
         yield h
-    finally:
-        h.down()
-        assert h.left() == []
 
 
 @pytest.fixture(scope="module")
 def model(tiny: str) -> Iterator[str]:
-    """The tiny model at one path every host sees (not under the private /tmp)."""
-    folder = Path("/var/tmp") / f"gpp-test-{secrets.token_hex(4)}"
-    folder.mkdir()
-    try:
-        shutil.copy(tiny, folder / "tiny.gguf")
-        yield str(folder / "tiny.gguf")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with shared_model(tiny) as path:
+        yield path
 
 
 def _plan(model: str, sampling: SamplingConfig) -> RunPlan:

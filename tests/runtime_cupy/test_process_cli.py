@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import runtime_cupy
 import runtime_sim
 from runtime_cupy.cli.main import main
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
@@ -125,6 +126,37 @@ def test_the_cuda_worker_on_a_host_without_it_is_a_clear_error(
     assert len(lines) == 1 and "pip install -e '.[cuda12]'" in lines[0], lines
 
 
+def test_with_recover_a_killed_stage_is_replaced_and_the_text_goes_on(smollm2_path: str) -> None:
+    prompt = [504, 3575, 282, 4649, 314]
+    unbroken = runtime_cupy.generate(smollm2_path, prompt, stages=3, max_tokens=48)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "3",
+         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "48", "--recover"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )  # fmt: skip
+    pids = _children(proc.pid, 3)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.read(1)  # the first token's text streamed: the run is decoding
+    assert first
+    os.kill(pids[1], signal.SIGKILL)
+    out = first + proc.stdout.read()
+    err = proc.stderr.read()
+    assert proc.wait(120) == 0, err.decode()
+    assert out.decode().startswith(unbroken.text), (out.decode(), unbroken.text)
+    assert "48 tokens, completed" in out.decode()
+    assert "lost stages [1] on ['stage-1']" in err.decode() and "SIGKILL" in err.decode()
+    assert wait_gone(list(pids.values()), 5) == []
+
+
+def test_recover_runs_one_prompt_not_a_file(tiny: str, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    code = main(["--model", tiny, "--prompts-file", str(prompts), "--recover"])
+    assert code == 2
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -132,6 +164,8 @@ def test_the_cuda_worker_on_a_host_without_it_is_a_clear_error(
         (["--trace", "/"], "'/': it is a directory"),
         (["--stages", "-1"], "'-1'"),
         (["--stages", "0"], "'0'"),
+        (["--max-recoveries", "-1"], "-1 is negative"),
+        (["--max-recoveries", "two"], "'two' is not a whole number"),
     ],
 )
 def test_a_bad_flag_is_one_line_naming_it_before_any_process_starts(

@@ -17,8 +17,6 @@ import contextlib
 import json
 import os
 import queue
-import secrets
-import shutil
 import signal
 import subprocess
 import threading
@@ -34,7 +32,7 @@ from runplan.shards import SliceParts, slice_tensor_names
 from runtime_cupy.edges.shm import segment_name
 from runtime_cupy.process.names import edge_dir, run_label
 from runtime_cupy.process.streams import SILENT_PEER_S
-from tests.support.netns_hosts import ROOT, TestHosts, unavailable
+from tests.support.netns_hosts import ROOT, TestHosts, hosts_up, shared_model
 from tests.support.ray_checks import (
     STAGE_ENTRY,
     cmdline,
@@ -57,29 +55,14 @@ PROMPT = [1, 2, 3]
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestHosts]:
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    h = TestHosts(3)
-    try:
-        h.up(tmp_path_factory.mktemp("ray-hosts"))
+    with hosts_up(3, tmp_path_factory.mktemp("ray-hosts"), ray=True) as h:
         yield h
-    finally:
-        h.down()
-        assert h.left() == []
 
 
 @pytest.fixture(scope="module")
 def model(tiny: str) -> Iterator[str]:
-    """The tiny model at one path every host sees (not under the private /tmp)."""
-    folder = Path("/var/tmp") / f"gpp-test-{secrets.token_hex(4)}"
-    folder.mkdir()
-    try:
-        path = folder / "tiny.gguf"
-        shutil.copy(tiny, path)
-        yield str(path)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with shared_model(tiny) as path:
+        yield path
 
 
 class Driver:

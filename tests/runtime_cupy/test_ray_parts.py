@@ -175,3 +175,24 @@ def test_a_cluster_that_is_not_there_is_one_line_and_exit_2() -> None:
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no Ray cluster at 127.0.0.1:1" in lines[0], proc.stderr
+
+
+def test_the_live_nodes_after_a_loss_are_the_live_hosts_nodes_and_a_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``RayHost.live_nodes`` (a chain re-placed after a loss, issue 25): the chain's nodes
+    on hosts still live (a second stage on a host too), then one node per other live
+    host; a lost host's nodes are not there."""
+    from runtime_cupy.hosts.ray import session
+    from runtime_cupy.hosts.ray.host import RayHost
+
+    three = live_hosts([_node(n, f"10.0.0.{i}", 1) for i, n in enumerate("abc", 1)])
+    placed = cpu_stage_nodes(three[:2], 3)  # 10.0.0.1/cpu0, 10.0.0.1/cpu1, 10.0.0.2/cpu0
+    host = RayHost(placed, "10.0.0.9")
+    known = [(n.spec, n.device) for n in placed]
+    alive = [h for h in three if h.address != "10.0.0.2"]  # host 2 lost
+    monkeypatch.setattr(session, "hosts", lambda: tuple(alive))
+    monkeypatch.setattr(session, "stage_nodes", lambda _w, n: cpu_stage_nodes(alive, n))
+    live = [spec.node_id for spec, _ in host.live_nodes(known, "cpu")]
+    assert live == ["10.0.0.1/cpu0", "10.0.0.1/cpu1", "10.0.0.3/cpu0"]
+    assert host.machine("10.0.0.3/cpu0") == "10.0.0.3"  # a node it can start a stage on

@@ -9,11 +9,22 @@ Names and the subnet are drawn at random per cluster (``gpb<tag>``, ``gpn<tag><i
 ``gpv<tag><i>``, ``10.<a>.<b>.0/24``), so that two test sessions on one machine do not
 meet. ``TestHosts.down()`` removes everything it made: it kills every process of each
 namespace, then the namespaces, the veth pairs and the bridge. Root only.
+
+Also when pytest is interrupted: each cluster records its names under ``REGISTRY``
+with its owner (this process's pid and start time) as it comes up; ``down`` runs at
+exit (``atexit``) if nothing called it, and every ``up`` first removes what the records
+of owners no longer running name (``sweep_orphans``), never a live session's.
+
+``hosts_up(...)`` and ``shared_model(...)`` are the module fixtures' bodies: the
+hosts up and down, and a model file at a path every host sees (``/var/tmp``, not the
+hosts' private ``/tmp``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -21,9 +32,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+#: One record per cluster up: its owner and its names (removed when it is down).
+REGISTRY = Path("/var/tmp/gpp-netns-hosts")
 RAY_PORT = 6379
 #: What ``ray start`` logs once its node's processes are up (GCS, raylet, sockets).
 STARTED = "Ray runtime started."
@@ -77,6 +91,7 @@ class TestHosts:
         self.anchors: dict[int, subprocess.Popen[bytes]] = {}  # host -> its `ray start`
         self.logs: dict[int, Path] = {}
         self._starts: dict[int, int] = {}  # host -> STARTED lines in its log before its start
+        self.cut_off: set[int] = set()  # hosts whose cable is out (``cut``)
 
     def namespace(self, i: int) -> str:
         return f"gpn{self.tag}{i}"
@@ -92,7 +107,16 @@ class TestHosts:
         return f"{self.address(1)}:{RAY_PORT}"
 
     # -- up ------------------------------------------------------------------------------
+    def _record(self) -> Path:
+        return REGISTRY / f"{self.tag}.json"
+
     def up(self, log_dir: Path, *, ray: bool = True) -> None:
+        sweep_orphans()
+        REGISTRY.mkdir(mode=0o700, exist_ok=True)
+        owner = {"pid": os.getpid(), "start": _start_time(os.getpid()), "tag": self.tag,
+                 "count": self.count}  # fmt: skip
+        self._record().write_text(json.dumps(owner))
+        atexit.register(self.down)
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "up")
         if not ray:
@@ -183,9 +207,11 @@ class TestHosts:
         """Host ``i``'s cable out: its port on the bridge down, every packet to or from it
         lost, no FIN, no reset; its processes run on."""
         _ip("link", "set", self.veth(i), "down")
+        self.cut_off.add(i)
 
     def mend(self, i: int) -> None:
         _ip("link", "set", self.veth(i), "up")
+        self.cut_off.discard(i)
 
     def pids(self, i: int) -> list[int]:
         out = _ip("netns", "pids", self.namespace(i), check=False).stdout
@@ -204,6 +230,7 @@ class TestHosts:
 
     # -- down ----------------------------------------------------------------------------
     def down(self) -> None:
+        atexit.unregister(self.down)
         for proc in self.anchors.values():  # Ray's own shutdown: its processes exit
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
@@ -216,10 +243,14 @@ class TestHosts:
         for proc in self.anchors.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5)
+        self._remove_names()
+
+    def _remove_names(self) -> None:
         for i in range(1, self.count + 1):
             _ip("netns", "del", self.namespace(i), check=False)
             _ip("link", "del", self.veth(i), check=False)
         _ip("link", "del", self.bridge, check=False)
+        self._record().unlink(missing_ok=True)
 
     def left(self) -> list[str]:
         """What of these hosts is still on the machine (after ``down``)."""
@@ -234,3 +265,65 @@ class TestHosts:
         if self.bridge in links:
             out.append(f"bridge {self.bridge}")
         return out
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (ticks since boot; with the pid, it names the process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def sweep_orphans() -> list[str]:
+    """Remove the hosts whose owner (a test session, interrupted) no longer runs: every
+    process in their namespaces, the namespaces, the veth pairs and the bridge; the tags
+    removed. A live session's hosts are never touched."""
+    swept = []
+    for record in sorted(REGISTRY.glob("*.json")) if REGISTRY.is_dir() else []:
+        try:
+            owner = json.loads(record.read_text())
+            pid, start, tag, count = owner["pid"], owner["start"], owner["tag"], owner["count"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if _start_time(int(pid)) == start:
+            continue  # its session runs
+        hosts = TestHosts(int(count))
+        hosts.tag = str(tag)
+        hosts.bridge = f"gpb{tag}"
+        for i in range(1, hosts.count + 1):
+            hosts.lose(i)
+        hosts._remove_names()
+        swept.append(str(tag))
+    return swept
+
+
+@contextlib.contextmanager
+def hosts_up(count: int, log_dir: Path, *, ray: bool = False) -> Iterator[TestHosts]:
+    """``count`` test hosts up (``pytest.skip`` with the reason where they cannot be),
+    then down, nothing of them left."""
+    import pytest
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    h = TestHosts(count)
+    try:
+        h.up(log_dir, ray=ray)
+        yield h
+    finally:
+        h.down()
+        assert h.left() == []
+
+
+@contextlib.contextmanager
+def shared_model(path: str) -> Iterator[str]:
+    """The model file at ``path`` copied where every test host sees it (not under their
+    private ``/tmp``), removed after."""
+    folder = Path("/var/tmp") / f"gpp-test-{secrets.token_hex(4)}"
+    folder.mkdir()
+    try:
+        shutil.copy(path, folder / Path(path).name)
+        yield str(folder / Path(path).name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

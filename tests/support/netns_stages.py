@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from runplan import NodeSpec
 from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import segment_name
@@ -59,9 +60,13 @@ class SharedRendezvous:
 
 
 class NetnsStageHost(LocalProcessHost):
-    """Stage ``i`` on test host ``where[i]`` of ``hosts``; the orchestrator here.
-    ``attach_delay[i]``: stage ``i``'s tries to attach its outbound edge take that long
-    more (``netns_stage --attach-delay``)."""
+    """Stage ``i`` on test host ``where[i]`` of ``hosts`` (node ``stage-i``), and node
+    ``spare-j`` on host ``spares[j]`` (where a re-placed chain may put a lost stage); the
+    orchestrator here. ``attach_delay[i]``: stage ``i``'s tries to attach its outbound
+    edge take that long more (``netns_stage --attach-delay``); ``faults[i]``: the faults
+    stage ``i``'s worker plays (``netns_stage --fault``). ``live_nodes``: the nodes
+    of the hosts neither lost (``TestHosts.lose``: every process gone) nor cut off
+    (``TestHosts.cut``), as a cluster's membership says once it noticed."""
 
     def __init__(
         self,
@@ -69,11 +74,16 @@ class NetnsStageHost(LocalProcessHost):
         where: Sequence[int],
         *,
         attach_delay: dict[int, float] | None = None,
+        spares: Sequence[int] = (),
+        faults: dict[int, Sequence[str]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.hosts, self.where = hosts, tuple(where)
+        self.node_hosts = {f"stage-{i}": h for i, h in enumerate(self.where)}
+        self.node_hosts.update({f"spare-{j}": h for j, h in enumerate(spares)})
         self.attach_delay = attach_delay or {}
+        self.faults = faults or {}
         self.store = SharedRendezvous()
         self._folder = Path("/var/tmp") / f"gpp-test-{secrets.token_hex(4)}"
         self._folder.mkdir(mode=0o700)
@@ -94,17 +104,26 @@ class NetnsStageHost(LocalProcessHost):
 
     def host_of(self, node_id: str) -> int:
         """The test host of a node of the plan (0: this machine, the orchestrator's)."""
-        if not node_id.startswith("stage-"):
-            return 0
-        return self.where[int(node_id.removeprefix("stage-"))]
+        return self.node_hosts.get(node_id, 0)
+
+    def live_nodes(
+        self, known: Sequence[tuple[NodeSpec, int | None]], worker: str
+    ) -> tuple[tuple[NodeSpec, int | None], ...]:
+        return tuple(
+            (spec, device)
+            for spec, device in known
+            if self.hosts.anchors[self.host_of(spec.node_id)].poll() is None
+            and self.host_of(spec.node_id) not in self.hosts.cut_off
+        )
 
     def command(self, launch: StageLaunch, arguments: Sequence[str]) -> list[str]:
-        i = self.where[launch.stage_index]
+        i = self.host_of(launch.node_id)
         return [
             "nsenter", "-t", str(self.hosts.anchor(i)), "-m", "-n", f"--wd={ROOT}",
             sys.executable, "-m", "tests.support.netns_stage",
             "--bind-host", self.hosts.address(i), "--rendezvous", str(self.path),
             "--attach-delay", str(self.attach_delay.get(launch.stage_index, 0.0)),
+            *(part for f in self.faults.get(launch.stage_index, ()) for part in ("--fault", f)),
             "--", *arguments,
         ]  # fmt: skip
 
@@ -127,8 +146,9 @@ class NetnsStageHost(LocalProcessHost):
         names = " ".join(
             f"/dev/shm/{segment_name(run_id, e)} {edge_dir(run_id, e)}" for e in edge_ids
         )
-        for i in sorted(set(self.where)):
-            self.hosts.on_host(i, f"rm -rf {names}")
+        for i in sorted(set(self.node_hosts.values())):
+            if self.hosts.anchors[i].poll() is None:  # a lost host took its files along
+                self.hosts.on_host(i, f"rm -rf {names}")
 
     def close(self) -> None:
         self._server.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 from runplan.arguments import parse_size, positive_int
 from runplan.gguf_header import GgufError
 from runplan.models import DEFAULT_MODEL, ModelNotFound
+from runtime_core.recovery import DEFAULT_MAX_RECOVERIES
 from runtime_core.runs import PLACEMENTS, PlanRejected
 from runtime_core.tokenizer import TokenizerError
 from runtime_cupy.edges.choice import PREFERENCES
@@ -132,6 +133,34 @@ def add_cluster(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_recovery(parser: argparse.ArgumentParser) -> None:
+    """``--recover`` and ``--max-recoveries``: runs survive a lost stage (issue 25)."""
+    parser.add_argument(
+        "--recover",
+        action="store_true",
+        help="when a stage process, host or link is lost, place the chain again over the "
+        "live nodes and replay each interrupted run there, continuing its stream",
+    )
+    parser.add_argument(
+        "--max-recoveries",
+        type=count,
+        default=DEFAULT_MAX_RECOVERIES,
+        help=f"recoveries per stream with --recover, then the fault ends it "
+        f"(default {DEFAULT_MAX_RECOVERIES})",
+    )
+
+
+def count(text: str) -> int:
+    """An ``argparse`` type: a whole number 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 def add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the runtime does")
 
@@ -188,6 +217,7 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "it wait for room (default: --max-concurrent full-length runs)",
     )
     add_cluster(parser)
+    add_recovery(parser)
     add_verbose(parser)
 
 
@@ -226,4 +256,6 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
         max_concurrent=args.max_concurrent,
         kv_budget_bytes=args.kv_budget,
         prefill_chunk=args.prefill_chunk,
+        recover=args.recover,
+        max_recoveries=args.max_recoveries,
     )

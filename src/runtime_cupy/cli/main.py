@@ -13,7 +13,10 @@ that travelled) and everything else goes to standard error. While slices of the 
 travel to stages on other hosts, standard error shows a progress bar per stage. A run
 that faults prints one line naming the stage, node and reason to standard error and
 exits 1; Ctrl-C tears the run down, prints ``cancelled`` and exits 130; bad input
-exits 2.
+exits 2. With ``--recover`` the run survives a lost stage process, host or link: the
+chain is placed again over the live nodes and the run replayed there, its text going
+on where it stopped (``serve.recovery``, at most ``--max-recoveries`` times); the
+stages then start and bind as ``serve``'s do (``serve.chain.WarmChain``).
 
 Subcommands beside it: ``python -m runtime_cupy plan ...`` (``cli.plan``),
 ``python -m runtime_cupy serve ...`` (an OpenAI-compatible HTTP
@@ -52,6 +55,7 @@ from runtime_cupy.cli.arguments import (
     INPUT_ERRORS,
     add_cluster,
     add_devices,
+    add_recovery,
     add_verbose,
     add_worker,
     configure_logs,
@@ -131,6 +135,8 @@ def _run_batch(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.prompts_file is not None:
+        if args.recover:
+            raise ValueError("--recover runs one prompt (--prompt), not a --prompts-file")
         return _run_batch(args)
     err = Console(stderr=True, soft_wrap=True)
     path = resolve_model(args.model)
@@ -153,21 +159,24 @@ def _run(args: argparse.Namespace) -> int:
 
     status.start()
     try:
-        result = generate(
-            path,
-            prompt,
-            **generation_options(args),
-            on_token=stream,
-            on_load=on_load,
-            tokenizer=tokenizer,
-            worker=args.worker,
-            gpus=args.gpus,
-            edges=args.edges,
-            encrypt_edges=args.encrypt_edges,
-            ray_address=args.ray_address,
-            placement=args.placement,
-            on_slice=on_slice,
-        )
+        if args.recover:
+            result = _generate_recovering(args, path, prompt, stream)
+        else:
+            result = generate(
+                path,
+                prompt,
+                **generation_options(args),
+                on_token=stream,
+                on_load=on_load,
+                tokenizer=tokenizer,
+                worker=args.worker,
+                gpus=args.gpus,
+                edges=args.edges,
+                encrypt_edges=args.encrypt_edges,
+                ray_address=args.ray_address,
+                placement=args.placement,
+                on_slice=on_slice,
+            )
     finally:
         status.stop()
         bars.stop()
@@ -186,6 +195,43 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_CANCELLED
     err.print(f"error: run faulted: {escape(result.fault or '')}", highlight=False)
     return EXIT_FAULTED
+
+
+def _generate_recovering(
+    args: argparse.Namespace, path: str, prompt: list[int], stream: TextStream
+) -> GenerateResult:
+    """The run on a warm chain that recovers from a lost stage (``--recover``)."""
+    from runtime_cupy.serve.chain import WarmChain
+
+    chain = WarmChain(
+        path,
+        stages=args.stages,
+        worker=args.worker,
+        gpus=args.gpus,
+        edges=args.edges,
+        encrypt_edges=args.encrypt_edges,
+        context=max(2, len(prompt) + args.max_tokens),
+        trace=args.trace is not None,
+        ray_address=args.ray_address,
+        placement=args.placement,
+        max_concurrent=1,
+        recover=True,
+        max_recoveries=args.max_recoveries,
+    )
+    try:
+        chain.start()
+        run = chain.generate(
+            prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            on_token=stream,
+        )
+    finally:
+        chain.close()
+    return run.result
 
 
 def _round(value: float | None, scale: float, digits: int) -> float | None:
@@ -294,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker(run)
     add_devices(run)
     add_cluster(run)
+    add_recovery(run)
     add_verbose(run)
     return run
 

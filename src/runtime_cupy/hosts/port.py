@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 from attrs import frozen
 
-from runplan import GgufSource
+from runplan import GgufSource, NodeSpec
 from runplan.shards import SliceParts
 from runtime_cupy.edges.port import EdgeMedium, Rendezvous
 from runtime_cupy.process.control_channel import ControlChannel
@@ -130,6 +130,21 @@ class MovesSlices(Protocol):
     def wait_for_slices(self, cancelled: Callable[[], bool]) -> None:
         """Return once every started stage's slice is on its host (or failed to come),
         or at once when ``cancelled()`` says so."""
+        ...
+
+
+@runtime_checkable
+class KnowsLiveNodes(Protocol):
+    """A host that knows which nodes are live now (``hosts.ray``: the cluster's live
+    hosts), for a chain re-placed after a loss. A host without it places a chain on the
+    nodes it was given, every one taken as live (a lost process starts again where it
+    was)."""
+
+    def live_nodes(
+        self, known: Sequence[tuple[NodeSpec, int | None]], worker: str
+    ) -> tuple[tuple[NodeSpec, int | None], ...]:
+        """The nodes a chain of ``worker`` stages may be placed on now, each with its
+        GPU (``None``: the CPU); ``known``: the chain's nodes and spares so far."""
         ...
 
 

@@ -26,6 +26,11 @@ places them (``placement`` ``even`` or ``memory``). A stage on a host without th
 gets its slice from this host (``runtime_cupy.slices``), logged as it moves
 (``waiting_for`` says what is still on its way).
 
+With ``recover=True`` a run a lost stage process, host or link interrupted is not
+failed: the chain is re-placed over the live nodes and the run replayed on it, its
+tokens continuing its caller's stream (``serve.recovery``; at most ``max_recoveries``
+per stream).
+
 ``generate``, ``ready`` and a run's ``cancel`` may be called from any thread; ``start``,
 ``recover`` and ``close`` from the owner's.
 """
@@ -42,22 +47,36 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from attrs import frozen
 
-from runplan import RunPlan, RuntimeConfig, SamplingConfig, model_facts_from_gguf
+from runplan import (
+    NodePool,
+    NodeSpec,
+    Placement,
+    PlanRejection,
+    RunPlan,
+    RuntimeConfig,
+    SamplingConfig,
+    model_facts_from_gguf,
+    plan_run,
+)
 from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
-from runtime_core.runs import PLACEMENTS, plan_even
+from runplan.replacement import Replacement, Unplaceable, replace_lost
+from runtime_core.recovery import DEFAULT_MAX_RECOVERIES, RecoveryPolicy
+from runtime_core.replay import Replay
+from runtime_core.runs import PLACEMENTS, PlanRejected, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, summarize
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.hosts.port import StageHandle, StageHost
+from runtime_cupy.hosts.port import KnowsLiveNodes, StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import run_result
-from runtime_cupy.process.names import new_run_id
+from runtime_cupy.process.names import new_run_id, run_label
+from runtime_cupy.serve.recovery import Recoveries, describe_placement, run_stream
 from runtime_cupy.slices.progress import SliceLog, describe
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
@@ -141,7 +160,12 @@ class WarmChain:
     random bits, ``names.new_run_id``); ``secrets()`` gives each chain started its secret
     (by default 32 random bytes): the chain's id, which names its links on its hosts, is
     derived from it. ``prefill_chunk``: rows of a prompt per prefill record (a long
-    prompt's chunks interleave with the other runs' decode steps). Raises
+    prompt's chunks interleave with the other runs' decode steps). ``recover``: a run
+    a lost stage process, host or link interrupted is replayed on the re-placed chain,
+    at most ``max_recoveries`` times per stream (``serve.recovery``), over the live
+    nodes: a Ray cluster's, else the stages' nodes and ``spares`` (``NodeSpec``s the
+    host can start a stage on; a lost range goes to a spare first). ``nodes``: the
+    stages' nodes (one each) instead of this machine's (``place_stages``). Raises
     ``ClusterError`` for a cluster that cannot be reached or has no room, before any
     process starts."""
 
@@ -166,7 +190,16 @@ class WarmChain:
         secrets: Callable[[], bytes] | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         kv_budget_bytes: int | None = None,
+        recover: bool = False,
+        max_recoveries: int = DEFAULT_MAX_RECOVERIES,
+        nodes: Sequence[NodeSpec] | None = None,
+        spares: Sequence[NodeSpec] = (),
     ) -> None:
+        if nodes is not None and (ray_address is not None or len(nodes) != stages):
+            raise ValueError(
+                f"nodes names the {stages} stages' nodes (one each), on this machine or "
+                f"where the host puts them, not on a Ray cluster; {len(nodes)} given"
+            )
         if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
             raise ValueError(
                 "the stages on a Ray cluster (--ray-address) take its live hosts and GPUs "
@@ -201,9 +234,22 @@ class WarmChain:
                 cluster, session.orchestrator_address(), log_level=level
             )
             self._ray_host.on_slice_change = SliceLog()  # serve logs slices as they move
+        elif nodes is not None:
+            self.nodes, self.devices = tuple(nodes), (None,) * stages
         else:
             self.nodes, self.devices = place_stages(stages, worker, gpus)
         self.placement = placement
+        # Every node a stage was or may be placed on, and its device (re-placement).
+        self._known = {n.node_id: n for n in (*self.nodes, *spares)}
+        self._device_of = {n.node_id: d for n, d in zip(self.nodes, self.devices, strict=True)}
+        self._device_of.update(
+            (n.node_id, None) for n in spares if n.node_id not in self._device_of
+        )
+        self._placement: Placement | None = None  # explicit rows once re-placed
+        self.policy = RecoveryPolicy(max_recoveries) if recover else None  # ValueError
+        self.recoveries = Recoveries()
+        self._lost: tuple[int, ...] | None = None  # stages lost and not yet placed again
+        self._unplaceable: Unplaceable | None = None
         self.edges = edges
         self.encrypt_edges = encrypt_edges
         self.host: StageHost = host or LocalProcessHost(log_dir=log_dir)
@@ -228,6 +274,9 @@ class WarmChain:
         self._closed = False
         self._trouble: str | None = None
         self.restarts = 0  # stages started again after the chain broke
+        #: When the last start of the chain had the broken one stopped, placed the
+        #: stages, started them and bound them (monotonic seconds, by those names).
+        self.heal_marks: dict[str, float] = {}
         self.bind_run: WarmResult | None = None  # the last run that bound the stages
         self.chain_id = ""  # the running chain's id (names its links)
         # The stages' plan, once: PlanRejected / ValueError before any process starts.
@@ -282,8 +331,22 @@ class WarmChain:
         no): every run has the chain's stage facts (cache length, KV budget:
         ``kv_budget_bytes`` or ``max_concurrent`` full-length runs, batch rows) and its
         own prompt length and token limit."""
+        config = self._config(run_id, max_tokens, sampling, prompt_tokens)
+        if self._placement is None:
+            return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)
+        pool = NodePool(ORCHESTRATOR, self.nodes)
+        planned = plan_run(
+            self.facts, config, pool, stage_count=len(self.nodes), placement=self._placement
+        )
+        if isinstance(planned, PlanRejection):
+            raise PlanRejected(planned)
+        return planned
+
+    def _config(
+        self, run_id: str, max_tokens: int, sampling: SamplingConfig, prompt_tokens: int
+    ) -> RuntimeConfig:
         half = self.worker == "cuda"  # the CUDA worker moves f16 activations
-        config = RuntimeConfig(
+        return RuntimeConfig(
             run_id=run_id,
             max_tokens=max_tokens,
             activation_dtype_family=DTypeFamily.FLOAT,
@@ -296,7 +359,6 @@ class WarmChain:
             kv_budget_bytes=self.kv_budget_bytes,
             prefill_chunk=self.prefill_chunk,
         )
-        return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)
 
     def _medium(self, plan: RunPlan, edge: Any) -> str:
         def node(endpoint: Any) -> str:
@@ -372,24 +434,30 @@ class WarmChain:
             runner = self._runner
         return runner.handles() if runner is not None else ()
 
-    def _heal(self) -> tuple[int, ...]:
+    def _heal(self, lost: str | None = None) -> tuple[int, ...]:
         """Start the chain again if it is not whole (a stage gone or silent, a chain
-        fault) and bind it; the stage indices started."""
+        fault), or if it ``lost`` a stage (a link a stage saw break, which need not make
+        the chain's fault), and bind it; the stage indices started."""
         runner = self._runner
         if (
-            runner is not None
+            lost is None
+            and runner is not None
             and runner.dead is None
             and not any(h.exited() for h in runner.handles())
         ):
             return ()
         if runner is not None:
             why = runner.dead or next(
-                (h.exit_reason() or "gone" for h in runner.handles() if h.exited()), "gone"
+                (h.exit_reason() or "gone" for h in runner.handles() if h.exited()), lost or "gone"
             )
             log.warning("the chain is broken (%s): starting it again", why)
             self.trouble = self.trouble or why
             self.restarts += len(runner.handles())
             self._stop_runner()
+        marks = {"stopped": time.monotonic()}
+        if self._lost is not None:
+            self._place_again(self._lost)  # ChainError: no placement over the live nodes
+        marks["placed"] = time.monotonic()
         runner = ChainRunner(
             self.template,
             worker=self.worker,
@@ -412,6 +480,7 @@ class WarmChain:
             self._runner, self._thread = runner, thread
         self.chain_id = runner.chain_id
         thread.start()
+        marks["started"] = time.monotonic()
         for handle in runner.handles():
             log.info("stage %d (%s) started: pid %d",
                      handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
@@ -420,7 +489,95 @@ class WarmChain:
         except ChainError:
             self._stop_runner()  # the next start makes a new chain
             raise
+        marks["bound"] = time.monotonic()
+        self.heal_marks = marks
         return tuple(range(len(self.layout)))
+
+    # -- re-placement (issue 25) ------------------------------------------------------
+    @property
+    def placeable(self) -> bool:
+        """The last re-placement found a plan (or none was needed)."""
+        return self._unplaceable is None
+
+    def replace(self, lost_from: ChainRunner, lost_stages: Sequence[int], cause: str) -> None:
+        """Re-place the chain ``lost_from`` was after it lost ``lost_stages`` (by
+        ``cause``) and bring the new chain up, unless another stream did already (any
+        thread). ``ChainError`` when there is no placement over the live nodes (its
+        rejection named) or the new chain cannot be started or bound."""
+        with self._heal_lock:
+            if self._closed:
+                raise ChainError("the chain is closed")
+            if self._runner is not lost_from and self.ready:
+                return  # another stream's recovery brought the new chain up
+            if self._runner is not lost_from:  # a newer chain, itself broken or never up
+                self._heal()
+                return
+            nodes = sorted({lost_from.template.stages[i].node_id for i in lost_stages})
+            log.warning("lost stages %s on %s: %s", list(lost_stages), nodes, cause)
+            self._lost = tuple(lost_stages)
+            self._heal(lost=cause)
+
+    def _place_again(self, lost_stages: tuple[int, ...]) -> None:
+        """The chain's plan over the live nodes without ``lost_stages``; ``ChainError``
+        naming the planner's rejection when there is none."""
+        pool = self._live_pool()
+        config = self._config(self._run_ids(), 1, SamplingConfig(), 0)
+        new = replace_lost(self.template, self.facts, config, pool, lost_stages=lost_stages)
+        if isinstance(new, Unplaceable):
+            self._unplaceable = new
+            self.trouble = f"the chain lost a stage and cannot be placed again: {new}"
+            log.error("%s", self.trouble)
+            raise ChainError(self.trouble)
+        self._unplaceable = None
+        self._lost = None
+        log.warning("lost nodes %s; new placement: %s", list(new.lost_nodes),
+                    describe_placement(new))  # fmt: skip
+        self._adopt(new)
+
+    def _live_pool(self) -> NodePool:
+        """The nodes the chain may be placed on now: those its host says are live
+        (``KnowsLiveNodes``: a Ray cluster's live hosts), else the chain's nodes and
+        spares, every one taken as live (a lost process starts again where it was)."""
+        if not isinstance(self.host, KnowsLiveNodes):
+            return NodePool(ORCHESTRATOR, tuple(self._known.values()))
+        known = [(n, self._device_of[n.node_id]) for n in self._known.values()]
+        live = self.host.live_nodes(known, self.worker)
+        for spec, device in live:
+            self._known.setdefault(spec.node_id, spec)
+            self._device_of.setdefault(spec.node_id, device)
+        return NodePool(ORCHESTRATOR, tuple(spec for spec, _ in live))
+
+    def _adopt(self, new: Replacement) -> None:
+        self.recoveries.placed(new)
+        self._placement = new.placement
+        self.template = new.plan
+        self.nodes = tuple(self._known[s.node_id] for s in new.plan.stages)
+        self.devices = tuple(self._device_of[s.node_id] for s in new.plan.stages)
+        self.layout = tuple(
+            (s.stage_index, s.node_id, s.layer_start, s.layer_end_exclusive)
+            for s in new.plan.stages
+        )
+
+    def run_id(self) -> str:
+        """A new run id."""
+        return self._run_ids()
+
+    def submit_replay(self, replay: Replay, on_token: Callable[[int], None]) -> ChainRun:
+        """Hand the chain the replay of an interrupted run (``ChainError`` when the chain
+        is not up)."""
+        runner = self._runner
+        if runner is None or not self.ready:
+            raise ChainError(self.trouble or "the chain is not up")
+        plan = self.plan(
+            replay.run_id,
+            max_tokens=replay.max_tokens,
+            sampling=replay.sampling,
+            prompt_tokens=len(replay.prompt),
+        )
+        log.info(
+            "run %s replays %s", run_label(replay.run_id), run_label(replay.interrupted_run_id)
+        )
+        return runner.submit(plan, replay.prompt, on_token)
 
     def _stop_runner(self) -> None:
         with self._lock:
@@ -500,6 +657,8 @@ class WarmChain:
         on_token: Callable[[int], None] | None,
         on_run: OnRun | None,
     ) -> WarmResult:
+        if self.policy is not None and self._warm:
+            return run_stream(self, self.policy, prompt, max_tokens, sampling, on_token, on_run)
         began = time.perf_counter()
         run = self.submit(prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token)
         if on_run is not None:
@@ -535,7 +694,7 @@ class WarmChain:
         runner = run.runner
         wall = wall_s if wall_s is not None else outcome.ended_s - outcome.submitted_s
         result = summarize(run.plan, run_result(runner, outcome), self.tokenizer, wall, False)
-        if runner.dead is not None:
+        if runner.dead is not None and self._unplaceable is None:
             self.trouble = result.fault or runner.dead
         times = outcome.token_times_s
         return WarmResult(

@@ -41,6 +41,7 @@ from runtime_cupy.process.chain_runner import ChainRun
 from runtime_cupy.process.names import run_label
 from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
 from runtime_cupy.serve.metrics import Metrics
+from runtime_cupy.serve.recovery import RecoveryMetrics
 from runtime_cupy.serve.requests import CompletionRequest, Message, RequestError
 from runtime_cupy.serve.text import Answer
 
@@ -211,6 +212,7 @@ class Engine:
             kv=self.chain.kv_in_use,
             batches=self.chain.batch_counts,
         )
+        self.metrics.registry.register(RecoveryMetrics(lambda: self.chain.recoveries))
         self._thread = threading.Thread(target=self._serve, name="runner", daemon=True)
         self._job_threads: set[threading.Thread] = set()
         self._started = threading.Event()  # the chain is up (or failed to come up)

@@ -47,6 +47,7 @@ from typing import Any
 
 import attrs
 
+from runplan import NodeSpec
 from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.hosts.local import describe_exit
@@ -277,6 +278,29 @@ class RayHost:
         """The machine (address) of a node; the orchestrator's for a node not a stage's."""
         node = self.nodes.get(node_id)
         return node.host.address if node is not None else self.orchestrator_address
+
+    def live_nodes(
+        self, known: Sequence[tuple[NodeSpec, int | None]], worker: str
+    ) -> tuple[tuple[NodeSpec, int | None], ...]:
+        """The ``known`` nodes whose host is live, then one node per live host of the
+        cluster (per GPU for the CUDA worker) as the stages were placed
+        (``session.stage_nodes``), each now a node this host can start a stage on."""
+        from runtime_cupy.hosts.ray import session
+
+        live = session.hosts()
+        up = {h.ray_node_id for h in live}
+        slots = sum(h.gpus for h in live) if worker == "cuda" else len(live)
+        found = session.stage_nodes(worker, max(1, slots)) if live else ()
+        out = [
+            (spec, device)
+            for spec, device in known
+            if spec.node_id in self.nodes and self.nodes[spec.node_id].host.ray_node_id in up
+        ]
+        for node in found:
+            if node.node_id not in {spec.node_id for spec, _ in out}:
+                self.nodes.setdefault(node.node_id, node)
+                out.append((node.spec, node.device))
+        return tuple(out)
 
     # -- the port ------------------------------------------------------------------------
     def start(self, launch: StageLaunch, secret: bytes) -> RayStageHandle | UnstartedStage:

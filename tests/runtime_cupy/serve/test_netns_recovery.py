@@ -1,0 +1,155 @@
+"""A lost host does not lose the answer (issue 25), across test hosts
+(``tests/support/netns_hosts.py``: network and mount namespaces on a bridge, no Ray),
+through the official ``openai`` client against ``serve`` (uvicorn in this process,
+``--recover``): stage 0 on host 1, stage 1 on host 2, host 3 a spare
+(``NetnsStageHost``: node ``spare-0``), every link a TCP stream.
+
+- SIGKILL every process of host 2 mid-stream: the stream completes and its whole text
+  is the unbroken run's (greedy and seeded); the spare now holds stage 1, and nothing is
+  left of host 2.
+- Cut host 2's cable mid-stream (no FIN, no reset): the link from stage 0 to stage 1
+  breaks (both its ends count as lost, as which failed is not known) and the cluster's
+  membership no longer lists host 2; the stream completes as unbroken, the spare holds
+  a stage and host 2 none; once mended, nothing of the old stage is left on host 2.
+- Without a spare, on nodes with room for one stage each: the request ends with the
+  planner's rejection named, and ``/health`` reports the server unhealthy with it.
+
+Root only (skipped with the reason elsewhere); each test's hosts go when it ends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+
+from runplan import NodeSpec
+from runplan.config import Timeouts
+from runplan.memory import plan_stage_memory
+from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.serve.engine import Engine
+from tests.support.netns_hosts import TestHosts, hosts_up, shared_model
+from tests.support.netns_stages import NetnsStageHost
+from tests.support.servers import InProcessServer, metrics, wait_for
+
+#: Test hosts in network namespaces, real stage processes (make fast leaves these out).
+pytestmark = [pytest.mark.netns, pytest.mark.process]
+
+#: A silent stage is named after 2 s (a cut cable); every other bound is far.
+TIMEOUTS = Timeouts(ready_ms=60_000, step_ms=30_000, edge_wait_ms=30_000, stop_ms=5_000,
+                    heartbeat_ms=2_000)  # fmt: skip
+PROMPT = "Once upon a time"
+MAX_TOKENS = 24
+#: Stage 0's step 3 takes 1 s, so that the loss lands mid-stream.
+SLOW: dict[int, Sequence[str]] = {0: ["step-delay=3:1.0"]}
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def model(tiny_chat: str) -> Iterator[str]:
+    with shared_model(tiny_chat) as path:
+        yield path
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[TestHosts]:
+    with hosts_up(3, tmp_path) as h:
+        yield h
+
+
+def serve(chain: WarmChain) -> InProcessServer:
+    engine = Engine(chain, max_queue=4)
+    server = InProcessServer(engine)
+    engine.start()
+    assert engine.wait_started(120), engine.failure
+    return server
+
+
+def client(server: InProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+
+def stage_pids_on(hosts: TestHosts, i: int) -> list[int]:
+    """The processes of host ``i`` but its anchor."""
+    return [p for p in hosts.pids(i) if p != hosts.anchor(i)]
+
+
+GREEDY: dict[str, Any] = {"temperature": 0}
+SEEDED: dict[str, Any] = {"temperature": 0.9, "seed": 5}
+
+
+@pytest.mark.parametrize(
+    ("loss", "sampling"),
+    [("killed", GREEDY), ("killed", SEEDED), ("cut", GREEDY)],
+    ids=["killed-greedy", "killed-seeded", "cut-greedy"],
+)
+def test_a_lost_host_s_stage_goes_to_the_spare_and_the_stream_goes_on(
+    hosts: TestHosts, model: str, loss: str, sampling: dict[str, Any]
+) -> None:
+    host = NetnsStageHost(hosts, (1, 2), spares=(3,), faults=SLOW)
+    nodes = (NodeSpec("stage-0", 2**34), NodeSpec("stage-1", 2**34))
+    chain = WarmChain(model, stages=2, host=host, edges="tcp", context=CONTEXT,
+                      timeouts=TIMEOUTS, recover=True, nodes=nodes,
+                      spares=(NodeSpec("spare-0", 2**34),))  # fmt: skip
+    server = serve(chain)
+    try:
+        c = client(server)
+        ask = {"model": "tiny-chat", "prompt": PROMPT, "max_tokens": MAX_TOKENS, **sampling}
+        unbroken = c.completions.create(**ask).choices[0].text
+        old = stage_pids_on(hosts, 2)
+        assert old, "stage 1 runs on host 2"
+        pieces: list[str] = []
+        for chunk in c.completions.create(**ask, stream=True):
+            if not pieces:
+                hosts.lose(2) if loss == "killed" else hosts.cut(2)
+            pieces.append(chunk.choices[0].text)
+        assert "".join(pieces) == unbroken
+        placed = [s.node_id for s in chain.template.stages]
+        if loss == "killed":  # stage 1 lost: its range on the spare, stage 0 where it was
+            assert placed == ["stage-0", "spare-0"]
+        else:  # the link lost: both its ends, so the spare holds one, host 2 none
+            assert "spare-0" in placed and "stage-1" not in placed, placed
+        assert stage_pids_on(hosts, 3), "the spare holds a stage"
+        assert metrics(server.base_url)["gguf_pipeline_recoveries_total"] == 1
+        if loss == "cut":
+            hosts.mend(2)
+            wait_for(lambda: not set(stage_pids_on(hosts, 2)) & set(old), 10, "old stage gone")
+            assert hosts.on_host(2, "ls -A /dev/shm").split() == []
+        else:
+            assert hosts.pids(2) == []
+    finally:
+        server.stop()
+        host.close()
+
+
+def test_without_a_spare_or_room_the_rejection_is_named_and_the_server_unhealthy(
+    hosts: TestHosts, model: str
+) -> None:
+    probe = WarmChain(model, stages=2, context=CONTEXT, timeouts=TIMEOUTS)
+    # Room for the larger of the two stages on each node, not for the whole model.
+    room = max(m.total for m in plan_stage_memory(probe.facts, probe.capabilities, probe.template))
+    host = NetnsStageHost(hosts, (1, 2), faults=SLOW)
+    nodes = (NodeSpec("stage-0", room), NodeSpec("stage-1", room))
+    chain = WarmChain(model, stages=2, host=host, edges="tcp", context=CONTEXT,
+                      timeouts=TIMEOUTS, recover=True, nodes=nodes)  # fmt: skip
+    server = serve(chain)
+    try:
+        c = client(server)
+        ask = {"model": "tiny-chat", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        with pytest.raises(openai.APIError) as info:
+            for chunk in c.completions.create(**ask, stream=True):
+                if chunk.choices[0].text:
+                    hosts.lose(2)
+        assert "insufficient_memory" in str(info.value), info.value
+        health = httpx2.get(f"{server.base_url}/health")
+        assert health.status_code == 503
+        assert "insufficient_memory" in str(health.json()), health.json()
+    finally:
+        server.stop()
+        host.close()
+    assert os.path.exists(model)

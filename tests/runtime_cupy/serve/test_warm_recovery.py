@@ -1,0 +1,161 @@
+"""A lost stage does not lose the answer (issue 25) on the process runtime: a warm chain
+with ``recover=True`` whose stage process is SIGKILLed mid-stream is re-placed (the
+lost stage started again, every stage a new process on new links), and each
+interrupted run is replayed there: the caller's stream goes on and its whole text is
+the unbroken run's, greedy and seeded, with 4 runs in flight, and through a second
+loss during the recovery. Nothing of the old chain is left (the ``no_leftovers``
+fixture checks every chain's resources by its id, the old one's too).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from runtime_cupy import generate
+from runtime_cupy.serve.chain import WarmChain
+from tests.support.hygiene import alive, wait_gone
+
+pytestmark = pytest.mark.process
+
+PROMPT = [5, 77, 30, 12, 9]
+TOKENS = 16
+SEEDED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 11}
+
+
+def kill_after(chain: WarmChain, stage: int, after: int, seen: list[int]) -> Callable[[int], None]:
+    """An ``on_token`` that records the stream and SIGKILLs ``stage``'s process once
+    ``after`` tokens arrived (from the chain's loop thread: mid-stream)."""
+    pids = chain.pids()
+
+    def on_token(token: int) -> None:
+        seen.append(token)
+        if len(seen) == after:
+            os.kill(pids[stage], signal.SIGKILL)
+
+    return on_token
+
+
+@pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
+def test_a_stage_killed_mid_stream_is_replaced_and_the_stream_goes_on(
+    tiny: str, sampling: dict[str, Any]
+) -> None:
+    unbroken = generate(tiny, PROMPT, stages=2, max_tokens=TOKENS, **sampling)
+    assert unbroken.outcome == "completed" and len(unbroken.tokens) == TOKENS
+    with WarmChain(tiny, stages=2, context=64, recover=True) as chain:
+        pids = chain.pids()
+        seen: list[int] = []
+        run = chain.generate(
+            PROMPT, max_tokens=TOKENS, on_token=kill_after(chain, 1, 3, seen), **sampling
+        )
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == unbroken.tokens
+        assert run.result.text == unbroken.text
+        assert tuple(seen) == unbroken.tokens, "the caller's stream went on, token for token"
+        assert chain.recoveries.count == 1 and chain.recoveries.seconds > 0
+        assert chain.ready
+        assert not set(chain.pids()) & set(pids), "no process of the old chain serves"
+        assert not wait_gone(list(pids), 10.0), "the old chain's stages were reaped"
+
+
+def test_a_stage_killed_between_tokens_without_recover_ends_the_run(tiny: str) -> None:
+    """The control: the same kill without ``recover`` faults the run (as before)."""
+    with WarmChain(tiny, stages=2, context=64) as chain:
+        seen: list[int] = []
+        run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=kill_after(chain, 1, 3, seen))
+        assert run.result.outcome == "faulted"
+        assert "SIGKILL" in (run.result.fault or "")
+        assert chain.recoveries.count == 0
+
+
+def test_four_runs_in_flight_all_resume(tiny: str) -> None:
+    prompts = [PROMPT, [9, 8, 7, 6], [40, 41, 42, 43, 44, 45], [3, 1, 4, 1, 5]]
+    settings: list[dict[str, Any]] = [{}, SEEDED, {"temperature": 0.7, "seed": 3}, {}]
+    unbroken = [
+        generate(tiny, p, stages=3, max_tokens=2 * TOKENS, **s)
+        for p, s in zip(prompts, settings, strict=True)
+    ]
+    with WarmChain(tiny, stages=3, context=64, recover=True, max_concurrent=4) as chain:
+        pids = chain.pids()
+        streams: list[list[int]] = [[] for _ in prompts]
+        all_in = threading.Barrier(4)
+        killed = threading.Event()
+        lock = threading.Lock()
+
+        def on_token(i: int) -> Callable[[int], None]:
+            def record(token: int) -> None:
+                streams[i].append(token)
+                with lock:  # once every run has tokens out: all four are in flight
+                    if not killed.is_set() and all(len(s) >= 2 for s in streams):
+                        killed.set()
+                        os.kill(pids[1], signal.SIGKILL)
+
+            return record
+
+        results: list[Any] = [None] * 4
+
+        def one(i: int) -> None:
+            all_in.wait()
+            results[i] = chain.generate(
+                prompts[i], max_tokens=2 * TOKENS, on_token=on_token(i), **settings[i]
+            )
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert killed.is_set(), "the stage was killed with the four runs in flight"
+        for i, want in enumerate(unbroken):
+            got = results[i].result
+            assert got.outcome == "completed", got.fault
+            assert got.tokens == want.tokens, f"run {i}"
+            assert tuple(streams[i]) == want.tokens, f"stream {i}"
+        assert chain.recoveries.count == 4, "every run in flight was replayed"
+        assert len(chain.recoveries.replacements) == 1, "one re-placement served them all"
+        assert not alive(pids[1])
+
+
+def test_a_second_loss_during_the_recovery(tiny: str) -> None:
+    unbroken = generate(tiny, PROMPT, stages=2, max_tokens=TOKENS, **SEEDED)
+    with WarmChain(tiny, stages=2, context=64, recover=True) as chain:
+        first = chain.pids()
+        seen: list[int] = []
+
+        def on_token(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 2:
+                os.kill(first[1], signal.SIGKILL)
+            if len(seen) == 4:  # the replay's second token: its chain is lost in turn
+                os.kill(chain.pids()[0], signal.SIGKILL)
+
+        run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token, **SEEDED)
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == unbroken.tokens
+        assert tuple(seen) == unbroken.tokens
+        assert chain.recoveries.count == 2
+        assert len(chain.recoveries.replacements) == 2
+
+
+def test_recoveries_spent_end_the_stream_with_its_fault(tiny: str) -> None:
+    with WarmChain(tiny, stages=2, context=64, recover=True, max_recoveries=1) as chain:
+        first = chain.pids()
+        seen: list[int] = []
+
+        def on_token(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 2:
+                os.kill(first[1], signal.SIGKILL)
+            if len(seen) == 4:
+                os.kill(chain.pids()[1], signal.SIGKILL)
+
+        run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
+        assert run.result.outcome == "faulted"
+        assert "SIGKILL" in (run.result.fault or "")
+        assert run.result.tokens == tuple(seen) and len(seen) >= 4
+        assert chain.recoveries.count == 1
