@@ -22,10 +22,10 @@ its own KV cache on the backend (``new_cache`` for its ``kv_positions`` position
 sampler and cursor. ``execute_batch`` checks each step (order, positions, token ids,
 activations: a bad one is that step's ``StepFailure``), then hands the backend the
 others in one call, ``run_batch``: each a ``BackendStep`` (its run's cache, input,
-first position, whether its last row needs a token). The CPU backend runs them as one
-step of all their rows (``forward_program.py``: each weight read once per batch); the
-CUDA backend, one after another (``looped_batch.py``). Either way a run's results do
-not depend on its batch. Then per step, in order: its activations, or its token (its
+first position, whether its last row needs a token). The CPU and CUDA backends run them
+as one step of all their rows (``forward_program.py``: each weight read once per
+batch), each row's arithmetic independent of the others, so a run's results do not
+depend on its batch. Then per step, in order: its activations, or its token (its
 run's sampler drawing where it samples) and logits.
 
 Weights outlive a run (``runtime_core.workers.kept_weights``): ``release`` closes every

@@ -48,6 +48,13 @@ PROMPT = [5, 77, 300, 12, 9, 41]
 #: float32 butterfly against float64), so logits agree to cosine 0.99999, and a step
 #: whose twin logits' two best are closer than ``TWIN_NEAR_TIE`` may go either way.
 TWIN_COSINE = 0.99999
+#: In ``q8`` mode every row's activations are 8-bit (a prefill's too, so that its rows
+#: take the decode rows' arithmetic): a last-bit difference may round a value to the
+#: next 8-bit step (1/127 of its chunk's largest), and such flips compound over the
+#: steps and the stages (seen: cosine 0.99993, mixed-types with 2-byte edges). The
+#: device is held to the bound the 8-bit mode is held to against the reference worker
+#: (``test_twins_stage.test_8bit_mode_stays_close_to_the_reference``).
+TWIN_COSINE_Q8 = 0.999
 TWIN_NEAR_TIE = 0.01
 
 
@@ -116,9 +123,11 @@ def assert_same(a: list[TokenOutput], b: list[TokenOutput]) -> None:
         np.testing.assert_array_equal(x.logits, y.logits)
 
 
-def assert_close(device: list[TokenOutput], twin: list[TokenOutput]) -> None:
+def assert_close(
+    device: list[TokenOutput], twin: list[TokenOutput], bound: float = TWIN_COSINE
+) -> None:
     """The twin's tokens up to its first near-tie (every token when there is none), and
-    logits within ``TWIN_COSINE`` of its at every step with the same inputs."""
+    logits within cosine ``bound`` of its at every step with the same inputs."""
     tokens = [o.token_id for o in device]
     expected = [o.token_id for o in twin]
     n = common_prefix(tokens, expected)
@@ -126,7 +135,7 @@ def assert_close(device: list[TokenOutput], twin: list[TokenOutput]) -> None:
     tie = next((i for i, gap in enumerate(gaps) if gap < TWIN_NEAR_TIE), len(gaps))
     assert n >= tie, (n, tie, tokens, expected)
     for a, b in zip(device[: n + 1], twin[: n + 1], strict=False):
-        assert cosine(logits(a), logits(b)) >= TWIN_COSINE
+        assert cosine(logits(a), logits(b)) >= bound
 
 
 def logits(out: TokenOutput) -> np.ndarray:
@@ -160,7 +169,7 @@ def test_the_device_backend_computes_what_the_twin_worker_computes(
         dtype,
     )
     assert_same(graph, eager)
-    assert_close(graph, twin)
+    assert_close(graph, twin, TWIN_COSINE_Q8 if mode == "q8" else TWIN_COSINE)
 
 
 def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
@@ -209,7 +218,6 @@ def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None
     w = EmulatedCudaWorker(trace=events)
     w.configure(p)
     w.bind(p.gguf_source)
-    backend = EmulatedCudaWorker.backends[-1]
     k = DEVICE_STAGE._KERNELS[0]
     w.execute_step(0, np.array(PROMPT, np.uint32))
     assert events == []  # a prefill is launched, never captured
@@ -223,7 +231,8 @@ def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None
         assert isinstance(out, TokenOutput)
         tokens.append(out.token_id)
     assert k.python_launches - before == captured  # nothing launched from Python
-    assert backend.cache.graph.launches == 6 and events == ["graph captured"]
+    (run,) = w._runs.values()
+    assert run.cache.graph.launches == 6 and events == ["graph captured"]
     # the same steps launched eagerly give the same tokens
     eager = EmulatedCudaWorker(use_graph=False)
     eager.configure(p)
@@ -244,17 +253,15 @@ def test_a_new_prefill_reuses_the_graph(models: dict[str, Path]) -> None:
     assert events == ["graph captured"]
 
 
-def test_prefill_tiles_cover_every_row(
+def test_a_prefill_takes_the_decode_rows_arithmetic(
     models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(DEVICE_STAGE, "TILE_FLOATS", 3 * 256 + 5)  # 3 rows a tile, odd
-    # float32 activations: 8-bit ones could turn a last-bit difference into a step of 1/127
-    twin = generate(models["mixed-types"], lambda: TwinWorker(matvec="f32"), 1, "f32")
-    device = generate(models["mixed-types"], lambda: EmulatedCudaWorker(matvec="f32"), 1, "f32")
-    assert [o.token_id for o in device] == [o.token_id for o in twin]
-    for x, y in zip(device, twin, strict=True):  # BLAS sums a narrower tile in another order
-        assert x.logits is not None and y.logits is not None
-        np.testing.assert_allclose(x.logits, y.logits, rtol=0, atol=1e-4)
+    """A step's rows go through the one-row kernels, a launch per ``MAX_GRID_Y`` rows
+    (here 2, so that a 6-row prefill takes 3 launches): the same bits as whole."""
+    whole = generate(models["mixed-types"], lambda: EmulatedCudaWorker(use_graph=False), 1, "f32")
+    monkeypatch.setattr(DEVICE_STAGE, "MAX_GRID_Y", 2)
+    split = generate(models["mixed-types"], lambda: EmulatedCudaWorker(use_graph=False), 1, "f32")
+    assert_same(whole, split)
 
 
 def test_a_one_token_prompt_runs_through_the_decode_path(models: dict[str, Path]) -> None:
@@ -339,15 +346,11 @@ def test_a_long_prefill_launches_within_cuda_s_grid_limits(
     w.bind(p.gguf_source)
     backend = EmulatedCudaWorker.backends[-1]
     monkeypatch.setattr(DEVICE_STAGE._KERNELS[0], "kernels", _GeometryOnly())
-    monkeypatch.setattr(
-        DEVICE_STAGE.cupy,
-        "matmul",
-        lambda a, b: _dev(np.zeros((a.shape[0], b.shape[1]), np.float32)),
-    )
     k = DEVICE_STAGE._KERNELS[0]
-    backend.use_cache(backend.new_cache(32))
-    backend._step(70_000)
-    assert {"attention_f32", "rope_kv_f32", "rmsnorm_rows", "swiglu_rows"} <= set(k.launched)
+    segment = DEVICE_STAGE.Segment(0, 70_000, 0, backend.new_cache(32))
+    backend.ops.states = {0: backend.ops.state}
+    backend._step((segment,), [70_000 - 1], None)
+    assert {"attention_f32", "rope_kv_f32", "rmsnorm_q8", "matvec_f_F32"} <= set(k.launched)
     w.release()
 
 
