@@ -1,8 +1,9 @@
 """The CUDA worker's program on the kernels' NumPy twins, on any CPU.
 
 As the CUDA backend, a batch is one step of its runs' rows, each row taking the one-row
-kernels' arithmetic (8-bit activations per row in ``q8`` mode) whatever the step's rows,
-rotary embedding and attention per run's segment against the run's cache.
+kernels' arithmetic whatever the step's rows (in ``q8`` mode a generated token's row and
+every head row 8-bit, a prompt's rows float32), rotary embedding and attention per
+run's segment against the run's cache.
 
 ``TwinWorker`` is ``CudaWorker`` over ``TwinBackend``: the same interface logic, checks,
 weight layout and step sequence (``forward_program.py``) as the CUDA worker, with every kernel
@@ -63,6 +64,7 @@ class TwinOps:
         self.kv = np.float16 if kv_dtype == "f16" else np.float32
         self.bufs: dict[str, F32] = {}
         self.q8: dict[str, list[twins.Q8Act]] = {}  # per row
+        self.row_q8: list[bool] = []  # per row of the step: its products 8-bit
         self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         # decoded matrices, by the id of their raw rows (kept for the stage's life)
         self._dense: dict[int, F32] = {}
@@ -94,6 +96,7 @@ class TwinOps:
         self._maybe_q8("xn")
 
     def head_norm(self, weight: F32, heads: Sequence[int]) -> None:
+        self.row_q8 = [self.mode == "q8"] * len(heads)  # every head row 8-bit
         picked = self.bufs["x"][list(heads)]
         self.bufs["xl"], _ = twins.rmsnorm(picked, weight, self.w.config.rms_eps)
         self._maybe_q8("xl")
@@ -112,18 +115,18 @@ class TwinOps:
         out = np.zeros((rows, lin.n_out), np.float32)
         for part, raw in lin.parts:
             at = slice(part.out_offset, part.out_offset + part.n_out)
-            if uses_q8(part.qtype, self.mode) and src in self.q8:
-                dec = self._decoded.get(id(raw))
-                if dec is None:
-                    dec = self._decoded[id(raw)] = twins.decode(raw, part.qtype)
-                for r in range(rows):
-                    out[r, at] = twins.matvec_q8(dec, part.qtype, self.q8[src][r]).y
-                continue
-            dense = self._dense.get(id(raw))
-            if dense is None:
-                dense = self._dense[id(raw)] = twins.dequantize(raw, part.qtype)
+            eight = uses_q8(part.qtype, self.mode) and src in self.q8
             for r in range(rows):
-                out[r, at] = twins.matvec_f(raw, part.qtype, x[r], dense).y
+                if eight and self.row_q8[r]:
+                    dec = self._decoded.get(id(raw))
+                    if dec is None:
+                        dec = self._decoded[id(raw)] = twins.decode(raw, part.qtype)
+                    out[r, at] = twins.matvec_q8(dec, part.qtype, self.q8[src][r]).y
+                else:
+                    dense = self._dense.get(id(raw))
+                    if dense is None:
+                        dense = self._dense[id(raw)] = twins.dequantize(raw, part.qtype)
+                    out[r, at] = twins.matvec_f(raw, part.qtype, x[r], dense).y
         if bias is not None:
             out += bias
         if accumulate:
@@ -227,6 +230,7 @@ class TwinBackend(KeptSteps):
         assert ops is not None and w is not None
         segments = segments_of([(step.rows, step.pos, step.cache) for step in steps])
         rows = segments[-1].end
+        ops.row_q8 = [ops.mode == "q8" and not s.prompt for s in steps for _ in range(s.rows)]
         if self.spec.is_first:
             ops.ids = np.concatenate([np.asarray(step.data, np.int32) for step in steps])
             forward_embed(ops, w, rows)

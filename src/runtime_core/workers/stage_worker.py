@@ -77,13 +77,15 @@ class BackendStep:
     """One run's step in a batch, as a backend runs it: ``data`` (the first stage's
     int32 token ids, else activations of the edge's dtype, ``rows`` rows) at positions
     ``pos ..`` of the run's KV cache ``cache`` (from ``new_cache``); ``head``: the last
-    stage computes its last row's logits and token."""
+    stage computes its last row's logits and token; ``prompt``: the rows are the run's
+    prompt (its prefill, or a chunk of it), not a generated token's."""
 
     cache: Any
     data: Any
     rows: int
     pos: int
     head: bool
+    prompt: bool = False
 
 
 class StageBackend(Protocol):
@@ -385,7 +387,7 @@ class StageWorker(SingleRunSteps):
                 data = step.data
         except WorkerError as exc:
             return StepFailure(str(exc))
-        return run, BackendStep(run.cache, data, rows, pos, head)
+        return run, BackendStep(run.cache, data, rows, pos, head, prompt=step.sequence == 0)
 
     def _output(
         self, step: BatchStep, run: _Run, backend_step: BackendStep, index: int, b: StageBackend

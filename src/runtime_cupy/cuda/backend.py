@@ -7,9 +7,10 @@ matrix product and row-wise operation is one launch over all the rows (a matvec
 kernel's grid has a row dimension, a norm one block per row), rotary embedding and
 attention one launch per segment, against the segment's run's cache at its positions
 (``state``, a pair per segment), and the head one launch for all head rows. Each row
-takes the same arithmetic whatever the step's rows (one-row kernels per row, 8-bit
-activations per row in ``q8`` mode): a run's bits are the same alone or batched,
-and whatever its prefill chunks.
+takes the same arithmetic whatever the step's rows: the one-row kernels, a prompt's
+rows (a prefill or a chunk of it) with float32 activations, a generated token's row and
+every head row with 8-bit ones in ``q8`` mode (``groups``): a run's bits are the same
+alone or batched, and whatever its prefill chunks.
 
 Buffers. A lone decode row uses buffers allocated at bind time, so that the step can be
 captured once as a CUDA graph and replayed: position and token id are read from
@@ -81,6 +82,21 @@ def kernels_for(device: int) -> KernelSet:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _groups(
+    segments: Sequence[Segment], prompts: Sequence[bool], q8: bool
+) -> list[tuple[int, int, bool]]:
+    """The step's row ranges whose products take 8-bit rows (a generated token's, in
+    ``q8`` mode) or float32 ones (a prompt's), neighbours of one kind joined."""
+    groups: list[tuple[int, int, bool]] = []
+    for seg, prompt in zip(segments, prompts, strict=True):
+        eight = q8 and not prompt
+        if groups and groups[-1][2] == eight:
+            groups[-1] = (groups[-1][0], seg.end, eight)
+        else:
+            groups.append((seg.start, seg.end, eight))
+    return groups
 
 
 def _row_chunks(rows: int) -> list[tuple[int, int]]:
@@ -183,6 +199,8 @@ class DeviceOps:
         self.logits = self.one_logits
         self.buf: dict[str, Any] = {}
         self.bq8: dict[str, _Q8] = {}  # the step's 8-bit rows, by buffer name (q8 mode)
+        # the step's row ranges (first, end) and whether their products take 8-bit rows
+        self.groups: list[tuple[int, int, bool]] = [(0, 1, spec.matvec == "q8")]
         self.use_tokens = False  # embed from `tokens` (a batch) or state[1] (a lone decode)
 
     # -- buffers ----------------------------------------------------------------------
@@ -260,6 +278,7 @@ class DeviceOps:
     def head_norm(self, weight: Any, heads: Sequence[int]) -> None:
         """Each head row normed on its own (one block of ``rmsnorm_q8`` per row)."""
         self.use_heads(len(heads))
+        self.groups = [(0, len(heads), self.spec.matvec == "q8")]  # every head row 8-bit
         x, xl, q8 = self.buf["x"], self.buf["xl"], self.bq8.get("xl")
         for k, row in enumerate(heads):
             self._norm(x[row : row + 1], weight, xl[k : k + 1], 1, q8, k)
@@ -309,15 +328,18 @@ class DeviceOps:
         self, part: MatrixPart, raw: Any, src: str, x: Any, y: Any, rows: int, bias: Any,
         acc: bool,
     ) -> None:  # fmt: skip
-        """y (rows, n_out, contiguous rows) from the rows of ``x`` (or of their 8-bit
-        form): grid (n_out / warps, rows), a launch per ``MAX_GRID_Y`` rows."""
+        """y (rows, n_out, contiguous rows) from the rows of ``x``, or of their 8-bit form
+        in a group of 8-bit rows: grid (n_out / warps, rows), a launch per group and per
+        ``MAX_GRID_Y`` rows."""
         n_chunks = part.n_in // CHUNK
         block = 32 * MATVEC_WARPS
         q8 = self.bq8.get(src)
-        for r0, nr in _row_chunks(rows):
+        eight = uses_q8(part.qtype, self.spec.matvec) and q8 is not None
+        for r0, nr in self._launch_rows(rows, eight):
             grid = (_cdiv(part.n_out, MATVEC_WARPS), nr)
             out = y if nr == rows else y[r0 : r0 + nr]
-            if uses_q8(part.qtype, self.spec.matvec) and q8 is not None:
+            if eight and self._eight_bit(r0):
+                assert q8 is not None
                 xq, xd, xs = q8.rows(r0, r0 + nr)
                 self._launch(
                     f"matvec_q8_{part.qtype}", grid, block,
@@ -329,6 +351,15 @@ class DeviceOps:
                     raw, part.row_bytes, n_chunks, part.n_out, x[r0 : r0 + nr], out, bias,
                     int(acc),
                 )  # fmt: skip
+
+    def _launch_rows(self, rows: int, eight: bool) -> list[tuple[int, int]]:
+        """(first row, rows) of each product launch: per group of ``groups`` (all rows at
+        once where 8-bit rows are not an option), per ``MAX_GRID_Y`` rows."""
+        spans = [(a, b) for a, b, _ in self.groups] if eight else [(0, rows)]
+        return [(a + r0, nr) for a, b in spans for r0, nr in _row_chunks(b - a)]
+
+    def _eight_bit(self, row: int) -> bool:
+        return next(q8 for a, b, q8 in self.groups if a <= row < b)
 
     def rope_kv(self, layer: int, bias: Any, seg: Segment) -> None:
         """The segment's rows rotated at its positions (its ``state``), K and V into its
@@ -532,13 +563,13 @@ class DeviceBackend(KeptSteps):
         if any(step.cache is None for step in steps):
             raise RuntimeError("no KV cache: a step runs for an open run")
         with self.device:
-            if self.use_graph and len(steps) == 1 and steps[0].rows == 1:
+            if self.use_graph and len(steps) == 1 and steps[0].rows == 1 and not steps[0].prompt:
                 self.kept = [self._decode(steps[0])]
             else:
                 self.kept = self._batch(ops, steps)
 
     def _decode(self, step: BackendStep) -> Kept:
-        """A lone decode row: the graph captured for its cache, replayed (its head runs
+        """A lone generated token's row: the graph captured for its cache, replayed (its head runs
         whether or not the row needs a token: it is cheap, its result then unused)."""
         ops, cache = self._ops(), step.cache
         self._host_state[0] = step.pos
@@ -550,7 +581,7 @@ class DeviceBackend(KeptSteps):
         ops.use_tokens = False
         ops.states = {0: ops.state}
         if cache.graph is None:
-            cache.graph = self._capture(Segment(0, 1, step.pos, cache))
+            cache.graph = self._capture(Segment(0, 1, step.pos, cache), step.prompt)
         cache.graph.launch(stream=self.stream)
         if not self.spec.is_last:
             return Kept(activations=self._out(self._edge_out))
@@ -584,7 +615,8 @@ class DeviceBackend(KeptSteps):
             for step, seg in zip(steps, segments, strict=True):
                 self._put(step.data, source[seg.start : seg.end])
         heads = [seg.end - 1 for seg, step in zip(segments, steps, strict=True) if step.head]
-        self._step(segments, heads if self.spec.is_last else [], source)
+        prompts = [step.prompt for step in steps]
+        self._step(segments, heads if self.spec.is_last else [], source, prompts)
         if not self.spec.is_last:
             out = cupy.empty((rows, ops.w.config.hidden_dim), self.spec.edge_dtype)
             self._convert_out(ops.buf["x"], out)
@@ -666,25 +698,33 @@ class DeviceBackend(KeptSteps):
             raise RuntimeError("the stage is not bound")
         return self.ops
 
-    def _capture(self, segment: Segment) -> Any:
+    def _capture(self, segment: Segment, prompt: bool) -> Any:
         s = self.stream
         with s:
             s.begin_capture()
             try:
-                self._step((segment,), [0], self._edge_in)
+                self._step((segment,), [0], self._edge_in, [prompt])
             finally:
                 graph = s.end_capture()
         if self.trace is not None:
             self.trace("graph captured", rows=1)
         return graph
 
-    def _step(self, segments: Sequence[Segment], heads: Sequence[int], source: Any) -> None:
+    def _step(
+        self,
+        segments: Sequence[Segment],
+        heads: Sequence[int],
+        source: Any,
+        prompts: Sequence[bool],
+    ) -> None:
         """Every launch of one step of the ``segments``' rows (captured into the graph
-        for a lone decode row); the head for the rows ``heads`` (last stage)."""
+        for a lone generated token's row); the head for the rows ``heads`` (last stage).
+        ``prompts``: whether each segment's rows are its run's prompt (float32 products)."""
         ops, w = self._ops(), self.weights
         assert w is not None
         rows = segments[-1].end
         ops.use_rows(rows)
+        ops.groups = _groups(segments, prompts, self.spec.matvec == "q8")
         if self.spec.is_first:
             forward_embed(ops, w, rows)
         else:
