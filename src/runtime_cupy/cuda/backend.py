@@ -12,10 +12,10 @@ rows (a prefill or a chunk of it) with float32 activations, a generated token's 
 every head row with 8-bit ones in ``q8`` mode (``groups``): a run's bits are the same
 alone or batched, and whatever its prefill chunks.
 
-Buffers. A lone decode row uses buffers allocated at bind time, so that the step can be
-captured once as a CUDA graph and replayed: position and token id are read from
-``state`` (device memory, written before each replay), the attention kernels loop over
-the context length they read there. Any other batch allocates its row buffers for
+Buffers. A lone generated token's row uses buffers allocated at bind time, so that the
+step can be captured once as a CUDA graph and replayed: position and token id are read
+from ``state`` (device memory, written before each replay), the attention kernels loop
+over the context length they read there. Any other batch allocates its row buffers for
 the step and runs eagerly.
 
 A run's KV cache (``DeviceCache``) is one ring per block (``rope.cu``): the run's
@@ -489,7 +489,7 @@ class DeviceOps:
 
 class DeviceBackend(KeptSteps):
     """``stage_worker.StageBackend`` on one CUDA device: a batch of runs' steps is one
-    step of all their rows (a lone decode row: its cache's captured graph)."""
+    step of all their rows (a lone generated token's row: its cache's captured graph)."""
 
     def __init__(
         self,
@@ -557,7 +557,7 @@ class DeviceBackend(KeptSteps):
         cache.graph = cache.k = cache.v = None  # the memory returns to CuPy's pool
 
     def run_batch(self, steps: Sequence[BackendStep]) -> None:
-        """The steps' rows as one step (a lone decode row: its cache's graph), each
+        """The steps' rows as one step (a lone generated token's row: its graph), each
         step's outputs kept."""
         ops = self._ops()
         if any(step.cache is None for step in steps):

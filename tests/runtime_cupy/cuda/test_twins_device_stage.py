@@ -264,7 +264,9 @@ def test_a_prefill_takes_the_decode_rows_arithmetic(
     assert_same(whole, split)
 
 
-def test_a_one_token_prompt_runs_through_the_decode_path(models: dict[str, Path]) -> None:
+def test_a_one_token_prompt_is_a_prompt_row_not_a_decode_row(models: dict[str, Path]) -> None:
+    """One row at position 0 of sequence 0 is the prompt's (float32 products, eagerly,
+    not the decode graph): the twin's outputs."""
     make = lambda: EmulatedCudaWorker(use_graph=True)  # noqa: E731
     for worker in (make, TwinWorker):
         chain = Chain.bind(provisions(models["qwen2-Q4_K"], 2, max_seq_len=32), worker)
