@@ -125,12 +125,23 @@ def test_a_tampered_plan_names_the_broken_clause_and_exits_2(
 
 @settings(max_examples=20, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(valid_plan_inputs(), st.data())
-def test_every_tampering_exits_2_naming_its_clause(
+def test_every_tampering_exits_2_naming_its_clause_or_1_naming_an_unwritable_value(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], inputs: PlanInputs, data: st.DataObject
 ) -> None:
     plan = plan_run(inputs.facts, inputs.config, inputs.pool, **inputs.kwargs())
     assert isinstance(plan, RunPlan)
     t = data.draw(tamperings(plan))
+    try:
+        for message in (t.plan, *(t.provisions or ())):
+            wire.loads(wire.dumps(message))
+    except wire.WireError as error:
+        # A value no document can hold (a negative alignment: the wire's integers are
+        # unsigned) makes the document unreadable: exit 1, the value named, no verdict.
+        assert _check(tmp_path, _document(t.plan, t.provisions), "--json") == 1, t.what
+        out = json.loads(capsys.readouterr().out)
+        assert out["error"]["type"] == "UnreadableInput"
+        assert str(error).rpartition(": ")[2] in out["error"]["message"], t.what
+        return
     assert _check(tmp_path, _document(t.plan, t.provisions), "--json") == 2
     out = json.loads(capsys.readouterr().out)
     assert {c["name"]: c["verdict"] for c in out["clauses"]}[t.breaks] == "broken", t.what

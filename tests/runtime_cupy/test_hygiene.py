@@ -149,4 +149,5 @@ def test_a_run_of_the_ledger_left_behind_is_found_and_a_strangers_is_not(
 def test_a_run_made_in_the_tests_process_is_in_its_ledger(tiny: str) -> None:
     result = runtime_cupy.generate(tiny, [1, 2], max_tokens=2, stages=2, worker="numpy")
     assert result.outcome == "completed"
-    assert result.plan.run_id in hygiene.current_ledger.run_ids
+    # A run's resources are its chain's links, named from the chain id.
+    assert result.chain_id in hygiene.current_ledger.run_ids

@@ -63,3 +63,20 @@ def random_rows(
         else:  # v = d sc q - dmin m: dmin = d centre (the scales and mins are alike)
             _put_f16(data, m_at, centre * d)
     return data.reshape(rows, nb * size)
+
+
+def filled_rows(qtype: str, rows: int, n: int, fill: int, d: float) -> npt.NDArray[np.uint8]:
+    """``rows`` rows of ``n`` elements of a block ``qtype`` whose every byte is ``fill``
+    but the factors (d, and dmin or m where the type has one), which are the half ``d``:
+    0xFF gives every quant (and K-quant scale) its largest code, the extremes that bound
+    a kernel's integer sums."""
+    elems, size = block_elems(qtype), block_bytes(qtype)
+    if n % elems:
+        raise ValueError(f"{qtype}: rows of {n} are not whole blocks of {elems}")
+    data = np.full((rows, n // elems, size), fill, np.uint8)
+    d_at, m_at, _, _ = _FACTORS[qtype]
+    factor = np.full((rows, n // elems), d, np.float32)
+    _put_f16(data, d_at, factor)
+    if m_at is not None:
+        _put_f16(data, m_at, factor)
+    return data.reshape(rows, -1)

@@ -355,7 +355,7 @@ class StageProcess:
                 batches = c.batches
                 c.run_batch()
                 if tracing and c.batches > batches:
-                    self.trace.span("batch", start, rows=c.batch_rows[-1])
+                    self.trace.span("batch", start, rows=c.batch_rows[-1], runs=len(self._batch))
                     for run_id, sequence, rows in self._batch:  # each step ran in it
                         label = run_label(run_id)
                         self.trace.span(f"step {sequence}", start, run=label, rows=rows)

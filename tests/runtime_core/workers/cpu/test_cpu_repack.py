@@ -27,7 +27,7 @@ from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.worker import CpuWorker
 from tests.support.chain import provisions
 from tests.support.cpu_isas import isa_params
-from tests.support.random_blocks import random_rows
+from tests.support.random_blocks import filled_rows, random_rows
 from tests.support.random_model import RandomModel, write_random_model
 
 
@@ -81,6 +81,29 @@ def test_repacked_rows_compute_the_stored_rows_bits(
         np.testing.assert_array_equal(bits(linear(packed, x, use_q8, threads, isa)), expected)
     one_by_one = np.concatenate([linear(packed, x[j : j + 1], use_q8, 1, isa) for j in range(6)])
     np.testing.assert_array_equal(bits(one_by_one), expected)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("qtype", REPACKED)
+def test_a_prefills_tile_of_rows_at_the_extremes_computes_the_stored_rows_bits(
+    qtype: str, isa: str
+) -> None:
+    """37 activation rows (a tile of 32 and one of 5: the tiles' remainders) of every
+    quant at its largest or smallest code times activations all of one sign (every 8-bit
+    activation +-127): the largest integer sums a kernel forms (AVX2's 16-bit pair sums
+    among them), and random rows besides; 24 weight rows (two groups at once, then one)."""
+    rng = np.random.default_rng(5)
+    n, rows = width(qtype), 37
+    blocks = [filled_rows(qtype, 8, n, fill, 0.01) for fill in (0xFF, 0x00)]
+    raw = np.concatenate([*blocks, random_rows(rng, qtype, 8, n, scale=1 / np.sqrt(n))])
+    x = np.abs(rng.standard_normal((rows, n))).astype(np.float32) + 1.0
+    x[1::2] *= -1.0
+    x[::3, :] = 3.0  # every activation of a block equal
+    x[2::3, :] = -3.0
+    expected = bits(linear(_kernels.Matrix([(raw, qtype, 24, n, 0)]), x, True, 1, "portable"))
+    packed = _kernels.Matrix([(raw, qtype, 24, n, 0)], repack=True)
+    for threads in (1, 2):
+        np.testing.assert_array_equal(bits(linear(packed, x, True, threads, isa)), expected)
 
 
 @pytest.mark.parametrize("isa", isa_params())

@@ -63,10 +63,13 @@ typedef void (*rows_fn)(const uint8_t *w, int64_t row_bytes, int nw, int64_t n_c
                         const XRows *x, int64_t j, float *out);
 
 /* out[k][i] = row i of an x8 group (repack.h: 8 rows of n_chunks chunks) . activation
- * row j0 + k, k < nj <= X8_XT: the same bits as the type's dot_fn on each stored row;
+ * row j0 + k, k < nj <= X8_TILE: the same bits as the type's dot_fn on each stored row;
  * NULL where an instruction set has none (the rows are then unpacked and each taken
  * by dot_fn). A group's blocks are decoded once for the nj rows. */
 #define X8_XT 4 /* measured: 8 spills registers (Q4_K, Q8_0 prefill 30 % slower) */
+/* an x8_fn / x16_fn takes up to X8_TILE rows (a prefill's tile): X8_XT at a time, or,
+ * where a type's decoding costs (Q5_K, Q6_K), each block decoded once for all nj rows */
+#define X8_TILE 32
 typedef void (*x8_fn)(const uint8_t *group, int64_t gstride, int64_t n_chunks, const XRows *x,
                       int64_t j0, int nj, float (*out)[8]);
 /* out[k][i] = row i of two consecutive x8 groups (the first at group, the second

@@ -73,7 +73,7 @@ static void put(const LinearJob *J, const Part *pt, int64_t j, int64_t r, float 
 static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int q8, dot_fn dot) {
     int64_t nc = pt->n_in / 32;
     x8_fn fast = q8 ? J->isa->q8_x8[pt->t] : NULL;
-    float out[X8_XT][X8], tmp[XT];
+    float out[X8_TILE][X8], tmp[XT];
     uint8_t *row = NULL;
     if (!fast && !(row = scratch_alloc((size_t)pt->row_bytes))) {
         atomic_store(&J->failed, 1);
@@ -84,10 +84,10 @@ static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int 
     for (int64_t g0 = r0; g0 < r1;) {
         const uint8_t *grp = pt->w + (g0 / X8) * gs;
         if (fast16 && r1 - g0 > X8) { /* this group and the next at once */
-            float out16[X8_XT][2 * X8];
+            float out16[X8_TILE][2 * X8];
             int nr = r1 - g0 < 2 * X8 ? (int)(r1 - g0) : 2 * X8;
-            for (int64_t j0 = 0; j0 < J->rows; j0 += X8_XT) {
-                int nj = J->rows - j0 < X8_XT ? (int)(J->rows - j0) : X8_XT;
+            for (int64_t j0 = 0; j0 < J->rows; j0 += X8_TILE) {
+                int nj = J->rows - j0 < X8_TILE ? (int)(J->rows - j0) : X8_TILE;
                 fast16(grp, gs, nc, J->x, j0, nj, out16);
                 for (int k = 0; k < nj; ++k)
                     for (int i = 0; i < nr; ++i) put(J, pt, j0 + k, g0 + i, out16[k][i]);
@@ -97,8 +97,8 @@ static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int 
         }
         int nr = r1 - g0 < X8 ? (int)(r1 - g0) : X8;
         if (fast) {
-            for (int64_t j0 = 0; j0 < J->rows; j0 += X8_XT) {
-                int nj = J->rows - j0 < X8_XT ? (int)(J->rows - j0) : X8_XT;
+            for (int64_t j0 = 0; j0 < J->rows; j0 += X8_TILE) {
+                int nj = J->rows - j0 < X8_TILE ? (int)(J->rows - j0) : X8_TILE;
                 fast(grp, gs, nc, J->x, j0, nj, out);
                 for (int k = 0; k < nj; ++k)
                     for (int i = 0; i < nr; ++i) put(J, pt, j0 + k, g0 + i, out[k][i]);

@@ -5,6 +5,8 @@
  *   X8_TARGET   the target attribute's string ("avx2,f16c", ...)
  *   X8_VNNI     1 where vpdpbusd (4 unsigned-by-signed byte products added to an int32)
  *               exists, 0 for AVX2's vpmaddubsw + vpmaddwd
+ *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1 take more than X8_XT rows
+ *               as a tile, each block decoded once (b32_tile)
  *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
  *               next's (defines x16_q8_0 .. x16_q6_k, x16_fn; needs AVX-512 BW and VNNI)
@@ -19,8 +21,10 @@
  * sum c mod 8) are dot.h's, in its order, so every row's bits are the stored row's on
  * every instruction set and width.
  *
- * The activation rows j0 .. j0 + nj - 1 (nj <= X8_XT) share one decoding of each block:
- * a prefill multiplies every block read from memory with X8_XT rows while it is in cache.
+ * The activation rows j0 .. j0 + nj - 1 (nj <= X8_TILE) share the blocks read from
+ * memory: X8_XT rows at a time share one decoding of each block while it is in cache;
+ * the K-quants' tiles (k_tile: Q6_K's and Q5_K's high bits cost more to decode than the
+ * products of X8_XT rows) decode each super-block once into cache for all nj rows.
  */
 #ifndef X8_TARGET
 #error "define X8_TARGET, X8_VNNI and X8_WIDTH before including x8_kernels.h"
@@ -237,6 +241,67 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
     XN(finish)(acc, NJ, out);
 }
 
+/* Q4_0, Q4_1, Q8_0 for a tile of nj (> X8_XT) rows: each block decoded once, then the
+ * rows one after another (their running sums in acc, memory): q4_body's and
+ * q8_0_body's arithmetic, in their order */
+X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
+                         float (*out)[XL], const int kind /* 0 Q4_0, 1 Q4_1, 2 Q8_0 */) {
+    const int gb = kind == 2 ? 272 : kind == 1 ? 160 : 144, at = kind == 1 ? 32 : 16;
+    const VI m4 = v_set1_8(0x0F);
+    VF acc[X8_TILE][8];
+    for (int k = 0; k < nj; ++k)
+        for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
+    for (int64_t c = 0; c < nc; ++c) {
+        const uint8_t *b = grp + c * gb;
+        XN(prefetch)(b + X8_PREFETCH, gb);
+        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        const VF dw = XN(ld_halves)(b, gs);
+        const VF mw = kind == 1 ? XN(ld_halves)(b + 16, gs) : f_zero();
+        VI u[8], q[8];
+        if (kind == 2) {
+            for (int w = 0; w < 8; ++w) {
+                q[w] = XN(ld)(b + 16 + 32 * w, gs);
+#if X8_VNNI
+                u[w] = v_xor(q[w], v_set1_8((char)0x80));
+#else
+                u[w] = _mm256_abs_epi8(q[w]);
+#endif
+            }
+        } else {
+            for (int w = 0; w < 4; ++w) {
+                VI v = XN(ld)(b + at + 32 * w, gs);
+                u[w] = v_and(v, m4);
+                u[4 + w] = v_and(v_srli16(v, 4), m4);
+            }
+        }
+        for (int k = 0; k < nj; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->n + 32 * c;
+            VI si;
+            if (kind == 2) {
+#if X8_VNNI
+                si = v_set1_32(-128 * x->g[j * 2 * nc + c]);
+                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+#else
+                si = v_zero();
+                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], _mm256_sign_epi8(XN(bcast)(xq + 4 * w), q[w]));
+#endif
+            } else {
+                si = kind == 1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]);
+                for (int w = 0; w < 4; ++w) {
+                    si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+                    si = v_dot4(si, u[4 + w], XN(bcast)(xq + 16 + 4 * w));
+                }
+            }
+            const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
+            VF term = f_mul(fac, f_cvt(si));
+            if (kind == 1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
+            acc[k][c & 7] = f_add(acc[k][c & 7], term);
+        }
+    }
+    for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
+}
+
 /* ---- K-quants: Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q6_K (d * dw) * isum -------- */
 
 #ifndef X8_KINDS
@@ -268,9 +333,113 @@ X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int 
     }
 }
 
-/* Each word is decoded once and multiplied with the NJ rows' activations at once; per
- * row, the sums of a sub-block (Q6_K: of a 16-element group) times its scale go into
- * isum, exactly. */
+/* The integer sums of super-block b (isum[k], exact) for the NJ rows of xq, xg: per row,
+ * the sums of a sub-block (Q6_K: of a 16-element group) times its scale. The words come
+ * decoded from dec (XN(k_decode): a tile's rows share one decoding) or, dec NULL, are
+ * decoded here for these NJ rows. */
+X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
+                       const int8_t *const *xq, const int32_t *const *xg, VI *isum) {
+    for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
+    for (int p = 0; p < 4; ++p) {
+#if !X8_VNNI
+        if (kind == X8_Q4_K) { /* pairs of nibble products summed in 16 bits (at most
+                                * 8 words * 2 * 15 * 127 < 2^15), then times the scale */
+            __m256i plo[X8_XT], phi[X8_XT];
+            for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
+            for (int w = 0; w < 8; ++w) {
+                VI lo, hi;
+                if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+                else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                for (int k = 0; k < NJ; ++k) {
+                    const int8_t *xp = xq[k] + 64 * p + 4 * w;
+                    plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
+                    phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
+                }
+            }
+            const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+            const __m256i s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+            const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
+            const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+            for (int k = 0; k < NJ; ++k)
+                isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+            continue;
+        }
+#endif
+        /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
+         * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
+        VI alo[X8_XT], ahi[X8_XT];
+        for (int k = 0; k < NJ; ++k) {
+            alo[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p]) : v_zero();
+            ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
+        }
+        for (int w = 0; w < 8; ++w) {
+            if (kind == X8_Q6_K && w == 4)
+                for (int k = 0; k < NJ; ++k) {
+                    alo[k] = v_set1_32(-32 * xg[k][4 * p + 1]);
+                    ahi[k] = v_set1_32(-32 * xg[k][4 * p + 3]);
+                }
+            VI lo, hi;
+            if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+            else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+            for (int k = 0; k < NJ; ++k) {
+                alo[k] = v_dot4(alo[k], lo, XN(bcast)(xq[k] + 64 * p + 4 * w));
+                ahi[k] = v_dot4(ahi[k], hi, XN(bcast)(xq[k] + 64 * p + 32 + 4 * w));
+            }
+            if (kind == X8_Q6_K && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
+                const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
+                const VI slo = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
+                const VI shi = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
+                for (int k = 0; k < NJ; ++k)
+                    isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+            }
+        }
+        if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
+            const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+            const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+            for (int k = 0; k < NJ; ++k)
+                isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+        }
+    }
+}
+
+/* the float terms of super-block sb (b) for rows j0 .. j0 + NJ - 1 into acc[k][sb mod 8] */
+X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *isum, const int NJ,
+                        const XRows *x, int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8],
+                        const int32_t *const *xg) {
+    const VF dw = XN(ld_halves)(b, gs);
+    if (kind == X8_Q6_K) {
+        for (int k = 0; k < NJ; ++k) {
+            const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+            acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(f_mul(xd, dw), f_cvt(isum[k])));
+        }
+        return;
+    }
+    const VF dmin = XN(ld_halves)(b + 16, gs);
+    VI mn[4];
+    for (int p = 0; p < 4; ++p) mn[p] = XN(ld_u8_i16)(b + 96 + 16 * p, gs);
+    for (int k = 0; k < NJ; ++k) {
+        VI imin = v_zero();
+        for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
+            int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
+            VI xs = v_set1_32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
+            imin = v_add32(imin, v_madd16(mn[p], xs));
+        }
+        const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+        VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
+        term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
+        acc[k][sb & 7] = f_add(acc[k][sb & 7], term);
+    }
+}
+
+X8_INL void XN(k_rows)(const int8_t **xq, const int32_t **xg, const XRows *x, int64_t j0, int64_t nc,
+                       int64_t sb, const int NJ) {
+    for (int k = 0; k < NJ; ++k) {
+        xq[k] = x->q + (j0 + k) * x->n + 256 * sb;
+        xg[k] = x->g + (j0 + k) * 2 * nc + 16 * sb;
+    }
+}
+
+/* NJ (<= X8_XT) rows: each word decoded once and multiplied with the NJ rows' activations */
 X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
                        float (*out)[XL], const int NJ, const int kind) {
     const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
@@ -282,134 +451,117 @@ X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
         const int8_t *xq[X8_XT];
         const int32_t *xg[X8_XT];
-        for (int k = 0; k < NJ; ++k) {
-            xq[k] = x->q + (j0 + k) * x->n + 256 * sb;
-            xg[k] = x->g + (j0 + k) * 2 * nc + 16 * sb;
-        }
+        XN(k_rows)(xq, xg, x, j0, nc, sb, NJ);
         VI isum[X8_XT];
-        for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
-        for (int p = 0; p < 4; ++p) {
-            /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
-             * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
-            VI alo[X8_XT], ahi[X8_XT];
-            for (int k = 0; k < NJ; ++k) {
-                alo[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p]) : v_zero();
-                ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
-            }
-#if !X8_VNNI
-            if (kind == X8_Q4_K) { /* pairs of nibble products summed in 16 bits (at most
-                                    * 8 words * 2 * 15 * 127 < 2^15), then times the scale */
-                __m256i plo[X8_XT], phi[X8_XT];
-                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
-                for (int w = 0; w < 8; ++w) {
-                    VI lo, hi;
-                    XN(k_word)(b, gs, kind, p, w, &lo, &hi);
-                    for (int k = 0; k < NJ; ++k) {
-                        const int8_t *xp = xq[k] + 64 * p + 4 * w;
-                        plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
-                        phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
-                    }
-                }
-                const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
-                const __m256i s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
-                const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
-                const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
-                for (int k = 0; k < NJ; ++k)
-                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
-                continue;
-            }
-#endif
-            for (int w = 0; w < 8; ++w) {
-                if (kind == X8_Q6_K && w == 4)
-                    for (int k = 0; k < NJ; ++k) {
-                        alo[k] = v_set1_32(-32 * xg[k][4 * p + 1]);
-                        ahi[k] = v_set1_32(-32 * xg[k][4 * p + 3]);
-                    }
-                VI lo, hi;
-                XN(k_word)(b, gs, kind, p, w, &lo, &hi);
-                for (int k = 0; k < NJ; ++k) {
-                    alo[k] = v_dot4(alo[k], lo, XN(bcast)(xq[k] + 64 * p + 4 * w));
-                    ahi[k] = v_dot4(ahi[k], hi, XN(bcast)(xq[k] + 64 * p + 32 + 4 * w));
-                }
-                if (kind == X8_Q6_K && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
-                    const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
-                    const VI slo = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
-                    const VI shi = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
-                    for (int k = 0; k < NJ; ++k)
-                        isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
-                }
-            }
-            if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
-                const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
-                const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
-                for (int k = 0; k < NJ; ++k)
-                    isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
-            }
-        }
-        const VF dw = XN(ld_halves)(b, gs);
-        if (kind == X8_Q6_K) {
-            for (int k = 0; k < NJ; ++k) {
-                const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
-                acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(f_mul(xd, dw), f_cvt(isum[k])));
-            }
-            continue;
-        }
-        const VF dmin = XN(ld_halves)(b + 16, gs);
-        VI mn[4];
-        for (int p = 0; p < 4; ++p) mn[p] = XN(ld_u8_i16)(b + 96 + 16 * p, gs);
-        for (int k = 0; k < NJ; ++k) {
-            VI imin = v_zero();
-            for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
-                int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
-                VI xs = v_set1_32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
-                imin = v_add32(imin, v_madd16(mn[p], xs));
-            }
-            const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
-            VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
-            term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
-            acc[k][sb & 7] = f_add(acc[k][sb & 7], term);
-        }
+        XN(k_isum)(b, gs, kind, NULL, NJ, xq, xg, isum);
+        XN(k_terms)(b, gs, kind, isum, NJ, x, j0, nc, sb, acc, xg);
     }
     XN(finish)(acc, NJ, out);
 }
 
+/* NJ rows (X8_XT < nj <= X8_TILE) of a tile: a super-block's words decoded once (into
+ * dec, in cache), then taken by the rows X8_XT at a time; each row's running sums in
+ * acc (memory). Every row computes what k_body computes, in its order. */
+X8_INL void XN(k_chunk)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const XRows *x,
+                        int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8], const int NJ) {
+    const int8_t *xq[X8_XT];
+    const int32_t *xg[X8_XT];
+    XN(k_rows)(xq, xg, x, j0, nc, sb, NJ);
+    VI isum[X8_XT];
+    XN(k_isum)(b, gs, kind, dec, NJ, xq, xg, isum);
+    XN(k_terms)(b, gs, kind, isum, NJ, x, j0, nc, sb, acc, xg);
+}
+
+X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
+                       float (*out)[XL], const int kind) {
+    const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
+    VF acc[X8_TILE][8];
+    VI dec[64];
+    for (int k = 0; k < nj; ++k)
+        for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * gb;
+        XN(prefetch)(b + X8_PREFETCH, gb);
+        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        for (int p = 0; p < 4; ++p)
+            for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
+        int k = 0;
+        for (; k + X8_XT <= nj; k += X8_XT) XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, X8_XT);
+        switch (nj - k) {
+        case 1: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 1); break;
+        case 2: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 2); break;
+        case 3: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 3); break;
+        default: break;
+        }
+    }
+    for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
+}
+
 /* ---- the entries: one body per row count, so that its loops unroll -------------------------- */
 
-#define X8_ENTRY(NAME, CALL)                                                                   \
+/* nj <= X8_TILE rows: more than X8_XT as a tile (b32_tile), else at once */
+#define X8_ENTRY(NAME, CALL, KIND)                                                             \
     X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
                                                        const XRows *x, int64_t j0, int nj,      \
                                                        float (*out)[XL]) {                      \
-        switch (nj) {                                                                           \
-        case 1: CALL(1); break;                                                                 \
-        case 2: CALL(2); break;                                                                 \
-        case 3: CALL(3); break;                                                                 \
-        default: CALL(4); break;                                                                \
+        if (X8_B32_TILE && nj > X8_XT) {                                                        \
+            XN(b32_tile)(grp, gs, nc, x, j0, nj, out, KIND);                                    \
+            return;                                                                             \
+        }                                                                                       \
+        for (int k = 0; k < nj; k += X8_XT) {                                                   \
+            const int64_t jk = j0 + k;                                                          \
+            float(*ok)[XL] = out + k;                                                           \
+            switch (nj - k) {                                                                   \
+            case 1: CALL(1); break;                                                             \
+            case 2: CALL(2); break;                                                             \
+            case 3: CALL(3); break;                                                             \
+            default: CALL(4); break;                                                            \
+            }                                                                                   \
+        }                                                                                       \
+    }
+/* the K-quants: more than X8_XT rows as a tile (k_tile) */
+#define X8_K_ENTRY(NAME, KIND)                                                           \
+    X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
+                                                       const XRows *x, int64_t j0, int nj,      \
+                                                       float (*out)[XL]) {                      \
+        if (nj > X8_XT) {                                                                                                                                      \
+            XN(k_tile)(grp, gs, nc, x, j0, nj, out, KIND);                                      \
+            return;                                                                             \
+        }                                                                                       \
+        for (int k = 0; k < nj; k += X8_XT) {                                                   \
+            const int64_t jk = j0 + k;                                                          \
+            float(*ok)[XL] = out + k;                                                           \
+            switch (nj - k) {                                                                   \
+            case 1: XN(k_body)(grp, gs, nc, x, jk, ok, 1, KIND); break;                         \
+            case 2: XN(k_body)(grp, gs, nc, x, jk, ok, 2, KIND); break;                         \
+            case 3: XN(k_body)(grp, gs, nc, x, jk, ok, 3, KIND); break;                         \
+            default: XN(k_body)(grp, gs, nc, x, jk, ok, 4, KIND); break;                        \
+            }                                                                                   \
         }                                                                                       \
     }
 
-#define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, j0, out, N)
-#define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, j0, out, N, 0)
-#define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, j0, out, N, 1)
-#define X8_CALL_Q4_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q4_K)
-#define X8_CALL_Q5_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q5_K)
-#define X8_CALL_Q6_K(N) XN(k_body)(grp, gs, nc, x, j0, out, N, X8_Q6_K)
+#define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N)
+#define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 0)
+#define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 1)
 
-X8_ENTRY(q8_0, X8_CALL_Q8_0)
-X8_ENTRY(q4_0, X8_CALL_Q4_0)
-X8_ENTRY(q4_1, X8_CALL_Q4_1)
-X8_ENTRY(q4_k, X8_CALL_Q4_K)
-X8_ENTRY(q5_k, X8_CALL_Q5_K)
-X8_ENTRY(q6_k, X8_CALL_Q6_K)
+#ifndef X8_B32_TILE /* AVX2 only: measured no faster with VNNI */
+#define X8_B32_TILE 0
+#endif
+X8_ENTRY(q8_0, X8_CALL_Q8_0, 2)
+X8_ENTRY(q4_0, X8_CALL_Q4_0, 0)
+X8_ENTRY(q4_1, X8_CALL_Q4_1, 1)
+X8_K_ENTRY(q4_k, X8_Q4_K)
+X8_K_ENTRY(q5_k, X8_Q5_K)
+X8_K_ENTRY(q6_k, X8_Q6_K)
 
 /* ---- ready for another width ------------------------------------------------------------- */
 
 #undef X8_ENTRY
+#undef X8_B32_TILE
+#undef X8_K_ENTRY
 #undef X8_CALL_Q8_0
 #undef X8_CALL_Q4_0
 #undef X8_CALL_Q4_1
-#undef X8_CALL_Q4_K
-#undef X8_CALL_Q5_K
-#undef X8_CALL_Q6_K
 #undef XN
 #undef XL
 #undef VI
