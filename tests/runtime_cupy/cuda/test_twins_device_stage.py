@@ -16,7 +16,7 @@ CuPy's own behaviour and a GPU's timing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +48,22 @@ PROMPT = [5, 77, 300, 12, 9, 41]
 #: float32 butterfly against float64), so logits agree to cosine 0.99999, and a step
 #: whose twin logits' two best are closer than ``TWIN_NEAR_TIE`` may go either way.
 TWIN_COSINE = 0.99999
-#: In ``q8`` mode a generated token's row is 8-bit: a last-bit difference may round a
-#: value to the next 8-bit step (1/127 of its chunk's largest), and such flips compound
-#: over the steps and the stages (seen: cosine 0.9999876, qwen2-Q4_K with 2-byte edges,
-#: where the prompt's rows now take the float32 matvec instead of cuBLAS). The device
-#: is held to the bound the 8-bit mode is held to against the reference worker
-#: (``test_twins_stage.test_8bit_mode_stays_close_to_the_reference``).
-TWIN_COSINE_Q8 = 0.999
+#: In ``q8`` mode a generated token's row and every head row are rounded to 8 bits
+#: (steps of 1/127 of a 32-value chunk's largest) after float16 roundings (the KV cache
+#: and the edges of a 2-byte plan). The kernels' float32 sums and the twins' float64 ones
+#: differ by a few 2**-24 of a value, which now and then lands it on the other side of a
+#: float16 rounding boundary: device and twin then hold values one float16 step apart,
+#: at most 2**-11 of the value, so at most 127 * 2**-11 of an 8-bit step (a value is at
+#: most its chunk's largest). Rounding such pairs to 8 bits gives different steps for at
+#: most that share of them (those within that distance of a boundary), each then one
+#: step apart: a mean square difference of at most 127 * 2**-11 step**2, against the
+#: 8-bit rounding's own step**2 / 12 (an error uniform within half a step). Both enter at
+#: the same roundings and pass through the same blocks, so the device's distance from
+#: its twin (1 - cosine) is at most ``Q8_FLIP_SHARE`` of the 8-bit mode's own distance
+#: from the float32 mode (the twin's), on top of the float32 mode's bound. (Seen: at most
+#: 0.29 of it, qwen2-Q4_K with 2-byte edges and cache; with 4-byte ones the two agree to
+#: 1e-13, a flip being then a float32 sum's last bits landing on an 8-bit boundary.)
+Q8_FLIP_SHARE = 12 * 127 / 2**11
 TWIN_NEAR_TIE = 0.01
 
 
@@ -124,18 +133,30 @@ def assert_same(a: list[TokenOutput], b: list[TokenOutput]) -> None:
 
 
 def assert_close(
-    device: list[TokenOutput], twin: list[TokenOutput], bound: float = TWIN_COSINE
+    device: list[TokenOutput], twin: list[TokenOutput], bounds: Sequence[float] = ()
 ) -> None:
     """The twin's tokens up to its first near-tie (every token when there is none), and
-    logits within cosine ``bound`` of its at every step with the same inputs."""
+    logits within cosine ``TWIN_COSINE`` of its at every step with the same inputs (or
+    ``bounds[i]`` at step ``i``, where given)."""
     tokens = [o.token_id for o in device]
     expected = [o.token_id for o in twin]
     n = common_prefix(tokens, expected)
     gaps = [float(np.diff(np.sort(logits(o))[-2:])[0]) for o in twin]
     tie = next((i for i, gap in enumerate(gaps) if gap < TWIN_NEAR_TIE), len(gaps))
     assert n >= tie, (n, tie, tokens, expected)
-    for a, b in zip(device[: n + 1], twin[: n + 1], strict=False):
-        assert cosine(logits(a), logits(b)) >= bound
+    for i, (a, b) in enumerate(zip(device[: n + 1], twin[: n + 1], strict=False)):
+        bound = bounds[i] if i < len(bounds) else TWIN_COSINE
+        assert cosine(logits(a), logits(b)) >= bound, (i, bound)
+
+
+def q8_bounds(twin_q8: list[TokenOutput], twin_f32: list[TokenOutput]) -> list[float]:
+    """Per step, the cosine the device in ``q8`` mode keeps to its twin:
+    ``TWIN_COSINE``'s distance plus ``Q8_FLIP_SHARE`` of the 8-bit mode's own distance
+    from the float32 mode (the twin's two modes must give the same tokens: the same
+    inputs at every step)."""
+    assert [o.token_id for o in twin_q8] == [o.token_id for o in twin_f32]
+    moved = [1.0 - cosine(logits(a), logits(b)) for a, b in zip(twin_q8, twin_f32, strict=True)]
+    return [TWIN_COSINE - Q8_FLIP_SHARE * max(d, 0.0) for d in moved]
 
 
 def logits(out: TokenOutput) -> np.ndarray:
@@ -169,7 +190,11 @@ def test_the_device_backend_computes_what_the_twin_worker_computes(
         dtype,
     )
     assert_same(graph, eager)
-    assert_close(graph, twin, TWIN_COSINE_Q8 if mode == "q8" else TWIN_COSINE)
+    if mode == "f32":
+        assert_close(graph, twin)
+        return
+    twin_f32 = generate(models[name], lambda: TwinWorker(matvec="f32"), stages, dtype)
+    assert_close(graph, twin, q8_bounds(twin, twin_f32))
 
 
 def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
