@@ -3,7 +3,8 @@ beside llama.cpp decoding the same model for as many sequences in one batch.
 
     python benchmarks/serve_concurrency.py [--model smollm2-135m] [--clients 1,2,4,8]
         [--prompt-tokens 32] [--tokens 48] [--long-prompt 2000]
-        [--llamacpp-python /work/llamacpp-venv/bin/python] [--json]
+        [--llamacpp-python /work/llamacpp-venv/bin/python] [--only-long-prompt]
+        [--prefill-chunk 16] [--json]
 
 Two servers (``python -m runtime_cupy serve``, the CPU worker, ``--max-concurrent 8``)
 run at once, idle while the other is measured: **2 stages of 1 thread each** and **1
@@ -225,12 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--long-prompt", type=int, default=2000)
     p.add_argument("--llamacpp-python", type=Path, default=LLAMACPP)
+    p.add_argument("--only-long-prompt", action="store_true", help="the long prompt alone")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="the servers' (default theirs)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--client", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client:
         return client_main(json.loads(args.client))
-    counts = [int(c) for c in args.clients.split(",")]
+    counts = [] if args.only_long_prompt else [int(c) for c in args.clients.split(",")]
     model = str(resolve_model(args.model))
     from runtime_core.tokenizer import Tokenizer
 
@@ -242,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, stages in (("2 stages x 1 thread", 2), ("1 stage x 2 threads", 1)):
         server = ServerProcess(
             ["--model", model, "--stages", str(stages), "--worker", "cpu", "--port", "0",
-             "--max-concurrent", "8", "--max-queue", "16", "--context", context],
+             "--max-concurrent", "8", "--max-queue", "16", "--context", context,
+             *(["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else [])],
             folder / f"server-{stages}.log",
         )  # fmt: skip
         server.wait_listening(120)

@@ -67,18 +67,66 @@ class Timeouts:
     much time per row as a decode step. Liveness does not rest on that limit: a stage
     sends a heartbeat on its control channel from a thread of its own, whatever it
     computes, and one silent for ``heartbeat_ms`` is named at once. The step limit is
-    the backstop for a stage that is alive but never finishes."""
+    the backstop for a stage that is alive but never finishes.
+
+    Runs that share a chain share its stages' batches (CONCURRENT_RUNS.md §3): a step
+    of ``rows`` rows then runs in a batch of up to ``max_batch_rows`` rows in all
+    (``batch_rows``, 0 for a run alone), and each step's limit is ``SHARED_BATCHES``
+    limits of such a batch (``batch_step_limit_ms``): on a stage, a record may wait
+    through the batch in progress when it arrived and one it was left out of (its rows
+    did not fit beside a prefill record owed the batch) before its own batch runs (the
+    orchestrator's ``token_limit_ms``), and once its batch ran, its output may wait for
+    the next stage to take it through that stage's batch in progress and one more (a
+    ring of fewer slots than the batch has outputs takes them over two of its loops;
+    the stage's step timer)."""
+
+    #: Batches a record may wait through on one stage when other runs share it.
+    SHARED_BATCHES = 3
+    #: Worker calls a stage may finish before it releases a run it was told to stop.
+    STOP_BATCHES = 2
 
     ready_ms: int = int_field(default=120_000)  # provisioning to StageReady (weights load)
     step_ms: int = int_field(default=60_000)  # one ExecuteStep, whatever its rows
     edge_wait_ms: int = int_field(default=60_000)  # one wait on a ring (either end)
-    stop_ms: int = int_field(default=10_000)  # StopRun to StageStopped
+    stop_ms: int = int_field(default=10_000)  # StopRun to StageStopped (stop_limit_ms)
     step_row_ms: int = int_field(default=100)  # one ExecuteStep, for each of its rows
     heartbeat_ms: int = int_field(default=5_000)  # a stage's longest silence
 
     def step_limit_ms(self, rows: int) -> int:
         """How long one step of ``rows`` rows may take on one stage."""
         return self.step_ms + max(0, rows) * self.step_row_ms
+
+    def batch_step_limit_ms(self, rows: int, batch_rows: int) -> int:
+        """How long one step of ``rows`` rows may take on one stage, its batch run and
+        its output taken, when its batches may hold ``batch_rows`` rows in all (0: its
+        own rows only, a run alone: ``step_limit_ms(rows)``)."""
+        if batch_rows <= 0:
+            return self.step_limit_ms(rows)
+        return self.SHARED_BATCHES * self.step_limit_ms(max(rows, batch_rows))
+
+    def token_limit_ms(self, stages: int, chunks: int, rows: int, batch_rows: int) -> int:
+        """How long a token may take from its first record's injection to its
+        consumption: ``stages + chunks - 1`` steps (a prompt's ``chunks`` records of at
+        most ``rows`` rows pipeline through the stages; a decoded token is one record of
+        one row), each within ``batch_step_limit_ms``."""
+        steps = stages + max(1, chunks) - 1
+        return self.batch_step_limit_ms(rows, batch_rows) * steps
+
+    def stop_limit_ms(self, rows: int, batch_rows: int) -> int:
+        """How long ``StopRun`` to every stage's ``StageStopped`` may take: a stage reads
+        its ``StopRun`` once the worker call in progress ends, and its loop may begin
+        one more before it releases the run (it releases after a batch): ``STOP_BATCHES``
+        worker calls, each one step of at most ``rows`` rows (a run alone) or one batch
+        of at most ``batch_rows`` rows (runs sharing its batches), ``step_limit_ms`` of
+        the larger; then the stage stops the run within ``stop_ms``."""
+        return self.stop_ms + self.STOP_BATCHES * self.step_limit_ms(max(rows, batch_rows))
+
+
+def shared_batch_rows(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int) -> int:
+    """Rows a run's batches on a stage may hold in all: ``max_batch_rows`` when the
+    stage's KV budget has room for other runs beside this run's cache, else 0 (its
+    records run alone)."""
+    return max_batch_rows if kv_budget_bytes > kv_bytes else 0
 
 
 @frozen

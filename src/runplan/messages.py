@@ -1,7 +1,8 @@
 """Control messages (PIPELINE_ORCHESTRATION_MVP.md §4, §8): ``ProvisionStage`` (the
 planner's projection of one stage plan), ``StopRun``, ``StageReady``, ``StageFault``,
-``StageStopped``, ``RewireEdge``, and ``ProvisionRefused`` (CONCURRENT_RUNS.md §5: a
-stage that cannot reserve a run's KV cache)."""
+``StageStopped`` (with the stage's batch sizes since its last one), ``RewireEdge``, and
+``ProvisionRefused`` (CONCURRENT_RUNS.md §5: a stage that cannot reserve a run's KV
+cache)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import enum
 
 from attrs import frozen
 
-from runplan._fields import bool_field, int_field, str_field, typed_field
-from runplan.config import SamplingConfig, Timeouts
+from runplan._fields import bool_field, int_field, str_field, tuple_field, typed_field
+from runplan.config import SamplingConfig, Timeouts, shared_batch_rows
 from runplan.dtypes import DTypeFamily
 from runplan.facts import GgufSource
 from runplan.plan import EdgeKind, ObjectSpec, RingSpec
@@ -73,6 +74,11 @@ class ProvisionStage:
     max_batch_rows: int = int_field()
     sampling: SamplingConfig | None = typed_field((SamplingConfig, type(None)), default=None)
     return_logits: bool = bool_field(default=False)
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows this run's batches on the stage may hold in all (0: it runs alone)."""
+        return shared_batch_rows(self.max_batch_rows, self.kv_bytes, self.kv_budget_bytes)
 
     @property
     def is_first(self) -> bool:
@@ -138,10 +144,25 @@ class StageFault:
 
 
 @frozen
+class BatchCount:
+    """``batches`` worker calls of ``rows`` rows in all (a stage's batches, counted by
+    their rows)."""
+
+    rows: int = int_field()
+    batches: int = int_field()
+
+
+@frozen
 class StageStopped:
+    """Stage to orchestrator: the run is released. ``batches``: the batches this stage
+    ran since its previous ``StageStopped`` (of any run on its chain), counted by rows,
+    so that each batch is reported once (CONCURRENT_RUNS.md §3; the chain's stage
+    fills it in, not the run's machine; empty from a stage that reports none)."""
+
     run_id: str = str_field()
     stage_index: int = int_field()
     node_id: str = str_field()
+    batches: tuple[BatchCount, ...] = tuple_field(BatchCount, default=())
 
 
 @frozen

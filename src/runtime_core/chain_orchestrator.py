@@ -13,9 +13,13 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
   ``kv_bytes`` against ``kv_budget_bytes``, stage by stage); it starts when runs in
   flight end, first held, first started. A run whose cache exceeds a stage's whole
   budget is refused at once (``RunRefused``): it could never run.
-- Token-in carries one queue of records for every run, in the order they were asked
-  for: a run's prompt (in chunks of the plan's ``prefill_chunk`` rows: chunk ``j`` of
-  ``P``, in order), then each fed-back token after the one before it was consumed.
+- Token-in carries the records of every run: a run's prompt (in chunks of the plan's
+  ``prefill_chunk`` rows: chunk ``j`` of ``P``, in order), then each fed-back token
+  after the one before it was consumed. Fed-back tokens go first, in the order they
+  were asked for, then prompt chunks in theirs: a decoding run's next token never
+  waits behind another run's long prompt (a ring of a few slots would otherwise let it
+  in only after every chunk of that prompt). A run's own order stands: its token 0
+  comes only after its last chunk was written.
 - Token-out records are routed by their run id: a record of a run this side does not
   hold (unknown, or finished) is rejected, logged and dropped, and the link stays up; a
   held run's record on another edge likewise; one that fails its run's checks (its
@@ -23,6 +27,8 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
   run's endpoint fault.
 - Control messages (``StageReady``, ``StageFault``, ``StageStopped``,
   ``ProvisionRefused``) go to their run's machine; one for no held run is rejected.
+  The batches a ``StageStopped`` reports (the stage's since its previous one, by rows)
+  are added to ``batch_counts`` when it comes from one of its run's stages.
 - A chain fault ends every run: ``StageDied`` (the runtime's notice that a stage
   process or host is gone, its detail naming stage, node, host and cause) and a broken
   token link go to every run in flight, each ending ``FAULTED`` with that reason; runs
@@ -43,7 +49,14 @@ from attrs import frozen
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.messages import FaultKind, FaultReason, ProvisionStage, StopReason, StopRun
+from runplan.messages import (
+    FaultKind,
+    FaultReason,
+    ProvisionStage,
+    StageStopped,
+    StopReason,
+    StopRun,
+)
 from runplan.record_header import HeaderCheck, HeaderDType, HeaderRejection
 from runtime_core.links import LinkFault, LinkReceiver, LinkSender
 from runtime_core.records import read_token, token_payload
@@ -156,9 +169,13 @@ class ChainOrchestrator:
         self.done: set[str] = set()  # run ids that finished on this chain
         self.token_in: LinkSender | None = None
         self.token_out: LinkReceiver | None = None
-        self._inject: deque[_Record] = deque()
+        self._decodes: deque[_Record] = deque()  # fed-back tokens waiting for token-in
+        self._chunks: deque[_Record] = deque()  # prompt records waiting for token-in
         self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
+        #: Batches each stage reported (stage index -> rows -> batches). Replaced, never
+        #: changed in place: another thread may read it whole at any time.
+        self.batch_counts: dict[int, dict[int, int]] = {}
 
     # -- runs ----------------------------------------------------------------------------
     def add_run(
@@ -240,7 +257,7 @@ class ChainOrchestrator:
         if self.runs.pop(handle.run_id, None) is None:
             return
         self.done.add(handle.run_id)
-        self._inject = deque(r for r in self._inject if r.run_id != handle.run_id)
+        self._drop_records(handle.run_id)
         if handle.check is not None:  # it started: its reservation goes
             for s in handle.plan.stages:
                 self._reserved[s.stage_index] -= s.kv_bytes
@@ -264,6 +281,8 @@ class ChainOrchestrator:
                     },
                 )
                 return
+            if isinstance(event.message, StageStopped) and event.message.batches:
+                self._count_batches(handle, event)
             self._feed(handle, event)
         elif isinstance(event, fsm.StageDied):
             detail = f"stage {event.stage_index}: {event.detail}".rstrip(": ")
@@ -277,6 +296,22 @@ class ChainOrchestrator:
                 self._feed(handle, fsm.TimerFired(event.timer))
         else:
             raise TypeError(f"{type(event).__name__} is not an event of a chain's orchestrator")
+
+    def _count_batches(self, handle: RunHandle, event: fsm.Received) -> None:
+        """Add the batches a ``StageStopped`` of one of the run's stages reports (one
+        of another sender, or of rows or counts below 1, is rejected and not added)."""
+        message = event.message
+        assert isinstance(message, StageStopped)
+        problem = fsm.stage_message_problem(handle.machine, event)
+        bad = [c for c in message.batches if c.rows < 1 or c.batches < 1]
+        if problem is not None or bad:
+            reason = problem or f"batch counts below 1: {bad}"
+            self.trace("reject", {"sender": event.sender, "reason": f"StageStopped: {reason}"})
+            return
+        counts = dict(self.batch_counts.get(message.stage_index, {}))
+        for c in message.batches:
+            counts[c.rows] = counts.get(c.rows, 0) + c.batches
+        self.batch_counts = {**self.batch_counts, message.stage_index: counts}
 
     def _chain_fault(self, reason: FaultReason, event: fsm.Event) -> None:
         """Every run in flight gets ``event``; runs still held end with ``reason``."""
@@ -325,7 +360,7 @@ class ChainOrchestrator:
         elif isinstance(action, fsm.CloseTokenEndpoints):
             # The chain's links stay: only the run's records still waiting go.
             handle.needs_links = False
-            self._inject = deque(r for r in self._inject if r.run_id != run_id)
+            self._drop_records(run_id)
         elif isinstance(action, fsm.RunFinished):
             handle.finished = action
         elif isinstance(action, fsm.Rejected):
@@ -345,11 +380,22 @@ class ChainOrchestrator:
             chunks = [ids[j * size : (j + 1) * size] for j in range(count)]
         else:
             count, chunks = 1, [ids]
+        queue = self._chunks if action.sequence == 0 else self._decodes
         for j, chunk in enumerate(chunks):
-            self._inject.append(_Record(handle.run_id, action.sequence, chunk, j, count))
+            queue.append(_Record(handle.run_id, action.sequence, chunk, j, count))
         if action.sequence == 0:
             handle.unsent_chunks = count
         self.try_inject()
+
+    def _drop_records(self, run_id: str) -> None:
+        """A run's records still waiting for token-in go."""
+        self._decodes = deque(r for r in self._decodes if r.run_id != run_id)
+        self._chunks = deque(r for r in self._chunks if r.run_id != run_id)
+
+    def _next_record(self) -> deque[_Record] | None:
+        """The queue whose first record goes next: fed-back tokens before prompt
+        chunks."""
+        return self._decodes or self._chunks or None
 
     # -- the links ---------------------------------------------------------------------------
     @property
@@ -389,16 +435,16 @@ class ChainOrchestrator:
 
     @property
     def inject_pending(self) -> bool:
-        return bool(self._inject) and self.token_in is not None
+        return self._next_record() is not None and self.token_in is not None
 
     def try_inject(self) -> bool:
-        """Write the waiting token-in records, in order; ``False`` while the link is
-        full."""
-        while self._inject and self.token_in is not None:
-            record = self._inject[0]
+        """Write the waiting token-in records (fed-back tokens first); ``False`` while
+        the link is full."""
+        while (queue := self._next_record()) is not None and self.token_in is not None:
+            record = queue[0]
             handle = self.runs.get(record.run_id)
             if handle is None or handle.machine.state is not _RUNNING:
-                self._inject.popleft()
+                queue.popleft()
                 continue
             try:
                 sent = self.token_in.try_send(
@@ -416,7 +462,7 @@ class ChainOrchestrator:
                 return False
             if not sent:
                 return False
-            self._inject.popleft()
+            queue.popleft()
             if record.sequence == 0:
                 handle.unsent_chunks -= 1
             if self.trace is not _no_trace:

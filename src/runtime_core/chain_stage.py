@@ -32,7 +32,10 @@ back as events:
   once for a last stage's prefill chunk before the last, which writes nothing). One batch
   at a time: the next is formed only when every output of this one is out.
 - ``run_release()`` while ``release_pending``: each stopping run's cache freed
-  (``close_run``), ``Released``: ``StageStopped``, and its id joins the stale set.
+  (``close_run``), ``Released``: ``StageStopped``, and its id joins the stale set. Each
+  ``StageStopped`` carries the batches run since the previous one, counted by rows
+  (``batches``): the orchestrator learns every batch's size once, whichever run's stop
+  reports it.
 
 Faults: a run's own failure (its step's ``StepFailure``, its record, its step timer)
 ends that run alone. A fault of what runs share (the inbound link closed or corrupt, the
@@ -53,6 +56,7 @@ from attrs import frozen
 from runplan import ProvisionStage
 from runplan.fsm import stage as fsm
 from runplan.messages import (
+    BatchCount,
     FaultKind,
     FaultReason,
     ProvisionRefused,
@@ -196,7 +200,8 @@ class ChainStageController:
         self._outputs: deque[_Output] = deque()
         self._release: list[str] = []
         self.batches = 0  # worker calls so far
-        self.batch_rows: list[int] = []  # rows of each batch (for tests and metrics)
+        self.batch_rows: list[int] = []  # rows of each batch (for tests and traces)
+        self._unreported: dict[int, int] = {}  # rows -> batches not yet in a StageStopped
 
     # -- state the runtime reads -------------------------------------------------------
     @property
@@ -328,7 +333,10 @@ class ChainStageController:
         elif isinstance(action, (fsm.ReleaseInput, fsm.DiscardObject)):
             slot.current = None  # the payload was copied at load: the copy goes
         elif isinstance(action, fsm.SendToOrchestrator):
-            self.control.send(action.message)
+            message = action.message
+            if isinstance(message, StageStopped) and self._unreported:
+                message = attrs.evolve(message, batches=self._batch_report())
+            self.control.send(message)
         elif isinstance(action, fsm.BeginSetup):
             p = action.provision
             slot.provision = p
@@ -352,6 +360,11 @@ class ChainStageController:
                 "protocol_violation",
                 {"run_id": run_id, "state": action.state.name, "kind": action.kind.name},
             )
+
+    def _batch_report(self) -> tuple[BatchCount, ...]:
+        """The batches run since the last report, by rows; they are reported now."""
+        counts, self._unreported = sorted(self._unreported.items()), {}
+        return tuple(BatchCount(rows, batches) for rows, batches in counts)
 
     # -- setup ------------------------------------------------------------------------------
     def run_setup(self, progress: Progress | None = None) -> None:
@@ -495,7 +508,9 @@ class ChainStageController:
         if not steps:
             return
         self.batches += 1
-        self.batch_rows.append(sum(s.data.shape[0] for s in steps))
+        rows = sum(s.data.shape[0] for s in steps)
+        self.batch_rows.append(rows)
+        self._unreported[rows] = self._unreported.get(rows, 0) + 1
         if self.trace is not _no_trace:
             self.trace(
                 "batch",

@@ -6,7 +6,8 @@ CONCURRENT_RUNS.md's: isolation (no record or token crosses runs, a run's tokens
 only its caller), batch invariance (each run's tokens equal its tokens alone: the
 checker reruns it alone, on the same seed, through the same worker), every KV
 reservation freed, one batch at a time per stage, at most one step per run in a batch,
-each run's records run in the order they were loaded (chunks in order). The rings keep
+each run's records run in the order they were loaded (chunks in order), each batch
+reported once in the stage's ``StageStopped`` messages. The rings keep
 the ring rules of a chain's links (``chain_ring_rules``). The checker looks at what
 happened on the wire and in the rings, not at what a machine meant to do, so a bug in a
 controller is caught as surely as one in a machine.
@@ -14,13 +15,14 @@ controller is caught as surely as one in a machine.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
 
 from runplan import RunPlan, check_plan
+from runplan.config import shared_batch_rows
 from runplan.fsm import stage as sfsm
 from runtime_sim.chain_driver import ChainResult, ChainSimulation, RunSpec
 from runtime_sim.chain_ring_rules import NO_OVERWRITE, PUBLISH_ORDER, RELEASE_AT_LOAD, RingRules
@@ -59,6 +61,7 @@ KV_FREED = "memory: every KV reservation is freed at the chain's end"
 ONE_BATCH = "batching: one batch at a time per stage"
 ONE_STEP_PER_RUN = "batching: at most one step per run in a batch"
 STEP_ORDER = "batching: a stage feeds each run's records in the order it loaded them"
+BATCHES_REPORTED = "batching: a stage's StageStopped messages report each of its batches once"
 
 ALL_RULES = (
     PLAN,
@@ -86,6 +89,7 @@ ALL_RULES = (
     ONE_BATCH,
     ONE_STEP_PER_RUN,
     STEP_ORDER,
+    BATCHES_REPORTED,
 )
 
 #: Runs one run alone on a fresh chain (same seed, same kind of worker): its tokens.
@@ -99,9 +103,15 @@ def time_bound_us(plan: RunPlan) -> int:
     allowed token (each bounded by the token timeout: the prompt's by its rows, at most
     the cache's length), the stop timeout, and slack for notices."""
     t = plan.timeouts
-    prompt_ms = t.step_limit_ms(plan.model.max_seq_len) * plan.stage_count
-    token_ms = t.step_limit_ms(1) * plan.stage_count
-    return (t.ready_ms + prompt_ms + plan.max_tokens * token_ms + t.stop_ms) * 1000 + 1_000_000
+    batch_rows = max(
+        shared_batch_rows(plan.max_batch_rows, s.kv_bytes, s.kv_budget_bytes) for s in plan.stages
+    )
+    longest, size = plan.model.max_seq_len, plan.prefill_chunk
+    chunks, rows = (-(-longest // size), size) if 0 < size < longest else (1, longest)
+    prompt_ms = t.token_limit_ms(plan.stage_count, chunks, rows, batch_rows)
+    token_ms = t.token_limit_ms(plan.stage_count, 1, 1, batch_rows)
+    stop_ms = t.stop_limit_ms(rows, batch_rows)
+    return (t.ready_ms + prompt_ms + plan.max_tokens * token_ms + stop_ms) * 1000 + 1_000_000
 
 
 def chain_bound_us(runs: tuple[RunSpec, ...]) -> int:
@@ -434,9 +444,34 @@ class _Checker:
                 )
             if not stage.closed and any(self.provisioned.values()):
                 self.fail(LIVENESS_STOPPED, r.end_us, f"{stage.node_id} never closed its chain")
+        self._batches_reported()
         for node, kind, ok, reason in sim.forgeries:
             if not ok:
                 self.fail(SECURITY, 0, f"{kind} at {node}: {reason}")
+
+    def _batches_reported(self) -> None:
+        """Once every run ended, each stage still alive, holding no run, whose stops were
+        all confirmed and none of whose control messages was lost, reported each batch it
+        ran exactly once: the orchestrator's counts are its batches, by rows."""
+        r = self.result
+        if any(run.finished is None and run.refused is None for run in r.runs):
+            return
+        for s, stage in enumerate(self.sim.stages):
+            node = stage.node_id
+            if not r.alive[s] or r.held[s]:
+                continue
+            if any(node in (src, dst) for src, dst, _ in self.sim.dropped):
+                continue
+            if any(run.finished and s in run.finished.unconfirmed_stages for run in r.runs):
+                continue
+            ran = dict(Counter(r.batches[s]))
+            reported = r.batch_counts.get(s, {})
+            if reported != ran:
+                self.fail(
+                    BATCHES_REPORTED,
+                    r.end_us,
+                    f"{node} ran batches {ran} (rows: batches), reported {reported}",
+                )
 
     def _isolation(self, i: int, run: Any) -> None:
         """Run ``i``'s caller got exactly its run's tokens (EOS excluded), each as its last

@@ -87,6 +87,8 @@ class ChainResult:
     held: tuple[tuple[tuple[str, sfsm.State], ...], ...]  # each stage's runs at the end
     kv_reserved: tuple[int, ...]  # each stage's KV bytes still reserved at the end
     batches: tuple[tuple[int, ...], ...]  # each stage's batch rows
+    # The orchestrator's count of each stage's batches, from their StageStopped messages.
+    batch_counts: dict[int, dict[int, int]]
 
 
 @frozen
@@ -218,4 +220,5 @@ class ChainSimulation:
             held=tuple(tuple(s.controller.held()) for s in self.stages),
             kv_reserved=tuple(s.worker.kv_reserved_bytes for s in self.stages),
             batches=tuple(tuple(s.controller.batch_rows) for s in self.stages),
+            batch_counts=o.controller.batch_counts,
         )

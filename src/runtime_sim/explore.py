@@ -31,6 +31,7 @@ from runplan import (
     plan_run,
 )
 from runtime_sim.chain_checker import (
+    BATCHES_REPORTED,
     ISOLATION,
     READY_AFTER_SETUP,
     READY_BEFORE_INJECT,
@@ -287,6 +288,7 @@ MUTANT_RULES: dict[Mutation, str] = {
     Mutation.READY_BEFORE_BIND: READY_AFTER_SETUP,
     Mutation.CROSS_RUN_LEAK: ISOLATION,
     Mutation.REORDERED_STEPS: STEP_ORDER,
+    Mutation.BATCHES_REPORTED_TWICE: BATCHES_REPORTED,
 }
 
 

@@ -6,11 +6,12 @@ knows of them."""
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from typing import Any
 
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
-from runplan.messages import StageReady
+from runplan.messages import BatchCount, StageReady
 from runplan.plan import RingSpec
 from runplan.record_header import HeaderDType
 from runtime_core.chain_orchestrator import RunHandle
@@ -33,6 +34,7 @@ class Mutation(enum.Enum):
     READY_BEFORE_BIND = "READY_BEFORE_BIND"  # stage 0 reports ready before its weights
     CROSS_RUN_LEAK = "CROSS_RUN_LEAK"  # one run's token goes to another run's caller
     REORDERED_STEPS = "REORDERED_STEPS"  # a batch takes one run's records out of order
+    BATCHES_REPORTED_TWICE = "BATCHES_REPORTED_TWICE"  # a stop reports batches reported before
 
 
 class InjectBeforeReady(TracedChainOrchestrator):
@@ -145,6 +147,16 @@ class ReorderedSteps(TracedChainStage):
         super().run_batch()
 
 
+class BatchesReportedTwice(TracedChainStage):
+    """Each ``StageStopped`` reports every batch the stage ran, not those since the last
+    one."""
+
+    def _batch_report(self) -> tuple[BatchCount, ...]:
+        ran = sorted(Counter(self.batch_rows).items())
+        self._unreported = {}
+        return tuple(BatchCount(rows, batches) for rows, batches in ran)
+
+
 def parts_for(mutation: Mutation) -> Parts:
     """A simulation's parts with ``mutation``'s bug in one of them."""
     name = mutation.value
@@ -160,4 +172,6 @@ def parts_for(mutation: Mutation) -> Parts:
         return Parts(orchestrator_controller=CrossRunLeak, mutant=name)
     if mutation is Mutation.REORDERED_STEPS:
         return Parts(stage_controller=ReorderedSteps, mutant=name)
+    if mutation is Mutation.BATCHES_REPORTED_TWICE:
+        return Parts(stage_controller=BatchesReportedTwice, mutant=name)
     return Parts(stage_controller=ReadyBeforeBind, mutant=name)

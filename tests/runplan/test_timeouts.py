@@ -8,6 +8,9 @@ import pytest
 
 from runplan import RunPlan, plan_run
 from runplan.config import Timeouts
+from runplan.fsm import orchestrator as ofsm
+from runplan.fsm import stage as sfsm
+from runplan.provision import provision_all
 from runplan.rejections import InvalidConfig
 from runplan.validate import MIN_HEARTBEAT_MS
 from tests.support.strategies import small_plan_inputs
@@ -45,3 +48,65 @@ def test_the_smallest_heartbeat_and_no_budget_per_row_plan() -> None:
     timeouts = Timeouts(heartbeat_ms=MIN_HEARTBEAT_MS, step_row_ms=0)
     result = plan_run(facts, attrs.evolve(config, timeouts=timeouts), pool, stage_count=2)
     assert isinstance(result, RunPlan), result
+
+
+def test_a_step_that_shares_its_batches_has_the_limit_of_shared_batches() -> None:
+    t = Timeouts(step_ms=1_000, step_row_ms=20)
+    assert t.batch_step_limit_ms(3, 0) == t.step_limit_ms(3)  # a run alone: its rows
+    assert t.batch_step_limit_ms(3, 64) == t.SHARED_BATCHES * t.step_limit_ms(64)
+    assert t.batch_step_limit_ms(100, 64) == t.SHARED_BATCHES * t.step_limit_ms(100)
+    # a prompt in 4 chunks of 16 rows through 2 stages: 5 steps, each of its batch
+    assert t.token_limit_ms(2, 4, 16, 0) == 5 * t.step_limit_ms(16)
+    assert t.token_limit_ms(2, 4, 16, 64) == 5 * t.SHARED_BATCHES * t.step_limit_ms(64)
+    assert t.token_limit_ms(2, 1, 1, 64) == 2 * t.SHARED_BATCHES * t.step_limit_ms(64)
+
+
+@pytest.mark.parametrize("runs", [1, 4])
+def test_a_stage_and_the_orchestrator_time_a_step_by_the_batches_it_may_share(runs: int) -> None:
+    """The stage machine's STEP timer and the orchestrator machine's TOKEN timer of a
+    decoded token: a record's own rows for a run alone, else ``SHARED_BATCHES`` batches
+    of ``max_batch_rows`` rows a step (the stage's KV budget holds other runs)."""
+    facts, config, pool = small_plan_inputs(2)
+    config = attrs.evolve(config, max_concurrent_runs=runs, max_batch_rows=8)
+    plan = plan_run(facts, config, pool, stage_count=2)
+    assert isinstance(plan, RunPlan), plan
+    t = plan.timeouts
+    provisions = provision_all(plan)
+    assert {p.batch_rows for p in provisions} == {0 if runs == 1 else 8}
+    stage = sfsm.StageMachine.new(provisions[0].node_id, plan.orchestrator_node_id)
+    stage, _ = sfsm.step(stage, sfsm.Received(plan.orchestrator_node_id, provisions[0]))
+    for part in sfsm.SetupPart:
+        stage, _ = sfsm.step(stage, sfsm.SetupDone(part))
+    assert stage.state is sfsm.State.READY
+    edge = provisions[0].inbound.edge_id
+    loaded = sfsm.ObjectLoaded(plan.run_id, edge, 0, 0, 1, rows=2)
+    _, actions = sfsm.step(stage, loaded)
+    step_ms = [a.ms for a in actions if isinstance(a, sfsm.StartTimer)]
+    alone = runs == 1
+    assert step_ms == [t.step_limit_ms(2) if alone else t.SHARED_BATCHES * t.step_limit_ms(8)]
+    machine = ofsm.OrchestratorMachine.for_plan(plan, (1, 2))
+    decode = t.step_limit_ms(1) if alone else t.SHARED_BATCHES * t.step_limit_ms(8)
+    assert machine._token_ms(1) == 2 * decode
+
+
+@pytest.mark.parametrize("runs", [1, 4])
+def test_the_orchestrator_times_a_teardown_by_the_batches_a_stage_may_finish_first(
+    runs: int,
+) -> None:
+    """The orchestrator machine's STOP timer: a stage reads ``StopRun`` after the worker
+    call in progress and may begin one more before it releases the run, so the bound is
+    ``stop_ms`` and ``STOP_BATCHES`` steps of the run's longest record (a run alone) or
+    batches of ``max_batch_rows`` rows (its stages hold other runs too)."""
+    facts, config, pool = small_plan_inputs(2)
+    config = attrs.evolve(config, max_concurrent_runs=runs, max_batch_rows=8)
+    plan = plan_run(facts, config, pool, stage_count=2)
+    assert isinstance(plan, RunPlan), plan
+    t = plan.timeouts
+    assert t.step_ms > 0 and t.stop_ms > 0
+    machine = ofsm.OrchestratorMachine.for_plan(plan, (1, 2, 3))
+    machine, _ = ofsm.step(machine, ofsm.Start())
+    _, actions = ofsm.step(machine, ofsm.Cancel("the client went away"))
+    stop = [a.ms for a in actions if isinstance(a, ofsm.StartTimer) and a.timer is ofsm.Timer.STOP]
+    rows = 3 if runs == 1 else 8  # the prompt's record, or a batch of 8 rows
+    assert stop == [t.stop_ms + t.STOP_BATCHES * t.step_limit_ms(rows)]
+    assert stop[0] > t.stop_ms + t.step_limit_ms(rows)  # two worker calls, not one

@@ -6,18 +6,19 @@ KV reservation is freed after every outcome."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 
-from runplan import RunPlan, SamplingConfig
+from runplan import RunPlan, SamplingConfig, Timeouts
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
-from runplan.messages import FaultKind, StopReason
-from runtime_core.chain_orchestrator import RunRefused
+from runplan.messages import BatchCount, FaultKind, StageStopped, StopReason
+from runtime_core.chain_orchestrator import RunHandle, RunRefused
 from runtime_core.workers.interface import (
     BatchStep,
     KvCacheUnavailable,
@@ -26,7 +27,14 @@ from runtime_core.workers.interface import (
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.chain import Chain, plan_for, provisions
-from tests.support.chain_runs import ChainRuns, FailingWorker, ManualTimers
+from tests.support.chain_runs import (
+    ChainRuns,
+    Clock,
+    ClockTimers,
+    FailingWorker,
+    ManualTimers,
+    TimedWorker,
+)
 
 PROMPTS = [
     [5, 77, 300, 12, 9],
@@ -150,25 +158,115 @@ class RecordingTimers(ManualTimers):
         super().start(run_id, timer, ms)
 
 
-def test_each_step_s_time_limit_is_that_of_its_record_s_rows(model: Path) -> None:
-    """A stage's step timer grows with the rows of the record it runs (a chunk's rows in
-    a prefill in chunks), and the orchestrator's token timer of the prompt covers one
-    chunk's limit per step through the pipeline."""
+@pytest.mark.parametrize("runs", [1, 8])
+def test_each_step_s_time_limit_is_that_of_its_batch(model: Path, runs: int) -> None:
+    """A run alone: a stage's step timer grows with the rows of the record it runs (a
+    chunk's rows in a prefill in chunks), and the orchestrator's token timer of the
+    prompt covers one chunk's limit per step through the pipeline. A run whose stages
+    hold other runs too: every step's limit is that of a whole batch
+    (``max_batch_rows``), and a token waits through ``SHARED_BATCHES`` batches a step."""
     chain = ChainRuns(3, reference)
     chain.stages[0].timers = chain.stage_timers[0] = stage_0 = RecordingTimers()
     chain.orchestrator.timers = chain.orchestrator_timers = orchestrator = RecordingTimers()
-    p = plan(model, 2, prefill_chunk=3)
+    p = plan(model, 2, prefill_chunk=3, max_concurrent_runs=runs, max_batch_rows=16)
     handle = chain.add(p, PROMPTS[2])  # 11 tokens: chunks of 3, 3, 3 and 2 rows
     chain.pump()
     assert handle.finished is not None and handle.finished.outcome is StopReason.COMPLETED
     t = p.timeouts
     assert t.step_row_ms > 0  # else every limit below would be the same
     steps = [ms for timer, ms in stage_0.started if timer is sfsm.Timer.STEP]
-    limits = [t.step_limit_ms(rows) for rows in (3, 3, 3, 2)]
-    assert steps == limits + [t.step_limit_ms(1)] * (N - 1)
     tokens = [ms for timer, ms in orchestrator.started if timer is ofsm.Timer.TOKEN]
-    assert tokens[0] == t.step_limit_ms(3) * (3 + 4 - 1)
-    assert set(tokens[1:]) == {t.step_limit_ms(1) * 3}
+    if runs == 1:
+        limits = [t.step_limit_ms(rows) for rows in (3, 3, 3, 2)]
+        assert steps == limits + [t.step_limit_ms(1)] * (N - 1)
+        assert tokens[0] == t.step_limit_ms(3) * (3 + 4 - 1)
+        assert set(tokens[1:]) == {t.step_limit_ms(1) * 3}
+    else:
+        assert set(steps) == {t.SHARED_BATCHES * t.step_limit_ms(16)}
+        assert len(steps) == 4 + N - 1
+        assert tokens[0] == t.SHARED_BATCHES * t.step_limit_ms(16) * (3 + 4 - 1)
+        assert set(tokens[1:]) == {t.SHARED_BATCHES * t.step_limit_ms(16) * 3}
+
+
+def _timed_chain(
+    model: Path, tight: Timeouts, took: Callable[[int], int]
+) -> tuple[ChainRuns, Clock, list[ClockTimers], list[RunHandle]]:
+    """Eight runs (batches of up to 16 rows) on 3 stages working in parallel, a batch
+    of ``rows`` rows taking ``took(rows)`` ms, every timer against the chain's clock."""
+    clock = Clock()
+    chain = ChainRuns(3, lambda i: TimedWorker(ReferenceWorker(), clock, i, took))
+    timers = [ClockTimers(clock, i) for i in range(3)] + [ClockTimers(clock, None)]
+    for stage, stage_timers in zip(chain.stages, timers, strict=False):
+        stage.timers = stage_timers
+    chain.orchestrator.timers = timers[3]
+    handles = [
+        chain.add(
+            attrs.evolve(plan(model, k, prefill_chunk=2, max_batch_rows=16), timeouts=tight),
+            PROMPTS[k],
+        )
+        for k in range(8)
+    ]
+    return chain, clock, timers, handles
+
+
+def _run_timed(chain: ChainRuns, clock: Clock, until: Callable[[], bool] = lambda: False) -> None:
+    """Rounds of the chain, the clock ticking after each, until nothing runs or
+    ``until()``."""
+    for _ in range(100_000):
+        if until() or not chain._round():
+            return
+        clock.tick()
+    raise AssertionError("the chain still had work")
+
+
+def _overruns(timers: list[ClockTimers]) -> list[tuple[int | None, Any]]:
+    return [(ts.stage_index, o) for ts in timers for o in ts.overruns]
+
+
+def test_batches_that_take_just_under_their_rows_limit_run_out_no_timer(model: Path) -> None:
+    """Eight runs share the batches of 3 stages working in parallel, each batch taking 1
+    ms less than a step of all its rows may (tight timeouts): no stage's step timer and
+    no orchestrator's token timer runs out (limits of a record's own rows would: a
+    decode row shares a batch of up to 16 rows)."""
+    tight = Timeouts(step_ms=100, step_row_ms=10)
+    chain, clock, timers, handles = _timed_chain(model, tight, lambda r: tight.step_limit_ms(r) - 1)
+    _run_timed(chain, clock)
+    assert all(h.finished and h.finished.outcome is StopReason.COMPLETED for h in handles)
+    assert max(max(stage.batch_rows) for stage in chain.stages) > 1  # runs shared batches
+    assert _overruns(timers) == []
+
+
+def test_a_run_cancelled_while_the_stages_run_shared_batches_stops_in_time(
+    model: Path,
+) -> None:
+    """A run cancelled while the stages run batches of others, each batch from then on
+    taking 1 ms less than a batch of 16 rows may: a stage reads its ``StopRun`` only
+    after the batch in progress, and runs one more before it releases the run, far
+    longer than ``stop_ms``. The orchestrator's stop timer allows for both
+    (``stop_limit_ms``): no stop timer runs out (before: every one did), the run ends
+    CANCELLED with every stage's stop confirmed, the others complete. (Token timers are
+    not checked here: with every batch as long as a full one, a decoded token may take
+    a round more than ``token_limit_ms``, which the report of issue 22 names.)"""
+    tight = Timeouts(step_ms=100, step_row_ms=10, stop_ms=50)
+    full = [False]  # every batch as long as a full one may be
+
+    def took(rows: int) -> int:
+        return tight.step_limit_ms(16 if full[0] else rows) - 1
+
+    chain, clock, timers, handles = _timed_chain(model, tight, took)
+    victim = handles[3]
+    _run_timed(chain, clock, until=lambda: len(chain.tokens[victim.run_id]) >= 2)
+    assert max(max(stage.batch_rows) for stage in chain.stages) > 1  # runs share batches
+    full[0] = True
+    chain.orchestrator.cancel(victim.run_id)
+    _run_timed(chain, clock)
+    assert victim.finished is not None and victim.finished.outcome is StopReason.CANCELLED
+    assert victim.finished.unconfirmed_stages == ()
+    others = [h for h in handles if h is not victim]
+    assert all(h.finished and h.finished.outcome is StopReason.COMPLETED for h in others)
+    stops = [m for m in timers[3].measured if m[1] is ofsm.Timer.STOP]
+    assert len(stops) == 8  # every run's teardown timed, the victim's amid full batches
+    assert [m for m in stops if m[3] > m[2]] == [], stops
 
 
 def test_runs_beyond_the_budget_wait_and_then_run(model: Path, alone: dict[str, list[int]]) -> None:
@@ -291,6 +389,37 @@ def test_a_cancelled_run_ends_alone(model: Path, alone: dict[str, list[int]]) ->
     assert_nothing_held(chain)
 
 
+def test_the_orchestrator_learns_each_stage_s_batches_once_from_its_stops(
+    model: Path, alone: dict[str, list[int]]
+) -> None:
+    """Eight runs sharing batches, one cancelled on the way: each stage's
+    ``StageStopped`` messages (through the wire) carry the batches it ran since its
+    previous one, so once every run stopped the orchestrator's counts by rows are
+    exactly each stage's batches, each counted once; a stop of another sender adds
+    nothing."""
+    chain = ChainRuns(3, reference)
+    handles = run_all(chain, model, range(8), prefill_chunk=2, max_batch_rows=16)
+    for _ in range(8):
+        chain._round()
+    chain.orchestrator.cancel("run-3")
+    chain.pump()
+    assert handles["run-3"].finished.outcome is StopReason.CANCELLED
+    assert_others_complete(handles, alone, "run-3")
+    counts = chain.orchestrator.batch_counts
+    for i, stage in enumerate(chain.stages):
+        assert max(stage.batch_rows) > 1  # runs shared batches
+        assert counts[i] == dict(collections.Counter(stage.batch_rows)), i
+        assert sum(counts[i].values()) == stage.batches
+    # A stop naming stage 0 from stage 1's node, for a run still held: rejected,
+    # counted nowhere.
+    held = chain.add(plan(model, 8), PROMPTS[0])
+    chain._round()
+    forged = StageStopped(held.run_id, 0, "node-0", (BatchCount(4, 1000),))
+    chain.orchestrator.handle(ofsm.Received("node-1", forged))
+    assert chain.orchestrator.batch_counts == counts
+    assert any("StageStopped" in f["reason"] for f in chain.of("reject", "orch"))
+
+
 def test_a_step_timeout_ends_only_its_run(model: Path, alone: dict[str, list[int]]) -> None:
     """While stage 2 takes nothing, stage 1's outputs wait for room on its ring (2
     slots): their steps' timers run. When one runs out, only that run faults."""
@@ -393,3 +522,39 @@ def test_the_same_runs_on_one_stage_and_on_three_give_the_same_tokens(
     for h in handles:
         assert list(h.tokens) == alone[h.run_id]
     assert_nothing_held(chain)
+
+
+def test_a_long_prompt_s_chunks_do_not_hold_back_decoding_runs(model: Path) -> None:
+    """A run decoding while another's long prompt arrives in many chunks: its fed-back
+    tokens go onto token-in ahead of the prompt's chunks still waiting there, so stage 0
+    runs it every few batches (not after the whole prompt), and both runs give the
+    tokens they give alone."""
+    long_prompt = [(7 * i) % 300 + 1 for i in range(24)]  # 24 chunks of 1 row
+    decoding = plan(model, 0, stages=2, max_tokens=20)
+    prefilling = plan(model, 1, stages=2, prefill_chunk=1)
+
+    def alone_tokens(p: RunPlan, prompt: list[int]) -> list[int]:
+        chain = ChainRuns(2, reference)
+        handle = chain.add(p, prompt)
+        chain.pump()
+        return list(handle.tokens)
+
+    chain = ChainRuns(2, reference)
+    a = chain.add(decoding, PROMPTS[1])
+    while len(chain.tokens["run-0"]) < 3:  # run-0 decodes
+        assert chain._round()
+    b = chain.add(prefilling, long_prompt)
+    chain.pump()
+    assert list(a.tokens) == alone_tokens(decoding, PROMPTS[1])
+    assert list(b.tokens) == alone_tokens(prefilling, long_prompt)
+    stage_0 = [f["runs"] for node, k, f in chain.traces if k == "batch" and node == "node-0"]
+    first = next(i for i, runs in enumerate(stage_0) if "run-1" in runs)
+    last_a = max(i for i, runs in enumerate(stage_0) if "run-0" in runs)
+    assert last_a > first + 3  # run-0 decoded while run-1's prompt went in
+    without_a, longest = 0, 0
+    for runs in stage_0[first : last_a + 1]:
+        without_a = 0 if "run-0" in runs else without_a + 1
+        longest = max(longest, without_a)
+    # run-0's next token is injected the round after its last was consumed: stage 0
+    # runs one batch per round, and the token passes 2 stages and the orchestrator.
+    assert longest <= 3, stage_0[first : last_a + 1]

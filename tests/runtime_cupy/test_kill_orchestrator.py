@@ -34,14 +34,29 @@ class Driver:
     """``orchestrator_driver.py`` in a process of its own, its JSON lines read by a thread."""
 
     def __init__(
-        self, model: str, faults: dict[int, list[str]], log: Path, edges: str = "shm"
+        self,
+        model: str,
+        faults: dict[int, list[str]],
+        log: Path,
+        edges: str = "shm",
+        step_ms: int = 20_000,
     ) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
         self.log = log
         self._err = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(DRIVER), model, "3", "8", json.dumps(faults), str(STOP_MS), edges],
+            [
+                sys.executable,
+                str(DRIVER),
+                model,
+                "3",
+                "8",
+                json.dumps(faults),
+                str(STOP_MS),
+                edges,
+                str(step_ms),
+            ],
             stdout=subprocess.PIPE,
             stderr=self._err,
             text=True,

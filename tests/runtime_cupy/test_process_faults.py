@@ -67,7 +67,11 @@ def test_a_token_that_does_not_come_in_time_faults_the_run(tiny: str) -> None:
 
 @pytest.mark.parametrize("edges", ["shm", "tcp"])
 def test_ctrl_c_cancels_the_run_and_cleans_up(tiny: str, tmp_path: Path, edges: str) -> None:
-    driver = Driver(tiny, {1: ["step-delay=2:60"]}, tmp_path / "driver.log", edges)
+    # Stage 1 sleeps 60 s in step 2: it cannot answer StopRun, so once the stop bound
+    # (stop_ms and two steps' limits, Timeouts.stop_limit_ms: 8.6 s) ran out it is
+    # killed.
+    log = tmp_path / "driver.log"
+    driver = Driver(tiny, {1: ["step-delay=2:60"]}, log, edges, step_ms=3_000)
     driver.until("token", 2)
     driver.until_logged("step 2 delayed")
     driver.proc.send_signal(signal.SIGINT)

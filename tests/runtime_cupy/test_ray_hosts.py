@@ -182,7 +182,12 @@ def _assert_nothing_left(hosts: TestHosts, run_id: str, on: tuple[int, ...] = (1
         left = wait_until(lambda i=i: _left_on(hosts, i, run_id), 20)  # type: ignore[misc]
         assert left == [], f"left on host {i}: {left}"
     # No stage supervisor either (the runs of this module are over): Ray ended them.
-    assert wait_until(supervisors, 60) == []
+    assert wait_until(lambda: _supervisors(hosts), 60) == []
+
+
+def _supervisors(hosts: TestHosts) -> list[int]:
+    """The stage supervisors on the test's hosts."""
+    return supervisors(p for i in range(1, hosts.count + 1) for p in hosts.pids(i))
 
 
 def _ensure_three_hosts(hosts: TestHosts, tmp_path: Path) -> None:
@@ -332,7 +337,7 @@ def test_the_network_to_a_host_cut_mid_decode(hosts: TestHosts, model: str, tmp_
     pids = _pids(driver.paused())
     # Each host has its stage's supervisor (so that the checks for none below can fail).
     for i in (1, 2, 3):
-        assert set(supervisors()) & set(hosts.pids(i)), f"no supervisor seen on host {i}"
+        assert supervisors(hosts.pids(i)), f"no supervisor seen on host {i}"
     hosts.cut(3)
     try:
         driver.resume()
@@ -350,12 +355,12 @@ def test_the_network_to_a_host_cut_mid_decode(hosts: TestHosts, model: str, tmp_
         # The cut host's stage stops on its own, cut off, within the bound; so does its
         # supervisor.
         assert wait_until(lambda: pids[2] in hosts.pids(3), bound + SLACK_S) is False
-        assert wait_until(lambda: set(supervisors()) & set(hosts.pids(3)), 20) == set()
+        assert wait_until(lambda: supervisors(hosts.pids(3)), 20) == []
     finally:
         hosts.mend(3)
     # Nothing resumes when the link comes back.
     assert wait_until(lambda: run_processes(doc["chain_id"]), 10) == []
-    assert wait_until(supervisors, 60) == []
+    assert wait_until(lambda: _supervisors(hosts), 60) == []
     _assert_nothing_left(hosts, doc["chain_id"])
     _ensure_three_hosts(hosts, tmp_path)
 

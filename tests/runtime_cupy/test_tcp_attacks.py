@@ -273,3 +273,35 @@ def test_a_silent_stranger_is_turned_away_when_its_time_is_up(
     finally:
         silent.close()
         pair.close()
+
+
+def test_a_flood_of_strangers_is_summed_up_in_the_log_not_logged_one_by_one(
+    refusals: Refusals, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each stranger sends what is no handshake and is turned away at once: the first
+    # LOGGED_REFUSALS are logged one by one, the rest are summed up (here when the edge
+    # stops listening, as the summary's interval is long).
+    monkeypatch.setattr(tcp_consumer, "REFUSAL_SUMMARY_S", 3600.0)
+    strangers = tcp_consumer.LOGGED_REFUSALS + 20
+    pair = Pair()
+    assert pair.consumer_address is not None
+    address = split_address(pair.consumer_address)
+    caplog.set_level(logging.WARNING, logger="runtime_cupy.edges.tcp")
+    try:
+        for _ in range(strangers):
+            with socket.create_connection(address) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\n" + b"x" * 200)
+                pair.serve(0.02)
+        deadline = time.monotonic() + 10
+        while len(refusals.reasons) < tcp_consumer.LOGGED_REFUSALS:
+            assert time.monotonic() < deadline, refusals.reasons
+            pair.serve(0.05)
+        pair.serve(0.5)  # the rest are refused too, but not logged one by one
+        assert len(refusals.reasons) == tcp_consumer.LOGGED_REFUSALS
+        pair.attach()  # the producer gets in: the port closes, the flood is summed up
+        summaries = [r.getMessage() for r in caplog.records if "more connections" in r.message]
+        assert summaries == [
+            f"edge {EDGE}: refused 20 more connections ({strangers} in all; no more are taken)"
+        ]
+    finally:
+        pair.close()

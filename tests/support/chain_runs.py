@@ -214,3 +214,66 @@ class FailingWorker:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+class Clock:
+    """Time of a chain whose stages run in parallel, in rounds of ``ChainRuns._round``:
+    a round begins at ``now_ms``; a stage's batch in it ends ``busy[stage]`` ms later
+    (``TimedWorker``); ``tick()`` ends the round when its longest batch ends."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0
+        self.busy: dict[int, int] = {}
+
+    def at(self, stage_index: int | None) -> int:
+        """The time on a stage (after its batch of this round), or the orchestrator's."""
+        return self.now_ms + (self.busy.get(stage_index, 0) if stage_index is not None else 0)
+
+    def tick(self) -> None:
+        self.now_ms += max(self.busy.values(), default=0)
+        self.busy.clear()
+
+
+class ClockTimers:
+    """Timers of a stage (or the orchestrator: ``None``) against a ``Clock``: each one
+    cancelled later than its limit is an overrun (the timer would have run out first),
+    kept as ``(run_id, timer, limit, elapsed)`` (``measured``: every one cancelled)."""
+
+    def __init__(self, clock: Clock, stage_index: int | None) -> None:
+        self.clock = clock
+        self.stage_index = stage_index
+        self.running: dict[tuple[str, Any], tuple[int, int]] = {}
+        self.measured: list[tuple[str, Any, int, int]] = []
+        self.overruns: list[tuple[str, Any, int, int]] = []
+
+    def start(self, run_id: str, timer: Any, ms: int) -> None:
+        self.running[(run_id, timer)] = (self.clock.at(self.stage_index), ms)
+
+    def cancel(self, run_id: str, timer: Any) -> None:
+        started = self.running.pop((run_id, timer), None)
+        if started is not None:
+            elapsed = self.clock.at(self.stage_index) - started[0]
+            self.measured.append((run_id, timer, started[1], elapsed))
+            if elapsed > started[1]:
+                self.overruns.append((run_id, timer, started[1], elapsed))
+
+
+class TimedWorker:
+    """Stage ``stage_index``'s worker, whose every batch takes ``took(rows)`` ms of
+    ``clock``, its rows being every step's rows together."""
+
+    def __init__(
+        self, inner: Worker, clock: Clock, stage_index: int, took: Callable[[int], int]
+    ) -> None:
+        self.inner = inner
+        self.clock = clock
+        self.stage_index = stage_index
+        self.took = took
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        rows = sum(s.data.shape[0] for s in steps)
+        self.clock.busy[self.stage_index] = self.took(rows)
+        return tuple(self.inner.execute_batch(steps))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -5,7 +5,9 @@ folder."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from runtime_cupy.process.names import run_label
@@ -41,12 +43,32 @@ def run_processes(run_id: str) -> list[int]:
     return found
 
 
-def supervisors() -> list[int]:
-    """Live Ray workers that hold a stage supervisor (Ray titles them after the actor)."""
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` is ``pid``'s parent, or its parent's, and so on."""
+    seen = 0
+    while pid > 1 and seen < 64:  # a chain of parents is short; a loop is not followed
+        pid = ppid(pid)
+        if pid == ancestor:
+            return True
+        seen += 1
+    return False
+
+
+def supervisors(among: Iterable[int] | None = None) -> list[int]:
+    """Live Ray workers that hold a stage supervisor (Ray titles them after the actor):
+    those of the processes ``among`` (a test's hosts' processes), else those of the Ray
+    nodes this process started (their raylets are its children). Another session's
+    cluster on the host is never looked at."""
+    mine = None if among is None else set(among)
+    me = os.getpid()
     found = []
     for entry in Path("/proc").iterdir():
         pid = int(entry.name) if entry.name.isdigit() else 0
-        if pid and SUPERVISOR_TITLE in cmdline(pid) and alive(pid):
+        if not pid or (mine is not None and pid not in mine):
+            continue
+        if SUPERVISOR_TITLE not in cmdline(pid) or not alive(pid):
+            continue
+        if mine is not None or descends_from(pid, me):
             found.append(pid)
     return found
 

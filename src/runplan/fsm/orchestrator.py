@@ -54,8 +54,8 @@ class State(enum.Enum):
 
 class Timer(enum.Enum):
     READY = "READY"  # provisioning to the readiness barrier (timeouts.ready_ms)
-    TOKEN = "TOKEN"  # injecting a token object to consuming its token (a step's limit per stage)
-    STOP = "STOP"  # StopRun to every StageStopped (timeouts.stop_ms)
+    TOKEN = "TOKEN"  # injecting a token object to consuming its token (timeouts.token_limit_ms)
+    STOP = "STOP"  # StopRun to every StageStopped (timeouts.stop_limit_ms)
 
 
 # -- events ------------------------------------------------------------------
@@ -349,17 +349,36 @@ class OrchestratorMachine:
         size = self.prefill_chunk
         return 1 if size <= 0 else -(-len(self.prompt) // size)
 
-    def _token_ms(self, sequence: int = 1) -> int:
-        """The bound on one token: a step's limit per stage, and for sequence 0 one more
-        step per chunk after the first (the chunks pipeline through the stages), each
-        step's limit grown by the rows of the longest record (the prompt, or its first
-        chunk); a decoded token's record has one row."""
-        if sequence != 0:
-            return self.timeouts.step_limit_ms(1) * len(self.node_ids)
+    @property
+    def batch_rows(self) -> int:
+        """Rows of the largest batch the run's records may share on a stage (0: they
+        run alone)."""
+        return max((p.batch_rows for p in self.provisions), default=0)
+
+    @property
+    def prompt_record_rows(self) -> int:
+        """Rows of the run's longest record: the prompt, or its first chunk."""
         chunked = self.prefill_chunks > 1
-        rows = min(self.prefill_chunk, len(self.prompt)) if chunked else len(self.prompt)
-        steps = len(self.node_ids) + self.prefill_chunks - 1
-        return self.timeouts.step_limit_ms(rows) * steps
+        return min(self.prefill_chunk, len(self.prompt)) if chunked else len(self.prompt)
+
+    def _token_ms(self, sequence: int = 1) -> int:
+        """The bound on one token (``Timeouts.token_limit_ms``): a step per stage, and
+        for sequence 0 one more step per chunk after the first (the chunks pipeline
+        through the stages), each within the limit of the rows of the longest record
+        (the prompt, or its first chunk; a decoded token's record has one row) or, with
+        other runs sharing the stages, of the largest batch, waiting through as many
+        batches a stage as the timeouts allow."""
+        stages = len(self.node_ids)
+        if sequence != 0:
+            return self.timeouts.token_limit_ms(stages, 1, 1, self.batch_rows)
+        rows, chunks = self.prompt_record_rows, self.prefill_chunks
+        return self.timeouts.token_limit_ms(stages, chunks, rows, self.batch_rows)
+
+    def _stop_ms(self) -> int:
+        """The bound on the teardown (``Timeouts.stop_limit_ms``): each stage may be in
+        a step of the run's longest record, or in a batch of the largest, when its
+        ``StopRun`` comes."""
+        return self.timeouts.stop_limit_ms(self.prompt_record_rows, self.batch_rows)
 
 
 _Result = tuple[OrchestratorMachine, tuple[Action, ...]]
@@ -417,7 +436,9 @@ def _start(m: OrchestratorMachine, _e: Start) -> _Result:
     return m, (OpenTokenEndpoints(), *sends, StartTimer(Timer.READY, m.timeouts.ready_ms))
 
 
-def _check_stage_message(m: OrchestratorMachine, e: Received) -> str | None:
+def stage_message_problem(m: OrchestratorMachine, e: Received) -> str | None:
+    """Why a stage's message is not one of this run's stages (its run id, stage index,
+    node id and sender), or ``None``."""
     msg = e.message
     assert isinstance(msg, StageReady | StageFault | StageStopped | ProvisionRefused)
     if msg.run_id != m.run_id:
@@ -445,7 +466,7 @@ def _maybe_run(m: OrchestratorMachine, actions: tuple[Action, ...]) -> _Result:
 
 
 def _stage_ready(m: OrchestratorMachine, e: Received) -> _Result:
-    problem = _check_stage_message(m, e)
+    problem = stage_message_problem(m, e)
     if problem:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, StageReady)
@@ -457,7 +478,7 @@ def _endpoints_ready(m: OrchestratorMachine, _e: EndpointsReady) -> _Result:
 
 
 def _ignore_ready(m: OrchestratorMachine, e: Received) -> _Result:
-    problem = _check_stage_message(m, e)
+    problem = stage_message_problem(m, e)
     return m, ((Rejected(e.sender, e.message, problem),) if problem else ())
 
 
@@ -481,7 +502,7 @@ def _teardown(
     )
     if not m.awaiting_stop:
         return _finish(m, out)
-    return m, (*out, StartTimer(Timer.STOP, m.timeouts.stop_ms))
+    return m, (*out, StartTimer(Timer.STOP, m._stop_ms()))
 
 
 def _finish(m: OrchestratorMachine, actions: tuple[Action, ...]) -> _Result:
@@ -501,7 +522,7 @@ def _fault(
 
 
 def _stage_fault(m: OrchestratorMachine, e: Received) -> _Result:
-    problem = _check_stage_message(m, e)
+    problem = stage_message_problem(m, e)
     if problem:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, StageFault)
@@ -523,7 +544,7 @@ def _refusal_detail(msg: ProvisionRefused, node_id: str) -> str:
 def _provision_refused(m: OrchestratorMachine, e: Received) -> _Result:
     """A stage cannot reserve the run's KV cache: the run faults; that stage holds
     nothing of it, so it gets no StopRun and is not waited for."""
-    problem = _check_stage_message(m, e)
+    problem = stage_message_problem(m, e)
     if problem:
         return m, (Rejected(e.sender, e.message, problem),)
     msg = e.message
@@ -535,7 +556,7 @@ def _provision_refused(m: OrchestratorMachine, e: Received) -> _Result:
 
 def _refused_in_teardown(m: OrchestratorMachine, e: Received) -> _Result:
     """A refusal that crossed the StopRun: that stage will send no StageStopped."""
-    problem = _check_stage_message(m, e)
+    problem = stage_message_problem(m, e)
     if problem:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, ProvisionRefused)
@@ -547,12 +568,12 @@ def _refused_in_teardown(m: OrchestratorMachine, e: Received) -> _Result:
 
 def _refused_when_running(m: OrchestratorMachine, e: Received) -> _Result:
     """Every stage reported ready: none can refuse the provision any more."""
-    problem = _check_stage_message(m, e) or "the stage reported ready: it cannot refuse now"
+    problem = stage_message_problem(m, e) or "the stage reported ready: it cannot refuse now"
     return m, (Rejected(e.sender, e.message, problem),)
 
 
 def _stage_stopped_early(m: OrchestratorMachine, e: Received) -> _Result:
-    problem = _check_stage_message(m, e)
+    problem = stage_message_problem(m, e)
     if problem:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, StageStopped)
@@ -623,7 +644,7 @@ def _cancel_before_start(m: OrchestratorMachine, _e: Cancel) -> _Result:
 
 
 def _stopped(m: OrchestratorMachine, e: Received) -> _Result:
-    problem = _check_stage_message(m, e)
+    problem = stage_message_problem(m, e)
     if problem:
         return m, (Rejected(e.sender, e.message, problem),)
     assert isinstance(e.message, StageStopped)

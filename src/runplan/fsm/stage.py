@@ -58,7 +58,7 @@ class SetupPart(enum.Enum):
 
 class Timer(enum.Enum):
     SETUP = "SETUP"  # timeouts.ready_ms
-    STEP = "STEP"  # timeouts.step_limit_ms(rows)
+    STEP = "STEP"  # timeouts.batch_step_limit_ms(rows, the provision's batch_rows)
 
 
 class RejectReason(enum.Enum):
@@ -503,7 +503,7 @@ def _object_when_ready(m: StageMachine, e: ObjectLoaded) -> _Result:
         )
         return _to_faulted(m, reason, ReleaseInput(e.sequence))
     assert m.provision is not None
-    step_ms = m.provision.timeouts.step_limit_ms(e.rows)
+    step_ms = m.provision.timeouts.batch_step_limit_ms(e.rows, m.provision.batch_rows)
     m = _evolve(m, state=_EXECUTING, executing=e.sequence)
     execute = ExecuteStep(e.sequence, e.chunk_index, e.chunk_count)
     return m, (execute, StartTimer(_STEP, step_ms))

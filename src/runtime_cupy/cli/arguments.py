@@ -11,14 +11,14 @@ import os
 import sys
 from pathlib import Path
 
-from runplan.arguments import positive_int
+from runplan.arguments import parse_size, positive_int
 from runplan.gguf_header import GgufError
 from runplan.models import DEFAULT_MODEL, ModelNotFound
 from runtime_core.runs import PLACEMENTS, PlanRejected
 from runtime_core.tokenizer import TokenizerError
 from runtime_cupy.edges.choice import PREFERENCES
 from runtime_cupy.hosts.ray.cluster import ClusterError
-from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.serve.chain import DEFAULT_PREFILL_CHUNK, WarmChain
 from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
 #: What a command line that cannot be run raises before any process starts.
@@ -168,11 +168,35 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent",
         type=positive_int,
         default=None,
-        help="runs in flight at once on the chain, batched by its stages (default 4); "
-        "each stage's KV budget holds this many full-length runs",
+        help="runs in flight at once on the chain, batched by its stages (default: as "
+        "many full-length runs as the smallest stage's --kv-budget holds, else 4); "
+        "without --kv-budget each stage's KV budget holds this many full-length runs",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help="rows of a prompt per prefill record: the runs decoding beside a long prompt "
+        f"wait for one such chunk a step (default {DEFAULT_PREFILL_CHUNK}; smaller: shorter "
+        "waits, slower prompts)",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        type=kv_budget_size,
+        default=None,
+        help="KV cache each stage may hold for all its runs (e.g. 512MiB); runs beyond "
+        "it wait for room (default: --max-concurrent full-length runs)",
     )
     add_cluster(parser)
     add_verbose(parser)
+
+
+def kv_budget_size(text: str) -> int:
+    """``--kv-budget``: a size of at least one byte."""
+    size = parse_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: a KV budget holds at least 1 byte")
+    return size
 
 
 def check_chain_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -200,4 +224,6 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
         ray_address=args.ray_address,
         placement=args.placement,
         max_concurrent=args.max_concurrent,
+        kv_budget_bytes=args.kv_budget,
+        prefill_chunk=args.prefill_chunk,
     )

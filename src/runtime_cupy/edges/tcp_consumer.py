@@ -57,6 +57,11 @@ CONFIRM_S = 30.0
 #: the owner's loop (the poll brings it back for the rest: a flood never holds it).
 LISTEN_BACKLOG = 128
 ACCEPTS_PER_TURN = 32
+#: Refusals an edge logs one by one (WARNING); past them, a flood is summed up in one
+#: WARNING every ``REFUSAL_SUMMARY_S`` (each refusal still at DEBUG), so strangers on the
+#: port cannot fill the stage's log.
+LOGGED_REFUSALS = 16
+REFUSAL_SUMMARY_S = 10.0
 #: What one read of a consumer's stream takes at most (a decode step's record, and more).
 _SCRATCH_BYTES = 64 << 10
 _NO_BODY = memoryview(bytearray())
@@ -100,6 +105,9 @@ class TcpReceiveRing(ProcessRing):
         self._listener: socket.socket | None = listener
         self._rendezvous = rendezvous
         self._pending: dict[int, _Pending] = {}  # by descriptor, oldest first
+        self._refusals = 0  # connections turned away so far
+        self._unsummed = 0  # refusals past LOGGED_REFUSALS not yet in a summary
+        self._summed_since = 0.0  # time.monotonic() of the first refusal not summed up
         self._conn: socket.socket | None = None
         self._out: Outbox | None = None
         self._seal: FrameSeal | None = None  # what this end sends
@@ -229,9 +237,33 @@ class TcpReceiveRing(ProcessRing):
             self._refuse(oldest, "pushed out by newer connections that proved the key")
 
     def _refuse(self, pending: _Pending, why: str) -> None:
-        log.warning("edge %d: refused a connection from %s: %s", self.edge_id, pending.peer, why)
+        self._refusals += 1
+        if self._refusals <= LOGGED_REFUSALS:
+            log.warning(
+                "edge %d: refused a connection from %s: %s", self.edge_id, pending.peer, why
+            )
+        else:
+            log.debug("edge %d: refused a connection from %s: %s", self.edge_id, pending.peer, why)
+            now = time.monotonic()
+            if not self._unsummed:
+                self._summed_since = now  # a summary's interval begins
+            self._unsummed += 1
+            if now - self._summed_since >= REFUSAL_SUMMARY_S:
+                self._sum_up(f"the last from {pending.peer}: {why}")
         self._pending.pop(pending.sock.fileno(), None)
         pending.sock.close()
+
+    def _sum_up(self, last: str) -> None:
+        """One WARNING for the refusals not logged one by one since the last summary."""
+        if self._unsummed:
+            log.warning(
+                "edge %d: refused %d more connections (%d in all; %s)",
+                self.edge_id,
+                self._unsummed,
+                self._refusals,
+                last,
+            )
+            self._unsummed = 0
 
     def _handshake(self, pending: _Pending, events: int) -> None:
         if events & OUT:
@@ -310,6 +342,7 @@ class TcpReceiveRing(ProcessRing):
                 self._rendezvous.withdraw(self.run_id, self.edge_id)
         for pending in list(self._pending.values()):
             self._refuse(pending, "the edge has its producer, or is closed")
+        self._sum_up("no more are taken")
 
     # -- the stream ---------------------------------------------------------------------
     def _pump(self) -> None:

@@ -234,6 +234,7 @@ class LocalProcessHost:
         args = [
             "--run-label", run_label(launch.run_id),
             "--stage-index", str(launch.stage_index),
+            "--stage-count", str(launch.stage_count),
             "--node-id", launch.node_id,
             "--orchestrator-id", launch.orchestrator_id,
             "--control-fd", str(control_fd),

@@ -397,6 +397,11 @@ class ChainRunner:
             if self._wake_w >= 0:
                 os.write(self._wake_w, b"!")
 
+    def batch_counts(self) -> dict[int, dict[int, int]]:
+        """The batches each stage reported so far in its ``StageStopped`` messages:
+        stage index -> rows -> batches (any thread; not to be changed)."""
+        return self.orchestrator.batch_counts
+
     def kv_in_use(self) -> tuple[tuple[int, int, int], ...]:
         """Each stage's KV cache held by the runs in flight: ``(stage_index, bytes,
         budget_bytes)`` (any thread)."""

@@ -166,6 +166,7 @@ class StageProcess:
         *,
         stage_index: int,
         node_id: str,
+        stage_count: int | None = None,
         orchestrator_id: str,
         channel: ControlChannel,
         links: ProcessLinks,
@@ -179,7 +180,10 @@ class StageProcess:
         # ``trace_file``: where the stage writes its trace events when each run ends.
         # ``heartbeat_s``: the orchestrator's bound on this stage's silence (``None``:
         # no heartbeats, for a caller that watches the stage otherwise).
+        # ``stage_count``: the chain's length when the launcher said it (else known once a
+        # provision says it): the last stage frees token-out if the orchestrator is lost.
         self.stage_index = stage_index
+        self.stage_count = stage_count
         self.heartbeat_s = heartbeat_s
         self.trace_file = trace_file
         self.worker = worker
@@ -212,8 +216,10 @@ class StageProcess:
         self._setup_at = 0  # now_us() when setup began, then when its last part ended
         self._bound = False  # the worker bound the chain's weights
         self._held_when_lost = False
+        self._place_when_lost: tuple[int, int] | None = None
         self._batch: list[tuple[str, int, int]] = []  # the last batch's steps
         self._waiter = Watch()
+        self._control_poll = select.poll()  # the control channel, read without waiting
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
@@ -322,6 +328,8 @@ class StageProcess:
             return
         self.lost = why
         self._held_when_lost = bool(self.controller.runs)
+        # Before the runs go (a run's provision may be all that says the chain's length).
+        self._place_when_lost = self._place()
         if self._held_when_lost:
             log.warning("orchestrator lost (%s): stopping its runs", why)
         else:
@@ -330,11 +338,17 @@ class StageProcess:
         self.controller.handle(fsm.OrchestratorLost())
 
     def _pump(self) -> None:
+        """Everything the controller can do now, until it can do nothing more. Before
+        each turn, the control messages already come are read: a stage that has a
+        batch to run after every batch (runs decoding at once) still reads a
+        ``StopRun`` or a provision after the worker call in progress, not once its
+        runs go idle (``Timeouts.stop_limit_ms``)."""
         c = self.controller
         tracing = self.trace.enabled
         progress = True
         while progress:
             progress = False
+            self._drain_control()
             if c.setup_pending:
                 start = self._setup_at = now_us()
                 log.info("setup begins (%d runs held)", len(c.runs))
@@ -432,9 +446,11 @@ class StageProcess:
             self.channel_broken = True
 
     def _drain_control(self) -> None:
-        poller = select.poll()
-        poller.register(self.channel.fileno(), select.POLLIN)
-        while not self.channel.eof and poller.poll(0):
+        """Read what the control channel holds now, without waiting."""
+        if self.channel.eof or self.channel.fileno() < 0:
+            return
+        self._control_poll.register(self.channel.fileno(), select.POLLIN)
+        while not self.channel.eof and self._control_poll.poll(0):
             self._read_control()
 
     def _read_control(self) -> None:
@@ -488,8 +504,12 @@ class StageProcess:
                 links.remove_hops((count,))
 
     def _place(self) -> tuple[int, int] | None:
-        """This stage's index and the chain's stage count, once a provision said them
-        (any thread)."""
+        """This stage's index and the chain's stage count, as the launcher said them, else
+        once a provision said them (any thread)."""
+        if self.stage_count is not None:
+            return self.stage_index, self.stage_count
+        if self._place_when_lost is not None:
+            return self._place_when_lost
         c = self.controller
         known = c.chain or next(
             (s.provision for s in list(c.runs.values()) if s.provision is not None), None
@@ -513,6 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
         "id, which names the run's resources)",
     )
     p.add_argument("--stage-index", type=int, required=True)
+    p.add_argument(
+        "--stage-count",
+        type=int,
+        default=None,
+        help="the chain's stages (the last stage frees token-out if the orchestrator is lost)",
+    )
     p.add_argument("--node-id", required=True)
     p.add_argument("--orchestrator-id", required=True)
     p.add_argument("--control-fd", type=int, required=True, help="inherited control socket")
@@ -589,6 +615,7 @@ def main(
         worker = sliced(worker, SliceFetcher(origin, args.stage_index, key))
     stage = StageProcess(
         stage_index=args.stage_index,
+        stage_count=args.stage_count,
         node_id=args.node_id,
         orchestrator_id=args.orchestrator_id,
         channel=channel,

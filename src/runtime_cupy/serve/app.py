@@ -165,30 +165,43 @@ class Api:
         except ClientDisconnect:
             return Response(status_code=400)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def sink(event: Event) -> None:
-            # A whole answer reads only its end: its pieces do not wake the loop.
-            if req.stream or not isinstance(event, Piece):
-                loop.call_soon_threadsafe(events.put_nowait, event)
+        def sink_of(index: int) -> Callable[[Event], None]:
+            def sink(event: Event) -> None:
+                # A whole answer reads only its end: its pieces do not wake the loop.
+                if req.stream or not isinstance(event, Piece):
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
-        try:
-            job = self.engine.submit(prepared, sink)
+            return sink
+
+        jobs: list[Job] = []
+        try:  # each choice is a run of its own (its seed: engine.choice_seed)
+            for choice in prepared.choices():
+                jobs.append(self.engine.submit(choice, sink_of(choice.index)))
         except QueueFull as exc:
+            for job in jobs:
+                job.cancel()
             self.engine.metrics.request(endpoint, "rejected")
             error = RequestError(f"the server is busy: {exc}", status=429, code="queue_full",
                                  type="rate_limit_error")  # fmt: skip
             return _error(error, {"Retry-After": "1"})
         if req.stream:
-            return _EventStream(self._stream(job, events))
-        return await self._whole(request, job, events)
+            return _EventStream(self._stream(jobs, events))
+        return await self._whole(request, jobs, events)
 
-    async def _whole(self, request: Request, job: Job, events: asyncio.Queue[Event]) -> Response:
-        async def answer() -> Finished | Failed:
-            while True:
-                event = await events.get()
-                if isinstance(event, Finished | Failed):
+    async def _whole(
+        self, request: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]
+    ) -> Response:
+        async def answer() -> list[Finished] | Failed:
+            dones: dict[int, Finished] = {}
+            while len(dones) < len(jobs):
+                index, event = await events.get()
+                if isinstance(event, Failed):
                     return event
+                if isinstance(event, Finished):
+                    dones[index] = event
+            return [dones[i] for i in range(len(jobs))]
 
         async def gone() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -201,41 +214,64 @@ class Api:
         finally:
             watching.cancel()
         if not waiting.done():
-            job.cancel()
+            for job in jobs:
+                job.cancel()
             waiting.cancel()
             return Response(status_code=499)  # nobody reads it
         done = waiting.result()
         if isinstance(done, Failed):
+            for job in jobs:  # the other choices are of no use
+                job.cancel()
             return _failed(done)
-        if job.prepared.request.endpoint == "chat":
-            return JSONResponse(fmt.chat_response(job, self.model, done))
-        return JSONResponse(fmt.completion_response(job, self.model, done))
+        if jobs[0].prepared.request.endpoint == "chat":
+            return JSONResponse(fmt.chat_response(jobs[0], self.model, done))
+        return JSONResponse(fmt.completion_response(jobs[0], self.model, done))
 
-    async def _stream(self, job: Job, events: asyncio.Queue[Event]) -> AsyncGenerator[bytes, None]:
+    async def _stream(
+        self, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]
+    ) -> AsyncGenerator[bytes, None]:
+        """Every choice's chunks as they come, each with its index (and the id of the
+        first: one answer); after the last choice's end, the usage and ``[DONE]``."""
+        job = jobs[0]
         over = False
+        dones: dict[int, Finished] = {}
         try:
             if job.prepared.request.endpoint == "chat":
-                yield fmt.event(
-                    fmt.chat_chunk(job, self.model, {"role": "assistant", "content": ""})
+                yield b"".join(
+                    fmt.event(
+                        fmt.chat_chunk(
+                            job, self.model, {"role": "assistant", "content": ""}, index=i
+                        )
+                    )
+                    for i in range(len(jobs))
                 )
             while True:
-                event = await events.get()
+                index, event = await events.get()
                 if isinstance(event, Piece):
-                    yield fmt.event(fmt.piece_chunk(job, self.model, event.text))
+                    yield fmt.event(fmt.piece_chunk(job, self.model, event.text, index))
                     continue
-                over = True
-                # The end in one write (each write is a send to the client).
                 if isinstance(event, Finished):
-                    end = fmt.event(fmt.last_chunk(job, self.model, event))
+                    dones[index] = event
+                    end = fmt.event(fmt.last_chunk(job, self.model, event, index))
+                    if len(dones) < len(jobs):
+                        yield end
+                        continue
+                    over = True
+                    # The end in one write (each write is a send to the client).
                     if job.prepared.request.include_usage:
-                        end += fmt.event(fmt.usage_chunk(job, self.model, event))
+                        ordered = [dones[i] for i in range(len(jobs))]
+                        end += fmt.event(fmt.usage_chunk(job, self.model, ordered))
                 else:
+                    over = True
+                    for other in jobs:  # the other choices are of no use
+                        other.cancel()
                     end = fmt.event(fmt.error_body(event))
                 yield end + fmt.DONE
                 return
         finally:
-            if not over:  # the client went away (or the server stops): the run goes
-                job.cancel()
+            if not over:  # the client went away (or the server stops): the runs go
+                for other in jobs:
+                    other.cancel()
 
     # -- the rest -------------------------------------------------------------------------
     def _model(self) -> dict[str, Any]:

@@ -74,8 +74,23 @@ DEFAULT_MAX_CONCURRENT = 4
 #: Rows of a prompt per prefill record: a long prompt goes through the stages in chunks
 #: of this many rows, each batched with the decode rows of the runs in flight, so that
 #: their next tokens wait for one chunk, not for the whole prompt (0: whole prompts up
-#: to the batch's rows).
-DEFAULT_PREFILL_CHUNK = 64
+#: to the batch's rows). A chunk's time grows with its position (its attention over
+#: the positions before it): near position 2,000 of SmolLM2 on the CPU worker a 64-row
+#: chunk took ~1 s a stage, a 16-row one ~0.45 s (docs/benchmarks.md), and the prompt as
+#: a whole took no longer in chunks of 16.
+DEFAULT_PREFILL_CHUNK = 16
+
+
+def added_counts(
+    a: dict[int, dict[int, int]], b: dict[int, dict[int, int]]
+) -> dict[int, dict[int, int]]:
+    """Batch counts (stage -> rows -> batches) of ``a`` and ``b`` together (new dicts)."""
+    out = {stage: dict(rows) for stage, rows in a.items()}
+    for stage, rows in b.items():
+        mine = out.setdefault(stage, {})
+        for n, batches in rows.items():
+            mine[n] = mine.get(n, 0) + batches
+    return out
 
 
 def _new_serve_run_id() -> str:
@@ -150,6 +165,7 @@ class WarmChain:
         max_concurrent: int | None = None,
         secrets: Callable[[], bytes] | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        kv_budget_bytes: int | None = None,
     ) -> None:
         if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
             raise ValueError(
@@ -196,13 +212,18 @@ class WarmChain:
         self._run_ids = run_ids or _new_serve_run_id
         self._secrets = secrets or new_secret
         self.prefill_chunk = prefill_chunk
+        if kv_budget_bytes is not None and kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes {kv_budget_bytes} is not at least 1")
+        self.kv_budget_bytes = kv_budget_bytes or 0  # 0: max_concurrent full-length runs
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError(f"max_concurrent {max_concurrent} is not at least 1")
         self.max_concurrent = max_concurrent or DEFAULT_MAX_CONCURRENT
-        if self.max_concurrent < 1:
-            raise ValueError(f"max_concurrent {self.max_concurrent} is not at least 1")
         self._lock = threading.Lock()  # guards the runner for readers on other threads
         self._heal_lock = threading.RLock()  # one thread starts the chain again
         self._runner: ChainRunner | None = None
         self._thread: threading.Thread | None = None
+        self._closing: ChainRunner | None = None  # a runner being stopped
+        self._batches_before: dict[int, dict[int, int]] = {}  # of the chains stopped
         self._warm = False  # every stage bound by a run since the chain started
         self._closed = False
         self._trouble: str | None = None
@@ -210,6 +231,8 @@ class WarmChain:
         self.bind_run: WarmResult | None = None  # the last run that bound the stages
         self.chain_id = ""  # the running chain's id (names its links)
         # The stages' plan, once: PlanRejected / ValueError before any process starts.
+        if max_concurrent is None and self.kv_budget_bytes:
+            self.max_concurrent = self._runs_in_budget()
         template = self.plan(_new_serve_run_id(), max_tokens=1, sampling=SamplingConfig())
         self.layout = tuple(
             (s.stage_index, s.node_id, s.layer_start, s.layer_end_exclusive)
@@ -220,6 +243,25 @@ class WarmChain:
         del choose  # ValueError now for edges that cannot be
 
     # -- plans ---------------------------------------------------------------------
+    def _runs_in_budget(self) -> int:
+        """How many full-length runs (the whole context) the smallest stage's KV budget
+        holds; ``ValueError`` naming the stage when it holds none."""
+        budget, self.kv_budget_bytes = self.kv_budget_bytes, 0
+        self.max_concurrent = 1
+        try:  # one full-length run's cache on each stage: the planner's figures
+            alone = self.plan(_new_serve_run_id(), max_tokens=1, sampling=SamplingConfig())
+        finally:
+            self.kv_budget_bytes = budget
+        runs, index, need = min(
+            (budget // s.kv_bytes, s.stage_index, s.kv_bytes) for s in alone.stages
+        )
+        if runs < 1:
+            raise ValueError(
+                f"a KV budget of {budget} bytes holds no full-length run on stage {index}: "
+                f"one needs {need} bytes (a smaller context needs less)"
+            )
+        return runs
+
     @property
     def context(self) -> int:
         return self.facts.max_seq_len
@@ -237,8 +279,9 @@ class WarmChain:
         prompt_tokens: int = 0,
     ) -> RunPlan:
         """The plan of one run on these stages (``PlanRejected`` if the planner says
-        no): every run has the chain's stage facts (cache length, KV budget for
-        ``max_concurrent`` runs, batch rows) and its own prompt length and token limit."""
+        no): every run has the chain's stage facts (cache length, KV budget:
+        ``kv_budget_bytes`` or ``max_concurrent`` full-length runs, batch rows) and its
+        own prompt length and token limit."""
         half = self.worker == "cuda"  # the CUDA worker moves f16 activations
         config = RuntimeConfig(
             run_id=run_id,
@@ -250,6 +293,7 @@ class WarmChain:
             worker=self.capabilities,
             prompt_tokens=prompt_tokens,
             max_concurrent_runs=self.max_concurrent,
+            kv_budget_bytes=self.kv_budget_bytes,
             prefill_chunk=self.prefill_chunk,
         )
         return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)
@@ -382,12 +426,28 @@ class WarmChain:
         with self._lock:
             runner, thread = self._runner, self._thread
             self._runner = self._thread = None
+            self._closing = runner
         if runner is None:
             return
         runner.request_close()
         if thread is not None:
             thread.join()
         runner.close()
+        with self._lock:  # its batches stay counted
+            self._batches_before = added_counts(self._batches_before, runner.batch_counts())
+            self._closing = None
+
+    def batch_counts(self) -> dict[int, dict[int, int]]:
+        """The batches each stage ran since this chain was made, counted by rows (stage
+        index -> rows -> batches), as the stages reported them when runs stopped:
+        chains stopped and started again included, the one that binds included (any
+        thread)."""
+        with self._lock:
+            counts = self._batches_before
+            for runner in (self._closing, self._runner):
+                if runner is not None:
+                    counts = added_counts(counts, runner.batch_counts())
+        return counts
 
     def _bind_all(self) -> None:
         """One run of one token: every stage binds its slice; ``ChainError`` naming the

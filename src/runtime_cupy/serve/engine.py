@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 from attrs import frozen
 
 from runtime_core.chat import ChatTemplateError, NoChatTemplate
@@ -106,12 +107,28 @@ def chat_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
 
 @frozen
 class Prepared:
-    """A request ready to run."""
+    """A request (one of its choices) ready to run."""
 
     request: CompletionRequest
     prompt_ids: tuple[int, ...]
     max_tokens: int
     seed: int
+    index: int = 0  # the choice
+
+    def choices(self) -> tuple[Prepared, ...]:
+        """One per choice the request asks for (``n``), each with its seed
+        (``choice_seed``)."""
+        return tuple(
+            attrs.evolve(self, index=i, seed=choice_seed(self.seed, i))
+            for i in range(self.request.n)
+        )
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The sampler's seed of choice ``index`` of a request of ``seed`` (its own, or a
+    random one when it gave none): ``seed + index`` modulo 2**64, so choice 0 samples
+    what the same request with ``n = 1`` samples, and each choice its own stream."""
+    return (seed + index) % 2**64
 
 
 # -- jobs ---------------------------------------------------------------------------------
@@ -192,6 +209,7 @@ class Engine:
             restarts=lambda: self.chain.restarts,
             in_flight=lambda: self.chain.in_flight,
             kv=self.chain.kv_in_use,
+            batches=self.chain.batch_counts,
         )
         self._thread = threading.Thread(target=self._serve, name="runner", daemon=True)
         self._job_threads: set[threading.Thread] = set()

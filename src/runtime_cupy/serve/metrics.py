@@ -16,12 +16,16 @@ registry of the server's own):
   tearing down, and those waiting for room in the stages' KV budgets), and
   ``gguf_pipeline_kv_cache_bytes{stage}`` / ``gguf_pipeline_kv_cache_share{stage}``:
   the KV cache the runs in flight hold on each stage, in bytes and as a share of its
-  budget.
+  budget;
+- ``gguf_pipeline_batch_rows{stage}``: the rows of each batch (one worker call) a stage
+  ran, a histogram in rows (buckets 1, 2, 4, ... 512): a stage reports its batches in
+  each ``StageStopped``, so they show once a run on the chain stops (the run that
+  binds the stages included, and chains started again after a fault).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -30,11 +34,21 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 OUTCOMES = ("completed", "cancelled", "faulted", "rejected")
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Upper bounds of the batch-rows buckets (a batch holds at most ``max_batch_rows``).
+BATCH_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+#: Batches by stage: stage index -> rows -> batches.
+BatchCounts = Mapping[int, Mapping[int, int]]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -50,9 +64,10 @@ class _Live:
         restarts: Callable[[], int],
         in_flight: Callable[[], int],
         kv: Callable[[], tuple[tuple[int, int, int], ...]],
+        batches: Callable[[], BatchCounts],
     ) -> None:
         self.queued, self.running, self.ready, self.restarts = queued, running, ready, restarts
-        self.in_flight, self.kv = in_flight, kv
+        self.in_flight, self.kv, self.batches = in_flight, kv, batches
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("gguf_pipeline_queue_length", "Requests waiting", self.queued())
@@ -81,12 +96,33 @@ class _Live:
             share.add_metric([str(stage)], held / budget if budget else 0.0)
         yield used
         yield share
+        yield batch_rows_histogram(self.batches())
+
+
+def batch_rows_histogram(counts: BatchCounts) -> HistogramMetricFamily:
+    """``gguf_pipeline_batch_rows{stage}``: each stage's batches by their rows, in
+    cumulative buckets of ``BATCH_ROWS_BUCKETS`` rows and ``+Inf``; the sum is every
+    row the stage ran."""
+    family = HistogramMetricFamily(
+        "gguf_pipeline_batch_rows",
+        "Rows of each batch (one worker call) a stage ran",
+        labels=["stage"],
+    )
+    for stage in sorted(counts):
+        rows = counts[stage]
+        buckets = [
+            (str(le), sum(n for r, n in rows.items() if r <= le)) for le in BATCH_ROWS_BUCKETS
+        ]
+        buckets.append(("+Inf", sum(rows.values())))
+        total = sum(r * n for r, n in rows.items())
+        family.add_metric([str(stage)], buckets, sum_value=total)
+    return family
 
 
 class Metrics:
     """The server's metrics. ``queued``, ``running``, ``ready``, ``restarts``,
-    ``in_flight`` and ``kv`` (each stage's ``(index, bytes, budget)``) are read when
-    scraped."""
+    ``in_flight``, ``kv`` (each stage's ``(index, bytes, budget)``) and ``batches``
+    (each stage's batches by rows) are read when scraped."""
 
     def __init__(
         self,
@@ -97,6 +133,7 @@ class Metrics:
         restarts: Callable[[], int],
         in_flight: Callable[[], int] = lambda: 0,
         kv: Callable[[], tuple[tuple[int, int, int], ...]] = lambda: (),
+        batches: Callable[[], BatchCounts] = dict,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -121,7 +158,7 @@ class Metrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
-        r.register(_Live(queued, running, ready, restarts, in_flight, kv))
+        r.register(_Live(queued, running, ready, restarts, in_flight, kv, batches))
         for endpoint in ("chat", "completion"):
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)  # every series shows from the start

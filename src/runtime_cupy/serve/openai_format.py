@@ -10,6 +10,7 @@ the stream began is one ``data: {"error": ...}`` event before ``[DONE]``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from runtime_cupy.serve.engine import Failed, Finished, Job
@@ -41,68 +42,76 @@ def _head(job: Job, model: str, obj: str) -> dict[str, Any]:
 # -- whole answers ------------------------------------------------------------------------
 
 
-def chat_response(job: Job, model: str, done: Finished) -> dict[str, Any]:
+def _usage_of(dones: Sequence[Finished]) -> dict[str, int]:
+    """A request's usage: its prompt once, every choice's tokens."""
+    return usage(dones[0].prompt_tokens, sum(d.completion_tokens for d in dones))
+
+
+def chat_response(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, Any]:
+    """The whole answer: one choice per run (``dones`` in choice order)."""
     return {
         **_head(job, model, "chat.completion"),
         "choices": [
             {
-                "index": 0,
+                "index": i,
                 "message": {"role": "assistant", "content": done.text},
                 "logprobs": None,
                 "finish_reason": done.finish_reason,
             }
+            for i, done in enumerate(dones)
         ],
-        "usage": usage(done.prompt_tokens, done.completion_tokens),
+        "usage": _usage_of(dones),
     }
 
 
-def completion_response(job: Job, model: str, done: Finished) -> dict[str, Any]:
+def completion_response(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, Any]:
     return {
         **_head(job, model, "text_completion"),
         "choices": [
-            {"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}
+            {"index": i, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}
+            for i, done in enumerate(dones)
         ],
-        "usage": usage(done.prompt_tokens, done.completion_tokens),
+        "usage": _usage_of(dones),
     }
 
 
-# -- chunks -------------------------------------------------------------------------------
+# -- chunks (``job``: the request's first choice, whose id every chunk carries) ---------------
 
 
 def chat_chunk(
-    job: Job, model: str, delta: dict[str, str], finish_reason: str | None = None
+    job: Job, model: str, delta: dict[str, str], finish_reason: str | None = None, index: int = 0
 ) -> dict[str, Any]:
     return {
         **_head(job, model, "chat.completion.chunk"),
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        ],
     }
 
 
 def completion_chunk(
-    job: Job, model: str, text: str, finish_reason: str | None = None
+    job: Job, model: str, text: str, finish_reason: str | None = None, index: int = 0
 ) -> dict[str, Any]:
     return {
         **_head(job, model, "text_completion"),
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        ],
     }
 
 
-def usage_chunk(job: Job, model: str, done: Finished) -> dict[str, Any]:
+def usage_chunk(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, Any]:
     obj = "chat.completion.chunk" if job.prepared.request.endpoint == "chat" else "text_completion"
-    return {
-        **_head(job, model, obj),
-        "choices": [],
-        "usage": usage(done.prompt_tokens, done.completion_tokens),
-    }
+    return {**_head(job, model, obj), "choices": [], "usage": _usage_of(dones)}
 
 
-def piece_chunk(job: Job, model: str, text: str) -> dict[str, Any]:
+def piece_chunk(job: Job, model: str, text: str, index: int = 0) -> dict[str, Any]:
     if job.prepared.request.endpoint == "chat":
-        return chat_chunk(job, model, {"content": text})
-    return completion_chunk(job, model, text)
+        return chat_chunk(job, model, {"content": text}, index=index)
+    return completion_chunk(job, model, text, index=index)
 
 
-def last_chunk(job: Job, model: str, done: Finished) -> dict[str, Any]:
+def last_chunk(job: Job, model: str, done: Finished, index: int = 0) -> dict[str, Any]:
     if job.prepared.request.endpoint == "chat":
-        return chat_chunk(job, model, {}, done.finish_reason)
-    return completion_chunk(job, model, "", done.finish_reason)
+        return chat_chunk(job, model, {}, done.finish_reason, index)
+    return completion_chunk(job, model, "", done.finish_reason, index)

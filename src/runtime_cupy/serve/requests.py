@@ -91,6 +91,7 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices, each a run of its own (``choice_seed``)
 
 
 def _encodable(text: str) -> str:
@@ -215,15 +216,15 @@ def stop(param: str, value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-def only_one(param: str, value: Any) -> int:
-    n = integer(1, 2**31, 1)(param, value)
-    if n != 1:
-        raise RequestError(
-            f"{param} is {n}: this server makes one choice per request (n = 1)",
-            param=param,
-            code="unsupported_value",
-        )
-    return 1
+#: The most choices (``n``) one request may ask for: each is a run of its own.
+MAX_CHOICES = 16
+
+
+def choices(param: str, value: Any) -> int:
+    """``n``: how many choices, each one run (1 to ``MAX_CHOICES``)."""
+    n = integer(1, MAX_CHOICES, 1)(param, value)
+    assert n is not None
+    return int(n)
 
 
 def stream_options(param: str, value: Any) -> bool:
@@ -389,7 +390,7 @@ _COMMON: dict[str, Rule] = {
     "top_k": integer(0, _TOKENS, 0),
     "seed": seed,
     "stop": stop,
-    "n": only_one,
+    "n": choices,
     "stream": boolean,
     "stream_options": stream_options,
     "user": ignored_string,
@@ -483,6 +484,7 @@ def _common(values: dict[str, Any]) -> dict[str, Any]:
         "stop": values["stop"],
         "stream": values["stream"],
         "include_usage": values["stream_options"],
+        "n": values["n"],
     }
 
 

@@ -31,7 +31,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy import generate
 from runtime_cupy.cli.serve import API_KEY_VARIABLE
 from runtime_cupy.serve.engine import chat_prompt
-from runtime_cupy.serve.requests import Message
+from runtime_cupy.serve.requests import MAX_CHOICES, Message
 from runtime_cupy.workers import DEFAULT_WORKER
 from tests.support.hygiene import wait_gone
 from tests.support.servers import ServerProcess, idle, metrics, wait_for
@@ -160,6 +160,52 @@ def test_completions_with_a_seed_are_generate_s_text(
     # The same ids as a prompt of token ids.
     by_ids = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=10, **sampling)
     assert by_ids.choices[0].text == text
+
+
+def test_n_choices_are_n_runs_choice_i_seeded_seed_plus_i(client: openai.OpenAI) -> None:
+    """``n`` choices, whole and streamed: choice ``i`` is what one choice of seed
+    ``seed + i`` is (``engine.choice_seed``), and the usage counts the prompt once and
+    every choice's tokens."""
+    sampling = {"temperature": 1.0, "seed": 77}
+    alone = [
+        client.completions.create(
+            model="tiny-chat", prompt="Once upon", max_tokens=8, **{**sampling, "seed": 77 + i}
+        )
+        for i in range(3)
+    ]
+    whole = client.completions.create(model="tiny-chat", prompt="Once upon", max_tokens=8, n=3,
+                                      **sampling)  # fmt: skip
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in whole.choices}) > 1  # each its own stream of samples
+    assert whole.usage is not None and alone[0].usage is not None
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(
+        a.usage.completion_tokens for a in alone if a.usage is not None
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-chat",
+            messages=CHAT,
+            max_tokens=8,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sampling,
+        )
+    )
+    chat_whole = client.chat.completions.create(
+        model="tiny-chat", messages=CHAT, max_tokens=8, n=2, **sampling
+    )
+    assert len({c.id for c in chunks}) == 1
+    for i, choice in enumerate(chat_whole.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(m.delta.content or "" for m in mine) == choice.message.content
+        assert [m.finish_reason for m in mine][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chat_whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == chat_whole.usage.completion_tokens
 
 
 def test_a_stream_is_server_sent_events_ending_with_done(server: ServerProcess) -> None:
@@ -353,7 +399,8 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("chat", chat(top_p=0), 400, "top_p"),
     ("chat", chat(top_k=-2), 400, "top_k"),
     ("chat", chat(seed=1.5), 400, "seed"),
-    ("chat", chat(n=2), 400, "n"),
+    ("chat", chat(n=0), 400, "n"),
+    ("chat", chat(n=MAX_CHOICES + 1), 400, "n"),
     ("chat", chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     ("chat", chat(stop=[""]), 400, "stop[0]"),
     ("chat", chat(stream="yes"), 400, "stream"),

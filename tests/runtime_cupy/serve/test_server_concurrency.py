@@ -1,7 +1,9 @@
 """Continuous batching through the server (issue 22): eight streaming chat requests
 through the official ``openai`` client at once, on 2 and on 3 stages, each answered
 exactly as the same request served alone (greedy and seeded), and the metrics saw
-several runs in flight holding KV cache, all of it freed once they ended."""
+several runs in flight holding KV cache, all of it freed once they ended, and each
+stage's batches: every row the eight runs sent through it, in fewer batches than their
+records (runs shared them)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+from attrs import frozen
 
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
@@ -36,12 +39,48 @@ def _request(i: int) -> dict[str, Any]:
     return kwargs
 
 
-def _ask(client: openai.OpenAI, i: int) -> str:
-    parts = []
-    for chunk in client.chat.completions.create(**_request(i)):
+@frozen
+class Answer:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def fed_back(self) -> int:
+        """Tokens that went back into the chain: each but the last consumed, the EOS
+        that ended a ``stop`` answer counted and not shown."""
+        return self.completion_tokens - (self.finish_reason == "length")
+
+    def records(self, chunk: int) -> int:
+        """Records of this run through each stage: its prompt in chunks, each token fed
+        back."""
+        return -(-self.prompt_tokens // chunk) + self.fed_back
+
+
+def _ask(client: openai.OpenAI, i: int) -> Answer:
+    parts, finish, usage = [], "", None
+    stream = client.chat.completions.create(**_request(i), stream_options={"include_usage": True})
+    for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             parts.append(chunk.choices[0].delta.content)
-    return "".join(parts)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+        usage = chunk.usage or usage
+    assert usage is not None and finish
+    return Answer("".join(parts), finish, usage.prompt_tokens, usage.completion_tokens)
+
+
+def _batches(seen: dict[str, float], stage: int) -> tuple[float, float, list[float]]:
+    """A stage's batch-rows histogram: its count, its sum of rows, its buckets."""
+    name = "gguf_pipeline_batch_rows"
+    buckets = [v for k, v in seen.items() if k.startswith(f"{name}_bucket{{") and
+               k.endswith(f",stage={stage}}}")]  # fmt: skip
+    return (
+        seen.get(f"{name}_count{{stage={stage}}}", 0),
+        seen.get(f"{name}_sum{{stage={stage}}}", 0),
+        buckets,
+    )
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -55,7 +94,9 @@ def test_eight_concurrent_streams_each_equal_their_request_alone(
         assert engine.wait_started(120)
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
         alone = [_ask(client, i) for i in range(len(TOPICS))]
-        answers: list[str | BaseException | None] = [None] * len(TOPICS)
+        wait_for(lambda: idle(server.base_url), 10.0, "the server to be idle")
+        before = metrics(server.base_url)  # every run so far stopped: its batches reported
+        answers: list[Answer | BaseException | None] = [None] * len(TOPICS)
         most = [0]
         gate = threading.Barrier(len(TOPICS) + 1)
 
@@ -84,5 +125,15 @@ def test_eight_concurrent_streams_each_equal_their_request_alone(
         after = metrics(server.base_url)
         assert after["gguf_pipeline_runs_in_flight"] == 0
         assert all(after[f"gguf_pipeline_kv_cache_bytes{{stage={i}}}"] == 0 for i in range(stages))
+        rows = sum(a.prompt_tokens + a.fed_back for a in alone)
+        records = sum(a.records(engine.chain.prefill_chunk) for a in alone)
+        for i in range(stages):
+            count_0, sum_0, _ = _batches(before, i)
+            count, total, buckets = _batches(after, i)
+            assert total - sum_0 == rows, (i, total, sum_0, rows)  # every row, once
+            # Fewer batches than records: runs shared batches (a batch holds a record or
+            # more, and no more rows than max_batch_rows).
+            assert rows / engine.chain.template.max_batch_rows <= count - count_0 < records
+            assert buckets == sorted(buckets) and buckets[-1] == count  # cumulative, +Inf
     finally:
         server.stop()

@@ -13,6 +13,7 @@ serve one run of the MVP's state machines after another.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import pytest
 from runplan.messages import StopReason, StopRun
 from runplan.provision import provision_all
 from runtime_cupy import generate
+from runtime_cupy.cli.arguments import add_chain_arguments, chain_from
 from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.serve.chain import WarmChain
 from tests.support.hosts import FaultyHost, TapHost
@@ -167,3 +169,39 @@ def test_a_step_that_fails_ends_its_run_alone_and_the_stages_stay(tiny: str) -> 
         assert ok.result.outcome == "completed", ok.result.fault
         assert ok.restarted == ()  # a run's own fault: the chain is whole
         assert chain.pids() == pids
+
+
+def test_max_concurrent_defaults_to_the_full_length_runs_the_smallest_stage_s_budget_holds(
+    tiny: str,
+) -> None:
+    """No process starts: the chain's plan alone. With a KV budget and no
+    ``max_concurrent``, runs in flight are the full-length caches the smallest stage's
+    budget holds; a budget that holds none is refused naming the stage and its need."""
+    probe = WarmChain(tiny, stages=2, context=64, max_concurrent=1)
+    needs = [s.kv_bytes for s in probe.template.stages]  # one full-length run a stage
+    budget = 3 * max(needs) + 1
+    chain = WarmChain(tiny, stages=2, context=64, kv_budget_bytes=budget)
+    assert chain.max_concurrent == min(budget // n for n in needs) == 3
+    assert {s.kv_budget_bytes for s in chain.template.stages} == {budget}
+    given = WarmChain(tiny, stages=2, context=64, kv_budget_bytes=budget, max_concurrent=5)
+    assert given.max_concurrent == 5  # given: kept (runs beyond the budget wait for room)
+    assert WarmChain(tiny, stages=2, context=64).max_concurrent == 4  # neither: as before
+    with pytest.raises(ValueError, match=r"holds no full-length run on stage \d: one needs"):
+        WarmChain(tiny, stages=2, context=64, kv_budget_bytes=min(needs) - 1)
+
+
+def test_the_chain_flags_give_its_kv_budget_and_prefill_chunk(tiny: str) -> None:
+    """``--kv-budget`` and ``--prefill-chunk`` reach the chain's plan (no process starts);
+    a budget of no bytes is refused naming the flag."""
+    parser = argparse.ArgumentParser()
+    add_chain_arguments(parser)
+    flags = ["--model", tiny, "--stages", "2", "--context", "64"]
+    args = parser.parse_args([*flags, "--kv-budget", "1MiB", "--prefill-chunk", "16"])
+    chain = chain_from(args)
+    assert chain.template.prefill_chunk == 16
+    assert {s.kv_budget_bytes for s in chain.template.stages} == {2**20}
+    assert chain.max_concurrent == min(
+        2**20 // n for n in (s.kv_bytes for s in chain.template.stages)
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args([*flags, "--kv-budget", "0"])

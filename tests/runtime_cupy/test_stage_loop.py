@@ -1,0 +1,81 @@
+"""A stage process's loop (``StageProcess._pump``), in this process: a stage that has a
+batch to run after every batch still reads its control channel between them, so a
+``StopRun`` waits behind the worker call in progress, not behind every batch its
+runs keep asking for (``Timeouts.stop_limit_ms`` counts on that)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from runplan.fsm import stage as fsm
+from runplan.messages import StopReason, StopRun
+from runtime_core.workers.reference.worker import ReferenceWorker
+from runtime_cupy.edges.links import ProcessLinks
+from runtime_cupy.hosts.local import local_medium
+from runtime_cupy.process.control_channel import ControlChannel
+from runtime_cupy.process.keys import control_key, new_secret
+from runtime_cupy.process.stage_process import StageProcess
+from runtime_cupy.process.tracing import TraceLog
+
+NODE, ORCHESTRATOR = "stage-0", "orchestrator"
+
+
+class BusyController:
+    """Stands in for the stage's controller: ``batches`` batches ready one after
+    another (each run's next record always there); the control events it is handed,
+    each with the number of batches run before it."""
+
+    def __init__(self, batches: int) -> None:
+        self.left = batches
+        self.batches = 0
+        self.batch_rows: list[int] = []
+        self.handled: list[tuple[int, Any]] = []
+        self.runs: dict[str, Any] = {}
+        self.setup_pending = self.links_pending = self.wants_input = False
+        self.output_pending = self.release_pending = False
+
+    @property
+    def batch_ready(self) -> bool:
+        return self.left > 0
+
+    def run_batch(self) -> None:
+        self.left -= 1
+        self.batches += 1
+        self.batch_rows.append(8)
+
+    def handle(self, event: Any) -> None:
+        self.handled.append((self.batches, event))
+
+
+def test_a_stage_with_a_batch_after_every_batch_reads_its_stop_run_between_them() -> None:
+    secret = new_secret()
+    key = control_key(secret, NODE)
+    stage_end, orchestrator_end = socket.socketpair()
+    with stage_end, orchestrator_end:
+        orchestrator = ControlChannel(orchestrator_end, key, ORCHESTRATOR, NODE)
+        medium = local_medium("shm")
+        stage = StageProcess(
+            stage_index=0,
+            node_id=NODE,
+            orchestrator_id=ORCHESTRATOR,
+            channel=ControlChannel(stage_end, key, NODE, ORCHESTRATOR),
+            links=ProcessLinks(medium, medium, secret, "chain-test-loop"),
+            worker=ReferenceWorker(),
+            stop_s=1.0,
+            trace=TraceLog("stage-0", enabled=False),
+        )
+        busy = BusyController(batches=5)
+        stage.controller = busy  # type: ignore[assignment]
+        stop = StopRun("run-1", StopReason.CANCELLED)
+        orchestrator.send(stop)  # already come when the stage's loop turns
+        try:
+            stage._pump()
+        finally:
+            os.close(stage._wake_r)
+            os.close(stage._wake_w)
+        assert busy.batches == 5
+        received = [(n, e) for n, e in busy.handled if isinstance(e, fsm.Received)]
+        assert [e.message for _, e in received] == [stop]
+        assert received[0][0] < 1, busy.handled  # before the next batch, not after all
