@@ -37,8 +37,8 @@ from tests.support.simt.loader import FORWARD, ThreadOrder, random_order
 ROOT = Path(__file__).resolve().parents[2]
 #: A step's time per row on the emulator: each prompt row takes the one-row kernels, a
 #: decode step's work (some 6 million emulated CUDA threads for a SmolLM2 row; 20 CPU
-#: seconds for SmolLM2's 14 decode steps on two stages, ``test_simt_worker.py``), so a
-#: real worker's 100 ms a row timed SmolLM2's prompt out in ``make test`` under load.
+#: seconds for SmolLM2's 14 decode steps before prompts took them too), so a
+#: real worker's 100 ms a row timed SmolLM2's 39-token prompt out (alone and in a suite).
 #: Ten seconds a row leaves room for a loaded 2-core host.
 EMULATED_ROW_MS = 10_000
 

@@ -8,8 +8,9 @@
   (``numerics.first_near_tie``: "mountain" has none in its 16 steps, so every token
   asked for; "france" has one at step 5), and its prompt logits meet the reference
   worker's thresholds against llama.cpp's (cosine >= 0.999, the same largest logit).
-  Affordable: about 20 CPU seconds for 8 + 6 tokens (a decode step of SmolLM2 is some
-  6 million emulated CUDA threads).
+  About 120 CPU seconds (measured under load) for the prompts of 39 and 5 tokens and
+  8 + 6 tokens: each prompt row takes the one-row kernels, a decode step's work (some
+  6 million emulated CUDA threads for SmolLM2).
 - llama.cpp's tiny fixtures of every architecture the CUDA worker runs, in every type it
   has (13 for llama and qwen2), both product modes, in one process: the GPU test of the
   same name (``test_gpu_worker.test_tiny_fixtures_in_every_type``: llama.cpp's
