@@ -54,7 +54,8 @@ fuzz: $(STAMP)
 # AddressSanitizer: every kernel against its twin, and the tiny models on the emulated
 # CUDA worker; an access outside a shared array or an array's memory stops the run with
 # ASan's report (--capture=sys: pytest does not swallow what ASan writes to fd 2).
-# Needs g++ with libasan.
+# Needs g++ with libasan. `make test` runs the kernels' part of it
+# (tests/runtime_cupy/cuda/test_simt_asan.py); this adds the worker's (minutes more).
 ASAN_RUNTIME = $(shell g++ -print-file-name=libasan.so)
 simt-asan: $(STAMP)
 	GGUF_PIPELINE_SIMT_ASAN=1 LD_PRELOAD=$(ASAN_RUNTIME) ASAN_OPTIONS=detect_leaks=0 \

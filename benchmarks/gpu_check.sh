@@ -9,10 +9,11 @@
 # machine, and the checks are split across the same two calls:
 #
 #   run(command="bash benchmarks/gpu_check.sh first", carry=[".whl", ".gpu_payload/part0"],
-#       timeout_s=420)
+#       timeout_s=480)
 #     -> keeps part0 in /tmp for the second call; the kernel-vs-twin tests
 #        (tests/runtime_cupy/cuda/test_gpu_kernels.py); the 8B-shape benchmarks (Q4_0, Q4_K;
-#        the two models are written in the background while the tests run).
+#        the two models are written in the background while the tests run); batched
+#        decode of the Q4_0 model at 1, 8 and 32 runs (gpu_decode.py --batch-runs).
 #   then AT ONCE (the machine stays warm 30 s after a call):
 #   run(command="bash benchmarks/gpu_check.sh second", carry=[".whl", ".gpu_payload/part1"],
 #       timeout_s=360)
@@ -20,12 +21,16 @@
 #        (tests/runtime_cupy/cuda/test_gpu_worker.py); the SmolLM2 benchmark.
 #   then give_back().
 #
-# Each call writes its logs under $OUT (at most 5 files, no folders; 8 for `all`) and
+# `bash benchmarks/gpu_check.sh dry` runs on a host without a GPU: gpu_decode.py's batched
+# decode on the emulated CuPy and the SIMT emulator (a tiny model; the emulator's figures,
+# not a GPU's): a trial of the benchmark's code, nothing measured on a GPU.
+#
+# Each call writes its logs under $OUT (at most 7 files, no folders; 11 for `all`) and
 # prints a short summary last; it exits non-zero if a step failed or every test of a
-# step was skipped. Each step has its own time limit (180 s for a test file, 100 s and
-# 45 s for the benchmarks, 240 s for writing the models alongside the tests), so the
-# first call ends within about 6.5 minutes and the second within about 4.5 whatever
-# happens (a guess before any run: 2 to 3 each).
+# step was skipped. Each step has its own time limit (180 s for a test file; 100 s, 60 s
+# and 60 s for the 8B, the batched 8B and the SmolLM2 benchmarks; 240 s for writing the
+# models alongside the tests), so the first call ends within about 7.5 minutes and the
+# second within about 4.5 whatever happens (a guess before any run: 2 to 3 each).
 # `bash benchmarks/gpu_check.sh all` runs both halves in one call where SmolLM2 is
 # installed already (a warm machine that kept /tmp, or one with the network).
 set -uo pipefail
@@ -157,7 +162,10 @@ first() {
     say "models written: $(ls "$MODELS" 2>/dev/null | tr '\n' ' ')"
     run_step gpu_decode_8b 100 "$PY" benchmarks/gpu_decode.py \
         --models llama8b-q4_0,llama8b-q4_k --model-dir "$MODELS" "${LAYERS_ARG[@]}" \
-        --json "$OUT/gpu_decode_8b.json"
+        --batch-runs "" --json "$OUT/gpu_decode_8b.json"
+    run_step gpu_batched_8b 60 "$PY" benchmarks/gpu_decode.py \
+        --models llama8b-q4_0 --model-dir "$MODELS" "${LAYERS_ARG[@]}" --stages "" \
+        --batch-runs 1,8,32 --prompt-len 32 --decode-tokens 32 --json "$OUT/gpu_batched_8b.json"
 }
 
 second() {
@@ -165,19 +173,27 @@ second() {
     install_smollm2
     run_step gpu_worker_tests "$STEP_LIMIT" \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/runtime_cupy/cuda/test_gpu_worker.py
-    run_step gpu_decode_smollm2 45 "$PY" benchmarks/gpu_decode.py --models smollm2 \
-        --json "$OUT/gpu_decode_smollm2.json"
+    run_step gpu_decode_smollm2 60 "$PY" benchmarks/gpu_decode.py --models smollm2 \
+        --batch-runs 1,8,32 --json "$OUT/gpu_decode_smollm2.json"
+}
+
+dry() {
+    export PYTHONPATH="$ROOT/src:$ROOT"
+    say "dry: no GPU; gpu_decode.py's batched decode on the SIMT emulator (not GPU figures)"
+    run_step gpu_decode_emulated 120 "$PY" benchmarks/gpu_decode.py --emulated \
+        --batch-runs 1,8,32 --prompt-len 4 --decode-tokens 2 --model-dir "$MODELS"
 }
 
 case "$PHASE" in
 first) first ;;
 second) second ;;
+dry) dry ;;
 all)
     first
     second
     ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh first|second|all" >&2
+    echo "usage: bash benchmarks/gpu_check.sh first|second|all|dry" >&2
     exit 2
     ;;
 esac

@@ -1,8 +1,8 @@
 """The CUDA worker's speed on a GPU: prefill and decode tokens/s, and the decode bound.
 
     python benchmarks/gpu_decode.py [--models smollm2,llama8b-q4_0,llama8b-q4_k]
-        [--stages 1,2] [--prompt-len 128] [--decode-tokens 128] [--model-dir DIR]
-        [--layers N] [--json OUT.json] [--write-only]
+        [--stages 1,2] [--prompt-len 128] [--decode-tokens 128] [--batch-runs 1,8,32]
+        [--model-dir DIR] [--layers N] [--json OUT.json] [--write-only] [--emulated]
 
 - Models: SmolLM2-135M-Instruct (Q4_1, the bundled file) and random-weight models with
   Llama-3-8B's shapes (32 blocks of 4096, 32 heads over 8 kv heads, feed-forward 14336,
@@ -19,6 +19,16 @@
   (everything a pipeline stage pays: copies, launches or the graph, synchronisation);
   tokens/s = 1 / the median step (the mean is in the JSON too). One warm-up run first
   (compilation, graph capture).
+- Batched decode (CONCURRENT_RUNS.md): ``--batch-runs`` runs (1, 8 and 32; "" for none;
+  ``--stages ""`` runs only these) on one chain
+  of 1 stage, each with its own prompt of ``--prompt-len`` ids, prefilled in one batch,
+  then ``--decode-tokens`` batched steps of one row per run, each step timed from the
+  call to every run's token on the host; aggregate tokens/s = runs / the median step,
+  beside the speed-up over 1 run. A run's tokens are checked equal to its tokens alone
+  (batch invariance: the benchmark stops on a mismatch).
+- ``--emulated``: the same code on the CUDA worker over the emulated CuPy and the SIMT
+  emulator of the tests (a tiny model, a few steps): a check that the script runs on a
+  host without a GPU. Its figures are the emulator's, not a GPU's, and say so.
 - Bound: the bytes one decode step must read (every weight of the blocks, the output
   norm and head, one embedding row, the KV cache at the mean context) divided by the
   device-to-device copy bandwidth measured here (bytes read plus written per second,
@@ -32,6 +42,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -47,6 +58,7 @@ from runplan.gguf_header import GgufHeader
 from runplan.models import resolve_model
 from runtime_core.gguf_slice import EMBEDDING, OUTPUT
 from runtime_core.model_config import ModelConfig
+from runtime_core.workers.interface import BatchStep, TokenOutput
 from runtime_cupy.cuda.kernels import cuda_device_problem
 from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, CudaWorker
 
@@ -161,6 +173,102 @@ def run_case(
     return rows
 
 
+def run_batched(
+    path: Path, runs: int, prompt_len: int, decode: int, make: Any, rng: np.random.Generator
+) -> dict[str, Any]:
+    """``runs`` runs on one 1-stage chain, prefilled in one batch, then ``decode`` batched
+    decode steps of one row per run, each step timed; the tokens of each run."""
+    vocab = GgufHeader.read(path).tensors[EMBEDDING].shape[1]
+    prompts = {f"run-{k}": rng.integers(0, vocab, prompt_len).tolist() for k in range(runs)}
+    provs = {
+        r: provisions(
+            path, 1, dtype="f16", max_seq_len=prompt_len + decode + 8, return_logits=False,
+            worker=CUDA_CAPABILITIES, run_id=r, max_concurrent_runs=runs,
+        )
+        for r in prompts
+    }  # fmt: skip
+    chain = Chain.bind(provs["run-0"], make)
+    try:
+        for r in prompts:
+            chain.open(provs[r])
+        t0 = time.perf_counter()
+        outs = chain.step_batch(
+            [BatchStep(r, 0, 0, 1, np.array(p, np.uint32)) for r, p in prompts.items()]
+        )
+        prefill_s = time.perf_counter() - t0
+        tokens = {r: [_token(outs[r])] for r in prompts}
+        steps: list[float] = []
+        for seq in range(1, decode + 1):
+            batch = [BatchStep(r, seq, 0, 1, np.array([tokens[r][-1]], np.uint32)) for r in prompts]
+            t0 = time.perf_counter()
+            outs = chain.step_batch(batch)
+            steps.append(time.perf_counter() - t0)
+            for r in prompts:
+                tokens[r].append(_token(outs[r]))
+    finally:
+        chain.release()
+    return {
+        "runs": runs,
+        "prompt_tokens": prompt_len,
+        "prefill_s": prefill_s,
+        "decode_steps": len(steps),
+        "step_median_ms": 1e3 * statistics.median(steps),
+        "aggregate_tok_s": runs / statistics.median(steps),
+        "tokens": tokens,
+    }
+
+
+def _token(out: Any) -> int:
+    if not isinstance(out, TokenOutput):
+        raise RuntimeError(f"a batched step failed: {out}")
+    return int(out.token_id)
+
+
+def batched_cases(
+    path: Path, name: str, counts: list[int], prompt_len: int, decode: int, make: Any
+) -> list[dict[str, Any]]:
+    """Batched decode at each of ``counts`` runs; each run's tokens equal to its tokens
+    alone (the same prompts: one generator seed per count)."""
+    rows = []
+    for runs in counts:
+        row = run_batched(path, runs, prompt_len, decode, make, np.random.default_rng(runs))
+        alone = run_batched(path, 1, prompt_len, decode, make, np.random.default_rng(runs))
+        if row["tokens"]["run-0"] != alone["tokens"]["run-0"]:
+            raise RuntimeError(f"{name}: run-0's tokens beside {runs - 1} others differ alone")
+        row["model"] = name
+        rows.append(row)
+    base = next((r["aggregate_tok_s"] for r in rows if r["runs"] == 1), None)
+    for row in rows:
+        speedup = f"   x{row['aggregate_tok_s'] / base:.2f} of 1 run" if base else ""
+        print(
+            f"{name:14s} batched runs={row['runs']:3d} decode {row['aggregate_tok_s']:9.1f} "
+            f"tok/s aggregate (step median {row['step_median_ms']:.3f} ms){speedup}",
+            flush=True,
+        )
+        del row["tokens"]
+    return rows
+
+
+def main_emulated(args: argparse.Namespace) -> int:
+    """The batched decode on the emulated CuPy and SIMT emulator (no GPU): a tiny model."""
+    from tests.fixtures.gguf_models import ModelShape, write_model
+
+    # imported by name: the emulated CuPy is test code, outside what mypy checks here
+    worker = importlib.import_module("tests.support.emulated_cupy").EmulatedCudaWorker
+
+    print("gpu_decode --emulated: the CUDA worker on the SIMT emulator, no GPU; these "
+          "figures are the emulator's, not a GPU's")  # fmt: skip
+    args.model_dir.mkdir(parents=True, exist_ok=True)
+    path = write_model(args.model_dir / "emulated-tiny.gguf", ModelShape(n_layers=2))
+    counts = [int(r) for r in args.batch_runs.split(",")]
+    rows = batched_cases(path, "tiny (emulated)", counts, args.prompt_len, args.decode_tokens,
+                         worker)  # fmt: skip
+    if args.json is not None:
+        doc = {"device": "emulated (no GPU)", "batched": rows}
+        args.json.write_text(json.dumps(doc, indent=2))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -170,8 +278,12 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--layers", type=int, default=None, help="8B shapes with fewer blocks")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--batch-runs", default="1,8,32")
     parser.add_argument("--write-only", action="store_true")
+    parser.add_argument("--emulated", action="store_true", help="no GPU: the SIMT emulator")
     args = parser.parse_args()
+    if args.emulated:
+        return main_emulated(args)
     names = [m for m in args.models.split(",") if m]
     for m in names:
         if m not in MODELS:
@@ -191,7 +303,7 @@ def main() -> int:
     bandwidth = copy_bandwidth()
     print(f"device: {device}; copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s")
     rng = np.random.default_rng(0)
-    stage_counts = [int(s) for s in args.stages.split(",")]
+    stage_counts = [int(s) for s in args.stages.split(",") if s]  # "": batched cases only
     results: list[dict[str, Any]] = []
     for name in names:
         path = model_path(name, args.model_dir, args.layers, write=True)
@@ -212,12 +324,19 @@ def main() -> int:
                     f"({per_token / 1e6:.1f} MB/token)   {100 * row['of_bound']:5.1f}% of bound",
                     flush=True,
                 )
+    counts = [int(r) for r in args.batch_runs.split(",") if r]
+    batched: list[dict[str, Any]] = []
+    for name in names:
+        path = model_path(name, args.model_dir, args.layers, write=True)
+        batched += batched_cases(path, name, counts, args.prompt_len, args.decode_tokens,
+                                 CudaWorker)  # fmt: skip
     targets = check_targets(results)
     for line in targets:
         print(line)
     if args.json is not None:
         doc = {"device": device, "copy_bandwidth_bytes_s": bandwidth, "results": results,
-               "targets": targets, "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+               "batched": batched, "targets": targets,
+               "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
         args.json.write_text(json.dumps(doc, indent=2))
     return 0
 

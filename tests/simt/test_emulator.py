@@ -13,7 +13,6 @@ the same bits in every order.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -334,27 +333,12 @@ print("not reached", flush=True)
 """
 
 
-def asan_runtime() -> str | None:
-    proc = subprocess.run(
-        ["g++", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False
-    )
-    path = proc.stdout.strip()
-    return path if proc.returncode == 0 and os.path.isabs(path) and Path(path).exists() else None
-
-
-@pytest.mark.skipif(asan_runtime() is None, reason="g++ has no libasan.so")
+@pytest.mark.skipif(loader.asan_runtime() is None, reason="g++ has no libasan.so")
 def test_a_shared_array_overflow_is_caught_by_asan() -> None:
-    symbolizer = shutil.which("llvm-symbolizer")
-    env = {
-        **os.environ,
-        "LD_PRELOAD": str(asan_runtime()),
-        "ASAN_OPTIONS": "detect_leaks=0"
-        + (f":external_symbolizer_path={symbolizer}" if symbolizer else ""),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]),
-    }
     proc = subprocess.run(
         [sys.executable, "-c", ASAN_SCRIPT.format(source=str(SOURCE))],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, check=False,
+        capture_output=True, text=True, env=loader.asan_environment([str(ROOT), *sys.path]),
+        cwd=ROOT, timeout=300, check=False,
     )  # fmt: skip
     assert "in bounds: fine" in proc.stdout, proc.stderr[-3000:]
     assert "not reached" not in proc.stdout

@@ -86,13 +86,25 @@ def _check_matvec(
         raise LaunchError(f"{qtype} rows of {n_chunks} chunks are {expected} bytes, not {stride}")
 
 
+def _activation_rows(grid: tuple[int, ...]) -> int:
+    """A matvec's or gated kernel's activation rows: its grid's second dimension."""
+    return grid[1] if len(grid) > 1 else 1
+
+
 def _matvec_q8(qtype: str) -> KernelTwin:
     def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
         w, row_bytes, n_chunks, n_rows, xq, xd, xs, y, bias, acc = args
         _check_matvec(grid, block, n_rows, n_chunks, row_bytes, qtype)
-        act = _q8(xq, xd, xs, n_chunks)
-        dot = twins.matvec_q8(_rows(w, n_rows, row_bytes), qtype, act).y
-        _epilogue(y, n_rows, dot, bias, acc)
+        rows = _rows(w, n_rows, row_bytes)
+        out = _flat(y, np.float32)
+        for r in range(_activation_rows(grid)):
+            act = twins.Q8Act(
+                _flat(xq, np.int8)[r * n_chunks * CHUNK : (r + 1) * n_chunks * CHUNK].copy(),
+                _flat(xd, np.float32)[r * n_chunks : (r + 1) * n_chunks].copy(),
+                _flat(xs, np.float32)[r * n_chunks : (r + 1) * n_chunks].copy(),
+            )
+            dot = twins.matvec_q8(rows, qtype, act).y
+            _epilogue(out[r * n_rows :], n_rows, dot, bias, acc)
 
     return run
 
@@ -101,9 +113,13 @@ def _matvec_f(qtype: str) -> KernelTwin:
     def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
         w, row_bytes, n_chunks, n_rows, x, y, bias, acc = args
         _check_matvec(grid, block, n_rows, n_chunks, row_bytes, qtype)
-        xv = _flat(x, np.float32)[: n_chunks * CHUNK].copy()
-        dot = twins.matvec_f(_rows(w, n_rows, row_bytes), qtype, xv).y
-        _epilogue(y, n_rows, dot, bias, acc)
+        rows = _rows(w, n_rows, row_bytes)
+        out = _flat(y, np.float32)
+        n = n_chunks * CHUNK
+        for r in range(_activation_rows(grid)):
+            xv = _flat(x, np.float32)[r * n : (r + 1) * n].copy()
+            dot = twins.matvec_f(rows, qtype, xv).y
+            _epilogue(out[r * n_rows :], n_rows, dot, bias, acc)
 
     return run
 
@@ -137,12 +153,16 @@ def _rmsnorm_rows(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> Non
 
 def _rmsnorm_q8(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
     x, w, out, n, eps, xq, xd, xs = args
-    if grid != (1,) or block % 32:
-        raise LaunchError(f"rmsnorm_q8 is one block, launched as {grid} x {block}")
-    y, _ = twins.rmsnorm(_flat(x, np.float32)[:n].reshape(1, n), _flat(w, np.float32)[:n], eps)
-    _flat(out, np.float32)[:n] = y[0]
+    if len(grid) != 1 or block % 32:
+        raise LaunchError(f"rmsnorm_q8 is one block per row, launched as {grid} x {block}")
+    rows = grid[0]
+    xv = _flat(x, np.float32)[: rows * n].reshape(rows, n)
+    y, _ = twins.rmsnorm(xv, _flat(w, np.float32)[:n], eps)
+    _flat(out, np.float32)[: rows * n] = y.reshape(-1)
     if xq is not None:
-        _store_q8(y[0, : n // CHUNK * CHUNK], 0, xq, xd, xs)
+        per_row = n // CHUNK
+        for r in range(rows):
+            _store_q8(y[r, : per_row * CHUNK], r * per_row, xq, xd, xs)
 
 
 Gate = Callable[[npt.NDArray[np.float32], npt.NDArray[np.float32]], npt.NDArray[np.float32]]
@@ -162,14 +182,15 @@ def _gated_rows(act: Gate) -> KernelTwin:
 def _gated_q8(act: Gate) -> KernelTwin:
     def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
         h, out, n_ffn, xq, xd, xs = args
-        if _threads(grid, block) // 32 < n_ffn // CHUNK or block % 32:
+        if grid[0] * block // 32 < n_ffn // CHUNK or block % 32:
             raise LaunchError(f"a gated q8 kernel of {n_ffn} launched as {grid} x {block}")
-        hv = _flat(h, np.float32)[: 2 * n_ffn]
-        v = act(hv[:n_ffn], hv[n_ffn:])
         n = n_ffn // CHUNK * CHUNK
-        _flat(out, np.float32)[:n] = v[:n]
-        if xq is not None:
-            _store_q8(v[:n], 0, xq, xd, xs)
+        for r in range(_activation_rows(grid)):
+            hv = _flat(h, np.float32)[r * 2 * n_ffn : (r + 1) * 2 * n_ffn]
+            v = act(hv[:n_ffn], hv[n_ffn:])
+            _flat(out, np.float32)[r * n_ffn : r * n_ffn + n] = v[:n]
+            if xq is not None:
+                _store_q8(v[:n], r * (n_ffn // CHUNK), xq, xd, xs)
 
     return run
 

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from runplan import NodeSpec, RuntimeConfig, SamplingConfig
+from runplan import NodeSpec, RuntimeConfig, SamplingConfig, Timeouts
 from runplan.dtypes import DTypeFamily
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.workers.interface import TraceEvent, Worker
@@ -35,6 +35,12 @@ from runtime_cupy.workers import make_worker
 from tests.support.simt.loader import FORWARD, ThreadOrder, random_order
 
 ROOT = Path(__file__).resolve().parents[2]
+#: A step's time per row on the emulator: each prompt row takes the one-row kernels, a
+#: decode step's work (some 6 million emulated CUDA threads for a SmolLM2 row; 20 CPU
+#: seconds for SmolLM2's 14 decode steps before prompts took them too), so a
+#: real worker's 100 ms a row timed SmolLM2's 39-token prompt out (alone and in a suite).
+#: Ten seconds a row leaves room for a loaded 2-core host.
+EMULATED_ROW_MS = 10_000
 
 
 def parse_order(text: str) -> ThreadOrder:
@@ -92,6 +98,7 @@ def run_emulated(
         sampling=SamplingConfig(),
         return_logits=return_logits,
         worker=CUDA_CAPABILITIES,
+        timeouts=Timeouts(step_row_ms=EMULATED_ROW_MS),
     )
     nodes = tuple(NodeSpec(f"stage-{i}", 2**40, device="emulated") for i in range(stages))
     plan = plan_even(facts, config, ORCHESTRATOR, nodes)

@@ -1,5 +1,10 @@
 """The CUDA worker's program on the kernels' NumPy twins, on any CPU.
 
+As the CUDA backend, a batch is one step of its runs' rows, each row taking the one-row
+kernels' arithmetic whatever the step's rows (in ``q8`` mode a generated token's row and
+every head row 8-bit, a prompt's rows float32), rotary embedding and attention per
+run's segment against the run's cache.
+
 ``TwinWorker`` is ``CudaWorker`` over ``TwinBackend``: the same interface logic, checks,
 weight layout and step sequence (``forward_program.py``) as the CUDA worker, with every kernel
 replaced by its twin (``twins.py``). Tests run it against the NumPy reference worker and
@@ -27,10 +32,11 @@ from runtime_core.workers.forward_program import (
     forward_embed,
     forward_head,
     load_weights,
+    segments_of,
 )
 from runtime_core.workers.interface import Progress
-from runtime_core.workers.looped_batch import Kept, RunsOneAtATime
-from runtime_core.workers.stage_worker import BackendSpec, StageBackend
+from runtime_core.workers.kept_steps import Kept, KeptSteps
+from runtime_core.workers.stage_worker import BackendSpec, BackendStep, StageBackend
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.support import twins
 
@@ -56,15 +62,14 @@ class TwinOps:
         self.w = w
         self.mode = mode
         self.kv = np.float16 if kv_dtype == "f16" else np.float32
-        self.k_cache = self.v_cache = np.zeros((0,), self.kv)  # a run's (use_cache)
         self.bufs: dict[str, F32] = {}
-        self.q8: dict[str, twins.Q8Act] = {}
+        self.q8: dict[str, list[twins.Q8Act]] = {}  # per row
+        self.row_q8: list[bool] = []  # per row of the step: its products 8-bit
         self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         # decoded matrices, by the id of their raw rows (kept for the stage's life)
         self._dense: dict[int, F32] = {}
         self._decoded: dict[int, twins.Decoded] = {}
-        self.pos = 0
-        self.token = (0, 0)
+        self.tokens: list[tuple[int, int]] = []  # per head row
         self.windows = [layer.window for layer in w.layers]
         scale = float(np.float32(c.query_scale))
         self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
@@ -77,10 +82,10 @@ class TwinOps:
             np.zeros((n, c.n_kv_heads, positions, c.head_dim_v), self.kv),
         )
 
-    def _maybe_q8(self, name: str, rows: int) -> None:
-        row = self.bufs[name]
-        if rows == 1 and self.mode == "q8" and row.shape[1] % CHUNK == 0:
-            self.q8[name] = twins.quantize_q8(row[0])
+    def _maybe_q8(self, name: str) -> None:
+        rows = self.bufs[name]
+        if self.mode == "q8" and rows.shape[1] % CHUNK == 0:
+            self.q8[name] = [twins.quantize_q8(row) for row in rows]
 
     def embed(self, table: Linear[U8], rows: int) -> None:
         ((part, raw),) = table.parts
@@ -88,13 +93,13 @@ class TwinOps:
 
     def norm(self, weight: F32, rows: int) -> None:
         self.bufs["xn"], _ = twins.rmsnorm(self.bufs["x"][:rows], weight, self.w.config.rms_eps)
-        self._maybe_q8("xn", rows)
+        self._maybe_q8("xn")
 
     def head_norm(self, weight: F32, heads: Sequence[int]) -> None:
-        (row,) = heads  # one run's step at a time, as the CUDA worker's
-        last = self.bufs["x"][row : row + 1]
-        self.bufs["xl"], _ = twins.rmsnorm(last, weight, self.w.config.rms_eps)
-        self._maybe_q8("xl", 1)
+        self.row_q8 = [self.mode == "q8"] * len(heads)  # every head row 8-bit
+        picked = self.bufs["x"][list(heads)]
+        self.bufs["xl"], _ = twins.rmsnorm(picked, weight, self.w.config.rms_eps)
+        self._maybe_q8("xl")
 
     def linear(
         self,
@@ -110,19 +115,18 @@ class TwinOps:
         out = np.zeros((rows, lin.n_out), np.float32)
         for part, raw in lin.parts:
             at = slice(part.out_offset, part.out_offset + part.n_out)
-            if rows == 1 and uses_q8(part.qtype, self.mode):
-                dec = self._decoded.get(id(raw))
-                if dec is None:
-                    dec = self._decoded[id(raw)] = twins.decode(raw, part.qtype)
-                out[0, at] = twins.matvec_q8(dec, part.qtype, self.q8[src]).y
-                continue
-            dense = self._dense.get(id(raw))
-            if dense is None:
-                dense = self._dense[id(raw)] = twins.dequantize(raw, part.qtype)
-            if rows == 1:
-                out[0, at] = twins.matvec_f(raw, part.qtype, x[0], dense).y
-            else:
-                out[:, at] = np.matmul(x, dense.T)
+            eight = uses_q8(part.qtype, self.mode) and src in self.q8
+            for r in range(rows):
+                if eight and self.row_q8[r]:
+                    dec = self._decoded.get(id(raw))
+                    if dec is None:
+                        dec = self._decoded[id(raw)] = twins.decode(raw, part.qtype)
+                    out[r, at] = twins.matvec_q8(dec, part.qtype, self.q8[src][r]).y
+                else:
+                    dense = self._dense.get(id(raw))
+                    if dense is None:
+                        dense = self._dense[id(raw)] = twins.dequantize(raw, part.qtype)
+                    out[r, at] = twins.matvec_f(raw, part.qtype, x[r], dense).y
         if bias is not None:
             out += bias
         if accumulate:
@@ -131,47 +135,53 @@ class TwinOps:
             self.bufs[dst] = out
 
     def rope_kv(self, layer: int, bias: F32 | None, seg: Segment) -> None:
-        rows = seg.rows  # the step's only segment, at ``pos``
+        rows, pos = seg.rows, seg.pos
         c = self.w.config
-        qkv = self.bufs["qkv"][:rows]
+        qkv = self.bufs["qkv"][seg.start : seg.end]
         if bias is not None:
             qkv = qkv + bias
         qd, kd = c.q_dim, c.k_dim
-        rot = self.w.layer_rot(layer)[self.pos : self.pos + rows]
+        rot = self.w.layer_rot(layer)[pos : pos + rows]
         q = qkv[:, :qd].reshape(rows, c.n_heads, c.head_dim_k)
         k = qkv[:, qd : qd + kd].reshape(rows, c.n_kv_heads, c.head_dim_k)
         v = qkv[:, qd + kd :].reshape(rows, c.n_kv_heads, c.head_dim_v)
         q = twins.rotate(q, rot, c.rope.n_dims, c.rope.neox)
         k = twins.rotate(k, rot, c.rope.n_dims, c.rope.neox)
-        span = slice(self.pos, self.pos + rows)
-        self.k_cache[layer][:, span] = k.transpose(1, 0, 2).astype(self.kv)
-        self.v_cache[layer][:, span] = v.transpose(1, 0, 2).astype(self.kv)
+        k_cache, v_cache = seg.cache
+        span = slice(pos, pos + rows)
+        k_cache[layer][:, span] = k.transpose(1, 0, 2).astype(self.kv)
+        v_cache[layer][:, span] = v.transpose(1, 0, 2).astype(self.kv)
         self.bufs["q"] = (q * np.float32(self.q_scale)).reshape(rows, -1)
 
     def attention(self, layer: int, seg: Segment) -> None:
-        rows = seg.rows
+        rows, pos = seg.rows, seg.pos
         c = self.w.config
-        n_ctx = self.pos + rows
+        total = self.bufs["qkv"].shape[0]
+        if seg.start == 0:
+            self.bufs["att"] = np.zeros((total, c.n_heads * c.head_dim_v), np.float32)
+        n_ctx = pos + rows
         q = self.bufs["q"].reshape(rows, c.n_heads, c.head_dim_k)
-        keys = self.k_cache[layer][:, :n_ctx].astype(np.float32)
-        values = self.v_cache[layer][:, :n_ctx].astype(np.float32)
+        k_cache, v_cache = seg.cache
+        keys = k_cache[layer][:, :n_ctx].astype(np.float32)
+        values = v_cache[layer][:, :n_ctx].astype(np.float32)
         group = c.n_heads // c.n_kv_heads
-        self.bufs["att"] = twins.attention(
-            q, keys, values, self.pos, group, self.scale, self.windows[layer]
-        )
-        self._maybe_q8("att", rows)
+        self.bufs["att"][seg.start : seg.end] = twins.attention(
+            q, keys, values, pos, group, self.scale, self.windows[layer]
+        ).reshape(rows, -1)
+        if seg.end == total:
+            self._maybe_q8("att")
 
     def swiglu(self, rows: int) -> None:
         h = self.bufs["h"][:rows]
         f = h.shape[1] // 2
         self.bufs["act"] = twins.silu_mul(h[:, :f], h[:, f:])
-        self._maybe_q8("act", rows)
+        self._maybe_q8("act")
 
     def geglu(self, rows: int) -> None:
         h = self.bufs["h"][:rows]
         f = h.shape[1] // 2
         self.bufs["act"] = twins.gelu_mul(h[:, :f], h[:, f:])
-        self._maybe_q8("act", rows)
+        self._maybe_q8("act")
 
     def scale_x(self, factor: float, rows: int) -> None:
         self.bufs["x"] = (self.bufs["x"][:rows] * np.float32(factor)).astype(np.float32)
@@ -188,77 +198,59 @@ class TwinOps:
         self.bufs["x"] = (self.bufs["x"][:rows] + y).astype(np.float32)
 
     def softcap(self, cap: float, rows: int) -> None:
-        assert rows == 1  # one run's step at a time, as the CUDA worker's
-        self.bufs["logits"] = twins.softcap(self.bufs["logits"], cap)
+        self.bufs["logits"] = twins.softcap(self.bufs["logits"][:rows], cap)
 
     def argmax(self, rows: int) -> None:
-        assert rows == 1
-        self.token = twins.argmax(self.bufs["logits"][0])
+        self.tokens = [twins.argmax(row) for row in self.bufs["logits"][:rows]]
 
 
-class TwinBackend(RunsOneAtATime):
-    """``stage_worker.StageBackend`` on the twins, one run's step at a time, as the CUDA
-    worker's."""
+class TwinBackend(KeptSteps):
+    """``stage_worker.StageBackend`` on the twins: a batch is one step of its runs' rows,
+    as the CUDA worker's."""
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.ops: TwinOps | None = None
         self.weights: StageWeights[U8, F32] | None = None
-        self._input: F32 | None = None
         self.kept: list[Kept] = []
 
     def load(self, stage: StageSlice, max_seq_len: int, progress: Progress | None) -> None:
         self.weights = load_weights(stage, _HostUploader(), max_seq_len, progress)
         self.ops = TwinOps(self.weights, self.spec.matvec, self.spec.kv_dtype, max_seq_len)
 
-    def put_tokens(self, ids: npt.NDArray[np.int32]) -> None:
-        assert self.ops is not None
-        self.ops.ids = np.asarray(ids, np.int32)
-
-    def put_activations(self, data: Any) -> None:
-        self._input = activations.decode(np.asarray(data), self.spec.edge_dtype)
-
     def new_cache(self, positions: int) -> Any:
         assert self.ops is not None
         return self.ops.new_cache(positions)
 
-    def use_cache(self, cache: Any) -> None:
-        assert self.ops is not None
-        self.ops.k_cache, self.ops.v_cache = cache
-
     def free_cache(self, cache: Any) -> None:
         pass
 
-    def run(self, rows: int, pos: int, head: bool = True) -> None:
+    def run_batch(self, steps: Sequence[BackendStep]) -> None:
         ops, w = self.ops, self.weights
         assert ops is not None and w is not None
-        ops.pos = pos
+        segments = segments_of([(step.rows, step.pos, step.cache) for step in steps])
+        rows = segments[-1].end
+        ops.row_q8 = [ops.mode == "q8" and not s.prompt for s in steps for _ in range(s.rows)]
         if self.spec.is_first:
+            ops.ids = np.concatenate([np.asarray(step.data, np.int32) for step in steps])
             forward_embed(ops, w, rows)
         else:
-            assert self._input is not None
-            ops.bufs["x"] = self._input
-        forward_blocks(ops, w, (Segment(0, rows, pos, None),))
-        if self.spec.is_last and head:
-            forward_head(ops, w, (rows - 1,))
-
-    def take_activations(self, rows: int) -> npt.NDArray[np.generic]:
-        assert self.ops is not None
-        return activations.encode(self.ops.bufs["x"][:rows], self.spec.edge_dtype)
-
-    def token(self) -> tuple[int, int]:
-        assert self.ops is not None
-        return self.ops.token
-
-    def logits(self) -> F32:
-        assert self.ops is not None
-        return np.array(self.ops.bufs["logits"][0], dtype=np.float32, copy=True)
-
-    def sample(self, config: SamplingConfig, u: float) -> int:
-        return device_sampling.sample(np, self.logits(), config, u)
-
-    def keep_logits(self) -> F32:
-        return self.logits()
+            ops.bufs["x"] = np.concatenate(
+                [activations.decode(np.asarray(step.data), self.spec.edge_dtype) for step in steps]
+            )
+        forward_blocks(ops, w, segments)
+        if not self.spec.is_last:
+            out = activations.encode(ops.bufs["x"][:rows], self.spec.edge_dtype)
+            self.kept = [Kept(activations=out[seg.start : seg.end]) for seg in segments]
+            return
+        heads = [seg.end - 1 for seg, step in zip(segments, steps, strict=True) if step.head]
+        self.kept = [Kept() for _ in steps]
+        if heads:
+            forward_head(ops, w, heads)
+            at = [i for i, step in enumerate(steps) if step.head]
+            for k, i in enumerate(at):
+                logits = np.array(ops.bufs["logits"][k], dtype=np.float32, copy=True)
+                self.kept[i] = Kept(token=ops.tokens[k], logits=logits)
 
     def kept_to_host(self, logits: Any) -> F32:
         return np.array(logits, dtype=np.float32, copy=True)

@@ -20,9 +20,8 @@ A step of ``rows`` rows (a prefill of the prompt, or one decode row) runs, per b
 (``runtime_core.architectures`` says which of the optional steps, marked ``[...]``, an
 architecture has)::
 
-    xn  = rmsnorm(x) * attn_norm             (+ 8-bit xn when rows == 1)
-    qkv = xn @ Wqkv^T                         one-row product, or tiles + matmul
-                                              (attn_q, attn_k, attn_v or phi3's attn_qkv)
+    xn  = rmsnorm(x) * attn_norm             (+ 8-bit xn rows, q8 mode)
+    qkv = xn @ Wqkv^T                         (attn_q, attn_k, attn_v or phi3's attn_qkv)
     [qk_norm: qkv += bias; per-head rmsnorm of Q and K]          qwen3, gemma3
     rope_kv: qkv += bias; rotate Q, K (the block's rope base);   K, V -> the block's cache
     att = attention(Q, cache)                 (+ 8-bit att; a sliding block's window)
@@ -311,8 +310,8 @@ def load_weights(
 
 class Ops(Protocol[H, V_contra]):
     """The fused operations of a step, on the backend's own buffers. Every operation
-    takes the step's ``rows``; ``rows == 1`` runs the one-row (decode) kernels, with
-    8-bit activations where the backend's mode says so."""
+    takes the step's ``rows``; each row's arithmetic does not depend on the step's other
+    rows (a run's bits are the same alone or batched, CONCURRENT_RUNS.md)."""
 
     def embed(self, table: Linear[H], rows: int) -> None:
         """x = rows of ``table`` picked by the step's token ids."""

@@ -22,10 +22,10 @@ its own KV cache on the backend (``new_cache`` for its ``kv_positions`` position
 sampler and cursor. ``execute_batch`` checks each step (order, positions, token ids,
 activations: a bad one is that step's ``StepFailure``), then hands the backend the
 others in one call, ``run_batch``: each a ``BackendStep`` (its run's cache, input,
-first position, whether its last row needs a token). The CPU backend runs them as one
-step of all their rows (``forward_program.py``: each weight read once per batch); the
-CUDA backend, one after another (``looped_batch.py``). Either way a run's results do
-not depend on its batch. Then per step, in order: its activations, or its token (its
+first position, whether its last row needs a token). The CPU and CUDA backends run them
+as one step of all their rows (``forward_program.py``: each weight read once per
+batch), each row's arithmetic independent of the others, so a run's results do not
+depend on its batch. Then per step, in order: its activations, or its token (its
 run's sampler drawing where it samples) and logits.
 
 Weights outlive a run (``runtime_core.workers.kept_weights``): ``release`` closes every
@@ -77,13 +77,15 @@ class BackendStep:
     """One run's step in a batch, as a backend runs it: ``data`` (the first stage's
     int32 token ids, else activations of the edge's dtype, ``rows`` rows) at positions
     ``pos ..`` of the run's KV cache ``cache`` (from ``new_cache``); ``head``: the last
-    stage computes its last row's logits and token."""
+    stage computes its last row's logits and token; ``prompt``: the rows are the run's
+    prompt (its prefill, or a chunk of it), not a generated token's."""
 
     cache: Any
     data: Any
     rows: int
     pos: int
     head: bool
+    prompt: bool = False
 
 
 class StageBackend(Protocol):
@@ -385,7 +387,7 @@ class StageWorker(SingleRunSteps):
                 data = step.data
         except WorkerError as exc:
             return StepFailure(str(exc))
-        return run, BackendStep(run.cache, data, rows, pos, head)
+        return run, BackendStep(run.cache, data, rows, pos, head, prompt=step.sequence == 0)
 
     def _output(
         self, step: BatchStep, run: _Run, backend_step: BackendStep, index: int, b: StageBackend

@@ -2,13 +2,21 @@
 ``program.Ops`` as kernel launches (``kernels.KernelSet``). Imports CuPy: only
 ``worker.CudaWorker.bind`` imports this module.
 
-Buffers. A decode step (one row) uses buffers allocated at bind time, so that the
-step can be captured once as a CUDA graph and replayed: position and token id are
-read from ``state`` (device memory, written before each replay), the attention
-kernels loop over the context length they read there. A prefill of ``rows > 1`` rows
-allocates its row buffers for the step, runs eagerly, and multiplies matrices as
-float32 tiles dequantized by ``dequant_rows_<T>`` and cuBLAS (``cupy.matmul``, no
-TF32), a tile at most ``TILE_FLOATS`` floats.
+A batch (``run_batch``) is one step of all its runs' rows stacked (``Segment``s): every
+matrix product and row-wise operation is one launch over all the rows (a matvec
+kernel's grid has a row dimension, a norm one block per row), rotary embedding and
+attention one launch per segment, against the segment's run's cache at its positions
+(``state``, a pair per segment), and the head one launch for all head rows. Each row
+takes the same arithmetic whatever the step's rows: the one-row kernels, a prompt's
+rows (a prefill or a chunk of it) with float32 activations, a generated token's row and
+every head row with 8-bit ones in ``q8`` mode (``groups``): a run's bits are the same
+alone or batched, and whatever its prefill chunks.
+
+Buffers. A lone generated token's row uses buffers allocated at bind time, so that the
+step can be captured once as a CUDA graph and replayed: position and token id are read
+from ``state`` (device memory, written before each replay), the attention kernels loop
+over the context length they read there. Any other batch allocates its row buffers for
+the step and runs eagerly.
 
 A run's KV cache (``DeviceCache``) is one ring per block (``rope.cu``): the run's
 positions, or a sliding block's window when that is shorter (what the planner counts,
@@ -49,16 +57,17 @@ from runtime_core.workers.forward_program import (
     forward_embed,
     forward_head,
     load_weights,
+    segments_of,
 )
 from runtime_core.workers.interface import Progress, TraceEvent
-from runtime_core.workers.looped_batch import Kept, RunsOneAtATime
-from runtime_core.workers.stage_worker import BackendSpec
+from runtime_core.workers.kept_steps import Kept, KeptSteps
+from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 from runtime_cupy.cuda.kernels import KernelSet
 
-TILE_FLOATS = 1 << 26  # 256 MiB of float32 per prefill tile
 MATVEC_WARPS = 4  # MV_WARPS in matvec.cu
 ATT_THREADS = 256  # ATT_WARPS * 32 in attention.cu
 ARGMAX_PARTS = 128
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (a launch's rows)
 _H2D, _D2H, _D2D = 1, 2, 3
 
 _KERNELS: dict[int, KernelSet] = {}
@@ -75,6 +84,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _groups(
+    segments: Sequence[Segment], prompts: Sequence[bool], q8: bool
+) -> list[tuple[int, int, bool]]:
+    """The step's row ranges whose products take 8-bit rows (a generated token's, in
+    ``q8`` mode) or float32 ones (a prompt's), neighbours of one kind joined."""
+    groups: list[tuple[int, int, bool]] = []
+    for seg, prompt in zip(segments, prompts, strict=True):
+        eight = q8 and not prompt
+        if groups and groups[-1][2] == eight:
+            groups[-1] = (groups[-1][0], seg.end, eight)
+        else:
+            groups.append((seg.start, seg.end, eight))
+    return groups
+
+
+def _row_chunks(rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each launch of a kernel whose grid counts ``rows``."""
+    return [(r0, min(MAX_GRID_Y, rows - r0)) for r0 in range(0, rows, MAX_GRID_Y)]
+
+
 class _Uploader:
     def raw(self, data: npt.NDArray[np.uint8]) -> Any:
         return cupy.asarray(np.ascontiguousarray(data))
@@ -84,12 +113,22 @@ class _Uploader:
 
 
 class _Q8:
-    """One row's 8-bit activations: q (n,), d and s (n / 32,)."""
+    """Rows of 8-bit activations, ``n`` per row: q (rows n,), d and s (rows n / 32,)."""
 
-    def __init__(self, n: int) -> None:
-        self.q = cupy.zeros(n, dtype=cupy.int8)
-        self.d = cupy.zeros(n // CHUNK, dtype=cupy.float32)
-        self.s = cupy.zeros(n // CHUNK, dtype=cupy.float32)
+    def __init__(self, n: int, rows: int = 1) -> None:
+        self.n = n
+        self.q = cupy.zeros(rows * n, dtype=cupy.int8)
+        self.d = cupy.zeros(rows * n // CHUNK, dtype=cupy.float32)
+        self.s = cupy.zeros(rows * n // CHUNK, dtype=cupy.float32)
+
+    def rows(self, first: int, end: int) -> tuple[Any, Any, Any]:
+        """Views of rows ``first .. end``."""
+        m = self.n // CHUNK
+        return (
+            self.q[first * self.n : end * self.n],
+            self.d[first * m : end * m],
+            self.s[first * m : end * m],
+        )
 
 
 @attrs.define(eq=False)
@@ -116,9 +155,6 @@ class DeviceOps:
         # per block: its window (0: global); a run's cache is a ring per block of that
         # many positions or all of the run's (``new_cache``)
         self.windows = [layer.window for layer in w.layers]
-        # The KV cache in use (a run's: ``use_cache``), per block.
-        self.k_cache: Any = None
-        self.v_cache: Any = None
         tables = {
             id(r): cupy.asarray(np.ascontiguousarray(r).view(np.float32))
             for r in (w.rot, w.rot_swa)
@@ -128,13 +164,15 @@ class DeviceOps:
         # llama.cpp scales the scores, or (gemma3, phi3) the rotated queries
         scale = float(np.float32(c.query_scale))
         self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
-        self.pos = 0  # the step's first position (a prefill's; a graph reads `state`)
         # a prefill's keys and values, by position, while a sliding block's ring cannot
         # take them (``_wrapping_cache``)
         self.step_kv: tuple[Any, Any] | None = None
         self.state = cupy.zeros(2, dtype=cupy.int32)  # [position of row 0, token id]
+        # each segment's [first position, 0], by its first row (a lone decode: ``state``)
+        self.states: dict[int, Any] = {}
         self.tokens = cupy.zeros(max_seq, dtype=cupy.int32)
-        self.token_out = cupy.zeros(2, dtype=cupy.int32)  # [id, non-finite count]
+        self.one_token_out = cupy.zeros(2, dtype=cupy.int32)  # [id, non-finite count]
+        self.token_out = self.one_token_out  # per head row: [id, non-finite count]
         self.pmax = cupy.zeros(ARGMAX_PARTS, dtype=cupy.float32)
         self.pidx = cupy.zeros(ARGMAX_PARTS, dtype=cupy.int32)
         self.pbad = cupy.zeros(ARGMAX_PARTS, dtype=cupy.int32)
@@ -157,9 +195,13 @@ class DeviceOps:
             for name, size in (("xn", h), ("att", self.att_dim), ("act", f), ("xl", h))
             if size % CHUNK == 0
         }
-        self.logits = cupy.zeros((1, w.vocab_size), cupy.float32) if spec.is_last else None
+        self.one_logits = cupy.zeros((1, w.vocab_size), cupy.float32) if spec.is_last else None
+        self.logits = self.one_logits
         self.buf: dict[str, Any] = {}
-        self.use_tokens = False  # embed from `tokens` (prefill) or state[1] (decode)
+        self.bq8: dict[str, _Q8] = {}  # the step's 8-bit rows, by buffer name (q8 mode)
+        # the step's row ranges (first, end) and whether their products take 8-bit rows
+        self.groups: list[tuple[int, int, bool]] = [(0, 1, spec.matvec == "q8")]
+        self.use_tokens = False  # embed from `tokens` (a batch) or state[1] (a lone decode)
 
     # -- buffers ----------------------------------------------------------------------
     def new_cache(self, positions: int) -> DeviceCache:
@@ -174,13 +216,12 @@ class DeviceOps:
             positions,
         )
 
-    def use_cache(self, cache: DeviceCache) -> None:
-        self.k_cache, self.v_cache = cache.k, cache.v
-
     def use_rows(self, rows: int) -> None:
         """Point the named buffers at the one-row set, or at fresh ones for ``rows``."""
+        q8 = self.spec.matvec == "q8"
         if rows == 1:
             self.buf = {k: v for k, v in self.one.items() if k not in ("h", "act")}
+            self.bq8 = dict(self.q8) if q8 else {}
         else:
             c, f = self.w.config, self.w.max_ffn
             self.buf = {
@@ -189,20 +230,33 @@ class DeviceOps:
                 "qkv": cupy.empty((rows, self.qkv_dim), cupy.float32),
                 "att": cupy.empty((rows, self.att_dim), cupy.float32),
                 "o": cupy.empty((rows, c.hidden_dim), cupy.float32),
-                "xl": self.one["xl"],
                 "_h": cupy.empty(rows * 2 * f, cupy.float32),
                 "_act": cupy.empty(rows * f, cupy.float32),
             }
+            sizes = (("xn", c.hidden_dim), ("att", self.att_dim), ("act", f))
+            self.bq8 = {n: _Q8(size, rows) for n, size in sizes if q8 and size % CHUNK == 0}
+        self.use_heads(1)
+
+    def use_heads(self, heads: int) -> None:
+        """The head's buffers (``xl``, ``logits``, ``token_out``) for ``heads`` rows."""
+        if heads == 1:
+            self.buf["xl"] = self.one["xl"]
+            self.logits, self.token_out = self.one_logits, self.one_token_out
+            if "xl" in self.q8 and self.spec.matvec == "q8":
+                self.bq8["xl"] = self.q8["xl"]
+        else:
+            h = self.w.config.hidden_dim
+            self.buf["xl"] = cupy.empty((heads, h), cupy.float32)
+            if self.spec.is_last:
+                self.logits = cupy.empty((heads, self.w.vocab_size), cupy.float32)
+            self.token_out = cupy.zeros(2 * heads, dtype=cupy.int32)
+            if "xl" in self.q8 and self.spec.matvec == "q8":
+                self.bq8["xl"] = _Q8(h, heads)
         if self.logits is not None:
             self.buf["logits"] = self.logits
 
     def _flat(self, name: str, rows: int) -> Any:
         return self.one[name] if rows == 1 else self.buf["_" + name]
-
-    def _q8(self, name: str, rows: int) -> _Q8 | None:
-        if rows == 1 and self.spec.matvec == "q8":
-            return self.q8.get(name)
-        return None
 
     def _launch(self, name: str, grid: int | tuple[int, ...], block: int, *args: Any) -> None:
         self.k.launch(name, grid, block, args, stream=self.stream)
@@ -211,7 +265,7 @@ class DeviceOps:
     def embed(self, table: Linear[Any], rows: int) -> None:
         ((part, raw),) = table.parts
         n_chunks = part.n_in // CHUNK
-        ids = self.tokens if rows > 1 or self.use_tokens else self.state[1:2]
+        ids = self.tokens if self.use_tokens else self.state[1:2]
         grid = min(_cdiv(rows * n_chunks, 128), 4096)
         self._launch(
             f"dequant_rows_{part.qtype}", grid, 128,
@@ -219,24 +273,26 @@ class DeviceOps:
         )  # fmt: skip
 
     def norm(self, weight: Any, rows: int) -> None:
-        self._norm(self.buf["x"], weight, self.buf["xn"], rows, self._q8("xn", rows))
+        self._norm(self.buf["x"], weight, self.buf["xn"], rows, self.bq8.get("xn"), 0)
 
     def head_norm(self, weight: Any, heads: Sequence[int]) -> None:
-        (row,) = heads  # one run's step at a time (``RunsOneAtATime``)
-        last = self.buf["x"][row : row + 1]
-        self._norm(
-            last, weight, self.buf["xl"], 1, self.q8.get("xl") if self.spec.matvec == "q8" else None
-        )
+        """Each head row normed on its own (one block of ``rmsnorm_q8`` per row)."""
+        self.use_heads(len(heads))
+        self.groups = [(0, len(heads), self.spec.matvec == "q8")]  # every head row 8-bit
+        x, xl, q8 = self.buf["x"], self.buf["xl"], self.bq8.get("xl")
+        for k, row in enumerate(heads):
+            self._norm(x[row : row + 1], weight, xl[k : k + 1], 1, q8, k)
 
-    def _norm(self, x: Any, weight: Any, out: Any, rows: int, q8: _Q8 | None) -> None:
+    def _norm(self, x: Any, weight: Any, out: Any, rows: int, q8: _Q8 | None, first: int) -> None:
+        """rows of ``x`` normed into ``out`` (and into rows ``first ..`` of ``q8``): one
+        block of 1024 threads per row, whatever the rows."""
         n, eps = self.w.config.hidden_dim, self.w.config.rms_eps
-        if rows == 1:
+        for r0, nr in _row_chunks(rows):
+            xq, xd, xs = q8.rows(first + r0, first + r0 + nr) if q8 else (None, None, None)
             self._launch(
-                "rmsnorm_q8", 1, 1024, x, weight, out, n, eps,
-                q8.q if q8 else None, q8.d if q8 else None, q8.s if q8 else None,
+                "rmsnorm_q8", nr, 1024, x[r0 : r0 + nr], weight, out[r0 : r0 + nr], n, eps,
+                xq, xd, xs,
             )  # fmt: skip
-        else:
-            self._launch("rmsnorm_rows", rows, 256, x, weight, out, n, eps)
 
     def linear(
         self,
@@ -248,112 +304,123 @@ class DeviceOps:
         accumulate: bool = False,
         bias: Any = None,
     ) -> None:
+        """``dst (+)= src @ lin^T``: one matvec launch per part over all the rows (a
+        part that is not the whole output row writes a scratch, then its columns)."""
         if dst in ("h",):
             self.buf["h"] = self._flat("h", rows)[: rows * lin.n_out].reshape(rows, lin.n_out)
         x, y = self.buf[src], self.buf[dst]
         for part, raw in lin.parts:
             at = slice(part.out_offset, part.out_offset + part.n_out)
             part_bias = None if bias is None else bias[at]
-            if rows == 1:
-                self._matvec(part, raw, src, x, y[0, at], part_bias, accumulate)
-            else:
-                self._tiles(part, raw, x, y[:, at], part_bias, accumulate)
+            if rows == 1 or part.n_out == lin.n_out:
+                target = y[0, at] if rows == 1 else y[:, at]
+                self._matvec(part, raw, src, x, target, rows, part_bias, accumulate)
+                continue
+            out = cupy.empty((rows, part.n_out), cupy.float32)
+            self._matvec(part, raw, src, x, out, rows, part_bias, False)
+            with self.stream:
+                if accumulate:
+                    y[:rows, at] += out
+                else:
+                    y[:rows, at] = out
 
     def _matvec(
-        self, part: MatrixPart, raw: Any, src: str, x: Any, y: Any, bias: Any, acc: bool
-    ) -> None:
+        self, part: MatrixPart, raw: Any, src: str, x: Any, y: Any, rows: int, bias: Any,
+        acc: bool,
+    ) -> None:  # fmt: skip
+        """y (rows, n_out, contiguous rows) from the rows of ``x``, or of their 8-bit form
+        in a group of 8-bit rows: grid (n_out / warps, rows), a launch per group and per
+        ``MAX_GRID_Y`` rows."""
         n_chunks = part.n_in // CHUNK
-        grid = _cdiv(part.n_out, MATVEC_WARPS)
         block = 32 * MATVEC_WARPS
-        q8 = self.q8.get(src)
-        if uses_q8(part.qtype, self.spec.matvec) and q8 is not None:
-            self._launch(
-                f"matvec_q8_{part.qtype}", grid, block,
-                raw, part.row_bytes, n_chunks, part.n_out, q8.q, q8.d, q8.s, y, bias, int(acc),
-            )  # fmt: skip
-        else:
-            self._launch(
-                f"matvec_f_{part.qtype}", grid, block,
-                raw, part.row_bytes, n_chunks, part.n_out, x, y, bias, int(acc),
-            )  # fmt: skip
-
-    def _tiles(self, part: MatrixPart, raw: Any, x: Any, y: Any, bias: Any, acc: bool) -> None:
-        n_chunks = part.n_in // CHUNK
-        tile_rows = max(1, min(part.n_out, TILE_FLOATS // part.n_in))
-        scratch = cupy.empty((tile_rows, part.n_in), cupy.float32)
-        with self.stream:
-            for r0 in range(0, part.n_out, tile_rows):
-                nt = min(tile_rows, part.n_out - r0)
-                tile = scratch[:nt]
-                grid = min(_cdiv(nt * n_chunks, 128), 65535)
+        q8 = self.bq8.get(src)
+        eight = uses_q8(part.qtype, self.spec.matvec) and q8 is not None
+        for r0, nr in self._launch_rows(rows, eight):
+            grid = (_cdiv(part.n_out, MATVEC_WARPS), nr)
+            out = y if nr == rows else y[r0 : r0 + nr]
+            if eight and self._eight_bit(r0):
+                assert q8 is not None
+                xq, xd, xs = q8.rows(r0, r0 + nr)
                 self._launch(
-                    f"dequant_rows_{part.qtype}", grid, 128,
-                    raw, part.row_bytes, n_chunks, None, r0, nt, tile,
+                    f"matvec_q8_{part.qtype}", grid, block,
+                    raw, part.row_bytes, n_chunks, part.n_out, xq, xd, xs, out, bias, int(acc),
                 )  # fmt: skip
-                out = cupy.matmul(x, tile.T)
-                if bias is not None:
-                    out += bias[r0 : r0 + nt]
-                if acc:
-                    y[:, r0 : r0 + nt] += out
-                else:
-                    y[:, r0 : r0 + nt] = out
+            else:
+                self._launch(
+                    f"matvec_f_{part.qtype}", grid, block,
+                    raw, part.row_bytes, n_chunks, part.n_out, x[r0 : r0 + nr], out, bias,
+                    int(acc),
+                )  # fmt: skip
+
+    def _launch_rows(self, rows: int, eight: bool) -> list[tuple[int, int]]:
+        """(first row, rows) of each product launch: per group of ``groups`` (all rows at
+        once where 8-bit rows are not an option), per ``MAX_GRID_Y`` rows."""
+        spans = [(a, b) for a, b, _ in self.groups] if eight else [(0, rows)]
+        return [(a + r0, nr) for a, b in spans for r0, nr in _row_chunks(b - a)]
+
+    def _eight_bit(self, row: int) -> bool:
+        return next(q8 for a, b, q8 in self.groups if a <= row < b)
 
     def rope_kv(self, layer: int, bias: Any, seg: Segment) -> None:
-        rows = seg.rows  # the step's only segment, at ``self.pos`` (and in ``state``)
+        """The segment's rows rotated at its positions (its ``state``), K and V into its
+        run's cache."""
+        rows = seg.rows
         c = self.w.config
         kv = "f16" if self.kv_half else "f32"
-        k, v = self.k_cache[layer], self.v_cache[layer]
+        k, v = seg.cache.k[layer], seg.cache.v[layer]
         self.step_kv = None
-        if rows > 1 and self.pos + rows > k.shape[1]:  # a sliding block's ring would wrap
-            k, v = self.step_kv = self._wrapping_cache(layer, rows)
+        if rows > 1 and seg.pos + rows > k.shape[1]:  # a sliding block's ring would wrap
+            k, v = self.step_kv = self._wrapping_cache(layer, seg)
         self._launch(
             f"rope_kv_{kv}", rows, 256,
-            self.buf["qkv"], rows, bias, self.rots[layer], self.state, c.n_heads, c.n_kv_heads,
-            c.head_dim_k, c.head_dim_v, c.rope.n_dims, int(c.rope.neox), self.q_scale,
-            k, v, k.shape[1],
+            self.buf["qkv"][seg.start : seg.end], rows, bias, self.rots[layer],
+            self.states[seg.start], c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v,
+            c.rope.n_dims, int(c.rope.neox), self.q_scale, k, v, k.shape[1],
         )  # fmt: skip
 
-    def _wrapping_cache(self, layer: int, rows: int) -> tuple[Any, Any]:
-        """Caches of every position of a prefill of ``rows`` at ``self.pos``, holding the
-        ring's positions before it (the older ones no row sees)."""
-        ring_k, ring_v = self.k_cache[layer], self.v_cache[layer]
-        size, end = ring_k.shape[1], self.pos + rows
+    def _wrapping_cache(self, layer: int, seg: Segment) -> tuple[Any, Any]:
+        """Caches of every position of the segment's rows, holding its run's ring's
+        positions before them (the older ones no row sees)."""
+        ring_k, ring_v = seg.cache.k[layer], seg.cache.v[layer]
+        size, end = ring_k.shape[1], seg.pos + seg.rows
         k = cupy.empty((ring_k.shape[0], end, ring_k.shape[2]), ring_k.dtype)
         v = cupy.empty((ring_v.shape[0], end, ring_v.shape[2]), ring_v.dtype)
-        start = max(0, self.pos - size)
-        if start < self.pos:
+        start = max(0, seg.pos - size)
+        if start < seg.pos:
             with self.stream:  # the index array too: the stage's stream does not wait for others
-                held = cupy.arange(start, self.pos) % size
-                k[:, start : self.pos] = ring_k[:, held]
-                v[:, start : self.pos] = ring_v[:, held]
+                held = cupy.arange(start, seg.pos) % size
+                k[:, start : seg.pos] = ring_k[:, held]
+                v[:, start : seg.pos] = ring_v[:, held]
         return k, v
 
     def attention(self, layer: int, seg: Segment) -> None:
-        rows = seg.rows  # the step's only segment, at ``self.pos``
+        """The segment's rows over its run's cache, then their 8-bit form (q8 mode)."""
+        rows = seg.rows
         c = self.w.config
         kv = "f16" if self.kv_half else "f32"
-        q8 = self._q8("att", rows)
-        fused = q8 if (q8 is not None and c.head_dim_v % CHUNK == 0) else None
-        k, v = self.step_kv or (self.k_cache[layer], self.v_cache[layer])
+        k, v = self.step_kv or (seg.cache.k[layer], seg.cache.v[layer])
+        att = self.buf["att"][seg.start : seg.end]
         self._launch(
             f"attention_{kv}", (rows, c.n_heads), ATT_THREADS,
-            self.buf["qkv"], rows, k, v, self.state, c.n_heads, c.n_kv_heads, c.head_dim_k,
-            c.head_dim_v, k.shape[1], self.windows[layer], self.scale, self.buf["att"],
-            fused.q if fused else None, fused.d if fused else None, fused.s if fused else None,
+            self.buf["qkv"][seg.start : seg.end], rows, k, v, self.states[seg.start],
+            c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, k.shape[1],
+            self.windows[layer], self.scale, att, None, None, None,
         )  # fmt: skip
-        if q8 is not None and fused is None:
-            self._quantize(self.buf["att"], q8, self.att_dim // CHUNK)
+        q8 = self.bq8.get("att")
+        if q8 is not None:
+            xq, xd, xs = q8.rows(seg.start, seg.end)
+            self._quantize(att, xq, xd, xs, rows * self.att_dim // CHUNK)
         if self.step_kv is not None:  # the ring keeps the step's last `size` positions
-            ring_k, ring_v = self.k_cache[layer], self.v_cache[layer]
-            size, end = ring_k.shape[1], self.pos + rows
+            ring_k, ring_v = seg.cache.k[layer], seg.cache.v[layer]
+            size, end = ring_k.shape[1], seg.pos + rows
             with self.stream:
-                kept = cupy.arange(max(self.pos, end - size), end)
+                kept = cupy.arange(max(seg.pos, end - size), end)
                 ring_k[:, kept % size] = k[:, kept]
                 ring_v[:, kept % size] = v[:, kept]
             self.step_kv = None
 
-    def _quantize(self, x: Any, q8: _Q8, n_chunks: int) -> None:
-        self._launch("quantize_q8", _cdiv(n_chunks, 8), 256, x, n_chunks, q8.q, q8.d, q8.s)
+    def _quantize(self, x: Any, xq: Any, xd: Any, xs: Any, n_chunks: int) -> None:
+        self._launch("quantize_q8", _cdiv(n_chunks, 8), 256, x, n_chunks, xq, xd, xs)
 
     def swiglu(self, rows: int) -> None:
         self._gated("swiglu", rows)
@@ -362,21 +429,22 @@ class DeviceOps:
         self._gated("geglu", rows)
 
     def _gated(self, kernel: str, rows: int) -> None:
+        """act = act(gate) * up: a warp per chunk of 32 outputs per row (and its 8-bit
+        form), or one element per thread where the rows are not whole chunks."""
         h = self.buf["h"]
         f = h.shape[1] // 2
         act = self._flat("act", rows)[: rows * f].reshape(rows, f)
         self.buf["act"] = act
-        if rows == 1:
-            q8 = self._q8("act", rows)
-            if f % CHUNK == 0:
-                self._launch(
-                    f"{kernel}_q8", _cdiv(f // CHUNK, 8), 256, h, act, f,
-                    q8.q if q8 else None, q8.d if q8 else None, q8.s if q8 else None,
-                )  # fmt: skip
-            else:
-                self._launch(f"{kernel}_rows", _cdiv(f, 256), 256, h, act, f, 1)
-        else:
+        if f % CHUNK:
             self._launch(f"{kernel}_rows", min(_cdiv(rows * f, 256), 65535), 256, h, act, f, rows)
+            return
+        q8 = self.bq8.get("act")
+        for r0, nr in _row_chunks(rows):
+            xq, xd, xs = q8.rows(r0, r0 + nr) if q8 else (None, None, None)
+            self._launch(
+                f"{kernel}_q8", (_cdiv(f // CHUNK, 8), nr), 256, h[r0 : r0 + nr],
+                act[r0 : r0 + nr], f, xq, xd, xs,
+            )  # fmt: skip
 
     def scale_x(self, factor: float, rows: int) -> None:
         n = rows * self.w.config.hidden_dim
@@ -399,25 +467,29 @@ class DeviceOps:
         )  # fmt: skip
 
     def softcap(self, cap: float, rows: int) -> None:
-        assert self.logits is not None and rows == 1  # one run's step at a time
-        n = self.logits.shape[1]
+        assert self.logits is not None
+        n = rows * self.logits.shape[1]
         inv, c = float(np.float32(1.0 / cap)), float(np.float32(cap))
         self._launch("softcap", min(_cdiv(n, 256), 4096), 256, self.logits, inv, c, n)
 
     def argmax(self, rows: int) -> None:
-        assert self.logits is not None and rows == 1
+        """Each head row's token into its pair of ``token_out``."""
+        assert self.logits is not None
         n = self.logits.shape[1]
-        self._launch(
-            "argmax_partial", ARGMAX_PARTS, 256, self.logits, n, self.pmax, self.pidx, self.pbad
-        )
-        self._launch(
-            "argmax_final", 1, 256, self.pmax, self.pidx, self.pbad, ARGMAX_PARTS, self.token_out
-        )
+        for k in range(rows):
+            self._launch(
+                "argmax_partial", ARGMAX_PARTS, 256, self.logits[k], n, self.pmax, self.pidx,
+                self.pbad,
+            )  # fmt: skip
+            self._launch(
+                "argmax_final", 1, 256, self.pmax, self.pidx, self.pbad, ARGMAX_PARTS,
+                self.token_out[2 * k : 2 * k + 2],
+            )  # fmt: skip
 
 
-class DeviceBackend(RunsOneAtATime):
-    """``stage_worker.StageBackend`` on one CUDA device. Its batched entry runs a batch's
-    steps one run at a time (``RunsOneAtATime``: the CUDA kernels take one run's rows)."""
+class DeviceBackend(KeptSteps):
+    """``stage_worker.StageBackend`` on one CUDA device: a batch of runs' steps is one
+    step of all their rows (a lone generated token's row: its cache's captured graph)."""
 
     def __init__(
         self,
@@ -437,13 +509,10 @@ class DeviceBackend(RunsOneAtATime):
         self.ops: DeviceOps | None = None
         self.weights: StageWeights[Any, Any] | None = None
         self.stream: Any = None
-        self.cache: DeviceCache | None = None  # the run's cache the next step uses
         self._parked: DeviceCache | None = None  # the cache of the run that ended last
         self._edge_in: Any = None
         self._edge_out: Any = None
         self._host_state = np.zeros(2, dtype=np.int32)
-        self._token = 0
-        self._rows_in = 0
         self.kept: list[Kept] = []  # the outputs of the last batch's steps
 
     # -- StageBackend ------------------------------------------------------------------
@@ -462,32 +531,6 @@ class DeviceBackend(RunsOneAtATime):
             self._edge_out = cupy.zeros((1, h), dtype=edge)
             cupy.cuda.Device().synchronize()
 
-    def put_tokens(self, ids: npt.NDArray[np.int32]) -> None:
-        ops = self._ops()
-        self._rows_in = int(ids.shape[0])
-        with self.device:
-            if ids.shape[0] == 1:
-                self._token = int(ids[0])
-            else:
-                ops.tokens[: ids.shape[0]].set(
-                    np.ascontiguousarray(ids, np.int32), stream=self.stream
-                )
-
-    def put_activations(self, data: Any) -> None:
-        rows = int(data.shape[0])
-        self._rows_in = rows
-        with self.device:
-            target = self._edge_in if rows == 1 else cupy.empty(data.shape, self.spec.edge_dtype)
-            if isinstance(data, cupy.ndarray):
-                with self.stream:  # a copy of a strided input is ordered before the memcpy
-                    src = cupy.ascontiguousarray(data)
-                cupy.cuda.runtime.memcpyAsync(
-                    target.data.ptr, src.data.ptr, src.nbytes, _D2D, self.stream.ptr
-                )
-            else:
-                target.set(np.ascontiguousarray(data), stream=self.stream)
-            self._input = target
-
     def new_cache(self, positions: int) -> DeviceCache:
         """A run's cache: the one last freed when it has the same positions (with its
         captured graph: a warm stage's next run replays it), else a new one (the one
@@ -501,18 +544,10 @@ class DeviceBackend(RunsOneAtATime):
         with self.device:
             return ops.new_cache(positions)
 
-    def use_cache(self, cache: Any) -> None:
-        self._ops().use_cache(cache)
-        self.cache = cache
-
     def free_cache(self, cache: Any) -> None:
         """A run is over: its cache is kept for the next run of its length (it holds
         nothing a run reads: each starts with a prefill at position 0 and attends only
         to the positions it wrote); the one kept before goes."""
-        if self.cache is cache:
-            self.cache = None
-            if self.ops is not None:
-                self.ops.k_cache = self.ops.v_cache = None
         if self._parked is not None and self._parked is not cache:
             self._drop(self._parked)
         self._parked = cache
@@ -521,70 +556,110 @@ class DeviceBackend(RunsOneAtATime):
     def _drop(cache: DeviceCache) -> None:
         cache.graph = cache.k = cache.v = None  # the memory returns to CuPy's pool
 
-    def run(self, rows: int, pos: int, head: bool = True) -> None:
-        """A step of ``rows`` rows at ``pos`` against the cache in use. A decode row
-        replays the graph captured for that cache (``head`` is ignored there: the
-        graph's head is cheap, and its result unused)."""
+    def run_batch(self, steps: Sequence[BackendStep]) -> None:
+        """The steps' rows as one step (a lone generated token's row: its graph), each
+        step's outputs kept."""
         ops = self._ops()
-        cache = self.cache
-        if cache is None:
-            raise RuntimeError("no KV cache in use: a step runs for an open run")
+        if any(step.cache is None for step in steps):
+            raise RuntimeError("no KV cache: a step runs for an open run")
         with self.device:
-            self._host_state[0] = pos
-            self._host_state[1] = self._token
-            ops.state.set(self._host_state, stream=self.stream)
-            ops.pos = pos
-            ops.use_tokens = False
-            if rows == 1 and self.use_graph:
-                if cache.graph is None:
-                    cache.graph = self._capture()
-                cache.graph.launch(stream=self.stream)
+            if self.use_graph and len(steps) == 1 and steps[0].rows == 1 and not steps[0].prompt:
+                self.kept = [self._decode(steps[0])]
             else:
-                self._step(rows, head)
-            self.stream.synchronize()
+                self.kept = self._batch(ops, steps)
 
-    def take_activations(self, rows: int) -> Any:
-        ops = self._ops()
-        with self.device:
-            if rows == 1:
-                out = self._edge_out
+    def _decode(self, step: BackendStep) -> Kept:
+        """A lone generated token's row: the graph captured for its cache, replayed (its head runs
+        whether or not the row needs a token: it is cheap, its result then unused)."""
+        ops, cache = self._ops(), step.cache
+        self._host_state[0] = step.pos
+        if self.spec.is_first:
+            self._host_state[1] = int(step.data[0])
+        else:
+            self._put(step.data, self._edge_in)
+        ops.state.set(self._host_state, stream=self.stream)
+        ops.use_tokens = False
+        ops.states = {0: ops.state}
+        if cache.graph is None:
+            cache.graph = self._capture(Segment(0, 1, step.pos, cache), step.prompt)
+        cache.graph.launch(stream=self.stream)
+        if not self.spec.is_last:
+            return Kept(activations=self._out(self._edge_out))
+        if not step.head:
+            self.stream.synchronize()
+            return Kept()
+        token = cupy.asnumpy(ops.one_token_out, stream=self.stream)
+        logits = self._kept_logits(ops.one_logits, 0)
+        self.stream.synchronize()
+        return Kept(token=(int(token[0]), int(token[1])), logits=logits)
+
+    def _batch(self, ops: DeviceOps, steps: Sequence[BackendStep]) -> list[Kept]:
+        """Any other batch, eagerly: one launch per product and row-wise operation over
+        all its rows, rotary embedding and attention per run's segment."""
+        segments = segments_of([(step.rows, step.pos, step.cache) for step in steps])
+        rows = segments[-1].end
+        states = cupy.empty((len(segments), 2), dtype=cupy.int32)
+        host = np.zeros((len(segments), 2), dtype=np.int32)
+        host[:, 0] = [seg.pos for seg in segments]
+        states.set(host, stream=self.stream)
+        ops.states = {seg.start: states[i] for i, seg in enumerate(segments)}
+        ops.use_tokens = True
+        source = None
+        if self.spec.is_first:
+            if rows > ops.tokens.size:
+                ops.tokens = cupy.zeros(rows, dtype=cupy.int32)
+            ids = np.concatenate([np.asarray(step.data, np.int32) for step in steps])
+            ops.tokens[:rows].set(ids, stream=self.stream)
+        else:
+            source = cupy.empty((rows, ops.w.config.hidden_dim), self.spec.edge_dtype)
+            for step, seg in zip(steps, segments, strict=True):
+                self._put(step.data, source[seg.start : seg.end])
+        heads = [seg.end - 1 for seg, step in zip(segments, steps, strict=True) if step.head]
+        prompts = [step.prompt for step in steps]
+        self._step(segments, heads if self.spec.is_last else [], source, prompts)
+        if not self.spec.is_last:
+            out = cupy.empty((rows, ops.w.config.hidden_dim), self.spec.edge_dtype)
+            self._convert_out(ops.buf["x"], out)
+            return [Kept(activations=self._out(out[seg.start : seg.end])) for seg in segments]
+        tokens = cupy.asnumpy(ops.token_out, stream=self.stream)
+        kept: list[Kept] = []
+        k = 0
+        for step in steps:
+            if step.head:
+                token = (int(tokens[2 * k]), int(tokens[2 * k + 1]))
+                kept.append(Kept(token=token, logits=self._kept_logits(ops.logits, k)))
+                k += 1
             else:
-                out = cupy.empty((rows, ops.w.config.hidden_dim), self.spec.edge_dtype)
-                self._convert_out(ops.buf["x"], out)
-            if self.device_io:
-                with self.stream:
-                    copy = out.copy()
-                self.stream.synchronize()
-                return copy
-            host = cupy.asnumpy(out, stream=self.stream)
+                kept.append(Kept())
+        self.stream.synchronize()
+        return kept
+
+    def _put(self, data: Any, target: Any) -> None:
+        """A step's input activations (a host or a device array) into ``target``."""
+        if isinstance(data, cupy.ndarray):
+            with self.stream:  # a copy of a strided input is ordered before the memcpy
+                src = cupy.ascontiguousarray(data)
+            cupy.cuda.runtime.memcpyAsync(
+                target.data.ptr, src.data.ptr, src.nbytes, _D2D, self.stream.ptr
+            )
+        else:
+            target.set(np.ascontiguousarray(data), stream=self.stream)
+
+    def _out(self, rows: Any) -> Any:
+        """Output activations: a device copy (``device_io``) or a host one."""
+        if self.device_io:
+            with self.stream:
+                copy = rows.copy()
             self.stream.synchronize()
-            return host
+            return copy
+        host = cupy.asnumpy(rows, stream=self.stream)
+        self.stream.synchronize()
+        return host
 
-    def token(self) -> tuple[int, int]:
-        ops = self._ops()
-        with self.device:
-            out = cupy.asnumpy(ops.token_out, stream=self.stream)
-            self.stream.synchronize()
-        return int(out[0]), int(out[1])
-
-    def logits(self) -> npt.NDArray[np.float32]:
-        ops = self._ops()
-        assert ops.logits is not None
-        with self.device:
-            out = cupy.asnumpy(ops.logits[0], stream=self.stream)
-            self.stream.synchronize()
-        return np.asarray(out, dtype=np.float32)
-
-    def sample(self, config: SamplingConfig, u: float) -> int:
-        ops = self._ops()
-        assert ops.logits is not None
-        return self.sample_kept(ops.logits[0], config, u)
-
-    def keep_logits(self) -> Any:
-        ops = self._ops()
-        assert ops.logits is not None
-        with self.device, self.stream:
-            return ops.logits[0].copy()
+    def _kept_logits(self, logits: Any, k: int) -> Any:
+        """A copy of head row ``k`` of ``logits`` that the next step does not overwrite."""
+        with self.stream:
+            return logits[k].copy()
 
     def kept_to_host(self, logits: Any) -> npt.NDArray[np.float32]:
         with self.device:
@@ -607,10 +682,9 @@ class DeviceBackend(RunsOneAtATime):
         if self.stream is not None:
             with self.device:
                 self.stream.synchronize()
-        for cache in (self.cache, self._parked):
-            if cache is not None:
-                self._drop(cache)
-        self.cache = self._parked = None
+        if self._parked is not None:
+            self._drop(self._parked)
+        self._parked = None
         self.ops = None
         self.weights = None
         self._edge_in = self._edge_out = self._input = None
@@ -624,33 +698,42 @@ class DeviceBackend(RunsOneAtATime):
             raise RuntimeError("the stage is not bound")
         return self.ops
 
-    def _capture(self) -> Any:
+    def _capture(self, segment: Segment, prompt: bool) -> Any:
         s = self.stream
         with s:
             s.begin_capture()
             try:
-                self._step(1)
+                self._step((segment,), [0], self._edge_in, [prompt])
             finally:
                 graph = s.end_capture()
         if self.trace is not None:
             self.trace("graph captured", rows=1)
         return graph
 
-    def _step(self, rows: int, head: bool = True) -> None:
-        """Every launch of one step (captured into the graph for a decode row)."""
+    def _step(
+        self,
+        segments: Sequence[Segment],
+        heads: Sequence[int],
+        source: Any,
+        prompts: Sequence[bool],
+    ) -> None:
+        """Every launch of one step of the ``segments``' rows (captured into the graph
+        for a lone generated token's row); the head for the rows ``heads`` (last stage).
+        ``prompts``: whether each segment's rows are its run's prompt (float32 products)."""
         ops, w = self._ops(), self.weights
         assert w is not None
+        rows = segments[-1].end
         ops.use_rows(rows)
+        ops.groups = _groups(segments, prompts, self.spec.matvec == "q8")
         if self.spec.is_first:
             forward_embed(ops, w, rows)
         else:
-            self._convert_in(self._input, ops.buf["x"])
-        # one segment; the kernels read its position from ``state`` (graph replays)
-        forward_blocks(ops, w, (Segment(0, rows, int(self._host_state[0]), self.cache),))
+            self._convert_in(source, ops.buf["x"])
+        forward_blocks(ops, w, segments)
         if self.spec.is_last:
-            if head:
-                forward_head(ops, w, (rows - 1,))
-        elif rows == 1:
+            if heads:
+                forward_head(ops, w, heads)
+        elif rows == 1 and len(segments) == 1 and source is self._edge_in:
             self._convert_out(ops.buf["x"], self._edge_out)
 
     def _convert_in(self, src: Any, x: Any) -> None:

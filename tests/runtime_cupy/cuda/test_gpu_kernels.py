@@ -163,6 +163,89 @@ def test_float_types_have_no_8bit_product() -> None:
     assert not {f"matvec_q8_{t}" for t in FLOAT_TYPES} & set(KERNEL_TWINS)
 
 
+# ---- several rows in one launch (a batch's rows) ------------------------------------------
+#
+# The matvec kernels, rmsnorm_q8 and the gated q8 kernels take a batch's rows in one launch
+# (a grid dimension of rows): each row's results must be, bit for bit, those of that row
+# launched alone (CONCURRENT_RUNS.md's batch invariance rests on it), and the twin's.
+
+#: A launch's rows.
+BATCH_ROWS = 3
+#: One type of each decoder family (the row offsets are the same code for every type).
+ROW_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("mode", ["q8", "f"])
+@pytest.mark.parametrize("qtype", ROW_TYPES)
+def test_matvec_rows_are_each_row_launched_alone(ks: KernelSet, qtype: str, mode: str) -> None:
+    rng = np.random.default_rng(ROW_TYPES.index(qtype) + 300)
+    n_out, n_in = shapes_for(qtype)[1]
+    raw = random_rows(rng, qtype, n_out, n_in)
+    x = rng.standard_normal((BATCH_ROWS, n_in)).astype(np.float32)
+    acts = [twins.quantize_q8(row) for row in x]
+    bias = rng.standard_normal(n_out).astype(np.float32)
+    head = [raw, row_bytes(qtype, n_in), n_in // CHUNK, n_out]
+    blocks = -(-n_out // MV_WARPS)
+
+    def args(rows: list[int]) -> list[Any]:
+        y = poison(len(rows) * n_out, np.float32)
+        if mode == "f":
+            return [*head, np.ascontiguousarray(x[rows]), y, bias, 0]
+        q = np.concatenate([acts[r].q for r in rows])
+        d = np.concatenate([acts[r].d for r in rows])
+        sums = np.concatenate([acts[r].s for r in rows])
+        return [*head, q, d, sums, y, bias, 0]
+
+    out = 5 if mode == "f" else 7
+    name = f"matvec_{mode}_{qtype}"
+    dev, twin = launch_both(ks, name, (blocks, BATCH_ROWS), 32 * MV_WARPS, args([0, 1, 2]))
+    together = dev[out].reshape(BATCH_ROWS, n_out)
+    for r in range(BATCH_ROWS):
+        alone, _ = launch_both(ks, name, blocks, 32 * MV_WARPS, args([r]))
+        same_bits(together[r], alone[out])
+        dot = twins.matvec_q8(raw, qtype, acts[r]) if mode == "q8" else None
+        scale = dot.scale if dot is not None else twins.matvec_f(raw, qtype, x[r]).scale
+        within(together[r], twin[out].reshape(BATCH_ROWS, n_out)[r], scale + np.abs(bias))
+
+
+def test_rmsnorm_q8_rows_are_each_row_launched_alone(ks: KernelSet) -> None:
+    rng = np.random.default_rng(301)
+    n = 576
+    x = (rng.standard_normal((BATCH_ROWS, n)) * 3).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def args(rows: int, xs: np.ndarray) -> list[Any]:
+        q8 = (poison(rows * n, np.int8), *(poison(rows * n // 32, np.float32) for _ in "ds"))
+        return [xs, w, poison(rows * n, np.float32), n, 1e-5, *q8]
+
+    dev, twin = launch_both(ks, "rmsnorm_q8", BATCH_ROWS, 1024, args(BATCH_ROWS, x))
+    within(dev[2], twin[2], np.abs(twin[2]), rel=2e-6)
+    for r in range(BATCH_ROWS):
+        alone, _ = launch_both(ks, "rmsnorm_q8", 1, 1024, args(1, x[r].copy()))
+        for i, per_row in ((2, n), (5, n), (6, n // 32), (7, n // 32)):
+            same_bits(dev[i][r * per_row : (r + 1) * per_row], alone[i])
+
+
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+def test_gated_q8_rows_are_each_row_launched_alone(ks: KernelSet, act: str) -> None:
+    rng = np.random.default_rng(302 + len(act))
+    f = 1536
+    h = (rng.standard_normal((BATCH_ROWS, 2 * f)) * 4).astype(np.float32)
+
+    def args(rows: int, hs: np.ndarray) -> list[Any]:
+        q8 = (poison(rows * f, np.int8), *(poison(rows * f // 32, np.float32) for _ in "ds"))
+        return [hs, poison(rows * f, np.float32), f, *q8]
+
+    blocks = -(-f // 256)
+    dev, twin = launch_both(ks, f"{act}_q8", (blocks, BATCH_ROWS), 256, args(BATCH_ROWS, h))
+    size = np.abs(twin[1]) + (np.abs(h[:, :f] * h[:, f:]).reshape(-1) if act == "geglu" else 0)
+    within(dev[1], twin[1], size, rel=4e-7 * 8)
+    for r in range(BATCH_ROWS):
+        alone, _ = launch_both(ks, f"{act}_q8", blocks, 256, args(1, h[r].copy()))
+        for i, per_row in ((1, f), (3, f), (4, f // 32), (5, f // 32)):
+            same_bits(dev[i][r * per_row : (r + 1) * per_row], alone[i])
+
+
 # ---- norms, SwiGLU, quantizing --------------------------------------------------------------
 
 

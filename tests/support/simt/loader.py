@@ -120,6 +120,33 @@ def asan_runtime_loaded() -> bool:
     return hasattr(ctypes.CDLL(None), "__asan_init")
 
 
+def asan_runtime() -> Path | None:
+    """ASan's runtime library of the host compiler (``CXX``), to preload into a process
+    that loads ASan modules; ``None`` where the compiler has none."""
+    try:
+        proc = subprocess.run(
+            [CXX, "-print-file-name=libasan.so"], capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return None
+    path = Path(proc.stdout.strip())
+    return path if proc.returncode == 0 and path.is_absolute() and path.exists() else None
+
+
+def asan_environment(extra_path: Sequence[str] = ()) -> dict[str, str]:
+    """This process's environment with ASan's runtime preloaded, leak checks off (an
+    interpreter frees little at exit), the symbolizer named where there is one, and
+    ``extra_path`` first on ``PYTHONPATH``. ``SimtCompileError`` without a runtime."""
+    runtime = asan_runtime()
+    if runtime is None:
+        raise SimtCompileError(f"{CXX} has no libasan.so: no ASan build of the kernels")
+    symbolizer = shutil.which("llvm-symbolizer")
+    options = "detect_leaks=0" + (f":external_symbolizer_path={symbolizer}" if symbolizer else "")
+    path = [*extra_path, *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "LD_PRELOAD": str(runtime), "ASAN_OPTIONS": options,
+            "PYTHONPATH": os.pathsep.join(path)}  # fmt: skip
+
+
 @functools.cache
 def _compiler_version() -> str:
     proc = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=False)

@@ -1,4 +1,9 @@
-// matvec.cu: y = W x for one activation row (decode), fused with dequantization.
+// matvec.cu: y = W x for activation rows, fused with dequantization.
+//
+// Grid (ceil(n_rows / MV_WARPS), rows): activation row blockIdx.y is x (or xq, xd, xs)
+// offset by that many rows of 32 * n_chunks elements, its outputs y offset by that many
+// rows of n_rows; every activation row takes the same arithmetic whatever the launch's
+// rows (a run's bits do not depend on its batch).
 //
 // W stays in its GGUF block layout: row r is `row_bytes` bytes at W + r * row_bytes,
 // `n_chunks` chunks of 32 elements. One warp computes one output row: lane l takes
@@ -26,6 +31,11 @@ __device__ __forceinline__ void matvec_q8_body(const u8* __restrict__ w, i64 row
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
     if (row >= n_rows) return;
+    i64 at = blockIdx.y;  // the activation row
+    xq += at * 32 * n_chunks;
+    xd += at * n_chunks;
+    xs += at * n_chunks;
+    y += at * n_rows;
     const u8* r = w + (i64)row * row_bytes;
     float acc = 0.0f;
 #pragma unroll 4
@@ -49,6 +59,9 @@ __device__ __forceinline__ void matvec_f_body(const u8* __restrict__ w, i64 row_
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
     if (row >= n_rows) return;
+    i64 at = blockIdx.y;  // the activation row
+    x += at * 32 * n_chunks;
+    y += at * n_rows;
     const u8* r = w + (i64)row * row_bytes;
     float acc = 0.0f;
 #pragma unroll 2

@@ -5,8 +5,9 @@
 //       double precision then rounded, as the reference does for one row).
 //   rmsnorm_add_rows(o, w, x, n, eps): the same of o, added: x = x + (o * s) * w
 //       (gemma3's post-norms: a block's output normed into the residual stream).
-//   rmsnorm_q8(x, w, out, n, eps, xq, xd, xs): rmsnorm_rows for one row (one block), then
-//       the normed row quantized to 8 bits in chunks of 32 when xq is not null.
+//   rmsnorm_q8(x, w, out, n, eps, xq, xd, xs): one block of 1024 threads per row (grid
+//       (rows,)): rmsnorm_rows' arithmetic, then the normed row quantized to 8 bits in
+//       chunks of 32 when xq is not null (row r's at xq + r n, xd and xs + r n / 32).
 //   head_rmsnorm(qkv, rows, bias, q_norm, k_norm, n_heads, n_kv, hd_k, hd_v, eps): the Q|K|V
 //       rows of a step plus their bias (when not null), then each Q head and K head normed
 //       as rmsnorm_rows does a row, times q_norm or k_norm (hd_k,) (qwen3's and gemma3's
@@ -16,9 +17,11 @@
 //       out = act(gate) * up, act SiLU (gate / (1 + exp(-gate))) or GELU's tanh form
 //       (gate * (0.5 * (1 + tanh(((gate^2 * 0.044715 + 1) * gate) * sqrt(2 / pi))))),
 //       each rounded in the reference's order.
-//   swiglu_q8(h, out, n_ffn, xq, xd, xs), geglu_q8(...): one row, one warp per chunk of 32
-//       outputs, written as float32 and quantized (xq may be null).
-//   quantize_q8(x, n_chunks, xq, xd, xs): a row of 32 * n_chunks floats, one warp per chunk.
+//   swiglu_q8(h, out, n_ffn, xq, xd, xs), geglu_q8(...): grid (blocks, rows), row
+//       blockIdx.y; one warp per chunk of 32 outputs, written as float32 and quantized
+//       (xq may be null).
+//   quantize_q8(x, n_chunks, xq, xd, xs): 32 * n_chunks floats (rows of whole chunks,
+//       stacked), one warp per chunk.
 //   add_inplace(x, y, n): x += y.
 //   scale_inplace(x, factor, n): x *= factor (gemma3's embedding scale).
 //   softcap(x, inv_cap, cap, n): x = tanh(x * inv_cap) * cap (gemma3's logit soft cap).
@@ -85,6 +88,14 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_q8(const float* __res
                                       float* __restrict__ out, int n, float eps, i8* xq,
                                       float* xd, float* xs) {
     __shared__ float scratch[32];
+    i64 at = blockIdx.x;  // the row
+    x += at * n;
+    out += at * n;
+    if (xq != 0) {
+        xq += at * n;
+        xd += at * (n / 32);
+        xs += at * (n / 32);
+    }
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss = fmaf(x[i], x[i], ss);
     float s = rms_scale(block_sum(ss, scratch), n, eps);
@@ -126,6 +137,14 @@ __device__ __forceinline__ void gated_q8(const float* __restrict__ h, float* __r
     int lane = threadIdx.x & 31;
     i64 blk = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (blk >= n_ffn / 32) return;
+    i64 at = blockIdx.y;  // the row
+    h += at * 2 * n_ffn;
+    out += at * n_ffn;
+    if (xq != 0) {
+        xq += at * n_ffn;
+        xd += at * (n_ffn / 32);
+        xs += at * (n_ffn / 32);
+    }
     i64 j = 32 * blk + lane;
     float v = Act::gated(h[j], h[n_ffn + j]);
     out[j] = v;
