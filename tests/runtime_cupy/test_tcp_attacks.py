@@ -300,8 +300,9 @@ def test_a_flood_of_strangers_is_summed_up_in_the_log_not_logged_one_by_one(
         assert len(refusals.reasons) == tcp_consumer.LOGGED_REFUSALS
         pair.attach()  # the producer gets in: the port closes, the flood is summed up
         summaries = [r.getMessage() for r in caplog.records if "more connections" in r.message]
+        why = "not a producer's handshake of this protocol (first bytes b'GET /')"
         assert summaries == [
-            f"edge {EDGE}: refused 20 more connections ({strangers} in all; no more are taken)"
+            f"edge {EDGE}: refused 20 more connections ({strangers} in all): 20 {why}"
         ]
     finally:
         pair.close()

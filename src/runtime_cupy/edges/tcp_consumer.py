@@ -62,6 +62,9 @@ ACCEPTS_PER_TURN = 32
 #: port cannot fill the stage's log.
 LOGGED_REFUSALS = 16
 REFUSAL_SUMMARY_S = 10.0
+#: Reasons a summary counts one by one (a reason may name what a stranger sent, so a
+#: flood could make them many); the rest are counted together.
+SUMMED_REASONS = 8
 #: What one read of a consumer's stream takes at most (a decode step's record, and more).
 _SCRATCH_BYTES = 64 << 10
 _NO_BODY = memoryview(bytearray())
@@ -106,7 +109,7 @@ class TcpReceiveRing(ProcessRing):
         self._rendezvous = rendezvous
         self._pending: dict[int, _Pending] = {}  # by descriptor, oldest first
         self._refusals = 0  # connections turned away so far
-        self._unsummed = 0  # refusals past LOGGED_REFUSALS not yet in a summary
+        self._unsummed: dict[str, int] = {}  # refusals not yet in a summary, by reason
         self._summed_since = 0.0  # time.monotonic() of the first refusal not summed up
         self._conn: socket.socket | None = None
         self._out: Outbox | None = None
@@ -245,25 +248,29 @@ class TcpReceiveRing(ProcessRing):
         else:
             log.debug("edge %d: refused a connection from %s: %s", self.edge_id, pending.peer, why)
             now = time.monotonic()
-            if not self._unsummed:
+            unsummed = self._unsummed
+            if not unsummed:
                 self._summed_since = now  # a summary's interval begins
-            self._unsummed += 1
+            if why not in unsummed and len(unsummed) >= SUMMED_REASONS:
+                why = "for other reasons"
+            unsummed[why] = unsummed.get(why, 0) + 1
             if now - self._summed_since >= REFUSAL_SUMMARY_S:
-                self._sum_up(f"the last from {pending.peer}: {why}")
+                self._sum_up()
         self._pending.pop(pending.sock.fileno(), None)
         pending.sock.close()
 
-    def _sum_up(self, last: str) -> None:
-        """One WARNING for the refusals not logged one by one since the last summary."""
-        if self._unsummed:
+    def _sum_up(self) -> None:
+        """One WARNING for the refusals not logged one by one since the last summary,
+        counted by reason."""
+        unsummed, self._unsummed = self._unsummed, {}
+        if unsummed:
             log.warning(
-                "edge %d: refused %d more connections (%d in all; %s)",
+                "edge %d: refused %d more connections (%d in all): %s",
                 self.edge_id,
-                self._unsummed,
+                sum(unsummed.values()),
                 self._refusals,
-                last,
+                "; ".join(f"{n} {why}" for why, n in unsummed.items()),
             )
-            self._unsummed = 0
 
     def _handshake(self, pending: _Pending, events: int) -> None:
         if events & OUT:
@@ -342,7 +349,7 @@ class TcpReceiveRing(ProcessRing):
                 self._rendezvous.withdraw(self.run_id, self.edge_id)
         for pending in list(self._pending.values()):
             self._refuse(pending, "the edge has its producer, or is closed")
-        self._sum_up("no more are taken")
+        self._sum_up()
 
     # -- the stream ---------------------------------------------------------------------
     def _pump(self) -> None:
