@@ -66,6 +66,8 @@ from runtime_cupy.cuda.kernels import KernelSet
 
 MATVEC_WARPS = 4  # MV_WARPS in matvec.cu
 ATT_THREADS = 256  # ATT_WARPS * 32 in attention.cu
+#: argmax_partial's blocks: at most this many, and no more than the logits fill (256
+#: entries a block), so a small vocabulary launches no blocks that scan nothing.
 ARGMAX_PARTS = 128
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (a launch's rows)
 _H2D, _D2H, _D2D = 1, 2, 3
@@ -78,6 +80,11 @@ def kernels_for(device: int) -> KernelSet:
     if device not in _KERNELS:
         _KERNELS[device] = KernelSet()
     return _KERNELS[device]
+
+
+def argmax_parts(n: int) -> int:
+    """The blocks of ``argmax_partial`` over ``n`` logits (``ARGMAX_PARTS`` at most)."""
+    return min(ARGMAX_PARTS, _cdiv(n, 256))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -476,13 +483,13 @@ class DeviceOps:
         """Each head row's token into its pair of ``token_out``."""
         assert self.logits is not None
         n = self.logits.shape[1]
+        parts = argmax_parts(n)
         for k in range(rows):
             self._launch(
-                "argmax_partial", ARGMAX_PARTS, 256, self.logits[k], n, self.pmax, self.pidx,
-                self.pbad,
-            )  # fmt: skip
+                "argmax_partial", parts, 256, self.logits[k], n, self.pmax, self.pidx, self.pbad
+            )
             self._launch(
-                "argmax_final", 1, 256, self.pmax, self.pidx, self.pbad, ARGMAX_PARTS,
+                "argmax_final", 1, 256, self.pmax, self.pidx, self.pbad, parts,
                 self.token_out[2 * k : 2 * k + 2],
             )  # fmt: skip
 

@@ -381,6 +381,51 @@ def test_a_long_prefill_launches_within_cuda_s_grid_limits(
     w.release()
 
 
+class _Recording:
+    """The emulated kernels, recording each launch's name, grid and arguments."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[tuple[str, Any, Any]] = []
+
+    def launch(self, name: str, grid: Any, block: int, args: Any) -> None:
+        self.calls.append((name, grid, args))
+        self.inner.launch(name, grid, block, args)
+
+
+@pytest.mark.parametrize(
+    ("n", "parts"), [(1, 1), (256, 1), (257, 2), (323, 2), (32768, 128), (49152, 128)]
+)
+def test_argmax_takes_the_blocks_its_logits_fill(n: int, parts: int) -> None:
+    """256 logits a block, 128 blocks at most (SmolLM2's 49152 fill all of them)."""
+    assert DEVICE_STAGE.argmax_parts(n) == parts
+
+
+def test_a_small_vocabulary_launches_no_argmax_block_that_scans_nothing(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The greedy token of a vocabulary of a few hundred logits: ``argmax_partial`` on
+    ``argmax_parts(n)`` blocks (each scans some logits), ``argmax_final`` over as many
+    partial results, and the token is the largest logit's."""
+    p = provisions(models["llama-F32"], 1, max_seq_len=32)[0]
+    w = EmulatedCudaWorker(use_graph=False)
+    w.configure(p)
+    w.bind(p.gguf_source)
+    kernels = DEVICE_STAGE._KERNELS[0]
+    recording = _Recording(kernels.kernels)
+    monkeypatch.setattr(kernels, "kernels", recording)
+    out = w.execute_step(0, np.array(PROMPT, np.uint32))
+    w.release()
+    assert isinstance(out, TokenOutput) and out.logits is not None
+    n = out.logits.shape[-1]
+    assert 256 < n < 128 * 256  # more than one block, fewer than all of them
+    partial = [(grid, args) for name, grid, args in recording.calls if name == "argmax_partial"]
+    final = [args for name, _, args in recording.calls if name == "argmax_final"]
+    assert [(grid, args[1]) for grid, args in partial] == [((-(-n // 256),), n)]
+    assert [args[3] for args in final] == [-(-n // 256)]
+    assert out.token_id == int(np.argmax(out.logits))
+
+
 def test_what_a_capture_cannot_record_is_refused() -> None:
     """The stand-in refuses, while a stream captures, what fails a CUDA graph capture:
     allocations, host copies both ways, synchronizing."""

@@ -51,8 +51,11 @@ HEADERS = tuple(sorted(HEADER.parent.glob("simt*.h")))
 #: Bumped when what the loader writes around a source changes.
 ABI = 1
 CXX = os.environ.get("GGUF_PIPELINE_SIMT_CXX") or shutil.which("g++") or "g++"
+#: -O1: kernels run as fast as at -O2 on the emulator (the time goes to switching
+#: fibers at barriers and shuffles), and a build takes less: 6.5 against 7.5 CPU seconds
+#: for every kernel source, the ASan builds 20 against 27 (measured under load).
 FLAGS: tuple[str, ...] = (
-    "-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
+    "-std=c++17", "-O1", "-fPIC", "-shared", "-fvisibility=hidden",
     "-ffp-contract=off",  # no fused multiply-add the source does not write (--fmad=false)
     "-fno-strict-aliasing",  # the kernels read GGUF bytes as 16- and 32-bit words
     "-Wall", "-Werror", "-Wno-unknown-pragmas", "-Wno-unused-function",
