@@ -164,8 +164,8 @@ def test_recover_runs_one_prompt_not_a_file(tiny: str, tmp_path: Path) -> None:
         (["--trace", "/"], "'/': it is a directory"),
         (["--stages", "-1"], "'-1'"),
         (["--stages", "0"], "'0'"),
-        (["--max-recoveries", "-1"], "-1 is negative"),
-        (["--max-recoveries", "two"], "'two' is not a whole number"),
+        (["--max-recoveries", "-1"], "--max-recoveries: '-1' is negative"),
+        (["--max-recoveries", "two"], "--max-recoveries: 'two' is not an integer"),
     ],
 )
 def test_a_bad_flag_is_one_line_naming_it_before_any_process_starts(

@@ -44,24 +44,37 @@ def test_a_failed_step_faults_the_run_naming_the_stage(tiny: str) -> None:
 
 
 def test_a_token_that_does_not_come_in_time_faults_the_run(tiny: str) -> None:
-    # Stage 1 sleeps 30 s in step 1; the orchestrator waits step_ms per stage for a
-    # token, then tears down; stage 1 cannot answer StopRun while it sleeps, so after
-    # the stop timeout it is killed.
+    # Stage 1 sleeps in step 1; the orchestrator waits step_ms per stage for a token,
+    # then tears down; stage 1 cannot answer StopRun while it sleeps, so after the stop
+    # bound it is killed.
     timeouts = Timeouts(ready_ms=20_000, step_ms=300, edge_wait_ms=20_000, stop_ms=1_000)
+    prompt, stages = [1, 2], 3
+    # What the run takes at most when it does what it should, from the timeouts alone:
+    # every stage ready within ready_ms; token 0 (the prompt's rows through the stages)
+    # and token 1 (which never comes) each waited for within token_limit_ms; then the
+    # stop bound (stop_limit_ms) before the kill. The stage sleeps twice that, so a run
+    # that waited for it would take longer than the bound.
+    bound_ms = (
+        timeouts.ready_ms
+        + timeouts.token_limit_ms(stages, 1, len(prompt), 0, 1)
+        + timeouts.token_limit_ms(stages, 1, 1, 0, 1)
+        + timeouts.stop_limit_ms(len(prompt), 0)
+    )
+    sleep_s = 2 * bound_ms // 1000
     result = generate(
         tiny,
-        [1, 2],
-        stages=3,
+        prompt,
+        stages=stages,
         max_tokens=8,
         timeouts=timeouts,
-        host=FaultyHost({1: ["step-delay=1:30"]}),
+        host=FaultyHost({1: [f"step-delay=1:{sleep_s}"]}),
     )
     assert result.outcome == "faulted" and result.fault_stage is None
     assert result.fault == "orchestrator (node orchestrator): timeout: token 1 not produced in time"
     assert len(result.tokens) == 1
     codes = {s.stage_index: s.returncode for s in result.stages}
     assert codes == {0: 0, 1: -signal.SIGKILL, 2: 0}
-    assert result.wall_s < 15
+    assert result.wall_s < bound_ms / 1000 < sleep_s
     assert run_resources(result.chain_id) == []
 
 

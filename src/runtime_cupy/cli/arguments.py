@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from runplan.arguments import parse_size, positive_int
+from runplan.arguments import non_negative_int, parse_size, positive_int
 from runplan.gguf_header import GgufError
 from runplan.models import DEFAULT_MODEL, ModelNotFound
 from runtime_core.recovery import DEFAULT_MAX_RECOVERIES
@@ -143,22 +143,11 @@ def add_recovery(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-recoveries",
-        type=count,
+        type=non_negative_int,
         default=DEFAULT_MAX_RECOVERIES,
         help=f"recoveries per stream with --recover, then the fault ends it "
         f"(default {DEFAULT_MAX_RECOVERIES})",
     )
-
-
-def count(text: str) -> int:
-    """An ``argparse`` type: a whole number 0 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
 
 
 def add_verbose(parser: argparse.ArgumentParser) -> None:
