@@ -308,7 +308,12 @@ def test_dp4a_half_and_bfloat16(m: SimtModule) -> None:
 # ---- the cache, and ASan ----------------------------------------------------------------------
 
 
-def test_a_changed_source_is_compiled_again_and_an_unchanged_one_is_not(tmp_path: Path) -> None:
+def test_a_changed_source_is_compiled_again_and_an_unchanged_one_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a cache of its own: other builds (the session's kernels, built in the background,
+    # or another process's) come and go in the shared one
+    monkeypatch.setenv("GGUF_PIPELINE_SIMT_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "k.cu"
     src.write_text('extern "C" __global__ void k(int* out) { out[threadIdx.x] = 1; }\n')
     compile_cu(src)

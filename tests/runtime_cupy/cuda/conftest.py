@@ -1,6 +1,7 @@
 """The CUDA worker's tests: the ASan run of the kernels' tests starts as soon as the
-session has collected ``test_simt_asan.py`` (``tests/support/simt/asan_run.py``), so that
-it compiles and runs beside the other tests; it is ended with the session."""
+session has collected ``test_simt_asan.py`` (``tests/support/simt/asan_run.py``: a
+process of its own, its environment the session's before any test set its own), so
+that it compiles and runs beside the other tests; it is ended with the session."""
 
 from __future__ import annotations
 
