@@ -4,13 +4,13 @@
   CUDA worker (``tests/support/simt_stage.SimtHost``: ``cuda/backend.py`` on the emulated
   CuPy, 8-bit products, f16 activations between the stages as a CUDA run plans them, the
   kernels' threads in a seeded random order). On llama.cpp's recorded "france" prompt
-  (5 tokens, llama.cpp's first near-tie at step 5: ``numerics.first_near_tie``) it gives
-  the NumPy reference worker's 5 greedy tokens, every token up to that near-tie and no
-  more (what the check needs: a token past a near-tie may differ by right), and its
+  (5 tokens; llama.cpp's first near-tie at step 5: ``numerics.first_near_tie``) it
+  gives the NumPy reference worker's 5 greedy tokens, every token up to that near-tie
+  and no more (what the check needs: a token past a near-tie may differ by right), and its
   prompt logits meet the reference worker's thresholds against llama.cpp's (cosine >=
   0.999, the same largest logit). Each row costs a decode step's emulation (the one-row
   kernels, some 6 million emulated CUDA threads for SmolLM2), so the shortest prompt
-  with a near-tie is the one run here: 5 prompt rows and 4 decode steps, about 25 s of
+  with a near-tie is the one run here: 5 prompt rows and 4 decode steps, about 20 s of
   CPU (measured under load). Longer prompts and all 16 tokens of every prompt are the
   GPU test's (``test_gpu_worker.py``); the prefill path over many rows, the device-stage
   tests' (``test_twins_device_stage.py``) and the tiny fixtures' below.
