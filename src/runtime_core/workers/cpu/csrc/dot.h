@@ -102,6 +102,10 @@ extern const Isa ISA_PORTABLE;
 extern const Isa ISA_AVX2;
 #define GPP_HAVE_AVX512 1
 const Isa *isa_avx512(void); /* AVX2's, with VNNI x8 products */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define GPP_HAVE_AVXVNNI 1 /* a compiler that knows AVX-VNNI's target */
+const Isa *isa_avxvnni(void); /* AVX2's, with AVX-VNNI's 256-bit x8 products */
+#endif
 #endif
 
 /* shared by every instruction set */
