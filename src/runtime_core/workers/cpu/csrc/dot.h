@@ -92,6 +92,8 @@ typedef struct {
                 int64_t hd);
     x8_fn q8_x8[T_COUNT];   /* 8-bit activations times x8 groups */
     x16_fn q8_x16[T_COUNT]; /* ... times two x8 groups at once */
+    /* the fewest activation rows a product takes q8_x16 for (0: any; fewer take q8_x8) */
+    int x16_rows[T_COUNT];
 } Isa;
 
 /* The instruction sets, portable first; the module offers those the processor runs

@@ -35,6 +35,10 @@ const Isa *isa_avx512(void) {
         avx512.q8_x16[T_Q4_K] = x16_q4_k;
         avx512.q8_x16[T_Q5_K] = x16_q5_k;
         avx512.q8_x16[T_Q6_K] = x16_q6_k;
+        /* Q6_K's decode (a row or a few) one group per pass: measured 11-13 % faster from
+         * memory than two (benchmarks/cpu_repack.py --types Q6_K, 14336 x 4096, one row;
+         * the other types the same within the noise); a prefill's tile two at once */
+        avx512.x16_rows[T_Q6_K] = X8_XT + 1;
     }
     return &avx512;
 }

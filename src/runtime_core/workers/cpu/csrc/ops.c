@@ -80,7 +80,7 @@ static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int 
         return;
     }
     const int64_t gs = x8_group_bytes(pt->t, pt->n_in);
-    x16_fn fast16 = q8 ? J->isa->q8_x16[pt->t] : NULL;
+    x16_fn fast16 = q8 && J->rows >= J->isa->x16_rows[pt->t] ? J->isa->q8_x16[pt->t] : NULL;
     for (int64_t g0 = r0; g0 < r1;) {
         const uint8_t *grp = pt->w + (g0 / X8) * gs;
         if (fast16 && r1 - g0 > X8) { /* this group and the next at once */
