@@ -41,9 +41,7 @@
 #define X8_INL static inline __attribute__((always_inline, target(X8_TARGET)))
 
 #ifndef X8_PREFETCH
-/* bytes ahead of the block being read: two Q6_K super-blocks of a group (one, 1536,
- * measured 5-20 % slower in decode: benchmarks/cpu_repack.py, Q4_0, Q4_K, Q6_K) */
-#define X8_PREFETCH 3360
+#define X8_PREFETCH X8_AHEAD_BYTES /* bytes ahead of the block being read (repack.h) */
 #endif
 
 /* ---- the vector operations of one width --------------------------------------------------- */
