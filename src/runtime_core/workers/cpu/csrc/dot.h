@@ -92,8 +92,9 @@ typedef struct {
                 int64_t hd);
     x8_fn q8_x8[T_COUNT];   /* 8-bit activations times x8 groups */
     x16_fn q8_x16[T_COUNT]; /* ... times two x8 groups at once */
-    /* the fewest activation rows a product takes q8_x16 for (0: any; fewer take q8_x8) */
-    int x16_rows[T_COUNT];
+    /* the products of at most X8_XT activation rows (a decode step's) where another
+     * kernel than q8_x16 or q8_x8 measured faster there (NULL: those) */
+    x8_fn q8_x8_few[T_COUNT];
 } Isa;
 
 /* The instruction sets, portable first; the module offers those the processor runs
