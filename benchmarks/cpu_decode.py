@@ -18,8 +18,8 @@
   once, in a rotating order) on the same prompt (``--prompt-len`` random ids), thread
   count and model: ``cpu`` (``CpuWorker``, one stage of every block, the best
   instruction set), ``cpu-<isa>`` (the same forced onto one set: ``cpu-avx2``,
-  ``cpu-portable``, ``cpu-avx512``), ``numpy`` (``ReferenceWorker``, its BLAS on the same
-  threads), ``llama.cpp`` (llama-cpp-python in ``--llamacpp-python``'s interpreter,
+  ``cpu-portable``, ``cpu-avxvnni``, ``cpu-avx512``), ``numpy`` (``ReferenceWorker``, its
+  BLAS on the same threads), ``llama.cpp`` (llama-cpp-python in ``--llamacpp-python``'s interpreter,
   memory-mapped weights, float32 KV cache like the CPU worker's, no flash attention).
   Greedy decoding of ``--tokens`` tokens. ``--threads`` is a list: every count is run
   (``all``: the cores this process may use), and a last table gives each runner's

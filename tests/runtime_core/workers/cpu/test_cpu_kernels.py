@@ -25,6 +25,9 @@ readings of the same numbers.
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
@@ -454,3 +457,28 @@ def test_a_malformed_product_is_refused_naming_what_is_wrong() -> None:
             np.zeros((1, 4, 32), np.float32), 0, (1, 1, 32, 32, 4, False), 1.0,
             np.zeros((1, 32), np.float32), 1, isa="avx9000",
         )  # fmt: skip
+
+
+#: the processor flags (as Linux's /proc/cpuinfo names them) each set needs
+ISA_FLAGS = {
+    "avx2": ("avx2", "f16c"),
+    "avxvnni": ("avx2", "f16c", "avx_vnni"),
+    "avx512": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+}
+
+
+def test_the_sets_offered_are_those_the_processor_reports() -> None:
+    """Every set whose instructions /proc/cpuinfo reports is offered (AVX-VNNI's 256-bit
+    vpdpbusd between AVX2 and AVX-512), in the kernels' order, the best last."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the flags are read from Linux's /proc/cpuinfo of an x86-64 processor")
+    flags: set[str] = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    runs = [n for n in _kernels.KNOWN_ISAS if all(f in flags for f in ISA_FLAGS.get(n, ()))]
+    expected = tuple(runs)
+    assert _kernels.isas() == expected
+    assert _kernels.KNOWN_ISAS == ("portable", "avx2", "avxvnni", "avx512")

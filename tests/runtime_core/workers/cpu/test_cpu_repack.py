@@ -85,6 +85,26 @@ def test_repacked_rows_compute_the_stored_rows_bits(
 
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize("qtype", REPACKED)
+def test_every_row_count_about_the_decode_kernels_limit_computes_the_stored_rows_bits(
+    qtype: str, isa: str
+) -> None:
+    """1 to 9 activation rows multiplied together, about the 4 rows up to which a step
+    takes the decode kernels (AVX-512's Q6_K one group per pass, ``Isa.q8_x8_few``) and
+    past which it takes a prefill's (two groups per 512-bit vector, tiles), 24 weight
+    rows (two groups at once, then one): the same bits as the stored rows."""
+    rng = np.random.default_rng(9)
+    n = width(qtype)
+    raw = random_rows(rng, qtype, 24, n, scale=1 / np.sqrt(n))
+    x = rng.standard_normal((9, n)).astype(np.float32)
+    stored = _kernels.Matrix([(raw, qtype, 24, n, 0)])
+    packed = _kernels.Matrix([(raw, qtype, 24, n, 0)], repack=True)
+    for rows in range(1, 10):
+        expected = bits(linear(stored, x[:rows], True, 1, "portable"))
+        np.testing.assert_array_equal(bits(linear(packed, x[:rows], True, 2, isa)), expected)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("qtype", REPACKED)
 def test_a_prefills_tile_of_rows_at_the_extremes_computes_the_stored_rows_bits(
     qtype: str, isa: str
 ) -> None:

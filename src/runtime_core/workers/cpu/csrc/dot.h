@@ -92,6 +92,9 @@ typedef struct {
                 int64_t hd);
     x8_fn q8_x8[T_COUNT];   /* 8-bit activations times x8 groups */
     x16_fn q8_x16[T_COUNT]; /* ... times two x8 groups at once */
+    /* the products of at most X8_XT activation rows (a decode step's) where another
+     * kernel than q8_x16 or q8_x8 measured faster there (NULL: those) */
+    x8_fn q8_x8_few[T_COUNT];
 } Isa;
 
 /* The instruction sets, portable first; the module offers those the processor runs
@@ -102,6 +105,10 @@ extern const Isa ISA_PORTABLE;
 extern const Isa ISA_AVX2;
 #define GPP_HAVE_AVX512 1
 const Isa *isa_avx512(void); /* AVX2's, with VNNI x8 products */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define GPP_HAVE_AVXVNNI 1 /* a compiler that knows AVX-VNNI's target */
+const Isa *isa_avxvnni(void); /* AVX2's, with AVX-VNNI's 256-bit x8 products */
+#endif
 #endif
 
 /* shared by every instruction set */

@@ -10,6 +10,7 @@
  * terms in one vector, added to the 8 running sums, lane i taking block i mod 8.
  */
 #include "dot.h"
+#include "repack.h"
 
 #ifdef GPP_HAVE_AVX2
 
@@ -263,7 +264,7 @@ LEGACY(Q5_1, 4, 24)
  * into sum c mod 8, one vector per sum, lane = row) are those of legacy_body, so every
  * row's bits are. */
 #ifndef X8_AHEAD
-#define X8_AHEAD 512 /* bytes ahead of the block read (about 3.5 blocks), measured best of 512, 2048, 6144 */
+#define X8_AHEAD X8_AHEAD_BYTES /* bytes ahead of the block read (repack.h) */
 #endif
 /* kind 1 Q4_0 (bb 18: 8 d, then the nibbles), 2 Q4_1 (bb 20: 8 d, 8 m, the nibbles):
  * Q4_1's term adds m * s (lane i: row i's m) after (dw * d) * sumi, as legacy_body */

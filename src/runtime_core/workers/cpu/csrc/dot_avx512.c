@@ -26,6 +26,10 @@ const Isa *isa_avx512(void) {
         avx512.q8_x8[T_Q8_0] = x8_q8_0;
         avx512.q8_x8[T_Q4_0] = x8_q4_0;
         avx512.q8_x8[T_Q4_1] = x8_q4_1;
+        /* Q6_K's decode one group per pass: measured 11-13 % faster than two per 512-bit
+         * vector (from memory, one row, 14336 x 4096, under load, the two builds in turn
+         * in fresh processes; the other types' two-group decode as fast or faster) */
+        avx512.q8_x8_few[T_Q6_K] = x8_q6_k;
         avx512.q8_x8[T_Q4_K] = x8_q4_k;
         avx512.q8_x8[T_Q5_K] = x8_q5_k;
         avx512.q8_x8[T_Q6_K] = x8_q6_k;

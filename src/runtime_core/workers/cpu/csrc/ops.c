@@ -72,7 +72,8 @@ static void put(const LinearJob *J, const Part *pt, int64_t j, int64_t r, float 
 /* weight rows r0 .. r1 of an x8 part (r0 a multiple of 8) */
 static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int q8, dot_fn dot) {
     int64_t nc = pt->n_in / 32;
-    x8_fn fast = q8 ? J->isa->q8_x8[pt->t] : NULL;
+    x8_fn few = q8 && J->rows <= X8_XT ? J->isa->q8_x8_few[pt->t] : NULL;
+    x8_fn fast = few ? few : q8 ? J->isa->q8_x8[pt->t] : NULL;
     float out[X8_TILE][X8], tmp[XT];
     uint8_t *row = NULL;
     if (!fast && !(row = scratch_alloc((size_t)pt->row_bytes))) {
@@ -80,7 +81,7 @@ static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int 
         return;
     }
     const int64_t gs = x8_group_bytes(pt->t, pt->n_in);
-    x16_fn fast16 = q8 ? J->isa->q8_x16[pt->t] : NULL;
+    x16_fn fast16 = q8 && !few ? J->isa->q8_x16[pt->t] : NULL;
     for (int64_t g0 = r0; g0 < r1;) {
         const uint8_t *grp = pt->w + (g0 / X8) * gs;
         if (fast16 && r1 - g0 > X8) { /* this group and the next at once */

@@ -1,10 +1,12 @@
 /* x8_kernels.h: the products of x8 groups (repack.h) with 8-bit activations, for one
- * x86 instruction set and vector width: included by its file (dot_avx2.c,
+ * x86 instruction set and vector width: included by its file (dot_avx2.c, dot_avxvnni.c,
  * dot_avx512.c), once per width, after it defines
  *
  *   X8_TARGET   the target attribute's string ("avx2,f16c", ...)
  *   X8_VNNI     1 where vpdpbusd (4 unsigned-by-signed byte products added to an int32)
  *               exists, 0 for AVX2's vpmaddubsw + vpmaddwd
+ *   X8_DOT256   (optional) the 256-bit vpdpbusd's intrinsic: AVX-VNNI's VEX
+ *               _mm256_dpbusd_avx_epi32 (default: AVX-512 VL's _mm256_dpbusd_epi32)
  *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1 take more than X8_XT rows
  *               as a tile, each block decoded once (b32_tile)
  *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, x8_fn);
@@ -39,7 +41,7 @@
 #define X8_INL static inline __attribute__((always_inline, target(X8_TARGET)))
 
 #ifndef X8_PREFETCH
-#define X8_PREFETCH 1536 /* bytes ahead of the block being read */
+#define X8_PREFETCH X8_AHEAD_BYTES /* bytes ahead of the block being read (repack.h) */
 #endif
 
 /* ---- the vector operations of one width --------------------------------------------------- */
@@ -93,7 +95,11 @@ X8_INL VI XN(ld_i8_i32)(const uint8_t *p, int64_t gs) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 #if X8_VNNI
+#ifdef X8_DOT256 /* the VEX encoding (AVX-VNNI: dot_avxvnni.c) */
+#define v_dot4 X8_DOT256
+#else /* AVX-512 VL's EVEX encoding */
 #define v_dot4 _mm256_dpbusd_epi32
+#endif
 #else
 X8_INL VI v_dot4(VI acc, VI u, VI x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
@@ -193,9 +199,13 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->n + 32 * c;
-#if X8_VNNI
-            VI si = v_set1_32(-128 * x->g[j * 2 * nc + c]);
-            for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+#if X8_VNNI /* two chains of vpdpbusd (its latency, not its throughput, bounds one) */
+            VI si = v_set1_32(-128 * x->g[j * 2 * nc + c]), si2 = v_zero();
+            for (int w = 0; w < 8; w += 2) {
+                si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+                si2 = v_dot4(si2, u[w + 1], XN(bcast)(xq + 4 * w + 4));
+            }
+            si = v_add32(si, si2);
 #else
             VI si = v_zero();
             for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], _mm256_sign_epi8(XN(bcast)(xq + 4 * w), q[w]));
@@ -230,11 +240,12 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->n + 32 * c;
-            VI si = q4_1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]);
-            for (int w = 0; w < 4; ++w) {
+            VI si = q4_1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]), si2 = v_zero();
+            for (int w = 0; w < 4; ++w) { /* two chains (exact: their order is free) */
                 si = v_dot4(si, lo[w], XN(bcast)(xq + 4 * w));
-                si = v_dot4(si, hi[w], XN(bcast)(xq + 16 + 4 * w));
+                si2 = v_dot4(si2, hi[w], XN(bcast)(xq + 16 + 4 * w));
             }
+            si = v_add32(si, si2);
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
             if (q4_1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
@@ -284,17 +295,24 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
             if (kind == 2) {
 #if X8_VNNI
                 si = v_set1_32(-128 * x->g[j * 2 * nc + c]);
-                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+                VI si2 = v_zero();
+                for (int w = 0; w < 8; w += 2) {
+                    si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+                    si2 = v_dot4(si2, u[w + 1], XN(bcast)(xq + 4 * w + 4));
+                }
+                si = v_add32(si, si2);
 #else
                 si = v_zero();
                 for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], _mm256_sign_epi8(XN(bcast)(xq + 4 * w), q[w]));
 #endif
             } else {
                 si = kind == 1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]);
+                VI si2 = v_zero();
                 for (int w = 0; w < 4; ++w) {
                     si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
-                    si = v_dot4(si, u[4 + w], XN(bcast)(xq + 16 + 4 * w));
+                    si2 = v_dot4(si2, u[4 + w], XN(bcast)(xq + 16 + 4 * w));
                 }
+                si = v_add32(si, si2);
             }
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
@@ -666,3 +684,4 @@ X8_K_ENTRY(q6_k, X8_Q6_K)
 #undef X8_FN
 #undef X8_INL
 #undef X8_WIDTH
+#undef X8_DOT256

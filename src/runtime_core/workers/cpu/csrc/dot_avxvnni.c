@@ -1,0 +1,35 @@
+/* dot_avxvnni.c: the AVX-VNNI set (x86-64 hosts with AVX2, F16C and AVX-VNNI, the VEX
+ * encoding of vpdpbusd on 256-bit vectors, without AVX-512: the module offers it where
+ * the processor reports AVX-VNNI, between AVX2 and AVX-512): AVX2's products
+ * (dot_avx2.c), with the x8 groups' (repack.h: the products decode and prefill spend
+ * their time in) computed by vpdpbusd, 4 byte products added into an int32 in one
+ * instruction where AVX2 takes vpmaddubsw, vpmaddwd and an addition. One group of 8 rows
+ * per pass (256-bit vectors: 16 registers). The same bits as every other set (dot.h):
+ * the integer sums are exact, the float terms dot.h's in its order. */
+#include "dot.h"
+
+#ifdef GPP_HAVE_AVXVNNI
+
+#define X8_TARGET "avx2,f16c,avxvnni"
+#define X8_VNNI 1
+#define X8_DOT256 _mm256_dpbusd_avx_epi32
+#define X8_WIDTH 256
+#include "x8_kernels.h"
+
+static Isa avxvnni;
+
+const Isa *isa_avxvnni(void) {
+    if (!avxvnni.name) { /* once, at import (under the GIL) */
+        avxvnni = ISA_AVX2;
+        avxvnni.name = "avxvnni";
+        avxvnni.q8_x8[T_Q8_0] = x8_q8_0;
+        avxvnni.q8_x8[T_Q4_0] = x8_q4_0;
+        avxvnni.q8_x8[T_Q4_1] = x8_q4_1;
+        avxvnni.q8_x8[T_Q4_K] = x8_q4_k;
+        avxvnni.q8_x8[T_Q5_K] = x8_q5_k;
+        (void)x8_q6_k;
+    }
+    return &avxvnni;
+}
+
+#endif
