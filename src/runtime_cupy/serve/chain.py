@@ -116,13 +116,44 @@ def _new_serve_run_id() -> str:
     return new_run_id("serve")
 
 
-def _serve_chain(runner: ChainRunner) -> None:
+def _serve_chain(runner: ChainRunner, keep_broken: bool) -> None:
     """The chain's thread: its loop until it is closed or broken and its runs ended,
-    then its end (a broken chain's stages reaped and its links freed at once)."""
+    then its end (a broken chain's stages reaped and its links freed at once), unless
+    ``keep_broken``: the chain's owner then ends it (``WarmChain._stop_runner``), and a
+    broken chain's live stages wait for the re-placement, which keeps those it can
+    (``WarmChain.replace``)."""
     try:
         runner.loop()
     finally:
-        runner.close()
+        if not keep_broken:
+            runner.close()
+
+
+def kept_stages(old: RunPlan, new: Replacement) -> tuple[int, ...]:
+    """The stages of ``new`` that keep their process: ``Replacement.kept`` stages at the
+    same index, node and layers of a chain of as many stages (a stage whose place in the
+    pipeline changes binds anew)."""
+    if new.plan.stage_count != old.stage_count:
+        return ()
+    return tuple(
+        i
+        for i in new.kept
+        if (a := old.stages[i]).node_id == (b := new.plan.stages[i]).node_id
+        and (a.layer_start, a.layer_end_exclusive) == (b.layer_start, b.layer_end_exclusive)
+    )
+
+
+def explained_loss(
+    runner: ChainRunner, lost: Sequence[int], live: Sequence[str]
+) -> tuple[int, ...]:
+    """The stages a chain lost: ``lost`` (what the policy read off the runs' faults:
+    both ends of a broken link, as which end failed is not known), but when a stage
+    process of the chain is gone (died, or silent and killed) or its node is no longer
+    among the ``live`` nodes, that is the loss: a link its neighbours saw break with it
+    was its link, not theirs, and they keep their weights."""
+    gone = {h.stage_index for h in runner.handles() if h.exited()} | runner.gone_stages
+    gone |= {s.stage_index for s in runner.template.stages if s.node_id not in live}
+    return tuple(sorted(gone)) if gone else tuple(lost)
 
 
 class ChainError(RuntimeError):
@@ -274,6 +305,7 @@ class WarmChain:
         self._closed = False
         self._trouble: str | None = None
         self.restarts = 0  # stages started again after the chain broke
+        self.kept: tuple[int, ...] = ()  # stages the last start kept (weights and process)
         #: When the last start of the chain had the broken one stopped, placed the
         #: stages, started them and bound them (monotonic seconds, by those names).
         self.heal_marks: dict[str, float] = {}
@@ -452,12 +484,25 @@ class WarmChain:
             )
             log.warning("the chain is broken (%s): starting it again", why)
             self.trouble = self.trouble or why
-            self.restarts += len(runner.handles())
-            self._stop_runner()
-        marks = {"stopped": time.monotonic()}
+        marks: dict[str, float] = {}
+        keep: tuple[int, ...] = ()
         if self._lost is not None:
-            self._place_again(self._lost)  # ChainError: no placement over the live nodes
-        marks["placed"] = time.monotonic()
+            try:
+                new = self._place_again(self._lost)
+            except ChainError:  # no placement over the live nodes: nothing is kept
+                self._stop_runner()
+                raise
+            marks["placed"] = time.monotonic()
+            if runner is not None:
+                keep = kept_stages(runner.template, new)
+        kept = self._stop_runner(keep)
+        if runner is not None:
+            self.restarts += len(runner.template.stages) - len(kept)
+        marks["stopped"] = time.monotonic()
+        marks.setdefault("placed", marks["stopped"])
+        for index, handle in sorted(kept.items()):
+            log.info("stage %d (%s) kept: pid %d keeps its weights",
+                     index, handle.node_id, handle.info().pid)  # fmt: skip
         runner = ChainRunner(
             self.template,
             worker=self.worker,
@@ -467,6 +512,8 @@ class WarmChain:
             encrypt_edges=self.encrypt_edges,
             trace=self.trace,
             secret=self._secrets(),
+            kept=kept,
+            generation=len(self.recoveries.replacements),
         )
         self._warm = False
         try:
@@ -475,15 +522,19 @@ class WarmChain:
             self.trouble = f"the stages could not be started: {exc}"
             runner.close()
             raise ChainError(self.trouble) from exc
-        thread = threading.Thread(target=_serve_chain, args=(runner,), name="chain", daemon=True)
+        keep_broken = self.policy is not None
+        thread = threading.Thread(
+            target=_serve_chain, args=(runner, keep_broken), name="chain", daemon=True
+        )
         with self._lock:
             self._runner, self._thread = runner, thread
         self.chain_id = runner.chain_id
         thread.start()
         marks["started"] = time.monotonic()
         for handle in runner.handles():
-            log.info("stage %d (%s) started: pid %d",
-                     handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
+            if handle.stage_index not in kept:
+                log.info("stage %d (%s) started: pid %d",
+                         handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
         try:
             self._bind_all()
         except ChainError:
@@ -491,7 +542,8 @@ class WarmChain:
             raise
         marks["bound"] = time.monotonic()
         self.heal_marks = marks
-        return tuple(range(len(self.layout)))
+        self.kept = tuple(sorted(kept))
+        return tuple(i for i in range(len(self.layout)) if i not in kept)
 
     # -- re-placement (issue 25) ------------------------------------------------------
     @property
@@ -512,27 +564,30 @@ class WarmChain:
             if self._runner is not lost_from:  # a newer chain, itself broken or never up
                 self._heal()
                 return
+            live = [n.node_id for n in self._live_pool().nodes]
+            lost_stages = explained_loss(lost_from, lost_stages, live)
             nodes = sorted({lost_from.template.stages[i].node_id for i in lost_stages})
             log.warning("lost stages %s on %s: %s", list(lost_stages), nodes, cause)
             self._lost = tuple(lost_stages)
             self._heal(lost=cause)
 
-    def _place_again(self, lost_stages: tuple[int, ...]) -> None:
-        """The chain's plan over the live nodes without ``lost_stages``; ``ChainError``
-        naming the planner's rejection when there is none."""
+    def _place_again(self, lost_stages: tuple[int, ...]) -> Replacement:
+        """The chain's plan over the live nodes without ``lost_stages``, adopted;
+        ``ChainError`` naming the planner's rejection when there is none."""
         pool = self._live_pool()
         config = self._config(self._run_ids(), 1, SamplingConfig(), 0)
         new = replace_lost(self.template, self.facts, config, pool, lost_stages=lost_stages)
         if isinstance(new, Unplaceable):
             self._unplaceable = new
-            self.trouble = f"the chain lost a stage and cannot be placed again: {new}"
-            log.error("%s", self.trouble)
-            raise ChainError(self.trouble)
+            why = self.trouble = f"the chain lost a stage and cannot be placed again: {new}"
+            log.error("%s", why)
+            raise ChainError(why)
         self._unplaceable = None
         self._lost = None
         log.warning("lost nodes %s; new placement: %s", list(new.lost_nodes),
                     describe_placement(new))  # fmt: skip
         self._adopt(new)
+        return new
 
     def _live_pool(self) -> NodePool:
         """The nodes the chain may be placed on now: those its host says are live
@@ -579,20 +634,24 @@ class WarmChain:
         )
         return runner.submit(plan, replay.prompt, on_token)
 
-    def _stop_runner(self) -> None:
+    def _stop_runner(self, keep: Sequence[int] = ()) -> dict[int, StageHandle]:
+        """Stop the running chain; the live stages of ``keep`` are handed over (left
+        running, for the next chain to keep) and returned by index."""
         with self._lock:
             runner, thread = self._runner, self._thread
             self._runner = self._thread = None
             self._closing = runner
         if runner is None:
-            return
+            return {}
         runner.request_close()
         if thread is not None:
             thread.join()
+        kept = runner.hand_over(keep) if keep else {}
         runner.close()
         with self._lock:  # its batches stay counted
             self._batches_before = added_counts(self._batches_before, runner.batch_counts())
             self._closing = None
+        return kept
 
     def batch_counts(self) -> dict[int, dict[int, int]]:
         """The batches each stage ran since this chain was made, counted by rows (stage
