@@ -51,9 +51,10 @@ log = logging.getLogger("runtime_cupy.serve.recovery")
 @frozen
 class RecoveryTimes:
     """One stream's recovery on the monotonic clock: its run ended by the fault (the
-    loss detected), the broken chain stopped, the new plan made, the new stages started,
-    bound, and the replay's first token delivered. When another stream's recovery
-    brought the chain up, the chain's times are that one's."""
+    loss detected), the new plan made, the broken chain stopped (its kept stages handed
+    over), the new stages started and the kept ones joined, bound, and the replay's
+    first token delivered. When another stream's recovery brought the chain up, the
+    chain's times are that one's."""
 
     ended_s: float
     stopped_s: float
