@@ -62,7 +62,7 @@ from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
-from runplan.replacement import Replacement, Unplaceable, replace_lost
+from runplan.replacement import Replacement, Unplaceable
 from runtime_core.recovery import DEFAULT_MAX_RECOVERIES, RecoveryPolicy
 from runtime_core.replay import Replay
 from runtime_core.runs import PLACEMENTS, PlanRejected, plan_even
@@ -70,13 +70,13 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, summarize
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.hosts.port import KnowsLiveNodes, StageHandle, StageHost
+from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import run_result
 from runtime_cupy.process.names import new_run_id, run_label
-from runtime_cupy.serve.recovery import Recoveries, describe_placement, run_stream
+from runtime_cupy.serve.recovery import Recoveries, Replacer, kept_stages, run_stream
 from runtime_cupy.slices.progress import SliceLog, describe
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
@@ -127,33 +127,6 @@ def _serve_chain(runner: ChainRunner, keep_broken: bool) -> None:
     finally:
         if not keep_broken:
             runner.close()
-
-
-def kept_stages(old: RunPlan, new: Replacement) -> tuple[int, ...]:
-    """The stages of ``new`` that keep their process: ``Replacement.kept`` stages at the
-    same index, node and layers of a chain of as many stages (a stage whose place in the
-    pipeline changes binds anew)."""
-    if new.plan.stage_count != old.stage_count:
-        return ()
-    return tuple(
-        i
-        for i in new.kept
-        if (a := old.stages[i]).node_id == (b := new.plan.stages[i]).node_id
-        and (a.layer_start, a.layer_end_exclusive) == (b.layer_start, b.layer_end_exclusive)
-    )
-
-
-def explained_loss(
-    runner: ChainRunner, lost: Sequence[int], live: Sequence[str]
-) -> tuple[int, ...]:
-    """The stages a chain lost: ``lost`` (what the policy read off the runs' faults:
-    both ends of a broken link, as which end failed is not known), but when a stage
-    process of the chain is gone (died, or silent and killed) or its node is no longer
-    among the ``live`` nodes, that is the loss: a link its neighbours saw break with it
-    was its link, not theirs, and they keep their weights."""
-    gone = {h.stage_index for h in runner.handles() if h.exited()} | runner.gone_stages
-    gone |= {s.stage_index for s in runner.template.stages if s.node_id not in live}
-    return tuple(sorted(gone)) if gone else tuple(lost)
 
 
 class ChainError(RuntimeError):
@@ -270,20 +243,16 @@ class WarmChain:
         else:
             self.nodes, self.devices = place_stages(stages, worker, gpus)
         self.placement = placement
-        # Every node a stage was or may be placed on, and its device (re-placement).
-        self._known = {n.node_id: n for n in (*self.nodes, *spares)}
-        self._device_of = {n.node_id: d for n, d in zip(self.nodes, self.devices, strict=True)}
-        self._device_of.update(
-            (n.node_id, None) for n in spares if n.node_id not in self._device_of
-        )
         self._placement: Placement | None = None  # explicit rows once re-placed
         self.policy = RecoveryPolicy(max_recoveries) if recover else None  # ValueError
         self.recoveries = Recoveries()
-        self._lost: tuple[int, ...] | None = None  # stages lost and not yet placed again
-        self._unplaceable: Unplaceable | None = None
         self.edges = edges
         self.encrypt_edges = encrypt_edges
         self.host: StageHost = host or LocalProcessHost(log_dir=log_dir)
+        # Where the chain may go after a loss: its nodes, its spares, the live ones.
+        self.replacer = Replacer(
+            self.host, worker, self.nodes, self.devices, spares, self.recoveries
+        )
         self.timeouts = timeouts or Timeouts()
         self.trace = trace
         self._run_ids = run_ids or _new_serve_run_id
@@ -486,9 +455,9 @@ class WarmChain:
             self.trouble = self.trouble or why
         marks: dict[str, float] = {}
         keep: tuple[int, ...] = ()
-        if self._lost is not None:
+        if self.replacer.lost is not None:
             try:
-                new = self._place_again(self._lost)
+                new = self._place_again()
             except ChainError:  # no placement over the live nodes: nothing is kept
                 self._stop_runner()
                 raise
@@ -545,11 +514,11 @@ class WarmChain:
         self.kept = tuple(sorted(kept))
         return tuple(i for i in range(len(self.layout)) if i not in kept)
 
-    # -- re-placement (issue 25) ------------------------------------------------------
+    # -- re-placement (issue 25: serve.recovery.Replacer) -----------------------------
     @property
     def placeable(self) -> bool:
         """The last re-placement found a plan (or none was needed)."""
-        return self._unplaceable is None
+        return self.replacer.placeable
 
     def replace(self, lost_from: ChainRunner, lost_stages: Sequence[int], cause: str) -> None:
         """Re-place the chain ``lost_from`` was after it lost ``lost_stages`` (by
@@ -564,54 +533,25 @@ class WarmChain:
             if self._runner is not lost_from:  # a newer chain, itself broken or never up
                 self._heal()
                 return
-            live = [n.node_id for n in self._live_pool().nodes]
-            lost_stages = explained_loss(lost_from, lost_stages, live)
-            nodes = sorted({lost_from.template.stages[i].node_id for i in lost_stages})
-            log.warning("lost stages %s on %s: %s", list(lost_stages), nodes, cause)
-            self._lost = tuple(lost_stages)
+            self.replacer.lose(lost_from, lost_stages, cause)
             self._heal(lost=cause)
 
-    def _place_again(self, lost_stages: tuple[int, ...]) -> Replacement:
-        """The chain's plan over the live nodes without ``lost_stages``, adopted;
+    def _place_again(self) -> Replacement:
+        """The chain's plan over the live nodes without its lost stages, adopted;
         ``ChainError`` naming the planner's rejection when there is none."""
-        pool = self._live_pool()
         config = self._config(self._run_ids(), 1, SamplingConfig(), 0)
-        new = replace_lost(self.template, self.facts, config, pool, lost_stages=lost_stages)
+        new = self.replacer.place(self.template, self.facts, config)
         if isinstance(new, Unplaceable):
-            self._unplaceable = new
             why = self.trouble = f"the chain lost a stage and cannot be placed again: {new}"
-            log.error("%s", why)
             raise ChainError(why)
-        self._unplaceable = None
-        self._lost = None
-        log.warning("lost nodes %s; new placement: %s", list(new.lost_nodes),
-                    describe_placement(new))  # fmt: skip
-        self._adopt(new)
-        return new
-
-    def _live_pool(self) -> NodePool:
-        """The nodes the chain may be placed on now: those its host says are live
-        (``KnowsLiveNodes``: a Ray cluster's live hosts), else the chain's nodes and
-        spares, every one taken as live (a lost process starts again where it was)."""
-        if not isinstance(self.host, KnowsLiveNodes):
-            return NodePool(ORCHESTRATOR, tuple(self._known.values()))
-        known = [(n, self._device_of[n.node_id]) for n in self._known.values()]
-        live = self.host.live_nodes(known, self.worker)
-        for spec, device in live:
-            self._known.setdefault(spec.node_id, spec)
-            self._device_of.setdefault(spec.node_id, device)
-        return NodePool(ORCHESTRATOR, tuple(spec for spec, _ in live))
-
-    def _adopt(self, new: Replacement) -> None:
-        self.recoveries.placed(new)
         self._placement = new.placement
         self.template = new.plan
-        self.nodes = tuple(self._known[s.node_id] for s in new.plan.stages)
-        self.devices = tuple(self._device_of[s.node_id] for s in new.plan.stages)
+        self.nodes, self.devices = self.replacer.nodes_of(new.plan)
         self.layout = tuple(
             (s.stage_index, s.node_id, s.layer_start, s.layer_end_exclusive)
             for s in new.plan.stages
         )
+        return new
 
     def run_id(self) -> str:
         """A new run id."""
@@ -753,7 +693,7 @@ class WarmChain:
         runner = run.runner
         wall = wall_s if wall_s is not None else outcome.ended_s - outcome.submitted_s
         result = summarize(run.plan, run_result(runner, outcome), self.tokenizer, wall, False)
-        if runner.dead is not None and self._unplaceable is None:
+        if runner.dead is not None and self.replacer.placeable:
             self.trouble = result.fault or runner.dead
         times = outcome.token_times_s
         return WarmResult(
