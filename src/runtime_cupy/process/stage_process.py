@@ -127,8 +127,9 @@ def secret_lines(fd: int, timeout_s: float = SECRET_WAIT_S) -> NextSecret:
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 raise NoSecret(f"no secret from the host within {timeout_s:.0f} s")
             chunk = os.read(fd, 4096)
-            if not chunk:
-                raise NoSecret("the host closed the stage's secret pipe")
+            if not chunk:  # closed: what came is the last line (BadSecret says what)
+                line, pending[:] = bytes(pending), b""
+                return parse_secret(line.decode("ascii", "replace"))
             pending.extend(chunk)
         line, _, rest = bytes(pending).partition(b"\n")
         pending[:] = rest
