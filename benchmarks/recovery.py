@@ -13,12 +13,14 @@ process of stage 1's host (``TestHosts.lose``). Per round (medians last):
 
 - detection: the kill to the interrupted run's end (its stage's control channel at end
   of file);
-- teardown: the broken chain's other stages stopped and reaped, its links freed;
 - re-plan: ``replace_lost`` over the live nodes (the spare takes stage 1's range);
-- stage start: the new chain's 3 stage processes started (every stage anew: a new
-  secret, new links);
-- bind: the one-token run that binds every stage's slice (here: each host reads the
-  model file, which the spare holds as a cached slice would be: on its own disk);
+- teardown: the broken chain stopped: its lost stage reaped, its links freed, its
+  other stages (kept: same node and layers) handed to the new chain;
+- stage start: the new chain's stage on the spare started, and the kept stages told to
+  join the new chain's links (a new secret: new link names and keys);
+- bind: the one-token run that binds the new stage's slice (here: the spare reads the
+  model file, which it holds as a cached slice would be: on its own disk); the kept
+  stages reuse the weights they bound;
 - replay prefill: the replay submitted to its first token (prompt + delivered tokens);
 - total: the kill to the next token delivered (target: under 5 s);
 - whether the stream's whole text is the unbroken run's.
@@ -53,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PROMPT = "The history of the printing press begins"
-PARTS = ("detection", "teardown", "re-plan", "stage start", "bind", "replay prefill")
+PARTS = ("detection", "re-plan", "teardown", "stage start", "bind", "replay prefill")
 TARGET_S = 5.0
 
 
@@ -113,6 +115,7 @@ def one_round(model: str, tokens: int, kill_after: int) -> dict[str, Any]:
         "total_s": total,
         "intact": broken.outcome == "completed" and broken.tokens == unbroken.tokens,
         "placed": [s.node_id for s in chain.template.stages],
+        "kept": list(chain.kept),
     }
 
 
@@ -120,9 +123,9 @@ def parts_of(times: Any, killed_s: float) -> dict[str, float]:
     """The parts of one recovery (``serve.recovery.RecoveryTimes``) and its total."""
     return {
         "detection": times.ended_s - killed_s,
-        "teardown": times.stopped_s - times.ended_s,
-        "re-plan": times.placed_s - times.stopped_s,
-        "stage start": times.started_s - times.placed_s,
+        "re-plan": times.placed_s - times.ended_s,
+        "teardown": times.stopped_s - times.placed_s,
+        "stage start": times.started_s - times.stopped_s,
         "bind": times.bound_s - times.started_s,
         "replay prefill": times.first_token_s - times.bound_s,
         "total": times.first_token_s - killed_s,
@@ -164,6 +167,7 @@ def ray_driver(address: str, model: str, tokens: int, kill_after: int) -> int:
         out = {
             "intact": broken.outcome == "completed" and broken.tokens == unbroken.tokens,
             "placed": [s[1] for s in chain.layout],
+            "kept": list(chain.kept),
             "parts_s": parts_of(times[0], killed[0]) if len(times) == 1 else None,
             "fault": broken.fault,
         }
@@ -212,7 +216,7 @@ def ray_round(model: str, tokens: int, kill_after: int) -> dict[str, Any]:
             hosts.down()
     parts = result["parts_s"]
     return {"parts_s": parts, "total_s": parts.pop("total"), "intact": result["intact"],
-            "placed": result["placed"]}  # fmt: skip
+            "placed": result["placed"], "kept": result["kept"]}  # fmt: skip
 
 
 def main() -> int:
@@ -261,7 +265,7 @@ def main() -> int:
     each = "  ".join(f"{r['total_s']:6.3f}" for r in rounds)
     print(f"  {'total':<15} {each}   median {total:6.3f} s (target < {TARGET_S:.0f} s)")
     print(f"  stream intact (the unbroken text): {[r['intact'] for r in rounds]}")
-    print(f"  new placement: {rounds[-1]['placed']}")
+    print(f"  new placement: {rounds[-1]['placed']}; stages kept: {rounds[-1]['kept']}")
     return 0
 
 

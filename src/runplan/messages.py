@@ -1,8 +1,9 @@
 """Control messages (PIPELINE_ORCHESTRATION_MVP.md §4, §8): ``ProvisionStage`` (the
 planner's projection of one stage plan), ``StopRun``, ``StageReady``, ``StageFault``,
-``StageStopped`` (with the stage's batch sizes since its last one), ``RewireEdge``, and
+``StageStopped`` (with the stage's batch sizes since its last one), ``RewireEdge``,
 ``ProvisionRefused`` (CONCURRENT_RUNS.md §5: a stage that cannot reserve a run's KV
-cache)."""
+cache), and ``JoinChain`` (issue 25: a stage whose chain was re-placed around it leaves
+the old chain's links and joins the new chain's, keeping its weights)."""
 
 from __future__ import annotations
 
@@ -196,6 +197,27 @@ class RewireEdge:
     new_peer_node_id: str = str_field()
 
 
+@frozen
+class JoinChain:
+    """Orchestrator to a warm stage whose chain was re-placed around it (issue 25): the
+    stage keeps its process, its worker and its bound weights, stops every run it still
+    holds of the old chain (their ids stay stale), leaves every link of the old chain and
+    joins the new chain's links: those of stage ``stage_index`` of ``stage_count``,
+    named and keyed from the new chain's secret, which its host hands it beside this
+    message (never on the wire), each moving its bytes by the medium named
+    (``inbound_medium``, ``outbound_medium``: the runtime's names, ``shm`` or ``tcp``).
+    ``generation``: the chain's re-placements so far (for logs). Not about a run: no
+    run machine takes it; a stage refuses one not from its orchestrator, for another
+    node, or for another place than the layers it holds."""
+
+    node_id: str = str_field()
+    stage_index: int = int_field()
+    stage_count: int = int_field()
+    inbound_medium: str = str_field()
+    outbound_medium: str = str_field()
+    generation: int = int_field()
+
+
 #: Every control message that travels between the orchestrator and stages.
 ControlMessage = (
     ProvisionStage
@@ -205,4 +227,5 @@ ControlMessage = (
     | StageStopped
     | ProvisionRefused
     | RewireEdge
+    | JoinChain
 )

@@ -18,6 +18,7 @@ import cattrs
 from cattrs.strategies import configure_tagged_union
 
 from runplan.messages import (
+    JoinChain,
     ProvisionRefused,
     ProvisionStage,
     RewireEdge,
@@ -41,6 +42,7 @@ WireMessage: TypeAlias = (
     | StageStopped
     | ProvisionRefused
     | RewireEdge
+    | JoinChain
 )
 MESSAGE_TYPES: tuple[type, ...] = get_args(WireMessage)
 

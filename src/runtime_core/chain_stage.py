@@ -37,6 +37,20 @@ back as events:
   (``batches``): the orchestrator learns every batch's size once, whichever run's stop
   reports it.
 
+Joining a new chain (issue 25): ``JoinChain`` from the orchestrator, after the chain was
+re-placed around this stage, stops every run the stage still holds of the old chain
+(each freed and reported stopped; their ids stay stale), closes both links of the old
+chain, and takes the new chain's links from the runtime's ``joins`` port (which knows
+the new secret, hence the new names and keys); the worker, its configuration and its
+bound weights stay, so the new chain's runs reuse them. A join not from the
+orchestrator, for another node, or for another place in the pipeline than the one the
+stage holds is rejected and changes nothing (``fsm.join_problem``).
+
+Stale runs: a stopped run's id stays stale (its records, stops and provisions are
+rejected as ``STALE_RUN``) among the last ``stale_kept`` runs the stage stopped; an older
+one's record or stop is still rejected (``UNKNOWN_RUN``: the stage holds no such run)
+and changes nothing. So the set is bounded however long the stage serves.
+
 Faults: a run's own failure (its step's ``StepFailure``, its record, its step timer)
 ends that run alone. A fault of what runs share (the inbound link closed or corrupt, the
 outbound link closed or stuck, ``execute_batch`` raising) is ``ChainFault`` to every held
@@ -47,7 +61,7 @@ comes after it fails its setup with that cause.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import attrs
@@ -59,10 +73,13 @@ from runplan.messages import (
     BatchCount,
     FaultKind,
     FaultReason,
+    JoinChain,
     ProvisionRefused,
     StageFault,
     StageReady,
     StageStopped,
+    StopReason,
+    StopRun,
 )
 from runplan.record_header import HeaderCheck, HeaderDType, ObjectHeader
 from runtime_core.batching import BatchScheduler, Candidate
@@ -85,6 +102,8 @@ INBOUND_LINK = "inbound link"
 OUTBOUND_LINK = "outbound link"
 
 Trace = Callable[[str, dict[str, Any]], None]
+#: Stopped runs whose ids a stage keeps as stale (the most recent ones).
+STALE_RUNS_KEPT = 1024
 
 _PREPARING = fsm.State.PREPARING
 _READY = fsm.State.READY
@@ -101,6 +120,38 @@ class ChainTransport(Protocol):
     def open_inbound(self, provision: ProvisionStage) -> LinkReceiver: ...
 
     def open_outbound(self, provision: ProvisionStage) -> LinkSender | None: ...
+
+
+#: ``joins(message)``: the new chain's links of a stage told to join it (the runtime's
+#: side of ``JoinChain``: the new secret from the stage's host, the old links let go).
+Joins = Callable[[JoinChain], ChainTransport]
+
+
+class StaleRuns:
+    """The ids of the last ``kept`` runs a stage stopped, oldest first, as a frozenset
+    for the run machines (``stale``)."""
+
+    def __init__(self, stopped: Iterable[str] = (), kept: int = STALE_RUNS_KEPT) -> None:
+        if kept < 1:
+            raise ValueError(f"stale runs kept {kept} is not at least 1")
+        self.kept = kept
+        self._order: deque[str] = deque()
+        self.stale: frozenset[str] = frozenset()
+        for run_id in stopped:
+            self.add(run_id)
+
+    def add(self, run_id: str) -> None:
+        if run_id in self.stale:
+            return
+        self._order.append(run_id)
+        if len(self._order) > self.kept:
+            self._order.popleft()
+            self.stale = frozenset(self._order)
+        else:
+            self.stale = self.stale | {run_id}
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 class ControlChannel(Protocol):
@@ -180,6 +231,8 @@ class ChainStageController:
         timers: RunTimers,
         trace: Trace | None = None,
         stopped_runs: frozenset[str] = frozenset(),
+        joins: Joins | None = None,
+        stale_kept: int = STALE_RUNS_KEPT,
     ) -> None:
         self.node_id = node_id
         self.orchestrator_node_id = orchestrator_node_id
@@ -189,7 +242,9 @@ class ChainStageController:
         self.timers = timers
         self.trace = trace or _no_trace
         self.runs: dict[str, RunSlot] = {}
-        self.stale_runs = frozenset(stopped_runs)
+        self._stale = StaleRuns(stopped_runs, stale_kept)
+        self.joins = joins
+        self.joined = 0  # chains joined after the first (JoinChain taken)
         self.chain: ProvisionStage | None = None  # the stage facts the worker is set for
         self._bound = False
         self.scheduler: BatchScheduler | None = None
@@ -241,7 +296,9 @@ class ChainStageController:
         """Feed one event: a control message goes to its run's machine (a vacant one
         for a run the stage does not hold), ``OrchestratorLost`` to every run, a timer
         to its run."""
-        if isinstance(event, fsm.Received):
+        if isinstance(event, fsm.Received) and isinstance(event.message, JoinChain):
+            self._join(event.sender, event.message)
+        elif isinstance(event, fsm.Received):
             run_id = getattr(event.message, "run_id", None)
             slot = self.runs.get(run_id) if isinstance(run_id, str) else None
             if slot is not None:
@@ -257,6 +314,53 @@ class ChainStageController:
                 self._feed(slot, fsm.TimerFired(event.timer))
         else:
             raise TypeError(f"{type(event).__name__} is not an event of a chain's stage")
+
+    @property
+    def stale_runs(self) -> frozenset[str]:
+        """The run ids this stage rejects as stale (the last ``stale_kept`` stopped)."""
+        return self._stale.stale
+
+    # -- joining a new chain -------------------------------------------------------------
+    def _join(self, sender: str, join: JoinChain) -> None:
+        chain = self.chain
+        place = None if chain is None else (chain.stage_index, chain.stage_count)
+        problem = fsm.join_problem(self.node_id, self.orchestrator_node_id, sender, join, place)
+        if problem is None and self.joins is None:
+            problem = (fsm.RejectReason.INVALID_JOIN, "this stage cannot join another chain")
+        if problem is not None:
+            self.trace(
+                "reject", {"sender": sender, "reason": problem[0].value, "detail": problem[1]}
+            )
+            return
+        assert self.joins is not None
+        stop = fsm.Received(self.orchestrator_node_id, StopRun("", StopReason.FAULTED))
+        for run_id, slot in list(self.runs.items()):  # the old chain's runs end here
+            self._feed(slot, attrs.evolve(stop, message=StopRun(run_id, StopReason.FAULTED)))
+        self.run_release()
+        for slot in list(self.runs.values()):  # a machine that did not stop: dropped
+            self._drop(slot, stale=True)
+        if self.inbound is not None:
+            self.inbound.close()
+        self.inbound = self.outbound = None
+        self.broken = None
+        self._outputs.clear()
+        try:
+            self.transport = self.joins(join)
+        except Exception as exc:  # no new secret, no such medium: no run can start here
+            detail = f"cannot join the new chain: {type(exc).__name__}: {exc}"
+            self.broken = FaultReason(FaultKind.EDGE_FAULT, detail)
+            self.trace("chain_fault", {"reason": str(self.broken)})
+            return
+        self.joined += 1
+        self.trace(
+            "joined",
+            {
+                "generation": join.generation,
+                "stage_index": join.stage_index,
+                "stage_count": join.stage_count,
+                "weights_kept": self._bound,
+            },
+        )
 
     def _vacant(self, event: fsm.Received | fsm.ObjectLoaded) -> None:
         """An event for a run the stage does not hold: a fresh machine (with the stale
@@ -319,7 +423,7 @@ class ChainStageController:
             return
         del self.runs[run_id]
         if stale:
-            self.stale_runs = self.stale_runs | {run_id}
+            self._stale.add(run_id)
         else:  # refused: nothing of the run is kept (its cache was never reserved)
             self.worker.close_run(run_id)
         if self.scheduler is not None:

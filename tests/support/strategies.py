@@ -22,6 +22,7 @@ from runplan import (
 from runplan.messages import (
     FaultKind,
     FaultReason,
+    JoinChain,
     ProvisionRefused,
     ProvisionStage,
     RewireEdge,
@@ -173,6 +174,15 @@ def message_strategies(plan: RunPlan) -> dict[type, st.SearchStrategy[Any]]:
         StageFault: st.builds(StageFault, run_ids, stage_indices, nodes, fault_reasons()),
         StageStopped: st.builds(StageStopped, run_ids, stage_indices, nodes),
         RewireEdge: st.builds(RewireEdge, run_ids, st.integers(0, n + 2), nodes),
+        JoinChain: st.builds(
+            JoinChain,
+            nodes,
+            stage_indices,
+            st.integers(1, n + 1),
+            st.sampled_from(["shm", "tcp", ""]),
+            st.sampled_from(["shm", "tcp", ""]),
+            st.integers(0, 3),
+        ),
         ProvisionRefused: st.builds(
             ProvisionRefused,
             run_ids,
@@ -212,7 +222,7 @@ def orchestrator_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[
         K.STAGE_FAULT: received(StageFault),
         K.STAGE_STOPPED: received(StageStopped),
         K.PROVISION_REFUSED: received(ProvisionRefused),
-        K.OTHER_MESSAGE: received(ProvisionStage, StopRun, RewireEdge),
+        K.OTHER_MESSAGE: received(ProvisionStage, StopRun, RewireEdge, JoinChain),
         K.TOKEN: st.builds(
             o.TokenConsumed, st.integers(0, 6), st.integers(0, plan.model.vocab_size)
         ),
@@ -241,7 +251,7 @@ def stage_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[Any]]:
         K.PROVISION: received(ProvisionStage),
         K.STOP_RUN: received(StopRun),
         K.REWIRE: received(RewireEdge),
-        K.OTHER_MESSAGE: received(StageReady, StageFault, StageStopped),
+        K.OTHER_MESSAGE: received(StageReady, StageFault, StageStopped, JoinChain),
         K.SETUP_DONE: st.builds(s.SetupDone, st.sampled_from(s.SetupPart)),
         K.SETUP_FAILED: st.builds(s.SetupFailed, st.sampled_from(s.SetupPart), st.text(max_size=5)),
         K.OBJECT_LOADED: st.one_of(

@@ -29,6 +29,7 @@ from runplan.messages import (
     ControlMessage,
     FaultKind,
     FaultReason,
+    JoinChain,
     ProvisionRefused,
     ProvisionStage,
     RewireEdge,
@@ -72,6 +73,7 @@ class RejectReason(enum.Enum):
     UNKNOWN_EDGE = "UNKNOWN_EDGE"  # an object on an edge the provision does not name
     REWIRE_FORBIDDEN = "REWIRE_FORBIDDEN"  # only the plan wires a run
     UNEXPECTED_MESSAGE = "UNEXPECTED_MESSAGE"  # a message kind stages never receive
+    INVALID_JOIN = "INVALID_JOIN"  # a JoinChain for a place the stage does not hold
 
 
 # -- events ------------------------------------------------------------------
@@ -398,6 +400,33 @@ def _provision_problem(m: StageMachine, e: Received) -> tuple[RejectReason, str]
         and (msg.sampling is not None) == msg.is_last
     ):
         return RejectReason.INVALID_PROVISION, "stage index, layer range or edges contradict"
+    return None
+
+
+def join_problem(
+    node_id: str,
+    orchestrator_node_id: str,
+    sender: str,
+    join: JoinChain,
+    place: tuple[int, int] | None,
+) -> tuple[RejectReason, str] | None:
+    """Why a stage (``node_id``, serving the chain's stage ``place``: its index and the
+    chain's stage count, ``None`` before any provision said it) refuses ``join``, or
+    ``None`` if it takes it. A join is about the stage, not a run, so no run machine
+    takes it (``UNEXPECTED_MESSAGE`` there): the stage's controller checks it here."""
+    if sender != orchestrator_node_id:
+        return RejectReason.UNAUTHORIZED_SENDER, f"{sender!r} is not this node's orchestrator"
+    if join.node_id != node_id:
+        return RejectReason.WRONG_NODE, f"a join for {join.node_id!r}, this is {node_id!r}"
+    if not 0 <= join.stage_index < join.stage_count:
+        return RejectReason.INVALID_JOIN, (
+            f"stage {join.stage_index} of {join.stage_count} is no stage of a chain"
+        )
+    if place is not None and place != (join.stage_index, join.stage_count):
+        return RejectReason.INVALID_JOIN, (
+            f"a join as stage {join.stage_index} of {join.stage_count}; this stage holds the "
+            f"layers of stage {place[0]} of {place[1]} (a stage whose place changes starts anew)"
+        )
     return None
 
 

@@ -174,6 +174,15 @@ class LocalStageHandle:
     def pid(self) -> int:
         return self.proc.pid
 
+    def hand_secret(self, secret: bytes) -> None:
+        """A new chain's secret, one hex line on the stage's standard input
+        (``hosts.port.JoinsChains``); ``OSError`` once the stage is gone."""
+        stdin = self.proc.stdin
+        if stdin is None or stdin.closed:
+            raise OSError(f"stage {self.stage_index}'s secret pipe is closed")
+        stdin.write(secret.hex().encode("ascii") + b"\n")
+        stdin.flush()
+
     def exited(self) -> bool:
         return self.proc.poll() is not None
 
@@ -213,6 +222,9 @@ class LocalStageHandle:
         self.channel.close()
         with contextlib.suppress(OSError):
             os.close(self._lifeline)
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
 
 class LocalProcessHost:
@@ -304,13 +316,13 @@ class LocalProcessHost:
             if not isinstance(out, int):
                 out.close()
         assert proc.stdin is not None
-        with contextlib.suppress(OSError):  # a stage that died at once shows at its socket
-            proc.stdin.write(secret.hex().encode("ascii") + b"\n")
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
         key = control_key(secret, launch.node_id)
         channel = ControlChannel(ours, key, launch.orchestrator_id, launch.node_id)
-        return LocalStageHandle(launch, proc, channel, life_w, trace_file)
+        handle = LocalStageHandle(launch, proc, channel, life_w, trace_file)
+        # The pipe stays open: a new chain's secret goes the same way (JoinsChains).
+        with contextlib.suppress(OSError):  # a stage that died at once shows at its socket
+            handle.hand_secret(secret)
+        return handle
 
     def same_host(self, node_a: str, node_b: str) -> bool:
         return True

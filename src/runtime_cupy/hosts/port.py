@@ -120,6 +120,19 @@ class StageHandle(Protocol):
 
 
 @runtime_checkable
+class JoinsChains(Protocol):
+    """A handle whose stage can join a new chain (issue 25: its chain was re-placed
+    around it; ``runplan.messages.JoinChain``): its host hands the running stage the new
+    chain's secret as it handed the first (a local stage: one more line on its standard
+    input), never on the wire. The launcher calls it just before it sends the stage
+    ``JoinChain`` on its control channel."""
+
+    def hand_secret(self, secret: bytes) -> None:
+        """Give the stage ``secret``; ``OSError`` when it cannot be given."""
+        ...
+
+
+@runtime_checkable
 class MovesSlices(Protocol):
     """A host that brings its stages their slices of the model over the network
     (``hosts.ray``), from the moment it starts them. The launcher waits for them before

@@ -13,6 +13,14 @@ tokens go to its ``on_token`` as they come and whose ``wait()`` gives its outcom
 loop adds them at its next turn, so a run joins the stages' batches at their next step
 and leaves when it ends.
 
+Kept stages (issue 25). A chain re-placed after a loss keeps the stages whose node and
+layer range are unchanged: ``kept`` hands the new runner those stages' handles, taken
+from the broken runner (``hand_over``, which its ``close`` then leaves alone). ``start``
+starts only the other stages; to each kept one it hands the new chain's secret through
+its host (``hosts.port.JoinsChains``) and sends ``JoinChain``: the stage lets go of the
+old chain's links and makes the new chain's, its process, worker and weights kept. The
+old chain's links are freed by name when the broken runner closes, as ever.
+
 Faults. A run's own fault ends that run alone. A stage whose control channel reaches end
 of file has died (however it died, SIGKILL included): ``StageDied``, and a stage that
 sends nothing, not even a heartbeat, for ``timeouts.heartbeat_ms`` is killed and is
@@ -32,7 +40,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -42,7 +50,7 @@ from attrs import frozen
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.messages import ProvisionStage, StopRun
+from runplan.messages import JoinChain, ProvisionStage, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runplan.shards import SliceParts
 from runtime_core.chain_orchestrator import (
@@ -54,7 +62,7 @@ from runtime_core.chain_orchestrator import (
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.hosts.port import StageHandle, StageHost, StageLaunch
+from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost, StageLaunch
 from runtime_cupy.process.control_channel import ChannelBroken, Incoming
 from runtime_cupy.process.keys import chain_id, new_secret
 from runtime_cupy.process.names import run_label
@@ -222,8 +230,23 @@ class ChainRunner:
         trace: bool = False,
         on_event: OnEvent | None = None,
         secret: bytes | None = None,
+        kept: Mapping[int, StageHandle] | None = None,
+        generation: int = 0,
     ) -> None:
+        # ``kept``: stages of a chain this one replaces, by stage index, that join this
+        # chain instead of being started (``hosts.port.JoinsChains`` handles of the same
+        # node, index and layers); ``generation``: the chain's re-placements so far.
         self.template = template
+        self.kept = dict(kept or {})
+        self.generation = generation
+        for index, handle in self.kept.items():
+            stage = template.stages[index] if 0 <= index < template.stage_count else None
+            if (
+                stage is None
+                or stage.node_id != handle.node_id
+                or not isinstance(handle, JoinsChains)
+            ):
+                raise ValueError(f"stage {index} ({handle.node_id!r}) cannot join this chain")
         self.worker = worker
         self.devices = tuple(devices) if devices is not None else (None,) * template.stage_count
         if len(self.devices) != template.stage_count:
@@ -311,10 +334,14 @@ class ChainRunner:
 
     # -- the stages ------------------------------------------------------------------------
     def start(self) -> None:
-        """Start every stage of the chain (``OSError`` if one cannot be started; those
-        started are then stopped by ``close``)."""
+        """Start every stage of the chain but the kept ones, which join it (``OSError``
+        if one cannot be started or joined; those started are then stopped by
+        ``close``)."""
         plan = self.template
         for stage in plan.stages:
+            if stage.stage_index in self.kept:
+                self._join(self.kept[stage.stage_index])
+                continue
             launch = StageLaunch(
                 run_id=self.chain_id,
                 stage_index=stage.stage_index,
@@ -346,8 +373,58 @@ class ChainRunner:
                 chain_id=self.chain_id,
             )
 
+    def _join(self, handle: StageHandle) -> None:
+        """A kept stage joins this chain: the new secret through its host, then
+        ``JoinChain`` on its control channel (``OSError`` if either cannot go)."""
+        assert isinstance(handle, JoinsChains)
+        index = handle.stage_index
+        stage = self.template.stages[index]
+        handle.hand_secret(self.secret)
+        join = JoinChain(
+            node_id=stage.node_id,
+            stage_index=index,
+            stage_count=self.template.stage_count,
+            inbound_medium=self.media[stage.inbound_edge],
+            outbound_medium=self.media[stage.outbound_edge],
+            generation=self.generation,
+        )
+        self.trace.instant("send JoinChain", to=stage.node_id)
+        try:
+            handle.channel.send(join)
+        except ChannelBroken as exc:
+            raise OSError(f"stage {index} cannot be told to join: {exc}") from exc
+        kept = _Stage(handle)
+        self.stages.append(kept)
+        self.stage_by_node[kept.node_id] = kept
+        pid = handle.info().pid
+        log.info("stage %d (%s) kept: pid %d joins the chain", index, kept.node_id, pid)
+        self._emit("joined", stage_index=index, node_id=kept.node_id, pid=pid)
+
     def handles(self) -> tuple[StageHandle, ...]:
         return tuple(s.handle for s in self.stages)
+
+    @property
+    def gone_stages(self) -> frozenset[int]:
+        """The stages known gone: died, or silent and killed."""
+        return frozenset(s.index for s in self.stages if s.gone)
+
+    def hand_over(self, indices: Sequence[int]) -> dict[int, StageHandle]:
+        """Take the live stages of ``indices`` out of this (broken, no longer looping)
+        runner for a new chain to keep: ``close`` leaves them running. A stage gone,
+        exited or whose channel broke is not handed over."""
+        out: dict[int, StageHandle] = {}
+        for stage in list(self.stages):
+            if stage.index not in indices or stage.gone or stage.broken is not None:
+                continue
+            if not isinstance(stage.handle, JoinsChains):  # its host cannot re-key it
+                continue
+            if stage.handle.exited() or stage.handle.channel.eof:
+                continue
+            self.stages.remove(stage)
+            del self.stage_by_node[stage.node_id]
+            self._stage_events += stage.handle.trace_events()
+            out[stage.index] = stage.handle
+        return out
 
     @property
     def whole(self) -> bool:

@@ -31,8 +31,13 @@ stops the stage as a lost orchestrator does.
 Every stage serves runs until its control channel closes: several at once, one after
 another (a run's id stays stale once it stopped). Its worker binds the weights once for
 the chain (a later run's trace has a ``weights reused`` instant where the first has a
-``bind`` span). With ``--trace-file`` the trace events are written when each run ends,
-before its ``StageStopped``, and at the end.
+``bind`` span). A stage told to join a new chain (``JoinChain``: its chain was re-placed
+around it, issue 25) takes the new chain's secret from its host (``secrets``: a local
+stage reads it as one more hex line on its standard input, which stays open for it),
+lets go of the old chain's links (freeing the hop it made) and makes the new chain's,
+named and keyed from the new secret; its worker keeps its weights. With
+``--trace-file`` the trace events are written when each run ends, before its
+``StageStopped``, and at the end.
 
 Heartbeats. From the start of its loop to its end a stage beats on its control channel
 from a thread of its own (``control_channel.Heartbeat``, every quarter of
@@ -61,7 +66,7 @@ from typing import Any, ClassVar
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.fsm import stage as fsm
-from runplan.messages import ProvisionRefused, StageFault, StageReady, StageStopped
+from runplan.messages import JoinChain, ProvisionRefused, StageFault, StageReady, StageStopped
 from runtime_core.chain_stage import ChainStageController, RunTimerFired
 from runtime_core.workers.interface import BatchStep, Progress, TraceEvent, Worker, WorkerError
 from runtime_core.workers.kept_weights import KeepsWeights
@@ -98,6 +103,39 @@ MakeWorker = Callable[[str, TraceEvent | None], Worker]
 #: ``media(name, encrypt)``: how an edge of the stage moves bytes (by default, on this
 #: machine); ``encrypt``: TCP frames encrypted, not only authenticated.
 MakeMedium = Callable[[str, bool], EdgeMedium]
+#: ``secrets()``: the next chain's secret, as the stage's host hands it (``BadSecret``,
+#: ``OSError`` when none comes).
+NextSecret = Callable[[], bytes]
+#: How long a stage told to join a new chain waits for its secret from its host.
+SECRET_WAIT_S = 10.0
+
+
+class NoSecret(OSError):
+    """The host handed the stage no secret (in time, or at all)."""
+
+
+def secret_lines(fd: int, timeout_s: float = SECRET_WAIT_S) -> NextSecret:
+    """The secrets a local host writes on descriptor ``fd`` (the stage's standard
+    input), one hex line each, the first at the start; each read waits at most
+    ``timeout_s``."""
+    pending = bytearray()
+
+    def next_secret() -> bytes:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise NoSecret(f"no secret from the host within {timeout_s:.0f} s")
+            chunk = os.read(fd, 4096)
+            if not chunk:  # closed: what came is the last line (BadSecret says what)
+                line, pending[:] = bytes(pending), b""
+                return parse_secret(line.decode("ascii", "replace"))
+            pending.extend(chunk)
+        line, _, rest = bytes(pending).partition(b"\n")
+        pending[:] = rest
+        return parse_secret(line.decode("ascii", "replace"))
+
+    return next_secret
 
 
 class UnavailableWorker:
@@ -176,12 +214,18 @@ class StageProcess:
         lifeline_fd: int | None = None,
         trace_file: Path | None = None,
         heartbeat_s: float | None = None,
+        secrets: NextSecret | None = None,
+        media: MakeMedium | None = None,
+        encrypt_edges: bool = False,
     ) -> None:
         # ``trace_file``: where the stage writes its trace events when each run ends.
         # ``heartbeat_s``: the orchestrator's bound on this stage's silence (``None``:
         # no heartbeats, for a caller that watches the stage otherwise).
         # ``stage_count``: the chain's length when the launcher said it (else known once a
         # provision says it): the last stage frees token-out if the orchestrator is lost.
+        # ``secrets`` and ``media``: the next chain's secret from the host and the links'
+        # media, for a stage that may join a new chain (``JoinChain``; without them it
+        # refuses to).
         self.stage_index = stage_index
         self.stage_count = stage_count
         self.heartbeat_s = heartbeat_s
@@ -194,7 +238,11 @@ class StageProcess:
         self.trace = trace
         self.parent_pid = os.getppid()
         self.links = links
+        self.secrets = secrets
+        self.media = media
+        self.encrypt_edges = encrypt_edges
         self.timers: RunDeadlines[fsm.Timer] = RunDeadlines()
+        joins = self._join if secrets is not None and media is not None else None
         self.controller = ChainStageController(
             node_id,
             orchestrator_id,
@@ -203,6 +251,7 @@ class StageProcess:
             _Reporter(self),
             self.timers,
             trace=self._on_trace,
+            joins=joins,
         )
         self.lost: str | None = None
         self._lost_flag = threading.Event()  # set by the watchdog or a signal
@@ -263,6 +312,32 @@ class StageProcess:
             self.trace.instant("chain fault", reason=fields["reason"])
         else:
             log.info("%s %s", kind, fields)
+
+    def _join(self, join: JoinChain) -> ProcessLinks:
+        """The controller's ``joins`` port: the new chain's links, from the secret the
+        host hands this stage now; the old chain's links let go (the hop this stage made
+        freed)."""
+        assert self.secrets is not None and self.media is not None
+        secret = self.secrets()  # BadSecret, NoSecret: the controller reports it
+        links = ProcessLinks(
+            self.media(join.inbound_medium, self.encrypt_edges),
+            self.media(join.outbound_medium, self.encrypt_edges),
+            secret,
+            chain_id(secret),
+        )
+        old, self.links = self.links, links
+        old.remove_inbound()
+        old.detach()
+        self._waiter.forget()
+        self.stage_index, self.stage_count = join.stage_index, join.stage_count
+        log.info(
+            "joined chain generation %d as stage %d of %d (weights kept)",
+            join.generation,
+            join.stage_index,
+            join.stage_count,
+        )
+        self.trace.instant("joined chain", generation=join.generation)
+        return links
 
     def _setup_part_done(self, part: str) -> None:
         """Time each part of setup; the shard is a ``bind`` span only when the worker
@@ -592,11 +667,10 @@ def main(
         format=f"%(asctime)s stage {args.stage_index} ({args.node_id}, pid {os.getpid()}) "
         "%(levelname)s %(message)s",
     )
-    line = sys.stdin.readline()
-    sys.stdin.close()
+    secrets = secret_lines(sys.stdin.fileno())  # the first now, a new chain's later
     try:
-        secret = parse_secret(line)
-    except BadSecret as exc:
+        secret = secrets()
+    except (BadSecret, NoSecret) as exc:
         log.error("%s", exc)
         return EXIT_USAGE
     sock = socket.socket(fileno=args.control_fd)
@@ -631,6 +705,9 @@ def main(
         trace=trace,
         trace_file=args.trace_file,
         heartbeat_s=args.heartbeat_ms / 1000.0 if args.heartbeat_ms > 0 else None,
+        secrets=secrets,
+        media=media,
+        encrypt_edges=args.encrypt_edges,
     )
     signal.signal(signal.SIGTERM, lambda *_: stage.notice_loss("SIGTERM"))
     log.info("started (run %s)", args.run_label)

@@ -62,7 +62,7 @@ from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
-from runplan.replacement import Replacement, Unplaceable, replace_lost
+from runplan.replacement import Replacement, Unplaceable
 from runtime_core.recovery import DEFAULT_MAX_RECOVERIES, RecoveryPolicy
 from runtime_core.replay import Replay
 from runtime_core.runs import PLACEMENTS, PlanRejected, plan_even
@@ -70,13 +70,13 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, summarize
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.local import LocalProcessHost
-from runtime_cupy.hosts.port import KnowsLiveNodes, StageHandle, StageHost
+from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import run_result
 from runtime_cupy.process.names import new_run_id, run_label
-from runtime_cupy.serve.recovery import Recoveries, describe_placement, run_stream
+from runtime_cupy.serve.recovery import Recoveries, Replacer, kept_stages, run_stream
 from runtime_cupy.slices.progress import SliceLog, describe
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
@@ -116,13 +116,17 @@ def _new_serve_run_id() -> str:
     return new_run_id("serve")
 
 
-def _serve_chain(runner: ChainRunner) -> None:
+def _serve_chain(runner: ChainRunner, keep_broken: bool) -> None:
     """The chain's thread: its loop until it is closed or broken and its runs ended,
-    then its end (a broken chain's stages reaped and its links freed at once)."""
+    then its end (a broken chain's stages reaped and its links freed at once), unless
+    ``keep_broken``: the chain's owner then ends it (``WarmChain._stop_runner``), and a
+    broken chain's live stages wait for the re-placement, which keeps those it can
+    (``WarmChain.replace``)."""
     try:
         runner.loop()
     finally:
-        runner.close()
+        if not keep_broken:
+            runner.close()
 
 
 class ChainError(RuntimeError):
@@ -239,20 +243,16 @@ class WarmChain:
         else:
             self.nodes, self.devices = place_stages(stages, worker, gpus)
         self.placement = placement
-        # Every node a stage was or may be placed on, and its device (re-placement).
-        self._known = {n.node_id: n for n in (*self.nodes, *spares)}
-        self._device_of = {n.node_id: d for n, d in zip(self.nodes, self.devices, strict=True)}
-        self._device_of.update(
-            (n.node_id, None) for n in spares if n.node_id not in self._device_of
-        )
         self._placement: Placement | None = None  # explicit rows once re-placed
         self.policy = RecoveryPolicy(max_recoveries) if recover else None  # ValueError
         self.recoveries = Recoveries()
-        self._lost: tuple[int, ...] | None = None  # stages lost and not yet placed again
-        self._unplaceable: Unplaceable | None = None
         self.edges = edges
         self.encrypt_edges = encrypt_edges
         self.host: StageHost = host or LocalProcessHost(log_dir=log_dir)
+        # Where the chain may go after a loss: its nodes, its spares, the live ones.
+        self.replacer = Replacer(
+            self.host, worker, self.nodes, self.devices, spares, self.recoveries
+        )
         self.timeouts = timeouts or Timeouts()
         self.trace = trace
         self._run_ids = run_ids or _new_serve_run_id
@@ -274,6 +274,7 @@ class WarmChain:
         self._closed = False
         self._trouble: str | None = None
         self.restarts = 0  # stages started again after the chain broke
+        self.kept: tuple[int, ...] = ()  # stages the last start kept (weights and process)
         #: When the last start of the chain had the broken one stopped, placed the
         #: stages, started them and bound them (monotonic seconds, by those names).
         self.heal_marks: dict[str, float] = {}
@@ -452,12 +453,25 @@ class WarmChain:
             )
             log.warning("the chain is broken (%s): starting it again", why)
             self.trouble = self.trouble or why
-            self.restarts += len(runner.handles())
-            self._stop_runner()
-        marks = {"stopped": time.monotonic()}
-        if self._lost is not None:
-            self._place_again(self._lost)  # ChainError: no placement over the live nodes
-        marks["placed"] = time.monotonic()
+        marks: dict[str, float] = {}
+        keep: tuple[int, ...] = ()
+        if self.replacer.lost is not None:
+            try:
+                new = self._place_again()
+            except ChainError:  # no placement over the live nodes: nothing is kept
+                self._stop_runner()
+                raise
+            marks["placed"] = time.monotonic()
+            if runner is not None:
+                keep = kept_stages(runner.template, new)
+        kept = self._stop_runner(keep)
+        if runner is not None:
+            self.restarts += len(runner.template.stages) - len(kept)
+        marks["stopped"] = time.monotonic()
+        marks.setdefault("placed", marks["stopped"])
+        for index, handle in sorted(kept.items()):
+            log.info("stage %d (%s) kept: pid %d keeps its weights",
+                     index, handle.node_id, handle.info().pid)  # fmt: skip
         runner = ChainRunner(
             self.template,
             worker=self.worker,
@@ -467,6 +481,8 @@ class WarmChain:
             encrypt_edges=self.encrypt_edges,
             trace=self.trace,
             secret=self._secrets(),
+            kept=kept,
+            generation=len(self.recoveries.replacements),
         )
         self._warm = False
         try:
@@ -475,15 +491,19 @@ class WarmChain:
             self.trouble = f"the stages could not be started: {exc}"
             runner.close()
             raise ChainError(self.trouble) from exc
-        thread = threading.Thread(target=_serve_chain, args=(runner,), name="chain", daemon=True)
+        keep_broken = self.policy is not None
+        thread = threading.Thread(
+            target=_serve_chain, args=(runner, keep_broken), name="chain", daemon=True
+        )
         with self._lock:
             self._runner, self._thread = runner, thread
         self.chain_id = runner.chain_id
         thread.start()
         marks["started"] = time.monotonic()
         for handle in runner.handles():
-            log.info("stage %d (%s) started: pid %d",
-                     handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
+            if handle.stage_index not in kept:
+                log.info("stage %d (%s) started: pid %d",
+                         handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
         try:
             self._bind_all()
         except ChainError:
@@ -491,13 +511,14 @@ class WarmChain:
             raise
         marks["bound"] = time.monotonic()
         self.heal_marks = marks
-        return tuple(range(len(self.layout)))
+        self.kept = tuple(sorted(kept))
+        return tuple(i for i in range(len(self.layout)) if i not in kept)
 
-    # -- re-placement (issue 25) ------------------------------------------------------
+    # -- re-placement (issue 25: serve.recovery.Replacer) -----------------------------
     @property
     def placeable(self) -> bool:
         """The last re-placement found a plan (or none was needed)."""
-        return self._unplaceable is None
+        return self.replacer.placeable
 
     def replace(self, lost_from: ChainRunner, lost_stages: Sequence[int], cause: str) -> None:
         """Re-place the chain ``lost_from`` was after it lost ``lost_stages`` (by
@@ -512,51 +533,25 @@ class WarmChain:
             if self._runner is not lost_from:  # a newer chain, itself broken or never up
                 self._heal()
                 return
-            nodes = sorted({lost_from.template.stages[i].node_id for i in lost_stages})
-            log.warning("lost stages %s on %s: %s", list(lost_stages), nodes, cause)
-            self._lost = tuple(lost_stages)
+            self.replacer.lose(lost_from, lost_stages, cause)
             self._heal(lost=cause)
 
-    def _place_again(self, lost_stages: tuple[int, ...]) -> None:
-        """The chain's plan over the live nodes without ``lost_stages``; ``ChainError``
-        naming the planner's rejection when there is none."""
-        pool = self._live_pool()
+    def _place_again(self) -> Replacement:
+        """The chain's plan over the live nodes without its lost stages, adopted;
+        ``ChainError`` naming the planner's rejection when there is none."""
         config = self._config(self._run_ids(), 1, SamplingConfig(), 0)
-        new = replace_lost(self.template, self.facts, config, pool, lost_stages=lost_stages)
+        new = self.replacer.place(self.template, self.facts, config)
         if isinstance(new, Unplaceable):
-            self._unplaceable = new
-            self.trouble = f"the chain lost a stage and cannot be placed again: {new}"
-            log.error("%s", self.trouble)
-            raise ChainError(self.trouble)
-        self._unplaceable = None
-        self._lost = None
-        log.warning("lost nodes %s; new placement: %s", list(new.lost_nodes),
-                    describe_placement(new))  # fmt: skip
-        self._adopt(new)
-
-    def _live_pool(self) -> NodePool:
-        """The nodes the chain may be placed on now: those its host says are live
-        (``KnowsLiveNodes``: a Ray cluster's live hosts), else the chain's nodes and
-        spares, every one taken as live (a lost process starts again where it was)."""
-        if not isinstance(self.host, KnowsLiveNodes):
-            return NodePool(ORCHESTRATOR, tuple(self._known.values()))
-        known = [(n, self._device_of[n.node_id]) for n in self._known.values()]
-        live = self.host.live_nodes(known, self.worker)
-        for spec, device in live:
-            self._known.setdefault(spec.node_id, spec)
-            self._device_of.setdefault(spec.node_id, device)
-        return NodePool(ORCHESTRATOR, tuple(spec for spec, _ in live))
-
-    def _adopt(self, new: Replacement) -> None:
-        self.recoveries.placed(new)
+            why = self.trouble = f"the chain lost a stage and cannot be placed again: {new}"
+            raise ChainError(why)
         self._placement = new.placement
         self.template = new.plan
-        self.nodes = tuple(self._known[s.node_id] for s in new.plan.stages)
-        self.devices = tuple(self._device_of[s.node_id] for s in new.plan.stages)
+        self.nodes, self.devices = self.replacer.nodes_of(new.plan)
         self.layout = tuple(
             (s.stage_index, s.node_id, s.layer_start, s.layer_end_exclusive)
             for s in new.plan.stages
         )
+        return new
 
     def run_id(self) -> str:
         """A new run id."""
@@ -579,20 +574,24 @@ class WarmChain:
         )
         return runner.submit(plan, replay.prompt, on_token)
 
-    def _stop_runner(self) -> None:
+    def _stop_runner(self, keep: Sequence[int] = ()) -> dict[int, StageHandle]:
+        """Stop the running chain; the live stages of ``keep`` are handed over (left
+        running, for the next chain to keep) and returned by index."""
         with self._lock:
             runner, thread = self._runner, self._thread
             self._runner = self._thread = None
             self._closing = runner
         if runner is None:
-            return
+            return {}
         runner.request_close()
         if thread is not None:
             thread.join()
+        kept = runner.hand_over(keep) if keep else {}
         runner.close()
         with self._lock:  # its batches stay counted
             self._batches_before = added_counts(self._batches_before, runner.batch_counts())
             self._closing = None
+        return kept
 
     def batch_counts(self) -> dict[int, dict[int, int]]:
         """The batches each stage ran since this chain was made, counted by rows (stage
@@ -694,7 +693,7 @@ class WarmChain:
         runner = run.runner
         wall = wall_s if wall_s is not None else outcome.ended_s - outcome.submitted_s
         result = summarize(run.plan, run_result(runner, outcome), self.tokenizer, wall, False)
-        if runner.dead is not None and self._unplaceable is None:
+        if runner.dead is not None and self.replacer.placeable:
             self.trouble = result.fault or runner.dead
         times = outcome.token_times_s
         return WarmResult(

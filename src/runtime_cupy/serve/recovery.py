@@ -5,11 +5,13 @@ deterministic replay on the process runtime (``serve.chain.WarmChain`` with
 ``run_stream(chain, ...)`` runs one caller's stream. When its run ends ``FAULTED``,
 ``runtime_core.recovery.RecoveryPolicy`` decides: a lost stage process, host or link
 (and recoveries left) is recovered, any other end stands. To recover, the chain is
-re-placed (``replace_chain``): ``runplan.replacement.replace_lost`` over the live
-nodes (this machine's stage nodes, where a lost process is started again; or the live
-hosts of the Ray cluster, a spare first), then a new chain comes up on the new plan
-(every stage a new process, a new secret, so new link names and keys; the old run ids
-are never used again) and binds its slices. Then the stream's run is replayed
+re-placed (``WarmChain.replace`` through a ``Replacer``: ``replace_lost`` over the
+live nodes, this machine's stage nodes, where a lost process is started again, or the
+live hosts of the Ray cluster, a spare first), then a new chain
+comes up on the new plan (a new secret, so new link names and keys; the old run ids are
+never used again) and binds its slices: only its new stages start and bind; the stages
+whose node and layers are unchanged keep their process and weights and join it
+(``JoinChain``). Then the stream's run is replayed
 (``runtime_core.replay``): its prompt plus the tokens already delivered, its sampler
 resumed after them, its tokens handed to the same ``on_token``, so the caller's stream
 goes on as if unbroken. Several streams a fault ended share one re-placement: the
@@ -29,18 +31,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 from attrs import frozen
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from runplan import SamplingConfig
-from runplan.replacement import Replacement
+from runplan import ModelFacts, NodePool, NodeSpec, RunPlan, RuntimeConfig, SamplingConfig
+from runplan.replacement import Replacement, Unplaceable, replace_lost
 from runtime_core.recovery import End, EndReason, RecoveryPolicy
 from runtime_core.replay import Interrupted, Replay, ReplayRefused, replay_of
-from runtime_cupy.process.chain_runner import ChainRun, RunOutcome
+from runtime_cupy.hosts.port import KnowsLiveNodes, StageHost
+from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner, RunOutcome
 
 if TYPE_CHECKING:
     from runtime_cupy.serve.chain import OnRun, WarmChain, WarmResult
@@ -51,9 +54,10 @@ log = logging.getLogger("runtime_cupy.serve.recovery")
 @frozen
 class RecoveryTimes:
     """One stream's recovery on the monotonic clock: its run ended by the fault (the
-    loss detected), the broken chain stopped, the new plan made, the new stages started,
-    bound, and the replay's first token delivered. When another stream's recovery
-    brought the chain up, the chain's times are that one's."""
+    loss detected), the new plan made, the broken chain stopped (its kept stages handed
+    over), the new stages started and the kept ones joined, bound, and the replay's
+    first token delivered. When another stream's recovery brought the chain up, the
+    chain's times are that one's."""
 
     ended_s: float
     stopped_s: float
@@ -116,6 +120,109 @@ def describe_placement(replacement: Replacement) -> str:
     ]
     how = "the lost ranges on spare nodes" if replacement.on_spares else "placed afresh"
     return f"{'; '.join(rows)} ({how})"
+
+
+def kept_stages(old: RunPlan, new: Replacement) -> tuple[int, ...]:
+    """The stages of ``new`` that keep their process: ``Replacement.kept`` stages at the
+    same index, node and layers of a chain of as many stages (a stage whose place in the
+    pipeline changes binds anew)."""
+    if new.plan.stage_count != old.stage_count:
+        return ()
+    return tuple(
+        i
+        for i in new.kept
+        if (a := old.stages[i]).node_id == (b := new.plan.stages[i]).node_id
+        and (a.layer_start, a.layer_end_exclusive) == (b.layer_start, b.layer_end_exclusive)
+    )
+
+
+def explained_loss(
+    runner: ChainRunner, lost: Sequence[int], live: Sequence[str]
+) -> tuple[int, ...]:
+    """The stages a chain lost: ``lost`` (what the policy read off the runs' faults:
+    both ends of a broken link, as which end failed is not known), but when a stage
+    process of the chain is gone (died, or silent and killed) or its node is no longer
+    among the ``live`` nodes, that is the loss: a link its neighbours saw break with it
+    was its link, not theirs, and they keep their weights."""
+    gone = {h.stage_index for h in runner.handles() if h.exited()} | runner.gone_stages
+    gone |= {s.stage_index for s in runner.template.stages if s.node_id not in live}
+    return tuple(sorted(gone)) if gone else tuple(lost)
+
+
+class Replacer:
+    """Where a warm chain goes after a loss: the nodes it may be placed on (its stages'
+    and its ``spares``, and those a host that ``KnowsLiveNodes`` reports), each with its
+    GPU; the stages it lost and has not placed again; the last re-placement the planner
+    refused. ``WarmChain`` re-places itself through it (under its own lock)."""
+
+    def __init__(
+        self,
+        host: StageHost,
+        worker: str,
+        nodes: Sequence[NodeSpec],
+        devices: Sequence[int | None],
+        spares: Sequence[NodeSpec],
+        recoveries: Recoveries,
+    ) -> None:
+        self.host = host
+        self.worker = worker
+        self.recoveries = recoveries
+        self.known = {n.node_id: n for n in (*nodes, *spares)}
+        self.device_of = {n.node_id: d for n, d in zip(nodes, devices, strict=True)}
+        self.device_of.update((n.node_id, None) for n in spares if n.node_id not in self.device_of)
+        self.lost: tuple[int, ...] | None = None  # stages lost and not yet placed again
+        self.unplaceable: Unplaceable | None = None
+
+    @property
+    def placeable(self) -> bool:
+        """The last re-placement found a plan (or none was needed)."""
+        return self.unplaceable is None
+
+    def live_pool(self) -> NodePool:
+        """The nodes the chain may be placed on now: those its host says are live
+        (``KnowsLiveNodes``: a Ray cluster's live hosts), else the chain's nodes and
+        spares, every one taken as live (a lost process starts again where it was)."""
+        if not isinstance(self.host, KnowsLiveNodes):
+            return NodePool(ORCHESTRATOR, tuple(self.known.values()))
+        known = [(n, self.device_of[n.node_id]) for n in self.known.values()]
+        live = self.host.live_nodes(known, self.worker)
+        for spec, device in live:
+            self.known.setdefault(spec.node_id, spec)
+            self.device_of.setdefault(spec.node_id, device)
+        return NodePool(ORCHESTRATOR, tuple(spec for spec, _ in live))
+
+    def lose(self, runner: ChainRunner, lost_stages: Sequence[int], cause: str) -> None:
+        """``runner``'s chain lost ``lost_stages`` (as the policy read them; a gone
+        process or a departed node explains them: ``explained_loss``) by ``cause``."""
+        live = [n.node_id for n in self.live_pool().nodes]
+        lost = explained_loss(runner, lost_stages, live)
+        nodes = sorted({runner.template.stages[i].node_id for i in lost})
+        log.warning("lost stages %s on %s: %s", list(lost), nodes, cause)
+        self.lost = lost
+
+    def place(
+        self, template: RunPlan, facts: ModelFacts, config: RuntimeConfig
+    ) -> Replacement | Unplaceable:
+        """``template``'s chain over the live nodes without the lost stages
+        (``replace_lost``), logged; a new plan is counted (``Recoveries.placed``)."""
+        assert self.lost is not None, "no stage lost"
+        pool = self.live_pool()
+        new = replace_lost(template, facts, config, pool, lost_stages=self.lost)
+        if isinstance(new, Unplaceable):
+            self.unplaceable = new
+            log.error("the chain lost a stage and cannot be placed again: %s", new)
+            return new
+        self.unplaceable = None
+        self.lost = None
+        log.warning("lost nodes %s; new placement: %s", list(new.lost_nodes),
+                    describe_placement(new))  # fmt: skip
+        self.recoveries.placed(new)
+        return new
+
+    def nodes_of(self, plan: RunPlan) -> tuple[tuple[NodeSpec, ...], tuple[int | None, ...]]:
+        """The nodes of ``plan``'s stages and their GPUs, in stage order."""
+        nodes = tuple(self.known[s.node_id] for s in plan.stages)
+        return nodes, tuple(self.device_of[s.node_id] for s in plan.stages)
 
 
 @attrs.define

@@ -1,10 +1,12 @@
 """A lost stage does not lose the answer (issue 25) on the process runtime: a warm chain
 with ``recover=True`` whose stage process is SIGKILLed mid-stream is re-placed (the
-lost stage started again, every stage a new process on new links), and each
+lost stage started again on new links; the stages whose node and layers are unchanged
+keep their process and bound weights and join the new chain's links), and each
 interrupted run is replayed there: the caller's stream goes on and its whole text is
 the unbroken run's, greedy and seeded, with 4 runs in flight, and through a second
 loss during the recovery. Nothing of the old chain is left (the ``no_leftovers``
-fixture checks every chain's resources by its id, the old one's too).
+fixture checks every chain's resources by its id, the old one's too), and the old run
+ids stay stale on the kept stages.
 """
 
 from __future__ import annotations
@@ -13,13 +15,18 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from runplan.messages import StopReason, StopRun
+from runplan.provision import provision_all
 from runtime_cupy import generate
+from runtime_cupy.process.chain_runner import ChainRun
 from runtime_cupy.serve.chain import WarmChain
-from tests.support.hygiene import alive, wait_gone
+from tests.support.hosts import TapHost
+from tests.support.hygiene import alive, run_resources, wait_gone
 
 pytestmark = pytest.mark.process
 
@@ -42,16 +49,27 @@ def kill_after(chain: WarmChain, stage: int, after: int, seen: list[int]) -> Cal
 
 
 @pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
-def test_a_stage_killed_mid_stream_is_replaced_and_the_stream_goes_on(
-    tiny: str, sampling: dict[str, Any]
+def test_a_stage_killed_mid_stream_is_replaced_and_the_others_keep_their_weights(
+    tiny: str, tmp_path: Path, sampling: dict[str, Any]
 ) -> None:
-    unbroken = generate(tiny, PROMPT, stages=2, max_tokens=TOKENS, **sampling)
+    """Stage 1 of 3 SIGKILLed mid-stream: the stream goes on, token for token; stages 0
+    and 2 keep their processes and bound weights (their logs: one bind each, then
+    ``weights reused`` on the new chain), only stage 1 is started and binds anew; the
+    old chain's links are gone (new secret, new names) while the kept stages serve;
+    the interrupted run's id, sent to a kept stage again, is refused as stale."""
+    unbroken = generate(tiny, PROMPT, stages=3, max_tokens=TOKENS, **sampling)
     assert unbroken.outcome == "completed" and len(unbroken.tokens) == TOKENS
-    with WarmChain(tiny, stages=2, context=64, recover=True) as chain:
-        pids = chain.pids()
+    host = TapHost(log_dir=tmp_path)
+    with WarmChain(tiny, stages=3, context=64, recover=True, host=host) as chain:
+        pids, old_chain = chain.pids(), chain.chain_id
         seen: list[int] = []
+        runs: list[ChainRun] = []
         run = chain.generate(
-            PROMPT, max_tokens=TOKENS, on_token=kill_after(chain, 1, 3, seen), **sampling
+            PROMPT,
+            max_tokens=TOKENS,
+            on_token=kill_after(chain, 1, 3, seen),
+            on_run=runs.append,
+            **sampling,
         )
         assert run.result.outcome == "completed", run.result.fault
         assert run.result.tokens == unbroken.tokens
@@ -59,8 +77,29 @@ def test_a_stage_killed_mid_stream_is_replaced_and_the_stream_goes_on(
         assert tuple(seen) == unbroken.tokens, "the caller's stream went on, token for token"
         assert chain.recoveries.count == 1 and chain.recoveries.seconds > 0
         assert chain.ready
-        assert not set(chain.pids()) & set(pids), "no process of the old chain serves"
-        assert not wait_gone(list(pids), 10.0), "the old chain's stages were reaped"
+        now = chain.pids()
+        assert (now[0], now[2]) == (pids[0], pids[2]), "the surviving stages kept their process"
+        assert now[1] != pids[1] and not wait_gone([pids[1]], 10.0)
+        assert chain.kept == (0, 2) and chain.restarts == 1
+        assert chain.chain_id != old_chain, "a new secret: new link names and keys"
+        assert run_resources(old_chain) == [], "the old chain's links are freed"
+        # The interrupted run's provision and stop, signed as the orchestrator's, reach
+        # kept stage 0: refused as stale, and the chain serves on.
+        interrupted = runs[0].plan
+        host.taps[0].forge_to_stage("orchestrator", provision_all(interrupted)[0])
+        host.taps[0].forge_to_stage(
+            "orchestrator", StopRun(interrupted.run_id, StopReason.CANCELLED)
+        )
+        again = chain.generate(PROMPT, max_tokens=4, **sampling)
+        assert again.result.tokens == unbroken.tokens[:4]
+    for kept in (0, 2):
+        log = (tmp_path / f"stage-{kept}.log").read_text()
+        assert log.count("bound weights in") == 1, "a kept stage bound its slice once"
+        assert "joined chain generation 1" in log and log.count("weights reused") >= 2
+    assert (tmp_path / "stage-0.log").read_text().count("STALE_RUN") == 2
+    assert (tmp_path / "stage-1.log").read_text().count("bound weights in") == 2, (
+        "the lost stage's range was bound twice: by the killed process and the new one"
+    )
 
 
 def test_a_stage_killed_between_tokens_without_recover_ends_the_run(tiny: str) -> None:

@@ -132,6 +132,18 @@ class RayStageHandle:
         with contextlib.suppress(Exception):
             self._actor.kill_stage.remote()
 
+    def hand_secret(self, secret: bytes) -> None:
+        """A new chain's secret, through the stage's supervisor (Ray's call, as the first
+        went) to the stage's standard input (``hosts.port.JoinsChains``); ``OSError``
+        when the supervisor cannot take it."""
+        import ray
+
+        try:
+            ray.get(self._actor.hand_secret.remote(secret), timeout=PROBE_S)
+        except Exception as exc:
+            raise OSError(f"stage {self.stage_index}'s supervisor on host {self.host} "
+                          f"took no secret: {_short(exc)}") from exc  # fmt: skip
+
     def exit_reason(self) -> str | None:
         if not self._look(0.0):
             return self._probe()

@@ -114,11 +114,10 @@ class StageSupervisor:
             theirs.close()
             os.close(life_r)
         assert proc.stdin is not None
-        with contextlib.suppress(OSError):
-            proc.stdin.write(secret.hex().encode("ascii") + b"\n")
-            proc.stdin.close()
         with self._lock:
             self._proc, self._lifeline = proc, life_w
+        with contextlib.suppress(OSError):  # the pipe stays open for a new chain's secret
+            self.hand_secret(secret)
         threading.Thread(
             target=serve_rendezvous, args=(rendezvous, self._published), daemon=True
         ).start()
@@ -155,6 +154,15 @@ class StageSupervisor:
         """The stage process's exit status, ``None`` while it runs."""
         proc = self._proc
         return None if proc is None else proc.poll()
+
+    def hand_secret(self, secret: bytes) -> None:
+        """A new chain's secret for the stage (it joins that chain: ``JoinChain``), one
+        hex line on its standard input, as the first; ``OSError`` once it is gone."""
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.stdin.closed:
+            raise OSError("the stage's secret pipe is closed")
+        proc.stdin.write(secret.hex().encode("ascii") + b"\n")
+        proc.stdin.flush()
 
     def kill_stage(self) -> None:
         proc = self._proc
