@@ -26,7 +26,8 @@ Resources. The stage makes its inbound link's ring once, when the first run come
 belongs to the next stage. Only when the orchestrator is lost does the last stage also
 free token-out, whose owner is gone; so a chain whose orchestrator was killed leaves
 nothing behind. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
-stops the stage as a lost orchestrator does.
+and SIGHUP (its terminal gone with the orchestrator) stop the stage as a lost
+orchestrator does.
 
 Every stage serves runs until its control channel closes: several at once, one after
 another (a run's id stays stale once it stopped). Its worker binds the weights once for
@@ -709,7 +710,11 @@ def main(
         media=media,
         encrypt_edges=args.encrypt_edges,
     )
-    signal.signal(signal.SIGTERM, lambda *_: stage.notice_loss("SIGTERM"))
+    # SIGTERM, and SIGHUP (the terminal of the session it was started from went away,
+    # with its orchestrator), stop the stage as a lost orchestrator does: its resources
+    # freed, not left behind by the signal's default.
+    for lost in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(lost, lambda number, _: stage.notice_loss(signal.Signals(number).name))
     log.info("started (run %s)", args.run_label)
     try:
         code = stage.run()

@@ -103,6 +103,15 @@ class Terminal:
         raise AssertionError(f"the chat did not exit:\n{self.text()}")
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (the chat's stage processes), from /proc."""
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
 def answer(model: str, tok: Tokenizer, turns: list[tuple[str, str]]) -> str:
     ids = chat_prompt(tok, [Message(role, text) for role, text in turns])
     result = generate(model, ids, stages=2, max_tokens=MAX_TOKENS, worker=WORKER)
@@ -146,6 +155,47 @@ def test_a_conversation_in_the_terminal(tiny_chat: str) -> None:
         assert term.say("hello") != ""  # still chatting (after the story and its stop)
         term.type(b"/exit\r")
         assert term.wait() == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(term.pid, signal.SIGKILL)
+            os.waitpid(term.pid, 0)
+
+
+def _stage_paths(pid: int) -> set[str]:
+    """The chain resources (``gpp-*`` rings and folders) a stage process holds open."""
+    paths = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if "/gpp-" in target:
+                paths.add(target)
+    return paths
+
+
+def test_a_closed_terminal_leaves_no_stage_and_no_resource_behind(tiny_chat: str) -> None:
+    """The terminal goes away under the chat (a closed window, a dropped ssh session): the
+    kernel hangs up its session, SIGHUP to the chat and its stage processes. The stages
+    end as on a lost orchestrator, freeing the rings and folders they made; before, SIGHUP's
+    default ended them at once and left those in /dev/shm and /tmp."""
+    argv = [sys.executable, "-m", "runtime_cupy", "chat", "--model", tiny_chat,
+            "--stages", "2", "--worker", WORKER, "--max-tokens", "8"]  # fmt: skip
+    term = Terminal(argv)
+    try:
+        term.read_until(b"> ", 0)
+        assert term.say("hello") != ""  # a run went through: every link is made
+        stages = children(term.pid)
+        assert len(stages) == 2, stages
+        held = set().union(*(_stage_paths(pid) for pid in stages))
+        assert held, "the stages hold their links' resources"
+        os.kill(term.pid, signal.SIGKILL)  # the session leader gone: the terminal hangs up
+        os.waitpid(term.pid, 0)
+        os.close(term.fd)
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{pid}") for pid in stages):
+            assert time.monotonic() < deadline, "the stages did not end"
+            time.sleep(0.1)
+        left = sorted(p for p in held if os.path.exists(p))
+        assert left == [], left
     finally:
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             os.kill(term.pid, signal.SIGKILL)
