@@ -2,7 +2,9 @@
 
     python benchmarks/cpu_decode.py [--models smollm2,8b-q4_0,8b-q4_k,8b-q6_k,8b-q8_0]
         [--layers 4] [--threads 1,2] [--prompt-len 32] [--tokens 32] [--repeat 3]
-        [--runners cpu,cpu-avx2,llama.cpp] [--llamacpp-python /work/llamacpp-venv/bin/python]
+        [--runners cpu,cpu-avx2,llama.cpp,llama.cpp-avx2]
+        [--llamacpp-python /work/llamacpp-venv/bin/python]
+        [--llamacpp-avx2-python /work/llamacpp-avx2-venv/bin/python]
         [--model-dir DIR] [--json OUT.json]
 
 - Prints the processor's name, the instruction sets it reports (of those the kernels
@@ -20,7 +22,13 @@
   instruction set), ``cpu-<isa>`` (the same forced onto one set: ``cpu-avx2``,
   ``cpu-portable``, ``cpu-avxvnni``, ``cpu-avx512``), ``numpy`` (``ReferenceWorker``, its
   BLAS on the same threads), ``llama.cpp`` (llama-cpp-python in ``--llamacpp-python``'s interpreter,
-  memory-mapped weights, float32 KV cache like the CPU worker's, no flash attention).
+  memory-mapped weights, float32 KV cache like the CPU worker's, no flash attention),
+  ``llama.cpp-avx2`` (the same in ``--llamacpp-avx2-python``'s interpreter: a
+  llama-cpp-python built for AVX2 without AVX-512, ``CMAKE_ARGS="-DGGML_NATIVE=OFF
+  -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"``,
+  the peer of ``cpu-avx2`` as an AVX2-only processor would run both; skipped, with the
+  reason, where that interpreter is missing or its llama.cpp reports AVX-512). Each
+  llama.cpp's own system information (the instruction sets it was built for) is printed.
   Greedy decoding of ``--tokens`` tokens. ``--threads`` is a list: every count is run
   (``all``: the cores this process may use), and a last table gives each runner's
   decode tokens/s per count and its scaling over 1 thread.
@@ -30,8 +38,9 @@
   weights a decode step reads (every block's and the head's as the file stores them,
   one embedding row; float32 copies for the reference worker) over the median step
   time, as GB/s and as a share of this machine's read bandwidth measured here (as many
-  threads summing a 1 GiB float64 buffer, best of 5, measured again before each model's
-  runs and the best kept); the process's CPU time per decode
+  threads each taking the maximum of its part of a 1 GiB float64 buffer, NumPy's
+  vectorized reduction with no work per element beyond a compare, best of 5, measured
+  again before each model's runs and the best kept); the process's CPU time per decode
   token and per prompt token (every thread's; at 1 thread, the ratio a busy host
   distorts least, printed beside the wall-clock ratio). Also: warm start, the seconds
   from launching an interpreter to a bound SmolLM2 CPU worker that has decoded one
@@ -39,8 +48,9 @@
 - Targets (issue 26), printed as measured with PASS / MISS (nothing here is asserted):
   on the 8B shape, decode at least 90 % of the measured read bandwidth for Q4_0 and
   Q4_K; every ``cpu*`` row's decode and prefill at least 1.0 x llama.cpp's at the same
-  threads; the CPU worker's resident memory above its baseline within 1.25 x (the
-  slice's bytes + its KV cache); warm start < 2 s. The machine may be shared: run it
+  threads (and ``cpu-avx2``'s at least 1.0 x ``llama.cpp-avx2``'s); the CPU worker's
+  resident memory above its baseline within 1.25 x (the slice's bytes + its KV cache);
+  warm start < 2 s. The machine may be shared: run it
   several times, compare ratios.
 """
 
@@ -64,8 +74,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = "/work/llamacpp-venv/bin/python"
+#: a llama-cpp-python built for AVX2 without AVX-512 (the module's docstring says how)
+LLAMACPP_AVX2_PYTHON = "/work/llamacpp-avx2-venv/bin/python"
 MODELS = ("smollm2", "8b-q4_0", "8b-q4_k", "8b-q6_k", "8b-q8_0")
-RUNNERS = ("cpu", "cpu-avx2", "llama.cpp")
+RUNNERS = ("cpu", "cpu-avx2", "llama.cpp", "llama.cpp-avx2")
+#: each llama.cpp runner: its instruction set's CPU worker runner it is the peer of
+PEERS = {"llama.cpp": None, "llama.cpp-avx2": "cpu-avx2"}
 FTYPES = {
     "8b-q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
     "8b-q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
@@ -285,12 +299,14 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_child(runner: str, args: dict[str, Any], llamacpp: str) -> dict[str, Any]:
+def run_child(runner: str, args: dict[str, Any], llamacpp: dict[str, str]) -> dict[str, Any]:
+    """One runner's figures, in a fresh process (llamacpp: each llama.cpp runner's
+    interpreter)."""
     env = dict(os.environ)
     env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(args["threads"])
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    if runner == "llama.cpp":
-        cmd = [llamacpp, "-c", LLAMACPP_CHILD, json.dumps(args)]
+    if runner in PEERS:
+        cmd = [llamacpp[runner], "-c", LLAMACPP_CHILD, json.dumps(args)]
     else:
         cmd = [sys.executable, __file__, "--child", runner, json.dumps(args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -304,15 +320,17 @@ def run_child(runner: str, args: dict[str, Any], llamacpp: str) -> dict[str, Any
 
 
 def read_bandwidth(threads: int) -> float:
-    """Bytes per second ``threads`` threads read summing a 1 GiB buffer of float64
-    (NumPy's vectorized sum, far faster than memory; best of 5)."""
+    """Bytes per second ``threads`` threads read taking the maximum of a 1 GiB buffer of
+    float64, a part each (NumPy's vectorized maximum: one compare per element, where its
+    pairwise sum, used before, adds enough work to read this host's memory at about half
+    the rate; best of 5)."""
     buf = np.ones(1 << 27, np.float64)  # 1 GiB, touched
     parts = np.array_split(buf, threads)
     best = 0.0
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         for _ in range(5):
             t0 = time.perf_counter()
-            list(pool.map(np.sum, parts))
+            list(pool.map(np.max, parts))
             best = max(best, buf.nbytes / (time.perf_counter() - t0))
     return best
 
@@ -402,16 +420,47 @@ def summarize(results: list[dict[str, Any]], prompt_len: int) -> dict[str, float
     }
 
 
-def llamacpp_problem(python: str) -> str | None:
+def llamacpp_problem(python: str, option: str = "--llamacpp-python") -> str | None:
     """Why ``python`` cannot run llama-cpp-python, or None."""
     if not Path(python).exists():
-        return f"{python} does not exist (--llamacpp-python)"
+        return f"{python} does not exist ({option})"
     proc = subprocess.run(
         [python, "-c", "import llama_cpp"], check=False, capture_output=True, text=True
     )
     if proc.returncode != 0:
         return f"{python} cannot import llama_cpp: {proc.stderr.strip().splitlines()[-1:]}"
     return None
+
+
+def llamacpp_system_info(python: str) -> str:
+    """llama.cpp's own line of the instruction sets it was built for and its features."""
+    proc = subprocess.run(
+        [python, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return " ".join(proc.stdout.split())
+
+
+def llamacpp_interpreters(args: argparse.Namespace, runners: list[str]) -> dict[str, str]:
+    """The interpreter of each llama.cpp runner that can run here; the others are named
+    on stderr with the reason (the AVX2 peer also where its build reports AVX-512)."""
+    given = {"llama.cpp": (args.llamacpp_python, "--llamacpp-python"),
+             "llama.cpp-avx2": (args.llamacpp_avx2_python, "--llamacpp-avx2-python")}  # fmt: skip
+    found: dict[str, str] = {}
+    for runner in [r for r in runners if r in PEERS]:
+        python, option = given[runner]
+        problem = llamacpp_problem(python, option)
+        info = llamacpp_system_info(python) if problem is None else ""
+        if runner == "llama.cpp-avx2" and "AVX512 = 1" in info:
+            problem = f"{python}'s llama.cpp was built with AVX-512 ({info})"
+        if problem is not None:
+            print(f"{runner} skipped: {problem}", file=sys.stderr)
+            continue
+        print(f"{runner}: {info}")
+        found[runner] = python
+    return found
 
 
 def processor() -> dict[str, Any]:
@@ -453,6 +502,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--llamacpp-python", default=LLAMACPP_PYTHON)
+    parser.add_argument("--llamacpp-avx2-python", default=LLAMACPP_AVX2_PYTHON)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -463,13 +513,19 @@ def main() -> None:
     models = [m for m in args.models.split(",") if m]
     runners = [r for r in args.runners.split(",") if r]
     counts = thread_counts(args.threads)
-    problem = llamacpp_problem(args.llamacpp_python)
-    if problem is not None:  # no llama.cpp: no column, and no quantizer for the 8B shape
-        print(f"llama.cpp skipped: {problem}", file=sys.stderr)
-        runners = [r for r in runners if r != "llama.cpp"]
-        models = [m for m in models if m == "smollm2"]
+    unknown = [r for r in runners if r not in PEERS and r not in ("numpy", "cpu")
+               and not r.startswith("cpu-")]  # fmt: skip
+    if unknown:
+        known = f"cpu, cpu-<isa>, numpy, {', '.join(PEERS)}"
+        raise SystemExit(f"--runners: unknown {unknown} (known: {known})")
     cpu = processor()
     print(f"processor: {cpu['name']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags'])}")
+    llamacpp = llamacpp_interpreters(args, runners)
+    runners = [r for r in runners if r not in PEERS or r in llamacpp]
+    problem = llamacpp_problem(args.llamacpp_python)
+    if problem is not None:  # no quantizer for the 8B shape
+        print(f"8B-shape models skipped: no llama.cpp to quantize them: {problem}", file=sys.stderr)
+        models = [m for m in models if m == "smollm2"]
     print(f"CPU worker kernels on this processor: {', '.join(cpu['kernel_isas'])} (best last)")
     for runner in runners:
         isa = runner.partition("-")[2]
@@ -511,7 +567,7 @@ def main() -> None:
                 raw: dict[str, list[dict[str, Any]]] = {r: [] for r in runners}
                 for rep in range(args.repeat):
                     for runner in runners[rep % len(runners) :] + runners[: rep % len(runners)]:
-                        raw[runner].append(run_child(runner, job, args.llamacpp_python))
+                        raw[runner].append(run_child(runner, job, llamacpp))
                 per_count[threads] = figures(
                     name, path, raw, args, threads, bandwidth[threads], max_seq
                 )
@@ -542,7 +598,7 @@ def figures(
         f"read bandwidth (best measured) {bandwidth / 1e9:.1f} GB/s"
     )
     print(
-        f"  {'runner':10} {'decode tok/s':>12} {'prefill tok/s':>13} {'RSS+ MiB':>9} "
+        f"  {'runner':14} {'decode tok/s':>12} {'prefill tok/s':>13} {'RSS+ MiB':>9} "
         f"{'peak+ MiB':>9} {'GB/tok':>7} {'GB/s':>6} {'of bw':>6} {'CPU ms/tok: decode':>18} "
         f"{'prefill':>7}"
     )
@@ -553,31 +609,32 @@ def figures(
         s["of_bandwidth"] = nbytes / s["decode_step_s"] / bandwidth
         out[runner] = s
         print(
-            f"  {runner:10} {s['decode_tokens_per_s']:12.1f} {s['prefill_tokens_per_s']:13.1f} "
+            f"  {runner:14} {s['decode_tokens_per_s']:12.1f} {s['prefill_tokens_per_s']:13.1f} "
             f"{s['rss_above_base_mib']:9.0f} {s['peak_above_base_mib']:9.0f} "
             f"{nbytes / 1e9:7.3f} {s['weight_gb_s']:6.1f} {s['of_bandwidth']:6.0%} "
             f"{s['decode_cpu_ms_per_token']:18.2f} {s['prefill_cpu_ms_per_token']:7.2f}"
         )
     ours = [r for r in raw if r.startswith("cpu")]
-    if "llama.cpp" in out:
-        lc = out["llama.cpp"]
-        for runner in ours:
+    for peer, of in PEERS.items():  # llama.cpp: every cpu* row; its AVX2 build: cpu-avx2's
+        if peer not in out:
+            continue
+        lc, key = out[peer], "llamacpp" if of is None else "llamacpp_avx2"
+        for runner in [r for r in ours if of is None or r == of]:
             r = out[runner]
             dec = r["decode_tokens_per_s"] / lc["decode_tokens_per_s"]
             pre = r["prefill_tokens_per_s"] / lc["prefill_tokens_per_s"]
-            r["decode_ratio_to_llamacpp"], r["prefill_ratio_to_llamacpp"] = dec, pre
+            r[f"decode_ratio_to_{key}"], r[f"prefill_ratio_to_{key}"] = dec, pre
             print(
-                f"  {runner} / llama.cpp: decode {dec:.2f} ({pass_miss(dec >= 1.0)}, "
+                f"  {runner} / {peer}: decode {dec:.2f} ({pass_miss(dec >= 1.0)}, "
                 f"target >= 1.0), prefill {pre:.2f} ({pass_miss(pre >= 1.0)}, target >= 1.0)"
             )
             if threads == 1:  # CPU time per token, llama.cpp's over ours
-                r["decode_cpu_ratio"] = lc["decode_cpu_ms_per_token"] / r["decode_cpu_ms_per_token"]
-                r["prefill_cpu_ratio"] = (
-                    lc["prefill_cpu_ms_per_token"] / r["prefill_cpu_ms_per_token"]
-                )
+                dcpu = lc["decode_cpu_ms_per_token"] / r["decode_cpu_ms_per_token"]
+                pcpu = lc["prefill_cpu_ms_per_token"] / r["prefill_cpu_ms_per_token"]
+                r[f"decode_cpu_ratio_to_{key}"], r[f"prefill_cpu_ratio_to_{key}"] = dcpu, pcpu
                 print(
                     f"    on CPU time (1 thread, waiting for a core not counted): decode "
-                    f"{r['decode_cpu_ratio']:.2f}, prefill {r['prefill_cpu_ratio']:.2f}"
+                    f"{dcpu:.2f}, prefill {pcpu:.2f}"
                 )
     if "cpu" in out and "numpy" in out:
         print(
@@ -611,13 +668,13 @@ def scaling(models: dict[str, dict[int, Any]], counts: list[int], runners: list[
         return
     head = "".join(f"{f'{t} thr':>9}" for t in counts)
     print(f"\ndecode tokens/s by threads (scaling over {counts[0]} thread(s) in brackets)")
-    print(f"  {'model':10} {'runner':10}{head}")
+    print(f"  {'model':10} {'runner':14}{head}")
     for name, per_count in models.items():
         for runner in runners:
             rates = [per_count[t][runner]["decode_tokens_per_s"] for t in counts]
             cells = "".join(f"{r:9.1f}" for r in rates)
             ups = ", ".join(f"x{r / rates[0]:.2f}" for r in rates[1:])
-            print(f"  {name:10} {runner:10}{cells}  ({ups})")
+            print(f"  {name:10} {runner:14}{cells}  ({ups})")
 
 
 if __name__ == "__main__":

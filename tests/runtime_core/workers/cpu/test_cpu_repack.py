@@ -89,7 +89,7 @@ def test_every_row_count_about_the_decode_kernels_limit_computes_the_stored_rows
     qtype: str, isa: str
 ) -> None:
     """1 to 9 activation rows multiplied together, about the 4 rows up to which a step
-    takes the decode kernels (AVX-512's Q6_K one group per pass, ``Isa.q8_x8_few``) and
+    takes the decode kernels (one group per pass, another set's kernel: ``Isa.q8_x8_rows``) and
     past which it takes a prefill's (two groups per 512-bit vector, tiles), 24 weight
     rows (two groups at once, then one): the same bits as the stored rows."""
     rng = np.random.default_rng(9)

@@ -92,9 +92,10 @@ typedef struct {
                 int64_t hd);
     x8_fn q8_x8[T_COUNT];   /* 8-bit activations times x8 groups */
     x16_fn q8_x16[T_COUNT]; /* ... times two x8 groups at once */
-    /* the products of at most X8_XT activation rows (a decode step's) where another
-     * kernel than q8_x16 or q8_x8 measured faster there (NULL: those) */
-    x8_fn q8_x8_few[T_COUNT];
+    /* the products of exactly r + 1 activation rows (r < X8_XT: a decode step's, of
+     * one run or a few) where another kernel than q8_x16 or q8_x8 measured faster
+     * there (NULL: those); any set's kernel of the type, all giving the same bits */
+    x8_fn q8_x8_rows[T_COUNT][X8_XT];
 } Isa;
 
 /* The instruction sets, portable first; the module offers those the processor runs

@@ -26,10 +26,21 @@ const Isa *isa_avx512(void) {
         avx512.q8_x8[T_Q8_0] = x8_q8_0;
         avx512.q8_x8[T_Q4_0] = x8_q4_0;
         avx512.q8_x8[T_Q4_1] = x8_q4_1;
-        /* Q6_K's decode one group per pass: measured 11-13 % faster than two per 512-bit
-         * vector (from memory, one row, 14336 x 4096, under load, the two builds in turn
-         * in fresh processes; the other types' two-group decode as fast or faster) */
-        avx512.q8_x8_few[T_Q6_K] = x8_q6_k;
+        /* A decode step's products, one group per pass on 256-bit vectors where that
+         * measured faster than two groups per 512-bit vector (from memory, 14336 x 4096,
+         * one thread, `benchmarks/cpu_repack.py --rows R`, best of 9, the sets side by
+         * side; ms, this set's two-group kernel -> the one taken):
+         * Q6_K, rows 1-4: 11-13 % faster (under load, the two builds in turn);
+         * Q4_0, 1 row 1.111 -> 0.947, 2 rows 1.365 -> 1.183 (3 rows 1.572 against 1.632:
+         * left); Q4_1, 1 row 1.222 -> 1.031;
+         * Q4_K, 1 row 1.204 -> 1.055 with AVX2's kernel (16-bit sums, vpmaddwd by the
+         * scales; VNNI's one group 1.186), 2 rows 1.398 -> 1.260 with VNNI's one group
+         * (AVX2's 1.577; 3 rows 1.595 against 1.626: left). Q8_0: all within 4 %. */
+        for (int r = 0; r < X8_XT; ++r) avx512.q8_x8_rows[T_Q6_K][r] = x8_q6_k;
+        avx512.q8_x8_rows[T_Q4_0][0] = avx512.q8_x8_rows[T_Q4_0][1] = x8_q4_0;
+        avx512.q8_x8_rows[T_Q4_1][0] = x8_q4_1;
+        avx512.q8_x8_rows[T_Q4_K][0] = ISA_AVX2.q8_x8[T_Q4_K];
+        avx512.q8_x8_rows[T_Q4_K][1] = x8_q4_k;
         avx512.q8_x8[T_Q4_K] = x8_q4_k;
         avx512.q8_x8[T_Q5_K] = x8_q5_k;
         avx512.q8_x8[T_Q6_K] = x8_q6_k;

@@ -27,6 +27,9 @@ const Isa *isa_avxvnni(void) {
         avxvnni.q8_x8[T_Q4_1] = x8_q4_1;
         avxvnni.q8_x8[T_Q4_K] = x8_q4_k;
         avxvnni.q8_x8[T_Q5_K] = x8_q5_k;
+        /* Q4_K's products of one row: AVX2's (16-bit sums, vpmaddwd by the scales),
+         * measured 1.055 ms against 1.186 (dot_avx512.c says how) */
+        avxvnni.q8_x8_rows[T_Q4_K][0] = ISA_AVX2.q8_x8[T_Q4_K];
         (void)x8_q6_k;
     }
     return &avxvnni;

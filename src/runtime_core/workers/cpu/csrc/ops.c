@@ -72,7 +72,7 @@ static void put(const LinearJob *J, const Part *pt, int64_t j, int64_t r, float 
 /* weight rows r0 .. r1 of an x8 part (r0 a multiple of 8) */
 static void linear_x8(LinearJob *J, const Part *pt, int64_t r0, int64_t r1, int q8, dot_fn dot) {
     int64_t nc = pt->n_in / 32;
-    x8_fn few = q8 && J->rows <= X8_XT ? J->isa->q8_x8_few[pt->t] : NULL;
+    x8_fn few = q8 && J->rows <= X8_XT ? J->isa->q8_x8_rows[pt->t][J->rows - 1] : NULL;
     x8_fn fast = few ? few : q8 ? J->isa->q8_x8[pt->t] : NULL;
     float out[X8_TILE][X8], tmp[XT];
     uint8_t *row = NULL;
