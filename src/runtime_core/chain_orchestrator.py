@@ -59,6 +59,7 @@ from runplan.messages import (
 )
 from runplan.record_header import HeaderCheck, HeaderDType, HeaderRejection
 from runtime_core.links import LinkFault, LinkReceiver, LinkSender
+from runtime_core.recent_runs import RECENT_RUNS_KEPT, RecentRuns
 from runtime_core.records import read_token, token_payload
 from runtime_core.ring import EdgeClosed
 
@@ -151,6 +152,12 @@ def _no_trace(kind: str, fields: dict[str, Any]) -> None:
     pass
 
 
+#: Finished runs whose ids the orchestrator keeps: more than a stage keeps stale
+#: (``RECENT_RUNS_KEPT``), so that a stage never holds as stale an id the orchestrator
+#: would accept again.
+FINISHED_RUNS_KEPT = 2 * RECENT_RUNS_KEPT
+
+
 class ChainOrchestrator:
     """Many runs over one chain."""
 
@@ -166,7 +173,12 @@ class ChainOrchestrator:
         self.timers = timers
         self.trace = trace or _no_trace
         self.runs: dict[str, RunHandle] = {}  # in flight and held, in the order added
-        self.done: set[str] = set()  # run ids that finished on this chain
+        #: the ids of the runs that started and finished on this chain, the most recent
+        #: (twice as many as a stage keeps stale: an id forgotten here is forgotten by
+        #: every stage); a reused id among them is refused, a record of one rejected as
+        #: stale. A run that never started (held, then ended) left no trace on the
+        #: stages: its id is not kept.
+        self.done = RecentRuns(kept=FINISHED_RUNS_KEPT)
         self.token_in: LinkSender | None = None
         self.token_out: LinkReceiver | None = None
         self._decodes: deque[_Record] = deque()  # fed-back tokens waiting for token-in
@@ -256,9 +268,9 @@ class ChainOrchestrator:
     def _retire(self, handle: RunHandle) -> None:
         if self.runs.pop(handle.run_id, None) is None:
             return
-        self.done.add(handle.run_id)
         self._drop_records(handle.run_id)
-        if handle.check is not None:  # it started: its reservation goes
+        if handle.check is not None:  # it started: its id is kept, its reservation goes
+            self.done.add(handle.run_id)
             for s in handle.plan.stages:
                 self._reserved[s.stage_index] -= s.kv_bytes
         self.trace("finished", {"run_id": handle.run_id, "outcome": _outcome(handle)})

@@ -61,7 +61,7 @@ comes after it fails its setup with that cause.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import attrs
@@ -84,6 +84,7 @@ from runplan.messages import (
 from runplan.record_header import HeaderCheck, HeaderDType, ObjectHeader
 from runtime_core.batching import BatchScheduler, Candidate
 from runtime_core.links import LinkFault, LinkReceiver, LinkSender, Taken
+from runtime_core.recent_runs import RECENT_RUNS_KEPT, RecentRuns
 from runtime_core.records import decode_input, encode_output
 from runtime_core.ring import EdgeClosed
 from runtime_core.workers.interface import (
@@ -103,7 +104,7 @@ OUTBOUND_LINK = "outbound link"
 
 Trace = Callable[[str, dict[str, Any]], None]
 #: Stopped runs whose ids a stage keeps as stale (the most recent ones).
-STALE_RUNS_KEPT = 1024
+STALE_RUNS_KEPT = RECENT_RUNS_KEPT
 
 _PREPARING = fsm.State.PREPARING
 _READY = fsm.State.READY
@@ -125,33 +126,6 @@ class ChainTransport(Protocol):
 #: ``joins(message)``: the new chain's links of a stage told to join it (the runtime's
 #: side of ``JoinChain``: the new secret from the stage's host, the old links let go).
 Joins = Callable[[JoinChain], ChainTransport]
-
-
-class StaleRuns:
-    """The ids of the last ``kept`` runs a stage stopped, oldest first, as a frozenset
-    for the run machines (``stale``)."""
-
-    def __init__(self, stopped: Iterable[str] = (), kept: int = STALE_RUNS_KEPT) -> None:
-        if kept < 1:
-            raise ValueError(f"stale runs kept {kept} is not at least 1")
-        self.kept = kept
-        self._order: deque[str] = deque()
-        self.stale: frozenset[str] = frozenset()
-        for run_id in stopped:
-            self.add(run_id)
-
-    def add(self, run_id: str) -> None:
-        if run_id in self.stale:
-            return
-        self._order.append(run_id)
-        if len(self._order) > self.kept:
-            self._order.popleft()
-            self.stale = frozenset(self._order)
-        else:
-            self.stale = self.stale | {run_id}
-
-    def __len__(self) -> int:
-        return len(self._order)
 
 
 class ControlChannel(Protocol):
@@ -242,7 +216,7 @@ class ChainStageController:
         self.timers = timers
         self.trace = trace or _no_trace
         self.runs: dict[str, RunSlot] = {}
-        self._stale = StaleRuns(stopped_runs, stale_kept)
+        self._stale = RecentRuns(stopped_runs, stale_kept)
         self.joins = joins
         self.joined = 0  # chains joined after the first (JoinChain taken)
         self.chain: ProvisionStage | None = None  # the stage facts the worker is set for

@@ -17,9 +17,9 @@ import pytest
 from runplan import GgufSource, RunPlan, SamplingConfig, wire
 from runplan.fsm import stage as sfsm
 from runplan.messages import JoinChain, StopReason, StopRun
-from runtime_core.chain_orchestrator import ChainOrchestrator
-from runtime_core.chain_stage import StaleRuns
+from runtime_core.chain_orchestrator import ChainOrchestrator, RunRefused
 from runtime_core.links import LocalLinks
+from runtime_core.recent_runs import RecentRuns
 from runtime_core.workers.interface import Progress, Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
 from tests.fixtures.gguf_models import ModelShape, write_model
@@ -189,7 +189,7 @@ def test_a_join_whose_links_cannot_be_made_is_the_chain_s_fault_on_that_stage(
 def test_the_stale_ids_are_bounded_and_the_latest_still_rejected(model: Path) -> None:
     chain = ChainRuns(3, counting)
     for stage in chain.stages:
-        stage._stale = StaleRuns(kept=2)
+        stage._stale = RecentRuns(kept=2)
     for k in range(4):
         chain.add(plan(model, f"run-{k}"), PROMPT)
         chain.pump()
@@ -203,8 +203,31 @@ def test_the_stale_ids_are_bounded_and_the_latest_still_rejected(model: Path) ->
     assert chain.stages[1].broken is None and chain.stages[1].runs == {}
 
 
+def test_the_orchestrators_finished_ids_are_bounded_and_the_latest_still_refused(
+    model: Path,
+) -> None:
+    """A chain serving runs for months remembers the ids of its last finished runs
+    only, more of them than a stage keeps stale: a reused id among them is refused, one
+    older (forgotten by the stages too) runs again."""
+    chain = ChainRuns(3, counting)
+    for stage in chain.stages:
+        stage._stale = RecentRuns(kept=2)
+    chain.orchestrator.done = RecentRuns(kept=4)
+    for k in range(6):
+        chain.add(plan(model, f"run-{k}"), PROMPT)
+        chain.pump()
+    assert chain.orchestrator.done.stale == {"run-2", "run-3", "run-4", "run-5"}
+    with pytest.raises(RunRefused, match="already has a run of this id"):
+        chain.add(plan(model, "run-2"), PROMPT)
+    again = chain.add(plan(model, "run-0"), PROMPT)  # forgotten: a new run, that id
+    chain.pump()
+    assert again.finished is not None and again.finished.outcome is StopReason.COMPLETED
+    assert chain.orchestrator.runs == {} and len(chain.orchestrator.done) == 4
+    assert "run-0" in chain.orchestrator.done and "run-2" not in chain.orchestrator.done
+
+
 def test_stale_runs_keep_the_most_recent(ids: Sequence[str] = ("a", "b", "c", "b", "d")) -> None:
-    stale = StaleRuns(ids, kept=3)
+    stale = RecentRuns(ids, kept=3)
     assert stale.stale == {"b", "c", "d"} and len(stale) == 3
     with pytest.raises(ValueError, match="stale runs kept 0"):
-        StaleRuns(kept=0)
+        RecentRuns(kept=0)
