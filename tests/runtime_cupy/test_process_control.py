@@ -18,7 +18,7 @@ import pytest
 
 from runplan import RunPlan, SamplingConfig
 from runplan.config import Timeouts
-from runplan.messages import StageReady, StopReason, StopRun
+from runplan.messages import JoinChain, StageReady, StopReason, StopRun
 from runtime_cupy.api import plan_for
 from runtime_cupy.process.control_channel import (
     MAX_FRAME_BYTES,
@@ -150,6 +150,74 @@ def test_replayed_and_reordered_frames_are_refused_and_the_next_one_is_read() ->
             "out of order frame: number 2, expected 1",
             "replayed frame: number 1, expected 2",
         ]
+    finally:
+        a.close()
+        b.close()
+
+
+def _settled(channel: ControlChannel) -> list[Incoming | Refused]:
+    """What ``channel`` reads of what was written to it (a socket pair: at once)."""
+    time.sleep(0.05)
+    return channel.receive()
+
+
+def test_a_chain_joined_changes_the_control_key_and_the_old_secret_signs_nothing() -> None:
+    """``JoinChain`` re-keys the channel: the frames after it (read with it in one go)
+    are decoded with the new chain's key once the stage has it; a frame signed with the
+    old key (which the lost host's processes also held) is refused by the stage from
+    then on, and by the orchestrator once the stage's first frame under the new key
+    came; the numbering goes on."""
+    old_secret, new = new_secret(), new_secret()
+    old_key, new_key = control_key(old_secret, "stage-0"), control_key(new, "stage-0")
+    a, b = socket.socketpair()
+    try:
+        orch = ControlChannel(a, old_key, "orchestrator", "stage-0")
+        stage = ControlChannel(b, old_key, "stage-0", "orchestrator")
+        stage.send(STOP)  # sent before the stage heard of the join: the old key
+        join = JoinChain("stage-0", 0, 2, "shm", "shm", generation=1)
+        orch.send_join(join, new_key)
+        orch.send(StopRun("after", StopReason.CANCELLED))  # the new key
+        got = _settled(stage)
+        assert [i.message for i in got if isinstance(i, Incoming)] == [join]
+        assert stage.rekey_due and _settled(stage) == [], "held until the stage has the key"
+        stage.rekey(new_key)
+        assert stage.buffered() == [
+            Incoming("orchestrator", StopRun("after", StopReason.CANCELLED))
+        ]
+        assert orch.receive() == [Incoming("stage-0", STOP)], "the old key, before the first new"
+        # a forger with the old secret, numbered as the stage expects next
+        b2 = encode_frame(old_key, "orchestrator", "stage-0", 2, STOP)
+        a.sendall(b2)
+        (refused,) = _settled(stage)
+        assert isinstance(refused, Refused) and "bad MAC" in refused.reason
+        stage.send(StopRun("joined", StopReason.CANCELLED))  # the new key, number 1
+        assert orch.receive() == [Incoming("stage-0", StopRun("joined", StopReason.CANCELLED))]
+        b.sendall(encode_frame(old_key, "stage-0", "orchestrator", 2, STOP))
+        (refused,) = _settled(orch)
+        assert isinstance(refused, Refused) and "bad MAC" in refused.reason
+        stage.send(STOP)
+        assert orch.receive() == [Incoming("stage-0", STOP)], "the real number 2 still comes"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stage_that_cannot_join_keeps_its_key() -> None:
+    a, b = socket.socketpair()
+    try:
+        orch = ControlChannel(a, KEY, "orchestrator", "stage-0")
+        stage = ControlChannel(b, KEY, "stage-0", "orchestrator")
+        a.sendall(
+            encode_frame(
+                KEY, "orchestrator", "stage-0", 0, JoinChain("stage-0", 0, 2, "shm", "shm", 1)
+            )
+        )
+        a.sendall(encode_frame(KEY, "orchestrator", "stage-0", 1, STOP))
+        assert len(_settled(stage)) == 1 and stage.rekey_due
+        stage.keep_key()
+        assert stage.buffered() == [Incoming("orchestrator", STOP)]
+        with pytest.raises(ValueError, match="a control key has 32 bytes, not 3"):
+            orch.send_join(JoinChain("stage-0", 0, 2, "shm", "shm", 1), b"key")
     finally:
         a.close()
         b.close()

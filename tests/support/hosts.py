@@ -30,7 +30,13 @@ from runtime_cupy.edges.port import EdgeMedium, Rendezvous
 from runtime_cupy.edges.tcp import TcpMedium, split_address
 from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, LocalStageHandle
 from runtime_cupy.hosts.port import StageLaunch
-from runtime_cupy.process.control_channel import Beat, ControlChannel, decode_frame, encode_frame
+from runtime_cupy.process.control_channel import (
+    Beat,
+    ControlChannel,
+    FrameError,
+    decode_frame,
+    encode_frame,
+)
 from runtime_cupy.process.keys import control_key
 from tests.support.edge_relay import Relay
 from tests.support.faulty_stage import Fault
@@ -112,11 +118,13 @@ class ControlTap:
     ``to_stage`` / ``to_orchestrator`` write bytes of the
     test's in between frames. ``key``: the stage's control key, with which frames that
     pass are renumbered after the test wrote frames that the receiver accepted
-    (``accepted_extra``), so that the real sender's numbers still follow."""
+    (``accepted_extra``), so that the real sender's numbers still follow; ``rekey``
+    gives it the key of a chain the stage joins (the frames after ``JoinChain`` are
+    signed with it, those before with the old one)."""
 
     def __init__(self, stage_sock: socket.socket, key: bytes, stage_id: str, orch_id: str) -> None:
         stage_sock.setblocking(True)
-        self.key, self.stage_id, self.orch_id = key, stage_id, orch_id
+        self.keys, self.stage_id, self.orch_id = [key], stage_id, orch_id
         self._stage = stage_sock
         self.launcher_sock, self._launcher = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sent_to_stage: list[bytes] = []  # frames from the orchestrator, as forwarded
@@ -126,6 +134,15 @@ class ControlTap:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    @property
+    def key(self) -> bytes:
+        """The newest key: what a forged frame is signed with."""
+        return self.keys[-1]
+
+    def rekey(self, key: bytes) -> None:
+        with self._lock:
+            self.keys.append(key)
 
     # -- what a test writes ----------------------------------------------------------------
     def to_stage(self, data: bytes) -> None:
@@ -178,7 +195,16 @@ class ControlTap:
     def _forward(self, from_stage: bool, line: bytes, target: socket.socket) -> None:
         with self._lock:
             receiver = self.orch_id if from_stage else self.stage_id
-            counter, item = decode_frame(self.key, receiver, line[:-1])
+            for key in reversed(self.keys):  # the newest first
+                try:
+                    counter, item = decode_frame(key, receiver, line[:-1])
+                    break
+                except FrameError:
+                    continue
+            else:  # signed with no key of ours: passed on as it is, unrecorded
+                with contextlib.suppress(OSError):
+                    target.sendall(line)
+                return
             if isinstance(item, Beat):  # numbered on their own: passed on as they are
                 self.beats += 1
             else:
@@ -186,9 +212,7 @@ class ControlTap:
                 log.append(line)
                 shift = self._shift["orch" if from_stage else "stage"]
                 if shift:
-                    line = encode_frame(
-                        self.key, item.sender, receiver, counter + shift, item.message
-                    )
+                    line = encode_frame(key, item.sender, receiver, counter + shift, item.message)
             with contextlib.suppress(OSError):
                 target.sendall(line)
 
@@ -216,6 +240,14 @@ class TapHost(LocalProcessHost):
         tap = ControlTap(old.sock, key, launch.node_id, launch.orchestrator_id)
         handle.channel = ControlChannel(tap.launcher_sock, old.key, old.local_id, old.peer_id)
         self.taps[launch.stage_index] = tap
+        hand_secret = handle.hand_secret
+
+        def joins(secret: bytes) -> None:  # a new chain's secret: the tap's key follows
+            tap.rekey(control_key(secret, launch.node_id))
+            self.secret = secret
+            hand_secret(secret)
+
+        handle.hand_secret = joins  # type: ignore[method-assign]
         return handle
 
     def rendezvous(self) -> FileRendezvous:

@@ -64,7 +64,7 @@ from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost, StageLaunch
 from runtime_cupy.process.control_channel import ChannelBroken, Incoming
-from runtime_cupy.process.keys import chain_id, new_secret
+from runtime_cupy.process.keys import chain_id, control_key, new_secret
 from runtime_cupy.process.names import run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.process.timers import RunDeadlines
@@ -389,8 +389,8 @@ class ChainRunner:
             generation=self.generation,
         )
         self.trace.instant("send JoinChain", to=stage.node_id)
-        try:
-            handle.channel.send(join)
+        try:  # the channel's key changes with the secret (control_channel.py says how)
+            handle.channel.send_join(join, control_key(self.secret, stage.node_id))
         except ChannelBroken as exc:
             raise OSError(f"stage {index} cannot be told to join: {exc}") from exc
         kept = _Stage(handle)

@@ -29,6 +29,18 @@ beats between runs too. The receiving end notes when it last heard an authentic 
 of either kind (``heard_s``) and never hands a beat to its owner; the owner calls the
 peer silent once that is longer ago than the bound (``silent_s``).
 
+A kept stage that joins a new chain (``JoinChain``: its chain was re-placed after a
+loss) changes keys with it: the new chain's secret gives a new control key, so that
+the old secret, which the lost host's processes also held, signs nothing on the
+channel any more. The orchestrator sends ``JoinChain`` under the old key and every frame
+after it under the new one (``send_join``); the stage's end, once it has accepted a
+``JoinChain``, decodes nothing more until its owner hands it the new key (``rekey``,
+from the secret the host hands the stage) or keeps the old one (``keep_key``: the join
+failed), then decodes what it holds (``buffered``); it sends under the new key from
+then on. The orchestrator's end accepts the old key until the first frame signed with
+the new one (what the stage sent before it joined), then only the new. The numbering
+goes on across the change.
+
 Sending never blocks the loop: what the socket does not take at once waits in an
 ``Outbox`` for the loop to see the socket writable (``watch()`` asks for it). A peer
 that has stopped reading for good shows as a broken channel, not as a stall.
@@ -46,7 +58,7 @@ import time
 from attrs import frozen
 
 from runplan import wire
-from runplan.messages import ControlMessage
+from runplan.messages import ControlMessage, JoinChain
 from runplan.plan import RunPlan
 from runtime_cupy.process.keys import KEY_BYTES
 from runtime_cupy.process.poller import IN, OUT, Entry
@@ -162,6 +174,11 @@ def decode_frame(key: bytes, receiver: str, line: bytes) -> tuple[int, Incoming 
     return counter, Incoming(sender, message)
 
 
+def _check_key(key: bytes) -> None:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a control key has {KEY_BYTES} bytes, not {len(key)}")
+
+
 class ControlChannel:
     """One end of a control channel: ``local_id`` writes, ``peer_id`` is the node at the
     other end, ``key`` the stage's control key. The owner's loop waits on ``watch()``,
@@ -170,10 +187,11 @@ class ControlChannel:
     serialised by a lock; receiving is the owner's alone."""
 
     def __init__(self, sock: socket.socket, key: bytes, local_id: str, peer_id: str) -> None:
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"a control key has {KEY_BYTES} bytes, not {len(key)}")
+        _check_key(key)
         self.sock = sock
-        self.key = key
+        self.key = key  # what this end signs with and verifies first
+        self._old_key: bytes | None = None  # the orchestrator's end after send_join
+        self._rekey_due = False  # the stage's end after a JoinChain, until rekey
         self.local_id = local_id
         self.peer_id = peer_id
         self._out = Outbox(sock, MAX_BACKLOG_BYTES)  # makes the socket non-blocking
@@ -208,6 +226,41 @@ class ControlChannel:
             frame = encode_frame(self.key, self.local_id, self.peer_id, self._sent, message)
             self._sent += 1
             self._write(frame)
+
+    def send_join(self, message: JoinChain, key: bytes) -> None:
+        """The orchestrator's end: queue ``message`` under the current key, then sign
+        with ``key`` (the new chain's) from the next frame on, and accept it from the
+        stage's first frame under it; ``ChannelBroken`` as for send."""
+        _check_key(key)
+        with self._send_lock:
+            frame = encode_frame(self.key, self.local_id, self.peer_id, self._sent, message)
+            self._sent += 1
+            self._old_key, self.key = self.key, key
+            self._write(frame)
+
+    def rekey(self, key: bytes) -> None:
+        """The stage's end, after it accepted a ``JoinChain``: sign and verify with
+        ``key`` (the new chain's) from now on; ``buffered()`` then holds what came after
+        the ``JoinChain``."""
+        _check_key(key)
+        with self._send_lock:
+            self.key = key
+            self._rekey_due = False
+
+    def keep_key(self) -> None:
+        """The stage's end, after a ``JoinChain`` it could not follow: go on with the
+        key it has."""
+        self._rekey_due = False
+
+    @property
+    def rekey_due(self) -> bool:
+        """A ``JoinChain`` was accepted and the frames after it wait for the key."""
+        return self._rekey_due
+
+    def buffered(self) -> list[Incoming | Refused]:
+        """The frames already read that can be decoded now (after ``rekey`` or
+        ``keep_key``), without reading the socket."""
+        return self._frames(b"")
 
     def beat(self) -> None:
         """Queue one heartbeat (any thread); ``ChannelBroken`` as for send. Nothing
@@ -260,7 +313,7 @@ class ControlChannel:
     def _frames(self, data: bytes) -> list[Incoming | Refused]:
         out: list[Incoming | Refused] = []
         self._buffer += data
-        while True:
+        while not self._rekey_due:  # after a JoinChain: held for the new key
             end = self._buffer.find(b"\n")
             if end < 0:
                 if len(self._buffer) > MAX_FRAME_BYTES:
@@ -280,12 +333,25 @@ class ControlChannel:
             accepted = self._accept(line)
             if accepted is not None:
                 out.append(accepted)
+                if isinstance(accepted, Incoming) and isinstance(accepted.message, JoinChain):
+                    self._rekey_due = True
+        if len(self._buffer) > MAX_BACKLOG_BYTES:  # held frames a stage never takes
+            self._buffer.clear()
+            out.append(Refused(f"over {MAX_BACKLOG_BYTES} bytes of frames held for a new key"))
+        return out
 
     def _accept(self, line: bytes) -> Incoming | Refused | None:
         try:
             counter, item = decode_frame(self.key, self.local_id, line)
         except FrameError as exc:
-            return Refused(str(exc))
+            if self._old_key is None:
+                return Refused(str(exc))
+            try:  # the stage's frames from before it joined: the old key, until the new
+                counter, item = decode_frame(self._old_key, self.local_id, line)
+            except FrameError:
+                return Refused(str(exc))
+        else:
+            self._old_key = None  # the first frame under the new key: the old one goes
         beat = isinstance(item, Beat)
         expected = self._beats_expected if beat else self._expected
         if counter != expected:

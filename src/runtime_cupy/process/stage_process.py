@@ -320,6 +320,9 @@ class StageProcess:
         freed)."""
         assert self.secrets is not None and self.media is not None
         secret = self.secrets()  # BadSecret, NoSecret: the controller reports it
+        # the control channel's key too, the new secret's from the frame after JoinChain
+        # on (the orchestrator's end has changed already)
+        self.channel.rekey(control_key(secret, self.channel.local_id))
         links = ProcessLinks(
             self.media(join.inbound_medium, self.encrypt_edges),
             self.media(join.outbound_medium, self.encrypt_edges),
@@ -530,14 +533,24 @@ class StageProcess:
             self._read_control()
 
     def _read_control(self) -> None:
-        for item in self.channel.receive():
-            if isinstance(item, Incoming):
-                log.info("received %s from %r", type(item.message).__name__, item.sender)
-                self.trace.instant(f"recv {type(item.message).__name__}", sender=item.sender)
-                self.controller.handle(fsm.Received(item.sender, item.message))
-            else:
-                log.warning("refused a control frame: %s", item.reason)
-                self.trace.instant("refused frame", reason=item.reason)
+        items = self.channel.receive()
+        while items:
+            joining = self.channel.rekey_due  # the items end with a JoinChain
+            for item in items:
+                if isinstance(item, Incoming):
+                    log.info("received %s from %r", type(item.message).__name__, item.sender)
+                    self.trace.instant(f"recv {type(item.message).__name__}", sender=item.sender)
+                    self.controller.handle(fsm.Received(item.sender, item.message))
+                else:
+                    log.warning("refused a control frame: %s", item.reason)
+                    self.trace.instant("refused frame", reason=item.reason)
+            if not joining:
+                break
+            # the channel decoded nothing after the JoinChain: _join re-keyed it, or the
+            # stage could not join and the old key goes on; then what came after it
+            if self.channel.rekey_due:
+                self.channel.keep_key()
+            items = self.channel.buffered()
         if self.channel.eof:
             self._lose("the control channel closed")
 

@@ -4,9 +4,10 @@ lost stage started again on new links; the stages whose node and layers are unch
 keep their process and bound weights and join the new chain's links), and each
 interrupted run is replayed there: the caller's stream goes on and its whole text is
 the unbroken run's, greedy and seeded, with 4 runs in flight, and through a second
-loss during the recovery. Nothing of the old chain is left (the ``no_leftovers``
-fixture checks every chain's resources by its id, the old one's too), and the old run
-ids stay stale on the kept stages.
+loss during the recovery. A kept stage's control channel changes keys with the chain's
+secret: the old secret signs nothing on it any more. Nothing of the old chain is left
+(the ``no_leftovers`` fixture checks every chain's resources by its id, the old one's
+too), and the old run ids stay stale on the kept stages.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runplan.messages import StopReason, StopRun
 from runplan.provision import provision_all
 from runtime_cupy import generate
 from runtime_cupy.process.chain_runner import ChainRun
+from runtime_cupy.process.control_channel import encode_frame
 from runtime_cupy.serve.chain import WarmChain
 from tests.support.hosts import TapHost
 from tests.support.hygiene import alive, run_resources, wait_gone
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.process
 
 PROMPT = [5, 77, 30, 12, 9]
 TOKENS = 16
+STOP = StopRun("forged", StopReason.CANCELLED)
 SEEDED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 11}
 
 
@@ -90,8 +93,14 @@ def test_a_stage_killed_mid_stream_is_replaced_and_the_others_keep_their_weights
         host.taps[0].forge_to_stage(
             "orchestrator", StopRun(interrupted.run_id, StopReason.CANCELLED)
         )
+        # The old secret (the lost stage's process held it too) signs nothing on a kept
+        # stage's control channel any more: the new chain re-keyed it.
+        old_key = host.taps[0].keys[0]
+        assert host.taps[0].key != old_key
+        host.taps[0].to_stage(encode_frame(old_key, "orchestrator", "stage-0", 0, STOP))
         again = chain.generate(PROMPT, max_tokens=4, **sampling)
         assert again.result.tokens == unbroken.tokens[:4]
+    assert (tmp_path / "stage-0.log").read_text().count("refused a control frame: bad MAC") == 1
     for kept in (0, 2):
         log = (tmp_path / f"stage-{kept}.log").read_text()
         assert log.count("bound weights in") == 1, "a kept stage bound its slice once"
