@@ -56,9 +56,10 @@ from runtime_cupy.process.streams import keep_alive
 HANDSHAKE_S = 10.0
 #: A control frame is small; anything longer is not one.
 MAX_FRAME = 1 << 20
-#: Bytes per sealed chunk sent (``benchmarks/slice_transfer.py --encrypt``: 1-4 MiB ran
-#: alike; smaller chunks cost more frames, larger ones more memory per chunk).
-SEALED_CHUNK = 2 << 20
+#: Bytes per sealed chunk sent (``benchmarks/slice_transfer.py --loopback``: chunks of
+#: 0.5-4 MiB ran alike, 8 MiB at under half their rate, each chunk's buffers fresh pages;
+#: docs/benchmarks.md). Smaller chunks cost more frames, larger ones more memory.
+SEALED_CHUNK = 1 << 20
 #: The longest chunk a receiver takes (what one chunk it cannot place may hold).
 MAX_CHUNK = 16 << 20
 #: The head's bit that marks a chunk of bytes (a control frame is under ``MAX_FRAME``).
