@@ -25,8 +25,8 @@ the server sends the slice with another protection than the stage asked for) is 
 ``SliceTransferFailed`` naming this host, the tensor and the cause, which the stage
 reports as its setup fault; what was written is removed.
 
-Each fetch appends one line to ``<cache>/transfers.jsonl``: what came from where, and
-how many bytes this host read from the socket.
+Each fetch appends one line to ``<cache>/transfers.jsonl``: what came from where, how
+many bytes this host read from the socket, and whether it asked for them encrypted.
 """
 
 from __future__ import annotations
@@ -428,6 +428,7 @@ class SliceFetcher:
             "parts": parts.label(),
             "host": self._host(link),
             "socket_bytes": link.received if link is not None else 0,
+            "encrypted": self.encrypt,
             "seconds": round(time.monotonic() - began, 6),
             **fields,
         }
