@@ -23,7 +23,7 @@ import socket
 
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, PROTECTIONS, AeadSeal
-from runtime_cupy.slices.protocol import CHUNK
+from runtime_cupy.slices.protocol import CHUNK_FLAG
 from tests.support.edge_relay import Relay, _recv_exact
 
 _HEAD = 4
@@ -72,8 +72,8 @@ class SliceRelay(Relay):
             while True:
                 head = _recv_exact(src, _HEAD)
                 word = int.from_bytes(head, "little")
-                frame = head + _recv_exact(src, (word & ~CHUNK) + tag)
-                if not word & CHUNK:
+                frame = head + _recv_exact(src, (word & ~CHUNK_FLAG) + tag)
+                if not word & CHUNK_FLAG:
                     self._forward(dst, frame)
                     continue
                 index, self.chunks = self.chunks, self.chunks + 1
@@ -90,7 +90,7 @@ class SliceRelay(Relay):
                     self._forward(dst, previous)
                 elif index == self.at and self.kind == "change":
                     self.done.append(f"changed chunk {index}")
-                    middle = _HEAD + (word & ~CHUNK) // 2
+                    middle = _HEAD + (word & ~CHUNK_FLAG) // 2
                     self._forward(
                         dst, frame[:middle] + bytes([frame[middle] ^ 1]) + frame[middle + 1 :]
                     )

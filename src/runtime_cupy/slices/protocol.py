@@ -14,7 +14,7 @@ direction, frames numbered per direction, so a replayed, reordered, dropped or f
 frame is refused: ``BrokenSeal``)::
 
     frame = head:u32 | body | tag (the seal's)
-    head  = length (a control frame: a JSON body) or CHUNK | length (a chunk of bytes)
+    head  = length (a control frame: a JSON body) or CHUNK_FLAG | length (a chunk of bytes)
 
     stage  -> server   REQUEST {source: [paths], source_key, parts}
     server -> stage    HEADER  {header_bytes, header_sha256, tensor_bytes}  then the
@@ -63,7 +63,7 @@ SEALED_CHUNK = 1 << 20
 #: The longest chunk a receiver takes (what one chunk it cannot place may hold).
 MAX_CHUNK = 16 << 20
 #: The head's bit that marks a chunk of bytes (a control frame is under ``MAX_FRAME``).
-CHUNK = 1 << 31
+CHUNK_FLAG = 1 << 31
 _LENGTH = struct.Struct("<I")
 
 
@@ -170,7 +170,7 @@ class Link:
         """The next frame's head: it, whether it is a chunk of bytes, its length."""
         head = self.recv_exact(_LENGTH.size)
         (word,) = _LENGTH.unpack(head)
-        chunk, length = bool(word & CHUNK), word & ~CHUNK
+        chunk, length = bool(word & CHUNK_FLAG), word & ~CHUNK_FLAG
         bound = MAX_CHUNK if chunk else MAX_FRAME
         if length > bound:
             kind = "chunk" if chunk else "frame"
@@ -205,7 +205,7 @@ class Link:
         """The next control frame; ``TransferError`` for a chunk of bytes instead."""
         head, chunk, length = self._head()
         if chunk:
-            self._open(head, memoryview(bytearray(length)), f"chunk {self._chunks}")
+            self._open(head, memoryview(bytearray(length)), f"chunk {self._chunks} of the bytes")
             raise TransferError(f"a chunk of {length} bytes where a control frame was due")
         return self._message(head, length)
 
@@ -220,7 +220,7 @@ class Link:
         with memoryview(data) as whole, whole.cast("B") as view:
             for start in range(0, len(view), SEALED_CHUNK):
                 piece = view[start : start + SEALED_CHUNK]
-                head = _LENGTH.pack(CHUNK | len(piece))
+                head = _LENGTH.pack(CHUNK_FLAG | len(piece))
                 sealed, tag = seal.seal(head, piece)
                 self._send_all(head, sealed, tag)
 
