@@ -3,6 +3,7 @@ the same bytes on the same link, what each host receives against its slice, and 
 time to first token on a cold host against a warm cache.
 
     sudo python benchmarks/slice_transfer.py [--model smollm2-135m] [--rounds 5] [--json]
+        [--rate 1gbit] [--encrypt [--sealed-chunks 1,2,4]] [--link-only]
 
 The hosts are network and mount namespaces of this machine joined by a bridge, with a
 Ray node in each (``tests/support/netns_hosts.py``); each host's ``/tmp`` (where its
@@ -17,12 +18,22 @@ folder on hosts 2 and 3.
    tensor, space reserved, fsync, renamed into place) or receives the raw copy into a
    file on the same file system (then fsync). MB/s = bytes read off the socket over the
    time from connecting to the file being durable; target: the slice at least 80% of
-   the raw copy.
+   the raw copy. With ``--encrypt``, the same slice also travels encrypted (as with
+   ``--encrypt-edges``: sealed AES-256-GCM chunks), once per chunk size of
+   ``--sealed-chunks`` (MiB; each size its own server process), in the same
+   interleaved rounds: what encryption costs, and which chunk size to send.
 2. **Bytes per host**: a 3-stage run with the model hidden on hosts 2 and 3; for each,
    the bytes sent against its slice's tensors plus the header (and the whole file).
 3. **Time to first token**, a 3-stage run from the command to its first token with the
    model hidden on hosts 2 and 3: cold (their caches emptied before the run) against
    warm (the same run again), interleaved rounds, medians.
+
+``--link-only`` measures 1. alone (no Ray nodes, no runs: a minute or two).
+``--loopback`` (no root) measures the byte path alone instead: ``Link.send_bytes`` on
+one thread to ``Link.recv_bytes_into`` on another over loopback TCP in this process
+(no hashing, no disk), raw against sealed in chunks of each ``--sealed-chunks`` size,
+interleaved rounds, medians: what the seal and the chunk size cost where nothing else
+does.
 
 Needs root (namespaces); without it, says so and exits 0. The machine's other work
 falls on both cases of each comparison alike (they alternate); the script prints the
@@ -62,15 +73,19 @@ def serve(args: argparse.Namespace) -> int:
     from runplan.gguf_header import GgufHeader
     from runplan.shards import SliceParts
     from runtime_cupy.process.keys import new_secret, slice_key
+    from runtime_cupy.slices import protocol
     from runtime_cupy.slices.cache import SliceCache
     from runtime_cupy.slices.digests import DigestStore
     from runtime_cupy.slices.server import SliceServer
 
+    if args.sealed_chunk:  # the chunk size this process's server seals the bytes in
+        protocol.SEALED_CHUNK = int(args.sealed_chunk)
     secret = new_secret()
     server = SliceServer(args.bind, DigestStore(SliceCache().digests))
     source = GgufSource((args.model,))
     key = server.offer(source)
-    server.expect(1, "bench", slice_key(secret, "bench"))
+    server.expect(1, "bench", slice_key(secret, "bench"))  # as without --encrypt-edges
+    server.expect(2, "bench-encrypted", slice_key(secret, "bench-encrypted"), encrypt=True)
     whole = GgufHeader.read(args.model)
     n_layers = whole.integer(f"{whole.string('general.architecture')}.block_count")
     parts = SliceParts(0, n_layers, True, True)
@@ -121,7 +136,10 @@ def fetch(args: argparse.Namespace) -> int:
 
     secret = bytes.fromhex(sys.stdin.readline().strip())
     cache = SliceCache(Path(args.cache), limit=None)
-    fetcher = SliceFetcher(SliceOrigin(args.fetch, args.key), 1, slice_key(secret, "bench"), cache)
+    stage, node = (2, "bench-encrypted") if args.encrypt else (1, "bench")
+    origin = SliceOrigin(args.fetch, args.key)
+    key = slice_key(secret, node)
+    fetcher = SliceFetcher(origin, stage, key, cache, encrypt=args.encrypt)
     start, end = (int(x) for x in args.parts.split(","))
     began = time.monotonic()
     fetcher.resolve(GgufSource((args.model,)), SliceParts(start, end, True, True))
@@ -190,6 +208,65 @@ def one_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def loopback(args: argparse.Namespace) -> int:
+    """The byte path alone on loopback: raw, and sealed per chunk size (``--loopback``)."""
+    import threading
+
+    from runtime_cupy.edges.tcp_seal import AUTHENTICATED, ENCRYPTED
+    from runtime_cupy.process.streams import keep_alive
+    from runtime_cupy.slices import protocol
+    from runtime_cupy.slices.protocol import Link
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    total, piece = 512 << 20, CHUNK  # sent as the server does: 8 MiB at a time
+    data = memoryview(bytearray(os.urandom(1 << 20)) * (piece >> 20))
+    into = memoryview(bytearray(piece))
+    cases = ["raw"] + [f"sealed-{float(c):g}MiB" for c in args.sealed_chunks.split(",")]
+    rates: dict[str, list[float]] = {case: [] for case in cases}
+    for r in range(args.rounds + 1):
+        for case in cases[r % len(cases) :] + cases[: r % len(cases)]:
+            protection = AUTHENTICATED if case == "raw" else ENCRYPTED
+            if case != "raw":
+                protocol.SEALED_CHUNK = int(float(case[7:-3]) * (1 << 20))
+            a = socket.create_connection(listener.getsockname()[:2])  # TCP over loopback
+            b, _ = listener.accept()
+            keep_alive(a)  # no Nagle delay, as the slice's connections
+            keep_alive(b)
+            key, nonces = bytes(32), (bytes(32), bytes(range(32)))
+            sender, reader = Link(a), Link(b)
+            sender.start_session(protection, protection.seals(key, *nonces, producer=False))
+            reader.start_session(protection, protection.seals(key, *nonces, producer=True))
+
+            def send(sender: Link = sender) -> None:
+                for _ in range(total // piece):
+                    sender.send_bytes(data)
+
+            began = time.perf_counter()
+            thread = threading.Thread(target=send)
+            thread.start()
+            for _ in range(total // piece):
+                reader.recv_bytes_into(into)
+            seconds = time.perf_counter() - began
+            thread.join()
+            sender.close()
+            reader.close()
+            if r > 0:
+                rates[case].append(total / seconds / 1e6)
+    medians = {case: statistics.median(v) for case, v in rates.items()}
+    if args.json:
+        spread = {c: _spread(v) for c, v in rates.items()}
+        doc = {"bytes": total, "rounds": args.rounds, "mb_per_s": medians, "spread": spread}
+        print(json.dumps(doc, indent=1))
+        return 0
+    for case, mbs in medians.items():
+        print(
+            f"{case:14} {mbs:6.0f} MB/s ({mbs / medians['raw']:.2f} x raw; spread "
+            f"{_spread(rates[case]):.0%}, {args.rounds} rounds of {total >> 20} MiB)"
+        )
+    return 0
+
+
 # -- the parent ---------------------------------------------------------------------------
 
 
@@ -225,10 +302,26 @@ def main() -> int:
         "default: the veth pair as it is (memory speed, so CPU-bound)",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="also measure the slice encrypted (--encrypt-edges), in the same rounds",
+    )
+    p.add_argument(
+        "--sealed-chunks",
+        default="1",
+        help="with --encrypt: the sizes of the sealed chunks to measure, MiB, comma-separated "
+        "(default 1, the size sent)",
+    )
+    p.add_argument("--link-only", action="store_true", help="the link speed only (no Ray, no runs)")
     for hidden in ("--serve", "--fetch", "--raw", "--one-run"):
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     for hidden in ("--bind", "--key", "--parts", "--cache", "--ray-address", "--began"):
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sealed-chunk", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--loopback", action="store_true", help="the byte path alone, in this process (no root)"
+    )
     args = p.parse_args()
     if args.serve:
         return serve(args)
@@ -238,12 +331,12 @@ def main() -> int:
         return receive_raw(args)
     if args.one_run:
         return one_run(args)
+    if args.loopback:
+        return loopback(args)
 
     from tests.support.netns_hosts import TestHosts, unavailable
 
-    from runplan.gguf_header import GgufHeader
     from runplan.models import resolve_model
-    from runplan.shards import SliceParts, slice_tensor_names
 
     reason = unavailable()
     if reason is not None:
@@ -258,9 +351,12 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="gguf-pipeline-slice-bench-"))
     load_before = os.getloadavg()[0]
     os.environ["GGUF_PIPELINE_CACHE"] = CACHE  # the Ray nodes' stages inherit it
-    server: subprocess.Popen[str] | None = None
+    servers: list[subprocess.Popen[str]] = []
+    chunks = [float(c) for c in args.sealed_chunks.split(",")] if args.encrypt else []
+    encrypted = {f"encrypted-{c:g}MiB": c for c in chunks}  # case -> its chunks' MiB
+    runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
     try:
-        hosts.up(logs)
+        hosts.up(logs, ray=not args.link_only)
         for i in (2, 3):  # the model is not on hosts 2 and 3 (an empty file system over it)
             hosts.on_host(i, f"mount -t tmpfs -o size=64k tmpfs {folder}")
         if args.rate:  # what enters host 2 leaves the bridge through its veth
@@ -269,28 +365,37 @@ def main() -> int:
                  "burst", "4mb", "latency", "100ms"],
                 check=True,
             )  # fmt: skip
-        # 1. link speed
-        server = subprocess.Popen(
-            hosts.driver([*me[1:], "--serve", "1", "--model", model,
-                          "--bind", hosts.address(1)]),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
-        )  # fmt: skip
-        assert server.stdout is not None
-        offer = json.loads(server.stdout.readline())
+        # 1. link speed: a server process for the plain slice and the raw copy, and one
+        # per sealed chunk size
+        offers: dict[str, dict[str, Any]] = {}
+        for case, mib in [("slice", None), *encrypted.items()]:
+            chunk = [] if mib is None else ["--sealed-chunk", str(int(mib * (1 << 20)))]
+            server = subprocess.Popen(
+                hosts.driver([*me[1:], "--serve", "1", "--model", model,
+                              "--bind", hosts.address(1), *chunk]),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(),
+            )  # fmt: skip
+            servers.append(server)
+            assert server.stdout is not None
+            offers[case] = json.loads(server.stdout.readline())
+        offer = offers["slice"]
         on2 = ["nsenter", "-t", str(hosts.anchor(2)), "-m", "-n", f"--wd={ROOT}"]
-        link: dict[str, list[dict[str, Any]]] = {"raw": [], "slice": []}
+        cases = ["raw", "slice", *encrypted]
+        link: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
         for r in range(args.rounds + 1):  # the first round warms up, not counted
-            order = ("raw", "slice") if r % 2 == 0 else ("slice", "raw")
+            order = cases[r % len(cases) :] + cases[: r % len(cases)]  # each first in turn
             for case in order:
                 cache = f"/tmp/gpp-bench-{case}-{r}"
                 if case == "raw":
                     doc = _json([*on2, *me, "--raw", offer["raw_address"], "--cache", cache])
                 else:
-                    parts = ",".join(str(x) for x in offer["parts"])
+                    served = offers[case]
+                    parts = ",".join(str(x) for x in served["parts"])
                     doc = _json(
-                        [*on2, *me, "--fetch", offer["address"], "--key", offer["key"],
-                         "--parts", parts, "--cache", cache, "--model", model],
-                        offer["secret"] + "\n",
+                        [*on2, *me, "--fetch", served["address"], "--key", served["key"],
+                         "--parts", parts, "--cache", cache, "--model", model,
+                         *(["--encrypt"] if case in encrypted else [])],
+                        served["secret"] + "\n",
                     )  # fmt: skip
                 if doc.get("outcome", "received") != "received":
                     raise RuntimeError(f"the slice did not travel: {doc}")
@@ -302,13 +407,13 @@ def main() -> int:
                     f"{doc['seconds']:.3f} s: {doc['mb_per_s']:.0f} MB/s",
                     file=sys.stderr,
                 )
-        assert server.stdin is not None
-        server.stdin.close()
-        server.wait(30)
-        server = None
+        for server in servers:
+            assert server.stdin is not None
+            server.stdin.close()
+            server.wait(30)
+        servers = []
         # 2. and 3.: runs with the model hidden on hosts 2 and 3
-        runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
-        for r in range(args.rounds):
+        for r in range(0 if args.link_only else args.rounds):
             for case in ("cold", "warm"):
                 if case == "cold":
                     for i in (2, 3):
@@ -327,15 +432,69 @@ def main() -> int:
                     file=sys.stderr,
                 )
     finally:
-        if server is not None:
+        for server in servers:
             server.kill()
         hosts.down()
         shutil.rmtree(logs, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
     load_after = os.getloadavg()[0]
+    figures = _link_figures(args, link, encrypted)
+    if not args.link_only:
+        figures.update(_run_figures(args.model, runs))
+    figures["load_average_1min"] = {
+        "before": load_before, "after": load_after, "cores": os.cpu_count(),
+    }  # fmt: skip
+    figures["per_round"] = {"link": link, "runs": runs}
+    if args.json:
+        print(json.dumps(figures, indent=1))
+        return 0
+    _print(figures)
+    print(f"load average {load_before:.1f} before, {load_after:.1f} after "
+          f"({os.cpu_count()} cores)")  # fmt: skip
+    return 0
 
-    header = GgufHeader.read(resolve_model(args.model))
-    whole = Path(resolve_model(args.model)).stat().st_size
+
+def _link_figures(
+    args: argparse.Namespace, link: dict[str, list[dict[str, Any]]], encrypted: dict[str, float]
+) -> dict[str, Any]:
+    """Medians of the link rounds: each case's MB/s, the slice's against the raw copy,
+    each encrypted chunk size's against the plain slice."""
+    mbs = {case: statistics.median(d["mb_per_s"] for d in docs) for case, docs in link.items()}
+    return {
+        "model": args.model,
+        "rounds": args.rounds,
+        "link_rate": args.rate or "veth, unshaped",
+        "slice_seconds_breakdown": {
+            k: statistics.median(d[k] for d in link["slice"])
+            for k in ("receive_s", "hash_wait_s", "sync_s")
+        },
+        "link_bytes": link["slice"][0]["bytes"],
+        "raw_copy_mb_per_s": mbs["raw"],
+        "slice_transfer_mb_per_s": mbs["slice"],
+        "ratio": mbs["slice"] / mbs["raw"],
+        "ratio_target": 0.8,
+        "encrypted": {
+            case: {
+                "sealed_chunk_mib": mib,
+                "link_bytes": link[case][0]["bytes"],
+                "mb_per_s": mbs[case],
+                "of_the_plain_slice": mbs[case] / mbs["slice"],
+                "of_the_raw_copy": mbs[case] / mbs["raw"],
+            }
+            for case, mib in encrypted.items()
+        },
+        "spread": {case: _spread([d["mb_per_s"] for d in docs]) for case, docs in link.items()},
+    }
+
+
+def _run_figures(model: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Bytes per host of the first cold run, and the first token's medians."""
+    from runplan.gguf_header import GgufHeader
+    from runplan.models import resolve_model
+    from runplan.shards import SliceParts, slice_tensor_names
+
+    header = GgufHeader.read(resolve_model(model))
+    whole = Path(resolve_model(model)).stat().st_size
     cold = runs["cold"][0]
     per_host = []
     for t in cold["slices"]:
@@ -355,59 +514,47 @@ def main() -> int:
                 "of_the_whole_file": t["sent_bytes"] / whole,
             }
         )
-    raw_mbs = statistics.median(d["mb_per_s"] for d in link["raw"])
-    slice_mbs = statistics.median(d["mb_per_s"] for d in link["slice"])
-    ttft_cold = statistics.median(d["first_token_s"] for d in runs["cold"])
-    ttft_warm = statistics.median(d["first_token_s"] for d in runs["warm"])
-    breakdown = {
-        k: statistics.median(d[k] for d in link["slice"])
-        for k in ("receive_s", "hash_wait_s", "sync_s")
-    }
-    figures = {
-        "model": Path(model).name,
-        "rounds": args.rounds,
-        "link_rate": args.rate or "veth, unshaped",
-        "slice_seconds_breakdown": breakdown,
-        "link_bytes": link["slice"][0]["bytes"],
-        "raw_copy_mb_per_s": raw_mbs,
-        "slice_transfer_mb_per_s": slice_mbs,
-        "ratio": slice_mbs / raw_mbs,
-        "ratio_target": 0.8,
-        "spread": {
-            "raw": _spread([d["mb_per_s"] for d in link["raw"]]),
-            "slice": _spread([d["mb_per_s"] for d in link["slice"]]),
-            "cold": _spread([d["first_token_s"] for d in runs["cold"]]),
-            "warm": _spread([d["first_token_s"] for d in runs["warm"]]),
-        },
+    return {
         "bytes_per_host": per_host,
-        "first_token_s": {"cold": ttft_cold, "warm_cache": ttft_warm},
-        "load_average_1min": {"before": load_before, "after": load_after, "cores": os.cpu_count()},
-        "per_round": {"link": link, "runs": runs},
+        "first_token_s": {
+            "cold": statistics.median(d["first_token_s"] for d in runs["cold"]),
+            "warm_cache": statistics.median(d["first_token_s"] for d in runs["warm"]),
+        },
+        "spread_runs": {
+            case: _spread([d["first_token_s"] for d in docs]) for case, docs in runs.items()
+        },
     }
-    if args.json:
-        print(json.dumps(figures, indent=1))
-        return 0
+
+
+def _print(figures: dict[str, Any]) -> None:
+    raw_mbs, slice_mbs = figures["raw_copy_mb_per_s"], figures["slice_transfer_mb_per_s"]
+    spread = figures["spread"]
     ok = "met" if figures["ratio"] >= 0.8 else "MISSED"
-    print(f"link ({figures['link_bytes'] / 1e6:.1f} MB, median of {args.rounds}): slice "
+    print(f"link ({figures['link_bytes'] / 1e6:.1f} MB, median of {figures['rounds']}): slice "
           f"{slice_mbs:.0f} MB/s, raw TCP copy {raw_mbs:.0f} MB/s: ratio {figures['ratio']:.2f} "
-          f"(target >= 0.80: {ok}); spread raw {figures['spread']['raw']:.0%}, slice "
-          f"{figures['spread']['slice']:.0%}")  # fmt: skip
+          f"(target >= 0.80: {ok}); spread raw {spread['raw']:.0%}, slice "
+          f"{spread['slice']:.0%}")  # fmt: skip
+    for case, e in figures["encrypted"].items():
+        print(f"encrypted, chunks of {e['sealed_chunk_mib']:g} MiB ({e['link_bytes'] / 1e6:.1f} "
+              f"MB on the link): {e['mb_per_s']:.0f} MB/s, {e['of_the_plain_slice']:.2f} x the "
+              f"plain slice, {e['of_the_raw_copy']:.2f} x the raw copy; spread "
+              f"{spread[case]:.0%}")  # fmt: skip
+    breakdown = figures["slice_seconds_breakdown"]
     print(
         f"slice (medians): receiving {breakdown['receive_s']:.3f} s, then waiting for the "
         f"last hashes {breakdown['hash_wait_s']:.3f} s, then fsync {breakdown['sync_s']:.3f} s; "
         f"link: {figures['link_rate']}"
     )
-    for h in per_host:
+    for h in figures.get("bytes_per_host", []):
         print(
             f"stage {h['stage_index']} (host {h['host']}): sent {h['sent_bytes']} bytes = "
             f"slice tensors {h['slice_tensor_bytes']} + header {h['header_bytes']}: "
             f"{h['equals_tensors_plus_header']}; {h['of_the_whole_file']:.0%} of the file"
         )
-    print(f"first token after the command: cold hosts {ttft_cold:.2f} s, warm cache "
-          f"{ttft_warm:.2f} s (medians of {args.rounds})")  # fmt: skip
-    print(f"load average {load_before:.1f} before, {load_after:.1f} after "
-          f"({os.cpu_count()} cores)")  # fmt: skip
-    return 0
+    if "first_token_s" in figures:
+        first = figures["first_token_s"]
+        print(f"first token after the command: cold hosts {first['cold']:.2f} s, warm cache "
+              f"{first['warm_cache']:.2f} s (medians of {figures['rounds']})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -268,6 +268,33 @@ def test_hosts_without_the_model_file_get_their_slices_then_start_from_their_cac
     _assert_nothing_left(hosts, doc["chain_id"])
 
 
+def test_with_encrypted_edges_the_hosts_get_their_slices_encrypted(
+    hosts: TestHosts, model: str
+) -> None:
+    # The launch's encrypt_edges reaches both ends of each slice's transfer (the Ray
+    # host's slice server, the supervisor's prefetch): they agree, or the run faults.
+    cache = os.environ["GGUF_PIPELINE_CACHE"]
+    for i in (2, 3):
+        hosts.on_host(i, f"rm -rf {cache}/slices")
+    before = {i: len(_transfers(hosts, i)) for i in (2, 3)}
+    expected = list(runtime_sim.generate(model, PROMPT, stages=3, max_tokens=4).tokens)
+    with _hidden(hosts, Path(model).parent, on=(2, 3)):
+        doc = Driver(hosts, model, "--max-tokens", "4", "--encrypt-edges").result()
+    assert doc["outcome"] == "completed", doc
+    assert doc["tokens"] == expected
+    slices = {t["stage_index"]: t for t in doc["slices"]}
+    assert sorted(slices) == [1, 2]
+    for i, t in slices.items():
+        assert t["state"] == "done" and t["host"] == hosts.address(i + 1), t
+        # The supervisor's prefetch received it (asked for encrypted, agreed in the
+        # handshake: no failed fetch before it), the stage's bind found it in the cache.
+        lines = _transfers(hosts, i + 1)[before[i + 1] :]
+        assert [x["outcome"] for x in lines] == ["received", "cache"], lines
+        assert all(x["encrypted"] is True for x in lines), lines
+        assert lines[0]["tensor_bytes_received"] == t["tensor_bytes"]
+    _assert_nothing_left(hosts, doc["chain_id"])
+
+
 def test_a_full_cache_disk_on_a_host_is_a_named_fault_and_the_run_after_succeeds(
     hosts: TestHosts, model: str
 ) -> None:

@@ -52,9 +52,10 @@ MIDDLE = SliceParts(2, 4, False, False)
 
 
 class Source:
-    """A model served by a slice server, gone from its path on "this host"."""
+    """A model served by a slice server, gone from its path on "this host";
+    ``encrypt``: the server sends its stages' slices encrypted."""
 
-    def __init__(self, folder: Path, shape: ModelShape) -> None:
+    def __init__(self, folder: Path, shape: ModelShape, *, encrypt: bool = False) -> None:
         self.folder = folder
         self.path = write_model(folder / "model.gguf", shape)
         self.header = GgufHeader.read(self.path)
@@ -62,14 +63,26 @@ class Source:
         self.server = SliceServer("127.0.0.1", DigestStore(folder / "orchestrator"))
         self.key = self.server.offer(GgufSource((str(self.path),)))
         for i in range(4):
-            self.server.expect(i, f"node{i}", slice_key(self.secret, f"node{i}"), f"host{i}")
+            key = slice_key(self.secret, f"node{i}")
+            self.server.expect(i, f"node{i}", key, f"host{i}", encrypt=encrypt)
+        self.encrypt = encrypt
         self.away = folder / "kept-by-the-server.gguf"
         os.rename(self.path, self.away)  # the server reads its memory map
 
-    def fetcher(self, cache: Path, stage: int = 1, address: str | None = None) -> SliceFetcher:
+    def fetcher(
+        self,
+        cache: Path,
+        stage: int = 1,
+        address: str | None = None,
+        *,
+        encrypt: bool | None = None,
+    ) -> SliceFetcher:
+        """Stage ``stage``'s fetcher into ``cache``, asking for the slice encrypted as
+        the server sends it unless ``encrypt`` says otherwise."""
         origin = SliceOrigin(address or self.server.address, self.key)
         key = slice_key(self.secret, f"node{stage}")
-        return SliceFetcher(origin, stage, key, SliceCache(cache, limit=None))
+        asks = self.encrypt if encrypt is None else encrypt
+        return SliceFetcher(origin, stage, key, SliceCache(cache, limit=None), encrypt=asks)
 
     def slice_bytes(self, parts: SliceParts) -> int:
         names = slice_tensor_names(self.header.tensors, parts)

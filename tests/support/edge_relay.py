@@ -80,7 +80,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 class Relay:
     """The relay; ``address`` is where it listens. ``upstream()`` says where the
-    consumer is when a connection comes."""
+    consumer is when a connection comes. ``attacks``: the kinds it takes (a relay of
+    another wire, ``slice_relay``, has its own)."""
+
+    attacks: tuple[str, ...] = ATTACKS
 
     def __init__(
         self,
@@ -89,8 +92,8 @@ class Relay:
         bind: str = "127.0.0.1",
     ) -> None:
         kind, _, at = attack.partition("@")
-        if kind not in ATTACKS or (kind != "pass" and not at.isdigit()):
-            raise ValueError(f"bad attack {attack!r}: pass, or KIND@K with KIND in {ATTACKS}")
+        if kind not in self.attacks or (kind != "pass" and not at.isdigit()):
+            raise ValueError(f"bad attack {attack!r}: pass, or KIND@K with KIND in {self.attacks}")
         self.kind, self.at = kind, int(at or 0)
         self.upstream = upstream
         self.listener = socket.create_server((bind, 0))

@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--pause-at", type=int, default=None)
     p.add_argument("--copy-model-to", default=None)
     p.add_argument("--edges", default="auto")
+    p.add_argument("--encrypt-edges", action="store_true")
     args = p.parse_args()
     model = args.model
     if args.copy_model_to:  # a path only this host has
@@ -88,6 +89,7 @@ def main() -> int:
         worker="numpy",
         ray_address=args.address,
         edges=args.edges,
+        encrypt_edges=args.encrypt_edges,
         timeouts=TIMEOUTS,
         on_event=on_event,
         on_token=on_token,

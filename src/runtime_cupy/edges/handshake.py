@@ -10,7 +10,7 @@ first when the port is crowded)::
                                       edge_id:u64 nonce_p:32 mac_h:32                  80 bytes
     consumer -> producer   CHALLENGE  "GPTC" version:u8 protection:u8 pad:2
                                       nonce_c:32 mac_c:32                              72 bytes
-                        or REFUSE     "GPTR" version:u8 refusal:u8 pad:2                8 bytes
+                        or REFUSE     "GPTR" version:u8 refusal:u8 protection:u8 pad:1  8 bytes
     producer -> consumer   CONFIRM    "GPTF" version:u8 pad:3 mac_p:32                 40 bytes
 
     mac_h = HMAC-SHA256(key, "hello"    | protection | edge_id | nonce_p)
@@ -27,7 +27,10 @@ encrypted too); every MAC covers it, so no one on the path can change it, and a
 consumer refuses a producer that seals otherwise than it does.
 
 A HELLO of another edge, with a wrong key or another protection gets a REFUSE that
-says which (a producer that gets one faults its setup, naming the reason); anything
+says which, and may say how the refusing end seals (its protection's code; 0: it does
+not say), so that a producer refused for its protection can name both (a producer
+that gets one faults its setup, naming the reason; the REFUSE is not authenticated, so
+it can only end a connection, never change how one is sealed); anything
 else (garbage, a record sent without a handshake, a truncated message) is refused, and
 the connection closed, on the first byte that proves it wrong.
 """
@@ -46,7 +49,7 @@ VERSION = 2
 NONCE_BYTES = 32
 _HELLO = struct.Struct(f"<4sBB2xQ{NONCE_BYTES}s32s")
 _CHALLENGE = struct.Struct(f"<4sBB2x{NONCE_BYTES}s32s")
-_REFUSE = struct.Struct("<4sBB2x")
+_REFUSE = struct.Struct("<4sBBB1x")
 _CONFIRM = struct.Struct("<4sB3x32s")
 HELLO_MAGIC, CHALLENGE_MAGIC, REFUSE_MAGIC, CONFIRM_MAGIC = b"GPTH", b"GPTC", b"GPTR", b"GPTF"
 HELLO_BYTES = _HELLO.size
@@ -67,11 +70,16 @@ class Refusal(enum.Enum):
 
 class HandshakeRefused(ValueError):
     """What a peer sent does not open this edge; the message says why. ``refusal``:
-    what a consumer answers the HELLO with (``None``: nothing, the connection closes)."""
+    what a consumer answers the HELLO with (``None``: nothing, the connection closes);
+    ``protection``: for ``OTHER_PROTECTION``, the code of the peer's protection where it
+    said it (``None`` otherwise)."""
 
-    def __init__(self, message: str, refusal: Refusal | None = None) -> None:
+    def __init__(
+        self, message: str, refusal: Refusal | None = None, protection: int | None = None
+    ) -> None:
         super().__init__(message)
         self.refusal = refusal
+        self.protection = protection
 
 
 class Dropped(ConnectionError):
@@ -132,16 +140,24 @@ def read_reply(key: bytes, edge_id: int, protection: int, nonce_p: bytes, data: 
     ``HandshakeRefused`` for a REFUSE (saying why) or a consumer without the key."""
     check_reply_prefix(data)
     if data[:4] == REFUSE_MAGIC:
-        _, _, code = _REFUSE.unpack(data)
+        _, _, code, theirs = _REFUSE.unpack(data)
+        refusal: Refusal | None
         try:
+            refusal = Refusal(code)
             why = {
                 Refusal.OTHER_EDGE: "it is not the consumer of this edge",
                 Refusal.WRONG_KEY: "this producer does not hold its run's secret",
                 Refusal.OTHER_PROTECTION: "it seals its records otherwise",
-            }[Refusal(code)]
+            }[refusal]
         except ValueError:
-            why = f"refusal {code}"
-        raise HandshakeRefused(f"the consumer of edge {edge_id} refused this producer: {why}")
+            refusal, why = None, f"refusal {code}"
+        if refusal is Refusal.OTHER_PROTECTION and theirs:
+            why += f" (protection {theirs}, this end: {protection})"
+        raise HandshakeRefused(
+            f"the consumer of edge {edge_id} refused this producer: {why}",
+            refusal,
+            theirs if refusal is Refusal.OTHER_PROTECTION and theirs else None,
+        )
     _, _, claimed, nonce_c, mac_c = _CHALLENGE.unpack(data)
     expected = _mac(key, b"consumer", protection, edge_id, nonce_p, nonce_c)
     if claimed != protection or not hmac.compare_digest(mac_c, expected):
@@ -183,6 +199,7 @@ def verify_hello(key: bytes, edge_id: int, protection: int, data: bytes) -> Hell
             f"a producer that seals its records with protection {claimed_protection} "
             f"(this end: {protection})",
             Refusal.OTHER_PROTECTION,
+            claimed_protection,
         )
     return Hello(claimed, claimed_protection, bytes(nonce_p))
 
@@ -192,8 +209,9 @@ def challenge(key: bytes, edge_id: int, protection: int, nonce_p: bytes, nonce_c
     return _CHALLENGE.pack(CHALLENGE_MAGIC, VERSION, protection, nonce_c, mac_c)
 
 
-def refuse(refusal: Refusal) -> bytes:
-    return _REFUSE.pack(REFUSE_MAGIC, VERSION, refusal.value)
+def refuse(refusal: Refusal, protection: int = 0) -> bytes:
+    """A REFUSE saying why, and how this end seals (``protection``; 0: not said)."""
+    return _REFUSE.pack(REFUSE_MAGIC, VERSION, refusal.value, protection)
 
 
 def verify_confirm(

@@ -115,11 +115,13 @@ class AeadSeal:
 @frozen
 class Protection:
     """How an edge's frames are sealed: the code the handshake carries, a name for
-    messages, and the seal of one direction from its key."""
+    messages, the seal of one direction from its key, and whether it hides what it seals
+    (``encrypts``: a slice transfer then seals its tensor bytes too, ``slices.protocol``)."""
 
     code: int
     name: str
     make: Callable[[bytes, int], FrameSeal]
+    encrypts: bool = False
 
     def seals(
         self, edge_key: bytes, nonce_c: bytes, nonce_p: bytes, *, producer: bool
@@ -135,8 +137,15 @@ class Protection:
 
 
 AUTHENTICATED = Protection(1, "authenticated (HMAC-SHA256)", MacSeal)
-ENCRYPTED = Protection(2, "encrypted (AES-256-GCM)", AeadSeal)
+ENCRYPTED = Protection(2, "encrypted (AES-256-GCM)", AeadSeal, encrypts=True)
+PROTECTIONS = {p.code: p for p in (AUTHENTICATED, ENCRYPTED)}
 
 
 def protection_for(encrypt: bool) -> Protection:
     return ENCRYPTED if encrypt else AUTHENTICATED
+
+
+def protection_named(code: int | None) -> str:
+    """The name of the protection a handshake's ``code`` says (for messages)."""
+    known = PROTECTIONS.get(code) if code is not None else None
+    return known.name if known is not None else f"an unknown protection ({code})"

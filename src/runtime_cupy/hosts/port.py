@@ -42,7 +42,8 @@ class StageLaunch:
     for logs): it keeps its bound weights between runs and ends when its control
     channel closes between runs (``python -m runtime_cupy.process.stage_process --warm``).
     ``encrypt_edges``: its TCP edges encrypt their frames, not only authenticate them
-    (``edges.tcp_seal``; shared-memory edges are as they are).
+    (``edges.tcp_seal``; shared-memory edges are as they are), and so does its slice's
+    transfer (``slices.protocol``: both ends of it must say the same).
 
     ``source`` and ``parts``: the plan's GGUF source and what of it the stage holds, for
     a host whose stages may lack it (a stage on another machine gets its slice from the

@@ -639,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--encrypt-edges",
         action="store_true",
-        help="encrypt the frames of TCP edges (AES-256-GCM), not only authenticate them",
+        help="encrypt the frames of TCP edges (AES-256-GCM), not only authenticate them, "
+        "and ask for the slice (--slice-server) encrypted",
     )
     p.add_argument(
         "--heartbeat-ms",
@@ -700,7 +701,8 @@ def main(
     if args.slice_server is not None:
         origin = SliceOrigin(args.slice_server, args.slice_source_key or "")
         key = slice_key(secret, args.node_id)
-        worker = sliced(worker, SliceFetcher(origin, args.stage_index, key))
+        fetcher = SliceFetcher(origin, args.stage_index, key, encrypt=args.encrypt_edges)
+        worker = sliced(worker, fetcher)
     stage = StageProcess(
         stage_index=args.stage_index,
         stage_count=args.stage_count,

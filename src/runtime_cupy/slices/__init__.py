@@ -5,7 +5,8 @@ exactly its slice from the orchestrator's host, into that host's cache.
   other machines: ``hosts.ray``).
 - ``fetch``: a stage's side (the cache, the file at the plan's path, or a transfer).
 - ``worker``: the stage's worker, binding what ``fetch`` resolves.
-- ``protocol``: the wire (the TCP edges' handshake, sealed frames, raw bytes).
+- ``protocol``: the wire (the TCP edges' handshake, sealed frames, the tensor bytes
+  raw or, with ``--encrypt-edges``, in sealed chunks).
 - ``cache``: a host's cache of slices; ``digests``: what hashing found, kept.
 - ``progress``: bars, log lines and figures (``python -m runtime_cupy cache`` is
   ``cli.cache``).

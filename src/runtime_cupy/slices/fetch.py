@@ -16,15 +16,17 @@ In order:
    every tensor's SHA-256 against the header's (the sender computed them from its file),
    and renames the entry into place: only a complete, verified entry is ever used.
 
-Received bytes go straight from the socket into the entry's memory-mapped file (space
-for each tensor reserved first, so a full disk is an error naming that tensor, not a
-fault in the middle of a copy); tensors are hashed on other threads while the next ones
-arrive. Any failure (the connection broke off, a hash differs, the disk is full) is a
+Received bytes go straight from the socket into the entry's memory-mapped file
+(encrypted, each chunk is decrypted where it landed; space for each tensor reserved
+first, so a full disk is an error naming that tensor, not a fault in the middle of a
+copy); tensors are hashed on other threads while the next ones arrive. Any failure
+(the connection broke off, a hash differs, a chunk fails its seal, the disk is full,
+the server sends the slice with another protection than the stage asked for) is a
 ``SliceTransferFailed`` naming this host, the tensor and the cause, which the stage
 reports as its setup fault; what was written is removed.
 
-Each fetch appends one line to ``<cache>/transfers.jsonl``: what came from where, and
-how many bytes this host read from the socket.
+Each fetch appends one line to ``<cache>/transfers.jsonl``: what came from where, how
+many bytes this host read from the socket, and whether it asked for them encrypted.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from runplan.shards import (
     slice_tensor_names,
 )
 from runtime_core.workers.interface import WorkerError
+from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices.cache import CacheEntry, CacheError, SliceCache
 from runtime_cupy.slices.digests import DigestStore, hashes_match, metadata_matches
 from runtime_cupy.slices.protocol import Link, TransferError, open_as_stage
@@ -93,7 +96,8 @@ class _Failed(Exception):
 
 class SliceFetcher:
     """Resolves stage ``stage_index``'s source (its slice key ``key``) from ``origin``
-    into ``cache`` (default: this host's)."""
+    into ``cache`` (default: this host's); ``encrypt``: the slice travels encrypted (the
+    stage's ``--encrypt-edges``; the server must send it so, or the fetch is refused)."""
 
     def __init__(
         self,
@@ -101,10 +105,13 @@ class SliceFetcher:
         stage_index: int,
         key: bytes,
         cache: SliceCache | None = None,
+        *,
+        encrypt: bool = False,
     ) -> None:
         self.origin = origin
         self.stage_index = stage_index
         self.key = key
+        self.encrypt = encrypt
         self.cache = cache or SliceCache()
         self.digests = DigestStore(self.cache.digests)
         self.last: dict[str, Any] = {}  # what the last resolve did (its transfers.jsonl line)
@@ -163,7 +170,12 @@ class SliceFetcher:
         partial: Path | None = None
         where = "the connection"
         try:
-            link = open_as_stage(self.origin.address, self.stage_index, self.key)
+            link = open_as_stage(
+                self.origin.address,
+                self.stage_index,
+                self.key,
+                protection=protection_for(self.encrypt),
+            )
             link.send(
                 {
                     "source": list(source.paths),
@@ -225,7 +237,7 @@ class SliceFetcher:
         self, link: Link, info: dict[str, Any], partial: Path, parts: SliceParts
     ) -> GgufHeader:
         size, file_bytes = int(info["header_bytes"]), int(info["file_bytes"])
-        data = link.recv_exact(size)
+        data = link.recv_bytes(size)
         if hashlib.sha256(data).hexdigest() != info["header_sha256"]:
             raise _Failed("the header", "its SHA-256 is not the one the sender announced")
         path = partial / "slice.gguf"
@@ -325,7 +337,8 @@ class SliceFetcher:
                             else:
                                 for start in range(0, len(view), CHUNK):
                                     try:
-                                        received += link.recv_into(view[start : start + CHUNK])
+                                        with view[start : start + CHUNK] as piece:
+                                            received += link.recv_bytes_into(piece)
                                     except TransferError as exc:
                                         raise _Failed(
                                             f"tensor {name}",
@@ -415,6 +428,7 @@ class SliceFetcher:
             "parts": parts.label(),
             "host": self._host(link),
             "socket_bytes": link.received if link is not None else 0,
+            "encrypted": self.encrypt,
             "seconds": round(time.monotonic() - began, 6),
             **fields,
         }

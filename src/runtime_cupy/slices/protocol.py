@@ -1,27 +1,41 @@
 """The wire of a slice transfer: one TCP connection from a stage's host to the
-orchestrator's slice server.
+orchestrator's slice server, its tensor bytes raw (authenticated by their hashes) or,
+with ``--encrypt-edges``, in sealed AES-256-GCM chunks.
 
 It opens with the TCP edges' handshake (``edges.handshake``) under the stage's slice
 key (``keys.slice_key``), the stage's index as the edge id it claims: the stage speaks
-first, as an edge's producer does, and the server answers as a consumer. The control
-frames after it are sealed as an edge's frames are (``edges.tcp_seal``: keys of this
-connection and direction, frames numbered per direction, so a replayed, reordered or
-forged frame is refused)::
+first, as an edge's producer does, and the server answers as a consumer. The
+handshake carries the protection (``edges.tcp_seal``: ``AUTHENTICATED``, or
+``ENCRYPTED`` for a launch with ``encrypt_edges``) under its MACs, and each end says
+its own: a stage that asks for another protection than the server sends its slice
+with is refused (``ProtectionMismatch``, naming both), never served otherwise. The
+frames after it are sealed as an edge's frames are (keys of this connection and
+direction, frames numbered per direction, so a replayed, reordered, dropped or forged
+frame is refused: ``BrokenSeal``)::
 
-    frame = length:u32 | JSON body | tag (the seal's)
+    frame = head:u32 | body | tag (the seal's)
+    head  = length (a control frame: a JSON body) or CHUNK_FLAG | length (a chunk of bytes)
 
     stage  -> server   REQUEST {source: [paths], source_key, parts}
     server -> stage    HEADER  {header_bytes, header_sha256, tensor_bytes}  then the
-                                slice's GGUF header, raw (runplan.shard_file)
+                                slice's GGUF header (``runplan.shard_file``) as bytes
     stage  -> server   WANT    {tensors: [names]}   (what it has no copy of on its host)
-    server -> stage             each wanted tensor's bytes, raw, in the header's order
+    server -> stage             each wanted tensor's bytes, in the header's order
     stage  -> server   DONE    {ok, bytes} or {ok: false, error}
     server -> stage    ERROR   {error} instead of any of its messages, when it cannot
 
-The raw bytes need no seal: the header's hash is in the sealed HEADER frame, and the
-header holds each tensor's SHA-256 (``gguf_pipeline.shard.tensor_sha256``), which the
-stage checks before anything it received is used. The frames are authenticated, not
-encrypted (the weights travel as they are stored, whatever ``--encrypt-edges`` says).
+The bytes (the header, the tensors: ``Link.send_bytes``) travel as the protection
+says:
+
+- authenticated: raw, as they are stored. They need no seal of their own: the
+  header's hash is in the sealed HEADER frame, and the header holds each tensor's
+  SHA-256 (``gguf_pipeline.shard.tensor_sha256``), which the stage checks before
+  anything it received is used. Anyone on the path reads the weights.
+- encrypted: in frames of their own, chunks of at most ``SEALED_CHUNK`` bytes (a
+  chunk never spans two ``send_bytes``), each encrypted and numbered with the control
+  frames, so no byte of a weight crosses the network readable and a chunk changed,
+  replayed, reordered, dropped or forged is refused as it arrives (and the stage still
+  checks each tensor's SHA-256).
 """
 
 from __future__ import annotations
@@ -29,19 +43,27 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from attrs import frozen
+
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.tcp_seal import AUTHENTICATED, FrameSeal
+from runtime_cupy.edges.tcp_seal import AUTHENTICATED, FrameSeal, Protection, protection_named
 from runtime_cupy.process.streams import keep_alive
 
 #: How long the handshake and a control frame may take.
 HANDSHAKE_S = 10.0
 #: A control frame is small; anything longer is not one.
 MAX_FRAME = 1 << 20
-#: How the control frames are sealed.
-PROTECTION = AUTHENTICATED
+#: Bytes per sealed chunk sent (``benchmarks/slice_transfer.py --loopback``: chunks of
+#: 0.5-4 MiB ran alike, 8 MiB at under half their rate, each chunk's buffers fresh pages;
+#: docs/benchmarks.md). Smaller chunks cost more frames, larger ones more memory.
+SEALED_CHUNK = 1 << 20
+#: The longest chunk a receiver takes (what one chunk it cannot place may hold).
+MAX_CHUNK = 16 << 20
+#: The head's bit that marks a chunk of bytes (a control frame is under ``MAX_FRAME``).
+CHUNK_FLAG = 1 << 31
 _LENGTH = struct.Struct("<I")
 
 
@@ -53,18 +75,55 @@ class Refused(TransferError):
     """The peer did not prove it holds the key (or sent no handshake at all)."""
 
 
+class ProtectionMismatch(Refused):
+    """The two ends protect the connection otherwise (one encrypts, the other does not):
+    ``ours`` and ``theirs`` name how (``edges.tcp_seal``); ``stage_index``: the stage."""
+
+    def __init__(self, message: str, stage_index: int, ours: str, theirs: str) -> None:
+        super().__init__(message)
+        self.stage_index, self.ours, self.theirs = stage_index, ours, theirs
+
+
+class BrokenSeal(TransferError):
+    """A frame from the peer failed its seal: changed, replayed, reordered, dropped or
+    forged on the way. ``what``: a control frame, or which chunk of bytes; ``number``:
+    its place among the frames of its direction."""
+
+    def __init__(self, what: str, number: int) -> None:
+        super().__init__(
+            f"{what} (frame {number} from the peer) failed its seal: changed, replayed, "
+            f"reordered, dropped or forged on the way"
+        )
+        self.what, self.number = what, number
+
+
+@frozen
+class Admission:
+    """A stage a slice server admits: its slice key (``keys.slice_key``) and how its
+    connection is protected (``edges.tcp_seal``; the launch's ``encrypt_edges``)."""
+
+    key: bytes
+    protection: Protection = AUTHENTICATED
+
+
 class Link:
-    """One authenticated connection: framed messages both ways and raw byte streams,
-    with every byte it reads counted (``received``)."""
+    """One authenticated connection: framed messages both ways and byte streams (raw,
+    or sealed chunks when its protection encrypts), with every byte it reads counted
+    (``received``)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.protection = AUTHENTICATED
         self._seals: tuple[FrameSeal, FrameSeal] | None = None  # (send, receive)
         self.received = 0  # bytes read from the socket (handshake included)
         self.sent = 0
+        self._opened = 0  # frames received (the next one's number)
+        self._chunks = 0  # chunks of bytes received
+        self._pending = memoryview(b"")  # what a chunk held past what was asked of it
 
-    def start_session(self, seals: tuple[FrameSeal, FrameSeal]) -> None:
+    def start_session(self, protection: Protection, seals: tuple[FrameSeal, FrameSeal]) -> None:
         """The handshake is done: frames are sealed with these ``(send, receive)``."""
+        self.protection = protection
         self._seals = seals
 
     # -- raw -----------------------------------------------------------------------
@@ -107,16 +166,31 @@ class Link:
         sealed, tag = seal.seal(head, body)
         self.send_raw(head + bytes(sealed) + tag)
 
-    def receive(self) -> dict[str, Any]:
-        opener = self._session()[1]
+    def _head(self) -> tuple[bytes, bool, int]:
+        """The next frame's head: it, whether it is a chunk of bytes, its length."""
         head = self.recv_exact(_LENGTH.size)
-        (length,) = _LENGTH.unpack(head)
-        if length > MAX_FRAME:
-            raise TransferError(f"a frame of {length} bytes (at most {MAX_FRAME})")
-        body = bytearray(self.recv_exact(length))
+        (word,) = _LENGTH.unpack(head)
+        chunk, length = bool(word & CHUNK_FLAG), word & ~CHUNK_FLAG
+        bound = MAX_CHUNK if chunk else MAX_FRAME
+        if length > bound:
+            kind = "chunk" if chunk else "frame"
+            raise TransferError(f"a {kind} of {length} bytes (at most {bound})")
+        return head, chunk, length
+
+    def _open(self, head: bytes, body: memoryview, what: str) -> None:
+        """Read the frame's body into ``body`` and its tag, and open it (in place);
+        ``BrokenSeal`` naming ``what`` unless it is the next frame, as sealed."""
+        opener = self._session()[1]
+        self.recv_into(body)
         tag = self.recv_exact(opener.tag_bytes)
-        if not opener.open(head, memoryview(body), tag):
-            raise TransferError("a frame failed its seal (forged, replayed or damaged)")
+        number = self._opened
+        if not opener.open(head, body, tag):
+            raise BrokenSeal(what, number)
+        self._opened += 1
+
+    def _message(self, head: bytes, length: int) -> dict[str, Any]:
+        body = bytearray(length)
+        self._open(head, memoryview(body), "a control frame")
         try:
             doc = json.loads(body.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
@@ -126,6 +200,77 @@ class Link:
         if "error" in doc and len(doc) == 1:
             raise TransferError(f"the peer cannot go on: {doc['error']}")
         return doc
+
+    def receive(self) -> dict[str, Any]:
+        """The next control frame; ``TransferError`` for a chunk of bytes instead."""
+        head, chunk, length = self._head()
+        if chunk:
+            self._open(head, memoryview(bytearray(length)), f"chunk {self._chunks} of the bytes")
+            raise TransferError(f"a chunk of {length} bytes where a control frame was due")
+        return self._message(head, length)
+
+    # -- bytes (a slice's header, its tensors) ------------------------------------------
+    def send_bytes(self, data: Any) -> None:
+        """``data``, raw where the protection only authenticates (the receiver checks
+        hashes of it), else in sealed chunks of at most ``SEALED_CHUNK`` bytes."""
+        if not self.protection.encrypts:
+            self.send_raw(data)
+            return
+        seal = self._session()[0]
+        with memoryview(data) as whole, whole.cast("B") as view:
+            for start in range(0, len(view), SEALED_CHUNK):
+                piece = view[start : start + SEALED_CHUNK]
+                head = _LENGTH.pack(CHUNK_FLAG | len(piece))
+                sealed, tag = seal.seal(head, piece)
+                self._send_all(head, sealed, tag)
+
+    def _send_all(self, *parts: Any) -> None:
+        """``parts`` back to back, in as few system calls as the kernel takes them."""
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            n = self.sock.sendmsg(views)
+            self.sent += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+
+    def recv_bytes_into(self, view: memoryview) -> int:
+        """Fill ``view`` with what ``send_bytes`` sent: raw, or opened chunk by chunk
+        (each decrypted where it lands); ``BrokenSeal`` for a chunk that fails its seal,
+        ``TransferError`` if the connection ends or the peer gives up first."""
+        if not self.protection.encrypts:
+            return self.recv_into(view)
+        done = 0
+        while done < len(view):
+            if not self._pending:
+                head, chunk, length = self._head()
+                if not chunk:
+                    self._message(head, length)  # the peer's ERROR raises
+                    raise TransferError(
+                        f"a control frame where {len(view) - done} more bytes were due"
+                    )
+                what = f"chunk {self._chunks} of the bytes"
+                if length <= len(view) - done:  # decrypted where it lands
+                    with view[done : done + length] as into:  # released, even on a fault
+                        self._open(head, into, what)
+                    self._chunks += 1
+                    done += length
+                    continue
+                pending = memoryview(bytearray(length))
+                self._open(head, pending, what)
+                self._chunks += 1
+                self._pending = pending
+            n = min(len(self._pending), len(view) - done)
+            view[done : done + n] = self._pending[:n]
+            self._pending = self._pending[n:]
+            done += n
+        return done
+
+    def recv_bytes(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.recv_bytes_into(memoryview(buf))
+        return bytes(buf)
 
     def close(self) -> None:
         self.sock.close()
@@ -140,52 +285,78 @@ def _read_message(link: Link, n: int, check: Callable[[bytes], None]) -> bytes:
     return data
 
 
-def _hello_of(key: bytes, index: int, data: bytes) -> hs.Hello:
-    return hs.verify_hello(key, index, PROTECTION.code, data)
+def _mismatch(index: int, stage: str, server: str, address: str = "") -> str:
+    """Why a stage asking for protection ``stage`` and a server of ``server`` part."""
+    where = f"the slice server at {address}" if address else "this slice server"
+    return (
+        f"stage {index} asks for its slice {stage}, {where} sends it {server}: both ends "
+        f"must be launched alike (--encrypt-edges)"
+    )
 
 
-def open_as_server(sock: socket.socket, keys: dict[int, bytes]) -> tuple[Link, int]:
-    """The server's end of the handshake with a stage holding one of ``keys`` (stage
-    index -> slice key): its link and the stage's index. ``Refused`` otherwise (the
-    stage told why where the handshake says so)."""
+def open_as_server(sock: socket.socket, admitted: Mapping[int, Admission]) -> tuple[Link, int]:
+    """The server's end of the handshake with a stage holding one of the ``admitted``
+    (stage index -> its key and protection): its link and the stage's index.
+    ``ProtectionMismatch`` for one of them that asks for another protection, ``Refused``
+    otherwise (the stage told why where the handshake says so)."""
     sock.settimeout(HANDSHAKE_S)
     link = Link(sock)
     try:
         data = _read_message(link, hs.HELLO_BYTES, hs.check_hello_prefix)
         refusal = hs.HandshakeRefused("a stage of no slice of this server's", hs.Refusal.OTHER_EDGE)
-        for index, key in keys.items():
+        for index, admission in admitted.items():
+            key, protection = admission.key, admission.protection
             try:
-                hello = _hello_of(key, index, data)
+                hello = hs.verify_hello(key, index, protection.code, data)
             except hs.HandshakeRefused as exc:
+                if exc.refusal is hs.Refusal.OTHER_PROTECTION:
+                    link.send_raw(hs.refuse(exc.refusal, protection.code))
+                    theirs = protection_named(exc.protection)
+                    raise ProtectionMismatch(
+                        _mismatch(index, theirs, protection.name),
+                        index,
+                        protection.name,
+                        theirs,
+                    ) from exc
                 if exc.refusal is not hs.Refusal.OTHER_EDGE:
                     refusal = exc
                 continue
             nonce_c = hs.new_nonce()
-            link.send_raw(hs.challenge(key, index, PROTECTION.code, hello.nonce_p, nonce_c))
+            link.send_raw(hs.challenge(key, index, protection.code, hello.nonce_p, nonce_c))
             data = _read_message(link, hs.CONFIRM_BYTES, hs.check_confirm_prefix)
-            hs.verify_confirm(key, index, PROTECTION.code, nonce_c, hello.nonce_p, data)
-            link.start_session(PROTECTION.seals(key, nonce_c, hello.nonce_p, producer=False))
+            hs.verify_confirm(key, index, protection.code, nonce_c, hello.nonce_p, data)
+            seals = protection.seals(key, nonce_c, hello.nonce_p, producer=False)
+            link.start_session(protection, seals)
             sock.settimeout(None)
             keep_alive(sock)
             return link, index
         link.send_raw(hs.refuse(refusal.refusal or hs.Refusal.OTHER_EDGE))
         raise refusal
+    except Refused:
+        raise
     except (OSError, hs.HandshakeRefused, TransferError) as exc:
         raise Refused(str(exc)) from exc
 
 
 def open_as_stage(
-    address: str, stage_index: int, key: bytes, timeout_s: float = HANDSHAKE_S
+    address: str,
+    stage_index: int,
+    key: bytes,
+    timeout_s: float = HANDSHAKE_S,
+    *,
+    protection: Protection = AUTHENTICATED,
 ) -> Link:
     """Connect to the slice server at ``address`` (``host:port``) as stage
-    ``stage_index`` and prove its key; ``Refused`` / ``TransferError`` otherwise."""
+    ``stage_index``, prove its key and ask for ``protection``; ``ProtectionMismatch``
+    if the server sends this stage's slice otherwise, ``Refused`` / ``TransferError``
+    otherwise."""
     host, _, port = address.rpartition(":")
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except (OSError, ValueError) as exc:
         raise TransferError(f"cannot connect to the slice server at {address}: {exc}") from exc
     link = Link(sock)
-    code = PROTECTION.code
+    code = protection.code
     try:
         nonce_p = hs.new_nonce()
         link.send_raw(hs.hello(key, stage_index, code, nonce_p))
@@ -193,12 +364,25 @@ def open_as_stage(
         data = head + link.recv_exact(hs.reply_bytes(head) - len(head))
         nonce_c = hs.read_reply(key, stage_index, code, nonce_p, data)
         link.send_raw(hs.confirm(key, stage_index, code, nonce_c, nonce_p))
-    except (OSError, hs.HandshakeRefused, TransferError) as exc:
+    except hs.HandshakeRefused as exc:
+        sock.close()
+        if exc.refusal is hs.Refusal.OTHER_PROTECTION:
+            theirs = protection_named(exc.protection)
+            raise ProtectionMismatch(
+                _mismatch(stage_index, protection.name, theirs, address),
+                stage_index,
+                protection.name,
+                theirs,
+            ) from exc
+        raise Refused(
+            f"the slice server at {address} refused or failed the handshake: {exc}"
+        ) from exc
+    except (OSError, TransferError) as exc:
         sock.close()
         raise Refused(
             f"the slice server at {address} refused or failed the handshake: {exc}"
         ) from exc
-    link.start_session(PROTECTION.seals(key, nonce_c, nonce_p, producer=True))
+    link.start_session(protection, protection.seals(key, nonce_c, nonce_p, producer=True))
     sock.settimeout(None)
     keep_alive(sock)
     return link

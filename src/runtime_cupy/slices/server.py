@@ -2,13 +2,15 @@
 another host the slice of the model that stage holds (``protocol`` has the wire).
 
 ``offer(source)`` makes a source servable and returns its content key (hashed once per
-file, ``digests``); ``expect(stage_index, node_id, key)`` admits a stage (its slice
-key, ``keys.slice_key``). Each connection runs on a thread of its own: the handshake,
-the slice's header (``runplan.shard_file.shard_header``, made once per slice), then the
-tensors the stage asked for, read through the source's memory map and handed to the
-kernel in large pieces (``sendall`` of the mapped pages: no copy loop of ours), so a
-transfer runs at what the link takes. What moves is counted per stage
-(``transfers()``: bytes, rate, time left), for progress bars and logs.
+file, ``digests``); ``expect(stage_index, node_id, key, encrypt=...)`` admits a stage
+(its slice key, ``keys.slice_key``, and whether its launch encrypts: then its slice
+travels encrypted, and a stage that asks otherwise is refused, ``protocol``). Each
+connection runs on a thread of its own: the handshake, the slice's header
+(``runplan.shard_file.shard_header``, made once per slice), then the tensors the stage
+asked for, read through the source's memory map and handed to the kernel in large
+pieces (``sendall`` of the mapped pages: no copy loop of ours; sealed chunks of them
+when encrypted), so a transfer runs at what the link takes. What moves is counted per
+stage (``transfers()``: bytes, rate, time left), for progress bars and logs.
 """
 
 from __future__ import annotations
@@ -29,8 +31,16 @@ from runplan.content import SourceContent
 from runplan.gguf_header import GgufError, GgufHeader, model_id_for
 from runplan.shard_file import shard_header
 from runplan.shards import SliceParts, slice_tensor_names
+from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices.digests import DigestStore
-from runtime_cupy.slices.protocol import Link, Refused, TransferError, open_as_server
+from runtime_cupy.slices.protocol import (
+    Admission,
+    Link,
+    ProtectionMismatch,
+    Refused,
+    TransferError,
+    open_as_server,
+)
 
 log = logging.getLogger("runtime_cupy.slices")
 
@@ -130,7 +140,7 @@ class SliceServer:
         self.address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
         self._digests = digests
         self._sources: dict[tuple[str, ...], _Served] = {}
-        self._keys: dict[int, bytes] = {}
+        self._admitted: dict[int, Admission] = {}
         self._who: dict[int, tuple[str, str | None]] = {}
         self._transfers: dict[int, StageTransfer] = {}
         self._lock = threading.Lock()
@@ -169,10 +179,19 @@ class SliceServer:
         names, data = served.slice(parts)
         return served.header, names, data
 
-    def expect(self, stage_index: int, node_id: str, key: bytes, host: str | None = None) -> None:
-        """Admit stage ``stage_index`` (``node_id``, on ``host``) with its slice key."""
+    def expect(
+        self,
+        stage_index: int,
+        node_id: str,
+        key: bytes,
+        host: str | None = None,
+        *,
+        encrypt: bool = False,
+    ) -> None:
+        """Admit stage ``stage_index`` (``node_id``, on ``host``) with its slice key;
+        ``encrypt``: its slice travels encrypted (its launch's ``encrypt_edges``)."""
         with self._lock:
-            self._keys[stage_index] = key
+            self._admitted[stage_index] = Admission(key, protection_for(encrypt))
             self._who[stage_index] = (node_id, host)
 
     def transfers(self) -> tuple[StageTransfer, ...]:
@@ -222,12 +241,15 @@ class SliceServer:
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         with self._lock:
-            keys = dict(self._keys)
+            admitted = dict(self._admitted)
         try:
-            link, index = open_as_server(conn, keys)
+            link, index = open_as_server(conn, admitted)
         except Refused as exc:
             log.warning("refused a slice connection from %s: %s", peer, exc)
             conn.close()
+            if isinstance(exc, ProtectionMismatch):  # the stage proved its key
+                now = time.monotonic()
+                self._update(exc.stage_index, state="failed", error=str(exc), ended_s=now)
             return
         with self._lock:
             self._links.add(link)
@@ -281,7 +303,7 @@ class SliceServer:
                 "tensor_bytes": sum(tensors[n].n_bytes for n in names),
             }
         )
-        link.send_raw(header_data)
+        link.send_bytes(header_data)
         self._update(index, sent_bytes=len(header_data))
         want = link.receive()["tensors"]
         wanted = set(want)
@@ -301,7 +323,7 @@ class SliceServer:
             view = served.header.tensor_bytes(name).data
             for start in range(0, len(view), CHUNK):
                 piece = view[start : start + CHUNK]
-                link.send_raw(piece)
+                link.send_bytes(piece)
                 sent += len(piece)
                 self._update(index, sent_bytes=sent)
         done = link.receive()

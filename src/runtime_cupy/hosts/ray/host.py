@@ -375,7 +375,11 @@ class RayHost:
             self._slices.on_change = self._slice_changed
         key = self._slices.offer(launch.source)
         self._slices.expect(
-            launch.stage_index, launch.node_id, slice_key(secret, launch.node_id), node.host.label
+            launch.stage_index,
+            launch.node_id,
+            slice_key(secret, launch.node_id),
+            node.host.label,
+            encrypt=launch.encrypt_edges,
         )
         return attrs.evolve(launch, slices=SliceOrigin(self._slices.address, key))
 

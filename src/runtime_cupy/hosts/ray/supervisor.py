@@ -131,7 +131,7 @@ class StageSupervisor:
         if launch.slices is None or launch.source is None or launch.parts is None:
             return {"ok": True, "outcome": "none"}
         key = slice_key(secret, launch.node_id)
-        fetcher = SliceFetcher(launch.slices, launch.stage_index, key)
+        fetcher = SliceFetcher(launch.slices, launch.stage_index, key, encrypt=launch.encrypt_edges)
         try:
             fetcher.resolve(launch.source, launch.parts)
         except SliceTransferFailed as exc:
