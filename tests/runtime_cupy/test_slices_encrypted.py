@@ -146,6 +146,30 @@ def test_a_chunk_changed_replayed_dropped_or_reordered_is_refused_as_it_arrives(
     _same_tensors(got.paths[0], sealed, MIDDLE)
 
 
+def test_a_link_gone_silent_mid_slice_ends_the_fetch_naming_it(
+    sealed: Source, tmp_path: Path
+) -> None:
+    """A man in the middle that holds the bytes back with the connection open: the
+    stage waits its stall bound, not for ever, and fails naming the tensor and why."""
+    relay = SliceRelay(sealed.server.address, "stall@3")
+    try:
+        fetcher = sealed.fetcher(tmp_path / "host", address=relay.address_text)
+        fetcher.stall_s = 0.5
+        began = time.monotonic()
+        with pytest.raises(SliceTransferFailed) as failed:
+            sealed.resolve(fetcher)
+        took = time.monotonic() - began
+    finally:
+        relay.close()
+    assert relay.done == ["held back chunk 3 and what followed"]
+    silent = _cause(failed.value, protocol.LinkSilent)
+    assert "sent nothing after" in str(silent) and "for 0.5 s" in str(silent), silent
+    text = str(failed.value)
+    assert "tensor blk.2." in text and "the link went silent" in text, text
+    assert took < 10.0, f"the stall bound is 0.5 s, the fetch took {took:.1f} s"
+    assert _entries_and_tmp(tmp_path / "host") == ([], [])
+
+
 @pytest.mark.parametrize("server_encrypts", [True, False])
 def test_a_stage_and_a_server_that_protect_otherwise_are_refused_naming_both(
     tmp_path: Path, server_encrypts: bool

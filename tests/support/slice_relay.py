@@ -10,6 +10,8 @@ in chunks (encrypted), does what ``attack`` says to the chunks, frame by frame:
 - ``replay@K``: chunk ``K - 1``'s frame, as it was, sent again in place of chunk ``K``;
 - ``drop@K``: chunk ``K`` not forwarded;
 - ``reorder@K``: chunks ``K`` and ``K + 1`` swapped;
+- ``stall@K``: chunk ``K`` and all after it held back, the connection kept open (a
+  link gone silent);
 - ``downgrade``: the HELLO's protection byte set to the authenticated one's (its MAC
   then fails: the server refuses the stage).
 
@@ -31,7 +33,7 @@ _HEAD = 4
 
 class SliceRelay(Relay):
     __test__ = False
-    attacks = ("pass", "change", "replay", "drop", "reorder", "downgrade")
+    attacks = ("pass", "change", "replay", "drop", "reorder", "stall", "downgrade")
 
     def __init__(self, server: str, attack: str = "pass") -> None:
         host, _, port = server.rpartition(":")
@@ -83,6 +85,11 @@ class SliceRelay(Relay):
                     held = None
                 elif index == self.at and self.kind == "reorder":
                     held = frame
+                elif index == self.at and self.kind == "stall":
+                    self.done.append(f"held back chunk {index} and what followed")
+                    while src.recv(1 << 16):  # read and kept, until either end closes
+                        pass
+                    return
                 elif index == self.at and self.kind == "drop":
                     self.done.append(f"dropped chunk {index}")
                 elif index == self.at and self.kind == "replay" and previous is not None:

@@ -63,7 +63,13 @@ from runtime_core.workers.interface import WorkerError
 from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices.cache import CacheEntry, CacheError, SliceCache
 from runtime_cupy.slices.digests import DigestStore, hashes_match, metadata_matches
-from runtime_cupy.slices.protocol import Link, TransferError, open_as_stage
+from runtime_cupy.slices.protocol import (
+    HEADER_WAIT_S,
+    STALL_S,
+    Link,
+    TransferError,
+    open_as_stage,
+)
 
 log = logging.getLogger("runtime_cupy.slices")
 
@@ -107,11 +113,15 @@ class SliceFetcher:
         cache: SliceCache | None = None,
         *,
         encrypt: bool = False,
+        header_wait_s: float = HEADER_WAIT_S,
+        stall_s: float = STALL_S,
     ) -> None:
         self.origin = origin
         self.stage_index = stage_index
         self.key = key
         self.encrypt = encrypt
+        # how long the stage waits for the server's first frame, then for each next byte
+        self.header_wait_s, self.stall_s = header_wait_s, stall_s
         self.cache = cache or SliceCache()
         self.digests = DigestStore(self.cache.digests)
         self.last: dict[str, Any] = {}  # what the last resolve did (its transfers.jsonl line)
@@ -175,6 +185,7 @@ class SliceFetcher:
                 self.stage_index,
                 self.key,
                 protection=protection_for(self.encrypt),
+                header_wait_s=self.header_wait_s,
             )
             link.send(
                 {
@@ -190,6 +201,7 @@ class SliceFetcher:
             )
             where = "the header"
             info = link.receive()
+            link.bound_silence(self.stall_s)  # the bytes flow now: a stall ends the fetch
             partial = self.cache.new_partial(source_key, parts)
             sent = self._receive_header(link, info, partial, parts)
             names = tuple(sent.tensors)

@@ -54,6 +54,13 @@ from runtime_cupy.process.streams import keep_alive
 
 #: How long the handshake and a control frame may take.
 HANDSHAKE_S = 10.0
+#: How long a stage waits for the server's first frame after the handshake (the server
+#: may hash a large slice's tensors for its header first).
+HEADER_WAIT_S = 600.0
+#: How long a stage waits for the next byte once its slice's header came: a server, or
+#: a man in the middle, that holds the connection open and sends nothing for longer
+#: ends the transfer (``LinkSilent``), rather than leaving the stage waiting for ever.
+STALL_S = 60.0
 #: A control frame is small; anything longer is not one.
 MAX_FRAME = 1 << 20
 #: Bytes per sealed chunk sent (``benchmarks/slice_transfer.py --loopback``: chunks of
@@ -73,6 +80,11 @@ class TransferError(ConnectionError):
 
 class Refused(TransferError):
     """The peer did not prove it holds the key (or sent no handshake at all)."""
+
+
+class LinkSilent(TransferError):
+    """The peer sent nothing (or took nothing) for the link's bound while the
+    connection stayed open: it stalled, or something on the path holds the bytes back."""
 
 
 class ProtectionMismatch(Refused):
@@ -127,17 +139,32 @@ class Link:
         self._seals = seals
 
     # -- raw -----------------------------------------------------------------------
+    def bound_silence(self, seconds: float) -> None:
+        """From now on, a read or a write that waits longer than ``seconds`` for the peer
+        ends the link (``LinkSilent``)."""
+        self.sock.settimeout(seconds)
+
+    def _silent(self, what: str) -> LinkSilent:
+        bound = self.sock.gettimeout()
+        return LinkSilent(f"the peer {what} for {bound:g} s: the link went silent")
+
     def send_raw(self, data: Any) -> None:
-        self.sock.sendall(data)
+        try:
+            self.sock.sendall(data)
+        except TimeoutError:
+            raise self._silent("took nothing of what was sent") from None
         self.sent += len(memoryview(data).cast("B"))
 
     def recv_into(self, view: memoryview) -> int:
-        """Fill ``view`` (bytes); ``TransferError`` if the connection ends first. The
-        number of bytes read."""
+        """Fill ``view`` (bytes); ``TransferError`` if the connection ends first
+        (``LinkSilent`` if nothing comes within the link's bound). The number of bytes
+        read."""
         done = 0
         while done < len(view):
             try:
                 n = self.sock.recv_into(view[done:])
+            except TimeoutError:
+                raise self._silent(f"sent nothing after {done} of {len(view)} bytes") from None
             except OSError as exc:
                 raise TransferError(
                     f"the connection broke after {done} of {len(view)} bytes ({exc})"
@@ -228,7 +255,10 @@ class Link:
         """``parts`` back to back, in as few system calls as the kernel takes them."""
         views = [memoryview(p).cast("B") for p in parts]
         while views:
-            n = self.sock.sendmsg(views)
+            try:
+                n = self.sock.sendmsg(views)
+            except TimeoutError:
+                raise self._silent("took nothing of what was sent") from None
             self.sent += n
             while views and n >= len(views[0]):
                 n -= len(views.pop(0))
@@ -345,11 +375,13 @@ def open_as_stage(
     timeout_s: float = HANDSHAKE_S,
     *,
     protection: Protection = AUTHENTICATED,
+    header_wait_s: float = HEADER_WAIT_S,
 ) -> Link:
     """Connect to the slice server at ``address`` (``host:port``) as stage
     ``stage_index``, prove its key and ask for ``protection``; ``ProtectionMismatch``
     if the server sends this stage's slice otherwise, ``Refused`` / ``TransferError``
-    otherwise."""
+    otherwise. The link waits ``header_wait_s`` for the peer at most (``LinkSilent``;
+    ``bound_silence`` changes it)."""
     host, _, port = address.rpartition(":")
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
@@ -383,6 +415,6 @@ def open_as_stage(
             f"the slice server at {address} refused or failed the handshake: {exc}"
         ) from exc
     link.start_session(protection, protection.seals(key, nonce_c, nonce_p, producer=True))
-    sock.settimeout(None)
+    link.bound_silence(header_wait_s)
     keep_alive(sock)
     return link
