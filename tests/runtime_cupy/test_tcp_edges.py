@@ -330,8 +330,11 @@ def test_a_producer_without_the_secret_is_refused_at_attach() -> None:
 def test_ends_that_seal_otherwise_are_refused_naming_it() -> None:
     edge = Edge(protection=ENCRYPTED, producer_protection=AUTHENTICATED)
     try:
-        with pytest.raises(EdgeSetupError, match="it seals its records otherwise"):
+        with pytest.raises(EdgeSetupError, match="it seals its records otherwise") as refused:
             edge.attach()
+        assert "(it: encrypted (AES-256-GCM); this end: authenticated (HMAC-SHA256))" in str(
+            refused.value
+        ), "the producer is told how both ends seal"
         assert edge.refusals.reasons == [
             "a producer that seals its records with protection 1 (this end: 2)"
         ]

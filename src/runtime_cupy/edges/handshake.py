@@ -45,6 +45,8 @@ import struct
 
 from attrs import frozen
 
+from runtime_cupy.edges.tcp_seal import protection_named
+
 VERSION = 2
 NONCE_BYTES = 32
 _HELLO = struct.Struct(f"<4sBB2xQ{NONCE_BYTES}s32s")
@@ -152,7 +154,7 @@ def read_reply(key: bytes, edge_id: int, protection: int, nonce_p: bytes, data: 
         except ValueError:
             refusal, why = None, f"refusal {code}"
         if refusal is Refusal.OTHER_PROTECTION and theirs:
-            why += f" (protection {theirs}, this end: {protection})"
+            why += f" (it: {protection_named(theirs)}; this end: {protection_named(protection)})"
         raise HandshakeRefused(
             f"the consumer of edge {edge_id} refused this producer: {why}",
             refusal,

@@ -319,7 +319,7 @@ class TcpReceiveRing(ProcessRing):
         except hs.HandshakeRefused as exc:
             if exc.refusal is not None:
                 with contextlib.suppress(StreamBroken):
-                    pending.out.write(hs.refuse(exc.refusal))
+                    pending.out.write(hs.refuse(exc.refusal, self._protection.code))
             self._refuse(pending, str(exc))
             return
         except StreamBroken as exc:
