@@ -117,6 +117,7 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str) -> None:
     learn_run_ids([doc["run_id"]])
     assert doc["outcome"] == "cancelled" and doc["tokens"] == []
     assert err.strip().splitlines()[-1] == "cancelled"
+    assert "SIGINT: stopping the run (interrupt again to stop waiting)" in err, err
     assert wait_gone(list(pids.values()), 5) == []
 
 

@@ -27,6 +27,7 @@ the stage, its node, its host and the cause.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -59,6 +60,9 @@ __all__ = [
     "describe_exit",
     "trace_document",
 ]
+
+
+log = logging.getLogger("runtime_cupy.launcher")
 
 
 @frozen
@@ -178,7 +182,12 @@ class ProcessRun:
             return {}
 
         def handler(signum: int, _frame: FrameType | None) -> None:
-            self.cancel(f"interrupted ({signal.Signals(signum).name})")
+            name = signal.Signals(signum).name
+            if self._cancel:
+                log.warning("%s again: the stages are stopped now, without waiting", name)
+            else:  # a stage in a long step answers after it: say what happens meanwhile
+                log.warning("%s: stopping the run (interrupt again to stop waiting)", name)
+            self.cancel(f"interrupted ({name})")
 
         return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
