@@ -13,9 +13,10 @@ that travelled) and everything else goes to standard error. While slices of the 
 travel to stages on other hosts, standard error shows a progress bar per stage. A run
 that faults prints one line naming the stage, node and reason to standard error and
 exits 1; Ctrl-C tears the run down (waiting for the stages to stop; a second Ctrl-C
-stops waiting), prints ``cancelled`` and exits 130; bad input exits 2. With ``--recover`` the run survives a lost stage process, host or link: the
-chain is placed again over the live nodes and the run replayed there, its text going
-on where it stopped (``serve.recovery``, at most ``--max-recoveries`` times); the
+stops waiting), prints ``cancelled`` and exits 130; bad input exits 2. With
+``--recover`` the run survives a lost stage process, host or link: the chain is placed
+again over the live nodes and the run replayed there, its text going on where it
+stopped (``serve.recovery``, at most ``--max-recoveries`` times); the
 stages then start and bind as ``serve``'s do (``serve.chain.WarmChain``).
 
 Subcommands beside it: ``python -m runtime_cupy plan ...`` (``cli.plan``),
