@@ -522,8 +522,9 @@ def main() -> None:
     print(f"processor: {cpu['name']}, {cpu['cores']} cores; flags: {' '.join(cpu['flags'])}")
     llamacpp = llamacpp_interpreters(args, runners)
     runners = [r for r in runners if r not in PEERS or r in llamacpp]
-    problem = llamacpp_problem(args.llamacpp_python)
-    if problem is not None:  # no quantizer for the 8B shape
+    # the quantizer of the 8B shape: the llama.cpp runner's interpreter, checked above
+    problem = None if "llama.cpp" in llamacpp else llamacpp_problem(args.llamacpp_python)
+    if problem is not None:
         print(f"8B-shape models skipped: no llama.cpp to quantize them: {problem}", file=sys.stderr)
         models = [m for m in models if m == "smollm2"]
     print(f"CPU worker kernels on this processor: {', '.join(cpu['kernel_isas'])} (best last)")
