@@ -4,8 +4,9 @@
  * computed by vpdpbusd, 4 byte products added into an int32 in one instruction: two
  * consecutive groups at once on 512-bit vectors (lanes 0-7 the first group's rows,
  * 8-15 the second's: half the instructions per row of 256-bit ones), a last lone group
- * on 256-bit vectors. The same bits as every other set (dot.h): the integer sums are
- * exact, the float terms dot.h's in its order. */
+ * on 256-bit vectors; a decode step's few rows mostly by x8_pair_kernels.h (one group,
+ * two of its words per 512-bit vector). The same bits as every other set (dot.h): the
+ * integer sums are exact, the float terms dot.h's in its order. */
 #include "dot.h"
 
 #ifdef GPP_HAVE_AVX512
@@ -16,6 +17,7 @@
 #include "x8_kernels.h"
 #define X8_WIDTH 512
 #include "x8_kernels.h"
+#include "x8_pair_kernels.h"
 
 static Isa avx512;
 
@@ -26,21 +28,24 @@ const Isa *isa_avx512(void) {
         avx512.q8_x8[T_Q8_0] = x8_q8_0;
         avx512.q8_x8[T_Q4_0] = x8_q4_0;
         avx512.q8_x8[T_Q4_1] = x8_q4_1;
-        /* A decode step's products, one group per pass on 256-bit vectors where that
-         * measured faster than two groups per 512-bit vector (from memory, 14336 x 4096,
-         * one thread, `benchmarks/cpu_repack.py --rows R`, best of 9, the sets side by
-         * side; ms, this set's two-group kernel -> the one taken):
-         * Q6_K, rows 1-4: 11-13 % faster (under load, the two builds in turn);
-         * Q4_0, 1 row 1.111 -> 0.947, 2 rows 1.365 -> 1.183 (3 rows 1.572 against 1.632:
-         * left); Q4_1, 1 row 1.222 -> 1.031;
-         * Q4_K, 1 row 1.204 -> 1.055 with AVX2's kernel (16-bit sums, vpmaddwd by the
-         * scales; VNNI's one group 1.186), 2 rows 1.398 -> 1.260 with VNNI's one group
-         * (AVX2's 1.577; 3 rows 1.595 against 1.626: left). Q8_0: all within 4 %. */
-        for (int r = 0; r < X8_XT; ++r) avx512.q8_x8_rows[T_Q6_K][r] = x8_q6_k;
-        avx512.q8_x8_rows[T_Q4_0][0] = avx512.q8_x8_rows[T_Q4_0][1] = x8_q4_0;
-        avx512.q8_x8_rows[T_Q4_1][0] = x8_q4_1;
-        avx512.q8_x8_rows[T_Q4_K][0] = ISA_AVX2.q8_x8[T_Q4_K];
-        avx512.q8_x8_rows[T_Q4_K][1] = x8_q4_k;
+        /* A decode step's products of one group on 512-bit vectors holding two of its
+         * words (x8_pair_kernels.h: one stream of memory, one vpermd per activation
+         * vector), where that measured faster than two groups per 512-bit vector and
+         * than one group per 256-bit vector (from memory, 14336 x 4096, one thread,
+         * `benchmarks/cpu_repack.py --rows R --isas avx2,avxvnni,avx512 --repeat 15`,
+         * the sets side by side; ms, avx2 / avxvnni's 256-bit group / this pair kernel):
+         * 1 row Q4_0 1.303 / 1.024 / 0.904, Q4_1 1.400 / 1.146 / 1.079, Q4_K 1.060 /
+         * 1.062 / 0.933, Q6_K 1.816 / 1.812 / 1.420; 2 rows Q4_0 1.425 / 1.270 / 1.132,
+         * Q4_K 1.635 / 1.283 / 1.019, Q6_K 2.491 / 2.457 / 1.788. In cache (1024 x
+         * 4096, 1 row, a script not kept, best of 120-180 calls) Q6_K 0.125 -> 0.065
+         * ms, Q4_K 0.074 -> 0.042, Q4_0 0.062 -> 0.052. Left to the two-group kernel (measured as fast or faster, the
+         * builds in turn): Q4_0 from 3 rows, Q4_1 from 2, Q4_K from 3; Q6_K takes the
+         * pair kernel up to 4 rows. Q8_0: all within 4 %. */
+        for (int r = 0; r < X8_XT; ++r) avx512.q8_x8_rows[T_Q6_K][r] = xp_q6_k;
+        avx512.q8_x8_rows[T_Q4_0][0] = avx512.q8_x8_rows[T_Q4_0][1] = xp_q4_0;
+        avx512.q8_x8_rows[T_Q4_1][0] = xp_q4_1;
+        avx512.q8_x8_rows[T_Q4_K][0] = xp_q4_k;
+        avx512.q8_x8_rows[T_Q4_K][1] = xp_q4_k;
         avx512.q8_x8[T_Q4_K] = x8_q4_k;
         avx512.q8_x8[T_Q5_K] = x8_q5_k;
         avx512.q8_x8[T_Q6_K] = x8_q6_k;
