@@ -162,6 +162,17 @@ X8_INL void XN(prefetch)(const uint8_t *p, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
 
+/* Prefetch `bytes` X8_PREFETCH bytes ahead of offset `at` of the group (pair) being
+ * read, in the order this pass reads memory: past a group's end, the next group a pass
+ * takes: for two groups at once, the pair after this one (not the second group, which
+ * is being read already: short rows then went unprefetched) */
+X8_INL void XN(ahead)(const uint8_t *grp, int64_t gs, int64_t at, int bytes) {
+    int64_t o = at + X8_PREFETCH;
+    if (XL == 16 && o >= gs) o += gs;
+    XN(prefetch)(grp + o, bytes);
+    if (XL == 16) XN(prefetch)(grp + gs + o, bytes);
+}
+
 /* out[k][i] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), lane by lane */
 X8_INL void XN(finish)(VF acc[X8_XT][8], int nj, float (*out)[XL]) {
     for (int k = 0; k < nj; ++k) {
@@ -184,8 +195,7 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
     XN(zero)(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * 272;
-        XN(prefetch)(b + X8_PREFETCH, 272);
-        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, 272);
+        XN(ahead)(grp, gs, c * 272, 272);
         const VF dw = XN(ld_halves)(b, gs);
         VI u[8], q[8];
         for (int w = 0; w < 8; ++w) {
@@ -227,8 +237,7 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
     XN(zero)(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
-        XN(prefetch)(b + X8_PREFETCH, gb);
-        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        XN(ahead)(grp, gs, c * gb, gb);
         const VF dw = XN(ld_halves)(b, gs);
         const VF mw = q4_1 ? XN(ld_halves)(b + 16, gs) : f_zero();
         VI lo[4], hi[4];
@@ -267,8 +276,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
         for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
-        XN(prefetch)(b + X8_PREFETCH, gb);
-        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        XN(ahead)(grp, gs, c * gb, gb);
         const VF dw = XN(ld_halves)(b, gs);
         const VF mw = kind == 1 ? XN(ld_halves)(b + 16, gs) : f_zero();
         VI u[8], q[8];
@@ -535,8 +543,7 @@ X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
     XN(zero)(acc, NJ);
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
         const uint8_t *b = grp + sb * gb;
-        XN(prefetch)(b + X8_PREFETCH, gb);
-        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        XN(ahead)(grp, gs, sb * gb, gb);
         const int8_t *xq[X8_XT];
         const int32_t *xg[X8_XT];
         XN(k_rows)(xq, xg, x, j0, nc, sb, NJ);
@@ -573,8 +580,7 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
         const uint8_t *b = grp + sb * gb;
-        XN(prefetch)(b + X8_PREFETCH, gb);
-        if (XL == 16) XN(prefetch)(b + gs + X8_PREFETCH, gb);
+        XN(ahead)(grp, gs, sb * gb, gb);
         for (int p = 0; p < 4; ++p)
             for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
 #if !X8_VNNI
