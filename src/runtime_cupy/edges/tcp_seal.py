@@ -47,7 +47,8 @@ class FrameSeal(Protocol):
     tag_bytes: int
 
     def seal(self, head: bytes, body: Body) -> tuple[Body, bytes]:
-        """The body to send (as it is, or encrypted) and the tag to send after it."""
+        """The body to send (as it is, or encrypted) and the tag to send after it; an
+        encrypted body is a view of the seal's own buffer, valid until its next seal."""
         ...
 
     def open(self, head: bytes, body: memoryview, tag: bytes) -> bool:
@@ -80,8 +81,17 @@ class MacSeal:
         return hmac.compare_digest(self._tag(head, body), tag)
 
 
+#: ``cryptography`` 47 and later encrypt and decrypt into a caller's buffer; before, every
+#: frame's result was a new object (for a 1 MiB frame, seal and open together ran at
+#: about 500 MB/s against 5,800 into reused buffers, most of it in allocating them).
+_INTO = hasattr(AESGCM, "encrypt_into")
+_EMPTY = memoryview(bytearray())
+
+
 class AeadSeal:
-    """AES-256-GCM: the body encrypted, the head authenticated with it."""
+    """AES-256-GCM: the body encrypted, the head authenticated with it. One buffer,
+    kept from frame to frame (a new one only for a larger frame), holds what was
+    sealed, or a received frame's body and tag for opening."""
 
     tag_bytes = 16
 
@@ -89,23 +99,43 @@ class AeadSeal:
         self._aead = AESGCM(key)
         self._direction = _DIRECTION.pack(direction)
         self._number = 0
+        self._buf = bytearray()
 
     def _nonce(self) -> bytes:
         nonce = self._direction + _NUMBER.pack(self._number)
         self._number += 1
         return nonce
 
+    def _room(self, size: int) -> memoryview:
+        """``size`` bytes of the buffer (a new one where it is smaller: views of the old
+        one a caller still holds stay valid)."""
+        if len(self._buf) < size:
+            self._buf = bytearray(size)
+        return memoryview(self._buf)[:size]
+
     def seal(self, head: bytes, body: Body) -> tuple[Body, bytes]:
-        sealed = memoryview(self._aead.encrypt(self._nonce(), body, head))
+        nonce = self._nonce()
+        if _INTO:
+            sealed = self._room(len(body) + self.tag_bytes)
+            self._aead.encrypt_into(nonce, body, head, sealed)
+        else:
+            sealed = memoryview(self._aead.encrypt(nonce, body, head))
         return sealed[: -self.tag_bytes], bytes(sealed[-self.tag_bytes :])
 
     def open(self, head: bytes, body: memoryview, tag: bytes) -> bool:
-        sealed = bytearray(len(body) + len(tag))
-        sealed[: len(body)] = body
-        sealed[len(body) :] = tag
+        size = len(body)
+        sealed = self._room(size + len(tag))
+        sealed[:size] = body
+        sealed[size:] = tag
+        nonce = self._nonce()
         try:
-            plain = self._aead.decrypt(self._nonce(), sealed, head)
+            if _INTO:  # (a frame without a body may come as a read-only empty view)
+                self._aead.decrypt_into(nonce, sealed, head, body if size else _EMPTY)
+                return True
+            plain = self._aead.decrypt(nonce, sealed, head)
         except InvalidTag:
+            if _INTO and size:  # what was decrypted before the tag failed: none kept
+                body[:] = bytes(size)
             return False
         if plain:
             body[:] = plain
