@@ -1,17 +1,18 @@
 /* x8_pair_kernels.h: AVX-512's decode products of one x8 group (repack.h) on 512-bit
- * vectors holding two consecutive words of it, for the K-quants: included by
- * dot_avx512.c after x8_kernels.h's 256-bit instantiation (its x8_k_terms, x8_finish
- * and helpers), under its X8_TARGET. Defines xp_q4_k and xp_q6_k (x8_fn).
+ * vectors holding two consecutive words of it: included by dot_avx512.c after
+ * x8_kernels.h's 256-bit instantiation (its x8_k_terms, x8_finish and helpers), under
+ * its X8_TARGET. Defines xp_q4_0, xp_q4_1, xp_q4_k and xp_q6_k (x8_fn).
  *
  * x8_kernels.h's 512-bit kernels take two groups, one word of each per vector, from two
  * streams gs bytes apart: every load is two 256-bit loads and an insert. These read one
- * stream: a 64-byte load is words 2m, 2m + 1 of the group (lanes 0-7 the first's rows,
- * 8-15 the second's, the same 8 rows), with each half's 4 activation bytes put in its
+ * stream: a 64-byte load is words 2m, 2m + 1 of the group (lanes 0-7 word 2m's rows,
+ * 8-15 word 2m + 1's, the same 8 rows), with each half's 4 activation bytes put in its
  * lanes by one vpermd from the 64 activation bytes of the sub-block pair. Every word's
  * high bits (Q6_K) come from one broadcast 32-byte load, a masked shift and a ternary
  * logic operation. Each row's integer sums are computed in the two halves separately
- * and added at the end of each super-block: exact, so x8_k_terms' float terms, and so
- * the bits, are every other kernel's (dot.h).
+ * and added at the end of each block (super-block): exact, so the float terms (Q4_0's
+ * and Q4_1's as x8_q4_body's, x8_k_terms' for the K-quants), and so the bits, are
+ * every other kernel's (dot.h).
  *
  * Measured faster than the 256-bit one-group kernels for few activation rows (a decode
  * step's): see dot_avx512.c.
