@@ -38,9 +38,9 @@ const Isa *isa_avx512(void) {
          * 1.062 / 0.933, Q6_K 1.816 / 1.812 / 1.420; 2 rows Q4_0 1.425 / 1.270 / 1.132,
          * Q4_K 1.635 / 1.283 / 1.019, Q6_K 2.491 / 2.457 / 1.788. In cache (1024 x
          * 4096, 1 row, a script not kept, best of 120-180 calls) Q6_K 0.125 -> 0.065
-         * ms, Q4_K 0.074 -> 0.042, Q4_0 0.062 -> 0.052. Left to the two-group kernel (measured as fast or faster, the
-         * builds in turn): Q4_0 from 3 rows, Q4_1 from 2, Q4_K from 3; Q6_K takes the
-         * pair kernel up to 4 rows. Q8_0, 1 row: one group per 256-bit vector, 10 %
+         * ms, Q4_K 0.074 -> 0.042, Q4_0 0.062 -> 0.052. Left to the two-group kernel
+         * (measured as fast or faster, the builds in turn): Q4_0 from 3 rows, Q4_1 from
+         * 2, Q4_K from 3; Q6_K takes the pair kernel up to 4 rows. Q8_0, 1 row: one group per 256-bit vector, 10 %
          * faster for short rows (SmolLM2's head, 49152 x 576: 0.736 against 0.831 ms;
          * 14336 x 4096 within 2 %); from 2 rows within 4 %. */
         for (int r = 0; r < X8_XT; ++r) avx512.q8_x8_rows[T_Q6_K][r] = xp_q6_k;
