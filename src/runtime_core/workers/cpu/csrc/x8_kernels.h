@@ -485,7 +485,7 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
             ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
         }
         if (kind == X8_Q6_K && NJ <= 2) { /* unrolled: w picks its words' high-bit shifts
-                                           * and group (AVX2, one row: 12-14 % faster; 3-4
+                                           * and group (AVX2, one row: 12-15 % faster; 3-4
                                            * rows measured 3-7 % slower) */
 #pragma GCC unroll 8
             for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);

@@ -115,7 +115,7 @@ XP_INL void xp_k_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0
     x8_zero(acc, NJ);
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
         const uint8_t *b = grp + sb * gb;
-        x8_prefetch(b + X8_AHEAD_BYTES, gb);
+        x8_ahead(grp, 0, sb * gb, gb);
         const int8_t *xq[X8_XT];
         const int32_t *xg[X8_XT];
         x8_k_rows(xq, xg, x, j0, nc, sb, NJ);
@@ -137,7 +137,7 @@ XP_INL void xp_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j
     x8_zero(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
-        x8_prefetch(b + X8_AHEAD_BYTES, gb);
+        x8_ahead(grp, 0, c * gb, gb);
         const __m256 dw = x8_ld_halves(b, 0);
         const __m256 mw = q4_1 ? x8_ld_halves(b + 16, 0) : _mm256_setzero_ps();
         __m512i lo[2], hi[2];
