@@ -3,7 +3,8 @@
 - ``ServerProcess``: ``python -m runtime_cupy serve ...`` as a user starts it, its
   standard error in a file (where it says where it listens and logs every request).
 - ``InProcessServer``: the same application on uvicorn in a thread of the test, over a
-  ``WarmChain`` whose host the test chooses (a host that plays faults: a slow step).
+  ``WarmChain`` whose host the test chooses (a host that plays faults: a slow step);
+  ``serving(engine)`` starts its stages, serves, and stops both after.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx2
+import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -159,9 +161,28 @@ class InProcessServer:
         self.thread.start()
         wait_for(lambda: self.server.started, 30.0, "uvicorn to start")
 
+    def client(self) -> openai.OpenAI:
+        """The official client on this server's ``/v1``, without retries (a test sees
+        every answer the server gives)."""
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30.0)
         with contextlib.suppress(OSError):
             self.sock.close()
         self.engine.close()
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, timeout_s: float = 120.0) -> Iterator[InProcessServer]:
+    """``engine`` served in this process once its stages are started and bound (within
+    ``timeout_s``: else the test fails with the engine's failure); stopped after, the
+    stages with it, whatever happened."""
+    server = InProcessServer(engine)
+    try:
+        engine.start()
+        assert engine.wait_started(timeout_s), engine.failure
+        yield server
+    finally:
+        server.stop()

@@ -37,7 +37,7 @@ from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
 from tests.support.netns_hosts import TestHosts, hosts_up, shared_model
 from tests.support.netns_stages import NetnsStageHost
-from tests.support.servers import InProcessServer, metrics, wait_for
+from tests.support.servers import metrics, serving, wait_for
 
 #: Test hosts in network namespaces, real stage processes (make fast leaves these out).
 pytestmark = [pytest.mark.netns, pytest.mark.process]
@@ -64,18 +64,6 @@ def hosts(tmp_path: Path) -> Iterator[TestHosts]:
         yield h
 
 
-def serve(chain: WarmChain) -> InProcessServer:
-    engine = Engine(chain, max_queue=4)
-    server = InProcessServer(engine)
-    engine.start()
-    assert engine.wait_started(120), engine.failure
-    return server
-
-
-def client(server: InProcessServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-
-
 def stage_pids_on(hosts: TestHosts, i: int) -> list[int]:
     """The processes of host ``i`` but its anchor."""
     return [p for p in hosts.pids(i) if p != hosts.anchor(i)]
@@ -98,35 +86,34 @@ def test_a_lost_host_s_stage_goes_to_the_spare_and_the_stream_goes_on(
     chain = WarmChain(model, stages=2, host=host, edges="tcp", context=CONTEXT,
                       timeouts=TIMEOUTS, recover=True, nodes=nodes,
                       spares=(NodeSpec("spare-0", 2**34),))  # fmt: skip
-    server = serve(chain)
     try:
-        c = client(server)
-        ask = {"model": "tiny-chat", "prompt": PROMPT, "max_tokens": MAX_TOKENS, **sampling}
-        unbroken = c.completions.create(**ask).choices[0].text
-        old = stage_pids_on(hosts, 2)
-        survivor = stage_pids_on(hosts, 1)
-        assert old and survivor, "stage 0 runs on host 1, stage 1 on host 2"
-        pieces: list[str] = []
-        for chunk in c.completions.create(**ask, stream=True):
-            if not pieces:
-                hosts.lose(2) if loss == "killed" else hosts.cut(2)
-            pieces.append(chunk.choices[0].text)
-        assert "".join(pieces) == unbroken
-        # Stage 1 lost (killed, or silent behind the cut cable, which explains its
-        # link's break): its range on the spare; stage 0 keeps its process and weights.
-        assert [s.node_id for s in chain.template.stages] == ["stage-0", "spare-0"]
-        assert chain.kept == (0,)
-        assert stage_pids_on(hosts, 1) == survivor, "the surviving host's stage is the same"
-        assert stage_pids_on(hosts, 3), "the spare holds a stage"
-        assert metrics(server.base_url)["gguf_pipeline_recoveries_total"] == 1
-        if loss == "cut":
-            hosts.mend(2)
-            wait_for(lambda: not set(stage_pids_on(hosts, 2)) & set(old), 10, "old stage gone")
-            assert hosts.on_host(2, "ls -A /dev/shm").split() == []
-        else:
-            assert hosts.pids(2) == []
+        with serving(Engine(chain, max_queue=4)) as server:
+            c = server.client()
+            ask = {"model": "tiny-chat", "prompt": PROMPT, "max_tokens": MAX_TOKENS, **sampling}
+            unbroken = c.completions.create(**ask).choices[0].text
+            old = stage_pids_on(hosts, 2)
+            survivor = stage_pids_on(hosts, 1)
+            assert old and survivor, "stage 0 runs on host 1, stage 1 on host 2"
+            pieces: list[str] = []
+            for chunk in c.completions.create(**ask, stream=True):
+                if not pieces:
+                    hosts.lose(2) if loss == "killed" else hosts.cut(2)
+                pieces.append(chunk.choices[0].text)
+            assert "".join(pieces) == unbroken
+            # Stage 1 lost (killed, or silent behind the cut cable, which explains its
+            # link's break): its range on the spare; stage 0 keeps its process and weights.
+            assert [s.node_id for s in chain.template.stages] == ["stage-0", "spare-0"]
+            assert chain.kept == (0,)
+            assert stage_pids_on(hosts, 1) == survivor, "the surviving host's stage is the same"
+            assert stage_pids_on(hosts, 3), "the spare holds a stage"
+            assert metrics(server.base_url)["gguf_pipeline_recoveries_total"] == 1
+            if loss == "cut":
+                hosts.mend(2)
+                wait_for(lambda: not set(stage_pids_on(hosts, 2)) & set(old), 10, "old stage gone")
+                assert hosts.on_host(2, "ls -A /dev/shm").split() == []
+            else:
+                assert hosts.pids(2) == []
     finally:
-        server.stop()
         host.close()
 
 
@@ -140,19 +127,23 @@ def test_without_a_spare_or_room_the_rejection_is_named_and_the_server_unhealthy
     nodes = (NodeSpec("stage-0", room), NodeSpec("stage-1", room))
     chain = WarmChain(model, stages=2, host=host, edges="tcp", context=CONTEXT,
                       timeouts=TIMEOUTS, recover=True, nodes=nodes)  # fmt: skip
-    server = serve(chain)
     try:
-        c = client(server)
-        ask = {"model": "tiny-chat", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
-        with pytest.raises(openai.APIError) as info:
-            for chunk in c.completions.create(**ask, stream=True):
-                if chunk.choices[0].text:
-                    hosts.lose(2)
-        assert "insufficient_memory" in str(info.value), info.value
-        health = httpx2.get(f"{server.base_url}/health")
-        assert health.status_code == 503
-        assert "insufficient_memory" in str(health.json()), health.json()
+        with serving(Engine(chain, max_queue=4)) as server:
+            c = server.client()
+            ask = {
+                "model": "tiny-chat",
+                "prompt": PROMPT,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+            }
+            with pytest.raises(openai.APIError) as info:
+                for chunk in c.completions.create(**ask, stream=True):
+                    if chunk.choices[0].text:
+                        hosts.lose(2)
+            assert "insufficient_memory" in str(info.value), info.value
+            health = httpx2.get(f"{server.base_url}/health")
+            assert health.status_code == 503
+            assert "insufficient_memory" in str(health.json()), health.json()
     finally:
-        server.stop()
         host.close()
     assert os.path.exists(model)

@@ -16,7 +16,7 @@ from attrs import frozen
 
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
-from tests.support.servers import InProcessServer, idle, metrics, wait_for
+from tests.support.servers import idle, metrics, serving, wait_for
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -88,11 +88,8 @@ def test_eight_concurrent_streams_each_equal_their_request_alone(
     tiny_chat: str, stages: int
 ) -> None:
     engine = Engine(WarmChain(tiny_chat, stages=stages, context=128, max_concurrent=8))
-    server = InProcessServer(engine)
-    engine.start()
-    try:
-        assert engine.wait_started(120)
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    with serving(engine) as server:
+        client = server.client()
         alone = [_ask(client, i) for i in range(len(TOPICS))]
         wait_for(lambda: idle(server.base_url), 10.0, "the server to be idle")
         before = metrics(server.base_url)  # every run so far stopped: its batches reported
@@ -135,5 +132,3 @@ def test_eight_concurrent_streams_each_equal_their_request_alone(
             # more, and no more rows than max_batch_rows).
             assert rows / engine.chain.template.max_batch_rows <= count - count_0 < records
             assert buckets == sorted(buckets) and buckets[-1] == count  # cumulative, +Inf
-    finally:
-        server.stop()

@@ -29,7 +29,7 @@ from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
 from tests.support.hosts import GatedHost
 from tests.support.hygiene import wait_gone
-from tests.support.servers import InProcessServer, wait_for
+from tests.support.servers import InProcessServer, serving, wait_for
 
 pytestmark = pytest.mark.process
 
@@ -63,39 +63,36 @@ def test_a_stage_stopped_mid_decode_or_idle_is_named_and_started_again(
     host = GatedHost({1: ["step-delay=3:60"]}, log_dir=tmp_path)
     chain = WarmChain(tiny_chat, stages=2, host=host, context=128, timeouts=TIMEOUTS)
     engine = Engine(chain, max_queue=2)
-    server = InProcessServer(engine)
-    engine.start()
-    try:
-        assert engine.wait_started(120)
-        first = chain.pids()
-        host.hold()
-        answers: list[httpx2.Response] = []
-        asking = threading.Thread(target=_ask, args=(server, answers))
-        asking.start()
-        log = tmp_path / "stage-1.log"
-        wait_for(lambda: log.exists() and "step 3 delayed" in log.read_text(), 60,
-                 "stage 1 to be in decode step 3")  # fmt: skip
-        os.kill(first[1], signal.SIGSTOP)
-        asking.join(60)
-        assert len(answers) == 1
-        error = answers[0].json()["error"]
-        assert answers[0].status_code == 500, error
-        assert "stage_silent: stage 1 on 'stage-1': no heartbeat for" in error["message"], error
-        _recovering_with(server, host, "stage 1 on 'stage-1': no heartbeat for")
-        assert not wait_gone([first[1]], 10.0)
-        again = httpx2.post(f"{server.base_url}/v1/chat/completions", json=BODY, timeout=120)
-        assert again.status_code == 200, again.text
-        second = chain.pids()
-        assert not set(second) & set(first)  # a chain fault: the whole chain started again
+    with serving(engine) as server:
+        try:
+            first = chain.pids()
+            host.hold()
+            answers: list[httpx2.Response] = []
+            asking = threading.Thread(target=_ask, args=(server, answers))
+            asking.start()
+            log = tmp_path / "stage-1.log"
+            wait_for(lambda: log.exists() and "step 3 delayed" in log.read_text(), 60,
+                     "stage 1 to be in decode step 3")  # fmt: skip
+            os.kill(first[1], signal.SIGSTOP)
+            asking.join(60)
+            assert len(answers) == 1
+            error = answers[0].json()["error"]
+            assert answers[0].status_code == 500, error
+            assert "stage_silent: stage 1 on 'stage-1': no heartbeat for" in error["message"], error
+            _recovering_with(server, host, "stage 1 on 'stage-1': no heartbeat for")
+            assert not wait_gone([first[1]], 10.0)
+            again = httpx2.post(f"{server.base_url}/v1/chat/completions", json=BODY, timeout=120)
+            assert again.status_code == 200, again.text
+            second = chain.pids()
+            assert not set(second) & set(first)  # a chain fault: the whole chain started again
 
-        # Between requests: stage 0 stopped while idle.
-        host.hold()
-        os.kill(second[0], signal.SIGSTOP)
-        _recovering_with(server, host, "stage 0 on 'stage-0': no heartbeat for")
-        assert not wait_gone([second[0]], 10.0)
-        last = httpx2.post(f"{server.base_url}/v1/chat/completions", json=BODY, timeout=120)
-        assert last.status_code == 200, last.text
-        assert chain.pids()[0] != second[0]
-    finally:
-        host.release()
-        server.stop()
+            # Between requests: stage 0 stopped while idle.
+            host.hold()
+            os.kill(second[0], signal.SIGSTOP)
+            _recovering_with(server, host, "stage 0 on 'stage-0': no heartbeat for")
+            assert not wait_gone([second[0]], 10.0)
+            last = httpx2.post(f"{server.base_url}/v1/chat/completions", json=BODY, timeout=120)
+            assert last.status_code == 200, last.text
+            assert chain.pids()[0] != second[0]
+        finally:
+            host.release()

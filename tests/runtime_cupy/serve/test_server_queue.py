@@ -21,7 +21,7 @@ import pytest
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
 from tests.support.hosts import FaultyHost
-from tests.support.servers import InProcessServer, idle, metrics, wait_for
+from tests.support.servers import InProcessServer, idle, metrics, serving, wait_for
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -32,23 +32,13 @@ COMPLETED = "gguf_pipeline_requests_total{endpoint=chat,outcome=completed}"
 MSG = [{"role": "user", "content": "Tell me a story."}]
 
 
-def client(server: InProcessServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
-
-
 @pytest.fixture(scope="module")
 def slow(tiny_chat: str) -> Iterator[InProcessServer]:
     # One run in flight at a time: a second request waits in the queue, a third finds it
     # full.
     chain = WarmChain(tiny_chat, stages=2, host=FaultyHost(SLOW), context=128, max_concurrent=1)
-    engine = Engine(chain, max_queue=1)
-    server = InProcessServer(engine)
-    engine.start()
-    try:
-        assert engine.wait_started(120)
+    with serving(Engine(chain, max_queue=1)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_health_is_503_until_the_stages_are_bound(tiny_chat: str) -> None:
@@ -61,7 +51,7 @@ def test_health_is_503_until_the_stages_are_bound(tiny_chat: str) -> None:
         answers: list[str | None] = []
 
         def ask() -> None:
-            r = client(server).chat.completions.create(
+            r = server.client().chat.completions.create(
                 model="tiny-chat",
                 messages=MSG,
                 max_tokens=2,
@@ -98,7 +88,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_run(slow: InProcessSer
     assert after[CANCELLED] == before[CANCELLED] + 1
     assert after[COMPLETED] == before[COMPLETED]
     assert slow.engine.chain.pids() == pids, "the stages stay warm"
-    r2 = client(slow).chat.completions.create(
+    r2 = slow.client().chat.completions.create(
         model="tiny-chat",
         messages=MSG,
         max_tokens=1,
@@ -109,7 +99,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_run(slow: InProcessSer
 
 
 def test_a_full_queue_answers_429(slow: InProcessServer) -> None:
-    c = client(slow)
+    c = slow.client()
     done: list[str] = []
 
     def long_one() -> None:  # runs through the slow step

@@ -20,13 +20,12 @@ import signal
 import threading
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
 from tests.support.hosts import FaultyHost
-from tests.support.servers import InProcessServer, idle, metrics, wait_for
+from tests.support.servers import InProcessServer, idle, metrics, serving, wait_for
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -41,18 +40,8 @@ MAX_TOKENS = 24
 @pytest.fixture
 def server(tiny_chat: str) -> Iterator[InProcessServer]:
     chain = WarmChain(tiny_chat, stages=2, host=FaultyHost(SLOW), context=128, recover=True)
-    engine = Engine(chain, max_queue=4)
-    server = InProcessServer(engine)
-    engine.start()
-    try:
-        assert engine.wait_started(120)
+    with serving(Engine(chain, max_queue=4)) as server:
         yield server
-    finally:
-        server.stop()
-
-
-def client(server: InProcessServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
 
 
 def kill_stage(server: InProcessServer, index: int) -> None:
@@ -62,7 +51,7 @@ def kill_stage(server: InProcessServer, index: int) -> None:
 def test_a_stream_stays_open_through_a_lost_stage_and_is_the_unbroken_text(
     server: InProcessServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    c = client(server)
+    c = server.client()
     ask = {"model": "tiny-chat", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     unbroken = c.completions.create(**ask).choices[0].text
     before = metrics(server.base_url)
@@ -83,7 +72,7 @@ def test_a_stream_stays_open_through_a_lost_stage_and_is_the_unbroken_text(
 
 
 def test_a_whole_answer_comes_once_complete(server: InProcessServer) -> None:
-    c = client(server)
+    c = server.client()
     ask = {"model": "tiny-chat", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     unbroken = c.completions.create(**ask).choices[0].text
     before = metrics(server.base_url)[RECOVERIES]
