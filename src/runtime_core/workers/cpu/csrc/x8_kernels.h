@@ -480,7 +480,8 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
                     plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
                     phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
                     /* word by word: GCC otherwise adds the 8 words' products as a
-                     * tree, spilling them (one row 10 % slower in cache) */
+                     * tree, spilling them (one row's products took 1.2x as long in
+                     * cache: benchmarks/cpu_x8_loop.py) */
                     X8_KEEP(plo[k]);
                     X8_KEEP(phi[k]);
                 }
@@ -688,6 +689,7 @@ X8_K_ENTRY(q6_k, X8_Q6_K)
 /* ---- ready for another width ------------------------------------------------------------- */
 
 #undef X8_ENTRY
+#undef X8_KEEP_DOT
 #undef X8_B32_TILE
 #undef X8_K_ENTRY
 #undef X8_CALL_Q8_0
