@@ -16,7 +16,9 @@ the module's whole call). Sets this processor lacks are skipped, with the reason
 ``--baseline DIR``: also builds DIR's kernels (``src/runtime_core/workers/cpu/csrc``
 of a checkout of another commit) and runs the two in turn, ``--repeat`` times each;
 every figure is the best pass of all. The first shape stays in cache, the second is
-read from memory; GB/s counts the repacked bytes read.
+read from memory (in 2 MiB pages where the kernel gives them, as the module's repacked
+weights); GB/s counts the repacked bytes read. Two builds of the same kernel have
+measured up to 1.2x apart on this busy host: compare runs, not one figure.
 """
 
 from __future__ import annotations

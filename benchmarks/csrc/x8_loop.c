@@ -10,9 +10,11 @@
  * kernel's kind. Weights and activations are random bytes (finite factors): no branch
  * of a kernel looks at a value, so the work is that of any matrix. The caller checks
  * that the processor runs the set. */
+#define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "dot.h"
@@ -24,10 +26,17 @@ static double now_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* bytes of random values; from 2 MiB on, in 2 MiB pages where the kernel gives them, as
+ * the module's repacked weights are (module.c: alloc_groups) */
 static void *filled(size_t bytes) {
-    uint8_t *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!p) exit(2);
-    for (size_t i = 0; i < bytes; ++i) p[i] = (uint8_t)(rand() >> 7);
+    const size_t huge = (size_t)2 << 20;
+    void *p = NULL;
+    if (posix_memalign(&p, bytes >= huge ? huge : 64, (bytes + 63) / 64 * 64) != 0) exit(2);
+#ifdef MADV_HUGEPAGE
+    if (bytes >= huge) madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    uint8_t *b = p;
+    for (size_t i = 0; i < bytes; ++i) b[i] = (uint8_t)(rand() >> 7);
     return p;
 }
 
