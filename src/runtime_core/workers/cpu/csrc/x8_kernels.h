@@ -467,31 +467,36 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
     for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
     for (int p = 0; p < 4; ++p) {
 #if !X8_VNNI
-        if (kind == X8_Q4_K) { /* pairs of nibble products summed in 16 bits (at most
-                                * 8 words * 2 * 15 * 127 < 2^15), then times the scale */
-            __m256i plo[X8_XT], phi[X8_XT];
-            for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
-            for (int w = 0; w < 8; ++w) {
-                VI lo, hi;
-                if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
-                else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
-                for (int k = 0; k < NJ; ++k) {
-                    const int8_t *xp = xq[k] + 64 * p + 4 * w;
-                    plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
-                    phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
-                    /* word by word: GCC otherwise adds the 8 words' products as a
-                     * tree, spilling them (one row's products took 1.2x as long in
-                     * cache: benchmarks/cpu_x8_loop.py) */
-                    X8_KEEP(plo[k]);
-                    X8_KEEP(phi[k]);
-                }
-            }
+        if (kind == X8_Q4_K || kind == X8_Q5_K) { /* pairs of products summed in 16 bits
+                                                   * over a run of words (Q4_K all 8: 8 * 2
+                                                   * * 15 * 127 < 2^15; Q5_K 4: 4 * 2 * 31
+                                                   * * 127 < 2^15), then times the scale */
+            const int run = kind == X8_Q4_K ? 8 : 4;
             const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
             const __m256i s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
             const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
             const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
-            for (int k = 0; k < NJ; ++k)
-                isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+            for (int w0 = 0; w0 < 8; w0 += run) {
+                __m256i plo[X8_XT], phi[X8_XT];
+                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
+                for (int w = w0; w < w0 + run; ++w) {
+                    VI lo, hi;
+                    if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+                    else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                    for (int k = 0; k < NJ; ++k) {
+                        const int8_t *xp = xq[k] + 64 * p + 4 * w;
+                        plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
+                        phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
+                        /* word by word: GCC otherwise adds the words' products as a
+                         * tree, spilling them (one row's products took 1.2x as long
+                         * in cache: benchmarks/cpu_x8_loop.py) */
+                        X8_KEEP(plo[k]);
+                        X8_KEEP(phi[k]);
+                    }
+                }
+                for (int k = 0; k < NJ; ++k)
+                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+            }
             continue;
         }
 #endif
