@@ -18,8 +18,9 @@
  * (the unsigned weights times the signed activations: Q4_0's nibbles, Q6_K's q + 32 and
  * Q8_0's q + 128 (its sign flipped), with the offset's product taken back from the
  * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
- * Q8_0 takes |q| times the activations given q's sign; AVX2's Q4_K and, in a tile, Q6_K
- * add several words' pairs in 16 bits before the scale's vpmaddwd: k_isum, k6_isum).
+ * Q8_0 takes |q| times the activations given q's sign; AVX2's Q4_K, Q5_K and, in a
+ * tile, Q6_K add several words' pairs in 16 bits before the scale's vpmaddwd: k_isum,
+ * k6_isum).
  * Every integer sum is exact, so its order is free; the float terms and their 8 running
  * sums per row (block c into sum c mod 8) are dot.h's, in its order, so every row's bits
  * are the stored row's on every instruction set and width.
@@ -512,7 +513,8 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
                                            * rows measured 3-7 % slower) */
 #pragma GCC unroll 8
             for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
-        } else { /* left a loop: unrolled, AVX2's Q5_K tiles measured 5-15 % slower */
+        } else { /* left a loop: unrolled, AVX2's Q5_K tiles (which took this path
+                  * before their 16-bit sums) measured 5-15 % slower */
             for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
         }
         if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
