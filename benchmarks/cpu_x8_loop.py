@@ -35,15 +35,8 @@ CSRC = Path("src/runtime_core/workers/cpu/csrc")
 LOOP = ROOT / "benchmarks" / "csrc" / "x8_loop.c"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11"]
 
-#: bytes of a group block of 8 rows (repack.h) and the 32-element chunks it holds
-TYPES = {
-    "Q4_0": (144, 1),
-    "Q4_1": (160, 1),
-    "Q8_0": (272, 1),
-    "Q4_K": (1184, 8),
-    "Q5_K": (1440, 8),
-    "Q6_K": (1680, 8),
-}
+#: the types the module repacks (repack.h)
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 #: the /proc/cpuinfo flags each set needs (the module's own test: module.c)
 ISAS = {
     "avx2": ("avx2", "f16c"),
@@ -57,6 +50,12 @@ def cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+def missing_flags(isa: str) -> list[str]:
+    """The flags ``isa`` needs that this processor lacks."""
+    flags = cpu_flags()
+    return [f for f in ISAS[isa] if f not in flags]
 
 
 def build(csrc: Path, out: Path, opt: str = "-O3") -> Path:
@@ -83,11 +82,14 @@ def build(csrc: Path, out: Path, opt: str = "-O3") -> Path:
     return exe
 
 
-def run(exe: Path, isa: str, qtype: str, shape: tuple[int, int], rows: int, passes: int) -> float:
-    """The best pass's milliseconds."""
+def run(
+    exe: Path, isa: str, qtype: str, shape: tuple[int, int], rows: int, passes: int
+) -> tuple[float, int]:
+    """The best pass's milliseconds, and the repacked bytes a pass reads."""
     args = [str(exe), isa, qtype, str(shape[0]), str(shape[1]), str(rows), str(passes)]
     done = subprocess.run(args, check=True, capture_output=True, text=True)
-    return float(done.stdout.split()[0])
+    ms, nbytes, _ = done.stdout.split()
+    return float(ms), int(nbytes)
 
 
 def main() -> None:
@@ -102,10 +104,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
 
-    flags = cpu_flags()
     isas = []
     for isa in args.isas.split(","):
-        missing = [f for f in ISAS[isa] if f not in flags]
+        missing = missing_flags(isa)
         if missing:
             print(f"{isa}: skipped (this processor lacks {', '.join(missing)})")
         else:
@@ -121,14 +122,14 @@ def main() -> None:
             (Path(tmp) / name).mkdir()
             exes[name] = build(tree, Path(tmp) / name)
         for qtype, isa, shape in itertools.product(args.types.split(","), isas, shapes):
-            block, chunks = TYPES[qtype]
-            nbytes = shape[0] // 8 * (shape[1] // 32 // chunks) * block
+            _, nbytes = run(exes["this"], isa, qtype, shape, 1, 1)  # the bytes of a pass
             for rows in (int(r) for r in args.rows.split(",")):
                 passes = args.passes or max(3, int(4e8 / nbytes / rows))
                 best = dict.fromkeys(exes, float("inf"))
                 for _ in range(args.repeat):
                     for name, exe in exes.items():
-                        best[name] = min(best[name], run(exe, isa, qtype, shape, rows, passes))
+                        ms, _ = run(exe, isa, qtype, shape, rows, passes)
+                        best[name] = min(best[name], ms)
                 row = {"type": qtype, "isa": isa, "shape": list(shape), "rows": rows}
                 row.update({f"{k}_ms": v for k, v in best.items()})
                 figures.append(row)

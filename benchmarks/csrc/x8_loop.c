@@ -6,8 +6,8 @@
  * files and run by benchmarks/cpu_x8_loop.py.
  *
  * argv: set (avx2, avxvnni, avx512), type (Q4_0, Q4_K, ...), the matrix's rows and
- * columns, activation rows, timed passes. Prints the best pass's milliseconds and the
- * kernel's kind. Weights and activations are random bytes (finite factors): no branch
+ * columns, activation rows, timed passes. Prints the best pass's milliseconds, the
+ * repacked bytes a pass reads and the kernel's kind. Weights and activations are random bytes (finite factors): no branch
  * of a kernel looks at a value, so the work is that of any matrix. The caller checks
  * that the processor runs the set. */
 #define _GNU_SOURCE
@@ -98,6 +98,6 @@ int main(int argc, char **argv) {
         sink += out8[0][0] + out16[0][0];
         if (dt < best) best = dt;
     }
-    printf("%.6f %s\n", best * 1e3, few ? "rows" : fast16 ? "x16" : "x8");
+    printf("%.6f %lld %s\n", best * 1e3, (long long)(groups * gs), few ? "rows" : fast16 ? "x16" : "x8");
     return 0;
 }
