@@ -106,10 +106,12 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_child(src: Path, args: dict[str, Any]) -> dict[str, Any]:
+def run_child(src: Path, args: dict[str, Any], script: str = __file__) -> dict[str, Any]:
+    """``script --child ARGS`` in a fresh process importing ``src`` first: its last line
+    of output, read as JSON."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(src), str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, __file__, "--child", json.dumps(args)]
+    cmd = [sys.executable, script, "--child", json.dumps(args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{src} failed ({proc.returncode}): {proc.stderr[-2000:]}")

@@ -38,6 +38,13 @@ exactly what decoding it one row at a time would. ``matvec="f32"`` dequantizes c
 of the weights exactly (as the gguf package does) and multiplies float32 activations.
 A source's rounded forms are computed once per value of the source (``_Rows.fresh``).
 
+Step buffers. A bound stage holds the buffers of steps of up to ``KEPT_ROWS`` rows (and
+the 8-bit forms of their sources), every page written at bind: each step of up to that
+many rows (decode rows, batches, prefill chunks) takes views of their first rows, so
+steps whose row counts change make no buffers, and none of them, the first after bind
+included, takes a page fault in them. A longer step (an unchunked prefill) makes its own
+for that step.
+
 The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``),
 one per run (``new_cache``; each step of a batch names its run's), one ring per block:
 the run's positions, or a sliding block's window when that is shorter (what the planner
@@ -85,9 +92,12 @@ from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
 PAGE = 4096
-#: the most rows whose step buffers a stage keeps from one step to the next (a batch of
-#: decode rows); a step of more rows (a prefill) allocates its own
+#: the rows of the step buffers a stage makes when it binds and keeps (a batch of decode
+#: rows, a prefill chunk of up to this many): every step of at most this many rows takes
+#: views of them; a step of more rows (a longer prefill) makes its own for that step
 KEPT_ROWS = 64
+#: bytes between the places in their pages where two step buffers start (``_RowSet``)
+STAGGER = 320
 
 
 class _MappedUploader:
@@ -123,33 +133,96 @@ def buffer(shape: int | tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
     return out
 
 
+def written(shape: int | tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+    """``buffer`` with every page written now: the process owns its pages from here on, so
+    a step that writes it later takes no page faults."""
+    out = buffer(shape, dtype)
+    if not _kernels.POISON:  # poisoned pages are written already
+        out.fill(0)
+    return out
+
+
+@attrs.frozen
 class _Q8:
     """Rows in an 8-bit format (``_kernels.linear`` writes them): q, d, s, g."""
 
-    def __init__(self, rows: int, n: int) -> None:
-        self.q = buffer((rows, n), np.int8)
-        self.d = buffer((rows, n // CHUNK), np.float32)
-        self.s = buffer((rows, n // CHUNK), np.float32)
-        self.g = buffer((rows, 2 * (n // CHUNK)), np.int32)
+    q: npt.NDArray[np.int8]
+    d: F32
+    s: F32
+    g: npt.NDArray[np.int32]
+
+    @classmethod
+    def make(cls, rows: int, n: int, alloc: Any) -> _Q8:
+        nc = n // CHUNK
+        return cls(
+            alloc((rows, n), np.int8), alloc((rows, nc), np.float32),
+            alloc((rows, nc), np.float32), alloc((rows, 2 * nc), np.int32),
+        )  # fmt: skip
+
+    def first(self, rows: int) -> _Q8:
+        return _Q8(self.q[:rows], self.d[:rows], self.s[:rows], self.g[:rows])
+
+
+class _RowSet:
+    """The buffers of steps of up to ``cap`` rows, made once (``touched``: every page
+    written when made, and the 8-bit forms of every source made then too): a step takes
+    views of their first rows (``rows``), so steps of changing row counts make nothing.
+
+    Each buffer starts ``STAGGER`` bytes further into a page than the one before: buffers
+    of whole pages all starting a page apart would put a row of ``x`` and the same row of
+    ``xn`` or ``o`` at the same place in the cache's sets (and 4 KiB apart, which
+    processors take for the same address until they compare the rest), slowing the
+    element-wise kernels that read one and write another."""
+
+    def __init__(
+        self, cap: int, hidden: int, qkv: int, att: int, ffn: int, touched: Sequence[str] = ()
+    ) -> None:
+        self.fill = bool(touched)
+        self.made = 0  # buffers made so far
+        self.cap, self.ffn = cap, ffn
+        names = {"x": hidden, "xn": hidden, "qkv": qkv, "att": att, "o": hidden, "xl": hidden}
+        # "o": a block's output before its post-norm; "xl": the head's rows (first ones used)
+        self.full = {name: self.alloc((cap, n), np.float32) for name, n in names.items()}
+        self.h_flat = self.alloc((cap * 2 * ffn,), np.float32)  # viewed (rows, 2 ffn) per layer
+        self.act_flat = self.alloc((cap * ffn,), np.float32)  # viewed (rows, ffn) per layer
+        self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}  # of the sources
+        self.q8: dict[tuple[str, str], _Q8] = {}
+        for fmt in touched:
+            for src in self.widths:
+                self.q8_of(src, fmt)
+
+    def alloc(self, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+        """A buffer starting ``STAGGER`` bytes further into its page than the last one."""
+        skip = (self.made % (PAGE // STAGGER)) * STAGGER
+        self.made += 1
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw = (written if self.fill else buffer)(skip + size + PAGE, np.uint8)
+        start = -raw.ctypes.data % PAGE + skip  # from the next page boundary
+        out: npt.NDArray[Any] = raw[start : start + size].view(dtype).reshape(shape)
+        return out
+
+    def q8_of(self, src: str, fmt: str) -> _Q8:
+        key = (src, fmt)
+        if key not in self.q8:
+            self.q8[key] = _Q8.make(self.cap, self.widths[src], self.alloc)
+        return self.q8[key]
+
+    def rows(self, rows: int) -> _Rows:
+        return _Rows(rows, self)
 
 
 class _Rows:
-    """The named buffers of a step of ``rows`` rows, and the 8-bit forms of its sources."""
+    """The named buffers of a step of ``rows`` rows (views of a ``_RowSet``'s), and the
+    8-bit forms of its sources."""
 
-    def __init__(self, rows: int, hidden: int, qkv: int, att: int, ffn: int) -> None:
-        self.rows = rows
-        self.x = buffer((rows, hidden), np.float32)
-        self.h_flat = buffer(rows * 2 * ffn, np.float32)  # viewed (rows, 2 ffn) per layer
-        self.act_flat = buffer(rows * ffn, np.float32)  # viewed (rows, ffn) per layer
-        self.views: dict[str, F32] = {
-            "x": self.x,
-            "xn": buffer((rows, hidden), np.float32),
-            "qkv": buffer((rows, qkv), np.float32),
-            "att": buffer((rows, att), np.float32),
-            "o": buffer((rows, hidden), np.float32),  # a block's output before its post-norm
-            "xl": buffer((rows, hidden), np.float32),  # the head's rows (first ones used)
-        }
-        self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}
+    def __init__(self, rows: int, base: _RowSet) -> None:
+        if not 1 <= rows <= base.cap:
+            raise ValueError(f"a step of {rows} rows in buffers of {base.cap}")
+        self.rows, self.base = rows, base
+        self.x = base.full["x"][:rows]
+        self.h_flat = base.h_flat[: rows * 2 * base.ffn]
+        self.act_flat = base.act_flat[: rows * base.ffn]
+        self.views: dict[str, F32] = {name: a[:rows] for name, a in base.full.items()}
         self.q8: dict[tuple[str, str], _Q8] = {}
         self.rounded: dict[tuple[str, str], F32] = {}  # f16 / bf16 forms
         self.fresh: dict[str, set[str]] = {}  # per source, its 8-bit forms up to date
@@ -157,7 +230,7 @@ class _Rows:
     def q8_of(self, src: str, fmt: str) -> _Q8:
         key = (src, fmt)
         if key not in self.q8:
-            self.q8[key] = _Q8(self.rows, self.widths[src])
+            self.q8[key] = self.base.q8_of(src, fmt).first(self.rows)
         return self.q8[key]
 
 
@@ -233,10 +306,15 @@ class CpuOps:
                             self.released.add(id(part[0]))
                 mats.append((f, built[key]))
             self.matrices[id(lin)] = mats
-        self.logits = buffer((1, w.vocab_size), np.float32) if spec.is_last else None
-        self.one = self._make_rows(1)
-        self.many: _Rows | None = None  # the last step of several rows' buffers, kept
-        self.buf = self.one
+        # the step buffers of up to KEPT_ROWS rows, written now (a bound stage's steps
+        # take no page faults in them), with the 8-bit forms of the formats it multiplies
+        formats = {f for mats in self.matrices.values() for f, _ in mats} - {"f32", "f16", "bf16"}
+        self.kept = self._row_set(KEPT_ROWS, sorted(formats) if self.use_q8 else ())
+        self.buf = self.kept.rows(1)
+        # the head's logits: the first rows of ``logits_kept`` (made for the most head rows
+        # a step has had, one at first, written now), or a step's own beyond KEPT_ROWS
+        self.logits_kept = written((1, w.vocab_size), np.float32) if spec.is_last else None
+        self.logits = self.logits_kept
         self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         self.tokens: list[tuple[int, int]] = []  # per head row: (token, non-finite logits)
 
@@ -263,29 +341,31 @@ class CpuOps:
         out += [lin for lin in (w.embedding, w.head) if lin is not None]
         return out
 
-    def _make_rows(self, rows: int) -> _Rows:
+    def _row_set(self, cap: int, touched: Sequence[str] = ()) -> _RowSet:
         c = self.w.config
-        return _Rows(rows, c.hidden_dim, self.qkv_dim, self.att_dim, self.w.max_ffn)
+        return _RowSet(cap, c.hidden_dim, self.qkv_dim, self.att_dim, self.w.max_ffn, touched)
 
     def use_rows(self, rows: int) -> None:
-        """Point the named buffers at the one-row set, or at a set for ``rows``: the last
-        one of at most ``KEPT_ROWS`` rows is kept (a stage's decode batches have the same
-        rows again and again), a larger one (a prefill) goes with its step. Every step
+        """Point the named buffers at views of the kept buffers' first ``rows`` rows, or,
+        beyond KEPT_ROWS (a long prefill), at buffers made for this step. Every step
         writes each buffer before reading it."""
-        if rows == 1:
-            self.buf = self.one
-        elif rows > KEPT_ROWS:
-            self.buf = self._make_rows(rows)
-        else:
-            if self.many is None or self.many.rows != rows:
-                self.many = self._make_rows(rows)
-            self.buf = self.many
+        if rows > KEPT_ROWS:
+            self.buf = self._row_set(rows).rows(rows)
+        elif self.buf.base is not self.kept or self.buf.rows != rows:
+            self.buf = self.kept.rows(rows)
         self.buf.fresh.clear()
 
     def use_heads(self, rows: int) -> None:
         """The logits of ``rows`` head rows (each run's last row that needs a token)."""
-        if self.logits is None or self.logits.shape[0] != rows:
+        kept = self.logits_kept
+        if kept is None:
+            return
+        if rows > KEPT_ROWS:
             self.logits = buffer((rows, self.w.vocab_size), np.float32)
+            return
+        if kept.shape[0] < rows:
+            kept = self.logits_kept = written((rows, self.w.vocab_size), np.float32)
+        self.logits = kept[:rows]
 
     def _written(self, name: str) -> None:
         self.buf.fresh.pop(name, None)

@@ -16,7 +16,8 @@ logits, bit for bit, that it computes given the prompt whole, on every instructi
 and thread count; and three runs on a 2-stage chain of CPU workers, batched together
 through the chain's interface (``open_run``, ``execute_batch``: CONCURRENT_RUNS.md §4)
 with their prompts in chunks, give each run's tokens and logits of the portable set
-running it alone, whole, bit for bit, on every instruction set.
+running it alone, whole, bit for bit, on every instruction set. Steps of changing row
+counts take views of the step buffers the stage made at bind (a longer one its own).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pytest
 from runplan import SamplingConfig
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.cpu import _kernels
-from runtime_core.workers.cpu.backend import CpuBackend
+from runtime_core.workers.cpu.backend import KEPT_ROWS, PAGE, CpuBackend
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import BatchStep, TokenOutput
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep
@@ -148,6 +149,47 @@ def test_a_prompt_in_chunks_computes_the_logits_of_the_prompt_whole(
     for chunks, threads in (([23], 3), ([1, 7, 3, 12], 2), ([5, 5, 5, 5, 3], 4), ([1] * 23, 1)):
         got = prompt_logits(path, chunks, threads, isa).view(np.uint32)
         np.testing.assert_array_equal(got, whole, err_msg=f"chunks {chunks}, {threads} threads")
+
+
+def test_steps_of_changing_rows_take_the_buffers_kept_at_bind(tmp_path: Path) -> None:
+    """A bound stage's steps of up to ``KEPT_ROWS`` rows take views of the buffers it made
+    at bind, whatever their row counts (nothing made per step); a longer step (an
+    unchunked prefill) makes its own and the next steps come back to the kept ones; and a
+    prompt fed in such steps gives the logits of the prompt whole, bit for bit."""
+    path = write_random_model(tmp_path / "kept.gguf", CHUNKED)
+    spec = BackendSpec(True, True, np.dtype(np.float32), "f32", "q8")
+
+    def logits(chunks: list[int]) -> np.ndarray:
+        backend = CpuBackend(spec, 2)
+        with open_stage_slice(path, 0, 2, is_first=True, is_last=True,
+                              capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
+            backend.load(stage, 128, None)
+        ops = backend.ops
+        assert ops is not None and ops.logits_kept is not None
+        # the kept buffers start at different places in their pages (``STAGGER``)
+        kept = [*ops.kept.full.values(), ops.kept.h_flat, ops.kept.act_flat]
+        assert len({a.ctypes.data % PAGE for a in kept}) == len(kept)
+        cache = backend.new_cache(128)
+        ids = np.random.default_rng(5).integers(0, 512, sum(chunks)).astype(np.int32)
+        pos = 0
+        for rows in chunks:
+            backend.run_batch([BackendStep(cache, ids[pos : pos + rows], rows, pos, True)])
+            pos += rows
+            kept = rows <= KEPT_ROWS
+            assert ops.buf.rows == rows and ops.buf.x.shape[0] == rows
+            for name, full in ops.kept.full.items():
+                assert np.shares_memory(ops.buf.views[name], full) == kept, (rows, name)
+            assert np.shares_memory(ops.buf.h_flat, ops.kept.h_flat) == kept
+            assert all(np.shares_memory(q.q, ops.kept.q8[key].q) == kept
+                       for key, q in ops.buf.q8.items())  # fmt: skip
+            assert np.shares_memory(ops.logits, ops.logits_kept)  # one head row a step
+        out = backend.logits_of(0)
+        backend.release()
+        return out.view(np.uint32)
+
+    whole = logits([KEPT_ROWS + 42])
+    np.testing.assert_array_equal(logits([KEPT_ROWS + 6, 1, KEPT_ROWS - 33, 3, 1]), whole)
+    np.testing.assert_array_equal(logits([3, KEPT_ROWS, 1, 2, KEPT_ROWS - 28]), whole)
 
 
 PROMPTS = {"a": [5, 77, 300, 12, 9, 41, 8], "b": [1, 2, 3], "c": [200, 17, 45, 99, 3, 8, 250, 6]}
