@@ -169,10 +169,10 @@ class _RowSet:
     views of their first rows (``rows``), so steps of changing row counts make nothing.
 
     Each buffer starts ``STAGGER`` bytes further into a page than the one before: buffers
-    of whole pages all starting a page apart would put a row of ``x`` and the same row of
-    ``xn`` or ``o`` at the same place in the cache's sets (and 4 KiB apart, which
-    processors take for the same address until they compare the rest), slowing the
-    element-wise kernels that read one and write another."""
+    of whole pages all starting page-aligned put a row of ``x`` and the same row of
+    ``xn`` or ``o`` at the same place in the cache's sets (and a whole number of 4 KiB
+    apart, which processors take for the same address until they compare the rest);
+    such a version ran SmolLM2's steps up to 15 % slower (``cpu_step_buffers.py``)."""
 
     def __init__(
         self, cap: int, hidden: int, qkv: int, att: int, ffn: int, touched: Sequence[str] = ()
