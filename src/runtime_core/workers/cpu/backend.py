@@ -164,9 +164,9 @@ class _Q8:
 
 
 class _RowSet:
-    """The buffers of steps of up to ``cap`` rows, made once (``touched``: every page
-    written when made, and the 8-bit forms of every source made then too): a step takes
-    views of their first rows (``rows``), so steps of changing row counts make nothing.
+    """The buffers of steps of up to ``cap`` rows, made once (``kept``: every page written
+    when made, with the 8-bit forms of every source in ``formats``): a step takes views of
+    their first rows (``rows``), so steps of changing row counts make nothing.
 
     Each buffer starts ``STAGGER`` bytes further into a page than the one before: buffers
     of whole pages all starting page-aligned put a row of ``x`` and the same row of
@@ -175,9 +175,16 @@ class _RowSet:
     such a version ran SmolLM2's steps up to 15 % slower (``cpu_step_buffers.py``)."""
 
     def __init__(
-        self, cap: int, hidden: int, qkv: int, att: int, ffn: int, touched: Sequence[str] = ()
+        self,
+        cap: int,
+        hidden: int,
+        qkv: int,
+        att: int,
+        ffn: int,
+        kept: bool = False,
+        formats: Sequence[str] = (),
     ) -> None:
-        self.fill = bool(touched)
+        self.fill = kept
         self.made = 0  # buffers made so far
         self.cap, self.ffn = cap, ffn
         names = {"x": hidden, "xn": hidden, "qkv": qkv, "att": att, "o": hidden, "xl": hidden}
@@ -187,7 +194,7 @@ class _RowSet:
         self.act_flat = self.alloc((cap * ffn,), np.float32)  # viewed (rows, ffn) per layer
         self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}  # of the sources
         self.q8: dict[tuple[str, str], _Q8] = {}
-        for fmt in touched:
+        for fmt in formats:
             for src in self.widths:
                 self.q8_of(src, fmt)
 
@@ -309,7 +316,7 @@ class CpuOps:
         # the step buffers of up to KEPT_ROWS rows, written now (a bound stage's steps
         # take no page faults in them), with the 8-bit forms of the formats it multiplies
         formats = {f for mats in self.matrices.values() for f, _ in mats} - {"f32", "f16", "bf16"}
-        self.kept = self._row_set(KEPT_ROWS, sorted(formats) if self.use_q8 else ())
+        self.kept = self._row_set(KEPT_ROWS, True, sorted(formats) if self.use_q8 else ())
         self.buf = self.kept.rows(1)
         # the head's logits: the first rows of ``logits_kept`` (made for the most head rows
         # a step has had, one at first, written now), or a step's own beyond KEPT_ROWS
@@ -341,9 +348,10 @@ class CpuOps:
         out += [lin for lin in (w.embedding, w.head) if lin is not None]
         return out
 
-    def _row_set(self, cap: int, touched: Sequence[str] = ()) -> _RowSet:
+    def _row_set(self, cap: int, kept: bool = False, formats: Sequence[str] = ()) -> _RowSet:
         c = self.w.config
-        return _RowSet(cap, c.hidden_dim, self.qkv_dim, self.att_dim, self.w.max_ffn, touched)
+        dims = (c.hidden_dim, self.qkv_dim, self.att_dim, self.w.max_ffn)
+        return _RowSet(cap, *dims, kept, formats)
 
     def use_rows(self, rows: int) -> None:
         """Point the named buffers at views of the kept buffers' first ``rows`` rows, or,
