@@ -41,6 +41,7 @@ TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 ISAS = {
     "avx2": ("avx2", "f16c"),
     "avxvnni": ("avx2", "f16c", "avx_vnni"),
+    "avx512bw": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl"),
     "avx512": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
 }
 

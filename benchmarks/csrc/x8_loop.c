@@ -5,7 +5,7 @@
  * thread pool or quantization of the activations around it. Built with the kernels'
  * files and run by benchmarks/cpu_x8_loop.py.
  *
- * argv: set (avx2, avxvnni, avx512), type (Q4_0, Q4_K, ...), the matrix's rows and
+ * argv: set (avx2, avxvnni, avx512bw, avx512), type (Q4_0, Q4_K, ...), the matrix's rows and
  * columns, activation rows, timed passes. Prints the best pass's milliseconds, the
  * repacked bytes a pass reads and the kernel's kind. Weights and activations are random bytes (finite factors): no branch
  * of a kernel looks at a value, so the work is that of any matrix. The caller checks
@@ -45,6 +45,7 @@ static const Isa *isa_of(const char *name) {
 #ifdef GPP_HAVE_AVXVNNI
     if (strcmp(name, "avxvnni") == 0) return isa_avxvnni();
 #endif
+    if (strcmp(name, "avx512bw") == 0) return isa_avx512bw();
     if (strcmp(name, "avx512") == 0) return isa_avx512();
     return NULL;
 }

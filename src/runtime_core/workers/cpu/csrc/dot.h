@@ -106,6 +106,7 @@ extern const Isa ISA_PORTABLE;
 extern const Isa ISA_AVX2;
 #define GPP_HAVE_AVX512 1
 const Isa *isa_avx512(void); /* AVX2's, with VNNI x8 products */
+const Isa *isa_avx512bw(void); /* AVX2's, with 512-bit x16 products, without VNNI */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define GPP_HAVE_AVXVNNI 1 /* a compiler that knows AVX-VNNI's target */
 const Isa *isa_avxvnni(void); /* AVX2's, with AVX-VNNI's 256-bit x8 products */

@@ -24,7 +24,7 @@
 /* ---- instruction sets ------------------------------------------------------------------------ */
 
 /* every set the kernels know, portable first; those the host runs, in the same order */
-static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avxvnni", "avx512"};
+static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avxvnni", "avx512bw", "avx512"};
 #define N_KNOWN (int)(sizeof KNOWN_ISAS / sizeof KNOWN_ISAS[0])
 static const Isa *HOST_ISAS[N_KNOWN];
 static int N_HOST;
@@ -40,8 +40,10 @@ static void find_host_isas(void) {
         if (__builtin_cpu_supports("avxvnni")) HOST_ISAS[N_HOST++] = isa_avxvnni();
 #endif
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-            HOST_ISAS[N_HOST++] = isa_avx512();
+            __builtin_cpu_supports("avx512vl")) {
+            HOST_ISAS[N_HOST++] = isa_avx512bw();
+            if (__builtin_cpu_supports("avx512vnni")) HOST_ISAS[N_HOST++] = isa_avx512();
+        }
     }
 #endif
 }

@@ -95,6 +95,9 @@ X8_INL VI XN(ld_i8_i32)(const uint8_t *p, int64_t gs) {
     (void)gs;
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
+/* |q| and x given q's sign (x where q > 0, -x where q < 0, 0 where q = 0) */
+#define v_abs8 _mm256_abs_epi8
+#define v_sign8 _mm256_sign_epi8
 #if X8_VNNI
 #ifdef X8_DOT256 /* the VEX encoding (AVX-VNNI: dot_avxvnni.c) */
 #define v_dot4 X8_DOT256
@@ -124,7 +127,19 @@ X8_INL VI v_dot4(VI acc, VI u, VI x) {
 #define v_set1_8 _mm512_set1_epi8
 #define v_set1_32 _mm512_set1_epi32
 #define v_zero _mm512_setzero_si512
+#if X8_VNNI
 #define v_dot4 _mm512_dpbusd_epi32
+#else /* AVX-512 BW without VNNI: AVX2's three instructions, on 512-bit vectors */
+X8_INL VI XN(dot4)(VI acc, VI u, VI x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)));
+}
+#define v_dot4 XN(dot4)
+#endif
+#define v_abs8 _mm512_abs_epi8
+X8_INL VI XN(sign8)(VI x, VI q) { /* q = 0 gives x, not 0: its |q| is 0 */
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x);
+}
+#define v_sign8 XN(sign8)
 #define f_mul _mm512_mul_ps
 #define f_add _mm512_add_ps
 #define f_sub _mm512_sub_ps
@@ -159,12 +174,16 @@ X8_INL VI XN(bcast)(const int8_t *p) {
     return v_set1_32(v);
 }
 
+/* AVX2's own paths: 16-bit sums of several words' products before the scale (256-bit
+ * vectors without VNNI; AVX-512 BW's 512-bit ones take the paths VNNI takes) */
+#define X8_AVX2 (!X8_VNNI && X8_WIDTH == 256)
+
 #ifndef X8_KEEP /* v stays in a register here: no reordering of its sums across this point */
 #define X8_KEEP(v) __asm__("" : "+x"(v))
 #endif
 /* AVX2's v_dot4 is three instructions that GCC would regroup: its running sums are kept
  * word by word (VNNI's accumulate in the instruction) */
-#if X8_VNNI
+#if !X8_AVX2
 #define X8_KEEP_DOT(v) ((void)0)
 #else
 #define X8_KEEP_DOT(v) X8_KEEP(v)
@@ -215,7 +234,7 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
 #if X8_VNNI
             u[w] = v_xor(q[w], v_set1_8((char)0x80)); /* q + 128 */
 #else
-            u[w] = _mm256_abs_epi8(q[w]);
+            u[w] = v_abs8(q[w]);
 #endif
         }
         for (int k = 0; k < NJ; ++k) {
@@ -230,7 +249,7 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
             si = v_add32(si, si2);
 #else
             VI si = v_zero();
-            for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], _mm256_sign_epi8(XN(bcast)(xq + 4 * w), q[w]));
+            for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
 #endif
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             acc[k][c & 7] = f_add(acc[k][c & 7], f_mul(fac, f_cvt(si)));
@@ -298,7 +317,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
 #if X8_VNNI
                 u[w] = v_xor(q[w], v_set1_8((char)0x80));
 #else
-                u[w] = _mm256_abs_epi8(q[w]);
+                u[w] = v_abs8(q[w]);
 #endif
             }
         } else {
@@ -323,7 +342,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
                 si = v_add32(si, si2);
 #else
                 si = v_zero();
-                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], _mm256_sign_epi8(XN(bcast)(xq + 4 * w), q[w]));
+                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
 #endif
             } else {
                 si = kind == 1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]);
@@ -374,7 +393,7 @@ X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int 
     }
 }
 
-#if !X8_VNNI
+#if X8_AVX2
 /* AVX2's Q6_K tile: after a super-block's 64 decoded words, dec[64 + j] (j < 16) holds in
  * each row's lane the int16 pair (s, s) of group j's scale s, and dec[80 + m] (m < 8) the
  * pair (s of group 2m, s of group 2m + 1), decoded once for the tile's rows. */
@@ -459,7 +478,7 @@ X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const 
  * decoded here for these NJ rows. */
 X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
                        const int8_t *const *xq, const int32_t *const *xg, VI *isum) {
-#if !X8_VNNI
+#if X8_AVX2
     if (kind == X8_Q6_K && dec) { /* a tile's: its scales decoded after its words */
         XN(k6_isum)(dec, dec + 64, NJ, xq, xg, isum);
         return;
@@ -467,7 +486,7 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
 #endif
     for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
     for (int p = 0; p < 4; ++p) {
-#if !X8_VNNI
+#if X8_AVX2
         if (kind == X8_Q4_K || kind == X8_Q5_K) { /* pairs of products summed in 16 bits
                                                    * over a run of words (Q4_K all 8: 8 * 2
                                                    * * 15 * 127 < 2^15; Q5_K 4: 4 * 2 * 31
@@ -609,10 +628,10 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
                        float (*out)[XL], const int kind) {
     const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
     VF acc[X8_TILE][8];
-#if X8_VNNI
-    VI dec[64];
-#else
+#if X8_AVX2
     VI dec[64 + K6_SCALES];
+#else
+    VI dec[64];
 #endif
     for (int k = 0; k < nj; ++k)
         for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
@@ -621,7 +640,7 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         XN(ahead)(grp, gs, sb * gb, gb);
         for (int p = 0; p < 4; ++p)
             for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
-#if !X8_VNNI
+#if X8_AVX2
         if (kind == X8_Q6_K) XN(k6_scales)(b, gs, dec + 64);
 #endif
         int k = 0;
@@ -719,6 +738,9 @@ X8_K_ENTRY(q6_k, X8_Q6_K)
 #undef v_set1_32
 #undef v_zero
 #undef v_dot4
+#undef v_abs8
+#undef v_sign8
+#undef X8_AVX2
 #undef f_mul
 #undef f_add
 #undef f_sub

@@ -1,0 +1,34 @@
+/* dot_avx512bw.c: the AVX-512 BW set (x86-64 hosts with AVX-512 F, BW and VL but not
+ * VNNI, such as Skylake-SP and Cascade Lake's predecessors: the module offers it where
+ * the processor reports them): AVX2's products (dot_avx2.c), with the products of two
+ * x8 groups at once (repack.h: prefill's and batches' time) on 512-bit vectors, lanes
+ * 0-7 the first group's rows and 8-15 the next's, by AVX2's vpmaddubsw, vpmaddwd and an
+ * addition on twice the lanes (x8_kernels.h's VNNI paths with those three instructions
+ * in place of vpdpbusd). The same bits as every other set (dot.h): the integer sums are
+ * exact, the float terms dot.h's in its order. */
+#include "dot.h"
+
+#ifdef GPP_HAVE_AVX512
+
+#define X8_TARGET "avx2,f16c,avx512f,avx512bw,avx512vl"
+#define X8_VNNI 0
+#define X8_WIDTH 512
+#include "x8_kernels.h"
+
+static Isa avx512bw;
+
+const Isa *isa_avx512bw(void) {
+    if (!avx512bw.name) { /* once, at import (under the GIL) */
+        avx512bw = ISA_AVX2;
+        avx512bw.name = "avx512bw";
+        avx512bw.q8_x16[T_Q8_0] = x16_q8_0;
+        avx512bw.q8_x16[T_Q4_0] = x16_q4_0;
+        avx512bw.q8_x16[T_Q4_1] = x16_q4_1;
+        avx512bw.q8_x16[T_Q4_K] = x16_q4_k;
+        avx512bw.q8_x16[T_Q5_K] = x16_q5_k;
+        avx512bw.q8_x16[T_Q6_K] = x16_q6_k;
+    }
+    return &avx512bw;
+}
+
+#endif
