@@ -11,7 +11,9 @@
  *               as a tile, each block decoded once (b32_tile)
  *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
- *               next's (defines x16_q8_0 .. x16_q6_k, x16_fn; needs AVX-512 BW and VNNI)
+ *               next's (defines x16_q8_0 .. x16_q6_k, x16_fn; needs AVX-512 BW, and with
+ *               X8_VNNI 0 takes the VNNI paths with AVX2's three instructions in place of
+ *               vpdpbusd: dot_avx512bw.c)
  *
  * A word (32 bytes: 4 quants of every row of a group) is multiplied by 4 activation
  * bytes broadcast to every lane, the 4 products added exactly into each row's int32
