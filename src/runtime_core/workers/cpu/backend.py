@@ -186,6 +186,7 @@ class _RowSet:
     ) -> None:
         self.fill = kept
         self.made = 0  # buffers made so far
+        self.nbytes = 0  # their bytes, padding included
         self.cap, self.ffn = cap, ffn
         names = {"x": hidden, "xn": hidden, "qkv": qkv, "att": att, "o": hidden, "xl": hidden}
         # "o": a block's output before its post-norm; "xl": the head's rows (first ones used)
@@ -204,6 +205,7 @@ class _RowSet:
         self.made += 1
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize
         raw = (written if self.fill else buffer)(skip + size + PAGE, np.uint8)
+        self.nbytes += raw.nbytes
         start = -raw.ctypes.data % PAGE + skip  # from the next page boundary
         out: npt.NDArray[Any] = raw[start : start + size].view(dtype).reshape(shape)
         return out
@@ -362,6 +364,12 @@ class CpuOps:
         elif self.buf.base is not self.kept or self.buf.rows != rows:
             self.buf = self.kept.rows(rows)
         self.buf.fresh.clear()
+
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes of the step buffers the stage keeps (``kept`` and the logits')."""
+        logits = 0 if self.logits_kept is None else self.logits_kept.nbytes
+        return self.kept.nbytes + logits
 
     def use_heads(self, rows: int) -> None:
         """The logits of ``rows`` head rows (each run's last row that needs a token)."""
