@@ -167,8 +167,8 @@ def test_steps_of_changing_rows_take_the_buffers_kept_at_bind(tmp_path: Path) ->
         ops = backend.ops
         assert ops is not None and ops.logits_kept is not None
         # the kept buffers start at different places in their pages (``STAGGER``)
-        kept = [*ops.kept.full.values(), ops.kept.h_flat, ops.kept.act_flat]
-        assert len({a.ctypes.data % PAGE for a in kept}) == len(kept)
+        bufs = [*ops.kept.full.values(), ops.kept.h_flat, ops.kept.act_flat]
+        assert len({a.ctypes.data % PAGE for a in bufs}) == len(bufs)
         cache = backend.new_cache(128)
         ids = np.random.default_rng(5).integers(0, 512, sum(chunks)).astype(np.int32)
         pos = 0

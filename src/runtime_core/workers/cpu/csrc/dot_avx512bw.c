@@ -1,5 +1,5 @@
 /* dot_avx512bw.c: the AVX-512 BW set (x86-64 hosts with AVX-512 F, BW and VL but not
- * VNNI, such as Skylake-SP and Cascade Lake's predecessors: the module offers it where
+ * VNNI, such as Skylake-SP and Skylake-X: the module offers it where
  * the processor reports them): AVX2's products (dot_avx2.c), with the products of two
  * x8 groups at once (repack.h: prefill's and batches' time) on 512-bit vectors, lanes
  * 0-7 the first group's rows and 8-15 the next's, by AVX2's vpmaddubsw, vpmaddwd and an
