@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,36 @@ def run_child(src: Path, args: dict[str, Any], script: str = __file__) -> dict[s
     return result
 
 
+def builds_of(parser: argparse.ArgumentParser, baseline: Path | None) -> dict[str, Path]:
+    """The ``src`` of each build: this checkout's, and ``--baseline``'s where given."""
+    builds = {"this": ROOT / "src"}
+    if baseline is not None:
+        if not (baseline / "src" / "runtime_core" / "workers" / "cpu").is_dir():
+            parser.error(f"--baseline {baseline}: no src/runtime_core/workers/cpu there")
+        builds["baseline"] = baseline / "src"
+    return builds
+
+
+def runs_in_turn(
+    builds: dict[str, Path],
+    args: dict[str, Any],
+    repeat: int,
+    script: str = __file__,
+    each: Callable[[int, str, dict[str, Any]], None] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Each build's ``repeat`` fresh processes (``run_child``), the builds in turn, the
+    first one of each round moving on by one; ``each(round, build, result)`` after
+    every process."""
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in builds}
+    for r in range(repeat):
+        order = list(builds)[r % len(builds) :] + list(builds)[: r % len(builds)]
+        for name in order:
+            runs[name].append(run_child(builds[name], args, script))
+            if each is not None:
+                each(r, name, runs[name][-1])
+    return runs
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         print(json.dumps(child(json.loads(sys.argv[2]))))
@@ -138,22 +169,15 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 <= args.stage < args.stages or args.prompt_len < 1 or args.threads < 1:
         parser.error("need 0 <= --stage < --stages, --prompt-len >= 1, --threads >= 1")
-    builds = {"this": ROOT / "src"}
-    if args.baseline is not None:
-        if not (args.baseline / "src" / "runtime_core" / "workers" / "cpu").is_dir():
-            parser.error(f"--baseline {args.baseline}: no src/runtime_core/workers/cpu there")
-        builds["baseline"] = args.baseline / "src"
+    builds = builds_of(parser, args.baseline)
     cargs = {
         k: getattr(args, k) for k in ("stages", "stage", "prompt_len", "threads", "tokens", "seed")
     }
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in builds}
-    for r in range(args.repeat):
-        order = list(builds)[r % len(builds) :] + list(builds)[: r % len(builds)]
-        for name in order:
-            runs[name].append(run_child(builds[name], cargs))
-            print(
-                f"round {r + 1} {name}: {runs[name][-1]['prefill_s'] * 1e3:.1f} ms", file=sys.stderr
-            )
+
+    def each(r: int, name: str, result: dict[str, Any]) -> None:
+        print(f"round {r + 1} {name}: {result['prefill_s'] * 1e3:.1f} ms", file=sys.stderr)
+
+    runs = runs_in_turn(builds, cargs, args.repeat, each=each)
     report: dict[str, Any] = {"args": cargs, "builds": {}}
     for name, rs in runs.items():
         med = statistics.median(x["prefill_s"] for x in rs)

@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_prefill import run_child  # noqa: E402
+from cpu_prefill import builds_of, runs_in_turn  # noqa: E402
 
 SIZES = (1, 3, 5, 2, 6, 4)
 FIGURES = ("bind_s", "first_ms", "first_faults", "again_ms", "again_faults",
@@ -119,17 +119,9 @@ def main() -> None:
         args.model = Path(resolve_model("smollm2-135m"))
     if not args.model.is_file():
         parser.error(f"--model {args.model}: no such file")
-    builds = {"this": ROOT / "src"}
-    if args.baseline is not None:
-        if not (args.baseline / "src" / "runtime_core" / "workers" / "cpu").is_dir():
-            parser.error(f"--baseline {args.baseline}: no src/runtime_core/workers/cpu there")
-        builds["baseline"] = args.baseline / "src"
+    builds = builds_of(parser, args.baseline)
     cargs = {"model": str(args.model), "threads": args.threads, "prompt_len": args.prompt_len}
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in builds}
-    for r in range(args.repeat):
-        order = list(builds)[r % len(builds) :] + list(builds)[: r % len(builds)]
-        for name in order:
-            runs[name].append(run_child(builds[name], cargs, __file__))
+    runs = runs_in_turn(builds, cargs, args.repeat, __file__)
     report: dict[str, Any] = {"args": cargs, "builds": {}}
     print(f"{args.model.name}, {args.threads} thread(s), a {args.prompt_len}-token prompt; "
           f"medians of {args.repeat} processes per build")  # fmt: skip
