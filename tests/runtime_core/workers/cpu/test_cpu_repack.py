@@ -110,8 +110,9 @@ def test_a_prefills_tile_of_rows_at_the_extremes_computes_the_stored_rows_bits(
 ) -> None:
     """37 activation rows (a tile of 32 and one of 5: the tiles' remainders) of every
     quant at its largest or smallest code times activations all of one sign (every 8-bit
-    activation +-127): the largest integer sums a kernel forms (AVX2's 16-bit pair sums
-    among them), and random rows besides; 24 weight rows (two groups at once, then one)."""
+    activation +-127): the largest integer sums a kernel forms (the 16-bit pair sums of
+    AVX2 and AVX-512 BW among them), and random rows besides; 24 weight rows (two groups
+    at once, then one)."""
     rng = np.random.default_rng(5)
     n, rows = width(qtype), 37
     blocks = [filled_rows(qtype, 8, n, fill, 0.01) for fill in (0xFF, 0x00)]

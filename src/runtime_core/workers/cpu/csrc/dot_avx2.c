@@ -255,85 +255,9 @@ LEGACY(Q5_1, 4, 24)
 
 /* ---- x8 groups (repack.h) ----------------------------------------------------------------- */
 
-/* Q4_0, Q4_1: 8 rows side by side. Per block: the 8 factors in one load; each 32 bytes of
- * nibbles are one word (4 bytes) of every row, lane i row i's: word w's low nibbles
- * are elements 4w .. 4w + 3, its high nibbles 16 + 4w .., multiplied by those 4
- * activation bytes broadcast to every lane. The 8 products of pairs stay exact in
- * 16 bits (|sum| <= 8 * 2 * 15 * 128 < 2^15), one multiply-add by ones leaves lane i =
- * row i's exact block sum. The float terms and their 8 running sums per row (block c
- * into sum c mod 8, one vector per sum, lane = row) are those of legacy_body, so every
- * row's bits are. */
-#ifndef X8_AHEAD
-#define X8_AHEAD X8_AHEAD_BYTES /* bytes ahead of the block read (repack.h) */
-#endif
-/* kind 1 Q4_0 (bb 18: 8 d, then the nibbles), 2 Q4_1 (bb 20: 8 d, 8 m, the nibbles):
- * Q4_1's term adds m * s (lane i: row i's m) after (dw * d) * sumi, as legacy_body */
-AVX2_INLINE void x8_legacy_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0,
-                                float (*out)[8], const int NJ, const int kind) {
-    const int bb = kind == 1 ? 18 : 20, hb = kind == 1 ? 2 : 4;
-    float acc[X8_TILE][8][8];
-    memset(acc, 0, (size_t)NJ * sizeof acc[0]);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int64_t c = 0; c < nc; ++c) {
-        const uint8_t *b = grp + c * (8 * bb);
-        _mm_prefetch((const char *)b + X8_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + X8_AHEAD + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)b + X8_AHEAD + 128, _MM_HINT_T0);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
-        const __m256 mw = kind == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
-                                    : _mm256_setzero_ps();
-        __m256i lo[4], hi[4];
-        for (int w = 0; w < 4; ++w) {
-            __m256i v = loadu256(b + 8 * hb + 32 * w);
-            lo[w] = _mm256_and_si256(v, m4);
-            hi[w] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        }
-        for (int k = 0; k < NJ; ++k) { /* NJ <= X8_XT unrolled, or a tile's rows in turn */
-            const int64_t j = j0 + k;
-            const int8_t *xq = x->q + j * x->n + 32 * c;
-            __m256i s16 = _mm256_setzero_si256();
-            for (int w = 0; w < 4; ++w) {
-                const __m256i xl = _mm256_set1_epi32((int)load_u32((const uint8_t *)xq + 4 * w));
-                const __m256i xh = _mm256_set1_epi32((int)load_u32((const uint8_t *)xq + 16 + 4 * w));
-                s16 = _mm256_add_epi16(s16, _mm256_add_epi16(_mm256_maddubs_epi16(lo[w], xl),
-                                                             _mm256_maddubs_epi16(hi[w], xh)));
-            }
-            __m256i si = _mm256_madd_epi16(s16, ones);
-            if (kind == 1) si = _mm256_sub_epi32(si, _mm256_set1_epi32(x->g[j * 2 * nc + c] << 3));
-            const __m256 fac = _mm256_mul_ps(dw, _mm256_set1_ps(x->d[j * nc + c]));
-            __m256 term = _mm256_mul_ps(fac, _mm256_cvtepi32_ps(si));
-            if (kind == 2) term = _mm256_add_ps(term, _mm256_mul_ps(mw, _mm256_set1_ps(x->s[j * nc + c])));
-            float *a = acc[k][c & 7];
-            _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), term));
-        }
-    }
-    for (int k = 0; k < NJ; ++k) {
-        __m256 a[8];
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc[k][i]);
-        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
-                                 _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
-        _mm256_storeu_ps(out[k], s);
-    }
-}
-
-#define X8_LEGACY(NAME, KIND)                                                                  \
-    AVX2 static void x8_##NAME(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x,    \
-                               int64_t j0, int nj, float (*out)[8]) {                          \
-        (void)gs;                                                                              \
-        switch (nj) { /* more than X8_XT: a block decoded once for the tile's rows */          \
-        case 1: x8_legacy_body(grp, nc, x, j0, out, 1, KIND); break;                           \
-        case 2: x8_legacy_body(grp, nc, x, j0, out, 2, KIND); break;                           \
-        case 3: x8_legacy_body(grp, nc, x, j0, out, 3, KIND); break;                           \
-        case 4: x8_legacy_body(grp, nc, x, j0, out, 4, KIND); break;                           \
-        default: x8_legacy_body(grp, nc, x, j0, out, nj, KIND); break;                         \
-        }                                                                                      \
-    }
-
-X8_LEGACY(Q4_0, 1)
-X8_LEGACY(Q4_1, 2)
-
-/* Q8_0 and the K-quants (and the Q4_0, Q4_1 bodies the AVX-512 set takes with VNNI; the
- * two above, summing in 16 bits, are AVX2's own): x8_kernels.h with vpmaddubsw */
+/* x8_kernels.h with vpmaddubsw: Q4_0's, Q4_1's, Q4_K's and Q5_K's pairs of products
+ * summed in 16 bits before one vpmaddwd (q4_isum, k_isum), Q8_0's and Q6_K's by
+ * vpmaddubsw, vpmaddwd and an addition a word (Q6_K's tile in 16 bits: k6_isum) */
 #define X8_TARGET "avx2,f16c"
 #define X8_VNNI 0
 #define X8_B32_TILE 1 /* Q8_0's prefill: measured 20 % faster */
@@ -727,7 +651,7 @@ const Isa ISA_AVX2 = {
      f_Q6_K},
     scores_avx2,
     mix_avx2,
-    {[T_Q8_0] = x8_q8_0, [T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1, [T_Q4_K] = x8_q4_k,
+    {[T_Q8_0] = x8_q8_0, [T_Q4_0] = x8_q4_0, [T_Q4_1] = x8_q4_1, [T_Q4_K] = x8_q4_k,
      [T_Q5_K] = x8_q5_k, [T_Q6_K] = x8_q6_k},
     {NULL}, /* no 512-bit vectors */
 };

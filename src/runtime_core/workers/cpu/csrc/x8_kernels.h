@@ -8,11 +8,12 @@
  *   X8_DOT256   (optional) the 256-bit vpdpbusd's intrinsic: AVX-VNNI's VEX
  *               _mm256_dpbusd_avx_epi32 (default: AVX-512 VL's _mm256_dpbusd_epi32)
  *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1 take more than X8_XT rows
- *               as a tile, each block decoded once (b32_tile)
+ *               as a tile, each block decoded once (b32_tile: the sets without VNNI)
  *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
  *               next's (defines x16_q8_0 .. x16_q6_k, x16_fn; needs AVX-512 BW, and with
- *               X8_VNNI 0 takes the VNNI paths with AVX2's three instructions in place of
+ *               X8_VNNI 0 takes AVX2's 16-bit sums for Q4_0, Q4_1, Q4_K and Q5_K and
+ *               elsewhere the VNNI paths with AVX2's three instructions in place of
  *               vpdpbusd: dot_avx512bw.c)
  *
  * A word (32 bytes: 4 quants of every row of a group) is multiplied by 4 activation
@@ -20,9 +21,9 @@
  * (the unsigned weights times the signed activations: Q4_0's nibbles, Q6_K's q + 32 and
  * Q8_0's q + 128 (its sign flipped), with the offset's product taken back from the
  * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
- * Q8_0 takes |q| times the activations given q's sign; AVX2's Q4_K, Q5_K and, in a
- * tile, Q6_K add several words' pairs in 16 bits before the scale's vpmaddwd: k_isum,
- * k6_isum).
+ * Q8_0 takes |q| times the activations given q's sign; without VNNI, Q4_0, Q4_1, Q4_K,
+ * Q5_K and (AVX2, in a tile) Q6_K add several words' pairs in 16 bits before one
+ * vpmaddwd: q4_isum, k_isum, k6_isum).
  * Every integer sum is exact, so its order is free; the float terms and their 8 running
  * sums per row (block c into sum c mod 8) are dot.h's, in its order, so every row's bits
  * are the stored row's on every instruction set and width.
@@ -63,6 +64,10 @@
 #define v_sub32 _mm256_sub_epi32
 #define v_mullo32 _mm256_mullo_epi32
 #define v_madd16 _mm256_madd_epi16
+#define v_maddubs _mm256_maddubs_epi16
+#define v_add16 _mm256_add_epi16
+#define v_slli32 _mm256_slli_epi32
+#define v_set1_16 _mm256_set1_epi16
 #define v_set1_8 _mm256_set1_epi8
 #define v_set1_32 _mm256_set1_epi32
 #define v_zero _mm256_setzero_si256
@@ -126,6 +131,10 @@ X8_INL VI v_dot4(VI acc, VI u, VI x) {
 #define v_sub32 _mm512_sub_epi32
 #define v_mullo32 _mm512_mullo_epi32
 #define v_madd16 _mm512_madd_epi16
+#define v_maddubs _mm512_maddubs_epi16
+#define v_add16 _mm512_add_epi16
+#define v_slli32 _mm512_slli_epi32
+#define v_set1_16 _mm512_set1_epi16
 #define v_set1_8 _mm512_set1_epi8
 #define v_set1_32 _mm512_set1_epi32
 #define v_zero _mm512_setzero_si512
@@ -176,9 +185,13 @@ X8_INL VI XN(bcast)(const int8_t *p) {
     return v_set1_32(v);
 }
 
-/* AVX2's own paths: 16-bit sums of several words' products before the scale (256-bit
- * vectors without VNNI; AVX-512 BW's 512-bit ones take the paths VNNI takes) */
+/* AVX2's own paths (256-bit vectors without VNNI): Q6_K's tile (k6_isum) and the running
+ * sums kept word by word */
 #define X8_AVX2 (!X8_VNNI && X8_WIDTH == 256)
+/* Without VNNI (AVX2, AVX-512 BW) the products of unsigned 4- or 5-bit weights: vpmaddubsw's
+ * pairs of several words added in 16 bits, then one vpmaddwd (by ones, or by the scale),
+ * where VNNI takes one vpdpbusd a word (q4_isum, k_isum) */
+#define X8_PAIRS16 (!X8_VNNI)
 
 #ifndef X8_KEEP /* v stays in a register here: no reordering of its sums across this point */
 #define X8_KEEP(v) __asm__("" : "+x"(v))
@@ -262,6 +275,25 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
 
 /* ---- Q4_0: (dw * d) * (sumi - 8 g); Q4_1: (dw * d) * sumi + m * s ------------------------------- */
 
+/* init plus a block's exact integer sum: the nibbles of its 4 words' low (lo) and high
+ * (hi) halves times the activations xq, 4 bytes a word */
+X8_INL VI XN(q4_isum)(const VI *lo, const VI *hi, const int8_t *xq, VI init) {
+#if X8_PAIRS16 /* 8 words' pairs in 16 bits: |sum| <= 8 * 2 * 15 * 128 < 2^15 */
+    VI s16 = v_add16(v_maddubs(lo[0], XN(bcast)(xq)), v_maddubs(hi[0], XN(bcast)(xq + 16)));
+    for (int w = 1; w < 4; ++w)
+        s16 = v_add16(s16, v_add16(v_maddubs(lo[w], XN(bcast)(xq + 4 * w)),
+                                   v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w))));
+    return v_add32(init, v_madd16(s16, v_set1_16(1)));
+#else /* two chains (exact: their order is free) */
+    VI si = init, si2 = v_zero();
+    for (int w = 0; w < 4; ++w) {
+        si = v_dot4(si, lo[w], XN(bcast)(xq + 4 * w));
+        si2 = v_dot4(si2, hi[w], XN(bcast)(xq + 16 + 4 * w));
+    }
+    return v_add32(si, si2);
+#endif
+}
+
 X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
                         float (*out)[XL], const int NJ, const int q4_1) {
     const int gb = q4_1 ? 160 : 144, at = q4_1 ? 32 : 16;
@@ -282,12 +314,7 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->n + 32 * c;
-            VI si = q4_1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]), si2 = v_zero();
-            for (int w = 0; w < 4; ++w) { /* two chains (exact: their order is free) */
-                si = v_dot4(si, lo[w], XN(bcast)(xq + 4 * w));
-                si2 = v_dot4(si2, hi[w], XN(bcast)(xq + 16 + 4 * w));
-            }
-            si = v_add32(si, si2);
+            const VI si = XN(q4_isum)(lo, hi, xq, q4_1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]));
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
             if (q4_1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
@@ -347,13 +374,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
                 for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
 #endif
             } else {
-                si = kind == 1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]);
-                VI si2 = v_zero();
-                for (int w = 0; w < 4; ++w) {
-                    si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
-                    si2 = v_dot4(si2, u[4 + w], XN(bcast)(xq + 16 + 4 * w));
-                }
-                si = v_add32(si, si2);
+                si = XN(q4_isum)(u, u + 4, xq, kind == 1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]));
             }
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
@@ -488,27 +509,27 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
 #endif
     for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
     for (int p = 0; p < 4; ++p) {
-#if X8_AVX2
+#if X8_PAIRS16
         if (kind == X8_Q4_K || kind == X8_Q5_K) { /* pairs of products summed in 16 bits
                                                    * over a run of words (Q4_K all 8: 8 * 2
                                                    * * 15 * 127 < 2^15; Q5_K 4: 4 * 2 * 31
                                                    * * 127 < 2^15), then times the scale */
             const int run = kind == X8_Q4_K ? 8 : 4;
-            const __m256i s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
-            const __m256i s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
-            const __m256i slo = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
-            const __m256i shi = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+            const VI s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+            const VI s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+            const VI slo = v_or(s0, v_slli32(s0, 16));
+            const VI shi = v_or(s1, v_slli32(s1, 16));
             for (int w0 = 0; w0 < 8; w0 += run) {
-                __m256i plo[X8_XT], phi[X8_XT];
-                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = _mm256_setzero_si256();
+                VI plo[X8_XT], phi[X8_XT];
+                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = v_zero();
                 for (int w = w0; w < w0 + run; ++w) {
                     VI lo, hi;
                     if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
                     else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
                     for (int k = 0; k < NJ; ++k) {
                         const int8_t *xp = xq[k] + 64 * p + 4 * w;
-                        plo[k] = _mm256_add_epi16(plo[k], _mm256_maddubs_epi16(lo, XN(bcast)(xp)));
-                        phi[k] = _mm256_add_epi16(phi[k], _mm256_maddubs_epi16(hi, XN(bcast)(xp + 32)));
+                        plo[k] = v_add16(plo[k], v_maddubs(lo, XN(bcast)(xp)));
+                        phi[k] = v_add16(phi[k], v_maddubs(hi, XN(bcast)(xp + 32)));
                         /* word by word: GCC otherwise adds the words' products as a
                          * tree, spilling them (one row's products took 1.2x as long
                          * in cache: benchmarks/cpu_x8_loop.py) */
@@ -704,7 +725,7 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
 #define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 0)
 #define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 1)
 
-#ifndef X8_B32_TILE /* AVX2 only: measured no faster with VNNI */
+#ifndef X8_B32_TILE /* the sets without VNNI: measured no faster with it */
 #define X8_B32_TILE 0
 #endif
 X8_ENTRY(q8_0, X8_CALL_Q8_0, 2)
@@ -743,6 +764,11 @@ X8_K_ENTRY(q6_k, X8_Q6_K)
 #undef v_abs8
 #undef v_sign8
 #undef X8_AVX2
+#undef X8_PAIRS16
+#undef v_maddubs
+#undef v_add16
+#undef v_slli32
+#undef v_set1_16
 #undef f_mul
 #undef f_add
 #undef f_sub
