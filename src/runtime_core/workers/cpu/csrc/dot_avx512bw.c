@@ -3,10 +3,11 @@
  * the processor reports them): AVX2's products (dot_avx2.c), with the products of two
  * x8 groups at once (repack.h: prefill's and batches' time) on 512-bit vectors, lanes
  * 0-7 the first group's rows and 8-15 the next's, by AVX2's vpmaddubsw and vpmaddwd on
- * twice the lanes: Q4_0, Q4_1, Q4_K and Q5_K sum several words' pairs in 16 bits
- * before one vpmaddwd, as AVX2's set does (x8_kernels.h: q4_isum, k_isum); Q8_0 and
- * Q6_K take its VNNI paths with vpmaddubsw, vpmaddwd and an addition in place of
- * vpdpbusd; more than 4 rows of Q8_0, Q4_0 and Q4_1 as one tile (b32_tile). The same
+ * twice the lanes: Q4_0, Q4_1, Q4_K, Q5_K and Q6_K's tiles sum several words' pairs in
+ * 16 bits before one vpmaddwd, as AVX2's set does (x8_kernels.h: q4_isum, k_isum,
+ * k6_isum); Q8_0 and Q6_K's 1-4 rows take its VNNI paths with vpmaddubsw, vpmaddwd and
+ * an addition in place of vpdpbusd; more than 4 rows of Q8_0, Q4_0 and Q4_1 as one tile
+ * (b32_tile). The same
  * bits as every other set (dot.h): the integer sums are exact, the float terms dot.h's
  * in its order. */
 #include "dot.h"

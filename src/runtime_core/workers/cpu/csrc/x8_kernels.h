@@ -12,9 +12,9 @@
  *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
  *               next's (defines x16_q8_0 .. x16_q6_k, x16_fn; needs AVX-512 BW, and with
- *               X8_VNNI 0 takes AVX2's 16-bit sums for Q4_0, Q4_1, Q4_K and Q5_K and
- *               elsewhere the VNNI paths with AVX2's three instructions in place of
- *               vpdpbusd: dot_avx512bw.c)
+ *               X8_VNNI 0 takes AVX2's 16-bit sums for Q4_0, Q4_1, Q4_K, Q5_K and Q6_K's
+ *               tile and elsewhere the VNNI paths with AVX2's three instructions in
+ *               place of vpdpbusd: dot_avx512bw.c)
  *
  * A word (32 bytes: 4 quants of every row of a group) is multiplied by 4 activation
  * bytes broadcast to every lane, the 4 products added exactly into each row's int32
@@ -22,8 +22,8 @@
  * Q8_0's q + 128 (its sign flipped), with the offset's product taken back from the
  * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
  * Q8_0 takes |q| times the activations given q's sign; without VNNI, Q4_0, Q4_1, Q4_K,
- * Q5_K and (AVX2, in a tile) Q6_K add several words' pairs in 16 bits before one
- * vpmaddwd: q4_isum, k_isum, k6_isum).
+ * Q5_K and (in a tile) Q6_K add several words' pairs in 16 bits before one vpmaddwd:
+ * q4_isum, k_isum, k6_isum).
  * Every integer sum is exact, so its order is free; the float terms and their 8 running
  * sums per row (block c into sum c mod 8) are dot.h's, in its order, so every row's bits
  * are the stored row's on every instruction set and width.
@@ -68,6 +68,8 @@
 #define v_add16 _mm256_add_epi16
 #define v_slli32 _mm256_slli_epi32
 #define v_set1_16 _mm256_set1_epi16
+#define v_packs32 _mm256_packs_epi32
+#define v_lane32(v, i) _mm256_permutevar8x32_epi32((v), _mm256_set1_epi32(i)) /* lane i, every lane */
 #define v_set1_8 _mm256_set1_epi8
 #define v_set1_32 _mm256_set1_epi32
 #define v_zero _mm256_setzero_si256
@@ -135,6 +137,8 @@ X8_INL VI v_dot4(VI acc, VI u, VI x) {
 #define v_add16 _mm512_add_epi16
 #define v_slli32 _mm512_slli_epi32
 #define v_set1_16 _mm512_set1_epi16
+#define v_packs32 _mm512_packs_epi32
+#define v_lane32(v, i) _mm512_permutexvar_epi32(_mm512_set1_epi32(i), (v)) /* lane i, every lane */
 #define v_set1_8 _mm512_set1_epi8
 #define v_set1_32 _mm512_set1_epi32
 #define v_zero _mm512_setzero_si512
@@ -185,12 +189,11 @@ X8_INL VI XN(bcast)(const int8_t *p) {
     return v_set1_32(v);
 }
 
-/* AVX2's own paths (256-bit vectors without VNNI): Q6_K's tile (k6_isum) and the running
- * sums kept word by word */
+/* AVX2's own (256-bit vectors without VNNI): the running sums kept word by word */
 #define X8_AVX2 (!X8_VNNI && X8_WIDTH == 256)
-/* Without VNNI (AVX2, AVX-512 BW) the products of unsigned 4- or 5-bit weights: vpmaddubsw's
- * pairs of several words added in 16 bits, then one vpmaddwd (by ones, or by the scale),
- * where VNNI takes one vpdpbusd a word (q4_isum, k_isum) */
+/* Without VNNI (AVX2, AVX-512 BW): vpmaddubsw's pairs of several words added in 16 bits,
+ * then one vpmaddwd (by ones, or by the scale), where VNNI takes one vpdpbusd a word:
+ * Q4_0, Q4_1 (q4_isum), Q4_K, Q5_K (k_isum) and Q6_K's tile (k6_isum) */
 #define X8_PAIRS16 (!X8_VNNI)
 
 #ifndef X8_KEEP /* v stays in a register here: no reordering of its sums across this point */
@@ -416,17 +419,17 @@ X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int 
     }
 }
 
-#if X8_AVX2
-/* AVX2's Q6_K tile: after a super-block's 64 decoded words, dec[64 + j] (j < 16) holds in
- * each row's lane the int16 pair (s, s) of group j's scale s, and dec[80 + m] (m < 8) the
- * pair (s of group 2m, s of group 2m + 1), decoded once for the tile's rows. */
+#if X8_PAIRS16
+/* Q6_K's tile without VNNI: after a super-block's 64 decoded words, dec[64 + j] (j < 16)
+ * holds in each row's lane the int16 pair (s, s) of group j's scale s, and dec[80 + m]
+ * (m < 8) the pair (s of group 2m, s of group 2m + 1), decoded once for the tile's rows. */
 #define K6_SCALES 24
 X8_INL void XN(k6_scales)(const uint8_t *b, int64_t gs, VI *out) {
     const VI low = v_set1_32(0xFFFF);
     VI s[16];
     for (int j = 0; j < 16; ++j) s[j] = XN(ld_i8_i32)(b + 16 + 8 * j, gs); /* sign-extended */
-    for (int j = 0; j < 16; ++j) out[j] = v_or(v_and(s[j], low), _mm256_slli_epi32(s[j], 16));
-    for (int m = 0; m < 8; ++m) out[16 + m] = v_or(v_and(s[2 * m], low), _mm256_slli_epi32(s[2 * m + 1], 16));
+    for (int j = 0; j < 16; ++j) out[j] = v_or(v_and(s[j], low), v_slli32(s[j], 16));
+    for (int m = 0; m < 8; ++m) out[16 + m] = v_or(v_and(s[2 * m], low), v_slli32(s[2 * m + 1], 16));
 }
 
 /* The same integer sums as k_isum's Q6_K (exact, so the same bits), with half its
@@ -439,13 +442,13 @@ X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int NJ, const int8_t 
                         const int32_t *const *xg, VI *isum) {
     for (int k = 0; k < NJ; ++k) {
         /* the 16 group sums as int16 pairs: lanes (g0 g1) (g2 g3) (g8 g9) (g10 g11) (g4 g5)
-         * (g6 g7) (g12 g13) (g14 g15) */
-        const VI gp = _mm256_packs_epi32(XN(ld)((const uint8_t *)xg[k], 0), XN(ld)((const uint8_t *)(xg[k] + 8), 0));
+         * (g6 g7) (g12 g13) (g14 g15) (512 bits: ld reads the row's sums into both halves,
+         * packs works in 128-bit lanes, so lanes 8-15 repeat 0-7) */
+        const VI gp = v_packs32(XN(ld)((const uint8_t *)xg[k], 0), XN(ld)((const uint8_t *)(xg[k] + 8), 0));
         static const int lane_of_pair[8] = {0, 1, 4, 5, 2, 3, 6, 7};
         VI corr = v_zero();
-        for (int m = 0; m < 8; ++m)
-            corr = v_add32(corr, v_madd16(sc[16 + m], _mm256_permutevar8x32_epi32(gp, v_set1_32(lane_of_pair[m]))));
-        isum[k] = v_sub32(v_zero(), _mm256_slli_epi32(corr, 5));
+        for (int m = 0; m < 8; ++m) corr = v_add32(corr, v_madd16(sc[16 + m], v_lane32(gp, lane_of_pair[m])));
+        isum[k] = v_sub32(v_zero(), v_slli32(corr, 5));
     }
     for (int p = 0; p < 4; ++p)
         for (int h = 0; h < 2; ++h) { /* groups 4p + h (sub-block 2p: lo), 4p + 2 + h (hi) */
@@ -456,10 +459,8 @@ X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int NJ, const int8_t 
                 const VI lo1 = dec[16 * p + 2 * w0 + 2], hi1 = dec[16 * p + 2 * w0 + 3];
                 for (int k = 0; k < NJ; ++k) {
                     const int8_t *xp = xq[k] + 64 * p + 4 * w0;
-                    const VI plo = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, XN(bcast)(xp)),
-                                                    _mm256_maddubs_epi16(lo1, XN(bcast)(xp + 4)));
-                    const VI phi = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, XN(bcast)(xp + 32)),
-                                                    _mm256_maddubs_epi16(hi1, XN(bcast)(xp + 36)));
+                    const VI plo = v_add16(v_maddubs(lo0, XN(bcast)(xp)), v_maddubs(lo1, XN(bcast)(xp + 4)));
+                    const VI phi = v_add16(v_maddubs(hi0, XN(bcast)(xp + 32)), v_maddubs(hi1, XN(bcast)(xp + 36)));
                     isum[k] = v_add32(isum[k], v_add32(v_madd16(plo, slo), v_madd16(phi, shi)));
                 }
             }
@@ -501,7 +502,7 @@ X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const 
  * decoded here for these NJ rows. */
 X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
                        const int8_t *const *xq, const int32_t *const *xg, VI *isum) {
-#if X8_AVX2
+#if X8_PAIRS16
     if (kind == X8_Q6_K && dec) { /* a tile's: its scales decoded after its words */
         XN(k6_isum)(dec, dec + 64, NJ, xq, xg, isum);
         return;
@@ -651,7 +652,7 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
                        float (*out)[XL], const int kind) {
     const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
     VF acc[X8_TILE][8];
-#if X8_AVX2
+#if X8_PAIRS16
     VI dec[64 + K6_SCALES];
 #else
     VI dec[64];
@@ -663,7 +664,7 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         XN(ahead)(grp, gs, sb * gb, gb);
         for (int p = 0; p < 4; ++p)
             for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
-#if X8_AVX2
+#if X8_PAIRS16
         if (kind == X8_Q6_K) XN(k6_scales)(b, gs, dec + 64);
 #endif
         int k = 0;
@@ -769,6 +770,8 @@ X8_K_ENTRY(q6_k, X8_Q6_K)
 #undef v_add16
 #undef v_slli32
 #undef v_set1_16
+#undef v_packs32
+#undef v_lane32
 #undef f_mul
 #undef f_add
 #undef f_sub
