@@ -16,22 +16,23 @@
   quantizer (``llama_model_quantize``: MOSTLY_Q4_0, MOSTLY_Q4_K_S, MOSTLY_Q6_K,
   MOSTLY_Q8_0, its default choices for the other tensors) into a temporary folder
   (``--model-dir`` keeps them).
-- Runners, each in a fresh process, interleaved (every repetition runs each runner
-  once, in a rotating order) on the same prompt (``--prompt-len`` random ids), thread
-  count and model: ``cpu`` (``CpuWorker``, one stage of every block, the best
-  instruction set), ``cpu-<isa>`` (the same forced onto one set: ``cpu-avx2``,
-  ``cpu-portable``, ``cpu-avxvnni``, ``cpu-avx512``), ``numpy`` (``ReferenceWorker``, its
-  BLAS on the same threads), ``llama.cpp`` (llama-cpp-python in ``--llamacpp-python``'s interpreter,
-  memory-mapped weights, float32 KV cache like the CPU worker's, no flash attention),
-  ``llama.cpp-avx2`` (the same in ``--llamacpp-avx2-python``'s interpreter: a
-  llama-cpp-python built for AVX2 without AVX-512, ``CMAKE_ARGS="-DGGML_NATIVE=OFF
-  -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"``,
-  the peer of ``cpu-avx2`` as an AVX2-only processor would run both; skipped, with the
-  reason, where that interpreter is missing or its llama.cpp reports AVX-512). Each
-  llama.cpp's own system information (the instruction sets it was built for) is printed.
-  Greedy decoding of ``--tokens`` tokens. ``--threads`` is a list: every count is run
-  (``all``: the cores this process may use), and a last table gives each runner's
-  decode tokens/s per count and its scaling over 1 thread.
+- Runners, each in a fresh process, interleaved (every repetition runs each runner once,
+  in a rotating order) on the same prompt (``--prompt-len`` random ids), thread count
+  and model: ``cpu`` (``CpuWorker``, one stage of every block, the best instruction
+  set), ``cpu-<isa>`` (the same forced onto one set: ``cpu-avx2``, ``cpu-portable``,
+  ``cpu-avxvnni``, ``cpu-avx512bw``, ``cpu-avx512``), ``numpy`` (``ReferenceWorker``,
+  its BLAS on the same threads), ``llama.cpp`` (llama-cpp-python in
+  ``--llamacpp-python``'s interpreter, memory-mapped weights, float32 KV cache like the
+  CPU worker's, no flash attention), ``llama.cpp-avx2`` (the same in
+  ``--llamacpp-avx2-python``'s interpreter: a llama-cpp-python built for AVX2 without
+  AVX-512, ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
+  -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"``, the peer of ``cpu-avx2`` as an
+  AVX2-only processor would run both; skipped, with the reason, where that interpreter
+  is missing or its llama.cpp reports AVX-512). Each llama.cpp's own system information
+  (the instruction sets it was built for) is printed. Greedy decoding of ``--tokens``
+  tokens. ``--threads`` is a list: every count is run (``all``: the cores this process
+  may use), and a last table gives each runner's decode tokens/s per count and its
+  scaling over 1 thread.
 - Figures (medians over the repetitions): decode tokens/s (1 / the median decode step),
   prefill tokens/s (prompt length / the prefill's time; the first prefill of the
   process, right after loading, which the targets use; "again": the same prompt
@@ -509,16 +510,44 @@ def thread_counts(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--runners", default=",".join(RUNNERS))
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"a list of {', '.join(MODELS)} (default: all)"
+    )
+    parser.add_argument(
+        "--runners",
+        default=",".join(RUNNERS),
+        help="a list of cpu, cpu-<isa> (the CPU worker on one instruction set: cpu-avx2, "
+        "cpu-avx512bw, ...), numpy, llama.cpp, llama.cpp-avx2 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=4, help="blocks of the 8B-shape models (default: 4)"
+    )
     parser.add_argument("--threads", default="1,all", help="counts, e.g. 1,2 (all: every core)")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--llamacpp-python", default=LLAMACPP_PYTHON)
-    parser.add_argument("--llamacpp-avx2-python", default=LLAMACPP_AVX2_PYTHON)
-    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument(
+        "--prompt-len", type=int, default=32, help="prompt tokens prefilled (default: 32)"
+    )
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps timed (default: 32)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="fresh processes per runner, interleaved (default: 3)"
+    )
+    parser.add_argument(
+        "--llamacpp-python",
+        default=LLAMACPP_PYTHON,
+        help="an interpreter with llama-cpp-python, built for this processor: the llama.cpp "
+        "runner, and the quantizer of the 8B-shape models (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--llamacpp-avx2-python",
+        default=LLAMACPP_AVX2_PYTHON,
+        help="an interpreter with llama-cpp-python built for AVX2 only (the module's "
+        "docstring gives its CMAKE_ARGS): the llama.cpp-avx2 runner (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="keep the 8B-shape models here and reuse them (default: a temporary folder)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
