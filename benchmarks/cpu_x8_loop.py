@@ -2,7 +2,7 @@
 against another's, side by side.
 
     python benchmarks/cpu_x8_loop.py [--types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K]
-        [--isas avx2,avxvnni,avx512] [--rows 1,2] [--shapes 1024x4096,14336x4096]
+        [--isas avx2,avxvnni,avx512bw,avx512] [--rows 1,2] [--shapes 1024x4096,14336x4096]
         [--passes 0] [--repeat 5] [--baseline DIR] [--json OUT.json]
 
 The kernel the module's ``linear`` takes for the type, instruction set and activation
@@ -12,7 +12,8 @@ the set has one, else two groups at once where it has them, else one), compiled 
 linked with the kernels' files) that times it on one thread over a matrix of random
 groups: no Python, thread pool or quantization of the activations in the way, so that a
 change to a kernel shows above this machine's noise (``benchmarks/cpu_repack.py`` times
-the module's whole call). Sets this processor lacks are skipped, with the reason.
+the module's whole call). Sets this processor does not run (as the module reads its
+flags) are skipped, with the reason.
 ``--baseline DIR``: also builds DIR's kernels (``src/runtime_core/workers/cpu/csrc``
 of a checkout of another commit) and runs the two in turn, ``--repeat`` times each;
 every figure is the best pass of all. The first shape stays in cache, the second is
@@ -30,6 +31,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from runtime_core.workers.cpu import _kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = Path("src/runtime_core/workers/cpu/csrc")
 LOOP = ROOT / "benchmarks" / "csrc" / "x8_loop.c"
@@ -37,26 +40,15 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11"]
 
 #: the types the module repacks (repack.h)
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-#: the /proc/cpuinfo flags each set needs (the module's own test: module.c)
-ISAS = {
-    "avx2": ("avx2", "f16c"),
-    "avxvnni": ("avx2", "f16c", "avx_vnni"),
-    "avx512bw": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl"),
-    "avx512": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-}
+#: the sets whose kernels of repacked groups the loop times (x8_loop.c: the portable
+#: set's are its plain C, not timed here)
+ISAS = tuple(isa for isa in _kernels.KNOWN_ISAS if isa != "portable")
 
 
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def missing_flags(isa: str) -> list[str]:
-    """The flags ``isa`` needs that this processor lacks."""
-    flags = cpu_flags()
-    return [f for f in ISAS[isa] if f not in flags]
+def runs_here(isa: str) -> bool:
+    """Whether this processor runs ``isa``: the module's own reading of its flags
+    (module.c), one table of them for the worker and this loop."""
+    return isa in _kernels.isas()
 
 
 def build(csrc: Path, out: Path, opt: str = "-O3") -> Path:
@@ -107,11 +99,12 @@ def main() -> None:
 
     isas = []
     for isa in args.isas.split(","):
-        missing = missing_flags(isa)
-        if missing:
-            print(f"{isa}: skipped (this processor lacks {', '.join(missing)})")
-        else:
+        if isa not in ISAS:
+            parser.error(f"--isas: unknown {isa!r} (known: {', '.join(ISAS)})")
+        if runs_here(isa):
             isas.append(isa)
+        else:
+            print(f"{isa}: skipped (this processor runs {', '.join(_kernels.isas())})")
     shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(",")]
     trees = {"this": ROOT / CSRC}
     if args.baseline:
