@@ -7,16 +7,16 @@
  * 16 bits before one vpmaddwd, as AVX2's set does (x8_kernels.h: q4_isum, k_isum,
  * k6_isum); Q8_0 and Q6_K's 1-4 rows take its VNNI paths with vpmaddubsw, vpmaddwd and
  * an addition in place of vpdpbusd; more than 4 rows of Q8_0, Q4_0 and Q4_1 as one tile
- * (b32_tile). The same
- * bits as every other set (dot.h): the integer sums are exact, the float terms dot.h's
- * in its order. */
+ * (b32_tile). The same bits as every other set (dot.h): the integer sums are exact, the
+ * float terms dot.h's in its order. */
 #include "dot.h"
 
 #ifdef GPP_HAVE_AVX512
 
 #define X8_TARGET "avx2,f16c,avx512f,avx512bw,avx512vl"
 #define X8_VNNI 0
-#define X8_B32_TILE 1 /* 8 and 32 rows from memory: Q8_0 x1.29-1.34, Q4_0 x1.27-1.37 */
+/* tiles: 8 and 32 rows from memory Q8_0 x1.29-1.34, Q4_0 x1.08-1.37, Q4_1 x1.00-1.17 */
+#define X8_B32_TILE 1
 #define X8_WIDTH 512
 #include "x8_kernels.h"
 
