@@ -25,9 +25,8 @@ const Isa *isa_avx512(void) {
     if (!avx512.name) { /* once, at import (under the GIL) */
         avx512 = ISA_AVX2;
         avx512.name = "avx512";
-        avx512.q8_x8[T_Q8_0] = x8_q8_0;
-        avx512.q8_x8[T_Q4_0] = x8_q4_0;
-        avx512.q8_x8[T_Q4_1] = x8_q4_1;
+        x8_fill(avx512.q8_x8);
+        x16_fill(avx512.q8_x16);
         /* A decode step's products of one group on 512-bit vectors holding two of its
          * words (x8_pair_kernels.h: one stream of memory, one vpermd per activation
          * vector), where that measured faster than two groups per 512-bit vector and
@@ -49,15 +48,6 @@ const Isa *isa_avx512(void) {
         avx512.q8_x8_rows[T_Q4_K][0] = xp_q4_k;
         avx512.q8_x8_rows[T_Q4_K][1] = xp_q4_k;
         avx512.q8_x8_rows[T_Q8_0][0] = x8_q8_0;
-        avx512.q8_x8[T_Q4_K] = x8_q4_k;
-        avx512.q8_x8[T_Q5_K] = x8_q5_k;
-        avx512.q8_x8[T_Q6_K] = x8_q6_k;
-        avx512.q8_x16[T_Q8_0] = x16_q8_0;
-        avx512.q8_x16[T_Q4_0] = x16_q4_0;
-        avx512.q8_x16[T_Q4_1] = x16_q4_1;
-        avx512.q8_x16[T_Q4_K] = x16_q4_k;
-        avx512.q8_x16[T_Q5_K] = x16_q5_k;
-        avx512.q8_x16[T_Q6_K] = x16_q6_k;
     }
     return &avx512;
 }

@@ -26,12 +26,7 @@ const Isa *isa_avx512bw(void) {
     if (!avx512bw.name) { /* once, at import (under the GIL) */
         avx512bw = ISA_AVX2;
         avx512bw.name = "avx512bw";
-        avx512bw.q8_x16[T_Q8_0] = x16_q8_0;
-        avx512bw.q8_x16[T_Q4_0] = x16_q4_0;
-        avx512bw.q8_x16[T_Q4_1] = x16_q4_1;
-        avx512bw.q8_x16[T_Q4_K] = x16_q4_k;
-        avx512bw.q8_x16[T_Q5_K] = x16_q5_k;
-        avx512bw.q8_x16[T_Q6_K] = x16_q6_k;
+        x16_fill(avx512bw.q8_x16);
     }
     return &avx512bw;
 }

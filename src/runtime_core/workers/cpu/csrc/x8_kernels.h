@@ -9,9 +9,10 @@
  *               _mm256_dpbusd_avx_epi32 (default: AVX-512 VL's _mm256_dpbusd_epi32)
  *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1 take more than X8_XT rows
  *               as a tile, each block decoded once (b32_tile: the sets without VNNI)
- *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, x8_fn);
+ *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, and x8_fill
+ *               to put them in a table of x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
- *               next's (defines x16_q8_0 .. x16_q6_k, x16_fn; needs AVX-512 BW, and with
+ *               next's (defines x16_q8_0 .. x16_q6_k, x16_fill; needs AVX-512 BW, and with
  *               X8_VNNI 0 takes AVX2's 16-bit sums for Q4_0, Q4_1, Q4_K, Q5_K and Q6_K's
  *               tile and elsewhere the VNNI paths with AVX2's three instructions in
  *               place of vpdpbusd: dot_avx512bw.c)
@@ -735,6 +736,16 @@ X8_ENTRY(q4_1, X8_CALL_Q4_1, 1)
 X8_K_ENTRY(q4_k, X8_Q4_K)
 X8_K_ENTRY(q5_k, X8_Q5_K)
 X8_K_ENTRY(q6_k, X8_Q6_K)
+
+/* this width's entries into an Isa's table of them (q8_x8 or q8_x16), every repacked type */
+__attribute__((unused)) static void XN(fill)(XN(fn) * table) {
+    table[T_Q8_0] = XN(q8_0);
+    table[T_Q4_0] = XN(q4_0);
+    table[T_Q4_1] = XN(q4_1);
+    table[T_Q4_K] = XN(q4_k);
+    table[T_Q5_K] = XN(q5_k);
+    table[T_Q6_K] = XN(q6_k);
+}
 
 /* ---- ready for another width ------------------------------------------------------------- */
 
