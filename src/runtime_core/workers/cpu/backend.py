@@ -27,6 +27,19 @@ needs a token). Rotary embedding and attention run per run (``forward_program.Se
 against that run's cache at its positions. Every row's arithmetic is that of the row
 alone: a run computes the same bits alone or beside others, in one prefill or in chunks.
 
+Step programs (``csrc/program.c``). The forward program (``forward_program.py``) makes a
+few kernel calls per block; between them the interpreter runs Python, and since each
+product streams megabytes of weights through the caches, that Python runs cold: on
+SmolLM2 it was a sixth of a decode token. So the first step of each shape (its rows per
+run and its head rows, ``CpuOps.program``) runs the forward program once with every
+kernel call recorded into a ``_kernels.Program`` (arguments parsed and checked once),
+and that step and every later one of the shape make all the calls in one ``run``,
+without the GIL, each segment taking its run's position and cache (``CpuCache.table``).
+The same kernels on the same buffers: the same bits as the calls made one by one, which
+steps still make where a program cannot (F16 / BF16 weights' rounded activations are
+NumPy's, steps beyond the kept buffers, a prefill whose keys a sliding ring cannot take
+before attention). A stage keeps ``KEPT_PROGRAMS`` of them.
+
 Products. With ``matvec="q8"`` (the default) activations are rounded as llama.cpp's
 CPU path rounds them for the weight type (``ACT_FORMAT``: Q8_0, Q8_1 or Q8_K blocks,
 ``csrc/dot.h``; half or bfloat16 for F16 / BF16 weights), and quantized matrices
@@ -98,6 +111,9 @@ PAGE = 4096
 KEPT_ROWS = 64
 #: bytes between the places in their pages where two step buffers start (``_RowSet``)
 STAGGER = 320
+#: the step programs a stage keeps (``CpuOps.program``): one per shape of step (a batch's
+#: rows per run and head rows), the least recently used dropped beyond these
+KEPT_PROGRAMS = 16
 
 
 class _MappedUploader:
@@ -246,11 +262,20 @@ class _Rows:
 @attrs.frozen
 class CpuCache:
     """One run's KV cache: per block, keys, values, and the heads tuple the kernels
-    take (with the ring's size)."""
+    take (with the ring's size); ``table``, the same as a step program takes it."""
 
     k: list[npt.NDArray[Any]]
     v: list[npt.NDArray[Any]]
     heads: list[tuple[int, int, int, int, int, bool]]
+    table: _kernels.KvCache = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "table", _kernels.KvCache(self.k, self.v, self.heads))
+
+    @property
+    def ring(self) -> int:
+        """The positions of its shortest ring (a sliding block's window)."""
+        return min((k.shape[1] for k in self.k), default=0)
 
     @property
     def nbytes(self) -> int:
@@ -324,8 +349,19 @@ class CpuOps:
         # a step has had, one at first, written now), or a step's own beyond KEPT_ROWS
         self.logits_kept = written((1, w.vocab_size), np.float32) if spec.is_last else None
         self.logits = self.logits_kept
-        self.ids: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self.ids_kept = written(KEPT_ROWS, np.int32)  # a step's token ids (first stage)
+        self.ids: npt.NDArray[np.int32] = self.ids_kept[:0]
         self.tokens: list[tuple[int, int]] = []  # per head row: (token, non-finite logits)
+        # where the operations' kernel calls go: the module (run now), or a step program
+        # being recorded (``program``); the step's segments (a recorded call's slot)
+        self.kernels: Any = _kernels
+        self.segments: Sequence[Segment] = ()
+        # the step programs made, by shape (rows per segment, head rows), the last used last
+        self.programs: dict[tuple[tuple[int, ...], tuple[int, ...]], _kernels.Program] = {}
+        # a program's calls are the kernels' only: F16 / BF16 weights' rounded activations
+        # are NumPy's (``_rounded``), so a stage with them runs every step call by call
+        rounded = {f for mats in self.matrices.values() for f, _ in mats} & {"f16", "bf16"}
+        self.recordable = not self.use_q8 or not rounded
 
     def new_cache(self, positions: int) -> CpuCache:
         """A KV cache of ``positions`` positions: each block's ring holds that many, or
@@ -381,7 +417,45 @@ class CpuOps:
             return
         if kept.shape[0] < rows:
             kept = self.logits_kept = written((rows, self.w.vocab_size), np.float32)
+            self.programs.clear()  # they write the logits they were recorded with
         self.logits = kept[:rows]
+
+    def use_ids(self, ids: npt.NDArray[np.int32]) -> None:
+        """The step's token ids: in ``ids_kept`` (where a program's embedding reads them),
+        or, beyond KEPT_ROWS, an array of the step's own."""
+        if len(ids) > KEPT_ROWS:
+            self.ids = np.ascontiguousarray(ids, np.int32)
+        else:
+            self.ids = self.ids_kept[: len(ids)]
+            self.ids[:] = ids
+
+    def program(
+        self, segments: Sequence[Segment], heads: Sequence[int], record: Any
+    ) -> _kernels.Program | None:
+        """The step program of a step of these ``segments`` and head rows (``use_rows``,
+        ``use_heads`` and the inputs done), recorded now by ``record()`` (the forward
+        program run with every kernel call going to the program) if this shape has none;
+        None where a step must run call by call: a stage with NumPy's operations, a step
+        beyond the kept buffers, or one whose keys and values a sliding ring cannot take
+        before attention (``rope_kv``'s step buffers)."""
+        rows = segments[-1].end
+        if not self.recordable or rows > KEPT_ROWS:
+            return None
+        if any(s.rows > 1 and s.pos + s.rows > s.cache.ring for s in segments):
+            return None
+        key = (tuple(s.rows for s in segments), tuple(heads))
+        program = self.programs.pop(key, None)
+        if program is None:
+            program = _kernels.Program()
+            self.kernels, self.segments = program, segments
+            try:
+                record()
+            finally:
+                self.kernels, self.segments = _kernels, ()
+            if len(self.programs) >= KEPT_PROGRAMS:
+                del self.programs[next(iter(self.programs))]  # the least recently used
+        self.programs[key] = program
+        return program
 
     def _written(self, name: str) -> None:
         self.buf.fresh.pop(name, None)
@@ -389,29 +463,32 @@ class CpuOps:
     # -- Ops -------------------------------------------------------------------------------
     def embed(self, table: Linear[U8], rows: int) -> None:
         ((_, matrix),) = self.matrices[id(table)]
-        _kernels.embed(matrix, self.ids[:rows], self.buf.x, self.threads)
+        self.kernels.embed(matrix, self.ids[:rows], self.buf.x, self.threads)
 
     def scale_x(self, factor: float, rows: int) -> None:
-        np.multiply(self.buf.x, np.float32(factor), out=self.buf.x)
+        self.kernels.scale(self.buf.x, factor, self.threads)
+
+    def _rmsnorm(self, x: F32, weight: F32, out: F32, rows: int, accumulate: bool = False) -> None:
+        c = self.w.config
+        self.kernels.rmsnorm(
+            x, weight, out, rows, c.hidden_dim, c.rms_eps, self.threads, accumulate
+        )
 
     def norm(self, weight: F32, rows: int) -> None:
-        c = self.w.config
-        b = self.buf
-        _kernels.rmsnorm(b.x, weight, b.views["xn"], rows, c.hidden_dim, c.rms_eps, self.threads)
+        self._rmsnorm(self.buf.x, weight, self.buf.views["xn"], rows)
         self._written("xn")
 
     def add_norm(self, weight: F32, rows: int) -> None:
-        c = self.w.config
-        b = self.buf
-        o = b.views["o"]
-        _kernels.rmsnorm(o, weight, b.x, rows, c.hidden_dim, c.rms_eps, self.threads, True)
+        self._rmsnorm(self.buf.views["o"], weight, self.buf.x, rows, True)
 
     def head_norm(self, weight: F32, heads: Sequence[int]) -> None:
-        c = self.w.config
-        b = self.buf
-        n = len(heads)
-        rows = b.x[heads[0] : heads[0] + 1] if n == 1 else np.ascontiguousarray(b.x[list(heads)])
-        _kernels.rmsnorm(rows, weight, b.views["xl"], n, c.hidden_dim, c.rms_eps, self.threads)
+        x, xl = self.buf.x, self.buf.views["xl"]
+        n, first = len(heads), heads[0]
+        if list(heads) == list(range(first, first + n)):  # one run's rows, or decode rows
+            self._rmsnorm(x[first : first + n], weight, xl, n)
+        else:  # row by row: the same bits (each row's norm is its own)
+            for k, h in enumerate(heads):
+                self._rmsnorm(x[h : h + 1], weight, xl[k : k + 1], 1)
         self._written("xl")
 
     def linear(
@@ -436,14 +513,14 @@ class CpuOps:
         for fmt, matrix in self.matrices[id(lin)]:
             if fmt in ("f32", "f16", "bf16") or not self.use_q8:
                 xf = self._rounded(src, fmt, x) if self.use_q8 and fmt != "f32" else x
-                _kernels.linear(
+                self.kernels.linear(
                     matrix, rows, xf, None, None, None, None,
                     False, False, y, bias, accumulate, self.threads, isa=self.isa,
                 )  # fmt: skip
                 continue
             q8 = b.q8_of(src, fmt)
             fresh = b.fresh.setdefault(src, set())
-            _kernels.linear(
+            self.kernels.linear(
                 matrix, rows, x, q8.q, q8.d, q8.s, q8.g,
                 fmt not in fresh, True, y, bias, accumulate, self.threads, isa=self.isa,
             )  # fmt: skip
@@ -466,7 +543,7 @@ class CpuOps:
 
     def qk_norm(self, q_norm: F32, k_norm: F32, bias: F32 | None, rows: int) -> None:
         assert self.heads is not None
-        _kernels.qk_norm(
+        self.kernels.qk_norm(
             self.buf.views["qkv"], rows, bias, q_norm, k_norm, self.heads,
             self.w.config.rms_eps, self.threads,
         )  # fmt: skip
@@ -484,28 +561,35 @@ class CpuOps:
                 buffer((c.n_kv_heads, rows, c.head_dim_v), self.kv),
             )
         step = self.step_kv or (None, None)
-        _kernels.rope_kv(
+        self.kernels.rope_kv(
             self.buf.views["qkv"][seg.start : seg.end], rows, bias, self.rots[layer], pos,
             heads, rope.n_dims, rope.neox, k, v, self.threads, self.q_scale, *step,
+            **self._slot(seg, layer),
         )  # fmt: skip
+
+    def _slot(self, seg: Segment, layer: int) -> dict[str, tuple[int, int]]:
+        """A recorded call's slot: which segment's position and cache it takes at a run."""
+        if not self.segments:  # not recording
+            return {}
+        return {"slot": (self.segments.index(seg), layer)}
 
     def attention(self, layer: int, seg: Segment) -> None:
         b = self.buf
         cache: CpuCache = seg.cache
         step = self.step_kv or (None, None)
-        _kernels.attention(
+        self.kernels.attention(
             b.views["qkv"][seg.start : seg.end], seg.rows, cache.k[layer], cache.v[layer],
             seg.pos, cache.heads[layer], self.scale, b.views["att"][seg.start : seg.end],
-            self.threads, self.windows[layer], *step, isa=self.isa,
+            self.threads, self.windows[layer], *step, isa=self.isa, **self._slot(seg, layer),
         )  # fmt: skip
         self.step_kv = None  # its last ``size`` positions are in the ring now
         self._written("att")
 
     def swiglu(self, rows: int) -> None:
-        self._gated(_kernels.swiglu, rows)
+        self._gated(self.kernels.swiglu, rows)
 
     def geglu(self, rows: int) -> None:
-        self._gated(_kernels.geglu, rows)
+        self._gated(self.kernels.geglu, rows)
 
     def _gated(self, kernel: Any, rows: int) -> None:
         b = self.buf
@@ -517,11 +601,11 @@ class CpuOps:
 
     def softcap(self, cap: float, rows: int) -> None:
         assert self.logits is not None
-        _kernels.softcap(self.logits[:rows], cap, self.threads)
+        self.kernels.softcap(self.logits[:rows], cap, self.threads)
 
     def argmax(self, rows: int) -> None:
         assert self.logits is not None
-        self.tokens = [_kernels.argmax(self.logits[r]) for r in range(rows)]
+        self.tokens = [self.kernels.argmax(self.logits[r]) for r in range(rows)]
 
 
 def _drop_pages(raw: U8) -> None:
@@ -605,20 +689,32 @@ class CpuBackend:
         ops.heads = steps[0].cache.heads[0]
         if self.spec.is_first:
             ids = [np.asarray(s.data, np.int32).reshape(-1) for s in steps]
-            ops.ids = np.ascontiguousarray(ids[0] if len(ids) == 1 else np.concatenate(ids))
-            forward_embed(ops, w, rows)
+            ops.use_ids(ids[0] if len(ids) == 1 else np.concatenate(ids))
         else:
             for seg, s in zip(segments, steps, strict=True):
                 ops.buf.x[seg.start : seg.end] = activations.decode(
                     np.asarray(s.data), self.spec.edge_dtype
                 )
-        forward_blocks(ops, w, segments)
         heads = [i for i, s in enumerate(steps) if s.head and self.spec.is_last]
+        head_rows = [segments[i].end - 1 for i in heads]
         self.segments = segments
         self.head_of = {i: k for k, i in enumerate(heads)}
         if heads:
             ops.use_heads(len(heads))
-            forward_head(ops, w, [segments[i].end - 1 for i in heads])
+
+        def forward() -> None:
+            if self.spec.is_first:
+                forward_embed(ops, w, rows)
+            forward_blocks(ops, w, segments)
+            if heads:
+                forward_head(ops, w, head_rows)
+
+        program = ops.program(segments, head_rows, forward)
+        if program is None:
+            forward()
+        else:
+            tables = [s.cache.table for s in steps]
+            ops.tokens = program.run([s.pos for s in segments], tables)
 
     def activations_of(self, index: int) -> npt.NDArray[np.generic]:
         seg = self.segments[index]

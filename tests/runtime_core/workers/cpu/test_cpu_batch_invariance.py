@@ -38,6 +38,7 @@ from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
 from tests.support.chain import Chain, provisions
 from tests.support.cpu_isas import isa_params
+from tests.support.kernel_spy import KernelSpy
 from tests.support.random_blocks import random_rows
 from tests.support.random_model import RandomModel, write_random_model
 
@@ -319,50 +320,43 @@ def test_runs_past_a_sliding_window_batched_compute_what_each_computes_alone(
             np.testing.assert_array_equal(got, want, err_msg=f"run {k}")
 
 
-class _CountingKernels:
-    """The compiled kernels, counting each product call's rows."""
-
-    def __init__(self) -> None:
-        self.linear_rows: list[int] = []
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(_kernels, name)
-
-    def linear(self, matrix: _kernels.Matrix, rows: int, *args: object, **kw: object) -> None:
-        self.linear_rows.append(rows)
-        _kernels.linear(matrix, rows, *args, **kw)  # type: ignore[arg-type]
-
-
 def test_a_batch_of_eight_decode_rows_multiplies_each_weight_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CPU worker reads each weight once per batch: a batch of 8 runs' decode steps
     makes as many product calls (``_kernels.linear``) as a batch of one run's, each over
-    the 8 rows (the head's too: every run's last row needs a token)."""
+    the 8 rows (the head's too: every run's last row needs a token). Each shape of step
+    is new here, so its calls are recorded into its step program, which makes each once
+    per run."""
     import runtime_core.workers.cpu.backend as cpu_backend
 
     path = write_random_model(tmp_path / "chunked.gguf", CHUNKED)
     provs = [provisions(path, 1, max_seq_len=32, run_id=f"r{k}", max_concurrent_runs=8)[0]
              for k in range(8)]  # fmt: skip
+    linear_rows: list[int] = []
+
+    def seen(name: str, args: tuple[object, ...], kw: dict[str, object]) -> None:
+        if name == "linear":
+            linear_rows.append(int(args[1]))  # type: ignore[call-overload]
+
+    monkeypatch.setattr(cpu_backend, "_kernels", KernelSpy(seen))
     worker = CpuWorker(threads=2)
     worker.configure(provs[0])
     worker.bind(provs[0].gguf_source)
-    counting = _CountingKernels()
-    monkeypatch.setattr(cpu_backend, "_kernels", counting)
     try:
         for p in provs:
             worker.open_run(p)
         prefill = [BatchStep(p.run_id, 0, 0, 1, np.array([3, 4, 5], np.uint32)) for p in provs]
         assert all(isinstance(o, TokenOutput) for o in worker.execute_batch(prefill))
-        counting.linear_rows.clear()
+        linear_rows.clear()
         (one,) = worker.execute_batch([BatchStep("r0", 1, 0, 1, np.array([7], np.uint32))])
         assert isinstance(one, TokenOutput)
-        alone = list(counting.linear_rows)
+        alone = list(linear_rows)
         assert alone and set(alone) == {1}
-        counting.linear_rows.clear()
+        linear_rows.clear()
         decode = [BatchStep(p.run_id, 1, 0, 1, np.array([7], np.uint32)) for p in provs[1:]]
         outs = worker.execute_batch([*decode, BatchStep("r0", 2, 0, 1, np.array([9], np.uint32))])
         assert all(isinstance(o, TokenOutput) for o in outs)
-        assert counting.linear_rows == [8] * len(alone)
+        assert linear_rows == [8] * len(alone)
     finally:
         worker.release()

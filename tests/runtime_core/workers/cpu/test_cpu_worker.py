@@ -28,6 +28,7 @@ import attrs
 import numpy as np
 import pytest
 
+import runtime_core.workers.cpu.backend as cpu_backend
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.gguf_slice import open_stage_slice
@@ -42,6 +43,7 @@ from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_doc, model_file
 from tests.support.chain import Chain, provisions, run
 from tests.support.cpu_isas import HOST_ISAS, isa_params
+from tests.support.kernel_spy import KernelSpy
 from tests.support.numerics import cosine
 from tests.support.random_model import RandomModel, write_random_model
 
@@ -92,17 +94,15 @@ def test_the_instruction_set_is_the_best_the_processor_runs_unless_named() -> No
 
 
 def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
-    """Every ``_kernels.linear`` and ``attention`` call from now on, as (kernel, its
-    ``isa=``), each still computed by the kernel."""
+    """Every ``_kernels.linear`` and ``attention`` call of stages bound from now on (made
+    at once or recorded into a step program), as (kernel, its ``isa=``)."""
     calls: list[tuple[str, str | None]] = []
-    for name in ("linear", "attention"):
-        kernel = getattr(_kernels, name)
 
-        def spy(*args: Any, _name: str = name, _kernel: Any = kernel, **kw: Any) -> Any:
-            calls.append((_name, kw.get("isa")))
-            return _kernel(*args, **kw)
+    def seen(name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        if name in ("linear", "attention"):
+            calls.append((name, kw.get("isa")))
 
-        monkeypatch.setattr(_kernels, name, spy)
+    monkeypatch.setattr(cpu_backend, "_kernels", KernelSpy(seen))
     return calls
 
 

@@ -1,10 +1,11 @@
 /* module.c: runtime_core.workers.cpu._kernels, the CPU worker's kernels as Python functions.
  *
- * Arrays arrive through the buffer protocol; every one is checked (C-contiguous, its
- * element format, enough elements for the sizes passed, writable where written) so a
- * wrong call raises ValueError or TypeError and never reads or writes outside an
- * array. `Matrix` holds the views of a matrix's stored rows (one or more parts, each
- * writing its own columns of the output), so the file's mapping outlives the loader.
+ * Each function parses and checks its arguments into a call (calls.h: every array
+ * checked, so a wrong call raises ValueError or TypeError and never reads or writes
+ * outside an array) and runs it at once, without the GIL; a `Program` (program.c)
+ * records such calls to run them again at every step. `Matrix` holds the views of a
+ * matrix's stored rows (one or more parts, each writing its own columns of the output),
+ * so the file's mapping outlives the loader.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,11 +16,11 @@
 #include <sys/mman.h>
 #endif
 
+#include "calls.h"
 #include "ops.h"
 #include "pool.h"
+#include "program.h"
 #include "scratch.h"
-
-#define MAX_PARTS 8
 
 /* ---- instruction sets ------------------------------------------------------------------------ */
 
@@ -50,7 +51,7 @@ static void find_host_isas(void) {
 
 /* the set called name (NULL: the best the host runs); NULL and ValueError if the host
  * runs none of that name */
-static const Isa *isa_named(const char *name) {
+const Isa *isa_named(const char *name) {
     if (!name) return HOST_ISAS[N_HOST - 1];
     for (int i = 0; i < N_HOST; ++i)
         if (strcmp(name, HOST_ISAS[i]->name) == 0) return HOST_ISAS[i];
@@ -66,68 +67,12 @@ static const Isa *isa_named(const char *name) {
     return NULL;
 }
 
-/* ---- buffers ----------------------------------------------------------------------------- */
-
-typedef struct {
-    Py_buffer view;
-    int held;
-} Buf;
-
-static void release(Buf *b) {
-    if (b->held) PyBuffer_Release(&b->view);
-    b->held = 0;
-}
-
-/* fmt: the struct format ("f", "b", "B", "i", "e"; "e|H" for halves given as uint16) */
-static int get_buf(PyObject *obj, Buf *b, const char *fmt, int writable, Py_ssize_t items,
-                   const char *name) {
-    b->held = 0;
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, &b->view, flags) < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: a C-contiguous%s array is needed", name,
-                     writable ? " writable" : "");
-        return -1;
-    }
-    b->held = 1;
-    const char *f = b->view.format ? b->view.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') ++f;
-    int ok = 0;
-    for (const char *want = fmt; *want; ++want)
-        if (*want != '|' && f[0] == *want && f[1] == 0) ok = 1;
-    if (!ok) {
-        PyErr_Format(PyExc_TypeError, "%s: elements of format %s, expected %s", name, f, fmt);
-        release(b);
-        return -1;
-    }
-    if (items >= 0 && b->view.len / b->view.itemsize < items) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd elements, the call needs %zd", name,
-                     b->view.len / b->view.itemsize, items);
-        release(b);
-        return -1;
-    }
-    return 0;
-}
-
-static int get_opt(PyObject *obj, Buf *b, const char *fmt, Py_ssize_t items, const char *name) {
-    b->held = 0;
-    if (obj == Py_None) return 0;
-    return get_buf(obj, b, fmt, 0, items, name);
-}
-
-static int check_threads(int threads) {
-    if (threads < 1 || threads > 1024) {
-        PyErr_Format(PyExc_ValueError, "threads %d is not in 1..1024", threads);
-        return -1;
-    }
-    return 0;
-}
-
 static int qtype_code(const char *name) {
     for (int t = 0; t < T_COUNT; ++t)
         if (strcmp(name, QTYPE_NAMES[t]) == 0) return t;
     return -1;
 }
+
 
 /* ---- Matrix ---------------------------------------------------------------------------- */
 
@@ -151,15 +96,6 @@ static uint8_t *alloc_groups(size_t bytes) {
     return scratch_alloc(bytes);
 }
 
-typedef struct {
-    PyObject_HEAD
-    int n_parts;
-    int fmt; /* the activation format every part takes */
-    int64_t n_in, n_out;
-    Part parts[MAX_PARTS];
-    Buf views[MAX_PARTS];     /* the stored rows a part reads in place */
-    uint8_t *owned[MAX_PARTS]; /* a repacked part's groups */
-} MatrixObject;
 
 static void drop_parts(MatrixObject *self) {
     for (int p = 0; p < self->n_parts; ++p) {
@@ -325,7 +261,7 @@ static PyTypeObject MatrixType = {
     .tp_getset = Matrix_getset,
 };
 
-static MatrixObject *as_matrix(PyObject *obj) {
+MatrixObject *as_matrix(PyObject *obj) {
     if (!PyObject_TypeCheck(obj, &MatrixType)) {
         PyErr_SetString(PyExc_TypeError, "a Matrix is needed");
         return NULL;
@@ -338,82 +274,6 @@ static MatrixObject *as_matrix(PyObject *obj) {
     return m;
 }
 
-/* ---- linear ------------------------------------------------------------------------------ */
-
-PyDoc_STRVAR(linear_doc,
-"linear(matrix, rows, x, q, d, s, g, quantize, use_q8, y, bias, accumulate, threads, *, isa=None)\n"
-"\n"
-"y[j, offset + r] (+)= part row r . row j of the activations (+ bias[offset + r]) for\n"
-"every part and j < rows: the matrix times `rows` activation rows, each row's result\n"
-"the same bits whatever the other rows, their number, the threads or the instruction\n"
-"set. x: (rows, n_in) float32. use_q8: quantized parts multiply the rows' 8-bit form\n"
-"q, d, s, g (int8 (rows, n_in), float32 (rows, n_in / 32) twice, int32 (rows, n_in /\n"
-"16)), first computed from x when `quantize`; without use_q8 they may be None and every\n"
-"part takes x. y: (rows, ldy) float32, ldy = y's size / rows. isa: an instruction set\n"
-"of isas() (None: the best).");
-
-static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kwds) {
-    (void)self;
-    static char *kwlist[] = {"", "", "", "", "", "", "", "", "", "", "", "", "", "isa", NULL};
-    PyObject *mo, *xo, *qo, *do_, *so, *go, *yo, *bo;
-    long long rows;
-    int quantize, use_q8, accumulate, threads;
-    const char *isa_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLOOOOOppOOpi|$z", kwlist, &mo, &rows, &xo, &qo,
-                                     &do_, &so, &go, &quantize, &use_q8, &yo, &bo, &accumulate,
-                                     &threads, &isa_name))
-        return NULL;
-    MatrixObject *m = as_matrix(mo);
-    const Isa *isa = isa_named(isa_name);
-    if (!m || !isa || check_threads(threads) < 0) return NULL;
-    if (rows < 1) return PyErr_Format(PyExc_ValueError, "rows %lld < 1", rows);
-    int64_t n = m->n_in;
-    Buf x = {0}, q = {0}, d = {0}, s = {0}, g = {0}, y = {0}, bias = {0};
-    PyObject *result = NULL;
-    if (get_buf(xo, &x, "f", 0, rows * n, "x") < 0) goto done;
-    if (quantize && !use_q8) {
-        PyErr_SetString(PyExc_ValueError, "quantize without use_q8");
-        goto done;
-    }
-    if (use_q8 && m->fmt == FMT_F32) {
-        PyErr_SetString(PyExc_ValueError, "float weights take float activations (use_q8 false)");
-        goto done;
-    }
-    if (use_q8 && (get_buf(qo, &q, "b", quantize, rows * n, "q") < 0 ||
-                   get_buf(do_, &d, "f", quantize, rows * n / 32, "d") < 0 ||
-                   get_buf(so, &s, "f", quantize, rows * n / 32, "s") < 0 ||
-                   get_buf(go, &g, "i", quantize, rows * n / 16, "g") < 0))
-        goto done;
-    if (get_buf(yo, &y, "f", 1, rows * m->n_out, "y") < 0) goto done;
-    if (get_opt(bo, &bias, "f", m->n_out, "bias") < 0) goto done;
-    int64_t ldy = (int64_t)(y.view.len / 4) / rows;
-    int rc = 0;
-    if (ldy < m->n_out) {
-        PyErr_Format(PyExc_ValueError, "y: rows of %lld, the matrix writes %lld columns",
-                     (long long)ldy, (long long)m->n_out);
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    if (quantize) {
-        Q8Out out = {(int8_t *)q.view.buf, (float *)d.view.buf, (float *)s.view.buf,
-                     (int32_t *)g.view.buf};
-        quantize_rows(m->fmt, (const float *)x.view.buf, rows, n, out, threads);
-    }
-    XRows xr = {q.held ? (const int8_t *)q.view.buf : NULL, d.held ? (const float *)d.view.buf : NULL,
-                s.held ? (const float *)s.view.buf : NULL, g.held ? (const int32_t *)g.view.buf : NULL,
-                (const float *)x.view.buf, n};
-    rc = linear_rows(isa, m->parts, m->n_parts, &xr, rows, use_q8, (float *)y.view.buf, ldy,
-                     bias.held ? (const float *)bias.view.buf : NULL, accumulate, threads);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    release(&x); release(&q); release(&d); release(&s); release(&g); release(&y); release(&bias);
-    return result;
-}
 
 /* ---- quantize (for tests: the 8-bit form of rows) ---------------------------------------- */
 
@@ -445,282 +305,107 @@ done:
     return result;
 }
 
-/* ---- norm, feed-forward, rotary, attention ------------------------------------------------ */
+
+/* ---- linear ------------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(linear_doc,
+"linear(matrix, rows, x, q, d, s, g, quantize, use_q8, y, bias, accumulate, threads, *, isa=None)\n"
+"\n"
+"y[j, offset + r] (+)= part row r . row j of the activations (+ bias[offset + r]) for\n"
+"every part and j < rows: the matrix times `rows` activation rows, each row's result\n"
+"the same bits whatever the other rows, their number, the threads or the instruction\n"
+"set. x: (rows, n_in) float32. use_q8: quantized parts multiply the rows' 8-bit form\n"
+"q, d, s, g (int8 (rows, n_in), float32 (rows, n_in / 32) twice, int32 (rows, n_in /\n"
+"16)), first computed from x when `quantize`; without use_q8 they may be None and every\n"
+"part takes x. y: (rows, ldy) float32, ldy = y's size / rows. isa: an instruction set\n"
+"of isas() (None: the best).");
+
+
+/* ---- the calls, run at once ---------------------------------------------------------------- */
+
+/* runs a parsed call (parsed: parse_*'s result) without the GIL; its arrays released */
+static PyObject *run_now(Call *c, int parsed) {
+    if (parsed < 0 || call_check(c) < 0) {
+        call_release(c);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = call_run(c);
+    Py_END_ALLOW_THREADS
+    call_release(c);
+    if (rc < 0) return PyErr_NoMemory();
+    if (c->kind == CALL_ARGMAX)
+        return Py_BuildValue("(LL)", (long long)c->a.argmax.best, (long long)c->a.argmax.bad);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    Call c;
+    return run_now(&c, parse_linear(args, kwds, &c));
+}
 
 static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *xo, *wo, *oo;
-    long long rows, n;
-    double eps;
-    int threads, accumulate = 0;
-    if (!PyArg_ParseTuple(args, "OOOLLdi|p", &xo, &wo, &oo, &rows, &n, &eps, &threads, &accumulate))
-        return NULL;
-    if (check_threads(threads) < 0) return NULL;
-    if (rows < 1 || n < 1) return PyErr_Format(PyExc_ValueError, "%lld rows of %lld", rows, n);
-    Buf x = {0}, w = {0}, o = {0};
-    PyObject *result = NULL;
-    if (get_buf(xo, &x, "f", 0, rows * n, "x") < 0 || get_buf(wo, &w, "f", 0, n, "weight") < 0 ||
-        get_buf(oo, &o, "f", 1, rows * n, "out") < 0)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    rmsnorm_rows((const float *)x.view.buf, (const float *)w.view.buf, (float *)o.view.buf, rows, n,
-                 eps, accumulate, threads);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    release(&x); release(&w); release(&o);
-    return result;
-}
-
-typedef void (*gated_fn)(const float *h, float *act, int64_t rows, int64_t f, int threads);
-
-static PyObject *gated(PyObject *args, gated_fn fn) {
-    PyObject *ho, *ao;
-    long long rows, f;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOLLi", &ho, &ao, &rows, &f, &threads)) return NULL;
-    if (check_threads(threads) < 0) return NULL;
-    if (rows < 1 || f < 1) return PyErr_Format(PyExc_ValueError, "%lld rows of %lld", rows, f);
-    Buf h = {0}, a = {0};
-    PyObject *result = NULL;
-    if (get_buf(ho, &h, "f", 0, rows * 2 * f, "h") < 0 || get_buf(ao, &a, "f", 1, rows * f, "act") < 0)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    fn((const float *)h.view.buf, (float *)a.view.buf, rows, f, threads);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    release(&h); release(&a);
-    return result;
+    Call c;
+    return run_now(&c, parse_rmsnorm(args, &c));
 }
 
 static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     (void)self;
-    return gated(args, swiglu_rows);
+    Call c;
+    return run_now(&c, parse_gated(args, CALL_SWIGLU, &c));
 }
 
 static PyObject *py_geglu(PyObject *self, PyObject *args) {
     (void)self;
-    return gated(args, geglu_rows);
+    Call c;
+    return run_now(&c, parse_gated(args, CALL_GEGLU, &c));
 }
 
 static PyObject *py_softcap(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *xo;
-    float cap;
-    int threads;
-    if (!PyArg_ParseTuple(args, "Ofi", &xo, &cap, &threads)) return NULL;
-    if (check_threads(threads) < 0) return NULL;
-    if (!(cap > 0.0f) || isinf(cap)) return PyErr_Format(PyExc_ValueError, "soft cap %g", (double)cap);
-    Buf x = {0};
-    if (get_buf(xo, &x, "f", 1, 1, "logits") < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    softcap_rows((float *)x.view.buf, x.view.len / 4, cap, threads);
-    Py_END_ALLOW_THREADS
-    release(&x);
-    Py_RETURN_NONE;
+    Call c;
+    return run_now(&c, parse_softcap(args, &c));
 }
 
-static int parse_heads(PyObject *t, Heads *hd) {
-    long long nh, nkv, hk, hv, ms;
-    int half;
-    if (!PyArg_ParseTuple(t, "LLLLLp;heads is (n_heads, n_kv, head_dim_k, head_dim_v, max_seq, kv_half)",
-                          &nh, &nkv, &hk, &hv, &ms, &half))
-        return -1;
-    if (nh < 1 || nkv < 1 || nh % nkv || hk < 1 || hv < 1 || ms < 1) {
-        PyErr_Format(PyExc_ValueError, "heads %lld / %lld of %lld, %lld in a cache of %lld", nh, nkv,
-                     hk, hv, ms);
-        return -1;
-    }
-    *hd = (Heads){nh, nkv, hk, hv, ms, half};
-    return 0;
-}
-
-/* k_step, v_step: both None, or both (n_kv, rows, hd) arrays of the cache's element type */
-static int get_step(PyObject *ko, PyObject *vo, Buf *k, Buf *v, const Heads *hd, int64_t rows,
-                    int writable, StepKV *step) {
-    *step = (StepKV){NULL, NULL};
-    k->held = v->held = 0;
-    if (ko == Py_None && vo == Py_None) return 0;
-    if (ko == Py_None || vo == Py_None) {
-        PyErr_SetString(PyExc_ValueError, "k_step and v_step: both arrays, or both None");
-        return -1;
-    }
-    const char *kvf = hd->kv_half ? "e|H" : "f";
-    if (get_buf(ko, k, kvf, writable, hd->n_kv * rows * hd->hd_k, "k_step") < 0 ||
-        get_buf(vo, v, kvf, writable, hd->n_kv * rows * hd->hd_v, "v_step") < 0)
-        return -1;
-    *step = (StepKV){k->view.buf, v->view.buf};
-    return 0;
+static PyObject *py_scale(PyObject *self, PyObject *args) {
+    (void)self;
+    Call c;
+    return run_now(&c, parse_scale(args, &c));
 }
 
 static PyObject *py_qk_norm(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *qo, *bo, *qno, *kno, *ho;
-    long long rows;
-    double eps;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OLOOOOdi", &qo, &rows, &bo, &qno, &kno, &ho, &eps, &threads))
-        return NULL;
-    Heads hd;
-    if (parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return NULL;
-    if (rows < 1) return PyErr_Format(PyExc_ValueError, "rows %lld < 1", rows);
-    int64_t width = hd.n_heads * hd.hd_k + hd.n_kv * (hd.hd_k + hd.hd_v);
-    Buf q = {0}, b = {0}, qn = {0}, kn = {0};
-    PyObject *result = NULL;
-    if (get_buf(qo, &q, "f", 1, rows * width, "qkv") < 0 || get_opt(bo, &b, "f", width, "bias") < 0 ||
-        get_buf(qno, &qn, "f", 0, hd.hd_k, "q_norm") < 0 ||
-        get_buf(kno, &kn, "f", 0, hd.hd_k, "k_norm") < 0)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    qk_norm_rows((float *)q.view.buf, rows, b.held ? (const float *)b.view.buf : NULL,
-                 (const float *)qn.view.buf, (const float *)kn.view.buf, &hd, eps, threads);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    release(&q); release(&b); release(&qn); release(&kn);
-    return result;
+    Call c;
+    return run_now(&c, parse_qk_norm(args, &c));
 }
 
 static PyObject *py_rope_kv(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *qo, *bo, *ro, *ho, *ko, *vo, *kso = Py_None, *vso = Py_None;
-    long long rows, pos, n_rot;
-    int neox, threads;
-    float q_scale = 1.0f;
-    if (!PyArg_ParseTuple(args, "OLOOLOLpOOi|fOO", &qo, &rows, &bo, &ro, &pos, &ho, &n_rot, &neox,
-                          &ko, &vo, &threads, &q_scale, &kso, &vso))
-        return NULL;
-    Heads hd;
-    if (parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return NULL;
-    if (rows < 1 || pos < 0 || n_rot < 0 || n_rot % 2 || n_rot > hd.hd_k)
-        return PyErr_Format(PyExc_ValueError, "rows %lld at %lld, %lld rotated dims: outside the "
-                            "head", rows, pos, n_rot);
-    int64_t width = hd.n_heads * hd.hd_k + hd.n_kv * (hd.hd_k + hd.hd_v);
-    const char *kvf = hd.kv_half ? "e|H" : "f";
-    Buf q = {0}, b = {0}, r = {0}, k = {0}, v = {0}, ks = {0}, vs = {0};
-    StepKV step;
-    PyObject *result = NULL;
-    if (get_buf(qo, &q, "f", 1, rows * width, "qkv") < 0 || get_opt(bo, &b, "f", width, "bias") < 0 ||
-        get_buf(ro, &r, "f", 0, (pos + rows) * n_rot, "rot") < 0 ||
-        get_buf(ko, &k, kvf, 1, hd.n_kv * hd.max_seq * hd.hd_k, "k_cache") < 0 ||
-        get_buf(vo, &v, kvf, 1, hd.n_kv * hd.max_seq * hd.hd_v, "v_cache") < 0 ||
-        get_step(kso, vso, &ks, &vs, &hd, rows, 1, &step) < 0)
-        goto done;
-    if (!step.k && rows > hd.max_seq) {
-        PyErr_Format(PyExc_ValueError, "%lld rows into a ring of %lld: give the step's buffers",
-                     rows, (long long)hd.max_seq);
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    rope_kv_rows((float *)q.view.buf, rows, b.held ? (const float *)b.view.buf : NULL,
-                 (const float *)r.view.buf, pos, &hd, n_rot, neox, q_scale, k.view.buf, v.view.buf,
-                 step, threads);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    release(&q); release(&b); release(&r); release(&k); release(&v); release(&ks); release(&vs);
-    return result;
+    Call c;
+    return run_now(&c, parse_rope_kv(args, &c));
 }
 
 static PyObject *py_attention(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
-    static char *kwlist[] = {"", "", "", "", "", "", "", "", "", "window", "k_step", "v_step",
-                             "isa", NULL};
-    PyObject *qo, *ho, *ko, *vo, *oo, *kso = Py_None, *vso = Py_None;
-    long long rows, pos, window = 0;
-    float scale;
-    int threads;
-    const char *isa_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLOOLOfOi|LOO$z", kwlist, &qo, &rows, &ko, &vo,
-                                     &pos, &ho, &scale, &oo, &threads, &window, &kso, &vso,
-                                     &isa_name))
-        return NULL;
-    Heads hd;
-    const Isa *isa = isa_named(isa_name);
-    if (!isa || parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return NULL;
-    if (rows < 1 || pos < 0 || window < 0)
-        return PyErr_Format(PyExc_ValueError, "rows %lld at %lld, window %lld", rows, pos, window);
-    int64_t width = hd.n_heads * hd.hd_k + hd.n_kv * (hd.hd_k + hd.hd_v);
-    const char *kvf = hd.kv_half ? "e|H" : "f";
-    Buf q = {0}, k = {0}, v = {0}, o = {0}, ks = {0}, vs = {0};
-    StepKV step;
-    PyObject *result = NULL;
-    int rc = 0;
-    if (get_buf(qo, &q, "f", 0, rows * width, "qkv") < 0 ||
-        get_buf(ko, &k, kvf, kso != Py_None, hd.n_kv * hd.max_seq * hd.hd_k, "k_cache") < 0 ||
-        get_buf(vo, &v, kvf, vso != Py_None, hd.n_kv * hd.max_seq * hd.hd_v, "v_cache") < 0 ||
-        get_buf(oo, &o, "f", 1, rows * hd.n_heads * hd.hd_v, "out") < 0 ||
-        get_step(kso, vso, &ks, &vs, &hd, rows, 0, &step) < 0)
-        goto done;
-    /* the first row sees from lo; the ring holds the max_seq positions before the step
-     * (step buffers given) or before the end of the step (the step's rows in the ring) */
-    long long lo = window && pos >= window ? pos - window + 1 : 0;
-    long long held_from = step.k ? pos - hd.max_seq : pos + rows - hd.max_seq;
-    if (lo < held_from) {
-        PyErr_Format(PyExc_ValueError, "rows %lld at %lld see positions from %lld: a ring of %lld "
-                     "%s holds them from %lld only", rows, pos, lo, (long long)hd.max_seq,
-                     step.k ? "beside the step's rows" : "with the step's rows", held_from);
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    rc = attention_rows(isa, (const float *)q.view.buf, rows, k.view.buf, v.view.buf, step, pos,
-                        window, &hd, scale, (float *)o.view.buf, threads);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    release(&q); release(&k); release(&v); release(&o); release(&ks); release(&vs);
-    return result;
+    Call c;
+    return run_now(&c, parse_attention(args, kwds, &c));
 }
-
-/* ---- embedding, argmax -------------------------------------------------------------------- */
 
 static PyObject *py_embed(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *mo, *io, *oo;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOOi", &mo, &io, &oo, &threads)) return NULL;
-    MatrixObject *m = as_matrix(mo);
-    if (!m || check_threads(threads) < 0) return NULL;
-    if (m->n_parts != 1) return PyErr_Format(PyExc_ValueError, "a table of one part, not %d", m->n_parts);
-    Buf ids = {0}, o = {0};
-    PyObject *result = NULL;
-    if (get_buf(io, &ids, "i", 0, 1, "ids") < 0) goto done;
-    Py_ssize_t rows = ids.view.len / 4;
-    const int32_t *id = (const int32_t *)ids.view.buf;
-    for (Py_ssize_t j = 0; j < rows; ++j)
-        if (id[j] < 0 || id[j] >= m->parts[0].n_out) {
-            PyErr_Format(PyExc_ValueError, "token id %d outside 0..%lld", id[j],
-                         (long long)m->parts[0].n_out - 1);
-            goto done;
-        }
-    if (get_buf(oo, &o, "f", 1, rows * m->n_in, "out") < 0) goto done;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = embed_rows(&m->parts[0], id, rows, (float *)o.view.buf, threads);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
-done:
-    release(&ids); release(&o);
-    return result;
+    Call c;
+    return run_now(&c, parse_embed(args, &c));
 }
 
 static PyObject *py_argmax(PyObject *self, PyObject *arg) {
     (void)self;
-    Buf x = {0};
-    if (get_buf(arg, &x, "f", 0, 1, "logits") < 0) return NULL;
-    int64_t bad = 0, best = argmax_finite((const float *)x.view.buf, x.view.len / 4, &bad);
-    release(&x);
-    return Py_BuildValue("(LL)", (long long)best, (long long)bad);
+    Call c;
+    return run_now(&c, parse_argmax(arg, &c));
 }
+
 
 /* ---- instruction sets ---------------------------------------------------------------------- */
 
@@ -743,6 +428,7 @@ static PyMethodDef methods[] = {
     {"geglu", py_geglu, METH_VARARGS,
      "geglu(h, act, rows, ffn, threads): gelu(gate) * up, gelu as llama.cpp's table of halves"},
     {"softcap", py_softcap, METH_VARARGS, "softcap(logits, cap, threads): cap * tanh(logits / cap)"},
+    {"scale", py_scale, METH_VARARGS, "scale(x, factor, threads): x *= factor"},
     {"qk_norm", py_qk_norm, METH_VARARGS,
      "qk_norm(qkv, rows, bias, q_norm, k_norm, heads, eps, threads): qkv += bias, then every Q "
      "and K head rmsnorm'd times its weight"},
@@ -766,7 +452,9 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__kernels(void) {
-    if (PyType_Ready(&MatrixType) < 0) return NULL;
+    if (PyType_Ready(&MatrixType) < 0 || PyType_Ready(&ProgramType) < 0 ||
+        PyType_Ready(&KvCacheType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     find_host_isas();
@@ -774,6 +462,18 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     Py_INCREF(&MatrixType);
     if (PyModule_AddObject(m, "Matrix", (PyObject *)&MatrixType) < 0) {
         Py_DECREF(&MatrixType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ProgramType);
+    if (PyModule_AddObject(m, "Program", (PyObject *)&ProgramType) < 0) {
+        Py_DECREF(&ProgramType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&KvCacheType);
+    if (PyModule_AddObject(m, "KvCache", (PyObject *)&KvCacheType) < 0) {
+        Py_DECREF(&KvCacheType);
         Py_DECREF(m);
         return NULL;
     }

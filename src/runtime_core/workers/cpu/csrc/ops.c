@@ -301,19 +301,30 @@ void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads
 typedef struct {
     float *x;
     int64_t n;
-    float cap;
-} SoftcapJob;
+    float value; /* the cap, the factor */
+} ElemJob;
 
 static void softcap_item(void *ctx, int64_t item) {
-    const SoftcapJob *J = ctx;
-    float inv = 1.0f / J->cap;
+    const ElemJob *J = ctx;
+    float inv = 1.0f / J->value;
     int64_t end = (item + 1) * ELEMWISE < J->n ? (item + 1) * ELEMWISE : J->n;
-    for (int64_t i = item * ELEMWISE; i < end; ++i) J->x[i] = tanhf(J->x[i] * inv) * J->cap;
+    for (int64_t i = item * ELEMWISE; i < end; ++i) J->x[i] = tanhf(J->x[i] * inv) * J->value;
 }
 
 void softcap_rows(float *x, int64_t n, float cap, int threads) {
-    SoftcapJob J = {x, n, cap};
+    ElemJob J = {x, n, cap};
     pool_run(pool_threads(threads, 16 * n), (n + ELEMWISE - 1) / ELEMWISE, softcap_item, &J);
+}
+
+static void scale_item(void *ctx, int64_t item) {
+    const ElemJob *J = ctx;
+    int64_t end = (item + 1) * ELEMWISE < J->n ? (item + 1) * ELEMWISE : J->n;
+    for (int64_t i = item * ELEMWISE; i < end; ++i) J->x[i] = J->x[i] * J->value;
+}
+
+void scale_rows(float *x, int64_t n, float factor, int threads) {
+    ElemJob J = {x, n, factor};
+    pool_run(pool_threads(threads, n), (n + ELEMWISE - 1) / ELEMWISE, scale_item, &J);
 }
 
 /* ---- rotary embedding and the KV cache ------------------------------------------------- */

@@ -43,6 +43,9 @@ void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads
 /* x = cap * tanh(x / cap) */
 void softcap_rows(float *x, int64_t n, float cap, int threads);
 
+/* x *= factor (float32 products, as NumPy's) */
+void scale_rows(float *x, int64_t n, float factor, int threads);
+
 /* A block's KV cache is a ring of max_seq slots: position p in slot p % max_seq (a
  * global block's ring is as long as the sequence, so slot and position are one). */
 typedef struct {

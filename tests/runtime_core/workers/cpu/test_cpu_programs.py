@@ -1,0 +1,226 @@
+"""Step programs (``_kernels.Program``, ``csrc/program.c``): a stage's kernel calls for a
+shape of step, recorded once and run again at every step of that shape by one call.
+
+A chain of CPU workers running several runs (prefills in chunks beside other runs'
+decode rows, past a sliding window) computes with its programs exactly what it computes
+making every call from Python: tokens, logits and each stage's output rows, bit for bit,
+on every architecture's optional steps. A program refuses what its calls refuse, at
+every run (positions past the rotations or the ring, a cache of other heads, a token id
+outside the table) and before any of its calls is made.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+from runplan import SamplingConfig
+from runtime_core.workers.cpu import _kernels
+from runtime_core.workers.cpu.backend import CpuOps
+from runtime_core.workers.cpu.worker import CpuWorker
+from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
+from tests.support.chain import Chain, provisions
+
+#: the architectures' optional steps: Q/K/V biases (qwen2), per-head Q/K norms (qwen3),
+#: a sliding block, post-norms, GELU gating, the embedding scale and a logit soft cap
+#: (gemma3), fused products and partial rotary (phi3)
+#: (of two blocks: one per stage)
+SHAPES = {
+    name: attrs.evolve(FIXTURE_SHAPES[name], n_layers=2)
+    for name in ("llama", "qwen2", "qwen3", "phi3")
+}
+SHAPES["gemma3"] = attrs.evolve(FIXTURE_SHAPES["gemma3"], final_logit_softcap=30.0)
+PROGRAM = CpuOps.program
+#: prompts of 14, 16 and 18 tokens: past gemma3's window of 12
+PROMPTS = [[(5 * k + 3 * j) % 200 + 1 for j in range(14 + 2 * k)] for k in range(3)]
+
+
+def three_runs(path: Path, programs: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
+    """Each run's 5 (token, logits bits) and both stages' output rows on a 2-stage chain,
+    the runs joining one batch after another with prompts in chunks of 3 (run 1 samples);
+    and how many steps ran a program."""
+    used = [0]
+
+    def counted(self: CpuOps, *args: Any) -> Any:
+        made = PROGRAM(self, *args) if programs else None
+        used[0] += made is not None
+        return made
+
+    monkeypatch.setattr(CpuOps, "program", counted)
+    provs = {
+        k: provisions(path, 2, max_seq_len=40, run_id=f"run-{k}", max_concurrent_runs=4,
+                      sampling=SamplingConfig(temperature=0.8, seed=k) if k == 1 else None)
+        for k in range(3)
+    }  # fmt: skip
+    chain = Chain.bind(provs[0], lambda: CpuWorker(threads=2))
+    chain.activations = {}
+    try:
+        for p in provs.values():
+            chain.open(p)
+        join = {f"run-{k}": k for k in range(3)}
+        prompts = {f"run-{k}": PROMPTS[k] for k in range(3)}
+        outs = chain.generate_batched(prompts, 5, 3, join)
+    finally:
+        chain.release()
+    got = {
+        run: [(o.token_id, np.asarray(o.logits).view(np.uint32)) for o in out]
+        for run, out in outs.items()
+    }
+    return (got, chain.activations), used[0]
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_step_programs_compute_what_the_calls_compute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    path = write_model(tmp_path / f"{name}.gguf", SHAPES[name])
+    (calls, rows), none = three_runs(path, False, monkeypatch)
+    (recorded, recorded_rows), used = three_runs(path, True, monkeypatch)
+    assert none == 0 and used > 10  # most steps (both stages') ran a program
+    assert calls.keys() == recorded.keys() and rows.keys() == recorded_rows.keys()
+    for run, outs in calls.items():
+        assert [t for t, _ in recorded[run]] == [t for t, _ in outs], run
+        for (_, got), (_, want) in zip(recorded[run], outs, strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=run)
+    for key, want_rows in rows.items():
+        for got_row, want_row in zip(recorded_rows[key], want_rows, strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(got_row).view(np.uint8), np.asarray(want_row).view(np.uint8), str(key)
+            )
+
+
+# -- a program's checks ---------------------------------------------------------------------
+
+N_HEADS, N_KV, HD = 2, 1, 8
+WIDTH = N_HEADS * HD + 2 * N_KV * HD  # a row of Q, K, V
+
+
+def heads(ring: int, half: bool = False, n_kv: int = N_KV) -> tuple[int, int, int, int, int, bool]:
+    return (N_HEADS, n_kv, HD, HD, ring, half)
+
+
+def cache(ring: int, layers: int = 1) -> _kernels.KvCache:
+    k = [np.zeros((N_KV, ring, HD), np.float32) for _ in range(layers)]
+    v = [np.zeros((N_KV, ring, HD), np.float32) for _ in range(layers)]
+    return _kernels.KvCache(k, v, [heads(ring)] * layers)
+
+
+def attention_program(ring: int, rot_positions: int) -> tuple[_kernels.Program, np.ndarray]:
+    """Rotary and attention of one row (block 0 of segment 0), recorded at position 0
+    of a cache of ``ring`` positions; and the row's attention output."""
+    rng = np.random.default_rng(0)
+    qkv = rng.standard_normal((1, WIDTH)).astype(np.float32)
+    rot = np.tile(np.array([1.0, 0.0], np.float32), (rot_positions, HD // 2))
+    k, v = np.zeros((N_KV, ring, HD), np.float32), np.zeros((N_KV, ring, HD), np.float32)
+    out = np.zeros((1, N_HEADS * HD), np.float32)
+    p = _kernels.Program()
+    p.rope_kv(qkv, 1, None, rot, 0, heads(ring), HD, False, k, v, 1, slot=(0, 0))
+    p.attention(qkv, 1, k, v, 0, heads(ring), 0.5, out, 1, slot=(0, 0))
+    return p, out
+
+
+def test_a_program_takes_each_runs_position_and_cache() -> None:
+    p, out = attention_program(8, 16)
+    assert len(p) == 2 and p.segments == 1
+    mine = cache(8)
+    for pos in range(8):  # one row attends to positions 0 .. pos of its own cache
+        assert p.run([pos], [mine]) == []
+        assert np.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"rows 1 at 8 see positions from 0: a ring of 8"):
+        p.run([8], [mine])  # a global block's ring of 8 holds 8 positions
+    with pytest.raises(ValueError, match=r"rows 1 at 20: rotations for 16 positions"):
+        p.run([20], [cache(32)])
+
+
+def test_a_program_refuses_a_cache_that_is_not_its_shape() -> None:
+    p, _ = attention_program(8, 16)
+    with pytest.raises(ValueError, match=r"1 positions and 2 caches for a program of 1 segments"):
+        p.run([0], [cache(8), cache(8)])
+    with pytest.raises(TypeError, match=r"caches\[0\]: a KvCache is needed"):
+        p.run([0], [np.zeros(8)])
+    other = _kernels.KvCache(
+        [np.zeros((2, 8, HD), np.float32)], [np.zeros((2, 8, HD), np.float32)], [heads(8, n_kv=2)]
+    )
+    with pytest.raises(
+        ValueError, match=r"block 0: heads 2 / 2 of 8, 8 \(float\), the program's 2 / 1"
+    ):
+        p.run([0], [other])
+    q = _kernels.Program()
+    qkv, k = np.zeros((1, WIDTH), np.float32), np.zeros((N_KV, 8, HD), np.float32)
+    rot = np.zeros((8, HD), np.float32)
+    q.rope_kv(qkv, 1, None, rot, 0, heads(8), HD, False, k, k.copy(), 1, slot=(0, 3))
+    with pytest.raises(
+        ValueError, match=r"segment 0 at position 0 of a cache of 1 blocks: block 3"
+    ):
+        q.run([0], [cache(8)])
+    with pytest.raises(ValueError, match=r"segment 0 at position -1"):
+        q.run([-1], [cache(8, 4)])
+
+
+def test_a_programs_rotary_and_attention_name_their_slot_and_no_step_buffers() -> None:
+    p = _kernels.Program()
+    qkv, k = np.zeros((2, WIDTH), np.float32), np.zeros((N_KV, 8, HD), np.float32)
+    rot = np.zeros((8, HD), np.float32)
+    args = (qkv, 2, None, rot, 0, heads(8), HD, False, k, k.copy(), 1)
+    with pytest.raises(TypeError, match=r"name their slot=\(segment, block\)"):
+        p.rope_kv(*args)
+    with pytest.raises(ValueError, match=r"slot \(-1, 0\)"):
+        p.rope_kv(*args, slot=(-1, 0))
+    step = np.zeros((N_KV, 2, HD), np.float32)
+    with pytest.raises(ValueError, match="take no step buffers"):
+        p.rope_kv(*args, 1.0, step, step.copy(), slot=(0, 0))
+    with pytest.raises(TypeError, match="takes no keywords but slot"):
+        p.rope_kv(*args, slot=(0, 0), window=3)
+    assert len(p) == 0  # nothing refused was kept
+
+
+def test_a_kv_cache_is_checked_when_made() -> None:
+    k = [np.zeros((N_KV, 8, HD), np.float32)]
+    with pytest.raises(ValueError, match=r"1 key, 2 value and 1 heads entries"):
+        _kernels.KvCache(k, k * 2, [heads(8)])
+    with pytest.raises(ValueError, match=r"k_cache: 64 elements, the call needs 128"):
+        _kernels.KvCache(k, k, [heads(16)])
+    with pytest.raises(TypeError, match=r"v_cache: a C-contiguous writable array"):
+        frozen = np.zeros((N_KV, 8, HD), np.float32)
+        frozen.flags.writeable = False
+        _kernels.KvCache(k, [frozen], [heads(8)])
+    with pytest.raises(TypeError, match=r"k_cache: elements of format e, expected f"):
+        _kernels.KvCache([np.zeros((N_KV, 8, HD), np.float16)], k, [heads(8)])
+    assert len(_kernels.KvCache(k, k, [heads(8)])) == 1
+
+
+def test_a_bad_token_id_stops_a_run_before_any_call() -> None:
+    """The ids are read where they lie at every run; one outside the table raises, and
+    none of the program's calls is made (the norm recorded before it writes nothing)."""
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((10, 32)).astype(np.float32)
+    m = _kernels.Matrix([(table.view(np.uint8).reshape(-1), "F32", 10, 32, 0)])
+    x, out = np.ones((1, 32), np.float32), np.zeros((1, 32), np.float32)
+    ids, rows = np.array([3], np.int32), np.zeros((1, 32), np.float32)
+    p = _kernels.Program()
+    p.rmsnorm(x, np.ones(32, np.float32), out, 1, 32, 1e-6, 1)
+    p.embed(m, ids, rows, 1)
+    p.run([], [])
+    np.testing.assert_array_equal(rows[0], table[3])
+    assert (out > 0.99).all()  # the norm ran
+    out[:] = 0.0
+    ids[0] = 10
+    with pytest.raises(ValueError, match=r"token id 10 outside 0..9"):
+        p.run([], [])
+    assert (out == 0.0).all()
+
+
+def test_a_program_returns_each_argmax_and_scales_as_numpy() -> None:
+    logits = np.array([[0.5, 2.0, np.nan, 2.0], [1.0, -1.0, 3.0, np.inf]], np.float32)
+    x = np.random.default_rng(2).standard_normal(1000).astype(np.float32)
+    want = x * np.float32(0.7071)
+    p = _kernels.Program()
+    p.scale(x, 0.7071, 2)
+    p.argmax(logits[0])
+    p.argmax(logits[1])
+    assert p.run([], []) == [(1, 1), (2, 1)]
+    np.testing.assert_array_equal(x.view(np.uint32), want.view(np.uint32))
