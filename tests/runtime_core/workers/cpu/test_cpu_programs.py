@@ -40,7 +40,7 @@ PROMPTS = [[(5 * k + 3 * j) % 200 + 1 for j in range(14 + 2 * k)] for k in range
 
 
 def three_runs(path: Path, programs: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, int]:
-    """Each run's 5 (token, logits bits) and both stages' output rows on a 2-stage chain,
+    """Each run's 5 (token, logits bits) and the first stage's output rows on a 2-stage chain,
     the runs joining one batch after another with prompts in chunks of 3 (run 1 samples);
     and how many steps ran a program."""
     used = [0]
@@ -103,41 +103,70 @@ def heads(ring: int, half: bool = False, n_kv: int = N_KV) -> tuple[int, int, in
     return (N_HEADS, n_kv, HD, HD, ring, half)
 
 
+def arrays(ring: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros((N_KV, ring, HD), np.float32), np.zeros((N_KV, ring, HD), np.float32)
+
+
 def cache(ring: int, layers: int = 1) -> _kernels.KvCache:
-    k = [np.zeros((N_KV, ring, HD), np.float32) for _ in range(layers)]
-    v = [np.zeros((N_KV, ring, HD), np.float32) for _ in range(layers)]
-    return _kernels.KvCache(k, v, [heads(ring)] * layers)
+    kv = [arrays(ring) for _ in range(layers)]
+    return _kernels.KvCache([k for k, _ in kv], [v for _, v in kv], [heads(ring)] * layers)
 
 
-def attention_program(ring: int, rot_positions: int) -> tuple[_kernels.Program, np.ndarray]:
-    """Rotary and attention of one row (block 0 of segment 0), recorded at position 0
-    of a cache of ``ring`` positions; and the row's attention output."""
+@attrs.frozen
+class OneRow:
+    """Rotary and attention of one row (block 0 of segment 0) recorded into ``program``
+    at position 0 of a cache of ``ring`` positions: its input ``qkv`` and output ``out``."""
+
+    program: _kernels.Program
+    qkv: np.ndarray
+    rot: np.ndarray
+    out: np.ndarray
+
+
+def one_row(ring: int, rot_positions: int) -> OneRow:
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((1, WIDTH)).astype(np.float32)
-    rot = np.tile(np.array([1.0, 0.0], np.float32), (rot_positions, HD // 2))
-    k, v = np.zeros((N_KV, ring, HD), np.float32), np.zeros((N_KV, ring, HD), np.float32)
+    angle = rng.uniform(0, 6.3, (rot_positions, HD // 2))
+    rot = np.stack([np.cos(angle), np.sin(angle)], -1).reshape(rot_positions, HD).astype(np.float32)
+    k, v = arrays(ring)
     out = np.zeros((1, N_HEADS * HD), np.float32)
     p = _kernels.Program()
     p.rope_kv(qkv, 1, None, rot, 0, heads(ring), HD, False, k, v, 1, slot=(0, 0))
     p.attention(qkv, 1, k, v, 0, heads(ring), 0.5, out, 1, slot=(0, 0))
-    return p, out
+    return OneRow(p, qkv, rot, out)
 
 
 def test_a_program_takes_each_runs_position_and_cache() -> None:
-    p, out = attention_program(8, 16)
-    assert len(p) == 2 and p.segments == 1
-    mine = cache(8)
-    for pos in range(8):  # one row attends to positions 0 .. pos of its own cache
-        assert p.run([pos], [mine]) == []
-        assert np.isfinite(out).all()
+    """Two runs' rows in turn through one program, each at its position and in its own
+    cache: the outputs and caches the module's functions give those rows, bit for bit."""
+    row = one_row(8, 16)
+    assert len(row.program) == 2 and row.program.segments == 1
+    rng = np.random.default_rng(1)
+    runs = [arrays(8) for _ in range(2)]
+    tables = [_kernels.KvCache([k], [v], [heads(8)]) for k, v in runs]
+    eager = [arrays(8) for _ in range(2)]
+    for pos in range(8):  # a row attends to positions 0 .. pos of its run's cache
+        for r in range(2):
+            row.qkv[:] = rng.standard_normal((1, WIDTH))
+            qkv, out = row.qkv.copy(), np.zeros_like(row.out)
+            assert row.program.run([pos], [tables[r]]) == []
+            k, v = eager[r]
+            _kernels.rope_kv(qkv, 1, None, row.rot, pos, heads(8), HD, False, k, v, 1)
+            _kernels.attention(qkv, 1, k, v, pos, heads(8), 0.5, out, 1)
+            np.testing.assert_array_equal(row.out.view(np.uint32), out.view(np.uint32))
+            for got, want in zip(runs[r], eager[r], strict=True):
+                np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not np.array_equal(runs[0][0], runs[1][0])  # two runs, two caches
     with pytest.raises(ValueError, match=r"rows 1 at 8 see positions from 0: a ring of 8"):
-        p.run([8], [mine])  # a global block's ring of 8 holds 8 positions
+        row.program.run([8], [tables[0]])  # a global block's ring of 8 holds 8 positions
     with pytest.raises(ValueError, match=r"rows 1 at 20: rotations for 16 positions"):
-        p.run([20], [cache(32)])
+        row.program.run([20], [cache(32)])
+    with pytest.raises(ValueError, match=r"segment 0 at position 4611686018427387904 \(0\.\."):
+        row.program.run([2**62], [cache(32)])
 
 
 def test_a_program_refuses_a_cache_that_is_not_its_shape() -> None:
-    p, _ = attention_program(8, 16)
+    p = one_row(8, 16).program
     with pytest.raises(ValueError, match=r"1 positions and 2 caches for a program of 1 segments"):
         p.run([0], [cache(8), cache(8)])
     with pytest.raises(TypeError, match=r"caches\[0\]: a KvCache is needed"):
@@ -157,7 +186,7 @@ def test_a_program_refuses_a_cache_that_is_not_its_shape() -> None:
         ValueError, match=r"segment 0 at position 0 of a cache of 1 blocks: block 3"
     ):
         q.run([0], [cache(8)])
-    with pytest.raises(ValueError, match=r"segment 0 at position -1"):
+    with pytest.raises(ValueError, match=r"segment 0 at position -1 \(0\.\."):
         q.run([-1], [cache(8, 4)])
 
 
@@ -190,7 +219,10 @@ def test_a_kv_cache_is_checked_when_made() -> None:
         _kernels.KvCache(k, [frozen], [heads(8)])
     with pytest.raises(TypeError, match=r"k_cache: elements of format e, expected f"):
         _kernels.KvCache([np.zeros((N_KV, 8, HD), np.float16)], k, [heads(8)])
-    assert len(_kernels.KvCache(k, k, [heads(8)])) == 1
+    made = _kernels.KvCache(k, k, [heads(8)])
+    assert len(made) == 1
+    with pytest.raises(RuntimeError, match="a KvCache is made once"):
+        made.__init__(k, k, [heads(8)])  # type: ignore[misc]
 
 
 def test_a_bad_token_id_stops_a_run_before_any_call() -> None:
@@ -224,3 +256,55 @@ def test_a_program_returns_each_argmax_and_scales_as_numpy() -> None:
     p.argmax(logits[1])
     assert p.run([], []) == [(1, 1), (2, 1)]
     np.testing.assert_array_equal(x.view(np.uint32), want.view(np.uint32))
+
+
+def test_sizes_whose_products_would_overflow_are_refused() -> None:
+    """No product of a call's sizes wraps around 64 bits past a length check: rings,
+    heads, rows and positions beyond the bounds (csrc/calls.h) are refused, by the
+    module's functions and by programs alike."""
+    k, v = arrays(8)
+    with pytest.raises(ValueError, match=r"heads 2 / 1 of 8, 8 in a cache of 2305843009213693952"):
+        _kernels.KvCache([k], [v], [(N_HEADS, N_KV, HD, HD, 2**61, False)])
+    qkv, rot = np.zeros((1, WIDTH), np.float32), np.zeros((16, HD), np.float32)
+    with pytest.raises(ValueError, match=r"rows 1 at 9223372036854775807, 8 rotated dims"):
+        _kernels.rope_kv(qkv, 1, None, rot, 2**63 - 1, heads(8), HD, False, k, v, 1)
+    with pytest.raises(ValueError, match=r"rows 1 at 1099511627777, window 0"):
+        _kernels.attention(qkv, 1, k, v, 2**40 + 1, heads(8), 0.5, np.zeros((1, 16), np.float32), 1)
+    x = np.zeros(64, np.float32)
+    with pytest.raises(ValueError, match=r"4611686018427387904 rows of 2 \(1\.\.16777216 rows"):
+        _kernels.rmsnorm(x, x, x, 2**62, 2, 1e-6, 1)
+    with pytest.raises(ValueError, match=r"2 rows of 4611686018427387904"):
+        _kernels.swiglu(x, x, 2, 2**62, 1)
+    table = np.zeros(34 * 4, np.uint8)
+    with pytest.raises(ValueError, match=r"part 0: 4 rows of 4294967296 Q8_0 elements"):
+        _kernels.Matrix([(table, "Q8_0", 4, 2**32, 0)])
+
+
+def test_a_matrix_and_a_cache_are_made_once() -> None:
+    """A program holds its matrices and a run its cache while their calls run without
+    the GIL: neither is made again in place."""
+    rows = np.zeros((4, 32), np.float32)
+    m = _kernels.Matrix([(rows.view(np.uint8).reshape(-1), "F32", 4, 32, 0)])
+    with pytest.raises(RuntimeError, match="a Matrix is made once"):
+        m.__init__([(rows.view(np.uint8).reshape(-1), "F32", 2, 64, 0)])  # type: ignore[misc]
+    assert (m.n_out, m.n_in) == (4, 32)
+
+
+def test_a_call_recorded_while_another_is_parsed_is_kept_beside_it() -> None:
+    """Parsing an argument may run Python that records into the same program (an
+    ``__index__``): both calls are kept, each whole, past the first 64 (the array grows
+    when a parsed call is kept, not before)."""
+    p = _kernels.Program()
+    x, w, out = np.ones((1, 32), np.float32), np.ones(32, np.float32), np.zeros((1, 32), np.float32)
+    for _ in range(63):
+        p.rmsnorm(x, w, out, 1, 32, 1e-6, 1)
+
+    class Rows:
+        def __index__(self) -> int:
+            p.rmsnorm(x, w, out, 1, 32, 1e-6, 1)
+            return 1
+
+    p.rmsnorm(x, w, out, Rows(), 32, 1e-6, 1)
+    assert len(p) == 65
+    assert p.run([], []) == []
+    assert (out > 0.99).all()

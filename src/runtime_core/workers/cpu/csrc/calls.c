@@ -56,12 +56,14 @@ int check_threads(int threads) {
 }
 
 int parse_heads(PyObject *t, Heads *hd) {
+    /* bounded so that no product of the sizes overflows (n_kv * ring * head < 2^61) */
     long long nh, nkv, hk, hv, ms;
     int half;
     if (!PyArg_ParseTuple(t, "LLLLLp;heads is (n_heads, n_kv, head_dim_k, head_dim_v, max_seq, kv_half)",
                           &nh, &nkv, &hk, &hv, &ms, &half))
         return -1;
-    if (nh < 1 || nkv < 1 || nh % nkv || hk < 1 || hv < 1 || ms < 1) {
+    if (nh < 1 || nkv < 1 || nh % nkv || hk < 1 || hv < 1 || ms < 1 || nh > MAX_DIM ||
+        hk > MAX_DIM || hv > MAX_DIM || ms > MAX_POSITIONS) {
         PyErr_Format(PyExc_ValueError, "heads %lld / %lld of %lld, %lld in a cache of %lld", nh, nkv,
                      hk, hv, ms);
         return -1;
@@ -71,6 +73,16 @@ int parse_heads(PyObject *t, Heads *hd) {
 }
 
 static const void *ptr(const Buf *b) { return b->held ? b->view.buf : NULL; }
+
+/* rows of a call (1..MAX_ROWS), and a length (1..MAX_LENGTH): 0, or -1 with ValueError */
+static int check_rows(long long rows, long long n) {
+    if (rows < 1 || rows > MAX_ROWS || n < 1 || n > MAX_LENGTH) {
+        PyErr_Format(PyExc_ValueError, "%lld rows of %lld (1..%lld rows of 1..%lld)", rows, n,
+                     (long long)MAX_ROWS, (long long)MAX_LENGTH);
+        return -1;
+    }
+    return 0;
+}
 
 static void start(Call *c, CallKind kind) {
     memset(c, 0, sizeof *c);
@@ -101,10 +113,7 @@ int parse_linear(PyObject *args, PyObject *kwds, Call *c) {
     if (take_matrix(c, mo) < 0) return -1;
     const MatrixObject *m = (const MatrixObject *)c->matrix;
     if (!(c->isa = isa_named(isa_name)) || check_threads(threads) < 0) return -1;
-    if (rows < 1) {
-        PyErr_Format(PyExc_ValueError, "rows %lld < 1", rows);
-        return -1;
-    }
+    if (check_rows(rows, m->n_in) < 0) return -1;
     int64_t n = m->n_in;
     Buf *x = &c->bufs[0], *q = &c->bufs[1], *d = &c->bufs[2], *s = &c->bufs[3], *g = &c->bufs[4],
         *y = &c->bufs[5], *bias = &c->bufs[6];
@@ -154,11 +163,7 @@ int parse_rmsnorm(PyObject *args, Call *c) {
     start(c, CALL_RMSNORM);
     if (!PyArg_ParseTuple(args, "OOOLLdi|p", &xo, &wo, &oo, &rows, &n, &eps, &threads, &accumulate))
         return -1;
-    if (check_threads(threads) < 0) return -1;
-    if (rows < 1 || n < 1) {
-        PyErr_Format(PyExc_ValueError, "%lld rows of %lld", rows, n);
-        return -1;
-    }
+    if (check_threads(threads) < 0 || check_rows(rows, n) < 0) return -1;
     if (get_buf(xo, &c->bufs[0], "f", 0, rows * n, "x") < 0 ||
         get_buf(wo, &c->bufs[1], "f", 0, n, "weight") < 0 ||
         get_buf(oo, &c->bufs[2], "f", 1, rows * n, "out") < 0)
@@ -180,11 +185,7 @@ int parse_gated(PyObject *args, CallKind kind, Call *c) {
     int threads;
     start(c, kind);
     if (!PyArg_ParseTuple(args, "OOLLi", &ho, &ao, &rows, &f, &threads)) return -1;
-    if (check_threads(threads) < 0) return -1;
-    if (rows < 1 || f < 1) {
-        PyErr_Format(PyExc_ValueError, "%lld rows of %lld", rows, f);
-        return -1;
-    }
+    if (check_threads(threads) < 0 || check_rows(rows, f) < 0) return -1;
     if (get_buf(ho, &c->bufs[0], "f", 0, rows * 2 * f, "h") < 0 ||
         get_buf(ao, &c->bufs[1], "f", 1, rows * f, "act") < 0)
         return -1;
@@ -252,11 +253,8 @@ int parse_qk_norm(PyObject *args, Call *c) {
     if (!PyArg_ParseTuple(args, "OLOOOOdi", &qo, &rows, &bo, &qno, &kno, &ho, &eps, &threads))
         return -1;
     Heads hd;
-    if (parse_heads(ho, &hd) < 0 || check_threads(threads) < 0) return -1;
-    if (rows < 1) {
-        PyErr_Format(PyExc_ValueError, "rows %lld < 1", rows);
+    if (parse_heads(ho, &hd) < 0 || check_threads(threads) < 0 || check_rows(rows, 1) < 0)
         return -1;
-    }
     int64_t width = qkv_width(&hd);
     if (get_buf(qo, &c->bufs[0], "f", 1, rows * width, "qkv") < 0 ||
         get_opt(bo, &c->bufs[1], "f", width, "bias") < 0 ||
@@ -298,7 +296,8 @@ int parse_rope_kv(PyObject *args, Call *c) {
         return -1;
     Heads *hd = &c->a.kv.hd;
     if (parse_heads(ho, hd) < 0 || check_threads(threads) < 0) return -1;
-    if (rows < 1 || pos < 0 || n_rot < 0 || n_rot % 2 || n_rot > hd->hd_k) {
+    if (rows < 1 || rows > MAX_ROWS || pos < 0 || pos > MAX_POSITION || n_rot < 0 || n_rot % 2 ||
+        n_rot > hd->hd_k) {
         PyErr_Format(PyExc_ValueError, "rows %lld at %lld, %lld rotated dims: outside the head",
                      rows, pos, n_rot);
         return -1;
@@ -339,7 +338,7 @@ int parse_attention(PyObject *args, PyObject *kwds, Call *c) {
     Heads *hd = &c->a.kv.hd;
     if (!(c->isa = isa_named(isa_name)) || parse_heads(ho, hd) < 0 || check_threads(threads) < 0)
         return -1;
-    if (rows < 1 || pos < 0 || window < 0) {
+    if (rows < 1 || rows > MAX_ROWS || pos < 0 || pos > MAX_POSITION || window < 0) {
         PyErr_Format(PyExc_ValueError, "rows %lld at %lld, window %lld", rows, pos, window);
         return -1;
     }

@@ -19,6 +19,15 @@
 
 #define MAX_PARTS 8
 
+/* The bounds of a call's sizes, so that no product of them overflows 64 bits: rows of a
+ * step, elements of a row (a matrix's n_in), heads and head sizes, a ring's positions,
+ * a position. */
+#define MAX_ROWS ((int64_t)1 << 24)
+#define MAX_LENGTH ((int64_t)1 << 31)
+#define MAX_DIM ((int64_t)1 << 16)
+#define MAX_POSITIONS ((int64_t)1 << 28)
+#define MAX_POSITION ((int64_t)1 << 40)
+
 /* ---- arrays, arguments -------------------------------------------------------------------- */
 
 typedef struct {
@@ -44,6 +53,7 @@ int parse_heads(PyObject *t, Heads *hd);
 
 typedef struct {
     PyObject_HEAD
+    int made;    /* initialized, or being initialized: never again */
     int n_parts;
     int fmt; /* the activation format every part takes */
     int64_t n_in, n_out;

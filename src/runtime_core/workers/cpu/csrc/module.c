@@ -141,7 +141,12 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
         Py_DECREF(fast);
         return -1;
     }
-    drop_parts(self);
+    if (self->made) { /* a program's calls may be reading it */
+        PyErr_SetString(PyExc_RuntimeError, "a Matrix is made once");
+        Py_DECREF(fast);
+        return -1;
+    }
+    self->made = 1;
     self->n_in = -1;
     self->n_out = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
@@ -157,11 +162,12 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
             goto fail;
         }
         int be = QTYPE_BLOCK_ELEMS[t];
-        if (n_out < 1 || n_in < 32 || n_in % 32 || n_in % be || offset < 0) {
+        if (n_out < 1 || n_in < 32 || n_in % 32 || n_in % be || offset < 0 ||
+            n_out > MAX_LENGTH || n_in > MAX_LENGTH || offset > MAX_LENGTH) {
             PyErr_Format(PyExc_ValueError,
                          "part %zd: %lld rows of %lld %s elements at column %lld: rows must be "
-                         "whole chunks of 32 and blocks of %d",
-                         i, n_out, n_in, qname, offset, be);
+                         "whole chunks of 32 and blocks of %d, sizes at most %lld",
+                         i, n_out, n_in, qname, offset, be, (long long)MAX_LENGTH);
             goto fail;
         }
         if (self->n_parts > 0 && QTYPE_FORMAT[t] != self->fmt) {
@@ -211,6 +217,7 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
 fail:
     Py_DECREF(fast);
     drop_parts(self);
+    self->made = 0;
     return -1;
 }
 

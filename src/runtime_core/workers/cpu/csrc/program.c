@@ -52,7 +52,10 @@ static int KvCache_init(KvCacheObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"k", "v", "heads", NULL};
     PyObject *ko, *vo, *ho;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO", kwlist, &ko, &vo, &ho)) return -1;
-    KvCache_clear(self);
+    if (self->k) { /* a run may be reading it without the GIL */
+        PyErr_SetString(PyExc_RuntimeError, "a KvCache is made once");
+        return -1;
+    }
     PyObject *k = PySequence_Fast(ko, "k: a sequence of arrays, one per block");
     PyObject *v = k ? PySequence_Fast(vo, "v: a sequence of arrays, one per block") : NULL;
     PyObject *h = v ? PySequence_Fast(ho, "heads: a sequence of tuples, one per block") : NULL;
@@ -140,29 +143,37 @@ static void Program_dealloc(ProgramObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* a new entry at the end, its call to be parsed in place (a Py_buffer is not moved) */
+static int refuse_running(const ProgramObject *self) {
+    if (!self->running) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "the program is running");
+    return -1;
+}
+
+/* a new entry, its call to be parsed in place (a Py_buffer is not moved) */
 static Entry *new_entry(ProgramObject *self) {
-    if (self->running) {
-        PyErr_SetString(PyExc_RuntimeError, "the program is running");
-        return NULL;
-    }
-    if (self->n == self->cap) {
-        int cap = self->cap ? 2 * self->cap : 64;
-        Entry **grown = PyMem_Realloc(self->entries, (size_t)cap * sizeof *grown);
-        if (!grown) return (Entry *)PyErr_NoMemory();
-        self->entries = grown;
-        self->cap = cap;
-    }
+    if (refuse_running(self) < 0) return NULL;
     Entry *e = PyMem_Calloc(1, sizeof *e);
     if (!e) return (Entry *)PyErr_NoMemory();
     e->seg = e->layer = -1;
     return e;
 }
 
-/* the entry's call parsed (parsed: parse_*'s result) and checked: kept, or freed */
+/* the entry's call parsed (parsed: parse_*'s result) and checked: kept at the end, or
+ * freed. Parsing may run Python (an argument's __index__), which may have recorded or
+ * started a run meanwhile: the room is made and the program checked only now. */
 static PyObject *keep(ProgramObject *self, Entry *e, int parsed) {
     Call *c = &e->call;
-    if (parsed < 0 || call_check(c) < 0) goto fail;
+    if (parsed < 0 || call_check(c) < 0 || refuse_running(self) < 0) goto fail;
+    if (self->n == self->cap) {
+        int cap = self->cap ? 2 * self->cap : 64;
+        Entry **grown = PyMem_Realloc(self->entries, (size_t)cap * sizeof *grown);
+        if (!grown) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        self->entries = grown;
+        self->cap = cap;
+    }
     if (e->seg >= 0) {
         if (c->a.kv.step.k) {
             PyErr_SetString(PyExc_ValueError, "a program's rotary and attention calls take no "
@@ -215,7 +226,14 @@ static PyObject *take_slot(PyObject *kwds, Entry *e) {
                                          "slot=(segment, block)");
         goto fail;
     }
-    if (!PyArg_ParseTuple(slot, "ii;slot is (segment, block)", &e->seg, &e->layer)) goto fail;
+    if (!PyTuple_Check(slot) ||
+        !PyArg_ParseTuple(slot, "ii;slot is (segment, block)", &e->seg, &e->layer)) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_SystemError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "slot is a tuple (segment, block)");
+        }
+        goto fail;
+    }
     if (e->seg < 0 || e->layer < 0 || e->seg >= 1 << 16) {
         PyErr_Format(PyExc_ValueError, "slot (%d, %d): a segment and a block from 0", e->seg,
                      e->layer);
@@ -255,11 +273,13 @@ static PyObject *Program_attention(ProgramObject *self, PyObject *args, PyObject
     return out;
 }
 
-/* the slot calls take their segment's position and cache: 0, or -1 with an exception */
-static int bind(ProgramObject *self, PyObject *positions, PyObject *caches) {
+/* the slot calls take their segment's position and cache (*held: the caches, to be
+ * released after the run): 0, or -1 with an exception */
+static int bind(ProgramObject *self, PyObject *positions, PyObject *caches, PyObject **held) {
     PyObject *pos = PySequence_Fast(positions, "positions: a sequence of ints, one per segment");
     PyObject *kv = pos ? PySequence_Fast(caches, "caches: a sequence of KvCache, one per segment")
                        : NULL;
+    long long *at = NULL;
     int rc = -1;
     if (!kv) goto done;
     if (PySequence_Fast_GET_SIZE(pos) != self->segments ||
@@ -273,14 +293,28 @@ static int bind(ProgramObject *self, PyObject *positions, PyObject *caches) {
             PyErr_Format(PyExc_TypeError, "caches[%d]: a KvCache is needed", s);
             goto done;
         }
+    /* the positions first: converting one may run Python, before any call changes */
+    at = PyMem_Calloc((size_t)self->segments + 1, sizeof *at);
+    if (!at) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int s = 0; s < self->segments; ++s) {
+        at[s] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(pos, s));
+        if (at[s] == -1 && PyErr_Occurred()) goto done;
+        if (at[s] < 0 || at[s] > MAX_POSITION) {
+            PyErr_Format(PyExc_ValueError, "segment %d at position %lld (0..%lld)", s, at[s],
+                         (long long)MAX_POSITION);
+            goto done;
+        }
+    }
     for (int i = 0; i < self->n; ++i) {
         Entry *e = self->entries[i];
         Call *c = &e->call;
         if (e->seg >= 0) {
-            long long p = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(pos, e->seg));
-            if (p == -1 && PyErr_Occurred()) goto done;
+            long long p = at[e->seg];
             const KvCacheObject *cache = (const KvCacheObject *)PySequence_Fast_GET_ITEM(kv, e->seg);
-            if (p < 0 || e->layer >= cache->n_layers) {
+            if (e->layer >= cache->n_layers) {
                 PyErr_Format(PyExc_ValueError, "segment %d at position %lld of a cache of %d blocks: "
                              "block %d", e->seg, p, cache->n_layers, e->layer);
                 goto done;
@@ -307,25 +341,31 @@ static int bind(ProgramObject *self, PyObject *positions, PyObject *caches) {
     }
     rc = 0;
 done:
+    PyMem_Free(at);
     Py_XDECREF(pos);
-    Py_XDECREF(kv);
+    if (rc == 0)
+        *held = kv;
+    else
+        Py_XDECREF(kv);
     return rc;
 }
 
 static PyObject *Program_run(ProgramObject *self, PyObject *args) {
     PyObject *positions, *caches;
     if (!PyArg_ParseTuple(args, "OO", &positions, &caches)) return NULL;
-    if (self->running) {
-        PyErr_SetString(PyExc_RuntimeError, "the program is running");
+    if (refuse_running(self) < 0) return NULL;
+    self->running = 1; /* from here on no other run and no recording, until the end */
+    PyObject *held = NULL;
+    if (bind(self, positions, caches, &held) < 0) {
+        self->running = 0;
         return NULL;
     }
-    if (bind(self, positions, caches) < 0) return NULL;
     int rc = 0;
-    self->running = 1;
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < self->n && rc == 0; ++i) rc = call_run(&self->entries[i]->call);
     Py_END_ALLOW_THREADS
     self->running = 0;
+    Py_DECREF(held);
     if (rc < 0) return PyErr_NoMemory();
     PyObject *tokens = PyList_New(0);
     for (int i = 0; tokens && i < self->n; ++i) {
