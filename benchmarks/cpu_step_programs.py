@@ -7,8 +7,8 @@ against the same steps making every kernel call from Python, in one process, in 
 The CPU worker's backend holding every block of ``--model`` (default: the bundled
 SmolLM2-135M-Instruct Q4_1; float32 KV cache), per thread count and batch size (runs
 decoding side by side, one row each per step): rounds of ``--tokens`` steps with the
-stage's step programs (``CpuOps.program``) and the same without them (the backend's
-``recordable`` cleared: every call made from Python, as F16 stages make them), the
+stage's step programs (``CpuOps.program``) and the same without them (``CpuOps.program``
+giving none: every call made from Python, as steps of more than 64 rows make them), the
 order alternating round by round. Printed: ms per step, best and median over rounds,
 and calls / programs (above 1: the programs are faster). Both ways compute the same
 bits (``tests/runtime_core/workers/cpu/test_cpu_programs.py``). Nothing is asserted;
@@ -30,7 +30,7 @@ def measure(model: Path, threads: int, batch: int, tokens: int, rounds: int) -> 
 
     from runplan import model_facts_from_gguf
     from runtime_core.gguf_slice import open_stage_slice
-    from runtime_core.workers.cpu.backend import CpuBackend
+    from runtime_core.workers.cpu.backend import CpuBackend, CpuOps
     from runtime_core.workers.cpu.worker import CpuWorker
     from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 
@@ -40,8 +40,7 @@ def measure(model: Path, threads: int, batch: int, tokens: int, rounds: int) -> 
     with open_stage_slice(model, 0, n, is_first=True, is_last=True,
                           capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
         backend.load(stage, max_seq, None)
-    ops = backend.ops
-    assert ops is not None
+    program = CpuOps.program
     caches = [backend.new_cache(max_seq) for _ in range(batch)]
     prompt = np.arange(1, 9, dtype=np.int32)
     for k in range(batch):
@@ -50,7 +49,7 @@ def measure(model: Path, threads: int, batch: int, tokens: int, rounds: int) -> 
     times: dict[bool, list[float]] = {True: [], False: []}
     for r in range(rounds):
         for programs in (True, False) if r % 2 == 0 else (False, True):
-            ops.recordable = programs
+            CpuOps.program = program if programs else (lambda *_: None)  # type: ignore[method-assign]
             t0 = time.perf_counter()
             for _ in range(tokens):
                 backend.run_batch(
@@ -61,6 +60,7 @@ def measure(model: Path, threads: int, batch: int, tokens: int, rounds: int) -> 
                     backend.token_of(k)
                 pos += 1
             times[programs].append((time.perf_counter() - t0) * 1e3 / tokens)
+    CpuOps.program = program  # type: ignore[method-assign]
     backend.release()
     out: dict[str, Any] = {"threads": threads, "batch": batch}
     for programs, name in ((True, "programs"), (False, "calls")):

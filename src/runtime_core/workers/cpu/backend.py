@@ -36,9 +36,9 @@ kernel call recorded into a ``_kernels.Program`` (arguments parsed and checked o
 and that step and every later one of the shape make all the calls in one ``run``,
 without the GIL, each segment taking its run's position and cache (``CpuCache.table``).
 The same kernels on the same buffers: the same bits as the calls made one by one, which
-steps still make where a program cannot (F16 / BF16 weights' rounded activations are
-NumPy's, steps beyond the kept buffers, a prefill whose keys a sliding ring cannot take
-before attention). A stage keeps ``KEPT_PROGRAMS`` of them.
+steps still make where a program cannot (steps beyond the kept buffers, a prefill whose
+keys a sliding ring cannot take before attention). A stage keeps ``KEPT_PROGRAMS`` of
+them.
 
 Products. With ``matvec="q8"`` (the default) activations are rounded as llama.cpp's
 CPU path rounds them for the weight type (``ACT_FORMAT``: Q8_0, Q8_1 or Q8_K blocks,
@@ -181,8 +181,9 @@ class _Q8:
 
 class _RowSet:
     """The buffers of steps of up to ``cap`` rows, made once (``kept``: every page written
-    when made, with the 8-bit forms of every source in ``formats``): a step takes views of
-    their first rows (``rows``), so steps of changing row counts make nothing.
+    when made, with the 8-bit or f16 / bf16 forms of every source in ``formats``): a step
+    takes views of their first rows (``rows``), so steps of changing row counts make
+    nothing.
 
     Each buffer starts ``STAGGER`` bytes further into a page than the one before: buffers
     of whole pages all starting page-aligned put a row of ``x`` and the same row of
@@ -211,9 +212,13 @@ class _RowSet:
         self.act_flat = self.alloc((cap * ffn,), np.float32)  # viewed (rows, ffn) per layer
         self.widths = {"xn": hidden, "att": att, "act": ffn, "xl": hidden}  # of the sources
         self.q8: dict[tuple[str, str], _Q8] = {}
+        self.rounded: dict[tuple[str, str], F32] = {}
         for fmt in formats:
             for src in self.widths:
-                self.q8_of(src, fmt)
+                if fmt in ("f16", "bf16"):
+                    self.rounded_of(src, fmt)
+                else:
+                    self.q8_of(src, fmt)
 
     def alloc(self, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
         """A buffer starting ``STAGGER`` bytes further into its page than the last one."""
@@ -232,6 +237,14 @@ class _RowSet:
             self.q8[key] = _Q8.make(self.cap, self.widths[src], self.alloc)
         return self.q8[key]
 
+    def rounded_of(self, src: str, fmt: str) -> F32:
+        """The f16 / bf16 form of a source (F16 / BF16 weights' activations), made at its
+        first use."""
+        key = (src, fmt)
+        if key not in self.rounded:
+            self.rounded[key] = self.alloc((self.cap, self.widths[src]), np.float32)
+        return self.rounded[key]
+
     def rows(self, rows: int) -> _Rows:
         return _Rows(rows, self)
 
@@ -249,7 +262,7 @@ class _Rows:
         self.act_flat = base.act_flat[: rows * base.ffn]
         self.views: dict[str, F32] = {name: a[:rows] for name, a in base.full.items()}
         self.q8: dict[tuple[str, str], _Q8] = {}
-        self.rounded: dict[tuple[str, str], F32] = {}  # f16 / bf16 forms
+        self.rounded: dict[tuple[str, str], F32] = {}  # f16 / bf16 forms of the sources
         self.fresh: dict[str, set[str]] = {}  # per source, its 8-bit forms up to date
 
     def q8_of(self, src: str, fmt: str) -> _Q8:
@@ -257,6 +270,12 @@ class _Rows:
         if key not in self.q8:
             self.q8[key] = self.base.q8_of(src, fmt).first(self.rows)
         return self.q8[key]
+
+    def rounded_of(self, src: str, fmt: str) -> F32:
+        key = (src, fmt)
+        if key not in self.rounded:
+            self.rounded[key] = self.base.rounded_of(src, fmt)[: self.rows]
+        return self.rounded[key]
 
 
 @attrs.frozen
@@ -341,8 +360,9 @@ class CpuOps:
                 mats.append((f, built[key]))
             self.matrices[id(lin)] = mats
         # the step buffers of up to KEPT_ROWS rows, written now (a bound stage's steps
-        # take no page faults in them), with the 8-bit forms of the formats it multiplies
-        formats = {f for mats in self.matrices.values() for f, _ in mats} - {"f32", "f16", "bf16"}
+        # take no page faults in them), with the 8-bit (or f16 / bf16) forms of the formats
+        # it multiplies
+        formats = {f for mats in self.matrices.values() for f, _ in mats} - {"f32"}
         self.kept = self._row_set(KEPT_ROWS, True, sorted(formats) if self.use_q8 else ())
         self.buf = self.kept.rows(1)
         # the head's logits: the first rows of ``logits_kept`` (made for the most head rows
@@ -358,10 +378,6 @@ class CpuOps:
         self.segments: Sequence[Segment] = ()
         # the step programs made, by shape (rows per segment, head rows), the last used last
         self.programs: dict[tuple[tuple[int, ...], tuple[int, ...]], _kernels.Program] = {}
-        # a program's calls are the kernels' only: F16 / BF16 weights' rounded activations
-        # are NumPy's (``_rounded``), so a stage with them runs every step call by call
-        rounded = {f for mats in self.matrices.values() for f, _ in mats} & {"f16", "bf16"}
-        self.recordable = not self.use_q8 or not rounded
 
     def new_cache(self, positions: int) -> CpuCache:
         """A KV cache of ``positions`` positions: each block's ring holds that many, or
@@ -435,11 +451,11 @@ class CpuOps:
         """The step program of a step of these ``segments`` and head rows (``use_rows``,
         ``use_heads`` and the inputs done), recorded now by ``record()`` (the forward
         program run with every kernel call going to the program) if this shape has none;
-        None where a step must run call by call: a stage with NumPy's operations, a step
-        beyond the kept buffers, or one whose keys and values a sliding ring cannot take
-        before attention (``rope_kv``'s step buffers)."""
+        None where a step must run call by call: a step beyond the kept buffers, or one
+        whose keys and values a sliding ring cannot take before attention (``rope_kv``'s
+        step buffers)."""
         rows = segments[-1].end
-        if not self.recordable or rows > KEPT_ROWS:
+        if rows > KEPT_ROWS:
             return None
         if any(s.rows > 1 and s.pos + s.rows > s.cache.ring for s in segments):
             return None
@@ -531,15 +547,11 @@ class CpuOps:
         products with F16 / BF16 weights multiply."""
         b = self.buf
         fresh = b.fresh.setdefault(src, set())
-        key = (src, fmt)
-        if fmt not in fresh or key not in b.rounded:
-            if fmt == "f16":
-                with np.errstate(over="ignore"):  # out of range: infinity, as llama.cpp
-                    b.rounded[key] = x.astype(np.float16).astype(np.float32)
-            else:
-                b.rounded[key] = activations.bf16_to_float32(activations.float32_to_bf16(x))
+        out = b.rounded_of(src, fmt)
+        if fmt not in fresh:
+            self.kernels.round(x, out, fmt, self.threads)
             fresh.add(fmt)
-        return b.rounded[key]
+        return out
 
     def qk_norm(self, q_norm: F32, k_norm: F32, bias: F32 | None, rows: int) -> None:
         assert self.heads is not None

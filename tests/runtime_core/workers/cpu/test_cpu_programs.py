@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from runplan import SamplingConfig
+from runtime_core import activations
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.backend import CpuOps
 from runtime_core.workers.cpu.worker import CpuWorker
@@ -34,6 +35,9 @@ SHAPES = {
     for name in ("llama", "qwen2", "qwen3", "phi3")
 }
 SHAPES["gemma3"] = attrs.evolve(FIXTURE_SHAPES["gemma3"], final_logit_softcap=30.0)
+#: float weights, whose activations are rounded to half or bfloat16 (``_kernels.round``)
+SHAPES["llama-F16"] = attrs.evolve(SHAPES["llama"], quant="F16")
+SHAPES["llama-BF16"] = attrs.evolve(SHAPES["llama"], quant="BF16")
 PROGRAM = CpuOps.program
 #: prompts of 14, 16 and 18 tokens: past gemma3's window of 12
 PROMPTS = [[(5 * k + 3 * j) % 200 + 1 for j in range(14 + 2 * k)] for k in range(3)]
@@ -308,3 +312,29 @@ def test_a_call_recorded_while_another_is_parsed_is_kept_beside_it() -> None:
     assert len(p) == 65
     assert p.run([], []) == []
     assert (out > 0.99).all()
+
+
+def test_rounding_to_half_and_bfloat16_is_numpys() -> None:
+    """F16 / BF16 weights' activations: every float32 class (normal, subnormal halves,
+    ties, past half's range, infinities) rounded as NumPy and ``activations`` round them,
+    bit for bit, and NaN kept NaN."""
+    rng = np.random.default_rng(3)
+    nan_bits = np.array([0x7FC00001, 0xFF800001, 0x3F808000, 0x3F818000], np.uint32)
+    x = np.concatenate([
+        rng.standard_normal(5000) * 10.0 ** rng.integers(-10, 6, 5000),
+        (rng.integers(-2048, 2048, 2000) + 0.5) * 2.0**-24,  # ties between subnormal halves
+        [65504.0, 65519.99, 65520.0, 1e9, -1e9, np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0],
+    ]).astype(np.float32)  # fmt: skip
+    x = np.concatenate([x, nan_bits.view(np.float32)])  # NaNs with payloads, bf16 ties
+    out = np.zeros_like(x)
+    _kernels.round(x, out, "f16", 2)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    nan = np.isnan(x)  # NaN stays NaN, quiet (as F16C's conversion; NumPy keeps a payload)
+    np.testing.assert_array_equal(out[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert np.isnan(out[nan]).all() and nan.sum() == 4
+    _kernels.round(x, out, "bf16", 2)
+    want = activations.bf16_to_float32(activations.float32_to_bf16(x))
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="round to f8: f16 or bf16"):
+        _kernels.round(x, out, "f8", 1)

@@ -220,6 +220,29 @@ int parse_softcap(PyObject *args, Call *c) { return parse_elems(args, CALL_SOFTC
 
 int parse_scale(PyObject *args, Call *c) { return parse_elems(args, CALL_SCALE, "x", c); }
 
+int parse_round(PyObject *args, Call *c) {
+    PyObject *xo, *oo;
+    const char *fmt;
+    int threads;
+    start(c, CALL_ROUND);
+    if (!PyArg_ParseTuple(args, "OOsi", &xo, &oo, &fmt, &threads)) return -1;
+    if (check_threads(threads) < 0) return -1;
+    int half = strcmp(fmt, "f16") == 0;
+    if (!half && strcmp(fmt, "bf16") != 0) {
+        PyErr_Format(PyExc_ValueError, "round to %s: f16 or bf16", fmt);
+        return -1;
+    }
+    if (get_buf(xo, &c->bufs[0], "f", 0, 1, "x") < 0) return -1;
+    int64_t n = c->bufs[0].view.len / 4;
+    if (get_buf(oo, &c->bufs[1], "f", 1, n, "out") < 0) return -1;
+    c->threads = threads;
+    c->a.round.x = c->bufs[0].view.buf;
+    c->a.round.out = c->bufs[1].view.buf;
+    c->a.round.n = n;
+    c->a.round.half = half;
+    return 0;
+}
+
 /* ---- heads, rotary, attention ---------------------------------------------------------- */
 
 static int64_t qkv_width(const Heads *hd) {
@@ -461,6 +484,9 @@ int call_run(Call *c) {
         return 0;
     case CALL_SCALE:
         scale_rows(c->a.elems.x, c->a.elems.n, c->a.elems.value, threads);
+        return 0;
+    case CALL_ROUND:
+        round_rows(c->a.round.x, c->a.round.out, c->a.round.n, c->a.round.half, threads);
         return 0;
     case CALL_QK_NORM:
         qk_norm_rows(c->a.qk.qkv, c->a.qk.rows, c->a.qk.bias, c->a.qk.q_norm, c->a.qk.k_norm,

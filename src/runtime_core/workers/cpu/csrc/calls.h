@@ -74,6 +74,7 @@ typedef enum {
     CALL_GEGLU,
     CALL_SOFTCAP,
     CALL_SCALE,
+    CALL_ROUND,
     CALL_QK_NORM,
     CALL_ROPE_KV,
     CALL_ATTENTION,
@@ -116,6 +117,12 @@ typedef struct {
             float value; /* softcap: the cap; scale: the factor */
         } elems;
         struct {
+            const float *x;
+            float *out;
+            int64_t n;
+            int half;
+        } round;
+        struct {
             float *qkv;
             int64_t rows;
             const float *bias, *q_norm, *k_norm;
@@ -154,6 +161,7 @@ int parse_rmsnorm(PyObject *args, Call *c);
 int parse_gated(PyObject *args, CallKind kind, Call *c);
 int parse_softcap(PyObject *args, Call *c);
 int parse_scale(PyObject *args, Call *c);
+int parse_round(PyObject *args, Call *c);
 int parse_qk_norm(PyObject *args, Call *c);
 int parse_rope_kv(PyObject *args, Call *c);
 int parse_attention(PyObject *args, PyObject *kwds, Call *c);

@@ -383,6 +383,12 @@ static PyObject *py_scale(PyObject *self, PyObject *args) {
     return run_now(&c, parse_scale(args, &c));
 }
 
+static PyObject *py_round(PyObject *self, PyObject *args) {
+    (void)self;
+    Call c;
+    return run_now(&c, parse_round(args, &c));
+}
+
 static PyObject *py_qk_norm(PyObject *self, PyObject *args) {
     (void)self;
     Call c;
@@ -436,6 +442,9 @@ static PyMethodDef methods[] = {
      "geglu(h, act, rows, ffn, threads): gelu(gate) * up, gelu as llama.cpp's table of halves"},
     {"softcap", py_softcap, METH_VARARGS, "softcap(logits, cap, threads): cap * tanh(logits / cap)"},
     {"scale", py_scale, METH_VARARGS, "scale(x, factor, threads): x *= factor"},
+    {"round", py_round, METH_VARARGS,
+     "round(x, out, format, threads): out = x rounded to format (f16, bf16; nearest even) as "
+     "float32, what products with F16 / BF16 weights multiply"},
     {"qk_norm", py_qk_norm, METH_VARARGS,
      "qk_norm(qkv, rows, bias, q_norm, k_norm, heads, eps, threads): qkv += bias, then every Q "
      "and K head rmsnorm'd times its weight"},

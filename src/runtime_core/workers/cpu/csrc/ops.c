@@ -327,6 +327,39 @@ void scale_rows(float *x, int64_t n, float factor, int threads) {
     pool_run(pool_threads(threads, n), (n + ELEMWISE - 1) / ELEMWISE, scale_item, &J);
 }
 
+typedef struct {
+    const float *x;
+    float *out;
+    int64_t n;
+    int half;
+} RoundJob;
+
+/* x rounded to bfloat16 (nearest even, as ggml and activations.float32_to_bf16), as a
+ * float: NaN stays NaN, made quiet */
+static inline float round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    uint32_t h = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u
+                                                      : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    bits = (h & 0xffffu) << 16;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void round_item(void *ctx, int64_t item) {
+    const RoundJob *J = ctx;
+    int64_t end = (item + 1) * ELEMWISE < J->n ? (item + 1) * ELEMWISE : J->n;
+    if (J->half)
+        for (int64_t i = item * ELEMWISE; i < end; ++i) J->out[i] = f16_to_f32(f32_to_f16(J->x[i]));
+    else
+        for (int64_t i = item * ELEMWISE; i < end; ++i) J->out[i] = round_bf16(J->x[i]);
+}
+
+void round_rows(const float *x, float *out, int64_t n, int half, int threads) {
+    RoundJob J = {x, out, n, half};
+    pool_run(pool_threads(threads, 4 * n), (n + ELEMWISE - 1) / ELEMWISE, round_item, &J);
+}
+
 /* ---- rotary embedding and the KV cache ------------------------------------------------- */
 
 static void rotate(float *v, const float *rot, int64_t n_rot, int neox) {

@@ -46,6 +46,11 @@ void softcap_rows(float *x, int64_t n, float cap, int threads);
 /* x *= factor (float32 products, as NumPy's) */
 void scale_rows(float *x, int64_t n, float factor, int threads);
 
+/* out = x rounded to half (half) or bfloat16, nearest even, as float32: what llama.cpp's
+ * products with F16 / BF16 weights multiply (half: NumPy's astype(float16), out of range
+ * infinity; NaN stays NaN, quiet) */
+void round_rows(const float *x, float *out, int64_t n, int half, int threads);
+
 /* A block's KV cache is a ring of max_seq slots: position p in slot p % max_seq (a
  * global block's ring is as long as the sequence, so slot and position are one). */
 typedef struct {

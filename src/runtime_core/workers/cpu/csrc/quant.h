@@ -62,7 +62,8 @@ static inline float load_f16(const uint8_t *p) {
 }
 
 /* float to IEEE half, rounding to nearest even (as NumPy's astype(float16)):
- * out of range gives infinity, NaN stays NaN. */
+ * out of range gives infinity, NaN stays NaN, made quiet (as F16C's vcvtps2ph; NumPy keeps
+ * a signaling NaN's payload). */
 static inline uint16_t f32_to_f16(float f) {
     uint32_t x;
     memcpy(&x, &f, 4);
