@@ -31,7 +31,8 @@ import pytest
 from runplan import SamplingConfig
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.cpu import _kernels
-from runtime_core.workers.cpu.backend import KEPT_ROWS, PAGE, CpuBackend
+from runtime_core.workers.cpu.backend import CpuBackend
+from runtime_core.workers.cpu.step_buffers import KEPT_ROWS, PAGE
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import BatchStep, TokenOutput
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep
