@@ -11,6 +11,7 @@ outside the table) and before any of its calls is made.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -338,3 +339,19 @@ def test_rounding_to_half_and_bfloat16_is_numpys() -> None:
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     with pytest.raises(ValueError, match="round to f8: f16 or bf16"):
         _kernels.round(x, out, "f8", 1)
+
+
+def test_a_run_takes_its_positions_and_caches_as_they_were_given() -> None:
+    """Converting a position may run Python (an ``__index__``) that empties the list of
+    caches: the run holds what it was given (a copy of each sequence) until it ends."""
+    row = one_row(8, 16)
+    caches = [cache(8)]
+
+    class Position:
+        def __index__(self) -> int:
+            caches.clear()
+            gc.collect()
+            return 3
+
+    assert row.program.run([Position()], caches) == []
+    assert caches == [] and np.isfinite(row.out).all() and row.out.any()

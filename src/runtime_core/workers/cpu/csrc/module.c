@@ -133,9 +133,9 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
     int repack = 0, threads = 1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|pi", kwlist, &seq, &repack, &threads)) return -1;
     if (check_threads(threads) < 0) return -1;
-    PyObject *fast = PySequence_Fast(seq, "parts: a sequence of (rows, qtype, n_out, n_in, offset)");
+    PyObject *fast = PySequence_Tuple(seq); /* parsing a part may run Python: a tuple stays */
     if (!fast) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_GET_SIZE(fast);
     if (n < 1 || n > MAX_PARTS) {
         PyErr_Format(PyExc_ValueError, "a matrix of %zd parts (1..%d)", n, MAX_PARTS);
         Py_DECREF(fast);
@@ -153,7 +153,7 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
         PyObject *data;
         const char *qname;
         long long n_out, n_in, offset;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "OsLLL;a part is (rows, qtype, n_out, n_in, offset)",
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(fast, i), "OsLLL;a part is (rows, qtype, n_out, n_in, offset)",
                               &data, &qname, &n_out, &n_in, &offset))
             goto fail;
         int t = qtype_code(qname);

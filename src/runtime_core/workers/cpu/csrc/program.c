@@ -56,15 +56,16 @@ static int KvCache_init(KvCacheObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "a KvCache is made once");
         return -1;
     }
-    PyObject *k = PySequence_Fast(ko, "k: a sequence of arrays, one per block");
-    PyObject *v = k ? PySequence_Fast(vo, "v: a sequence of arrays, one per block") : NULL;
-    PyObject *h = v ? PySequence_Fast(ho, "heads: a sequence of tuples, one per block") : NULL;
+    /* tuples: parsing an item may run Python, which cannot change them */
+    PyObject *k = PySequence_Tuple(ko);
+    PyObject *v = k ? PySequence_Tuple(vo) : NULL;
+    PyObject *h = v ? PySequence_Tuple(ho) : NULL;
     int rc = -1;
     if (!h) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(k);
-    if (PySequence_Fast_GET_SIZE(v) != n || PySequence_Fast_GET_SIZE(h) != n || n > 1 << 20) {
+    Py_ssize_t n = PyTuple_GET_SIZE(k);
+    if (PyTuple_GET_SIZE(v) != n || PyTuple_GET_SIZE(h) != n || n > 1 << 20) {
         PyErr_Format(PyExc_ValueError, "%zd key, %zd value and %zd heads entries: one each per block",
-                     n, PySequence_Fast_GET_SIZE(v), PySequence_Fast_GET_SIZE(h));
+                     n, PyTuple_GET_SIZE(v), PyTuple_GET_SIZE(h));
         goto done;
     }
     self->k = PyMem_Calloc((size_t)n + 1, sizeof(Buf));
@@ -76,12 +77,12 @@ static int KvCache_init(KvCacheObject *self, PyObject *args, PyObject *kwds) {
     }
     for (Py_ssize_t i = 0; i < n; ++i) {
         Heads *hd = &self->hd[i];
-        if (parse_heads(PySequence_Fast_GET_ITEM(h, i), hd) < 0) goto done;
+        if (parse_heads(PyTuple_GET_ITEM(h, i), hd) < 0) goto done;
         const char *f = hd->kv_half ? "e|H" : "f";
         self->n_layers = (int)i + 1; /* releases what is taken if a later entry fails */
-        if (get_buf(PySequence_Fast_GET_ITEM(k, i), &self->k[i], f, 1,
+        if (get_buf(PyTuple_GET_ITEM(k, i), &self->k[i], f, 1,
                     hd->n_kv * hd->max_seq * hd->hd_k, "k_cache") < 0 ||
-            get_buf(PySequence_Fast_GET_ITEM(v, i), &self->v[i], f, 1,
+            get_buf(PyTuple_GET_ITEM(v, i), &self->v[i], f, 1,
                     hd->n_kv * hd->max_seq * hd->hd_v, "v_cache") < 0)
             goto done;
     }
@@ -222,6 +223,7 @@ static PyObject *Program_linear(ProgramObject *self, PyObject *args, PyObject *k
 static PyObject *take_slot(PyObject *kwds, Entry *e) {
     PyObject *slot = kwds ? PyDict_GetItemString(kwds, "slot") : NULL;
     PyObject *rest = NULL;
+    Py_XINCREF(slot); /* parsing its items may run Python that changes kwds */
     if (!slot) {
         PyErr_SetString(PyExc_TypeError, "a program's rotary and attention calls name their "
                                          "slot=(segment, block)");
@@ -241,8 +243,10 @@ static PyObject *take_slot(PyObject *kwds, Entry *e) {
         goto fail;
     }
     if (!(rest = PyDict_Copy(kwds)) || PyDict_DelItemString(rest, "slot") < 0) goto fail;
+    Py_DECREF(slot);
     return rest;
 fail:
+    Py_XDECREF(slot);
     Py_XDECREF(rest);
     PyMem_Free(e);
     return NULL;
@@ -277,20 +281,20 @@ static PyObject *Program_attention(ProgramObject *self, PyObject *args, PyObject
 /* the slot calls take their segment's position and cache (*held: the caches, to be
  * released after the run): 0, or -1 with an exception */
 static int bind(ProgramObject *self, PyObject *positions, PyObject *caches, PyObject **held) {
-    PyObject *pos = PySequence_Fast(positions, "positions: a sequence of ints, one per segment");
-    PyObject *kv = pos ? PySequence_Fast(caches, "caches: a sequence of KvCache, one per segment")
-                       : NULL;
+    /* tuples: converting an item may run Python, which cannot change them */
+    PyObject *pos = PySequence_Tuple(positions);
+    PyObject *kv = pos ? PySequence_Tuple(caches) : NULL;
     long long *at = NULL;
     int rc = -1;
     if (!kv) goto done;
-    if (PySequence_Fast_GET_SIZE(pos) != self->segments ||
-        PySequence_Fast_GET_SIZE(kv) != self->segments) {
+    if (PyTuple_GET_SIZE(pos) != self->segments ||
+        PyTuple_GET_SIZE(kv) != self->segments) {
         PyErr_Format(PyExc_ValueError, "%zd positions and %zd caches for a program of %d segments",
-                     PySequence_Fast_GET_SIZE(pos), PySequence_Fast_GET_SIZE(kv), self->segments);
+                     PyTuple_GET_SIZE(pos), PyTuple_GET_SIZE(kv), self->segments);
         goto done;
     }
     for (int s = 0; s < self->segments; ++s)
-        if (!PyObject_TypeCheck(PySequence_Fast_GET_ITEM(kv, s), &KvCacheType)) {
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(kv, s), &KvCacheType)) {
             PyErr_Format(PyExc_TypeError, "caches[%d]: a KvCache is needed", s);
             goto done;
         }
@@ -301,7 +305,7 @@ static int bind(ProgramObject *self, PyObject *positions, PyObject *caches, PyOb
         goto done;
     }
     for (int s = 0; s < self->segments; ++s) {
-        at[s] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(pos, s));
+        at[s] = PyLong_AsLongLong(PyTuple_GET_ITEM(pos, s));
         if (at[s] == -1 && PyErr_Occurred()) goto done;
         if (at[s] < 0 || at[s] > MAX_POSITION) {
             PyErr_Format(PyExc_ValueError, "segment %d at position %lld (0..%lld)", s, at[s],
@@ -314,7 +318,7 @@ static int bind(ProgramObject *self, PyObject *positions, PyObject *caches, PyOb
         Call *c = &e->call;
         if (e->seg >= 0) {
             long long p = at[e->seg];
-            const KvCacheObject *cache = (const KvCacheObject *)PySequence_Fast_GET_ITEM(kv, e->seg);
+            const KvCacheObject *cache = (const KvCacheObject *)PyTuple_GET_ITEM(kv, e->seg);
             if (e->layer >= cache->n_layers) {
                 PyErr_Format(PyExc_ValueError, "segment %d at position %lld of a cache of %d blocks: "
                              "block %d", e->seg, p, cache->n_layers, e->layer);
