@@ -295,6 +295,14 @@ int parse_qk_norm(PyObject *args, Call *c) {
     return 0;
 }
 
+/* the fields rotary and attention share: the step's rows at pos, qkv in bufs[0] */
+static void set_kv(Call *c, int threads, long long rows, long long pos) {
+    c->threads = threads;
+    c->a.kv.qkv = c->bufs[0].view.buf;
+    c->a.kv.rows = rows;
+    c->a.kv.pos = pos;
+}
+
 /* the KV cache's arrays of one block: bufs[k_at], bufs[k_at + 1] */
 static int get_cache(PyObject *ko, PyObject *vo, Call *c, int k_at, int writable) {
     const Heads *hd = &c->a.kv.hd;
@@ -332,10 +340,7 @@ int parse_rope_kv(PyObject *args, Call *c) {
         get_cache(ko, vo, c, 3, 1) < 0 ||
         get_step(kso, vso, &c->bufs[5], &c->bufs[6], hd, rows, 1, &c->a.kv.step) < 0)
         return -1;
-    c->threads = threads;
-    c->a.kv.qkv = c->bufs[0].view.buf;
-    c->a.kv.rows = rows;
-    c->a.kv.pos = pos;
+    set_kv(c, threads, rows, pos);
     c->a.kv.n_rot = n_rot;
     c->a.kv.rot_positions = n_rot ? (int64_t)(c->bufs[2].view.len / 4) / n_rot : INT64_MAX;
     c->a.kv.bias = ptr(&c->bufs[1]);
@@ -370,10 +375,7 @@ int parse_attention(PyObject *args, PyObject *kwds, Call *c) {
         get_buf(oo, &c->bufs[1], "f", 1, rows * hd->n_heads * hd->hd_v, "out") < 0 ||
         get_step(kso, vso, &c->bufs[5], &c->bufs[6], hd, rows, 0, &c->a.kv.step) < 0)
         return -1;
-    c->threads = threads;
-    c->a.kv.qkv = c->bufs[0].view.buf;
-    c->a.kv.rows = rows;
-    c->a.kv.pos = pos;
+    set_kv(c, threads, rows, pos);
     c->a.kv.window = window;
     c->a.kv.scale = scale;
     c->a.kv.out = c->bufs[1].view.buf;

@@ -353,72 +353,30 @@ static PyObject *py_linear(PyObject *self, PyObject *args, PyObject *kwds) {
     return run_now(&c, parse_linear(args, kwds, &c));
 }
 
-static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_rmsnorm(args, &c));
-}
-
-static PyObject *py_swiglu(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_gated(args, CALL_SWIGLU, &c));
-}
-
-static PyObject *py_geglu(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_gated(args, CALL_GEGLU, &c));
-}
-
-static PyObject *py_softcap(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_softcap(args, &c));
-}
-
-static PyObject *py_scale(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_scale(args, &c));
-}
-
-static PyObject *py_round(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_round(args, &c));
-}
-
-static PyObject *py_qk_norm(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_qk_norm(args, &c));
-}
-
-static PyObject *py_rope_kv(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_rope_kv(args, &c));
-}
-
 static PyObject *py_attention(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
     Call c;
     return run_now(&c, parse_attention(args, kwds, &c));
 }
 
-static PyObject *py_embed(PyObject *self, PyObject *args) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_embed(args, &c));
-}
+/* a module function of positional arguments: the call parsed, then run at once */
+#define NOW(name, parse_expr)                                                                  \
+    static PyObject *py_##name(PyObject *self, PyObject *args) {                               \
+        (void)self;                                                                            \
+        Call c;                                                                                \
+        return run_now(&c, parse_expr);                                                        \
+    }
 
-static PyObject *py_argmax(PyObject *self, PyObject *arg) {
-    (void)self;
-    Call c;
-    return run_now(&c, parse_argmax(arg, &c));
-}
-
+NOW(rmsnorm, parse_rmsnorm(args, &c))
+NOW(swiglu, parse_gated(args, CALL_SWIGLU, &c))
+NOW(geglu, parse_gated(args, CALL_GEGLU, &c))
+NOW(softcap, parse_softcap(args, &c))
+NOW(scale, parse_scale(args, &c))
+NOW(round, parse_round(args, &c))
+NOW(qk_norm, parse_qk_norm(args, &c))
+NOW(rope_kv, parse_rope_kv(args, &c))
+NOW(embed, parse_embed(args, &c))
+NOW(argmax, parse_argmax(args, &c))
 
 /* ---- instruction sets ---------------------------------------------------------------------- */
 
