@@ -12,6 +12,8 @@ outside the table) and before any of its calls is made.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +251,57 @@ def test_a_bad_token_id_stops_a_run_before_any_call() -> None:
     with pytest.raises(ValueError, match=r"token id 10 outside 0..9"):
         p.run([], [])
     assert (out == 0.0).all()
+
+
+# A thread flips one token id between a good one and one far outside the table while the
+# embedding runs (eagerly, and in a program) without the GIL. Without the read-and-check
+# at the use (ops.c's embed_item), this script segfaults in a run or two.
+RACING_IDS = """
+import sys, threading, numpy as np
+from runtime_core.workers.cpu import _kernels
+count = 40000
+table = _kernels.Matrix([(np.zeros((16, 18), np.uint8), "Q4_0", 16, 32, 0)])
+ids, out = np.zeros(count, np.int32), np.zeros((count, 32), np.float32)
+program = _kernels.Program()
+program.embed(table, ids, out, 1)
+stop = False
+def writer():
+    while not stop:
+        ids[count // 2] = 2**31 - 1
+        ids[count // 2] = 0
+seen = {"ok": 0, "checked": 0, "changed": 0}
+sys.setswitchinterval(1e-5)
+thread = threading.Thread(target=writer)
+thread.start()
+try:
+    for i in range(600):
+        try:
+            _kernels.embed(table, ids, out, 1) if i % 2 else program.run([], [])
+            seen["ok"] += 1
+        except ValueError as e:
+            if "changed while the kernels ran" in str(e):
+                seen["changed"] += 1
+            else:
+                assert "token id 2147483647 outside 0..15" in str(e), e
+                seen["checked"] += 1
+finally:
+    stop = True
+    thread.join()
+print(seen["ok"], seen["checked"], seen["changed"])
+"""
+
+
+def test_a_token_id_changed_by_another_thread_during_a_run_is_an_error_not_a_wild_read() -> None:
+    """The ids are checked under the GIL before a run, then read without it: another
+    thread may write them in between. Each id is read once and checked again where the
+    embedding uses it, so a changed id is a ValueError and nothing outside the table is
+    read (the script runs in its own process: a wild read would kill it)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", RACING_IDS], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ok, checked, changed = map(int, proc.stdout.split())
+    assert ok + checked + changed == 600
 
 
 def test_a_program_returns_each_argmax_and_scales_as_numpy() -> None:

@@ -513,6 +513,13 @@ int call_run(Call *c) {
     return 0;
 }
 
+PyObject *call_failed(int rc) {
+    if (rc == OPS_BAD_ID)
+        return PyErr_Format(PyExc_ValueError, "a token id was changed while the kernels ran, "
+                            "to one outside the table");
+    return PyErr_NoMemory();
+}
+
 void call_release(Call *c) {
     for (int i = 0; i < CALL_BUFS; ++i) release(&c->bufs[i]);
     Py_CLEAR(c->matrix);

@@ -171,8 +171,11 @@ int parse_argmax(PyObject *arg, Call *c);
 /* The checks that depend on what a step changes (its token ids, its positions and
  * cache), under the GIL before call_run: 0, or -1 with ValueError set. */
 int call_check(const Call *c);
-/* Runs the call (without the GIL): 0, or -1 when out of memory. */
+/* Runs the call (without the GIL): 0, -1 when out of memory, or OPS_BAD_ID when a token
+ * id read by the embedding was outside its table (changed since call_check). */
 int call_run(Call *c);
+/* NULL, with the error call_run's result rc (< 0) stands for set */
+PyObject *call_failed(int rc);
 void call_release(Call *c);
 
 #endif

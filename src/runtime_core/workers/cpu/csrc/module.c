@@ -341,7 +341,7 @@ static PyObject *run_now(Call *c, int parsed) {
     rc = call_run(c);
     Py_END_ALLOW_THREADS
     call_release(c);
-    if (rc < 0) return PyErr_NoMemory();
+    if (rc < 0) return call_failed(rc);
     if (c->kind == CALL_ARGMAX)
         return Py_BuildValue("(LL)", (long long)c->a.argmax.best, (long long)c->a.argmax.bad);
     Py_RETURN_NONE;

@@ -580,12 +580,16 @@ typedef struct {
 static void embed_item(void *ctx, int64_t j) {
     EmbedJob *J = ctx;
     const Part *t = J->table;
-    int64_t id = J->ids[j], nc = t->n_in / 32;
+    int64_t id = *(const volatile int32_t *)&J->ids[j], nc = t->n_in / 32;
+    if (id < 0 || id >= t->n_out) {
+        atomic_store(&J->failed, OPS_BAD_ID);
+        return;
+    }
     const uint8_t *row = t->w + id * t->row_bytes;
     uint8_t *unpacked = NULL;
     if (t->x8) {
         if (!(unpacked = scratch_alloc((size_t)t->row_bytes))) {
-            atomic_store(&J->failed, 1);
+            atomic_store(&J->failed, -1);
             return;
         }
         x8_unpack_row(t->t, t->w + (id / X8) * x8_group_bytes(t->t, t->n_in), (int)(id % X8),
@@ -599,7 +603,8 @@ static void embed_item(void *ctx, int64_t j) {
 int embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads) {
     EmbedJob J = {table, ids, out, 0};
     pool_run(pool_threads(threads, rows * table->n_in), rows, embed_item, &J);
-    return atomic_load(&J.failed) ? -1 : 0;
+    int failed = atomic_load(&J.failed);
+    return failed == OPS_BAD_ID ? OPS_BAD_ID : failed ? -1 : 0;
 }
 
 int64_t argmax_finite(const float *x, int64_t n, int64_t *bad) {

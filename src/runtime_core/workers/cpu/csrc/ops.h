@@ -81,7 +81,11 @@ int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache
                    StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
                    float *out, int threads);
 
-/* returns 0, or -1 when out of memory */
+/* Each id is read once and checked where it is used: a caller's checks ran before the
+ * GIL was released, and another thread may have written the ids since. Returns 0, -1 when
+ * out of memory, or OPS_BAD_ID when an id read here was outside the table (its rows then
+ * hold no meaning; nothing outside the table was read). */
+#define OPS_BAD_ID -2
 int embed_rows(const Part *table, const int32_t *ids, int64_t rows, float *out, int threads);
 
 /* the first index of the largest finite value; *bad = the count of non-finite values */

@@ -371,7 +371,7 @@ static PyObject *Program_run(ProgramObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     self->running = 0;
     Py_DECREF(held);
-    if (rc < 0) return PyErr_NoMemory();
+    if (rc < 0) return call_failed(rc);
     PyObject *tokens = PyList_New(0);
     for (int i = 0; tokens && i < self->n; ++i) {
         const Call *c = &self->entries[i]->call;
