@@ -297,7 +297,7 @@ def test_a_token_id_changed_by_another_thread_during_a_run_is_an_error_not_a_wil
     embedding uses it, so a changed id is a ValueError and nothing outside the table is
     read (the script runs in its own process: a wild read would kill it)."""
     proc = subprocess.run(
-        [sys.executable, "-c", RACING_IDS], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", RACING_IDS], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     ok, checked, changed = map(int, proc.stdout.split())
