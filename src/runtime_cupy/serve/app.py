@@ -175,13 +175,9 @@ class Api:
 
             return sink
 
-        jobs: list[Job] = []
         try:  # each choice is a run of its own (its seed: engine.choice_seed)
-            for choice in prepared.choices():
-                jobs.append(self.engine.submit(choice, sink_of(choice.index)))
+            jobs = self.engine.submit(prepared.choices(), sink_of)
         except QueueFull as exc:
-            for job in jobs:
-                job.cancel()
             self.engine.metrics.request(endpoint, "rejected")
             error = RequestError(f"the server is busy: {exc}", status=429, code="queue_full",
                                  type="rate_limit_error")  # fmt: skip

@@ -8,11 +8,12 @@ seed, refusing what the context cannot hold (``RequestError``): a text is first
 measured against the context by its size (``Tokenizer.min_token_count``), so one too
 long is refused without being tokenized; the server calls it in a thread, and the
 tokenizer lets go of the interpreter while it merges, so the event loop goes on.
-``submit`` admits it to a bounded queue (``QueueFull`` past ``max_queue`` waiting) and
-numbers it: requests start strictly in the order they were admitted, which the log
-shows (``request #N queued`` ... ``started`` ... ``finished``). The runner thread
-starts the chain first (``GET /health`` says 503 until then), then starts each request
-as soon as fewer than ``max_concurrent`` run, each in a thread of its own that sends
+``submit`` admits its choices to a bounded queue, all or none (``QueueFull`` past
+``max_queue`` waiting), and numbers them: requests start strictly in the order they
+were admitted, which the log shows (``request #N queued`` ... ``started`` ...
+``finished``). The runner thread starts the chain first (``GET /health`` says 503
+until then), then starts each request as soon as fewer than ``max_concurrent`` run,
+each in a thread of its own that sends
 its events (``Piece``, ``Finished``, ``Failed``) to the request's sink as tokens
 arrive. ``Job.cancel()`` (a client that went away) takes a waiting request out of the
 queue or cancels its run alone; the stages stay warm and the other runs go on. After a
@@ -306,26 +307,36 @@ class Engine:
                 code="context_length_exceeded",
             )
 
-    def submit(self, prepared: Prepared, sink: Sink) -> Job:
-        """Admit a request (``QueueFull`` when ``max_queue`` wait already)."""
+    def submit(self, choices: Sequence[Prepared], sink_of: Callable[[int], Sink]) -> list[Job]:
+        """Admit a request's choices (``Prepared.choices``; ``sink_of(index)``: each
+        one's sink), all of them or none: ``QueueFull`` when they would make more than
+        ``max_queue`` wait. A server with nothing running or waiting admits any request
+        (else one of more choices than ``max_queue`` could never be admitted)."""
         with self._cond:
             if self._closing:
                 raise QueueFull("the server is shutting down")
-            if len(self._queue) >= self.max_queue and (self._running or self._queue):
-                raise QueueFull(f"{len(self._queue)} requests wait (--max-queue {self.max_queue})")
-            self._numbers += 1
-            job = Job(self, prepared, self._numbers, sink)
-            self._queue.append(job)
-            log.info(
-                "request #%d (%s) queued: %d prompt tokens, up to %d tokens; %d waiting",
-                job.number,
-                job.id,
-                len(prepared.prompt_ids),
-                prepared.max_tokens,
-                len(self._queue),
-            )
+            waiting = len(self._queue)
+            if waiting + len(choices) > self.max_queue and (self._running or self._queue):
+                raise QueueFull(
+                    f"{waiting} requests wait (--max-queue {self.max_queue})"
+                    + (f" and this one has {len(choices)} choices" if len(choices) > 1 else "")
+                )
+            jobs = []
+            for prepared in choices:
+                self._numbers += 1
+                job = Job(self, prepared, self._numbers, sink_of(prepared.index))
+                self._queue.append(job)
+                jobs.append(job)
+                log.info(
+                    "request #%d (%s) queued: %d prompt tokens, up to %d tokens; %d waiting",
+                    job.number,
+                    job.id,
+                    len(prepared.prompt_ids),
+                    prepared.max_tokens,
+                    len(self._queue),
+                )
             self._cond.notify()
-        return job
+        return jobs
 
     def _drop(self, job: Job) -> None:
         with self._cond:

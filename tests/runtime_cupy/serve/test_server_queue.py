@@ -6,7 +6,8 @@ seconds), so that a run lasts long enough to act while it runs:
   meanwhile is served once they are;
 - a client that disconnects mid-stream cancels its run (outcome ``cancelled``), the
   stages stay warm (same processes), and the next request is served;
-- past ``max_queue`` waiting requests, a request gets 429.
+- past ``max_queue`` waiting requests, a request gets 429; a request's choices are
+  admitted together or not at all, and any number of them on an idle server.
 """
 
 from __future__ import annotations
@@ -124,3 +125,32 @@ def test_a_full_queue_answers_429(slow: InProcessServer) -> None:
     first.join(60)
     second.join(60)
     assert len(done) == 2
+
+
+def test_a_request_of_more_choices_than_max_queue_is_admitted_whole(tiny_chat: str) -> None:
+    # The stages start only once the request waits: its three choices are in the queue
+    # of one place together (they were a 429 on any server, idle or not, the second
+    # choice finding the first in the queue), and all three are answered.
+    engine = Engine(WarmChain(tiny_chat, stages=2, context=128, max_concurrent=1), max_queue=1)
+    server = InProcessServer(engine)
+    try:
+        answers: list[int] = []
+
+        def ask() -> None:
+            r = server.client().chat.completions.create(
+                model="tiny-chat", messages=MSG, max_tokens=1, n=3, temperature=0
+            )
+            answers.append(len(r.choices))
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        wait_for(lambda: metrics(server.base_url)["gguf_pipeline_queue_length"] == 3, 10, "queued")
+        # A busy server refuses a request whose choices do not all fit, whole.
+        with pytest.raises(openai.RateLimitError):
+            server.client().chat.completions.create(model="tiny-chat", messages=MSG, max_tokens=1)
+        assert metrics(server.base_url)["gguf_pipeline_queue_length"] == 3
+        engine.start()
+        asking.join(120)
+        assert answers == [3]
+    finally:
+        server.stop()
