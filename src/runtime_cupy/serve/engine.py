@@ -281,10 +281,10 @@ class Engine:
             limit = room if request.endpoint == "chat" else min(room, COMPLETION_MAX_TOKENS)
         elif limit > room:
             raise RequestError(
-                f"max_tokens is {limit}; this model's maximum context length is {context} "
-                f"tokens and the prompt ({param}) holds {len(ids)}, which leaves room for "
-                f"{room}",
-                param="max_tokens",
+                f"{request.max_tokens_param} is {limit}; this model's maximum context length "
+                f"is {context} tokens and the prompt ({param}) holds {len(ids)}, which "
+                f"leaves room for {room}",
+                param=request.max_tokens_param,
                 code="context_length_exceeded",
             )
         seed = request.seed if request.seed is not None else secrets.randbits(64)

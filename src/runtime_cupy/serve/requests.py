@@ -84,6 +84,7 @@ class CompletionRequest:
     messages: tuple[Message, ...] = ()
     prompt: str | tuple[int, ...] = ""
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field it came in (max_completion_tokens)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -502,6 +503,7 @@ def parse_chat(body: bytes) -> CompletionRequest:
         endpoint="chat",
         messages=v["messages"],
         max_tokens=limit if limit is not None else v["max_tokens"],
+        max_tokens_param="max_tokens" if limit is None else "max_completion_tokens",
         **_common(v),
     )
 

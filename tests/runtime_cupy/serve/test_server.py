@@ -394,6 +394,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("chat", chat(max_tokens=True), 400, "max_tokens"),
     ("chat", chat(max_tokens=10**12), 400, "max_tokens"),
     ("chat", chat(max_tokens=CONTEXT), 400, "max_tokens"),
+    ("chat", chat(max_completion_tokens=CONTEXT), 400, "max_completion_tokens"),
     ("chat", chat(temperature=2.5), 400, "temperature"),
     ("chat", chat(temperature="hot"), 400, "temperature"),
     ("chat", chat(top_p=0), 400, "top_p"),
