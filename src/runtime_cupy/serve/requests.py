@@ -350,7 +350,8 @@ NEUTRAL: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (_zero, "0"),
     "frequency_penalty": (_zero, "0"),
     "logit_bias": (_empty, "null or {}"),
-    "logprobs": (lambda v: _false(v) or v == 0, "null or false"),
+    # (/v1/completions' logprobs 0 still asks for the sampled tokens' log probabilities)
+    "logprobs": (_false, "null or false"),
     "top_logprobs": (_zero, "null or 0"),
     "tools": (_empty, "null or []"),
     "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
