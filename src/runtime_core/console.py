@@ -44,7 +44,8 @@ class IncrementalText:
     """The text of generated tokens, piece by piece as they arrive: ``push(token)``
     returns the new part of the decoded text. The end of the text is held back while it
     may still change: an incomplete UTF-8 sequence (U+FFFD) and trailing whitespace,
-    which a detokenizer that cleans up spaces may drop once punctuation follows.
+    which a detokenizer that cleans up spaces may drop once punctuation follows
+    (``held``: that whitespace, as the text stands now).
     ``finish(text)`` returns what is left of the final ``text`` (``None`` when a
     character already returned changed after all)."""
 
@@ -52,14 +53,17 @@ class IncrementalText:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.shown = ""
+        self.held = ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids).rstrip("\ufffd").rstrip()
+        full = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        text = full.rstrip()
+        new = ""
         if text.startswith(self.shown) and len(text) > len(self.shown):
             new, self.shown = text[len(self.shown) :], text
-            return new
-        return ""
+        self.held = full[len(text) :] if text == self.shown else ""
+        return new
 
     def finish(self, text: str) -> str | None:
         if not text.startswith(self.shown):

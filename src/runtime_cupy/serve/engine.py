@@ -509,7 +509,7 @@ class Engine:
             rest = answer.finish(None if job.stopped else result.text)
             if rest:
                 self._deliver(job, Piece(rest))
-            stopped = job.stopped or len(result.tokens) < p.max_tokens
+            stopped = job.stopped or answer.stopped or len(result.tokens) < p.max_tokens
             tokens = answer.tokens if job.stopped else len(result.tokens)
             ttft = times[0] - job.arrived_s if times else None
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None

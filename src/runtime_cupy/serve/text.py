@@ -41,6 +41,11 @@ class StopStrings:
         self.pending = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
 
+    def holds_stop(self, text: str) -> bool:
+        """Whether what is pending and then ``text`` hold a stop string."""
+        buffer = self.pending + text
+        return not self.stopped and any(s in buffer for s in self.stops)
+
     def _held(self, buffer: str) -> int:
         """The length of the longest end of ``buffer`` that begins a stop string."""
         longest = 0
@@ -76,6 +81,9 @@ class Answer:
             return ""
         self.tokens += 1
         piece = self.stops.feed(self.text.push(token_id))
+        # The whitespace the text holds back may end a stop string ("\n") already.
+        if self.stops.holds_stop(self.text.held):
+            piece += self.stops.feed(self.text.held)
         if piece:
             self.sent.append(piece)
         return piece

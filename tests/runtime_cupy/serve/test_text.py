@@ -1,0 +1,54 @@
+"""An answer's text as it streams (``serve.text``), on SmolLM2's tokenizer: a stop
+string is found at the token that ends it, also when it ends in whitespace, which the
+text holds back until something follows (it may change once punctuation does)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runplan.models import resolve_model
+from runtime_core.tokenizer import Tokenizer
+from runtime_cupy.serve.text import Answer
+
+#: What SmolLM2 says after "The capital of France is", one token a piece.
+PIECES = (" Paris", ".", "\n", "\n", "The")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(resolve_model("smollm2-135m"))
+
+
+def ids(tokenizer: Tokenizer) -> list[int]:
+    out = []
+    for piece in PIECES:
+        (token,) = tokenizer.encode(piece, add_special=False, parse_special=False)
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("stop", "tokens", "text"),
+    [("\n", 3, " Paris."), (".\n", 3, " Paris"), ("\n\n", 4, " Paris."), ("\nT", 5, " Paris.\n")],
+)
+def test_a_stop_string_stops_the_answer_at_the_token_that_ends_it(
+    tokenizer: Tokenizer, stop: str, tokens: int, text: str
+) -> None:
+    answer = Answer(tokenizer, [stop])
+    pieces = []
+    for token in ids(tokenizer):
+        pieces.append(answer.push(token))
+        if answer.stopped:
+            break
+    # (A stop ending in whitespace was found only once a later token was not: "\n"
+    # after "The", or at the end of the run, which then said "length".)
+    assert answer.stopped and answer.tokens == tokens
+    assert answer.finish(None) == ""
+    assert "".join(pieces) == answer.content == text
+
+
+def test_whitespace_held_back_is_sent_once_something_follows(tokenizer: Tokenizer) -> None:
+    answer = Answer(tokenizer, ["\nX"])
+    pieces = [answer.push(token) for token in ids(tokenizer)]
+    assert pieces == [" Paris", ".", "", "", "\n\nThe"]
+    assert not answer.stopped and answer.content == "".join(PIECES)
