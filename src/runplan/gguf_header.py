@@ -363,11 +363,21 @@ def _open(path: str) -> HeaderReader:
         raise GgufError(path, "is a directory, not a GGUF file")
     try:
         with open(path, "rb") as f:
-            magic = f.read(4)
+            start = f.read(8)
     except OSError as exc:
         raise GgufError(path, f"cannot be read: {exc.strerror}") from exc
+    magic, version = start[:4], start[4:]
     if magic != b"GGUF":
         raise GgufError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    # llama.cpp's test (gguf.cpp): a version whose low 16 bits are 0 is one written
+    # big-endian. The header would read, but the tensor data is byte-swapped for every
+    # worker (the kernels and the gguf package's dequantization read little-endian).
+    if len(version) == 4 and version[:2] == b"\0\0" and version != b"\0\0\0\0":
+        raise GgufError(
+            path,
+            f"a big-endian GGUF file (version {int.from_bytes(version, 'big')} written "
+            "big-endian): only little-endian GGUF files are read, as llama.cpp reads them",
+        )
     try:
         return HeaderReader(path)
     except (

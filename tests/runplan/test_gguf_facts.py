@@ -162,6 +162,18 @@ def test_wrong_magic_is_a_gguf_error(tiny: Path, tmp_path: Path, magic: bytes) -
         facts_of(bad)
 
 
+def test_a_big_endian_file_is_a_gguf_error_not_byte_swapped_weights(tmp_path: Path) -> None:
+    """gguf.GGUFWriter writes big-endian files on request; their header reads, their
+    tensor data does not (every worker reads little-endian), so they are refused at the
+    header, as llama.cpp refuses them: before, the facts and the plan passed and the
+    stages computed with byte-swapped weights (NaN logits, or wrong tokens)."""
+    path = write_model(tmp_path / "big.gguf", ModelShape(n_layers=1), big_endian=True)
+    assert path.read_bytes()[4:8] == struct.pack(">I", 3)
+    with pytest.raises(GgufError, match="big-endian") as err:
+        facts_of(path)
+    assert err.value.path == str(path)
+
+
 def test_a_directory_or_missing_file_is_a_gguf_error(tmp_path: Path) -> None:
     with pytest.raises(GgufError, match="no such file"):
         facts_of(tmp_path / "absent.gguf")
