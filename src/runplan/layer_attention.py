@@ -52,16 +52,26 @@ class LayerAttention:
 
 def layer_attention(header: GgufHeader, arch: str, n_layers: int) -> tuple[LayerAttention, ...]:
     """Every block's attention, in block order. ``GgufError`` for a key of the wrong
-    type, a negative window, or a pattern whose length is not the block count."""
-    base = number(header, f"{arch}.rope.freq_base", DEFAULT_ROPE_FREQ_BASE)
+    type, a rotary base that is not positive, a negative window, or a pattern whose
+    length is not the block count."""
+    base = _rope_freq_base(header, f"{arch}.rope.freq_base")
     sliding = _sliding_blocks(header, arch, n_layers)
     if not any(sliding):
         return (LayerAttention(0, base),) * n_layers
     window = header.integer(f"{arch}.attention.sliding_window")
-    base_swa = number(header, f"{arch}.rope.freq_base_swa", DEFAULT_ROPE_FREQ_BASE)
+    base_swa = _rope_freq_base(header, f"{arch}.rope.freq_base_swa")
     return tuple(
         LayerAttention(window, base_swa) if s else LayerAttention(0, base) for s in sliding
     )
+
+
+def _rope_freq_base(header: GgufHeader, key: str) -> float:
+    """A rotary base: positive (``freq_base ** (-2i / n)`` of 0 is infinite, of a
+    negative base NaN, and every logit with it)."""
+    base = number(header, key, DEFAULT_ROPE_FREQ_BASE)
+    if base <= 0.0:
+        raise GgufError(header.paths[0], f"a rotary base of {base}: it must be positive", key)
+    return base
 
 
 def _sliding_blocks(header: GgufHeader, arch: str, n_layers: int) -> tuple[bool, ...]:

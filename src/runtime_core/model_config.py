@@ -150,7 +150,7 @@ class ModelConfig:
             head_dim_k=head_dim_k,
             head_dim_v=head_dim_v,
             context_length=header.integer(f"{arch}.context_length"),
-            rms_eps=_float(header, f"{arch}.attention.layer_norm_rms_epsilon", None),
+            rms_eps=_rms_eps(header, f"{arch}.attention.layer_norm_rms_epsilon"),
             rope=rope,
             rope_swa=rope_swa,
             layer_windows=tuple(a.window for a in attention),
@@ -198,6 +198,15 @@ def _same_for_sliding_blocks(
 
 def _float(header: GgufHeader, key: str, default: float | None) -> float:
     return number(header, key, default)
+
+
+def _rms_eps(header: GgufHeader, key: str) -> float:
+    """The RMS norm's epsilon: not negative (ggml's ``rms_norm`` asserts it; a negative
+    one makes the norm of a small row NaN)."""
+    eps = _float(header, key, None)
+    if eps < 0.0:
+        raise GgufError(header.paths[0], f"an epsilon of {eps}: it must not be negative", key)
+    return eps
 
 
 def _ffn_dims(header: GgufHeader, arch: str, n_layers: int) -> tuple[int, ...]:

@@ -214,6 +214,27 @@ def test_a_value_of_the_wrong_kind_is_a_gguf_error_naming_the_key(
     assert isinstance(exc, GgufError) and exc.key == key, exc
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("llama.rope.freq_base", 0.0),
+        ("llama.rope.freq_base", -10000.0),
+        ("llama.attention.layer_norm_rms_epsilon", -1e-5),
+    ],
+)
+def test_a_number_no_forward_pass_can_take_is_a_gguf_error_naming_the_key(
+    tmp_path: Path, key: str, value: float
+) -> None:
+    """A rotary base of 0 makes every angle infinite, a negative one NaN, and a negative
+    epsilon the norm of a small row NaN (ggml asserts it): before, the file loaded and
+    its first step failed with NaN logits, naming no key."""
+    path = write_model(
+        tmp_path / "m.gguf", SHAPE, override_keys={key: (value, GGUFValueType.FLOAT32)}
+    )
+    exc = outcomes(path)["slice"]
+    assert isinstance(exc, GgufError) and exc.key == key, exc
+
+
 # ---- where tensor data lies ----------------------------------------------------------------
 
 
