@@ -1,8 +1,10 @@
-"""Faults that are not deaths: a step that fails, a wait that runs out, Ctrl-C. Each ends
-with one outcome, every stage process reaped and nothing left in /dev/shm."""
+"""Faults that are not deaths: a step that fails, a wait that runs out, Ctrl-C, a stage
+that cannot be started. Each ends with one outcome, every stage process reaped and
+nothing left in /dev/shm."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -15,6 +17,9 @@ import pytest
 
 from runplan.config import Timeouts
 from runtime_cupy import generate
+from runtime_cupy.cli.main import main as cli_main
+from runtime_cupy.hosts.local import LocalProcessHost, LocalStageHandle
+from runtime_cupy.hosts.port import StageLaunch
 from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import alive, learn_run_ids, run_resources, wait_gone
@@ -141,3 +146,55 @@ def _children(pid: int, count: int) -> dict[int, int]:
             return found
         time.sleep(0.01)
     raise AssertionError(f"{count} stage processes of {pid} did not start")
+
+
+_START = LocalProcessHost.start
+
+
+def _start_one(host: LocalProcessHost, launch: StageLaunch, secret: bytes) -> LocalStageHandle:
+    """Starts stage 0, then has no descriptor left for stage 1's pipes (``EMFILE``, as
+    ``subprocess.Popen`` raises it under a low ``ulimit -n``)."""
+    if launch.stage_index >= 1:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    return _START(host, launch, secret)
+
+
+class _NoDescriptors(LocalProcessHost):
+    start = _start_one
+
+
+def test_a_stage_that_cannot_be_started_faults_the_run_and_stops_the_others(
+    tiny: str,
+) -> None:
+    result = generate(tiny, [1, 2], stages=3, max_tokens=4, host=_NoDescriptors())
+    assert result.outcome == "faulted", result
+    assert result.fault == (
+        "orchestrator (node orchestrator): setup_failure: the stages could not be "
+        "started: [Errno 24] Too many open files"
+    )
+    assert result.tokens == ()
+    started = [s.pid for s in result.stages if s.pid is not None]
+    assert len(started) == 1 and not [pid for pid in started if alive(pid)]
+    assert run_resources(result.chain_id) == []
+
+
+@pytest.mark.parametrize("flag", ["--recover", "--prompts-file"])
+def test_stages_that_cannot_be_started_are_one_error_from_the_cli(
+    tiny: str,
+    tmp_path: Path,
+    flag: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(LocalProcessHost, "start", _start_one)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    given = ["--prompts-file", str(prompts)] if flag == "--prompts-file" else [flag]
+    prompt = [] if flag == "--prompts-file" else ["--prompt-ids", "1,2"]
+    argv = ["--model", tiny, "--stages", "2", "--max-tokens", "2", *prompt, *given, "--json"]
+    assert cli_main(argv) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error == {
+        "type": "ChainError",
+        "message": "the stages could not be started: [Errno 24] Too many open files",
+    }

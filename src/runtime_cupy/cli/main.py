@@ -12,8 +12,9 @@ standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
 that travelled) and everything else goes to standard error. While slices of the model
 travel to stages on other hosts, standard error shows a progress bar per stage. A run
 that faults prints one line naming the stage, node and reason to standard error and
-exits 1; Ctrl-C tears the run down (waiting for the stages to stop; a second Ctrl-C
-stops waiting), prints ``cancelled`` and exits 130; bad input exits 2. With
+exits 1, as do stages that cannot be started (no descriptor left, ...); Ctrl-C tears
+the run down (waiting for the stages to stop; a second Ctrl-C stops waiting), prints
+``cancelled`` and exits 130; bad input exits 2. With
 ``--recover`` the run survives a lost stage process, host or link: the chain is placed
 again over the live nodes and the run replayed there, its text going on where it
 stopped (``serve.recovery``, at most ``--max-recoveries`` times); the
@@ -62,6 +63,7 @@ from runtime_cupy.cli.arguments import (
     configure_logs,
 )
 from runtime_cupy.process.tracing import chrome_trace
+from runtime_cupy.serve.chain import ChainError
 from runtime_cupy.slices.progress import SliceBars, describe, figures
 from runtime_cupy.slices.server import StageTransfer
 
@@ -367,6 +369,17 @@ def _subcommand(name: str, argv: Sequence[str]) -> int:
 SUBCOMMANDS = ("plan", "serve", "chat", "cache")
 
 
+def _error(args: argparse.Namespace, exc: Exception) -> None:
+    if args.json:
+        sys.stdout.write(
+            json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
+        )
+    else:
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]error[/] {escape(str(exc))}", highlight=False
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     if given and given[0] in SUBCOMMANDS:
@@ -376,15 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except INPUT_ERRORS as exc:
-        if args.json:
-            sys.stdout.write(
-                json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
-            )
-        else:
-            Console(stderr=True, soft_wrap=True).print(
-                f"[bold red]error[/] {escape(str(exc))}", highlight=False
-            )
+        _error(args, exc)
         return EXIT_INPUT
+    except ChainError as exc:  # --recover's or --prompts-file's stages could not start
+        _error(args, exc)
+        return EXIT_FAULTED
     except KeyboardInterrupt:
         Console(stderr=True).print("cancelled")
         return EXIT_CANCELLED

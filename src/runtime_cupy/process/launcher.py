@@ -22,7 +22,9 @@ A host that brings stages on other machines their slices of the model
 readiness bound starts once the slices are in place.
 
 Faults are the chain runner's: a stage that dies or goes silent faults the run naming
-the stage, its node, its host and the cause.
+the stage, its node, its host and the cause. A stage that cannot be started at all (no
+descriptor left for its pipes, no memory for its process) faults the run with
+``SETUP_FAILURE`` saying why, the stages started before it stopped.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from attrs import frozen
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
+from runplan.messages import FaultKind, FaultReason
 from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
 from runtime_cupy.hosts.port import MovesSlices, StageHost, StageProcessInfo
 from runtime_cupy.process.chain_runner import (
@@ -144,24 +147,26 @@ class ProcessRun:
         previous = self._install_signals()
         runner = self.runner
         events: list[Event] = []
+        run: ChainRun | None = None
         try:
             try:
-                runner.start()
-                if isinstance(self.host, MovesSlices):  # the slices in place first
-                    self.host.wait_for_slices(lambda: bool(self._cancel))
-                run = self._run = runner.submit(self.plan, self.prompt, self.on_token)
-                if self._cancel:
-                    runner.cancel(self.plan.run_id, self._cancel[0])
-                runner.loop(until=lambda: run.done)
-                if runner.trace.enabled:  # what each stage wrote when the run ended
-                    events += runner.trace_events()
+                unstarted = self._start()
+                if unstarted is None:
+                    if isinstance(self.host, MovesSlices):  # the slices in place first
+                        self.host.wait_for_slices(lambda: bool(self._cancel))
+                    run = self._run = runner.submit(self.plan, self.prompt, self.on_token)
+                    if self._cancel:
+                        runner.cancel(self.plan.run_id, self._cancel[0])
+                    runner.loop(until=lambda: run.done)
+                    if runner.trace.enabled:  # what each stage wrote when the run ended
+                        events += runner.trace_events()
             finally:
                 runner.request_close(abandon=len(self._cancel) > 1)
                 runner.close()
         finally:
             self._restore_signals(previous)
-        outcome = run.wait(0)
-        finished = outcome.finished if outcome is not None else None
+        outcome = run.wait(0) if run is not None else None
+        finished = outcome.finished if outcome is not None else unstarted
         return ProcessRunResult(
             finished=finished,
             tokens=outcome.tokens if outcome is not None else (),
@@ -176,6 +181,19 @@ class ProcessRun:
             encrypted_edges=self.encrypt_edges,
             chain_id=self.chain_id,
         )
+
+    def _start(self) -> fsm.RunFinished | None:
+        """Start the chain's stages; the run's end, faulted with ``SETUP_FAILURE``, if
+        one cannot be started (``OSError``: no descriptor left for its pipes, no memory
+        for its process, ...; those started are stopped by ``close``)."""
+        try:
+            self.runner.start()
+        except OSError as exc:
+            detail = f"the stages could not be started: {exc}"
+            log.warning("%s", detail)
+            reason = FaultReason(FaultKind.SETUP_FAILURE, detail)
+            return fsm.RunFinished(fsm.Outcome.FAULTED, (), reason, None, ())
+        return None
 
     def _install_signals(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
