@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -157,4 +158,27 @@ def test_an_end_uses_only_what_its_consumer_can_have_made() -> None:
     finally:
         segment.unlink(missing_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
+    assert run_resources(run_id) == []
+
+
+def test_every_process_names_an_edge_s_folder_alike_whatever_its_temp_folder_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that first asks where the temp folder is while it is full (or gone,
+    or not writable) names the edge's folder as one that asked before: a consumer that
+    cannot make it there faults naming it, and no producer looks elsewhere (it waited
+    out the readiness bound for a ring made in another folder)."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # as a process that asks first
+    run_id = f"test-{uuid.uuid4().hex}"
+    named = edge_dir(run_id, 1)
+    assert named.parent == folder
+    folder.rmdir()  # unusable when the next process asks
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert edge_dir(run_id, 1) == named
+    with pytest.raises(FileNotFoundError, match=str(named)):
+        ShmMedium().create(run_id, 1, RingSpec(2, 64, 256), b"")
+    assert ShmMedium().attach(run_id, 1, RingSpec(2, 64, 256), b"") is None
     assert run_resources(run_id) == []

@@ -3,7 +3,8 @@ space, and leaves nothing: every segment's pages are reserved when it is made
 (``posix_fallocate``), so no process of the run meets the full file system later, at a
 write (a SIGBUS). The CLI runs in a private mount namespace whose ``/dev/shm`` is a
 tmpfs of one page: the orchestrator's token-out ring fits in it, no stage's ring does.
-Needs root (``unshare --mount``); skipped with the reason elsewhere."""
+A full temp folder (``$TMPDIR``, where the edges' folders go) is a setup fault naming
+it the same way. Needs root (``unshare --mount``); skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
@@ -65,3 +66,35 @@ def test_a_full_dev_shm_is_a_named_setup_fault_that_leaves_nothing(
     assert all(s["exit_status"] == 0 for s in doc["stages"]), doc["stages"]  # none died
     assert left.read_text() == ""  # no segment left in that /dev/shm
     assert run_resources(doc["run_id"]) == []  # nor an edge folder in /tmp
+
+
+def test_a_full_temp_folder_is_a_named_setup_fault_that_leaves_nothing(
+    tiny: str, tmp_path: Path
+) -> None:
+    """``$TMPDIR`` a tmpfs with room for one edge's folder (the folder and its two
+    FIFOs): the next edge's consumer cannot make its folder there and the run faults at
+    once naming it, not at the readiness bound (120 s) with a stage that waited for a
+    ring whose folder it looked for in ``/tmp``, where ``tempfile`` had moved on to."""
+    reason = _no_namespace()
+    if reason is not None:
+        pytest.skip(reason)
+    full, left = tmp_path / "tmp", tmp_path / "left"
+    full.mkdir()
+    script = (
+        f'mount -t tmpfs -o size=64k,nr_inodes=4 tmpfs "{full}" && "$@"; code=$?; '
+        f'ls -A "{full}" > "{left}"; exit $code'
+    )
+    cli = [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "2",
+           "--prompt-ids", "1,2,3", "--max-tokens", "4", "--edges", "shm", "--json"]  # fmt: skip
+    env = {**_env(), "TMPDIR": str(full)}
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *cli],
+        capture_output=True, text=True, check=False, env=env, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    doc = json.loads(proc.stdout)
+    assert doc["outcome"] == "faulted", doc
+    assert f"No space left on device: '{full}/gpp-" in doc["fault"], doc["fault"]
+    assert doc["timings"]["wall_s"] < 60, doc["timings"]
+    assert left.read_text() == ""  # no edge folder left in that temp folder
+    assert run_resources(doc["run_id"]) == []  # nor a segment in /dev/shm

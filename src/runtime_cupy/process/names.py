@@ -16,9 +16,10 @@ that of a hardware fault; and ``/gpp-`` with 24 digits stays two bytes under the
 bytes that macOS allows a shared-memory name. Lower-case base 32, because a file
 system may fold case (macOS's ``/tmp``).
 
-Exclusive. Each edge's files live in its own folder, ``<tmp>/gpp-<tag>/``, made by the
-edge's consumer (``make_edge_dir``: ``mkdir`` with mode 0700, never reusing a folder
-that exists), so a name that is taken is a setup fault naming it (``NameTaken``), and
+Exclusive. Each edge's files live in its own folder, ``<tmp>/gpp-<tag>/`` (``<tmp>``:
+``temp_root``, the same in every process of a chain), made by the edge's consumer
+(``make_edge_dir``: ``mkdir`` with mode 0700, never reusing a folder that exists), so
+a name that is taken is a setup fault naming it (``NameTaken``), and
 the other end trusts a folder, FIFO or file of the edge only when it is what its
 consumer made: of its type (never a symbolic link), this user's, and closed to
 everyone else (``check_private``, else ``NotPrivate``).
@@ -32,7 +33,6 @@ import os
 import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,9 +74,24 @@ def edge_tag(run_id: str, edge_id: int) -> str:
     return base64.b32encode(digest).decode("ascii").lower()[:TAG_DIGITS]
 
 
+def temp_root() -> Path:
+    """Where the edges' folders live on this host: the first of ``$TMPDIR``, ``$TEMP``,
+    ``$TMP`` that is set, else ``/tmp``, as every process of a chain names it (they share
+    the environment). Not ``tempfile.gettempdir()``: it tries a file there once per
+    process and, if that fails (the folder full, missing or not writable), moves on to
+    another, so two processes of one chain could look for an edge in two places, and
+    its producer wait out the readiness bound for a ring made elsewhere. A folder that
+    cannot hold an edge's is a setup fault naming it (``OSError``) instead."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        value = os.environ.get(name)
+        if value:
+            return Path(value)
+    return Path("/tmp")
+
+
 def edge_dir(run_id: str, edge_id: int) -> Path:
     """The folder of an edge's files on this host (FIFOs, the rendezvous address)."""
-    return Path(tempfile.gettempdir()) / f"{PREFIX}{edge_tag(run_id, edge_id)}"
+    return temp_root() / f"{PREFIX}{edge_tag(run_id, edge_id)}"
 
 
 def describe(path: Path | str) -> str:
