@@ -1,12 +1,15 @@
 """Who frees what: a stopping stage frees its inbound edge (whose ring it made) and
-leaves its outbound edge to the next stage; the local rendezvous is held while
-published; shared memory runs only where the memory order allows it, and the media
-are chosen as asked."""
+leaves its outbound edge to the next stage; a stranger's segment under a hop's name is
+left to it and the rest freed; the local rendezvous is held while published; every
+process names an edge's folder alike; shared memory runs only where the memory order
+allows it, and the media are chosen as asked."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -26,6 +29,7 @@ from runtime_cupy.edges.shm import ShmMedium, segment_name, signal_paths
 from runtime_cupy.hosts.local import FileRendezvous
 from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.process.names import NameTaken, NotPrivate, edge_dir
+from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import SHM, alive, run_resources
 
@@ -181,4 +185,51 @@ def test_every_process_names_an_edge_s_folder_alike_whatever_its_temp_folder_hol
     with pytest.raises(FileNotFoundError, match=str(named)):
         ShmMedium().create(run_id, 1, RingSpec(2, 64, 256), b"")
     assert ShmMedium().attach(run_id, 1, RingSpec(2, 64, 256), b"") is None
+    assert run_resources(run_id) == []
+
+
+#: A user of its own for the chain (the squatter is uid 65534): it may read this checkout
+#: and its Python (``dac_override``), not remove another user's file from ``/dev/shm``.
+_CHAIN_USER = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups",
+               "--inh-caps=+dac_override", "--ambient-caps=+dac_override"]  # fmt: skip
+
+
+def test_a_strangers_segment_under_a_hop_s_name_is_left_to_it_and_the_rest_is_freed() -> None:
+    """A stranger (uid 65534) made hop 1's segment before its consumer (which refused it:
+    ``NameTaken``). An unprivileged chain's cleanup cannot remove it: it leaves it to its
+    owner, logged, and frees every other hop (it raised ``PermissionError`` at hop 1,
+    out of the launcher's run, and freed nothing after it)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a segment of another user and run a chain's user")
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux), to run the cleanup as another user")
+    run_id = f"test-{uuid.uuid4().hex}"
+    squat = SHM / segment_name(run_id, 1)
+    try:
+        for hop in (0, 2):  # what the chain's user made of its hops 0 and 2
+            folder = edge_dir(run_id, hop)
+            folder.mkdir(mode=0o700)
+            os.chown(folder, 1000, 1000)
+            os.close(os.open(SHM / segment_name(run_id, hop), os.O_CREAT | os.O_EXCL, 0o600))
+            os.chown(SHM / segment_name(run_id, hop), 1000, 1000)
+        os.close(os.open(squat, os.O_CREAT | os.O_EXCL, 0o600))
+        os.chown(squat, 65534, 65534)
+        code = (
+            "import sys; from runtime_cupy.hosts.local import LocalProcessHost; "
+            "LocalProcessHost().cleanup(sys.argv[1], (0, 1, 2))"
+        )
+        proc = subprocess.run(
+            [*_CHAIN_USER, sys.executable, "-c", code, run_id],
+            capture_output=True, text=True, check=False, env=_env(), timeout=60,
+        )  # fmt: skip
+        if "setpriv:" in proc.stderr:
+            pytest.skip(f"setpriv cannot run a chain's user here: {proc.stderr.strip()}")
+        assert proc.returncode == 0, proc.stderr
+        assert f"left the shared-memory segment /{squat.name} (a file of uid 65534" in proc.stderr
+        assert run_resources(run_id) == [str(squat)]
+    finally:
+        squat.unlink(missing_ok=True)
+        for hop in (0, 2):
+            (SHM / segment_name(run_id, hop)).unlink(missing_ok=True)
+            shutil.rmtree(edge_dir(run_id, hop), ignore_errors=True)
     assert run_resources(run_id) == []

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import importlib
+import logging
 import mmap
 import os
 import platform
@@ -69,6 +70,8 @@ from runtime_cupy.process.poller import IN, Entry
 # Used directly so that no process starts multiprocessing's resource tracker, which
 # would unlink segments behind our back when an attaching process exits.
 _posixshmem: Any = importlib.import_module("_posixshmem")
+
+log = logging.getLogger("runtime_cupy.edges.shm")
 
 #: The longest shared-memory name (leading slash included) that macOS accepts.
 MAX_SEGMENT_NAME = 31
@@ -203,10 +206,20 @@ def _reserve(fd: int, name: str, size: int) -> None:
 
 
 def unlink_segment(name: str) -> bool:
-    """Remove a segment's name; ``False`` if there was none."""
+    """Remove a segment's name; ``False`` if there was none, or if this user cannot
+    remove it: another user's, made under an edge's name before its consumer (a
+    stranger's squat, which the consumer refused: ``NameTaken``), left to its owner and
+    logged, so that the rest of a cleanup goes on."""
     try:
         _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
+        return False
+    except PermissionError:
+        log.warning(
+            "left the shared-memory segment /%s (%s): not this user's to remove",
+            name,
+            describe(SHM_DIR / name),
+        )
         return False
     return True
 
