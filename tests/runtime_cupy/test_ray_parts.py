@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -117,6 +118,40 @@ def test_strangers_on_the_control_port_are_refused_and_the_stage_gets_through() 
         listener.close()
     assert outcomes[-1] == "stage: connected"
     assert all("refused" in o for o in outcomes[:-1]), outcomes
+
+
+def test_strangers_that_connect_and_hold_the_control_port_hold_no_stage_up() -> None:
+    """One stranger says nothing, another trickles the start of a HELLO: the stage's
+    handshake goes on beside theirs and gets through at once (it waited behind the
+    first, ran out after ``HANDSHAKE_S`` and the stage could not start)."""
+    key = control_key(new_secret(), "10.0.0.2/cpu0")
+    listener = control_link.ControlListener("127.0.0.1")
+    host, port = listener.address.rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)))
+    slow = socket.create_connection((host, int(port)))
+    slow.sendall(hs.hello(key, 1, control_link.CONTROL, hs.new_nonce())[:6])
+    outcomes: list[str] = []
+
+    def the_stage() -> None:
+        try:
+            control_link.connect(listener.address, 1, key, 5).close()
+            outcomes.append("stage: connected")
+        except OSError as exc:
+            outcomes.append(f"stage: {type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=the_stage)
+    began = time.monotonic()
+    thread.start()
+    try:
+        listener.accept(1, key, 30, lambda: None).close()
+        took = time.monotonic() - began
+    finally:
+        thread.join(30)
+        silent.close()
+        slow.close()
+        listener.close()
+    assert outcomes == ["stage: connected"]
+    assert took < control_link.HANDSHAKE_S / 2, took
 
 
 def test_no_control_connection_ends_when_the_supervisor_says_why() -> None:

@@ -9,7 +9,8 @@ place, protection ``CONTROL``: the channel seals its own frames), that it holds 
 stage's control key (``keys.control_key``), for the stage index it claims; the
 orchestrator proves the same back. A stranger on the port (garbage, a wrong key, a
 handshake left half done, a stage other than the one awaited) is refused, logged and
-changes nothing. Both ends get
+changes nothing: every connection's handshake goes on beside the others', each within
+``HANDSHAKE_S``, so one that says nothing holds no stage up. Both ends get
 keepalive and ``TCP_USER_TIMEOUT`` (``streams.keep_alive``): a host that goes silent
 without a FIN breaks the channel within ``streams.SILENT_PEER_S``. Frames are then
 those of ``control.ControlChannel``, numbered and MAC'd per stage.
@@ -58,6 +59,54 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _Knock:
+    """A connection to the orchestrator's port whose handshake is under way: its HELLO
+    read (``nonce_c`` then set, the challenge sent), then its CONFIRM. Reads never take
+    more than the message being read, so nothing of the channel's frames is taken."""
+
+    def __init__(self, conn: socket.socket, peer: object, now: float) -> None:
+        self.conn = conn
+        self.peer = peer
+        self.since = now
+        self.got = b""
+        self.nonce_p = b""
+        self.nonce_c: bytes | None = None
+
+    def advance(self, stage_index: int, key: bytes) -> bool:
+        """Read what has come; ``True`` once the handshake is done (``OSError``,
+        ``ControlLinkError`` or ``hs.HandshakeRefused`` if it cannot be)."""
+        nonce_c = self.nonce_c
+        hello = nonce_c is None
+        need = (hs.HELLO_BYTES if hello else hs.CONFIRM_BYTES) - len(self.got)
+        try:
+            chunk = self.conn.recv(need)
+        except (BlockingIOError, InterruptedError):
+            return False
+        if not chunk:
+            raise ControlLinkError(f"the peer closed the connection after {len(self.got)} bytes")
+        self.got += chunk
+        (hs.check_hello_prefix if hello else hs.check_confirm_prefix)(self.got)
+        if len(chunk) < need:
+            return False
+        data, self.got = self.got, b""
+        if hello:
+            try:
+                self.nonce_p = hs.verify_hello(key, stage_index, CONTROL, data).nonce_p
+            except hs.HandshakeRefused as exc:
+                if exc.refusal is not None:
+                    with contextlib.suppress(OSError):
+                        self.conn.send(hs.refuse(exc.refusal))
+                raise
+            self.nonce_c = hs.new_nonce()
+            reply = hs.challenge(key, stage_index, CONTROL, self.nonce_p, self.nonce_c)
+            if self.conn.send(reply) != len(reply):  # a fresh socket's buffer holds it
+                raise ControlLinkError("the challenge did not fit the connection's buffer")
+            return False
+        assert nonce_c is not None
+        hs.verify_confirm(key, stage_index, CONTROL, nonce_c, self.nonce_p, data)
+        return True
+
+
 class ControlListener:
     """The orchestrator's port for its stages' control connections."""
 
@@ -77,41 +126,61 @@ class ControlListener:
         self, stage_index: int, key: bytes, timeout_s: float, gone: Callable[[], str | None]
     ) -> socket.socket:
         """The authentic connection of stage ``stage_index``; ``ControlLinkError`` if
-        none came within ``timeout_s``, or once ``gone()`` says why none will come."""
+        none came within ``timeout_s``, or once ``gone()`` says why none will come.
+
+        Every connection's handshake goes on at once (``_Knock``), each within
+        ``HANDSHAKE_S``: a stranger that connects and says nothing, or says it slowly,
+        holds no one else's up (one did, the stage's own handshake then running out
+        behind it)."""
         deadline = time.monotonic() + timeout_s
         poller = select.poll()
         poller.register(self._sock.fileno(), select.POLLIN)
-        while True:
-            why = gone()
-            if why is not None:
-                raise ControlLinkError(why)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ControlLinkError(f"no control connection within {timeout_s:.0f} s")
-            if not poller.poll(min(left, 0.2) * 1000.0):
-                continue
-            conn, peer = self._sock.accept()
-            try:
-                conn.settimeout(HANDSHAKE_S)
-                data = _recv_exact(conn, hs.HELLO_BYTES, hs.check_hello_prefix)
-                try:
-                    hello = hs.verify_hello(key, stage_index, CONTROL, data)
-                except hs.HandshakeRefused as exc:
-                    if exc.refusal is not None:
-                        with contextlib.suppress(OSError):
-                            conn.sendall(hs.refuse(exc.refusal))
-                    raise
-                nonce_c = hs.new_nonce()
-                conn.sendall(hs.challenge(key, stage_index, CONTROL, hello.nonce_p, nonce_c))
-                data = _recv_exact(conn, hs.CONFIRM_BYTES, hs.check_confirm_prefix)
-                hs.verify_confirm(key, stage_index, CONTROL, nonce_c, hello.nonce_p, data)
-            except (OSError, hs.HandshakeRefused) as exc:
-                log.warning("refused a control connection from %s: %s", peer, exc)
-                conn.close()
-                continue
-            conn.settimeout(None)
-            keep_alive(conn)
-            return conn
+        knocks: dict[int, _Knock] = {}
+
+        def refuse(fd: int, why: object) -> None:
+            knock = knocks.pop(fd)
+            poller.unregister(fd)
+            log.warning("refused a control connection from %s: %s", knock.peer, why)
+            knock.conn.close()
+
+        try:
+            while True:
+                why = gone()
+                if why is not None:
+                    raise ControlLinkError(why)
+                now = time.monotonic()
+                left = deadline - now
+                if left <= 0:
+                    raise ControlLinkError(f"no control connection within {timeout_s:.0f} s")
+                for fd in [fd for fd, k in knocks.items() if now - k.since > HANDSHAKE_S]:
+                    refuse(fd, f"no handshake within {HANDSHAKE_S:g} s")
+                for fd, _events in poller.poll(min(left, 0.2) * 1000.0):
+                    if fd == self._sock.fileno():
+                        try:
+                            conn, peer = self._sock.accept()
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        conn.setblocking(False)
+                        knocks[conn.fileno()] = _Knock(conn, peer, time.monotonic())
+                        poller.register(conn.fileno(), select.POLLIN)
+                        continue
+                    knock = knocks.get(fd)
+                    if knock is None:
+                        continue
+                    try:
+                        done = knock.advance(stage_index, key)
+                    except (OSError, hs.HandshakeRefused) as exc:
+                        refuse(fd, exc)
+                        continue
+                    if done:
+                        del knocks[fd]
+                        conn = knock.conn
+                        conn.setblocking(True)
+                        keep_alive(conn)
+                        return conn
+        finally:
+            for knock in knocks.values():
+                knock.conn.close()
 
     def close(self) -> None:
         self._sock.close()
