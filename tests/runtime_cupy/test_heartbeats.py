@@ -4,7 +4,8 @@ stage stopped by SIGSTOP mid-decode (alive, silent) faults the run as
 bound and not at the token timer (here 40 s away); it is killed, the others stop,
 nothing is left. Until it was stopped, the stage slept in a long step without falling
 silent: its heartbeats come from a thread of their own. (``test_step_limits.py``: a
-stage busy past the bound in a long prefill is not silent either.)
+stage busy past the bound in a long prefill is not silent either.) Nor is a stage whose
+orchestrator did not run for a while: its beats of that time are heard first.
 
 The test synchronises on the run's events (a stage spawned, a token consumed), not on
 sleeps.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -75,4 +77,27 @@ def test_a_stage_stopped_mid_decode_is_named_silent_within_the_bound(tiny: str) 
     codes = {s.stage_index: s.returncode for s in result.stages}
     assert codes == {0: 0, 1: -signal.SIGKILL}, codes  # the silent one killed, stage 0 stopped
     assert not [s.pid for s in result.stages if alive(s.pid)]
+    assert run_resources(result.chain_id) == []
+
+
+def test_a_pause_of_the_orchestrator_is_not_a_stages_silence(tiny: str) -> None:
+    """The orchestrator's process does not run for three bounds (stopped, swapped out;
+    here a callback that sleeps as it reads the first ``StageReady``): the stages' beats
+    of that time wait in its channels and are heard before any stage is called silent,
+    and the run completes (every stage was killed as silent, the run faulted)."""
+    bound_ms = 500
+    paused: list[str] = []
+
+    def on_event(kind: str, fields: dict[str, Any]) -> None:
+        if kind == "received" and not paused:
+            paused.append(str(fields["sender"]))
+            time.sleep(3 * bound_ms / 1000.0)
+
+    timeouts = Timeouts(ready_ms=30_000, step_ms=20_000, edge_wait_ms=20_000,
+                        stop_ms=15_000, heartbeat_ms=bound_ms)  # fmt: skip
+    result = generate(tiny, [1, 2, 3], stages=2, max_tokens=4, timeouts=timeouts,
+                      on_event=on_event)  # fmt: skip
+    assert paused, "no frame was received"
+    assert result.outcome == "completed", result.fault
+    assert all(s.returncode == 0 for s in result.stages), result.stages
     assert run_resources(result.chain_id) == []

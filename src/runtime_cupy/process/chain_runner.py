@@ -604,7 +604,12 @@ class ChainRunner:
         for stage in self.stages:
             silent = stage.handle.channel.silent_s(now)
             if not stage.gone and silent is not None and silent > bound:
-                self._stage_silent(stage, silent)
+                # What came while this process did not run (stopped, swapped out, a slow
+                # callback) since its poll is heard first: the silence may be its own.
+                self._read_control(stage)
+                silent = stage.handle.channel.silent_s(time.monotonic())
+                if not stage.gone and silent is not None and silent > bound:
+                    self._stage_silent(stage, silent)
 
     def _wait(self) -> None:
         o = self.orchestrator
