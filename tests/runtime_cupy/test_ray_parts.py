@@ -140,7 +140,7 @@ def test_strangers_that_connect_and_hold_the_control_port_hold_no_stage_up() -> 
 
     thread = threading.Thread(target=the_stage)
     thread.start()
-    try:  # the stage gives up after 5 s, half a stranger's HANDSHAKE_S
+    try:  # the stage gives up after HANDSHAKE_S without a reply: the two strangers' 20 s
         listener.accept(1, key, 30, lambda: None).close()
     finally:
         thread.join(30)
