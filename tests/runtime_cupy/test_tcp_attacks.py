@@ -8,6 +8,8 @@ that stays silent is turned away once its time is up."""
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import socket
 import threading
 import time
@@ -305,4 +307,41 @@ def test_a_flood_of_strangers_is_summed_up_in_the_log_not_logged_one_by_one(
             f"edge {EDGE}: refused 20 more connections ({strangers} in all): 20 {why}"
         ]
     finally:
+        pair.close()
+
+
+def test_a_port_with_no_descriptor_to_accept_with_rests_instead_of_spinning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Strangers wait in the backlog while this process has no descriptor left (its
+    limit lowered to the lowest free one): each accept fails, the port stays readable,
+    and the consumer rests it ``ACCEPT_PAUSE_S`` after each failure (it polled it again
+    at once, failing and logging a warning each time, thousands a second), with one
+    warning; with descriptors again, the strangers are taken and turned away."""
+    pair = Pair()
+    assert pair.consumer_address is not None
+    strangers = [socket.create_connection(split_address(pair.consumer_address)) for _ in range(3)]
+    caplog.set_level(logging.DEBUG, logger="runtime_cupy.edges.tcp")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    serving_s = 0.5
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        try:
+            pair.serve(serving_s)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        failed = [r for r in caplog.records if "accept failed" in r.getMessage()]
+        assert 1 <= len(failed) <= serving_s / tcp_consumer.ACCEPT_PAUSE_S + 2, len(failed)
+        assert [r.levelno for r in failed].count(logging.WARNING) == 1
+        for sock in strangers:
+            sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        pair.serve(0.3)
+        for sock in strangers:
+            sock.settimeout(10)
+            assert sock.recv(1) == b""  # accepted, then turned away: closed
+    finally:
+        for sock in strangers:
+            sock.close()
         pair.close()

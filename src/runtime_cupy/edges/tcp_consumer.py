@@ -9,7 +9,12 @@ HELLO came in meanwhile is proven, not pushed out); more than ``MAX_PROVEN`` pro
 connections (copies of a HELLO, replayed) push out the oldest proven one. A stranger
 has ``HELLO_S`` to prove itself and a proven connection ``CONFIRM_S`` to confirm; then
 it goes. A producer turned away unread connects again (``tcp_producer``), within its
-run's setup bound, so any number of strangers only delays it."""
+run's setup bound, so any number of strangers only delays it.
+
+An ``accept`` that fails (no descriptor left in this process or this host, no memory)
+leaves the connection queued and the port readable: the oldest stranger is turned away
+(after a last look), its descriptor free for the next try, and the port goes unwatched
+for ``ACCEPT_PAUSE_S`` (watched at once, a loop would spin on it and log each turn)."""
 
 from __future__ import annotations
 
@@ -57,6 +62,8 @@ CONFIRM_S = 30.0
 #: the owner's loop (the poll brings it back for the rest: a flood never holds it).
 LISTEN_BACKLOG = 128
 ACCEPTS_PER_TURN = 32
+#: Seconds the port goes unwatched after an ``accept`` that failed (EMFILE, ...).
+ACCEPT_PAUSE_S = 0.05
 #: Refusals an edge logs one by one (WARNING); past them, a flood is summed up in one
 #: WARNING every ``REFUSAL_SUMMARY_S`` (each refusal still at DEBUG), so strangers on the
 #: port cannot fill the stage's log.
@@ -111,6 +118,8 @@ class TcpReceiveRing(ProcessRing):
         self._refusals = 0  # connections turned away so far
         self._unsummed: dict[str, int] = {}  # refusals not yet in a summary, by reason
         self._summed_since = 0.0  # time.monotonic() of the first refusal not summed up
+        self._accept_failures = 0  # accepts that failed so far (the first logged)
+        self._rests_until = 0.0  # time.monotonic() until which the port goes unwatched
         self._conn: socket.socket | None = None
         self._out: Outbox | None = None
         self._seal: FrameSeal | None = None  # what this end sends
@@ -173,7 +182,7 @@ class TcpReceiveRing(ProcessRing):
     # -- the loop's side --------------------------------------------------------------------
     def watch(self, want: bool) -> tuple[Entry, ...]:
         entries: list[Entry] = []
-        if self._listener is not None:
+        if self._listener is not None and time.monotonic() >= self._rests_until:
             entries.append((self._listener.fileno(), IN))
         if self._pending:
             self._expire(time.monotonic())
@@ -210,7 +219,7 @@ class TcpReceiveRing(ProcessRing):
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("edge %d: accept failed: %s", self.edge_id, exc)
+                self._accept_failed(exc)
                 return
             keep_alive(sock)
             log.debug("edge %d: accepted %s", self.edge_id, peer_of(sock))
@@ -218,6 +227,21 @@ class TcpReceiveRing(ProcessRing):
             self._pending[sock.fileno()] = pending
             self._advance(pending)  # its HELLO may be here already
             self._make_room()
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """The connection stays queued, the port readable: free the oldest stranger's
+        descriptor (after a last look) and rest the port for ``ACCEPT_PAUSE_S``."""
+        self._accept_failures += 1
+        level = logging.WARNING if self._accept_failures == 1 else logging.DEBUG
+        log.log(level, "edge %d: accept failed (%d so far): %s; the port rests %g s after each",
+                self.edge_id, self._accept_failures, exc, ACCEPT_PAUSE_S)  # fmt: skip
+        strangers = [p for p in self._pending.values() if p.hello is None]
+        if strangers:
+            oldest = strangers[0]
+            self._advance(oldest)
+            if oldest.sock.fileno() in self._pending and oldest.hello is None:
+                self._refuse(oldest, f"turned away to free a descriptor ({exc.strerror})")
+        self._rests_until = time.monotonic() + ACCEPT_PAUSE_S
 
     def _expire(self, now: float) -> None:
         for pending in [p for p in self._pending.values() if p.expired(now)]:
