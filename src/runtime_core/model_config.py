@@ -235,7 +235,8 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, neox: bool) -> RopeConfi
     factor = _float(header, f"{arch}.rope.scaling.factor", 0.0)
     if factor == 0.0:
         factor = _float(header, f"{arch}.rope.scale_linear", 0.0)
-    if factor < 0.0:
+    # negative, or so small that positions times 1 / factor pass float32's largest
+    if factor < 0.0 or (factor > 0.0 and 1.0 / factor > float(np.finfo(np.float32).max)):
         raise UnsupportedModel(
             path, f"rope scaling factor {factor}", key=f"{arch}.rope.scaling.factor"
         )

@@ -195,6 +195,11 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (0, 4),
         _unsupported(key="llama.rope.scaling.type"),
     ),
+    "rope scaling factor whose reciprocal float32 cannot hold": (
+        {"extra_keys": {"llama.rope.scaling.factor": 1e-39}},
+        (0, 4),
+        _unsupported(key="llama.rope.scaling.factor"),
+    ),
     "tensor outside the architecture": (
         {"extra_tensors": {"blk.0.ffn_gate_inp.weight": np.ones((8, 64), np.float32)}},
         (0, 1),
