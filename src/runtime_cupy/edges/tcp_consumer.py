@@ -237,10 +237,7 @@ class TcpReceiveRing(ProcessRing):
                 self.edge_id, self._accept_failures, exc, ACCEPT_PAUSE_S)  # fmt: skip
         strangers = [p for p in self._pending.values() if p.hello is None]
         if strangers:
-            oldest = strangers[0]
-            self._advance(oldest)
-            if oldest.sock.fileno() in self._pending and oldest.hello is None:
-                self._refuse(oldest, f"turned away to free a descriptor ({exc.strerror})")
+            self._push_out(strangers[0], f"turned away to free a descriptor ({exc.strerror})")
         self._rests_until = time.monotonic() + ACCEPT_PAUSE_S
 
     def _expire(self, now: float) -> None:
@@ -255,13 +252,18 @@ class TcpReceiveRing(ProcessRing):
         self._expire(time.monotonic())
         strangers = [p for p in self._pending.values() if p.hello is None]
         while len(strangers) > MAX_STRANGERS and self._listener is not None:
-            oldest = strangers.pop(0)
-            self._advance(oldest)
-            if oldest.sock.fileno() in self._pending and oldest.hello is None:
-                self._refuse(oldest, "pushed out by newer connections before it proved the key")
+            self._push_out(
+                strangers.pop(0), "pushed out by newer connections before it proved the key"
+            )
         proven = [p for p in self._pending.values() if p.hello is not None]
         for oldest in proven[: max(0, len(proven) - MAX_PROVEN)]:
             self._refuse(oldest, "pushed out by newer connections that proved the key")
+
+    def _push_out(self, stranger: _Pending, why: str) -> None:
+        """Turn a stranger away unless a last look at what it sent proves it."""
+        self._advance(stranger)
+        if stranger.sock.fileno() in self._pending and stranger.hello is None:
+            self._refuse(stranger, why)
 
     def _refuse(self, pending: _Pending, why: str) -> None:
         self._refusals += 1
