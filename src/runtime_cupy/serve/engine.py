@@ -136,15 +136,43 @@ def choice_seed(seed: int, index: int) -> int:
 # -- jobs ---------------------------------------------------------------------------------
 
 
-class Job:
-    """One admitted request. ``cancel()`` from any thread."""
+class Tally:
+    """The ends of one request's choices: the request counts once in the metrics, when
+    its last choice ends, as the worst of their outcomes (``OUTCOME_RANK``, best
+    first), and its prompt's tokens once if a choice was answered."""
 
-    def __init__(self, engine: Engine, prepared: Prepared, number: int, sink: Sink) -> None:
+    OUTCOME_RANK = ("completed", "cancelled", "rejected", "faulted")
+
+    def __init__(self, choices: int) -> None:
+        self._left = choices
+        self._worst = 0
+        self._answered = False
+        self._lock = threading.Lock()
+
+    def end(self, outcome: str) -> tuple[str, bool] | None:
+        """One choice ended with ``outcome``: None while others go on, else the
+        request's outcome and whether a choice was answered."""
+        with self._lock:
+            self._left -= 1
+            self._worst = max(self._worst, self.OUTCOME_RANK.index(outcome))
+            self._answered |= outcome == "completed"
+            if self._left:
+                return None
+            return self.OUTCOME_RANK[self._worst], self._answered
+
+
+class Job:
+    """One admitted choice of a request. ``cancel()`` from any thread."""
+
+    def __init__(
+        self, engine: Engine, prepared: Prepared, number: int, sink: Sink, tally: Tally
+    ) -> None:
         kind = "chatcmpl" if prepared.request.endpoint == "chat" else "cmpl"
         self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
         self.number = number
         self.prepared = prepared
         self.sink = sink
+        self.tally = tally
         self.arrived_s = time.monotonic()
         self.created = int(time.time())
         self._engine = engine
@@ -322,9 +350,10 @@ class Engine:
                     + (f" and this one has {len(choices)} choices" if len(choices) > 1 else "")
                 )
             jobs = []
+            tally = Tally(len(choices))
             for prepared in choices:
                 self._numbers += 1
-                job = Job(self, prepared, self._numbers, sink_of(prepared.index))
+                job = Job(self, prepared, self._numbers, sink_of(prepared.index), tally)
                 self._queue.append(job)
                 jobs.append(job)
                 log.info(
@@ -345,7 +374,16 @@ class Engine:
             except ValueError:
                 return
         log.info("request #%d (%s) left the queue: the client went away", job.number, job.id)
-        self.metrics.request(job.prepared.request.endpoint, "cancelled")
+        self._count(job, "cancelled")
+
+    def _count(self, job: Job, outcome: str) -> None:
+        """``job`` ended with ``outcome``: its request counts in the metrics once its
+        last choice has ended (``Tally``)."""
+        ended = job.tally.end(outcome)
+        if ended is not None:
+            request, answered = ended
+            prompt = len(job.prepared.prompt_ids) if answered else 0
+            self.metrics.request(job.prepared.request.endpoint, request, prompt_tokens=prompt)
 
     def close(self) -> None:
         """Stop taking requests, cancel what runs, close the chain."""
@@ -513,7 +551,7 @@ class Engine:
             tokens = answer.tokens if job.stopped else len(result.tokens)
             ttft = times[0] - job.arrived_s if times else None
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-            self.metrics.answered(len(p.prompt_ids), tokens, ttft, tpot)
+            self.metrics.answered(tokens, ttft, tpot)
             finished = Finished(answer.content, "stop" if stopped else "length",
                                 len(p.prompt_ids), tokens)  # fmt: skip
             self._finish(job, "completed", finished, tokens=tokens)
@@ -528,7 +566,7 @@ class Engine:
     def _finish(self, job: Job, outcome: str, event: Event | None, *, tokens: int = 0) -> None:
         log.info("request #%d (%s) finished: %s, %d tokens%s", job.number, job.id, outcome,
                  tokens, f" ({event.message})" if isinstance(event, Failed) else "")  # fmt: skip
-        self.metrics.request(job.prepared.request.endpoint, outcome)
+        self._count(job, outcome)
         if event is not None:
             self._deliver(job, event)
 

@@ -1,16 +1,19 @@
 """What ``GET /metrics`` shows, in Prometheus's text format (``prometheus_client``, a
 registry of the server's own):
 
-- ``gguf_pipeline_requests_total{endpoint, outcome}``: requests by outcome:
-  ``completed`` (answered: a stop, EOS or the token limit), ``cancelled`` (the client
-  went away), ``faulted`` (the pipeline failed the run), ``rejected`` (a 4xx: a bad
-  request, a wrong key, a full queue);
-- ``gguf_pipeline_prompt_tokens_total``, ``gguf_pipeline_completion_tokens_total``;
+- ``gguf_pipeline_requests_total{endpoint, outcome}``: requests by outcome, each once
+  however many choices (``n``) it asks for, when its last choice ends, as the worst of
+  theirs: ``completed`` (answered: a stop, EOS or the token limit), ``cancelled`` (the
+  client went away), ``rejected`` (a 4xx: a bad request, a wrong key, a full queue),
+  ``faulted`` (the pipeline failed the run);
+- ``gguf_pipeline_prompt_tokens_total`` (a request's prompt once, if a choice was
+  answered), ``gguf_pipeline_completion_tokens_total`` (every choice's tokens);
 - ``gguf_pipeline_time_to_first_token_seconds``: arrival to the first token (queueing
   included), and ``gguf_pipeline_time_per_output_token_seconds``: between the first and
-  the last token, per token (histograms);
-- ``gguf_pipeline_queue_length`` (waiting, not counting the running one),
-  ``gguf_pipeline_requests_running``, ``gguf_pipeline_stages_ready`` (1 once every stage
+  the last token, per token (histograms, a sample per choice);
+- ``gguf_pipeline_queue_length`` (choices waiting: a request of ``n`` choices is ``n``
+  runs; ``--max-queue`` counts them too), ``gguf_pipeline_requests_running`` (choices
+  running), ``gguf_pipeline_stages_ready`` (1 once every stage
   is up and bound), ``gguf_pipeline_stage_restarts_total``;
 - ``gguf_pipeline_runs_in_flight`` (runs on the chain: provisioning, decoding or
   tearing down, and those waiting for room in the stages' KV budgets), and
@@ -70,9 +73,11 @@ class _Live:
         self.in_flight, self.kv, self.batches = in_flight, kv, batches
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("gguf_pipeline_queue_length", "Requests waiting", self.queued())
         yield GaugeMetricFamily(
-            "gguf_pipeline_requests_running", "Requests running", self.running()
+            "gguf_pipeline_queue_length", "Choices waiting (n per request)", self.queued()
+        )
+        yield GaugeMetricFamily(
+            "gguf_pipeline_requests_running", "Choices running (n per request)", self.running()
         )
         yield GaugeMetricFamily(
             "gguf_pipeline_stages_ready", "1 when every stage is up and bound", int(self.ready())
@@ -163,17 +168,13 @@ class Metrics:
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)  # every series shows from the start
 
-    def request(self, endpoint: str, outcome: str) -> None:
+    def request(self, endpoint: str, outcome: str, *, prompt_tokens: int = 0) -> None:
+        """A request ended (all its choices), with ``prompt_tokens`` when answered."""
         self.requests.labels(endpoint, outcome).inc()
-
-    def answered(
-        self,
-        prompt_tokens: int,
-        completion_tokens: int,
-        ttft_s: float | None,
-        tpot_s: float | None,
-    ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+
+    def answered(self, completion_tokens: int, ttft_s: float | None, tpot_s: float | None) -> None:
+        """A choice was answered: its tokens, and its times (``None``: too few tokens)."""
         self.completion_tokens.inc(completion_tokens)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

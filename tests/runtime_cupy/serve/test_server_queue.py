@@ -135,12 +135,15 @@ def test_a_request_of_more_choices_than_max_queue_is_admitted_whole(tiny_chat: s
     server = InProcessServer(engine)
     try:
         answers: list[int] = []
+        prompts: list[int] = []
 
         def ask() -> None:
             r = server.client().chat.completions.create(
                 model="tiny-chat", messages=MSG, max_tokens=1, n=3, temperature=0
             )
             answers.append(len(r.choices))
+            assert r.usage is not None
+            prompts.append(r.usage.prompt_tokens)
 
         asking = threading.Thread(target=ask)
         asking.start()
@@ -152,5 +155,11 @@ def test_a_request_of_more_choices_than_max_queue_is_admitted_whole(tiny_chat: s
         engine.start()
         asking.join(120)
         assert answers == [3]
+        # The request counts once, its prompt once (they counted a request and a prompt
+        # per choice: 3 completed, 3 prompts' tokens).
+        m = metrics(server.base_url)
+        assert m[COMPLETED] == 1
+        assert m["gguf_pipeline_requests_total{endpoint=chat,outcome=rejected}"] == 1
+        assert m["gguf_pipeline_prompt_tokens_total"] == prompts[0] > 0
     finally:
         server.stop()
