@@ -17,12 +17,12 @@ This is the one place besides ``runplan.split`` where ``runplan`` reads tensor d
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from attrs import frozen
 
+from runplan.cpus import usable_cpus
 from runplan.gguf_header import GgufHeader
 
 #: Metadata that says how a model is cut into files, not what the model is.
@@ -43,12 +43,8 @@ class SourceContent:
 
 
 def hash_threads() -> int:
-    """Threads to hash with: this machine's cores, at most 8."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    """Threads to hash with: the CPUs this process may use (``usable_cpus``), at most 8."""
+    return min(8, usable_cpus())
 
 
 def tensor_sha256(

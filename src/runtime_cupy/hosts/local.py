@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from runplan.cpus import usable_cpus
 from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
@@ -128,13 +129,6 @@ def local_medium(name: str, encrypt: bool = False) -> EdgeMedium:
     """The medium ``name`` between processes of this machine (``encrypt``: TCP frames
     encrypted too, not only authenticated)."""
     return open_medium(name, FileRendezvous(), LOOPBACK, encrypt)
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _pythonpath() -> str:
@@ -278,7 +272,7 @@ class LocalProcessHost:
         env["PYTHONPATH"] = _pythonpath()
         # BLAS thread pools spin while idle: several stage processes with a pool the size
         # of the machine each starve the one stage that computes. Split the cores.
-        threads = str(max(1, _cpus() // max(1, launch.stage_count)))
+        threads = str(max(1, usable_cpus() // max(1, launch.stage_count)))
         for name in _THREAD_VARIABLES:
             env.setdefault(name, threads)
         if launch.device is not None:

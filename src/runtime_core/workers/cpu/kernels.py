@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+from runplan.cpus import usable_cpus
+
 THREADS_VARIABLE = "OMP_NUM_THREADS"
 
 
@@ -41,8 +43,8 @@ def load() -> ModuleType:
 
 def default_threads() -> int:
     """The threads of a stage: ``OMP_NUM_THREADS`` when set (the launcher sets each
-    stage process's share of the host's cores there), else the cores this process
-    may run on."""
+    stage process's share of the host's cores there), else the CPUs this process may
+    use (``runplan.cpus.usable_cpus``: its affinity, within its cgroup's CPU quota)."""
     value = os.environ.get(THREADS_VARIABLE, "").strip()
     if value:
         try:
@@ -51,10 +53,7 @@ def default_threads() -> int:
             n = 0
         if n >= 1:
             return n
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    return usable_cpus()
 
 
 def host_isas() -> tuple[str, ...]:
