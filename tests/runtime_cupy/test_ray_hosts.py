@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 import runtime_sim
+from runplan.cpus import usable_cpus
 from runplan.gguf_header import GgufHeader
 from runplan.shards import SliceParts, slice_tensor_names
 from runtime_cupy.edges.shm import segment_name
@@ -182,10 +183,25 @@ def _ensure_three_hosts(hosts: TestHosts, tmp_path: Path) -> None:
             hosts.wait_started(i)
 
 
+def _threads_of(pid: int) -> str | None:
+    """The ``OMP_NUM_THREADS`` a process started with."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+    return env.get("OMP_NUM_THREADS")
+
+
 def test_three_stages_on_three_hosts_give_the_simulators_tokens(
     hosts: TestHosts, model: str
 ) -> None:
-    doc = Driver(hosts, model, "--max-tokens", "8").result()
+    driver = Driver(hosts, model, "--max-tokens", "8", "--pause-at", "2")
+    pids = _pids(driver.paused())
+    # Each stage, alone on its host, takes that host's CPUs. They ran one thread each:
+    # Ray sets OMP_NUM_THREADS=1 in an actor that asks for no CPU, and the stage kept
+    # it (and the launcher split a host's CPUs between the chain's stages on every host).
+    assert os.environ.get("OMP_NUM_THREADS") is None  # the hosts' own environment sets none
+    assert [_threads_of(pids[i]) for i in range(3)] == [str(usable_cpus())] * 3
+    driver.resume()
+    doc = driver.result()
     expected = runtime_sim.generate(model, PROMPT, stages=3, max_tokens=8)  # NumPy worker
     assert doc["outcome"] == "completed", doc
     assert doc["tokens"] == list(expected.tokens)

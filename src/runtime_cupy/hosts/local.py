@@ -33,7 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -55,7 +55,7 @@ from runtime_cupy.process.tracing import Event, read_events
 
 #: Where TCP consumers of this host listen.
 LOOPBACK = "127.0.0.1"
-_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -267,13 +267,20 @@ class LocalProcessHost:
         """The command line of a stage process."""
         return [sys.executable, "-m", "runtime_cupy.process.stage_process", *arguments]
 
-    def environment(self, launch: StageLaunch) -> dict[str, str]:
-        env = dict(os.environ)
+    def environment(
+        self, launch: StageLaunch, inherited: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        """The stage process's environment: ``inherited`` (this process's by default)
+        with the package's path, its device, and its share of this machine's CPUs in
+        the thread-count variables that ``inherited`` does not set."""
+        env = dict(os.environ if inherited is None else inherited)
         env["PYTHONPATH"] = _pythonpath()
         # BLAS thread pools spin while idle: several stage processes with a pool the size
-        # of the machine each starve the one stage that computes. Split the cores.
-        threads = str(max(1, usable_cpus() // max(1, launch.stage_count)))
-        for name in _THREAD_VARIABLES:
+        # of the machine each starve the one stage that computes. Split the CPUs between
+        # the chain's stages on this machine.
+        sharing = launch.host_stages or launch.stage_count
+        threads = str(max(1, usable_cpus() // max(1, sharing)))
+        for name in THREAD_VARIABLES:
             env.setdefault(name, threads)
         if launch.device is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(launch.device)

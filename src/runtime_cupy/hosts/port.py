@@ -64,6 +64,7 @@ class StageLaunch:
     warm: bool = False
     encrypt_edges: bool = False
     heartbeat_ms: int = 5_000  # the orchestrator's bound on the stage's silence
+    host_stages: int = 0  # the chain's stages on this stage's machine (0: all of them)
     source: GgufSource | None = None
     parts: SliceParts | None = None
     slices: SliceOrigin | None = None

@@ -346,6 +346,9 @@ class ChainRunner:
                 run_id=self.chain_id,
                 stage_index=stage.stage_index,
                 stage_count=plan.stage_count,
+                host_stages=sum(
+                    self.host.same_host(other.node_id, stage.node_id) for other in plan.stages
+                ),
                 node_id=stage.node_id,
                 orchestrator_id=plan.orchestrator_node_id,
                 worker=self.worker,

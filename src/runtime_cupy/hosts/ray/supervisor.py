@@ -35,11 +35,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from runtime_cupy.edges.media import every_medium
 from runtime_cupy.edges.port import remove_edges
-from runtime_cupy.hosts.local import LocalProcessHost
+from runtime_cupy.hosts.local import THREAD_VARIABLES, LocalProcessHost
 from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.hosts.ray import control_link
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous, PublishedAddresses, serve_rendezvous
@@ -54,6 +55,24 @@ EXIT_LOST = 3
 CONNECT_S = 30.0
 #: How long after its lost stage exited the supervisor ends itself.
 LINGER_S = 1.0
+
+
+def _inherited() -> dict[str, str]:
+    """This process's environment without the thread counts Ray set in it: a Ray worker
+    sets ``OMP_NUM_THREADS`` to the CPUs its actor asked for, or 1 when it asked for
+    none, as this one does, where the variable was unset; the stage kept it, and every
+    stage on a Ray host ran one thread. A thread count this process started with
+    (``/proc/self/environ``: the node's own, from ``ray start``'s environment) stays."""
+    env = dict(os.environ)
+    try:
+        started = Path("/proc/self/environ").read_bytes().split(b"\0")
+    except OSError:  # not Linux: nothing tells Ray's from the node's
+        return env
+    names = {item.split(b"=", 1)[0].decode("utf-8", "replace") for item in started}
+    for name in THREAD_VARIABLES:
+        if name not in names:
+            env.pop(name, None)
+    return env
 
 
 class StageSupervisor:
@@ -103,7 +122,7 @@ class StageSupervisor:
                 cmd,
                 stdin=subprocess.PIPE,
                 pass_fds=(control.fileno(), life_r, theirs.fileno()),
-                env=local.environment(launch),
+                env=local.environment(launch, _inherited()),
             )
         except BaseException:
             rendezvous.close()
