@@ -88,10 +88,10 @@ class Timeouts:
     the ring; seen overrun with a fixed 3: 8 runs on 2-slot rings, 4 batches of the
     next stage to take one batch's outputs). ``runs`` is the most runs one batch may
     hold: at most one record a run, each of at least one row, so at most
-    ``max_batch_rows``, and at most the runs a stage's KV budget holds of this run's
-    cache (``batch_runs``: the chain's concurrency when its runs reserve full-length
-    caches). The orchestrator's token timer counts such steps (``token_limit_ms``); a
-    stage's step timer one."""
+    ``max_batch_rows``, and at most this run and the runs the rest of a stage's KV
+    budget holds of the smallest cache a run may reserve (``batch_runs``: runs of short
+    caches fill what a long run's leaves, and share its batches). The orchestrator's
+    token timer counts such steps (``token_limit_ms``); a stage's step timer one."""
 
     #: Worker calls a stage may finish before it releases a run it was told to stop.
     STOP_BATCHES = 2
@@ -145,13 +145,22 @@ def shared_batches(batch_runs: int, ring_slots: int) -> int:
     return 2 + -(-batch_runs // ring_slots)
 
 
-def batch_runs(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int) -> int:
+def batch_runs(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int, kv_positions: int) -> int:
     """The most runs one batch on a stage may hold beside (and with) a run whose cache
-    takes ``kv_bytes``: a record a run of at least one row, so ``max_batch_rows``, and
-    no more runs than the stage's budget holds caches of that size (at least 1)."""
-    if kv_bytes <= 0:
+    takes ``kv_bytes`` for ``kv_positions`` positions: a record a run of at least one
+    row, so ``max_batch_rows``; and no more than this run and the runs the rest of the
+    stage's budget holds of the smallest cache a run may reserve (at least 1).
+
+    That smallest cache holds one position on each of the stage's blocks, at least
+    ``ceil(kv_bytes / kv_positions)`` bytes (a block keeps a position per position of a
+    run, or its window's when that is shorter): a run of a long cache shares its
+    batches with as many short runs as fill what its cache leaves of the budget, not
+    only with as many runs as the budget holds of its own size."""
+    if kv_bytes <= 0 or kv_positions <= 0:
         return max(1, max_batch_rows)
-    return max(1, min(max_batch_rows, kv_budget_bytes // kv_bytes))
+    smallest = -(-kv_bytes // kv_positions)
+    others = max(0, kv_budget_bytes - kv_bytes) // smallest
+    return max(1, min(max_batch_rows, 1 + others))
 
 
 def shared_batch_rows(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int) -> int:

@@ -85,7 +85,9 @@ class ProvisionStage:
     def shared_batches(self) -> int:
         """Batches a step of this run on the stage may wait through when it shares them
         (``Timeouts``): its batches' outputs go out on the outbound ring."""
-        runs = batch_runs(self.max_batch_rows, self.kv_bytes, self.kv_budget_bytes)
+        runs = batch_runs(
+            self.max_batch_rows, self.kv_bytes, self.kv_budget_bytes, self.kv_positions
+        )
         return shared_batches(runs, self.outbound.ring_spec.slot_count)
 
     @property

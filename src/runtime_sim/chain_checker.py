@@ -107,8 +107,9 @@ def time_bound_us(plan: RunPlan) -> int:
         shared_batch_rows(plan.max_batch_rows, s.kv_bytes, s.kv_budget_bytes) for s in plan.stages
     )
     slots = min(e.ring_spec.slot_count for e in plan.edges)
+    most, positions = plan.max_batch_rows, plan.kv_positions
     batches = max(
-        shared_batches(batch_runs(plan.max_batch_rows, s.kv_bytes, s.kv_budget_bytes), slots)
+        shared_batches(batch_runs(most, s.kv_bytes, s.kv_budget_bytes, positions), slots)
         for s in plan.stages
     )
     longest, size = plan.model.max_seq_len, plan.prefill_chunk

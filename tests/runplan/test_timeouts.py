@@ -71,19 +71,31 @@ def test_shared_batches_count_the_next_stage_s_batches_that_take_a_batch_s_outpu
     assert shared_batches(8, 8) == 3
     with pytest.raises(ValueError, match="ring_slots 0"):
         shared_batches(2, 0)
-    # the most runs of a batch: the rows (a row at least each), the budget's caches
-    assert batch_runs(16, 100, 800) == 8
-    assert batch_runs(4, 100, 800) == 4
-    assert batch_runs(16, 100, 50) == 1
-    assert batch_runs(16, 0, 800) == 16
+    # the most runs of a batch: the rows (a row at least each), this run and what the
+    # rest of the budget holds of the smallest cache (a position on each block)
+    assert batch_runs(16, 100, 800, 1) == 8
+    assert batch_runs(4, 100, 800, 1) == 4
+    assert batch_runs(16, 100, 50, 1) == 1
+    assert batch_runs(16, 0, 800, 1) == 16
+    assert batch_runs(128, 100, 800, 10) == 1 + 70  # runs of 10 bytes beside one of 100
+    assert batch_runs(128, 95, 800, 10) == 1 + 70  # at least ceil(95 / 10) bytes each
+    assert batch_runs(16, 100, 800, 10) == 16
+
+
+def test_a_long_run_shares_its_batches_with_the_short_runs_its_budget_leaves_room_for() -> None:
+    """A run of 32 positions on stages whose budget holds two such caches: one more of
+    its size, or 32 of one position beside it, each a batch's run."""
+    assert batch_runs(512, 32 * 256, 64 * 256, 32) == 33
+    assert shared_batches(batch_runs(512, 32 * 256, 64 * 256, 32), 2) == 2 + 17
 
 
 @pytest.mark.parametrize("runs", [1, 4])
 def test_a_stage_and_the_orchestrator_time_a_step_by_the_batches_it_may_share(runs: int) -> None:
     """The stage machine's STEP timer and the orchestrator machine's TOKEN timer of a
     decoded token: a record's own rows for a run alone, else ``shared_batches`` batches
-    of ``max_batch_rows`` rows a step (the stage's KV budget holds other runs): 4 runs
-    a batch at most, their outputs over 2 of the next stage's batches (2-slot rings)."""
+    of ``max_batch_rows`` rows a step (the stage's KV budget holds other runs): 8 runs
+    a batch at most (its rows; shorter runs may fill the budget beside full-length
+    ones), their outputs over 4 of the next stage's batches (2-slot rings)."""
     facts, config, pool = small_plan_inputs(2)
     config = attrs.evolve(config, max_concurrent_runs=runs, max_batch_rows=8)
     plan = plan_run(facts, config, pool, stage_count=2)
@@ -102,10 +114,10 @@ def test_a_stage_and_the_orchestrator_time_a_step_by_the_batches_it_may_share(ru
     step_ms = [a.ms for a in actions if isinstance(a, sfsm.StartTimer)]
     alone = runs == 1
     assert config.ring_slot_count == 2
-    assert {p.shared_batches for p in provisions} == {3 if alone else 4}
-    assert step_ms == [t.step_limit_ms(2) if alone else 4 * t.step_limit_ms(8)]
+    assert {p.shared_batches for p in provisions} == {3 if alone else 6}
+    assert step_ms == [t.step_limit_ms(2) if alone else 6 * t.step_limit_ms(8)]
     machine = ofsm.OrchestratorMachine.for_plan(plan, (1, 2))
-    decode = t.step_limit_ms(1) if alone else 4 * t.step_limit_ms(8)
+    decode = t.step_limit_ms(1) if alone else 6 * t.step_limit_ms(8)
     assert machine._token_ms(1) == 2 * decode
 
 

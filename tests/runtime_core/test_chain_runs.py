@@ -164,8 +164,9 @@ def test_each_step_s_time_limit_is_that_of_its_batch(model: Path, runs: int) -> 
     prompt covers one chunk's limit per step through the pipeline. A run whose stages
     hold other runs too: every step's limit is that of a whole batch
     (``max_batch_rows``), and a token waits through ``Timeouts.shared_batches`` batches
-    a step: 8 runs a batch at most (the KV budget), whose outputs the next stage takes
-    over 4 of its batches (2-slot rings), 2 + 4."""
+    a step: 16 runs a batch at most (its rows: runs shorter than this one may fill what
+    its cache leaves of the KV budget), whose outputs the next stage takes over 8 of its
+    batches (2-slot rings), 2 + 8."""
     chain = ChainRuns(3, reference)
     chain.stages[0].timers = chain.stage_timers[0] = stage_0 = RecordingTimers()
     chain.orchestrator.timers = chain.orchestrator_timers = orchestrator = RecordingTimers()
@@ -183,10 +184,10 @@ def test_each_step_s_time_limit_is_that_of_its_batch(model: Path, runs: int) -> 
         assert tokens[0] == t.step_limit_ms(3) * (3 + 4 - 1)
         assert set(tokens[1:]) == {t.step_limit_ms(1) * 3}
     else:
-        assert set(steps) == {6 * t.step_limit_ms(16)}
+        assert set(steps) == {10 * t.step_limit_ms(16)}
         assert len(steps) == 4 + N - 1
-        assert tokens[0] == 6 * t.step_limit_ms(16) * (3 + 4 - 1)
-        assert set(tokens[1:]) == {6 * t.step_limit_ms(16) * 3}
+        assert tokens[0] == 10 * t.step_limit_ms(16) * (3 + 4 - 1)
+        assert set(tokens[1:]) == {10 * t.step_limit_ms(16) * 3}
 
 
 def _timed_chain(
