@@ -49,8 +49,10 @@ class GgufError(ValueError):
 
 @frozen
 class TensorInfo:
-    """One tensor as the header describes it. ``shape`` is as stored in the file:
-    fastest-varying dimension first (llama.cpp's ``ne``)."""
+    """One tensor as the header describes it. ``shape`` is llama.cpp's ``ne``,
+    fastest-varying dimension first, as llama.cpp reads it: trailing dimensions of size
+    1 dropped (``ggml_shape``), so a norm some converter stored as ``[n_embd, 1]`` is
+    ``(n_embd,)``, the shape every reader of a ``TensorInfo`` compares and slices by."""
 
     name: str
     ggml_type: str  # GGMLQuantizationType name, e.g. "Q4_1"
@@ -58,6 +60,17 @@ class TensorInfo:
     n_bytes: int
     file_index: int  # which file of the source holds it
     offset: int  # absolute byte offset of the data in that file
+
+
+def ggml_shape(stored: tuple[int, ...]) -> tuple[int, ...]:
+    """A tensor's shape as stored in a GGUF file without its trailing dimensions of size
+    1 (at least one dimension kept): llama.cpp pads every shape to four dimensions with
+    1s before comparing it, so ``[n, 1]`` and ``[n, 1, 1, 1]`` are ``[n]`` to it. A 1 before
+    a larger dimension (``[1, n]``) is kept: llama.cpp refuses it where ``[n]`` belongs."""
+    end = len(stored)
+    while end > 1 and stored[end - 1] == 1:
+        end -= 1
+    return stored[:end]
 
 
 _SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -441,7 +454,7 @@ def _tensor_infos(path: str, reader: HeaderReader, index: int) -> list[TensorInf
                 f"the file has {size}",
             )
         expected += -(-n_bytes // alignment) * alignment
-        out.append(TensorInfo(name, qtype.name, shape, n_bytes, index, start))
+        out.append(TensorInfo(name, qtype.name, ggml_shape(shape), n_bytes, index, start))
     return out
 
 

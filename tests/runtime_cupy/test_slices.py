@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -55,9 +56,11 @@ class Source:
     """A model served by a slice server, gone from its path on "this host";
     ``encrypt``: the server sends its stages' slices encrypted."""
 
-    def __init__(self, folder: Path, shape: ModelShape, *, encrypt: bool = False) -> None:
+    def __init__(
+        self, folder: Path, shape: ModelShape, *, encrypt: bool = False, **write: Any
+    ) -> None:
         self.folder = folder
-        self.path = write_model(folder / "model.gguf", shape)
+        self.path = write_model(folder / "model.gguf", shape, **write)
         self.header = GgufHeader.read(self.path)
         self.secret = new_secret()
         self.server = SliceServer("127.0.0.1", DigestStore(folder / "orchestrator"))
@@ -193,6 +196,29 @@ def test_two_stages_on_one_host_share_the_tensors_both_need(tmp_path: Path) -> N
         assert transfers[1].tensor_bytes == tied.slice_bytes(last) - shared_bytes
     finally:
         tied.server.close()
+
+
+def test_a_slice_of_tensors_stored_with_trailing_dimensions_of_size_one_loads(
+    tmp_path: Path,
+) -> None:
+    # Norms as [n_embd, 1], matrices as [n_in, n_out, 1, 1] (as some converters write
+    # them): the stage's entry holds the same bytes and loads as the plain model.
+    plain = write_model(tmp_path / "plain.gguf", UNTIED)
+    tensors = GgufHeader.read(plain).tensors
+    padded = {n: (*i.shape, *(1,) * (4 - len(i.shape))) for n, i in tensors.items()}
+    (tmp_path / "src").mkdir()
+    source = Source(tmp_path / "src", UNTIED, stored_shapes=padded)
+    try:
+        last = SliceParts(4, 6, False, True)
+        got = source.resolve(source.fetcher(tmp_path / "host", stage=2), last)
+        _same_tensors(got.paths[0], source, last)
+        want = GgufHeader.read(plain)
+        with open_stage_slice(got.paths[0], 4, 6, is_first=False, is_last=True) as stage:
+            for name in stage.tensors:
+                assert np.array_equal(stage.raw(name).ravel(), want.tensor_bytes(name)), name
+                assert stage.tensors[name].shape == tensors[name].shape, name
+    finally:
+        source.server.close()
 
 
 def test_a_file_at_the_path_is_used_when_it_holds_the_same_slice(
