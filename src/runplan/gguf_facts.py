@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from runplan.block_values import model_integer
 from runplan.facts import GgufSource, ModelFacts
 from runplan.gguf_header import GgufError, GgufHeader, model_id_for
 from runplan.layer_attention import layer_attention
@@ -65,8 +66,8 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     arch = header.string("general.architecture")
     num_layers = block_count(header, arch)
     hidden = header.integer(f"{arch}.embedding_length")
-    heads = header.integer(f"{arch}.attention.head_count")
-    heads_kv = header.integer(f"{arch}.attention.head_count_kv", default=heads)
+    heads = model_integer(header, f"{arch}.attention.head_count", num_layers)
+    heads_kv = model_integer(header, f"{arch}.attention.head_count_kv", num_layers, heads)
     default_head_dim = hidden // heads if heads > 0 else 0
     head_dim_k = header.integer(f"{arch}.attention.key_length", default=default_head_dim)
     head_dim_v = header.integer(f"{arch}.attention.value_length", default=default_head_dim)

@@ -3,7 +3,8 @@
 Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
 
 - ``{arch}.block_count``, ``.embedding_length``, ``.feed_forward_length`` (a number,
-  or one per block), ``.attention.head_count``, ``.attention.head_count_kv``,
+  or one per block), ``.attention.head_count``, ``.attention.head_count_kv`` (a number,
+  or one per block, all the same: ``runplan.block_values``),
   ``.attention.key_length`` / ``.value_length`` (default ``hidden / heads``),
   ``.attention.layer_norm_rms_epsilon``.
 - Rotary embedding: ``{arch}.rope.freq_base`` (default 10000),
@@ -30,8 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 from attrs import frozen
-from gguf import GGUFValueType
 
+from runplan.block_values import model_integer, per_block_integers
 from runplan.gguf_facts import block_count
 from runplan.gguf_header import GgufError, GgufHeader
 from runplan.layer_attention import layer_attention, number
@@ -121,8 +122,8 @@ class ModelConfig:
             )
         n_layers = block_count(header, arch)
         hidden = header.integer(f"{arch}.embedding_length")
-        heads = header.integer(f"{arch}.attention.head_count")
-        heads_kv = header.integer(f"{arch}.attention.head_count_kv", default=heads)
+        heads = model_integer(header, f"{arch}.attention.head_count", n_layers)
+        heads_kv = model_integer(header, f"{arch}.attention.head_count_kv", n_layers, heads)
         if heads < 1 or heads_kv < 1 or heads % heads_kv:
             raise GgufError(
                 path,
@@ -210,13 +211,7 @@ def _rms_eps(header: GgufHeader, key: str) -> float:
 
 
 def _ffn_dims(header: GgufHeader, arch: str, n_layers: int) -> tuple[int, ...]:
-    key = f"{arch}.feed_forward_length"
-    if header.has(key) and header.value_type(key) == GGUFValueType.ARRAY:
-        dims = tuple(int(d) for d in header.array(key))
-        if len(dims) != n_layers:
-            raise GgufError(header.paths[0], f"{len(dims)} sizes for {n_layers} blocks", key)
-        return dims
-    return (header.integer(key),) * n_layers
+    return per_block_integers(header, f"{arch}.feed_forward_length", n_layers)
 
 
 def _rope(header: GgufHeader, arch: str, head_dim: int, neox: bool) -> RopeConfig:

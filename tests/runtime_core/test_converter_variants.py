@@ -7,6 +7,9 @@ llama.cpp refuses is a typed error naming the tensor.
   before comparing it, so they are the tensor without them. Checked with
   llama-cpp-python 0.3.36 (greedy, the same tokens as the plain file's); a 1 before a
   larger dimension (``[1, n_embd]``, ``[n_in, 1, n_out]``) it refuses, and so do we.
+- Head counts as arrays of one per block (llama.cpp's ``get_key_or_arr``): the same
+  tokens as the numbers (llama.cpp's too). Counts that differ between blocks, an array
+  of another length or of floats are a ``GgufError`` naming the key.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from gguf import GGUFValueType
 
-from runplan import model_facts_from_gguf
+from runplan import GgufError, model_facts_from_gguf
 from runplan.gguf_header import GgufHeader
 from runplan.split import split_model, split_plan
 from runtime_core.errors import UnsupportedModel
@@ -117,3 +121,47 @@ def test_a_dimension_of_size_one_before_a_larger_one_is_refused_naming_the_tenso
     with pytest.raises(UnsupportedModel, match=rf"shape \[{read}\] where") as info:
         open_stage_slice(bad, 0, 2, is_first=True, is_last=True)
     assert info.value.tensor == tensor
+
+
+def _head_arrays(heads: list[int], heads_kv: list[int]) -> dict[str, tuple[object, GGUFValueType]]:
+    return {
+        "llama.attention.head_count": (heads, GGUFValueType.ARRAY),
+        "llama.attention.head_count_kv": (heads_kv, GGUFValueType.ARRAY),
+    }
+
+
+def test_head_counts_as_one_per_block_give_the_tokens_of_the_numbers(
+    tmp_path: Path, make: MakeWorker
+) -> None:
+    shape = ModelShape(n_layers=3, heads=4, heads_kv=2, seed=27)
+    plain = write_model(tmp_path / "plain.gguf", shape)
+    arrays = write_model(tmp_path / "arrays.gguf", shape,
+                         override_keys=_head_arrays([4, 4, 4], [2, 2, 2]))  # fmt: skip
+    assert GgufHeader.read(arrays).value_type("llama.attention.head_count") == GGUFValueType.ARRAY
+    facts = model_facts_from_gguf(arrays)
+    assert (facts.head_count, facts.head_count_kv) == (4, 2)
+    want = [o.token_id for o in run(provisions(plain, 2), make, PROMPT, N)]
+    assert [o.token_id for o in run(provisions(arrays, 2), make, PROMPT, N)] == want
+
+
+@pytest.mark.parametrize(
+    ("heads", "heads_kv", "key", "says"),
+    [
+        ([4, 4, 4], [2, 1, 2], "head_count_kv", r"they differ \(\[2, 1, 2\]\)"),
+        ([4, 8, 4], [2, 2, 2], "head_count", r"they differ \(\[4, 8, 4\]\)"),
+        ([4, 4], [2, 2, 2], "head_count", r"an array of 2 int32.*\(3 blocks\)"),
+        ([4, 4, 4], [2.0, 2.0, 2.0], "head_count_kv", r"an array of 3 float32"),
+    ],
+)
+def test_head_counts_that_are_not_one_per_block_and_the_same_are_named(
+    tmp_path: Path, heads: list[int], heads_kv: list[float], key: str, says: str
+) -> None:
+    shape = ModelShape(n_layers=3, heads=4, heads_kv=2, seed=27)
+    path = write_model(tmp_path / "m.gguf", shape, override_keys=_head_arrays(heads, heads_kv))
+    for read in (
+        lambda: model_facts_from_gguf(path),
+        lambda: open_stage_slice(path, 0, 3, is_first=True, is_last=True),
+    ):
+        with pytest.raises(GgufError, match=says) as info:
+            read()
+        assert info.value.key == f"llama.attention.{key}"
