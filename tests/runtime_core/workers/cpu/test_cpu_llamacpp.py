@@ -8,12 +8,18 @@ models of every architecture and type it reproduces llama.cpp's logits almost to
 last bit: cosine >= 0.99999 on every model (the reference worker's threshold for F32 /
 F16; it asks 0.9995 of the others), the same largest logit, and all 16 greedy tokens
 (llama.cpp's gaps show near-ties on phi3's and the 3- and 6-block models' fixtures: the
-tokens agree there too; the lowest cosine measured is 0.9999996). Every logit is within
-1e-4 of llama.cpp's (measured: at most 1.4e-5, llama's BF16), but where llama.cpp
-rounds an activation to half precision (products with F16 weights, gemma3's GELU
-table): there one value that lands on the other side of a rounding boundary (our
-attention and llama.cpp's add their terms in other orders) moves the logits by up to
-3.4e-3 (measured, on the 62-block gemma3), and the bound is 1e-2. The 3- and 6-block
+tokens agree there too; the lowest cosine measured is 0.9999996). Every logit of the F32
+models, which round no activation, is within 1e-4 of llama.cpp's. Where an activation
+is rounded (to 8 bits for quantized weights, to half or bfloat16 for F16 / BF16
+weights, gemma3's GELU table), one value that lands on the other side of a rounding
+boundary (our attention and llama.cpp's add their terms in other orders) moves the
+logits by up to 3.4e-3 (measured, on the 62-block gemma3), and the bound is 1e-2. On
+this machine most land as llama.cpp's do (at most 1.4e-5 apart, llama's BF16), but
+that stands on the last bit of every input: the rotary table's sines and cosines are
+NumPy's float32 ones, which differ in the last bit between processors with AVX2 and
+without (NumPy's own code or the C library's), and with the C library's the
+tiny-llama-Q5_K prompt's logits are 3.9e-3 from llama.cpp's (cosine 0.9999993, the
+same 16 tokens), as with correctly rounded ones. The 3- and 6-block
 models split into 3 stages compute what one stage computes, bit for bit; gemma3's
 fixtures run past their sliding window with a global block among them.
 
@@ -64,9 +70,10 @@ def arch_of(entry: dict[str, Any]) -> str:
     return arch
 
 
-def half_rounded(entry: dict[str, Any]) -> bool:
-    """llama.cpp rounds an activation to half precision somewhere in this model."""
-    return entry["type"] == "F16" or arch_of(entry) == "gemma3"
+def rounds_activations(entry: dict[str, Any]) -> bool:
+    """llama.cpp rounds an activation somewhere in this model (to 8 bits, half or
+    bfloat16): all but the F32 models of architectures other than gemma3."""
+    return entry["type"] != "F32" or arch_of(entry) == "gemma3"
 
 
 def logits(out: TokenOutput) -> np.ndarray:
@@ -106,7 +113,7 @@ def test_tiny_models_reproduce_llamacpps_logits_and_tokens(
     prompt, last = TINY_LOGITS[f"{name}/prompt"], TINY_LOGITS[f"{name}/last_step"]
     assert [o.token_id for o in outs] == entry["greedy"][:N_TOKENS]
     assert int(np.argmax(logits(outs[0]))) == int(np.argmax(prompt))
-    atol = 1e-2 if half_rounded(entry) else 1e-4
+    atol = 1e-2 if rounds_activations(entry) else 1e-4
     for ours, theirs in ((logits(outs[0]), prompt), (logits(outs[-1]), last)):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=atol)
         assert cosine(ours, theirs) >= 0.99999
