@@ -221,6 +221,64 @@ def test_a_slice_of_tensors_stored_with_trailing_dimensions_of_size_one_loads(
         source.server.close()
 
 
+def _damage(shard: Path, how: str) -> None:
+    """What a crash, a bad disk or a hand leaves of an entry's file."""
+    if how == "truncated":
+        os.truncate(shard, shard.stat().st_size // 2)
+    elif how == "changed":
+        with open(shard, "r+b") as f:  # one byte of the last tensor
+            f.seek(-100, os.SEEK_END)
+            byte = f.read(1)[0]
+            f.seek(-100, os.SEEK_END)
+            f.write(bytes([byte ^ 0xFF]))
+    else:
+        shard.unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated", "changed", "gone"])
+def test_a_damaged_cache_entry_is_not_trusted_and_the_slice_comes_again(
+    untied: Source, tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "host"
+    untied.resolve(untied.fetcher(cache))
+    entry = SliceCache(cache, limit=None).entry(untied.key, MIDDLE)
+    assert entry is not None
+    _damage(entry.shard, how)
+    fetcher = untied.fetcher(cache)
+    with caplog.at_level(logging.WARNING, logger="runtime_cupy.slices"):
+        got = untied.resolve(fetcher)
+    assert fetcher.last["outcome"] == "received"
+    assert fetcher.last["tensor_bytes_received"] == untied.slice_bytes(MIDDLE)
+    _same_tensors(got.paths[0], untied, MIDDLE)
+    assert any(f"the cache entry {entry.path} is damaged" in r.message for r in caplog.records)
+    # The entry it made is known sound: the next run uses it without a connection.
+    again = untied.fetcher(cache)
+    assert untied.resolve(again) == got and again.last["outcome"] == "cache"
+
+
+def test_a_damaged_entry_lends_no_tensor_to_another_stages_slice(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    tied = Source(tmp_path / "src", TIED)
+    try:
+        cache = tmp_path / "host"
+        first, last = SliceParts(0, 2, True, False), SliceParts(2, 4, False, True)
+        tied.resolve(tied.fetcher(cache, stage=0), first)
+        entry = SliceCache(cache, limit=None).entry(tied.key, first)
+        assert entry is not None
+        info = GgufHeader.read(entry.shard).tensors["token_embd.weight"]
+        with open(entry.shard, "r+b") as f:  # the tied head the last stage would copy
+            f.seek(info.offset)
+            f.write(b"\xff" * 16)
+        b = tied.fetcher(cache, stage=1)
+        got = tied.resolve(b, last)
+        assert b.last["tensor_bytes_copied"] == 0
+        assert b.last["tensor_bytes_received"] == tied.slice_bytes(last)
+        _same_tensors(got.paths[0], tied, last)
+        assert SliceCache(cache, limit=None).entry(tied.key, first) is None  # removed
+    finally:
+        tied.server.close()
+
+
 def test_a_file_at_the_path_is_used_when_it_holds_the_same_slice(
     untied: Source, tmp_path: Path
 ) -> None:

@@ -4,7 +4,9 @@ on a host that may not have the model (``SliceFetcher.resolve``).
 In order:
 
 1. **The cache** (``cache.SliceCache``): a complete entry of this source's content key
-   and these parts. Nothing travels; no connection is made.
+   and these parts, found whole (``verify``: every tensor's SHA-256, remembered by the
+   file's identity; an entry that is not is removed and the slice received again).
+   Nothing travels; no connection is made.
 2. **A file at the plan's path** that this host already found to hold the slice
    (``digests``): used as it is. Nothing travels either.
 3. Else, holding the source's lock (a second stage of this host waits, then finds what
@@ -57,7 +59,6 @@ from runplan.shards import (
     ShardManifest,
     SliceParts,
     manifest_json,
-    slice_tensor_names,
 )
 from runtime_core.workers.interface import WorkerError
 from runtime_cupy.edges.tcp_seal import protection_for
@@ -70,6 +71,7 @@ from runtime_cupy.slices.protocol import (
     TransferError,
     open_as_stage,
 )
+from runtime_cupy.slices.verify import entry_problem, header_problem, remember_sound
 
 log = logging.getLogger("runtime_cupy.slices")
 
@@ -134,19 +136,31 @@ class SliceFetcher:
         mark = f"{source_key}|{parts.label()}"
         try:
             entry = self.cache.entry(source_key, parts)
-            if entry is not None:
+            if entry is not None and entry_problem(entry, self.digests, hash_now=False) is None:
                 return self._use(entry, "cache", began)
             local = self._local(source, parts)
             if local is not None and self.digests.verified(local, mark):
                 self._record("local", parts, began, path=source.paths[0])
                 return source
             with self.cache.lock(source_key):
-                entry = self.cache.entry(source_key, parts)  # another stage brought it
+                entry = self._sound(self.cache.entry(source_key, parts))  # another stage's?
                 if entry is not None:
                     return self._use(entry, "cache", began)
                 return self._fetch(source, parts, local, mark, began)
         except CacheError as exc:
             raise self._failure(parts, "the cache", str(exc), began) from exc
+
+    def _sound(self, entry: CacheEntry | None) -> CacheEntry | None:
+        """``entry`` if it holds its slice whole (``verify``), else ``None``: an entry
+        that does not is removed (call with the source's lock held)."""
+        if entry is None:
+            return None
+        problem = entry_problem(entry, self.digests)
+        if problem is None:
+            return entry
+        log.warning("the cache entry %s is damaged (%s): removing it", entry.path, problem)
+        self.cache.remove(entry)
+        return None
 
     def _use(self, entry: CacheEntry, how: str, began: float) -> GgufSource:
         self.cache.touch(entry)
@@ -223,6 +237,9 @@ class SliceFetcher:
             self._finish(partial, sent, parts)
             entry_path = self.cache.commit(partial, source_key, parts)
             partial = None
+            made = self.cache.entry(source_key, parts)
+            if made is not None:
+                remember_sound(made, self.digests)
             link.send({"ok": True, "bytes": link.received})
             self._record(
                 "received",
@@ -257,21 +274,9 @@ class SliceFetcher:
             f.write(data)
             f.truncate(file_bytes)
         sent = GgufHeader.read(path)
-        names = tuple(sent.tensors)
-        checks = (
-            (ShardKeys.LAYER_START, sent.integer(ShardKeys.LAYER_START), parts.layer_start),
-            (ShardKeys.LAYER_END, sent.integer(ShardKeys.LAYER_END), parts.layer_end_exclusive),
-            (ShardKeys.EMBEDDING, sent.boolean(ShardKeys.EMBEDDING, False), parts.embedding),
-            (ShardKeys.OUTPUT, sent.boolean(ShardKeys.OUTPUT, False), parts.output),
-            (ShardKeys.SOURCE, sent.string(ShardKeys.SOURCE, ""), self.origin.source_key),
-        )
-        for key, got, want in checks:
-            if got != want:
-                raise _Failed("the header", f"{key} is {got!r}, this stage asked for {want!r}")
-        if slice_tensor_names(names, parts) != names:
-            raise _Failed("the header", "it names tensors that are not this stage's")
-        if sent.array_length(ShardKeys.TENSOR_SHA256) != len(names):
-            raise _Failed("the header", "it does not hold a SHA-256 for every tensor")
+        problem = header_problem(sent, parts, self.origin.source_key)
+        if problem is not None:
+            raise _Failed("the header", problem)
         return sent
 
     def _local_matches(self, local: GgufHeader, sent: GgufHeader, expected: dict[str, str]) -> bool:
@@ -299,7 +304,7 @@ class SliceFetcher:
         most recently used first: the least likely to be evicted to make room)."""
         found: set[str] = set()
         for entry in reversed(self.cache.entries(source_key)):
-            if entry.parts == parts:
+            if entry.parts == parts or self._sound(entry) is None:
                 continue
             try:
                 header = GgufHeader.read(entry.shard)

@@ -1,0 +1,78 @@
+"""Whether a slice file holds what it says: the slice header a stage received, and a
+cache entry before a stage binds it.
+
+A cache entry is made only once complete and verified (``fetch``), but what lies on a
+disk can change after: a crash of the host or of its file system, a disk that went bad,
+a hand that truncated or edited the file. An entry is therefore checked before it is
+used: its header is the slice's (its blocks, embedding and head, its source's content
+key, a SHA-256 per tensor) and every tensor's bytes hash to the header's SHA-256. The
+verdict is remembered by the shard file's identity (path, device, inode, size,
+modification time: ``digests``), as the fetch that made the entry remembers it, so an
+entry is hashed again only when its file changed; an entry that fails is not used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from runplan.content import tensor_sha256
+from runplan.gguf_header import GgufError, GgufHeader
+from runplan.shards import ShardKeys, SliceParts, slice_tensor_names
+from runtime_cupy.slices.cache import CacheEntry
+from runtime_cupy.slices.digests import DigestStore, hashes_match
+
+
+def header_problem(header: GgufHeader, parts: SliceParts, source_key: str) -> str | None:
+    """``None`` when ``header`` is a slice header of ``parts`` of the source
+    ``source_key`` with a SHA-256 for each of its tensors; else what is wrong."""
+    checks = (
+        (ShardKeys.LAYER_START, header.integer(ShardKeys.LAYER_START), parts.layer_start),
+        (ShardKeys.LAYER_END, header.integer(ShardKeys.LAYER_END), parts.layer_end_exclusive),
+        (ShardKeys.EMBEDDING, header.boolean(ShardKeys.EMBEDDING, False), parts.embedding),
+        (ShardKeys.OUTPUT, header.boolean(ShardKeys.OUTPUT, False), parts.output),
+        (ShardKeys.SOURCE, header.string(ShardKeys.SOURCE, ""), source_key),
+    )
+    for key, got, want in checks:
+        if got != want:
+            return f"{key} is {got!r}, this stage asked for {want!r}"
+    names = tuple(header.tensors)
+    if slice_tensor_names(names, parts) != names:
+        return "it names tensors that are not this stage's"
+    if header.array_length(ShardKeys.TENSOR_SHA256) != len(names):
+        return "it does not hold a SHA-256 for every tensor"
+    return None
+
+
+def _mark(entry: CacheEntry) -> str:
+    return f"entry|{entry.source}|{entry.parts.label()}"
+
+
+def entry_problem(entry: CacheEntry, digests: DigestStore, *, hash_now: bool = True) -> str | None:
+    """``None`` when ``entry`` holds its slice whole (found so before, or hashed now);
+    else what is wrong with it. ``hash_now=False``: only what is known without hashing
+    (an entry not yet found sound is then ``"not verified yet"``)."""
+    try:
+        header = GgufHeader.read(entry.shard)
+        if digests.verified(header, _mark(entry)):
+            return None
+        if not hash_now:
+            return "not verified yet"
+        problem = header_problem(header, entry.parts, entry.source)
+        if problem is not None:
+            return f"its header: {problem}"
+        expected = dict(zip(header.tensors, header.strings(ShardKeys.TENSOR_SHA256), strict=True))
+    except (GgufError, ValueError) as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{entry.shard}: {exc.strerror or exc}"
+    bad = hashes_match(tensor_sha256(header), expected)
+    if bad is not None:
+        return f"tensor {bad}: its bytes do not hash to the SHA-256 its header holds"
+    digests.mark_verified(header, _mark(entry))
+    return None
+
+
+def remember_sound(entry: CacheEntry, digests: DigestStore) -> None:
+    """Remember that ``entry`` (just made from verified tensors) holds its slice."""
+    with contextlib.suppress(GgufError, OSError):  # else it is hashed at its first use
+        digests.mark_verified(GgufHeader.read(entry.shard), _mark(entry))
