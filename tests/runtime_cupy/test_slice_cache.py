@@ -1,19 +1,25 @@
 """The slice cache where users expect it (``$GGUF_PIPELINE_CACHE``, else
 ``$XDG_CACHE_HOME/gguf-pipeline``, else ``~/.cache/gguf-pipeline``), its size limit with
-least-recently-used eviction, and ``python -m runtime_cupy cache list|clear``."""
+least-recently-used eviction, ``python -m runtime_cupy cache list|clear``, and a cache
+folder that is not this user's alone refused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from runplan.shards import SliceParts
+from runplan.gguf_header import GgufHeader
+from runplan.shards import ShardKeys, SliceParts
 from runtime_cupy.cli.main import main
 from runtime_cupy.slices.cache import CacheError, SliceCache, default_limit, default_root
+from runtime_cupy.slices.fetch import SliceTransferFailed
 from tests.runtime_cupy.test_slices import UNTIED, Source
 
 PARTS = [
@@ -91,3 +97,72 @@ def test_cache_list_and_clear(
     assert main(["cache", "clear", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["removed"] == 1
     assert SliceCache(cache, limit=None).entries() == []
+
+
+def _planted_entry(source: Source, folder: Path) -> Path:
+    """An entry of another user's making in ``folder``: the slice under the source's
+    key, one tensor of other weights and its SHA-256 in the header to match."""
+    made = folder.parent / "made"
+    source.resolve(source.fetcher(made), PARTS[1])
+    entry = SliceCache(made, limit=None).entry(source.key, PARTS[1])
+    assert entry is not None
+    header = GgufHeader.read(entry.shard)
+    name = "blk.2.attn_q.weight"
+    old = dict(zip(header.tensors, header.strings(ShardKeys.TENSOR_SHA256), strict=True))[name]
+    info = header.tensors[name]
+    other = bytes(info.n_bytes)
+    data = bytearray(entry.shard.read_bytes())
+    data[info.offset : info.offset + info.n_bytes] = other
+    data = data.replace(old.encode(), hashlib.sha256(other).hexdigest().encode(), 1)
+    entry.shard.write_bytes(bytes(data))
+    target = folder / entry.path.relative_to(made)
+    shutil.copytree(entry.path, target)
+    return target
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: files of another user")
+def test_a_cache_folder_another_user_can_write_in_is_refused(
+    source: Source, tmp_path: Path
+) -> None:
+    stranger = 4242
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # past the umask
+    planted = _planted_entry(source, shared)
+    victim = tmp_path / "victim"
+    victim.write_text("mine\n")
+    os.symlink(victim, shared / "transfers.jsonl")
+    for path in [shared, *shared.rglob("*")]:
+        os.lchown(path, stranger, stranger)
+    with pytest.raises(SliceTransferFailed) as refused:
+        source.resolve(source.fetcher(shared), PARTS[1])
+    text = str(refused.value)
+    assert f"the cache folder {shared} is a folder of uid {stranger}, mode 0777" in text, text
+    assert "not this user's alone" in text, text
+    assert victim.read_text() == "mine\n"  # nothing written through the stranger's link
+    assert planted.is_dir()  # neither used nor touched
+    # A link of another user on the way to the cache (in a folder open to all, sticky).
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    (tmp_path / "mine").mkdir(mode=0o700)
+    os.symlink(tmp_path / "mine", sticky / "cache")
+    os.lchown(sticky / "cache", stranger, stranger)
+    with pytest.raises(SliceTransferFailed, match=f"{sticky / 'cache'} is a symbolic link of uid"):
+        source.resolve(source.fetcher(sticky / "cache"), PARTS[1])
+    assert list((tmp_path / "mine").iterdir()) == []
+
+
+def test_the_cache_folder_is_made_private_and_one_open_to_others_is_refused(
+    source: Source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "made" / "here"
+    source.resolve(source.fetcher(cache), PARTS[1])
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    os.chmod(cache, 0o755)  # a cache an older version made: others cannot write in it
+    source.resolve(source.fetcher(cache), PARTS[1])
+    os.chmod(cache, 0o775)
+    with pytest.raises(SliceTransferFailed, match=r"mode 0775, not this user's alone"):
+        source.resolve(source.fetcher(cache), PARTS[1])
+    monkeypatch.setenv("GGUF_PIPELINE_CACHE", str(cache))
+    assert main(["cache", "list"]) == 2  # one line naming it, no traceback

@@ -420,9 +420,10 @@ def test_a_cache_on_a_full_disk_is_a_named_fault_and_the_next_run_succeeds(
     cache = tmp_path / "small-disk"
     cache.mkdir()
     small = untied.slice_bytes(MIDDLE) // 2  # room for the header and some tensors
-    # Two fetches in one mount namespace: on a disk too small, then on one with room.
+    # Two fetches in one mount namespace: on a disk too small, then on one with room (a
+    # tmpfs of mode 0700: its default, 1777, is a cache open to all, refused).
     script = (
-        f"read -r secret; mount -t tmpfs -o size={small} tmpfs {cache} && "
+        f"read -r secret; mount -t tmpfs -o size={small},mode=0700 tmpfs {cache} && "
         f'echo $secret | "$@" && '
         f"mount -o remount,size={8 * untied.slice_bytes(MIDDLE)} {cache} && "
         f'echo $secret | "$@"'

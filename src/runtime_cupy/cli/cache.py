@@ -34,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cache = SliceCache()
+        cache.private_root()
     except CacheError as exc:
         print(f"python -m runtime_cupy cache: error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,9 @@ fetch that broke off, was killed or hit a full disk left behind lies in ``tmp/``
 never taken for an entry, and is removed by the next fetch of that source (whose lock
 says no one else writes it).
 
+The cache is used only where it is this user's alone (``private_root``): whoever can
+write in it could hand a stage other weights.
+
 Least recently used entries go first when the cache would grow past its limit
 (``$GGUF_PIPELINE_CACHE_LIMIT``, ``50GiB`` style; none by default): every use of an
 entry touches its manifest. ``python -m runtime_cupy cache list|clear``
@@ -39,6 +42,7 @@ from attrs import frozen
 
 from runplan.arguments import parse_size
 from runplan.shards import MANIFEST_NAME, ManifestError, ShardManifest, SliceParts, read_manifest
+from runtime_cupy.slices.private_root import make_root, root_problem
 
 CACHE_VARIABLE = "GGUF_PIPELINE_CACHE"
 LIMIT_VARIABLE = "GGUF_PIPELINE_CACHE_LIMIT"
@@ -105,19 +109,41 @@ class SliceCache:
     def __init__(self, root: Path | None = None, limit: int | None = -1) -> None:
         self.root = Path(root) if root is not None else default_root()
         self.limit = default_limit() if limit == -1 else limit
+        self._private = False
 
     # -- layout ----------------------------------------------------------------------
+    def private_root(self) -> Path:
+        """``root``, made (mode 0700) if it is not there, once found to be this user's
+        alone (``private_root``); ``CacheError`` naming why not. Every path of the cache
+        is taken through it."""
+        if not self._private:
+            try:
+                make_root(self.root)
+            except OSError as exc:
+                raise CacheError(
+                    f"cannot make the cache folder {self.root}: {exc.strerror or exc}"
+                ) from exc
+            problem = root_problem(self.root)
+            if problem is not None:
+                raise CacheError(f"{problem}; the cache is not used ({CACHE_VARIABLE})")
+            self._private = True
+        return self.root
+
     @property
     def slices(self) -> Path:
-        return self.root / "slices"
+        return self.private_root() / "slices"
 
     @property
     def tmp(self) -> Path:
-        return self.root / "tmp"
+        return self.private_root() / "tmp"
 
     @property
     def digests(self) -> Path:
-        return self.root / "digests"
+        return self.private_root() / "digests"
+
+    @property
+    def locks(self) -> Path:
+        return self.private_root() / "locks"
 
     def folder(self, name: Path) -> Path:
         try:
@@ -255,7 +281,7 @@ class SliceCache:
         """Hold the lock of a source's slices (one fetch of a source at a time on this
         host: a second stage waits, then finds what the first brought). The kernel
         releases it when the process dies."""
-        path = self.folder(self.root / "locks") / f"{key_folder(source_key)}.lock"
+        path = self.folder(self.locks) / f"{key_folder(source_key)}.lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -276,7 +302,7 @@ class SliceCache:
     @contextlib.contextmanager
     def try_lock(self, key: str) -> Iterator[bool]:
         """The lock of key folder ``key`` if free now: whether it is held."""
-        path = self.root / "locks" / f"{key}.lock"
+        path = self.locks / f"{key}.lock"
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError:

@@ -125,8 +125,12 @@ class SliceFetcher:
         # how long the stage waits for the server's first frame, then for each next byte
         self.header_wait_s, self.stall_s = header_wait_s, stall_s
         self.cache = cache or SliceCache()
-        self.digests = DigestStore(self.cache.digests)
         self.last: dict[str, Any] = {}  # what the last resolve did (its transfers.jsonl line)
+
+    @property
+    def digests(self) -> DigestStore:
+        """This host's digest records (in the cache: ``CacheError`` if it is not private)."""
+        return DigestStore(self.cache.digests)
 
     # -- the three ways ------------------------------------------------------------------
     def resolve(self, source: GgufSource, parts: SliceParts) -> GgufSource:
@@ -450,10 +454,11 @@ class SliceFetcher:
             **fields,
         }
         self.last = line
-        with contextlib.suppress(OSError):
-            self.cache.folder(self.cache.root)
-            with open(self.cache.root / TRANSFER_LOG, "a") as f:
-                f.write(json.dumps(line, sort_keys=True) + "\n")
+        with (
+            contextlib.suppress(OSError),
+            open(self.cache.private_root() / TRANSFER_LOG, "a") as f,
+        ):
+            f.write(json.dumps(line, sort_keys=True) + "\n")
 
 
 def _sha256(mapped: mmap.mmap, offset: int, size: int) -> str:
