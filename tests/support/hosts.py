@@ -8,6 +8,11 @@ the production launcher, stage or channel):
 - ``TapHost``: any local host with a ``ControlTap`` on every stage's control channel,
   which records the frames both ways and writes what a test gives it, in between
   whole frames, as a writer on the wire would.
+- ``LosingHost``: the local-process host as a cluster that loses nodes: it says which
+  of the nodes it knows are live (``KnowsLiveNodes``), starts nothing on a lost one
+  (``OSError``, as a departed host), and loses a node when the test says so, or the
+  moment a stage starts there (``lose_on_start``: a host gone while its stage comes up
+  and binds its slice).
 - ``DetourHost``: the local-process host whose orchestrator, producing to one edge over
   TCP, is told a relay's address (``edge_relay.Relay``, holding no key) instead of its
   consumer's: a man in the middle of that edge.
@@ -25,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from runplan import NodeSpec
 from runplan.messages import ControlMessage
 from runtime_cupy.edges.port import EdgeMedium, Rendezvous
 from runtime_cupy.edges.tcp import TcpMedium, split_address
@@ -252,6 +258,32 @@ class TapHost(LocalProcessHost):
 
     def rendezvous(self) -> FileRendezvous:
         return self.inner.rendezvous()
+
+
+class LosingHost(LocalProcessHost):
+    """Nodes in ``lost`` are gone: not live, nothing starts there; a stage started on a
+    node of ``lose_on_start`` starts, then its node is lost and its process killed."""
+
+    def __init__(self, *, log_dir: Path | None = None) -> None:
+        super().__init__(log_dir=log_dir)
+        self.lost: set[str] = set()
+        self.lose_on_start: set[str] = set()
+        self.started_on: list[str] = []  # the node of every stage started, in order
+
+    def live_nodes(
+        self, known: Sequence[tuple[NodeSpec, int | None]], worker: str
+    ) -> tuple[tuple[NodeSpec, int | None], ...]:
+        return tuple((spec, gpu) for spec, gpu in known if spec.node_id not in self.lost)
+
+    def start(self, launch: StageLaunch, secret: bytes) -> LocalStageHandle:
+        if launch.node_id in self.lost:
+            raise OSError(f"node {launch.node_id} is gone")
+        handle = super().start(launch, secret)
+        self.started_on.append(launch.node_id)
+        if launch.node_id in self.lose_on_start:
+            self.lost.add(launch.node_id)
+            handle.kill()
+        return handle
 
 
 class _Detour:

@@ -489,6 +489,7 @@ class WarmChain:
             runner.start()
         except OSError as exc:
             self.trouble = f"the stages could not be started: {exc}"
+            self._lost_coming_up(runner, self.trouble)
             runner.close()
             raise ChainError(self.trouble) from exc
         keep_broken = self.policy is not None
@@ -506,7 +507,8 @@ class WarmChain:
                          handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
         try:
             self._bind_all()
-        except ChainError:
+        except ChainError as exc:
+            self._lost_coming_up(runner, str(exc))
             self._stop_runner()  # the next start makes a new chain
             raise
         marks["bound"] = time.monotonic()
@@ -535,6 +537,13 @@ class WarmChain:
                 return
             self.replacer.lose(lost_from, lost_stages, cause)
             self._heal(lost=cause)
+
+    def _lost_coming_up(self, runner: ChainRunner, cause: str) -> None:
+        """A recovering chain's new ``runner`` failed to start or bind: what it lost (a
+        stage gone, a node no longer live) is re-placed by the next start, which would
+        otherwise start the same plan again, on a node that may be gone."""
+        if self.policy is not None:
+            self.replacer.lose(runner, (), cause)
 
     def _place_again(self) -> Replacement:
         """The chain's plan over the live nodes without its lost stages, adopted;

@@ -1,13 +1,14 @@
 """A lost stage does not lose the answer (issue 25) on the process runtime: a warm chain
-with ``recover=True`` whose stage process is SIGKILLed mid-stream is re-placed (the
-lost stage started again on new links; the stages whose node and layers are unchanged
-keep their process and bound weights and join the new chain's links), and each
-interrupted run is replayed there: the caller's stream goes on and its whole text is
-the unbroken run's, greedy and seeded, with 4 runs in flight, and through a second
-loss during the recovery. A kept stage's control channel changes keys with the chain's
-secret: the old secret signs nothing on it any more. Nothing of the old chain is left
-(the ``no_leftovers`` fixture checks every chain's resources by its id, the old one's
-too), and the old run ids stay stale on the kept stages.
+with ``recover=True`` whose stage process is SIGKILLed mid-stream is re-placed (the lost
+stage started again on new links; the stages whose node and layers are unchanged keep
+their process and bound weights and join the new chain's links), and each interrupted
+run is replayed there: the caller's stream goes on and its whole text is the unbroken
+run's, greedy and seeded, with 4 runs in flight, through a second loss during the
+recovery, and through a spare lost while the new chain comes up. A kept stage's control
+channel changes keys with the chain's secret: the old secret signs nothing on it any
+more. Nothing of the old chain is left (the ``no_leftovers`` fixture checks every
+chain's resources by its id, the old one's too), and the old run ids stay stale on the
+kept stages.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import Any
 
 import pytest
 
+from runplan import NodeSpec
 from runplan.messages import StopReason, StopRun
 from runplan.provision import provision_all
 from runtime_cupy import generate
 from runtime_cupy.process.chain_runner import ChainRun
 from runtime_cupy.process.control_channel import encode_frame
 from runtime_cupy.serve.chain import WarmChain
-from tests.support.hosts import TapHost
+from tests.support.hosts import LosingHost, TapHost
 from tests.support.hygiene import alive, run_resources, wait_gone
 
 pytestmark = pytest.mark.process
@@ -207,3 +209,34 @@ def test_recoveries_spent_end_the_stream_with_its_fault(tiny: str) -> None:
         assert "SIGKILL" in (run.result.fault or "")
         assert run.result.tokens == tuple(seen) and len(seen) >= 4
         assert chain.recoveries.count == 1
+
+
+def test_a_spare_lost_while_the_new_chain_comes_up_is_passed_over(tiny: str) -> None:
+    """Stage 1's node is lost mid-stream; its range goes to spare ``s0``, which is lost in
+    turn the moment its stage starts (a host gone while its stage comes up and binds).
+    The next try places the range again over the nodes still live (spare ``s1``), never
+    on ``s0``, and the stream goes on, token for token."""
+    unbroken = generate(tiny, PROMPT, stages=2, max_tokens=TOKENS, **SEEDED)
+    host = LosingHost()
+    memory = 8 << 30
+    nodes = (NodeSpec("n0", memory), NodeSpec("n1", memory))
+    spares = (NodeSpec("s0", memory), NodeSpec("s1", memory))
+    with WarmChain(
+        tiny, stages=2, context=64, recover=True, host=host, nodes=nodes, spares=spares
+    ) as chain:
+        pids = chain.pids()
+        host.lose_on_start.add("s0")
+        seen: list[int] = []
+
+        def on_token(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 2:
+                host.lost.add("n1")
+                os.kill(pids[1], signal.SIGKILL)
+
+        run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token, **SEEDED)
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == unbroken.tokens
+        assert tuple(seen) == unbroken.tokens
+        assert [s.node_id for s in chain.template.stages] == ["n0", "s1"]
+        assert "s0" not in host.started_on[host.started_on.index("s0") + 1 :]
