@@ -166,3 +166,12 @@ def test_the_cache_folder_is_made_private_and_one_open_to_others_is_refused(
         source.resolve(source.fetcher(cache), PARTS[1])
     monkeypatch.setenv("GGUF_PIPELINE_CACHE", str(cache))
     assert main(["cache", "list"]) == 2  # one line naming it, no traceback
+    # Made under a umask that opens what it makes to all: private all the same.
+    deeper = tmp_path / "open" / "umask" / "cache"
+    before = os.umask(0)
+    try:
+        source.resolve(source.fetcher(deeper), PARTS[1])
+    finally:
+        os.umask(before)
+    for folder in (deeper, deeper.parent, deeper.parent.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder

@@ -67,10 +67,14 @@ def root_problem(root: Path) -> str | None:
 
 
 def make_root(root: Path) -> None:
-    """Make the cache folder ``root`` (mode 0700) if it is not there; ``OSError`` if it
-    cannot be made."""
-    if os.path.lexists(root):
-        return
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):  # made meanwhile: checked as any other
-        root.mkdir(mode=0o700)
+    """Make the cache folder ``root`` and the folders above it that are not there, mode
+    0700 (whatever the umask); ``OSError`` if one cannot be made."""
+    missing = []
+    path = Path(os.path.abspath(root))
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile: checked as any other
+            os.mkdir(folder, 0o700)
+            os.chmod(folder, 0o700)  # past the umask
