@@ -319,7 +319,8 @@ def test_a_full_cache_disk_on_a_host_is_a_named_fault_and_the_run_after_succeeds
     blocks = GgufHeader.read(model).integer("llama.block_count")
     last = [blocks - blocks // 3, blocks]
     size = _slice_bytes(model, last, 2, 3) // 2  # the header fits, not every tensor
-    hosts.on_host(3, f"mkdir -p {cache} && mount -t tmpfs -o size={size} tmpfs {cache}")
+    # mode 0700: a tmpfs is 1777 by default, a cache open to all, refused
+    hosts.on_host(3, f"mkdir -p {cache} && mount -t tmpfs -o size={size},mode=0700 tmpfs {cache}")
     try:
         with _hidden(hosts, Path(model).parent, on=(3,)):
             doc = Driver(hosts, model, "--max-tokens", "2").result()
