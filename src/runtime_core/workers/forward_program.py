@@ -60,7 +60,7 @@ from runplan.quant_types import CHUNK, QUANT_TYPES, row_bytes
 from runtime_core.architectures import Activation, FfnLayout, QkvLayout
 from runtime_core.gguf_slice import EMBEDDING, OUTPUT_NORM, ROPE_FREQS, StageSlice, qkv_layout
 from runtime_core.model_config import ModelConfig
-from runtime_core.workers.reference.model import rope_rotations
+from runtime_core.workers.rotary import rope_rotations
 
 H = TypeVar("H")  # a backend's handle of raw GGUF rows
 V = TypeVar("V")  # a backend's handle of a float32 vector

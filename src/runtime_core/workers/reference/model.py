@@ -45,7 +45,8 @@ from runtime_core.gguf_slice import (
     dequantize_rows,
     qkv_layout,
 )
-from runtime_core.model_config import ModelConfig, RopeConfig
+from runtime_core.model_config import ModelConfig
+from runtime_core.workers.rotary import rope_rotations
 
 F32 = npt.NDArray[np.float32]
 Progress = Callable[[int, int], None]
@@ -255,30 +256,6 @@ def _rope_pair_order(config: ModelConfig) -> npt.NDArray[np.intp]:
     heads = config.n_heads + config.n_kv_heads
     within = _head_pair_order(config)
     return (np.arange(heads)[:, None] * config.head_dim_k + within[None, :]).ravel()
-
-
-def rope_rotations(
-    rope: RopeConfig, max_seq_len: int, freq_factors: F32 | None
-) -> npt.NDArray[np.complex64]:
-    """``exp(i * theta)`` for every position and rotary pair: ``(max_seq_len, n/2)``.
-
-    Computed as ggml does, in float32: ``theta_0 = pos``, ``theta_{i+1} = theta_i *
-    freq_base ** (-2 / n)``, each divided by its frequency factor and multiplied by
-    ``freq_scale``."""
-    half = rope.n_dims // 2
-    theta_scale = np.float32(rope.freq_base) ** np.float32(-2.0 / rope.n_dims)
-    theta = np.empty((max_seq_len, half), dtype=np.float32)
-    t = np.arange(max_seq_len, dtype=np.float32)
-    for i in range(half):
-        theta[:, i] = t
-        t = t * theta_scale
-    if freq_factors is not None:
-        theta /= freq_factors
-    theta *= np.float32(rope.freq_scale)
-    out = np.empty((max_seq_len, half), dtype=np.complex64)
-    out.real = np.cos(theta)
-    out.imag = np.sin(theta)
-    return out
 
 
 @attrs.define

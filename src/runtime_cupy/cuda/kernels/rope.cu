@@ -9,7 +9,7 @@
 //   bias: (q_dim + k_dim + v_dim,) or null.
 //   rot: (positions, n_rot / 2) pairs (cos, sin) of every position's angles (the block's
 //       own rope base), computed on the host exactly as the reference computes them
-//       (reference_model.rope_rotations).
+//       (runtime_core.workers.rotary.rope_rotations).
 //   A head's rotary pair j < n_rot / 2 is (2j, 2j + 1) ("normal", llama) or
 //       (j, j + n_rot / 2) (neox, qwen2); dimensions n_rot .. hd_k - 1 pass unchanged.
 //       (a, b) -> (a cos - b sin, a sin + b cos), each product rounded (no fused

@@ -12,14 +12,12 @@ tokens agree there too; the lowest cosine measured is 0.9999996). Every logit of
 models, which round no activation, is within 1e-4 of llama.cpp's. Where an activation
 is rounded (to 8 bits for quantized weights, to half or bfloat16 for F16 / BF16
 weights, gemma3's GELU table), one value that lands on the other side of a rounding
-boundary (our attention and llama.cpp's add their terms in other orders) moves the
-logits by up to 3.4e-3 (measured, on the 62-block gemma3), and the bound is 1e-2. On
-this machine most land as llama.cpp's do (at most 1.4e-5 apart, llama's BF16), but
-that stands on the last bit of every input: the rotary table's sines and cosines are
-NumPy's float32 ones, which differ in the last bit between processors with AVX2 and
-without (NumPy's own code or the C library's), and with the C library's the
-tiny-llama-Q5_K prompt's logits are 3.9e-3 from llama.cpp's (cosine 0.9999993, the
-same 16 tokens), as with correctly rounded ones. The 3- and 6-block
+boundary (our attention and llama.cpp's add their terms in other orders, its sines and
+cosines are the C library's float32 ones, ours the correctly rounded ones:
+``workers.rotary``) moves the logits by up to 3.9e-3 (measured: the tiny-llama-Q5_K
+prompt's, cosine 0.9999993, the same 16 tokens; 3.4e-3 on the 62-block gemma3), and the
+bound is 1e-2; most land as llama.cpp's do (at most 1.4e-5 apart, llama's BF16). The
+3- and 6-block
 models split into 3 stages compute what one stage computes, bit for bit; gemma3's
 fixtures run past their sliding window with a global block among them.
 

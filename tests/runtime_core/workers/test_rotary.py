@@ -1,0 +1,101 @@
+"""The rotary table's sines and cosines (``workers.rotary``): the float32 rounding of the
+true values (read independently: CPython's ``math``, the C library's float64 sine and
+cosine), and the same bits whatever vector code NumPy runs (it differed in the last bit
+between processors with AVX2 / AVX-512 and without, for many of a context's angles)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from runtime_core.model_config import RopeConfig
+from runtime_core.workers.rotary import rope_rotations, sin_cos
+
+
+def _angles() -> np.ndarray:
+    rng = np.random.default_rng(20261203)
+    spread = (rng.random(20_000) * 2e6).astype(np.float32)  # up to 2e6 radians
+    near = (rng.random(20_000) * 7).astype(np.float32)  # the first turns, finely
+    quarter = (np.arange(-64, 65) * (math.pi / 4)).astype(np.float32)  # the boundaries
+    return np.concatenate([spread, near, -near[:1000], quarter, [0.0, 1e-30, -0.0]])
+
+
+def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """How many float32s apart ``a`` and ``b`` are (both finite)."""
+
+    def ordered(x: np.ndarray) -> np.ndarray:
+        i = x.astype(np.float32).view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+    return np.abs(ordered(a) - ordered(b))
+
+
+def test_the_sines_and_cosines_are_the_c_librarys_rounded_to_float32() -> None:
+    theta = _angles()
+    sine, cosine = sin_cos(theta)
+    want_sin = np.array([math.sin(float(x)) for x in theta], np.float32)
+    want_cos = np.array([math.cos(float(x)) for x in theta], np.float32)
+    # Both are within a few float64 units of the true value: their float32 roundings
+    # differ only where it lies that close to a tie between two floats (about 1 in 10^8).
+    for got, want in ((sine, want_sin), (cosine, want_cos)):
+        assert _ulps(got, want).max() <= 1
+        assert np.count_nonzero(got != want) <= 2
+    assert sine.dtype == cosine.dtype == np.float32 and sine.shape == theta.shape
+
+
+def test_the_table_is_ggmls_angles_with_those_sines_and_cosines() -> None:
+    rope = RopeConfig(n_dims=64, freq_base=10000.0, freq_scale=0.5, neox=False)
+    factors = np.linspace(1.0, 4.0, 32).astype(np.float32)
+    table = rope_rotations(rope, 300, factors)
+    theta_scale = np.float32(10000.0) ** np.float32(-2.0 / 64)
+    for pos in (0, 1, 17, 299):
+        theta, want = np.float32(pos), []
+        for i in range(32):  # ggml_rope_cache_init: theta *= theta_scale, each float32
+            angle = np.float32(np.float32(theta / factors[i]) * np.float32(0.5))
+            want.append(complex(math.cos(float(angle)), math.sin(float(angle))))
+            theta = np.float32(theta * theta_scale)
+        np.testing.assert_allclose(table[pos], np.array(want, np.complex64), rtol=0, atol=1e-7)
+
+
+SCRIPT = """
+import hashlib, numpy as np
+from runtime_core.model_config import RopeConfig
+from runtime_core.workers.rotary import rope_rotations
+t = (np.arange(4096, dtype=np.float32)[:, None]
+     * np.float32(10000) ** (-np.arange(32, dtype=np.float32) / 32)).astype(np.float32)
+rope = RopeConfig(n_dims=64, freq_base=10000.0, freq_scale=1.0, neox=False)
+table = rope_rotations(rope, 4096, None)
+print(hashlib.sha256(table.tobytes()).hexdigest(), hashlib.sha256(np.cos(t).tobytes()).hexdigest())
+"""
+
+#: NumPy's vector code for processors newer than x86-64-v2 turned off: its baseline.
+BASELINE = "X86_V3 X86_V4 AVX512_ICL AVX512_SPR"
+
+
+def _hashes(env: dict[str, str]) -> tuple[str, str]:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if out.returncode != 0:
+        pytest.skip(f"NumPy did not start with NPY_DISABLE_CPU_FEATURES: {out.stderr[-300:]}")
+    table, numpy_cos = out.stdout.split()
+    return table, numpy_cos
+
+
+def test_the_table_does_not_depend_on_numpys_vector_code() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NPY_DISABLE_CPU_FEATURES"}
+    table, numpy_cos = _hashes(env)
+    table_base, numpy_cos_base = _hashes(dict(env, NPY_DISABLE_CPU_FEATURES=BASELINE))
+    if numpy_cos == numpy_cos_base:
+        pytest.skip("NumPy's own cosines are the same with its vector code off here: no check")
+    assert table == table_base  # np.cos's differ; the table's are the same
