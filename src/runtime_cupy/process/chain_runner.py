@@ -50,7 +50,7 @@ from attrs import frozen
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.messages import JoinChain, ProvisionStage, StopRun
+from runplan.messages import JoinChain, ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runplan.shards import SliceParts
 from runtime_core.chain_orchestrator import (
@@ -166,6 +166,11 @@ class ChainRun:
         self.error = exc
         self._finish()
 
+    def _ended_unstarted(self, finished: fsm.RunFinished) -> None:
+        """Ended before the chain took it (``finished``: its outcome and fault)."""
+        self.outcome = RunOutcome(finished, (), (), self.submitted_s, None, (), time.monotonic())
+        self._finish()
+
     def _finish(self) -> None:
         self._done.set()
         if self.on_done is not None:
@@ -278,6 +283,7 @@ class ChainRunner:
         self._runs: dict[str, ChainRun] = {}  # submitted and not yet ended
         self._closing = False
         self._abandon = False
+        self._over = False  # the loop returned for good: nothing takes a run handed over
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -453,9 +459,29 @@ class ChainRunner:
         when it ended (from the loop's thread)."""
         run = ChainRun(self, plan, tuple(int(t) for t in prompt), on_token, on_done)
         with self._lock:
-            self._adds.append(run)
-        self._wake()
+            late = self._over
+            if not late:
+                self._adds.append(run)
+        if late:
+            self._end_late(run)
+        else:
+            self._wake()
         return run
+
+    def _end_late(self, run: ChainRun) -> None:
+        """A run handed over once the loop returned for good (the chain dead, closing or
+        closed): it ends at once, as the loop's next turn would have ended it, faulted
+        with the chain's fault (``ChainOrchestrator.add_run``'s) or refused as closing.
+        It waited for ever: a stage that died as the chain came up ended the loop before
+        the run that binds the stages was handed over."""
+        broken = self.orchestrator.broken
+        if broken is not None and not self._closing:
+            log.info("run %s: the chain is dead: %s", run_label(run.run_id), self.dead)
+            run._ended_unstarted(fsm.RunFinished(StopReason.FAULTED, (), broken, None, ()))
+        else:
+            run._refused(
+                RuntimeError(f"the chain is closing{f': {self.dead}' if self.dead else ''}")
+            )
 
     def cancel(self, run_id: str, why: str = "cancelled") -> None:
         """End one run (any thread, or a signal handler)."""
@@ -502,6 +528,8 @@ class ChainRunner:
         dead) and no run is left (in the thread that owns the runner)."""
         o = self.orchestrator
         cancelled_all = False
+        with self._lock:
+            self._over = False
         while True:
             self._take_handoffs()
             for stage in self.stages:
@@ -525,11 +553,20 @@ class ChainRunner:
                 self.dead = str(o.broken)
             if until is not None and until():
                 return
-            if (self._closing or self.dead is not None) and not self._runs and not self._adds:
+            if (self._closing or self.dead is not None) and not self._runs and self._end_loop():
                 return
-            if self._abandon:
+            if self._abandon and self._end_loop(abandon=True):
                 return
             self._wait()
+
+    def _end_loop(self, *, abandon: bool = False) -> bool:
+        """Whether the loop returns for good now: not while a run handed over waits to be
+        taken (unless ``abandon``); from then on ``submit`` ends a run at once."""
+        with self._lock:
+            if self._adds and not abandon:
+                return False
+            self._over = True
+            return True
 
     def _take_handoffs(self) -> None:
         with self._lock:
@@ -700,6 +737,7 @@ class ChainRunner:
         self._runs.clear()
         with self._lock:
             adds, self._adds = self._adds, []
+            self._over = True
         for run in adds:
             run._refused(RuntimeError("the chain is closing"))
         for stage in self.stages:  # what waits to leave goes, then the channel closes

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from runplan.config import SamplingConfig
 from runplan.messages import StopReason, StopRun
 from runplan.provision import provision_all
 from runtime_cupy import generate
@@ -136,6 +137,27 @@ def test_a_stage_killed_between_runs_is_started_again(tiny: str) -> None:
         assert not set(chain.pids()) & set(pids)
         assert not wait_gone([pids[0]], 10.0), "the broken chain's other stage was reaped"
         assert chain.ready and chain.restarts == 2
+
+
+def test_a_run_handed_to_a_chain_whose_loop_ended_ends_at_once_naming_the_fault(
+    tiny: str,
+) -> None:
+    # A stage dies while no run is in flight: the chain's loop ends (its thread returns).
+    # A run handed over after that waited for ever, nothing left to take it (seen when a
+    # stage died as a recovering chain came up, before the run that binds it).
+    with WarmChain(tiny, stages=2, context=64) as chain:
+        pids = chain.pids()
+        thread = chain._thread
+        assert thread is not None
+        os.kill(pids[1], signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive()
+        run = chain.submit(PROMPT, max_tokens=4, sampling=SamplingConfig())
+        assert run.wait(30) is not None, "the run waits on a loop that has ended"
+        result = chain.result(run).result
+        assert result.outcome == "faulted" and result.tokens == ()
+        assert "SIGKILL" in (result.fault or ""), result.fault
+        assert chain.generate(PROMPT, max_tokens=4).result.outcome == "completed"
 
 
 def test_a_stage_killed_in_a_run_faults_that_run_alone(tiny: str) -> None:
