@@ -73,8 +73,10 @@ class FaultyHost(LocalProcessHost):
         extra = [part for fault in faults for part in ("--fault", fault)]
         return [sys.executable, "-m", "tests.support.faulty_stage", *extra, "--", *arguments]
 
-    def environment(self, launch: StageLaunch) -> dict[str, str]:
-        env = super().environment(launch)
+    def environment(
+        self, launch: StageLaunch, inherited: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        env = super().environment(launch, inherited)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env["PYTHONPATH"]])
         return env
 

@@ -17,7 +17,7 @@ import shutil
 import socket
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +127,10 @@ class NetnsStageHost(LocalProcessHost):
             "--", *arguments,
         ]  # fmt: skip
 
-    def environment(self, launch: StageLaunch) -> dict[str, str]:
-        env = super().environment(launch)
+    def environment(
+        self, launch: StageLaunch, inherited: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        env = super().environment(launch, inherited)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env["PYTHONPATH"]])
         return env
 

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runplan import NodeSpec, RuntimeConfig, SamplingConfig, Timeouts
@@ -71,8 +71,10 @@ class SimtHost(LocalProcessHost):
             "--matvec", self.matvec, "--", *arguments,
         ]  # fmt: skip
 
-    def environment(self, launch: StageLaunch) -> dict[str, str]:
-        env = super().environment(launch)
+    def environment(
+        self, launch: StageLaunch, inherited: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        env = super().environment(launch, inherited)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env["PYTHONPATH"]])
         return env
 
