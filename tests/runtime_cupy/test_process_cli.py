@@ -145,7 +145,7 @@ def test_with_recover_a_killed_stage_is_replaced_and_the_text_goes_on(smollm2_pa
     err = proc.stderr.read()
     assert proc.wait(120) == 0, err.decode()
     assert out.decode().startswith(unbroken.text), (out.decode(), unbroken.text)
-    assert "48 tokens, completed" in out.decode()
+    assert f"{len(unbroken.tokens)} tokens, completed" in out.decode()  # EOS, or 48
     assert "lost stages [1] on ['stage-1']" in err.decode() and "SIGKILL" in err.decode()
     assert wait_gone(list(pids.values()), 5) == []
 
