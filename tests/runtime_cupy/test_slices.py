@@ -103,6 +103,14 @@ def untied(tmp_path: Path) -> Iterator[Source]:
     source.server.close()
 
 
+@pytest.fixture
+def tied(tmp_path: Path) -> Iterator[Source]:
+    (tmp_path / "src").mkdir()
+    source = Source(tmp_path / "src", TIED)
+    yield source
+    source.server.close()
+
+
 def _settled(server: SliceServer) -> tuple[StageTransfer, ...]:
     """The server's transfers once none moves: it hears a stage's last word (its DONE)
     just after the stage has its slice."""
@@ -175,27 +183,22 @@ def test_a_host_without_the_file_receives_exactly_its_slice_then_uses_its_cache(
     assert [x["outcome"] for x in lines] == ["received", "cache"]
 
 
-def test_two_stages_on_one_host_share_the_tensors_both_need(tmp_path: Path) -> None:
-    (tmp_path / "src").mkdir()
-    tied = Source(tmp_path / "src", TIED)
-    try:
-        cache = tmp_path / "host"
-        first, last = SliceParts(0, 2, True, False), SliceParts(2, 4, False, True)
-        a = tied.fetcher(cache, stage=0)
-        tied.resolve(a, first)
-        b = tied.fetcher(cache, stage=1)
-        got = tied.resolve(b, last)
-        # The tied head is the embedding: the last stage copies it and rope_freqs from the
-        # first stage's entry instead of receiving them again.
-        shared = ("token_embd.weight", "rope_freqs.weight")
-        shared_bytes = sum(tied.header.tensors[n].n_bytes for n in shared)
-        assert b.last["tensor_bytes_copied"] == shared_bytes
-        assert b.last["tensor_bytes_received"] == tied.slice_bytes(last) - shared_bytes
-        _same_tensors(got.paths[0], tied, last)
-        transfers = {t.stage_index: t for t in tied.server.transfers()}
-        assert transfers[1].tensor_bytes == tied.slice_bytes(last) - shared_bytes
-    finally:
-        tied.server.close()
+def test_two_stages_on_one_host_share_the_tensors_both_need(tied: Source, tmp_path: Path) -> None:
+    cache = tmp_path / "host"
+    first, last = SliceParts(0, 2, True, False), SliceParts(2, 4, False, True)
+    a = tied.fetcher(cache, stage=0)
+    tied.resolve(a, first)
+    b = tied.fetcher(cache, stage=1)
+    got = tied.resolve(b, last)
+    # The tied head is the embedding: the last stage copies it and rope_freqs from the
+    # first stage's entry instead of receiving them again.
+    shared = ("token_embd.weight", "rope_freqs.weight")
+    shared_bytes = sum(tied.header.tensors[n].n_bytes for n in shared)
+    assert b.last["tensor_bytes_copied"] == shared_bytes
+    assert b.last["tensor_bytes_received"] == tied.slice_bytes(last) - shared_bytes
+    _same_tensors(got.paths[0], tied, last)
+    transfers = {t.stage_index: t for t in tied.server.transfers()}
+    assert transfers[1].tensor_bytes == tied.slice_bytes(last) - shared_bytes
 
 
 def test_a_slice_of_tensors_stored_with_trailing_dimensions_of_size_one_loads(
@@ -256,27 +259,24 @@ def test_a_damaged_cache_entry_is_not_trusted_and_the_slice_comes_again(
     assert untied.resolve(again) == got and again.last["outcome"] == "cache"
 
 
-def test_a_damaged_entry_lends_no_tensor_to_another_stages_slice(tmp_path: Path) -> None:
-    (tmp_path / "src").mkdir()
-    tied = Source(tmp_path / "src", TIED)
-    try:
-        cache = tmp_path / "host"
-        first, last = SliceParts(0, 2, True, False), SliceParts(2, 4, False, True)
-        tied.resolve(tied.fetcher(cache, stage=0), first)
-        entry = SliceCache(cache, limit=None).entry(tied.key, first)
-        assert entry is not None
-        info = GgufHeader.read(entry.shard).tensors["token_embd.weight"]
-        with open(entry.shard, "r+b") as f:  # the tied head the last stage would copy
-            f.seek(info.offset)
-            f.write(b"\xff" * 16)
-        b = tied.fetcher(cache, stage=1)
-        got = tied.resolve(b, last)
-        assert b.last["tensor_bytes_copied"] == 0
-        assert b.last["tensor_bytes_received"] == tied.slice_bytes(last)
-        _same_tensors(got.paths[0], tied, last)
-        assert SliceCache(cache, limit=None).entry(tied.key, first) is None  # removed
-    finally:
-        tied.server.close()
+def test_a_damaged_entry_lends_no_tensor_to_another_stages_slice(
+    tied: Source, tmp_path: Path
+) -> None:
+    cache = tmp_path / "host"
+    first, last = SliceParts(0, 2, True, False), SliceParts(2, 4, False, True)
+    tied.resolve(tied.fetcher(cache, stage=0), first)
+    entry = SliceCache(cache, limit=None).entry(tied.key, first)
+    assert entry is not None
+    info = GgufHeader.read(entry.shard).tensors["token_embd.weight"]
+    with open(entry.shard, "r+b") as f:  # the tied head the last stage would copy
+        f.seek(info.offset)
+        f.write(b"\xff" * 16)
+    b = tied.fetcher(cache, stage=1)
+    got = tied.resolve(b, last)
+    assert b.last["tensor_bytes_copied"] == 0
+    assert b.last["tensor_bytes_received"] == tied.slice_bytes(last)
+    _same_tensors(got.paths[0], tied, last)
+    assert SliceCache(cache, limit=None).entry(tied.key, first) is None  # removed
 
 
 def test_a_file_at_the_path_is_used_when_it_holds_the_same_slice(
