@@ -21,7 +21,6 @@ the production launcher, stage or channel):
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import socket
 import sys
@@ -46,11 +45,10 @@ from runtime_cupy.process.control_channel import (
 from runtime_cupy.process.keys import control_key
 from tests.support.edge_relay import Relay
 from tests.support.faulty_stage import Fault
+from tests.support.tree_host import RepoTreeHost
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-class FaultyHost(LocalProcessHost):
+class FaultyHost(RepoTreeHost):
     """``faults[i]``: the faults stage ``i`` plays (``faulty_stage.Fault``)."""
 
     def __init__(
@@ -72,13 +70,6 @@ class FaultyHost(LocalProcessHost):
             return super().command(launch, arguments)
         extra = [part for fault in faults for part in ("--fault", fault)]
         return [sys.executable, "-m", "tests.support.faulty_stage", *extra, "--", *arguments]
-
-    def environment(
-        self, launch: StageLaunch, inherited: Mapping[str, str] | None = None
-    ) -> dict[str, str]:
-        env = super().environment(launch, inherited)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env["PYTHONPATH"]])
-        return env
 
 
 class GatedHost(FaultyHost):

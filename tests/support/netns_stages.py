@@ -11,13 +11,12 @@ stranger on the network who can write the store would make it).
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import shutil
 import socket
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,11 @@ from runplan import NodeSpec
 from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.edges.shm import segment_name
-from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.hosts.ray.rendezvous import PublishedAddresses, serve_rendezvous
 from runtime_cupy.process.names import edge_dir
 from tests.support.netns_hosts import ROOT, TestHosts
+from tests.support.tree_host import RepoTreeHost
 
 
 class SharedRendezvous:
@@ -59,7 +58,7 @@ class SharedRendezvous:
             self._addresses.pop((run_id, edge_id), None)
 
 
-class NetnsStageHost(LocalProcessHost):
+class NetnsStageHost(RepoTreeHost):
     """Stage ``i`` on test host ``where[i]`` of ``hosts`` (node ``stage-i``), and node
     ``spare-j`` on host ``spares[j]`` (where a re-placed chain may put a lost stage); the
     orchestrator here. ``attach_delay[i]``: stage ``i``'s tries to attach its outbound
@@ -126,13 +125,6 @@ class NetnsStageHost(LocalProcessHost):
             *(part for f in self.faults.get(launch.stage_index, ()) for part in ("--fault", f)),
             "--", *arguments,
         ]  # fmt: skip
-
-    def environment(
-        self, launch: StageLaunch, inherited: Mapping[str, str] | None = None
-    ) -> dict[str, str]:
-        env = super().environment(launch, inherited)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env["PYTHONPATH"]])
-        return env
 
     def same_host(self, node_a: str, node_b: str) -> bool:
         return self.host_of(node_a) == self.host_of(node_b)

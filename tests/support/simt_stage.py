@@ -16,10 +16,9 @@ and f16 activations, as ``runtime_cupy.generate(worker="cuda")`` plans).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from runplan import NodeSpec, RuntimeConfig, SamplingConfig, Timeouts
@@ -27,14 +26,13 @@ from runplan.dtypes import DTypeFamily
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.workers.interface import TraceEvent, Worker
 from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
-from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.process import stage_process as stage
 from runtime_cupy.process.launcher import ORCHESTRATOR, ProcessRun, ProcessRunResult
 from runtime_cupy.workers import make_worker
 from tests.support.simt.loader import FORWARD, ThreadOrder, random_order
+from tests.support.tree_host import RepoTreeHost
 
-ROOT = Path(__file__).resolve().parents[2]
 #: A step's time per row on the emulator: each prompt row takes the one-row kernels, a
 #: decode step's work (some 6 million emulated CUDA threads for a SmolLM2 row; 20 CPU
 #: seconds for SmolLM2's 14 decode steps before prompts took them too), so a
@@ -55,7 +53,7 @@ def order_text(order: ThreadOrder) -> str:
     return f"random:{order.seed}" if order.kind == "random" else order.kind
 
 
-class SimtHost(LocalProcessHost):
+class SimtHost(RepoTreeHost):
     """The local-process host, its CUDA stages on the emulator (``matvec``, ``order``)."""
 
     def __init__(
@@ -70,13 +68,6 @@ class SimtHost(LocalProcessHost):
             sys.executable, "-m", "tests.support.simt_stage", "--order", order_text(self.order),
             "--matvec", self.matvec, "--", *arguments,
         ]  # fmt: skip
-
-    def environment(
-        self, launch: StageLaunch, inherited: Mapping[str, str] | None = None
-    ) -> dict[str, str]:
-        env = super().environment(launch, inherited)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env["PYTHONPATH"]])
-        return env
 
 
 def run_emulated(
