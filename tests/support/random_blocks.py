@@ -30,6 +30,8 @@ _FACTORS: dict[str, tuple[int, int | None, float, float]] = {
     "Q4_K": (0, 2, 145.0, 7.5),
     "Q5_K": (0, 2, 290.0, 15.5),
     "Q6_K": (208, None, 1184.0, 0.0),
+    "IQ4_NL": (0, None, 67.0, 0.0),
+    "IQ4_XS": (0, None, 1240.0, 0.0),  # values near 67, scales -32 .. 31 (18.5 rms)
 }
 
 

@@ -63,10 +63,11 @@ class Decoded:
     """A quantized matrix decoded to integers and scales, chunk by chunk.
 
     ``q``: (rows, chunks, 32) the integer of every element (for Q4_0 / Q5_0 before the
-    offset of 8 / 16 is taken off; for Q3_K and Q6_K signed). ``d``, ``m``: (rows, chunks)
+    offset of 8 / 16 is taken off; for Q3_K and Q6_K signed; for IQ4_NL and IQ4_XS the
+    signed value its nibble indexes). ``d``, ``m``: (rows, chunks)
     float32 factors (the block's d and m, or a K-quant's d and dmin). ``sc``, ``mn``: the
-    K-quants' integer scales and mins, (rows, chunks) for 32-element sub-blocks, or
-    (rows, chunks, 2) for 16-element groups.
+    K-quants' integer scales and mins, (rows, chunks) for 32-element sub-blocks (and
+    IQ4_XS's scales, less their offset of 32), or (rows, chunks, 2) for 16-element groups.
     """
 
     qtype: str
@@ -184,7 +185,29 @@ def decode(raw: U8, qtype: str) -> Decoded:
         high = ((q_high >> shifts) & 3).reshape(rows, chunks, 32).astype(np.int32)
         sc = b[..., 192:208].view(np.int8).astype(np.int32).reshape(rows, chunks, 2)
         return Decoded(qtype, (low | (high << 4)) - 32, _per_chunk(_f16(b[..., 208:210]), 8), sc=sc)
+    if qtype == "IQ4_NL":
+        return Decoded(qtype, IQ4_VALUES[_nibbles(b[..., 2:18])], _f16(b[..., 0:2]))
+    if qtype == "IQ4_XS":
+        q = IQ4_VALUES[_nibbles(b[..., 8:136].reshape(rows, nb, 8, 16))].reshape(rows, chunks, 32)
+        return Decoded(qtype, q, _per_chunk(_f16(b[..., 0:2]), 8), sc=iq4xs_scales(b))
     raise ValueError(f"no block decoder for {qtype}")
+
+
+#: IQ4_NL's and IQ4_XS's 16 values (llama.cpp's ``kvalues_iq4nl``): a nibble indexes it.
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32
+)
+
+
+def iq4xs_scales(b: U8) -> npt.NDArray[np.int32]:
+    """The 8 signed 6-bit scales of IQ4_XS super-blocks ``b`` (rows, blocks, 136), one
+    per 32-element sub-block, as (rows, chunks): the low 4 bits in ``scales_l`` (bytes
+    4-7, two per byte, low nibble first), the high 2 in ``scales_h`` (bytes 2-3), less 32."""
+    rows, nb = b.shape[:2]
+    low = _nibbles(b[..., 4:8]).reshape(rows, nb, 2, 4).transpose(0, 1, 3, 2).reshape(rows, nb, 8)
+    high = (b[..., 2].astype(np.int32) | (b[..., 3].astype(np.int32) << 8))[..., None]
+    high = (high >> (2 * np.arange(8))) & 3
+    return ((low | (high << 4)) - 32).reshape(rows, nb * 8)
 
 
 def dequantize(raw: U8, qtype: str) -> F32:
@@ -223,6 +246,11 @@ def dequantize(raw: U8, qtype: str) -> F32:
         dl = d * dec.sc[..., None].astype(np.float32)
         ml = dec.m[..., None] * dec.mn[..., None].astype(np.float32)
         out = dl * q - ml
+    elif qtype == "IQ4_NL":
+        out = d * q
+    elif qtype == "IQ4_XS":
+        assert dec.sc is not None
+        out = (d * dec.sc[..., None].astype(np.float32)) * q
     else:  # pragma: no cover - decode() refused it
         raise ValueError(qtype)
     return np.ascontiguousarray(out, dtype=np.float32).reshape(rows, -1)
