@@ -295,6 +295,38 @@ def test_a_file_at_the_path_is_used_when_it_holds_the_same_slice(
     assert untied.server.transfers() == (sent,)
 
 
+def test_a_file_rewritten_in_place_with_its_old_times_is_checked_again(
+    untied: Source, tmp_path: Path
+) -> None:
+    """The verdict on a file at the path is kept by the file's identity: a file whose
+    bytes were changed in place (same inode and size) and its modification time set
+    back is not the file that was checked, and its record is replaced, not added to."""
+    shutil.copy(untied.away, untied.path)
+    fetcher = untied.fetcher(tmp_path / "host")
+    assert untied.resolve(fetcher) == GgufSource((str(untied.path),))
+    assert fetcher.last["outcome"] == "local"
+    digests = tmp_path / "host" / "digests"
+    assert len(list(digests.glob("*.json"))) == 1  # the file at the path's verdict
+    before = os.stat(untied.path)
+    other = write_model(tmp_path / "other.gguf", attrs.evolve(UNTIED, seed=7))
+    assert other.stat().st_size == before.st_size
+    with open(untied.path, "r+b") as f:  # the same inode, other weights
+        f.write(other.read_bytes())
+    os.utime(untied.path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(untied.path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino, before.st_size, before.st_mtime_ns,
+    )  # fmt: skip
+    again = untied.fetcher(tmp_path / "host")
+    got = untied.resolve(again)
+    assert again.last["outcome"] == "received"
+    _same_tensors(got.paths[0], untied, MIDDLE)
+    records = [json.loads(p.read_text()) for p in digests.glob("*.json")]
+    of_path = [r for r in records if r["identity"][0]["path"] == str(untied.path)]
+    assert len(of_path) == 1  # (the received entry has its own)
+    assert of_path[0]["identity"][0]["ctime_ns"] == after.st_ctime_ns
+
+
 def test_a_file_at_the_path_that_differs_is_not_used(untied: Source, tmp_path: Path) -> None:
     write_model(untied.path, attrs.evolve(UNTIED, seed=7))  # same shapes, other weights
     fetcher = untied.fetcher(tmp_path / "host")

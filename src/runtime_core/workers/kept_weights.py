@@ -7,10 +7,11 @@ Everything per run is made afresh for each run: the KV cache, the sampler, the
 sequence and position, the provision.
 
 What "match" means is ``WeightsKey``: the files of the source as they are on disk
-(path, device, inode, size and modification time of each, so a file replaced under the
-same name is read again), the layer range, first and last (the embedding and the head),
-the architecture and hidden size the plan names, and whatever else a worker's loaded
-form depends on (``extra``: the CUDA worker's KV dtype, cache length and product mode).
+(path, device, inode, size, modification and change times of each, so a file replaced
+under the same name, or written in place, is read again), the layer range, first and
+last (the embedding and the head), the architecture and hidden size the plan names, and
+whatever else a worker's loaded form depends on (``extra``: the CUDA worker's KV dtype,
+cache length and product mode).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class FileIdentity:
     inode: int
     size: int
     mtime_ns: int
+    #: The inode's change time: a file written in place and its modification time set
+    #: back (``touch -r``, ``os.utime``) keeps size and mtime, but the kernel moves this.
+    ctime_ns: int
 
     @classmethod
     def of(cls, path: str) -> FileIdentity | None:
@@ -42,7 +46,9 @@ class FileIdentity:
             st = os.stat(path)
         except OSError:
             return None
-        return cls(os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(
+            os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+        )
 
 
 @frozen

@@ -337,7 +337,7 @@ def _stream_result(
     whole = attrs.evolve(
         last.outcome,
         tokens=tokens,
-        logits=(),
+        logits=(),  # serve keeps none (it offers no logprobs): nothing to join
         submitted_s=first.outcome.submitted_s,
         ready_s=first.outcome.ready_s,
         token_times_s=times,

@@ -9,7 +9,7 @@
         <model>.<parts>.gguf
     <cache>/tmp/                       entries being written (never read as entries)
     <cache>/locks/<key>.lock           held (flock) while a slice of that source is fetched
-    <cache>/digests/<identity>.json    what hashing a local file found (``digests``)
+    <cache>/digests/<paths>.json       what hashing a local file found (``digests``)
 
 ``<key>`` is the first 32 hex digits of the source's content key (``runplan.content``),
 ``<parts>`` what the slice holds (``SliceParts.label``: ``L0-9.embd``). An entry is

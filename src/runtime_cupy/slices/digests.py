@@ -2,11 +2,13 @@
 content key and tensors' SHA-256 (``runplan.content``), and which slices of which
 source its tensors were found to be.
 
-A record is keyed by the identity of the source's files as they are on disk (path,
-device, inode, size, modification time: ``kept_weights.FileIdentity``), so a file
-replaced or touched is hashed again. Records live in the slice cache's ``digests/``
-(``cache.SliceCache``), one small JSON file each, written whole (a new file renamed
-into place).
+A record holds the identity of the source's files as they are on disk (path, device,
+inode, size, modification and change times: ``kept_weights.FileIdentity``), so a file
+replaced, touched or written in place is hashed again. Records live in the slice
+cache's ``digests/`` (``cache.SliceCache``), one small JSON file per set of paths,
+written whole (a new file renamed into place): the record of files since changed is
+replaced by that of the files as they are, so the folder holds one record per source
+path hashed here, not one per version of it.
 
 - The orchestrator's host keys the source it serves (``content``): every tensor hashed,
   on the first run only.
@@ -33,7 +35,7 @@ from runplan.content import SourceContent, content_key, tensor_sha256
 from runplan.gguf_header import GgufHeader
 from runtime_core.workers.kept_weights import FileIdentity
 
-_VERSION = 1
+_VERSION = 2  # 2: records named by their paths; identities hold ctime
 log = logging.getLogger("runtime_cupy.slices")
 
 
@@ -54,7 +56,7 @@ class DigestStore:
         self.folder = folder
 
     def _path(self, identity: list[dict[str, Any]]) -> Path:
-        text = json.dumps(identity, sort_keys=True)
+        text = json.dumps([ident["path"] for ident in identity])
         return self.folder / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
 
     def _load(self, identity: list[dict[str, Any]]) -> dict[str, Any]:
