@@ -127,9 +127,9 @@ ACT_FORMAT = {
     "F32": "f32",
     "F16": "f16",
     "BF16": "bf16",
-    **dict.fromkeys(("Q8_0", "Q4_0", "Q5_0"), "q8_0"),
+    **dict.fromkeys(("Q8_0", "Q4_0", "Q5_0", "IQ4_NL"), "q8_0"),
     **dict.fromkeys(("Q4_1", "Q5_1"), "q8_1"),
-    **dict.fromkeys(("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), "q8_K"),
+    **dict.fromkeys(("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"), "q8_K"),
 }
 
 

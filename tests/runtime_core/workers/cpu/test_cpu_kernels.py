@@ -2,12 +2,12 @@
 readings of the same numbers.
 
 - Embedding rows (the kernels' dequantization) equal ``gguf.quants.dequantize`` bit
-  for bit, for all 13 types.
+  for bit, for all 15 types.
 - 8-bit activations: the q8_0 form equals the gguf package's Q8_0 quantization (which
   is llama.cpp's reference) bit for bit; q8_1 adds s = d * sum(q) rounded to a half;
   q8_K is llama.cpp's per-256 form (the largest magnitude maps to -127); a block
   holding a NaN or an infinity gets d = NaN.
-- Products: each of the 10 quantized types times 8-bit activations equals the exact
+- Products: each of the 12 quantized types times 8-bit activations equals the exact
   (float64) value of the block formula of ``csrc/dot.h`` on the integers
   ``twins.decode`` reads from the same bytes, within float32 rounding of the sum
   (2e-6 of the terms' magnitudes); float weights, and the "f32" mode, equal the exact
@@ -39,7 +39,7 @@ from tests.support import twins
 from tests.support.cpu_isas import HOST_ISAS, isa_params
 from tests.support.random_blocks import random_rows
 
-K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # super-blocks of 256
 
 
 def width(qtype: str, chunks: int = 9) -> int:
@@ -201,11 +201,11 @@ def exact_q8_product(raw: np.ndarray, qtype: str, x: np.ndarray) -> tuple[np.nda
                 terms = terms + dec.m.astype(np.float64) * xs[j].astype(np.float64)
         else:
             assert dec.sc is not None
-            if qtype in ("Q4_K", "Q5_K"):
-                assert dec.mn is not None and dec.m is not None
+            if qtype in ("Q4_K", "Q5_K", "IQ4_XS"):  # a scale per 32 (and a min)
                 isum = (dec.sc * np.einsum("wcl,cl->wc", wq, xq64[j])).reshape(-1, chunks // 8, 8)
                 bsum = xg[j].reshape(chunks, 2).sum(axis=1).astype(np.float64)
-                imin = (dec.mn * bsum).reshape(-1, chunks // 8, 8)
+                mn = dec.mn if dec.mn is not None else np.zeros_like(dec.sc)
+                imin = (mn * bsum).reshape(-1, chunks // 8, 8)
             else:
                 groups = np.einsum("wcgl,cgl->wcg", wq.reshape(-1, chunks, 2, 16),
                                    xq64[j].reshape(chunks, 2, 16))  # fmt: skip
@@ -402,8 +402,8 @@ def test_argmax_takes_the_first_largest_finite_value_and_counts_the_others() -> 
 
 def test_a_malformed_matrix_is_refused_naming_what_is_wrong() -> None:
     rows = np.zeros((4, row_bytes("Q4_0", 64)), np.uint8)
-    with pytest.raises(ValueError, match="IQ4_NL is not a type"):
-        _kernels.Matrix([(rows, "IQ4_NL", 4, 64, 0)])
+    with pytest.raises(ValueError, match="IQ2_XXS is not a type"):
+        _kernels.Matrix([(rows, "IQ2_XXS", 4, 64, 0)])
     with pytest.raises(ValueError, match="bytes"):
         _kernels.Matrix([(rows, "Q4_0", 5, 64, 0)])
     with pytest.raises(ValueError, match="whole chunks of 32"):

@@ -3,20 +3,23 @@
  *
  * Activations are quantized as llama.cpp's CPU path quantizes them for the weight
  * type (ggml's vec_dot_type), from float32 rows of n values:
- *   q8_0 (for Q8_0, Q4_0, Q5_0): per block of 32, d = max|x| / 127, q = roundf(x / d)
+ *   q8_0 (for Q8_0, Q4_0, Q5_0, IQ4_NL): per block of 32, d = max|x| / 127, q = roundf(x / d)
  *        computed as x * (1 / d), d kept as a half; g = sum(q) per block.
  *   q8_1 (for Q4_1, Q5_1): q8_0, and s = d * sum(q) kept as a half.
- *   q8_K (for the K-quants): per block of 256, m the first value of the largest
+ *   q8_K (for the K-quants and IQ4_XS): per block of 256, m the first value of the largest
  *        magnitude, q = min(127, round-half-even(x * (-127 / m))), d = 1 / (-127 / m)
  *        (float); g = sum(q) per 16.
  * d and s are stored as floats (a half's value where the format keeps a half). A block
  * holding a NaN or an infinity gets d = NaN and q = 0.
  *
- * Products. Each block of a weight row (32 elements; 256 for the K-quants) gives an
+ * Products. Each block of a weight row (32 elements; 256 for the K-quants and IQ4_XS) gives an
  * exact integer sum of weight integers times activation integers (with the type's
  * offsets, scales and mins applied as integers) and one float term, llama.cpp's:
- *   Q8_0, Q4_0, Q5_0  (dw * d) * sumi              Q4_1, Q5_1  (dw * d) * sumi + mw * s
- *   Q2_K, Q4_K, Q5_K  (d * dw) * isum - (d * dmin) * imin          Q3_K, Q6_K  (d * dw) * isum
+ *   Q8_0, Q4_0, Q5_0, IQ4_NL  (dw * d) * sumi      Q4_1, Q5_1  (dw * d) * sumi + mw * s
+ *   Q2_K, Q4_K, Q5_K  (d * dw) * isum - (d * dmin) * imin
+ *   Q3_K, Q6_K, IQ4_XS  (d * dw) * isum
+ * (IQ4_NL's and IQ4_XS's weight integers are the values their nibbles index, IQ4_XS's
+ * isum the sum of each 32-element sub-block's integer sum times its signed scale.)
  * Terms are added into 8 running sums (term i into sum i mod 8), which are added
  * pairwise at the end: ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)). Float
  * products (float weights, or the "f32" mode's exactly dequantized weights, times

@@ -101,11 +101,18 @@ AVX2_INLINE void halves8(const uint8_t *b, const int bb, int n, __m256 *lo, __m2
             _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick_hi), 0x08)));
 }
 
-/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1. Block b's weights as bytes u (for Q8_0
- * their magnitudes, wq the signed bytes). */
+/* IQ4_NL's and IQ4_XS's 16 values in each 128-bit lane, for vpshufb */
+AVX2_INLINE __m256i iq4_table(void) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+    return _mm256_set_m128i(t, t);
+}
+
+/* kind: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1, 5 IQ4_NL. Block b's weights as bytes u
+ * (for the signed ones, Q8_0 and IQ4_NL, their magnitudes, wq the signed bytes). */
+#define LEGACY_SIGNED(kind) ((kind) == 0 || (kind) == 5)
 AVX2_INLINE __m256i legacy_bytes(const uint8_t *b, const int kind, __m256i *wq) {
-    if (kind == 0) {
-        *wq = loadu256(b + 2);
+    if (LEGACY_SIGNED(kind)) {
+        *wq = kind == 0 ? loadu256(b + 2) : _mm256_shuffle_epi8(iq4_table(), nibbles16(b + 2));
         return _mm256_sign_epi8(*wq, *wq);
     }
     if (kind == 1) return nibbles16(b + 2);
@@ -145,7 +152,7 @@ AVX2_INLINE void legacy_body(const uint8_t *w, int64_t nc, const XRows *x, int64
             for (int i = 0; i < 8; ++i) {
                 if (i < n) {
                     __m256i xv = loadu256(xq[k] + 32 * (c + i));
-                    if (kind == 0) xv = _mm256_sign_epi8(xv, wq[i]);
+                    if (LEGACY_SIGNED(kind)) xv = _mm256_sign_epi8(xv, wq[i]);
                     p[i] = dot_us(u[i], xv, ones);
                 } else {
                     p[i] = _mm256_setzero_si256();
@@ -200,7 +207,7 @@ AVX2_INLINE void legacy_rows_body(const uint8_t *w, int64_t row_bytes, const int
                 if (i < n) {
                     __m256i wq;
                     __m256i u = legacy_bytes(b0 + bb * i, kind, &wq);
-                    p[i] = dot_us(u, kind == 0 ? _mm256_sign_epi8(xv[i], wq) : xv[i], ones);
+                    p[i] = dot_us(u, LEGACY_SIGNED(kind) ? _mm256_sign_epi8(xv[i], wq) : xv[i], ones);
                 } else {
                     p[i] = _mm256_setzero_si256();
                 }
@@ -235,6 +242,7 @@ LEGACY_ROWS(Q4_0, 1, 18)
 LEGACY_ROWS(Q4_1, 2, 20)
 LEGACY_ROWS(Q5_0, 3, 22)
 LEGACY_ROWS(Q5_1, 4, 24)
+LEGACY_ROWS(IQ4_NL, 5, 18)
 
 #define LEGACY(NAME, KIND, BB)                                                                 \
     AVX2 static void q8_##NAME(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,      \
@@ -252,6 +260,7 @@ LEGACY(Q4_0, 1, 18)
 LEGACY(Q4_1, 2, 20)
 LEGACY(Q5_0, 3, 22)
 LEGACY(Q5_1, 4, 24)
+LEGACY(IQ4_NL, 5, 18)
 
 /* ---- x8 groups (repack.h) ----------------------------------------------------------------- */
 
@@ -267,7 +276,7 @@ LEGACY(Q5_1, 4, 24)
 /* ---- K-quants ---------------------------------------------------------------------------- */
 
 /* A super-block decoded: the 8 chunks' weights as bytes u[s] (unsigned, or magnitudes
- * with sign[s] carrying the signs); scales: Q4_K, Q5_K one per chunk (lane s of sc),
+ * with sign[s] carrying the signs); scales: Q4_K, Q5_K, IQ4_XS one per chunk (lane s of sc),
  * Q2_K, Q3_K, Q6_K one per 16-element group, in the order hsum_groups leaves the
  * groups' sums (sc: chunks 0-3, sc2: chunks 4-7); mins: Q4_K, Q5_K per chunk (mn),
  * Q2_K per group in file order (mn: groups 0-7, mn2: 8-15). */
@@ -302,7 +311,7 @@ static inline void k4_unpack(const uint8_t *p, uint8_t out[16]) {
     memcpy(out, u, 16);
 }
 
-/* kind: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K */
+/* kind: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 IQ4_XS */
 AVX2_INLINE void decode_super(const uint8_t *b, Super *S, const int kind) {
     const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0F);
     const __m256i one = _mm256_set1_epi8(1);
@@ -361,6 +370,17 @@ AVX2_INLINE void decode_super(const uint8_t *b, Super *S, const int kind) {
         __m128i v = _mm_loadu_si128((const __m128i *)sm);
         S->sc = _mm256_cvtepu8_epi32(v);
         S->mn = _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
+    } else if (kind == 5) { /* IQ4_XS: the values the nibbles index, signed */
+        S->d = h2f(b);
+        S->dmin = 0.0f;
+        const __m256i table = iq4_table();
+        for (int s = 0; s < 8; ++s) {
+            __m256i v = _mm256_shuffle_epi8(table, nibbles16(b + 8 + 16 * s));
+            S->sign[s] = v;
+            S->u[s] = _mm256_sign_epi8(v, v);
+            sc[s] = iq4xs_scale(b, s);
+        }
+        S->sc = _mm256_loadu_si256((const __m256i *)sc);
     } else { /* Q6_K: q = low | high << 4, minus 32, signed */
         S->d = h2f(b + 208);
         S->dmin = 0.0f;
@@ -395,7 +415,8 @@ AVX2_INLINE void kquant_body(const uint8_t *w, int64_t nc, const XRows *x, int64
         xd[k] = x->d + (j0 + k) * nc;
         xg[k] = x->g + (j0 + k) * 2 * nc;
     }
-    const int signed_q = kind == 1 || kind == 4, per_chunk = kind == 2 || kind == 3;
+    const int signed_q = kind == 1 || kind == 4 || kind == 5;
+    const int per_chunk = kind == 2 || kind == 3 || kind == 5, chunk_mins = kind == 2 || kind == 3;
     const __m256i ones = _mm256_set1_epi16(1);
     Super S;
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
@@ -412,9 +433,11 @@ AVX2_INLINE void kquant_body(const uint8_t *w, int64_t nc, const XRows *x, int64
             int isum, imin = 0;
             if (per_chunk) {
                 isum = hsum_i32(_mm256_mullo_epi32(hsum_8x8(p), S.sc));
-                __m256i pairs = _mm256_permute4x64_epi64(
-                    _mm256_hadd_epi32(loadu256(g), loadu256(g + 8)), 0xD8); /* sum of chunk s */
-                imin = hsum_i32(_mm256_mullo_epi32(pairs, S.mn));
+                if (chunk_mins) {
+                    __m256i pairs = _mm256_permute4x64_epi64(
+                        _mm256_hadd_epi32(loadu256(g), loadu256(g + 8)), 0xD8); /* chunk s's sum */
+                    imin = hsum_i32(_mm256_mullo_epi32(pairs, S.mn));
+                }
             } else {
                 __m256i a = _mm256_mullo_epi32(hsum_groups(p), S.sc);
                 __m256i b2 = _mm256_mullo_epi32(hsum_groups(p + 4), S.sc2);
@@ -424,7 +447,7 @@ AVX2_INLINE void kquant_body(const uint8_t *w, int64_t nc, const XRows *x, int64
                                                      _mm256_mullo_epi32(loadu256(g + 8), S.mn2)));
             }
             float term = (xd[k][sb] * S.d) * (float)isum;
-            if (kind == 0 || per_chunk) term = term - (xd[k][sb] * S.dmin) * (float)imin;
+            if (kind == 0 || chunk_mins) term = term - (xd[k][sb] * S.dmin) * (float)imin;
             acc[k][sb & 7] += term;
         }
     }
@@ -447,6 +470,7 @@ KQUANT(Q3_K, 1, 110)
 KQUANT(Q4_K, 2, 144)
 KQUANT(Q5_K, 3, 176)
 KQUANT(Q6_K, 4, 210)
+KQUANT(IQ4_XS, 5, 136)
 
 /* ---- float activations ----------------------------------------------------------------- */
 
@@ -538,6 +562,8 @@ DEQUANT_DOT(Q3_K)
 DEQUANT_DOT(Q4_K)
 DEQUANT_DOT(Q5_K)
 DEQUANT_DOT(Q6_K)
+DEQUANT_DOT(IQ4_NL)
+DEQUANT_DOT(IQ4_XS)
 
 /* ---- attention's vectors ---------------------------------------------------------------- */
 
@@ -644,11 +670,12 @@ AVX2 static void mix_avx2(float *out, const float *p, const void *values, int ha
 
 const Isa ISA_AVX2 = {
     "avx2",
-    {NULL, NULL, NULL, q8_rows_Q8_0, q8_rows_Q4_0, q8_rows_Q4_1, q8_rows_Q5_0, q8_rows_Q5_1},
+    {NULL, NULL, NULL, q8_rows_Q8_0, q8_rows_Q4_0, q8_rows_Q4_1, q8_rows_Q5_0, q8_rows_Q5_1,
+     [T_IQ4_NL] = q8_rows_IQ4_NL},
     {NULL, NULL, NULL, q8_Q8_0, q8_Q4_0, q8_Q4_1, q8_Q5_0, q8_Q5_1, q8_Q2_K, q8_Q3_K, q8_Q4_K,
-     q8_Q5_K, q8_Q6_K},
+     q8_Q5_K, q8_Q6_K, q8_IQ4_NL, q8_IQ4_XS},
     {f_F32, f_F16, f_BF16, f_Q8_0, f_Q4_0, f_Q4_1, f_Q5_0, f_Q5_1, f_Q2_K, f_Q3_K, f_Q4_K, f_Q5_K,
-     f_Q6_K},
+     f_Q6_K, f_IQ4_NL, f_IQ4_XS},
     scores_avx2,
     mix_avx2,
     {[T_Q8_0] = x8_q8_0, [T_Q4_0] = x8_q4_0, [T_Q4_1] = x8_q4_1, [T_Q4_K] = x8_q4_k,

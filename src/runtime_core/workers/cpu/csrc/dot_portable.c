@@ -7,20 +7,23 @@
 
 const char *const QTYPE_NAMES[T_COUNT] = {
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
 };
-const int QTYPE_BLOCK_ELEMS[T_COUNT] = {1, 1, 1, 32, 32, 32, 32, 32, 256, 256, 256, 256, 256};
-const int QTYPE_BLOCK_BYTES[T_COUNT] = {4, 2, 2, 34, 18, 20, 22, 24, 84, 110, 144, 176, 210};
+const int QTYPE_BLOCK_ELEMS[T_COUNT] = {1,  1,   1,   32,  32,  32,  32, 32,
+                                        256, 256, 256, 256, 256, 32, 256};
+const int QTYPE_BLOCK_BYTES[T_COUNT] = {4,  2,   2,   34,  18,  20,  22, 24,
+                                        84, 110, 144, 176, 210, 18, 136};
 const char *const FORMAT_NAMES[FMT_COUNT] = {"q8_0", "q8_1", "q8_K", "f32"};
 const int QTYPE_FORMAT[T_COUNT] = {
     FMT_F32, FMT_F32, FMT_F32, FMT_Q8_0, FMT_Q8_0, FMT_Q8_1, FMT_Q8_0, FMT_Q8_1,
-    FMT_Q8_K, FMT_Q8_K, FMT_Q8_K, FMT_Q8_K, FMT_Q8_K,
+    FMT_Q8_K, FMT_Q8_K, FMT_Q8_K, FMT_Q8_K, FMT_Q8_K, FMT_Q8_0, FMT_Q8_K,
 };
 
 /* ---- decoding one chunk to integers --------------------------------------------------- */
 
 /* The integer of each element of chunk c (the twins' Decoded.q): unsigned nibbles for
- * Q4_*, 5-bit for Q5_*, signed for Q8_0, Q3_K and Q6_K. */
+ * Q4_*, 5-bit for Q5_*, signed for Q8_0, Q3_K and Q6_K, the values their nibbles index
+ * for IQ4_NL and IQ4_XS. */
 static void chunk_ints(const uint8_t *row, int t, int64_t c, int q[32]) {
     const uint8_t *b = block_of(row, t, c);
     int s = (int)(c & 7), h = s >> 2, tt = s & 3;
@@ -74,6 +77,15 @@ static void chunk_ints(const uint8_t *row, int t, int64_t c, int q[32]) {
         }
         break;
     }
+    case T_IQ4_NL:
+    case T_IQ4_XS: {
+        const uint8_t *qs = t == T_IQ4_NL ? b + 2 : b + 8 + 16 * s;
+        for (int l = 0; l < 16; ++l) {
+            q[l] = IQ4_VALUES[qs[l] & 15];
+            q[l + 16] = IQ4_VALUES[qs[l] >> 4];
+        }
+        break;
+    }
     default:
         for (int l = 0; l < 32; ++l) q[l] = 0;
     }
@@ -100,9 +112,15 @@ void dequant_chunk(const uint8_t *row, int t, int64_t c, float *v) {
     const uint8_t *b = block_of(row, t, c);
     int s = (int)(c & 7);
     switch (t) {
-    case T_Q8_0: {
+    case T_Q8_0:
+    case T_IQ4_NL: {
         float d = load_f16(b);
         for (int l = 0; l < 32; ++l) v[l] = (float)q[l] * d;
+        break;
+    }
+    case T_IQ4_XS: {
+        float dl = load_f16(b) * (float)iq4xs_scale(b, s);
+        for (int l = 0; l < 32; ++l) v[l] = dl * (float)q[l];
         break;
     }
     case T_Q4_0:
@@ -286,6 +304,9 @@ static float kquant_term(const uint8_t *row, int t, int64_t sb, const int8_t *xq
         case T_Q6_K:
             for (int k = 0; k < 2; ++k) isum += (int8_t)b[192 + 2 * s + k] * part[k];
             break;
+        case T_IQ4_XS:
+            isum += iq4xs_scale(b, s) * (part[0] + part[1]);
+            break;
         default: { /* Q4_K, Q5_K */
             int sc, mn;
             k4_scale_min(b + 4, s, &sc, &mn);
@@ -298,6 +319,7 @@ static float kquant_term(const uint8_t *row, int t, int64_t sb, const int8_t *xq
     case T_Q2_K: dw = load_f16(b + 80); dmin = load_f16(b + 82); break;
     case T_Q3_K: dw = load_f16(b + 108); break;
     case T_Q6_K: dw = load_f16(b + 208); break;
+    case T_IQ4_XS: dw = load_f16(b); break;
     default: dw = load_f16(b); dmin = load_f16(b + 2);
     }
     float term = (xd * dw) * (float)isum;
@@ -418,6 +440,8 @@ BOTH_DOTS(Q3_K)
 BOTH_DOTS(Q4_K)
 BOTH_DOTS(Q5_K)
 BOTH_DOTS(Q6_K)
+BOTH_DOTS(IQ4_NL)
+BOTH_DOTS(IQ4_XS)
 
 /* ---- attention's vectors ---------------------------------------------------------------- */
 
@@ -447,9 +471,9 @@ const Isa ISA_PORTABLE = {
     "portable",
     {NULL},
     {NULL, NULL, NULL, q8_Q8_0, q8_Q4_0, q8_Q4_1, q8_Q5_0, q8_Q5_1, q8_Q2_K, q8_Q3_K, q8_Q4_K,
-     q8_Q5_K, q8_Q6_K},
+     q8_Q5_K, q8_Q6_K, q8_IQ4_NL, q8_IQ4_XS},
     {f_F32, f_F16, f_BF16, f_Q8_0, f_Q4_0, f_Q4_1, f_Q5_0, f_Q5_1, f_Q2_K, f_Q3_K, f_Q4_K, f_Q5_K,
-     f_Q6_K},
+     f_Q6_K, f_IQ4_NL, f_IQ4_XS},
     scores_portable,
     mix_portable,
     {[T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1},

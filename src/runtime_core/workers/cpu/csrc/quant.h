@@ -19,6 +19,7 @@ enum qtype {
     T_F32, T_F16, T_BF16,
     T_Q8_0, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1,
     T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K,
+    T_IQ4_NL, T_IQ4_XS,
     T_COUNT
 };
 
@@ -114,6 +115,19 @@ static inline void k4_scale_min(const uint8_t *sc, int s, int *scale, int *min) 
 static inline int k3_scale(const uint8_t *sc, int j) {
     int low = (sc[j & 7] >> (4 * (j >> 3))) & 15;
     int high = (sc[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+/* IQ4_NL's and IQ4_XS's 16 values (llama.cpp's kvalues_iq4nl): a nibble indexes it */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+/* The signed 6-bit scale of sub-block s (0..7) of an IQ4_XS super-block b: the low 4
+ * bits in scales_l (bytes 4-7, low nibble first), the high 2 in scales_h (bytes 2-3),
+ * less 32. */
+static inline int iq4xs_scale(const uint8_t *b, int s) {
+    int low = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 15;
+    int high = ((b[2] | (b[3] << 8)) >> (2 * s)) & 3;
     return (low | (high << 4)) - 32;
 }
 
