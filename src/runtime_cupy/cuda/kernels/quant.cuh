@@ -1,8 +1,8 @@
 // quant.cuh: GGUF block layouts, decoded 32 elements ("a chunk") at a time.
 //
 // A row of a quantized matrix is a run of blocks: 32 elements per block for
-// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, 256 per super-block for the K-quants (8 chunks of
-// 32). Each type below has
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL, 256 per super-block for the K-quants and
+// IQ4_XS (8 chunks of 32). Each type below has
 //   dequant(row, c, v):        v[0..31] = the floats of chunk c of the row, rounded
 //                              exactly as the gguf package's dequantize rounds them;
 //   dot_q8(row, c, x, xd, xs): the chunk's dot product with an activation chunk
@@ -36,6 +36,12 @@
 //               e = 128h + r: q = (nibble (r / 64) of ql[64h + r % 64]
 //                              | (qh[32h + r % 32] >> 2 (r / 32) & 3) << 4) - 32.
 //                                   v = (d * sc) * q
+//   IQ4_NL 18 B: d @0, qs[16] @2 (nibbles as Q4_0); a nibble n indexes the 16 signed
+//               values kv (llama.cpp's kvalues_iq4nl: -127 -104 ... 89 113).  v = d * kv[n]
+//   IQ4_XS 136 B: d @0, scales_h u16 @2, scales_l[4] @4, qs[128] @8. Sub-block s
+//               (chunk s, 0..7): qs[16s .. 16s + 15], nibbles as Q4_0; scale =
+//               (nibble (s % 2) of scales_l[s / 2] | (scales_h >> 2s & 3) << 4) - 32.
+//                                   v = (d * scale) * kv[n]
 #pragma once
 #include "common.cuh"
 
@@ -64,6 +70,35 @@ HD void k4_scale_min(const u8* sc, int s, int* scale, int* min) {
 HD int k3_scale(const u8* sc, int j) {
     int low = (sc[j & 7] >> (4 * (j >> 3))) & 15;
     int high = (sc[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+// IQ4_NL's and IQ4_XS's 16 values, 4 signed bytes a word: value n is byte n % 4 of
+// word n / 4 (plain arithmetic, the same on the host and the device: no table in memory).
+#define IQ4_W0 0xbfad9881u  // -127 -104  -83  -65
+#define IQ4_W1 0xf6eaddcfu  //  -49  -35  -22  -10
+#define IQ4_W2 0x26190d01u  //    1   13   25   38
+#define IQ4_W3 0x71594535u  //   53   69   89  113
+
+// The values of 4 nibbles, one in the low 4 bits of each byte of n, as 4 packed signed
+// bytes (a dot4 operand).
+HD u32 iq4_values4(u32 n) {
+    u32 v = 0;
+    UNROLL for (int k = 0; k < 4; ++k) {
+        u32 i = (n >> (8 * k)) & 15u;
+        u32 w = (i & 8u) ? ((i & 4u) ? IQ4_W3 : IQ4_W2) : ((i & 4u) ? IQ4_W1 : IQ4_W0);
+        v |= ((w >> (8 * (i & 3u))) & 0xffu) << (8 * k);
+    }
+    return v;
+}
+
+// The value of nibble n (0..15).
+HD int iq4_value(int n) { return (int)(i8)iq4_values4((u32)n); }
+
+// The signed 6-bit scale of sub-block s (0..7) of the IQ4_XS super-block at b.
+HD int iq4xs_scale(const u8* b, int s) {
+    int low = (b[4 + (s >> 1)] >> (4 * (s & 1))) & 15;
+    int high = (int)(load_u16(b + 2) >> (2 * s)) & 3;
     return (low | (high << 4)) - 32;
 }
 
@@ -408,5 +443,60 @@ struct TypeQ6_K {
             isum += (int)(i8)b[192 + 2 * s + g] * (sumi - 32 * sumx);
         }
         return xd * (d * (float)isum);
+    }
+};
+
+// ---- non-linear 4-bit values: a nibble indexes a table of 16 signed values ------------------
+
+struct TypeIQ4_NL {
+    static const int BLOCK_ELEMS = 32, BLOCK_BYTES = 18;
+    HD static void dequant(const u8* row, int c, float* v) {
+        const u8* b = row + 18 * c;
+        float d = half_to_float(load_u16(b));
+        UNROLL for (int i = 0; i < 16; ++i) {
+            v[i] = mul_rn(d, (float)iq4_value(b[2 + i] & 15));
+            v[i + 16] = mul_rn(d, (float)iq4_value(b[2 + i] >> 4));
+        }
+    }
+    HD static float dot_q8(const u8* row, int c, const int* x, float xd, float xs) {
+        const u8* b = row + 18 * c;
+        float d = half_to_float(load_u16(b));
+        int sumi = 0;
+        UNROLL for (int i = 0; i < 4; ++i) {
+            u32 q = load_u32_a2(b + 2 + 4 * i);
+            sumi = dot4((int)iq4_values4(q & 0x0f0f0f0fu), x[i], sumi);
+            sumi = dot4((int)iq4_values4((q >> 4) & 0x0f0f0f0fu), x[i + 4], sumi);
+        }
+        return d * (xd * (float)sumi);
+    }
+};
+
+// Chunk c is sub-block s = c % 8 of super-block c / 8, as for the K-quants.
+struct TypeIQ4_XS {
+    static const int BLOCK_ELEMS = 256, BLOCK_BYTES = 136;
+    HD static void dequant(const u8* row, int c, float* v) {
+        const u8* b = row + 136 * (c >> 3);
+        int s = c & 7;
+        float d = half_to_float(load_u16(b));
+        float dl = mul_rn(d, (float)iq4xs_scale(b, s));
+        const u8* q = b + 8 + 16 * s;
+        UNROLL for (int i = 0; i < 16; ++i) {
+            v[i] = mul_rn(dl, (float)iq4_value(q[i] & 15));
+            v[i + 16] = mul_rn(dl, (float)iq4_value(q[i] >> 4));
+        }
+    }
+    // |scale * sumi| <= 32 * 32 * 127 * 127 < 2^24: the int and its float are exact.
+    HD static float dot_q8(const u8* row, int c, const int* x, float xd, float xs) {
+        const u8* b = row + 136 * (c >> 3);
+        int s = c & 7;
+        float d = half_to_float(load_u16(b));
+        const u8* q = b + 8 + 16 * s;
+        int sumi = 0;
+        UNROLL for (int i = 0; i < 4; ++i) {
+            u32 w = load_u32_a4(q + 4 * i);
+            sumi = dot4((int)iq4_values4(w & 0x0f0f0f0fu), x[i], sumi);
+            sumi = dot4((int)iq4_values4((w >> 4) & 0x0f0f0f0fu), x[i + 4], sumi);
+        }
+        return d * (xd * (float)(iq4xs_scale(b, s) * sumi));
     }
 };
