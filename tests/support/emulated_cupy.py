@@ -213,7 +213,7 @@ def poisoned(shape: Any, dtype: Any = np.float64) -> np.ndarray:
 #: The widest load of a type's blocks in quant.cuh (2 bytes for the types not listed):
 #: a matrix's rows must start at multiples of it.
 BLOCK_LOAD_BYTES = {"F32": 16, "F16": 16, "BF16": 16, "Q4_1": 4, "Q5_1": 4, "Q2_K": 4,
-                    "Q4_K": 4, "Q5_K": 4}  # fmt: skip
+                    "Q4_K": 4, "Q5_K": 4, "IQ4_XS": 4}  # fmt: skip
 #: (kernel name prefix, pointer parameter): the 16-byte vectors a kernel reads or writes.
 VECTOR_PARAMETERS = {("matvec_q8_", 4), ("matvec_f_", 4), ("dequant_rows_", 6)}
 

@@ -321,10 +321,10 @@ def chunk_terms_q8(raw: U8 | Decoded, qtype: str, act: Q8Act) -> F32:
     x = act.q.astype(np.int32).reshape(n_chunks, CHUNK)
     xd, xs = act.d[None, :], act.s[None, :]
     f = np.float32
-    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
         sumi = _sums(dec.q, x).astype(f)
         d = dec.d
-        if qtype == "Q8_0":
+        if qtype in ("Q8_0", "IQ4_NL"):  # IQ4_NL: q already the signed value its nibble indexes
             out = d * (xd * sumi)
         elif qtype == "Q4_0":
             out = d * (xd * sumi - f(8) * xs)
@@ -339,6 +339,10 @@ def chunk_terms_q8(raw: U8 | Decoded, qtype: str, act: Q8Act) -> F32:
         scaled = (dec.sc * _sums(dec.q, x)).astype(f)
         out = dec.d * (xd * scaled) - dec.m * (dec.mn.astype(f) * xs)
         return np.asarray(out, dtype=np.float32)
+    if qtype == "IQ4_XS":  # one signed scale per chunk, no min
+        assert dec.sc is not None
+        scaled = (dec.sc * _sums(dec.q, x)).astype(f)
+        return np.asarray(dec.d * (xd * scaled), dtype=np.float32)
     # 16-element groups
     qg = dec.q.reshape(*dec.q.shape[:2], 2, 16)
     xg = x.reshape(n_chunks, 2, 16)
