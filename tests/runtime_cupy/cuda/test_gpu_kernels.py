@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runplan.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
+from runplan.quant_types import (
+    CHUNK,
+    FLOAT_TYPES,
+    Q8_TYPES,
+    QUANT_TYPES,
+    block_elems,
+    row_bytes,
+)
 from runtime_cupy.cuda.kernels import KernelSet, cuda_device_problem
 from tests.support import twins
 from tests.support.kernel_twins import KERNEL_TWINS
@@ -36,7 +43,7 @@ SHAPES_K = [(1, 256), (5, 768), (1027, 4352), (64, 14336), (4099, 4096)]
 
 
 def shapes_for(qtype: str) -> list[tuple[int, int]]:
-    return SHAPES_K if qtype.endswith("_K") else SHAPES_32
+    return SHAPES_K if block_elems(qtype) > CHUNK else SHAPES_32
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +156,7 @@ def test_matvec_f(ks: KernelSet, qtype: str) -> None:
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_dequant_rows_by_id_and_by_range(ks: KernelSet, qtype: str) -> None:
     rng = np.random.default_rng(QUANT_TYPES.index(qtype) + 7)
-    n = 768 if qtype.endswith("_K") else 576
+    n = 768 if block_elems(qtype) > CHUNK else 576
     raw = random_rows(rng, qtype, 50, n)
     ids = rng.integers(0, 50, 9).astype(np.int32)
     for pick, row0 in ((ids, 0), (None, 13)):

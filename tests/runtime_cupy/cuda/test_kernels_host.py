@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runplan.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES
+from runplan.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, block_elems
 from runtime_core.activations import float32_to_bf16
 from runtime_cupy.cuda.kernels import KERNEL_DIR, SIGNATURES, KernelSet, _arg
 from tests.support import twins
@@ -168,8 +168,9 @@ def _run(exe: Path, qtype: str, payload: bytes, folder: Path) -> bytes:
     return out.read_bytes()
 
 
-# Odd sizes: 5 rows; 3 blocks (96) of the 32-element types, 3 super-blocks (768) of K.
-SHAPES = {t: (5, 768 if t.endswith("_K") else 96) for t in QUANT_TYPES}
+# Odd sizes: 5 rows; 3 blocks (96) of the 32-element types, 3 super-blocks (768) of the
+# 256-element ones.
+SHAPES = {t: (5, 768 if block_elems(t) > CHUNK else 96) for t in QUANT_TYPES}
 
 
 @needs_cxx

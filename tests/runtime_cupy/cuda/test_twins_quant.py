@@ -24,7 +24,14 @@ from gguf import GGMLQuantizationType, quants
 
 from runplan import SamplingConfig
 from runplan.gguf_header import GgufHeader, TensorInfo
-from runplan.quant_types import CHUNK, Q8_TYPES, QUANT_TYPES, block_bytes, row_bytes
+from runplan.quant_types import (
+    CHUNK,
+    Q8_TYPES,
+    QUANT_TYPES,
+    block_bytes,
+    block_elems,
+    row_bytes,
+)
 from runtime_core.workers import device_sampling
 from runtime_core.workers.sampling import Sampler
 from tests.fixtures.llamacpp_fixtures import MODELS_DIR
@@ -47,7 +54,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> None:
 @pytest.mark.parametrize("rows", [1, 7])
 def test_dequantize_equals_the_gguf_package_on_random_blocks(qtype: str, rows: int) -> None:
     rng = np.random.default_rng(rows * 100 + QUANT_TYPES.index(qtype))
-    n = 256 * 3 if qtype.endswith("_K") else 32 * 5
+    n = 256 * 3 if block_elems(qtype) > CHUNK else 32 * 5
     raw = random_rows(rng, qtype, rows, n, scale=0.3)
     assert raw.shape == (rows, row_bytes(qtype, n))
     same_bits(twins.dequantize(raw, qtype), gguf_dequantize(raw, qtype))
@@ -113,7 +120,7 @@ def test_q8_refuses_a_row_that_is_not_whole_chunks() -> None:
 @pytest.mark.parametrize("qtype", Q8_TYPES)
 def test_integer_products_equal_the_exact_product(qtype: str) -> None:
     rng = np.random.default_rng(11 + Q8_TYPES.index(qtype))
-    n = 256 * 3 if qtype.endswith("_K") else 32 * 9
+    n = 256 * 3 if block_elems(qtype) > CHUNK else 32 * 9
     raw = random_rows(rng, qtype, 13, n)
     act = twins.quantize_q8(rng.standard_normal(n).astype(np.float32) * np.float32(3))
     got = twins.matvec_q8(raw, qtype, act)
@@ -124,7 +131,7 @@ def test_integer_products_equal_the_exact_product(qtype: str) -> None:
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_float_products_equal_the_exact_product(qtype: str) -> None:
     rng = np.random.default_rng(17)
-    n = 256 if qtype.endswith("_K") else 64
+    n = 256 if block_elems(qtype) > CHUNK else 64
     raw = random_rows(rng, qtype, 6, n)
     x = rng.standard_normal(n).astype(np.float32)
     got = twins.matvec_f(raw, qtype, x)
