@@ -31,7 +31,7 @@ from runplan.quant_types import CHUNK, FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, block
 from runtime_core.activations import float32_to_bf16
 from runtime_cupy.cuda.kernels import KERNEL_DIR, SIGNATURES, KernelSet, _arg
 from tests.support import twins
-from tests.support.random_blocks import random_rows
+from tests.support.random_blocks import filled_rows, random_rows
 
 CXX = shutil.which("g++") or shutil.which("c++")
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no host C++ compiler (g++) on PATH")
@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
     if (false) {}
     FL(F32) FL(F16) FL(BF16)
     Q8(Q8_0) Q8(Q4_0) Q8(Q4_1) Q8(Q5_0) Q8(Q5_1) Q8(Q2_K) Q8(Q3_K) Q8(Q4_K) Q8(Q5_K) Q8(Q6_K)
+    Q8(IQ4_NL) Q8(IQ4_XS)
     else return 5;
     std::fclose(out);
     return 0;
@@ -160,6 +161,18 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return exe
 
 
+def _payload(raw: np.ndarray, nc: int, act: twins.Q8Act) -> bytes:
+    """The harness's input: rows, chunks, row stride, the rows, the activations."""
+    return (
+        np.array([raw.shape[0], nc], np.int32).tobytes()
+        + np.array([raw.shape[1]], np.int64).tobytes()
+        + raw.tobytes()
+        + act.q.tobytes()
+        + act.d.tobytes()
+        + act.s.tobytes()
+    )
+
+
 def _run(exe: Path, qtype: str, payload: bytes, folder: Path) -> bytes:
     inp, out = folder / f"{qtype}.in", folder / f"{qtype}.out"
     inp.write_bytes(payload)
@@ -183,15 +196,7 @@ def test_device_decoders_equal_the_twins_bit_for_bit(
     raw = random_rows(rng, qtype, rows, n)
     nc = n // CHUNK
     act = twins.quantize_q8(rng.standard_normal(n).astype(np.float32))
-    payload = (
-        np.array([rows, nc], np.int32).tobytes()
-        + np.array([raw.shape[1]], np.int64).tobytes()
-        + raw.tobytes()
-        + act.q.tobytes()
-        + act.d.tobytes()
-        + act.s.tobytes()
-    )
-    out = np.frombuffer(_run(harness, qtype, payload, tmp_path), np.float32)
+    out = np.frombuffer(_run(harness, qtype, _payload(raw, nc, act), tmp_path), np.float32)
     deq = out[: rows * n].reshape(rows, n)
     np.testing.assert_array_equal(deq.view(np.uint32), twins.dequantize(raw, qtype).view(np.uint32))
     if qtype in Q8_TYPES:
@@ -203,7 +208,7 @@ def test_device_decoders_equal_the_twins_bit_for_bit(
 
 
 @needs_cxx
-@pytest.mark.parametrize(("qtype", "pad"), [("Q4_1", 1), ("Q2_K", 2), ("F16", 8)])
+@pytest.mark.parametrize(("qtype", "pad"), [("Q4_1", 1), ("Q2_K", 2), ("IQ4_XS", 2), ("F16", 8)])
 def test_a_misaligned_load_stops_the_harness(
     harness: Path, tmp_path: Path, qtype: str, pad: int
 ) -> None:
@@ -217,20 +222,36 @@ def test_a_misaligned_load_stops_the_harness(
     padded[:, : raw.shape[1]] = raw
     nc = n // CHUNK
     act = twins.quantize_q8(rng.standard_normal(n).astype(np.float32))
-    payload = (
-        np.array([rows, nc], np.int32).tobytes()
-        + np.array([padded.shape[1]], np.int64).tobytes()
-        + padded.tobytes()
-        + act.q.tobytes()
-        + act.d.tobytes()
-        + act.s.tobytes()
-    )
     inp, out = tmp_path / "in", tmp_path / "out"
-    inp.write_bytes(payload)
+    inp.write_bytes(_payload(padded, nc, act))
     proc = subprocess.run(
         [str(harness), qtype, str(inp), str(out)], capture_output=True, check=False
     )
     assert proc.returncode != 0 and b"misaligned" in proc.stderr, proc.stderr
+
+
+@needs_cxx
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_decoders_on_extreme_blocks_equal_the_twins(
+    harness: Path, tmp_path: Path, qtype: str
+) -> None:
+    """IQ4_NL's and IQ4_XS's every value and scale at their extremes (rows whose every
+    byte is 0x00, 0xFF, 0x87, 0x78, 0x5A), on activations of +-127 (the largest integer
+    sums: 32 * 127 * 127, times IQ4_XS's scale of -32) and on random ones, bit for bit."""
+    n = 512
+    raw = np.concatenate([filled_rows(qtype, 1, n, fill, 0.02) for fill in (0, 255, 135, 120, 90)])
+    nc = n // CHUNK
+    ones = np.ones(n, np.float32)
+    noise = np.random.default_rng(9).standard_normal(n).astype(np.float32)
+    for x in (ones, -ones, noise):
+        act = twins.quantize_q8(x)
+        out = np.frombuffer(_run(harness, qtype, _payload(raw, nc, act), tmp_path), np.float32)
+        deq = out[: raw.shape[0] * n].reshape(raw.shape[0], n)
+        same = twins.dequantize(raw, qtype)
+        np.testing.assert_array_equal(deq.view(np.uint32), same.view(np.uint32))
+        terms = out[raw.shape[0] * n :].reshape(raw.shape[0], nc)
+        expected = twins.chunk_terms_q8(raw, qtype, act)
+        np.testing.assert_array_equal(terms.view(np.uint32), expected.view(np.uint32))
 
 
 #: Half precision's edges: the largest half, values rounding to it or to infinity,

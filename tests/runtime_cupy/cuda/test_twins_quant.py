@@ -36,7 +36,7 @@ from runtime_core.workers import device_sampling
 from runtime_core.workers.sampling import Sampler
 from tests.fixtures.llamacpp_fixtures import MODELS_DIR
 from tests.support import twins
-from tests.support.random_blocks import random_rows
+from tests.support.random_blocks import filled_rows, random_rows
 
 GGUF_QUANTIZES = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
@@ -165,6 +165,55 @@ def test_k_scale_packing_round_trips_and_matches_gguf() -> None:
     same_bits(twins.dequantize(block, "Q4_K"), gguf_dequantize(block, "Q4_K"))
     with pytest.raises(ValueError, match="6-bit"):
         twins.pack_k4_scale_min(sc + 64, mn)
+
+
+# ---- IQ4_NL and IQ4_XS: a nibble indexes 16 signed values ----------------------------------
+
+IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
+#: Every byte one value: 0x00 and 0xFF give the extreme values (-127, 113) and IQ4_XS's
+#: extreme scales (-32, 31); 0x87 and 0x78 the two values nearest zero.
+IQ4_FILLS = (0x00, 0xFF, 0x87, 0x78)
+
+
+def iq4_rows(qtype: str, rows: int, n: int) -> np.ndarray:
+    """Random rows, then one row filled with each of ``IQ4_FILLS``."""
+    rng = np.random.default_rng(IQ4_TYPES.index(qtype) + 40)
+    filled = [filled_rows(qtype, 1, n, fill, 0.01) for fill in IQ4_FILLS]
+    return np.concatenate([random_rows(rng, qtype, rows, n), *filled])
+
+
+@pytest.mark.parametrize("qtype", IQ4_TYPES)
+def test_iq4_extreme_blocks_decode_as_the_gguf_package(qtype: str) -> None:
+    raw = iq4_rows(qtype, 3, 512)
+    same_bits(twins.dequantize(raw, qtype), gguf_dequantize(raw, qtype))
+    dec = twins.decode(raw, qtype)
+    assert set(np.unique(dec.q)) <= set(twins.IQ4_VALUES.tolist())
+    low, high = dec.q[3], dec.q[4]  # the rows of 0x00 and 0xFF bytes
+    assert (low == -127).all() and (high == 113).all()
+    if qtype == "IQ4_XS":
+        assert dec.sc is not None
+        assert (dec.sc[3] == -32).all() and (dec.sc[4] == 31).all()
+        assert dec.sc.min() >= -32 and dec.sc.max() <= 31
+
+
+@pytest.mark.parametrize("qtype", IQ4_TYPES)
+def test_iq4_chunk_terms_are_the_exact_product_rounded_twice(qtype: str) -> None:
+    """Each chunk's term (``dot_q8``: an exact integer sum, then two float32 products)
+    is the float64 product of the decoded integers, scales and factors within two
+    roundings; on random activations and on chunks of +-127 (the largest sums)."""
+    n = 512
+    raw = iq4_rows(qtype, 5, n)
+    dec = twins.decode(raw, qtype)
+    rng = np.random.default_rng(8)
+    ones = np.ones(n, np.float32)
+    for x in (rng.standard_normal(n).astype(np.float32), ones, -ones):
+        act = twins.quantize_q8(x)
+        got = twins.chunk_terms_q8(raw, qtype, act).astype(np.float64)
+        xq = act.q.astype(np.int64).reshape(-1, CHUNK)
+        sums = np.einsum("rcl,cl->rc", dec.q.astype(np.int64), xq)
+        scale = dec.sc.astype(np.float64) if dec.sc is not None else 1.0
+        exact = dec.d.astype(np.float64) * scale * act.d.astype(np.float64)[None, :] * sums
+        assert np.all(np.abs(got - exact) <= 2.0**-23 * np.abs(exact)), qtype
 
 
 def test_argmax_twin_takes_the_first_largest_finite_and_counts_the_rest() -> None:
