@@ -1,4 +1,4 @@
-"""Write a random-weight llama / qwen2 GGUF of any shape, in any of the 13 types.
+"""Write a random-weight llama / qwen2 GGUF of any shape, in any type the workers run.
 
 Blocks are built directly (``random_blocks``): valid, with weights of standard
 deviation ``1 / sqrt(n_in)``, so activations stay finite through many blocks. Tensors

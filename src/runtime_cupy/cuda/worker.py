@@ -40,9 +40,10 @@ from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWo
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
 
 #: What the CUDA worker runs: every architecture of the reference worker
-#: (``runtime_core.architectures``) and all 13 types; weights stay as the file stores them
-#: and the KV cache takes the activation dtype (``kv_dtype="auto"``; a sliding block's
-#: holds its window), which is what the planner's memory check counts.
+#: (``runtime_core.architectures``) and every type of ``runplan.quant_types``; weights
+#: stay as the file stores them and the KV cache takes the activation dtype
+#: (``kv_dtype="auto"``; a sliding block's holds its window), which is what the planner's
+#: memory check counts.
 CUDA_CAPABILITIES = WorkerCapabilities(
     name="cuda",
     architectures=REFERENCE_ARCHITECTURES,

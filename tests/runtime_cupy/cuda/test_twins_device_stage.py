@@ -92,6 +92,17 @@ MIXED = RandomModel(
     ),
 )
 
+#: IQ4_XS block matrices (256-element super-blocks); IQ4_NL (32-element blocks) for the
+#: embedding, the head and two block matrices.
+IQ4 = RandomModel(
+    n_layers=2,
+    qtype="IQ4_XS",
+    embed_qtype="IQ4_NL",
+    head_qtype="IQ4_NL",
+    seed=9,
+    overrides=(("blk.0.attn_v.weight", "IQ4_NL"), ("blk.1.ffn_down.weight", "IQ4_NL")),
+)
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -105,6 +116,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "llama-Q8_0-rope": write_model(folder / "rope.gguf", rope),
         "mixed-types": write_random_model(folder / "mixed.gguf", MIXED),
+        "llama-IQ4": write_random_model(folder / "iq4.gguf", IQ4),
         # sliding blocks of 4 positions: the 6-token prefill wraps their ring; soft cap
         "gemma3-window": write_model(
             folder / "gemma3.gguf",
@@ -168,7 +180,15 @@ def logits(out: TokenOutput) -> np.ndarray:
 @pytest.mark.parametrize("mode", ["q8", "f32"])
 @pytest.mark.parametrize(
     "name",
-    ["llama-F32", "qwen2-Q4_K", "llama-Q8_0-rope", "mixed-types", "gemma3-window", "phi3"],
+    [
+        "llama-F32",
+        "qwen2-Q4_K",
+        "llama-Q8_0-rope",
+        "mixed-types",
+        "llama-IQ4",
+        "gemma3-window",
+        "phi3",
+    ],
 )
 def test_the_device_backend_computes_what_the_twin_worker_computes(
     models: dict[str, Path], name: str, mode: str, split: tuple[int, str]

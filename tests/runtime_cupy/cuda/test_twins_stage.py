@@ -7,7 +7,8 @@ reference worker and llama.cpp: what the CUDA worker computes, checked on a CPU.
 - ``matvec="f32"`` (dequantized weights times float32 activations) gives the reference
   worker's tokens and logits within 2e-4 on llama (normal rotary, GQA, untied head),
   qwen2 (NeoX rotary, Q/K/V biases, tied head), llama3 rotary factors with linear
-  scaling, and mixed weight types in one block (Q, K, V not fused).
+  scaling, mixed weight types in one block (Q, K, V not fused), and IQ4_NL and IQ4_XS
+  (the non-linear 4-bit types: a nibble indexes 16 signed values).
 - Both modes, on llama.cpp's tiny fixtures of every type: the reference worker's
   thresholds (prompt logits cosine >= 0.99999 on F32 / F16 and >= 0.9995 otherwise,
   the same largest logit, greedy tokens up to the first near-tie, and all 16 for F32,
@@ -75,7 +76,8 @@ def test_the_cuda_worker_runs_every_architecture_in_the_reference_types() -> Non
     worker: Worker = TwinWorker()
     assert worker.capabilities.name == "cuda"
     assert set(CudaWorker.capabilities.quant_types) == set(QUANT_TYPES)
-    assert len(CudaWorker.capabilities.quant_types) == 13
+    assert {"IQ4_NL", "IQ4_XS"} <= set(CudaWorker.capabilities.quant_types)
+    assert len(CudaWorker.capabilities.quant_types) == 15
     assert CudaWorker.capabilities.architectures == REFERENCE_ARCHITECTURES
     assert TwinWorker.capabilities == CudaWorker.capabilities
 
@@ -164,7 +166,17 @@ MIXED = RandomModel(
         ("blk.1.attn_q.weight", "BF16"),
     ),
 )
-NAMES = ["llama-F32-untied", "qwen2-Q4_K", "llama-Q8_0-rope", "mixed-types"]
+#: IQ4_XS block matrices (256-element super-blocks); IQ4_NL (32-element blocks) for the
+#: embedding, the head and two block matrices.
+IQ4 = RandomModel(
+    n_layers=2,
+    qtype="IQ4_XS",
+    embed_qtype="IQ4_NL",
+    head_qtype="IQ4_NL",
+    seed=9,
+    overrides=(("blk.0.attn_v.weight", "IQ4_NL"), ("blk.1.ffn_down.weight", "IQ4_NL")),
+)
+NAMES = ["llama-F32-untied", "qwen2-Q4_K", "llama-Q8_0-rope", "mixed-types", "llama-IQ4"]
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +188,7 @@ def shapes(folder: Path) -> dict[str, Path]:
         "qwen2-Q4_K": write_random_model(folder / "qwen2-q4k.gguf", qwen2),
         "llama-Q8_0-rope": write_model(folder / "rope.gguf", rope),
         "mixed-types": write_random_model(folder / "mixed.gguf", MIXED),
+        "llama-IQ4": write_random_model(folder / "iq4.gguf", IQ4),
     }
 
 
