@@ -181,9 +181,10 @@ def _run(exe: Path, qtype: str, payload: bytes, folder: Path) -> bytes:
     return out.read_bytes()
 
 
-# Odd sizes: 5 rows; 3 blocks (96) of the 32-element types, 3 super-blocks (768) of the
-# 256-element ones.
-SHAPES = {t: (5, 768 if block_elems(t) > CHUNK else 96) for t in QUANT_TYPES}
+def row_shape(qtype: str) -> tuple[int, int]:
+    """Odd sizes: 5 rows; 3 blocks (96) of the 32-element types, 3 super-blocks (768) of
+    the 256-element ones."""
+    return 5, 768 if block_elems(qtype) > CHUNK else 96
 
 
 @needs_cxx
@@ -192,7 +193,7 @@ def test_device_decoders_equal_the_twins_bit_for_bit(
     harness: Path, tmp_path: Path, qtype: str
 ) -> None:
     rng = np.random.default_rng(QUANT_TYPES.index(qtype))
-    rows, n = SHAPES[qtype]
+    rows, n = row_shape(qtype)
     raw = random_rows(rng, qtype, rows, n)
     nc = n // CHUNK
     act = twins.quantize_q8(rng.standard_normal(n).astype(np.float32))
@@ -216,7 +217,7 @@ def test_a_misaligned_load_stops_the_harness(
     are aligned as a GPU requires (so the test above proves every type's loads are, in
     rows laid out as on the device). Rows ``pad`` bytes apart from their size are not."""
     rng = np.random.default_rng(3)
-    rows, n = 3, SHAPES[qtype][1]
+    rows, n = 3, row_shape(qtype)[1]
     raw = random_rows(rng, qtype, rows, n)
     padded = np.zeros((rows, raw.shape[1] + pad), np.uint8)
     padded[:, : raw.shape[1]] = raw
