@@ -90,7 +90,11 @@ FTYPES = {
     "8b-q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
     "8b-q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
     "8b-q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "8b-iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
+    "8b-iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
 }
+#: also known to --models, not run unless named (the non-linear 4-bit types)
+MORE_MODELS = ("8b-iq4_xs", "8b-iq4_nl")
 #: the 8B-shape models whose decode should reach 90 % of the read bandwidth
 BANDWIDTH_TARGETS = ("8b-q4_0", "8b-q4_k")
 #: processor flags (as /proc/cpuinfo names them) of the instruction sets that matter here
@@ -511,7 +515,9 @@ def thread_counts(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--models", default=",".join(MODELS), help=f"a list of {', '.join(MODELS)} (default: all)"
+        "--models",
+        default=",".join(MODELS),
+        help=f"a list of {', '.join(MODELS + MORE_MODELS)} (default: {', '.join(MODELS)})",
     )
     parser.add_argument(
         "--runners",
@@ -555,6 +561,8 @@ def main() -> None:
         print(json.dumps(child(args.child[0], json.loads(args.child[1]))))
         return
     models = [m for m in args.models.split(",") if m]
+    if unknown_models := [m for m in models if m not in MODELS + MORE_MODELS]:
+        raise SystemExit(f"--models: unknown {unknown_models} (known: {MODELS + MORE_MODELS})")
     runners = [r for r in args.runners.split(",") if r]
     counts = thread_counts(args.threads)
     unknown = [r for r in runners if r not in PEERS and r not in ("numpy", "cpu")

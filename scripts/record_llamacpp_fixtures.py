@@ -100,6 +100,8 @@ QUANT_FTYPES: dict[str, str] = {
     "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
     "Q5_K": "LLAMA_FTYPE_MOSTLY_Q5_K_S",
     "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
+    "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
+    "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
 }
 #: Types the generator writes itself (byte-identical to llama.cpp's, checked here).
 REGENERATED = ("F32", "F16", "BF16")
@@ -293,8 +295,9 @@ def main() -> None:
     args.models.mkdir(parents=True, exist_ok=True)
     llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
     if args.only in (None, "tiny"):
-        for old in args.models.glob("tiny-*.gguf"):
-            old.unlink()
+        for key in FIXTURE_SHAPES:  # this script's (record_llamacpp_tensors.py writes others)
+            for qtype in SHAPE_TYPES.get(key, ("F32",)):
+                (args.models / f"tiny-{key}-{qtype}.gguf").unlink(missing_ok=True)
         with tempfile.TemporaryDirectory() as work:
             record_tiny(args.out, args.models, Path(work))
     if args.only in (None, "smollm2"):

@@ -26,8 +26,10 @@ Q8_TYPES: tuple[str, ...] = (
     "Q4_K",
     "Q5_K",
     "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
 )
-#: Every type the workers run (all thirteen: the reference, CPU and CUDA workers').
+#: Every type the workers run (all fifteen: the reference, CPU and CUDA workers').
 QUANT_TYPES: tuple[str, ...] = FLOAT_TYPES + Q8_TYPES
 
 

@@ -35,7 +35,7 @@ from runtime_core.workers.worker_runs import (
 )
 
 #: Types no worker runs yet, which the synthetic worker plans all the same.
-NO_WORKER_TYPES = ("IQ4_XS", "IQ2_XXS")
+NO_WORKER_TYPES = ("IQ2_XXS", "IQ3_S")
 #: Runs any architecture and quant type: it never looks at the weights. It stands for a
 #: worker that keeps weights as stored and its KV cache in the activation dtype.
 SYNTHETIC_CAPABILITIES = WorkerCapabilities(

@@ -131,7 +131,7 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         {"error": GgufError, "tensor": None, "key": None},
     ),
     "quant type the worker does not run": (
-        {"tensor_types": {"blk.3.ffn_up.weight": "IQ4_NL"}},
+        {"tensor_types": {"blk.3.ffn_up.weight": "MXFP4"}},
         (3, 4),
         _unsupported(tensor="blk.3.ffn_up.weight"),
     ),

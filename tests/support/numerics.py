@@ -53,6 +53,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def same_pick_up_to_a_near_tie(
+    ours: npt.NDArray[np.floating], theirs: npt.NDArray[np.floating]
+) -> bool:
+    """Whether the token ``ours`` ranks first is the one ``theirs`` does, or one
+    ``theirs`` scores within ``NEAR_TIE`` of its best (then either is right)."""
+    pick, best = int(np.argmax(ours)), int(np.argmax(theirs))
+    return pick == best or float(theirs[best]) - float(theirs[pick]) < NEAR_TIE
+
+
 def first_near_tie(gaps: Sequence[float], n: int) -> int:
     """The first of the first ``n`` steps whose top-2 gap is below ``NEAR_TIE`` (``n``
     when there is none)."""

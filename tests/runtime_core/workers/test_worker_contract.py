@@ -236,7 +236,7 @@ def test_bind_reports_progress_up_to_the_stage_bytes(make: MakeWorker, model: Pa
 def test_a_file_the_worker_cannot_run_is_a_typed_bind_error(make: MakeWorker, folder: Path) -> None:
     shape = ModelShape(n_layers=1)
     good = write_model(folder / "good.gguf", shape)
-    bad = write_model(folder / "iq.gguf", shape, tensor_types={"blk.0.attn_q.weight": "IQ4_NL"})
+    bad = write_model(folder / "iq.gguf", shape, tensor_types={"blk.0.attn_q.weight": "MXFP4"})
     w = make()
     w.configure(provisions(good)[0])
     with pytest.raises(WorkerError) as info:

@@ -1,7 +1,7 @@
 """The CPU worker (``CpuWorker``) as a ``Worker``: the interface's rules, what it tells
 the planner, how it holds a model, and what it computes however a run is split.
 
-- Capabilities: the 13 types, the five architectures of the reference worker, weights
+- Capabilities: the 15 types, the five architectures of the reference worker, weights
   as stored (the planner's memory check counts the file's bytes, not float32 copies).
 - Interface: ``tests/runtime_core/workers/test_worker_contract.py`` (every worker);
   here, rows the kernels cannot read are refused at bind, and any head size binds.
@@ -66,7 +66,7 @@ def logits(out: TokenOutput) -> np.ndarray:
 def test_the_cpu_worker_runs_every_type_and_keeps_weights_as_stored() -> None:
     caps = capabilities("cpu")
     assert caps == CPU_CAPABILITIES and caps.name == "cpu"
-    assert set(caps.quant_types) == set(QUANT_TYPES) and len(caps.quant_types) == 13
+    assert set(caps.quant_types) == set(QUANT_TYPES) and len(caps.quant_types) == 15
     assert caps.architectures == REFERENCE_ARCHITECTURES  # every one the reference runs
     assert caps.weight_bytes_per_element == 0  # as stored
     assert caps.kv_bytes_per_element == 0  # the activation dtype

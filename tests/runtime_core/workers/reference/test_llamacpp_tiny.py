@@ -7,7 +7,9 @@ llama.cpp scales as Gemma 3 27B's).
 Thresholds: the cosine similarity of the logits of the last prompt position with
 llama.cpp's is >= 0.99999 on F32 and F16 weights (and every logit within 1e-4 on
 F32, but for GELU's architecture, see below), >= 0.9995 on every other type, and the
-largest logit is the same token. Greedy tokens equal llama.cpp's on all 16 steps for
+largest logit is the same token, or one llama.cpp scores within ``numerics.NEAR_TIE``
+of its largest (the llama IQ4_XS model's prompt: llama.cpp's best two 0.01 apart, our
+float activations' logits up to 0.1 from its 8-bit activations' ones). Greedy tokens equal llama.cpp's on all 16 steps for
 F32, F16 and BF16 unless llama.cpp's two largest logits come to a near-tie
 (``numerics.NEAR_TIE``), and for every type at least up to the first near-tie. Where
 all 16 tokens agree, the logits of the last (decode) step meet the same cosine
@@ -44,7 +46,14 @@ from runtime_core.workers.interface import TokenOutput
 from runtime_core.workers.reference import model as reference_model
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, load_tensors, model_file
 from tests.support.chain import Chain, provisions
-from tests.support.numerics import U32, common_prefix, cosine, first_near_tie, product_bound
+from tests.support.numerics import (
+    U32,
+    common_prefix,
+    cosine,
+    first_near_tie,
+    product_bound,
+    same_pick_up_to_a_near_tie,
+)
 
 DOC = load_doc("tiny")
 LOGITS = load_logits("tiny")
@@ -84,7 +93,7 @@ def logits_of(out: TokenOutput) -> np.ndarray:
 
 def test_every_type_of_every_architecture_is_covered() -> None:
     types = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
-    types |= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+    types |= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     for shape in ("llama", "qwen2"):
         assert {m["type"] for m in MODELS if m["shape"] == shape} == types
     for shape in ("qwen3", "gemma3", "phi3"):
@@ -104,7 +113,7 @@ def test_prompt_logits_match_llamacpp(entry: dict[str, Any], model_dir: Path) ->
     assert ours.dtype == np.float32
     assert ours.shape == theirs.shape
     assert cosine(ours, theirs) >= threshold(entry)
-    assert int(np.argmax(ours)) == int(np.argmax(theirs))
+    assert same_pick_up_to_a_near_tie(ours, theirs)
     if entry["type"] == "F32" and arch_of(entry) not in GELU_ARCHITECTURES:
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
 
@@ -261,7 +270,7 @@ def test_decode_step_logits_match_llamacpp(entry: dict[str, Any], model_dir: Pat
     ours = logits_of(outs[-1])
     theirs = LOGITS[f"{entry['name']}/last_step"]
     assert cosine(ours, theirs) >= threshold(entry)
-    assert int(np.argmax(ours)) == int(np.argmax(theirs))
+    assert same_pick_up_to_a_near_tie(ours, theirs)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """What the reference worker tells the planner: the defaults of ``WorkerCapabilities``
-(five architectures, the 13 types, float32 weights and KV cache). The worker interface
+(five architectures, the 15 types, float32 weights and KV cache). The worker interface
 it keeps is ``tests/runtime_core/workers/test_worker_contract.py``'s, over every worker."""
 
 from __future__ import annotations
@@ -16,4 +16,4 @@ def test_it_is_a_worker_with_the_reference_capabilities() -> None:
     archs = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
     assert ReferenceWorker.capabilities.architectures == archs
     assert set(ReferenceWorker.capabilities.quant_types) == set(QUANT_TYPES)
-    assert len(ReferenceWorker.capabilities.quant_types) == 13
+    assert len(ReferenceWorker.capabilities.quant_types) == 15

@@ -276,7 +276,7 @@ LEGACY(IQ4_NL, 5, 18)
 /* ---- K-quants ---------------------------------------------------------------------------- */
 
 /* A super-block decoded: the 8 chunks' weights as bytes u[s] (unsigned, or magnitudes
- * with sign[s] carrying the signs); scales: Q4_K, Q5_K, IQ4_XS one per chunk (lane s of sc),
+ * with sign[s] carrying the signs); scales: Q4_K, Q5_K one per chunk (lane s of sc),
  * Q2_K, Q3_K, Q6_K one per 16-element group, in the order hsum_groups leaves the
  * groups' sums (sc: chunks 0-3, sc2: chunks 4-7); mins: Q4_K, Q5_K per chunk (mn),
  * Q2_K per group in file order (mn: groups 0-7, mn2: 8-15). */
@@ -311,7 +311,7 @@ static inline void k4_unpack(const uint8_t *p, uint8_t out[16]) {
     memcpy(out, u, 16);
 }
 
-/* kind: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 IQ4_XS */
+/* kind: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K */
 AVX2_INLINE void decode_super(const uint8_t *b, Super *S, const int kind) {
     const __m256i m2 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(0x0F);
     const __m256i one = _mm256_set1_epi8(1);
@@ -370,17 +370,6 @@ AVX2_INLINE void decode_super(const uint8_t *b, Super *S, const int kind) {
         __m128i v = _mm_loadu_si128((const __m128i *)sm);
         S->sc = _mm256_cvtepu8_epi32(v);
         S->mn = _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
-    } else if (kind == 5) { /* IQ4_XS: the values the nibbles index, signed */
-        S->d = h2f(b);
-        S->dmin = 0.0f;
-        const __m256i table = iq4_table();
-        for (int s = 0; s < 8; ++s) {
-            __m256i v = _mm256_shuffle_epi8(table, nibbles16(b + 8 + 16 * s));
-            S->sign[s] = v;
-            S->u[s] = _mm256_sign_epi8(v, v);
-            sc[s] = iq4xs_scale(b, s);
-        }
-        S->sc = _mm256_loadu_si256((const __m256i *)sc);
     } else { /* Q6_K: q = low | high << 4, minus 32, signed */
         S->d = h2f(b + 208);
         S->dmin = 0.0f;
@@ -415,8 +404,7 @@ AVX2_INLINE void kquant_body(const uint8_t *w, int64_t nc, const XRows *x, int64
         xd[k] = x->d + (j0 + k) * nc;
         xg[k] = x->g + (j0 + k) * 2 * nc;
     }
-    const int signed_q = kind == 1 || kind == 4 || kind == 5;
-    const int per_chunk = kind == 2 || kind == 3 || kind == 5, chunk_mins = kind == 2 || kind == 3;
+    const int signed_q = kind == 1 || kind == 4, per_chunk = kind == 2 || kind == 3;
     const __m256i ones = _mm256_set1_epi16(1);
     Super S;
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
@@ -433,11 +421,9 @@ AVX2_INLINE void kquant_body(const uint8_t *w, int64_t nc, const XRows *x, int64
             int isum, imin = 0;
             if (per_chunk) {
                 isum = hsum_i32(_mm256_mullo_epi32(hsum_8x8(p), S.sc));
-                if (chunk_mins) {
-                    __m256i pairs = _mm256_permute4x64_epi64(
-                        _mm256_hadd_epi32(loadu256(g), loadu256(g + 8)), 0xD8); /* chunk s's sum */
-                    imin = hsum_i32(_mm256_mullo_epi32(pairs, S.mn));
-                }
+                __m256i pairs = _mm256_permute4x64_epi64(
+                    _mm256_hadd_epi32(loadu256(g), loadu256(g + 8)), 0xD8); /* sum of chunk s */
+                imin = hsum_i32(_mm256_mullo_epi32(pairs, S.mn));
             } else {
                 __m256i a = _mm256_mullo_epi32(hsum_groups(p), S.sc);
                 __m256i b2 = _mm256_mullo_epi32(hsum_groups(p + 4), S.sc2);
@@ -447,7 +433,7 @@ AVX2_INLINE void kquant_body(const uint8_t *w, int64_t nc, const XRows *x, int64
                                                      _mm256_mullo_epi32(loadu256(g + 8), S.mn2)));
             }
             float term = (xd[k][sb] * S.d) * (float)isum;
-            if (kind == 0 || chunk_mins) term = term - (xd[k][sb] * S.dmin) * (float)imin;
+            if (kind == 0 || per_chunk) term = term - (xd[k][sb] * S.dmin) * (float)imin;
             acc[k][sb & 7] += term;
         }
     }
@@ -470,7 +456,60 @@ KQUANT(Q3_K, 1, 110)
 KQUANT(Q4_K, 2, 144)
 KQUANT(Q5_K, 3, 176)
 KQUANT(Q6_K, 4, 210)
-KQUANT(IQ4_XS, 5, 136)
+
+/* IQ4_XS, llama.cpp's way: two sub-blocks' nibbles from one 32-byte load, their values
+ * by a byte shuffle, each sub-block's 16-bit pair sums times its scale by vpmaddwd into
+ * 8 int32 lanes (|pair| <= 2 * 127 * 127, |scale| <= 32: 8 sub-blocks stay far within
+ * 31 bits), one exact horizontal sum per super-block: kquant_term's isum, without the
+ * 8 sums of chunks decode_super's scales would take. */
+AVX2_INLINE void iq4xs_body(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0,
+                            float *out, const int NJ) {
+    float acc[XT][8];
+    const int8_t *xq[XT];
+    const float *xd[XT];
+    for (int k = 0; k < NJ; ++k) {
+        memset(acc[k], 0, sizeof acc[k]);
+        xq[k] = x->q + (j0 + k) * x->n;
+        xd[k] = x->d + (j0 + k) * nc;
+    }
+    const __m256i table = iq4_table(), m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = w + 136 * sb;
+        __m256i u[8], v[8], sc[8];
+        for (int h = 0; h < 4; ++h) {
+            const __m256i q = loadu256(b + 8 + 32 * h);
+            const __m256i lo = _mm256_and_si256(q, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            v[2 * h] = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x20));
+            v[2 * h + 1] = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+        for (int s = 0; s < 8; ++s) {
+            u[s] = _mm256_sign_epi8(v[s], v[s]);
+            sc[s] = _mm256_set1_epi16((short)iq4xs_scale(b, s));
+        }
+        const float dw = h2f(b);
+        for (int k = 0; k < NJ; ++k) {
+            const int8_t *xb = xq[k] + 256 * sb;
+            __m256i sum = _mm256_setzero_si256();
+            for (int s = 0; s < 8; ++s) {
+                const __m256i xv = _mm256_sign_epi8(loadu256(xb + 32 * s), v[s]);
+                sum = _mm256_add_epi32(sum, dot_us(u[s], xv, sc[s]));
+            }
+            acc[k][sb & 7] += (xd[k][sb] * dw) * (float)hsum_i32(sum);
+        }
+    }
+    for (int k = 0; k < NJ; ++k) out[k] = sum8(acc[k]);
+}
+
+AVX2 static void q8_IQ4_XS(const uint8_t *w, int64_t nc, const XRows *x, int64_t j0, int nj,
+                           float *out) {
+    switch (nj) {
+    case 1: iq4xs_body(w, nc, x, j0, out, 1); break;
+    case 2: iq4xs_body(w, nc, x, j0, out, 2); break;
+    case 3: iq4xs_body(w, nc, x, j0, out, 3); break;
+    default: iq4xs_body(w, nc, x, j0, out, 4); break;
+    }
+}
 
 /* ---- float activations ----------------------------------------------------------------- */
 
