@@ -9,11 +9,11 @@ llama.cpp's is >= 0.99999 on F32 and F16 weights (and every logit within 1e-4 on
 F32, but for GELU's architecture, see below), >= 0.9995 on every other type, and the
 largest logit is the same token, or one llama.cpp scores within ``numerics.NEAR_TIE``
 of its largest (the llama IQ4_XS model's prompt: llama.cpp's best two 0.01 apart, our
-float activations' logits up to 0.1 from its 8-bit activations' ones). Greedy tokens equal llama.cpp's on all 16 steps for
-F32, F16 and BF16 unless llama.cpp's two largest logits come to a near-tie
-(``numerics.NEAR_TIE``), and for every type at least up to the first near-tie. Where
-all 16 tokens agree, the logits of the last (decode) step meet the same cosine
-thresholds.
+float activations' logits up to 0.1 from its 8-bit activations' ones). Greedy tokens
+equal llama.cpp's on all 16 steps for F32, F16 and BF16 unless llama.cpp's two largest
+logits come to a near-tie (``numerics.NEAR_TIE``), and for every type at least up to
+the first near-tie. Where all 16 tokens agree, the logits of the last (decode) step
+meet the same cosine thresholds.
 
 llama.cpp's CPU GELU (gemma3) is a table of float16 values indexed by the input
 rounded to float16, about 1e-3 from the exact function: its F32 logits stand up to
