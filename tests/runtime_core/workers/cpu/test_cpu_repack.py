@@ -1,13 +1,13 @@
-"""Matrices of the types decode reads most (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) repacked 8
-rows at a time (``csrc/repack.h``, ``Matrix(repack=True)``) compute the stored rows'
-bits, and a bound stage keeps them instead of the file's pages.
+"""Matrices of the types decode reads most (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL,
+IQ4_XS) repacked 8 rows at a time (``csrc/repack.h``, ``Matrix(repack=True)``) compute
+the stored rows' bits, and a bound stage keeps them instead of the file's pages.
 
 - Products: on every instruction set (a parameter each, skipped with the reason where
   the processor lacks it), every row count from 1 to 17 and past (a last group of 1 to
   7 rows padded), 1, 2, 3 and 5 threads, 8-bit and "f32" activations, rows multiplied
   together or one at a time: the same bits as the stored rows on the portable set;
   with other parts beside it (offsets, bias, accumulation) as well.
-- Only those six types repack; an embedding lookup of repacked rows is the gguf
+- Only those eight types repack; an embedding lookup of repacked rows is the gguf
   package's dequantization (a repacked row unpacks to its stored bytes).
 - Memory: binding a Q4_0 stage grows the process's private memory by at most about
   the repacked tensors' bytes and its file-backed memory by about the other tensors'
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
+from runplan.quant_types import block_elems
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.worker import CpuWorker
 from tests.support.chain import provisions
@@ -52,12 +53,12 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
 
 
-REPACKED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+REPACKED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 def width(qtype: str) -> int:
     """13 blocks (a tail past the last 8 of the running sums), or 9 super-blocks."""
-    return 256 * 9 if qtype.endswith("_K") else 32 * 13
+    return 256 * 9 if block_elems(qtype) == 256 else 32 * 13
 
 
 @pytest.mark.parametrize("isa", isa_params())
@@ -148,7 +149,7 @@ def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumula
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
-def test_only_the_six_types_repack() -> None:
+def test_only_the_eight_types_repack() -> None:
     rng = np.random.default_rng(2)
     for qtype in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "F16", "BF16", "F32"):
         n = 256
@@ -162,7 +163,7 @@ def test_only_the_six_types_repack() -> None:
 @pytest.mark.parametrize("qtype", REPACKED)
 def test_looking_up_repacked_rows_is_the_gguf_packages_dequantization(qtype: str) -> None:
     rng = np.random.default_rng(3)
-    n, rows = (512 if qtype.endswith("_K") else 32 * 5), 21
+    n, rows = (512 if block_elems(qtype) == 256 else 32 * 5), 21
     raw = random_rows(rng, qtype, rows, n, scale=0.3)
     m = _kernels.Matrix([(raw, qtype, rows, n, 0)], repack=True)
     ids = np.array([0, 7, 8, 20, 13, 20], np.int32)

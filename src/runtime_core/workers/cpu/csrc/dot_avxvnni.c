@@ -23,6 +23,8 @@ const Isa *isa_avxvnni(void) {
         avxvnni = ISA_AVX2;
         avxvnni.name = "avxvnni";
         avxvnni.q8_x8[T_Q8_0] = x8_q8_0;
+        avxvnni.q8_x8[T_IQ4_NL] = x8_iq4_nl;
+        avxvnni.q8_x8[T_IQ4_XS] = x8_iq4_xs;
         avxvnni.q8_x8[T_Q4_0] = x8_q4_0;
         avxvnni.q8_x8[T_Q4_1] = x8_q4_1;
         avxvnni.q8_x8[T_Q4_K] = x8_q4_k;

@@ -9,13 +9,15 @@
 _Static_assert(X8 * 4 == 32, "a word of every row fills 32 bytes");
 
 int x8_supported(int t) {
-    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K ||
+           t == T_IQ4_NL || t == T_IQ4_XS;
 }
 
 int x8_block_bytes(int t) {
     switch (t) {
     case T_Q4_K: return 1184;
     case T_Q5_K: return 1440;
+    case T_IQ4_XS: return 1104;
     default: return X8 * QTYPE_BLOCK_BYTES[t]; /* the others move bytes only */
     }
 }
@@ -106,6 +108,32 @@ static void k4_unpack(int t, const uint8_t *G, int i, uint8_t *b) {
     }
 }
 
+/* ---- IQ4_XS ----------------------------------------------------------------------------------- */
+
+#define XS_SCALES 16
+#define XS_NIBBLES 80
+
+static void iq4xs_pack(const uint8_t *b, int i, uint8_t *G) {
+    memcpy(G + 2 * i, b, 2);
+    for (int s = 0; s < 8; ++s) {
+        G[XS_SCALES + 8 * s + i] = (uint8_t)(int8_t)iq4xs_scale(b, s);
+        for (int w = 0; w < 4; ++w) memcpy(G + word_at(XS_NIBBLES + 128 * s, w, i, 0), b + 8 + 16 * s + 4 * w, 4);
+    }
+}
+
+static void iq4xs_unpack(const uint8_t *G, int i, uint8_t *b) {
+    memcpy(b, G + 2 * i, 2);
+    memset(b + 2, 0, 6);
+    for (int s = 0; s < 8; ++s) {
+        const int ls = (int8_t)G[XS_SCALES + 8 * s + i] + 32; /* 0 .. 63 */
+        b[4 + (s >> 1)] = (uint8_t)(b[4 + (s >> 1)] | ((ls & 15) << (4 * (s & 1))));
+        const int h = (b[2] | (b[3] << 8)) | ((ls >> 4) << (2 * s));
+        b[2] = (uint8_t)(h & 255);
+        b[3] = (uint8_t)(h >> 8);
+        for (int w = 0; w < 4; ++w) memcpy(b + 8 + 16 * s + 4 * w, G + word_at(XS_NIBBLES + 128 * s, w, i, 0), 4);
+    }
+}
+
 /* ---- Q6_K ------------------------------------------------------------------------------------- */
 
 #define K6_SCALES 16
@@ -172,6 +200,7 @@ void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, int64
                 const uint8_t *b = rows + (g * X8 + i) * row_bytes + c * bb;
                 if (t == T_Q4_K || t == T_Q5_K) k4_pack(t, b, i, G);
                 else if (t == T_Q6_K) k6_pack(b, i, G);
+                else if (t == T_IQ4_XS) iq4xs_pack(b, i, G);
                 else legacy_pack(t, b, i, G);
             }
         }
@@ -185,6 +214,7 @@ void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_in, uint8_t *ro
         uint8_t *b = row + c * bb;
         if (t == T_Q4_K || t == T_Q5_K) k4_unpack(t, G, i, b);
         else if (t == T_Q6_K) k6_unpack(G, i, b);
+        else if (t == T_IQ4_XS) iq4xs_unpack(G, i, b);
         else legacy_unpack(t, G, i, b);
     }
 }

@@ -14,6 +14,10 @@
  *   Q4_0 (144)  0: 8 d; 16: word w (0..3) = stored bytes 4w .. 4w + 3 of the nibbles
  *               (low nibble element l, high nibble element l + 16, as stored).
  *   Q4_1 (160)  0: 8 d; 16: 8 m; 32: the nibbles as Q4_0's.
+ *   IQ4_NL (144) as Q4_0 (its nibbles index IQ4_VALUES).
+ *   IQ4_XS (1104) 0: 8 d; 16 + 8 s + i: the signed scale (less 32, an int8) of
+ *               sub-block s of row i; 80 + 128 s + 32 w: word w (0..3) of sub-block s's
+ *               nibbles, as Q4_0's (low nibble element 4w + b, high 16 + 4w + b).
  *   Q4_K (1184) 0: 8 d; 16: 8 dmin; 32 + 8 s + i: the 6-bit scale of sub-block s of
  *               row i; 96 + 16 p + 2 i + e: the min of sub-block 2 p + e of row i
  *               (pairs, for 16-bit multiply-adds); 160 + 256 p + 32 w: word w of
@@ -45,7 +49,7 @@
  * AVX2's Q4_0 and Q4_1 at 512 bytes (their former distance) 25-30 % slower. */
 #define X8_AHEAD_BYTES 3360
 
-/* the types that repack: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K */
+/* the types that repack: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS */
 int x8_supported(int t);
 /* bytes of one block of a group (8 rows' blocks, see above) */
 int x8_block_bytes(int t);

@@ -7,9 +7,9 @@
  *               exists, 0 for AVX2's vpmaddubsw + vpmaddwd
  *   X8_DOT256   (optional) the 256-bit vpdpbusd's intrinsic: AVX-VNNI's VEX
  *               _mm256_dpbusd_avx_epi32 (default: AVX-512 VL's _mm256_dpbusd_epi32)
- *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1 take more than X8_XT rows
+ *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1, IQ4_NL take more than X8_XT rows
  *               as a tile, each block decoded once (b32_tile: the sets without VNNI)
- *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_q6_k, and x8_fill
+ *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_iq4_xs, and x8_fill
  *               to put them in a table of x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
  *               next's (defines x16_q8_0 .. x16_q6_k, x16_fill; needs AVX-512 BW, and with
@@ -28,6 +28,11 @@
  * Every integer sum is exact, so its order is free; the float terms and their 8 running
  * sums per row (block c into sum c mod 8) are dot.h's, in its order, so every row's bits
  * are the stored row's on every instruction set and width.
+ *
+ * IQ4_NL's and IQ4_XS's nibbles index IQ4_VALUES by a byte shuffle; their signed values
+ * are multiplied as Q8_0's are (|q| times the activations given q's sign; with VNNI
+ * q + 128 and the activations' sums), IQ4_XS's sub-blocks' sums times their scales by
+ * vpmulld (|sum| <= 32 * 127 * 127, |scale| <= 32: within 31 bits).
  *
  * The activation rows j0 .. j0 + nj - 1 (nj <= X8_TILE) share the blocks read from
  * memory: X8_XT rows at a time share one decoding of each block while it is in cache;
@@ -183,6 +188,21 @@ X8_INL VI XN(ld_i8_i32)(const uint8_t *p, int64_t gs) { return _mm512_cvtepi8_ep
 #error "X8_WIDTH is 256 or 512"
 #endif
 
+/* IQ4_NL's 16 values (quant.h) in every 128-bit lane, and a byte shuffle by them */
+X8_INL VI XN(iq4_table)(void) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+#if X8_WIDTH == 256
+    return _mm256_broadcastsi128_si256(t);
+#else
+    return _mm512_broadcast_i32x4(t);
+#endif
+}
+#if X8_WIDTH == 256
+#define v_shuf8 _mm256_shuffle_epi8
+#else
+#define v_shuf8 _mm512_shuffle_epi8
+#endif
+
 /* 4 activation bytes at p, broadcast to every lane */
 X8_INL VI XN(bcast)(const int8_t *p) {
     int32_t v;
@@ -237,19 +257,36 @@ X8_INL void XN(zero)(VF acc[X8_XT][8], int nj) {
         for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
 }
 
-/* ---- Q8_0: (dw * d) * sumi -------------------------------------------------------------------- */
+/* ---- Q8_0, IQ4_NL: (dw * d) * sumi ----------------------------------------------------------- */
+
+/* A group block's 8 words of signed quants: Q8_0's as stored; IQ4_NL's (Q4_0's layout)
+ * the values its nibbles index, word w < 4 the low nibbles (elements 4w ..), w >= 4 the
+ * high ones (elements 16 + 4 (w - 4) ..): word w multiplies activations 4w .. 4w + 3 */
+X8_INL void XN(signed_words)(const uint8_t *b, int64_t gs, const int nl, VI q[8]) {
+    if (nl) {
+        const VI m4 = v_set1_8(0x0F), table = XN(iq4_table)();
+        for (int w = 0; w < 4; ++w) {
+            const VI v = XN(ld)(b + 16 + 32 * w, gs);
+            q[w] = v_shuf8(table, v_and(v, m4));
+            q[w + 4] = v_shuf8(table, v_and(v_srli16(v, 4), m4));
+        }
+    } else {
+        for (int w = 0; w < 8; ++w) q[w] = XN(ld)(b + 16 + 32 * w, gs);
+    }
+}
 
 X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
-                          float (*out)[XL], const int NJ) {
+                          float (*out)[XL], const int NJ, const int nl) {
+    const int gb = nl ? 144 : 272;
     VF acc[X8_XT][8];
     XN(zero)(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
-        const uint8_t *b = grp + c * 272;
-        XN(ahead)(grp, gs, c * 272, 272);
+        const uint8_t *b = grp + c * gb;
+        XN(ahead)(grp, gs, c * gb, gb);
         const VF dw = XN(ld_halves)(b, gs);
         VI u[8], q[8];
+        XN(signed_words)(b, gs, nl, q);
         for (int w = 0; w < 8; ++w) {
-            q[w] = XN(ld)(b + 16 + 32 * w, gs);
 #if X8_VNNI
             u[w] = v_xor(q[w], v_set1_8((char)0x80)); /* q + 128 */
 #else
@@ -328,12 +365,13 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
     XN(finish)(acc, NJ, out);
 }
 
-/* Q4_0, Q4_1, Q8_0 for a tile of nj (> X8_XT) rows: each block decoded once, then the
- * rows one after another (their running sums in acc, memory): q4_body's and
+/* Q4_0, Q4_1, Q8_0, IQ4_NL for a tile of nj (> X8_XT) rows: each block decoded once,
+ * then the rows one after another (their running sums in acc, memory): q4_body's and
  * q8_0_body's arithmetic, in their order */
 X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
-                         float (*out)[XL], const int kind /* 0 Q4_0, 1 Q4_1, 2 Q8_0 */) {
+                         float (*out)[XL], const int kind /* 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 IQ4_NL */) {
     const int gb = kind == 2 ? 272 : kind == 1 ? 160 : 144, at = kind == 1 ? 32 : 16;
+    const int signed_q = kind >= 2;
     const VI m4 = v_set1_8(0x0F);
     VF acc[X8_TILE][8];
     for (int k = 0; k < nj; ++k)
@@ -344,9 +382,9 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
         const VF dw = XN(ld_halves)(b, gs);
         const VF mw = kind == 1 ? XN(ld_halves)(b + 16, gs) : f_zero();
         VI u[8], q[8];
-        if (kind == 2) {
+        if (signed_q) {
+            XN(signed_words)(b, gs, kind == 3, q);
             for (int w = 0; w < 8; ++w) {
-                q[w] = XN(ld)(b + 16 + 32 * w, gs);
 #if X8_VNNI
                 u[w] = v_xor(q[w], v_set1_8((char)0x80));
 #else
@@ -364,7 +402,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->n + 32 * c;
             VI si;
-            if (kind == 2) {
+            if (signed_q) {
 #if X8_VNNI
                 si = v_set1_32(-128 * x->g[j * 2 * nc + c]);
                 VI si2 = v_zero();
@@ -387,6 +425,138 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
         }
     }
     for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
+}
+
+/* ---- IQ4_XS: (d * dw) * isum, isum the sub-blocks' sums times their scales -------------------- */
+
+/* nj (<= X8_TILE) rows: each super-block's 64 words decoded once (the values its nibbles
+ * index; for VNNI plus 128, the activations' sums taking it back), then the rows one
+ * after another, their running sums in acc (memory), in kquant_term's order */
+X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                           int nj, float (*out)[XL]) {
+    VF acc[X8_TILE][8];
+    for (int k = 0; k < nj; ++k)
+        for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
+    const VI m4 = v_set1_8(0x0F), table = XN(iq4_table)();
+    VI u[64], sc[8];
+#if !X8_VNNI
+    VI q[64];
+#endif
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * 1104;
+        XN(ahead)(grp, gs, sb * 1104, 1104);
+        const VF dw = XN(ld_halves)(b, gs);
+        for (int s = 0; s < 8; ++s) {
+            sc[s] = XN(ld_i8_i32)(b + 16 + 8 * s, gs);
+            for (int w = 0; w < 4; ++w) {
+                const VI v = XN(ld)(b + 80 + 128 * s + 32 * w, gs);
+                const VI lo = v_shuf8(table, v_and(v, m4)), hi = v_shuf8(table, v_and(v_srli16(v, 4), m4));
+#if X8_VNNI
+                u[8 * s + w] = v_xor(lo, v_set1_8((char)0x80));
+                u[8 * s + 4 + w] = v_xor(hi, v_set1_8((char)0x80));
+#else
+                q[8 * s + w] = lo;
+                q[8 * s + 4 + w] = hi;
+                u[8 * s + w] = v_abs8(lo);
+                u[8 * s + 4 + w] = v_abs8(hi);
+#endif
+            }
+        }
+        for (int k = 0; k < nj; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->n + 256 * sb;
+            const int32_t *g = x->g + j * 2 * nc + 16 * sb;
+            VI isum = v_zero();
+            for (int s = 0; s < 8; ++s) {
+                const int8_t *xs = xq + 32 * s;
+#if X8_VNNI
+                VI si = v_set1_32(-128 * (g[2 * s] + g[2 * s + 1])), si2 = v_zero();
+                for (int w = 0; w < 8; w += 2) {
+                    si = v_dot4(si, u[8 * s + w], XN(bcast)(xs + 4 * w));
+                    si2 = v_dot4(si2, u[8 * s + w + 1], XN(bcast)(xs + 4 * w + 4));
+                }
+                si = v_add32(si, si2);
+#else
+                VI si = v_zero();
+                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[8 * s + w], v_sign8(XN(bcast)(xs + 4 * w), q[8 * s + w]));
+#endif
+                isum = v_add32(isum, v_mullo32(si, sc[s]));
+            }
+            const VF fac = f_mul(f_set1(x->d[j * nc + sb]), dw);
+            acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(fac, f_cvt(isum)));
+        }
+    }
+    for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
+}
+
+/* NJ (<= X8_XT) rows: each sub-block's 8 words decoded and taken by the rows at once
+ * (iq4xs_rows' arithmetic, in its order) */
+X8_INL void XN(iq4xs_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                           float (*out)[XL], const int NJ) {
+    VF acc[X8_XT][8];
+    XN(zero)(acc, NJ);
+    const VI m4 = v_set1_8(0x0F), table = XN(iq4_table)();
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * 1104;
+        XN(ahead)(grp, gs, sb * 1104, 1104);
+        VI isum[X8_XT];
+        for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
+        for (int s = 0; s < 8; ++s) {
+            VI u[8];
+#if !X8_VNNI
+            VI q[8];
+#endif
+            for (int w = 0; w < 4; ++w) {
+                const VI v = XN(ld)(b + 80 + 128 * s + 32 * w, gs);
+                const VI lo = v_shuf8(table, v_and(v, m4)), hi = v_shuf8(table, v_and(v_srli16(v, 4), m4));
+#if X8_VNNI
+                u[w] = v_xor(lo, v_set1_8((char)0x80));
+                u[4 + w] = v_xor(hi, v_set1_8((char)0x80));
+#else
+                q[w] = lo;
+                q[4 + w] = hi;
+                u[w] = v_abs8(lo);
+                u[4 + w] = v_abs8(hi);
+#endif
+            }
+            const VI sc = XN(ld_i8_i32)(b + 16 + 8 * s, gs);
+            for (int k = 0; k < NJ; ++k) {
+                const int64_t j = j0 + k;
+                const int8_t *xs = x->q + j * x->n + 256 * sb + 32 * s;
+#if X8_VNNI
+                const int32_t *g = x->g + j * 2 * nc + 16 * sb + 2 * s;
+                VI si = v_set1_32(-128 * (g[0] + g[1])), si2 = v_zero();
+                for (int w = 0; w < 8; w += 2) {
+                    si = v_dot4(si, u[w], XN(bcast)(xs + 4 * w));
+                    si2 = v_dot4(si2, u[w + 1], XN(bcast)(xs + 4 * w + 4));
+                }
+                si = v_add32(si, si2);
+#else
+                VI si = v_zero();
+                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xs + 4 * w), q[w]));
+#endif
+                isum[k] = v_add32(isum[k], v_mullo32(si, sc));
+            }
+        }
+        const VF dw = XN(ld_halves)(b, gs);
+        for (int k = 0; k < NJ; ++k) {
+            const VF fac = f_mul(f_set1(x->d[(j0 + k) * nc + sb]), dw);
+            acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(fac, f_cvt(isum[k])));
+        }
+    }
+    XN(finish)(acc, NJ, out);
+}
+
+X8_FN __attribute__((unused)) static void XN(iq4_xs)(const uint8_t *grp, int64_t gs, int64_t nc,
+                                                     const XRows *x, int64_t j0, int nj,
+                                                     float (*out)[XL]) {
+    switch (nj) {
+    case 1: XN(iq4xs_body)(grp, gs, nc, x, j0, out, 1); break;
+    case 2: XN(iq4xs_body)(grp, gs, nc, x, j0, out, 2); break;
+    case 3: XN(iq4xs_body)(grp, gs, nc, x, j0, out, 3); break;
+    case 4: XN(iq4xs_body)(grp, gs, nc, x, j0, out, 4); break;
+    default: XN(iq4xs_rows)(grp, gs, nc, x, j0, nj, out); break;
+    }
 }
 
 /* ---- K-quants: Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q6_K (d * dw) * isum -------- */
@@ -723,7 +893,8 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         }                                                                                       \
     }
 
-#define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N)
+#define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 0)
+#define X8_CALL_IQ4_NL(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 1)
 #define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 0)
 #define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 1)
 
@@ -731,6 +902,7 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
 #define X8_B32_TILE 0
 #endif
 X8_ENTRY(q8_0, X8_CALL_Q8_0, 2)
+X8_ENTRY(iq4_nl, X8_CALL_IQ4_NL, 3)
 X8_ENTRY(q4_0, X8_CALL_Q4_0, 0)
 X8_ENTRY(q4_1, X8_CALL_Q4_1, 1)
 X8_K_ENTRY(q4_k, X8_Q4_K)
@@ -740,6 +912,8 @@ X8_K_ENTRY(q6_k, X8_Q6_K)
 /* this width's entries into an Isa's table of them (q8_x8 or q8_x16), every repacked type */
 __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
     table[T_Q8_0] = XN(q8_0);
+    table[T_IQ4_NL] = XN(iq4_nl);
+    table[T_IQ4_XS] = XN(iq4_xs);
     table[T_Q4_0] = XN(q4_0);
     table[T_Q4_1] = XN(q4_1);
     table[T_Q4_K] = XN(q4_k);
@@ -754,6 +928,8 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
 #undef X8_B32_TILE
 #undef X8_K_ENTRY
 #undef X8_CALL_Q8_0
+#undef X8_CALL_IQ4_NL
+#undef v_shuf8
 #undef X8_CALL_Q4_0
 #undef X8_CALL_Q4_1
 #undef XN
