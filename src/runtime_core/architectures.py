@@ -16,8 +16,8 @@ is the same pre-norm transformer block; the spec says where one departs from it:
         a = rms_norm(a, post_attention_norm)                       if post_norms
         x = x + a
         h = rms_norm(x, ffn_norm)
-        g, u = h @ Wgate, h @ Wup           or h @ Wup split [gate; up]
-        f = (act(g) * u) @ Wdown            act: SiLU or GELU (tanh)
+        g, u = h @ Wgate, h @ Wup (+ biases) or h @ Wup split [gate; up]
+        f = (act(g) * u) @ Wdown (+ bias)   act: SiLU or GELU (tanh)
         f = rms_norm(f, post_ffw_norm)                             if post_norms
         x = x + f
     logits = rms_norm(x, output_norm) @ Whead  (output, or token_embd when tied)
@@ -82,6 +82,7 @@ class ArchSpec:
     qkv_layouts: tuple[QkvLayout, ...]  # the layouts a file may use
     qkv_bias: Presence  # attn_q/k/v.bias (attn_qkv.bias when fused)
     output_bias: Presence  # attn_output.bias
+    ffn_bias: Presence  # ffn_gate.bias, ffn_up.bias, ffn_down.bias (each optional alone)
     qk_norm: bool  # attn_q_norm, attn_k_norm: (head_dim_k,) each, before rotary
     post_norms: bool  # post_attention_norm, post_ffw_norm: (hidden,) each
     ffn: FfnLayout
@@ -102,6 +103,7 @@ _BASE = ArchSpec(
     qkv_layouts=(QkvLayout.SEPARATE,),
     qkv_bias=Presence.OPTIONAL,
     output_bias=Presence.OPTIONAL,
+    ffn_bias=Presence.OPTIONAL,
     qk_norm=False,
     post_norms=False,
     ffn=FfnLayout.SEPARATE,
@@ -125,6 +127,8 @@ def _like_llama(**changes: Any) -> ArchSpec:
 #: loader takes them (``create_tensor_qkv``); qwen2 requires them, as it always has
 #: here (every qwen2 file has them); an output bias only llama (and qwen2, as before)
 #: may have: llama.cpp loads none for the others, so a file with one is not theirs.
+#: Feed-forward biases (gate, up, down, each optional) only llama, as llama.cpp's loader
+#: takes them (``TENSOR_NOT_REQUIRED``) for llama alone of these.
 ARCHITECTURES: Mapping[str, ArchSpec] = {
     spec.name: spec
     for spec in (
@@ -133,12 +137,14 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             name="qwen2",
             rope_neox=True,
             qkv_bias=Presence.REQUIRED,
+            ffn_bias=Presence.ABSENT,
             rope_freqs=False,
         ),
         _like_llama(
             name="qwen3",
             rope_neox=True,
             output_bias=Presence.ABSENT,
+            ffn_bias=Presence.ABSENT,
             qk_norm=True,
             rope_freqs=False,
         ),
@@ -146,6 +152,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             name="gemma3",
             rope_neox=True,
             output_bias=Presence.ABSENT,
+            ffn_bias=Presence.ABSENT,
             qk_norm=True,
             post_norms=True,
             activation=Activation.GELU_TANH,
@@ -161,6 +168,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             rope_neox=True,
             qkv_layouts=(QkvLayout.FUSED, QkvLayout.SEPARATE),
             output_bias=Presence.ABSENT,
+            ffn_bias=Presence.ABSENT,
             ffn=FfnLayout.FUSED,
             queries_scaled=True,
             rope_freqs=False,

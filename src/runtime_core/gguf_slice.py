@@ -92,6 +92,9 @@ def block_specs(
     else:
         out["ffn_gate.weight"] = ((h, f), Presence.REQUIRED)
         out["ffn_up.weight"] = ((h, f), Presence.REQUIRED)
+        out["ffn_gate.bias"] = ((f,), spec.ffn_bias)
+        out["ffn_up.bias"] = ((f,), spec.ffn_bias)
+    out["ffn_down.bias"] = ((h,), spec.ffn_bias)
     if spec.qk_norm:
         out["attn_q_norm.weight"] = ((config.head_dim_k,), Presence.REQUIRED)
         out["attn_k_norm.weight"] = ((config.head_dim_k,), Presence.REQUIRED)

@@ -155,6 +155,16 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (1, 2),
         _unsupported(tensor="blk.1.attn_output.bias"),
     ),
+    "qwen2 with a feed-forward bias llama.cpp does not load": (
+        {"shape": ModelShape(arch="qwen2"), "extra_tensors": {"blk.1.ffn_down.bias": _ones(64)}},
+        (1, 2),
+        _unsupported(tensor="blk.1.ffn_down.bias"),
+    ),
+    "llama feed-forward bias of the wrong width": (
+        {"extra_tensors": {"blk.0.ffn_gate.bias": _ones(64)}},
+        (0, 1),
+        _unsupported(tensor="blk.0.ffn_gate.bias"),
+    ),
     "qwen3 with llama3's rope_freqs": (
         {"shape": attrs.evolve(SHAPES["qwen3"], rope_freqs=True)},
         (1, 2),

@@ -132,6 +132,8 @@ class Layer(Generic[H, V]):
     ffn_norm: V  # (hidden,)
     gate_up: Linear[H]  # (2 ffn) x hidden: rows [gate; up]
     down: Linear[H]  # hidden x ffn
+    gate_up_bias: V | None = None  # (2 ffn,): [gate; up] biases (llama), zeros where absent
+    down_bias: V | None = None  # (hidden,)
     window: int = 0  # positions a sliding block attends to; 0: every one (global)
     q_norm: V | None = None  # (head_dim_k,): attn_q_norm (qwen3, gemma3)
     k_norm: V | None = None  # (head_dim_k,): attn_k_norm
@@ -207,6 +209,20 @@ def load_weights(
     def optional(name: str) -> V | None:
         return vector(name) if stage.has(name) else None
 
+    def joined_bias(names: list[str], widths: tuple[int, ...]) -> V | None:
+        """The biases of the matrices ``names`` joined (zeros where one has none);
+        ``None`` where none has one."""
+        if not any(stage.has(n + ".bias") for n in names):
+            return None
+        pieces = []
+        for name, width in zip(names, widths, strict=True):
+            if stage.has(name + ".bias"):
+                count(name + ".bias")
+                pieces.append(stage.dequantize(name + ".bias").reshape(-1))
+            else:
+                pieces.append(np.zeros(width, np.float32))
+        return up.f32(np.concatenate(pieces).astype(np.float32))
+
     def linear(names: list[str]) -> Linear[H]:
         infos = [stage.tensors[n] for n in names]
         n_in = infos[0].shape[0]
@@ -251,18 +267,10 @@ def load_weights(
         widths = (config.q_dim + config.k_dim + config.v_dim,) if fused else (
             config.q_dim, config.k_dim, config.v_dim,
         )  # fmt: skip
-        biases = [stage.has(n + ".bias") for n in q_k_v]
-        qkv_bias = None
-        if any(biases):
-            pieces = []
-            for name, has, width in zip(q_k_v, biases, widths, strict=True):
-                if has:
-                    count(name + ".bias")
-                    pieces.append(stage.dequantize(name + ".bias").reshape(-1))
-                else:
-                    pieces.append(np.zeros(width, np.float32))
-            qkv_bias = up.f32(np.concatenate(pieces).astype(np.float32))
+        qkv_bias = joined_bias(q_k_v, widths)
         gate_up = [p + "ffn_up"] if spec.ffn is FfnLayout.FUSED else [p + "ffn_gate", p + "ffn_up"]
+        f = config.ffn_dims[i]
+        gate_up_bias = joined_bias(gate_up, (2 * f,) if len(gate_up) == 1 else (f, f))
         post = spec.post_norms
         layers.append(
             Layer(
@@ -274,6 +282,8 @@ def load_weights(
                 ffn_norm=vector(p + "ffn_norm.weight"),
                 gate_up=linear([n + ".weight" for n in gate_up]),
                 down=linear([p + "ffn_down.weight"]),
+                gate_up_bias=gate_up_bias,
+                down_bias=optional(p + "ffn_down.bias"),
                 window=config.layer_windows[i],
                 q_norm=vector(p + "attn_q_norm.weight") if spec.qk_norm else None,
                 k_norm=vector(p + "attn_k_norm.weight") if spec.qk_norm else None,
@@ -396,15 +406,15 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], segments: Sequence[Seg
             ops.linear(layer.wo, "att", "o", rows, bias=layer.wo_bias)
             ops.add_norm(layer.post_attn_norm, rows)
         ops.norm(layer.ffn_norm, rows)
-        ops.linear(layer.gate_up, "xn", "h", rows)
+        ops.linear(layer.gate_up, "xn", "h", rows, bias=layer.gate_up_bias)
         if gelu:
             ops.geglu(rows)
         else:
             ops.swiglu(rows)
         if layer.post_ffn_norm is None:
-            ops.linear(layer.down, "act", "x", rows, accumulate=True)
+            ops.linear(layer.down, "act", "x", rows, accumulate=True, bias=layer.down_bias)
         else:
-            ops.linear(layer.down, "act", "o", rows)
+            ops.linear(layer.down, "act", "o", rows, bias=layer.down_bias)
             ops.add_norm(layer.post_ffn_norm, rows)
 
 

@@ -69,6 +69,8 @@ class BlockWeights:
     # outputs multiplies faster this way round (OpenBLAS's gemv, measured on SmolLM2).
     w2: F32
     post_ffn_norm: F32 | None  # (hidden,): post_ffw_norm (gemma3)
+    b13: F32 | None = None  # (2 * ffn,): the gate | up biases (llama), zeros where absent
+    b2: F32 | None = None  # (hidden,): ffn_down's
 
 
 @attrs.define
@@ -136,7 +138,9 @@ class StageWeights:
             q_k_v = [p + "attn_qkv"] if fused else [p + "attn_q", p + "attn_k", p + "attn_v"]
             wqkv = matrix([n + ".weight" for n in q_k_v], arena.take(h, qkv_dim))
             wqkv[:, : to_pairs.size] = wqkv[:, to_pairs]
-            bqkv = _fused_bias(config, [optional(n + ".bias") for n in q_k_v])
+            bqkv = _joined_bias(
+                [optional(n + ".bias") for n in q_k_v], (config.q_dim, config.k_dim, config.v_dim)
+            )
             if bqkv is not None:
                 bqkv[: to_pairs.size] = bqkv[to_pairs]
             q_norm = k_norm = None
@@ -158,6 +162,8 @@ class StageWeights:
                     ffn_norm=dense(p + "ffn_norm.weight"),
                     w13=matrix([f"{p}{n}.weight" for n in gate_up], arena.take(h, 2 * f)),
                     w2=matrix([p + "ffn_down.weight"], arena.take(h, f), transposed=False),
+                    b13=_joined_bias([optional(f"{p}{n}.bias") for n in gate_up], (f, f)),
+                    b2=optional(p + "ffn_down.bias"),
                     post_ffn_norm=dense(p + "post_ffw_norm.weight") if post else None,
                 )
             )
@@ -226,14 +232,13 @@ def _load_rows(stage: StageSlice, names: list[str], out: F32, *, transposed: boo
     return out
 
 
-def _fused_bias(config: ModelConfig, biases: list[F32 | None]) -> F32 | None:
-    """The Q|K|V bias ``(q_dim + k_dim + v_dim,)`` from the biases of the projections
-    (one fused, or Q, K and V; zeros for any missing), or ``None`` when there is none."""
+def _joined_bias(biases: list[F32 | None], widths: tuple[int, ...]) -> F32 | None:
+    """The bias of joined projections (Q|K|V, gate|up) from theirs, ``widths`` wide
+    (zeros for any missing), or ``None`` when there is none."""
     if all(b is None for b in biases):
         return None
     if len(biases) == 1:
         return biases[0]
-    widths = (config.q_dim, config.k_dim, config.v_dim)
     return np.concatenate(
         [np.zeros(w, np.float32) if b is None else b for b, w in zip(biases, widths, strict=True)]
     )
@@ -362,6 +367,8 @@ class StageModel:
             # feed-forward
             xn = rms_norm(x, w.ffn_norm, c.rms_eps)
             h = linear(xn, w.w13)  # (rows, 2 * ffn): gate | up
+            if w.b13 is not None:
+                h += w.b13
             f = h.shape[1] // 2
             gate, up = h[:, :f], h[:, f:]
             if gelu:
@@ -370,6 +377,8 @@ class StageModel:
                 silu(gate)
             gate *= up
             down = linear(gate, w.w2.T)
+            if w.b2 is not None:
+                down += w.b2
             if w.post_ffn_norm is not None:
                 down = rms_norm(down, w.post_ffn_norm, c.rms_eps)
             x += down

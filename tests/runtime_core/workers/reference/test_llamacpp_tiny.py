@@ -1,8 +1,8 @@
 """The reference worker against llama.cpp on small random-weight models
 (``tests/fixtures/llamacpp/tiny.json``): llama and qwen2 in every quant type; qwen3,
 gemma3 and phi3 in F32, F16, BF16, Q8_0 and Q4_K; blocks of three and six of them in
-F32, and in F32 a gemma3 with a logit soft cap and one of 62 blocks (whose queries
-llama.cpp scales as Gemma 3 27B's).
+F32, and in F32 a gemma3 with a logit soft cap, one of 62 blocks (whose queries
+llama.cpp scales as Gemma 3 27B's) and a llama with feed-forward biases.
 
 Thresholds: the cosine similarity of the logits of the last prompt position with
 llama.cpp's is >= 0.99999 on F32 and F16 weights (and every logit within 1e-4 on
