@@ -15,8 +15,10 @@ tensor at a time, and dequantized with the gguf package.
 Which tensors a block has, and their shapes, is the architecture's (``block_specs``,
 from ``runtime_core.architectures``): per-head Q/K norms, post-norms, a fused
 ``attn_qkv`` (where the architecture allows it and the file has it) or ``ffn_up``,
-biases required, optional or refused. A tensor a block may not have, or one of
-``REFUSED_TENSORS`` anywhere (LongRoPE's factors), is refused by name.
+biases required, optional or refused. A tensor a block may not have, one of
+``REFUSED_TENSORS`` anywhere (LongRoPE's factors), or any other tensor outside the blocks
+than the embedding, output norm, head and ``rope_freqs`` (llama.cpp refuses such files
+too), is refused by name.
 
 Shapes are llama.cpp's ``ne``: fastest-varying dimension first, so a matrix stored as
 ``(n_in, n_out)`` dequantizes to a NumPy ``(n_out, n_in)`` array (one row per output).
@@ -202,6 +204,7 @@ def open_stage_slice(
     for name, reason in REFUSED_TENSORS.items():
         if name in tensors:
             raise UnsupportedModel(path, reason, tensor=name)
+    _refuse_tensors_outside_the_model(path, config, tensors)
     specs: dict[str, TensorSpec] = {}
     for layer in range(layer_start, layer_end_exclusive):
         specs.update(block_specs(config, layer, qkv_layout(config, layer, tensors)))
@@ -259,6 +262,26 @@ def open_stage_slice(
 def _block_tensor_names(layer: int, tensors: Mapping[str, TensorInfo]) -> Iterator[str]:
     prefix = f"blk.{layer}."
     return (name for name in tensors if name.startswith(prefix))
+
+
+#: The tensors outside the blocks that a model of ours may have.
+MODEL_TENSORS = (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS)
+
+
+def _refuse_tensors_outside_the_model(
+    path: str, config: ModelConfig, tensors: Mapping[str, TensorInfo]
+) -> None:
+    """Refuse a tensor outside the blocks that is not one of ``MODEL_TENSORS`` (another
+    variant's, such as an embedding norm, whose computation would be missing): llama.cpp
+    refuses such a file too (its count of tensors). Names only, so every stage refuses
+    the same file. (A block past the block count is ``block_count``'s ``GgufError``.)"""
+    for name in tensors:
+        if not name.startswith("blk.") and name not in MODEL_TENSORS:
+            raise UnsupportedModel(
+                path,
+                f"not a tensor of the {config.architecture} architecture as this worker runs it",
+                tensor=name,
+            )
 
 
 def _refuse_unknown_block_tensors(

@@ -165,6 +165,11 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (0, 1),
         _unsupported(tensor="blk.0.ffn_gate.bias"),
     ),
+    "a tensor outside the blocks that llama.cpp does not load": (
+        {"extra_tensors": {"token_embd_norm.weight": _ones(64)}},
+        (2, 3),
+        _unsupported(tensor="token_embd_norm.weight"),
+    ),
     "qwen3 with llama3's rope_freqs": (
         {"shape": attrs.evolve(SHAPES["qwen3"], rope_freqs=True)},
         (1, 2),
