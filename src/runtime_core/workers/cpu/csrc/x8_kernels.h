@@ -465,12 +465,12 @@ X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
         for (int k = 0; k < nj; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->n + 256 * sb;
-            const int32_t *g = x->g + j * 2 * nc + 16 * sb;
             VI isum = v_zero();
             for (int s = 0; s < 8; ++s) {
                 const int8_t *xs = xq + 32 * s;
 #if X8_VNNI
-                VI si = v_set1_32(-128 * (g[2 * s] + g[2 * s + 1])), si2 = v_zero();
+                const int32_t *g = x->g + j * 2 * nc + 16 * sb + 2 * s;
+                VI si = v_set1_32(-128 * (g[0] + g[1])), si2 = v_zero();
                 for (int w = 0; w < 8; w += 2) {
                     si = v_dot4(si, u[8 * s + w], XN(bcast)(xs + 4 * w));
                     si2 = v_dot4(si2, u[8 * s + w + 1], XN(bcast)(xs + 4 * w + 4));
