@@ -275,6 +275,26 @@ X8_INL void XN(signed_words)(const uint8_t *b, int64_t gs, const int nl, VI q[8]
     }
 }
 
+/* The exact sum of 8 words of signed quants q (u: their magnitudes; with VNNI, q + 128)
+ * times activations xq, 4 bytes a word; g: the 32 activations' sum (VNNI takes back the
+ * offset's product from it) */
+X8_INL VI XN(signed_isum)(const VI *u, const VI *q, const int8_t *xq, int32_t g) {
+#if X8_VNNI /* two chains of vpdpbusd (its latency, not its throughput, bounds one) */
+    (void)q;
+    VI si = v_set1_32(-128 * g), si2 = v_zero();
+    for (int w = 0; w < 8; w += 2) {
+        si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+        si2 = v_dot4(si2, u[w + 1], XN(bcast)(xq + 4 * w + 4));
+    }
+    return v_add32(si, si2);
+#else
+    (void)g;
+    VI si = v_zero();
+    for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
+    return si;
+#endif
+}
+
 X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
                           float (*out)[XL], const int NJ, const int nl) {
     const int gb = nl ? 144 : 272;
@@ -468,18 +488,13 @@ X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
             VI isum = v_zero();
             for (int s = 0; s < 8; ++s) {
                 const int8_t *xs = xq + 32 * s;
-#if X8_VNNI
                 const int32_t *g = x->g + j * 2 * nc + 16 * sb + 2 * s;
-                VI si = v_set1_32(-128 * (g[0] + g[1])), si2 = v_zero();
-                for (int w = 0; w < 8; w += 2) {
-                    si = v_dot4(si, u[8 * s + w], XN(bcast)(xs + 4 * w));
-                    si2 = v_dot4(si2, u[8 * s + w + 1], XN(bcast)(xs + 4 * w + 4));
-                }
-                si = v_add32(si, si2);
+#if X8_VNNI
+                const VI *qs = NULL;
 #else
-                VI si = v_zero();
-                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[8 * s + w], v_sign8(XN(bcast)(xs + 4 * w), q[8 * s + w]));
+                const VI *qs = q + 8 * s;
 #endif
+                const VI si = XN(signed_isum)(u + 8 * s, qs, xs, g[0] + g[1]);
                 isum = v_add32(isum, v_mullo32(si, sc[s]));
             }
             const VF fac = f_mul(f_set1(x->d[j * nc + sb]), dw);
@@ -523,18 +538,11 @@ X8_INL void XN(iq4xs_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
             for (int k = 0; k < NJ; ++k) {
                 const int64_t j = j0 + k;
                 const int8_t *xs = x->q + j * x->n + 256 * sb + 32 * s;
-#if X8_VNNI
                 const int32_t *g = x->g + j * 2 * nc + 16 * sb + 2 * s;
-                VI si = v_set1_32(-128 * (g[0] + g[1])), si2 = v_zero();
-                for (int w = 0; w < 8; w += 2) {
-                    si = v_dot4(si, u[w], XN(bcast)(xs + 4 * w));
-                    si2 = v_dot4(si2, u[w + 1], XN(bcast)(xs + 4 * w + 4));
-                }
-                si = v_add32(si, si2);
-#else
-                VI si = v_zero();
-                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xs + 4 * w), q[w]));
+#if X8_VNNI
+                const VI *q = NULL;
 #endif
+                const VI si = XN(signed_isum)(u, q, xs, g[0] + g[1]);
                 isum[k] = v_add32(isum[k], v_mullo32(si, sc));
             }
         }
