@@ -13,7 +13,8 @@ tokenizer lets go of the interpreter while it merges, so the event loop goes on.
 were admitted, which the log shows (``request #N queued`` ... ``started`` ...
 ``finished``). The runner thread starts the chain first (``GET /health`` says 503
 until then), then starts each request as soon as fewer than ``max_concurrent`` run,
-each in a thread of its own that sends
+each in a thread of its own (the next one once this one's run has joined the chain)
+that sends
 its events (``Piece``, ``Finished``, ``Failed``) to the request's sink as tokens
 arrive. ``Job.cancel()`` (a client that went away) takes a waiting request out of the
 queue or cancels its run alone; the stages stay warm and the other runs go on. After a
@@ -180,6 +181,8 @@ class Job:
         self._run: ChainRun | None = None
         self.cancelled = False
         self.stopped = False  # a stop string came: the run ends early, the answer is whole
+        #: set once the job's run has joined the chain, or the job ended before it could
+        self.submitted = threading.Event()
 
     def cancel(self) -> None:
         """The client went away: out of the queue, or its run cancelled."""
@@ -198,6 +201,7 @@ class Job:
         with self._lock:
             self._run = run
             cancel = self.cancelled
+        self.submitted.set()
         if cancel:
             run.cancel("the client went away")
 
@@ -440,7 +444,12 @@ class Engine:
                     target=self._run_job, args=(job,), name=f"request-{job.number}", daemon=True
                 )
                 self._job_threads.add(thread)
+                log.info("request #%d (%s) started", job.number, job.id)
                 thread.start()
+                # The next request starts once this one's run has joined the chain (or
+                # ended before it could): runs join in the order requests were admitted.
+                while not job.submitted.wait(IDLE_CHECK_S) and thread.is_alive():
+                    pass
         finally:
             for thread in list(self._job_threads):
                 thread.join()
@@ -469,6 +478,7 @@ class Engine:
             log.exception("request #%d failed", job.number)
             self._deliver(job, Failed(500, f"internal error: {exc}", "internal_error"))
         finally:
+            job.submitted.set()
             with self._cond:
                 self._running.discard(job)
                 self._job_threads.discard(threading.current_thread())
@@ -501,7 +511,6 @@ class Engine:
     def _run(self, job: Job) -> None:
         p = job.prepared
         r = p.request
-        log.info("request #%d (%s) started", job.number, job.id)
         answer = Answer(self.tokenizer, r.stop)
         times: list[float] = []
 

@@ -7,13 +7,17 @@ seconds), so that a run lasts long enough to act while it runs:
 - a client that disconnects mid-stream cancels its run (outcome ``cancelled``), the
   stages stay warm (same processes), and the next request is served;
 - past ``max_queue`` waiting requests, a request gets 429; a request's choices are
-  admitted together or not at all, and any number of them on an idle server.
+  admitted together or not at all, and any number of them on an idle server;
+- requests join the chain in the order they were queued, even where the first one's
+  thread is slow to get there.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import httpx2
 import openai
@@ -161,5 +165,53 @@ def test_a_request_of_more_choices_than_max_queue_is_admitted_whole(tiny_chat: s
         assert m[COMPLETED] == 1
         assert m["gguf_pipeline_requests_total{endpoint=chat,outcome=rejected}"] == 1
         assert m["gguf_pipeline_prompt_tokens_total"] == prompts[0] > 0
+    finally:
+        server.stop()
+
+
+class LateFirstChain(WarmChain):
+    """A chain whose first caller takes a while to get to it (as a thread the host
+    schedules late does); records the prompts in the order their runs joined."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+        self.joined: list[tuple[int, ...]] = []
+
+    def generate(self, prompt_ids: Sequence[int], **kwargs: Any) -> Any:
+        self.calls += 1  # (the requests' calls: the chain's warm-up submits directly)
+        if self.calls == 1:
+            time.sleep(0.5)
+        return super().generate(prompt_ids, **kwargs)
+
+    def submit(self, prompt: Sequence[int], **kwargs: Any) -> Any:
+        self.joined.append(tuple(prompt))
+        return super().submit(prompt, **kwargs)
+
+
+def test_requests_join_the_chain_in_the_order_they_were_queued(tiny_chat: str) -> None:
+    # Three requests wait before the stages are up; once up, all three may run at once.
+    # The first one's thread reaches the chain half a second late: the others wait for it
+    # (they joined before it, and the log said they started in order all the same).
+    chain = LateFirstChain(tiny_chat, stages=2, context=128, max_concurrent=3)
+    engine = Engine(chain)
+    server = InProcessServer(engine)
+    try:
+        prompts = [f"Request number {i} says" for i in range(3)]
+        threads = []
+        for i, prompt in enumerate(prompts):
+            ask = server.client().completions.create
+            kwargs = {"model": "tiny-chat", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            threads.append(threading.Thread(target=ask, kwargs=kwargs))
+            threads[-1].start()
+            wait_for(lambda n=i + 1: metrics(server.base_url)["gguf_pipeline_queue_length"] == n,
+                     30, f"request {i} queued")  # fmt: skip
+        engine.start()
+        for t in threads:
+            t.join(120)
+        said = [engine.tokenizer.decode(list(ids)) for ids in chain.joined]
+        # (the chain's own warm-up run, of no prompt, joined first)
+        order = [p for text in said for p in prompts if p in text]
+        assert order == prompts, said
     finally:
         server.stop()
