@@ -21,7 +21,14 @@ from runplan.quant_types import QUANT_TYPES
 #: llama.cpp's fixtures cover), in name order.
 REFERENCE_QUANT_TYPES: tuple[str, ...] = tuple(sorted(QUANT_TYPES))
 #: Architectures the NumPy reference worker runs (``runtime_core.architectures``).
-REFERENCE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+REFERENCE_ARCHITECTURES: tuple[str, ...] = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "gemma2",
+    "phi3",
+)
 
 
 @frozen

@@ -1,19 +1,23 @@
 """What each block's attention sees, as the GGUF header sets it: how many past
 positions (a sliding window, or all of them) and the base of its rotary embedding.
 
-Read the way llama.cpp reads them (``llama-model.cpp``, ``models/gemma3.cpp``,
+Read the way llama.cpp reads them (``llama-model.cpp``, ``models/gemma{2,3}.cpp``,
 ``llama-hparams.cpp``). Only some architectures run sliding-window attention
-(``SLIDING_WINDOW_PERIODS``); others ignore the keys (phi3 files carry
+(``SLIDING_WINDOWS``); others ignore the keys (phi3 files carry
 ``attention.sliding_window`` and llama.cpp runs them with full attention):
 
 - ``{arch}.attention.sliding_window`` > 0 turns it on: the window, in positions. A
   sliding block at position ``p`` attends to positions ``p - window + 1 .. p``.
+  Without the key, the architecture's default (gemma2: 4096; gemma3: none, no block
+  slides).
 - ``{arch}.attention.sliding_window_pattern`` says which blocks slide: an array of
   booleans, one per block, or a period ``n`` (block ``i`` slides when
   ``i % n < n - 1``, so every ``n``-th block is global; ``0``: every block slides).
-  Without the key, the architecture's own period (llama.cpp's: 6 for gemma3).
+  Without the key, the architecture's own period (llama.cpp's: 6 for gemma3, 2 for
+  gemma2).
 - A global block rotates with ``{arch}.rope.freq_base`` and a sliding one with
-  ``{arch}.rope.freq_base_swa``; each defaults to 10000.
+  ``{arch}.rope.freq_base_swa``; the first defaults to 10000, the second to 10000
+  (gemma3) or the global base (gemma2).
 
 The planner counts a sliding block's KV cache at its window (``ModelFacts``), and the
 workers read the same layout through ``runtime_core.model_config``: one reading of
@@ -29,9 +33,21 @@ from gguf import GGUFValueType
 
 from runplan.gguf_header import GgufError, GgufHeader
 
-#: Architectures whose sliding-window attention llama.cpp runs, with the period of
-#: their global blocks when the file has no ``attention.sliding_window_pattern``.
-SLIDING_WINDOW_PERIODS: Mapping[str, int] = {"gemma3": 6}
+
+@frozen
+class SlidingRule:
+    """An architecture's defaults for the keys a file may leave out."""
+
+    period: int  # every period-th block is global (no ``sliding_window_pattern``)
+    window: int  # positions, without ``attention.sliding_window`` (0: no block slides)
+    swa_base_is_global: bool  # no ``rope.freq_base_swa``: the global base (else 10000)
+
+
+#: Architectures whose sliding-window attention llama.cpp runs, with their defaults.
+SLIDING_WINDOWS: Mapping[str, SlidingRule] = {
+    "gemma3": SlidingRule(period=6, window=0, swa_base_is_global=False),
+    "gemma2": SlidingRule(period=2, window=4096, swa_base_is_global=True),
+}
 
 #: llama.cpp's rotary base when a file names none (``rope.freq_base``, and for
 #: sliding blocks ``rope.freq_base_swa``).
@@ -58,28 +74,30 @@ def layer_attention(header: GgufHeader, arch: str, n_layers: int) -> tuple[Layer
     sliding = _sliding_blocks(header, arch, n_layers)
     if not any(sliding):
         return (LayerAttention(0, base),) * n_layers
-    window = header.integer(f"{arch}.attention.sliding_window")
-    base_swa = _rope_freq_base(header, f"{arch}.rope.freq_base_swa")
+    rule = SLIDING_WINDOWS[arch]
+    window = header.integer(f"{arch}.attention.sliding_window", default=rule.window)
+    swa_default = base if rule.swa_base_is_global else DEFAULT_ROPE_FREQ_BASE
+    base_swa = _rope_freq_base(header, f"{arch}.rope.freq_base_swa", swa_default)
     return tuple(
         LayerAttention(window, base_swa) if s else LayerAttention(0, base) for s in sliding
     )
 
 
-def _rope_freq_base(header: GgufHeader, key: str) -> float:
+def _rope_freq_base(header: GgufHeader, key: str, default: float = DEFAULT_ROPE_FREQ_BASE) -> float:
     """A rotary base: positive (``freq_base ** (-2i / n)`` of 0 is infinite, of a
     negative base NaN, and every logit with it)."""
-    base = number(header, key, DEFAULT_ROPE_FREQ_BASE)
+    base = number(header, key, default)
     if base <= 0.0:
         raise GgufError(header.paths[0], f"a rotary base of {base}: it must be positive", key)
     return base
 
 
 def _sliding_blocks(header: GgufHeader, arch: str, n_layers: int) -> tuple[bool, ...]:
-    period = SLIDING_WINDOW_PERIODS.get(arch)
+    rule = SLIDING_WINDOWS.get(arch)
     window_key = f"{arch}.attention.sliding_window"
-    if period is None or not header.has(window_key):
+    if rule is None:
         return (False,) * n_layers
-    window = header.integer(window_key)
+    window = header.integer(window_key, default=rule.window)
     if window < 0:
         raise GgufError(header.paths[0], f"a sliding window of {window} positions", window_key)
     if window == 0:
@@ -90,7 +108,7 @@ def _sliding_blocks(header: GgufHeader, arch: str, n_layers: int) -> tuple[bool,
         if len(flags) != n_layers:
             raise GgufError(header.paths[0], f"{len(flags)} flags for {n_layers} blocks", key)
         return flags
-    period = header.integer(key, default=period)
+    period = header.integer(key, default=rule.period)
     if period < 0:
         raise GgufError(header.paths[0], f"a period of {period} blocks", key)
     return tuple(period == 0 or i % period < period - 1 for i in range(n_layers))

@@ -1,7 +1,7 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-gemma3,phi3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here
+gemma2,gemma3,phi3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here
 is the same pre-norm transformer block; the spec says where one departs from it:
 
     x = embed(token) * embedding_scale
@@ -11,7 +11,9 @@ is the same pre-norm transformer block; the spec says where one departs from it:
         q, k = rms_norm per head (attn_q_norm, attn_k_norm)        if qk_norm
         q, k = rope(q), rope(k)            (normal or NeoX pairs; the block's own base)
         a = attention(q * query_scale, k, v)   (causal; within the window if sliding)
-                                            (gemma3, phi3 scale q; the others the scores)
+                                            (gemma2/3, phi3 scale q; the others the scores;
+                                             scores = cap * tanh(scores / cap) before the
+                                             softmax if the attention softcap is set)
         a = a @ Wo                          (+ bias)
         a = rms_norm(a, post_attention_norm)                       if post_norms
         x = x + a
@@ -73,6 +75,8 @@ class QueryScale(enum.Enum):
     # gemma3: 1 / sqrt(head_dim_k), except for the 62-block model (Gemma 3 27B), whose
     # queries are scaled by 1 / sqrt(hidden / heads) (llama.cpp keys it on the size).
     GEMMA3 = "gemma3"
+    # gemma2: the same rule, for its 46-block model (Gemma 2 27B).
+    GEMMA2 = "gemma2"
 
 
 @frozen
@@ -93,8 +97,13 @@ class ArchSpec:
     # attention scales by 1), or to the scores. The same product, rounded differently.
     queries_scaled: bool
     sliding_window: bool  # reads attention.sliding_window (runplan.layer_attention)
-    final_logit_softcap: bool  # reads final_logit_softcapping (absent or 0: none)
+    # final_logit_softcapping: None, not read (no cap); else the cap where the key is
+    # absent (0.0: none)
+    final_logit_softcap: float | None
+    # attn_logit_softcapping, the same way: scores capped before the softmax
+    attn_logit_softcap: float | None
     rope_freqs: bool  # may carry llama3's rope_freqs.weight
+    untied_head: bool = True  # may carry output.weight (False: the head is the embedding)
 
 
 _BASE = ArchSpec(
@@ -112,7 +121,8 @@ _BASE = ArchSpec(
     query_scale=QueryScale.KEY_LENGTH,
     queries_scaled=False,
     sliding_window=False,
-    final_logit_softcap=False,
+    final_logit_softcap=None,
+    attn_logit_softcap=None,
     rope_freqs=True,
 )
 
@@ -160,8 +170,29 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             query_scale=QueryScale.GEMMA3,
             queries_scaled=True,
             sliding_window=True,
-            final_logit_softcap=True,
+            final_logit_softcap=0.0,
             rope_freqs=False,
+        ),
+        # Gemma 2: gemma3 without per-head Q/K norms, with both soft caps (llama.cpp's
+        # defaults where a file has no key: 50 on the scores, 30 on the logits), every
+        # other block sliding (period 2, a 4096-position window by default, the global
+        # rotary base), and its head always the embedding (llama.cpp loads no
+        # output.weight: a file with one is refused).
+        _like_llama(
+            name="gemma2",
+            rope_neox=True,
+            output_bias=Presence.ABSENT,
+            ffn_bias=Presence.ABSENT,
+            post_norms=True,
+            activation=Activation.GELU_TANH,
+            embedding_scale=EmbeddingScale.SQRT_HIDDEN,
+            query_scale=QueryScale.GEMMA2,
+            queries_scaled=True,
+            sliding_window=True,
+            final_logit_softcap=30.0,
+            attn_logit_softcap=50.0,
+            rope_freqs=False,
+            untied_head=False,
         ),
         _like_llama(
             name="phi3",
@@ -193,3 +224,7 @@ MOE_ARCHITECTURES: tuple[str, ...] = (
     "deepseek2",
     "gpt-oss",
 )
+
+# llama.cpp caps the attention scores before its softmax's scale (``build_attn_mha``):
+# the workers cap q.k * scale, the same only where the queries carry the scale.
+assert all(s.queries_scaled for s in ARCHITECTURES.values() if s.attn_logit_softcap is not None)

@@ -273,8 +273,16 @@ def _refuse_tensors_outside_the_model(
 ) -> None:
     """Refuse a tensor outside the blocks that is not one of ``MODEL_TENSORS`` (another
     variant's, such as an embedding norm, whose computation would be missing): llama.cpp
-    refuses such a file too (its count of tensors). Names only, so every stage refuses
-    the same file. (A block past the block count is ``block_count``'s ``GgufError``.)"""
+    refuses such a file too (its count of tensors); so is ``output.weight`` where the
+    architecture's head is always the embedding (gemma2). Names only, so every stage
+    refuses the same file. (A block past the block count is ``block_count``'s ``GgufError``.)"""
+    if OUTPUT in tensors and not config.spec.untied_head:
+        raise UnsupportedModel(
+            path,
+            f"the {config.architecture} architecture's head is the embedding: llama.cpp "
+            "loads no output tensor for it",
+            tensor=OUTPUT,
+        )
     for name in tensors:
         if not name.startswith("blk.") and name not in MODEL_TENSORS:
             raise UnsupportedModel(

@@ -16,15 +16,16 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   tensor, so the slice loads it, not this config.
 - The layout of rotary pairs is the architecture's: llama rotates adjacent pairs
   ``(2i, 2i+1)`` ("normal"), the others the two halves ``(i, i + n/2)`` ("NeoX").
-- Each block's attention (``runplan.layer_attention``): its sliding window (gemma3's
-  ``attention.sliding_window`` and ``sliding_window_pattern``) and rotary base. A
-  sliding block rotates with ``rope.freq_base_swa`` and no scaling (llama.cpp's
+- Each block's attention (``runplan.layer_attention``): its sliding window (gemma2's
+  and gemma3's ``attention.sliding_window`` and ``sliding_window_pattern``) and rotary
+  base. A sliding block rotates with ``rope.freq_base_swa`` and no scaling (llama.cpp's
   ``rope_freq_scale_train_swa`` is 1); a global one with ``rope.freq_base`` and the
   file's scaling. Head sizes and rotary dimensions of sliding blocks must be those of
   the global ones (``*_swa`` keys that differ are refused).
 - What else differs between architectures is in ``runtime_core.architectures``: the
-  embedding scale (gemma3: ``sqrt(hidden)``), the query scale, and gemma3's optional
-  ``final_logit_softcapping``.
+  embedding scale (gemma2/3: ``sqrt(hidden)``), the query scale, the soft caps
+  ``final_logit_softcapping`` (gemma3's optional, gemma2's 30 by default) and
+  ``attn_logit_softcapping`` (gemma2's, 50 by default).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class ModelConfig:
     query_scale: float  # queries (or scores) are multiplied by this
     embedding_scale: float  # token embeddings are multiplied by this (float32)
     final_logit_softcap: float  # logits = c * tanh(logits / c); 0: none
+    attn_logit_softcap: float  # attention scores = c * tanh(scores / c); 0: none
 
     def layer_rope(self, layer: int) -> RopeConfig:
         return self.rope_swa if self.layer_windows[layer] else self.rope
@@ -161,10 +163,11 @@ class ModelConfig:
                 if spec.embedding_scale is EmbeddingScale.SQRT_HIDDEN
                 else 1.0
             ),
-            final_logit_softcap=(
-                _float(header, f"{arch}.final_logit_softcapping", 0.0)
-                if spec.final_logit_softcap
-                else 0.0
+            final_logit_softcap=_softcap(
+                header, f"{arch}.final_logit_softcapping", spec.final_logit_softcap
+            ),
+            attn_logit_softcap=_softcap(
+                header, f"{arch}.attn_logit_softcapping", spec.attn_logit_softcap
             ),
         )
 
@@ -173,9 +176,21 @@ def _query_scale(spec: ArchSpec, n_layers: int, hidden: int, heads: int, head_di
     """``1 / sqrt(n)`` in float32, as llama.cpp computes it (``1.0f / sqrtf(n)``: for
     some sizes, 96 among them, one unit in the last place from the float64 value)."""
     n = head_dim
-    if spec.query_scale is QueryScale.GEMMA3 and n_layers == 62:  # Gemma 3 27B
+    big = {QueryScale.GEMMA3: 62, QueryScale.GEMMA2: 46}.get(spec.query_scale)
+    if n_layers == big:  # Gemma 3 27B, Gemma 2 27B
         n = hidden // heads
     return float(np.float32(1.0) / np.sqrt(np.float32(n)))
+
+
+def _softcap(header: GgufHeader, key: str, default: float | None) -> float:
+    """A soft cap the architecture reads (``default`` None: it reads none, 0.0); a
+    negative or non-finite one is a ``GgufError`` (0: none)."""
+    if default is None:
+        return 0.0
+    cap = _float(header, key, default)
+    if cap < 0.0:
+        raise GgufError(header.paths[0], f"a soft cap of {cap}: it must not be negative", key)
+    return cap
 
 
 def _same_for_sliding_blocks(

@@ -10,7 +10,9 @@ below write those rules out independently of our code:
 - ``{arch}.attention.key_length`` / ``value_length``: ``embedding_length / head_count``;
 - ``{arch}.rope.dimension_count``: the key head size;
 - ``{arch}.rope.freq_base``: 10000 (and ``rope.freq_base_swa``, for gemma3's sliding
-  blocks; its ``attention.sliding_window_pattern``: every sixth block global);
+  blocks, 10000, for gemma2's the global base; ``attention.sliding_window_pattern``:
+  every sixth block global for gemma3, every second for gemma2; gemma2's
+  ``attention.sliding_window``: 4096);
 - ``tokenizer.ggml.bos_token_id`` / ``eos_token_id``: the tokenizer model's default
   (11 and 11 for ``gpt2``, 1 and 2 for ``llama``), also when the file's id is outside
   the vocabulary;
@@ -137,21 +139,27 @@ class Reading:
         )
 
     def attention(self, arch: str, layers: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        """Each block's window and rope base by llama.cpp's rules: only gemma3 slides
-        (``attention.sliding_window`` > 0), on the blocks its pattern names (an array of
-        flags, or a period ``n``: block ``i`` slides when ``i % n < n - 1``; 6 without
-        the key); sliding blocks rotate with ``rope.freq_base_swa``, the others with
-        ``rope.freq_base`` (each 10000 by default)."""
+        """Each block's window and rope base by llama.cpp's rules (``models/gemma2.cpp``,
+        ``gemma3.cpp``): only gemma3 and gemma2 slide (``attention.sliding_window`` > 0;
+        gemma3 0 without the key, gemma2 4096), on the blocks its pattern names (an
+        array of flags, or a period ``n``: block ``i`` slides when ``i % n < n - 1``;
+        without the key 6 for gemma3, 2 for gemma2); sliding blocks rotate with
+        ``rope.freq_base_swa`` (without it gemma3's 10000, gemma2's global base), the
+        others with ``rope.freq_base`` (10000 by default)."""
         base = float(np.float32(self.value(f"{arch}.rope.freq_base", 10000.0)))
-        window = self.value(f"{arch}.attention.sliding_window", 0) if arch == "gemma3" else 0
+        defaults = {"gemma3": (0, 6, 10000.0), "gemma2": (4096, 2, base)}
+        if arch not in defaults:
+            return (0,) * layers, (base,) * layers
+        window_default, period, swa_default = defaults[arch]
+        window = self.value(f"{arch}.attention.sliding_window", window_default)
         if not window:
             return (0,) * layers, (base,) * layers
-        pattern = self.value(f"{arch}.attention.sliding_window_pattern", 6)
+        pattern = self.value(f"{arch}.attention.sliding_window_pattern", period)
         if isinstance(pattern, list):
             slides = [bool(p) for p in pattern]
         else:
             slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
-        swa = float(np.float32(self.value(f"{arch}.rope.freq_base_swa", 10000.0)))
+        swa = float(np.float32(self.value(f"{arch}.rope.freq_base_swa", swa_default)))
         return (
             tuple(window if s else 0 for s in slides),
             tuple(swa if s else base for s in slides),

@@ -473,12 +473,20 @@ def first_seen(pos: int, window: int) -> int:
 
 
 def attention(
-    q: F32, keys: F32, values: F32, pos0: int, group: int, scale: float, window: int = 0
+    q: F32,
+    keys: F32,
+    values: F32,
+    pos0: int,
+    group: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> F32:
     """``attention_<KV>``: query rows ``q`` (rows, n_heads, hd_k) at positions pos0 ..,
     over ``keys`` (n_kv, n_ctx, hd_k) and ``values`` (n_kv, n_ctx, hd_v) of positions
     0 .. n_ctx - 1; causal, and within ``window`` positions when it is not 0; query head h
-    reads kv head h // group. Exact softmax in float64; (rows, n_heads * hd_v)."""
+    reads kv head h // group; scores capped at ``softcap`` (``c * tanh(s / c)``) when it
+    is not 0. Exact softmax in float64; (rows, n_heads * hd_v)."""
     rows, n_heads, _ = q.shape
     hd_v = values.shape[2]
     out = np.empty((rows, n_heads, hd_v), np.float64)
@@ -488,6 +496,8 @@ def attention(
         for r in range(rows):
             seen = slice(first_seen(pos0 + r, window), pos0 + r + 1)
             scores = (k[seen] @ q[r, h].astype(np.float64)) * np.float32(scale)
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
             p = np.exp(scores - scores.max())
             out[r, h] = (p / p.sum()) @ v[seen]
     return out.reshape(rows, n_heads * hd_v).astype(np.float32)

@@ -180,9 +180,12 @@ class CpuOps:
         tables = [r for r in (w.rot, w.rot_swa) if r is not None]
         flat = {id(r): np.ascontiguousarray(r).view(np.float32) for r in tables}
         self.rots = [flat[id(w.layer_rot(i))] for i in range(len(w.layers))]  # (max_seq, n_rot)
-        # llama.cpp scales the scores, or (gemma3, phi3) the rotated queries
+        # llama.cpp scales the scores, or (gemma2/3, phi3) the rotated queries; gemma2
+        # caps the scores (those with a cap scale the queries, as llama.cpp caps the
+        # scores before its softmax's scale)
         scale = float(np.float32(c.query_scale))
         self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
+        self.attn_softcap = float(np.float32(c.attn_logit_softcap))
         # a prefill's own keys and values, while a sliding block's ring cannot take them
         self.step_kv: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
         self.qkv_dim = c.q_dim + c.k_dim + c.v_dim
@@ -447,7 +450,8 @@ class CpuOps:
         self.kernels.attention(
             b.views["qkv"][seg.start : seg.end], seg.rows, cache.k[layer], cache.v[layer],
             seg.pos, cache.heads[layer], self.scale, b.views["att"][seg.start : seg.end],
-            self.threads, self.windows[layer], *step, isa=self.isa, **self._slot(seg, layer),
+            self.threads, self.windows[layer], *step, isa=self.isa, softcap=self.attn_softcap,
+            **self._slot(seg, layer),
         )  # fmt: skip
         self.step_kv = None  # its last ``size`` positions are in the ring now
         self._written("att")

@@ -437,6 +437,7 @@ class StageModel:
             qg = by_head.reshape(c.n_kv_heads, group * rows, c.head_dim_k)
         scores: F32 = qg @ keys.transpose(0, 2, 1)  # (n_kv_heads, group * rows, n_ctx)
         scores *= self.scale
+        _softcap(scores, c.attn_logit_softcap)
         if masked is not None:
             scores.reshape(c.n_kv_heads, group, rows, n_ctx)[:, :, masked] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
@@ -452,12 +453,17 @@ class StageModel:
         w = self.weights
         assert w.output_norm is not None and w.head is not None
         out = linear(rms_norm(x_last, w.output_norm, self.config.rms_eps), w.head).reshape(-1)
-        cap = self.config.final_logit_softcap
-        if cap > 0.0:
-            out *= np.float32(1.0 / cap)
-            np.tanh(out, out=out)
-            out *= np.float32(cap)
+        _softcap(out, self.config.final_logit_softcap)
         return out
+
+
+def _softcap(x: F32, cap: float) -> None:
+    """``x = cap * tanh(x / cap)`` in place (llama.cpp's three operations, the first a
+    product by ``1 / cap``), where ``cap`` > 0."""
+    if cap > 0.0:
+        x *= np.float32(1.0 / cap)
+        np.tanh(x, out=x)
+        x *= np.float32(cap)
 
 
 def silu(x: F32) -> None:

@@ -345,14 +345,46 @@ def test_rotary_cache_and_attention_are_the_twins(neox: bool, kv: str) -> None:
         np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_capped_attention_is_the_twins(softcap: float) -> None:
+    # gemma2's cap on the scores (softcap * tanh(score / softcap)) before the softmax;
+    # the scores here spread over about +-3, so a cap of 2 bites
+    rng = np.random.default_rng(13)
+    n_heads, n_kv, hd, pos, rows = 4, 2, 32, 9, 5
+    max_seq = pos + rows
+    kc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float32)
+    vc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float32)
+    qkv = rng.standard_normal((rows, (n_heads + 2 * n_kv) * hd)).astype(np.float32)
+    heads = (n_heads, n_kv, hd, hd, max_seq, False)
+    out = np.zeros((rows, n_heads * hd), np.float32)
+    scale = float(np.float32(0.5))
+    _kernels.attention(qkv, rows, kc, vc, pos, heads, scale, out, 2, softcap=softcap)
+    q = qkv[:, : n_heads * hd].reshape(rows, n_heads, hd)
+    ref = twins.attention(q, kc, vc, pos, n_heads // n_kv, scale, softcap=softcap)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
+    if softcap:  # the cap changed the answer
+        plain = twins.attention(q, kc, vc, pos, n_heads // n_kv, scale)
+        assert np.abs(out - plain).max() > 0.05
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])
+def test_a_soft_cap_that_is_not_a_finite_non_negative_number_is_refused(softcap: float) -> None:
+    heads = (2, 1, 8, 8, 4, False)
+    kc, vc = np.zeros((1, 4, 8), np.float32), np.zeros((1, 4, 8), np.float32)
+    qkv, out = np.zeros((1, 32), np.float32), np.zeros((1, 16), np.float32)
+    with pytest.raises(ValueError, match="soft cap"):
+        _kernels.attention(qkv, 1, kc, vc, 0, heads, 1.0, out, 1, softcap=softcap)
+
+
 @pytest.mark.parametrize("isa", isa_params(portable=False))
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize(
-    ("hd", "pos"),
-    [(72, 7), (64, 7), (64, 1100)],  # a tail past 64; whole vectors; past 1024 positions
+    ("hd", "pos", "softcap"),
+    # a tail past 64; whole vectors; past 1024 positions; scores capped (gemma2)
+    [(72, 7, 0.0), (64, 7, 0.0), (64, 1100, 0.0), (64, 40, 1.5)],
 )
 def test_attention_does_not_depend_on_the_isa_or_the_threads(
-    kv: str, isa: str, hd: int, pos: int
+    kv: str, isa: str, hd: int, pos: int, softcap: float
 ) -> None:
     rng = np.random.default_rng(12)
     n_heads, n_kv, rows = 8, 2, 30
@@ -366,7 +398,8 @@ def test_attention_does_not_depend_on_the_isa_or_the_threads(
     for name in ("portable", isa):
         for threads in (1, 3):
             out = np.zeros((rows, n_heads * hd), np.float32)
-            _kernels.attention(qkv, rows, kc, vc, pos, heads, 0.125, out, threads, isa=name)
+            _kernels.attention(qkv, rows, kc, vc, pos, heads, 0.125, out, threads, isa=name,
+                               softcap=softcap)  # fmt: skip
             outs.append(out)
     for other in outs[1:]:
         np.testing.assert_array_equal(other.view(np.uint32), outs[0].view(np.uint32))

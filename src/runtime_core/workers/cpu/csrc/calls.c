@@ -352,17 +352,22 @@ int parse_rope_kv(PyObject *args, Call *c) {
 
 int parse_attention(PyObject *args, PyObject *kwds, Call *c) {
     static char *kwlist[] = {"", "", "", "", "", "", "", "", "", "window", "k_step", "v_step",
-                             "isa", NULL};
+                             "isa", "softcap", NULL};
     PyObject *qo, *ho, *ko, *vo, *oo, *kso = Py_None, *vso = Py_None;
     long long rows, pos, window = 0;
-    float scale;
+    float scale, softcap = 0.0f;
     int threads;
     const char *isa_name = NULL;
     start(c, CALL_ATTENTION);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLOOLOfOi|LOO$z", kwlist, &qo, &rows, &ko, &vo,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLOOLOfOi|LOO$zf", kwlist, &qo, &rows, &ko, &vo,
                                      &pos, &ho, &scale, &oo, &threads, &window, &kso, &vso,
-                                     &isa_name))
+                                     &isa_name, &softcap))
         return -1;
+    if (!(softcap >= 0.0f) || isinf(softcap)) { /* NaN too */
+        PyErr_Format(PyExc_ValueError, "a soft cap of %g: it must be finite and not negative",
+                     (double)softcap);
+        return -1;
+    }
     Heads *hd = &c->a.kv.hd;
     if (!(c->isa = isa_named(isa_name)) || parse_heads(ho, hd) < 0 || check_threads(threads) < 0)
         return -1;
@@ -378,6 +383,7 @@ int parse_attention(PyObject *args, PyObject *kwds, Call *c) {
     set_kv(c, threads, rows, pos);
     c->a.kv.window = window;
     c->a.kv.scale = scale;
+    c->a.kv.softcap = softcap;
     c->a.kv.out = c->bufs[1].view.buf;
     return 0;
 }
@@ -501,8 +507,8 @@ int call_run(Call *c) {
         return 0;
     case CALL_ATTENTION:
         return attention_rows(c->isa, c->a.kv.qkv, c->a.kv.rows, c->a.kv.k, c->a.kv.v, c->a.kv.step,
-                              c->a.kv.pos, c->a.kv.window, &c->a.kv.hd, c->a.kv.scale, c->a.kv.out,
-                              threads);
+                              c->a.kv.pos, c->a.kv.window, &c->a.kv.hd, c->a.kv.scale,
+                              c->a.kv.softcap, c->a.kv.out, threads);
     case CALL_EMBED:
         return embed_rows(&c->a.embed.m->parts[0], c->a.embed.ids, c->a.embed.rows, c->a.embed.out,
                           threads);

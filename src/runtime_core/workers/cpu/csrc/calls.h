@@ -136,7 +136,7 @@ typedef struct {
             const float *bias, *rot;
             Heads hd;
             int neox;
-            float q_scale, scale;
+            float q_scale, scale, softcap; /* softcap: attention's (0: none) */
             void *k, *v;
             StepKV step;
             float *out;

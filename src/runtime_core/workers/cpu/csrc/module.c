@@ -411,7 +411,8 @@ static PyMethodDef methods[] = {
      "q_scale=1.0, k_step=None, v_step=None): K, V to ring slot p % max_seq, or the step's rows"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_VARARGS | METH_KEYWORDS,
      "attention(qkv, rows, k_cache, v_cache, pos, heads, scale, out, threads, window=0, "
-     "k_step=None, v_step=None, *, isa=None): then the step's rows (when given) to the ring"},
+     "k_step=None, v_step=None, *, isa=None, softcap=0.0): scores capped at softcap (0: "
+     "none), then the step's rows (when given) to the ring"},
     {"embed", py_embed, METH_VARARGS, "embed(table, ids, out, threads): rows of a table, dequantized"},
     {"argmax", py_argmax, METH_O, "argmax(logits) -> (first index of the largest finite, non-finite count)"},
     {"isas", py_isas, METH_NOARGS,

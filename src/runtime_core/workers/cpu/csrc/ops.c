@@ -444,7 +444,7 @@ typedef struct {
     StepKV step;
     int64_t rows, pos, window;
     const Heads *hd;
-    float scale;
+    float scale, softcap;
     float *out;
     atomic_int failed; /* an item could not get its scores' memory */
 } AttentionJob;
@@ -525,6 +525,10 @@ static void attention_item(void *ctx, int64_t it) {
                        runs[i].n, hd->hd_k, J->scale, scores + at);
         at += runs[i].n;
     }
+    if (J->softcap > 0.0f) { /* the scores capped: llama.cpp's scale, tanh, scale */
+        const float inv = 1.0f / J->softcap;
+        for (int64_t t = 0; t < n_ctx; ++t) scores[t] = tanhf(scores[t] * inv) * J->softcap;
+    }
     float m = scores_max(scores, n_ctx);
     float sum = 0.0f;
     for (int64_t t = 0; t < n_ctx; ++t) {
@@ -546,8 +550,8 @@ static void attention_item(void *ctx, int64_t it) {
 
 int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache, void *v_cache,
                    StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
-                   float *out, int threads) {
-    AttentionJob J = {isa, qkv, k_cache, v_cache, step, rows, pos, window, hd, scale, out, 0};
+                   float softcap, float *out, int threads) {
+    AttentionJob J = {isa, qkv, k_cache, v_cache, step, rows, pos, window, hd, scale, softcap, out, 0};
     int64_t seen = window && window < pos + rows ? window : pos + rows; /* at most, per row */
     int64_t work = rows * hd->n_heads * seen * (hd->hd_k + hd->hd_v);
     pool_run(pool_threads(threads, work), rows * hd->n_heads, attention_item, &J);

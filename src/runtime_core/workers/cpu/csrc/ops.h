@@ -76,10 +76,12 @@ void rope_kv_rows(float *qkv, int64_t rows, const float *bias, const float *rot,
 
 /* Row r (position q = pos + r) attends to positions max(0, q - window + 1) .. q (window
  * 0: 0 .. q), in order, read from the ring and (when given) the step's rows, whose last
- * max_seq positions then go to the ring. Returns 0, or -1 when out of memory. */
+ * max_seq positions then go to the ring. Scores are q.k * scale, then (softcap > 0)
+ * softcap * tanhf(score * (1 / softcap)), llama.cpp's three operations, before the
+ * softmax. Returns 0, or -1 when out of memory. */
 int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache, void *v_cache,
                    StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
-                   float *out, int threads);
+                   float softcap, float *out, int threads);
 
 /* Each id is read once and checked where it is used: a caller's checks ran before the
  * GIL was released, and another thread may have written the ids since. Returns 0, -1 when
