@@ -49,6 +49,26 @@ def test_without_a_pattern_gemma3_blocks_slide_but_every_sixth(tmp_path: Path) -
     assert f.layer_kv_positions() == (8, 8, 8, 8, 8, 100, 8)
 
 
+def test_gemma2_blocks_slide_every_other_one_with_the_global_base(tmp_path: Path) -> None:
+    """llama.cpp's gemma2 (``models/gemma2.cpp``): period 2 (blocks 0, 2, 4, 6 slide),
+    and its sliding blocks rotate with the global base unless ``freq_base_swa`` says
+    otherwise."""
+    f = gemma3(tmp_path, attrs.evolve(GEMMA3, arch="gemma2"))
+    assert f.layer_windows == (8, 0, 8, 0, 8, 0, 8)
+    assert f.layer_rope_freq_bases == (1e6,) * 7
+    swa = attrs.evolve(GEMMA3, arch="gemma2", rope_freq_base_swa=1e4)
+    f = facts_of(write_model(tmp_path / "swa.gguf", swa), max_seq_len=100)
+    assert f.layer_rope_freq_bases == (1e4, 1e6, 1e4, 1e6, 1e4, 1e6, 1e4)
+
+
+def test_a_gemma2_file_without_a_window_slides_in_4096_positions(tmp_path: Path) -> None:
+    """gemma2's window defaults to 4096 (gemma3 without the key: no block slides)."""
+    f = gemma3(tmp_path, attrs.evolve(GEMMA3, arch="gemma2", sliding_window=0))
+    assert f.layer_windows == (4096, 0, 4096, 0, 4096, 0, 4096)
+    g = facts_of(write_model(tmp_path / "g3.gguf", attrs.evolve(GEMMA3, sliding_window=0)))
+    assert g.layer_windows == (0,) * 7
+
+
 @pytest.mark.parametrize(
     ("pattern", "windows"),
     [

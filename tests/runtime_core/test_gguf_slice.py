@@ -29,6 +29,7 @@ SHAPES = {
     "rope_freqs": ModelShape(n_layers=N_LAYERS, rope_freqs=True, seed=6),
     "qwen3": ModelShape(arch="qwen3", n_layers=N_LAYERS, key_length=32, seed=7),
     "gemma3": ModelShape(arch="gemma3", n_layers=N_LAYERS, sliding_window=4, seed=8),
+    "gemma2": ModelShape(arch="gemma2", n_layers=N_LAYERS, sliding_window=4, seed=10),
     "phi3": ModelShape(arch="phi3", n_layers=N_LAYERS, rope_dims=8, tied=False, seed=9),
 }
 
@@ -179,6 +180,21 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         {"shape": SHAPES["gemma3"], "drop_tensors": ("blk.3.post_ffw_norm.weight",)},
         (3, 4),
         _unsupported(tensor="blk.3.post_ffw_norm.weight"),
+    ),
+    "gemma2 with an output tensor (llama.cpp's gemma2 head is the embedding)": (
+        {"shape": attrs.evolve(SHAPES["gemma2"], tied=False)},
+        (0, 1),
+        _unsupported(tensor="output.weight"),
+    ),
+    "gemma2 with gemma3's per-head query norm": (
+        {"shape": SHAPES["gemma2"], "extra_tensors": {"blk.1.attn_q_norm.weight": _ones(16)}},
+        (1, 2),
+        _unsupported(tensor="blk.1.attn_q_norm.weight"),
+    ),
+    "a negative gemma2 attention soft cap": (
+        {"shape": SHAPES["gemma2"], "extra_keys": {"gemma2.attn_logit_softcapping": -50.0}},
+        (0, 1),
+        {"error": GgufError, "tensor": None, "key": "gemma2.attn_logit_softcapping"},
     ),
     "gemma3 sliding blocks of another head size": (
         {"shape": SHAPES["gemma3"], "extra_keys": {"gemma3.attention.key_length_swa": 8}},
