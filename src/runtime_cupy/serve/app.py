@@ -15,9 +15,10 @@
 Every error is an OpenAI error object with a status: 400 for a bad body (naming the
 field), 401 without the right ``Authorization: Bearer`` key (when the server has one;
 ``/health`` needs none), 404 for an unknown model or path, 405, 408 for a body that
-does not arrive within the client timeout, 413 for a body over ``MAX_BODY_BYTES``, 429
-when the queue is full, 500 / 503 when the pipeline cannot answer. A bug is logged
-with its traceback and answered 500 without it.
+does not arrive within the client timeout, 413 for a body over ``MAX_BODY_BYTES``, 415
+for a body of another type than JSON (``_check_json_type``: what a web page can make a
+browser send to localhost unasked), 429 when the queue is full, 500 / 503 when the
+pipeline cannot answer. A bug is logged with its traceback and answered 500 without it.
 
 A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
 on the event loop: ``/health`` and the streams of other requests go on meanwhile.
@@ -53,6 +54,25 @@ MAX_BODY_BYTES = 8 << 20
 OWNER = "gguf-pipeline"
 #: How long a client may take to send a request's body (``build_app`` takes another).
 CLIENT_TIMEOUT_S = 10.0
+
+
+def _check_json_type(content_type: str | None) -> None:
+    """A body is JSON: ``application/json`` (or a ``+json`` type), or sent with no type
+    (``curl --data-binary`` without a header). Any other type is a 415: a web page may
+    make the user's browser POST ``text/plain``, form or multipart bodies to a server on
+    localhost without asking the server first (CORS lets such "simple" requests through
+    unasked), and a server that read them as JSON would run that page's requests."""
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    json_like = media.startswith("application/") and media.endswith("+json")
+    if media == "application/json" or json_like:
+        return
+    raise RequestError(
+        f"the body's Content-Type is {media!r}: send JSON as application/json",
+        status=415,
+        code="unsupported_media_type",
+    )
 
 
 def _error(error: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -113,6 +133,7 @@ class Api:
         return _error(error, {"WWW-Authenticate": "Bearer"})
 
     async def _body(self, request: Request) -> bytes:
+        _check_json_type(request.headers.get("content-type"))
         size = int(request.headers.get("content-length") or 0)
         if size > MAX_BODY_BYTES:
             raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)

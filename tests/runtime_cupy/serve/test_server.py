@@ -465,3 +465,22 @@ def test_the_rest_of_the_http_surface_is_4xx_too(server: ServerProcess) -> None:
     huge = b'{"model": "tiny-chat", "prompt": "' + b"x" * (9 << 20) + b'"}'
     r = httpx2.post(f"{base}/v1/completions", content=huge, headers=AUTH)
     assert r.status_code == 413 and "error" in r.json()
+
+
+def test_a_body_a_web_page_could_send_unasked_is_415_and_json_is_served(
+    server: ServerProcess,
+) -> None:
+    # A page in the user's browser may POST text/plain, form or multipart bodies to
+    # localhost without a CORS preflight; as JSON they would run its requests.
+    url = f"{server.base_url}/v1/completions"
+    body = b'{"model": "tiny-chat", "prompt": "Hi", "max_tokens": 1}'
+    for kind in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                 "multipart/form-data; boundary=x"):  # fmt: skip
+        r = httpx2.post(url, content=body, headers={**AUTH, "Content-Type": kind})
+        error = r.json()["error"]
+        assert r.status_code == 415 and error["code"] == "unsupported_media_type", r.text
+        assert kind.split(";")[0] in error["message"]
+    for kind in (None, "application/json; charset=utf-8", "Application/JSON"):
+        headers = {**AUTH, **({"Content-Type": kind} if kind else {})}
+        r = httpx2.post(url, content=body, headers=headers)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
