@@ -283,10 +283,13 @@ def _rope_kv(kv_half: bool) -> KernelTwin:
 
 def _attention(kv_half: bool) -> KernelTwin:
     def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
-        (qkv, rows, kc, vc, state, n_heads, n_kv, hd_k, hd_v, cache_size, window, scale, out,
-         oq, od, os_) = args  # fmt: skip
+        (qkv, rows, kc, vc, state, n_heads, n_kv, hd_k, hd_v, cache_size, window, scale,
+         softcap, out, oq, od, os_) = args  # fmt: skip
         if tuple(grid) != (rows, n_heads) or block != 32 * ATT_WARPS:
             raise LaunchError(f"attention of {rows} rows x {n_heads} heads launched as {grid}")
+        softcap = float(np.float32(softcap))  # as the kernel takes it
+        if not (0.0 <= softcap < np.inf):  # NaN too
+            raise LaunchError(f"a soft cap of {softcap}: it must be finite and not negative")
         if hd_k > 256 or hd_v > 256:
             raise LaunchError("heads larger than 256")
         pos = int(_flat(state, np.int32)[0])
@@ -308,7 +311,7 @@ def _attention(kv_half: bool) -> KernelTwin:
         seen = np.arange(first, end)
         keys[:, first:] = kring[:, seen % cache_size]
         values[:, first:] = vring[:, seen % cache_size]
-        att = twins.attention(q, keys, values, pos, n_heads // n_kv, scale, window)
+        att = twins.attention(q, keys, values, pos, n_heads // n_kv, scale, window, softcap)
         _flat(out, np.float32)[: att.size] = att.reshape(-1)
         if oq is not None:
             if hd_v % CHUNK:

@@ -73,6 +73,7 @@ class TwinOps:
         self.windows = [layer.window for layer in w.layers]
         scale = float(np.float32(c.query_scale))
         self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
+        self.attn_softcap = float(np.float32(c.attn_logit_softcap))  # 0: none (gemma2's)
 
     def new_cache(self, positions: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """A run's KV cache of ``positions`` positions (keys, values)."""
@@ -166,7 +167,7 @@ class TwinOps:
         values = v_cache[layer][:, :n_ctx].astype(np.float32)
         group = c.n_heads // c.n_kv_heads
         self.bufs["att"][seg.start : seg.end] = twins.attention(
-            q, keys, values, pos, group, self.scale, self.windows[layer]
+            q, keys, values, pos, group, self.scale, self.windows[layer], self.attn_softcap
         ).reshape(rows, -1)
         if seg.end == total:
             self._maybe_q8("att")

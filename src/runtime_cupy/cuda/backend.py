@@ -27,8 +27,10 @@ first), attends there, and leaves its last ``size`` positions in the ring.
 
 The architectures' optional steps (``forward_program.py``) are kernels too: per-head Q/K norms
 (``head_rmsnorm``), post-norms (``rmsnorm_add_rows``), GELU gating (``geglu_*``), the
-embedding scale, the query scale where llama.cpp applies it (the scores, or gemma3's and
-phi3's rotated queries: ``rope_kv``'s ``q_scale``) and the logit soft cap.
+embedding scale, the query scale where llama.cpp applies it (the scores, or gemma2's,
+gemma3's and phi3's rotated queries: ``rope_kv``'s ``q_scale``), gemma2's soft cap on the
+attention scores (``attention_*``'s ``softcap``, before the softmax) and the logit soft
+cap (``softcap``).
 
 Every launch and copy of a stage runs on the stage's own stream; a step returns after
 synchronizing it, so a device array it returns is ready for another stream.
@@ -168,9 +170,12 @@ class DeviceOps:
             if r is not None
         }
         self.rots = [tables[id(w.layer_rot(i))] for i in range(len(w.layers))]
-        # llama.cpp scales the scores, or (gemma3, phi3) the rotated queries
+        # llama.cpp scales the scores, or (gemma2/3, phi3) the rotated queries; gemma2
+        # caps the scores (those with a cap scale the queries, as llama.cpp caps the
+        # scores before its softmax's scale)
         scale = float(np.float32(c.query_scale))
         self.q_scale, self.scale = (scale, 1.0) if c.spec.queries_scaled else (1.0, scale)
+        self.attn_softcap = float(np.float32(c.attn_logit_softcap))  # 0: none
         # a prefill's keys and values, by position, while a sliding block's ring cannot
         # take them (``_wrapping_cache``)
         self.step_kv: tuple[Any, Any] | None = None
@@ -411,7 +416,7 @@ class DeviceOps:
             f"attention_{kv}", (rows, c.n_heads), ATT_THREADS,
             self.buf["qkv"][seg.start : seg.end], rows, k, v, self.states[seg.start],
             c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v, k.shape[1],
-            self.windows[layer], self.scale, att, None, None, None,
+            self.windows[layer], self.scale, self.attn_softcap, att, None, None, None,
         )  # fmt: skip
         q8 = self.bq8.get("att")
         if q8 is not None:

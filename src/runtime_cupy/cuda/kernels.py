@@ -33,7 +33,7 @@ _MATVEC_Q8 = "p l i i p p p p p i"
 _MATVEC_F = "p l i i p p p i"
 _DEQUANT = "p l i p i i p"
 _ROPE = "p i p p p i i i i i i f p p i"
-_ATTENTION = "p i p p p i i i i i i f p p p p"
+_ATTENTION = "p i p p p i i i i i i f f p p p p"
 
 #: The largest head size ``attention.cu`` handles (``32 * ATT_MAX_PER_LANE``: each of a
 #: warp's 32 lanes holds up to 8 dimensions of a head).
@@ -107,7 +107,7 @@ def source(name: str) -> str:
 #: where its source and its NumPy twin round. Both compilers fuse by default; NVRTC 13
 #: then fuses 42 multiply-adds in matvec.cu (5 or 6 in each 8-bit product, in the
 #: block decoders' scale arithmetic that test_kernels_host.py checks bit for bit
-#: against the twins on the CPU), 6 in norm.cu and 36 in attention.cu
+#: against the twins on the CPU), 6 in norm.cu and 54 in attention.cu
 #: (test_kernels_compile.py counts them). No fast math (the twins assume IEEE division
 #: and square root), and no language standard (the sources need C++11; CuPy picks its
 #: own default and adds ``-ftz=true``, which flushes float32 subnormals: no value the

@@ -434,13 +434,19 @@ def test_rope_kv_is_exact(
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("heads", HEADS, ids=[str(h) for h in HEADS])
-@pytest.mark.parametrize(("rows", "pos", "window"), [(1, 0, 0), (1, 300, 0), (37, 0, 0),
-                                                     (1, 300, 24), (37, 10, 24)])  # fmt: skip
+@pytest.mark.parametrize(("rows", "pos", "window", "softcap"), [
+    (1, 0, 0, 0.0), (1, 300, 0, 0.0), (37, 0, 0, 0.0), (1, 300, 24, 0.0), (37, 10, 24, 0.0),
+    (1, 300, 0, 1.5), (37, 10, 24, 1.5),
+])  # fmt: skip
 def test_attention(
-    ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, window: int, kv: str
-) -> None:
+    ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, window: int, softcap: float,
+    kv: str,
+) -> None:  # fmt: skip
     """Global blocks (window 0, a cache of every position) and sliding ones (window 24:
-    a decode step over a ring of 24 slots, a prefill over a cache of every position)."""
+    a decode step over a ring of 24 slots, a prefill over a cache of every position);
+    scores uncapped (0) or capped (gemma2: ``softcap * tanh(score / softcap)`` before the
+    softmax). The scores here spread over about +-3 (unit queries and keys, scaled by
+    ``1 / sqrt(hd)``), so a cap of 1.5 bites: the check fails without it."""
     n_heads, n_kv, hd, _, _ = heads
     rng = np.random.default_rng(rows * 7 + pos + hd + window)
     max_seq = 400
@@ -458,15 +464,20 @@ def test_attention(
     nq = n_heads * hd
     q8 = [poison(nq, np.int8), poison(nq // 32, np.float32), poison(nq // 32, np.float32)]
     scale = float(np.float32(1 / np.sqrt(hd)))
-    args = [qkv, rows, kc, vc, state, n_heads, n_kv, hd, hd, cache, window, scale, out,
-            *(q8 if fused else [None, None, None])]  # fmt: skip
+    args = [qkv, rows, kc, vc, state, n_heads, n_kv, hd, hd, cache, window, scale, softcap,
+            out, *(q8 if fused else [None, None, None])]  # fmt: skip
     dev, twin = launch_both(ks, f"attention_{kv}", (rows, n_heads), ATT_THREADS, args)
     # an output is a weighted mean of values of magnitude ~1: float32 online softmax
-    within(dev[12], twin[12], np.ones_like(twin[12]), rel=2e-5)
+    within(dev[13], twin[13], np.ones_like(twin[13]), rel=2e-5)
+    if softcap:  # the cap changes the answer by far more than the check's bound
+        plain = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        plain[12] = 0.0
+        KERNEL_TWINS[f"attention_{kv}"]((rows, n_heads), ATT_THREADS, plain)
+        assert np.abs(twin[13] - plain[13]).max() > 1e-2
     if fused:
-        act = twins.quantize_q8(dev[12].reshape(-1))
-        same_bits(dev[13], act.q)
-        same_bits(dev[14], act.d)
+        act = twins.quantize_q8(dev[13].reshape(-1))
+        same_bits(dev[14], act.q)
+        same_bits(dev[15], act.d)
 
 
 # ---- argmax and conversions ----------------------------------------------------------------

@@ -122,6 +122,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             folder / "gemma3.gguf",
             attrs.evolve(FIXTURE_SHAPES["gemma3"], sliding_window=4, final_logit_softcap=3.0),
         ),
+        # the same ring (block 0 slides), capped attention scores (2) and logits (3)
+        "gemma2-window": write_model(
+            folder / "gemma2.gguf", attrs.evolve(FIXTURE_SHAPES["gemma2"], sliding_window=4)
+        ),
         "phi3": write_model(  # partial rotary, fused Q|K|V and gate|up
             folder / "phi3.gguf", attrs.evolve(FIXTURE_SHAPES["phi3"], n_layers=2)
         ),
@@ -187,6 +191,7 @@ def logits(out: TokenOutput) -> np.ndarray:
         "mixed-types",
         "llama-IQ4",
         "gemma3-window",
+        "gemma2-window",
         "phi3",
     ],
 )

@@ -1,16 +1,18 @@
 // attention.cu: grouped-query attention of query rows over the KV cache.
 //
 //   attention_<KV>(qkv, rows, k_cache, v_cache, state, n_heads, n_kv, hd_k, hd_v,
-//                  cache_size, window, scale, out, oq, od, os)
+//                  cache_size, window, scale, softcap, out, oq, od, os)
 //   Grid (rows, n_heads): rows in x, the one dimension that may exceed 65535 blocks;
 //   ATT_WARPS warps per block. Query row r (position p = state[0] + r, Q already
 //   rotated, in qkv) of head h attends to the cached keys and values of kv head
 //   h / (n_heads / n_kv) at positions 0 .. p (causal for a prefill, one row for a decode
 //   step), or p - window + 1 .. p when window > 0 (a sliding block). The cache is a
 //   ring of cache_size slots per kv head, position j in slot j % cache_size (rope.cu).
-//   Scores are dot(q, k) * scale; softmax and the weighted sum of V run in one pass
-//   ("online softmax": a running maximum, sum and weighted sum per warp, merged across the
-//   warps at the end).
+//   Scores are s = dot(q, k) * scale, capped when softcap > 0 (gemma2:
+//   s = tanhf(s * (1 / softcap)) * softcap, llama.cpp's three operations, as the CPU
+//   worker's ops.c; 0: no cap, the scores as they are); softmax and the weighted sum of
+//   V run in one pass ("online softmax": a running maximum, sum and weighted sum per
+//   warp, merged across the warps at the end).
 //   out: (rows, n_heads * hd_v) float32. When oq is not null (one decode row, hd_v a
 //   multiple of 32), the head's outputs are also quantized to 8 bits in chunks of 32.
 //   Head sizes up to 256; lane l holds dimensions l, l + 32, ...
@@ -28,8 +30,9 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
                                                const KV* __restrict__ v_cache,
                                                const int* __restrict__ state, int n_heads,
                                                int n_kv, int hd_k, int hd_v, int cache_size,
-                                               int window, float scale, float* __restrict__ out,
-                                               i8* oq, float* od, float* os) {
+                                               int window, float scale, float softcap,
+                                               float* __restrict__ out, i8* oq, float* od,
+                                               float* os) {
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_acc[ATT_WARPS][32 * ATT_MAX_PER_LANE];
     __shared__ float s_out[32 * ATT_MAX_PER_LANE];
@@ -47,6 +50,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
         acc[i] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
+    const float inv_cap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
     const KV* kb = k_cache + (i64)kvh * cache_size * hd_k;
     const KV* vb = v_cache + (i64)kvh * cache_size * hd_v;
     for (int j = seen + warp; j <= p; j += ATT_WARPS) {
@@ -58,6 +62,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
             if (d < hd_k) dot = fmaf(qv[i], load_kv(k + d), dot);
         }
         float s = warp_sum(dot) * scale;
+        if (softcap > 0.0f) s = tanhf(s * inv_cap) * softcap;
         float m_new = fmaxf(m, s);
         float corr = expf(m - m_new), p = expf(s - m_new);
         l = l * corr + p;
@@ -102,9 +107,9 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ qkv, in
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention_##NAME(            \
         const float* qkv, int rows, const KV* k_cache, const KV* v_cache, const int* state,   \
         int n_heads, int n_kv, int hd_k, int hd_v, int cache_size, int window, float scale,   \
-        float* out, i8* oq, float* od, float* os) {                                            \
+        float softcap, float* out, i8* oq, float* od, float* os) {                             \
         attention_body<KV>(qkv, rows, k_cache, v_cache, state, n_heads, n_kv, hd_k, hd_v,     \
-                           cache_size, window, scale, out, oq, od, os);                        \
+                           cache_size, window, scale, softcap, out, oq, od, os);               \
     }
 
 ATTENTION(f32, float)

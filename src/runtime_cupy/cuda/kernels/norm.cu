@@ -4,7 +4,8 @@
 //       out = (x * s) * w, s = 1 / sqrt(sum(x^2) / n + eps) (the sum in float32, s in
 //       double precision then rounded, as the reference does for one row).
 //   rmsnorm_add_rows(o, w, x, n, eps): the same of o, added: x = x + (o * s) * w
-//       (gemma3's post-norms: a block's output normed into the residual stream).
+//       (gemma2's and gemma3's post-norms: a block's output normed into the residual
+//       stream).
 //   rmsnorm_q8(x, w, out, n, eps, xq, xd, xs): one block of 1024 threads per row (grid
 //       (rows,)): rmsnorm_rows' arithmetic, then the normed row quantized to 8 bits in
 //       chunks of 32 when xq is not null (row r's at xq + r n, xd and xs + r n / 32).
@@ -23,8 +24,9 @@
 //   quantize_q8(x, n_chunks, xq, xd, xs): 32 * n_chunks floats (rows of whole chunks,
 //       stacked), one warp per chunk.
 //   add_inplace(x, y, n): x += y.
-//   scale_inplace(x, factor, n): x *= factor (gemma3's embedding scale).
-//   softcap(x, inv_cap, cap, n): x = tanh(x * inv_cap) * cap (gemma3's logit soft cap).
+//   scale_inplace(x, factor, n): x *= factor (gemma2's and gemma3's embedding scale).
+//   softcap(x, inv_cap, cap, n): x = tanh(x * inv_cap) * cap (gemma2's and gemma3's logit
+//       soft cap; gemma2's cap on the attention scores is attention.cu's).
 #include "common.cuh"
 
 __device__ __forceinline__ float rms_scale(float ss, int n, float eps) {

@@ -15,7 +15,7 @@
 //       (a, b) -> (a cos - b sin, a sin + b cos), each product rounded (no fused
 //       multiply-add), as NumPy's complex64 product rounds.
 //   q_scale: 1, or the query scale where llama.cpp multiplies the rotated queries
-//       (gemma3, phi3), each element rounded once.
+//       (gemma2, gemma3, phi3), each element rounded once.
 //   k_cache, v_cache: this layer's (n_kv, cache_size, hd) in KV (float or half bits), a
 //       ring: position p in slot p % cache_size (a block's whole context, or a sliding
 //       block's window).
