@@ -184,12 +184,15 @@ def _query_scale(spec: ArchSpec, n_layers: int, hidden: int, heads: int, head_di
 
 def _softcap(header: GgufHeader, key: str, default: float | None) -> float:
     """A soft cap the architecture reads (``default`` None: it reads none, 0.0); a
-    negative or non-finite one is a ``GgufError`` (0: none)."""
+    negative one, or one past float32's range (the kernels take a float32), is a
+    ``GgufError`` (0: none)."""
     if default is None:
         return 0.0
     cap = _float(header, key, default)
-    if cap < 0.0:
-        raise GgufError(header.paths[0], f"a soft cap of {cap}: it must not be negative", key)
+    if cap < 0.0 or cap > float(np.finfo(np.float32).max):
+        raise GgufError(
+            header.paths[0], f"a soft cap of {cap}: it must be a float32 not negative", key
+        )
     return cap
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -195,6 +196,14 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         {"shape": SHAPES["gemma2"], "extra_keys": {"gemma2.attn_logit_softcapping": -50.0}},
         (0, 1),
         {"error": GgufError, "tensor": None, "key": "gemma2.attn_logit_softcapping"},
+    ),
+    "a gemma2 logit soft cap past float32's range": (
+        {
+            "shape": SHAPES["gemma2"],
+            "override_keys": {"gemma2.final_logit_softcapping": (1e300, GGUFValueType.FLOAT64)},
+        },
+        (3, 4),
+        {"error": GgufError, "tensor": None, "key": "gemma2.final_logit_softcapping"},
     ),
     "gemma3 sliding blocks of another head size": (
         {"shape": SHAPES["gemma3"], "extra_keys": {"gemma3.attention.key_length_swa": 8}},

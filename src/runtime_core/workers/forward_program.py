@@ -24,16 +24,17 @@ architecture has)::
     qkv = xn @ Wqkv^T                         (attn_q, attn_k, attn_v or phi3's attn_qkv)
     [qk_norm: qkv += bias; per-head rmsnorm of Q and K]          qwen3, gemma3
     rope_kv: qkv += bias; rotate Q, K (the block's rope base);   K, V -> the block's cache
-    att = attention(Q, cache)                 (+ 8-bit att; a sliding block's window)
-    x  += att @ Wo^T (+ bo)                   [gemma3: o = att @ Wo^T; x += rmsnorm(o) * w]
+    att = attention(Q, cache)                 (+ 8-bit att; a sliding block's window;
+                                               gemma2: scores capped, c * tanh(s / c))
+    x  += att @ Wo^T (+ bo)                   [gemma2/3: o = att @ Wo^T; x += rmsnorm(o) * w]
     xn  = rmsnorm(x) * ffn_norm
     h   = xn @ [Wgate | Wup]^T                (ffn_gate, ffn_up or phi3's fused ffn_up)
-    act = silu(h_gate) * h_up                 [gemma3: gelu_tanh(h_gate) * h_up]
-    x  += act @ Wdown^T                       [gemma3: post-norm as above]
+    act = silu(h_gate) * h_up                 [gemma2/3: gelu_tanh(h_gate) * h_up]
+    x  += act @ Wdown^T                       [gemma2/3: post-norm as above]
 
 with ``x = embed(ids) [* embedding_scale]`` on the first stage (``forward_embed``), and
 on the last ``xl = rmsnorm(x[heads]) * output_norm``, ``logits = xl @ head^T``
-[``logits = cap * tanh(logits / cap)``: gemma3's soft cap], ``token = argmax(logits)``
+[``logits = cap * tanh(logits / cap)``: gemma2's and gemma3's soft cap], ``token = argmax(logits)``
 per row (``forward_head``).
 
 A step is a batch (CONCURRENT_RUNS.md §3): the rows of several runs' steps stacked, each

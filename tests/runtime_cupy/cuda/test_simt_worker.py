@@ -15,7 +15,7 @@
   GPU test's (``test_gpu_worker.py``); the prefill path over many rows, the device-stage
   tests' (``test_twins_device_stage.py``) and the tiny fixtures' below.
 - llama.cpp's tiny fixtures of every architecture the CUDA worker runs, in every type it
-  has (13 for llama and qwen2), in one process: the GPU test of the same name
+  has (15 for llama and qwen2), in one process: the GPU test of the same name
   (``test_gpu_worker.test_tiny_fixtures_in_every_type``: llama.cpp's thresholds, and
   prompt logits within cosine 0.99999 of the NumPy twin worker's) on the emulated CuPy,
   its greedy tokens up to llama.cpp's first near-tie (all 16 where there is none; past
