@@ -327,6 +327,25 @@ def test_a_file_rewritten_in_place_with_its_old_times_is_checked_again(
     assert of_path[0]["identity"][0]["ctime_ns"] == after.st_ctime_ns
 
 
+def test_records_of_files_no_longer_there_are_removed_when_a_record_is_written(
+    tmp_path: Path,
+) -> None:
+    store = DigestStore(tmp_path / "digests")
+    a = write_model(tmp_path / "a.gguf", attrs.evolve(UNTIED, seed=3))
+    b = write_model(tmp_path / "b.gguf", attrs.evolve(UNTIED, seed=4))
+    store.content(GgufHeader.read(a))
+    store.content(GgufHeader.read(b))
+    assert len(list(store.folder.glob("*.json"))) == 2
+    (store.folder / "old.json").write_text(json.dumps({"version": 1, "identity": []}))
+    (store.folder / "broken.json").write_bytes(b"\xff not json")
+    a.unlink()
+    c = write_model(tmp_path / "c.gguf", attrs.evolve(UNTIED, seed=5))
+    store.content(GgufHeader.read(c))
+    kept = sorted(json.loads(p.read_text())["identity"][0]["path"]
+                  for p in store.folder.glob("*.json"))  # fmt: skip
+    assert kept == [str(b), str(c)]  # a's record, the old version's and the junk are gone
+
+
 def test_a_file_at_the_path_that_differs_is_not_used(untied: Source, tmp_path: Path) -> None:
     write_model(untied.path, attrs.evolve(UNTIED, seed=7))  # same shapes, other weights
     fetcher = untied.fetcher(tmp_path / "host")

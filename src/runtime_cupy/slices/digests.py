@@ -8,7 +8,9 @@ replaced, touched or written in place is hashed again. Records live in the slice
 cache's ``digests/`` (``cache.SliceCache``), one small JSON file per set of paths,
 written whole (a new file renamed into place): the record of files since changed is
 replaced by that of the files as they are, so the folder holds one record per source
-path hashed here, not one per version of it.
+path hashed here, not one per version of it; and each record written removes those of
+paths that no longer exist (or of another version of this format), so files deleted or
+moved leave no records behind.
 
 - The orchestrator's host keys the source it serves (``content``): every tensor hashed,
   on the first run only.
@@ -82,6 +84,31 @@ class DigestStore:
         except OSError:
             with contextlib.suppress(OSError):
                 partial.unlink()
+            return
+        self._forget_gone(keep=path)
+
+    def _forget_gone(self, keep: Path) -> None:
+        """Remove the records of files that are no longer there, and records this
+        version cannot read (another version's, or not a record); what cannot be opened
+        or removed stays."""
+        for record in self.folder.glob("*.json"):
+            if record == keep:
+                continue
+            try:
+                text = record.read_bytes()
+            except OSError:
+                continue
+            try:
+                doc = json.loads(text)
+                stale = not isinstance(doc, dict) or doc.get("version") != _VERSION
+                if not stale:
+                    paths = [ident["path"] for ident in doc["identity"]]
+                    stale = not all(os.path.exists(p) for p in paths)
+            except (ValueError, KeyError, TypeError):
+                stale = True
+            if stale:
+                with contextlib.suppress(OSError):
+                    record.unlink()
 
     def content(self, header: GgufHeader) -> SourceContent:
         """The source's content key and every tensor's hash (hashed now if the record
