@@ -131,6 +131,22 @@ def _like_llama(**changes: Any) -> ArchSpec:
     return attrs.evolve(_BASE, **changes)
 
 
+_GEMMA3 = _like_llama(
+    name="gemma3",
+    rope_neox=True,
+    output_bias=Presence.ABSENT,
+    ffn_bias=Presence.ABSENT,
+    qk_norm=True,
+    post_norms=True,
+    activation=Activation.GELU_TANH,
+    embedding_scale=EmbeddingScale.SQRT_HIDDEN,
+    query_scale=QueryScale.GEMMA3,
+    queries_scaled=True,
+    sliding_window=True,
+    final_logit_softcap=0.0,
+    rope_freqs=False,
+)
+
 #: The architectures the NumPy reference worker runs. Mistral and Llama 3.x files are
 #: ``llama``. Mixture-of-experts variants (``qwen3moe``, ``llama`` with experts, ...)
 #: are not here, and are refused by name. Q/K/V biases are optional wherever llama.cpp's
@@ -158,40 +174,19 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             qk_norm=True,
             rope_freqs=False,
         ),
-        _like_llama(
-            name="gemma3",
-            rope_neox=True,
-            output_bias=Presence.ABSENT,
-            ffn_bias=Presence.ABSENT,
-            qk_norm=True,
-            post_norms=True,
-            activation=Activation.GELU_TANH,
-            embedding_scale=EmbeddingScale.SQRT_HIDDEN,
-            query_scale=QueryScale.GEMMA3,
-            queries_scaled=True,
-            sliding_window=True,
-            final_logit_softcap=0.0,
-            rope_freqs=False,
-        ),
+        _GEMMA3,
         # Gemma 2: gemma3 without per-head Q/K norms, with both soft caps (llama.cpp's
         # defaults where a file has no key: 50 on the scores, 30 on the logits), every
         # other block sliding (period 2, a 4096-position window by default, the global
-        # rotary base), and its head always the embedding (llama.cpp loads no
-        # output.weight: a file with one is refused).
-        _like_llama(
+        # rotary base: runplan.layer_attention), and its head always the embedding
+        # (llama.cpp loads no output.weight: a file with one is refused).
+        attrs.evolve(
+            _GEMMA3,
             name="gemma2",
-            rope_neox=True,
-            output_bias=Presence.ABSENT,
-            ffn_bias=Presence.ABSENT,
-            post_norms=True,
-            activation=Activation.GELU_TANH,
-            embedding_scale=EmbeddingScale.SQRT_HIDDEN,
+            qk_norm=False,
             query_scale=QueryScale.GEMMA2,
-            queries_scaled=True,
-            sliding_window=True,
             final_logit_softcap=30.0,
             attn_logit_softcap=50.0,
-            rope_freqs=False,
             untied_head=False,
         ),
         _like_llama(
