@@ -27,6 +27,7 @@ REFERENCE_ARCHITECTURES: tuple[str, ...] = (
     "qwen3",
     "gemma3",
     "gemma2",
+    "gemma",
     "phi3",
 )
 

@@ -1,7 +1,7 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-gemma2,gemma3,phi3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here
+gemma,gemma2,gemma3,phi3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here
 is the same pre-norm transformer block; the spec says where one departs from it:
 
     x = embed(token) * embedding_scale
@@ -11,7 +11,7 @@ is the same pre-norm transformer block; the spec says where one departs from it:
         q, k = rms_norm per head (attn_q_norm, attn_k_norm)        if qk_norm
         q, k = rope(q), rope(k)            (normal or NeoX pairs; the block's own base)
         a = attention(q * query_scale, k, v)   (causal; within the window if sliding)
-                                            (gemma2/3, phi3 scale q; the others the scores;
+                                            (gemma*, phi3 scale q; the others the scores;
                                              scores = cap * tanh(scores / cap) before the
                                              softmax if the attention softcap is set)
         a = a @ Wo                          (+ bias)
@@ -187,6 +187,20 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             query_scale=QueryScale.GEMMA2,
             final_logit_softcap=30.0,
             attn_logit_softcap=50.0,
+            untied_head=False,
+        ),
+        # Gemma (the first): gemma3's block without per-head Q/K norms, post-norms or
+        # sliding blocks, with no soft cap; the queries scaled by the key length (Gemma
+        # 7B's heads are 256 wide where hidden / heads is 192); its head always the
+        # embedding, as gemma2's (``models/gemma.cpp``).
+        attrs.evolve(
+            _GEMMA3,
+            name="gemma",
+            qk_norm=False,
+            post_norms=False,
+            query_scale=QueryScale.KEY_LENGTH,
+            sliding_window=False,
+            final_logit_softcap=None,
             untied_head=False,
         ),
         _like_llama(

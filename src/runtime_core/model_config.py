@@ -23,7 +23,7 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   file's scaling. Head sizes and rotary dimensions of sliding blocks must be those of
   the global ones (``*_swa`` keys that differ are refused).
 - What else differs between architectures is in ``runtime_core.architectures``: the
-  embedding scale (gemma2/3: ``sqrt(hidden)``), the query scale, the soft caps
+  embedding scale (the gemmas: ``sqrt(hidden)``), the query scale, the soft caps
   ``final_logit_softcapping`` (gemma3's optional, gemma2's 30 by default) and
   ``attn_logit_softcapping`` (gemma2's, 50 by default).
 """

@@ -69,6 +69,16 @@ def test_a_gemma2_file_without_a_window_slides_in_4096_positions(tmp_path: Path)
     assert g.layer_windows == (0,) * 7
 
 
+def test_gemma_ignores_the_sliding_keys_as_llamacpp_does(tmp_path: Path) -> None:
+    """llama.cpp's first gemma (``models/gemma.cpp``) reads no sliding window, pattern
+    or sliding rotary base: every block attends to all positions with the one base."""
+    shape = attrs.evolve(GEMMA3, arch="gemma", sliding_window_pattern=2, rope_freq_base_swa=1e4)
+    f = gemma3(tmp_path, shape)
+    assert f.layer_windows == (0,) * 7
+    assert f.layer_rope_freq_bases == (1e6,) * 7
+    assert f.layer_kv_positions() == (100,) * 7
+
+
 @pytest.mark.parametrize(
     ("pattern", "windows"),
     [

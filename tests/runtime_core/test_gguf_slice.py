@@ -31,6 +31,7 @@ SHAPES = {
     "qwen3": ModelShape(arch="qwen3", n_layers=N_LAYERS, key_length=32, seed=7),
     "gemma3": ModelShape(arch="gemma3", n_layers=N_LAYERS, sliding_window=4, seed=8),
     "gemma2": ModelShape(arch="gemma2", n_layers=N_LAYERS, sliding_window=4, seed=10),
+    "gemma": ModelShape(arch="gemma", n_layers=N_LAYERS, key_length=32, seed=11),
     "phi3": ModelShape(arch="phi3", n_layers=N_LAYERS, rope_dims=8, tied=False, seed=9),
 }
 
@@ -191,6 +192,19 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         {"shape": SHAPES["gemma2"], "extra_tensors": {"blk.1.attn_q_norm.weight": _ones(16)}},
         (1, 2),
         _unsupported(tensor="blk.1.attn_q_norm.weight"),
+    ),
+    "gemma with an output tensor (llama.cpp's gemma head is the embedding)": (
+        {"shape": attrs.evolve(SHAPES["gemma"], tied=False)},
+        (3, 4),
+        _unsupported(tensor="output.weight"),
+    ),
+    "gemma with gemma2's post-attention norm": (
+        {
+            "shape": SHAPES["gemma"],
+            "extra_tensors": {"blk.2.post_attention_norm.weight": _ones(64)},
+        },
+        (2, 3),
+        _unsupported(tensor="blk.2.post_attention_norm.weight"),
     ),
     "a negative gemma2 attention soft cap": (
         {"shape": SHAPES["gemma2"], "extra_keys": {"gemma2.attn_logit_softcapping": -50.0}},

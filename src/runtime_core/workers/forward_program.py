@@ -29,7 +29,7 @@ architecture has)::
     x  += att @ Wo^T (+ bo)                   [gemma2/3: o = att @ Wo^T; x += rmsnorm(o) * w]
     xn  = rmsnorm(x) * ffn_norm
     h   = xn @ [Wgate | Wup]^T                (ffn_gate, ffn_up or phi3's fused ffn_up)
-    act = silu(h_gate) * h_up                 [gemma2/3: gelu_tanh(h_gate) * h_up]
+    act = silu(h_gate) * h_up                 [gemma, gemma2/3: gelu_tanh(h_gate) * h_up]
     x  += act @ Wdown^T                       [gemma2/3: post-norm as above]
 
 with ``x = embed(ids) [* embedding_scale]`` on the first stage (``forward_embed``), and

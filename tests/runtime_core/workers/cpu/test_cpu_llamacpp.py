@@ -71,8 +71,8 @@ def arch_of(entry: dict[str, Any]) -> str:
 def rounds_activations(entry: dict[str, Any]) -> bool:
     """llama.cpp rounds an activation somewhere in this model (to 8 bits, half or
     bfloat16, its GELU table): all but the F32 models of architectures other than
-    gemma3 and gemma2."""
-    return entry["type"] != "F32" or arch_of(entry) in ("gemma3", "gemma2")
+    the gemmas."""
+    return entry["type"] != "F32" or arch_of(entry) in ("gemma3", "gemma2", "gemma")
 
 
 def logits(out: TokenOutput) -> np.ndarray:

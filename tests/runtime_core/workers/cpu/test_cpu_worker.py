@@ -1,7 +1,7 @@
 """The CPU worker (``CpuWorker``) as a ``Worker``: the interface's rules, what it tells
 the planner, how it holds a model, and what it computes however a run is split.
 
-- Capabilities: the 15 types, the five architectures of the reference worker, weights
+- Capabilities: the 15 types, every architecture of the reference worker, weights
   as stored (the planner's memory check counts the file's bytes, not float32 copies).
 - Interface: ``tests/runtime_core/workers/test_worker_contract.py`` (every worker);
   here, rows the kernels cannot read are refused at bind, and any head size binds.
