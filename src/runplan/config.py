@@ -28,6 +28,7 @@ REFERENCE_ARCHITECTURES: tuple[str, ...] = (
     "gemma3",
     "gemma2",
     "gemma",
+    "smollm3",
     "phi3",
 )
 

@@ -1,15 +1,17 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-gemma,gemma2,gemma3,phi3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here
-is the same pre-norm transformer block; the spec says where one departs from it:
+gemma,gemma2,gemma3,phi3,smollm3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``).
+Every architecture here is the same pre-norm transformer block; the spec says where one
+departs from it:
 
     x = embed(token) * embedding_scale
     per block:
         h = rms_norm(x, attn_norm)
         q, k, v = h @ Wq, h @ Wk, h @ Wv   (+ biases)   or h @ Wqkv split [q; k; v]
         q, k = rms_norm per head (attn_q_norm, attn_k_norm)        if qk_norm
-        q, k = rope(q), rope(k)            (normal or NeoX pairs; the block's own base)
+        q, k = rope(q), rope(k)            (normal or NeoX pairs; the block's own base;
+                                            none in smollm3's every fourth block)
         a = attention(q * query_scale, k, v)   (causal; within the window if sliding)
                                             (gemma*, phi3 scale q; the others the scores;
                                              scores = cap * tanh(scores / cap) before the
@@ -104,6 +106,9 @@ class ArchSpec:
     attn_logit_softcap: float | None
     rope_freqs: bool  # may carry llama3's rope_freqs.weight
     untied_head: bool = True  # may carry output.weight (False: the head is the embedding)
+    # llama.cpp's n_no_rope_layer_step: block i (from 0) rotates no query or key where
+    # (i + 1) % no_rope_period == 0 ("NoPE" blocks); 0: every block rotates
+    no_rope_period: int = 0
 
 
 _BASE = ArchSpec(
@@ -202,6 +207,16 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             sliding_window=False,
             final_logit_softcap=None,
             untied_head=False,
+        ),
+        # SmolLM3: llama's block, its every fourth block without rotary embedding (llama.cpp
+        # fixes the period at 4 for smollm3: no key sets it), no output or feed-forward
+        # biases and no rope_freqs (``models/smollm3.cpp`` loads none), normal pairs.
+        _like_llama(
+            name="smollm3",
+            output_bias=Presence.ABSENT,
+            ffn_bias=Presence.ABSENT,
+            rope_freqs=False,
+            no_rope_period=4,
         ),
         _like_llama(
             name="phi3",

@@ -14,8 +14,9 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   multiplied by ``1 / factor``, and by 1 when the type is ``none``. YaRN and LongRoPE
   are refused. llama3's ``rope_freqs.weight`` tensor (per-frequency divisors) is a
   tensor, so the slice loads it, not this config.
-- The layout of rotary pairs is the architecture's: llama rotates adjacent pairs
-  ``(2i, 2i+1)`` ("normal"), the others the two halves ``(i, i + n/2)`` ("NeoX").
+- The layout of rotary pairs is the architecture's: llama and smollm3 rotate adjacent
+  pairs ``(2i, 2i+1)`` ("normal"), the others the two halves ``(i, i + n/2)`` ("NeoX").
+  smollm3's every fourth block rotates nothing (``layer_rotary``, ``rotated_dims``).
 - Each block's attention (``runplan.layer_attention``): its sliding window (gemma2's
   and gemma3's ``attention.sliding_window`` and ``sliding_window_pattern``) and rotary
   base. A sliding block rotates with ``rope.freq_base_swa`` and no scaling (llama.cpp's
@@ -71,13 +72,16 @@ class ModelConfig:
     rope: RopeConfig  # global blocks
     rope_swa: RopeConfig  # sliding-window blocks (``rope`` when there are none)
     layer_windows: tuple[int, ...]  # each block's window in positions; 0: global
+    layer_rotary: tuple[bool, ...]  # each block rotates Q and K (False: smollm3's NoPE)
     query_scale: float  # queries (or scores) are multiplied by this
     embedding_scale: float  # token embeddings are multiplied by this (float32)
     final_logit_softcap: float  # logits = c * tanh(logits / c); 0: none
     attn_logit_softcap: float  # attention scores = c * tanh(scores / c); 0: none
 
-    def layer_rope(self, layer: int) -> RopeConfig:
-        return self.rope_swa if self.layer_windows[layer] else self.rope
+    def rotated_dims(self, layer: int) -> int:
+        """The leading dimensions of each head that block ``layer`` rotates: 0 in a
+        block without rotary embedding (the kernels then pass every dimension)."""
+        return self.rope.n_dims if self.layer_rotary[layer] else 0
 
     @property
     def sliding(self) -> bool:
@@ -157,6 +161,10 @@ class ModelConfig:
             rope=rope,
             rope_swa=rope_swa,
             layer_windows=tuple(a.window for a in attention),
+            layer_rotary=tuple(
+                not spec.no_rope_period or (i + 1) % spec.no_rope_period != 0
+                for i in range(n_layers)
+            ),
             query_scale=_query_scale(spec, n_layers, hidden, heads, head_dim_k),
             embedding_scale=(
                 float(np.sqrt(np.float32(hidden)))

@@ -325,3 +325,18 @@ def test_smollm2_facts_are_the_packages_reading(smollm2_path: str) -> None:
     reading = Reading(Path(smollm2_path))
     assert model_facts_from_gguf(smollm2_path) == reading.facts()
     assert _config_of(_config(Path(smollm2_path))) == reading.config()
+
+
+@pytest.mark.parametrize("arch", ["smollm3", "llama", "qwen3"])
+def test_only_smollm3_leaves_every_fourth_block_unrotated(tmp_path: Path, arch: str) -> None:
+    """llama.cpp's smollm3 (``models/smollm3.cpp``) fixes ``n_no_rope_layer_step`` at 4
+    and rotates block ``il`` only where ``(il + 1) % 4 != 0``; no key sets it, and the
+    other architectures rotate every block."""
+    shape = ModelShape(arch=arch, n_layers=9, key_length=32 if arch == "qwen3" else 0)
+    config = _config(write_model(tmp_path / f"{arch}.gguf", shape))
+    rotates = [arch != "smollm3" or (il + 1) % 4 != 0 for il in range(9)]
+    assert list(config.layer_rotary) == rotates
+    assert [config.rotated_dims(il) for il in range(9)] == [
+        config.rope.n_dims if r else 0 for r in rotates
+    ]
+    assert config.rope.n_dims > 0

@@ -32,6 +32,7 @@ SHAPES = {
     "gemma3": ModelShape(arch="gemma3", n_layers=N_LAYERS, sliding_window=4, seed=8),
     "gemma2": ModelShape(arch="gemma2", n_layers=N_LAYERS, sliding_window=4, seed=10),
     "gemma": ModelShape(arch="gemma", n_layers=N_LAYERS, key_length=32, seed=11),
+    "smollm3": ModelShape(arch="smollm3", n_layers=N_LAYERS, tied=False, seed=12),
     "phi3": ModelShape(arch="phi3", n_layers=N_LAYERS, rope_dims=8, tied=False, seed=9),
 }
 
@@ -66,7 +67,7 @@ def test_a_stage_owns_exactly_its_blocks_and_its_ends(
     ) as stage:
         assert set(stage.tensors) == expected_tensors(models[key], start, end)
         if end == N_LAYERS:
-            tied = key not in ("untied", "phi3")
+            tied = key not in ("untied", "phi3", "smollm3")
             assert stage.head == ("token_embd.weight" if tied else "output.weight")
         else:
             assert stage.head is None
@@ -205,6 +206,16 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         },
         (2, 3),
         _unsupported(tensor="blk.2.post_attention_norm.weight"),
+    ),
+    "smollm3 with an output bias llama.cpp does not load": (
+        {"shape": SHAPES["smollm3"], "extra_tensors": {"blk.3.attn_output.bias": _ones(64)}},
+        (3, 4),
+        _unsupported(tensor="blk.3.attn_output.bias"),
+    ),
+    "smollm3 with llama3's rope_freqs": (
+        {"shape": attrs.evolve(SHAPES["smollm3"], rope_freqs=True)},
+        (1, 2),
+        _unsupported(tensor="rope_freqs.weight"),
     ),
     "a negative gemma2 attention soft cap": (
         {"shape": SHAPES["gemma2"], "extra_keys": {"gemma2.attn_logit_softcapping": -50.0}},

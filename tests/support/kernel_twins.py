@@ -260,11 +260,13 @@ def _rope_kv(kv_half: bool) -> KernelTwin:
         v = x.copy()
         if bias is not None:
             v = (v + _flat(bias, np.float32)[:width]).astype(np.float32)
-        table = _flat(rot, np.float32).reshape(-1, n_rot // 2, 2)
-        if pos + rows > table.shape[0]:
-            raise LaunchError(f"positions up to {pos + rows} in a table of {table.shape[0]}")
-        r = table[pos : pos + rows]
-        rot_c = (r[..., 0] + 1j * r[..., 1]).astype(np.complex64)
+        rot_c = np.ones((rows, 0), np.complex64)  # n_rot 0: nothing rotates (the table unread)
+        if n_rot:
+            table = _flat(rot, np.float32).reshape(-1, n_rot // 2, 2)
+            if pos + rows > table.shape[0]:
+                raise LaunchError(f"positions up to {pos + rows} in a table of {table.shape[0]}")
+            r = table[pos : pos + rows]
+            rot_c = (r[..., 0] + 1j * r[..., 1]).astype(np.complex64)
         q = twins.rotate(v[:, :q_dim].reshape(rows, n_heads, hd_k), rot_c, n_rot, bool(neox))
         k = twins.rotate(
             v[:, q_dim : q_dim + k_dim].reshape(rows, n_kv, hd_k), rot_c, n_rot, bool(neox)

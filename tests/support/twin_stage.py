@@ -146,8 +146,9 @@ class TwinOps:
         q = qkv[:, :qd].reshape(rows, c.n_heads, c.head_dim_k)
         k = qkv[:, qd : qd + kd].reshape(rows, c.n_kv_heads, c.head_dim_k)
         v = qkv[:, qd + kd :].reshape(rows, c.n_kv_heads, c.head_dim_v)
-        q = twins.rotate(q, rot, c.rope.n_dims, c.rope.neox)
-        k = twins.rotate(k, rot, c.rope.n_dims, c.rope.neox)
+        n_rot = c.rope.n_dims if self.w.layers[layer].rotary else 0
+        q = twins.rotate(q, rot, n_rot, c.rope.neox)
+        k = twins.rotate(k, rot, n_rot, c.rope.neox)
         k_cache, v_cache = seg.cache
         span = slice(pos, pos + rows)
         k_cache[layer][:, span] = k.transpose(1, 0, 2).astype(self.kv)

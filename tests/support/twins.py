@@ -405,13 +405,14 @@ def rmsnorm(x: F32, w: F32, eps: float) -> tuple[F32, F64]:
 
 def rotate(x: F32, rot: npt.NDArray[np.complex64], n_rot: int, neox: bool) -> F32:
     """Rotary embedding of heads ``x`` (rows, heads, head_dim) by ``rot`` (rows, n_rot/2):
-    pairs (2j, 2j + 1) or, neox, (j, j + n_rot / 2); as ``rope_kv``."""
+    pairs (2j, 2j + 1) or, neox, (j, j + n_rot / 2); as ``rope_kv``. ``n_rot`` 0: none
+    (a block without rotary embedding)."""
     out = x.copy()
     half = n_rot // 2
     j = np.arange(half)
     a, b = (j, j + half) if neox else (2 * j, 2 * j + 1)
-    c = rot.real.astype(np.float32)[:, None, :]
-    s = rot.imag.astype(np.float32)[:, None, :]
+    c = rot.real.astype(np.float32)[:, None, :half]
+    s = rot.imag.astype(np.float32)[:, None, :half]
     va, vb = x[..., a], x[..., b]
     out[..., a] = va * c - vb * s
     out[..., b] = va * s + vb * c

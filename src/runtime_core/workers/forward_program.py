@@ -24,6 +24,7 @@ architecture has)::
     qkv = xn @ Wqkv^T                         (attn_q, attn_k, attn_v or phi3's attn_qkv)
     [qk_norm: qkv += bias; per-head rmsnorm of Q and K]          qwen3, gemma3
     rope_kv: qkv += bias; rotate Q, K (the block's rope base);   K, V -> the block's cache
+             (smollm3's NoPE blocks: 0 rotated dims, so nothing rotates)
     att = attention(Q, cache)                 (+ 8-bit att; a sliding block's window;
                                                gemma2: scores capped, c * tanh(s / c))
     x  += att @ Wo^T (+ bo)                   [gemma2/3: o = att @ Wo^T; x += rmsnorm(o) * w]
@@ -136,6 +137,7 @@ class Layer(Generic[H, V]):
     gate_up_bias: V | None = None  # (2 ffn,): [gate; up] biases (llama), zeros where absent
     down_bias: V | None = None  # (hidden,)
     window: int = 0  # positions a sliding block attends to; 0: every one (global)
+    rotary: bool = True  # rotates Q and K (False: a smollm3 NoPE block, ModelConfig's)
     q_norm: V | None = None  # (head_dim_k,): attn_q_norm (qwen3, gemma3)
     k_norm: V | None = None  # (head_dim_k,): attn_k_norm
     post_attn_norm: V | None = None  # (hidden,): post_attention_norm (gemma3)
@@ -286,6 +288,7 @@ def load_weights(
                 gate_up_bias=gate_up_bias,
                 down_bias=optional(p + "ffn_down.bias"),
                 window=config.layer_windows[i],
+                rotary=config.layer_rotary[i],
                 q_norm=vector(p + "attn_q_norm.weight") if spec.qk_norm else None,
                 k_norm=vector(p + "attn_k_norm.weight") if spec.qk_norm else None,
                 post_attn_norm=vector(p + "post_attention_norm.weight") if post else None,

@@ -387,7 +387,8 @@ class DeviceOps:
             f"rope_kv_{kv}", rows, 256,
             self.buf["qkv"][seg.start : seg.end], rows, bias, self.rots[layer],
             self.states[seg.start], c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v,
-            c.rope.n_dims, int(c.rope.neox), self.q_scale, k, v, k.shape[1],
+            c.rope.n_dims if self.w.layers[layer].rotary else 0, int(c.rope.neox),
+            self.q_scale, k, v, k.shape[1],
         )  # fmt: skip
 
     def _wrapping_cache(self, layer: int, seg: Segment) -> tuple[Any, Any]:

@@ -420,6 +420,7 @@ class CpuOps:
 
     def rope_kv(self, layer: int, bias: F32 | None, seg: Segment) -> None:
         rope = self.w.config.rope  # its rotated dims and pairs; the block's base is in rots
+        n_rot = rope.n_dims if self.w.layers[layer].rotary else 0
         cache: CpuCache = seg.cache
         k, v, heads = cache.k[layer], cache.v[layer], cache.heads[layer]
         rows, pos = seg.rows, seg.pos
@@ -433,7 +434,7 @@ class CpuOps:
         step = self.step_kv or (None, None)
         self.kernels.rope_kv(
             self.buf.views["qkv"][seg.start : seg.end], rows, bias, self.rots[layer], pos,
-            heads, rope.n_dims, rope.neox, k, v, self.threads, self.q_scale, *step,
+            heads, n_rot, rope.neox, k, v, self.threads, self.q_scale, *step,
             **self._slot(seg, layer),
         )  # fmt: skip
 

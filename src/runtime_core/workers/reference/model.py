@@ -304,6 +304,7 @@ class StageModel:
         self.rot = rope_rotations(c.rope, max_seq_len, weights.rope_freq_factors)
         self.rot_swa = self.rot
         self.windows = [c.layer_windows[i] for i in weights.layers]
+        self.rotary = [c.layer_rotary[i] for i in weights.layers]
         if any(self.windows) and c.rope_swa != c.rope:
             self.rot_swa = rope_rotations(c.rope_swa, max_seq_len, weights.rope_freq_factors)
         self._make_cache(max_seq_len if positions is None else positions)
@@ -314,6 +315,7 @@ class StageModel:
         run = object.__new__(StageModel)
         run.weights, run.config, run.max_seq_len = self.weights, self.config, self.max_seq_len
         run.rot, run.rot_swa, run.windows = self.rot, self.rot_swa, self.windows
+        run.rotary = self.rotary
         run._make_cache(positions)
         return run
 
@@ -356,7 +358,8 @@ class StageModel:
                 s.qkv += w.bqkv
             if w.q_norm is not None and w.k_norm is not None:
                 head_rms_norm(s.qk, c.n_heads, w.q_norm, w.k_norm, c.rms_eps)
-            s.rotary *= rot_swa if self.windows[i] else rot  # rotary embedding of Q and K
+            if self.rotary[i]:  # rotary embedding of Q and K (not in a NoPE block)
+                s.rotary *= rot_swa if self.windows[i] else rot
             att = self._attention(i, s, pos)  # (rows, n_heads * head_dim_v)
             out = linear(att, w.wo)
             if w.bo is not None:
