@@ -2,8 +2,9 @@
 the same bits on every machine.
 
 The angles are ggml's, in float32: ``theta_0 = pos``, ``theta_{i+1} = theta_i *
-freq_base ** (-2 / n)``, each divided by its frequency factor and multiplied by
-``freq_scale`` (IEEE products and quotients: the same everywhere). Their sines and
+freq_base ** (-2 / n)`` (that power correctly rounded: ``pow_f32``), each divided by
+its frequency factor and multiplied by ``freq_scale`` (IEEE products and quotients: the
+same everywhere). Their sines and
 cosines are not taken from NumPy's ``np.sin`` / ``np.cos``: those differ in the last bit
 between the processors NumPy runs its own vector code on (AVX2, AVX-512, each its own)
 and those it does not (the C library's), for a tenth to a half of a long context's
@@ -112,12 +113,32 @@ def _sin_cos64(theta: F32) -> tuple[F64, F64]:
     return sine, cosine
 
 
+def pow_f32(base: np.float32, exponent: np.float32) -> np.float32:
+    """``base ** exponent`` (float32s, ``base`` > 0) correctly rounded to float32: ggml's
+    ``powf(freq_base, -2.0f / n_dims)``, without the C library's ``powf``, which is not
+    correctly rounded (0.08 % of the rotary bases and sizes of a grid of them came out
+    one unit off on this project's machines) and may differ between the variants it
+    picks by processor (with fused multiply-adds or without). Computed in decimal to 60
+    digits (``exp(exponent * ln(base))``), then the nearest of three float32s."""
+    with localcontext() as ctx:
+        ctx.prec = 60
+        exact = (Decimal(float(exponent)) * Decimal(float(base)).ln()).exp()
+    near = np.float32(float(exact))
+    candidates = (
+        np.nextafter(near, np.float32(-np.inf)),
+        near,
+        np.nextafter(near, np.float32(np.inf)),
+    )
+    return min(candidates, key=lambda c: abs(Decimal(float(c)) - exact))
+
+
 def rope_rotations(
     rope: RopeConfig, max_seq_len: int, freq_factors: F32 | None
 ) -> npt.NDArray[np.complex64]:
     """``exp(i * theta)`` for every position and rotary pair: ``(max_seq_len, n/2)``."""
     half = rope.n_dims // 2
-    theta_scale = np.float32(rope.freq_base) ** np.float32(-2.0 / rope.n_dims)
+    exponent = np.float32(-2.0) / np.float32(rope.n_dims)  # ggml's -2.0f / n_dims
+    theta_scale = pow_f32(np.float32(rope.freq_base), exponent)
     theta = np.empty((max_seq_len, half), dtype=np.float32)
     t = np.arange(max_seq_len, dtype=np.float32)
     for i in range(half):

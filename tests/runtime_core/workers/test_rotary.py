@@ -5,16 +5,19 @@ between processors with AVX2 / AVX-512 and without, for many of a context's angl
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
 
 from runtime_core.model_config import RopeConfig
-from runtime_core.workers.rotary import rope_rotations, sin_cos
+from runtime_core.workers.rotary import pow_f32, rope_rotations, sin_cos
 
 
 def _angles() -> np.ndarray:
@@ -99,3 +102,34 @@ def test_the_table_does_not_depend_on_numpys_vector_code() -> None:
     if numpy_cos == numpy_cos_base:
         pytest.skip("NumPy's own cosines are the same with its vector code off here: no check")
     assert table == table_base  # np.cos's differ; the table's are the same
+
+
+def _libm_powf() -> Any:
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    libm.powf.restype = ctypes.c_float
+    libm.powf.argtypes = [ctypes.c_float, ctypes.c_float]
+    return libm.powf
+
+
+def test_the_base_power_is_correctly_rounded_where_powf_is_not() -> None:
+    """``freq_base ** (-2 / n)``, read against the C library's float64 ``pow`` (within a
+    unit of float64's last place of the true value): ours is the float32 nearest to it,
+    and where the C library's ``powf`` gives another float32, ours is the nearer one
+    (``powf`` is not correctly rounded, and its variants differ between processors)."""
+    powf = _libm_powf()
+    bases = [10000.0, 500000.0, 1e6, 75000.0, 8e6, *np.geomspace(100.0, 1e8, 60)]
+    for base in np.float32(bases):
+        for n in range(2, 260, 2):
+            exponent = np.float32(-2.0) / np.float32(n)
+            ours = pow_f32(base, exponent)
+            assert isinstance(ours, np.float32)
+            true = math.pow(float(base), float(exponent))
+            ulp = float(np.spacing(ours))
+            assert abs(float(ours) - true) <= ulp * (0.5 + 2**-20), (base, n)
+            theirs = float(powf(float(base), float(exponent)))
+            if theirs != float(ours):
+                assert abs(float(ours) - true) < abs(theirs - true), (base, n)
+    # llama.cpp's usual bases and head sizes are where powf is right
+    for base, n in ((10000.0, 64), (10000.0, 128), (500000.0, 128), (1e6, 128)):
+        exponent = np.float32(-2.0) / np.float32(n)
+        assert pow_f32(np.float32(base), exponent) == np.float32(powf(base, float(exponent)))
