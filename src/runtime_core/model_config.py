@@ -9,11 +9,14 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   ``.attention.layer_norm_rms_epsilon``.
 - Rotary embedding: ``{arch}.rope.freq_base`` (default 10000),
   ``.rope.dimension_count`` (default the key head size), ``.rope.scaling.type``
-  (``none`` or ``linear``; llama.cpp's default when absent is linear) and
+  (``none``, ``linear`` or ``yarn``; llama.cpp's default when absent is linear) and
   ``.rope.scaling.factor`` (or the older ``.rope.scale_linear``): positions are
-  multiplied by ``1 / factor``, and by 1 when the type is ``none``. YaRN and LongRoPE
-  are refused. llama3's ``rope_freqs.weight`` tensor (per-frequency divisors) is a
-  tensor, so the slice loads it, not this config.
+  multiplied by ``1 / factor``, and by 1 when the type is ``none``; YaRN mixes those
+  angles with the unscaled ones by a ramp over the pairs, from
+  ``.rope.scaling.original_context_length`` (default the context length), and scales
+  cos and sin (``workers.rotary``); ``.rope.scaling.attn_factor`` scales them under
+  every type, as llama.cpp does. LongRoPE is refused. llama3's ``rope_freqs.weight``
+  tensor (per-frequency divisors) is a tensor, so the slice loads it, not this config.
 - The layout of rotary pairs is the architecture's: llama and smollm3 rotate adjacent
   pairs ``(2i, 2i+1)`` ("normal"), the others the two halves ``(i, i + n/2)`` ("NeoX").
   smollm3's every fourth block rotates nothing (``layer_rotary``, ``rotated_dims``).
@@ -31,6 +34,7 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 from attrs import frozen
 
@@ -46,14 +50,24 @@ from runtime_core.architectures import (
     QueryScale,
 )
 from runtime_core.errors import UnsupportedModel
+from runtime_core.f32_math import log_f32
 
 
 @frozen
 class RopeConfig:
     n_dims: int  # leading dimensions of each head that rotate (even, <= head size)
     freq_base: float  # theta_i = pos * freq_scale * freq_base ** (-2i / n_dims)
-    freq_scale: float  # 1 / linear scaling factor
+    freq_scale: float  # 1 / the scaling factor
     neox: bool  # pairs (i, i + n_dims/2) when True, (2i, 2i+1) when False
+    # YaRN (ggml's rope_yarn): 1 mixes each pair's scaled angle with its unscaled one
+    # by a ramp over the pairs between the correction dimensions of beta_fast and
+    # beta_slow turns in orig_context positions, and scales cos and sin by
+    # 1 + 0.1 ln(1 / freq_scale); 0: the scaled angle alone (linear scaling, none)
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0  # cos and sin are multiplied by it (ggml's mscale)
+    orig_context: int = 0  # rope.scaling.original_context_length (YaRN)
+    beta_fast: float = 32.0  # llama.cpp's defaults (no key read for these architectures)
+    beta_slow: float = 1.0
 
 
 @frozen
@@ -144,8 +158,8 @@ class ModelConfig:
             _same_for_sliding_blocks(header, arch, head_dim_k, head_dim_v, rope.n_dims)
         swa_bases = {a.rope_freq_base for a in attention if a.sliding}
         rope_swa = rope
-        if swa_bases:
-            rope_swa = RopeConfig(rope.n_dims, swa_bases.pop(), 1.0, rope.neox)
+        if swa_bases:  # llama.cpp's sliding blocks: their base, no scaling (YaRN's terms kept)
+            rope_swa = attrs.evolve(rope, freq_base=swa_bases.pop(), freq_scale=1.0)
         return cls(
             architecture=arch,
             spec=spec,
@@ -251,7 +265,7 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, neox: bool) -> RopeConfi
         )
     type_key = f"{arch}.rope.scaling.type"
     scaling = header.string(type_key) if header.has(type_key) else "linear"
-    if scaling not in ("none", "linear"):
+    if scaling not in ("none", "linear", "yarn"):
         raise UnsupportedModel(path, f"rope scaling {scaling!r} is not supported", key=type_key)
     factor = _float(header, f"{arch}.rope.scaling.factor", 0.0)
     if factor == 0.0:
@@ -261,10 +275,37 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, neox: bool) -> RopeConfi
         raise UnsupportedModel(
             path, f"rope scaling factor {factor}", key=f"{arch}.rope.scaling.factor"
         )
-    freq_scale = 1.0 if scaling == "none" or factor == 0.0 else 1.0 / factor
+    one = np.float32(1.0)
+    freq_scale = one if scaling == "none" or factor == 0.0 else one / np.float32(factor)
+    attn_key = f"{arch}.rope.scaling.attn_factor"
+    attn_factor = np.float32(_float(header, attn_key, 1.0))
+    if not attn_factor > 0.0:
+        raise UnsupportedModel(path, f"rope attention factor {attn_factor}", key=attn_key)
+    context_key = f"{arch}.rope.scaling.original_context_length"
+    orig_context = header.integer(context_key, default=0)
+    if scaling == "yarn":
+        orig_context = orig_context or header.integer(f"{arch}.context_length")
+        if orig_context < 1:
+            raise UnsupportedModel(path, f"original context {orig_context}", key=context_key)
+        attn_factor = yarn_attn_factor(freq_scale) * attn_factor
     return RopeConfig(
         n_dims=n_dims,
         freq_base=_float(header, f"{arch}.rope.freq_base", 10000.0),
-        freq_scale=freq_scale,
+        freq_scale=float(freq_scale),
         neox=neox,
+        ext_factor=1.0 if scaling == "yarn" else 0.0,
+        attn_factor=float(attn_factor),
+        orig_context=orig_context if scaling == "yarn" else 0,
     )
+
+
+def yarn_attn_factor(freq_scale: np.float32) -> np.float32:
+    """llama.cpp's ``cparams.yarn_attn_factor`` under YaRN (``llama-context.cpp``), in
+    its float32 operations: ``get_mscale(factor, 1) / (1 + 0.1 ln factor)`` (1, or a
+    unit below it: ggml's rope multiplies the factor back in), with ``factor = 1 /
+    freq_scale``."""
+    one, tenth = np.float32(1.0), np.float32(0.1)
+    factor = one / freq_scale
+    log = log_f32(factor)
+    mscale = one if factor <= one else tenth * one * log + one
+    return np.float32(mscale * (one / (one + tenth * log)))

@@ -256,9 +256,14 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         _unsupported(key="llama.expert_count"),
     ),
     "rope scaling we do not run": (
-        {"extra_keys": {"llama.rope.scaling.type": "yarn"}},
+        {"extra_keys": {"llama.rope.scaling.type": "longrope"}},
         (0, 4),
         _unsupported(key="llama.rope.scaling.type"),
+    ),
+    "a rope attention factor that is not positive": (
+        {"extra_keys": {"llama.rope.scaling.attn_factor": 0.0}},
+        (0, 4),
+        _unsupported(key="llama.rope.scaling.attn_factor"),
     ),
     "rope scaling factor whose reciprocal float32 cannot hold": (
         {"extra_keys": {"llama.rope.scaling.factor": 1e-39}},

@@ -33,6 +33,7 @@ from decimal import Decimal, localcontext
 import numpy as np
 import numpy.typing as npt
 
+from runtime_core.f32_math import log_f32, pow_f32
 from runtime_core.model_config import RopeConfig
 
 F32 = npt.NDArray[np.float32]
@@ -113,29 +114,40 @@ def _sin_cos64(theta: F32) -> tuple[F64, F64]:
     return sine, cosine
 
 
-def pow_f32(base: np.float32, exponent: np.float32) -> np.float32:
-    """``base ** exponent`` (float32s, ``base`` > 0) correctly rounded to float32: ggml's
-    ``powf(freq_base, -2.0f / n_dims)``, without the C library's ``powf``, which is not
-    correctly rounded (0.08 % of the rotary bases and sizes of a grid of them came out
-    one unit off on this project's machines) and may differ between the variants it
-    picks by processor (with fused multiply-adds or without). Computed in decimal to 60
-    digits (``exp(exponent * ln(base))``), then the nearest of three float32s."""
-    with localcontext() as ctx:
-        ctx.prec = 60
-        exact = (Decimal(float(exponent)) * Decimal(float(base)).ln()).exp()
-    near = np.float32(float(exact))
-    candidates = (
-        np.nextafter(near, np.float32(-np.inf)),
-        near,
-        np.nextafter(near, np.float32(np.inf)),
+def yarn_corr_dims(rope: RopeConfig) -> tuple[np.float32, np.float32]:
+    """ggml's ``ggml_rope_yarn_corr_dims``: the pairs where ``beta_fast`` and
+    ``beta_slow`` turns fit in ``orig_context`` positions, ``floor`` of the first and
+    ``ceil`` of the second, within ``[0, n_dims - 1]``."""
+    n, two = np.float32(rope.n_dims), np.float32(2.0)
+    log_base = log_f32(np.float32(rope.freq_base))
+
+    def corr_dim(turns: float) -> np.float32:
+        # n_dims * logf(n_ctx_orig / (n_rot * 2 * (float)M_PI)) / (2 * logf(base))
+        ratio = np.float32(rope.orig_context) / (np.float32(turns) * two * np.float32(math.pi))
+        return np.float32(n * log_f32(ratio) / (two * log_base))
+
+    start = np.floor(corr_dim(rope.beta_fast))
+    end = np.ceil(corr_dim(rope.beta_slow))
+    return max(np.float32(0.0), start), min(n - np.float32(1.0), end)
+
+
+def _yarn_ramp(rope: RopeConfig) -> npt.NDArray[np.float32]:
+    """ggml's ``rope_yarn_ramp`` of each pair ``i``: ``1 - clamp((i - low) / max(0.001,
+    high - low), 0, 1)``."""
+    low, high = yarn_corr_dims(rope)
+    pairs = np.arange(rope.n_dims // 2, dtype=np.float32)
+    y = (pairs - low) / max(np.float32(0.001), np.float32(high - low))
+    ramp: npt.NDArray[np.float32] = np.float32(1.0) - np.minimum(
+        np.float32(1.0), np.maximum(np.float32(0.0), y)
     )
-    return min(candidates, key=lambda c: abs(Decimal(float(c)) - exact))
+    return ramp
 
 
 def rope_rotations(
     rope: RopeConfig, max_seq_len: int, freq_factors: F32 | None
 ) -> npt.NDArray[np.complex64]:
-    """``exp(i * theta)`` for every position and rotary pair: ``(max_seq_len, n/2)``."""
+    """``exp(i * theta)`` for every position and rotary pair: ``(max_seq_len, n/2)``
+    (times ggml's ``mscale``: ``attn_factor``, and YaRN's own)."""
     half = rope.n_dims // 2
     exponent = np.float32(-2.0) / np.float32(rope.n_dims)  # ggml's -2.0f / n_dims
     theta_scale = pow_f32(np.float32(rope.freq_base), exponent)
@@ -146,8 +158,19 @@ def rope_rotations(
         t = t * theta_scale
     if freq_factors is not None:
         theta /= freq_factors
-    theta *= np.float32(rope.freq_scale)
+    scale = np.float32(rope.freq_scale)
+    mscale = np.float32(rope.attn_factor)
+    if rope.ext_factor:  # ggml's rope_yarn, in its float32 operations
+        one = np.float32(1.0)
+        ramp = _yarn_ramp(rope) * np.float32(rope.ext_factor)  # (n/2,): 1 unscaled, 0 scaled
+        theta = (theta * scale) * (one - ramp) + theta * ramp
+        mscale = mscale * (one + np.float32(0.1) * log_f32(one / scale))
+    else:
+        theta *= scale
     sine, cosine = sin_cos(theta)
+    if mscale != 1.0:
+        sine *= mscale
+        cosine *= mscale
     out = np.empty((max_seq_len, half), dtype=np.complex64)
     out.real = cosine
     out.imag = sine

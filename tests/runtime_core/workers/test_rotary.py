@@ -13,11 +13,13 @@ import subprocess
 import sys
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
+from runtime_core.f32_math import pow_f32
 from runtime_core.model_config import RopeConfig
-from runtime_core.workers.rotary import pow_f32, rope_rotations, sin_cos
+from runtime_core.workers.rotary import rope_rotations, sin_cos, yarn_corr_dims
 
 
 def _angles() -> np.ndarray:
@@ -133,3 +135,31 @@ def test_the_base_power_is_correctly_rounded_where_powf_is_not() -> None:
     for base, n in ((10000.0, 64), (10000.0, 128), (500000.0, 128), (1e6, 128)):
         exponent = np.float32(-2.0) / np.float32(n)
         assert pow_f32(np.float32(base), exponent) == np.float32(powf(base, float(exponent)))
+
+
+@pytest.mark.parametrize(
+    ("n_dims", "orig", "base"),
+    [(64, 64, 10000.0), (128, 32768, 1e6), (128, 8192, 500000.0), (64, 128, 1e6), (96, 4096, 1e4)],
+)
+def test_yarn_correction_dims_are_the_formulas(n_dims: int, orig: int, base: float) -> None:
+    """ggml's correction dims, read in float64 from the formula ``n * ln(orig / (beta 2
+    pi)) / (2 ln base)`` (llama.cpp's defaults: 32 fast turns, 1 slow), floored and
+    ceiled into ``[0, n - 1]``; the ramp is 1 up to the first, 0 from the second."""
+    rope = RopeConfig(n_dims, base, 0.25, False, ext_factor=1.0, orig_context=orig)
+
+    def corr(beta: float) -> float:
+        return n_dims * math.log(orig / (beta * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = yarn_corr_dims(rope)
+    assert (float(low), float(high)) == (
+        max(0.0, math.floor(corr(32.0))),
+        min(n_dims - 1.0, math.ceil(corr(1.0))),
+    )
+    table = rope_rotations(rope, 8, None)
+    plain = rope_rotations(attrs.evolve(rope, ext_factor=0.0), 8, None)
+    mscale = np.float32(1.0) + np.float32(0.1) * np.float32(math.log(4.0))
+    # pairs from `high` on take the scaled angle alone: the plain table times mscale
+    np.testing.assert_array_equal(table[:, int(high) :], plain[:, int(high) :] * mscale)
+    if low == 0:  # pair 0's angle is the unscaled one: position p's angle is p
+        p = np.arange(8, dtype=np.float32)
+        np.testing.assert_allclose(table[:, 0], np.exp(1j * p) * mscale, rtol=1e-6)
