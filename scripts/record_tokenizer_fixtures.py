@@ -85,6 +85,8 @@ PRE_CORPUS = [
 ]
 # More texts, recorded for the main files.
 MORE_CORPUS = [
+    "HelloWorld camelCase ÉCOLE iPhone XMLHttpRequest getHTTPResponseCode",
+    "ÉcoleÉCOLE naïveNAÏVE ΑθήναΑΘΗΝΑ ÆsirØre a !/\n/b !//x path/to//file\n",
     " ",
     "  ",
     "a",

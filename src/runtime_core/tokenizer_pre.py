@@ -86,6 +86,17 @@ def _llama3_like(numbers: str) -> str:
 
 LLAMA3 = _llama3_like(f"{N}{{1,3}}")
 QWEN2 = _llama3_like(N)
+
+# tekken (Mistral Nemo, Mistral Small 3): llama.cpp's rewrite of its tokenizer.json
+# regex, whose "uppercase" letters are the letters outside a-z and "lowercase" ones
+# those outside A-Z (so a letter of another script is both), a number alone, and
+# other runs followed by line breaks or slashes.
+_UPPERISH = f"(?:(?={L})[^a-z])"
+_LOWERISH = f"(?:(?={L})[^A-Z])"
+TEKKEN = (
+    f"{NOT_CRLF_L_N}?{_UPPERISH}*{_LOWERISH}+|{NOT_CRLF_L_N}?{_UPPERISH}+{_LOWERISH}*"
+    f"|{N}| ?{OTHER}+[\\r\\n/]*|{S}*[\\r\\n]+|{S}+(?!{NOT_S})|{S}+"
+)
 THREE_DIGITS = "[0-9][0-9][0-9]"
 
 
@@ -107,6 +118,7 @@ _LLAMA3 = PreTokenizer("llama3", (LLAMA3,), ignore_merges=True, add_bos=True)
 _SMOLLM = PreTokenizer("smollm", (N, GPT2))
 _QWEN2 = PreTokenizer("qwen2", (QWEN2,))
 _FALCON = PreTokenizer("falcon", (f"(?:{P}|[$+<=>^~|`])+", GPT2, THREE_DIGITS))
+_TEKKEN = PreTokenizer("tekken", (TEKKEN,), clean_spaces=False, ignore_merges=True, add_bos=True)
 
 
 def _with(base: PreTokenizer, **changes: bool) -> PreTokenizer:
@@ -165,6 +177,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     ),
     **dict.fromkeys(("megrez", "stablelm2"), _QWEN2),
     "falcon": _FALCON,
+    "tekken": _TEKKEN,
 }
 
 # Names llama.cpp knows that this module does not implement (other regex families,
@@ -174,7 +187,7 @@ LLAMA_CPP_ONLY = frozenset(
         "deepseek-llm", "deepseek-coder", "deepseek-v3", "spark2_5", "youtu", "jais-2",
         "gemma4", "granite-embed-multi-311m", "sarvam-moe", "jina-v1-en", "jina-v2-code",
         "roberta-bpe", "whitespace", "qwen35", "poro-chat", "glm4", "chatglm-bpe", "viking",
-        "tekken", "bloom", "gpt3-finnish", "exaone-moe", "chameleon", "gpt-4o", "llama4",
+        "bloom", "gpt3-finnish", "exaone-moe", "chameleon", "gpt-4o", "llama4",
         "kanana2", "talkie", "granite-embed-multi-97m", "tiny_aya", "cohere2moe", "superbpe",
         "bailingmoe", "bailingmoe2", "llada-moe", "seed-coder", "hunyuan-dense", "hy_v4",
         "joyai-llm", "kimi-k2", "ufakzeka", "grok-2", "afmoe", "laguna", "minimax-m2",
