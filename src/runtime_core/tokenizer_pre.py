@@ -99,6 +99,52 @@ TEKKEN = (
 )
 THREE_DIGITS = "[0-9][0-9][0-9]"
 
+# CJK ideographs, U+0800..U+9FA5 (llama.cpp's "[一-龥ࠀ-一]"), and Hangul.
+_CJK = "[\u0800-\u9fa5\uac00-\ud7ff]+"
+# deepseek-coder: line breaks, letter runs, punctuation runs (each with one optional
+# whitespace before), CJK runs, single numbers, cut in turn.
+DEEPSEEK_CODER = ("[\\r\\n]", f"{S}?{L}+", f"{S}?{P}+", _CJK, N)
+# deepseek-llm: its letters are a list of code point ranges (Unicode's cased letters,
+# as llama.cpp spells them), its punctuation ASCII's and the full-width forms.
+_DEEPSEEK_LETTERS = (
+    (0x0041, 0x005A), (0x0061, 0x007A), (0x00B5, 0x00B5), (0x00C0, 0x00D6), (0x00D8,
+    0x00F6), (0x00F8, 0x01BA), (0x01BC, 0x01BF), (0x01C4, 0x0293), (0x0295, 0x02AF),
+    (0x0370, 0x0373), (0x0376, 0x0376), (0x0377, 0x0377), (0x037B, 0x037D), (0x037F,
+    0x037F), (0x0386, 0x0386), (0x0388, 0x038A), (0x038C, 0x038C), (0x038E, 0x03A1),
+    (0x03A3, 0x03F5), (0x03F7, 0x0481), (0x048A, 0x052F), (0x0531, 0x0556), (0x10A0,
+    0x10C5), (0x13A0, 0x13F5), (0x13F8, 0x13FD), (0x1C90, 0x1CBA), (0x1CBD, 0x1CBF),
+    (0x1D00, 0x1D2B), (0x1D6B, 0x1D77), (0x1D79, 0x1D9A), (0x1E00, 0x1F15), (0x1F18,
+    0x1F1D), (0x1F20, 0x1F45), (0x1F48, 0x1F4D), (0x1F50, 0x1F57), (0x1F59, 0x1F59),
+    (0x1F5B, 0x1F5B), (0x1F5D, 0x1F5D), (0x1F5F, 0x1F7D), (0x1F80, 0x1FB4), (0x1FB6,
+    0x1FBC), (0x1FBE, 0x1FBE), (0x1FC2, 0x1FC4), (0x1FC6, 0x1FCC), (0x1FD0, 0x1FD3),
+    (0x1FD6, 0x1FDB), (0x1FE0, 0x1FEC), (0x1FF2, 0x1FF4), (0x1FF6, 0x1FFC), (0x2102,
+    0x2102), (0x2107, 0x2107), (0x210A, 0x2113), (0x2115, 0x2115), (0x2119, 0x211D),
+    (0x2124, 0x2124), (0x2126, 0x2126), (0x2128, 0x2128), (0x212A, 0x212D), (0x212F,
+    0x2134), (0x2139, 0x2139), (0x213C, 0x213F), (0x2145, 0x2149), (0x214E, 0x214E),
+    (0x2183, 0x2183), (0x2184, 0x2184), (0x2C00, 0x2C7B), (0x2C7E, 0x2CE4), (0x2CEB,
+    0x2CEE), (0x2CF2, 0x2CF2), (0x2CF3, 0x2CF3), (0xA640, 0xA66D), (0xA680, 0xA69B),
+    (0xA722, 0xA76F), (0xA771, 0xA787), (0xA78B, 0xA78E), (0xAB70, 0xABBF), (0xFB00,
+    0xFB06), (0xFB13, 0xFB17), (0xFF21, 0xFF3A), (0xFF41, 0xFF5A), (0x10400, 0x1044F),
+    (0x104B0, 0x104D3), (0x104D8, 0x104FB), (0x10C80, 0x10CB2), (0x10CC0, 0x10CF2),
+    (0x118A0, 0x118DF), (0x1E900, 0x1E943)
+)  # fmt: skip
+_DEEPSEEK_LETTER = (
+    "[" + "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in _DEEPSEEK_LETTERS) + "]"
+)
+DEEPSEEK_LLM = (
+    "[\\r\\n]",
+    f"{S}?{_DEEPSEEK_LETTER}+",
+    f"{S}?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    f"{S}+\\z",
+    _CJK,
+    f"{N}+",
+)
+# seed-coder: llama3's contractions and words, single numbers, other runs.
+SEED_CODER = (
+    f"{_CONTRACTIONS_ANY_CASE}|{NOT_CRLF_L_N}?{L}+|{N}| ?{OTHER}+|{S}*[\\r\\n]+"
+    f"|{S}+(?!{NOT_S})|{S}+"
+)
+
 
 @frozen
 class PreTokenizer:
@@ -118,6 +164,9 @@ _LLAMA3 = PreTokenizer("llama3", (LLAMA3,), ignore_merges=True, add_bos=True)
 _SMOLLM = PreTokenizer("smollm", (N, GPT2))
 _QWEN2 = PreTokenizer("qwen2", (QWEN2,))
 _FALCON = PreTokenizer("falcon", (f"(?:{P}|[$+<=>^~|`])+", GPT2, THREE_DIGITS))
+_DEEPSEEK_CODER = PreTokenizer("deepseek-coder", DEEPSEEK_CODER, clean_spaces=False)
+_DEEPSEEK_LLM = PreTokenizer("deepseek-llm", DEEPSEEK_LLM, clean_spaces=False)
+_SEED_CODER = PreTokenizer("seed-coder", (SEED_CODER,), clean_spaces=False)
 _TEKKEN = PreTokenizer("tekken", (TEKKEN,), clean_spaces=False, ignore_merges=True, add_bos=True)
 
 
@@ -178,18 +227,21 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("megrez", "stablelm2"), _QWEN2),
     "falcon": _FALCON,
     "tekken": _TEKKEN,
+    "deepseek-coder": _DEEPSEEK_CODER,
+    "deepseek-llm": _DEEPSEEK_LLM,
+    "seed-coder": _SEED_CODER,
 }
 
 # Names llama.cpp knows that this module does not implement (other regex families,
 # or tokenizers that are BPE only in name). Used to word the error.
 LLAMA_CPP_ONLY = frozenset(
     {
-        "deepseek-llm", "deepseek-coder", "deepseek-v3", "spark2_5", "youtu", "jais-2",
+        "deepseek-v3", "spark2_5", "youtu", "jais-2",
         "gemma4", "granite-embed-multi-311m", "sarvam-moe", "jina-v1-en", "jina-v2-code",
         "roberta-bpe", "whitespace", "qwen35", "poro-chat", "glm4", "chatglm-bpe", "viking",
         "bloom", "gpt3-finnish", "exaone-moe", "chameleon", "gpt-4o", "llama4",
         "kanana2", "talkie", "granite-embed-multi-97m", "tiny_aya", "cohere2moe", "superbpe",
-        "bailingmoe", "bailingmoe2", "llada-moe", "seed-coder", "hunyuan-dense", "hy_v4",
+        "bailingmoe", "bailingmoe2", "llada-moe", "hunyuan-dense", "hy_v4",
         "joyai-llm", "kimi-k2", "ufakzeka", "grok-2", "afmoe", "laguna", "minimax-m2",
         "minicpm5",
     }
