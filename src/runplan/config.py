@@ -29,6 +29,7 @@ REFERENCE_ARCHITECTURES: tuple[str, ...] = (
     "gemma2",
     "gemma",
     "smollm3",
+    "mistral3",
     "phi3",
 )
 

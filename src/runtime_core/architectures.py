@@ -1,7 +1,7 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-gemma,gemma2,gemma3,phi3,smollm3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``).
+gemma,gemma2,gemma3,mistral3,phi3,smollm3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``).
 Every architecture here is the same pre-norm transformer block; the spec says where one
 departs from it:
 
@@ -109,6 +109,12 @@ class ArchSpec:
     # llama.cpp's n_no_rope_layer_step: block i (from 0) rotates no query or key where
     # (i + 1) % no_rope_period == 0 ("NoPE" blocks); 0: every block rotates
     no_rope_period: int = 0
+    # reads rope.scaling.yarn_beta_fast / yarn_beta_slow / yarn_log_multiplier (else
+    # llama.cpp's defaults, 32 and 1 turns, no multiplier)
+    yarn_keys: bool = False
+    # reads attention.temperature_scale: queries multiplied after rotary by
+    # 1 + scale * ln(floor(pos / L) + 1), L the YaRN original context (Llama 4's)
+    attn_temperature: bool = False
 
 
 _BASE = ArchSpec(
@@ -218,6 +224,10 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             rope_freqs=False,
             no_rope_period=4,
         ),
+        # Mistral 3 (Ministral 3): llama's block, its YaRN keys read (beta turns and the
+        # log multiplier of the attention factor), and its queries' temperature past the
+        # original context (``models/mistral3.cpp``, ``llama-graph.cpp``).
+        _like_llama(name="mistral3", yarn_keys=True, attn_temperature=True),
         _like_llama(
             name="phi3",
             rope_neox=True,

@@ -34,6 +34,8 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import numpy as np
 from attrs import frozen
@@ -91,6 +93,10 @@ class ModelConfig:
     embedding_scale: float  # token embeddings are multiplied by this (float32)
     final_logit_softcap: float  # logits = c * tanh(logits / c); 0: none
     attn_logit_softcap: float  # attention scores = c * tanh(scores / c); 0: none
+    # queries times 1 + attn_temp_scale * ln(floor(pos / attn_temp_length) + 1) after
+    # rotary (mistral3's attention.temperature_scale); 0: none
+    attn_temp_scale: float = 0.0
+    attn_temp_length: int = 0
 
     def rotated_dims(self, layer: int) -> int:
         """The leading dimensions of each head that block ``layer`` rotates: 0 in a
@@ -152,7 +158,7 @@ class ModelConfig:
             )
         head_dim_k = header.integer(f"{arch}.attention.key_length", default=hidden // heads)
         head_dim_v = header.integer(f"{arch}.attention.value_length", default=hidden // heads)
-        rope = _rope(header, arch, head_dim_k, spec.rope_neox)
+        rope = _rope(header, arch, head_dim_k, spec)
         attention = layer_attention(header, arch, n_layers)
         if any(a.sliding for a in attention):
             _same_for_sliding_blocks(header, arch, head_dim_k, head_dim_v, rope.n_dims)
@@ -191,6 +197,7 @@ class ModelConfig:
             attn_logit_softcap=_softcap(
                 header, f"{arch}.attn_logit_softcapping", spec.attn_logit_softcap
             ),
+            **_attn_temperature(header, arch, spec, rope),
         )
 
 
@@ -254,8 +261,27 @@ def _ffn_dims(header: GgufHeader, arch: str, n_layers: int) -> tuple[int, ...]:
     return per_block_integers(header, f"{arch}.feed_forward_length", n_layers)
 
 
-def _rope(header: GgufHeader, arch: str, head_dim: int, neox: bool) -> RopeConfig:
+def _attn_temperature(
+    header: GgufHeader, arch: str, spec: ArchSpec, rope: RopeConfig
+) -> dict[str, Any]:
+    """llama.cpp's query temperature (``llm_graph_input_attn_temp``) where the
+    architecture reads ``attention.temperature_scale`` and the file sets it: its
+    length is YaRN's original context (``n_ctx_orig_yarn``: the key, else the context
+    length), with no offset."""
+    key = f"{arch}.attention.temperature_scale"
+    scale = _float(header, key, 0.0) if spec.attn_temperature else 0.0
+    if scale == 0.0:
+        return {}
+    length = header.integer(f"{arch}.rope.scaling.original_context_length", default=0)
+    length = length or header.integer(f"{arch}.context_length")
+    if length < 1:
+        raise UnsupportedModel(header.paths[0], f"a temperature length of {length}", key=key)
+    return {"attn_temp_scale": float(np.float32(scale)), "attn_temp_length": length}
+
+
+def _rope(header: GgufHeader, arch: str, head_dim: int, spec: ArchSpec) -> RopeConfig:
     path = header.paths[0]
+    neox = spec.rope_neox
     n_dims = header.integer(f"{arch}.rope.dimension_count", default=head_dim)
     if n_dims < 2 or n_dims % 2 or n_dims > head_dim:
         raise UnsupportedModel(
@@ -283,11 +309,19 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, neox: bool) -> RopeConfi
         raise UnsupportedModel(path, f"rope attention factor {attn_factor}", key=attn_key)
     context_key = f"{arch}.rope.scaling.original_context_length"
     orig_context = header.integer(context_key, default=0)
+    betas = {}
+    log_mul = 0.0
+    if spec.yarn_keys:
+        for name in ("beta_fast", "beta_slow"):
+            key = f"{arch}.rope.scaling.yarn_{name}"
+            if header.has(key):
+                betas[name] = float(np.float32(_float(header, key, None)))
+        log_mul = _float(header, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)
     if scaling == "yarn":
         orig_context = orig_context or header.integer(f"{arch}.context_length")
         if orig_context < 1:
             raise UnsupportedModel(path, f"original context {orig_context}", key=context_key)
-        attn_factor = yarn_attn_factor(freq_scale) * attn_factor
+        attn_factor = yarn_attn_factor(freq_scale, np.float32(log_mul)) * attn_factor
     return RopeConfig(
         n_dims=n_dims,
         freq_base=_float(header, f"{arch}.rope.freq_base", 10000.0),
@@ -296,16 +330,23 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, neox: bool) -> RopeConfi
         ext_factor=1.0 if scaling == "yarn" else 0.0,
         attn_factor=float(attn_factor),
         orig_context=orig_context if scaling == "yarn" else 0,
+        **betas,
     )
 
 
-def yarn_attn_factor(freq_scale: np.float32) -> np.float32:
+def yarn_attn_factor(freq_scale: np.float32, log_mul: np.float32) -> np.float32:
     """llama.cpp's ``cparams.yarn_attn_factor`` under YaRN (``llama-context.cpp``), in
-    its float32 operations: ``get_mscale(factor, 1) / (1 + 0.1 ln factor)`` (1, or a
-    unit below it: ggml's rope multiplies the factor back in), with ``factor = 1 /
-    freq_scale``."""
+    its float32 operations, with ``factor = 1 / freq_scale``: ``get_mscale(factor, 1)``,
+    divided by ``get_mscale(factor, log_mul)`` where the file sets a log multiplier,
+    then by ``1 + 0.1 ln factor`` (ggml's rope multiplies that back in)."""
     one, tenth = np.float32(1.0), np.float32(0.1)
     factor = one / freq_scale
     log = log_f32(factor)
-    mscale = one if factor <= one else tenth * one * log + one
-    return np.float32(mscale * (one / (one + tenth * log)))
+
+    def get_mscale(mscale: np.float32) -> np.float32:
+        return one if factor <= one else np.float32(tenth * mscale * log + one)
+
+    attn = get_mscale(one)
+    if log_mul != 0.0:
+        attn = np.float32(attn / get_mscale(log_mul))
+    return np.float32(attn * (one / (one + tenth * log)))

@@ -248,7 +248,7 @@ def _rope_kv(kv_half: bool) -> KernelTwin:
 
     def run(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
         (qkv, rows, bias, rot, state, n_heads, n_kv, hd_k, hd_v, n_rot, neox, q_scale, kc, vc,
-         cache_size) = args  # fmt: skip
+         cache_size, temps) = args  # fmt: skip
         if grid[0] < rows:
             raise LaunchError(f"rope_kv of {rows} rows launched as {grid}")
         if rows > cache_size:  # two rows of the launch would write one slot
@@ -271,7 +271,10 @@ def _rope_kv(kv_half: bool) -> KernelTwin:
         k = twins.rotate(
             v[:, q_dim : q_dim + k_dim].reshape(rows, n_kv, hd_k), rot_c, n_rot, bool(neox)
         )
-        x[:, :q_dim] = (q * np.float32(q_scale)).reshape(rows, q_dim)
+        q = q * np.float32(q_scale)
+        if temps is not None:
+            q = q * _flat(temps, np.float32)[pos : pos + rows, None, None]
+        x[:, :q_dim] = q.reshape(rows, q_dim)
         cache_view = np.float16 if kv_half else np.float32
         kcache = _flat(kc, cache_view)[: n_kv * cache_size * hd_k].reshape(n_kv, cache_size, hd_k)
         vcache = _flat(vc, cache_view)[: n_kv * cache_size * hd_v].reshape(n_kv, cache_size, hd_v)

@@ -153,7 +153,10 @@ class TwinOps:
         span = slice(pos, pos + rows)
         k_cache[layer][:, span] = k.transpose(1, 0, 2).astype(self.kv)
         v_cache[layer][:, span] = v.transpose(1, 0, 2).astype(self.kv)
-        self.bufs["q"] = (q * np.float32(self.q_scale)).reshape(rows, -1)
+        q = q * np.float32(self.q_scale)
+        if self.w.q_temps is not None:  # mistral3's temperature, after the queries' scale
+            q = q * self.w.q_temps[pos : pos + rows, None, None]
+        self.bufs["q"] = q.reshape(rows, -1)
 
     def attention(self, layer: int, seg: Segment) -> None:
         rows, pos = seg.rows, seg.pos

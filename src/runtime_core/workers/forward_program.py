@@ -62,7 +62,7 @@ from runplan.quant_types import CHUNK, QUANT_TYPES, row_bytes
 from runtime_core.architectures import Activation, FfnLayout, QkvLayout
 from runtime_core.gguf_slice import EMBEDDING, OUTPUT_NORM, ROPE_FREQS, StageSlice, qkv_layout
 from runtime_core.model_config import ModelConfig
-from runtime_core.workers.rotary import rope_rotations
+from runtime_core.workers.rotary import query_temperatures, rope_rotations
 
 H = TypeVar("H")  # a backend's handle of raw GGUF rows
 V = TypeVar("V")  # a backend's handle of a float32 vector
@@ -157,6 +157,9 @@ class StageWeights(Generic[H, V]):
     # (max_seq_len, rope_dims / 2): the sliding blocks' rotations (their own base), or
     # ``rot`` when the stage has none or their rotary is the global one
     rot_swa: npt.NDArray[np.complex64] | None = None
+    # (max_seq_len,): each position's factor on the rotated queries (mistral3's
+    # temperature past its original context), or None
+    q_temps: npt.NDArray[np.float32] | None = None
 
     def layer_rot(self, layer: int) -> npt.NDArray[np.complex64]:
         """The rotations of the stage's block ``layer``."""
@@ -319,6 +322,7 @@ def load_weights(
         vocab_size=stage.vocab_size,
         stored_bytes=total,
         rot_swa=rot_swa,
+        q_temps=query_temperatures(config, max_seq_len),
     )
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime_core.f32_math import log_f32, pow_f32
-from runtime_core.model_config import RopeConfig
+from runtime_core.model_config import ModelConfig, RopeConfig
 
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -174,4 +174,24 @@ def rope_rotations(
     out = np.empty((max_seq_len, half), dtype=np.complex64)
     out.real = cosine
     out.imag = sine
+    return out
+
+
+def query_temperatures(config: ModelConfig, max_seq_len: int) -> F32 | None:
+    """Each position's factor on the rotated queries (``(max_seq_len,)``), or None where
+    the model has none: llama.cpp's ``llm_graph_input_attn_temp``, ``log(floor(pos /
+    L) + 1) * scale + 1`` in double (``pos / L`` a float32 quotient, as there; the
+    logarithm correctly rounded: the same bits on every machine), rounded to float32.
+    1 for every position below ``L``."""
+    if not config.attn_temp_scale:
+        return None
+    length = np.float32(config.attn_temp_length)
+    steps = np.floor(np.arange(max_seq_len, dtype=np.float32) / length)
+    out = np.empty(max_seq_len, np.float32)
+    scale = float(np.float32(config.attn_temp_scale))
+    for k in np.unique(steps):
+        with localcontext() as ctx:
+            ctx.prec = 40
+            log = float((Decimal(float(k)) + 1).ln())
+        out[steps == k] = np.float32(log * scale + 1.0)
     return out

@@ -170,6 +170,8 @@ class DeviceOps:
             if r is not None
         }
         self.rots = [tables[id(w.layer_rot(i))] for i in range(len(w.layers))]
+        # each position's factor on the rotated queries (mistral3), or none
+        self.q_temps = None if w.q_temps is None else cupy.asarray(w.q_temps)
         # llama.cpp scales the scores, or (gemma2/3, phi3) the rotated queries; gemma2
         # caps the scores (those with a cap scale the queries, as llama.cpp caps the
         # scores before its softmax's scale)
@@ -388,7 +390,7 @@ class DeviceOps:
             self.buf["qkv"][seg.start : seg.end], rows, bias, self.rots[layer],
             self.states[seg.start], c.n_heads, c.n_kv_heads, c.head_dim_k, c.head_dim_v,
             c.rope.n_dims if self.w.layers[layer].rotary else 0, int(c.rope.neox),
-            self.q_scale, k, v, k.shape[1],
+            self.q_scale, k, v, k.shape[1], self.q_temps,
         )  # fmt: skip
 
     def _wrapping_cache(self, layer: int, seg: Segment) -> tuple[Any, Any]:

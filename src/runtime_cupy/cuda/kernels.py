@@ -32,7 +32,7 @@ HEADERS: tuple[str, ...] = ("common.cuh", "quant.cuh")
 _MATVEC_Q8 = "p l i i p p p p p i"
 _MATVEC_F = "p l i i p p p i"
 _DEQUANT = "p l i p i i p"
-_ROPE = "p i p p p i i i i i i f p p i"
+_ROPE = "p i p p p i i i i i i f p p i p"
 _ATTENTION = "p i p p p i i i i i i f f p p p p"
 
 #: The largest head size ``attention.cu`` handles (``32 * ATT_MAX_PER_LANE``: each of a

@@ -411,8 +411,9 @@ def test_rope_kv_is_exact(
     ks: KernelSet, heads: tuple[int, ...], rows: int, pos: int, cache: int, kv: str
 ) -> None:
     """Exact, Q scaled (by 1 for llama and qwen2, by the query scale where llama.cpp
-    scales the rotated queries); K and V in slot ``position % cache`` of a ring of
-    ``cache`` slots (96: every position; 20: a sliding block's, wrapping)."""
+    scales the rotated queries) and, for the normal pairs, by each position's
+    temperature (mistral3's); K and V in slot ``position % cache`` of a ring of ``cache``
+    slots (96: every position; 20: a sliding block's, wrapping)."""
     n_heads, n_kv, hd, n_rot, neox = heads
     rng = np.random.default_rng(rows * 1000 + pos + hd + cache)
     max_seq = 96
@@ -424,8 +425,9 @@ def test_rope_kv_is_exact(
     kvt = np.uint16 if kv == "f16" else np.float32
     kc, vc = poison((n_kv, cache, hd), kvt), poison((n_kv, cache, hd), kvt)
     q_scale = 1.0 if neox else float(np.float32(1 / np.sqrt(hd)))
+    temps = None if neox else (1 + rng.random(max_seq)).astype(np.float32)
     args = [qkv, rows, bias, rot, state, n_heads, n_kv, hd, hd, n_rot, neox, q_scale, kc, vc,
-            cache]  # fmt: skip
+            cache, temps]  # fmt: skip
     dev, twin = launch_both(ks, f"rope_kv_{kv}", rows, 256, args)
     same_bits(dev[0][:, : n_heads * hd], twin[0][:, : n_heads * hd])
     same_bits(dev[12], twin[12])  # every slot: written, or still poison in both

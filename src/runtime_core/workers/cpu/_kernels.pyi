@@ -81,6 +81,7 @@ def rope_kv(
     q_scale: float = 1.0,
     k_step: Any | None = None,
     v_step: Any | None = None,
+    temps: Any | None = None,
 ) -> None: ...
 def attention(
     qkv: Any,

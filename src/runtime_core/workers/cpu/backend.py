@@ -434,7 +434,7 @@ class CpuOps:
         step = self.step_kv or (None, None)
         self.kernels.rope_kv(
             self.buf.views["qkv"][seg.start : seg.end], rows, bias, self.rots[layer], pos,
-            heads, n_rot, rope.neox, k, v, self.threads, self.q_scale, *step,
+            heads, n_rot, rope.neox, k, v, self.threads, self.q_scale, *step, self.w.q_temps,
             **self._slot(seg, layer),
         )  # fmt: skip
 

@@ -46,7 +46,7 @@ from runtime_core.gguf_slice import (
     qkv_layout,
 )
 from runtime_core.model_config import ModelConfig
-from runtime_core.workers.rotary import rope_rotations
+from runtime_core.workers.rotary import query_temperatures, rope_rotations
 
 F32 = npt.NDArray[np.float32]
 Progress = Callable[[int, int], None]
@@ -305,6 +305,7 @@ class StageModel:
         self.rot_swa = self.rot
         self.windows = [c.layer_windows[i] for i in weights.layers]
         self.rotary = [c.layer_rotary[i] for i in weights.layers]
+        self.q_temps = query_temperatures(c, max_seq_len)
         if any(self.windows) and c.rope_swa != c.rope:
             self.rot_swa = rope_rotations(c.rope_swa, max_seq_len, weights.rope_freq_factors)
         self._make_cache(max_seq_len if positions is None else positions)
@@ -315,7 +316,7 @@ class StageModel:
         run = object.__new__(StageModel)
         run.weights, run.config, run.max_seq_len = self.weights, self.config, self.max_seq_len
         run.rot, run.rot_swa, run.windows = self.rot, self.rot_swa, self.windows
-        run.rotary = self.rotary
+        run.rotary, run.q_temps = self.rotary, self.q_temps
         run._make_cache(positions)
         return run
 
@@ -360,6 +361,8 @@ class StageModel:
                 head_rms_norm(s.qk, c.n_heads, w.q_norm, w.k_norm, c.rms_eps)
             if self.rotary[i]:  # rotary embedding of Q and K (not in a NoPE block)
                 s.rotary *= rot_swa if self.windows[i] else rot
+            if self.q_temps is not None:  # mistral3's temperature of the queries
+                s.q *= self.q_temps[pos : pos + rows, None, None]
             att = self._attention(i, s, pos)  # (rows, n_heads * head_dim_v)
             out = linear(att, w.wo)
             if w.bo is not None:

@@ -2,7 +2,7 @@
 // rotate Q and K (rotary position embedding), scale Q, and store K and V in the KV cache.
 //
 //   rope_kv_<KV>(qkv, rows, bias, rot, state, n_heads, n_kv, hd_k, hd_v, n_rot, neox,
-//                q_scale, k_cache, v_cache, cache_size)
+//                q_scale, k_cache, v_cache, cache_size, temps)
 //   qkv: (rows, q_dim + k_dim + v_dim) float32; Q is rotated (and multiplied by q_scale)
 //       in place, K and V are written to the cache only. Row r is at position
 //       state[0] + r.
@@ -16,6 +16,8 @@
 //       multiply-add), as NumPy's complex64 product rounds.
 //   q_scale: 1, or the query scale where llama.cpp multiplies the rotated queries
 //       (gemma2, gemma3, phi3), each element rounded once.
+//   temps: null, or each position's factor on the rotated (and scaled) queries
+//       (mistral3's temperature), each element rounded once.
 //   k_cache, v_cache: this layer's (n_kv, cache_size, hd) in KV (float or half bits), a
 //       ring: position p in slot p % cache_size (a block's whole context, or a sliding
 //       block's window).
@@ -32,7 +34,8 @@ __device__ __forceinline__ void rope_kv_body(float* __restrict__ qkv, int rows,
                                              const int* __restrict__ state, int n_heads,
                                              int n_kv, int hd_k, int hd_v, int n_rot, int neox,
                                              float q_scale, KV* __restrict__ k_cache,
-                                             KV* __restrict__ v_cache, int cache_size) {
+                                             KV* __restrict__ v_cache, int cache_size,
+                                             const float* __restrict__ temps) {
     int r = blockIdx.x;
     if (r >= rows) return;
     int pos = state[0] + r, slot = pos % cache_size;
@@ -64,8 +67,15 @@ __device__ __forceinline__ void rope_kv_body(float* __restrict__ qkv, int rows,
             vb = rb;
         }
         if (head < n_heads) {
-            x[ia] = va * q_scale;
-            x[ib] = vb * q_scale;
+            va = va * q_scale;
+            vb = vb * q_scale;
+            if (temps) {
+                float t = temps[pos];
+                va = va * t;
+                vb = vb * t;
+            }
+            x[ia] = va;
+            x[ib] = vb;
         } else {
             KV* k = k_cache + ((i64)(head - n_heads) * cache_size + slot) * hd_k;
             store_kv(k + a, va);
@@ -85,9 +95,9 @@ __device__ __forceinline__ void rope_kv_body(float* __restrict__ qkv, int rows,
     extern "C" __global__ void __launch_bounds__(1024) rope_kv_##NAME(                        \
         float* qkv, int rows, const float* bias, const float* rot, const int* state,          \
         int n_heads, int n_kv, int hd_k, int hd_v, int n_rot, int neox, float q_scale,        \
-        KV* k_cache, KV* v_cache, int cache_size) {                                            \
+        KV* k_cache, KV* v_cache, int cache_size, const float* temps) {                        \
         rope_kv_body<KV>(qkv, rows, bias, rot, state, n_heads, n_kv, hd_k, hd_v, n_rot, neox,  \
-                         q_scale, k_cache, v_cache, cache_size);                               \
+                         q_scale, k_cache, v_cache, cache_size, temps);                        \
     }
 
 ROPE_KV(f32, float)

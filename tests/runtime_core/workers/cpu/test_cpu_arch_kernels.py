@@ -146,6 +146,35 @@ def test_a_query_scale_multiplies_the_rotated_queries_only() -> None:
     np.testing.assert_array_equal(caches[1][1], caches[0][1])
 
 
+def test_temperatures_multiply_each_rows_rotated_queries_by_its_positions() -> None:
+    """mistral3's query temperature: row r (position pos + r) times ``temps[pos + r]``,
+    after the query scale, each element rounded once; keys and values untouched; a
+    table shorter than the rows' positions refused, naming it."""
+    rng = np.random.default_rng(6)
+    n_heads, n_kv, hd, rows, pos = 4, 2, 64, 3, 2
+    heads = (n_heads, n_kv, hd, hd, 8, False)
+    width = (n_heads + 2 * n_kv) * hd
+    rot = np.exp(1j * rng.uniform(0, 6.3, (8, 24))).astype(np.complex64).view(F32)
+    qkv = rng.standard_normal((rows, width)).astype(F32)
+    temps = (1 + rng.random(8)).astype(F32)
+    out = []
+    for t in (None, temps):
+        x = qkv.copy()
+        kc, vc = np.zeros((n_kv, 8, hd), F32), np.zeros((n_kv, 8, hd), F32)
+        _kernels.rope_kv(x, rows, None, rot, pos, heads, 48, True, kc, vc, 2, 0.5, None, None, t)
+        out.append((x, kc, vc))
+    q = n_heads * hd
+    want = out[0][0][:, :q] * temps[pos : pos + rows, None]
+    np.testing.assert_array_equal(out[1][0][:, :q], want)
+    np.testing.assert_array_equal(out[1][0][:, q:], out[0][0][:, q:])
+    for a, b in zip(out[0][1:], out[1][1:], strict=True):
+        np.testing.assert_array_equal(a, b)
+    kc, vc = np.zeros((n_kv, 8, hd), F32), np.zeros((n_kv, 8, hd), F32)
+    with pytest.raises(ValueError, match="temps: 4 elements, the call needs 5"):
+        _kernels.rope_kv(qkv.copy(), rows, None, rot, pos, heads, 48, True, kc, vc, 2, 1.0,
+                         None, None, temps[:4])  # fmt: skip
+
+
 # ---- a sliding window's ring -----------------------------------------------------------------
 
 N_HEADS, N_KV, HD = 4, 2, 32

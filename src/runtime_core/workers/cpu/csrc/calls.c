@@ -317,13 +317,13 @@ static int get_cache(PyObject *ko, PyObject *vo, Call *c, int k_at, int writable
 }
 
 int parse_rope_kv(PyObject *args, Call *c) {
-    PyObject *qo, *bo, *ro, *ho, *ko, *vo, *kso = Py_None, *vso = Py_None;
+    PyObject *qo, *bo, *ro, *ho, *ko, *vo, *kso = Py_None, *vso = Py_None, *to = Py_None;
     long long rows, pos, n_rot;
     int neox, threads;
     float q_scale = 1.0f;
     start(c, CALL_ROPE_KV);
-    if (!PyArg_ParseTuple(args, "OLOOLOLpOOi|fOO", &qo, &rows, &bo, &ro, &pos, &ho, &n_rot, &neox,
-                          &ko, &vo, &threads, &q_scale, &kso, &vso))
+    if (!PyArg_ParseTuple(args, "OLOOLOLpOOi|fOOO", &qo, &rows, &bo, &ro, &pos, &ho, &n_rot,
+                          &neox, &ko, &vo, &threads, &q_scale, &kso, &vso, &to))
         return -1;
     Heads *hd = &c->a.kv.hd;
     if (parse_heads(ho, hd) < 0 || check_threads(threads) < 0) return -1;
@@ -338,9 +338,12 @@ int parse_rope_kv(PyObject *args, Call *c) {
         get_opt(bo, &c->bufs[1], "f", width, "bias") < 0 ||
         get_buf(ro, &c->bufs[2], "f", 0, (pos + rows) * n_rot, "rot") < 0 ||
         get_cache(ko, vo, c, 3, 1) < 0 ||
-        get_step(kso, vso, &c->bufs[5], &c->bufs[6], hd, rows, 1, &c->a.kv.step) < 0)
+        get_step(kso, vso, &c->bufs[5], &c->bufs[6], hd, rows, 1, &c->a.kv.step) < 0 ||
+        get_opt(to, &c->bufs[7], "f", pos + rows, "temps") < 0)
         return -1;
     set_kv(c, threads, rows, pos);
+    c->a.kv.temps = ptr(&c->bufs[7]);
+    c->a.kv.temp_positions = c->bufs[7].held ? (int64_t)(c->bufs[7].view.len / 4) : INT64_MAX;
     c->a.kv.n_rot = n_rot;
     c->a.kv.rot_positions = n_rot ? (int64_t)(c->bufs[2].view.len / 4) / n_rot : INT64_MAX;
     c->a.kv.bias = ptr(&c->bufs[1]);
@@ -443,6 +446,11 @@ int call_check(const Call *c) {
                          pos, (long long)c->a.kv.rot_positions);
             return -1;
         }
+        if (pos + rows > c->a.kv.temp_positions) {
+            PyErr_Format(PyExc_ValueError, "rows %lld at %lld: temperatures for %lld positions",
+                         rows, pos, (long long)c->a.kv.temp_positions);
+            return -1;
+        }
         if (!step->k && rows > ring) {
             PyErr_Format(PyExc_ValueError, "%lld rows into a ring of %lld: give the step's buffers",
                          rows, ring);
@@ -502,8 +510,8 @@ int call_run(Call *c) {
         return 0;
     case CALL_ROPE_KV:
         rope_kv_rows(c->a.kv.qkv, c->a.kv.rows, c->a.kv.bias, c->a.kv.rot, c->a.kv.pos, &c->a.kv.hd,
-                     c->a.kv.n_rot, c->a.kv.neox, c->a.kv.q_scale, c->a.kv.k, c->a.kv.v,
-                     c->a.kv.step, threads);
+                     c->a.kv.n_rot, c->a.kv.neox, c->a.kv.q_scale, c->a.kv.temps, c->a.kv.k,
+                     c->a.kv.v, c->a.kv.step, threads);
         return 0;
     case CALL_ATTENTION:
         return attention_rows(c->isa, c->a.kv.qkv, c->a.kv.rows, c->a.kv.k, c->a.kv.v, c->a.kv.step,

@@ -132,8 +132,8 @@ typedef struct {
         /* rope_kv and attention: the step's rows against one block of one run's cache */
         struct {
             float *qkv; /* rope_kv: rotated in place; attention: read */
-            int64_t rows, pos, window, n_rot, rot_positions;
-            const float *bias, *rot;
+            int64_t rows, pos, window, n_rot, rot_positions, temp_positions;
+            const float *bias, *rot, *temps; /* temps: rope_kv's factor on Q per position */
             Heads hd;
             int neox;
             float q_scale, scale, softcap; /* softcap: attention's (0: none) */

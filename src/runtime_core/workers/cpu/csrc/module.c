@@ -408,7 +408,8 @@ static PyMethodDef methods[] = {
      "and K head rmsnorm'd times its weight"},
     {"rope_kv", py_rope_kv, METH_VARARGS,
      "rope_kv(qkv, rows, bias, rot, pos, heads, n_rot, neox, k_cache, v_cache, threads, "
-     "q_scale=1.0, k_step=None, v_step=None): K, V to ring slot p % max_seq, or the step's rows"},
+     "q_scale=1.0, k_step=None, v_step=None, temps=None): Q times temps[p] where given; K, V to "
+     "ring slot p % max_seq, or the step's rows"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_VARARGS | METH_KEYWORDS,
      "attention(qkv, rows, k_cache, v_cache, pos, heads, scale, out, threads, window=0, "
      "k_step=None, v_step=None, *, isa=None, softcap=0.0): scores capped at softcap (0: "

@@ -389,6 +389,7 @@ typedef struct {
     const Heads *hd;
     int neox;
     float q_scale;
+    const float *temps; /* a factor on Q per position, or NULL */
     void *k_cache, *v_cache;
     StepKV step;
 } RopeJob;
@@ -415,6 +416,8 @@ static void rope_item(void *ctx, int64_t r) {
         rotate(q, rp, J->n_rot, J->neox);
         if (J->q_scale != 1.0f)
             for (int64_t i = 0; i < hd->hd_k; ++i) q[i] = q[i] * J->q_scale;
+        if (J->temps && J->temps[p] != 1.0f)
+            for (int64_t i = 0; i < hd->hd_k; ++i) q[i] = q[i] * J->temps[p];
     }
     int in_step = J->step.k != NULL;
     void *kc = in_step ? J->step.k : J->k_cache, *vc = in_step ? J->step.v : J->v_cache;
@@ -428,9 +431,10 @@ static void rope_item(void *ctx, int64_t r) {
 }
 
 void rope_kv_rows(float *qkv, int64_t rows, const float *bias, const float *rot, int64_t pos,
-                  const Heads *hd, int64_t n_rot, int neox, float q_scale, void *k_cache,
-                  void *v_cache, StepKV step, int threads) {
-    RopeJob J = {qkv, bias, rot, rows, pos, n_rot, hd, neox, q_scale, k_cache, v_cache, step};
+                  const Heads *hd, int64_t n_rot, int neox, float q_scale, const float *temps,
+                  void *k_cache, void *v_cache, StepKV step, int threads) {
+    RopeJob J = {qkv, bias, rot, rows, pos, n_rot, hd, neox, q_scale, temps, k_cache, v_cache,
+                 step};
     int64_t work = 4 * rows * (hd->n_heads + hd->n_kv) * hd->hd_k;
     pool_run(pool_threads(threads, work), rows, rope_item, &J);
 }

@@ -69,10 +69,11 @@ typedef struct {
 void qk_norm_rows(float *qkv, int64_t rows, const float *bias, const float *q_norm,
                   const float *k_norm, const Heads *hd, double eps, int threads);
 
-/* per row: qkv += bias; rotate Q, K; Q *= q_scale (unless 1); K, V to the ring or step */
+/* per row: qkv += bias; rotate Q, K; Q *= q_scale (unless 1); Q *= temps[position] (temps
+ * given: mistral3's query temperature); K, V to the ring or step */
 void rope_kv_rows(float *qkv, int64_t rows, const float *bias, const float *rot, int64_t pos,
-                  const Heads *hd, int64_t n_rot, int neox, float q_scale, void *k_cache,
-                  void *v_cache, StepKV step, int threads);
+                  const Heads *hd, int64_t n_rot, int neox, float q_scale, const float *temps,
+                  void *k_cache, void *v_cache, StepKV step, int threads);
 
 /* Row r (position q = pos + r) attends to positions max(0, q - window + 1) .. q (window
  * 0: 0 .. q), in order, read from the ring and (when given) the step's rows, whose last
