@@ -105,6 +105,8 @@ class ArchSpec:
     # attn_logit_softcapping, the same way: scores capped before the softmax
     attn_logit_softcap: float | None
     rope_freqs: bool  # may carry llama3's rope_freqs.weight
+    # may carry LongRoPE's rope_factors_long / rope_factors_short.weight (phi3)
+    longrope: bool = False
     untied_head: bool = True  # may carry output.weight (False: the head is the embedding)
     # llama.cpp's n_no_rope_layer_step: block i (from 0) rotates no query or key where
     # (i + 1) % no_rope_period == 0 ("NoPE" blocks); 0: every block rotates
@@ -237,16 +239,11 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             ffn=FfnLayout.FUSED,
             queries_scaled=True,
             rope_freqs=False,
+            longrope=True,
         ),
     )
 }
 assert tuple(ARCHITECTURES) == REFERENCE_ARCHITECTURES, "runplan's defaults name these"
-
-#: Tensors outside the blocks that mark a variant we do not run, with the reason.
-REFUSED_TENSORS: Mapping[str, str] = {
-    "rope_factors_long.weight": "LongRoPE (per-frequency rope factors) is not supported",
-    "rope_factors_short.weight": "LongRoPE (per-frequency rope factors) is not supported",
-}
 
 #: Mixture-of-experts architectures, refused by name with that reason.
 MOE_ARCHITECTURES: tuple[str, ...] = (

@@ -15,10 +15,10 @@ tensor at a time, and dequantized with the gguf package.
 Which tensors a block has, and their shapes, is the architecture's (``block_specs``,
 from ``runtime_core.architectures``): per-head Q/K norms, post-norms, a fused
 ``attn_qkv`` (where the architecture allows it and the file has it) or ``ffn_up``,
-biases required, optional or refused. A tensor a block may not have, one of
-``REFUSED_TENSORS`` anywhere (LongRoPE's factors), or any other tensor outside the blocks
-than the embedding, output norm, head and ``rope_freqs`` (llama.cpp refuses such files
-too), is refused by name.
+biases required, optional or refused. A tensor a block may not have, or any other
+tensor outside the blocks than the embedding, output norm, head, ``rope_freqs`` and
+LongRoPE's factors where the architecture has them (llama.cpp refuses such files too),
+is refused by name.
 
 Shapes are llama.cpp's ``ne``: fastest-varying dimension first, so a matrix stored as
 ``(n_in, n_out)`` dequantizes to a NumPy ``(n_out, n_in)`` array (one row per output).
@@ -27,7 +27,7 @@ Shapes are llama.cpp's ``ne``: fastest-varying dimension first, so a matrix stor
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import attrs
 import numpy as np
@@ -39,7 +39,7 @@ from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.gguf_facts import vocab_size
 from runplan.gguf_header import GgufHeader, TensorInfo
 from runplan.shards import SliceParts
-from runtime_core.architectures import REFUSED_TENSORS, FfnLayout, Presence, QkvLayout
+from runtime_core.architectures import FfnLayout, Presence, QkvLayout
 from runtime_core.errors import UnsupportedModel
 from runtime_core.model_config import ModelConfig
 from runtime_core.workers.interface import WorkerError
@@ -48,6 +48,8 @@ EMBEDDING = "token_embd.weight"
 OUTPUT = "output.weight"
 OUTPUT_NORM = "output_norm.weight"
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS_LONG = "rope_factors_long.weight"  # LongRoPE (phi3), each optional
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 
 
 @frozen
@@ -201,9 +203,6 @@ def open_stage_slice(
         )
     tensors = header.tensors
     vocab = vocab_size(header, config.architecture)
-    for name, reason in REFUSED_TENSORS.items():
-        if name in tensors:
-            raise UnsupportedModel(path, reason, tensor=name)
     _refuse_tensors_outside_the_model(path, config, tensors)
     specs: dict[str, TensorSpec] = {}
     for layer in range(layer_start, layer_end_exclusive):
@@ -223,6 +222,13 @@ def open_stage_slice(
                 path, f"not a tensor of the {config.architecture} architecture", tensor=ROPE_FREQS
             )
         specs[ROPE_FREQS] = TensorSpec((config.rope.n_dims // 2,), True)
+    for name in (ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT):
+        if name in tensors:
+            if not config.spec.longrope:
+                raise UnsupportedModel(
+                    path, f"not a tensor of the {config.architecture} architecture", tensor=name
+                )
+            specs[name] = TensorSpec((config.rope.n_dims // 2,), True)
 
     owned: dict[str, TensorInfo] = {}
     for name, spec in specs.items():
@@ -265,7 +271,7 @@ def _block_tensor_names(layer: int, tensors: Mapping[str, TensorInfo]) -> Iterat
 
 
 #: The tensors outside the blocks that a model of ours may have.
-MODEL_TENSORS = (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS)
+MODEL_TENSORS = (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
 
 
 def _refuse_tensors_outside_the_model(
@@ -330,3 +336,16 @@ def open_provisioned_slice(
             f"{planned.hidden_dim}"
         )
     return stage
+
+
+def rope_factors(config: ModelConfig, names: Collection[str], max_seq_len: int) -> str | None:
+    """Of the tensors ``names`` (a stage's), the per-frequency divisors the rotary angles
+    of a stage whose runs reach ``max_seq_len`` positions take (llama.cpp's
+    ``get_rope_factors``, its context size ours): llama3's ``rope_freqs``; else
+    LongRoPE's long factors where the context passes the original one
+    (``ModelConfig.original_context``), its short ones otherwise; None where there are
+    none of these (or not the one chosen)."""
+    if ROPE_FREQS in names:
+        return ROPE_FREQS
+    name = ROPE_FACTORS_LONG if max_seq_len > config.original_context else ROPE_FACTORS_SHORT
+    return name if name in names else None

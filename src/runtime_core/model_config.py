@@ -15,7 +15,8 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   angles with the unscaled ones by a ramp over the pairs, from
   ``.rope.scaling.original_context_length`` (default the context length), and scales
   cos and sin (``workers.rotary``); ``.rope.scaling.attn_factor`` scales them under
-  every type, as llama.cpp does. LongRoPE is refused. llama3's ``rope_freqs.weight``
+  every type, as llama.cpp does; ``longrope`` is linear by the factor (1 without one),
+  its per-frequency factors tensors (``gguf_slice.rope_factors``). llama3's ``rope_freqs.weight``
   tensor (per-frequency divisors) is a tensor, so the slice loads it, not this config.
 - The layout of rotary pairs is the architecture's: llama and smollm3 rotate adjacent
   pairs ``(2i, 2i+1)`` ("normal"), the others the two halves ``(i, i + n/2)`` ("NeoX").
@@ -97,6 +98,9 @@ class ModelConfig:
     # rotary (mistral3's attention.temperature_scale); 0: none
     attn_temp_scale: float = 0.0
     attn_temp_length: int = 0
+    # llama.cpp's n_ctx_orig_yarn: rope.scaling.original_context_length, else the
+    # context length (LongRoPE's long factors serve a context past it)
+    original_context: int = 0
 
     def rotated_dims(self, layer: int) -> int:
         """The leading dimensions of each head that block ``layer`` rotates: 0 in a
@@ -198,6 +202,10 @@ class ModelConfig:
                 header, f"{arch}.attn_logit_softcapping", spec.attn_logit_softcap
             ),
             **_attn_temperature(header, arch, spec, rope),
+            original_context=header.integer(
+                f"{arch}.rope.scaling.original_context_length", default=0
+            )
+            or header.integer(f"{arch}.context_length"),
         )
 
 
@@ -291,7 +299,7 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, spec: ArchSpec) -> RopeC
         )
     type_key = f"{arch}.rope.scaling.type"
     scaling = header.string(type_key) if header.has(type_key) else "linear"
-    if scaling not in ("none", "linear", "yarn"):
+    if scaling not in ("none", "linear", "yarn", "longrope"):
         raise UnsupportedModel(path, f"rope scaling {scaling!r} is not supported", key=type_key)
     factor = _float(header, f"{arch}.rope.scaling.factor", 0.0)
     if factor == 0.0:

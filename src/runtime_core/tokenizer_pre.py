@@ -97,6 +97,13 @@ TEKKEN = (
     f"{NOT_CRLF_L_N}?{_UPPERISH}*{_LOWERISH}+|{NOT_CRLF_L_N}?{_UPPERISH}+{_LOWERISH}*"
     f"|{N}| ?{OTHER}+[\\r\\n/]*|{S}*[\\r\\n]+|{S}+(?!{NOT_S})|{S}+"
 )
+# gpt-4o (Phi-4-mini, Llama 4): tekken's words, each with an optional contraction after
+# it, and numbers of up to three digits.
+_C = f"{_CONTRACTIONS_ANY_CASE}?"
+GPT4O = (
+    f"{NOT_CRLF_L_N}?{_UPPERISH}*{_LOWERISH}+{_C}|{NOT_CRLF_L_N}?{_UPPERISH}+{_LOWERISH}*{_C}"
+    f"|{N}{{1,3}}| ?{OTHER}+[\\r\\n/]*|{S}*[\\r\\n]+|{S}+(?!{NOT_S})|{S}+"
+)
 THREE_DIGITS = "[0-9][0-9][0-9]"
 
 # CJK ideographs, U+0800..U+9FA5 (llama.cpp's "[一-龥ࠀ-一]"), and Hangul.
@@ -164,6 +171,7 @@ _LLAMA3 = PreTokenizer("llama3", (LLAMA3,), ignore_merges=True, add_bos=True)
 _SMOLLM = PreTokenizer("smollm", (N, GPT2))
 _QWEN2 = PreTokenizer("qwen2", (QWEN2,))
 _FALCON = PreTokenizer("falcon", (f"(?:{P}|[$+<=>^~|`])+", GPT2, THREE_DIGITS))
+_GPT4O = PreTokenizer("gpt-4o", (GPT4O,), clean_spaces=False)
 _DEEPSEEK_CODER = PreTokenizer("deepseek-coder", DEEPSEEK_CODER, clean_spaces=False)
 _DEEPSEEK_LLM = PreTokenizer("deepseek-llm", DEEPSEEK_LLM, clean_spaces=False)
 _SEED_CODER = PreTokenizer("seed-coder", (SEED_CODER,), clean_spaces=False)
@@ -230,6 +238,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "deepseek-coder": _DEEPSEEK_CODER,
     "deepseek-llm": _DEEPSEEK_LLM,
     "seed-coder": _SEED_CODER,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie"), _GPT4O),
 }
 
 # Names llama.cpp knows that this module does not implement (other regex families,
@@ -239,8 +248,8 @@ LLAMA_CPP_ONLY = frozenset(
         "deepseek-v3", "spark2_5", "youtu", "jais-2",
         "gemma4", "granite-embed-multi-311m", "sarvam-moe", "jina-v1-en", "jina-v2-code",
         "roberta-bpe", "whitespace", "qwen35", "poro-chat", "glm4", "chatglm-bpe", "viking",
-        "bloom", "gpt3-finnish", "exaone-moe", "chameleon", "gpt-4o", "llama4",
-        "kanana2", "talkie", "granite-embed-multi-97m", "tiny_aya", "cohere2moe", "superbpe",
+        "bloom", "gpt3-finnish", "exaone-moe", "chameleon",
+        "granite-embed-multi-97m", "tiny_aya", "cohere2moe", "superbpe",
         "bailingmoe", "bailingmoe2", "llada-moe", "hunyuan-dense", "hy_v4",
         "joyai-llm", "kimi-k2", "ufakzeka", "grok-2", "afmoe", "laguna", "minimax-m2",
         "minicpm5",

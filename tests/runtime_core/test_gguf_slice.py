@@ -245,10 +245,15 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (2, 3),
         _unsupported(tensor="blk.2.attn_q.weight"),
     ),
-    "phi3 LongRoPE": (
-        {"shape": SHAPES["phi3"], "extra_tensors": {"rope_factors_long.weight": _ones(4)}},
+    "LongRoPE factors on an architecture llama.cpp loads none for": (
+        {"shape": SHAPES["qwen3"], "extra_tensors": {"rope_factors_long.weight": _ones(16)}},
         (1, 2),
         _unsupported(tensor="rope_factors_long.weight"),
+    ),
+    "phi3 LongRoPE factors of another length than the rotary pairs": (
+        {"shape": SHAPES["phi3"], "extra_tensors": {"rope_factors_short.weight": _ones(5)}},
+        (1, 2),
+        _unsupported(tensor="rope_factors_short.weight"),
     ),
     "mixture of experts": (
         {"extra_keys": {"llama.expert_count": 8}},
@@ -256,7 +261,7 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         _unsupported(key="llama.expert_count"),
     ),
     "rope scaling we do not run": (
-        {"extra_keys": {"llama.rope.scaling.type": "longrope"}},
+        {"extra_keys": {"llama.rope.scaling.type": "dynamic"}},
         (0, 4),
         _unsupported(key="llama.rope.scaling.type"),
     ),

@@ -60,7 +60,16 @@ from attrs import frozen
 
 from runplan.quant_types import CHUNK, QUANT_TYPES, row_bytes
 from runtime_core.architectures import Activation, FfnLayout, QkvLayout
-from runtime_core.gguf_slice import EMBEDDING, OUTPUT_NORM, ROPE_FREQS, StageSlice, qkv_layout
+from runtime_core.gguf_slice import (
+    EMBEDDING,
+    OUTPUT_NORM,
+    ROPE_FACTORS_LONG,
+    ROPE_FACTORS_SHORT,
+    ROPE_FREQS,
+    StageSlice,
+    qkv_layout,
+    rope_factors,
+)
 from runtime_core.model_config import ModelConfig
 from runtime_core.workers.rotary import query_temperatures, rope_rotations
 
@@ -305,9 +314,12 @@ def load_weights(
         output_norm = vector(OUTPUT_NORM)
         head = linear([stage.head])
     factors = None
-    if stage.has(ROPE_FREQS):
-        count(ROPE_FREQS)
-        factors = stage.dequantize(ROPE_FREQS).reshape(-1)
+    factors_name = rope_factors(config, stage.tensors, max_seq_len)
+    for name in (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT):
+        if stage.has(name):
+            count(name)  # every tensor the stage owns is counted, the one chosen read
+    if factors_name is not None:
+        factors = stage.dequantize(factors_name).reshape(-1)
     rot = rope_rotations(config.rope, max_seq_len, factors)
     rot_swa = None
     if any(layer.window for layer in layers) and config.rope_swa != config.rope:

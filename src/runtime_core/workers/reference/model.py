@@ -40,10 +40,13 @@ from runtime_core.architectures import Activation, FfnLayout, QkvLayout
 from runtime_core.gguf_slice import (
     EMBEDDING,
     OUTPUT_NORM,
+    ROPE_FACTORS_LONG,
+    ROPE_FACTORS_SHORT,
     ROPE_FREQS,
     StageSlice,
     dequantize_rows,
     qkv_layout,
+    rope_factors,
 )
 from runtime_core.model_config import ModelConfig
 from runtime_core.workers.rotary import query_temperatures, rope_rotations
@@ -92,7 +95,9 @@ class StageWeights:
     embedding: Embedding | None  # first stage
     output_norm: F32 | None  # (hidden,): last stage
     head: F32 | None  # (hidden, vocab): output (or token_embd when tied), transposed
-    rope_freq_factors: F32 | None  # (rope_dims / 2,): llama3's rope_freqs, divides theta
+    # (rope_dims / 2,) each: llama3's rope_freqs, LongRoPE's long and short factors (those
+    # the file has), by name: the stage's context picks the one theta is divided by
+    rope_factor_tables: dict[str, F32]
 
     @classmethod
     def load(cls, stage: StageSlice, progress: Progress | None = None) -> StageWeights:
@@ -185,7 +190,11 @@ class StageWeights:
             embedding=embedding,
             output_norm=output_norm,
             head=head,
-            rope_freq_factors=optional(ROPE_FREQS),
+            rope_factor_tables={
+                name: dense(name)
+                for name in (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
+                if stage.has(name)
+            },
         )
 
 
@@ -301,13 +310,16 @@ class StageModel:
         self.weights = weights
         self.config = c
         self.max_seq_len = max_seq_len
-        self.rot = rope_rotations(c.rope, max_seq_len, weights.rope_freq_factors)
+        tables = weights.rope_factor_tables
+        name = rope_factors(c, tables, max_seq_len)
+        factors = None if name is None else tables[name]
+        self.rot = rope_rotations(c.rope, max_seq_len, factors)
         self.rot_swa = self.rot
         self.windows = [c.layer_windows[i] for i in weights.layers]
         self.rotary = [c.layer_rotary[i] for i in weights.layers]
         self.q_temps = query_temperatures(c, max_seq_len)
         if any(self.windows) and c.rope_swa != c.rope:
-            self.rot_swa = rope_rotations(c.rope_swa, max_seq_len, weights.rope_freq_factors)
+            self.rot_swa = rope_rotations(c.rope_swa, max_seq_len, factors)
         self._make_cache(max_seq_len if positions is None else positions)
 
     def for_run(self, positions: int) -> StageModel:
