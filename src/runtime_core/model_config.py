@@ -324,12 +324,21 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, spec: ArchSpec) -> RopeC
             key = f"{arch}.rope.scaling.yarn_{name}"
             if header.has(key):
                 betas[name] = float(np.float32(_float(header, key, None)))
+                if not betas[name] > 0.0:  # turns: ln(context / (turns 2 pi))
+                    raise UnsupportedModel(path, f"YaRN turns of {betas[name]}", key=key)
         log_mul = _float(header, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)
     if scaling == "yarn":
         orig_context = orig_context or header.integer(f"{arch}.context_length")
         if orig_context < 1:
             raise UnsupportedModel(path, f"original context {orig_context}", key=context_key)
-        attn_factor = yarn_attn_factor(freq_scale, np.float32(log_mul)) * attn_factor
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            attn_factor = yarn_attn_factor(freq_scale, np.float32(log_mul)) * attn_factor
+        if not (np.isfinite(attn_factor) and attn_factor > 0.0):  # get_mscale(, mul) <= 0
+            raise UnsupportedModel(
+                path,
+                f"a YaRN attention factor of {attn_factor} (log multiplier {log_mul})",
+                key=f"{arch}.rope.scaling.yarn_log_multiplier",
+            )
     return RopeConfig(
         n_dims=n_dims,
         freq_base=_float(header, f"{arch}.rope.freq_base", 10000.0),

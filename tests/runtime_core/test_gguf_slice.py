@@ -265,6 +265,22 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (0, 4),
         _unsupported(key="llama.rope.scaling.type"),
     ),
+    "mistral3 YaRN turns that are not positive": (
+        {
+            "shape": ModelShape(arch="mistral3", rope_scaling_factor=4.0, rope_scaling="yarn"),
+            "extra_keys": {"mistral3.rope.scaling.yarn_beta_slow": -1.0},
+        },
+        (0, 4),
+        _unsupported(key="mistral3.rope.scaling.yarn_beta_slow"),
+    ),
+    "a mistral3 YaRN log multiplier that makes the attention factor negative": (
+        {
+            "shape": ModelShape(arch="mistral3", rope_scaling_factor=4.0, rope_scaling="yarn"),
+            "extra_keys": {"mistral3.rope.scaling.yarn_log_multiplier": -1e30},
+        },
+        (0, 4),
+        _unsupported(key="mistral3.rope.scaling.yarn_log_multiplier"),
+    ),
     "a rope attention factor that is not positive": (
         {"extra_keys": {"llama.rope.scaling.attn_factor": 0.0}},
         (0, 4),
