@@ -30,6 +30,7 @@ REFERENCE_ARCHITECTURES: tuple[str, ...] = (
     "gemma",
     "smollm3",
     "mistral3",
+    "granite",
     "phi3",
 )
 

@@ -1,7 +1,7 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-gemma,gemma2,gemma3,mistral3,phi3,smollm3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``).
+gemma,gemma2,gemma3,granite,mistral3,phi3,smollm3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``).
 Every architecture here is the same pre-norm transformer block; the spec says where one
 departs from it:
 
@@ -117,6 +117,11 @@ class ArchSpec:
     # reads attention.temperature_scale: queries multiplied after rotary by
     # 1 + scale * ln(floor(pos / L) + 1), L the YaRN original context (Llama 4's)
     attn_temperature: bool = False
+    # granite's multipliers from its keys: embedding_scale on the embeddings,
+    # residual_scale on each block's attention and feed-forward outputs before their
+    # residual sums, attention.scale on the scores (for 1 / sqrt(head)), logits divided
+    # by logit_scale (required); and rope.scaling.finetuned false: no block rotates
+    granite_scales: bool = False
 
 
 _BASE = ArchSpec(
@@ -230,6 +235,9 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
         # log multiplier of the attention factor), and its queries' temperature past the
         # original context (``models/mistral3.cpp``, ``llama-graph.cpp``).
         _like_llama(name="mistral3", yarn_keys=True, attn_temperature=True),
+        # Granite (IBM Granite 3.x dense): llama's block with its four multipliers
+        # (``models/granite.cpp``, ``llama-graph.cpp``'s ``build_inp_embd``).
+        _like_llama(name="granite", longrope=True, granite_scales=True),
         _like_llama(
             name="phi3",
             rope_neox=True,

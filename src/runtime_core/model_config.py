@@ -101,6 +101,10 @@ class ModelConfig:
     # llama.cpp's n_ctx_orig_yarn: rope.scaling.original_context_length, else the
     # context length (LongRoPE's long factors serve a context past it)
     original_context: int = 0
+    # granite: each block's attention and feed-forward outputs times this before their
+    # residual sums (0: none); the logits times this (1 / logit_scale; 1: none)
+    residual_scale: float = 0.0
+    logit_factor: float = 1.0
 
     def rotated_dims(self, layer: int) -> int:
         """The leading dimensions of each head that block ``layer`` rotates: 0 in a
@@ -170,7 +174,7 @@ class ModelConfig:
         rope_swa = rope
         if swa_bases:  # llama.cpp's sliding blocks: their base, no scaling (YaRN's terms kept)
             rope_swa = attrs.evolve(rope, freq_base=swa_bases.pop(), freq_scale=1.0)
-        return cls(
+        config = cls(
             architecture=arch,
             spec=spec,
             n_layers=n_layers,
@@ -207,6 +211,10 @@ class ModelConfig:
             )
             or header.integer(f"{arch}.context_length"),
         )
+        # granite's multipliers (in place of the embedding and query scales, and every
+        # block's rotary where the file turns it off)
+        granite = _granite_scales(header, arch, spec, n_layers)
+        return attrs.evolve(config, **granite) if granite else config
 
 
 def _query_scale(spec: ArchSpec, n_layers: int, hidden: int, heads: int, head_dim: int) -> float:
@@ -267,6 +275,33 @@ def _rms_eps(header: GgufHeader, key: str) -> float:
 
 def _ffn_dims(header: GgufHeader, arch: str, n_layers: int) -> tuple[int, ...]:
     return per_block_integers(header, f"{arch}.feed_forward_length", n_layers)
+
+
+def _granite_scales(header: GgufHeader, arch: str, spec: ArchSpec, n_layers: int) -> dict[str, Any]:
+    """granite's multipliers, as llama.cpp reads them (``models/granite.cpp``): the
+    logit scale required, the others where set and not 0 (each a float32); and no block
+    rotating where ``rope.scaling.finetuned`` is false (its default is true)."""
+    if not spec.granite_scales:
+        return {}
+    path = header.paths[0]
+    out: dict[str, Any] = {}
+    logit_key = f"{arch}.logit_scale"
+    logit_scale = np.float32(_float(header, logit_key, None))
+    if logit_scale == 0.0:
+        raise UnsupportedModel(path, "a logit scale of 0", key=logit_key)
+    out["logit_factor"] = float(np.float32(1.0) / logit_scale)  # ggml: 1.0f / scale
+    residual = np.float32(_float(header, f"{arch}.residual_scale", 0.0))
+    if residual != 0.0:
+        out["residual_scale"] = float(residual)
+    embedding = np.float32(_float(header, f"{arch}.embedding_scale", 0.0))
+    if embedding != 0.0:
+        out["embedding_scale"] = float(embedding)
+    attention = np.float32(_float(header, f"{arch}.attention.scale", 0.0))
+    if attention != 0.0:
+        out["query_scale"] = float(attention)
+    if not header.boolean(f"{arch}.rope.scaling.finetuned", True):
+        out["layer_rotary"] = (False,) * n_layers
+    return out
 
 
 def _attn_temperature(

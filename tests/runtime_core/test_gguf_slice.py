@@ -281,6 +281,19 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (0, 4),
         _unsupported(key="mistral3.rope.scaling.yarn_log_multiplier"),
     ),
+    "granite without its logit scale (llama.cpp requires it)": (
+        {"shape": ModelShape(arch="granite")},
+        (0, 4),
+        {"error": GgufError, "tensor": None, "key": "granite.logit_scale"},
+    ),
+    "granite with a logit scale of 0": (
+        {
+            "shape": ModelShape(arch="granite", logit_scale=16.0),
+            "override_keys": {"granite.logit_scale": (0.0, GGUFValueType.FLOAT32)},
+        },
+        (0, 4),
+        _unsupported(key="granite.logit_scale"),
+    ),
     "a rope attention factor that is not positive": (
         {"extra_keys": {"llama.rope.scaling.attn_factor": 0.0}},
         (0, 4),

@@ -205,6 +205,13 @@ class TwinOps:
     def softcap(self, cap: float, rows: int) -> None:
         self.bufs["logits"] = twins.softcap(self.bufs["logits"][:rows], cap)
 
+    def add_scaled(self, factor: float, rows: int) -> None:
+        scaled = (self.bufs["o"][:rows] * np.float32(factor)).astype(np.float32)
+        self.bufs["x"] = (self.bufs["x"][:rows] + scaled).astype(np.float32)
+
+    def scale_logits(self, factor: float, rows: int) -> None:
+        self.bufs["logits"] = (self.bufs["logits"][:rows] * np.float32(factor)).astype(np.float32)
+
     def argmax(self, rows: int) -> None:
         self.tokens = [twins.argmax(row) for row in self.bufs["logits"][:rows]]
 

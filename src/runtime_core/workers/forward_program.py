@@ -395,6 +395,12 @@ class Ops(Protocol[H, V_contra]):
     def softcap(self, cap: float, rows: int) -> None:
         """logits[:rows] = cap * tanh(logits[:rows] / cap)."""
 
+    def add_scaled(self, factor: float, rows: int) -> None:
+        """x += o * factor, the product rounded first (granite's residual scale)."""
+
+    def scale_logits(self, factor: float, rows: int) -> None:
+        """logits[:rows] *= factor (granite's 1 / logit_scale)."""
+
 
 def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
     """x = the embeddings of the step's token ids (first stage)."""
@@ -410,6 +416,7 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], segments: Sequence[Seg
     embedding and attention per segment."""
     rows = segments[-1].end
     gelu = w.config.spec.activation is Activation.GELU_TANH
+    residual = w.config.residual_scale  # granite's (0: none)
     for i, layer in enumerate(w.layers):
         ops.norm(layer.attn_norm, rows)
         ops.linear(layer.qkv, "xn", "qkv", rows)
@@ -420,22 +427,28 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], segments: Sequence[Seg
         for seg in segments:
             ops.rope_kv(i, bias, seg)
             ops.attention(i, seg)
-        if layer.post_attn_norm is None:
-            ops.linear(layer.wo, "att", "x", rows, accumulate=True, bias=layer.wo_bias)
-        else:
+        if layer.post_attn_norm is not None:
             ops.linear(layer.wo, "att", "o", rows, bias=layer.wo_bias)
             ops.add_norm(layer.post_attn_norm, rows)
+        elif residual:
+            ops.linear(layer.wo, "att", "o", rows, bias=layer.wo_bias)
+            ops.add_scaled(residual, rows)
+        else:
+            ops.linear(layer.wo, "att", "x", rows, accumulate=True, bias=layer.wo_bias)
         ops.norm(layer.ffn_norm, rows)
         ops.linear(layer.gate_up, "xn", "h", rows, bias=layer.gate_up_bias)
         if gelu:
             ops.geglu(rows)
         else:
             ops.swiglu(rows)
-        if layer.post_ffn_norm is None:
-            ops.linear(layer.down, "act", "x", rows, accumulate=True, bias=layer.down_bias)
-        else:
+        if layer.post_ffn_norm is not None:
             ops.linear(layer.down, "act", "o", rows, bias=layer.down_bias)
             ops.add_norm(layer.post_ffn_norm, rows)
+        elif residual:
+            ops.linear(layer.down, "act", "o", rows, bias=layer.down_bias)
+            ops.add_scaled(residual, rows)
+        else:
+            ops.linear(layer.down, "act", "x", rows, accumulate=True, bias=layer.down_bias)
 
 
 def forward_head(ops: Ops[H, V], w: StageWeights[H, V], heads: Sequence[int]) -> None:
@@ -444,6 +457,8 @@ def forward_head(ops: Ops[H, V], w: StageWeights[H, V], heads: Sequence[int]) ->
     assert w.output_norm is not None and w.head is not None
     ops.head_norm(w.output_norm, heads)
     ops.linear(w.head, "xl", "logits", len(heads))
+    if w.config.logit_factor != 1.0:
+        ops.scale_logits(w.config.logit_factor, len(heads))
     if w.config.final_logit_softcap > 0.0:
         ops.softcap(w.config.final_logit_softcap, len(heads))
     ops.argmax(len(heads))

@@ -481,6 +481,19 @@ class DeviceOps:
             c.rms_eps,
         )  # fmt: skip
 
+    def add_scaled(self, factor: float, rows: int) -> None:
+        """x += o * factor: the scaled output rounded, then the sum (ggml's two ops)."""
+        n = rows * self.w.config.hidden_dim
+        grid = min(_cdiv(n, 256), 4096)
+        self._launch("scale_inplace", grid, 256, self.buf["o"], float(np.float32(factor)), n)
+        self._launch("add_inplace", grid, 256, self.buf["x"], self.buf["o"], n)
+
+    def scale_logits(self, factor: float, rows: int) -> None:
+        assert self.logits is not None
+        n = rows * self.logits.shape[1]
+        f = float(np.float32(factor))
+        self._launch("scale_inplace", min(_cdiv(n, 256), 4096), 256, self.logits, f, n)
+
     def softcap(self, cap: float, rows: int) -> None:
         assert self.logits is not None
         n = rows * self.logits.shape[1]

@@ -475,6 +475,14 @@ class CpuOps:
         assert self.logits is not None
         self.kernels.softcap(self.logits[:rows], cap, self.threads)
 
+    def add_scaled(self, factor: float, rows: int) -> None:
+        x, o = self.buf.x[:rows], self.buf.views["o"][:rows]
+        self.kernels.add_scaled(x, o, factor, self.threads)
+
+    def scale_logits(self, factor: float, rows: int) -> None:
+        assert self.logits is not None
+        self.kernels.scale(self.logits[:rows], factor, self.threads)
+
     def argmax(self, rows: int) -> None:
         assert self.logits is not None
         self.tokens = [self.kernels.argmax(self.logits[r]) for r in range(rows)]

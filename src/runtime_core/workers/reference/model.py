@@ -381,6 +381,8 @@ class StageModel:
                 out += w.bo
             if w.post_attn_norm is not None:
                 out = rms_norm(out, w.post_attn_norm, c.rms_eps)
+            if c.residual_scale:  # granite's, rounded before the sum
+                out *= np.float32(c.residual_scale)
             x += out
             # feed-forward
             xn = rms_norm(x, w.ffn_norm, c.rms_eps)
@@ -399,6 +401,8 @@ class StageModel:
                 down += w.b2
             if w.post_ffn_norm is not None:
                 down = rms_norm(down, w.post_ffn_norm, c.rms_eps)
+            if c.residual_scale:
+                down *= np.float32(c.residual_scale)
             x += down
         return x
 
@@ -471,6 +475,8 @@ class StageModel:
         w = self.weights
         assert w.output_norm is not None and w.head is not None
         out = linear(rms_norm(x_last, w.output_norm, self.config.rms_eps), w.head).reshape(-1)
+        if self.config.logit_factor != 1.0:  # granite's 1 / logit_scale
+            out *= np.float32(self.config.logit_factor)
         _softcap(out, self.config.final_logit_softcap)
         return out
 

@@ -13,7 +13,18 @@ from runtime_core.workers.reference.worker import ReferenceWorker
 def test_it_is_a_worker_with_the_reference_capabilities() -> None:
     worker: Worker = ReferenceWorker()
     assert worker.capabilities == WorkerCapabilities()
-    archs = ("llama", "qwen2", "qwen3", "gemma3", "gemma2", "gemma", "smollm3", "mistral3", "phi3")
+    archs = (
+        "llama",
+        "qwen2",
+        "qwen3",
+        "gemma3",
+        "gemma2",
+        "gemma",
+        "smollm3",
+        "mistral3",
+        "granite",
+        "phi3",
+    )
     assert ReferenceWorker.capabilities.architectures == archs
     assert set(ReferenceWorker.capabilities.quant_types) == set(QUANT_TYPES)
     assert len(ReferenceWorker.capabilities.quant_types) == 15

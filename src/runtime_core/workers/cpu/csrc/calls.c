@@ -220,6 +220,24 @@ int parse_softcap(PyObject *args, Call *c) { return parse_elems(args, CALL_SOFTC
 
 int parse_scale(PyObject *args, Call *c) { return parse_elems(args, CALL_SCALE, "x", c); }
 
+int parse_add_scaled(PyObject *args, Call *c) {
+    PyObject *xo, *yo;
+    float value;
+    int threads;
+    start(c, CALL_ADD_SCALED);
+    if (!PyArg_ParseTuple(args, "OOfi", &xo, &yo, &value, &threads)) return -1;
+    if (check_threads(threads) < 0) return -1;
+    if (get_buf(xo, &c->bufs[0], "f", 1, 1, "x") < 0) return -1;
+    int64_t n = c->bufs[0].view.len / 4;
+    if (get_buf(yo, &c->bufs[1], "f", 0, n, "y") < 0) return -1;
+    c->threads = threads;
+    c->a.elems.x = c->bufs[0].view.buf;
+    c->a.elems.y = c->bufs[1].view.buf;
+    c->a.elems.n = n;
+    c->a.elems.value = value;
+    return 0;
+}
+
 int parse_round(PyObject *args, Call *c) {
     PyObject *xo, *oo;
     const char *fmt;
@@ -500,6 +518,9 @@ int call_run(Call *c) {
         return 0;
     case CALL_SCALE:
         scale_rows(c->a.elems.x, c->a.elems.n, c->a.elems.value, threads);
+        return 0;
+    case CALL_ADD_SCALED:
+        add_scaled_rows(c->a.elems.x, c->a.elems.y, c->a.elems.n, c->a.elems.value, threads);
         return 0;
     case CALL_ROUND:
         round_rows(c->a.round.x, c->a.round.out, c->a.round.n, c->a.round.half, threads);

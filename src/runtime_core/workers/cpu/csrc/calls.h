@@ -74,6 +74,7 @@ typedef enum {
     CALL_GEGLU,
     CALL_SOFTCAP,
     CALL_SCALE,
+    CALL_ADD_SCALED,
     CALL_ROUND,
     CALL_QK_NORM,
     CALL_ROPE_KV,
@@ -113,8 +114,9 @@ typedef struct {
         } gated;
         struct {
             float *x;
+            const float *y; /* add_scaled: x += y * value */
             int64_t n;
-            float value; /* softcap: the cap; scale: the factor */
+            float value; /* softcap: the cap; scale, add_scaled: the factor */
         } elems;
         struct {
             const float *x;
@@ -161,6 +163,7 @@ int parse_rmsnorm(PyObject *args, Call *c);
 int parse_gated(PyObject *args, CallKind kind, Call *c);
 int parse_softcap(PyObject *args, Call *c);
 int parse_scale(PyObject *args, Call *c);
+int parse_add_scaled(PyObject *args, Call *c);
 int parse_round(PyObject *args, Call *c);
 int parse_qk_norm(PyObject *args, Call *c);
 int parse_rope_kv(PyObject *args, Call *c);

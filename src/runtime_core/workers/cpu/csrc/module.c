@@ -372,6 +372,7 @@ NOW(swiglu, parse_gated(args, CALL_SWIGLU, &c))
 NOW(geglu, parse_gated(args, CALL_GEGLU, &c))
 NOW(softcap, parse_softcap(args, &c))
 NOW(scale, parse_scale(args, &c))
+NOW(add_scaled, parse_add_scaled(args, &c))
 NOW(round, parse_round(args, &c))
 NOW(qk_norm, parse_qk_norm(args, &c))
 NOW(rope_kv, parse_rope_kv(args, &c))
@@ -400,6 +401,8 @@ static PyMethodDef methods[] = {
      "geglu(h, act, rows, ffn, threads): gelu(gate) * up, gelu as llama.cpp's table of halves"},
     {"softcap", py_softcap, METH_VARARGS, "softcap(logits, cap, threads): cap * tanh(logits / cap)"},
     {"scale", py_scale, METH_VARARGS, "scale(x, factor, threads): x *= factor"},
+    {"add_scaled", py_add_scaled, METH_VARARGS,
+     "add_scaled(x, y, factor, threads): x += y * factor, the product rounded first"},
     {"round", py_round, METH_VARARGS,
      "round(x, out, format, threads): out = x rounded to format (f16, bf16; nearest even) as "
      "float32, what products with F16 / BF16 weights multiply"},

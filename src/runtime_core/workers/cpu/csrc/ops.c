@@ -328,6 +328,27 @@ void scale_rows(float *x, int64_t n, float factor, int threads) {
 }
 
 typedef struct {
+    float *x;
+    const float *y;
+    int64_t n;
+    float factor;
+} AddJob;
+
+static void add_scaled_item(void *ctx, int64_t item) {
+    const AddJob *J = ctx;
+    int64_t end = (item + 1) * ELEMWISE < J->n ? (item + 1) * ELEMWISE : J->n;
+    for (int64_t i = item * ELEMWISE; i < end; ++i) {
+        float scaled = J->y[i] * J->factor;
+        J->x[i] = J->x[i] + scaled;
+    }
+}
+
+void add_scaled_rows(float *x, const float *y, int64_t n, float factor, int threads) {
+    AddJob J = {x, y, n, factor};
+    pool_run(pool_threads(threads, n), (n + ELEMWISE - 1) / ELEMWISE, add_scaled_item, &J);
+}
+
+typedef struct {
     const float *x;
     float *out;
     int64_t n;

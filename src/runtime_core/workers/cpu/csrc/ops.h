@@ -45,6 +45,9 @@ void softcap_rows(float *x, int64_t n, float cap, int threads);
 
 /* x *= factor (float32 products, as NumPy's) */
 void scale_rows(float *x, int64_t n, float factor, int threads);
+/* x += y * factor, the product rounded before the sum (ggml's scale, then add: granite's
+ * residual scale) */
+void add_scaled_rows(float *x, const float *y, int64_t n, float factor, int threads);
 
 /* out = x rounded to half (half) or bfloat16, nearest even, as float32: what llama.cpp's
  * products with F16 / BF16 weights multiply (half: NumPy's astype(float16), out of range

@@ -207,6 +207,7 @@ RECORD(swiglu, parse_gated(args, CALL_SWIGLU, c))
 RECORD(geglu, parse_gated(args, CALL_GEGLU, c))
 RECORD(softcap, parse_softcap(args, c))
 RECORD(scale, parse_scale(args, c))
+RECORD(add_scaled, parse_add_scaled(args, c))
 RECORD(round, parse_round(args, c))
 RECORD(qk_norm, parse_qk_norm(args, c))
 RECORD(embed, parse_embed(args, c))
@@ -406,6 +407,7 @@ static PyMethodDef Program_methods[] = {
     {"geglu", (PyCFunction)Program_geglu, METH_VARARGS, "records geglu(...)"},
     {"softcap", (PyCFunction)Program_softcap, METH_VARARGS, "records softcap(...)"},
     {"scale", (PyCFunction)Program_scale, METH_VARARGS, "records scale(...)"},
+    {"add_scaled", (PyCFunction)Program_add_scaled, METH_VARARGS, "records add_scaled(...)"},
     {"round", (PyCFunction)Program_round, METH_VARARGS, "records round(...)"},
     {"qk_norm", (PyCFunction)Program_qk_norm, METH_VARARGS, "records qk_norm(...)"},
     {"embed", (PyCFunction)Program_embed, METH_VARARGS, "records embed(...)"},
