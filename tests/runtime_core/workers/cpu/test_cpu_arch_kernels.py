@@ -175,6 +175,24 @@ def test_temperatures_multiply_each_rows_rotated_queries_by_its_positions() -> N
                          None, None, temps[:4])  # fmt: skip
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_scaled_rounds_the_product_before_the_sum(threads: int) -> None:
+    """granite's residual scale, as ggml's scale then add: ``x + fl(y * f)``, not a
+    fused multiply-add (which differs on some of these values); a short ``y`` refused."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(5000).astype(F32)
+    y = rng.standard_normal(5000).astype(F32)
+    factor = F32(0.22)
+    want = x + (y * factor)
+    fused = (x.astype(np.float64) + y.astype(np.float64) * np.float64(factor)).astype(F32)
+    assert np.count_nonzero(fused != want) > 0  # the test tells the two apart
+    got = x.copy()
+    _kernels.add_scaled(got, y, float(factor), threads)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="y: 10 elements, the call needs 5000"):
+        _kernels.add_scaled(got, y[:10], 1.0, threads)
+
+
 # ---- a sliding window's ring -----------------------------------------------------------------
 
 N_HEADS, N_KV, HD = 4, 2, 32
