@@ -20,7 +20,8 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   tensor (per-frequency divisors) is a tensor, so the slice loads it, not this config.
 - The layout of rotary pairs is the architecture's: llama and smollm3 rotate adjacent
   pairs ``(2i, 2i+1)`` ("normal"), the others the two halves ``(i, i + n/2)`` ("NeoX").
-  smollm3's every fourth block rotates nothing (``layer_rotary``, ``rotated_dims``).
+  smollm3's every fourth block rotates nothing (``layer_rotary``: the workers rotate 0
+  dimensions there).
 - Each block's attention (``runplan.layer_attention``): its sliding window (gemma2's
   and gemma3's ``attention.sliding_window`` and ``sliding_window_pattern``) and rotary
   base. A sliding block rotates with ``rope.freq_base_swa`` and no scaling (llama.cpp's
@@ -105,11 +106,6 @@ class ModelConfig:
     # residual sums (0: none); the logits times this (1 / logit_scale; 1: none)
     residual_scale: float = 0.0
     logit_factor: float = 1.0
-
-    def rotated_dims(self, layer: int) -> int:
-        """The leading dimensions of each head that block ``layer`` rotates: 0 in a
-        block without rotary embedding (the kernels then pass every dimension)."""
-        return self.rope.n_dims if self.layer_rotary[layer] else 0
 
     @property
     def sliding(self) -> bool:
@@ -205,7 +201,7 @@ class ModelConfig:
             attn_logit_softcap=_softcap(
                 header, f"{arch}.attn_logit_softcapping", spec.attn_logit_softcap
             ),
-            **_attn_temperature(header, arch, spec, rope),
+            **_attn_temperature(header, arch, spec),
             original_context=header.integer(
                 f"{arch}.rope.scaling.original_context_length", default=0
             )
@@ -304,9 +300,7 @@ def _granite_scales(header: GgufHeader, arch: str, spec: ArchSpec, n_layers: int
     return out
 
 
-def _attn_temperature(
-    header: GgufHeader, arch: str, spec: ArchSpec, rope: RopeConfig
-) -> dict[str, Any]:
+def _attn_temperature(header: GgufHeader, arch: str, spec: ArchSpec) -> dict[str, Any]:
     """llama.cpp's query temperature (``llm_graph_input_attn_temp``) where the
     architecture reads ``attention.temperature_scale`` and the file sets it: its
     length is YaRN's original context (``n_ctx_orig_yarn``: the key, else the context

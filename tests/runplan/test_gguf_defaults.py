@@ -336,7 +336,4 @@ def test_only_smollm3_leaves_every_fourth_block_unrotated(tmp_path: Path, arch: 
     config = _config(write_model(tmp_path / f"{arch}.gguf", shape))
     rotates = [arch != "smollm3" or (il + 1) % 4 != 0 for il in range(9)]
     assert list(config.layer_rotary) == rotates
-    assert [config.rotated_dims(il) for il in range(9)] == [
-        config.rope.n_dims if r else 0 for r in rotates
-    ]
     assert config.rope.n_dims > 0
