@@ -31,6 +31,7 @@ REFERENCE_ARCHITECTURES: tuple[str, ...] = (
     "smollm3",
     "mistral3",
     "granite",
+    "exaone",
     "phi3",
 )
 

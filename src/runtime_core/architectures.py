@@ -1,9 +1,9 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-gemma,gemma2,gemma3,granite,mistral3,phi3,smollm3}.cpp``, ``llama-model.cpp``, ``llama-graph.cpp``).
-Every architecture here is the same pre-norm transformer block; the spec says where one
-departs from it:
+exaone,gemma,gemma2,gemma3,granite,mistral3,phi3,smollm3}.cpp``, ``llama-model.cpp``,
+``llama-graph.cpp``). Every architecture here is the same pre-norm transformer block;
+the spec says where one departs from it:
 
     x = embed(token) * embedding_scale
     per block:
@@ -238,6 +238,11 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
         # Granite (IBM Granite 3.x dense): llama's block with its four multipliers
         # (``models/granite.cpp``, ``llama-graph.cpp``'s ``build_inp_embd``).
         _like_llama(name="granite", longrope=True, granite_scales=True),
+        # EXAONE 3.x (LG): llama's block with NeoX pairs, no output or feed-forward
+        # biases (``models/exaone.cpp`` loads none), llama3's rope_freqs allowed.
+        _like_llama(
+            name="exaone", rope_neox=True, output_bias=Presence.ABSENT, ffn_bias=Presence.ABSENT
+        ),
         _like_llama(
             name="phi3",
             rope_neox=True,

@@ -10,9 +10,10 @@
   all 16 on 3 of them, parting after a near-tie on the others). The 8-bit mode also
   keeps the reference worker's tokens up to that near-tie.
 - llama.cpp's tiny fixtures of every architecture (llama and qwen2 in all 15 types;
-  qwen3, gemma3, gemma2, gemma, smollm3 and phi3 in F32, F16, BF16, Q8_0, Q4_K, and their
-  blocks of 3 and 6, gemma3's soft cap and 62 blocks, gemma2's soft caps on the attention
-  scores and the logits, smollm3's blocks without rotary embedding), both modes: the
+  qwen3, gemma3, gemma2, gemma, smollm3, mistral3, granite, exaone and phi3 in F32, F16,
+  BF16, Q8_0, Q4_K, and their blocks of 3 and 6, gemma3's soft cap and 62 blocks, gemma2's
+  soft caps on the attention scores and the logits, smollm3's blocks without rotary
+  embedding, YaRN and LongRoPE), both modes: the
   reference worker's thresholds
   (``tests/runtime_core/workers/reference/test_llamacpp_tiny.py``), and prompt logits
   within cosine 0.99999 of the NumPy twin worker's in the same mode.

@@ -88,7 +88,8 @@ def test_the_cuda_worker_runs_every_architecture_in_the_reference_types() -> Non
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen3", "gemma3", "gemma2", "gemma", "smollm3", "mistral3", "granite", "phi3"]
+    "arch",
+    ["qwen3", "gemma3", "gemma2", "gemma", "smollm3", "mistral3", "granite", "exaone", "phi3"],
 )
 def test_the_later_architectures_are_planned_and_bound_for_the_cuda_worker(
     folder: Path, arch: str

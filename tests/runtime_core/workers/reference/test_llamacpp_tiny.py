@@ -96,7 +96,17 @@ def test_every_type_of_every_architecture_is_covered() -> None:
     types |= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     for shape in ("llama", "qwen2"):
         assert {m["type"] for m in MODELS if m["shape"] == shape} == types
-    for shape in ("qwen3", "gemma3", "gemma2", "gemma", "smollm3", "mistral3", "granite", "phi3"):
+    for shape in (
+        "qwen3",
+        "gemma3",
+        "gemma2",
+        "gemma",
+        "smollm3",
+        "mistral3",
+        "granite",
+        "exaone",
+        "phi3",
+    ):
         assert DOC["shapes"][shape]["arch"] == shape
         assert {m["type"] for m in MODELS if m["shape"] == shape} == {
             "F32", "F16", "BF16", "Q8_0", "Q4_K"

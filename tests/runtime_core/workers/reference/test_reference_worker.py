@@ -23,6 +23,7 @@ def test_it_is_a_worker_with_the_reference_capabilities() -> None:
         "smollm3",
         "mistral3",
         "granite",
+        "exaone",
         "phi3",
     )
     assert ReferenceWorker.capabilities.architectures == archs
