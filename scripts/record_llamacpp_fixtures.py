@@ -56,7 +56,11 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 import attrs  # noqa: E402
 import jinja2  # noqa: E402
 import llama_cpp  # noqa: E402
-from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model  # noqa: E402
+from tests.fixtures.gguf_models import (  # noqa: E402
+    FIXTURE_SHAPES,
+    LATER_ARCHITECTURES,
+    write_model,
+)
 from tests.fixtures.llamacpp_fixtures import tensor_digest  # noqa: E402
 
 from runplan.gguf_header import GgufHeader  # noqa: E402
@@ -117,20 +121,7 @@ REGENERATED = ("F32", "F16", "BF16")
 SHAPE_TYPES: dict[str, tuple[str, ...]] = {
     "llama": tuple(QUANT_FTYPES),
     "qwen2": tuple(QUANT_FTYPES),
-    **{
-        a: ("F32", "F16", "BF16", "Q8_0", "Q4_K")
-        for a in (
-            "qwen3",
-            "gemma3",
-            "gemma2",
-            "gemma",
-            "smollm3",
-            "mistral3",
-            "granite",
-            "exaone",
-            "phi3",
-        )
-    },
+    **{a: ("F32", "F16", "BF16", "Q8_0", "Q4_K") for a in LATER_ARCHITECTURES},
 }
 
 

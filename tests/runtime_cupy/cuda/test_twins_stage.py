@@ -43,7 +43,12 @@ from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM, source
 from runtime_cupy.cuda.worker import CudaWorker
-from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
+from tests.fixtures.gguf_models import (
+    FIXTURE_SHAPES,
+    LATER_ARCHITECTURES,
+    ModelShape,
+    write_model,
+)
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.support.chain import Chain, provisions
 from tests.support.numerics import (
@@ -87,10 +92,7 @@ def test_the_cuda_worker_runs_every_architecture_in_the_reference_types() -> Non
     assert TwinWorker.capabilities == CudaWorker.capabilities
 
 
-@pytest.mark.parametrize(
-    "arch",
-    ["qwen3", "gemma3", "gemma2", "gemma", "smollm3", "mistral3", "granite", "exaone", "phi3"],
-)
+@pytest.mark.parametrize("arch", LATER_ARCHITECTURES)
 def test_the_later_architectures_are_planned_and_bound_for_the_cuda_worker(
     folder: Path, arch: str
 ) -> None:

@@ -47,6 +47,7 @@ from runplan import model_facts_from_gguf
 from runplan.config import REFERENCE_ARCHITECTURES
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import TokenOutput
+from tests.fixtures.gguf_models import GELU_ARCHITECTURES
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.support.chain import Chain, provisions, run
 from tests.support.numerics import common_prefix, cosine, first_near_tie
@@ -72,7 +73,7 @@ def rounds_activations(entry: dict[str, Any]) -> bool:
     """llama.cpp rounds an activation somewhere in this model (to 8 bits, half or
     bfloat16, its GELU table): all but the F32 models of architectures other than
     the gemmas."""
-    return entry["type"] != "F32" or arch_of(entry) in ("gemma3", "gemma2", "gemma")
+    return entry["type"] != "F32" or arch_of(entry) in GELU_ARCHITECTURES
 
 
 def logits(out: TokenOutput) -> np.ndarray:

@@ -44,6 +44,7 @@ from runplan import model_facts_from_gguf
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.interface import TokenOutput
 from runtime_core.workers.reference import model as reference_model
+from tests.fixtures.gguf_models import GELU_ARCHITECTURES, LATER_ARCHITECTURES
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, load_tensors, model_file
 from tests.support.chain import Chain, provisions
 from tests.support.numerics import (
@@ -61,7 +62,6 @@ MODELS: list[dict[str, Any]] = DOC["models"]
 N_TOKENS: int = DOC["greedy_tokens"]
 EXACT_TYPES = ("F32", "F16")
 EXACT_GREEDY_TYPES = ("F32", "F16", "BF16")
-GELU_ARCHITECTURES = ("gemma3", "gemma2", "gemma")
 
 
 def arch_of(entry: dict[str, Any]) -> str:
@@ -96,17 +96,7 @@ def test_every_type_of_every_architecture_is_covered() -> None:
     types |= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     for shape in ("llama", "qwen2"):
         assert {m["type"] for m in MODELS if m["shape"] == shape} == types
-    for shape in (
-        "qwen3",
-        "gemma3",
-        "gemma2",
-        "gemma",
-        "smollm3",
-        "mistral3",
-        "granite",
-        "exaone",
-        "phi3",
-    ):
+    for shape in LATER_ARCHITECTURES:
         assert DOC["shapes"][shape]["arch"] == shape
         assert {m["type"] for m in MODELS if m["shape"] == shape} == {
             "F32", "F16", "BF16", "Q8_0", "Q4_K"

@@ -300,6 +300,7 @@ void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads
 
 typedef struct {
     float *x;
+    const float *y; /* add_scaled's addend (x += y * value) */
     int64_t n;
     float value; /* the cap, the factor */
 } ElemJob;
@@ -312,7 +313,7 @@ static void softcap_item(void *ctx, int64_t item) {
 }
 
 void softcap_rows(float *x, int64_t n, float cap, int threads) {
-    ElemJob J = {x, n, cap};
+    ElemJob J = {.x = x, .n = n, .value = cap};
     pool_run(pool_threads(threads, 16 * n), (n + ELEMWISE - 1) / ELEMWISE, softcap_item, &J);
 }
 
@@ -323,28 +324,21 @@ static void scale_item(void *ctx, int64_t item) {
 }
 
 void scale_rows(float *x, int64_t n, float factor, int threads) {
-    ElemJob J = {x, n, factor};
+    ElemJob J = {.x = x, .n = n, .value = factor};
     pool_run(pool_threads(threads, n), (n + ELEMWISE - 1) / ELEMWISE, scale_item, &J);
 }
 
-typedef struct {
-    float *x;
-    const float *y;
-    int64_t n;
-    float factor;
-} AddJob;
-
 static void add_scaled_item(void *ctx, int64_t item) {
-    const AddJob *J = ctx;
+    const ElemJob *J = ctx;
     int64_t end = (item + 1) * ELEMWISE < J->n ? (item + 1) * ELEMWISE : J->n;
     for (int64_t i = item * ELEMWISE; i < end; ++i) {
-        float scaled = J->y[i] * J->factor;
+        float scaled = J->y[i] * J->value;
         J->x[i] = J->x[i] + scaled;
     }
 }
 
 void add_scaled_rows(float *x, const float *y, int64_t n, float factor, int threads) {
-    AddJob J = {x, y, n, factor};
+    ElemJob J = {.x = x, .y = y, .n = n, .value = factor};
     pool_run(pool_threads(threads, n), (n + ELEMWISE - 1) / ELEMWISE, add_scaled_item, &J);
 }
 
