@@ -131,6 +131,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/cpu_repack.py
 	$(PY) benchmarks/cpu_prefill.py
 	$(PY) benchmarks/cpu_batch.py
+	$(PY) benchmarks/cpu_moe.py
 	$(PY) benchmarks/multi_host.py
 	$(PY) benchmarks/slice_transfer.py
 	$(PY) benchmarks/serve_load.py

@@ -22,7 +22,7 @@ only the others. It writes:
   generator and quantized by llama.cpp's own quantizer (``llama_model_quantize``
   with its default parameters) to the types of ``SHAPE_TYPES``: every type for
   llama and qwen2, five for qwen3, gemma3, gemma2, gemma, smollm3, mistral3, granite,
-  exaone and phi3, F32 only for the other shapes.
+  exaone, qwen3moe, phi3 and llama-moe (Mixtral's kind), F32 only for the other shapes.
   F32 is not committed (the generator writes it again in tests); neither are F16
   and BF16 when the generator writes tensors byte-identical to llama.cpp's
   conversion, which is recorded and checked.
@@ -121,7 +121,7 @@ REGENERATED = ("F32", "F16", "BF16")
 SHAPE_TYPES: dict[str, tuple[str, ...]] = {
     "llama": tuple(QUANT_FTYPES),
     "qwen2": tuple(QUANT_FTYPES),
-    **{a: ("F32", "F16", "BF16", "Q8_0", "Q4_K") for a in LATER_ARCHITECTURES},
+    **{a: ("F32", "F16", "BF16", "Q8_0", "Q4_K") for a in (*LATER_ARCHITECTURES, "llama-moe")},
 }
 
 

@@ -32,6 +32,7 @@ REFERENCE_ARCHITECTURES: tuple[str, ...] = (
     "mistral3",
     "granite",
     "exaone",
+    "qwen3moe",
     "phi3",
 )
 
@@ -49,6 +50,8 @@ class WorkerCapabilities:
     weight_bytes_per_element: int = int_field(default=4)
     # Bytes per KV-cache element; 0: the run's activation dtype.
     kv_bytes_per_element: int = int_field(default=4)
+    # Runs a mixture of experts (a model whose facts have an expert_count).
+    experts: bool = bool_field(default=True)
 
 
 @frozen

@@ -74,6 +74,8 @@ class ModelFacts:
     # then every block attends to all positions.
     layer_windows: tuple[int, ...] = int_tuple_field(default=())
     layer_rope_freq_bases: tuple[float, ...] = float_tuple_field(default=())
+    # {arch}.expert_count: a mixture of that many experts in every block (0: none)
+    expert_count: int = int_field(default=0)
 
     def kv_bytes_per_token_per_layer(self, width_bytes: int) -> int:
         """KV-cache bytes that one position of one block takes at ``width_bytes``."""

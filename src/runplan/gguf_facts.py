@@ -118,6 +118,7 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         head_dim_v=head_dim_v,
         vocab_size=vocab,
         eos_token_id=eos,
+        expert_count=max(header.integer(f"{arch}.expert_count", default=0), 0),
         context_length=context_length,
         max_seq_len=context_length if max_seq_len is None else max_seq_len,
         quant_types=tuple(sorted({t.ggml_type for t in tensors.values()})),

@@ -217,10 +217,11 @@ def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection
     """The worker runs the model's architecture and quant types, and the facts say
     what the memory check needs to count the weights as the worker holds them."""
     bad_quants = tuple(q for q in facts.quant_types if q not in worker.quant_types)
-    if facts.architecture not in worker.architectures or bad_quants:
+    experts = facts.expert_count > 0 and not worker.experts
+    if facts.architecture not in worker.architectures or bad_quants or experts:
         return UnsupportedModel(
             worker=worker.name,
-            architecture=facts.architecture,
+            architecture=facts.architecture + (" (a mixture of experts)" if experts else ""),
             unsupported_quant_types=bad_quants,
             supported_architectures=tuple(worker.architectures),
             supported_quant_types=tuple(worker.quant_types),

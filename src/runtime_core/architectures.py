@@ -1,9 +1,9 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-exaone,gemma,gemma2,gemma3,granite,mistral3,phi3,smollm3}.cpp``, ``llama-model.cpp``,
-``llama-graph.cpp``). Every architecture here is the same pre-norm transformer block;
-the spec says where one departs from it:
+exaone,gemma,gemma2,gemma3,granite,mistral3,phi3,qwen3moe,smollm3}.cpp``,
+``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here is the same pre-norm
+transformer block; the spec says where one departs from it:
 
     x = embed(token) * embedding_scale
     per block:
@@ -22,6 +22,9 @@ the spec says where one departs from it:
         h = rms_norm(x, ffn_norm)
         g, u = h @ Wgate, h @ Wup (+ biases) or h @ Wup split [gate; up]
         f = (act(g) * u) @ Wdown (+ bias)   act: SiLU or GELU (tanh)
+            or, with experts (llama's optional, qwen3moe's): p = softmax(h @ Wrouter),
+            the top k experts e_j of p, w_j = p[e_j] / sum p[e_j],
+            f = sum_j w_j * (silu(h @ Wgate[e_j]) * (h @ Wup[e_j])) @ Wdown[e_j]
         f = rms_norm(f, post_ffw_norm)                             if post_norms
         x = x + f
     logits = rms_norm(x, output_norm) @ Whead  (output, or token_embd when tied)
@@ -122,6 +125,11 @@ class ArchSpec:
     # residual sums, attention.scale on the scores (for 1 / sqrt(head)), logits divided
     # by logit_scale (required); and rope.scaling.finetuned false: no block rotates
     granite_scales: bool = False
+    # a mixture of experts in place of the feed-forward matrices (``{arch}.expert_count``
+    # experts, ``expert_used_count`` of them per row): REQUIRED (qwen3moe), OPTIONAL
+    # (llama: Mixtral's files are ``llama`` with experts), ABSENT (a file with experts
+    # is refused)
+    experts: Presence = Presence.ABSENT
 
 
 _BASE = ArchSpec(
@@ -142,11 +150,12 @@ _BASE = ArchSpec(
     final_logit_softcap=None,
     attn_logit_softcap=None,
     rope_freqs=True,
+    experts=Presence.OPTIONAL,
 )
 
 
 def _like_llama(**changes: Any) -> ArchSpec:
-    return attrs.evolve(_BASE, **changes)
+    return attrs.evolve(_BASE, **{"experts": Presence.ABSENT, **changes})
 
 
 _GEMMA3 = _like_llama(
@@ -166,13 +175,13 @@ _GEMMA3 = _like_llama(
 )
 
 #: The architectures the NumPy reference worker runs. Mistral and Llama 3.x files are
-#: ``llama``. Mixture-of-experts variants (``qwen3moe``, ``llama`` with experts, ...)
-#: are not here, and are refused by name. Q/K/V biases are optional wherever llama.cpp's
-#: loader takes them (``create_tensor_qkv``); qwen2 requires them, as it always has
-#: here (every qwen2 file has them); an output bias only llama (and qwen2, as before)
-#: may have: llama.cpp loads none for the others, so a file with one is not theirs.
-#: Feed-forward biases (gate, up, down, each optional) only llama, as llama.cpp's loader
-#: takes them (``TENSOR_NOT_REQUIRED``) for llama alone of these.
+#: ``llama``, and so are Mixtral's (``llama`` with experts). The other mixture-of-experts
+#: architectures (``MOE_ARCHITECTURES``) are refused by name. Q/K/V biases are optional
+#: wherever llama.cpp's loader takes them (``create_tensor_qkv``); qwen2 requires them,
+#: as it always has here (every qwen2 file has them); an output bias only llama (and
+#: qwen2, as before) may have: llama.cpp loads none for the others, so a file with one is
+#: not theirs. Feed-forward biases (gate, up, down, each optional) only llama, as
+#: llama.cpp's loader takes them (``TENSOR_NOT_REQUIRED``) for llama alone of these.
 ARCHITECTURES: Mapping[str, ArchSpec] = {
     spec.name: spec
     for spec in (
@@ -243,6 +252,18 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
         _like_llama(
             name="exaone", rope_neox=True, output_bias=Presence.ABSENT, ffn_bias=Presence.ABSENT
         ),
+        # Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): qwen3's attention, every block's
+        # feed-forward a mixture of experts (``models/qwen3moe.cpp``): the router's
+        # softmax, the top ``expert_used_count`` experts' weights renormalized.
+        _like_llama(
+            name="qwen3moe",
+            rope_neox=True,
+            output_bias=Presence.ABSENT,
+            ffn_bias=Presence.ABSENT,
+            qk_norm=True,
+            rope_freqs=False,
+            experts=Presence.REQUIRED,
+        ),
         _like_llama(
             name="phi3",
             rope_neox=True,
@@ -261,7 +282,6 @@ assert tuple(ARCHITECTURES) == REFERENCE_ARCHITECTURES, "runplan's defaults name
 #: Mixture-of-experts architectures, refused by name with that reason.
 MOE_ARCHITECTURES: tuple[str, ...] = (
     "qwen2moe",
-    "qwen3moe",
     "phimoe",
     "mixtral",
     "llama4",

@@ -18,7 +18,9 @@ from ``runtime_core.architectures``): per-head Q/K norms, post-norms, a fused
 biases required, optional or refused. A tensor a block may not have, or any other
 tensor outside the blocks than the embedding, output norm, head, ``rope_freqs`` and
 LongRoPE's factors where the architecture has them (llama.cpp refuses such files too),
-is refused by name.
+is refused by name. A mixture of experts (``ModelConfig.n_experts``) has a router
+(``ffn_gate_inp``) and its experts' matrices stacked (``ffn_{gate,up,down}_exps``, the
+expert the slowest dimension) in place of the feed-forward matrices.
 
 Shapes are llama.cpp's ``ne``: fastest-varying dimension first, so a matrix stored as
 ``(n_in, n_out)`` dequantizes to a NumPy ``(n_out, n_in)`` array (one row per output).
@@ -82,7 +84,6 @@ def block_specs(
         "attn_output.weight": ((o, h), Presence.REQUIRED),
         "attn_output.bias": ((h,), spec.output_bias),
         "ffn_norm.weight": ((h,), Presence.REQUIRED),
-        "ffn_down.weight": ((f, h), Presence.REQUIRED),
     }
     if qkv is QkvLayout.FUSED:
         out["attn_qkv.weight"] = ((h, q + k + v), Presence.REQUIRED)
@@ -91,14 +92,22 @@ def block_specs(
         for name, width in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
             out[f"{name}.weight"] = ((h, width), Presence.REQUIRED)
             out[f"{name}.bias"] = ((width,), bias)
-    if spec.ffn is FfnLayout.FUSED:
+    if config.n_experts:  # the router, then the experts' matrices stacked, expert last
+        e = config.n_experts
+        out["ffn_gate_inp.weight"] = ((h, e), Presence.REQUIRED)
+        out["ffn_gate_exps.weight"] = ((h, f, e), Presence.REQUIRED)
+        out["ffn_up_exps.weight"] = ((h, f, e), Presence.REQUIRED)
+        out["ffn_down_exps.weight"] = ((f, h, e), Presence.REQUIRED)
+    elif spec.ffn is FfnLayout.FUSED:
         out["ffn_up.weight"] = ((h, 2 * f), Presence.REQUIRED)
     else:
         out["ffn_gate.weight"] = ((h, f), Presence.REQUIRED)
         out["ffn_up.weight"] = ((h, f), Presence.REQUIRED)
         out["ffn_gate.bias"] = ((f,), spec.ffn_bias)
         out["ffn_up.bias"] = ((f,), spec.ffn_bias)
-    out["ffn_down.bias"] = ((h,), spec.ffn_bias)
+    if not config.n_experts:
+        out["ffn_down.weight"] = ((f, h), Presence.REQUIRED)
+        out["ffn_down.bias"] = ((h,), spec.ffn_bias)
     if spec.qk_norm:
         out["attn_q_norm.weight"] = ((config.head_dim_k,), Presence.REQUIRED)
         out["attn_k_norm.weight"] = ((config.head_dim_k,), Presence.REQUIRED)

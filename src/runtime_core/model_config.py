@@ -32,6 +32,10 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   embedding scale (the gemmas: ``sqrt(hidden)``), the query scale, the soft caps
   ``final_logit_softcapping`` (gemma3's optional, gemma2's 30 by default) and
   ``attn_logit_softcapping`` (gemma2's, 50 by default).
+- A mixture of experts (qwen3moe's, llama's where ``expert_count`` is set: Mixtral):
+  ``{arch}.expert_count`` and ``.expert_used_count``; each expert's feed-forward size
+  (``ffn_dims``) is qwen3moe's ``.expert_feed_forward_length`` (else
+  ``feed_forward_length / expert_used_count``), llama's ``feed_forward_length``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from runtime_core.architectures import (
     MOE_ARCHITECTURES,
     ArchSpec,
     EmbeddingScale,
+    Presence,
     QueryScale,
 )
 from runtime_core.errors import UnsupportedModel
@@ -106,6 +111,10 @@ class ModelConfig:
     # residual sums (0: none); the logits times this (1 / logit_scale; 1: none)
     residual_scale: float = 0.0
     logit_factor: float = 1.0
+    # a mixture of experts in every block (``n_experts`` > 0): ``n_experts_used`` of them
+    # per row; ``ffn_dims`` are then each expert's feed-forward size
+    n_experts: int = 0
+    n_experts_used: int = 0
 
     @property
     def sliding(self) -> bool:
@@ -146,11 +155,8 @@ class ModelConfig:
                 key="general.architecture",
             )
         spec = ARCHITECTURES[arch]
-        if header.integer(f"{arch}.expert_count", default=0) > 0:
-            raise UnsupportedModel(
-                path, "mixture-of-experts models are not supported", key=f"{arch}.expert_count"
-            )
         n_layers = block_count(header, arch)
+        experts = _experts(header, arch, spec, n_layers)
         hidden = header.integer(f"{arch}.embedding_length")
         heads = model_integer(header, f"{arch}.attention.head_count", n_layers)
         heads_kv = model_integer(header, f"{arch}.attention.head_count_kv", n_layers, heads)
@@ -175,7 +181,7 @@ class ModelConfig:
             spec=spec,
             n_layers=n_layers,
             hidden_dim=hidden,
-            ffn_dims=_ffn_dims(header, arch, n_layers),
+            ffn_dims=_ffn_dims(header, arch, n_layers, experts),
             n_heads=heads,
             n_kv_heads=heads_kv,
             head_dim_k=head_dim_k,
@@ -206,6 +212,8 @@ class ModelConfig:
                 f"{arch}.rope.scaling.original_context_length", default=0
             )
             or header.integer(f"{arch}.context_length"),
+            n_experts=experts[0],
+            n_experts_used=experts[1],
         )
         # granite's multipliers (in place of the embedding and query scales, and every
         # block's rotary where the file turns it off)
@@ -269,8 +277,54 @@ def _rms_eps(header: GgufHeader, key: str) -> float:
     return eps
 
 
-def _ffn_dims(header: GgufHeader, arch: str, n_layers: int) -> tuple[int, ...]:
-    return per_block_integers(header, f"{arch}.feed_forward_length", n_layers)
+def _ffn_dims(
+    header: GgufHeader, arch: str, n_layers: int, experts: tuple[int, int]
+) -> tuple[int, ...]:
+    """Each block's feed-forward size; with experts, each expert's: qwen3moe's
+    ``expert_feed_forward_length`` where set, else ``feed_forward_length / k`` (llama.cpp's
+    ``n_ff_exp``); llama's (Mixtral) ``feed_forward_length``."""
+    key = f"{arch}.expert_feed_forward_length"
+    if experts[0] and arch != "llama" and header.has(key):
+        return per_block_integers(header, key, n_layers)
+    dims = per_block_integers(header, f"{arch}.feed_forward_length", n_layers)
+    if experts[0] and arch != "llama":
+        return tuple(d // experts[1] for d in dims)
+    return dims
+
+
+def _experts(header: GgufHeader, arch: str, spec: ArchSpec, n_layers: int) -> tuple[int, int]:
+    """``(expert_count, expert_used_count)`` of a mixture of experts, ``(0, 0)`` without.
+    Refused (``UnsupportedModel``): experts where the architecture has none, and what
+    llama.cpp's other mixtures add (expert groups, shared experts, a gating other than
+    the softmax); a count out of range is a ``GgufError``."""
+    path = header.paths[0]
+    count_key = f"{arch}.expert_count"
+    count = header.integer(count_key, default=0)
+    if count <= 0:
+        if spec.experts is Presence.REQUIRED:
+            raise GgufError(path, f"{arch} has experts: expert_count must be above 0", count_key)
+        return (0, 0)
+    if spec.experts is Presence.ABSENT:
+        raise UnsupportedModel(
+            path, f"a mixture of experts in {arch!r}: not supported", key=count_key
+        )
+    used_key = f"{arch}.expert_used_count"
+    used = model_integer(header, used_key, n_layers, 0)
+    if not 1 <= used <= count:
+        raise GgufError(path, f"{used} experts used of {count}: not 1 .. {count}", used_key)
+    for name, none in (
+        ("expert_group_count", 1),
+        ("expert_shared_count", 0),
+        ("expert_shared_feed_forward_length", 0),
+    ):
+        if header.integer(f"{arch}.{name}", default=none) > none:
+            raise UnsupportedModel(
+                path, f"{name} above {none}: not supported", key=f"{arch}.{name}"
+            )
+    gating_key = f"{arch}.expert_gating_func"
+    if header.integer(gating_key, default=1) != 1:  # llama.cpp's 1: softmax
+        raise UnsupportedModel(path, "an expert gating other than the softmax", key=gating_key)
+    return (count, used)
 
 
 def _granite_scales(header: GgufHeader, arch: str, spec: ArchSpec, n_layers: int) -> dict[str, Any]:

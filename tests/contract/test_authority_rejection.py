@@ -34,6 +34,23 @@ def test_a_model_the_worker_cannot_run_rejects(inputs: PlanInputs, data: st.Data
     assert result.architecture == inputs.facts.architecture
 
 
+@given(valid_plan_inputs(), st.integers(1, 256))
+def test_a_mixture_of_experts_rejects_for_a_worker_that_runs_none(
+    inputs: PlanInputs, experts: int
+) -> None:
+    facts = attrs.evolve(inputs.facts, expert_count=experts)
+    none = attrs.evolve(inputs.config.worker, name="no-experts", experts=False)
+    result = _run(inputs, facts=facts, config=attrs.evolve(inputs.config, worker=none))
+    assert isinstance(result, UnsupportedModel)
+    assert result.worker == "no-experts"
+    assert "mixture of experts" in result.architecture
+    # the same facts plan for the same worker running experts
+    able = attrs.evolve(none, experts=True)
+    assert isinstance(
+        _run(inputs, facts=facts, config=attrs.evolve(inputs.config, worker=able)), RunPlan
+    )
+
+
 @given(valid_plan_inputs(), st.data())
 def test_stages_that_do_not_fit_their_device_reject(
     inputs: PlanInputs, data: st.DataObject

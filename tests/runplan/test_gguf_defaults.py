@@ -136,6 +136,7 @@ class Reading:
             shared_elements=sum(int(t.n_elements) for t in shared),
             layer_windows=windows,
             layer_rope_freq_bases=bases,
+            expert_count=self.value(f"{arch}.expert_count", 0),
         )
 
     def attention(self, arch: str, layers: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -171,7 +172,13 @@ class Reading:
         heads = self.value(f"{arch}.attention.head_count")
         head_k = self.value(f"{arch}.attention.key_length", hidden // heads)
         ffn = self.value(f"{arch}.feed_forward_length")
+        experts = self.value(f"{arch}.expert_count", 0)
+        used = self.value(f"{arch}.expert_used_count", 0)
+        if experts and arch != "llama":  # llama.cpp's n_ff_exp (qwen3moe); llama: n_ff
+            ffn = self.value(f"{arch}.expert_feed_forward_length", ffn // used)
         return {
+            "n_experts": experts,
+            "n_experts_used": used,
             "n_heads": heads,
             "n_kv_heads": self.value(f"{arch}.attention.head_count_kv", heads),
             "head_dim_k": head_k,
@@ -191,6 +198,8 @@ def _source(path: Path) -> GgufSource:
 
 def _config_of(config: ModelConfig) -> dict[str, Any]:
     return {
+        "n_experts": config.n_experts,
+        "n_experts_used": config.n_experts_used,
         "n_heads": config.n_heads,
         "n_kv_heads": config.n_kv_heads,
         "head_dim_k": config.head_dim_k,

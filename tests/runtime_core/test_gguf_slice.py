@@ -34,7 +34,10 @@ SHAPES = {
     "gemma": ModelShape(arch="gemma", n_layers=N_LAYERS, key_length=32, seed=11),
     "smollm3": ModelShape(arch="smollm3", n_layers=N_LAYERS, tied=False, seed=12),
     "phi3": ModelShape(arch="phi3", n_layers=N_LAYERS, rope_dims=8, tied=False, seed=9),
+    "qwen3moe": ModelShape(arch="qwen3moe", n_layers=N_LAYERS, experts=4, experts_used=2, seed=13),
+    "llama-moe": ModelShape(n_layers=N_LAYERS, experts=4, experts_used=2, seed=14),
 }
+MOE = SHAPES["qwen3moe"]
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +148,7 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         _unsupported(key="general.architecture"),
     ),
     "mixture-of-experts architecture": (
-        {"shape": ModelShape(arch="qwen3moe", n_layers=N_LAYERS)},
+        {"shape": ModelShape(arch="qwen2moe", n_layers=N_LAYERS)},
         (0, 4),
         _unsupported(key="general.architecture"),
     ),
@@ -255,10 +258,55 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (1, 2),
         _unsupported(tensor="rope_factors_short.weight"),
     ),
-    "mixture of experts": (
-        {"extra_keys": {"llama.expert_count": 8}},
+    "mixture of experts in an architecture without": (
+        {"shape": ModelShape(arch="qwen2"), "extra_keys": {"qwen2.expert_count": 8}},
         (0, 4),
-        _unsupported(key="llama.expert_count"),
+        _unsupported(key="qwen2.expert_count"),
+    ),
+    "llama with an expert count and a dense feed-forward": (
+        {"extra_keys": {"llama.expert_count": 8, "llama.expert_used_count": 2}},
+        (0, 4),
+        _unsupported(tensor="blk.0.ffn_gate.weight"),
+    ),
+    "qwen3moe without its router": (
+        {"shape": MOE, "drop_tensors": ("blk.2.ffn_gate_inp.weight",)},
+        (2, 3),
+        _unsupported(tensor="blk.2.ffn_gate_inp.weight"),
+    ),
+    "qwen3moe with a dense feed-forward beside its experts": (
+        {"shape": MOE, "extra_tensors": {"blk.1.ffn_down.weight": _ones(64, 128)}},
+        (1, 2),
+        _unsupported(tensor="blk.1.ffn_down.weight"),
+    ),
+    "qwen3moe experts of the wrong count": (
+        {"shape": MOE, "override_keys": {"qwen3moe.expert_count": (5, GGUFValueType.UINT32)}},
+        (0, 1),
+        _unsupported(tensor="blk.0.ffn_gate_inp.weight"),
+    ),
+    "qwen3moe without an expert count": (
+        {"shape": MOE, "drop_keys": ("qwen3moe.expert_count",)},
+        (0, 4),
+        {"error": GgufError, "tensor": None, "key": "qwen3moe.expert_count"},
+    ),
+    "more experts used than the mixture has": (
+        {"shape": MOE, "override_keys": {"qwen3moe.expert_used_count": (5, GGUFValueType.UINT32)}},
+        (0, 4),
+        {"error": GgufError, "tensor": None, "key": "qwen3moe.expert_used_count"},
+    ),
+    "expert groups (DeepSeek's)": (
+        {"shape": MOE, "extra_keys": {"qwen3moe.expert_group_count": 2}},
+        (0, 4),
+        _unsupported(key="qwen3moe.expert_group_count"),
+    ),
+    "shared experts": (
+        {"shape": MOE, "extra_keys": {"qwen3moe.expert_shared_count": 1}},
+        (0, 4),
+        _unsupported(key="qwen3moe.expert_shared_count"),
+    ),
+    "an expert gating other than the softmax": (
+        {"shape": MOE, "extra_keys": {"qwen3moe.expert_gating_func": 2}},
+        (0, 4),
+        _unsupported(key="qwen3moe.expert_gating_func"),
     ),
     "rope scaling we do not run": (
         {"extra_keys": {"llama.rope.scaling.type": "dynamic"}},

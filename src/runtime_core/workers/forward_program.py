@@ -32,6 +32,7 @@ architecture has)::
     h   = xn @ [Wgate | Wup]^T                (ffn_gate, ffn_up or phi3's fused ffn_up)
     act = silu(h_gate) * h_up                 [gemma, gemma2/3: gelu_tanh(h_gate) * h_up]
     x  += act @ Wdown^T                       [gemma2/3: post-norm as above]
+    [experts: in place of the three lines above, ``forward_experts``]
 
 with ``x = embed(ids) [* embedding_scale]`` on the first stage (``forward_embed``), and
 on the last ``xl = rmsnorm(x[heads]) * output_norm``, ``logits = xl @ head^T``
@@ -51,7 +52,7 @@ Buffer names: sources ``xn``, ``att``, ``act``, ``xl``; destinations ``qkv``, ``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import numpy as np
@@ -71,6 +72,7 @@ from runtime_core.gguf_slice import (
     rope_factors,
 )
 from runtime_core.model_config import ModelConfig
+from runtime_core.workers.experts import route
 from runtime_core.workers.rotary import query_temperatures, rope_rotations
 
 H = TypeVar("H")  # a backend's handle of raw GGUF rows
@@ -134,6 +136,20 @@ class Linear(Generic[H]):
 
 
 @attrs.define
+class Experts(Generic[H]):
+    """A block's mixture of experts: the router and each expert's matrices."""
+
+    router: Linear[H]  # n_experts x hidden (float32 in llama.cpp's files)
+    gate_up: list[Linear[H]]  # per expert: (2 ffn) x hidden, rows [gate; up]
+    down: list[Linear[H]]  # per expert: hidden x ffn
+    used: int  # experts per row
+
+    @property
+    def linears(self) -> list[Linear[H]]:
+        return [self.router, *self.gate_up, *self.down]
+
+
+@attrs.define
 class Layer(Generic[H, V]):
     attn_norm: V  # (hidden,)
     qkv: Linear[H]  # (q_dim + k_dim + v_dim) x hidden
@@ -141,8 +157,9 @@ class Layer(Generic[H, V]):
     wo: Linear[H]  # hidden x (n_heads * head_dim_v)
     wo_bias: V | None  # (hidden,)
     ffn_norm: V  # (hidden,)
-    gate_up: Linear[H]  # (2 ffn) x hidden: rows [gate; up]
-    down: Linear[H]  # hidden x ffn
+    # the feed-forward, or (``experts``) None
+    gate_up: Linear[H] | None  # (2 ffn) x hidden: rows [gate; up]
+    down: Linear[H] | None  # hidden x ffn
     gate_up_bias: V | None = None  # (2 ffn,): [gate; up] biases (llama), zeros where absent
     down_bias: V | None = None  # (hidden,)
     window: int = 0  # positions a sliding block attends to; 0: every one (global)
@@ -151,6 +168,7 @@ class Layer(Generic[H, V]):
     k_norm: V | None = None  # (head_dim_k,): attn_k_norm
     post_attn_norm: V | None = None  # (hidden,): post_attention_norm (gemma3)
     post_ffn_norm: V | None = None  # (hidden,): post_ffw_norm (gemma3)
+    experts: Experts[H] | None = None  # a mixture of experts in place of the feed-forward
 
 
 @attrs.define
@@ -169,6 +187,7 @@ class StageWeights(Generic[H, V]):
     # (max_seq_len,): each position's factor on the rotated queries (mistral3's
     # temperature past its original context), or None
     q_temps: npt.NDArray[np.float32] | None = None
+    first_block: int = 0  # the model's index of ``layers[0]``
 
     def layer_rot(self, layer: int) -> npt.NDArray[np.complex64]:
         """The rotations of the stage's block ``layer``."""
@@ -178,7 +197,26 @@ class StageWeights(Generic[H, V]):
 
     @property
     def max_ffn(self) -> int:
-        return max((layer.down.n_in for layer in self.layers), default=0)
+        """The widest feed-forward (an expert's, in a mixture)."""
+        return max((self.config.ffn_dims[i] for i in self.block_indices), default=0)
+
+    @property
+    def block_indices(self) -> range:
+        """The model's indices of the stage's blocks."""
+        return range(self.first_block, self.first_block + len(self.layers))
+
+    @property
+    def linears(self) -> list[Linear[H]]:
+        """Every matrix of the stage, block by block, then the embedding and the head."""
+        out: list[Linear[H]] = []
+        for layer in self.layers:
+            out += [layer.qkv, layer.wo]
+            if layer.experts is not None:
+                out += layer.experts.linears
+            else:
+                assert layer.gate_up is not None and layer.down is not None
+                out += [layer.gate_up, layer.down]
+        return out + [lin for lin in (self.embedding, self.head) if lin is not None]
 
 
 class Uploader(Protocol[H_co, V_co]):
@@ -238,8 +276,15 @@ def load_weights(
                 pieces.append(np.zeros(width, np.float32))
         return up.f32(np.concatenate(pieces).astype(np.float32))
 
-    def linear(names: list[str]) -> Linear[H]:
+    def linear(names: list[str], expert: int | None = None) -> Linear[H]:
+        """The matrix of the stored tensors ``names`` (of a stacked experts' tensor,
+        that ``expert``'s rows)."""
         infos = [stage.tensors[n] for n in names]
+
+        def rows(name: str, n_out: int) -> U8:
+            data = stage.raw(name)
+            return (data if expert is None else data[expert]).reshape(n_out, -1)
+
         n_in = infos[0].shape[0]
         for name, info in zip(names, infos, strict=True):
             if info.ggml_type not in QUANT_TYPES:
@@ -251,23 +296,20 @@ def load_weights(
                 )
         parts: list[tuple[MatrixPart, H]] = []
         n_out = sum(info.shape[1] for info in infos)
+        which = "" if expert is None else f"[{expert}]"
         if join_parts and len({info.ggml_type for info in infos}) == 1 and len(names) > 1:
             data = np.concatenate(
-                [
-                    stage.raw(n).reshape(info.shape[1], -1)
-                    for n, info in zip(names, infos, strict=True)
-                ]
+                [rows(n, info.shape[1]) for n, info in zip(names, infos, strict=True)]
             )
-            part = MatrixPart("+".join(names), infos[0].ggml_type, n_out, n_in, 0)
+            part = MatrixPart("+".join(names) + which, infos[0].ggml_type, n_out, n_in, 0)
             parts.append((part, up.raw(data)))
         else:
             at = 0
             for name, info in zip(names, infos, strict=True):
-                if name not in raw_cache:
-                    raw_cache[name] = up.raw(stage.raw(name).reshape(info.shape[1], -1))
-                parts.append(
-                    (MatrixPart(name, info.ggml_type, info.shape[1], n_in, at), raw_cache[name])
-                )
+                if name + which not in raw_cache:
+                    raw_cache[name + which] = up.raw(rows(name, info.shape[1]))
+                part = MatrixPart(name + which, info.ggml_type, info.shape[1], n_in, at)
+                parts.append((part, raw_cache[name + which]))
                 at += info.shape[1]
         for name in names:
             count(name)
@@ -285,6 +327,16 @@ def load_weights(
         qkv_bias = joined_bias(q_k_v, widths)
         gate_up = [p + "ffn_up"] if spec.ffn is FfnLayout.FUSED else [p + "ffn_gate", p + "ffn_up"]
         f = config.ffn_dims[i]
+        experts = None
+        if config.n_experts:
+            gate_up = []
+            exps = [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
+            experts = Experts(
+                router=linear([p + "ffn_gate_inp.weight"]),
+                gate_up=[linear(exps, e) for e in range(config.n_experts)],
+                down=[linear([p + "ffn_down_exps.weight"], e) for e in range(config.n_experts)],
+                used=config.n_experts_used,
+            )
         gate_up_bias = joined_bias(gate_up, (2 * f,) if len(gate_up) == 1 else (f, f))
         post = spec.post_norms
         layers.append(
@@ -295,8 +347,8 @@ def load_weights(
                 wo=linear([p + "attn_output.weight"]),
                 wo_bias=optional(p + "attn_output.bias"),
                 ffn_norm=vector(p + "ffn_norm.weight"),
-                gate_up=linear([n + ".weight" for n in gate_up]),
-                down=linear([p + "ffn_down.weight"]),
+                gate_up=None if experts else linear([n + ".weight" for n in gate_up]),
+                down=None if experts else linear([p + "ffn_down.weight"]),
                 gate_up_bias=gate_up_bias,
                 down_bias=optional(p + "ffn_down.bias"),
                 window=config.layer_windows[i],
@@ -305,6 +357,7 @@ def load_weights(
                 k_norm=vector(p + "attn_k_norm.weight") if spec.qk_norm else None,
                 post_attn_norm=vector(p + "post_attention_norm.weight") if post else None,
                 post_ffn_norm=vector(p + "post_ffw_norm.weight") if post else None,
+                experts=experts,
             )
         )
     embedding = linear([EMBEDDING]) if stage.is_first else None
@@ -335,6 +388,7 @@ def load_weights(
         stored_bytes=total,
         rot_swa=rot_swa,
         q_temps=query_temperatures(config, max_seq_len),
+        first_block=stage.layer_start,
     )
 
 
@@ -402,6 +456,52 @@ class Ops(Protocol[H, V_contra]):
         """logits[:rows] *= factor (granite's 1 / logit_scale)."""
 
 
+@runtime_checkable
+class ExpertOps(Protocol):
+    """The operations of a mixture of experts (``forward_experts``), of the backends
+    that run one (the CPU worker's; the CUDA worker refuses such models)."""
+
+    def router(self, lin: Linear[Any], rows: int) -> F32:
+        """The router's logits ``xn @ lin^T`` of the ``rows`` rows, on the host."""
+        ...
+
+    def begin_experts(self, used: int, rows: int) -> None:
+        """Keep the ``rows`` normalized rows ``xn``: the experts' inputs."""
+        ...
+
+    def pick_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        """xn[:n] = the kept rows ``rows`` (n of them)."""
+        ...
+
+    def put_rows(
+        self, rows: npt.NDArray[np.int64], slots: npt.NDArray[np.int64], weights: F32
+    ) -> None:
+        """The output of slot ``slots[i]`` of row ``rows[i]`` = o[i] * weights[i]."""
+        ...
+
+    def end_experts(self, rows: int) -> None:
+        """x += the sum of each row's slot outputs, in slot order (``experts.py``)."""
+        ...
+
+
+def forward_experts(ops: Ops[H, V], experts: Experts[H], rows: int) -> None:
+    """x += the mixture of experts' output for the normalized rows ``xn``: the router's
+    logits read back and routed on the host (``workers.experts``), then per expert one
+    gated feed-forward over the rows that chose it, each row's output times its weight
+    into its slot, and the slots summed in order into the residual rows."""
+    assert isinstance(ops, ExpertOps), f"{type(ops).__name__} runs no mixture of experts"
+    routing = route(ops.router(experts.router, rows), experts.used)
+    ops.begin_experts(experts.used, rows)
+    for e, chosen, slots in routing.by_expert():
+        n = len(chosen)
+        ops.pick_rows(chosen)
+        ops.linear(experts.gate_up[e], "xn", "h", n)
+        ops.swiglu(n)
+        ops.linear(experts.down[e], "act", "o", n)
+        ops.put_rows(chosen, slots, routing.weights[chosen, slots])
+    ops.end_experts(rows)
+
+
 def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
     """x = the embeddings of the step's token ids (first stage)."""
     assert w.embedding is not None
@@ -436,6 +536,10 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], segments: Sequence[Seg
         else:
             ops.linear(layer.wo, "att", "x", rows, accumulate=True, bias=layer.wo_bias)
         ops.norm(layer.ffn_norm, rows)
+        if layer.experts is not None:
+            forward_experts(ops, layer.experts, rows)
+            continue
+        assert layer.gate_up is not None and layer.down is not None
         ops.linear(layer.gate_up, "xn", "h", rows, bias=layer.gate_up_bias)
         if gelu:
             ops.geglu(rows)

@@ -45,7 +45,7 @@ from runtime_core.workers.interface import TokenOutput, Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.kernels import cuda_device_problem
 from runtime_cupy.cuda.worker import CudaWorker
-from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
+from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file, runnable_by
 from tests.support.chain import Chain, provisions
 from tests.support.numerics import (
     common_prefix,
@@ -63,12 +63,8 @@ SMOLLM2_LOGITS = load_logits("smollm2")
 PROMPTS: list[dict[str, Any]] = SMOLLM2["prompts"]
 TINY = load_doc("tiny")
 TINY_LOGITS = load_logits("tiny")
-#: The fixtures of the architectures the CUDA worker runs (all of them).
-TINY_MODELS: list[dict[str, Any]] = [
-    m
-    for m in TINY["models"]
-    if TINY["shapes"][m["shape"]]["arch"] in CudaWorker.capabilities.architectures
-]
+#: The fixtures the CUDA worker runs (every architecture's, but the mixtures of experts).
+TINY_MODELS: list[dict[str, Any]] = runnable_by(TINY, CudaWorker.capabilities)
 N = 16
 SPLITS = {"2-even": [(0, 15), (15, 30)], "3-uneven": [(0, 1), (1, 29), (29, 30)]}
 

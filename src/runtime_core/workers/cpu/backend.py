@@ -91,6 +91,7 @@ from runtime_core.workers.cpu.step_buffers import (
     buffer,
     written,
 )
+from runtime_core.workers.experts import weighted_sum
 from runtime_core.workers.forward_program import (
     Linear,
     Segment,
@@ -196,10 +197,10 @@ class CpuOps:
         self.matrices: dict[int, list[tuple[str, _kernels.Matrix]]] = {}
         self.released: set[int] = set()  # ids of the stored tensors no longer read
         multiplied = {
-            id(raw) for lin in self._linears() if lin is not w.embedding for _, raw in lin.parts
+            id(raw) for lin in w.linears if lin is not w.embedding for _, raw in lin.parts
         }
         built: dict[tuple[tuple[int, ...], tuple[int, ...]], _kernels.Matrix] = {}
-        for lin in self._linears():
+        for lin in w.linears:
             groups: dict[str, list[tuple[U8, str, int, int, int]]] = {}
             for p, raw in lin.parts:
                 groups.setdefault(ACT_FORMAT[p.qtype], []).append(
@@ -236,6 +237,12 @@ class CpuOps:
         self.segments: Sequence[Segment] = ()
         # the step programs made, by shape (rows per segment, head rows), the last used last
         self.programs: dict[tuple[tuple[int, ...], tuple[int, ...]], _kernels.Program] = {}
+        # a mixture of experts (``forward_program.forward_experts``): the router's logits,
+        # the experts' inputs kept, each row's slot outputs (k, rows, hidden)
+        self.moe = any(layer.experts is not None for layer in w.layers)
+        self.router_logits: F32 = np.empty((0, 0), np.float32)
+        self.moe_in: F32 = np.empty((0, 0), np.float32)
+        self.moe_out: F32 = np.empty((0, 0, 0), np.float32)
 
     def new_cache(self, positions: int) -> CpuCache:
         """A KV cache of ``positions`` positions: each block's ring holds that many, or
@@ -251,14 +258,6 @@ class CpuOps:
                 for n in sizes
             ],
         )
-
-    def _linears(self) -> list[Linear[U8]]:
-        w = self.w
-        out = [
-            lin for layer in w.layers for lin in (layer.qkv, layer.wo, layer.gate_up, layer.down)
-        ]
-        out += [lin for lin in (w.embedding, w.head) if lin is not None]
-        return out
 
     def _row_set(self, cap: int, kept: bool = False, formats: Sequence[str] = ()) -> RowSet:
         c = self.w.config
@@ -313,7 +312,7 @@ class CpuOps:
         whose keys and values a sliding ring cannot take before attention (``rope_kv``'s
         step buffers)."""
         rows = segments[-1].end
-        if rows > KEPT_ROWS:
+        if rows > KEPT_ROWS or self.moe:  # a mixture's calls follow each step's routing
             return None
         if any(s.rows > 1 and s.pos + s.rows > s.cache.ring for s in segments):
             return None
@@ -382,8 +381,10 @@ class CpuOps:
         elif dst == "logits":
             assert self.logits is not None
             y = self.logits
+        elif dst == "router":
+            y = self.router_logits = np.empty((rows, lin.n_out), np.float32)
         else:
-            y = b.views[dst]
+            y = b.views[dst][:rows]  # the kernel takes the row stride from its length
         for fmt, matrix in self.matrices[id(lin)]:
             if fmt in ("f32", "f16", "bf16") or not self.use_q8:
                 xf = self._rounded(src, fmt, x) if self.use_q8 and fmt != "f32" else x
@@ -456,6 +457,28 @@ class CpuOps:
         )  # fmt: skip
         self.step_kv = None  # its last ``size`` positions are in the ring now
         self._written("att")
+
+    # -- a mixture of experts (forward_program.ExpertOps): the rows moved by NumPy, each
+    # float32 product and sum rounded once, as ggml's -----------------------------------
+    def router(self, lin: Linear[U8], rows: int) -> F32:
+        self.linear(lin, "xn", "router", rows)
+        return self.router_logits
+
+    def begin_experts(self, used: int, rows: int) -> None:
+        self.moe_in = self.buf.views["xn"][:rows].copy()
+        self.moe_out = np.empty((used, rows, self.w.config.hidden_dim), np.float32)
+
+    def pick_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        self.buf.views["xn"][: len(rows)] = self.moe_in[rows]
+        self._written("xn")
+
+    def put_rows(
+        self, rows: npt.NDArray[np.int64], slots: npt.NDArray[np.int64], weights: F32
+    ) -> None:
+        self.moe_out[slots, rows] = self.buf.views["o"][: len(rows)] * weights[:, None]
+
+    def end_experts(self, rows: int) -> None:
+        self.buf.x[:rows] += weighted_sum(self.moe_out)
 
     def swiglu(self, rows: int) -> None:
         self._gated(self.kernels.swiglu, rows)
@@ -536,7 +559,7 @@ class CpuBackend:
         )
         self.ops = CpuOps(self.weights, self.spec, max_seq_len, self.threads, self.isa)
         seen: set[int] = set()
-        for lin in self.ops._linears():
+        for lin in self.weights.linears:
             for _, raw in lin.parts:
                 if id(raw) not in seen and id(raw) not in self.ops.released:
                     seen.add(id(raw))

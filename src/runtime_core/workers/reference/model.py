@@ -11,7 +11,8 @@ residual stream.
 The arithmetic follows llama.cpp's graphs (``src/models/{llama,qwen2,qwen3,gemma3,
 phi3}.cpp``), as ``runtime_core.architectures`` lays them out: RMS norm, rotary
 embedding, grouped-query attention with a causal mask (and a sliding window on the
-blocks that have one), a gated feed-forward (SiLU or GELU), output norm and head;
+blocks that have one), a gated feed-forward (SiLU or GELU) or a mixture of such
+experts (``workers.experts`` routes each row), output norm and head;
 per-head Q/K norms, post-norms, the embedding scale and the logit soft cap where the
 architecture has them. A fused ``attn_qkv`` ([q; k; v]) or ``ffn_up`` ([gate; up]) is
 already the fused matrix this model multiplies by, so it loads as one.
@@ -49,6 +50,7 @@ from runtime_core.gguf_slice import (
     rope_factors,
 )
 from runtime_core.model_config import ModelConfig
+from runtime_core.workers.experts import route, weighted_sum
 from runtime_core.workers.rotary import query_temperatures, rope_rotations
 
 F32 = npt.NDArray[np.float32]
@@ -74,6 +76,9 @@ class BlockWeights:
     post_ffn_norm: F32 | None  # (hidden,): post_ffw_norm (gemma3)
     b13: F32 | None = None  # (2 * ffn,): the gate | up biases (llama), zeros where absent
     b2: F32 | None = None  # (hidden,): ffn_down's
+    # a mixture of experts: the router ffn_gate_inp (hidden, n_experts), transposed; then
+    # w13 is every expert's (n_experts, hidden, 2 * ffn) and w2 (n_experts, hidden, ffn)
+    router: F32 | None = None
 
 
 @attrs.define
@@ -125,11 +130,24 @@ class StageWeights:
                 count(name)
             return _load_rows(stage, names, out, transposed=transposed)
 
+        def experts(names: list[str], out: F32, *, transposed: bool = True) -> F32:
+            """Every expert's matrix of ``names`` into ``out[e]``."""
+            for name in names:
+                count(name)
+            for e in range(out.shape[0]):
+                _load_rows(stage, names, out[e], transposed=transposed, expert=e)
+            return out
+
         config = stage.config
         h, qkv_dim = config.hidden_dim, config.q_dim + config.k_dim + config.v_dim
         o_dim = config.n_heads * config.head_dim_v
+        n_exp = config.n_experts
+        per_ffn = max(n_exp, 1)  # a mixture: each expert's, and the router's n_exp columns
         arena = _Arena(
-            sum(h * (qkv_dim + o_dim + 3 * config.ffn_dims[i]) for i in stage.layers)
+            sum(
+                h * (qkv_dim + o_dim + 3 * config.ffn_dims[i] * per_ffn + n_exp)
+                for i in stage.layers
+            )
             + (h * stage.vocab_size if stage.head is not None else 0)
         )
         to_pairs = _rope_pair_order(config)
@@ -154,6 +172,21 @@ class StageWeights:
                 k_norm = dense(p + "attn_k_norm.weight")[head_pairs]
             gate_up = ["ffn_up"] if spec.ffn is FfnLayout.FUSED else ["ffn_gate", "ffn_up"]
             post = spec.post_norms
+            router = None
+            if n_exp:
+                router = matrix([p + "ffn_gate_inp.weight"], arena.take(h, n_exp))
+                w13 = experts(
+                    [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"],
+                    arena.take(n_exp * h, 2 * f).reshape(n_exp, h, 2 * f),
+                )
+                w2 = experts(
+                    [p + "ffn_down_exps.weight"],
+                    arena.take(n_exp * h, f).reshape(n_exp, h, f),
+                    transposed=False,
+                )
+            else:
+                w13 = matrix([f"{p}{n}.weight" for n in gate_up], arena.take(h, 2 * f))
+                w2 = matrix([p + "ffn_down.weight"], arena.take(h, f), transposed=False)
             blocks.append(
                 BlockWeights(
                     attn_norm=dense(p + "attn_norm.weight"),
@@ -165,11 +198,12 @@ class StageWeights:
                     bo=optional(p + "attn_output.bias"),
                     post_attn_norm=dense(p + "post_attention_norm.weight") if post else None,
                     ffn_norm=dense(p + "ffn_norm.weight"),
-                    w13=matrix([f"{p}{n}.weight" for n in gate_up], arena.take(h, 2 * f)),
-                    w2=matrix([p + "ffn_down.weight"], arena.take(h, f), transposed=False),
+                    w13=w13,
+                    w2=w2,
                     b13=_joined_bias([optional(f"{p}{n}.bias") for n in gate_up], (f, f)),
                     b2=optional(p + "ffn_down.bias"),
                     post_ffn_norm=dense(p + "post_ffw_norm.weight") if post else None,
+                    router=router,
                 )
             )
         embedding = None
@@ -222,13 +256,17 @@ class _Arena:
 _CHUNK_ROWS = 1024
 
 
-def _load_rows(stage: StageSlice, names: list[str], out: F32, *, transposed: bool) -> F32:
-    """Matrices ``names`` (``(n_out_i, n_in)`` once dequantized) stacked into ``out``:
-    side by side and transposed, ``(n_in, sum n_out_i)``, or one above the other as
-    stored, ``(sum n_out_i, n_in)``."""
+def _load_rows(
+    stage: StageSlice, names: list[str], out: F32, *, transposed: bool, expert: int | None = None
+) -> F32:
+    """Matrices ``names`` (``(n_out_i, n_in)`` once dequantized; of an expert's stacked
+    tensors, that expert's) stacked into ``out``: side by side and transposed, ``(n_in,
+    sum n_out_i)``, or one above the other as stored, ``(sum n_out_i, n_in)``."""
     at = 0
     for name in names:
         raw = stage.raw(name)  # (n_out, row_bytes)
+        if expert is not None:
+            raw = raw[expert]
         for start in range(0, raw.shape[0], _CHUNK_ROWS):
             rows = dequantize_rows(raw[start : start + _CHUNK_ROWS], stage.tensors[name].ggml_type)
             span = slice(at + start, at + start + rows.shape[0])
@@ -386,6 +424,9 @@ class StageModel:
             x += out
             # feed-forward
             xn = rms_norm(x, w.ffn_norm, c.rms_eps)
+            if w.router is not None:
+                x += self._experts(w, xn)
+                continue
             h = linear(xn, w.w13)  # (rows, 2 * ffn): gate | up
             if w.b13 is not None:
                 h += w.b13
@@ -405,6 +446,20 @@ class StageModel:
                 down *= np.float32(c.residual_scale)
             x += down
         return x
+
+    def _experts(self, w: BlockWeights, xn: F32) -> F32:
+        """The mixture of experts' output for the normalized rows ``xn`` (``experts``)."""
+        assert w.router is not None
+        routing = route(linear(xn, w.router), self.config.n_experts_used)
+        outputs = np.empty((routing.experts.shape[1], *xn.shape), np.float32)
+        f = w.w13.shape[2] // 2
+        for e, rows, slots in routing.by_expert():
+            h = linear(xn[rows], w.w13[e])  # (n, 2 * ffn): gate | up
+            gate = h[:, :f]
+            silu(gate)
+            gate *= h[:, f:]
+            outputs[slots, rows] = linear(gate, w.w2[e].T) * routing.weights[rows, slots, None]
+        return weighted_sum(outputs)
 
     def _attention(self, i: int, s: Scratch, pos: int) -> F32:
         """Store the step's keys and values in block ``i``'s cache and attend: query rows

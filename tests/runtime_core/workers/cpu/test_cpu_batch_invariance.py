@@ -16,7 +16,8 @@ logits, bit for bit, that it computes given the prompt whole, on every instructi
 and thread count; and three runs on a 2-stage chain of CPU workers, batched together
 through the chain's interface (``open_run``, ``execute_batch``: CONCURRENT_RUNS.md §4)
 with their prompts in chunks, give each run's tokens and logits of the portable set
-running it alone, whole, bit for bit, on every instruction set. Steps of changing row
+running it alone, whole, bit for bit, on every instruction set (of the random model,
+and of two mixtures of experts). Steps of changing row
 counts take views of the step buffers the stage made at bind (a longer one its own).
 """
 
@@ -221,11 +222,21 @@ def batched_outputs(
     }
 
 
+def batched_model(folder: Path, name: str) -> Path:
+    """The chunked random model, or a mixture of experts (qwen3moe's, llama's), Q8_0."""
+    if name == "dense":
+        return write_random_model(folder / "chunked.gguf", CHUNKED)
+    return write_model(folder / f"{name}.gguf", attrs.evolve(FIXTURE_SHAPES[name], quant="Q8_0"))
+
+
+@pytest.mark.parametrize("model", ["dense", "qwen3moe", "llama-moe"])
 @pytest.mark.parametrize("isa", isa_params())
 def test_runs_batched_in_chunks_compute_what_each_computes_alone_whole(
-    tmp_path: Path, isa: str
+    tmp_path: Path, isa: str, model: str
 ) -> None:
-    path = write_random_model(tmp_path / "chunked.gguf", CHUNKED)
+    """Of a mixture of experts too: each row is routed alone, and the rows that chose an
+    expert are one product whose rows each get their bits alone."""
+    path = batched_model(tmp_path, model)
     together = batched_outputs(path, isa, list(PROMPTS), 3)
     for r in PROMPTS:
         (alone,) = batched_outputs(path, "portable", [r], 0).values()

@@ -24,6 +24,7 @@ def test_it_is_a_worker_with_the_reference_capabilities() -> None:
         "mistral3",
         "granite",
         "exaone",
+        "qwen3moe",
         "phi3",
     )
     assert ReferenceWorker.capabilities.architectures == archs
