@@ -188,6 +188,35 @@ class TwinOps:
         self.bufs["act"] = twins.gelu_mul(h[:, :f], h[:, f:])
         self._maybe_q8("act")
 
+    # -- a mixture of experts (forward_program.ExpertOps), as the CUDA backend's ----------
+    def router(self, lin: Linear[U8], rows: int) -> F32:
+        self.linear(lin, "xn", "router", rows)
+        return np.array(self.bufs["router"], dtype=np.float32, copy=True)
+
+    def begin_experts(self, used: int, rows: int) -> None:
+        self.moe_in = self.bufs["xn"][:rows].copy()
+        self.moe_q8 = list(self.q8.get("xn", []))
+        self.moe_row_q8 = list(self.row_q8)
+        self.moe_out = np.empty((used, rows, self.w.config.hidden_dim), np.float32)
+
+    def pick_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        self.bufs["xn"] = self.moe_in[rows]
+        if self.moe_q8:
+            self.q8["xn"] = [self.moe_q8[int(r)] for r in rows]
+        self.row_q8 = [self.moe_row_q8[int(r)] for r in rows]
+
+    def put_rows(
+        self, rows: npt.NDArray[np.int64], slots: npt.NDArray[np.int64], weights: F32
+    ) -> None:
+        self.moe_out[slots, rows] = self.bufs["o"][: len(rows)] * weights[:, None]
+
+    def end_experts(self, rows: int) -> None:
+        total = self.moe_out[0].copy()
+        for j in range(1, self.moe_out.shape[0]):
+            total += self.moe_out[j]
+        self.bufs["x"] = (self.bufs["x"][:rows] + total).astype(np.float32)
+        self.row_q8 = self.moe_row_q8
+
     def scale_x(self, factor: float, rows: int) -> None:
         self.bufs["x"] = (self.bufs["x"][:rows] * np.float32(factor)).astype(np.float32)
 

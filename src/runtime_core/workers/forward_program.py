@@ -459,7 +459,8 @@ class Ops(Protocol[H, V_contra]):
 @runtime_checkable
 class ExpertOps(Protocol):
     """The operations of a mixture of experts (``forward_experts``), of the backends
-    that run one (the CPU worker's; the CUDA worker refuses such models)."""
+    that run one (every worker's here; a worker without them declares
+    ``WorkerCapabilities.experts`` false, and the planner refuses it such a model)."""
 
     def router(self, lin: Linear[Any], rows: int) -> F32:
         """The router's logits ``xn @ lin^T`` of the ``rows`` rows, on the host."""

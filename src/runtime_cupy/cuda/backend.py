@@ -322,6 +322,8 @@ class DeviceOps:
         part that is not the whole output row writes a scratch, then its columns)."""
         if dst in ("h",):
             self.buf["h"] = self._flat("h", rows)[: rows * lin.n_out].reshape(rows, lin.n_out)
+        elif dst == "router":
+            self.buf["router"] = cupy.empty((rows, lin.n_out), cupy.float32)
         x, y = self.buf[src], self.buf[dst]
         for part, raw in lin.parts:
             at = slice(part.out_offset, part.out_offset + part.n_out)
@@ -461,6 +463,56 @@ class DeviceOps:
                 act[r0 : r0 + nr], f, xq, xd, xs,
             )  # fmt: skip
 
+    # -- a mixture of experts (forward_program.ExpertOps): CuPy's gathers, scatters and
+    # float32 products and sums on the stream, each rounded once, as ggml's -------------
+    def router(self, lin: Linear[Any], rows: int) -> npt.NDArray[np.float32]:
+        """The router's logits, on the host (the stream waited for)."""
+        self.linear(lin, "xn", "router", rows)
+        logits = cupy.asnumpy(self.buf["router"], stream=self.stream)
+        self.stream.synchronize()
+        return np.asarray(logits, dtype=np.float32)
+
+    def begin_experts(self, used: int, rows: int) -> None:
+        """Keep the rows ``xn`` (and their 8-bit form) and which rows multiply 8-bit."""
+        q8 = self.bq8.get("xn")
+        with self.stream:
+            self.moe_in = self.buf["xn"][:rows].copy()
+            self.moe_q8 = None if q8 is None else tuple(a.copy() for a in q8.rows(0, rows))
+            self.moe_out = cupy.empty((used, rows, self.w.config.hidden_dim), cupy.float32)
+        self.moe_groups = self.groups
+        self.moe_eight = [self._eight_bit(r) for r in range(rows)]
+
+    def pick_rows(self, rows: npt.NDArray[np.int64]) -> None:
+        """xn[:n] (and its 8-bit form) = the kept rows ``rows``; the groups of 8-bit rows
+        are theirs."""
+        n = len(rows)
+        with self.stream:
+            at = cupy.asarray(rows)
+            self.buf["xn"][:n] = self.moe_in[at]
+            if self.moe_q8 is not None:
+                for kept, now in zip(self.moe_q8, self.bq8["xn"].rows(0, n), strict=True):
+                    now.reshape(n, -1)[:] = kept.reshape(len(self.moe_eight), -1)[at]
+        flags = [self.moe_eight[int(r)] for r in rows]
+        starts = [i for i in range(n) if i == 0 or flags[i] != flags[i - 1]]
+        ends = [*starts[1:], n]
+        self.groups = [(a, b, flags[a]) for a, b in zip(starts, ends, strict=True)]
+
+    def put_rows(
+        self, rows: npt.NDArray[np.int64], slots: npt.NDArray[np.int64], weights: Any
+    ) -> None:
+        n = len(rows)
+        with self.stream:
+            w = cupy.asarray(np.asarray(weights, np.float32))
+            self.moe_out[cupy.asarray(slots), cupy.asarray(rows)] = self.buf["o"][:n] * w[:, None]
+
+    def end_experts(self, rows: int) -> None:
+        with self.stream:
+            total = self.moe_out[0].copy()
+            for j in range(1, self.moe_out.shape[0]):
+                total += self.moe_out[j]
+            self.buf["x"][:rows] += total
+        self.groups = self.moe_groups
+
     def scale_x(self, factor: float, rows: int) -> None:
         n = rows * self.w.config.hidden_dim
         f = float(np.float32(factor))
@@ -552,6 +604,8 @@ class DeviceBackend(KeptSteps):
                 raise RuntimeError(f"compiling the CUDA kernels failed: {exc}") from exc
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self.weights = load_weights(stage, _Uploader(), max_seq_len, progress)
+            if stage.config.n_experts:  # each step's routing is read back: no graph holds it
+                self.use_graph = False
             self.ops = DeviceOps(self.k, self.weights, self.spec, max_seq_len, self.stream)
             h = stage.config.hidden_dim
             edge = self.spec.edge_dtype

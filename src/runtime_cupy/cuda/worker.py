@@ -40,9 +40,9 @@ from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWo
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
 
 #: What the CUDA worker runs: every architecture of the reference worker
-#: (``runtime_core.architectures``) but a mixture of experts (its kernels and graphs have
-#: no routing yet: a model with experts is refused at planning, ``experts=False``, and at
-#: load), and every type of ``runplan.quant_types``; weights
+#: (``runtime_core.architectures``), mixtures of experts included (their steps run
+#: without captured graphs: each step's routing is read back to the host), and every
+#: type of ``runplan.quant_types``; weights
 #: stay as the file stores them and the KV cache takes the activation dtype
 #: (``kv_dtype="auto"``; a sliding block's holds its window), which is what the planner's
 #: memory check counts.
@@ -52,7 +52,6 @@ CUDA_CAPABILITIES = WorkerCapabilities(
     quant_types=QUANT_TYPES,
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,
-    experts=False,
 )
 
 
@@ -79,13 +78,6 @@ class CudaWorker(StageWorker):
 
     def _check_stage(self, stage: StageSlice) -> None:
         c = stage.config
-        if c.n_experts:
-            raise UnsupportedModel(
-                stage.path,
-                f"a mixture of {c.n_experts} experts: the CUDA worker runs none (the CPU "
-                "and reference workers do)",
-                key=f"{c.architecture}.expert_count",
-            )
         if max(c.head_dim_k, c.head_dim_v) > ATTENTION_MAX_HEAD_DIM:
             raise UnsupportedModel(
                 stage.path,

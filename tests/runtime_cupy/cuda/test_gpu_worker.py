@@ -63,7 +63,7 @@ SMOLLM2_LOGITS = load_logits("smollm2")
 PROMPTS: list[dict[str, Any]] = SMOLLM2["prompts"]
 TINY = load_doc("tiny")
 TINY_LOGITS = load_logits("tiny")
-#: The fixtures the CUDA worker runs (every architecture's, but the mixtures of experts).
+#: The fixtures the CUDA worker runs (every architecture's).
 TINY_MODELS: list[dict[str, Any]] = runnable_by(TINY, CudaWorker.capabilities)
 N = 16
 SPLITS = {"2-even": [(0, 15), (15, 30)], "3-uneven": [(0, 1), (1, 29), (29, 30)]}

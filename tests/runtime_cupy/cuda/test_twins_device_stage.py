@@ -129,6 +129,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "phi3": write_model(  # partial rotary, fused Q|K|V and gate|up
             folder / "phi3.gguf", attrs.evolve(FIXTURE_SHAPES["phi3"], n_layers=2)
         ),
+        # mixtures of experts (each step's routing read back, no captured graph): 4
+        # experts, 2 per row, 8-bit and float weights
+        "qwen3moe-Q8_0": write_model(
+            folder / "qwen3moe.gguf",
+            ModelShape(arch="qwen3moe", n_layers=2, experts=4, experts_used=2, quant="Q8_0"),
+        ),
+        "llama-moe-F32": write_model(
+            folder / "llama-moe.gguf", ModelShape(n_layers=2, experts=4, experts_used=2, seed=7)
+        ),
     }
 
 
@@ -193,6 +202,8 @@ def logits(out: TokenOutput) -> np.ndarray:
         "gemma3-window",
         "gemma2-window",
         "phi3",
+        "qwen3moe-Q8_0",
+        "llama-moe-F32",
     ],
 )
 def test_the_device_backend_computes_what_the_twin_worker_computes(
@@ -257,6 +268,34 @@ def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
     assert sum(a.nbytes for a in (*cache.k, *cache.v)) == p.kv_bytes
     w.release()
     for chunk in (0, 3):
+        together = generate(list(prompts), chunk)
+        for r in prompts:
+            assert_same(generate([r], chunk)[r], together[r])
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-Q8_0", "llama-moe-F32"])
+def test_a_mixture_of_experts_batched_computes_what_each_run_computes_alone(
+    models: dict[str, Path], name: str
+) -> None:
+    """Three runs stepped in the same batches (prompts whole and in chunks of 2, then
+    their 8-bit decode rows side by side): the rows that chose an expert are gathered
+    with their 8-bit forms and their groups, so each run gets the bits it gets alone."""
+    prompts = {"run-0": PROMPT, "run-1": [9, 8, 7, 6, 5, 4, 3], "run-2": [300, 2]}
+    provs = {
+        r: provisions(models[name], 1, max_seq_len=32, run_id=r, max_concurrent_runs=3)
+        for r in prompts
+    }
+
+    def generate(run_ids: list[str], chunk: int) -> dict[str, list[TokenOutput]]:
+        chain = Chain.bind(provs["run-0"], EmulatedCudaWorker)
+        try:
+            for r in run_ids:
+                chain.open(provs[r])
+            return chain.generate_batched({r: prompts[r] for r in run_ids}, 4, chunk)
+        finally:
+            chain.release()
+
+    for chunk in (0, 2):
         together = generate(list(prompts), chunk)
         for r in prompts:
             assert_same(generate([r], chunk)[r], together[r])

@@ -92,10 +92,7 @@ def test_the_cuda_worker_runs_every_architecture_in_the_reference_types() -> Non
     assert TwinWorker.capabilities == CudaWorker.capabilities
 
 
-DENSE_LATER = [a for a in LATER_ARCHITECTURES if not FIXTURE_SHAPES[a].experts]
-
-
-@pytest.mark.parametrize("arch", DENSE_LATER)
+@pytest.mark.parametrize("arch", LATER_ARCHITECTURES)
 def test_the_later_architectures_are_planned_and_bound_for_the_cuda_worker(
     folder: Path, arch: str
 ) -> None:
@@ -110,27 +107,6 @@ def test_the_later_architectures_are_planned_and_bound_for_the_cuda_worker(
     worker.configure(provision)
     worker.bind(provision.gguf_source)
     worker.release()
-
-
-@pytest.mark.parametrize("shape", ["qwen3moe", "llama-moe"])
-def test_a_mixture_of_experts_is_refused_at_planning_and_at_bind(folder: Path, shape: str) -> None:
-    """The CUDA worker runs no mixture of experts: the planner rejects one for it
-    (``unsupported_model`` naming the architecture and the mixture), and a stage given
-    one anyway refuses it at bind, naming the expert count's key."""
-    path = write_model(folder / f"refused-{shape}.gguf", FIXTURE_SHAPES[shape])
-    arch = FIXTURE_SHAPES[shape].arch
-    config = RuntimeConfig(run_id="r", max_tokens=1, worker=CudaWorker.capabilities)
-    pool = NodePool("orch", (NodeSpec("gpu0", 2**34),))
-    rejection = plan_run(model_facts_from_gguf(path), config, pool, stage_count=1)
-    assert isinstance(rejection, PlanRejection) and rejection.code == "unsupported_model"
-    assert f"{arch} (a mixture of experts)" in str(rejection)
-    provision = provisions(path, 1)[0]  # planned for the reference worker, which runs it
-    worker = TwinWorker()
-    worker.configure(provision)
-    with pytest.raises(WorkerError) as info:
-        worker.bind(provision.gguf_source)
-    assert isinstance(info.value.__cause__, UnsupportedModel)
-    assert info.value.__cause__.key == f"{arch}.expert_count"
 
 
 def test_options_are_checked() -> None:
@@ -237,7 +213,7 @@ def test_8bit_mode_stays_close_to_the_reference(shapes: dict[str, Path], name: s
 
 # ---- against llama.cpp --------------------------------------------------------------------
 
-#: The fixtures the CUDA worker runs (every architecture's, but the mixtures of experts).
+#: The fixtures the CUDA worker runs (every architecture's).
 MODELS: list[dict[str, Any]] = runnable_by(TINY, CudaWorker.capabilities)
 
 
