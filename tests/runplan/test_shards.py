@@ -23,11 +23,13 @@ from runtime_core.gguf_slice import open_stage_slice
 from tests.fixtures.gguf_models import ModelShape, write_model
 
 SHAPE = ModelShape(n_layers=5, tied=True, rope_freqs=True, quant="Q8_0")
+#: and a mixture of experts (Mixtral's kind), whose experts are 3-d tensors
+SHAPES = {"dense": SHAPE, "experts": attrs.evolve(SHAPE, experts=4, experts_used=2)}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("src") / "tiny.gguf", SHAPE)
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def model(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    return write_model(tmp_path_factory.mktemp("src") / "tiny.gguf", SHAPES[request.param])
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,23 @@ def test_the_cpu_worker_is_the_default() -> None:
     assert generate.__kwdefaults__ is not None and generate.__kwdefaults__["worker"] == "cpu"
 
 
-def test_stage_processes_compute_what_one_process_computes(q8_model: str) -> None:
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A mixture of experts (qwen3moe: 4 experts, 2 per row), its 3-d tensors sliced."""
+    path = tmp_path_factory.mktemp("cpu-process") / "moe.gguf"
+    shape = ModelShape(arch="qwen3moe", n_layers=4, quant="Q8_0", experts=4, experts_used=2)
+    return str(write_model(path, shape))
+
+
+@pytest.mark.parametrize("model", ["q8_model", "moe_model"])
+def test_stage_processes_compute_what_one_process_computes(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue(model)
     prompt = [5, 17, 42, 9]
-    result = generate(q8_model, prompt, stages=2, max_tokens=6, return_logits=True, worker="cpu")
+    result = generate(path, prompt, stages=2, max_tokens=6, return_logits=True, worker="cpu")
     assert result.outcome == "completed"
-    ours = run(provisions(q8_model, 2, max_seq_len=len(prompt) + 6), CpuWorker, prompt, 6)
+    ours = run(provisions(path, 2, max_seq_len=len(prompt) + 6), CpuWorker, prompt, 6)
     assert list(result.tokens) == [o.token_id for o in ours]
     assert result.logits is not None
     for a, b in zip(result.logits, ours, strict=True):
