@@ -14,7 +14,8 @@ Qwen3-30B-A3B's block shape, decode and prefill tokens/s.
   of ``benchmarks/cpu_decode.py``): ``cpu`` (the CPU worker, best instruction set) and
   ``llama.cpp`` (llama-cpp-python in ``--llamacpp-python``: float32 KV cache, no flash
   attention).
-- Printed, medians over the repetitions: decode tokens/s, prefill tokens/s, the ratios
+- Printed, medians over the repetitions: decode tokens/s, prefill tokens/s (the first
+  prefill after loading, and the same prompt again after the decode steps), the ratios
   to llama.cpp (target: at least 1.0, as issue 26 sets for every row), and the bytes a
   decode token reads when its 8 experts are distinct per block (attention, router, 8 of
   128 experts, head) against the measured read bandwidth (a ceiling: a token's rows
@@ -185,8 +186,9 @@ def main() -> None:
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(1, VOCAB - 1, args.prompt_len)]
     max_seq = args.prompt_len + args.tokens + 1
-    print("| type | threads | runner | decode tok/s | prefill tok/s | decode x llama.cpp | "
-          "prefill x llama.cpp | decode GB/s (share of probe) |")  # fmt: skip
+    print("| type | threads | runner | decode tok/s | prefill tok/s (first / again) | "
+          "decode x llama.cpp | prefill x llama.cpp (first / again) | decode GB/s (share of "
+          "probe) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     try:
         for kind in kinds:
@@ -206,17 +208,21 @@ def main() -> None:
                         "decode": 1 / statistics.median(s for x in raw[r] for s in x["steps_s"]),
                         "prefill": args.prompt_len
                         / statistics.median(x["prefill_s"] for x in raw[r]),
+                        "prefill_again": args.prompt_len
+                        / statistics.median(x["prefill_again_s"] for x in raw[r]),
                     }
                     for r in runners
                 }
                 report["models"].setdefault(kind, {})[threads] = fig
                 for r in runners:
-                    d, p = fig[r]["decode"], fig[r]["prefill"]
-                    ratios = d / fig["llama.cpp"]["decode"], p / fig["llama.cpp"]["prefill"]
+                    d, p, a = (fig[r][k] for k in ("decode", "prefill", "prefill_again"))
+                    peer = fig["llama.cpp"]
+                    ratios = d / peer["decode"], p / peer["prefill"], a / peer["prefill_again"]
                     gbs = d * read / 1e9
                     print(
-                        f"| {kind} | {threads} | {r} | {d:.1f} | {p:.1f} | {ratios[0]:.2f} | "
-                        f"{ratios[1]:.2f} | {gbs:.1f} ({100 * gbs / (probe / 1e9):.0f} %) |"
+                        f"| {kind} | {threads} | {r} | {d:.1f} | {p:.1f} / {a:.1f} | "
+                        f"{ratios[0]:.2f} | {ratios[1]:.2f} / {ratios[2]:.2f} | {gbs:.1f} "
+                        f"({100 * gbs / (probe / 1e9):.0f} %) |"
                     )
     finally:
         if args.model_dir is None:

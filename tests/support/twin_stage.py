@@ -24,10 +24,13 @@ from runplan.quant_types import CHUNK, uses_q8
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
+from runtime_core.workers.experts import Routing
 from runtime_core.workers.forward_program import (
+    Experts,
     Linear,
     Segment,
     StageWeights,
+    experts_by_gather,
     forward_blocks,
     forward_embed,
     forward_head,
@@ -192,6 +195,9 @@ class TwinOps:
     def router(self, lin: Linear[U8], rows: int) -> F32:
         self.linear(lin, "xn", "router", rows)
         return np.array(self.bufs["router"], dtype=np.float32, copy=True)
+
+    def experts(self, experts: Experts[Any], routing: Routing, rows: int) -> None:
+        experts_by_gather(self, experts, routing, rows)
 
     def begin_experts(self, used: int, rows: int) -> None:
         self.moe_in = self.bufs["xn"][:rows].copy()

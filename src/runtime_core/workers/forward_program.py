@@ -72,7 +72,7 @@ from runtime_core.gguf_slice import (
     rope_factors,
 )
 from runtime_core.model_config import ModelConfig
-from runtime_core.workers.experts import route
+from runtime_core.workers.experts import Routing, route
 from runtime_core.workers.rotary import query_temperatures, rope_rotations
 
 H = TypeVar("H")  # a backend's handle of raw GGUF rows
@@ -466,32 +466,42 @@ class ExpertOps(Protocol):
         """The router's logits ``xn @ lin^T`` of the ``rows`` rows, on the host."""
         ...
 
+    def experts(self, experts: Experts[Any], routing: Routing, rows: int) -> None:
+        """x += the mixture's output for the rows ``xn`` routed so: each (row, slot) pair
+        through its expert's gated feed-forward (each expert's rows one product), times
+        its weight, the slots summed in order (``workers.experts``)."""
+        ...
+
+
+class GatherOps(Protocol):
+    """What ``experts_by_gather`` runs a mixture on: a backend's own buffers."""
+
+    def linear(
+        self, lin: Linear[Any], src: str, dst: str, rows: int, *, accumulate: bool = False,
+        bias: Any = None,
+    ) -> None: ...  # fmt: skip
+
+    def swiglu(self, rows: int) -> None: ...
+
     def begin_experts(self, used: int, rows: int) -> None:
         """Keep the ``rows`` normalized rows ``xn``: the experts' inputs."""
-        ...
 
     def pick_rows(self, rows: npt.NDArray[np.int64]) -> None:
         """xn[:n] = the kept rows ``rows`` (n of them)."""
-        ...
 
     def put_rows(
         self, rows: npt.NDArray[np.int64], slots: npt.NDArray[np.int64], weights: F32
     ) -> None:
         """The output of slot ``slots[i]`` of row ``rows[i]`` = o[i] * weights[i]."""
-        ...
 
     def end_experts(self, rows: int) -> None:
         """x += the sum of each row's slot outputs, in slot order (``experts.py``)."""
-        ...
 
 
-def forward_experts(ops: Ops[H, V], experts: Experts[H], rows: int) -> None:
-    """x += the mixture of experts' output for the normalized rows ``xn``: the router's
-    logits read back and routed on the host (``workers.experts``), then per expert one
-    gated feed-forward over the rows that chose it, each row's output times its weight
-    into its slot, and the slots summed in order into the residual rows."""
-    assert isinstance(ops, ExpertOps), f"{type(ops).__name__} runs no mixture of experts"
-    routing = route(ops.router(experts.router, rows), experts.used)
+def experts_by_gather(ops: GatherOps, experts: Experts[Any], routing: Routing, rows: int) -> None:
+    """``ExpertOps.experts`` on a backend's named buffers: per expert, the rows that chose
+    it gathered into ``xn``, its gated feed-forward, each output times its weight into its
+    slot; then the slots summed in order into ``x``."""
     ops.begin_experts(experts.used, rows)
     for e, chosen, slots in routing.by_expert():
         n = len(chosen)
@@ -501,6 +511,14 @@ def forward_experts(ops: Ops[H, V], experts: Experts[H], rows: int) -> None:
         ops.linear(experts.down[e], "act", "o", n)
         ops.put_rows(chosen, slots, routing.weights[chosen, slots])
     ops.end_experts(rows)
+
+
+def forward_experts(ops: Ops[H, V], experts: Experts[H], rows: int) -> None:
+    """x += the mixture of experts' output for the normalized rows ``xn``: the router's
+    logits read back and routed on the host (``workers.experts``), then the backend's
+    ``experts``."""
+    assert isinstance(ops, ExpertOps), f"{type(ops).__name__} runs no mixture of experts"
+    ops.experts(experts, route(ops.router(experts.router, rows), experts.used), rows)
 
 
 def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:

@@ -50,11 +50,14 @@ from runplan import SamplingConfig
 from runplan.quant_types import CHUNK, uses_q8
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
+from runtime_core.workers.experts import Routing
 from runtime_core.workers.forward_program import (
+    Experts,
     Linear,
     MatrixPart,
     Segment,
     StageWeights,
+    experts_by_gather,
     forward_blocks,
     forward_embed,
     forward_head,
@@ -471,6 +474,9 @@ class DeviceOps:
         logits = cupy.asnumpy(self.buf["router"], stream=self.stream)
         self.stream.synchronize()
         return np.asarray(logits, dtype=np.float32)
+
+    def experts(self, experts: Experts[Any], routing: Routing, rows: int) -> None:
+        experts_by_gather(self, experts, routing, rows)
 
     def begin_experts(self, used: int, rows: int) -> None:
         """Keep the rows ``xn`` (and their 8-bit form) and which rows multiply 8-bit."""

@@ -80,6 +80,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan import SamplingConfig
+from runplan.quant_types import CHUNK
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
@@ -87,12 +88,14 @@ from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.step_buffers import (
     KEPT_ROWS,
     PAGE,
+    Q8Rows,
     RowSet,
     buffer,
     written,
 )
-from runtime_core.workers.experts import weighted_sum
+from runtime_core.workers.experts import Routing, weighted_sum
 from runtime_core.workers.forward_program import (
+    Experts,
     Linear,
     Segment,
     StageWeights,
@@ -238,11 +241,25 @@ class CpuOps:
         # the step programs made, by shape (rows per segment, head rows), the last used last
         self.programs: dict[tuple[tuple[int, ...], tuple[int, ...]], _kernels.Program] = {}
         # a mixture of experts (``forward_program.forward_experts``): the router's logits,
-        # the experts' inputs kept, each row's slot outputs (k, rows, hidden)
+        # the buffers of its (row, slot) pairs (``_pair_buffers``), those of a step of
+        # KEPT_ROWS rows made now, and the formats its experts' inputs take
         self.moe = any(layer.experts is not None for layer in w.layers)
         self.router_logits: F32 = np.empty((0, 0), np.float32)
-        self.moe_in: F32 = np.empty((0, 0), np.float32)
-        self.moe_out: F32 = np.empty((0, 0, 0), np.float32)
+        self.moe_bufs: dict[str, npt.NDArray[Any]] = {}
+        self.expert_formats = sorted(
+            {
+                (src, fmt)
+                for layer in w.layers
+                if layer.experts is not None
+                for src, lins in (("xs", layer.experts.gate_up), ("act", layer.experts.down))
+                for lin in lins
+                for fmt, _ in self.matrices[id(lin)]
+                if self.use_q8 and fmt != "f32"
+            }
+        )
+        if self.moe:
+            used = c.n_experts_used
+            self._pair_buffers(KEPT_ROWS * used, KEPT_ROWS, used, w.max_ffn)
 
     def new_cache(self, positions: int) -> CpuCache:
         """A KV cache of ``positions`` positions: each block's ring holds that many, or
@@ -276,9 +293,10 @@ class CpuOps:
 
     @property
     def kept_bytes(self) -> int:
-        """The bytes of the step buffers the stage keeps (``kept`` and the logits')."""
+        """The bytes of the step buffers the stage keeps (``kept``, the logits', a
+        mixture's)."""
         logits = 0 if self.logits_kept is None else self.logits_kept.nbytes
-        return self.kept.nbytes + logits
+        return self.kept.nbytes + logits + sum(a.nbytes for a in self.moe_bufs.values())
 
     def use_heads(self, rows: int) -> None:
         """The logits of ``rows`` head rows (each run's last row that needs a token)."""
@@ -458,27 +476,104 @@ class CpuOps:
         self.step_kv = None  # its last ``size`` positions are in the ring now
         self._written("att")
 
-    # -- a mixture of experts (forward_program.ExpertOps): the rows moved by NumPy, each
-    # float32 product and sum rounded once, as ggml's -----------------------------------
+    # -- a mixture of experts (forward_program.ExpertOps) ---------------------------------
     def router(self, lin: Linear[U8], rows: int) -> F32:
         self.linear(lin, "xn", "router", rows)
         return self.router_logits
 
-    def begin_experts(self, used: int, rows: int) -> None:
-        self.moe_in = self.buf.views["xn"][:rows].copy()
-        self.moe_out = np.empty((used, rows, self.w.config.hidden_dim), np.float32)
+    def experts(self, experts: Experts[U8], routing: Routing, rows: int) -> None:
+        """x += the mixture's output: the rows' (row, slot) pairs sorted by expert, each
+        expert's two products one call over its pairs (their 8-bit forms made by its
+        call), the gate one call over every pair, NumPy's gathers, float32 products and
+        sums in slot order (``workers.experts``): per pair, the bits of the pair alone."""
+        spans = list(routing.by_expert())
+        pair_rows = np.concatenate([chosen for _, chosen, _ in spans])
+        pair_slots = np.concatenate([slots for _, _, slots in spans])
+        at, start = [], 0  # each expert's pairs: (expert, first, end)
+        for e, chosen, _ in spans:
+            at.append((e, start, start + len(chosen)))
+            start += len(chosen)
+        pairs, f = len(pair_rows), experts.down[0].n_in
+        b = self._pair_buffers(pairs, rows, experts.used, f)
+        np.take(self.buf.views["xn"][:rows], pair_rows, axis=0, out=b["xs"])
+        self._expert_products(experts.gate_up, at, b, "xs", b["h"])
+        self.kernels.swiglu(b["h"], b["act"], pairs, f, self.threads)
+        self._expert_products(experts.down, at, b, "act", b["out"])
+        b["out"] *= routing.weights[pair_rows, pair_slots][:, None]
+        b["slotted"][pair_slots, pair_rows] = b["out"]
+        self.buf.x[:rows] += weighted_sum(b["slotted"])
 
-    def pick_rows(self, rows: npt.NDArray[np.int64]) -> None:
-        self.buf.views["xn"][: len(rows)] = self.moe_in[rows]
-        self._written("xn")
+    def _pair_buffers(self, pairs: int, rows: int, used: int, f: int) -> dict[str, Any]:
+        """Views of the mixture's buffers for ``pairs`` (row, slot) pairs of ``rows``
+        rows, kept from step to step (``moe_bufs``: made again, every page written, when
+        a step needs more; the bound stage makes those of KEPT_ROWS rows): the pairs'
+        inputs (``xs``) in every format the experts' matrices take (``xs-<format>``),
+        gate and up (``h``), the gated rows (``act``, and theirs), the outputs, the
+        outputs by slot."""
+        hidden = self.w.config.hidden_dim
 
-    def put_rows(
-        self, rows: npt.NDArray[np.int64], slots: npt.NDArray[np.int64], weights: F32
+        def kept(name: str, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
+            n = int(np.prod(shape))
+            buf = self.moe_bufs.get(name)
+            if buf is None or buf.size < n:
+                buf = self.moe_bufs[name] = written(n, dtype)
+            return buf[:n].reshape(shape)
+
+        out: dict[str, Any] = {
+            "xs": kept("xs", (pairs, hidden), np.float32),
+            "h": kept("h", (pairs, 2 * f), np.float32),
+            "act": kept("act", (pairs, f), np.float32),
+            "out": kept("out", (pairs, hidden), np.float32),
+            "slotted": kept("slotted", (used, rows, hidden), np.float32),
+        }
+        for src, fmt in self.expert_formats:
+            (n_rows, n), k = out[src].shape, f"{src}-{fmt}"
+            if fmt in ("f16", "bf16"):
+                out[k] = kept(k, (n_rows, n), np.float32)
+                continue
+            nc = n // CHUNK
+            out[k] = Q8Rows(
+                kept(k + "-q", (n_rows, n), np.int8),
+                kept(k + "-d", (n_rows, nc), np.float32),
+                kept(k + "-s", (n_rows, nc), np.float32),
+                kept(k + "-g", (n_rows, 2 * nc), np.int32),
+            )
+        return out
+
+    def _expert_products(
+        self,
+        lins: Sequence[Linear[U8]],
+        at: Sequence[tuple[int, int, int]],
+        b: dict[str, Any],
+        src: str,
+        y: F32,
     ) -> None:
-        self.moe_out[slots, rows] = self.buf.views["o"][: len(rows)] * weights[:, None]
-
-    def end_experts(self, rows: int) -> None:
-        self.buf.x[:rows] += weighted_sum(self.moe_out)
+        """y[a:b] = src[a:b] @ lins[e]^T for each span ``(e, a, b)``, in the activation
+        formats the weights take (llama.cpp's, as ``linear``'s): ``src`` rounded to half
+        or bfloat16 once, or made 8-bit by each span's product (a matrix takes one)."""
+        x = b[src]
+        rounded: set[str] = set()
+        for e, first, end in at:
+            rows = end - first
+            for fmt, matrix in self.matrices[id(lins[e])]:
+                if fmt in ("f32", "f16", "bf16") or not self.use_q8:
+                    xf = x
+                    if self.use_q8 and fmt != "f32":
+                        xf = b[f"{src}-{fmt}"]
+                        if fmt not in rounded:
+                            self.kernels.round(x, xf, fmt, self.threads)
+                            rounded.add(fmt)
+                    self.kernels.linear(
+                        matrix, rows, xf[first:end], None, None, None, None,
+                        False, False, y[first:end], None, False, self.threads, isa=self.isa,
+                    )  # fmt: skip
+                    continue
+                q = b[f"{src}-{fmt}"].first(end)  # each span's rows made 8-bit by its call
+                self.kernels.linear(
+                    matrix, rows, x[first:end], q.q[first:], q.d[first:], q.s[first:],
+                    q.g[first:], True, True, y[first:end], None, False, self.threads,
+                    isa=self.isa,
+                )  # fmt: skip
 
     def swiglu(self, rows: int) -> None:
         self._gated(self.kernels.swiglu, rows)
