@@ -246,6 +246,7 @@ class CpuOps:
         self.moe = any(layer.experts is not None for layer in w.layers)
         self.router_logits: F32 = np.empty((0, 0), np.float32)
         self.moe_bufs: dict[str, npt.NDArray[Any]] = {}
+        self.pair_views: dict[tuple[int, int, int, int], dict[str, Any]] = {}  # by shape
         self.expert_formats = sorted(
             {
                 (src, fmt)
@@ -510,6 +511,9 @@ class CpuOps:
         inputs (``xs``) in every format the experts' matrices take (``xs-<format>``),
         gate and up (``h``), the gated rows (``act``, and theirs), the outputs, the
         outputs by slot."""
+        key = (pairs, rows, used, f)
+        if (views := self.pair_views.get(key)) is not None:
+            return views
         hidden = self.w.config.hidden_dim
 
         def kept(name: str, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
@@ -517,6 +521,7 @@ class CpuOps:
             buf = self.moe_bufs.get(name)
             if buf is None or buf.size < n:
                 buf = self.moe_bufs[name] = written(n, dtype)
+                self.pair_views.clear()  # views of the buffer it replaces
             return buf[:n].reshape(shape)
 
         out: dict[str, Any] = {
@@ -538,6 +543,9 @@ class CpuOps:
                 kept(k + "-s", (n_rows, nc), np.float32),
                 kept(k + "-g", (n_rows, 2 * nc), np.int32),
             )
+        if len(self.pair_views) >= KEPT_PROGRAMS:
+            del self.pair_views[next(iter(self.pair_views))]
+        self.pair_views[key] = out
         return out
 
     def _expert_products(
