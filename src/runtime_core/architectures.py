@@ -1,7 +1,7 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-exaone,gemma,gemma2,gemma3,granite,mistral3,phi3,qwen3moe,smollm3}.cpp``,
+exaone,gemma,gemma2,gemma3,granite,granite-moe,mistral3,phi3,qwen3moe,smollm3}.cpp``,
 ``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here is the same pre-norm
 transformer block; the spec says where one departs from it:
 
@@ -130,6 +130,10 @@ class ArchSpec:
     # (llama: Mixtral's files are ``llama`` with experts), ABSENT (a file with experts
     # is refused)
     experts: Presence = Presence.ABSENT
+    # each expert's feed-forward size: ``expert_feed_forward_length`` (else
+    # ``feed_forward_length / expert_used_count``: llama.cpp's n_ff_exp, qwen3moe's), or
+    # ``feed_forward_length`` itself (llama's and granitemoe's experts)
+    expert_ffn_length: bool = False
 
 
 _BASE = ArchSpec(
@@ -263,6 +267,15 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             qk_norm=True,
             rope_freqs=False,
             experts=Presence.REQUIRED,
+            expert_ffn_length=True,
+        ),
+        # Granite 3.x MoE (1B-A400M, 3B-A800M): granite's multipliers, every block's
+        # feed-forward a mixture of experts of feed_forward_length, the mixture's output
+        # scaled by residual_scale as the dense block's (``models/granite.cpp``; its
+        # shared-expert variant, granitemoeshared's expert_shared_feed_forward_length, is
+        # refused).
+        _like_llama(
+            name="granitemoe", longrope=True, granite_scales=True, experts=Presence.REQUIRED
         ),
         _like_llama(
             name="phi3",

@@ -282,12 +282,13 @@ def _ffn_dims(
 ) -> tuple[int, ...]:
     """Each block's feed-forward size; with experts, each expert's: qwen3moe's
     ``expert_feed_forward_length`` where set, else ``feed_forward_length / k`` (llama.cpp's
-    ``n_ff_exp``); llama's (Mixtral) ``feed_forward_length``."""
+    ``n_ff_exp``); llama's (Mixtral) and granitemoe's ``feed_forward_length``."""
+    own = experts[0] and ARCHITECTURES[arch].expert_ffn_length
     key = f"{arch}.expert_feed_forward_length"
-    if experts[0] and arch != "llama" and header.has(key):
+    if own and header.has(key):
         return per_block_integers(header, key, n_layers)
     dims = per_block_integers(header, f"{arch}.feed_forward_length", n_layers)
-    if experts[0] and arch != "llama":
+    if own:
         return tuple(d // experts[1] for d in dims)
     return dims
 

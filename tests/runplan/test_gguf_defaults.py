@@ -174,7 +174,7 @@ class Reading:
         ffn = self.value(f"{arch}.feed_forward_length")
         experts = self.value(f"{arch}.expert_count", 0)
         used = self.value(f"{arch}.expert_used_count", 0)
-        if experts and arch != "llama":  # llama.cpp's n_ff_exp (qwen3moe); llama: n_ff
+        if experts and arch in ("qwen3moe", "qwen2moe"):  # llama.cpp's n_ff_exp; else n_ff
             ffn = self.value(f"{arch}.expert_feed_forward_length", ffn // used)
         return {
             "n_experts": experts,

@@ -32,7 +32,8 @@ architecture has)::
     h   = xn @ [Wgate | Wup]^T                (ffn_gate, ffn_up or phi3's fused ffn_up)
     act = silu(h_gate) * h_up                 [gemma, gemma2/3: gelu_tanh(h_gate) * h_up]
     x  += act @ Wdown^T                       [gemma2/3: post-norm as above]
-    [experts: in place of the three lines above, ``forward_experts``]
+    [experts: o = ``forward_experts``, in place of the three lines above; x += o, or
+     granite's x += o * residual_scale]
 
 with ``x = embed(ids) [* embedding_scale]`` on the first stage (``forward_embed``), and
 on the last ``xl = rmsnorm(x[heads]) * output_norm``, ``logits = xl @ head^T``
@@ -467,7 +468,7 @@ class ExpertOps(Protocol):
         ...
 
     def experts(self, experts: Experts[Any], routing: Routing, rows: int) -> None:
-        """x += the mixture's output for the rows ``xn`` routed so: each (row, slot) pair
+        """o = the mixture's output for the rows ``xn`` routed so: each (row, slot) pair
         through its expert's gated feed-forward (each expert's rows one product), times
         its weight, the slots summed in order (``workers.experts``)."""
         ...
@@ -495,13 +496,13 @@ class GatherOps(Protocol):
         """The output of slot ``slots[i]`` of row ``rows[i]`` = o[i] * weights[i]."""
 
     def end_experts(self, rows: int) -> None:
-        """x += the sum of each row's slot outputs, in slot order (``experts.py``)."""
+        """o = the sum of each row's slot outputs, in slot order (``experts.py``)."""
 
 
 def experts_by_gather(ops: GatherOps, experts: Experts[Any], routing: Routing, rows: int) -> None:
     """``ExpertOps.experts`` on a backend's named buffers: per expert, the rows that chose
     it gathered into ``xn``, its gated feed-forward, each output times its weight into its
-    slot; then the slots summed in order into ``x``."""
+    slot; then the slots summed in order into ``o``."""
     ops.begin_experts(experts.used, rows)
     for e, chosen, slots in routing.by_expert():
         n = len(chosen)
@@ -514,7 +515,7 @@ def experts_by_gather(ops: GatherOps, experts: Experts[Any], routing: Routing, r
 
 
 def forward_experts(ops: Ops[H, V], experts: Experts[H], rows: int) -> None:
-    """x += the mixture of experts' output for the normalized rows ``xn``: the router's
+    """o = the mixture of experts' output for the normalized rows ``xn``: the router's
     logits read back and routed on the host (``workers.experts``), then the backend's
     ``experts``."""
     assert isinstance(ops, ExpertOps), f"{type(ops).__name__} runs no mixture of experts"
@@ -555,8 +556,9 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], segments: Sequence[Seg
         else:
             ops.linear(layer.wo, "att", "x", rows, accumulate=True, bias=layer.wo_bias)
         ops.norm(layer.ffn_norm, rows)
-        if layer.experts is not None:
+        if layer.experts is not None:  # o = the mixture's output; x += o (granite: o scaled)
             forward_experts(ops, layer.experts, rows)
+            ops.add_scaled(residual or 1.0, rows)
             continue
         assert layer.gate_up is not None and layer.down is not None
         ops.linear(layer.gate_up, "xn", "h", rows, bias=layer.gate_up_bias)

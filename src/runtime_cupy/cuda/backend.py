@@ -516,7 +516,7 @@ class DeviceOps:
             total = self.moe_out[0].copy()
             for j in range(1, self.moe_out.shape[0]):
                 total += self.moe_out[j]
-            self.buf["x"][:rows] += total
+            self.buf["o"][:rows] = total
         self.groups = self.moe_groups
 
     def scale_x(self, factor: float, rows: int) -> None:

@@ -425,7 +425,10 @@ class StageModel:
             # feed-forward
             xn = rms_norm(x, w.ffn_norm, c.rms_eps)
             if w.router is not None:
-                x += self._experts(w, xn)
+                down = self._experts(w, xn)
+                if c.residual_scale:  # granite's
+                    down *= np.float32(c.residual_scale)
+                x += down
                 continue
             h = linear(xn, w.w13)  # (rows, 2 * ffn): gate | up
             if w.b13 is not None:
