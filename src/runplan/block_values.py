@@ -48,8 +48,8 @@ def model_integer(header: GgufHeader, key: str, n_blocks: int, default: int | No
     if len(set(values)) > 1:
         raise GgufError(
             header.paths[0],
-            f"one value per block, and they differ ({list(values)}); blocks of different "
-            "head counts are not supported",
+            f"one value per block, and they differ ({list(values)}); blocks that differ in "
+            "it are not supported",
             key,
         )
     return values[0] if values else header.integer(key, default)

@@ -33,6 +33,7 @@ REFERENCE_ARCHITECTURES: tuple[str, ...] = (
     "granite",
     "exaone",
     "qwen3moe",
+    "qwen2moe",
     "granitemoe",
     "phi3",
 )

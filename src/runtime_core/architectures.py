@@ -1,7 +1,8 @@
 """What differs between the architectures we run, as data: one ``ArchSpec`` each.
 
 Read from llama.cpp's loaders and graph builders (``src/models/{llama,qwen2,qwen3,
-exaone,gemma,gemma2,gemma3,granite,granite-moe,mistral3,phi3,qwen3moe,smollm3}.cpp``,
+exaone,gemma,gemma2,gemma3,granite,granite-moe,mistral3,phi3,qwen2moe,qwen3moe,
+smollm3}.cpp``,
 ``llama-model.cpp``, ``llama-graph.cpp``). Every architecture here is the same pre-norm
 transformer block; the spec says where one departs from it:
 
@@ -23,8 +24,9 @@ transformer block; the spec says where one departs from it:
         g, u = h @ Wgate, h @ Wup (+ biases) or h @ Wup split [gate; up]
         f = (act(g) * u) @ Wdown (+ bias)   act: SiLU or GELU (tanh)
             or, with experts (llama's optional, qwen3moe's): p = softmax(h @ Wrouter),
-            the top k experts e_j of p, w_j = p[e_j] / sum p[e_j],
+            the top k experts e_j of p, w_j = p[e_j] / sum p[e_j] (qwen2moe: p[e_j]),
             f = sum_j w_j * (silu(h @ Wgate[e_j]) * (h @ Wup[e_j])) @ Wdown[e_j]
+            [qwen2moe: + sigmoid(h . w_shexp) * the shared expert's ffn(h)]
         f = rms_norm(f, post_ffw_norm)                             if post_norms
         x = x + f
     logits = rms_norm(x, output_norm) @ Whead  (output, or token_embd when tied)
@@ -134,6 +136,13 @@ class ArchSpec:
     # ``feed_forward_length / expert_used_count``: llama.cpp's n_ff_exp, qwen3moe's), or
     # ``feed_forward_length`` itself (llama's and granitemoe's experts)
     expert_ffn_length: bool = False
+    # the chosen experts' weights divided by their sum (llama.cpp's norm_w); False: the
+    # softmax's own (qwen2moe)
+    expert_weights_norm: bool = True
+    # a shared expert beside the routed ones, gated per row by sigmoid(h . w)
+    # (qwen2moe: ffn_{gate,up,down}_shexp of expert_shared_feed_forward_length, else
+    # feed_forward_length; ffn_gate_inp_shexp the gate's w)
+    shared_expert: bool = False
 
 
 _BASE = ArchSpec(
@@ -269,6 +278,20 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             experts=Presence.REQUIRED,
             expert_ffn_length=True,
         ),
+        # Qwen1.5-MoE, Qwen2-MoE (Qwen2-57B-A14B): qwen2's attention (Q/K/V biases
+        # optional, as llama.cpp's loader takes them), a mixture whose chosen weights are
+        # the softmax's own, and a shared expert gated per row (``models/qwen2moe.cpp``).
+        _like_llama(
+            name="qwen2moe",
+            rope_neox=True,
+            output_bias=Presence.ABSENT,
+            ffn_bias=Presence.ABSENT,
+            rope_freqs=False,
+            experts=Presence.REQUIRED,
+            expert_ffn_length=True,
+            expert_weights_norm=False,
+            shared_expert=True,
+        ),
         # Granite 3.x MoE (1B-A400M, 3B-A800M): granite's multipliers, every block's
         # feed-forward a mixture of experts of feed_forward_length, the mixture's output
         # scaled by residual_scale as the dense block's (``models/granite.cpp``; its
@@ -294,7 +317,6 @@ assert tuple(ARCHITECTURES) == REFERENCE_ARCHITECTURES, "runplan's defaults name
 
 #: Mixture-of-experts architectures, refused by name with that reason.
 MOE_ARCHITECTURES: tuple[str, ...] = (
-    "qwen2moe",
     "phimoe",
     "mixtral",
     "llama4",

@@ -98,6 +98,11 @@ def block_specs(
         out["ffn_gate_exps.weight"] = ((h, f, e), Presence.REQUIRED)
         out["ffn_up_exps.weight"] = ((h, f, e), Presence.REQUIRED)
         out["ffn_down_exps.weight"] = ((f, h, e), Presence.REQUIRED)
+        if fs := config.shared_ffn:  # qwen2moe's gated shared expert
+            out["ffn_gate_inp_shexp.weight"] = ((h,), Presence.REQUIRED)
+            out["ffn_gate_shexp.weight"] = ((h, fs), Presence.REQUIRED)
+            out["ffn_up_shexp.weight"] = ((h, fs), Presence.REQUIRED)
+            out["ffn_down_shexp.weight"] = ((fs, h), Presence.REQUIRED)
     elif spec.ffn is FfnLayout.FUSED:
         out["ffn_up.weight"] = ((h, 2 * f), Presence.REQUIRED)
     else:

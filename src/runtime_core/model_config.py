@@ -115,6 +115,7 @@ class ModelConfig:
     # per row; ``ffn_dims`` are then each expert's feed-forward size
     n_experts: int = 0
     n_experts_used: int = 0
+    shared_ffn: int = 0  # the shared expert's feed-forward size (qwen2moe's); 0: none
 
     @property
     def sliding(self) -> bool:
@@ -214,6 +215,7 @@ class ModelConfig:
             or header.integer(f"{arch}.context_length"),
             n_experts=experts[0],
             n_experts_used=experts[1],
+            shared_ffn=_shared_ffn(header, arch, spec, n_layers),
         )
         # granite's multipliers (in place of the embedding and query scales, and every
         # block's rotary where the file turns it off)
@@ -293,6 +295,21 @@ def _ffn_dims(
     return dims
 
 
+def _shared_ffn(header: GgufHeader, arch: str, spec: ArchSpec, n_layers: int) -> int:
+    """The shared expert's feed-forward size: ``expert_shared_feed_forward_length``, else
+    ``feed_forward_length`` (llama.cpp's ``n_ff_shexp``, qwen2moe's); 0 without one.
+    One shared expert (``expert_shared_count`` at most 1)."""
+    if not spec.shared_expert:
+        return 0
+    count_key = f"{arch}.expert_shared_count"
+    if header.integer(count_key, default=1) != 1:
+        raise UnsupportedModel(
+            header.paths[0], "shared experts other than one: not supported", key=count_key
+        )
+    size = header.integer(f"{arch}.expert_shared_feed_forward_length", default=0)
+    return size or model_integer(header, f"{arch}.feed_forward_length", n_layers)
+
+
 def _experts(header: GgufHeader, arch: str, spec: ArchSpec, n_layers: int) -> tuple[int, int]:
     """``(expert_count, expert_used_count)`` of a mixture of experts, ``(0, 0)`` without.
     Refused (``UnsupportedModel``): experts where the architecture has none, and what
@@ -313,11 +330,12 @@ def _experts(header: GgufHeader, arch: str, spec: ArchSpec, n_layers: int) -> tu
     used = model_integer(header, used_key, n_layers, 0)
     if not 1 <= used <= count:
         raise GgufError(path, f"{used} experts used of {count}: not 1 .. {count}", used_key)
-    for name, none in (
-        ("expert_group_count", 1),
-        ("expert_shared_count", 0),
-        ("expert_shared_feed_forward_length", 0),
-    ):
+    shared = (
+        ()
+        if spec.shared_expert  # qwen2moe: its one shared expert
+        else (("expert_shared_count", 0), ("expert_shared_feed_forward_length", 0))
+    )
+    for name, none in (("expert_group_count", 1), *shared):
         if header.integer(f"{arch}.{name}", default=none) > none:
             raise UnsupportedModel(
                 path, f"{name} above {none}: not supported", key=f"{arch}.{name}"

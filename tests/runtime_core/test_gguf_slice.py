@@ -36,8 +36,18 @@ SHAPES = {
     "phi3": ModelShape(arch="phi3", n_layers=N_LAYERS, rope_dims=8, tied=False, seed=9),
     "qwen3moe": ModelShape(arch="qwen3moe", n_layers=N_LAYERS, experts=4, experts_used=2, seed=13),
     "llama-moe": ModelShape(n_layers=N_LAYERS, experts=4, experts_used=2, seed=14),
+    "qwen2moe": ModelShape(
+        arch="qwen2moe",
+        n_layers=N_LAYERS,
+        tied=False,
+        experts=4,
+        experts_used=2,
+        shared_ffn=96,
+        seed=15,
+    ),
 }
 MOE = SHAPES["qwen3moe"]
+QWEN2MOE = SHAPES["qwen2moe"]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,7 @@ def test_a_stage_owns_exactly_its_blocks_and_its_ends(
     ) as stage:
         assert set(stage.tensors) == expected_tensors(models[key], start, end)
         if end == N_LAYERS:
-            tied = key not in ("untied", "phi3", "smollm3")
+            tied = key not in ("untied", "phi3", "smollm3", "qwen2moe")
             assert stage.head == ("token_embd.weight" if tied else "output.weight")
         else:
             assert stage.head is None
@@ -148,7 +158,7 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         _unsupported(key="general.architecture"),
     ),
     "mixture-of-experts architecture": (
-        {"shape": ModelShape(arch="qwen2moe", n_layers=N_LAYERS)},
+        {"shape": ModelShape(arch="phimoe", n_layers=N_LAYERS)},
         (0, 4),
         _unsupported(key="general.architecture"),
     ),
@@ -292,6 +302,16 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         {"shape": MOE, "override_keys": {"qwen3moe.expert_used_count": (5, GGUFValueType.UINT32)}},
         (0, 4),
         {"error": GgufError, "tensor": None, "key": "qwen3moe.expert_used_count"},
+    ),
+    "qwen2moe without its shared expert's gate": (
+        {"shape": QWEN2MOE, "drop_tensors": ("blk.3.ffn_gate_inp_shexp.weight",)},
+        (3, 4),
+        _unsupported(tensor="blk.3.ffn_gate_inp_shexp.weight"),
+    ),
+    "qwen2moe with two shared experts": (
+        {"shape": QWEN2MOE, "extra_keys": {"qwen2moe.expert_shared_count": 2}},
+        (0, 4),
+        _unsupported(key="qwen2moe.expert_shared_count"),
     ),
     "expert groups (DeepSeek's)": (
         {"shape": MOE, "extra_keys": {"qwen3moe.expert_group_count": 2}},

@@ -196,10 +196,16 @@ class TwinOps:
         self.linear(lin, "xn", "router", rows)
         return np.array(self.bufs["router"], dtype=np.float32, copy=True)
 
-    def experts(self, experts: Experts[Any], routing: Routing, rows: int) -> None:
-        experts_by_gather(self, experts, routing, rows)
+    def experts(
+        self, experts: Experts[Any], routing: Routing, rows: int, accumulate: bool = False
+    ) -> None:
+        experts_by_gather(self, experts, routing, rows, accumulate)
 
-    def begin_experts(self, used: int, rows: int) -> None:
+    def scale_rows(self, factors: F32, rows: int) -> None:
+        self.bufs["o"] = (self.bufs["o"][:rows] * factors[:, None]).astype(np.float32)
+
+    def begin_experts(self, used: int, rows: int, accumulate: bool) -> None:
+        self.moe_base = self.bufs["o"][:rows].copy() if accumulate else None
         self.moe_in = self.bufs["xn"][:rows].copy()
         self.moe_q8 = list(self.q8.get("xn", []))
         self.moe_row_q8 = list(self.row_q8)
@@ -220,7 +226,7 @@ class TwinOps:
         total = self.moe_out[0].copy()
         for j in range(1, self.moe_out.shape[0]):
             total += self.moe_out[j]
-        self.bufs["o"] = total
+        self.bufs["o"] = total if self.moe_base is None else self.moe_base + total
         self.row_q8 = self.moe_row_q8
 
     def scale_x(self, factor: float, rows: int) -> None:

@@ -50,18 +50,30 @@ class Routing:
             yield int(chosen[a]), rows[a:b].astype(np.int64), slots[a:b].astype(np.int64)
 
 
-def route(logits: F32, k: int) -> Routing:
-    """The routing of rows whose router logits are ``logits`` ``(rows, n_experts)``."""
+def route(logits: F32, k: int, norm: bool = True) -> Routing:
+    """The routing of rows whose router logits are ``logits`` ``(rows, n_experts)``; the
+    chosen weights divided by their sum (``norm``) or the softmax's own (qwen2moe)."""
     logits = np.asarray(logits, dtype=np.float32)
     e = np.exp(logits - logits.max(axis=1, keepdims=True))
     total = e.sum(axis=1, dtype=np.float64)
     p = e * (1.0 / total).astype(np.float32)[:, None]
     experts = np.argsort(-p, axis=1, kind="stable")[:, :k].astype(np.int64)
     chosen = np.take_along_axis(p, experts, axis=1)
+    if not norm:
+        return Routing(experts, chosen.astype(np.float32))
     total_chosen = np.maximum(
         chosen.sum(axis=1, dtype=np.float64).astype(np.float32), MIN_WEIGHT_SUM
     )
     return Routing(experts, (chosen / total_chosen[:, None]).astype(np.float32))
+
+
+def shared_gate(logits: F32) -> F32:
+    """qwen2moe's gate of the shared expert, ``sigmoid(g)`` as llama.cpp computes it:
+    ``silu(g) / g`` in float32 (``ggml_div(ggml_silu(g), g)``)."""
+    g = np.asarray(logits, dtype=np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):  # g = 0: NaN, as llama.cpp's
+        silu = g / (np.float32(1) + np.exp(-g))
+        return (silu / g).astype(np.float32)
 
 
 def weighted_sum(outputs: F32) -> F32:

@@ -60,6 +60,7 @@ import numpy as np
 import numpy.typing as npt
 from attrs import frozen
 
+from runplan.gguf_header import TensorInfo
 from runplan.quant_types import CHUNK, QUANT_TYPES, row_bytes
 from runtime_core.architectures import Activation, FfnLayout, QkvLayout
 from runtime_core.gguf_slice import (
@@ -73,7 +74,7 @@ from runtime_core.gguf_slice import (
     rope_factors,
 )
 from runtime_core.model_config import ModelConfig
-from runtime_core.workers.experts import Routing, route
+from runtime_core.workers.experts import Routing, route, shared_gate
 from runtime_core.workers.rotary import query_temperatures, rope_rotations
 
 H = TypeVar("H")  # a backend's handle of raw GGUF rows
@@ -140,14 +141,24 @@ class Linear(Generic[H]):
 class Experts(Generic[H]):
     """A block's mixture of experts: the router and each expert's matrices."""
 
-    router: Linear[H]  # n_experts x hidden (float32 in llama.cpp's files)
+    # n_experts x hidden (float32 in llama.cpp's files); qwen2moe's: (n_experts + 1) x
+    # hidden, its last row the shared expert's gate (ffn_gate_inp_shexp)
+    router: Linear[H]
     gate_up: list[Linear[H]]  # per expert: (2 ffn) x hidden, rows [gate; up]
     down: list[Linear[H]]  # per expert: hidden x ffn
     used: int  # experts per row
+    norm: bool = True  # the chosen weights divided by their sum (qwen2moe: not)
+    shared_gate_up: Linear[H] | None = None  # qwen2moe's shared expert: (2 fs) x hidden
+    shared_down: Linear[H] | None = None  # hidden x fs
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.gate_up)
 
     @property
     def linears(self) -> list[Linear[H]]:
-        return [self.router, *self.gate_up, *self.down]
+        shared = [lin for lin in (self.shared_gate_up, self.shared_down) if lin is not None]
+        return [self.router, *self.gate_up, *self.down, *shared]
 
 
 @attrs.define
@@ -198,8 +209,9 @@ class StageWeights(Generic[H, V]):
 
     @property
     def max_ffn(self) -> int:
-        """The widest feed-forward (an expert's, in a mixture)."""
-        return max((self.config.ffn_dims[i] for i in self.block_indices), default=0)
+        """The widest feed-forward (an expert's, in a mixture, or its shared expert's)."""
+        widest = max((self.config.ffn_dims[i] for i in self.block_indices), default=0)
+        return max(widest, self.config.shared_ffn if self.layers else 0)
 
     @property
     def block_indices(self) -> range:
@@ -286,6 +298,9 @@ def load_weights(
             data = stage.raw(name)
             return (data if expert is None else data[expert]).reshape(n_out, -1)
 
+        def outputs(info: TensorInfo) -> int:  # a vector (qwen2moe's gate) is one row
+            return info.shape[1] if len(info.shape) > 1 else 1
+
         n_in = infos[0].shape[0]
         for name, info in zip(names, infos, strict=True):
             if info.ggml_type not in QUANT_TYPES:
@@ -296,11 +311,11 @@ def load_weights(
                     f"of a multiple of {CHUNK}, the same for every part"
                 )
         parts: list[tuple[MatrixPart, H]] = []
-        n_out = sum(info.shape[1] for info in infos)
+        n_out = sum(outputs(info) for info in infos)
         which = "" if expert is None else f"[{expert}]"
         if join_parts and len({info.ggml_type for info in infos}) == 1 and len(names) > 1:
             data = np.concatenate(
-                [rows(n, info.shape[1]) for n, info in zip(names, infos, strict=True)]
+                [rows(n, outputs(info)) for n, info in zip(names, infos, strict=True)]
             )
             part = MatrixPart("+".join(names) + which, infos[0].ggml_type, n_out, n_in, 0)
             parts.append((part, up.raw(data)))
@@ -308,10 +323,10 @@ def load_weights(
             at = 0
             for name, info in zip(names, infos, strict=True):
                 if name + which not in raw_cache:
-                    raw_cache[name + which] = up.raw(rows(name, info.shape[1]))
-                part = MatrixPart(name + which, info.ggml_type, info.shape[1], n_in, at)
+                    raw_cache[name + which] = up.raw(rows(name, outputs(info)))
+                part = MatrixPart(name + which, info.ggml_type, outputs(info), n_in, at)
                 parts.append((part, raw_cache[name + which]))
-                at += info.shape[1]
+                at += outputs(info)
         for name in names:
             count(name)
         return Linear(tuple(parts), n_in, n_out)
@@ -332,11 +347,20 @@ def load_weights(
         if config.n_experts:
             gate_up = []
             exps = [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
+            shared = config.shared_ffn > 0
+            router = [p + "ffn_gate_inp.weight"] + [p + "ffn_gate_inp_shexp.weight"] * shared
             experts = Experts(
-                router=linear([p + "ffn_gate_inp.weight"]),
+                router=linear(router),
                 gate_up=[linear(exps, e) for e in range(config.n_experts)],
                 down=[linear([p + "ffn_down_exps.weight"], e) for e in range(config.n_experts)],
                 used=config.n_experts_used,
+                norm=spec.expert_weights_norm,
+                shared_gate_up=(
+                    linear([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"])
+                    if shared
+                    else None
+                ),
+                shared_down=linear([p + "ffn_down_shexp.weight"]) if shared else None,
             )
         gate_up_bias = joined_bias(gate_up, (2 * f,) if len(gate_up) == 1 else (f, f))
         post = spec.post_norms
@@ -467,10 +491,17 @@ class ExpertOps(Protocol):
         """The router's logits ``xn @ lin^T`` of the ``rows`` rows, on the host."""
         ...
 
-    def experts(self, experts: Experts[Any], routing: Routing, rows: int) -> None:
-        """o = the mixture's output for the rows ``xn`` routed so: each (row, slot) pair
-        through its expert's gated feed-forward (each expert's rows one product), times
-        its weight, the slots summed in order (``workers.experts``)."""
+    def experts(
+        self, experts: Experts[Any], routing: Routing, rows: int, accumulate: bool = False
+    ) -> None:
+        """o (+)= the mixture's output for the rows ``xn`` routed so: each (row, slot)
+        pair through its expert's gated feed-forward (each expert's rows one product),
+        times its weight, the slots summed in order (``workers.experts``); ``accumulate``:
+        added to ``o`` (qwen2moe's gated shared expert there)."""
+        ...
+
+    def scale_rows(self, factors: F32, rows: int) -> None:
+        """o[r] *= factors[r] for each of the ``rows`` rows (qwen2moe's shared gate)."""
         ...
 
 
@@ -484,8 +515,9 @@ class GatherOps(Protocol):
 
     def swiglu(self, rows: int) -> None: ...
 
-    def begin_experts(self, used: int, rows: int) -> None:
-        """Keep the ``rows`` normalized rows ``xn``: the experts' inputs."""
+    def begin_experts(self, used: int, rows: int, accumulate: bool) -> None:
+        """Keep the ``rows`` normalized rows ``xn``: the experts' inputs (and ``o``'s rows,
+        where the mixture adds to them)."""
 
     def pick_rows(self, rows: npt.NDArray[np.int64]) -> None:
         """xn[:n] = the kept rows ``rows`` (n of them)."""
@@ -496,14 +528,16 @@ class GatherOps(Protocol):
         """The output of slot ``slots[i]`` of row ``rows[i]`` = o[i] * weights[i]."""
 
     def end_experts(self, rows: int) -> None:
-        """o = the sum of each row's slot outputs, in slot order (``experts.py``)."""
+        """o (+)= the sum of each row's slot outputs, in slot order (``experts.py``)."""
 
 
-def experts_by_gather(ops: GatherOps, experts: Experts[Any], routing: Routing, rows: int) -> None:
+def experts_by_gather(
+    ops: GatherOps, experts: Experts[Any], routing: Routing, rows: int, accumulate: bool
+) -> None:
     """``ExpertOps.experts`` on a backend's named buffers: per expert, the rows that chose
     it gathered into ``xn``, its gated feed-forward, each output times its weight into its
-    slot; then the slots summed in order into ``o``."""
-    ops.begin_experts(experts.used, rows)
+    slot; then the slots summed in order into ``o`` (or added to it)."""
+    ops.begin_experts(experts.used, rows, accumulate)
     for e, chosen, slots in routing.by_expert():
         n = len(chosen)
         ops.pick_rows(chosen)
@@ -517,9 +551,20 @@ def experts_by_gather(ops: GatherOps, experts: Experts[Any], routing: Routing, r
 def forward_experts(ops: Ops[H, V], experts: Experts[H], rows: int) -> None:
     """o = the mixture of experts' output for the normalized rows ``xn``: the router's
     logits read back and routed on the host (``workers.experts``), then the backend's
-    ``experts``."""
+    ``experts``. qwen2moe's shared expert goes first, into ``o``, each row times its
+    gate (the router's last column through ``shared_gate``), and the mixture is added to
+    it (llama.cpp adds the two the other way round: the same sum)."""
     assert isinstance(ops, ExpertOps), f"{type(ops).__name__} runs no mixture of experts"
-    ops.experts(experts, route(ops.router(experts.router, rows), experts.used), rows)
+    logits = ops.router(experts.router, rows)
+    n = experts.n_experts
+    routing = route(logits[:, :n], experts.used, experts.norm)
+    gate_up, down = experts.shared_gate_up, experts.shared_down
+    if gate_up is not None and down is not None:
+        ops.linear(gate_up, "xn", "h", rows)
+        ops.swiglu(rows)
+        ops.linear(down, "act", "o", rows)
+        ops.scale_rows(shared_gate(logits[:, n]), rows)
+    ops.experts(experts, routing, rows, accumulate=gate_up is not None)
 
 
 def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:

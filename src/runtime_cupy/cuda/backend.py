@@ -475,13 +475,22 @@ class DeviceOps:
         self.stream.synchronize()
         return np.asarray(logits, dtype=np.float32)
 
-    def experts(self, experts: Experts[Any], routing: Routing, rows: int) -> None:
-        experts_by_gather(self, experts, routing, rows)
+    def experts(
+        self, experts: Experts[Any], routing: Routing, rows: int, accumulate: bool = False
+    ) -> None:
+        experts_by_gather(self, experts, routing, rows, accumulate)
 
-    def begin_experts(self, used: int, rows: int) -> None:
-        """Keep the rows ``xn`` (and their 8-bit form) and which rows multiply 8-bit."""
+    def scale_rows(self, factors: Any, rows: int) -> None:
+        with self.stream:
+            f = cupy.asarray(np.asarray(factors, np.float32))
+            self.buf["o"][:rows] *= f[:, None]
+
+    def begin_experts(self, used: int, rows: int, accumulate: bool) -> None:
+        """Keep the rows ``xn`` (and their 8-bit form), which rows multiply 8-bit, and
+        ``o``'s rows where the mixture adds to them."""
         q8 = self.bq8.get("xn")
         with self.stream:
+            self.moe_base = self.buf["o"][:rows].copy() if accumulate else None
             self.moe_in = self.buf["xn"][:rows].copy()
             self.moe_q8 = None if q8 is None else tuple(a.copy() for a in q8.rows(0, rows))
             self.moe_out = cupy.empty((used, rows, self.w.config.hidden_dim), cupy.float32)
@@ -516,6 +525,8 @@ class DeviceOps:
             total = self.moe_out[0].copy()
             for j in range(1, self.moe_out.shape[0]):
                 total += self.moe_out[j]
+            if self.moe_base is not None:
+                total = self.moe_base + total
             self.buf["o"][:rows] = total
         self.groups = self.moe_groups
 

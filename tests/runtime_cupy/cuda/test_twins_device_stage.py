@@ -138,6 +138,20 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama-moe-F32": write_model(
             folder / "llama-moe.gguf", ModelShape(n_layers=2, experts=4, experts_used=2, seed=7)
         ),
+        # qwen2moe's gated shared expert beside the mixture, its weights not renormalized
+        "qwen2moe-Q8_0": write_model(
+            folder / "qwen2moe.gguf",
+            ModelShape(
+                arch="qwen2moe",
+                n_layers=2,
+                tied=False,
+                experts=4,
+                experts_used=2,
+                shared_ffn=128,
+                quant="Q8_0",
+                seed=13,
+            ),
+        ),
     }
 
 
@@ -204,6 +218,7 @@ def logits(out: TokenOutput) -> np.ndarray:
         "phi3",
         "qwen3moe-Q8_0",
         "llama-moe-F32",
+        "qwen2moe-Q8_0",
     ],
 )
 def test_the_device_backend_computes_what_the_twin_worker_computes(
@@ -273,7 +288,7 @@ def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
             assert_same(generate([r], chunk)[r], together[r])
 
 
-@pytest.mark.parametrize("name", ["qwen3moe-Q8_0", "llama-moe-F32"])
+@pytest.mark.parametrize("name", ["qwen3moe-Q8_0", "llama-moe-F32", "qwen2moe-Q8_0"])
 def test_a_mixture_of_experts_batched_computes_what_each_run_computes_alone(
     models: dict[str, Path], name: str
 ) -> None:

@@ -482,8 +482,10 @@ class CpuOps:
         self.linear(lin, "xn", "router", rows)
         return self.router_logits
 
-    def experts(self, experts: Experts[U8], routing: Routing, rows: int) -> None:
-        """o = the mixture's output: the rows' (row, slot) pairs sorted by expert, each
+    def experts(
+        self, experts: Experts[U8], routing: Routing, rows: int, accumulate: bool = False
+    ) -> None:
+        """o (+)= the mixture's output: the rows' (row, slot) pairs sorted by expert, each
         expert's two products one call over its pairs (their 8-bit forms made by its
         call), the gate one call over every pair, NumPy's gathers, float32 products and
         sums in slot order (``workers.experts``): per pair, the bits of the pair alone."""
@@ -502,7 +504,14 @@ class CpuOps:
         self._expert_products(experts.down, at, b, "act", b["out"])
         b["out"] *= routing.weights[pair_rows, pair_slots][:, None]
         b["slotted"][pair_slots, pair_rows] = b["out"]
-        self.buf.views["o"][:rows] = weighted_sum(b["slotted"])
+        total = weighted_sum(b["slotted"])
+        if accumulate:
+            self.buf.views["o"][:rows] += total
+        else:
+            self.buf.views["o"][:rows] = total
+
+    def scale_rows(self, factors: F32, rows: int) -> None:
+        self.buf.views["o"][:rows] *= factors[:, None]
 
     def _pair_buffers(self, pairs: int, rows: int, used: int, f: int) -> dict[str, Any]:
         """Views of the mixture's buffers for ``pairs`` (row, slot) pairs of ``rows``

@@ -50,7 +50,7 @@ from runtime_core.gguf_slice import (
     rope_factors,
 )
 from runtime_core.model_config import ModelConfig
-from runtime_core.workers.experts import route, weighted_sum
+from runtime_core.workers.experts import route, shared_gate, weighted_sum
 from runtime_core.workers.rotary import query_temperatures, rope_rotations
 
 F32 = npt.NDArray[np.float32]
@@ -79,6 +79,11 @@ class BlockWeights:
     # a mixture of experts: the router ffn_gate_inp (hidden, n_experts), transposed; then
     # w13 is every expert's (n_experts, hidden, 2 * ffn) and w2 (n_experts, hidden, ffn)
     router: F32 | None = None
+    # qwen2moe's shared expert: its gate (hidden,) and gate | up (hidden, 2 * fs),
+    # transposed, and down (hidden, fs) as stored
+    shared_gate: F32 | None = None
+    shared_w13: F32 | None = None
+    shared_w2: F32 | None = None
 
 
 @attrs.define
@@ -143,9 +148,10 @@ class StageWeights:
         o_dim = config.n_heads * config.head_dim_v
         n_exp = config.n_experts
         per_ffn = max(n_exp, 1)  # a mixture: each expert's, and the router's n_exp columns
+        fs = config.shared_ffn
         arena = _Arena(
             sum(
-                h * (qkv_dim + o_dim + 3 * config.ffn_dims[i] * per_ffn + n_exp)
+                h * (qkv_dim + o_dim + 3 * config.ffn_dims[i] * per_ffn + n_exp + 3 * fs)
                 for i in stage.layers
             )
             + (h * stage.vocab_size if stage.head is not None else 0)
@@ -172,7 +178,13 @@ class StageWeights:
                 k_norm = dense(p + "attn_k_norm.weight")[head_pairs]
             gate_up = ["ffn_up"] if spec.ffn is FfnLayout.FUSED else ["ffn_gate", "ffn_up"]
             post = spec.post_norms
-            router = None
+            router = shared_gate = shared_w13 = shared_w2 = None
+            if fs:
+                shared_gate = dense(p + "ffn_gate_inp_shexp.weight")
+                shexp = [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]
+                shared_w13 = matrix(shexp, arena.take(h, 2 * fs))
+                down = [p + "ffn_down_shexp.weight"]
+                shared_w2 = matrix(down, arena.take(h, fs), transposed=False)
             if n_exp:
                 router = matrix([p + "ffn_gate_inp.weight"], arena.take(h, n_exp))
                 w13 = experts(
@@ -204,6 +216,9 @@ class StageWeights:
                     b2=optional(p + "ffn_down.bias"),
                     post_ffn_norm=dense(p + "post_ffw_norm.weight") if post else None,
                     router=router,
+                    shared_gate=shared_gate,
+                    shared_w13=shared_w13,
+                    shared_w2=shared_w2,
                 )
             )
         embedding = None
@@ -453,7 +468,9 @@ class StageModel:
     def _experts(self, w: BlockWeights, xn: F32) -> F32:
         """The mixture of experts' output for the normalized rows ``xn`` (``experts``)."""
         assert w.router is not None
-        routing = route(linear(xn, w.router), self.config.n_experts_used)
+        routing = route(
+            linear(xn, w.router), self.config.n_experts_used, self.config.spec.expert_weights_norm
+        )
         outputs = np.empty((routing.experts.shape[1], *xn.shape), np.float32)
         f = w.w13.shape[2] // 2
         for e, rows, slots in routing.by_expert():
@@ -462,7 +479,16 @@ class StageModel:
             silu(gate)
             gate *= h[:, f:]
             outputs[slots, rows] = linear(gate, w.w2[e].T) * routing.weights[rows, slots, None]
-        return weighted_sum(outputs)
+        out = weighted_sum(outputs)
+        if w.shared_w13 is not None and w.shared_w2 is not None and w.shared_gate is not None:
+            h = linear(xn, w.shared_w13)  # qwen2moe's shared expert, times its gate
+            fs = h.shape[1] // 2
+            gate = h[:, :fs]
+            silu(gate)
+            gate *= h[:, fs:]
+            shared = linear(gate, w.shared_w2.T) * shared_gate(xn @ w.shared_gate)[:, None]
+            out += shared
+        return out
 
     def _attention(self, i: int, s: Scratch, pos: int) -> F32:
         """Store the step's keys and values in block ``i``'s cache and attend: query rows

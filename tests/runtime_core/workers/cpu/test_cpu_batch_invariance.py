@@ -229,7 +229,7 @@ def batched_model(folder: Path, name: str) -> Path:
     return write_model(folder / f"{name}.gguf", attrs.evolve(FIXTURE_SHAPES[name], quant="Q8_0"))
 
 
-@pytest.mark.parametrize("model", ["dense", "qwen3moe", "llama-moe"])
+@pytest.mark.parametrize("model", ["dense", "qwen3moe", "llama-moe", "qwen2moe"])
 @pytest.mark.parametrize("isa", isa_params())
 def test_runs_batched_in_chunks_compute_what_each_computes_alone_whole(
     tmp_path: Path, isa: str, model: str

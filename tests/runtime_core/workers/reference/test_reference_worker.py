@@ -25,6 +25,7 @@ def test_it_is_a_worker_with_the_reference_capabilities() -> None:
         "granite",
         "exaone",
         "qwen3moe",
+        "qwen2moe",
         "granitemoe",
         "phi3",
     )
