@@ -32,10 +32,12 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   embedding scale (the gemmas: ``sqrt(hidden)``), the query scale, the soft caps
   ``final_logit_softcapping`` (gemma3's optional, gemma2's 30 by default) and
   ``attn_logit_softcapping`` (gemma2's, 50 by default).
-- A mixture of experts (qwen3moe's, llama's where ``expert_count`` is set: Mixtral):
-  ``{arch}.expert_count`` and ``.expert_used_count``; each expert's feed-forward size
-  (``ffn_dims``) is qwen3moe's ``.expert_feed_forward_length`` (else
-  ``feed_forward_length / expert_used_count``), llama's ``feed_forward_length``.
+- A mixture of experts (qwen3moe's, qwen2moe's, granitemoe's, llama's where
+  ``expert_count`` is set: Mixtral): ``{arch}.expert_count`` and ``.expert_used_count``;
+  each expert's feed-forward size (``ffn_dims``) is qwen3moe's and qwen2moe's
+  ``.expert_feed_forward_length`` (else ``feed_forward_length / expert_used_count``),
+  llama's and granitemoe's ``feed_forward_length``; qwen2moe's shared expert
+  ``.expert_shared_feed_forward_length`` (else ``feed_forward_length``).
 """
 
 from __future__ import annotations
