@@ -24,7 +24,7 @@ from runplan.quant_types import CHUNK, uses_q8
 from runtime_core import activations
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
-from runtime_core.workers.experts import Routing
+from runtime_core.workers.experts import Routing, weighted_sum
 from runtime_core.workers.forward_program import (
     Experts,
     Linear,
@@ -223,9 +223,7 @@ class TwinOps:
         self.moe_out[slots, rows] = self.bufs["o"][: len(rows)] * weights[:, None]
 
     def end_experts(self, rows: int) -> None:
-        total = self.moe_out[0].copy()
-        for j in range(1, self.moe_out.shape[0]):
-            total += self.moe_out[j]
+        total = weighted_sum(self.moe_out)
         self.bufs["o"] = total if self.moe_base is None else self.moe_base + total
         self.row_q8 = self.moe_row_q8
 

@@ -50,7 +50,7 @@ from runplan import SamplingConfig
 from runplan.quant_types import CHUNK, uses_q8
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
-from runtime_core.workers.experts import Routing
+from runtime_core.workers.experts import Routing, weighted_sum
 from runtime_core.workers.forward_program import (
     Experts,
     Linear,
@@ -522,9 +522,7 @@ class DeviceOps:
 
     def end_experts(self, rows: int) -> None:
         with self.stream:
-            total = self.moe_out[0].copy()
-            for j in range(1, self.moe_out.shape[0]):
-                total += self.moe_out[j]
+            total = weighted_sum(self.moe_out)  # CuPy's arrays, the same additions
             if self.moe_base is not None:
                 total = self.moe_base + total
             self.buf["o"][:rows] = total
