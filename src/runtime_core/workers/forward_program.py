@@ -548,14 +548,21 @@ def experts_by_gather(
     ops.end_experts(rows)
 
 
-def forward_experts(ops: Ops[H, V], experts: Experts[H], rows: int) -> None:
+def expert_ops(ops: Ops[H, V]) -> ExpertOps:
+    """``ops`` as the backend's mixture-of-experts operations (checked once a step: the
+    protocol's check looks up each of its methods)."""
+    assert isinstance(ops, ExpertOps), f"{type(ops).__name__} runs no mixture of experts"
+    return ops
+
+
+def forward_experts(ops: Ops[H, V], moe: ExpertOps, experts: Experts[H], rows: int) -> None:
     """o = the mixture of experts' output for the normalized rows ``xn``: the router's
     logits read back and routed on the host (``workers.experts``), then the backend's
     ``experts``. qwen2moe's shared expert goes first, into ``o``, each row times its
     gate (the router's last column through ``shared_gate``), and the mixture is added to
-    it (llama.cpp adds the two the other way round: the same sum)."""
-    assert isinstance(ops, ExpertOps), f"{type(ops).__name__} runs no mixture of experts"
-    logits = ops.router(experts.router, rows)
+    it (llama.cpp adds the two the other way round: the same sum). ``moe``: ``ops``'s
+    mixture operations (``expert_ops``)."""
+    logits = moe.router(experts.router, rows)
     n = experts.n_experts
     routing = route(logits[:, :n], experts.used, experts.norm)
     gate_up, down = experts.shared_gate_up, experts.shared_down
@@ -563,8 +570,8 @@ def forward_experts(ops: Ops[H, V], experts: Experts[H], rows: int) -> None:
         ops.linear(gate_up, "xn", "h", rows)
         ops.swiglu(rows)
         ops.linear(down, "act", "o", rows)
-        ops.scale_rows(shared_gate(logits[:, n]), rows)
-    ops.experts(experts, routing, rows, accumulate=gate_up is not None)
+        moe.scale_rows(shared_gate(logits[:, n]), rows)
+    moe.experts(experts, routing, rows, accumulate=gate_up is not None)
 
 
 def forward_embed(ops: Ops[H, V], w: StageWeights[H, V], rows: int) -> None:
@@ -582,6 +589,7 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], segments: Sequence[Seg
     rows = segments[-1].end
     gelu = w.config.spec.activation is Activation.GELU_TANH
     residual = w.config.residual_scale  # granite's (0: none)
+    moe = expert_ops(ops) if w.config.n_experts else None
     for i, layer in enumerate(w.layers):
         ops.norm(layer.attn_norm, rows)
         ops.linear(layer.qkv, "xn", "qkv", rows)
@@ -602,7 +610,8 @@ def forward_blocks(ops: Ops[H, V], w: StageWeights[H, V], segments: Sequence[Seg
             ops.linear(layer.wo, "att", "x", rows, accumulate=True, bias=layer.wo_bias)
         ops.norm(layer.ffn_norm, rows)
         if layer.experts is not None:  # o = the mixture's output; x += o (granite: o scaled)
-            forward_experts(ops, layer.experts, rows)
+            assert moe is not None
+            forward_experts(ops, moe, layer.experts, rows)
             ops.add_scaled(residual or 1.0, rows)
             continue
         assert layer.gate_up is not None and layer.down is not None
