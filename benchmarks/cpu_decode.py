@@ -105,6 +105,19 @@ VOCAB = 32000
 # ---- the 8B-shape model ------------------------------------------------------------------
 
 
+def add_id_vocab(w: Any) -> None:
+    """A ``VOCAB``-token vocabulary of ids only (nothing here tokenizes text) on the
+    ``gguf.GGUFWriter`` ``w``: the benchmark models' prompts are token ids."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<t{i}>" for i in range(VOCAB)])
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges(["< t", "<t 1"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(VOCAB - 1)
+    w.add_add_bos_token(False)
+
+
 def write_f16_model(path: Path, n_layers: int) -> None:
     """A random-weight llama of Llama-3-8B's block shape in F16, one tensor at a time."""
     from gguf import GGUFWriter
@@ -124,15 +137,7 @@ def write_f16_model(path: Path, n_layers: int) -> None:
     w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(1)  # MOSTLY_F16
-    tokens = [f"<t{i}>" for i in range(VOCAB)]  # ids only: nothing here tokenizes text
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * VOCAB)
-    w.add_token_merges(["< t", "<t 1"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(VOCAB - 1)
-    w.add_add_bos_token(False)
+    add_id_vocab(w)
     specs: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (VOCAB, hidden))]
     for i in range(n_layers):
         p = f"blk.{i}."

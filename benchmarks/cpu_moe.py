@@ -43,6 +43,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cpu_decode import (  # noqa: E402
     LLAMACPP_PYTHON,
     QUANTIZE,
+    VOCAB,
+    add_id_vocab,
     llamacpp_problem,
     processor,
     read_bandwidth,
@@ -50,7 +52,6 @@ from cpu_decode import (  # noqa: E402
     thread_counts,
 )
 
-VOCAB = 32000
 HIDDEN, HEADS, HEADS_KV, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, USED, EXPERT_FFN = 128, 8, 768
 FTYPES = {"q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
@@ -78,15 +79,7 @@ def write_f16_model(path: Path, n_layers: int) -> None:
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(1)  # MOSTLY_F16
-    tokens = [f"<t{i}>" for i in range(VOCAB)]  # ids only: nothing here tokenizes text
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * VOCAB)
-    w.add_token_merges(["< t", "<t 1"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(VOCAB - 1)
-    w.add_add_bos_token(False)
+    add_id_vocab(w)
     q, kv = HEADS * HEAD_DIM, HEADS_KV * HEAD_DIM
     specs: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (VOCAB, HIDDEN))]
     for i in range(n_layers):

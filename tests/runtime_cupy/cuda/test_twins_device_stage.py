@@ -248,6 +248,28 @@ def test_the_device_backend_computes_what_the_twin_worker_computes(
     assert_close(graph, twin, q8_bounds(twin, twin_f32))
 
 
+def assert_batched_as_alone(
+    provs: dict[str, Any], prompts: dict[str, list[int]], n: int, chunks: Sequence[int]
+) -> None:
+    """The runs ``prompts`` (by run id, each with its provisions ``provs``) stepped in the
+    same batches on the emulated device, prompts in chunks of each of ``chunks`` (0:
+    whole), give each run's ``n`` outputs of the run alone, bit for bit."""
+
+    def generate(run_ids: list[str], chunk: int) -> dict[str, list[TokenOutput]]:
+        chain = Chain.bind(provs[next(iter(prompts))], EmulatedCudaWorker)
+        try:
+            for r in run_ids:
+                chain.open(provs[r])
+            return chain.generate_batched({r: prompts[r] for r in run_ids}, n, chunk)
+        finally:
+            chain.release()
+
+    for chunk in chunks:
+        together = generate(list(prompts), chunk)
+        for r in prompts:
+            assert_same(generate([r], chunk)[r], together[r])
+
+
 def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
     models: dict[str, Path],
 ) -> None:
@@ -265,15 +287,6 @@ def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
         for r in prompts
     }
 
-    def generate(run_ids: list[str], chunk: int = 0) -> dict[str, list[TokenOutput]]:
-        chain = Chain.bind(provs["run-0"], EmulatedCudaWorker)
-        try:
-            for r in run_ids:
-                chain.open(provs[r])
-            return chain.generate_batched({r: prompts[r] for r in run_ids}, 5, chunk)
-        finally:
-            chain.release()
-
     (p,) = provs["run-0"]
     w = EmulatedCudaWorker()
     w.configure(p)
@@ -282,10 +295,7 @@ def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
     assert sorted({k.shape[1] for k in cache.k}) == [4, p.kv_positions]
     assert sum(a.nbytes for a in (*cache.k, *cache.v)) == p.kv_bytes
     w.release()
-    for chunk in (0, 3):
-        together = generate(list(prompts), chunk)
-        for r in prompts:
-            assert_same(generate([r], chunk)[r], together[r])
+    assert_batched_as_alone(provs, prompts, 5, (0, 3))
 
 
 @pytest.mark.parametrize("name", ["qwen3moe-Q8_0", "llama-moe-F32", "qwen2moe-Q8_0"])
@@ -301,19 +311,7 @@ def test_a_mixture_of_experts_batched_computes_what_each_run_computes_alone(
         for r in prompts
     }
 
-    def generate(run_ids: list[str], chunk: int) -> dict[str, list[TokenOutput]]:
-        chain = Chain.bind(provs["run-0"], EmulatedCudaWorker)
-        try:
-            for r in run_ids:
-                chain.open(provs[r])
-            return chain.generate_batched({r: prompts[r] for r in run_ids}, 4, chunk)
-        finally:
-            chain.release()
-
-    for chunk in (0, 2):
-        together = generate(list(prompts), chunk)
-        for r in prompts:
-            assert_same(generate([r], chunk)[r], together[r])
+    assert_batched_as_alone(provs, prompts, 4, (0, 2))
 
 
 def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None:
