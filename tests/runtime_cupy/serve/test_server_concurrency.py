@@ -3,10 +3,16 @@ through the official ``openai`` client at once, on 2 and on 3 stages, each answe
 exactly as the same request served alone (greedy and seeded), and the metrics saw
 several runs in flight holding KV cache, all of it freed once they ended, and each
 stage's batches: every row the eight runs sent through it, in fewer batches than their
-records (runs shared them)."""
+records (runs shared them).
+
+The last stage is held (SIGSTOP, with a heartbeat allowance longer than the hold) while
+the eight are sent, and let go once the metrics show more than one run in flight: on a
+fast host eight short answers can otherwise start and end between two scrapes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from typing import Any
 
@@ -14,6 +20,7 @@ import openai
 import pytest
 from attrs import frozen
 
+from runplan.config import Timeouts
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
 from tests.support.servers import idle, metrics, serving, wait_for
@@ -87,7 +94,10 @@ def _batches(seen: dict[str, float], stage: int) -> tuple[float, float, list[flo
 def test_eight_concurrent_streams_each_equal_their_request_alone(
     tiny_chat: str, stages: int
 ) -> None:
-    engine = Engine(WarmChain(tiny_chat, stages=stages, context=128, max_concurrent=8))
+    # Heartbeats may pause for as long as the test holds the last stage.
+    timeouts = Timeouts(heartbeat_ms=120_000)
+    chain = WarmChain(tiny_chat, stages=stages, context=128, max_concurrent=8, timeouts=timeouts)
+    engine = Engine(chain)
     with serving(engine) as server:
         client = server.client()
         alone = [_ask(client, i) for i in range(len(TOPICS))]
@@ -105,18 +115,27 @@ def test_eight_concurrent_streams_each_equal_their_request_alone(
                 answers[i] = exc
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(TOPICS))]
-        for t in threads:
-            t.start()
-        gate.wait()
         kv_share = 0.0
-        while any(t.is_alive() for t in threads):
+
+        def several_in_flight() -> bool:
+            nonlocal kv_share
             seen = metrics(server.base_url)
             most[0] = max(most[0], int(seen["gguf_pipeline_runs_in_flight"]))
             kv_share = max(kv_share, seen["gguf_pipeline_kv_cache_share{stage=0}"])
+            return most[0] > 1
+
+        last = chain.pids()[-1]
+        os.kill(last, signal.SIGSTOP)  # no run can end until it is let go
+        try:
             for t in threads:
-                t.join(0.01)
+                t.start()
+            gate.wait()
+            wait_for(several_in_flight, 60.0, "the metrics to show several runs in flight")
+        finally:
+            os.kill(last, signal.SIGCONT)
+        for t in threads:
+            t.join(120)
         assert answers == alone
-        assert most[0] > 1, "the requests were never in flight together"
         assert 0 < kv_share <= 1
         wait_for(lambda: idle(server.base_url), 10.0, "the server to be idle")
         after = metrics(server.base_url)
