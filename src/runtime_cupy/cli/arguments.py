@@ -247,4 +247,5 @@ def chain_from(args: argparse.Namespace) -> WarmChain:
         prefill_chunk=args.prefill_chunk,
         recover=args.recover,
         max_recoveries=args.max_recoveries,
+        logprobs=getattr(args, "logprobs", False),  # serve's flag
     )

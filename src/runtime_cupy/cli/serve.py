@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_chain_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="serve log probabilities (chat's logprobs and top_logprobs, completions' "
+        "logprobs): every token then carries the model's logits over the last link "
+        "(4 bytes per vocabulary entry)",
+    )
     p.add_argument("--port", type=port_number, default=8000, help="port (8000; 0: any free one)")
     p.add_argument(
         "--api-key-file",

@@ -82,6 +82,9 @@ REAP_S = 5.0  # how long to wait for a killed stage
 OnEvent = Callable[[str, dict[str, Any]], None]
 #: ``on_token(token_id)``: a run's next token, from the loop's thread.
 OnToken = Callable[[int], None]
+#: ``on_logits(logits)``: the raw logits the next token was sampled from (a run whose
+#: plan returns logits), just before its ``on_token``, from the loop's thread.
+OnLogits = Callable[[npt.NDArray[np.float32]], None]
 
 
 @frozen
@@ -108,9 +111,11 @@ class ChainRun:
         prompt: tuple[int, ...],
         on_token: OnToken | None,
         on_done: Callable[[ChainRun], None] | None = None,
+        on_logits: OnLogits | None = None,
     ) -> None:
         self.runner = runner
         self.on_done = on_done
+        self.on_logits = on_logits
         self.plan = plan
         self.prompt = prompt
         self.on_token = on_token
@@ -143,6 +148,10 @@ class ChainRun:
 
     def _token(self, run_id: str, sequence: int, token_id: int) -> None:
         self.token_times.append(time.monotonic())
+        handle = self.handle
+        if self.on_logits is not None and handle is not None and handle.logits:
+            # Handed over, not kept: a long answer's logits would fill the memory.
+            self.on_logits(handle.logits.pop())
         if self.on_token is not None:
             self.on_token(token_id)
 
@@ -452,12 +461,14 @@ class ChainRunner:
         on_token: OnToken | None = None,
         *,
         on_done: Callable[[ChainRun], None] | None = None,
+        on_logits: OnLogits | None = None,
     ) -> ChainRun:
         """Hand a run to the loop (any thread); it starts at the loop's next turn, or
         ends at once refused (``ChainRun.wait`` raises ``PromptError`` or
         ``RunRefused``) or faulted (the chain is dead or closing). ``on_done(run)``
-        when it ended (from the loop's thread)."""
-        run = ChainRun(self, plan, tuple(int(t) for t in prompt), on_token, on_done)
+        when it ended (from the loop's thread); ``on_logits`` takes each token's logits
+        (a plan that returns them), which the run's outcome then does not hold."""
+        run = ChainRun(self, plan, tuple(int(t) for t in prompt), on_token, on_done, on_logits)
         with self._lock:
             late = self._over
             if not late:

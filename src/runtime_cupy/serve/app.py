@@ -27,6 +27,7 @@ on the event loop: ``/health`` and the streams of other requests go on meanwhile
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -240,9 +241,10 @@ class Api:
             for job in jobs:  # the other choices are of no use
                 job.cancel()
             return _failed(done)
+        tokenizer = self.engine.tokenizer
         if jobs[0].prepared.request.endpoint == "chat":
-            return JSONResponse(fmt.chat_response(jobs[0], self.model, done))
-        return JSONResponse(fmt.completion_response(jobs[0], self.model, done))
+            return JSONResponse(fmt.chat_response(jobs[0], self.model, done, tokenizer))
+        return JSONResponse(fmt.completion_response(jobs[0], self.model, done, tokenizer))
 
     async def _stream(
         self, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]
@@ -252,6 +254,8 @@ class Api:
         job = jobs[0]
         over = False
         dones: dict[int, Finished] = {}
+        tokenizer = self.engine.tokenizer
+        offsets = collections.Counter[int]()  # each choice's text so far (text_offset)
         try:
             if job.prepared.request.endpoint == "chat":
                 yield b"".join(
@@ -265,11 +269,14 @@ class Api:
             while True:
                 index, event = await events.get()
                 if isinstance(event, Piece):
-                    yield fmt.event(fmt.piece_chunk(job, self.model, event.text, index))
+                    odds = fmt.logprobs_of(job, tokenizer, event.logprobs, offsets[index])
+                    offsets[index] += len(event.text)
+                    yield fmt.event(fmt.piece_chunk(job, self.model, event.text, index, odds))
                     continue
                 if isinstance(event, Finished):
                     dones[index] = event
-                    end = fmt.event(fmt.last_chunk(job, self.model, event, index))
+                    odds = fmt.logprobs_of(job, tokenizer, event.tail, offsets[index])
+                    end = fmt.event(fmt.last_chunk(job, self.model, event, index, odds))
                     if len(dones) < len(jobs):
                         yield end
                         continue

@@ -72,7 +72,7 @@ from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
-from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner
+from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner, OnLogits
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import run_result
 from runtime_cupy.process.names import new_run_id, run_label
@@ -152,6 +152,10 @@ class WarmResult:
         return None if self.first_token_s is None else self.first_token_s - self.started_s
 
 
+def _drop_logits(logits: Any) -> None:
+    """A run's logits that nobody takes."""
+
+
 class WarmChain:
     """The stages of ``model`` split evenly over ``stages`` processes of ``worker``,
     kept warm. ``context``: the cache length of every run (default: the model's
@@ -168,7 +172,9 @@ class WarmChain:
     a lost stage process, host or link interrupted is replayed on the re-placed chain,
     at most ``max_recoveries`` times per stream (``serve.recovery``), over the live
     nodes: a Ray cluster's, else the stages' nodes and ``spares`` (``NodeSpec``s the
-    host can start a stage on; a lost range goes to a spare first). ``nodes``: the
+    host can start a stage on; a lost range goes to a spare first). ``logprobs``: every
+    token comes with its raw logits (``4 * n_vocab`` bytes more on the last link), for
+    callers that take them (``generate``'s ``on_logits``). ``nodes``: the
     stages' nodes (one each) instead of this machine's (``place_stages``). Raises
     ``ClusterError`` for a cluster that cannot be reached or has no room, before any
     process starts."""
@@ -198,7 +204,9 @@ class WarmChain:
         max_recoveries: int = DEFAULT_MAX_RECOVERIES,
         nodes: Sequence[NodeSpec] | None = None,
         spares: Sequence[NodeSpec] = (),
+        logprobs: bool = False,
     ) -> None:
+        self.logprobs = logprobs
         if nodes is not None and (ray_address is not None or len(nodes) != stages):
             raise ValueError(
                 f"nodes names the {stages} stages' nodes (one each), on this machine or "
@@ -330,9 +338,10 @@ class WarmChain:
     ) -> RunPlan:
         """The plan of one run on these stages (``PlanRejected`` if the planner says
         no): every run has the chain's stage facts (cache length, KV budget:
-        ``kv_budget_bytes`` or ``max_concurrent`` full-length runs, batch rows) and its
-        own prompt length and token limit."""
-        config = self._config(run_id, max_tokens, sampling, prompt_tokens)
+        ``kv_budget_bytes`` or ``max_concurrent`` full-length runs, batch rows, and
+        whether tokens come with their logits: ``logprobs``) and its own prompt length
+        and token limit."""
+        config = self._config(run_id, max_tokens, sampling, prompt_tokens, self.logprobs)
         if self._placement is None:
             return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)
         pool = NodePool(ORCHESTRATOR, self.nodes)
@@ -344,7 +353,12 @@ class WarmChain:
         return planned
 
     def _config(
-        self, run_id: str, max_tokens: int, sampling: SamplingConfig, prompt_tokens: int
+        self,
+        run_id: str,
+        max_tokens: int,
+        sampling: SamplingConfig,
+        prompt_tokens: int,
+        logits: bool = False,
     ) -> RuntimeConfig:
         half = self.worker == "cuda"  # the CUDA worker moves f16 activations
         return RuntimeConfig(
@@ -359,6 +373,7 @@ class WarmChain:
             max_concurrent_runs=self.max_concurrent,
             kv_budget_bytes=self.kv_budget_bytes,
             prefill_chunk=self.prefill_chunk,
+            return_logits=logits,
         )
 
     def _medium(self, plan: RunPlan, edge: Any) -> str:
@@ -566,9 +581,14 @@ class WarmChain:
         """A new run id."""
         return self._run_ids()
 
-    def submit_replay(self, replay: Replay, on_token: Callable[[int], None]) -> ChainRun:
+    def submit_replay(
+        self,
+        replay: Replay,
+        on_token: Callable[[int], None],
+        on_logits: OnLogits | None = None,
+    ) -> ChainRun:
         """Hand the chain the replay of an interrupted run (``ChainError`` when the chain
-        is not up)."""
+        is not up); ``on_logits``: its tokens' raw logits, as ``submit``'s."""
         runner = self._runner
         if runner is None or not self.ready:
             raise ChainError(self.trouble or "the chain is not up")
@@ -581,7 +601,7 @@ class WarmChain:
         log.info(
             "run %s replays %s", run_label(replay.run_id), run_label(replay.interrupted_run_id)
         )
-        return runner.submit(plan, replay.prompt, on_token)
+        return runner.submit(plan, replay.prompt, on_token, on_logits=self._logits_to(on_logits))
 
     def _stop_runner(self, keep: Sequence[int] = ()) -> dict[int, StageHandle]:
         """Stop the running chain; the live stages of ``keep`` are handed over (left
@@ -639,12 +659,14 @@ class WarmChain:
         seed: int = 0,
         on_token: Callable[[int], None] | None = None,
         on_run: OnRun | None = None,
+        on_logits: OnLogits | None = None,
     ) -> WarmResult:
         """One run of ``prompt_ids`` on the chain (any thread; it joins the runs in
         flight). Raises ``ChainError`` when the chain is not up, and what the chain
         raises for a prompt it cannot run (``PromptError``) and the planner for settings
         it refuses (``PlanRejected``); a run that faults or is cancelled returns with
-        that outcome."""
+        that outcome. ``on_logits``: each token's raw logits (before temperature, top-k
+        and top-p), just before its ``on_token``; the result then holds none."""
         if self._closed:
             raise ChainError("the chain is closed")
         restarted: tuple[int, ...] = ()
@@ -654,7 +676,7 @@ class WarmChain:
         if not self.ready:
             raise ChainError(self.trouble or "the chain is not up")
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        outcome = self._run(tuple(prompt_ids), max_tokens, sampling, on_token, on_run)
+        outcome = self._run(tuple(prompt_ids), max_tokens, sampling, on_token, on_run, on_logits)
         return attrs.evolve(outcome, restarted=restarted)
 
     def _run(
@@ -664,11 +686,16 @@ class WarmChain:
         sampling: SamplingConfig,
         on_token: Callable[[int], None] | None,
         on_run: OnRun | None,
+        on_logits: OnLogits | None = None,
     ) -> WarmResult:
         if self.policy is not None and self._warm:
-            return run_stream(self, self.policy, prompt, max_tokens, sampling, on_token, on_run)
+            return run_stream(
+                self, self.policy, prompt, max_tokens, sampling, on_token, on_run, on_logits
+            )
         began = time.perf_counter()
-        run = self.submit(prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token)
+        run = self.submit(
+            prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token, on_logits=on_logits
+        )
         if on_run is not None:
             on_run(run)
         run.wait()
@@ -682,6 +709,7 @@ class WarmChain:
         sampling: SamplingConfig,
         on_token: Callable[[int], None] | None = None,
         on_done: Callable[[ChainRun], None] | None = None,
+        on_logits: OnLogits | None = None,
     ) -> ChainRun:
         """Hand one run to the chain and return at once (any thread): ``run.wait()``,
         then ``result(run)``. ``on_done(run)`` when it ended (from the chain's thread).
@@ -691,9 +719,26 @@ class WarmChain:
         if runner is None:
             raise ChainError(self.trouble or "the chain is not up")
         plan = self.plan(
-            self._run_ids(), max_tokens=max_tokens, sampling=sampling, prompt_tokens=len(prompt)
+            self._run_ids(),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            prompt_tokens=len(prompt),
         )
-        return runner.submit(plan, prompt, on_token, on_done=on_done)
+        return runner.submit(
+            plan, prompt, on_token, on_done=on_done, on_logits=self._logits_to(on_logits)
+        )
+
+    def _logits_to(self, on_logits: OnLogits | None) -> OnLogits | None:
+        """Where a run's logits go: ``on_logits``; on a chain whose tokens come with
+        logits (``logprobs``), nowhere for a run that does not take them (kept, a long
+        answer's would fill the memory)."""
+        if on_logits is not None and not self.logprobs:
+            raise ValueError(
+                "the chain was started without logprobs: its tokens come without logits"
+            )
+        if on_logits is None and self.logprobs:
+            return _drop_logits
+        return on_logits
 
     def result(self, run: ChainRun, wall_s: float | None = None) -> WarmResult:
         """What an ended run gave (``wait`` raises what refused it: ``PromptError``)."""

@@ -42,6 +42,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.process.chain_runner import ChainRun
 from runtime_cupy.process.names import run_label
 from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
+from runtime_cupy.serve.logprobs import Odds, TokenLogprob
 from runtime_cupy.serve.metrics import Metrics
 from runtime_cupy.serve.recovery import RecoveryMetrics
 from runtime_cupy.serve.requests import CompletionRequest, Message, RequestError
@@ -62,9 +63,11 @@ class QueueFull(Exception):
 
 @frozen
 class Piece:
-    """More of the answer's text."""
+    """More of the answer's text, and the log probabilities of the tokens taken in since
+    the last piece (a request that asks for them)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @frozen
@@ -76,6 +79,17 @@ class Finished:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    #: Every counted token's log probability (``None``: not asked); the last ``unsent``
+    #: of them went out with no piece (a stream sends them with its end).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    unsent: int = 0
+
+    @property
+    def tail(self) -> tuple[TokenLogprob, ...] | None:
+        """The log probabilities no piece carried (``None``: none)."""
+        if not self.logprobs or not self.unsent:
+            return None
+        return self.logprobs[len(self.logprobs) - self.unsent :]
 
 
 @frozen
@@ -268,6 +282,13 @@ class Engine:
         """The prompt, token limit and seed of ``request``; ``RequestError`` for what
         the model or its context cannot take."""
         tok = self.tokenizer
+        if request.logprobs is not None and not self.chain.logprobs:
+            raise RequestError(
+                "logprobs: this server was started without --logprobs (its tokens come "
+                "without the model's logits)",
+                param="logprobs",
+                code="unsupported_parameter",
+            )
         param = "messages" if request.endpoint == "chat" else "prompt"
         context = self.chain.context
         if request.endpoint == "chat":
@@ -513,14 +534,16 @@ class Engine:
         r = p.request
         answer = Answer(self.tokenizer, r.stop)
         times: list[float] = []
+        odds = Odds(r.logprobs)
 
         def on_token(token_id: int) -> None:
             if job.cancelled or answer.stopped:
                 return
             times.append(time.monotonic())
+            odds.token(token_id)
             piece = answer.push(token_id)
             if piece:
-                self._deliver(job, Piece(piece))
+                self._deliver(job, Piece(piece, odds.take()))
             if answer.stopped:
                 job._stop_early()
 
@@ -534,6 +557,7 @@ class Engine:
                 seed=p.seed,
                 on_token=on_token,
                 on_run=job._attach,
+                on_logits=odds.logits if r.logprobs is not None else None,
             )
         except ChainError as exc:
             self._finish(job, "faulted", Failed(503, str(exc), "stages_unavailable"))
@@ -544,9 +568,11 @@ class Engine:
             return
         finally:
             job._detach()
-        self._answer(job, run, answer, times)
+        self._answer(job, run, answer, times, odds)
 
-    def _answer(self, job: Job, run: WarmResult, answer: Answer, times: list[float]) -> None:
+    def _answer(
+        self, job: Job, run: WarmResult, answer: Answer, times: list[float], odds: Odds
+    ) -> None:
         result = run.result
         p = job.prepared
         if job.cancelled:
@@ -554,15 +580,15 @@ class Engine:
             return
         if job.stopped or result.outcome == "completed":
             rest = answer.finish(None if job.stopped else result.text)
-            if rest:
-                self._deliver(job, Piece(rest))
             stopped = job.stopped or answer.stopped or len(result.tokens) < p.max_tokens
             tokens = answer.tokens if job.stopped else len(result.tokens)
+            if rest:
+                self._deliver(job, Piece(rest, odds.take(tokens)))
             ttft = times[0] - job.arrived_s if times else None
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.metrics.answered(tokens, ttft, tpot)
             finished = Finished(answer.content, "stop" if stopped else "length",
-                                len(p.prompt_ids), tokens)  # fmt: skip
+                                len(p.prompt_ids), tokens, *odds.counted(tokens))  # fmt: skip
             self._finish(job, "completed", finished, tokens=tokens)
             return
         if result.outcome == "cancelled":

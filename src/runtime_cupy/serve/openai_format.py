@@ -13,7 +13,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.serve.engine import Failed, Finished, Job
+from runtime_cupy.serve.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 
 DONE = b"data: [DONE]\n\n"
 
@@ -47,7 +49,21 @@ def _usage_of(dones: Sequence[Finished]) -> dict[str, int]:
     return usage(dones[0].prompt_tokens, sum(d.completion_tokens for d in dones))
 
 
-def chat_response(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, Any]:
+def logprobs_of(
+    job: Job, tokenizer: Tokenizer, entries: Sequence[TokenLogprob] | None, offset: int = 0
+) -> dict[str, Any] | None:
+    """A choice's or chunk's ``logprobs`` (``None`` where the request asked for none);
+    ``offset``: a completion's text before the first entry's token."""
+    if entries is None or job.prepared.request.logprobs is None:
+        return None
+    if job.prepared.request.endpoint == "chat":
+        return chat_logprobs(tokenizer, entries)
+    return completion_logprobs(tokenizer, entries, offset)
+
+
+def chat_response(
+    job: Job, model: str, dones: Sequence[Finished], tokenizer: Tokenizer
+) -> dict[str, Any]:
     """The whole answer: one choice per run (``dones`` in choice order)."""
     return {
         **_head(job, model, "chat.completion"),
@@ -55,7 +71,7 @@ def chat_response(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, 
             {
                 "index": i,
                 "message": {"role": "assistant", "content": done.text},
-                "logprobs": None,
+                "logprobs": logprobs_of(job, tokenizer, done.logprobs),
                 "finish_reason": done.finish_reason,
             }
             for i, done in enumerate(dones)
@@ -64,11 +80,18 @@ def chat_response(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, 
     }
 
 
-def completion_response(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, Any]:
+def completion_response(
+    job: Job, model: str, dones: Sequence[Finished], tokenizer: Tokenizer
+) -> dict[str, Any]:
     return {
         **_head(job, model, "text_completion"),
         "choices": [
-            {"index": i, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}
+            {
+                "index": i,
+                "text": done.text,
+                "logprobs": logprobs_of(job, tokenizer, done.logprobs),
+                "finish_reason": done.finish_reason,
+            }
             for i, done in enumerate(dones)
         ],
         "usage": _usage_of(dones),
@@ -79,23 +102,33 @@ def completion_response(job: Job, model: str, dones: Sequence[Finished]) -> dict
 
 
 def chat_chunk(
-    job: Job, model: str, delta: dict[str, str], finish_reason: str | None = None, index: int = 0
+    job: Job,
+    model: str,
+    delta: dict[str, str],
+    finish_reason: str | None = None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         **_head(job, model, "chat.completion.chunk"),
         "choices": [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
     }
 
 
 def completion_chunk(
-    job: Job, model: str, text: str, finish_reason: str | None = None, index: int = 0
+    job: Job,
+    model: str,
+    text: str,
+    finish_reason: str | None = None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         **_head(job, model, "text_completion"),
         "choices": [
-            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
     }
 
@@ -105,13 +138,19 @@ def usage_chunk(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, An
     return {**_head(job, model, obj), "choices": [], "usage": _usage_of(dones)}
 
 
-def piece_chunk(job: Job, model: str, text: str, index: int = 0) -> dict[str, Any]:
+def piece_chunk(
+    job: Job, model: str, text: str, index: int = 0, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A piece of a choice's text (``logprobs``: its tokens', ``logprobs_of``)."""
     if job.prepared.request.endpoint == "chat":
-        return chat_chunk(job, model, {"content": text}, index=index)
-    return completion_chunk(job, model, text, index=index)
+        return chat_chunk(job, model, {"content": text}, index=index, logprobs=logprobs)
+    return completion_chunk(job, model, text, index=index, logprobs=logprobs)
 
 
-def last_chunk(job: Job, model: str, done: Finished, index: int = 0) -> dict[str, Any]:
+def last_chunk(
+    job: Job, model: str, done: Finished, index: int = 0, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A choice's end (``logprobs``: its tokens no piece carried)."""
     if job.prepared.request.endpoint == "chat":
-        return chat_chunk(job, model, {}, done.finish_reason, index)
-    return completion_chunk(job, model, "", done.finish_reason, index)
+        return chat_chunk(job, model, {}, done.finish_reason, index, logprobs)
+    return completion_chunk(job, model, "", done.finish_reason, index, logprobs)

@@ -43,7 +43,13 @@ from runplan.replacement import Replacement, Unplaceable, replace_lost
 from runtime_core.recovery import End, EndReason, RecoveryPolicy
 from runtime_core.replay import Interrupted, Replay, ReplayRefused, replay_of
 from runtime_cupy.hosts.port import KnowsLiveNodes, StageHost
-from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner, RunOutcome
+from runtime_cupy.process.chain_runner import (
+    ORCHESTRATOR,
+    ChainRun,
+    ChainRunner,
+    OnLogits,
+    RunOutcome,
+)
 
 if TYPE_CHECKING:
     from runtime_cupy.serve.chain import OnRun, WarmChain, WarmResult
@@ -242,11 +248,15 @@ def run_stream(
     sampling: SamplingConfig,
     on_token: Callable[[int], None] | None,
     on_run: OnRun | None,
+    on_logits: OnLogits | None = None,
 ) -> WarmResult:
     """One caller's stream on ``chain``: its run, and its replays after each loss the
-    policy recovers; the result holds every token of the stream."""
+    policy recovers; the result holds every token of the stream (``on_logits``: each
+    new token's raw logits, the replays' too)."""
     began = time.perf_counter()
-    run = chain.submit(prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token)
+    run = chain.submit(
+        prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token, on_logits=on_logits
+    )
     if on_run is not None:
         on_run(run)
     outcome = _wait(run)
@@ -288,7 +298,7 @@ def run_stream(
                 on_token(token_id)
 
         try:
-            run = chain.submit_replay(replay, forward)
+            run = chain.submit_replay(replay, forward, on_logits)
         except Exception as exc:  # the new chain broke again before the replay went in
             not_recovered = str(exc)
             break
@@ -337,7 +347,7 @@ def _stream_result(
     whole = attrs.evolve(
         last.outcome,
         tokens=tokens,
-        logits=(),  # serve keeps none (it offers no logprobs): nothing to join
+        logits=(),  # serve keeps none (on_logits takes them as they come)
         submitted_s=first.outcome.submitted_s,
         ready_s=first.outcome.ready_s,
         token_times_s=times,

@@ -93,6 +93,9 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices, each a run of its own (``choice_seed``)
+    #: Log probabilities (``logprobs.py``): ``None`` not asked, else the alternatives
+    #: shown per token (chat's ``top_logprobs``, completions' ``logprobs``).
+    logprobs: int | None = None
 
 
 def _encodable(text: str) -> str:
@@ -350,9 +353,6 @@ NEUTRAL: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (_zero, "0"),
     "frequency_penalty": (_zero, "0"),
     "logit_bias": (_empty, "null or {}"),
-    # (/v1/completions' logprobs 0 still asks for the sampled tokens' log probabilities)
-    "logprobs": (_false, "null or false"),
-    "top_logprobs": (_zero, "null or 0"),
     "tools": (_empty, "null or []"),
     "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "a boolean"),
@@ -369,8 +369,7 @@ NEUTRAL: Mapping[str, tuple[Callable[[Any], bool], str]] = {
 }
 _CHAT_NEUTRAL = frozenset(NEUTRAL) - {"echo", "suffix", "best_of"}
 _COMPLETION_NEUTRAL = frozenset(
-    {"presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo", "suffix"}
-    | {"best_of"}
+    {"presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix", "best_of"}
 )
 
 
@@ -383,6 +382,10 @@ def _unknown(param: str) -> RequestError:
 
 
 _TOKENS = 2**31 - 1  # a bound for the parser; the context bounds them for real
+#: The most alternatives per token a request may ask for (OpenAI's bounds): chat's
+#: ``top_logprobs``, completions' ``logprobs``.
+MAX_TOP_CHAT = 20
+MAX_TOP_COMPLETION = 5
 
 _COMMON: dict[str, Rule] = {
     "model": required_string,
@@ -401,8 +404,15 @@ CHAT_FIELDS: Mapping[str, Rule] = {
     **_COMMON,
     "messages": messages,
     "max_completion_tokens": integer(1, _TOKENS),
+    "logprobs": boolean,
+    "top_logprobs": integer(0, MAX_TOP_CHAT),
 }
-COMPLETION_FIELDS: Mapping[str, Rule] = {**_COMMON, "prompt": prompt}
+#: (/v1/completions' logprobs 0 asks for the sampled tokens' log probabilities alone)
+COMPLETION_FIELDS: Mapping[str, Rule] = {
+    **_COMMON,
+    "prompt": prompt,
+    "logprobs": integer(0, MAX_TOP_COMPLETION),
+}
 
 
 # -- bodies -------------------------------------------------------------------------------
@@ -500,8 +510,15 @@ def parse_chat(body: bytes) -> CompletionRequest:
             param="max_completion_tokens",
             code="invalid_value",
         )
+    if v["top_logprobs"] and not v["logprobs"]:
+        raise RequestError(
+            f"top_logprobs ({v['top_logprobs']}) is only allowed when logprobs is true",
+            param="top_logprobs",
+            code="invalid_value",
+        )
     return CompletionRequest(
         endpoint="chat",
+        logprobs=(v["top_logprobs"] or 0) if v["logprobs"] else None,
         messages=v["messages"],
         max_tokens=limit if limit is not None else v["max_tokens"],
         max_tokens_param="max_tokens" if limit is None else "max_completion_tokens",
@@ -513,5 +530,9 @@ def parse_completion(body: bytes) -> CompletionRequest:
     """A ``/v1/completions`` body; ``RequestError`` naming what is wrong."""
     v = _fields(body, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
     return CompletionRequest(
-        endpoint="completion", prompt=v["prompt"], max_tokens=v["max_tokens"], **_common(v)
+        endpoint="completion",
+        prompt=v["prompt"],
+        max_tokens=v["max_tokens"],
+        logprobs=v["logprobs"],
+        **_common(v),
     )

@@ -417,7 +417,13 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("completion", completion(prompt=[1, -4]), 400, "prompt[1]"),
     ("completion", completion(prompt=""), 400, "prompt"),
     ("completion", completion(echo=True), 400, "echo"),
-    ("completion", completion(logprobs=0), 400, "logprobs"),
+    ("completion", completion(logprobs=6), 400, "logprobs"),
+    ("completion", completion(logprobs=0), 400, "logprobs"),  # served without --logprobs
+    ("chat", chat(logprobs=True), 400, "logprobs"),
+    ("completion", completion(logprobs=True), 400, "logprobs"),
+    ("chat", chat(logprobs=1), 400, "logprobs"),
+    ("chat", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("chat", chat(top_logprobs=2), 400, "top_logprobs"),
     ("completion", completion(messages=MSG), 400, "messages"),
     # Once 500s: a number past every float, a field named by a lone surrogate, nesting.
     ("chat", chat(temperature=10**400), 400, "temperature"),
