@@ -28,6 +28,26 @@ PAGE = 4096
 KEPT_ROWS = 64
 #: bytes between the places in their pages where two step buffers start (``RowSet``)
 STAGGER = 320
+#: bytes a row of 8-bit activations is padded by (``q_row_stride``)
+Q_PAD = 64
+
+
+def q_row_stride(n: int) -> int:
+    """Bytes between rows of ``n`` 8-bit activations: ``n`` and a cache line, more if that
+    put rows a whole number of 2 KiB apart. A prefill's tile reads a block of each of
+    its rows in turn; rows a whole number of 4 KiB apart (a hidden size of 4096) made
+    each read wait on stores 4 KiB away (the processor compares the low 12 bits of
+    addresses first): Q4_0's tile of 32 rows 20 % slower on AVX2 (``cpu_prefill``'s
+    figures in docs/benchmarks.md)."""
+    stride = n + Q_PAD
+    return stride + Q_PAD if stride % 2048 == 0 else stride
+
+
+def q_rows(alloc: Any, rows: int, n: int) -> npt.NDArray[np.int8]:
+    """``rows`` rows of ``n`` 8-bit activations, ``q_row_stride(n)`` bytes apart (a view
+    of wider rows that ``_kernels.linear`` reads and writes as such)."""
+    wide: npt.NDArray[np.int8] = alloc((rows, q_row_stride(n)), np.int8)
+    return wide[:, :n]
 
 
 def buffer(shape: int | tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
@@ -63,7 +83,7 @@ class Q8Rows:
     def make(cls, rows: int, n: int, alloc: Any) -> Q8Rows:
         nc = n // CHUNK
         return cls(
-            alloc((rows, n), np.int8), alloc((rows, nc), np.float32),
+            q_rows(alloc, rows, n), alloc((rows, nc), np.float32),
             alloc((rows, nc), np.float32), alloc((rows, 2 * nc), np.int32),
         )  # fmt: skip
 

@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from runplan.quant_types import block_elems
 from runtime_core.workers.cpu import _kernels
+from runtime_core.workers.cpu.step_buffers import q_row_stride
 from runtime_core.workers.cpu.worker import CpuWorker
 from tests.support.chain import provisions
 from tests.support.cpu_isas import isa_params
@@ -126,6 +127,39 @@ def test_a_prefills_tile_of_rows_at_the_extremes_computes_the_stored_rows_bits(
     packed = _kernels.Matrix([(raw, qtype, 24, n, 0)], repack=True)
     for threads in (1, 2):
         np.testing.assert_array_equal(bits(linear(packed, x, True, threads, isa)), expected)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("qtype", [*REPACKED, "Q5_0", "Q3_K"])
+def test_rows_of_8_bit_activations_further_apart_give_the_same_bits(qtype: str, isa: str) -> None:
+    """The step buffers' rows of 8-bit activations are padded (``q_row_stride``): a
+    (rows, n) view of wider rows is written and read as rows that far apart, every
+    product the same bits as from packed rows, the padding left as it was; 37 rows (a
+    prefill's tile and its remainder), 1 and 2 threads; a view that is not rows of n
+    bytes (every other byte) is refused naming ``q``."""
+    rng = np.random.default_rng(11)
+    n, rows = width(qtype), 37
+    raw = random_rows(rng, qtype, 24, n, scale=1 / np.sqrt(n))
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    for repack in (False, True):
+        m = _kernels.Matrix([(raw, qtype, 24, n, 0)], repack=repack)
+        expected = bits(linear(m, x, True, 1, "portable"))
+        for threads in (1, 2):
+            wide = rng.integers(-128, 128, (rows, q_row_stride(n)), dtype=np.int8)
+            pad = wide[:, n:].copy()
+            q = wide[:, :n]
+            d, g = np.zeros((rows, n // 32), np.float32), np.zeros((rows, n // 16), np.int32)
+            s, y = d.copy(), np.zeros((rows, 24), np.float32)
+            _kernels.linear(m, rows, x, q, d, s, g, True, True, y, None, False, threads, isa=isa)
+            np.testing.assert_array_equal(bits(y), expected)
+            np.testing.assert_array_equal(wide[:, n:], pad)
+            again = np.zeros_like(y)  # the rows made once, read again (quantize false)
+            _kernels.linear(m, rows, x, q, d, s, g, False, True, again, None, False, threads,
+                            isa=isa)  # fmt: skip
+            np.testing.assert_array_equal(bits(again), expected)
+    sparse = np.zeros((rows, 2 * n), np.int8)[:, ::2]
+    with pytest.raises(TypeError, match="q: a C-contiguous"):
+        _kernels.linear(m, rows, x, sparse, d, s, g, True, True, y, None, False, 1, isa=isa)
 
 
 @pytest.mark.parametrize("isa", isa_params())

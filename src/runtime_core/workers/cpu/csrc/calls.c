@@ -41,6 +41,36 @@ int get_buf(PyObject *obj, Buf *b, const char *fmt, int writable, Py_ssize_t ite
     return 0;
 }
 
+int get_rows(PyObject *obj, Buf *b, const char *fmt, int writable, Py_ssize_t rows,
+             Py_ssize_t n, const char *name, int64_t *stride) {
+    b->held = 0;
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &b->view, flags) < 0) {
+        PyErr_Clear();
+        return get_buf(obj, b, fmt, writable, rows * n, name); /* its error */
+    }
+    Py_buffer *v = &b->view;
+    int strided = !PyBuffer_IsContiguous(v, 'C') && v->ndim == 2 && v->itemsize == 1 &&
+                  v->strides[1] == 1 && v->shape[1] == n && v->shape[0] >= rows &&
+                  v->strides[0] >= n;
+    PyBuffer_Release(v);
+    if (!strided) { /* C-contiguous: rows n apart */
+        *stride = n;
+        return get_buf(obj, b, fmt, writable, rows * n, name);
+    }
+    if (PyObject_GetBuffer(obj, v, flags) < 0) return -1;
+    b->held = 1;
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    if (!(f[0] == fmt[0] && f[1] == 0)) {
+        PyErr_Format(PyExc_TypeError, "%s: elements of format %s, expected %s", name, f, fmt);
+        release(b);
+        return -1;
+    }
+    *stride = v->strides[0];
+    return 0;
+}
+
 int get_opt(PyObject *obj, Buf *b, const char *fmt, Py_ssize_t items, const char *name) {
     b->held = 0;
     if (obj == Py_None) return 0;
@@ -126,7 +156,8 @@ int parse_linear(PyObject *args, PyObject *kwds, Call *c) {
         PyErr_SetString(PyExc_ValueError, "float weights take float activations (use_q8 false)");
         return -1;
     }
-    if (use_q8 && (get_buf(qo, q, "b", quantize, rows * n, "q") < 0 ||
+    int64_t qs = n;
+    if (use_q8 && (get_rows(qo, q, "b", quantize, rows, n, "q", &qs) < 0 ||
                    get_buf(do_, d, "f", quantize, rows * n / 32, "d") < 0 ||
                    get_buf(so, s, "f", quantize, rows * n / 32, "s") < 0 ||
                    get_buf(go, g, "i", quantize, rows * n / 16, "g") < 0))
@@ -148,7 +179,8 @@ int parse_linear(PyObject *args, PyObject *kwds, Call *c) {
     c->a.linear.accumulate = accumulate;
     c->a.linear.x = x->view.buf;
     c->a.linear.bias = ptr(bias);
-    c->a.linear.q8 = (Q8Out){(int8_t *)ptr(q), (float *)ptr(d), (float *)ptr(s), (int32_t *)ptr(g)};
+    c->a.linear.q8 = (Q8Out){(int8_t *)ptr(q), (float *)ptr(d), (float *)ptr(s), (int32_t *)ptr(g),
+                             qs};
     c->a.linear.y = y->view.buf;
     return 0;
 }
@@ -498,7 +530,7 @@ int call_run(Call *c) {
         int64_t rows = c->a.linear.rows;
         Q8Out q8 = c->a.linear.q8;
         if (c->a.linear.quantize) quantize_rows(m->fmt, c->a.linear.x, rows, m->n_in, q8, threads);
-        XRows xr = {q8.q, q8.d, q8.s, q8.g, c->a.linear.x, m->n_in};
+        XRows xr = {q8.q, q8.d, q8.s, q8.g, c->a.linear.x, m->n_in, q8.qs};
         return linear_rows(c->isa, m->parts, m->n_parts, &xr, rows, c->a.linear.use_q8,
                            c->a.linear.y, c->a.linear.ldy, c->a.linear.bias,
                            c->a.linear.accumulate, threads);

@@ -40,6 +40,10 @@ void release(Buf *b);
  * items: the elements needed (-1: any) */
 int get_buf(PyObject *obj, Buf *b, const char *fmt, int writable, Py_ssize_t items,
             const char *name);
+/* rows of n items of q: a C-contiguous array of at least rows * n (stride n), or a view
+ * of rows n items long further apart (a (rows, n) slice of wider rows: its stride) */
+int get_rows(PyObject *obj, Buf *b, const char *fmt, int writable, Py_ssize_t rows,
+             Py_ssize_t n, const char *name, int64_t *stride);
 /* get_buf, or nothing held for None */
 int get_opt(PyObject *obj, Buf *b, const char *fmt, Py_ssize_t items, const char *name);
 int check_threads(int threads);

@@ -42,9 +42,11 @@ extern const char *const FORMAT_NAMES[FMT_COUNT];
 /* the activation format of each weight type (FMT_F32 for the float types) */
 extern const int QTYPE_FORMAT[T_COUNT];
 
-/* Row j of 8-bit activations: q + j n, d + j n / 32, s + j n / 32, g + j n / 16; each
+/* Row j of 8-bit activations: q + j qs, d + j n / 32, s + j n / 32, g + j n / 16; each
  * format uses the start of the row's d, s, g (n / 256 values of d, n / 16 of g for
- * q8_K; n / 32 of each for q8_0 and q8_1). */
+ * q8_K; n / 32 of each for q8_0 and q8_1). qs >= n: rows of q may be padded (a row
+ * stride a whole number of 4 KiB made prefill's tiles, which read a block of every row
+ * in turn, 20 % slower: each read waited on the stores to 4 KiB-aliased addresses). */
 typedef struct {
     const int8_t *q;
     const float *d;
@@ -52,6 +54,7 @@ typedef struct {
     const int32_t *g;
     const float *f; /* (rows, n) float activations */
     int64_t n;
+    int64_t qs;
 } XRows;
 
 /* out[k] = row w (n_chunks chunks of 32 of its type) . activation row j0 + k, k < nj <= XT */

@@ -129,7 +129,7 @@ AVX2_INLINE void legacy_body(const uint8_t *w, int64_t nc, const XRows *x, int64
     const int32_t *xg[XT];
     for (int k = 0; k < NJ; ++k) {
         memset(acc[k], 0, sizeof acc[k]);
-        xq[k] = x->q + (j0 + k) * x->n;
+        xq[k] = x->q + (j0 + k) * x->qs;
         xd[k] = x->d + (j0 + k) * nc;
         xs[k] = (kind == 2 || kind == 4) ? x->s + (j0 + k) * nc : NULL;
         xg[k] = x->g + (j0 + k) * 2 * nc;
@@ -181,7 +181,7 @@ AVX2_INLINE void legacy_rows_body(const uint8_t *w, int64_t row_bytes, const int
                                   const int bb) {
     float acc[WT][8];
     for (int r = 0; r < NW; ++r) memset(acc[r], 0, sizeof acc[r]);
-    const int8_t *xq = x->q + j * x->n;
+    const int8_t *xq = x->q + j * x->qs;
     const float *xd = x->d + j * nc;
     const float *xs = (kind == 2 || kind == 4) ? x->s + j * nc : NULL;
     const int32_t *xg = x->g + j * 2 * nc;
@@ -400,7 +400,7 @@ AVX2_INLINE void kquant_body(const uint8_t *w, int64_t nc, const XRows *x, int64
     const int32_t *xg[XT];
     for (int k = 0; k < NJ; ++k) {
         memset(acc[k], 0, sizeof acc[k]);
-        xq[k] = x->q + (j0 + k) * x->n;
+        xq[k] = x->q + (j0 + k) * x->qs;
         xd[k] = x->d + (j0 + k) * nc;
         xg[k] = x->g + (j0 + k) * 2 * nc;
     }
@@ -469,7 +469,7 @@ AVX2_INLINE void iq4xs_body(const uint8_t *w, int64_t nc, const XRows *x, int64_
     const float *xd[XT];
     for (int k = 0; k < NJ; ++k) {
         memset(acc[k], 0, sizeof acc[k]);
-        xq[k] = x->q + (j0 + k) * x->n;
+        xq[k] = x->q + (j0 + k) * x->qs;
         xd[k] = x->d + (j0 + k) * nc;
     }
     const __m256i table = iq4_table(), m4 = _mm256_set1_epi8(0x0F);

@@ -332,7 +332,7 @@ static void dot_q8_portable(int t, const uint8_t *w, int64_t nc, const XRows *x,
     int kq = QTYPE_FORMAT[t] == FMT_Q8_K;
     for (int k = 0; k < nj; ++k) {
         int64_t j = j0 + k;
-        const int8_t *xq = x->q + j * x->n;
+        const int8_t *xq = x->q + j * x->qs;
         float acc[8] = {0};
         if (kq) {
             const float *xd = x->d + j * nc;
@@ -360,7 +360,7 @@ static void x8_legacy(int t, const uint8_t *grp, int64_t nc, const XRows *x, int
     const int gb = x8_block_bytes(t), words = t == T_Q4_1 ? 32 : 16;
     for (int k = 0; k < nj; ++k) {
         const int64_t j = j0 + k;
-        const int8_t *xq = x->q + j * x->n;
+        const int8_t *xq = x->q + j * x->qs;
         const float *xd = x->d + j * nc, *xs = t == T_Q4_1 ? x->s + j * nc : NULL;
         const int32_t *xg = x->g + j * 2 * nc;
         for (int i = 0; i < X8; ++i) {

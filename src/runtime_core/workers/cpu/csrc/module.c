@@ -304,7 +304,8 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
         get_buf(so, &s, "f", 1, rows * n / 32, "s") < 0 ||
         get_buf(go, &g, "i", 1, rows * n / 16, "g") < 0)
         goto done;
-    Q8Out out = {(int8_t *)q.view.buf, (float *)d.view.buf, (float *)s.view.buf, (int32_t *)g.view.buf};
+    Q8Out out = {(int8_t *)q.view.buf, (float *)d.view.buf, (float *)s.view.buf, (int32_t *)g.view.buf,
+                 n};
     quantize_rows(fmt, (const float *)x.view.buf, rows, n, out, 1);
     result = Py_NewRef(Py_None);
 done:

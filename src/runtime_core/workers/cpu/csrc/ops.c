@@ -36,7 +36,7 @@ typedef struct {
 static void quantize_item(void *ctx, int64_t j) {
     const QuantizeJob *J = ctx;
     int64_t n = J->n, nc = n / 32;
-    quantize_row(J->fmt, J->x + j * n, n, J->out.q + j * n, J->out.d + j * nc,
+    quantize_row(J->fmt, J->x + j * n, n, J->out.q + j * J->out.qs, J->out.d + j * nc,
                  J->out.s + j * nc, J->out.g + j * 2 * nc);
 }
 

@@ -14,12 +14,14 @@ typedef struct {
     int x8; /* repacked */
 } Part;
 
-/* Rows of 8-bit activations, written by quantize_rows; row j at q + j n, d + j n / 32,
+/* Rows of 8-bit activations, written by quantize_rows; row j at q + j qs (qs >= n: a
+ * padded row, so that rows a whole number of 4 KiB apart do not alias), d + j n / 32,
  * s + j n / 32, g + j n / 16 (each format uses the start of its row's span). */
 typedef struct {
     int8_t *q;
     float *d, *s;
     int32_t *g;
+    int64_t qs;
 } Q8Out;
 
 void quantize_rows(int fmt, const float *x, int64_t rows, int64_t n, Q8Out out, int threads);

@@ -315,7 +315,7 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
         }
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
-            const int8_t *xq = x->q + j * x->n + 32 * c;
+            const int8_t *xq = x->q + j * x->qs + 32 * c;
 #if X8_VNNI /* two chains of vpdpbusd (its latency, not its throughput, bounds one) */
             VI si = v_set1_32(-128 * x->g[j * 2 * nc + c]), si2 = v_zero();
             for (int w = 0; w < 8; w += 2) {
@@ -374,7 +374,7 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
         }
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
-            const int8_t *xq = x->q + j * x->n + 32 * c;
+            const int8_t *xq = x->q + j * x->qs + 32 * c;
             const VI si = XN(q4_isum)(lo, hi, xq, q4_1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]));
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
@@ -420,7 +420,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
         }
         for (int k = 0; k < nj; ++k) {
             const int64_t j = j0 + k;
-            const int8_t *xq = x->q + j * x->n + 32 * c;
+            const int8_t *xq = x->q + j * x->qs + 32 * c;
             VI si;
             if (signed_q) {
 #if X8_VNNI
@@ -484,7 +484,7 @@ X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
         }
         for (int k = 0; k < nj; ++k) {
             const int64_t j = j0 + k;
-            const int8_t *xq = x->q + j * x->n + 256 * sb;
+            const int8_t *xq = x->q + j * x->qs + 256 * sb;
             VI isum = v_zero();
             for (int s = 0; s < 8; ++s) {
                 const int8_t *xs = xq + 32 * s;
@@ -537,7 +537,7 @@ X8_INL void XN(iq4xs_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
             const VI sc = XN(ld_i8_i32)(b + 16 + 8 * s, gs);
             for (int k = 0; k < NJ; ++k) {
                 const int64_t j = j0 + k;
-                const int8_t *xs = x->q + j * x->n + 256 * sb + 32 * s;
+                const int8_t *xs = x->q + j * x->qs + 256 * sb + 32 * s;
                 const int32_t *g = x->g + j * 2 * nc + 16 * sb + 2 * s;
 #if X8_VNNI
                 const VI *q = NULL;
@@ -790,7 +790,7 @@ X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *
 X8_INL void XN(k_rows)(const int8_t **xq, const int32_t **xg, const XRows *x, int64_t j0, int64_t nc,
                        int64_t sb, const int NJ) {
     for (int k = 0; k < NJ; ++k) {
-        xq[k] = x->q + (j0 + k) * x->n + 256 * sb;
+        xq[k] = x->q + (j0 + k) * x->qs + 256 * sb;
         xg[k] = x->g + (j0 + k) * 2 * nc + 16 * sb;
     }
 }

@@ -148,7 +148,7 @@ XP_INL void xp_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j
         }
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
-            const __m512i xa = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + j * x->n + 32 * c)));
+            const __m512i xa = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + j * x->qs + 32 * c)));
             __m512i si = q4_1 ? _mm512_setzero_si512() : _mm512_maskz_set1_epi32(0x00FF, -8 * x->g[j * 2 * nc + c]);
             __m512i si2 = _mm512_setzero_si512();
             for (int m = 0; m < 2; ++m) {
