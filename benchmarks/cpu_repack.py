@@ -2,7 +2,7 @@
 instruction set.
 
     python benchmarks/cpu_repack.py [--types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K] [--isas all]
-        [--threads 1] [--repeat 5] [--rows 1] [--json OUT.json]
+        [--threads 1] [--repeat 5] [--rows 1] [--packed-q] [--json OUT.json]
 
 One product of the CPU worker's kernels (``_kernels.linear``, 8-bit activations) on
 random blocks of each type (``tests/support/random_blocks.py``), for a matrix that
@@ -11,7 +11,9 @@ shape's feed-forward), through a ``Matrix`` of the stored rows and one of
 ``repack=True`` (``csrc/repack.h``), on every instruction set of ``--isas`` this
 processor runs (``all``: every one). Each figure is the best of ``--repeat`` timings,
 the two layouts interleaved; the script also checks that both give the same bits.
-``--rows`` above 1 times the prefill-shaped product (GMAC/s).
+``--rows`` above 1 times the prefill-shaped product (GMAC/s); its rows of 8-bit
+activations are the worker's (``step_buffers.q_row_stride`` apart), or n bytes apart
+with ``--packed-q`` (a hidden size of 4096 then puts them 4 KiB apart).
 """
 
 from __future__ import annotations
@@ -36,12 +38,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rows", type=int, default=1, help="activation rows (1: decode)")
+    parser.add_argument(
+        "--packed-q",
+        dest="padded",
+        action="store_false",
+        help="rows of 8-bit activations n bytes apart (default: the worker's, padded by "
+        "step_buffers.q_row_stride)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))  # tests.support
     from tests.support.random_blocks import random_rows
 
     from runtime_core.workers.cpu import _kernels
+    from runtime_core.workers.cpu.step_buffers import q_row_stride
+
+    def q_rows(rows: int, n: int) -> np.ndarray:
+        if not args.padded:
+            return np.zeros((rows, n), np.int8)
+        wide: np.ndarray = np.zeros((rows, q_row_stride(n)), np.int8)
+        return wide[:, :n]
 
     host = _kernels.isas()
     isas = host if args.isas == "all" else tuple(i for i in args.isas.split(",") if i in host)
@@ -51,7 +67,7 @@ def main() -> None:
         for n_out, n_in in SHAPES:
             raw = random_rows(rng, qtype, n_out, n_in, scale=1 / np.sqrt(n_in))
             x = rng.standard_normal((args.rows, n_in)).astype(np.float32)
-            q = np.zeros((args.rows, n_in), np.int8)
+            q = q_rows(args.rows, n_in)  # the worker's padded rows
             d = np.zeros((args.rows, n_in // 32), np.float32)
             s, g = d.copy(), np.zeros((args.rows, n_in // 16), np.int32)
             parts = [(raw, qtype, n_out, n_in, 0)]

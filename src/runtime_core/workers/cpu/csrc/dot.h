@@ -46,7 +46,7 @@ extern const int QTYPE_FORMAT[T_COUNT];
  * format uses the start of the row's d, s, g (n / 256 values of d, n / 16 of g for
  * q8_K; n / 32 of each for q8_0 and q8_1). qs >= n: rows of q may be padded (a row
  * stride a whole number of 4 KiB made prefill's tiles, which read a block of every row
- * in turn, 20 % slower: each read waited on the stores to 4 KiB-aliased addresses). */
+ * in turn, 20 % slower: most likely reads waiting on stores 4 KiB away). */
 typedef struct {
     const int8_t *q;
     const float *d;
