@@ -118,3 +118,20 @@ def test_an_empty_key_in_the_environment_stops_the_server_before_it_starts(
     monkeypatch.setenv(API_KEY_VARIABLE, "")
     code, err = _run(["--model", tiny_chat, "--port", "0"], capsys)
     assert code == 2 and "the key is empty" in err and "listening" not in err, err
+
+
+def test_logprobs_is_off_unless_asked_and_reaches_the_chain() -> None:
+    """``--logprobs`` makes the chain's tokens carry their logits (``WarmChain.logprobs``);
+    without it a request for log probabilities is refused (test_server.py)."""
+    from runtime_cupy.cli.arguments import chain_from
+
+    parser = build_parser()
+    for argv, wanted in (
+        (["--model", "smollm2-135m"], False),
+        (["--model", "smollm2-135m", "--logprobs"], True),
+    ):
+        args = parser.parse_args(argv)
+        assert args.logprobs is wanted
+        chain = chain_from(args)  # planned, not started
+        assert chain.logprobs is wanted
+        assert chain.template.return_logits is wanted

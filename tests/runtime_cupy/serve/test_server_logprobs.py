@@ -163,3 +163,48 @@ def test_completion_logprobs_spell_the_text_with_offsets(server: InProcessServer
     if choice.finish_reason == "length":  # no EOS: the tokens spell the text exactly
         assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_each_choice_has_its_own_entries_whole_and_streamed_and_a_stop_string_ends_them(
+    server: InProcessServer,
+) -> None:
+    client = server.client()
+    ask: dict[str, Any] = {
+        "model": "tiny-chat",
+        "messages": MESSAGES,
+        "max_tokens": 12,
+        "temperature": 1.1,
+        "seed": 3,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    whole = client.chat.completions.create(**ask)
+    by_index = {c.index: c.logprobs.content for c in whole.choices}  # type: ignore[union-attr]
+    assert set(by_index) == {0, 1}
+    assert whole.usage is not None
+    assert sum(len(v or []) for v in by_index.values()) == whole.usage.completion_tokens
+    streamed: dict[int, list[Any]] = {0: [], 1: []}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                streamed[c.index].extend(c.logprobs.content)
+    for i in (0, 1):
+        assert [(e.token, e.logprob) for e in streamed[i]] == [
+            (e.token, e.logprob) for e in by_index[i] or []
+        ]
+
+    # A stop string from choice 0's text: its entries end with the token that completed
+    # it, one per counted token, and spell the shown text first.
+    text = whole.choices[0].message.content or ""
+    if len(text) < 4:
+        pytest.skip(f"choice 0 answered {text!r}: too short to cut")
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = client.chat.completions.create(**{**ask, "n": 1, "stop": [stop]})
+    choice = cut.choices[0]
+    entries = choice.logprobs.content or []  # type: ignore[union-attr]
+    assert cut.usage is not None and len(entries) == cut.usage.completion_tokens
+    assert choice.finish_reason == "stop"
+    spelled = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+    assert spelled.startswith(choice.message.content or "") and stop in spelled
+    assert [e.logprob for e in entries] == [e.logprob for e in (by_index[0] or [])[: len(entries)]]
