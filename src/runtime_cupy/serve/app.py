@@ -269,14 +269,14 @@ class Api:
             while True:
                 index, event = await events.get()
                 if isinstance(event, Piece):
-                    odds = fmt.logprobs_of(job, tokenizer, event.logprobs, offsets[index])
+                    shown = fmt.logprobs_of(job, tokenizer, event.logprobs, offsets[index])
                     offsets[index] += len(event.text)
-                    yield fmt.event(fmt.piece_chunk(job, self.model, event.text, index, odds))
+                    yield fmt.event(fmt.piece_chunk(job, self.model, event.text, index, shown))
                     continue
                 if isinstance(event, Finished):
                     dones[index] = event
-                    odds = fmt.logprobs_of(job, tokenizer, event.tail, offsets[index])
-                    end = fmt.event(fmt.last_chunk(job, self.model, event, index, odds))
+                    shown = fmt.logprobs_of(job, tokenizer, event.tail, offsets[index])
+                    end = fmt.event(fmt.last_chunk(job, self.model, event, index, shown))
                     if len(dones) < len(jobs):
                         yield end
                         continue

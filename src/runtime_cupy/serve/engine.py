@@ -42,7 +42,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.process.chain_runner import ChainRun
 from runtime_cupy.process.names import run_label
 from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
-from runtime_cupy.serve.logprobs import Odds, TokenLogprob
+from runtime_cupy.serve.logprobs import AnswerLogprobs, TokenLogprob
 from runtime_cupy.serve.metrics import Metrics
 from runtime_cupy.serve.recovery import RecoveryMetrics
 from runtime_cupy.serve.requests import CompletionRequest, Message, RequestError
@@ -534,16 +534,16 @@ class Engine:
         r = p.request
         answer = Answer(self.tokenizer, r.stop)
         times: list[float] = []
-        odds = Odds(r.logprobs)
+        answer_logprobs = AnswerLogprobs(r.logprobs)
 
         def on_token(token_id: int) -> None:
             if job.cancelled or answer.stopped:
                 return
             times.append(time.monotonic())
-            odds.token(token_id)
+            answer_logprobs.token(token_id)
             piece = answer.push(token_id)
             if piece:
-                self._deliver(job, Piece(piece, odds.take()))
+                self._deliver(job, Piece(piece, answer_logprobs.take()))
             if answer.stopped:
                 job._stop_early()
 
@@ -557,7 +557,7 @@ class Engine:
                 seed=p.seed,
                 on_token=on_token,
                 on_run=job._attach,
-                on_logits=odds.logits if r.logprobs is not None else None,
+                on_logits=answer_logprobs.logits if r.logprobs is not None else None,
             )
         except ChainError as exc:
             self._finish(job, "faulted", Failed(503, str(exc), "stages_unavailable"))
@@ -568,10 +568,15 @@ class Engine:
             return
         finally:
             job._detach()
-        self._answer(job, run, answer, times, odds)
+        self._answer(job, run, answer, times, answer_logprobs)
 
     def _answer(
-        self, job: Job, run: WarmResult, answer: Answer, times: list[float], odds: Odds
+        self,
+        job: Job,
+        run: WarmResult,
+        answer: Answer,
+        times: list[float],
+        answer_logprobs: AnswerLogprobs,
     ) -> None:
         result = run.result
         p = job.prepared
@@ -583,12 +588,13 @@ class Engine:
             stopped = job.stopped or answer.stopped or len(result.tokens) < p.max_tokens
             tokens = answer.tokens if job.stopped else len(result.tokens)
             if rest:
-                self._deliver(job, Piece(rest, odds.take(tokens)))
+                self._deliver(job, Piece(rest, answer_logprobs.take(tokens)))
             ttft = times[0] - job.arrived_s if times else None
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             self.metrics.answered(tokens, ttft, tpot)
+            entries, unsent = answer_logprobs.counted(tokens)
             finished = Finished(answer.content, "stop" if stopped else "length",
-                                len(p.prompt_ids), tokens, *odds.counted(tokens))  # fmt: skip
+                                len(p.prompt_ids), tokens, entries, unsent)  # fmt: skip
             self._finish(job, "completed", finished, tokens=tokens)
             return
         if result.outcome == "cancelled":

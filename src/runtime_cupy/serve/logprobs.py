@@ -95,7 +95,7 @@ def completion_logprobs(
     }
 
 
-class Odds:
+class AnswerLogprobs:
     """One answer's log probabilities as its tokens come (the runner's thread): the
     chain hands each token's logits to ``logits``, then ``token`` keeps the token's
     entry; ``take`` gives the entries no piece of text carried yet. ``top`` ``None``: the
