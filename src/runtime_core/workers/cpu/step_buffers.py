@@ -36,10 +36,10 @@ def q_row_stride(n: int) -> int:
     """Bytes between rows of ``n`` 8-bit activations: ``n`` and a cache line, more if that
     put rows a whole number of 2 KiB apart. A prefill's tile reads a block of each of
     its rows in turn; rows a whole number of 4 KiB apart (a hidden size of 4096) made
-    Q4_0's tile of 32 rows some 20 % slower on AVX2 and AVX-512 BW (most likely reads
-    waiting on stores 4 KiB away: a processor compares the low 12 bits of addresses
-    first; measured, the cause not)
-    (``benchmarks/cpu_repack.py --rows 32`` against ``--packed-q``, docs/benchmarks.md)."""
+    Q4_0's tile of 32 rows some 20 % slower on AVX2 and AVX-512 BW
+    (``benchmarks/cpu_repack.py --rows 32`` against ``--packed-q``, docs/benchmarks.md):
+    most likely reads waiting on stores 4 KiB away, which a processor takes for the same
+    address until it compares the rest (the slowdown measured, its cause not)."""
     stride = n + Q_PAD
     return stride + Q_PAD if stride % 2048 == 0 else stride
 
