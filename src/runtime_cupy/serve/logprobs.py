@@ -40,14 +40,15 @@ class TokenLogprob:
 def token_logprob(logits: npt.NDArray[np.float32], token_id: int, top: int) -> TokenLogprob:
     """``token_id``'s log probability under ``logits`` (one step's raw logits) and the
     ``top`` most likely tokens'."""
-    z = np.asarray(logits, np.float64)
+    z = np.asarray(logits, np.float32)  # float64 for the sum; a float32's order is its own
     peak = float(np.max(z))
-    lse = peak + float(np.log(np.sum(np.exp(z - peak))))
+    lse = peak + float(np.log(np.sum(np.exp(z.astype(np.float64) - peak))))
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
         k = min(top, z.size)
-        ids = np.argpartition(-z, k - 1)[:k] if k < z.size else np.arange(z.size)
-        order = sorted(ids.tolist(), key=lambda i: (-z[i], i))
+        kth = np.partition(z, z.size - k)[z.size - k]  # the k-th largest
+        ids = np.flatnonzero(z >= kth)  # every tie at the edge, then the lower ids first
+        order = sorted(ids.tolist(), key=lambda i: (-z[i], i))[:k]
         best = tuple((int(i), float(z[i]) - lse) for i in order)
     return TokenLogprob(int(token_id), float(z[token_id]) - lse, best)
 
