@@ -341,7 +341,7 @@ class WarmChain:
         ``kv_budget_bytes`` or ``max_concurrent`` full-length runs, batch rows, and
         whether tokens come with their logits: ``logprobs``) and its own prompt length
         and token limit."""
-        config = self._config(run_id, max_tokens, sampling, prompt_tokens, self.logprobs)
+        config = self._config(run_id, max_tokens, sampling, prompt_tokens)
         if self._placement is None:
             return plan_even(self.facts, config, ORCHESTRATOR, self.nodes, self.placement)
         pool = NodePool(ORCHESTRATOR, self.nodes)
@@ -353,13 +353,11 @@ class WarmChain:
         return planned
 
     def _config(
-        self,
-        run_id: str,
-        max_tokens: int,
-        sampling: SamplingConfig,
-        prompt_tokens: int,
-        logits: bool = False,
+        self, run_id: str, max_tokens: int, sampling: SamplingConfig, prompt_tokens: int
     ) -> RuntimeConfig:
+        """A run's settings: the chain's (whether its tokens carry logits, ``logprobs``,
+        included: the chain's token link is made for one kind of record, by the plan it
+        starts with, a re-placed chain's too) and the run's own."""
         half = self.worker == "cuda"  # the CUDA worker moves f16 activations
         return RuntimeConfig(
             run_id=run_id,
@@ -373,7 +371,7 @@ class WarmChain:
             max_concurrent_runs=self.max_concurrent,
             kv_budget_bytes=self.kv_budget_bytes,
             prefill_chunk=self.prefill_chunk,
-            return_logits=logits,
+            return_logits=self.logprobs,
         )
 
     def _medium(self, plan: RunPlan, edge: Any) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from runplan import NodeSpec
@@ -240,3 +241,35 @@ def test_a_spare_lost_while_the_new_chain_comes_up_is_passed_over(tiny: str) -> 
         assert tuple(seen) == unbroken.tokens
         assert [s.node_id for s in chain.template.stages] == ["n0", "s1"]
         assert "s0" not in host.started_on[host.started_on.index("s0") + 1 :]
+
+
+def test_a_chain_with_logprobs_hands_over_every_tokens_logits_across_a_recovery(
+    tiny: str,
+) -> None:
+    """``logprobs``: the stream's every token comes with its logits, the replay's tokens
+    on the re-placed chain too (its plans still return them: one kind of token record
+    for the chain, before and after), and the same logits as the unbroken run's."""
+    with WarmChain(tiny, stages=2, context=64, logprobs=True) as chain:
+        unbroken: list[np.ndarray] = []
+        whole = chain.generate(PROMPT, max_tokens=TOKENS, on_logits=unbroken.append)
+        assert whole.result.outcome == "completed" and len(unbroken) == TOKENS
+    with WarmChain(tiny, stages=2, context=64, recover=True, logprobs=True) as chain:
+        seen: list[int] = []
+        logits: list[np.ndarray] = []
+        run = chain.generate(
+            PROMPT,
+            max_tokens=TOKENS,
+            on_token=kill_after(chain, 1, 3, seen),
+            on_logits=logits.append,
+        )
+        assert run.result.outcome == "completed", run.result.fault
+        assert chain.recoveries.count == 1
+        assert run.result.tokens == whole.result.tokens and len(logits) == TOKENS
+        for got, want in zip(logits, unbroken, strict=True):
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        again: list[np.ndarray] = []
+        assert (
+            chain.generate(PROMPT, max_tokens=4, on_logits=again.append).result.tokens
+            == (whole.result.tokens[:4])
+        )
+        assert len(again) == 4
