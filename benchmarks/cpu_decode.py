@@ -187,14 +187,24 @@ def model_path(name: str, folder: Path, layers: int, llamacpp: str, threads: int
 
         return Path(resolve_model("smollm2-135m"))
     path = folder / f"{name}-{layers}l.gguf"
+    f16 = folder / f"8b-f16-{layers}l.gguf"
+    return quantized(
+        path, f16, lambda: write_f16_model(f16, layers), FTYPES[name], llamacpp, threads
+    )
+
+
+def quantized(
+    path: Path, f16: Path, write_f16: Any, ftype: str, llamacpp: str, threads: int
+) -> Path:
+    """``path``: ``f16`` (written by ``write_f16()`` when missing) quantized to ``ftype``
+    by llama.cpp's own quantizer in the ``llamacpp`` interpreter, unless it is there."""
     if not path.exists():
-        f16 = folder / f"8b-f16-{layers}l.gguf"
         if not f16.exists():
             print(f"writing {f16} ...", file=sys.stderr)
-            write_f16_model(f16, layers)
+            write_f16()
         print(f"quantizing {path.name} with llama.cpp ...", file=sys.stderr)
         subprocess.run(
-            [llamacpp, "-c", QUANTIZE, str(f16), str(path), FTYPES[name], str(threads)],
+            [llamacpp, "-c", QUANTIZE, str(f16), str(path), ftype, str(threads)],
             check=True,
             capture_output=True,
         )

@@ -29,7 +29,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,11 +41,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cpu_decode import (  # noqa: E402
     LLAMACPP_PYTHON,
-    QUANTIZE,
     VOCAB,
     add_id_vocab,
     llamacpp_problem,
     processor,
+    quantized,
     read_bandwidth,
     run_child,
     thread_counts,
@@ -120,18 +119,10 @@ def write_f16_model(path: Path, n_layers: int) -> None:
 
 def model_path(kind: str, folder: Path, layers: int, llamacpp: str, threads: int) -> Path:
     path = folder / f"qwen3moe-{kind}-{layers}l.gguf"
-    if not path.exists():
-        f16 = folder / f"qwen3moe-f16-{layers}l.gguf"
-        if not f16.exists():
-            print(f"writing {f16} ...", file=sys.stderr)
-            write_f16_model(f16, layers)
-        print(f"quantizing {path.name} with llama.cpp ...", file=sys.stderr)
-        subprocess.run(
-            [llamacpp, "-c", QUANTIZE, str(f16), str(path), FTYPES[kind], str(threads)],
-            check=True,
-            capture_output=True,
-        )
-    return path
+    f16 = folder / f"qwen3moe-f16-{layers}l.gguf"
+    return quantized(
+        path, f16, lambda: write_f16_model(f16, layers), FTYPES[kind], llamacpp, threads
+    )
 
 
 def active_bytes(path: Path) -> int:
