@@ -72,14 +72,15 @@ def test_chat_logprobs_are_the_raw_logits_log_softmax(
     server: InProcessServer, sampling: dict[str, Any]
 ) -> None:
     client = server.client()
-    answer = client.chat.completions.create(
-        model="tiny-chat",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_tokens=10,
-        logprobs=True,
-        top_logprobs=3,
+    ask: dict[str, Any] = {
+        "model": "tiny-chat",
+        "messages": MESSAGES,
+        "max_tokens": 10,
+        "logprobs": True,
+        "top_logprobs": 3,
         **sampling,
-    )
+    }
+    answer = client.chat.completions.create(**ask)
     choice = answer.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
     entries = choice.logprobs.content
@@ -94,15 +95,7 @@ def test_chat_logprobs_are_the_raw_logits_log_softmax(
     assert text.startswith(choice.message.content or "")
 
     # Streamed: the same entries, spread over the chunks.
-    stream = client.chat.completions.create(
-        model="tiny-chat",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_tokens=10,
-        logprobs=True,
-        top_logprobs=3,
-        stream=True,
-        **sampling,
-    )
+    stream = client.chat.completions.create(**ask, stream=True)
     streamed = [
         e
         for chunk in stream
@@ -119,20 +112,10 @@ def test_chat_without_logprobs_shows_none_and_top_0_shows_no_alternatives(
     server: InProcessServer,
 ) -> None:
     client = server.client()
-    plain = client.chat.completions.create(
-        model="tiny-chat",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_tokens=4,
-        temperature=0,
-    )
+    ask: dict[str, Any] = {"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 4}
+    plain = client.chat.completions.create(**ask, temperature=0)
     assert plain.choices[0].logprobs is None
-    bare = client.chat.completions.create(
-        model="tiny-chat",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-    )
+    bare = client.chat.completions.create(**ask, temperature=0, logprobs=True)
     content = bare.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
     assert all(e.top_logprobs == [] for e in content)
