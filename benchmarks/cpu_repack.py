@@ -51,13 +51,7 @@ def main() -> None:
     from tests.support.random_blocks import random_rows
 
     from runtime_core.workers.cpu import _kernels
-    from runtime_core.workers.cpu.step_buffers import q_row_stride
-
-    def q_rows(rows: int, n: int) -> np.ndarray:
-        if not args.padded:
-            return np.zeros((rows, n), np.int8)
-        wide: np.ndarray = np.zeros((rows, q_row_stride(n)), np.int8)
-        return wide[:, :n]
+    from runtime_core.workers.cpu.step_buffers import q_rows
 
     host = _kernels.isas()
     isas = host if args.isas == "all" else tuple(i for i in args.isas.split(",") if i in host)
@@ -67,7 +61,11 @@ def main() -> None:
         for n_out, n_in in SHAPES:
             raw = random_rows(rng, qtype, n_out, n_in, scale=1 / np.sqrt(n_in))
             x = rng.standard_normal((args.rows, n_in)).astype(np.float32)
-            q = q_rows(args.rows, n_in)  # the worker's padded rows
+            q = (  # the worker's padded rows, or rows n_in apart
+                q_rows(np.zeros, args.rows, n_in)
+                if args.padded
+                else np.zeros((args.rows, n_in), np.int8)
+            )
             d = np.zeros((args.rows, n_in // 32), np.float32)
             s, g = d.copy(), np.zeros((args.rows, n_in // 16), np.int32)
             parts = [(raw, qtype, n_out, n_in, 0)]

@@ -91,7 +91,7 @@ from runtime_core.workers.cpu.step_buffers import (
     Q8Rows,
     RowSet,
     buffer,
-    q_row_stride,
+    q_rows,
     written,
 )
 from runtime_core.workers.experts import Routing, weighted_sum
@@ -548,7 +548,7 @@ class CpuOps:
                 continue
             nc = n // CHUNK
             out[k] = Q8Rows(
-                kept(k + "-q", (n_rows, q_row_stride(n)), np.int8)[:, :n],
+                q_rows(lambda shape, dtype, k=k: kept(k + "-q", shape, dtype), n_rows, n),
                 kept(k + "-d", (n_rows, nc), np.float32),
                 kept(k + "-s", (n_rows, nc), np.float32),
                 kept(k + "-g", (n_rows, 2 * nc), np.int32),
