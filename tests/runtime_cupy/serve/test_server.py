@@ -6,8 +6,8 @@ template, a key from ``GGUF_PIPELINE_API_KEY``) serves every test here:
 - chat and completions, whole and streamed, give the text of ``runtime_cupy.generate``
   (the same worker, prompt, stage count and sampling: greedy, and with a
   temperature and a seed), with usage and ``finish_reason``; stop strings cut it;
-- four clients at once are all answered, one run at a time, in the order the server
-  logged their arrival;
+- four clients at once are all answered, each as it would be alone, started in the
+  order the server logged their arrival and running together;
 - a stage killed between two requests is started again and the next request succeeds;
 - every bad request gets its 4xx and an OpenAI error object naming the field, a wrong
   or missing key gets 401, and ``/metrics`` counts all of it.
