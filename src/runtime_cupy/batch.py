@@ -41,7 +41,11 @@ def generate_batch(
     top_p: float = 1.0,
     seed: int = 0,
     worker: str = DEFAULT_WORKER,
+    gpus: Sequence[int] | None = None,
     edges: str = "auto",
+    encrypt_edges: bool = False,
+    ray_address: str | None = None,
+    placement: str = "even",
     max_concurrent: int | None = None,
 ) -> Iterator[tuple[int, GenerateResult]]:
     """Generate up to ``max_tokens`` tokens after each of ``prompts`` on one chain;
@@ -59,7 +63,11 @@ def generate_batch(
         str(resolve_model(model_path)),
         stages=stages,
         worker=worker,
+        gpus=gpus,
         edges=edges,
+        encrypt_edges=encrypt_edges,
+        ray_address=ray_address,
+        placement=placement,
         context=context,
         max_concurrent=max_concurrent or len(prompts),
     )

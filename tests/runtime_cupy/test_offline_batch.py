@@ -77,3 +77,36 @@ def test_the_prompts_file_prints_one_json_line_per_prompt(
         check=False,
     )
     assert bad.returncode == 2 and "line 2" in bad.stderr, bad.stderr
+
+
+def test_the_prompts_file_takes_the_chain_options(
+    tiny: str,
+    tmp_path: Path,
+    alone: list[tuple[int, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--encrypt-edges`` and ``--placement`` reach the batch's chain (they were once
+    dropped without a word), and its runs still give each prompt's tokens alone."""
+    from runtime_cupy import batch
+    from runtime_cupy.cli.main import main
+
+    made: list[dict[str, object]] = []
+
+    class Recorded(batch.WarmChain):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            made.append(kwargs)
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batch, "WarmChain", Recorded)
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]))
+    code = main(["--model", tiny, "--stages", "2", "--worker", "numpy", "--max-tokens", "7",
+                 "--edges", "tcp", "--encrypt-edges", "--placement", "memory",
+                 "--prompts-file", str(file)])  # fmt: skip
+    assert code == 0
+    assert [(m["edges"], m["encrypt_edges"], m["placement"]) for m in made] == [
+        ("tcp", True, "memory")
+    ]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {line["index"]: tuple(line["tokens"]) for line in lines} == {0: alone[0], 1: alone[1]}

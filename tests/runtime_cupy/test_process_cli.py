@@ -150,11 +150,16 @@ def test_with_recover_a_killed_stage_is_replaced_and_the_text_goes_on(smollm2_pa
     assert wait_gone(list(pids.values()), 5) == []
 
 
-def test_recover_runs_one_prompt_not_a_file(tiny: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [["--recover"], ["--trace", "t.json"]])
+def test_recover_and_trace_take_one_prompt_not_a_file(
+    tiny: str, tmp_path: Path, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
-    code = main(["--model", tiny, "--prompts-file", str(prompts), "--recover"])
+    flags = [str(tmp_path / f) if f.endswith(".json") else f for f in flags]
+    code = main(["--model", tiny, "--prompts-file", str(prompts), *flags])
     assert code == 2
+    assert f"{flags[0]} " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -120,9 +120,18 @@ def _run_batch(args: argparse.Namespace) -> int:
     options = generation_options(args)
     options.pop("trace")
     faulted = 0
-    for index, result in generate_batch(
-        path, prompts, **options, worker=args.worker, edges=args.edges
-    ):
+    batch = generate_batch(
+        path,
+        prompts,
+        **options,
+        worker=args.worker,
+        gpus=args.gpus,
+        edges=args.edges,
+        encrypt_edges=args.encrypt_edges,
+        ray_address=args.ray_address,
+        placement=args.placement,
+    )
+    for index, result in batch:
         line = {
             "index": index,
             "tokens": list(result.tokens),
@@ -140,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.prompts_file is not None:
         if args.recover:
             raise ValueError("--recover runs one prompt (--prompt), not a --prompts-file")
+        if args.trace is not None:
+            raise ValueError("--trace records one prompt's run (--prompt), not a --prompts-file")
         return _run_batch(args)
     err = Console(stderr=True, soft_wrap=True)
     path = resolve_model(args.model)
