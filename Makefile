@@ -136,6 +136,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/slice_transfer.py
 	$(PY) benchmarks/serve_load.py
 	$(PY) benchmarks/recovery_inprocess.py
+	$(PY) benchmarks/recovery.py
+	$(PY) benchmarks/cpu_attention.py
+	$(PY) benchmarks/cpu_step_programs.py
+	$(PY) benchmarks/serve_soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build
