@@ -29,11 +29,12 @@ runs in this process, a driver of the cluster.
 - **Warm stages** (``StageLaunch(warm=True)``, ``serve.chain.WarmChain``): what is the
   chain's lives as long as its stage process: the supervisor and its stage process,
   their control connection, and this process's control port (while any warm stage is
-  there). What is a run's is freed at that run's cleanup, as for a cold run: the
-  edges' segments and folders on every host, and the run's addresses in the store
-  (keyed by the run's id). A warm stage's handle, closed once its stage is gone (the
-  chain closed its channel, or retired a broken stage), kills that stage's supervisor;
-  the stage started again in its place gets a new one, on the node its plan names.
+  there). The chain's links are freed at the chain's cleanup (``cleanup(chain_id,
+  hops)``, as a cold run's edges at its own): their segments and folders on every host,
+  and their addresses in the store (keyed by the chain's id). A warm stage's handle,
+  closed once its stage is gone (the chain closed its channel, or retired a broken
+  stage), kills that stage's supervisor; the stage started again in its place gets a
+  new one, on the node its plan names.
 """
 
 from __future__ import annotations
