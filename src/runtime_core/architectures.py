@@ -112,7 +112,10 @@ class ArchSpec:
     rope_freqs: bool  # may carry llama3's rope_freqs.weight
     # may carry LongRoPE's rope_factors_long / rope_factors_short.weight (phi3)
     longrope: bool = False
-    untied_head: bool = True  # may carry output.weight (False: the head is the embedding)
+    # output.weight: OPTIONAL (the embedding where absent), REQUIRED (qwen2moe: llama.cpp
+    # loads no fallback), ABSENT (the head is always the embedding; a file with one is
+    # refused, as llama.cpp's tensor count refuses it)
+    head: Presence = Presence.OPTIONAL
     # llama.cpp's n_no_rope_layer_step: block i (from 0) rotates no query or key where
     # (i + 1) % no_rope_period == 0 ("NoPE" blocks); 0: every block rotates
     no_rope_period: int = 0
@@ -227,7 +230,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             query_scale=QueryScale.GEMMA2,
             final_logit_softcap=30.0,
             attn_logit_softcap=50.0,
-            untied_head=False,
+            head=Presence.ABSENT,
         ),
         # Gemma (the first): gemma3's block without per-head Q/K norms, post-norms or
         # sliding blocks, with no soft cap; the queries scaled by the key length (Gemma
@@ -241,7 +244,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             query_scale=QueryScale.KEY_LENGTH,
             sliding_window=False,
             final_logit_softcap=None,
-            untied_head=False,
+            head=Presence.ABSENT,
         ),
         # SmolLM3: llama's block, its every fourth block without rotary embedding (llama.cpp
         # fixes the period at 4 for smollm3: no key sets it), no output or feed-forward
@@ -291,6 +294,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             expert_ffn_length=True,
             expert_weights_norm=False,
             shared_expert=True,
+            head=Presence.REQUIRED,  # models/qwen2moe.cpp: output.weight, no fallback
         ),
         # Granite 3.x MoE (1B-A400M, 3B-A800M): granite's multipliers, every block's
         # feed-forward a mixture of experts of feed_forward_length, the mixture's output

@@ -227,6 +227,13 @@ def open_stage_slice(
     if is_first:
         specs[EMBEDDING] = TensorSpec((h, vocab), True)
     if is_last:
+        if OUTPUT not in tensors and config.spec.head is Presence.REQUIRED:
+            raise UnsupportedModel(
+                path,
+                f"missing: the {config.architecture} architecture's head is a tensor of "
+                "its own (llama.cpp takes no embedding in its place)",
+                tensor=OUTPUT,
+            )
         head = OUTPUT if OUTPUT in tensors else EMBEDDING
         specs[OUTPUT_NORM] = TensorSpec((h,), True)
         specs[head] = TensorSpec((h, vocab), True)
@@ -294,9 +301,10 @@ def _refuse_tensors_outside_the_model(
     """Refuse a tensor outside the blocks that is not one of ``MODEL_TENSORS`` (another
     variant's, such as an embedding norm, whose computation would be missing): llama.cpp
     refuses such a file too (its count of tensors); so is ``output.weight`` where the
-    architecture's head is always the embedding (gemma2). Names only, so every stage
-    refuses the same file. (A block past the block count is ``block_count``'s ``GgufError``.)"""
-    if OUTPUT in tensors and not config.spec.untied_head:
+    architecture's head is always the embedding (gemma, gemma2). Names only, so every
+    stage refuses the same file. (A block past the block count is ``block_count``'s
+    ``GgufError``.)"""
+    if OUTPUT in tensors and config.spec.head is Presence.ABSENT:
         raise UnsupportedModel(
             path,
             f"the {config.architecture} architecture's head is the embedding: llama.cpp "

@@ -308,6 +308,11 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (3, 4),
         _unsupported(tensor="blk.3.ffn_gate_inp_shexp.weight"),
     ),
+    "qwen2moe without its output tensor (llama.cpp takes no embedding in its place)": (
+        {"shape": attrs.evolve(QWEN2MOE, tied=True)},
+        (N_LAYERS - 1, N_LAYERS),
+        _unsupported(tensor="output.weight"),
+    ),
     "qwen2moe with two shared experts": (
         {"shape": QWEN2MOE, "extra_keys": {"qwen2moe.expert_shared_count": 2}},
         (0, 4),
@@ -417,6 +422,17 @@ def test_other_stages_never_touch_a_broken_tensor(tmp_path: Path, case: str) -> 
         with open_stage_slice(path, start, end, is_first=start == 0, is_last=end == N_LAYERS) as s:
             for name in s.tensors:
                 assert np.isfinite(s.dequantize(name)).all()
+
+
+def test_only_the_last_stage_needs_a_required_head(tmp_path: Path) -> None:
+    """A qwen2moe file without ``output.weight``: the stages before the last never read
+    a head (a host given only their shards has none to read), so they open it."""
+    path = write_broken(
+        tmp_path, "qwen2moe without its output tensor (llama.cpp takes no embedding in its place)"
+    )
+    for start in range(N_LAYERS - 1):
+        with open_stage_slice(path, start, start + 1, is_first=start == 0, is_last=False) as s:
+            assert s.head is None
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
