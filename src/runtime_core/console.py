@@ -122,8 +122,16 @@ def add_generation_arguments(
             "--prompts-file",
             type=Path,
             help='a JSON Lines file of prompts ({"prompt": TEXT} or {"prompt_ids": '
-            "[IDS]} a line), all run at once on one chain; one JSON line per prompt is "
-            "printed as it completes",
+            "[IDS]} a line), run on one chain, up to --max-concurrent at once; one JSON "
+            "line per prompt is printed as it completes",
+        )
+        parser.add_argument(
+            "--max-concurrent",
+            type=positive_int,
+            default=None,
+            help="with --prompts-file: prompts in flight at once, batched by the stages; "
+            "the others wait (default: up to 64, fewer where the hosts' memory holds "
+            "fewer runs' caches)",
         )
     parser.add_argument(
         "--chat",

@@ -1,10 +1,13 @@
 """Offline batches (vLLM's ``LLM.generate(prompts)`` habit): many prompts over one
-chain, every prompt in flight at once (as many as the stages' KV budgets hold; the rest
-wait for room, first given, first started), each result yielded as it completes.
+chain, up to ``max_concurrent`` prompts in flight at once (the rest wait for room, first
+given, first started), each result yielded as it completes.
 
 ``generate_batch(model, prompts, ...)`` starts a chain of ``stages`` stage processes
 (``serve.chain.WarmChain``, its cache length the longest prompt plus ``max_tokens``,
-its KV budget for ``max_concurrent`` such runs: by default every prompt), hands it
+its KV budget for ``max_concurrent`` such runs: by default every prompt up to
+``DEFAULT_BATCH_RUNS``, halved until the planner finds the hosts' memory holds their
+caches, so that a file of many prompts runs on a host that cannot hold them all at
+once; a ``max_concurrent`` given is taken as it is, or refused), hands it
 every prompt as a run of its own, and yields ``(index, GenerateResult)`` in the order
 the runs end; the chain is closed (every process reaped, every link freed) when the
 iterator is exhausted or closed. Each run samples with its own sampler from ``seed``
@@ -20,10 +23,16 @@ from collections.abc import Iterator, Sequence
 
 from runplan import SamplingConfig
 from runplan.models import resolve_model
+from runplan.rejections import InsufficientMemory
+from runtime_core.runs import PlanRejected
 from runtime_cupy.api import GenerateResult
 from runtime_cupy.process.chain_runner import ChainRun
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.workers import DEFAULT_WORKER
+
+#: Prompts in flight at once by default (fewer where the hosts' memory holds fewer runs'
+#: caches): a batch of decode rows this long reads each weight once for all of them.
+DEFAULT_BATCH_RUNS = 64
 
 
 class BatchError(ValueError):
@@ -59,18 +68,33 @@ def generate_batch(
             raise BatchError(f"prompt {i} holds no tokens")
     longest = max(len(p) for p in prompts)
     context = longest + max_tokens
-    chain = WarmChain(
-        str(resolve_model(model_path)),
-        stages=stages,
-        worker=worker,
-        gpus=gpus,
-        edges=edges,
-        encrypt_edges=encrypt_edges,
-        ray_address=ray_address,
-        placement=placement,
-        context=context,
-        max_concurrent=max_concurrent or len(prompts),
-    )
+
+    def chain_of(runs: int) -> WarmChain:  # PlanRejected before any process starts
+        return WarmChain(
+            str(resolve_model(model_path)),
+            stages=stages,
+            worker=worker,
+            gpus=gpus,
+            edges=edges,
+            encrypt_edges=encrypt_edges,
+            ray_address=ray_address,
+            placement=placement,
+            context=context,
+            max_concurrent=runs,
+        )
+
+    if max_concurrent is not None:
+        chain = chain_of(max_concurrent)
+    else:
+        runs = min(len(prompts), DEFAULT_BATCH_RUNS)
+        while True:
+            try:
+                chain = chain_of(runs)
+                break
+            except PlanRejected as e:
+                if runs == 1 or not isinstance(e.rejection, InsufficientMemory):
+                    raise
+                runs //= 2
     return _results(chain, prompts, max_tokens, SamplingConfig(temperature, top_k, top_p, seed))
 
 

@@ -86,8 +86,9 @@ def test_the_prompts_file_takes_the_chain_options(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """``--encrypt-edges`` and ``--placement`` reach the batch's chain (they were once
-    dropped without a word), and its runs still give each prompt's tokens alone."""
+    """``--encrypt-edges``, ``--placement`` and ``--max-concurrent`` reach the batch's
+    chain (the first two were once dropped without a word), and its runs still give
+    each prompt's tokens alone."""
     from runtime_cupy import batch
     from runtime_cupy.cli.main import main
 
@@ -103,10 +104,61 @@ def test_the_prompts_file_takes_the_chain_options(
     file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]))
     code = main(["--model", tiny, "--stages", "2", "--worker", "numpy", "--max-tokens", "7",
                  "--edges", "tcp", "--encrypt-edges", "--placement", "memory",
-                 "--prompts-file", str(file)])  # fmt: skip
+                 "--max-concurrent", "3", "--prompts-file", str(file)])  # fmt: skip
     assert code == 0
-    assert [(m["edges"], m["encrypt_edges"], m["placement"]) for m in made] == [
-        ("tcp", True, "memory")
-    ]
+    assert [
+        (m["edges"], m["encrypt_edges"], m["placement"], m["max_concurrent"]) for m in made
+    ] == [("tcp", True, "memory", 3)]
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {line["index"]: tuple(line["tokens"]) for line in lines} == {0: alone[0], 1: alone[1]}
+
+
+def test_a_batch_the_host_cannot_hold_at_once_runs_fewer_at_a_time(
+    tiny: str, alone: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default a batch puts every prompt in flight, up to ``DEFAULT_BATCH_RUNS``, but
+    never more runs than the host's memory holds the caches of: on a host (its memory
+    given through the host port) that holds 4 such runs, 10 prompts go 2 at a time
+    (10 and 5 refused by the planner before any process started), and every prompt
+    still gives its tokens alone. It once planned all of them at once, and a file of
+    many prompts was refused whole."""
+    import attrs
+
+    from runtime_cupy import batch
+    from runtime_cupy.serve import chain as chain_module
+
+    real = chain_module.place_stages
+
+    def needs(runs: int) -> int:  # what the planner says `runs` runs' stages need
+        def starved(*args: object) -> object:
+            nodes, devices = real(*args)  # type: ignore[arg-type]
+            return tuple(attrs.evolve(n, memory_bytes=1) for n in nodes), devices
+
+        with monkeypatch.context() as m:
+            m.setattr(chain_module, "place_stages", starved)
+            with pytest.raises(batch.PlanRejected) as info:
+                batch.WarmChain(tiny, stages=2, worker="numpy", context=15, max_concurrent=runs)
+        return int(info.value.rejection.bytes_needed)  # type: ignore[attr-defined]
+
+    one, two = needs(1), needs(2)
+    room = one + 3 * (two - one) + (two - one) // 2  # 4 runs' caches, not 5
+
+    def small(*args: object) -> object:
+        nodes, devices = real(*args)  # type: ignore[arg-type]
+        return tuple(attrs.evolve(n, memory_bytes=room) for n in nodes), devices
+
+    tried: list[object] = []
+
+    class Recorded(batch.WarmChain):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            tried.append(kwargs["max_concurrent"])
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(chain_module, "place_stages", small)
+    monkeypatch.setattr(batch, "WarmChain", Recorded)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(10)]
+    got = dict(generate_batch(tiny, prompts, stages=2, max_tokens=7, worker="numpy"))
+    assert tried == [10, 5, 2]
+    assert {i: r.tokens for i, r in got.items()} == {i: alone[i % len(PROMPTS)] for i in range(10)}
+    with pytest.raises(batch.PlanRejected):  # a count given is taken as it is
+        generate_batch(tiny, prompts, stages=2, max_tokens=7, worker="numpy", max_concurrent=5)

@@ -150,6 +150,12 @@ def test_with_recover_a_killed_stage_is_replaced_and_the_text_goes_on(smollm2_pa
     assert wait_gone(list(pids.values()), 5) == []
 
 
+def test_max_concurrent_takes_a_prompts_file(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--model", tiny, "--prompt-ids", "1,2", "--max-concurrent", "4"])
+    assert code == 2
+    assert "--max-concurrent is for a --prompts-file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags", [["--recover"], ["--trace", "t.json"]])
 def test_recover_and_trace_take_one_prompt_not_a_file(
     tiny: str, tmp_path: Path, flags: list[str], capsys: pytest.CaptureFixture[str]

@@ -130,6 +130,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         encrypt_edges=args.encrypt_edges,
         ray_address=args.ray_address,
         placement=args.placement,
+        max_concurrent=args.max_concurrent,
     )
     for index, result in batch:
         line = {
@@ -146,6 +147,8 @@ def _run_batch(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.prompts_file is None and args.max_concurrent is not None:
+        raise ValueError("--max-concurrent is for a --prompts-file (one --prompt is one run)")
     if args.prompts_file is not None:
         if args.recover:
             raise ValueError("--recover runs one prompt (--prompt), not a --prompts-file")
