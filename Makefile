@@ -140,6 +140,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/cpu_attention.py
 	$(PY) benchmarks/cpu_step_programs.py
 	$(PY) benchmarks/serve_soak.py
+	$(PY) benchmarks/cpu_x8_loop.py
+	$(PY) benchmarks/cpu_step_buffers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build

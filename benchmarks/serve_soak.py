@@ -13,18 +13,20 @@ request until ``--seconds`` have passed, one of:
 - a greedy chat answer, whole or streamed: it must be the text the same prompt got
   alone before the soak (the same bits alone or batched, whatever else runs);
 - a seeded sampled answer whole, then streamed: the two must be equal;
-- ``n`` greedy choices (1-3): all the same text;
+- ``n`` greedy choices (1-3): all the same text, the text the same request got first;
 - a stop string (a space): the alone answer's first word;
-- a completion of 1-39 tokens;
+- a completion of 1-39 tokens: the text and finish reason the same request got first;
 - a stream the client drops after a few chunks (its run cancelled);
 - a bad request (broken JSON, no messages, a negative ``max_tokens``, a temperature
-  that is a word): a 4xx other than 429.
+  that is a word): 400.
 
 A full queue's 429 is counted, not an error (the client waits 0.2 s). With
 ``--kill-every S`` (which adds ``--recover --max-recoveries 1000`` to the server) a
 stage process, drawn at random, is killed (SIGKILL) every S seconds while the clients
 run: the streams interrupted must continue on the re-placed chain, their text still
-the alone text. After the soak: nothing runs or waits (``/metrics``), ``/health`` is
+the alone text, and the server must have started stages again (its
+``gguf_pipeline_stage_restarts_total``). After the
+soak: nothing runs or waits (``/metrics``, waited for up to 60 s), ``/health`` is
 200, each prompt's greedy answer is still the one before, and the server's log has no
 traceback. Printed: the counts by outcome, the requests per second, and each check's
 verdict; exit status 1 if one fails.
@@ -49,7 +51,7 @@ import httpx2
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support.servers import ServerProcess, metrics
+from tests.support.servers import ServerProcess, idle, metrics
 
 KEY = "soak-key"
 PROMPTS = (
@@ -83,6 +85,14 @@ class Soak:
         self.counts = {k: 0 for k in (*KINDS, "busy_429", "wrong", "error")}
         self.failures: list[str] = []
         self.lock = threading.Lock()
+        self.first: dict[tuple[object, ...], object] = {}  # a request's first answer
+
+    def same_as_first(self, key: tuple[object, ...], answer: object) -> str | None:
+        """None if ``answer`` is the first answer given to the same greedy request (the
+        same text whatever else ran beside it), else what differs."""
+        with self.lock:
+            first = self.first.setdefault(key, answer)
+        return None if answer == first else f"{key}: {answer!r} != first {first!r}"
 
     def count(self, outcome: str, failure: str | None = None) -> None:
         with self.lock:
@@ -140,7 +150,9 @@ class Soak:
             n = rnd.randrange(1, 4)
             r = chat.create(model=self.model, messages=messages, max_tokens=16, temperature=0, n=n)
             texts = [c.message.content for c in r.choices]
-            return None if len(texts) == n and len(set(texts)) == 1 else f"n={n}: {texts!r}"
+            if len(texts) != n or len(set(texts)) != 1:
+                return f"n={n}: {texts!r}"
+            return self.same_as_first(("chat", prompt, 16), texts[0])
         if kind == "stop":
             r = chat.create(
                 model=self.model,
@@ -153,10 +165,12 @@ class Soak:
             stopped = r.choices[0].message.content
             return None if stopped == want else f"stop: {stopped!r} != {want!r}"
         if kind == "completion":
+            tokens = rnd.randrange(1, 40)
             c = client.completions.create(
-                model=self.model, prompt=prompt, max_tokens=rnd.randrange(1, 40), temperature=0
+                model=self.model, prompt=prompt, max_tokens=tokens, temperature=0
             )
-            return None if c.choices[0].finish_reason in ("stop", "length") else repr(c)
+            done = (c.choices[0].text, c.choices[0].finish_reason)
+            return self.same_as_first(("completion", prompt, tokens), done)
         if kind == "dropped":
             body = {"model": self.model, "messages": messages, "max_tokens": 200, "stream": True}
             with httpx2.stream(
@@ -183,7 +197,7 @@ class Soak:
         )
         if bad.status_code == 429:
             raise Busy
-        if 400 <= bad.status_code < 500:
+        if bad.status_code == 400:  # not 401 or 404: the key and the path are right
             return None
         return f"bad request: {bad.status_code} {bad.text[:80]}"
 
@@ -295,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
                 ).start()
             soak.clients(args.clients, args.seconds)
             wall = time.monotonic() - start
-            time.sleep(2.0)  # cancelled runs' last steps
-            m = metrics(base, {"Authorization": f"Bearer {KEY}"})
+            auth = {"Authorization": f"Bearer {KEY}"}
+            deadline = time.monotonic() + 60  # the dropped streams' runs end their step
+            while not idle(base, auth) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            m = metrics(base, auth)
             after = greedy_answers(first, model)
             health = server.health()
         finally:
@@ -309,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         "nothing runs or waits after": m["gguf_pipeline_runs_in_flight"] == 0
         and m["gguf_pipeline_queue_length"] == 0,
         "health 200 after": health == 200,
+        "stages started again after the kills": args.kill_every <= 0
+        or (len(killed) > 0 and m["gguf_pipeline_stage_restarts_total"] >= 1),
         "greedy answers unchanged after": after == soak.alone,
         "no traceback in the server's log": "Traceback" not in log,
     }

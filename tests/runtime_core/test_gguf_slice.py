@@ -425,8 +425,9 @@ def test_other_stages_never_touch_a_broken_tensor(tmp_path: Path, case: str) -> 
 
 
 def test_only_the_last_stage_needs_a_required_head(tmp_path: Path) -> None:
-    """A qwen2moe file without ``output.weight``: the stages before the last never read
-    a head (a host given only their shards has none to read), so they open it."""
+    """A qwen2moe file without ``output.weight``: the stages before the last read no
+    head (a host given only their shards has none), so they open it; only the last
+    stage refuses it."""
     path = write_broken(
         tmp_path, "qwen2moe without its output tensor (llama.cpp takes no embedding in its place)"
     )

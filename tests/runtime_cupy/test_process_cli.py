@@ -156,6 +156,20 @@ def test_max_concurrent_takes_a_prompts_file(tiny: str, capsys: pytest.CaptureFi
     assert "--max-concurrent is for a --prompts-file" in capsys.readouterr().err
 
 
+def test_the_prompts_file_takes_the_gpus_named(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--gpus`` reaches the batch's chain (it was once dropped without a word): named
+    for a worker that runs on the CPU, the chain refuses them, naming them."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    code = main(
+        ["--model", tiny, "--worker", "numpy", "--gpus", "0", "--prompts-file", str(prompts)]
+    )
+    assert code == 2
+    assert "GPUs [0] were named" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags", [["--recover"], ["--trace", "t.json"]])
 def test_recover_and_trace_take_one_prompt_not_a_file(
     tiny: str, tmp_path: Path, flags: list[str], capsys: pytest.CaptureFixture[str]

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from runplan.arguments import non_negative_int, parse_size, positive_int
 from runplan.gguf_header import GgufError
@@ -229,19 +230,29 @@ def check_chain_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         )
 
 
+def stage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Where and how the stages run, as every command that starts them takes it (the
+    flags of ``add_worker``, ``add_devices`` and ``add_cluster``): the keyword arguments
+    of ``WarmChain``, ``generate`` and ``generate_batch`` alike, so that no command
+    drops one (``--prompts-file`` once dropped four without a word)."""
+    return {
+        "worker": args.worker,
+        "gpus": args.gpus,
+        "edges": args.edges,
+        "encrypt_edges": args.encrypt_edges,
+        "ray_address": args.ray_address,
+        "placement": args.placement,
+    }
+
+
 def chain_from(args: argparse.Namespace) -> WarmChain:
     """The warm chain the flags of ``add_chain_arguments`` describe (not started)."""
     return WarmChain(
         args.model,
         stages=args.stages,
-        worker=args.worker,
-        gpus=args.gpus,
-        edges=args.edges,
-        encrypt_edges=args.encrypt_edges,
+        **stage_options(args),
         context=args.context,
         log_dir=args.log_dir,
-        ray_address=args.ray_address,
-        placement=args.placement,
         max_concurrent=args.max_concurrent,
         kv_budget_bytes=args.kv_budget,
         prefill_chunk=args.prefill_chunk,

@@ -61,6 +61,7 @@ from runtime_cupy.cli.arguments import (
     add_verbose,
     add_worker,
     configure_logs,
+    stage_options,
 )
 from runtime_cupy.process.tracing import chrome_trace
 from runtime_cupy.serve.chain import ChainError
@@ -121,16 +122,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     options.pop("trace")
     faulted = 0
     batch = generate_batch(
-        path,
-        prompts,
-        **options,
-        worker=args.worker,
-        gpus=args.gpus,
-        edges=args.edges,
-        encrypt_edges=args.encrypt_edges,
-        ray_address=args.ray_address,
-        placement=args.placement,
-        max_concurrent=args.max_concurrent,
+        path, prompts, **options, **stage_options(args), max_concurrent=args.max_concurrent
     )
     for index, result in batch:
         line = {
@@ -186,12 +178,7 @@ def _run(args: argparse.Namespace) -> int:
                 on_token=stream,
                 on_load=on_load,
                 tokenizer=tokenizer,
-                worker=args.worker,
-                gpus=args.gpus,
-                edges=args.edges,
-                encrypt_edges=args.encrypt_edges,
-                ray_address=args.ray_address,
-                placement=args.placement,
+                **stage_options(args),
                 on_slice=on_slice,
             )
     finally:
@@ -223,14 +210,9 @@ def _generate_recovering(
     chain = WarmChain(
         path,
         stages=args.stages,
-        worker=args.worker,
-        gpus=args.gpus,
-        edges=args.edges,
-        encrypt_edges=args.encrypt_edges,
+        **stage_options(args),
         context=max(2, len(prompt) + args.max_tokens),
         trace=args.trace is not None,
-        ray_address=args.ray_address,
-        placement=args.placement,
         max_concurrent=1,
         recover=True,
         max_recoveries=args.max_recoveries,
