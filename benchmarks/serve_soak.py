@@ -192,7 +192,7 @@ class Soak:
         bad = httpx2.post(
             f"{self.base_url}/v1/chat/completions",
             content=rnd.choice(BAD_BODIES),
-            headers={"Authorization": f"Bearer {KEY}"},
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
             timeout=30,
         )
         if bad.status_code == 429:

@@ -54,10 +54,14 @@ class IncrementalText:
         self.ids: list[int] = []
         self.shown = ""
         self.held = ""
+        #: characters of the decoded text so far, an incomplete UTF-8 sequence at its end
+        #: left out (where the next token's text begins: a completion's ``text_offset``)
+        self.chars = 0
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         full = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        self.chars = len(full)
         text = full.rstrip()
         new = ""
         if text.startswith(self.shown) and len(text) > len(self.shown):

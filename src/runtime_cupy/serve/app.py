@@ -16,8 +16,8 @@ Every error is an OpenAI error object with a status: 400 for a bad body (naming 
 field), 401 without the right ``Authorization: Bearer`` key (when the server has one;
 ``/health`` needs none), 404 for an unknown model or path, 405, 408 for a body that
 does not arrive within the client timeout, 413 for a body over ``MAX_BODY_BYTES``, 415
-for a body of another type than JSON (``_check_json_type``: what a web page can make a
-browser send to localhost unasked), 429 when the queue is full, 500 / 503 when the
+for a body of another type than JSON or of none (``_check_json_type``: what a web page
+can make a browser send to localhost unasked), 429 when the queue is full, 500 / 503 when the
 pipeline cannot answer. A bug is logged with its traceback and answered 500 without it.
 
 A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
@@ -27,7 +27,6 @@ on the event loop: ``/health`` and the streams of other requests go on meanwhile
 from __future__ import annotations
 
 import asyncio
-import collections
 import hmac
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -58,13 +57,19 @@ CLIENT_TIMEOUT_S = 10.0
 
 
 def _check_json_type(content_type: str | None) -> None:
-    """A body is JSON: ``application/json`` (or a ``+json`` type), or sent with no type
-    (``curl --data-binary`` without a header). Any other type is a 415: a web page may
-    make the user's browser POST ``text/plain``, form or multipart bodies to a server on
-    localhost without asking the server first (CORS lets such "simple" requests through
-    unasked), and a server that read them as JSON would run that page's requests."""
+    """A body is JSON: ``application/json`` (or a ``+json`` type). Any other type, and
+    none, is a 415: a web page may make the user's browser POST ``text/plain``, form or
+    multipart bodies, or a body with no type at all (``fetch`` of a ``Blob`` without
+    one), to a server on localhost without asking the server first (CORS lets such
+    "simple" requests through unasked), and a server that read them as JSON would run
+    that page's requests. (Clients send the type: the OpenAI libraries do, ``curl``
+    sends a form's unless told ``-H 'Content-Type: application/json'``.)"""
     if content_type is None:
-        return
+        raise RequestError(
+            "the body has no Content-Type: send JSON as application/json",
+            status=415,
+            code="unsupported_media_type",
+        )
     media = content_type.split(";", 1)[0].strip().lower()
     json_like = media.startswith("application/") and media.endswith("+json")
     if media == "application/json" or json_like:
@@ -255,7 +260,6 @@ class Api:
         over = False
         dones: dict[int, Finished] = {}
         tokenizer = self.engine.tokenizer
-        offsets = collections.Counter[int]()  # each choice's text so far (text_offset)
         try:
             if job.prepared.request.endpoint == "chat":
                 yield b"".join(
@@ -269,13 +273,12 @@ class Api:
             while True:
                 index, event = await events.get()
                 if isinstance(event, Piece):
-                    shown = fmt.logprobs_of(job, tokenizer, event.logprobs, offsets[index])
-                    offsets[index] += len(event.text)
+                    shown = fmt.logprobs_of(job, tokenizer, event.logprobs)
                     yield fmt.event(fmt.piece_chunk(job, self.model, event.text, index, shown))
                     continue
                 if isinstance(event, Finished):
                     dones[index] = event
-                    shown = fmt.logprobs_of(job, tokenizer, event.tail, offsets[index])
+                    shown = fmt.logprobs_of(job, tokenizer, event.tail)
                     end = fmt.event(fmt.last_chunk(job, self.model, event, index, shown))
                     if len(dones) < len(jobs):
                         yield end
@@ -350,7 +353,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     what = {404: "not found", 405: "method not allowed"}.get(exc.status_code, exc.detail)
     message = f"{request.method} {request.url.path}: {what}"
-    return _error(RequestError(message, status=exc.status_code, code=str(what).replace(" ", "_")))
+    error = RequestError(message, status=exc.status_code, code=str(what).replace(" ", "_"))
+    return _error(error, dict(exc.headers) if exc.headers else None)  # a 405's Allow
 
 
 async def _bug(request: Request, exc: Exception) -> Response:

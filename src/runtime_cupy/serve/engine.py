@@ -540,7 +540,7 @@ class Engine:
             if job.cancelled or answer.stopped:
                 return
             times.append(time.monotonic())
-            answer_logprobs.token(token_id)
+            answer_logprobs.token(token_id, answer.text.chars)  # the text before it
             piece = answer.push(token_id)
             if piece:
                 self._deliver(job, Piece(piece, answer_logprobs.take()))

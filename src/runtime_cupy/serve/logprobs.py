@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 from attrs import frozen
@@ -35,6 +36,10 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    #: where the token's text begins in the answer, in characters (a completion's
+    #: ``text_offset``): the text decoded before it, an incomplete UTF-8 sequence at
+    #: its end left out, so a token that ends inside a character does not move it
+    offset: int = 0
 
 
 def token_logprob(logits: npt.NDArray[np.float32], token_id: int, top: int) -> TokenLogprob:
@@ -77,22 +82,13 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> dict
     }
 
 
-def completion_logprobs(
-    tokenizer: Tokenizer, entries: Sequence[TokenLogprob], offset: int = 0
-) -> dict[str, Any]:
-    """A completion choice's (or chunk's) ``logprobs`` object; ``offset``: where the
-    first token's text begins in the answer (its ``text_offset``)."""
-    tokens, offsets = [], []
-    for e in entries:
-        text, _ = _text(tokenizer, e.token_id)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
+def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """A completion choice's (or chunk's) ``logprobs`` object."""
     return {
-        "tokens": tokens,
+        "tokens": [_text(tokenizer, e.token_id)[0] for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [{_text(tokenizer, i)[0]: lp for i, lp in e.top} for e in entries],
-        "text_offset": offsets,
+        "text_offset": [e.offset for e in entries],
     }
 
 
@@ -111,9 +107,12 @@ class AnswerLogprobs:
     def logits(self, logits: npt.NDArray[np.float32]) -> None:
         self._logits = logits
 
-    def token(self, token_id: int) -> None:
+    def token(self, token_id: int, offset: int = 0) -> None:
+        """The entry of ``token_id``, whose text begins ``offset`` characters into the
+        answer (``TokenLogprob.offset``)."""
         if self.top is not None and self._logits is not None:
-            self.entries.append(token_logprob(self._logits, token_id, self.top))
+            entry = token_logprob(self._logits, token_id, self.top)
+            self.entries.append(attrs.evolve(entry, offset=offset))
             self._logits = None
 
     def take(self, limit: int | None = None) -> tuple[TokenLogprob, ...]:

@@ -50,15 +50,14 @@ def _usage_of(dones: Sequence[Finished]) -> dict[str, int]:
 
 
 def logprobs_of(
-    job: Job, tokenizer: Tokenizer, entries: Sequence[TokenLogprob] | None, offset: int = 0
+    job: Job, tokenizer: Tokenizer, entries: Sequence[TokenLogprob] | None
 ) -> dict[str, Any] | None:
-    """A choice's or chunk's ``logprobs`` (``None`` where the request asked for none);
-    ``offset``: a completion's text before the first entry's token."""
+    """A choice's or chunk's ``logprobs`` (``None`` where the request asked for none)."""
     if entries is None or job.prepared.request.logprobs is None:
         return None
     if job.prepared.request.endpoint == "chat":
         return chat_logprobs(tokenizer, entries)
-    return completion_logprobs(tokenizer, entries, offset)
+    return completion_logprobs(tokenizer, entries)
 
 
 def chat_response(

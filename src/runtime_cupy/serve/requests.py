@@ -477,7 +477,7 @@ def _fields(body: bytes, rules: Mapping[str, Rule], neutral: frozenset[str]) -> 
                 code="unsupported_parameter",
             )
     values = {key: rule(key, obj.get(key)) for key, rule in rules.items()}
-    if values["stream_options"] and not values["stream"]:
+    if obj.get("stream_options") is not None and not values["stream"]:  # as OpenAI's
         raise RequestError(
             "stream_options is only allowed when stream is true",
             param="stream_options",

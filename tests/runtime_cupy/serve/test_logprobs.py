@@ -38,3 +38,32 @@ def test_ties_go_to_the_lower_ids_at_the_cut_and_within() -> None:
     got = token_logprob(z, 11, 3)
     assert [i for i, _ in got.top] == [7, 2, 5]
     assert got.top[1][1] == got.top[2][1] == got.logprob
+
+
+def test_a_completions_text_offsets_count_the_characters_decoded_before_each_token(
+    smollm2_path: str,
+) -> None:
+    """Emoji are byte tokens in SmolLM2's vocabulary: a token that ends inside a
+    character does not move the offset, and each offset is where its token's text
+    begins, counted apart from the tokenizer (the tokens' bytes decoded by Python,
+    an incomplete character at the end left out). Offsets once added each token's
+    own decoding, U+FFFD for a piece of a character, and ran past the text."""
+    from runtime_core.tokenizer import Tokenizer
+    from runtime_cupy.serve.logprobs import AnswerLogprobs, completion_logprobs
+    from runtime_cupy.serve.text import Answer
+
+    tokenizer = Tokenizer.from_gguf(smollm2_path)
+    ids = tokenizer.encode("Hi 🎉🎉 and ü!", add_special=False)
+    pieces = [tokenizer.token_bytes(i, special=True) for i in ids]
+    assert any(
+        len(p.decode("utf-8", "replace")) != len(p.decode("utf-8", "ignore")) for p in pieces
+    )
+    answer, entries = Answer(tokenizer, ()), AnswerLogprobs(1)
+    for token_id in ids:  # as the engine takes each token
+        entries.logits(np.zeros(tokenizer.n_vocab, np.float32))
+        entries.token(token_id, answer.text.chars)
+        answer.push(token_id)
+    want = [len(b"".join(pieces[:i]).decode("utf-8", "ignore")) for i in range(len(ids))]
+    assert [e.offset for e in entries.entries] == want
+    assert completion_logprobs(tokenizer, entries.entries)["text_offset"] == want
+    assert want == sorted(want) and want[-1] < len("Hi 🎉🎉 and ü!")

@@ -406,6 +406,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("chat", chat(stop=[""]), 400, "stop[0]"),
     ("chat", chat(stream="yes"), 400, "stream"),
     ("chat", chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("chat", chat(stream_options={}), 400, "stream_options"),  # without stream, as OpenAI
     ("chat", chat(presence_penalty=0.5), 400, "presence_penalty"),
     ("chat", chat(tools=[{"type": "function"}]), 400, "tools"),
     ("chat", chat(temprature=0.5), 400, "temprature"),
@@ -466,27 +467,30 @@ def test_the_openai_client_gets_400s_for_what_were_500s(client: openai.OpenAI) -
 def test_the_rest_of_the_http_surface_is_4xx_too(server: ServerProcess) -> None:
     base = server.base_url
     assert httpx2.get(f"{base}/v1/nothing", headers=AUTH).status_code == 404
-    assert httpx2.get(f"{base}/v1/completions", headers=AUTH).status_code == 405
+    wrong = httpx2.get(f"{base}/v1/completions", headers=AUTH)  # a 405 says what is allowed
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST", wrong.headers
     assert httpx2.get(f"{base}/v1/models/gpt-4o", headers=AUTH).status_code == 404
     huge = b'{"model": "tiny-chat", "prompt": "' + b"x" * (9 << 20) + b'"}'
-    r = httpx2.post(f"{base}/v1/completions", content=huge, headers=AUTH)
+    json_type = {**AUTH, "Content-Type": "application/json"}
+    r = httpx2.post(f"{base}/v1/completions", content=huge, headers=json_type)
     assert r.status_code == 413 and "error" in r.json()
 
 
 def test_a_body_a_web_page_could_send_unasked_is_415_and_json_is_served(
     server: ServerProcess,
 ) -> None:
-    # A page in the user's browser may POST text/plain, form or multipart bodies to
-    # localhost without a CORS preflight; as JSON they would run its requests.
+    # A page in the user's browser may POST text/plain, form or multipart bodies, or a
+    # body with no type (fetch of a Blob without one), to localhost without a CORS
+    # preflight; as JSON they would run its requests.
     url = f"{server.base_url}/v1/completions"
     body = b'{"model": "tiny-chat", "prompt": "Hi", "max_tokens": 1}'
     for kind in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
-                 "multipart/form-data; boundary=x"):  # fmt: skip
-        r = httpx2.post(url, content=body, headers={**AUTH, "Content-Type": kind})
-        error = r.json()["error"]
-        assert r.status_code == 415 and error["code"] == "unsupported_media_type", r.text
-        assert kind.split(";")[0] in error["message"]
-    for kind in (None, "application/json; charset=utf-8", "Application/JSON"):
+                 "multipart/form-data; boundary=x", None):  # fmt: skip
         headers = {**AUTH, **({"Content-Type": kind} if kind else {})}
         r = httpx2.post(url, content=body, headers=headers)
+        error = r.json()["error"]
+        assert r.status_code == 415 and error["code"] == "unsupported_media_type", r.text
+        assert (kind.split(";")[0] if kind else "no Content-Type") in error["message"]
+    for kind in ("application/json; charset=utf-8", "Application/JSON"):
+        r = httpx2.post(url, content=body, headers={**AUTH, "Content-Type": kind})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
