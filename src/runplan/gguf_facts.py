@@ -201,8 +201,18 @@ def special_token_id(header: GgufHeader, kind: str, n_vocab: int) -> int | None:
 def vocab_size(header: GgufHeader, arch: str) -> int:
     """``{arch}.vocab_size``, else the number of tokens, else the token embedding's
     second dimension (``GgufError`` when there is none of them)."""
-    if header.has(f"{arch}.vocab_size"):
-        return header.integer(f"{arch}.vocab_size")
+    key = f"{arch}.vocab_size"
+    if header.has(key):
+        size = header.integer(key)
+        if header.has("tokenizer.ggml.tokens"):
+            tokens = header.array_length("tokenizer.ggml.tokens")
+            if tokens < size:  # the model could sample ids no token spells
+                raise GgufError(
+                    header.paths[0],
+                    f"{key} is {size} but tokenizer.ggml.tokens holds {tokens} tokens",
+                    key=key,
+                )
+        return size
     if header.has("tokenizer.ggml.tokens"):
         return header.array_length("tokenizer.ggml.tokens")
     info = header.tensors.get(EMBEDDING_TENSOR)

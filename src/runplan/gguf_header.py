@@ -374,6 +374,8 @@ def _open(path: str) -> HeaderReader:
         raise GgufError(path, "no such file")
     if os.path.isdir(path):
         raise GgufError(path, "is a directory, not a GGUF file")
+    if not os.path.isfile(path):  # a FIFO or a device: reading it may wait for ever
+        raise GgufError(path, "is not a regular file (a FIFO, a socket or a device)")
     try:
         with open(path, "rb") as f:
             start = f.read(8)

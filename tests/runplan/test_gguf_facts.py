@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from runplan import GgufError, NodePool, NodeSpec, RunPlan, RuntimeConfig, plan_run
 from runplan import model_facts_from_gguf as facts_of
@@ -275,3 +275,61 @@ def test_facts_read_headers_only_so_a_huge_sparse_file_is_fine(tmp_path: Path) -
         stage_count=2,
     )
     assert isinstance(plan, RunPlan)
+
+
+def test_a_fifo_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A FIFO at the model's path is refused by its kind: opened, a read of it waits
+    for a writer for ever (both CLIs once hung on one)."""
+    import threading
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    seen: list[BaseException] = []
+    reader = threading.Thread(
+        target=lambda: _raised(lambda: facts_of(str(fifo)), seen), daemon=True
+    )
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "reading a FIFO's header waited"
+    assert len(seen) == 1 and isinstance(seen[0], GgufError), seen
+    assert "not a regular file" in str(seen[0])
+
+
+def _raised(call: object, seen: list[BaseException]) -> None:
+    try:
+        call()  # type: ignore[operator]
+    except BaseException as exc:  # the test looks at what it was
+        seen.append(exc)
+
+
+def test_a_vocab_size_past_the_tokens_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """``llama.vocab_size`` larger than ``tokenizer.ggml.tokens``: the model could sample
+    ids no token spells (a run once failed mid-answer on one, naming neither the file
+    nor the key); llama.cpp sizes the vocabulary by the tokens and refuses the tensors."""
+    ok = write_model(tmp_path / "ok.gguf", ModelShape(n_layers=1))
+    tokens = GgufHeader.read(str(ok)).array_length("tokenizer.ggml.tokens")
+    bad = write_model(
+        tmp_path / "bad.gguf",
+        ModelShape(n_layers=1),
+        override_keys={"llama.vocab_size": (tokens + 5, GGUFValueType.UINT32)},
+    )
+    with pytest.raises(GgufError, match=r"tokenizer\.ggml\.tokens holds") as info:
+        facts_of(str(bad))
+    assert info.value.key == "llama.vocab_size"
+    assert facts_of(str(ok)).vocab_size == tokens
+
+
+def test_a_path_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    """Plans carry the model's path as UTF-8: a file name of other bytes (which Linux
+    file systems allow) is refused at once, where stages once refused their own plans
+    and the run waited for them."""
+    from runplan.models import ModelNotFound, resolve_model
+
+    ok = write_model(tmp_path / "ok.gguf", ModelShape(n_layers=1))
+    odd = os.fsencode(tmp_path) + b"/bad\xff.gguf"
+    try:
+        os.link(ok, odd)
+    except OSError as exc:  # a file system that takes no such name
+        pytest.skip(f"this file system refuses a non-UTF-8 name: {exc}")
+    with pytest.raises(ModelNotFound, match="not UTF-8"):
+        resolve_model(os.fsdecode(odd))
