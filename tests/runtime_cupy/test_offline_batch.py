@@ -28,6 +28,24 @@ def alone(tiny: str) -> list[tuple[int, ...]]:
     return [generate(tiny, p, stages=2, max_tokens=7, worker="numpy").tokens for p in PROMPTS]
 
 
+@pytest.fixture
+def chains_made(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """The keyword arguments of each ``WarmChain`` a batch makes (``runtime_cupy.batch``'s,
+    recorded before the chain plans: those the planner refused too)."""
+    from runtime_cupy import batch
+    from runtime_cupy.serve.chain import WarmChain
+
+    made: list[dict[str, object]] = []
+
+    class Recorded(WarmChain):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            made.append(kwargs)
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batch, "WarmChain", Recorded)
+    return made
+
+
 def test_every_prompt_at_once_gives_its_tokens_alone(
     tiny: str, alone: list[tuple[int, ...]]
 ) -> None:
@@ -83,23 +101,14 @@ def test_the_prompts_file_takes_the_chain_options(
     tiny: str,
     tmp_path: Path,
     alone: list[tuple[int, ...]],
-    monkeypatch: pytest.MonkeyPatch,
+    chains_made: list[dict[str, object]],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``--encrypt-edges``, ``--placement`` and ``--max-concurrent`` reach the batch's
     chain (the first two were once dropped without a word), and its runs still give
     each prompt's tokens alone."""
-    from runtime_cupy import batch
     from runtime_cupy.cli.main import main
 
-    made: list[dict[str, object]] = []
-
-    class Recorded(batch.WarmChain):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            made.append(kwargs)
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(batch, "WarmChain", Recorded)
     file = tmp_path / "prompts.jsonl"
     file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]))
     code = main(["--model", tiny, "--stages", "2", "--worker", "numpy", "--max-tokens", "7",
@@ -107,14 +116,17 @@ def test_the_prompts_file_takes_the_chain_options(
                  "--max-concurrent", "3", "--prompts-file", str(file)])  # fmt: skip
     assert code == 0
     assert [
-        (m["edges"], m["encrypt_edges"], m["placement"], m["max_concurrent"]) for m in made
+        (m["edges"], m["encrypt_edges"], m["placement"], m["max_concurrent"]) for m in chains_made
     ] == [("tcp", True, "memory", 3)]
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {line["index"]: tuple(line["tokens"]) for line in lines} == {0: alone[0], 1: alone[1]}
 
 
 def test_a_batch_the_host_cannot_hold_at_once_runs_fewer_at_a_time(
-    tiny: str, alone: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch
+    tiny: str,
+    alone: list[tuple[int, ...]],
+    chains_made: list[dict[str, object]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """By default a batch puts every prompt in flight, up to ``DEFAULT_BATCH_RUNS``, but
     never more runs than the host's memory holds the caches of: on a host (its memory
@@ -129,36 +141,28 @@ def test_a_batch_the_host_cannot_hold_at_once_runs_fewer_at_a_time(
 
     real = chain_module.place_stages
 
-    def needs(runs: int) -> int:  # what the planner says `runs` runs' stages need
-        def starved(*args: object) -> object:
+    def memory(size: int) -> object:  # this host's stages' nodes, each of `size` bytes
+        def place(*args: object) -> object:
             nodes, devices = real(*args)  # type: ignore[arg-type]
-            return tuple(attrs.evolve(n, memory_bytes=1) for n in nodes), devices
+            return tuple(attrs.evolve(n, memory_bytes=size) for n in nodes), devices
 
+        return place
+
+    def needs(runs: int) -> int:  # what the planner says `runs` runs' stages need
         with monkeypatch.context() as m:
-            m.setattr(chain_module, "place_stages", starved)
+            m.setattr(chain_module, "place_stages", memory(1))
             with pytest.raises(batch.PlanRejected) as info:
-                batch.WarmChain(tiny, stages=2, worker="numpy", context=15, max_concurrent=runs)
+                chain_module.WarmChain(
+                    tiny, stages=2, worker="numpy", context=15, max_concurrent=runs
+                )
         return int(info.value.rejection.bytes_needed)  # type: ignore[attr-defined]
 
     one, two = needs(1), needs(2)
     room = one + 3 * (two - one) + (two - one) // 2  # 4 runs' caches, not 5
-
-    def small(*args: object) -> object:
-        nodes, devices = real(*args)  # type: ignore[arg-type]
-        return tuple(attrs.evolve(n, memory_bytes=room) for n in nodes), devices
-
-    tried: list[object] = []
-
-    class Recorded(batch.WarmChain):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            tried.append(kwargs["max_concurrent"])
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(chain_module, "place_stages", small)
-    monkeypatch.setattr(batch, "WarmChain", Recorded)
+    monkeypatch.setattr(chain_module, "place_stages", memory(room))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(10)]
     got = dict(generate_batch(tiny, prompts, stages=2, max_tokens=7, worker="numpy"))
-    assert tried == [10, 5, 2]
+    assert [m["max_concurrent"] for m in chains_made] == [10, 5, 2]
     assert {i: r.tokens for i, r in got.items()} == {i: alone[i % len(PROMPTS)] for i in range(10)}
     with pytest.raises(batch.PlanRejected):  # a count given is taken as it is
         generate_batch(tiny, prompts, stages=2, max_tokens=7, worker="numpy", max_concurrent=5)
