@@ -65,13 +65,13 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     first = header.paths[0]
     arch = header.string("general.architecture")
     num_layers = block_count(header, arch)
-    hidden = header.integer(f"{arch}.embedding_length")
+    hidden = header.dimension(f"{arch}.embedding_length")
     heads = model_integer(header, f"{arch}.attention.head_count", num_layers)
     heads_kv = model_integer(header, f"{arch}.attention.head_count_kv", num_layers, heads)
     default_head_dim = hidden // heads if heads > 0 else 0
-    head_dim_k = header.integer(f"{arch}.attention.key_length", default=default_head_dim)
-    head_dim_v = header.integer(f"{arch}.attention.value_length", default=default_head_dim)
-    context_length = header.integer(f"{arch}.context_length")
+    head_dim_k = header.dimension(f"{arch}.attention.key_length", default=default_head_dim)
+    head_dim_v = header.dimension(f"{arch}.attention.value_length", default=default_head_dim)
+    context_length = header.dimension(f"{arch}.context_length")
 
     tensors = header.tensors
     if EMBEDDING_TENSOR not in tensors:

@@ -234,6 +234,18 @@ class GgufHeader:
             raise GgufError(self.paths[0], f"expected an integer, found {_describe(field)}", key)
         return int(field.parts[-1][0])
 
+    def dimension(self, key: str, default: int | None = None) -> int:
+        """An integer a model sizes itself by (``embedding_length``, ``context_length``,
+        a head size): 1..2**32-1, as llama.cpp's ``uint32_t`` hyperparameters hold them;
+        else ``GgufError`` naming the key and the value. ``default`` (for a key the file
+        lacks) is the caller's to check."""
+        if default is not None and not self.has(key):
+            return default
+        value = self.integer(key)
+        if not 1 <= value <= _U32_MAX:
+            raise GgufError(self.paths[0], f"{value}: it must be in 1..{_U32_MAX}", key)
+        return value
+
     def number(self, key: str, default: float | None = None) -> float:
         """An integer or floating-point value, as a float; never infinite or NaN."""
         if not self.has(key):
@@ -353,6 +365,7 @@ _INTEGER_TYPES = frozenset(
     }
 )
 _FLOAT_TYPES = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
+_U32_MAX = 2**32 - 1
 
 
 def _array_count(field: Any) -> int:

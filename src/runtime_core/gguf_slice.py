@@ -286,6 +286,23 @@ def open_stage_slice(
     )
 
 
+def check_whole_model(
+    source: GgufSource | str | os.PathLike[str],
+    num_layers: int,
+    capabilities: WorkerCapabilities,
+) -> None:
+    """Every stage's checks of ``open_stage_slice`` on the whole model at once (every
+    block, the embedding and the head) for a worker of ``capabilities``: what a run's
+    driver does before any process starts, so that a file no stage could run (a block
+    key out of range, a tensor of the wrong shape, a quant type the worker lacks) is
+    refused there with the same typed error, naming the key or tensor, and not as a
+    stage's setup fault once the processes run. Reads headers only."""
+    with open_stage_slice(
+        source, 0, num_layers, is_first=True, is_last=True, capabilities=capabilities
+    ):
+        pass
+
+
 def _block_tensor_names(layer: int, tensors: Mapping[str, TensorInfo]) -> Iterator[str]:
     prefix = f"blk.{layer}."
     return (name for name in tensors if name.startswith(prefix))

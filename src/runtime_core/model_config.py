@@ -160,7 +160,7 @@ class ModelConfig:
         spec = ARCHITECTURES[arch]
         n_layers = block_count(header, arch)
         experts = _experts(header, arch, spec, n_layers)
-        hidden = header.integer(f"{arch}.embedding_length")
+        hidden = header.dimension(f"{arch}.embedding_length")
         heads = model_integer(header, f"{arch}.attention.head_count", n_layers)
         heads_kv = model_integer(header, f"{arch}.attention.head_count_kv", n_layers, heads)
         if heads < 1 or heads_kv < 1 or heads % heads_kv:
@@ -169,8 +169,8 @@ class ModelConfig:
                 f"{heads} attention heads cannot share {heads_kv} key/value heads",
                 f"{arch}.attention.head_count_kv",
             )
-        head_dim_k = header.integer(f"{arch}.attention.key_length", default=hidden // heads)
-        head_dim_v = header.integer(f"{arch}.attention.value_length", default=hidden // heads)
+        head_dim_k = header.dimension(f"{arch}.attention.key_length", default=hidden // heads)
+        head_dim_v = header.dimension(f"{arch}.attention.value_length", default=hidden // heads)
         rope = _rope(header, arch, head_dim_k, spec)
         attention = layer_attention(header, arch, n_layers)
         if any(a.sliding for a in attention):
@@ -189,7 +189,7 @@ class ModelConfig:
             n_kv_heads=heads_kv,
             head_dim_k=head_dim_k,
             head_dim_v=head_dim_v,
-            context_length=header.integer(f"{arch}.context_length"),
+            context_length=header.dimension(f"{arch}.context_length"),
             rms_eps=_rms_eps(header, f"{arch}.attention.layer_norm_rms_epsilon"),
             rope=rope,
             rope_swa=rope_swa,
@@ -396,9 +396,15 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, spec: ArchSpec) -> RopeC
     neox = spec.rope_neox
     n_dims = header.integer(f"{arch}.rope.dimension_count", default=head_dim)
     if n_dims < 2 or n_dims % 2 or n_dims > head_dim:
+        size_key = f"{arch}.attention.key_length"
+        sized_by = (
+            size_key
+            if header.has(size_key)
+            else f"{arch}.embedding_length / {arch}.attention.head_count"
+        )
         raise UnsupportedModel(
             path,
-            f"rotary dimension count {n_dims} for heads of {head_dim}",
+            f"rotary dimension count {n_dims} for heads of {head_dim} ({sized_by})",
             key=f"{arch}.rope.dimension_count",
         )
     type_key = f"{arch}.rope.scaling.type"

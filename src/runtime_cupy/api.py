@@ -24,6 +24,7 @@ from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.messages import StageReady
 from runplan.models import resolve_model
+from runtime_core.gguf_slice import check_whole_model
 from runtime_core.runs import facts_for_run, plan_even
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.port import StageHost, StageProcessInfo
@@ -88,6 +89,7 @@ def plan_for(
     each stage's KV budget; plans of one chain must agree on it)."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
     worker_capabilities = capabilities(worker)  # WorkerUnavailable before looking for GPUs
+    check_whole_model(model_path, facts.num_layers, worker_capabilities)  # before any process
     if cluster is None:
         nodes, devices = place_stages(stages, worker, gpus)
     else:

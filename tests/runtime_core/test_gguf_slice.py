@@ -377,6 +377,26 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (0, 4),
         _unsupported(key="llama.rope.scaling.factor"),
     ),
+    "an odd rotary dimension count": (
+        {"override_keys": {"llama.rope.dimension_count": (7, GGUFValueType.UINT32)}},
+        (1, 2),
+        _unsupported(key="llama.rope.dimension_count"),
+    ),
+    "an embedding length of 0": (
+        {"override_keys": {"llama.embedding_length": (0, GGUFValueType.UINT32)}},
+        (0, 1),
+        {"error": GgufError, "tensor": None, "key": "llama.embedding_length"},
+    ),
+    "a negative key head size": (
+        {"override_keys": {"llama.attention.key_length": (-16, GGUFValueType.INT32)}},
+        (2, 3),
+        {"error": GgufError, "tensor": None, "key": "llama.attention.key_length"},
+    ),
+    "a context length past llama.cpp's 32 bits": (
+        {"override_keys": {"llama.context_length": (2**40, GGUFValueType.UINT64)}},
+        (3, 4),
+        {"error": GgufError, "tensor": None, "key": "llama.context_length"},
+    ),
     "tensor outside the architecture": (
         {"extra_tensors": {"blk.0.ffn_gate_inp.weight": np.ones((8, 64), np.float32)}},
         (0, 1),

@@ -63,6 +63,7 @@ from runplan.dtypes import DTypeFamily
 from runplan.models import resolve_model
 from runplan.plan import OrchestratorEndpoint
 from runplan.replacement import Replacement, Unplaceable
+from runtime_core.gguf_slice import check_whole_model
 from runtime_core.recovery import DEFAULT_MAX_RECOVERIES, RecoveryPolicy
 from runtime_core.replay import Replay
 from runtime_core.runs import PLACEMENTS, PlanRejected, plan_even
@@ -231,6 +232,7 @@ class WarmChain:
         self.tokenizer = Tokenizer.from_gguf(self.path)
         self.worker = worker
         self.capabilities = capabilities(worker)  # WorkerUnavailable before any process
+        check_whole_model(self.path, facts.num_layers, self.capabilities)  # likewise
         self._ray_host: RayHost | None = None
         if ray_address is not None:
             from runtime_cupy.hosts.ray import session
