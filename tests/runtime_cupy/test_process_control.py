@@ -26,8 +26,10 @@ from runtime_cupy.process.control_channel import (
     FrameError,
     Incoming,
     Refused,
+    Unreadable,
     decode_frame,
     encode_frame,
+    encode_payload,
 )
 from runtime_cupy.process.keys import BadSecret, control_key, new_secret, parse_secret
 from runtime_cupy.process.launcher import ProcessRun
@@ -85,8 +87,10 @@ def test_a_tampered_frame_is_refused() -> None:
         decode_frame(KEY, "stage-0", frame[:-1].replace(b" 3 ", b" 4 "))
 
 
-def _read_all(reader: ControlChannel, write: threading.Thread) -> list[Incoming | Refused]:
-    items: list[Incoming | Refused] = []
+def _read_all(
+    reader: ControlChannel, write: threading.Thread
+) -> list[Incoming | Refused | Unreadable]:
+    items: list[Incoming | Refused | Unreadable] = []
     write.start()
     deadline = time.monotonic() + 20
     while not reader.eof and time.monotonic() < deadline:
@@ -150,6 +154,36 @@ def test_replayed_and_reordered_frames_are_refused_and_the_next_one_is_read() ->
             "out of order frame: number 2, expected 1",
             "replayed frame: number 1, expected 2",
         ]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_authentic_frame_that_does_not_parse_is_unreadable_and_takes_its_number() -> None:
+    """Only the peer could sign it: it is handed on as ``Unreadable`` (the owner ends the
+    peer), and the frames after it are read, not refused as out of order."""
+    a, b = socket.socketpair()
+    try:
+        reader = ControlChannel(a, KEY, "stage-0", "orchestrator")
+        stops = [StopRun(f"run-{n}", StopReason.CANCELLED) for n in range(3)]
+
+        def write() -> None:
+            b.sendall(encode_frame(KEY, "orchestrator", "stage-0", 0, stops[0]))
+            b.sendall(encode_payload(KEY, "orchestrator", "stage-0", 1, b'{"type":"Nope"}'))
+            b.sendall(encode_payload(KEY, "orchestrator", "stage-0", 1, b"again"))  # replayed
+            b.sendall(encode_frame(KEY, "orchestrator", "stage-0", 2, stops[2]))
+            other = control_key(new_secret(), "stage-0")  # a stranger's key
+            b.sendall(encode_payload(other, "orchestrator", "stage-0", 3, b"x"))
+            b.shutdown(socket.SHUT_WR)
+
+        items = _read_all(reader, threading.Thread(target=write))
+        assert items[0] == Incoming("orchestrator", stops[0])
+        assert isinstance(items[1], Unreadable) and items[1].sender == "orchestrator"
+        assert "malformed message" in items[1].reason
+        assert items[2] == Refused("replayed frame: number 1, expected 2")
+        assert items[3] == Incoming("orchestrator", stops[2])
+        assert isinstance(items[4], Refused) and "bad MAC" in items[4].reason
+        assert len(items) == 5
     finally:
         a.close()
         b.close()
@@ -315,6 +349,55 @@ def test_bad_control_input_is_refused_logged_and_the_run_goes_on(
         assert "rejected from 'stage-9': UNAUTHORIZED_SENDER" in log
     replays = [r for r in caplog.records if "replayed frame: number 0, expected 1" in r.message]
     assert len(replays) == 2  # the orchestrator refused each stage's StageReady again
+    for tap in host.taps.values():
+        tap.join(10)
+    assert run_resources(result.chain_id) == []
+
+
+@pytest.mark.parametrize("to", ["stage", "orchestrator"])
+def test_an_unreadable_authentic_frame_ends_the_run_at_once_naming_it(
+    tiny: str, tmp_path: Path, to: str
+) -> None:
+    """A frame only the peer could have signed whose message does not parse (another
+    version, a defect): the run faults at once, naming it, not after its timeouts (the
+    plan's step bound is 60 s); the stages exit and nothing of the run is left."""
+    prompt = [4, 5, 6]
+    host = TapHost(log_dir=tmp_path)
+    timeouts = Timeouts(ready_ms=60_000, step_ms=60_000, edge_wait_ms=60_000, stop_ms=5_000)
+    plan, _ = plan_for(
+        tiny,
+        stages=2,
+        prompt_len=len(prompt),
+        max_tokens=200,
+        sampling=SamplingConfig(),
+        return_logits=False,
+        timeouts=timeouts,
+    )
+    forged: list[float] = []
+
+    def forge(token: int) -> None:  # on the first token: every stage is running
+        if forged:
+            return
+        forged.append(time.monotonic())
+        tap = host.taps[1]
+        if to == "stage":
+            tap.forge_to_stage("orchestrator", b'{"type":"FutureMessage","run_id":"x"}')
+        else:
+            tap.forge_to_orchestrator(plan.stages[1].node_id, b"\xff not json")
+
+    result = ProcessRun(plan, prompt, on_token=forge, host=host).run()
+    assert forged, "the run never got to its first token"
+    ended = time.monotonic()
+    assert result.finished is not None
+    assert result.finished.outcome is StopReason.FAULTED
+    assert ended - forged[0] < 30  # the bounds it would otherwise wait out are 60 s
+    fault = str(result.finished.fault)
+    if to == "orchestrator":
+        assert "could not be read" in fault and "malformed message" in fault, fault
+    log = (tmp_path / "stage-1.log").read_text()
+    if to == "stage":
+        assert "cannot read the orchestrator's frame" in log, log
+    assert len(result.tokens) < 200
     for tap in host.taps.values():
         tap.join(10)
     assert run_resources(result.chain_id) == []

@@ -41,6 +41,7 @@ from runtime_cupy.process.control_channel import (
     FrameError,
     decode_frame,
     encode_frame,
+    encode_payload,
 )
 from runtime_cupy.process.keys import control_key
 from tests.support.edge_relay import Relay
@@ -152,13 +153,22 @@ class ControlTap:
         with self._lock:
             self._launcher.sendall(data)
 
-    def forge_to_stage(self, sender: str, message: ControlMessage) -> None:
+    def forge_to_stage(self, sender: str, message: ControlMessage | bytes) -> None:
         """A frame signed with the stage's key and numbered as the stage expects next:
-        it passes the channel and reaches the stage's state machine."""
+        it passes the channel and reaches the stage's state machine (``bytes``: message
+        bytes as they are, a malformed message among them)."""
         with self._lock:
             counter = len(self.sent_to_stage) + self._shift["stage"]
             self._shift["stage"] += 1
-            self._stage.sendall(encode_frame(self.key, sender, self.stage_id, counter, message))
+            self._stage.sendall(_frame(self.key, sender, self.stage_id, counter, message))
+
+    def forge_to_orchestrator(self, sender: str, message: ControlMessage | bytes) -> None:
+        """``forge_to_stage``'s frame the other way: numbered as the orchestrator
+        expects next from this stage."""
+        with self._lock:
+            counter = len(self.sent_to_orchestrator) + self._shift["orch"]
+            self._shift["orch"] += 1
+            self._launcher.sendall(_frame(self.key, sender, self.orch_id, counter, message))
 
     # -- forwarding ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -217,6 +227,14 @@ class ControlTap:
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
+
+
+def _frame(
+    key: bytes, sender: str, receiver: str, counter: int, message: ControlMessage | bytes
+) -> bytes:
+    if isinstance(message, bytes):
+        return encode_payload(key, sender, receiver, counter, message)
+    return encode_frame(key, sender, receiver, counter, message)
 
 
 class TapHost(LocalProcessHost):

@@ -63,7 +63,7 @@ from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost, StageLaunch
-from runtime_cupy.process.control_channel import ChannelBroken, Incoming
+from runtime_cupy.process.control_channel import ChannelBroken, Incoming, Refused, Unreadable
 from runtime_cupy.process.keys import chain_id, control_key, new_secret
 from runtime_cupy.process.names import run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
@@ -726,7 +726,11 @@ class ChainRunner:
                 self.trace.instant(f"recv {name}", sender=item.sender)
                 self._emit("received", sender=item.sender, message=item.message)
                 self.orchestrator.handle(fsm.Received(item.sender, item.message))
-            else:
+            elif isinstance(item, Unreadable) and not stage.gone:  # signed: the stage's own
+                log.error("stage %d's frame could not be read: %s", stage.index, item.reason)
+                self._stage_died(stage, f"its frame could not be read ({item.reason})")
+                stage.handle.kill()  # it speaks what this orchestrator cannot follow
+            elif isinstance(item, Refused):
                 log.warning("refused a frame from stage %d: %s", stage.index, item.reason)
         if channel.eof:
             self._stage_died(stage)

@@ -14,10 +14,15 @@ exactly the next number. So a frame that does not verify (another run's or anoth
 stage's, a stray writer's, a forged or altered one) and a verified frame that is not
 the next one (replayed, or out of order) are refused before they are parsed, logged by
 the owner, and change nothing: the run goes on (PIPELINE_ORCHESTRATION_MVP.md §10). A
-verified frame names its sender, which the state machines check (a stage accepts
-provisioning only from its orchestrator). ``runplan.wire`` output is one line of JSON,
-so a frame never holds a line feed, and a reader resynchronises on the next line feed
-after any garbage.
+verified frame, the next one, whose message does not parse is another matter: only a
+holder of the key (the peer itself) could sign it, so the peer speaks something this
+end cannot follow (another version, a defect). It takes its number, so the frames after
+it are read, and is handed on as ``Unreadable``; the owner ends the peer (a stage: its
+orchestrator is lost; the orchestrator: the stage is gone, naming why) rather than wait
+for an answer to a message it never read. A verified frame names its sender, which
+the state machines check (a stage accepts provisioning only from its orchestrator).
+``runplan.wire`` output is one line of JSON, so a frame never holds a line feed, and a
+reader resynchronises on the next line feed after any garbage.
 
 A heartbeat is a frame with no message (``<hmac hex> SP <sender> SP <counter> SP LF``)
 under a domain tag of its own and numbered in a sequence of its own: authenticated, and
@@ -103,6 +108,21 @@ class Refused:
 
 
 @frozen
+class Unreadable:
+    """An authentic frame, the next one, whose message does not parse: the peer speaks
+    something this end cannot follow."""
+
+    sender: str
+    reason: str
+
+
+class _UnreadableFrame(FrameError):
+    def __init__(self, sender: str, counter: int, reason: str) -> None:
+        super().__init__(reason)
+        self.sender, self.counter = sender, counter
+
+
+@frozen
 class Beat:
     """A verified heartbeat and the node id that signed it."""
 
@@ -127,7 +147,11 @@ def encode_frame(
     key: bytes, sender: str, receiver: str, counter: int, message: ControlMessage
 ) -> bytes:
     """Frame number ``counter`` from ``sender`` to ``receiver``, line feed included."""
-    payload = wire.dumps(message)
+    return encode_payload(key, sender, receiver, counter, wire.dumps(message))
+
+
+def encode_payload(key: bytes, sender: str, receiver: str, counter: int, payload: bytes) -> bytes:
+    """``encode_frame`` of message bytes as they are (``runplan.wire`` bytes, one line)."""
     mac = _mac(key, sender, receiver, counter, payload).hex()
     return f"{mac} {sender.encode('utf-8').hex()} {counter} ".encode("ascii") + payload + b"\n"
 
@@ -168,9 +192,11 @@ def decode_frame(key: bytes, receiver: str, line: bytes) -> tuple[int, Incoming 
     try:
         message = wire.loads(payload)
     except wire.WireError as exc:
-        raise FrameError(f"authentic frame, malformed message: {exc}") from None
+        raise _UnreadableFrame(
+            sender, counter, f"authentic frame, malformed message: {exc}"
+        ) from None
     if isinstance(message, RunPlan):
-        raise FrameError("a RunPlan is not a control message")
+        raise _UnreadableFrame(sender, counter, "a RunPlan is not a control message")
     return counter, Incoming(sender, message)
 
 
@@ -257,7 +283,7 @@ class ControlChannel:
         """A ``JoinChain`` was accepted and the frames after it wait for the key."""
         return self._rekey_due
 
-    def buffered(self) -> list[Incoming | Refused]:
+    def buffered(self) -> list[Incoming | Refused | Unreadable]:
         """The frames already read that can be decoded now (after ``rekey`` or
         ``keep_key``), without reading the socket."""
         return self._frames(b"")
@@ -295,7 +321,7 @@ class ControlChannel:
         first authentic frame or beat; ``None`` before it said anything."""
         return None if self.heard_s is None else now - self.heard_s
 
-    def receive(self) -> list[Incoming | Refused]:
+    def receive(self) -> list[Incoming | Refused | Unreadable]:
         """Read what is available (the socket is readable) and return its frames in
         order (heartbeats are noted in ``heard_s``, not returned). Sets ``eof`` once the
         peer closed its end."""
@@ -310,8 +336,8 @@ class ControlChannel:
             return [Refused("a partial frame at end of stream")] if self._buffer else []
         return self._frames(data)
 
-    def _frames(self, data: bytes) -> list[Incoming | Refused]:
-        out: list[Incoming | Refused] = []
+    def _frames(self, data: bytes) -> list[Incoming | Refused | Unreadable]:
+        out: list[Incoming | Refused | Unreadable] = []
         self._buffer += data
         while not self._rekey_due:  # after a JoinChain: held for the new key
             end = self._buffer.find(b"\n")
@@ -340,18 +366,18 @@ class ControlChannel:
             out.append(Refused(f"over {MAX_BACKLOG_BYTES} bytes of frames held for a new key"))
         return out
 
-    def _accept(self, line: bytes) -> Incoming | Refused | None:
+    def _accept(self, line: bytes) -> Incoming | Refused | Unreadable | None:
         try:
-            counter, item = decode_frame(self.key, self.local_id, line)
+            counter, item = self._decode(line)
+        except _UnreadableFrame as exc:
+            if exc.counter != self._expected:
+                what = "replayed" if exc.counter < self._expected else "out of order"
+                return Refused(f"{what} frame: number {exc.counter}, expected {self._expected}")
+            self._expected += 1
+            self.heard_s = time.monotonic()
+            return Unreadable(exc.sender, str(exc))
         except FrameError as exc:
-            if self._old_key is None:
-                return Refused(str(exc))
-            try:  # the stage's frames from before it joined: the old key, until the new
-                counter, item = decode_frame(self._old_key, self.local_id, line)
-            except FrameError:
-                return Refused(str(exc))
-        else:
-            self._old_key = None  # the first frame under the new key: the old one goes
+            return Refused(str(exc))
         beat = isinstance(item, Beat)
         expected = self._beats_expected if beat else self._expected
         if counter != expected:
@@ -364,6 +390,26 @@ class ControlChannel:
             return None
         self._expected = expected + 1
         return item
+
+    def _decode(self, line: bytes) -> tuple[int, Incoming | Beat]:
+        """``decode_frame`` under the key; the stage's frames from before it joined: the
+        old key too, until the first frame under the new one."""
+        try:
+            decoded = decode_frame(self.key, self.local_id, line)
+        except _UnreadableFrame:
+            self._old_key = None  # signed under the new key
+            raise
+        except FrameError as exc:
+            if self._old_key is None:
+                raise
+            try:
+                return decode_frame(self._old_key, self.local_id, line)
+            except _UnreadableFrame:
+                raise
+            except FrameError:
+                raise exc from None
+        self._old_key = None  # the first frame under the new key: the old one goes
+        return decoded
 
     def close(self) -> None:
         """Send what still waits (bounded by ``CLOSE_DRAIN_S``), then close."""

@@ -79,6 +79,7 @@ from runtime_cupy.process.control_channel import (
     ControlChannel,
     Heartbeat,
     Incoming,
+    Unreadable,
 )
 from runtime_cupy.process.keys import BadSecret, chain_id, control_key, parse_secret, slice_key
 from runtime_cupy.process.names import run_label
@@ -541,6 +542,9 @@ class StageProcess:
                     log.info("received %s from %r", type(item.message).__name__, item.sender)
                     self.trace.instant(f"recv {type(item.message).__name__}", sender=item.sender)
                     self.controller.handle(fsm.Received(item.sender, item.message))
+                elif isinstance(item, Unreadable):  # signed by the orchestrator: no stranger
+                    log.error("cannot read the orchestrator's frame: %s", item.reason)
+                    self._lose(f"its frame could not be read ({item.reason})")
                 else:
                     log.warning("refused a control frame: %s", item.reason)
                     self.trace.instant("refused frame", reason=item.reason)
