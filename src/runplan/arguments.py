@@ -4,6 +4,7 @@ and argument types that name the bad value."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from typing import NoReturn
@@ -67,7 +68,10 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"bad size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
         )
-    return int(float(m[1]) * _UNITS[unit])
+    value = float(m[1]) * _UNITS[unit]
+    if not math.isfinite(value):  # more digits than a float holds
+        raise argparse.ArgumentTypeError(f"size {text!r} is too large")
+    return int(value)
 
 
 def parse_nodes(text: str) -> tuple[NodeSpec, ...]:

@@ -12,8 +12,6 @@ from typing import Any
 
 import cattrs
 from rich import box
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from runplan import wire
@@ -37,7 +35,13 @@ from runplan.plan import RunPlan
 from runplan.planner import plan_run
 from runplan.pool import NodePool
 from runplan.rejections import PlanRejection
-from runplan.shard_cli import add_split_parser, print_shard_facts, shard_facts
+from runplan.shard_cli import (
+    OutputFolderError,
+    add_split_parser,
+    print_shard_facts,
+    shard_facts,
+)
+from runplan.terminal import labelled, plain_console
 
 EXIT_REJECTED = 2
 EXIT_INPUT = 1
@@ -94,7 +98,7 @@ def _cmd_facts(args: argparse.Namespace) -> int:
     ]
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    plain_console().print(table)
     return 0
 
 
@@ -166,8 +170,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.json:
             _json_out({"rejection": _rejection_json(result)})
         else:
-            Console(stderr=True, soft_wrap=True).print(
-                f"[bold red]rejected[/] {escape(str(result))}", highlight=False
+            plain_console(stderr=True, soft_wrap=True).print(
+                labelled("rejected", "bold red", str(result)), highlight=False
             )
         return EXIT_REJECTED
     _print_plan(args, facts, pool, config, result)
@@ -230,7 +234,7 @@ def _print_plan(
             human_bytes(use.total),
             f"{pct:.1f}%",
         )
-    Console().print(table)
+    plain_console().print(table)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,12 +316,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
-    except (GgufError, ModelNotFound) as exc:
+    except (GgufError, ModelNotFound, OutputFolderError) as exc:
         if getattr(args, "json", False):
             _json_out({"error": {"type": type(exc).__name__, "message": str(exc)}})
         else:
-            Console(stderr=True, soft_wrap=True).print(
-                f"[bold red]error[/] {escape(str(exc))}", highlight=False
+            plain_console(stderr=True, soft_wrap=True).print(
+                labelled("error", "bold red", str(exc)), highlight=False
             )
         return EXIT_INPUT
     return code

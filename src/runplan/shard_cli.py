@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from runplan.arguments import human_bytes, parse_nodes
@@ -30,6 +28,7 @@ from runplan.shards import (
 )
 from runplan.split import _Bars, split_model, split_plan
 from runplan.tensor_names import block_index
+from runplan.terminal import labelled, plain_console
 
 EXIT_REJECTED = 2
 
@@ -61,6 +60,20 @@ def add_split_parser(sub: Any, model_args: Callable[[argparse.ArgumentParser], N
     p.set_defaults(func=cmd_split)
 
 
+class OutputFolderError(OSError):
+    """``--out`` names no folder that can be made or written (one line, exit status 1,
+    as a file that cannot be read)."""
+
+
+def _writable(out: Path) -> None:
+    """Make the ``--out`` folder, before any work, or say why it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        what = "is a file, not a folder" if out.exists() else f"cannot be made: {exc}"
+        raise OutputFolderError(f"--out {str(out)!r} {what}") from None
+
+
 def cmd_split(args: argparse.Namespace) -> int:
     if args.stages is None and args.nodes is None:
         sys.stderr.write("python -m runplan split: error: give --stages or --nodes\n")
@@ -70,20 +83,26 @@ def cmd_split(args: argparse.Namespace) -> int:
         return EXIT_REJECTED
     path = resolve_model(args.model)
     facts = model_facts_from_gguf(path, max_seq_len=args.max_seq_len)
+    _writable(args.out)
     stages = args.stages if args.stages is not None else len(args.nodes)
     plan = split_plan(facts, stages, args.nodes, args.placement)
-    err = Console(stderr=True, soft_wrap=True)
+    err = plain_console(stderr=True, soft_wrap=True)
     if isinstance(plan, PlanRejection):
         if args.json:
             sys.stdout.write(
                 json.dumps({"rejection": {"code": plan.code, "message": str(plan)}}) + "\n"
             )
         else:
-            err.print(f"[bold red]rejected[/] {escape(str(plan))}", highlight=False)
+            err.print(labelled("rejected", "bold red", str(plan)), highlight=False)
         return EXIT_REJECTED
     bars = _Bars(err)
     with bars.progress:
-        result = split_model(path, plan, args.out, placement=args.placement, progress=bars)
+        try:
+            result = split_model(path, plan, args.out, placement=args.placement, progress=bars)
+        except OSError as exc:
+            raise OutputFolderError(
+                f"--out {str(args.out)!r}: cannot write the shards: {exc}"
+            ) from None
     manifest = result.manifest
     if args.json:
         doc = {
@@ -119,7 +138,7 @@ def cmd_split(args: argparse.Namespace) -> int:
             human_bytes(size),
             e.file,
         )
-    console = Console(soft_wrap=True)
+    console = plain_console(soft_wrap=True)
     console.print(table)
     console.print(f"manifest: {result.manifest_path} (source {manifest.source})", highlight=False)
     return 0
@@ -195,4 +214,4 @@ def print_shard_facts(doc: dict[str, Any], as_json: bool) -> None:
     ]
     for name, value in rows:
         table.add_row(name, value)
-    Console(soft_wrap=True).print(table)
+    plain_console(soft_wrap=True).print(table)

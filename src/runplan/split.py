@@ -154,7 +154,7 @@ class _Bars:
 
     def __init__(self, console: Console) -> None:
         self.progress = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),  # file names as they are
             BarColumn(),
             DownloadColumn(binary_units=True),
             TransferSpeedColumn(),

@@ -12,13 +12,13 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from runplan.arguments import OneLineParser, positive_int
 from runplan.gguf_header import GgufError
 from runplan.models import ModelNotFound, resolve_model
+from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
@@ -85,7 +85,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(_result_json(result, len(prompt)), sort_keys=True) + "\n")
     else:
-        _print_summary(Console(soft_wrap=True), result, len(prompt))
+        _print_summary(plain_console(soft_wrap=True), result, len(prompt))
     return 0 if result.outcome == "completed" else 1
 
 
@@ -104,10 +104,10 @@ def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt:
         }
         sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
     else:
-        console = Console(soft_wrap=True)
+        console = plain_console(soft_wrap=True)
         for i, r in enumerate(many.runs):
-            status = r.outcome + (f" ({escape(r.fault)})" if r.fault else "")
-            console.print(f"run {i}: {escape(r.text)!r} ({status})", highlight=False)
+            status = r.outcome + (f" ({r.fault})" if r.fault else "")
+            console.print(f"run {i}: {r.text!r} ({status})", highlight=False)
         shown = "-" if rate is None else f"{rate:.1f}"
         console.print(
             f"{args.runs} runs through {args.stages} simulated stages: "
@@ -173,7 +173,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int) ->
         table.add_row(str(s.stage_index), s.node_id, f"{s.layer_start}-{s.layer_end_exclusive - 1}")
     console.print(table)
     t = _timings(result, prompt_len)
-    status = result.outcome + (f" ({escape(result.fault)})" if result.fault else "")
+    status = result.outcome + (f" ({result.fault})" if result.fault else "")
     console.print(
         f"{len(result.tokens)} tokens, {status}. tokens/s predicted "
         f"{t['predicted_tokens_per_s']}, simulated {t['simulated_tokens_per_s']}, "
@@ -296,8 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
             )
         else:
-            Console(stderr=True, soft_wrap=True).print(
-                f"[bold red]error[/] {escape(str(exc))}", highlight=False
+            plain_console(stderr=True, soft_wrap=True).print(
+                labelled("error", "bold red", str(exc)), highlight=False
             )
         return EXIT_INPUT
     except KeyboardInterrupt:

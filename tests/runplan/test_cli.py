@@ -144,3 +144,64 @@ def test_module_entry_point_runs(model: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["facts"]["num_layers"] == 6
+
+
+@pytest.mark.parametrize("node", ["a[/]", "[bold]x", "n:smile:"])
+def test_node_ids_and_run_ids_print_as_given_not_as_markup(
+    model: str, node: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """User text reaches the table literally: ``[/]`` does not crash rich, ``[bold]``
+    is not a style, ``:smile:`` is not an emoji."""
+    assert main(["plan", model, "--nodes", f"{node}=1GiB", "--run-id", f"r{node}"]) == 0
+    out = capsys.readouterr().out
+    assert node in out and f"r{node}" in out, out
+    assert main(["plan", model, "--nodes", f"{node}=1KiB", "--run-id", f"r{node}"]) == 2
+    assert repr(node) in capsys.readouterr().err  # the rejection names the node as it is
+
+
+def test_a_path_with_markup_prints_as_given(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "m[bold]x:smile:.gguf"
+    path.symlink_to(model)
+    assert main(["facts", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "m[bold]x:smile:" in out  # the title: the model id from the file name
+    assert str(path) in "".join(out.split())  # the source row, folded (no spaces in it)
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_split_into_an_out_that_cannot_be_a_folder_is_one_line_naming_it(
+    model: str, tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "taken"
+    file.write_text("")
+    out = file if kind == "a file" else file / "sub"
+    args = ["split", model, "--stages", "2", "--out", str(out)]
+    assert main([*args, "--json"]) == 1
+    error = _json(capsys)["error"]
+    assert error["type"] == "OutputFolderError" and "--out" in error["message"]
+    assert str(out) in error["message"]
+    assert main(args) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(out) in lines[0], lines
+
+
+@pytest.mark.parametrize("size", ["9" * 400 + "GiB", "9" * 310])
+def test_a_size_too_large_for_a_number_is_one_line_naming_it(
+    model: str, size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", model, "--nodes", f"a={size}"])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--nodes" in lines[0] and "too large" in lines[0], lines
+
+
+def test_memory_the_wire_cannot_carry_is_a_rejection_naming_the_node(
+    model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", model, "--nodes", f"a={2**64}", "--json"]) == 2
+    rejection = _json(capsys)["rejection"]
+    assert rejection["code"] == "invalid_config"
+    assert rejection["field"] == "nodes[0].memory_bytes"

@@ -11,10 +11,10 @@ import time
 from collections.abc import Sequence
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from runplan.arguments import OneLineParser, human_bytes
+from runplan.terminal import plain_console
 from runtime_cupy.slices.cache import LIMIT_VARIABLE, CacheError, SliceCache
 
 
@@ -80,5 +80,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     for e in reversed(entries):  # most recently used first
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
         table.add_row(e.model_id, e.parts.describe(), human_bytes(e.bytes), used, e.source[:19])
-    Console(soft_wrap=True).print(table)
+    plain_console(soft_wrap=True).print(table)
     return 0

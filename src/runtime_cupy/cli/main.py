@@ -38,11 +38,11 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from runplan.arguments import OneLineParser
 from runplan.models import resolve_model
+from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
@@ -191,13 +191,15 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(_result_json(result, len(prompt)), sort_keys=True) + "\n")
         sys.stdout.flush()
     else:
-        _print_summary(Console(soft_wrap=True), result, len(prompt), args.worker)
+        _print_summary(plain_console(soft_wrap=True), result, len(prompt), args.worker)
     if result.outcome == "completed":
         return 0
     if result.outcome == "cancelled":
         err.print("cancelled", highlight=False)  # as runtime_sim run says it
         return EXIT_CANCELLED
-    err.print(f"error: run faulted: {escape(result.fault or '')}", highlight=False)
+    plain_console(stderr=True, soft_wrap=True).print(
+        f"error: run faulted: {result.fault or ''}", highlight=False
+    )
     return EXIT_FAULTED
 
 
@@ -315,7 +317,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int, wo
     for transfer in result.slices:
         console.print(describe(transfer), highlight=False)
     t = _timings(result, prompt_len)
-    status = result.outcome + (f" ({escape(result.fault)})" if result.fault else "")
+    status = result.outcome + (f" ({result.fault})" if result.fault else "")
     console.print(
         f"{len(result.tokens)} tokens, {status}. time to first token {t['ttft_ms']} ms, "
         f"decode {t['decode_tokens_per_s']} tokens/s; load {t['load_s']} s, "
@@ -371,8 +373,8 @@ def _error(args: argparse.Namespace, exc: Exception) -> None:
             json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
         )
     else:
-        Console(stderr=True, soft_wrap=True).print(
-            f"[bold red]error[/] {escape(str(exc))}", highlight=False
+        plain_console(stderr=True, soft_wrap=True).print(
+            labelled("error", "bold red", str(exc)), highlight=False
         )
 
 

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from runplan import SamplingConfig, model_facts_from_gguf, wire
@@ -22,6 +21,7 @@ from runplan.arguments import OneLineParser, positive_int
 from runplan.cli import human_bytes
 from runplan.memory import plan_stage_memory
 from runplan.models import resolve_model
+from runplan.terminal import labelled, plain_console
 from runtime_core.runs import PlanRejected, facts_for_run
 from runtime_cupy.cli.arguments import INPUT_ERRORS, add_cluster, add_model, add_stages, add_worker
 from runtime_cupy.hosts.ray.cluster import StageNode
@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
             human_bytes(row["total_bytes"]),
             memory_text,
         )
-    Console(soft_wrap=True).print(table)
+    plain_console(soft_wrap=True).print(table)
     return 0
 
 
@@ -151,4 +151,6 @@ def _error(args: argparse.Namespace, exc: Exception, code: str | None = None) ->
         sys.stdout.write(json.dumps({"error": error}) + "\n")
     else:
         what = f"rejected ({code})" if code else "error"
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]{what}[/] {exc}", highlight=False)
+        plain_console(stderr=True, soft_wrap=True).print(
+            labelled(what, "bold red", str(exc)), highlight=False
+        )
