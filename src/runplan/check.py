@@ -36,7 +36,9 @@ from runplan.validate import (
     check_alignment,
     check_dtype,
     check_extent,
+    check_id,
     check_max_tokens,
+    check_model_strings,
     check_run_id,
     check_sampling,
     check_slot_count,
@@ -54,6 +56,7 @@ def check_plan(plan: RunPlan) -> RunPlan | PlanRejection:
         raise TypeError(f"plan must be RunPlan, not {type(plan).__name__}")
     return (
         check_run_id(plan.run_id)
+        or check_id(plan.orchestrator_node_id, "orchestrator_node_id")
         or check_max_tokens(plan.max_tokens)
         or check_sampling(plan.sampling)
         or check_timeouts(plan.timeouts)
@@ -74,8 +77,19 @@ def _check_concurrency(plan: RunPlan) -> PlanRejection | None:
             str(plan.kv_positions),
             f"must be in 1..max_seq_len ({plan.model.max_seq_len})",
         )
-    for stage in plan.stages:
-        if not 0 <= stage.kv_bytes <= min(stage.kv_budget_bytes, U64_MAX):
+    if plan.max_tokens > plan.kv_positions:
+        return InvalidConfig(
+            "kv_positions",
+            str(plan.kv_positions),
+            f"a prompt of at least 1 token + max_tokens {plan.max_tokens} need "
+            f"{plan.max_tokens} positions",
+        )
+    for i, stage in enumerate(plan.stages):
+        for name in ("kv_bytes", "kv_budget_bytes"):
+            value = getattr(stage, name)
+            if not 0 <= value <= U64_MAX:
+                return InvalidConfig(f"stages[{i}].{name}", str(value), "must be in 0..2**64-1")
+        if stage.kv_bytes > stage.kv_budget_bytes:
             return InvalidConfig(
                 "kv_budget_bytes",
                 str(stage.kv_budget_bytes),
@@ -102,8 +116,9 @@ def _check_model(m: GgufModelPlan) -> PlanRejection | None:
         return InconsistentModelFacts(
             "eos_token_id", str(m.eos_token_id), f"outside vocab 0..{m.vocab_size - 1}"
         )
-    if not m.gguf_source.paths or any(not p for p in m.gguf_source.paths):
-        return InconsistentModelFacts("gguf_source", repr(m.gguf_source.paths), "names no file")
+    rejection = check_model_strings(m.model_id, m.architecture, m.gguf_source.paths)
+    if rejection:
+        return rejection
     return check_dtype(m.dtype_family, m.dtype_width_bytes, "model dtype") or (
         check_activation_family(m.dtype_family, "model dtype")
     )
@@ -126,6 +141,9 @@ def _check_stages(plan: RunPlan) -> PlanRejection | None:
             return MissingStage(i, n)
     seen_nodes: dict[str, int] = {}
     for i, s in enumerate(stages):
+        rejection = check_id(s.node_id, f"stages[{i}].node_id")
+        if rejection:
+            return rejection
         where = f"stage {i}"
         if s.stage_index != i:
             return InconsistentPlan(where, "stage_index", str(i), str(s.stage_index))

@@ -53,6 +53,7 @@ from runplan.validate import (
     check_extent,
     check_facts,
     check_max_tokens,
+    check_pool,
     check_run_id,
     check_sampling,
     check_slot_count,
@@ -95,7 +96,7 @@ def plan_run(
         return rejection
     if stage_count > facts.num_layers:
         return InvalidStageCount(stage_count, facts.num_layers, None, "more stages than layers")
-    rejection = _check_config(config) or _check_run_shape(facts, config)
+    rejection = _check_config(config) or check_pool(pool) or _check_run_shape(facts, config)
     if rejection:
         return rejection
 
@@ -158,17 +159,25 @@ def _check_config(config: RuntimeConfig) -> PlanRejection | None:
 
 
 def _check_run_shape(facts: ModelFacts, config: RuntimeConfig) -> PlanRejection | None:
-    """A run of a known prompt length must fit ``max_seq_len`` (its last token is not
-    fed back: ``prompt_tokens + max_tokens - 1`` positions)."""
+    """A run must fit ``max_seq_len`` (its last token is not fed back: ``prompt_tokens +
+    max_tokens - 1`` positions); a prompt of unknown length (0) has at least 1 token."""
     n = config.prompt_tokens
-    if n > 0 and n + config.max_tokens - 1 > facts.max_seq_len:
+    need = max(n, 1) + config.max_tokens - 1
+    if need <= facts.max_seq_len:
+        return None
+    if n > 0:
         return InvalidConfig(
             "prompt_tokens",
             str(n),
             f"{n} prompt tokens + max_tokens {config.max_tokens} need "
-            f"{n + config.max_tokens - 1} positions; max_seq_len is {facts.max_seq_len}",
+            f"{need} positions; max_seq_len is {facts.max_seq_len}",
         )
-    return None
+    return InvalidConfig(
+        "max_tokens",
+        str(config.max_tokens),
+        f"a prompt of at least 1 token + max_tokens {config.max_tokens} need {need} "
+        f"positions; max_seq_len is {facts.max_seq_len}",
+    )
 
 
 def kv_positions(facts: ModelFacts, config: RuntimeConfig) -> int:

@@ -15,19 +15,28 @@ from runplan.plan import EdgePlan, RunPlan
 def provision_stage(plan: RunPlan, stage_index: int) -> ProvisionStage:
     """The provision message of stage ``stage_index``.
 
-    Raises ``IndexError`` if the plan has no such stage and ``KeyError`` if the stage
-    names an edge the plan lacks (run ``check_plan`` on a plan from elsewhere first).
+    Raises ``TypeError`` if ``plan`` is not a ``RunPlan``, ``IndexError`` if the plan has
+    no such stage and ``KeyError`` if the stage names an edge the plan lacks (run
+    ``check_plan`` on a plan from elsewhere first).
     """
+    _require_plan(plan)
     if not 0 <= stage_index < len(plan.stages):
         raise IndexError(f"stage {stage_index} not in a plan of {len(plan.stages)} stages")
     return _provision(plan, stage_index, {e.edge_id: e for e in plan.edges}, _stage_model(plan))
 
 
 def provision_all(plan: RunPlan) -> tuple[ProvisionStage, ...]:
-    """One provision message per stage, in stage order."""
+    """One provision message per stage, in stage order (``TypeError`` for a ``plan``
+    that is not a ``RunPlan``)."""
+    _require_plan(plan)
     edges = {e.edge_id: e for e in plan.edges}
     model = _stage_model(plan)
     return tuple(_provision(plan, i, edges, model) for i in range(len(plan.stages)))
+
+
+def _require_plan(plan: object) -> None:
+    if not isinstance(plan, RunPlan):
+        raise TypeError(f"plan must be RunPlan, not {type(plan).__name__}")
 
 
 def _stage_model(plan: RunPlan) -> StageModelFacts:

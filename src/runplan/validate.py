@@ -9,6 +9,7 @@ from runplan.config import RuntimeConfig, SamplingConfig, Timeouts, WorkerCapabi
 from runplan.dtypes import VALID_WIDTHS, DTypeFamily
 from runplan.facts import ModelFacts
 from runplan.plan import MAX_RUN_ID_BYTES, U64_MAX
+from runplan.pool import NodePool
 from runplan.rejections import (
     InconsistentModelFacts,
     InvalidAlignment,
@@ -24,18 +25,59 @@ from runplan.specs import is_power_of_two
 U32_MAX = 2**32 - 1
 
 
+def id_problem(text: str) -> str | None:
+    """Why ``text`` cannot be an id or a path of a plan (run id, node id, orchestrator
+    id, GGUF path), or ``None``: it must not be empty, and must hold no NUL and no lone
+    surrogate (the wire and the object header carry UTF-8, which has none)."""
+    if not text:
+        return "must not be empty"
+    if "\x00" in text:
+        return "must not hold NUL"
+    if has_lone_surrogate(text):
+        return "must not hold a lone surrogate (the wire carries UTF-8 only)"
+    return None
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a code point UTF-8 cannot encode (U+D800..U+DFFF)."""
+    return any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
+
+
+def check_id(text: str, field: str) -> PlanRejection | None:
+    """``invalid_config`` naming ``field`` for an id the wire cannot carry."""
+    problem = id_problem(text)
+    return InvalidConfig(field, repr(text), problem) if problem else None
+
+
 def check_run_id(run_id: str) -> PlanRejection | None:
-    encoded = run_id.encode("utf-8", errors="surrogatepass")
-    if not encoded:
-        return InvalidConfig("run_id", repr(run_id), "a run id must not be empty")
+    rejection = check_id(run_id, "run_id")
+    if rejection:
+        return rejection
+    encoded = run_id.encode("utf-8")
     if len(encoded) > MAX_RUN_ID_BYTES:
         return InvalidConfig(
             "run_id",
             repr(run_id),
             f"{len(encoded)} UTF-8 bytes; the object header holds at most {MAX_RUN_ID_BYTES}",
         )
-    if any(ch == "\x00" or 0xD800 <= ord(ch) <= 0xDFFF for ch in run_id):
-        return InvalidConfig("run_id", repr(run_id), "NUL and lone surrogates are not allowed")
+    return None
+
+
+def check_pool(pool: NodePool) -> PlanRejection | None:
+    """Ids the wire can carry, and memory it can count (``0..2**64-1`` bytes)."""
+    rejection = check_id(pool.orchestrator_node_id, "orchestrator_node_id")
+    if rejection:
+        return rejection
+    for i, node in enumerate(pool.nodes):
+        rejection = check_id(node.node_id, f"nodes[{i}].node_id")
+        if rejection:
+            return rejection
+        if not 0 <= node.memory_bytes <= U64_MAX:
+            return InvalidConfig(
+                f"nodes[{i}].memory_bytes",
+                str(node.memory_bytes),
+                f"node {node.node_id!r}: must be in 0..2**64-1 bytes (what a plan carries)",
+            )
     return None
 
 
@@ -170,6 +212,10 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
             return InconsistentModelFacts(name, str(value), "does not fit in 64 bits")
     if facts.shared_bytes < 0:
         return InconsistentModelFacts("shared_bytes", str(facts.shared_bytes), "is negative")
+    if facts.max_seq_len < 1:
+        return InconsistentModelFacts(
+            "max_seq_len", str(facts.max_seq_len), "a run needs at least one position"
+        )
     if facts.num_layers > U32_MAX:
         return InconsistentModelFacts("num_layers", str(facts.num_layers), "exceeds u32")
     if facts.head_count % facts.head_count_kv:
@@ -193,6 +239,9 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
     for i, size in enumerate(facts.block_bytes):
         if size < 1:
             return InconsistentModelFacts(f"block_bytes[{i}]", str(size), "a block has no bytes")
+    rejection = _check_elements(facts)
+    if rejection:
+        return rejection
     for name in ("layer_windows", "layer_rope_freq_bases"):
         per_layer = getattr(facts, name)
         if per_layer and len(per_layer) != facts.num_layers:
@@ -208,8 +257,45 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
         return InconsistentModelFacts(
             "eos_token_id", str(facts.eos_token_id), f"outside vocab 0..{facts.vocab_size - 1}"
         )
-    if not facts.gguf_source.paths or any(not p for p in facts.gguf_source.paths):
-        return InconsistentModelFacts("gguf_source", repr(facts.gguf_source.paths), "names no file")
+    return check_model_strings(facts.model_id, facts.architecture, facts.gguf_source.paths)
+
+
+def _check_elements(facts: ModelFacts) -> PlanRejection | None:
+    """Element counts (what a dequantizing worker holds): never negative, and, when the
+    facts carry them, some for every block and for the embedding and the head, whose
+    bytes say they have some."""
+    counts = [(f"block_elements[{i}]", n) for i, n in enumerate(facts.block_elements)]
+    counts += [(name, getattr(facts, name)) for name in _PART_ELEMENTS]
+    known = bool(facts.block_elements)
+    for name, n in counts:
+        if not 0 <= n <= U64_MAX:
+            return InconsistentModelFacts(name, str(n), "must be in 0..2**64-1")
+        if known and n == 0 and name != "shared_elements":
+            return InconsistentModelFacts(
+                name, "0", "the part has bytes, so it has elements (0 only when none are known)"
+            )
+    return None
+
+
+_PART_ELEMENTS = ("embedding_elements", "output_elements", "shared_elements")
+
+
+def check_model_strings(
+    model_id: str, architecture: str, paths: tuple[str, ...]
+) -> PlanRejection | None:
+    """The model's strings the plan carries: GGUF paths that are ids (``id_problem``),
+    and a model id and architecture the wire can carry."""
+    if not paths:
+        return InconsistentModelFacts("gguf_source", repr(paths), "names no file")
+    for i, path in enumerate(paths):
+        problem = id_problem(path)
+        if problem:
+            return InconsistentModelFacts(f"gguf_source.paths[{i}]", repr(path), problem)
+    for name, text in (("model_id", model_id), ("architecture", architecture)):
+        if has_lone_surrogate(text):
+            return InconsistentModelFacts(
+                name, repr(text), "must not hold a lone surrogate (the wire carries UTF-8 only)"
+            )
     return None
 
 

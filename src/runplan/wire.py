@@ -134,11 +134,15 @@ _converter = _make_converter()
 
 
 def dumps(obj: Any) -> bytes:
-    """Encode a message (any of ``MESSAGE_TYPES``)."""
+    """Encode a message (any of ``MESSAGE_TYPES``); ``WireError`` for a value JSON
+    cannot hold (a non-finite number)."""
     if not isinstance(obj, MESSAGE_TYPES):
         raise TypeError(f"{type(obj).__name__} is not a wire message type")
     raw = _converter.unstructure(obj, unstructure_as=WireMessage)
-    return _ENCODER.encode(raw).encode()
+    try:
+        return _ENCODER.encode(raw).encode()
+    except ValueError as exc:
+        raise WireError(f"{type(obj).__name__} cannot be encoded: {exc}") from None
 
 
 def _reject_constant(name: str) -> Any:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 from hypothesis import given
 
 from runplan import (
@@ -13,6 +14,7 @@ from runplan import (
     RunPlan,
     plan_run,
     provision_all,
+    provision_stage,
 )
 from runplan.testing.suite.test_provisioning import *  # noqa: F403
 from tests.support.strategies import PlanInputs, valid_plan_inputs
@@ -46,3 +48,11 @@ def test_sampling_reaches_the_last_stage_only_and_timeouts_every_stage(
     assert msgs[-1].sampling == inputs.config.sampling
     assert msgs[-1].return_logits == inputs.config.return_logits
     assert all(m.sampling is None and not m.return_logits for m in msgs[:-1])
+
+
+@pytest.mark.parametrize("plan", [None, "plan", 3])
+def test_provisioning_what_is_not_a_plan_is_a_type_error_naming_the_argument(plan: object) -> None:
+    with pytest.raises(TypeError, match="plan must be RunPlan"):
+        provision_all(plan)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="plan must be RunPlan"):
+        provision_stage(plan, 0)  # type: ignore[arg-type]

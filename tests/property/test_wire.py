@@ -6,6 +6,7 @@ import contextlib
 import json
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -153,3 +154,11 @@ def test_unknown_type_and_extra_keys_are_wire_errors() -> None:
             raise AssertionError(f"{data!r} accepted")
         except WireError as exc:
             assert "type" in str(exc) or "object" in str(exc)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_dumps_of_a_number_json_cannot_hold_is_a_wire_error(value: float) -> None:
+    plan = small_plan(2)
+    bad = attrs.evolve(plan, sampling=attrs.evolve(plan.sampling, temperature=value))
+    with pytest.raises(WireError, match="RunPlan"):
+        dumps(bad)

@@ -22,7 +22,7 @@ from runplan import (
 )
 from runplan.fsm.orchestrator import OrchestratorMachine, PromptError
 from runplan.memory import plan_stage_memory
-from runplan.rejections import InsufficientMemory, InvalidConfig
+from runplan.rejections import InconsistentModelFacts, InsufficientMemory, InvalidConfig
 from tests.support.strategies import STORED_WEIGHTS
 
 LAYERS = 6
@@ -176,3 +176,94 @@ def test_a_replay_s_token_count_outside_u32_is_invalid_config(value: int) -> Non
     checked = check_plan(attrs.evolve(plan(), sampling=sampling))
     assert isinstance(checked, InvalidConfig) and checked.field == "sampling.tokens_delivered"
     assert isinstance(planned(sampling=SamplingConfig(tokens_delivered=2**32 - 1)), RunPlan)  # type: ignore[arg-type]
+
+
+def test_max_tokens_past_max_seq_len_with_a_prompt_of_unknown_length_is_invalid_config() -> None:
+    """A prompt has at least 1 token: a run of max_tokens needs max_tokens positions
+    (the last token is not fed back), so max_tokens == max_seq_len is the longest."""
+    rejection = planned(max_tokens=65)
+    assert isinstance(rejection, InvalidConfig), rejection
+    assert rejection.field == "max_tokens" and "65 positions" in str(rejection)
+    assert isinstance(planned(max_tokens=64), RunPlan)
+    OrchestratorMachine.for_plan(plan(max_tokens=64), (1,))  # and its 1-token prompt runs
+
+
+def _with_stage(p: RunPlan, **changes: int) -> RunPlan:
+    return attrs.evolve(p, stages=(attrs.evolve(p.stages[0], **changes), *p.stages[1:]))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda p: attrs.evolve(p, max_tokens=p.kv_positions + 1), "kv_positions"),
+        (lambda p: attrs.evolve(p, kv_positions=7), "kv_positions"),  # max_tokens 8
+        (lambda p: _with_stage(p, kv_bytes=2**64, kv_budget_bytes=2**64), "stages[0].kv_bytes"),
+        (lambda p: _with_stage(p, kv_budget_bytes=2**64), "stages[0].kv_budget_bytes"),
+        (lambda p: attrs.evolve(p, orchestrator_node_id=""), "orchestrator_node_id"),
+        (lambda p: attrs.evolve(p, orchestrator_node_id="o\x00"), "orchestrator_node_id"),
+        (lambda p: attrs.evolve(p, orchestrator_node_id="o\udc80"), "orchestrator_node_id"),
+    ],
+)
+def test_check_plan_refuses_a_run_no_prompt_fits_and_values_the_wire_cannot_carry(
+    change: object, field: str
+) -> None:
+    rejection = check_plan(change(plan()))  # type: ignore[operator]
+    assert isinstance(rejection, InvalidConfig) and rejection.field == field, rejection
+
+
+@pytest.mark.parametrize(
+    ("node", "reason"),
+    [("", "empty"), ("a\x00", "NUL"), ("gpu\udc80", "surrogate")],
+)
+def test_a_node_id_the_wire_cannot_carry_is_invalid_config_naming_it(
+    node: str, reason: str
+) -> None:
+    pool = NodePool("orch", (NodeSpec("a", 2**40), NodeSpec(node, 2**40)))
+    config = RuntimeConfig(run_id="r", max_tokens=8, worker=STORED_WEIGHTS)
+    rejection = plan_run(facts(), config, pool, stage_count=1)  # a spare node too
+    assert isinstance(rejection, InvalidConfig), rejection
+    assert rejection.field == "nodes[1].node_id" and reason in rejection.reason
+    orch = NodePool(node, (NodeSpec("a", 2**40),))
+    rejection = plan_run(facts(), config, orch, stage_count=1)
+    assert isinstance(rejection, InvalidConfig) and rejection.field == "orchestrator_node_id"
+    planned_plan = plan()
+    stage = attrs.evolve(planned_plan.stages[0], node_id=node)
+    checked = check_plan(attrs.evolve(planned_plan, stages=(stage, planned_plan.stages[1])))
+    assert isinstance(checked, InvalidConfig) and checked.field == "stages[0].node_id"
+
+
+@pytest.mark.parametrize("memory", [2**64, 2**80, -1])
+def test_node_memory_outside_what_a_plan_carries_is_invalid_config(memory: int) -> None:
+    rejection = planned(memory=memory)
+    assert isinstance(rejection, InvalidConfig), rejection
+    assert rejection.field == "nodes[0].memory_bytes" and str(memory) in str(rejection)
+    assert isinstance(planned(memory=2**64 - 1), RunPlan)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"max_seq_len": 0}, "max_seq_len"),
+        ({"max_seq_len": -5}, "max_seq_len"),
+        ({"gguf_source": GgufSource(("/m\udc80.gguf",))}, "gguf_source.paths[0]"),
+        ({"gguf_source": GgufSource(("/m\x00.gguf",))}, "gguf_source.paths[0]"),
+        ({"gguf_source": GgufSource(("",))}, "gguf_source.paths[0]"),
+        ({"model_id": "tiny\udc80"}, "model_id"),
+        ({"block_elements": (-(10**8),) * LAYERS}, "block_elements[0]"),
+        ({"block_elements": (0,) * LAYERS}, "block_elements[0]"),
+        ({"block_elements": (9,) * LAYERS, "embedding_elements": -1}, "embedding_elements"),
+        ({"block_elements": (9,) * LAYERS, "embedding_elements": 0}, "embedding_elements"),
+        ({"block_elements": (9,) * LAYERS, "output_elements": -1}, "output_elements"),
+        ({"shared_elements": -1}, "shared_elements"),
+    ],
+)
+def test_facts_no_model_can_have_are_inconsistent_model_facts_naming_the_field(
+    change: dict[str, object], field: str
+) -> None:
+    elements = {"embedding_elements": 9, "output_elements": 9}
+    bad = attrs.evolve(facts(), **{**elements, **change})
+    config = RuntimeConfig(run_id="r", max_tokens=8)  # the reference worker counts elements
+    pool = NodePool("orch", (NodeSpec("a", 2**40),))
+    rejection = plan_run(bad, config, pool, stage_count=1)
+    assert isinstance(rejection, InconsistentModelFacts), rejection
+    assert rejection.field == field

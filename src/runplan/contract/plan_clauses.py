@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 from runplan.contract.subject import Subject
 from runplan.plan import EdgeEndpoint, EdgeKind, OrchestratorEndpoint, StageEndpoint, StagePlan
+from runplan.validate import id_problem
 from runplan.wire import WireError, dumps, loads
 
 Check = Callable[[Subject], Iterator[str]]
@@ -64,6 +65,17 @@ def _chain_settings(s: Subject) -> Iterator[str]:
             f"the run reserves {p.kv_positions} KV positions, outside "
             f"1..max_seq_len ({p.model.max_seq_len})"
         )
+    if p.max_tokens > p.kv_positions:
+        yield (
+            f"the run reserves {p.kv_positions} KV positions; a prompt of at least 1 token "
+            f"and max_tokens {p.max_tokens} need {p.max_tokens}"
+        )
+    ids = [("the orchestrator's node id", p.orchestrator_node_id)]
+    ids += [(f"stage {st.stage_index}'s node id", st.node_id) for st in p.stages]
+    for what, node_id in ids:
+        problem = id_problem(node_id)
+        if problem:
+            yield f"{what} {node_id!r} {problem}"
     for stage in p.stages:
         if not 0 <= stage.kv_bytes <= stage.kv_budget_bytes:
             yield (
@@ -381,6 +393,10 @@ def consistent_facts(s: Subject) -> Iterator[str]:
         yield f"{len(s.plan.stages)} stages for a model of {m.num_layers} layers"
     if not m.gguf_source.paths or not all(m.gguf_source.paths):
         yield f"the model's GGUF source {m.gguf_source.paths!r} names no file"
+    for path in m.gguf_source.paths:
+        problem = id_problem(path) if path else None
+        if problem:
+            yield f"the model's GGUF path {path!r} {problem}"
     for st in s.plan.stages:
         if st.gguf_source != m.gguf_source:
             yield f"stage {st.stage_index} loads {st.gguf_source}, not the model's {m.gguf_source}"

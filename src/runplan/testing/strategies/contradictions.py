@@ -201,6 +201,7 @@ def inconsistent_facts_inputs(draw: st.DrawFn) -> Contradiction:
                 ("a block of 0 bytes", attrs.evolve(f, block_bytes=(0, *f.block_bytes[1:]))),
                 ("eos outside the vocabulary", attrs.evolve(f, eos_token_id=f.vocab_size)),
                 ("an empty vocabulary", attrs.evolve(f, vocab_size=0)),
+                ("max_seq_len 0", attrs.evolve(f, max_seq_len=0)),
             ]
         )
     )
@@ -214,13 +215,13 @@ def inconsistent_facts_inputs(draw: st.DrawFn) -> Contradiction:
 
 @st.composite
 def invalid_spec_inputs(draw: st.DrawFn) -> Contradiction:
-    """An extent that is zero or overflows, an alignment that is not a power of two, a
+    """An extent that overflows, an alignment that is not a power of two, a
     dtype width its family lacks, or integer activations (no such layout)."""
     inputs = draw(valid_plan_inputs())
     clause = "invalid_extent_alignment_dtype_width_or_layout_rejects"
     kind = draw(st.sampled_from(["extent", "alignment", "width", "layout"]))
     if kind == "extent":
-        seq_len = draw(st.integers(0, 0) | st.integers(2**64, 2**70))
+        seq_len = draw(st.integers(2**64, 2**70))
         facts = attrs.evolve(inputs.facts, max_seq_len=seq_len)
         return Contradiction(
             attrs.evolve(inputs, facts=facts), InvalidExtent, clause, f"max_seq_len {seq_len}"

@@ -150,6 +150,8 @@ def valid_plan_inputs(
     spare nodes in the pool, devices shared or not."""
     facts = draw(model_facts(max_layers=max_layers))
     config = draw(runtime_configs())
+    if config.max_tokens > facts.max_seq_len:  # a 1-token prompt and max_tokens must fit
+        config = attrs.evolve(config, max_tokens=draw(st.integers(1, facts.max_seq_len)))
     stage_count = draw(st.integers(1, min(facts.num_layers, 16)))
     spare = draw(st.integers(0, 3))
     ids = node_ids(stage_count + spare)
