@@ -181,7 +181,8 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-dir",
         type=writable_folder,
         default=None,
-        help="keep each stage's log in this folder (one host)",
+        help="keep each stage's log in this folder (one host), as stage-<i>.log: a file of "
+        "this user's, appended to; a link, FIFO or another user's file there is refused",
     )
     parser.add_argument(
         "--max-concurrent",

@@ -18,8 +18,8 @@
 - **No run id on a command line**: a stage shows its run's label (``--run-label``, a
   hash of the id), since the id names the run's resources on this host (``names``).
 
-Each stage's log goes to ``stage-<i>.log`` in ``log_dir``, else to this process's
-standard error.
+Each stage's log goes to ``stage-<i>.log`` in ``log_dir`` (``stage_log``: a file of this
+user's, never through a link), else to this process's standard error.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO
 
 from runplan.cpus import usable_cpus
 from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
+from runtime_cupy.hosts.stage_log import open_stage_log
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.keys import control_key
 from runtime_cupy.process.names import (
@@ -290,17 +290,17 @@ class LocalProcessHost:
     def start(self, launch: StageLaunch, secret: bytes) -> LocalStageHandle:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         life_r, life_w = os.pipe()
-        trace_file = None
-        if launch.trace:
-            folder = Path(tempfile.mkdtemp(prefix="gguf-pipeline-trace-"))
-            trace_file = folder / f"stage-{launch.stage_index}.json"
-        cmd = self.command(launch, self.arguments(launch, theirs.fileno(), life_r, trace_file))
-        out: IO[bytes] | int = 2
-        if self.log_dir is not None:
-            out = (self.log_dir / f"stage-{launch.stage_index}.log").open("ab")
+        trace_file = folder = None
+        out = 2  # this process's standard error
         try:
+            if launch.trace:
+                folder = Path(tempfile.mkdtemp(prefix="gguf-pipeline-trace-"))
+                trace_file = folder / f"stage-{launch.stage_index}.json"
+            args = self.arguments(launch, theirs.fileno(), life_r, trace_file)
+            if self.log_dir is not None:
+                out = open_stage_log(self.log_dir / f"stage-{launch.stage_index}.log")
             proc = subprocess.Popen(
-                cmd,
+                self.command(launch, args),
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=out,
@@ -310,12 +310,14 @@ class LocalProcessHost:
         except BaseException:
             ours.close()
             os.close(life_w)
+            if folder is not None:  # no stage writes its trace there
+                shutil.rmtree(folder, ignore_errors=True)
             raise
         finally:
             theirs.close()
             os.close(life_r)
-            if not isinstance(out, int):
-                out.close()
+            if out != 2:
+                os.close(out)
         assert proc.stdin is not None
         key = control_key(secret, launch.node_id)
         channel = ControlChannel(ours, key, launch.orchestrator_id, launch.node_id)
