@@ -2,7 +2,8 @@
 
 - ``ServerProcess``: ``python -m runtime_cupy serve ...`` as a user starts it, its
   standard error in a file (where it says where it listens and logs every request).
-- ``InProcessServer``: the same application on uvicorn in a thread of the test, over a
+- ``InProcessServer``: the same application on uvicorn (``StoppingServer``, as the
+  command runs it) in a thread of the test, over a
   ``WarmChain`` whose host the test chooses (a host that plays faults: a slow step);
   ``serving(engine)`` starts its stages, serves, and stops both after.
 """
@@ -29,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime_cupy.cli.serve import _listen
 from runtime_cupy.serve.app import build_app
 from runtime_cupy.serve.engine import Engine
+from runtime_cupy.serve.shutdown import StoppingServer
 
 LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 STAGE_STARTED = re.compile(r"stage (\d+) \(\S+\) started: pid (\d+)")
@@ -142,7 +144,7 @@ class ServerProcess:
 class InProcessServer:
     """The application on uvicorn in a thread, on a free port of 127.0.0.1."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None = None) -> None:
+    def __init__(self, engine: Engine, *, api_key: str | None = None, graceful_s: int = 2) -> None:
         self.engine = engine
         self.sock = _listen("127.0.0.1", 0)
         port = self.sock.getsockname()[1]
@@ -152,9 +154,9 @@ class InProcessServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=2,
+            timeout_graceful_shutdown=graceful_s,
         )
-        self.server = uvicorn.Server(config)
+        self.server = StoppingServer(config, engine)  # as cli.serve runs it
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

@@ -27,7 +27,10 @@ leaves less room beside the descriptors kept for the stages; a client has
 ``--client-timeout`` seconds to send its request. It binds to 127.0.0.1 unless told
 otherwise. Standard error says where it listens (``listening on http://HOST:PORT``)
 and logs each request (``-v``: everything the runtime does). Ctrl-C or SIGTERM stops
-it: what runs is cancelled and every stage process exits. With ``--ray-address`` the
+it: each request waiting or running is answered at once (503 "the server is shutting
+down", or an error event on its stream), its run cancelled, and every stage process
+exits (the stop leaves after ``CLOSE_BOUND_S`` if stages still starting hold it: they
+stop on their own once this process is gone). With ``--ray-address`` the
 stages live on the hosts of that Ray cluster (this process its driver), placed as
 ``python -m runtime_cupy --ray-address`` places them.
 
@@ -62,6 +65,10 @@ from runtime_cupy.cli.arguments import (
 from runtime_cupy.serve.chain import ChainError
 
 API_KEY_VARIABLE = "GGUF_PIPELINE_API_KEY"
+#: How long a stop waits for the stages to stop before it leaves (each stage process
+#: also stops on its own once this process is gone: its lifeline).
+CLOSE_BOUND_S = 30.0
+
 EXIT_FAILED = 1
 EXIT_INPUT = 2
 #: Descriptors kept for the stages whatever the connections take: the server's own
@@ -244,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             guarded_listener,
         )
         from runtime_cupy.serve.engine import Engine
+        from runtime_cupy.serve.shutdown import StoppingServer
     except ImportError as exc:
         print(f"error: serving needs the serve extra: pip install 'gguf-pipeline[serve]' ({exc})",
               file=sys.stderr)  # fmt: skip
@@ -274,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=5,
     )
     QuietLog().install()  # after uvicorn configured its loggers
-    server = uvicorn.Server(config)
+    server = StoppingServer(config, engine)
 
     def stop_if_the_stages_fail() -> None:
         if not engine.wait_started():
@@ -298,7 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             sock.close()
         log.info("stopping: closing the stages")
-        engine.close()
+        if not engine.close(CLOSE_BOUND_S):  # stages still starting: the close waits on them
+            log.warning("the stages did not stop within %.0f s: leaving them (each stops "
+                        "once this process is gone)", CLOSE_BOUND_S)  # fmt: skip
     if engine.failure is not None:
         print(f"error: the stages could not be started: {engine.failure}", file=sys.stderr)
         return EXIT_FAILED

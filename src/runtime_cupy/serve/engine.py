@@ -151,6 +151,10 @@ def choice_seed(seed: int, index: int) -> int:
 # -- jobs ---------------------------------------------------------------------------------
 
 
+#: What a request hears when the server stops under it.
+SHUTTING_DOWN = "the server is shutting down"
+
+
 class Tally:
     """The ends of one request's choices: the request counts once in the metrics, when
     its last choice ends, as the worst of their outcomes (``OUTCOME_RANK``, best
@@ -194,6 +198,7 @@ class Job:
         self._lock = threading.Lock()
         self._run: ChainRun | None = None
         self.cancelled = False
+        self.interrupted = False  # the server is shutting down: the run ends, the client told
         self.stopped = False  # a stop string came: the run ends early, the answer is whole
         #: set once the job's run has joined the chain, or the job ended before it could
         self.submitted = threading.Event()
@@ -210,14 +215,26 @@ class Job:
         else:
             self._engine._drop(self)
 
+    def interrupt(self) -> None:
+        """The server is shutting down: the run is cancelled, and the client (still there)
+        told so (a 503, or an error event on its stream)."""
+        with self._lock:
+            self.interrupted = True
+            run = self._run
+        if run is not None:
+            run.cancel(SHUTTING_DOWN)
+
     def _attach(self, run: ChainRun) -> None:
         log.info("request #%d (%s) runs as %s", self.number, self.id, run_label(run.plan.run_id))
         with self._lock:
             self._run = run
             cancel = self.cancelled
+            interrupted = self.interrupted
         self.submitted.set()
         if cancel:
             run.cancel("the client went away")
+        elif interrupted:
+            run.cancel(SHUTTING_DOWN)
 
     def _detach(self) -> None:
         """The run is over: nothing cancels it any more."""
@@ -263,6 +280,7 @@ class Engine:
         self._thread = threading.Thread(target=self._serve, name="runner", daemon=True)
         self._job_threads: set[threading.Thread] = set()
         self._started = threading.Event()  # the chain is up (or failed to come up)
+        self._closer: threading.Thread | None = None  # close's thread, once started
 
     # -- the server's side ----------------------------------------------------------------
     @property
@@ -410,8 +428,21 @@ class Engine:
             prompt = len(job.prepared.prompt_ids) if answered else 0
             self.metrics.request(job.prepared.request.endpoint, request, prompt_tokens=prompt)
 
-    def close(self) -> None:
-        """Stop taking requests, cancel what runs, close the chain."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop taking requests: each waiting one is answered 503, each running one's run
+        is cancelled and its client told (``Job.interrupt``), then the chain closes, on a
+        thread of its own (once, from any thread: a signal's handler may start it).
+        Whether all of it ended within ``timeout_s`` (``None``: wait for it; 0: start it
+        and return)."""
+        with self._cond:
+            if self._closer is None:
+                self._closer = threading.Thread(target=self._close, name="close", daemon=True)
+                self._closer.start()
+            closer = self._closer
+        closer.join(timeout_s)
+        return not closer.is_alive()
+
+    def _close(self) -> None:
         with self._cond:
             self._closing = True
             waiting = list(self._queue)
@@ -419,10 +450,10 @@ class Engine:
             running = list(self._running)
             self._cond.notify_all()
         for job in waiting:
-            self._deliver(job, Failed(503, "the server is shutting down", "shutting_down"))
+            self._deliver(job, Failed(503, SHUTTING_DOWN, "shutting_down"))
         for job in running:
-            job.cancel()
-        if self._thread.is_alive():
+            job.interrupt()
+        if self._thread.ident is not None:  # started: it closes the chain as it ends
             self._thread.join()
         else:
             self.chain.close()
@@ -480,7 +511,7 @@ class Engine:
                 waiting = list(self._queue)
                 self._queue.clear()
             for job in waiting:
-                reason = self.failure or "the server is shutting down"
+                reason = self.failure or SHUTTING_DOWN
                 self._deliver(job, Failed(503, reason, "unavailable"))
 
     def _fail_waiting(self) -> None:
@@ -598,7 +629,7 @@ class Engine:
             self._finish(job, "completed", finished, tokens=tokens)
             return
         if result.outcome == "cancelled":
-            failed = Failed(503, "the run was cancelled: the server is shutting down", "cancelled")
+            failed = Failed(503, f"the run was cancelled: {SHUTTING_DOWN}", "cancelled")
             self._finish(job, "cancelled", failed)
             return
         failed = Failed(500, f"the pipeline failed: {result.fault}", "pipeline_fault")

@@ -14,6 +14,8 @@ seconds), so that a run lasts long enough to act while it runs:
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -215,3 +217,57 @@ def test_requests_join_the_chain_in_the_order_they_were_queued(tiny_chat: str) -
         assert order == prompts, said
     finally:
         server.stop()
+
+
+def test_a_stop_answers_every_request_at_once_and_the_server_ends(tiny_chat: str) -> None:
+    """Told to exit (SIGTERM's handler, as uvicorn calls it), the server cancels what
+    runs and answers what waits at once: the whole request gets a 503, the stream an
+    error event and ``[DONE]``, the queued one a 503, each saying the server is shutting
+    down; the server then ends without cancelling a request's task (which cut the
+    stream and gave a bare 500 after uvicorn's graceful wait, here 5 s as in the
+    command, while the runs went on: each of their first ten steps takes 1.5 s)."""
+    faults = {1: [f"step-delay={step}:1.5" for step in range(1, 11)]}
+    chain = WarmChain(tiny_chat, stages=2, host=FaultyHost(faults), context=128, max_concurrent=2)
+    engine = Engine(chain, max_queue=2)
+    server = InProcessServer(engine, graceful_s=5)
+    answers: dict[str, Any] = {}
+    body = {"model": "tiny-chat", "messages": MSG, "max_tokens": 30, "temperature": 0}
+
+    def whole(name: str) -> None:
+        r = httpx2.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        answers[name] = (r.status_code, r.json())
+
+    def streamed() -> None:
+        with httpx2.stream(
+            "POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True},
+            timeout=60,
+        ) as r:  # fmt: skip
+            answers["stream"] = (r.status_code, "".join(r.iter_text()))
+
+    try:
+        engine.start()
+        assert engine.wait_started(120), engine.failure
+        threads = [threading.Thread(target=streamed), threading.Thread(target=whole, args=("a",))]
+        for t in threads:
+            t.start()
+        wait_for(lambda: metrics(server.base_url)["gguf_pipeline_requests_running"] == 2, 30,
+                 "both runs to start")  # fmt: skip
+        queued = threading.Thread(target=whole, args=("queued",))
+        queued.start()
+        threads.append(queued)
+        wait_for(lambda: metrics(server.base_url)["gguf_pipeline_queue_length"] == 1, 30,
+                 "the third request to wait")  # fmt: skip
+        server.server.handle_exit(signal.SIGTERM, None)
+        for t in threads:
+            t.join(60)
+        server.thread.join(60)
+        assert not server.thread.is_alive(), "the server did not end"
+    finally:
+        server.stop()
+    for name in ("a", "queued"):
+        status, answer = answers[name]
+        assert status == 503 and "shutting down" in answer["error"]["message"], answers
+    status, text = answers["stream"]
+    assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert "shutting down" in events[-1]["error"]["message"], events[-1]

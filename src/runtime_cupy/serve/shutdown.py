@@ -1,0 +1,32 @@
+"""How the server stops (Ctrl-C, SIGTERM): what runs ends first, then the connections.
+
+uvicorn, told to exit, stops listening and then waits up to its graceful timeout for
+the open connections to finish their answers, then cancels their tasks (an ASGI
+traceback in the log, a cut stream or a bare 500 for the client). A request whose run
+goes on for thousands of tokens would be cut that way. ``StoppingServer`` starts
+``Engine.close`` the moment it is told to exit (on a thread of its own: a signal's
+handler must not wait on the engine's locks): each waiting request is answered 503 and
+each running one's run cancelled, its client told (503 "the server is shutting down",
+or an error event on its stream), so the connections end at once and the graceful wait
+has nothing left to wait for.
+"""
+
+from __future__ import annotations
+
+from types import FrameType
+
+import uvicorn
+
+from runtime_cupy.serve.engine import Engine
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server over ``engine``, ending its runs as soon as it is told to exit."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self.engine.close(timeout_s=0)  # starts the close; the server's loop goes on
