@@ -18,6 +18,7 @@ import signal
 import time
 from typing import Any
 
+import attrs
 import pytest
 
 from runplan.config import Timeouts
@@ -100,4 +101,41 @@ def test_a_pause_of_the_orchestrator_is_not_a_stages_silence(tiny: str) -> None:
     assert paused, "no frame was received"
     assert result.outcome == "completed", result.fault
     assert all(s.returncode == 0 for s in result.stages), result.stages
+    assert run_resources(result.chain_id) == []
+
+
+def test_a_stage_stopped_before_its_first_word_is_named_silent_at_the_ready_bound(
+    tiny: str,
+) -> None:
+    """Stopped the moment it is spawned (before it beats once), stage 1 holds no step:
+    it is taken for silent once the ready bound (4 s) has passed since its start and
+    killed, so the run's teardown does not wait out the stop bound (here 15 + 2 x 20 s)
+    for it: the run ends in seconds, where it took a minute."""
+    pids = Pids()
+    stopped: list[int] = []
+
+    def on_event(kind: str, fields: dict[str, Any]) -> None:
+        pids.on_event(kind, fields)
+        if kind == "spawned" and int(fields["stage_index"]) == 1:
+            os.kill(int(fields["pid"]), signal.SIGSTOP)
+            stopped.append(int(fields["pid"]))
+
+    began = time.monotonic()
+    result = generate(
+        tiny,
+        [1, 2, 3],
+        stages=2,
+        max_tokens=4,
+        timeouts=attrs.evolve(TIMEOUTS, ready_ms=4_000),
+        on_event=on_event,
+    )
+    took = time.monotonic() - began
+    assert stopped, "stage 1 was never spawned"
+    assert result.outcome == "faulted", result.fault
+    # the ready timer and the silence come due together: either names the fault
+    assert "not ready in time" in str(result.fault) or "stage_silent" in str(result.fault)
+    assert took < 40, f"the run took {took:.1f} s: it waited out the stop bound"
+    codes = {s.stage_index: s.returncode for s in result.stages}
+    assert codes[1] == -signal.SIGKILL, codes
+    assert not [s.pid for s in result.stages if alive(s.pid)]
     assert run_resources(result.chain_id) == []

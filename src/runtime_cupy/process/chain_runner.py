@@ -49,6 +49,7 @@ import numpy.typing as npt
 from attrs import frozen
 
 from runplan import RunPlan
+from runplan.config import Timeouts
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import JoinChain, ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
@@ -196,6 +197,7 @@ class _Stage:
     handle: StageHandle
     gone: bool = False  # its death was fed to the orchestrator
     broken: str | None = None  # a send failed
+    started_s: float = attrs.field(factory=time.monotonic)  # when its host started it
 
     @property
     def index(self) -> int:
@@ -643,7 +645,10 @@ class ChainRunner:
     def _stage_silent(self, stage: _Stage, silent_s: float) -> None:
         stage.gone = True
         stage.handle.kill()
-        why = f"no heartbeat for {silent_s:.1f} s"
+        if stage.handle.channel.heard_s is None:
+            why = f"not a word in the {silent_s:.1f} s since it started"
+        else:
+            why = f"no heartbeat for {silent_s:.1f} s"
         log.warning("stage %d (%s) is silent: %s; killed", stage.index, stage.node_id, why)
         self.trace.instant("stage silent", stage=stage.index, why=why)
         self._emit("stage_silent", stage_index=stage.index, silent_s=silent_s)
@@ -651,16 +656,28 @@ class ChainRunner:
         self.orchestrator.handle(fsm.StageSilent(stage.index, int(silent_s * 1000)))
 
     def _check_silence(self, now: float) -> None:
-        bound = self.template.timeouts.heartbeat_ms / 1000.0
+        """A stage silent past the heartbeat bound is killed and reported silent; so is
+        one that has said nothing at all within the ready bound of its start (stopped or
+        stuck before its first beat: it holds no step, so nothing would end its runs'
+        teardown but their stop bound, minutes)."""
+        timeouts = self.template.timeouts
         for stage in self.stages:
-            silent = stage.handle.channel.silent_s(now)
-            if not stage.gone and silent is not None and silent > bound:
+            if not stage.gone and self._silent_s(stage, now, timeouts) is not None:
                 # What came while this process did not run (stopped, swapped out, a slow
                 # callback) since its poll is heard first: the silence may be its own.
                 self._read_control(stage)
-                silent = stage.handle.channel.silent_s(time.monotonic())
-                if not stage.gone and silent is not None and silent > bound:
+                silent = self._silent_s(stage, time.monotonic(), timeouts)
+                if not stage.gone and silent is not None:
                     self._stage_silent(stage, silent)
+
+    @staticmethod
+    def _silent_s(stage: _Stage, now: float, timeouts: Timeouts) -> float | None:
+        """How long ``stage`` has been silent past its bound at ``now``, else None."""
+        silent = stage.handle.channel.silent_s(now)
+        if silent is not None:
+            return silent if silent > timeouts.heartbeat_ms / 1000.0 else None
+        never = now - stage.started_s  # not a word yet
+        return never if never > timeouts.ready_ms / 1000.0 else None
 
     def _wait(self) -> None:
         o = self.orchestrator
