@@ -78,6 +78,23 @@ def test_text_streams_to_stdout_and_a_trace_is_written(
     assert {"orchestrator", "stage-0", "stage-1"} <= names
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
+def test_a_trace_that_cannot_be_written_costs_nothing_of_the_result(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk (``/dev/full``: every write fails, no space left): the run's JSON is
+    printed first, then one line naming the trace's path; exit status 1; the device the
+    user named is left where it is."""
+    argv = ["--model", tiny, "--prompt-ids", "1,2", "--max-tokens", "3", "--json"]
+    assert main([*argv, "--trace", "/dev/full"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["outcome"] == "completed"
+    lines = captured.err.strip().splitlines()
+    assert lines[-1].startswith("error: cannot write the trace to /dev/full"), lines
+    assert "Traceback" not in captured.err
+    assert Path("/dev/full").is_char_device()
+
+
 def test_a_killed_stage_exits_non_zero_with_one_line_naming_it(smollm2_path: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "3",

@@ -12,7 +12,9 @@ standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
 that travelled) and everything else goes to standard error. While slices of the model
 travel to stages on other hosts, standard error shows a progress bar per stage. A run
 that faults prints one line naming the stage, node and reason to standard error and
-exits 1, as do stages that cannot be started (no descriptor left, ...); Ctrl-C tears
+exits 1, as do stages that cannot be started (no descriptor left, ...) and a
+``--trace`` that cannot be written (a full disk: said in one line after the result,
+which is printed first); Ctrl-C tears
 the run down (waiting for the stages to stop; a second Ctrl-C stops waiting), prints
 ``cancelled`` and exits 130; bad input exits 2. With
 ``--recover`` the run survives a lost stage process, host or link: the chain is placed
@@ -30,6 +32,7 @@ list|clear`` (this host's slice cache, ``cli.cache``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -185,15 +188,15 @@ def _run(args: argparse.Namespace) -> int:
         status.stop()
         bars.stop()
     stream.finish(result.text)
-    if args.trace is not None:
-        args.trace.write_text(json.dumps(chrome_trace(list(result.trace or ()))))
     if args.json:
         sys.stdout.write(json.dumps(_result_json(result, len(prompt)), sort_keys=True) + "\n")
         sys.stdout.flush()
     else:
         _print_summary(plain_console(soft_wrap=True), result, len(prompt), args.worker)
+    # after the result: a trace that cannot be written (a full disk) loses nothing else
+    traced = args.trace is None or _write_trace(args.trace, result)
     if result.outcome == "completed":
-        return 0
+        return 0 if traced else EXIT_FAULTED
     if result.outcome == "cancelled":
         err.print("cancelled", highlight=False)  # as runtime_sim run says it
         return EXIT_CANCELLED
@@ -201,6 +204,21 @@ def _run(args: argparse.Namespace) -> int:
         f"error: run faulted: {result.fault or ''}", highlight=False
     )
     return EXIT_FAULTED
+
+
+def _write_trace(path: Path, result: GenerateResult) -> bool:
+    """The run's trace in ``path``; else one line saying why, and nothing half-written
+    left there."""
+    try:
+        path.write_text(json.dumps(chrome_trace(list(result.trace or ()))))
+    except OSError as exc:
+        if path.is_file():  # a file half-written (not a device named: /dev/full)
+            with contextlib.suppress(OSError):
+                path.unlink()
+        message = f"error: cannot write the trace to {path}: {exc.strerror or exc}"
+        plain_console(stderr=True, soft_wrap=True).print(message, highlight=False)
+        return False
+    return True
 
 
 def _generate_recovering(
