@@ -573,3 +573,15 @@ def test_a_host_holding_its_own_shard_of_a_split_model_uses_it(tmp_path: Path) -
         assert (sent.state, sent.tensor_bytes) == ("local", 0)
     finally:
         server.close()
+
+
+def test_a_hosts_name_shows_in_the_bars_as_it_is() -> None:
+    """Host names come from the cluster: one holding rich's markup is shown literally
+    (it once vanished, or crashed the display on ``[/]``)."""
+    out = io.StringIO()
+    bars = SliceBars(Console(file=out, force_terminal=False, width=200))
+    for index, host in ((1, "[bold]h1"), (2, "h[/]2")):
+        bars(StageTransfer(index, f"node{index}", host, "failed", header_bytes=10))
+    bars.stop()
+    assert "stage 1 slice -> [bold]h1 failed" in out.getvalue(), out.getvalue()
+    assert "stage 2 slice -> h[/]2 failed" in out.getvalue(), out.getvalue()

@@ -93,7 +93,7 @@ class SliceBars:
 
     def __init__(self, console: Console | None = None) -> None:
         self.progress = Progress(
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),  # a host's name as it is
             BarColumn(),
             DownloadColumn(binary_units=True),
             TransferSpeedColumn(),
@@ -114,7 +114,7 @@ class SliceBars:
             if task is None:
                 task = self._tasks[t.stage_index] = self.progress.add_task(label, total=None)
             if t.state == "failed":
-                label += " [red]failed[/]"
+                label += " failed"
             elif t.state == "local":
                 label += " (had it)"
             self.progress.update(
