@@ -99,6 +99,57 @@ def test_cache_list_and_clear(
     assert SliceCache(cache, limit=None).entries() == []
 
 
+def test_a_damaged_entry_is_listed_never_used_and_cleared(
+    source: Source,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An entry whose manifest does not read (a crash, an edit) holds its bytes: ``cache
+    list`` shows it, ``clear`` removes it (it once left it, unseen), and so does making
+    room under the limit."""
+    cache = tmp_path / "host"
+    source.resolve(source.fetcher(cache), PARTS[1])
+    entry = SliceCache(cache, limit=None).entry(source.key, PARTS[1])
+    assert entry is not None
+    entry.manifest.write_text('{"trunc')
+    monkeypatch.setenv("GGUF_PIPELINE_CACHE", str(cache))
+    assert main(["cache", "list", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["entries"] == []
+    (damaged,) = doc["damaged"]
+    assert damaged["path"] == str(entry.path) and damaged["bytes"] > source.slice_bytes(PARTS[1])
+    assert doc["total_bytes"] == damaged["bytes"]
+    assert main(["cache", "list"]) == 0
+    assert "(damaged)" in capsys.readouterr().out
+    assert main(["cache", "clear", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == 1
+    assert not entry.path.exists()
+    source.resolve(source.fetcher(cache), PARTS[1])  # damaged again, then room is made
+    entry.manifest.write_text("{}")
+    SliceCache(cache, limit=10**9).make_room(1)
+    assert not entry.path.exists()
+
+
+def test_an_entry_holding_other_parts_than_its_name_is_not_used(
+    source: Source, tmp_path: Path
+) -> None:
+    """An entry moved under another slice's name (by hand, a bad copy) said it held
+    those parts and was served on every run; the stage then failed to bind it. It is no
+    entry of those parts: the slice is received again, and the entry replaced."""
+    cache = tmp_path / "host"
+    source.resolve(source.fetcher(cache), PARTS[0])
+    store = SliceCache(cache, limit=None)
+    moved = store.entry_path(source.key, PARTS[1])
+    os.rename(store.entry_path(source.key, PARTS[0]), moved)
+    assert store.entry(source.key, PARTS[1]) is None
+    assert [path for path, _ in store.damaged()] == [moved]
+    source.resolve(source.fetcher(cache), PARTS[1])
+    entry = store.entry(source.key, PARTS[1])
+    assert entry is not None and entry.parts == PARTS[1]
+    assert store.damaged() == []
+
+
 def _planted_entry(source: Source, folder: Path) -> Path:
     """An entry of another user's making in ``folder``: the slice under the source's
     key, one tensor of other weights and its SHA-256 in the header to match."""

@@ -1,6 +1,7 @@
 """``python -m runtime_cupy cache list|clear [--json]``: this host's slice cache
 (``slices.cache``): where it is, its limit, and each entry (the model, what the slice
-holds, its size, when it was last used); ``clear`` removes every entry."""
+holds, its size, when it was last used) and each damaged one (a manifest that does not
+read or does not match its folder: never used); ``clear`` removes every entry."""
 
 from __future__ import annotations
 
@@ -47,11 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"removed {count} entries ({human_bytes(size)}) from {cache.root}")
         return 0
     entries = cache.entries()
+    damaged = cache.damaged()
+    total = sum(e.bytes for e in entries) + sum(n for _, n in damaged)
     if args.json:
         doc = {
             "root": str(cache.root),
             "limit_bytes": cache.limit,
-            "total_bytes": sum(e.bytes for e in entries),
+            "total_bytes": total,
+            "damaged": [{"path": str(path), "bytes": n} for path, n in damaged],
             "entries": [
                 {
                     "path": str(e.path),
@@ -70,15 +74,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
         return 0
     limit = human_bytes(cache.limit) if cache.limit is not None else f"none (${LIMIT_VARIABLE})"
-    title = (
-        f"{cache.root}: {len(entries)} entries, {human_bytes(sum(e.bytes for e in entries))}; "
-        f"limit {limit}"
-    )
+    broken = f" and {len(damaged)} damaged (never used; clear removes them)" if damaged else ""
+    title = f"{cache.root}: {len(entries)} entries{broken}, {human_bytes(total)}; limit {limit}"
     table = Table(title=title, box=box.SIMPLE_HEAD)
     for col in ("model", "holds", "size", "last used", "source"):
         table.add_column(col)
     for e in reversed(entries):  # most recently used first
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
         table.add_row(e.model_id, e.parts.describe(), human_bytes(e.bytes), used, e.source[:19])
+    for path, n in damaged:
+        table.add_row("(damaged)", str(path.relative_to(cache.root)), human_bytes(n), "", "")
     plain_console(soft_wrap=True).print(table)
     return 0

@@ -158,30 +158,46 @@ class SliceCache:
     # -- entries ---------------------------------------------------------------------
     def entry(self, source_key: str, parts: SliceParts) -> CacheEntry | None:
         """The complete entry of that slice, or ``None``."""
-        return self._read_entry(self.entry_path(source_key, parts), source_key)
+        return self._read_entry(self.entry_path(source_key, parts))
 
     def entries(self, source_key: str | None = None) -> list[CacheEntry]:
         """Every complete entry (of one source), least recently used first."""
-        out = []
-        keys = [key_folder(source_key)] if source_key else _names(self.slices)
-        for key in keys:
-            for label in _names(self.slices / key):
-                entry = self._read_entry(self.slices / key / label, source_key)
-                if entry is not None:
-                    out.append(entry)
+        out = [e for e in map(self._read_entry, self._entry_folders(source_key)) if e]
         return sorted(out, key=lambda e: e.last_used)
 
-    def _read_entry(self, path: Path, source_key: str | None) -> CacheEntry | None:
+    def damaged(self) -> list[tuple[Path, int]]:
+        """The entry folders that are no entry (a manifest that does not read, or that
+        says another source or other parts than the folder's names), and their bytes:
+        never used, shown by ``cache list``, removed by ``clear`` and first to go when
+        room is made."""
+        return [
+            (path, _tree_size(path))
+            for path in self._entry_folders()
+            if self._read_entry(path) is None
+        ]
+
+    def _entry_folders(self, source_key: str | None = None) -> list[Path]:
+        keys = [key_folder(source_key)] if source_key else _names(self.slices)
+        return [self.slices / key / label for key in keys for label in _names(self.slices / key)]
+
+    def _read_entry(self, path: Path) -> CacheEntry | None:
+        """The entry in ``path`` (``slices/<key>/<parts>``), or ``None`` where it is
+        incomplete or damaged: its manifest must read, name one shard, and say the
+        source and parts that the folder's names say (an entry moved or edited by hand
+        would otherwise serve other parts, or another model's, as these)."""
         manifest_file = path / MANIFEST_NAME
         try:
             manifest: ShardManifest = read_manifest(manifest_file)
             used = manifest_file.stat().st_mtime
-        except (ManifestError, OSError):
+            key = key_folder(manifest.source)
+        except (ManifestError, CacheError, OSError):
             return None
-        if len(manifest.shards) != 1 or (source_key and manifest.source != source_key):
+        if len(manifest.shards) != 1 or key != path.parent.name:
             return None
         shard = manifest.shards[0]
-        size = sum(_size(p) for p in path.iterdir()) if path.is_dir() else 0
+        if shard.parts.label() != path.name:
+            return None
+        size = _tree_size(path)
         return CacheEntry(
             path, manifest.source, manifest.model_id, shard.parts, path / shard.file, size, used
         )
@@ -205,6 +221,8 @@ class SliceCache:
                 f"a slice of {incoming} bytes does not fit the cache's limit of "
                 f"{self.limit} bytes ({LIMIT_VARIABLE})"
             )
+        for path, _ in self.damaged():  # no use to anyone, and not counted below
+            self._remove_folder(path)
         removed = []
         entries = self.entries()
         total = sum(e.bytes for e in entries)
@@ -222,22 +240,29 @@ class SliceCache:
     def remove(self, entry: CacheEntry) -> None:
         """Remove an entry (a stage that maps its file keeps reading it: the file goes
         when the last mapping does)."""
+        self._remove_folder(entry.path)
+
+    def _remove_folder(self, path: Path) -> None:
         doomed = self.tmp / f"gone-{secrets.token_hex(6)}"
         try:
             self.folder(self.tmp)
-            os.rename(entry.path, doomed)  # no half-removed entry is ever seen
+            os.rename(path, doomed)  # no half-removed entry is ever seen
         except OSError:
             return
         shutil.rmtree(doomed, ignore_errors=True)
 
     def clear(self) -> tuple[int, int]:
-        """Remove every entry, and what fetches no longer running left in ``tmp/``; the
-        entries and bytes removed."""
+        """Remove every entry (damaged ones too), and what fetches no longer running left
+        in ``tmp/``; the entries and bytes removed."""
         count = size = 0
         for entry in self.entries():
             self.remove(entry)
             count += 1
             size += entry.bytes
+        for path, n in self.damaged():
+            self._remove_folder(path)
+            count += 1
+            size += n
         for key in _names(self.slices):
             with contextlib.suppress(OSError):
                 (self.slices / key).rmdir()
@@ -328,6 +353,14 @@ def _names(folder: Path) -> list[str]:
 
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except OSError:
         return 0
+
+
+def _tree_size(path: Path) -> int:
+    """The bytes of the files under ``path`` (links not followed)."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        total += sum(_size(Path(folder) / name) for name in files)
+    return total
