@@ -21,7 +21,7 @@ import os
 import queue
 from collections.abc import Iterator, Sequence
 
-from runplan import SamplingConfig
+from runplan import ModelFacts, SamplingConfig, model_facts_from_gguf
 from runplan.models import resolve_model
 from runplan.rejections import InsufficientMemory
 from runtime_core.runs import PlanRejected
@@ -36,7 +36,38 @@ DEFAULT_BATCH_RUNS = 64
 
 
 class BatchError(ValueError):
-    """Prompts that no batch can run (none, or one with no tokens), named."""
+    """Prompts that no batch can run (none; one with no tokens, with a token outside the
+    vocabulary, or too long for the context with ``max_tokens``), named; ``index``: the
+    prompt's (``None``: the batch's)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_tokens: int, facts: ModelFacts) -> None:
+    """``BatchError`` naming the first prompt the model cannot run: before a chain
+    starts, so that one prompt does not fail the batch with the chain's message, which
+    names no prompt."""
+    if not prompts:
+        raise BatchError("no prompts")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise BatchError(f"prompt {i} holds no tokens", i)
+        outside = next((j for j, t in enumerate(prompt) if not 0 <= t < facts.vocab_size), None)
+        if outside is not None:
+            raise BatchError(
+                f"prompt {i}: token {outside} is {prompt[outside]}, outside the vocabulary "
+                f"0..{facts.vocab_size - 1}",
+                i,
+            )
+        if len(prompt) + max_tokens > facts.context_length:
+            raise BatchError(
+                f"prompt {i} holds {len(prompt)} tokens: with max_tokens {max_tokens} it "
+                f"needs {len(prompt) + max_tokens} positions, past the model's context "
+                f"length {facts.context_length}",
+                i,
+            )
 
 
 def generate_batch(
@@ -58,20 +89,17 @@ def generate_batch(
     max_concurrent: int | None = None,
 ) -> Iterator[tuple[int, GenerateResult]]:
     """Generate up to ``max_tokens`` tokens after each of ``prompts`` on one chain;
-    yields ``(index, result)`` as each run ends. ``BatchError`` for no prompts or an
-    empty one; ``ValueError`` for a context the model cannot hold; the planner's and
-    the chain's errors as ``runtime_cupy.generate`` raises them."""
-    if not prompts:
-        raise BatchError("no prompts")
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise BatchError(f"prompt {i} holds no tokens")
+    yields ``(index, result)`` as each run ends. ``BatchError`` (``check_prompts``) for
+    no prompts or one the model cannot run, before any process starts; the planner's
+    and the chain's errors as ``runtime_cupy.generate`` raises them."""
+    path = str(resolve_model(model_path))
+    check_prompts(prompts, max_tokens, model_facts_from_gguf(path))
     longest = max(len(p) for p in prompts)
     context = longest + max_tokens
 
     def chain_of(runs: int) -> WarmChain:  # PlanRejected before any process starts
         return WarmChain(
-            str(resolve_model(model_path)),
+            path,
             stages=stages,
             worker=worker,
             gpus=gpus,

@@ -55,7 +55,7 @@ from runtime_core.console import (
 )
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
-from runtime_cupy.batch import generate_batch
+from runtime_cupy.batch import BatchError, generate_batch
 from runtime_cupy.cli.arguments import (
     INPUT_ERRORS,
     add_cluster,
@@ -80,17 +80,23 @@ class PromptsFileError(ValueError):
     """A line of ``--prompts-file`` that is no prompt, named by its line number."""
 
 
-def _read_prompts(path: Path, tokenizer: Tokenizer, chat: bool) -> list[list[int]]:
+def _read_prompts(
+    path: Path, tokenizer: Tokenizer, chat: bool
+) -> tuple[list[list[int]], list[int]]:
     """Each line of a JSON Lines file: ``{"prompt": TEXT}`` (encoded as ``--prompt``
-    is) or ``{"prompt_ids": [IDS]}``; blank lines skipped."""
-    prompts = []
+    is) or ``{"prompt_ids": [IDS]}``; blank lines skipped; and each prompt's line
+    number. Lines end at a line feed only (JSON text may hold U+2028 and the like raw);
+    a byte-order mark at the start is skipped."""
+    prompts, numbers = [], []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptsFileError(f"--prompts-file {str(path)!r}: {exc}") from None
-    for number, line in enumerate(lines, 1):
+    for number, raw in enumerate(lines, 1):
+        line = raw.removesuffix("\r")
         if not line.strip():
             continue
+        numbers.append(number)
         where = f"--prompts-file {str(path)!r} line {number}"
         try:
             item = json.loads(line)
@@ -111,7 +117,7 @@ def _read_prompts(path: Path, tokenizer: Tokenizer, chat: bool) -> list[list[int
             )
     if not prompts:
         raise PromptsFileError(f"--prompts-file {str(path)!r} holds no prompt")
-    return prompts
+    return prompts, numbers
 
 
 def _run_batch(args: argparse.Namespace) -> int:
@@ -120,13 +126,19 @@ def _run_batch(args: argparse.Namespace) -> int:
     faulted."""
     path = resolve_model(args.model)
     tokenizer = Tokenizer.from_gguf(path)
-    prompts = _read_prompts(args.prompts_file, tokenizer, args.chat)
+    prompts, lines = _read_prompts(args.prompts_file, tokenizer, args.chat)
     options = generation_options(args)
     options.pop("trace")
     faulted = 0
-    batch = generate_batch(
-        path, prompts, **options, **stage_options(args), max_concurrent=args.max_concurrent
-    )
+    try:
+        batch = generate_batch(
+            path, prompts, **options, **stage_options(args), max_concurrent=args.max_concurrent
+        )
+    except BatchError as exc:  # a prompt the model cannot run: named by its line
+        if exc.index is None:
+            raise
+        where = f"--prompts-file {str(args.prompts_file)!r} line {lines[exc.index]}"
+        raise PromptsFileError(f"{where}: {exc}") from None
     for index, result in batch:
         line = {
             "index": index,

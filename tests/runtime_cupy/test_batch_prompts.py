@@ -1,0 +1,56 @@
+"""Prompts no batch can run are refused before any process starts, each named: by its
+index (``generate_batch``) and, in ``--prompts-file``, by its line: none, an empty one,
+a token outside the vocabulary, one too long for the context with ``max_tokens`` (these
+last two once failed the whole batch with the chain's message, naming no prompt)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runplan import model_facts_from_gguf
+from runtime_cupy import generate_batch
+from runtime_cupy.batch import BatchError
+from runtime_cupy.cli.main import main
+
+
+def test_no_prompt_or_an_empty_one_is_refused(tiny: str) -> None:
+    with pytest.raises(BatchError, match="no prompts"):
+        generate_batch(tiny, [])
+    with pytest.raises(BatchError, match="prompt 1 holds no tokens") as info:
+        generate_batch(tiny, [[1], []])
+    assert info.value.index == 1
+
+
+def test_a_token_outside_the_vocabulary_is_refused_naming_its_prompt(tiny: str) -> None:
+    vocab = model_facts_from_gguf(tiny).vocab_size
+    with pytest.raises(BatchError, match=rf"prompt 2: token 1 is {vocab}, outside") as info:
+        generate_batch(tiny, [[1], [2, 3], [4, vocab]])
+    assert info.value.index == 2
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_naming_it(tiny: str) -> None:
+    context = model_facts_from_gguf(tiny).context_length
+    prompts = [[1, 2], [3] * (context - 3), [4]]
+    with pytest.raises(BatchError, match="prompt 1 holds") as info:
+        generate_batch(tiny, prompts, max_tokens=4)
+    assert info.value.index == 1 and f"context length {context}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("lines", "needle"),
+    [
+        (['{"prompt_ids": [1]}', "", "", '{"prompt_ids": [1, 99999]}'], "line 4: prompt 1"),
+        (['{"prompt_ids": [1]}', "", '{"prompt_ids": []}'], "line 3: prompt 1 holds no"),
+    ],
+)
+def test_the_prompts_file_names_the_line_of_a_prompt_no_batch_can_run(
+    tiny: str, tmp_path: Path, lines: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("\n".join(lines) + "\n")
+    argv = ["--model", tiny, "--prompts-file", str(file), "--max-tokens", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
