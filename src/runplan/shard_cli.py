@@ -83,7 +83,6 @@ def cmd_split(args: argparse.Namespace) -> int:
         return EXIT_REJECTED
     path = resolve_model(args.model)
     facts = model_facts_from_gguf(path, max_seq_len=args.max_seq_len)
-    _writable(args.out)
     stages = args.stages if args.stages is not None else len(args.nodes)
     plan = split_plan(facts, stages, args.nodes, args.placement)
     err = plain_console(stderr=True, soft_wrap=True)
@@ -95,14 +94,13 @@ def cmd_split(args: argparse.Namespace) -> int:
         else:
             err.print(labelled("rejected", "bold red", str(plan)), highlight=False)
         return EXIT_REJECTED
+    _writable(args.out)  # after the plan: a refused split makes no folder
     bars = _Bars(err)
     with bars.progress:
         try:
             result = split_model(path, plan, args.out, placement=args.placement, progress=bars)
-        except OSError as exc:
-            raise OutputFolderError(
-                f"--out {str(args.out)!r}: cannot write the shards: {exc}"
-            ) from None
+        except OSError as exc:  # the source's read or a shard's write: the error names it
+            raise OutputFolderError(f"cannot split into --out {str(args.out)!r}: {exc}") from None
     manifest = result.manifest
     if args.json:
         doc = {

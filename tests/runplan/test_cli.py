@@ -187,6 +187,15 @@ def test_split_into_an_out_that_cannot_be_a_folder_is_one_line_naming_it(
     assert len(lines) == 1 and str(out) in lines[0], lines
 
 
+def test_a_refused_split_makes_no_out_folder(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "shards"
+    assert main(["split", model, "--stages", "999", "--out", str(out), "--json"]) == 2
+    assert "rejection" in _json(capsys)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("size", ["9" * 400 + "GiB", "9" * 310])
 def test_a_size_too_large_for_a_number_is_one_line_naming_it(
     model: str, size: str, capsys: pytest.CaptureFixture[str]

@@ -129,6 +129,9 @@ def test_a_damaged_entry_is_listed_never_used_and_cleared(
     entry.manifest.write_text("{}")
     SliceCache(cache, limit=10**9).make_room(1)
     assert not entry.path.exists()
+    entry.path.write_bytes(b"a stray file where an entry goes")
+    assert SliceCache(cache, limit=None).clear() == (1, 32)
+    assert not entry.path.exists()
 
 
 def test_an_entry_holding_other_parts_than_its_name_is_not_used(

@@ -221,13 +221,23 @@ def _run(args: argparse.Namespace) -> int:
 def _write_trace(path: Path, result: GenerateResult) -> bool:
     """The run's trace in ``path``; else one line saying why, and nothing half-written
     left there."""
+    text = json.dumps(chrome_trace(list(result.trace or ())))
     try:
-        path.write_text(json.dumps(chrome_trace(list(result.trace or ()))))
-    except OSError as exc:
-        if path.is_file():  # a file half-written (not a device named: /dev/full)
-            with contextlib.suppress(OSError):
-                path.unlink()
-        message = f"error: cannot write the trace to {path}: {exc.strerror or exc}"
+        out = path.open("w")
+    except OSError as exc:  # nothing written: what is there stays
+        problem: OSError | None = exc
+    else:
+        problem = None
+        try:
+            with out:
+                out.write(text)
+        except OSError as exc:
+            problem = exc
+            if path.is_file():  # a file half-written (not a device named: /dev/full)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+    if problem is not None:
+        message = f"error: cannot write the trace to {path}: {problem.strerror or problem}"
         plain_console(stderr=True, soft_wrap=True).print(message, highlight=False)
         return False
     return True

@@ -49,7 +49,6 @@ import numpy.typing as npt
 from attrs import frozen
 
 from runplan import RunPlan
-from runplan.config import Timeouts
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import JoinChain, ProvisionStage, StopReason, StopRun
 from runplan.plan import EdgePlan, OrchestratorEndpoint
@@ -197,7 +196,6 @@ class _Stage:
     handle: StageHandle
     gone: bool = False  # its death was fed to the orchestrator
     broken: str | None = None  # a send failed
-    started_s: float = attrs.field(factory=time.monotonic)  # when its host started it
 
     @property
     def index(self) -> int:
@@ -629,12 +627,17 @@ class ChainRunner:
         info = stage.handle.info()
         return f"node {stage.node_id!r} on host {info.host or 'this machine'} (pid {info.pid})"
 
-    def _stage_died(self, stage: _Stage, note: str | None = None) -> None:
+    def _stage_died(
+        self, stage: _Stage, note: str | None = None, *, cause: str | None = None
+    ) -> None:
+        """``stage`` is gone: ``cause`` why (this runner ended it), else how its process
+        ended, else ``note``."""
         if stage.gone:
             return
         stage.gone = True
-        stage.handle.wait(0.5)  # say how it died (a killed process is reaped at once)
-        why = stage.handle.exit_reason() or note or "its control channel closed"
+        if cause is None:
+            stage.handle.wait(0.5)  # say how it died (a killed process is reaped at once)
+        why = cause or stage.handle.exit_reason() or note or "its control channel closed"
         log.warning("stage %d (%s) is gone: %s", stage.index, stage.node_id, why)
         self.trace.instant("stage died", stage=stage.index, why=why)
         self._emit("stage_died", stage_index=stage.index, detail=why)
@@ -646,7 +649,7 @@ class ChainRunner:
         stage.gone = True
         stage.handle.kill()
         if stage.handle.channel.heard_s is None:
-            why = f"not a word in the {silent_s:.1f} s since it started"
+            why = f"not a word since it started, and its run not ready in {silent_s:.1f} s"
         else:
             why = f"no heartbeat for {silent_s:.1f} s"
         log.warning("stage %d (%s) is silent: %s; killed", stage.index, stage.node_id, why)
@@ -656,28 +659,27 @@ class ChainRunner:
         self.orchestrator.handle(fsm.StageSilent(stage.index, int(silent_s * 1000)))
 
     def _check_silence(self, now: float) -> None:
-        """A stage silent past the heartbeat bound is killed and reported silent; so is
-        one that has said nothing at all within the ready bound of its start (stopped or
-        stuck before its first beat: it holds no step, so nothing would end its runs'
-        teardown but their stop bound, minutes)."""
-        timeouts = self.template.timeouts
+        bound = self.template.timeouts.heartbeat_ms / 1000.0
         for stage in self.stages:
-            if not stage.gone and self._silent_s(stage, now, timeouts) is not None:
+            silent = stage.handle.channel.silent_s(now)
+            if not stage.gone and silent is not None and silent > bound:
                 # What came while this process did not run (stopped, swapped out, a slow
                 # callback) since its poll is heard first: the silence may be its own.
                 self._read_control(stage)
-                silent = self._silent_s(stage, time.monotonic(), timeouts)
-                if not stage.gone and silent is not None:
+                silent = stage.handle.channel.silent_s(time.monotonic())
+                if not stage.gone and silent is not None and silent > bound:
                     self._stage_silent(stage, silent)
 
-    @staticmethod
-    def _silent_s(stage: _Stage, now: float, timeouts: Timeouts) -> float | None:
-        """How long ``stage`` has been silent past its bound at ``now``, else None."""
-        silent = stage.handle.channel.silent_s(now)
-        if silent is not None:
-            return silent if silent > timeouts.heartbeat_ms / 1000.0 else None
-        never = now - stage.started_s  # not a word yet
-        return never if never > timeouts.ready_ms / 1000.0 else None
+    def _silence_the_unheard(self) -> None:
+        """A run was not ready in time: a stage that has not said a word since it
+        started (stopped or stuck before its first beat) is taken for silent and killed.
+        It holds no step, and nothing else would end the run's teardown for it but the
+        stop bound (minutes)."""
+        for stage in self.stages:
+            if not stage.gone and stage.handle.channel.heard_s is None:
+                self._read_control(stage)  # what came meanwhile is heard first
+                if not stage.gone and stage.handle.channel.heard_s is None:
+                    self._stage_silent(stage, self.template.timeouts.ready_ms / 1000.0)
 
     def _wait(self) -> None:
         o = self.orchestrator
@@ -724,6 +726,8 @@ class ChainRunner:
         for run_id, timer in self.timers.expired(time.monotonic()):
             log.warning("run %s: orchestrator timer %s ran out", run_label(run_id), timer.name)
             o.handle(RunTimerFired(run_id, timer))
+            if timer is fsm.Timer.READY:
+                self._silence_the_unheard()
         self._check_silence(time.monotonic())  # after reading: what waited was heard
         if not ready:
             for stage in self.stages:  # a stage gone without closing its channel
@@ -733,6 +737,8 @@ class ChainRunner:
     def _read_control(self, stage: _Stage) -> None:
         channel = stage.handle.channel
         for item in channel.receive():
+            if stage.gone:  # ended by an item before: what it sent after is not heard
+                break
             if isinstance(item, Incoming) and item.sender != stage.node_id:
                 log.warning(
                     "refused a frame on stage %d's channel signed as %r", stage.index, item.sender
@@ -743,10 +749,10 @@ class ChainRunner:
                 self.trace.instant(f"recv {name}", sender=item.sender)
                 self._emit("received", sender=item.sender, message=item.message)
                 self.orchestrator.handle(fsm.Received(item.sender, item.message))
-            elif isinstance(item, Unreadable) and not stage.gone:  # signed: the stage's own
+            elif isinstance(item, Unreadable):  # signed: the stage's own
                 log.error("stage %d's frame could not be read: %s", stage.index, item.reason)
-                self._stage_died(stage, f"its frame could not be read ({item.reason})")
                 stage.handle.kill()  # it speaks what this orchestrator cannot follow
+                self._stage_died(stage, cause=f"its frame could not be read ({item.reason})")
             elif isinstance(item, Refused):
                 log.warning("refused a frame from stage %d: %s", stage.index, item.reason)
         if channel.eof:

@@ -385,7 +385,7 @@ class Engine:
         (else one of more choices than ``max_queue`` could never be admitted)."""
         with self._cond:
             if self._closing:
-                raise QueueFull("the server is shutting down")
+                raise QueueFull(SHUTTING_DOWN)
             waiting = len(self._queue)
             if waiting + len(choices) > self.max_queue and (self._running or self._queue):
                 raise QueueFull(

@@ -173,7 +173,7 @@ class SliceCache:
         return [
             (path, _tree_size(path))
             for path in self._entry_folders()
-            if self._read_entry(path) is None
+            if self._read_entry(path) is None and not _unreadable_now(path / MANIFEST_NAME)
         ]
 
     def _entry_folders(self, source_key: str | None = None) -> list[Path]:
@@ -243,6 +243,10 @@ class SliceCache:
         self._remove_folder(entry.path)
 
     def _remove_folder(self, path: Path) -> None:
+        if not path.is_dir() or path.is_symlink():  # not of our making: a stray name
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return
         doomed = self.tmp / f"gone-{secrets.token_hex(6)}"
         try:
             self.folder(self.tmp)
@@ -359,8 +363,22 @@ def _size(path: Path) -> int:
 
 
 def _tree_size(path: Path) -> int:
-    """The bytes of the files under ``path`` (links not followed)."""
+    """The bytes of the files under ``path`` (links not followed), or of ``path``."""
+    if not path.is_dir() or path.is_symlink():
+        return _size(path)
     total = 0
     for folder, _, files in os.walk(path):
         total += sum(_size(Path(folder) / name) for name in files)
     return total
+
+
+def _unreadable_now(manifest: Path) -> bool:
+    """Whether ``manifest`` is there but cannot be opened now (no descriptor left, a
+    permission): not taken for damage, which would remove a sound entry."""
+    try:
+        with open(manifest, "rb"):
+            return False
+    except (FileNotFoundError, NotADirectoryError):  # no manifest: damaged, or a stray file
+        return False
+    except OSError:
+        return True
