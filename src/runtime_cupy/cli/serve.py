@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--client-timeout",
         type=positive_seconds,
         default=10.0,
-        help="seconds a client may take to send a request's head, or its body (10)",
+        help="seconds a client may take to send a request's head, or its body, or to take "
+        "some of its answer once the connection's buffers are full (10)",
     )
     return p
 

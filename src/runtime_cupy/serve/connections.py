@@ -13,7 +13,13 @@ socket it is handed and the protocol class it is given: ``guarded_listener``,
 
 - **Time**: a connection must send a whole request head within
   ``client_timeout_s`` of opening (or of its last answer, when kept alive); else it is
-  closed. (The app bounds the body's time the same way.)
+  closed. (The app bounds the body's time the same way.) And a client must read its
+  answer: once the answer's bytes fill the connection's buffer (the transport pauses
+  writing), the client has ``client_timeout_s`` to take some of them; else the
+  connection is dropped (``abort``: what waits to go is discarded), which the app hears
+  as the client gone (its runs are cancelled). A client that stops reading a long
+  stream held its connection, and the answer's bytes in this process, for good: a few
+  of them could take every connection.
 - **Number**: the listening socket (``GuardedListener``) admits a connection only while
   fewer than ``limits.max_connections`` are open (or being set up); past that, the new
   one closes the connection that has waited longest for a request to begin (an idle or
@@ -160,6 +166,7 @@ class BoundedH11Protocol(H11Protocol):
         self.evicted = False
         self._deadline: asyncio.TimerHandle | None = None
         self._cycle_waited: object = None
+        self._unread: asyncio.TimerHandle | None = None  # writing paused: the client's bound
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -178,8 +185,33 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
+        self._reading()
         self.guard.lost(self)
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._unread is None:
+            timeout = self.guard.limits.client_timeout_s
+            self._unread = self.loop.call_later(timeout, self._not_reading)
+
+    def resume_writing(self) -> None:
+        self._reading()
+        super().resume_writing()
+
+    def _reading(self) -> None:
+        if self._unread is not None:
+            self._unread.cancel()
+            self._unread = None
+
+    def _not_reading(self) -> None:
+        self._unread = None
+        if not self.transport.is_closing() or self.transport.get_write_buffer_size():
+            log.warning(
+                "dropped a connection whose client read nothing of its answer for %g s",
+                self.guard.limits.client_timeout_s,
+            )
+            self.transport.abort()  # close() would wait for the client to read it all
 
     def evict(self) -> None:
         """Close now: a newer connection needs the room."""

@@ -5,19 +5,29 @@ connections is ``test_server_limits.py``):
   it closes the one waiting longest for a request (never one whose request runs), at
   most ``EVICTION_SLACK`` at a time, and otherwise refuses the newcomer;
 - ``QuietLog`` passes one record per kind and interval, and the next one says how
-  many were held back.
+  many were held back;
+- a client that reads nothing of its answer is dropped after the client timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+import threading
+import time
 from typing import Any
 
+import uvicorn
+
+from runtime_cupy.cli.serve import _listen
 from runtime_cupy.serve.connections import (
     EVICTION_SLACK,
     ConnectionGuard,
     ConnectionLimits,
     QuietLog,
+    bounded_h11,
+    guarded_listener,
 )
 
 
@@ -92,3 +102,50 @@ def test_the_log_passes_one_record_per_kind_and_interval_and_counts_the_rest() -
     passed = record("closed %d", 500)
     assert quiet.filter(passed)
     assert passed.getMessage() == "closed 500 (498 more like this in the 10 s before, not logged)"
+
+
+def test_a_client_that_reads_nothing_of_its_answer_is_dropped() -> None:
+    """An answer streamed to a client that never reads: once the connection's buffers
+    are full (writing paused), the client has the client timeout to take some of it;
+    then the connection is dropped, the app hears the client gone (a stream's runs are
+    then cancelled), and the guard frees its room. (It was held for good, the answer's
+    bytes waiting in the server.)"""
+    guard = ConnectionGuard(ConnectionLimits(4, 0.5))
+    gone = threading.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()  # the request
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+        async def pump() -> None:
+            while True:
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+
+        task = asyncio.ensure_future(pump())
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+        gone.set()
+
+    sock = guarded_listener(_listen("127.0.0.1", 0), guard)
+    config = uvicorn.Config(app, http=bounded_h11(guard), lifespan="off", log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    client = socket.socket()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(sock.getsockname())
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # and never reads
+        assert gone.wait(30), "the connection of a client that reads nothing was held"
+        deadline = time.monotonic() + 10
+        while guard.open and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not guard.open
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(10)
