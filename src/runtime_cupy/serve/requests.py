@@ -232,14 +232,18 @@ def choices(param: str, value: Any) -> int:
 
 
 def stream_options(param: str, value: Any) -> bool:
-    """``{"include_usage": bool}``: whether a streamed answer ends with a usage chunk."""
+    """``{"include_usage": bool}``: whether a streamed answer ends with a usage chunk.
+    ``include_obfuscation`` (OpenAI's random padding of each chunk, against reading
+    their lengths off the wire) is taken as a boolean and does nothing: the chunks here
+    carry no padding, and a client reads them the same."""
     if value is None:
         return False
     if not isinstance(value, dict):
         raise _wrong(param, value, "an object")
     for key in value:
-        if key != "include_usage":
+        if key not in ("include_usage", "include_obfuscation"):
             raise _unknown(f"{param}.{key}")
+    boolean(f"{param}.include_obfuscation", value.get("include_obfuscation"))
     return boolean(f"{param}.include_usage", value.get("include_usage"))
 
 
@@ -261,20 +265,40 @@ def messages(param: str, value: Any) -> tuple[Message, ...]:
 
 _MESSAGE_KEYS = ("role", "content", "name")
 
+#: An assistant message's fields (OpenAI's) that an answer of this server never sets: a
+#: conversation sent back as the client library holds it (``model_dump()``) carries
+#: them empty, which changes nothing; anything else is refused naming it.
+_ASSISTANT_EMPTY: Mapping[str, tuple[Any, ...]] = {
+    "refusal": (None,),
+    "tool_calls": (None, []),
+    "function_call": (None,),
+    "audio": (None,),
+    "annotations": (None, []),
+}
+
 
 def _message(param: str, value: Any) -> Message:
     if not isinstance(value, dict):
         raise _wrong(param, value, "an object with role and content")
-    for key in value:
-        if key not in _MESSAGE_KEYS:
-            raise _unknown(f"{param}.{key}")
     role = required_string(f"{param}.role", value.get("role"))
-    if role not in ROLES:
+    if role not in ROLES:  # before its other keys: a tool message names its role
         raise RequestError(
             f"{param}.role is {role!r}; this server takes {', '.join(ROLES)}",
             param=f"{param}.role",
             code="invalid_value",
         )
+    for key in value:
+        empty = _ASSISTANT_EMPTY.get(key) if role == "assistant" else None
+        if empty is not None:
+            if not any(value[key] == e and type(value[key]) is type(e) for e in empty):
+                raise RequestError(
+                    f"{param}.{key} is {_show(value[key])}: this server's answers hold none "
+                    "(no tools, refusals or audio)",
+                    param=f"{param}.{key}",
+                    code="unsupported_value",
+                )
+        elif key not in _MESSAGE_KEYS:
+            raise _unknown(f"{param}.{key}")
     ignored_string(f"{param}.name", value.get("name"))
     content = _content(f"{param}.content", value.get("content"), role)
     return Message("system" if role == "developer" else role, content)
@@ -406,6 +430,9 @@ CHAT_FIELDS: Mapping[str, Rule] = {
     "max_completion_tokens": integer(1, _TOKENS),
     "logprobs": boolean,
     "top_logprobs": integer(0, MAX_TOP_CHAT),
+    # who asks, and a hint for OpenAI's prompt cache: strings no answer depends on
+    "safety_identifier": ignored_string,
+    "prompt_cache_key": ignored_string,
 }
 #: (/v1/completions' logprobs 0 asks for the sampled tokens' log probabilities alone)
 COMPLETION_FIELDS: Mapping[str, Rule] = {

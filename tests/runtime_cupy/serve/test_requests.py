@@ -112,3 +112,63 @@ def test_the_bodies_that_were_500s_are_400s_naming_the_field(
     assert info.value.param == param
     assert words in info.value.message
     json.dumps(info.value.body(), ensure_ascii=False).encode("utf-8")
+
+
+#: An assistant message as the openai client holds it (``ChatCompletionMessage``'s
+#: ``model_dump()``): the fields an answer of this server never sets, empty.
+DUMPED_ASSISTANT = {
+    "role": "assistant",
+    "content": "Hi!",
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "tool_calls": None,
+}
+
+
+def _chat(*messages: dict[str, Any]) -> bytes:
+    return json.dumps({"model": "m", "messages": list(messages)}).encode()
+
+
+def test_an_assistant_message_sent_back_as_the_client_holds_it_is_taken() -> None:
+    user = {"role": "user", "content": "Hello"}
+    plain = parse_chat(_chat(user, {"role": "assistant", "content": "Hi!"}, user))
+    for dumped in (DUMPED_ASSISTANT, {**DUMPED_ASSISTANT, "tool_calls": [], "annotations": []}):
+        assert parse_chat(_chat(user, dumped, user)).messages == plain.messages
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "words"),
+    [
+        ({**DUMPED_ASSISTANT, "refusal": "no"}, "messages[1].refusal", "hold none"),
+        ({**DUMPED_ASSISTANT, "tool_calls": [{"id": "c"}]}, "messages[1].tool_calls", "no tools"),
+        ({**DUMPED_ASSISTANT, "tool_calls": False}, "messages[1].tool_calls", "hold none"),
+        ({"role": "user", "content": "x", "refusal": None}, "messages[1].refusal", "Unrecognized"),
+        # a tool's answer: named by its role, not by the tool_call_id this server never reads
+        ({"role": "tool", "content": "4", "tool_call_id": "c"}, "messages[1].role", "'tool'"),
+    ],
+)
+def test_what_an_answer_of_this_server_never_holds_is_refused_naming_it(
+    message: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_chat(_chat({"role": "user", "content": "Hello"}, message))
+    assert info.value.param == param and words in info.value.message, info.value.message
+
+
+def test_what_newer_clients_send_that_changes_no_answer_is_taken() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+        "safety_identifier": "user-1234",
+        "prompt_cache_key": "k",
+    }
+    request = parse_chat(json.dumps(body).encode())
+    assert request.include_usage and request.stream
+    body["stream_options"] = {"include_obfuscation": "yes"}
+    with pytest.raises(RequestError) as info:
+        parse_chat(json.dumps(body).encode())
+    assert info.value.param == "stream_options.include_obfuscation"
