@@ -158,11 +158,13 @@ class SliceCache:
     # -- entries ---------------------------------------------------------------------
     def entry(self, source_key: str, parts: SliceParts) -> CacheEntry | None:
         """The complete entry of that slice, or ``None``."""
-        return self._read_entry(self.entry_path(source_key, parts))
+        entry = self._read_entry(self.entry_path(source_key, parts))
+        return entry if entry is not None and entry.source == source_key else None
 
     def entries(self, source_key: str | None = None) -> list[CacheEntry]:
         """Every complete entry (of one source), least recently used first."""
-        out = [e for e in map(self._read_entry, self._entry_folders(source_key)) if e]
+        read = map(self._read_entry, self._entry_folders(source_key))
+        out = [e for e in read if e and (source_key is None or e.source == source_key)]
         return sorted(out, key=lambda e: e.last_used)
 
     def damaged(self) -> list[tuple[Path, int]]:
