@@ -134,6 +134,38 @@ def test_a_damaged_entry_is_listed_never_used_and_cleared(
     assert not entry.path.exists()
 
 
+def test_a_cache_not_made_yet_is_listed_empty_and_not_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "none" / "yet"
+    monkeypatch.setenv("GGUF_PIPELINE_CACHE", str(root))
+    assert main(["cache", "list", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["entries"], doc["damaged"], doc["total_bytes"]) == ([], [], 0)
+    assert main(["cache", "clear", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == 0
+    assert not (tmp_path / "none").exists()  # `cache list` once made the folders
+
+
+def test_what_unfinished_fetches_hold_is_listed(
+    source: Source,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cache = tmp_path / "host"
+    source.resolve(source.fetcher(cache), PARTS[1])
+    partial = SliceCache(cache, limit=None).new_partial(source.key, PARTS[2])
+    (partial / "shard.gguf").write_bytes(bytes(3000))  # a fetch killed part-way
+    monkeypatch.setenv("GGUF_PIPELINE_CACHE", str(cache))
+    assert main(["cache", "list", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["partial_bytes"] == 3000
+    assert doc["total_bytes"] == doc["entries"][0]["bytes"] + 3000
+    assert main(["cache", "list"]) == 0
+    assert "of fetches not finished" in capsys.readouterr().out
+
+
 def test_an_entry_holding_other_parts_than_its_name_is_not_used(
     source: Source, tmp_path: Path
 ) -> None:

@@ -1,12 +1,14 @@
 """``python -m runtime_cupy cache list|clear [--json]``: this host's slice cache
 (``slices.cache``): where it is, its limit, and each entry (the model, what the slice
-holds, its size, when it was last used) and each damaged one (a manifest that does not
-read or does not match its folder: never used); ``clear`` removes every entry."""
+holds, its size, when it was last used), each damaged one (a manifest that does not
+read or does not match its folder: never used) and the bytes of fetches not finished;
+``clear`` removes every entry. A cache not made yet is listed empty, and not made."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -35,26 +37,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cache = SliceCache()
-        cache.private_root()
+        there = os.path.lexists(cache.root)  # none yet: nothing is made to say so
+        if there:
+            cache.private_root()
     except CacheError as exc:
         print(f"python -m runtime_cupy cache: error: {exc}", file=sys.stderr)
         return 2
     if args.action == "clear":
-        count, size = cache.clear()
+        count, size = cache.clear() if there else (0, 0)
         if args.json:
             doc = {"root": str(cache.root), "removed": count, "removed_bytes": size}
             sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
         else:
             print(f"removed {count} entries ({human_bytes(size)}) from {cache.root}")
         return 0
-    entries = cache.entries()
-    damaged = cache.damaged()
-    total = sum(e.bytes for e in entries) + sum(n for _, n in damaged)
+    entries = cache.entries() if there else []
+    damaged = cache.damaged() if there else []
+    partial = cache.partial_bytes() if there else 0
+    total = sum(e.bytes for e in entries) + sum(n for _, n in damaged) + partial
     if args.json:
         doc = {
             "root": str(cache.root),
             "limit_bytes": cache.limit,
             "total_bytes": total,
+            "partial_bytes": partial,
             "damaged": [{"path": str(path), "bytes": n} for path, n in damaged],
             "entries": [
                 {
@@ -75,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     limit = human_bytes(cache.limit) if cache.limit is not None else f"none (${LIMIT_VARIABLE})"
     broken = f" and {len(damaged)} damaged (never used; clear removes them)" if damaged else ""
+    if partial:
+        broken += f", {human_bytes(partial)} of fetches not finished"
     title = f"{cache.root}: {len(entries)} entries{broken}, {human_bytes(total)}; limit {limit}"
     table = Table(title=title, box=box.SIMPLE_HEAD)
     for col in ("model", "holds", "size", "last used", "source"):

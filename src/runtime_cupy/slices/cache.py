@@ -204,6 +204,11 @@ class SliceCache:
             path, manifest.source, manifest.model_id, shard.parts, path / shard.file, size, used
         )
 
+    def partial_bytes(self) -> int:
+        """The bytes in ``tmp/``: fetches running, or left by ones that broke off (the
+        next fetch of their source, or ``clear``, removes those)."""
+        return _tree_size(self.tmp)
+
     def touch(self, entry: CacheEntry) -> None:
         """Mark an entry used now (least-recently-used order)."""
         with contextlib.suppress(OSError):
