@@ -15,11 +15,11 @@ socket it is handed and the protocol class it is given: ``guarded_listener``,
   ``client_timeout_s`` of opening (or of its last answer, when kept alive); else it is
   closed. (The app bounds the body's time the same way.) And a client must read its
   answer: once the answer's bytes fill the connection's buffer (the transport pauses
-  writing), the client has ``client_timeout_s`` to take some of them; else the
-  connection is dropped (``abort``: what waits to go is discarded), which the app hears
-  as the client gone (its runs are cancelled). A client that stops reading a long
-  stream held its connection, and the answer's bytes in this process, for good: a few
-  of them could take every connection.
+  writing), the client has ``client_timeout_s`` to take enough of them for writing to
+  go on (asyncio's low-water mark); else the connection is dropped (``abort``: what
+  waits to go is discarded), which the app hears as the client gone (its runs are
+  cancelled). A client that stops reading a long stream held its connection, and the
+  answer's bytes in this process, for good: a few of them could take every connection.
 - **Number**: the listening socket (``GuardedListener``) admits a connection only while
   fewer than ``limits.max_connections`` are open (or being set up); past that, the new
   one closes the connection that has waited longest for a request to begin (an idle or
@@ -208,7 +208,8 @@ class BoundedH11Protocol(H11Protocol):
         self._unread = None
         if not self.transport.is_closing() or self.transport.get_write_buffer_size():
             log.warning(
-                "dropped a connection whose client read nothing of its answer for %g s",
+                "dropped a connection whose client did not take its answer (its buffers "
+                "full for %g s)",
                 self.guard.limits.client_timeout_s,
             )
             self.transport.abort()  # close() would wait for the client to read it all
