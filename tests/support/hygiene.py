@@ -66,7 +66,10 @@ def alive(pid: int) -> bool:
     counts as gone). A killed process's first thread is a zombie before the others
     have ended, and only once they all have can its parent reap it; so every thread
     counts, not the first alone."""
-    tasks = list(Path(f"/proc/{pid}/task").glob("*/stat"))
+    try:  # reaped while this looks: gone (a glob of the folder raised on that)
+        tasks = [Path(f"/proc/{pid}/task/{t}/stat") for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tasks = []
     stats = tasks or [Path(f"/proc/{pid}/stat")]
     return any(_state(stat) not in ("Z", "X") for stat in stats)
 
