@@ -455,12 +455,9 @@ class WarmChain:
         fault), or if it ``lost`` a stage (a link a stage saw break, which need not make
         the chain's fault), and bind it; the stage indices started."""
         runner = self._runner
-        if (
-            lost is None
-            and runner is not None
-            and runner.dead is None
-            and not any(h.exited() for h in runner.handles())
-        ):
+        # whole: no chain fault and no stage known gone (a stage the runner has just
+        # marked gone, while it waits to say how it died, is not whole yet not dead)
+        if lost is None and runner is not None and runner.whole:
             return ()
         if runner is not None:
             why = runner.dead or next(
