@@ -8,6 +8,8 @@ from pathlib import Path
 
 from attrs import frozen
 
+from runplan.validate import has_lone_surrogate
+
 
 @frozen
 class BundledModel:
@@ -41,13 +43,11 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> str:
         if not os.path.exists(text):
             known = ", ".join(sorted(BUNDLED_MODELS))
             raise ModelNotFound(f"{text}: no such file (bundled model names: {known})")
-        try:  # a path travels in the plans, as UTF-8 (bytes a file system allows, not)
-            text.encode("utf-8")
-        except UnicodeEncodeError:
+        if has_lone_surrogate(text):  # bytes a file system allows, that UTF-8 has not
             raise ModelNotFound(
                 f"{text!r}: the path is not UTF-8, and plans carry paths as UTF-8: "
                 "rename the file or link to it from a UTF-8 path"
-            ) from None
+            )
         return text
     spec = importlib.util.find_spec(bundled.package)
     if spec is None or not spec.submodule_search_locations:

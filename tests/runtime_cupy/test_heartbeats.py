@@ -111,12 +111,10 @@ def test_a_stage_stopped_before_its_first_word_is_killed_when_the_run_is_not_rea
     when the run's ready timer (4 s) runs out, a stage that has not said a word is
     taken for silent and killed, so the run's teardown does not wait out the stop bound
     (here 15 + 2 x 20 s) for it: the run ends in seconds, where it took a minute."""
-    pids = Pids()
     stopped: list[int] = []
     silent: list[int] = []
 
     def on_event(kind: str, fields: dict[str, Any]) -> None:
-        pids.on_event(kind, fields)
         if kind == "stage_silent":
             silent.append(int(fields["stage_index"]))
         if kind == "spawned" and int(fields["stage_index"]) == 1:

@@ -272,13 +272,14 @@ def test_a_send_to_a_peer_that_does_not_read_never_blocks() -> None:
         b.close()
 
 
-def _plan(tiny: str, prompt: list[int]) -> RunPlan:
-    timeouts = Timeouts(ready_ms=20_000, step_ms=20_000, edge_wait_ms=20_000, stop_ms=5_000)
+def _plan(tiny: str, prompt: list[int], *, max_tokens: int = 6, bound_ms: int = 20_000) -> RunPlan:
+    """Two stages; ``bound_ms`` the ready, step and edge bounds (the stop bound 5 s)."""
+    timeouts = Timeouts(ready_ms=bound_ms, step_ms=bound_ms, edge_wait_ms=bound_ms, stop_ms=5_000)
     plan, _ = plan_for(
         tiny,
         stages=2,
         prompt_len=len(prompt),
-        max_tokens=6,
+        max_tokens=max_tokens,
         sampling=SamplingConfig(),
         return_logits=False,
         timeouts=timeouts,
@@ -363,16 +364,7 @@ def test_an_unreadable_authentic_frame_ends_the_run_at_once_naming_it(
     plan's step bound is 60 s); the stages exit and nothing of the run is left."""
     prompt = [4, 5, 6]
     host = TapHost(log_dir=tmp_path)
-    timeouts = Timeouts(ready_ms=60_000, step_ms=60_000, edge_wait_ms=60_000, stop_ms=5_000)
-    plan, _ = plan_for(
-        tiny,
-        stages=2,
-        prompt_len=len(prompt),
-        max_tokens=200,
-        sampling=SamplingConfig(),
-        return_logits=False,
-        timeouts=timeouts,
-    )
+    plan = _plan(tiny, prompt, max_tokens=200, bound_ms=60_000)
     forged: list[float] = []
 
     def forge(token: int) -> None:  # on the first token: every stage is running

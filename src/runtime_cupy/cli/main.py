@@ -162,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.trace is not None:
             raise ValueError("--trace records one prompt's run (--prompt), not a --prompts-file")
         return _run_batch(args)
-    err = Console(stderr=True, soft_wrap=True)
+    err = plain_console(stderr=True, soft_wrap=True)
     path = resolve_model(args.model)
     tokenizer = Tokenizer.from_gguf(path)
     prompt = prompt_ids(args, tokenizer)
@@ -206,41 +206,38 @@ def _run(args: argparse.Namespace) -> int:
     else:
         _print_summary(plain_console(soft_wrap=True), result, len(prompt), args.worker)
     # after the result: a trace that cannot be written (a full disk) loses nothing else
-    traced = args.trace is None or _write_trace(args.trace, result)
+    traced = args.trace is None or _write_trace(args.trace, result, err)
     if result.outcome == "completed":
         return 0 if traced else EXIT_FAULTED
     if result.outcome == "cancelled":
         err.print("cancelled", highlight=False)  # as runtime_sim run says it
         return EXIT_CANCELLED
-    plain_console(stderr=True, soft_wrap=True).print(
-        f"error: run faulted: {result.fault or ''}", highlight=False
-    )
+    err.print(f"error: run faulted: {result.fault or ''}", highlight=False)
     return EXIT_FAULTED
 
 
-def _write_trace(path: Path, result: GenerateResult) -> bool:
-    """The run's trace in ``path``; else one line saying why, and nothing half-written
-    left there."""
+def _write_trace(path: Path, result: GenerateResult, err: Console) -> bool:
+    """The run's trace in ``path``; else one line on ``err`` saying why, and nothing
+    half-written left there (what was there stays if the file cannot be opened)."""
     text = json.dumps(chrome_trace(list(result.trace or ())))
     try:
         out = path.open("w")
-    except OSError as exc:  # nothing written: what is there stays
-        problem: OSError | None = exc
-    else:
-        problem = None
-        try:
-            with out:
-                out.write(text)
-        except OSError as exc:
-            problem = exc
-            if path.is_file():  # a file half-written (not a device named: /dev/full)
-                with contextlib.suppress(OSError):
-                    path.unlink()
-    if problem is not None:
-        message = f"error: cannot write the trace to {path}: {problem.strerror or problem}"
-        plain_console(stderr=True, soft_wrap=True).print(message, highlight=False)
-        return False
+    except OSError as exc:
+        return _trace_not_written(path, exc, err)
+    try:
+        with out:
+            out.write(text)
+    except OSError as exc:
+        if path.is_file():  # a file half-written (not a device named: /dev/full)
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return _trace_not_written(path, exc, err)
     return True
+
+
+def _trace_not_written(path: Path, exc: OSError, err: Console) -> bool:
+    err.print(f"error: cannot write the trace to {path}: {exc.strerror or exc}", highlight=False)
+    return False
 
 
 def _generate_recovering(
