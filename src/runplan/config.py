@@ -153,6 +153,14 @@ class Timeouts:
         return self.stop_ms + self.STOP_BATCHES * self.step_limit_ms(max(rows, batch_rows))
 
 
+def run_positions(prompt_tokens: int, max_tokens: int) -> int:
+    """The positions a run's KV cache must hold: its prompt (at least 1 token: a prompt of
+    unknown length, 0, has at least one) and every token it generates but the last, which
+    is never fed back. The one rule the planner, the runs' state machines, ``generate``,
+    offline batches and the server apply to a prompt against a context."""
+    return max(prompt_tokens, 1) + max_tokens - 1
+
+
 def shared_batches(batch_runs: int, ring_slots: int) -> int:
     """Batches a step of a run sharing batches may wait through (``Timeouts``):
     ``2 + ceil(batch_runs / ring_slots)`` for batches of at most ``batch_runs`` runs

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from runplan.config import RuntimeConfig
+from runplan.config import RuntimeConfig, run_positions
 from runplan.facts import ModelFacts
 from runplan.layers import Range, split_by_capacity, split_even
 from runplan.memory import (
@@ -159,10 +159,10 @@ def _check_config(config: RuntimeConfig) -> PlanRejection | None:
 
 
 def _check_run_shape(facts: ModelFacts, config: RuntimeConfig) -> PlanRejection | None:
-    """A run must fit ``max_seq_len`` (its last token is not fed back: ``prompt_tokens +
-    max_tokens - 1`` positions); a prompt of unknown length (0) has at least 1 token."""
+    """A run must fit ``max_seq_len`` (``run_positions``: its last token is not fed back;
+    a prompt of unknown length, 0, has at least 1 token)."""
     n = config.prompt_tokens
-    need = max(n, 1) + config.max_tokens - 1
+    need = run_positions(n, config.max_tokens)
     if need <= facts.max_seq_len:
         return None
     if n > 0:

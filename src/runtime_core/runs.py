@@ -16,6 +16,7 @@ from runplan import (
     model_facts_from_gguf,
     plan_run,
 )
+from runplan.config import run_positions
 
 
 class PlanRejected(ValueError):
@@ -28,13 +29,15 @@ class PlanRejected(ValueError):
 
 def facts_for_run(model_path: str, *, prompt_len: int, max_tokens: int) -> ModelFacts:
     """The model's facts with ``max_seq_len`` just long enough for the prompt and the
-    tokens asked for; ``ValueError`` past the model's context length."""
+    tokens asked for (``run_positions``: the last token generated is not fed back);
+    ``ValueError`` past the model's context length."""
     facts = model_facts_from_gguf(model_path)
-    needed = prompt_len + max_tokens
+    needed = run_positions(prompt_len, max_tokens)
     if needed > facts.context_length:
         raise ValueError(
-            f"prompt ({prompt_len}) + max_tokens ({max_tokens}) = {needed} exceeds the "
-            f"model's context length {facts.context_length}"
+            f"a prompt of {prompt_len} tokens and max_tokens {max_tokens} need {needed} "
+            f"positions (the last token generated is not fed back), past the model's "
+            f"context length {facts.context_length}"
         )
     return attrs.evolve(facts, max_seq_len=needed)
 

@@ -3,7 +3,7 @@ chain, up to ``max_concurrent`` prompts in flight at once (the rest wait for roo
 given, first started), each result yielded as it completes.
 
 ``generate_batch(model, prompts, ...)`` starts a chain of ``stages`` stage processes
-(``serve.chain.WarmChain``, its cache length the longest prompt plus ``max_tokens``,
+(``serve.chain.WarmChain``, its cache length the longest prompt plus ``max_tokens - 1``,
 its KV budget for ``max_concurrent`` such runs: by default every prompt up to
 ``DEFAULT_BATCH_RUNS``, halved until the planner finds the hosts' memory holds their
 caches, so that a file of many prompts runs on a host that cannot hold them all at
@@ -22,6 +22,7 @@ import queue
 from collections.abc import Iterator, Sequence
 
 from runplan import ModelFacts, SamplingConfig, model_facts_from_gguf
+from runplan.config import run_positions
 from runplan.models import resolve_model
 from runplan.rejections import InsufficientMemory
 from runtime_core.runs import PlanRejected
@@ -61,11 +62,12 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_tokens: int, facts: Mode
                 f"0..{facts.vocab_size - 1}",
                 i,
             )
-        if len(prompt) + max_tokens > facts.context_length:
+        needed = run_positions(len(prompt), max_tokens)
+        if needed > facts.context_length:
             raise BatchError(
                 f"prompt {i} holds {len(prompt)} tokens: with max_tokens {max_tokens} it "
-                f"needs {len(prompt) + max_tokens} positions, past the model's context "
-                f"length {facts.context_length}",
+                f"needs {needed} positions (the last token generated is not fed back), "
+                f"past the model's context length {facts.context_length}",
                 i,
             )
 
@@ -95,7 +97,7 @@ def generate_batch(
     path = str(resolve_model(model_path))
     check_prompts(prompts, max_tokens, model_facts_from_gguf(path))
     longest = max(len(p) for p in prompts)
-    context = longest + max_tokens
+    context = max(2, run_positions(longest, max_tokens))  # WarmChain's least is 2
 
     def chain_of(runs: int) -> WarmChain:  # PlanRejected before any process starts
         return WarmChain(

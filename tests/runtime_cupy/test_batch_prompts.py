@@ -32,7 +32,7 @@ def test_a_token_outside_the_vocabulary_is_refused_naming_its_prompt(tiny: str) 
 
 def test_a_prompt_too_long_for_the_context_is_refused_naming_it(tiny: str) -> None:
     context = model_facts_from_gguf(tiny).context_length
-    prompts = [[1, 2], [3] * (context - 3), [4]]
+    prompts = [[1, 2], [3] * (context - 2), [4]]  # context - 2 + 4 - 1 positions
     with pytest.raises(BatchError, match="prompt 1 holds") as info:
         generate_batch(tiny, prompts, max_tokens=4)
     assert info.value.index == 1 and f"context length {context}" in str(info.value)

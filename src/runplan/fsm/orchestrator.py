@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 from attrs import frozen
 
-from runplan.config import Timeouts
+from runplan.config import Timeouts, run_positions
 from runplan.fsm.table import Transition, by_value, evolver, mermaid
 from runplan.messages import (
     ControlMessage,
@@ -411,7 +411,7 @@ def check_prompt(plan: RunPlan, prompt: tuple[int, ...]) -> None:
             raise PromptError(
                 f"prompt token {i} is {token!r}, outside the vocabulary 0..{vocab - 1}"
             )
-    positions = len(prompt) + plan.max_tokens - 1
+    positions = run_positions(len(prompt), plan.max_tokens)
     if positions > plan.model.max_seq_len:
         raise PromptError(
             f"{len(prompt)} prompt tokens + {plan.max_tokens} tokens to generate need "
