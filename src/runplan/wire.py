@@ -134,15 +134,32 @@ _converter = _make_converter()
 
 
 def dumps(obj: Any) -> bytes:
-    """Encode a message (any of ``MESSAGE_TYPES``); ``WireError`` for a value JSON
-    cannot hold (a non-finite number)."""
+    """Encode a message (any of ``MESSAGE_TYPES``); ``WireError`` for a value no peer's
+    ``loads`` takes (a non-finite number, an integer outside ``0..2**64-1``, a string
+    holding a lone surrogate), before it is sent."""
     if not isinstance(obj, MESSAGE_TYPES):
         raise TypeError(f"{type(obj).__name__} is not a wire message type")
     raw = _converter.unstructure(obj, unstructure_as=WireMessage)
     try:
+        _check_values(raw)
         return _ENCODER.encode(raw).encode()
     except ValueError as exc:
         raise WireError(f"{type(obj).__name__} cannot be encoded: {exc}") from None
+
+
+def _check_values(raw: Any) -> None:
+    """``ValueError`` for an integer or a string in ``raw`` (unstructured: dicts, lists,
+    scalars) that ``loads``'s strict hooks would refuse."""
+    if type(raw) is dict:
+        for value in raw.values():
+            _check_values(value)
+    elif type(raw) is list:
+        for value in raw:
+            _check_values(value)
+    elif type(raw) is int and not 0 <= raw <= U64_MAX:
+        raise ValueError(f"integer {raw} outside 0..2**64-1")
+    elif type(raw) is str:
+        _strict_str(raw, str)
 
 
 def _reject_constant(name: str) -> Any:

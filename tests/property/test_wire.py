@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runplan import RunPlan, plan_run, provision_all
+from runplan.messages import StageReady
 from runplan.wire import MESSAGE_TYPES, WireError, dumps, loads
 from tests.support.strategies import PlanInputs, message_strategies, small_plan, valid_plan_inputs
 
@@ -162,3 +163,25 @@ def test_dumps_of_a_number_json_cannot_hold_is_a_wire_error(value: float) -> Non
     bad = attrs.evolve(plan, sampling=attrs.evolve(plan.sampling, temperature=value))
     with pytest.raises(WireError, match="RunPlan"):
         dumps(bad)
+
+
+# Text with and without lone surrogates, integers in and far outside the wire's range.
+_texts = st.one_of(st.text(max_size=8), st.sampled_from(["\ud800", "a\udfff", "\udc80x"]))
+_ints = st.one_of(st.integers(0, 2**64 - 1), st.integers(max_value=-1), st.integers(2**64))
+
+
+@given(run_id=_texts, stage_index=_ints, node_id=_texts)
+def test_what_dumps_encodes_loads_takes_back(run_id: str, stage_index: int, node_id: str) -> None:
+    """``dumps`` refuses what no peer's ``loads`` would take, rather than sending a
+    message the peer must drop (it once encoded a lone surrogate as ``\\ud800`` and an
+    integer of any size)."""
+    msg = StageReady(run_id=run_id, stage_index=stage_index, node_id=node_id)
+    try:
+        data = dumps(msg)
+    except WireError as exc:
+        assert "StageReady cannot be encoded" in str(exc)
+        bad_int = not 0 <= stage_index <= 2**64 - 1
+        bad_text = any("\ud800" <= c <= "\udfff" for c in run_id + node_id)
+        assert bad_int or bad_text
+        return
+    assert loads(data) == msg
