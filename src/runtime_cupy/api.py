@@ -62,6 +62,7 @@ class GenerateResult:
     encrypted_edges: bool = False  # TCP edges encrypted their frames (else authenticated)
     chain_id: str = ""  # the chain that ran it: names its links (one per hop) on its hosts
     slices: tuple[StageTransfer, ...] = ()  # stages that asked for their slice of the model
+    interrupted_by: str | None = None  # the signal that cancelled the run: SIGINT, SIGTERM
 
 
 def plan_for(
@@ -256,6 +257,7 @@ def summarize(
         outcome=outcome,
         logits=result.logits if return_logits else None,
         fault=fault,
+        interrupted_by=result.interrupted_by,
         plan=plan,
         stages=result.stages,
         fault_stage=fault_stage,

@@ -101,9 +101,11 @@ def test_ctrl_c_cancels_the_run_and_cleans_up(tiny: str, tmp_path: Path, edges: 
     driver.kill()
 
 
-def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str) -> None:
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str, signum: int, status: int) -> None:
     # SmolLM2's stages take seconds to load their weights: the signal comes while the
-    # orchestrator waits at the readiness barrier.
+    # orchestrator waits at the readiness barrier. The exit status is 128 + the signal's
+    # number, as a shell reports a process the signal ended (SIGTERM once exited 130).
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
     proc = subprocess.Popen(
@@ -115,14 +117,16 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str) -> None:
         text=True,
     )  # fmt: skip
     pids = _children(proc.pid, 2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == status, err
     doc = json.loads(out)  # still exactly one JSON object on stdout
     learn_run_ids([doc["run_id"]])
+    name = signal.Signals(signum).name
     assert doc["outcome"] == "cancelled" and doc["tokens"] == []
+    assert doc["interrupted_by"] == name
     assert err.strip().splitlines()[-1] == "cancelled"
-    assert "SIGINT: stopping the run (interrupt again to stop waiting)" in err, err
+    assert f"{name}: stopping the run (interrupt again to stop waiting)" in err, err
     assert wait_gone(list(pids.values()), 5) == []
 
 

@@ -16,7 +16,9 @@ exits 1, as do stages that cannot be started (no descriptor left, ...) and a
 ``--trace`` that cannot be written (a full disk: said in one line after the result,
 which is printed first); Ctrl-C tears
 the run down (waiting for the stages to stop; a second Ctrl-C stops waiting), prints
-``cancelled`` and exits 130; bad input exits 2. With
+``cancelled`` and exits 130 (SIGTERM: the same, exiting 143, 128 + the signal's number
+as a shell reports a process the signal ended; ``interrupted_by`` in ``--json``); bad
+input exits 2. With
 ``--recover`` the run survives a lost stage process, host or link: the chain is placed
 again over the live nodes and the run replayed there, its text going on where it
 stopped (``serve.recovery``, at most ``--max-recoveries`` times); the
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,7 +76,15 @@ from runtime_cupy.slices.server import StageTransfer
 
 EXIT_FAULTED = 1
 EXIT_INPUT = 2
-EXIT_CANCELLED = 130
+EXIT_CANCELLED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+
+
+def cancelled_status(signal_name: str | None) -> int:
+    """The exit status of a run cancelled by ``signal_name`` (``None``: by Ctrl-C or by
+    a caller): 128 + the signal's number, 130 for SIGINT and 143 for SIGTERM."""
+    if signal_name is None:
+        return EXIT_CANCELLED
+    return 128 + signal.Signals[signal_name].value
 
 
 class PromptsFileError(ValueError):
@@ -211,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if traced else EXIT_FAULTED
     if result.outcome == "cancelled":
         err.print("cancelled", highlight=False)  # as runtime_sim run says it
-        return EXIT_CANCELLED
+        return cancelled_status(result.interrupted_by)
     err.print(f"error: run faulted: {result.fault or ''}", highlight=False)
     return EXIT_FAULTED
 
@@ -302,6 +313,7 @@ def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
         "text": result.text,
         "outcome": result.outcome,
         "fault": result.fault,
+        "interrupted_by": result.interrupted_by,
         "stages": [
             {
                 "stage_index": s.stage_index,

@@ -82,6 +82,7 @@ class ProcessRunResult:
     media: tuple[str, ...] = ()  # how each edge moved its bytes, in plan order
     encrypted_edges: bool = False  # TCP links encrypted their frames (else authenticated)
     chain_id: str = ""  # names the run's links (one per hop) on its hosts
+    interrupted_by: str | None = None  # the signal that cancelled the run: SIGINT, SIGTERM
 
 
 class ProcessRun:
@@ -129,6 +130,7 @@ class ProcessRun:
         self.chain_id = self.runner.chain_id
         self.secret = self.runner.secret
         self._cancel: list[str] = []
+        self._signal: str | None = None  # the first signal that cancelled the run
         self._cancel_lock = threading.Lock()
         self._run: ChainRun | None = None
         self._started_s = time.monotonic()
@@ -180,6 +182,7 @@ class ProcessRun:
             media=runner.media_names,
             encrypted_edges=self.encrypt_edges,
             chain_id=self.chain_id,
+            interrupted_by=self._signal,
         )
 
     def _start(self) -> fsm.RunFinished | None:
@@ -201,6 +204,7 @@ class ProcessRun:
 
         def handler(signum: int, _frame: FrameType | None) -> None:
             name = signal.Signals(signum).name
+            self._signal = self._signal or name
             if self._cancel:
                 log.warning("%s again: the stages are stopped now, without waiting", name)
             else:  # a stage in a long step answers after it: say what happens meanwhile
