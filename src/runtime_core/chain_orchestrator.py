@@ -300,7 +300,7 @@ class ChainOrchestrator:
             detail = f"stage {event.stage_index}: {event.detail}".rstrip(": ")
             self._chain_fault(FaultReason(FaultKind.PROCESS_DIED, detail), event)
         elif isinstance(event, fsm.StageSilent):
-            detail = f"stage {event.stage_index}: no heartbeat for {event.silent_ms / 1000:.1f} s"
+            detail = f"stage {event.stage_index}: {event.why()}"
             self._chain_fault(FaultReason(FaultKind.STAGE_SILENT, detail), event)
         elif isinstance(event, RunTimerFired):
             handle = self.runs.get(event.run_id)

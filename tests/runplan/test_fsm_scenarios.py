@@ -329,6 +329,17 @@ def test_a_steps_time_limit_grows_with_its_rows() -> None:
     assert s.StartTimer(s.Timer.STEP, t.step_limit_ms(2)) in actions
 
 
+def test_a_stage_never_heard_is_not_said_to_have_missed_a_heartbeat() -> None:
+    """A stage stopped before its first word: the fault says it never spoke (it once
+    said "no heartbeat for", as of a stage that had beaten and then stopped)."""
+    orch = _running(small_plan(3))
+    orch, _ = o.step(orch, o.StageSilent(2, 4_000, heard=False))
+    assert orch.fault == s.FaultReason(
+        FaultKind.STAGE_SILENT,
+        "stage 2 on 'node-2': not a word since it started, and its run not ready in 4.0 s",
+    )
+
+
 def test_a_silent_stage_faults_the_run_naming_it_and_is_not_waited_for() -> None:
     plan = small_plan(3)
     orch = _running(plan)

@@ -106,10 +106,20 @@ class StageDied:
 class StageSilent:
     """Stage ``stage_index`` sent nothing, not even a heartbeat, for ``silent_ms``
     (longer than the heartbeat bound): stopped or hung, it is taken for gone (the
-    runtime kills it)."""
+    runtime kills it). ``heard``: False for a stage that has not said a word since it
+    started (its run not ready in ``silent_ms``)."""
 
     stage_index: int
     silent_ms: int
+    heard: bool = True
+
+    def why(self) -> str:
+        """What the fault says of the stage."""
+        if self.heard:
+            return f"no heartbeat for {self.silent_ms / 1000:.1f} s"
+        return (
+            f"not a word since it started, and its run not ready in {self.silent_ms / 1000:.1f} s"
+        )
 
 
 @frozen
@@ -602,7 +612,7 @@ def _stage_silent(m: OrchestratorMachine, e: StageSilent) -> _Result:
         return m, ()
     m = _evolve(m, dead=m.dead | {e.stage_index})
     node = m.node_ids[e.stage_index]
-    detail = f"stage {e.stage_index} on {node!r}: no heartbeat for {e.silent_ms / 1000:.1f} s"
+    detail = f"stage {e.stage_index} on {node!r}: {e.why()}"
     return _fault(m, FaultKind.STAGE_SILENT, detail, e.stage_index)
 
 

@@ -648,15 +648,15 @@ class ChainRunner:
     def _stage_silent(self, stage: _Stage, silent_s: float) -> None:
         stage.gone = True
         stage.handle.kill()
-        if stage.handle.channel.heard_s is None:
-            why = f"not a word since it started, and its run not ready in {silent_s:.1f} s"
-        else:
-            why = f"no heartbeat for {silent_s:.1f} s"
+        event = fsm.StageSilent(
+            stage.index, int(silent_s * 1000), stage.handle.channel.heard_s is not None
+        )
+        why = event.why()
         log.warning("stage %d (%s) is silent: %s; killed", stage.index, stage.node_id, why)
         self.trace.instant("stage silent", stage=stage.index, why=why)
         self._emit("stage_silent", stage_index=stage.index, silent_s=silent_s)
         self.dead = self.dead or f"stage {stage.index} on {stage.node_id!r}: {why}"
-        self.orchestrator.handle(fsm.StageSilent(stage.index, int(silent_s * 1000)))
+        self.orchestrator.handle(event)
 
     def _check_silence(self, now: float) -> None:
         bound = self.template.timeouts.heartbeat_ms / 1000.0
