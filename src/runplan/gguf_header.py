@@ -34,6 +34,7 @@ from runplan.shards import (
     shards_for,
 )
 from runplan.tensor_names import block_index
+from runplan.validate import U32_MAX
 
 
 class GgufError(ValueError):
@@ -242,8 +243,8 @@ class GgufHeader:
         if default is not None and not self.has(key):
             return default
         value = self.integer(key)
-        if not 1 <= value <= _U32_MAX:
-            raise GgufError(self.paths[0], f"{value}: it must be in 1..{_U32_MAX}", key)
+        if not 1 <= value <= U32_MAX:
+            raise GgufError(self.paths[0], f"{value}: it must be in 1..{U32_MAX}", key)
         return value
 
     def number(self, key: str, default: float | None = None) -> float:
@@ -365,7 +366,6 @@ _INTEGER_TYPES = frozenset(
     }
 )
 _FLOAT_TYPES = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
-_U32_MAX = 2**32 - 1
 
 
 def _array_count(field: Any) -> int:
