@@ -630,10 +630,10 @@ class Engine:
             return
         if result.outcome == "cancelled":
             failed = Failed(503, f"the run was cancelled: {SHUTTING_DOWN}", "cancelled")
-            self._finish(job, "cancelled", failed)
+            self._finish(job, "cancelled", failed, tokens=answer.tokens)  # those it was sent
             return
         failed = Failed(500, f"the pipeline failed: {result.fault}", "pipeline_fault")
-        self._finish(job, "faulted", failed)
+        self._finish(job, "faulted", failed, tokens=answer.tokens)
 
     def _finish(self, job: Job, outcome: str, event: Event | None, *, tokens: int = 0) -> None:
         log.info("request #%d (%s) finished: %s, %d tokens%s", job.number, job.id, outcome,

@@ -15,6 +15,7 @@ seconds), so that a run lasts long enough to act while it runs:
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import threading
 import time
@@ -219,7 +220,9 @@ def test_requests_join_the_chain_in_the_order_they_were_queued(tiny_chat: str) -
         server.stop()
 
 
-def test_a_stop_answers_every_request_at_once_and_the_server_ends(tiny_chat: str) -> None:
+def test_a_stop_answers_every_request_at_once_and_the_server_ends(
+    tiny_chat: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Told to exit (SIGTERM's handler, as uvicorn calls it), the server cancels what
     runs and answers what waits at once: the whole request gets a 503, the stream an
     error event and ``[DONE]``, the queued one a 503, each saying the server is shutting
@@ -257,6 +260,8 @@ def test_a_stop_answers_every_request_at_once_and_the_server_ends(tiny_chat: str
         threads.append(queued)
         wait_for(lambda: metrics(server.base_url)["gguf_pipeline_queue_length"] == 1, 30,
                  "the third request to wait")  # fmt: skip
+        time.sleep(1.0)  # the stage's step 0 (a prompt) is done: its run has its first token
+        caplog.set_level(logging.INFO, logger="runtime_cupy.serve")
         server.server.handle_exit(signal.SIGTERM, None)
         for t in threads:
             t.join(60)
@@ -271,3 +276,7 @@ def test_a_stop_answers_every_request_at_once_and_the_server_ends(tiny_chat: str
     assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     assert "shutting down" in events[-1]["error"]["message"], events[-1]
+    # The log counts the tokens each cancelled run had (it once said 0 tokens for all):
+    # the run whose prompt was the stage's step 0 had one (the next step is 1.5 s off).
+    ended = [r.getMessage() for r in caplog.records if "finished: cancelled" in r.getMessage()]
+    assert len(ended) == 2 and sum(", 1 tokens" in line for line in ended) == 1, ended
