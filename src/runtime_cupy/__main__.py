@@ -1,5 +1,10 @@
 import sys
 
-from runtime_cupy.cli.main import main
+try:
+    from runtime_cupy.cli.main import main
 
-sys.exit(main())
+    status = main()
+except KeyboardInterrupt:  # Ctrl-C while the modules load (or past the command's own care)
+    sys.stderr.write("cancelled\n")
+    status = 130
+sys.exit(status)

@@ -1,5 +1,10 @@
 import sys
 
-from runtime_sim.cli import main
+try:
+    from runtime_sim.cli import main
 
-sys.exit(main())
+    status = main()
+except KeyboardInterrupt:  # Ctrl-C while the modules load (or past the command's own care)
+    sys.stderr.write("cancelled\n")
+    status = 130
+sys.exit(status)
