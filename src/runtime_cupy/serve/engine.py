@@ -111,9 +111,15 @@ Sink = Callable[[Event], None]
 
 def chat_text(tokenizer: Tokenizer, messages: Sequence[Message]) -> str:
     """The text of a conversation: the model's chat template over it, with the
-    assistant's turn opened."""
+    assistant's turn opened. A message's ``name``, where given, is the template's to use
+    (as Hugging Face's ``apply_chat_template`` hands it on; most templates ignore it)."""
     return tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
+        [
+            {"role": m.role, "content": m.content}
+            | ({"name": m.name} if m.name is not None else {})
+            for m in messages
+        ],
+        add_generation_prompt=True,
     )
 
 

@@ -71,6 +71,7 @@ class RequestError(Exception):
 class Message:
     role: str  # system, user or assistant ("developer" reads as "system")
     content: str
+    name: str | None = None  # the participant's name: the chat template sees it, if given
 
 
 @frozen
@@ -299,9 +300,11 @@ def _message(param: str, value: Any) -> Message:
                 )
         elif key not in _MESSAGE_KEYS:
             raise _unknown(f"{param}.{key}")
-    ignored_string(f"{param}.name", value.get("name"))
+    name = value.get("name")
+    if name is not None:
+        name = required_string(f"{param}.name", name)
     content = _content(f"{param}.content", value.get("content"), role)
-    return Message("system" if role == "developer" else role, content)
+    return Message("system" if role == "developer" else role, content, name)
 
 
 def _content(param: str, value: Any, role: str) -> str:

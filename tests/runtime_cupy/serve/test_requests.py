@@ -6,12 +6,14 @@ nesting), any key, any bytes. Nothing else is ever raised (a 500 is a bug)."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runtime_core.tokenizer import Tokenizer
+from runtime_cupy.serve.engine import chat_text
 from runtime_cupy.serve.requests import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -172,3 +174,23 @@ def test_what_newer_clients_send_that_changes_no_answer_is_taken() -> None:
     with pytest.raises(RequestError) as info:
         parse_chat(json.dumps(body).encode())
     assert info.value.param == "stream_options.include_obfuscation"
+
+
+class _Template:
+    """A tokenizer's chat template that writes each message's name where it has one."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> str:
+        return "".join(f"{m.get('name', m['role'])}: {m['content']}\n" for m in messages)
+
+
+def test_a_message_name_reaches_the_chat_template() -> None:
+    """A participant's ``name`` is the template's to use (Hugging Face's
+    ``apply_chat_template`` hands it on); it was checked and then dropped."""
+    request = parse_chat(
+        _chat({"role": "user", "content": "Hi", "name": "ann"}, {"role": "user", "content": "Yo"})
+    )
+    assert [m.name for m in request.messages] == ["ann", None]
+    assert chat_text(cast(Tokenizer, _Template()), request.messages) == "ann: Hi\nuser: Yo\n"
+    with pytest.raises(RequestError) as info:
+        parse_chat(_chat({"role": "user", "content": "Hi", "name": 7}))
+    assert info.value.param == "messages[0].name"
