@@ -387,16 +387,22 @@ class Engine:
     def submit(self, choices: Sequence[Prepared], sink_of: Callable[[int], Sink]) -> list[Job]:
         """Admit a request's choices (``Prepared.choices``; ``sink_of(index)``: each
         one's sink), all of them or none: ``QueueFull`` when they would make more than
-        ``max_queue`` wait. A server with nothing running or waiting admits any request
-        (else one of more choices than ``max_queue`` could never be admitted)."""
+        ``max_queue`` wait (those that start at once, in the chain's free places after
+        the ones already waiting, do not wait). A server with nothing running or waiting
+        admits any request (else one of more choices than ``max_queue`` could never be
+        admitted)."""
         with self._cond:
             if self._closing:
                 raise QueueFull(SHUTTING_DOWN)
             waiting = len(self._queue)
-            if waiting + len(choices) > self.max_queue and (self._running or self._queue):
+            free = max(0, self.chain.max_concurrent - len(self._running))
+            would_wait = max(0, waiting + len(choices) - free)
+            if would_wait > self.max_queue and (self._running or self._queue):
                 raise QueueFull(
-                    f"{waiting} requests wait (--max-queue {self.max_queue})"
-                    + (f" and this one has {len(choices)} choices" if len(choices) > 1 else "")
+                    f"{waiting} requests wait (--max-queue {self.max_queue}) and "
+                    + (f"this one's {len(choices)} choices" if len(choices) > 1 else "this one")
+                    + f" would make {would_wait} wait ({free} of --max-concurrent "
+                    f"{self.chain.max_concurrent} free)"
                 )
             jobs = []
             tally = Tally(len(choices))

@@ -134,6 +134,28 @@ def test_a_full_queue_answers_429(slow: InProcessServer) -> None:
     assert len(done) == 2
 
 
+def test_choices_that_start_at_once_do_not_count_as_waiting(tiny_chat: str) -> None:
+    """With places free on the chain a request's choices start at once: none waits, so
+    ``--max-queue 0`` refuses none of them (a request was a 429 whenever anything ran:
+    its choices were counted as waiting); one choice more than the free places would
+    wait, and is refused."""
+    chain = WarmChain(tiny_chat, stages=2, host=FaultyHost(SLOW), context=128, max_concurrent=4)
+    with serving(Engine(chain, max_queue=0)) as server:
+        c = server.client()
+        long_one = threading.Thread(
+            target=lambda: c.chat.completions.create(model="tiny-chat", messages=MSG, max_tokens=3)
+        )
+        long_one.start()
+        wait_for(lambda: metrics(server.base_url)["gguf_pipeline_requests_running"] == 1, 30,
+                 "running")  # fmt: skip
+        with pytest.raises(openai.RateLimitError):  # 4 choices: one would wait
+            c.chat.completions.create(model="tiny-chat", messages=MSG, max_tokens=1, n=4)
+        for n in (3, 1):  # 3 places are free (while the first sleeps 2 s in its step 1)
+            r = c.chat.completions.create(model="tiny-chat", messages=MSG, max_tokens=1, n=n)
+            assert len(r.choices) == n
+        long_one.join(60)
+
+
 def test_a_request_of_more_choices_than_max_queue_is_admitted_whole(tiny_chat: str) -> None:
     # The stages start only once the request waits: its three choices are in the queue
     # of one place together (they were a 429 on any server, idle or not, the second
