@@ -43,8 +43,7 @@ from runtime_cupy.process.chain_runner import ChainRun
 from runtime_cupy.process.names import run_label
 from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
 from runtime_cupy.serve.logprobs import AnswerLogprobs, TokenLogprob
-from runtime_cupy.serve.metrics import Metrics
-from runtime_cupy.serve.recovery import RecoveryMetrics
+from runtime_cupy.serve.metrics import Metrics, RecoveryMetrics
 from runtime_cupy.serve.requests import CompletionRequest, Message, RequestError
 from runtime_cupy.serve.text import Answer
 

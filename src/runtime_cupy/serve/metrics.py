@@ -29,6 +29,7 @@ registry of the server's own):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -43,6 +44,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+
+if TYPE_CHECKING:
+    from runtime_cupy.serve.recovery import Recoveries
 
 OUTCOMES = ("completed", "cancelled", "faulted", "rejected")
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -183,3 +187,23 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RecoveryMetrics:
+    """``gguf_pipeline_recoveries_total`` (streams replayed after a loss) and
+    ``gguf_pipeline_recovery_seconds_total`` (their time from the interrupted run's end
+    to the replay's first token), read when scraped."""
+
+    def __init__(self, recoveries: Callable[[], Recoveries]) -> None:
+        self.recoveries = recoveries
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.recoveries()
+        yield CounterMetricFamily(
+            "gguf_pipeline_recoveries", "Streams replayed on a re-placed chain", r.count
+        )
+        yield CounterMetricFamily(
+            "gguf_pipeline_recovery_seconds",
+            "Seconds from a lost stage to the replay's first token, summed",
+            r.seconds,
+        )

@@ -31,12 +31,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 from attrs import frozen
-from prometheus_client.core import CounterMetricFamily, Metric
 
 from runplan import ModelFacts, NodePool, NodeSpec, RunPlan, RuntimeConfig, SamplingConfig
 from runplan.replacement import Replacement, Unplaceable, replace_lost
@@ -96,26 +95,6 @@ class Recoveries:
     def placed(self, replacement: Replacement) -> None:
         with self._lock:
             self.replacements.append(replacement)
-
-
-class RecoveryMetrics:
-    """``gguf_pipeline_recoveries_total`` (streams replayed after a loss) and
-    ``gguf_pipeline_recovery_seconds_total`` (their time from the interrupted run's end
-    to the replay's first token), read when scraped."""
-
-    def __init__(self, recoveries: Callable[[], Recoveries]) -> None:
-        self.recoveries = recoveries
-
-    def collect(self) -> Iterator[Metric]:
-        r = self.recoveries()
-        yield CounterMetricFamily(
-            "gguf_pipeline_recoveries", "Streams replayed on a re-placed chain", r.count
-        )
-        yield CounterMetricFamily(
-            "gguf_pipeline_recovery_seconds",
-            "Seconds from a lost stage to the replay's first token, summed",
-            r.seconds,
-        )
 
 
 def describe_placement(replacement: Replacement) -> str:
