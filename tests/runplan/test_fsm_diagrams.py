@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runplan.fsm.__main__ import DIAGRAMS, render
+from runplan.fsm.__main__ import DIAGRAMS, main, render
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -27,3 +27,20 @@ def test_every_state_appears_in_its_diagram(name: str) -> None:
     text = render(name)
     for state in states:
         assert state.name in text
+
+
+def test_the_command_writes_both_and_help_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--help`` once made a folder named ``--help`` and wrote the diagrams in it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0 and "usage: python -m runplan.fsm" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main(["--bogus"])
+    assert exited.value.code == 2
+    assert list(tmp_path.iterdir()) == []
+    assert main([str(tmp_path / "out")]) == 0
+    for name in DIAGRAMS:
+        assert (tmp_path / "out" / name).read_text() == render(name)
