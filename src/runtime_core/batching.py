@@ -5,16 +5,19 @@ Each run that can step offers one candidate, its oldest loaded record (the next 
 run's order); a batch takes at most one candidate per run, up to ``max_batch_rows``
 rows. The policy:
 
-1. a prefill record *owed* from the previous batch goes first;
+1. a prefill record *owed* from the previous batch goes first, unless that batch was
+   led by an owed record that left decodes out: then the decodes' turn comes first;
 2. then decode records (one row each), in the order they were loaded;
 3. then prefill records (a chunk or a whole prompt), in load order, each if it fits the
-   rows left.
+   rows left (the owed one first).
 
-A prefill record left out of a batch is owed to the next (the oldest one left out). So
-within each kind the first loaded is the first served, a decode waits behind at most
-one prefill record (a long prompt never starves decodes), and a prefill record is never
-passed over for good. A candidate of more than ``max_batch_rows`` rows is never chosen:
-the stage refuses such a record before it is a candidate.
+A prefill record left out of a batch is owed to the next (the oldest one left out, or
+the owed one still). So within each kind the first loaded is the first served, a decode
+waits behind at most one prefill record (a long prompt, or a queue of prompts whose
+chunks fill a batch each, never starves decodes: an owed record that took the decodes'
+rows gives them the next batch), and a prefill record is never passed over for good (it
+leads every other batch at least). A candidate of more than ``max_batch_rows`` rows is
+never chosen: the stage refuses such a record before it is a candidate.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class BatchScheduler:
             raise ValueError(f"max_batch_rows {max_batch_rows} is not at least 1")
         self.max_batch_rows = max_batch_rows
         self.owed: str | None = None  # the run whose prefill record goes first next time
+        self.decodes_first = False  # an owed record left decodes out: theirs is the next turn
 
     def choose(self, candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
         """The next batch, in the order it was chosen (empty only when there are no
@@ -55,22 +59,31 @@ class BatchScheduler:
         batch: list[Candidate] = []
         rows = 0
         owed = next((c for c in pool if c.run_id == self.owed and c.prefill), None)
-        if owed is not None:
-            batch.append(owed)
-            rows += owed.rows
+        lead = owed if not self.decodes_first else None
+        if lead is not None:
+            batch.append(lead)
+            rows += lead.rows
+        decodes_left = False
         for c in pool:
-            if not c.prefill and rows + c.rows <= limit:
-                batch.append(c)
-                rows += c.rows
-        left: list[Candidate] = []
-        for c in pool:
-            if c.prefill and c is not owed:
+            if not c.prefill:
                 if rows + c.rows <= limit:
                     batch.append(c)
                     rows += c.rows
                 else:
-                    left.append(c)
+                    decodes_left = True
+        prefills = [c for c in pool if c.prefill and c is not lead]
+        if owed is not None and lead is None:  # the owed record first among the prefills
+            prefills.remove(owed)
+            prefills.insert(0, owed)
+        left: list[Candidate] = []
+        for c in prefills:
+            if rows + c.rows <= limit:
+                batch.append(c)
+                rows += c.rows
+            else:
+                left.append(c)
         self.owed = left[0].run_id if left else None
+        self.decodes_first = lead is not None and decodes_left
         return tuple(batch)
 
     def forget(self, run_id: str) -> None:

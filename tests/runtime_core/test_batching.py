@@ -5,6 +5,8 @@ decode nor a prefill record waits for good."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -42,6 +44,27 @@ def test_a_long_prefill_never_starves_decodes_nor_is_starved() -> None:
         batch = s.choose([prefill("long", t, 4), decode("a", 100 + t), decode("b", 200 + t)])
         kinds.append(runs(batch))
     assert kinds == [["a", "b"], ["long"]] * 3
+
+
+def test_a_queue_of_prompts_whose_chunks_fill_a_batch_does_not_hold_a_decode() -> None:
+    """Three prompts of two whole-batch chunks each beside a decode: the decode waits
+    behind one chunk at most (it waited behind all six: each owed chunk led a batch of
+    its own, and the next owed one was taken from the others left out)."""
+    s = BatchScheduler(8)
+    chunks = {r: 2 for r in "ABC"}
+    loaded = {r: i for i, r in enumerate("ABC")}
+    order, t = [], 10
+    while any(chunks.values()):
+        t += 1
+        offered = [decode("d", t)] + [prefill(r, loaded[r], 8) for r in "ABC" if chunks[r]]
+        batch = s.choose(offered)
+        order.append(runs(batch))
+        for c in batch:
+            if c.prefill:
+                chunks[c.run_id] -= 1
+                loaded[c.run_id] = t
+    assert all("d" in a or "d" in b for a, b in itertools.pairwise(order)), order
+    assert sum(r != ["d"] for r in order) == 6  # every chunk ran
 
 
 def test_a_candidate_of_more_rows_than_a_batch_is_never_chosen() -> None:
@@ -88,3 +111,19 @@ def test_every_batch_holds_one_record_per_run_within_max_batch_rows(
         assert bool(batch) == bool(fitting)  # never idle while something can run
         decodes = [c.loaded for c in batch if not c.prefill]
         assert decodes == sorted(decodes)  # first loaded, first served
+
+
+@given(
+    st.integers(1, 8),
+    st.lists(st.lists(st.tuples(st.sampled_from("pqrs"), st.integers(1, 8)), max_size=4)),
+)
+def test_a_decode_offered_every_batch_never_misses_two_in_a_row(
+    max_rows: int, prefills: list[list[tuple[str, int]]]
+) -> None:
+    s = BatchScheduler(max_rows)
+    missed = 0
+    for t, offered in enumerate(prefills):
+        chunks = {run: prefill(run, t, min(rows, max_rows)) for run, rows in offered}
+        batch = s.choose([decode("d", 1000 + t), *chunks.values()])
+        missed = 0 if "d" in runs(batch) else missed + 1
+        assert missed < 2
