@@ -54,6 +54,10 @@ class WorkerCapabilities:
     kv_bytes_per_element: int = int_field(default=4)
     # Runs a mixture of experts (a model whose facts have an expert_count).
     experts: bool = bool_field(default=True)
+    # A matrix's rows must hold a multiple of this many elements (the compiled workers
+    # make activations 8-bit 32 elements at a time); 1: any length. The runtime checks
+    # it against the file's tensors (runtime_core.gguf_slice).
+    row_multiple: int = int_field(default=1)
 
 
 @frozen

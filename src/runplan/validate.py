@@ -316,6 +316,10 @@ def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection
         return InconsistentModelFacts(
             "worker", worker.name, "bytes per weight or KV element must not be negative"
         )
+    if worker.row_multiple < 1:
+        return InconsistentModelFacts(
+            "worker", worker.name, f"row_multiple {worker.row_multiple} is not at least 1"
+        )
     if worker.weight_bytes_per_element > 0 and not facts.block_elements:
         return InconsistentModelFacts(
             "block_elements",

@@ -271,6 +271,14 @@ def open_stage_slice(
                 f"({', '.join(caps.quant_types)})",
                 tensor=name,
             )
+        if len(info.shape) > 1 and info.shape[0] % caps.row_multiple:
+            raise UnsupportedModel(
+                path,
+                f"rows of {info.shape[0]} elements: the {caps.name} worker reads a matrix's "
+                f"rows {caps.row_multiple} elements at a time (its activations are made "
+                f"8-bit in blocks of {caps.row_multiple})",
+                tensor=name,
+            )
         owned[name] = info
     return StageSlice(
         path=path,

@@ -94,3 +94,19 @@ def test_the_cli_exits_2_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFi
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["type"] == "UnsupportedModel"
     assert "llama.rope.dimension_count" in error["message"]
+
+
+def test_rows_the_compiled_workers_cannot_read_are_refused_naming_the_tensor(
+    tmp_path: Path,
+) -> None:
+    """A float model whose feed-forward width (100) is not a multiple of 32: the CPU
+    worker makes its activations 8-bit 32 elements at a time, so ``ffn_down``'s rows of
+    100 are refused up front (they failed each stage's bind, blaming "the CUDA
+    kernels"); the NumPy reference worker, which has no such rule, runs the file."""
+    path = str(write_model(tmp_path / "ffn100.gguf", ModelShape(n_layers=2, ffn=100)))
+    with pytest.raises(UnsupportedModel, match="rows of 100 elements") as info:
+        generate(path, [1, 2, 3], max_tokens=2, worker="cpu", host=NoStarts())  # type: ignore[arg-type]
+    assert "blk.0.ffn_down.weight" in str(info.value)
+    from runtime_sim.api import generate as simulate
+
+    assert len(simulate(path, [1, 2, 3], max_tokens=2, worker="numpy").tokens) == 2

@@ -307,8 +307,8 @@ def load_weights(
                 raise ValueError(f"{name}: type {info.ggml_type} is not one the kernels read")
             if info.shape[0] != n_in or n_in % CHUNK:
                 raise ValueError(
-                    f"{name}: rows of {info.shape[0]} elements; the CUDA kernels read rows "
-                    f"of a multiple of {CHUNK}, the same for every part"
+                    f"{name}: rows of {info.shape[0]} elements; the kernels read rows of a "
+                    f"multiple of {CHUNK} elements, the same for every part"
                 )
         parts: list[tuple[MatrixPart, H]] = []
         n_out = sum(outputs(info) for info in infos)

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 from runplan import WorkerCapabilities
 from runplan.config import REFERENCE_ARCHITECTURES
-from runplan.quant_types import QUANT_TYPES
+from runplan.quant_types import CHUNK, QUANT_TYPES
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers.interface import TraceEvent, WorkerError
@@ -52,6 +52,7 @@ CUDA_CAPABILITIES = WorkerCapabilities(
     quant_types=QUANT_TYPES,
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,
+    row_multiple=CHUNK,
 )
 
 

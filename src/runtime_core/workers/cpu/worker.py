@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from runplan import WorkerCapabilities
 from runplan.config import REFERENCE_ARCHITECTURES
-from runplan.quant_types import QUANT_TYPES
+from runplan.quant_types import CHUNK, QUANT_TYPES
 from runtime_core.workers.cpu.kernels import checked_isa, default_threads, load
 from runtime_core.workers.interface import TraceEvent
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
@@ -44,6 +44,7 @@ CPU_CAPABILITIES = WorkerCapabilities(
     quant_types=QUANT_TYPES,
     weight_bytes_per_element=0,
     kv_bytes_per_element=0,
+    row_multiple=CHUNK,
 )
 
 
