@@ -78,3 +78,13 @@ def test_facts_without_element_counts_reject_for_a_worker_that_dequantizes(
     )
     assert isinstance(result, InconsistentModelFacts)
     assert result.field == "block_elements"
+
+
+@given(valid_plan_inputs(), st.integers(max_value=0))
+def test_a_worker_reading_rows_in_blocks_of_fewer_than_one_element_rejects(
+    inputs: PlanInputs, multiple: int
+) -> None:
+    worker = attrs.evolve(inputs.config.worker, row_multiple=multiple)
+    result = _run(inputs, config=attrs.evolve(inputs.config, worker=worker))
+    assert isinstance(result, InconsistentModelFacts)
+    assert result.field == "worker" and f"row_multiple {multiple}" in result.reason
