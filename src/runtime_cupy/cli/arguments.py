@@ -174,8 +174,9 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         "--context",
         type=positive_int,
         default=None,
-        help="tokens a request's prompt and answer may hold together (default: the "
-        "model's context length)",
+        help="positions of each run's KV cache: a request's prompt and its answer hold at "
+        "most one token more, the answer's last never being fed back (default: the model's "
+        "context length)",
     )
     parser.add_argument(
         "--log-dir",
