@@ -27,7 +27,8 @@ from runtime_core.console import (
 )
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
-from runtime_sim.api import GenerateResult, generate, generate_runs
+from runtime_core.workers.registry import CORE_WORKERS
+from runtime_sim.api import DEFAULT_WORKER, GenerateResult, generate, generate_runs
 from runtime_sim.explore import explore, report, report_json, self_test
 from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
@@ -65,6 +66,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 path,
                 prompt,
                 **generation_options(args),
+                worker=args.worker,
                 on_token=stream,
                 on_load=on_load,
                 tokenizer=tokenizer,
@@ -92,7 +94,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt: list[int]) -> int:
     """``--runs N``: N runs of the prompt in flight at once through one chain."""
     options = generation_options(args)
-    many = generate_runs(path, prompt, runs=args.runs, tokenizer=tokenizer, **options)
+    many = generate_runs(
+        path, prompt, runs=args.runs, tokenizer=tokenizer, worker=args.worker, **options
+    )
     rate = many.simulated_tokens_per_s
     if args.trace is not None:
         _write_trace(args.trace, many.runs[0])  # every run's shares the chain's trace
@@ -245,9 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="generate text through N simulated stages",
         description="Generate text from a GGUF model through N simulated "
-        "stages, each running the NumPy reference worker over its layers.",
+        "stages, each running the NumPy reference worker (or the CPU worker) over its "
+        "layers.",
     )
     add_generation_arguments(run, stages_help="pipeline stages (default: 3)")
+    run.add_argument(
+        "--worker",
+        choices=sorted(CORE_WORKERS.names),
+        default=DEFAULT_WORKER,
+        help="each stage's worker: numpy, the reference worker (default); cpu, the CPU "
+        "worker the process runtime runs (quantized weights, compiled kernels)",
+    )
     run.add_argument(
         "--runs",
         type=positive_int,

@@ -179,3 +179,16 @@ def test_several_runs_of_one_prompt_through_one_chain_each_equal_to_alone(
     assert main([*argv, "--max-tokens", "4", "--json"]) == 0
     alone = json.loads(capsys.readouterr().out)
     assert all(r["tokens"] == alone["tokens"] for r in doc["runs"])  # greedy: batch-invariant
+
+
+def test_the_cpu_worker_runs_as_the_readme_says(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--worker cpu``: the README's "reference or CPU worker" had no flag; greedy, the
+    two workers agree on this model's tokens."""
+    tokens = {}
+    for worker in ("numpy", "cpu"):
+        args = ["run", "--model", tiny, "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json"]
+        assert main([*args, "--worker", worker]) == 0
+        tokens[worker] = json.loads(capsys.readouterr().out)["tokens"]
+    assert tokens["cpu"] == tokens["numpy"] and tokens["cpu"]
