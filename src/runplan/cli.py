@@ -304,7 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--run-id", default="run-1", help="the run id (default: run-1)")
     plan.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
-    plan.add_argument("--orchestrator", default="orchestrator", help="the orchestrator's node id")
+    plan.add_argument(
+        "--orchestrator",
+        default="orchestrator",
+        help="the orchestrator's node id (default: %(default)s)",
+    )
     plan.set_defaults(func=_cmd_plan)
     add_check_parser(sub)
     add_split_parser(sub, model_args)
