@@ -193,6 +193,13 @@ class _Reporter:
             stage.run_ended()  # the run's trace is whole before the orchestrator hears
         if stage.channel.eof:
             return
+        if stage.lost is not None:
+            # The stage took its orchestrator for lost (its lifeline closed, SIGTERM,
+            # its frame unreadable): it says nothing more, and ends. An orchestrator that
+            # is still there (a Ray stage whose supervisor died, a stage terminated by
+            # another hand) sees the stage go as a stage lost, which it may recover from,
+            # not a stage that stopped its runs unasked (a protocol violation).
+            return
         try:
             stage.channel.send(message)
         except ChannelBroken as exc:

@@ -41,17 +41,36 @@ STOP = StopRun("forged", StopReason.CANCELLED)
 SEEDED = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 11}
 
 
-def kill_after(chain: WarmChain, stage: int, after: int, seen: list[int]) -> Callable[[int], None]:
-    """An ``on_token`` that records the stream and SIGKILLs ``stage``'s process once
-    ``after`` tokens arrived (from the chain's loop thread: mid-stream)."""
+def kill_after(
+    chain: WarmChain, stage: int, after: int, seen: list[int], signum: int = signal.SIGKILL
+) -> Callable[[int], None]:
+    """An ``on_token`` that records the stream and sends ``signum`` (SIGKILL) to
+    ``stage``'s process once ``after`` tokens arrived (from the chain's loop thread:
+    mid-stream)."""
     pids = chain.pids()
 
     def on_token(token: int) -> None:
         seen.append(token)
         if len(seen) == after:
-            os.kill(pids[stage], signal.SIGKILL)
+            os.kill(pids[stage], signum)
 
     return on_token
+
+
+def test_a_stage_that_ends_its_runs_on_its_own_is_a_lost_stage(tiny: str) -> None:
+    """SIGTERM to stage 1 mid-stream (as another hand, or a Ray stage whose supervisor
+    died, ends it): the stage takes its orchestrator for lost and ends, saying nothing
+    more, so the chain recovers as from a killed stage. It once sent ``StageStopped``
+    for its run first, a stage stopping unasked: a protocol violation, not recovered."""
+    unbroken = generate(tiny, PROMPT, stages=3, max_tokens=TOKENS)
+    with WarmChain(tiny, stages=3, context=64, recover=True) as chain:
+        seen: list[int] = []
+        run = chain.generate(
+            PROMPT, max_tokens=TOKENS, on_token=kill_after(chain, 1, 3, seen, signal.SIGTERM)
+        )
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == unbroken.tokens and tuple(seen) == unbroken.tokens
+        assert chain.recoveries.count == 1
 
 
 @pytest.mark.parametrize("sampling", [{}, SEEDED], ids=["greedy", "seeded"])
