@@ -53,6 +53,22 @@ def test_hosts_are_labelled_by_address_and_kept_apart_on_one_machine() -> None:
     assert hosts[2].is_head and not hosts[3].is_head
 
 
+def test_a_nodes_label_outlives_a_dead_neighbour_on_its_machine() -> None:
+    """Three nodes of one machine; the middle one dies: the third keeps its label (it
+    took the dead node's, ``#1``, and recovery, whose placement still mapped ``#1`` to
+    the dead node, re-placed a stage there)."""
+    nodes = [
+        _node("a1", "127.0.0.1", 3, head=True),
+        _node("a2", "127.0.0.1", 5),
+        _node("a3", "127.0.0.1", 9),
+    ]
+    before = {h.label: h.ray_node_id for h in live_hosts(nodes)}
+    assert before == {"127.0.0.1#0": "a1", "127.0.0.1#1": "a2", "127.0.0.1#2": "a3"}
+    nodes[1] = {**nodes[1], "Alive": False}
+    after = {h.label: h.ray_node_id for h in live_hosts(nodes)}
+    assert after == {"127.0.0.1#0": "a1", "127.0.0.1#2": "a3"}
+
+
 def test_stages_spread_over_hosts_with_consecutive_stages_together() -> None:
     assert spread(3, 3) == [0, 1, 2]
     assert spread(4, 3) == [0, 0, 1, 2]

@@ -59,16 +59,26 @@ class StageNode:
 
 
 def live_hosts(nodes: Sequence[Mapping[str, Any]]) -> tuple[RayHostInfo, ...]:
-    """The live Ray nodes of ``ray.nodes()`` as hosts, in label order."""
-    alive = [n for n in nodes if n.get("Alive")]
+    """The live Ray nodes of ``ray.nodes()`` as hosts, in label order. Several nodes of
+    one machine are numbered over every node Ray reports there, the dead ones too (it
+    keeps them): a node's label never changes while the cluster lives, so a label a
+    stage was placed on never comes to name another node when one of its machine dies
+    (the live nodes numbered alone took their dead neighbour's label, and recovery
+    offered the dead node in its place)."""
     by_address: dict[str, list[Mapping[str, Any]]] = {}
-    for node in alive:
+    for node in nodes:
         by_address.setdefault(str(node["NodeManagerAddress"]), []).append(node)
     hosts = []
     for address, group in by_address.items():
+        if not any(n.get("Alive") for n in group):
+            continue
         # The head first, then by the raylet's port: stable for the cluster's life.
-        group.sort(key=lambda n: (not _is_head(n), int(n.get("NodeManagerPort", 0))))
+        group.sort(
+            key=lambda n: (not _is_head(n), int(n.get("NodeManagerPort", 0)), str(n["NodeID"]))
+        )
         for index, node in enumerate(group):
+            if not node.get("Alive"):
+                continue
             resources = node.get("Resources", {})
             hosts.append(
                 RayHostInfo(
