@@ -130,6 +130,30 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str, signum: int, st
     assert wait_gone(list(pids.values()), 5) == []
 
 
+def test_ctrl_c_in_a_recovering_run_is_one_json_object(smollm2_path: str) -> None:
+    """``--recover --json``: Ctrl-C while the warm chain starts prints the run's JSON
+    (outcome ``cancelled``, the tokens so far) and exits 130; it printed nothing on
+    standard output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "2",
+         "--prompt-ids", "1,2", "--max-tokens", "4", "--recover", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )  # fmt: skip
+    pids = _children(proc.pid, 2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    doc = json.loads(out)  # exactly one JSON object
+    assert doc["outcome"] == "cancelled" and doc["tokens"] == [] and doc["fault"] is None
+    assert err.strip().splitlines()[-1] == "cancelled"
+    assert wait_gone(list(pids.values()), 10) == []
+
+
 def _children(pid: int, count: int) -> dict[int, int]:
     """Stage index -> pid of the ``count`` stage processes of ``pid``, once they run."""
     deadline = time.monotonic() + 30

@@ -47,6 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runplan.arguments import OneLineParser
+from runplan.config import run_positions
 from runplan.models import resolve_model
 from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
@@ -69,6 +70,7 @@ from runtime_cupy.cli.arguments import (
     configure_logs,
     stage_options,
 )
+from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.process.tracing import chrome_trace
 from runtime_cupy.serve.chain import ChainError
 from runtime_cupy.slices.progress import SliceBars, describe, figures
@@ -159,8 +161,7 @@ def _run_batch(args: argparse.Namespace) -> int:
             "fault": result.fault,
         }
         faulted += result.outcome != "completed"
-        sys.stdout.write(json.dumps(line, sort_keys=True) + "\n")
-        sys.stdout.flush()
+        write_json(line)
     return EXIT_FAULTED if faulted else 0
 
 
@@ -195,7 +196,10 @@ def _run(args: argparse.Namespace) -> int:
     status.start()
     try:
         if args.recover:
-            result = _generate_recovering(args, path, prompt, stream)
+            try:
+                result = _generate_recovering(args, path, prompt, stream)
+            except KeyboardInterrupt:  # the chain is closed: what came, and "cancelled"
+                return _cancelled(args, stream, tokenizer, err)
         else:
             result = generate(
                 path,
@@ -212,8 +216,7 @@ def _run(args: argparse.Namespace) -> int:
         bars.stop()
     stream.finish(result.text)
     if args.json:
-        sys.stdout.write(json.dumps(_result_json(result, len(prompt)), sort_keys=True) + "\n")
-        sys.stdout.flush()
+        write_json(_result_json(result, len(prompt)))
     else:
         _print_summary(plain_console(soft_wrap=True), result, len(prompt), args.worker)
     # after the result: a trace that cannot be written (a full disk) loses nothing else
@@ -261,7 +264,7 @@ def _generate_recovering(
         path,
         stages=args.stages,
         **stage_options(args),
-        context=max(2, len(prompt) + args.max_tokens),
+        context=max(2, run_positions(len(prompt), args.max_tokens)),
         trace=args.trace is not None,
         max_concurrent=1,
         recover=True,
@@ -281,6 +284,23 @@ def _generate_recovering(
     finally:
         chain.close()
     return run.result
+
+
+def _cancelled(
+    args: argparse.Namespace, stream: TextStream, tokenizer: Tokenizer, err: Console
+) -> int:
+    """Ctrl-C ended a ``--recover`` run (its warm chain, closed, gives no result): the
+    tokens streamed so far, with ``--json`` as one object of the result's fields, and
+    ``cancelled`` (130), as a run without ``--recover`` ends."""
+    text = tokenizer.decode(stream.ids)
+    stream.finish(text)
+    if args.json:
+        write_json(
+            {"tokens": list(stream.ids), "text": text, "outcome": "cancelled", "fault": None,
+             "interrupted_by": "SIGINT"}
+        )  # fmt: skip
+    err.print("cancelled", highlight=False)
+    return EXIT_CANCELLED
 
 
 def _round(value: float | None, scale: float, digits: int) -> float | None:
@@ -418,9 +438,7 @@ SUBCOMMANDS = ("plan", "serve", "chat", "cache")
 
 def _error(args: argparse.Namespace, exc: Exception) -> None:
     if args.json:
-        sys.stdout.write(
-            json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
-        )
+        write_json({"error": {"type": type(exc).__name__, "message": str(exc)}})
     else:
         plain_console(stderr=True, soft_wrap=True).print(
             labelled("error", "bold red", str(exc)), highlight=False
@@ -433,14 +451,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _subcommand(given[0], given[1:])
     args = build_parser().parse_args(given)
     configure_logs(args.verbose)
-    try:
-        return _run(args)
-    except INPUT_ERRORS as exc:
-        _error(args, exc)
-        return EXIT_INPUT
-    except ChainError as exc:  # --recover's or --prompts-file's stages could not start
-        _error(args, exc)
-        return EXIT_FAULTED
-    except KeyboardInterrupt:
-        Console(stderr=True).print("cancelled")
-        return EXIT_CANCELLED
+    with json_stdout(args.json):  # whatever else writes to stdout goes to stderr
+        try:
+            return _run(args)
+        except INPUT_ERRORS as exc:
+            _error(args, exc)
+            return EXIT_INPUT
+        except ChainError as exc:  # --recover's or --prompts-file's stages could not start
+            _error(args, exc)
+            return EXIT_FAULTED
+        except KeyboardInterrupt:
+            Console(stderr=True).print("cancelled")
+            return EXIT_CANCELLED

@@ -1,0 +1,58 @@
+"""Standard output for ``--json``: exactly the command's JSON, whoever else writes.
+
+While a ``--json`` command runs (``json_stdout(True)``), ``sys.stdout`` and file
+descriptor 1 point at standard error, so that what others write there goes to standard
+error: Ray's driver printing its workers' and raylets' lines (``(raylet) Raylet is
+terminated ...`` when a node dies), a library's ``print``, a child process's output.
+The command writes its JSON with ``write_json``, to the standard output it was given.
+Where standard output has no descriptor of its own (captured by a test), nothing is
+moved and ``write_json`` writes to ``sys.stdout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+_out: TextIO | None = None  # the given standard output, while a --json command runs
+
+
+@contextlib.contextmanager
+def json_stdout(active: bool) -> Iterator[None]:
+    """For the ``with`` block, when ``active``: standard output (``sys.stdout`` and
+    descriptor 1) is standard error, and ``write_json`` writes to the real one."""
+    global _out
+    if not active or _out is not None:
+        yield
+        return
+    try:
+        fd, err_fd = sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        yield  # captured streams: nothing at the descriptors' level to move
+        return
+    sys.stdout.flush()
+    real = open(os.dup(fd), "w", encoding="utf-8", closefd=True)  # noqa: SIM115
+    previous = sys.stdout
+    os.dup2(err_fd, fd)
+    sys.stdout, _out = sys.stderr, real
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        real.flush()
+        os.dup2(real.fileno(), fd)
+        sys.stdout, _out = previous, None
+        real.close()
+
+
+def write_json(doc: Any) -> None:
+    """One JSON document and a line feed on the command's standard output, flushed."""
+    out = _out if _out is not None else sys.stdout
+    out.write(json.dumps(doc, sort_keys=True) + "\n")
+    out.flush()
