@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ from runplan.models import resolve_model
 from runplan.terminal import labelled, plain_console
 from runtime_core.runs import PlanRejected, facts_for_run
 from runtime_cupy.cli.arguments import INPUT_ERRORS, add_cluster, add_model, add_stages, add_worker
+from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.hosts.ray.cluster import StageNode
 
 EXIT_REJECTED = 2
@@ -106,8 +106,7 @@ def _run(args: argparse.Namespace) -> int:
             }
         )
     if args.json:
-        doc = {"plan": json.loads(wire.dumps(plan)), "stages": rows}
-        sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+        write_json({"plan": json.loads(wire.dumps(plan)), "stages": rows})
         return 0
     title = f"{plan.model.model_id}: {plan.stage_count} stages ({args.placement} placement)"
     table = Table(title=title, box=box.SIMPLE_HEAD)
@@ -133,14 +132,15 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except PlanRejected as exc:
-        _error(args, exc, code=exc.rejection.code)
-        return EXIT_REJECTED
-    except INPUT_ERRORS as exc:
-        _error(args, exc)
-        return EXIT_REJECTED
+    with json_stdout(args.json):  # Ray's driver may print into stdout meanwhile
+        try:
+            return _run(args)
+        except PlanRejected as exc:
+            _error(args, exc, code=exc.rejection.code)
+            return EXIT_REJECTED
+        except INPUT_ERRORS as exc:
+            _error(args, exc)
+            return EXIT_REJECTED
 
 
 def _error(args: argparse.Namespace, exc: Exception, code: str | None = None) -> None:
@@ -148,7 +148,7 @@ def _error(args: argparse.Namespace, exc: Exception, code: str | None = None) ->
         error: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
         if code is not None:
             error["code"] = code
-        sys.stdout.write(json.dumps({"error": error}) + "\n")
+        write_json({"error": error})
     else:
         what = f"rejected ({code})" if code else "error"
         plain_console(stderr=True, soft_wrap=True).print(
