@@ -140,7 +140,9 @@ def add_recovery(parser: argparse.ArgumentParser) -> None:
         "--recover",
         action="store_true",
         help="when a stage process, host or link is lost, place the chain again over the "
-        "live nodes and replay each interrupted run there, continuing its stream",
+        "live nodes and replay each interrupted run there, continuing its stream (once "
+        "the chain is up: a stage lost while the stages first start and bind is an "
+        "error; python -m runtime_cupy takes it with one --prompt, not a --prompts-file)",
     )
     parser.add_argument(
         "--max-recoveries",
