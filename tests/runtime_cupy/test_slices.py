@@ -585,3 +585,19 @@ def test_a_hosts_name_shows_in_the_bars_as_it_is() -> None:
     bars.stop()
     assert "stage 1 slice -> [bold]h1 failed" in out.getvalue(), out.getvalue()
     assert "stage 2 slice -> h[/]2 failed" in out.getvalue(), out.getvalue()
+
+
+def test_a_slice_the_stage_refuses_after_its_header_is_named_on_both_sides(
+    untied: Source, tmp_path: Path
+) -> None:
+    """A cache limit below the slice: the stage refuses it once the header says its size;
+    the server records the stage's own reason (it recorded ``'tensors'``, a KeyError on
+    the refusal)."""
+    origin = SliceOrigin(untied.server.address, untied.key)
+    key = slice_key(untied.secret, "node1")
+    small = SliceCache(tmp_path / "host", limit=untied.slice_bytes(MIDDLE) // 2)
+    with pytest.raises(SliceTransferFailed) as failed:
+        untied.resolve(SliceFetcher(origin, 1, key, small, encrypt=False))
+    (transfer,) = [t for t in _settled(untied.server) if t.stage_index == 1]
+    assert transfer.error is not None and "tensors" not in transfer.error, transfer
+    assert transfer.error in str(failed.value), (transfer.error, str(failed.value))

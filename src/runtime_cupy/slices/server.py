@@ -305,8 +305,10 @@ class SliceServer:
         )
         link.send_bytes(header_data)
         self._update(index, sent_bytes=len(header_data))
-        want = link.receive()["tensors"]
-        wanted = set(want)
+        answer = link.receive()
+        if "tensors" not in answer:  # the stage refused the slice after its header
+            raise TransferError(str(answer.get("error", "the stage gave up")))
+        wanted = set(answer["tensors"])
         if not wanted <= set(names):
             raise TransferError(
                 f"asked for tensors not in its slice: {sorted(wanted - set(names))}"
