@@ -81,4 +81,5 @@ def test_four_concurrent_runs_on_three_hosts_give_their_tokens_alone(
         assert max(o.token_times_s[0] for o in done) < min(o.ended_s for o in done)
     finally:
         runner.close()
+        host.close()  # its rendezvous folder under /var/tmp (it was left behind)
     assert run_resources(runner.chain_id) == []
