@@ -167,6 +167,35 @@ def test_with_recover_a_killed_stage_is_replaced_and_the_text_goes_on(smollm2_pa
     assert wait_gone(list(pids.values()), 5) == []
 
 
+def test_with_recover_the_json_counts_the_recoveries(smollm2_path: str) -> None:
+    """``--recover --json``: the run's object says how many times it was recovered
+    (``recoveries``), its tokens the unbroken run's."""
+    prompt = [504, 3575, 282, 4649, 314]
+    unbroken = runtime_cupy.generate(smollm2_path, prompt, stages=2, max_tokens=32)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "2",
+         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "32", "--recover",
+         "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )  # fmt: skip
+    pids = _children(proc.pid, 2)
+    assert proc.stdout is not None and proc.stderr is not None
+    text = b""
+    while unbroken.text[:12].encode() not in text:  # the first tokens' text: decoding
+        chunk = proc.stderr.read(1)
+        assert chunk, "standard error ended before the text came"
+        text += chunk
+    os.kill(pids[0], signal.SIGKILL)
+    out = proc.stdout.read()
+    proc.stderr.read()
+    assert proc.wait(120) == 0
+    doc = json.loads(out)
+    assert doc["recoveries"] == 1 and doc["tokens"] == list(unbroken.tokens), doc
+    assert wait_gone(list(pids.values()), 5) == []
+
+
 def test_max_concurrent_takes_a_prompts_file(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["--model", tiny, "--prompt-ids", "1,2", "--max-concurrent", "4"])
     assert code == 2

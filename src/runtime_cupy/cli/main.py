@@ -9,8 +9,9 @@ prints the plan, in ``cli.plan``).
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
 ``fault``, ``stages``, ``timings``, ``slices``: bytes and seconds of each stage's slice
-that travelled) and everything else goes to standard error. While slices of the model
-travel to stages on other hosts, standard error shows a progress bar per stage. A run
+that travelled; ``recoveries``: the times ``--recover`` replayed the run after a
+loss) and everything else goes to standard error. While slices of the model travel to
+stages on other hosts, standard error shows a progress bar per stage. A run
 that faults prints one line naming the stage, node and reason to standard error and
 exits 1, as do stages that cannot be started (no descriptor left, ...) and a
 ``--trace`` that cannot be written (a full disk: said in one line after the result,
@@ -194,10 +195,11 @@ def _run(args: argparse.Namespace) -> int:
             status.stop()
 
     status.start()
+    recoveries = 0
     try:
         if args.recover:
             try:
-                result = _generate_recovering(args, path, prompt, stream)
+                result, recoveries = _generate_recovering(args, path, prompt, stream)
             except KeyboardInterrupt:  # the chain is closed: what came, and "cancelled"
                 return _cancelled(args, stream, tokenizer, err)
         else:
@@ -216,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         bars.stop()
     stream.finish(result.text)
     if args.json:
-        write_json(_result_json(result, len(prompt)))
+        write_json(_result_json(result, len(prompt)) | {"recoveries": recoveries})
     else:
         _print_summary(plain_console(soft_wrap=True), result, len(prompt), args.worker)
     # after the result: a trace that cannot be written (a full disk) loses nothing else
@@ -256,8 +258,9 @@ def _trace_not_written(path: Path, exc: OSError, err: Console) -> bool:
 
 def _generate_recovering(
     args: argparse.Namespace, path: str, prompt: list[int], stream: TextStream
-) -> GenerateResult:
-    """The run on a warm chain that recovers from a lost stage (``--recover``)."""
+) -> tuple[GenerateResult, int]:
+    """The run on a warm chain that recovers from a lost stage (``--recover``), and the
+    times it was recovered."""
     from runtime_cupy.serve.chain import WarmChain
 
     chain = WarmChain(
@@ -283,7 +286,7 @@ def _generate_recovering(
         )
     finally:
         chain.close()
-    return run.result
+    return run.result, chain.recoveries.count
 
 
 def _cancelled(
