@@ -120,7 +120,7 @@ def test_rows_the_kernels_cannot_read_are_refused_at_bind(folder: Path) -> None:
     path = write_model(folder / "h48.gguf", ModelShape(n_layers=1, hidden=48, heads=4, heads_kv=2))
     w = TwinWorker()
     w.configure(provisions(path)[0])
-    with pytest.raises(WorkerError, match="multiple of 32"):
+    with pytest.raises(WorkerError, match="rows 32 elements at a time"):
         w.bind(provisions(path)[0].gguf_source)
 
 
