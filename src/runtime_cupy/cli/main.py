@@ -72,6 +72,7 @@ from runtime_cupy.cli.arguments import (
     stage_options,
 )
 from runtime_cupy.cli.json_stdout import json_stdout, write_json
+from runtime_cupy.hosts.ray.session import left_at_the_end
 from runtime_cupy.process.tracing import chrome_trace
 from runtime_cupy.serve.chain import ChainError
 from runtime_cupy.slices.progress import SliceBars, describe, figures
@@ -454,7 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _subcommand(given[0], given[1:])
     args = build_parser().parse_args(given)
     configure_logs(args.verbose)
-    with json_stdout(args.json):  # whatever else writes to stdout goes to stderr
+    # Whatever else writes to stdout goes to stderr, Ray's driver too until it is left.
+    with json_stdout(args.json), left_at_the_end():
         try:
             return _run(args)
         except INPUT_ERRORS as exc:

@@ -25,6 +25,7 @@ from runtime_core.runs import PlanRejected, facts_for_run
 from runtime_cupy.cli.arguments import INPUT_ERRORS, add_cluster, add_model, add_stages, add_worker
 from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.hosts.ray.cluster import StageNode
+from runtime_cupy.hosts.ray.session import left_at_the_end
 
 EXIT_REJECTED = 2
 DEFAULT_SEQ_LEN = 2048
@@ -132,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with json_stdout(args.json):  # Ray's driver may print into stdout meanwhile
+    with json_stdout(args.json), left_at_the_end():  # Ray's driver prints into stdout
         try:
             return _run(args)
         except PlanRejected as exc:

@@ -3,8 +3,11 @@ about its hosts (the query behind the node pool; ``runplan`` stays pure)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from runtime_cupy.hosts.ray.cluster import (
@@ -42,6 +45,22 @@ def connect(address: str) -> None:
         )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+
+
+@contextlib.contextmanager
+def left_at_the_end() -> Iterator[None]:
+    """A command that joins a cluster in the ``with`` block leaves it at the block's end
+    (``ray.shutdown``: what Ray's driver prints as it goes, such as a dead raylet's
+    report, is printed there, not after the command's output); a process connected
+    before the block (a caller's) stays connected."""
+    ray = sys.modules.get("ray")
+    before = ray is not None and ray.is_initialized()
+    try:
+        yield
+    finally:
+        ray = sys.modules.get("ray")
+        if not before and ray is not None and ray.is_initialized():
+            ray.shutdown()
 
 
 def _reachable(address: str) -> None:
