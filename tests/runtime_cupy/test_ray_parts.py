@@ -243,3 +243,34 @@ def test_the_live_nodes_after_a_loss_are_the_live_hosts_nodes_and_a_spare(
     live = [spec.node_id for spec, _ in host.live_nodes(known, "cpu")]
     assert live == ["10.0.0.1/cpu0", "10.0.0.1/cpu1", "10.0.0.3/cpu0"]
     assert host.machine("10.0.0.3/cpu0") == "10.0.0.3"  # a node it can start a stage on
+
+
+def test_a_label_that_came_to_name_a_live_node_is_not_offered_as_the_dead_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Labels of one machine's nodes follow their raylets' ports: a node that joins with a
+    lower port moves the labels above it. A label the host saw naming a node now dead,
+    which names a live node after such a move, is offered as that live node (it was
+    offered as the dead one: a stage re-placed there could not be scheduled); a label
+    whose first node lives on elsewhere is not offered twice."""
+    from runtime_cupy.hosts.ray import session
+    from runtime_cupy.hosts.ray.host import RayHost
+
+    a1, a2, x = (
+        _node("a1", "127.0.0.1", 3, head=True),
+        _node("a2", "127.0.0.1", 5),
+        _node("x", "127.0.0.1", 9),
+    )
+    first = cpu_stage_nodes(live_hosts([a1, a2, x]), 3)  # #0 a1, #1 a2, #2 x
+    host = RayHost(first, "10.0.0.9")
+    known = [(n.spec, n.device) for n in first[:2]]  # stages on #0 and #1; #2 seen, unused
+    # x dies; y joins below a2's port: #0 a1, #1 y, #2 a2, #3 x (dead)
+    y = _node("y", "127.0.0.1", 4)
+    now = live_hosts([a1, a2, {**x, "Alive": False}, y])
+    monkeypatch.setattr(session, "hosts", lambda: now)
+    monkeypatch.setattr(session, "stage_nodes", lambda _w, n: cpu_stage_nodes(now, n))
+    offered = {spec.node_id: host._node(spec.node_id).host.ray_node_id
+               for spec, _ in host.live_nodes(known, "cpu")}  # fmt: skip
+    assert "x" not in offered.values(), offered
+    assert offered["127.0.0.1#0/cpu0"] == "a1" and offered["127.0.0.1#1/cpu0"] == "a2"
+    assert offered["127.0.0.1#2/cpu0"] == "a2"  # the label x had names a2 now

@@ -310,9 +310,17 @@ class RayHost:
             if spec.node_id in self.nodes and self.nodes[spec.node_id].host.ray_node_id in up
         ]
         for node in found:
-            if node.node_id not in {spec.node_id for spec, _ in out}:
-                self.nodes.setdefault(node.node_id, node)
-                out.append((node.spec, node.device))
+            if node.node_id in {spec.node_id for spec, _ in out}:
+                continue
+            # A label moves when a node joins below it (labels follow the raylets' ports):
+            # one whose first node lives on stays that node's; one whose first node is
+            # gone names the live node it names now.
+            saved = self.nodes.get(node.node_id)
+            moved = saved is not None and saved.host.ray_node_id != node.host.ray_node_id
+            if moved and saved is not None and saved.host.ray_node_id in up:
+                continue
+            self.nodes[node.node_id] = node
+            out.append((node.spec, node.device))
         return tuple(out)
 
     # -- the port ------------------------------------------------------------------------
