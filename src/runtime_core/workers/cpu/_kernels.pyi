@@ -37,6 +37,20 @@ def linear(
     *,
     isa: str | None = None,
 ) -> None: ...
+def linear_spans(
+    matrices: Sequence[Matrix],
+    spans: Sequence[tuple[int, int]],
+    x: Any,
+    q: Any | None,
+    d: Any | None,
+    s: Any | None,
+    g: Any | None,
+    y: Any,
+    threads: int,
+    /,
+    *,
+    isa: str | None = None,
+) -> None: ...
 def quantize(fmt: str, x: Any, rows: int, n: int, q: Any, d: Any, s: Any, g: Any) -> None: ...
 def rmsnorm(
     x: Any,

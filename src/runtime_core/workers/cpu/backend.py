@@ -568,8 +568,29 @@ class CpuOps:
     ) -> None:
         """y[a:b] = src[a:b] @ lins[e]^T for each span ``(e, a, b)``, in the activation
         formats the weights take (llama.cpp's, as ``linear``'s): ``src`` rounded to half
-        or bfloat16 once, or made 8-bit by each span's product (a matrix takes one)."""
+        or bfloat16 once, or made 8-bit (a matrix takes one). Experts of one matrix
+        each, all of one format (the rule), go as one call (``linear_spans``: one pool
+        run for all); others span by span."""
         x = b[src]
+        entries = [self.matrices[id(lins[e])] for e, _, _ in at]
+        if all(len(m) == 1 for m in entries) and len({m[0][0] for m in entries}) == 1:
+            fmt = entries[0][0][0]
+            matrices = [m[0][1] for m in entries]
+            spans = [(first, end) for _, first, end in at]
+            if fmt in ("f32", "f16", "bf16") or not self.use_q8:
+                xf = x
+                if self.use_q8 and fmt != "f32":
+                    xf = b[f"{src}-{fmt}"]
+                    self.kernels.round(x, xf, fmt, self.threads)
+                self.kernels.linear_spans(
+                    matrices, spans, xf, None, None, None, None, y, self.threads, isa=self.isa
+                )
+            else:
+                q = b[f"{src}-{fmt}"]
+                self.kernels.linear_spans(
+                    matrices, spans, x, q.q, q.d, q.s, q.g, y, self.threads, isa=self.isa
+                )
+            return
         rounded: set[str] = set()
         for e, first, end in at:
             rows = end - first

@@ -372,3 +372,63 @@ def test_a_batch_of_eight_decode_rows_multiplies_each_weight_once(
         assert linear_rows == [8] * len(alone)
     finally:
         worker.release()
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("use_q8", [True, False], ids=["q8", "f32"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K", "Q4_0", "F16"])
+def test_products_over_spans_of_rows_are_each_spans_own(qtype: str, use_q8: bool, isa: str) -> None:
+    """``linear_spans`` (a mixture's experts, each over the rows that chose it, in one
+    call): every span's rows get the bits ``linear`` gives them over that span alone,
+    whatever the threads, with spans empty, of one row and of many."""
+    rng = np.random.default_rng(7)
+    experts = [
+        _kernels.Matrix(
+            [
+                (
+                    random_rows(rng, qtype, N_OUT, N_IN, scale=1 / np.sqrt(N_IN)),
+                    qtype,
+                    N_OUT,
+                    N_IN,
+                    0,
+                )
+            ],
+            repack=True,
+            threads=2,
+        )
+        for _ in range(5)
+    ]
+    x = activations(rng, 23)
+    spans = [(0, 1), (1, 1), (1, 9), (9, 10), (10, 23)]  # one, none, eight, one, thirteen
+    want = np.concatenate(
+        [
+            linear(m, x[a:b], use_q8, 1, isa)
+            for m, (a, b) in zip(experts, spans, strict=True)
+            if b > a
+        ]
+    )
+    for threads in (1, 2, 3):
+        y = np.full((23, N_OUT), np.nan, np.float32)
+        if use_q8 and experts[0].act_format != "f32":
+            q, d = np.zeros((23, N_IN), np.int8), np.zeros((23, N_IN // 32), np.float32)
+            s, g = d.copy(), np.zeros((23, N_IN // 16), np.int32)
+            _kernels.linear_spans(experts, spans, x, q, d, s, g, y, threads, isa=isa)
+        else:
+            _kernels.linear_spans(experts, spans, x, None, None, None, None, y, threads, isa=isa)
+        assert np.array_equal(y.view(np.uint32), want.view(np.uint32)), (threads, qtype)
+
+
+def test_products_over_spans_refuse_what_they_cannot_compute() -> None:
+    rng = np.random.default_rng(3)
+    m = _kernels.Matrix([(random_rows(rng, "Q8_0", N_OUT, N_IN), "Q8_0", N_OUT, N_IN, 0)])
+    other = _kernels.Matrix([(random_rows(rng, "Q8_0", 8, N_IN), "Q8_0", 8, N_IN, 0)])
+    x, y = activations(rng, 4), np.zeros((4, N_OUT), np.float32)
+    no_q8 = (None, None, None, None)
+    with pytest.raises(ValueError, match=r"span 1 is rows 2\.\.5 of 4"):
+        _kernels.linear_spans([m, m], [(0, 2), (2, 5)], x, *no_q8, y, 1)
+    with pytest.raises(ValueError, match="2 spans for 1 matrices"):
+        _kernels.linear_spans([m], [(0, 2), (2, 4)], x, *no_q8, y, 1)
+    with pytest.raises(ValueError, match="matrix 1 is not of matrix 0's shape"):
+        _kernels.linear_spans([m, other], [(0, 2), (2, 4)], x, *no_q8, y, 1)
+    with pytest.raises(ValueError, match="0 matrices"):
+        _kernels.linear_spans([], [], x, *no_q8, y, 1)

@@ -21,6 +21,7 @@
 #include "pool.h"
 #include "program.h"
 #include "scratch.h"
+#include "spans.h"
 
 /* ---- instruction sets ------------------------------------------------------------------------ */
 
@@ -393,6 +394,8 @@ static PyObject *py_isas(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_VARARGS | METH_KEYWORDS, linear_doc},
+    {"linear_spans", (PyCFunction)(void (*)(void))py_linear_spans, METH_VARARGS | METH_KEYWORDS,
+     linear_spans_doc},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(format, x, rows, n, q, d, s, g): the rows' 8-bit form, as linear computes it"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS,

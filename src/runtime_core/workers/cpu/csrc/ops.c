@@ -168,6 +168,65 @@ int linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, 
     return atomic_load(&J.failed) ? -1 : 0;
 }
 
+typedef struct {
+    LinearJob *jobs; /* one per span */
+    int64_t *first;  /* the first item of each span, and the count after the last */
+    int n;
+} SpansJob;
+
+static void span_item(void *ctx, int64_t b) {
+    SpansJob *S = ctx;
+    int lo = 0, hi = S->n - 1; /* the span whose items hold b */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (S->first[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    linear_item(&S->jobs[lo], b - S->first[lo]);
+}
+
+int linear_spans(const Isa *isa, const Span *spans, int n_spans, const XRows *x, int use_q8,
+                 float *y, int64_t ldy, int threads) {
+    LinearJob *jobs = calloc((size_t)n_spans, sizeof *jobs);
+    XRows *xs = calloc((size_t)n_spans, sizeof *xs);
+    int64_t *first = calloc((size_t)n_spans + 1, sizeof *first);
+    int rc = -1;
+    if (!jobs || !xs || !first) goto done;
+    int64_t work = 0;
+    for (int i = 0; i < n_spans; ++i) {
+        const Span *sp = &spans[i];
+        int64_t j = sp->first, n = x->n, nc = n / 32;
+        xs[i] = (XRows){x->q ? x->q + j * x->qs : NULL, x->d ? x->d + j * nc : NULL,
+                        x->s ? x->s + j * nc : NULL, x->g ? x->g + j * 2 * nc : NULL,
+                        x->f + j * n, n, x->qs};
+        LinearJob *J = &jobs[i];
+        J->isa = isa;
+        J->parts = sp->parts;
+        J->n_parts = sp->n_parts;
+        J->x = &xs[i];
+        J->rows = sp->end - sp->first;
+        J->use_q8 = use_q8;
+        J->y = y + j * ldy;
+        J->ldy = ldy;
+        atomic_init(&J->failed, 0);
+        for (int p = 0; p < sp->n_parts; ++p) {
+            J->first[p + 1] = J->first[p] + (sp->parts[p].n_out + RB - 1) / RB;
+            work += J->rows * sp->parts[p].n_out * sp->parts[p].n_in;
+        }
+        first[i + 1] = first[i] + J->first[sp->n_parts];
+    }
+    SpansJob S = {jobs, first, n_spans};
+    if (first[n_spans] > 0) pool_run(pool_threads(threads, work), first[n_spans], span_item, &S);
+    rc = 0;
+    for (int i = 0; i < n_spans; ++i)
+        if (atomic_load(&jobs[i].failed)) rc = -1;
+done:
+    free(jobs);
+    free(xs);
+    free(first);
+    return rc;
+}
+
 /* ---- norm and feed-forward ------------------------------------------------------------- */
 
 /* 1 / sqrt(mean(x^2) + eps): the squares summed in double, in order */

@@ -32,6 +32,20 @@ void quantize_rows(int fmt, const float *x, int64_t rows, int64_t n, Q8Out out, 
 int linear_rows(const Isa *isa, const Part *parts, int n_parts, const XRows *x, int64_t rows,
                 int use_q8, float *y, int64_t ldy, const float *bias, int accumulate, int threads);
 
+/* One matrix's product over a span of rows (rows first .. end - 1 of x and y). */
+typedef struct {
+    const Part *parts;
+    int n_parts;
+    int64_t first, end;
+} Span;
+
+/* y[j] = span i's matrix . x row j for every row j of every span i (no bias, no sum):
+ * each span as linear_rows over its rows alone computes it, the same bits, in one pool
+ * run for all the spans (a mixture's experts, each over the rows that chose it). -1 when
+ * out of memory. */
+int linear_spans(const Isa *isa, const Span *spans, int n_spans, const XRows *x, int use_q8,
+                 float *y, int64_t ldy, int threads);
+
 /* out = rmsnorm(x) * w, or out += rmsnorm(x) * w when accumulate */
 void rmsnorm_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, double eps,
                   int accumulate, int threads);
