@@ -209,11 +209,11 @@ int linear_spans(const Isa *isa, const Span *spans, int n_spans, const XRows *x,
         J->y = y + j * ldy;
         J->ldy = ldy;
         atomic_init(&J->failed, 0);
-        for (int p = 0; p < sp->n_parts; ++p) {
+        for (int p = 0; p < sp->n_parts && J->rows > 0; ++p) { /* an empty span: no items */
             J->first[p + 1] = J->first[p] + (sp->parts[p].n_out + RB - 1) / RB;
             work += J->rows * sp->parts[p].n_out * sp->parts[p].n_in;
         }
-        first[i + 1] = first[i] + J->first[sp->n_parts];
+        first[i + 1] = first[i] + (J->rows > 0 ? J->first[sp->n_parts] : 0);
     }
     SpansJob S = {jobs, first, n_spans};
     if (first[n_spans] > 0) pool_run(pool_threads(threads, work), first[n_spans], span_item, &S);
