@@ -12,12 +12,14 @@ rows. The policy:
    rows left (the owed one first).
 
 A prefill record left out of a batch is owed to the next (the oldest one left out, or
-the owed one still). So within each kind the first loaded is the first served, a decode
-waits behind at most one prefill record (a long prompt, or a queue of prompts whose
-chunks fill a batch each, never starves decodes: an owed record that took the decodes'
-rows gives them the next batch), and a prefill record is never passed over for good (it
-leads every other batch at least). A candidate of more than ``max_batch_rows`` rows is
-never chosen: the stage refuses such a record before it is a candidate.
+the owed one still). So within each kind the first loaded is the first served; while
+the decodes fit in a batch, a decode waits behind at most one prefill record (a long
+prompt, or a queue of prompts whose chunks fill a batch each, never starves decodes: an
+owed record that took the decodes' rows gives them the next batch; with more decodes
+than a batch holds, the oldest go first and the others wait their turn too); and a
+prefill record is never passed over for good (it leads every other batch at least). A
+candidate of more than ``max_batch_rows`` rows is never chosen: the stage refuses such
+a record before it is a candidate.
 """
 
 from __future__ import annotations

@@ -271,6 +271,16 @@ def test_a_label_that_came_to_name_a_live_node_is_not_offered_as_the_dead_one(
     monkeypatch.setattr(session, "stage_nodes", lambda _w, n: cpu_stage_nodes(now, n))
     offered = {spec.node_id: host._node(spec.node_id).host.ray_node_id
                for spec, _ in host.live_nodes(known, "cpu")}  # fmt: skip
-    assert "x" not in offered.values(), offered
-    assert offered["127.0.0.1#0/cpu0"] == "a1" and offered["127.0.0.1#1/cpu0"] == "a2"
-    assert offered["127.0.0.1#2/cpu0"] == "a2"  # the label x had names a2 now
+    assert offered == {"127.0.0.1#0/cpu0": "a1", "127.0.0.1#1/cpu0": "a2"}, offered
+    # (#2 names a2 now, already offered as #1: not twice, nor as x; y's label is #1's.)
+
+
+def test_a_raylet_started_again_on_its_port_takes_a_new_label() -> None:
+    """The dead node and its successor on one port: the dead one keeps its place, so the
+    live nodes' labels do not move (they were ordered by node id, at random)."""
+    nodes = [_node("a1", "127.0.0.1", 3, head=True), _node("x", "127.0.0.1", 9)]
+    for dead_id, new_id in (("x", "zz"), ("x", "00")):  # the new id after or before
+        now = [nodes[0], {**nodes[1], "NodeID": dead_id, "Alive": False},
+               _node(new_id, "127.0.0.1", 9)]  # fmt: skip
+        labels = {h.label: h.ray_node_id for h in live_hosts(now)}
+        assert labels == {"127.0.0.1#0": "a1", "127.0.0.1#2": new_id}, labels

@@ -25,30 +25,35 @@ _out: TextIO | None = None  # the given standard output, while a --json command 
 @contextlib.contextmanager
 def json_stdout(active: bool) -> Iterator[None]:
     """For the ``with`` block, when ``active``: standard output (``sys.stdout`` and
-    descriptor 1) is standard error, and ``write_json`` writes to the real one."""
+    descriptor 1) is standard error, and ``write_json`` writes to the real one. Both are
+    given back at the block's end whatever happened (a reader gone: its broken pipe is
+    the command's to meet in ``write_json``, never the restore's)."""
     global _out
     if not active or _out is not None:
         yield
         return
     try:
-        fd, err_fd = sys.stdout.fileno(), sys.stderr.fileno()
+        sys.stdout.fileno()
     except (AttributeError, OSError, io.UnsupportedOperation):
         yield  # captured streams: nothing at the descriptors' level to move
         return
-    sys.stdout.flush()
-    real = open(os.dup(fd), "w", encoding="utf-8", closefd=True)  # noqa: SIM115
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    saved = os.dup(1)
+    real = open(saved, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
     previous = sys.stdout
-    os.dup2(err_fd, fd)
-    sys.stdout, _out = sys.stderr, real
     try:
+        os.dup2(2, 1)
+        sys.stdout, _out = sys.stderr, real
         yield
     finally:
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.flush()
-        real.flush()
-        os.dup2(real.fileno(), fd)
+        os.dup2(saved, 1)  # first: nothing below may keep stdout pointing elsewhere
         sys.stdout, _out = previous, None
-        real.close()
+        with contextlib.suppress(OSError, ValueError):
+            real.close()  # its last flush (a reader gone: nothing more to tell it)
+        os.close(saved)
 
 
 def write_json(doc: Any) -> None:

@@ -394,7 +394,9 @@ class Engine:
             if self._closing:
                 raise QueueFull(SHUTTING_DOWN)
             waiting = len(self._queue)
-            free = max(0, self.chain.max_concurrent - len(self._running))
+            # Places are free only on a chain that starts runs (not while it starts or
+            # heals: then every choice waits).
+            free = max(0, self.chain.max_concurrent - len(self._running)) if self.chain.ready else 0
             would_wait = max(0, waiting + len(choices) - free)
             if would_wait > self.max_queue and (self._running or self._queue):
                 raise QueueFull(

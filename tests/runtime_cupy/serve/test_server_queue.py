@@ -156,6 +156,35 @@ def test_choices_that_start_at_once_do_not_count_as_waiting(tiny_chat: str) -> N
         long_one.join(60)
 
 
+def test_no_place_is_free_on_a_chain_that_is_not_up(tiny_chat: str) -> None:
+    """While the stages start, every admitted choice waits: ``--max-queue 1`` takes one
+    request and refuses the next (the chain's places counted as free let all four of its
+    places' worth in past the limit)."""
+    engine = Engine(WarmChain(tiny_chat, stages=2, context=128, max_concurrent=4), max_queue=1)
+    server = InProcessServer(engine)
+    try:
+        answered: list[int] = []
+
+        def ask() -> None:
+            r = server.client().chat.completions.create(
+                model="tiny-chat", messages=MSG, max_tokens=1, temperature=0
+            )
+            answered.append(len(r.choices))
+
+        first = threading.Thread(target=ask)
+        first.start()
+        wait_for(lambda: metrics(server.base_url)["gguf_pipeline_queue_length"] == 1, 10, "queued")
+        with pytest.raises(openai.RateLimitError):  # at once (admitted, it would wait)
+            server.client().with_options(timeout=10, max_retries=0).chat.completions.create(
+                model="tiny-chat", messages=MSG, max_tokens=1
+            )
+        engine.start()
+        first.join(120)
+        assert answered == [1]
+    finally:
+        server.stop()
+
+
 def test_a_request_of_more_choices_than_max_queue_is_admitted_whole(tiny_chat: str) -> None:
     # The stages start only once the request waits: its three choices are in the queue
     # of one place together (they were a 429 on any server, idle or not, the second

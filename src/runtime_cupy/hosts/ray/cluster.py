@@ -61,10 +61,12 @@ class StageNode:
 def live_hosts(nodes: Sequence[Mapping[str, Any]]) -> tuple[RayHostInfo, ...]:
     """The live Ray nodes of ``ray.nodes()`` as hosts, in label order. Several nodes of
     one machine are numbered over every node Ray reports there, the dead ones too (it
-    keeps them): a node's label never changes while the cluster lives, so a label a
-    stage was placed on never comes to name another node when one of its machine dies
-    (the live nodes numbered alone took their dead neighbour's label, and recovery
-    offered the dead node in its place)."""
+    keeps them), a dead node before a live one on the same port (a raylet started again
+    on its port): a label a stage was placed on never comes to name another node when
+    one of its machine dies (the live nodes numbered alone took their dead neighbour's
+    label, and recovery offered the dead node in its place). A node that joins with a
+    lower port moves the labels above it (``RayHost.live_nodes`` takes that into
+    account)."""
     by_address: dict[str, list[Mapping[str, Any]]] = {}
     for node in nodes:
         by_address.setdefault(str(node["NodeManagerAddress"]), []).append(node)
@@ -74,7 +76,12 @@ def live_hosts(nodes: Sequence[Mapping[str, Any]]) -> tuple[RayHostInfo, ...]:
             continue
         # The head first, then by the raylet's port: stable for the cluster's life.
         group.sort(
-            key=lambda n: (not _is_head(n), int(n.get("NodeManagerPort", 0)), str(n["NodeID"]))
+            key=lambda n: (
+                not _is_head(n),
+                int(n.get("NodeManagerPort", 0)),
+                bool(n.get("Alive")),
+                str(n["NodeID"]),
+            )
         )
         for index, node in enumerate(group):
             if not node.get("Alive"):
