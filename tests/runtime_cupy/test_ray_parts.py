@@ -284,3 +284,21 @@ def test_a_raylet_started_again_on_its_port_takes_a_new_label() -> None:
                _node(new_id, "127.0.0.1", 9)]  # fmt: skip
         labels = {h.label: h.ray_node_id for h in live_hosts(now)}
         assert labels == {"127.0.0.1#0": "a1", "127.0.0.1#2": new_id}, labels
+
+
+def test_another_gpu_of_a_stages_machine_is_a_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the CUDA worker each GPU is a node: a Ray node offered once means once per
+    GPU, so the second GPU of the machine whose first GPU holds a stage stays a spare."""
+    from runtime_cupy.hosts.ray import session
+    from runtime_cupy.hosts.ray.host import RayHost
+
+    hosts = live_hosts([_node("a", "10.0.0.1", 1, GPU=2), _node("b", "10.0.0.2", 1, GPU=1)])
+    memory = {"a": {0: 8 << 30, 1: 8 << 30}, "b": {0: 8 << 30}}
+    placed = gpu_stage_nodes(hosts, 2, memory)  # a's gpu0, then a's gpu1 or b's gpu0
+    host = RayHost(placed[:1], "10.0.0.9")
+    known = [(placed[0].spec, placed[0].device)]
+    monkeypatch.setattr(session, "hosts", lambda: hosts)
+    monkeypatch.setattr(session, "stage_nodes", lambda _w, n: gpu_stage_nodes(hosts, n, memory))
+    live = [(spec.node_id, device) for spec, device in host.live_nodes(known, "cuda")]
+    assert live[0] == (placed[0].spec.node_id, 0)
+    assert ("10.0.0.1/gpu1", 1) in live and ("10.0.0.2/gpu0", 0) in live, live

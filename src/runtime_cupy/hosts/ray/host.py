@@ -309,11 +309,12 @@ class RayHost:
             for spec, device in known
             if spec.node_id in self.nodes and self.nodes[spec.node_id].host.ray_node_id in up
         ]
-        offered = {self.nodes[spec.node_id].host.ray_node_id for spec, _ in out}
+        # (Ray node, GPU) of each node offered: one under two labels is offered once
+        offered = {(self.nodes[spec.node_id].host.ray_node_id, device) for spec, device in out}
         for node in found:
             if node.node_id in {spec.node_id for spec, _ in out}:
                 continue
-            if node.host.ray_node_id in offered:  # one Ray node under two labels: once
+            if (node.host.ray_node_id, node.device) in offered:
                 continue
             # A label moves when a node joins below it (labels follow the raylets' ports):
             # one whose first node lives on stays that node's; one whose first node is
@@ -323,7 +324,7 @@ class RayHost:
             if moved and saved is not None and saved.host.ray_node_id in up:
                 continue
             self.nodes[node.node_id] = node
-            offered.add(node.host.ray_node_id)
+            offered.add((node.host.ray_node_id, node.device))
             out.append((node.spec, node.device))
         return tuple(out)
 
