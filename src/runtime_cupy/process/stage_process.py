@@ -17,9 +17,11 @@ control channel is an inherited socket (``--control-fd``); a second inherited
 descriptor, the read end of a pipe whose write end only the orchestrator holds
 (``--lifeline-fd``), reaches end of file the moment the orchestrator's process is
 gone, however it went. Either one closing is ``OrchestratorLost`` for every run held:
-the stage stops them and ends. A watchdog thread waits on the lifeline; if the loop has
-not finished ``--stop-ms`` after the loss (a batch that runs on), it removes the
-chain's resources this stage owns and exits.
+the stage stops them and ends, sending nothing more (an orchestrator still there, as
+when a Ray stage's supervisor died, sees a lost stage and may recover from it). A
+watchdog thread waits on the lifeline; if the loop has not finished ``--stop-ms`` after
+the loss (a batch that runs on), it removes the chain's resources this stage owns and
+exits.
 
 Resources. The stage makes its inbound link's ring once, when the first run comes
 (EDGES_AND_WORKERS.md §3), and frees it when it ends, never its outbound link, which
