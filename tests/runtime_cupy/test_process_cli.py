@@ -17,7 +17,7 @@ import runtime_cupy
 import runtime_sim
 from runtime_cupy.cli.main import main
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
-from tests.runtime_cupy.test_process_faults import _children
+from tests.runtime_cupy.test_process_faults import _children, cli_process
 from tests.support.hygiene import learn_run_ids, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
@@ -146,13 +146,9 @@ def test_the_cuda_worker_on_a_host_without_it_is_a_clear_error(
 def test_with_recover_a_killed_stage_is_replaced_and_the_text_goes_on(smollm2_path: str) -> None:
     prompt = [504, 3575, 282, 4649, 314]
     unbroken = runtime_cupy.generate(smollm2_path, prompt, stages=3, max_tokens=48)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "3",
-         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "48", "--recover"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_env(),
-    )  # fmt: skip
+    proc = cli_process("--model", smollm2_path, "--stages", "3", "--prompt-ids",
+                       ",".join(map(str, prompt)), "--max-tokens", "48", "--recover",
+                       text=False)  # fmt: skip
     pids = _children(proc.pid, 3)
     assert proc.stdout is not None and proc.stderr is not None
     first = proc.stdout.read(1)  # the first token's text streamed: the run is decoding
@@ -172,14 +168,9 @@ def test_with_recover_the_json_counts_the_recoveries(smollm2_path: str) -> None:
     (``recoveries``), its tokens the unbroken run's."""
     prompt = [504, 3575, 282, 4649, 314]
     unbroken = runtime_cupy.generate(smollm2_path, prompt, stages=2, max_tokens=32)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "2",
-         "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "32", "--recover",
-         "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_env(),
-    )  # fmt: skip
+    proc = cli_process("--model", smollm2_path, "--stages", "2", "--prompt-ids",
+                       ",".join(map(str, prompt)), "--max-tokens", "32", "--recover", "--json",
+                       text=False)  # fmt: skip
     pids = _children(proc.pid, 2)
     assert proc.stdout is not None and proc.stderr is not None
     text = b""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,16 +107,8 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str, signum: int, st
     # SmolLM2's stages take seconds to load their weights: the signal comes while the
     # orchestrator waits at the readiness barrier. The exit status is 128 + the signal's
     # number, as a shell reports a process the signal ended (SIGTERM once exited 130).
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "2",
-         "--prompt-ids", "1,2", "--max-tokens", "4", "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-    )  # fmt: skip
+    proc = cli_process("--model", smollm2_path, "--stages", "2", "--prompt-ids", "1,2",
+                       "--max-tokens", "4", "--json")  # fmt: skip
     pids = _children(proc.pid, 2)
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
@@ -134,16 +127,8 @@ def test_ctrl_c_in_a_recovering_run_is_one_json_object(smollm2_path: str) -> Non
     """``--recover --json``: Ctrl-C while the warm chain starts prints the run's JSON
     (outcome ``cancelled``, the tokens so far) and exits 130; it printed nothing on
     standard output."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "2",
-         "--prompt-ids", "1,2", "--max-tokens", "4", "--recover", "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-    )  # fmt: skip
+    proc = cli_process("--model", smollm2_path, "--stages", "2", "--prompt-ids", "1,2",
+                       "--max-tokens", "4", "--recover", "--json")  # fmt: skip
     pids = _children(proc.pid, 2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -152,6 +137,19 @@ def test_ctrl_c_in_a_recovering_run_is_one_json_object(smollm2_path: str) -> Non
     assert doc["outcome"] == "cancelled" and doc["tokens"] == [] and doc["fault"] is None
     assert err.strip().splitlines()[-1] == "cancelled"
     assert wait_gone(list(pids.values()), 10) == []
+
+
+def cli_process(*args: str, text: bool = True) -> subprocess.Popen[Any]:
+    """``python -m runtime_cupy ARGS`` of this checkout, its stdout and stderr piped."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    return subprocess.Popen(
+        [sys.executable, "-m", "runtime_cupy", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=text,
+    )
 
 
 def _children(pid: int, count: int) -> dict[int, int]:
