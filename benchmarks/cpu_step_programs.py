@@ -30,7 +30,8 @@ def measure(model: Path, threads: int, batch: int, tokens: int, rounds: int) -> 
 
     from runplan import model_facts_from_gguf
     from runtime_core.gguf_slice import open_stage_slice
-    from runtime_core.workers.cpu.backend import CpuBackend, CpuOps
+    from runtime_core.workers.cpu.backend import CpuBackend
+    from runtime_core.workers.cpu.ops import CpuOps
     from runtime_core.workers.cpu.worker import CpuWorker
     from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 

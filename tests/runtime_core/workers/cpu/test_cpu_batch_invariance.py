@@ -340,7 +340,7 @@ def test_a_batch_of_eight_decode_rows_multiplies_each_weight_once(
     the 8 rows (the head's too: every run's last row needs a token). Each shape of step
     is new here, so its calls are recorded into its step program, which makes each once
     per run."""
-    import runtime_core.workers.cpu.backend as cpu_backend
+    import runtime_core.workers.cpu.ops as cpu_ops
 
     path = write_random_model(tmp_path / "chunked.gguf", CHUNKED)
     provs = [provisions(path, 1, max_seq_len=32, run_id=f"r{k}", max_concurrent_runs=8)[0]
@@ -351,7 +351,7 @@ def test_a_batch_of_eight_decode_rows_multiplies_each_weight_once(
         if name == "linear":
             linear_rows.append(int(args[1]))  # type: ignore[call-overload]
 
-    monkeypatch.setattr(cpu_backend, "_kernels", KernelSpy(seen))
+    monkeypatch.setattr(cpu_ops, "_kernels", KernelSpy(seen))
     worker = CpuWorker(threads=2)
     worker.configure(provs[0])
     worker.bind(provs[0].gguf_source)

@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType, quants
 
 from runplan.quant_types import FLOAT_TYPES, Q8_TYPES, QUANT_TYPES, row_bytes
 from runtime_core.workers.cpu import _kernels
-from runtime_core.workers.cpu.backend import ACT_FORMAT
+from runtime_core.workers.cpu.ops import ACT_FORMAT
 from tests.support import twins
 from tests.support.cpu_isas import HOST_ISAS, isa_params
 from tests.support.random_blocks import random_rows

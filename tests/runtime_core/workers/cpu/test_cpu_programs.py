@@ -24,7 +24,7 @@ import pytest
 from runplan import SamplingConfig
 from runtime_core import activations
 from runtime_core.workers.cpu import _kernels
-from runtime_core.workers.cpu.backend import CpuOps
+from runtime_core.workers.cpu.ops import CpuOps
 from runtime_core.workers.cpu.worker import CpuWorker
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
 from tests.support.chain import Chain, provisions

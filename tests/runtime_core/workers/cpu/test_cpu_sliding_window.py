@@ -12,7 +12,7 @@ import pytest
 
 from runplan import model_facts_from_gguf
 from runtime_core.gguf_slice import open_stage_slice
-from runtime_core.workers.cpu.backend import CpuOps
+from runtime_core.workers.cpu.ops import CpuOps
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.forward_program import load_weights
 from runtime_core.workers.stage_worker import BackendSpec

@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 import pytest
 
-import runtime_core.workers.cpu.backend as cpu_backend
+import runtime_core.workers.cpu.ops as cpu_ops
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import QUANT_TYPES
 from runtime_core.gguf_slice import open_stage_slice
@@ -102,7 +102,7 @@ def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None
         if name in ("linear", "attention"):
             calls.append((name, kw.get("isa")))
 
-    monkeypatch.setattr(cpu_backend, "_kernels", KernelSpy(seen))
+    monkeypatch.setattr(cpu_ops, "_kernels", KernelSpy(seen))
     return calls
 
 
