@@ -8,9 +8,10 @@ The stages start and bind once (``serve.chain.WarmChain``); then each line typed
 user turn: the model's chat template over the whole conversation so far, the answer
 streamed as it is generated. ``/reset`` starts a new conversation, ``/exit`` (or
 Ctrl-D) leaves; Ctrl-C stops the answer being written (what was written stays in the
-conversation) and the chat goes on. A conversation longer than the context loses its
-oldest turns (the system prompt stays), with a note. The answer goes to standard
-output; everything else to standard error.
+conversation) and the chat goes on. A conversation that leaves an answer less room
+than ``--max-tokens`` (or half the context, where that is less) loses its oldest turns
+(the system prompt stays), with a note. The answer goes to standard output; everything
+else to standard error.
 
 Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad input.
 """
@@ -72,21 +73,29 @@ class Chat:
         return head + self.turns
 
     def _prompt(self) -> list[int]:
-        """The conversation's prompt, its oldest turns dropped while it leaves no room
-        for an answer."""
+        """The conversation's prompt, its oldest turns dropped (the system prompt stays)
+        while it leaves the answer less room than it may take: ``max_tokens``, or half
+        the context where that is less (a long conversation keeps room for a real answer,
+        not one token)."""
         tok = self.chain.tokenizer
+        wanted = max(1, min(self.max_tokens, self.chain.context // 2))
         ids = chat_prompt(tok, self._messages())
-        while len(ids) >= self.chain.context and len(self.turns) > 1:
+        while self._room(ids) < wanted and len(self.turns) > 1:
             self.turns = self.turns[2:] if self.turns[0].role == "user" else self.turns[1:]
             self.err.write("(the conversation outgrew the context: its oldest turn is dropped)\n")
             ids = chat_prompt(tok, self._messages())
         return ids
 
+    def _room(self, ids: Sequence[int]) -> int:
+        """The most tokens an answer to the prompt ``ids`` may have in the context (a run
+        takes ``run_positions(prompt, max_tokens)`` positions)."""
+        return self.chain.context - max(len(ids), 1) + 1
+
     def say(self, text: str) -> str | None:
         """One turn: the answer's text (``None`` if the turn failed: it is forgotten)."""
         self.turns.append(Message("user", text))
         ids = self._prompt()
-        room = self.chain.context - len(ids) + 1
+        room = self._room(ids)
         if room < 1:
             self.turns.pop()
             self.err.write(f"error: the message needs {len(ids)} tokens; the context holds "

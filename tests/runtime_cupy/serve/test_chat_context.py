@@ -1,0 +1,120 @@
+"""``python -m runtime_cupy chat``'s conversation against the context (``cli.chat.Chat``),
+on a stand-in chain and a prompt of one token per character of each message: a long
+conversation drops its oldest turns while the answer would have less room than it may
+take (``--max-tokens``, or half the context where that is less), keeps the system
+prompt, and the answer is asked for at most the room that is left."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import pytest
+
+from runplan.config import run_positions
+from runtime_cupy.cli import chat as chat_cli
+from runtime_cupy.serve.requests import Message
+
+
+@attrs.frozen
+class _Result:
+    outcome: str
+    text: str
+    fault: str | None = None
+
+
+@attrs.frozen
+class _Run:
+    result: _Result
+
+
+class _Chain:
+    """A chain of ``context`` positions that answers ``ANSWER`` and records each prompt's
+    length and ``max_tokens``."""
+
+    ANSWER = "ok"
+
+    def __init__(self, context: int) -> None:
+        self.context = context
+        self.tokenizer: Any = None
+        self.asked: list[tuple[int, int]] = []
+
+    def generate(self, ids: Sequence[int], *, max_tokens: int, **_: object) -> _Run:
+        assert run_positions(len(ids), max_tokens) <= self.context
+        self.asked.append((len(ids), max_tokens))
+        return _Run(_Result("completed", self.ANSWER))
+
+
+def _one_token_a_character(tokenizer: object, messages: Sequence[Message]) -> list[int]:
+    return [0] * sum(len(m.content) for m in messages)
+
+
+@pytest.fixture(autouse=True)
+def _prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chat_cli, "chat_prompt", _one_token_a_character)
+    monkeypatch.setattr(chat_cli, "TextStream", _Stream)
+
+
+class _Stream:
+    def __init__(self, tokenizer: object, out: io.StringIO) -> None:
+        self.out = out
+
+    def __call__(self, token_id: int) -> None:
+        pass
+
+    def finish(self, text: str) -> None:
+        self.out.write(text + "\n")
+
+
+def _chat(context: int, max_tokens: int, system: str | None = None) -> tuple[Any, _Chain]:
+    chain = _Chain(context)
+    err = io.StringIO()
+    chat = chat_cli.Chat(chain, system=system, max_tokens=max_tokens, out=io.StringIO(), err=err)
+    return chat, chain
+
+
+def test_old_turns_go_while_the_answer_has_less_room_than_max_tokens() -> None:
+    """Context 100, answers of up to 20 tokens: a prompt of at most 81 tokens leaves
+    them their room; beyond, the oldest turn (a question and its answer) goes."""
+    chat, chain = _chat(100, 20, system="s" * 10)
+    assert chat.say("a" * 30) == _Chain.ANSWER  # 10 + 30 = 40
+    assert chat.say("b" * 30) == _Chain.ANSWER  # 40 + 2 + 30 = 72
+    assert chain.asked == [(40, 20), (72, 20)]
+    assert chat.say("c" * 9) == _Chain.ANSWER  # 72 + 2 + 9 = 83: room 18 < 20
+    # the first question and its answer dropped: 10 + 30 + 2 + 9 = 51, the system kept
+    assert chain.asked[-1] == (51, 20)
+    assert [m.content[0] for m in chat.turns] == ["b", "o", "c", "o"]
+    assert "oldest turn is dropped" in chat.err.getvalue()
+
+
+def test_a_prompt_that_leaves_two_tokens_of_room_drops_a_turn_for_a_real_answer() -> None:
+    """A prompt that leaves the answer two positions once kept the conversation and
+    asked for a two-token answer."""
+    chat, chain = _chat(64, 512)
+    chat.say("a" * 20)
+    chat.say("b" * 41)  # 20 + 2 + 41 = 63 positions: two tokens of room
+    assert chain.asked[-1] == (41, 24)  # the first turn dropped: room 64 - 41 + 1
+
+
+def test_the_wanted_room_is_half_the_context_when_max_tokens_is_more() -> None:
+    chat, chain = _chat(64, 10_000)
+    chat.say("a" * 10)
+    chat.say("b" * 20)  # 10 + 2 + 20 = 32: room 33 >= 32, kept
+    assert chain.asked[-1] == (32, 33)
+    chat.say("c" * 3)  # 32 + 2 + 3 = 37: room 28 < 32, the first turn goes
+    assert chain.asked[-1] == (25, 40)
+
+
+def test_a_lone_message_longer_than_the_room_wanted_still_runs_with_what_is_left() -> None:
+    chat, chain = _chat(64, 32)
+    assert chat.say("a" * 60) == _Chain.ANSWER
+    assert chain.asked == [(60, 5)]
+
+
+def test_a_message_longer_than_the_context_is_refused_and_forgotten() -> None:
+    chat, chain = _chat(64, 32)
+    assert chat.say("a" * 65) is None
+    assert chain.asked == [] and chat.turns == []
+    assert "needs 65 tokens; the context holds 64" in chat.err.getvalue()
