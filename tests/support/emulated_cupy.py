@@ -5,8 +5,8 @@ that record a graph when they capture and replay it on launch; it refuses what a
 would fault on or a capture cannot record. ``EmulatedKernels``: the kernels' real
 source (``kernels/*.cu``) run on the SIMT emulator (``tests/support/simt``), in a
 thread order of the caller's, with the launch checks of a GPU (grid limits, pointer
-alignment). ``DEVICE_STAGE`` is ``runtime_cupy/cuda/backend.py``
-imported with ``FakeCupy`` as ``cupy``, and ``EmulatedCudaWorker`` the CUDA worker on
+alignment). ``DEVICE_STAGE`` is ``runtime_cupy/cuda/backend.py`` (``DEVICE_OPS`` its
+``ops.py``) imported with ``FakeCupy`` as ``cupy``, and ``EmulatedCudaWorker`` the CUDA worker on
 both. The kernels' NumPy twins (``kernel_twins``) are what tests compare with. Only
 tests import this module.
 """
@@ -293,25 +293,38 @@ class EmulatedKernels:
         RECORDER.run_or_record(run)
 
 
-def _load_device_stage() -> types.ModuleType:
-    """``runtime_cupy/cuda/backend.py`` imported with FakeCupy as ``cupy``."""
-    path = Path(kernels_mod.__file__).with_name("backend.py")
-    spec = importlib.util.spec_from_file_location("emulated_device_stage", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    saved = sys.modules.get("cupy")
+def _load_device_modules() -> dict[str, types.ModuleType]:
+    """``runtime_cupy/cuda/``'s modules that import CuPy (``expert_ops.py``, ``ops.py``,
+    ``backend.py``, in the order they import each other) executed with FakeCupy as
+    ``cupy``, each seen by the next under its real name, then taken out of
+    ``sys.modules`` again (the real modules stay what an import finds)."""
+    folder = Path(kernels_mod.__file__).parent
+    names = ("expert_ops", "ops", "backend")
+    real = {n: f"runtime_cupy.cuda.{n}" for n in names}
+    saved = {m: sys.modules.get(m) for m in ("cupy", *real.values())}
     sys.modules["cupy"] = FakeCupy()
+    loaded: dict[str, types.ModuleType] = {}
     try:
-        spec.loader.exec_module(module)
+        for n in names:
+            spec = importlib.util.spec_from_file_location(f"emulated_cuda_{n}", folder / f"{n}.py")
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[real[n]] = module
+            spec.loader.exec_module(module)
+            loaded[n] = module
     finally:
-        if saved is None:
-            del sys.modules["cupy"]
-        else:
-            sys.modules["cupy"] = saved
-    return module
+        for m, was in saved.items():
+            if was is None:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = was
+    return loaded
 
 
-DEVICE_STAGE = _load_device_stage()
+_DEVICE_MODULES = _load_device_modules()
+#: ``cuda/backend.py`` and ``cuda/ops.py`` on FakeCupy
+DEVICE_STAGE = _DEVICE_MODULES["backend"]
+DEVICE_OPS = _DEVICE_MODULES["ops"]
 
 
 class EmulatedCudaWorker(CudaWorker):
@@ -322,7 +335,7 @@ class EmulatedCudaWorker(CudaWorker):
     order: ClassVar[ThreadOrder] = FORWARD
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
-        DEVICE_STAGE._KERNELS[self.device] = EmulatedKernels(self.order)
+        DEVICE_OPS._KERNELS[self.device] = EmulatedKernels(self.order)
         backend = DEVICE_STAGE.DeviceBackend(
             spec,
             use_graph=self.use_graph,

@@ -4,7 +4,7 @@
 
 runs ``runtime_cupy.process.stage_process.main`` with the stage arguments (as
 ``python -m runtime_cupy.process.stage_process`` would); a stage asked for the ``cuda``
-worker runs ``EmulatedCudaWorker`` (``cuda/backend.py`` on the emulated CuPy, the
+worker runs ``EmulatedCudaWorker`` (``cuda/backend.py`` and ``ops.py`` on the emulated CuPy, the
 kernels' real source on the emulator, in thread order ORDER: ``forward``, ``reverse``
 or ``random:SEED``); any other worker is the registry's. ``SimtHost`` is the
 local-process host whose stages are such processes: the emulation enters through the

@@ -1,19 +1,20 @@
 """The CUDA worker, whole, with its kernels' real source on the SIMT emulator.
 
 - SmolLM2-135M (Q4_1) through the process runtime: two stage processes of the emulated
-  CUDA worker (``tests/support/simt_stage.SimtHost``: ``cuda/backend.py`` on the emulated
-  CuPy, 8-bit products, f16 activations between the stages as a CUDA run plans them, the
-  kernels' threads in a seeded random order). On llama.cpp's recorded "france" prompt
-  (5 tokens; llama.cpp's first near-tie at step 5: ``numerics.first_near_tie``) it
-  gives the NumPy reference worker's 5 greedy tokens, every token up to that near-tie
-  and no more (what the check needs: a token past a near-tie may differ by right), and its
-  prompt logits meet the reference worker's thresholds against llama.cpp's (cosine >=
-  0.999, the same largest logit). Each row costs a decode step's emulation (the one-row
-  kernels, some 6 million emulated CUDA threads for SmolLM2), so the shortest prompt
-  with a near-tie is the one run here: 5 prompt rows and 4 decode steps, about 20 s of
-  CPU (measured under load). Longer prompts and all 16 tokens of every prompt are the
-  GPU test's (``test_gpu_worker.py``); the prefill path over many rows, the device-stage
-  tests' (``test_twins_device_stage.py``) and the tiny fixtures' below.
+  CUDA worker (``tests/support/simt_stage.SimtHost``: ``cuda/backend.py`` and ``ops.py``
+  on the emulated CuPy, 8-bit products, f16 activations between the stages as a CUDA run
+  plans them, the kernels' threads in a seeded random order). On llama.cpp's recorded
+  "france" prompt (5 tokens; llama.cpp's first near-tie at step 5:
+  ``numerics.first_near_tie``) it gives the NumPy reference worker's 5 greedy tokens,
+  every token up to that near-tie and no more (what the check needs: a token past a
+  near-tie may differ by right), and its prompt logits meet the reference worker's
+  thresholds against llama.cpp's (cosine >= 0.999, the same largest logit). Each row
+  costs a decode step's emulation (the one-row kernels, some 6 million emulated CUDA
+  threads for SmolLM2), so the shortest prompt with a near-tie is the one run here: 5
+  prompt rows and 4 decode steps, about 20 s of CPU (measured under load). Longer
+  prompts and all 16 tokens of every prompt are the GPU test's (``test_gpu_worker.py``);
+  the prefill path over many rows, the device-stage tests'
+  (``test_twins_device_stage.py``) and the tiny fixtures' below.
 - llama.cpp's tiny fixtures of every architecture the CUDA worker runs, in every type it
   has (15 for llama and qwen2), in one process: the GPU test of the same name
   (``test_gpu_worker.test_tiny_fixtures_in_every_type``: llama.cpp's thresholds, and
@@ -49,7 +50,7 @@ from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file
 from tests.support.chain import Chain, provisions
-from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy
+from tests.support.emulated_cupy import DEVICE_OPS, DEVICE_STAGE, EmulatedKernels, FakeCupy
 from tests.support.numerics import common_prefix, cosine, first_near_tie
 from tests.support.simt.loader import REVERSE, random_order
 from tests.support.simt_stage import SimtHost, run_emulated
@@ -114,7 +115,7 @@ def emulated_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedKernels]:
     kernels = EmulatedKernels()
     monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
     monkeypatch.setitem(sys.modules, "runtime_cupy.cuda.backend", DEVICE_STAGE)
-    monkeypatch.setitem(DEVICE_STAGE._KERNELS, 0, kernels)
+    monkeypatch.setitem(DEVICE_OPS._KERNELS, 0, kernels)
     yield kernels
 
 

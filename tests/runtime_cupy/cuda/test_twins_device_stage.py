@@ -1,9 +1,9 @@
-"""The CUDA worker's device backend (``cuda/backend.py``), run on a CPU.
+"""The CUDA worker's device backend (``cuda/backend.py``, ``ops.py``, ``expert_ops.py``) on a CPU.
 
 A stand-in for CuPy (``FakeCupy`` of ``tests/support/emulated_cupy.py``: NumPy arrays
 as device memory, ``memcpyAsync`` as a memory copy, streams that record a graph when
 they capture and replay it on launch) and the kernels' real source on the SIMT
-emulator (``tests/support/simt``) let every line of ``backend.py`` and of the
+emulator (``tests/support/simt``) let every line of those modules and of the
 kernels run here: buffers, pointer offsets, launch arguments and grids, the prefill
 tiles, edges, the graph capture (a captured launch keeps the integer arguments it had;
 position and token must come from device memory), device-to-device inputs and
@@ -31,6 +31,7 @@ from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.support.chain import Chain, provisions
 from tests.support.emulated_cupy import (
+    DEVICE_OPS,
     DEVICE_STAGE,
     EmulatedCudaWorker,
     EmulatedKernels,
@@ -320,7 +321,7 @@ def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None
     w = EmulatedCudaWorker(trace=events)
     w.configure(p)
     w.bind(p.gguf_source)
-    k = DEVICE_STAGE._KERNELS[0]
+    k = DEVICE_OPS._KERNELS[0]
     w.execute_step(0, np.array(PROMPT, np.uint32))
     assert events == []  # a prefill is launched, never captured
     before = k.python_launches
@@ -361,7 +362,7 @@ def test_a_prefill_takes_the_decode_rows_arithmetic(
     """A step's rows go through the one-row kernels, a launch per ``MAX_GRID_Y`` rows
     (here 2, so that a 6-row prefill takes 3 launches): the same bits as whole."""
     whole = generate(models["mixed-types"], lambda: EmulatedCudaWorker(use_graph=False), 1, "f32")
-    monkeypatch.setattr(DEVICE_STAGE, "MAX_GRID_Y", 2)
+    monkeypatch.setattr(DEVICE_OPS, "MAX_GRID_Y", 2)
     split = generate(models["mixed-types"], lambda: EmulatedCudaWorker(use_graph=False), 1, "f32")
     assert_same(whole, split)
 
@@ -449,8 +450,8 @@ def test_a_long_prefill_launches_within_cuda_s_grid_limits(
     w.configure(p)
     w.bind(p.gguf_source)
     backend = EmulatedCudaWorker.backends[-1]
-    monkeypatch.setattr(DEVICE_STAGE._KERNELS[0], "kernels", _GeometryOnly())
-    k = DEVICE_STAGE._KERNELS[0]
+    monkeypatch.setattr(DEVICE_OPS._KERNELS[0], "kernels", _GeometryOnly())
+    k = DEVICE_OPS._KERNELS[0]
     segment = DEVICE_STAGE.Segment(0, 70_000, 0, backend.new_cache(32))
     backend.ops.states = {0: backend.ops.state}
     backend._step((segment,), [70_000 - 1], None, [True])
@@ -475,7 +476,7 @@ class _Recording:
 )
 def test_argmax_takes_the_blocks_its_logits_fill(n: int, parts: int) -> None:
     """256 logits a block, 128 blocks at most (SmolLM2's 49152 fill all of them)."""
-    assert DEVICE_STAGE.argmax_parts(n) == parts
+    assert DEVICE_OPS.argmax_parts(n) == parts
 
 
 def test_a_small_vocabulary_launches_no_argmax_block_that_scans_nothing(
@@ -488,7 +489,7 @@ def test_a_small_vocabulary_launches_no_argmax_block_that_scans_nothing(
     w = EmulatedCudaWorker(use_graph=False)
     w.configure(p)
     w.bind(p.gguf_source)
-    kernels = DEVICE_STAGE._KERNELS[0]
+    kernels = DEVICE_OPS._KERNELS[0]
     recording = _Recording(kernels.kernels)
     monkeypatch.setattr(kernels, "kernels", recording)
     out = w.execute_step(0, np.array(PROMPT, np.uint32))
@@ -558,7 +559,7 @@ def test_graph_use_is_a_construction_option_and_changes_no_bit(models: dict[str,
         w = EmulatedCudaWorker(use_graph=use_graph, trace=events)
         w.configure(p)
         w.bind(p.gguf_source)
-        k = DEVICE_STAGE._KERNELS[0]
+        k = DEVICE_OPS._KERNELS[0]
         outs = [w.execute_step(s, np.array(d, np.uint32)) for s, d in enumerate(inputs[:3])]
         launches = k.python_launches
         outs += [w.execute_step(s, np.array(d, np.uint32)) for s, d in enumerate(inputs) if s > 2]

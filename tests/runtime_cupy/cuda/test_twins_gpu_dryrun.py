@@ -29,7 +29,7 @@ import tests.runtime_cupy.cuda.test_gpu_worker as gw
 from runtime_core.workers.interface import TokenOutput
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.fixtures.llamacpp_fixtures import load_logits
-from tests.support.emulated_cupy import DEVICE_STAGE, EmulatedKernels, FakeCupy
+from tests.support.emulated_cupy import DEVICE_OPS, DEVICE_STAGE, EmulatedKernels, FakeCupy
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedKernels]:
     kernels = EmulatedKernels()
     monkeypatch.setitem(sys.modules, "cupy", FakeCupy())
     monkeypatch.setitem(sys.modules, "runtime_cupy.cuda.backend", DEVICE_STAGE)
-    monkeypatch.setitem(DEVICE_STAGE._KERNELS, 0, kernels)
+    monkeypatch.setitem(DEVICE_OPS._KERNELS, 0, kernels)
     monkeypatch.setattr(gk, "SHAPES_32", [(1, 32), (7, 96), (9, 576)])
     monkeypatch.setattr(gk, "SHAPES_K", [(1, 256), (5, 768)])
     monkeypatch.setattr(gw, "_cache", {})
