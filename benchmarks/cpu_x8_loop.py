@@ -55,7 +55,14 @@ def build(csrc: Path, out: Path, opt: str = "-O3") -> Path:
     """The loop linked with ``csrc``'s kernels (every instruction set's file), each
     file compiled in a process of its own (``opt``: the module's -O3 unless a test
     asks for a quicker build)."""
-    sources = [LOOP, *sorted(csrc.glob("dot_*.c")), csrc / "repack.c"]
+    # the instruction sets' tables name their quantizers (quantize_*.c, where a checkout
+    # has them)
+    sources = [
+        LOOP,
+        *sorted(csrc.glob("dot_*.c")),
+        *sorted(csrc.glob("quantize_*.c")),
+        csrc / "repack.c",
+    ]
     flags = [opt, *FLAGS[1:], f"-I{csrc}"]
     compiles = {
         src: subprocess.Popen(

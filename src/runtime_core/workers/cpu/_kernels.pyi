@@ -51,7 +51,18 @@ def linear_spans(
     *,
     isa: str | None = None,
 ) -> None: ...
-def quantize(fmt: str, x: Any, rows: int, n: int, q: Any, d: Any, s: Any, g: Any) -> None: ...
+def quantize(
+    fmt: str,
+    x: Any,
+    rows: int,
+    n: int,
+    q: Any,
+    d: Any,
+    s: Any,
+    g: Any,
+    *,
+    isa: str | None = None,
+) -> None: ...
 def rmsnorm(
     x: Any,
     weight: Any,

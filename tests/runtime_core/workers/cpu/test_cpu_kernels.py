@@ -51,14 +51,16 @@ def gguf_dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
     return np.asarray(quants.dequantize(raw, GGMLQuantizationType[qtype]), np.float32)
 
 
-def q8(fmt: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def q8(
+    fmt: str, x: np.ndarray, isa: str | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The kernels' 8-bit form of rows x: q, d, s, g (d, s, g as the format uses them)."""
     rows, n = x.shape
     q = np.zeros((rows, n), np.int8)
     d = np.zeros((rows, n // 32), np.float32)
     s = np.zeros((rows, n // 32), np.float32)
     g = np.zeros((rows, n // 16), np.int32)
-    _kernels.quantize(fmt, np.ascontiguousarray(x, np.float32), rows, n, q, d, s, g)
+    _kernels.quantize(fmt, np.ascontiguousarray(x, np.float32), rows, n, q, d, s, g, isa=isa)
     if fmt == "q8_K":
         return q, d[:, : n // 256], s, g
     return q, d, s, g[:, : n // 32]
@@ -174,6 +176,66 @@ def test_a_block_with_a_non_finite_value_has_a_nan_scale(fmt: str) -> None:
     assert not q[0, :32].any()
     if fmt != "q8_K":
         assert np.isnan(d[0, 9]) and np.isfinite(d[0, 1:9]).all()
+
+
+def _rounding_cases(rng: np.random.Generator) -> np.ndarray:
+    """Rows of 512 values that meet every branch of the 8-bit forms: blocks whose scale
+    is 1 (their largest magnitude 127), so a value is its own product: halves, the float
+    just below one half, negative halves, ties of the round-half-even q8_K; a block's
+    largest magnitude reached twice with both signs (q8_K takes the first); zero,
+    subnormal, huge and non-finite blocks; and the residual stream's usual values."""
+    x = rng.standard_normal((10, 512)).astype(np.float32)
+    halves = np.array([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5], np.float32)
+    below = np.nextafter(np.float32(0.5), np.float32(0))
+    for r in range(4):
+        row = rng.choice(np.concatenate([halves, [below, -below, 0.0, -0.0, 3.0]]), 512)
+        row[:: 32 if r % 2 else 256] = 127.0 if r < 2 else -127.0  # scale 1, both signs
+        x[r] = row.astype(np.float32)
+    m0, m1 = np.abs(x[4, :256]).max() * 2, np.abs(x[4, 256:]).max() * 2
+    x[4, 30], x[4, 40] = -m0, m0  # q8_K: the first of -m, m sets the sign
+    x[4, 300], x[4, 310] = m1, -m1
+    x[5, :32] = 0.0  # an all-zero block of every format
+    x[5, 256:] = 0.0
+    x[6] *= np.float32(1e-41)  # subnormal
+    x[7] *= np.float32(3e37)  # huge, still finite
+    x[8, 3], x[8, 290], x[8, 500] = np.nan, np.inf, -np.inf
+    x[9] = np.round(x[9] * 4) / 4  # quarters: many products on a half
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q8_1", "q8_K"])
+@pytest.mark.parametrize("isa", isa_params(portable=False))
+def test_every_instruction_set_quantizes_to_the_portable_bits(fmt: str, isa: str) -> None:
+    """The 8-bit forms are each set's own code (AVX2's vectors; the AVX-512 sets take
+    AVX2's): q, d, s and g bit for bit the portable loop's, on values made to meet the
+    rounding rules' ties and every special block, and on random ones at many scales."""
+    rng = np.random.default_rng(7)
+    cases = [_rounding_cases(rng)]
+    for scale in (1e-30, 1e-3, 1.0, 1e3, 1e30):
+        cases.append((rng.standard_normal((4, 512)) * scale).astype(np.float32))
+    for x in cases:
+        want = q8(fmt, x, "portable")
+        got = q8(fmt, x, isa)
+        for name, a, b in zip("qdsg", got, want, strict=True):
+            if name == "s" and fmt != "q8_1":
+                continue
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+
+
+def test_the_rounding_cases_reach_the_ties() -> None:
+    """The cases above do meet what they are made for (a check of the check): q8_0
+    rounds 2.5 away from zero to 3, q8_K to even, 2; the first of the largest magnitudes
+    sets q8_K's sign; a non-finite block's scale is a NaN."""
+    x = _rounding_cases(np.random.default_rng(7))
+    q, d, _, _ = q8("q8_0", x, "portable")
+    at = np.flatnonzero(x[1, 32:64] == 2.5)  # row 1: 127 starts every block of 32
+    assert at.size and (q[1, 32 + at] == 3).all() and d[1, 1] == 1.0
+    q, _, _, _ = q8("q8_K", x, "portable")
+    at = np.flatnonzero(x[0, :256] == 2.5)  # row 0: 127 starts every block of 256
+    assert at.size and (q[0, at] == -2).all()
+    assert (q[4, 30], q[4, 40], q[4, 300], q[4, 310]) == (-127, 127, -127, 127)
+    _, d, _, _ = q8("q8_K", x, "portable")
+    assert np.isnan(d[8, 0]) and np.isnan(d[8, 1])
 
 
 # ---- products ----------------------------------------------------------------------------

@@ -529,7 +529,8 @@ int call_run(Call *c) {
         const MatrixObject *m = c->a.linear.m;
         int64_t rows = c->a.linear.rows;
         Q8Out q8 = c->a.linear.q8;
-        if (c->a.linear.quantize) quantize_rows(m->fmt, c->a.linear.x, rows, m->n_in, q8, threads);
+        if (c->a.linear.quantize)
+            quantize_rows(c->isa, m->fmt, c->a.linear.x, rows, m->n_in, q8, threads);
         XRows xr = {q8.q, q8.d, q8.s, q8.g, c->a.linear.x, m->n_in, q8.qs};
         return linear_rows(c->isa, m->parts, m->n_parts, &xr, rows, c->a.linear.use_q8,
                            c->a.linear.y, c->a.linear.ldy, c->a.linear.bias,

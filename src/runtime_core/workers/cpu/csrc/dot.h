@@ -102,6 +102,9 @@ typedef struct {
      * one run or a few) where another kernel than q8_x16 or q8_x8 measured faster
      * there (NULL: those); any set's kernel of the type, all giving the same bits */
     x8_fn q8_x8_rows[T_COUNT][X8_XT];
+    /* rows of float activations in an 8-bit format (above): quantize_row's bits */
+    void (*quantize)(int fmt, const float *x, int64_t n, int8_t *q, float *d, float *s,
+                     int32_t *g);
 } Isa;
 
 /* The instruction sets, portable first; the module offers those the processor runs
@@ -122,6 +125,12 @@ const Isa *isa_avxvnni(void); /* AVX2's, with AVX-VNNI's 256-bit x8 products */
 /* shared by every instruction set */
 void dequant_chunk(const uint8_t *row, int t, int64_t c, float *v);
 void quantize_row(int fmt, const float *x, int64_t n, int8_t *q, float *d, float *s, int32_t *g);
+/* v rounded to a half (nearest even) and back: a block's scale as the formats keep it */
+float q8_half(float v);
+#ifdef GPP_HAVE_AVX2
+void quantize_row_avx2(int fmt, const float *x, int64_t n, int8_t *q, float *d, float *s,
+                       int32_t *g);
+#endif
 
 static inline float sum8(const float a[8]) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));

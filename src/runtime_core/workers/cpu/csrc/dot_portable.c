@@ -191,6 +191,8 @@ static inline float half_value(float v) { return f16_to_f32(f32_to_f16(v)); }
 
 static inline int is_finite(float v) { return fabsf(v) <= 3.402823466e38f; }
 
+float q8_half(float v) { return half_value(v); }
+
 void quantize_row(int fmt, const float *x, int64_t n, int8_t *q, float *d, float *s, int32_t *g) {
     if (fmt == FMT_Q8_K) {
         for (int64_t b = 0; b < n / 256; ++b) {
@@ -478,4 +480,5 @@ const Isa ISA_PORTABLE = {
     mix_portable,
     {[T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1},
     {NULL},
+    .quantize = quantize_row,
 };

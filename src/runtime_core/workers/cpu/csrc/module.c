@@ -285,12 +285,17 @@ MatrixObject *as_matrix(PyObject *obj) {
 
 /* ---- quantize (for tests: the 8-bit form of rows) ---------------------------------------- */
 
-static PyObject *py_quantize(PyObject *self, PyObject *args) {
+static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
+    static char *kwlist[] = {"", "", "", "", "", "", "", "", "isa", NULL};
     PyObject *xo, *qo, *do_, *so, *go;
-    const char *fname;
+    const char *fname, *isa_name = NULL;
     long long rows, n;
-    if (!PyArg_ParseTuple(args, "sOLLOOOO", &fname, &xo, &rows, &n, &qo, &do_, &so, &go)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sOLLOOOO|$z", kwlist, &fname, &xo, &rows, &n,
+                                     &qo, &do_, &so, &go, &isa_name))
+        return NULL;
+    const Isa *isa = isa_named(isa_name);
+    if (!isa) return NULL;
     int fmt = -1;
     for (int f = 0; f < FMT_F32; ++f)
         if (strcmp(fname, FORMAT_NAMES[f]) == 0) fmt = f;
@@ -307,7 +312,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
         goto done;
     Q8Out out = {(int8_t *)q.view.buf, (float *)d.view.buf, (float *)s.view.buf, (int32_t *)g.view.buf,
                  n};
-    quantize_rows(fmt, (const float *)x.view.buf, rows, n, out, 1);
+    quantize_rows(isa, fmt, (const float *)x.view.buf, rows, n, out, 1);
     result = Py_NewRef(Py_None);
 done:
     release(&x); release(&q); release(&d); release(&s); release(&g);
@@ -396,8 +401,9 @@ static PyMethodDef methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_VARARGS | METH_KEYWORDS, linear_doc},
     {"linear_spans", (PyCFunction)(void (*)(void))py_linear_spans, METH_VARARGS | METH_KEYWORDS,
      linear_spans_doc},
-    {"quantize", py_quantize, METH_VARARGS,
-     "quantize(format, x, rows, n, q, d, s, g): the rows' 8-bit form, as linear computes it"},
+    {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_VARARGS | METH_KEYWORDS,
+     "quantize(format, x, rows, n, q, d, s, g, *, isa=None): the rows' 8-bit form, as linear\n"
+     "computes it (on the instruction set named, default the best: the same bits on each)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS,
      "rmsnorm(x, weight, out, rows, n, eps, threads, accumulate=False): out (+)= rmsnorm(x) * weight"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(h, act, rows, ffn, threads): silu(gate) * up"},

@@ -27,6 +27,7 @@ _Static_assert(RB % X8 == 0, "an item takes whole x8 groups");
 /* ---- 8-bit activations ---------------------------------------------------------------- */
 
 typedef struct {
+    const Isa *isa;
     int fmt;
     const float *x;
     int64_t n;
@@ -36,12 +37,13 @@ typedef struct {
 static void quantize_item(void *ctx, int64_t j) {
     const QuantizeJob *J = ctx;
     int64_t n = J->n, nc = n / 32;
-    quantize_row(J->fmt, J->x + j * n, n, J->out.q + j * J->out.qs, J->out.d + j * nc,
-                 J->out.s + j * nc, J->out.g + j * 2 * nc);
+    J->isa->quantize(J->fmt, J->x + j * n, n, J->out.q + j * J->out.qs, J->out.d + j * nc,
+                     J->out.s + j * nc, J->out.g + j * 2 * nc);
 }
 
-void quantize_rows(int fmt, const float *x, int64_t rows, int64_t n, Q8Out out, int threads) {
-    QuantizeJob J = {fmt, x, n, out};
+void quantize_rows(const Isa *isa, int fmt, const float *x, int64_t rows, int64_t n, Q8Out out,
+                   int threads) {
+    QuantizeJob J = {isa, fmt, x, n, out};
     pool_run(pool_threads(threads, rows * n), rows, quantize_item, &J);
 }
 

@@ -24,7 +24,8 @@ typedef struct {
     int64_t qs;
 } Q8Out;
 
-void quantize_rows(int fmt, const float *x, int64_t rows, int64_t n, Q8Out out, int threads);
+void quantize_rows(const Isa *isa, int fmt, const float *x, int64_t rows, int64_t n, Q8Out out,
+                   int threads);
 
 /* y[j, off + r] (+)= part row r . activation row j (+ bias[off + r]), for every part.
  * Returns 0, or -1 when out of memory (an x8 part without its instruction set's kernel

@@ -109,7 +109,7 @@ PyObject *py_linear_spans(PyObject *self, PyObject *args, PyObject *kwds) {
     XRows xr = {q8.q, q8.d, q8.s, q8.g, x.view.buf, n_in, qs};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    if (use_q8) quantize_rows(m0->fmt, x.view.buf, rows, n_in, q8, threads);
+    if (use_q8) quantize_rows(isa, m0->fmt, x.view.buf, rows, n_in, q8, threads);
     rc = linear_spans(isa, spans, (int)n, &xr, use_q8, y.view.buf, ldy, threads);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
