@@ -58,7 +58,8 @@ from runtime_cupy import generate
 from runtime_cupy.cli.serve import _listen
 from runtime_cupy.serve.app import build_app
 from runtime_cupy.serve.chain import WarmChain
-from runtime_cupy.serve.engine import Engine, chat_prompt
+from runtime_cupy.serve.engine import Engine
+from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import Message
 from runtime_cupy.workers import DEFAULT_WORKER, WORKERS
 

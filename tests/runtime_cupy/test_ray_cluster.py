@@ -415,7 +415,7 @@ def test_chat_keeps_its_stages_on_the_cluster(cluster: Any, tmp_path: Path) -> N
     and ends every stage and supervisor."""
     from runplan.models import resolve_model
     from runtime_core.tokenizer import Tokenizer
-    from runtime_cupy.serve.engine import chat_prompt
+    from runtime_cupy.serve.prompts import chat_prompt
     from runtime_cupy.serve.requests import Message
     from tests.fixtures.gguf_models import ModelShape, write_model
     from tests.runtime_cupy.serve.test_chat import Terminal

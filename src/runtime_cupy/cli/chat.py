@@ -33,7 +33,7 @@ from runtime_cupy.cli.arguments import (
     configure_logs,
 )
 from runtime_cupy.serve.chain import ChainError, WarmChain
-from runtime_cupy.serve.engine import chat_prompt
+from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import Message
 
 EXIT_FAILED = 1

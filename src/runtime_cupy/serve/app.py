@@ -40,7 +40,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from runtime_cupy.serve import openai_format as fmt
-from runtime_cupy.serve.engine import Engine, Event, Failed, Finished, Job, Piece, QueueFull
+from runtime_cupy.serve.engine import Engine, QueueFull
+from runtime_cupy.serve.events import Event, Failed, Finished, Piece
+from runtime_cupy.serve.jobs import Job
 from runtime_cupy.serve.requests import (
     CompletionRequest,
     RequestError,
@@ -202,7 +204,7 @@ class Api:
 
             return sink
 
-        try:  # each choice is a run of its own (its seed: engine.choice_seed)
+        try:  # each choice is a run of its own (its seed: prompts.choice_seed)
             jobs = self.engine.submit(prepared.choices(), sink_of)
         except QueueFull as exc:
             self.engine.metrics.request(endpoint, "rejected")

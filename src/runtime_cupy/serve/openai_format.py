@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.serve.engine import Failed, Finished, Job
+from runtime_cupy.serve.events import Failed, Finished
+from runtime_cupy.serve.jobs import Job
 from runtime_cupy.serve.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 
 DONE = b"data: [DONE]\n\n"

@@ -24,7 +24,7 @@ import pytest
 
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy import generate
-from runtime_cupy.serve.engine import chat_prompt
+from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import Message
 from runtime_cupy.workers import DEFAULT_WORKER
 

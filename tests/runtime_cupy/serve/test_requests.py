@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.serve.engine import chat_text
+from runtime_cupy.serve.prompts import chat_text
 from runtime_cupy.serve.requests import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,

@@ -30,7 +30,7 @@ import pytest
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy import generate
 from runtime_cupy.cli.serve import API_KEY_VARIABLE
-from runtime_cupy.serve.engine import chat_prompt
+from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import MAX_CHOICES, Message
 from runtime_cupy.workers import DEFAULT_WORKER
 from tests.support.hygiene import wait_gone
@@ -164,7 +164,7 @@ def test_completions_with_a_seed_are_generate_s_text(
 
 def test_n_choices_are_n_runs_choice_i_seeded_seed_plus_i(client: openai.OpenAI) -> None:
     """``n`` choices, whole and streamed: choice ``i`` is what one choice of seed
-    ``seed + i`` is (``engine.choice_seed``), and the usage counts the prompt once and
+    ``seed + i`` is (``prompts.choice_seed``), and the usage counts the prompt once and
     every choice's tokens."""
     sampling = {"temperature": 1.0, "seed": 77}
     alone = [

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from runtime_cupy.serve.chain import WarmChain
-from runtime_cupy.serve.engine import Engine, chat_prompt
+from runtime_cupy.serve.engine import Engine
+from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import Message
 from tests.support.servers import InProcessServer, serving
 

@@ -1,11 +1,11 @@
-"""A request of several choices counts once in the metrics (``engine.Tally``): when its
+"""A request of several choices counts once in the metrics (``jobs.Tally``): when its
 last choice ends, as the worst of their outcomes, its prompt once if one was answered."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime_cupy.serve.engine import Tally
+from runtime_cupy.serve.jobs import Tally
 
 
 @pytest.mark.parametrize(
