@@ -21,6 +21,12 @@ its host (``hosts.port.JoinsChains``) and sends ``JoinChain``: the stage lets go
 old chain's links and makes the new chain's, its process, worker and weights kept. The
 old chain's links are freed by name when the broken runner closes, as ever.
 
+Runs that wait for KV memory (``kv_waits``; a runner given ``run_ids``, as a warm
+chain's is): a run that a stage refused (``ProvisionRefused``) while other runs held KV
+cache on it does not end; it is offered again, under a new run id, when another run on
+the chain ends (``ChainRun.former_ids``: its ids before). One that could never fit ends
+faulted, its fault naming its size against the stage's whole budget.
+
 Faults. A run's own fault ends that run alone. A stage whose control channel reaches end
 of file has died (however it died, SIGKILL included): ``StageDied``, and a stage that
 sends nothing, not even a heartbeat, for ``timeouts.heartbeat_ms`` is killed and is
@@ -65,6 +71,7 @@ from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost, StageLaunch
 from runtime_cupy.process.control_channel import ChannelBroken, Incoming, Refused, Unreadable
 from runtime_cupy.process.keys import chain_id, control_key, new_secret
+from runtime_cupy.process.kv_waits import KvWaits
 from runtime_cupy.process.names import run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.process.timers import RunDeadlines
@@ -125,6 +132,7 @@ class ChainRun:
         self.handle: RunHandle | None = None
         self.outcome: RunOutcome | None = None
         self.error: Exception | None = None  # refused by the chain (PromptError, RunRefused)
+        self.former_ids: tuple[str, ...] = ()  # its ids before it waited for KV memory
         self._done = threading.Event()
 
     @property
@@ -246,6 +254,7 @@ class ChainRunner:
         secret: bytes | None = None,
         kept: Mapping[int, StageHandle] | None = None,
         generation: int = 0,
+        run_ids: Callable[[], str] | None = None,
     ) -> None:
         # ``kept``: stages of a chain this one replaces, by stage index, that join this
         # chain instead of being started (``hosts.port.JoinsChains`` handles of the same
@@ -290,6 +299,9 @@ class ChainRunner:
         self._adds: list[ChainRun] = []
         self._cancels: list[tuple[str, str]] = []
         self._runs: dict[str, ChainRun] = {}  # submitted and not yet ended
+        #: Runs refused for KV memory that wait for another run's end (``kv_waits``;
+        #: ``None``: no ``run_ids``, such a run ends faulted).
+        self.kv_waits = KvWaits(run_ids) if run_ids is not None else None
         self._closing = False
         self._abandon = False
         self._over = False  # the loop returned for good: nothing takes a run handed over
@@ -531,7 +543,7 @@ class ChainRunner:
     @property
     def in_flight(self) -> int:
         """Runs submitted and not yet ended."""
-        return len(self._runs) + len(self._adds)
+        return len(self._runs) + len(self._adds) + len(self.kv_waits or ())
 
     # -- the loop ---------------------------------------------------------------------------
     def loop(self, until: Callable[[], bool] | None = None) -> None:
@@ -562,6 +574,8 @@ class ChainRunner:
             self._end_runs()
             if o.broken is not None and self.dead is None:
                 self.dead = str(o.broken)
+            if self._closing or self.dead is not None:
+                self._end_held()
             if until is not None and until():
                 return
             if (self._closing or self.dead is not None) and not self._runs and self._end_loop():
@@ -604,13 +618,59 @@ class ChainRunner:
             self._runs[run.run_id] = run
             log.info("run %s added (%d in flight)", run_label(run.run_id), len(self._runs))
         for run_id, why in cancels:
-            o.cancel(run_id, why)
+            held = self.kv_waits.take(run_id) if self.kv_waits is not None else None
+            if held is not None:
+                finished = fsm.RunFinished(StopReason.CANCELLED, (), None, None, ())
+                held._ended_unstarted(finished)
+                continue
+            o.cancel(self._current_id(run_id), why)
+
+    def _current_id(self, run_id: str) -> str:
+        """The id of the run that had ``run_id`` before it waited for KV memory and was
+        offered again (``run_id`` itself when none did)."""
+        if run_id in self.orchestrator.runs:
+            return run_id
+        again = next((r for r in self._runs.values() if run_id in r.former_ids), None)
+        return again.run_id if again is not None else run_id
 
     def _end_runs(self) -> None:
+        waits = self.kv_waits
         for run_id, run in list(self._runs.items()):
             if run.handle is not None and run.handle.finished is not None:
                 del self._runs[run_id]
+                live = not self._closing and self.dead is None
+                if waits is not None and live and waits.holds(run):
+                    log.info("run %s waits for KV memory", run_label(run_id))
+                    continue
                 run._end()
+                if waits is not None:
+                    waits.ended()
+        if waits is not None and not self._closing and self.dead is None:
+            for run in waits.due():
+                self._offer_again(run)
+
+    def _offer_again(self, run: ChainRun) -> None:
+        """A run held for KV memory is offered to the chain again (its new run id)."""
+        try:
+            run.handle = self.orchestrator.add_run(run.plan, run.prompt, on_token=run._token)
+        except ValueError as exc:  # not for the plan it was first added with
+            run._refused(exc)
+            return
+        self._runs[run.run_id] = run
+        log.info("run %s offered again for KV memory", run_label(run.run_id))
+
+    def _end_held(self) -> None:
+        """The chain closes or is dead: the runs held for KV memory end (cancelled, or
+        faulted with the chain's fault)."""
+        if self.kv_waits is None:
+            return
+        broken = self.orchestrator.broken
+        for run in self.kv_waits.take_all():
+            if broken is not None and not self._closing:
+                run._ended_unstarted(fsm.RunFinished(StopReason.FAULTED, (), broken, None, ()))
+            else:
+                finished = fsm.RunFinished(StopReason.CANCELLED, (), None, None, ())
+                run._ended_unstarted(finished)
 
     def _inject(self, now: float) -> None:
         o = self.orchestrator
@@ -748,6 +808,9 @@ class ChainRunner:
                 log.info("received %s from %r", name, item.sender)
                 self.trace.instant(f"recv {name}", sender=item.sender)
                 self._emit("received", sender=item.sender, message=item.message)
+                if self.kv_waits is not None:
+                    run = self._runs.get(str(getattr(item.message, "run_id", "")))
+                    self.kv_waits.heard(item.message, run, self.orchestrator.kv_reserved())
                 self.orchestrator.handle(fsm.Received(item.sender, item.message))
             elif isinstance(item, Unreadable):  # signed: the stage's own
                 log.error("stage %d's frame could not be read: %s", stage.index, item.reason)
@@ -773,6 +836,7 @@ class ChainRunner:
         for run in list(self._runs.values()):  # the loop broke off: they end unfinished
             run._end()
         self._runs.clear()
+        self._end_held()
         with self._lock:
             adds, self._adds = self._adds, []
             self._over = True

@@ -495,6 +495,7 @@ class WarmChain:
             secret=self._secrets(),
             kept=kept,
             generation=len(self.recoveries.replacements),
+            run_ids=self._run_ids,
         )
         self._warm = False
         try:

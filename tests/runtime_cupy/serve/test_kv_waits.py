@@ -1,0 +1,111 @@
+"""A run that a stage cannot reserve the KV cache of (``ProvisionRefused``) waits for
+memory while another run on the chain holds it, and is offered again when that run ends
+(CONCURRENT_RUNS.md §5, ``process.kv_waits``); one that could never fit ends faulted
+(``KV_CACHE_UNAVAILABLE``), its fault naming what it needs against the stage's whole
+budget; one cancelled while it waits ends at once, alone. Stage 1's worker finds no
+room for the cache of the N-th run it opens (``kv-full=N``; the run that binds the stages
+is the 1st)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from runplan import SamplingConfig
+from runplan.messages import StopReason
+from runtime_cupy.process.chain_runner import ChainRun
+from runtime_cupy.serve.chain import WarmChain
+from tests.support.hosts import FaultyHost
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
+GREEDY = SamplingConfig()
+LONG = (5, 77, 30, 12, 9)
+SHORT = (3, 4)
+
+
+def test_a_run_refused_while_another_holds_the_memory_waits_and_completes(tiny: str) -> None:
+    # Opens on stage 1: the bind run, the short run alone, the long run, the short run
+    # again while the long one runs (refused), then the short run offered again.
+    host = FaultyHost({1: ["kv-full=4"]})
+    with WarmChain(tiny, stages=2, context=64, max_concurrent=2, host=host) as chain:
+        alone = chain.result(chain.submit(SHORT, max_tokens=9, sampling=GREEDY))
+        assert alone.result.outcome == "completed", alone.result.fault
+        later: list[ChainRun] = []
+        handed = threading.Event()
+
+        def on_token(token: int) -> None:  # the long run's first token: it holds its cache
+            if not later:
+                later.append(chain.submit(SHORT, max_tokens=9, sampling=GREEDY))
+                handed.set()
+
+        long = chain.submit(LONG, max_tokens=40, sampling=GREEDY, on_token=on_token)
+        long_result = chain.result(long)
+        assert handed.wait(60)
+        short = later[0]
+        short_result = chain.result(short)
+
+        assert long_result.result.outcome == "completed", long_result.result.fault
+        assert short_result.result.outcome == "completed", short_result.result.fault
+        assert short_result.result.tokens == alone.result.tokens
+        assert len(short.former_ids) == 1  # refused once, offered again under a new id
+        assert short.run_id not in short.former_ids
+        # It started once the long run had ended and freed its cache.
+        long_outcome, short_outcome = long.wait(), short.wait()
+        assert long_outcome is not None and short_outcome is not None
+        assert short_outcome.token_times_s[0] > long_outcome.ended_s
+        assert chain.in_flight == 0
+        assert all(held == 0 for _, held, _ in chain.kv_in_use())
+
+
+def test_a_run_refused_when_no_other_run_holds_memory_never_fits(tiny: str) -> None:
+    # Opens on stage 1: the bind run, then this run, refused with nothing else running.
+    host = FaultyHost({1: ["kv-full=2"]})
+    with WarmChain(tiny, stages=2, context=64, max_concurrent=2, host=host) as chain:
+        run = chain.submit(SHORT, max_tokens=9, sampling=GREEDY)
+        result = chain.result(run).result
+        assert result.outcome == "faulted"
+        assert result.fault_stage == 1
+        fault = result.fault or ""
+        needed = run.plan.stages[1].kv_bytes
+        budget = run.plan.stages[1].kv_budget_bytes
+        assert "KV_CACHE_UNAVAILABLE" in fault.upper()
+        assert f"needs {needed} bytes" in fault
+        assert f"whole budget of {budget}" in fault
+        assert "no other run on the chain holds any of it to free: it never fits" in fault
+        assert run.former_ids == ()  # not offered again
+        # The chain is whole: the next run is served.
+        again = chain.result(chain.submit(SHORT, max_tokens=9, sampling=GREEDY)).result
+        assert again.outcome == "completed", again.fault
+
+
+def test_a_run_waiting_for_memory_is_cancelled_alone(tiny: str) -> None:
+    # Opens on stage 1: the bind run, the long run, the short run (refused).
+    host = FaultyHost({1: ["kv-full=3"]})
+    with WarmChain(tiny, stages=2, context=64, max_concurrent=2, host=host) as chain:
+        later: list[ChainRun] = []
+        waited: list[bool] = []
+
+        def on_token(token: int) -> None:
+            if not later:
+                later.append(chain.submit(SHORT, max_tokens=9, sampling=GREEDY))
+            elif not waited and later[0].handle is not None:
+                finished = later[0].handle.finished
+                if finished is not None and not later[0].done:  # refused, held
+                    waited.append(True)
+                    later[0].cancel("the client went away")
+
+        long = chain.submit(LONG, max_tokens=40, sampling=GREEDY, on_token=on_token)
+        long_result = chain.result(long).result
+        short = later[0]
+        short_outcome = short.wait(60)
+        assert waited == [True]
+        assert short_outcome is not None and short_outcome.finished is not None
+        assert short_outcome.finished.outcome is StopReason.CANCELLED
+        assert short.former_ids == ()  # never offered again
+        assert long_result.outcome == "completed", long_result.fault
+        long_outcome = long.wait()
+        assert long_outcome is not None and short_outcome.ended_s < long_outcome.ended_s
+        assert chain.in_flight == 0
