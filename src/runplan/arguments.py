@@ -7,18 +7,34 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Sequence
 from typing import NoReturn
 
+from runplan.json_errors import USAGE_ERROR, error_json, print_json
 from runplan.pool import NodeSpec
 
 
 class OneLineParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line on standard error
     (naming the argument and its bad value) and exit status 2, without the usage
-    block; ``--help`` still shows it."""
+    block; ``--help`` still shows it. A command line that takes ``--json`` and gives
+    it gets the error object on standard output as well (``runplan.json_errors``,
+    type ``UsageError``): standard output is one JSON object whatever went wrong."""
+
+    _wants_json = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        given = sys.argv[1:] if args is None else list(args)
+        self._wants_json = "--json" in self._option_string_actions and "--json" in given
+        return super().parse_known_args(given, namespace)
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        line = f"{self.prog}: error: {message} (see {self.prog} --help)"
+        sys.stderr.write(line + "\n")
+        if self._wants_json:
+            print_json(error_json(USAGE_ERROR, line))
         sys.exit(2)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from runplan import wire
 from runplan.contract import SECTIONS, ContractReport, Outcome, Verdict, check_contract
+from runplan.json_errors import error_json, print_json, rejection_fields
 from runplan.messages import ProvisionStage
 from runplan.plan import RunPlan
 from runplan.rejections import PlanRejection
@@ -62,13 +63,13 @@ def run(args: argparse.Namespace) -> int:
         source = "standard input" if args.plan == "-" else args.plan
         message = " ".join(f"{source}: {exc}".split())  # one line, whatever the cause
         if args.json:
-            _json_out({"error": {"type": "UnreadableInput", "message": message}})
+            print_json(error_json("UnreadableInput", message))
         else:
             sys.stderr.write(f"error: {message}\n")
         return EXIT_INPUT
     report = check_contract(plan, provisions)
     if args.json:
-        _json_out(report_json(report, plan, args.plan))
+        print_json(report_json(report, plan, args.plan))
     else:
         sys.stdout.write(report_text(report, plan, args.plan))
     return 0 if report.holds else EXIT_BROKEN
@@ -171,10 +172,7 @@ def report_text(report: ContractReport, plan: RunPlan, source: str) -> str:
 
 
 def _rejection_json(rejection: PlanRejection | None) -> dict[str, Any] | None:
-    if rejection is None:
-        return None
-    values = {k: list(v) if isinstance(v, tuple) else v for k, v in rejection.values().items()}
-    return {"code": rejection.code, "message": str(rejection), **values}
+    return None if rejection is None else rejection_fields(rejection)
 
 
 def _verdict_json(v: Verdict) -> dict[str, Any]:
@@ -201,7 +199,3 @@ def report_json(report: ContractReport, plan: RunPlan, source: str) -> dict[str,
         "rejection": _rejection_json(report.rejection),
         "summary": _summary(report),
     }
-
-
-def _json_out(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")

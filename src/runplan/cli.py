@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
-from typing import Any
 
 import cattrs
 from rich import box
@@ -28,6 +26,7 @@ from runplan.dtypes import DTYPES_BY_NAME
 from runplan.facts import ModelFacts
 from runplan.gguf_facts import model_facts_from_gguf
 from runplan.gguf_header import GgufError
+from runplan.json_errors import exception_json, print_json, rejection_fields, rejection_json
 from runplan.memory import plan_stage_memory
 from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
 from runplan.placement import Placement
@@ -49,10 +48,6 @@ __all__ = ["EXIT_INPUT", "EXIT_REJECTED", "build_parser", "human_bytes", "main",
            "parse_size"]  # fmt: skip
 
 
-def _json_out(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-
-
 def _load_facts(args: argparse.Namespace) -> ModelFacts:
     return model_facts_from_gguf(resolve_model(args.model), max_seq_len=args.max_seq_len)
 
@@ -64,7 +59,7 @@ def _cmd_facts(args: argparse.Namespace) -> int:
         return 0
     facts = _load_facts(args)
     if args.json:
-        _json_out({"facts": cattrs.unstructure(facts)})
+        print_json({"facts": cattrs.unstructure(facts)})
         return 0
     table = Table(title=facts.model_id, show_header=False, box=box.SIMPLE)
     table.add_column("fact")
@@ -141,11 +136,6 @@ def _block_list(blocks: list[int]) -> str:
     return f"{len(blocks)} {noun} ({spans})"
 
 
-def _rejection_json(rejection: PlanRejection) -> dict[str, Any]:
-    values = {k: list(v) if isinstance(v, tuple) else v for k, v in rejection.values().items()}
-    return {"code": rejection.code, "message": str(rejection), **values}
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     facts = _load_facts(args)
     family, width = DTYPES_BY_NAME[args.dtype]
@@ -168,7 +158,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result = plan_run(facts, config, pool, stage_count=stage_count, placement=placement)
     if isinstance(result, PlanRejection):
         if args.json:
-            _json_out({"rejection": _rejection_json(result)})
+            print_json(rejection_json(result) | {"rejection": rejection_fields(result)})
         else:
             plain_console(stderr=True, soft_wrap=True).print(
                 labelled("rejected", "bold red", str(result)), highlight=False
@@ -210,7 +200,7 @@ def _print_plan(
                     "device_bytes_available": node.memory_bytes,
                 }
             )
-        _json_out({"plan": json.loads(wire.dumps(plan)), "memory": stages})
+        print_json({"plan": json.loads(wire.dumps(plan)), "memory": stages})
         return
     title = (
         f"{plan.model.model_id}: {plan.stage_count} stages, run {plan.run_id!r}, "
@@ -322,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except (GgufError, ModelNotFound, OutputFolderError) as exc:
         if getattr(args, "json", False):
-            _json_out({"error": {"type": type(exc).__name__, "message": str(exc)}})
+            print_json(exception_json(exc))
         else:
             plain_console(stderr=True, soft_wrap=True).print(
                 labelled("error", "bold red", str(exc)), highlight=False

@@ -18,6 +18,13 @@ from rich.table import Table
 from runplan.arguments import human_bytes, parse_nodes
 from runplan.gguf_facts import model_facts_from_gguf
 from runplan.gguf_header import GgufHeader
+from runplan.json_errors import (
+    USAGE_ERROR,
+    error_json,
+    print_json,
+    rejection_fields,
+    rejection_json,
+)
 from runplan.models import resolve_model
 from runplan.rejections import PlanRejection
 from runplan.shards import (
@@ -60,6 +67,16 @@ def add_split_parser(sub: Any, model_args: Callable[[argparse.ArgumentParser], N
     p.set_defaults(func=cmd_split)
 
 
+def _usage_error(args: argparse.Namespace, message: str) -> int:
+    """A command line ``split`` cannot run: one line on standard error (and, with
+    ``--json``, the error object of type ``UsageError``), exit status 2."""
+    line = f"python -m runplan split: error: {message}"
+    sys.stderr.write(line + "\n")
+    if args.json:
+        print_json(error_json(USAGE_ERROR, line))
+    return EXIT_REJECTED
+
+
 class OutputFolderError(OSError):
     """``--out`` names no folder that can be made or written (one line, exit status 1,
     as a file that cannot be read)."""
@@ -76,11 +93,9 @@ def _writable(out: Path) -> None:
 
 def cmd_split(args: argparse.Namespace) -> int:
     if args.stages is None and args.nodes is None:
-        sys.stderr.write("python -m runplan split: error: give --stages or --nodes\n")
-        return EXIT_REJECTED
+        return _usage_error(args, "give --stages or --nodes")
     if args.stages is not None and args.stages < 1:
-        sys.stderr.write(f"python -m runplan split: error: --stages {args.stages} is not >= 1\n")
-        return EXIT_REJECTED
+        return _usage_error(args, f"--stages {args.stages} is not >= 1")
     path = resolve_model(args.model)
     facts = model_facts_from_gguf(path, max_seq_len=args.max_seq_len)
     stages = args.stages if args.stages is not None else len(args.nodes)
@@ -88,9 +103,7 @@ def cmd_split(args: argparse.Namespace) -> int:
     err = plain_console(stderr=True, soft_wrap=True)
     if isinstance(plan, PlanRejection):
         if args.json:
-            sys.stdout.write(
-                json.dumps({"rejection": {"code": plan.code, "message": str(plan)}}) + "\n"
-            )
+            print_json(rejection_json(plan) | {"rejection": rejection_fields(plan)})
         else:
             err.print(labelled("rejected", "bold red", str(plan)), highlight=False)
         return EXIT_REJECTED

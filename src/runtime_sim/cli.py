@@ -17,6 +17,13 @@ from rich.table import Table
 
 from runplan.arguments import OneLineParser, positive_int
 from runplan.gguf_header import GgufError
+from runplan.json_errors import (
+    RUN_FAULTED,
+    error_json,
+    exception_json,
+    fault_json,
+    print_json,
+)
 from runplan.models import ModelNotFound, resolve_model
 from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
@@ -85,7 +92,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         _write_trace(args.trace, result)
     if args.json:
-        sys.stdout.write(json.dumps(_result_json(result, len(prompt)), sort_keys=True) + "\n")
+        doc = _result_json(result, len(prompt))
+        if result.outcome != "completed":
+            doc |= fault_json(result.fault)
+        print_json(doc)
     else:
         _print_summary(plain_console(soft_wrap=True), result, len(prompt))
     return 0 if result.outcome == "completed" else 1
@@ -106,7 +116,13 @@ def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt:
             "simulated_tokens_per_s": None if rate is None else round(rate, 2),
             "wall_s": round(many.wall_s, 3),
         }
-        sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+        failed = [r for r in many.runs if r.outcome != "completed"]
+        if failed:
+            doc |= error_json(
+                RUN_FAULTED,
+                f"{len(failed)} of {len(many.runs)} runs faulted: {failed[0].fault or '-'}",
+            )
+        print_json(doc)
     else:
         console = plain_console(soft_wrap=True)
         for i, r in enumerate(many.runs):
@@ -304,9 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except (GgufError, ModelNotFound, PlanRejected, TokenizerError, ValueError) as exc:
         if getattr(args, "json", False):
-            sys.stdout.write(
-                json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}) + "\n"
-            )
+            print_json(exception_json(exc))
         else:
             plain_console(stderr=True, soft_wrap=True).print(
                 labelled("error", "bold red", str(exc)), highlight=False

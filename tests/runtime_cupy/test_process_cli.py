@@ -9,15 +9,19 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 import runtime_cupy
+import runtime_cupy.cli.main
 import runtime_sim
+from runtime_cupy.api import generate
 from runtime_cupy.cli.main import main
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.runtime_cupy.test_process_faults import _children, cli_process
+from tests.support.hosts import FaultyHost
 from tests.support.hygiene import learn_run_ids, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
@@ -88,7 +92,10 @@ def test_a_trace_that_cannot_be_written_costs_nothing_of_the_result(
     argv = ["--model", tiny, "--prompt-ids", "1,2", "--max-tokens", "3", "--json"]
     assert main([*argv, "--trace", "/dev/full"]) == 1
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["outcome"] == "completed"
+    doc = json.loads(captured.out)
+    assert doc["outcome"] == "completed"
+    assert doc["error"]["type"] == "TraceNotWritten"  # the exit status's reason, in the object
+    assert doc["error"]["message"].startswith("cannot write the trace to /dev/full"), doc
     lines = captured.err.strip().splitlines()
     assert lines[-1].startswith("error: cannot write the trace to /dev/full"), lines
     assert "Traceback" not in captured.err
@@ -114,6 +121,22 @@ def test_a_killed_stage_exits_non_zero_with_one_line_naming_it(smollm2_path: str
     assert last.endswith("killed by SIGKILL")
     assert "faulted" in out.decode()  # the summary says so too
     assert wait_gone(list(pids.values()), 5) == []
+
+
+def test_a_faulted_run_with_json_is_its_result_and_an_error(
+    tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Standard output is the run's result with ``error`` (``RunFaulted``) beside it, as
+    every failing ``--json`` command's object has (docs/json-output.md)."""
+    monkeypatch.setattr(
+        runtime_cupy.cli.main, "generate", partial(generate, host=FaultyHost({1: ["step-fail=2"]}))
+    )
+    argv = ["--model", tiny, "--stages", "3", "--prompt-ids", "1,2", "--max-tokens", "8"]
+    assert main([*argv, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["outcome"] == "faulted" and doc["fault"].startswith("stage 1 (node stage-1): ")
+    assert doc["error"] == {"type": "RunFaulted", "message": f"run faulted: {doc['fault']}"}
+    learn_run_ids([doc["run_id"]])
 
 
 def test_a_model_without_a_chat_template_is_a_clear_error(

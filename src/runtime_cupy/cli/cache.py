@@ -7,7 +7,6 @@ read or does not match its folder: never used) and the bytes of fetches not fini
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ from rich import box
 from rich.table import Table
 
 from runplan.arguments import OneLineParser, human_bytes
+from runplan.json_errors import exception_json, print_json
 from runplan.terminal import plain_console
 from runtime_cupy.slices.cache import LIMIT_VARIABLE, CacheError, SliceCache
 
@@ -42,12 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             cache.private_root()
     except CacheError as exc:
         print(f"python -m runtime_cupy cache: error: {exc}", file=sys.stderr)
+        if args.json:
+            print_json(exception_json(exc))
         return 2
     if args.action == "clear":
         count, size = cache.clear() if there else (0, 0)
         if args.json:
             doc = {"root": str(cache.root), "removed": count, "removed_bytes": size}
-            sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+            print_json(doc)
         else:
             print(f"removed {count} entries ({human_bytes(size)}) from {cache.root}")
         return 0
@@ -77,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for e in entries
             ],
         }
-        sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+        print_json(doc)
         return 0
     limit = human_bytes(cache.limit) if cache.limit is not None else f"none (${LIMIT_VARIABLE})"
     broken = f" and {len(damaged)} damaged (never used; clear removes them)" if damaged else ""

@@ -15,7 +15,8 @@ stages on other hosts, standard error shows a progress bar per stage. A run
 that faults prints one line naming the stage, node and reason to standard error and
 exits 1, as do stages that cannot be started (no descriptor left, ...) and a
 ``--trace`` that cannot be written (a full disk: said in one line after the result,
-which is printed first); Ctrl-C tears
+which is printed first; with ``--json``, the object's ``error``, ``TraceNotWritten``);
+with ``--json``, a failure is the object's ``error`` (``runplan.json_errors``); Ctrl-C tears
 the run down (waiting for the stages to stop; a second Ctrl-C stops waiting), prints
 ``cancelled`` and exits 130 (SIGTERM: the same, exiting 143, 128 + the signal's number
 as a shell reports a process the signal ended; ``interrupted_by`` in ``--json``); bad
@@ -49,6 +50,7 @@ from rich.table import Table
 
 from runplan.arguments import OneLineParser
 from runplan.config import run_positions
+from runplan.json_errors import error_json, exception_json, fault_json
 from runplan.models import resolve_model
 from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
@@ -218,14 +220,21 @@ def _run(args: argparse.Namespace) -> int:
         status.stop()
         bars.stop()
     stream.finish(result.text)
-    if args.json:
-        write_json(_result_json(result, len(prompt)) | {"recoveries": recoveries})
+    untraced: str | None = None  # why the trace could not be written
+    if args.json:  # the trace first: its error is the object's (the result is printed)
+        untraced = None if args.trace is None else _write_trace(args.trace, result, err)
+        doc = _result_json(result, len(prompt)) | {"recoveries": recoveries}
+        if result.outcome == "faulted":
+            doc |= fault_json(result.fault)
+        elif untraced:
+            doc |= error_json("TraceNotWritten", untraced)
+        write_json(doc)
     else:
         _print_summary(plain_console(soft_wrap=True), result, len(prompt), args.worker)
-    # after the result: a trace that cannot be written (a full disk) loses nothing else
-    traced = args.trace is None or _write_trace(args.trace, result, err)
+        # after the result: a trace that cannot be written (a full disk) loses nothing else
+        untraced = None if args.trace is None else _write_trace(args.trace, result, err)
     if result.outcome == "completed":
-        return 0 if traced else EXIT_FAULTED
+        return EXIT_FAULTED if untraced else 0
     if result.outcome == "cancelled":
         err.print("cancelled", highlight=False)  # as runtime_sim run says it
         return cancelled_status(result.interrupted_by)
@@ -233,9 +242,10 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_FAULTED
 
 
-def _write_trace(path: Path, result: GenerateResult, err: Console) -> bool:
-    """The run's trace in ``path``; else one line on ``err`` saying why, and nothing
-    half-written left there (what was there stays if the file cannot be opened)."""
+def _write_trace(path: Path, result: GenerateResult, err: Console) -> str | None:
+    """The run's trace in ``path`` (``None``); else one line on ``err`` saying why (and
+    returned), and nothing half-written left there (what was there stays if the file
+    cannot be opened)."""
     text = json.dumps(chrome_trace(list(result.trace or ())))
     try:
         out = path.open("w")
@@ -249,12 +259,13 @@ def _write_trace(path: Path, result: GenerateResult, err: Console) -> bool:
             with contextlib.suppress(OSError):
                 path.unlink()
         return _trace_not_written(path, exc, err)
-    return True
+    return None
 
 
-def _trace_not_written(path: Path, exc: OSError, err: Console) -> bool:
-    err.print(f"error: cannot write the trace to {path}: {exc.strerror or exc}", highlight=False)
-    return False
+def _trace_not_written(path: Path, exc: OSError, err: Console) -> str:
+    message = f"cannot write the trace to {path}: {exc.strerror or exc}"
+    err.print(f"error: {message}", highlight=False)
+    return message
 
 
 def _generate_recovering(
@@ -442,7 +453,7 @@ SUBCOMMANDS = ("plan", "serve", "chat", "cache")
 
 def _error(args: argparse.Namespace, exc: Exception) -> None:
     if args.json:
-        write_json({"error": {"type": type(exc).__name__, "message": str(exc)}})
+        write_json(exception_json(exc))
     else:
         plain_console(stderr=True, soft_wrap=True).print(
             labelled("error", "bold red", str(exc)), highlight=False

@@ -18,6 +18,7 @@ from rich.table import Table
 from runplan import SamplingConfig, model_facts_from_gguf, wire
 from runplan.arguments import OneLineParser, positive_int
 from runplan.cli import human_bytes
+from runplan.json_errors import exception_json
 from runplan.memory import plan_stage_memory
 from runplan.models import resolve_model
 from runplan.terminal import labelled, plain_console
@@ -136,21 +137,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     with json_stdout(args.json), left_at_the_end():  # Ray's driver prints into stdout
         try:
             return _run(args)
-        except PlanRejected as exc:
-            _error(args, exc, code=exc.rejection.code)
-            return EXIT_REJECTED
-        except INPUT_ERRORS as exc:
+        except INPUT_ERRORS as exc:  # PlanRejected among them
             _error(args, exc)
             return EXIT_REJECTED
 
 
-def _error(args: argparse.Namespace, exc: Exception, code: str | None = None) -> None:
+def _error(args: argparse.Namespace, exc: Exception) -> None:
     if args.json:
-        error: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
-        if code is not None:
-            error["code"] = code
-        write_json({"error": error})
+        write_json(exception_json(exc))
     else:
+        code = exc.rejection.code if isinstance(exc, PlanRejected) else None
         what = f"rejected ({code})" if code else "error"
         plain_console(stderr=True, soft_wrap=True).print(
             labelled(what, "bold red", str(exc)), highlight=False

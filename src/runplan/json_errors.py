@@ -1,0 +1,72 @@
+"""The error object of every ``--json`` command line of the project (``runplan``,
+``runtime_cupy``, ``runtime_sim``): a command that fails prints one JSON object with
+an ``error`` key, whatever the cause::
+
+    {"error": {"type": "GgufError", "message": "bad.gguf: not a GGUF file ..."}}
+
+``type`` names the kind of failure (the exception's class, or one of the names
+below) and ``message`` is the one line the command prints without ``--json``; some
+kinds add typed fields beside them:
+
+- ``PlanRejected`` (the planner refused the run): ``code`` (the rejection's code, such
+  as ``insufficient_memory``) and the rejection's values, by field name;
+- ``UsageError`` (a flag missing, or a flag's value that does not parse): nothing more;
+- ``RunFaulted`` (a run that started and faulted): nothing more; the run's result
+  fields (``tokens``, ``text``, ``outcome``, ``fault``, ...) stand beside ``error``.
+
+Other keys may stand beside ``error`` in a command's object (a faulted run's result;
+``runplan plan`` and ``split`` keep their ``rejection`` object); ``error`` is absent
+when the command succeeded. docs/json-output.md is the page users read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from runplan.rejections import PlanRejection
+
+#: The ``type`` of a refused plan, whoever refused it (``runtime_core.runs.PlanRejected``).
+PLAN_REJECTED = "PlanRejected"
+#: The ``type`` of a command line that does not parse (a flag missing or its value bad).
+USAGE_ERROR = "UsageError"
+#: The ``type`` of a run that started and faulted.
+RUN_FAULTED = "RunFaulted"
+
+
+def error_json(kind: str, message: str, **fields: Any) -> dict[str, Any]:
+    """``{"error": {"type": kind, "message": message, **fields}}``."""
+    return {"error": {"type": kind, "message": message, **fields}}
+
+
+def rejection_fields(rejection: PlanRejection) -> dict[str, Any]:
+    """A rejection's ``code``, ``message`` and values (tuples as lists)."""
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in rejection.values().items()}
+    return {"code": rejection.code, "message": str(rejection), **values}
+
+
+def rejection_json(rejection: PlanRejection) -> dict[str, Any]:
+    """The error object of a refused plan: type ``PlanRejected``, its code and values."""
+    fields = rejection_fields(rejection)
+    return error_json(PLAN_REJECTED, fields.pop("message"), **fields)
+
+
+def exception_json(exc: BaseException) -> dict[str, Any]:
+    """The error object of an exception: its class name and its text, one line; an
+    exception carrying a ``rejection`` (``PlanRejected``) as ``rejection_json``."""
+    rejection = getattr(exc, "rejection", None)
+    if isinstance(rejection, PlanRejection):
+        return rejection_json(rejection)
+    return error_json(type(exc).__name__, str(exc))
+
+
+def fault_json(fault: str | None) -> dict[str, Any]:
+    """The error object of a run that faulted (``fault``: what the result says)."""
+    return error_json(RUN_FAULTED, f"run faulted: {fault or 'no reason given'}")
+
+
+def print_json(doc: Any) -> None:
+    """One JSON document and a line feed on standard output (``sys.stdout``), flushed."""
+    sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,175 @@
+"""Every ``--json`` command line of the project, failing: standard output is one JSON
+object with ``error: {type, message, ...}`` (``runplan.json_errors``,
+docs/json-output.md), whatever failed (a bad model path, a malformed GGUF, a refused
+plan, a bad flag value, an unreadable input, a faulted run)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+import runtime_sim.cli
+from runplan.cli import main as runplan_main
+from runtime_cupy.cli.main import main as cupy_main
+from runtime_sim.cli import main as sim_main
+from tests.fixtures.gguf_models import ModelShape, write_model
+
+Main = Callable[[Sequence[str]], int]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("json-errors")
+    bad = root / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    plan = root / "plan.json"
+    plan.write_text('{"plan": 3}')
+    return {
+        "model": str(write_model(root / "tiny.gguf", ModelShape(n_layers=4))),
+        "bad": str(bad),
+        "missing": str(root / "nowhere.gguf"),
+        "plan": str(plan),
+        "out": str(root / "shards"),
+    }
+
+
+def _sim(argv: Sequence[str]) -> int:
+    return sim_main(["run", "--prompt-ids", "1,2", "--max-tokens", "2", *argv])
+
+
+def _cupy_plan(argv: Sequence[str]) -> int:
+    return cupy_main(["plan", *argv])
+
+
+# (the command, its arguments with {model}, {bad}, ... filled in, exit status, error type)
+CASES: list[tuple[str, Main, list[str], int, str]] = [
+    ("runplan facts: malformed GGUF", runplan_main, ["facts", "{bad}"], 1, "GgufError"),
+    ("runplan plan: missing model", runplan_main,
+     ["plan", "{missing}", "--nodes", "a=1GiB"], 1, "ModelNotFound"),
+    ("runplan plan: refused", runplan_main,
+     ["plan", "{model}", "--nodes", "a=1KiB,b=1GiB"], 2, "PlanRejected"),
+    ("runplan plan: bad flag value", runplan_main,
+     ["plan", "{model}", "--nodes", "a=lots"], 2, "UsageError"),
+    ("runplan split: refused", runplan_main,
+     ["split", "{model}", "--stages", "9", "--out", "{out}"], 2, "PlanRejected"),
+    ("runplan split: no --stages nor --nodes", runplan_main,
+     ["split", "{model}", "--out", "{out}"], 2, "UsageError"),
+    ("runplan split: --stages 0", runplan_main,
+     ["split", "{model}", "--stages", "0", "--out", "{out}"], 2, "UsageError"),
+    ("runplan check: not a plan", runplan_main, ["check", "{plan}"], 1, "UnreadableInput"),
+    ("runtime_cupy: malformed GGUF", cupy_main,
+     ["--model", "{bad}", "--prompt-ids", "1"], 2, "GgufError"),
+    ("runtime_cupy: bad flag value", cupy_main,
+     ["--model", "{model}", "--prompt-ids", "1", "--stages", "0"], 2, "UsageError"),
+    ("runtime_cupy plan: missing model", _cupy_plan, ["--model", "{missing}"], 2, "ModelNotFound"),
+    ("runtime_cupy plan: refused", _cupy_plan,
+     ["--model", "{model}", "--stages", "9"], 2, "PlanRejected"),
+    ("runtime_cupy plan: bad flag value", _cupy_plan,
+     ["--model", "{model}", "--max-seq-len", "-5"], 2, "UsageError"),
+    ("runtime_sim run: missing model", _sim, ["--model", "{missing}"], 2, "ModelNotFound"),
+    ("runtime_sim run: refused", _sim, ["--model", "{model}", "--stages", "9"], 2, "PlanRejected"),
+    ("runtime_sim run: bad flag value", _sim,
+     ["--model", "{model}", "--temperature", "warm"], 2, "UsageError"),
+    ("runtime_sim explore: bad flag value", sim_main,
+     ["explore", "--seeds", "0"], 2, "UsageError"),
+]  # fmt: skip
+
+
+def _error_of(out: str) -> dict[str, Any]:
+    """The one JSON object of ``out``, checked for the common shape; its ``error``."""
+    assert out.endswith("\n") and out.count("\n") == 1, out  # exactly one object, one line
+    doc = json.loads(out)
+    assert isinstance(doc, dict) and isinstance(doc.get("error"), dict), doc
+    error: dict[str, Any] = doc["error"]
+    assert isinstance(error.get("type"), str) and error["type"], error
+    assert isinstance(error.get("message"), str) and error["message"].strip(), error
+    assert "\n" not in error["message"], error
+    return error
+
+
+def _run(main: Main, argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # a usage error: argparse exits
+        assert isinstance(exc.code, int)
+        return exc.code
+
+
+@pytest.mark.parametrize(
+    ("command", "main", "argv", "status", "kind"), CASES, ids=[c[0] for c in CASES]
+)
+def test_a_failing_json_command_prints_one_error_object(
+    files: dict[str, str],
+    command: str,
+    main: Main,
+    argv: list[str],
+    status: int,
+    kind: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _run(main, [a.format(**files) for a in argv] + ["--json"]) == status, command
+    error = _error_of(capsys.readouterr().out)
+    assert error["type"] == kind, error
+    if kind == "PlanRejected":  # the rejection's code and values, typed
+        assert isinstance(error["code"], str) and error["message"].startswith(error["code"])
+        assert len(error) > 3, error
+
+
+def test_a_bad_flag_without_json_prints_nothing_on_stdout(
+    files: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run(runplan_main, ["plan", files["model"], "--nodes", "a=lots"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--nodes" in captured.err
+
+
+def test_a_command_line_without_json_is_not_read_as_asking_for_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``serve`` and ``chat`` have no ``--json``: a usage error stays on standard error."""
+    assert _run(cupy_main, ["serve", "--port", "x", "--json"]) == 2
+    assert _run(cupy_main, ["chat", "--stages", "x", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--port" in captured.err and "--stages" in captured.err
+
+
+def test_a_refused_runplan_plan_keeps_its_rejection_object(
+    files: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert runplan_main(["plan", files["model"], "--nodes", "a=1KiB,b=1GiB", "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rejection"] == {k: v for k, v in doc["error"].items() if k != "type"}
+    assert doc["error"]["code"] == "insufficient_memory" and doc["error"]["device"] == "a"
+
+
+def test_a_faulted_simulated_run_is_its_result_and_an_error(
+    files: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = runtime_sim.cli.generate
+
+    def faulted(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        return attrs.evolve(result, outcome="faulted", fault="stage 1 (node n1): boom")
+
+    monkeypatch.setattr(runtime_sim.cli, "generate", faulted)
+    assert _sim(["--model", files["model"], "--json"]) == 1
+    out = capsys.readouterr().out
+    error = _error_of(out)
+    assert error == {"type": "RunFaulted", "message": "run faulted: stage 1 (node n1): boom"}
+    doc = json.loads(out)
+    assert doc["outcome"] == "faulted" and doc["fault"] == "stage 1 (node n1): boom"
+
+
+def test_a_cache_that_cannot_be_used_is_one_error_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GGUF_PIPELINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("GGUF_PIPELINE_CACHE_LIMIT", "lots")
+    assert cupy_main(["cache", "list", "--json"]) == 2
+    error = _error_of(capsys.readouterr().out)
+    assert error["type"] == "CacheError" and "'lots'" in error["message"]
