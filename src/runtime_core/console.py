@@ -127,7 +127,8 @@ def add_generation_arguments(
             type=Path,
             help='a JSON Lines file of prompts ({"prompt": TEXT} or {"prompt_ids": '
             "[IDS]} a line), run on one chain, up to --max-concurrent at once; one JSON "
-            "line per prompt is printed as it completes",
+            "line per prompt is printed as it completes (with --json: one object, "
+            "results, once all are done)",
         )
         parser.add_argument(
             "--max-concurrent",

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from runtime_cupy import generate, generate_batch
@@ -93,6 +94,51 @@ def test_the_prompts_file_prints_one_json_line_per_prompt(
         check=False,
     )
     assert bad.returncode == 2 and "line 2" in bad.stderr, bad.stderr
+
+
+def test_the_prompts_file_with_json_prints_one_object(
+    tiny: str,
+    tmp_path: Path,
+    alone: list[tuple[int, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With ``--json``, standard output is one object (ARCHITECTURE.md's rule for every
+    ``--json``): ``results`` in the file's order, the counts, and ``error`` when a
+    prompt did not complete; each completion is a line on standard error meanwhile."""
+    from runtime_cupy.cli import main as cli
+
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n\n" for p in PROMPTS[:3]))
+    argv = ["--model", tiny, "--stages", "2", "--worker", "numpy", "--max-tokens", "7",
+            "--prompts-file", str(file), "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("\n") == 1, captured.out  # one object, one line
+    doc = json.loads(captured.out)
+    assert [r["index"] for r in doc["results"]] == [0, 1, 2]
+    assert [tuple(r["tokens"]) for r in doc["results"]] == alone[:3]
+    assert {r["outcome"] for r in doc["results"]} == {"completed"}
+    assert (doc["prompts"], doc["completed"], doc["faulted"]) == (3, 3, 0)
+    assert "error" not in doc
+    assert "prompt 2 (line 5): completed, " in captured.err
+
+    real = cli.generate_batch
+
+    def second_faults(*args: object, **kwargs: object) -> object:
+        for index, result in real(*args, **kwargs):  # type: ignore[arg-type]
+            faulted = attrs.evolve(result, outcome="faulted", fault="stage 1: boom")
+            yield index, faulted if index == 1 else result
+
+    monkeypatch.setattr(cli, "generate_batch", second_faults)
+    assert cli.main(argv) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["prompts"], doc["completed"], doc["faulted"]) == (3, 2, 1)
+    assert doc["results"][1]["fault"] == "stage 1: boom"
+    assert doc["error"] == {
+        "type": "RunFaulted",
+        "message": "1 of 3 prompts did not complete; prompt 1: faulted: stage 1: boom",
+    }
 
 
 def test_the_prompts_file_takes_the_chain_options(

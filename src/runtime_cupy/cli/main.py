@@ -4,7 +4,9 @@ through N stage processes, with the flags and output of ``python -m runtime_sim 
 prints the plan, in ``cli.plan``).
 
 ``--prompts-file FILE.jsonl`` runs every prompt of the file at once on one chain
-(``batch.generate_batch``) and prints one JSON line per prompt as it completes.
+(``batch.generate_batch``) and prints one JSON line per prompt as it completes; with
+``--json``, one JSON object once every prompt is done (``results``: those lines, in
+the file's order; ``prompts``, ``completed``, ``faulted``; ``error`` if one faulted).
 
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
@@ -50,7 +52,7 @@ from rich.table import Table
 
 from runplan.arguments import OneLineParser
 from runplan.config import run_positions
-from runplan.json_errors import error_json, exception_json, fault_json
+from runplan.json_errors import RUN_FAULTED, error_json, exception_json, fault_json
 from runplan.models import resolve_model
 from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
@@ -139,8 +141,9 @@ def _read_prompts(
 
 def _run_batch(args: argparse.Namespace) -> int:
     """Every prompt of ``--prompts-file`` on one chain; one JSON line per prompt as it
-    completes (``index``, ``tokens``, ``text``, ``outcome``, ``fault``); exit 1 if any
-    faulted."""
+    completes (``index``, ``tokens``, ``text``, ``outcome``, ``fault``), or with
+    ``--json`` one object once all are done (``_batch_json``; each completion a line on
+    standard error meanwhile); exit 1 if any faulted."""
     path = resolve_model(args.model)
     tokenizer = Tokenizer.from_gguf(path)
     prompts, lines = _read_prompts(args.prompts_file, tokenizer, args.chat)
@@ -156,6 +159,8 @@ def _run_batch(args: argparse.Namespace) -> int:
             raise
         where = f"--prompts-file {str(args.prompts_file)!r} line {lines[exc.index]}"
         raise PromptsFileError(f"{where}: {exc}") from None
+    results = []
+    err = plain_console(stderr=True, soft_wrap=True)
     for index, result in batch:
         line = {
             "index": index,
@@ -165,8 +170,40 @@ def _run_batch(args: argparse.Namespace) -> int:
             "fault": result.fault,
         }
         faulted += result.outcome != "completed"
-        write_json(line)
+        if args.json:
+            results.append(line)
+            err.print(
+                f"prompt {index} (line {lines[index]}): {result.outcome}, "
+                f"{len(result.tokens)} tokens ({len(results)} of {len(prompts)} done)",
+                highlight=False,
+            )
+        else:
+            write_json(line)
+    if args.json:
+        write_json(_batch_json(results))
     return EXIT_FAULTED if faulted else 0
+
+
+def _batch_json(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--prompts-file`` with ``--json``: one object, ``results`` (each prompt's, in the
+    file's order), ``prompts``, ``completed`` and ``faulted`` (counts), and ``error``
+    (``RunFaulted``, naming the first) when a prompt did not complete."""
+    results = sorted(results, key=lambda r: r["index"])
+    failed = [r for r in results if r["outcome"] != "completed"]
+    doc: dict[str, Any] = {
+        "results": results,
+        "prompts": len(results),
+        "completed": len(results) - len(failed),
+        "faulted": len(failed),
+    }
+    if failed:
+        first = failed[0]
+        message = (
+            f"{len(failed)} of {len(results)} prompts did not complete; prompt "
+            f"{first['index']}: {first['outcome']}: {first['fault'] or '-'}"
+        )
+        doc |= error_json(RUN_FAULTED, message)
+    return doc
 
 
 def _run(args: argparse.Namespace) -> int:
