@@ -149,3 +149,43 @@ def test_a_bad_planner_option_is_a_one_line_usage_error(service: Path) -> None:
         out.strip()
         == "ERROR: --runplan-planner 'wrong_planners:absent': 'wrong_planners' has no 'absent'"
     )
+
+
+OWN_TESTS = """
+from hypothesis import given, settings, strategies as st
+
+
+def test_the_loaded_profile_is_the_service_s():
+    assert settings.default.max_examples == 4
+
+
+@given(st.uuids())
+def test_own_property(u):
+    pass
+"""
+
+
+def test_runplan_examples_sets_the_suite_s_examples_alone(service: Path) -> None:
+    """``--runplan-examples 2`` in a session that runs the service's own tests too:
+    the suite's tests run 2 examples each, the service's own keep its profile's 4 (the
+    option once loaded a profile of its own for the whole session)."""
+    (service / "test_own.py").write_text(OWN_TESTS)
+    code, out = _suite(
+        service,
+        "--runplan-planner",
+        "runplan:plan_run",
+        "--runplan-examples",
+        "2",
+        "--hypothesis-show-statistics",
+        "test_own.py",
+    )
+    assert code == 0, out
+    counts = {
+        name: int(n)
+        for name, n in re.findall(
+            r"::(test_\w+):\n(?:.*\n)*?\s+- (\d+) passing\b", out, re.MULTILINE
+        )
+    }
+    assert counts["test_own_property"] == 4, out
+    suite = {name: n for name, n in counts.items() if name != "test_own_property"}
+    assert len(suite) >= len(CLAUSES) and max(suite.values()) <= 2, suite

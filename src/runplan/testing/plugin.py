@@ -9,7 +9,9 @@ It gives the suite (``runplan.testing.suite``) its ``runplan_planner`` fixture::
 - ``--runplan-planner MODULE:NAME`` (or ini ``runplan_planner``): the plan-building
   callable, called as ``planner(facts, config, pool, stage_count=N, placement=P)``
   and returning a ``RunPlan`` or a ``PlanRejection``; ``runplan:plan_run`` by default.
-- ``--runplan-examples N``: Hypothesis examples per test (else the loaded profile's).
+- ``--runplan-examples N``: Hypothesis examples per test of the suite (else the loaded
+  profile's); the session's other tests, and the loaded profile, are left as they are
+  (``suite_examples``, read by the suite's settings as its modules load).
 
 Importing this module needs only pytest: Hypothesis is imported when the suite runs.
 """
@@ -26,6 +28,12 @@ from runplan.contract import Planner
 
 _PLANNER = pytest.StashKey[Planner]()
 _SPEC = pytest.StashKey[str]()
+_ASKED: dict[str, int] = {}  # "examples": --runplan-examples, while its session runs
+
+
+def suite_examples() -> int | None:
+    """``--runplan-examples`` of the session running (``None``: not given, or none)."""
+    return _ASKED.get("examples")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -83,15 +91,15 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_PLANNER] = load_planner(spec)
         config.stash[_SPEC] = spec
     examples = config.getoption("runplan_examples")
+    if examples is not None and examples < 1:
+        raise pytest.UsageError(f"--runplan-examples {examples}: must be at least 1")
+    _ASKED.pop("examples", None)
     if examples is not None:
-        if examples < 1:
-            raise pytest.UsageError(f"--runplan-examples {examples}: must be at least 1")
-        from hypothesis import settings
+        _ASKED["examples"] = examples  # for the suite's settings alone: no profile loaded
 
-        settings.register_profile(
-            "runplan-suite", settings(settings.default, max_examples=examples)
-        )
-        settings.load_profile("runplan-suite")
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _ASKED.pop("examples", None)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -10,11 +10,15 @@ from runplan.contract import PlanInputs, Planner
 from runplan.plan import RunPlan
 from runplan.rejections import PlanRejection
 from runplan.testing.assertions import assert_rejected
+from runplan.testing.plugin import suite_examples
 from runplan.testing.strategies import Tampering
 
 #: The suite's settings on top of the loaded profile: a planner may be slow on a busy
-#: CI machine, which is no contract matter.
+#: CI machine, which is no contract matter; ``--runplan-examples N`` sets the examples
+#: of the suite's tests alone (the loaded profile stays the session's).
 suite_settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+if (_examples := suite_examples()) is not None:
+    suite_settings = settings(suite_settings, max_examples=_examples)
 
 
 def planned(planner: Planner, inputs: PlanInputs) -> RunPlan:
