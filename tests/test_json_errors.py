@@ -173,3 +173,38 @@ def test_a_cache_that_cannot_be_used_is_one_error_object(
     assert cupy_main(["cache", "list", "--json"]) == 2
     error = _error_of(capsys.readouterr().out)
     assert error["type"] == "CacheError" and "'lots'" in error["message"]
+
+
+@pytest.mark.parametrize("where", ["before the run", "during the run"])
+def test_a_cancelled_simulated_run_is_one_error_object(
+    files: dict[str, str],
+    where: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C: before a run began, the object is the error alone; during it, the run's
+    result (outcome ``cancelled``) with the error beside it."""
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    name = "resolve_model" if where == "before the run" else "generate"
+    monkeypatch.setattr(runtime_sim.cli, name, interrupted)
+    assert _sim(["--model", files["model"], "--json"]) == 130
+    out = capsys.readouterr().out
+    assert _error_of(out) == {"type": "Cancelled", "message": "cancelled"}
+    if where == "during the run":
+        assert json.loads(out)["outcome"] == "cancelled"
+
+
+def test_ctrl_c_before_a_process_run_is_one_error_object(
+    files: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import runtime_cupy.cli.main
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime_cupy.cli.main, "resolve_model", interrupted)
+    assert cupy_main(["--model", files["model"], "--prompt-ids", "1", "--json"]) == 130
+    assert _error_of(capsys.readouterr().out) == {"type": "Cancelled", "message": "cancelled"}

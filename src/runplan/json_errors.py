@@ -12,7 +12,9 @@ kinds add typed fields beside them:
   as ``insufficient_memory``) and the rejection's values, by field name;
 - ``UsageError`` (a flag missing, or a flag's value that does not parse): nothing more;
 - ``RunFaulted`` (a run that started and faulted): nothing more; the run's result
-  fields (``tokens``, ``text``, ``outcome``, ``fault``, ...) stand beside ``error``.
+  fields (``tokens``, ``text``, ``outcome``, ``fault``, ...) stand beside ``error``;
+- ``Cancelled`` (Ctrl-C or SIGTERM ended the command): nothing more; a run's result
+  (outcome ``cancelled``, the tokens so far) stands beside it where there is one.
 
 Other keys may stand beside ``error`` in a command's object (a faulted run's result;
 ``runplan plan`` and ``split`` keep their ``rejection`` object); ``error`` is absent
@@ -33,6 +35,8 @@ PLAN_REJECTED = "PlanRejected"
 USAGE_ERROR = "UsageError"
 #: The ``type`` of a run that started and faulted.
 RUN_FAULTED = "RunFaulted"
+#: The ``type`` of a command that Ctrl-C (or SIGTERM) ended.
+CANCELLED = "Cancelled"
 
 
 def error_json(kind: str, message: str, **fields: Any) -> dict[str, Any]:
@@ -64,6 +68,11 @@ def exception_json(exc: BaseException) -> dict[str, Any]:
 def fault_json(fault: str | None) -> dict[str, Any]:
     """The error object of a run that faulted (``fault``: what the result says)."""
     return error_json(RUN_FAULTED, f"run faulted: {fault or 'no reason given'}")
+
+
+def cancelled_json(signal_name: str | None = None) -> dict[str, Any]:
+    """The error object of a command cancelled (``signal_name``: by that signal)."""
+    return error_json(CANCELLED, "cancelled" + (f" by {signal_name}" if signal_name else ""))
 
 
 def print_json(doc: Any) -> None:

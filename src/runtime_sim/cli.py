@@ -19,6 +19,7 @@ from runplan.arguments import OneLineParser, positive_int
 from runplan.gguf_header import GgufError
 from runplan.json_errors import (
     RUN_FAULTED,
+    cancelled_json,
     error_json,
     exception_json,
     fault_json,
@@ -84,7 +85,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         stream.finish(text)
         if args.json:
             doc = {"tokens": stream.ids, "text": text, "outcome": "cancelled", "fault": None}
-            sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+            print_json(doc | cancelled_json())
         else:
             err.print("cancelled", highlight=False)
         return 130
@@ -93,7 +94,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _write_trace(args.trace, result)
     if args.json:
         doc = _result_json(result, len(prompt))
-        if result.outcome != "completed":
+        if result.outcome == "cancelled":
+            doc |= cancelled_json()
+        elif result.outcome != "completed":
             doc |= fault_json(result.fault)
         print_json(doc)
     else:
@@ -326,7 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 labelled("error", "bold red", str(exc)), highlight=False
             )
         return EXIT_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before a run had a result to print
+        if getattr(args, "json", False):
+            print_json(cancelled_json())
         Console(stderr=True).print("cancelled")
         return 130
     return code

@@ -118,6 +118,7 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str, signum: int, st
     name = signal.Signals(signum).name
     assert doc["outcome"] == "cancelled" and doc["tokens"] == []
     assert doc["interrupted_by"] == name
+    assert doc["error"] == {"type": "Cancelled", "message": f"cancelled by {name}"}
     assert err.strip().splitlines()[-1] == "cancelled"
     assert f"{name}: stopping the run (interrupt again to stop waiting)" in err, err
     assert wait_gone(list(pids.values()), 5) == []
@@ -135,6 +136,7 @@ def test_ctrl_c_in_a_recovering_run_is_one_json_object(smollm2_path: str) -> Non
     assert proc.returncode == 130, err
     doc = json.loads(out)  # exactly one JSON object
     assert doc["outcome"] == "cancelled" and doc["tokens"] == [] and doc["fault"] is None
+    assert doc["error"] == {"type": "Cancelled", "message": "cancelled by SIGINT"}
     assert err.strip().splitlines()[-1] == "cancelled"
     assert wait_gone(list(pids.values()), 10) == []
 

@@ -52,7 +52,13 @@ from rich.table import Table
 
 from runplan.arguments import OneLineParser
 from runplan.config import run_positions
-from runplan.json_errors import RUN_FAULTED, error_json, exception_json, fault_json
+from runplan.json_errors import (
+    RUN_FAULTED,
+    cancelled_json,
+    error_json,
+    exception_json,
+    fault_json,
+)
 from runplan.models import resolve_model
 from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
@@ -263,6 +269,8 @@ def _run(args: argparse.Namespace) -> int:
         doc = _result_json(result, len(prompt)) | {"recoveries": recoveries}
         if result.outcome == "faulted":
             doc |= fault_json(result.fault)
+        elif result.outcome == "cancelled":
+            doc |= cancelled_json(result.interrupted_by)
         elif untraced:
             doc |= error_json("TraceNotWritten", untraced)
         write_json(doc)
@@ -349,7 +357,7 @@ def _cancelled(
     if args.json:
         write_json(
             {"tokens": list(stream.ids), "text": text, "outcome": "cancelled", "fault": None,
-             "interrupted_by": "SIGINT"}
+             "interrupted_by": "SIGINT"} | cancelled_json("SIGINT")
         )  # fmt: skip
     err.print("cancelled", highlight=False)
     return EXIT_CANCELLED
@@ -513,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ChainError as exc:  # --recover's or --prompts-file's stages could not start
             _error(args, exc)
             return EXIT_FAULTED
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # before a run (or a batch) had a result to print
+            if args.json:
+                write_json(cancelled_json())
             Console(stderr=True).print("cancelled")
             return EXIT_CANCELLED
