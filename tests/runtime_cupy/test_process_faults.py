@@ -4,6 +4,7 @@ nothing left in /dev/shm."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -21,6 +22,7 @@ from runtime_cupy import generate
 from runtime_cupy.cli.main import main as cli_main
 from runtime_cupy.hosts.local import LocalProcessHost, LocalStageHandle
 from runtime_cupy.hosts.port import StageLaunch
+from runtime_cupy.process.names import temp_root
 from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import alive, learn_run_ids, run_resources, wait_gone
@@ -124,21 +126,48 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str, signum: int, st
     assert wait_gone(list(pids.values()), 5) == []
 
 
-def test_ctrl_c_in_a_recovering_run_is_one_json_object(smollm2_path: str) -> None:
-    """``--recover --json``: Ctrl-C while the warm chain starts prints the run's JSON
-    (outcome ``cancelled``, the tokens so far) and exits 130; it printed nothing on
-    standard output."""
+def _shared_paths(pids: list[int]) -> set[str]:
+    """The /dev/shm segments and run folders (FIFOs) that ``pids`` hold open or mapped."""
+    found: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    found.add(line.split(maxsplit=5)[-1])
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith(("/dev/shm/", str(temp_root()))):
+                        found.add(target)
+    return found
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_in_a_recovering_run_is_one_json_object(
+    smollm2_path: str, signum: int, status: int
+) -> None:
+    """``--recover --json``: Ctrl-C or SIGTERM while the warm chain binds prints the
+    run's JSON (outcome ``cancelled``, the tokens so far, the signal) and exits 128 +
+    the signal's number; it printed nothing else on standard output, and the chain is
+    torn down: no stage process, no shared memory or FIFO of its links left."""
     proc = cli_process("--model", smollm2_path, "--stages", "2", "--prompt-ids", "1,2",
                        "--max-tokens", "4", "--recover", "--json")  # fmt: skip
-    pids = _children(proc.pid, 2)
-    proc.send_signal(signal.SIGINT)
+    pids = list(_children(proc.pid, 2).values())
+    deadline = time.monotonic() + 30
+    while not (held := _shared_paths(pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the stages made their links: the chain is up, binding
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == status, err
     doc = json.loads(out)  # exactly one JSON object
-    assert doc["outcome"] == "cancelled" and doc["tokens"] == [] and doc["fault"] is None
-    assert doc["error"] == {"type": "Cancelled", "message": "cancelled by SIGINT"}
+    name = signal.Signals(signum).name
+    assert doc["outcome"] == "cancelled" and doc["fault"] is None
+    assert doc["interrupted_by"] == name
+    assert doc["error"] == {"type": "Cancelled", "message": f"cancelled by {name}"}
     assert err.strip().splitlines()[-1] == "cancelled"
-    assert wait_gone(list(pids.values()), 10) == []
+    assert wait_gone(pids, 10) == []
+    assert held and not [p for p in held if os.path.lexists(p.removesuffix(" (deleted)"))]
 
 
 def cli_process(*args: str, text: bool = True) -> subprocess.Popen[Any]:

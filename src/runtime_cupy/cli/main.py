@@ -26,7 +26,8 @@ input exits 2. With
 ``--recover`` the run survives a lost stage process, host or link: the chain is placed
 again over the live nodes and the run replayed there, its text going on where it
 stopped (``serve.recovery``, at most ``--max-recoveries`` times); the
-stages then start and bind as ``serve``'s do (``serve.chain.WarmChain``).
+stages then start and bind as ``serve``'s do (``serve.chain.WarmChain``); Ctrl-C and
+SIGTERM close that chain and end the run as without it (``cli.interrupt``).
 
 Subcommands beside it: ``python -m runtime_cupy plan ...`` (``cli.plan``),
 ``python -m runtime_cupy serve ...`` (an OpenAI-compatible HTTP
@@ -81,6 +82,7 @@ from runtime_cupy.cli.arguments import (
     configure_logs,
     stage_options,
 )
+from runtime_cupy.cli.interrupt import signal_of, sigterm_interrupts
 from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.hosts.ray.session import left_at_the_end
 from runtime_cupy.process.tracing import chrome_trace
@@ -245,9 +247,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.recover:
             try:
-                result, recoveries = _generate_recovering(args, path, prompt, stream)
-            except KeyboardInterrupt:  # the chain is closed: what came, and "cancelled"
-                return _cancelled(args, stream, tokenizer, err)
+                with sigterm_interrupts():  # SIGTERM tears the chain down as Ctrl-C does
+                    result, recoveries = _generate_recovering(args, path, prompt, stream)
+            except KeyboardInterrupt as exc:  # the chain is closed: what came, "cancelled"
+                return _cancelled(args, stream, tokenizer, err, signal_of(exc))
         else:
             result = generate(
                 path,
@@ -347,20 +350,25 @@ def _generate_recovering(
 
 
 def _cancelled(
-    args: argparse.Namespace, stream: TextStream, tokenizer: Tokenizer, err: Console
+    args: argparse.Namespace,
+    stream: TextStream,
+    tokenizer: Tokenizer,
+    err: Console,
+    signal_name: str,
 ) -> int:
-    """Ctrl-C ended a ``--recover`` run (its warm chain, closed, gives no result): the
-    tokens streamed so far, with ``--json`` as one object of the result's fields, and
-    ``cancelled`` (130), as a run without ``--recover`` ends."""
+    """Ctrl-C or SIGTERM (``signal_name``) ended a ``--recover`` run (its warm chain,
+    closed, gives no result): the tokens streamed so far, with ``--json`` as one object
+    of the result's fields, and ``cancelled`` (130; 143 for SIGTERM), as a run without
+    ``--recover`` ends."""
     text = tokenizer.decode(stream.ids)
     stream.finish(text)
     if args.json:
         write_json(
             {"tokens": list(stream.ids), "text": text, "outcome": "cancelled", "fault": None,
-             "interrupted_by": "SIGINT"} | cancelled_json("SIGINT")
+             "interrupted_by": signal_name} | cancelled_json(signal_name)
         )  # fmt: skip
     err.print("cancelled", highlight=False)
-    return EXIT_CANCELLED
+    return cancelled_status(signal_name)
 
 
 def _round(value: float | None, scale: float, digits: int) -> float | None:
