@@ -122,8 +122,14 @@ def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_mid_decode(
     assert time.monotonic() - killed < STOP_MS / 1000 + 8
     assert run_resources(driver.chain_id) == []
     log = (tmp_path / "driver.log").read_text()
-    assert "orchestrator lost" in log  # each stage says why it stopped
-    assert "not stopped within" in log  # the stuck one left through its watchdog
+    # Each stage says once why it stopped, since when and when it last heard the
+    # orchestrator; the stuck one left through its watchdog.
+    said = [line for line in log.splitlines() if "orchestrator lost" in line]
+    assert sorted(int(line.split(", pid ")[1].split(")")[0]) for line in said) == sorted(
+        driver.pids
+    ), said
+    assert all("; since " in line and " heard from it " in line for line in said), said
+    assert "not stopped within" in log
 
 
 @EDGES

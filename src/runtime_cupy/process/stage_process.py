@@ -18,7 +18,9 @@ descriptor, the read end of a pipe whose write end only the orchestrator holds
 (``--lifeline-fd``), reaches end of file the moment the orchestrator's process is
 gone, however it went. Either one closing is ``OrchestratorLost`` for every run held:
 the stage stops them and ends, sending nothing more (an orchestrator still there, as
-when a Ray stage's supervisor died, sees a lost stage and may recover from it). A
+when a Ray stage's supervisor died, sees a lost stage and may recover from it); it logs
+the loss once, naming what closed (which lifeline: the pid holding its write end), since
+when, and when the orchestrator was last heard from. A
 watchdog thread waits on the lifeline; if the loop has not finished ``--stop-ms`` after
 the loss (a batch that runs on), it removes the chain's resources this stage owns and
 exits.
@@ -267,6 +269,7 @@ class StageProcess:
         self.lost: str | None = None
         self._lost_flag = threading.Event()  # set by the watchdog or a signal
         self._lost_why = "the orchestrator's process is gone"
+        self._lost_since: tuple[float, float] | None = None  # (wall, monotonic) first noticed
         self._done = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -419,10 +422,11 @@ class StageProcess:
         self._held_when_lost = bool(self.controller.runs)
         # Before the runs go (a run's provision may be all that says the chain's length).
         self._place_when_lost = self._place()
+        # Said once: the loop loses its orchestrator once, whatever closes after.
         if self._held_when_lost:
-            log.warning("orchestrator lost (%s): stopping its runs", why)
+            log.warning("orchestrator lost (%s): stopping its runs", self._loss_detail(why))
         else:
-            log.info("the chain closed (%s): exiting", why)
+            log.info("the chain closed (%s): exiting", self._loss_detail(why))
         self.trace.instant("orchestrator lost", why=why)
         self.controller.handle(fsm.OrchestratorLost())
 
@@ -577,17 +581,44 @@ class StageProcess:
                 pass
         if self._done.is_set():
             return
-        self.notice_loss("the orchestrator's process is gone (lifeline closed)")
+        self.notice_loss(self._lifeline_closed())
         if self._done.wait(self.stop_s):
             return
-        log.error("orchestrator lost and not stopped within %.1f s: exiting now", self.stop_s)
+        if self.lost is None:  # the loop never got to say it (a batch that runs on)
+            why = self._loss_detail(self._lost_why)
+            log.error("orchestrator lost (%s), not stopped within %.1f s: exiting now",
+                      why, self.stop_s)  # fmt: skip
+        else:
+            log.error("not stopped within %.1f s of the loss: exiting now", self.stop_s)
         self._remove_resources()
         with contextlib.suppress(Exception):
             logging.shutdown()
         os._exit(EXIT_LOST)
 
+    def _lifeline_closed(self) -> str:
+        """Which lifeline closed: its write end is held by the process that started this
+        stage (the orchestrator on one host, the stage's supervisor on a Ray host)."""
+        return f"its lifeline closed (its write end held by pid {self.parent_pid})"
+
+    def _loss_detail(self, why: str) -> str:
+        """``why``, since when (the first notice of the loss, local time) and when the
+        orchestrator was last heard from before it."""
+        if self._lost_since is None:  # the channel's end, seen by the loop itself
+            self._lost_since = (time.time(), time.monotonic())
+        wall, mono = self._lost_since
+        since = time.strftime("%H:%M:%S", time.localtime(wall)) + f".{int(wall * 1000) % 1000:03d}"
+        heard = self.channel.heard_s
+        last = (
+            "nothing heard from it before"
+            if heard is None
+            else f"last heard from it {max(0.0, mono - heard):.1f} s before"
+        )
+        return f"{why}; since {since}, {last}"
+
     def notice_loss(self, why: str) -> None:
         """From another thread or a signal handler: the loop stops at its next turn."""
+        if self._lost_since is None:
+            self._lost_since = (time.time(), time.monotonic())
         self._lost_why = why
         self._lost_flag.set()
         with contextlib.suppress(OSError):
