@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -302,3 +303,58 @@ def test_another_gpu_of_a_stages_machine_is_a_spare(monkeypatch: pytest.MonkeyPa
     live = [(spec.node_id, device) for spec, device in host.live_nodes(known, "cuda")]
     assert live[0] == (placed[0].spec.node_id, 0)
     assert ("10.0.0.1/gpu1", 1) in live and ("10.0.0.2/gpu0", 0) in live, live
+
+
+def test_a_node_whose_raylet_does_not_answer_is_not_live() -> None:
+    """Ray calls a node alive until its health checks fail, 15 s or more after its raylet
+    died: a stage re-placed there meanwhile waited its start out (120 s). A node whose
+    raylet does not answer is not live; the others keep their labels."""
+    nodes = [
+        _node("a1", "127.0.0.1", 3, head=True),
+        _node("a2", "127.0.0.1", 5),
+        _node("a3", "127.0.0.1", 9),
+    ]
+    hosts = live_hosts(nodes, answers=lambda _address, port: port != 5)
+    assert {h.label: h.ray_node_id for h in hosts} == {"127.0.0.1#0": "a1", "127.0.0.1#2": "a3"}
+    assert [h.manager_port for h in hosts] == [3, 9]
+
+
+def _closed_port() -> int:
+    """A port of this machine where nothing listens (bound, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_clusters_hosts_are_the_nodes_whose_raylet_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``session.hosts``: of the nodes Ray calls alive, those whose raylet accepts a
+    connection now (the live pool of a recovery, the nodes of a new run)."""
+    import ray
+
+    from runtime_cupy.hosts.ray import session
+
+    with socket.socket() as raylet:
+        raylet.bind(("127.0.0.1", 0))
+        raylet.listen()
+        nodes = [
+            _node("up", "127.0.0.1", raylet.getsockname()[1], head=True),
+            _node("dead", "127.0.0.1", _closed_port()),
+        ]
+        monkeypatch.setattr(ray, "nodes", lambda: nodes)
+        assert [h.ray_node_id for h in session.hosts()] == ["up"]
+
+
+def test_a_stage_start_on_a_node_whose_raylet_is_gone_ends_naming_it() -> None:
+    """A stage's start on a node whose raylet died (not yet dead to Ray) ends once its
+    raylet does not answer, naming it: the wait for its control connection is not
+    waited out."""
+    from runtime_cupy.hosts.ray.host import RayHost
+
+    port = _closed_port()
+    node = cpu_stage_nodes(live_hosts([_node("a", "127.0.0.1", port)]), 1)[0]
+    why = RayHost._raylet_gone(node, [0.0])
+    assert why == f"its node is gone: the raylet at 127.0.0.1:{port} does not answer"
+    asked_now = [time.monotonic()]  # asked a moment ago: not again yet
+    assert RayHost._raylet_gone(node, asked_now) is None

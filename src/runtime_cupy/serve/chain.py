@@ -77,7 +77,7 @@ from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunne
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import run_result
 from runtime_cupy.process.names import new_run_id, run_label
-from runtime_cupy.serve.recovery import Recoveries, Replacer, kept_stages, run_stream
+from runtime_cupy.serve.recovery import Recoveries, Replacer, kept_stages, run_stream, unplaced
 from runtime_cupy.slices.progress import SliceLog, describe
 from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
@@ -132,6 +132,17 @@ def _serve_chain(runner: ChainRunner, keep_broken: bool) -> None:
 
 class ChainError(RuntimeError):
     """The chain cannot serve: its stages could not be started or bound."""
+
+
+class Unplaced(ChainError):
+    """The chain lost stages and the planner finds no placement over the ``live`` nodes
+    (``unplaceable``: its rejection, naming the lost nodes and stages); it is the
+    chain's trouble until a later start places it."""
+
+    def __init__(self, unplaceable: Unplaceable, live: Sequence[str]) -> None:
+        self.unplaceable = unplaceable
+        self.live = tuple(live)
+        super().__init__(unplaced(unplaceable, self.live))
 
 
 @frozen
@@ -564,8 +575,9 @@ class WarmChain:
         config = self._config(self._run_ids(), 1, SamplingConfig(), 0)
         new = self.replacer.place(self.template, self.facts, config)
         if isinstance(new, Unplaceable):
-            why = self.trouble = f"the chain lost a stage and cannot be placed again: {new}"
-            raise ChainError(why)
+            error = Unplaced(new, self.replacer.live)
+            self.trouble = str(error)
+            raise error
         self._placement = new.placement
         self.template = new.plan
         self.nodes, self.devices = self.replacer.nodes_of(new.plan)

@@ -107,6 +107,16 @@ def describe_placement(replacement: Replacement) -> str:
     return f"{'; '.join(rows)} ({how})"
 
 
+def unplaced(new: Unplaceable, live: Sequence[str]) -> str:
+    """Why a chain that lost stages cannot be placed again, naming the live nodes it had
+    (none: no live node at all)."""
+    if not live:
+        over = "no live node is left"
+    else:
+        over = f"{len(live)} live node{'s' if len(live) > 1 else ''} ({', '.join(live)})"
+    return f"the chain lost a stage and cannot be placed again over {over}: {new}"
+
+
 def kept_stages(old: RunPlan, new: Replacement) -> tuple[int, ...]:
     """The stages of ``new`` that keep their process: ``Replacement.kept`` stages at the
     same index, node and layers of a chain of as many stages (a stage whose place in the
@@ -157,6 +167,7 @@ class Replacer:
         self.device_of.update((n.node_id, None) for n in spares if n.node_id not in self.device_of)
         self.lost: tuple[int, ...] | None = None  # stages lost and not yet placed again
         self.unplaceable: Unplaceable | None = None
+        self.live: tuple[str, ...] = ()  # the live nodes the last placement was over
 
     @property
     def placeable(self) -> bool:
@@ -192,10 +203,11 @@ class Replacer:
         (``replace_lost``), logged; a new plan is counted (``Recoveries.placed``)."""
         assert self.lost is not None, "no stage lost"
         pool = self.live_pool()
+        self.live = tuple(n.node_id for n in pool.nodes)
         new = replace_lost(template, facts, config, pool, lost_stages=self.lost)
         if isinstance(new, Unplaceable):
             self.unplaceable = new
-            log.error("the chain lost a stage and cannot be placed again: %s", new)
+            log.error("%s", unplaced(new, self.live))
             return new
         self.unplaceable = None
         self.lost = None

@@ -20,7 +20,7 @@ the edges between stages of one host keep shared memory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from attrs import frozen
@@ -45,6 +45,7 @@ class RayHostInfo:
     memory_bytes: int  # Ray's "memory" resource
     gpus: int  # Ray's "GPU" resource
     is_head: bool
+    manager_port: int = 0  # NodeManagerPort: its raylet's (0: not known)
 
 
 @frozen
@@ -58,8 +59,17 @@ class StageNode:
     spec: NodeSpec
 
 
-def live_hosts(nodes: Sequence[Mapping[str, Any]]) -> tuple[RayHostInfo, ...]:
-    """The live Ray nodes of ``ray.nodes()`` as hosts, in label order. Several nodes of
+#: ``answers(address, port)``: whether a raylet answers there now (``raylet_answers``).
+Answers = Callable[[str, int], bool]
+
+
+def live_hosts(
+    nodes: Sequence[Mapping[str, Any]], answers: Answers | None = None
+) -> tuple[RayHostInfo, ...]:
+    """The live Ray nodes of ``ray.nodes()`` as hosts, in label order; with ``answers``,
+    a node Ray still calls alive whose raylet does not answer is taken for dead (Ray
+    says so only after its health checks fail, some 15 s or more: a stage re-placed there
+    meanwhile waited for its start to time out). Several nodes of
     one machine are numbered over every node Ray reports there, the dead ones too (it
     keeps them), a dead node before a live one on the same port (a raylet started again
     on its port): a label a stage was placed on never comes to name another node when
@@ -68,7 +78,11 @@ def live_hosts(nodes: Sequence[Mapping[str, Any]]) -> tuple[RayHostInfo, ...]:
     lower port moves the labels above it (``RayHost.live_nodes`` takes that into
     account)."""
     by_address: dict[str, list[Mapping[str, Any]]] = {}
-    for node in nodes:
+    for reported in nodes:
+        node = reported
+        if node.get("Alive") and answers is not None:
+            there = (str(node["NodeManagerAddress"]), int(node.get("NodeManagerPort", 0)))
+            node = {**node, "Alive": answers(*there)}
         by_address.setdefault(str(node["NodeManagerAddress"]), []).append(node)
     hosts = []
     for address, group in by_address.items():
@@ -95,6 +109,7 @@ def live_hosts(nodes: Sequence[Mapping[str, Any]]) -> tuple[RayHostInfo, ...]:
                     memory_bytes=int(resources.get("memory", 0)),
                     gpus=int(resources.get("GPU", 0)),
                     is_head=_is_head(node),
+                    manager_port=int(node.get("NodeManagerPort", 0)),
                 )
             )
     return tuple(sorted(hosts, key=lambda h: (_address_key(h.address), h.label)))

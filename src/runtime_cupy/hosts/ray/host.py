@@ -69,6 +69,8 @@ log = logging.getLogger("runtime_cupy.hosts.ray")
 
 #: How long a stage may take to be placed and connect its control channel.
 START_TIMEOUT_S = 120.0
+#: How often a stage's start asks whether its node's raylet still answers.
+RAYLET_ASK_S = 1.0
 #: How long ``exit_reason`` waits for a supervisor's answer.
 PROBE_S = 2.0
 #: How long cleanup waits for the supervisors.
@@ -346,10 +348,12 @@ class RayHost:
         if launch.slices is not None:  # the slice travels while the stage starts
             self._prefetching[launch.stage_index] = actor.prefetch.remote(launch, secret)
 
+        asked = [time.monotonic()]  # when its raylet was last asked whether it answers
+
         def gone() -> str | None:
             ready, _ = ray.wait([started], timeout=0)
             if not ready:
-                return None
+                return self._raylet_gone(node, asked)
             try:
                 ray.get(started)
             except Exception as exc:
@@ -378,6 +382,22 @@ class RayHost:
 
         done = actor.supervise.remote()
         return RayStageHandle(launch, node, actor, pid, done, channel, release)
+
+    @staticmethod
+    def _raylet_gone(node: StageNode, asked: list[float]) -> str | None:
+        """Why ``node``'s stage will never start: its raylet no longer answers (asked
+        at most every ``RAYLET_ASK_S``; Ray says the node died only once its health
+        checks fail, and the stage's start waited out ``start_timeout_s`` meanwhile)."""
+        from runtime_cupy.hosts.ray import session
+
+        now = time.monotonic()
+        if now - asked[0] < RAYLET_ASK_S:
+            return None
+        asked[0] = now
+        host = node.host
+        if session.raylet_answers(host.address, host.manager_port):
+            return None
+        return f"its node is gone: the raylet at {host.address}:{host.manager_port} does not answer"
 
     # -- slices -------------------------------------------------------------------------
     def _with_slices(self, launch: StageLaunch, secret: bytes, node: StageNode) -> StageLaunch:

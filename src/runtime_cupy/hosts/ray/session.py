@@ -8,6 +8,7 @@ import logging
 import socket
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from runtime_cupy.hosts.ray.cluster import (
@@ -23,6 +24,8 @@ log = logging.getLogger("runtime_cupy.hosts.ray")
 
 #: How long connecting to a cluster's head may take before it counts as absent.
 PROBE_S = 5.0
+#: How long a raylet may take to accept a connection before its node counts as gone.
+RAYLET_PROBE_S = 1.0
 
 
 def connect(address: str) -> None:
@@ -74,11 +77,32 @@ def _reachable(address: str) -> None:
         raise ClusterError(f"no Ray cluster at {address}: {exc}") from None
 
 
+def raylet_answers(address: str, port: int, timeout_s: float = RAYLET_PROBE_S) -> bool:
+    """Whether a raylet accepts a connection at ``address:port`` within ``timeout_s``
+    (a port not known, 0, is taken as answering)."""
+    if port <= 0:
+        return True
+    try:
+        socket.create_connection((address.strip("[]"), port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
 def hosts() -> tuple[RayHostInfo, ...]:
-    """The cluster's live hosts, in label order."""
+    """The cluster's live hosts, in label order: the nodes Ray calls alive whose raylet
+    answers now (asked all at once, each within ``RAYLET_PROBE_S``)."""
     import ray
 
-    return live_hosts(ray.nodes())
+    nodes = ray.nodes()
+    there = {
+        (str(n["NodeManagerAddress"]), int(n.get("NodeManagerPort", 0)))
+        for n in nodes
+        if n.get("Alive")
+    }
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(there)))) as pool:
+        answering = dict(zip(there, pool.map(lambda at: raylet_answers(*at), there), strict=True))
+    return live_hosts(nodes, answers=lambda address, port: answering.get((address, port), False))
 
 
 def orchestrator_address() -> str:
