@@ -7,6 +7,7 @@ supervisor (what a stage published is withdrawn when it is gone)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -358,3 +359,59 @@ def test_a_stage_start_on_a_node_whose_raylet_is_gone_ends_naming_it() -> None:
     assert why == f"its node is gone: the raylet at 127.0.0.1:{port} does not answer"
     asked_now = [time.monotonic()]  # asked a moment ago: not again yet
     assert RayHost._raylet_gone(node, asked_now) is None
+
+
+def test_the_head_answers_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``session.head_answers``: whether the cluster's GCS accepts a connection."""
+    import ray
+
+    from runtime_cupy.hosts.ray import session
+
+    class Context:
+        gcs_address = ""
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context)
+    Context.gcs_address = f"127.0.0.1:{_closed_port()}"
+    assert not session.head_answers()
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        Context.gcs_address = f"127.0.0.1:{gcs.getsockname()[1]}"
+        assert session.head_answers()
+
+
+class _Unreachable:
+    """A supervisor whose every call goes through a head that is gone (Ray blocks such a
+    call until it ends the process, 60 s later): each call is noted in ``asked``."""
+
+    def __init__(self, asked: list[str]) -> None:
+        self.asked = asked
+
+    def __getattr__(self, name: str) -> Any:
+        self.asked.append(name)
+        raise AssertionError(f"{name} asked through the cluster's lost head")
+
+
+def test_without_the_head_cleanup_asks_nothing_through_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cluster's head lost mid-run: the run's cleanup asks nothing of Ray (its
+    supervisors, ending them), which blocked until Ray ended the process with no JSON
+    printed; the supervisors are forgotten (Ray ends them with the head)."""
+    import ray
+
+    from runtime_cupy.hosts.ray import session
+    from runtime_cupy.hosts.ray.host import RayHost
+
+    asked: list[str] = []
+    node = cpu_stage_nodes(live_hosts([_node("a", "127.0.0.1", 1)]), 1)[0]
+    host = RayHost([node], "127.0.0.1")
+    host._actors[node.node_id] = _Unreachable(asked)
+    monkeypatch.setattr(session, "head_answers", lambda: False, raising=False)
+    for name in ("kill", "wait", "get"):
+        monkeypatch.setattr(ray, name, lambda *_a, name=name, **_k: asked.append(name))
+    host._release(node.node_id, host._actors[node.node_id])  # a warm stage gone
+    host._actors[node.node_id] = _Unreachable(asked)
+    with contextlib.suppress(AssertionError):
+        host.cleanup("run-without-head", [1, 2])
+    assert asked == [] and host._actors == {}

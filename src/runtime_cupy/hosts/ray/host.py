@@ -187,6 +187,20 @@ class RayStageHandle:
             release()
 
 
+class _NoStore:
+    """The rendezvous once the cluster's head is gone (its key-value store with it):
+    nothing to look up or withdraw."""
+
+    def publish(self, run_id: str, edge_id: int, address: str) -> None:
+        raise OSError("the Ray cluster's head is gone: nothing can be published")
+
+    def lookup(self, run_id: str, edge_id: int) -> str | None:
+        return None
+
+    def withdraw(self, run_id: str, edge_id: int) -> None:
+        return None
+
+
 class UnstartedStage:
     """A stage that could not be started: gone from the start, saying why (its channel
     is at end of file at once, so the launcher ends the run the way it does for a stage
@@ -452,15 +466,31 @@ class RayHost:
             self._slices.forget_transfers()
 
     def _release(self, node_id: str, actor: Any) -> None:
-        """A warm stage is gone for good: end its supervisor (and the control port
-        once no supervisor is left)."""
+        """A warm stage is gone for good: end its supervisor (unless the cluster's head
+        is gone: Ray ends it then, and asking would block) and the control port once no
+        supervisor is left."""
         import ray
+
+        from runtime_cupy.hosts.ray import session
 
         if self._actors.get(node_id) is actor:
             del self._actors[node_id]
             self._warm.discard(node_id)
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
+        if session.head_answers():
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self._close_listener()
+
+    def _head_gone(self, run_id: str, edge_ids: Sequence[int]) -> None:
+        """Cleanup without the cluster's head: what this host made of the run is freed
+        (its shared memory, its edges' folders); the supervisors, which Ray ends with the
+        head's loss, and what they made are left to end on their own (each stage process
+        stops as its lifeline closes); the rendezvous went with the head."""
+        log.warning("the Ray cluster's head does not answer: the stages' supervisors and "
+                    "their hosts' cleanup are left to Ray")  # fmt: skip
+        remove_edges(every_medium(_NoStore()), run_id, edge_ids)
+        self._actors.clear()
+        self._warm.clear()
         self._close_listener()
 
     def _close_listener(self) -> None:
@@ -484,7 +514,12 @@ class RayHost:
     def cleanup(self, run_id: str, edge_ids: Sequence[int]) -> None:
         import ray
 
+        from runtime_cupy.hosts.ray import session
+
         ids = list(edge_ids)
+        if not session.head_answers():
+            self._head_gone(run_id, ids)
+            return
         actors = list(self._actors.values())
         refs = [actor.cleanup.remote(run_id, ids) for actor in actors]
         if refs:

@@ -89,6 +89,16 @@ def raylet_answers(address: str, port: int, timeout_s: float = RAYLET_PROBE_S) -
     return True
 
 
+def head_answers(timeout_s: float = RAYLET_PROBE_S) -> bool:
+    """Whether the cluster's head (its GCS) accepts a connection within ``timeout_s``:
+    with the head gone every call of Ray's through it (its key-value store, ending an
+    actor) blocks until Ray ends this process, 60 s later."""
+    import ray
+
+    host, _, port = str(ray.get_runtime_context().gcs_address).rpartition(":")
+    return raylet_answers(host, int(port), timeout_s) if port.isdigit() else True
+
+
 def hosts() -> tuple[RayHostInfo, ...]:
     """The cluster's live hosts, in label order: the nodes Ray calls alive whose raylet
     answers now (asked all at once, each within ``RAYLET_PROBE_S``)."""
