@@ -247,8 +247,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.recover:
             try:
-                with sigterm_interrupts():  # SIGTERM tears the chain down as Ctrl-C does
-                    result, recoveries = _generate_recovering(args, path, prompt, stream)
+                result, recoveries = _generate_recovering(args, path, prompt, stream)
             except KeyboardInterrupt as exc:  # the chain is closed: what came, "cancelled"
                 return _cancelled(args, stream, tokenizer, err, signal_of(exc))
         else:
@@ -333,19 +332,22 @@ def _generate_recovering(
         recover=True,
         max_recoveries=args.max_recoveries,
     )
-    try:
-        chain.start()
-        run = chain.generate(
-            prompt,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            on_token=stream,
-        )
-    finally:
-        chain.close()
+    # SIGTERM tears the chain down as Ctrl-C does; taken after the chain is made, which
+    # connects to a Ray cluster (--ray-address), whose driver sets its own handler.
+    with sigterm_interrupts():
+        try:
+            chain.start()
+            run = chain.generate(
+                prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                on_token=stream,
+            )
+        finally:
+            chain.close()
     return run.result, chain.recoveries.count
 
 
