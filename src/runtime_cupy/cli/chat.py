@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from runplan.arguments import OneLineParser
 from runtime_core.console import TextStream, add_sampling_arguments
@@ -35,6 +35,9 @@ from runtime_cupy.cli.arguments import (
 from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import Message
+
+if TYPE_CHECKING:
+    from runtime_cupy.process.chain_runner import ChainRun
 
 EXIT_FAILED = 1
 EXIT_INPUT = 2
@@ -80,8 +83,9 @@ class Chat:
         tok = self.chain.tokenizer
         wanted = max(1, min(self.max_tokens, self.chain.context // 2))
         ids = chat_prompt(tok, self._messages())
-        while self._room(ids) < wanted and len(self.turns) > 1:
-            self.turns = self.turns[2:] if self.turns[0].role == "user" else self.turns[1:]
+        while self._room(ids) < wanted and len(self.turns) > 1:  # the question asked stays
+            pair = self.turns[0].role == "user" and self.turns[1].role == "assistant"
+            self.turns = self.turns[2:] if pair and len(self.turns) > 2 else self.turns[1:]
             self.err.write("(the conversation outgrew the context: its oldest turn is dropped)\n")
             ids = chat_prompt(tok, self._messages())
         return ids
@@ -102,16 +106,24 @@ class Chat:
                            f"{self.chain.context}\n")  # fmt: skip
             return None
         stream = TextStream(self.chain.tokenizer, self.out)
-        run = self.chain.generate(
-            ids,
-            max_tokens=min(self.max_tokens, room),
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=self.seed,
-            on_token=stream,
-        )
-        result = run.result
+        runs: list[ChainRun] = []
+        try:
+            result = self.chain.generate(
+                ids,
+                max_tokens=min(self.max_tokens, room),
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                seed=self.seed,
+                on_token=stream,
+                on_run=runs.append,
+            ).result
+        except KeyboardInterrupt:  # Ctrl-C: the run stops, what it wrote stays
+            if not runs:  # before the run began: the question is forgotten
+                self.turns.pop()
+                raise
+            runs[-1].cancel("stopped by Ctrl-C")
+            result = self.chain.result(runs[-1]).result  # a second Ctrl-C stops waiting
         if result.outcome == "faulted":
             self.out.write("\n")
             self.err.write(f"error: {result.fault}\n")

@@ -113,6 +113,57 @@ def test_a_lone_message_longer_than_the_room_wanted_still_runs_with_what_is_left
     assert chain.asked == [(60, 5)]
 
 
+class _Interrupted(_Chain):
+    """Ctrl-C while the answer streams (``at_run``: after the run began) or before."""
+
+    def __init__(self, context: int, *, at_run: bool) -> None:
+        super().__init__(context)
+        self.at_run = at_run
+        self.cancelled: list[str] = []
+
+    def generate(self, ids: Sequence[int], *, max_tokens: int, **kw: Any) -> _Run:
+        if self.at_run:
+            kw["on_run"](self)
+        raise KeyboardInterrupt
+
+    def cancel(self, why: str) -> None:
+        self.cancelled.append(why)
+
+    def result(self, run: object) -> _Run:
+        assert run is self and self.cancelled
+        return _Run(_Result("cancelled", "half an"))
+
+
+def test_ctrl_c_while_the_answer_streams_stops_the_run_and_keeps_what_it_wrote() -> None:
+    chain = _Interrupted(64, at_run=True)
+    chat = chat_cli.Chat(chain, max_tokens=16, out=io.StringIO(), err=io.StringIO())
+    assert chat.say("a question") == "half an"
+    assert chain.cancelled == ["stopped by Ctrl-C"]  # the run does not go on
+    assert [(m.role, m.content) for m in chat.turns] == [
+        ("user", "a question"),
+        ("assistant", "half an"),
+    ]
+    assert "(stopped)" in chat.err.getvalue()
+
+
+def test_ctrl_c_before_the_run_began_forgets_the_question() -> None:
+    chain = _Interrupted(64, at_run=False)
+    chat = chat_cli.Chat(chain, max_tokens=16, out=io.StringIO(), err=io.StringIO())
+    with pytest.raises(KeyboardInterrupt):
+        chat.say("a question")
+    assert chat.turns == [] and chain.cancelled == []
+
+
+def test_the_question_asked_is_never_dropped() -> None:
+    """A turn left without its answer (a user turn first) is dropped alone, not with the
+    question after it."""
+    chat, chain = _chat(64, 32)
+    chat.turns = [Message("user", "x" * 30)]
+    assert chat.say("b" * 30) == _Chain.ANSWER  # 60 positions: the first turn goes alone
+    assert chain.asked == [(30, 32)]
+    assert [m.content[0] for m in chat.turns] == ["b", "o"]
+
+
 def test_a_message_longer_than_the_context_is_refused_and_forgotten() -> None:
     chat, chain = _chat(64, 32)
     assert chat.say("a" * 65) is None
