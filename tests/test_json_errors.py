@@ -120,6 +120,46 @@ def test_a_failing_json_command_prints_one_error_object(
         assert len(error) > 3, error
 
 
+# Flags that no parser knows (the top parser reports them, and it has no --json) and
+# --json abbreviated (argparse takes --js for it): (the command, its arguments).
+UNKNOWN_FLAGS: list[tuple[str, Main, list[str]]] = [
+    ("runplan facts", runplan_main, ["facts", "{model}", "--json", "--bogus"]),
+    ("runplan plan", runplan_main, ["plan", "{model}", "--nodes", "a=1GiB", "--json", "--bogus"]),
+    ("runplan check", runplan_main, ["check", "{plan}", "--json", "--bogus"]),
+    ("runplan split", runplan_main, ["split", "{model}", "--stages", "2", "--out", "{out}",
+                                     "--json", "--bogus"]),
+    ("runtime_sim run", sim_main, ["run", "--prompt", "hi", "--json", "--bogus"]),
+    ("runtime_sim explore: a flag of run's", sim_main, ["explore", "--model", "{bad}", "--json"]),
+    ("runtime_cupy: --js", cupy_main, ["--model", "{model}", "--prompt", "hi", "--js",
+                                       "--stages", "0"]),
+    ("runplan plan: --js", runplan_main, ["plan", "{model}", "--nodes", "a=1GiB", "--js",
+                                          "--bogus"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("command", "main", "argv"), UNKNOWN_FLAGS, ids=[c[0] for c in UNKNOWN_FLAGS]
+)
+def test_an_unknown_flag_with_json_is_one_usage_error(
+    files: dict[str, str],
+    command: str,
+    main: Main,
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _run(main, [a.format(**files) for a in argv]) == 2, command
+    error = _error_of(capsys.readouterr().out)
+    assert error["type"] == "UsageError", error
+
+
+def test_json_after_a_double_dash_is_an_operand_not_the_flag(
+    files: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run(runplan_main, ["facts", "--bogus", "--", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--bogus" in captured.err
+
+
 def test_a_bad_flag_without_json_prints_nothing_on_stdout(
     files: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,8 +18,10 @@ class OneLineParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line on standard error
     (naming the argument and its bad value) and exit status 2, without the usage
     block; ``--help`` still shows it. A command line that takes ``--json`` and gives
-    it gets the error object on standard output as well (``runplan.json_errors``,
-    type ``UsageError``): standard output is one JSON object whatever went wrong."""
+    it (``asks_for_json``: an abbreviation too, and to a subcommand, whichever parser
+    reports the error: an unknown flag is the top parser's) gets the error object on
+    standard output as well (``runplan.json_errors``, type ``UsageError``): standard
+    output is one JSON object whatever went wrong."""
 
     _wants_json = False
 
@@ -27,7 +29,7 @@ class OneLineParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         given = sys.argv[1:] if args is None else list(args)
-        self._wants_json = "--json" in self._option_string_actions and "--json" in given
+        self._wants_json = any(asks_for_json(p, given) for p in _parsers(self))
         return super().parse_known_args(given, namespace)
 
     def error(self, message: str) -> NoReturn:
@@ -36,6 +38,40 @@ class OneLineParser(argparse.ArgumentParser):
         if self._wants_json:
             print_json(error_json(USAGE_ERROR, line))
         sys.exit(2)
+
+
+def asks_for_json(parser: argparse.ArgumentParser, given: Sequence[str]) -> bool:
+    """Whether ``given`` asks ``parser`` for ``--json``: the flag itself, ``--json=...``
+    or an abbreviation that ``parser`` reads as it (``--js``, where no other flag
+    starts so), before any ``--`` (after it every word is an operand)."""
+    if "--json" not in parser._option_string_actions:
+        return False
+    for word in given:
+        if word == "--":
+            return False
+        flag = word.partition("=")[0]
+        if flag == "--json" or (parser.allow_abbrev and _abbreviates_json(parser, flag)):
+            return True
+    return False
+
+
+def _abbreviates_json(parser: argparse.ArgumentParser, flag: str) -> bool:
+    """``flag`` is a prefix of ``--json`` and of no other flag of ``parser``."""
+    if len(flag) <= 2 or not flag.startswith("--"):
+        return False
+    return {o for o in parser._option_string_actions if o.startswith(flag)} == {"--json"}
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and its subcommands' parsers, theirs too: an unknown flag given to a
+    subcommand is the top parser's error to report (argparse), ``--json`` the
+    subcommand's flag."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found.extend(_parsers(sub))
+    return found
 
 
 def positive_int(text: str) -> int:
