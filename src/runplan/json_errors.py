@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+import threading
+from typing import Any, TextIO
 
 from runplan.rejections import PlanRejection
 
@@ -75,7 +76,20 @@ def cancelled_json(signal_name: str | None = None) -> dict[str, Any]:
     return error_json(CANCELLED, "cancelled" + (f" by {signal_name}" if signal_name else ""))
 
 
-def print_json(doc: Any) -> None:
-    """One JSON document and a line feed on standard output (``sys.stdout``), flushed."""
-    sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
-    sys.stdout.flush()
+_PRINTED = threading.Event()  # set once this process printed its document (``printed``)
+
+
+def print_json(doc: Any, out: TextIO | None = None) -> None:
+    """One JSON document and a line feed on ``out`` (standard output, ``sys.stdout``),
+    flushed; ``printed()`` is true from then on."""
+    stream = sys.stdout if out is None else out
+    stream.write(json.dumps(doc, sort_keys=True) + "\n")
+    stream.flush()
+    _PRINTED.set()
+
+
+def printed() -> bool:
+    """Whether this process printed a JSON document with ``print_json``: a package's
+    ``__main__``, which prints the ``Cancelled`` object for a Ctrl-C that no command
+    met (one while the modules load), prints none after the command's own."""
+    return _PRINTED.is_set()

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
+
+from runplan.json_errors import print_json
 
 _out: TextIO | None = None  # the given standard output, while a --json command runs
 
@@ -58,6 +59,4 @@ def json_stdout(active: bool) -> Iterator[None]:
 
 def write_json(doc: Any) -> None:
     """One JSON document and a line feed on the command's standard output, flushed."""
-    out = _out if _out is not None else sys.stdout
-    out.write(json.dumps(doc, sort_keys=True) + "\n")
-    out.flush()
+    print_json(doc, _out)
