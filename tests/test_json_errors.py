@@ -6,7 +6,10 @@ plan, a bad flag value, an unreadable input, a faulted run)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +238,64 @@ def test_a_cancelled_simulated_run_is_one_error_object(
     assert _error_of(out) == {"type": "Cancelled", "message": "cancelled"}
     if where == "during the run":
         assert json.loads(out)["outcome"] == "cancelled"
+
+
+class SigtermNotTaken(Exception):
+    """SIGTERM reached the test's own handler: the command did not take it."""
+
+
+def _sigterm_self() -> None:
+    """SIGTERM to this process, and the wait for its handler (it runs at once)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(500):
+        time.sleep(0.01)
+    raise AssertionError("SIGTERM raised nothing")
+
+
+@pytest.fixture
+def sigterm_fallback() -> Iterator[None]:
+    """SIGTERM that no command takes fails the test (it would end pytest)."""
+
+    def fallback(_signum: int, _frame: object) -> None:
+        raise SigtermNotTaken
+
+    previous = signal.signal(signal.SIGTERM, fallback)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("where", ["before the run", "during the run"])
+@pytest.mark.usefixtures("sigterm_fallback")
+def test_a_simulated_run_that_sigterm_ends_is_one_cancelled_object(
+    files: dict[str, str],
+    where: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SIGTERM cancels ``runtime_sim run`` as Ctrl-C does (it ended the process, no
+    JSON): exit 143, ``Cancelled`` naming it; during the run, the tokens so far."""
+
+    def terminated_before(*args: Any, **kwargs: Any) -> Any:
+        _sigterm_self()
+
+    def terminated_during(*args: Any, on_token: Callable[[int], None], **kwargs: Any) -> Any:
+        on_token(5)
+        on_token(7)
+        _sigterm_self()
+
+    if where == "before the run":
+        monkeypatch.setattr(runtime_sim.cli, "resolve_model", terminated_before)
+    else:
+        monkeypatch.setattr(runtime_sim.cli, "generate", terminated_during)
+    assert _sim(["--model", files["model"], "--json"]) == 143
+    out = capsys.readouterr().out
+    assert _error_of(out) == {"type": "Cancelled", "message": "cancelled by SIGTERM"}
+    if where == "during the run":
+        doc = json.loads(out)
+        assert doc["outcome"] == "cancelled" and doc["tokens"] == [5, 7]
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the fallback, given back
 
 
 def test_ctrl_c_before_a_process_run_is_one_error_object(

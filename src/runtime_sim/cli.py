@@ -33,6 +33,7 @@ from runtime_core.console import (
     generation_options,
     prompt_ids,
 )
+from runtime_core.interrupt import cancelled_status, signal_of, sigterm_interrupts
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_core.workers.registry import CORE_WORKERS
@@ -79,16 +80,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 on_load=on_load,
                 tokenizer=tokenizer,
             )
-    except KeyboardInterrupt:
-        # The caller tore the run down: what was generated so far, and "cancelled".
+    except KeyboardInterrupt as exc:
+        # Ctrl-C or SIGTERM tore the run down: what was generated so far, and "cancelled".
+        signal_name = _signal_named(exc)
         text = tokenizer.decode(stream.ids)
         stream.finish(text)
         if args.json:
             doc = {"tokens": stream.ids, "text": text, "outcome": "cancelled", "fault": None}
-            print_json(doc | cancelled_json())
+            print_json(doc | cancelled_json(signal_name))
         else:
             err.print("cancelled", highlight=False)
-        return 130
+        return cancelled_status(signal_name)
     stream.finish(result.text)
     if args.trace is not None:
         _write_trace(args.trace, result)
@@ -317,10 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _signal_named(exc: KeyboardInterrupt) -> str | None:
+    """The signal that cancelled the command where it is not Ctrl-C (SIGTERM), else
+    ``None``: a Ctrl-C's object says ``cancelled``, as it always has."""
+    name = signal_of(exc)
+    return None if name == "SIGINT" else name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        code: int = args.func(args)
+        with sigterm_interrupts():  # SIGTERM cancels the command as Ctrl-C does
+            code: int = args.func(args)
     except (GgufError, ModelNotFound, PlanRejected, TokenizerError, ValueError) as exc:
         if getattr(args, "json", False):
             print_json(exception_json(exc))
@@ -329,9 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 labelled("error", "bold red", str(exc)), highlight=False
             )
         return EXIT_INPUT
-    except KeyboardInterrupt:  # before a run had a result to print
+    except KeyboardInterrupt as exc:  # before a run had a result to print
+        signal_name = _signal_named(exc)
         if getattr(args, "json", False):
-            print_json(cancelled_json())
+            print_json(cancelled_json(signal_name))
         Console(stderr=True).print("cancelled")
-        return 130
+        return cancelled_status(signal_name)
     return code

@@ -27,7 +27,7 @@ input exits 2. With
 again over the live nodes and the run replayed there, its text going on where it
 stopped (``serve.recovery``, at most ``--max-recoveries`` times); the
 stages then start and bind as ``serve``'s do (``serve.chain.WarmChain``); Ctrl-C and
-SIGTERM close that chain and end the run as without it (``cli.interrupt``).
+SIGTERM close that chain and end the run as without it (``runtime_core.interrupt``).
 
 Subcommands beside it: ``python -m runtime_cupy plan ...`` (``cli.plan``),
 ``python -m runtime_cupy serve ...`` (an OpenAI-compatible HTTP
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,6 +68,7 @@ from runtime_core.console import (
     generation_options,
     prompt_ids,
 )
+from runtime_core.interrupt import cancelled_status, signal_of, sigterm_interrupts
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.batch import BatchError, generate_batch
@@ -82,7 +82,6 @@ from runtime_cupy.cli.arguments import (
     configure_logs,
     stage_options,
 )
-from runtime_cupy.cli.interrupt import signal_of, sigterm_interrupts
 from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.hosts.ray.session import left_at_the_end
 from runtime_cupy.process.tracing import chrome_trace
@@ -93,14 +92,6 @@ from runtime_cupy.slices.server import StageTransfer
 EXIT_FAULTED = 1
 EXIT_INPUT = 2
 EXIT_CANCELLED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
-
-
-def cancelled_status(signal_name: str | None) -> int:
-    """The exit status of a run cancelled by ``signal_name`` (``None``: by Ctrl-C or by
-    a caller): 128 + the signal's number, 130 for SIGINT and 143 for SIGTERM."""
-    if signal_name is None:
-        return EXIT_CANCELLED
-    return 128 + signal.Signals[signal_name].value
 
 
 class PromptsFileError(ValueError):

@@ -1,12 +1,15 @@
 """SIGTERM as Ctrl-C for a command that tears its work down in ``finally`` blocks
-(``python -m runtime_cupy --recover``: its warm chain's ``close``).
+(``python -m runtime_cupy --recover``'s warm chain and ``--prompts-file``'s batch,
+``python -m runtime_sim run``).
 
 Python turns SIGINT into ``KeyboardInterrupt`` in the main thread; SIGTERM ends the
 process at once, its stages left to find their orchestrator gone and its JSON never
 written. Within ``sigterm_interrupts()`` SIGTERM raises ``Interrupted`` instead (a
 ``KeyboardInterrupt``, so what cleans up after Ctrl-C cleans up after it too), naming
 the signal, and a second SIGTERM while that cleanup waits raises again, as a second
-Ctrl-C does: the waiting stops. ``signal_of(exc)`` names the signal of either.
+Ctrl-C does: the waiting stops. ``signal_of(exc)`` names the signal of either,
+``cancelled_status`` its exit status. Both runtimes' command lines use it
+(``runtime_sim`` cannot import ``runtime_cupy``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-log = logging.getLogger("runtime_cupy.cli")
+log = logging.getLogger(__name__)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -32,6 +35,13 @@ class Interrupted(KeyboardInterrupt):
 def signal_of(exc: KeyboardInterrupt) -> str:
     """The signal that raised ``exc``: ``Interrupted``'s, else SIGINT (Ctrl-C)."""
     return exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+
+
+def cancelled_status(signal_name: str | None) -> int:
+    """The exit status of a command cancelled by ``signal_name`` (``None``: by Ctrl-C or
+    by a caller): 128 + the signal's number, as a shell reports a process the signal
+    ended: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signal.Signals[signal_name or "SIGINT"].value
 
 
 @contextlib.contextmanager
