@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -244,9 +245,10 @@ class SigtermNotTaken(Exception):
     """SIGTERM reached the test's own handler: the command did not take it."""
 
 
-def _sigterm_self() -> None:
-    """SIGTERM to this process, and the wait for its handler (it runs at once)."""
-    os.kill(os.getpid(), signal.SIGTERM)
+def _sigterm_self(signum: int = signal.SIGTERM) -> None:
+    """``signum`` (SIGTERM) to this process, and the wait for its handler (it runs at
+    once)."""
+    os.kill(os.getpid(), signum)
     for _ in range(500):
         time.sleep(0.01)
     raise AssertionError("SIGTERM raised nothing")
@@ -309,3 +311,48 @@ def test_ctrl_c_before_a_process_run_is_one_error_object(
     monkeypatch.setattr(runtime_cupy.cli.main, "resolve_model", interrupted)
     assert cupy_main(["--model", files["model"], "--prompt-ids", "1", "--json"]) == 130
     assert _error_of(capsys.readouterr().out) == {"type": "Cancelled", "message": "cancelled"}
+
+
+@pytest.mark.parametrize(
+    ("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+)
+@pytest.mark.usefixtures("sigterm_fallback")
+def test_a_cancelled_prompts_file_keeps_the_prompts_that_ended(
+    files: dict[str, str],
+    tmp_path: Path,
+    signum: int,
+    status: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--prompts-file --json``, Ctrl-C or SIGTERM after two of three prompts ended:
+    their ``results`` and counts beside the ``Cancelled`` error (Ctrl-C's object was the
+    error alone; SIGTERM ended the process, no JSON), the batch closed, 128 + the
+    signal's number."""
+    import runtime_cupy.cli.main as cli
+
+    closed: list[bool] = []
+
+    def two_then_the_signal(*args: Any, **kwargs: Any) -> Iterator[tuple[int, Any]]:
+        try:
+            yield 2, SimpleNamespace(tokens=(4, 5), text="ab", outcome="completed", fault=None)
+            yield 0, SimpleNamespace(tokens=(6,), text="c", outcome="faulted", fault="boom")
+            _sigterm_self(signum)
+        finally:
+            closed.append(True)
+
+    monkeypatch.setattr(cli, "generate_batch", two_then_the_signal)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1]}\n{"prompt_ids": [2]}\n{"prompt_ids": [3]}\n')
+    argv = ["--model", files["model"], "--prompts-file", str(prompts), "--json"]
+    assert cupy_main(argv) == status
+    out = capsys.readouterr().out
+    name = signal.Signals(signum).name
+    assert _error_of(out) == {"type": "Cancelled", "message": f"cancelled by {name}"}
+    doc = json.loads(out)
+    assert [(r["index"], r["tokens"], r["outcome"]) for r in doc["results"]] == [
+        (0, [6], "faulted"),
+        (2, [4, 5], "completed"),
+    ]
+    assert (doc["prompts"], doc["completed"], doc["faulted"]) == (3, 1, 1)
+    assert closed == [True]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 from runplan import ModelFacts, SamplingConfig, model_facts_from_gguf
 from runplan.config import run_positions
@@ -89,7 +89,7 @@ def generate_batch(
     ray_address: str | None = None,
     placement: str = "even",
     max_concurrent: int | None = None,
-) -> Iterator[tuple[int, GenerateResult]]:
+) -> Generator[tuple[int, GenerateResult], None, None]:
     """Generate up to ``max_tokens`` tokens after each of ``prompts`` on one chain;
     yields ``(index, result)`` as each run ends. ``BatchError`` (``check_prompts``) for
     no prompts or one the model cannot run, before any process starts; the planner's
@@ -133,7 +133,7 @@ def _results(
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
     sampling: SamplingConfig,
-) -> Iterator[tuple[int, GenerateResult]]:
+) -> Generator[tuple[int, GenerateResult], None, None]:
     ended: queue.SimpleQueue[ChainRun] = queue.SimpleQueue()
     try:
         chain.start()

@@ -6,7 +6,8 @@ prints the plan, in ``cli.plan``).
 ``--prompts-file FILE.jsonl`` runs every prompt of the file at once on one chain
 (``batch.generate_batch``) and prints one JSON line per prompt as it completes; with
 ``--json``, one JSON object once every prompt is done (``results``: those lines, in
-the file's order; ``prompts``, ``completed``, ``faulted``; ``error`` if one faulted).
+the file's order; ``prompts``, ``completed``, ``faulted``; ``error`` if one faulted);
+Ctrl-C or SIGTERM closes its chain and prints what ended, beside ``Cancelled``.
 
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
@@ -158,40 +159,57 @@ def _run_batch(args: argparse.Namespace) -> int:
             raise
         where = f"--prompts-file {str(args.prompts_file)!r} line {lines[exc.index]}"
         raise PromptsFileError(f"{where}: {exc}") from None
-    results = []
+    results: list[dict[str, Any]] = []
     err = plain_console(stderr=True, soft_wrap=True)
-    for index, result in batch:
-        line = {
-            "index": index,
-            "tokens": list(result.tokens),
-            "text": result.text,
-            "outcome": result.outcome,
-            "fault": result.fault,
-        }
-        faulted += result.outcome != "completed"
+    cancelled_by: str | None = None
+    # SIGTERM ends the batch as Ctrl-C does; taken once the chain is made, which connects
+    # to a Ray cluster (--ray-address), whose driver sets its own handler.
+    with sigterm_interrupts():
+        try:
+            try:
+                for index, result in batch:
+                    line = {
+                        "index": index,
+                        "tokens": list(result.tokens),
+                        "text": result.text,
+                        "outcome": result.outcome,
+                        "fault": result.fault,
+                    }
+                    faulted += result.outcome != "completed"
+                    if args.json:
+                        results.append(line)
+                        err.print(
+                            f"prompt {index} (line {lines[index]}): {result.outcome}, "
+                            f"{len(result.tokens)} tokens ({len(results)} of {len(prompts)} "
+                            "done)",
+                            highlight=False,
+                        )
+                    else:
+                        write_json(line)
+            finally:
+                batch.close()  # the chain closed, whatever ended the loop
+        except KeyboardInterrupt as exc:  # the prompts that ended stay the batch's
+            cancelled_by = signal_of(exc)
+    if cancelled_by is not None:
         if args.json:
-            results.append(line)
-            err.print(
-                f"prompt {index} (line {lines[index]}): {result.outcome}, "
-                f"{len(result.tokens)} tokens ({len(results)} of {len(prompts)} done)",
-                highlight=False,
-            )
-        else:
-            write_json(line)
+            write_json(_batch_json(results, len(prompts)) | cancelled_json(cancelled_by))
+        err.print("cancelled", highlight=False)
+        return cancelled_status(cancelled_by)
     if args.json:
-        write_json(_batch_json(results))
+        write_json(_batch_json(results, len(prompts)))
     return EXIT_FAULTED if faulted else 0
 
 
-def _batch_json(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """``--prompts-file`` with ``--json``: one object, ``results`` (each prompt's, in the
-    file's order), ``prompts``, ``completed`` and ``faulted`` (counts), and ``error``
-    (``RunFaulted``, naming the first) when a prompt did not complete."""
+def _batch_json(results: list[dict[str, Any]], prompts: int) -> dict[str, Any]:
+    """``--prompts-file`` with ``--json``: one object, ``results`` (each prompt that
+    ended, in the file's order), ``prompts`` (the file's), ``completed`` and ``faulted``
+    (counts of ``results``), and ``error`` (``RunFaulted``, naming the first) when a
+    prompt did not complete."""
     results = sorted(results, key=lambda r: r["index"])
     failed = [r for r in results if r["outcome"] != "completed"]
     doc: dict[str, Any] = {
         "results": results,
-        "prompts": len(results),
+        "prompts": prompts,
         "completed": len(results) - len(failed),
         "faulted": len(failed),
     }
