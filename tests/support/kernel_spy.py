@@ -1,9 +1,9 @@
-"""Every call the CPU worker's backend makes of the compiled kernels, seen: a stand-in for
-the ``_kernels`` module (``monkeypatch.setattr(backend, "_kernels", spy)`` before the
-stage binds) whose functions, and whose step programs' recording methods, report each
-call to ``seen(name, args, kwargs)`` and then make it. A program's recorded calls are
-made once at each of its runs, so the calls recorded for a step are the calls it
-makes."""
+"""Every call the CPU worker makes of the compiled kernels, seen: a stand-in for the
+``_kernels`` module (``monkeypatch.setattr(runtime_core.workers.cpu.ops, "_kernels",
+spy)`` before the stage binds: ``ops`` is the module that calls them) whose functions,
+and whose step programs' recording methods, report each call to ``seen(name, args,
+kwargs)`` and then make it. A program's recorded calls are made once at each of its
+runs, so the calls recorded for a step are the calls it makes."""
 
 from __future__ import annotations
 
