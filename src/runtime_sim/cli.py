@@ -38,7 +38,7 @@ from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_core.workers.registry import CORE_WORKERS
 from runtime_sim.api import DEFAULT_WORKER, GenerateResult, generate, generate_runs
-from runtime_sim.explore import explore, report, report_json, self_test
+from runtime_sim.explore import explore, report, self_test
 from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
 
@@ -212,22 +212,18 @@ def _cmd_explore(args: argparse.Namespace) -> int:
     if args.self_test:
         results = self_test()
         if args.json:
-            sys.stdout.write(
-                json.dumps(
-                    {
-                        "mutants": [
-                            {
-                                "mutation": r.mutation.value,
-                                "caught": r.caught,
-                                "seed": r.seed,
-                                "rules": list(r.rules),
-                            }
-                            for r in results
-                        ]
-                    },
-                    sort_keys=True,
-                )
-                + "\n"
+            print_json(
+                {
+                    "mutants": [
+                        {
+                            "mutation": r.mutation.value,
+                            "caught": r.caught,
+                            "seed": r.seed,
+                            "rules": list(r.rules),
+                        }
+                        for r in results
+                    ]
+                }
             )
         else:
             for r in results:
@@ -239,7 +235,7 @@ def _cmd_explore(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     outcomes = explore(args.start, args.seeds, max_runs=args.max_runs)
     if args.json:
-        sys.stdout.write(report_json(args.start, outcomes) + "\n")
+        print_json(report(args.start, outcomes))  # report_json's bytes
     else:
         rep = report(args.start, outcomes)
         spent = time.perf_counter() - began
