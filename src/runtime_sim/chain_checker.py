@@ -61,6 +61,8 @@ KV_FREED = "memory: every KV reservation is freed at the chain's end"
 ONE_BATCH = "batching: one batch at a time per stage"
 ONE_STEP_PER_RUN = "batching: at most one step per run in a batch"
 STEP_ORDER = "batching: a stage feeds each run's records in the order it loaded them"
+KV_WITHIN_BUDGET = "memory: a stage's runs never reserve more KV cache than its budget"
+KV_HELD_ENDS = "memory: a run held for KV memory is offered again or ends cancelled or faulted"
 BATCHES_REPORTED = "batching: a stage's StageStopped messages report each of its batches once"
 
 ALL_RULES = (
@@ -86,6 +88,8 @@ ALL_RULES = (
     ISOLATION,
     BATCH_INVARIANCE,
     KV_FREED,
+    KV_WITHIN_BUDGET,
+    KV_HELD_ENDS,
     ONE_BATCH,
     ONE_STEP_PER_RUN,
     STEP_ORDER,
@@ -145,7 +149,12 @@ class _Checker:
         self.n_stages = plan.stage_count
         self.node_index = {s.node_id: s.stage_index for s in plan.stages}
         self.slots = {i: e.ring_spec.slot_count for i, e in enumerate(_hops(plan))}
+        # every run id a run had on the chain (a run offered again after waiting for KV
+        # memory has several), to its run by arrival
         self.run_index = {spec.plan.run_id: i for i, spec in enumerate(sim.runs)}
+        for i, r in enumerate(result.runs):
+            self.run_index.update(dict.fromkeys(r.chain_ids, i))
+        self.budget = {s.node_id: s.kv_budget_bytes for s in plan.stages}
 
     def fail(self, rule: str, time_us: int, detail: str) -> None:
         self.violations.append(Violation(rule, time_us, detail))
@@ -184,6 +193,7 @@ class _Checker:
         stop_sent: dict[str, set[int]] = defaultdict(set)
         stop_got: dict[str, set[str]] = defaultdict(set)
         stage_faulted: dict[str, set[str]] = defaultdict(set)  # run -> stages it faulted on
+        held: dict[str, int] = {}  # runs held for KV memory -> since when
         for time_us, actor, kind, what, d in self.sim.trace.entries:
             if kind == "ring":
                 if what == "close":
@@ -291,6 +301,12 @@ class _Checker:
                     in_batch[actor] = set()
                 elif what == "batch_end":
                     in_batch[actor] = None
+                elif what == "kv_reserved" and d[0] > self.budget[actor]:
+                    fail(
+                        KV_WITHIN_BUDGET,
+                        time_us,
+                        f"{actor}'s runs reserve {d[0]} KV bytes, its budget {self.budget[actor]}",
+                    )
                 elif what == "chain_closed" and d and d[0]:
                     fail(
                         KV_FREED, time_us, f"{actor} closed its chain with {d[0]} KV bytes reserved"
@@ -334,6 +350,13 @@ class _Checker:
                     machine_finished[run_id] += 1
                     if machine_finished[run_id] > 1:
                         fail(ONE_OUTCOME, time_us, f"a second RunFinished of {run_id!r}")
+            elif kind == "sim" and actor == ORCHESTRATOR and what == "kv_held":
+                held[d[0]] = time_us
+            elif kind == "sim" and actor == ORCHESTRATOR and what in ("kv_again", "kv_held_ended"):
+                if held.pop(d[0], None) is None:
+                    fail(KV_HELD_ENDS, time_us, f"{what} of {d[0]!r}, not held")
+                elif what == "kv_held_ended" and d[1] not in ("CANCELLED", "FAULTED"):
+                    fail(KV_HELD_ENDS, time_us, f"{d[0]!r} ended {d[1]} while held")
             elif kind == "ctl" and actor == ORCHESTRATOR:
                 fields = d[0]
                 if what == "state" and fields["to"] in ("TEARING_DOWN", "DONE"):
@@ -341,6 +364,10 @@ class _Checker:
                 elif what == "finished":
                     finished[fields["run_id"]] += 1
         rings.finish()
+        for run_id, since in sorted(held.items()):
+            self.fail(
+                KV_HELD_ENDS, since, f"{run_id!r}, held for KV memory, neither offered nor ended"
+            )
         self.made = made
         self.consumed = consumed
         self.provisioned: dict[str, set[int]] = defaultdict(set)
@@ -391,7 +418,7 @@ class _Checker:
         dropped_stop = {dst for src, dst, mtype in sim.dropped if mtype == "StopRun"}
         for i, run in enumerate(r.runs):
             spec = sim.runs[i]
-            run_id = run.run_id
+            run_id = run.last_id  # the id it ended under (it had others if it waited for KV)
             if run.refused is None:
                 if self.finished[run_id] != 1 or run.finished is None:
                     self.fail(
@@ -403,19 +430,8 @@ class _Checker:
                         r.end_us,
                         f"{run_id!r}: outcome at {run.finished_us} us, bound {bound} us",
                     )
-            if run_id in self.ended:
-                for s in sorted(self.provisioned[run_id] - self.stop_sent[run_id]):
-                    self.fail(
-                        TEARDOWN_TO_ALL, self.ended[run_id], f"{run_id!r}: no StopRun to stage {s}"
-                    )
-            for s in sorted(self.provisioned[run_id]):
-                node_id = spec.plan.stages[s].node_id
-                if not r.alive[s] or node_id in dropped_stop:
-                    continue
-                if node_id not in self.stop_got[run_id]:
-                    self.fail(
-                        LIVENESS_STOP_RUN, r.end_us, f"{node_id} never got StopRun of {run_id!r}"
-                    )
+            for each in run.chain_ids:
+                self._stops(each, spec, dropped_stop)
             self._isolation(i, run)
             if sim.faults.harmless_for(i) and sim.parts.mutant is None:
                 faults = [f.describe() for f in sim.faults.faults]
@@ -426,7 +442,7 @@ class _Checker:
                         r.end_us,
                         f"{run_id!r} ended {run.outcome} ({fault}) with faults {faults}",
                     )
-                for node in sorted(self.stage_faulted[run_id]):
+                for node in sorted({n for each in run.chain_ids for n in self.stage_faulted[each]}):
                     self.fail(HARMLESS, r.end_us, f"{node} faulted {run_id!r} with faults {faults}")
             if self.solo is not None and run.tokens:
                 alone = self.solo(spec)
@@ -455,6 +471,21 @@ class _Checker:
             if not ok:
                 self.fail(SECURITY, 0, f"{kind} at {node}: {reason}")
 
+    def _stops(self, run_id: str, spec: RunSpec, dropped_stop: set[str]) -> None:
+        """Every stage ``run_id`` was provisioned on was sent its StopRun, and got it."""
+        r = self.result
+        if run_id in self.ended:
+            for s in sorted(self.provisioned[run_id] - self.stop_sent[run_id]):
+                self.fail(
+                    TEARDOWN_TO_ALL, self.ended[run_id], f"{run_id!r}: no StopRun to stage {s}"
+                )
+        for s in sorted(self.provisioned[run_id]):
+            node_id = spec.plan.stages[s].node_id
+            if not r.alive[s] or node_id in dropped_stop:
+                continue
+            if node_id not in self.stop_got[run_id]:
+                self.fail(LIVENESS_STOP_RUN, r.end_us, f"{node_id} never got StopRun of {run_id!r}")
+
     def _batches_reported(self) -> None:
         """Once every run ended, each stage still alive, holding no run, whose stops were
         all confirmed and none of whose control messages was lost, reported each batch it
@@ -482,7 +513,7 @@ class _Checker:
     def _isolation(self, i: int, run: Any) -> None:
         """Run ``i``'s caller got exactly its run's tokens (EOS excluded), each as its last
         stage made it for that run and sequence."""
-        run_id = run.run_id
+        run_id = run.last_id
         consumed = self.consumed.get(run_id, {})
         made = self.made.get(run_id, {})
         eos = self.sim.runs[i].plan.model.eos_token_id

@@ -70,6 +70,19 @@ class RunResult:
     ready_us: int | None
     finished_us: int | None
     token_times_us: tuple[int, ...]
+    # The run ids it ran under after waiting for KV memory, in turn (``run_id``: the one it
+    # arrived with; CONCURRENT_RUNS.md §5).
+    offered_as: tuple[str, ...] = ()
+
+    @property
+    def last_id(self) -> str:
+        """The run id it ended under."""
+        return self.offered_as[-1] if self.offered_as else self.run_id
+
+    @property
+    def chain_ids(self) -> tuple[str, ...]:
+        """Every run id it had on the chain, the first first."""
+        return (self.run_id, *self.offered_as)
 
     @property
     def outcome(self) -> str:
@@ -204,19 +217,21 @@ class ChainSimulation:
         for i, spec in enumerate(self.runs):
             run_id = spec.plan.run_id
             handle = o.handles.get(i)
-            finished = handle.finished if handle is not None else None
+            run = o.sim_runs.get(i)
+            last = run.run_id if run is not None else run_id
             results.append(
                 RunResult(
                     run_id=run_id,
-                    finished=finished,
+                    finished=run.finished if run is not None else None,
                     tokens=handle.tokens if handle is not None else (),
                     delivered=tuple(self.delivered[i]),
                     logits=tuple(handle.logits) if handle is not None else (),
                     refused=o.refused.get(i),
                     arrival_us=spec.arrival_us,
-                    ready_us=o.ready_us.get(run_id),
-                    finished_us=o.finished_us.get(run_id),
+                    ready_us=o.ready_us.get(last),
+                    finished_us=o.finished_us.get(last),
                     token_times_us=tuple(o.token_times.get(run_id, ())),
+                    offered_as=(*run.former_ids[1:], last) if run and run.former_ids else (),
                 )
             )
         return ChainResult(

@@ -198,6 +198,7 @@ class ChainStageNode(Node):
         self._killed_before_ready = False
         self._forged: set[str] = set()  # runs whose first READY brought the forgeries
         self._setup: Handle | None = None
+        self._kv_traced = 0  # the KV bytes reserved when last traced
         self._batch: Handle | None = None
         self._release: Handle | None = None
         self._attach: Handle | None = None
@@ -261,6 +262,10 @@ class ChainStageNode(Node):
         self._pump = None
         c = self.controller
         sim = self.sim
+        reserved = self.worker.kv_reserved_bytes
+        if reserved != self._kv_traced:  # what the runs' caches hold of the stage's budget
+            self._kv_traced = reserved
+            sim.trace.add(sim.clock.now_us, self.node_id, "sim", "kv_reserved", reserved)
         progress = True
         while progress and self.alive:
             progress = False

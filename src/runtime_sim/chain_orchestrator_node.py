@@ -2,15 +2,26 @@
 ``ChainOrchestrator`` that adds each run when it arrives, each run with its own caller
 (the tokens it gets, its cancel), and exits once every run has ended. The controller is
 the production one, subclassed only to trace what its machines handle and do
-(``TracedChainOrchestrator``)."""
+(``TracedChainOrchestrator``).
+
+Runs that wait for KV memory (CONCURRENT_RUNS.md §5) follow the process runtime's rules,
+the same code (``runtime_core.kv_waits``): a run a stage refused (``ProvisionRefused``)
+while other runs held cache on it is held (traced ``kv_held``) and offered again under a
+new run id (``kv_again``: ``<chain's first run id>-again-<n>``) once another run ends;
+one that could never fit ends faulted, naming its size against the stage's whole
+budget; a held run its caller cancels, or that a chain fault finds, ends at once
+(``kv_held_ended``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from runplan import RunPlan
 from runplan.fsm import orchestrator as ofsm
+from runplan.messages import StopReason
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunHandle, RunRefused
 from runtime_core.chain_orchestrator import RunTimerFired as OrchestratorTimerFired
+from runtime_core.kv_waits import KvWaits
 from runtime_sim.chain_nodes import Node, SimRunTimers
 from runtime_sim.clock import Handle
 from runtime_sim.faults import FaultKind
@@ -53,6 +64,33 @@ class TracedChainOrchestrator(ChainOrchestrator):
         super()._act(handle, action)
 
 
+class SimRun:
+    """One arrival's run on the chain (a ``kv_waits.Waiting``): its plan and handle, both
+    new each time it is offered again after waiting for KV memory (``former_ids``: its
+    ids before), and its end while held (``ended``: cancelled, or the chain's fault)."""
+
+    def __init__(self, index: int, plan: RunPlan) -> None:
+        self.index = index
+        self.plan = plan
+        self.handle: RunHandle | None = None
+        self.former_ids: tuple[str, ...] = ()
+        self.held = False  # waits for KV memory
+        self.ended: ofsm.RunFinished | None = None
+
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+    @property
+    def finished(self) -> ofsm.RunFinished | None:
+        """Its outcome (``None`` while it runs or is held)."""
+        if self.held:
+            return None
+        if self.ended is not None or self.handle is None:
+            return self.ended
+        return self.handle.finished
+
+
 class ChainOrchestratorNode(Node):
     def __init__(self, sim: ChainSimulation) -> None:
         self.sim = sim
@@ -60,7 +98,11 @@ class ChainOrchestratorNode(Node):
         self.alive = True
         self._pump = None
         self.timers = SimRunTimers(self)
-        self.handles: dict[int, RunHandle] = {}  # by arrival
+        self.handles: dict[int, RunHandle] = {}  # by arrival: each run's latest
+        self.sim_runs: dict[int, SimRun] = {}  # by arrival: the runs the chain took
+        self._settled: set[int] = set()  # runs whose end was seen (held or ended)
+        self._again = 0  # run ids given to runs offered again
+        self.waits: KvWaits[SimRun] = KvWaits(self._next_run_id)
         self.refused: dict[int, str] = {}  # runs the chain would not take, and why
         self.arrived = 0
         self.finished_us: dict[str, int] = {}
@@ -104,22 +146,55 @@ class ChainOrchestratorNode(Node):
         sim = self.sim
         sim.trace.add(sim.clock.now_us, ORCHESTRATOR, "sim", "arrive", spec.plan.run_id)
         if self.alive:
+            run = SimRun(i, spec.plan)
             try:
-                self.handles[i] = self.controller.add_run(
-                    spec.plan, spec.prompt, on_token=self.caller(i)
-                )
+                self._add(run)
             except (ofsm.PromptError, RunRefused) as exc:
                 self.refused[i] = str(exc)
         self.after_event()
 
+    def _add(self, run: SimRun) -> None:
+        run.held = False
+        run.handle = self.controller.add_run(
+            run.plan, self.sim.runs[run.index].prompt, on_token=self.caller(run.index)
+        )
+        self.handles[run.index] = run.handle
+        self.sim_runs[run.index] = run
+        self._settled.discard(run.index)
+
+    def _next_run_id(self) -> str:
+        self._again += 1
+        return f"{self.sim.plan.run_id}-again-{self._again}"
+
     def cancel(self, run_id: str) -> None:
-        """The run's caller goes away (a client disconnects)."""
-        if self.alive:
-            self.controller.cancel(run_id, "the caller cancelled")
-            self.after_event()
+        """The run's caller goes away (a client disconnects): ``run_id`` is the id it
+        arrived with; a run held for KV memory ends at once."""
+        if not self.alive:
+            return
+        run = next(
+            (
+                r
+                for r in self.sim_runs.values()
+                if r.plan.run_id == run_id or run_id in r.former_ids
+            ),
+            None,
+        )
+        current = run.run_id if run is not None else run_id
+        held = self.waits.take(current)
+        if held is not None:
+            self._end_held(held, ofsm.RunFinished(StopReason.CANCELLED, (), None, None, ()))
+        else:
+            self.controller.cancel(current, "the caller cancelled")
+        self.after_event()
 
     def deliver(self, sender: str, message: Any) -> None:
         if self.alive:
+            run_id = str(getattr(message, "run_id", ""))
+            run = next(
+                (r for r in self.sim_runs.values() if r.handle is not None and r.run_id == run_id),
+                None,
+            )
+            self.waits.heard(message, run, self.controller.kv_reserved())
             self.controller.handle(ofsm.Received(sender, message))
             self.after_event()
 
@@ -135,21 +210,65 @@ class ChainOrchestratorNode(Node):
             self.after_event()
 
     def after_event(self) -> None:
+        self._settle()
         if not self._check_finished():
             self.wake()
+
+    def _settle(self) -> None:
+        """As the process runtime's chain runner does: each run that ended is held for KV
+        memory or ends; the held runs due are offered again; a broken chain ends them."""
+        if not self.alive:
+            return
+        trace, now = self.sim.trace, self.sim.clock.now_us
+        for i, run in self.sim_runs.items():
+            if i in self._settled or run.handle is None or run.handle.finished is None:
+                continue
+            self._settled.add(i)
+            if self.controller.broken is None and self.waits.holds(run):
+                run.held = True
+                trace.add(now, ORCHESTRATOR, "sim", "kv_held", run.run_id)
+                continue
+            self.waits.ended()
+        broken = self.controller.broken
+        if broken is not None:
+            for run in self.waits.take_all():
+                self._end_held(run, ofsm.RunFinished(StopReason.FAULTED, (), broken, None, ()))
+            return
+        for run in self.waits.due():
+            trace.add(now, ORCHESTRATOR, "sim", "kv_again", run.former_ids[-1], run.run_id)
+            try:
+                self._add(run)
+            except (ofsm.PromptError, RunRefused) as exc:  # not for the plan it was added with
+                self.refused[run.index] = str(exc)
+                self._end_held(run, ofsm.RunFinished(StopReason.FAULTED, (), None, None, ()))
+
+    def _end_held(self, run: SimRun, finished: ofsm.RunFinished) -> None:
+        run.held = False
+        run.ended = finished
+        self.sim.trace.add(
+            self.sim.clock.now_us,
+            ORCHESTRATOR,
+            "sim",
+            "kv_held_ended",
+            run.run_id,
+            finished.outcome.name,
+        )
 
     def _check_finished(self) -> bool:
         """Note each run's readiness and end; once every run has arrived and ended,
         the orchestrator exits. ``True`` once it has."""
         now = self.sim.clock.now_us
         c = self.controller
-        for handle in self.handles.values():
-            if handle.finished is not None and handle.run_id not in self.finished_us:
-                self.finished_us[handle.run_id] = now
-            if handle.run_id not in self.ready_us and handle.machine.state is ofsm.State.RUNNING:
+        for run in self.sim_runs.values():
+            if run.finished is not None and run.run_id not in self.finished_us:
+                self.finished_us[run.run_id] = now
+            handle = run.handle
+            if handle is None or handle.run_id in self.ready_us:
+                continue
+            if handle.machine.state is ofsm.State.RUNNING:
                 self.ready_us[handle.run_id] = now
         every = self.arrived == len(self.sim.runs)
-        if self.alive and every and all(h.finished is not None for h in self.handles.values()):
+        if self.alive and every and all(r.finished is not None for r in self.sim_runs.values()):
             self.alive = False  # the caller's process exits once every run is over
             c.close()
             self.sim.orchestrator_exited()

@@ -235,7 +235,9 @@ class _Recovery:
             for r in decision.recover:
                 by_run[r.run_id][0].end = new
             return None
-        self.stale |= {spec.plan.run_id for e in epochs for spec in e.sim.runs}
+        # every id a run had on those chains (one offered again after waiting for KV
+        # memory had several)
+        self.stale |= {i for e in epochs for r in e.result.runs for i in r.chain_ids}
         specs: list[RunSpec] = []
         served: list[int] = []
         for r in decision.recover:

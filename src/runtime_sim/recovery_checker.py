@@ -67,7 +67,7 @@ def check_recovery(run: RecoveryRun, unbroken: Unbroken) -> list[Violation]:
                         f"chain {n} places stages on {used}, lost before it",
                     )
                 )
-        stale |= {spec.plan.run_id for spec in epoch.sim.runs}
+        stale |= {i for r in epoch.result.runs for i in r.chain_ids}
         if run.action.host_lost:
             lost |= dead_hosts(epoch)
     return out

@@ -63,13 +63,19 @@ def test_a_run_fault_ends_that_run_alone_and_the_others_keep_their_solo_tokens()
     result, _sim, violations = run_scenario(s)
     assert violations == []
     outcomes = [r.outcome for r in result.runs]
-    assert outcomes == ["cancelled", "faulted", "faulted", "faulted", "completed"]
+    # run 3, refused its cache while the others held theirs, waits and is offered again
+    # under a new id (CONCURRENT_RUNS.md §5): the stage takes it then
+    assert outcomes == ["cancelled", "faulted", "faulted", "completed", "completed"]
     faults = [r.finished.fault for r in result.runs if r.finished is not None]
     assert faults[1] is not None and faults[1].kind is RunFaultKind.STEP_FAILURE
-    assert faults[3] is not None and faults[3].kind is RunFaultKind.KV_CACHE_UNAVAILABLE
+    waited = result.runs[3]
+    assert waited.offered_as == ("run-0-again-1",) and waited.last_id == "run-0-again-1"
+    assert waited.tokens == solo(s)(s.runs[3])
+    assert {run for run, _, _ in waited.delivered} == {"run-0-again-1"}
     clean = result.runs[4]
     assert clean.tokens == solo(s)(s.runs[4]) and len(clean.tokens) == 6
     assert [(run, seq) for run, seq, _ in clean.delivered] == [("run-4", k) for k in range(6)]
+    assert result.runs[0].offered_as == ()
     assert all(kv == 0 for kv in result.kv_reserved) and all(h == () for h in result.held)
 
 

@@ -1,11 +1,11 @@
-"""The rules of ``process.kv_waits`` without processes: when a run a stage refused for
+"""The rules of ``runtime_core.kv_waits`` without processes: when a run a stage refused for
 want of KV memory never fits (its fault's words), and a plan offered again under a new
 run id. The runs that wait, end to end: ``serve/test_kv_waits.py``."""
 
 from __future__ import annotations
 
 from runplan.messages import ProvisionRefused
-from runtime_cupy.process.kv_waits import never_fits, renamed
+from runtime_core.kv_waits import never_fits, renamed
 from tests.support.strategies import small_plan
 
 
