@@ -114,7 +114,9 @@ class FaultKind(enum.Enum):
     EDGE_FAULT = "EDGE_FAULT"  # an edge closed, broke, or carried a bad record
     TIMEOUT = "TIMEOUT"  # a bounded wait ran out
     REJECTED_MESSAGE = "REJECTED_MESSAGE"  # a message the run cannot accept
-    PROTOCOL_VIOLATION = "PROTOCOL_VIOLATION"  # an event the state machine has no entry for
+    # an event the state machine has no entry for, or a record or frame the receiver
+    # cannot read (another version, a garbled header)
+    PROTOCOL_VIOLATION = "PROTOCOL_VIOLATION"
     PROCESS_DIED = "PROCESS_DIED"  # a stage process is gone (seen by the orchestrator)
     STAGE_SILENT = "STAGE_SILENT"  # a stage sent no heartbeat within the bound (stopped, hung)
     ORCHESTRATOR_LOST = "ORCHESTRATOR_LOST"  # the control channel to the orchestrator closed

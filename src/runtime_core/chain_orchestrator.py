@@ -32,7 +32,9 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
 - A chain fault ends every run: ``StageDied`` (the runtime's notice that a stage
   process or host is gone, its detail naming stage, node, host and cause) and a broken
   token link go to every run in flight, each ending ``FAULTED`` with that reason; runs
-  still held end at once with the same reason (they were never provisioned).
+  still held end at once with the same reason (they were never provisioned). A
+  token-out record it cannot read (another header version, garbled) breaks the chain
+  too, its fault (``broken``) ``PROTOCOL_VIOLATION``, not a lost link's.
 - ``cancel(run_id)`` ends one run (``CANCELLED``); the others go on.
 """
 
@@ -493,7 +495,12 @@ class ChainOrchestrator:
             return False
         try:
             taken = self.token_out.try_take()
-        except (LinkFault, EdgeClosed) as exc:
+        except LinkFault as exc:  # another version, a garbled header: not a lost link
+            detail = f"token-out (hop {handle_hops(self.runs)}): a record it cannot read: {exc}"
+            unreadable = FaultReason(FaultKind.PROTOCOL_VIOLATION, detail)
+            self._chain_fault(unreadable, fsm.EndpointFault(detail))
+            return True
+        except EdgeClosed as exc:
             self._link_fault(f"token-out (hop {handle_hops(self.runs)}): {exc}")
             return True
         if taken is None:

@@ -55,7 +55,9 @@ Faults: a run's own failure (its step's ``StepFailure``, its record, its step ti
 ends that run alone. A fault of what runs share (the inbound link closed or corrupt, the
 outbound link closed or stuck, ``execute_batch`` raising) is ``ChainFault`` to every held
 run, each answering with its own ``StageFault`` naming the same cause; a provision that
-comes after it fails its setup with that cause.
+comes after it fails its setup with that cause. A record the stage cannot read (a
+header of another version, garbled: ``LinkFault``) is ``PROTOCOL_VIOLATION``, not the
+``EDGE_FAULT`` of a lost link: a recovery does not re-place a chain for it.
 """
 
 from __future__ import annotations
@@ -537,7 +539,11 @@ class ChainStageController:
             return False
         try:
             taken = self.inbound.try_take()
-        except (LinkFault, EdgeClosed) as exc:
+        except LinkFault as exc:  # another version, a garbled header: not a lost link
+            detail = f"{self._link('inbound')}: a record it cannot read: {exc}"
+            self.chain_fault(FaultReason(FaultKind.PROTOCOL_VIOLATION, detail))
+            return True
+        except EdgeClosed as exc:
             self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{self._link('inbound')}: {exc}"))
             return True
         if taken is None:

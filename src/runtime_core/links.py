@@ -9,7 +9,9 @@ This keeps EDGES_AND_WORKERS.md §2's rule that a slot is not reused while its p
 may be read: once copied, nothing reads the slot again (the step reads the copy). The
 checks that depend on the run (its run id, edge, sequence, chunk, object spec) are the
 receiver's caller's, after it has routed the record to its run; a header that does not
-parse is the link's fault (``LinkFault``): the link is corrupt, whatever run it carried.
+parse is the link's fault (``LinkFault``): the link is corrupt, whatever run it carried
+(its reader's ``PROTOCOL_VIOLATION``: another version or a garbled header, which no
+re-placed chain would read better).
 
 ``LocalLinks`` is the in-process transport of a chain's links (tests; the simulator
 later): a ring per hop, made by its consumer, found by its producer.

@@ -15,8 +15,10 @@ a link:
   the chain's token links broke (``chain_fault``: ``ChainOrchestrator.broken``, an
   ``EDGE_FAULT``); otherwise it is the run's own bad record, which ends that run as
   today;
-- every other fault (a step failure, a timeout, a refused cache, a rejected message)
-  ends the run as today.
+- every other fault (a step failure, a timeout, a refused cache, a rejected message, a
+  record a stage or the orchestrator cannot read: ``PROTOCOL_VIOLATION``, another
+  version or a garbled header, which a re-placed chain would read no better) ends the
+  run as today.
 
 And only while the stream has recoveries left (``max_recoveries`` per stream, default 2,
 counted in ``Interrupted.recoveries``) and has not ended already (its last token
@@ -132,6 +134,8 @@ class RecoveryPolicy:
         fault = finished.fault
         if finished.outcome is not StopReason.FAULTED or fault is None:
             return End(run_id, EndReason.NOT_FAULTED, f"the run ended {finished.outcome.value}")
+        if chain_fault is not None and chain_fault.kind is FaultKind.PROTOCOL_VIOLATION:
+            return End(run_id, EndReason.NOT_A_LOSS, f"{chain_fault} is not a lost link")
         if fault.kind not in LOSSES | LINK_LOSSES:
             return End(run_id, EndReason.NOT_A_LOSS, f"{fault} is not a lost process, host or link")
         link = _lost_link(fault, chain_fault)

@@ -5,6 +5,7 @@ every other fault ends runs as today. Decided one by one, and on the in-process 
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from runplan import (
 from runplan.fsm.orchestrator import RunFinished
 from runplan.memory import plan_stage_memory
 from runplan.messages import FaultKind, FaultReason, StopReason
+from runplan.plan import ObjectKind
+from runplan.record_header import HeaderDType, ObjectHeader
 from runplan.rejections import InsufficientMemory
 from runplan.replacement import Unplaceable
 from runtime_core.recovery import (
@@ -270,3 +273,65 @@ def test_without_a_spare_or_room_the_runs_end_with_the_planner_s_rejection(
     assert isinstance(stream.ended.rejection, InsufficientMemory)
     assert "node-0" in str(stream.ended)
     assert stream.finished is not None and stream.finished.outcome is StopReason.FAULTED
+
+
+def _unreadable(chain: RecoveringChain, hop: int, problem: str) -> None:
+    """A record on hop ``hop``'s ring its reader cannot read: a header of an unknown
+    version, or garbled (its magic not the format's), once the ring has room."""
+    ring = chain.chain.links.rings[hop]
+    while (slot := ring.try_reserve()) is None:
+        chain.pump(rounds=1)
+    header = bytearray(
+        ObjectHeader("run-0", 2, 5, ObjectKind.ACTIVATION, HeaderDType.F32, 1, 0).pack()
+    )
+    if problem == "version":
+        struct.pack_into("<H", header, 4, 9)
+    else:
+        header[:4] = b"\x00\xffXY"
+    ring.slot(slot)[: len(header)] = header
+    ring.publish(slot)
+
+
+@pytest.mark.parametrize(
+    ("problem", "named"), [("version", "version 9, expected one of (1, 2)"), ("garbled", "magic")]
+)
+def test_a_record_a_stage_cannot_read_ends_the_runs_as_a_protocol_fault_not_recovered(
+    facts: ModelFacts, problem: str, named: str
+) -> None:
+    chain = chain_of(facts, reference, ("spare-0", 2**40), ("spare-1", 2**40))
+    streams = [chain.start(f"run-{k}", PROMPT, sampling=SEEDED) for k in range(2)]
+    while len(streams[0].tokens) < 2:
+        chain.pump(rounds=1)
+    _unreadable(chain, 2, problem)  # stage 2's inbound link
+    chain.pump()
+    assert chain.replacements == []  # not re-placed: the same stages would fail alike
+    for s in streams:
+        assert isinstance(s.ended, End) and s.ended.reason is EndReason.NOT_A_LOSS, s.ended
+        finished = s.finished
+        assert finished is not None and finished.outcome is StopReason.FAULTED
+        assert finished.fault is not None and finished.fault.kind is FaultKind.PROTOCOL_VIOLATION
+        assert finished.fault_stage == 2
+        assert finished.fault.detail.startswith("inbound link (hop 2): a record it cannot read: ")
+        assert named in finished.fault.detail
+
+
+def test_a_token_record_the_orchestrator_cannot_read_ends_the_runs_not_recovered(
+    facts: ModelFacts,
+) -> None:
+    chain = chain_of(facts, reference, ("spare-0", 2**40), ("spare-1", 2**40))
+    streams = [chain.start(f"run-{k}", PROMPT, sampling=SEEDED) for k in range(2)]
+    chain.pump(rounds=1)
+    _unreadable(chain, 3, "version")  # token-out, as from the last stage
+    chain.pump()
+    assert chain.replacements == []
+    broken = chain.chain.orchestrator.broken
+    assert broken is not None and broken.kind is FaultKind.PROTOCOL_VIOLATION
+    assert broken.detail == (
+        "token-out (hop 3): a record it cannot read: bad header: version 9, expected one of (1, 2)"
+    )
+    for s in streams:
+        assert isinstance(s.ended, End) and s.ended.reason is EndReason.NOT_A_LOSS, s.ended
+        assert s.ended.detail == f"{broken} is not a lost link"
+        finished = s.finished
+        assert finished is not None and finished.fault is not None
+        assert broken.detail in finished.fault.detail

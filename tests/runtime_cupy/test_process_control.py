@@ -18,7 +18,7 @@ import pytest
 
 from runplan import RunPlan, SamplingConfig
 from runplan.config import Timeouts
-from runplan.messages import JoinChain, StageReady, StopReason, StopRun
+from runplan.messages import FaultKind, JoinChain, StageReady, StopReason, StopRun
 from runtime_cupy.api import plan_for
 from runtime_cupy.process.control_channel import (
     MAX_FRAME_BYTES,
@@ -389,6 +389,12 @@ def test_an_unreadable_authentic_frame_ends_the_run_at_once_naming_it(
     log = (tmp_path / "stage-1.log").read_text()
     if to == "stage":
         assert "cannot read the orchestrator's frame" in log, log
+        # a protocol fault of the run, named by the stage: not a lost stage to re-place
+        assert result.finished.fault is not None
+        assert result.finished.fault.kind is FaultKind.PROTOCOL_VIOLATION, fault
+        assert result.finished.fault_stage == 1
+        assert "the orchestrator's frame could not be read" in fault, fault
+        assert "malformed message" in fault, fault
     assert len(result.tokens) < 200
     for tap in host.taps.values():
         tap.join(10)

@@ -71,7 +71,15 @@ from typing import Any, ClassVar
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.fsm import stage as fsm
-from runplan.messages import JoinChain, ProvisionRefused, StageFault, StageReady, StageStopped
+from runplan.messages import (
+    FaultKind,
+    FaultReason,
+    JoinChain,
+    ProvisionRefused,
+    StageFault,
+    StageReady,
+    StageStopped,
+)
 from runtime_core.chain_stage import ChainStageController, RunTimerFired
 from runtime_core.workers.interface import BatchStep, Progress, TraceEvent, Worker, WorkerError
 from runtime_core.workers.kept_weights import KeepsWeights
@@ -557,6 +565,11 @@ class StageProcess:
                     self.controller.handle(fsm.Received(item.sender, item.message))
                 elif isinstance(item, Unreadable):  # signed by the orchestrator: no stranger
                     log.error("cannot read the orchestrator's frame: %s", item.reason)
+                    # A protocol fault, not a lost stage: the runs it holds end naming it
+                    # (heard before the channel closes), so that a recovery does not
+                    # re-place a stage that would read the next frame no better.
+                    detail = f"the orchestrator's frame could not be read ({item.reason})"
+                    self.controller.chain_fault(FaultReason(FaultKind.PROTOCOL_VIOLATION, detail))
                     self._lose(f"its frame could not be read ({item.reason})")
                 else:
                     log.warning("refused a control frame: %s", item.reason)
