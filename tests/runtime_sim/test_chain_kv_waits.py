@@ -80,6 +80,8 @@ def test_runs_a_short_stage_refuses_wait_for_memory_and_all_complete_with_their_
     held = [e for e in result.trace.entries if e[3] == "kv_held"]
     assert len(again) == len(held) >= 2
     assert all(kv == 0 for kv in result.kv_reserved)
+    again_result, _ = _simulate(s, {1: one})  # the same seed: the same trace, byte for byte
+    assert again_result.trace.dumps() == result.trace.dumps()
 
 
 def test_a_run_that_never_fits_a_stage_ends_naming_its_size_and_the_whole_budget() -> None:
@@ -112,6 +114,37 @@ def test_a_chain_fault_ends_the_runs_held_for_memory_faulted() -> None:
         assert r.finished is not None and r.finished.fault is not None
         assert r.finished.fault.kind is RunFaultKind.PROCESS_DIED
         assert "node-2" in r.finished.fault.detail
+
+
+def _with_a_cancel(
+    s: Scenario, budgets: dict[int, int], run_id: str, at_us: int
+) -> ChainSimulation:
+    model = s.plan.model
+    workers: list[Any] = [
+        _ShortWorker(model.vocab_size, model.eos_token_id, budgets.get(i))
+        for i in range(len(s.plan.stages))
+    ]
+    costs = stored_stage_costs(s.plan, s.block_bytes, model.vocab_size * 32)
+    sim = ChainSimulation(s.runs, workers, costs, seed=s.seed)
+    sim.clock.at(at_us, lambda: sim.orchestrator.cancel(run_id))
+    return sim
+
+
+def test_a_held_run_its_caller_cancels_ends_cancelled_at_once() -> None:
+    s = chain(2)
+    budgets = {1: s.runs[0].plan.stages[1].kv_bytes}
+    first, _ = _simulate(s, budgets)
+    (held_at,) = [e[0] for e in first.trace.entries if e[3] == "kv_held"]
+    sim = _with_a_cancel(s, budgets, "run-1", held_at + 1)  # its caller goes, while held
+    result = sim.run()
+    # the checker only knows that no fault of its plan struck run-1
+    assert [(v.rule, v.detail) for v in check(sim, result)] == [
+        (HARMLESS, "'run-1' ended cancelled (None) with faults []")
+    ]
+    assert [r.outcome for r in result.runs] == ["completed", "cancelled"]
+    assert result.runs[1].offered_as == () and result.runs[1].finished_us == held_at + 1
+    ended = [e[4] for e in result.trace.entries if e[3] == "kv_held_ended"]
+    assert ended == [("run-1", "CANCELLED")]
 
 
 class _NeverAgain(ChainOrchestratorNode):
