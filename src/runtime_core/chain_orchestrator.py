@@ -534,6 +534,16 @@ class ChainOrchestrator:
         self._feed(handle, fsm.TokenConsumed(h.sequence, token))
         return True
 
+    def stage_unreadable(self, stage_index: int, detail: str) -> None:
+        """The runtime's notice that stage ``stage_index`` sent a control frame it cannot
+        read (another version, a defect) and is ended for it: a chain fault whose reason
+        (``broken``) is ``PROTOCOL_VIOLATION``, which a recovery does not retry; every
+        run in flight ends as for a stage gone, ``detail`` naming the frame's problem.
+        Before the stage's death is noted (the first reason stands)."""
+        text = f"stage {stage_index}: {detail}"
+        event = fsm.StageDied(stage_index, detail)
+        self._chain_fault(FaultReason(FaultKind.PROTOCOL_VIOLATION, text), event)
+
     def link_fault(self, detail: str) -> None:
         """The runtime's notice that a token link is stuck or gone (a chain fault)."""
         self._link_fault(detail)

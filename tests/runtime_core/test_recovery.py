@@ -335,3 +335,37 @@ def test_a_token_record_the_orchestrator_cannot_read_ends_the_runs_not_recovered
         finished = s.finished
         assert finished is not None and finished.fault is not None
         assert broken.detail in finished.fault.detail
+
+
+def test_a_stage_whose_control_frame_cannot_be_read_ends_the_runs_not_recovered(
+    facts: ModelFacts,
+) -> None:
+    """The runtime's notice (``stage_unreadable``), then the stage's end: the chain's
+    fault is the protocol's, so no run is re-placed, though its stage is gone."""
+    chain = chain_of(facts, reference, ("spare-0", 2**40), ("spare-1", 2**40))
+    streams = [chain.start(f"run-{k}", PROMPT, sampling=SEEDED) for k in range(2)]
+    while len(streams[0].tokens) < 2:
+        chain.pump(rounds=1)
+    why = "its frame could not be read (authentic frame, malformed message: not JSON)"
+    chain.chain.orchestrator.stage_unreadable(1, why)
+    chain.lose(1, f"killed: {why}", host=False)
+    chain.pump()
+    assert chain.replacements == []
+    broken = chain.chain.orchestrator.broken
+    assert broken == FaultReason(FaultKind.PROTOCOL_VIOLATION, f"stage 1: {why}")
+    for s in streams:
+        assert isinstance(s.ended, End) and s.ended.reason is EndReason.NOT_A_LOSS, s.ended
+        assert s.finished is not None and s.finished.fault is not None
+        assert why in s.finished.fault.detail
+
+
+def test_a_stage_that_really_died_is_still_recovered(facts: ModelFacts) -> None:
+    expected = expected_tokens(facts)
+    chain = chain_of(facts, reference, ("spare-0", 2**40), ("spare-1", 2**40))
+    stream = chain.start("run-0", PROMPT, sampling=SEEDED)
+    while len(stream.tokens) < 2:
+        chain.pump(rounds=1)
+    chain.lose(1, "node-1: signal 9")
+    chain.pump()
+    assert stream.completed and stream.tokens == expected
+    assert len(chain.replacements) == 1
