@@ -27,7 +27,7 @@ from runplan.models import resolve_model
 from runplan.rejections import InsufficientMemory
 from runtime_core.runs import PlanRejected
 from runtime_cupy.api import GenerateResult
-from runtime_cupy.process.chain_runner import ChainRun
+from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.workers import DEFAULT_WORKER
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from runtime_core import kv_waits
 
 if TYPE_CHECKING:
-    from runtime_cupy.process.chain_runner import ChainRun  # noqa: F401 (the base names it)
+    from runtime_cupy.process.chain_run import ChainRun  # noqa: F401 (the base names it)
 
 
 class KvWaits(kv_waits.KvWaits["ChainRun"]):

@@ -45,13 +45,8 @@ from runplan.fsm import orchestrator as fsm
 from runplan.messages import FaultKind, FaultReason
 from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
 from runtime_cupy.hosts.port import MovesSlices, StageHost, StageProcessInfo
-from runtime_cupy.process.chain_runner import (
-    ORCHESTRATOR,
-    ChainRun,
-    ChainRunner,
-    OnEvent,
-    RunOutcome,
-)
+from runtime_cupy.process.chain_run import ChainRun, RunOutcome
+from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRunner, OnEvent
 from runtime_cupy.process.tracing import Event, chrome_trace
 
 __all__ = [

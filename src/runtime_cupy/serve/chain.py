@@ -73,7 +73,8 @@ from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
-from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRun, ChainRunner, OnLogits
+from runtime_cupy.process.chain_run import ChainRun, OnLogits
+from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRunner
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.process.launcher import run_result
 from runtime_cupy.process.names import new_run_id, run_label

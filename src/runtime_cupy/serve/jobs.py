@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from runtime_cupy.process.chain_runner import ChainRun
+from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.process.names import run_label
 from runtime_cupy.serve.events import Sink
 from runtime_cupy.serve.prompts import Prepared

@@ -42,13 +42,8 @@ from runplan.replacement import Replacement, Unplaceable, replace_lost
 from runtime_core.recovery import End, EndReason, RecoveryPolicy
 from runtime_core.replay import Interrupted, Replay, ReplayRefused, replay_of
 from runtime_cupy.hosts.port import KnowsLiveNodes, StageHost
-from runtime_cupy.process.chain_runner import (
-    ORCHESTRATOR,
-    ChainRun,
-    ChainRunner,
-    OnLogits,
-    RunOutcome,
-)
+from runtime_cupy.process.chain_run import ChainRun, OnLogits, RunOutcome
+from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRunner
 
 if TYPE_CHECKING:
     from runtime_cupy.serve.chain import OnRun, WarmChain, WarmResult

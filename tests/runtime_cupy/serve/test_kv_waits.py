@@ -14,7 +14,7 @@ import pytest
 
 from runplan import SamplingConfig
 from runplan.messages import StopReason
-from runtime_cupy.process.chain_runner import ChainRun
+from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.serve.chain import WarmChain
 from tests.support.hosts import FaultyHost
 

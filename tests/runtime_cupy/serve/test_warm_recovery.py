@@ -27,7 +27,7 @@ from runplan import NodeSpec
 from runplan.messages import StopReason, StopRun
 from runplan.provision import provision_all
 from runtime_cupy import generate
-from runtime_cupy.process.chain_runner import ChainRun
+from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.process.control_channel import encode_frame
 from runtime_cupy.serve.chain import WarmChain
 from tests.support.hosts import LosingHost, TapHost

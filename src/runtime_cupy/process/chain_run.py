@@ -1,0 +1,138 @@
+"""The caller's handle of one run on a chain (``chain_runner.ChainRunner.submit``): a
+``ChainRun`` whose tokens go to its ``on_token`` (and logits to its ``on_logits``) as they
+come, from the loop's thread, whose ``wait()`` gives its ``RunOutcome`` (or raises what
+refused it), and whose ``cancel()`` ends it alone; ``ChainRun.former_ids``: its run ids
+before it waited for KV memory (``kv_waits``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+from attrs import frozen
+
+from runplan import RunPlan
+from runplan.fsm import orchestrator as fsm
+from runtime_core.chain_orchestrator import RunHandle
+from runtime_cupy.process.names import run_label
+
+if TYPE_CHECKING:
+    from runtime_cupy.process.chain_runner import ChainRunner
+
+# The chain runner's: its log lines keep their logger.
+log = logging.getLogger("runtime_cupy.process.chain_runner")
+
+#: ``on_token(token_id)``: a run's next token, from the loop's thread.
+OnToken = Callable[[int], None]
+#: ``on_logits(logits)``: the raw logits the next token was sampled from (a run whose
+#: plan returns logits), just before its ``on_token``, from the loop's thread.
+OnLogits = Callable[[npt.NDArray[np.float32]], None]
+
+
+@frozen
+class RunOutcome:
+    """How one run on the chain ended: its ``RunFinished`` (``None`` only when the loop
+    broke off), its tokens and logits, and its times on the monotonic clock."""
+
+    finished: fsm.RunFinished | None
+    tokens: tuple[int, ...]
+    logits: tuple[npt.NDArray[np.float32], ...]
+    submitted_s: float
+    ready_s: float | None  # its readiness barrier passed
+    token_times_s: tuple[float, ...]
+    ended_s: float
+
+
+class ChainRun:
+    """One run handed to the runner: ``cancel()`` and ``wait()`` from any thread."""
+
+    def __init__(
+        self,
+        runner: ChainRunner,
+        plan: RunPlan,
+        prompt: tuple[int, ...],
+        on_token: OnToken | None,
+        on_done: Callable[[ChainRun], None] | None = None,
+        on_logits: OnLogits | None = None,
+    ) -> None:
+        self.runner = runner
+        self.on_done = on_done
+        self.on_logits = on_logits
+        self.plan = plan
+        self.prompt = prompt
+        self.on_token = on_token
+        self.submitted_s = time.monotonic()
+        self.ready_s: float | None = None
+        self.token_times: list[float] = []
+        self.handle: RunHandle | None = None
+        self.outcome: RunOutcome | None = None
+        self.error: Exception | None = None  # refused by the chain (PromptError, RunRefused)
+        self.former_ids: tuple[str, ...] = ()  # its ids before it waited for KV memory
+        self._done = threading.Event()
+
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self, why: str = "cancelled") -> None:
+        """End this run (its caller went away, a stop string came); the others go on."""
+        self.runner.cancel(self.run_id, why)
+
+    def wait(self, timeout_s: float | None = None) -> RunOutcome | None:
+        """The run's outcome once it ended (``None`` on timeout); raises what refused it."""
+        self._done.wait(timeout_s)
+        if self.error is not None:
+            raise self.error
+        return self.outcome
+
+    def _token(self, run_id: str, sequence: int, token_id: int) -> None:
+        self.token_times.append(time.monotonic())
+        handle = self.handle
+        if self.on_logits is not None and handle is not None and handle.logits:
+            # Handed over, not kept: a long answer's logits would fill the memory.
+            self.on_logits(handle.logits.pop())
+        if self.on_token is not None:
+            self.on_token(token_id)
+
+    def _end(self) -> None:
+        handle = self.handle
+        finished = handle.finished if handle is not None else None
+        tokens = handle.tokens if handle is not None else ()
+        logits = tuple(handle.logits[: len(tokens)]) if handle is not None else ()
+        self.outcome = RunOutcome(
+            finished,
+            tokens,
+            logits,
+            self.submitted_s,
+            self.ready_s,
+            tuple(self.token_times),
+            time.monotonic(),
+        )
+        self._finish()
+
+    def _refused(self, exc: Exception) -> None:
+        self.error = exc
+        self._finish()
+
+    def _ended_unstarted(self, finished: fsm.RunFinished) -> None:
+        """Ended before the chain took it (``finished``: its outcome and fault)."""
+        self.outcome = RunOutcome(finished, (), (), self.submitted_s, None, (), time.monotonic())
+        self._finish()
+
+    def _finish(self) -> None:
+        self._done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # the caller's: the chain goes on
+                log.exception("run %s: on_done failed", run_label(self.run_id))
