@@ -1,0 +1,25 @@
+"""The errors of a warm chain (``serve.chain.WarmChain``): ``ChainError``, it cannot
+serve, and ``Unplaced``, it lost stages and no placement is left over the live nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runplan.replacement import Unplaceable
+from runtime_cupy.serve.recovery import unplaced
+
+
+class ChainError(RuntimeError):
+    """The chain cannot serve: its stages could not be started or bound."""
+
+
+class Unplaced(ChainError):
+    """The chain lost stages and the planner finds no placement over the ``live`` nodes
+    (``unplaceable``: its rejection, naming the lost nodes and stages); it is the
+    chain's trouble until a later start places it."""
+
+    def __init__(self, unplaceable: Unplaceable, live: Sequence[str]) -> None:
+        self.unplaceable = unplaceable
+        self.live = tuple(live)
+        super().__init__(unplaced(unplaceable, self.live))

@@ -1,0 +1,313 @@
+"""The health of a warm chain (``serve.chain.WarmChain``, whose base ``ChainHealth``
+is): whether it is ``ready`` and, until it is whole again, its ``trouble``; the chain
+started again after a fault (``_heal``: the broken runner stopped, a new one started in
+a thread of its own and bound by one short run), and re-placed over the live nodes after
+a loss (issue 25, ``serve.recovery.Replacer``), keeping the stages it can.
+
+A fault of the chain (a stage that died or went silent, a link cut) ends every run in
+flight, each naming the stage, its node, its host and the cause; the chain is then
+started again (every stage, a new secret and so new link names) and bound before the
+next request. The chain's loop watches the stages' channels and heartbeats at all times,
+between runs too. Until the chain is whole again it is not ``ready`` and ``trouble``
+says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from runplan import ModelFacts, NodeSpec, Placement, RunPlan, RuntimeConfig, SamplingConfig
+from runplan.replacement import Replacement, Unplaceable
+from runtime_core.recovery import RecoveryPolicy
+from runtime_core.tokenizer import Tokenizer
+from runtime_cupy.hosts.port import StageHandle, StageHost
+from runtime_cupy.process.chain_runner import ChainRunner
+from runtime_cupy.serve.chain_errors import ChainError, Unplaced
+from runtime_cupy.serve.recovery import Recoveries, Replacer, kept_stages
+
+if TYPE_CHECKING:
+    from runtime_cupy.process.chain_run import OnLogits
+    from runtime_cupy.serve.chain_runs import OnRun, WarmResult
+
+# The warm chain's: its log lines keep their logger.
+log = logging.getLogger("runtime_cupy.serve.chain")
+
+
+def added_counts(
+    a: dict[int, dict[int, int]], b: dict[int, dict[int, int]]
+) -> dict[int, dict[int, int]]:
+    """Batch counts (stage -> rows -> batches) of ``a`` and ``b`` together (new dicts)."""
+    out = {stage: dict(rows) for stage, rows in a.items()}
+    for stage, rows in b.items():
+        mine = out.setdefault(stage, {})
+        for n, batches in rows.items():
+            mine[n] = mine.get(n, 0) + batches
+    return out
+
+
+def _serve_chain(runner: ChainRunner, keep_broken: bool) -> None:
+    """The chain's thread: its loop until it is closed or broken and its runs ended,
+    then its end (a broken chain's stages reaped and its links freed at once), unless
+    ``keep_broken``: the chain's owner then ends it (``WarmChain._stop_runner``), and a
+    broken chain's live stages wait for the re-placement, which keeps those it can
+    (``WarmChain.replace``)."""
+    try:
+        runner.loop()
+    finally:
+        if not keep_broken:
+            runner.close()
+
+
+class ChainHealth:
+    """The health of a ``WarmChain``, its base: what it holds of the chain is set by
+    ``WarmChain.__init__``."""
+
+    worker: str
+    devices: tuple[int | None, ...]
+    host: StageHost
+    edges: str
+    encrypt_edges: bool
+    trace: bool
+    facts: ModelFacts
+    tokenizer: Tokenizer
+    template: RunPlan
+    layout: tuple[tuple[int, str, int, int], ...]
+    nodes: tuple[NodeSpec, ...]
+    _placement: Placement | None
+    policy: RecoveryPolicy | None
+    recoveries: Recoveries
+    replacer: Replacer
+    _run_ids: Callable[[], str]
+    _secrets: Callable[[], bytes]
+    _lock: threading.Lock
+    _heal_lock: threading.RLock
+    _runner: ChainRunner | None
+    _thread: threading.Thread | None
+    _closing: ChainRunner | None
+    _batches_before: dict[int, dict[int, int]]
+    _warm: bool
+    _closed: bool
+    _trouble: str | None
+    restarts: int
+    kept: tuple[int, ...]
+    heal_marks: dict[str, float]
+    bind_run: WarmResult | None
+    chain_id: str
+
+    if TYPE_CHECKING:
+
+        def _config(
+            self, run_id: str, max_tokens: int, sampling: SamplingConfig, prompt_tokens: int
+        ) -> RuntimeConfig: ...
+
+        def _run(
+            self,
+            prompt: tuple[int, ...],
+            max_tokens: int,
+            sampling: SamplingConfig,
+            on_token: Callable[[int], None] | None,
+            on_run: OnRun | None,
+            on_logits: OnLogits | None = None,
+        ) -> WarmResult: ...
+
+    @property
+    def ready(self) -> bool:
+        """The chain started, bound, and not broken (any thread)."""
+        with self._lock:
+            runner = self._runner
+        return self._warm and not self._closed and runner is not None and runner.whole
+
+    @property
+    def trouble(self) -> str | None:
+        """Why the chain is not whole (a stage broken, silent, gone), until it is again
+        (any thread)."""
+        runner = self._runner
+        if runner is not None and runner.dead is not None:
+            return runner.dead
+        return self._trouble
+
+    @trouble.setter
+    def trouble(self, why: str | None) -> None:
+        self._trouble = why
+
+    def _heal(self, lost: str | None = None) -> tuple[int, ...]:
+        """Start the chain again if it is not whole (a stage gone or silent, a chain
+        fault), or if it ``lost`` a stage (a link a stage saw break, which need not make
+        the chain's fault), and bind it; the stage indices started."""
+        runner = self._runner
+        # whole: no chain fault and no stage known gone (a stage the runner has just
+        # marked gone, while it waits to say how it died, is not whole yet not dead)
+        if lost is None and runner is not None and runner.whole:
+            return ()
+        if runner is not None:
+            why = runner.dead or next(
+                (h.exit_reason() or "gone" for h in runner.handles() if h.exited()), lost or "gone"
+            )
+            log.warning("the chain is broken (%s): starting it again", why)
+            self.trouble = self.trouble or why
+        marks: dict[str, float] = {}
+        keep: tuple[int, ...] = ()
+        if self.replacer.lost is not None:
+            try:
+                new = self._place_again()
+            except ChainError:  # no placement over the live nodes: nothing is kept
+                self._stop_runner()
+                raise
+            marks["placed"] = time.monotonic()
+            if runner is not None:
+                keep = kept_stages(runner.template, new)
+        kept = self._stop_runner(keep)
+        if runner is not None:
+            self.restarts += len(runner.template.stages) - len(kept)
+        marks["stopped"] = time.monotonic()
+        marks.setdefault("placed", marks["stopped"])
+        for index, handle in sorted(kept.items()):
+            log.info("stage %d (%s) kept: pid %d keeps its weights",
+                     index, handle.node_id, handle.info().pid)  # fmt: skip
+        runner = ChainRunner(
+            self.template,
+            worker=self.worker,
+            devices=self.devices,
+            host=self.host,
+            edges=self.edges,
+            encrypt_edges=self.encrypt_edges,
+            trace=self.trace,
+            secret=self._secrets(),
+            kept=kept,
+            generation=len(self.recoveries.replacements),
+            run_ids=self._run_ids,
+        )
+        self._warm = False
+        try:
+            runner.start()
+        except OSError as exc:
+            self.trouble = f"the stages could not be started: {exc}"
+            self._lost_coming_up(runner, self.trouble)
+            runner.close()
+            raise ChainError(self.trouble) from exc
+        keep_broken = self.policy is not None
+        thread = threading.Thread(
+            target=_serve_chain, args=(runner, keep_broken), name="chain", daemon=True
+        )
+        with self._lock:
+            self._runner, self._thread = runner, thread
+        self.chain_id = runner.chain_id
+        thread.start()
+        marks["started"] = time.monotonic()
+        for handle in runner.handles():
+            if handle.stage_index not in kept:
+                log.info("stage %d (%s) started: pid %d",
+                         handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
+        try:
+            self._bind_all()
+        except ChainError as exc:
+            self._lost_coming_up(runner, str(exc))
+            self._stop_runner()  # the next start makes a new chain
+            raise
+        marks["bound"] = time.monotonic()
+        self.heal_marks = marks
+        self.kept = tuple(sorted(kept))
+        return tuple(i for i in range(len(self.layout)) if i not in kept)
+
+    # -- re-placement (issue 25: serve.recovery.Replacer) -----------------------------
+    @property
+    def placeable(self) -> bool:
+        """The last re-placement found a plan (or none was needed)."""
+        return self.replacer.placeable
+
+    def replace(self, lost_from: ChainRunner, lost_stages: Sequence[int], cause: str) -> None:
+        """Re-place the chain ``lost_from`` was after it lost ``lost_stages`` (by
+        ``cause``) and bring the new chain up, unless another stream did already (any
+        thread). ``ChainError`` when there is no placement over the live nodes (its
+        rejection named) or the new chain cannot be started or bound."""
+        with self._heal_lock:
+            if self._closed:
+                raise ChainError("the chain is closed")
+            if self._runner is not lost_from and self.ready:
+                return  # another stream's recovery brought the new chain up
+            if self._runner is not lost_from:  # a newer chain, itself broken or never up
+                self._heal()
+                return
+            self.replacer.lose(lost_from, lost_stages, cause)
+            self._heal(lost=cause)
+
+    def _lost_coming_up(self, runner: ChainRunner, cause: str) -> None:
+        """A recovering chain's new ``runner`` failed to start or bind: what it lost (a
+        stage gone, a node no longer live) is re-placed by the next start, which would
+        otherwise start the same plan again, on a node that may be gone."""
+        if self.policy is not None:
+            self.replacer.lose(runner, (), cause)
+
+    def _place_again(self) -> Replacement:
+        """The chain's plan over the live nodes without its lost stages, adopted;
+        ``ChainError`` naming the planner's rejection when there is none."""
+        config = self._config(self._run_ids(), 1, SamplingConfig(), 0)
+        new = self.replacer.place(self.template, self.facts, config)
+        if isinstance(new, Unplaceable):
+            error = Unplaced(new, self.replacer.live)
+            self.trouble = str(error)
+            raise error
+        self._placement = new.placement
+        self.template = new.plan
+        self.nodes, self.devices = self.replacer.nodes_of(new.plan)
+        self.layout = tuple(
+            (s.stage_index, s.node_id, s.layer_start, s.layer_end_exclusive)
+            for s in new.plan.stages
+        )
+        return new
+
+    def _stop_runner(self, keep: Sequence[int] = ()) -> dict[int, StageHandle]:
+        """Stop the running chain; the live stages of ``keep`` are handed over (left
+        running, for the next chain to keep) and returned by index."""
+        with self._lock:
+            runner, thread = self._runner, self._thread
+            self._runner = self._thread = None
+            self._closing = runner
+        if runner is None:
+            return {}
+        runner.request_close()
+        if thread is not None:
+            thread.join()
+        kept = runner.hand_over(keep) if keep else {}
+        runner.close()
+        with self._lock:  # its batches stay counted
+            self._batches_before = added_counts(self._batches_before, runner.batch_counts())
+            self._closing = None
+        return kept
+
+    def batch_counts(self) -> dict[int, dict[int, int]]:
+        """The batches each stage ran since this chain was made, counted by rows (stage
+        index -> rows -> batches), as the stages reported them when runs stopped:
+        chains stopped and started again included, the one that binds included (any
+        thread)."""
+        with self._lock:
+            counts = self._batches_before
+            for runner in (self._closing, self._runner):
+                if runner is not None:
+                    counts = added_counts(counts, runner.batch_counts())
+        return counts
+
+    def _bind_all(self) -> None:
+        """One run of one token: every stage binds its slice; ``ChainError`` naming the
+        fault if it fails."""
+        prompt = (self.tokenizer.vocab.bos_id or 0,)
+        outcome = self.bind_run = self._run(prompt, 1, SamplingConfig(), None, None)
+        result = outcome.result
+        if result.outcome != "completed":
+            self.trouble = f"the stages could not be bound: {result.fault or result.outcome}"
+            raise ChainError(self.trouble)
+        self._warm = True
+        self.trouble = None
+        log.info("warm: %d stages bound in %.2f s", len(self.layout), result.wall_s)
+
+    def recover(self) -> tuple[int, ...]:
+        """Start the chain again when it broke (after a chain fault, so that the next
+        request finds it warm); the stage indices started."""
+        if self._closed:
+            return ()
+        with self._heal_lock:
+            return self._heal()
