@@ -37,7 +37,7 @@ from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import Message
 
 if TYPE_CHECKING:
-    from runtime_cupy.process.chain_runner import ChainRun
+    from runtime_cupy.process.chain_run import ChainRun
 
 EXIT_FAILED = 1
 EXIT_INPUT = 2
