@@ -29,12 +29,19 @@ ISSUE_TAMPERINGS = [
 ]
 
 
+def _unchecked(message: object) -> object:
+    """A message as the wire writes it, without ``wire.dumps``'s refusal of values no
+    peer reads (a tampered plan may hold one, a negative integer: the check must read
+    the document and refuse it)."""
+    return wire._converter.unstructure(message, unstructure_as=wire.WireMessage)
+
+
 def _document(plan: RunPlan, provisions: tuple[object, ...] | None = None) -> bytes:
     if provisions is None:
-        return wire.dumps(plan)
+        return json.dumps(_unchecked(plan)).encode()
     doc = {
-        "plan": json.loads(wire.dumps(plan)),
-        "provisions": [json.loads(wire.dumps(p)) for p in provisions],
+        "plan": _unchecked(plan),
+        "provisions": [_unchecked(p) for p in provisions],
     }
     return json.dumps(doc).encode()
 
