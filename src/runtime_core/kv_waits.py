@@ -10,9 +10,17 @@ ends only when it could never fit, its fault naming the sizes.
   stage (the planner's figures, ``ChainOrchestrator.kv_reserved``, less the run's own):
   their ends free it. It is offered again after the next end of a run on the chain (at
   once when one ended since the refusal), under a new run id: the stages that took its
-  first provision keep that id as stale (a stopped run's). First held, first offered.
+  first provision keep that id as stale (a stopped run's). First held, first offered,
+  each held run on its own (one due does not wait behind one that is not).
+- Runs refused together count each other's reservations among the others' (each was
+  provisioned when the other was refused), so each may wait for the other: when no run
+  is left on the chain to end, the runtime offers the first held run again at once,
+  alone (``first``).
 - It never fits when its cache needs more than the stage's whole budget, or when no other
-  run held any of that stage's cache: nothing will free. Its fault (still
+  run held any of that stage's cache and it was refused so after being offered again
+  alone: nothing will free. (Refused the first time with no other run holding memory, it
+  is held, and offered again alone once: a run stopping on the stage may still hold what
+  the planner's figures already count as free.) Its fault (still
   ``KV_CACHE_UNAVAILABLE``) then says so and names what it needs, what was free and the
   stage's whole budget.
 - A held run is the runtime's own run still (a ``Waiting``: the process runtime's
@@ -101,6 +109,7 @@ class KvWaits(Generic[R]):
         self._refusals: dict[str, _Refusal] = {}
         self._held: deque[_Held[R]] = deque()
         self._ends = 0  # runs ended on the chain
+        self._alone: set[int] = set()  # the runs offered again alone (``first``), by id()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -130,7 +139,12 @@ class KvWaits(Generic[R]):
         if finished.outcome is not StopReason.FAULTED:
             return False
         why = never_fits(refusal.message, refusal.others_held)
+        message = refusal.message
+        alone = id(run) in self._alone
+        if why is not None and message.needed_bytes <= message.budget_bytes and not alone:
+            why = None  # offered once more, alone, before it never fits
         if why is not None:
+            self._alone.discard(id(run))
             handle.finished = attrs.evolve(
                 finished, fault=FaultReason(FaultKind.KV_CACHE_UNAVAILABLE, why)
             )
@@ -142,23 +156,41 @@ class KvWaits(Generic[R]):
         """A run on the chain ended (its cache, if it held any, is free)."""
         self._ends += 1
 
+    def forget(self, run: R) -> None:
+        """``run`` ended without being held: what was kept of it goes."""
+        self._refusals.pop(run.run_id, None)
+        self._alone.discard(id(run))
+
     def due(self) -> list[R]:
         """The held runs to offer again (a run ended since each was refused), first held
         first, each under a new run id."""
-        out: list[R] = []
-        while self._held and self._held[0].ends < self._ends:
-            run = self._held.popleft().run
-            run.former_ids += (run.run_id,)
-            run.plan = renamed(run.plan, self._run_ids())
-            run.handle = None
-            out.append(run)
-        return out
+        due = [h for h in self._held if h.ends < self._ends]
+        for held in due:
+            self._held.remove(held)
+        return [self._again(h.run) for h in due]
+
+    def first(self) -> list[R]:
+        """The first held run alone, to offer again now (no run is left on the chain to
+        end and free memory for it), under a new run id; none when none is held."""
+        if not self._held:
+            return []
+        run = self._held.popleft().run
+        self._alone.add(id(run))
+        return [self._again(run)]
+
+    def _again(self, run: R) -> R:
+        run.former_ids += (run.run_id,)
+        run.plan = renamed(run.plan, self._run_ids())
+        run.handle = None
+        return run
 
     def take(self, run_id: str) -> R | None:
-        """The held run of ``run_id``, no longer held (``None``: none is)."""
+        """The held run of ``run_id`` (its id now or one it had before), no longer held
+        (``None``: none is)."""
         for held in self._held:
-            if held.run.run_id == run_id:
+            if run_id == held.run.run_id or run_id in held.run.former_ids:
                 self._held.remove(held)
+                self._alone.discard(id(held.run))
                 return held.run
         return None
 
@@ -166,4 +198,5 @@ class KvWaits(Generic[R]):
         """Every held run, no longer held."""
         out = [h.run for h in self._held]
         self._held.clear()
+        self._alone.clear()
         return out

@@ -216,7 +216,8 @@ class ChainOrchestratorNode(Node):
 
     def _settle(self) -> None:
         """As the process runtime's chain runner does: each run that ended is held for KV
-        memory or ends; the held runs due are offered again; a broken chain ends them."""
+        memory or ends; the held runs due are offered again (the first alone when no run
+        is left to end); a broken chain ends them."""
         if not self.alive:
             return
         trace, now = self.sim.trace, self.sim.clock.now_us
@@ -228,13 +229,19 @@ class ChainOrchestratorNode(Node):
                 run.held = True
                 trace.add(now, ORCHESTRATOR, "sim", "kv_held", run.run_id)
                 continue
+            self.waits.forget(run)
             self.waits.ended()
         broken = self.controller.broken
         if broken is not None:
             for run in self.waits.take_all():
                 self._end_held(run, ofsm.RunFinished(StopReason.FAULTED, (), broken, None, ()))
             return
-        for run in self.waits.due():
+        again = self.waits.due()
+        if not again and not any(
+            r.handle is not None and r.handle.finished is None for r in self.sim_runs.values()
+        ):
+            again = self.waits.first()  # nothing left to end and free memory
+        for run in again:
             trace.add(now, ORCHESTRATOR, "sim", "kv_again", run.former_ids[-1], run.run_id)
             try:
                 self._add(run)

@@ -4,8 +4,11 @@ run id. The runs that wait, end to end: ``serve/test_kv_waits.py``."""
 
 from __future__ import annotations
 
-from runplan.messages import ProvisionRefused
-from runtime_core.kv_waits import never_fits, renamed
+from types import SimpleNamespace
+from typing import Any
+
+from runplan.messages import FaultKind, FaultReason, ProvisionRefused, StopReason
+from runtime_core.kv_waits import KvWaits, never_fits, renamed
 from tests.support.strategies import small_plan
 
 
@@ -39,3 +42,70 @@ def test_a_plan_offered_again_differs_in_its_run_id_alone() -> None:
     assert {s.run_id for s in again.stages} == {"run-2"}
     assert {e.run_id for e in again.edges} == {"run-2"}
     assert renamed(again, "run-1") == plan
+
+
+class _Run:
+    """A run whose machine ended faulted for want of KV memory, as the runner sees it
+    (``ChainRun``'s fields that ``KvWaits`` reads and writes)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.plan = small_plan(2, run_id=run_id)
+        self.former_ids: tuple[str, ...] = ()
+        self.handle: Any = None
+        self.refused()
+
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+    def refused(self) -> None:
+        fault = FaultReason(FaultKind.KV_CACHE_UNAVAILABLE, "full")
+        self.handle = SimpleNamespace(
+            finished=SimpleNamespace(outcome=StopReason.FAULTED, fault=fault)
+        )
+
+
+def _refused_run(run_id: str) -> Any:
+    return _Run(run_id)
+
+
+def test_a_held_run_that_is_due_does_not_wait_behind_one_that_is_not() -> None:
+    """B refused before a run ended, C after: B is due, C not, whatever order their
+    machines ended in (C's first here)."""
+    ids = iter(["new-1", "new-2"])
+    waits = KvWaits(lambda: next(ids))
+    b, c = _refused_run("B"), _refused_run("C")
+    held_elsewhere = {0: 10**6, 1: 10**6}
+    waits.heard(ProvisionRefused("B", 1, "n1", 10, 0, 1000), b, held_elsewhere)
+    waits.ended()
+    waits.heard(ProvisionRefused("C", 1, "n1", 10, 0, 1000), c, held_elsewhere)
+    assert waits.holds(c) and waits.holds(b)
+    assert [r.former_ids for r in waits.due()] == [("B",)]
+    assert len(waits) == 1 and waits.due() == []
+    waits.ended()
+    assert [r.former_ids for r in waits.due()] == [("C",)]
+
+
+def test_the_first_held_run_is_offered_alone_when_asked() -> None:
+    ids = iter(["new-1", "new-2"])
+    waits = KvWaits(lambda: next(ids))
+    b, c = _refused_run("B"), _refused_run("C")
+    for run in (b, c):
+        waits.heard(ProvisionRefused(run.run_id, 1, "n1", 10, 0, 1000), run, {1: 10**6})
+        assert waits.holds(run)
+    (first,) = waits.first()
+    assert first is b and b.run_id == "new-1" and b.former_ids == ("B",)
+    assert len(waits) == 1
+
+
+def test_a_held_run_is_taken_by_an_id_it_had_before() -> None:
+    ids = iter(["new-1", "new-2"])
+    waits = KvWaits(lambda: next(ids))
+    b = _refused_run("B")
+    waits.heard(ProvisionRefused("B", 1, "n1", 10, 0, 1000), b, {1: 10**6})
+    assert waits.holds(b)
+    (again,) = waits.first()
+    again.refused()
+    waits.heard(ProvisionRefused(again.run_id, 1, "n1", 10, 0, 1000), again, {1: 10**6})
+    assert waits.holds(again)  # refused a second time, held under its new id
+    assert waits.take("B") is b and len(waits) == 0

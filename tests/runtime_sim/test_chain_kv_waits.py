@@ -152,6 +152,7 @@ class _NeverAgain(ChainOrchestratorNode):
 
     def _settle(self) -> None:
         self.waits.due = list  # type: ignore[method-assign]
+        self.waits.first = list  # type: ignore[method-assign]
         super()._settle()
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.messages import StopReason
+from runplan.messages import FaultKind, StopReason
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunRefused
 from runtime_cupy.process.kv_waits import KvWaits
 from runtime_cupy.process.names import run_label
@@ -136,22 +136,35 @@ class RunHandoffs:
 
     def _end_runs(self) -> None:
         waits = self.kv_waits
+        live = not self._closing and self.dead is None
         for run_id, run in list(self._runs.items()):
             if run.handle is not None and run.handle.finished is not None:
                 del self._runs[run_id]
-                live = not self._closing and self.dead is None
-                if waits is not None and live and waits.holds(run):
+                if waits is not None and live and run.cancelled is None and waits.holds(run):
                     log.info("run %s waits for KV memory", run_label(run_id))
                     continue
+                if waits is not None:
+                    waits.forget(run)
+                _cancelled_as_refused(run)
                 run._end()
                 if waits is not None:
                     waits.ended()
-        if waits is not None and not self._closing and self.dead is None:
-            for run in waits.due():
+        if waits is not None and live:
+            again = waits.due()
+            if not again and not self._runs and not self._adds_pending():
+                again = waits.first()  # nothing left to end and free memory
+            for run in again:
                 self._offer_again(run)
+
+    def _adds_pending(self) -> bool:
+        with self._lock:
+            return bool(self._adds)
 
     def _offer_again(self, run: ChainRun) -> None:
         """A run held for KV memory is offered to the chain again (its new run id)."""
+        if run.cancelled is not None:  # cancelled while it was held: it ends so
+            run._ended_unstarted(fsm.RunFinished(StopReason.CANCELLED, (), None, None, ()))
+            return
         try:
             run.handle = self.orchestrator.add_run(run.plan, run.prompt, on_token=run._token)
         except ValueError as exc:  # not for the plan it was first added with
@@ -172,3 +185,14 @@ class RunHandoffs:
             else:
                 finished = fsm.RunFinished(StopReason.CANCELLED, (), None, None, ())
                 run._ended_unstarted(finished)
+
+
+def _cancelled_as_refused(run: ChainRun) -> None:
+    """A run its caller cancelled as a stage refused it for KV memory ends cancelled
+    (not offered again, not faulted): what its caller asked."""
+    handle = run.handle
+    finished = handle.finished if handle is not None else None
+    if run.cancelled is None or handle is None or finished is None or handle.tokens:
+        return
+    if finished.fault is not None and finished.fault.kind is FaultKind.KV_CACHE_UNAVAILABLE:
+        handle.finished = fsm.RunFinished(StopReason.CANCELLED, (), None, None, ())

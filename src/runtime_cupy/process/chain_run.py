@@ -74,6 +74,9 @@ class ChainRun:
         self.outcome: RunOutcome | None = None
         self.error: Exception | None = None  # refused by the chain (PromptError, RunRefused)
         self.former_ids: tuple[str, ...] = ()  # its ids before it waited for KV memory
+        # why its caller cancelled it (set before the runner hears of it): a run that a
+        # stage refused for KV memory meanwhile is not held, nor offered again
+        self.cancelled: str | None = None
         self._done = threading.Event()
 
     @property
@@ -86,6 +89,7 @@ class ChainRun:
 
     def cancel(self, why: str = "cancelled") -> None:
         """End this run (its caller went away, a stop string came); the others go on."""
+        self.cancelled = self.cancelled or why
         self.runner.cancel(self.run_id, why)
 
     def wait(self, timeout_s: float | None = None) -> RunOutcome | None:

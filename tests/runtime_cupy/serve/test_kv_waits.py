@@ -61,8 +61,9 @@ def test_a_run_refused_while_another_holds_the_memory_waits_and_completes(tiny: 
 
 
 def test_a_run_refused_when_no_other_run_holds_memory_never_fits(tiny: str) -> None:
-    # Opens on stage 1: the bind run, then this run, refused with nothing else running.
-    host = FaultyHost({1: ["kv-full=2"]})
+    # Opens on stage 1: the bind run, then this run, refused with nothing else running,
+    # then this run offered again alone, refused again.
+    host = FaultyHost({1: ["kv-full=2", "kv-full=3"]})
     with WarmChain(tiny, stages=2, context=64, max_concurrent=2, host=host) as chain:
         run = chain.submit(SHORT, max_tokens=9, sampling=GREEDY)
         result = chain.result(run).result
@@ -75,7 +76,7 @@ def test_a_run_refused_when_no_other_run_holds_memory_never_fits(tiny: str) -> N
         assert f"needs {needed} bytes" in fault
         assert f"whole budget of {budget}" in fault
         assert "no other run on the chain holds any of it to free: it never fits" in fault
-        assert run.former_ids == ()  # not offered again
+        assert len(run.former_ids) == 1  # offered again once, alone, no more
         # The chain is whole: the next run is served.
         again = chain.result(chain.submit(SHORT, max_tokens=9, sampling=GREEDY)).result
         assert again.outcome == "completed", again.fault
@@ -108,4 +109,51 @@ def test_a_run_waiting_for_memory_is_cancelled_alone(tiny: str) -> None:
         assert long_result.outcome == "completed", long_result.fault
         long_outcome = long.wait()
         assert long_outcome is not None and short_outcome.ended_s < long_outcome.ended_s
+        assert chain.in_flight == 0
+
+
+def test_two_runs_refused_at_once_do_not_wait_for_each_other(tiny: str) -> None:
+    """Stage 1 refuses the 2nd and 3rd runs it opens, submitted together with no other
+    run on the chain: each counted the other's reservation as memory that would free,
+    and both waited for ever. With no run left to end, a held run is offered again at
+    once (one at a time), and one refused with nothing else holding memory is offered
+    again once before it never fits: both complete."""
+    host = FaultyHost({1: ["kv-full=2", "kv-full=3"]})
+    with WarmChain(tiny, stages=2, context=64, max_concurrent=2, host=host) as chain:
+        b = chain.submit(SHORT, max_tokens=9, sampling=GREEDY)
+        c = chain.submit(LONG, max_tokens=9, sampling=GREEDY)
+        rb, rc = chain.result(b).result, chain.result(c).result
+        assert (rb.outcome, rc.outcome) == ("completed", "completed"), (rb.fault, rc.fault)
+        assert b.former_ids and c.former_ids  # each was refused and offered again
+        assert chain.in_flight == 0
+
+
+def test_a_cancel_between_the_refusal_and_the_hold_is_not_lost(tiny: str) -> None:
+    """The caller cancels (a client gone) after the stage refused the run and before the
+    runner held it: the run ends cancelled and is not offered again."""
+    host = FaultyHost({1: ["kv-full=3"]})
+    with WarmChain(tiny, stages=2, context=64, max_concurrent=2, host=host) as chain:
+        o = chain._runner.orchestrator
+        later: list[ChainRun] = []
+        asked: list[str] = []
+        heard = o.handle
+
+        def handle(event: object) -> None:  # the refused run's machine just ended
+            heard(event)
+            run = later[0] if later else None
+            if run is not None and not asked and run.handle and run.handle.finished:
+                asked.append(run.run_id)
+                run.cancel("client went away")
+
+        o.handle = handle  # type: ignore[method-assign]
+
+        def on_token(token: int) -> None:
+            if not later:
+                later.append(chain.submit(SHORT, max_tokens=9, sampling=GREEDY))
+
+        long = chain.submit(LONG, max_tokens=40, sampling=GREEDY, on_token=on_token)
+        assert chain.result(long).result.outcome == "completed"
+        short = chain.result(later[0]).result
+        assert asked and short.outcome == "cancelled" and not short.tokens
+        assert later[0].former_ids == ()  # never offered again
         assert chain.in_flight == 0
