@@ -289,8 +289,12 @@ class ChainStages:
                 self.orchestrator.handle(fsm.Received(item.sender, item.message))
             elif isinstance(item, Unreadable):  # signed: the stage's own
                 log.error("stage %d's frame could not be read: %s", stage.index, item.reason)
+                cause = f"its frame could not be read ({item.reason})"
+                # a protocol fault of the chain (first: it stands), which recovery does not
+                # retry: a stage placed again would speak the same
+                self.orchestrator.stage_unreadable(stage.index, f"{self._where(stage)}: {cause}")
                 stage.handle.kill()  # it speaks what this orchestrator cannot follow
-                self._stage_died(stage, cause=f"its frame could not be read ({item.reason})")
+                self._stage_died(stage, cause=cause)
             elif isinstance(item, Refused):
                 log.warning("refused a frame from stage %d: %s", stage.index, item.reason)
         if channel.eof:

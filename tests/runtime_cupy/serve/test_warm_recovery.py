@@ -292,3 +292,24 @@ def test_a_chain_with_logprobs_hands_over_every_tokens_logits_across_a_recovery(
             == (whole.result.tokens[:4])
         )
         assert len(again) == 4
+
+
+def test_a_stage_frame_that_cannot_be_read_is_not_recovered(tiny: str, tmp_path: Path) -> None:
+    """A frame signed as stage 1's whose message does not parse (another version, a
+    defect): the chain faults with a protocol violation, which recovery does not retry
+    (a stage placed again would speak the same): the run ends faulted naming the frame,
+    no stage is placed again."""
+    host = TapHost(log_dir=tmp_path)
+    with WarmChain(tiny, stages=2, context=64, recover=True, host=host) as chain:
+        forged: list[int] = []
+
+        def on_token(token: int) -> None:
+            if not forged:
+                forged.append(token)
+                host.taps[1].forge_to_orchestrator("stage-1", b"\xff not json")
+
+        run = chain.generate(PROMPT, max_tokens=50, on_token=on_token)
+        assert forged
+        assert run.result.outcome == "faulted"
+        assert "could not be read" in (run.result.fault or ""), run.result.fault
+        assert chain.recoveries.count == 0 and chain.restarts == 0  # nothing placed again
