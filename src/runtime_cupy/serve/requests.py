@@ -3,8 +3,9 @@ into typed values (OpenAI's API reference for what each field means).
 
 A body is one JSON object. Every field the API defines has a rule here, as data
 (``CHAT_FIELDS``, ``COMPLETION_FIELDS``): the fields this server serves are checked for
-type and range; those it does not serve (penalties, logit bias, log probabilities,
-tools, ...) are accepted only at the value that changes nothing (``NEUTRAL``), so a
+type and range (log probabilities among them, on a server started with ``--logprobs``);
+those it does not serve (penalties, logit bias, tools, ...) are accepted only at the
+value that changes nothing (``NEUTRAL``), so a
 request is never answered as if a setting applied that did not; any other field is
 refused by name, as OpenAI refuses an unrecognized argument. Message objects are
 strict the same way.
