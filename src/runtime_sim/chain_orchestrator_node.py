@@ -247,6 +247,7 @@ class ChainOrchestratorNode(Node):
                 self._add(run)
             except (ofsm.PromptError, RunRefused) as exc:  # not for the plan it was added with
                 self.refused[run.index] = str(exc)
+                self.waits.forget(run)
                 self._end_held(run, ofsm.RunFinished(StopReason.FAULTED, (), None, None, ()))
 
     def _end_held(self, run: SimRun, finished: ofsm.RunFinished) -> None:

@@ -136,7 +136,9 @@ class RunHandoffs:
 
     def _end_runs(self) -> None:
         waits = self.kv_waits
-        live = not self._closing and self.dead is None
+        # not in the turn the chain broke either (``dead`` is set after this, from
+        # ``broken``): its runs end with the chain's fault, none is held
+        live = not self._closing and self.dead is None and self.orchestrator.broken is None
         for run_id, run in list(self._runs.items()):
             if run.handle is not None and run.handle.finished is not None:
                 del self._runs[run_id]
@@ -163,11 +165,15 @@ class RunHandoffs:
     def _offer_again(self, run: ChainRun) -> None:
         """A run held for KV memory is offered to the chain again (its new run id)."""
         if run.cancelled is not None:  # cancelled while it was held: it ends so
+            if self.kv_waits is not None:
+                self.kv_waits.forget(run)
             run._ended_unstarted(fsm.RunFinished(StopReason.CANCELLED, (), None, None, ()))
             return
         try:
             run.handle = self.orchestrator.add_run(run.plan, run.prompt, on_token=run._token)
         except ValueError as exc:  # not for the plan it was first added with
+            if self.kv_waits is not None:
+                self.kv_waits.forget(run)
             run._refused(exc)
             return
         self._runs[run.run_id] = run
