@@ -56,8 +56,9 @@ ends that run alone. A fault of what runs share (the inbound link closed or corr
 outbound link closed or stuck, ``execute_batch`` raising) is ``ChainFault`` to every held
 run, each answering with its own ``StageFault`` naming the same cause; a provision that
 comes after it fails its setup with that cause. A record the stage cannot read (a
-header of another version, garbled: ``LinkFault``) is ``PROTOCOL_VIOLATION``, not the
-``EDGE_FAULT`` of a lost link: a recovery does not re-place a chain for it.
+header of another version, garbled: ``LinkFault``) is the ``EDGE_FAULT`` of a link
+that can no longer be read, its detail naming the record: the stage's link is spent (it
+refuses every later provision), so the chain must be made again, as a recovery does.
 """
 
 from __future__ import annotations
@@ -539,9 +540,9 @@ class ChainStageController:
             return False
         try:
             taken = self.inbound.try_take()
-        except LinkFault as exc:  # another version, a garbled header: not a lost link
+        except LinkFault as exc:  # another version, a garbled header: the link is spent
             detail = f"{self._link('inbound')}: a record it cannot read: {exc}"
-            self.chain_fault(FaultReason(FaultKind.PROTOCOL_VIOLATION, detail))
+            self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, detail))
             return True
         except EdgeClosed as exc:
             self.chain_fault(FaultReason(FaultKind.EDGE_FAULT, f"{self._link('inbound')}: {exc}"))

@@ -292,27 +292,27 @@ def _unreadable(chain: RecoveringChain, hop: int, problem: str) -> None:
     ring.publish(slot)
 
 
-@pytest.mark.parametrize(
-    ("problem", "named"), [("version", "version 9, expected one of (1, 2)"), ("garbled", "magic")]
-)
-def test_a_record_a_stage_cannot_read_ends_the_runs_as_a_protocol_fault_not_recovered(
-    facts: ModelFacts, problem: str, named: str
+@pytest.mark.parametrize("problem", ["version", "garbled"])
+def test_a_record_a_stage_cannot_read_spends_its_link_and_the_chain_is_made_again(
+    facts: ModelFacts, problem: str
 ) -> None:
+    """A record on a stage's inbound link it cannot read (a header of another version,
+    garbled): the stage's link is spent and the stage refuses every later provision, so
+    the chain is placed again, as for a lost link; the runs and a later one complete.
+    (Faulting the runs as a protocol violation not recovered left the chain serving no
+    run after them.)"""
     chain = chain_of(facts, reference, ("spare-0", 2**40), ("spare-1", 2**40))
     streams = [chain.start(f"run-{k}", PROMPT, sampling=SEEDED) for k in range(2)]
     while len(streams[0].tokens) < 2:
         chain.pump(rounds=1)
     _unreadable(chain, 2, problem)  # stage 2's inbound link
     chain.pump()
-    assert chain.replacements == []  # not re-placed: the same stages would fail alike
+    assert chain.replacements != []
     for s in streams:
-        assert isinstance(s.ended, End) and s.ended.reason is EndReason.NOT_A_LOSS, s.ended
-        finished = s.finished
-        assert finished is not None and finished.outcome is StopReason.FAULTED
-        assert finished.fault is not None and finished.fault.kind is FaultKind.PROTOCOL_VIOLATION
-        assert finished.fault_stage == 2
-        assert finished.fault.detail.startswith("inbound link (hop 2): a record it cannot read: ")
-        assert named in finished.fault.detail
+        assert s.finished is not None and s.finished.outcome is StopReason.COMPLETED, s.ended
+    later = chain.start("run-later", PROMPT, sampling=SEEDED)
+    chain.pump()
+    assert later.finished is not None and later.finished.outcome is StopReason.COMPLETED
 
 
 def test_a_token_record_the_orchestrator_cannot_read_ends_the_runs_not_recovered(
