@@ -24,6 +24,7 @@ when the command succeeded. docs/json-output.md is the page users read.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
 from typing import Any, TextIO
@@ -74,6 +75,26 @@ def fault_json(fault: str | None) -> dict[str, Any]:
 def cancelled_json(signal_name: str | None = None) -> dict[str, Any]:
     """The error object of a command cancelled (``signal_name``: by that signal)."""
     return error_json(CANCELLED, "cancelled" + (f" by {signal_name}" if signal_name else ""))
+
+
+def cancelled_status(signal_name: str | None) -> int:
+    """The exit status of a command cancelled by ``signal_name`` (``None``: by Ctrl-C or
+    by a caller): 128 + the signal's number, as a shell reports a process the signal
+    ended: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signal.Signals[signal_name or "SIGINT"].value
+
+
+def cancelled_exit(exc: KeyboardInterrupt) -> int:
+    """A package's ``__main__`` for a Ctrl-C (or SIGTERM raised as
+    ``runtime_core.interrupt.Interrupted``, named by its ``signal_name``) that no command
+    met: with ``--json`` as written on the command line, the ``Cancelled`` object on
+    standard output unless a JSON document was printed already; ``cancelled`` on
+    standard error; the exit status."""
+    signal_name = getattr(exc, "signal_name", None)
+    if "--json" in sys.argv[1:] and not printed():
+        print_json(cancelled_json(signal_name))
+    sys.stderr.write("cancelled\n")
+    return cancelled_status(signal_name)
 
 
 _PRINTED = threading.Event()  # set once this process printed its document (``printed``)

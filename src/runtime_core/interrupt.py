@@ -8,7 +8,8 @@ written. Within ``sigterm_interrupts()`` SIGTERM raises ``Interrupted`` instead 
 ``KeyboardInterrupt``, so what cleans up after Ctrl-C cleans up after it too), naming
 the signal, and a second SIGTERM while that cleanup waits raises again, as a second
 Ctrl-C does: the waiting stops. ``signal_of(exc)`` names the signal of either,
-``cancelled_status`` its exit status. Both runtimes' command lines use it
+``cancelled_status`` (``runplan.json_errors``'s) its exit status. Both runtimes' command
+lines use it
 (``runtime_sim`` cannot import ``runtime_cupy``).
 """
 
@@ -35,13 +36,6 @@ class Interrupted(KeyboardInterrupt):
 def signal_of(exc: KeyboardInterrupt) -> str:
     """The signal that raised ``exc``: ``Interrupted``'s, else SIGINT (Ctrl-C)."""
     return exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
-
-
-def cancelled_status(signal_name: str | None) -> int:
-    """The exit status of a command cancelled by ``signal_name`` (``None``: by Ctrl-C or
-    by a caller): 128 + the signal's number, as a shell reports a process the signal
-    ended: 130 for SIGINT, 143 for SIGTERM."""
-    return 128 + signal.Signals[signal_name or "SIGINT"].value
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from runplan.gguf_header import GgufError
 from runplan.json_errors import (
     RUN_FAULTED,
     cancelled_json,
+    cancelled_status,
     error_json,
     exception_json,
     fault_json,
@@ -33,7 +34,7 @@ from runtime_core.console import (
     generation_options,
     prompt_ids,
 )
-from runtime_core.interrupt import cancelled_status, signal_of, sigterm_interrupts
+from runtime_core.interrupt import signal_of, sigterm_interrupts
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_core.workers.registry import CORE_WORKERS

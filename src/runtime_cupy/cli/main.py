@@ -56,6 +56,7 @@ from runplan.config import run_positions
 from runplan.json_errors import (
     RUN_FAULTED,
     cancelled_json,
+    cancelled_status,
     error_json,
     exception_json,
     fault_json,
@@ -69,7 +70,7 @@ from runtime_core.console import (
     generation_options,
     prompt_ids,
 )
-from runtime_core.interrupt import cancelled_status, signal_of, sigterm_interrupts
+from runtime_core.interrupt import signal_of, sigterm_interrupts
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.batch import BatchError, generate_batch
