@@ -65,16 +65,12 @@ class _Run:
         )
 
 
-def _refused_run(run_id: str) -> Any:
-    return _Run(run_id)
-
-
 def test_a_held_run_that_is_due_does_not_wait_behind_one_that_is_not() -> None:
     """B refused before a run ended, C after: B is due, C not, whatever order their
     machines ended in (C's first here)."""
     ids = iter(["new-1", "new-2"])
     waits = KvWaits(lambda: next(ids))
-    b, c = _refused_run("B"), _refused_run("C")
+    b, c = _Run("B"), _Run("C")
     held_elsewhere = {0: 10**6, 1: 10**6}
     waits.heard(ProvisionRefused("B", 1, "n1", 10, 0, 1000), b, held_elsewhere)
     waits.ended()
@@ -89,7 +85,7 @@ def test_a_held_run_that_is_due_does_not_wait_behind_one_that_is_not() -> None:
 def test_the_first_held_run_is_offered_alone_when_asked() -> None:
     ids = iter(["new-1", "new-2"])
     waits = KvWaits(lambda: next(ids))
-    b, c = _refused_run("B"), _refused_run("C")
+    b, c = _Run("B"), _Run("C")
     for run in (b, c):
         waits.heard(ProvisionRefused(run.run_id, 1, "n1", 10, 0, 1000), run, {1: 10**6})
         assert waits.holds(run)
@@ -101,7 +97,7 @@ def test_the_first_held_run_is_offered_alone_when_asked() -> None:
 def test_a_held_run_is_taken_by_an_id_it_had_before() -> None:
     ids = iter(["new-1", "new-2"])
     waits = KvWaits(lambda: next(ids))
-    b = _refused_run("B")
+    b = _Run("B")
     waits.heard(ProvisionRefused("B", 1, "n1", 10, 0, 1000), b, {1: 10**6})
     assert waits.holds(b)
     (again,) = waits.first()
