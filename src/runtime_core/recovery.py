@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from attrs import frozen
 
 from runplan._fields import int_field, int_tuple_field, str_field, tuple_field, typed_field
-from runplan.fsm.orchestrator import RunFinished
+from runplan.fsm.orchestrator_actions import RunFinished
 from runplan.messages import FaultKind, FaultReason, StopReason
 from runtime_core.chain_stage import INBOUND_LINK, OUTBOUND_LINK
 from runtime_core.replay import Interrupted

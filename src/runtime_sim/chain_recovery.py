@@ -27,7 +27,7 @@ import attrs
 from attrs import frozen
 
 from runplan import ModelFacts, NodePool, RunPlan, RuntimeConfig, provision_stage
-from runplan.fsm.orchestrator import RunFinished
+from runplan.fsm.orchestrator_actions import RunFinished
 from runplan.replacement import Replacement, Unplaceable
 from runtime_core.recovery import ChainRecovery, End, EndReason, RecoveryPolicy
 from runtime_core.replay import Interrupted, Replay, ReplayRefused

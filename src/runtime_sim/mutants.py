@@ -14,7 +14,7 @@ import attrs
 from runplan import NodePool, Placement, RunPlan, RuntimeConfig
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
-from runplan.fsm.orchestrator import RunFinished
+from runplan.fsm.orchestrator_actions import RunFinished
 from runplan.messages import BatchCount, FaultReason, StageReady
 from runplan.plan import RingSpec
 from runplan.record_header import HeaderDType

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from runplan import ModelFacts, NodePool, Placement, RunPlan, RuntimeConfig
-from runplan.fsm.orchestrator import RunFinished
+from runplan.fsm.orchestrator_actions import RunFinished
 from runplan.messages import FaultReason
 from runplan.replacement import Replacement, Unplaceable, replace_lost
 from runtime_core.recovery import ChainRecovery, RecoveryPolicy

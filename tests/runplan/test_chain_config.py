@@ -20,7 +20,7 @@ from runplan import (
     plan_run,
     provision_all,
 )
-from runplan.fsm.orchestrator import OrchestratorMachine, PromptError
+from runplan.fsm.orchestrator_machine import OrchestratorMachine, PromptError
 from runplan.memory import plan_stage_memory
 from runplan.rejections import InconsistentModelFacts, InsufficientMemory, InvalidConfig
 from tests.support.strategies import STORED_WEIGHTS

@@ -111,7 +111,7 @@ def test_the_first_fault_stands_and_injection_stops() -> None:
     plan = small_plan(2)
     orch = _running(plan)
     fault = StageFault(
-        plan.run_id, 1, plan.stages[1].node_id, reason=s.FaultReason(FaultKind.STEP_FAILURE, "boom")
+        plan.run_id, 1, plan.stages[1].node_id, reason=FaultReason(FaultKind.STEP_FAILURE, "boom")
     )
     orch, _ = o.step(orch, o.Received(plan.stages[1].node_id, fault))
     assert orch.outcome is StopReason.FAULTED and orch.fault_stage == 1
@@ -334,7 +334,7 @@ def test_a_stage_never_heard_is_not_said_to_have_missed_a_heartbeat() -> None:
     said "no heartbeat for", as of a stage that had beaten and then stopped)."""
     orch = _running(small_plan(3))
     orch, _ = o.step(orch, o.StageSilent(2, 4_000, heard=False))
-    assert orch.fault == s.FaultReason(
+    assert orch.fault == FaultReason(
         FaultKind.STAGE_SILENT,
         "stage 2 on 'node-2': not a word since it started, and its run not ready in 4.0 s",
     )
@@ -345,7 +345,7 @@ def test_a_silent_stage_faults_the_run_naming_it_and_is_not_waited_for() -> None
     orch = _running(plan)
     orch, actions = o.step(orch, o.StageSilent(1, 5_250))
     assert orch.outcome is StopReason.FAULTED and orch.fault_stage == 1
-    assert orch.fault == s.FaultReason(
+    assert orch.fault == FaultReason(
         FaultKind.STAGE_SILENT, "stage 1 on 'node-1': no heartbeat for 5.2 s"
     )
     assert [a.stage_index for a in _of(actions, o.SendStopRun)] == [0, 1, 2]

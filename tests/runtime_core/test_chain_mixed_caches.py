@@ -12,7 +12,7 @@ import pytest
 
 from runplan import RunPlan, Timeouts, provision_all
 from runplan.config import shared_batches
-from runplan.fsm.stage import State
+from runplan.fsm.stage_events import State
 from runplan.messages import StopReason
 from runtime_core.chain_orchestrator import RunHandle
 from runtime_core.workers.reference.worker import ReferenceWorker

@@ -19,7 +19,7 @@ from runplan import (
     SamplingConfig,
     model_facts_from_gguf,
 )
-from runplan.fsm.orchestrator import RunFinished
+from runplan.fsm.orchestrator_actions import RunFinished
 from runplan.memory import plan_stage_memory
 from runplan.messages import FaultKind, FaultReason, StopReason
 from runplan.plan import ObjectKind

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from runplan import ModelFacts, NodePool, Placement, RunPlan, RuntimeConfig, plan_run
-from runplan.fsm.orchestrator import RunFinished
+from runplan.fsm.orchestrator_actions import RunFinished
 from runplan.messages import StopReason
 from runplan.replacement import Replacement, Unplaceable, replace_lost
 from runtime_core.chain_orchestrator import RunHandle
