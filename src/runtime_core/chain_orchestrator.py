@@ -13,18 +13,8 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
   ``kv_bytes`` against ``kv_budget_bytes``, stage by stage); it starts when runs in
   flight end, first held, first started. A run whose cache exceeds a stage's whole
   budget is refused at once (``RunRefused``): it could never run.
-- Token-in carries the records of every run: a run's prompt (in chunks of the plan's
-  ``prefill_chunk`` rows: chunk ``j`` of ``P``, in order), then each fed-back token
-  after the one before it was consumed. Fed-back tokens go first, in the order they
-  were asked for, then prompt chunks in theirs: a decoding run's next token never
-  waits behind another run's long prompt (a ring of a few slots would otherwise let it
-  in only after every chunk of that prompt). A run's own order stands: its token 0
-  comes only after its last chunk was written.
-- Token-out records are routed by their run id: a record of a run this side does not
-  hold (unknown, or finished) is rejected, logged and dropped, and the link stays up; a
-  held run's record on another edge likewise; one that fails its run's checks (its
-  sequence, kind, extent; token 0 before the prompt's last chunk was written) is that
-  run's endpoint fault.
+- Token-in and token-out, their records and their faults: ``token_links``
+  (``TokenLinks``, this orchestrator's base).
 - Control messages (``StageReady``, ``StageFault``, ``StageStopped``,
   ``ProvisionRefused``) go to their run's machine; one for no held run is rejected.
   The batches a ``StageStopped`` reports (the stage's since its previous one, by rows)
@@ -32,9 +22,7 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
 - A chain fault ends every run: ``StageDied`` (the runtime's notice that a stage
   process or host is gone, its detail naming stage, node, host and cause) and a broken
   token link go to every run in flight, each ending ``FAULTED`` with that reason; runs
-  still held end at once with the same reason (they were never provisioned). A
-  token-out record it cannot read (another header version, garbled) breaks the chain
-  too, its fault (``broken``) ``PROTOCOL_VIOLATION``, not a lost link's.
+  still held end at once with the same reason (they were never provisioned).
 - ``cancel(run_id)`` ends one run (``CANCELLED``); the others go on.
 """
 
@@ -42,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -59,29 +47,16 @@ from runplan.messages import (
     StopReason,
     StopRun,
 )
-from runplan.record_header import HeaderCheck, HeaderDType, HeaderRejection
-from runtime_core.links import LinkFault, LinkReceiver, LinkSender
+from runplan.record_header import HeaderCheck
+from runtime_core.controller_trace import Trace, no_trace
+from runtime_core.links import LinkReceiver, LinkSender
 from runtime_core.recent_runs import RECENT_RUNS_KEPT, RecentRuns
-from runtime_core.records import read_token, token_payload
-from runtime_core.ring import EdgeClosed
+from runtime_core.token_links import OrchestratorLinks, TokenLinks, TokenRecord
 
-Trace = Callable[[str, dict[str, Any]], None]
 #: ``on_token(run_id, sequence, token_id)``: a generated token for the caller.
 OnToken = Callable[[str, int, int], None]
 
-_RUNNING = fsm.State.RUNNING
 _DONE = fsm.State.DONE
-_U32 = HeaderDType.U32
-_NOT_THIS_RUN = (HeaderRejection.RUN_ID_MISMATCH, HeaderRejection.EDGE_ID_MISMATCH)
-
-
-class OrchestratorLinks(Protocol):
-    """The orchestrator's ends of a chain: token-out (it makes the ring) and token-in
-    (``None`` until stage 0's ring exists)."""
-
-    def open_token_out(self, plan: RunPlan) -> LinkReceiver: ...
-
-    def open_token_in(self, plan: RunPlan) -> LinkSender | None: ...
 
 
 class StageChannels(Protocol):
@@ -115,17 +90,6 @@ class RunRefused(ValueError):
         super().__init__(f"run {run_id!r} refused: {reason}")
 
 
-@frozen
-class _Record:
-    """A token-in record waiting for room on the link."""
-
-    run_id: str
-    sequence: int
-    ids: tuple[int, ...]
-    chunk_index: int
-    chunk_count: int
-
-
 @attrs.define(eq=False)
 class RunHandle:
     """One run on the chain: its plan and machine, its logits (when it asks for them),
@@ -150,17 +114,13 @@ class RunHandle:
         return self.finished.tokens if self.finished is not None else self.machine.tokens
 
 
-def _no_trace(kind: str, fields: dict[str, Any]) -> None:
-    pass
-
-
 #: Finished runs whose ids the orchestrator keeps: more than a stage keeps stale
 #: (``RECENT_RUNS_KEPT``), so that a stage never holds as stale an id the orchestrator
 #: would accept again.
 FINISHED_RUNS_KEPT = 2 * RECENT_RUNS_KEPT
 
 
-class ChainOrchestrator:
+class ChainOrchestrator(TokenLinks):
     """Many runs over one chain."""
 
     def __init__(
@@ -173,7 +133,7 @@ class ChainOrchestrator:
         self.channels = channels
         self.links = links
         self.timers = timers
-        self.trace = trace or _no_trace
+        self.trace = trace or no_trace
         self.runs: dict[str, RunHandle] = {}  # in flight and held, in the order added
         #: the ids of the runs that started and finished on this chain, the most recent
         #: (twice as many as a stage keeps stale: an id forgotten here is forgotten by
@@ -183,8 +143,8 @@ class ChainOrchestrator:
         self.done = RecentRuns(kept=FINISHED_RUNS_KEPT)
         self.token_in: LinkSender | None = None
         self.token_out: LinkReceiver | None = None
-        self._decodes: deque[_Record] = deque()  # fed-back tokens waiting for token-in
-        self._chunks: deque[_Record] = deque()  # prompt records waiting for token-in
+        self._decodes: deque[TokenRecord] = deque()  # fed-back tokens waiting for token-in
+        self._chunks: deque[TokenRecord] = deque()  # prompt records waiting for token-in
         self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
         #: Batches each stage reported (stage index -> rows -> batches). Replaced, never
@@ -341,7 +301,7 @@ class ChainOrchestrator:
     def _feed(self, handle: RunHandle, event: fsm.Event) -> None:
         before = handle.machine.state
         handle.machine, actions = fsm.step(handle.machine, event)
-        if handle.machine.state is not before and self.trace is not _no_trace:
+        if handle.machine.state is not before and self.trace is not no_trace:
             self.trace(
                 "state",
                 {
@@ -387,153 +347,6 @@ class ChainOrchestrator:
                 {"run_id": run_id, "state": action.state.name, "kind": action.kind.name},
             )
 
-    def _queue(self, handle: RunHandle, action: fsm.InjectTokens) -> None:
-        ids, size = action.token_ids, action.chunk_rows
-        if action.sequence == 0 and 0 < size < len(ids):
-            count = -(-len(ids) // size)
-            chunks = [ids[j * size : (j + 1) * size] for j in range(count)]
-        else:
-            count, chunks = 1, [ids]
-        queue = self._chunks if action.sequence == 0 else self._decodes
-        for j, chunk in enumerate(chunks):
-            queue.append(_Record(handle.run_id, action.sequence, chunk, j, count))
-        if action.sequence == 0:
-            handle.unsent_chunks = count
-        self.try_inject()
-
-    def _drop_records(self, run_id: str) -> None:
-        """A run's records still waiting for token-in go."""
-        self._decodes = deque(r for r in self._decodes if r.run_id != run_id)
-        self._chunks = deque(r for r in self._chunks if r.run_id != run_id)
-
-    def _next_record(self) -> deque[_Record] | None:
-        """The queue whose first record goes next: fed-back tokens before prompt
-        chunks."""
-        return self._decodes or self._chunks or None
-
-    # -- the links ---------------------------------------------------------------------------
-    @property
-    def links_pending(self) -> bool:
-        return bool(self._waiting_links())
-
-    def _waiting_links(self) -> list[RunHandle]:
-        return [
-            h
-            for h in self.runs.values()
-            if h.needs_links and h.machine.state is fsm.State.WAITING_READY
-        ]
-
-    def try_open_links(self) -> bool:
-        """Make the token-out ring and attach to token-in, once for the chain; every
-        run waiting for them gets ``EndpointsReady``."""
-        waiting = self._waiting_links()
-        if not waiting:
-            return False
-        plan = waiting[0].plan
-        try:
-            if self.token_out is None:
-                self.token_out = self.links.open_token_out(plan)
-            if self.token_in is None:
-                self.token_in = self.links.open_token_in(plan)
-        except Exception as exc:
-            reason = FaultReason(FaultKind.EDGE_FAULT, f"token links: {type(exc).__name__}: {exc}")
-            self._chain_fault(reason, fsm.EndpointFault(str(reason.detail)))
-            return False
-        if self.token_in is None:
-            return False
-        for handle in waiting:
-            handle.needs_links = False
-            if handle.run_id in self.runs:
-                self._feed(handle, fsm.EndpointsReady())
-        return True
-
-    @property
-    def inject_pending(self) -> bool:
-        return self._next_record() is not None and self.token_in is not None
-
-    def try_inject(self) -> bool:
-        """Write the waiting token-in records (fed-back tokens first); ``False`` while
-        the link is full."""
-        while (queue := self._next_record()) is not None and self.token_in is not None:
-            record = queue[0]
-            handle = self.runs.get(record.run_id)
-            if handle is None or handle.machine.state is not _RUNNING:
-                queue.popleft()
-                continue
-            try:
-                sent = self.token_in.try_send(
-                    record.run_id,
-                    handle.plan.token_in.edge_id,
-                    record.sequence,
-                    len(record.ids),
-                    _U32,
-                    token_payload(record.ids),
-                    record.chunk_index,
-                    record.chunk_count,
-                )
-            except EdgeClosed as exc:
-                self._link_fault(f"token-in (hop 0) closed: {exc}")
-                return False
-            if not sent:
-                return False
-            queue.popleft()
-            if record.sequence == 0:
-                handle.unsent_chunks -= 1
-            if self.trace is not _no_trace:
-                fields = {"run_id": record.run_id, "sequence": record.sequence}
-                self.trace("injected", {**fields, "rows": len(record.ids)})
-        return True
-
-    @property
-    def wants_tokens(self) -> bool:
-        return self.token_out is not None and self.broken is None
-
-    def poll_tokens(self) -> bool:
-        """Take one token-out record and route it; ``True`` if one was taken (or the
-        link broke)."""
-        if not self.wants_tokens or self.token_out is None:
-            return False
-        try:
-            taken = self.token_out.try_take()
-        except LinkFault as exc:  # another version, a garbled header: not a lost link
-            detail = f"token-out (hop {handle_hops(self.runs)}): a record it cannot read: {exc}"
-            unreadable = FaultReason(FaultKind.PROTOCOL_VIOLATION, detail)
-            self._chain_fault(unreadable, fsm.EndpointFault(detail))
-            return True
-        except EdgeClosed as exc:
-            self._link_fault(f"token-out (hop {handle_hops(self.runs)}): {exc}")
-            return True
-        if taken is None:
-            return False
-        h = taken.header
-        handle = self.runs.get(h.run_id)
-        if handle is None or handle.check is None:
-            reason = "STALE_RUN" if h.run_id in self.done else "UNKNOWN_RUN"
-            self.trace("reject", {"run_id": h.run_id, "reason": reason, "sequence": h.sequence})
-            return True
-        if handle.machine.state is not _RUNNING:
-            return True  # a record of a run already decided: nothing to do
-        problem = handle.check.validate(h, handle.machine.injected)
-        if problem is not None and problem[0] in _NOT_THIS_RUN:
-            self.trace("reject", {"run_id": h.run_id, "reason": problem[0].value})
-            return True
-        if problem is None and h.sequence == 0 and handle.unsent_chunks > 0:
-            problem = (
-                HeaderRejection.SEQUENCE_OUT_OF_ORDER,
-                "token 0 before the prompt's last chunk",
-            )
-        if problem is not None:
-            detail = f"token-out: {problem[0].value}: {problem[1]}"
-            self._feed(handle, fsm.EndpointFault(detail))
-            return True
-        token, logits = read_token(handle.check.object_spec, taken.payload)
-        if logits is not None:
-            handle.logits.append(logits)
-        if self.trace is not _no_trace:
-            self.trace("consumed", {"run_id": h.run_id, "sequence": h.sequence, "token_id": token})
-        self._feed(handle, fsm.TokenConsumed(h.sequence, token))
-        return True
-
     def stage_unreadable(self, stage_index: int, detail: str) -> None:
         """The runtime's notice that stage ``stage_index`` sent a control frame it cannot
         read (another version, a defect) and is ended for it: a chain fault whose reason
@@ -543,26 +356,6 @@ class ChainOrchestrator:
         text = f"stage {stage_index}: {detail}"
         event = fsm.StageDied(stage_index, detail)
         self._chain_fault(FaultReason(FaultKind.PROTOCOL_VIOLATION, text), event)
-
-    def link_fault(self, detail: str) -> None:
-        """The runtime's notice that a token link is stuck or gone (a chain fault)."""
-        self._link_fault(detail)
-
-    def _link_fault(self, detail: str) -> None:
-        self._chain_fault(FaultReason(FaultKind.EDGE_FAULT, detail), fsm.EndpointFault(detail))
-
-    def close(self) -> None:
-        """The chain's end: the token-out ring (this side made it) closes."""
-        if self.token_out is not None:
-            self.token_out.close()
-        self.token_in = self.token_out = None
-
-
-def handle_hops(runs: dict[str, RunHandle]) -> str:
-    """Token-out's hop (the chain's stage count), from any run held; ``?`` if none."""
-    for handle in runs.values():
-        return str(handle.plan.stage_count)
-    return "?"
 
 
 def _outcome(handle: RunHandle) -> str:

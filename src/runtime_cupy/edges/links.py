@@ -16,7 +16,7 @@ consumer's credit is the ring's free slots (backpressure).
 
 ``ProcessLinks`` is both ``runtime_core.chain_stage.ChainTransport`` (a stage: its
 inbound hop, whose ring it makes, and its outbound hop) and
-``runtime_core.chain_orchestrator.OrchestratorLinks`` (the orchestrator: token-out,
+``runtime_core.token_links.OrchestratorLinks`` (the orchestrator: token-out,
 whose ring it makes, and token-in). Every run of a chain has the same stage facts, so
 the plan's ring of an edge is the ring of its hop for every run, made by the first run
 that needs it; token-out's ring holds a token, or a token and its logits, as the
