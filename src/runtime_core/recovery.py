@@ -35,8 +35,8 @@ from attrs import frozen
 from runplan._fields import int_field, int_tuple_field, str_field, tuple_field, typed_field
 from runplan.fsm.orchestrator_actions import RunFinished
 from runplan.messages import FaultKind, FaultReason, StopReason
-from runtime_core.chain_stage import INBOUND_LINK, OUTBOUND_LINK
 from runtime_core.replay import Interrupted
+from runtime_core.stage_data_path import INBOUND_LINK, OUTBOUND_LINK
 
 #: Faults that are always a lost stage process or host.
 LOSSES = frozenset({FaultKind.PROCESS_DIED, FaultKind.STAGE_SILENT})
