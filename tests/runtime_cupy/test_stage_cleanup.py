@@ -17,7 +17,9 @@ from runtime_cupy.api import plan_for
 from runtime_cupy.edges.links import ProcessLinks
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.keys import chain_id, control_key
-from runtime_cupy.process.stage_process import EXIT_LOST, StageProcess, UnavailableWorker
+from runtime_cupy.process.stage_loop import StageProcess
+from runtime_cupy.process.stage_loss import EXIT_LOST
+from runtime_cupy.process.stage_process import UnavailableWorker
 from runtime_cupy.process.tracing import TraceLog
 
 SECRET = bytes(range(32))

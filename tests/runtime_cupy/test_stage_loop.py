@@ -16,7 +16,7 @@ from runtime_cupy.edges.links import ProcessLinks
 from runtime_cupy.hosts.local import local_medium
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.keys import control_key, new_secret
-from runtime_cupy.process.stage_process import StageProcess
+from runtime_cupy.process.stage_loop import StageProcess
 from runtime_cupy.process.tracing import TraceLog
 
 NODE, ORCHESTRATOR = "stage-0", "orchestrator"

@@ -49,7 +49,7 @@ from runtime_cupy.slices.fetch import SliceFetcher, SliceTransferFailed
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
-#: The stage process's exit status after it lost its orchestrator (``stage.EXIT_LOST``).
+#: The stage process's exit status after it lost its orchestrator (``stage_loss.EXIT_LOST``).
 EXIT_LOST = 3
 #: How long the supervisor waits to connect to the orchestrator.
 CONNECT_S = 30.0
