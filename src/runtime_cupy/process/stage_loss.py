@@ -1,6 +1,6 @@
 """A stage process that loses its orchestrator (``stage_loop.StageProcess``, whose base
 ``OrchestratorLoss`` is): its lifeline closed, its control channel closed or broken, its
-frame unreadable, SIGTERM or SIGHUP, its parent gone. Either one is ``OrchestratorLost``
+frame unreadable, SIGTERM or SIGHUP, its parent gone. Any of them is ``OrchestratorLost``
 for every run held: the stage stops them and ends, sending nothing more; it logs the
 loss once, naming what closed, since when, and when the orchestrator was last heard
 from. A watchdog thread waits on the lifeline; if the loop has not finished within the
