@@ -26,19 +26,16 @@ from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
 from runtime_core.workers.experts import Routing, weighted_sum
 from runtime_core.workers.forward_program import (
-    Experts,
-    Linear,
     Segment,
-    StageWeights,
     experts_by_gather,
     forward_blocks,
     forward_embed,
     forward_head,
-    load_weights,
     segments_of,
 )
 from runtime_core.workers.interface import Progress
 from runtime_core.workers.kept_steps import Kept, KeptSteps
+from runtime_core.workers.stage_weights import Experts, Linear, StageWeights, load_weights
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep, StageBackend
 from runtime_cupy.cuda.worker import CudaWorker
 from tests.support import twins

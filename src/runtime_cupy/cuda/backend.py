@@ -33,15 +33,14 @@ from runtime_core.gguf_slice import StageSlice
 from runtime_core.workers import device_sampling
 from runtime_core.workers.forward_program import (
     Segment,
-    StageWeights,
     forward_blocks,
     forward_embed,
     forward_head,
-    load_weights,
     segments_of,
 )
 from runtime_core.workers.interface import Progress, TraceEvent
 from runtime_core.workers.kept_steps import Kept, KeptSteps
+from runtime_core.workers.stage_weights import StageWeights, load_weights
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 from runtime_cupy.cuda.ops import DeviceCache, DeviceOps, cdiv, kernels_for
 

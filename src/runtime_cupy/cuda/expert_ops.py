@@ -13,7 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime_core.workers.experts import Routing, weighted_sum
-from runtime_core.workers.forward_program import Experts, Linear, StageWeights, experts_by_gather
+from runtime_core.workers.forward_program import experts_by_gather
+from runtime_core.workers.stage_weights import Experts, Linear, StageWeights
 
 
 class DeviceExpertOps:

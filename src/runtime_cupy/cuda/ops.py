@@ -31,7 +31,8 @@ import cupy
 import numpy as np
 
 from runplan.quant_types import CHUNK, uses_q8
-from runtime_core.workers.forward_program import Linear, MatrixPart, Segment, StageWeights
+from runtime_core.workers.forward_program import Segment
+from runtime_core.workers.stage_weights import Linear, MatrixPart, StageWeights
 from runtime_core.workers.stage_worker import BackendSpec
 from runtime_cupy.cuda.expert_ops import DeviceExpertOps
 from runtime_cupy.cuda.kernels import KernelSet

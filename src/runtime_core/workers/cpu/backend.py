@@ -32,14 +32,13 @@ from runtime_core.workers.cpu.ops import CpuCache, CpuOps
 from runtime_core.workers.cpu.step_buffers import PAGE
 from runtime_core.workers.forward_program import (
     Segment,
-    StageWeights,
     forward_blocks,
     forward_embed,
     forward_head,
-    load_weights,
     segments_of,
 )
 from runtime_core.workers.interface import Progress
+from runtime_core.workers.stage_weights import StageWeights, load_weights
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 
 U8 = npt.NDArray[np.uint8]

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from runplan.quant_types import CHUNK
 from runtime_core.workers.cpu.step_buffers import Q8Rows, StepRows, q_rows, written
 from runtime_core.workers.experts import Routing, weighted_sum
-from runtime_core.workers.forward_program import Experts, Linear, StageWeights
+from runtime_core.workers.stage_weights import Experts, Linear, StageWeights
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]

@@ -81,7 +81,8 @@ from runtime_core.workers.cpu.step_buffers import (
     buffer,
     written,
 )
-from runtime_core.workers.forward_program import Linear, Segment, StageWeights
+from runtime_core.workers.forward_program import Segment
+from runtime_core.workers.stage_weights import Linear, StageWeights
 from runtime_core.workers.stage_worker import BackendSpec
 
 U8 = npt.NDArray[np.uint8]

@@ -14,7 +14,7 @@ from runplan import model_facts_from_gguf
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.cpu.ops import CpuOps
 from runtime_core.workers.cpu.worker import CpuWorker
-from runtime_core.workers.forward_program import load_weights
+from runtime_core.workers.stage_weights import load_weights
 from runtime_core.workers.stage_worker import BackendSpec
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
 from tests.support.chain import Chain, provisions
