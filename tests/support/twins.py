@@ -456,7 +456,7 @@ _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 
 def gelu_mul(gate: F32, up: F32) -> F32:
     """``geglu_*`` in norm.cu: GELU's tanh form of gate, times up, each step rounded in
-    float32 in the reference worker's order (``reference_model.gelu_tanh``)."""
+    float32 in the reference worker's order (``reference.functions.gelu_tanh``)."""
     g = np.asarray(gate, np.float32)
     inner = ((g * g) * _GELU_A + np.float32(1)) * g * _SQRT_2_OVER_PI
     return (g * ((np.tanh(inner) + np.float32(1)) * np.float32(0.5)) * up).astype(np.float32)

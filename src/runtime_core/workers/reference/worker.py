@@ -45,7 +45,8 @@ from runtime_core.workers.interface import (
     checked_token_ids,
 )
 from runtime_core.workers.kept_weights import WeightsKey, weights_key
-from runtime_core.workers.reference.model import StageModel, StageWeights
+from runtime_core.workers.reference.model import StageModel
+from runtime_core.workers.reference.weights import StageWeights
 from runtime_core.workers.sampling import Sampler
 from runtime_core.workers.worker_runs import (
     KvBudget,

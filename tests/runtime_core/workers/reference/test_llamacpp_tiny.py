@@ -43,7 +43,9 @@ import pytest
 from runplan import model_facts_from_gguf
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.interface import TokenOutput
+from runtime_core.workers.reference import functions as reference_functions
 from runtime_core.workers.reference import model as reference_model
+from runtime_core.workers.reference import weights as reference_weights
 from tests.fixtures.gguf_models import GELU_ARCHITECTURES, LATER_ARCHITECTURES
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, load_tensors, model_file
 from tests.support.chain import Chain, provisions
@@ -127,7 +129,7 @@ def ggml_gelu(x: np.ndarray) -> None:
     x[...] = np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table))
 
 
-EXACT_GELU = reference_model.gelu_tanh
+EXACT_GELU = reference_functions.gelu_tanh
 #: The steepest slope of GELU's tanh form (at x ~ 1.5): an input moved by e moves its
 #: output by at most this times e.
 GELU_SLOPE = 1.13
@@ -204,7 +206,7 @@ def test_llamacpps_gemma3_feed_forward_is_ours_but_for_its_float16_gelu(model_di
     above_float32 = 0
     for i, block in enumerate(weights.blocks):
         x, f = t[f"ffn_norm-{i}"], block.w2.shape[1]
-        ours = reference_model.linear(x, block.w13)  # (rows, 2 ffn): gate | up
+        ours = reference_functions.linear(x, block.w13)  # (rows, 2 ffn): gate | up
         bound = product_bound(x, block.w13)
         gate, up = t[f"ffn_gate-{i}"], t[f"ffn_up-{i}"]
         assert (np.abs(ours[:, :f] - gate) <= bound[:, :f]).all()
@@ -222,7 +224,9 @@ def test_llamacpps_gemma3_feed_forward_is_ours_but_for_its_float16_gelu(model_di
         assert (err <= allowed).all()
         above_float32 += int((err > 2 * U32 * np.abs(geglu)).sum())
         down = product_bound(geglu, block.w2.T)
-        assert (np.abs(reference_model.linear(geglu, block.w2.T) - t[f"ffn_out-{i}"]) <= down).all()
+        assert (
+            np.abs(reference_functions.linear(geglu, block.w2.T) - t[f"ffn_out-{i}"]) <= down
+        ).all()
     assert above_float32 > 0  # the table is not the exact function rounded
 
 
@@ -243,11 +247,11 @@ def test_gemma3_logits_come_closer_to_llamacpps_with_its_gelu_table(
         assert cosine(a, want) >= 0.99999 and cosine(b, want) >= 0.99999
 
 
-def stage_weights(path: Path) -> reference_model.StageWeights:
+def stage_weights(path: Path) -> reference_weights.StageWeights:
     """The reference worker's weights of the whole model (one stage)."""
     facts = model_facts_from_gguf(path)
     stage = open_stage_slice(path, 0, facts.num_layers, is_first=True, is_last=True)
-    return reference_model.StageWeights.load(stage)
+    return reference_weights.StageWeights.load(stage)
 
 
 @pytest.mark.parametrize("entry", MODELS, ids=[m["name"] for m in MODELS])

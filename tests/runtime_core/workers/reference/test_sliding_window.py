@@ -10,7 +10,8 @@ import pytest
 
 from runplan import model_facts_from_gguf
 from runtime_core.gguf_slice import open_stage_slice
-from runtime_core.workers.reference.model import StageModel, StageWeights
+from runtime_core.workers.reference.model import StageModel
+from runtime_core.workers.reference.weights import StageWeights
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
 from tests.support.chain import Chain, provisions
 
