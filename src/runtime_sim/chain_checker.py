@@ -16,118 +16,36 @@ controller is caught as surely as one in a machine.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
-from attrs import frozen
-
 from runplan import RunPlan, check_plan
-from runplan.config import batch_runs, shared_batch_rows, shared_batches
 from runplan.fsm import stage as sfsm
-from runtime_sim.chain_driver import ChainResult, ChainSimulation, RunSpec
-from runtime_sim.chain_ring_rules import NO_OVERWRITE, PUBLISH_ORDER, RELEASE_AT_LOAD, RingRules
+from runtime_sim.chain_driver import ChainResult, ChainSimulation
+from runtime_sim.chain_end_checks import EndChecks, Solo
+from runtime_sim.chain_ring_rules import RingRules
+from runtime_sim.chain_rules import (
+    CONSUME_BEFORE_INJECT,
+    INCREASING,
+    KV_FREED,
+    KV_HELD_ENDS,
+    KV_WITHIN_BUDGET,
+    LOADED_BEFORE_EXECUTE,
+    NO_INJECT_AFTER_END,
+    ONE_BATCH,
+    ONE_OUTCOME,
+    ONE_STEP_PER_RUN,
+    PLAN,
+    PREFILL_IS_ZERO,
+    READY_AFTER_SETUP,
+    READY_BEFORE_INJECT,
+    SAME_SEQUENCE,
+    STEP_ORDER,
+    Violation,
+)
 from runtime_sim.links import ORCHESTRATOR
 
-
-@frozen
-class Violation:
-    rule: str
-    time_us: int
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.rule} (t={self.time_us} us): {self.detail}"
-
-
-PLAN = "plan: layer and edge assignment"
-READY_BEFORE_INJECT = "readiness: a run's prompt injected before every stage reported StageReady"
-READY_AFTER_SETUP = "readiness: StageReady before worker, shard and both links were ready"
-PREFILL_IS_ZERO = "execution: a run's first step is sequence 0"
-INCREASING = "execution: a run's steps strictly increasing (sequence, then chunk)"
-LOADED_BEFORE_EXECUTE = "execution: a stage executes a record only after loading it"
-SAME_SEQUENCE = "execution: a stage's output is its step's (run, sequence, chunk)"
-CONSUME_BEFORE_INJECT = "execution: sequence s + 1 injected only after consuming token s"
-ONE_OUTCOME = "termination: one terminal outcome per run"
-NO_INJECT_AFTER_END = "termination: no injection after the run's outcome"
-TEARDOWN_TO_ALL = "termination: teardown sent to every provisioned stage"
-LIVENESS_OUTCOME = "liveness: one terminal outcome within the time bound"
-LIVENESS_STOP_RUN = "liveness: StopRun reaches every provisioned stage still alive"
-LIVENESS_STOPPED = "liveness: every stage still alive ends holding no run"
-SECURITY = "security: forged input is rejected and changes nothing"
-HARMLESS = "outcome: a run struck by no harmful fault completes, no stage faulting it"
-ISOLATION = "isolation: a run's tokens reach only its caller, as its last stage made them"
-BATCH_INVARIANCE = "batch invariance: a run's tokens equal its tokens when it runs alone"
-KV_FREED = "memory: every KV reservation is freed at the chain's end"
-ONE_BATCH = "batching: one batch at a time per stage"
-ONE_STEP_PER_RUN = "batching: at most one step per run in a batch"
-STEP_ORDER = "batching: a stage feeds each run's records in the order it loaded them"
-KV_WITHIN_BUDGET = "memory: a stage's runs never reserve more KV cache than its budget"
-KV_HELD_ENDS = "memory: a run held for KV memory is offered again or ends cancelled or faulted"
-BATCHES_REPORTED = "batching: a stage's StageStopped messages report each of its batches once"
-
-ALL_RULES = (
-    PLAN,
-    READY_BEFORE_INJECT,
-    READY_AFTER_SETUP,
-    PREFILL_IS_ZERO,
-    INCREASING,
-    LOADED_BEFORE_EXECUTE,
-    SAME_SEQUENCE,
-    CONSUME_BEFORE_INJECT,
-    ONE_OUTCOME,
-    NO_INJECT_AFTER_END,
-    TEARDOWN_TO_ALL,
-    NO_OVERWRITE,
-    PUBLISH_ORDER,
-    RELEASE_AT_LOAD,
-    LIVENESS_OUTCOME,
-    LIVENESS_STOP_RUN,
-    LIVENESS_STOPPED,
-    SECURITY,
-    HARMLESS,
-    ISOLATION,
-    BATCH_INVARIANCE,
-    KV_FREED,
-    KV_WITHIN_BUDGET,
-    KV_HELD_ENDS,
-    ONE_BATCH,
-    ONE_STEP_PER_RUN,
-    STEP_ORDER,
-    BATCHES_REPORTED,
-)
-
-#: Runs one run alone on a fresh chain (same seed, same kind of worker): its tokens.
-Solo = Callable[[RunSpec], tuple[int, ...]]
 _FAULTED = sfsm.State.FAULTED.name
 _SETUP_PARTS = frozenset(p.name for p in sfsm.SetupPart)
-
-
-def time_bound_us(plan: RunPlan) -> int:
-    """When a run must have ended once it starts: every stage's setup, one token per
-    allowed token (each bounded by the token timeout: the prompt's by its rows, at most
-    the cache's length), the stop timeout, and slack for notices."""
-    t = plan.timeouts
-    batch_rows = max(
-        shared_batch_rows(plan.max_batch_rows, s.kv_bytes, s.kv_budget_bytes) for s in plan.stages
-    )
-    slots = min(e.ring_spec.slot_count for e in plan.edges)
-    most, positions = plan.max_batch_rows, plan.kv_positions
-    batches = max(
-        shared_batches(batch_runs(most, s.kv_bytes, s.kv_budget_bytes, positions), slots)
-        for s in plan.stages
-    )
-    longest, size = plan.model.max_seq_len, plan.prefill_chunk
-    chunks, rows = (-(-longest // size), size) if 0 < size < longest else (1, longest)
-    prompt_ms = t.token_limit_ms(plan.stage_count, chunks, rows, batch_rows, batches)
-    token_ms = t.token_limit_ms(plan.stage_count, 1, 1, batch_rows, batches)
-    stop_ms = t.stop_limit_ms(rows, batch_rows)
-    return (t.ready_ms + prompt_ms + plan.max_tokens * token_ms + stop_ms) * 1000 + 1_000_000
-
-
-def chain_bound_us(runs: tuple[RunSpec, ...]) -> int:
-    """When every run must have ended: the last arrival, then each run's bound in turn
-    (a run may wait for every other to free its cache)."""
-    return max(r.arrival_us for r in runs) + sum(time_bound_us(r.plan) for r in runs)
 
 
 def check(sim: ChainSimulation, result: ChainResult, solo: Solo | None = None) -> list[Violation]:
@@ -139,7 +57,7 @@ def check(sim: ChainSimulation, result: ChainResult, solo: Solo | None = None) -
     return _Checker(sim, result, solo).run()
 
 
-class _Checker:
+class _Checker(EndChecks):
     def __init__(self, sim: ChainSimulation, result: ChainResult, solo: Solo | None) -> None:
         self.sim = sim
         self.result = result
@@ -409,130 +327,6 @@ class _Checker:
         if run_id in ended:
             self.fail(NO_INJECT_AFTER_END, time_us, f"{run_id!r}: sequence {sequence}")
         done.append(sequence)
-
-    # -- at the end ---------------------------------------------------------------------------
-    def _end(self) -> None:
-        r = self.result
-        sim = self.sim
-        bound = chain_bound_us(sim.runs)
-        dropped_stop = {dst for src, dst, mtype in sim.dropped if mtype == "StopRun"}
-        for i, run in enumerate(r.runs):
-            spec = sim.runs[i]
-            run_id = run.last_id  # the id it ended under (it had others if it waited for KV)
-            if run.refused is None:
-                if self.finished[run_id] != 1 or run.finished is None:
-                    self.fail(
-                        ONE_OUTCOME, r.end_us, f"{run_id!r}: {self.finished[run_id]} outcomes"
-                    )
-                if run.finished_us is None or run.finished_us > bound:
-                    self.fail(
-                        LIVENESS_OUTCOME,
-                        r.end_us,
-                        f"{run_id!r}: outcome at {run.finished_us} us, bound {bound} us",
-                    )
-            for each in run.chain_ids:
-                self._stops(each, spec, dropped_stop)
-            self._isolation(i, run)
-            if sim.faults.harmless_for(i) and sim.parts.mutant is None:
-                faults = [f.describe() for f in sim.faults.faults]
-                if run.outcome != "completed":
-                    fault = run.finished.fault if run.finished is not None else run.refused
-                    self.fail(
-                        HARMLESS,
-                        r.end_us,
-                        f"{run_id!r} ended {run.outcome} ({fault}) with faults {faults}",
-                    )
-                for node in sorted({n for each in run.chain_ids for n in self.stage_faulted[each]}):
-                    self.fail(HARMLESS, r.end_us, f"{node} faulted {run_id!r} with faults {faults}")
-            if self.solo is not None and run.tokens:
-                alone = self.solo(spec)
-                same = (
-                    alone == run.tokens
-                    if run.outcome == "completed"
-                    else (alone[: len(run.tokens)] == run.tokens)
-                )
-                if not same:
-                    self.fail(
-                        BATCH_INVARIANCE,
-                        r.end_us,
-                        f"{run_id!r}: {list(run.tokens)} beside other runs, {list(alone)} alone",
-                    )
-        for s, stage in enumerate(sim.stages):
-            if not r.alive[s]:
-                continue
-            if r.held[s]:
-                self.fail(
-                    LIVENESS_STOPPED, r.end_us, f"{stage.node_id} still holds {list(r.held[s])}"
-                )
-            if not stage.closed and any(self.provisioned.values()):
-                self.fail(LIVENESS_STOPPED, r.end_us, f"{stage.node_id} never closed its chain")
-        self._batches_reported()
-        for node, kind, ok, reason in sim.forgeries:
-            if not ok:
-                self.fail(SECURITY, 0, f"{kind} at {node}: {reason}")
-
-    def _stops(self, run_id: str, spec: RunSpec, dropped_stop: set[str]) -> None:
-        """Every stage ``run_id`` was provisioned on was sent its StopRun, and got it."""
-        r = self.result
-        if run_id in self.ended:
-            for s in sorted(self.provisioned[run_id] - self.stop_sent[run_id]):
-                self.fail(
-                    TEARDOWN_TO_ALL, self.ended[run_id], f"{run_id!r}: no StopRun to stage {s}"
-                )
-        for s in sorted(self.provisioned[run_id]):
-            node_id = spec.plan.stages[s].node_id
-            if not r.alive[s] or node_id in dropped_stop:
-                continue
-            if node_id not in self.stop_got[run_id]:
-                self.fail(LIVENESS_STOP_RUN, r.end_us, f"{node_id} never got StopRun of {run_id!r}")
-
-    def _batches_reported(self) -> None:
-        """Once every run ended, each stage still alive, holding no run, whose stops were
-        all confirmed and none of whose control messages was lost, reported each batch it
-        ran exactly once: the orchestrator's counts are its batches, by rows."""
-        r = self.result
-        if any(run.finished is None and run.refused is None for run in r.runs):
-            return
-        for s, stage in enumerate(self.sim.stages):
-            node = stage.node_id
-            if not r.alive[s] or r.held[s]:
-                continue
-            if any(node in (src, dst) for src, dst, _ in self.sim.dropped):
-                continue
-            if any(run.finished and s in run.finished.unconfirmed_stages for run in r.runs):
-                continue
-            ran = r.batches[s]
-            reported = r.batch_counts.get(s, {})
-            if reported != ran:
-                self.fail(
-                    BATCHES_REPORTED,
-                    r.end_us,
-                    f"{node} ran batches {ran} (rows: batches), reported {reported}",
-                )
-
-    def _isolation(self, i: int, run: Any) -> None:
-        """Run ``i``'s caller got exactly its run's tokens (EOS excluded), each as its last
-        stage made it for that run and sequence."""
-        run_id = run.last_id
-        consumed = self.consumed.get(run_id, {})
-        made = self.made.get(run_id, {})
-        eos = self.sim.runs[i].plan.model.eos_token_id
-        for sequence, token in sorted(consumed.items()):
-            if made.get(sequence) != token:
-                self.fail(
-                    ISOLATION,
-                    self.result.end_us,
-                    f"{run_id!r} consumed token {token} at {sequence}; its last stage made "
-                    f"{made.get(sequence)}",
-                )
-        expected = [(run_id, s, t) for s, t in sorted(consumed.items()) if t != eos]
-        got = list(run.delivered)
-        if got != expected[: len(got)] or (run.outcome == "completed" and got != expected):
-            self.fail(
-                ISOLATION,
-                self.result.end_us,
-                f"{run_id!r}'s caller got {got[:6]}; its run consumed {expected[:6]}",
-            )
 
 
 def _hops(plan: RunPlan) -> list[Any]:

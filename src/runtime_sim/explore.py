@@ -14,19 +14,9 @@ from attrs import frozen
 from runplan import RunPlan
 from runplan.replacement import Unplaceable
 from runtime_core.workers.interface import Worker
-from runtime_sim.chain_checker import (
-    BATCHES_REPORTED,
-    ISOLATION,
-    READY_AFTER_SETUP,
-    READY_BEFORE_INJECT,
-    SAME_SEQUENCE,
-    STEP_ORDER,
-    TEARDOWN_TO_ALL,
-    Solo,
-    Violation,
-    check,
-)
+from runtime_sim.chain_checker import check
 from runtime_sim.chain_driver import PLAIN, ChainResult, ChainSimulation, RunSpec
+from runtime_sim.chain_end_checks import Solo
 from runtime_sim.chain_recovery import (
     CostsFor,
     Epoch,
@@ -35,6 +25,16 @@ from runtime_sim.chain_recovery import (
     WorkersFor,
 )
 from runtime_sim.chain_ring_rules import RELEASE_AT_LOAD
+from runtime_sim.chain_rules import (
+    BATCHES_REPORTED,
+    ISOLATION,
+    READY_AFTER_SETUP,
+    READY_BEFORE_INJECT,
+    SAME_SEQUENCE,
+    STEP_ORDER,
+    TEARDOWN_TO_ALL,
+    Violation,
+)
 from runtime_sim.faults import FaultPlan
 from runtime_sim.mutants import RECOVERY_MUTATIONS, Mutation, parts_for
 from runtime_sim.recovery_checker import (

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from runplan.replacement import Unplaceable
 from runtime_core.recovery import End, Recover
 from runtime_core.replay import Interrupted, ReplayRefused
-from runtime_sim.chain_checker import Violation
 from runtime_sim.chain_driver import RunSpec
 from runtime_sim.chain_recovery import Epoch, RecoveryRun, Stream, dead_hosts
+from runtime_sim.chain_rules import Violation
 from runtime_sim.links import ORCHESTRATOR
 
 STREAM_UNBROKEN = "recovery: every stream holds its unbroken run's tokens, recovered or not"

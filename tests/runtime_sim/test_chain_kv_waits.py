@@ -11,9 +11,10 @@ from typing import Any
 
 from runplan.messages import FaultKind as RunFaultKind
 from runplan.messages import ProvisionStage
-from runtime_sim.chain_checker import HARMLESS, KV_HELD_ENDS, KV_WITHIN_BUDGET, check
+from runtime_sim.chain_checker import check
 from runtime_sim.chain_driver import PLAIN, ChainResult, ChainSimulation, Parts
 from runtime_sim.chain_orchestrator_node import ChainOrchestratorNode, TracedChainOrchestrator
+from runtime_sim.chain_rules import HARMLESS, KV_HELD_ENDS, KV_WITHIN_BUDGET
 from runtime_sim.explore import solo
 from runtime_sim.faults import Fault, FaultKind, FaultPlan
 from runtime_sim.scenarios import Scenario

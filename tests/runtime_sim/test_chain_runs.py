@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from runplan.messages import FaultKind as RunFaultKind
-from runtime_sim.chain_checker import KV_FREED, check
+from runtime_sim.chain_checker import check
 from runtime_sim.chain_driver import ChainSimulation, RunSpec
+from runtime_sim.chain_rules import KV_FREED
 from runtime_sim.explore import run_scenario, solo
 from runtime_sim.faults import Fault, FaultKind, FaultPlan
 from runtime_sim.scenarios import (
