@@ -3,6 +3,7 @@ architectures we run (``llama-graph.cpp``; qwen3moe's and Mixtral's softmax gati
 the chosen weights renormalized), shared by every worker.
 
 Per row: ``p = softmax(router logits)`` (the largest subtracted, the exponentials
+(``ieee_math.exp32``: the same bits on every machine, which NumPy's ``np.exp`` is not)
 summed in float64 as ggml sums them, each times the float32 reciprocal of the sum),
 the ``k`` largest of ``p`` in descending order (the lower expert first among equal
 ones), their weights ``p[e_j] / max(sum_j p[e_j], 2^-14)`` (ggml's clamp of the sum).
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.typing as npt
 from attrs import frozen
+
+from runtime_core.ieee_math import exp32
 
 F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
@@ -54,7 +57,7 @@ def route(logits: F32, k: int, norm: bool = True) -> Routing:
     """The routing of rows whose router logits are ``logits`` ``(rows, n_experts)``; the
     chosen weights divided by their sum (``norm``) or the softmax's own (qwen2moe)."""
     logits = np.asarray(logits, dtype=np.float32)
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    e = exp32(logits - logits.max(axis=1, keepdims=True))
     total = e.sum(axis=1, dtype=np.float64)
     p = e * (1.0 / total).astype(np.float32)[:, None]
     experts = np.argsort(-p, axis=1, kind="stable")[:, :k].astype(np.int64)
@@ -72,7 +75,7 @@ def shared_gate(logits: F32) -> F32:
     ``silu(g) / g`` in float32 (``ggml_div(ggml_silu(g), g)``)."""
     g = np.asarray(logits, dtype=np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):  # g = 0: NaN, as llama.cpp's
-        silu = g / (np.float32(1) + np.exp(-g))
+        silu = g / (np.float32(1) + exp32(-g))
         return (silu / g).astype(np.float32)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime_core.f32_math import log_f32, pow_f32
+from runtime_core.ieee_math import horner, top_bits
 from runtime_core.model_config import ModelConfig, RopeConfig
 
 F32 = npt.NDArray[np.float32]
@@ -43,20 +44,13 @@ F64 = npt.NDArray[np.float64]
 _PI = "3.14159265358979323846264338327950288419716939937510582097494"
 
 
-def _top_bits(value: Decimal, bits: int) -> float:
-    """``value`` to ``bits`` significant bits, toward zero (a float64 exactly)."""
-    mantissa, exponent = math.frexp(float(value))
-    kept = math.floor(mantissa * 2**bits) / 2**bits  # the float's rounding is below these bits
-    return math.ldexp(kept, exponent)
-
-
 def _half_pi_parts() -> tuple[float, float, float, float]:
-    """pi/2 in three parts (``_top_bits`` 33, 33, the rest) and 2/pi, as float64s."""
+    """pi/2 in three parts (``top_bits`` 33, 33, the rest) and 2/pi, as float64s."""
     with localcontext() as ctx:
         ctx.prec = 60
         half = Decimal(_PI) / 2
-        p1 = _top_bits(half, 33)
-        p2 = _top_bits(half - Decimal(p1), 33)
+        p1 = top_bits(half, 33)
+        p2 = top_bits(half - Decimal(p1), 33)
         p3 = float(half - Decimal(p1) - Decimal(p2))
         return p1, p2, p3, float(1 / half)
 
@@ -66,14 +60,6 @@ _P1, _P2, _P3, _TWO_OVER_PI = _half_pi_parts()
 #: C(r^2), to r^15 and r^16 (the first terms left out, at |r| = pi/4: below 5e-17).
 _SIN = [(-1) ** k / math.factorial(2 * k + 1) for k in range(7, 0, -1)]
 _COS = [(-1) ** k / math.factorial(2 * k) for k in range(8, 0, -1)]
-
-
-def _horner(coefficients: list[float], x: F64) -> F64:
-    out = np.full_like(x, coefficients[0])
-    for c in coefficients[1:]:
-        out *= x
-        out += c
-    return out
 
 
 #: Angles computed at once: their float64 temporaries stay in a core's cache.
@@ -99,11 +85,11 @@ def _sin_cos64(theta: F32) -> tuple[F64, F64]:
     r -= k * _P2
     r -= k * _P3
     r2 = r * r
-    s = _horner(_SIN, r2)
+    s = horner(_SIN, r2)
     s *= r2
     s *= r
     s += r  # sin r
-    c = _horner(_COS, r2)
+    c = horner(_COS, r2)
     c *= r2
     c += 1.0  # cos r
     quadrant = k.astype(np.int64) & 3  # x = k pi/2 + r

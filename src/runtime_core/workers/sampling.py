@@ -7,7 +7,8 @@ the most likely of those whose probability (softmax of the raw logits) reaches
 ``top_p`` (1 = all), then draw from the softmax of the kept logits divided by the
 temperature. Ties are ordered by token id. Each draw takes exactly one number from a
 ``numpy.random.Generator(PCG64(seed))`` made for the run, so the same seed and the
-same logits give the same tokens.
+same logits give the same tokens, on every machine (the softmax's exponentials are
+``ieee_math.exp64``'s, the same bits everywhere; NumPy's ``np.exp`` is not).
 
 Seeded sampling takes exactly one draw per token; greedy takes none. The draws are
 counted (``Sampler.draws``), and ``Sampler(config, draws=k)`` continues exactly where a
@@ -26,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan import SamplingConfig
+from runtime_core.ieee_math import exp64
 
 
 class NonFiniteLogits(ValueError):
@@ -116,6 +118,6 @@ def _top_k(logits: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.intp]:
 
 
 def _softmax(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    e = np.exp(x - x.max())
+    e = exp64(x - x.max())  # the same bits on every machine (np.exp's are not)
     out: npt.NDArray[np.float64] = e / e.sum()
     return out
