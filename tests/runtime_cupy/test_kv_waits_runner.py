@@ -2,10 +2,12 @@
 processes: ``RunHandoffs`` over a stand-in orchestrator. A run refused for KV memory in
 the loop's turn where the chain broke is not held (it ends with the chain's fault, as in
 the simulator); a held run that ends at its offer again (cancelled meanwhile) leaves
-nothing of itself in the waits (a later run is not taken for one offered alone)."""
+nothing of itself in the waits (a later run is not taken for one offered alone). The
+runner's waits are ``runtime_core.kv_waits.KvWaits`` itself, over its ``ChainRun``."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +16,7 @@ from runplan.fsm import orchestrator as fsm
 from runplan.messages import FaultKind, FaultReason, ProvisionRefused, StopReason
 from runtime_core.kv_waits import KvWaits
 from runtime_cupy.process.chain_handoffs import RunHandoffs
+from runtime_cupy.process.chain_runner import ChainRunner
 from tests.support.strategies import small_plan
 
 FULL = FaultReason(FaultKind.KV_CACHE_UNAVAILABLE, "full")
@@ -97,3 +100,14 @@ def test_a_held_run_cancelled_before_its_offer_leaves_nothing_in_the_waits() -> 
     h._end_runs()
     assert run.ended == [("unstarted", StopReason.CANCELLED)]
     assert len(h.kv_waits) == 0 and h.kv_waits._alone == set()
+
+
+def test_the_runner_holds_its_runs_in_runtime_cores_kv_waits() -> None:
+    """No subclass of the process runtime's own (a shim that added nothing) stands
+    between the chain runner and the rules the simulator keeps too."""
+    runner = ChainRunner(small_plan(2), run_ids=lambda: "again")
+    try:
+        assert type(runner.kv_waits) is KvWaits
+    finally:
+        runner.close()
+    assert importlib.util.find_spec("runtime_cupy.process.kv_waits") is None

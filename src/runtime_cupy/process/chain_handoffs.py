@@ -23,7 +23,7 @@ from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import FaultKind, StopReason
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunRefused
-from runtime_cupy.process.kv_waits import KvWaits
+from runtime_core.kv_waits import KvWaits
 from runtime_cupy.process.names import run_label
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class RunHandoffs:
     _adds: list[ChainRun]
     _cancels: list[tuple[str, str]]
     _runs: dict[str, ChainRun]
-    kv_waits: KvWaits | None
+    kv_waits: KvWaits[ChainRun] | None
     _closing: bool
     _abandon: bool
     _over: bool

@@ -44,6 +44,7 @@ from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunTimerFired
+from runtime_core.kv_waits import KvWaits
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.hosts.local import LocalProcessHost
@@ -53,7 +54,6 @@ from runtime_cupy.process.chain_run import ChainRun, OnLogits, OnToken
 from runtime_cupy.process.chain_stages import ChainStages, RunnerChannels, RunnerStage
 from runtime_cupy.process.control_channel import ChannelBroken
 from runtime_cupy.process.keys import chain_id, new_secret
-from runtime_cupy.process.kv_waits import KvWaits
 from runtime_cupy.process.names import run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.process.timers import RunDeadlines
@@ -140,7 +140,7 @@ class ChainRunner(ChainStages, RunHandoffs):
         self._runs: dict[str, ChainRun] = {}  # submitted and not yet ended
         #: Runs refused for KV memory that wait for another run's end (``kv_waits``;
         #: ``None``: no ``run_ids``, such a run ends faulted).
-        self.kv_waits = KvWaits(run_ids) if run_ids is not None else None
+        self.kv_waits: KvWaits[ChainRun] | None = KvWaits(run_ids) if run_ids is not None else None
         self._closing = False
         self._abandon = False
         self._over = False  # the loop returned for good: nothing takes a run handed over

@@ -30,10 +30,10 @@ from runplan.fsm import orchestrator as fsm
 from runplan.messages import JoinChain, ProvisionStage, StopRun
 from runplan.shards import SliceParts
 from runtime_core.chain_orchestrator import ChainOrchestrator
+from runtime_core.kv_waits import KvWaits
 from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost, StageLaunch
 from runtime_cupy.process.control_channel import ChannelBroken, Incoming, Refused, Unreadable
 from runtime_cupy.process.keys import control_key
-from runtime_cupy.process.kv_waits import KvWaits
 from runtime_cupy.process.tracing import Event, TraceLog
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class ChainStages:
     stage_by_node: dict[str, RunnerStage]
     orchestrator: ChainOrchestrator
     _runs: dict[str, ChainRun]
-    kv_waits: KvWaits | None
+    kv_waits: KvWaits[ChainRun] | None
     dead: str | None
 
     if TYPE_CHECKING:

@@ -5,7 +5,7 @@ issue 22): ``WarmChain.generate`` from many threads at once.
   the same request served alone, and the stages batched rows of several runs together.
 - Isolation: one run cancelled mid-stream ends alone, and one whose KV cache a stage
   cannot reserve (``ProvisionRefused``) while the others hold theirs waits for one of
-  them to end (``process.kv_waits``); the others, and it, complete with their solo
+  them to end (``runtime_core.kv_waits``); the others, and it, complete with their solo
   tokens.
 - A stage killed with 4 runs in flight: all 4 end naming the stage, its node, its host
   and the cause; nothing is left of the chain (processes, shared memory, edge folders);

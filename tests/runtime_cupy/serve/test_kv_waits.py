@@ -1,6 +1,6 @@
 """A run that a stage cannot reserve the KV cache of (``ProvisionRefused``) waits for
 memory while another run on the chain holds it, and is offered again when that run ends
-(CONCURRENT_RUNS.md §5, ``process.kv_waits``); one that could never fit ends faulted
+(CONCURRENT_RUNS.md §5, ``runtime_core.kv_waits``); one that could never fit ends faulted
 (``KV_CACHE_UNAVAILABLE``), its fault naming what it needs against the stage's whole
 budget; one cancelled while it waits ends at once, alone. Stage 1's worker finds no
 room for the cache of the N-th run it opens (``kv-full=N``; the run that binds the stages
