@@ -255,3 +255,35 @@ def test_stages_that_cannot_be_started_are_one_error_from_the_cli(
         "type": "ChainError",
         "message": "the stages could not be started: [Errno 24] Too many open files",
     }
+
+
+def test_a_run_whose_kv_cache_a_stage_refuses_twice_alone_never_fits(tiny: str) -> None:
+    """One run (``ProcessRun``, as ``python -m runtime_cupy run`` runs it): nothing else
+    holds memory, so a stage that refuses its KV cache (``ProvisionRefused``; here the
+    faulty worker finds no room for the 1st and 2nd runs it opens) ends it as the chain
+    runner ends such a run, offered again once alone: faulted, naming what it needs
+    against the stage's whole budget, and that it never fits."""
+    result = generate(
+        tiny, [1, 2], stages=2, max_tokens=4, host=FaultyHost({1: ["kv-full=1", "kv-full=2"]})
+    )
+    assert result.outcome == "faulted", result
+    assert result.fault_stage == 1 and result.tokens == ()
+    needed, budget = result.plan.stages[1].kv_bytes, result.plan.stages[1].kv_budget_bytes
+    fault = result.fault or ""
+    assert fault.startswith("stage 1 (node stage-1): kv_cache_unavailable: "), fault
+    assert f"the run's KV cache needs {needed} bytes" in fault
+    assert f"of the stage's whole budget of {budget} free" in fault
+    assert fault.endswith("no other run on the chain holds any of it to free: it never fits")
+    assert not [s.pid for s in result.stages if alive(s.pid)]
+    assert run_resources(result.chain_id) == []
+
+
+def test_a_run_refused_once_alone_is_offered_again_and_completes(tiny: str) -> None:
+    """A stage may still hold what a run stopping on it held when the planner counts it
+    free: one run refused once is offered again alone (as on a chain of many runs), and
+    completes with the tokens it gets unrefused."""
+    alone = generate(tiny, [1, 2], stages=2, max_tokens=4)
+    result = generate(tiny, [1, 2], stages=2, max_tokens=4, host=FaultyHost({1: ["kv-full=1"]}))
+    assert result.outcome == "completed", result.fault
+    assert result.tokens == alone.tokens
+    assert run_resources(result.chain_id) == []

@@ -22,7 +22,12 @@ A host that brings stages on other machines their slices of the model
 readiness bound starts once the slices are in place.
 
 Faults are the chain runner's: a stage that dies or goes silent faults the run naming
-the stage, its node, its host and the cause. A stage that cannot be started at all (no
+the stage, its node, its host and the cause. A stage that cannot reserve the run's KV
+cache (``ProvisionRefused``) has it offered again once, alone, under a new run id (a
+stage may still hold what the planner counts free), as the chain runner offers any run
+refused with no other run holding memory (CONCURRENT_RUNS.md §5); refused again, the run
+ends ``KV_CACHE_UNAVAILABLE``, its fault naming what it needs, what was free and the
+stage's whole budget, and that it never fits. A stage that cannot be started at all (no
 descriptor left for its pipes, no memory for its process) faults the run with
 ``SETUP_FAILURE`` saying why, the stages started before it stopped.
 """
@@ -47,6 +52,7 @@ from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
 from runtime_cupy.hosts.port import MovesSlices, StageHost, StageProcessInfo
 from runtime_cupy.process.chain_run import ChainRun, RunOutcome
 from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRunner, OnEvent
+from runtime_cupy.process.names import new_run_id
 from runtime_cupy.process.tracing import Event, chrome_trace
 
 __all__ = [
@@ -121,6 +127,7 @@ class ProcessRun:
             encrypt_edges=encrypt_edges,
             trace=trace,
             on_event=on_event,
+            run_ids=new_run_id,  # the run offered again for KV memory: a new id
         )  # ValueError for edges or devices that cannot be
         self.chain_id = self.runner.chain_id
         self.secret = self.runner.secret
