@@ -3,7 +3,9 @@ processes: ``RunHandoffs`` over a stand-in orchestrator. A run refused for KV me
 the loop's turn where the chain broke is not held (it ends with the chain's fault, as in
 the simulator); a held run that ends at its offer again (cancelled meanwhile) leaves
 nothing of itself in the waits (a later run is not taken for one offered alone). The
-runner's waits are ``runtime_core.kv_waits.KvWaits`` itself, over its ``ChainRun``."""
+runner's waits are ``runtime_core.kv_waits.KvWaits`` itself, over its ``ChainRun``; a
+``ChainRun`` says whether it waits for KV memory (serve counts it apart from those
+running)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from runplan.fsm import orchestrator as fsm
 from runplan.messages import FaultKind, FaultReason, ProvisionRefused, StopReason
 from runtime_core.kv_waits import KvWaits
 from runtime_cupy.process.chain_handoffs import RunHandoffs
+from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.process.chain_runner import ChainRunner
 from tests.support.strategies import small_plan
 
@@ -56,13 +59,13 @@ def _handoffs(broken: FaultReason | None) -> tuple[Any, list[str]]:
     ids = iter(f"new-{i}" for i in range(10))
     h: Any = RunHandoffs.__new__(RunHandoffs)
     h._lock, h._adds, h._cancels, h._runs = threading.Lock(), [], [], {}
-    h._closing, h.dead = False, None
+    h._closing, h.dead, h._wake_w = False, None, -1
     h.kv_waits = KvWaits(lambda: next(ids))
     added: list[str] = []
 
     def add_run(plan: Any, prompt: object, on_token: object) -> Any:
         added.append(plan.run_id)
-        return SimpleNamespace(finished=None, tokens=())
+        return SimpleNamespace(finished=None, tokens=(), queued=False)
 
     h.orchestrator = SimpleNamespace(runs={}, broken=broken, add_run=add_run)
     return h, added
@@ -111,3 +114,30 @@ def test_the_runner_holds_its_runs_in_runtime_cores_kv_waits() -> None:
     finally:
         runner.close()
     assert importlib.util.find_spec("runtime_cupy.process.kv_waits") is None
+
+
+def test_a_run_waits_for_memory_while_held_or_queued_not_once_offered_or_ended() -> None:
+    h, added = _handoffs(broken=None)
+    run = ChainRun(h, small_plan(2, run_id="A"), (1,), None)
+    finished = fsm.RunFinished(StopReason.FAULTED, (), FULL, None, ())
+    run.handle = SimpleNamespace(finished=finished, tokens=(), queued=False)
+    assert not run.waiting_for_memory
+    other = _Run("other")
+    other.handle = SimpleNamespace(finished=None, tokens=())
+    h._runs = {"A": run, "other": other}
+    h.kv_waits.heard(ProvisionRefused("A", 1, "n1", 10, 0, 1000), run, {1: 10**6})
+    h._end_runs()  # held: the other run holds memory on stage 1
+    assert run.waiting_for_memory and not run.done
+    h.kv_waits.ended()  # a run ended: offered again, started by the orchestrator
+    h._end_runs()
+    assert added == ["new-0"] and not run.waiting_for_memory
+    run.handle.queued = True  # held by the orchestrator until the budgets have room
+    assert run.waiting_for_memory
+    # Held again, then cancelled while held: it ends, and waits for nothing.
+    run.handle = SimpleNamespace(finished=finished, tokens=(), queued=False)
+    h.kv_waits.heard(ProvisionRefused("new-0", 1, "n1", 10, 0, 1000), run, {1: 10**6})
+    h._end_runs()
+    assert run.waiting_for_memory
+    h.cancel("new-0", "the client went away")
+    h._take_handoffs()
+    assert run.done and not run.waiting_for_memory

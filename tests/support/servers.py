@@ -58,7 +58,11 @@ def metrics(base_url: str, headers: dict[str, str] | None = None) -> dict[str, f
 
 def idle(base_url: str, headers: dict[str, str] | None = None) -> bool:
     m = metrics(base_url, headers)
-    return m["gguf_pipeline_requests_running"] == 0 and m["gguf_pipeline_queue_length"] == 0
+    return (
+        m["gguf_pipeline_requests_running"] == 0
+        and m["gguf_pipeline_runs_waiting_for_memory"] == 0
+        and m["gguf_pipeline_queue_length"] == 0
+    )
 
 
 _WITH_NOFILE = (

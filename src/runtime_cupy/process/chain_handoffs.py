@@ -143,6 +143,7 @@ class RunHandoffs:
             if run.handle is not None and run.handle.finished is not None:
                 del self._runs[run_id]
                 if waits is not None and live and run.cancelled is None and waits.holds(run):
+                    run.held_for_memory = True
                     log.info("run %s waits for KV memory", run_label(run_id))
                     continue
                 if waits is not None:
@@ -164,6 +165,7 @@ class RunHandoffs:
 
     def _offer_again(self, run: ChainRun) -> None:
         """A run held for KV memory is offered to the chain again (its new run id)."""
+        run.held_for_memory = False
         if run.cancelled is not None:  # cancelled while it was held: it ends so
             if self.kv_waits is not None:
                 self.kv_waits.forget(run)

@@ -2,7 +2,8 @@
 ``ChainRun`` whose tokens go to its ``on_token`` (and logits to its ``on_logits``) as they
 come, from the loop's thread, whose ``wait()`` gives its ``RunOutcome`` (or raises what
 refused it), and whose ``cancel()`` ends it alone; ``ChainRun.former_ids``: its run ids
-before it waited for KV memory (``kv_waits``).
+before it waited for KV memory (``kv_waits``), ``waiting_for_memory``: whether it waits
+for KV memory now.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class ChainRun:
         self.outcome: RunOutcome | None = None
         self.error: Exception | None = None  # refused by the chain (PromptError, RunRefused)
         self.former_ids: tuple[str, ...] = ()  # its ids before it waited for KV memory
+        #: held by the runner for KV memory (``kv_waits``: a stage refused it), until it
+        #: is offered again or ends (set by the loop's thread, read by any)
+        self.held_for_memory = False
         # why its caller cancelled it (set before the runner hears of it): a run that a
         # stage refused for KV memory meanwhile is not held, nor offered again
         self.cancelled: str | None = None
@@ -86,6 +90,14 @@ class ChainRun:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def waiting_for_memory(self) -> bool:
+        """Whether it waits for KV memory, not running (any thread): held by the runner
+        since a stage refused it (``held_for_memory``), or held by the chain's
+        orchestrator until the stages' budgets have room for it (``RunHandle.queued``)."""
+        handle = self.handle
+        return not self.done and (self.held_for_memory or (handle is not None and handle.queued))
 
     def cancel(self, why: str = "cancelled") -> None:
         """End this run (its caller went away, a stop string came); the others go on."""
@@ -134,6 +146,7 @@ class ChainRun:
         self._finish()
 
     def _finish(self) -> None:
+        self.held_for_memory = False
         self._done.set()
         if self.on_done is not None:
             try:

@@ -2,6 +2,14 @@
 it: up to the chain's ``max_concurrent`` runs in flight at once, each request joining
 the stages' batches at their next step and leaving them when it ends.
 
+A started request whose run the chain holds for KV memory (a stage refused its cache,
+or the stages' budgets have no room for it yet: CONCURRENT_RUNS.md §5) keeps its place
+among the ``max_concurrent``: it is offered again at the next end of a run on the chain,
+before the request that takes that run's place joins, so requests that came later never
+overtake it for ever; freed, its place would let a new run take the memory it waits
+for, and the chain hold more runs than its budget is sized for. It is not counted as
+running: ``gguf_pipeline_runs_waiting_for_memory`` counts it (``metrics``).
+
 ``Engine.prepare(request)`` turns a checked request into a prompt, its token limit and
 its seed (``prompts.prepare``). ``submit`` admits its choices to a bounded queue, all or
 none (``QueueFull`` past ``max_queue`` waiting), and numbers them: requests start
@@ -63,7 +71,8 @@ class Engine:
         self._retry_at = 0.0
         self.metrics = Metrics(
             queued=lambda: len(self._queue),
-            running=lambda: len(self._running),
+            running=lambda: self._started_jobs()[0],
+            waiting_for_memory=lambda: self._started_jobs()[1],
             ready=lambda: self.ready,
             restarts=lambda: self.chain.restarts,
             in_flight=lambda: self.chain.in_flight,
@@ -135,6 +144,14 @@ class Engine:
                 )
             self._cond.notify()
         return jobs
+
+    def _started_jobs(self) -> tuple[int, int]:
+        """The started choices: those running, and those whose run waits for KV memory
+        (held by the chain: they keep their place among ``max_concurrent``)."""
+        with self._cond:
+            started = list(self._running)
+        waiting = sum(1 for job in started if job.waiting_for_memory)
+        return len(started) - waiting, waiting
 
     def _drop(self, job: Job) -> None:
         with self._cond:
@@ -273,10 +290,12 @@ class Engine:
 
     def describe(self) -> dict[str, Any]:
         """For logs and /health."""
+        running, waiting_for_memory = self._started_jobs()
         return {
             "ready": self.ready,
             "waiting": len(self._queue),
-            "running": len(self._running),
+            "running": running,
+            "waiting_for_memory": waiting_for_memory,
             "failure": self.failure,
             "trouble": self.chain.trouble,
         }

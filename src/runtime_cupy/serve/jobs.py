@@ -72,6 +72,13 @@ class Job:
         #: set once the job's run has joined the chain, or the job ended before it could
         self.submitted = threading.Event()
 
+    @property
+    def waiting_for_memory(self) -> bool:
+        """Its run waits for KV memory on the chain (``ChainRun.waiting_for_memory``),
+        not running (any thread)."""
+        run = self._run
+        return run is not None and run.waiting_for_memory
+
     def cancel(self) -> None:
         """The client went away: out of the queue, or its run cancelled."""
         with self._lock:

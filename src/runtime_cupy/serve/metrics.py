@@ -13,7 +13,10 @@ registry of the server's own):
   the last token, per token (histograms, a sample per choice);
 - ``gguf_pipeline_queue_length`` (choices waiting: a request of ``n`` choices is ``n``
   runs; ``--max-queue`` counts them too), ``gguf_pipeline_requests_running`` (choices
-  running), ``gguf_pipeline_stages_ready`` (1 once every stage
+  running), ``gguf_pipeline_runs_waiting_for_memory`` (choices started whose run the
+  chain holds for KV memory: a stage refused its cache, or the budgets have no room for
+  it yet; not counted as running, though each keeps its place among
+  ``--max-concurrent``), ``gguf_pipeline_stages_ready`` (1 once every stage
   is up and bound), ``gguf_pipeline_stage_restarts_total``;
 - ``gguf_pipeline_runs_in_flight`` (runs on the chain: provisioning, decoding or
   tearing down, and those waiting for room in the stages' KV budgets), and
@@ -67,6 +70,7 @@ class _Live:
         self,
         queued: Callable[[], int],
         running: Callable[[], int],
+        waiting_for_memory: Callable[[], int],
         ready: Callable[[], bool],
         restarts: Callable[[], int],
         in_flight: Callable[[], int],
@@ -74,6 +78,7 @@ class _Live:
         batches: Callable[[], BatchCounts],
     ) -> None:
         self.queued, self.running, self.ready, self.restarts = queued, running, ready, restarts
+        self.waiting_for_memory = waiting_for_memory
         self.in_flight, self.kv, self.batches = in_flight, kv, batches
 
     def collect(self) -> Iterator[Metric]:
@@ -82,6 +87,11 @@ class _Live:
         )
         yield GaugeMetricFamily(
             "gguf_pipeline_requests_running", "Choices running (n per request)", self.running()
+        )
+        yield GaugeMetricFamily(
+            "gguf_pipeline_runs_waiting_for_memory",
+            "Choices started whose run waits for KV memory on the chain (not running)",
+            self.waiting_for_memory(),
         )
         yield GaugeMetricFamily(
             "gguf_pipeline_stages_ready", "1 when every stage is up and bound", int(self.ready())
@@ -130,8 +140,8 @@ def batch_rows_histogram(counts: BatchCounts) -> HistogramMetricFamily:
 
 class Metrics:
     """The server's metrics. ``queued``, ``running``, ``ready``, ``restarts``,
-    ``in_flight``, ``kv`` (each stage's ``(index, bytes, budget)``) and ``batches``
-    (each stage's batches by rows) are read when scraped."""
+    ``waiting_for_memory``, ``in_flight``, ``kv`` (each stage's ``(index, bytes,
+    budget)``) and ``batches`` (each stage's batches by rows) are read when scraped."""
 
     def __init__(
         self,
@@ -140,6 +150,7 @@ class Metrics:
         running: Callable[[], int],
         ready: Callable[[], bool],
         restarts: Callable[[], int],
+        waiting_for_memory: Callable[[], int] = lambda: 0,
         in_flight: Callable[[], int] = lambda: 0,
         kv: Callable[[], tuple[tuple[int, int, int], ...]] = lambda: (),
         batches: Callable[[], BatchCounts] = dict,
@@ -167,7 +178,8 @@ class Metrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
-        r.register(_Live(queued, running, ready, restarts, in_flight, kv, batches))
+        live = _Live(queued, running, waiting_for_memory, ready, restarts, in_flight, kv, batches)
+        r.register(live)
         for endpoint in ("chat", "completion"):
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)  # every series shows from the start

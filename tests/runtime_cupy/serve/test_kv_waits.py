@@ -4,7 +4,11 @@ memory while another run on the chain holds it, and is offered again when that r
 (``KV_CACHE_UNAVAILABLE``), its fault naming what it needs against the stage's whole
 budget; one cancelled while it waits ends at once, alone. Stage 1's worker finds no
 room for the cache of the N-th run it opens (``kv-full=N``; the run that binds the stages
-is the 1st)."""
+is the 1st).
+
+The server counts a request whose run waits for memory apart from those running
+(``gguf_pipeline_runs_waiting_for_memory``), and it keeps its place among
+``--max-concurrent``: a later request waits in the queue meanwhile."""
 
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ from runplan import SamplingConfig
 from runplan.messages import StopReason
 from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.serve.engine import Engine
 from tests.support.hosts import FaultyHost
+from tests.support.servers import idle, metrics, serving, wait_for
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -157,3 +163,44 @@ def test_a_cancel_between_the_refusal_and_the_hold_is_not_lost(tiny: str) -> Non
         assert asked and short.outcome == "cancelled" and not short.tokens
         assert later[0].former_ids == ()  # never offered again
         assert chain.in_flight == 0
+
+
+RUNNING = "gguf_pipeline_requests_running"
+HELD = "gguf_pipeline_runs_waiting_for_memory"
+QUEUED = "gguf_pipeline_queue_length"
+
+
+def test_the_server_counts_a_request_waiting_for_memory_apart_and_keeps_its_place(
+    tiny_chat: str,
+) -> None:
+    # Opens on stage 1: the bind run, A, then B (refused while A holds its cache). Stage
+    # 0 sleeps 2 s in each run's decode steps 1 and 2: B's run ends (and is held) once
+    # stage 0 stopped it, after A's step 1, and waits while A sleeps in its step 2.
+    host = FaultyHost({0: ["step-delay=1:2", "step-delay=2:2"], 1: ["kv-full=3"]})
+    chain = WarmChain(tiny_chat, stages=2, context=128, max_concurrent=2, host=host)
+    with serving(Engine(chain, max_queue=2)) as server:
+        c = server.client()
+        msg = [{"role": "user", "content": "Tell me a story."}]
+        answers: list[str | None] = []
+
+        def ask() -> None:
+            r = c.chat.completions.create(
+                model="tiny-chat", messages=msg, max_tokens=4, temperature=0
+            )
+            answers.append(r.choices[0].finish_reason)
+
+        threads = [threading.Thread(target=ask) for _ in range(3)]
+        threads[0].start()  # A
+        wait_for(lambda: metrics(server.base_url)[RUNNING] == 1, 30, "A to run")
+        threads[1].start()  # B: refused, held for memory
+        wait_for(lambda: metrics(server.base_url)[HELD] == 1, 30, "B to wait for memory")
+        m = metrics(server.base_url)
+        assert (m[RUNNING], m[HELD], m[QUEUED]) == (1, 1, 0), m
+        threads[2].start()  # C: B keeps its place, so C waits in the queue
+        wait_for(lambda: metrics(server.base_url)[QUEUED] == 1, 30, "C to be queued")
+        m = metrics(server.base_url)
+        assert (m[RUNNING], m[HELD]) == (1, 1), m
+        for t in threads:
+            t.join(120)
+        assert len(answers) == 3 and all(a in ("length", "stop") for a in answers), answers
+        wait_for(lambda: idle(server.base_url), 30, "the server to be idle")
