@@ -174,9 +174,10 @@ def test_the_server_counts_a_request_waiting_for_memory_apart_and_keeps_its_plac
     tiny_chat: str,
 ) -> None:
     # Opens on stage 1: the bind run, A, then B (refused while A holds its cache). Stage
-    # 0 sleeps 2 s in each run's decode steps 1 and 2: B's run ends (and is held) once
-    # stage 0 stopped it, after A's step 1, and waits while A sleeps in its step 2.
-    host = FaultyHost({0: ["step-delay=1:2", "step-delay=2:2"], 1: ["kv-full=3"]})
+    # 0 sleeps 2 s in each run's decode steps 1, 2 and 3: B's run ends (and is held) once
+    # stage 0 stopped it, between two of A's steps, and waits while A sleeps in the next.
+    delays = ["step-delay=1:2", "step-delay=2:2", "step-delay=3:2"]
+    host = FaultyHost({0: delays, 1: ["kv-full=3"]})
     chain = WarmChain(tiny_chat, stages=2, context=128, max_concurrent=2, host=host)
     with serving(Engine(chain, max_queue=2)) as server:
         c = server.client()
@@ -189,17 +190,22 @@ def test_the_server_counts_a_request_waiting_for_memory_apart_and_keeps_its_plac
             )
             answers.append(r.choices[0].finish_reason)
 
+        seen: dict[str, float] = {}
+
+        def scraped(name: str) -> bool:  # one scrape, kept whole: its values agree
+            seen.clear()
+            seen.update(metrics(server.base_url))
+            return seen[name] == 1
+
         threads = [threading.Thread(target=ask) for _ in range(3)]
         threads[0].start()  # A
-        wait_for(lambda: metrics(server.base_url)[RUNNING] == 1, 30, "A to run")
+        wait_for(lambda: scraped(RUNNING), 30, "A to run")
         threads[1].start()  # B: refused, held for memory
-        wait_for(lambda: metrics(server.base_url)[HELD] == 1, 30, "B to wait for memory")
-        m = metrics(server.base_url)
-        assert (m[RUNNING], m[HELD], m[QUEUED]) == (1, 1, 0), m
+        wait_for(lambda: scraped(HELD), 30, "B to wait for memory")
+        assert (seen[RUNNING], seen[HELD], seen[QUEUED]) == (1, 1, 0), seen
         threads[2].start()  # C: B keeps its place, so C waits in the queue
-        wait_for(lambda: metrics(server.base_url)[QUEUED] == 1, 30, "C to be queued")
-        m = metrics(server.base_url)
-        assert (m[RUNNING], m[HELD]) == (1, 1), m
+        wait_for(lambda: scraped(QUEUED), 30, "C to be queued")
+        assert (seen[RUNNING], seen[HELD], seen[QUEUED]) == (1, 1, 1), seen
         for t in threads:
             t.join(120)
         assert len(answers) == 3 and all(a in ("length", "stop") for a in answers), answers
