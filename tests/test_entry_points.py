@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,111 @@ def test_ctrl_c_after_the_command_printed_its_json_prints_no_second_object(
     done = _python(_INTERRUPTED_AFTER_PRINTING, package, cli, "--json")
     assert (done.returncode, done.stderr) == (130, "cancelled\n")
     assert json.loads(done.stdout)["error"]["message"] == "the command's own"
+
+
+# A fresh interpreter that sends itself SIGTERM while the command's module is imported
+# (the modules loading); then ``python -m PACKAGE``. Without a handler the signal ends
+# the process (exit -15), with nothing on standard output.
+_TERMINATED_IMPORT = """
+import importlib.abc, os, runpy, signal, sys, time
+
+TARGET = sys.argv[2]
+
+class Terminating(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == TARGET:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # a handler raises at once
+            raise AssertionError("SIGTERM raised nothing")
+
+sys.meta_path.insert(0, Terminating())
+sys.argv = [sys.argv[1], *sys.argv[3:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+# A fresh interpreter where the command's step MODULE.NAME (reading the model, opening
+# the cache) sends this process SIGTERM ("kill") or says "slow" on standard error and
+# waits for one from outside ("wait"); then ``python -m PACKAGE``.
+_TERMINATED_IN_A_STEP = """
+import importlib, os, runpy, signal, sys, time
+
+HOW = sys.argv[3]
+
+def step(*args, **kwargs):
+    if HOW == "kill":
+        os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        sys.stderr.write("slow\\n")
+        sys.stderr.flush()
+    time.sleep(60)  # a handler raises at once
+    raise AssertionError("SIGTERM raised nothing")
+
+module, name = sys.argv[2].rsplit(".", 1)
+setattr(importlib.import_module(module), name, step)
+sys.argv = [sys.argv[1], *sys.argv[4:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+# (package, the step SIGTERM comes in, the --json command line): every --json command
+STEPS = [
+    ("runplan", "runplan.cli.resolve_model", ["plan", "m.gguf", "--nodes", "a=1GiB", "--json"]),
+    ("runplan", "runplan.cli.resolve_model", ["facts", "m.gguf", "--json"]),
+    ("runtime_cupy", "runtime_cupy.cli.main.resolve_model",
+     ["--model", "m.gguf", "--prompt-ids", "1", "--json"]),
+    ("runtime_cupy", "runtime_cupy.cli.plan.resolve_model",
+     ["plan", "--model", "m.gguf", "--json"]),
+    ("runtime_cupy", "runtime_cupy.cli.cache.SliceCache", ["cache", "list", "--json"]),
+    ("runtime_sim", "runtime_sim.cli.resolve_model",
+     ["run", "--model", "m.gguf", "--prompt-ids", "1", "--json"]),
+]  # fmt: skip
+
+
+def _cancelled_by_sigterm(returncode: int, stdout: str, stderr: str) -> None:
+    """Exit 143, standard output exactly the ``Cancelled`` object naming SIGTERM."""
+    assert (returncode, stderr.splitlines()[-1:]) == (143, ["cancelled"]), stderr
+    assert stdout.count("\n") == 1, stdout
+    assert json.loads(stdout) == {"error": {"type": "Cancelled", "message": "cancelled by SIGTERM"}}
+
+
+@pytest.mark.parametrize(("package", "cli"), COMMANDS)
+def test_sigterm_while_the_modules_load_is_the_cancelled_object(package: str, cli: str) -> None:
+    """SIGTERM before the command set a handler of its own is Ctrl-C too (it ended the
+    process, exit -15, standard output empty)."""
+    done = _python(_TERMINATED_IMPORT, package, cli, "run", "--json")
+    _cancelled_by_sigterm(done.returncode, done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize(
+    ("package", "step", "argv"), STEPS, ids=[f"{p} {' '.join(a[:2])}" for p, _, a in STEPS]
+)
+def test_sigterm_in_a_step_before_the_run_is_the_cancelled_object(
+    package: str, step: str, argv: list[str]
+) -> None:
+    """The model being read (before a run's stages start), ``plan``, ``cache``: SIGTERM
+    there ends each ``--json`` command with the ``Cancelled`` object and 143."""
+    done = _python(_TERMINATED_IN_A_STEP, package, step, "kill", *argv)
+    _cancelled_by_sigterm(done.returncode, done.stdout, done.stderr)
+
+
+def test_sigterm_from_outside_while_a_step_waits_is_the_cancelled_object() -> None:
+    """A SIGTERM another process sends (as a supervisor does) while ``python -m
+    runtime_cupy plan --json`` reads the model."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    argv = ["plan", "--model", "m.gguf", "--json"]
+    step = "runtime_cupy.cli.plan.resolve_model"
+    with subprocess.Popen(
+        [sys.executable, "-c", _TERMINATED_IN_A_STEP, "runtime_cupy", step, "wait", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as proc:
+        assert proc.stderr is not None
+        said = proc.stderr.readline()
+        assert said == "slow\n", said
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    _cancelled_by_sigterm(proc.returncode, stdout, stderr)
 
 
 # A fresh interpreter where the optional extras' packages cannot be imported, as in a

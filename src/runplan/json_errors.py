@@ -86,7 +86,7 @@ def cancelled_status(signal_name: str | None) -> int:
 
 def cancelled_exit(exc: KeyboardInterrupt) -> int:
     """A package's ``__main__`` for a Ctrl-C (or SIGTERM raised as
-    ``runtime_core.interrupt.Interrupted``, named by its ``signal_name``) that no command
+    ``runplan.interrupted.Interrupted``, named by its ``signal_name``) that no command
     met: with ``--json`` as written on the command line, the ``Cancelled`` object on
     standard output unless a JSON document was printed already; ``cancelled`` on
     standard error; the exit status."""

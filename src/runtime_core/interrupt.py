@@ -10,7 +10,10 @@ the signal, and a second SIGTERM while that cleanup waits raises again, as a sec
 Ctrl-C does: the waiting stops. ``signal_of(exc)`` names the signal of either,
 ``cancelled_status`` (``runplan.json_errors``'s) its exit status. Both runtimes' command
 lines use it
-(``runtime_sim`` cannot import ``runtime_cupy``).
+(``runtime_sim`` cannot import ``runtime_cupy``). ``Interrupted`` is
+``runplan.interrupted``'s (re-exported here), whose handler each package's ``__main__``
+sets first thing (``sigterm_as_ctrl_c``): this one replaces it within the block and
+gives it back.
 """
 
 from __future__ import annotations
@@ -22,20 +25,23 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
+from runplan.interrupted import Interrupted
+
 log = logging.getLogger(__name__)
 
-
-class Interrupted(KeyboardInterrupt):
-    """A signal other than SIGINT interrupted the command (``signal_name``: SIGTERM)."""
-
-    def __init__(self, signal_name: str) -> None:
-        super().__init__(signal_name)
-        self.signal_name = signal_name
+__all__ = ["Interrupted", "signal_named", "signal_of", "sigterm_interrupts"]
 
 
 def signal_of(exc: KeyboardInterrupt) -> str:
     """The signal that raised ``exc``: ``Interrupted``'s, else SIGINT (Ctrl-C)."""
     return exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+
+
+def signal_named(exc: KeyboardInterrupt) -> str | None:
+    """The signal that cancelled a command where it is not Ctrl-C (SIGTERM), else
+    ``None``: a Ctrl-C's ``Cancelled`` object says ``cancelled``, as it always has."""
+    name = signal_of(exc)
+    return None if name == "SIGINT" else name
 
 
 @contextlib.contextmanager

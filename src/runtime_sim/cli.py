@@ -34,7 +34,7 @@ from runtime_core.console import (
     generation_options,
     prompt_ids,
 )
-from runtime_core.interrupt import signal_of, sigterm_interrupts
+from runtime_core.interrupt import signal_named, sigterm_interrupts
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_core.workers.registry import CORE_WORKERS
@@ -83,7 +83,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             )
     except KeyboardInterrupt as exc:
         # Ctrl-C or SIGTERM tore the run down: what was generated so far, and "cancelled".
-        signal_name = _signal_named(exc)
+        signal_name = signal_named(exc)
         text = tokenizer.decode(stream.ids)
         stream.finish(text)
         if args.json:
@@ -316,13 +316,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _signal_named(exc: KeyboardInterrupt) -> str | None:
-    """The signal that cancelled the command where it is not Ctrl-C (SIGTERM), else
-    ``None``: a Ctrl-C's object says ``cancelled``, as it always has."""
-    name = signal_of(exc)
-    return None if name == "SIGINT" else name
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -337,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         return EXIT_INPUT
     except KeyboardInterrupt as exc:  # before a run had a result to print
-        signal_name = _signal_named(exc)
+        signal_name = signal_named(exc)
         if getattr(args, "json", False):
             print_json(cancelled_json(signal_name))
         Console(stderr=True).print("cancelled")

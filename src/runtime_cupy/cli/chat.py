@@ -8,12 +8,14 @@ The stages start and bind once (``serve.chain.WarmChain``); then each line typed
 user turn: the model's chat template over the whole conversation so far, the answer
 streamed as it is generated. ``/reset`` starts a new conversation, ``/exit`` (or
 Ctrl-D) leaves; Ctrl-C stops the answer being written (what was written stays in the
-conversation) and the chat goes on. A conversation that leaves an answer less room
+conversation) and the chat goes on; SIGTERM ends the chat (its stages closed, exit
+143). A conversation that leaves an answer less room
 than ``--max-tokens`` (or half the context, where that is less) loses its oldest turns
 (the system prompt stays), with a note. The answer goes to standard output; everything
 else to standard error.
 
-Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad input.
+Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad input,
+130 for a Ctrl-C while they start, 143 for SIGTERM.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from runplan.arguments import OneLineParser
+from runplan.interrupted import Interrupted
+from runplan.json_errors import cancelled_status
 from runtime_core.console import TextStream, add_sampling_arguments
+from runtime_core.interrupt import signal_of
 from runtime_cupy.cli.arguments import (
     INPUT_ERRORS,
     add_chain_arguments,
@@ -118,9 +123,9 @@ class Chat:
                 on_token=stream,
                 on_run=runs.append,
             ).result
-        except KeyboardInterrupt:  # Ctrl-C: the run stops, what it wrote stays
-            if not runs:  # before the run began: the question is forgotten
-                self.turns.pop()
+        except KeyboardInterrupt as exc:  # Ctrl-C: the run stops, what it wrote stays
+            if not runs or isinstance(exc, Interrupted):  # before the run began, SIGTERM
+                self.turns.pop()  # the question is forgotten
                 raise
             runs[-1].cancel("stopped by Ctrl-C")
             result = self.chain.result(runs[-1]).result  # a second Ctrl-C stops waiting
@@ -157,8 +162,10 @@ def _loop(chat: Chat) -> None:
         except EOFError:
             print()
             return
-        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+        except KeyboardInterrupt as exc:  # at the prompt: a fresh line, as a shell does
             print()
+            if isinstance(exc, Interrupted):  # SIGTERM: the chat ends
+                raise
             continue
         text = line.strip()
         if not text:
@@ -174,8 +181,10 @@ def _loop(chat: Chat) -> None:
             continue
         try:
             chat.say(line)
-        except KeyboardInterrupt:  # between the run's own handling: the turn is over
+        except KeyboardInterrupt as exc:  # between the run's own handling: the turn is over
             print("\n(stopped)", file=sys.stderr)
+            if isinstance(exc, Interrupted):  # SIGTERM: the chat ends
+                raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -210,8 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         _loop(chat)
         return 0
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C while the stages start, SIGTERM: 130, 143
+        return cancelled_status(signal_of(exc))
     finally:
         chain.close()
 

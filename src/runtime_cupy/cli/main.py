@@ -70,7 +70,7 @@ from runtime_core.console import (
     generation_options,
     prompt_ids,
 )
-from runtime_core.interrupt import signal_of, sigterm_interrupts
+from runtime_core.interrupt import signal_named, signal_of, sigterm_interrupts
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.batch import BatchError, generate_batch
@@ -93,7 +93,6 @@ from runtime_cupy.slices.server import StageTransfer
 
 EXIT_FAULTED = 1
 EXIT_INPUT = 2
-EXIT_CANCELLED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 class PromptsFileError(ValueError):
@@ -541,8 +540,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ChainError as exc:  # --recover's or --prompts-file's stages could not start
             _error(args, exc)
             return EXIT_FAULTED
-        except KeyboardInterrupt:  # before a run (or a batch) had a result to print
+        except KeyboardInterrupt as exc:  # before a run (or a batch) had a result to print
+            signal_name = signal_named(exc)  # SIGTERM while the model is read, ...
             if args.json:
-                write_json(cancelled_json())
+                write_json(cancelled_json(signal_name))
             Console(stderr=True).print("cancelled")
-            return EXIT_CANCELLED
+            return cancelled_status(signal_name)

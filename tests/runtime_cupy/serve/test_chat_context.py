@@ -14,6 +14,7 @@ import attrs
 import pytest
 
 from runplan.config import run_positions
+from runplan.interrupted import Interrupted
 from runtime_cupy.cli import chat as chat_cli
 from runtime_cupy.serve.requests import Message
 
@@ -116,15 +117,18 @@ def test_a_lone_message_longer_than_the_room_wanted_still_runs_with_what_is_left
 class _Interrupted(_Chain):
     """Ctrl-C while the answer streams (``at_run``: after the run began) or before."""
 
-    def __init__(self, context: int, *, at_run: bool) -> None:
+    def __init__(
+        self, context: int, *, at_run: bool, signal: KeyboardInterrupt | None = None
+    ) -> None:
         super().__init__(context)
         self.at_run = at_run
+        self.signal = signal or KeyboardInterrupt()
         self.cancelled: list[str] = []
 
     def generate(self, ids: Sequence[int], *, max_tokens: int, **kw: Any) -> _Run:
         if self.at_run:
             kw["on_run"](self)
-        raise KeyboardInterrupt
+        raise self.signal
 
     def cancel(self, why: str) -> None:
         self.cancelled.append(why)
@@ -152,6 +156,37 @@ def test_ctrl_c_before_the_run_began_forgets_the_question() -> None:
     with pytest.raises(KeyboardInterrupt):
         chat.say("a question")
     assert chat.turns == [] and chain.cancelled == []
+
+
+def test_sigterm_while_the_answer_streams_ends_the_chat() -> None:
+    """SIGTERM (``Interrupted``, which each ``__main__`` raises for it) is no Ctrl-C to
+    shrug off: it goes up (the chat's ``main`` closes the chain, exit 143), the
+    question forgotten."""
+    chain = _Interrupted(64, at_run=True, signal=Interrupted("SIGTERM"))
+    chat = chat_cli.Chat(chain, max_tokens=16, out=io.StringIO(), err=io.StringIO())
+    with pytest.raises(Interrupted):
+        chat.say("a question")
+    assert chat.turns == []
+
+
+@pytest.mark.parametrize("where", ["at the prompt", "during an answer"])
+def test_sigterm_ends_the_chat_loop_where_ctrl_c_goes_on(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = iter(["a question", "/exit"])
+
+    def typed(_prompt: str) -> str:
+        if where == "at the prompt":
+            raise Interrupted("SIGTERM")
+        return next(lines)
+
+    class Saying:
+        def say(self, line: str) -> None:
+            raise Interrupted("SIGTERM")
+
+    monkeypatch.setattr("builtins.input", typed)
+    with pytest.raises(Interrupted):
+        chat_cli._loop(Saying())  # type: ignore[arg-type]
 
 
 def test_the_question_asked_is_never_dropped() -> None:
