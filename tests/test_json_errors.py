@@ -356,3 +356,38 @@ def test_a_cancelled_prompts_file_keeps_the_prompts_that_ended(
     ]
     assert (doc["prompts"], doc["completed"], doc["faulted"]) == (3, 1, 1)
     assert closed == [True]
+
+
+@pytest.mark.parametrize(
+    ("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+)
+@pytest.mark.usefixtures("sigterm_fallback")
+def test_cancelled_simulated_runs_keep_the_runs_that_ended(
+    files: dict[str, str],
+    signum: int,
+    status: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``runtime_sim run --runs 3 --json``, Ctrl-C or SIGTERM once the first run ended
+    (the real simulation; the signal sent as that run is reported): that run beside the
+    ``Cancelled`` error (the object was the error alone), as ``--prompts-file`` does."""
+    real = runtime_sim.cli.generate_runs
+
+    def the_signal_after_the_first_end(
+        *args: Any, on_run_end: Callable[[int, Any], None], **kwargs: Any
+    ) -> Any:
+        def ended(index: int, result: Any) -> None:
+            on_run_end(index, result)
+            _sigterm_self(signum)
+
+        return real(*args, on_run_end=ended, **kwargs)
+
+    monkeypatch.setattr(runtime_sim.cli, "generate_runs", the_signal_after_the_first_end)
+    assert _sim(["--model", files["model"], "--runs", "3", "--json"]) == status
+    out = capsys.readouterr().out
+    name = signal.Signals(signum).name
+    assert _error_of(out) == {"type": "Cancelled", "message": f"cancelled by {name}"}
+    (run,) = json.loads(out)["runs"]
+    assert run["index"] in (0, 1, 2)
+    assert (run["outcome"], len(run["tokens"])) == ("completed", 2)

@@ -27,6 +27,7 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from runplan.rejections import PlanRejection
@@ -82,6 +83,22 @@ def cancelled_status(signal_name: str | None) -> int:
     by a caller): 128 + the signal's number, as a shell reports a process the signal
     ended: 130 for SIGINT, 143 for SIGTERM."""
     return 128 + signal.Signals[signal_name or "SIGINT"].value
+
+
+def cancelled_with(
+    doc: dict[str, Any] | None,
+    signal_name: str | None,
+    write: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    """A command of several runs that ``signal_name`` cancelled (``python -m
+    runtime_cupy --prompts-file``, ``python -m runtime_sim run --runs N``): with
+    ``--json``, ``doc`` (the runs that ended) and the ``Cancelled`` error beside them as
+    one object, written by ``write`` (``print_json``); ``None`` without it. ``cancelled``
+    on standard error; the exit status."""
+    if doc is not None:
+        (write or print_json)(doc | cancelled_json(signal_name))
+    sys.stderr.write("cancelled\n")
+    return cancelled_status(signal_name)
 
 
 def cancelled_exit(exc: KeyboardInterrupt) -> int:

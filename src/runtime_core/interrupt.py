@@ -29,7 +29,14 @@ from runplan.interrupted import Interrupted
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Interrupted", "signal_named", "signal_of", "sigterm_interrupts"]
+__all__ = [
+    "Cancellation",
+    "Interrupted",
+    "cancellable",
+    "signal_named",
+    "signal_of",
+    "sigterm_interrupts",
+]
 
 
 def signal_of(exc: KeyboardInterrupt) -> str:
@@ -67,3 +74,27 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class Cancellation:
+    """What ended a ``cancellable()`` block: ``signal_name`` names the signal, Ctrl-C's
+    (SIGINT) or SIGTERM, that cancelled it; ``None`` while it runs and once it ran to
+    its end."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+
+
+@contextlib.contextmanager
+def cancellable() -> Iterator[Cancellation]:
+    """A block of several runs whose ends a command keeps (``python -m runtime_cupy
+    --prompts-file``'s batch, ``python -m runtime_sim run --runs N``): within it SIGTERM
+    is Ctrl-C (``sigterm_interrupts``), and either ends the block, its ``finally``
+    blocks run, without going further up: the yielded ``Cancellation`` names it, and
+    the command prints the runs that ended beside the ``Cancelled`` error."""
+    cancellation = Cancellation()
+    with sigterm_interrupts():
+        try:
+            yield cancellation
+        except KeyboardInterrupt as exc:
+            cancellation.signal_name = signal_of(exc)

@@ -156,10 +156,13 @@ def generate_runs(
     trace: bool = False,
     tokenizer: Tokenizer | None = None,
     worker: str = DEFAULT_WORKER,
+    on_run_end: Callable[[int, GenerateResult], None] | None = None,
 ) -> ConcurrentResult:
     """``runs`` runs of ``prompt_ids`` in flight at once through one chain of ``stages``
     simulated stages (run ``i`` samples with seed ``seed + i``), batched on each stage
-    as the chain controllers batch them. Raises as ``generate`` does."""
+    as the chain controllers batch them. ``on_run_end(i, result)`` as run ``i`` ends,
+    while the others go on (what a Ctrl-C then leaves a caller; ``wall_s``: so far).
+    Raises as ``generate`` does."""
     if runs < 1:
         raise ValueError(f"runs {runs} is not at least 1")
     path = resolve_model(model_path)
@@ -182,8 +185,18 @@ def generate_runs(
     ]
     tokenizer = tokenizer or Tokenizer.from_gguf(path)
     start = time.perf_counter()
+
+    def ended(i: int, result: RunResult, sim: ChainSimulation) -> None:
+        if on_run_end is not None:
+            wall = time.perf_counter() - start
+            on_run_end(i, summarize(plans[i], prompt, result, sim, tokenizer, wall, False))
+
     results, sim = run_plans(
-        [RunSpec(plan, prompt) for plan in plans], timing=timing, trace=trace, worker=worker
+        [RunSpec(plan, prompt) for plan in plans],
+        timing=timing,
+        trace=trace,
+        worker=worker,
+        on_run_end=ended,
     )
     wall = time.perf_counter() - start
     each = tuple(
@@ -228,10 +241,11 @@ def run_plans(
     timing: TimingModel | None = None,
     trace: bool = False,
     worker: str = DEFAULT_WORKER,
+    on_run_end: Callable[[int, RunResult, ChainSimulation], None] | None = None,
 ) -> tuple[tuple[RunResult, ...], ChainSimulation]:
     """Simulate ``runs`` through one chain (their plans share its stages), with one
-    ``worker`` per stage: each run's result, in the order given. ``PromptError`` for a
-    prompt its run cannot take."""
+    ``worker`` per stage: each run's result, in the order given (``on_run_end(i, result,
+    sim)`` as run ``i`` ends). ``PromptError`` for a prompt its run cannot take."""
     for spec in runs:  # a prompt a run cannot take fails here, before anything runs
         ofsm.OrchestratorMachine.for_plan(spec.plan, spec.prompt)
     settings = SimSettings(timing=timing or TimingModel())
@@ -244,6 +258,7 @@ def run_plans(
         settings=settings,
         on_token=on_token,
         on_load=on_load,
+        on_run_end=(lambda i: on_run_end(i, sim.result_of(i), sim)) if on_run_end else None,
         trace=trace,
         wall_clock=True,
     )

@@ -125,6 +125,8 @@ class Parts:
 PLAIN = Parts()
 #: ``on_token(run_id, sequence, token_id)`` for every run's tokens.
 OnToken = Callable[[str, int, int], None]
+#: ``on_run_end(index)`` as the ``index``-th run to arrive ends (``ChainSimulation.result_of``).
+OnRunEnd = Callable[[int], None]
 
 
 class ChainSimulation:
@@ -140,12 +142,15 @@ class ChainSimulation:
         parts: Parts = PLAIN,
         on_token: OnToken | None = None,
         on_load: Callable[[int, int, int], None] | None = None,
+        on_run_end: OnRunEnd | None = None,
         trace: bool = True,
         wall_clock: bool = False,
         stale_runs: frozenset[str] = frozenset(),
     ) -> None:
         """``stale_runs``: run ids of chains before this one (a recovery's), stale on
-        every stage of this chain from its first message."""
+        every stage of this chain from its first message. ``on_run_end(index)``: the
+        ``index``-th run ended (the orchestrator has its ``RunFinished``), while the
+        others may go on (a caller's Ctrl-C then keeps what ended)."""
         if not runs:
             raise ValueError("a chain simulation needs at least one run")
         self.runs = tuple(runs)
@@ -157,6 +162,7 @@ class ChainSimulation:
         self.parts = parts
         self.on_token = on_token
         self.on_load = on_load
+        self.on_run_end = on_run_end
         self.clock = Scheduler()
         self.trace = Trace(trace)
         self.dropped: list[tuple[str, str, str]] = []
@@ -209,33 +215,35 @@ class ChainSimulation:
             )
             self.clock.at(at, stage.orchestrator_lost)
 
+    def result_of(self, index: int) -> RunResult:
+        """What has become of the ``index``-th run to arrive so far (all of it once
+        ``run`` returned)."""
+        o = self.orchestrator
+        spec = self.runs[index]
+        run_id = spec.plan.run_id
+        handle = o.handles.get(index)
+        run = o.sim_runs.get(index)
+        last = run.run_id if run is not None else run_id
+        return RunResult(
+            run_id=run_id,
+            finished=run.finished if run is not None else None,
+            tokens=handle.tokens if handle is not None else (),
+            delivered=tuple(self.delivered[index]),
+            logits=tuple(handle.logits) if handle is not None else (),
+            refused=o.refused.get(index),
+            arrival_us=spec.arrival_us,
+            ready_us=o.ready_us.get(last),
+            finished_us=o.finished_us.get(last),
+            token_times_us=tuple(o.token_times.get(run_id, ())),
+            offered_as=(*run.former_ids[1:], last) if run and run.former_ids else (),
+        )
+
     def run(self, *, max_events: int = 2_000_000) -> ChainResult:
         self.clock.after(0, self.orchestrator.start)
         self.clock.run(max_events=max_events)
         o = self.orchestrator
-        results = []
-        for i, spec in enumerate(self.runs):
-            run_id = spec.plan.run_id
-            handle = o.handles.get(i)
-            run = o.sim_runs.get(i)
-            last = run.run_id if run is not None else run_id
-            results.append(
-                RunResult(
-                    run_id=run_id,
-                    finished=run.finished if run is not None else None,
-                    tokens=handle.tokens if handle is not None else (),
-                    delivered=tuple(self.delivered[i]),
-                    logits=tuple(handle.logits) if handle is not None else (),
-                    refused=o.refused.get(i),
-                    arrival_us=spec.arrival_us,
-                    ready_us=o.ready_us.get(last),
-                    finished_us=o.finished_us.get(last),
-                    token_times_us=tuple(o.token_times.get(run_id, ())),
-                    offered_as=(*run.former_ids[1:], last) if run and run.former_ids else (),
-                )
-            )
         return ChainResult(
-            runs=tuple(results),
+            runs=tuple(self.result_of(i) for i in range(len(self.runs))),
             end_us=self.clock.now_us,
             events=self.clock.events_run,
             trace=self.trace,

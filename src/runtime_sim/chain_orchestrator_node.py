@@ -270,6 +270,8 @@ class ChainOrchestratorNode(Node):
         for run in self.sim_runs.values():
             if run.finished is not None and run.run_id not in self.finished_us:
                 self.finished_us[run.run_id] = now
+                if self.sim.on_run_end is not None:
+                    self.sim.on_run_end(run.index)
             handle = run.handle
             if handle is None or handle.run_id in self.ready_us:
                 continue

@@ -21,6 +21,7 @@ from runplan.json_errors import (
     RUN_FAULTED,
     cancelled_json,
     cancelled_status,
+    cancelled_with,
     error_json,
     exception_json,
     fault_json,
@@ -34,7 +35,7 @@ from runtime_core.console import (
     generation_options,
     prompt_ids,
 )
-from runtime_core.interrupt import signal_named, sigterm_interrupts
+from runtime_core.interrupt import cancellable, signal_named, sigterm_interrupts
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_core.workers.registry import CORE_WORKERS
@@ -108,17 +109,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt: list[int]) -> int:
-    """``--runs N``: N runs of the prompt in flight at once through one chain."""
+    """``--runs N``: N runs of the prompt in flight at once through one chain; Ctrl-C or
+    SIGTERM ends them, the runs that had ended printed beside ``Cancelled`` (``runs``,
+    each with its ``index``; with ``--json``)."""
     options = generation_options(args)
-    many = generate_runs(
-        path, prompt, runs=args.runs, tokenizer=tokenizer, worker=args.worker, **options
-    )
+    ended: dict[int, dict[str, Any]] = {}
+
+    def on_run_end(index: int, result: GenerateResult) -> None:
+        ended[index] = {"index": index} | _result_json(result, len(prompt))
+
+    with cancellable() as cancellation:
+        many = generate_runs(
+            path,
+            prompt,
+            runs=args.runs,
+            tokenizer=tokenizer,
+            worker=args.worker,
+            **options,
+            on_run_end=on_run_end,
+        )
+    if cancellation.signal_name is not None:
+        so_far = {"runs": [ended[i] for i in sorted(ended)]} if args.json else None
+        return cancelled_with(so_far, cancellation.signal_name)
     rate = many.simulated_tokens_per_s
     if args.trace is not None:
         _write_trace(args.trace, many.runs[0])  # every run's shares the chain's trace
     if args.json:
         doc = {
-            "runs": [_result_json(r, len(prompt)) for r in many.runs],
+            "runs": [{"index": i} | _result_json(r, len(prompt)) for i, r in enumerate(many.runs)],
             "simulated_tokens_per_s": None if rate is None else round(rate, 2),
             "wall_s": round(many.wall_s, 3),
         }

@@ -95,3 +95,22 @@ def test_sampled_runs_through_one_chain_each_sample_as_they_would_alone(
         alone = generate(tiny, prompt, seed=5 + i, **options)  # type: ignore[arg-type]
         assert run.tokens == alone.tokens and len(run.tokens) == 6
     assert len({r.tokens for r in many.runs}) > 1  # the seeds differ, and so do the runs
+
+
+def test_each_run_of_several_is_reported_as_it_ends(tiny: Path) -> None:
+    """``on_run_end(i, result)``: once for each run, its result then the one returned
+    at the end (what a Ctrl-C after it leaves the caller)."""
+    from runtime_sim.api import GenerateResult, generate_runs
+
+    ended: list[tuple[int, GenerateResult]] = []
+    many = generate_runs(
+        tiny, [1, 2, 3], runs=3, stages=2, max_tokens=4, temperature=0.8,
+        on_run_end=lambda i, r: ended.append((i, r)),
+    )  # fmt: skip
+    assert sorted(i for i, _ in ended) == [0, 1, 2]
+    for i, result in ended:
+        final = many.runs[i]
+        assert (result.tokens, result.text, result.outcome) == (
+            final.tokens, final.text, final.outcome
+        )  # fmt: skip
+        assert result.outcome == "completed" and result.tokens

@@ -57,6 +57,7 @@ from runplan.json_errors import (
     RUN_FAULTED,
     cancelled_json,
     cancelled_status,
+    cancelled_with,
     error_json,
     exception_json,
     fault_json,
@@ -70,7 +71,7 @@ from runtime_core.console import (
     generation_options,
     prompt_ids,
 )
-from runtime_core.interrupt import signal_named, signal_of, sigterm_interrupts
+from runtime_core.interrupt import cancellable, signal_named, signal_of, sigterm_interrupts
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
 from runtime_cupy.batch import BatchError, generate_batch
@@ -161,40 +162,35 @@ def _run_batch(args: argparse.Namespace) -> int:
         raise PromptsFileError(f"{where}: {exc}") from None
     results: list[dict[str, Any]] = []
     err = plain_console(stderr=True, soft_wrap=True)
-    cancelled_by: str | None = None
     # SIGTERM ends the batch as Ctrl-C does; taken once the chain is made, which connects
-    # to a Ray cluster (--ray-address), whose driver sets its own handler.
-    with sigterm_interrupts():
+    # to a Ray cluster (--ray-address), whose driver sets its own handler. The prompts
+    # that ended stay the batch's.
+    with cancellable() as cancellation:
         try:
-            try:
-                for index, result in batch:
-                    line = {
-                        "index": index,
-                        "tokens": list(result.tokens),
-                        "text": result.text,
-                        "outcome": result.outcome,
-                        "fault": result.fault,
-                    }
-                    faulted += result.outcome != "completed"
-                    if args.json:
-                        results.append(line)
-                        err.print(
-                            f"prompt {index} (line {lines[index]}): {result.outcome}, "
-                            f"{len(result.tokens)} tokens ({len(results)} of {len(prompts)} "
-                            "done)",
-                            highlight=False,
-                        )
-                    else:
-                        write_json(line)
-            finally:
-                batch.close()  # the chain closed, whatever ended the loop
-        except KeyboardInterrupt as exc:  # the prompts that ended stay the batch's
-            cancelled_by = signal_of(exc)
-    if cancelled_by is not None:
-        if args.json:
-            write_json(_batch_json(results, len(prompts)) | cancelled_json(cancelled_by))
-        err.print("cancelled", highlight=False)
-        return cancelled_status(cancelled_by)
+            for index, result in batch:
+                line = {
+                    "index": index,
+                    "tokens": list(result.tokens),
+                    "text": result.text,
+                    "outcome": result.outcome,
+                    "fault": result.fault,
+                }
+                faulted += result.outcome != "completed"
+                if args.json:
+                    results.append(line)
+                    err.print(
+                        f"prompt {index} (line {lines[index]}): {result.outcome}, "
+                        f"{len(result.tokens)} tokens ({len(results)} of {len(prompts)} "
+                        "done)",
+                        highlight=False,
+                    )
+                else:
+                    write_json(line)
+        finally:
+            batch.close()  # the chain closed, whatever ended the loop
+    if cancellation.signal_name is not None:
+        doc = _batch_json(results, len(prompts)) if args.json else None
+        return cancelled_with(doc, cancellation.signal_name, write_json)
     if args.json:
         write_json(_batch_json(results, len(prompts)))
     return EXIT_FAULTED if faulted else 0
