@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -24,6 +23,7 @@ from runtime_cupy.hosts.ray.cluster import (
     live_hosts,
     spread,
 )
+from runtime_cupy.hosts.ray.liveness import HeadProbe, RayletWatch
 from runtime_cupy.hosts.ray.rendezvous import (
     PublishedAddresses,
     SupervisorRendezvous,
@@ -349,16 +349,107 @@ def test_the_clusters_hosts_are_the_nodes_whose_raylet_answers(
 
 def test_a_stage_start_on_a_node_whose_raylet_is_gone_ends_naming_it() -> None:
     """A stage's start on a node whose raylet died (not yet dead to Ray) ends once its
-    raylet does not answer, naming it: the wait for its control connection is not
-    waited out."""
-    from runtime_cupy.hosts.ray.host import RayHost
+    raylet does not answer (three asks in a row), naming it: the wait for its control
+    connection is not waited out."""
+    from runtime_cupy.hosts.ray import session
 
     port = _closed_port()
-    node = cpu_stage_nodes(live_hosts([_node("a", "127.0.0.1", port)]), 1)[0]
-    why = RayHost._raylet_gone(node, [0.0])
-    assert why == f"its node is gone: the raylet at 127.0.0.1:{port} does not answer"
-    asked_now = [time.monotonic()]  # asked a moment ago: not again yet
-    assert RayHost._raylet_gone(node, asked_now) is None
+    watch = RayletWatch("127.0.0.1", port, session.raylet_answers, ask_s=0.0)
+    assert [watch.gone(), watch.gone()] == [None, None]
+    why = watch.gone()
+    assert why == f"its node is gone: the raylet at 127.0.0.1:{port} does not answer (3 asks)"
+
+
+class _Clock:
+    """A clock that moves only when told (``now``, seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_raylet_that_misses_one_ask_is_not_gone() -> None:
+    """One dropped packet or a busy raylet (an ask unanswered, then an answer) is no
+    loss: the node is gone only after ``RAYLET_MISSES`` asks in a row, at most one per
+    ``ask_s`` (it was gone after one failed 1 s connect)."""
+    said = iter([False, True, False, False, False])
+    asked: list[float] = []
+    clock = _Clock()
+
+    def answers(address: str, port: int) -> bool:
+        assert (address, port) == ("10.0.0.7", 41)
+        asked.append(clock.now)
+        return next(said)
+
+    watch = RayletWatch("10.0.0.7", 41, answers, ask_s=1.0, misses=3, clock=clock)
+    assert watch.gone() is None and asked == []  # not asked within ask_s of the start
+    found = []
+    for _ in range(10):
+        clock.now += 0.5
+        found.append(watch.gone())
+    # asked every second: missed, answered, then three misses in a row
+    assert asked == [101.0, 102.0, 103.0, 104.0, 105.0]
+    assert found[:9] == [None] * 9
+    assert found[9] == "its node is gone: the raylet at 10.0.0.7:41 does not answer (3 asks)"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"), [({"misses": 0}, "misses 0"), ({"ask_s": -1.0}, "ask_s -1.0")]
+)
+def test_a_raylet_watch_refuses_bounds_that_mean_nothing(
+    kwargs: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        RayletWatch("10.0.0.7", 41, lambda _a, _p: True, **kwargs)
+
+
+def test_the_heads_answer_is_taken_for_a_while() -> None:
+    asked: list[float] = []
+    clock = _Clock()
+
+    def answers() -> bool:
+        asked.append(clock.now)
+        return len(asked) > 1
+
+    head = HeadProbe(answers, remember_s=5.0, clock=clock)
+    assert not head()
+    clock.now += 4.9
+    assert not head() and asked == [100.0]  # the first answer still
+    clock.now += 0.1
+    assert head() and asked == [100.0, 105.0]  # asked again
+    with pytest.raises(ValueError, match="remember_s -1"):
+        HeadProbe(answers, remember_s=-1)
+
+
+def test_a_chains_cleanup_asks_the_head_once_for_every_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A warm chain of three stages closed while the head's packets are dropped: its
+    stages released, then its cleanup, ask whether the head answers once (each ask
+    waited its 1 s out: it was asked once per stage, and once more)."""
+    import ray
+
+    from runtime_cupy.hosts.ray import session
+    from runtime_cupy.hosts.ray.host import RayHost
+
+    probes: list[str] = []
+    asked: list[str] = []
+    hosts = live_hosts([_node(f"n{i}", "127.0.0.1", 10 + i) for i in range(3)])
+    nodes = cpu_stage_nodes(hosts, 3)
+    host = RayHost(nodes, "127.0.0.1")
+    for node in nodes:
+        host._actors[node.node_id] = _Unreachable(asked)
+        host._warm.add(node.node_id)
+    monkeypatch.setattr(session, "head_answers", lambda: probes.append("head") or False)
+    for name in ("kill", "wait", "get"):
+        monkeypatch.setattr(ray, name, lambda *_a, name=name, **_k: asked.append(name))
+    for node in nodes:  # the chain closes each stage's handle
+        host._release(node.node_id, host._actors[node.node_id])
+    host.cleanup("chain-1", [1, 2])
+    assert probes == ["head"]
+    assert asked == [] and host._actors == {}
 
 
 def test_the_head_answers_or_not(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,6 +55,7 @@ from runtime_cupy.hosts.local import describe_exit
 from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListener
+from runtime_cupy.hosts.ray.liveness import HeadProbe, RayletWatch
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous
 from runtime_cupy.hosts.ray.supervisor import StageSupervisor
 from runtime_cupy.process.control_channel import ControlChannel
@@ -69,8 +70,6 @@ log = logging.getLogger("runtime_cupy.hosts.ray")
 
 #: How long a stage may take to be placed and connect its control channel.
 START_TIMEOUT_S = 120.0
-#: How often a stage's start asks whether its node's raylet still answers.
-RAYLET_ASK_S = 1.0
 #: How long ``exit_reason`` waits for a supervisor's answer.
 PROBE_S = 2.0
 #: How long cleanup waits for the supervisors.
@@ -187,6 +186,22 @@ class RayStageHandle:
             release()
 
 
+def _raylet_answers(address: str, port: int) -> bool:
+    """``session.raylet_answers`` (looked up at each ask: the tests put a fake there).
+    Ray says a node died only once its health checks fail; a stage's start on a node
+    whose raylet died would wait out ``start_timeout_s`` meanwhile."""
+    from runtime_cupy.hosts.ray import session
+
+    return session.raylet_answers(address, port)
+
+
+def _head_answers() -> bool:
+    """``session.head_answers`` (looked up at each ask: the tests put a fake there)."""
+    from runtime_cupy.hosts.ray import session
+
+    return session.head_answers()
+
+
 class _NoStore:
     """The rendezvous once the cluster's head is gone (its key-value store with it):
     nothing to look up or withdraw."""
@@ -266,6 +281,8 @@ class RayHost:
         self._prefetching: dict[int, Any] = {}  # stage index -> its supervisor's prefetch
         #: Called (on the slice server's threads) as each stage's slice moves.
         self.on_slice_change: Callable[[StageTransfer], None] | None = None
+        # Whether the cluster's head answers: asked once for a chain's releases and cleanup.
+        self._head = HeadProbe(_head_answers)
 
     # -- actors --------------------------------------------------------------------------
     def _actor(self, node: StageNode) -> Any:
@@ -362,12 +379,12 @@ class RayHost:
         if launch.slices is not None:  # the slice travels while the stage starts
             self._prefetching[launch.stage_index] = actor.prefetch.remote(launch, secret)
 
-        asked = [time.monotonic()]  # when its raylet was last asked whether it answers
+        raylet = RayletWatch(node.host.address, node.host.manager_port, _raylet_answers)
 
         def gone() -> str | None:
             ready, _ = ray.wait([started], timeout=0)
             if not ready:
-                return self._raylet_gone(node, asked)
+                return raylet.gone()
             try:
                 ray.get(started)
             except Exception as exc:
@@ -396,22 +413,6 @@ class RayHost:
 
         done = actor.supervise.remote()
         return RayStageHandle(launch, node, actor, pid, done, channel, release)
-
-    @staticmethod
-    def _raylet_gone(node: StageNode, asked: list[float]) -> str | None:
-        """Why ``node``'s stage will never start: its raylet no longer answers (asked
-        at most every ``RAYLET_ASK_S``; Ray says the node died only once its health
-        checks fail, and the stage's start waited out ``start_timeout_s`` meanwhile)."""
-        from runtime_cupy.hosts.ray import session
-
-        now = time.monotonic()
-        if now - asked[0] < RAYLET_ASK_S:
-            return None
-        asked[0] = now
-        host = node.host
-        if session.raylet_answers(host.address, host.manager_port):
-            return None
-        return f"its node is gone: the raylet at {host.address}:{host.manager_port} does not answer"
 
     # -- slices -------------------------------------------------------------------------
     def _with_slices(self, launch: StageLaunch, secret: bytes, node: StageNode) -> StageLaunch:
@@ -471,12 +472,10 @@ class RayHost:
         supervisor is left."""
         import ray
 
-        from runtime_cupy.hosts.ray import session
-
         if self._actors.get(node_id) is actor:
             del self._actors[node_id]
             self._warm.discard(node_id)
-        if session.head_answers():
+        if self._head():
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         self._close_listener()
@@ -514,10 +513,8 @@ class RayHost:
     def cleanup(self, run_id: str, edge_ids: Sequence[int]) -> None:
         import ray
 
-        from runtime_cupy.hosts.ray import session
-
         ids = list(edge_ids)
-        if not session.head_answers():
+        if not self._head():
             self._head_gone(run_id, ids)
             return
         actors = list(self._actors.values())
