@@ -405,22 +405,56 @@ def test_a_raylet_watch_refuses_bounds_that_mean_nothing(
         RayletWatch("10.0.0.7", 41, lambda _a, _p: True, **kwargs)
 
 
-def test_the_heads_answer_is_taken_for_a_while() -> None:
+def test_a_silent_head_is_taken_as_silent_for_a_while_an_answer_never() -> None:
     asked: list[float] = []
     clock = _Clock()
+    said = [False, True, True, False]
 
     def answers() -> bool:
         asked.append(clock.now)
-        return len(asked) > 1
+        return said[len(asked) - 1]
 
     head = HeadProbe(answers, remember_s=5.0, clock=clock)
     assert not head()
     clock.now += 4.9
-    assert not head() and asked == [100.0]  # the first answer still
+    assert not head() and asked == [100.0]  # the silence still
     clock.now += 0.1
-    assert head() and asked == [100.0, 105.0]  # asked again
+    assert head() and asked == [100.0, 105.0]  # asked again: it answers
+    assert head() and asked == [100.0, 105.0, 105.0]  # an answer is not kept
+    assert not head() and len(asked) == 4  # lost since: seen at once
     with pytest.raises(ValueError, match="remember_s -1"):
         HeadProbe(answers, remember_s=-1)
+
+
+def test_a_head_lost_after_a_release_is_asked_again_by_the_cleanup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A warm stage released while the head answers, the head lost before the chain's
+    cleanup: the cleanup must not call through the lost head (Ray blocks each such
+    call until it ends the driver, 60 s later)."""
+    import ray
+
+    from runtime_cupy.hosts.ray import session
+    from runtime_cupy.hosts.ray.host import RayHost
+
+    asked: list[str] = []
+    hosts = live_hosts([_node(f"n{i}", "127.0.0.1", 10 + i) for i in range(2)])
+    nodes = cpu_stage_nodes(hosts, 2)
+    host = RayHost(nodes, "127.0.0.1")
+    alive = [True]
+    monkeypatch.setattr(session, "head_answers", lambda: alive[0])
+    for name in ("kill", "wait", "get"):
+        monkeypatch.setattr(ray, name, lambda *_a, name=name, **_k: asked.append(name))
+    first = nodes[0].node_id
+    host._actors[first] = object()
+    host._warm.add(first)
+    host._release(first, host._actors[first])
+    assert asked == ["kill"]  # through the head that answered
+    asked.clear()
+    alive[0] = False
+    host._actors[nodes[1].node_id] = _Unreachable(asked)
+    host.cleanup("chain-1", [1])
+    assert asked == [] and host._actors == {}, asked
 
 
 def test_a_chains_cleanup_asks_the_head_once_for_every_stage(
@@ -506,3 +540,31 @@ def test_without_the_head_cleanup_asks_nothing_through_it(
     with contextlib.suppress(AssertionError):
         host.cleanup("run-without-head", [1, 2])
     assert asked == [] and host._actors == {}
+
+
+def test_connecting_keeps_the_commands_sigterm_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ray.init`` sets its own SIGTERM handler (``sys.exit``) for the rest of the
+    process: connecting gives back the one the command had (SIGTERM as Ctrl-C: the
+    ``Cancelled`` object, exit 143), and leaves Ray's where the process had none."""
+    import signal
+
+    import ray
+
+    from runplan.interrupted import raise_interrupted
+    from runtime_cupy.hosts.ray import session
+
+    def rays_exit(signum: int, _frame: object) -> None:
+        raise SystemExit(signum)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **_k: signal.signal(signal.SIGTERM, rays_exit))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, raise_interrupted)
+        session.connect("auto")
+        assert signal.getsignal(signal.SIGTERM) is raise_interrupted
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        session.connect("auto")
+        assert signal.getsignal(signal.SIGTERM) is rays_exit
+    finally:
+        signal.signal(signal.SIGTERM, before)

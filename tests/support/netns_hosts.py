@@ -164,7 +164,11 @@ class TestHosts:
         log = log_dir / f"ray-host{i}.log"
         self.logs[i] = log
         self._starts[i] = log.read_text().count(STARTED) if log.exists() else 0
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        # The test cluster's own authentication, whatever this machine's home holds: Ray
+        # (2.5x) starts a head in token mode where ~/.ray/auth_token exists (a local
+        # ray.init() writes one) but the nodes joining it in the default mode, so every
+        # node failed to join ("InvalidAuthToken").
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
         env.pop("GGUF_PIPELINE_TEST_TAG", None)
         cmd = ["ip", "netns", "exec", self.namespace(i), *_PRIVATE, _ray(), "start", *role]
         with log.open("ab") as out:

@@ -71,8 +71,7 @@ class Engine:
         self._retry_at = 0.0
         self.metrics = Metrics(
             queued=lambda: len(self._queue),
-            running=lambda: self._started_jobs()[0],
-            waiting_for_memory=lambda: self._started_jobs()[1],
+            started=self._started_jobs,
             ready=lambda: self.ready,
             restarts=lambda: self.chain.restarts,
             in_flight=lambda: self.chain.in_flight,

@@ -69,29 +69,28 @@ class _Live:
     def __init__(
         self,
         queued: Callable[[], int],
-        running: Callable[[], int],
-        waiting_for_memory: Callable[[], int],
+        started: Callable[[], tuple[int, int]],
         ready: Callable[[], bool],
         restarts: Callable[[], int],
         in_flight: Callable[[], int],
         kv: Callable[[], tuple[tuple[int, int, int], ...]],
         batches: Callable[[], BatchCounts],
     ) -> None:
-        self.queued, self.running, self.ready, self.restarts = queued, running, ready, restarts
-        self.waiting_for_memory = waiting_for_memory
+        self.queued, self.started, self.ready, self.restarts = queued, started, ready, restarts
         self.in_flight, self.kv, self.batches = in_flight, kv, batches
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "gguf_pipeline_queue_length", "Choices waiting (n per request)", self.queued()
         )
+        running, waiting_for_memory = self.started()  # one reading: each run counted once
         yield GaugeMetricFamily(
-            "gguf_pipeline_requests_running", "Choices running (n per request)", self.running()
+            "gguf_pipeline_requests_running", "Choices running (n per request)", running
         )
         yield GaugeMetricFamily(
             "gguf_pipeline_runs_waiting_for_memory",
             "Choices started whose run waits for KV memory on the chain (not running)",
-            self.waiting_for_memory(),
+            waiting_for_memory,
         )
         yield GaugeMetricFamily(
             "gguf_pipeline_stages_ready", "1 when every stage is up and bound", int(self.ready())
@@ -139,18 +138,18 @@ def batch_rows_histogram(counts: BatchCounts) -> HistogramMetricFamily:
 
 
 class Metrics:
-    """The server's metrics. ``queued``, ``running``, ``ready``, ``restarts``,
-    ``waiting_for_memory``, ``in_flight``, ``kv`` (each stage's ``(index, bytes,
-    budget)``) and ``batches`` (each stage's batches by rows) are read when scraped."""
+    """The server's metrics. ``queued``, ``started`` (the choices started: running,
+    and waiting for KV memory, read at once), ``ready``, ``restarts``, ``in_flight``,
+    ``kv`` (each stage's ``(index, bytes, budget)``) and ``batches`` (each stage's
+    batches by rows) are read when scraped."""
 
     def __init__(
         self,
         *,
         queued: Callable[[], int],
-        running: Callable[[], int],
+        started: Callable[[], tuple[int, int]],
         ready: Callable[[], bool],
         restarts: Callable[[], int],
-        waiting_for_memory: Callable[[], int] = lambda: 0,
         in_flight: Callable[[], int] = lambda: 0,
         kv: Callable[[], tuple[tuple[int, int, int], ...]] = lambda: (),
         batches: Callable[[], BatchCounts] = dict,
@@ -178,7 +177,7 @@ class Metrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
-        live = _Live(queued, running, waiting_for_memory, ready, restarts, in_flight, kv, batches)
+        live = _Live(queued, started, ready, restarts, in_flight, kv, batches)
         r.register(live)
         for endpoint in ("chat", "completion"):
             for outcome in OUTCOMES:

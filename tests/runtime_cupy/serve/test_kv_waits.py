@@ -210,3 +210,26 @@ def test_the_server_counts_a_request_waiting_for_memory_apart_and_keeps_its_plac
             t.join(120)
         assert len(answers) == 3 and all(a in ("length", "stop") for a in answers), answers
         wait_for(lambda: idle(server.base_url), 30, "the server to be idle")
+
+
+def test_one_scrape_reads_running_and_waiting_for_memory_at_once() -> None:
+    """The two gauges come from one reading of the started choices: a run held (or
+    offered again) between two readings was counted twice, or not at all."""
+    from prometheus_client import generate_latest
+
+    from runtime_cupy.serve.metrics import Metrics
+
+    flips = [0]
+
+    def started() -> tuple[int, int]:  # one started choice, held or offered at each reading
+        flips[0] += 1
+        return (1, 0) if flips[0] % 2 else (0, 1)
+
+    metrics = Metrics(queued=lambda: 0, started=started, ready=lambda: True, restarts=lambda: 0)
+    for _ in range(3):
+        gauges = {
+            line.split()[0]: float(line.split()[1])
+            for line in generate_latest(metrics.registry).decode().splitlines()
+            if line.startswith(("gguf_pipeline_requests_running ", "gguf_pipeline_runs_waiting"))
+        }
+        assert sum(gauges.values()) == 1.0, gauges

@@ -9,8 +9,11 @@ not answer costs one wait, not one per stage.
   ``session.RAYLET_PROBE_S``); an answer between them starts the count again.
 - ``HeadProbe``: whether the cluster's head answers, for the releases of a chain's warm
   stages and the chain's cleanup that follows them (``RayHost._release``,
-  ``RayHost.cleanup``): one answer taken for ``remember_s``, so that a head whose
-  packets are dropped (each ask waiting its 1 s out) is asked once for all of them.
+  ``RayHost.cleanup``): a head that did not answer is taken as silent for
+  ``remember_s``, so that a head whose packets are dropped (each ask waiting its 1 s
+  out) is asked once for all of them; a head that answered is asked again each time
+  (it answers in milliseconds, and one lost after answering must not be called through:
+  Ray blocks each such call until it ends the driver).
 
 Both take what asks (``answers``) and the clock as ports: ``session.raylet_answers``,
 ``session.head_answers`` and ``time.monotonic`` in the Ray host, fakes in the tests.
@@ -28,7 +31,7 @@ log = logging.getLogger("runtime_cupy.hosts.ray")
 RAYLET_ASK_S = 1.0
 #: How many asks in a row a raylet leaves unanswered before its node counts as gone.
 RAYLET_MISSES = 3
-#: How long one answer of the cluster's head is taken for its answer now.
+#: How long a cluster's head that did not answer is taken as silent without asking.
 HEAD_REMEMBERED_S = 5.0
 
 
@@ -82,8 +85,8 @@ class RayletWatch:
 
 
 class HeadProbe:
-    """Whether the cluster's head answers: ``answers()`` asked, its answer taken for
-    ``remember_s`` (``clock``: the time now, in seconds)."""
+    """Whether the cluster's head answers: ``answers()`` asked, a silence taken for
+    ``remember_s`` (``clock``: the time now, in seconds), an answer never kept."""
 
     def __init__(
         self,
@@ -97,11 +100,12 @@ class HeadProbe:
         self._answers = answers
         self._remember_s = remember_s
         self._clock = clock
-        self._answer: tuple[float, bool] | None = None  # (when asked, what it said)
+        self._silent_since: float | None = None  # when the head last did not answer
 
     def __call__(self) -> bool:
-        if self._answer is not None and self._clock() - self._answer[0] < self._remember_s:
-            return self._answer[1]
+        silent = self._silent_since
+        if silent is not None and self._clock() - silent < self._remember_s:
+            return False
         answer = self._answers()
-        self._answer = (self._clock(), answer)
+        self._silent_since = None if answer else self._clock()
         return answer

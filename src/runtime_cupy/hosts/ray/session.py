@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,14 +42,31 @@ def connect(address: str) -> None:
     if ray.is_initialized():
         return
     try:
-        ray.init(
-            address=address,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-            namespace="gguf-pipeline",
-        )
+        with sigterm_kept():
+            ray.init(
+                address=address,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+                namespace="gguf-pipeline",
+            )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+
+
+@contextlib.contextmanager
+def sigterm_kept() -> Iterator[None]:
+    """The SIGTERM handler this process had before the block, given back after it
+    where it was a Python function: ``ray.init`` sets its own (``sys.exit``) for the
+    rest of the process, which took SIGTERM from the commands' handler (Ctrl-C's
+    ``Cancelled`` object and exit 143: ``runplan.interrupted``) or a caller's own. A
+    process with the default action keeps Ray's."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(before):
+            signal.signal(signal.SIGTERM, before)
 
 
 @contextlib.contextmanager
