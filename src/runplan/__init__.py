@@ -9,8 +9,8 @@ from runplan.check import check_plan
 from runplan.config import RuntimeConfig, SamplingConfig, Timeouts, WorkerCapabilities
 from runplan.dtypes import DTypeFamily
 from runplan.facts import GgufSource, ModelFacts
+from runplan.gguf_error import GgufError
 from runplan.gguf_facts import model_facts_from_gguf
-from runplan.gguf_header import GgufError
 from runplan.messages import (
     InboundEdgeProvision,
     OutboundEdgeProvision,

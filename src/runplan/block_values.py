@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGUFValueType
 
-from runplan.gguf_header import GgufError, GgufHeader
+from runplan.gguf_error import GgufError
+from runplan.gguf_header import GgufHeader
 
 #: The array item types llama.cpp's ``get_arr`` takes for a per-block integer.
 _ITEM_TYPES = (np.dtype(np.uint32), np.dtype(np.int32))

@@ -24,8 +24,8 @@ from runplan.check_cli import add_check_parser
 from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.dtypes import DTYPES_BY_NAME
 from runplan.facts import ModelFacts
+from runplan.gguf_error import GgufError
 from runplan.gguf_facts import model_facts_from_gguf
-from runplan.gguf_header import GgufError
 from runplan.json_errors import exception_json, print_json, rejection_fields, rejection_json
 from runplan.memory import plan_stage_memory
 from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model

@@ -6,7 +6,9 @@ import os
 
 from runplan.block_values import model_integer
 from runplan.facts import GgufSource, ModelFacts
-from runplan.gguf_header import GgufError, GgufHeader, model_id_for
+from runplan.gguf_error import GgufError
+from runplan.gguf_files import model_id_for
+from runplan.gguf_header import GgufHeader
 from runplan.layer_attention import layer_attention
 from runplan.shards import ShardKeys
 from runplan.tensor_names import (

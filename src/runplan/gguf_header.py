@@ -1,33 +1,32 @@
 """Reading GGUF headers (metadata and tensor infos), never tensor data.
 
 The bytes are parsed by ``gguf_reader`` (the gguf package's ``GGUFReader``, fast and
-strict); this module checks what they say as llama.cpp does (tensor types, shapes,
-where each tensor's data lies) and reads metadata through typed accessors. Every
-failure is a ``GgufError`` naming the file and, where there is one, the key or tensor;
-nothing takes time or memory in proportion to a count the file cannot back.
+strict); ``gguf_files`` opens each file of a source and checks each shard is the one
+its set or manifest names, ``gguf_tensors`` checks the tensor infos as llama.cpp does
+(tensor types, shapes, where each tensor's data lies); this module reads a source's
+header as one and its metadata through typed accessors. Every failure is a
+``GgufError`` (``gguf_error``) naming the file and, where there is one, the key or
+tensor; nothing takes time or memory in proportion to a count the file cannot back.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
-import struct
-from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 import numpy.typing as npt
-from attrs import frozen
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGUFValueType
 
+from runplan.gguf_error import GgufError
+from runplan.gguf_files import _check_shard, _check_shard_of, _open, split_paths
 from runplan.gguf_reader import HeaderReader
+from runplan.gguf_tensors import TensorInfo, _tensor_infos
 from runplan.shards import (
     ManifestError,
-    ShardEntry,
     ShardKeys,
-    ShardManifest,
     SliceParts,
     manifest_path,
     read_manifest,
@@ -35,68 +34,6 @@ from runplan.shards import (
 )
 from runplan.tensor_names import block_index
 from runplan.validate import U32_MAX
-
-
-class GgufError(ValueError):
-    """A GGUF file that cannot be read as a model: not GGUF, truncated, malformed, or
-    lacking a required key. Names the file and, where there is one, the key."""
-
-    def __init__(self, path: str | os.PathLike[str], message: str, key: str | None = None):
-        self.path = os.fspath(path)
-        self.key = key
-        where = f" (key {key!r})" if key is not None else ""
-        super().__init__(f"{self.path}{where}: {message}")
-
-
-@frozen
-class TensorInfo:
-    """One tensor as the header describes it. ``shape`` is llama.cpp's ``ne``,
-    fastest-varying dimension first, as llama.cpp reads it: trailing dimensions of size
-    1 dropped (``ggml_shape``), so a norm some converter stored as ``[n_embd, 1]`` is
-    ``(n_embd,)``, the shape every reader of a ``TensorInfo`` compares and slices by."""
-
-    name: str
-    ggml_type: str  # GGMLQuantizationType name, e.g. "Q4_1"
-    shape: tuple[int, ...]
-    n_bytes: int
-    file_index: int  # which file of the source holds it
-    offset: int  # absolute byte offset of the data in that file
-
-
-def ggml_shape(stored: tuple[int, ...]) -> tuple[int, ...]:
-    """A tensor's shape as stored in a GGUF file without its trailing dimensions of size
-    1 (at least one dimension kept): llama.cpp pads every shape to four dimensions with
-    1s before comparing it, so ``[n, 1]`` and ``[n, 1, 1, 1]`` are ``[n]`` to it. A 1 before
-    a larger dimension (``[1, n]``) is kept: llama.cpp refuses it where ``[n]`` belongs."""
-    end = len(stored)
-    while end > 1 and stored[end - 1] == 1:
-        end -= 1
-    return stored[:end]
-
-
-_SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-def split_paths(path: str | os.PathLike[str]) -> tuple[str, ...]:
-    """The files of the source ``path`` belongs to: itself, or every shard of its
-    llama.cpp split set (``name-00002-of-00003.gguf`` names the set too)."""
-    p = os.fspath(path)
-    m = _SPLIT_RE.match(p)
-    if m is None:
-        return (p,)
-    count = int(m["count"])
-    if count < 1 or not 1 <= int(m["no"]) <= count:
-        raise GgufError(p, f"split file name says shard {m['no']} of {m['count']}")
-    return tuple(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1))
-
-
-def model_id_for(path: str | os.PathLike[str]) -> str:
-    """The file name without ``.gguf`` and without a split suffix."""
-    name = Path(os.fspath(path)).name
-    m = _SPLIT_RE.match(name)
-    if m is not None:
-        return m["prefix"]
-    return name.removesuffix(".gguf")
 
 
 @attrs.define
@@ -380,128 +317,6 @@ def _describe(field: Any) -> str:
     if kind == GGUFValueType.STRING:
         return f"a string of {len(field.parts[-1])} bytes"
     return f"a {kind.name} ({field.parts[-1].tolist()[0]!r})"
-
-
-def _open(path: str) -> HeaderReader:
-    if not os.path.exists(path):
-        raise GgufError(path, "no such file")
-    if os.path.isdir(path):
-        raise GgufError(path, "is a directory, not a GGUF file")
-    if not os.path.isfile(path):  # a FIFO or a device: reading it may wait for ever
-        raise GgufError(path, "is not a regular file (a FIFO, a socket or a device)")
-    try:
-        with open(path, "rb") as f:
-            start = f.read(8)
-    except OSError as exc:
-        raise GgufError(path, f"cannot be read: {exc.strerror}") from exc
-    magic, version = start[:4], start[4:]
-    if magic != b"GGUF":
-        raise GgufError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    # llama.cpp's test (gguf.cpp): a version whose low 16 bits are 0 is one written
-    # big-endian. The header would read, but the tensor data is byte-swapped for every
-    # worker (the kernels and the gguf package's dequantization read little-endian).
-    if len(version) == 4 and version[:2] == b"\0\0" and version != b"\0\0\0\0":
-        raise GgufError(
-            path,
-            f"a big-endian GGUF file (version {int.from_bytes(version, 'big')} written "
-            "big-endian): only little-endian GGUF files are read, as llama.cpp reads them",
-        )
-    try:
-        return HeaderReader(path)
-    except (
-        ValueError,
-        IndexError,
-        KeyError,
-        OverflowError,
-        struct.error,
-        UnicodeDecodeError,
-    ) as exc:
-        raise GgufError(path, f"malformed or truncated header: {exc}") from exc
-    except OSError as exc:
-        raise GgufError(path, f"cannot be mapped: {exc.strerror}") from exc
-
-
-def _check_shard(shard: GgufHeader, path: str, index: int, count: int) -> None:
-    for key, want in (("split.no", index), ("split.count", count)):
-        if not shard.has(key):
-            raise GgufError(path, "a shard of a split set lacks its split key", key)
-        got = shard.integer(key)
-        if got != want:
-            raise GgufError(path, f"is {got}, expected {want} for this shard", key)
-
-
-def _tensor_infos(path: str, reader: HeaderReader, index: int) -> list[TensorInfo]:
-    """The tensors of one file, checked as llama.cpp's reader checks them: a known type,
-    a shape whose rows are whole blocks, and data that starts where the tensor before
-    it ends (rounded up to the file's alignment) and ends inside the file."""
-    alignment = int(reader.alignment)
-    data_start = int(reader.data_offset)
-    size = len(reader.data)
-    expected = 0  # where the next tensor's data must start, relative to data_start
-    out = []
-    for raw in reader.tensor_infos:
-        name, shape = raw.name, raw.shape
-        try:
-            qtype = GGMLQuantizationType(raw.raw_type)
-        except ValueError:
-            raise GgufError(path, f"tensor {name!r} has unknown GGML type {raw.raw_type}") from None
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
-        n_elems = 1
-        for d in shape:
-            n_elems *= d
-        if not shape or any(d < 1 for d in shape) or shape[0] % block_size or n_elems >= 2**63:
-            raise GgufError(
-                path, f"tensor {name!r} has shape {list(shape)}, impossible for {qtype.name}"
-            )
-        n_bytes = n_elems // block_size * type_size
-        if raw.offset != expected:
-            raise GgufError(
-                path,
-                f"tensor {name!r} has its data at offset {raw.offset}; it follows the "
-                f"tensor before it, at {expected} (each tensor's data is aligned to "
-                f"{alignment} bytes)",
-            )
-        start = data_start + raw.offset
-        if start + n_bytes > size:
-            raise GgufError(
-                path,
-                f"truncated: tensor {name!r} needs bytes up to {start + n_bytes}, "
-                f"the file has {size}",
-            )
-        expected += -(-n_bytes // alignment) * alignment
-        out.append(TensorInfo(name, qtype.name, ggml_shape(shape), n_bytes, index, start))
-    return out
-
-
-def _check_shard_of(
-    shard: GgufHeader, path: str, entry: ShardEntry, manifest: ShardManifest
-) -> None:
-    """``GgufError`` unless the shard's own keys say what its manifest says of it."""
-    parts = entry.parts
-    for key, want in (
-        (ShardKeys.LAYER_START, parts.layer_start),
-        (ShardKeys.LAYER_END, parts.layer_end_exclusive),
-    ):
-        if not shard.has(key):
-            raise GgufError(path, "a shard named by a manifest lacks its shard key", key)
-        got = shard.integer(key)
-        if got != want:
-            raise GgufError(path, f"is {got}; its manifest says {want}", key)
-    for key, flag in ((ShardKeys.EMBEDDING, parts.embedding), (ShardKeys.OUTPUT, parts.output)):
-        if shard.boolean(key, False) != flag:
-            raise GgufError(path, f"is {not flag}; its manifest says {flag}", key)
-    source = shard.string(ShardKeys.SOURCE, "")
-    if source != manifest.source:
-        raise GgufError(
-            path, f"is a shard of {source or 'no source'}, its manifest's is {manifest.source}",
-            ShardKeys.SOURCE,
-        )  # fmt: skip
-    arch = shard.string("general.architecture")
-    blocks = shard.integer(f"{arch}.block_count")
-    if blocks != manifest.block_count:
-        raise GgufError(
-            path, f"is {blocks}; its manifest says {manifest.block_count}", f"{arch}.block_count"
-        )
 
 
 def _spans(blocks: set[int]) -> str:

@@ -13,7 +13,7 @@ The package's parsing of a header is kept, with these changes:
   with more than four dimensions, an empty or repeated tensor name.
 
 Every failure is a ``ValueError`` (or an ``IndexError``, ``KeyError``,
-``UnicodeDecodeError`` from the package's own code), which ``gguf_header`` turns into a
+``UnicodeDecodeError`` from the package's own code), which ``gguf_files`` turns into a
 ``GgufError`` naming the file.
 """
 

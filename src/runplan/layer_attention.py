@@ -31,7 +31,8 @@ from collections.abc import Mapping
 from attrs import frozen
 from gguf import GGUFValueType
 
-from runplan.gguf_header import GgufError, GgufHeader
+from runplan.gguf_error import GgufError
+from runplan.gguf_header import GgufHeader
 
 
 @frozen

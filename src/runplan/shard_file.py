@@ -19,7 +19,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from runplan.content import CUT_KEY_PREFIXES
-from runplan.gguf_header import GgufError, GgufHeader
+from runplan.gguf_error import GgufError
+from runplan.gguf_header import GgufHeader
 from runplan.shards import ShardKeys, SliceParts
 
 #: ``progress(done_bytes, total_bytes)`` while a shard's tensors are written.

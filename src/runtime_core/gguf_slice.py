@@ -39,7 +39,8 @@ from gguf import GGMLQuantizationType, quants
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.gguf_facts import vocab_size
-from runplan.gguf_header import GgufHeader, TensorInfo
+from runplan.gguf_header import GgufHeader
+from runplan.gguf_tensors import TensorInfo
 from runplan.shards import SliceParts
 from runtime_core.architectures import FfnLayout, Presence, QkvLayout
 from runtime_core.errors import UnsupportedModel

@@ -49,8 +49,9 @@ import numpy as np
 from attrs import frozen
 
 from runplan.block_values import model_integer, per_block_integers
+from runplan.gguf_error import GgufError
 from runplan.gguf_facts import block_count
-from runplan.gguf_header import GgufError, GgufHeader
+from runplan.gguf_header import GgufHeader
 from runplan.layer_attention import layer_attention, number
 from runtime_core.architectures import (
     ARCHITECTURES,

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from runplan.arguments import OneLineParser, positive_int
-from runplan.gguf_header import GgufError
+from runplan.gguf_error import GgufError
 from runplan.json_errors import (
     RUN_FAULTED,
     cancelled_json,

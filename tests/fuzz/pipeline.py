@@ -39,7 +39,7 @@ from runplan import (
     plan_run,
     provision_all,
 )
-from runplan.gguf_header import GgufError
+from runplan.gguf_error import GgufError
 from runplan.models import resolve_model
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_provisioned_slice

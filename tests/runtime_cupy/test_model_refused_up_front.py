@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from gguf import GGUFValueType
 
-from runplan.gguf_header import GgufError
+from runplan.gguf_error import GgufError
 from runtime_core.errors import UnsupportedModel
 from runtime_cupy import generate
 from runtime_cupy.cli.main import main

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from attrs import frozen
 
-from runplan.gguf_header import TensorInfo
+from runplan.gguf_tensors import TensorInfo
 from runplan.quant_types import CHUNK, QUANT_TYPES, row_bytes
 from runtime_core.architectures import FfnLayout, QkvLayout
 from runtime_core.gguf_slice import (

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan import GgufSource, ProvisionStage, SamplingConfig, WorkerCapabilities
-from runplan.gguf_header import GgufError
+from runplan.gguf_error import GgufError
 from runtime_core import activations
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import StageSlice, open_provisioned_slice

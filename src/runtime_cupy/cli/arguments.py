@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from runplan.arguments import non_negative_int, parse_size, positive_int
-from runplan.gguf_header import GgufError
+from runplan.gguf_error import GgufError
 from runplan.models import DEFAULT_MODEL, ModelNotFound
 from runtime_core.recovery import DEFAULT_MAX_RECOVERIES
 from runtime_core.runs import PLACEMENTS, PlanRejected

@@ -51,7 +51,8 @@ from attrs import frozen
 
 from runplan import GgufSource
 from runplan.content import CUT_KEY_PREFIXES, hash_threads
-from runplan.gguf_header import GgufError, GgufHeader
+from runplan.gguf_error import GgufError
+from runplan.gguf_header import GgufHeader
 from runplan.shards import (
     MANIFEST_NAME,
     ShardEntry,

@@ -28,7 +28,9 @@ from attrs import evolve, frozen
 
 from runplan import GgufSource
 from runplan.content import SourceContent
-from runplan.gguf_header import GgufError, GgufHeader, model_id_for
+from runplan.gguf_error import GgufError
+from runplan.gguf_files import model_id_for
+from runplan.gguf_header import GgufHeader
 from runplan.shard_file import shard_header
 from runplan.shards import SliceParts, slice_tensor_names
 from runtime_cupy.edges.tcp_seal import protection_for

@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 
 from runplan.content import tensor_sha256
-from runplan.gguf_header import GgufError, GgufHeader
+from runplan.gguf_error import GgufError
+from runplan.gguf_header import GgufHeader
 from runplan.shards import ShardKeys, SliceParts, slice_tensor_names
 from runtime_cupy.slices.cache import CacheEntry
 from runtime_cupy.slices.digests import DigestStore, hashes_match

@@ -23,7 +23,8 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from runplan import SamplingConfig
-from runplan.gguf_header import GgufHeader, TensorInfo
+from runplan.gguf_header import GgufHeader
+from runplan.gguf_tensors import TensorInfo
 from runplan.quant_types import (
     CHUNK,
     Q8_TYPES,

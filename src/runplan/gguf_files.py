@@ -1,0 +1,123 @@
+"""The files of a GGUF source: the shards of a llama.cpp split set, named by any of
+their file names (``split_paths``, ``model_id_for``); each file opened as a GGUF file
+(``_open``: a regular file, little-endian, a header that parses); and each shard
+checked to be the one its split set (``_check_shard``) or its manifest
+(``_check_shard_of``) names."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runplan.gguf_error import GgufError
+from runplan.gguf_reader import HeaderReader
+from runplan.shards import ShardEntry, ShardKeys, ShardManifest
+
+if TYPE_CHECKING:
+    from runplan.gguf_header import GgufHeader
+
+_SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_paths(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The files of the source ``path`` belongs to: itself, or every shard of its
+    llama.cpp split set (``name-00002-of-00003.gguf`` names the set too)."""
+    p = os.fspath(path)
+    m = _SPLIT_RE.match(p)
+    if m is None:
+        return (p,)
+    count = int(m["count"])
+    if count < 1 or not 1 <= int(m["no"]) <= count:
+        raise GgufError(p, f"split file name says shard {m['no']} of {m['count']}")
+    return tuple(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1))
+
+
+def model_id_for(path: str | os.PathLike[str]) -> str:
+    """The file name without ``.gguf`` and without a split suffix."""
+    name = Path(os.fspath(path)).name
+    m = _SPLIT_RE.match(name)
+    if m is not None:
+        return m["prefix"]
+    return name.removesuffix(".gguf")
+
+
+def _open(path: str) -> HeaderReader:
+    if not os.path.exists(path):
+        raise GgufError(path, "no such file")
+    if os.path.isdir(path):
+        raise GgufError(path, "is a directory, not a GGUF file")
+    if not os.path.isfile(path):  # a FIFO or a device: reading it may wait for ever
+        raise GgufError(path, "is not a regular file (a FIFO, a socket or a device)")
+    try:
+        with open(path, "rb") as f:
+            start = f.read(8)
+    except OSError as exc:
+        raise GgufError(path, f"cannot be read: {exc.strerror}") from exc
+    magic, version = start[:4], start[4:]
+    if magic != b"GGUF":
+        raise GgufError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    # llama.cpp's test (gguf.cpp): a version whose low 16 bits are 0 is one written
+    # big-endian. The header would read, but the tensor data is byte-swapped for every
+    # worker (the kernels and the gguf package's dequantization read little-endian).
+    if len(version) == 4 and version[:2] == b"\0\0" and version != b"\0\0\0\0":
+        raise GgufError(
+            path,
+            f"a big-endian GGUF file (version {int.from_bytes(version, 'big')} written "
+            "big-endian): only little-endian GGUF files are read, as llama.cpp reads them",
+        )
+    try:
+        return HeaderReader(path)
+    except (
+        ValueError,
+        IndexError,
+        KeyError,
+        OverflowError,
+        struct.error,
+        UnicodeDecodeError,
+    ) as exc:
+        raise GgufError(path, f"malformed or truncated header: {exc}") from exc
+    except OSError as exc:
+        raise GgufError(path, f"cannot be mapped: {exc.strerror}") from exc
+
+
+def _check_shard(shard: GgufHeader, path: str, index: int, count: int) -> None:
+    for key, want in (("split.no", index), ("split.count", count)):
+        if not shard.has(key):
+            raise GgufError(path, "a shard of a split set lacks its split key", key)
+        got = shard.integer(key)
+        if got != want:
+            raise GgufError(path, f"is {got}, expected {want} for this shard", key)
+
+
+def _check_shard_of(
+    shard: GgufHeader, path: str, entry: ShardEntry, manifest: ShardManifest
+) -> None:
+    """``GgufError`` unless the shard's own keys say what its manifest says of it."""
+    parts = entry.parts
+    for key, want in (
+        (ShardKeys.LAYER_START, parts.layer_start),
+        (ShardKeys.LAYER_END, parts.layer_end_exclusive),
+    ):
+        if not shard.has(key):
+            raise GgufError(path, "a shard named by a manifest lacks its shard key", key)
+        got = shard.integer(key)
+        if got != want:
+            raise GgufError(path, f"is {got}; its manifest says {want}", key)
+    for key, flag in ((ShardKeys.EMBEDDING, parts.embedding), (ShardKeys.OUTPUT, parts.output)):
+        if shard.boolean(key, False) != flag:
+            raise GgufError(path, f"is {not flag}; its manifest says {flag}", key)
+    source = shard.string(ShardKeys.SOURCE, "")
+    if source != manifest.source:
+        raise GgufError(
+            path, f"is a shard of {source or 'no source'}, its manifest's is {manifest.source}",
+            ShardKeys.SOURCE,
+        )  # fmt: skip
+    arch = shard.string("general.architecture")
+    blocks = shard.integer(f"{arch}.block_count")
+    if blocks != manifest.block_count:
+        raise GgufError(
+            path, f"is {blocks}; its manifest says {manifest.block_count}", f"{arch}.block_count"
+        )
