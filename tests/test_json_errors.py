@@ -329,7 +329,7 @@ def test_a_cancelled_prompts_file_keeps_the_prompts_that_ended(
     their ``results`` and counts beside the ``Cancelled`` error (Ctrl-C's object was the
     error alone; SIGTERM ended the process, no JSON), the batch closed, 128 + the
     signal's number."""
-    import runtime_cupy.cli.main as cli
+    import runtime_cupy.cli.prompts_file as batch_cli
 
     closed: list[bool] = []
 
@@ -341,7 +341,7 @@ def test_a_cancelled_prompts_file_keeps_the_prompts_that_ended(
         finally:
             closed.append(True)
 
-    monkeypatch.setattr(cli, "generate_batch", two_then_the_signal)
+    monkeypatch.setattr(batch_cli, "generate_batch", two_then_the_signal)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1]}\n{"prompt_ids": [2]}\n{"prompt_ids": [3]}\n')
     argv = ["--model", files["model"], "--prompts-file", str(prompts), "--json"]

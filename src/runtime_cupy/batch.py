@@ -12,7 +12,7 @@ every prompt as a run of its own, and yields ``(index, GenerateResult)`` in the 
 the runs end; the chain is closed (every process reaped, every link freed) when the
 iterator is exhausted or closed. Each run samples with its own sampler from ``seed``
 (two equal prompts with equal settings give equal tokens). ``python -m runtime_cupy
---prompts-file FILE.jsonl`` is its command line (``cli.main``).
+--prompts-file FILE.jsonl`` is its command line (``cli.prompts_file``).
 """
 
 from __future__ import annotations

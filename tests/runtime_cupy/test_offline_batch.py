@@ -107,6 +107,7 @@ def test_the_prompts_file_with_json_prints_one_object(
     ``--json``): ``results`` in the file's order, the counts, and ``error`` when a
     prompt did not complete; each completion is a line on standard error meanwhile."""
     from runtime_cupy.cli import main as cli
+    from runtime_cupy.cli import prompts_file
 
     file = tmp_path / "prompts.jsonl"
     file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n\n" for p in PROMPTS[:3]))
@@ -123,14 +124,14 @@ def test_the_prompts_file_with_json_prints_one_object(
     assert "error" not in doc
     assert "prompt 2 (line 5): completed, " in captured.err
 
-    real = cli.generate_batch
+    real = prompts_file.generate_batch
 
     def second_faults(*args: object, **kwargs: object) -> object:
         for index, result in real(*args, **kwargs):  # type: ignore[arg-type]
             faulted = attrs.evolve(result, outcome="faulted", fault="stage 1: boom")
             yield index, faulted if index == 1 else result
 
-    monkeypatch.setattr(cli, "generate_batch", second_faults)
+    monkeypatch.setattr(prompts_file, "generate_batch", second_faults)
     assert cli.main(argv) == 1
     doc = json.loads(capsys.readouterr().out)
     assert (doc["prompts"], doc["completed"], doc["faulted"]) == (3, 2, 1)

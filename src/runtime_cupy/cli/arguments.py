@@ -23,6 +23,11 @@ from runtime_cupy.hosts.ray.cluster import ClusterError
 from runtime_cupy.serve.chain import DEFAULT_PREFILL_CHUNK, WarmChain
 from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
 
+#: The exit statuses of ``python -m runtime_cupy``: a run that faulted (or stages that
+#: could not start), and bad input.
+EXIT_FAULTED = 1
+EXIT_INPUT = 2
+
 #: What a command line that cannot be run raises before any process starts.
 INPUT_ERRORS = (ClusterError, GgufError, ModelNotFound, PlanRejected, TokenizerError,
                 ValueError, WorkerUnavailable)  # fmt: skip

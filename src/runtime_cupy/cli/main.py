@@ -4,10 +4,11 @@ through N stage processes, with the flags and output of ``python -m runtime_sim 
 prints the plan, in ``cli.plan``).
 
 ``--prompts-file FILE.jsonl`` runs every prompt of the file at once on one chain
-(``batch.generate_batch``) and prints one JSON line per prompt as it completes; with
-``--json``, one JSON object once every prompt is done (``results``: those lines, in
-the file's order; ``prompts``, ``completed``, ``faulted``; ``error`` if one faulted);
-Ctrl-C or SIGTERM closes its chain and prints what ended, beside ``Cancelled``.
+(``batch.generate_batch``, in ``cli.prompts_file``) and prints one JSON line per
+prompt as it completes; with ``--json``, one JSON object once every prompt is done
+(``results``: those lines, in the file's order; ``prompts``, ``completed``,
+``faulted``; ``error`` if one faulted); Ctrl-C or SIGTERM closes its chain and prints
+what ended, beside ``Cancelled``.
 
 Text streams to standard output as tokens arrive, then a summary; with ``--json``,
 standard output is exactly one JSON object (``tokens``, ``text``, ``outcome``,
@@ -40,24 +41,16 @@ list|clear`` (this host's slice cache, ``cli.cache``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
-from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from runplan.arguments import OneLineParser
 from runplan.config import run_positions
 from runplan.json_errors import (
-    RUN_FAULTED,
     cancelled_json,
     cancelled_status,
-    cancelled_with,
     error_json,
     exception_json,
     fault_json,
@@ -67,15 +60,15 @@ from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
-    encode_prompt,
     generation_options,
     prompt_ids,
 )
-from runtime_core.interrupt import cancellable, signal_named, signal_of, sigterm_interrupts
+from runtime_core.interrupt import signal_named, signal_of, sigterm_interrupts
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.api import GenerateResult, generate
-from runtime_cupy.batch import BatchError, generate_batch
 from runtime_cupy.cli.arguments import (
+    EXIT_FAULTED,
+    EXIT_INPUT,
     INPUT_ERRORS,
     add_cluster,
     add_devices,
@@ -86,137 +79,12 @@ from runtime_cupy.cli.arguments import (
     stage_options,
 )
 from runtime_cupy.cli.json_stdout import json_stdout, write_json
+from runtime_cupy.cli.prompts_file import _run_batch
+from runtime_cupy.cli.run_output import _print_summary, _result_json, _write_trace
 from runtime_cupy.hosts.ray.session import left_at_the_end
-from runtime_cupy.process.tracing import chrome_trace
 from runtime_cupy.serve.chain import ChainError
-from runtime_cupy.slices.progress import SliceBars, describe, figures
+from runtime_cupy.slices.progress import SliceBars
 from runtime_cupy.slices.server import StageTransfer
-
-EXIT_FAULTED = 1
-EXIT_INPUT = 2
-
-
-class PromptsFileError(ValueError):
-    """A line of ``--prompts-file`` that is no prompt, named by its line number."""
-
-
-def _read_prompts(
-    path: Path, tokenizer: Tokenizer, chat: bool
-) -> tuple[list[list[int]], list[int]]:
-    """Each line of a JSON Lines file: ``{"prompt": TEXT}`` (encoded as ``--prompt``
-    is) or ``{"prompt_ids": [IDS]}``; blank lines skipped; and each prompt's line
-    number. Lines end at a line feed only (JSON text may hold U+2028 and the like raw);
-    a byte-order mark at the start is skipped."""
-    prompts, numbers = [], []
-    try:
-        lines = path.read_text(encoding="utf-8-sig").split("\n")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PromptsFileError(f"--prompts-file {str(path)!r}: {exc}") from None
-    for number, raw in enumerate(lines, 1):
-        line = raw.removesuffix("\r")
-        if not line.strip():
-            continue
-        numbers.append(number)
-        where = f"--prompts-file {str(path)!r} line {number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PromptsFileError(f"{where}: not JSON ({exc})") from None
-        if isinstance(item, dict) and isinstance(item.get("prompt"), str) and len(item) == 1:
-            prompts.append(encode_prompt(item["prompt"], tokenizer, chat=chat))
-        elif (
-            isinstance(item, dict)
-            and len(item) == 1
-            and isinstance(item.get("prompt_ids"), list)
-            and all(type(t) is int and t >= 0 for t in item["prompt_ids"])
-        ):
-            prompts.append(list(item["prompt_ids"]))
-        else:
-            raise PromptsFileError(
-                f'{where}: {line[:80]!r} is neither {{"prompt": TEXT}} nor {{"prompt_ids": [IDS]}}'
-            )
-    if not prompts:
-        raise PromptsFileError(f"--prompts-file {str(path)!r} holds no prompt")
-    return prompts, numbers
-
-
-def _run_batch(args: argparse.Namespace) -> int:
-    """Every prompt of ``--prompts-file`` on one chain; one JSON line per prompt as it
-    completes (``index``, ``tokens``, ``text``, ``outcome``, ``fault``), or with
-    ``--json`` one object once all are done (``_batch_json``; each completion a line on
-    standard error meanwhile); exit 1 if any faulted."""
-    path = resolve_model(args.model)
-    tokenizer = Tokenizer.from_gguf(path)
-    prompts, lines = _read_prompts(args.prompts_file, tokenizer, args.chat)
-    options = generation_options(args)
-    options.pop("trace")
-    faulted = 0
-    try:
-        batch = generate_batch(
-            path, prompts, **options, **stage_options(args), max_concurrent=args.max_concurrent
-        )
-    except BatchError as exc:  # a prompt the model cannot run: named by its line
-        if exc.index is None:
-            raise
-        where = f"--prompts-file {str(args.prompts_file)!r} line {lines[exc.index]}"
-        raise PromptsFileError(f"{where}: {exc}") from None
-    results: list[dict[str, Any]] = []
-    err = plain_console(stderr=True, soft_wrap=True)
-    # SIGTERM ends the batch as Ctrl-C does; taken once the chain is made, which connects
-    # to a Ray cluster (--ray-address), whose driver sets its own handler. The prompts
-    # that ended stay the batch's.
-    with cancellable() as cancellation:
-        try:
-            for index, result in batch:
-                line = {
-                    "index": index,
-                    "tokens": list(result.tokens),
-                    "text": result.text,
-                    "outcome": result.outcome,
-                    "fault": result.fault,
-                }
-                faulted += result.outcome != "completed"
-                if args.json:
-                    results.append(line)
-                    err.print(
-                        f"prompt {index} (line {lines[index]}): {result.outcome}, "
-                        f"{len(result.tokens)} tokens ({len(results)} of {len(prompts)} "
-                        "done)",
-                        highlight=False,
-                    )
-                else:
-                    write_json(line)
-        finally:
-            batch.close()  # the chain closed, whatever ended the loop
-    if cancellation.signal_name is not None:
-        doc = _batch_json(results, len(prompts)) if args.json else None
-        return cancelled_with(doc, cancellation.signal_name, write_json)
-    if args.json:
-        write_json(_batch_json(results, len(prompts)))
-    return EXIT_FAULTED if faulted else 0
-
-
-def _batch_json(results: list[dict[str, Any]], prompts: int) -> dict[str, Any]:
-    """``--prompts-file`` with ``--json``: one object, ``results`` (each prompt that
-    ended, in the file's order), ``prompts`` (the file's), ``completed`` and ``faulted``
-    (counts of ``results``), and ``error`` (``RunFaulted``, naming the first) when a
-    prompt did not complete."""
-    results = sorted(results, key=lambda r: r["index"])
-    failed = [r for r in results if r["outcome"] != "completed"]
-    doc: dict[str, Any] = {
-        "results": results,
-        "prompts": prompts,
-        "completed": len(results) - len(failed),
-        "faulted": len(failed),
-    }
-    if failed:
-        first = failed[0]
-        message = (
-            f"{len(failed)} of {len(results)} prompts did not complete; prompt "
-            f"{first['index']}: {first['outcome']}: {first['fault'] or '-'}"
-        )
-        doc |= error_json(RUN_FAULTED, message)
-    return doc
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -294,32 +162,6 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_FAULTED
 
 
-def _write_trace(path: Path, result: GenerateResult, err: Console) -> str | None:
-    """The run's trace in ``path`` (``None``); else one line on ``err`` saying why (and
-    returned), and nothing half-written left there (what was there stays if the file
-    cannot be opened)."""
-    text = json.dumps(chrome_trace(list(result.trace or ())))
-    try:
-        out = path.open("w")
-    except OSError as exc:
-        return _trace_not_written(path, exc, err)
-    try:
-        with out:
-            out.write(text)
-    except OSError as exc:
-        if path.is_file():  # a file half-written (not a device named: /dev/full)
-            with contextlib.suppress(OSError):
-                path.unlink()
-        return _trace_not_written(path, exc, err)
-    return None
-
-
-def _trace_not_written(path: Path, exc: OSError, err: Console) -> str:
-    message = f"cannot write the trace to {path}: {exc.strerror or exc}"
-    err.print(f"error: {message}", highlight=False)
-    return message
-
-
 def _generate_recovering(
     args: argparse.Namespace, path: str, prompt: list[int], stream: TextStream
 ) -> tuple[GenerateResult, int]:
@@ -376,98 +218,6 @@ def _cancelled(
         )  # fmt: skip
     err.print("cancelled", highlight=False)
     return cancelled_status(signal_name)
-
-
-def _round(value: float | None, scale: float, digits: int) -> float | None:
-    return None if value is None else round(value * scale, digits)
-
-
-def _timings(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_len,
-        "load_s": _round(result.load_s, 1, 3),
-        "ttft_ms": _round(result.ttft_us, 1e-3, 3),
-        "tpot_ms": _round(result.tpot_us, 1e-3, 3),
-        "decode_tokens_per_s": _round(result.wall_decode_tokens_per_s, 1, 2),
-        "wall_s": round(result.wall_s, 3),
-    }
-
-
-def _frames(medium: str, encrypted: bool) -> str | None:
-    """How an edge's frames are sealed (``None``: shared memory, which seals none)."""
-    if medium != "tcp":
-        return None
-    return "encrypted" if encrypted else "authenticated"
-
-
-def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
-    procs = {s.stage_index: s for s in result.stages}
-    return {
-        "run_id": result.plan.run_id,
-        "tokens": list(result.tokens),
-        "text": result.text,
-        "outcome": result.outcome,
-        "fault": result.fault,
-        "interrupted_by": result.interrupted_by,
-        "stages": [
-            {
-                "stage_index": s.stage_index,
-                "node_id": s.node_id,
-                "layer_start": s.layer_start,
-                "layer_end_exclusive": s.layer_end_exclusive,
-                "pid": procs[s.stage_index].pid if s.stage_index in procs else None,
-                "device": procs[s.stage_index].device if s.stage_index in procs else None,
-                "exit_status": procs[s.stage_index].returncode if s.stage_index in procs else None,
-                "host": (procs[s.stage_index].host if s.stage_index in procs else None)
-                or "this host",
-            }
-            for s in result.plan.stages
-        ],
-        "edges": [
-            {
-                "edge_id": e.edge_id,
-                "kind": e.kind.name.lower(),
-                "medium": medium,
-                "frames": _frames(medium, result.encrypted_edges),
-            }
-            for e, medium in zip(result.plan.edges, result.media, strict=False)
-        ],
-        "timings": _timings(result, prompt_len),
-        "slices": figures(result.slices),
-    }
-
-
-def _print_summary(console: Console, result: GenerateResult, prompt_len: int, worker: str) -> None:
-    console.print(
-        f"{result.plan.model.model_id} through {result.plan.stage_count} stage processes "
-        f"({worker} worker, edges: {', '.join(sorted(set(result.media))) or '-'})",
-        highlight=False,
-    )
-    procs = {s.stage_index: s for s in result.stages}
-    table = Table(box=box.SIMPLE_HEAD)
-    for col in ("stage", "node", "host", "layers", "pid", "device"):
-        table.add_column(col)
-    for s in result.plan.stages:
-        proc = procs.get(s.stage_index)
-        table.add_row(
-            str(s.stage_index),
-            s.node_id,
-            (proc.host if proc else None) or "this host",
-            f"{s.layer_start}-{s.layer_end_exclusive - 1}",
-            str(proc.pid) if proc else "-",
-            "cpu" if proc is None or proc.device is None else f"gpu {proc.device}",
-        )
-    console.print(table)
-    for transfer in result.slices:
-        console.print(describe(transfer), highlight=False)
-    t = _timings(result, prompt_len)
-    status = result.outcome + (f" ({result.fault})" if result.fault else "")
-    console.print(
-        f"{len(result.tokens)} tokens, {status}. time to first token {t['ttft_ms']} ms, "
-        f"decode {t['decode_tokens_per_s']} tokens/s; load {t['load_s']} s, "
-        f"wall {t['wall_s']} s",
-        highlight=False,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
