@@ -51,7 +51,7 @@ def test_dependencies_point_down_only() -> None:
 #: TCP handshake (``edges.handshake``) and the frame seals (``edges.tcp_seal``) are
 #: protocol pieces, not media: the other authenticated TCP links (the slice server's,
 #: ``runtime_cupy.slices.protocol``) open and seal their frames with the same code.
-MEDIUM_MODULES = ("shm", "tcp", "tcp_consumer", "tcp_producer", "tcp_frames")
+MEDIUM_MODULES = ("shm", "tcp", "tcp_consumer", "tcp_door", "tcp_producer", "tcp_frames")
 
 
 def test_hosts_and_loops_reach_the_media_through_the_edge_port_only() -> None:

@@ -3,7 +3,7 @@ proves that it holds the edge's key (``keys.edge_key``, derived from the stages'
 and ``(run_id, edge_id)``); the key itself never crosses the wire.
 
 The producer speaks first, as soon as it is connected, so that a consumer can tell it
-from the strangers on its port by its first bytes (``tcp_consumer``: strangers go
+from the strangers on its port by its first bytes (``tcp_door``: strangers go
 first when the port is crowded)::
 
     producer -> consumer   HELLO      "GPTH" version:u8 protection:u8 pad:2

@@ -26,7 +26,7 @@ port's rendezvous under ``(run_id, edge_id)``; the producer looks it up and conn
 Before a record flows, both prove they hold the edge's key (``handshake``). A stranger
 on the port (garbage, a wrong key, a half-finished handshake, a producer of another
 edge, any number of idle connections) is refused, logged, and changes nothing: it never
-pushes the producer out (``tcp_consumer``), and a producer turned away before the
+pushes the producer out (``tcp_door``), and a producer turned away before the
 handshake was done connects again. Once its producer is in, the consumer stops
 listening and withdraws its address.
 
@@ -50,7 +50,8 @@ import socket
 from runplan.plan import RingSpec
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.port import EdgeSetupError, Rendezvous
-from runtime_cupy.edges.tcp_consumer import LISTEN_BACKLOG, TcpReceiveRing
+from runtime_cupy.edges.tcp_consumer import TcpReceiveRing
+from runtime_cupy.edges.tcp_door import LISTEN_BACKLOG
 from runtime_cupy.edges.tcp_frames import FRAME, RECORD, split_address
 from runtime_cupy.edges.tcp_producer import Connector, TcpSendRing
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, Protection
