@@ -32,7 +32,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from runtime_cupy.serve.answers import Answers
 from runtime_cupy.serve.chain import ChainError, WarmChain
@@ -286,15 +285,3 @@ class Engine:
         self._backoff, self._retry_at = 0.0, 0.0
         if restarted:
             log.warning("stages %s started again", list(restarted))
-
-    def describe(self) -> dict[str, Any]:
-        """For logs and /health."""
-        running, waiting_for_memory = self._started_jobs()
-        return {
-            "ready": self.ready,
-            "waiting": len(self._queue),
-            "running": running,
-            "waiting_for_memory": waiting_for_memory,
-            "failure": self.failure,
-            "trouble": self.chain.trouble,
-        }
