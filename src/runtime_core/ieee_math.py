@@ -8,7 +8,9 @@ other logits on a processor without AVX2 than here (found running the CPU worker
 emulated Sandy Bridge, ``tests/runtime_core/workers/cpu/test_cpu_other_processors.py``),
 so two hosts of one chain, or a run replayed on another host, computed other bits.
 Each operation here is rounded as IEEE 754 says whatever the vector width, so the
-results depend on the inputs alone.
+results depend on the inputs alone (with subnormal numbers kept, as they are unless a
+library built with ``-ffast-math`` turns on flush-to-zero: then the subnormal results,
+below 1e-38 in float32, are 0, as NumPy's own are).
 
 ``exp64``: ``x = k ln2 + r`` with ``k`` the nearest integer to ``x / ln2`` and ln2 in
 two parts (Cody and Waite: the first of 32 significant bits, so that ``k`` times it is
@@ -50,15 +52,17 @@ def horner(coefficients: list[float], x: F64) -> F64:
     return out
 
 
-def _ln2_parts() -> tuple[float, float]:
+def _ln2_parts() -> tuple[float, float, float]:
+    """ln 2 in two parts (``top_bits`` 32, the rest) and 1 / ln 2, as float64s, from
+    decimal (not the C library's ``log``, which another machine's could round
+    otherwise)."""
     with localcontext() as ctx:
         ctx.prec = 60
         high = top_bits(Decimal(_LN2), 32)
-        return high, float(Decimal(_LN2) - Decimal(high))
+        return high, float(Decimal(_LN2) - Decimal(high)), float(1 / Decimal(_LN2))
 
 
-_LN2_HI, _LN2_LO = _ln2_parts()
-_INV_LN2 = 1.0 / math.log(2.0)
+_LN2_HI, _LN2_LO, _INV_LN2 = _ln2_parts()
 #: exp(r) = sum r^n / n!, n = 13 .. 0, highest power first
 _EXP = [1.0 / math.factorial(n) for n in range(13, -1, -1)]
 #: beyond these, exp is 0 or infinite in float64 (and float32)

@@ -545,7 +545,8 @@ def test_without_the_head_cleanup_asks_nothing_through_it(
 def test_connecting_keeps_the_commands_sigterm_handler(monkeypatch: pytest.MonkeyPatch) -> None:
     """``ray.init`` sets its own SIGTERM handler (``sys.exit``) for the rest of the
     process: connecting gives back the one the command had (SIGTERM as Ctrl-C: the
-    ``Cancelled`` object, exit 143), and leaves Ray's where the process had none."""
+    ``Cancelled`` object, exit 143) or an ignored SIGTERM, and leaves Ray's where the
+    process had the default action."""
     import signal
 
     import ray
@@ -563,6 +564,9 @@ def test_connecting_keeps_the_commands_sigterm_handler(monkeypatch: pytest.Monke
         signal.signal(signal.SIGTERM, raise_interrupted)
         session.connect("auto")
         assert signal.getsignal(signal.SIGTERM) is raise_interrupted
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        session.connect("auto")
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         session.connect("auto")
         assert signal.getsignal(signal.SIGTERM) is rays_exit

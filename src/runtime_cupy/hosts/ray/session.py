@@ -56,16 +56,17 @@ def connect(address: str) -> None:
 @contextlib.contextmanager
 def sigterm_kept() -> Iterator[None]:
     """The SIGTERM handler this process had before the block, given back after it
-    where it was a Python function: ``ray.init`` sets its own (``sys.exit``) for the
-    rest of the process, which took SIGTERM from the commands' handler (Ctrl-C's
-    ``Cancelled`` object and exit 143: ``runplan.interrupted``) or a caller's own. A
-    process with the default action keeps Ray's."""
+    where it was a Python function or ``SIG_IGN``: ``ray.init`` sets its own
+    (``sys.exit``) for the rest of the process, which took SIGTERM from the commands'
+    handler (Ctrl-C's ``Cancelled`` object and exit 143: ``runplan.interrupted``), a
+    caller's own, or a process that ignored it. A process with the default action (or
+    a handler set from C, which Python cannot give back) keeps Ray's."""
     main = threading.current_thread() is threading.main_thread()
     before = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
     finally:
-        if main and callable(before):
+        if main and (callable(before) or before == signal.SIG_IGN):
             signal.signal(signal.SIGTERM, before)
 
 
