@@ -5,18 +5,13 @@ differs between those)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from decimal import Decimal, localcontext
 
 import numpy as np
 import pytest
 
 from runtime_core.ieee_math import exp32, exp64
-
-#: NumPy's vector code for processors newer than x86-64-v2 turned off: its baseline.
-BASELINE = "X86_V3 X86_V4 AVX512_ICL AVX512_SPR"
+from tests.support.numpy_vectors import script_words
 
 
 def _values() -> np.ndarray:
@@ -76,6 +71,7 @@ def test_element_by_element_gives_the_arrays_bits() -> None:
 SCRIPT = """
 import hashlib, numpy as np
 from runtime_core.ieee_math import exp32, exp64
+from tests.support.numpy_vectors import script_words
 x = np.random.default_rng(7).uniform(-100, 80, 200_000)
 x32 = x.astype(np.float32)
 print(hashlib.sha256(exp64(x).tobytes() + exp32(x32).tobytes()).hexdigest(),
@@ -83,21 +79,9 @@ print(hashlib.sha256(exp64(x).tobytes() + exp32(x32).tobytes()).hexdigest(),
 """
 
 
-def _hashes(env: dict[str, str]) -> tuple[str, str]:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120,
-        check=False,
-    )  # fmt: skip
-    if out.returncode != 0:
-        pytest.skip(f"NumPy did not start with NPY_DISABLE_CPU_FEATURES: {out.stderr[-300:]}")
-    ours, numpys = out.stdout.split()
-    return ours, numpys
-
-
 def test_the_bits_do_not_depend_on_numpys_vector_code() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "NPY_DISABLE_CPU_FEATURES"}
-    ours, numpys = _hashes(env)
-    ours_base, numpys_base = _hashes(dict(env, NPY_DISABLE_CPU_FEATURES=BASELINE))
+    ours, numpys = script_words(SCRIPT, baseline=False)
+    ours_base, numpys_base = script_words(SCRIPT, baseline=True)
     assert ours == ours_base
     if numpys == numpys_base:
         pytest.skip("NumPy's own exp is the same with its vector code off here: no contrast")

@@ -8,9 +8,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-import os
-import subprocess
-import sys
 from typing import Any
 
 import attrs
@@ -20,6 +17,7 @@ import pytest
 from runtime_core.f32_math import pow_f32
 from runtime_core.model_config import RopeConfig
 from runtime_core.workers.rotary import rope_rotations, sin_cos, yarn_corr_dims
+from tests.support.numpy_vectors import script_words
 
 
 def _angles() -> np.ndarray:
@@ -78,29 +76,10 @@ table = rope_rotations(rope, 4096, None)
 print(hashlib.sha256(table.tobytes()).hexdigest(), hashlib.sha256(np.cos(t).tobytes()).hexdigest())
 """
 
-#: NumPy's vector code for processors newer than x86-64-v2 turned off: its baseline.
-BASELINE = "X86_V3 X86_V4 AVX512_ICL AVX512_SPR"
-
-
-def _hashes(env: dict[str, str]) -> tuple[str, str]:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    if out.returncode != 0:
-        pytest.skip(f"NumPy did not start with NPY_DISABLE_CPU_FEATURES: {out.stderr[-300:]}")
-    table, numpy_cos = out.stdout.split()
-    return table, numpy_cos
-
 
 def test_the_table_does_not_depend_on_numpys_vector_code() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "NPY_DISABLE_CPU_FEATURES"}
-    table, numpy_cos = _hashes(env)
-    table_base, numpy_cos_base = _hashes(dict(env, NPY_DISABLE_CPU_FEATURES=BASELINE))
+    table, numpy_cos = script_words(SCRIPT, baseline=False)
+    table_base, numpy_cos_base = script_words(SCRIPT, baseline=True)
     if numpy_cos == numpy_cos_base:
         pytest.skip("NumPy's own cosines are the same with its vector code off here: no check")
     assert table == table_base  # np.cos's differ; the table's are the same

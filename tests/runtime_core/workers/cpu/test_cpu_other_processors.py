@@ -35,6 +35,7 @@ import pytest
 
 from tests.fixtures.llamacpp_fixtures import load_doc
 from tests.support.isa_greedy import greedy_runs
+from tests.support.numpy_vectors import environment
 
 ROOT = Path(__file__).resolve().parents[4]
 QEMU = shutil.which("qemu-x86_64")
@@ -108,18 +109,13 @@ def test_the_worker_takes_the_sets_the_processor_has_and_gives_their_bits(
         assert there["runs"][name] == here[name], name
 
 
-#: NumPy's vector code for processors newer than x86-64-v2 turned off: its baseline.
-NUMPY_BASELINE = "X86_V3 X86_V4 AVX512_ICL AVX512_SPR"
-
-
 def test_numpys_vector_code_changes_no_bit_of_the_worker() -> None:
     """What the emulated Sandy Bridge found, on this machine: the worker's host side
     (a mixture's routing, its shared expert's gate) runs on NumPy, whose own vector code
     (AVX2, AVX-512) gives other bits than its baseline; with it turned off the worker's
     logits must not move (``runtime_core.ieee_math``)."""
-    env = {k: v for k, v in os.environ.items() if k != "NPY_DISABLE_CPU_FEATURES"}
     models = ["tiny-llama-moe-Q4_K", "tiny-qwen2moe-Q8_0", "tiny-llama-Q4_K"]
     isa = "portable"  # the kernels' set held fixed: only NumPy's code changes
-    with_vectors = greedy_child(models, env, isa=isa)
-    without = greedy_child(models, dict(env, NPY_DISABLE_CPU_FEATURES=NUMPY_BASELINE), isa=isa)
+    with_vectors = greedy_child(models, environment(baseline=False), isa=isa)
+    without = greedy_child(models, environment(baseline=True), isa=isa)
     assert with_vectors["runs"] == without["runs"]
