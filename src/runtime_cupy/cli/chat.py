@@ -31,6 +31,7 @@ from runplan.json_errors import cancelled_status
 from runtime_core.console import TextStream, add_sampling_arguments
 from runtime_core.interrupt import signal_of
 from runtime_cupy.cli.arguments import (
+    EXIT_INPUT,
     INPUT_ERRORS,
     add_chain_arguments,
     chain_from,
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from runtime_cupy.process.chain_run import ChainRun
 
 EXIT_FAILED = 1
-EXIT_INPUT = 2
 HELP = "/reset starts over, /exit (or Ctrl-D) leaves, Ctrl-C stops an answer"
 
 

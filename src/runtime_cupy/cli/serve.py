@@ -54,6 +54,7 @@ from pathlib import Path
 
 from runplan.arguments import OneLineParser, non_negative_int, positive_int
 from runtime_cupy.cli.arguments import (
+    EXIT_INPUT,
     INPUT_ERRORS,
     add_chain_arguments,
     chain_from,
@@ -70,7 +71,6 @@ API_KEY_VARIABLE = "GGUF_PIPELINE_API_KEY"
 CLOSE_BOUND_S = 30.0
 
 EXIT_FAILED = 1
-EXIT_INPUT = 2
 #: Descriptors kept for the stages whatever the connections take: the server's own
 #: (listening socket, event loop) and the chain's (per stage its control channel and
 #: lifeline; while one starts again its pipes, socket pair and log; a run's wake-up

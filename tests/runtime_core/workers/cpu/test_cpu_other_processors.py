@@ -66,7 +66,8 @@ def qemu_problem() -> str | None:
     return None
 
 
-needs_qemu = pytest.mark.skipif(qemu_problem() is not None, reason=str(qemu_problem()))
+QEMU_PROBLEM = qemu_problem()
+needs_qemu = pytest.mark.skipif(QEMU_PROBLEM is not None, reason=str(QEMU_PROBLEM))
 
 
 def greedy_child(
