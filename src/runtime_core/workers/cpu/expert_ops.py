@@ -74,7 +74,7 @@ class CpuExpertOps:
         b = self._pair_buffers(pairs, rows, experts.used, f)
         np.take(self.buf.views["xn"][:rows], pair_rows, axis=0, out=b["xs"])
         self._expert_products(experts.gate_up, at, b, "xs", b["h"])
-        self.kernels.swiglu(b["h"], b["act"], pairs, f, self.threads)
+        self.kernels.swiglu(b["h"], b["act"], pairs, f, self.threads, isa=self.isa)
         self._expert_products(experts.down, at, b, "act", b["out"])
         b["out"] *= routing.weights[pair_rows, pair_slots][:, None]
         b["slotted"][pair_slots, pair_rows] = b["out"]

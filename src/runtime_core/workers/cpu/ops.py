@@ -445,17 +445,17 @@ class CpuOps(CpuExpertOps):
         self._written("att")
 
     def swiglu(self, rows: int) -> None:
-        self._gated(self.kernels.swiglu, rows)
+        self._gated(self.kernels.swiglu, rows, isa=self.isa)  # its exp32 (csrc/exp32.h)
 
     def geglu(self, rows: int) -> None:
         self._gated(self.kernels.geglu, rows)
 
-    def _gated(self, kernel: Any, rows: int) -> None:
+    def _gated(self, kernel: Any, rows: int, **isa: str | None) -> None:
         b = self.buf
         h = b.views["h"]
         f = h.shape[1] // 2
         act = b.views["act"] = b.act_flat[: rows * f].reshape(rows, f)
-        kernel(h, act, rows, f, self.threads)
+        kernel(h, act, rows, f, self.threads, **isa)
         self._written("act")
 
     def softcap(self, cap: float, rows: int) -> None:

@@ -211,13 +211,18 @@ int parse_rmsnorm(PyObject *args, Call *c) {
     return 0;
 }
 
-int parse_gated(PyObject *args, CallKind kind, Call *c) {
+int parse_gated(PyObject *args, PyObject *kwds, CallKind kind, Call *c) {
+    static char *kwlist[] = {"", "", "", "", "", "isa", NULL};
     PyObject *ho, *ao;
     long long rows, f;
     int threads;
+    const char *isa_name = NULL;
     start(c, kind);
-    if (!PyArg_ParseTuple(args, "OOLLi", &ho, &ao, &rows, &f, &threads)) return -1;
-    if (check_threads(threads) < 0 || check_rows(rows, f) < 0) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLi|$z", kwlist, &ho, &ao, &rows, &f, &threads,
+                                     &isa_name))
+        return -1;
+    if (!(c->isa = isa_named(isa_name)) || check_threads(threads) < 0 || check_rows(rows, f) < 0)
+        return -1;
     if (get_buf(ho, &c->bufs[0], "f", 0, rows * 2 * f, "h") < 0 ||
         get_buf(ao, &c->bufs[1], "f", 1, rows * f, "act") < 0)
         return -1;
@@ -541,7 +546,7 @@ int call_run(Call *c) {
                      c->a.norm.eps, c->a.norm.accumulate, threads);
         return 0;
     case CALL_SWIGLU:
-        swiglu_rows(c->a.gated.h, c->a.gated.act, c->a.gated.rows, c->a.gated.f, threads);
+        swiglu_rows(c->isa, c->a.gated.h, c->a.gated.act, c->a.gated.rows, c->a.gated.f, threads);
         return 0;
     case CALL_GEGLU:
         geglu_rows(c->a.gated.h, c->a.gated.act, c->a.gated.rows, c->a.gated.f, threads);

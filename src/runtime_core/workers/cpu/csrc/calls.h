@@ -164,7 +164,8 @@ typedef struct {
  * 0, or -1 with an exception set (call_release still frees what was taken). */
 int parse_linear(PyObject *args, PyObject *kwds, Call *c);
 int parse_rmsnorm(PyObject *args, Call *c);
-int parse_gated(PyObject *args, CallKind kind, Call *c);
+/* swiglu's and geglu's (h, act, rows, f, threads, *, isa=None) */
+int parse_gated(PyObject *args, PyObject *kwds, CallKind kind, Call *c);
 int parse_softcap(PyObject *args, Call *c);
 int parse_scale(PyObject *args, Call *c);
 int parse_add_scaled(PyObject *args, Call *c);

@@ -10,6 +10,7 @@
  * terms in one vector, added to the 8 running sums, lane i taking block i mod 8.
  */
 #include "dot.h"
+#include "exp32.h"
 #include "repack.h"
 
 #ifdef GPP_HAVE_AVX2
@@ -721,6 +722,7 @@ const Isa ISA_AVX2 = {
      [T_Q5_K] = x8_q5_k, [T_Q6_K] = x8_q6_k, [T_IQ4_NL] = x8_iq4_nl, [T_IQ4_XS] = x8_iq4_xs},
     {NULL}, /* no 512-bit vectors */
     .quantize = quantize_row_avx2,
+    .exp32 = exp32_avx2,
 };
 
 #endif

@@ -10,6 +10,7 @@
  * (b32_tile). The same bits as every other set (dot.h): the integer sums are exact, the
  * float terms dot.h's in its order. */
 #include "dot.h"
+#include "exp32.h"
 
 #ifdef GPP_HAVE_AVX512
 
@@ -26,6 +27,7 @@ const Isa *isa_avx512bw(void) {
     if (!avx512bw.name) { /* once, at import (under the GIL) */
         avx512bw = ISA_AVX2;
         avx512bw.name = "avx512bw";
+        avx512bw.exp32 = exp32_avx512;
         x16_fill(avx512bw.q8_x16);
     }
     return &avx512bw;

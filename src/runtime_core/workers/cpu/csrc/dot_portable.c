@@ -3,6 +3,7 @@
 #include <math.h>
 
 #include "dot.h"
+#include "exp32.h"
 #include "repack.h"
 
 const char *const QTYPE_NAMES[T_COUNT] = {
@@ -481,4 +482,5 @@ const Isa ISA_PORTABLE = {
     {[T_Q4_0] = x8_Q4_0, [T_Q4_1] = x8_Q4_1},
     {NULL},
     .quantize = quantize_row,
+    .exp32 = exp32_portable,
 };

@@ -319,6 +319,29 @@ done:
     return result;
 }
 
+/* ---- exp32 (ieee_math.exp32 calls it) ---------------------------------------------------- */
+
+static PyObject *py_exp32(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kwlist[] = {"", "", "isa", NULL};
+    PyObject *xo, *yo;
+    const char *isa_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$z", kwlist, &xo, &yo, &isa_name)) return NULL;
+    const Isa *isa = isa_named(isa_name);
+    if (!isa) return NULL;
+    Buf x = {0}, y = {0};
+    PyObject *result = NULL;
+    if (get_buf(xo, &x, "f", 0, -1, "x") < 0) goto done;
+    Py_ssize_t n = x.view.len / (Py_ssize_t)sizeof(float);
+    if (get_buf(yo, &y, "f", 1, n, "y") < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    isa->exp32((const float *)x.view.buf, (float *)y.view.buf, n);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    release(&x); release(&y);
+    return result;
+}
 
 /* ---- linear ------------------------------------------------------------------------------ */
 
@@ -375,8 +398,13 @@ static PyObject *py_attention(PyObject *self, PyObject *args, PyObject *kwds) {
     }
 
 NOW(rmsnorm, parse_rmsnorm(args, &c))
-NOW(swiglu, parse_gated(args, CALL_SWIGLU, &c))
-NOW(geglu, parse_gated(args, CALL_GEGLU, &c))
+NOW(geglu, parse_gated(args, NULL, CALL_GEGLU, &c))
+
+static PyObject *py_swiglu(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    Call c;
+    return run_now(&c, parse_gated(args, kwds, CALL_SWIGLU, &c));
+}
 NOW(softcap, parse_softcap(args, &c))
 NOW(scale, parse_scale(args, &c))
 NOW(add_scaled, parse_add_scaled(args, &c))
@@ -406,7 +434,9 @@ static PyMethodDef methods[] = {
      "computes it (on the instruction set named, default the best: the same bits on each)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS,
      "rmsnorm(x, weight, out, rows, n, eps, threads, accumulate=False): out (+)= rmsnorm(x) * weight"},
-    {"swiglu", py_swiglu, METH_VARARGS, "swiglu(h, act, rows, ffn, threads): silu(gate) * up"},
+    {"swiglu", (PyCFunction)(void (*)(void))py_swiglu, METH_VARARGS | METH_KEYWORDS,
+     "swiglu(h, act, rows, ffn, threads, *, isa=None): silu(gate) * up, silu(g) = g / (1 + "
+     "exp32(-g))"},
     {"geglu", py_geglu, METH_VARARGS,
      "geglu(h, act, rows, ffn, threads): gelu(gate) * up, gelu as llama.cpp's table of halves"},
     {"softcap", py_softcap, METH_VARARGS, "softcap(logits, cap, threads): cap * tanh(logits / cap)"},
@@ -429,6 +459,9 @@ static PyMethodDef methods[] = {
      "none), then the step's rows (when given) to the ring"},
     {"embed", py_embed, METH_VARARGS, "embed(table, ids, out, threads): rows of a table, dequantized"},
     {"argmax", py_argmax, METH_O, "argmax(logits) -> (first index of the largest finite, non-finite count)"},
+    {"exp32", (PyCFunction)(void (*)(void))py_exp32, METH_VARARGS | METH_KEYWORDS,
+     "exp32(x, y, *, isa=None): y[i] = exp(x[i]) for every float32 of x, the same bits on every "
+     "machine (exp32.h: runtime_core.ieee_math.exp32's)"},
     {"isas", py_isas, METH_NOARGS,
      "the instruction sets this host runs, portable first, the best last (the default)"},
     {NULL, NULL, 0, NULL},

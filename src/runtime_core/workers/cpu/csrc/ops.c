@@ -293,31 +293,39 @@ void qk_norm_rows(float *qkv, int64_t rows, const float *bias, const float *q_no
 }
 
 typedef struct {
+    const Isa *isa;
     const float *h;
     float *act;
     int64_t f, total;
 } SwigluJob;
 
+#define EXP_PIECE 256 /* values whose exp32 one call computes (on the stack) */
+
 static void swiglu_item(void *ctx, int64_t item) {
     const SwigluJob *J = ctx;
     int64_t end = (item + 1) * ELEMWISE < J->total ? (item + 1) * ELEMWISE : J->total;
-    /* element i = (row j, column e), walked without a division per element */
+    /* element i = (row j, column e): pieces of a row's columns, at most EXP_PIECE */
     int64_t i = item * ELEMWISE, j = i / J->f, e = i - j * J->f;
-    const float *gate = J->h + j * 2 * J->f;
-    for (; i < end; ++i) {
-        float g = gate[e], u = gate[J->f + e];
-        J->act[i] = g / (1.0f + expf(-g)) * u;
-        if (++e == J->f) {
+    float t[EXP_PIECE];
+    while (i < end) {
+        const float *gate = J->h + j * 2 * J->f + e, *up = gate + J->f;
+        int64_t n = end - i < J->f - e ? end - i : J->f - e;
+        if (n > EXP_PIECE) n = EXP_PIECE;
+        for (int64_t k = 0; k < n; ++k) t[k] = -gate[k];
+        J->isa->exp32(t, t, n);
+        for (int64_t k = 0; k < n; ++k) J->act[i + k] = gate[k] / (1.0f + t[k]) * up[k];
+        i += n;
+        if ((e += n) == J->f) {
             e = 0;
-            gate += 2 * J->f;
+            ++j;
         }
     }
 }
 
-void swiglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads) {
-    SwigluJob J = {h, act, f, rows * f};
+void swiglu_rows(const Isa *isa, const float *h, float *act, int64_t rows, int64_t f, int threads) {
+    SwigluJob J = {.isa = isa, .h = h, .act = act, .f = f, .total = rows * f};
     int64_t items = (J.total + ELEMWISE - 1) / ELEMWISE;
-    pool_run(pool_threads(threads, 16 * J.total), items, swiglu_item, &J); /* expf: ~16 units */
+    pool_run(pool_threads(threads, 16 * J.total), items, swiglu_item, &J); /* exp32: ~16 units */
 }
 
 /* GELU as llama.cpp's CPU path computes it: a table of halves, gelu(v) rounded to half
@@ -354,7 +362,7 @@ static void geglu_item(void *ctx, int64_t item) {
 }
 
 void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads) {
-    SwigluJob J = {h, act, f, rows * f};
+    SwigluJob J = {.h = h, .act = act, .f = f, .total = rows * f}; /* no isa: no exp */
     int64_t items = (J.total + ELEMWISE - 1) / ELEMWISE;
     pool_run(pool_threads(threads, 16 * J.total), items, geglu_item, &J);
 }
@@ -610,11 +618,10 @@ static void attention_item(void *ctx, int64_t it) {
         for (int64_t t = 0; t < n_ctx; ++t) scores[t] = tanhf(scores[t] * inv) * J->softcap;
     }
     float m = scores_max(scores, n_ctx);
+    for (int64_t t = 0; t < n_ctx; ++t) scores[t] = scores[t] - m;
+    J->isa->exp32(scores, scores, n_ctx);
     float sum = 0.0f;
-    for (int64_t t = 0; t < n_ctx; ++t) {
-        scores[t] = expf(scores[t] - m);
-        sum += scores[t];
-    }
+    for (int64_t t = 0; t < n_ctx; ++t) sum += scores[t];
     float *o = J->out + (r * hd->n_heads + h) * hd->hd_v;
     memset(o, 0, sizeof(float) * (size_t)hd->hd_v);
     at = 0;

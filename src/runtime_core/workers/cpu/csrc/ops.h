@@ -51,7 +51,8 @@ int linear_spans(const Isa *isa, const Span *spans, int n_spans, const XRows *x,
 void rmsnorm_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, double eps,
                   int accumulate, int threads);
 
-void swiglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads);
+/* act = silu(gate) * up: gate / (1 + exp32(-gate)) * up (exp32.h) */
+void swiglu_rows(const Isa *isa, const float *h, float *act, int64_t rows, int64_t f, int threads);
 
 /* act = gelu(gate) * up, gelu as llama.cpp's table of halves (gelu_table_init fills it) */
 void gelu_table_init(void);

@@ -203,8 +203,13 @@ fail:
     }
 
 RECORD(rmsnorm, parse_rmsnorm(args, c))
-RECORD(swiglu, parse_gated(args, CALL_SWIGLU, c))
-RECORD(geglu, parse_gated(args, CALL_GEGLU, c))
+RECORD(geglu, parse_gated(args, NULL, CALL_GEGLU, c))
+
+static PyObject *Program_swiglu(ProgramObject *self, PyObject *args, PyObject *kwds) {
+    Entry *e = new_entry(self);
+    if (!e) return NULL;
+    return keep(self, e, parse_gated(args, kwds, CALL_SWIGLU, &e->call));
+}
 RECORD(softcap, parse_softcap(args, c))
 RECORD(scale, parse_scale(args, c))
 RECORD(add_scaled, parse_add_scaled(args, c))
@@ -403,7 +408,7 @@ static PyGetSetDef Program_getset[] = {
 static PyMethodDef Program_methods[] = {
     {"linear", KW Program_linear, METH_VARARGS | METH_KEYWORDS, "records linear(...)"},
     {"rmsnorm", (PyCFunction)Program_rmsnorm, METH_VARARGS, "records rmsnorm(...)"},
-    {"swiglu", (PyCFunction)Program_swiglu, METH_VARARGS, "records swiglu(...)"},
+    {"swiglu", KW Program_swiglu, METH_VARARGS | METH_KEYWORDS, "records swiglu(...)"},
     {"geglu", (PyCFunction)Program_geglu, METH_VARARGS, "records geglu(...)"},
     {"softcap", (PyCFunction)Program_softcap, METH_VARARGS, "records softcap(...)"},
     {"scale", (PyCFunction)Program_scale, METH_VARARGS, "records scale(...)"},
