@@ -172,9 +172,10 @@ def test_sigterm_while_the_modules_load_is_the_cancelled_object(package: str, cl
     _cancelled_by_sigterm(done.returncode, done.stdout, done.stderr)
 
 
-# NumPy (the models' and the workers'): the packages' ``__init__`` imported it, with the
-# whole runtime, before ``__main__``'s first line set the handler.
-FIRST_IMPORTS = ["numpy"]
+# The first modules past the standard library that every command imports: attrs (the
+# values') and NumPy (the models' and the workers'). The packages' ``__init__`` imported
+# them, with the whole runtime, before ``__main__``'s first line set the handler.
+FIRST_IMPORTS = ["attrs", "numpy"]
 
 
 @pytest.mark.parametrize("target", FIRST_IMPORTS)
@@ -183,9 +184,10 @@ def test_sigterm_as_a_command_first_imports_a_module_is_the_cancelled_object(
     package: str, target: str
 ) -> None:
     """The package imports nothing of its own (its names load on first use,
-    ``runplan.lazy_exports``): a SIGTERM as the runtime loads cancels the command (it
-    ended the process, exit -15, standard output empty, when the package's ``__init__``
-    imported it)."""
+    ``runplan.lazy_exports``) and ``__main__`` sets the handler before any other module:
+    a SIGTERM from the first third-party import on cancels the command (it ended the
+    process, exit -15, standard output empty, when the package's ``__init__`` imported
+    them)."""
     done = _python(_TERMINATED_IMPORT, package, target, "kill", "run", "--json")
     _cancelled_by_sigterm(done.returncode, done.stdout, done.stderr)
 
