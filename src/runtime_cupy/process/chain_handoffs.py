@@ -4,9 +4,9 @@ close) through a lock-guarded queue and a byte on the wake-up pipe, taken by the
 its next turn; runs that ended handed back to their callers; and a run handed over once
 the loop returned for good, ended at once.
 
-Runs that wait for KV memory (``kv_waits``; a runner given ``run_ids``, as a warm
-chain's is): a run that a stage refused (``ProvisionRefused``) while other runs held KV
-cache on it does not end; it is offered again, under a new run id, when another run on
+Runs that wait for KV memory (``kv_waits``, new ids from the runner's ``run_ids``): a
+run that a stage refused (``ProvisionRefused``) while other runs held KV cache on it
+does not end; it is offered again, under a new run id, when another run on
 the chain ends (``ChainRun.former_ids``: its ids before). One that could never fit ends
 faulted, its fault naming its size against the stage's whole budget.
 """
@@ -43,7 +43,7 @@ class RunHandoffs:
     _adds: list[ChainRun]
     _cancels: list[tuple[str, str]]
     _runs: dict[str, ChainRun]
-    kv_waits: KvWaits[ChainRun] | None
+    kv_waits: KvWaits[ChainRun]
     _closing: bool
     _abandon: bool
     _over: bool
@@ -119,7 +119,7 @@ class RunHandoffs:
             self._runs[run.run_id] = run
             log.info("run %s added (%d in flight)", run_label(run.run_id), len(self._runs))
         for run_id, why in cancels:
-            held = self.kv_waits.take(run_id) if self.kv_waits is not None else None
+            held = self.kv_waits.take(run_id)
             if held is not None:
                 finished = fsm.RunFinished(StopReason.CANCELLED, (), None, None, ())
                 held._ended_unstarted(finished)
@@ -142,17 +142,15 @@ class RunHandoffs:
         for run_id, run in list(self._runs.items()):
             if run.handle is not None and run.handle.finished is not None:
                 del self._runs[run_id]
-                if waits is not None and live and run.cancelled is None and waits.holds(run):
+                if live and run.cancelled is None and waits.holds(run):
                     run.held_for_memory = True
                     log.info("run %s waits for KV memory", run_label(run_id))
                     continue
-                if waits is not None:
-                    waits.forget(run)
+                waits.forget(run)
                 _cancelled_as_refused(run)
                 run._end()
-                if waits is not None:
-                    waits.ended()
-        if waits is not None and live:
+                waits.ended()
+        if live:
             again = waits.due()
             if not again and not self._runs and not self._adds_pending():
                 again = waits.first()  # nothing left to end and free memory
@@ -167,15 +165,13 @@ class RunHandoffs:
         """A run held for KV memory is offered to the chain again (its new run id)."""
         run.held_for_memory = False
         if run.cancelled is not None:  # cancelled while it was held: it ends so
-            if self.kv_waits is not None:
-                self.kv_waits.forget(run)
+            self.kv_waits.forget(run)
             run._ended_unstarted(fsm.RunFinished(StopReason.CANCELLED, (), None, None, ()))
             return
         try:
             run.handle = self.orchestrator.add_run(run.plan, run.prompt, on_token=run._token)
         except ValueError as exc:  # not for the plan it was first added with
-            if self.kv_waits is not None:
-                self.kv_waits.forget(run)
+            self.kv_waits.forget(run)
             run._refused(exc)
             return
         self._runs[run.run_id] = run

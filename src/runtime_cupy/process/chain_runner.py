@@ -54,7 +54,7 @@ from runtime_cupy.process.chain_run import ChainRun, OnLogits, OnToken
 from runtime_cupy.process.chain_stages import ChainStages, RunnerChannels, RunnerStage
 from runtime_cupy.process.control_channel import ChannelBroken
 from runtime_cupy.process.keys import chain_id, new_secret
-from runtime_cupy.process.names import run_label
+from runtime_cupy.process.names import new_run_id, run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
 from runtime_cupy.process.timers import RunDeadlines
 from runtime_cupy.process.tracing import Event, TraceLog
@@ -93,7 +93,7 @@ class ChainRunner(ChainStages, RunHandoffs):
         secret: bytes | None = None,
         kept: Mapping[int, StageHandle] | None = None,
         generation: int = 0,
-        run_ids: Callable[[], str] | None = None,
+        run_ids: Callable[[], str] = new_run_id,
     ) -> None:
         # ``kept``: stages of a chain this one replaces, by stage index, that join this
         # chain instead of being started (``hosts.port.JoinsChains`` handles of the same
@@ -138,9 +138,9 @@ class ChainRunner(ChainStages, RunHandoffs):
         self._adds: list[ChainRun] = []
         self._cancels: list[tuple[str, str]] = []
         self._runs: dict[str, ChainRun] = {}  # submitted and not yet ended
-        #: Runs refused for KV memory that wait for another run's end (``kv_waits``;
-        #: ``None``: no ``run_ids``, such a run ends faulted).
-        self.kv_waits: KvWaits[ChainRun] | None = KvWaits(run_ids) if run_ids is not None else None
+        #: Runs refused for KV memory that wait for another run's end (``kv_waits``),
+        #: each offered again under a new id from ``run_ids``
+        self.kv_waits: KvWaits[ChainRun] = KvWaits(run_ids)
         self._closing = False
         self._abandon = False
         self._over = False  # the loop returned for good: nothing takes a run handed over
@@ -241,7 +241,7 @@ class ChainRunner(ChainStages, RunHandoffs):
     @property
     def in_flight(self) -> int:
         """Runs submitted and not yet ended."""
-        return len(self._runs) + len(self._adds) + len(self.kv_waits or ())
+        return len(self._runs) + len(self._adds) + len(self.kv_waits)
 
     # -- the loop ---------------------------------------------------------------------------
     def loop(self, until: Callable[[], bool] | None = None) -> None:

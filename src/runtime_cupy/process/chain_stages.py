@@ -99,7 +99,7 @@ class ChainStages:
     stage_by_node: dict[str, RunnerStage]
     orchestrator: ChainOrchestrator
     _runs: dict[str, ChainRun]
-    kv_waits: KvWaits[ChainRun] | None
+    kv_waits: KvWaits[ChainRun]
     dead: str | None
 
     if TYPE_CHECKING:
@@ -283,9 +283,8 @@ class ChainStages:
                 log.info("received %s from %r", name, item.sender)
                 self.trace.instant(f"recv {name}", sender=item.sender)
                 self._emit("received", sender=item.sender, message=item.message)
-                if self.kv_waits is not None:
-                    run = self._runs.get(str(getattr(item.message, "run_id", "")))
-                    self.kv_waits.heard(item.message, run, self.orchestrator.kv_reserved())
+                run = self._runs.get(str(getattr(item.message, "run_id", "")))
+                self.kv_waits.heard(item.message, run, self.orchestrator.kv_reserved())
                 self.orchestrator.handle(fsm.Received(item.sender, item.message))
             elif isinstance(item, Unreadable):  # signed: the stage's own
                 log.error("stage %d's frame could not be read: %s", stage.index, item.reason)
