@@ -43,11 +43,12 @@
   weights a decode step reads (every block's and the head's as the file stores them, one
   embedding row; float32 copies for the reference worker) over the median step time, as
   GB/s and as a share of this machine's read bandwidth measured here (as many threads
-  each taking the maximum of its part of a 1 GiB float64 buffer, NumPy's vectorized
-  reduction with no work per element beyond a compare, best of 5, measured again before
-  each model's runs and the best kept); the process's CPU time per decode token and per
-  prompt token (every thread's; at 1 thread, the ratio a busy host distorts least,
-  printed beside the wall-clock ratio). Also: warm start, the seconds from launching an
+  each reading its part of a 1 GiB buffer in vector loads, ``csrc/read_probe.c``
+  compiled here with ``-march=native``, best of 5, measured again before each model's
+  runs and the best kept; NumPy's maximum over the parts where no C compiler is
+  found); the process's CPU time per decode token and per prompt token (every thread's;
+  at 1 thread, the ratio a busy host distorts least, printed beside the wall-clock
+  ratio). Also: warm start, the seconds from launching an
   interpreter to a bound SmolLM2 CPU worker that has decoded one token (the kernels are
   compiled when the package is installed).
 - Targets (issue 26), printed as measured with PASS / MISS (nothing here is asserted):
@@ -352,11 +353,46 @@ def run_child(runner: str, args: dict[str, Any], llamacpp: dict[str, str]) -> di
 # ---- what is measured ----------------------------------------------------------------------
 
 
+#: the read probe (``csrc/read_probe.c``), compiled once per run of the script
+READ_PROBE = ROOT / "benchmarks" / "csrc" / "read_probe.c"
+_probe: dict[str, Path | str] = {}
+
+
+def build_read_probe(folder: Path) -> Path | str:
+    """``csrc/read_probe.c`` compiled into ``folder`` (the C compiler ``CC``, else gcc,
+    for this processor), or why it could not be (a message)."""
+    out = folder / "read_probe"
+    cc = os.environ.get("CC", "gcc")
+    cmd = [cc, "-O3", "-march=native", "-pthread", str(READ_PROBE), "-o", str(out)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        return f"{cc}: {exc}"
+    return out if done.returncode == 0 else f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}"
+
+
+def _read_probe() -> Path | str:
+    """The probe compiled once per run of the script (``build_read_probe``)."""
+    if "exe" not in _probe:
+        _probe["exe"] = build_read_probe(Path(tempfile.mkdtemp(prefix="gguf-pipeline-probe-")))
+    return _probe["exe"]
+
+
 def read_bandwidth(threads: int) -> float:
-    """Bytes per second ``threads`` threads read taking the maximum of a 1 GiB buffer of
-    float64, a part each (NumPy's vectorized maximum: one compare per element, where its
-    pairwise sum, used before, adds enough work to read this host's memory at about half
-    the rate; best of 5)."""
+    """Bytes per second ``threads`` threads read from a 1 GiB buffer, a part each, best of
+    5: ``csrc/read_probe.c`` (vector loads into independent running XORs, each thread's
+    part on its own memory node). Where no C compiler builds it, NumPy's maximum over
+    the parts (which read this host at 33-37 GB/s on one thread where the C probe read
+    38-42), said on stderr."""
+    probe = _read_probe()
+    if isinstance(probe, Path):
+        done = subprocess.run(
+            [str(probe), str(threads), "1024", "5"], capture_output=True, text=True, check=True
+        )
+        return float(done.stdout.split()[0])
+    if "warned" not in _probe:
+        print(f"read probe not compiled ({probe}); NumPy's maximum instead", file=sys.stderr)
+        _probe["warned"] = "yes"
     buf = np.ones(1 << 27, np.float64)  # 1 GiB, touched
     parts = np.array_split(buf, threads)
     best = 0.0

@@ -1,0 +1,27 @@
+"""benchmarks/cpu_decode.py's read probe (``benchmarks/csrc/read_probe.c``) builds and
+reads: a rate for one and two threads, and a usage error for bad arguments."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from benchmarks import cpu_decode
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the probe")
+
+
+def test_the_probe_builds_and_reports_a_rate(tmp_path: Path) -> None:
+    probe = cpu_decode.build_read_probe(tmp_path)
+    assert isinstance(probe, Path), probe
+    for threads in ("1", "2"):
+        done = subprocess.run(
+            [str(probe), threads, "16", "2"], capture_output=True, text=True, check=True
+        )
+        rate, sink = done.stdout.split()
+        assert float(rate) > 1e8, done.stdout  # bytes a second: at least 0.1 GB/s
+        assert sink in ("0", "1")
+    bad = subprocess.run([str(probe), "0", "16", "2"], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "bad THREADS 0" in bad.stderr
