@@ -63,10 +63,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -362,19 +364,21 @@ def build_read_probe(folder: Path) -> Path | str:
     """``csrc/read_probe.c`` compiled into ``folder`` (the C compiler ``CC``, else gcc,
     for this processor), or why it could not be (a message)."""
     out = folder / "read_probe"
-    cc = os.environ.get("CC", "gcc")
-    cmd = [cc, "-O3", "-march=native", "-pthread", str(READ_PROBE), "-o", str(out)]
+    cc = shlex.split(os.environ.get("CC", "gcc")) or ["gcc"]  # "ccache gcc" too
+    cmd = [*cc, "-O3", "-march=native", "-pthread", str(READ_PROBE), "-o", str(out)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:
-        return f"{cc}: {exc}"
+        return f"{cc[0]}: {exc}"
     return out if done.returncode == 0 else f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}"
 
 
 def _read_probe() -> Path | str:
     """The probe compiled once per run of the script (``build_read_probe``)."""
     if "exe" not in _probe:
-        _probe["exe"] = build_read_probe(Path(tempfile.mkdtemp(prefix="gguf-pipeline-probe-")))
+        folder = Path(tempfile.mkdtemp(prefix="gguf-pipeline-probe-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _probe["exe"] = build_read_probe(folder)
     return _probe["exe"]
 
 
@@ -387,11 +391,13 @@ def read_bandwidth(threads: int) -> float:
     probe = _read_probe()
     if isinstance(probe, Path):
         done = subprocess.run(
-            [str(probe), str(threads), "1024", "5"], capture_output=True, text=True, check=True
+            [str(probe), str(threads), "1024", "5"], capture_output=True, text=True, check=False
         )
-        return float(done.stdout.split()[0])
+        if done.returncode == 0:
+            return float(done.stdout.split()[0])
+        probe = f"it failed ({done.returncode}): {done.stderr.strip()[-300:]}"
     if "warned" not in _probe:
-        print(f"read probe not compiled ({probe}); NumPy's maximum instead", file=sys.stderr)
+        print(f"read probe not run ({probe}); NumPy's maximum instead", file=sys.stderr)
         _probe["warned"] = "yes"
     buf = np.ones(1 << 27, np.float64)  # 1 GiB, touched
     parts = np.array_split(buf, threads)

@@ -44,7 +44,8 @@ def _lazy_map(package: str) -> dict[str, str]:
     calls = [
         node
         for node in ast.walk(_init(package))
-        if isinstance(node, ast.Call) and ast.unparse(node.func) == "lazy_exports"
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) in ("lazy_exports", "_lazy_exports")
     ]
     assert len(calls) == 1, package
     exports: dict[str, list[str]] = ast.literal_eval(calls[0].args[1])
@@ -136,3 +137,24 @@ def test_a_name_is_imported_once_then_held_by_the_package() -> None:
     dumps = getattr_("dumps")
     assert dumps is sys.modules["json"].dumps
     assert namespace["dumps"] is dumps
+
+
+def test_no_package_keeps_the_helper_as_a_name() -> None:
+    """``runplan.lazy_exports`` is the module (an ``__init__`` that imported the function
+    under its own name made the package's attribute the function), and no package keeps
+    the helper among its names."""
+    code = (
+        "import runplan, runtime_core, runtime_cupy, runtime_sim, runplan.lazy_exports as m\n"
+        "kept = [p.__name__ for p in (runplan, runtime_core, runtime_cupy, runtime_sim)\n"
+        "        if '_lazy_exports' in vars(p)]\n"
+        "print(type(m).__name__, type(runplan.lazy_exports).__name__, kept)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.strip() == "module module []", done.stdout

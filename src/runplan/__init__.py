@@ -39,9 +39,9 @@ if TYPE_CHECKING:
     from runplan.provision import provision_all, provision_stage
     from runplan.rejections import PlanRejection
 else:  # each name's module imported on first use (runplan.lazy_exports)
-    from runplan.lazy_exports import lazy_exports
+    from runplan.lazy_exports import lazy_exports as _lazy_exports
 
-    __getattr__, __dir__ = lazy_exports(
+    __getattr__, __dir__ = _lazy_exports(
         globals(),
         {
             "runplan.check": ["check_plan"],
@@ -76,6 +76,7 @@ else:  # each name's module imported on first use (runplan.lazy_exports)
             "runplan.rejections": ["PlanRejection"],
         },
     )
+    del _lazy_exports  # no name of the package (and runplan.lazy_exports stays the module)
 
 __all__ = [
     "DTypeFamily",

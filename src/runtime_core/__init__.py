@@ -38,9 +38,9 @@ if TYPE_CHECKING:
     from runtime_core.workers.reference.worker import ReferenceWorker
     from runtime_core.workers.sampling import Sampler
 else:  # each name's module imported on first use (runplan.lazy_exports)
-    from runplan.lazy_exports import lazy_exports
+    from runplan.lazy_exports import lazy_exports as _lazy_exports
 
-    __getattr__, __dir__ = lazy_exports(
+    __getattr__, __dir__ = _lazy_exports(
         globals(),
         {
             "runtime_core.chain_orchestrator": ["ChainOrchestrator", "RunRefused"],
@@ -72,6 +72,7 @@ else:  # each name's module imported on first use (runplan.lazy_exports)
             "runtime_core.workers.sampling": ["Sampler"],
         },
     )
+    del _lazy_exports  # no name of the package (and runplan.lazy_exports stays the module)
 
 __all__ = [
     "BatchStep",

@@ -111,7 +111,7 @@ def exp32(x: npt.ArrayLike) -> F32:
     """``exp32_numpy(x)``, bit for bit, by the compiled kernel where it is built (a
     mixture routes with it at every block of every step: about 50 times faster than
     NumPy's 40 operations on a row of 128)."""
-    values = np.array(x, dtype=np.float32, order="C", copy=None)  # keeps a 0-d shape
+    values = np.asarray(x, dtype=np.float32, order="C")  # keeps a 0-d shape
     kernel = _compiled_exp32()
     if kernel is None:
         return exp32_numpy(values)

@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from runtime_cupy.process.launcher import ProcessRun, ProcessRunResult
     from runtime_cupy.workers import WorkerUnavailable
 else:  # each name's module imported on first use (runplan.lazy_exports)
-    from runplan.lazy_exports import lazy_exports
+    from runplan.lazy_exports import lazy_exports as _lazy_exports
 
-    __getattr__, __dir__ = lazy_exports(
+    __getattr__, __dir__ = _lazy_exports(
         globals(),
         {
             "runtime_core.runs": ["PlanRejected"],
@@ -38,6 +38,7 @@ else:  # each name's module imported on first use (runplan.lazy_exports)
             "runtime_cupy.workers": ["WorkerUnavailable"],
         },
     )
+    del _lazy_exports  # no name of the package (and runplan.lazy_exports stays the module)
 
 __all__ = [
     "GenerateResult",

@@ -61,7 +61,7 @@ def _lazy_modules(tree: ast.AST) -> Iterator[str]:
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
-            and node.func.id == "lazy_exports"
+            and node.func.id in ("lazy_exports", "_lazy_exports")
             and len(node.args) == 2
             and isinstance(node.args[1], ast.Dict)
         ):

@@ -3,6 +3,8 @@ reads: a rate for one and two threads, and a usage error for bad arguments."""
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,7 +12,9 @@ from pathlib import Path
 import pytest
 from benchmarks import cpu_decode
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the probe")
+#: the compiler cpu_decode builds the probe with (``CC``, else gcc)
+CC = (shlex.split(os.environ.get("CC", "gcc")) or ["gcc"])[0]
+pytestmark = pytest.mark.skipif(shutil.which(CC) is None, reason=f"no {CC} to build the probe")
 
 
 def test_the_probe_builds_and_reports_a_rate(tmp_path: Path) -> None:
