@@ -162,6 +162,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/serve_soak.py
 	$(PY) benchmarks/cpu_x8_loop.py
 	$(PY) benchmarks/cpu_step_buffers.py
+	$(PY) benchmarks/cpu_softcap.py
+	$(PY) benchmarks/tanh32_scan.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build

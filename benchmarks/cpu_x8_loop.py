@@ -55,12 +55,13 @@ def build(csrc: Path, out: Path, opt: str = "-O3") -> Path:
     """The loop linked with ``csrc``'s kernels (every instruction set's file), each
     file compiled in a process of its own (``opt``: the module's -O3 unless a test
     asks for a quicker build)."""
-    # the instruction sets' tables name their quantizers and exponentials (quantize_*.c,
-    # exp32.c, where a checkout has them)
+    # the instruction sets' tables name their quantizers, exponentials and tanh
+    # (quantize_*.c; ieee32.c, exp32.c in an older checkout; where a checkout has them)
     sources = [
         LOOP,
         *sorted(csrc.glob("dot_*.c")),
         *sorted(csrc.glob("quantize_*.c")),
+        *sorted(csrc.glob("ieee32.c")),
         *sorted(csrc.glob("exp32.c")),
         csrc / "repack.c",
     ]

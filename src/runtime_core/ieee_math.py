@@ -1,5 +1,5 @@
-"""Functions of arrays computed from IEEE additions, multiplications, ``rint`` and
-``ldexp`` alone: the same bits on every machine.
+"""Functions of arrays computed from IEEE additions, multiplications, divisions,
+``rint`` and ``ldexp`` alone: the same bits on every machine.
 
 NumPy's own ``np.exp`` (float32 and float64) runs vector code of its own where the
 processor has AVX2 or AVX-512 and the C library's elsewhere, and the two differ in the
@@ -18,9 +18,23 @@ exact for every ``k`` an exponent reaches), ``exp(r)`` (``|r| <= ln2 / 2``) by i
 series to ``r^13`` in Horner's order (the first term left out is below 5e-18), scaled
 by ``2^k``: within a few units of float64's last place. ``exp32`` is its float32
 rounding (the correctly rounded float32 but within that distance of a tie), computed by
-the CPU worker's kernels where they are built (``workers/cpu/csrc/exp32.h``: the same
+the CPU worker's kernels where they are built (``workers/cpu/csrc/ieee32.h``: the same
 operations, the same bits on every instruction set; the SwiGLU and attention take it
 there too) and by ``exp32_numpy`` elsewhere.
+
+``tanh32``: ``tanh`` of float32 values, the correctly rounded float32 on every one of
+them (the C library's ``tanhf`` is not: glibc 2.36's rounds 2.8 % of them otherwise,
+some by two units, and another C library or version others), from ``tanh64``'s double:
+``tanh(|x|) = m / (m + 2)`` with ``m = expm1(2 |x|)``, ``expm1`` by ``exp64``'s
+reduction (``2 |x| = k ln2 + r``) and the Taylor series of ``expm1(r)`` to ``r^13``
+(``r`` times a Horner polynomial: no ``exp(r) - 1`` cancellation near 0), ``m =
+2^k expm1(r) + (2^k - 1)``; ``|x|`` clamped at 10 (``tanh`` rounds to 1 from 9.0109),
+the sign restored (``-0`` stays ``-0``), NaN for NaN. The double is within a few units
+of float64's last place (3.1 at most on 200000 random inputs); every float32 whose
+double lies within 256 such units of a float32 rounding midpoint (130 of them) was
+checked against ``decimal`` (``benchmarks/tanh32_scan.py`` scans all 2^32). The
+kernels compute the same operations (``workers/cpu/csrc/ieee32.h``; the logits' and
+attention's soft caps and the GELU table take it there).
 """
 
 from __future__ import annotations
@@ -95,26 +109,67 @@ def exp32_numpy(x: npt.ArrayLike) -> F32:
         return exp64(np.asarray(x, np.float32)).astype(np.float32)
 
 
+#: expm1(r) = r (sum r^(n-1) / n!), n = 13 .. 1, highest power first
+_EXPM1 = _EXP[:-1]
+#: tanh of |x| at or above this is 1 in float32 (from 9.0109); the clamp keeps 2^k exact
+_TANH_HIGH = 10.0
+
+
+def tanh64(x: npt.ArrayLike) -> F64:
+    """``tanh`` of each float32 value in float64 (within a few units of its last place),
+    before ``tanh32``'s rounding to float32: NaN for NaN, ``-0`` for ``-0``, the same
+    bits on every machine."""
+    x = np.asarray(x, np.float32)
+    nan = np.isnan(x)
+    t = 2.0 * np.minimum(np.where(nan, np.float32(0), np.abs(x)).astype(np.float64), _TANH_HIGH)
+    k = np.rint(t * _INV_LN2)
+    r = t - k * _LN2_HI
+    r -= k * _LN2_LO
+    scale = np.ldexp(1.0, k.astype(np.int32))  # 2^k, k <= 29: scale - 1 is exact
+    m = horner(_EXPM1, r)
+    m *= r  # expm1(r)
+    m *= scale
+    m += scale - 1.0  # expm1(2 |x|)
+    m /= m + 2.0
+    out: F64 = np.where(nan, np.nan, np.copysign(m, x))
+    return out
+
+
+def tanh32_numpy(x: npt.ArrayLike) -> F32:
+    """``tanh`` of each float32 value, the correctly rounded float32 (``tanh64``
+    rounded once): the same bits on every machine (and those of ``tanh32``)."""
+    return tanh64(x).astype(np.float32)
+
+
 @functools.cache
-def _compiled_exp32() -> Callable[..., None] | None:
-    """The CPU worker's kernel of ``exp32_numpy``'s arithmetic (``csrc/exp32.h``), or
-    None where the kernels are not built."""
+def _compiled(name: str) -> Callable[..., None] | None:
+    """The CPU worker's kernel ``name`` (``exp32``, ``tanh32``: ``csrc/ieee32.h``, the
+    NumPy functions' arithmetic), or None where the kernels are not built."""
     try:
         from runtime_core.workers.cpu import _kernels
     except ImportError:
         return None
-    fn: Callable[..., None] = _kernels.exp32
+    fn: Callable[..., None] = getattr(_kernels, name)
     return fn
+
+
+def _by_kernel(name: str, numpy_fn: Callable[[F32], F32], x: npt.ArrayLike) -> F32:
+    values = np.asarray(x, dtype=np.float32, order="C")  # keeps a 0-d shape
+    kernel = _compiled(name)
+    if kernel is None:
+        return numpy_fn(values)
+    out = np.empty_like(values)
+    kernel(values.reshape(-1), out.reshape(-1))
+    return out
 
 
 def exp32(x: npt.ArrayLike) -> F32:
     """``exp32_numpy(x)``, bit for bit, by the compiled kernel where it is built (a
     mixture routes with it at every block of every step: about 50 times faster than
     NumPy's 40 operations on a row of 128)."""
-    values = np.asarray(x, dtype=np.float32, order="C")  # keeps a 0-d shape
-    kernel = _compiled_exp32()
-    if kernel is None:
-        return exp32_numpy(values)
-    out = np.empty_like(values)
-    kernel(values.reshape(-1), out.reshape(-1))
-    return out
+    return _by_kernel("exp32", exp32_numpy, x)
+
+
+def tanh32(x: npt.ArrayLike) -> F32:
+    """``tanh32_numpy(x)``, bit for bit, by the compiled kernel where it is built."""
+    return _by_kernel("tanh32", tanh32_numpy, x)

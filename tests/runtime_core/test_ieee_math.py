@@ -1,7 +1,7 @@
-"""``runtime_core.ieee_math``: the exponentials against an independent reading (Python's
-``decimal`` to 50 digits), their special values, and the same bits whether NumPy runs
-its vector code or not, element by element or in arrays (NumPy's own ``np.exp``
-differs between those)."""
+"""``runtime_core.ieee_math``: the exponentials and tanh against an independent reading
+(Python's ``decimal``), their special values, and the same bits whether NumPy runs its
+vector code or not, element by element or in arrays (NumPy's own ``np.exp`` differs
+between those)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime_core.ieee_math import exp32, exp32_numpy, exp64
+from runtime_core.ieee_math import exp32, exp32_numpy, exp64, tanh32, tanh32_numpy, tanh64
 from tests.support.numpy_vectors import script_words
 
 #: the kernels' exp32 (where they are built) and NumPy's arithmetic: one function
 EXP32S = pytest.mark.parametrize("exp32_fn", [exp32, exp32_numpy], ids=["kernel", "numpy"])
+
+#: inputs glibc 2.36's tanhf rounds otherwise than the correctly rounded float32 (the
+#: first two by two units; tests/runtime_core/workers/cpu/test_cpu_tanh32.py uses them too)
+GLIBC_TANHF_MISROUNDED = [
+    float.fromhex(h)
+    for h in (
+        "0x1.f72258p-7", "0x1.d8b496p-6", "0x1.f8cdb6p-1", "-0x1.9ade3ap-1",
+        "0x1.4858d4p+0", "-0x1.db19cep-2", "0x1.bb845ap-3", "0x1.535c8ap-4",
+        "-0x1.e9491cp-11", "0x1.066edap-9", "0x1.5f098cp-25", "0x1.2916e6p+1",
+    )
+]  # fmt: skip
 
 
 def _values() -> np.ndarray:
@@ -35,6 +46,61 @@ def _nearest_f32(exact: Decimal) -> np.float32:
     near = np.float32(float(exact))
     around = (np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf)))
     return min(around, key=lambda c: abs(Decimal(float(c)) - exact))
+
+
+def _exact_tanh(x: float) -> Decimal:
+    """(e^2a - 1) / (e^2a + 1), a = |x|, at 50 digits more than a's leading zeros (the
+    subtraction cancels them)."""
+    a = abs(Decimal(x))
+    if a == 0:
+        return Decimal(0)
+    with localcontext() as ctx:
+        ctx.prec = 50 + max(0, -a.adjusted())
+        e = (2 * a).exp()
+        t = (e - 1) / (e + 1)
+    return t if x > 0 else -t
+
+
+def _tanh_values() -> np.ndarray:
+    rng = np.random.default_rng(20261206)
+    wide = rng.uniform(-10.0, 10.0, 2000)  # up to where tanh rounds to 1 (9.0109)
+    small = np.exp(rng.uniform(-100.0, 0.0, 1000)) * rng.choice([-1.0, 1.0], 1000)
+    edges = [0.0, -0.0, 1e-45, 0.17328679, 9.010913, 9.011, 12.0, -30.0]
+    return np.concatenate([wide, small, edges, GLIBC_TANHF_MISROUNDED]).astype(np.float32)
+
+
+def test_tanh32_is_the_correctly_rounded_float32() -> None:
+    x = _tanh_values()
+    got = tanh32(x)
+    assert got.dtype == np.float32
+    want = np.array([_nearest_f32(_exact_tanh(float(v))) if v else v for v in x], np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(tanh32_numpy(x).view(np.uint32), want.view(np.uint32))
+
+
+def test_tanh64_is_within_four_units_of_the_last_place() -> None:
+    """The double tanh32 rounds (3.06 units at most on 200000 random inputs, measured by
+    benchmarks/tanh32_scan.py; that scan checks the rounding where it comes within 256)."""
+    x = _tanh_values()
+    x = x[np.abs(x) < 10]  # beyond, clamped: 1 in float32, not in float64
+    for xi, di in zip(x, tanh64(x), strict=True):
+        exact = _exact_tanh(float(xi))
+        if exact == 0:
+            assert di == 0.0 and np.signbit(di) == np.signbit(xi)
+            continue
+        ulp = Decimal(float(np.spacing(np.float64(abs(float(exact))))))
+        assert abs(Decimal(float(di)) - exact) <= 4 * ulp, (xi, di)
+
+
+def test_tanh_special_values() -> None:
+    """NaN stays NaN, -0 stays -0; from 10 on (clamped) tanh64 is tanh(10), which
+    rounds to 1 in float32."""
+    x = np.array([np.nan, 0.0, -0.0, np.inf, -np.inf, 3e38, -3e38, 10.0], np.float32)
+    for got in (tanh64(x), tanh32(x)):
+        assert np.isnan(got[0]) and got[1] == 0.0 and not np.signbit(got[1])
+        assert got[2] == 0.0 and np.signbit(got[2])
+        assert list(got[3:]) == [got[7], -got[7], got[7], -got[7], got[7]]
+    assert tanh32(x)[7] == 1.0
 
 
 def test_exp64_is_within_two_units_of_the_last_place() -> None:
@@ -72,16 +138,23 @@ def test_element_by_element_gives_the_arrays_bits() -> None:
     whole = exp64(x)
     alone = np.array([exp64(np.float64(v)) for v in x])
     np.testing.assert_array_equal(whole.view(np.int64), alone.view(np.int64))
+    t = _tanh_values()
+    whole = tanh64(t)
+    alone = np.array([tanh64(np.float32(v)) for v in t])
+    np.testing.assert_array_equal(whole.view(np.int64), alone.view(np.int64))
 
 
 SCRIPT = """
 import hashlib, numpy as np
-from runtime_core.ieee_math import exp32, exp32_numpy, exp64
+from runtime_core.ieee_math import exp32, exp32_numpy, exp64, tanh32, tanh32_numpy
 from tests.support.numpy_vectors import script_words
 x = np.random.default_rng(7).uniform(-100, 80, 200_000)
 x32 = x.astype(np.float32)
+t32 = (x32 / np.float32(20)).astype(np.float32)
 assert np.array_equal(exp32(x32).view(np.uint32), exp32_numpy(x32).view(np.uint32))
-print(hashlib.sha256(exp64(x).tobytes() + exp32_numpy(x32).tobytes()).hexdigest(),
+assert np.array_equal(tanh32(t32).view(np.uint32), tanh32_numpy(t32).view(np.uint32))
+print(hashlib.sha256(exp64(x).tobytes() + exp32_numpy(x32).tobytes()
+                     + tanh32_numpy(t32).tobytes()).hexdigest(),
       hashlib.sha256(np.exp(x).tobytes() + np.exp(x32).tobytes()).hexdigest())
 """
 

@@ -445,7 +445,7 @@ class CpuOps(CpuExpertOps):
         self._written("att")
 
     def swiglu(self, rows: int) -> None:
-        self._gated(self.kernels.swiglu, rows, isa=self.isa)  # its exp32 (csrc/exp32.h)
+        self._gated(self.kernels.swiglu, rows, isa=self.isa)  # its exp32 (csrc/ieee32.h)
 
     def geglu(self, rows: int) -> None:
         self._gated(self.kernels.geglu, rows)
@@ -460,7 +460,8 @@ class CpuOps(CpuExpertOps):
 
     def softcap(self, cap: float, rows: int) -> None:
         assert self.logits is not None
-        self.kernels.softcap(self.logits[:rows], cap, self.threads)
+        # its tanh32 (csrc/ieee32.h)
+        self.kernels.softcap(self.logits[:rows], cap, self.threads, isa=self.isa)
 
     def add_scaled(self, factor: float, rows: int) -> None:
         x, o = self.buf.x[:rows], self.buf.views["o"][:rows]

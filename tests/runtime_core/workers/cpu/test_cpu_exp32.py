@@ -1,4 +1,4 @@
-"""The kernels' ``exp32`` (``csrc/exp32.h``) on every instruction set: the bits of
+"""The kernels' ``exp32`` (``csrc/ieee32.h``) on every instruction set: the bits of
 ``runtime_core.ieee_math.exp32_numpy`` (whose rounding ``test_ieee_math.py`` checks
 against ``decimal``), and the SwiGLU computed with it. The C library's ``expf`` is not
 the same function everywhere: glibc's variant for processors with FMA and its other one

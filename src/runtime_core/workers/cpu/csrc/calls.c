@@ -234,13 +234,17 @@ int parse_gated(PyObject *args, PyObject *kwds, CallKind kind, Call *c) {
     return 0;
 }
 
-static int parse_elems(PyObject *args, CallKind kind, const char *what, Call *c) {
+static int parse_elems(PyObject *args, PyObject *kwds, CallKind kind, const char *what, Call *c) {
+    static char *kwlist[] = {"", "", "", "isa", NULL};
     PyObject *xo;
     float value;
     int threads;
+    const char *isa_name = NULL;
     start(c, kind);
-    if (!PyArg_ParseTuple(args, "Ofi", &xo, &value, &threads)) return -1;
-    if (check_threads(threads) < 0) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Ofi|$z", kwlist, &xo, &value, &threads,
+                                     &isa_name))
+        return -1;
+    if (!(c->isa = isa_named(isa_name)) || check_threads(threads) < 0) return -1;
     if (kind == CALL_SOFTCAP && (!(value > 0.0f) || isinf(value))) {
         PyErr_Format(PyExc_ValueError, "soft cap %g", (double)value);
         return -1;
@@ -253,9 +257,11 @@ static int parse_elems(PyObject *args, CallKind kind, const char *what, Call *c)
     return 0;
 }
 
-int parse_softcap(PyObject *args, Call *c) { return parse_elems(args, CALL_SOFTCAP, "logits", c); }
+int parse_softcap(PyObject *args, PyObject *kwds, Call *c) {
+    return parse_elems(args, kwds, CALL_SOFTCAP, "logits", c);
+}
 
-int parse_scale(PyObject *args, Call *c) { return parse_elems(args, CALL_SCALE, "x", c); }
+int parse_scale(PyObject *args, Call *c) { return parse_elems(args, NULL, CALL_SCALE, "x", c); }
 
 int parse_add_scaled(PyObject *args, Call *c) {
     PyObject *xo, *yo;
@@ -552,7 +558,7 @@ int call_run(Call *c) {
         geglu_rows(c->a.gated.h, c->a.gated.act, c->a.gated.rows, c->a.gated.f, threads);
         return 0;
     case CALL_SOFTCAP:
-        softcap_rows(c->a.elems.x, c->a.elems.n, c->a.elems.value, threads);
+        softcap_rows(c->isa, c->a.elems.x, c->a.elems.n, c->a.elems.value, threads);
         return 0;
     case CALL_SCALE:
         scale_rows(c->a.elems.x, c->a.elems.n, c->a.elems.value, threads);

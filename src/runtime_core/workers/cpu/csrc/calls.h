@@ -166,7 +166,8 @@ int parse_linear(PyObject *args, PyObject *kwds, Call *c);
 int parse_rmsnorm(PyObject *args, Call *c);
 /* swiglu's and geglu's (h, act, rows, f, threads, *, isa=None) */
 int parse_gated(PyObject *args, PyObject *kwds, CallKind kind, Call *c);
-int parse_softcap(PyObject *args, Call *c);
+/* softcap's (logits, cap, threads, *, isa=None) */
+int parse_softcap(PyObject *args, PyObject *kwds, Call *c);
 int parse_scale(PyObject *args, Call *c);
 int parse_add_scaled(PyObject *args, Call *c);
 int parse_round(PyObject *args, Call *c);

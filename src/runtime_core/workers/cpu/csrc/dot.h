@@ -105,8 +105,9 @@ typedef struct {
     /* rows of float activations in an 8-bit format (above): quantize_row's bits */
     void (*quantize)(int fmt, const float *x, int64_t n, int8_t *q, float *d, float *s,
                      int32_t *g);
-    /* y[i] = exp32(x[i]) (exp32.h: the same bits on every set) */
+    /* y[i] = exp32(x[i]), tanh32(x[i]) (ieee32.h: the same bits on every set) */
     void (*exp32)(const float *x, float *y, int64_t n);
+    void (*tanh32)(const float *x, float *y, int64_t n);
 } Isa;
 
 /* The instruction sets, portable first; the module offers those the processor runs

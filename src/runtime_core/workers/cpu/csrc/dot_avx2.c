@@ -10,7 +10,7 @@
  * terms in one vector, added to the 8 running sums, lane i taking block i mod 8.
  */
 #include "dot.h"
-#include "exp32.h"
+#include "ieee32.h"
 #include "repack.h"
 
 #ifdef GPP_HAVE_AVX2
@@ -723,6 +723,7 @@ const Isa ISA_AVX2 = {
     {NULL}, /* no 512-bit vectors */
     .quantize = quantize_row_avx2,
     .exp32 = exp32_avx2,
+    .tanh32 = tanh32_avx2,
 };
 
 #endif

@@ -8,7 +8,7 @@
  * two of its words per 512-bit vector). The same bits as every other set (dot.h): the
  * integer sums are exact, the float terms dot.h's in its order. */
 #include "dot.h"
-#include "exp32.h"
+#include "ieee32.h"
 
 #ifdef GPP_HAVE_AVX512
 
@@ -27,6 +27,7 @@ const Isa *isa_avx512(void) {
         avx512 = ISA_AVX2;
         avx512.name = "avx512";
         avx512.exp32 = exp32_avx512;
+        avx512.tanh32 = tanh32_avx512;
         x8_fill(avx512.q8_x8);
         x16_fill(avx512.q8_x16);
         /* A decode step's products of one group on 512-bit vectors holding two of its

@@ -10,7 +10,7 @@
  * (b32_tile). The same bits as every other set (dot.h): the integer sums are exact, the
  * float terms dot.h's in its order. */
 #include "dot.h"
-#include "exp32.h"
+#include "ieee32.h"
 
 #ifdef GPP_HAVE_AVX512
 
@@ -28,6 +28,7 @@ const Isa *isa_avx512bw(void) {
         avx512bw = ISA_AVX2;
         avx512bw.name = "avx512bw";
         avx512bw.exp32 = exp32_avx512;
+        avx512bw.tanh32 = tanh32_avx512;
         x16_fill(avx512bw.q8_x16);
     }
     return &avx512bw;

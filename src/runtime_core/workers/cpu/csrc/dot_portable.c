@@ -3,7 +3,7 @@
 #include <math.h>
 
 #include "dot.h"
-#include "exp32.h"
+#include "ieee32.h"
 #include "repack.h"
 
 const char *const QTYPE_NAMES[T_COUNT] = {
@@ -483,4 +483,5 @@ const Isa ISA_PORTABLE = {
     {NULL},
     .quantize = quantize_row,
     .exp32 = exp32_portable,
+    .tanh32 = tanh32_portable,
 };

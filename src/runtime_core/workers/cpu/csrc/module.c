@@ -319,28 +319,40 @@ done:
     return result;
 }
 
-/* ---- exp32 (ieee_math.exp32 calls it) ---------------------------------------------------- */
+/* ---- exp32, tanh32 (ieee_math.exp32 and tanh32 call them) ------------------------------- */
 
-static PyObject *py_exp32(PyObject *self, PyObject *args, PyObject *kwds) {
-    (void)self;
+/* y = exp32(x), or tanh32(x) where tanh, on the instruction set named (isa=, default the
+ * best) */
+static PyObject *ieee32_call(PyObject *args, PyObject *kwds, int tanh) {
     static char *kwlist[] = {"", "", "isa", NULL};
     PyObject *xo, *yo;
     const char *isa_name = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$z", kwlist, &xo, &yo, &isa_name)) return NULL;
     const Isa *isa = isa_named(isa_name);
     if (!isa) return NULL;
+    void (*fn)(const float *, float *, int64_t) = tanh ? isa->tanh32 : isa->exp32;
     Buf x = {0}, y = {0};
     PyObject *result = NULL;
     if (get_buf(xo, &x, "f", 0, -1, "x") < 0) goto done;
     Py_ssize_t n = x.view.len / (Py_ssize_t)sizeof(float);
     if (get_buf(yo, &y, "f", 1, n, "y") < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
-    isa->exp32((const float *)x.view.buf, (float *)y.view.buf, n);
+    fn((const float *)x.view.buf, (float *)y.view.buf, n);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
     release(&x); release(&y);
     return result;
+}
+
+static PyObject *py_exp32(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    return ieee32_call(args, kwds, 0);
+}
+
+static PyObject *py_tanh32(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    return ieee32_call(args, kwds, 1);
 }
 
 /* ---- linear ------------------------------------------------------------------------------ */
@@ -405,7 +417,12 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args, PyObject *kwds) {
     Call c;
     return run_now(&c, parse_gated(args, kwds, CALL_SWIGLU, &c));
 }
-NOW(softcap, parse_softcap(args, &c))
+
+static PyObject *py_softcap(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    Call c;
+    return run_now(&c, parse_softcap(args, kwds, &c));
+}
 NOW(scale, parse_scale(args, &c))
 NOW(add_scaled, parse_add_scaled(args, &c))
 NOW(round, parse_round(args, &c))
@@ -439,7 +456,8 @@ static PyMethodDef methods[] = {
      "exp32(-g))"},
     {"geglu", py_geglu, METH_VARARGS,
      "geglu(h, act, rows, ffn, threads): gelu(gate) * up, gelu as llama.cpp's table of halves"},
-    {"softcap", py_softcap, METH_VARARGS, "softcap(logits, cap, threads): cap * tanh(logits / cap)"},
+    {"softcap", (PyCFunction)(void (*)(void))py_softcap, METH_VARARGS | METH_KEYWORDS,
+     "softcap(logits, cap, threads, *, isa=None): tanh32(logits * (1 / cap)) * cap"},
     {"scale", py_scale, METH_VARARGS, "scale(x, factor, threads): x *= factor"},
     {"add_scaled", py_add_scaled, METH_VARARGS,
      "add_scaled(x, y, factor, threads): x += y * factor, the product rounded first"},
@@ -461,7 +479,10 @@ static PyMethodDef methods[] = {
     {"argmax", py_argmax, METH_O, "argmax(logits) -> (first index of the largest finite, non-finite count)"},
     {"exp32", (PyCFunction)(void (*)(void))py_exp32, METH_VARARGS | METH_KEYWORDS,
      "exp32(x, y, *, isa=None): y[i] = exp(x[i]) for every float32 of x, the same bits on every "
-     "machine (exp32.h: runtime_core.ieee_math.exp32's)"},
+     "machine (ieee32.h: runtime_core.ieee_math.exp32's)"},
+    {"tanh32", (PyCFunction)(void (*)(void))py_tanh32, METH_VARARGS | METH_KEYWORDS,
+     "tanh32(x, y, *, isa=None): y[i] = tanh(x[i]) correctly rounded for every float32 of x, the "
+     "same bits on every machine (ieee32.h: runtime_core.ieee_math.tanh32's)"},
     {"isas", py_isas, METH_NOARGS,
      "the instruction sets this host runs, portable first, the best last (the default)"},
     {NULL, NULL, 0, NULL},

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ieee32.h"
 #include "pool.h"
 #include "scratch.h"
 
@@ -335,8 +336,9 @@ static uint16_t GELU_F16[65536];
 void gelu_table_init(void) {
     const float a = 0.044715f, sqrt_2_over_pi = 0.7978845608028654f;
     for (uint32_t i = 0; i < 65536; ++i) {
-        float v = f16_to_f32((uint16_t)i);
-        float g = 0.5f * v * (1.0f + tanhf(sqrt_2_over_pi * v * (1.0f + a * v * v)));
+        float v = f16_to_f32((uint16_t)i), t = sqrt_2_over_pi * v * (1.0f + a * v * v);
+        tanh32_portable(&t, &t, 1); /* not the C library's tanhf (ieee32.h) */
+        float g = 0.5f * v * (1.0f + t);
         GELU_F16[i] = f32_to_f16(g);
     }
 }
@@ -368,6 +370,7 @@ void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads
 }
 
 typedef struct {
+    const Isa *isa; /* softcap's tanh32 */
     float *x;
     const float *y; /* add_scaled's addend (x += y * value) */
     int64_t n;
@@ -377,12 +380,14 @@ typedef struct {
 static void softcap_item(void *ctx, int64_t item) {
     const ElemJob *J = ctx;
     float inv = 1.0f / J->value;
-    int64_t end = (item + 1) * ELEMWISE < J->n ? (item + 1) * ELEMWISE : J->n;
-    for (int64_t i = item * ELEMWISE; i < end; ++i) J->x[i] = tanhf(J->x[i] * inv) * J->value;
+    int64_t start = item * ELEMWISE, end = start + ELEMWISE < J->n ? start + ELEMWISE : J->n;
+    for (int64_t i = start; i < end; ++i) J->x[i] = J->x[i] * inv;
+    J->isa->tanh32(J->x + start, J->x + start, end - start);
+    for (int64_t i = start; i < end; ++i) J->x[i] = J->x[i] * J->value;
 }
 
-void softcap_rows(float *x, int64_t n, float cap, int threads) {
-    ElemJob J = {.x = x, .n = n, .value = cap};
+void softcap_rows(const Isa *isa, float *x, int64_t n, float cap, int threads) {
+    ElemJob J = {.isa = isa, .x = x, .n = n, .value = cap};
     pool_run(pool_threads(threads, 16 * n), (n + ELEMWISE - 1) / ELEMWISE, softcap_item, &J);
 }
 
@@ -615,7 +620,9 @@ static void attention_item(void *ctx, int64_t it) {
     }
     if (J->softcap > 0.0f) { /* the scores capped: llama.cpp's scale, tanh, scale */
         const float inv = 1.0f / J->softcap;
-        for (int64_t t = 0; t < n_ctx; ++t) scores[t] = tanhf(scores[t] * inv) * J->softcap;
+        for (int64_t t = 0; t < n_ctx; ++t) scores[t] = scores[t] * inv;
+        J->isa->tanh32(scores, scores, n_ctx);
+        for (int64_t t = 0; t < n_ctx; ++t) scores[t] = scores[t] * J->softcap;
     }
     float m = scores_max(scores, n_ctx);
     for (int64_t t = 0; t < n_ctx; ++t) scores[t] = scores[t] - m;

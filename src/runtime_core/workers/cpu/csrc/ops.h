@@ -51,15 +51,17 @@ int linear_spans(const Isa *isa, const Span *spans, int n_spans, const XRows *x,
 void rmsnorm_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, double eps,
                   int accumulate, int threads);
 
-/* act = silu(gate) * up: gate / (1 + exp32(-gate)) * up (exp32.h) */
+/* act = silu(gate) * up: gate / (1 + exp32(-gate)) * up (ieee32.h) */
 void swiglu_rows(const Isa *isa, const float *h, float *act, int64_t rows, int64_t f, int threads);
 
-/* act = gelu(gate) * up, gelu as llama.cpp's table of halves (gelu_table_init fills it) */
+/* act = gelu(gate) * up, gelu as llama.cpp's table of halves (gelu_table_init fills it,
+ * llama.cpp's float32 formula with tanh32: ieee32.h) */
 void gelu_table_init(void);
 void geglu_rows(const float *h, float *act, int64_t rows, int64_t f, int threads);
 
-/* x = cap * tanh(x / cap) */
-void softcap_rows(float *x, int64_t n, float cap, int threads);
+/* x = tanh32(x * (1 / cap)) * cap (llama.cpp's three operations; tanh32: ieee32.h, the
+ * set's) */
+void softcap_rows(const Isa *isa, float *x, int64_t n, float cap, int threads);
 
 /* x *= factor (float32 products, as NumPy's) */
 void scale_rows(float *x, int64_t n, float factor, int threads);
@@ -99,8 +101,8 @@ void rope_kv_rows(float *qkv, int64_t rows, const float *bias, const float *rot,
 /* Row r (position q = pos + r) attends to positions max(0, q - window + 1) .. q (window
  * 0: 0 .. q), in order, read from the ring and (when given) the step's rows, whose last
  * max_seq positions then go to the ring. Scores are q.k * scale, then (softcap > 0)
- * softcap * tanhf(score * (1 / softcap)), llama.cpp's three operations, before the
- * softmax. Returns 0, or -1 when out of memory. */
+ * tanh32(score * (1 / softcap)) * softcap, llama.cpp's three operations (tanh32: the
+ * set's, ieee32.h), before the softmax. Returns 0, or -1 when out of memory. */
 int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache, void *v_cache,
                    StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
                    float softcap, float *out, int threads);

@@ -210,7 +210,12 @@ static PyObject *Program_swiglu(ProgramObject *self, PyObject *args, PyObject *k
     if (!e) return NULL;
     return keep(self, e, parse_gated(args, kwds, CALL_SWIGLU, &e->call));
 }
-RECORD(softcap, parse_softcap(args, c))
+
+static PyObject *Program_softcap(ProgramObject *self, PyObject *args, PyObject *kwds) {
+    Entry *e = new_entry(self);
+    if (!e) return NULL;
+    return keep(self, e, parse_softcap(args, kwds, &e->call));
+}
 RECORD(scale, parse_scale(args, c))
 RECORD(add_scaled, parse_add_scaled(args, c))
 RECORD(round, parse_round(args, c))
@@ -410,7 +415,7 @@ static PyMethodDef Program_methods[] = {
     {"rmsnorm", (PyCFunction)Program_rmsnorm, METH_VARARGS, "records rmsnorm(...)"},
     {"swiglu", KW Program_swiglu, METH_VARARGS | METH_KEYWORDS, "records swiglu(...)"},
     {"geglu", (PyCFunction)Program_geglu, METH_VARARGS, "records geglu(...)"},
-    {"softcap", (PyCFunction)Program_softcap, METH_VARARGS, "records softcap(...)"},
+    {"softcap", KW Program_softcap, METH_VARARGS | METH_KEYWORDS, "records softcap(...)"},
     {"scale", (PyCFunction)Program_scale, METH_VARARGS, "records scale(...)"},
     {"add_scaled", (PyCFunction)Program_add_scaled, METH_VARARGS, "records add_scaled(...)"},
     {"round", (PyCFunction)Program_round, METH_VARARGS, "records round(...)"},
