@@ -12,21 +12,11 @@ import numpy as np
 import pytest
 
 from runtime_core.ieee_math import exp32, exp32_numpy, exp64, tanh32, tanh32_numpy, tanh64
+from tests.support.ieee32_kernels import GLIBC_TANHF_MISROUNDED
 from tests.support.numpy_vectors import script_words
 
 #: the kernels' exp32 (where they are built) and NumPy's arithmetic: one function
 EXP32S = pytest.mark.parametrize("exp32_fn", [exp32, exp32_numpy], ids=["kernel", "numpy"])
-
-#: inputs glibc 2.36's tanhf rounds otherwise than the correctly rounded float32 (the
-#: first two by two units; tests/runtime_core/workers/cpu/test_cpu_tanh32.py uses them too)
-GLIBC_TANHF_MISROUNDED = [
-    float.fromhex(h)
-    for h in (
-        "0x1.f72258p-7", "0x1.d8b496p-6", "0x1.f8cdb6p-1", "-0x1.9ade3ap-1",
-        "0x1.4858d4p+0", "-0x1.db19cep-2", "0x1.bb845ap-3", "0x1.535c8ap-4",
-        "-0x1.e9491cp-11", "0x1.066edap-9", "0x1.5f098cp-25", "0x1.2916e6p+1",
-    )
-]  # fmt: skip
 
 
 def _values() -> np.ndarray:

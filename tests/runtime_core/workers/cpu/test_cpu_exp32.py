@@ -12,6 +12,12 @@ import pytest
 
 from runtime_core.ieee_math import exp32, exp32_numpy
 from runtime_core.workers.cpu import _kernels
+from tests.support.ieee32_kernels import (
+    assert_every_length_and_in_place,
+    assert_kernel_is_twin,
+    bits,
+    values,
+)
 
 ISAS = _kernels.isas()
 
@@ -30,46 +36,16 @@ GLIBC_MISROUNDED_GATES = [
 GLIBC_VARIANTS_DIFFER = [float.fromhex("0x1.04845ep+5"), float.fromhex("-0x1.f8cbb2p+5")]
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a, np.float32).view(np.uint32)
-
-
-def _values() -> np.ndarray:
-    """Every 4099th float32 (both signs, all exponents, NaNs among them), the limits and
-    their neighbours, special values, and the inputs glibc rounds otherwise."""
-    spread = (np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32)).view(np.float32)
-    edges = np.array([-104.0, 89.0, 88.72283, -103.97208, -87.33655], np.float32)
-    near = np.concatenate(
-        [np.nextafter(edges, np.float32(-np.inf)), edges, np.nextafter(edges, np.float32(np.inf))]
-    )
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1.0], np.float32)
-    glibc = np.array(GLIBC_MISROUNDED_GATES + GLIBC_VARIANTS_DIFFER, np.float32)
-    return np.concatenate([spread, near, special, glibc, -glibc])
-
-
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_set_computes_ieee_maths_exp32(isa: str) -> None:
-    x = _values()
-    y = np.empty_like(x)
-    _kernels.exp32(x, y, isa=isa)
-    with np.errstate(invalid="ignore"):  # signalling NaNs among the values
-        want = exp32_numpy(x)
-    np.testing.assert_array_equal(_bits(y), _bits(want))
+    edges = [-104.0, 89.0, 88.72283, -103.97208, -87.33655]
+    x = values(edges, GLIBC_MISROUNDED_GATES + GLIBC_VARIANTS_DIFFER)
+    assert_kernel_is_twin(_kernels.exp32, exp32_numpy, isa, x)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_length_and_in_place(isa: str) -> None:
-    """Lengths around the vector widths (8 and 16 values: the tails), and y = x."""
-    rng = np.random.default_rng(5)
-    for n in range(0, 41):
-        x = rng.uniform(-110, 95, n).astype(np.float32)
-        want = _bits(exp32_numpy(x))
-        y = np.full(n + 3, 7.0, np.float32)
-        _kernels.exp32(x, y, isa=isa)
-        np.testing.assert_array_equal(_bits(y[:n]), want)
-        assert np.all(y[n:] == 7.0), f"wrote past {n} values"
-        _kernels.exp32(x, x, isa=isa)
-        np.testing.assert_array_equal(_bits(x), want)
+    assert_every_length_and_in_place(_kernels.exp32, exp32_numpy, isa, -110, 95)
 
 
 def test_bad_arrays_are_refused() -> None:
@@ -89,7 +65,7 @@ def test_ieee_math_takes_the_kernel_with_numpys_shapes() -> None:
     for given in (x, x[:, ::2], x.astype(np.float64), np.float32(1.5), 2.0, [[1.0, -3.0]]):
         got, want = exp32(given), exp32_numpy(given)
         assert got.shape == want.shape and got.dtype == np.float32
-        np.testing.assert_array_equal(_bits(got), _bits(want))
+        np.testing.assert_array_equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -109,4 +85,4 @@ def test_swiglu_is_silu_by_exp32(isa: str) -> None:
     g, u = h[:, :f], h[:, f:]
     with np.errstate(invalid="ignore", over="ignore"):
         want = g / (np.float32(1) + exp32_numpy(-g)) * u
-    np.testing.assert_array_equal(_bits(act), _bits(want))
+    np.testing.assert_array_equal(bits(act), bits(want))

@@ -14,63 +14,30 @@ from benchmarks import tanh32_scan
 
 from runtime_core.ieee_math import exp32_numpy, tanh32, tanh32_numpy
 from runtime_core.workers.cpu import _kernels
+from tests.support.ieee32_kernels import (
+    GLIBC_TANHF_MISROUNDED,
+    assert_every_length_and_in_place,
+    assert_kernel_is_twin,
+    bits,
+    values,
+)
 
 ISAS = _kernels.isas()
 F32 = np.float32
 
-#: inputs glibc 2.36's tanhf rounds otherwise than the correctly rounded float32 (the
-#: first two by two units), found with ctypes on libm.so.6
-GLIBC_MISROUNDED = [
-    float.fromhex(h)
-    for h in (
-        "0x1.f72258p-7", "0x1.d8b496p-6", "0x1.f8cdb6p-1", "-0x1.9ade3ap-1",
-        "0x1.4858d4p+0", "-0x1.db19cep-2", "0x1.bb845ap-3", "0x1.535c8ap-4",
-        "-0x1.e9491cp-11", "0x1.066edap-9", "0x1.5f098cp-25", "0x1.2916e6p+1",
-    )
-]  # fmt: skip
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a, F32).view(np.uint32)
-
-
-def _values() -> np.ndarray:
-    """Every 4099th float32 (both signs, all exponents, NaNs among them), the clamp and
-    where tanh reaches 1 with their neighbours, special values, glibc's misrounded."""
-    spread = (np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32)).view(F32)
-    edges = np.array([10.0, 9.010913, 9.011, 1e-4, 0.17328679], F32)
-    near = np.concatenate(
-        [np.nextafter(edges, F32(-np.inf)), edges, np.nextafter(edges, F32(np.inf))]
-    )
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3.4028235e38, 1.0], F32)
-    glibc = np.array(GLIBC_MISROUNDED, F32)
-    both = np.concatenate([near, special, glibc])
-    return np.concatenate([spread, both, -both])
-
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_set_computes_ieee_maths_tanh32(isa: str) -> None:
-    x = _values()
-    y = np.empty_like(x)
-    _kernels.tanh32(x, y, isa=isa)
-    with np.errstate(invalid="ignore"):  # signalling NaNs among the values
-        want = tanh32_numpy(x)
-    np.testing.assert_array_equal(_bits(y), _bits(want))
+    """Every 4099th float32, the clamp and where tanh reaches 1 with their neighbours,
+    special values, glibc's misrounded inputs."""
+    edges = [10.0, 9.010913, 9.011, 1e-4, 0.17328679, 3.4028235e38]
+    x = values(edges, GLIBC_TANHF_MISROUNDED)
+    assert_kernel_is_twin(_kernels.tanh32, tanh32_numpy, isa, x)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_length_and_in_place(isa: str) -> None:
-    """Lengths around the vector widths (8 and 16 values: the tails), and y = x."""
-    rng = np.random.default_rng(6)
-    for n in range(0, 41):
-        x = rng.uniform(-12, 12, n).astype(F32)
-        want = _bits(tanh32_numpy(x))
-        y = np.full(n + 3, 7.0, F32)
-        _kernels.tanh32(x, y, isa=isa)
-        np.testing.assert_array_equal(_bits(y[:n]), want)
-        assert np.all(y[n:] == 7.0), f"wrote past {n} values"
-        _kernels.tanh32(x, x, isa=isa)
-        np.testing.assert_array_equal(_bits(x), want)
+    assert_every_length_and_in_place(_kernels.tanh32, tanh32_numpy, isa, -12, 12)
 
 
 def test_the_special_values() -> None:
@@ -78,7 +45,7 @@ def test_the_special_values() -> None:
     for isa in ISAS:
         y = np.empty_like(x)
         _kernels.tanh32(x, y, isa=isa)
-        assert list(_bits(y[:4])) == [0, 0x80000000, 0x3F800000, 0xBF800000], isa
+        assert list(bits(y[:4])) == [0, 0x80000000, 0x3F800000, 0xBF800000], isa
         assert np.isnan(y[4]) and np.isnan(y[5]), isa
         assert y[6] == 1.0 and y[7] == -1.0 and y[8] == F32(1e-45), isa
 
@@ -100,7 +67,7 @@ def test_ieee_math_takes_the_kernel_with_numpys_shapes() -> None:
     for given in (x, x[:, ::2], x.astype(np.float64), F32(0.5), 2.0, [[1.0, -3.0]]):
         got, want = tanh32(given), tanh32_numpy(given)
         assert got.shape == want.shape and got.dtype == F32
-        np.testing.assert_array_equal(_bits(got), _bits(want))
+        np.testing.assert_array_equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -111,12 +78,12 @@ def test_the_soft_cap_is_tanh32_of_x_times_the_inverse_times_the_cap(isa: str) -
     rng = np.random.default_rng(4)
     x = (30 * rng.standard_normal(262144 - 5)).astype(F32)
     x[:4] = [np.inf, -np.inf, 0.0, -0.0]
-    for cap, logits in ((30.0, x), (1.0, np.array(GLIBC_MISROUNDED * 3, F32))):
+    for cap, logits in ((30.0, x), (1.0, np.array(GLIBC_TANHF_MISROUNDED * 3, F32))):
         want = tanh32_numpy(logits * (F32(1) / F32(cap))) * F32(cap)
         for threads in (1, 2):
             y = logits.copy()
             _kernels.softcap(y, cap, threads, isa=isa)
-            np.testing.assert_array_equal(_bits(y), _bits(want))
+            np.testing.assert_array_equal(bits(y), bits(want))
     with pytest.raises(ValueError, match="instruction set nope"):
         _kernels.softcap(x.copy(), 30.0, 1, isa="nope")
 
@@ -144,7 +111,7 @@ def test_the_scores_cap_is_tanh32(isa: str) -> None:
         total = F32(0)
         for v in p:
             total = F32(total + v)
-        np.testing.assert_array_equal(_bits(out[0, h * n_ctx : (h + 1) * n_ctx]), _bits(p / total))
+        np.testing.assert_array_equal(bits(out[0, h * n_ctx : (h + 1) * n_ctx]), bits(p / total))
 
 
 def test_the_gelu_table_is_llamacpps_float32_formula_with_tanh32() -> None:
@@ -160,7 +127,7 @@ def test_the_gelu_table_is_llamacpps_float32_formula_with_tanh32() -> None:
     with np.errstate(over="ignore"):
         inner = F32(0.7978845608028654) * v * (F32(1) + F32(0.044715) * v * v)
     g = F32(0.5) * v * (F32(1) + tanh32_numpy(inner))
-    np.testing.assert_array_equal(_bits(act[0]), _bits(g.astype(np.float16).astype(F32)))
+    np.testing.assert_array_equal(bits(act[0]), bits(g.astype(np.float16).astype(F32)))
 
 
 def test_the_scan_checks_the_input_nearest_a_midpoint(capsys: pytest.CaptureFixture[str]) -> None:
