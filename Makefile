@@ -128,7 +128,9 @@ sanitize-address sanitize-thread: sanitize-%: $(STAMP)
 # skipped without QEMU); minutes on a quiet host.
 OTHER_CPUS ?= SandyBridge Haswell-noTSX
 OTHER_CPU_TESTS ?= tests/runtime_core/workers/cpu/test_cpu_llamacpp.py \
-	tests/runtime_core/workers/cpu/test_cpu_kernels.py
+	tests/runtime_core/workers/cpu/test_cpu_kernels.py \
+	tests/runtime_core/workers/cpu/test_cpu_exp32.py \
+	tests/runtime_core/workers/cpu/test_cpu_tanh32.py
 # That test reads the processor's flags from /proc/cpuinfo, which under qemu-user is the
 # host's; what the emulated processor runs is checked by test_cpu_other_processors.py.
 OTHER_CPU_SKIP := --deselect \
