@@ -94,23 +94,29 @@ def test_ctrl_c_after_the_command_printed_its_json_prints_no_second_object(
     assert json.loads(done.stdout)["error"]["message"] == "the command's own"
 
 
-# A fresh interpreter that sends itself SIGTERM while the command's module is imported
-# (the modules loading); then ``python -m PACKAGE``. Without a handler the signal ends
-# the process (exit -15), with nothing on standard output.
+# A fresh interpreter where the first import of the module TARGET (the modules loading)
+# sends this process SIGTERM ("kill") or says "loading" on standard error and waits for
+# one from outside ("wait"); then ``python -m PACKAGE``. Without a handler the signal
+# ends the process (exit -15), with nothing on standard output.
 _TERMINATED_IMPORT = """
 import importlib.abc, os, runpy, signal, sys, time
 
-TARGET = sys.argv[2]
+TARGET, HOW = sys.argv[2:4]
 
 class Terminating(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname == TARGET:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)  # a handler raises at once
+            sys.meta_path.remove(self)  # once: the Cancelled object's modules may need it
+            if HOW == "kill":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                sys.stderr.write("loading\\n")
+                sys.stderr.flush()
+            time.sleep(60)  # a handler raises at once
             raise AssertionError("SIGTERM raised nothing")
 
 sys.meta_path.insert(0, Terminating())
-sys.argv = [sys.argv[1], *sys.argv[3:]]
+sys.argv = [sys.argv[1], *sys.argv[4:]]
 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
@@ -162,8 +168,49 @@ def _cancelled_by_sigterm(returncode: int, stdout: str, stderr: str) -> None:
 def test_sigterm_while_the_modules_load_is_the_cancelled_object(package: str, cli: str) -> None:
     """SIGTERM before the command set a handler of its own is Ctrl-C too (it ended the
     process, exit -15, standard output empty)."""
-    done = _python(_TERMINATED_IMPORT, package, cli, "run", "--json")
+    done = _python(_TERMINATED_IMPORT, package, cli, "kill", "run", "--json")
     _cancelled_by_sigterm(done.returncode, done.stdout, done.stderr)
+
+
+# The first modules past the standard library that every command imports: attrs (the
+# values') and NumPy (the models' and the workers'). The packages' ``__init__`` imported
+# them, with the whole runtime, before ``__main__``'s first line set the handler.
+FIRST_IMPORTS = ["attrs", "numpy"]
+
+
+@pytest.mark.parametrize("target", FIRST_IMPORTS)
+@pytest.mark.parametrize("package", [package for package, _ in COMMANDS])
+def test_sigterm_as_a_command_first_imports_a_module_is_the_cancelled_object(
+    package: str, target: str
+) -> None:
+    """The package imports nothing of its own (its names load on first use,
+    ``runplan.lazy_exports``) and ``__main__`` sets the handler before any other module:
+    a SIGTERM from the first third-party import on cancels the command (it ended the
+    process, exit -15, standard output empty, when the package's ``__init__`` imported
+    them)."""
+    done = _python(_TERMINATED_IMPORT, package, target, "kill", "run", "--json")
+    _cancelled_by_sigterm(done.returncode, done.stdout, done.stderr)
+
+
+def test_sigterm_from_outside_while_the_runtime_loads_is_the_cancelled_object() -> None:
+    """A supervisor's SIGTERM to ``python -m runtime_cupy ... --json`` as soon as it
+    starts, held until the first import of NumPy (the package imported the runtime, and
+    NumPy, before the handler was set: exit -15)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    argv = ["--model", "m.gguf", "--prompt-ids", "1", "--json"]
+    with subprocess.Popen(
+        [sys.executable, "-c", _TERMINATED_IMPORT, "runtime_cupy", "numpy", "wait", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as proc:
+        assert proc.stderr is not None
+        said = proc.stderr.readline()
+        assert said == "loading\n", said
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    _cancelled_by_sigterm(proc.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize(

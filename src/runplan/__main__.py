@@ -2,21 +2,22 @@
 command met) ends it as a cancelled command (``runplan.json_errors.cancelled_exit``):
 ``cancelled`` on standard error, exit 130 (143 for SIGTERM raised as
 ``runplan.interrupted.Interrupted``), and with ``--json`` the ``Cancelled`` object on
-standard output unless the command printed its own. The handler's module is imported
-before the command's: ``runplan``'s package, which it needs, is loaded by then (the
-package's ``__init__`` imports it). One while that ``__init__`` imports is beyond its
-reach: a traceback, no JSON.
+standard output unless the command printed its own.
 
 SIGTERM is Ctrl-C from the first line on (``runplan.interrupted.sigterm_as_ctrl_c``):
 whenever it comes (the modules loading, the model being read, any command), the command
 ends as cancelled, exit 143, ``Cancelled`` by SIGTERM with ``--json``; a command's own
-handlers take it while they hold. Before that line (the package's ``__init__``), the
-signal's default action ends the process."""
+handlers take it while they hold. Before that line Python has imported only the package
+(its ``__init__`` imports no module of its own but ``runplan.lazy_exports``; each public
+name's module is imported on first use) and ``runplan.interrupted``, standard library
+both: the first few hundredths of a second of the process, the interpreter's start
+included, where the signal's default action ends it (and a Ctrl-C prints Python's
+traceback). The ``Cancelled`` object's module is imported when it is needed, so that
+nothing else comes before the handler."""
 
 import sys
 
 from runplan.interrupted import sigterm_as_ctrl_c
-from runplan.json_errors import cancelled_exit
 
 sigterm_as_ctrl_c()  # first: SIGTERM from here on cancels the command as Ctrl-C does
 try:
@@ -24,5 +25,7 @@ try:
 
     status = main()
 except KeyboardInterrupt as exc:  # while the modules load (or past the command's own care)
+    from runplan.json_errors import cancelled_exit
+
     status = cancelled_exit(exc)
 sys.exit(status)

@@ -5,7 +5,6 @@ load ends it as a cancelled command (``runplan.json_errors.cancelled_exit``)."""
 import sys
 
 from runplan.interrupted import sigterm_as_ctrl_c
-from runplan.json_errors import cancelled_exit
 
 sigterm_as_ctrl_c()  # first: SIGTERM from here on cancels the command as Ctrl-C does
 try:
@@ -13,5 +12,7 @@ try:
 
     status = main()
 except KeyboardInterrupt as exc:  # while the modules load (or past the command's own care)
+    from runplan.json_errors import cancelled_exit
+
     status = cancelled_exit(exc)
 sys.exit(status)

@@ -2,7 +2,9 @@
 module imports which, and the cycles in it. Every import counts, also one inside a
 function, which runs only when called but still ties the two modules together; ``if
 TYPE_CHECKING:`` blocks do not (they never run). ``from package import name`` depends
-on ``package.name`` when that is a module, else on the package."""
+on ``package.name`` when that is a module, else on the package. A package's
+``lazy_exports(globals(), {module: names})`` (``runplan.lazy_exports``) depends on each
+module it names, as an import inside a function would."""
 
 from __future__ import annotations
 
@@ -53,14 +55,30 @@ def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
         yield from _imports(child)
 
 
+def _lazy_modules(tree: ast.AST) -> Iterator[str]:
+    """The modules that ``lazy_exports(namespace, {module: names})`` calls name."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("lazy_exports", "_lazy_exports")
+            and len(node.args) == 2
+            and isinstance(node.args[1], ast.Dict)
+        ):
+            for key in node.args[1].keys:
+                assert isinstance(key, ast.Constant) and isinstance(key.value, str), key
+                yield key.value
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the modules of ``src/`` it imports."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, (path, is_package) in modules.items():
         here = name if is_package else name.rpartition(".")[0]
-        deps: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        deps: set[str] = set(_lazy_modules(tree))
+        for node in _imports(tree):
             if isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names)
                 continue
