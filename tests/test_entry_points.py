@@ -196,21 +196,8 @@ def test_sigterm_from_outside_while_the_runtime_loads_is_the_cancelled_object() 
     """A supervisor's SIGTERM to ``python -m runtime_cupy ... --json`` as soon as it
     starts, held until the first import of NumPy (the package imported the runtime, and
     NumPy, before the handler was set: exit -15)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     argv = ["--model", "m.gguf", "--prompt-ids", "1", "--json"]
-    with subprocess.Popen(
-        [sys.executable, "-c", _TERMINATED_IMPORT, "runtime_cupy", "numpy", "wait", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    ) as proc:
-        assert proc.stderr is not None
-        said = proc.stderr.readline()
-        assert said == "loading\n", said
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
-    _cancelled_by_sigterm(proc.returncode, stdout, stderr)
+    _sigterm_once_it_says("loading", _TERMINATED_IMPORT, "runtime_cupy", "numpy", "wait", *argv)
 
 
 @pytest.mark.parametrize(
@@ -228,11 +215,17 @@ def test_sigterm_in_a_step_before_the_run_is_the_cancelled_object(
 def test_sigterm_from_outside_while_a_step_waits_is_the_cancelled_object() -> None:
     """A SIGTERM another process sends (as a supervisor does) while ``python -m
     runtime_cupy plan --json`` reads the model."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     argv = ["plan", "--model", "m.gguf", "--json"]
     step = "runtime_cupy.cli.plan.resolve_model"
+    _sigterm_once_it_says("slow", _TERMINATED_IN_A_STEP, "runtime_cupy", step, "wait", *argv)
+
+
+def _sigterm_once_it_says(word: str, script: str, *args: str) -> None:
+    """``python -c script args``: SIGTERM from outside once it writes ``word`` on its
+    standard error (it waits there), then the ``Cancelled`` object and 143."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     with subprocess.Popen(
-        [sys.executable, "-c", _TERMINATED_IN_A_STEP, "runtime_cupy", step, "wait", *argv],
+        [sys.executable, "-c", script, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -240,7 +233,7 @@ def test_sigterm_from_outside_while_a_step_waits_is_the_cancelled_object() -> No
     ) as proc:
         assert proc.stderr is not None
         said = proc.stderr.readline()
-        assert said == "slow\n", said
+        assert said == f"{word}\n", said
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     _cancelled_by_sigterm(proc.returncode, stdout, stderr)
