@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,18 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=60, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a shell gives a foreground program: SIGINT neither ignored nor blocked
+    in this process, so in every process it starts. A test run started as a
+    non-interactive shell's background job (``make test &`` in a script, ``nohup``
+    under some shells) inherits SIGINT ignored, Python then keeps it ignored, and each
+    command a test starts inherits that: the tests that send Ctrl-C (the commands'
+    ``Cancelled`` object and exit 130) would see it have no effect."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @pytest.fixture(scope="session", autouse=True)
