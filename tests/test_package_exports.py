@@ -111,7 +111,8 @@ def test_importing_a_package_loads_none_of_its_modules_until_a_name_is_asked_for
     package: str, name: str, defining: str
 ) -> None:
     """What ``python -m PACKAGE`` imports before the first line of its ``__main__`` (the
-    SIGTERM handler's): the package and ``runplan.lazy_exports``, no runtime, no NumPy."""
+    SIGTERM handler's): the package and ``runplan.lazy_exports`` (with the mixin of its
+    error, ``runplan.picklable_error``), no runtime, no NumPy."""
     done = subprocess.run(
         [sys.executable, "-c", _LOADED, package, name],
         capture_output=True,
@@ -121,7 +122,7 @@ def test_importing_a_package_loads_none_of_its_modules_until_a_name_is_asked_for
         check=True,
     )
     before, after = (line.split() for line in done.stdout.splitlines())
-    assert before == sorted({package, "runplan", "runplan.lazy_exports"})
+    assert before == sorted({package, "runplan", "runplan.lazy_exports", "runplan.picklable_error"})
     assert defining in after
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 
+from runplan.picklable_error import PicklableError
 
-class GgufError(ValueError):
+
+class GgufError(PicklableError, ValueError):
     """A GGUF file that cannot be read as a model: not GGUF, truncated, malformed, or
     lacking a required key. Names the file and, where there is one, the key."""
 

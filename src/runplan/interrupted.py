@@ -18,8 +18,10 @@ import signal
 import threading
 from types import FrameType
 
+from runplan.picklable_error import PicklableError
 
-class Interrupted(KeyboardInterrupt):
+
+class Interrupted(PicklableError, KeyboardInterrupt):
     """A signal other than SIGINT interrupted the command (``signal_name``: SIGTERM)."""
 
     def __init__(self, signal_name: str) -> None:

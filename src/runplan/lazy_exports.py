@@ -17,8 +17,10 @@ import importlib
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
+from runplan.picklable_error import PicklableError
 
-class DuplicateExport(ValueError):
+
+class DuplicateExport(PicklableError, ValueError):
     """A name that two modules of one package's exports both claim."""
 
     def __init__(self, package: str, name: str, modules: tuple[str, str]) -> None:

@@ -34,6 +34,7 @@ import cattrs
 from attrs import frozen
 
 from runplan._fields import bool_field, int_field, str_field, tuple_field, typed_field
+from runplan.picklable_error import PicklableError
 from runplan.plan import StagePlan
 from runplan.tensor_names import EMBEDDING_TENSOR, OUTPUT_NORM_TENSOR, OUTPUT_TENSOR, block_index
 
@@ -145,7 +146,7 @@ class ShardManifest:
     placement: str = str_field(default="even")
 
 
-class ManifestError(ValueError):
+class ManifestError(PicklableError, ValueError):
     """A manifest that cannot be read or does not describe a shard collection; names
     the file. (``gguf_header`` turns it into a ``GgufError``.)"""
 

@@ -47,6 +47,7 @@ from runplan.messages import (
     StopReason,
     StopRun,
 )
+from runplan.picklable_error import PicklableError
 from runplan.record_header import HeaderCheck
 from runtime_core.controller_trace import Trace, no_trace
 from runtime_core.links import LinkReceiver, LinkSender
@@ -80,7 +81,7 @@ class RunTimerFired:
     timer: fsm.Timer
 
 
-class RunRefused(ValueError):
+class RunRefused(PicklableError, ValueError):
     """A run the chain can never take: its KV cache exceeds a stage's whole budget, or
     its run id is one the chain already has or had."""
 

@@ -20,10 +20,11 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from runplan.picklable_error import PicklableError
 from runtime_core.tokenizer_vocab import TokenizerError
 
 
-class NoChatTemplate(TokenizerError):
+class NoChatTemplate(PicklableError, TokenizerError):
     """The GGUF file has no ``tokenizer.chat_template``."""
 
     def __init__(self, path: str) -> None:

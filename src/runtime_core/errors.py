@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from runplan.picklable_error import PicklableError
 
-class UnsupportedModel(ValueError):
+
+class UnsupportedModel(PicklableError, ValueError):
     """A GGUF model that is readable but that this runtime does not run as it is: an
     architecture we do not implement, a tensor of a quant type the worker cannot run,
     a block tensor that is missing, has the wrong shape or is not part of the

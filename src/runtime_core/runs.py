@@ -17,9 +17,10 @@ from runplan import (
     plan_run,
 )
 from runplan.config import run_positions
+from runplan.picklable_error import PicklableError
 
 
-class PlanRejected(ValueError):
+class PlanRejected(PicklableError, ValueError):
     """The planner rejected the run; ``rejection`` says why."""
 
     def __init__(self, rejection: PlanRejection) -> None:

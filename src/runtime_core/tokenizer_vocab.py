@@ -18,6 +18,7 @@ from attrs import field, frozen
 
 from runplan.gguf_facts import SPECIAL_TOKEN_DEFAULTS, special_token_id
 from runplan.gguf_header import GgufHeader
+from runplan.picklable_error import PicklableError
 from runtime_core.tokenizer_pre import LLAMA_CPP_ONLY, PRE_TOKENIZERS, PreTokenizer
 
 
@@ -25,7 +26,7 @@ class TokenizerError(ValueError):
     """A GGUF file whose tokenizer cannot be built, or a call that cannot be served."""
 
 
-class UnknownTokenizerModel(TokenizerError):
+class UnknownTokenizerModel(PicklableError, TokenizerError):
     """``tokenizer.ggml.model`` names a tokenizer this package does not implement."""
 
     def __init__(self, path: str, model: str) -> None:
@@ -37,7 +38,7 @@ class UnknownTokenizerModel(TokenizerError):
         )
 
 
-class UnknownPreTokenizer(TokenizerError):
+class UnknownPreTokenizer(PicklableError, TokenizerError):
     """``tokenizer.ggml.pre`` names a pre-tokenizer this package does not implement."""
 
     def __init__(self, path: str, pre: str) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Generator, Sequence
 from runplan import ModelFacts, SamplingConfig, model_facts_from_gguf
 from runplan.config import run_positions
 from runplan.models import resolve_model
+from runplan.picklable_error import PicklableError
 from runplan.rejections import InsufficientMemory
 from runtime_core.runs import PlanRejected
 from runtime_cupy.api import GenerateResult
@@ -36,7 +37,7 @@ from runtime_cupy.workers import DEFAULT_WORKER
 DEFAULT_BATCH_RUNS = 64
 
 
-class BatchError(ValueError):
+class BatchError(PicklableError, ValueError):
     """Prompts that no batch can run (none; one with no tokens, with a token outside the
     vocabulary, or too long for the context with ``max_tokens``), named; ``index``: the
     prompt's (``None``: the batch's)."""

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from attrs import frozen
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
+from runplan.picklable_error import PicklableError
 
 #: ``progress(done, total)``: bytes of weights loaded so far, for progress bars.
 Progress = Callable[[int, int], None]
@@ -46,7 +47,7 @@ class WorkerError(RuntimeError):
     a setup fault or ``StepFailed(reason)``; ``reason`` is ``str(error)``."""
 
 
-class KvCacheUnavailable(WorkerError):
+class KvCacheUnavailable(PicklableError, WorkerError):
     """``open_run`` found no room for the run's KV cache in the stage's budget: nothing
     was reserved. ``needed_bytes > budget_bytes`` means the run never fits."""
 

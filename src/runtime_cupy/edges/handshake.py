@@ -45,6 +45,7 @@ import struct
 
 from attrs import frozen
 
+from runplan.picklable_error import PicklableError
 from runtime_cupy.edges.tcp_seal import protection_named
 
 VERSION = 2
@@ -70,7 +71,7 @@ class Refusal(enum.Enum):
     OTHER_PROTECTION = 3
 
 
-class HandshakeRefused(ValueError):
+class HandshakeRefused(PicklableError, ValueError):
     """What a peer sent does not open this edge; the message says why. ``refusal``:
     what a consumer answers the HELLO with (``None``: nothing, the connection closes);
     ``protection``: for ``OTHER_PROTECTION``, the code of the peer's protection where it

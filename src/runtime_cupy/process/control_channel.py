@@ -64,6 +64,7 @@ from attrs import frozen
 
 from runplan import wire
 from runplan.messages import ControlMessage, JoinChain
+from runplan.picklable_error import PicklableError
 from runplan.plan import RunPlan
 from runtime_cupy.process.keys import KEY_BYTES
 from runtime_cupy.process.poller import IN, OUT, Entry
@@ -116,7 +117,7 @@ class Unreadable:
     reason: str
 
 
-class _UnreadableFrame(FrameError):
+class _UnreadableFrame(PicklableError, FrameError):
     def __init__(self, sender: str, counter: int, reason: str) -> None:
         super().__init__(reason)
         self.sender, self.counter = sender, counter

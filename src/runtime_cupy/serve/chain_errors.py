@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from runplan.picklable_error import PicklableError
 from runplan.replacement import Unplaceable
 from runtime_cupy.serve.recovery import unplaced
 
@@ -14,7 +15,7 @@ class ChainError(RuntimeError):
     """The chain cannot serve: its stages could not be started or bound."""
 
 
-class Unplaced(ChainError):
+class Unplaced(PicklableError, ChainError):
     """The chain lost stages and the planner finds no placement over the ``live`` nodes
     (``unplaceable``: its rejection, naming the lost nodes and stages); it is the
     chain's trouble until a later start places it."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from runplan.picklable_error import PicklableError
 
-class RequestError(Exception):
+
+class RequestError(PicklableError, Exception):
     """A request this server refuses: ``status``, ``message``, the offending ``param``
     (``None`` when the whole body is at fault), OpenAI's ``type`` and ``code``."""
 

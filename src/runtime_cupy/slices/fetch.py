@@ -53,6 +53,7 @@ from runplan import GgufSource
 from runplan.content import CUT_KEY_PREFIXES, hash_threads
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
+from runplan.picklable_error import PicklableError
 from runplan.shards import (
     MANIFEST_NAME,
     ShardEntry,
@@ -95,7 +96,7 @@ class SliceOrigin:
     source_key: str
 
 
-class _Failed(Exception):
+class _Failed(PicklableError, Exception):
     """Internal: what failed (``where``: a tensor, the header ...) and why."""
 
     def __init__(self, where: str, cause: str) -> None:

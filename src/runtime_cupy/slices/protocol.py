@@ -48,6 +48,7 @@ from typing import Any
 
 from attrs import frozen
 
+from runplan.picklable_error import PicklableError
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, FrameSeal, Protection, protection_named
 from runtime_cupy.process.streams import keep_alive
@@ -87,7 +88,7 @@ class LinkSilent(TransferError):
     connection stayed open: it stalled, or something on the path holds the bytes back."""
 
 
-class ProtectionMismatch(Refused):
+class ProtectionMismatch(PicklableError, Refused):
     """The two ends protect the connection otherwise (one encrypts, the other does not):
     ``ours`` and ``theirs`` name how (``edges.tcp_seal``); ``stage_index``: the stage."""
 
@@ -96,7 +97,7 @@ class ProtectionMismatch(Refused):
         self.stage_index, self.ours, self.theirs = stage_index, ours, theirs
 
 
-class BrokenSeal(TransferError):
+class BrokenSeal(PicklableError, TransferError):
     """A frame from the peer failed its seal: changed, replayed, reordered, dropped or
     forged on the way. ``what``: a control frame, or which chunk of bytes; ``number``:
     its place among the frames of its direction."""

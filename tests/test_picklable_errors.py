@@ -1,0 +1,92 @@
+"""Every error of the four packages crosses a process boundary as it was raised (a Ray
+task's, a process pool's, a queue's pickle): the same class, message, ``args`` and
+attributes. Python rebuilds an exception by calling its class with ``args``; one whose
+``__init__`` takes other arguments (a path and a message) raised ``TypeError`` on
+unpickling (``runplan.picklable_error``)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import pkgutil
+from typing import Any
+
+import pytest
+
+from runplan.rejections import UnknownNode
+from runplan.replacement import Unplaceable
+from runtime_cupy.edges.handshake import Refusal
+
+PACKAGES = ("runplan", "runtime_core", "runtime_cupy", "runtime_sim")
+
+#: each error with its own ``__init__`` (module, name) -> arguments to raise it with
+RAISED: dict[tuple[str, str], tuple[tuple[Any, ...], dict[str, Any]]] = {
+    ("runplan.gguf_error", "GgufError"): (("m.gguf", "truncated"), {"key": "general.name"}),
+    ("runplan.interrupted", "Interrupted"): (("SIGTERM",), {}),
+    ("runplan.lazy_exports", "DuplicateExport"): (("pkg", "x", ("pkg.a", "pkg.b")), {}),
+    ("runplan.shards", "ManifestError"): (("m.json", "not JSON"), {}),
+    ("runtime_core.chain_orchestrator", "RunRefused"): (("r1", "too long"), {}),
+    ("runtime_core.chat", "NoChatTemplate"): (("m.gguf",), {}),
+    ("runtime_core.errors", "UnsupportedModel"): (
+        ("m.gguf", "no such type"),
+        {"tensor": "blk.0.attn_q.weight", "key": None},
+    ),
+    ("runtime_core.runs", "PlanRejected"): ((UnknownNode("n9", 1),), {}),
+    ("runtime_core.tokenizer_vocab", "UnknownTokenizerModel"): (("m.gguf", "rwkv"), {}),
+    ("runtime_core.tokenizer_vocab", "UnknownPreTokenizer"): (("m.gguf", "odd"), {}),
+    ("runtime_core.workers.interface", "KvCacheUnavailable"): (("r1", 100, 10, 50), {}),
+    ("runtime_cupy.batch", "BatchError"): (("no tokens",), {"index": 3}),
+    ("runtime_cupy.edges.handshake", "HandshakeRefused"): (
+        ("bad MAC",),
+        {"refusal": next(iter(Refusal)), "protection": 1},
+    ),
+    ("runtime_cupy.process.control_channel", "_UnreadableFrame"): (("s1", 7, "bad"), {}),
+    ("runtime_cupy.serve.chain_errors", "Unplaced"): (
+        (Unplaceable(("n1",), (1,), UnknownNode("n1", 1)), ["n0"]),
+        {},
+    ),
+    ("runtime_cupy.serve.request_errors", "RequestError"): (
+        ("bad temperature",),
+        {"param": "temperature", "status": 400, "code": "bad"},
+    ),
+    ("runtime_cupy.slices.fetch", "_Failed"): (("the header", "reset"), {}),
+    ("runtime_cupy.slices.protocol", "ProtectionMismatch"): (("no", 1, "sealed", "plain"), {}),
+    ("runtime_cupy.slices.protocol", "BrokenSeal"): (("chunk 3", 4), {}),
+}
+
+
+def _errors_with_own_init() -> set[tuple[str, str]]:
+    found = set()
+    for package in PACKAGES:
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+            if info.name.rsplit(".", 1)[-1] == "__main__":
+                continue
+            try:
+                module = importlib.import_module(info.name)
+            except ImportError:  # an optional engine (CuPy, Ray) this host lacks
+                continue
+            for name, value in vars(module).items():
+                if (
+                    inspect.isclass(value)
+                    and issubclass(value, BaseException)
+                    and value.__module__ == module.__name__
+                    and "__init__" in vars(value)
+                ):
+                    found.add((module.__name__, name))
+    return found
+
+
+def test_every_error_with_its_own_init_is_checked_here() -> None:
+    """A new error with its own ``__init__`` is added to ``RAISED`` (and so checked)."""
+    assert _errors_with_own_init() - set(RAISED) == set()
+
+
+@pytest.mark.parametrize("where", sorted(RAISED), ids=lambda w: w[1])
+def test_an_error_unpickles_as_it_was_raised(where: tuple[str, str]) -> None:
+    cls = getattr(importlib.import_module(where[0]), where[1])
+    args, kwargs = RAISED[where]
+    raised = cls(*args, **kwargs)
+    back = pickle.loads(pickle.dumps(raised))
+    assert type(back) is cls
+    assert (str(back), back.args, vars(back)) == (str(raised), raised.args, vars(raised))
