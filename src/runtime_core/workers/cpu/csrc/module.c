@@ -11,6 +11,9 @@
 #include <Python.h>
 
 #include <math.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <stdlib.h>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -31,20 +34,50 @@ static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avxvnni", "avx512b
 static const Isa *HOST_ISAS[N_KNOWN];
 static int N_HOST;
 
+#ifdef GPP_HAVE_AVX2
+/* What the processor has and the operating system saves (XCR0: the 256-bit and, for
+ * AVX-512, the 512-bit and mask registers), read by CPUID as the Intel and AMD manuals
+ * describe: not `__builtin_cpu_supports`, whose feature names differ between compilers
+ * (clang 14 knows neither "f16c" nor "avxvnni"). */
+typedef struct {
+    int avx2_f16c, avxvnni, avx512, avx512vnni; /* avx512: F, BW and VL */
+} HostFeatures;
+
+static HostFeatures host_features(void) {
+    HostFeatures f = {0, 0, 0, 0};
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+    const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave || !avx || !f16c || __get_cpuid_max(0, NULL) < 7) return f;
+    unsigned xcr0, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0 & 0x6) != 0x6) return f; /* SSE and AVX state */
+    const int zmm = (xcr0 & 0xE0) == 0xE0; /* opmask, ZMM0-15 high halves, ZMM16-31 */
+    __cpuid_count(7, 0, a, b, c, d);
+    const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1,
+              avx512vl = (b >> 31) & 1, avx512vnni = (c >> 11) & 1;
+    f.avx2_f16c = avx2;
+    f.avx512 = avx2 && zmm && avx512f && avx512bw && avx512vl;
+    f.avx512vnni = f.avx512 && avx512vnni;
+    __cpuid_count(7, 1, a, b, c, d);
+    f.avxvnni = avx2 && ((a >> 4) & 1);
+    return f;
+}
+#endif
+
 static void find_host_isas(void) {
     N_HOST = 0;
     HOST_ISAS[N_HOST++] = &ISA_PORTABLE;
 #ifdef GPP_HAVE_AVX2
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+    const HostFeatures f = host_features();
+    if (f.avx2_f16c) {
         HOST_ISAS[N_HOST++] = &ISA_AVX2;
 #ifdef GPP_HAVE_AVXVNNI
-        if (__builtin_cpu_supports("avxvnni")) HOST_ISAS[N_HOST++] = isa_avxvnni();
+        if (f.avxvnni) HOST_ISAS[N_HOST++] = isa_avxvnni();
 #endif
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl")) {
+        if (f.avx512) {
             HOST_ISAS[N_HOST++] = isa_avx512bw();
-            if (__builtin_cpu_supports("avx512vnni")) HOST_ISAS[N_HOST++] = isa_avx512();
+            if (f.avx512vnni) HOST_ISAS[N_HOST++] = isa_avx512();
         }
     }
 #endif
