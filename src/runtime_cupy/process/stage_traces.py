@@ -59,9 +59,16 @@ class StageTraces:
             if self.trace.enabled:
                 self.trace.instant(f"state {fields['to']}", event=fields["event"])
         elif kind == "reject":
-            log.warning(
+            sender = fields.get("sender", "")
+            # An object off the inbound edge (no sender) of a run that stopped here: one
+            # the stage before sent as the run was cancelled or ended, dropped as the
+            # protocol says; a person at the chat's terminal need not see it. A control
+            # message of a stopped run, or any other refusal, is a warning.
+            late = not sender and fields["reason"] == "STALE_RUN"
+            log.log(
+                logging.INFO if late else logging.WARNING,
                 "rejected from %r: %s: %s",
-                fields.get("sender", ""),
+                sender,
                 fields["reason"],
                 fields.get("detail", ""),
             )
