@@ -122,7 +122,9 @@ def test_eight_concurrent_streams_each_equal_their_request_alone(
             seen = metrics(server.base_url)
             most[0] = max(most[0], int(seen["gguf_pipeline_runs_in_flight"]))
             kv_share = max(kv_share, seen["gguf_pipeline_kv_cache_share{stage=0}"])
-            return most[0] > 1
+            # a run submitted is in flight before the chain's loop starts it and its
+            # stages hold its KV cache: wait for both
+            return most[0] > 1 and kv_share > 0
 
         last = chain.pids()[-1]
         os.kill(last, signal.SIGSTOP)  # no run can end until it is let go
