@@ -1,5 +1,6 @@
 /* calls.c: the kernels' calls parsed from Python's arguments, checked, run (calls.h). */
 #include "calls.h"
+#include "fp_env.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -533,7 +534,7 @@ int call_check(const Call *c) {
     return 0;
 }
 
-int call_run(Call *c) {
+static int run_call(Call *c) {
     int threads = c->threads;
     switch (c->kind) {
     case CALL_LINEAR: {
@@ -602,4 +603,12 @@ PyObject *call_failed(int rc) {
 void call_release(Call *c) {
     for (int i = 0; i < CALL_BUFS; ++i) release(&c->bufs[i]);
     Py_CLEAR(c->matrix);
+}
+
+/* the call in IEEE's default environment (fp_env.h), the caller's given back */
+int call_run(Call *c) {
+    const FpEnv caller = fp_env_enter();
+    const int rc = run_call(c);
+    fp_env_leave(caller);
+    return rc;
 }

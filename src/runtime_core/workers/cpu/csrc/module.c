@@ -20,6 +20,7 @@
 #endif
 
 #include "calls.h"
+#include "fp_env.h"
 #include "ops.h"
 #include "pool.h"
 #include "program.h"
@@ -345,7 +346,9 @@ static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kwds) {
         goto done;
     Q8Out out = {(int8_t *)q.view.buf, (float *)d.view.buf, (float *)s.view.buf, (int32_t *)g.view.buf,
                  n};
+    const FpEnv caller = fp_env_enter();
     quantize_rows(isa, fmt, (const float *)x.view.buf, rows, n, out, 1);
+    fp_env_leave(caller);
     result = Py_NewRef(Py_None);
 done:
     release(&x); release(&q); release(&d); release(&s); release(&g);
@@ -370,7 +373,9 @@ static PyObject *ieee32_call(PyObject *args, PyObject *kwds, int tanh) {
     Py_ssize_t n = x.view.len / (Py_ssize_t)sizeof(float);
     if (get_buf(yo, &y, "f", 1, n, "y") < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
+    const FpEnv caller = fp_env_enter();
     fn((const float *)x.view.buf, (float *)y.view.buf, n);
+    fp_env_leave(caller);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:

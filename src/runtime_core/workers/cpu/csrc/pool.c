@@ -11,6 +11,7 @@
  * `done` counts finished items; each participant adds its count once per range (not
  * once per item), and whoever completes the job wakes the caller if it sleeps. */
 #include "pool.h"
+#include "fp_env.h"
 
 #if defined(_WIN32)
 
@@ -152,6 +153,7 @@ static uint32_t next_job(uint32_t seen) {
 
 static void *worker(void *arg) {
     int p = (int)(intptr_t)arg; /* its participant index, 1 .. */
+    (void)fp_env_enter(); /* IEEE's defaults, whatever the thread that made it had */
     uint32_t g = atomic_load(&P.gen);
     for (;;) {
         g = next_job(g);
