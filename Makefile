@@ -130,7 +130,8 @@ OTHER_CPUS ?= SandyBridge Haswell-noTSX
 OTHER_CPU_TESTS ?= tests/runtime_core/workers/cpu/test_cpu_llamacpp.py \
 	tests/runtime_core/workers/cpu/test_cpu_kernels.py \
 	tests/runtime_core/workers/cpu/test_cpu_exp32.py \
-	tests/runtime_core/workers/cpu/test_cpu_tanh32.py
+	tests/runtime_core/workers/cpu/test_cpu_tanh32.py \
+	tests/runtime_core/workers/cpu/test_cpu_fp_env.py
 # That test reads the processor's flags from /proc/cpuinfo, which under qemu-user is the
 # host's; what the emulated processor runs is checked by test_cpu_other_processors.py.
 OTHER_CPU_SKIP := --deselect \
