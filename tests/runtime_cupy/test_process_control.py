@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -440,3 +441,31 @@ def test_the_secret_parses_only_whole() -> None:
     for bad in ("", "\n", SECRET.hex()[:-2], SECRET.hex() + "00", "g" * 64):
         with pytest.raises(BadSecret, match="secret"):
             parse_secret(bad)
+
+
+@pytest.mark.parametrize("ignored", [False, True], ids=["default", "SIGINT ignored"])
+def test_a_run_takes_the_signals_this_process_does_not_ignore(tiny: str, ignored: bool) -> None:
+    """During a run SIGINT and SIGTERM cancel it (the launcher's handler); a SIGINT this
+    process ignores (a script's background job) stays ignored; both given back after."""
+    prompt = [4, 5, 6]
+    seen: list[tuple[object, object]] = []
+
+    def note(_token: int) -> None:
+        if not seen:
+            seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignored else None
+    try:
+        outside = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        result = ProcessRun(_plan(tiny, prompt), prompt, on_token=note).run()
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == outside
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGINT, before)
+    assert result.finished is not None and result.finished.outcome is StopReason.COMPLETED
+    ((sigint, sigterm),) = seen
+    assert sigterm is not outside[1] and callable(sigterm)  # the launcher's
+    if ignored:
+        assert sigint == signal.SIG_IGN
+    else:
+        assert sigint is sigterm  # the same handler: either signal cancels the run

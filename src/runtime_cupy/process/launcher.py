@@ -10,7 +10,9 @@ and the next injected until EOS or ``max_tokens``), then closes the chain: every
 reaped (killed after a short grace) and every resource of the chain's links freed by
 name through the host, also those whose owner was killed, whatever happened (an
 exception too). SIGINT / SIGTERM cancel the run; a second one stops waiting for the
-stages.
+stages. A signal this process ignores stays ignored (a non-interactive shell starts its
+background jobs with SIGINT ignored, so that a Ctrl-C meant for the script in the
+foreground does not reach them; Python keeps it ignored too).
 
 Each link moves its bytes through shared memory when both ends share a machine and
 through TCP otherwise (``edges``: ``auto``), or through the medium asked for
@@ -213,7 +215,11 @@ class ProcessRun:
                 log.warning("%s: stopping the run (interrupt again to stop waiting)", name)
             self.cancel(f"interrupted ({name})")
 
-        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return {
+            s: signal.signal(s, handler)
+            for s in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(s) != signal.SIG_IGN
+        }
 
     @staticmethod
     def _restore_signals(previous: dict[int, Any]) -> None:
