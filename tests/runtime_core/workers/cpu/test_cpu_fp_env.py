@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,7 +74,12 @@ def _inputs() -> np.ndarray:
 #: made once, under IEEE's defaults (NumPy under flush-to-zero would make other inputs)
 X = _inputs()
 H = X[: 8 * 384].reshape(8, 384).copy()
-SMALL = X[:1024] * np.float32(1e-36)  # quantized: subnormal scales and values
+SMALL = X[:1024] * np.float32(1e-40)  # quantized: subnormal scales and values
+W = np.random.default_rng(12).standard_normal((8, 64)).astype(np.float32)
+MATRIX = _kernels.Matrix([(W.view(np.uint8).ravel(), "F32", 8, 64, 0)])
+Q8_W = np.random.default_rng(13).integers(0, 256, 8 * 2 * 34).astype(np.uint8)
+Q8_MATRIX = _kernels.Matrix([(Q8_W, "Q8_0", 8, 64, 0)])  # scales: bytes, any half
+TINY_ROWS = SMALL[: 2 * 64].reshape(2, 64).copy()  # subnormal inputs and products
 
 
 def _results(isa: str) -> dict[str, bytes]:
@@ -82,7 +91,7 @@ def _results(isa: str) -> dict[str, bytes]:
         getattr(_kernels, name)(x, y, isa=isa)
         out[name] = y.tobytes()
     act = np.empty((8, 192), np.float32)
-    _kernels.swiglu(H.copy(), act, 8, 192, 2, isa=isa)  # two threads: the pool's workers too
+    _kernels.swiglu(H.copy(), act, 8, 192, 2, isa=isa)  # one item: the caller runs it
     out["swiglu"] = act.tobytes()
     rows, n = 4, 256
     q = np.empty(rows * n, np.int8)
@@ -90,6 +99,23 @@ def _results(isa: str) -> dict[str, bytes]:
     g = np.empty(rows * n // 16, np.int32)
     _kernels.quantize("q8_0", SMALL, rows, n, q, d, s, g, isa=isa)
     out["quantize"] = q.tobytes() + d.tobytes()
+    # linear_spans: float activations, and activations it quantizes itself
+    x = TINY_ROWS
+    y = np.zeros((2, 8), np.float32)
+    _kernels.linear_spans([MATRIX], [(0, 2)], x, None, None, None, None, y, 1, isa=isa)
+    out["linear_spans"] = y.tobytes()
+    q, d, s = np.zeros((2, 64), np.int8), np.zeros(4, np.float32), np.zeros(4, np.float32)
+    g = np.zeros(8, np.int32)
+    y = np.zeros((2, 8), np.float32)
+    _kernels.linear_spans([Q8_MATRIX], [(0, 2)], x, q, d, s, g, y, 1, isa=isa)
+    out["linear_spans q8"] = q.tobytes() + d.tobytes() + y.tobytes()
+    # a float argument: rounded to float32 as IEEE's defaults round it
+    y = np.ones(4, np.float32)
+    _kernels.scale(y[:2], 0.1, 1)  # rounded up to nearest, down toward zero
+    _kernels.scale(y[2:], 1e-39, 1)  # a subnormal float32, zero flushed
+    z = np.zeros(4, np.float32)
+    _kernels.add_scaled(z, np.ones(4, np.float32), 0.1, 1)
+    out["float argument"] = y.tobytes() + z.tobytes()
     return out
 
 
@@ -117,3 +143,49 @@ def test_the_environment_is_one_that_changes_these_results() -> None:
     with mxcsr_set(FTZ | DAZ):
         flushed = tiny * np.float32(1.0)
     assert (flushed == 0).all() and (tiny * np.float32(1.0) != 0).all()
+
+
+#: made in a process whose MXCSR rounds toward zero when it loads the kernels
+_IMPORTED_UNDER = """
+import ctypes, ctypes.util, sys
+import numpy as np
+libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+def set_mxcsr(bits, clear):
+    env = ctypes.create_string_buffer(32)
+    assert libm.fegetenv(env) == 0
+    value = (int.from_bytes(env.raw[28:32], "little") & ~clear) | bits
+    ctypes.memmove(ctypes.addressof(env) + 28, value.to_bytes(4, "little"), 4)
+    assert libm.fesetenv(env) == 0
+h = np.load(sys.argv[1])
+set_mxcsr(0x6000, 0x6000)  # toward zero
+from runtime_core.workers.cpu import _kernels
+set_mxcsr(0, 0x6000)
+rows, f = h.shape[0], h.shape[1] // 2
+gelu, silu = np.empty((rows, f), np.float32), np.empty((rows, f), np.float32)
+_kernels.geglu(h, gelu, rows, f, 1)
+_kernels.swiglu(h, silu, rows, f, 1)
+np.save(sys.argv[2], np.stack([gelu, silu]))
+"""
+
+
+def test_the_kernels_loaded_in_another_environment_compute_the_same_bits(
+    tmp_path: Path,
+) -> None:
+    """GELU's table of halves, made when the module loads, does not take the loading
+    thread's rounding: every half under 10 goes through it."""
+    halves = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    gate = halves[np.isfinite(halves) & (np.abs(halves) < 10)].astype(np.float32)
+    f = gate.size // 4
+    h = np.concatenate([gate[: 4 * f].reshape(4, f), np.full((4, f), 1.5, np.float32)], 1)
+    np.save(tmp_path / "h.npy", h)
+    src = str(Path(_kernels.__file__).resolve().parents[3])
+    subprocess.run(
+        [sys.executable, "-c", _IMPORTED_UNDER, str(tmp_path / "h.npy"), str(tmp_path / "out.npy")],
+        check=True, timeout=120, env={**os.environ, "PYTHONPATH": src},
+    )  # fmt: skip
+    gelu, silu = np.empty((4, f), np.float32), np.empty((4, f), np.float32)
+    _kernels.geglu(h, gelu, 4, f, 1)
+    _kernels.swiglu(h, silu, 4, f, 1)
+    got = np.load(tmp_path / "out.npy")
+    assert got[0].tobytes() == gelu.tobytes(), "geglu"
+    assert got[1].tobytes() == silu.tobytes(), "swiglu"

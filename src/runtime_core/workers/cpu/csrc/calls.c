@@ -7,6 +7,19 @@
 
 /* ---- arrays, arguments -------------------------------------------------------------------- */
 
+/* an "O&" converter: a Python number rounded to float32 in IEEE's default environment
+ * (fp_env.h), as PyArg_Parse's "f" rounds it in the caller's (which may round otherwise
+ * or flush a subnormal float to zero) */
+static int to_f32(PyObject *obj, void *out) {
+    const double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred()) return 0;
+    const FpEnv caller = fp_env_enter();
+    volatile float f = (float)v; /* rounded before the caller's environment is back */
+    fp_env_leave(caller);
+    *(float *)out = f;
+    return 1;
+}
+
 void release(Buf *b) {
     if (b->held) PyBuffer_Release(&b->view);
     b->held = 0;
@@ -242,7 +255,7 @@ static int parse_elems(PyObject *args, PyObject *kwds, CallKind kind, const char
     int threads;
     const char *isa_name = NULL;
     start(c, kind);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Ofi|$z", kwlist, &xo, &value, &threads,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO&i|$z", kwlist, &xo, to_f32, &value, &threads,
                                      &isa_name))
         return -1;
     if (!(c->isa = isa_named(isa_name)) || check_threads(threads) < 0) return -1;
@@ -269,7 +282,7 @@ int parse_add_scaled(PyObject *args, Call *c) {
     float value;
     int threads;
     start(c, CALL_ADD_SCALED);
-    if (!PyArg_ParseTuple(args, "OOfi", &xo, &yo, &value, &threads)) return -1;
+    if (!PyArg_ParseTuple(args, "OOO&i", &xo, &yo, to_f32, &value, &threads)) return -1;
     if (check_threads(threads) < 0) return -1;
     if (get_buf(xo, &c->bufs[0], "f", 1, 1, "x") < 0) return -1;
     int64_t n = c->bufs[0].view.len / 4;
@@ -384,8 +397,8 @@ int parse_rope_kv(PyObject *args, Call *c) {
     int neox, threads;
     float q_scale = 1.0f;
     start(c, CALL_ROPE_KV);
-    if (!PyArg_ParseTuple(args, "OLOOLOLpOOi|fOOO", &qo, &rows, &bo, &ro, &pos, &ho, &n_rot,
-                          &neox, &ko, &vo, &threads, &q_scale, &kso, &vso, &to))
+    if (!PyArg_ParseTuple(args, "OLOOLOLpOOi|O&OOO", &qo, &rows, &bo, &ro, &pos, &ho, &n_rot,
+                          &neox, &ko, &vo, &threads, to_f32, &q_scale, &kso, &vso, &to))
         return -1;
     Heads *hd = &c->a.kv.hd;
     if (parse_heads(ho, hd) < 0 || check_threads(threads) < 0) return -1;
@@ -424,9 +437,9 @@ int parse_attention(PyObject *args, PyObject *kwds, Call *c) {
     int threads;
     const char *isa_name = NULL;
     start(c, CALL_ATTENTION);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLOOLOfOi|LOO$zf", kwlist, &qo, &rows, &ko, &vo,
-                                     &pos, &ho, &scale, &oo, &threads, &window, &kso, &vso,
-                                     &isa_name, &softcap))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLOOLOO&Oi|LOO$zO&", kwlist, &qo, &rows, &ko,
+                                     &vo, &pos, &ho, to_f32, &scale, &oo, &threads, &window,
+                                     &kso, &vso, &isa_name, to_f32, &softcap))
         return -1;
     if (!(softcap >= 0.0f) || isinf(softcap)) { /* NaN too */
         PyErr_Format(PyExc_ValueError, "a soft cap of %g: it must be finite and not negative",

@@ -539,7 +539,9 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     find_host_isas();
+    const FpEnv caller = fp_env_enter(); /* the table's bits: IEEE's defaults (fp_env.h) */
     gelu_table_init();
+    fp_env_leave(caller);
     Py_INCREF(&MatrixType);
     if (PyModule_AddObject(m, "Matrix", (PyObject *)&MatrixType) < 0) {
         Py_DECREF(&MatrixType);

@@ -6,6 +6,7 @@
 #include "spans.h"
 
 #include "calls.h"
+#include "fp_env.h"
 
 #define MAX_SPANS 65536
 
@@ -109,8 +110,10 @@ PyObject *py_linear_spans(PyObject *self, PyObject *args, PyObject *kwds) {
     XRows xr = {q8.q, q8.d, q8.s, q8.g, x.view.buf, n_in, qs};
     int rc;
     Py_BEGIN_ALLOW_THREADS
+    const FpEnv caller = fp_env_enter(); /* IEEE's defaults (fp_env.h), the caller's after */
     if (use_q8) quantize_rows(isa, m0->fmt, x.view.buf, rows, n_in, q8, threads);
     rc = linear_spans(isa, spans, (int)n, &xr, use_q8, y.view.buf, ldy, threads);
+    fp_env_leave(caller);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         PyErr_NoMemory();
