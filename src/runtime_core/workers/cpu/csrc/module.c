@@ -55,13 +55,16 @@ static HostFeatures host_features(void) {
     if ((xcr0 & 0x6) != 0x6) return f; /* SSE and AVX state */
     const int zmm = (xcr0 & 0xE0) == 0xE0; /* opmask, ZMM0-15 high halves, ZMM16-31 */
     __cpuid_count(7, 0, a, b, c, d);
+    const unsigned max_subleaf = a;
     const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1,
               avx512vl = (b >> 31) & 1, avx512vnni = (c >> 11) & 1;
     f.avx2_f16c = avx2;
     f.avx512 = avx2 && zmm && avx512f && avx512bw && avx512vl;
     f.avx512vnni = f.avx512 && avx512vnni;
-    __cpuid_count(7, 1, a, b, c, d);
-    f.avxvnni = avx2 && ((a >> 4) & 1);
+    if (max_subleaf >= 1) {
+        __cpuid_count(7, 1, a, b, c, d);
+        f.avxvnni = avx2 && ((a >> 4) & 1);
+    }
     return f;
 }
 #endif
