@@ -19,7 +19,10 @@ from runtime_core.workers.cpu import _kernels
 
 ROOT = Path(__file__).resolve().parents[4]
 CSRC = ROOT / "src/runtime_core/workers/cpu/csrc"
-CLANG = next((c for c in ("clang", "clang-19", "clang-16", "clang-14") if shutil.which(c)), None)
+#: clang, or Debian's newest versioned one
+CLANG = next(
+    (c for c in ("clang", *(f"clang-{v}" for v in range(30, 10, -1))) if shutil.which(c)), None
+)
 pytestmark = pytest.mark.skipif(CLANG is None, reason="no clang installed")
 
 #: every set's results, written by the clang build into OUT (run in its own process: a
