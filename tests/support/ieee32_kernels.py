@@ -63,3 +63,17 @@ def assert_every_length_and_in_place(
         assert np.all(y[n:] == 7.0), f"wrote past {n} values"
         kernel(x, x, isa=isa)
         np.testing.assert_array_equal(bits(x), want)
+
+
+def every_set_results(kernels: Any, x: np.ndarray) -> dict[str, np.ndarray]:
+    """exp32, tanh32 and SwiGLU (two threads) of ``x`` on each set ``kernels`` (a build
+    of ``_kernels``) runs: ``"<set> <function>"`` -> its results."""
+    out: dict[str, np.ndarray] = {}
+    for isa in kernels.isas():
+        e, t = np.empty_like(x), np.empty_like(x)
+        kernels.exp32(x, e, isa=isa)
+        kernels.tanh32(x, t, isa=isa)
+        act = np.empty((4, 96), F32)
+        kernels.swiglu(x[: 4 * 192].reshape(4, 192).copy(), act, 4, 96, 2, isa=isa)
+        out[f"{isa} exp32"], out[f"{isa} tanh32"], out[f"{isa} swiglu"] = e, t, act
+    return out

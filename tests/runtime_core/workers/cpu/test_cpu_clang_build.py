@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from runtime_core.workers.cpu import _kernels
+from tests.support.ieee32_kernels import every_set_results
 
 ROOT = Path(__file__).resolve().parents[4]
 CSRC = ROOT / "src/runtime_core/workers/cpu/csrc"
@@ -30,20 +31,12 @@ pytestmark = pytest.mark.skipif(CLANG is None, reason="no clang installed")
 _RUN = """
 import importlib.util, sys
 import numpy as np
+from tests.support.ieee32_kernels import every_set_results
 so, x_path, out = sys.argv[1:4]
 spec = importlib.util.spec_from_file_location("clang_build._kernels", so)
 k = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(k)
-x = np.load(x_path)
-results = {"isas": np.array(k.isas())}
-for isa in k.isas():
-    e, t = np.empty_like(x), np.empty_like(x)
-    k.exp32(x, e, isa=isa)
-    k.tanh32(x, t, isa=isa)
-    act = np.empty((4, 96), np.float32)
-    k.swiglu(x[: 4 * 192].reshape(4, 192).copy(), act, 4, 96, 2, isa=isa)
-    results[isa + " exp32"], results[isa + " tanh32"], results[isa + " swiglu"] = e, t, act
-np.savez(out, **results)
+np.savez(out, isas=np.array(k.isas()), **every_set_results(k, np.load(x_path)))
 """
 
 
@@ -68,15 +61,11 @@ def test_a_clang_build_finds_the_same_sets_and_computes_the_same_bits(tmp_path: 
     np.save(tmp_path / "x.npy", x)
     subprocess.run(
         [sys.executable, "-c", _RUN, str(so), str(tmp_path / "x.npy"), str(tmp_path / "out.npz")],
-        check=True, timeout=120,
+        check=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     got = np.load(tmp_path / "out.npz")
     assert tuple(got["isas"]) == _kernels.isas()
-    for isa in _kernels.isas():
-        e, t = np.empty_like(x), np.empty_like(x)
-        _kernels.exp32(x, e, isa=isa)
-        _kernels.tanh32(x, t, isa=isa)
-        act = np.empty((4, 96), np.float32)
-        _kernels.swiglu(x[: 4 * 192].reshape(4, 192).copy(), act, 4, 96, 2, isa=isa)
-        for name, ours in (("exp32", e), ("tanh32", t), ("swiglu", act)):
-            assert ours.tobytes() == got[f"{isa} {name}"].tobytes(), (isa, name)
+    ours = every_set_results(_kernels, x)
+    assert sorted(ours) == sorted(k for k in got.files if k != "isas")
+    for name, value in ours.items():
+        assert value.tobytes() == got[name].tobytes(), name
