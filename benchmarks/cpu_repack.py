@@ -31,9 +31,23 @@ SHAPES = ((1024, 4096), (14336, 4096))
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
+def _types(text: str) -> tuple[str, ...]:
+    """``--types``: a comma list of TYPES' names, any case."""
+    names = tuple(t.strip().upper() for t in text.split(","))
+    unknown = [t for t in names if t not in TYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"not one of {','.join(TYPES)}: {','.join(unknown)}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument(
+        "--types",
+        type=_types,
+        default=TYPES,
+        help=f"weight types, any case (default: {','.join(TYPES)})",
+    )
     parser.add_argument("--isas", default="all", help="instruction sets (all: every one here)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5)
@@ -57,7 +71,7 @@ def main() -> None:
     isas = host if args.isas == "all" else tuple(i for i in args.isas.split(",") if i in host)
     rng = np.random.default_rng(0)
     figures = []
-    for qtype in args.types.split(","):
+    for qtype in args.types:
         for n_out, n_in in SHAPES:
             raw = random_rows(rng, qtype, n_out, n_in, scale=1 / np.sqrt(n_in))
             x = rng.standard_normal((args.rows, n_in)).astype(np.float32)
