@@ -41,7 +41,7 @@ XP_INL __m512i xp_u8_twice(const uint8_t *p) {
 }
 
 /* How far ahead of the block being read a decode product prefetches (repack.h's
- * X8_AHEAD_BYTES, 3360, is the other kernels'): one row from memory, a step's products
+ * X8_AHEAD_BYTES, 6720, is the other kernels'; 3360 before): one row from memory, a step's products
  * over distinct matrices (4 of 14336 x 4096 in turn, 132 MB, the median call), 1 thread:
  * Q4_0 37-38 GB/s at 3360 bytes, 41-43 at 6720, 44-47 at 13440 and beyond; Q6_K 35-36,
  * 38, 38-39. A decode step of the 8B shape, 4 blocks, 1 thread (ms a token): Q4_0 17.7
