@@ -41,13 +41,13 @@ XP_INL __m512i xp_u8_twice(const uint8_t *p) {
 }
 
 /* How far ahead of the block being read a decode product prefetches (repack.h's
- * X8_AHEAD_BYTES, 6720, is the other kernels'; 3360 before): one row from memory, a step's products
- * over distinct matrices (4 of 14336 x 4096 in turn, 132 MB, the median call), 1 thread:
- * Q4_0 37-38 GB/s at 3360 bytes, 41-43 at 6720, 44-47 at 13440 and beyond; Q6_K 35-36,
+ * X8_AHEAD_BYTES, 6720, is the other kernels'; 3360 before): one row from memory, a
+ * step's products over distinct matrices (4 of 14336 x 4096 in turn, 132 MB, the median
+ * call), 1 thread: Q4_0 37-38 GB/s at 3360 bytes, 41-43 at 6720, 44-47 at 13440 and beyond; Q6_K 35-36,
  * 38, 38-39. A decode step of the 8B shape, 4 blocks, 1 thread (ms a token): Q4_0 17.7
  * at 3360, 15.8-15.9 at 6720, 15.3-15.6 at 13440; Q6_K 24.2, 22.4-22.6, 21.3-21.8; Q4_K_S
  * 17.3-17.6, 16.5, 17.4-17.5 (its blocks do best at 6720). */
-#define XP_AHEAD_Q4 13440  /* Q4_0, Q4_1: 93 blocks of a group */
+#define XP_AHEAD_Q4 13440  /* 93 of Q4_0's blocks of a group, 84 of Q4_1's (not measured) */
 #define XP_AHEAD_Q4_K 6720 /* 5.7 super-blocks */
 #define XP_AHEAD_Q6_K 13440 /* 8 super-blocks */
 
