@@ -8,58 +8,26 @@ at byte 28)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from runtime_core.workers.cpu import _kernels
+from tests.support.mxcsr import DAZ, FTZ, ROUNDING, ROUNDING_BITS, mxcsr_set
 
-LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")  # fegetenv, fesetenv
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or platform.libc_ver()[0] != "glibc",
     reason="glibc's x86-64 fenv_t (MXCSR at byte 28)",
 )
-FTZ, DAZ = 0x8000, 0x0040
-ROUNDING = {"toward zero": 0x6000, "up": 0x4000, "down": 0x2000}
-
-
-def _get_env() -> ctypes.Array[ctypes.c_char]:
-    env = ctypes.create_string_buffer(32)
-    assert LIBM.fegetenv(env) == 0
-    return env
-
-
-def _mxcsr(env: ctypes.Array[ctypes.c_char]) -> int:
-    return int.from_bytes(env.raw[28:32], "little")
-
-
-@contextmanager
-def mxcsr_set(bits: int, clear: int = 0) -> Iterator[Callable[[], int]]:
-    """This thread's MXCSR with ``bits`` set (``clear`` cleared) in the block; a function
-    that reads it; the caller's given back after."""
-    saved = _get_env()
-    env = _get_env()
-    value = (_mxcsr(env) & ~clear) | bits
-    ctypes.memmove(ctypes.addressof(env) + 28, value.to_bytes(4, "little"), 4)
-    assert LIBM.fesetenv(env) == 0
-    try:
-        yield lambda: _mxcsr(_get_env())
-    finally:
-        assert LIBM.fesetenv(saved) == 0
-
 
 ENVIRONMENTS = {
     "flush-to-zero, denormals-are-zero": (FTZ | DAZ, 0),
-    **{f"round {name}": (bits, 0x6000) for name, bits in ROUNDING.items()},
+    **{f"round {name}": (bits, ROUNDING_BITS) for name, bits in ROUNDING.items()},
 }
 
 
@@ -147,19 +115,13 @@ def test_the_environment_is_one_that_changes_these_results() -> None:
 
 #: made in a process whose MXCSR rounds toward zero when it loads the kernels
 _IMPORTED_UNDER = """
-import ctypes, ctypes.util, sys
+import sys
 import numpy as np
-libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-def set_mxcsr(bits, clear):
-    env = ctypes.create_string_buffer(32)
-    assert libm.fegetenv(env) == 0
-    value = (int.from_bytes(env.raw[28:32], "little") & ~clear) | bits
-    ctypes.memmove(ctypes.addressof(env) + 28, value.to_bytes(4, "little"), 4)
-    assert libm.fesetenv(env) == 0
+from tests.support.mxcsr import ROUNDING, ROUNDING_BITS, set_mxcsr
 h = np.load(sys.argv[1])
-set_mxcsr(0x6000, 0x6000)  # toward zero
+set_mxcsr(ROUNDING["toward zero"], ROUNDING_BITS)
 from runtime_core.workers.cpu import _kernels
-set_mxcsr(0, 0x6000)
+set_mxcsr(0, ROUNDING_BITS)
 rows, f = h.shape[0], h.shape[1] // 2
 gelu, silu = np.empty((rows, f), np.float32), np.empty((rows, f), np.float32)
 _kernels.geglu(h, gelu, rows, f, 1)
@@ -178,10 +140,11 @@ def test_the_kernels_loaded_in_another_environment_compute_the_same_bits(
     f = gate.size // 4
     h = np.concatenate([gate[: 4 * f].reshape(4, f), np.full((4, f), 1.5, np.float32)], 1)
     np.save(tmp_path / "h.npy", h)
-    src = str(Path(_kernels.__file__).resolve().parents[3])
+    src = str(Path(_kernels.__file__).resolve().parents[3])  # and tests.support's root
+    root = str(Path(__file__).resolve().parents[4])
     subprocess.run(
         [sys.executable, "-c", _IMPORTED_UNDER, str(tmp_path / "h.npy"), str(tmp_path / "out.npy")],
-        check=True, timeout=120, env={**os.environ, "PYTHONPATH": src},
+        check=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join([src, root])},
     )  # fmt: skip
     gelu, silu = np.empty((4, f), np.float32), np.empty((4, f), np.float32)
     _kernels.geglu(h, gelu, 4, f, 1)
