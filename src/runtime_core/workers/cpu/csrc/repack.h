@@ -43,16 +43,23 @@
 
 #define X8 8
 
-/* How far ahead of the block being read the x8 products prefetch: four Q6_K super-blocks
- * of a group, 46 of Q4_0's blocks (AVX-512's decode products take their own distances:
- * x8_pair_kernels.h). Measured first in decode on one matrix called again and again
- * (one row, 14336 x 4096, under load): 1536 bytes 5-20 % slower than 3360 for Q4_0, Q4_K,
- * Q6_K, 5040 no faster; AVX2's Q4_0 and Q4_1 at 512 bytes 25-30 % slower. Then over a
- * decode step's distinct matrices (8B shape, 4 blocks, 1 thread, the AVX2 set, ms a
- * token, two runs): 3360 bytes Q4_0 17.5-17.7, Q4_K_S 17.7-18.0, Q6_K 24.4-24.7; 6720:
- * 16.3-16.5, 16.4-16.7, 22.8-23.8; 13440: 15.5-15.9, 16.5-17.2, 23.0-23.7. Prefill's
- * products (32 rows, AVX2 and AVX-512) within 2 % at 6720 and 3360. */
+/* How far ahead of the block being read the x8 products prefetch (X8_AHEAD(block bytes);
+ * AVX-512's decode products take their own distances: x8_pair_kernels.h): blocks under
+ * X8_L2_BLOCK bytes (Q8_0, Q4_0, Q4_1, IQ4_NL) X8_AHEAD_BYTES ahead into the first-level
+ * cache; the super-blocks (Q4_K, Q5_K, Q6_K, IQ4_XS) 8 of them ahead into the second.
+ * Measured on two processors, over a decode step's distinct matrices (8B shape, 4
+ * blocks, 1 thread). AMD Zen 5, the AVX2 set, ms a token: 3360 bytes into the first
+ * level Q4_0 17.5-17.7, Q4_K_S 17.7-18.0, Q6_K 24.4-24.7; 6720: 16.3-16.5, 16.4-16.7,
+ * 22.8-23.8; 13440: 15.5-15.9, 16.5-17.2, 23.0-23.7 (the second-level hint not tried
+ * there). AMD Zen 4 (EPYC family 25, model 17), the matrices' GB/s: 6720 bytes into
+ * the first level Q6_K 9.2, Q4_K 16.7; the super-blocks 8 ahead into the second level
+ * 26.1, 28.3; Q8_0 26.7 at 6720 into the first level, 23.5 into the second (the first
+ * level's 32 KiB there evicts what a distance into it fetches before its use, but for
+ * small blocks a short distance serves). Prefill's products (32 rows) within 2 % or
+ * faster. */
 #define X8_AHEAD_BYTES 6720
+#define X8_L2_BLOCK 1024
+#define X8_AHEAD(gb) ((gb) >= X8_L2_BLOCK ? 8 * (gb) : X8_AHEAD_BYTES)
 
 /* the types that repack: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS */
 int x8_supported(int t);

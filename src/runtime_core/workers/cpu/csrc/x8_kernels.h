@@ -50,9 +50,6 @@
 #define X8_FN __attribute__((target(X8_TARGET)))
 #define X8_INL static inline __attribute__((always_inline, target(X8_TARGET)))
 
-#ifndef X8_PREFETCH
-#define X8_PREFETCH X8_AHEAD_BYTES /* bytes ahead of the block being read (repack.h) */
-#endif
 
 /* ---- the vector operations of one width --------------------------------------------------- */
 
@@ -228,19 +225,28 @@ X8_INL VI XN(bcast)(const int8_t *p) {
 #define X8_KEEP_DOT(v) X8_KEEP(v)
 #endif
 
+/* `bytes` bytes at p into the first-level cache (prefetch) or the second (prefetch2) */
 X8_INL void XN(prefetch)(const uint8_t *p, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
 }
+X8_INL void XN(prefetch2)(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
+}
 
-/* Prefetch `bytes` X8_PREFETCH bytes ahead of offset `at` of the group (pair) being
+/* Prefetch `bytes` X8_AHEAD(bytes) bytes ahead of offset `at` of the group (pair) being
  * read, in the order this pass reads memory: past a group's end, the next group a pass
  * takes: for two groups at once, the pair after this one (not the second group, which
  * is being read already: short rows then went unprefetched) */
 X8_INL void XN(ahead)(const uint8_t *grp, int64_t gs, int64_t at, int bytes) {
-    int64_t o = at + X8_PREFETCH;
+    int64_t o = at + X8_AHEAD(bytes);
     if (XL == 16 && o >= gs) o += gs;
-    XN(prefetch)(grp + o, bytes);
-    if (XL == 16) XN(prefetch)(grp + gs + o, bytes);
+    if (bytes < X8_L2_BLOCK) {
+        XN(prefetch)(grp + o, bytes);
+        if (XL == 16) XN(prefetch)(grp + gs + o, bytes);
+    } else {
+        XN(prefetch2)(grp + o, bytes);
+        if (XL == 16) XN(prefetch2)(grp + gs + o, bytes);
+    }
 }
 
 /* out[k][i] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), lane by lane */

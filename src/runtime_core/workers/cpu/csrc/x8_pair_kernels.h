@@ -40,16 +40,21 @@ XP_INL __m512i xp_u8_twice(const uint8_t *p) {
     return _mm512_cvtepu8_epi32(_mm_set1_epi64x(v));
 }
 
-/* How far ahead of the block being read a decode product prefetches (repack.h's
- * X8_AHEAD_BYTES, 6720, is the other kernels'; 3360 before): one row from memory, a
- * step's products over distinct matrices (4 of 14336 x 4096 in turn, 132 MB, the median
- * call), 1 thread: Q4_0 37-38 GB/s at 3360 bytes, 41-43 at 6720, 44-47 at 13440 and
- * beyond; Q6_K 35-36, 38, 38-39. A decode step of the 8B shape, 4 blocks, 1 thread (ms a token): Q4_0 17.7
- * at 3360, 15.8-15.9 at 6720, 15.3-15.6 at 13440; Q6_K 24.2, 22.4-22.6, 21.3-21.8; Q4_K_S
- * 17.3-17.6, 16.5, 17.4-17.5 (its blocks do best at 6720). */
-#define XP_AHEAD_Q4 13440  /* 93 of Q4_0's blocks of a group, 84 of Q4_1's (not measured) */
-#define XP_AHEAD_Q4_K 6720 /* 5.7 super-blocks */
-#define XP_AHEAD_Q6_K 13440 /* 8 super-blocks */
+/* How far ahead of the block being read a decode product prefetches, into the
+ * second-level cache (repack.h's X8_AHEAD is the other kernels'). Into the first level,
+ * measured on AMD Zen 5 (one row from memory, a step's products over distinct matrices,
+ * 4 of 14336 x 4096 in turn, 132 MB, the median call, 1 thread): Q4_0 37-38 GB/s at 3360
+ * bytes, 41-43 at 6720, 44-47 at 13440 and beyond; Q6_K 35-36, 38, 38-39; a decode step
+ * of the 8B shape (4 blocks, 1 thread, ms a token): Q4_0 17.7 at 3360, 15.8-15.9 at
+ * 6720, 15.3-15.6 at 13440; Q6_K 24.2, 22.4-22.6, 21.3-21.8; Q4_K_S 17.3-17.6, 16.5,
+ * 17.4-17.5. On AMD Zen 4 (EPYC family 25, model 17) those first-level distances
+ * halved Q6_K's rate (its step's products 10.6-11.3 GB/s) and cost Q4_0 a fifth; into
+ * the second level, at these distances (each measured against half and twice it), a
+ * step of the 8B shape's products (1 thread, ms a token) Q4_0 33.7-34.1 -> 22.0-22.3,
+ * Q4_K_S 34.2-37.1 -> 27.6-27.7, Q6_K 75.5-79.7 -> 30.7-34.5; not yet measured on Zen 5. */
+#define XP_AHEAD_Q4 26880   /* 187 of Q4_0's blocks of a group, 168 of Q4_1's */
+#define XP_AHEAD_Q4_K 13440 /* 11.4 super-blocks */
+#define XP_AHEAD_Q6_K 26880 /* 16 super-blocks */
 
 /* lanes 0-7 plus lanes 8-15 */
 XP_INL __m256i xp_fold(__m512i v) {
@@ -126,7 +131,7 @@ XP_INL void xp_k_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0
     x8_zero(acc, NJ);
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
         const uint8_t *b = grp + sb * gb;
-        x8_prefetch(b + (kind == X8_Q4_K ? XP_AHEAD_Q4_K : XP_AHEAD_Q6_K), gb);
+        x8_prefetch2(b + (kind == X8_Q4_K ? XP_AHEAD_Q4_K : XP_AHEAD_Q6_K), gb);
         const int8_t *xq[X8_XT];
         const int32_t *xg[X8_XT];
         x8_k_rows(xq, xg, x, j0, nc, sb, NJ);
@@ -148,7 +153,7 @@ XP_INL void xp_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j
     x8_zero(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
-        x8_prefetch(b + XP_AHEAD_Q4, gb);
+        x8_prefetch2(b + XP_AHEAD_Q4, gb);
         const __m256 dw = x8_ld_halves(b, 0);
         const __m256 mw = q4_1 ? x8_ld_halves(b + 16, 0) : _mm256_setzero_ps();
         __m512i lo[2], hi[2];
