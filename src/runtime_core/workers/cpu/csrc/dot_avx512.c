@@ -44,11 +44,16 @@ const Isa *isa_avx512(void) {
          * (measured as fast or faster, the builds in turn): Q4_0 from 3 rows, Q4_1 from
          * 2, Q4_K from 3; Q6_K takes the pair kernel up to 4 rows. Q8_0, 1 row: one group per 256-bit vector, 10 %
          * faster for short rows (SmolLM2's head, 49152 x 576: 0.736 against 0.831 ms;
-         * 14336 x 4096 within 2 %); from 2 rows within 4 %. */
+         * 14336 x 4096 within 2 %); from 2 rows within 4 %. Q4_K, 1 row: AVX2's kernel
+         * (vpmaddubsw, as AVX-VNNI's set takes it): over a decode step's distinct
+         * matrices (the 8B shape's Q4_K_S, 4 blocks, 1 thread, three interleaved
+         * rounds) on AMD Zen 4 it read 27.5-29.3 GB/s where the pair kernel read
+         * 22.5-23.9 (2 rows: 21-22 against the pair kernel's 25); on Zen 5 the AVX2
+         * set's whole Q4_K_S step was within 3 % of this set's. */
         for (int r = 0; r < X8_XT; ++r) avx512.q8_x8_rows[T_Q6_K][r] = xp_q6_k;
         avx512.q8_x8_rows[T_Q4_0][0] = avx512.q8_x8_rows[T_Q4_0][1] = xp_q4_0;
         avx512.q8_x8_rows[T_Q4_1][0] = xp_q4_1;
-        avx512.q8_x8_rows[T_Q4_K][0] = xp_q4_k;
+        avx512.q8_x8_rows[T_Q4_K][0] = ISA_AVX2.q8_x8[T_Q4_K];
         avx512.q8_x8_rows[T_Q4_K][1] = xp_q4_k;
         avx512.q8_x8_rows[T_Q8_0][0] = x8_q8_0;
     }
