@@ -49,13 +49,17 @@ const Isa *isa_avx512(void) {
          * matrices (the 8B shape's Q4_K_S, 4 blocks, 1 thread, three interleaved
          * rounds) on AMD Zen 4 it read 27.5-29.3 GB/s where the pair kernel read
          * 22.5-23.9 (2 rows: 21-22 against the pair kernel's 25); on Zen 5 the AVX2
-         * set's whole Q4_K_S step was within 3 % of this set's. */
+         * set's whole Q4_K_S step was within 3 % of this set's. Q5_K, 1 row: one group
+         * per 256-bit vector (one stream of memory, not two): on Zen 4, the same way,
+         * 26.0-29.7 GB/s against 20.4-21.7 (a Q5_K_S model; 2 rows: no clear
+         * difference, left to the two-group kernel); not measured on Zen 5. */
         for (int r = 0; r < X8_XT; ++r) avx512.q8_x8_rows[T_Q6_K][r] = xp_q6_k;
         avx512.q8_x8_rows[T_Q4_0][0] = avx512.q8_x8_rows[T_Q4_0][1] = xp_q4_0;
         avx512.q8_x8_rows[T_Q4_1][0] = xp_q4_1;
         avx512.q8_x8_rows[T_Q4_K][0] = ISA_AVX2.q8_x8[T_Q4_K];
         avx512.q8_x8_rows[T_Q4_K][1] = xp_q4_k;
         avx512.q8_x8_rows[T_Q8_0][0] = x8_q8_0;
+        avx512.q8_x8_rows[T_Q5_K][0] = x8_q5_k;
     }
     return &avx512;
 }
