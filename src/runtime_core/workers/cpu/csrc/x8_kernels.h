@@ -50,7 +50,6 @@
 #define X8_FN __attribute__((target(X8_TARGET)))
 #define X8_INL static inline __attribute__((always_inline, target(X8_TARGET)))
 
-
 /* ---- the vector operations of one width --------------------------------------------------- */
 
 #if X8_WIDTH == 256

@@ -49,9 +49,10 @@ XP_INL __m512i xp_u8_twice(const uint8_t *p) {
  * 6720, 15.3-15.6 at 13440; Q6_K 24.2, 22.4-22.6, 21.3-21.8; Q4_K_S 17.3-17.6, 16.5,
  * 17.4-17.5. On AMD Zen 4 (EPYC family 25, model 17) those first-level distances
  * halved Q6_K's rate (its step's products 10.6-11.3 GB/s) and cost Q4_0 a fifth; into
- * the second level, at these distances (each measured against half and twice it), a
- * step of the 8B shape's products (1 thread, ms a token) Q4_0 33.7-34.1 -> 22.0-22.3,
- * Q4_K_S 34.2-37.1 -> 27.6-27.7, Q6_K 75.5-79.7 -> 30.7-34.5; not yet measured on Zen 5. */
+ * the second level, at these distances (Q4_K's measured against half and twice it,
+ * Q4_0's and Q6_K's against half), a step of the 8B shape's products (1 thread, ms a
+ * token) Q4_0 33.7-34.1 -> 22.0-22.3, Q4_K_S 34.2-37.1 -> 27.6-27.7, Q6_K 75.5-79.7 ->
+ * 30.7-34.5; not yet measured on Zen 5. */
 #define XP_AHEAD_Q4 26880   /* 187 of Q4_0's blocks of a group, 168 of Q4_1's */
 #define XP_AHEAD_Q4_K 13440 /* 11.4 super-blocks */
 #define XP_AHEAD_Q6_K 26880 /* 16 super-blocks */
