@@ -53,9 +53,9 @@
  * 22.8-23.8; 13440: 15.5-15.9, 16.5-17.2, 23.0-23.7 (the second-level hint not tried
  * there). AMD Zen 4 (EPYC family 25, model 17), the matrices' GB/s: 6720 bytes into
  * the first level Q6_K 9.2, Q4_K 16.7; the super-blocks 8 ahead into the second level
- * 26.1, 28.3; Q8_0 26.7 at 6720 into the first level, 23.5 into the second (the first
- * level's 32 KiB there evicts what a distance into it fetches before its use, but for
- * small blocks a short distance serves). Prefill's products (32 rows) within 2 % or
+ * 26.1, 28.3; Q8_0 26.7 at 6720 into the first level, 23.5 into the second (our
+ * reading, no counter shows it: the first level's 32 KiB there evicts what a long
+ * distance into it fetches before its use). Prefill's products (32 rows) within 2 % or
  * faster. */
 #define X8_AHEAD_BYTES 6720
 #define X8_L2_BLOCK 1024
