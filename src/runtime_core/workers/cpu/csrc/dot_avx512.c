@@ -47,9 +47,10 @@ const Isa *isa_avx512(void) {
          * 14336 x 4096 within 2 %); from 2 rows within 4 %. Q4_K, 1 row: AVX2's kernel
          * (vpmaddubsw, as AVX-VNNI's set takes it): over a decode step's distinct
          * matrices (the 8B shape's Q4_K_S, 4 blocks, 1 thread, three interleaved
-         * rounds) on AMD Zen 4 it read 27.5-29.3 GB/s where the pair kernel read
-         * 22.5-23.9 (2 rows: 21-22 against the pair kernel's 25); on Zen 5 the AVX2
-         * set's whole Q4_K_S step was within 3 % of this set's. Q5_K, 1 row: one group
+         * rounds and more) on AMD Zen 4 it read 27.5-30.5 GB/s where the pair kernel
+         * read 22.4-23.9 (2 rows: 20.9-22.2 against the pair kernel's 24.7-25.2); on Zen
+         * 5 the AVX2 set's whole Q4_K_S step was 2-4 % slower than this set's (16.4-16.7
+         * against 16.0-16.4 ms, the pair kernel then). Q5_K, 1 row: one group
          * per 256-bit vector (one stream of memory, not two): on Zen 4, the same way,
          * 26.0-29.7 GB/s against 20.4-21.7 (a Q5_K_S model; 2 rows: no clear
          * difference, left to the two-group kernel); not measured on Zen 5. */

@@ -231,6 +231,11 @@ X8_INL void XN(prefetch)(const uint8_t *p, int bytes) {
 X8_INL void XN(prefetch2)(const uint8_t *p, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
 }
+/* a block of `bytes` bytes into the cache repack.h's X8_L2_BLOCK picks for its size */
+X8_INL void XN(prefetch_block)(const uint8_t *p, int bytes) {
+    if (bytes < X8_L2_BLOCK) XN(prefetch)(p, bytes);
+    else XN(prefetch2)(p, bytes);
+}
 
 /* Prefetch `bytes` X8_AHEAD(bytes) bytes ahead of offset `at` of the group (pair) being
  * read, in the order this pass reads memory: past a group's end, the next group a pass
@@ -239,13 +244,8 @@ X8_INL void XN(prefetch2)(const uint8_t *p, int bytes) {
 X8_INL void XN(ahead)(const uint8_t *grp, int64_t gs, int64_t at, int bytes) {
     int64_t o = at + X8_AHEAD(bytes);
     if (XL == 16 && o >= gs) o += gs;
-    if (bytes < X8_L2_BLOCK) {
-        XN(prefetch)(grp + o, bytes);
-        if (XL == 16) XN(prefetch)(grp + gs + o, bytes);
-    } else {
-        XN(prefetch2)(grp + o, bytes);
-        if (XL == 16) XN(prefetch2)(grp + gs + o, bytes);
-    }
+    XN(prefetch_block)(grp + o, bytes);
+    if (XL == 16) XN(prefetch_block)(grp + gs + o, bytes);
 }
 
 /* out[k][i] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), lane by lane */
