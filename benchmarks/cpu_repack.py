@@ -1,7 +1,7 @@
 """Rows as stored against the same rows repacked 8 at a time, side by side, per type and
 instruction set.
 
-    python benchmarks/cpu_repack.py [--types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K] [--isas all]
+    python benchmarks/cpu_repack.py [--types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS] [--isas all]
         [--threads 1] [--repeat 5] [--rows 1] [--packed-q] [--json OUT.json]
 
 One product of the CPU worker's kernels (``_kernels.linear``, 8-bit activations) on
@@ -28,7 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ((1024, 4096), (14336, 4096))
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+DEFAULT_TYPES = TYPES[:6]
 
 
 def _types(text: str) -> tuple[str, ...]:
@@ -45,8 +46,8 @@ def main() -> None:
     parser.add_argument(
         "--types",
         type=_types,
-        default=TYPES,
-        help=f"weight types, any case (default: {','.join(TYPES)})",
+        default=DEFAULT_TYPES,
+        help=f"weight types, any case: {','.join(TYPES)} (default: {','.join(DEFAULT_TYPES)})",
     )
     parser.add_argument("--isas", default="all", help="instruction sets (all: every one here)")
     parser.add_argument("--threads", type=int, default=1)

@@ -280,26 +280,6 @@ X8_INL void XN(signed_words)(const uint8_t *b, int64_t gs, const int nl, VI q[8]
     }
 }
 
-/* The exact sum of 8 words of signed quants q (u: their magnitudes; with VNNI, q + 128)
- * times activations xq, 4 bytes a word; g: the 32 activations' sum (VNNI takes back the
- * offset's product from it) */
-X8_INL VI XN(signed_isum)(const VI *u, const VI *q, const int8_t *xq, int32_t g) {
-#if X8_VNNI /* two chains of vpdpbusd (its latency, not its throughput, bounds one) */
-    (void)q;
-    VI si = v_set1_32(-128 * g), si2 = v_zero();
-    for (int w = 0; w < 8; w += 2) {
-        si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
-        si2 = v_dot4(si2, u[w + 1], XN(bcast)(xq + 4 * w + 4));
-    }
-    return v_add32(si, si2);
-#else
-    (void)g;
-    VI si = v_zero();
-    for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
-    return si;
-#endif
-}
-
 X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
                           float (*out)[XL], const int NJ, const int nl) {
     const int gb = nl ? 144 : 272;
@@ -454,9 +434,57 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
 
 /* ---- IQ4_XS: (d * dw) * isum, isum the sub-blocks' sums times their scales -------------------- */
 
+/* isum[k] += the exact sum of one sub-block's 8 words of signed quants q (u: their
+ * magnitudes; with VNNI, q + 128) times activations xs[k] (its 32, 4 bytes a word), times
+ * the sub-block's scale sc, for NJ (<= X8_XT) rows; gsum[k]: the 32 activations' sum (VNNI
+ * takes back the offset's product from it). Each word is loaded once for the rows; two
+ * chains of sums a row (vpdpbusd's latency, not its throughput, bounds one). */
+X8_INL void XN(iq4xs_sub)(const VI *u, const VI *q, const VI sc, const int NJ, const int8_t *const *xs,
+                          const int32_t *gsum, VI *isum) {
+    VI a[X8_XT], b[X8_XT];
+    for (int k = 0; k < NJ; ++k) {
+#if X8_VNNI
+        (void)q;
+        a[k] = v_set1_32(-128 * gsum[k]);
+#else
+        (void)gsum;
+        a[k] = v_zero();
+#endif
+        b[k] = v_zero();
+    }
+    for (int w = 0; w < 8; w += 2)
+        for (int k = 0; k < NJ; ++k) {
+#if X8_VNNI
+            a[k] = v_dot4(a[k], u[w], XN(bcast)(xs[k] + 4 * w));
+            b[k] = v_dot4(b[k], u[w + 1], XN(bcast)(xs[k] + 4 * w + 4));
+#else
+            a[k] = v_dot4(a[k], u[w], v_sign8(XN(bcast)(xs[k] + 4 * w), q[w]));
+            b[k] = v_dot4(b[k], u[w + 1], v_sign8(XN(bcast)(xs[k] + 4 * w + 4), q[w + 1]));
+#endif
+            X8_KEEP_DOT(a[k]);
+            X8_KEEP_DOT(b[k]);
+        }
+    for (int k = 0; k < NJ; ++k) isum[k] = v_add32(isum[k], v_mullo32(v_add32(a[k], b[k]), sc));
+}
+
+/* sub-block s of super-block sb for rows j0 .. j0 + NJ - 1 (iq4xs_sub) */
+X8_INL void XN(iq4xs_rows_sub)(const VI *u, const VI *q, const VI sc, const int NJ, const XRows *x,
+                               int64_t nc, int64_t j0, int64_t sb, int s, VI *isum) {
+    const int8_t *xs[X8_XT];
+    int32_t gsum[X8_XT];
+    for (int k = 0; k < NJ; ++k) {
+        const int64_t j = j0 + k;
+        const int32_t *g = x->g + j * 2 * nc + 16 * sb + 2 * s;
+        xs[k] = x->q + j * x->qs + 256 * sb + 32 * s;
+        gsum[k] = g[0] + g[1];
+    }
+    XN(iq4xs_sub)(u, q, sc, NJ, xs, gsum, isum);
+}
+
 /* nj (<= X8_TILE) rows: each super-block's 64 words decoded once (the values its nibbles
- * index; for VNNI plus 128, the activations' sums taking it back), then the rows one
- * after another, their running sums in acc (memory), in kquant_term's order */
+ * index; for VNNI plus 128, the activations' sums taking it back), then taken by X8_XT
+ * rows at a time, sub-block by sub-block (each word loaded once for the X8_XT rows);
+ * their running sums in acc (memory), in kquant_term's order */
 X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
                            int nj, float (*out)[XL]) {
     VF acc[X8_TILE][8];
@@ -464,9 +492,7 @@ X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
         for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
     const VI m4 = v_set1_8(0x0F), table = XN(iq4_table)();
     VI u[64], sc[8];
-#if !X8_VNNI
     VI q[64];
-#endif
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
         const uint8_t *b = grp + sb * 1104;
         XN(ahead)(grp, gs, sb * 1104, 1104);
@@ -487,23 +513,22 @@ X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
 #endif
             }
         }
-        for (int k = 0; k < nj; ++k) {
-            const int64_t j = j0 + k;
-            const int8_t *xq = x->q + j * x->qs + 256 * sb;
-            VI isum = v_zero();
+        for (int k0 = 0; k0 < nj; k0 += X8_XT) {
+            const int n = nj - k0 < X8_XT ? nj - k0 : X8_XT;
+            VI isum[X8_XT];
+            for (int k = 0; k < X8_XT; ++k) isum[k] = v_zero();
             for (int s = 0; s < 8; ++s) {
-                const int8_t *xs = xq + 32 * s;
-                const int32_t *g = x->g + j * 2 * nc + 16 * sb + 2 * s;
-#if X8_VNNI
-                const VI *qs = NULL;
-#else
-                const VI *qs = q + 8 * s;
-#endif
-                const VI si = XN(signed_isum)(u + 8 * s, qs, xs, g[0] + g[1]);
-                isum = v_add32(isum, v_mullo32(si, sc[s]));
+                switch (n) {
+                case 1: XN(iq4xs_rows_sub)(u + 8 * s, q + 8 * s, sc[s], 1, x, nc, j0 + k0, sb, s, isum); break;
+                case 2: XN(iq4xs_rows_sub)(u + 8 * s, q + 8 * s, sc[s], 2, x, nc, j0 + k0, sb, s, isum); break;
+                case 3: XN(iq4xs_rows_sub)(u + 8 * s, q + 8 * s, sc[s], 3, x, nc, j0 + k0, sb, s, isum); break;
+                default: XN(iq4xs_rows_sub)(u + 8 * s, q + 8 * s, sc[s], X8_XT, x, nc, j0 + k0, sb, s, isum); break;
+                }
             }
-            const VF fac = f_mul(f_set1(x->d[j * nc + sb]), dw);
-            acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(fac, f_cvt(isum)));
+            for (int k = 0; k < n; ++k) {
+                const VF fac = f_mul(f_set1(x->d[(j0 + k0 + k) * nc + sb]), dw);
+                acc[k0 + k][sb & 7] = f_add(acc[k0 + k][sb & 7], f_mul(fac, f_cvt(isum[k])));
+            }
         }
     }
     for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
@@ -522,10 +547,7 @@ X8_INL void XN(iq4xs_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
         VI isum[X8_XT];
         for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
         for (int s = 0; s < 8; ++s) {
-            VI u[8];
-#if !X8_VNNI
-            VI q[8];
-#endif
+            VI u[8], q[8];
             for (int w = 0; w < 4; ++w) {
                 const VI v = XN(ld)(b + 80 + 128 * s + 32 * w, gs);
                 const VI lo = v_shuf8(table, v_and(v, m4)), hi = v_shuf8(table, v_and(v_srli16(v, 4), m4));
@@ -539,17 +561,7 @@ X8_INL void XN(iq4xs_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
                 u[4 + w] = v_abs8(hi);
 #endif
             }
-            const VI sc = XN(ld_i8_i32)(b + 16 + 8 * s, gs);
-            for (int k = 0; k < NJ; ++k) {
-                const int64_t j = j0 + k;
-                const int8_t *xs = x->q + j * x->qs + 256 * sb + 32 * s;
-                const int32_t *g = x->g + j * 2 * nc + 16 * sb + 2 * s;
-#if X8_VNNI
-                const VI *q = NULL;
-#endif
-                const VI si = XN(signed_isum)(u, q, xs, g[0] + g[1]);
-                isum[k] = v_add32(isum[k], v_mullo32(si, sc));
-            }
+            XN(iq4xs_rows_sub)(u, q, XN(ld_i8_i32)(b + 16 + 8 * s, gs), NJ, x, nc, j0, sb, s, isum);
         }
         const VF dw = XN(ld_halves)(b, gs);
         for (int k = 0; k < NJ; ++k) {
