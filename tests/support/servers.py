@@ -69,6 +69,11 @@ _WITH_NOFILE = (
     "import os, resource, sys; n = int(sys.argv[1]); "
     "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
 )
+# as a non-interactive shell starts a background job (an ignored disposition survives exec)
+_SIGINT_IGNORED = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 class ServerProcess:
@@ -81,14 +86,18 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         *,
         nofile: int | None = None,
+        sigint_ignored: bool = False,
     ):
         # ``nofile``: the server's descriptor limit (RLIMIT_NOFILE, soft and hard), set
-        # by a first interpreter that then becomes the server (exec).
+        # by a first interpreter that then becomes the server (exec); ``sigint_ignored``:
+        # the server started with SIGINT ignored, the same way.
         self.log_path = log
         self._log = log.open("wb")
         command = [sys.executable, "-m", "runtime_cupy", "serve", *args]
         if nofile is not None:
             command = [sys.executable, "-c", _WITH_NOFILE, str(nofile), *command]
+        if sigint_ignored:
+            command = [sys.executable, "-c", _SIGINT_IGNORED, *command]
         self.proc = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,

@@ -297,8 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine.start()
     threading.Thread(target=stop_if_the_stages_fail, name="watch-start", daemon=True).start()
     # uvicorn handles SIGINT / SIGTERM while it runs, then raises the signal again under
-    # the handlers it found: these, so that the stages are closed before we leave.
-    previous = {s: signal.signal(s, _noted) for s in (signal.SIGINT, signal.SIGTERM)}
+    # the handlers it found: these, so that the stages are closed before we leave. One
+    # ignored at the start (SIGINT in a script's background job) stays ignored.
+    previous = {
+        s: signal.signal(s, _noted)
+        for s in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(s) != signal.SIG_IGN
+    }
     try:
         server.run(sockets=[sock])
     finally:

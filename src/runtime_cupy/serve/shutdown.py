@@ -9,13 +9,22 @@ handler must not wait on the engine's locks): each waiting request is answered 5
 each running one's run cancelled, its client told (503 "the server is shutting down",
 or an error event on its stream), so the connections end at once and the graceful wait
 has nothing left to wait for.
+
+A signal the server was started with ignored stays ignored (a non-interactive shell
+starts its background jobs with SIGINT ignored, so that a Ctrl-C meant for the script
+in the foreground leaves them running); uvicorn would take it while it serves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
 from runtime_cupy.serve.engine import Engine
 
@@ -26,6 +35,16 @@ class StoppingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
         super().__init__(config)
         self.engine = engine
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, leaving the signals ignored at the start ignored."""
+        main = threading.current_thread() is threading.main_thread()
+        ignored = [s for s in HANDLED_SIGNALS if main and signal.getsignal(s) == signal.SIG_IGN]
+        with super().capture_signals():
+            for s in ignored:
+                signal.signal(s, signal.SIG_IGN)
+            yield
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
