@@ -1,8 +1,8 @@
 """Rows as stored against the same rows repacked 8 at a time, side by side, per type and
 instruction set.
 
-    python benchmarks/cpu_repack.py [--types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS] [--isas all]
-        [--threads 1] [--repeat 5] [--rows 1] [--packed-q] [--json OUT.json]
+    python benchmarks/cpu_repack.py [--types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS]
+        [--isas all] [--threads 1] [--repeat 5] [--rows 1] [--packed-q] [--json OUT.json]
 
 One product of the CPU worker's kernels (``_kernels.linear``, 8-bit activations) on
 random blocks of each type (``tests/support/random_blocks.py``), for a matrix that
