@@ -437,34 +437,34 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
 /* isum[k] += the exact sum of one sub-block's 8 words of signed quants q (u: their
  * magnitudes; with VNNI, q + 128) times activations xs[k] (its 32, 4 bytes a word), times
  * the sub-block's scale sc, for NJ (<= X8_XT) rows; gsum[k]: the 32 activations' sum (VNNI
- * takes back the offset's product from it). Each word is loaded once for the rows; two
- * chains of sums a row (vpdpbusd's latency, not its throughput, bounds one). */
+ * takes back the offset's product from it). Each word is loaded once for the rows; with
+ * VNNI two chains of sums a row (vpdpbusd's latency, not its throughput, bounds one). */
 X8_INL void XN(iq4xs_sub)(const VI *u, const VI *q, const VI sc, const int NJ, const int8_t *const *xs,
                           const int32_t *gsum, VI *isum) {
+#if X8_VNNI
+    (void)q;
     VI a[X8_XT], b[X8_XT];
     for (int k = 0; k < NJ; ++k) {
-#if X8_VNNI
-        (void)q;
         a[k] = v_set1_32(-128 * gsum[k]);
-#else
-        (void)gsum;
-        a[k] = v_zero();
-#endif
         b[k] = v_zero();
     }
     for (int w = 0; w < 8; w += 2)
         for (int k = 0; k < NJ; ++k) {
-#if X8_VNNI
             a[k] = v_dot4(a[k], u[w], XN(bcast)(xs[k] + 4 * w));
             b[k] = v_dot4(b[k], u[w + 1], XN(bcast)(xs[k] + 4 * w + 4));
-#else
-            a[k] = v_dot4(a[k], u[w], v_sign8(XN(bcast)(xs[k] + 4 * w), q[w]));
-            b[k] = v_dot4(b[k], u[w + 1], v_sign8(XN(bcast)(xs[k] + 4 * w + 4), q[w + 1]));
-#endif
-            X8_KEEP_DOT(a[k]);
-            X8_KEEP_DOT(b[k]);
         }
     for (int k = 0; k < NJ; ++k) isum[k] = v_add32(isum[k], v_mullo32(v_add32(a[k], b[k]), sc));
+#else /* each word's pairs of products (|q| <= 127 times |x| <= 127, two: < 2^15) times the
+       * scale by vpmaddwd (sc as the int16 pair (s, s)), where v_dot4 takes it by ones and
+       * a vpmulld after: one chain of 32-bit adds a row */
+    (void)gsum;
+    const VI sc16 = v_or(v_and(sc, v_set1_32(0xFFFF)), v_slli32(sc, 16));
+    for (int w = 0; w < 8; ++w)
+        for (int k = 0; k < NJ; ++k) {
+            const VI p = v_maddubs(u[w], v_sign8(XN(bcast)(xs[k] + 4 * w), q[w]));
+            isum[k] = v_add32(isum[k], v_madd16(p, sc16));
+        }
+#endif
 }
 
 /* sub-block s of super-block sb for rows j0 .. j0 + NJ - 1 (iq4xs_sub) */
