@@ -266,18 +266,40 @@ X8_INL void XN(zero)(VF acc[X8_XT][8], int nj) {
 
 /* A group block's 8 words of signed quants: Q8_0's as stored; IQ4_NL's (Q4_0's layout)
  * the values its nibbles index, word w < 4 the low nibbles (elements 4w ..), w >= 4 the
- * high ones (elements 16 + 4 (w - 4) ..): word w multiplies activations 4w .. 4w + 3 */
-X8_INL void XN(signed_words)(const uint8_t *b, int64_t gs, const int nl, VI q[8]) {
+ * high ones (elements 16 + 4 (w - 4) ..): word w multiplies activations 4w .. 4w + 3.
+ * With VNNI, into u each plus 128 (an unsigned byte: vpdpbusd's operand; IQ4_NL's by a
+ * table of the values plus 128), q left unset; without, q and its magnitudes u. */
+X8_INL void XN(b32_words)(const uint8_t *b, int64_t gs, const int nl, VI u[8], VI q[8]) {
+    const VI bias = v_set1_8((char)0x80);
     if (nl) {
-        const VI m4 = v_set1_8(0x0F), table = XN(iq4_table)();
+        const VI m4 = v_set1_8(0x0F);
+#if X8_VNNI
+        const VI table = v_xor(XN(iq4_table)(), bias);
+        VI *out = u;
+#else
+        const VI table = XN(iq4_table)();
+        VI *out = q;
+#endif
         for (int w = 0; w < 4; ++w) {
             const VI v = XN(ld)(b + 16 + 32 * w, gs);
-            q[w] = v_shuf8(table, v_and(v, m4));
-            q[w + 4] = v_shuf8(table, v_and(v_srli16(v, 4), m4));
+            out[w] = v_shuf8(table, v_and(v, m4));
+            out[w + 4] = v_shuf8(table, v_and(v_srli16(v, 4), m4));
         }
     } else {
-        for (int w = 0; w < 8; ++w) q[w] = XN(ld)(b + 16 + 32 * w, gs);
+        for (int w = 0; w < 8; ++w) {
+#if X8_VNNI
+            u[w] = v_xor(XN(ld)(b + 16 + 32 * w, gs), bias);
+#else
+            q[w] = XN(ld)(b + 16 + 32 * w, gs);
+#endif
+        }
     }
+#if X8_VNNI
+    (void)q;
+#else
+    (void)bias;
+    for (int w = 0; w < 8; ++w) u[w] = v_abs8(q[w]);
+#endif
 }
 
 X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
@@ -290,14 +312,7 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
         XN(ahead)(grp, gs, c * gb, gb);
         const VF dw = XN(ld_halves)(b, gs);
         VI u[8], q[8];
-        XN(signed_words)(b, gs, nl, q);
-        for (int w = 0; w < 8; ++w) {
-#if X8_VNNI
-            u[w] = v_xor(q[w], v_set1_8((char)0x80)); /* q + 128 */
-#else
-            u[w] = v_abs8(q[w]);
-#endif
-        }
+        XN(b32_words)(b, gs, nl, u, q);
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->qs + 32 * c;
@@ -388,14 +403,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
         const VF mw = kind == 1 ? XN(ld_halves)(b + 16, gs) : f_zero();
         VI u[8], q[8];
         if (signed_q) {
-            XN(signed_words)(b, gs, kind == 3, q);
-            for (int w = 0; w < 8; ++w) {
-#if X8_VNNI
-                u[w] = v_xor(q[w], v_set1_8((char)0x80));
-#else
-                u[w] = v_abs8(q[w]);
-#endif
-            }
+            XN(b32_words)(b, gs, kind == 3, u, q);
         } else {
             for (int w = 0; w < 4; ++w) {
                 VI v = XN(ld)(b + at + 32 * w, gs);

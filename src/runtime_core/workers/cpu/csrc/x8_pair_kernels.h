@@ -1,7 +1,7 @@
 /* x8_pair_kernels.h: AVX-512's decode products of one x8 group (repack.h) on 512-bit
  * vectors holding two consecutive words of it: included by dot_avx512.c after
  * x8_kernels.h's 256-bit instantiation (its x8_k_terms, x8_finish and helpers), under
- * its X8_TARGET. Defines xp_q4_0, xp_q4_1, xp_q4_k and xp_q6_k (x8_fn).
+ * its X8_TARGET. Defines xp_q4_0, xp_q4_1, xp_iq4_nl, xp_q4_k and xp_q6_k (x8_fn).
  *
  * x8_kernels.h's 512-bit kernels take two groups, one word of each per vector, from two
  * streams gs bytes apart: every load is two 256-bit loads and an insert. These read one
@@ -144,11 +144,17 @@ XP_INL void xp_k_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0
 }
 
 /* Q4_0: (dw * d) * (sumi - 8 g); Q4_1: (dw * d) * sumi + m * s, as x8_q4_body computes
- * them: words 0-1 and 2-3 of a block per 64-byte load */
+ * them; IQ4_NL (Q4_0's layout): (dw * d) * (sumi' - 128 g), sumi' the sum of the values
+ * its nibbles index plus 128 (vpshufb of them, an unsigned byte each) times x, as
+ * x8_q8_0_body computes it: words 0-1 and 2-3 of a block per 64-byte load */
+enum { XP_Q4_0, XP_Q4_1, XP_IQ4_NL };
 XP_INL void xp_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j0, float (*out)[8],
-                       const int NJ, const int q4_1) {
+                       const int NJ, const int kind) {
+    const int q4_1 = kind == XP_Q4_1, nl = kind == XP_IQ4_NL;
     const int gb = q4_1 ? 160 : 144, at = q4_1 ? 32 : 16;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_VALUES)),
+                                           _mm512_set1_epi8((char)0x80));
     const __m512i idx_lo[2] = {XP_IDX(0), XP_IDX(2)}, idx_hi[2] = {XP_IDX(4), XP_IDX(6)};
     __m256 acc[X8_XT][8];
     x8_zero(acc, NJ);
@@ -162,11 +168,16 @@ XP_INL void xp_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j
             const __m512i v = _mm512_loadu_si512((const void *)(b + at + 64 * m));
             lo[m] = _mm512_and_si512(v, m4);
             hi[m] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            if (nl) {
+                lo[m] = _mm512_shuffle_epi8(table, lo[m]);
+                hi[m] = _mm512_shuffle_epi8(table, hi[m]);
+            }
         }
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
             const __m512i xa = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->q + j * x->qs + 32 * c)));
-            __m512i si = q4_1 ? _mm512_setzero_si512() : _mm512_maskz_set1_epi32(0x00FF, -8 * x->g[j * 2 * nc + c]);
+            __m512i si = q4_1 ? _mm512_setzero_si512()
+                              : _mm512_maskz_set1_epi32(0x00FF, (nl ? -128 : -8) * x->g[j * 2 * nc + c]);
             __m512i si2 = _mm512_setzero_si512();
             for (int m = 0; m < 2; ++m) {
                 si = _mm512_dpbusd_epi32(si, lo[m], _mm512_permutexvar_epi32(idx_lo[m], xa));
@@ -196,8 +207,9 @@ XP_INL void xp_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j
         default: BODY(grp, nc, x, j0, out, 4, KIND); break;                                      \
         }                                                                                        \
     }
-XP_ENTRY(xp_q4_0, xp_q4_body, 0)
-XP_ENTRY(xp_q4_1, xp_q4_body, 1)
+XP_ENTRY(xp_q4_0, xp_q4_body, XP_Q4_0)
+XP_ENTRY(xp_q4_1, xp_q4_body, XP_Q4_1)
+XP_ENTRY(xp_iq4_nl, xp_q4_body, XP_IQ4_NL)
 XP_ENTRY(xp_q4_k, xp_k_body, X8_Q4_K)
 XP_ENTRY(xp_q6_k, xp_k_body, X8_Q6_K)
 
