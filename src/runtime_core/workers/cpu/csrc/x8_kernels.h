@@ -37,7 +37,9 @@
  * The activation rows j0 .. j0 + nj - 1 (nj <= X8_TILE) share the blocks read from
  * memory: X8_XT rows at a time share one decoding of each block while it is in cache;
  * the K-quants' tiles (k_tile: Q6_K's and Q5_K's high bits cost more to decode than the
- * products of X8_XT rows) decode each super-block once into cache for all nj rows.
+ * products of X8_XT rows) decode each super-block once into cache for all nj rows, but
+ * for a few rows more than X8_XT (X8_K_CHUNKED: Q4_K up to 16, Q6_K with VNNI up to 8),
+ * which take them X8_XT at a time, each decoding its words again in registers.
  */
 #ifndef X8_TARGET
 #error "define X8_TARGET, X8_VNNI and X8_WIDTH before including x8_kernels.h"
@@ -909,12 +911,31 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
             }                                                                                   \
         }                                                                                       \
     }
-/* the K-quants: more than X8_XT rows as a tile (k_tile) */
+#ifndef X8_Q4_K_CHUNKED
+#define X8_Q4_K_CHUNKED 16
+#endif
+#ifndef X8_Q6_K_CHUNKED
+#define X8_Q6_K_CHUNKED 8
+#endif
+/* Up to how many rows a K-quant's product takes them X8_XT at a time through k_body (the
+ * group read again for each X8_XT rows, from cache) rather than as a tile, whose words
+ * decoded into memory cost more to store and load again than Q4_K's to decode (on AMD
+ * Zen 4, 14336 x 4096, 1 thread, `benchmarks/cpu_repack.py --rows R`, ms, the builds
+ * in turn: Q4_K 5 rows AVX-512 2.81-2.85 -> 2.39-2.40, AVX-512 BW 3.08-3.10 ->
+ * 2.81-2.86, AVX2 3.65-3.67 -> 3.23-3.26; 8 rows 3.69-3.72 -> 3.27, 4.22 -> 3.92-3.97,
+ * 5.05-5.08 -> 4.62-4.72; 16 rows AVX-512 6.75 -> 6.36, AVX2 9.82 -> 9.25; 24 and 32
+ * rows within 2 %; Q6_K with VNNI 5 rows 4.48-4.57 -> 4.01-4.15, 6 rows 4.99-5.02 ->
+ * 4.21-4.39, 8 rows 5.63 -> 5.34-5.44, 16 rows 2 % slower, 32 rows 17 % slower;
+ * without VNNI Q6_K's 16-bit tile (k6_isum) was faster from 5 rows, Q5_K's and the
+ * small blocks' tiles too) */
+#define X8_K_CHUNKED(kind) ((kind) == X8_Q4_K ? X8_Q4_K_CHUNKED : (kind) == X8_Q6_K && X8_VNNI ? X8_Q6_K_CHUNKED : 0)
+
+/* the K-quants: more than X8_XT rows (and X8_K_CHUNKED) as a tile (k_tile) */
 #define X8_K_ENTRY(NAME, KIND)                                                           \
     X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
                                                        const XRows *x, int64_t j0, int nj,      \
                                                        float (*out)[XL]) {                      \
-        if (nj > X8_XT) {                                                                                                                                      \
+        if (nj > X8_XT && nj > X8_K_CHUNKED(KIND)) {                                            \
             XN(k_tile)(grp, gs, nc, x, j0, nj, out, KIND);                                      \
             return;                                                                             \
         }                                                                                       \
