@@ -7,7 +7,8 @@
 
 - Models: SmolLM2-135M-Instruct Q4_1 (the bundled file), and ``8b-q4_0``: Llama-3-8B's
   block shape (``--layers`` blocks) quantized to Q4_0 by llama.cpp's own quantizer, as
-  ``benchmarks/cpu_decode.py`` builds it (``--model-dir`` keeps the files).
+  ``benchmarks/cpu_decode.py`` builds it (``--model-dir`` keeps the files); any other of
+  its models by name (``8b-q4_k``, ``8b-q6_k``, ...).
 - Ours: ``CpuWorker`` holding every block in one stage (the best instruction set), ``n``
   runs open on it (``open_run``), their ``n`` prompts prefilled in one batch
   (``execute_batch``), then ``--tokens`` decode batches of one row of every run, greedy;
@@ -45,9 +46,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_decode import LLAMACPP_PYTHON, llamacpp_problem, model_path, processor  # noqa: E402
+from cpu_decode import LLAMACPP_PYTHON, MORE_MODELS, llamacpp_problem, model_path, processor  # noqa: E402
+from cpu_decode import MODELS as DECODE_MODELS  # noqa: E402
 
-MODELS = ("smollm2", "8b-q4_0")
+MODELS = ("smollm2", "8b-q4_0")  # the default
+KNOWN = DECODE_MODELS + MORE_MODELS
 
 
 def prompts(n: int, vocab: int, length: int) -> list[list[int]]:
@@ -188,7 +191,7 @@ def table(name: str, figures: dict[tuple[int, int], dict[str, list[float]]]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS), help=f"a list of {', '.join(KNOWN)}")
     parser.add_argument("--layers", type=int, default=4, help="blocks of the 8B-shape model")
     parser.add_argument("--threads", type=counts, default=[1, 2])
     parser.add_argument("--sequences", type=counts, default=[1, 2, 4, 8])
@@ -204,8 +207,8 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
     for name in args.models.split(","):
-        if name not in MODELS:
-            raise SystemExit(f"--models: {name!r} is not one of {', '.join(MODELS)}")
+        if name not in KNOWN:
+            raise SystemExit(f"--models: {name!r} is not one of {', '.join(KNOWN)}")
     problem = llamacpp_problem(args.llamacpp_python)
     print(json.dumps({"processor": processor()}))
     if problem:
