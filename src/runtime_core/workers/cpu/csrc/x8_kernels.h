@@ -32,7 +32,8 @@
  * IQ4_NL's and IQ4_XS's nibbles index IQ4_VALUES by a byte shuffle; their signed values
  * are multiplied as Q8_0's are (|q| times the activations given q's sign; with VNNI
  * q + 128 and the activations' sums), IQ4_XS's sub-blocks' sums times their scales by
- * vpmulld (|sum| <= 32 * 127 * 127, |scale| <= 32: within 31 bits).
+ * vpmulld (|sum| <= 32 * 127 * 127, |scale| <= 32: within 31 bits); without VNNI each
+ * word's pair sums times the scale by vpmaddwd (iq4xs_sub).
  *
  * The activation rows j0 .. j0 + nj - 1 (nj <= X8_TILE) share the blocks read from
  * memory: X8_XT rows at a time share one decoding of each block while it is in cache;
