@@ -42,11 +42,13 @@ const Isa *isa_avx512(void) {
          * 4096, 1 row, a script not kept, best of 120-180 calls) Q6_K 0.125 -> 0.065
          * ms, Q4_K 0.074 -> 0.042, Q4_0 0.062 -> 0.052. Left to the two-group kernel
          * (measured as fast or faster, the builds in turn): Q4_0 from 3 rows, Q4_1 from
-         * 2, Q4_K from 3, Q6_K from 3 (the Zen 5 sessions gave Q6_K the pair kernel
-         * up to 4 rows; on Zen 4, over a decode step's distinct Q6_K matrices, the 8B
-         * shape's 4 blocks, 1 thread, the builds in turn: 3 rows 57.4-58.2 -> 40.8-41.9
-         * ms, 4 rows 61.1-61.6 -> 47.8-47.9, where 2 rows stay with the pair kernel:
-         * 40.1-40.8 against 42.7-43.7). Q8_0, 1 row: one group per 256-bit vector, 10 %
+         * 3 (2 rows on Zen 4: 14336 x 4096 from memory 1.89-2.13 -> 1.49-1.55 ms with
+         * the pair kernel, in cache 0.103-0.114 against 0.108; the Zen 5 sessions gave
+         * 2 rows to the two-group kernel), Q4_K from 3, Q6_K from 3 (the Zen 5 sessions
+         * gave Q6_K the pair kernel up to 4 rows; on Zen 4, over a decode step's
+         * distinct Q6_K matrices, the 8B shape's 4 blocks, 1 thread, the builds in turn:
+         * 3 rows 57.4-58.2 -> 40.8-41.9 ms, 4 rows 61.1-61.6 -> 47.8-47.9, where 2 rows
+         * stay with the pair kernel: 40.1-40.8 against 42.7-43.7). Q8_0, 1 row: one group per 256-bit vector, 10 %
          * faster for short rows (SmolLM2's head, 49152 x 576: 0.736 against 0.831 ms;
          * 14336 x 4096 within 2 %); from 2 rows within 4 %. Q4_K, 1 row: AVX2's kernel
          * (vpmaddubsw, as AVX-VNNI's set takes it): over a decode step's distinct
@@ -64,7 +66,7 @@ const Isa *isa_avx512(void) {
          * ms (17 -> 29-30 GB/s); not measured on Zen 5. */
         avx512.q8_x8_rows[T_Q6_K][0] = avx512.q8_x8_rows[T_Q6_K][1] = xp_q6_k;
         avx512.q8_x8_rows[T_Q4_0][0] = avx512.q8_x8_rows[T_Q4_0][1] = xp_q4_0;
-        avx512.q8_x8_rows[T_Q4_1][0] = xp_q4_1;
+        avx512.q8_x8_rows[T_Q4_1][0] = avx512.q8_x8_rows[T_Q4_1][1] = xp_q4_1;
         avx512.q8_x8_rows[T_Q4_K][0] = ISA_AVX2.q8_x8[T_Q4_K];
         avx512.q8_x8_rows[T_Q4_K][1] = xp_q4_k;
         avx512.q8_x8_rows[T_Q8_0][0] = x8_q8_0;
