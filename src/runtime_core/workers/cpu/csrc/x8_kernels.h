@@ -269,8 +269,8 @@ X8_INL void XN(zero)(VF acc[X8_XT][8], int nj) {
 
 /* A group block's 8 words of signed quants: Q8_0's as stored; IQ4_NL's (Q4_0's layout)
  * the values its nibbles index, word w < 4 the low nibbles (elements 4w ..), w >= 4 the
- * high ones (elements 16 + 4 (w - 4) ..): word w multiplies activations 4w .. 4w + 3.
- * With VNNI, into u each plus 128 (an unsigned byte: vpdpbusd's operand; IQ4_NL's by a
+ * high ones (elements 16 + 4 (w - 4) ..): word w multiplies activations 4w .. 4w + 3
+ * (IQ4_XS's sub-block s has IQ4_NL's layout at b + 64 + 128 s). With VNNI, into u each plus 128 (an unsigned byte: vpdpbusd's operand; IQ4_NL's by a
  * table of the values plus 128), q left unset; without, q and its magnitudes u. */
 X8_INL void XN(b32_words)(const uint8_t *b, int64_t gs, const int nl, VI u[8], VI q[8]) {
     const VI bias = v_set1_8((char)0x80);
@@ -501,7 +501,6 @@ X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
     VF acc[X8_TILE][8];
     for (int k = 0; k < nj; ++k)
         for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
-    const VI m4 = v_set1_8(0x0F), table = XN(iq4_table)();
     VI u[64], sc[8];
     VI q[64];
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
@@ -510,19 +509,7 @@ X8_INL void XN(iq4xs_rows)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
         const VF dw = XN(ld_halves)(b, gs);
         for (int s = 0; s < 8; ++s) {
             sc[s] = XN(ld_i8_i32)(b + 16 + 8 * s, gs);
-            for (int w = 0; w < 4; ++w) {
-                const VI v = XN(ld)(b + 80 + 128 * s + 32 * w, gs);
-                const VI lo = v_shuf8(table, v_and(v, m4)), hi = v_shuf8(table, v_and(v_srli16(v, 4), m4));
-#if X8_VNNI
-                u[8 * s + w] = v_xor(lo, v_set1_8((char)0x80));
-                u[8 * s + 4 + w] = v_xor(hi, v_set1_8((char)0x80));
-#else
-                q[8 * s + w] = lo;
-                q[8 * s + 4 + w] = hi;
-                u[8 * s + w] = v_abs8(lo);
-                u[8 * s + 4 + w] = v_abs8(hi);
-#endif
-            }
+            XN(b32_words)(b + 64 + 128 * s, gs, 1, u + 8 * s, q + 8 * s);
         }
         for (int k0 = 0; k0 < nj; k0 += X8_XT) {
             const int n = nj - k0 < X8_XT ? nj - k0 : X8_XT;
@@ -551,7 +538,6 @@ X8_INL void XN(iq4xs_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
                            float (*out)[XL], const int NJ) {
     VF acc[X8_XT][8];
     XN(zero)(acc, NJ);
-    const VI m4 = v_set1_8(0x0F), table = XN(iq4_table)();
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
         const uint8_t *b = grp + sb * 1104;
         XN(ahead)(grp, gs, sb * 1104, 1104);
@@ -559,19 +545,7 @@ X8_INL void XN(iq4xs_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRo
         for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
         for (int s = 0; s < 8; ++s) {
             VI u[8], q[8];
-            for (int w = 0; w < 4; ++w) {
-                const VI v = XN(ld)(b + 80 + 128 * s + 32 * w, gs);
-                const VI lo = v_shuf8(table, v_and(v, m4)), hi = v_shuf8(table, v_and(v_srli16(v, 4), m4));
-#if X8_VNNI
-                u[w] = v_xor(lo, v_set1_8((char)0x80));
-                u[4 + w] = v_xor(hi, v_set1_8((char)0x80));
-#else
-                q[w] = lo;
-                q[4 + w] = hi;
-                u[w] = v_abs8(lo);
-                u[4 + w] = v_abs8(hi);
-#endif
-            }
+            XN(b32_words)(b + 64 + 128 * s, gs, 1, u, q);
             XN(iq4xs_rows_sub)(u, q, XN(ld_i8_i32)(b + 16 + 8 * s, gs), NJ, x, nc, j0, sb, s, isum);
         }
         const VF dw = XN(ld_halves)(b, gs);

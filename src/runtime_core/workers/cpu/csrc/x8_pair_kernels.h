@@ -153,8 +153,7 @@ XP_INL void xp_q4_body(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j
     const int q4_1 = kind == XP_Q4_1, nl = kind == XP_IQ4_NL;
     const int gb = q4_1 ? 160 : 144, at = q4_1 ? 32 : 16;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_VALUES)),
-                                           _mm512_set1_epi8((char)0x80));
+    const __m512i table = _mm512_xor_si512(x16_iq4_table(), _mm512_set1_epi8((char)0x80));
     const __m512i idx_lo[2] = {XP_IDX(0), XP_IDX(2)}, idx_hi[2] = {XP_IDX(4), XP_IDX(6)};
     __m256 acc[X8_XT][8];
     x8_zero(acc, NJ);
