@@ -50,9 +50,9 @@
   compiler is found); beside it, for the bandwidth target, each run's rate over the
   probe measured just before that run (the median run: a shared host's bandwidth moves
   by a quarter between its phases, and the best of the whole script sets a bar that the
-  phase of a given run may not offer); the process's CPU time per decode token and per prompt token (every thread's;
-  at 1 thread, the ratio a busy host distorts least, printed beside the wall-clock
-  ratio). Also: warm start, the seconds from launching an
+  phase of a given run may not offer); the process's CPU time per decode token and per
+  prompt token (every thread's; at 1 thread, the ratio a busy host distorts least,
+  printed beside the wall-clock ratio). Also: warm start, the seconds from launching an
   interpreter to a bound SmolLM2 CPU worker that has decoded one token (the kernels are
   compiled when the package is installed).
 - Targets (issue 26), printed as measured with PASS / MISS (nothing here is asserted):
