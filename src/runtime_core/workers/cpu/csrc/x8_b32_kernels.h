@@ -1,0 +1,185 @@
+/* x8_b32_kernels.h: the 32-element blocks' products: Q8_0 and IQ4_NL (q8_0_body), Q4_0 and
+ * Q4_1 (q4_body), and their tile (b32_tile). A part of x8_kernels.h, which includes it
+ * once per vector width under its X8_TARGET and X8_WIDTH (so no include guard): see there
+ * for the layout, the exact sums and the order of the float terms. */
+#ifndef XN
+#error "x8_b32_kernels.h is included by x8_kernels.h"
+#endif
+
+/* ---- Q8_0, IQ4_NL: (dw * d) * sumi ----------------------------------------------------------- */
+
+/* A group block's 8 words of signed quants: Q8_0's as stored; IQ4_NL's (Q4_0's layout)
+ * the values its nibbles index, word w < 4 the low nibbles (elements 4w ..), w >= 4 the
+ * high ones (elements 16 + 4 (w - 4) ..): word w multiplies activations 4w .. 4w + 3
+ * (IQ4_XS's sub-block s has IQ4_NL's layout at b + 64 + 128 s). With VNNI, into u each plus 128 (an unsigned byte: vpdpbusd's operand; IQ4_NL's by a
+ * table of the values plus 128), q left unset; without, q and its magnitudes u. */
+X8_INL void XN(b32_words)(const uint8_t *b, int64_t gs, const int nl, VI u[8], VI q[8]) {
+    const VI bias = v_set1_8((char)0x80);
+    if (nl) {
+        const VI m4 = v_set1_8(0x0F);
+#if X8_VNNI
+        const VI table = v_xor(XN(iq4_table)(), bias);
+        VI *out = u;
+#else
+        const VI table = XN(iq4_table)();
+        VI *out = q;
+#endif
+        for (int w = 0; w < 4; ++w) {
+            const VI v = XN(ld)(b + 16 + 32 * w, gs);
+            out[w] = v_shuf8(table, v_and(v, m4));
+            out[w + 4] = v_shuf8(table, v_and(v_srli16(v, 4), m4));
+        }
+    } else {
+        for (int w = 0; w < 8; ++w) {
+#if X8_VNNI
+            u[w] = v_xor(XN(ld)(b + 16 + 32 * w, gs), bias);
+#else
+            q[w] = XN(ld)(b + 16 + 32 * w, gs);
+#endif
+        }
+    }
+#if X8_VNNI
+    (void)q;
+#else
+    (void)bias;
+    for (int w = 0; w < 8; ++w) u[w] = v_abs8(q[w]);
+#endif
+}
+
+X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                          float (*out)[XL], const int NJ, const int nl) {
+    const int gb = nl ? 144 : 272;
+    VF acc[X8_XT][8];
+    XN(zero)(acc, NJ);
+    for (int64_t c = 0; c < nc; ++c) {
+        const uint8_t *b = grp + c * gb;
+        XN(ahead)(grp, gs, c * gb, gb);
+        const VF dw = XN(ld_halves)(b, gs);
+        VI u[8], q[8];
+        XN(b32_words)(b, gs, nl, u, q);
+        for (int k = 0; k < NJ; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->qs + 32 * c;
+#if X8_VNNI /* two chains of vpdpbusd (its latency, not its throughput, bounds one) */
+            VI si = v_set1_32(-128 * x->g[j * 2 * nc + c]), si2 = v_zero();
+            for (int w = 0; w < 8; w += 2) {
+                si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+                si2 = v_dot4(si2, u[w + 1], XN(bcast)(xq + 4 * w + 4));
+            }
+            si = v_add32(si, si2);
+#else
+            VI si = v_zero();
+            for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
+#endif
+            const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
+            acc[k][c & 7] = f_add(acc[k][c & 7], f_mul(fac, f_cvt(si)));
+        }
+    }
+    XN(finish)(acc, NJ, out);
+}
+
+/* ---- Q4_0: (dw * d) * (sumi - 8 g); Q4_1: (dw * d) * sumi + m * s ------------------------------- */
+
+/* init plus a block's exact integer sum: the nibbles of its 4 words' low (lo) and high
+ * (hi) halves times the activations xq, 4 bytes a word */
+X8_INL VI XN(q4_isum)(const VI *lo, const VI *hi, const int8_t *xq, VI init) {
+#if X8_PAIRS16 /* 8 words' pairs in 16 bits: |sum| <= 8 * 2 * 15 * 128 < 2^15 */
+    VI s16 = v_add16(v_maddubs(lo[0], XN(bcast)(xq)), v_maddubs(hi[0], XN(bcast)(xq + 16)));
+    for (int w = 1; w < 4; ++w)
+        s16 = v_add16(s16, v_add16(v_maddubs(lo[w], XN(bcast)(xq + 4 * w)),
+                                   v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w))));
+    return v_add32(init, v_madd16(s16, v_set1_16(1)));
+#else /* two chains (exact: their order is free) */
+    VI si = init, si2 = v_zero();
+    for (int w = 0; w < 4; ++w) {
+        si = v_dot4(si, lo[w], XN(bcast)(xq + 4 * w));
+        si2 = v_dot4(si2, hi[w], XN(bcast)(xq + 16 + 4 * w));
+    }
+    return v_add32(si, si2);
+#endif
+}
+
+X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                        float (*out)[XL], const int NJ, const int q4_1) {
+    const int gb = q4_1 ? 160 : 144, at = q4_1 ? 32 : 16;
+    const VI m4 = v_set1_8(0x0F);
+    VF acc[X8_XT][8];
+    XN(zero)(acc, NJ);
+    for (int64_t c = 0; c < nc; ++c) {
+        const uint8_t *b = grp + c * gb;
+        XN(ahead)(grp, gs, c * gb, gb);
+        const VF dw = XN(ld_halves)(b, gs);
+        const VF mw = q4_1 ? XN(ld_halves)(b + 16, gs) : f_zero();
+        VI lo[4], hi[4];
+        for (int w = 0; w < 4; ++w) {
+            VI v = XN(ld)(b + at + 32 * w, gs);
+            lo[w] = v_and(v, m4);
+            hi[w] = v_and(v_srli16(v, 4), m4);
+        }
+        for (int k = 0; k < NJ; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->qs + 32 * c;
+            const VI si = XN(q4_isum)(lo, hi, xq, q4_1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]));
+            const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
+            VF term = f_mul(fac, f_cvt(si));
+            if (q4_1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
+            acc[k][c & 7] = f_add(acc[k][c & 7], term);
+        }
+    }
+    XN(finish)(acc, NJ, out);
+}
+
+/* Q4_0, Q4_1, Q8_0, IQ4_NL for a tile of nj (> X8_XT) rows: each block decoded once,
+ * then the rows one after another (their running sums in acc, memory): q4_body's and
+ * q8_0_body's arithmetic, in their order */
+X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
+                         float (*out)[XL], const int kind /* 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 IQ4_NL */) {
+    const int gb = kind == 2 ? 272 : kind == 1 ? 160 : 144, at = kind == 1 ? 32 : 16;
+    const int signed_q = kind >= 2;
+    const VI m4 = v_set1_8(0x0F);
+    VF acc[X8_TILE][8];
+    for (int k = 0; k < nj; ++k)
+        for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
+    for (int64_t c = 0; c < nc; ++c) {
+        const uint8_t *b = grp + c * gb;
+        XN(ahead)(grp, gs, c * gb, gb);
+        const VF dw = XN(ld_halves)(b, gs);
+        const VF mw = kind == 1 ? XN(ld_halves)(b + 16, gs) : f_zero();
+        VI u[8], q[8];
+        if (signed_q) {
+            XN(b32_words)(b, gs, kind == 3, u, q);
+        } else {
+            for (int w = 0; w < 4; ++w) {
+                VI v = XN(ld)(b + at + 32 * w, gs);
+                u[w] = v_and(v, m4);
+                u[4 + w] = v_and(v_srli16(v, 4), m4);
+            }
+        }
+        for (int k = 0; k < nj; ++k) {
+            const int64_t j = j0 + k;
+            const int8_t *xq = x->q + j * x->qs + 32 * c;
+            VI si;
+            if (signed_q) {
+#if X8_VNNI
+                si = v_set1_32(-128 * x->g[j * 2 * nc + c]);
+                VI si2 = v_zero();
+                for (int w = 0; w < 8; w += 2) {
+                    si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
+                    si2 = v_dot4(si2, u[w + 1], XN(bcast)(xq + 4 * w + 4));
+                }
+                si = v_add32(si, si2);
+#else
+                si = v_zero();
+                for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
+#endif
+            } else {
+                si = XN(q4_isum)(u, u + 4, xq, kind == 1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]));
+            }
+            const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
+            VF term = f_mul(fac, f_cvt(si));
+            if (kind == 1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
+            acc[k][c & 7] = f_add(acc[k][c & 7], term);
+        }
+    }
+    for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
+}

@@ -1,0 +1,302 @@
+/* x8_k_kernels.h: the K-quants' products (Q4_K, Q5_K, Q6_K): a few rows (k_body), the
+ * chunked rows and the tile (k_tile). A part of x8_kernels.h, which includes it once per
+ * vector width under its X8_TARGET and X8_WIDTH (so no include guard): see there for the
+ * layout, the exact sums and the order of the float terms. */
+#ifndef XN
+#error "x8_k_kernels.h is included by x8_kernels.h"
+#endif
+
+/* ---- K-quants: Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q6_K (d * dw) * isum -------- */
+
+#ifndef X8_KINDS
+#define X8_KINDS
+enum { X8_Q4_K, X8_Q5_K, X8_Q6_K };
+#endif
+
+/* word w of sub-blocks 2p (lo) and 2p + 1 (hi) of a group super-block as unsigned bytes */
+X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int w, VI *lo, VI *hi) {
+    const VI m4 = v_set1_8(0x0F);
+    const int at = kind == X8_Q4_K ? 160 : kind == X8_Q5_K ? 416 : 144;
+    const VI v = XN(ld)(b + at + 256 * p + 32 * w, gs);
+    *lo = v_and(v, m4);
+    *hi = v_and(v_srli16(v, 4), m4);
+    if (kind == X8_Q5_K) { /* bit w of each byte to bit 4 */
+        const VI bit4 = v_set1_8(0x10);
+        const VI h0 = XN(ld)(b + 160 + 64 * p, gs), h1 = XN(ld)(b + 192 + 64 * p, gs);
+        VI a = w <= 4 ? v_slli16(h0, 4 - w) : v_srli16(h0, w - 4);
+        VI c = w <= 4 ? v_slli16(h1, 4 - w) : v_srli16(h1, w - 4);
+        *lo = v_or(*lo, v_and(a, bit4));
+        *hi = v_or(*hi, v_and(c, bit4));
+    } else if (kind == X8_Q6_K) { /* the high 2 bits to bits 4-5 */
+        const VI two = v_set1_8(0x30);
+        const VI h = XN(ld)(b + 1168 + 128 * p + 32 * (w >> 1), gs);
+        VI a = (w & 1) ? h : v_slli16(h, 4);
+        VI c = (w & 1) ? v_srli16(h, 2) : v_slli16(h, 2);
+        *lo = v_or(*lo, v_and(a, two));
+        *hi = v_or(*hi, v_and(c, two));
+    }
+}
+
+#if X8_PAIRS16
+/* Q6_K's tile without VNNI: after a super-block's 64 decoded words, dec[64 + j] (j < 16)
+ * holds in each row's lane the int16 pair (s, s) of group j's scale s, and dec[80 + m]
+ * (m < 8) the pair (s of group 2m, s of group 2m + 1), decoded once for the tile's rows. */
+#define K6_SCALES 24
+X8_INL void XN(k6_scales)(const uint8_t *b, int64_t gs, VI *out) {
+    const VI low = v_set1_32(0xFFFF);
+    VI s[16];
+    for (int j = 0; j < 16; ++j) s[j] = XN(ld_i8_i32)(b + 16 + 8 * j, gs); /* sign-extended */
+    for (int j = 0; j < 16; ++j) out[j] = v_or(v_and(s[j], low), v_slli32(s[j], 16));
+    for (int m = 0; m < 8; ++m) out[16 + m] = v_or(v_and(s[2 * m], low), v_slli32(s[2 * m + 1], 16));
+}
+
+/* The same integer sums as k_isum's Q6_K (exact, so the same bits), with half its
+ * multiplications: the products of two words (q + 32 <= 63 times |x| <= 128, pairs
+ * summed by vpmaddubsw: 2 * 2 * 63 * 128 < 2^15) added in 16 bits, then times the
+ * group's scale by vpmaddwd (sc: k6_scales); the offset's sum over the super-block,
+ * 32 * sum_j s_j g_j, by vpmaddwd of the scale pairs and the rows' group sums (|g| <=
+ * 16 * 128 fits in 16 bits), taken once at the end. */
+X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int NJ, const int8_t *const *xq,
+                        const int32_t *const *xg, VI *isum) {
+    for (int k = 0; k < NJ; ++k) {
+        /* the 16 group sums as int16 pairs: lanes (g0 g1) (g2 g3) (g8 g9) (g10 g11) (g4 g5)
+         * (g6 g7) (g12 g13) (g14 g15) (512 bits: ld reads the row's sums into both halves,
+         * packs works in 128-bit lanes, so lanes 8-15 repeat 0-7) */
+        const VI gp = v_packs32(XN(ld)((const uint8_t *)xg[k], 0), XN(ld)((const uint8_t *)(xg[k] + 8), 0));
+        static const int lane_of_pair[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+        VI corr = v_zero();
+        for (int m = 0; m < 8; ++m) corr = v_add32(corr, v_madd16(sc[16 + m], v_lane32(gp, lane_of_pair[m])));
+        isum[k] = v_sub32(v_zero(), v_slli32(corr, 5));
+    }
+    for (int p = 0; p < 4; ++p)
+        for (int h = 0; h < 2; ++h) { /* groups 4p + h (sub-block 2p: lo), 4p + 2 + h (hi) */
+            const VI slo = sc[4 * p + h], shi = sc[4 * p + 2 + h];
+            for (int half = 0; half < 2; ++half) { /* words 4h + 2 half, + 1 */
+                const int w0 = 4 * h + 2 * half;
+                const VI lo0 = dec[16 * p + 2 * w0], hi0 = dec[16 * p + 2 * w0 + 1];
+                const VI lo1 = dec[16 * p + 2 * w0 + 2], hi1 = dec[16 * p + 2 * w0 + 3];
+                for (int k = 0; k < NJ; ++k) {
+                    const int8_t *xp = xq[k] + 64 * p + 4 * w0;
+                    const VI plo = v_add16(v_maddubs(lo0, XN(bcast)(xp)), v_maddubs(lo1, XN(bcast)(xp + 4)));
+                    const VI phi = v_add16(v_maddubs(hi0, XN(bcast)(xp + 32)), v_maddubs(hi1, XN(bcast)(xp + 36)));
+                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo, slo), v_madd16(phi, shi)));
+                }
+            }
+        }
+}
+#endif
+
+/* k_isum's word w of sub-blocks 2p (lo), 2p + 1 (hi) for NJ rows: its products into
+ * alo, ahi; Q6_K's a group's sums times its scale into isum after its 4 words */
+X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
+                            const int8_t *const *xq, const int32_t *const *xg, int p, int w, VI *alo,
+                            VI *ahi, VI *isum) {
+    if (kind == X8_Q6_K && w == 4)
+        for (int k = 0; k < NJ; ++k) {
+            alo[k] = v_set1_32(-32 * xg[k][4 * p + 1]);
+            ahi[k] = v_set1_32(-32 * xg[k][4 * p + 3]);
+        }
+    VI lo, hi;
+    if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+    else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+    for (int k = 0; k < NJ; ++k) {
+        alo[k] = v_dot4(alo[k], lo, XN(bcast)(xq[k] + 64 * p + 4 * w));
+        ahi[k] = v_dot4(ahi[k], hi, XN(bcast)(xq[k] + 64 * p + 32 + 4 * w));
+        X8_KEEP_DOT(alo[k]);
+        X8_KEEP_DOT(ahi[k]);
+    }
+    if (kind == X8_Q6_K && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
+        const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
+        const VI slo = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
+        const VI shi = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
+        for (int k = 0; k < NJ; ++k)
+            isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+    }
+}
+
+/* The integer sums of super-block b (isum[k], exact) for the NJ rows of xq, xg: per row,
+ * the sums of a sub-block (Q6_K: of a 16-element group) times its scale. The words come
+ * decoded from dec (XN(k_decode): a tile's rows share one decoding) or, dec NULL, are
+ * decoded here for these NJ rows. */
+X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
+                       const int8_t *const *xq, const int32_t *const *xg, VI *isum) {
+#if X8_PAIRS16
+    if (kind == X8_Q6_K && dec) { /* a tile's: its scales decoded after its words */
+        XN(k6_isum)(dec, dec + 64, NJ, xq, xg, isum);
+        return;
+    }
+#endif
+    for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
+    for (int p = 0; p < 4; ++p) {
+#if X8_PAIRS16
+        if (kind == X8_Q4_K || kind == X8_Q5_K) { /* pairs of products summed in 16 bits
+                                                   * over a run of words (Q4_K all 8: 8 * 2
+                                                   * * 15 * 127 < 2^15; Q5_K 4: 4 * 2 * 31
+                                                   * * 127 < 2^15), then times the scale */
+            const int run = kind == X8_Q4_K ? 8 : 4;
+            const VI s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+            const VI s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+            const VI slo = v_or(s0, v_slli32(s0, 16));
+            const VI shi = v_or(s1, v_slli32(s1, 16));
+            for (int w0 = 0; w0 < 8; w0 += run) {
+                VI plo[X8_XT], phi[X8_XT];
+                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = v_zero();
+                /* unrolled: no counter or word addresses to compute (AVX2's Q4_K tile
+                 * of 32 rows 1.23x as fast, benchmarks/cpu_repack.py --rows 32: 116 ->
+                 * 142 GMAC/s; 4 rows 1.06x; one row, Q5_K and AVX-512 BW the same) */
+#pragma GCC unroll 8
+                for (int w = w0; w < w0 + run; ++w) {
+                    VI lo, hi;
+                    if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+                    else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                    for (int k = 0; k < NJ; ++k) {
+                        const int8_t *xp = xq[k] + 64 * p + 4 * w;
+                        plo[k] = v_add16(plo[k], v_maddubs(lo, XN(bcast)(xp)));
+                        phi[k] = v_add16(phi[k], v_maddubs(hi, XN(bcast)(xp + 32)));
+                        /* word by word: GCC otherwise adds the words' products as a
+                         * tree, spilling them (one row's products took 1.2x as long
+                         * in cache: benchmarks/cpu_x8_loop.py) */
+                        X8_KEEP(plo[k]);
+                        X8_KEEP(phi[k]);
+                    }
+                }
+                for (int k = 0; k < NJ; ++k)
+                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+            }
+            continue;
+        }
+#endif
+        /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
+         * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
+        VI alo[X8_XT], ahi[X8_XT];
+        for (int k = 0; k < NJ; ++k) {
+            alo[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p]) : v_zero();
+            ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
+        }
+        if (kind == X8_Q6_K && NJ <= 2) { /* unrolled: w picks its words' high-bit shifts
+                                           * and group (AVX2, one row: 12-15 % faster; 3-4
+                                           * rows measured 3-7 % slower) */
+#pragma GCC unroll 8
+            for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
+        } else { /* left a loop: unrolled, AVX2's Q5_K tiles (which took this path
+                  * before their 16-bit sums) measured 5-15 % slower */
+            for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
+        }
+        if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
+            const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+            const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+            for (int k = 0; k < NJ; ++k)
+                isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+        }
+    }
+}
+
+/* the float terms of super-block sb (b) for rows j0 .. j0 + NJ - 1 into acc[k][sb mod 8] */
+X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *isum, const int NJ,
+                        const XRows *x, int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8],
+                        const int32_t *const *xg) {
+    const VF dw = XN(ld_halves)(b, gs);
+    if (kind == X8_Q6_K) {
+        for (int k = 0; k < NJ; ++k) {
+            const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+            acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(f_mul(xd, dw), f_cvt(isum[k])));
+        }
+        return;
+    }
+    const VF dmin = XN(ld_halves)(b + 16, gs);
+    VI mn[4];
+    for (int p = 0; p < 4; ++p) mn[p] = XN(ld_u8_i16)(b + 96 + 16 * p, gs);
+    for (int k = 0; k < NJ; ++k) {
+        VI imin = v_zero();
+#if X8_WIDTH == 256 /* the 8 sub-blocks' sums (|s| <= 32 * 128) as int16 pairs, in lanes
+                     * (s0 s1) (s4 s5) .. (s2 s3) (s6 s7) .. */
+        const __m256i sub = _mm256_hadd_epi32(_mm256_loadu_si256((const __m256i *)xg[k]),
+                                              _mm256_loadu_si256((const __m256i *)(xg[k] + 8)));
+        const __m256i pairs = _mm256_packs_epi32(sub, sub);
+        static const int lane_of_p[4] = {0, 4, 1, 5};
+        for (int p = 0; p < 4; ++p)
+            imin = v_add32(imin, v_madd16(mn[p], _mm256_permutevar8x32_epi32(pairs, v_set1_32(lane_of_p[p]))));
+#else
+        for (int p = 0; p < 4; ++p) { /* sub-blocks 2p, 2p + 1: their activation sums */
+            int32_t s0 = xg[k][4 * p] + xg[k][4 * p + 1], s1 = xg[k][4 * p + 2] + xg[k][4 * p + 3];
+            VI xs = v_set1_32((int32_t)((uint32_t)s1 << 16 | ((uint32_t)s0 & 0xFFFFu)));
+            imin = v_add32(imin, v_madd16(mn[p], xs));
+        }
+#endif
+        const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+        VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
+        term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
+        acc[k][sb & 7] = f_add(acc[k][sb & 7], term);
+    }
+}
+
+X8_INL void XN(k_rows)(const int8_t **xq, const int32_t **xg, const XRows *x, int64_t j0, int64_t nc,
+                       int64_t sb, const int NJ) {
+    for (int k = 0; k < NJ; ++k) {
+        xq[k] = x->q + (j0 + k) * x->qs + 256 * sb;
+        xg[k] = x->g + (j0 + k) * 2 * nc + 16 * sb;
+    }
+}
+
+/* NJ (<= X8_XT) rows: each word decoded once and multiplied with the NJ rows' activations */
+X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                       float (*out)[XL], const int NJ, const int kind) {
+    const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
+    VF acc[X8_XT][8];
+    XN(zero)(acc, NJ);
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * gb;
+        XN(ahead)(grp, gs, sb * gb, gb);
+        const int8_t *xq[X8_XT];
+        const int32_t *xg[X8_XT];
+        XN(k_rows)(xq, xg, x, j0, nc, sb, NJ);
+        VI isum[X8_XT];
+        XN(k_isum)(b, gs, kind, NULL, NJ, xq, xg, isum);
+        XN(k_terms)(b, gs, kind, isum, NJ, x, j0, nc, sb, acc, xg);
+    }
+    XN(finish)(acc, NJ, out);
+}
+
+/* NJ rows (X8_XT < nj <= X8_TILE) of a tile: a super-block's words decoded once (into
+ * dec, in cache), then taken by the rows X8_XT at a time; each row's running sums in
+ * acc (memory). Every row computes what k_body computes, in its order. */
+X8_INL void XN(k_chunk)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const XRows *x,
+                        int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8], const int NJ) {
+    const int8_t *xq[X8_XT];
+    const int32_t *xg[X8_XT];
+    XN(k_rows)(xq, xg, x, j0, nc, sb, NJ);
+    VI isum[X8_XT];
+    XN(k_isum)(b, gs, kind, dec, NJ, xq, xg, isum);
+    XN(k_terms)(b, gs, kind, isum, NJ, x, j0, nc, sb, acc, xg);
+}
+
+X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
+                       float (*out)[XL], const int kind) {
+    const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
+    VF acc[X8_TILE][8];
+#if X8_PAIRS16
+    VI dec[64 + K6_SCALES];
+#else
+    VI dec[64];
+#endif
+    for (int k = 0; k < nj; ++k)
+        for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * gb;
+        XN(ahead)(grp, gs, sb * gb, gb);
+        for (int p = 0; p < 4; ++p)
+            for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
+#if X8_PAIRS16
+        if (kind == X8_Q6_K) XN(k6_scales)(b, gs, dec + 64);
+#endif
+        int k = 0;
+        for (; k + X8_XT <= nj; k += X8_XT) XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, X8_XT);
+        switch (nj - k) {
+        case 1: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 1); break;
+        case 2: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 2); break;
+        case 3: XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, 3); break;
+        default: break;
+        }
+    }
+    for (int k = 0; k < nj; k += X8_XT) XN(finish)(acc + k, nj - k < X8_XT ? nj - k : X8_XT, out + k);
+}
