@@ -14,7 +14,8 @@
   500000; ``--layers`` blocks, a 32000-token vocabulary, untied head) written here with
   ``gguf.GGUFWriter`` in F16 with random weights and quantized by llama.cpp's own
   quantizer (``llama_model_quantize``: MOSTLY_Q4_0, MOSTLY_Q4_K_S, MOSTLY_Q6_K,
-  MOSTLY_Q8_0; when named, ``8b-q5_k`` MOSTLY_Q5_K_S, ``8b-iq4_xs``, ``8b-iq4_nl``; its
+  MOSTLY_Q8_0; when named, ``8b-q5_k`` MOSTLY_Q5_K_S, ``8b-iq4_xs``, ``8b-iq4_nl``,
+  ``8b-q3_k`` MOSTLY_Q3_K_S, ``8b-q2_k``, ``8b-q5_0``, ``8b-q5_1``; its
   default choices for the other tensors) into a temporary folder (``--model-dir`` keeps
   them).
 - Runners, each in a fresh process, interleaved (every repetition runs each runner once,
@@ -100,9 +101,14 @@ FTYPES = {
     "8b-q5_k": "LLAMA_FTYPE_MOSTLY_Q5_K_S",
     "8b-iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
     "8b-iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
+    "8b-q3_k": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
+    "8b-q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
+    "8b-q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
+    "8b-q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
 }
-#: also known to --models, not run unless named (Q5_K_S and the non-linear 4-bit types)
-MORE_MODELS = ("8b-q5_k", "8b-iq4_xs", "8b-iq4_nl")
+#: also known to --models, not run unless named (Q5_K_S, the non-linear 4-bit types, the
+#: 2- and 3-bit K-quants and the 5-bit legacy types)
+MORE_MODELS = ("8b-q5_k", "8b-iq4_xs", "8b-iq4_nl", "8b-q3_k", "8b-q2_k", "8b-q5_0", "8b-q5_1")
 #: the 8B-shape models whose decode should reach 90 % of the read bandwidth
 BANDWIDTH_TARGETS = ("8b-q4_0", "8b-q4_k")
 #: processor flags (as /proc/cpuinfo names them) of the instruction sets that matter here

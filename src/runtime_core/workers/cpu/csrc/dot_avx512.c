@@ -71,6 +71,14 @@ const Isa *isa_avx512(void) {
         avx512.q8_x8_rows[T_Q4_K][1] = xp_q4_k;
         avx512.q8_x8_rows[T_Q8_0][0] = x8_q8_0;
         avx512.q8_x8_rows[T_Q5_K][0] = x8_q5_k;
+        /* Q3_K, 1 row: one group per 256-bit vector; 2 rows: AVX2's kernel. Over a decode
+         * step's distinct Q3_K matrices (the 8B shape's Q3_K_S, 4 blocks, 1 thread, AMD
+         * Zen 4, `benchmarks/cpu_step_products.py --rows R`, the builds in turn), ms:
+         * 1 row 45.2 (the two-group kernel) -> 28.7 (34.6 with AVX2's); 2 rows 51.6 ->
+         * 44.8 (46.7 with this set's 256-bit one); 3 and 4 rows within 4 %, left to the
+         * two-group kernel. Not measured on Zen 5. */
+        avx512.q8_x8_rows[T_Q3_K][0] = x8_q3_k;
+        avx512.q8_x8_rows[T_Q3_K][1] = ISA_AVX2.q8_x8[T_Q3_K];
         avx512.q8_x8_rows[T_IQ4_NL][0] = avx512.q8_x8_rows[T_IQ4_NL][1] = xp_iq4_nl;
     }
     return &avx512;

@@ -9,12 +9,13 @@
 _Static_assert(X8 * 4 == 32, "a word of every row fills 32 bytes");
 
 int x8_supported(int t) {
-    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K ||
-           t == T_IQ4_NL || t == T_IQ4_XS;
+    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K ||
+           t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS;
 }
 
 int x8_block_bytes(int t) {
     switch (t) {
+    case T_Q3_K: return 912;
     case T_Q4_K: return 1184;
     case T_Q5_K: return 1440;
     case T_IQ4_XS: return 1104;
@@ -186,6 +187,47 @@ static void k6_unpack(const uint8_t *G, int i, uint8_t *b) {
     memcpy(b + 208, G + 2 * i, 2);
 }
 
+/* ---- Q3_K ------------------------------------------------------------------------------------- */
+
+#define K3_SCALES 16
+#define K3_LOW 144
+#define K3_HIGH 656
+
+/* Element l of sub-block s: stored, its low 2 bits at bits 2 (s & 3) of qs[32 (s >> 2) +
+ * l] (b + 32) and its high bit at bit s of hmask[l] (b); in the group, the low 2 bits at
+ * bits 2 (s & 3) of word l / 4 of the area K3_LOW + 256 (s >> 2), the high bit at bit s
+ * of word l / 4 of K3_HIGH. The scales as Q6_K's (int8, group j of row i at K3_SCALES +
+ * 8 j + i), the factor as every type's (row i's half at 2 i). */
+static void k3_pack(const uint8_t *b, int i, uint8_t *G) {
+    memcpy(G + 2 * i, b + 108, 2);
+    for (int j = 0; j < 16; ++j) G[K3_SCALES + 8 * j + i] = (uint8_t)(int8_t)k3_scale(b + 96, j);
+    for (int s = 0; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+            const int low = (b[32 + 32 * (s >> 2) + l] >> (2 * (s & 3))) & 3, high = (b[l] >> s) & 1;
+            uint8_t *gl = G + K3_LOW + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3);
+            uint8_t *gh = G + K3_HIGH + word_at(0, l >> 2, i, l & 3);
+            *gl = (uint8_t)(*gl | (low << (2 * (s & 3))));
+            *gh = (uint8_t)(*gh | (high << s));
+        }
+}
+
+static void k3_unpack(const uint8_t *G, int i, uint8_t *b) {
+    memset(b, 0, 108);
+    for (int j = 0; j < 16; ++j) { /* k3_scale inverted */
+        const int v = (int8_t)G[K3_SCALES + 8 * j + i] + 32; /* 0 .. 63 */
+        b[96 + (j & 7)] = (uint8_t)(b[96 + (j & 7)] | ((v & 15) << (4 * (j >> 3))));
+        b[104 + (j & 3)] = (uint8_t)(b[104 + (j & 3)] | ((v >> 4) << (2 * (j >> 2))));
+    }
+    for (int s = 0; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+            const int low = (G[K3_LOW + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3)] >> (2 * (s & 3))) & 3;
+            const int high = (G[K3_HIGH + word_at(0, l >> 2, i, l & 3)] >> s) & 1;
+            b[32 + 32 * (s >> 2) + l] = (uint8_t)(b[32 + 32 * (s >> 2) + l] | (low << (2 * (s & 3))));
+            b[l] = (uint8_t)(b[l] | (high << s));
+        }
+    memcpy(b + 108, G + 2 * i, 2);
+}
+
 /* ---- whole matrices ----------------------------------------------------------------------- */
 
 void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, int64_t g0, int64_t g1,
@@ -200,6 +242,7 @@ void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, int64
                 const uint8_t *b = rows + (g * X8 + i) * row_bytes + c * bb;
                 if (t == T_Q4_K || t == T_Q5_K) k4_pack(t, b, i, G);
                 else if (t == T_Q6_K) k6_pack(b, i, G);
+                else if (t == T_Q3_K) k3_pack(b, i, G);
                 else if (t == T_IQ4_XS) iq4xs_pack(b, i, G);
                 else legacy_pack(t, b, i, G);
             }
@@ -214,6 +257,7 @@ void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_in, uint8_t *ro
         uint8_t *b = row + c * bb;
         if (t == T_Q4_K || t == T_Q5_K) k4_unpack(t, G, i, b);
         else if (t == T_Q6_K) k6_unpack(G, i, b);
+        else if (t == T_Q3_K) k3_unpack(G, i, b);
         else if (t == T_IQ4_XS) iq4xs_unpack(G, i, b);
         else legacy_unpack(t, G, i, b);
     }

@@ -30,6 +30,12 @@
  *               144 + 256 p + 32 w: the low 4 bits, as Q4_K's nibbles; 1168 + 128 p +
  *               32 k: the high 2 bits of words 2k (bits 0-1 sub-block 2p, bits 2-3
  *               2p + 1) and 2k + 1 (bits 4-5 and 6-7), byte b of row i.
+ *   Q3_K (912)  0: 8 d; 16 + 8 j + i: the signed scale (less 32, an int8) of 16-element
+ *               group j of row i, as Q6_K's; 144 + 256 h + 32 w: the low 2 bits of
+ *               element 4w + b of sub-blocks 4h .. 4h + 3 (bits 2e, 2e + 1 sub-block
+ *               4h + e), byte b of row i; 656 + 32 w: the high bits of element 4w + b
+ *               (bit s sub-block s), byte b of row i. (Stored, 880 bytes: the 16
+ *               scales of 6 bits take 12 bytes a row, here 16.)
  *
  * The layouts move bits, never change them: a row unpacked (x8_unpack_row) is the
  * stored row, byte for byte, and a repacked row computes what its stored row computes,
@@ -46,7 +52,7 @@
 /* How far ahead of the block being read the x8 products prefetch (X8_AHEAD(block bytes);
  * AVX-512's decode products take their own distances: x8_pair_kernels.h): blocks under
  * X8_L2_BLOCK bytes (Q8_0, Q4_0, Q4_1, IQ4_NL) X8_AHEAD_BYTES ahead into the first-level
- * cache; the super-blocks (Q4_K, Q5_K, Q6_K, IQ4_XS) 8 of them ahead into the second.
+ * cache; the super-blocks (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) 8 of them ahead into the second.
  * Measured on two processors, over a decode step's distinct matrices (8B shape, 4
  * blocks, 1 thread). AMD Zen 5, the AVX2 set, ms a token: 3360 bytes into the first
  * level Q4_0 17.5-17.7, Q4_K_S 17.7-18.0, Q6_K 24.4-24.7; 6720: 16.3-16.5, 16.4-16.7,
@@ -61,7 +67,7 @@
 #define X8_L2_BLOCK 1024
 #define X8_AHEAD(gb) ((gb) >= X8_L2_BLOCK ? 8 * (gb) : X8_AHEAD_BYTES)
 
-/* the types that repack: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS */
+/* the types that repack: Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS */
 int x8_supported(int t);
 /* bytes of one block of a group (8 rows' blocks, see above) */
 int x8_block_bytes(int t);

@@ -1,20 +1,38 @@
-/* x8_k_kernels.h: the K-quants' products (Q4_K, Q5_K, Q6_K): a few rows (k_body), the
- * chunked rows and the tile (k_tile). A part of x8_kernels.h, which includes it once per
+/* x8_k_kernels.h: the K-quants' products (Q3_K, Q4_K, Q5_K, Q6_K): a few rows (k_body),
+ * the chunked rows and the tile (k_tile). A part of x8_kernels.h, which includes it once per
  * vector width under its X8_TARGET and X8_WIDTH (so no include guard): see there for the
  * layout, the exact sums and the order of the float terms. */
 #ifndef XN
 #error "x8_k_kernels.h is included by x8_kernels.h"
 #endif
 
-/* ---- K-quants: Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q6_K (d * dw) * isum -------- */
+/* ---- K-quants: Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q3_K, Q6_K (d * dw) * isum -- */
 
 #ifndef X8_KINDS
 #define X8_KINDS
-enum { X8_Q4_K, X8_Q5_K, X8_Q6_K };
+enum { X8_Q4_K, X8_Q5_K, X8_Q6_K, X8_Q3_K };
+/* Q3_K and Q6_K: signed quants with a scale per 16-element group, taken as unsigned q +
+ * X8_K_OFFSET (Q3_K's low 2 bits and high bit, 0 .. 7; Q6_K's 6 bits) less the offset
+ * times the group's activation sum g */
+#define X8_K_GROUPS(kind) ((kind) == X8_Q6_K || (kind) == X8_Q3_K)
+#define X8_K_OFFSET(kind) ((kind) == X8_Q6_K ? 32 : 4)
+/* bytes of a group's super-block (repack.c) */
+#define X8_K_BYTES(kind) ((kind) == X8_Q4_K ? 1184 : (kind) == X8_Q5_K ? 1440 : (kind) == X8_Q6_K ? 1680 : 912)
 #endif
 
 /* word w of sub-blocks 2p (lo) and 2p + 1 (hi) of a group super-block as unsigned bytes */
 X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int w, VI *lo, VI *hi) {
+    if (kind == X8_Q3_K) { /* the low 2 bits (bits 4 (p & 1) .. of the area of sub-blocks
+                            * 4 (p >> 1) ..), the high bit (bit 2p, 2p + 1) to bit 2 */
+        const VI m2 = v_set1_8(3), four = v_set1_8(4);
+        const VI v = XN(ld)(b + 144 + 256 * (p >> 1) + 32 * w, gs);
+        const VI h = XN(ld)(b + 656 + 32 * w, gs);
+        const VI hlo = p == 0 ? v_slli16(h, 2) : p == 1 ? h : v_srli16(h, 2 * p - 2);
+        const VI hhi = p == 0 ? v_slli16(h, 1) : v_srli16(h, 2 * p - 1);
+        *lo = v_or(v_and((p & 1) ? v_srli16(v, 4) : v, m2), v_and(hlo, four));
+        *hi = v_or(v_and(v_srli16(v, (p & 1) ? 6 : 2), m2), v_and(hhi, four));
+        return;
+    }
     const VI m4 = v_set1_8(0x0F);
     const int at = kind == X8_Q4_K ? 160 : kind == X8_Q5_K ? 416 : 144;
     const VI v = XN(ld)(b + at + 256 * p + 32 * w, gs);
@@ -38,7 +56,7 @@ X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int 
 }
 
 #if X8_PAIRS16
-/* Q6_K's tile without VNNI: after a super-block's 64 decoded words, dec[64 + j] (j < 16)
+/* Q6_K's (and Q3_K's) tile without VNNI: after a super-block's 64 decoded words, dec[64 + j] (j < 16)
  * holds in each row's lane the int16 pair (s, s) of group j's scale s, and dec[80 + m]
  * (m < 8) the pair (s of group 2m, s of group 2m + 1), decoded once for the tile's rows. */
 #define K6_SCALES 24
@@ -50,13 +68,13 @@ X8_INL void XN(k6_scales)(const uint8_t *b, int64_t gs, VI *out) {
     for (int m = 0; m < 8; ++m) out[16 + m] = v_or(v_and(s[2 * m], low), v_slli32(s[2 * m + 1], 16));
 }
 
-/* The same integer sums as k_isum's Q6_K (exact, so the same bits), with half its
- * multiplications: the products of two words (q + 32 <= 63 times |x| <= 128, pairs
- * summed by vpmaddubsw: 2 * 2 * 63 * 128 < 2^15) added in 16 bits, then times the
- * group's scale by vpmaddwd (sc: k6_scales); the offset's sum over the super-block,
- * 32 * sum_j s_j g_j, by vpmaddwd of the scale pairs and the rows' group sums (|g| <=
+/* The same integer sums as k_isum's Q6_K and Q3_K (exact, so the same bits), with half
+ * its multiplications: the products of two words (q + 32 <= 63 times |x| <= 128, pairs
+ * summed by vpmaddubsw: 2 * 2 * 63 * 128 < 2^15; Q3_K's q + 4 <= 7) added in 16 bits,
+ * then times the group's scale by vpmaddwd (sc: k6_scales); the offset's sum over the
+ * super-block, 32 (Q3_K: 4) * sum_j s_j g_j, by vpmaddwd of the scale pairs and the rows' group sums (|g| <=
  * 16 * 128 fits in 16 bits), taken once at the end. */
-X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int NJ, const int8_t *const *xq,
+X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int kind, const int NJ, const int8_t *const *xq,
                         const int32_t *const *xg, VI *isum) {
     for (int k = 0; k < NJ; ++k) {
         /* the 16 group sums as int16 pairs: lanes (g0 g1) (g2 g3) (g8 g9) (g10 g11) (g4 g5)
@@ -66,7 +84,7 @@ X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int NJ, const int8_t 
         static const int lane_of_pair[8] = {0, 1, 4, 5, 2, 3, 6, 7};
         VI corr = v_zero();
         for (int m = 0; m < 8; ++m) corr = v_add32(corr, v_madd16(sc[16 + m], v_lane32(gp, lane_of_pair[m])));
-        isum[k] = v_sub32(v_zero(), v_slli32(corr, 5));
+        isum[k] = v_sub32(v_zero(), kind == X8_Q6_K ? v_slli32(corr, 5) : v_slli32(corr, 2));
     }
     for (int p = 0; p < 4; ++p)
         for (int h = 0; h < 2; ++h) { /* groups 4p + h (sub-block 2p: lo), 4p + 2 + h (hi) */
@@ -87,14 +105,14 @@ X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int NJ, const int8_t 
 #endif
 
 /* k_isum's word w of sub-blocks 2p (lo), 2p + 1 (hi) for NJ rows: its products into
- * alo, ahi; Q6_K's a group's sums times its scale into isum after its 4 words */
+ * alo, ahi; Q6_K's and Q3_K's a group's sums times its scale into isum after its 4 words */
 X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
                             const int8_t *const *xq, const int32_t *const *xg, int p, int w, VI *alo,
                             VI *ahi, VI *isum) {
-    if (kind == X8_Q6_K && w == 4)
+    if (X8_K_GROUPS(kind) && w == 4)
         for (int k = 0; k < NJ; ++k) {
-            alo[k] = v_set1_32(-32 * xg[k][4 * p + 1]);
-            ahi[k] = v_set1_32(-32 * xg[k][4 * p + 3]);
+            alo[k] = v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p + 1]);
+            ahi[k] = v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p + 3]);
         }
     VI lo, hi;
     if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
@@ -105,7 +123,7 @@ X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const 
         X8_KEEP_DOT(alo[k]);
         X8_KEEP_DOT(ahi[k]);
     }
-    if (kind == X8_Q6_K && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
+    if (X8_K_GROUPS(kind) && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
         const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
         const VI slo = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
         const VI shi = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
@@ -121,8 +139,8 @@ X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const 
 X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
                        const int8_t *const *xq, const int32_t *const *xg, VI *isum) {
 #if X8_PAIRS16
-    if (kind == X8_Q6_K && dec) { /* a tile's: its scales decoded after its words */
-        XN(k6_isum)(dec, dec + 64, NJ, xq, xg, isum);
+    if (X8_K_GROUPS(kind) && dec) { /* a tile's: its scales decoded after its words */
+        XN(k6_isum)(dec, dec + 64, kind, NJ, xq, xg, isum);
         return;
     }
 #endif
@@ -166,14 +184,15 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
             continue;
         }
 #endif
-        /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's of their 16-element groups
-         * 4p + h, 4p + 2 + h (words 4h ..), q + 32 times x less 32 times the group's g */
+        /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's and Q3_K's of their
+         * 16-element groups 4p + h, 4p + 2 + h (words 4h ..), q + 32 (Q3_K: q + 4) times x
+         * less 32 (4) times the group's g */
         VI alo[X8_XT], ahi[X8_XT];
         for (int k = 0; k < NJ; ++k) {
-            alo[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p]) : v_zero();
-            ahi[k] = kind == X8_Q6_K ? v_set1_32(-32 * xg[k][4 * p + 2]) : v_zero();
+            alo[k] = X8_K_GROUPS(kind) ? v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p]) : v_zero();
+            ahi[k] = X8_K_GROUPS(kind) ? v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p + 2]) : v_zero();
         }
-        if (kind == X8_Q6_K && NJ <= 2) { /* unrolled: w picks its words' high-bit shifts
+        if (X8_K_GROUPS(kind) && NJ <= 2) { /* unrolled: w picks its words' high-bit shifts
                                            * and group (AVX2, one row: 12-15 % faster; 3-4
                                            * rows measured 3-7 % slower) */
 #pragma GCC unroll 8
@@ -182,7 +201,7 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
                   * before their 16-bit sums) measured 5-15 % slower */
             for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
         }
-        if (kind != X8_Q6_K) { /* sub-blocks 2p, 2p + 1 */
+        if (!X8_K_GROUPS(kind)) { /* sub-blocks 2p, 2p + 1 */
             const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
             const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
             for (int k = 0; k < NJ; ++k)
@@ -196,7 +215,7 @@ X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *
                         const XRows *x, int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8],
                         const int32_t *const *xg) {
     const VF dw = XN(ld_halves)(b, gs);
-    if (kind == X8_Q6_K) {
+    if (X8_K_GROUPS(kind)) {
         for (int k = 0; k < NJ; ++k) {
             const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
             acc[k][sb & 7] = f_add(acc[k][sb & 7], f_mul(f_mul(xd, dw), f_cvt(isum[k])));
@@ -241,7 +260,7 @@ X8_INL void XN(k_rows)(const int8_t **xq, const int32_t **xg, const XRows *x, in
 /* NJ (<= X8_XT) rows: each word decoded once and multiplied with the NJ rows' activations */
 X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
                        float (*out)[XL], const int NJ, const int kind) {
-    const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
+    const int gb = X8_K_BYTES(kind);
     VF acc[X8_XT][8];
     XN(zero)(acc, NJ);
     for (int64_t sb = 0; sb < nc / 8; ++sb) {
@@ -272,7 +291,7 @@ X8_INL void XN(k_chunk)(const uint8_t *b, int64_t gs, const int kind, const VI *
 
 X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
                        float (*out)[XL], const int kind) {
-    const int gb = kind == X8_Q4_K ? 1184 : kind == X8_Q5_K ? 1440 : 1680;
+    const int gb = X8_K_BYTES(kind);
     VF acc[X8_TILE][8];
 #if X8_PAIRS16
     VI dec[64 + K6_SCALES];
@@ -287,7 +306,7 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         for (int p = 0; p < 4; ++p)
             for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
 #if X8_PAIRS16
-        if (kind == X8_Q6_K) XN(k6_scales)(b, gs, dec + 64);
+        if (X8_K_GROUPS(kind)) XN(k6_scales)(b, gs, dec + 64);
 #endif
         int k = 0;
         for (; k + X8_XT <= nj; k += X8_XT) XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, X8_XT);

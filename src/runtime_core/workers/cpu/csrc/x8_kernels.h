@@ -13,17 +13,17 @@
  *               to put them in a table of x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
  *               next's (defines x16_q8_0 .. x16_q6_k, x16_fill; needs AVX-512 BW, and with
- *               X8_VNNI 0 takes AVX2's 16-bit sums for Q4_0, Q4_1, Q4_K, Q5_K and Q6_K's
+ *               X8_VNNI 0 takes AVX2's 16-bit sums for Q4_0, Q4_1, Q4_K, Q5_K and Q3_K's and Q6_K's
  *               tile and elsewhere the VNNI paths with AVX2's three instructions in
  *               place of vpdpbusd: dot_avx512bw.c)
  *
  * A word (32 bytes: 4 quants of every row of a group) is multiplied by 4 activation
  * bytes broadcast to every lane, the 4 products added exactly into each row's int32
- * (the unsigned weights times the signed activations: Q4_0's nibbles, Q6_K's q + 32 and
+ * (the unsigned weights times the signed activations: Q4_0's nibbles, Q6_K's q + 32, Q3_K's q + 4 and
  * Q8_0's q + 128 (its sign flipped), with the offset's product taken back from the
  * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
  * Q8_0 takes |q| times the activations given q's sign; without VNNI, Q4_0, Q4_1, Q4_K,
- * Q5_K and (in a tile) Q6_K add several words' pairs in 16 bits before one vpmaddwd:
+ * Q5_K and (in a tile) Q3_K and Q6_K add several words' pairs in 16 bits before one vpmaddwd:
  * q4_isum, k_isum, k6_isum).
  * Every integer sum is exact, so its order is free; the float terms and their 8 running
  * sums per row (block c into sum c mod 8) are dot.h's, in its order, so every row's bits
@@ -44,7 +44,7 @@
  *
  * The kernels are in its parts, included below for this width: x8_vectors.h (the
  * width's vector operations and helpers), x8_b32_kernels.h (Q8_0, IQ4_NL, Q4_0, Q4_1),
- * x8_iq4xs_kernels.h and x8_k_kernels.h (Q4_K, Q5_K, Q6_K); the entries, one per type,
+ * x8_iq4xs_kernels.h and x8_k_kernels.h (Q3_K, Q4_K, Q5_K, Q6_K); the entries, one per type,
  * and the table that holds them are here.
  */
 #ifndef X8_TARGET
@@ -138,6 +138,7 @@ X8_ENTRY(q8_0, X8_CALL_Q8_0, 2)
 X8_ENTRY(iq4_nl, X8_CALL_IQ4_NL, 3)
 X8_ENTRY(q4_0, X8_CALL_Q4_0, 0)
 X8_ENTRY(q4_1, X8_CALL_Q4_1, 1)
+X8_K_ENTRY(q3_k, X8_Q3_K)
 X8_K_ENTRY(q4_k, X8_Q4_K)
 X8_K_ENTRY(q5_k, X8_Q5_K)
 X8_K_ENTRY(q6_k, X8_Q6_K)
@@ -149,6 +150,7 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
     table[T_IQ4_XS] = XN(iq4_xs);
     table[T_Q4_0] = XN(q4_0);
     table[T_Q4_1] = XN(q4_1);
+    table[T_Q3_K] = XN(q3_k);
     table[T_Q4_K] = XN(q4_k);
     table[T_Q5_K] = XN(q5_k);
     table[T_Q6_K] = XN(q6_k);
