@@ -6,16 +6,16 @@ threads; a mixture's experts are ``expert_ops.py``'s, the backend that drives th
 Weights are the file's own bytes: ``load_weights`` hands over views of the memory map
 (``join_parts=False``: Q, K, V and gate, up stay the separate matrices the file
 stores, each writing its columns of the output), the kernels multiply the GGUF blocks
-in place, and only norm weights and biases are copied (as float32). The exception is
-the types decode reads most, Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and
-IQ4_XS (those with x8 kernels, ``csrc/repack.h``): such a matrix that products read is copied
-once at bind (on the stage's threads) into groups of 8 interleaved rows, whose kernels
-compute 8 rows' products side by side, the same bits as on the stored rows; the copy
-replaces the mapped pages in the process (dropped with ``MADV_DONTNEED``: a copy of the
-tensor's bytes, 2.8 % more for Q4_K and Q5_K and 1.5 % for IQ4_XS, whose scales it
-keeps unpacked, in private memory instead of the file's shared, reclaimable pages). An
-embedding only looked up stays mapped. ``load`` reads every other page of the stage's
-tensors once, so the first step does not wait on the disk.
+in place, and only norm weights and biases are copied (as float32). The exception is the
+quantized types but Q2_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL
+and IQ4_XS (those with x8 kernels, ``csrc/repack.h``): such a matrix that products read
+is copied once at bind (on the stage's threads) into groups of 8 interleaved rows, whose
+kernels compute 8 rows' products side by side, the same bits as on the stored rows; the
+copy replaces the mapped pages in the process (dropped with ``MADV_DONTNEED``: a copy of
+the tensor's bytes, 2.8 % more for Q4_K and Q5_K, 3.6 % for Q3_K and 1.5 % for IQ4_XS,
+whose scales it keeps unpacked, in private memory instead of the file's shared,
+reclaimable pages). An embedding only looked up stays mapped. ``load`` reads every
+other page of the stage's tensors once, so the first step does not wait on the disk.
 
 Every kernel call names the worker's instruction set (``isa``: ``kernels.py``), and a
 matrix times R activation rows gives each row the bits it gets alone, whatever the

@@ -5,7 +5,7 @@ decode rows share) gives each row the bits that row gets alone, whatever the oth
 thread count (1 to 4) and the instruction set (each a parameter, skipped with the
 reason where this processor lacks it).
 
-Matrices are held as the worker holds them (``repack=True``: the six types with an x8
+Matrices are held as the worker holds them (``repack=True``: the types with an x8
 layout repacked, the others as stored), 8-bit and float ("f32") activations; 45 rows
 of output (a last group of 5 padded rows) and rows of 512 elements (two K-quant
 super-blocks, 16 blocks of 32).

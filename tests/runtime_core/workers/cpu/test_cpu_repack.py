@@ -1,13 +1,14 @@
-"""Matrices of the types decode reads most (Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K,
-IQ4_NL, IQ4_XS) repacked 8 rows at a time (``csrc/repack.h``, ``Matrix(repack=True)``) compute
-the stored rows' bits, and a bound stage keeps them instead of the file's pages.
+"""Matrices of every quantized type but Q2_K (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K,
+Q5_K, Q6_K, IQ4_NL, IQ4_XS) repacked 8 rows at a time (``csrc/repack.h``,
+``Matrix(repack=True)``) compute the stored rows' bits, and a bound stage keeps them
+instead of the file's pages.
 
 - Products: on every instruction set (a parameter each, skipped with the reason where
   the processor lacks it), every row count from 1 to 17 and past (a last group of 1 to
   7 rows padded), 1, 2, 3 and 5 threads, 8-bit and "f32" activations, rows multiplied
   together or one at a time: the same bits as the stored rows on the portable set;
   with other parts beside it (offsets, bias, accumulation) as well.
-- Only those nine types repack; an embedding lookup of repacked rows is the gguf
+- Only those eleven types repack; an embedding lookup of repacked rows is the gguf
   package's dequantization (a repacked row unpacks to its stored bytes).
 - Memory: binding a Q4_0 stage grows the process's private memory by at most about
   the repacked tensors' bytes and its file-backed memory by about the other tensors'
@@ -54,7 +55,19 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
 
 
-REPACKED = ("Q8_0", "Q4_0", "Q4_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+REPACKED = (
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+)
 
 
 def width(qtype: str) -> int:
@@ -130,7 +143,7 @@ def test_a_prefills_tile_of_rows_at_the_extremes_computes_the_stored_rows_bits(
 
 
 @pytest.mark.parametrize("isa", isa_params())
-@pytest.mark.parametrize("qtype", [*REPACKED, "Q5_0", "Q2_K"])
+@pytest.mark.parametrize("qtype", [*REPACKED, "Q2_K"])
 def test_rows_of_8_bit_activations_further_apart_give_the_same_bits(qtype: str, isa: str) -> None:
     """The step buffers' rows of 8-bit activations are padded (``q_row_stride``): a
     (rows, n) view of wider rows is written and read as rows that far apart, every
@@ -165,7 +178,7 @@ def test_rows_of_8_bit_activations_further_apart_give_the_same_bits(qtype: str, 
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize(
     ("qtype", "other"),
-    [("Q4_0", "Q5_0"), ("Q4_1", "Q5_1"), ("Q4_K", "Q2_K"), ("Q3_K", "Q2_K"), ("Q6_K", "Q2_K")],
+    [("Q4_K", "Q2_K"), ("Q3_K", "Q2_K"), ("Q6_K", "Q2_K")],
 )
 def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumulation(
     qtype: str, other: str, isa: str
@@ -184,9 +197,9 @@ def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumula
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
-def test_only_the_nine_types_repack() -> None:
+def test_only_the_eleven_types_repack() -> None:
     rng = np.random.default_rng(2)
-    for qtype in ("Q5_0", "Q5_1", "Q2_K", "F16", "BF16", "F32"):
+    for qtype in ("Q2_K", "F16", "BF16", "F32"):
         n = 256
         raw = random_rows(rng, qtype, 9, n)
         assert _kernels.Matrix([(raw, qtype, 9, n, 0)], repack=True).repacked == (False,)

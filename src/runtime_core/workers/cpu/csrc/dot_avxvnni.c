@@ -27,6 +27,8 @@ const Isa *isa_avxvnni(void) {
         avxvnni.q8_x8[T_IQ4_XS] = x8_iq4_xs;
         avxvnni.q8_x8[T_Q4_0] = x8_q4_0;
         avxvnni.q8_x8[T_Q4_1] = x8_q4_1;
+        avxvnni.q8_x8[T_Q5_0] = x8_q5_0;
+        avxvnni.q8_x8[T_Q5_1] = x8_q5_1;
         avxvnni.q8_x8[T_Q4_K] = x8_q4_k;
         avxvnni.q8_x8[T_Q5_K] = x8_q5_k;
         /* Q4_K's products of one row: AVX2's (16-bit sums, vpmaddwd by the scales),

@@ -9,8 +9,8 @@
 _Static_assert(X8 * 4 == 32, "a word of every row fills 32 bytes");
 
 int x8_supported(int t) {
-    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q3_K || t == T_Q4_K || t == T_Q5_K ||
-           t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS;
+    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q3_K ||
+           t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS;
 }
 
 int x8_block_bytes(int t) {
@@ -34,18 +34,44 @@ static inline int word_at(int at, int w, int i, int b) { return at + 32 * w + 4 
 
 /* ---- the 32-element types: halves side by side, then the payload's words ---------------- */
 
-static int legacy_halves(int t) { return t == T_Q4_1 ? 2 : 1; }
+static int legacy_halves(int t) { return t == T_Q4_1 || t == T_Q5_1 ? 2 : 1; }
+
+/* Q5_0's and Q5_1's fifth bits (qh, the payload's first word): stored, bit e the fifth
+ * bit of element e; in the group, element 4w + b's (w < 4) at bit w of byte b and element
+ * 16 + 4w + b's at bit 4 + w, so that a word's fifth bits are a shift away (Q5_K's
+ * way). pack: stored -> group; else group -> stored. */
+static uint32_t q5_fifth_bits(uint32_t v, int pack) {
+    uint32_t out = 0;
+    for (int e = 0; e < 32; ++e) {
+        const int at = 8 * (e & 3) + 4 * (e >> 4) + ((e >> 2) & 3);
+        if (pack) out |= ((v >> e) & 1u) << at;
+        else out |= ((v >> at) & 1u) << e;
+    }
+    return out;
+}
 
 static void legacy_pack(int t, const uint8_t *b, int i, uint8_t *G) {
     const int nh = legacy_halves(t), pb = QTYPE_BLOCK_BYTES[t] - 2 * nh;
     for (int f = 0; f < nh; ++f) memcpy(G + 16 * f + 2 * i, b + 2 * f, 2);
     for (int l = 0; l < pb; l += 4) memcpy(G + word_at(16 * nh, l / 4, i, 0), b + 2 * nh + l, 4);
+    if (t == T_Q5_0 || t == T_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, b + 2 * nh, 4);
+        qh = q5_fifth_bits(qh, 1);
+        memcpy(G + word_at(16 * nh, 0, i, 0), &qh, 4);
+    }
 }
 
 static void legacy_unpack(int t, const uint8_t *G, int i, uint8_t *b) {
     const int nh = legacy_halves(t), pb = QTYPE_BLOCK_BYTES[t] - 2 * nh;
     for (int f = 0; f < nh; ++f) memcpy(b + 2 * f, G + 16 * f + 2 * i, 2);
     for (int l = 0; l < pb; l += 4) memcpy(b + 2 * nh + l, G + word_at(16 * nh, l / 4, i, 0), 4);
+    if (t == T_Q5_0 || t == T_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, b + 2 * nh, 4);
+        qh = q5_fifth_bits(qh, 0);
+        memcpy(b + 2 * nh, &qh, 4);
+    }
 }
 
 /* ---- Q4_K, Q5_K -------------------------------------------------------------------------- */

@@ -14,6 +14,10 @@
  *   Q4_0 (144)  0: 8 d; 16: word w (0..3) = stored bytes 4w .. 4w + 3 of the nibbles
  *               (low nibble element l, high nibble element l + 16, as stored).
  *   Q4_1 (160)  0: 8 d; 16: 8 m; 32: the nibbles as Q4_0's.
+ *   Q5_0 (176)  0: 8 d; 16: the fifth bits, a word (4 bytes a row) reordered: element
+ *               4w + b's at bit w of byte b, element 16 + 4w + b's at bit 4 + w (w <
+ *               4); 48: the nibbles as Q4_0's.
+ *   Q5_1 (192)  0: 8 d; 16: 8 m; 32: the fifth bits as Q5_0's; 64: the nibbles.
  *   IQ4_NL (144) as Q4_0 (its nibbles index IQ4_VALUES).
  *   IQ4_XS (1104) 0: 8 d; 16 + 8 s + i: the signed scale (less 32, an int8) of
  *               sub-block s of row i; 80 + 128 s + 32 w: word w (0..3) of sub-block s's
@@ -51,8 +55,9 @@
 
 /* How far ahead of the block being read the x8 products prefetch (X8_AHEAD(block bytes);
  * AVX-512's decode products take their own distances: x8_pair_kernels.h): blocks under
- * X8_L2_BLOCK bytes (Q8_0, Q4_0, Q4_1, IQ4_NL) X8_AHEAD_BYTES ahead into the first-level
- * cache; the super-blocks (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) 8 of them ahead into the second.
+ * X8_L2_BLOCK bytes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) X8_AHEAD_BYTES ahead into the
+ * first-level cache; the super-blocks (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) 8 of them ahead
+ * into the second.
  * Measured on two processors, over a decode step's distinct matrices (8B shape, 4
  * blocks, 1 thread). AMD Zen 5, the AVX2 set, ms a token: 3360 bytes into the first
  * level Q4_0 17.5-17.7, Q4_K_S 17.7-18.0, Q6_K 24.4-24.7; 6720: 16.3-16.5, 16.4-16.7,
@@ -67,7 +72,8 @@
 #define X8_L2_BLOCK 1024
 #define X8_AHEAD(gb) ((gb) >= X8_L2_BLOCK ? 8 * (gb) : X8_AHEAD_BYTES)
 
-/* the types that repack: Q8_0, Q4_0, Q4_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS */
+/* the types that repack: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+ * IQ4_XS (every quantized type but Q2_K) */
 int x8_supported(int t);
 /* bytes of one block of a group (8 rows' blocks, see above) */
 int x8_block_bytes(int t);

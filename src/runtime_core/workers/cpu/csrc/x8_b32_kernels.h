@@ -1,5 +1,5 @@
-/* x8_b32_kernels.h: the 32-element blocks' products: Q8_0 and IQ4_NL (q8_0_body), Q4_0 and
- * Q4_1 (q4_body), and their tile (b32_tile). A part of x8_kernels.h, which includes it
+/* x8_b32_kernels.h: the 32-element blocks' products: Q8_0 and IQ4_NL (q8_0_body), Q4_0,
+ * Q4_1, Q5_0 and Q5_1 (q4_body), and their tile (b32_tile). A part of x8_kernels.h, which includes it
  * once per vector width under its X8_TARGET and X8_WIDTH (so no include guard): see there
  * for the layout, the exact sums and the order of the float terms. */
 #ifndef XN
@@ -80,16 +80,24 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
 
 /* ---- Q4_0: (dw * d) * (sumi - 8 g); Q4_1: (dw * d) * sumi + m * s ------------------------------- */
 
-/* init plus a block's exact integer sum: the nibbles of its 4 words' low (lo) and high
- * (hi) halves times the activations xq, 4 bytes a word */
-X8_INL VI XN(q4_isum)(const VI *lo, const VI *hi, const int8_t *xq, VI init) {
-#if X8_PAIRS16 /* 8 words' pairs in 16 bits: |sum| <= 8 * 2 * 15 * 128 < 2^15 */
-    VI s16 = v_add16(v_maddubs(lo[0], XN(bcast)(xq)), v_maddubs(hi[0], XN(bcast)(xq + 16)));
+/* init plus a block's exact integer sum: the nibbles (Q5_0, Q5_1: five bits, q5) of its
+ * 4 words' low (lo) and high (hi) halves times the activations xq, 4 bytes a word */
+X8_INL VI XN(q4_isum)(const VI *lo, const VI *hi, const int8_t *xq, VI init, const int q5) {
+#if X8_PAIRS16 /* 8 words' pairs in 16 bits: |sum| <= 8 * 2 * 15 * 128 < 2^15; five bits
+                * 4 words' (4 * 2 * 31 * 128 < 2^15), the halves apart */
+    VI s16 = v_add16(v_maddubs(lo[0], XN(bcast)(xq)), q5 ? v_zero() : v_maddubs(hi[0], XN(bcast)(xq + 16)));
     for (int w = 1; w < 4; ++w)
-        s16 = v_add16(s16, v_add16(v_maddubs(lo[w], XN(bcast)(xq + 4 * w)),
-                                   v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w))));
+        s16 = v_add16(s16, q5 ? v_maddubs(lo[w], XN(bcast)(xq + 4 * w))
+                              : v_add16(v_maddubs(lo[w], XN(bcast)(xq + 4 * w)),
+                                        v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w))));
+    if (q5) {
+        VI h16 = v_maddubs(hi[0], XN(bcast)(xq + 16));
+        for (int w = 1; w < 4; ++w) h16 = v_add16(h16, v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w)));
+        return v_add32(init, v_add32(v_madd16(s16, v_set1_16(1)), v_madd16(h16, v_set1_16(1))));
+    }
     return v_add32(init, v_madd16(s16, v_set1_16(1)));
-#else /* two chains (exact: their order is free) */
+#else
+    (void)q5; /* two chains (exact: their order is free) */
     VI si = init, si2 = v_zero();
     for (int w = 0; w < 4; ++w) {
         si = v_dot4(si, lo[w], XN(bcast)(xq + 4 * w));
@@ -99,44 +107,72 @@ X8_INL VI XN(q4_isum)(const VI *lo, const VI *hi, const int8_t *xq, VI init) {
 #endif
 }
 
+#ifndef X8_B_KINDS /* once for both widths */
+#define X8_B_KINDS
+/* The kinds of the 4- and 5-bit blocks (b32_tile's numbering): Q4_0, Q4_1, Q5_0, Q5_1 */
+enum { X8_B_Q4_0 = 0, X8_B_Q4_1 = 1, X8_B_Q5_0 = 4, X8_B_Q5_1 = 5 };
+#define X8_B_MIN(kind) ((kind) == X8_B_Q4_1 || (kind) == X8_B_Q5_1) /* (dw d) sumi + m s */
+#define X8_B_FIVE(kind) ((kind) >= X8_B_Q5_0)
+/* a group block's bytes; where its quants' first word starts */
+#define X8_B_BYTES(kind) ((kind) == X8_B_Q4_0 ? 144 : (kind) == X8_B_Q4_1 ? 160 : (kind) == X8_B_Q5_0 ? 176 : 192)
+#define X8_B_AT(kind) ((kind) == X8_B_Q4_0 ? 16 : (kind) == X8_B_Q5_1 ? 64 : (kind) == X8_B_Q5_0 ? 48 : 32)
+/* the offset taken back as -offset * g (Q4_0 8, Q5_0 16; the others 0) */
+#define X8_B_OFFSET(kind) ((kind) == X8_B_Q4_0 ? 8 : (kind) == X8_B_Q5_0 ? 16 : 0)
+#endif
+
+/* a block's 4 words of nibbles (lo: elements 4w .., hi: 16 + 4w ..), Q5_0's and Q5_1's
+ * with their fifth bits (repack.c's order: element 4w + b's at bit w of byte b of the
+ * word before the nibbles, 16 + 4w + b's at bit 4 + w) at bit 4 */
+X8_INL void XN(b4_words)(const uint8_t *b, int64_t gs, const int kind, VI *lo, VI *hi) {
+    const VI m4 = v_set1_8(0x0F), bit4 = v_set1_8(0x10);
+    const int at = X8_B_AT(kind);
+    const VI h = X8_B_FIVE(kind) ? XN(ld)(b + at - 32, gs) : v_zero();
+    for (int w = 0; w < 4; ++w) {
+        const VI v = XN(ld)(b + at + 32 * w, gs);
+        lo[w] = v_and(v, m4);
+        hi[w] = v_and(v_srli16(v, 4), m4);
+        if (X8_B_FIVE(kind)) {
+            lo[w] = v_or(lo[w], v_and(v_slli16(h, 4 - w), bit4));
+            hi[w] = v_or(hi[w], v_and(w == 0 ? h : v_srli16(h, w), bit4));
+        }
+    }
+}
+
 X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
-                        float (*out)[XL], const int NJ, const int q4_1) {
-    const int gb = q4_1 ? 160 : 144, at = q4_1 ? 32 : 16;
-    const VI m4 = v_set1_8(0x0F);
+                        float (*out)[XL], const int NJ, const int kind) {
+    const int gb = X8_B_BYTES(kind), has_min = X8_B_MIN(kind);
     VF acc[X8_XT][8];
     XN(zero)(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
         XN(ahead)(grp, gs, c * gb, gb);
         const VF dw = XN(ld_halves)(b, gs);
-        const VF mw = q4_1 ? XN(ld_halves)(b + 16, gs) : f_zero();
+        const VF mw = has_min ? XN(ld_halves)(b + 16, gs) : f_zero();
         VI lo[4], hi[4];
-        for (int w = 0; w < 4; ++w) {
-            VI v = XN(ld)(b + at + 32 * w, gs);
-            lo[w] = v_and(v, m4);
-            hi[w] = v_and(v_srli16(v, 4), m4);
-        }
+        XN(b4_words)(b, gs, kind, lo, hi);
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->qs + 32 * c;
-            const VI si = XN(q4_isum)(lo, hi, xq, q4_1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]));
+            const VI si = XN(q4_isum)(lo, hi, xq,
+                                      X8_B_OFFSET(kind) ? v_set1_32(-X8_B_OFFSET(kind) * x->g[j * 2 * nc + c]) : v_zero(),
+                                      X8_B_FIVE(kind));
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
-            if (q4_1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
+            if (has_min) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
             acc[k][c & 7] = f_add(acc[k][c & 7], term);
         }
     }
     XN(finish)(acc, NJ, out);
 }
 
-/* Q4_0, Q4_1, Q8_0, IQ4_NL for a tile of nj (> X8_XT) rows: each block decoded once,
- * then the rows one after another (their running sums in acc, memory): q4_body's and
- * q8_0_body's arithmetic, in their order */
+/* Q4_0, Q4_1, Q8_0, IQ4_NL, Q5_0, Q5_1 for a tile of nj (> X8_XT) rows: each block
+ * decoded once, then the rows one after another (their running sums in acc, memory):
+ * q4_body's and q8_0_body's arithmetic, in their order */
 X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
-                         float (*out)[XL], const int kind /* 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 IQ4_NL */) {
-    const int gb = kind == 2 ? 272 : kind == 1 ? 160 : 144, at = kind == 1 ? 32 : 16;
-    const int signed_q = kind >= 2;
-    const VI m4 = v_set1_8(0x0F);
+                         float (*out)[XL],
+                         const int kind /* 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 IQ4_NL, 4 Q5_0, 5 Q5_1 */) {
+    const int signed_q = kind == 2 || kind == 3;
+    const int gb = kind == 2 ? 272 : kind == 3 ? 144 : X8_B_BYTES(kind);
     VF acc[X8_TILE][8];
     for (int k = 0; k < nj; ++k)
         for (int i = 0; i < 8; ++i) acc[k][i] = f_zero();
@@ -144,17 +180,10 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
         const uint8_t *b = grp + c * gb;
         XN(ahead)(grp, gs, c * gb, gb);
         const VF dw = XN(ld_halves)(b, gs);
-        const VF mw = kind == 1 ? XN(ld_halves)(b + 16, gs) : f_zero();
+        const VF mw = !signed_q && X8_B_MIN(kind) ? XN(ld_halves)(b + 16, gs) : f_zero();
         VI u[8], q[8];
-        if (signed_q) {
-            XN(b32_words)(b, gs, kind == 3, u, q);
-        } else {
-            for (int w = 0; w < 4; ++w) {
-                VI v = XN(ld)(b + at + 32 * w, gs);
-                u[w] = v_and(v, m4);
-                u[4 + w] = v_and(v_srli16(v, 4), m4);
-            }
-        }
+        if (signed_q) XN(b32_words)(b, gs, kind == 3, u, q);
+        else XN(b4_words)(b, gs, kind, u, u + 4);
         for (int k = 0; k < nj; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->qs + 32 * c;
@@ -173,11 +202,13 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
                 for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
 #endif
             } else {
-                si = XN(q4_isum)(u, u + 4, xq, kind == 1 ? v_zero() : v_set1_32(-8 * x->g[j * 2 * nc + c]));
+                si = XN(q4_isum)(u, u + 4, xq,
+                                 X8_B_OFFSET(kind) ? v_set1_32(-X8_B_OFFSET(kind) * x->g[j * 2 * nc + c]) : v_zero(),
+                                 X8_B_FIVE(kind));
             }
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
-            if (kind == 1) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
+            if (!signed_q && X8_B_MIN(kind)) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
             acc[k][c & 7] = f_add(acc[k][c & 7], term);
         }
     }

@@ -43,7 +43,8 @@
  * which take them X8_XT at a time, each decoding its words again in registers.
  *
  * The kernels are in its parts, included below for this width: x8_vectors.h (the
- * width's vector operations and helpers), x8_b32_kernels.h (Q8_0, IQ4_NL, Q4_0, Q4_1),
+ * width's vector operations and helpers), x8_b32_kernels.h (Q8_0, IQ4_NL, Q4_0, Q4_1,
+ * Q5_0, Q5_1),
  * x8_iq4xs_kernels.h and x8_k_kernels.h (Q3_K, Q4_K, Q5_K, Q6_K); the entries, one per type,
  * and the table that holds them are here.
  */
@@ -130,6 +131,8 @@
 #define X8_CALL_IQ4_NL(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 1)
 #define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 0)
 #define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 1)
+#define X8_CALL_Q5_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 4)
+#define X8_CALL_Q5_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 5)
 
 #ifndef X8_B32_TILE /* the sets without VNNI: measured no faster with it */
 #define X8_B32_TILE 0
@@ -138,6 +141,8 @@ X8_ENTRY(q8_0, X8_CALL_Q8_0, 2)
 X8_ENTRY(iq4_nl, X8_CALL_IQ4_NL, 3)
 X8_ENTRY(q4_0, X8_CALL_Q4_0, 0)
 X8_ENTRY(q4_1, X8_CALL_Q4_1, 1)
+X8_ENTRY(q5_0, X8_CALL_Q5_0, 4)
+X8_ENTRY(q5_1, X8_CALL_Q5_1, 5)
 X8_K_ENTRY(q3_k, X8_Q3_K)
 X8_K_ENTRY(q4_k, X8_Q4_K)
 X8_K_ENTRY(q5_k, X8_Q5_K)
@@ -150,6 +155,8 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
     table[T_IQ4_XS] = XN(iq4_xs);
     table[T_Q4_0] = XN(q4_0);
     table[T_Q4_1] = XN(q4_1);
+    table[T_Q5_0] = XN(q5_0);
+    table[T_Q5_1] = XN(q5_1);
     table[T_Q3_K] = XN(q3_k);
     table[T_Q4_K] = XN(q4_k);
     table[T_Q5_K] = XN(q5_k);
@@ -167,6 +174,8 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
 #undef v_shuf8
 #undef X8_CALL_Q4_0
 #undef X8_CALL_Q4_1
+#undef X8_CALL_Q5_0
+#undef X8_CALL_Q5_1
 #undef XN
 #undef XL
 #undef VI
