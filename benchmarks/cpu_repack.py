@@ -28,7 +28,20 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ((1024, 4096), (14336, 4096))
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q5_0", "Q5_1")
+TYPES = (
+    "Q4_0",
+    "Q4_1",
+    "Q8_0",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+    "Q3_K",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+)
 DEFAULT_TYPES = TYPES[:6]
 
 

@@ -7,8 +7,8 @@ Weights are the file's own bytes: ``load_weights`` hands over views of the memor
 (``join_parts=False``: Q, K, V and gate, up stay the separate matrices the file
 stores, each writing its columns of the output), the kernels multiply the GGUF blocks
 in place, and only norm weights and biases are copied (as float32). The exception is the
-quantized types but Q2_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL
-and IQ4_XS (those with x8 kernels, ``csrc/repack.h``): such a matrix that products read
+quantized types, every one (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K to Q6_K, IQ4_NL and
+IQ4_XS: those with x8 kernels, ``csrc/repack.h``): such a matrix that products read
 is copied once at bind (on the stage's threads) into groups of 8 interleaved rows, whose
 kernels compute 8 rows' products side by side, the same bits as on the stored rows; the
 copy replaces the mapped pages in the process (dropped with ``MADV_DONTNEED``: a copy of

@@ -1,4 +1,4 @@
-"""Matrices of every quantized type but Q2_K (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K,
+"""Matrices of every quantized type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
 Q5_K, Q6_K, IQ4_NL, IQ4_XS) repacked 8 rows at a time (``csrc/repack.h``,
 ``Matrix(repack=True)``) compute the stored rows' bits, and a bound stage keeps them
 instead of the file's pages.
@@ -8,7 +8,7 @@ instead of the file's pages.
   7 rows padded), 1, 2, 3 and 5 threads, 8-bit and "f32" activations, rows multiplied
   together or one at a time: the same bits as the stored rows on the portable set;
   with other parts beside it (offsets, bias, accumulation) as well.
-- Only those eleven types repack; an embedding lookup of repacked rows is the gguf
+- The float types do not repack; an embedding lookup of repacked rows is the gguf
   package's dequantization (a repacked row unpacks to its stored bytes).
 - Memory: binding a Q4_0 stage grows the process's private memory by at most about
   the repacked tensors' bytes and its file-backed memory by about the other tensors'
@@ -61,6 +61,7 @@ REPACKED = (
     "Q4_1",
     "Q5_0",
     "Q5_1",
+    "Q2_K",
     "Q3_K",
     "Q4_K",
     "Q5_K",
@@ -143,7 +144,7 @@ def test_a_prefills_tile_of_rows_at_the_extremes_computes_the_stored_rows_bits(
 
 
 @pytest.mark.parametrize("isa", isa_params())
-@pytest.mark.parametrize("qtype", [*REPACKED, "Q2_K"])
+@pytest.mark.parametrize("qtype", REPACKED)
 def test_rows_of_8_bit_activations_further_apart_give_the_same_bits(qtype: str, isa: str) -> None:
     """The step buffers' rows of 8-bit activations are padded (``q_row_stride``): a
     (rows, n) view of wider rows is written and read as rows that far apart, every
@@ -178,7 +179,7 @@ def test_rows_of_8_bit_activations_further_apart_give_the_same_bits(qtype: str, 
 @pytest.mark.parametrize("isa", isa_params())
 @pytest.mark.parametrize(
     ("qtype", "other"),
-    [("Q4_K", "Q2_K"), ("Q3_K", "Q2_K"), ("Q6_K", "Q2_K")],
+    [("Q4_0", "Q5_0"), ("Q4_1", "Q5_1"), ("Q4_K", "Q2_K"), ("Q3_K", "Q6_K")],
 )
 def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumulation(
     qtype: str, other: str, isa: str
@@ -192,14 +193,14 @@ def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumula
     start = np.full((3, 19), 1.5, np.float32)
     want = linear(_kernels.Matrix(parts), x, True, 1, "portable", y=start.copy(), bias=bias)
     m = _kernels.Matrix(parts, repack=True)
-    assert m.repacked == (True, False)  # the other type does not repack
+    assert m.repacked == (True, True)
     got = linear(m, x, True, 2, isa, y=start.copy(), bias=bias)
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
-def test_only_the_eleven_types_repack() -> None:
+def test_every_quantized_type_repacks_and_no_float_type() -> None:
     rng = np.random.default_rng(2)
-    for qtype in ("Q2_K", "F16", "BF16", "F32"):
+    for qtype in ("F16", "BF16", "F32"):
         n = 256
         raw = random_rows(rng, qtype, 9, n)
         assert _kernels.Matrix([(raw, qtype, 9, n, 0)], repack=True).repacked == (False,)

@@ -179,11 +179,11 @@ def test_binding_maps_the_weights_instead_of_copying_them(folder: Path) -> None:
     """The stage's weights stay the file's mapped pages: what the process comes to hold of
     its own after a bind and a prefill is under a tenth of the file beyond the step
     buffers the backend keeps (written at bind: ``CpuOps.kept_bytes``)."""
-    # Q2_K has no x8 layout (test_cpu_repack.py: the types that repack are copied)
+    # F16 has no x8 layout (test_cpu_repack.py: every quantized type repacks, a copy)
     path = write_random_model(
         folder / "big.gguf",
         RandomModel(n_layers=4, hidden=1024, ffn=2816, heads=8, heads_kv=2, vocab=4096,
-                    qtype="Q2_K", seed=3),
+                    qtype="F16", seed=3),
     )  # fmt: skip
     stored = sum(f.stat().st_size for f in [path])  # the whole file: every tensor is this stage's
     anon0, file0 = _status_kib("RssAnon"), _status_kib("RssFile")

@@ -719,7 +719,7 @@ const Isa ISA_AVX2 = {
     scores_avx2,
     mix_avx2,
     {[T_Q8_0] = x8_q8_0, [T_Q4_0] = x8_q4_0, [T_Q4_1] = x8_q4_1, [T_Q5_0] = x8_q5_0,
-     [T_Q5_1] = x8_q5_1, [T_Q3_K] = x8_q3_k, [T_Q4_K] = x8_q4_k,
+     [T_Q5_1] = x8_q5_1, [T_Q2_K] = x8_q2_k, [T_Q3_K] = x8_q3_k, [T_Q4_K] = x8_q4_k,
      [T_Q5_K] = x8_q5_k, [T_Q6_K] = x8_q6_k, [T_IQ4_NL] = x8_iq4_nl, [T_IQ4_XS] = x8_iq4_xs},
     {NULL}, /* no 512-bit vectors */
     .quantize = quantize_row_avx2,

@@ -78,13 +78,18 @@ const Isa *isa_avx512(void) {
          * 44.8 (46.7 with this set's 256-bit one); 3 and 4 rows within 4 %, left to the
          * two-group kernel. Not measured on Zen 5. */
         avx512.q8_x8_rows[T_Q3_K][0] = x8_q3_k;
+        avx512.q8_x8_rows[T_Q3_K][1] = ISA_AVX2.q8_x8[T_Q3_K];
+        /* Q2_K, 1 row: one group per 256-bit vector (the 8B shape's Q2_K mix, a step's
+         * products, the same way, 1 row: a 14336 x 4096 Q2_K matrix 7.4-7.8 -> 4.6 ms, the
+         * step's best pass 31.0-32.0 -> 23.3-23.5 ms); 2 rows stay with the two-group
+         * kernel (AVX2's: 8.4-8.5 against 7.2-7.8 ms). Not measured on Zen 5. */
+        avx512.q8_x8_rows[T_Q2_K][0] = x8_q2_k;
         /* Q5_0, Q5_1, 1 row: one group per 256-bit vector (a decode step's products, the
          * same way, ms: Q5_0 44.8/33.8 with the two-group kernel -> 35.7/30.0, Q5_1
          * 45.1/43.2 -> 42.9/30.9, the host's phases; AVX2's kernel 36.0/29.9 and
          * 40.2/31.3); 2 rows left to the two-group kernel (within the noise). */
         avx512.q8_x8_rows[T_Q5_0][0] = x8_q5_0;
         avx512.q8_x8_rows[T_Q5_1][0] = x8_q5_1;
-        avx512.q8_x8_rows[T_Q3_K][1] = ISA_AVX2.q8_x8[T_Q3_K];
         avx512.q8_x8_rows[T_IQ4_NL][0] = avx512.q8_x8_rows[T_IQ4_NL][1] = xp_iq4_nl;
     }
     return &avx512;

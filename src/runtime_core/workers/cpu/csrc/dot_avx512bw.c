@@ -34,6 +34,7 @@ const Isa *isa_avx512bw(void) {
          * products, as dot_avx512.c measures them: 1 row 47.2 -> 34.9 ms, 2 rows 51.3 ->
          * 47.3 against the two-group kernel) */
         avx512bw.q8_x8_rows[T_Q3_K][0] = avx512bw.q8_x8_rows[T_Q3_K][1] = ISA_AVX2.q8_x8[T_Q3_K];
+        avx512bw.q8_x8_rows[T_Q2_K][0] = ISA_AVX2.q8_x8[T_Q2_K]; /* as AVX-512's 1 row */
         /* Q5_0's and Q5_1's 1 row: AVX2's (ms: Q5_0 37.2/35.2 -> 30.7/30.4, Q5_1 38.1/39.1
          * -> 31.8/31.8) */
         avx512bw.q8_x8_rows[T_Q5_0][0] = ISA_AVX2.q8_x8[T_Q5_0];

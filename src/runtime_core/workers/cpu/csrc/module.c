@@ -296,8 +296,8 @@ static PyTypeObject MatrixType = {
     .tp_name = "runtime_core.workers.cpu._kernels.Matrix",
     .tp_doc = "Matrix(parts, repack=False, threads=1): stored GGUF rows, each part (rows, qtype, "
               "n_out, n_in, offset) writing output columns offset .. offset + n_out; repack: the "
-              "parts of the types that repack (every quantized type but Q2_K) are copied 8 rows "
-              "at a time (on `threads` threads), computing the same bits",
+              "parts of the types that repack (every quantized type) are copied 8 rows at a "
+              "time (on `threads` threads), computing the same bits",
     .tp_basicsize = sizeof(MatrixObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

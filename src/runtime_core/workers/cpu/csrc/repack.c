@@ -9,12 +9,13 @@
 _Static_assert(X8 * 4 == 32, "a word of every row fills 32 bytes");
 
 int x8_supported(int t) {
-    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q3_K ||
-           t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS;
+    return t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q2_K ||
+           t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || t == T_IQ4_NL || t == T_IQ4_XS;
 }
 
 int x8_block_bytes(int t) {
     switch (t) {
+    case T_Q2_K: return 672;
     case T_Q3_K: return 912;
     case T_Q4_K: return 1184;
     case T_Q5_K: return 1440;
@@ -254,6 +255,39 @@ static void k3_unpack(const uint8_t *G, int i, uint8_t *b) {
     memcpy(b + 108, G + 2 * i, 2);
 }
 
+/* ---- Q2_K ------------------------------------------------------------------------------------- */
+
+#define K2_SCALES 32
+#define K2_LOW 160
+
+/* Element l of sub-block s: stored, its 2 bits at bits 2 (s & 3) of qs[32 (s >> 2) + l]
+ * (b + 16), in the group as Q3_K's low bits (K2_LOW + 256 (s >> 2), word l / 4); the
+ * scale and min byte of 16-element group j as stored (scale low nibble, min high) at
+ * K2_SCALES + 8 j + i; d at 2 i, dmin at 16 + 2 i. */
+static void k2_pack(const uint8_t *b, int i, uint8_t *G) {
+    memcpy(G + 2 * i, b + 80, 2);
+    memcpy(G + 16 + 2 * i, b + 82, 2);
+    for (int j = 0; j < 16; ++j) G[K2_SCALES + 8 * j + i] = b[j];
+    for (int s = 0; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+            const int q = (b[16 + 32 * (s >> 2) + l] >> (2 * (s & 3))) & 3;
+            uint8_t *g = G + K2_LOW + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3);
+            *g = (uint8_t)(*g | (q << (2 * (s & 3))));
+        }
+}
+
+static void k2_unpack(const uint8_t *G, int i, uint8_t *b) {
+    memset(b, 0, 84);
+    memcpy(b + 80, G + 2 * i, 2);
+    memcpy(b + 82, G + 16 + 2 * i, 2);
+    for (int j = 0; j < 16; ++j) b[j] = G[K2_SCALES + 8 * j + i];
+    for (int s = 0; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+            const int q = (G[K2_LOW + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3)] >> (2 * (s & 3))) & 3;
+            b[16 + 32 * (s >> 2) + l] = (uint8_t)(b[16 + 32 * (s >> 2) + l] | (q << (2 * (s & 3))));
+        }
+}
+
 /* ---- whole matrices ----------------------------------------------------------------------- */
 
 void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, int64_t g0, int64_t g1,
@@ -269,6 +303,7 @@ void x8_pack(int t, const uint8_t *rows, int64_t n_out, int64_t row_bytes, int64
                 if (t == T_Q4_K || t == T_Q5_K) k4_pack(t, b, i, G);
                 else if (t == T_Q6_K) k6_pack(b, i, G);
                 else if (t == T_Q3_K) k3_pack(b, i, G);
+                else if (t == T_Q2_K) k2_pack(b, i, G);
                 else if (t == T_IQ4_XS) iq4xs_pack(b, i, G);
                 else legacy_pack(t, b, i, G);
             }
@@ -284,6 +319,7 @@ void x8_unpack_row(int t, const uint8_t *group, int i, int64_t n_in, uint8_t *ro
         if (t == T_Q4_K || t == T_Q5_K) k4_unpack(t, G, i, b);
         else if (t == T_Q6_K) k6_unpack(G, i, b);
         else if (t == T_Q3_K) k3_unpack(G, i, b);
+        else if (t == T_Q2_K) k2_unpack(G, i, b);
         else if (t == T_IQ4_XS) iq4xs_unpack(G, i, b);
         else legacy_unpack(t, G, i, b);
     }

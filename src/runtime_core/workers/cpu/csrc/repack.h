@@ -34,6 +34,10 @@
  *               144 + 256 p + 32 w: the low 4 bits, as Q4_K's nibbles; 1168 + 128 p +
  *               32 k: the high 2 bits of words 2k (bits 0-1 sub-block 2p, bits 2-3
  *               2p + 1) and 2k + 1 (bits 4-5 and 6-7), byte b of row i.
+ *   Q2_K (672)  0: 8 d; 16: 8 dmin; 32 + 8 j + i: the scale (low nibble) and min (high
+ *               nibble) of 16-element group j of row i, as stored; 160 + 256 h + 32 w:
+ *               the 2 bits of element 4w + b of sub-blocks 4h .. 4h + 3 (bits 2e, 2e + 1
+ *               sub-block 4h + e), byte b of row i (Q3_K's low bits' layout).
  *   Q3_K (912)  0: 8 d; 16 + 8 j + i: the signed scale (less 32, an int8) of 16-element
  *               group j of row i, as Q6_K's; 144 + 256 h + 32 w: the low 2 bits of
  *               element 4w + b of sub-blocks 4h .. 4h + 3 (bits 2e, 2e + 1 sub-block
@@ -56,7 +60,7 @@
 /* How far ahead of the block being read the x8 products prefetch (X8_AHEAD(block bytes);
  * AVX-512's decode products take their own distances: x8_pair_kernels.h): blocks under
  * X8_L2_BLOCK bytes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) X8_AHEAD_BYTES ahead into the
- * first-level cache; the super-blocks (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) 8 of them ahead
+ * first-level cache; the super-blocks (Q2_K to Q6_K, IQ4_XS) 8 of them ahead
  * into the second.
  * Measured on two processors, over a decode step's distinct matrices (8B shape, 4
  * blocks, 1 thread). AMD Zen 5, the AVX2 set, ms a token: 3360 bytes into the first
@@ -72,8 +76,8 @@
 #define X8_L2_BLOCK 1024
 #define X8_AHEAD(gb) ((gb) >= X8_L2_BLOCK ? 8 * (gb) : X8_AHEAD_BYTES)
 
-/* the types that repack: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
- * IQ4_XS (every quantized type but Q2_K) */
+/* the types that repack: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+ * IQ4_NL, IQ4_XS (every quantized type) */
 int x8_supported(int t);
 /* bytes of one block of a group (8 rows' blocks, see above) */
 int x8_block_bytes(int t);

@@ -1,4 +1,4 @@
-/* x8_k_kernels.h: the K-quants' products (Q3_K, Q4_K, Q5_K, Q6_K): a few rows (k_body),
+/* x8_k_kernels.h: the K-quants' products (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): a few rows (k_body),
  * the chunked rows and the tile (k_tile). A part of x8_kernels.h, which includes it once per
  * vector width under its X8_TARGET and X8_WIDTH (so no include guard): see there for the
  * layout, the exact sums and the order of the float terms. */
@@ -6,22 +6,31 @@
 #error "x8_k_kernels.h is included by x8_kernels.h"
 #endif
 
-/* ---- K-quants: Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q3_K, Q6_K (d * dw) * isum -- */
+/* ---- K-quants: Q2_K, Q4_K, Q5_K (d * dw) * isum - (d * dmin) * imin; Q3_K, Q6_K (d * dw) * isum */
 
 #ifndef X8_KINDS
 #define X8_KINDS
-enum { X8_Q4_K, X8_Q5_K, X8_Q6_K, X8_Q3_K };
-/* Q3_K and Q6_K: signed quants with a scale per 16-element group, taken as unsigned q +
- * X8_K_OFFSET (Q3_K's low 2 bits and high bit, 0 .. 7; Q6_K's 6 bits) less the offset
- * times the group's activation sum g */
-#define X8_K_GROUPS(kind) ((kind) == X8_Q6_K || (kind) == X8_Q3_K)
-#define X8_K_OFFSET(kind) ((kind) == X8_Q6_K ? 32 : 4)
+enum { X8_Q4_K, X8_Q5_K, X8_Q6_K, X8_Q3_K, X8_Q2_K };
+/* Q2_K, Q3_K and Q6_K: a scale per 16-element group; Q3_K's and Q6_K's quants signed,
+ * taken as unsigned q + X8_K_OFFSET (Q3_K's low 2 bits and high bit, 0 .. 7; Q6_K's 6
+ * bits) less the offset times the group's activation sum g; Q2_K's unsigned (2 bits),
+ * with a min per group (imin) */
+#define X8_K_GROUPS(kind) ((kind) == X8_Q6_K || (kind) == X8_Q3_K || (kind) == X8_Q2_K)
+#define X8_K_OFFSET(kind) ((kind) == X8_Q6_K ? 32 : (kind) == X8_Q3_K ? 4 : 0)
 /* bytes of a group's super-block (repack.c) */
-#define X8_K_BYTES(kind) ((kind) == X8_Q4_K ? 1184 : (kind) == X8_Q5_K ? 1440 : (kind) == X8_Q6_K ? 1680 : 912)
+#define X8_K_BYTES(kind)                                                                      \
+    ((kind) == X8_Q4_K ? 1184 : (kind) == X8_Q5_K ? 1440 : (kind) == X8_Q6_K ? 1680 : (kind) == X8_Q3_K ? 912 : 672)
 #endif
 
 /* word w of sub-blocks 2p (lo) and 2p + 1 (hi) of a group super-block as unsigned bytes */
 X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int w, VI *lo, VI *hi) {
+    if (kind == X8_Q2_K) { /* bits 4 (p & 1) .. of the area of sub-blocks 4 (p >> 1) .. */
+        const VI m2 = v_set1_8(3);
+        const VI v = XN(ld)(b + 160 + 256 * (p >> 1) + 32 * w, gs);
+        *lo = v_and((p & 1) ? v_srli16(v, 4) : v, m2);
+        *hi = v_and(v_srli16(v, (p & 1) ? 6 : 2), m2);
+        return;
+    }
     if (kind == X8_Q3_K) { /* the low 2 bits (bits 4 (p & 1) .. of the area of sub-blocks
                             * 4 (p >> 1) ..), the high bit (bit 2p, 2p + 1) to bit 2 */
         const VI m2 = v_set1_8(3), four = v_set1_8(4);
@@ -55,15 +64,22 @@ X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int 
     }
 }
 
+/* the scales of 16-element group j of the group's rows as int32 lanes: Q6_K's and Q3_K's
+ * int8 at 16 + 8 j, Q2_K's the low nibble of its byte at 32 + 8 j */
+X8_INL VI XN(k_gscale)(const uint8_t *b, int64_t gs, const int kind, int j) {
+    if (kind == X8_Q2_K) return v_and(XN(ld_u8_i32)(b + 32 + 8 * j, gs), v_set1_32(15));
+    return XN(ld_i8_i32)(b + 16 + 8 * j, gs);
+}
+
 #if X8_PAIRS16
-/* Q6_K's (and Q3_K's) tile without VNNI: after a super-block's 64 decoded words, dec[64 + j] (j < 16)
+/* Q6_K's (and Q3_K's, Q2_K's) tile without VNNI: after a super-block's 64 decoded words, dec[64 + j] (j < 16)
  * holds in each row's lane the int16 pair (s, s) of group j's scale s, and dec[80 + m]
  * (m < 8) the pair (s of group 2m, s of group 2m + 1), decoded once for the tile's rows. */
 #define K6_SCALES 24
-X8_INL void XN(k6_scales)(const uint8_t *b, int64_t gs, VI *out) {
+X8_INL void XN(k6_scales)(const uint8_t *b, int64_t gs, const int kind, VI *out) {
     const VI low = v_set1_32(0xFFFF);
     VI s[16];
-    for (int j = 0; j < 16; ++j) s[j] = XN(ld_i8_i32)(b + 16 + 8 * j, gs); /* sign-extended */
+    for (int j = 0; j < 16; ++j) s[j] = XN(k_gscale)(b, gs, kind, j); /* sign-extended */
     for (int j = 0; j < 16; ++j) out[j] = v_or(v_and(s[j], low), v_slli32(s[j], 16));
     for (int m = 0; m < 8; ++m) out[16 + m] = v_or(v_and(s[2 * m], low), v_slli32(s[2 * m + 1], 16));
 }
@@ -77,6 +93,10 @@ X8_INL void XN(k6_scales)(const uint8_t *b, int64_t gs, VI *out) {
 X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int kind, const int NJ, const int8_t *const *xq,
                         const int32_t *const *xg, VI *isum) {
     for (int k = 0; k < NJ; ++k) {
+        if (X8_K_OFFSET(kind) == 0) { /* Q2_K: no offset (its mins: k_terms) */
+            isum[k] = v_zero();
+            continue;
+        }
         /* the 16 group sums as int16 pairs: lanes (g0 g1) (g2 g3) (g8 g9) (g10 g11) (g4 g5)
          * (g6 g7) (g12 g13) (g14 g15) (512 bits: ld reads the row's sums into both halves,
          * packs works in 128-bit lanes, so lanes 8-15 repeat 0-7) */
@@ -125,8 +145,8 @@ X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const 
     }
     if (X8_K_GROUPS(kind) && (w & 3) == 3) { /* groups 4p + h (lo), 4p + 2 + h (hi) */
         const int h = w >> 2, glo = 4 * p + h, ghi = 4 * p + 2 + h;
-        const VI slo = XN(ld_i8_i32)(b + 16 + 8 * glo, gs);
-        const VI shi = XN(ld_i8_i32)(b + 16 + 8 * ghi, gs);
+        const VI slo = XN(k_gscale)(b, gs, kind, glo);
+        const VI shi = XN(k_gscale)(b, gs, kind, ghi);
         for (int k = 0; k < NJ; ++k)
             isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
     }
@@ -215,6 +235,25 @@ X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *
                         const XRows *x, int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8],
                         const int32_t *const *xg) {
     const VF dw = XN(ld_halves)(b, gs);
+    if (kind == X8_Q2_K) { /* imin: the groups' mins (high nibbles) times their sums g, as
+                            * int16 pairs (m <= 15, |g| <= 16 * 128) by vpmaddwd */
+        const VF dmin = XN(ld_halves)(b + 16, gs);
+        VI mp[8];
+        for (int q = 0; q < 8; ++q)
+            mp[q] = v_or(v_srli32(XN(ld_u8_i32)(b + 32 + 16 * q, gs), 4),
+                         v_slli32(v_srli32(XN(ld_u8_i32)(b + 40 + 16 * q, gs), 4), 16));
+        for (int k = 0; k < NJ; ++k) {
+            VI imin = v_zero();
+            for (int q = 0; q < 8; ++q)
+                imin = v_add32(imin, v_madd16(mp[q], v_set1_32((int32_t)((uint32_t)xg[k][2 * q + 1] << 16 |
+                                                                         ((uint32_t)xg[k][2 * q] & 0xFFFFu)))));
+            const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
+            VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
+            term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
+            acc[k][sb & 7] = f_add(acc[k][sb & 7], term);
+        }
+        return;
+    }
     if (X8_K_GROUPS(kind)) {
         for (int k = 0; k < NJ; ++k) {
             const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
@@ -306,7 +345,7 @@ X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
         for (int p = 0; p < 4; ++p)
             for (int w = 0; w < 8; ++w) XN(k_word)(b, gs, kind, p, w, &dec[16 * p + 2 * w], &dec[16 * p + 2 * w + 1]);
 #if X8_PAIRS16
-        if (X8_K_GROUPS(kind)) XN(k6_scales)(b, gs, dec + 64);
+        if (X8_K_GROUPS(kind)) XN(k6_scales)(b, gs, kind, dec + 64);
 #endif
         int k = 0;
         for (; k + X8_XT <= nj; k += X8_XT) XN(k_chunk)(b, gs, kind, dec, x, j0 + k, nc, sb, acc + k, X8_XT);

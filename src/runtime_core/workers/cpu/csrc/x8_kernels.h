@@ -45,7 +45,7 @@
  * The kernels are in its parts, included below for this width: x8_vectors.h (the
  * width's vector operations and helpers), x8_b32_kernels.h (Q8_0, IQ4_NL, Q4_0, Q4_1,
  * Q5_0, Q5_1),
- * x8_iq4xs_kernels.h and x8_k_kernels.h (Q3_K, Q4_K, Q5_K, Q6_K); the entries, one per type,
+ * x8_iq4xs_kernels.h and x8_k_kernels.h (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); the entries, one per type,
  * and the table that holds them are here.
  */
 #ifndef X8_TARGET
@@ -143,6 +143,7 @@ X8_ENTRY(q4_0, X8_CALL_Q4_0, 0)
 X8_ENTRY(q4_1, X8_CALL_Q4_1, 1)
 X8_ENTRY(q5_0, X8_CALL_Q5_0, 4)
 X8_ENTRY(q5_1, X8_CALL_Q5_1, 5)
+X8_K_ENTRY(q2_k, X8_Q2_K)
 X8_K_ENTRY(q3_k, X8_Q3_K)
 X8_K_ENTRY(q4_k, X8_Q4_K)
 X8_K_ENTRY(q5_k, X8_Q5_K)
@@ -157,6 +158,7 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
     table[T_Q4_1] = XN(q4_1);
     table[T_Q5_0] = XN(q5_0);
     table[T_Q5_1] = XN(q5_1);
+    table[T_Q2_K] = XN(q2_k);
     table[T_Q3_K] = XN(q3_k);
     table[T_Q4_K] = XN(q4_k);
     table[T_Q5_K] = XN(q5_k);
@@ -200,6 +202,7 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
 #undef v_maddubs
 #undef v_add16
 #undef v_slli32
+#undef v_srli32
 #undef v_set1_16
 #undef v_packs32
 #undef v_lane32

@@ -25,6 +25,7 @@
 #define v_maddubs _mm256_maddubs_epi16
 #define v_add16 _mm256_add_epi16
 #define v_slli32 _mm256_slli_epi32
+#define v_srli32 _mm256_srli_epi32
 #define v_set1_16 _mm256_set1_epi16
 #define v_packs32 _mm256_packs_epi32
 #define v_lane32(v, i) _mm256_permutevar8x32_epi32((v), _mm256_set1_epi32(i)) /* lane i, every lane */
@@ -94,6 +95,7 @@ X8_INL VI v_dot4(VI acc, VI u, VI x) {
 #define v_maddubs _mm512_maddubs_epi16
 #define v_add16 _mm512_add_epi16
 #define v_slli32 _mm512_slli_epi32
+#define v_srli32 _mm512_srli_epi32
 #define v_set1_16 _mm512_set1_epi16
 #define v_packs32 _mm512_packs_epi32
 #define v_lane32(v, i) _mm512_permutexvar_epi32(_mm512_set1_epi32(i), (v)) /* lane i, every lane */
