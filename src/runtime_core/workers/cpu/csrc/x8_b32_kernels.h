@@ -114,7 +114,8 @@ enum { X8_B_Q4_0 = 0, X8_B_Q4_1 = 1, X8_B_Q5_0 = 4, X8_B_Q5_1 = 5 };
 #define X8_B_MIN(kind) ((kind) == X8_B_Q4_1 || (kind) == X8_B_Q5_1) /* (dw d) sumi + m s */
 #define X8_B_FIVE(kind) ((kind) >= X8_B_Q5_0)
 /* a group block's bytes; where its quants' first word starts */
-#define X8_B_BYTES(kind) ((kind) == X8_B_Q4_0 ? 144 : (kind) == X8_B_Q4_1 ? 160 : (kind) == X8_B_Q5_0 ? 176 : 192)
+#define X8_B_BYTES(kind) \
+    ((kind) == X8_B_Q4_0 ? 144 : (kind) == X8_B_Q4_1 ? 160 : (kind) == X8_B_Q5_0 ? 176 : 192)
 #define X8_B_AT(kind) ((kind) == X8_B_Q4_0 ? 16 : (kind) == X8_B_Q5_1 ? 64 : (kind) == X8_B_Q5_0 ? 48 : 32)
 /* the offset taken back as -offset * g (Q4_0 8, Q5_0 16; the others 0) */
 #define X8_B_OFFSET(kind) ((kind) == X8_B_Q4_0 ? 8 : (kind) == X8_B_Q5_0 ? 16 : 0)
@@ -138,6 +139,11 @@ X8_INL void XN(b4_words)(const uint8_t *b, int64_t gs, const int kind, VI *lo, V
     }
 }
 
+/* a 4- or 5-bit block's integer sum's start for activation row j: -offset * g */
+X8_INL VI XN(b4_init)(const XRows *x, int64_t j, int64_t nc, int64_t c, const int kind) {
+    return X8_B_OFFSET(kind) ? v_set1_32(-X8_B_OFFSET(kind) * x->g[j * 2 * nc + c]) : v_zero();
+}
+
 X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
                         float (*out)[XL], const int NJ, const int kind) {
     const int gb = X8_B_BYTES(kind), has_min = X8_B_MIN(kind);
@@ -153,9 +159,7 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->qs + 32 * c;
-            const VI si = XN(q4_isum)(lo, hi, xq,
-                                      X8_B_OFFSET(kind) ? v_set1_32(-X8_B_OFFSET(kind) * x->g[j * 2 * nc + c]) : v_zero(),
-                                      X8_B_FIVE(kind));
+            const VI si = XN(q4_isum)(lo, hi, xq, XN(b4_init)(x, j, nc, c, kind), X8_B_FIVE(kind));
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
             if (has_min) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
@@ -202,9 +206,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
                 for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
 #endif
             } else {
-                si = XN(q4_isum)(u, u + 4, xq,
-                                 X8_B_OFFSET(kind) ? v_set1_32(-X8_B_OFFSET(kind) * x->g[j * 2 * nc + c]) : v_zero(),
-                                 X8_B_FIVE(kind));
+                si = XN(q4_isum)(u, u + 4, xq, XN(b4_init)(x, j, nc, c, kind), X8_B_FIVE(kind));
             }
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));

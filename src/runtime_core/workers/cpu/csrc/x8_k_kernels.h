@@ -18,8 +18,12 @@ enum { X8_Q4_K, X8_Q5_K, X8_Q6_K, X8_Q3_K, X8_Q2_K };
 #define X8_K_GROUPS(kind) ((kind) == X8_Q6_K || (kind) == X8_Q3_K || (kind) == X8_Q2_K)
 #define X8_K_OFFSET(kind) ((kind) == X8_Q6_K ? 32 : (kind) == X8_Q3_K ? 4 : 0)
 /* bytes of a group's super-block (repack.c) */
-#define X8_K_BYTES(kind)                                                                      \
-    ((kind) == X8_Q4_K ? 1184 : (kind) == X8_Q5_K ? 1440 : (kind) == X8_Q6_K ? 1680 : (kind) == X8_Q3_K ? 912 : 672)
+#define X8_K_BYTES(kind)                                                                 \
+    ((kind) == X8_Q4_K   ? 1184                                                              \
+     : (kind) == X8_Q5_K ? 1440                                                              \
+     : (kind) == X8_Q6_K ? 1680                                                              \
+     : (kind) == X8_Q3_K ? 912                                                               \
+                         : 672)
 #endif
 
 /* word w of sub-blocks 2p (lo) and 2p + 1 (hi) of a group super-block as unsigned bytes */
@@ -72,26 +76,28 @@ X8_INL VI XN(k_gscale)(const uint8_t *b, int64_t gs, const int kind, int j) {
 }
 
 #if X8_PAIRS16
-/* Q6_K's (and Q3_K's, Q2_K's) tile without VNNI: after a super-block's 64 decoded words, dec[64 + j] (j < 16)
- * holds in each row's lane the int16 pair (s, s) of group j's scale s, and dec[80 + m]
- * (m < 8) the pair (s of group 2m, s of group 2m + 1), decoded once for the tile's rows. */
+/* Q6_K's (and Q3_K's, Q2_K's) tile without VNNI: after a super-block's 64 decoded words,
+ * dec[64 + j] (j < 16) holds in each row's lane the int16 pair (s, s) of group j's scale
+ * s, and dec[80 + m] (m < 8) the pair (s of group 2m, s of group 2m + 1), decoded once
+ * for the tile's rows. */
 #define K6_SCALES 24
 X8_INL void XN(k6_scales)(const uint8_t *b, int64_t gs, const int kind, VI *out) {
     const VI low = v_set1_32(0xFFFF);
     VI s[16];
-    for (int j = 0; j < 16; ++j) s[j] = XN(k_gscale)(b, gs, kind, j); /* sign-extended */
+    for (int j = 0; j < 16; ++j) s[j] = XN(k_gscale)(b, gs, kind, j); /* int32, signed */
     for (int j = 0; j < 16; ++j) out[j] = v_or(v_and(s[j], low), v_slli32(s[j], 16));
     for (int m = 0; m < 8; ++m) out[16 + m] = v_or(v_and(s[2 * m], low), v_slli32(s[2 * m + 1], 16));
 }
 
-/* The same integer sums as k_isum's Q6_K and Q3_K (exact, so the same bits), with half
- * its multiplications: the products of two words (q + 32 <= 63 times |x| <= 128, pairs
- * summed by vpmaddubsw: 2 * 2 * 63 * 128 < 2^15; Q3_K's q + 4 <= 7) added in 16 bits,
- * then times the group's scale by vpmaddwd (sc: k6_scales); the offset's sum over the
- * super-block, 32 (Q3_K: 4) * sum_j s_j g_j, by vpmaddwd of the scale pairs and the rows' group sums (|g| <=
- * 16 * 128 fits in 16 bits), taken once at the end. */
-X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int kind, const int NJ, const int8_t *const *xq,
-                        const int32_t *const *xg, VI *isum) {
+/* The same integer sums as k_isum's Q6_K, Q3_K and Q2_K (exact, so the same bits), with
+ * half its multiplications: the products of two words (q + 32 <= 63 times |x| <= 128,
+ * pairs summed by vpmaddubsw: 2 * 2 * 63 * 128 < 2^15; Q3_K's q + 4 <= 7, Q2_K's q <= 3)
+ * added in 16 bits, then times the group's scale by vpmaddwd (sc: k6_scales); the
+ * offset's sum over the super-block, 32 (Q3_K: 4; Q2_K none) * sum_j s_j g_j, by
+ * vpmaddwd of the scale pairs and the rows' group sums (|g| <= 16 * 128 fits in 16
+ * bits), taken once at the end. */
+X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int kind, const int NJ,
+                        const int8_t *const *xq, const int32_t *const *xg, VI *isum) {
     for (int k = 0; k < NJ; ++k) {
         if (X8_K_OFFSET(kind) == 0) { /* Q2_K: no offset (its mins: k_terms) */
             isum[k] = v_zero();
@@ -125,7 +131,8 @@ X8_INL void XN(k6_isum)(const VI *dec, const VI *sc, const int kind, const int N
 #endif
 
 /* k_isum's word w of sub-blocks 2p (lo), 2p + 1 (hi) for NJ rows: its products into
- * alo, ahi; Q6_K's and Q3_K's a group's sums times its scale into isum after its 4 words */
+ * alo, ahi; Q2_K's, Q3_K's and Q6_K's a group's sums times its scale into isum after its
+ * 4 words */
 X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
                             const int8_t *const *xq, const int32_t *const *xg, int p, int w, VI *alo,
                             VI *ahi, VI *isum) {
@@ -204,9 +211,9 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
             continue;
         }
 #endif
-        /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q6_K's and Q3_K's of their
-         * 16-element groups 4p + h, 4p + 2 + h (words 4h ..), q + 32 (Q3_K: q + 4) times x
-         * less 32 (4) times the group's g */
+        /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q2_K's, Q3_K's and Q6_K's of their
+         * 16-element groups 4p + h, 4p + 2 + h (words 4h ..), q + 32 (Q3_K: q + 4; Q2_K:
+         * q) times x less 32 (4; 0) times the group's g */
         VI alo[X8_XT], ahi[X8_XT];
         for (int k = 0; k < NJ; ++k) {
             alo[k] = X8_K_GROUPS(kind) ? v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p]) : v_zero();
@@ -240,13 +247,14 @@ X8_INL void XN(k_terms)(const uint8_t *b, int64_t gs, const int kind, const VI *
         const VF dmin = XN(ld_halves)(b + 16, gs);
         VI mp[8];
         for (int q = 0; q < 8; ++q)
-            mp[q] = v_or(v_srli32(XN(ld_u8_i32)(b + 32 + 16 * q, gs), 4),
+            mp[q] = v_or(v_srli32(XN(ld_u8_i32)(b + 32 + 16 * q, gs), 4), /* groups 2q, 2q + 1 */
                          v_slli32(v_srli32(XN(ld_u8_i32)(b + 40 + 16 * q, gs), 4), 16));
         for (int k = 0; k < NJ; ++k) {
             VI imin = v_zero();
-            for (int q = 0; q < 8; ++q)
-                imin = v_add32(imin, v_madd16(mp[q], v_set1_32((int32_t)((uint32_t)xg[k][2 * q + 1] << 16 |
-                                                                         ((uint32_t)xg[k][2 * q] & 0xFFFFu)))));
+            for (int q = 0; q < 8; ++q) {
+                const uint32_t g0 = (uint32_t)xg[k][2 * q] & 0xFFFFu, g1 = (uint32_t)xg[k][2 * q + 1];
+                imin = v_add32(imin, v_madd16(mp[q], v_set1_32((int32_t)(g1 << 16 | g0))));
+            }
             const VF xd = f_set1(x->d[(j0 + k) * nc + sb]);
             VF term = f_mul(f_mul(xd, dw), f_cvt(isum[k]));
             term = f_sub(term, f_mul(f_mul(xd, dmin), f_cvt(imin)));
