@@ -13,18 +13,19 @@
  *               to put them in a table of x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
  *               next's (defines x16_q8_0 .. x16_q6_k, x16_fill; needs AVX-512 BW, and with
- *               X8_VNNI 0 takes AVX2's 16-bit sums for Q4_0, Q4_1, Q4_K, Q5_K and Q3_K's and Q6_K's
- *               tile and elsewhere the VNNI paths with AVX2's three instructions in
- *               place of vpdpbusd: dot_avx512bw.c)
+ *               X8_VNNI 0 takes AVX2's 16-bit sums for Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+ *               Q5_K and the tiles of Q2_K, Q3_K and Q6_K, and elsewhere the VNNI paths
+ *               with AVX2's three instructions in place of vpdpbusd: dot_avx512bw.c)
  *
  * A word (32 bytes: 4 quants of every row of a group) is multiplied by 4 activation
  * bytes broadcast to every lane, the 4 products added exactly into each row's int32
- * (the unsigned weights times the signed activations: Q4_0's nibbles, Q6_K's q + 32, Q3_K's q + 4 and
- * Q8_0's q + 128 (its sign flipped), with the offset's product taken back from the
- * activations' sums g; AVX2's pairs stay within 16 bits: 2 * 63 * 127 for Q6_K, and
- * Q8_0 takes |q| times the activations given q's sign; without VNNI, Q4_0, Q4_1, Q4_K,
- * Q5_K and (in a tile) Q3_K and Q6_K add several words' pairs in 16 bits before one vpmaddwd:
- * q4_isum, k_isum, k6_isum).
+ * (the unsigned weights times the signed activations: Q4_0's nibbles, Q5_0's 5 bits,
+ * Q2_K's 2 bits, Q3_K's q + 4, Q6_K's q + 32 and Q8_0's q + 128 (its sign flipped), with
+ * the offset's product taken back from the activations' sums g; AVX2's pairs stay
+ * within 16 bits: 2 * 63 * 127 for Q6_K, and Q8_0 takes |q| times the activations given
+ * q's sign; without VNNI, Q4_0, Q4_1, Q5_0, Q5_1 (their halves apart), Q4_K, Q5_K and
+ * (in a tile) Q2_K, Q3_K and Q6_K add several words' pairs in 16 bits before one
+ * vpmaddwd: q4_isum, k_isum, k6_isum).
  * Every integer sum is exact, so its order is free; the float terms and their 8 running
  * sums per row (block c into sum c mod 8) are dot.h's, in its order, so every row's bits
  * are the stored row's on every instruction set and width.
