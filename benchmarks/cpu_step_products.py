@@ -58,9 +58,8 @@ def step_matrices(path: Path) -> list[tuple[str, str, int, int, np.ndarray]]:
     multiplies, in its order: the blocks', then the head (the embedding when tied)."""
     reader = GGUFReader(path)
     by = {t.name: t for t in reader.tensors}
-    names = [
-        f"blk.{i}.{k}.weight" for i in range(len(by)) for k in ORDER if f"blk.{i}.{k}.weight" in by
-    ]
+    blocks = sorted({int(n.split(".")[1]) for n in by if n.startswith("blk.")})
+    names = [f"blk.{i}.{k}.weight" for i in blocks for k in ORDER if f"blk.{i}.{k}.weight" in by]
     names.append("output.weight" if "output.weight" in by else "token_embd.weight")
     out = []
     for name in names:

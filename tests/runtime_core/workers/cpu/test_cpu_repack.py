@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
-from runplan.quant_types import block_elems
+from runplan.quant_types import FLOAT_TYPES, Q8_TYPES, block_elems
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.step_buffers import q_row_stride
 from runtime_core.workers.cpu.worker import CpuWorker
@@ -55,20 +55,8 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
 
 
-REPACKED = (
-    "Q8_0",
-    "Q4_0",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "Q2_K",
-    "Q3_K",
-    "Q4_K",
-    "Q5_K",
-    "Q6_K",
-    "IQ4_NL",
-    "IQ4_XS",
-)
+#: every quantized type repacks
+REPACKED = Q8_TYPES
 
 
 def width(qtype: str) -> int:
@@ -200,7 +188,7 @@ def test_a_repacked_part_beside_others_writes_its_columns_with_bias_and_accumula
 
 def test_every_quantized_type_repacks_and_no_float_type() -> None:
     rng = np.random.default_rng(2)
-    for qtype in ("F16", "BF16", "F32"):
+    for qtype in FLOAT_TYPES:
         n = 256
         raw = random_rows(rng, qtype, 9, n)
         assert _kernels.Matrix([(raw, qtype, 9, n, 0)], repack=True).repacked == (False,)

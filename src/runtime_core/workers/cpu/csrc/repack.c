@@ -214,7 +214,33 @@ static void k6_unpack(const uint8_t *G, int i, uint8_t *b) {
     memcpy(b + 208, G + 2 * i, 2);
 }
 
-/* ---- Q3_K ------------------------------------------------------------------------------------- */
+/* ---- Q3_K, Q2_K ------------------------------------------------------------------------------- */
+
+/* The 2-bit fields of a super-block (Q3_K's low bits, Q2_K's quants): element l of
+ * sub-block s, stored, at bits 2 (s & 3) of qs[32 (s >> 2) + l] (the offset into qs it
+ * returns in *stored); in the group, at the same bits of byte l & 3 of row i's lane of
+ * word l / 4 of the area at + 256 (s >> 2) (the offset it returns). */
+static int k_low2_at(int s, int l, int at, int i, int *stored) {
+    *stored = 32 * (s >> 2) + l;
+    return at + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3);
+}
+
+static void k_low2_pack(const uint8_t *qs, int at, int i, uint8_t *G) {
+    for (int s = 0, o; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+            const int g = k_low2_at(s, l, at, i, &o), shift = 2 * (s & 3);
+            G[g] = (uint8_t)(G[g] | (((qs[o] >> shift) & 3) << shift));
+        }
+}
+
+static void k_low2_unpack(const uint8_t *G, int at, int i, uint8_t *qs) {
+    memset(qs, 0, 64);
+    for (int s = 0, o; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+            const int g = k_low2_at(s, l, at, i, &o), shift = 2 * (s & 3);
+            qs[o] = (uint8_t)(qs[o] | (((G[g] >> shift) & 3) << shift));
+        }
+}
 
 #define K3_SCALES 16
 #define K3_LOW 144
@@ -228,13 +254,11 @@ static void k6_unpack(const uint8_t *G, int i, uint8_t *b) {
 static void k3_pack(const uint8_t *b, int i, uint8_t *G) {
     memcpy(G + 2 * i, b + 108, 2);
     for (int j = 0; j < 16; ++j) G[K3_SCALES + 8 * j + i] = (uint8_t)(int8_t)k3_scale(b + 96, j);
+    k_low2_pack(b + 32, K3_LOW, i, G);
     for (int s = 0; s < 8; ++s)
         for (int l = 0; l < 32; ++l) {
-            const int low = (b[32 + 32 * (s >> 2) + l] >> (2 * (s & 3))) & 3, high = (b[l] >> s) & 1;
-            uint8_t *gl = G + K3_LOW + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3);
             uint8_t *gh = G + K3_HIGH + word_at(0, l >> 2, i, l & 3);
-            *gl = (uint8_t)(*gl | (low << (2 * (s & 3))));
-            *gh = (uint8_t)(*gh | (high << s));
+            *gh = (uint8_t)(*gh | (((b[l] >> s) & 1) << s));
         }
 }
 
@@ -245,17 +269,12 @@ static void k3_unpack(const uint8_t *G, int i, uint8_t *b) {
         b[96 + (j & 7)] = (uint8_t)(b[96 + (j & 7)] | ((v & 15) << (4 * (j >> 3))));
         b[104 + (j & 3)] = (uint8_t)(b[104 + (j & 3)] | ((v >> 4) << (2 * (j >> 2))));
     }
+    k_low2_unpack(G, K3_LOW, i, b + 32);
     for (int s = 0; s < 8; ++s)
-        for (int l = 0; l < 32; ++l) {
-            const int low = (G[K3_LOW + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3)] >> (2 * (s & 3))) & 3;
-            const int high = (G[K3_HIGH + word_at(0, l >> 2, i, l & 3)] >> s) & 1;
-            b[32 + 32 * (s >> 2) + l] = (uint8_t)(b[32 + 32 * (s >> 2) + l] | (low << (2 * (s & 3))));
-            b[l] = (uint8_t)(b[l] | (high << s));
-        }
+        for (int l = 0; l < 32; ++l)
+            b[l] = (uint8_t)(b[l] | (((G[K3_HIGH + word_at(0, l >> 2, i, l & 3)] >> s) & 1) << s));
     memcpy(b + 108, G + 2 * i, 2);
 }
-
-/* ---- Q2_K ------------------------------------------------------------------------------------- */
 
 #define K2_SCALES 32
 #define K2_LOW 160
@@ -268,12 +287,7 @@ static void k2_pack(const uint8_t *b, int i, uint8_t *G) {
     memcpy(G + 2 * i, b + 80, 2);
     memcpy(G + 16 + 2 * i, b + 82, 2);
     for (int j = 0; j < 16; ++j) G[K2_SCALES + 8 * j + i] = b[j];
-    for (int s = 0; s < 8; ++s)
-        for (int l = 0; l < 32; ++l) {
-            const int q = (b[16 + 32 * (s >> 2) + l] >> (2 * (s & 3))) & 3;
-            uint8_t *g = G + K2_LOW + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3);
-            *g = (uint8_t)(*g | (q << (2 * (s & 3))));
-        }
+    k_low2_pack(b + 16, K2_LOW, i, G);
 }
 
 static void k2_unpack(const uint8_t *G, int i, uint8_t *b) {
@@ -281,11 +295,7 @@ static void k2_unpack(const uint8_t *G, int i, uint8_t *b) {
     memcpy(b + 80, G + 2 * i, 2);
     memcpy(b + 82, G + 16 + 2 * i, 2);
     for (int j = 0; j < 16; ++j) b[j] = G[K2_SCALES + 8 * j + i];
-    for (int s = 0; s < 8; ++s)
-        for (int l = 0; l < 32; ++l) {
-            const int q = (G[K2_LOW + 256 * (s >> 2) + word_at(0, l >> 2, i, l & 3)] >> (2 * (s & 3))) & 3;
-            b[16 + 32 * (s >> 2) + l] = (uint8_t)(b[16 + 32 * (s >> 2) + l] | (q << (2 * (s & 3))));
-        }
+    k_low2_unpack(G, K2_LOW, i, b + 16);
 }
 
 /* ---- whole matrices ----------------------------------------------------------------------- */

@@ -1,7 +1,8 @@
 /* x8_b32_kernels.h: the 32-element blocks' products: Q8_0 and IQ4_NL (q8_0_body), Q4_0,
- * Q4_1, Q5_0 and Q5_1 (q4_body), and their tile (b32_tile). A part of x8_kernels.h, which includes it
- * once per vector width under its X8_TARGET and X8_WIDTH (so no include guard): see there
- * for the layout, the exact sums and the order of the float terms. */
+ * Q4_1, Q5_0 and Q5_1 (q4_body), and their tile (b32_tile). A part of x8_kernels.h,
+ * which includes it once per vector width under its X8_TARGET and X8_WIDTH (so no
+ * include guard): see there for the layout, the exact sums and the order of the float
+ * terms. */
 #ifndef XN
 #error "x8_b32_kernels.h is included by x8_kernels.h"
 #endif
@@ -85,17 +86,20 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
 X8_INL VI XN(q4_isum)(const VI *lo, const VI *hi, const int8_t *xq, VI init, const int q5) {
 #if X8_PAIRS16 /* 8 words' pairs in 16 bits: |sum| <= 8 * 2 * 15 * 128 < 2^15; five bits
                 * 4 words' (4 * 2 * 31 * 128 < 2^15), the halves apart */
-    VI s16 = v_add16(v_maddubs(lo[0], XN(bcast)(xq)), q5 ? v_zero() : v_maddubs(hi[0], XN(bcast)(xq + 16)));
-    for (int w = 1; w < 4; ++w)
-        s16 = v_add16(s16, q5 ? v_maddubs(lo[w], XN(bcast)(xq + 4 * w))
-                              : v_add16(v_maddubs(lo[w], XN(bcast)(xq + 4 * w)),
-                                        v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w))));
-    if (q5) {
-        VI h16 = v_maddubs(hi[0], XN(bcast)(xq + 16));
-        for (int w = 1; w < 4; ++w) h16 = v_add16(h16, v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w)));
-        return v_add32(init, v_add32(v_madd16(s16, v_set1_16(1)), v_madd16(h16, v_set1_16(1))));
+    const VI one = v_set1_16(1);
+    if (!q5) { /* the nibbles: all 8 words in one 16-bit sum */
+        VI s16 = v_add16(v_maddubs(lo[0], XN(bcast)(xq)), v_maddubs(hi[0], XN(bcast)(xq + 16)));
+        for (int w = 1; w < 4; ++w)
+            s16 = v_add16(s16, v_add16(v_maddubs(lo[w], XN(bcast)(xq + 4 * w)),
+                                       v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w))));
+        return v_add32(init, v_madd16(s16, one));
     }
-    return v_add32(init, v_madd16(s16, v_set1_16(1)));
+    VI l16 = v_maddubs(lo[0], XN(bcast)(xq)), h16 = v_maddubs(hi[0], XN(bcast)(xq + 16));
+    for (int w = 1; w < 4; ++w) {
+        l16 = v_add16(l16, v_maddubs(lo[w], XN(bcast)(xq + 4 * w)));
+        h16 = v_add16(h16, v_maddubs(hi[w], XN(bcast)(xq + 16 + 4 * w)));
+    }
+    return v_add32(init, v_add32(v_madd16(l16, one), v_madd16(h16, one)));
 #else
     (void)q5; /* two chains (exact: their order is free) */
     VI si = init, si2 = v_zero();

@@ -28,22 +28,20 @@ enum { X8_Q4_K, X8_Q5_K, X8_Q6_K, X8_Q3_K, X8_Q2_K };
 
 /* word w of sub-blocks 2p (lo) and 2p + 1 (hi) of a group super-block as unsigned bytes */
 X8_INL void XN(k_word)(const uint8_t *b, int64_t gs, const int kind, int p, int w, VI *lo, VI *hi) {
-    if (kind == X8_Q2_K) { /* bits 4 (p & 1) .. of the area of sub-blocks 4 (p >> 1) .. */
+    if (kind == X8_Q2_K || kind == X8_Q3_K) { /* 2 bits: bits 4 (p & 1) .. of the area of
+                                               * sub-blocks 4 (p >> 1) ..; Q3_K's high bit
+                                               * (bit 2p, 2p + 1) to bit 2 */
         const VI m2 = v_set1_8(3);
-        const VI v = XN(ld)(b + 160 + 256 * (p >> 1) + 32 * w, gs);
+        const VI v = XN(ld)(b + (kind == X8_Q2_K ? 160 : 144) + 256 * (p >> 1) + 32 * w, gs);
         *lo = v_and((p & 1) ? v_srli16(v, 4) : v, m2);
         *hi = v_and(v_srli16(v, (p & 1) ? 6 : 2), m2);
-        return;
-    }
-    if (kind == X8_Q3_K) { /* the low 2 bits (bits 4 (p & 1) .. of the area of sub-blocks
-                            * 4 (p >> 1) ..), the high bit (bit 2p, 2p + 1) to bit 2 */
-        const VI m2 = v_set1_8(3), four = v_set1_8(4);
-        const VI v = XN(ld)(b + 144 + 256 * (p >> 1) + 32 * w, gs);
-        const VI h = XN(ld)(b + 656 + 32 * w, gs);
-        const VI hlo = p == 0 ? v_slli16(h, 2) : p == 1 ? h : v_srli16(h, 2 * p - 2);
-        const VI hhi = p == 0 ? v_slli16(h, 1) : v_srli16(h, 2 * p - 1);
-        *lo = v_or(v_and((p & 1) ? v_srli16(v, 4) : v, m2), v_and(hlo, four));
-        *hi = v_or(v_and(v_srli16(v, (p & 1) ? 6 : 2), m2), v_and(hhi, four));
+        if (kind == X8_Q3_K) {
+            const VI four = v_set1_8(4), h = XN(ld)(b + 656 + 32 * w, gs);
+            const VI hlo = p == 0 ? v_slli16(h, 2) : p == 1 ? h : v_srli16(h, 2 * p - 2);
+            const VI hhi = p == 0 ? v_slli16(h, 1) : v_srli16(h, 2 * p - 1);
+            *lo = v_or(*lo, v_and(hlo, four));
+            *hi = v_or(*hi, v_and(hhi, four));
+        }
         return;
     }
     const VI m4 = v_set1_8(0x0F);
