@@ -71,19 +71,23 @@ const Isa *isa_avx512(void) {
         avx512.q8_x8_rows[T_Q4_K][1] = xp_q4_k;
         avx512.q8_x8_rows[T_Q8_0][0] = x8_q8_0;
         avx512.q8_x8_rows[T_Q5_K][0] = x8_q5_k;
-        /* Q3_K, 1 row: one group per 256-bit vector; 2 rows: AVX2's kernel. Over a decode
-         * step's distinct Q3_K matrices (the 8B shape's Q3_K_S, 4 blocks, 1 thread, AMD
-         * Zen 4, `benchmarks/cpu_step_products.py --rows R`, the builds in turn), ms:
-         * 1 row 45.2 (the two-group kernel) -> 28.7 (34.6 with AVX2's); 2 rows 51.6 ->
-         * 44.8 (46.7 with this set's 256-bit one); 3 and 4 rows within 4 %, left to the
-         * two-group kernel. Not measured on Zen 5. */
-        avx512.q8_x8_rows[T_Q3_K][0] = x8_q3_k;
-        avx512.q8_x8_rows[T_Q3_K][1] = ISA_AVX2.q8_x8[T_Q3_K];
-        /* Q2_K, 1 row: one group per 256-bit vector (the 8B shape's Q2_K mix, a step's
-         * products, the same way, 1 row: a 14336 x 4096 Q2_K matrix 7.4-7.8 -> 4.6 ms, the
-         * step's best pass 31.0-32.0 -> 23.3-23.5 ms); 2 rows stay with the two-group
-         * kernel (AVX2's: 8.4-8.5 against 7.2-7.8 ms). Not measured on Zen 5. */
-        avx512.q8_x8_rows[T_Q2_K][0] = x8_q2_k;
+        /* Q3_K, 1 and 2 rows: one group per 256-bit vector. Over a decode step's distinct
+         * Q3_K matrices (the 8B shape's Q3_K_S, 4 blocks, 1 thread, AMD Zen 4,
+         * `benchmarks/cpu_step_products.py --rows R`, the builds in turn), ms: 1 row 45.2
+         * (the two-group kernel) -> 28.7 (34.6 with AVX2's); 2 rows, since its words'
+         * shifts are immediates and its blocks prefetched into the second level (repack.h),
+         * 45.3-45.8 with AVX2's kernel or 46.6-49.8 with the two-group one -> 30.9-31.1
+         * (before: 51.6 two-group, 44.8 AVX2's, 46.7 this one); 3 and 4 rows left to the
+         * two-group kernel (34.7-34.9 and 40.0-48.3 against this one's 44.1-44.4 and
+         * 51.7-52.6). Not measured on Zen 5. */
+        avx512.q8_x8_rows[T_Q3_K][0] = avx512.q8_x8_rows[T_Q3_K][1] = x8_q3_k;
+        /* Q2_K, 1 and 2 rows: one group per 256-bit vector (the 8B shape's Q2_K mix, a
+         * step's products, the same way, 1 row: a 14336 x 4096 Q2_K matrix 7.4-7.8 -> 4.6
+         * ms, the step's best pass 31.0-32.0 -> 23.3-23.5 ms; 2 rows, as Q3_K's since
+         * their changes, 31.3-32.1 with the two-group kernel -> 29.9-30.2); 3 and 4 rows
+         * left to the two-group kernel (31.9-32.0 and 37.3-40.3 ms against 43.3-44.5 and
+         * 48.9-52.3). Not measured on Zen 5. */
+        avx512.q8_x8_rows[T_Q2_K][0] = avx512.q8_x8_rows[T_Q2_K][1] = x8_q2_k;
         /* Q5_0, Q5_1, 1 row: one group per 256-bit vector (a decode step's products, the
          * same way, ms: Q5_0 44.8/33.8 with the two-group kernel -> 35.7/30.0, Q5_1
          * 45.1/43.2 -> 42.9/30.9, the host's phases; AVX2's kernel 36.0/29.9 and

@@ -57,24 +57,29 @@
 
 #define X8 8
 
-/* How far ahead of the block being read the x8 products prefetch (X8_AHEAD(block bytes);
- * AVX-512's decode products take their own distances: x8_pair_kernels.h): blocks under
- * X8_L2_BLOCK bytes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) X8_AHEAD_BYTES ahead into the
- * first-level cache; the super-blocks (Q2_K to Q6_K, IQ4_XS) 8 of them ahead
- * into the second.
- * Measured on two processors, over a decode step's distinct matrices (8B shape, 4
- * blocks, 1 thread). AMD Zen 5, the AVX2 set, ms a token: 3360 bytes into the first
- * level Q4_0 17.5-17.7, Q4_K_S 17.7-18.0, Q6_K 24.4-24.7; 6720: 16.3-16.5, 16.4-16.7,
- * 22.8-23.8; 13440: 15.5-15.9, 16.5-17.2, 23.0-23.7 (the second-level hint not tried
- * there). AMD Zen 4 (EPYC family 25, model 17), the matrices' GB/s: 6720 bytes into
- * the first level Q6_K 9.2, Q4_K 16.7; the super-blocks 8 ahead into the second level
- * 26.1, 28.3; Q8_0 26.7 at 6720 into the first level, 23.5 into the second (our
- * reading, no counter shows it: the first level's 32 KiB there evicts what a long
- * distance into it fetches before its use). Prefill's products (32 rows) within 2 % or
- * faster. */
-#define X8_AHEAD_BYTES 6720
-#define X8_L2_BLOCK 1024
-#define X8_AHEAD(gb) ((gb) >= X8_L2_BLOCK ? 8 * (gb) : X8_AHEAD_BYTES)
+/* How far ahead of the block being read the x8 products prefetch, into the second-level
+ * cache (X8_AHEAD(block bytes); AVX-512's decode products of Q4_0, Q4_1, IQ4_NL, Q4_K and
+ * Q6_K take their own distances: x8_pair_kernels.h): blocks of 512 bytes or more (the
+ * super-blocks, Q2_K to Q6_K and IQ4_XS) 8 of them ahead, the smaller ones (Q8_0, Q4_0,
+ * Q4_1, Q5_0, Q5_1, IQ4_NL) X8_AHEAD_BYTES ahead; Q8_0's product of one row
+ * X8_AHEAD_Q8_0_ROW bytes ahead into the first level.
+ * Measured over a decode step's distinct matrices (8B shape, 4 blocks, 1 thread,
+ * `benchmarks/cpu_step_products.py`). AMD Zen 5, the AVX2 set, ms a token, into the
+ * first level: 3360 bytes Q4_0 17.5-17.7, Q4_K_S 17.7-18.0, Q6_K 24.4-24.7; 6720:
+ * 16.3-16.5, 16.4-16.7, 22.8-23.8; 13440: 15.5-15.9, 16.5-17.2, 23.0-23.7 (the second
+ * level not tried there). AMD Zen 4 (EPYC family 25, model 17), first level at 6720
+ * against the second (the super-blocks 8 ahead, the others 13440), GB/s: Q6_K 9.2 ->
+ * 26.1, Q4_K 16.7 -> 28.3; ms, the builds in turn (two rounds): Q3_K_S 1 row 31.7-33.7
+ * -> 21.7-22.1, 2 rows (this set's 256-bit kernel) 45-48 -> 31; Q2_K 27.3-30.6 ->
+ * 20.2-21.9; Q5_0 1 row 31.2-31.9 -> 25.5-33.1, 2 rows 39.2-39.3 -> 27.4-28.6; Q5_1
+ * 30.1-31.3 -> 26.8-30.7, 46-50 -> 32-37; Q4_0 with the AVX2 set 24.4-25.1 -> 20.7-20.9,
+ * 3 rows 38.7-39.9 -> 26.3-33.3; IQ4_NL (AVX2) 30.6-31.5 -> 29.8-30.4; Q8_0 2 rows
+ * 51.7-62.5 -> 48.8-49.1, 3 rows 60.7-62.9 -> 46.0-47.3, but 1 row 44.1-46.6 -> 50.9-51.5
+ * (AVX2: 40.5-43.3 -> 45.2-51.5), which stays in the first level. Prefill's products (32
+ * rows) within the noise. */
+#define X8_AHEAD_BYTES 13440
+#define X8_AHEAD(gb) ((gb) >= 512 ? 8 * (gb) : X8_AHEAD_BYTES)
+#define X8_AHEAD_Q8_0_ROW 6720
 
 /* the types that repack: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
  * IQ4_NL, IQ4_XS (every quantized type) */

@@ -54,7 +54,8 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
     XN(zero)(acc, NJ);
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
-        XN(ahead)(grp, gs, c * gb, gb);
+        if (NJ == 1 && !nl) XN(ahead_by)(grp, gs, c * gb, gb, X8_AHEAD_Q8_0_ROW, 1); /* repack.h */
+        else XN(ahead)(grp, gs, c * gb, gb);
         const VF dw = XN(ld_halves)(b, gs);
         VI u[8], q[8];
         XN(b32_words)(b, gs, nl, u, q);

@@ -157,6 +157,72 @@ X8_INL void XN(k_word_sums)(const uint8_t *b, int64_t gs, const int kind, const 
     }
 }
 
+/* k_isum's sums of sub-blocks 2p (lo) and 2p + 1 (hi), added into isum */
+X8_INL void XN(k_isum_p)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const int NJ,
+                         const int8_t *const *xq, const int32_t *const *xg, int p, VI *isum) {
+#if X8_PAIRS16
+    if (kind == X8_Q4_K || kind == X8_Q5_K) { /* pairs of products summed in 16 bits
+                                               * over a run of words (Q4_K all 8: 8 * 2
+                                               * * 15 * 127 < 2^15; Q5_K 4: 4 * 2 * 31
+                                               * * 127 < 2^15), then times the scale */
+        const int run = kind == X8_Q4_K ? 8 : 4;
+        const VI s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+        const VI s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+        const VI slo = v_or(s0, v_slli32(s0, 16));
+        const VI shi = v_or(s1, v_slli32(s1, 16));
+        for (int w0 = 0; w0 < 8; w0 += run) {
+            VI plo[X8_XT], phi[X8_XT];
+            for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = v_zero();
+            /* unrolled: no counter or word addresses to compute (AVX2's Q4_K tile
+             * of 32 rows 1.23x as fast, benchmarks/cpu_repack.py --rows 32: 116 ->
+             * 142 GMAC/s; 4 rows 1.06x; one row, Q5_K and AVX-512 BW the same) */
+#pragma GCC unroll 8
+            for (int w = w0; w < w0 + run; ++w) {
+                VI lo, hi;
+                if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
+                else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
+                for (int k = 0; k < NJ; ++k) {
+                    const int8_t *xp = xq[k] + 64 * p + 4 * w;
+                    plo[k] = v_add16(plo[k], v_maddubs(lo, XN(bcast)(xp)));
+                    phi[k] = v_add16(phi[k], v_maddubs(hi, XN(bcast)(xp + 32)));
+                    /* word by word: GCC otherwise adds the words' products as a
+                     * tree, spilling them (one row's products took 1.2x as long
+                     * in cache: benchmarks/cpu_x8_loop.py) */
+                    X8_KEEP(plo[k]);
+                    X8_KEEP(phi[k]);
+                }
+            }
+            for (int k = 0; k < NJ; ++k)
+                isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
+        }
+        return;
+    }
+#endif
+    /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q2_K's, Q3_K's and Q6_K's of their
+     * 16-element groups 4p + h, 4p + 2 + h (words 4h ..), q + 32 (Q3_K: q + 4; Q2_K:
+     * q) times x less 32 (4; 0) times the group's g */
+    VI alo[X8_XT], ahi[X8_XT];
+    for (int k = 0; k < NJ; ++k) {
+        alo[k] = X8_K_GROUPS(kind) ? v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p]) : v_zero();
+        ahi[k] = X8_K_GROUPS(kind) ? v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p + 2]) : v_zero();
+    }
+    if (X8_K_GROUPS(kind) && NJ <= 2) { /* unrolled: w picks its words' high-bit shifts
+                                       * and group (AVX2, one row: 12-15 % faster; 3-4
+                                       * rows measured 3-7 % slower) */
+#pragma GCC unroll 8
+        for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
+    } else { /* left a loop: unrolled, AVX2's Q5_K tiles (which took this path
+              * before their 16-bit sums) measured 5-15 % slower */
+        for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
+    }
+    if (!X8_K_GROUPS(kind)) { /* sub-blocks 2p, 2p + 1 */
+        const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
+        const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
+        for (int k = 0; k < NJ; ++k)
+            isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
+    }
+}
+
 /* The integer sums of super-block b (isum[k], exact) for the NJ rows of xq, xg: per row,
  * the sums of a sub-block (Q6_K: of a 16-element group) times its scale. The words come
  * decoded from dec (XN(k_decode): a tile's rows share one decoding) or, dec NULL, are
@@ -170,68 +236,18 @@ X8_INL void XN(k_isum)(const uint8_t *b, int64_t gs, const int kind, const VI *d
     }
 #endif
     for (int k = 0; k < NJ; ++k) isum[k] = v_zero();
-    for (int p = 0; p < 4; ++p) {
-#if X8_PAIRS16
-        if (kind == X8_Q4_K || kind == X8_Q5_K) { /* pairs of products summed in 16 bits
-                                                   * over a run of words (Q4_K all 8: 8 * 2
-                                                   * * 15 * 127 < 2^15; Q5_K 4: 4 * 2 * 31
-                                                   * * 127 < 2^15), then times the scale */
-            const int run = kind == X8_Q4_K ? 8 : 4;
-            const VI s0 = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
-            const VI s1 = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
-            const VI slo = v_or(s0, v_slli32(s0, 16));
-            const VI shi = v_or(s1, v_slli32(s1, 16));
-            for (int w0 = 0; w0 < 8; w0 += run) {
-                VI plo[X8_XT], phi[X8_XT];
-                for (int k = 0; k < NJ; ++k) plo[k] = phi[k] = v_zero();
-                /* unrolled: no counter or word addresses to compute (AVX2's Q4_K tile
-                 * of 32 rows 1.23x as fast, benchmarks/cpu_repack.py --rows 32: 116 ->
-                 * 142 GMAC/s; 4 rows 1.06x; one row, Q5_K and AVX-512 BW the same) */
-#pragma GCC unroll 8
-                for (int w = w0; w < w0 + run; ++w) {
-                    VI lo, hi;
-                    if (dec) lo = dec[16 * p + 2 * w], hi = dec[16 * p + 2 * w + 1];
-                    else XN(k_word)(b, gs, kind, p, w, &lo, &hi);
-                    for (int k = 0; k < NJ; ++k) {
-                        const int8_t *xp = xq[k] + 64 * p + 4 * w;
-                        plo[k] = v_add16(plo[k], v_maddubs(lo, XN(bcast)(xp)));
-                        phi[k] = v_add16(phi[k], v_maddubs(hi, XN(bcast)(xp + 32)));
-                        /* word by word: GCC otherwise adds the words' products as a
-                         * tree, spilling them (one row's products took 1.2x as long
-                         * in cache: benchmarks/cpu_x8_loop.py) */
-                        X8_KEEP(plo[k]);
-                        X8_KEEP(phi[k]);
-                    }
-                }
-                for (int k = 0; k < NJ; ++k)
-                    isum[k] = v_add32(isum[k], v_add32(v_madd16(plo[k], slo), v_madd16(phi[k], shi)));
-            }
-            continue;
-        }
-#endif
-        /* the sums of sub-blocks 2p (lo), 2p + 1 (hi); Q2_K's, Q3_K's and Q6_K's of their
-         * 16-element groups 4p + h, 4p + 2 + h (words 4h ..), q + 32 (Q3_K: q + 4; Q2_K:
-         * q) times x less 32 (4; 0) times the group's g */
-        VI alo[X8_XT], ahi[X8_XT];
-        for (int k = 0; k < NJ; ++k) {
-            alo[k] = X8_K_GROUPS(kind) ? v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p]) : v_zero();
-            ahi[k] = X8_K_GROUPS(kind) ? v_set1_32(-X8_K_OFFSET(kind) * xg[k][4 * p + 2]) : v_zero();
-        }
-        if (X8_K_GROUPS(kind) && NJ <= 2) { /* unrolled: w picks its words' high-bit shifts
-                                           * and group (AVX2, one row: 12-15 % faster; 3-4
-                                           * rows measured 3-7 % slower) */
-#pragma GCC unroll 8
-            for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
-        } else { /* left a loop: unrolled, AVX2's Q5_K tiles (which took this path
-                  * before their 16-bit sums) measured 5-15 % slower */
-            for (int w = 0; w < 8; ++w) XN(k_word_sums)(b, gs, kind, dec, NJ, xq, xg, p, w, alo, ahi, isum);
-        }
-        if (!X8_K_GROUPS(kind)) { /* sub-blocks 2p, 2p + 1 */
-            const VI slo = XN(ld_u8_i32)(b + 32 + 16 * p, gs);
-            const VI shi = XN(ld_u8_i32)(b + 40 + 16 * p, gs);
-            for (int k = 0; k < NJ; ++k)
-                isum[k] = v_add32(isum[k], v_add32(v_mullo32(alo[k], slo), v_mullo32(ahi[k], shi)));
-        }
+    /* Q2_K's and Q3_K's words decoded here: p unrolled, each 2-bit field and high bit an
+     * immediate shift away, not a shift by a register. In cache (1024 x 4096, 1 thread,
+     * AMD Zen 4, the builds in turn, ms; AVX-512 / AVX-512 BW / AVX2): 1 row Q3_K 0.098
+     * -> 0.077, 0.132 -> 0.122, 0.131 -> 0.122, Q2_K 0.080 -> 0.066, 0.097 -> 0.091,
+     * 0.096 -> 0.092; 3 rows Q3_K 0.143 -> 0.140, 0.202 -> 0.199, 0.246 -> 0.220, Q2_K
+     * 0.130 -> 0.122, 0.184 -> 0.177, 0.223 -> 0.207; 4 rows 1.00-1.12x; 2 rows Q2_K with
+     * VNNI 0.100 -> 0.094, without 6-7 % slower (left a loop there). */
+    if ((kind == X8_Q2_K || kind == X8_Q3_K) && !dec && (NJ != 2 || X8_VNNI)) {
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) XN(k_isum_p)(b, gs, kind, dec, NJ, xq, xg, p, isum);
+    } else {
+        for (int p = 0; p < 4; ++p) XN(k_isum_p)(b, gs, kind, dec, NJ, xq, xg, p, isum);
     }
 }
 

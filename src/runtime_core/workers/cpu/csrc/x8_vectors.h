@@ -189,21 +189,22 @@ X8_INL void XN(prefetch)(const uint8_t *p, int bytes) {
 X8_INL void XN(prefetch2)(const uint8_t *p, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
 }
-/* a block of `bytes` bytes into the cache repack.h's X8_L2_BLOCK picks for its size */
-X8_INL void XN(prefetch_block)(const uint8_t *p, int bytes) {
-    if (bytes < X8_L2_BLOCK) XN(prefetch)(p, bytes);
-    else XN(prefetch2)(p, bytes);
-}
-
-/* Prefetch `bytes` X8_AHEAD(bytes) bytes ahead of offset `at` of the group (pair) being
- * read, in the order this pass reads memory: past a group's end, the next group a pass
- * takes: for two groups at once, the pair after this one (not the second group, which
- * is being read already: short rows then went unprefetched) */
-X8_INL void XN(ahead)(const uint8_t *grp, int64_t gs, int64_t at, int bytes) {
-    int64_t o = at + X8_AHEAD(bytes);
+/* Prefetch `bytes` `distance` bytes ahead of offset `at` of the group (pair) being read,
+ * into the first-level cache (l1) or the second, in the order this pass reads memory:
+ * past a group's end, the next group a pass takes: for two groups at once, the pair after
+ * this one (not the second group, which is being read already: short rows then went
+ * unprefetched) */
+X8_INL void XN(ahead_by)(const uint8_t *grp, int64_t gs, int64_t at, int bytes, int64_t distance, const int l1) {
+    int64_t o = at + distance;
     if (XL == 16 && o >= gs) o += gs;
-    XN(prefetch_block)(grp + o, bytes);
-    if (XL == 16) XN(prefetch_block)(grp + gs + o, bytes);
+    for (int half = 0; half < XL / 8; ++half) {
+        if (l1) XN(prefetch)(grp + half * gs + o, bytes);
+        else XN(prefetch2)(grp + half * gs + o, bytes);
+    }
+}
+/* the products' prefetch: X8_AHEAD(bytes) ahead into the second level (repack.h) */
+X8_INL void XN(ahead)(const uint8_t *grp, int64_t gs, int64_t at, int bytes) {
+    XN(ahead_by)(grp, gs, at, bytes, X8_AHEAD(bytes), 0);
 }
 
 /* out[k][i] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), lane by lane */
