@@ -318,28 +318,9 @@ X8_INL void XN(k_rows)(const int8_t **xq, const int32_t **xg, const XRows *x, in
     }
 }
 
-/* NJ (<= X8_XT) rows: each word decoded once and multiplied with the NJ rows' activations */
-X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
-                       float (*out)[XL], const int NJ, const int kind) {
-    const int gb = X8_K_BYTES(kind);
-    VF acc[X8_XT][8];
-    XN(zero)(acc, NJ);
-    for (int64_t sb = 0; sb < nc / 8; ++sb) {
-        const uint8_t *b = grp + sb * gb;
-        XN(ahead)(grp, gs, sb * gb, gb);
-        const int8_t *xq[X8_XT];
-        const int32_t *xg[X8_XT];
-        XN(k_rows)(xq, xg, x, j0, nc, sb, NJ);
-        VI isum[X8_XT];
-        XN(k_isum)(b, gs, kind, NULL, NJ, xq, xg, isum);
-        XN(k_terms)(b, gs, kind, isum, NJ, x, j0, nc, sb, acc, xg);
-    }
-    XN(finish)(acc, NJ, out);
-}
-
-/* NJ rows (X8_XT < nj <= X8_TILE) of a tile: a super-block's words decoded once (into
- * dec, in cache), then taken by the rows X8_XT at a time; each row's running sums in
- * acc (memory). Every row computes what k_body computes, in its order. */
+/* super-block sb (at b) for NJ (<= X8_XT) rows j0 ..: its integer sums, its words decoded
+ * here (dec NULL: k_body) or taken from dec (a tile's, X8_XT rows at a time), then its
+ * float terms into acc */
 X8_INL void XN(k_chunk)(const uint8_t *b, int64_t gs, const int kind, const VI *dec, const XRows *x,
                         int64_t j0, int64_t nc, int64_t sb, VF (*acc)[8], const int NJ) {
     const int8_t *xq[X8_XT];
@@ -350,6 +331,23 @@ X8_INL void XN(k_chunk)(const uint8_t *b, int64_t gs, const int kind, const VI *
     XN(k_terms)(b, gs, kind, isum, NJ, x, j0, nc, sb, acc, xg);
 }
 
+/* NJ (<= X8_XT) rows: each word decoded once and multiplied with the NJ rows' activations */
+X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
+                       float (*out)[XL], const int NJ, const int kind) {
+    const int gb = X8_K_BYTES(kind);
+    VF acc[X8_XT][8];
+    XN(zero)(acc, NJ);
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * gb;
+        XN(ahead)(grp, gs, sb * gb, gb);
+        XN(k_chunk)(b, gs, kind, NULL, x, j0, nc, sb, acc, NJ);
+    }
+    XN(finish)(acc, NJ, out);
+}
+
+/* NJ rows (X8_XT < nj <= X8_TILE) of a tile: a super-block's words decoded once (into
+ * dec, in cache), then taken by the rows X8_XT at a time (k_chunk); each row's running sums
+ * in acc (memory). Every row computes what k_body computes, in its order. */
 X8_INL void XN(k_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
                        float (*out)[XL], const int kind) {
     const int gb = X8_K_BYTES(kind);
