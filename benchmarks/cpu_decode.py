@@ -22,8 +22,8 @@
   in a rotating order) on the same prompt (``--prompt-len`` random ids), thread count
   and model: ``cpu`` (``CpuWorker``, one stage of every block, the best instruction
   set), ``cpu-<isa>`` (the same forced onto one set: ``cpu-avx2``, ``cpu-portable``,
-  ``cpu-avxvnni``, ``cpu-avx512bw``, ``cpu-avx512``), ``numpy`` (``ReferenceWorker``,
-  its BLAS on the same threads), ``llama.cpp`` (llama-cpp-python in
+  ``cpu-avxvnni``, ``cpu-avx512bw``, ``cpu-avx512``, ``cpu-avx512-zen4``), ``numpy``
+  (``ReferenceWorker``, its BLAS on the same threads), ``llama.cpp`` (llama-cpp-python in
   ``--llamacpp-python``'s interpreter, memory-mapped weights, float32 KV cache like the
   CPU worker's, no flash attention), ``llama.cpp-avx2`` (the same in
   ``--llamacpp-avx2-python``'s interpreter: a llama-cpp-python built for AVX2 without

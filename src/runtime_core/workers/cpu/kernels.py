@@ -5,7 +5,8 @@ stage uses (``csrc/pool.h`` shares each operation's items out among them).
 Instruction sets (``_kernels.KNOWN_ISAS``): ``"portable"`` (C, any host), ``"avx2"``
 (AVX2 and F16C), ``"avxvnni"`` (AVX2 with AVX-VNNI's 256-bit ``vpdpbusd``), ``"avx512bw"``
 (AVX-512 F, BW and VL: 512-bit products without VNNI), ``"avx512"`` (AVX-512 F, BW, VL
-and VNNI). ``_kernels.isas()`` lists
+and VNNI), ``"avx512-zen4"`` (``"avx512"`` with a decode step's few-row products chosen
+on AMD Zen 4, offered on AMD's family 19h only). ``_kernels.isas()`` lists
 those this processor runs, the best last; a call of ``linear`` or ``attention`` names
 the one it uses (``isa=``; the best by default), so each worker chooses its own
 (``CpuWorker(isa=...)``) and nothing is switched for the whole process. Every set

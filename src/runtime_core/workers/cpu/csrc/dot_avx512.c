@@ -99,4 +99,43 @@ const Isa *isa_avx512(void) {
     return &avx512;
 }
 
+static Isa avx512_zen4;
+
+/* AVX-512's set with a decode step's kernels chosen on AMD Zen 4, which runs a 512-bit
+ * instruction as two 256-bit halves: one group per 256-bit vector (x8_kernels.h, its
+ * activations broadcast from memory) for 1 and 2 rows of Q4_0, Q4_1, IQ4_NL and Q6_K
+ * (AVX-512's pair kernel: a vpermd per activation vector and a fold of two halves),
+ * 1 row of IQ4_XS, 2 of Q5_K and 2 and 3 of Q8_0 (the two-group kernel). Since every
+ * x8 block is prefetched into the second-level cache (repack.h), on Zen 4 (EPYC family
+ * 25, model 17, 1 thread): whole decode steps of the 8B shape's 4 blocks with both
+ * sets in one process, in turn (`benchmarks/cpu_isa_steps.py MODEL --isas
+ * avx512,avx512-zen4 --batch R`: the median round's time over AVX-512's), 1 row Q4_0
+ * 0.95, Q6_K 0.98, IQ4_NL 1.03 and 0.99, IQ4_XS 0.88 and 0.93; 2 rows Q4_0 0.95, Q6_K
+ * 0.84, IQ4_NL 0.97, Q5_K 0.87 (both rounds), Q8_0 0.96 and 0.98; 3 rows Q8_0 0.83
+ * (both rounds); the same kernels in both sets measured 0.99-1.05 (the noise). A
+ * step's products alone (`cpu_step_products.py --rows R`, the builds in turn, median
+ * pass, ms): 1 row Q4_0 ffn_gate 4.32-4.62 against 4.73-5.06, IQ4_NL 4.40-4.65 against
+ * 4.77-5.10; 2 rows the Q6_K head 4.25-4.46 against 5.16-5.61; a 57344 x 4096 Q4_1
+ * matrix 1 row 3.90-4.10 against 4.21-4.35 ms, 2 rows 5.43-5.60 against 5.78-6.10.
+ * Left as AVX-512's: IQ4_XS's 2 rows (1.03-1.06), Q5_0's 2 rows (1.06), Q4_K's 1 row (AVX2's
+ * kernel) and 2 (the pair kernel), every type's 4 rows and all but Q8_0's 3 (one group
+ * per 256-bit vector 20-50 % slower from memory). The Zen 5 sessions measured the pair
+ * kernel faster on Zen 5 (above), so the module offers this set on AMD's family 19h only,
+ * as its best. */
+const Isa *isa_avx512_zen4(void) {
+    if (!avx512_zen4.name) { /* once, at import (under the GIL) */
+        avx512_zen4 = *isa_avx512();
+        avx512_zen4.name = "avx512-zen4";
+        const int paired[] = {T_Q4_0, T_Q4_1, T_IQ4_NL, T_Q6_K}; /* AVX-512's pair kernel's */
+        for (int i = 0; i < (int)(sizeof paired / sizeof paired[0]); ++i) {
+            x8_fn *r = avx512_zen4.q8_x8_rows[paired[i]];
+            r[0] = r[1] = avx512_zen4.q8_x8[paired[i]];
+        }
+        avx512_zen4.q8_x8_rows[T_IQ4_XS][0] = x8_iq4_xs;
+        avx512_zen4.q8_x8_rows[T_Q5_K][1] = x8_q5_k;
+        avx512_zen4.q8_x8_rows[T_Q8_0][1] = avx512_zen4.q8_x8_rows[T_Q8_0][2] = x8_q8_0;
+    }
+    return &avx512_zen4;
+}
+
 #endif

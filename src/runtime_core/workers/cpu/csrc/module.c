@@ -30,7 +30,7 @@
 /* ---- instruction sets ------------------------------------------------------------------------ */
 
 /* every set the kernels know, portable first; those the host runs, in the same order */
-static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avxvnni", "avx512bw", "avx512"};
+static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avxvnni", "avx512bw", "avx512", "avx512-zen4"};
 #define N_KNOWN (int)(sizeof KNOWN_ISAS / sizeof KNOWN_ISAS[0])
 static const Isa *HOST_ISAS[N_KNOWN];
 static int N_HOST;
@@ -42,12 +42,17 @@ static int N_HOST;
  * (clang 14 knows neither "f16c" nor "avxvnni"). */
 typedef struct {
     int avx2_f16c, avxvnni, avx512, avx512vnni; /* avx512: F, BW and VL */
+    int amd_family_19h; /* AMD's family 19h: Zen 3 and Zen 4, of which Zen 4 has AVX-512 */
 } HostFeatures;
 
 static HostFeatures host_features(void) {
-    HostFeatures f = {0, 0, 0, 0};
+    HostFeatures f = {0, 0, 0, 0, 0};
     unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
+    const int amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163; /* "AuthenticAMD" */
     if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+    const unsigned base_family = (a >> 8) & 0xF, ext_family = (a >> 20) & 0xFF;
+    f.amd_family_19h = amd && base_family == 0xF && base_family + ext_family == 0x19;
     const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
     if (!osxsave || !avx || !f16c || __get_cpuid_max(0, NULL) < 7) return f;
     unsigned xcr0, xcr0_hi;
@@ -82,6 +87,8 @@ static void find_host_isas(void) {
         if (f.avx512) {
             HOST_ISAS[N_HOST++] = isa_avx512bw();
             if (f.avx512vnni) HOST_ISAS[N_HOST++] = isa_avx512();
+            /* after AVX-512's, so the best on Zen 4, and offered there only */
+            if (f.avx512vnni && f.amd_family_19h) HOST_ISAS[N_HOST++] = isa_avx512_zen4();
         }
     }
 #endif
