@@ -186,7 +186,15 @@ class ChainRunner(ChainStages, RunHandoffs):
             if fields["to"] == "RUNNING" and run is not None and run.ready_s is None:
                 run.ready_s = time.monotonic()
         elif kind == "reject":
-            log.warning("orchestrator rejected %s", {k: str(v) for k, v in fields.items()})
+            # a record of a run that has ended (STALE_RUN): one in flight when the run was
+            # cancelled or finished, the expected end of a cancel (a chat's Ctrl-C), not
+            # an operator's concern; the other refusals are
+            stale = fields.get("reason") == "STALE_RUN"
+            log.log(
+                logging.INFO if stale else logging.WARNING,
+                "orchestrator rejected %s",
+                {k: str(v) for k, v in fields.items()},
+            )
         elif kind == "protocol_violation":
             log.warning(
                 "orchestrator protocol violation: %s in %s", fields["kind"], fields["state"]

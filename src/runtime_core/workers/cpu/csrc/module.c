@@ -30,7 +30,8 @@
 /* ---- instruction sets ------------------------------------------------------------------------ */
 
 /* every set the kernels know, portable first; those the host runs, in the same order */
-static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avxvnni", "avx512bw", "avx512", "avx512-zen4"};
+static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avxvnni", "avx512bw", "avx512",
+                                          "avx512-zen4"};
 #define N_KNOWN (int)(sizeof KNOWN_ISAS / sizeof KNOWN_ISAS[0])
 static const Isa *HOST_ISAS[N_KNOWN];
 static int N_HOST;
@@ -39,7 +40,9 @@ static int N_HOST;
 /* What the processor has and the operating system saves (XCR0: the 256-bit and, for
  * AVX-512, the 512-bit and mask registers), read by CPUID as the Intel and AMD manuals
  * describe: not `__builtin_cpu_supports`, whose feature names differ between compilers
- * (clang 14 knows neither "f16c" nor "avxvnni"). */
+ * (clang 14 knows neither "f16c" nor "avxvnni"); and whether it is AMD's family 19h
+ * (leaf 0's vendor, leaf 1's base family 0xF plus extended family 0x0A), whose AVX-512
+ * processor, Zen 4, takes the avx512-zen4 set's decode kernels (dot_avx512.c). */
 typedef struct {
     int avx2_f16c, avxvnni, avx512, avx512vnni; /* avx512: F, BW and VL */
     int amd_family_19h; /* AMD's family 19h: Zen 3 and Zen 4, of which Zen 4 has AVX-512 */
