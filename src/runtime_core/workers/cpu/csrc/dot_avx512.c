@@ -117,11 +117,11 @@ static Isa avx512_zen4;
  * pass, ms): 1 row Q4_0 ffn_gate 4.32-4.62 against 4.73-5.06, IQ4_NL 4.40-4.65 against
  * 4.77-5.10; 2 rows the Q6_K head 4.25-4.46 against 5.16-5.61; a 57344 x 4096 Q4_1
  * matrix 1 row 3.90-4.10 against 4.21-4.35 ms, 2 rows 5.43-5.60 against 5.78-6.10.
- * Left as AVX-512's: IQ4_XS's 2 rows (1.03-1.06), Q5_0's 2 rows (1.06), Q4_K's 1 row (AVX2's
- * kernel) and 2 (the pair kernel), every type's 4 rows and all but Q8_0's 3 (one group
- * per 256-bit vector 20-50 % slower from memory). The Zen 5 sessions measured the pair
- * kernel faster on Zen 5 (above), so the module offers this set on AMD's family 19h only,
- * as its best. */
+ * Left as AVX-512's: IQ4_XS's 2 rows (1.03-1.06), Q5_0's 2 rows (1.06), Q4_K's 1 row
+ * (AVX2's kernel) and 2 (the pair kernel), every type's 4 rows and all but Q8_0's 3 (one
+ * group per 256-bit vector 20-50 % slower from memory). The Zen 5 sessions measured the
+ * pair kernel faster on Zen 5 (above), so the module offers this set on AMD's family 19h
+ * only, as its best. */
 const Isa *isa_avx512_zen4(void) {
     if (!avx512_zen4.name) { /* once, at import (under the GIL) */
         avx512_zen4 = *isa_avx512();
