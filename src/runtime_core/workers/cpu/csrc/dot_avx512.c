@@ -110,7 +110,8 @@ static Isa avx512_zen4;
  * 25, model 17, 1 thread): whole decode steps of the 8B shape's 4 blocks with both
  * sets in one process, in turn (`benchmarks/cpu_isa_steps.py MODEL --isas
  * avx512,avx512-zen4 --batch R`: the median round's time over AVX-512's), 1 row Q4_0
- * 0.95, Q6_K 0.98, IQ4_NL 1.03 and 0.99, IQ4_XS 0.88 and 0.93; 2 rows Q4_0 0.95, Q6_K
+ * 0.95, Q6_K 0.98, IQ4_NL 1.03 and 0.99, IQ4_XS 0.88 and 0.93, SmolLM2's Q4_1 0.87 and
+ * 0.89; 2 rows Q4_0 0.95, Q6_K
  * 0.84, IQ4_NL 0.97, Q5_K 0.87 (both rounds), Q8_0 0.96 and 0.98; 3 rows Q8_0 0.83
  * (both rounds); the same kernels in both sets measured 0.99-1.05 (the noise). A
  * step's products alone (`cpu_step_products.py --rows R`, the builds in turn, median
