@@ -111,9 +111,8 @@ static Isa avx512_zen4;
  * sets in one process, in turn (`benchmarks/cpu_isa_steps.py MODEL --isas
  * avx512,avx512-zen4 --batch R`: the median round's time over AVX-512's), 1 row Q4_0
  * 0.95, Q6_K 0.98, IQ4_NL 1.03 and 0.99, IQ4_XS 0.88 and 0.93, SmolLM2's Q4_1 0.87 and
- * 0.89; 2 rows Q4_0 0.95, Q6_K
- * 0.84, IQ4_NL 0.97, Q5_K 0.87 (both rounds), Q8_0 0.96 and 0.98; 3 rows Q8_0 0.83
- * (both rounds); the same kernels in both sets measured 0.99-1.05 (the noise). A
+ * 0.89; 2 rows Q4_0 0.95, Q6_K 0.84, IQ4_NL 0.97, Q5_K 0.87 (both rounds), Q8_0 0.96
+ * and 0.98; 3 rows Q8_0 0.83 (both rounds); the same kernels in both sets measured 0.99-1.05 (the noise). A
  * step's products alone (`cpu_step_products.py --rows R`, the builds in turn, median
  * pass, ms): 1 row Q4_0 ffn_gate 4.32-4.62 against 4.73-5.06, IQ4_NL 4.40-4.65 against
  * 4.77-5.10; 2 rows the Q6_K head 4.25-4.46 against 5.16-5.61; a 57344 x 4096 Q4_1
@@ -123,18 +122,23 @@ static Isa avx512_zen4;
  * group per 256-bit vector 20-50 % slower from memory). The Zen 5 sessions measured the
  * pair kernel faster on Zen 5 (above), so the module offers this set on AMD's family 19h
  * only, as its best. */
+/* the row counts (from, to) of a type that take one group per 256-bit vector there */
+static const struct {
+    int type, from, to;
+} ZEN4_ROWS[] = {
+    {T_Q4_0, 1, 2}, {T_Q4_1, 1, 2}, {T_IQ4_NL, 1, 2}, {T_Q6_K, 1, 2}, /* the pair kernel's */
+    {T_IQ4_XS, 1, 1}, {T_Q5_K, 2, 2}, {T_Q8_0, 2, 3},                 /* the two-group one's */
+};
+
 const Isa *isa_avx512_zen4(void) {
     if (!avx512_zen4.name) { /* once, at import (under the GIL) */
         avx512_zen4 = *isa_avx512();
         avx512_zen4.name = "avx512-zen4";
-        const int paired[] = {T_Q4_0, T_Q4_1, T_IQ4_NL, T_Q6_K}; /* AVX-512's pair kernel's */
-        for (int i = 0; i < (int)(sizeof paired / sizeof paired[0]); ++i) {
-            x8_fn *r = avx512_zen4.q8_x8_rows[paired[i]];
-            r[0] = r[1] = avx512_zen4.q8_x8[paired[i]];
+        for (int i = 0; i < (int)(sizeof ZEN4_ROWS / sizeof ZEN4_ROWS[0]); ++i) {
+            const int t = ZEN4_ROWS[i].type;
+            for (int n = ZEN4_ROWS[i].from; n <= ZEN4_ROWS[i].to; ++n)
+                avx512_zen4.q8_x8_rows[t][n - 1] = avx512_zen4.q8_x8[t];
         }
-        avx512_zen4.q8_x8_rows[T_IQ4_XS][0] = x8_iq4_xs;
-        avx512_zen4.q8_x8_rows[T_Q5_K][1] = x8_q5_k;
-        avx512_zen4.q8_x8_rows[T_Q8_0][1] = avx512_zen4.q8_x8_rows[T_Q8_0][2] = x8_q8_0;
     }
     return &avx512_zen4;
 }
