@@ -105,7 +105,8 @@ static Isa avx512_zen4;
  * instruction as two 256-bit halves: one group per 256-bit vector (x8_kernels.h, its
  * activations broadcast from memory) for 1 and 2 rows of Q4_0, Q4_1, IQ4_NL and Q6_K
  * (AVX-512's pair kernel: a vpermd per activation vector and a fold of two halves),
- * 1 row of IQ4_XS, 2 of Q5_K and 2 and 3 of Q8_0 (the two-group kernel). Since every
+ * 2 rows of Q4_K (the pair kernel), 1 row of IQ4_XS, 2 of Q5_K and 2 and 3 of Q8_0 (the
+ * two-group kernel). Since every
  * x8 block is prefetched into the second-level cache (repack.h), on Zen 4 (EPYC family
  * 25, model 17, 1 thread): whole decode steps of the 8B shape's 4 blocks with both
  * sets in one process, in turn (`benchmarks/cpu_isa_steps.py MODEL --isas
@@ -117,8 +118,11 @@ static Isa avx512_zen4;
  * pass, ms): 1 row Q4_0 ffn_gate 4.32-4.62 against 4.73-5.06, IQ4_NL 4.40-4.65 against
  * 4.77-5.10; 2 rows the Q6_K head 4.25-4.46 against 5.16-5.61; a 57344 x 4096 Q4_1
  * matrix 1 row 3.90-4.10 against 4.21-4.35 ms, 2 rows 5.43-5.60 against 5.78-6.10.
- * Left as AVX-512's: IQ4_XS's 2 rows (1.03-1.06), Q5_0's 2 rows (1.06), Q4_K's 1 row
- * (AVX2's kernel) and 2 (the pair kernel), every type's 4 rows and all but Q8_0's 3 (one
+ * Q4_K's 2 rows since the vpdpbusd take their broadcasts from memory (x8_vectors.h:
+ * dot4_at): the 8B shape's Q4_K_S, `cpu_isa_steps.py` as above, 0.92 in two runs where
+ * the set without it read 0.95 in two. Left as AVX-512's: IQ4_XS's 2 rows (1.03-1.06),
+ * Q5_0's 2 rows (1.06), Q4_K's 1 row (AVX2's kernel: one group per 256-bit vector
+ * 1.09-1.10 there, though 12 % faster in cache), every type's 4 rows and all but Q8_0's 3 (one
  * group per 256-bit vector 20-50 % slower from memory). The Zen 5 sessions measured the
  * pair kernel faster on Zen 5 (above), so the module offers this set on AMD's family 19h
  * only, as its best. */
@@ -127,6 +131,7 @@ static const struct {
     int type, from, to;
 } ZEN4_ROWS[] = {
     {T_Q4_0, 1, 2}, {T_Q4_1, 1, 2}, {T_IQ4_NL, 1, 2}, {T_Q6_K, 1, 2}, /* the pair kernel's */
+    {T_Q4_K, 2, 2},                                                   /* the pair kernel's */
     {T_IQ4_XS, 1, 1}, {T_Q5_K, 2, 2}, {T_Q8_0, 2, 3},                 /* the two-group one's */
 };
 

@@ -65,8 +65,8 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
 #if X8_VNNI /* two chains of vpdpbusd (its latency, not its throughput, bounds one) */
             VI si = v_set1_32(-128 * x->g[j * 2 * nc + c]), si2 = v_zero();
             for (int w = 0; w < 8; w += 2) {
-                si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
-                si2 = v_dot4(si2, u[w + 1], XN(bcast)(xq + 4 * w + 4));
+                si = XN(dot4_at)(si, u[w], xq + 4 * w);
+                si2 = XN(dot4_at)(si2, u[w + 1], xq + 4 * w + 4);
             }
             si = v_add32(si, si2);
 #else
@@ -105,8 +105,8 @@ X8_INL VI XN(q4_isum)(const VI *lo, const VI *hi, const int8_t *xq, VI init, con
     (void)q5; /* two chains (exact: their order is free) */
     VI si = init, si2 = v_zero();
     for (int w = 0; w < 4; ++w) {
-        si = v_dot4(si, lo[w], XN(bcast)(xq + 4 * w));
-        si2 = v_dot4(si2, hi[w], XN(bcast)(xq + 16 + 4 * w));
+        si = XN(dot4_at)(si, lo[w], xq + 4 * w);
+        si2 = XN(dot4_at)(si2, hi[w], xq + 16 + 4 * w);
     }
     return v_add32(si, si2);
 #endif
@@ -202,8 +202,8 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
                 si = v_set1_32(-128 * x->g[j * 2 * nc + c]);
                 VI si2 = v_zero();
                 for (int w = 0; w < 8; w += 2) {
-                    si = v_dot4(si, u[w], XN(bcast)(xq + 4 * w));
-                    si2 = v_dot4(si2, u[w + 1], XN(bcast)(xq + 4 * w + 4));
+                    si = XN(dot4_at)(si, u[w], xq + 4 * w);
+                    si2 = XN(dot4_at)(si2, u[w + 1], xq + 4 * w + 4);
                 }
                 si = v_add32(si, si2);
 #else

@@ -24,8 +24,8 @@ X8_INL void XN(iq4xs_sub)(const VI *u, const VI *q, const VI sc, const int NJ, c
     }
     for (int w = 0; w < 8; w += 2)
         for (int k = 0; k < NJ; ++k) {
-            a[k] = v_dot4(a[k], u[w], XN(bcast)(xs[k] + 4 * w));
-            b[k] = v_dot4(b[k], u[w + 1], XN(bcast)(xs[k] + 4 * w + 4));
+            a[k] = XN(dot4_at)(a[k], u[w], xs[k] + 4 * w);
+            b[k] = XN(dot4_at)(b[k], u[w + 1], xs[k] + 4 * w + 4);
         }
     for (int k = 0; k < NJ; ++k) isum[k] = v_add32(isum[k], v_mullo32(v_add32(a[k], b[k]), sc));
 #else /* each word's pairs of products (|q| <= 127 times |x| <= 127, two: < 2^15) times the

@@ -113,7 +113,7 @@
                                                        const XRows *x, int64_t j0, int nj,      \
                                                        float (*out)[XL]) {                      \
         if (nj > X8_XT && nj > X8_K_CHUNKED(KIND)) {                                            \
-            XN(k_tile)(grp, gs, nc, x, j0, nj, out, KIND);                                      \
+            X8_K_TILE(KIND);                                      \
             return;                                                                             \
         }                                                                                       \
         for (int k = 0; k < nj; k += X8_XT) {                                                   \
@@ -172,6 +172,8 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
 #undef X8_KEEP_DOT
 #undef X8_B32_TILE
 #undef X8_K_ENTRY
+#undef X8_K_TILE
+#undef X8_EMBED
 #undef X8_CALL_Q8_0
 #undef X8_CALL_IQ4_NL
 #undef v_shuf8

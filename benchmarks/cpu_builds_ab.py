@@ -1,0 +1,133 @@
+"""Two or more builds of the CPU kernels in one process, in turn: whether a change to the
+kernels' source makes a product faster, measured through the host's phases.
+
+    python benchmarks/cpu_builds_ab.py TREE[@ISA] TREE[@ISA] ... [--types Q4_0,Q6_K]
+        [--rows 1,2] [--n-out 1024] [--n-in 4096] [--isa NAME] [--rounds 15] [--json OUT]
+
+Each ``TREE`` is a source tree whose ``src/runtime_core/workers/cpu`` holds a built
+``_kernels`` module (this checkout's after ``pip install -e .``; another's, e.g. a
+``git worktree`` of the commit before, after the same); ``@ISA`` runs that build on an
+instruction set of its own (default ``--isa``: the best this processor runs), so one
+tree twice with two sets compares the sets. Every build gets its own copy of each random
+weight matrix (``--n-out`` x ``--n-in`` of each type in ``--types``, repacked as the
+worker holds it): 1024 x 4096 is in the last-level cache, 14336 x 4096 (33 MB of Q4_0
+per build) is read from memory on every call. Per type and row count (``--rows`` rows of
+activations, as a decode step of that many runs, or a prefill's tile), ``--rounds``
+rounds in which every build makes its product enough times for about 0.1 s, the builds'
+order rotating round by round. A shared host's phases move a product's time by a
+quarter or more within minutes, more than most changes do: builds measured minutes
+apart differ by the phase alone, while here each round puts them milliseconds apart.
+
+Printed: each build's median ms per call and its median over the first build's (below
+1: faster), and whether every build gave the same bits (the kernels' contract: a change
+that alters them is not a faster kernel). Nothing is asserted; run it again and compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+from tests.support.random_blocks import random_rows  # noqa: E402
+
+from runtime_core.workers.cpu.step_buffers import q_rows  # noqa: E402
+
+
+def load_build(tree: Path, index: int) -> ModuleType:
+    """The ``_kernels`` module built in ``tree``, under a name of its own."""
+    found = sorted((tree / "src" / "runtime_core" / "workers" / "cpu").glob("_kernels*.so"))
+    if not found:
+        raise SystemExit(f"no built _kernels module under {tree}/src/runtime_core/workers/cpu")
+    spec = importlib.util.spec_from_file_location(f"build{index}._kernels", found[0])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(builds: list[tuple[str, ModuleType, str]], qtype: str, rows: int, n_out: int,
+            n_in: int, rounds: int) -> dict[str, Any]:  # fmt: skip
+    rng = np.random.default_rng(0)
+    raw = random_rows(rng, qtype, n_out, n_in, scale=1 / np.sqrt(n_in))
+    mats = [k.Matrix([(raw, qtype, n_out, n_in, 0)], repack=True) for _, k, _ in builds]
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    q = q_rows(np.zeros, rows, n_in)
+    d = np.zeros((rows, n_in // 32), np.float32)
+    s = d.copy()
+    g = np.zeros((rows, n_in // 16), np.int32)
+    ys = [np.zeros((rows, n_out), np.float32) for _ in builds]
+    calls = max(3, int(1e8 / raw.nbytes))
+    times: list[list[float]] = [[] for _ in builds]
+    for r in range(rounds):
+        for i in [(r + o) % len(builds) for o in range(len(builds))]:
+            _, kernels, isa = builds[i]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                kernels.linear(mats[i], rows, x, q, d, s, g, True, True, ys[i], None, False, 1,
+                               isa=isa)  # fmt: skip
+            times[i].append((time.perf_counter() - t0) / calls * 1e3)
+    first = statistics.median(times[0])
+    return {
+        "type": qtype, "rows": rows, "n_out": n_out, "n_in": n_in,
+        "same_bits": all(np.array_equal(ys[0], y) for y in ys),
+        "builds": [{"name": name, "isa": isa, "median_ms": statistics.median(t),
+                    "over_first": statistics.median(t) / first, "rounds_ms": t}
+                   for (name, _, isa), t in zip(builds, times, strict=True)],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trees", nargs="+", help="source trees with a built _kernels: TREE or TREE@ISA")
+    p.add_argument("--types", default="Q4_0,Q4_K,Q6_K,Q8_0", help="types (default: %(default)s)")
+    p.add_argument("--rows", default="1,2", help="activation row counts (default: %(default)s)")
+    p.add_argument("--n-out", type=int, default=1024, help="matrix rows (default: %(default)s)")
+    p.add_argument("--n-in", type=int, default=4096,
+                   help="matrix columns, a multiple of 256 (default: %(default)s)")  # fmt: skip
+    p.add_argument("--isa", default=None,
+                   help="the set of a tree without @ISA (default: the best here)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=15,
+                   help="rounds, every build once each (default: %(default)s)")  # fmt: skip
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = p.parse_args(argv)
+    if args.n_in % 256 or args.n_in <= 0 or args.n_out <= 0 or args.rounds <= 0:
+        p.error("--n-in must be a positive multiple of 256; --n-out and --rounds positive")
+    builds = []
+    for i, spec in enumerate(args.trees):
+        tree, _, isa = spec.partition("@")
+        kernels = load_build(Path(tree), i)
+        isa = isa or args.isa or kernels.isas()[-1]
+        if isa not in kernels.isas():
+            p.error(f"{spec}: instruction set {isa!r} is not one this processor runs there "
+                    f"({', '.join(kernels.isas())})")  # fmt: skip
+        builds.append((spec, kernels, isa))
+    results = []
+    for qtype in args.types.split(","):
+        for rows in (int(r) for r in args.rows.split(",")):
+            res = measure(builds, qtype, rows, args.n_out, args.n_in, args.rounds)
+            results.append(res)
+            line = "  ".join(f"{b['name']} {b['median_ms']:.4f} ms ({b['over_first']:.3f})"
+                             for b in res["builds"])  # fmt: skip
+            print(f"{qtype:6} rows={rows:<3} {args.n_out} x {args.n_in}: {line}"
+                  + ("" if res["same_bits"] else "  THE BITS DIFFER"), flush=True)  # fmt: skip
+    report = {"rounds": args.rounds, "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
