@@ -55,7 +55,10 @@ X8_INL void XN(q8_0_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRow
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
         if (NJ == 1 && !nl) XN(ahead_by)(grp, gs, c * gb, gb, X8_AHEAD_Q8_0_ROW, 1); /* repack.h */
-        else XN(ahead)(grp, gs, c * gb, gb);
+        else {
+            XN(ahead)(grp, gs, c * gb, gb);
+            if (X8_EMBED && !nl) XN(ahead_by)(grp, gs, c * gb, gb, X8_AHEAD_L1, 1); /* repack.h */
+        }
         const VF dw = XN(ld_halves)(b, gs);
         VI u[8], q[8];
         XN(b32_words)(b, gs, nl, u, q);
@@ -157,6 +160,7 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
     for (int64_t c = 0; c < nc; ++c) {
         const uint8_t *b = grp + c * gb;
         XN(ahead)(grp, gs, c * gb, gb);
+        if (X8_EMBED && kind != X8_B_Q4_0) XN(ahead_by)(grp, gs, c * gb, gb, X8_AHEAD_L1, 1); /* repack.h */
         const VF dw = XN(ld_halves)(b, gs);
         const VF mw = has_min ? XN(ld_halves)(b + 16, gs) : f_zero();
         VI lo[4], hi[4];
