@@ -1,22 +1,25 @@
 """Two or more builds of the CPU kernels in one process, in turn: whether a change to the
 kernels' source makes a product faster, measured through the host's phases.
 
-    python benchmarks/cpu_builds_ab.py TREE[@ISA] TREE[@ISA] ... [--types Q4_0,Q6_K]
+    python benchmarks/cpu_builds_ab.py BUILD[@ISA] BUILD[@ISA] ... [--types Q4_0,Q6_K]
         [--rows 1,2] [--n-out 1024] [--n-in 4096] [--isa NAME] [--rounds 15] [--json OUT]
 
-Each ``TREE`` is a source tree whose ``src/runtime_core/workers/cpu`` holds a built
-``_kernels`` module (this checkout's after ``pip install -e .``; another's, e.g. a
-``git worktree`` of the commit before, after the same); ``@ISA`` runs that build on an
+Each ``BUILD`` is a source tree whose ``src/runtime_core/workers/cpu`` holds a built
+``_kernels`` module (this checkout, after ``pip install -e .``), or such a module's file:
+another commit's, e.g. built by ``pip wheel --no-deps -w OUT TREE`` from a ``git
+worktree`` of it and unzipped from the wheel (``unzip -j OUT/*.whl
+'runtime_core/workers/cpu/_kernels*.so'``); ``@ISA`` runs that build on an
 instruction set of its own (default ``--isa``: the best this processor runs), so one
 tree twice with two sets compares the sets. Every build gets its own copy of each random
-weight matrix (``--n-out`` x ``--n-in`` of each type in ``--types``, repacked as the
-worker holds it): 1024 x 4096 is in the last-level cache, 14336 x 4096 (33 MB of Q4_0
-per build) is read from memory on every call. Per type and row count (``--rows`` rows of
-activations, as a decode step of that many runs, or a prefill's tile), ``--rounds``
-rounds in which every build makes its product enough times for about 0.1 s, the builds'
-order rotating round by round. A shared host's phases move a product's time by a
-quarter or more within minutes, more than most changes do: builds measured minutes
-apart differ by the phase alone, while here each round puts them milliseconds apart.
+weight matrix (``--n-out`` x ``--n-in``, a multiple of the type's block, of each type in
+``--types``, repacked as the worker holds it): 1024 x 4096 is in the last-level cache,
+14336 x 4096 (33 MB of Q4_0 per build) is read from memory on every call. Per type and
+row count (``--rows`` rows of activations, as a decode step of that many runs, or a
+prefill's tile), ``--rounds`` rounds in which every build makes its product enough times
+for about 0.1 s, the builds' order rotating round by round. A shared host's phases move
+a product's time by a quarter or more within minutes, more than most changes do: builds
+measured minutes apart differ by the phase alone, while here each round puts them
+milliseconds apart.
 
 Printed: each build's median ms per call and its median over the first build's (below
 1: faster), and whether every build gave the same bits (the kernels' contract: a change
@@ -41,16 +44,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
+from gguf import GGMLQuantizationType  # noqa: E402
 from tests.support.random_blocks import random_rows  # noqa: E402
 
+from runplan.quant_types import block_elems  # noqa: E402
 from runtime_core.workers.cpu.step_buffers import q_rows  # noqa: E402
 
 
-def load_build(tree: Path, index: int) -> ModuleType:
-    """The ``_kernels`` module built in ``tree``, under a name of its own."""
-    found = sorted((tree / "src" / "runtime_core" / "workers" / "cpu").glob("_kernels*.so"))
+def load_build(build: Path, index: int) -> ModuleType:
+    """The ``_kernels`` module ``build`` (its file, or a tree that holds it built), under a
+    name of its own."""
+    found = (
+        [build]
+        if build.is_file()
+        else sorted((build / "src" / "runtime_core" / "workers" / "cpu").glob("_kernels*.so"))
+    )
     if not found:
-        raise SystemExit(f"no built _kernels module under {tree}/src/runtime_core/workers/cpu")
+        raise SystemExit(f"no built _kernels module under {build}/src/runtime_core/workers/cpu")
     spec = importlib.util.spec_from_file_location(f"build{index}._kernels", found[0])
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -91,7 +101,7 @@ def measure(builds: list[tuple[str, ModuleType, str]], qtype: str, rows: int, n_
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("trees", nargs="+", help="source trees with a built _kernels: TREE or TREE@ISA")
+    p.add_argument("trees", nargs="+", help="built _kernels (a file or its tree), each BUILD[@ISA]")
     p.add_argument("--types", default="Q4_0,Q4_K,Q6_K,Q8_0", help="types (default: %(default)s)")
     p.add_argument("--rows", default="1,2", help="activation row counts (default: %(default)s)")
     p.add_argument("--n-out", type=int, default=1024, help="matrix rows (default: %(default)s)")
@@ -103,8 +113,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="rounds, every build once each (default: %(default)s)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
-    if args.n_in % 256 or args.n_in <= 0 or args.n_out <= 0 or args.rounds <= 0:
-        p.error("--n-in must be a positive multiple of 256; --n-out and --rounds positive")
+    if args.n_in <= 0 or args.n_out <= 0 or args.rounds <= 0:
+        p.error("--n-in, --n-out and --rounds must be positive")
+    for qtype in args.types.split(","):
+        if qtype not in GGMLQuantizationType.__members__:
+            p.error(f"--types: {qtype!r} is not a GGML type")
+        if args.n_in % block_elems(qtype):
+            p.error(f"--n-in {args.n_in} is not a multiple of {qtype}'s block "
+                    f"({block_elems(qtype)} elements)")  # fmt: skip
     builds = []
     for i, spec in enumerate(args.trees):
         tree, _, isa = spec.partition("@")

@@ -16,9 +16,11 @@ ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_one_build_twice_on_two_sets_gives_the_same_bits(tmp_path: Path) -> None:
+    """The build named once by its tree, once by its file."""
     best = _kernels.isas()[-1]
     out = tmp_path / "r.json"
-    report = cpu_builds_ab.main([f"{ROOT}@portable", f"{ROOT}@{best}", "--types", "Q4_0,Q6_K",
+    so = _kernels.__file__
+    report = cpu_builds_ab.main([f"{ROOT}@portable", f"{so}@{best}", "--types", "Q4_0,Q6_K",
                                  "--rows", "1,3", "--n-out", "64", "--n-in", "512",
                                  "--rounds", "2", "--json", str(out)])  # fmt: skip
     assert json.loads(out.read_text()) == report
@@ -35,6 +37,8 @@ def test_one_build_twice_on_two_sets_gives_the_same_bits(tmp_path: Path) -> None
 def test_a_tree_without_a_build_or_a_set_it_lacks_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no built _kernels module"):
         cpu_builds_ab.main([str(tmp_path)])
-    with pytest.raises(SystemExit) as e:
-        cpu_builds_ab.main([f"{ROOT}@no-such-set"])
-    assert e.value.code == 2
+    for bad in ([f"{ROOT}@no-such-set"], [str(ROOT), "--types", "Q4_O"],
+                [str(ROOT), "--types", "Q4_K", "--n-in", "576"]):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            cpu_builds_ab.main(bad)
+        assert e.value.code == 2
