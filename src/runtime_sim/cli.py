@@ -40,7 +40,7 @@ from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_core.workers.registry import CORE_WORKERS
 from runtime_sim.api import DEFAULT_WORKER, GenerateResult, generate, generate_runs
-from runtime_sim.explore import explore, report, self_test
+from runtime_sim.explore import CHECKED_RULES, explore, report, self_test
 from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
 
@@ -228,6 +228,12 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int) ->
 
 def _cmd_explore(args: argparse.Namespace) -> int:
     out = Console()
+    if args.rules:
+        if args.json:
+            print_json({"rules": list(CHECKED_RULES)})
+        else:
+            print("\n".join(CHECKED_RULES))  # one a line, unwrapped
+        return 0
     if args.self_test:
         results = self_test()
         if args.json:
@@ -329,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--self-test",
         action="store_true",
         help="run the built-in mutants; exit 0 only if the checker catches each",
+    )
+    ex.add_argument(
+        "--rules",
+        action="store_true",
+        help="list every rule a scenario is checked against (its kind before the colon) "
+        "and run nothing",
     )
     ex.set_defaults(func=_cmd_explore)
     return parser

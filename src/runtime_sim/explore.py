@@ -26,6 +26,7 @@ from runtime_sim.chain_recovery import (
 )
 from runtime_sim.chain_ring_rules import RELEASE_AT_LOAD
 from runtime_sim.chain_rules import (
+    ALL_RULES,
     BATCHES_REPORTED,
     ISOLATION,
     READY_AFTER_SETUP,
@@ -39,6 +40,7 @@ from runtime_sim.faults import FaultPlan
 from runtime_sim.mutants import RECOVERY_MUTATIONS, Mutation, parts_for
 from runtime_sim.recovery_checker import (
     LOST_HOST_UNUSED,
+    RECOVERY_RULES,
     STALE_NEVER_ACCEPTED,
     STREAM_ONE_OUTCOME,
     STREAM_UNBROKEN,
@@ -209,6 +211,10 @@ class MutantResult:
     seed: int | None
     rules: tuple[str, ...]  # every rule that fired
 
+
+#: Every rule an explored scenario is checked against: a chain's (``chain_rules``), then
+#: its recovery's (``recovery_checker``); ``explore --rules`` lists them.
+CHECKED_RULES: tuple[str, ...] = ALL_RULES + RECOVERY_RULES
 
 #: The rule each built-in bug breaks; the self-test passes only if that rule fires.
 MUTANT_RULES: dict[Mutation, str] = {

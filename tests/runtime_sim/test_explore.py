@@ -9,6 +9,7 @@ import json
 from runtime_sim.chain_driver import PLAIN
 from runtime_sim.cli import main
 from runtime_sim.explore import (
+    CHECKED_RULES,
     MUTANT_RULES,
     explore,
     report,
@@ -90,6 +91,18 @@ def test_explore_cli_json_and_exit_status(capsys: object) -> None:
     assert rep["seeds"] == 10 and rep["start"] == 5 and rep["violations"] == []
     assert "wall" not in out and "seconds" not in out
     assert main(["explore", "--self-test"]) == 0
+
+
+def test_explore_lists_the_rules_it_checks_and_every_violation_is_one(capsys: object) -> None:
+    assert main(["explore", "--rules", "--json"]) == 0
+    rules = json.loads(capsys.readouterr().out)["rules"]  # type: ignore[attr-defined]
+    assert rules == list(CHECKED_RULES) and len(set(rules)) == len(rules)
+    assert all(":" in rule for rule in rules)  # its kind, then what it guarantees
+    assert set(MUTANT_RULES.values()) <= set(rules)
+    for r in self_test(seeds=10):  # every rule a bug makes fire, beside the one it breaks
+        assert set(r.rules) <= set(rules), r
+    assert main(["explore", "--rules"]) == 0
+    assert capsys.readouterr().out.splitlines() == rules  # type: ignore[attr-defined]
 
 
 def test_each_mutant_enters_as_one_subclassed_part_and_production_knows_none() -> None:
