@@ -81,14 +81,16 @@
 #define X8_AHEAD(gb) ((gb) >= 512 ? 8 * (gb) : X8_AHEAD_BYTES)
 #define X8_AHEAD_Q8_0_ROW 6720
 /* With AVX-512's VNNI (x8_vectors.h: X8_EMBED), Q8_0's products of 2 rows or more and
- * Q4_1's, Q5_0's and Q5_1's of any also prefetch X8_AHEAD_L1 bytes ahead into the first
- * level, beside the second level's X8_AHEAD: on AMD Zen 4, 14336 x 4096 from memory, 1
- * thread, the builds in one process in turn (`benchmarks/cpu_builds_ab.py`, 21 rounds), ms
- * over the build without: Q8_0 2 rows 0.87-0.93 (544 bytes ahead 0.95, 4352 0.90, 6720
- * 0.90; into the first level alone 1.08), 3 rows 0.89-0.94, 4 rows 0.87-0.96, 16 rows
- * 0.96; Q4_1 3 rows 0.81-0.82, 1 row 0.88-0.98, 4 rows 0.93-1.00; Q5_0 0.94-1.04; Q5_1 4
- * rows 0.91, 1-3 rows 0.97-1.01. Not Q4_0's or IQ4_NL's (0.99-1.05), nor the K-quants'
- * (two super-blocks ahead: 1.07-1.32); AVX2's set measured within 3 % either way. */
+ * Q4_1's, Q5_0's and Q5_1's of any also prefetch (where they take x8_kernels.h's kernels:
+ * avx512's pair kernel of 1 and 2 rows of Q4_1 keeps its own) X8_AHEAD_L1 bytes ahead into
+ * the first level, beside the second level's X8_AHEAD: on AMD Zen 4 (the avx512-zen4 set),
+ * 14336 x 4096 from memory, 1 thread, the builds in one process in turn
+ * (`benchmarks/cpu_builds_ab.py`, 21 rounds), ms over the build without: Q8_0 2 rows
+ * 0.87-0.93 (544 bytes ahead 0.95, 4352 0.90, 6720 0.90; into the first level alone 1.08),
+ * 3 rows 0.89-0.94, 4 rows 0.87-0.96, 16 rows 0.96; Q4_1 3 rows 0.81-0.82, 1 row 0.88-0.98,
+ * 4 rows 0.93-1.00; Q5_0 0.94-1.04; Q5_1 4 rows 0.91, 1-3 rows 0.97-1.01. Not Q4_0's or
+ * IQ4_NL's (0.99-1.05), nor the K-quants' (two super-blocks ahead: 1.07-1.32); AVX2's set
+ * measured within 3 % either way. */
 #define X8_AHEAD_L1 2176
 
 /* the types that repack: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,

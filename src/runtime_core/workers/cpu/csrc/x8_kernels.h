@@ -113,7 +113,7 @@
                                                        const XRows *x, int64_t j0, int nj,      \
                                                        float (*out)[XL]) {                      \
         if (nj > X8_XT && nj > X8_K_CHUNKED(KIND)) {                                            \
-            X8_K_TILE(KIND);                                      \
+            X8_K_TILE(KIND);                                                                    \
             return;                                                                             \
         }                                                                                       \
         for (int k = 0; k < nj; k += X8_XT) {                                                   \

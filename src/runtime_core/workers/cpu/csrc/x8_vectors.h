@@ -166,13 +166,15 @@ X8_INL VI XN(bcast)(const int8_t *p) {
 
 /* acc plus the products of u with the 4 activation bytes at p broadcast to every lane
  * (bcast). With AVX-512's VNNI (X8_EMBED) one vpdpbusd whose memory operand is the
- * broadcast (EVEX's {1to8}, {1to16}), where GCC 12 emits a vpbroadcastd before each
- * vpdpbusd: on AMD Zen 4, in cache (1024 x 4096, 1 thread, the two builds in one process
- * in turn, 15 rounds' median), ms: 1 row Q4_0 0.0644 -> 0.0617, IQ4_NL 0.0734 -> 0.0667,
- * Q5_K 0.0873 -> 0.0811; 2 rows Q4_0 0.0993 -> 0.0905, Q6_K 0.1299 -> 0.1167, Q5_K 0.1116
- * -> 0.1020; 3 rows Q8_0 0.1372 -> 0.1243, Q5_K 0.1291 -> 0.1141; 16 rows (the tiles)
- * Q4_0 0.503 -> 0.479, Q4_K 0.486 -> 0.466; 14336 x 4096 from memory, 2 rows Q4_0 1.371
- * -> 1.246 ms, 1 row within 2 %. Elsewhere v_dot4 of bcast. */
+ * broadcast (EVEX's {1to8}, {1to16}; AT&T syntax, which setup.py's builds take), where GCC
+ * 12 emits a vpbroadcastd before each vpdpbusd: on AMD Zen 4, the avx512-zen4 set (whose 1
+ * and 2 rows of Q4_0, Q4_1, IQ4_NL and Q6_K take it, where avx512's pair kernels have no
+ * broadcasts), in cache (1024 x 4096, 1 thread, the two builds in one process in turn, 15
+ * rounds' median), ms: 1 row Q4_0 0.0644 -> 0.0617, IQ4_NL 0.0734 -> 0.0667, Q5_K 0.0873 ->
+ * 0.0811; 2 rows Q4_0 0.0993 -> 0.0905, Q6_K 0.1299 -> 0.1167, Q5_K 0.1116 -> 0.1020; 3
+ * rows Q8_0 0.1372 -> 0.1243, Q5_K 0.1291 -> 0.1141; 16 rows (the tiles) Q4_0 0.503 ->
+ * 0.479, Q4_K 0.486 -> 0.466; 14336 x 4096 from memory, 2 rows Q4_0 1.371 -> 1.246 ms, 1
+ * row within 2 %. Elsewhere v_dot4 of bcast. */
 #if X8_VNNI && !defined(X8_DOT256)
 #define X8_EMBED 1
 #else
