@@ -396,7 +396,9 @@ X8_FN __attribute__((noinline)) static void XN(k_tile_q5_k)(const uint8_t *grp, 
                                                            float (*out)[XL]) {
     XN(k_tile)(grp, gs, nc, x, j0, nj, out, X8_Q5_K);
 }
-#define X8_K_TILE(KIND) ((KIND) == X8_Q5_K ? XN(k_tile_q5_k)(grp, gs, nc, x, j0, nj, out) : XN(k_tile)(grp, gs, nc, x, j0, nj, out, KIND))
+#define X8_K_TILE(KIND)                                                                    \
+    ((KIND) == X8_Q5_K ? XN(k_tile_q5_k)(grp, gs, nc, x, j0, nj, out)                        \
+                       : XN(k_tile)(grp, gs, nc, x, j0, nj, out, KIND))
 #else
 #define X8_K_TILE(KIND) XN(k_tile)(grp, gs, nc, x, j0, nj, out, KIND)
 #endif
