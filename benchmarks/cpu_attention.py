@@ -1,7 +1,7 @@
 """The CPU worker's attention kernel at a position, per instruction set.
 
     python benchmarks/cpu_attention.py [--positions 64,512,2048] [--rows 64]
-        [--heads 9,3,64] [--kv f32] [--isas all] [--threads 1] [--repeat 5]
+        [--heads 9,3,64] [--kv f32] [--isas all] [--threads 1] [--repeat 5] [--from-memory]
 
 One ``_kernels.attention`` call of ``--rows`` query rows (a prefill chunk; 1: a decode
 step) at each position of ``--positions`` over a KV cache of random values
@@ -10,8 +10,11 @@ instruction set of ``--isas`` this processor runs. Prints, per position and set,
 best of ``--repeat`` timings in ms (wall clock, and the calling thread's CPU time, which
 a busy host distorts less: at ``--threads 1`` the call runs on that thread) and the
 multiply-adds per CPU second of the scores and the mix (2 x rows x heads x positions
-seen x head size), and checks that every set gives
-the portable set's bits.
+seen x head size), the KV cache's bytes read over the wall time (GB/s), and checks that
+every set gives the portable set's bits. ``--from-memory``: 256 MiB read before every
+call, so that the cache comes from memory as a decode step's does (the weights' stream
+has passed since the layer's last step); without it the cache stays wherever the last
+call left it (the last-level cache, when it fits).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ def main() -> None:
     parser.add_argument("--isas", default="all", help="instruction sets (all: every one here)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--from-memory", action="store_true", help="evict the cache first")
     args = parser.parse_args()
+    flush = np.ones(64 << 20, np.float32) if args.from_memory else None
 
     from runtime_core.workers.cpu import _kernels
 
@@ -41,7 +46,10 @@ def main() -> None:
     dtype = np.float16 if args.kv == "f16" else np.float32
     rng = np.random.default_rng(0)
     print(f"rows {args.rows}, heads {n_heads}/{n_kv} x {hd}, kv {args.kv}, threads {args.threads}")
-    print("position | isa | wall ms | CPU ms | GMAC/s (CPU) | same bits as portable")
+    print(
+        "position | isa | wall ms | CPU ms | GMAC/s (CPU) | KV GB/s (wall) | "
+        "same bits as portable"
+    )
     for pos in (int(p) for p in args.positions.split(",")):
         max_seq = pos + args.rows
         kc = rng.standard_normal((n_kv, max_seq, hd)).astype(dtype)
@@ -49,12 +57,15 @@ def main() -> None:
         qkv = rng.standard_normal((args.rows, (n_heads + 2 * n_kv) * hd)).astype(np.float32)
         heads = (n_heads, n_kv, hd, hd, max_seq, args.kv == "f16")
         macs = 2 * n_heads * hd * sum(pos + r + 1 for r in range(args.rows))
+        kv_bytes = kc.nbytes * (pos + args.rows) // max_seq * 2  # the positions seen
         outs: dict[str, np.ndarray] = {}
         best = {isa: float("inf") for isa in isas}
         cpu = {isa: float("inf") for isa in isas}
         for _ in range(args.repeat):
             for isa in isas:  # interleaved
                 out = np.zeros((args.rows, n_heads * hd), np.float32)
+                if flush is not None:
+                    flush += 1.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 _kernels.attention(qkv, args.rows, kc, vc, pos, heads, 0.125, out, args.threads,
                                    isa=isa)  # fmt: skip
@@ -67,7 +78,7 @@ def main() -> None:
                                                               ref.view(np.uint32)))  # fmt: skip
             print(
                 f"{pos} | {isa} | {best[isa] * 1e3:.3f} | {cpu[isa] * 1e3:.3f} | "
-                f"{macs / cpu[isa] / 1e9:.2f} | {same}"
+                f"{macs / cpu[isa] / 1e9:.2f} | {kv_bytes / best[isa] / 1e9:.1f} | {same}"
             )
 
 

@@ -1,7 +1,8 @@
 """The CPU worker against the NumPy reference worker and llama.cpp, side by side.
 
     python benchmarks/cpu_decode.py [--models smollm2,8b-q4_0,8b-q4_k,8b-q6_k,8b-q8_0]
-        [--layers 4] [--threads 1,2] [--prompt-len 32] [--tokens 32] [--repeat 3]
+        [--layers 4] [--threads 1,2] [--prompt-len 32] [--prefill-chunk 512] [--tokens 32]
+        [--repeat 3]
         [--runners cpu,cpu-avx2,llama.cpp,llama.cpp-avx2]
         [--llamacpp-python /work/llamacpp-venv/bin/python]
         [--llamacpp-avx2-python /work/llamacpp-avx2-venv/bin/python]
@@ -19,7 +20,10 @@
   default choices for the other tensors) into a temporary folder (``--model-dir`` keeps
   them).
 - Runners, each in a fresh process, interleaved (every repetition runs each runner once,
-  in a rotating order) on the same prompt (``--prompt-len`` random ids), thread count
+  in a rotating order) on the same prompt (``--prompt-len`` random ids; the CPU and
+  NumPy workers take a prompt longer than ``--prefill-chunk`` in chunks of that many
+  rows, as the runtime feeds them at its default ``max_batch_rows`` of 512, and
+  llama.cpp splits its batch into micro-batches of 512), thread count
   and model: ``cpu`` (``CpuWorker``, one stage of every block, the best instruction
   set), ``cpu-<isa>`` (the same forced onto one set: ``cpu-avx2``, ``cpu-portable``,
   ``cpu-avxvnni``, ``cpu-avx512bw``, ``cpu-avx512``, ``cpu-avx512-zen4``), ``numpy``
@@ -41,9 +45,11 @@
   prefilled once more after the decode steps, from position 0 on a cleared cache, as a
   process that has served before runs it: the first one also pays the first touch of its
   buffers, which on a virtual machine can cost 5 us a page), the resident memory above
-  the process's own after its imports (VmRSS now, and VmHWM, the peak), the bytes of
-  weights a decode step reads (every block's and the head's as the file stores them, one
-  embedding row; float32 copies for the reference worker) over the median step time, as
+  the process's own after its imports (VmRSS now, and VmHWM, the peak), the bytes a
+  decode step reads (every block's and the head's weights as the file stores them, one
+  embedding row, float32 copies for the reference worker; and the float32 KV cache of the
+  positions a step sees, on average over the timed steps, which a long prompt makes a
+  good part of them) over the median step time, as
   GB/s and as a share of this machine's read bandwidth measured here (as many threads
   each reading its part of a 1 GiB buffer in vector loads, ``csrc/read_probe.c``
   compiled here with ``-march=native``, best of 5, measured again before each model's
@@ -302,7 +308,7 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     if runner == "warm":
         return warm_child()
     from runtime_core.workers.cpu.worker import CpuWorker
-    from runtime_core.workers.interface import TokenOutput
+    from runtime_core.workers.interface import BatchStep, StepFailure, TokenOutput
     from runtime_core.workers.reference.worker import ReferenceWorker
 
     status: dict[str, Any] = {}
@@ -319,8 +325,23 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     worker.bind(prov.gguf_source)
     bind_s = time.perf_counter() - t0
+    prompt, chunk = np.array(args["prompt"], np.uint32), args.get("prefill_chunk", 0)
+
+    def prefill_prompt() -> Any:
+        """The prompt as one step, or in chunks as the runtime sends a longer one."""
+        if chunk <= 0 or len(prompt) <= chunk:
+            return worker.execute_step(0, prompt)
+        worker.close_run(prov.run_id)
+        worker.open_run(prov)
+        parts = [prompt[i : i + chunk] for i in range(0, len(prompt), chunk)]
+        for j, part in enumerate(parts):
+            (res,) = worker.execute_batch((BatchStep(prov.run_id, 0, j, len(parts), part),))
+            if isinstance(res, StepFailure):
+                raise RuntimeError(res.detail)
+        return res
+
     c0, t0 = time.process_time(), time.perf_counter()
-    out = worker.execute_step(0, np.array(args["prompt"], np.uint32))
+    out = prefill_prompt()
     prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
     steps, steps_cpu = [], []
     for k in range(1, args["tokens"] + 1):
@@ -330,7 +351,7 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
         steps.append(time.perf_counter() - t0)
         steps_cpu.append(time.process_time() - c0)
     c0, t0 = time.process_time(), time.perf_counter()  # the same prompt again: a new run
-    worker.execute_step(0, np.array(args["prompt"], np.uint32))
+    prefill_prompt()
     again, again_cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "prefill_s": prefill,
@@ -600,6 +621,13 @@ def main() -> None:
     parser.add_argument(
         "--prompt-len", type=int, default=32, help="prompt tokens prefilled (default: 32)"
     )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="rows of each prefill step of the CPU and NumPy workers, as the runtime's "
+        "max_batch_rows (0: the whole prompt in one step; default: %(default)s)",
+    )
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed (default: 32)")
     parser.add_argument(
         "--repeat", type=int, default=3, help="fresh processes per runner, interleaved (default: 3)"
@@ -684,7 +712,8 @@ def main() -> None:
                 bandwidth[threads] = max(bandwidth[threads], read_bandwidth(threads))
                 report["read_bandwidth_gb_s"][threads] = bandwidth[threads] / 1e9
                 job = {"model": str(path), "prompt": prompt, "tokens": args.tokens,
-                       "threads": threads, "max_seq": max_seq}  # fmt: skip
+                       "threads": threads, "max_seq": max_seq,
+                       "prefill_chunk": args.prefill_chunk}  # fmt: skip
                 raw: dict[str, list[dict[str, Any]]] = {r: [] for r in runners}
                 for rep in range(args.repeat):
                     for runner in runners[rep % len(runners) :] + runners[: rep % len(runners)]:
@@ -714,7 +743,11 @@ def figures(
 ) -> dict[str, Any]:
     wb = weight_bytes(path)
     stored, kv = slice_bytes(path, max_seq)
-    out: dict[str, Any] = {"weight_bytes_per_token": wb, "slice_bytes": stored, "kv_bytes": kv}
+    # the float32 KV cache a decode step reads: the positions it sees, on average over the
+    # timed steps (prompt + 1 .. prompt + tokens)
+    kv_read = int(kv / max_seq * (args.prompt_len + (args.tokens + 1) / 2))
+    out: dict[str, Any] = {"weight_bytes_per_token": wb, "slice_bytes": stored, "kv_bytes": kv,
+                           "kv_bytes_read_per_token": kv_read}  # fmt: skip
     print(
         f"\n{name} ({path.name}, {stored / 2**20:.0f} MiB stored), {threads} threads, "
         f"prompt {args.prompt_len}, {args.tokens} decode steps, {args.repeat} runs each; "
@@ -727,8 +760,8 @@ def figures(
     )
     for runner, results in raw.items():
         s = summarize(results, args.prompt_len)
-        nbytes = wb["f32"] if runner == "numpy" else wb["stored"]
-        s["weight_gb_s"] = nbytes / s["decode_step_s"] / 1e9
+        nbytes = (wb["f32"] if runner == "numpy" else wb["stored"]) + kv_read
+        s["read_gb_s"] = nbytes / s["decode_step_s"] / 1e9
         s["of_bandwidth"] = nbytes / s["decode_step_s"] / bandwidth
         # each run's rate over the probe measured just before it, the median
         s["of_bandwidth_beside"] = statistics.median(
@@ -739,7 +772,7 @@ def figures(
             f"  {runner:14} {s['decode_tokens_per_s']:12.1f} {s['prefill_tokens_per_s']:13.1f} "
             f"{s['prefill_again_tokens_per_s']:6.1f} "
             f"{s['rss_above_base_mib']:9.0f} {s['peak_above_base_mib']:9.0f} "
-            f"{nbytes / 1e9:7.3f} {s['weight_gb_s']:6.1f} {s['of_bandwidth']:6.0%} "
+            f"{nbytes / 1e9:7.3f} {s['read_gb_s']:6.1f} {s['of_bandwidth']:6.0%} "
             f"{s['decode_cpu_ms_per_token']:18.2f} {s['prefill_cpu_ms_per_token']:7.2f}"
         )
     ours = [r for r in raw if r.startswith("cpu")]

@@ -442,14 +442,19 @@ def test_a_soft_cap_that_is_not_a_finite_non_negative_number_is_refused(softcap:
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize(
     ("hd", "pos", "softcap"),
-    # a tail past 64; whole vectors; past 1024 positions; scores capped (gemma2)
-    [(72, 7, 0.0), (64, 7, 0.0), (64, 1100, 0.0), (64, 40, 1.5)],
+    # a tail past 64; whole vectors; past 1024 positions; scores capped (gemma2); a head
+    # size that is not a whole number of 8-float vectors
+    [(72, 7, 0.0), (64, 7, 0.0), (64, 1100, 0.0), (64, 40, 1.5), (68, 9, 0.0)],
+)
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv", "rows"),
+    # query heads a KV head serves: 4 (one item's), 3, 5 and 8 (in pieces), 1; a decode row
+    [(8, 2, 30), (9, 3, 1), (10, 2, 5), (16, 2, 1), (4, 4, 3)],
 )
 def test_attention_does_not_depend_on_the_isa_or_the_threads(
-    kv: str, isa: str, hd: int, pos: int, softcap: float
+    kv: str, isa: str, hd: int, pos: int, softcap: float, n_heads: int, n_kv: int, rows: int
 ) -> None:
     rng = np.random.default_rng(12)
-    n_heads, n_kv, rows = 8, 2, 30
     max_seq = pos + 33  # scores of keys 8 at a time and a few more (pos + 1 .. pos + 30)
     dtype = np.float16 if kv == "f16" else np.float32
     kc = rng.standard_normal((n_kv, max_seq, hd)).astype(dtype)

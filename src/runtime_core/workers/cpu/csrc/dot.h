@@ -84,18 +84,24 @@ typedef void (*x8_fn)(const uint8_t *group, int64_t gstride, int64_t n_chunks, c
 typedef void (*x16_fn)(const uint8_t *group, int64_t gstride, int64_t n_chunks, const XRows *x,
                        int64_t j0, int nj, float (*out)[16]);
 
+/* query heads an Isa's scores and mix take at once */
+#define ATT_HEADS 4
+
 typedef struct {
     const char *name;
     rows_fn q8_rows[T_COUNT];
     dot_fn q8[T_COUNT]; /* NULL for the float types */
     dot_fn f[T_COUNT];  /* float activations */
     /* attention over n positions of a KV cache (rows of hd floats, or halves when
-     * half): scores[t] = (q . keys[t], added as the float products are) * scale;
-     * out[i] = out[i] + p[t] * values[t][i], t = 0, 1, .. in order */
-    void (*scores)(const float *q, const void *keys, int half, int64_t n, int64_t hd,
-                   float scale, float *out);
-    void (*mix)(float *out, const float *p, const void *values, int half, int64_t n,
-                int64_t hd);
+     * half) for nq <= ATT_HEADS query heads side by side (the heads sharing a KV head:
+     * each key and value row read once for them all), head j's vectors hd floats after
+     * head j - 1's: scores[j * ss + t] = (q_j . keys[t], added as the float products
+     * are) * scale; out_j[i] = out_j[i] + p[j * ps + t] * values[t][i], t = 0, 1, .. in
+     * order. Each head's bits are those of that head alone. */
+    void (*scores)(const float *q, int nq, const void *keys, int half, int64_t n, int64_t hd,
+                   float scale, float *scores, int64_t ss);
+    void (*mix)(float *out, int nq, const float *p, int64_t ps, const void *values, int half,
+                int64_t n, int64_t hd);
     x8_fn q8_x8[T_COUNT];   /* 8-bit activations times x8 groups */
     x16_fn q8_x16[T_COUNT]; /* ... times two x8 groups at once */
     /* the products of exactly r + 1 activation rows (r < X8_XT: a decode step's, of

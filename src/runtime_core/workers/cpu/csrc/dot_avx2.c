@@ -617,94 +617,176 @@ AVX2_INLINE float cache1(const void *rows, int half, int64_t at) {
 }
 
 /* Attention computes dot.h's order (dot_portable.c: scores_portable, mix_portable), and
- * only its independent chains side by side: the scores of SCORE_KEYS keys at once, each
- * key's own 8 running sums (lane i: elements i mod 8) as one key alone computes them,
- * q read once for them all; the mix's columns MIX_COLS at a time, each column's sum
- * over the positions in order (t = 0, 1, ..), one position's value row read once for
- * them all. One chain per key (or per 8 columns) waited on its addition's latency. */
-#define SCORE_KEYS 8
-#define MIX_VECS 8 /* 8-column vectors of a pass: 64 columns */
+ * only its independent chains side by side: the scores of NQ heads (the heads sharing a
+ * KV head) against KB keys at once, each score's own 8 running sums (lane i: elements i
+ * mod 8) as one key alone computes them, each key vector loaded once for the NQ heads;
+ * the mix's columns NV vectors at a time for the NQ heads, each column's sum over the
+ * positions in order (t = 0, 1, ..), one position's value vectors loaded once for them
+ * all (docs/workers.md: one head at a time read its keys and values once per head, 2-3.7x
+ * slower from memory). */
 
-AVX2_INLINE void scores_keys(const float *q, const void *keys, int half, int64_t t0, const int NB,
-                             int64_t hd, float scale, float *out) {
-    const int64_t full = hd / 8 * 8;
-    __m256 acc[SCORE_KEYS];
-    for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < full; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int b = 0; b < NB; ++b)
-            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(qv, cache8(keys, half, (t0 + b) * hd + i)));
+/* lane a: sum8 (dot.h) of acc[a]'s lanes, a < 8 (hadd adds lanes 0 + 1, 2 + 3; the
+ * second hadd their pairs; then the halves) */
+AVX2_INLINE __m256 sums8(const __m256 *acc) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* the scores of NQ heads against keys t0 .. t0 + KB - 1 (NQ * KB <= 8, hd a multiple of 8) */
+AVX2_INLINE void scores_tile(const float *q, const int NQ, const void *keys, int half, int64_t t0,
+                             const int KB, int64_t hd, float scale, float *scores, int64_t ss) {
+    __m256 acc[8];
+    for (int a = 0; a < 8; ++a) acc[a] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < hd; i += 8) {
+        if (NQ == 1) { /* 8 keys: each load taken by its product */
+            const __m256 qv = _mm256_loadu_ps(q + i);
+            for (int b = 0; b < KB; ++b)
+                acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(qv, cache8(keys, half, (t0 + b) * hd + i)));
+            continue;
+        }
+        __m256 kv[8];
+        for (int b = 0; b < KB; ++b) kv[b] = cache8(keys, half, (t0 + b) * hd + i);
+        for (int j = 0; j < NQ; ++j) {
+            const __m256 qv = _mm256_loadu_ps(q + j * hd + i);
+            for (int b = 0; b < KB; ++b)
+                acc[j * KB + b] = _mm256_add_ps(acc[j * KB + b], _mm256_mul_ps(qv, kv[b]));
+        }
     }
-    if (NB == 8 && full == hd) { /* the 8 keys' sum8 side by side (hadd adds lanes 0 + 1,
-                                  * 2 + 3; the second hadd their pairs; then the halves) */
-        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-        const __m256 s8 = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-        _mm256_storeu_ps(out + t0, _mm256_mul_ps(s8, _mm256_set1_ps(scale)));
+    float sc[8];
+    _mm256_storeu_ps(sc, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
+    for (int j = 0; j < NQ; ++j)
+        for (int b = 0; b < KB; ++b) scores[j * ss + t0 + b] = sc[j * KB + b];
+}
+
+/* prefetches of the rows attention reads next: ATT_AHEAD_L2 bytes ahead into the second
+ * level, ATT_AHEAD_L1 into the first (0: none; a prefetch does not fault past the
+ * cache's end) */
+#ifndef ATT_AHEAD_L1
+#define ATT_AHEAD_L1 4096
+#endif
+#ifndef ATT_AHEAD_L2
+#define ATT_AHEAD_L2 32768
+#endif
+AVX2_INLINE void att_ahead(const char *at, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) {
+        if (ATT_AHEAD_L2) _mm_prefetch(at + ATT_AHEAD_L2 + off, _MM_HINT_T1);
+        if (ATT_AHEAD_L1) _mm_prefetch(at + ATT_AHEAD_L1 + off, _MM_HINT_T0);
+    }
+}
+
+/* NQ heads' scores of n keys: KB at a time, then one at a time */
+AVX2_INLINE void scores_heads(const float *q, const int NQ, const void *keys, const int half,
+                              int64_t n, int64_t hd, float scale, float *scores, int64_t ss) {
+    const int KB = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;
+    const size_t rb = (size_t)hd * (half ? 2 : 4);
+    int64_t t = 0;
+    for (; t + KB <= n; t += KB) {
+        att_ahead((const char *)keys + (size_t)t * rb, KB * rb);
+        scores_tile(q, NQ, keys, half, t, KB, hd, scale, scores, ss);
+    }
+    for (; t < n; ++t) scores_tile(q, NQ, keys, half, t, 1, hd, scale, scores, ss);
+}
+
+/* one score with hd not a multiple of 8: the whole vectors, then the last elements into
+ * their lanes */
+AVX2_INLINE float score_one(const float *q, const void *keys, int half, int64_t t, int64_t hd) {
+    const int64_t full = hd / 8 * 8;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < full; i += 8)
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i), cache8(keys, half, t * hd + i)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int64_t i = full; i < hd; ++i) lanes[i & 7] += q[i] * cache1(keys, half, t * hd + i);
+    return sum8(lanes);
+}
+
+AVX2 static void scores_avx2(const float *q, int nq, const void *keys, int half, int64_t n,
+                             int64_t hd, float scale, float *scores, int64_t ss) {
+    if (hd % 8) {
+        for (int j = 0; j < nq; ++j)
+            for (int64_t t = 0; t < n; ++t)
+                scores[j * ss + t] = score_one(q + j * hd, keys, half, t, hd) * scale;
         return;
     }
-    for (int b = 0; b < NB; ++b) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[b]);
-        for (int64_t i = full; i < hd; ++i) {
-            float p = q[i] * cache1(keys, half, (t0 + b) * hd + i);
-            lanes[i & 7] += p;
-        }
-        out[t0 + b] = sum8(lanes) * scale;
+    switch (nq * 2 + !!half) { /* the loops compiled for each (no branch on half in them) */
+    case 2: scores_heads(q, 1, keys, 0, n, hd, scale, scores, ss); break;
+    case 3: scores_heads(q, 1, keys, 1, n, hd, scale, scores, ss); break;
+    case 4: scores_heads(q, 2, keys, 0, n, hd, scale, scores, ss); break;
+    case 5: scores_heads(q, 2, keys, 1, n, hd, scale, scores, ss); break;
+    case 6: scores_heads(q, 3, keys, 0, n, hd, scale, scores, ss); break;
+    case 7: scores_heads(q, 3, keys, 1, n, hd, scale, scores, ss); break;
+    case 8: scores_heads(q, 4, keys, 0, n, hd, scale, scores, ss); break;
+    default: scores_heads(q, 4, keys, 1, n, hd, scale, scores, ss); break;
     }
 }
 
-AVX2 static void scores_avx2(const float *q, const void *keys, int half, int64_t n, int64_t hd,
-                             float scale, float *out) {
-    int64_t t = 0;
-    for (; t + SCORE_KEYS <= n; t += SCORE_KEYS) scores_keys(q, keys, half, t, SCORE_KEYS, hd, scale, out);
-    switch (n - t) {
-    case 7: scores_keys(q, keys, half, t, 7, hd, scale, out); break;
-    case 6: scores_keys(q, keys, half, t, 6, hd, scale, out); break;
-    case 5: scores_keys(q, keys, half, t, 5, hd, scale, out); break;
-    case 4: scores_keys(q, keys, half, t, 4, hd, scale, out); break;
-    case 3: scores_keys(q, keys, half, t, 3, hd, scale, out); break;
-    case 2: scores_keys(q, keys, half, t, 2, hd, scale, out); break;
-    case 1: scores_keys(q, keys, half, t, 1, hd, scale, out); break;
-    default: break;
-    }
-}
-
-/* columns i0 .. i0 + 8 NV - 1 */
-AVX2_INLINE void mix_cols(float *out, const float *p, const void *values, int half, int64_t n,
-                          int64_t hd, int64_t i0, const int NV) {
-    __m256 acc[MIX_VECS];
-    for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(out + i0 + 8 * v);
+/* columns i0 .. i0 + 8 NV - 1 of NQ heads (NQ * NV <= 8) */
+AVX2_INLINE void mix_cols(float *out, const int NQ, const float *p, int64_t ps, const void *values,
+                          int half, int64_t n, int64_t hd, int64_t i0, const int NV) {
+    __m256 acc[8];
+    for (int j = 0; j < NQ; ++j)
+        for (int v = 0; v < NV; ++v) acc[j * NV + v] = _mm256_loadu_ps(out + j * hd + i0 + 8 * v);
+    const size_t esize = half ? 2 : 4;
     for (int64_t t = 0; t < n; ++t) {
-        const __m256 pt = _mm256_set1_ps(p[t]);
-        for (int v = 0; v < NV; ++v)
-            acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(pt, cache8(values, half, t * hd + i0 + 8 * v)));
-    }
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + i0 + 8 * v, acc[v]);
-}
-
-AVX2 static void mix_avx2(float *out, const float *p, const void *values, int half, int64_t n,
-                          int64_t hd) {
-    const int64_t full = hd / 8 * 8;
-    for (int64_t i0 = 0; i0 < full; i0 += 8 * MIX_VECS) {
-        switch ((full - i0) / 8 < MIX_VECS ? (int)((full - i0) / 8) : MIX_VECS) {
-        case 1: mix_cols(out, p, values, half, n, hd, i0, 1); break;
-        case 2: mix_cols(out, p, values, half, n, hd, i0, 2); break;
-        case 3: mix_cols(out, p, values, half, n, hd, i0, 3); break;
-        case 4: mix_cols(out, p, values, half, n, hd, i0, 4); break;
-        case 5: mix_cols(out, p, values, half, n, hd, i0, 5); break;
-        case 6: mix_cols(out, p, values, half, n, hd, i0, 6); break;
-        case 7: mix_cols(out, p, values, half, n, hd, i0, 7); break;
-        default: mix_cols(out, p, values, half, n, hd, i0, MIX_VECS); break;
+        /* this pass's columns of a row ahead */
+        att_ahead((const char *)values + (size_t)(t * hd + i0) * esize, (size_t)(8 * NV) * esize);
+        if (NQ == 1) { /* 8 vectors: each load taken by its product */
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            for (int v = 0; v < NV; ++v)
+                acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(pt, cache8(values, half, t * hd + i0 + 8 * v)));
+            continue;
+        }
+        __m256 vv[8];
+        for (int v = 0; v < NV; ++v) vv[v] = cache8(values, half, t * hd + i0 + 8 * v);
+        for (int j = 0; j < NQ; ++j) {
+            const __m256 pt = _mm256_set1_ps(p[j * ps + t]);
+            for (int v = 0; v < NV; ++v)
+                acc[j * NV + v] = _mm256_add_ps(acc[j * NV + v], _mm256_mul_ps(pt, vv[v]));
         }
     }
-    if (full < hd) { /* the last hd mod 8 columns: their chains side by side */
-        float tail[8];
-        for (int64_t i = full; i < hd; ++i) tail[i - full] = out[i];
+    for (int j = 0; j < NQ; ++j)
+        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + j * hd + i0 + 8 * v, acc[j * NV + v]);
+}
+
+/* NQ heads' whole vectors of columns: NV (8 / NQ) vectors a pass, then one; every pass
+ * over MIX_T positions before the next MIX_T (their value rows stay in the first-level
+ * cache for the passes, read from memory in order) */
+#define MIX_T 32
+AVX2_INLINE void mix_heads(float *out, const int NQ, const float *p, int64_t ps, const void *values,
+                           const int half, int64_t n, int64_t hd) {
+    const int NV = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;
+    const int64_t full = hd / 8 * 8;
+    const size_t esize = half ? 2 : 4;
+    for (int64_t t0 = 0; t0 < n; t0 += MIX_T) {
+        const int64_t nt = n - t0 < MIX_T ? n - t0 : MIX_T;
+        const void *rows = (const char *)values + (size_t)(t0 * hd) * esize;
+        int64_t i0 = 0;
+        for (; i0 + 8 * NV <= full; i0 += 8 * NV) mix_cols(out, NQ, p + t0, ps, rows, half, nt, hd, i0, NV);
+        for (; i0 < full; i0 += 8) mix_cols(out, NQ, p + t0, ps, rows, half, nt, hd, i0, 1);
+    }
+}
+
+AVX2 static void mix_avx2(float *out, int nq, const float *p, int64_t ps, const void *values,
+                          int half, int64_t n, int64_t hd) {
+    switch (nq * 2 + !!half) { /* the loops compiled for each (no branch on half in them) */
+    case 2: mix_heads(out, 1, p, ps, values, 0, n, hd); break;
+    case 3: mix_heads(out, 1, p, ps, values, 1, n, hd); break;
+    case 4: mix_heads(out, 2, p, ps, values, 0, n, hd); break;
+    case 5: mix_heads(out, 2, p, ps, values, 1, n, hd); break;
+    case 6: mix_heads(out, 3, p, ps, values, 0, n, hd); break;
+    case 7: mix_heads(out, 3, p, ps, values, 1, n, hd); break;
+    case 8: mix_heads(out, 4, p, ps, values, 0, n, hd); break;
+    default: mix_heads(out, 4, p, ps, values, 1, n, hd); break;
+    }
+    const int64_t full = hd / 8 * 8;
+    for (int j = 0; j < nq && full < hd; ++j) { /* the last hd mod 8 columns: their chains side by side */
+        float tail[8], *o = out + j * hd;
+        for (int64_t i = full; i < hd; ++i) tail[i - full] = o[i];
         for (int64_t t = 0; t < n; ++t)
             for (int64_t i = full; i < hd; ++i)
-                tail[i - full] = tail[i - full] + p[t] * cache1(values, half, t * hd + i);
-        for (int64_t i = full; i < hd; ++i) out[i] = tail[i - full];
+                tail[i - full] = tail[i - full] + p[j * ps + t] * cache1(values, half, t * hd + i);
+        for (int64_t i = full; i < hd; ++i) o[i] = tail[i - full];
     }
 }
 

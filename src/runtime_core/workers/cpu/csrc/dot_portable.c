@@ -452,22 +452,25 @@ static inline float cache_value(const void *rows, int half, int64_t at) {
     return half ? f16_to_f32(((const uint16_t *)rows)[at]) : ((const float *)rows)[at];
 }
 
-static void scores_portable(const float *q, const void *keys, int half, int64_t n, int64_t hd,
-                            float scale, float *out) {
-    for (int64_t t = 0; t < n; ++t) {
-        float acc[8] = {0};
-        for (int64_t i = 0; i < hd; ++i) {
-            float p = q[i] * cache_value(keys, half, t * hd + i);
-            acc[i & 7] += p;
+static void scores_portable(const float *q, int nq, const void *keys, int half, int64_t n,
+                            int64_t hd, float scale, float *scores, int64_t ss) {
+    for (int j = 0; j < nq; ++j)
+        for (int64_t t = 0; t < n; ++t) {
+            float acc[8] = {0};
+            for (int64_t i = 0; i < hd; ++i) {
+                float p = q[j * hd + i] * cache_value(keys, half, t * hd + i);
+                acc[i & 7] += p;
+            }
+            scores[j * ss + t] = sum8(acc) * scale;
         }
-        out[t] = sum8(acc) * scale;
-    }
 }
 
-static void mix_portable(float *out, const float *p, const void *values, int half, int64_t n,
-                         int64_t hd) {
-    for (int64_t t = 0; t < n; ++t)
-        for (int64_t i = 0; i < hd; ++i) out[i] = out[i] + p[t] * cache_value(values, half, t * hd + i);
+static void mix_portable(float *out, int nq, const float *p, int64_t ps, const void *values,
+                         int half, int64_t n, int64_t hd) {
+    for (int j = 0; j < nq; ++j)
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t i = 0; i < hd; ++i)
+                out[j * hd + i] = out[j * hd + i] + p[j * ps + t] * cache_value(values, half, t * hd + i);
 }
 
 const Isa ISA_PORTABLE = {

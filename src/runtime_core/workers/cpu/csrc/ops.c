@@ -539,6 +539,7 @@ typedef struct {
     const Heads *hd;
     float scale, softcap;
     float *out;
+    int per, pieces; /* an item's query heads (at most ATT_HEADS), a KV head's items */
     atomic_int failed; /* an item could not get its scores' memory */
 } AttentionJob;
 
@@ -593,17 +594,23 @@ static float scores_max(const float *scores, int64_t n) {
     return m;
 }
 
+/* Item it: row r's query heads h0 .. h0 + nq - 1 of KV head kv (piece `part` of the
+ * heads sharing it), side by side: each key and value row read once for them all. */
 static void attention_item(void *ctx, int64_t it) {
     const AttentionJob *J = ctx;
     const Heads *hd = J->hd;
     int64_t q_dim = hd->n_heads * hd->hd_k, width = q_dim + hd->n_kv * (hd->hd_k + hd->hd_v);
-    int64_t r = it / hd->n_heads, h = it - r * hd->n_heads, kv = h / (hd->n_heads / hd->n_kv);
+    int64_t group = hd->n_heads / hd->n_kv, per_row = hd->n_kv * J->pieces;
+    int64_t r = it / per_row, kv = (it - r * per_row) / J->pieces, part = it % J->pieces;
+    int64_t h0 = kv * group + part * J->per;
+    int nq = (int)(group - part * J->per < J->per ? group - part * J->per : J->per);
     int64_t qp = J->pos + r, lo = J->window && qp >= J->window ? qp - J->window + 1 : 0;
     int64_t n_ctx = qp - lo + 1;
-    const float *q = J->qkv + r * width + h * hd->hd_k;
-    float stack[1024];
-    float *scores = n_ctx <= 1024 ? stack : scratch_alloc(sizeof(float) * (size_t)n_ctx);
-    if (scores == stack) scratch_poison(stack, sizeof(float) * (size_t)n_ctx);
+    const float *q = J->qkv + r * width + h0 * hd->hd_k;
+    float stack[4096];
+    size_t bytes = sizeof(float) * (size_t)(nq * n_ctx);
+    float *scores = nq * n_ctx <= 4096 ? stack : scratch_alloc(bytes);
+    if (scores == stack) scratch_poison(stack, bytes);
     if (!scores) {
         atomic_store(&((AttentionJob *)ctx)->failed, 1);
         return;
@@ -614,41 +621,56 @@ static void attention_item(void *ctx, int64_t it) {
     int64_t at = 0;
     for (int i = 0; i < n_runs; ++i) {
         const char *keys = (const char *)(runs[i].in_step ? J->step.k : J->k_cache);
-        J->isa->scores(q, keys + (size_t)(runs[i].row * hd->hd_k) * esize, hd->kv_half,
-                       runs[i].n, hd->hd_k, J->scale, scores + at);
+        J->isa->scores(q, nq, keys + (size_t)(runs[i].row * hd->hd_k) * esize, hd->kv_half,
+                       runs[i].n, hd->hd_k, J->scale, scores + at, n_ctx);
         at += runs[i].n;
     }
-    if (J->softcap > 0.0f) { /* the scores capped: llama.cpp's scale, tanh, scale */
-        const float inv = 1.0f / J->softcap;
-        for (int64_t t = 0; t < n_ctx; ++t) scores[t] = scores[t] * inv;
-        J->isa->tanh32(scores, scores, n_ctx);
-        for (int64_t t = 0; t < n_ctx; ++t) scores[t] = scores[t] * J->softcap;
+    float sum[ATT_HEADS];
+    for (int j = 0; j < nq; ++j) {
+        float *sc = scores + j * n_ctx;
+        if (J->softcap > 0.0f) { /* the scores capped: llama.cpp's scale, tanh, scale */
+            const float inv = 1.0f / J->softcap;
+            for (int64_t t = 0; t < n_ctx; ++t) sc[t] = sc[t] * inv;
+            J->isa->tanh32(sc, sc, n_ctx);
+            for (int64_t t = 0; t < n_ctx; ++t) sc[t] = sc[t] * J->softcap;
+        }
+        float m = scores_max(sc, n_ctx);
+        for (int64_t t = 0; t < n_ctx; ++t) sc[t] = sc[t] - m;
+        J->isa->exp32(sc, sc, n_ctx);
+        sum[j] = 0.0f;
     }
-    float m = scores_max(scores, n_ctx);
-    for (int64_t t = 0; t < n_ctx; ++t) scores[t] = scores[t] - m;
-    J->isa->exp32(scores, scores, n_ctx);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n_ctx; ++t) sum += scores[t];
-    float *o = J->out + (r * hd->n_heads + h) * hd->hd_v;
-    memset(o, 0, sizeof(float) * (size_t)hd->hd_v);
+    for (int64_t t = 0; t < n_ctx; ++t) /* each head's sum in order, the heads' side by side */
+        for (int j = 0; j < nq; ++j) sum[j] += scores[j * n_ctx + t];
+    float *o = J->out + (r * hd->n_heads + h0) * hd->hd_v;
+    memset(o, 0, sizeof(float) * (size_t)(nq * hd->hd_v));
     at = 0;
     for (int i = 0; i < n_runs; ++i) { /* positions in order: as one call over them all */
         const char *values = (const char *)(runs[i].in_step ? J->step.v : J->v_cache);
-        J->isa->mix(o, scores + at, values + (size_t)(runs[i].row * hd->hd_v) * esize,
+        J->isa->mix(o, nq, scores + at, n_ctx, values + (size_t)(runs[i].row * hd->hd_v) * esize,
                     hd->kv_half, runs[i].n, hd->hd_v);
         at += runs[i].n;
     }
-    for (int64_t i = 0; i < hd->hd_v; ++i) o[i] = o[i] / sum;
+    for (int j = 0; j < nq; ++j)
+        for (int64_t i = 0; i < hd->hd_v; ++i) o[j * hd->hd_v + i] = o[j * hd->hd_v + i] / sum[j];
     if (scores != stack) free(scores);
 }
 
 int attention_rows(const Isa *isa, const float *qkv, int64_t rows, void *k_cache, void *v_cache,
                    StepKV step, int64_t pos, int64_t window, const Heads *hd, float scale,
                    float softcap, float *out, int threads) {
-    AttentionJob J = {isa, qkv, k_cache, v_cache, step, rows, pos, window, hd, scale, softcap, out, 0};
     int64_t seen = window && window < pos + rows ? window : pos + rows; /* at most, per row */
     int64_t work = rows * hd->n_heads * seen * (hd->hd_k + hd->hd_v);
-    pool_run(pool_threads(threads, work), rows * hd->n_heads, attention_item, &J);
+    int team = pool_threads(threads, work);
+    /* a KV head's query heads in pieces of at most ATT_HEADS, and in more (down to one
+     * head each) where the items would be fewer than two a thread */
+    int64_t group = hd->n_heads / hd->n_kv, pieces = (group + ATT_HEADS - 1) / ATT_HEADS;
+    int64_t wanted = (2 * team + rows * hd->n_kv - 1) / (rows * hd->n_kv);
+    if (wanted > pieces) pieces = wanted < group ? wanted : group;
+    int per = (int)((group + pieces - 1) / pieces);
+    pieces = (group + per - 1) / per;
+    AttentionJob J = {isa, qkv, k_cache, v_cache, step, rows, pos, window, hd, scale, softcap, out,
+                      per, (int)pieces, 0};
+    pool_run(team, rows * hd->n_kv * pieces, attention_item, &J);
     if (step.k) { /* every query has read them: the step's last max_seq positions to the ring */
         size_t esize = hd->kv_half ? 2 : 4;
         int64_t from = pos + rows - hd->max_seq > pos ? pos + rows - hd->max_seq : pos;
