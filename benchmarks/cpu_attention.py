@@ -47,8 +47,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"rows {args.rows}, heads {n_heads}/{n_kv} x {hd}, kv {args.kv}, threads {args.threads}")
     print(
-        "position | isa | wall ms | CPU ms | GMAC/s (CPU) | KV GB/s (wall) | "
-        "same bits as portable"
+        "position | isa | wall ms | CPU ms | GMAC/s (CPU) | KV GB/s (wall) | same bits as portable"
     )
     for pos in (int(p) for p in args.positions.split(",")):
         max_seq = pos + args.rows
