@@ -1,8 +1,8 @@
 """The CPU worker against the NumPy reference worker and llama.cpp, side by side.
 
     python benchmarks/cpu_decode.py [--models smollm2,8b-q4_0,8b-q4_k,8b-q6_k,8b-q8_0]
-        [--layers 4] [--threads 1,2] [--prompt-len 32] [--prefill-chunk 512] [--tokens 32]
-        [--repeat 3]
+        [--layers 4] [--threads 1,2] [--prompt-len 32] [--prefill-chunk 512] [--kv f32]
+        [--tokens 32] [--repeat 3]
         [--runners cpu,cpu-avx2,llama.cpp,llama.cpp-avx2]
         [--llamacpp-python /work/llamacpp-venv/bin/python]
         [--llamacpp-avx2-python /work/llamacpp-avx2-venv/bin/python]
@@ -28,8 +28,8 @@
   set), ``cpu-<isa>`` (the same forced onto one set: ``cpu-avx2``, ``cpu-portable``,
   ``cpu-avxvnni``, ``cpu-avx512bw``, ``cpu-avx512``, ``cpu-avx512-zen4``), ``numpy``
   (``ReferenceWorker``, its BLAS on the same threads), ``llama.cpp`` (llama-cpp-python in
-  ``--llamacpp-python``'s interpreter, memory-mapped weights, float32 KV cache like the
-  CPU worker's, no flash attention), ``llama.cpp-avx2`` (the same in
+  ``--llamacpp-python``'s interpreter, memory-mapped weights, the CPU worker's KV cache
+  type, float32 unless ``--kv f16``, no flash attention), ``llama.cpp-avx2`` (the same in
   ``--llamacpp-avx2-python``'s interpreter: a llama-cpp-python built for AVX2 without
   AVX-512, ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
   -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"``, the peer of ``cpu-avx2`` as an
@@ -47,7 +47,7 @@
   buffers, which on a virtual machine can cost 5 us a page), the resident memory above
   the process's own after its imports (VmRSS now, and VmHWM, the peak), the bytes a
   decode step reads (every block's and the head's weights as the file stores them, one
-  embedding row, float32 copies for the reference worker; and the float32 KV cache of the
+  embedding row, float32 copies for the reference worker; and the KV cache of the
   positions a step sees, on average over the timed steps, which a long prompt makes a
   good part of them) over the median step time, as
   GB/s and as a share of this machine's read bandwidth measured here (as many threads
@@ -252,7 +252,8 @@ args = json.loads(sys.argv[1])
 base = status_kib("VmRSS")
 llm = llama_cpp.Llama(args["model"], n_ctx=args["max_seq"], n_batch=args["max_seq"],
                       n_threads=args["threads"], n_threads_batch=args["threads"],
-                      type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+                      type_k=getattr(llama_cpp, "GGML_TYPE_" + args["kv"].upper()),
+                      type_v=getattr(llama_cpp, "GGML_TYPE_" + args["kv"].upper()),
                       flash_attn=False, verbose=False)
 n_vocab = llm.n_vocab()
 def last():
@@ -318,7 +319,7 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     worker: Any
     if runner.startswith("cpu"):  # "cpu": the best instruction set; "cpu-avx2": that one
         isa = runner.partition("-")[2] or None
-        worker = CpuWorker(threads=args["threads"], isa=isa)
+        worker = CpuWorker(threads=args["threads"], isa=isa, kv_dtype=args["kv"])
     else:
         worker = ReferenceWorker()
     worker.configure(prov)
@@ -464,15 +465,16 @@ def weight_bytes(path: Path) -> dict[str, int]:
     return {"stored": stored, "f32": f32}
 
 
-def slice_bytes(path: Path, max_seq: int) -> tuple[int, int]:
-    """(the stage's tensors as stored, its float32 KV cache) for one stage of every block."""
+def slice_bytes(path: Path, max_seq: int, kv_width: int = 4) -> tuple[int, int]:
+    """(the stage's tensors as stored, its KV cache of kv_width-byte values) for one stage
+    of every block."""
     from runplan.gguf_header import GgufHeader
     from runtime_core.model_config import ModelConfig
 
     header = GgufHeader.read(path)
     config = ModelConfig.from_header(header, ("llama", "qwen2"))
     kv = config.n_layers * config.n_kv_heads * max_seq * (config.head_dim_k + config.head_dim_v)
-    return sum(i.n_bytes for i in header.tensors.values()), 4 * kv
+    return sum(i.n_bytes for i in header.tensors.values()), kv_width * kv
 
 
 def warm_child() -> dict[str, float]:
@@ -628,6 +630,13 @@ def main() -> None:
         help="rows of each prefill step of the CPU and NumPy workers, as the runtime's "
         "max_batch_rows (0: the whole prompt in one step; default: %(default)s)",
     )
+    parser.add_argument(
+        "--kv",
+        choices=("f32", "f16"),
+        default="f32",
+        help="the KV cache's type for the CPU worker and llama.cpp (the NumPy worker's is "
+        "float32; default: %(default)s, the CPU runtime's)",
+    )
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed (default: 32)")
     parser.add_argument(
         "--repeat", type=int, default=3, help="fresh processes per runner, interleaved (default: 3)"
@@ -713,7 +722,7 @@ def main() -> None:
                 report["read_bandwidth_gb_s"][threads] = bandwidth[threads] / 1e9
                 job = {"model": str(path), "prompt": prompt, "tokens": args.tokens,
                        "threads": threads, "max_seq": max_seq,
-                       "prefill_chunk": args.prefill_chunk}  # fmt: skip
+                       "prefill_chunk": args.prefill_chunk, "kv": args.kv}  # fmt: skip
                 raw: dict[str, list[dict[str, Any]]] = {r: [] for r in runners}
                 for rep in range(args.repeat):
                     for runner in runners[rep % len(runners) :] + runners[: rep % len(runners)]:
@@ -742,8 +751,8 @@ def figures(
     max_seq: int,
 ) -> dict[str, Any]:
     wb = weight_bytes(path)
-    stored, kv = slice_bytes(path, max_seq)
-    # the float32 KV cache a decode step reads: the positions it sees, on average over the
+    stored, kv = slice_bytes(path, max_seq, 2 if args.kv == "f16" else 4)
+    # the KV cache a decode step reads: the positions it sees, on average over the
     # timed steps (prompt + 1 .. prompt + tokens)
     kv_read = int(kv / max_seq * (args.prompt_len + (args.tokens + 1) / 2))
     out: dict[str, Any] = {"weight_bytes_per_token": wb, "slice_bytes": stored, "kv_bytes": kv,
@@ -760,7 +769,9 @@ def figures(
     )
     for runner, results in raw.items():
         s = summarize(results, args.prompt_len)
-        nbytes = (wb["f32"] if runner == "numpy" else wb["stored"]) + kv_read
+        nbytes = wb["stored"] + kv_read
+        if runner == "numpy":  # float32 copies of the weights, a float32 cache
+            nbytes = wb["f32"] + kv_read * (2 if args.kv == "f16" else 1)
         s["read_gb_s"] = nbytes / s["decode_step_s"] / 1e9
         s["of_bandwidth"] = nbytes / s["decode_step_s"] / bandwidth
         # each run's rate over the probe measured just before it, the median
