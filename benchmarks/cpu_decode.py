@@ -45,7 +45,9 @@
   prefilled once more after the decode steps, from position 0 on a cleared cache, as a
   process that has served before runs it: the first one also pays the first touch of its
   buffers, which on a virtual machine can cost 5 us a page), the resident memory above
-  the process's own after its imports (VmRSS now, and VmHWM, the peak), the bytes a
+  the process's own after its imports (VmRSS after the decode steps, before the prompt
+  again: a decoding stage's, without a long prefill's chunk buffers, which the next step
+  lets go; and VmHWM, the peak, which has them), the bytes a
   decode step reads (every block's and the head's weights as the file stores them, one
   embedding row, float32 copies for the reference worker; and the KV cache of the
   positions a step sees, on average over the timed steps, which a long prompt makes a
@@ -267,13 +269,14 @@ for _ in range(args["tokens"]):
     c0, t0 = time.process_time(), time.perf_counter(); llm.eval([tok])
     steps.append(time.perf_counter() - t0); steps_cpu.append(time.process_time() - c0)
     tok = last()
+rss = status_kib("VmRSS")  # decoding: after the decode steps
 llm.reset()  # the same prompt again from position 0 (eval drops the cache from there)
 c0, t0 = time.process_time(), time.perf_counter(); llm.eval(args["prompt"])
 again, again_cpu = time.perf_counter() - t0, time.process_time() - c0
 print(json.dumps({"prefill_s": prefill, "steps_s": steps, "prefill_cpu_s": prefill_cpu,
                   "steps_cpu_s": steps_cpu, "prefill_again_s": again,
                   "prefill_again_cpu_s": again_cpu, "base_kib": base,
-                  "rss_kib": status_kib("VmRSS"), "peak_kib": status_kib("VmHWM")}))
+                  "rss_kib": rss, "peak_kib": status_kib("VmHWM")}))
 """
 )
 
@@ -351,6 +354,7 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
         out = worker.execute_step(k, np.array([out.token_id], np.uint32))
         steps.append(time.perf_counter() - t0)
         steps_cpu.append(time.process_time() - c0)
+    rss = status["status_kib"]("VmRSS")  # decoding: after the decode steps
     c0, t0 = time.process_time(), time.perf_counter()  # the same prompt again: a new run
     prefill_prompt()
     again, again_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -363,7 +367,7 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
         "prefill_again_cpu_s": again_cpu,
         "bind_s": bind_s,
         "base_kib": base,
-        "rss_kib": status["status_kib"]("VmRSS"),
+        "rss_kib": rss,
         "peak_kib": status["status_kib"]("VmHWM"),
     }
 
