@@ -329,7 +329,7 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     worker.bind(prov.gguf_source)
     bind_s = time.perf_counter() - t0
-    prompt, chunk = np.array(args["prompt"], np.uint32), args.get("prefill_chunk", 0)
+    prompt, chunk = np.array(args["prompt"], np.uint32), args["prefill_chunk"]
 
     def prefill_prompt() -> Any:
         """The prompt as one step, or in chunks as the runtime sends a longer one."""

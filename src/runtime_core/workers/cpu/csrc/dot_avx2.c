@@ -625,6 +625,9 @@ AVX2_INLINE float cache1(const void *rows, int half, int64_t at) {
  * all (docs/workers.md: one head at a time read its keys and values once per head, 2-3.7x
  * slower from memory). */
 
+/* keys (scores) or column vectors (mix) a tile takes for each of NQ heads: 8 accumulators */
+#define ATT_PER_HEAD(NQ) ((NQ) == 1 ? 8 : (NQ) == 2 ? 4 : 2)
+
 /* lane a: sum8 (dot.h) of acc[a]'s lanes, a < 8 (hadd adds lanes 0 + 1, 2 + 3; the
  * second hadd their pairs; then the halves) */
 AVX2_INLINE __m256 sums8(const __m256 *acc) {
@@ -678,7 +681,7 @@ AVX2_INLINE void att_ahead(const char *at, size_t bytes) {
 /* NQ heads' scores of n keys: KB at a time, then one at a time */
 AVX2_INLINE void scores_heads(const float *q, const int NQ, const void *keys, const int half,
                               int64_t n, int64_t hd, float scale, float *scores, int64_t ss) {
-    const int KB = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;
+    const int KB = ATT_PER_HEAD(NQ);
     const size_t rb = (size_t)hd * (half ? 2 : 4);
     int64_t t = 0;
     for (; t + KB <= n; t += KB) {
@@ -755,7 +758,7 @@ AVX2_INLINE void mix_cols(float *out, const int NQ, const float *p, int64_t ps, 
 #define MIX_T 32
 AVX2_INLINE void mix_heads(float *out, const int NQ, const float *p, int64_t ps, const void *values,
                            const int half, int64_t n, int64_t hd) {
-    const int NV = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;
+    const int NV = ATT_PER_HEAD(NQ);
     const int64_t full = hd / 8 * 8;
     const size_t esize = half ? 2 : 4;
     for (int64_t t0 = 0; t0 < n; t0 += MIX_T) {
