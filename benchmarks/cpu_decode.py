@@ -45,9 +45,10 @@
   prefilled once more after the decode steps, from position 0 on a cleared cache, as a
   process that has served before runs it: the first one also pays the first touch of its
   buffers, which on a virtual machine can cost 5 us a page), the resident memory above
-  the process's own after its imports (VmRSS after the decode steps, before the prompt
-  again: a decoding stage's, without a long prefill's chunk buffers, which the next step
-  lets go; and VmHWM, the peak, which has them), the bytes a
+  the process's own after its imports (VmRSS just after the first prefill, a stage idle
+  after a long prompt; VmRSS after the decode steps, before the prompt again, a
+  decoding stage's; and VmHWM, the peak, which has a long prefill's step buffers), the
+  bytes a
   decode step reads (every block's and the head's weights as the file stores them, one
   embedding row, float32 copies for the reference worker; and the KV cache of the
   positions a step sees, on average over the timed steps, which a long prompt makes a
@@ -68,7 +69,8 @@
   on the 8B shape, decode at least 90 % of the measured read bandwidth for Q4_0 and
   Q4_K; every ``cpu*`` row's decode and prefill at least 1.0 x llama.cpp's at the same
   threads (and ``cpu-avx2``'s at least 1.0 x ``llama.cpp-avx2``'s); the CPU worker's
-  resident memory above its baseline within 1.25 x (the slice's bytes + its KV cache);
+  resident memory above its baseline within 1.25 x (the slice's bytes + its KV cache),
+  the larger of its readings after the prefill and after the decode steps;
   warm start < 2 s. The machine may be shared: run it
   several times, compare ratios.
 """
@@ -264,6 +266,7 @@ def last():
                                                shape=(n_vocab,))))
 c0, t0 = time.process_time(), time.perf_counter(); llm.eval(args["prompt"])
 prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
+prefilled = status_kib("VmRSS")  # just after the prefill
 tok, steps, steps_cpu = last(), [], []
 for _ in range(args["tokens"]):
     c0, t0 = time.process_time(), time.perf_counter(); llm.eval([tok])
@@ -276,7 +279,8 @@ again, again_cpu = time.perf_counter() - t0, time.process_time() - c0
 print(json.dumps({"prefill_s": prefill, "steps_s": steps, "prefill_cpu_s": prefill_cpu,
                   "steps_cpu_s": steps_cpu, "prefill_again_s": again,
                   "prefill_again_cpu_s": again_cpu, "base_kib": base,
-                  "rss_kib": rss, "peak_kib": status_kib("VmHWM")}))
+                  "prefilled_kib": prefilled, "rss_kib": rss,
+                  "peak_kib": status_kib("VmHWM")}))
 """
 )
 
@@ -347,6 +351,7 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
     c0, t0 = time.process_time(), time.perf_counter()
     out = prefill_prompt()
     prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
+    prefilled = status["status_kib"]("VmRSS")  # just after the prefill
     steps, steps_cpu = [], []
     for k in range(1, args["tokens"] + 1):
         assert isinstance(out, TokenOutput)
@@ -367,6 +372,7 @@ def child(runner: str, args: dict[str, Any]) -> dict[str, Any]:
         "prefill_again_cpu_s": again_cpu,
         "bind_s": bind_s,
         "base_kib": base,
+        "prefilled_kib": prefilled,
         "rss_kib": rss,
         "peak_kib": status["status_kib"]("VmHWM"),
     }
@@ -527,6 +533,10 @@ def summarize(results: list[dict[str, Any]], prompt_len: int) -> dict[str, float
         # busy host changes least (time waiting for a core is not counted)
         "decode_cpu_ms_per_token": 1e3 * step_cpu,
         "prefill_cpu_ms_per_token": 1e3 * prefill_cpu / prompt_len,
+        "prefilled_above_base_mib": statistics.median(
+            r["prefilled_kib"] - r["base_kib"] for r in results
+        )
+        / 1024,
         "rss_above_base_mib": statistics.median(r["rss_kib"] - r["base_kib"] for r in results)
         / 1024,
         "peak_above_base_mib": statistics.median(r["peak_kib"] - r["base_kib"] for r in results)
@@ -767,9 +777,9 @@ def figures(
         f"read bandwidth (best measured) {bandwidth / 1e9:.1f} GB/s"
     )
     print(
-        f"  {'runner':14} {'decode tok/s':>12} {'prefill tok/s':>13} {'again':>6} {'RSS+ MiB':>9} "
-        f"{'peak+ MiB':>9} {'GB/tok':>7} {'GB/s':>6} {'of bw':>6} {'CPU ms/tok: decode':>18} "
-        f"{'prefill':>7}"
+        f"  {'runner':14} {'decode tok/s':>12} {'prefill tok/s':>13} {'again':>6} "
+        f"{'RSS+ MiB: prefilled':>19} {'decoding':>8} {'peak':>6} {'GB/tok':>7} {'GB/s':>6} "
+        f"{'of bw':>6} {'CPU ms/tok: decode':>18} {'prefill':>7}"
     )
     for runner, results in raw.items():
         s = summarize(results, args.prompt_len)
@@ -786,7 +796,8 @@ def figures(
         print(
             f"  {runner:14} {s['decode_tokens_per_s']:12.1f} {s['prefill_tokens_per_s']:13.1f} "
             f"{s['prefill_again_tokens_per_s']:6.1f} "
-            f"{s['rss_above_base_mib']:9.0f} {s['peak_above_base_mib']:9.0f} "
+            f"{s['prefilled_above_base_mib']:19.0f} {s['rss_above_base_mib']:8.0f} "
+            f"{s['peak_above_base_mib']:6.0f} "
             f"{nbytes / 1e9:7.3f} {s['read_gb_s']:6.1f} {s['of_bandwidth']:6.0%} "
             f"{s['decode_cpu_ms_per_token']:18.2f} {s['prefill_cpu_ms_per_token']:7.2f}"
         )
@@ -830,10 +841,10 @@ def figures(
             )
     if "cpu" in out and name != "smollm2":
         limit = 1.25 * (stored + kv) / 2**20
-        rss = out["cpu"]["rss_above_base_mib"]
+        rss = max(out["cpu"]["prefilled_above_base_mib"], out["cpu"]["rss_above_base_mib"])
         print(
-            f"  cpu resident above baseline {rss:.0f} MiB, limit {limit:.0f} MiB: "
-            f"{pass_miss(rss <= limit)}"
+            f"  cpu resident above baseline {rss:.0f} MiB (the larger of after the prefill "
+            f"and while decoding), limit {limit:.0f} MiB: {pass_miss(rss <= limit)}"
         )
     return out
 

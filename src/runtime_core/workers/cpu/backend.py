@@ -139,10 +139,11 @@ class CpuBackend:
         else:
             tables = [s.cache.table for s in steps]
             ops.tokens = program.run([s.pos for s in segments], tables)
+        ops.end_step()
 
     def activations_of(self, index: int) -> npt.NDArray[np.generic]:
         seg = self.segments[index]
-        return activations.encode(self._ops().buf.x[seg.start : seg.end], self.spec.edge_dtype)
+        return activations.encode(self._ops().out[seg.start : seg.end], self.spec.edge_dtype)
 
     def _head(self, index: int) -> int:
         if index not in self.head_of:

@@ -14,7 +14,14 @@ import numpy as np
 import numpy.typing as npt
 
 from runplan.quant_types import CHUNK
-from runtime_core.workers.cpu.step_buffers import Q8Rows, StepRows, q_rows, written
+from runtime_core.workers.cpu.step_buffers import (
+    KEPT_ROWS,
+    Q8Rows,
+    StepRows,
+    buffer,
+    q_rows,
+    written,
+)
 from runtime_core.workers.experts import Routing, weighted_sum
 from runtime_core.workers.stage_weights import Experts, Linear, StageWeights
 
@@ -89,18 +96,22 @@ class CpuExpertOps:
 
     def _pair_buffers(self, pairs: int, rows: int, used: int, f: int) -> dict[str, Any]:
         """Views of the mixture's buffers for ``pairs`` (row, slot) pairs of ``rows``
-        rows, kept from step to step (``moe_bufs``: made again, every page written, when
-        a step needs more; the bound stage makes those of KEPT_ROWS rows): the pairs'
-        inputs (``xs``) in every format the experts' matrices take (``xs-<format>``),
-        gate and up (``h``), the gated rows (``act``, and theirs), the outputs, the
-        outputs by slot."""
+        rows: the pairs' inputs (``xs``) in every format the experts' matrices take
+        (``xs-<format>``), gate and up (``h``), the gated rows (``act``, and theirs), the
+        outputs, the outputs by slot. Those of a step of up to KEPT_ROWS rows are views
+        of buffers kept from step to step (``moe_bufs``, made when the stage binds, every
+        page written); a longer step (a prompt fed unchunked) makes its own, which go
+        with it."""
         key = (pairs, rows, used, f)
         if (views := self.pair_views.get(key)) is not None:
             return views
         hidden = self.w.config.hidden_dim
+        own = rows > KEPT_ROWS
 
         def kept(name: str, shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
             n = int(np.prod(shape))
+            if own:
+                return buffer(n, dtype).reshape(shape)
             buf = self.moe_bufs.get(name)
             if buf is None or buf.size < n:
                 buf = self.moe_bufs[name] = written(n, dtype)
@@ -126,6 +137,8 @@ class CpuExpertOps:
                 kept(k + "-s", (n_rows, nc), np.float32),
                 kept(k + "-g", (n_rows, 2 * nc), np.int32),
             )
+        if own:
+            return out
         if len(self.pair_views) >= KEPT_PAIR_SHAPES:
             del self.pair_views[next(iter(self.pair_views))]
         self.pair_views[key] = out

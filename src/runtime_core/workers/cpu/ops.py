@@ -46,7 +46,8 @@ of the weights exactly (as the gguf package does) and multiplies float32 activat
 A source's rounded forms are computed once per value of the source (``StepRows.fresh``).
 
 Step buffers (``step_buffers.py``): a bound stage's steps of up to ``KEPT_ROWS`` rows
-take views of buffers made and written at bind.
+take views of buffers made and written at bind. A longer step (a prompt fed unchunked)
+makes its own, and lets them go when it ends but for its output rows (``end_step``).
 
 The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``),
 one per run (``new_cache``; each step of a batch names its run's), one ring per block:
@@ -194,6 +195,7 @@ class CpuOps(CpuExpertOps):
         formats = {f for mats in self.matrices.values() for f, _ in mats} - {"f32"}
         self.kept = self._row_set(KEPT_ROWS, True, sorted(formats) if self.use_q8 else ())
         self.buf = self.kept.rows(1)
+        self.out: F32 = self.buf.x  # the last step's output rows (``end_step``)
         # the head's logits: the first rows of ``logits_kept`` (made for the most head rows
         # a step has had, one at first, written now), or a step's own beyond KEPT_ROWS
         self.logits_kept = written((1, w.vocab_size), np.float32) if spec.is_last else None
@@ -258,6 +260,16 @@ class CpuOps(CpuExpertOps):
         elif self.buf.base is not self.kept or self.buf.rows != rows:
             self.buf = self.kept.rows(rows)
         self.buf.fresh.clear()
+
+    def end_step(self) -> None:
+        """The step's output rows (``out``: its residual stream, what a stage before the
+        last sends on), kept until the next step; a step beyond KEPT_ROWS lets the rest of
+        its own buffers go now (about 155 MB at 512 rows of an 8B shape), so that a stage
+        idle after a long prefill holds only what it keeps, as ``kept_bytes`` counts."""
+        self.out = self.buf.x
+        if self.buf.base is not self.kept:
+            self.buf = self.kept.rows(1)
+            self.ids = self.ids_kept[:0]
 
     @property
     def kept_bytes(self) -> int:

@@ -5,7 +5,8 @@ half or bfloat16 forms of their sources), every page written at bind: each step 
 that many rows (decode rows, batches, prefill chunks) takes views of their first rows,
 so steps whose row counts change make no buffers, and none of them, the first after
 bind included, takes a page fault in them; a step program (``csrc/program.c``) records
-their addresses once. A longer step (an unchunked prefill) makes its own for that step.
+their addresses once. A longer step (a prefill chunk of more rows) makes its own, which
+go when it ends (``CpuOps.end_step``) but for its output rows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ F32 = npt.NDArray[np.float32]
 PAGE = 4096
 #: the rows of the step buffers a stage makes when it binds and keeps (a batch of decode
 #: rows, a prefill chunk of up to this many): every step of at most this many rows takes
-#: views of them; a step of more rows (a longer prefill) makes its own for that step
+#: views of them; a step of more rows (a longer prefill chunk) makes its own for that step
 KEPT_ROWS = 64
 #: bytes between the places in their pages where two step buffers start (``RowSet``)
 STAGGER = 320

@@ -23,6 +23,7 @@ counts take views of the step buffers the stage made at bind (a longer one its o
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import attrs
@@ -33,7 +34,7 @@ from runplan import SamplingConfig
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.cpu import _kernels
 from runtime_core.workers.cpu.backend import CpuBackend
-from runtime_core.workers.cpu.step_buffers import KEPT_ROWS, PAGE
+from runtime_core.workers.cpu.step_buffers import KEPT_ROWS, PAGE, RowSet
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import BatchStep, TokenOutput
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep
@@ -154,11 +155,14 @@ def test_a_prompt_in_chunks_computes_the_logits_of_the_prompt_whole(
         np.testing.assert_array_equal(got, whole, err_msg=f"chunks {chunks}, {threads} threads")
 
 
-def test_steps_of_changing_rows_take_the_buffers_kept_at_bind(tmp_path: Path) -> None:
+def test_steps_of_changing_rows_take_the_buffers_kept_at_bind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bound stage's steps of up to ``KEPT_ROWS`` rows take views of the buffers it made
     at bind, whatever their row counts (nothing made per step); a longer step (an
-    unchunked prefill) makes its own and the next steps come back to the kept ones; and a
-    prompt fed in such steps gives the logits of the prompt whole, bit for bit."""
+    unchunked prefill) makes its own, lets them go when it ends but for its output rows,
+    and the next steps come back to the kept ones; and a prompt fed in such steps gives
+    the logits of the prompt whole, bit for bit."""
     path = write_random_model(tmp_path / "kept.gguf", CHUNKED)
     spec = BackendSpec(True, True, np.dtype(np.float32), "f32", "q8")
 
@@ -169,6 +173,14 @@ def test_steps_of_changing_rows_take_the_buffers_kept_at_bind(tmp_path: Path) ->
             backend.load(stage, 128, None)
         ops = backend.ops
         assert ops is not None and ops.logits_kept is not None
+        made: list[weakref.ref[RowSet]] = []  # the row sets made after bind
+        row_set = ops._row_set
+
+        def watched(cap: int) -> RowSet:
+            made.append(weakref.ref(out := row_set(cap)))
+            return out
+
+        monkeypatch.setattr(ops, "_row_set", watched)
         # the kept buffers start at different places in their pages (``STAGGER``)
         bufs = [*ops.kept.full.values(), ops.kept.h_flat, ops.kept.act_flat]
         assert len({a.ctypes.data % PAGE for a in bufs}) == len(bufs)
@@ -179,12 +191,19 @@ def test_steps_of_changing_rows_take_the_buffers_kept_at_bind(tmp_path: Path) ->
             backend.run_batch([BackendStep(cache, ids[pos : pos + rows], rows, pos, True)])
             pos += rows
             kept = rows <= KEPT_ROWS
-            assert ops.buf.rows == rows and ops.buf.x.shape[0] == rows
-            for name, full in ops.kept.full.items():
-                assert np.shares_memory(ops.buf.views[name], full) == kept, (rows, name)
-            assert np.shares_memory(ops.buf.h_flat, ops.kept.h_flat) == kept
-            assert all(np.shares_memory(q.q, ops.kept.q8[key].q) == kept
-                       for key, q in ops.buf.q8.items())  # fmt: skip
+            assert len(made) == (not kept)  # a long step made its own row set ...
+            assert all(ref() is None for ref in made)  # ... and let it go when it ended
+            made.clear()
+            assert ops.out.shape[0] == rows
+            assert np.shares_memory(ops.out, ops.kept.full["x"]) == kept
+            assert ops.buf.base is ops.kept
+            if kept:
+                assert ops.buf.rows == rows
+                for name, full in ops.kept.full.items():
+                    assert np.shares_memory(ops.buf.views[name], full), (rows, name)
+                assert np.shares_memory(ops.buf.h_flat, ops.kept.h_flat)
+                assert all(np.shares_memory(q.q, ops.kept.q8[key].q)
+                           for key, q in ops.buf.q8.items())  # fmt: skip
             assert np.shares_memory(ops.logits, ops.logits_kept)  # one head row a step
         out = backend.logits_of(0)
         backend.release()
@@ -193,6 +212,40 @@ def test_steps_of_changing_rows_take_the_buffers_kept_at_bind(tmp_path: Path) ->
     whole = logits([KEPT_ROWS + 42])
     np.testing.assert_array_equal(logits([KEPT_ROWS + 6, 1, KEPT_ROWS - 33, 3, 1]), whole)
     np.testing.assert_array_equal(logits([3, KEPT_ROWS, 1, 2, KEPT_ROWS - 28]), whole)
+
+
+def test_a_mixtures_long_step_keeps_no_buffers_of_its_own(tmp_path: Path) -> None:
+    """A mixture's (row, slot) pair buffers: a step beyond ``KEPT_ROWS`` rows makes its
+    own and leaves the ones kept at bind as they were (a long prefill does not grow what
+    the stage holds); the prompt whole and in chunks give the same logits, bit for bit."""
+    shape = attrs.evolve(FIXTURE_SHAPES["qwen3moe"], quant="Q8_0")
+    path = write_model(tmp_path / "moe.gguf", shape)
+    spec = BackendSpec(True, True, np.dtype(np.float32), "f32", "q8")
+
+    def logits(chunks: list[int]) -> np.ndarray:
+        backend = CpuBackend(spec, 2)
+        with open_stage_slice(path, 0, 2, is_first=True, is_last=True,
+                              capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
+            backend.load(stage, 128, None)
+        ops = backend.ops
+        assert ops is not None and ops.moe
+        at_bind = {name: (id(a), a.size) for name, a in ops.moe_bufs.items()}
+        kept = ops.kept_bytes
+        cache = backend.new_cache(128)
+        vocab = ops.w.vocab_size
+        ids = np.random.default_rng(6).integers(0, vocab, sum(chunks)).astype(np.int32)
+        pos = 0
+        for rows in chunks:
+            backend.run_batch([BackendStep(cache, ids[pos : pos + rows], rows, pos, True)])
+            pos += rows
+            assert {name: (id(a), a.size) for name, a in ops.moe_bufs.items()} == at_bind
+            assert ops.kept_bytes == kept
+        out = backend.logits_of(0)
+        backend.release()
+        return out.view(np.uint32)
+
+    whole = logits([KEPT_ROWS + 30])
+    np.testing.assert_array_equal(logits([20, KEPT_ROWS, 10]), whole)
 
 
 PROMPTS = {"a": [5, 77, 300, 12, 9, 41, 8], "b": [1, 2, 3], "c": [200, 17, 45, 99, 3, 8, 250, 6]}
