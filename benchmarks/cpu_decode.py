@@ -416,8 +416,9 @@ def build_read_probe(folder: Path) -> Path | str:
     return out if done.returncode == 0 else f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}"
 
 
-def _read_probe() -> Path | str:
-    """The probe compiled once per run of the script (``build_read_probe``)."""
+def read_probe() -> Path | str:
+    """The probe compiled once per process (``build_read_probe``), in a folder removed at
+    exit."""
     if "exe" not in _probe:
         folder = Path(tempfile.mkdtemp(prefix="gguf-pipeline-probe-"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
@@ -431,7 +432,7 @@ def read_bandwidth(threads: int) -> float:
     part on its own memory node). Where no C compiler builds it, NumPy's maximum over
     the parts (which read this host at 33-37 GB/s on one thread where the C probe read
     38-42), said on stderr."""
-    probe = _read_probe()
+    probe = read_probe()
     if isinstance(probe, Path):
         done = subprocess.run(
             [str(probe), str(threads), "1024", "5"], capture_output=True, text=True, check=False

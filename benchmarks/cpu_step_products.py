@@ -31,7 +31,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_decode import build_read_probe  # noqa: E402
+from cpu_decode import read_probe  # noqa: E402
 
 from runtime_core.workers.cpu import _kernels  # noqa: E402
 from runtime_core.workers.cpu.step_buffers import q_rows  # noqa: E402
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--isa {args.isa}: this processor runs {', '.join(_kernels.isas())}")
     probe: Path | None = None
     if args.probe:
-        built = build_read_probe(Path(tempfile.mkdtemp(prefix="gguf-pipeline-probe-")))
+        built = read_probe()  # built in a folder removed at exit
         if not isinstance(built, Path):
             ap.error(f"--probe: the read probe did not build: {built}")
         probe = built
