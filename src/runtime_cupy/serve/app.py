@@ -272,6 +272,11 @@ class Api:
                     )
                     for i in range(len(jobs))
                 )
+            elif prefix := fmt.echoed(job, tokenizer):  # a completion's echoed prompt
+                yield b"".join(
+                    fmt.event(fmt.completion_chunk(job, self.model, prefix, index=i))
+                    for i in range(len(jobs))
+                )
             while True:
                 index, event = await events.get()
                 if isinstance(event, Piece):

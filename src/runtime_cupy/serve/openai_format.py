@@ -1,7 +1,8 @@
 """The response bodies and stream chunks of OpenAI's chat completions and (legacy)
 completions APIs, as the official clients parse them.
 
-A streamed answer is server-sent events: one ``data: <chunk JSON>`` event per piece of
+A streamed answer is server-sent events: (a completion asked with ``echo``: its
+prompt's text first, a chunk per choice) one ``data: <chunk JSON>`` event per piece of
 text, a last chunk with the ``finish_reason``, a chunk with ``usage`` when the request
 asked for it (``stream_options.include_usage``), then ``data: [DONE]``. An error after
 the stream began is one ``data: {"error": ...}`` event before ``[DONE]``.
@@ -80,15 +81,27 @@ def chat_response(
     }
 
 
+def echoed(job: Job, tokenizer: Tokenizer) -> str:
+    """What a completion's text starts with: its prompt's text where the request asked
+    for ``echo`` (the prompt as given, or its token ids' text), else nothing."""
+    request = job.prepared.request
+    if not request.echo:
+        return ""
+    if isinstance(request.prompt, str):
+        return request.prompt
+    return tokenizer.decode(request.prompt)
+
+
 def completion_response(
     job: Job, model: str, dones: Sequence[Finished], tokenizer: Tokenizer
 ) -> dict[str, Any]:
+    prefix = echoed(job, tokenizer)
     return {
         **_head(job, model, "text_completion"),
         "choices": [
             {
                 "index": i,
-                "text": done.text,
+                "text": prefix + done.text,
                 "logprobs": logprobs_of(job, tokenizer, done.logprobs),
                 "finish_reason": done.finish_reason,
             }

@@ -91,6 +91,8 @@ class CompletionRequest:
     #: Log probabilities (``logprobs.py``): ``None`` not asked, else the alternatives
     #: shown per token (chat's ``top_logprobs``, completions' ``logprobs``).
     logprobs: int | None = None
+    #: A completion's text starts with its prompt's (as given, or its token ids' text).
+    echo: bool = False
 
 
 # -- what the API defines and this server does not serve ----------------------------------
@@ -122,13 +124,12 @@ NEUTRAL: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "metadata": (lambda v: v is None or isinstance(v, dict), "an object"),
     "service_tier": (lambda v: v in (None, "auto", "default"), '"auto"'),
     "modalities": (lambda v: v in (None, ["text"]), '["text"]'),
-    "echo": (_false, "false"),
     "suffix": (lambda v: v is None or v == "", "null"),
     "best_of": (lambda v: v is None or (type(v) is int and v == 1), "1"),
 }
-_CHAT_NEUTRAL = frozenset(NEUTRAL) - {"echo", "suffix", "best_of"}
+_CHAT_NEUTRAL = frozenset(NEUTRAL) - {"suffix", "best_of"}
 _COMPLETION_NEUTRAL = frozenset(
-    {"presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix", "best_of"}
+    {"presence_penalty", "frequency_penalty", "logit_bias", "suffix", "best_of"}
 )
 
 
@@ -166,6 +167,7 @@ COMPLETION_FIELDS: Mapping[str, Rule] = {
     **_COMMON,
     "prompt": prompt,
     "logprobs": integer(0, MAX_TOP_COMPLETION),
+    "echo": boolean,
 }
 
 
@@ -283,10 +285,18 @@ def parse_chat(body: bytes) -> CompletionRequest:
 def parse_completion(body: bytes) -> CompletionRequest:
     """A ``/v1/completions`` body; ``RequestError`` naming what is wrong."""
     v = _fields(body, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
+    if v["echo"] and v["logprobs"] is not None:
+        raise RequestError(
+            "echo with logprobs asks for the prompt's log probabilities, which this server "
+            "does not compute: echo without logprobs, or logprobs without echo",
+            param="echo",
+            code="unsupported_parameter",
+        )
     return CompletionRequest(
         endpoint="completion",
         prompt=v["prompt"],
         max_tokens=v["max_tokens"],
         logprobs=v["logprobs"],
+        echo=v["echo"],
         **_common(v),
     )

@@ -162,6 +162,30 @@ def test_completions_with_a_seed_are_generate_s_text(
     assert by_ids.choices[0].text == text
 
 
+def test_a_completion_with_echo_starts_with_its_prompt(
+    client: openai.OpenAI, tokenizer: Tokenizer
+) -> None:
+    """``echo``: each choice's text is the prompt's (as given, or its token ids' text)
+    and then what the same request without it answers, whole and streamed (the prompt a
+    first chunk of each choice); the usage counts the same tokens."""
+    prompt = "The quick brown fox"
+    ask = {"model": "tiny-chat", "max_tokens": 6, "temperature": 0.8, "seed": 5, "n": 2}
+    plain = client.completions.create(prompt=prompt, **ask)
+    texts = [c.text for c in plain.choices]
+    assert all(texts)
+    whole = client.completions.create(prompt=prompt, echo=True, **ask)
+    assert [c.text for c in whole.choices] == [prompt + t for t in texts]
+    assert whole.usage == plain.usage
+    chunks = list(client.completions.create(prompt=prompt, echo=True, stream=True, **ask))
+    for i, text in enumerate(texts):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].text == prompt and mine[0].finish_reason is None
+        assert "".join(m.text for m in mine) == prompt + text
+    ids = tokenizer.encode(prompt, add_special=True, parse_special=True)
+    by_ids = client.completions.create(prompt=ids, echo=True, **ask)
+    assert [c.text for c in by_ids.choices] == [tokenizer.decode(ids) + t for t in texts]
+
+
 def test_n_choices_are_n_runs_choice_i_seeded_seed_plus_i(client: openai.OpenAI) -> None:
     """``n`` choices, whole and streamed: choice ``i`` is what one choice of seed
     ``seed + i`` is (``prompts.choice_seed``), and the usage counts the prompt once and
@@ -417,7 +441,9 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("completion", completion(prompt=[1, 10**9]), 400, "prompt[1]"),
     ("completion", completion(prompt=[1, -4]), 400, "prompt[1]"),
     ("completion", completion(prompt=""), 400, "prompt"),
-    ("completion", completion(echo=True), 400, "echo"),
+    ("completion", completion(echo=True, logprobs=1), 400, "echo"),  # the prompt's: none
+    ("completion", completion(echo="yes"), 400, "echo"),
+    ("chat", chat(echo=True), 400, "echo"),  # a completion's field
     ("completion", completion(logprobs=6), 400, "logprobs"),
     ("completion", completion(logprobs=0), 400, "logprobs"),  # served without --logprobs
     ("chat", chat(logprobs=True), 400, "logprobs"),
