@@ -23,6 +23,13 @@ def int_field(**kwargs: Any) -> Any:
     return attrs.field(validator=[v.instance_of(int), _not_bool], **kwargs)
 
 
+def kv_width_field() -> Any:
+    """The KV cache's element width (``kv_dtype_width_bytes``): by default, where a plan
+    or message written without it is read, the activations' (``dtype_width_bytes``, a
+    field before it), as the planner counted the cache then."""
+    return int_field(default=attrs.Factory(lambda self: self.dtype_width_bytes, takes_self=True))
+
+
 def float_field(**kwargs: Any) -> Any:
     """A ``float`` field; an ``int`` is converted."""
     return attrs.field(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from runplan.dtypes import DTypeFamily
 from runplan.plan import (
     U64_MAX,
     EdgeEndpoint,
@@ -119,8 +120,10 @@ def _check_model(m: GgufModelPlan) -> PlanRejection | None:
     rejection = check_model_strings(m.model_id, m.architecture, m.gguf_source.paths)
     if rejection:
         return rejection
-    return check_dtype(m.dtype_family, m.dtype_width_bytes, "model dtype") or (
-        check_activation_family(m.dtype_family, "model dtype")
+    return (
+        check_dtype(m.dtype_family, m.dtype_width_bytes, "model dtype")
+        or check_activation_family(m.dtype_family, "model dtype")
+        or check_dtype(DTypeFamily.FLOAT, m.kv_dtype_width_bytes, "model kv dtype")
     )
 
 

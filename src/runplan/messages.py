@@ -11,7 +11,14 @@ import enum
 
 from attrs import frozen
 
-from runplan._fields import bool_field, int_field, str_field, tuple_field, typed_field
+from runplan._fields import (
+    bool_field,
+    int_field,
+    kv_width_field,
+    str_field,
+    tuple_field,
+    typed_field,
+)
 from runplan.config import SamplingConfig, Timeouts, batch_runs, shared_batch_rows, shared_batches
 from runplan.dtypes import DTypeFamily
 from runplan.facts import GgufSource
@@ -47,6 +54,8 @@ class StageModelFacts:
     dtype_family: DTypeFamily = typed_field(DTypeFamily)
     dtype_width_bytes: int = int_field()
     max_seq_len: int = int_field()
+    # the KV cache's float width, as the plan counted it (``GgufModelPlan``)
+    kv_dtype_width_bytes: int = kv_width_field()
 
 
 @frozen

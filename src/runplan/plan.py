@@ -7,7 +7,14 @@ import enum
 
 from attrs import frozen
 
-from runplan._fields import bool_field, int_field, str_field, tuple_field, typed_field
+from runplan._fields import (
+    bool_field,
+    int_field,
+    kv_width_field,
+    str_field,
+    tuple_field,
+    typed_field,
+)
 from runplan.config import SamplingConfig, Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.facts import GgufSource
@@ -106,7 +113,10 @@ class StagePlan:
 @frozen
 class GgufModelPlan:
     """The spec's ``GgufModelPlan``: the model facts every stage plan agrees on. The
-    dtype is the run's activation dtype (from the config), not the weights'."""
+    dtype is the run's activation dtype (from the config), not the weights'; the KV
+    cache's elements are floats of ``kv_dtype_width_bytes`` (4: float32, 2: float16),
+    the width the planner counted the cache at (the worker's ``kv_bytes_per_element``,
+    else the activations'), which every stage's worker holds it in."""
 
     model_id: str = str_field()
     gguf_source: GgufSource = typed_field(GgufSource)
@@ -118,6 +128,7 @@ class GgufModelPlan:
     max_seq_len: int = int_field()
     eos_token_id: int = int_field()
     vocab_size: int = int_field()
+    kv_dtype_width_bytes: int = kv_width_field()
 
 
 @frozen

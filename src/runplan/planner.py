@@ -215,6 +215,7 @@ def _model_plan(facts: ModelFacts, config: RuntimeConfig) -> GgufModelPlan:
         max_seq_len=facts.max_seq_len,
         eos_token_id=facts.eos_token_id,
         vocab_size=facts.vocab_size,
+        kv_dtype_width_bytes=kv_width(config.worker, config.activation_dtype_width_bytes),
     )
 
 

@@ -48,6 +48,7 @@ def _stage_model(plan: RunPlan) -> StageModelFacts:
         dtype_family=m.dtype_family,
         dtype_width_bytes=m.dtype_width_bytes,
         max_seq_len=m.max_seq_len,
+        kv_dtype_width_bytes=m.kv_dtype_width_bytes,
     )
 
 

@@ -316,6 +316,16 @@ def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection
         return InconsistentModelFacts(
             "worker", worker.name, "bytes per weight or KV element must not be negative"
         )
+    if (
+        worker.kv_bytes_per_element
+        and worker.kv_bytes_per_element not in VALID_WIDTHS[DTypeFamily.FLOAT]
+    ):
+        return InconsistentModelFacts(
+            "worker",
+            worker.name,
+            f"a KV element of {worker.kv_bytes_per_element} bytes: a worker holds its KV "
+            "cache in float32 (4) or float16 (2), or in the activations' width (0)",
+        )
     if worker.row_multiple < 1:
         return InconsistentModelFacts(
             "worker", worker.name, f"row_multiple {worker.row_multiple} is not at least 1"

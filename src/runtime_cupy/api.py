@@ -80,6 +80,7 @@ def plan_for(
     placement: str = "even",
     cluster: Sequence[StageNode] | None = None,
     max_concurrent_runs: int = 1,
+    kv_dtype: str | None = None,
 ) -> tuple[RunPlan, tuple[int | None, ...]]:
     """The plan of a process run and each stage's GPU: layers split evenly (or by
     memory), a KV cache just long enough for the prompt and the tokens asked for (as the
@@ -87,9 +88,11 @@ def plan_for(
     ``run_id``: by default 128 random bits (``names.new_run_id``); a run id given here
     names the run's resources on its hosts, so it must be as hard to guess.
     ``max_concurrent_runs``: the runs of a chain of these stages held at once (sizes
-    each stage's KV budget; plans of one chain must agree on it)."""
+    each stage's KV budget; plans of one chain must agree on it). ``kv_dtype``: the KV
+    cache's dtype (``workers.capabilities``; default: the worker's own)."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
-    worker_capabilities = capabilities(worker)  # WorkerUnavailable before looking for GPUs
+    # WorkerUnavailable before looking for GPUs
+    worker_capabilities = capabilities(worker, kv_dtype)
     check_whole_model(model_path, facts.num_layers, worker_capabilities)  # before any process
     if cluster is None:
         nodes, devices = place_stages(stages, worker, gpus)
@@ -138,6 +141,7 @@ def generate(
     placement: str = "even",
     encrypt_edges: bool = False,
     on_slice: Callable[[StageTransfer], None] | None = None,
+    kv_dtype: str | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
     stage processes, each running ``worker`` (``cpu``, the default; ``numpy``, the
@@ -159,7 +163,9 @@ def generate(
     gets its slice from this host (``runtime_cupy.slices``), and ``on_slice(transfer)``
     sees each one move (on other threads). Every frame on a TCP edge is authenticated;
     ``encrypt_edges`` encrypts it too (AES-256-GCM), for links across networks one does
-    not trust (shared-memory edges stay on their host). A run that faults or is
+    not trust (shared-memory edges stay on their host). ``kv_dtype`` (``f32``, ``f16``;
+    default: the worker's own, float32 on the CPU worker): the stages' KV caches in
+    that dtype, counted so by the planner. A run that faults or is
     cancelled returns with that outcome, every process reaped and every resource freed.
     Raises
     ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a prompt it
@@ -194,6 +200,7 @@ def generate(
         timeouts=timeouts,
         placement=placement,
         cluster=cluster,
+        kv_dtype=kv_dtype,
     )
     tokenizer = tokenizer or Tokenizer.from_gguf(path)
 

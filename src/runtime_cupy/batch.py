@@ -90,6 +90,7 @@ def generate_batch(
     ray_address: str | None = None,
     placement: str = "even",
     max_concurrent: int | None = None,
+    kv_dtype: str | None = None,
 ) -> Generator[tuple[int, GenerateResult], None, None]:
     """Generate up to ``max_tokens`` tokens after each of ``prompts`` on one chain;
     yields ``(index, result)`` as each run ends. ``BatchError`` (``check_prompts``) for
@@ -112,6 +113,7 @@ def generate_batch(
             placement=placement,
             context=context,
             max_concurrent=runs,
+            kv_dtype=kv_dtype,
         )
 
     if max_concurrent is not None:

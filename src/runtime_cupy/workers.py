@@ -12,6 +12,8 @@ import importlib
 import importlib.util
 from typing import Any
 
+import attrs
+
 from runplan import WorkerCapabilities
 from runtime_core.workers.interface import TraceEvent, Worker
 from runtime_core.workers.registry import CORE_WORKERS, WorkerUnavailable
@@ -48,9 +50,29 @@ def worker_class(name: str) -> Any:
     return REGISTRY.worker_class(name)
 
 
-def capabilities(name: str) -> WorkerCapabilities:
-    """What the worker runs, for the planner."""
-    return REGISTRY.capabilities(name)
+#: ``kv_dtype``'s choices: the KV cache's dtypes, by their bytes an element
+KV_DTYPES = {"f32": 4, "f16": 2}
+
+
+def capabilities(name: str, kv_dtype: str | None = None) -> WorkerCapabilities:
+    """What the worker runs, for the planner. ``kv_dtype`` (``f32``, ``f16``; None: the
+    worker's own, the activations' width for ``cpu`` and ``cuda``): the KV cache in that
+    dtype, which the planner then counts (``kv_bytes_per_element``) and every stage's
+    worker holds (the plan's ``kv_dtype_width_bytes``). ``ValueError`` for a dtype the
+    worker does not hold its cache in (``numpy``: float32 only)."""
+    caps = REGISTRY.capabilities(name)
+    if kv_dtype is None:
+        return caps
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    width = KV_DTYPES[kv_dtype]
+    if caps.kv_bytes_per_element and caps.kv_bytes_per_element != width:
+        own = {w: n for n, w in KV_DTYPES.items()}.get(caps.kv_bytes_per_element)
+        raise ValueError(
+            f"the {name} worker holds its KV cache in {own or caps.kv_bytes_per_element}, "
+            f"not {kv_dtype}"
+        )
+    return attrs.evolve(caps, kv_bytes_per_element=width)
 
 
 def make_worker(name: str, trace: TraceEvent | None = None) -> Worker:
@@ -61,6 +83,7 @@ def make_worker(name: str, trace: TraceEvent | None = None) -> Worker:
 __all__ = [
     "DEFAULT_WORKER",
     "INSTALL_CUPY",
+    "KV_DTYPES",
     "REGISTRY",
     "WORKERS",
     "WorkerUnavailable",

@@ -14,8 +14,10 @@ Options common to every backend:
   8-bit activations with integer dot products, as llama.cpp does; ``"f32"``
   multiplies the dequantized weights with float32 activations (slower, and closest to
   the NumPy reference worker).
-- ``kv_dtype``: ``"auto"`` (default: float16 when the plan's activations are 2 bytes
-  wide, float32 when 4), ``"f16"`` or ``"f32"``.
+- ``kv_dtype``: ``"auto"`` (default: the width the plan counted the cache at,
+  ``StageModelFacts.kv_dtype_width_bytes``: float32 for 4 bytes, float16 for 2),
+  ``"f16"`` or ``"f32"`` (bind refuses one wider than the plan counted: the stage's KV
+  budget would not hold it).
 
 Runs (CONCURRENT_RUNS.md): each run on the chain (``open_run`` .. ``close_run``) has
 its own KV cache on the backend (``new_cache`` for its ``kv_positions`` positions),
@@ -152,9 +154,28 @@ class _Run:
     cursor: RunCursor
 
 
-def kv_dtype_for(option: str, edge_width: int) -> str:
+#: the KV cache's dtypes by element width
+KV_WIDTHS = {"f32": 4, "f16": 2}
+
+
+def kv_dtype_for(option: str, counted_width: int) -> str:
+    """The KV cache's dtype: the one asked for, or (``"auto"``) the one of the width the
+    plan counted. ``WorkerError`` where the plan counted a width no cache has, or fewer
+    bytes than the one asked for takes."""
+    dtype = {width: name for name, width in KV_WIDTHS.items()}.get(counted_width)
+    if dtype is None:
+        raise WorkerError(
+            f"the plan counts the KV cache at {counted_width} bytes an element: a worker "
+            "holds it in float32 (4) or float16 (2)"
+        )
     if option == "auto":
-        return "f32" if edge_width == 4 else "f16"
+        return dtype
+    if KV_WIDTHS[option] > counted_width:
+        raise WorkerError(
+            f"kv_dtype {option!r} takes {KV_WIDTHS[option]} bytes an element, and the plan "
+            f"counts the stage's KV budget at {counted_width} ({dtype}): plan with a worker "
+            f"whose kv_bytes_per_element is {KV_WIDTHS[option]}"
+        )
     return option
 
 
@@ -230,7 +251,7 @@ class StageWorker(SingleRunSteps):
             is_first=p.is_first,
             is_last=p.is_last,
             edge_dtype=edge,
-            kv_dtype=kv_dtype_for(self.kv_dtype, p.model.dtype_width_bytes),
+            kv_dtype=kv_dtype_for(self.kv_dtype, p.model.kv_dtype_width_bytes),
             matvec=self.matvec,
         )
         key = weights_key(gguf_source, p, (spec, p.model.max_seq_len))

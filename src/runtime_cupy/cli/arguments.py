@@ -21,7 +21,13 @@ from runtime_core.tokenizer import TokenizerError
 from runtime_cupy.edges.choice import PREFERENCES
 from runtime_cupy.hosts.ray.cluster import ClusterError
 from runtime_cupy.serve.chain import DEFAULT_PREFILL_CHUNK, WarmChain
-from runtime_cupy.workers import DEFAULT_WORKER, WORKERS, WorkerUnavailable
+from runtime_cupy.workers import (
+    DEFAULT_WORKER,
+    KV_DTYPES,
+    WORKERS,
+    WorkerUnavailable,
+    capabilities,
+)
 
 #: The exit statuses of ``python -m runtime_cupy``: a run that faulted (or stages that
 #: could not start), and bad input.
@@ -96,6 +102,23 @@ def add_worker(parser: argparse.ArgumentParser) -> None:
         help="cpu: quantized weights and compiled kernels on the CPU (default); numpy: "
         "the reference worker (readable, float32, slow); cuda: the CUDA worker",
     )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=tuple(KV_DTYPES),
+        default=None,
+        help="the KV caches' dtype, as the planner counts them and every stage holds them: "
+        "f16 halves their memory (more runs in a --kv-budget) and what attention reads, "
+        "as llama.cpp's default cache does (default: the worker's own: f32 for cpu and "
+        "numpy, f16 for cuda; numpy holds f32 only)",
+    )
+
+
+def check_worker_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--kv-dtype`` against ``--worker`` (one line and exit status 2)."""
+    try:
+        capabilities(args.worker, args.kv_dtype)
+    except ValueError as exc:
+        parser.error(f"argument --kv-dtype: {exc}")
 
 
 def add_devices(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +255,7 @@ def check_chain_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     """What no single flag of ``add_chain_arguments`` can check alone (one line and exit
     status 2). (With ``--ray-address`` the chain refuses ``--gpus`` whatever the
     worker.)"""
+    check_worker_arguments(parser, args)
     if args.gpus is not None and args.worker != "cuda" and args.ray_address is None:
         parser.error(
             f"argument --gpus: {','.join(map(str, args.gpus))} names GPUs, but the "
@@ -246,6 +270,7 @@ def stage_options(args: argparse.Namespace) -> dict[str, Any]:
     drops one (``--prompts-file`` once dropped four without a word)."""
     return {
         "worker": args.worker,
+        "kv_dtype": args.kv_dtype,
         "gpus": args.gpus,
         "edges": args.edges,
         "encrypt_edges": args.encrypt_edges,

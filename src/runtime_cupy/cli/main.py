@@ -75,6 +75,7 @@ from runtime_cupy.cli.arguments import (
     add_recovery,
     add_verbose,
     add_worker,
+    check_worker_arguments,
     configure_logs,
     stage_options,
 )
@@ -274,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     if given and given[0] in SUBCOMMANDS:
         return _subcommand(given[0], given[1:])
-    args = build_parser().parse_args(given)
+    parser = build_parser()
+    args = parser.parse_args(given)
+    check_worker_arguments(parser, args)
     configure_logs(args.verbose)
     # Whatever else writes to stdout goes to stderr, Ray's driver too until it is left.
     with json_stdout(args.json), left_at_the_end():

@@ -23,7 +23,14 @@ from runplan.memory import plan_stage_memory
 from runplan.models import resolve_model
 from runplan.terminal import labelled, plain_console
 from runtime_core.runs import PlanRejected, facts_for_run
-from runtime_cupy.cli.arguments import INPUT_ERRORS, add_cluster, add_model, add_stages, add_worker
+from runtime_cupy.cli.arguments import (
+    INPUT_ERRORS,
+    add_cluster,
+    add_model,
+    add_stages,
+    add_worker,
+    check_worker_arguments,
+)
 from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.hosts.ray.session import left_at_the_end
@@ -76,6 +83,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, tuple[StageNode, ...] | None]:
         run_id="plan",
         placement=args.placement,
         cluster=cluster,
+        kv_dtype=args.kv_dtype,
     )
     return plan, cluster
 
@@ -85,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
 
     plan, cluster = _plan(args)
     facts = facts_for_run(resolve_model(args.model), prompt_len=0, max_tokens=args.max_seq_len)
-    memory = plan_stage_memory(facts, capabilities(args.worker), plan)
+    memory = plan_stage_memory(facts, capabilities(args.worker, args.kv_dtype), plan)
     where = {n.node_id: n for n in cluster or ()}
     rows = []
     for stage, use in zip(plan.stages, memory, strict=True):
@@ -133,7 +141,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_worker_arguments(parser, args)
     with json_stdout(args.json), left_at_the_end():  # Ray's driver prints into stdout
         try:
             return _run(args)

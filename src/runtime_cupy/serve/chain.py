@@ -113,7 +113,9 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
     host can start a stage on; a lost range goes to a spare first). ``logprobs``: every
     token comes with its raw logits (``4 * n_vocab`` bytes more on the last link), for
     callers that take them (``generate``'s ``on_logits``). ``nodes``: the
-    stages' nodes (one each) instead of this machine's (``place_stages``). Raises
+    stages' nodes (one each) instead of this machine's (``place_stages``). ``kv_dtype``
+    (``f32``, ``f16``; default: the worker's own): the runs' KV caches in that dtype,
+    counted so in every plan and KV budget (``workers.capabilities``). Raises
     ``ClusterError`` for a cluster that cannot be reached or has no room, before any
     process starts."""
 
@@ -143,6 +145,7 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         nodes: Sequence[NodeSpec] | None = None,
         spares: Sequence[NodeSpec] = (),
         logprobs: bool = False,
+        kv_dtype: str | None = None,
     ) -> None:
         self.logprobs = logprobs
         if nodes is not None and (ray_address is not None or len(nodes) != stages):
@@ -168,7 +171,8 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         self.facts = attrs.evolve(facts, max_seq_len=context or facts.context_length)
         self.tokenizer = Tokenizer.from_gguf(self.path)
         self.worker = worker
-        self.capabilities = capabilities(worker)  # WorkerUnavailable before any process
+        # WorkerUnavailable (ValueError for a kv_dtype it does not hold) before any process
+        self.capabilities = capabilities(worker, kv_dtype)
         check_whole_model(self.path, facts.num_layers, self.capabilities)  # likewise
         self._ray_host: RayHost | None = None
         if ray_address is not None:

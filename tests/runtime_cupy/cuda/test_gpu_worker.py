@@ -44,7 +44,7 @@ from runplan.gguf_header import GgufHeader
 from runtime_core.workers.interface import TokenOutput, Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.kernels import cuda_device_problem
-from runtime_cupy.cuda.worker import CudaWorker
+from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, CudaWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file, runnable_by
 from tests.support.chain import Chain, provisions
 from tests.support.numerics import (
@@ -96,7 +96,11 @@ def generate_all(
     sampling: SamplingConfig | None = None,
 ) -> Runs:
     chain = Chain.bind(
-        provisions(path, ranges, dtype=dtype, max_seq_len=96, sampling=sampling), make
+        # planned as the runtime plans the CUDA worker: its KV caches in the activations' width
+        provisions(
+            path, ranges, dtype=dtype, max_seq_len=96, sampling=sampling, worker=CUDA_CAPABILITIES
+        ),
+        make,
     )
     try:
         return {p["name"]: chain.generate(p["token_ids"], N) for p in prompts}

@@ -158,6 +158,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def generate(path: Path, make: Callable[[], Worker], stages: int, dtype: str, n: int = 6,
              **kwargs: Any) -> list[TokenOutput]:  # fmt: skip
+    # planned as the runtime plans the CUDA worker: its KV caches in the activations' width
+    kwargs.setdefault("worker", CUDA_CAPABILITIES)
     chain = Chain.bind(provisions(path, stages, max_seq_len=32, dtype=dtype, **kwargs), make)
     try:
         return chain.generate(PROMPT, n)
@@ -382,7 +384,9 @@ def test_a_one_token_prompt_is_a_prompt_row_not_a_decode_row(models: dict[str, P
 
 
 def test_device_io_passes_device_arrays_between_stages(models: dict[str, Path]) -> None:
-    provs = provisions(models["llama-F32"], 3, max_seq_len=32, dtype="f16")
+    provs = provisions(
+        models["llama-F32"], 3, max_seq_len=32, dtype="f16", worker=CUDA_CAPABILITIES
+    )
     workers = []
     for p in provs:
         w = EmulatedCudaWorker(device_io=True)
@@ -404,10 +408,14 @@ def test_device_io_passes_device_arrays_between_stages(models: dict[str, Path]) 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 def test_edges_and_kv_dtypes(models: dict[str, Path], dtype: str) -> None:
+    # a float32 cache planned at 4 bytes an element (a narrower one fits any plan)
+    wide = attrs.evolve(CUDA_CAPABILITIES, kv_bytes_per_element=4)
     for kv in ("auto", "f16", "f32"):
-        twin = generate(models["llama-Q8_0-rope"], lambda kv=kv: TwinWorker(kv_dtype=kv), 2, dtype)
+        caps = wide if kv == "f32" else CUDA_CAPABILITIES
+        path = models["llama-Q8_0-rope"]
+        twin = generate(path, lambda kv=kv: TwinWorker(kv_dtype=kv), 2, dtype, worker=caps)
         device = generate(
-            models["llama-Q8_0-rope"], lambda kv=kv: EmulatedCudaWorker(kv_dtype=kv), 2, dtype
+            path, lambda kv=kv: EmulatedCudaWorker(kv_dtype=kv), 2, dtype, worker=caps
         )
         assert_close(device, twin)
 

@@ -42,7 +42,7 @@ from runtime_core.errors import UnsupportedModel
 from runtime_core.workers.interface import TokenOutput, Worker, WorkerError
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM, source
-from runtime_cupy.cuda.worker import CudaWorker
+from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, CudaWorker
 from tests.fixtures.gguf_models import (
     FIXTURE_SHAPES,
     LATER_ARCHITECTURES,
@@ -72,6 +72,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(path: Path, make: Any, stages: int = 1, n: int = 8, **kwargs: Any) -> list[TokenOutput]:
+    if kwargs.get("dtype", "f32") != "f32":  # planned as the runtime plans the CUDA worker
+        kwargs.setdefault("worker", CUDA_CAPABILITIES)
     chain = Chain.bind(provisions(path, stages, max_seq_len=64, **kwargs), make)
     try:
         return chain.generate(PROMPT, n)

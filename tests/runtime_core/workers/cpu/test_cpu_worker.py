@@ -329,6 +329,31 @@ def test_a_prefill_computes_what_feeding_the_prompt_row_by_row_computes(
     np.testing.assert_array_equal(logits(out), logits(at_once))
 
 
+def test_the_kv_cache_is_held_at_the_width_the_plan_counted(shapes: dict[str, Path]) -> None:
+    """``kv_dtype="auto"``: the cache in the dtype of the plan's
+    ``kv_dtype_width_bytes`` (float16 for a worker planned at 2 bytes a KV element,
+    whatever the activations' width): the bits of a worker told ``f16``; a worker
+    told a wider dtype than the plan counted is refused at bind (the stage's KV budget
+    would not hold it), a narrower one is taken."""
+    path = shapes["llama-Q8_0-rope"]
+    half = attrs.evolve(CPU_CAPABILITIES, kv_bytes_per_element=2)
+    counted_f16 = provisions(path, 2, max_seq_len=64, worker=half)
+    counted_f32 = provisions(path, 2, max_seq_len=64, worker=CPU_CAPABILITIES)
+    assert [p.model.kv_dtype_width_bytes for p in counted_f16] == [2, 2]
+    assert counted_f16[0].kv_bytes * 2 == counted_f32[0].kv_bytes
+    auto = run(counted_f16, CpuWorker, PROMPT, 6)
+    told = run(counted_f32, lambda: CpuWorker(kv_dtype="f16"), PROMPT, 6)
+    wide = run(counted_f32, CpuWorker, PROMPT, 6)
+    assert [o.token_id for o in auto] == [o.token_id for o in told]
+    for a, b in zip(auto, told, strict=True):
+        np.testing.assert_array_equal(logits(a), logits(b))
+    assert any(not np.array_equal(logits(a), logits(b)) for a, b in zip(auto, wide, strict=True))
+    worker = CpuWorker(kv_dtype="f32")
+    worker.configure(counted_f16[0])
+    with pytest.raises(WorkerError, match="kv_dtype 'f32' takes 4 bytes an element"):
+        worker.bind(counted_f16[0].gguf_source)
+
+
 @pytest.mark.parametrize("name", ["qwen2-Q4_K", "llama-Q8_0-rope"])
 def test_an_f16_kv_cache_stays_close_to_the_f32_one(shapes: dict[str, Path], name: str) -> None:
     # Float activations: 8-bit rounding would amplify the cache's rounding (a change of
