@@ -140,6 +140,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     facts = _load_facts(args)
     family, width = DTYPES_BY_NAME[args.dtype]
     stored = args.weights == "stored"
+    kv = {None: 0 if stored else 4, "f32": 4, "f16": 2}[args.kv_dtype]
     config = RuntimeConfig(
         run_id=args.run_id,
         max_tokens=args.max_tokens,
@@ -148,7 +149,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         worker=WorkerCapabilities(
             name="quantized" if stored else "numpy-reference",
             weight_bytes_per_element=0 if stored else 4,
-            kv_bytes_per_element=0 if stored else 4,
+            kv_bytes_per_element=kv,
         ),
     )
     pool = NodePool(orchestrator_node_id=args.orchestrator, nodes=args.nodes)
@@ -291,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how a worker holds weights and its KV cache: f32 (the NumPy reference worker, "
         "the default) or stored (kept quantized as in the file, KV in the activation dtype, "
         "as the CUDA worker does)",
+    )
+    plan.add_argument(
+        "--kv-dtype",
+        choices=("f32", "f16"),
+        default=None,
+        help="the KV caches' dtype, counted so and carried in the plan "
+        "(model.kv_dtype_width_bytes) for the workers to hold them in (default: as --weights "
+        "says)",
     )
     plan.add_argument("--run-id", default="run-1", help="the run id (default: run-1)")
     plan.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")

@@ -61,6 +61,24 @@ def test_plan_json_is_a_plan_the_wire_reads(model: str, capsys: pytest.CaptureFi
     assert all(m["total_bytes"] <= m["device_bytes_available"] for m in doc["memory"])
 
 
+@pytest.mark.parametrize(
+    ("flags", "width"),
+    [((), 4), (("--weights", "stored", "--dtype", "f16"), 2), (("--kv-dtype", "f16"), 2),
+     (("--weights", "stored", "--dtype", "f16", "--kv-dtype", "f32"), 4)],
+)  # fmt: skip
+def test_plan_kv_dtype_is_counted_and_carried(
+    model: str, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], width: int
+) -> None:
+    assert main(["plan", model, "--nodes", "a=1GiB,b=1GiB", "--json", *flags]) == 0
+    doc = _json(capsys)
+    plan = loads(json.dumps(doc["plan"]).encode())
+    assert plan.model.kv_dtype_width_bytes == width
+    assert main(["plan", model, "--nodes", "a=1GiB,b=1GiB", "--json", "--kv-dtype", "f32"]) == 0
+    f32 = loads(json.dumps(_json(capsys)["plan"]).encode())
+    for ours, wide in zip(plan.stages, f32.stages, strict=True):
+        assert ours.kv_bytes * 4 == wide.kv_bytes * width
+
+
 def test_plan_table(model: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", model, "--nodes", "a=1GiB,b=1GiB@gpu,c=1GiB@gpu"]) == 0
     out = capsys.readouterr().out
