@@ -17,6 +17,7 @@ import attrs
 from runplan import WorkerCapabilities
 from runtime_core.workers.interface import TraceEvent, Worker
 from runtime_core.workers.registry import CORE_WORKERS, WorkerUnavailable
+from runtime_core.workers.stage_worker import KV_WIDTHS
 
 #: How to get CuPy: gguf-pipeline is not on PyPI, so its extras install from a checkout.
 INSTALL_CUPY = (
@@ -50,10 +51,6 @@ def worker_class(name: str) -> Any:
     return REGISTRY.worker_class(name)
 
 
-#: ``kv_dtype``'s choices: the KV cache's dtypes, by their bytes an element
-KV_DTYPES = {"f32": 4, "f16": 2}
-
-
 def capabilities(name: str, kv_dtype: str | None = None) -> WorkerCapabilities:
     """What the worker runs, for the planner. ``kv_dtype`` (``f32``, ``f16``; None: the
     worker's own, the activations' width for ``cpu`` and ``cuda``): the KV cache in that
@@ -63,11 +60,11 @@ def capabilities(name: str, kv_dtype: str | None = None) -> WorkerCapabilities:
     caps = REGISTRY.capabilities(name)
     if kv_dtype is None:
         return caps
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    width = KV_DTYPES[kv_dtype]
+    if kv_dtype not in KV_WIDTHS:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_WIDTHS)}")
+    width = KV_WIDTHS[kv_dtype]
     if caps.kv_bytes_per_element and caps.kv_bytes_per_element != width:
-        own = {w: n for n, w in KV_DTYPES.items()}.get(caps.kv_bytes_per_element)
+        own = {w: n for n, w in KV_WIDTHS.items()}.get(caps.kv_bytes_per_element)
         raise ValueError(
             f"the {name} worker holds its KV cache in {own or caps.kv_bytes_per_element}, "
             f"not {kv_dtype}"
@@ -83,7 +80,7 @@ def make_worker(name: str, trace: TraceEvent | None = None) -> Worker:
 __all__ = [
     "DEFAULT_WORKER",
     "INSTALL_CUPY",
-    "KV_DTYPES",
+    "KV_WIDTHS",
     "REGISTRY",
     "WORKERS",
     "WorkerUnavailable",

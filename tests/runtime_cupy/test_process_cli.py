@@ -161,9 +161,10 @@ def test_the_cuda_worker_on_a_host_without_it_is_a_clear_error(
     # gguf-pipeline is not on PyPI: the way that works is an extra from a checkout
     assert "pip install -e '.[cuda12]'" in error["message"]
     assert "'.[cuda13]'" in error["message"]
-    assert main(["--model", tiny, "--prompt-ids", "1", "--worker", "cuda"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "pip install -e '.[cuda12]'" in lines[0], lines
+    for flags in ((), ("--kv-dtype", "f16")):  # the flag's check leaves it to the run
+        assert main(["--model", tiny, "--prompt-ids", "1", "--worker", "cuda", *flags]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "pip install -e '.[cuda12]'" in lines[0], lines
 
 
 def test_with_recover_a_killed_stage_is_replaced_and_the_text_goes_on(smollm2_path: str) -> None:

@@ -23,7 +23,7 @@ from runtime_cupy.hosts.ray.cluster import ClusterError
 from runtime_cupy.serve.chain import DEFAULT_PREFILL_CHUNK, WarmChain
 from runtime_cupy.workers import (
     DEFAULT_WORKER,
-    KV_DTYPES,
+    KV_WIDTHS,
     WORKERS,
     WorkerUnavailable,
     capabilities,
@@ -104,7 +104,7 @@ def add_worker(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-dtype",
-        choices=tuple(KV_DTYPES),
+        choices=tuple(KV_WIDTHS),
         default=None,
         help="the KV caches' dtype, as the planner counts them and every stage holds them: "
         "f16 halves their memory (more runs in a --kv-budget) and what attention reads, "
@@ -114,9 +114,14 @@ def add_worker(parser: argparse.ArgumentParser) -> None:
 
 
 def check_worker_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--kv-dtype`` against ``--worker`` (one line and exit status 2)."""
+    """``--kv-dtype`` against ``--worker`` (one line and exit status 2). A worker this
+    host cannot run is left to the command, which names it as it does without the flag."""
+    if args.kv_dtype is None:
+        return
     try:
         capabilities(args.worker, args.kv_dtype)
+    except WorkerUnavailable:
+        return
     except ValueError as exc:
         parser.error(f"argument --kv-dtype: {exc}")
 
