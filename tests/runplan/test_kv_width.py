@@ -13,8 +13,19 @@ from pathlib import Path
 import attrs
 import pytest
 
-from runplan import WorkerCapabilities, model_facts_from_gguf, wire
+from runplan import (
+    NodePool,
+    NodeSpec,
+    Placement,
+    RuntimeConfig,
+    WorkerCapabilities,
+    model_facts_from_gguf,
+    plan_run,
+    wire,
+)
 from runplan.check import check_plan
+from runplan.contract import ContractReport, check_contract
+from runplan.contract.subject import PlanInputs
 from runplan.provision import provision_all
 from runplan.rejections import InconsistentModelFacts, InvalidDtypeWidth
 from runplan.validate import check_worker
@@ -82,3 +93,28 @@ def test_the_planner_refuses_a_worker_whose_kv_element_no_cache_has(
     assert f"a KV element of {kv_bytes} bytes" in str(rejection)
     with pytest.raises(AssertionError, match=f"a KV element of {kv_bytes} bytes"):
         plan_for(model, 2, worker=worker)  # the planner's rejection
+
+
+CLAUSE = "invalid_extent_alignment_dtype_width_or_layout_rejects"
+
+
+def _problems(report: ContractReport, clause: str) -> tuple[str, ...]:
+    return next(v.problems for v in report.verdicts if v.clause.name == clause)
+
+
+def test_the_contract_finds_a_width_no_cache_has_and_one_its_inputs_did_not_count(
+    model: Path,
+) -> None:
+    facts = model_facts_from_gguf(model, max_seq_len=64)
+    config = RuntimeConfig(run_id="kv", max_tokens=8, worker=CPU_LIKE)
+    pool = NodePool(orchestrator_node_id="orch", nodes=(NodeSpec("a", 2**40),))
+    inputs = PlanInputs(facts, config, pool, 1, Placement.even(("a",)))
+    plan = plan_run(facts, config, pool, stage_count=1, placement=Placement.even(("a",)))
+    assert check_contract(plan, inputs=inputs).holds
+    odd = attrs.evolve(plan, model=attrs.evolve(plan.model, kv_dtype_width_bytes=5))
+    assert any("KV cache width 5" in p for p in _problems(check_contract(odd), CLAUSE))
+    half = attrs.evolve(plan, model=attrs.evolve(plan.model, kv_dtype_width_bytes=2))
+    assert check_plan(half) == half  # a width a cache has: only the inputs tell
+    found = _problems(check_contract(half, inputs=inputs), CLAUSE)
+    assert any("KV cache width is 2; the config's worker and activations count 4" in p
+               for p in found), found  # fmt: skip

@@ -9,6 +9,7 @@ import attrs
 
 from runplan.contract.subject import Subject
 from runplan.dtypes import VALID_WIDTHS, DTypeFamily
+from runplan.memory import kv_width
 from runplan.messages import StageModelFacts
 from runplan.plan import (
     OBJECT_HEADER_BYTES,
@@ -176,6 +177,19 @@ def valid_specs(s: Subject) -> Iterator[str]:
         yield f"the model's dtype {m.dtype_family.value}/{m.dtype_width_bytes} has no such width"
     if m.dtype_family is DTypeFamily.UINT:
         yield "the model's activations are integers; activations are float rows"
+    if m.kv_dtype_width_bytes not in VALID_WIDTHS[DTypeFamily.FLOAT]:
+        yield (
+            f"the model's KV cache width {m.kv_dtype_width_bytes} is no cache's (float16: 2, "
+            "float32: 4)"
+        )
+    elif s.inputs is not None:
+        c = s.inputs.config
+        counted = kv_width(c.worker, c.activation_dtype_width_bytes)
+        if m.kv_dtype_width_bytes != counted:
+            yield (
+                f"the model's KV cache width is {m.kv_dtype_width_bytes}; the config's worker "
+                f"and activations count {counted}"
+            )
     for e in s.plan.edges:
         spec, ring = e.object_spec, e.ring_spec
         if not 1 <= spec.max_extent <= U64_MAX:
