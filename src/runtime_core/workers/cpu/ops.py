@@ -46,8 +46,9 @@ of the weights exactly (as the gguf package does) and multiplies float32 activat
 A source's rounded forms are computed once per value of the source (``StepRows.fresh``).
 
 Step buffers (``step_buffers.py``): a bound stage's steps of up to ``KEPT_ROWS`` rows
-take views of buffers made and written at bind. A longer step (a prompt fed unchunked)
-makes its own, and lets them go when it ends but for its output rows (``end_step``).
+take views of buffers made and written at bind. A longer step (a prefill chunk of the
+runtime's default 512 rows, a prompt fed whole) makes its own, and lets them go when it
+ends but for its output rows (``end_step``).
 
 The residual stream is float32; the KV cache float32 or float16 (``BackendSpec.kv_dtype``),
 one per run (``new_cache``; each step of a batch names its run's), one ring per block:
