@@ -17,7 +17,7 @@ import attrs
 from runplan import WorkerCapabilities
 from runtime_core.workers.interface import TraceEvent, Worker
 from runtime_core.workers.registry import CORE_WORKERS, WorkerUnavailable
-from runtime_core.workers.stage_worker import KV_WIDTHS
+from runtime_core.workers.stage_worker import KV_OF_WIDTH, KV_WIDTHS
 
 #: How to get CuPy: gguf-pipeline is not on PyPI, so its extras install from a checkout.
 INSTALL_CUPY = (
@@ -64,7 +64,7 @@ def capabilities(name: str, kv_dtype: str | None = None) -> WorkerCapabilities:
         raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_WIDTHS)}")
     width = KV_WIDTHS[kv_dtype]
     if caps.kv_bytes_per_element and caps.kv_bytes_per_element != width:
-        own = {w: n for n, w in KV_WIDTHS.items()}.get(caps.kv_bytes_per_element)
+        own = KV_OF_WIDTH.get(caps.kv_bytes_per_element)
         raise ValueError(
             f"the {name} worker holds its KV cache in {own or caps.kv_bytes_per_element}, "
             f"not {kv_dtype}"

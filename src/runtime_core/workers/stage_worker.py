@@ -154,15 +154,16 @@ class _Run:
     cursor: RunCursor
 
 
-#: the KV cache's dtypes by element width
+#: the KV cache's dtypes and their element widths, both ways
 KV_WIDTHS = {"f32": 4, "f16": 2}
+KV_OF_WIDTH = {width: name for name, width in KV_WIDTHS.items()}
 
 
 def kv_dtype_for(option: str, counted_width: int) -> str:
     """The KV cache's dtype: the one asked for, or (``"auto"``) the one of the width the
     plan counted. ``WorkerError`` where the plan counted a width no cache has, or fewer
     bytes than the one asked for takes."""
-    dtype = {width: name for name, width in KV_WIDTHS.items()}.get(counted_width)
+    dtype = KV_OF_WIDTH.get(counted_width)
     if dtype is None:
         raise WorkerError(
             f"the plan counts the KV cache at {counted_width} bytes an element: a worker "

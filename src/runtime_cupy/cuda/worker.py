@@ -43,8 +43,9 @@ from runtime_cupy.cuda.kernels import ATTENTION_MAX_HEAD_DIM
 #: (``runtime_core.architectures``), mixtures of experts included (their steps run
 #: without captured graphs: each step's routing is read back to the host), and every
 #: type of ``runplan.quant_types``; weights
-#: stay as the file stores them and the KV cache takes the activation dtype
-#: (``kv_dtype="auto"``; a sliding block's holds its window), which is what the planner's
+#: stay as the file stores them and the KV cache takes the activation dtype, or the one
+#: the runtime's ``kv_dtype`` sets (``kv_dtype="auto"``: the plan's
+#: ``kv_dtype_width_bytes``; a sliding block's holds its window), which is what the planner's
 #: memory check counts.
 CUDA_CAPABILITIES = WorkerCapabilities(
     name="cuda",

@@ -12,8 +12,9 @@ Options (``CpuWorker(...)``):
 - ``matvec``: ``"q8"`` (default) multiplies quantized weights with 8-bit activations
   by integer dot products, as llama.cpp's CPU path does; ``"f32"`` with float32
   activations (slower; closest to the NumPy reference worker).
-- ``kv_dtype``: ``"auto"`` (default: float32 with 4-byte activations, float16 with
-  2-byte ones), ``"f16"`` or ``"f32"``.
+- ``kv_dtype``: ``"auto"`` (default: the width the plan counted the cache at,
+  ``kv_dtype_width_bytes``: float32 for 4 bytes, float16 for 2), ``"f16"`` or ``"f32"``
+  (``stage_worker.kv_dtype_for``).
 - ``threads``: how many threads a step uses (default: ``kernels.default_threads()``,
   the stage's share of the host's cores). Results do not depend on it.
 - ``isa``: the instruction set of the kernels (``"portable"``, ``"avx2"``,
@@ -36,8 +37,9 @@ from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWo
 #: Every architecture the reference worker runs (``runtime_core.architectures``: the
 #: kernels implement each optional step; a new architecture needs its operations here,
 #: not only in the reference worker), every one of the 13 weight types; weights as
-#: stored and a KV cache in the activation dtype (a sliding block's only as long as its
-#: window), as the planner's memory check counts them.
+#: stored and a KV cache in the activation dtype, or the one the runtime's ``kv_dtype``
+#: sets (a sliding block's only as long as its window), as the planner's memory check
+#: counts them.
 CPU_CAPABILITIES = WorkerCapabilities(
     name="cpu",
     architectures=REFERENCE_ARCHITECTURES,

@@ -126,13 +126,21 @@ CHUNKED = RandomModel(
 )
 
 
-def prompt_logits(path: Path, chunks: list[int], threads: int, isa: str) -> np.ndarray:
-    """The last row's logits after feeding a prompt in chunks of these sizes."""
-    spec = BackendSpec(True, True, np.dtype(np.float32), "f32", "q8")
-    backend = CpuBackend(spec, threads, isa)
+def bound_backend(
+    path: Path, positions: int = 128, threads: int = 2, isa: str | None = None
+) -> CpuBackend:
+    """A CPU backend (f32 edges and cache, 8-bit products) bound to the first two blocks
+    of ``path``, its rotations for ``positions`` positions."""
+    backend = CpuBackend(BackendSpec(True, True, np.dtype(np.float32), "f32", "q8"), threads, isa)
     with open_stage_slice(path, 0, 2, is_first=True, is_last=True,
                           capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
-        backend.load(stage, 64, None)
+        backend.load(stage, positions, None)
+    return backend
+
+
+def prompt_logits(path: Path, chunks: list[int], threads: int, isa: str) -> np.ndarray:
+    """The last row's logits after feeding a prompt in chunks of these sizes."""
+    backend = bound_backend(path, 64, threads, isa)
     cache = backend.new_cache(64)  # the run's cache (a fresh one per prompt)
     ids = np.random.default_rng(3).integers(0, 512, sum(chunks)).astype(np.int32)
     pos = 0
@@ -164,13 +172,9 @@ def test_steps_of_changing_rows_take_the_buffers_kept_at_bind(
     and the next steps come back to the kept ones; and a prompt fed in such steps gives
     the logits of the prompt whole, bit for bit."""
     path = write_random_model(tmp_path / "kept.gguf", CHUNKED)
-    spec = BackendSpec(True, True, np.dtype(np.float32), "f32", "q8")
 
     def logits(chunks: list[int]) -> np.ndarray:
-        backend = CpuBackend(spec, 2)
-        with open_stage_slice(path, 0, 2, is_first=True, is_last=True,
-                              capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
-            backend.load(stage, 128, None)
+        backend = bound_backend(path)
         ops = backend.ops
         assert ops is not None and ops.logits_kept is not None
         made: list[weakref.ref[RowSet]] = []  # the row sets made after bind
@@ -220,13 +224,9 @@ def test_a_mixtures_long_step_keeps_no_buffers_of_its_own(tmp_path: Path) -> Non
     the stage holds); the prompt whole and in chunks give the same logits, bit for bit."""
     shape = attrs.evolve(FIXTURE_SHAPES["qwen3moe"], quant="Q8_0")
     path = write_model(tmp_path / "moe.gguf", shape)
-    spec = BackendSpec(True, True, np.dtype(np.float32), "f32", "q8")
 
     def logits(chunks: list[int]) -> np.ndarray:
-        backend = CpuBackend(spec, 2)
-        with open_stage_slice(path, 0, 2, is_first=True, is_last=True,
-                              capabilities=CpuWorker.capabilities) as stage:  # fmt: skip
-            backend.load(stage, 128, None)
+        backend = bound_backend(path)
         ops = backend.ops
         assert ops is not None and ops.moe
         at_bind = {name: (id(a), a.size) for name, a in ops.moe_bufs.items()}
