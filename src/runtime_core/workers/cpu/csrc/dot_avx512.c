@@ -103,7 +103,8 @@ static Isa avx512_zen4;
 
 /* AVX-512's set with a decode step's kernels chosen on AMD Zen 4, which runs a 512-bit
  * instruction as two 256-bit halves: one group per 256-bit vector (x8_kernels.h, its
- * activations broadcast from memory) for 1 and 2 rows of Q4_0, Q4_1, IQ4_NL and Q6_K
+ * activations broadcast from memory) for 2 rows of Q4_0 (1 row: AVX2's kernel, below),
+ * 1 and 2 rows of Q4_1, IQ4_NL and Q6_K
  * (AVX-512's pair kernel: a vpermd per activation vector and a fold of two halves),
  * 2 rows of Q4_K (the pair kernel), 1 row of IQ4_XS, 2 of Q5_K and 2 and 3 of Q8_0 (the
  * two-group kernel). Since every
@@ -130,7 +131,7 @@ static Isa avx512_zen4;
 static const struct {
     int type, from, to;
 } ZEN4_ROWS[] = {
-    {T_Q4_0, 1, 2}, {T_Q4_1, 1, 2}, {T_IQ4_NL, 1, 2}, {T_Q6_K, 1, 2}, /* the pair kernel's */
+    {T_Q4_0, 2, 2}, {T_Q4_1, 1, 2}, {T_IQ4_NL, 1, 2}, {T_Q6_K, 1, 2}, /* the pair kernel's */
     {T_Q4_K, 2, 2},                                                   /* the pair kernel's */
     {T_IQ4_XS, 1, 1}, {T_Q5_K, 2, 2}, {T_Q8_0, 2, 3},                 /* the two-group one's */
 };
@@ -144,6 +145,15 @@ const Isa *isa_avx512_zen4(void) {
             for (int n = ZEN4_ROWS[i].from; n <= ZEN4_ROWS[i].to; ++n)
                 avx512_zen4.q8_x8_rows[t][n - 1] = avx512_zen4.q8_x8[t];
         }
+        /* Q4_0, 1 row: AVX2's kernel (vpmaddubsw, the 8 words' pairs summed in 16 bits
+         * before one vpmaddwd), as Q4_K's 1 row above. Over a decode step's distinct
+         * matrices (the 8B shape's Q4_0, 4 blocks; `benchmarks/cpu_builds_ab.py`'s way:
+         * both builds in one process, their passes in turn, 21 rounds), the products'
+         * median pass over the one group per 256-bit vector kernel's: 1 thread 0.949,
+         * 0.950, 0.948, 0.929, 0.946; 2 threads 0.957, 0.995 (the same bits). Left as
+         * they were: Q4_1 (SmolLM2's step 1.026, 0.981), Q5_0 (its 8B shape's step 1.118
+         * with AVX2's kernel), Q5_1 (0.970, one round), Q8_0 (1.030). */
+        avx512_zen4.q8_x8_rows[T_Q4_0][0] = ISA_AVX2.q8_x8[T_Q4_0];
     }
     return &avx512_zen4;
 }
