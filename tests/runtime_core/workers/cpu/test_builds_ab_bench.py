@@ -11,6 +11,7 @@ import pytest
 from benchmarks import cpu_builds_ab
 
 from runtime_core.workers.cpu import _kernels
+from tests.support.random_model import RandomModel, write_random_model
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -42,3 +43,22 @@ def test_a_tree_without_a_build_or_a_set_it_lacks_is_refused(tmp_path: Path) -> 
         with pytest.raises(SystemExit) as e:
             cpu_builds_ab.main(bad)
         assert e.value.code == 2
+
+
+def test_a_models_step_products_on_two_sets_give_the_same_bits(tmp_path: Path) -> None:
+    """--model: a pass over the step's products per build per round, the sets' bits equal."""
+    model = RandomModel(n_layers=1, hidden=256, ffn=512, vocab=512, qtype="Q4_0",
+                        head_qtype="Q6_K")  # fmt: skip
+    path = write_random_model(tmp_path / "m.gguf", model)
+    best = _kernels.isas()[-1]
+    report = cpu_builds_ab.main([f"{ROOT}@portable", f"{ROOT}@{best}", "--model", str(path),
+                                 "--rows", "1,2", "--threads", "2", "--rounds", "3"])  # fmt: skip
+    assert [(r["rows"], r["threads"]) for r in report["results"]] == [(1, 2), (2, 2)]
+    for r in report["results"]:
+        assert r["same_bits"] is True
+        assert [b["isa"] for b in r["builds"]] == ["portable", best]
+        assert all(len(b["rounds_ms"]) == 3 and min(b["rounds_ms"]) > 0 for b in r["builds"])
+        assert r["builds"][0]["over_first"] == 1.0
+    with pytest.raises(SystemExit) as e:
+        cpu_builds_ab.main([str(ROOT), "--model", str(tmp_path / "none.gguf")])
+    assert e.value.code == 2

@@ -147,12 +147,13 @@ const Isa *isa_avx512_zen4(void) {
         }
         /* Q4_0, 1 row: AVX2's kernel (vpmaddubsw, the 8 words' pairs summed in 16 bits
          * before one vpmaddwd), as Q4_K's 1 row above. Over a decode step's distinct
-         * matrices (the 8B shape's Q4_0, 4 blocks; `benchmarks/cpu_builds_ab.py`'s way:
-         * both builds in one process, their passes in turn, 21 rounds), the products'
-         * median pass over the one group per 256-bit vector kernel's: 1 thread 0.949,
-         * 0.950, 0.948, 0.929, 0.946; 2 threads 0.957, 0.995 (the same bits). Left as
-         * they were: Q4_1 (SmolLM2's step 1.026, 0.981), Q5_0 (its 8B shape's step 1.118
-         * with AVX2's kernel), Q5_1 (0.970, one round), Q8_0 (1.030). */
+         * matrices (the 8B shape's Q4_0, 4 blocks, both builds in one process, their
+         * passes in turn: `benchmarks/cpu_builds_ab.py OLD NEW --model MODEL --rows 1
+         * --rounds 21`), the products' median pass over the one group per 256-bit
+         * vector kernel's: 1 thread 0.929-0.972 (eight runs), 2 threads 0.957, 0.995,
+         * 1.006 (the same bits). Left as they were: Q4_1 (SmolLM2's step 1.026, 0.981),
+         * Q5_0 (its 8B shape's step 1.118 with AVX2's kernel), Q5_1 (0.970, one round),
+         * Q8_0 (1.030). */
         avx512_zen4.q8_x8_rows[T_Q4_0][0] = ISA_AVX2.q8_x8[T_Q4_0];
     }
     return &avx512_zen4;
