@@ -127,13 +127,18 @@ sanitize-address sanitize-thread: sanitize-%: $(STAMP)
 # The AVX-VNNI set's code on a host without AVX-VNNI but with AVX-512's VNNI (AMD Zen 4,
 # Intel's servers since Ice Lake): its kernels built with the EVEX encoding of the same
 # vpdpbusd (-DGPP_AVXVNNI_AS_EVEX: csrc/dot_avxvnni.c) into build/avxvnni-as-evex (as the
-# sanitized builds are made), offered as `avxvnni` there, and the kernels' tests of that
-# set run against the portable set's bits. Every line of the set runs but the
-# instruction's VEX encoding, which only a processor with AVX-VNNI decodes (QEMU's TCG
-# has none). `make test` runs a part of it (tests/runtime_core/workers/cpu/
-# test_cpu_avxvnni_as_evex.py); about a minute more.
+# sanitized builds are made), offered as `avxvnni` there, and the tests that take the
+# sets as parameters run (the set's products against the portable set's bits, the
+# worker's tiny models on it; benchmarks/cpu_x8_loop.py's own build is not this one).
+# Every line of the set runs but the instruction's VEX encoding, which only a processor
+# with AVX-VNNI decodes (QEMU's TCG has none). `make test` runs the same on a build at
+# -O1 (tests/runtime_core/workers/cpu/test_cpu_avxvnni_as_evex.py, some 20 s); this
+# target's -O2 build takes about a minute more.
 AVXVNNI_TESTS ?= tests/runtime_core/workers/cpu/test_cpu_kernels.py \
-	tests/runtime_core/workers/cpu/test_cpu_repack.py
+	tests/runtime_core/workers/cpu/test_cpu_repack.py \
+	tests/runtime_core/workers/cpu/test_cpu_worker.py \
+	tests/runtime_core/workers/cpu/test_cpu_batch_invariance.py \
+	tests/runtime_core/workers/cpu/test_cpu_arch_kernels.py
 avxvnni-as-evex: $(STAMP)
 	rm -rf build/avxvnni-as-evex
 	mkdir -p build/avxvnni-as-evex
