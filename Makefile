@@ -126,34 +126,16 @@ sanitize-address sanitize-thread: sanitize-%: $(STAMP)
 
 # The AVX-VNNI set's code on a host without AVX-VNNI but with AVX-512's VNNI (AMD Zen 4,
 # Intel's servers since Ice Lake): its kernels built with the EVEX encoding of the same
-# vpdpbusd (-DGPP_AVXVNNI_AS_EVEX: csrc/dot_avxvnni.c) into build/avxvnni-as-evex (as the
-# sanitized builds are made), offered as `avxvnni` there, and the tests that take the
-# sets as parameters run (the set's products against the portable set's bits, the
-# worker's tiny models on it; benchmarks/cpu_x8_loop.py's own build is not this one).
+# vpdpbusd (-DGPP_AVXVNNI_AS_EVEX: csrc/dot_avxvnni.c), offered as `avxvnni` there, and
+# the tests that take the sets as parameters run on that build in a child interpreter
+# (the set's products against the portable set's bits, the worker's tiny models on it).
 # Every line of the set runs but the instruction's VEX encoding, which only a processor
-# with AVX-VNNI decodes (QEMU's TCG has none). `make test` runs the same on a build at
-# -O1 (tests/runtime_core/workers/cpu/test_cpu_avxvnni_as_evex.py, some 20 s); this
-# target's -O2 build takes about a minute more.
-AVXVNNI_TESTS ?= tests/runtime_core/workers/cpu/test_cpu_kernels.py \
-	tests/runtime_core/workers/cpu/test_cpu_repack.py \
-	tests/runtime_core/workers/cpu/test_cpu_worker.py \
-	tests/runtime_core/workers/cpu/test_cpu_batch_invariance.py \
-	tests/runtime_core/workers/cpu/test_cpu_arch_kernels.py
+# with AVX-VNNI decodes (QEMU's TCG has none). `make test` runs the set's cases on a
+# build at -O1 (tests/runtime_core/workers/cpu/test_cpu_avxvnni_as_evex.py, some 20 s);
+# this target every case of those tests on an -O2 build (about a minute and a half).
 avxvnni-as-evex: $(STAMP)
-	rm -rf build/avxvnni-as-evex
-	mkdir -p build/avxvnni-as-evex
-	cp -rs $(CURDIR)/src/runtime_core build/avxvnni-as-evex/
-	find build/avxvnni-as-evex \( -name '_kernels*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
-	$(CC) -shared -fPIC -std=gnu11 -pthread -fwrapv -O2 -ffp-contract=off -fno-math-errno \
-		-DGPP_AVXVNNI_AS_EVEX \
-		-I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-		src/runtime_core/workers/cpu/csrc/*.c -lm \
-		-o build/avxvnni-as-evex/runtime_core/workers/cpu/_kernels$$($(PY) \
-		-c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-	PYTHONPATH=build/avxvnni-as-evex $(PY) -c "from runtime_core.workers.cpu import _kernels as k; \
-		assert k.AVXVNNI_AS_EVEX, k.__file__; \
-		assert 'avxvnni' in k.isas(), f'this processor has no AVX-512 VNNI to stand in for AVX-VNNI: {k.isas()}'"
-	PYTHONPATH=build/avxvnni-as-evex $(PY) -m pytest -p no:cacheprovider -q $(AVXVNNI_TESTS)
+	GGUF_PIPELINE_AVXVNNI_ALL=1 $(PY) -m pytest -q -rs -p no:cacheprovider \
+		tests/runtime_core/workers/cpu/test_cpu_avxvnni_as_evex.py
 
 # The CPU worker on processors this machine is not: llama.cpp's fixtures and the kernels'
 # tests in an interpreter under QEMU's user-mode emulator, as a Sandy Bridge (no AVX2:
