@@ -150,7 +150,7 @@ const Isa *isa_avx512_zen4(void) {
          * matrices (the 8B shape's Q4_0, 4 blocks, both builds in one process, their
          * passes in turn: `benchmarks/cpu_builds_ab.py OLD NEW --model MODEL --rows 1
          * --rounds 21`), the products' median pass over the one group per 256-bit
-         * vector kernel's: 1 thread 0.929-0.972 (eight runs), 2 threads 0.957, 0.995,
+         * vector kernel's: 1 thread 0.929-0.972 (nine runs), 2 threads 0.957, 0.995,
          * 1.006 (the same bits). Left as they were: Q4_1 (SmolLM2's step 1.026, 0.981),
          * Q5_0 (its 8B shape's step 1.118 with AVX2's kernel), Q5_1 (0.970, one round),
          * Q8_0 (1.030). */
