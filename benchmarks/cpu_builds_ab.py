@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_step_products import step_matrices  # noqa: E402
+from cpu_step_products import activations, step_matrices  # noqa: E402
 from gguf import GGMLQuantizationType  # noqa: E402
 from tests.support.random_blocks import random_rows  # noqa: E402
 
@@ -106,18 +106,6 @@ def measure(builds: list[tuple[str, ModuleType, str]], qtype: str, rows: int, n_
                     "over_first": statistics.median(t) / first, "rounds_ms": t}
                    for (name, _, isa), t in zip(builds, times, strict=True)],
     }  # fmt: skip
-
-
-def activations(rows: int, n_in: int, n_out: int, seed: int) -> tuple[np.ndarray, ...]:
-    """x and the buffers ``linear`` quantizes it into, and y"""
-    return (
-        np.random.default_rng(seed).standard_normal((rows, n_in)).astype(np.float32),
-        q_rows(np.zeros, rows, n_in),
-        np.zeros((rows, n_in // 32), np.float32),
-        np.zeros((rows, n_in // 32), np.float32),
-        np.zeros((rows, n_in // 16), np.int32),
-        np.zeros((rows, n_out), np.float32),
-    )
 
 
 def measure_step(builds: list[tuple[str, ModuleType, str]], model: Path, rows: int,

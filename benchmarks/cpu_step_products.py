@@ -70,6 +70,19 @@ def step_matrices(path: Path) -> list[tuple[str, str, int, int, np.ndarray]]:
     return out
 
 
+def activations(rows: int, n_in: int, n_out: int, seed: int) -> tuple[np.ndarray, ...]:
+    """``rows`` random activation rows x, the buffers ``_kernels.linear`` quantizes them
+    into (q, d, s, g), and the output y."""
+    return (
+        np.random.default_rng(seed).standard_normal((rows, n_in)).astype(np.float32),
+        q_rows(np.zeros, rows, n_in),
+        np.zeros((rows, n_in // 32), np.float32),
+        np.zeros((rows, n_in // 32), np.float32),
+        np.zeros((rows, n_in // 16), np.int32),
+        np.zeros((rows, n_out), np.float32),
+    )
+
+
 def probe_rate(probe: Path, threads: int) -> float:
     """Bytes a second ``threads`` threads read (the probe, 1 GiB, best of 2)."""
     done = subprocess.run(
@@ -103,16 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mats: list[tuple[str, str, Any, int, tuple[np.ndarray, ...]]] = []
     for kind, qtype, n_out, n_in, raw in step_matrices(args.model):
         m = _kernels.Matrix([(raw, qtype, n_out, n_in, 0)], repack=True)
-        x = np.random.default_rng(len(mats)).standard_normal((rows, n_in)).astype(np.float32)
-        bufs = (
-            x,
-            q_rows(np.zeros, rows, n_in),
-            np.zeros((rows, n_in // 32), np.float32),
-            np.zeros((rows, n_in // 32), np.float32),
-            np.zeros((rows, n_in // 16), np.int32),
-            np.zeros((rows, n_out), np.float32),
-        )
-        mats.append((kind, qtype, m, raw.nbytes, bufs))
+        mats.append((kind, qtype, m, raw.nbytes, activations(rows, n_in, n_out, len(mats))))
     total_bytes = sum(nb for _, _, _, nb, _ in mats)
 
     times: dict[tuple[str, str], list[float]] = defaultdict(list)
