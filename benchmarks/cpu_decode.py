@@ -26,7 +26,8 @@
   llama.cpp splits its batch into micro-batches of 512), thread count
   and model: ``cpu`` (``CpuWorker``, one stage of every block, the best instruction
   set), ``cpu-<isa>`` (the same forced onto one set: ``cpu-avx2``, ``cpu-portable``,
-  ``cpu-avxvnni``, ``cpu-avx512bw``, ``cpu-avx512``, ``cpu-avx512-zen4``), ``numpy``
+  ``cpu-avxvnni``, ``cpu-avx512bw``, ``cpu-avx512``, ``cpu-avx512-zen4``,
+  ``cpu-avx512-intel``), ``numpy``
   (``ReferenceWorker``, its BLAS on the same threads), ``llama.cpp`` (llama-cpp-python in
   ``--llamacpp-python``'s interpreter, memory-mapped weights, the CPU worker's KV cache
   type, float32 unless ``--kv f16``, no flash attention), ``llama.cpp-avx2`` (the same in

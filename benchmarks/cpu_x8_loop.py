@@ -2,7 +2,7 @@
 against another's, side by side.
 
     python benchmarks/cpu_x8_loop.py [--types Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K]
-        [--isas avx2,avxvnni,avx512bw,avx512,avx512-zen4] [--rows 1,2]
+        [--isas avx2,avxvnni,avx512bw,avx512,avx512-intel] [--rows 1,2]
         [--shapes 1024x4096,14336x4096]
         [--passes 0] [--repeat 5] [--baseline DIR] [--json OUT.json]
 

@@ -5,7 +5,7 @@
  * thread pool or quantization of the activations around it. Built with the kernels'
  * files and run by benchmarks/cpu_x8_loop.py.
  *
- * argv: set (avx2, avxvnni, avx512bw, avx512, avx512-zen4), type (Q4_0, Q4_K, ...), the
+ * argv: set (avx2, avxvnni, avx512bw, avx512, avx512-zen4, avx512-intel), type (Q4_0, Q4_K, ...), the
  * matrix's rows and columns, activation rows, timed passes. Prints the best pass's milliseconds, the
  * repacked bytes a pass reads and the kernel's kind. Weights and activations are random bytes (finite factors): no branch
  * of a kernel looks at a value, so the work is that of any matrix. The caller checks
@@ -40,8 +40,9 @@ static void *filled(size_t bytes) {
     return p;
 }
 
-/* weak: a baseline checkout (cpu_x8_loop.py --baseline) from before this set lacks it */
+/* weak: a baseline checkout (cpu_x8_loop.py --baseline) from before these sets lacks them */
 __attribute__((weak)) const Isa *isa_avx512_zen4(void);
+__attribute__((weak)) const Isa *isa_avx512_intel(void);
 
 static const Isa *isa_of(const char *name) {
     if (strcmp(name, "avx2") == 0) return &ISA_AVX2;
@@ -51,6 +52,7 @@ static const Isa *isa_of(const char *name) {
     if (strcmp(name, "avx512bw") == 0) return isa_avx512bw();
     if (strcmp(name, "avx512") == 0) return isa_avx512();
     if (strcmp(name, "avx512-zen4") == 0 && isa_avx512_zen4) return isa_avx512_zen4();
+    if (strcmp(name, "avx512-intel") == 0 && isa_avx512_intel) return isa_avx512_intel();
     return NULL;
 }
 

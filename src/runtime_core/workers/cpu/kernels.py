@@ -6,7 +6,9 @@ Instruction sets (``_kernels.KNOWN_ISAS``): ``"portable"`` (C, any host), ``"avx
 (AVX2 and F16C), ``"avxvnni"`` (AVX2 with AVX-VNNI's 256-bit ``vpdpbusd``), ``"avx512bw"``
 (AVX-512 F, BW and VL: 512-bit products without VNNI), ``"avx512"`` (AVX-512 F, BW, VL
 and VNNI), ``"avx512-zen4"`` (``"avx512"`` with a decode step's few-row products chosen
-on AMD Zen 4, offered on AMD's family 19h only). ``_kernels.isas()`` lists
+on AMD Zen 4, offered on AMD's family 19h only), ``"avx512-intel"`` (``"avx512"`` with
+every product on its 512-bit kernels, as measured faster on an Intel Xeon, offered on
+Intel's processors only). ``_kernels.isas()`` lists
 those this processor runs, the best last; a call of ``linear`` or ``attention`` names
 the one it uses (``isa=``; the best by default), so each worker chooses its own
 (``CpuWorker(isa=...)``) and nothing is switched for the whole process. Every set

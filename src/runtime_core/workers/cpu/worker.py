@@ -18,8 +18,8 @@ Options (``CpuWorker(...)``):
 - ``threads``: how many threads a step uses (default: ``kernels.default_threads()``,
   the stage's share of the host's cores). Results do not depend on it.
 - ``isa``: the instruction set of the kernels (``"portable"``, ``"avx2"``,
-  ``"avxvnni"``, ``"avx512bw"``, ``"avx512"``, ``"avx512-zen4"``; default: the best this
-  processor runs, ``kernels.host_isas()[-1]``).
+  ``"avxvnni"``, ``"avx512bw"``, ``"avx512"``, ``"avx512-zen4"``, ``"avx512-intel"``;
+  default: the best this processor runs, ``kernels.host_isas()[-1]``).
   Results do not depend on it; a set the processor lacks is a ValueError naming it.
 """
 

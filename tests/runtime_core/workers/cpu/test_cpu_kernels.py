@@ -566,14 +566,15 @@ ISA_FLAGS = {
     "avx512bw": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl"),
     "avx512": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
     "avx512-zen4": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    "avx512-intel": ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
 }
 
 
 def test_the_sets_offered_are_those_the_processor_reports() -> None:
     """Every set whose instructions /proc/cpuinfo reports is offered (AVX-VNNI's 256-bit
     vpdpbusd between AVX2 and AVX-512, AVX-512 BW without VNNI before AVX-512 with it,
-    AVX-512's Zen 4 choices last where the processor is AMD's family 19h), in the
-    kernels' order, the best last."""
+    AVX-512's Zen 4 choices last where the processor is AMD's family 19h, its own kernels
+    for every product last where it is Intel's), in the kernels' order, the best last."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists() or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the flags are read from Linux's /proc/cpuinfo of an x86-64 processor")
@@ -586,13 +587,15 @@ def test_the_sets_offered_are_those_the_processor_reports() -> None:
     flags = set(fields.get("flags", "").split())
     if _kernels.AVXVNNI_AS_EVEX and "avx512_vnni" in flags:  # `make avxvnni-as-evex`'s build
         flags.add("avx_vnni")
-    zen4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+    vendor = fields.get("vendor_id")
+    zen4 = vendor == "AuthenticAMD" and fields.get("cpu family") == "25"
+    only_on = {"avx512-zen4": zen4, "avx512-intel": vendor == "GenuineIntel"}
     runs = [
         n
         for n in _kernels.KNOWN_ISAS
-        if all(f in flags for f in ISA_FLAGS.get(n, ())) and (n != "avx512-zen4" or zen4)
+        if all(f in flags for f in ISA_FLAGS.get(n, ())) and only_on.get(n, True)
     ]
     expected = tuple(runs)
     assert _kernels.isas() == expected
-    known = ("portable", "avx2", "avxvnni", "avx512bw", "avx512", "avx512-zen4")
+    known = ("portable", "avx2", "avxvnni", "avx512bw", "avx512", "avx512-zen4", "avx512-intel")
     assert known == _kernels.KNOWN_ISAS

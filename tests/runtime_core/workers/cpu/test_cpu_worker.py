@@ -80,7 +80,7 @@ def test_options_are_checked() -> None:
         CpuWorker(kv_dtype="f8")
     with pytest.raises(ValueError, match="threads 0"):
         CpuWorker(threads=0)
-    known = r"portable, avx2, avxvnni, avx512bw, avx512, avx512-zen4 \("
+    known = r"portable, avx2, avxvnni, avx512bw, avx512, avx512-zen4, avx512-intel \("
     with pytest.raises(ValueError, match=f"isa 'avx9000' is not one of {known}"):
         CpuWorker(isa="avx9000")
     for lacking in (n for n in _kernels.KNOWN_ISAS if n not in HOST_ISAS):

@@ -125,6 +125,7 @@ extern const Isa ISA_AVX2;
 #define GPP_HAVE_AVX512 1
 const Isa *isa_avx512(void); /* AVX2's, with VNNI x8 products */
 const Isa *isa_avx512_zen4(void); /* AVX-512's, a decode step's kernels AMD Zen 4's */
+const Isa *isa_avx512_intel(void); /* AVX-512's, every product on its own kernels */
 const Isa *isa_avx512bw(void); /* AVX2's, with 512-bit x16 products, without VNNI */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define GPP_HAVE_AVXVNNI 1 /* a compiler that knows AVX-VNNI's target */

@@ -10,6 +10,8 @@
 #include "dot.h"
 #include "ieee32.h"
 
+#include <string.h>
+
 #ifdef GPP_HAVE_AVX512
 
 #define X8_TARGET "avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
@@ -157,6 +159,40 @@ const Isa *isa_avx512_zen4(void) {
         avx512_zen4.q8_x8_rows[T_Q4_0][0] = ISA_AVX2.q8_x8[T_Q4_0];
     }
     return &avx512_zen4;
+}
+
+static Isa avx512_intel;
+
+/* AVX-512's set with every product on AVX-512's own kernels (x8_kernels.h's two groups
+ * per 512-bit vector, the last lone group on a 256-bit one): none of AVX-512's decode-row
+ * choices above (the pair kernel, one group per 256-bit vector, AVX2's), which were
+ * measured on AMD's Zen 4 and Zen 5. On an Intel Xeon (family 6, model 207: Emerald
+ * Rapids, 2 cores of a virtual machine, 1 thread)
+ * the two-group kernel was as fast or faster for every type and row count that AVX-512's
+ * set gives another: 14336 x 4096 from memory, both builds in one process in turn
+ * (`benchmarks/cpu_builds_ab.py OLD NEW --types T --rows 1,2 --n-out 14336 --rounds 41`,
+ * two runs), the time over AVX-512's choice, 1 row / 2 rows: Q4_0 0.97, 0.98 / 0.84,
+ * 0.89; Q4_1 0.88, 0.92 / 0.85, 0.86; Q4_K 0.89, 0.96 / 0.93, 0.93; Q6_K 1.04, 0.95 /
+ * 0.87, 0.86; Q8_0 0.89, 0.85 / 1.00, 0.96; Q5_K 1.00, 0.98 / 0.97, 1.02; Q3_K 0.90,
+ * 0.87 / 0.77, 0.81; Q2_K 0.77, 0.84 / 0.68, 0.68; Q5_0 0.88, 1.00; Q5_1 0.94, 0.87;
+ * IQ4_NL 0.92, 0.93 / 0.79, 0.77 (the same kernel in both builds: 0.94-1.06, the
+ * noise). Over a decode step's products (`--model MODEL --rows R --rounds 15`), 1 thread:
+ * the 8B shape's 4 blocks Q4_0 0.93 / 0.93, Q4_K_S 0.91 / 0.96, Q6_K 0.95 / 0.91,
+ * Q8_0 0.91 / 0.98, SmolLM2's Q4_1 0.93 / 0.90; 2 threads, 1 row: Q4_0 1.04, 0.94,
+ * 0.92, Q4_K_S 0.89, Q6_K 0.95, 0.98. Whole decode steps (`benchmarks/cpu_isa_steps.py
+ * MODEL --isas avx512,avx512-intel`, the sets in turn), 1 thread, 1 row: Q4_0 1.02, 1.01,
+ * Q4_K_S 0.95, Q6_K 1.01, 1.00, Q8_0 0.96 (SmolLM2's 1.12, 0.77, 0.84: its step is short
+ * and the host's noise larger); 2 rows Q4_0 0.96, 0.97, Q4_K_S 0.95, 0.99, Q6_K 0.98,
+ * 0.99, Q8_0 0.98, 0.98 (SmolLM2 0.87, 1.01); 2 threads,
+ * Q4_K_S 0.91 (1 row), 0.93 (2). The module offers it on Intel's processors only, as
+ * their best: no other Intel processor has been measured. */
+const Isa *isa_avx512_intel(void) {
+    if (!avx512_intel.name) { /* once, at import (under the GIL) */
+        avx512_intel = *isa_avx512();
+        avx512_intel.name = "avx512-intel";
+        memset(avx512_intel.q8_x8_rows, 0, sizeof avx512_intel.q8_x8_rows);
+    }
+    return &avx512_intel;
 }
 
 #endif

@@ -30,8 +30,8 @@
 /* ---- instruction sets ------------------------------------------------------------------------ */
 
 /* every set the kernels know, portable first; those the host runs, in the same order */
-static const char *const KNOWN_ISAS[] = {"portable", "avx2", "avxvnni", "avx512bw", "avx512",
-                                          "avx512-zen4"};
+static const char *const KNOWN_ISAS[] = {"portable", "avx2",        "avxvnni",     "avx512bw",
+                                          "avx512",   "avx512-zen4", "avx512-intel"};
 #define N_KNOWN (int)(sizeof KNOWN_ISAS / sizeof KNOWN_ISAS[0])
 static const Isa *HOST_ISAS[N_KNOWN];
 static int N_HOST;
@@ -42,17 +42,20 @@ static int N_HOST;
  * describe: not `__builtin_cpu_supports`, whose feature names differ between compilers
  * (clang 14 knows neither "f16c" nor "avxvnni"); and whether it is AMD's family 19h
  * (leaf 0's vendor, leaf 1's base family 0xF plus extended family 0x0A), whose AVX-512
- * processor, Zen 4, takes the avx512-zen4 set's decode kernels (dot_avx512.c). */
+ * processor, Zen 4, takes the avx512-zen4 set's decode kernels (dot_avx512.c), or Intel's
+ * (leaf 0's vendor), which take the avx512-intel set's. */
 typedef struct {
     int avx2_f16c, avxvnni, avx512, avx512vnni; /* avx512: F, BW and VL */
     int amd_family_19h; /* AMD's family 19h: Zen 3 and Zen 4, of which Zen 4 has AVX-512 */
+    int intel;          /* "GenuineIntel" */
 } HostFeatures;
 
 static HostFeatures host_features(void) {
-    HostFeatures f = {0, 0, 0, 0, 0};
+    HostFeatures f = {0, 0, 0, 0, 0, 0};
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
     const int amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163; /* "AuthenticAMD" */
+    f.intel = b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;       /* "GenuineIntel" */
     if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
     const unsigned base_family = (a >> 8) & 0xF, ext_family = (a >> 20) & 0xFF;
     f.amd_family_19h = amd && base_family == 0xF && base_family + ext_family == 0x19;
@@ -93,8 +96,9 @@ static void find_host_isas(void) {
         if (f.avx512) {
             HOST_ISAS[N_HOST++] = isa_avx512bw();
             if (f.avx512vnni) HOST_ISAS[N_HOST++] = isa_avx512();
-            /* after AVX-512's, so the best on Zen 4, and offered there only */
+            /* after AVX-512's, so the best on Zen 4 and on Intel's, and offered there only */
             if (f.avx512vnni && f.amd_family_19h) HOST_ISAS[N_HOST++] = isa_avx512_zen4();
+            if (f.avx512vnni && f.intel) HOST_ISAS[N_HOST++] = isa_avx512_intel();
         }
     }
 #endif
@@ -106,7 +110,7 @@ const Isa *isa_named(const char *name) {
     if (!name) return HOST_ISAS[N_HOST - 1];
     for (int i = 0; i < N_HOST; ++i)
         if (strcmp(name, HOST_ISAS[i]->name) == 0) return HOST_ISAS[i];
-    char runs[64] = "";
+    char runs[128] = ""; /* every set known, with their separators, fits */
     for (int i = 0; i < N_HOST; ++i) {
         strncat(runs, HOST_ISAS[i]->name, sizeof runs - strlen(runs) - 3);
         if (i + 1 < N_HOST) strcat(runs, ", ");
