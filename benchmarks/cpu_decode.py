@@ -33,10 +33,12 @@
   type, float32 unless ``--kv f16``, no flash attention), ``llama.cpp-avx2`` (the same in
   ``--llamacpp-avx2-python``'s interpreter: a llama-cpp-python built for AVX2 without
   AVX-512, ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
-  -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"``, the peer of ``cpu-avx2`` as an
-  AVX2-only processor would run both; skipped, with the reason, where that interpreter
-  is missing or its llama.cpp reports AVX-512). Each llama.cpp's own system information
-  (the instruction sets it was built for) is printed. Greedy decoding of ``--tokens``
+  -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"`` and ``pip install --no-cache-dir
+  llama-cpp-python``, since pip otherwise reuses a wheel it built with other flags),
+  the peer of ``cpu-avx2`` as an AVX2-only processor would run both; skipped, with the
+  reason, where that interpreter is missing or its llama.cpp reports AVX-512). Each
+  llama.cpp's own system information (the instruction sets it was built for) is
+  printed. Greedy decoding of ``--tokens``
   tokens. ``--threads`` is a list: every count is run (``all``: the cores this process
   may use), and a last table gives each runner's decode tokens/s per count and its
   scaling over 1 thread.
