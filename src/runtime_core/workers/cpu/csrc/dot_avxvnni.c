@@ -42,9 +42,27 @@ const Isa *isa_avxvnni(void) {
         avxvnni.q8_x8[T_Q4_K] = x8_q4_k;
         avxvnni.q8_x8[T_Q5_K] = x8_q5_k;
         /* Q4_K's products of one row: AVX2's (16-bit sums, vpmaddwd by the scales),
-         * measured 1.055 ms against 1.186 (dot_avx512.c says how) */
+         * measured 1.055 ms against 1.186 (dot_avx512.c says how); on an Intel Xeon
+         * (below) 1.03 and 1.05 of the time with this set's kernel, a decode step's
+         * products of the 8B shape's Q4_K_S. */
         avxvnni.q8_x8_rows[T_Q4_K][0] = ISA_AVX2.q8_x8[T_Q4_K];
-        (void)x8_q6_k;
+        /* Q6_K, Q3_K and Q2_K: a decode step's 1 to 4 rows on this set's vpdpbusd, their
+         * tiles (5 rows and more) AVX2's 16-bit ones (k6_isum). This set is the best only
+         * where a processor has AVX-VNNI without AVX-512: Intel's (Alder Lake and later
+         * client processors, Sierra Forest), none measured; measured on an Intel Xeon
+         * (family 6, model 207, Emerald Rapids: the cores of Raptor Lake's performance
+         * cores, AVX-VNNI beside its AVX-512), a decode step's products over the 8B
+         * shape's 4 blocks, 1 thread, both builds in one process in turn
+         * (`benchmarks/cpu_builds_ab.py OLD@avxvnni NEW@avxvnni --model MODEL --rows R`),
+         * the time over AVX2's kernels', rows 1 / 2 / 3 / 4: Q6_K 0.97 / 0.91, 0.92 / 0.87
+         * / 0.90 (2 threads: 1.01 / 0.93 / 0.86 / 0.89); Q3_K_S 0.93 / 0.75 / 0.87 / 0.84;
+         * the Q2_K mix 0.91 / 0.88 / 0.97 / 0.85. This set's tiles: 5 rows Q6_K 1.21, Q3_K_S
+         * 1.09, Q2_K 1.05; 8 rows 1.29, 1.04, 1.16; 32 rows 1.09, 1.13, 1.11. */
+        for (int n = 0; n < X8_XT; ++n) {
+            avxvnni.q8_x8_rows[T_Q6_K][n] = x8_q6_k;
+            avxvnni.q8_x8_rows[T_Q3_K][n] = x8_q3_k;
+            avxvnni.q8_x8_rows[T_Q2_K][n] = x8_q2_k;
+        }
     }
     return &avxvnni;
 }
