@@ -16,6 +16,7 @@
 
 #define X8_TARGET "avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 #define X8_VNNI 1
+#define X8_Q4_K_TILED /* x8_q4_k_tiled and x16_q4_k_tiled: avx512-intel's */
 #define X8_WIDTH 256
 #include "x8_kernels.h"
 #define X8_WIDTH 512
@@ -192,6 +193,14 @@ const Isa *isa_avx512_intel(void) {
         avx512_intel = *isa_avx512();
         avx512_intel.name = "avx512-intel";
         memset(avx512_intel.q8_x8_rows, 0, sizeof avx512_intel.q8_x8_rows);
+        /* Q4_K's 5 rows and more as a tile, not 4 rows at a time up to 16 (X8_Q4_K_CHUNKED,
+         * measured on Zen 4): on that Xeon, a decode step's products of the 8B shape's
+         * Q4_K_S (`cpu_builds_ab.py --model`, as above), 1 thread, 5 / 8 / 12 / 16 rows:
+         * 0.95 / 0.91 / 0.84 / 0.87 of the time (up to 8 rows as 4 at a time: 1.01 / 1.03 /
+         * 0.82 / 0.89); 2 threads 0.94 / 0.90 / 0.87 (5 / 8 / 16). Q6_K's 5 to 8 rows as
+         * a tile (X8_Q6_K_CHUNKED 4): 1.03 / 0.99 / 0.95 (5 / 6 / 8 rows), left. */
+        avx512_intel.q8_x8[T_Q4_K] = x8_q4_k_tiled;
+        avx512_intel.q8_x16[T_Q4_K] = x16_q4_k_tiled;
     }
     return &avx512_intel;
 }

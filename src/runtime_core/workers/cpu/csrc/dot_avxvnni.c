@@ -23,6 +23,12 @@
 #define X8_DOT256 _mm256_dpbusd_avx_epi32
 #endif
 #define X8_VNNI 1
+/* Q4_K's products of 5 rows and more as a tile, not 4 rows at a time up to 16 (as AMD's
+ * Zen 4 measured faster with AVX-512 and AVX2: x8_kernels.h): on an Intel Xeon's cores
+ * (below), forcing this set, a decode step's products of the 8B shape's Q4_K_S
+ * (`benchmarks/cpu_builds_ab.py OLD@avxvnni NEW@avxvnni --model MODEL --rows R`), 1
+ * thread, 5 / 8 / 12 / 16 rows: 0.94 / 0.96 / 0.89 / 0.99 of the time */
+#define X8_Q4_K_CHUNKED 0
 #define X8_WIDTH 256
 #include "x8_kernels.h"
 

@@ -107,12 +107,12 @@
  * small blocks' tiles too) */
 #define X8_K_CHUNKED(kind) ((kind) == X8_Q4_K ? X8_Q4_K_CHUNKED : (kind) == X8_Q6_K && X8_VNNI ? X8_Q6_K_CHUNKED : 0)
 
-/* the K-quants: more than X8_XT rows (and X8_K_CHUNKED) as a tile (k_tile) */
-#define X8_K_ENTRY(NAME, KIND)                                                           \
+/* the K-quants: more than X8_XT rows (and CHUNKED: X8_K_CHUNKED) as a tile (k_tile) */
+#define X8_K_ENTRY_CH(NAME, KIND, CHUNKED)                                               \
     X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
                                                        const XRows *x, int64_t j0, int nj,      \
                                                        float (*out)[XL]) {                      \
-        if (nj > X8_XT && nj > X8_K_CHUNKED(KIND)) {                                            \
+        if (nj > X8_XT && nj > (CHUNKED)) {                                                     \
             X8_K_TILE(KIND);                                                                    \
             return;                                                                             \
         }                                                                                       \
@@ -144,11 +144,17 @@ X8_ENTRY(q4_0, X8_CALL_Q4_0, 0)
 X8_ENTRY(q4_1, X8_CALL_Q4_1, 1)
 X8_ENTRY(q5_0, X8_CALL_Q5_0, 4)
 X8_ENTRY(q5_1, X8_CALL_Q5_1, 5)
+#define X8_K_ENTRY(NAME, KIND) X8_K_ENTRY_CH(NAME, KIND, X8_K_CHUNKED(KIND))
 X8_K_ENTRY(q2_k, X8_Q2_K)
 X8_K_ENTRY(q3_k, X8_Q3_K)
 X8_K_ENTRY(q4_k, X8_Q4_K)
 X8_K_ENTRY(q5_k, X8_Q5_K)
 X8_K_ENTRY(q6_k, X8_Q6_K)
+#ifdef X8_Q4_K_TILED
+/* Q4_K with every product of more than X8_XT rows as a tile (x8_q4_k_tiled, x16_...):
+ * for a set whose processor measured that faster (dot_avx512.c: avx512-intel) */
+X8_K_ENTRY_CH(q4_k_tiled, X8_Q4_K, 0)
+#endif
 
 /* this width's entries into an Isa's table of them (q8_x8 or q8_x16), every repacked type */
 __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
@@ -172,6 +178,7 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
 #undef X8_KEEP_DOT
 #undef X8_B32_TILE
 #undef X8_K_ENTRY
+#undef X8_K_ENTRY_CH
 #undef X8_K_TILE
 #undef X8_EMBED
 #undef X8_CALL_Q8_0
