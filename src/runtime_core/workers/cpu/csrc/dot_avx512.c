@@ -16,7 +16,7 @@
 
 #define X8_TARGET "avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 #define X8_VNNI 1
-#define X8_Q4_K_TILED /* x8_q4_k_tiled and x16_q4_k_tiled: avx512-intel's */
+#define X8_TILED /* x8_fill_tiled and x16_fill_tiled: avx512-intel's */
 #define X8_WIDTH 256
 #include "x8_kernels.h"
 #define X8_WIDTH 512
@@ -193,14 +193,19 @@ const Isa *isa_avx512_intel(void) {
         avx512_intel = *isa_avx512();
         avx512_intel.name = "avx512-intel";
         memset(avx512_intel.q8_x8_rows, 0, sizeof avx512_intel.q8_x8_rows);
-        /* Q4_K's 5 rows and more as a tile, not 4 rows at a time up to 16 (X8_Q4_K_CHUNKED,
-         * measured on Zen 4): on that Xeon, a decode step's products of the 8B shape's
-         * Q4_K_S (`cpu_builds_ab.py --model`, as above), 1 thread, 5 / 8 / 12 / 16 rows:
-         * 0.95 / 0.91 / 0.84 / 0.87 of the time (up to 8 rows as 4 at a time: 1.01 / 1.03 /
-         * 0.82 / 0.89); 2 threads 0.94 / 0.90 / 0.87 (5 / 8 / 16). Q6_K's 5 to 8 rows as
-         * a tile (X8_Q6_K_CHUNKED 4): 1.03 / 0.99 / 0.95 (5 / 6 / 8 rows), left. */
-        avx512_intel.q8_x8[T_Q4_K] = x8_q4_k_tiled;
-        avx512_intel.q8_x16[T_Q4_K] = x16_q4_k_tiled;
+        /* Every product of 5 rows and more (batched decode steps, prefill) as one tile,
+         * each block decoded once for all its rows (x8_kernels.h: X8_TILED), where
+         * AVX-512's set takes Q8_0's, IQ4_NL's, Q4_0's, Q4_1's, Q5_0's and Q5_1's (and
+         * Q4_K's up to 16 rows) 4 rows at a time, as AMD's Zen 4 measured no slower. On
+         * that Xeon, a decode step's products (`cpu_builds_ab.py --model MODEL --rows R`,
+         * as above, 1 thread), 5 / 8 / 16 / 32 rows: Q4_0 0.90 / 0.85 / 0.77 / 0.80 of the
+         * time; Q8_0 0.97 / 0.92 / 0.68 / 0.63; IQ4_NL 0.89 / 0.76 / 0.72 / 0.74; Q5_0 0.75
+         * / 0.78 / 0.70 / 0.70; SmolLM2's Q4_1 0.91 / 0.90 / 0.76 / 0.79; Q4_K_S (its
+         * tile from 5 rows rather than 17) 0.95, 0.99 / 0.91, 0.95 / 0.87, 0.84 (12 rows
+         * 0.84; 2 threads 0.94 / 0.90 / 0.87 at 5 / 8 / 16). Q6_K's 5 to 8 rows as a tile
+         * (X8_Q6_K_CHUNKED 4): 1.03 / 0.99 / 0.95 (5 / 6 / 8 rows), left. */
+        x8_fill_tiled(avx512_intel.q8_x8);
+        x16_fill_tiled(avx512_intel.q8_x16);
     }
     return &avx512_intel;
 }

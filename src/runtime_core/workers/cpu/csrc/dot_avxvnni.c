@@ -23,11 +23,16 @@
 #define X8_DOT256 _mm256_dpbusd_avx_epi32
 #endif
 #define X8_VNNI 1
-/* Q4_K's products of 5 rows and more as a tile, not 4 rows at a time up to 16 (as AMD's
- * Zen 4 measured faster with AVX-512 and AVX2: x8_kernels.h): on an Intel Xeon's cores
- * (below), forcing this set, a decode step's products of the 8B shape's Q4_K_S
- * (`benchmarks/cpu_builds_ab.py OLD@avxvnni NEW@avxvnni --model MODEL --rows R`), 1
- * thread, 5 / 8 / 12 / 16 rows: 0.94 / 0.96 / 0.89 / 0.99 of the time */
+/* Every product of 5 rows and more (batched decode steps, prefill) as one tile, each
+ * block decoded once for all its rows, where AVX-512's set takes Q8_0's, IQ4_NL's,
+ * Q4_0's, Q4_1's, Q5_0's and Q5_1's (and Q4_K's up to 16 rows) 4 rows at a time, as
+ * AMD's Zen 4 measured no slower (x8_kernels.h). On an Intel Xeon's cores (below),
+ * forcing this set, a decode step's products (`benchmarks/cpu_builds_ab.py OLD@avxvnni
+ * NEW@avxvnni --model MODEL --rows R`), 1 thread, 5 / 8 / 16 / 32 rows: Q4_0 0.97 /
+ * 0.91 / 0.99 / 0.88 of the time; Q8_0 0.87 / 0.88 / 0.76 / 0.86; Q5_1 0.77 / 0.77 /
+ * 0.74 / 0.77; SmolLM2's Q4_1 0.91 / 0.90 / 0.81 / 0.95; Q4_K_S (its tile from 5 rows rather than 17) 0.94, 0.95 / 0.96, 0.95 /
+ * 0.99, 0.96 (12 rows 0.89). */
+#define X8_B32_TILE 1
 #define X8_Q4_K_CHUNKED 0
 #define X8_WIDTH 256
 #include "x8_kernels.h"

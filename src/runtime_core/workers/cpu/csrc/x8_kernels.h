@@ -68,12 +68,12 @@
 
 /* ---- the entries: one body per row count, so that its loops unroll -------------------------- */
 
-/* nj <= X8_TILE rows: more than X8_XT as a tile (b32_tile), else at once */
-#define X8_ENTRY(NAME, CALL, KIND)                                                             \
+/* nj <= X8_TILE rows: more than X8_XT as a tile (b32_tile) where TILE, else at once */
+#define X8_ENTRY_T(NAME, CALL, KIND, TILE)                                                     \
     X8_FN __attribute__((unused)) static void XN(NAME)(const uint8_t *grp, int64_t gs, int64_t nc, \
                                                        const XRows *x, int64_t j0, int nj,      \
                                                        float (*out)[XL]) {                      \
-        if (X8_B32_TILE && nj > X8_XT) {                                                        \
+        if ((TILE) && nj > X8_XT) {                                                             \
             XN(b32_tile)(grp, gs, nc, x, j0, nj, out, KIND);                                    \
             return;                                                                             \
         }                                                                                       \
@@ -88,6 +88,7 @@
             }                                                                                   \
         }                                                                                       \
     }
+#define X8_ENTRY(NAME, CALL, KIND) X8_ENTRY_T(NAME, CALL, KIND, X8_B32_TILE)
 #ifndef X8_Q4_K_CHUNKED
 #define X8_Q4_K_CHUNKED 16
 #endif
@@ -150,11 +151,6 @@ X8_K_ENTRY(q3_k, X8_Q3_K)
 X8_K_ENTRY(q4_k, X8_Q4_K)
 X8_K_ENTRY(q5_k, X8_Q5_K)
 X8_K_ENTRY(q6_k, X8_Q6_K)
-#ifdef X8_Q4_K_TILED
-/* Q4_K with every product of more than X8_XT rows as a tile (x8_q4_k_tiled, x16_...):
- * for a set whose processor measured that faster (dot_avx512.c: avx512-intel) */
-X8_K_ENTRY_CH(q4_k_tiled, X8_Q4_K, 0)
-#endif
 
 /* this width's entries into an Isa's table of them (q8_x8 or q8_x16), every repacked type */
 __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
@@ -172,9 +168,35 @@ __attribute__((unused)) static void XN(fill)(XN(fn) * table) {
     table[T_Q6_K] = XN(q6_k);
 }
 
+#ifdef X8_TILED
+/* The entries that take every product of more than X8_XT rows as one tile, each block
+ * decoded once for all its rows, where X8_B32_TILE and X8_Q4_K_CHUNKED take some 4 rows
+ * at a time (X8_TILED: a set whose processor measured the tiles faster, dot_avx512.c's
+ * avx512-intel): Q8_0, IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1 and Q4_K (the other K-quants'
+ * and IQ4_XS's as XN(fill)'s), into a table that XN(fill) filled */
+X8_ENTRY_T(q8_0_tiled, X8_CALL_Q8_0, 2, 1)
+X8_ENTRY_T(iq4_nl_tiled, X8_CALL_IQ4_NL, 3, 1)
+X8_ENTRY_T(q4_0_tiled, X8_CALL_Q4_0, 0, 1)
+X8_ENTRY_T(q4_1_tiled, X8_CALL_Q4_1, 1, 1)
+X8_ENTRY_T(q5_0_tiled, X8_CALL_Q5_0, 4, 1)
+X8_ENTRY_T(q5_1_tiled, X8_CALL_Q5_1, 5, 1)
+X8_K_ENTRY_CH(q4_k_tiled, X8_Q4_K, 0)
+
+__attribute__((unused)) static void XN(fill_tiled)(XN(fn) * table) {
+    table[T_Q8_0] = XN(q8_0_tiled);
+    table[T_IQ4_NL] = XN(iq4_nl_tiled);
+    table[T_Q4_0] = XN(q4_0_tiled);
+    table[T_Q4_1] = XN(q4_1_tiled);
+    table[T_Q5_0] = XN(q5_0_tiled);
+    table[T_Q5_1] = XN(q5_1_tiled);
+    table[T_Q4_K] = XN(q4_k_tiled);
+}
+#endif
+
 /* ---- ready for another width ------------------------------------------------------------- */
 
 #undef X8_ENTRY
+#undef X8_ENTRY_T
 #undef X8_KEEP_DOT
 #undef X8_B32_TILE
 #undef X8_K_ENTRY
