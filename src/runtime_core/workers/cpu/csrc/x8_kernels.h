@@ -7,8 +7,13 @@
  *               exists, 0 for AVX2's vpmaddubsw + vpmaddwd
  *   X8_DOT256   (optional) the 256-bit vpdpbusd's intrinsic: AVX-VNNI's VEX
  *               _mm256_dpbusd_avx_epi32 (default: AVX-512 VL's _mm256_dpbusd_epi32)
- *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1, IQ4_NL take more than X8_XT rows
- *               as a tile, each block decoded once (b32_tile: the sets without VNNI)
+ *   X8_B32_TILE (optional, 0 by default) 1: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL take more
+ *               than X8_XT rows as a tile, each block decoded once (b32_tile: the sets
+ *               without VNNI, and AVX-VNNI's)
+ *   X8_Q4_K_CHUNKED, X8_Q6_K_CHUNKED (optional) up to how many rows Q4_K, Q6_K (with
+ *               VNNI) take X8_XT rows at a time rather than as a tile (below)
+ *   X8_TILED    (optional) also define x8_fill_tiled / x16_fill_tiled: entries that take
+ *               every product of more than X8_XT rows as a tile (AVX-512's Intel set)
  *   X8_WIDTH    256: one group, lane i its row i (defines x8_q8_0 .. x8_iq4_xs, and x8_fill
  *               to put them in a table of x8_fn);
  *               512: two consecutive groups, lanes 0-7 the first's rows, 8-15 the
@@ -136,7 +141,8 @@
 #define X8_CALL_Q5_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 4)
 #define X8_CALL_Q5_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 5)
 
-#ifndef X8_B32_TILE /* the sets without VNNI: measured no faster with it */
+#ifndef X8_B32_TILE /* AVX-512's sets with VNNI: on AMD's Zen 4 measured no faster with
+                      * it (on Intel's processors faster: X8_TILED, dot_avx512.c) */
 #define X8_B32_TILE 0
 #endif
 X8_ENTRY(q8_0, X8_CALL_Q8_0, 2)
