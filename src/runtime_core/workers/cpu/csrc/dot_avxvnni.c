@@ -30,8 +30,8 @@
  * forcing this set, a decode step's products (`benchmarks/cpu_builds_ab.py OLD@avxvnni
  * NEW@avxvnni --model MODEL --rows R`), 1 thread, 5 / 8 / 16 / 32 rows: Q4_0 0.97 /
  * 0.91 / 0.99 / 0.88 of the time; Q8_0 0.87 / 0.88 / 0.76 / 0.86; Q5_1 0.77 / 0.77 /
- * 0.74 / 0.77; SmolLM2's Q4_1 0.91 / 0.90 / 0.81 / 0.95; Q4_K_S (its tile from 5 rows rather than 17) 0.94, 0.95 / 0.96, 0.95 /
- * 0.99, 0.96 (12 rows 0.89). */
+ * 0.74 / 0.77; SmolLM2's Q4_1 0.91 / 0.90 / 0.81 / 0.95; Q4_K_S (its tile from 5 rows
+ * rather than 17; 5 / 8 / 16 rows) 0.94, 0.95 / 0.96, 0.95 / 0.99, 0.96 (12 rows 0.89). */
 #define X8_B32_TILE 1
 #define X8_Q4_K_CHUNKED 0
 #define X8_WIDTH 256
