@@ -120,7 +120,7 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         head_dim_v=head_dim_v,
         vocab_size=vocab,
         eos_token_id=eos,
-        expert_count=max(header.integer(f"{arch}.expert_count", default=0), 0),
+        expert_count=expert_count(header, arch),
         context_length=context_length,
         max_seq_len=context_length if max_seq_len is None else max_seq_len,
         quant_types=tuple(sorted({t.ggml_type for t in tensors.values()})),
@@ -136,6 +136,18 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         layer_windows=tuple(a.window for a in attention),
         layer_rope_freq_bases=tuple(a.rope_freq_base for a in attention),
     )
+
+
+def expert_count(header: GgufHeader, arch: str) -> int:
+    """``{arch}.expert_count``: 0 (absent too) for a model without experts; a negative
+    count is a ``GgufError`` naming it (not read as none)."""
+    key = f"{arch}.expert_count"
+    count = header.integer(key, default=0)
+    if count < 0:
+        raise GgufError(
+            header.paths[0], f"an expert count of {count}: it must not be negative", key
+        )
+    return count
 
 
 def block_count(header: GgufHeader, arch: str) -> int:

@@ -35,6 +35,9 @@ from runplan.shards import (
 from runplan.tensor_names import block_index
 from runplan.validate import U32_MAX
 
+#: float32's largest finite value: the float hyperparameters' bound (``number``)
+F32_MAX = float(np.finfo(np.float32).max)
+
 
 @attrs.define
 class GgufHeader:
@@ -185,7 +188,9 @@ class GgufHeader:
         return value
 
     def number(self, key: str, default: float | None = None) -> float:
-        """An integer or floating-point value, as a float; never infinite or NaN."""
+        """An integer or floating-point value, as a float: finite and within float32's
+        range (llama.cpp holds its hyperparameters as ``float``: a FLOAT64 of 1e300 would
+        be infinite there, and in the float32 arithmetic of every worker)."""
         if not self.has(key):
             if default is not None:
                 return default
@@ -196,6 +201,8 @@ class GgufHeader:
         value = float(field.parts[-1][0])
         if not math.isfinite(value):
             raise GgufError(self.paths[0], f"expected a finite number, found {value}", key)
+        if abs(value) > F32_MAX:
+            raise GgufError(self.paths[0], f"{value}: past float32's range (+-{F32_MAX:.7g})", key)
         return value
 
     def boolean(self, key: str, default: bool) -> bool:

@@ -136,13 +136,18 @@ class HeaderReader(GGUFReader):
 
     def _skip_strings(self, offs: int, count: int) -> int:
         """The offset past ``count`` length-prefixed strings starting at ``offs``. A
-        length read past the end of the file is a ``struct.error``."""
+        length read past the end of the file is a ``struct.error``; a length that runs
+        past it a ``ValueError`` naming the string, its length and its offset."""
         unpack = struct.Struct(self._struct_order() + "Q").unpack_from
-        buf = self._view
-        for _ in range(count):
-            offs += 8 + unpack(buf, offs)[0]
-        if offs > len(self._data):
-            raise ValueError(f"the last string of an array of {count} runs past the end")
+        buf, end = self._view, len(self._data)
+        for index in range(count):
+            length = unpack(buf, offs)[0]
+            if length > end - offs - 8:
+                raise ValueError(
+                    f"string {index} of an array of {count}, at byte {offs}, claims {length} "
+                    "bytes: past the end of the file"
+                )
+            offs += 8 + length
         return offs
 
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:

@@ -32,7 +32,8 @@ from attrs import frozen
 from gguf import GGUFValueType
 
 from runplan.gguf_error import GgufError
-from runplan.gguf_header import GgufHeader
+from runplan.gguf_header import F32_MAX, GgufHeader
+from runplan.validate import U32_MAX
 
 
 @frozen
@@ -53,6 +54,9 @@ SLIDING_WINDOWS: Mapping[str, SlidingRule] = {
 #: llama.cpp's rotary base when a file names none (``rope.freq_base``, and for
 #: sliding blocks ``rope.freq_base_swa``).
 DEFAULT_ROPE_FREQ_BASE = 10000.0
+#: the smallest rotary base whose angles (a position, below 2**32, over the base) stay
+#: within float32's range
+MIN_ROPE_FREQ_BASE = 2.0**32 / F32_MAX
 
 
 @frozen
@@ -76,7 +80,7 @@ def layer_attention(header: GgufHeader, arch: str, n_layers: int) -> tuple[Layer
     if not any(sliding):
         return (LayerAttention(0, base),) * n_layers
     rule = SLIDING_WINDOWS[arch]
-    window = header.integer(f"{arch}.attention.sliding_window", default=rule.window)
+    window = sliding_window(header, f"{arch}.attention.sliding_window", rule.window)
     swa_default = base if rule.swa_base_is_global else DEFAULT_ROPE_FREQ_BASE
     base_swa = _rope_freq_base(header, f"{arch}.rope.freq_base_swa", swa_default)
     return tuple(
@@ -86,10 +90,18 @@ def layer_attention(header: GgufHeader, arch: str, n_layers: int) -> tuple[Layer
 
 def _rope_freq_base(header: GgufHeader, key: str, default: float = DEFAULT_ROPE_FREQ_BASE) -> float:
     """A rotary base: positive (``freq_base ** (-2i / n)`` of 0 is infinite, of a
-    negative base NaN, and every logit with it)."""
+    negative base NaN, and every logit with it), and not so small that a position's
+    angle (up to ``position / base``, positions below 2**32) passes float32's largest."""
     base = number(header, key, default)
     if base <= 0.0:
         raise GgufError(header.paths[0], f"a rotary base of {base}: it must be positive", key)
+    if base < MIN_ROPE_FREQ_BASE:
+        raise GgufError(
+            header.paths[0],
+            f"a rotary base of {base}: below {MIN_ROPE_FREQ_BASE:.3g}, a position's angle "
+            "passes float32's range",
+            key,
+        )
     return base
 
 
@@ -98,9 +110,7 @@ def _sliding_blocks(header: GgufHeader, arch: str, n_layers: int) -> tuple[bool,
     window_key = f"{arch}.attention.sliding_window"
     if rule is None:
         return (False,) * n_layers
-    window = header.integer(window_key, default=rule.window)
-    if window < 0:
-        raise GgufError(header.paths[0], f"a sliding window of {window} positions", window_key)
+    window = sliding_window(header, window_key, rule.window)
     if window == 0:
         return (False,) * n_layers
     key = f"{arch}.attention.sliding_window_pattern"
@@ -113,6 +123,18 @@ def _sliding_blocks(header: GgufHeader, arch: str, n_layers: int) -> tuple[bool,
     if period < 0:
         raise GgufError(header.paths[0], f"a period of {period} blocks", key)
     return tuple(period == 0 or i % period < period - 1 for i in range(n_layers))
+
+
+def sliding_window(header: GgufHeader, key: str, default: int) -> int:
+    """A sliding window's positions: 0 (none) .. 2**32 - 1, as llama.cpp's ``uint32_t``
+    ``n_swa`` holds it (a larger one reached the kernels as an integer they cannot take);
+    else ``GgufError`` naming the key and the value."""
+    window = header.integer(key, default=default)
+    if not 0 <= window <= U32_MAX:
+        raise GgufError(
+            header.paths[0], f"a sliding window of {window} positions: not 0..{U32_MAX}", key
+        )
+    return window
 
 
 def number(header: GgufHeader, key: str, default: float | None = None) -> float:

@@ -217,7 +217,7 @@ def read_manifest(path: str | os.PathLike[str]) -> ShardManifest:
         raise ManifestError(p, f"more than {MAX_MANIFEST_BYTES} bytes: not a shard manifest")
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # nested too deep
         raise ManifestError(p, f"not a JSON shard manifest ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise ManifestError(p, f'not a shard manifest (no "format": "{MANIFEST_FORMAT}")')

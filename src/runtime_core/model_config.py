@@ -50,7 +50,7 @@ from attrs import frozen
 
 from runplan.block_values import model_integer, per_block_integers
 from runplan.gguf_error import GgufError
-from runplan.gguf_facts import block_count
+from runplan.gguf_facts import block_count, expert_count
 from runplan.gguf_header import GgufHeader
 from runplan.layer_attention import layer_attention, number
 from runtime_core.architectures import (
@@ -320,8 +320,8 @@ def _experts(header: GgufHeader, arch: str, spec: ArchSpec, n_layers: int) -> tu
     the softmax); a count out of range is a ``GgufError``."""
     path = header.paths[0]
     count_key = f"{arch}.expert_count"
-    count = header.integer(count_key, default=0)
-    if count <= 0:
+    count = expert_count(header, arch)
+    if count == 0:
         if spec.experts is Presence.REQUIRED:
             raise GgufError(path, f"{arch} has experts: expert_count must be above 0", count_key)
         return (0, 0)

@@ -169,6 +169,20 @@ def test_a_file_holding_only_some_blocks_is_refused_by_the_facts(tmp_path: Path)
     assert err.value.key == "llama.block_count"
 
 
+@pytest.mark.parametrize("value", [2**32, 2**63, 2**64 - 1])
+def test_a_forged_string_length_is_an_error_naming_it(
+    model: Path, tmp_path: Path, value: int
+) -> None:
+    """A token's length past the file's end: before, 2**63 reached ``struct`` as an
+    offset and came out as "Python int too large to convert to C ssize_t"."""
+    bad = patched(model, tmp_path / "bad.gguf", "tokenizer.ggml.tokens[0]: length", value)
+    tokens = model_facts_from_gguf(model).vocab_size
+    for name, exc in outcomes(bad).items():
+        assert isinstance(exc, GgufError), (name, exc)
+        assert f"string 0 of an array of {tokens}" in str(exc), (name, exc)
+        assert f"claims {value} bytes" in str(exc), (name, exc)
+
+
 @pytest.mark.parametrize(
     "label",
     ["GGUF.kv_count", "GGUF.tensor_count", "tokenizer.ggml.tokens: item count",
@@ -233,6 +247,28 @@ def test_a_number_no_forward_pass_can_take_is_a_gguf_error_naming_the_key(
     )
     exc = outcomes(path)["slice"]
     assert isinstance(exc, GgufError) and exc.key == key, exc
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "vtype", "match"),
+    [
+        ("llama.rope.freq_base", 1e300, GGUFValueType.FLOAT64, "past float32's range"),
+        ("llama.attention.layer_norm_rms_epsilon", 1e300, GGUFValueType.FLOAT64, "float32"),
+        ("llama.rope.scaling.attn_factor", -1e300, GGUFValueType.FLOAT64, "float32"),
+        ("llama.rope.freq_base", 1e-45, GGUFValueType.FLOAT32, "angle passes float32"),
+        ("llama.expert_count", -3, GGUFValueType.INT32, "must not be negative"),
+    ],
+)
+def test_a_value_past_what_llamacpp_holds_is_a_gguf_error_naming_the_key(
+    tmp_path: Path, key: str, value: float, vtype: GGUFValueType, match: str
+) -> None:
+    """llama.cpp holds its float hyperparameters as float32: a FLOAT64 of 1e300 (finite
+    as a double) loaded, then was infinite in the workers' float32 arithmetic (a
+    meaningless token, or NaN logits naming no key); a denormal rotary base made its
+    angles infinite; a negative expert count read as none."""
+    path = write_model(tmp_path / "m.gguf", SHAPE, override_keys={key: (value, vtype)})
+    exc = outcomes(path)["slice"]
+    assert isinstance(exc, GgufError) and exc.key == key and match in str(exc), exc
 
 
 # ---- where tensor data lies ----------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 import pytest
+from gguf import GGUFValueType
 
 from runplan import (
     GgufError,
@@ -102,6 +103,24 @@ def test_a_pattern_of_the_wrong_length_is_a_gguf_error_naming_it(tmp_path: Path)
     key = "gemma3.attention.sliding_window_pattern"
     with pytest.raises(GgufError, match=key):
         gemma3(tmp_path, extra_keys={key: [True, False]})
+
+
+@pytest.mark.parametrize(
+    ("window", "vtype"), [(2**32, GGUFValueType.UINT64), (-1, GGUFValueType.INT32)]
+)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_window_outside_uint32_is_a_gguf_error_naming_it(
+    tmp_path: Path, arch: str, window: int, vtype: GGUFValueType
+) -> None:
+    """llama.cpp holds the window as a ``uint32_t``: 2**63 reached the CPU worker's
+    attention kernel, whose first step failed with an untyped OverflowError."""
+    key = f"{arch}.attention.sliding_window"
+    with pytest.raises(GgufError, match=rf"sliding window of {window} positions") as info:
+        gemma3(tmp_path, attrs.evolve(GEMMA3, arch=arch), override_keys={key: (window, vtype)})
+    assert info.value.key == key
+    largest = attrs.evolve(GEMMA3, arch=arch)
+    f = gemma3(tmp_path, largest, override_keys={key: (2**32 - 1, GGUFValueType.UINT32)})
+    assert f.layer_windows[0] == 2**32 - 1
 
 
 def test_a_window_longer_than_the_run_holds_the_run(tmp_path: Path) -> None:

@@ -179,9 +179,10 @@ def test_a_manifest_that_does_not_match_its_shards_is_refused_naming_the_file(
         (bad / MANIFEST_NAME).write_text(json.dumps(broken))
         with pytest.raises(GgufError, match=match):
             model_facts_from_gguf(bad)
-    (bad / MANIFEST_NAME).write_text("{not json")
-    with pytest.raises(GgufError, match="not a JSON shard manifest"):
-        model_facts_from_gguf(bad / MANIFEST_NAME)
+    for text in ("{not json", "[" * 100_000):  # nested past the JSON decoder's recursion
+        (bad / MANIFEST_NAME).write_text(text)
+        with pytest.raises(GgufError, match="not a JSON shard manifest"):
+            model_facts_from_gguf(bad / MANIFEST_NAME)
 
 
 def test_split_follows_a_memory_placement_and_refuses_what_the_planner_refuses(
