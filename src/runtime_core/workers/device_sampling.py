@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from runplan import SamplingConfig
 
 
@@ -47,7 +49,11 @@ def sample(xp: Any, logits: Any, config: SamplingConfig, u: float) -> int:
         cdf = xp.cumsum(_softmax(xp, kept))
         m = int(xp.searchsorted(cdf, xp.asarray(config.top_p, dtype=xp.float64), side="left")) + 1
         ids, kept = ids[:m], kept[:m]
-    cdf = xp.cumsum(_softmax(xp, kept / config.temperature))
+    with np.errstate(over="ignore"):
+        scaled = kept / config.temperature
+    if not bool(xp.isfinite(scaled).all()):  # so small a temperature that logits over it
+        return int(ids[0])  # overflow: its limit, the largest (as ``Sampler.sample``)
+    cdf = xp.cumsum(_softmax(xp, scaled))
     target = xp.asarray(u, dtype=xp.float64) * cdf[-1]
     at = int(xp.searchsorted(cdf, target, side="right"))
     return int(ids[min(at, int(ids.size) - 1)])

@@ -93,7 +93,12 @@ class Sampler:
             probs = _softmax(kept)
             n = int(np.searchsorted(np.cumsum(probs), c.top_p, side="left")) + 1
             ids, kept = ids[:n], kept[:n]
-        probs = _softmax(kept / c.temperature)
+        with np.errstate(over="ignore"):
+            scaled = kept / c.temperature
+        if not np.isfinite(scaled).all():  # so small a temperature that logits over it
+            self.uniform()  # overflow: its limit, the argmax (the token's draw still taken)
+            return int(ids[0])
+        probs = _softmax(scaled)
         cdf = np.cumsum(probs)
         at = int(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right"))
         return int(ids[min(at, len(ids) - 1)])

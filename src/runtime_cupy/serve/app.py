@@ -40,7 +40,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from runtime_cupy.serve import openai_format as fmt
-from runtime_cupy.serve.engine import Engine, QueueFull
+from runtime_cupy.serve.engine import Engine, QueueFull, ShuttingDown
 from runtime_cupy.serve.events import Event, Failed, Finished, Piece
 from runtime_cupy.serve.jobs import Job
 from runtime_cupy.serve.requests import (
@@ -211,6 +211,9 @@ class Api:
             error = RequestError(f"the server is busy: {exc}", status=429, code="queue_full",
                                  type="rate_limit_error")  # fmt: skip
             return _error(error, {"Retry-After": "1"})
+        except ShuttingDown as exc:
+            self.engine.metrics.request(endpoint, "rejected")
+            return _failed(Failed(503, str(exc), "shutting_down"))
         if req.stream:
             return _EventStream(self._stream(jobs, events))
         return await self._whole(request, jobs, events)

@@ -50,6 +50,11 @@ class QueueFull(Exception):
     """The queue holds ``max_queue`` waiting requests."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: it admits no request (a 503, as for those it was holding,
+    not a 429, whose ``Retry-After`` sends a client back to a server going away)."""
+
+
 class Engine:
     """The queue and the runner of ``chain``."""
 
@@ -105,14 +110,15 @@ class Engine:
 
     def submit(self, choices: Sequence[Prepared], sink_of: Callable[[int], Sink]) -> list[Job]:
         """Admit a request's choices (``Prepared.choices``; ``sink_of(index)``: each
-        one's sink), all of them or none: ``QueueFull`` when they would make more than
+        one's sink), all of them or none: ``ShuttingDown`` once the server stops,
+        ``QueueFull`` when they would make more than
         ``max_queue`` wait (those that start at once, in the chain's free places after
         the ones already waiting, do not wait). A server with nothing running or waiting
         admits any request (else one of more choices than ``max_queue`` could never be
         admitted)."""
         with self._cond:
             if self._closing:
-                raise QueueFull(SHUTTING_DOWN)
+                raise ShuttingDown(SHUTTING_DOWN)
             waiting = len(self._queue)
             # Places are free only on a chain that starts runs (not while it starts or
             # heals: then every choice waits).

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runplan import SamplingConfig
+from runtime_core.workers import device_sampling
 from runtime_core.workers.sampling import Sampler
 from tests.support.strategies import logits_vectors, sampling_configs
 
@@ -58,6 +59,23 @@ def test_the_same_seed_and_logits_sample_the_same_tokens(
 ) -> None:
     a, b = Sampler(config), Sampler(config)
     assert [a.sample(logits) for _ in range(10)] == [b.sample(logits) for _ in range(10)]
+
+
+@pytest.mark.parametrize("temperature", [1e-308, 5e-324])
+def test_a_temperature_so_small_the_logits_over_it_overflow_takes_the_largest(
+    temperature: float,
+) -> None:
+    """The limit of a temperature going to 0 is greedy. Before, the logits over 1e-308
+    overflowed to infinity, the softmax's inf - inf was NaN and the draw landed on the
+    last candidate: the least likely token, every time (a request's 1e-308 passes the
+    server's checks)."""
+    logits = np.array([1.0, 5.0, 3.0, -2.0, 5.0], dtype=np.float32)
+    config = SamplingConfig(temperature=temperature, seed=7)
+    sampler = Sampler(config)
+    assert [sampler.sample(logits) for _ in range(4)] == [1] * 4
+    assert sampler.draws == 4  # a draw a token, as at any temperature: streams stay aligned
+    assert device_sampling.sample(np, logits, config, 0.999) == 1
+    assert device_sampling.sample(np, logits[::-1].copy(), config, 0.0) == 0  # ties: low id
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])

@@ -55,8 +55,9 @@ class Answer:
 
     @property
     def fed_back(self) -> int:
-        """Tokens that went back into the chain: each but the last consumed, the EOS
-        that ended a ``stop`` answer counted and not shown."""
+        """Tokens that went back into the chain: each counted one, but the last of a
+        ``length`` answer (the EOS that ended a ``stop`` answer is neither shown nor
+        counted, and goes back into nothing)."""
         return self.completion_tokens - (self.finish_reason == "length")
 
     def records(self, chunk: int) -> int:

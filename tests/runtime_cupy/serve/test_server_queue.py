@@ -106,6 +106,24 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_run(slow: InProcessSer
     assert metrics(slow.base_url)[COMPLETED] == before[COMPLETED] + 1
 
 
+def test_a_request_after_the_stop_began_is_answered_503_not_429(tiny_chat: str) -> None:
+    """A stopping server admits nothing: 503, as the requests it held are answered.
+    Before, 429 with ``Retry-After: 1``, which the ``openai`` client retries."""
+    engine = Engine(WarmChain(tiny_chat, stages=2, context=128))
+    server = InProcessServer(engine)
+    try:
+        assert engine.close(30)
+        body = {"model": "tiny-chat", "messages": MSG, "max_tokens": 1}
+        r = httpx2.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "Retry-After" not in r.headers, (r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "shutting_down" and "shutting down" in error["message"], error
+        counted = metrics(server.base_url)
+        assert counted["gguf_pipeline_requests_total{endpoint=chat,outcome=rejected}"] == 1
+    finally:
+        server.stop()
+
+
 def test_a_full_queue_answers_429(slow: InProcessServer) -> None:
     c = slow.client()
     done: list[str] = []
