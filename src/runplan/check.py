@@ -33,6 +33,7 @@ from runplan.rejections import (
 )
 from runplan.specs import EDGE_OBJECTS, expected_object_spec, slot_bytes
 from runplan.validate import (
+    U32_MAX,
     check_activation_family,
     check_alignment,
     check_dtype,
@@ -109,10 +110,11 @@ def _check_concurrency(plan: RunPlan) -> PlanRejection | None:
 
 
 def _check_model(m: GgufModelPlan) -> PlanRejection | None:
-    for name in ("num_layers", "hidden_dim", "vocab_size"):
-        value = getattr(m, name)
-        if not 1 <= value <= U64_MAX:
-            return InconsistentModelFacts(name, str(value), "must be in 1..2**64-1")
+    for name, most in (("num_layers", U32_MAX), ("hidden_dim", U64_MAX), ("vocab_size", U64_MAX)):
+        value = getattr(m, name)  # the layer count a u32, as plan_run holds it
+        if not 1 <= value <= most:
+            bound = "2**32-1" if most == U32_MAX else "2**64-1"
+            return InconsistentModelFacts(name, str(value), f"must be in 1..{bound}")
     if not 0 <= m.eos_token_id < m.vocab_size:
         return InconsistentModelFacts(
             "eos_token_id", str(m.eos_token_id), f"outside vocab 0..{m.vocab_size - 1}"
@@ -175,6 +177,9 @@ def _describe(e: EdgeEndpoint | None) -> str:
 
 
 def _check_edges(plan: RunPlan) -> PlanRejection | None:
+    for e in plan.edges:  # a u64 on the wire (wire.dumps refuses another)
+        if not 0 <= e.edge_id <= U64_MAX:
+            return InconsistentPlan(f"edge {e.edge_id}", "edge_id", f"0..{U64_MAX}", str(e.edge_id))
     counts = Counter(e.edge_id for e in plan.edges)
     for e in plan.edges:
         if counts[e.edge_id] > 1:

@@ -179,9 +179,13 @@ def _print_plan(
     nodes = {n.node_id: n for n in pool.nodes}
     memory = plan_stage_memory(facts, config.worker, plan)
     device_use: dict[tuple[str, str], int] = {}
+    # what the planner holds a device's stages to: the smallest memory of their nodes
+    device_available: dict[tuple[str, str], int] = {}
     for stage, use in zip(plan.stages, memory, strict=True):
-        key = nodes[stage.node_id].device_key
+        node = nodes[stage.node_id]
+        key = node.device_key
         device_use[key] = device_use.get(key, 0) + use.total
+        device_available[key] = min(device_available.get(key, node.memory_bytes), node.memory_bytes)
     if args.json:
         stages = []
         for stage, use in zip(plan.stages, memory, strict=True):
@@ -198,7 +202,7 @@ def _print_plan(
                     "ring_bytes": use.ring_bytes,
                     "total_bytes": use.total,
                     "device_bytes_used": device_use[node.device_key],
-                    "device_bytes_available": node.memory_bytes,
+                    "device_bytes_available": device_available[node.device_key],
                 }
             )
         print_json({"plan": json.loads(wire.dumps(plan)), "memory": stages})
@@ -212,8 +216,8 @@ def _print_plan(
         table.add_column(col, justify="left" if col in ("node", "layers") else "right")
     for stage, use in zip(plan.stages, memory, strict=True):
         node = nodes[stage.node_id]
-        share = device_use[node.device_key]
-        pct = 100.0 * share / node.memory_bytes if node.memory_bytes else float("inf")
+        share, available = device_use[node.device_key], device_available[node.device_key]
+        pct = 100.0 * share / available if available else float("inf")
         where = stage.node_id + (f" @{node.device}" if node.device else "")
         table.add_row(
             str(stage.stage_index),
@@ -271,7 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
         "name one device share its memory",
     )
     plan.add_argument(
-        "--stages", type=int, default=None, help="number of stages (default: one per node)"
+        "--stages",
+        type=positive_int,
+        default=None,
+        help="number of stages (default: one per node)",
     )
     plan.add_argument(
         "--placement",

@@ -23,6 +23,8 @@ from runplan.rejections import (
 from runplan.specs import is_power_of_two
 
 U32_MAX = 2**32 - 1
+#: the most bytes a worker may hold a weight element in (float64's 8)
+MAX_WEIGHT_BYTES_PER_ELEMENT = 8
 
 
 def id_problem(text: str) -> str | None:
@@ -239,6 +241,8 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
     for i, size in enumerate(facts.block_bytes):
         if size < 1:
             return InconsistentModelFacts(f"block_bytes[{i}]", str(size), "a block has no bytes")
+        if size > U64_MAX:
+            return InconsistentModelFacts(f"block_bytes[{i}]", str(size), "does not fit in 64 bits")
     rejection = _check_elements(facts)
     if rejection:
         return rejection
@@ -315,6 +319,13 @@ def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection
     if worker.weight_bytes_per_element < 0 or worker.kv_bytes_per_element < 0:
         return InconsistentModelFacts(
             "worker", worker.name, "bytes per weight or KV element must not be negative"
+        )
+    if worker.weight_bytes_per_element > MAX_WEIGHT_BYTES_PER_ELEMENT:
+        return InconsistentModelFacts(
+            "worker",
+            worker.name,
+            f"{worker.weight_bytes_per_element} bytes per weight element: a worker holds a "
+            f"weight in at most {MAX_WEIGHT_BYTES_PER_ELEMENT} (float64)",
         )
     if (
         worker.kv_bytes_per_element

@@ -166,9 +166,22 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number the wire allows")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict; a key twice is malformed (``dumps`` never writes
+    one, and which of the two a reader takes is a reader's choice)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key!r} appears twice in an object")
+            seen.add(key)
+    return out
+
+
 # What ``json.dumps`` / ``json.loads`` would make on every call with these arguments.
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
 
 
 def loads(data: bytes | bytearray | memoryview) -> Any:

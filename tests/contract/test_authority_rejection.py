@@ -4,11 +4,16 @@
 from __future__ import annotations
 
 import attrs
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from runplan import RunPlan, WorkerCapabilities, plan_run
-from runplan.rejections import InconsistentModelFacts, InsufficientMemory, UnsupportedModel
+from runplan import Placement, RunPlan, WorkerCapabilities, check_plan, plan_run
+from runplan.rejections import (
+    InconsistentModelFacts,
+    InconsistentPlan,
+    InsufficientMemory,
+    UnsupportedModel,
+)
 from runplan.testing.suite.test_authority import *  # noqa: F403
 from tests.support.strategies import PlanInputs, valid_plan_inputs
 
@@ -66,6 +71,48 @@ def test_stages_that_do_not_fit_their_device_reject(
     assert isinstance(result, InsufficientMemory)
     assert result.bytes_needed > result.bytes_available
     assert victim in result.node_ids
+
+
+@given(valid_plan_inputs(), st.sampled_from(["even", "memory"]), st.integers(2**64, 10**400))
+def test_block_bytes_or_a_weight_width_past_what_a_host_holds_reject(
+    inputs: PlanInputs, how: str, huge: int
+) -> None:
+    """``plan_run`` raises only for programming errors: a block of more than 2**64 - 1
+    bytes, or a worker holding a weight in more than 8, once made the memory
+    placement's float division raise OverflowError."""
+    nodes = [s.node_id for s in inputs.pool.nodes[: inputs.stage_count]]
+    assume(len(nodes) == inputs.stage_count)  # else no one-node-a-stage placement of them
+    placement = (Placement.even if how == "even" else Placement.by_memory)(nodes)
+    facts = attrs.evolve(inputs.facts, block_bytes=(huge,) * inputs.facts.num_layers)
+    result = _run(inputs, facts=facts, placement=placement)
+    assert isinstance(result, InconsistentModelFacts) and result.field == "block_bytes[0]"
+    wide = attrs.evolve(inputs.config.worker, weight_bytes_per_element=huge)
+    result = _run(inputs, config=attrs.evolve(inputs.config, worker=wide), placement=placement)
+    assert isinstance(result, InconsistentModelFacts) and result.field == "worker", result
+    assert "at most 8" in result.reason
+
+
+@given(valid_plan_inputs(), st.sampled_from([-1, 2**64]))
+def test_check_plan_rejects_an_edge_id_the_wire_cannot_carry(inputs: PlanInputs, bad: int) -> None:
+    """Edge ids are u64s on the wire: ``check_plan`` once passed -1 (set on the edge and
+    every stage naming it), which ``wire.dumps`` and the contract kit refuse."""
+    plan = _run(inputs)
+    assert isinstance(plan, RunPlan), plan
+    old = plan.edges[-1].edge_id
+
+    def moved(edge_id: int) -> int:
+        return bad if edge_id == old else edge_id
+
+    edges = tuple(attrs.evolve(e, edge_id=moved(e.edge_id)) for e in plan.edges)
+    stages = tuple(
+        attrs.evolve(s, inbound_edge=moved(s.inbound_edge), outbound_edge=moved(s.outbound_edge))
+        for s in plan.stages
+    )
+    result = check_plan(attrs.evolve(plan, edges=edges, stages=stages))
+    assert isinstance(result, InconsistentPlan) and result.field == "edge_id", result
+    huge = attrs.evolve(plan, model=attrs.evolve(plan.model, num_layers=2**40))
+    result = check_plan(huge)
+    assert isinstance(result, InconsistentModelFacts) and result.field == "num_layers", result
 
 
 @given(valid_plan_inputs())

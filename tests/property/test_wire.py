@@ -148,6 +148,15 @@ def test_a_lone_surrogate_is_a_wire_error() -> None:
         loads(b'{"node_id":"n","run_id":"\\ud800","stage_index":0,"type":"StageReady"}')
 
 
+def test_a_key_twice_in_an_object_is_a_wire_error() -> None:
+    """``dumps`` never writes one; a reader taking the last (as ``json`` does) let a
+    message say two things."""
+    base = b'{"node_id":"n","run_id":"a","stage_index":0,"type":"StageReady"'
+    assert loads(base + b"}") is not None
+    with pytest.raises(WireError, match="'run_id' appears twice"):
+        loads(base + b',"run_id":"b"}')
+
+
 def test_unknown_type_and_extra_keys_are_wire_errors() -> None:
     for data in (b'{"type": "LaunchMissiles"}', b'{"type": 3}', b"{}", b"[]", b"null"):
         try:

@@ -79,6 +79,31 @@ def test_plan_kv_dtype_is_counted_and_carried(
         assert ours.kv_bytes * 4 == wide.kv_bytes * width
 
 
+def test_stages_of_a_shared_device_are_shown_against_its_smallest_node(
+    model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The planner holds a device's stages to the smallest memory of their nodes: so
+    does what the command prints (it showed each node's own, 3 GiB for b)."""
+    args = ["plan", model, "--nodes", "a=1GiB@g,b=3GiB@g"]
+    assert main([*args, "--json"]) == 0
+    memory = _json(capsys)["memory"]
+    assert [m["device_bytes_available"] for m in memory] == [2**30, 2**30]
+    used = memory[0]["device_bytes_used"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"{100.0 * used / 2**30:.1f}%") == 2, out
+
+
+def test_a_stage_count_below_one_is_a_usage_error(
+    model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", model, "--nodes", "a=1GiB", "--stages", "0", "--json"])
+    assert exc.value.code == 2
+    error = _json(capsys)["error"]
+    assert error["type"] == "UsageError" and "--stages" in error["message"], error
+
+
 def test_plan_table(model: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", model, "--nodes", "a=1GiB,b=1GiB@gpu,c=1GiB@gpu"]) == 0
     out = capsys.readouterr().out
