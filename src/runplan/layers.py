@@ -6,11 +6,15 @@ cover ``0..num_layers``; callers guarantee ``1 <= stage_count <= num_layers``.
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import accumulate
 
 Range = tuple[int, int]
+#: the most steps (stages times layers squared) ``_least_largest_share`` may take: some
+#: 64 stages of 280 layers, far past any model's; past it the nearest split stands
+LEAST_SHARE_WORK = 5_000_000
 
 
 def split_even(num_layers: int, stage_count: int) -> list[Range]:
@@ -36,7 +40,10 @@ def split_by_capacity(
     ``u = total load / total capacity``, so stage ``i``'s layers would cost
     ``u * capacity[i] - fixed_cost[i]``. Each boundary is put at the layer where the
     running layer cost comes nearest to the running target, keeping at least one
-    layer per stage.
+    layer per stage. Where that puts a stage's load past its capacity, and another
+    split's largest load over capacity is less (``_least_largest_share``), that split
+    is taken instead: a split that fits is never passed over for one that does not
+    (within ``LEAST_SHARE_WORK``).
     """
     n_layers = len(layer_cost)
     n_stages = len(capacity)
@@ -57,4 +64,47 @@ def split_by_capacity(
         ranges.append((start, k))
         start = k
     ranges.append((start, n_layers))
+    if all(c > 0 for c in capacity) and n_stages * n_layers**2 <= LEAST_SHARE_WORK:
+        worst = _largest_share(ranges, prefix, fixed_cost, capacity)
+        if worst > 1.0:  # a stage past its capacity: the split with the least largest share
+            other = _least_largest_share(prefix, fixed_cost, capacity)
+            if _largest_share(other, prefix, fixed_cost, capacity) < worst:
+                return other
     return ranges
+
+
+def _largest_share(
+    ranges: Sequence[Range], prefix: Sequence[int], fixed: Sequence[int], capacity: Sequence[int]
+) -> float:
+    """The largest of the stages' loads over their capacities."""
+    return max((fixed[i] + prefix[b] - prefix[a]) / capacity[i] for i, (a, b) in enumerate(ranges))
+
+
+def _least_largest_share(
+    prefix: Sequence[int], fixed: Sequence[int], capacity: Sequence[int]
+) -> list[Range]:
+    """The contiguous split (a layer a stage at least) whose largest load over capacity
+    is least, by dynamic programming over (stage, end layer): ``best[j]`` the least
+    largest share of the stages so far ending at layer ``j`` (ties: the earliest
+    boundary). Layers of unequal cost on nodes of unequal memory defeat a greedy fill:
+    taking the most layers early can hand a small node a big one."""
+    n_layers, n_stages = len(prefix) - 1, len(capacity)
+    inf = float("inf")
+    best = [inf] * (n_layers + 1)
+    for j in range(1, n_layers - n_stages + 2):
+        best[j] = (fixed[0] + prefix[j]) / capacity[0]
+    cuts: list[list[int]] = []
+    for i in range(1, n_stages):
+        nxt, cut = [inf] * (n_layers + 1), [0] * (n_layers + 1)
+        for j in range(i + 1, n_layers - (n_stages - 1 - i) + 1):
+            for m in range(i, j):
+                share = max(best[m], (fixed[i] + prefix[j] - prefix[m]) / capacity[i])
+                if share < nxt[j]:
+                    nxt[j], cut[j] = share, m
+        best = nxt
+        cuts.append(cut)
+    ends = [n_layers]
+    for cut in reversed(cuts):
+        ends.append(cut[ends[-1]])
+    bounds = [0, *reversed(ends)]
+    return list(itertools.pairwise(bounds))

@@ -52,7 +52,8 @@ class Placement:
     @classmethod
     def by_memory(cls, nodes: Iterable[str]) -> Placement:
         """Stage ``i`` on ``nodes[i]``; layers split so that every stage uses the same
-        share of its node's memory (as near as whole layers allow), counting the
+        share of its node's memory (as near as whole layers allow; where that leaves a
+        stage past its node's memory, the split whose largest share is least), counting the
         per-layer byte sizes read from the GGUF, the KV cache, and the embedding and
         output head on the first and last stage. Nodes sharing a device share its
         memory equally."""
