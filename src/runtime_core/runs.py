@@ -31,8 +31,12 @@ class PlanRejected(PicklableError, ValueError):
 def facts_for_run(model_path: str, *, prompt_len: int, max_tokens: int) -> ModelFacts:
     """The model's facts with ``max_seq_len`` just long enough for the prompt and the
     tokens asked for (``run_positions``: the last token generated is not fed back);
-    ``ValueError`` past the model's context length."""
+    ``ValueError`` past the model's context length. A ``max_tokens`` below 1 is left
+    to the run's config check (``PlanRejected`` naming it), not made a ``max_seq_len``
+    the facts' check would name instead."""
     facts = model_facts_from_gguf(model_path)
+    if max_tokens < 1:
+        return facts
     needed = run_positions(prompt_len, max_tokens)
     if needed > facts.context_length:
         raise ValueError(

@@ -243,6 +243,10 @@ def summarize(
 ) -> GenerateResult:
     finished = result.finished
     outcome = finished.outcome.value.lower() if finished is not None else "cancelled"
+    if outcome == "faulted" and result.interrupted_by is not None:
+        # the signal that cancelled the run reached its stages as well (a control
+        # group's SIGTERM, as systemd stops a service): their exits are the cancel's
+        outcome = "cancelled"
     fault = fault_stage = fault_node = None
     if finished is None:
         fault = "the run was abandoned before its teardown finished"

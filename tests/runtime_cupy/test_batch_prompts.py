@@ -23,6 +23,16 @@ def test_no_prompt_or_an_empty_one_is_refused(tiny: str) -> None:
     assert info.value.index == 1
 
 
+@pytest.mark.parametrize("ids", ["1", "1,2,3"])
+def test_max_tokens_below_one_is_named_whatever_the_prompt_length(
+    tiny: str, ids: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A one-token prompt with --max-tokens 0 was refused naming max_seq_len."""
+    assert main(["--model", tiny, "--prompt-ids", ids, "--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens = 0" in err and "max_seq_len" not in err, err
+
+
 def test_a_token_outside_the_vocabulary_is_refused_naming_its_prompt(tiny: str) -> None:
     vocab = model_facts_from_gguf(tiny).vocab_size
     with pytest.raises(BatchError, match=rf"prompt 2: token 1 is {vocab}, outside") as info:
@@ -43,6 +53,8 @@ def test_a_prompt_too_long_for_the_context_is_refused_naming_it(tiny: str) -> No
     [
         (['{"prompt_ids": [1]}', "", "", '{"prompt_ids": [1, 99999]}'], "line 4: prompt 1"),
         (['{"prompt_ids": [1]}', "", '{"prompt_ids": []}'], "line 3: prompt 1 holds no"),
+        # nested past the decoder's recursion: a RecursionError traceback before
+        (['{"prompt_ids": [1]}', "[" * 100_000 + "]" * 100_000], "line 2: not JSON"),
     ],
 )
 def test_the_prompts_file_names_the_line_of_a_prompt_no_batch_can_run(

@@ -107,7 +107,7 @@ def add_worker(parser: argparse.ArgumentParser) -> None:
         choices=tuple(KV_WIDTHS),
         default=None,
         help="the KV caches' dtype, as the planner counts them and every stage holds them: "
-        "f16 halves their memory (more runs in a --kv-budget) and what attention reads, "
+        "f16 halves their memory (more runs in a stage's KV budget) and what attention reads, "
         "as llama.cpp's default cache does (default: the worker's own: f32 for cpu and "
         "numpy, f16 for cuda; numpy holds f32 only)",
     )

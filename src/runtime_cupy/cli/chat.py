@@ -25,9 +25,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
+from runplan import SamplingConfig
 from runplan.arguments import OneLineParser
 from runplan.interrupted import Interrupted
 from runplan.json_errors import cancelled_status
+from runplan.validate import check_sampling
 from runtime_core.console import TextStream, add_sampling_arguments
 from runtime_core.interrupt import signal_of
 from runtime_cupy.cli.arguments import (
@@ -194,6 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logs(args.verbose)
     if args.max_tokens < 1:
         print(f"error: --max-tokens {args.max_tokens} is not at least 1", file=sys.stderr)
+        return EXIT_INPUT
+    # before any stage starts (a bad --temperature failed the first turn, a traceback)
+    sampling = SamplingConfig(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    rejection = check_sampling(sampling)
+    if rejection is not None:
+        print(f"error: {rejection}", file=sys.stderr)
         return EXIT_INPUT
     try:
         chain = chain_from(args)

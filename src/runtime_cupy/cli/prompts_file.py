@@ -47,7 +47,7 @@ def _read_prompts(
         where = f"--prompts-file {str(path)!r} line {number}"
         try:
             item = json.loads(line)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # nested too deep: the latter
             raise PromptsFileError(f"{where}: not JSON ({exc})") from None
         if isinstance(item, dict) and isinstance(item.get("prompt"), str) and len(item) == 1:
             prompts.append(encode_prompt(item["prompt"], tokenizer, chat=chat))

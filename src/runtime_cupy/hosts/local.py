@@ -306,6 +306,12 @@ class LocalProcessHost:
                 stderr=out,
                 pass_fds=(theirs.fileno(), life_r),
                 env=self.environment(launch),
+                # a process group of its own: a terminal's Ctrl-C or a `kill -- -PGID`
+                # reaches the orchestrator, which stops the stages; it once reached a
+                # stage still importing (a KeyboardInterrupt traceback) or one whose own
+                # SIGTERM exit raced the orchestrator's cancel (a run reported faulted).
+                # A stage whose orchestrator is gone still ends: its life pipe closes.
+                process_group=0,
             )
         except BaseException:
             ours.close()

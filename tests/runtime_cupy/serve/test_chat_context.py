@@ -189,6 +189,25 @@ def test_sigterm_ends_the_chat_loop_where_ctrl_c_goes_on(
         chat_cli._loop(Saying())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--temperature", "-1"], "sampling.temperature"), (["--top-p", "0"], "sampling.top_p"),
+     (["--seed", "-1"], "sampling.seed"), (["--temperature", "nan"], "sampling.temperature")],
+)  # fmt: skip
+def test_a_bad_sampling_flag_is_refused_before_any_stage_starts(
+    flags: list[str], needle: str, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    """It once started the stages and failed the first turn with a traceback."""
+
+    def no_chain(args: Any) -> None:
+        raise AssertionError("a chain was made")
+
+    monkeypatch.setattr(chat_cli, "chain_from", no_chain)
+    assert chat_cli.main(["--worker", "cpu", *flags]) == chat_cli.EXIT_INPUT == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
 def test_the_question_asked_is_never_dropped() -> None:
     """A turn left without its answer (a user turn first) is dropped alone, not with the
     question after it."""
