@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from runplan.arguments import OneLineParser, positive_int
+from runplan.arguments import OneLineParser, non_negative_int, positive_int
 from runplan.gguf_error import GgufError
 from runplan.json_errors import (
     RUN_FAULTED,
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "seed that reproduces it. Exit status 1 on any violation.",
     )
     ex.add_argument("--seeds", type=positive_int, default=200, help="how many scenarios (200)")
-    ex.add_argument("--start", type=int, default=0, help="the first seed (0)")
+    ex.add_argument("--start", type=non_negative_int, default=0, help="the first seed (0)")
     ex.add_argument(
         "--max-runs",
         type=positive_int,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from runtime_sim.chain_driver import PLAIN
 from runtime_sim.cli import main
 from runtime_sim.explore import (
@@ -92,6 +94,15 @@ def test_explore_cli_json_and_exit_status(capsys: object) -> None:
     assert rep["seeds"] == 10 and rep["start"] == 5 and rep["violations"] == []
     assert "wall" not in out and "seconds" not in out
     assert main(["explore", "--self-test"]) == 0
+
+
+def test_a_negative_first_seed_is_a_usage_error(capsys: object) -> None:
+    """A seed is a u64 everywhere else: ``--start -1`` once ran seeds -1..1."""
+    with pytest.raises(SystemExit) as exc:
+        main(["explore", "--seeds", "3", "--start", "-1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert "--start" in err and "'-1' is negative" in err, err
 
 
 def test_explore_lists_the_rules_it_checks_and_every_violation_is_one(capsys: object) -> None:
