@@ -27,6 +27,7 @@ from runplan.gguf_tensors import TensorInfo, _tensor_infos
 from runplan.shards import (
     ManifestError,
     ShardKeys,
+    ShardManifest,
     SliceParts,
     manifest_path,
     read_manifest,
@@ -105,6 +106,8 @@ class GgufHeader:
             manifest = read_manifest(path)
         except ManifestError as exc:
             raise GgufError(path, str(exc).removeprefix(f"{exc.path}: ")) from None
+        if parts is None:  # the whole model: its shards must hold all of it
+            _check_whole(path, manifest)
         folder = os.path.dirname(path)
         entries = shards_for(manifest, parts)
         if not entries:
@@ -335,3 +338,21 @@ def _spans(blocks: set[int]) -> str:
         else:
             runs.append([b])
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "none"
+
+
+def _check_whole(path: str, manifest: ShardManifest) -> None:
+    """``GgufError`` unless the manifest's shards together hold every block, the token
+    embedding and the output (a manifest with a shard's entry taken out once read as
+    the whole model, its missing blocks weighing nothing to the planner, and failed
+    only as stages loaded, blaming another shard)."""
+    held = {b for e in manifest.shards for b in e.parts.blocks}
+    missing = [b for b in range(manifest.block_count) if b not in held]
+    if missing:
+        raise GgufError(
+            path,
+            f"no shard holds block {missing[0]} ({len(missing)} of its "
+            f"{manifest.block_count} blocks are in none): the whole model needs them all",
+        )
+    for part in ("embedding", "output"):
+        if not any(getattr(e.parts, part) for e in manifest.shards):
+            raise GgufError(path, f"no shard holds the {part}: the whole model needs it")

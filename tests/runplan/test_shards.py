@@ -170,11 +170,15 @@ def test_a_manifest_that_does_not_match_its_shards_is_refused_naming_the_file(
     (bad / MANIFEST_NAME).write_text(json.dumps(doc))
     with pytest.raises(GgufError, match=rf"{ShardKeys.LAYER_START}.*its manifest says"):
         model_facts_from_gguf(bad)
+    no_embedding = {**entries[0], "parts": {**entries[0]["parts"], "embedding": False}}
     for broken, match in (
         ({**doc, "version": 9}, "version 9"),
         ({**doc, "shards": []}, "names no shard"),
         ({**doc, "extra": 1}, "malformed"),
         ({**doc, "shards": [{**entries[0], "file": "../x.gguf"}]}, "not a file name"),
+        # an entry taken out: read as the whole model, its blocks once weighed nothing
+        ({**doc, "shards": [entries[0], entries[2]]}, "no shard holds block"),
+        ({**doc, "shards": [no_embedding, *entries[1:]]}, "no shard holds the embedding"),
     ):
         (bad / MANIFEST_NAME).write_text(json.dumps(broken))
         with pytest.raises(GgufError, match=match):
