@@ -135,9 +135,27 @@ def write_shard(
         os.fsync(writer.fout[0].fileno())
         writer.close()
         os.replace(partial, target)
-    except BaseException:
+    except BaseException as exc:
         writer.close()
+        # the file and the room left as the write failed (numpy's short write says
+        # neither), before the partial file goes
+        error = _write_error(partial, exc) if isinstance(exc, OSError) else None
         with contextlib.suppress(OSError):
             partial.unlink()
+        if error is not None:
+            raise error from exc
         raise
     return target.stat().st_size
+
+
+def _write_error(partial: Path, exc: OSError) -> OSError:
+    """``exc`` (a shard's write failing) naming the file and the bytes its file system
+    has free: numpy's ``tofile`` on a full disk says only "552960 requested and 450752
+    written"."""
+    try:
+        stat = os.statvfs(partial.parent)
+        room = f"; its file system has {stat.f_bavail * stat.f_frsize} bytes free"
+    except OSError:
+        room = ""
+    message = f"writing {str(partial)!r}: {exc.strerror or exc}{room}"
+    return OSError(exc.errno, message) if exc.errno is not None else OSError(message)
