@@ -110,11 +110,11 @@ def _check_concurrency(plan: RunPlan) -> PlanRejection | None:
 
 
 def _check_model(m: GgufModelPlan) -> PlanRejection | None:
-    for name, most in (("num_layers", U32_MAX), ("hidden_dim", U64_MAX), ("vocab_size", U64_MAX)):
-        value = getattr(m, name)  # the layer count a u32, as plan_run holds it
+    bounds = (("num_layers", U32_MAX, 32), ("hidden_dim", U64_MAX, 64), ("vocab_size", U64_MAX, 64))
+    for name, most, bits in bounds:  # the layer count a u32, as plan_run holds it
+        value = getattr(m, name)
         if not 1 <= value <= most:
-            bound = "2**32-1" if most == U32_MAX else "2**64-1"
-            return InconsistentModelFacts(name, str(value), f"must be in 1..{bound}")
+            return InconsistentModelFacts(name, str(value), f"must be in 1..2**{bits}-1")
     if not 0 <= m.eos_token_id < m.vocab_size:
         return InconsistentModelFacts(
             "eos_token_id", str(m.eos_token_id), f"outside vocab 0..{m.vocab_size - 1}"

@@ -27,11 +27,10 @@ from runplan.facts import ModelFacts
 from runplan.gguf_error import GgufError
 from runplan.gguf_facts import model_facts_from_gguf
 from runplan.json_errors import exception_json, print_json, rejection_fields, rejection_json
-from runplan.memory import plan_stage_memory
 from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
 from runplan.placement import Placement
 from runplan.plan import RunPlan
-from runplan.planner import plan_run
+from runplan.planner import device_memory, plan_run
 from runplan.pool import NodePool
 from runplan.rejections import PlanRejection
 from runplan.shard_cli import (
@@ -177,15 +176,8 @@ def _print_plan(
     plan: RunPlan,
 ) -> None:
     nodes = {n.node_id: n for n in pool.nodes}
-    memory = plan_stage_memory(facts, config.worker, plan)
-    device_use: dict[tuple[str, str], int] = {}
-    # what the planner holds a device's stages to: the smallest memory of their nodes
-    device_available: dict[tuple[str, str], int] = {}
-    for stage, use in zip(plan.stages, memory, strict=True):
-        node = nodes[stage.node_id]
-        key = node.device_key
-        device_use[key] = device_use.get(key, 0) + use.total
-        device_available[key] = min(device_available.get(key, node.memory_bytes), node.memory_bytes)
+    # each device's stages against what the planner holds them to
+    memory, device_use, device_available = device_memory(facts, config.worker, nodes, plan)
     if args.json:
         stages = []
         for stage, use in zip(plan.stages, memory, strict=True):

@@ -6,10 +6,9 @@ cover ``0..num_layers``; callers guarantee ``1 <= stage_count <= num_layers``.
 
 from __future__ import annotations
 
-import itertools
 from bisect import bisect_left
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 Range = tuple[int, int]
 #: the most steps (stages times layers squared) ``_least_largest_share`` may take: some
@@ -107,4 +106,4 @@ def _least_largest_share(
     for cut in reversed(cuts):
         ends.append(cut[ends[-1]])
     bounds = [0, *reversed(ends)]
-    return list(itertools.pairwise(bounds))
+    return list(pairwise(bounds))

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from runplan.config import RuntimeConfig, run_positions
+from runplan.config import RuntimeConfig, WorkerCapabilities, run_positions
 from runplan.facts import ModelFacts
 from runplan.layers import Range, split_by_capacity, split_even
 from runplan.memory import (
+    StageMemory,
     block_weight_bytes,
     fixed_weight_bytes,
     kv_budget_bytes,
@@ -443,19 +444,31 @@ def _build(
     )
 
 
-def _check_memory(
-    facts: ModelFacts, config: RuntimeConfig, nodes: dict[str, NodeSpec], plan: RunPlan
-) -> PlanRejection | None:
-    """Each device's stages must fit its memory (the smallest ``memory_bytes`` of the
-    run's nodes that name it)."""
+def device_memory(
+    facts: ModelFacts, worker: WorkerCapabilities, nodes: dict[str, NodeSpec], plan: RunPlan
+) -> tuple[tuple[StageMemory, ...], dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+    """What each stage of ``plan`` holds, and per device (``NodeSpec.device_key``) what
+    its stages need together and what they are held to: the smallest ``memory_bytes``
+    of the run's nodes that name it."""
+    memory = plan_stage_memory(facts, worker, plan)
     needed: dict[tuple[str, str], int] = {}
     available: dict[tuple[str, str], int] = {}
-    members: dict[tuple[str, str], list[tuple[int, str]]] = {}
-    for stage, use in zip(plan.stages, plan_stage_memory(facts, config.worker, plan), strict=True):
+    for stage, use in zip(plan.stages, memory, strict=True):
         node = nodes[stage.node_id]
         key = node.device_key
         needed[key] = needed.get(key, 0) + use.total
         available[key] = min(available.get(key, node.memory_bytes), node.memory_bytes)
+    return memory, needed, available
+
+
+def _check_memory(
+    facts: ModelFacts, config: RuntimeConfig, nodes: dict[str, NodeSpec], plan: RunPlan
+) -> PlanRejection | None:
+    """Each device's stages must fit its memory (``device_memory``)."""
+    _, needed, available = device_memory(facts, config.worker, nodes, plan)
+    members: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for stage in plan.stages:
+        key = nodes[stage.node_id].device_key
         members.setdefault(key, []).append((stage.stage_index, stage.node_id))
     for key, need in needed.items():
         if need > available[key]:
