@@ -119,7 +119,7 @@ class Answers:
             self.finish(job, "completed", finished, tokens=tokens)
             return
         if result.outcome == "cancelled":
-            failed = Failed(503, f"the run was cancelled: {SHUTTING_DOWN}", "cancelled")
+            failed = Failed(503, f"the run was cancelled: {SHUTTING_DOWN}", "shutting_down")
             self.finish(job, "cancelled", failed, tokens=answer.tokens)  # those it was sent
             return
         failed = Failed(500, f"the pipeline failed: {result.fault}", "pipeline_fault")

@@ -341,10 +341,14 @@ def test_a_stop_answers_every_request_at_once_and_the_server_ends(
     for name in ("a", "queued"):
         status, answer = answers[name]
         assert status == 503 and "shutting down" in answer["error"]["message"], answers
+        # The same code for the running request as for the queued one (a running one's
+        # said "cancelled", which the docs did not promise)
+        assert answer["error"]["code"] == "shutting_down", answers
     status, text = answers["stream"]
     assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     assert "shutting down" in events[-1]["error"]["message"], events[-1]
+    assert events[-1]["error"]["code"] == "shutting_down", events[-1]
     # The log counts the tokens each cancelled run had (it once said 0 tokens for all): a
     # run whose prompt was in the stage's step 0 had one (the next step is 1.5 s off); the
     # two prompts may share that step (both runs then had one) or not (the other, whose
