@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 from decimal import Decimal, localcontext
 
 import numpy as np
@@ -61,10 +62,10 @@ def top_bits(value: Decimal, bits: int) -> float:
     return math.ldexp(kept, exponent)
 
 
-def horner(coefficients: list[float], x: F64) -> F64:
+def horner(coefficients: list[float], x: F64, xp: Any = np) -> F64:
     """The polynomial of ``coefficients`` (highest power first) at ``x``, in Horner's
-    order, one IEEE product and one sum per coefficient."""
-    out = np.full_like(x, coefficients[0])
+    order, one IEEE product and one sum per coefficient (``xp``: the array module)."""
+    out = xp.full_like(x, coefficients[0])
     for c in coefficients[1:]:
         out *= x
         out += c
@@ -88,17 +89,18 @@ _EXP = [1.0 / math.factorial(n) for n in range(13, -1, -1)]
 _LOW, _HIGH = -746.0, 710.0
 
 
-def exp64(x: npt.ArrayLike) -> F64:
+def exp64(x: npt.ArrayLike, xp: Any = np) -> F64:
     """``exp`` of each value, in float64: the same bits on every machine (NaN stays
-    NaN, ``-inf`` gives 0, ``inf`` gives ``inf``)."""
-    x = np.asarray(x, np.float64)
-    nan = np.isnan(x)
-    clipped = np.clip(np.where(nan, 0.0, x), _LOW, _HIGH)
-    k = np.rint(clipped * _INV_LN2)
+    NaN, ``-inf`` gives 0, ``inf`` gives ``inf``), with array module ``xp`` (NumPy, or
+    CuPy: each step one elementwise IEEE operation, so the same bits there)."""
+    x = xp.asarray(x, xp.float64)
+    nan = xp.isnan(x)
+    clipped = xp.clip(xp.where(nan, 0.0, x), _LOW, _HIGH)
+    k = xp.rint(clipped * _INV_LN2)
     r = clipped - k * _LN2_HI
     r -= k * _LN2_LO
     with np.errstate(over="ignore"):  # beyond float64: inf, as exp is
-        out: F64 = np.where(nan, np.nan, np.ldexp(horner(_EXP, r), k.astype(np.int32)))
+        out: F64 = xp.where(nan, xp.nan, xp.ldexp(horner(_EXP, r, xp), k.astype(xp.int32)))
     return out
 
 

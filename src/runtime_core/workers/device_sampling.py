@@ -6,7 +6,9 @@ CuPy on the GPU (the logits never leave the device; only the id comes back), Num
 for checking on a CPU. The reference orders the kept tokens by descending logit, ties
 by id; here one sort of 64-bit keys ``(order-preserving bits of -logit) << 32 | id``
 gives that order, then top-k, top-p and the draw follow the reference step by step
-in float64.
+in float64, with its exponentials (``ieee_math.exp64``: NumPy's and CuPy's own ``exp``
+differ from it, and from each other, in the last bit, which moved a draw next to a
+boundary of the cumulative probabilities onto another token).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Any
 import numpy as np
 
 from runplan import SamplingConfig
+from runtime_core.ieee_math import exp64
 
 
 def _softmax(xp: Any, x: Any) -> Any:
-    e = xp.exp(x - x.max())
+    e = exp64(x - x.max(), xp)  # the reference's bits on every machine (xp.exp's are not)
     return e / e.sum()
 
 
