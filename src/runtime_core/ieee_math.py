@@ -42,8 +42,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 from decimal import Decimal, localcontext
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runplan import SamplingConfig
-from runtime_core.workers import device_sampling
 from runtime_core.ieee_math import exp64
+from runtime_core.workers import device_sampling
 from runtime_core.workers.sampling import Sampler
 from tests.support.strategies import logits_vectors, sampling_configs
 
