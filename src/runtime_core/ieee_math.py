@@ -65,7 +65,7 @@ def top_bits(value: Decimal, bits: int) -> float:
 def horner(coefficients: list[float], x: F64, xp: Any = np) -> F64:
     """The polynomial of ``coefficients`` (highest power first) at ``x``, in Horner's
     order, one IEEE product and one sum per coefficient (``xp``: the array module)."""
-    out = xp.full_like(x, coefficients[0])
+    out: F64 = xp.full_like(x, coefficients[0])
     for c in coefficients[1:]:
         out *= x
         out += c
