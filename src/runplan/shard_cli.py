@@ -31,6 +31,7 @@ from runplan.shards import (
     MANIFEST_NAME,
     ManifestError,
     ShardKeys,
+    model_id_problem,
     read_manifest,
 )
 from runplan.split import _Bars, split_model, split_plan
@@ -98,6 +99,9 @@ def cmd_split(args: argparse.Namespace) -> int:
         return _usage_error(args, f"--stages {args.stages} is not >= 1")
     path = resolve_model(args.model)
     facts = model_facts_from_gguf(path, max_seq_len=args.max_seq_len)
+    problem = model_id_problem(facts.model_id)
+    if problem is not None:  # the shards are named after it
+        return _usage_error(args, f"model id {facts.model_id!r} cannot name the shards: {problem}")
     stages = args.stages if args.stages is not None else len(args.nodes)
     plan = split_plan(facts, stages, args.nodes, args.placement)
     err = plain_console(stderr=True, soft_wrap=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from runplan.content import CUT_KEY_PREFIXES
+from runplan.content import CUT_KEY_PREFIXES, SourceContent
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
 from runplan.shards import ShardKeys, SliceParts
@@ -159,3 +159,46 @@ def _write_error(partial: Path, exc: OSError) -> OSError:
         room = ""
     message = f"writing {str(partial)!r}: {exc.strerror or exc}{room}"
     return OSError(exc.errno, message) if exc.errno is not None else OSError(message)
+
+
+def recorded_problem(header: GgufHeader, content: SourceContent) -> str | None:
+    """For a source read through a shard manifest, whether ``content`` (its tensors
+    hashed as they are on disk, and its key) is what its shards record: each tensor's
+    SHA-256 and the source's key, as ``split`` wrote them. ``None`` when it is (and for
+    a GGUF file or a split set, which record nothing); else the first difference, a
+    tensor's before the key's (which a changed tensor changes too). The key hashes the
+    first shard's metadata, so each other shard must hold the same."""
+    if header.source_paths == header.paths:
+        return None
+    shards = [(path, GgufHeader.read(path)) for path in header.paths]
+    for path, shard in shards:
+        recorded = shard.strings(ShardKeys.TENSOR_SHA256)
+        if len(recorded) != len(shard.tensors):
+            return f"{path} holds {len(recorded)} SHA-256 for {len(shard.tensors)} tensors"
+        for name, want in zip(shard.tensors, recorded, strict=True):
+            got = content.tensor_sha256.get(name)
+            if got != want:
+                return (
+                    f"tensor {name!r} of {path} hashes to {got}, its shard records {want}: "
+                    "the file changed after it was split"
+                )
+    first_path, first = shards[0]
+    model_keys = {k for k in first.keys() if not k.startswith(CUT_KEY_PREFIXES)}  # noqa: SIM118
+    for path, shard in shards[1:]:  # the key hashes the first's metadata: each holds it
+        keys = {k for k in shard.keys() if not k.startswith(CUT_KEY_PREFIXES)}  # noqa: SIM118
+        for key in sorted(keys ^ model_keys):
+            return f"{key} is in {path if key in keys else first_path} only, of its shards"
+        for key in sorted(keys):
+            if shard.field_bytes(key) != first.field_bytes(key):
+                return (
+                    f"{key} is stored otherwise in {path} than in {first_path}: a shard's "
+                    "metadata changed after it was split"
+                )
+    for path, shard in shards:
+        source = shard.string(ShardKeys.SOURCE, "")
+        if content.key != source:
+            return (
+                f"its content key is {content.key}, {path} records {source}: its metadata "
+                "changed after it was split"
+            )
+    return None

@@ -234,9 +234,30 @@ def read_manifest(path: str | os.PathLike[str]) -> ShardManifest:
     return manifest
 
 
+#: The longest model id in bytes: with a shard's or a slice's suffix, a file name's 255.
+MODEL_ID_MAX_BYTES = 200
+
+
+def model_id_problem(model_id: str) -> str | None:
+    """Why ``model_id`` cannot begin a file's name (shards and the slices a host
+    receives are named after it), or ``None``: a ``/`` would put the file in another
+    folder (a manifest's ``../x`` wrote shards outside ``--out``)."""
+    if not model_id:
+        return "it is empty"
+    bad = sorted({c for c in model_id if c in "/\\" or ord(c) < 32 or ord(c) == 127})
+    if bad:
+        return f"it holds {', '.join(repr(c) for c in bad)}, which a file name cannot"
+    if len(model_id.encode("utf-8", "surrogatepass")) > MODEL_ID_MAX_BYTES:
+        return f"it is longer than {MODEL_ID_MAX_BYTES} bytes"
+    return None
+
+
 def _check_manifest(path: str, manifest: ShardManifest) -> None:
     if not manifest.shards:
         raise ManifestError(path, "names no shard")
+    problem = model_id_problem(manifest.model_id)
+    if problem is not None:
+        raise ManifestError(path, f"model_id {manifest.model_id!r} cannot name a file: {problem}")
     seen: set[str] = set()
     for entry in manifest.shards:
         name = entry.file

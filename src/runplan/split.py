@@ -41,6 +41,7 @@ from runplan.shards import (
     ShardManifest,
     SliceParts,
     manifest_json,
+    model_id_problem,
     slice_tensor_names,
 )
 
@@ -93,7 +94,11 @@ def split_model(
     placement: str = "even",
     progress: SplitProgress | None = None,
 ) -> SplitResult:
-    """Write one shard per stage of ``plan`` and the manifest into ``out``."""
+    """Write one shard per stage of ``plan`` and the manifest into ``out`` (``ValueError``
+    for a model id that cannot name a file, before anything is written)."""
+    problem = model_id_problem(plan.model.model_id)
+    if problem is not None:
+        raise ValueError(f"model id {plan.model.model_id!r} cannot name the shards: {problem}")
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     header = GgufHeader.read(model_path)

@@ -18,7 +18,9 @@ from runplan import GgufError, model_facts_from_gguf
 from runplan.cli import main
 from runplan.content import source_content
 from runplan.gguf_header import GgufHeader
+from runplan.plan import RunPlan
 from runplan.shards import MANIFEST_NAME, ShardKeys, SliceParts, slice_tensor_names
+from runplan.split import split_model, split_plan
 from runtime_core.gguf_slice import open_stage_slice
 from tests.fixtures.gguf_models import ModelShape, write_model
 
@@ -176,6 +178,12 @@ def test_a_manifest_that_does_not_match_its_shards_is_refused_naming_the_file(
         ({**doc, "shards": []}, "names no shard"),
         ({**doc, "extra": 1}, "malformed"),
         ({**doc, "shards": [{**entries[0], "file": "../x.gguf"}]}, "not a file name"),
+        # shards and received slices are named after the model id: "../x" wrote them
+        # outside --out, and outside a host's slice cache
+        ({**doc, "model_id": "../../escaped"}, r"model_id '\.\./\.\./escaped' cannot name"),
+        ({**doc, "model_id": "org/model"}, "model_id 'org/model' cannot name a file"),
+        ({**doc, "model_id": "a\nb"}, "cannot name a file"),
+        ({**doc, "model_id": ""}, "it is empty"),
         # an entry taken out: read as the whole model, its blocks once weighed nothing
         ({**doc, "shards": [entries[0], entries[2]]}, "no shard holds block"),
         ({**doc, "shards": [no_embedding, *entries[1:]]}, "no shard holds the embedding"),
@@ -222,3 +230,29 @@ def test_a_shard_write_that_fails_names_the_file_and_the_room_left(
     assert "writing" in message and ".gguf.partial" in message, message
     assert "552960 requested and 450752 written" in message and "bytes free" in message, message
     assert not list(out.glob("*.partial")) and not (out / MANIFEST_NAME).exists()
+
+
+def test_split_refuses_a_model_id_that_cannot_name_a_file_before_writing(
+    model: Path, tmp_path: Path
+) -> None:
+    """A plan's model id names the shards: one holding a ``/`` put them in another
+    folder (a re-split of a manifest saying ``../escaped`` exited 0 with its shards
+    beside ``--out``)."""
+    facts = model_facts_from_gguf(model)
+    plan = split_plan(attrs.evolve(facts, model_id="../escaped"), 2, None, "even")
+    assert isinstance(plan, RunPlan)
+    out = tmp_path / "out" / "inner"
+    with pytest.raises(ValueError, match=r"model id '\.\./escaped' cannot name the shards"):
+        split_model(str(model), plan, out)
+    assert not (tmp_path / "out").exists()
+
+
+def test_split_of_a_file_whose_name_cannot_name_shards_is_a_usage_error(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    odd = tmp_path / "a\\b.gguf"  # a backslash: a folder's separator elsewhere
+    shutil.copy(model, odd)
+    out = tmp_path / "out"
+    assert main(["split", str(odd), "--stages", "2", "--out", str(out)]) == 2
+    assert "model id 'a\\\\b' cannot name the shards" in capsys.readouterr().err
+    assert not out.exists()

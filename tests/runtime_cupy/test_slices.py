@@ -20,17 +20,21 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import gguf
 import numpy as np
 import pytest
 from rich.console import Console
 
-from runplan import GgufSource, RunPlan, model_facts_from_gguf
+from runplan import GgufError, GgufSource, RunPlan, model_facts_from_gguf
 from runplan.gguf_header import GgufHeader
 from runplan.shards import SliceParts, slice_tensor_names
 from runplan.split import split_model, split_plan
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.process.keys import new_secret, slice_key
+from runtime_cupy.slices import digests as digests_module
+from runtime_cupy.slices import fetch as fetch_module
+from runtime_cupy.slices import server as server_module
 from runtime_cupy.slices.cache import SliceCache
 from runtime_cupy.slices.digests import DigestStore
 from runtime_cupy.slices.fetch import (
@@ -354,6 +358,28 @@ def test_a_file_at_the_path_that_differs_is_not_used(untied: Source, tmp_path: P
     _same_tensors(got.paths[0], untied, MIDDLE)
 
 
+def test_hashing_the_file_at_the_path_does_not_keep_the_server_waiting(
+    untied: Source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stage hashes the file at the plan's path before it asks the server, whose
+    wait for its answer is bounded (``FRAME_WAIT_S``, 600 s; 0.5 here against 1.5 s of
+    hashing): a big slice on a slow disk once outlasted it, and the server's error frame
+    was then read as tensor bytes and reported as a tensor damaged in flight."""
+    write_model(untied.path, attrs.evolve(UNTIED, seed=7))  # same shapes, other weights
+    monkeypatch.setattr(server_module, "FRAME_WAIT_S", 0.5)
+    real = digests_module.tensor_sha256
+
+    def slow(*args: Any, **kwargs: Any) -> dict[str, str]:
+        time.sleep(1.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(digests_module, "tensor_sha256", slow)
+    fetcher = untied.fetcher(tmp_path / "host")
+    got = untied.resolve(fetcher)
+    assert fetcher.last["outcome"] == "received"
+    _same_tensors(got.paths[0], untied, MIDDLE)
+
+
 def test_a_transfer_that_breaks_off_is_a_named_fault_and_leaves_no_entry(
     untied: Source, tmp_path: Path
 ) -> None:
@@ -511,6 +537,30 @@ def test_the_server_admits_only_its_stages_and_only_the_source_it_serves(
     with pytest.raises(SliceTransferFailed, match="the source changed since the stage"):
         untied.resolve(stale)
     assert _entries_and_tmp(tmp_path / "host") == ([], [])
+    # Blocks outside the model (past uint32 too: the server's thread died of it, the
+    # stage heard only that the connection closed)
+    for start, end in ((0, 2**32), (2**40, 2**40 + 1), (4, 9)):
+        with pytest.raises(SliceTransferFailed, match=rf"asked for blocks \[{start}, {end}\) "
+                           rf"of a model of {UNTIED.n_layers}"):  # fmt: skip
+            untied.resolve(untied.fetcher(tmp_path / "host"), SliceParts(start, end, False, False))
+    assert _entries_and_tmp(tmp_path / "host") == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("header_bytes", "file_bytes"), [(2**50, 2**51), (0, 100), (200, 100), (-1, 100)]
+)
+def test_a_header_size_past_the_bound_or_the_file_is_refused_before_memory_is_taken(
+    header_bytes: int, file_bytes: int, tmp_path: Path
+) -> None:
+    """A header of 2**50 bytes announced: the stage took memory for it first, and the
+    ``MemoryError`` escaped ``resolve`` untyped (a few GiB were taken and zeroed)."""
+    fetcher = SliceFetcher(
+        SliceOrigin("127.0.0.1:1", "sha256:" + "0" * 64), 1, b"k" * 32,
+        SliceCache(tmp_path / "host", limit=None),
+    )  # fmt: skip
+    info = {"header_bytes": header_bytes, "file_bytes": file_bytes, "header_sha256": ""}
+    with pytest.raises(fetch_module._Failed, match=f"announced {header_bytes} bytes of it"):
+        fetcher._receive_header(None, info, tmp_path, MIDDLE)  # type: ignore[arg-type]
 
 
 def test_progress_bars_log_lines_and_figures_follow_each_stages_slice(
@@ -573,6 +623,57 @@ def test_a_host_holding_its_own_shard_of_a_split_model_uses_it(tmp_path: Path) -
         assert (sent.state, sent.tensor_bytes) == ("local", 0)
     finally:
         server.close()
+
+
+def _refused(source: GgufSource, store: Path, match: str) -> None:
+    server = SliceServer("127.0.0.1", DigestStore(store))
+    try:
+        with pytest.raises(GgufError, match=match):
+            server.offer(source)
+    finally:
+        server.close()
+
+
+def test_a_shard_changed_after_its_split_is_not_served(tmp_path: Path) -> None:
+    """A shard whose tensor bytes or metadata changed after ``split`` is refused when
+    offered, naming the tensor or the key's records and the file: it was served under a
+    content key of its own, which the stages then took for the model's."""
+    model = write_model(tmp_path / "model.gguf", UNTIED)
+    plan = split_plan(model_facts_from_gguf(model), 3, None, "even")
+    assert isinstance(plan, RunPlan)
+    split = split_model(str(model), plan, tmp_path / "shards")
+    shard = tmp_path / "shards" / split.manifest.shards[1].file
+    source = GgufSource((split.manifest_path,))
+    server = SliceServer("127.0.0.1", DigestStore(tmp_path / "orchestrator"))
+    try:
+        assert server.offer(source) == split.manifest.source  # recorded as sound
+    finally:
+        server.close()
+    kept = shard.read_bytes()
+    reader = gguf.GGUFReader(shard, "r+")
+    reader.tensors[[t.name for t in reader.tensors].index("blk.2.attn_q.weight")].data.flat[0] += 1
+    del reader  # one weight of one tensor, after the first offer
+    for store in ("orchestrator", "fresh"):  # a record made before, and none
+        tensor = rf"tensor 'blk.2.attn_q.weight' of {shard} hashes to \w+, its shard records"
+        _refused(source, tmp_path / store, tensor)
+    shard.write_bytes(kept)
+    eps = "llama.attention.layer_norm_rms_epsilon"
+    reader = gguf.GGUFReader(shard, "r+")
+    reader.fields[eps].parts[-1][0] *= 2
+    del reader  # a hyperparameter of stage 1's shard, which stage 1 reads
+    _refused(source, tmp_path / "orchestrator", f"{eps} is stored otherwise in {shard} than in")
+    shard.write_bytes(kept)
+    first = tmp_path / "shards" / split.manifest.shards[0].file
+    reader = gguf.GGUFReader(first, "r+")
+    reader.fields[eps].parts[-1][0] *= 2
+    del reader  # the first shard's, which the key hashes
+    _refused(source, tmp_path / "orchestrator", f"{eps} is stored otherwise in {shard} than in")
+    for i in (1, 2):  # every shard's: each tensor as recorded, the key not
+        reader = gguf.GGUFReader(tmp_path / "shards" / split.manifest.shards[i].file, "r+")
+        reader.fields[eps].parts[-1][0] *= 2
+        del reader
+    _refused(source, tmp_path / "orchestrator", rf"content key is sha256:\w+, .* records "
+             rf"{split.manifest.source}: its metadata changed")  # fmt: skip
 
 
 def test_a_hosts_name_shows_in_the_bars_as_it_is() -> None:

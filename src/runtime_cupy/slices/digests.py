@@ -34,7 +34,9 @@ from typing import Any
 import attrs
 
 from runplan.content import SourceContent, content_key, tensor_sha256
+from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
+from runplan.shard_file import recorded_problem
 from runtime_core.workers.kept_weights import FileIdentity
 
 _VERSION = 2  # 2: records named by their paths; identities hold ctime
@@ -112,19 +114,27 @@ class DigestStore:
 
     def content(self, header: GgufHeader) -> SourceContent:
         """The source's content key and every tensor's hash (hashed now if the record
-        of these files lacks them)."""
+        of these files lacks them); ``GgufError`` for the shards of a manifest that no
+        longer hold what they record (``shard_file.recorded_problem``), which would
+        otherwise be served under a key of their own."""
         identity = identity_of(header)
         doc = self._load(identity)
         hashes = doc.get("tensor_sha256") or {}
         key = doc.get("content_key")
         if isinstance(key, str) and isinstance(hashes, dict) and set(hashes) == set(header.tensors):
-            return SourceContent(key, dict(hashes))
-        size = sum(t.n_bytes for t in header.tensors.values())
-        log.info("hashing every tensor of %s once (%.2f GiB)", header.source_paths[0], size / 2**30)
-        hashes = tensor_sha256(header)
-        key = content_key(header, hashes)
-        self._save(identity, {**doc, "content_key": key, "tensor_sha256": hashes})
-        return SourceContent(key, hashes)
+            content = SourceContent(key, dict(hashes))
+        else:
+            size = sum(t.n_bytes for t in header.tensors.values())
+            log.info(
+                "hashing every tensor of %s once (%.2f GiB)", header.source_paths[0], size / 2**30
+            )
+            hashes = tensor_sha256(header)
+            content = SourceContent(content_key(header, hashes), hashes)
+            self._save(identity, {**doc, "content_key": content.key, "tensor_sha256": hashes})
+        problem = recorded_problem(header, content)
+        if problem is not None:
+            raise GgufError(header.source_paths[0], problem)
+        return content
 
     def tensor_hashes(self, header: GgufHeader, names: Iterable[str]) -> dict[str, str]:
         """The hashes of ``names`` (those the record lacks hashed now)."""

@@ -61,6 +61,7 @@ from runplan.shards import (
     ShardManifest,
     SliceParts,
     manifest_json,
+    slice_tensor_names,
 )
 from runtime_core.workers.interface import WorkerError
 from runtime_cupy.edges.tcp_seal import protection_for
@@ -77,6 +78,9 @@ from runtime_cupy.slices.verify import entry_problem, header_problem, remember_s
 
 log = logging.getLogger("runtime_cupy.slices")
 
+#: The most bytes a slice's header may take: its metadata (a vocabulary of 256k tokens
+#: with their merges is some 10 MiB) and tensor infos.
+MAX_HEADER_BYTES = 1 << 30
 #: Bytes received between looks at the hashes of tensors already in.
 CHUNK = 8 << 20
 TRANSFER_LOG = "transfers.jsonl"
@@ -198,8 +202,10 @@ class SliceFetcher:
         self.cache.remove_stale(source_key)
         link: Link | None = None
         partial: Path | None = None
-        where = "the connection"
+        where = "the file at the plan's path"
         try:
+            self._hash_ahead(source_key, parts, local)
+            where = "the connection"
             link = open_as_stage(
                 self.origin.address,
                 self.stage_index,
@@ -268,10 +274,28 @@ class SliceFetcher:
             if link is not None:
                 link.close()
 
+    def _hash_ahead(self, source_key: str, parts: SliceParts, local: GgufHeader | None) -> None:
+        """Hash, before the server is asked, what the answer to its header needs: the
+        slice's tensors in the file at the plan's path and the other entries of the
+        source that may lend tensors (their verdicts are then remembered). The server
+        waits ``server.FRAME_WAIT_S`` for that answer; a big slice on a slow disk took
+        longer, and the server's error was then read as tensor bytes."""
+        if local is not None:
+            self.digests.tensor_hashes(local, slice_tensor_names(local.tensors, parts))
+        for entry in self.cache.entries(source_key):
+            if entry.parts != parts:
+                self._sound(entry)
+
     def _receive_header(
         self, link: Link, info: dict[str, Any], partial: Path, parts: SliceParts
     ) -> GgufHeader:
         size, file_bytes = int(info["header_bytes"]), int(info["file_bytes"])
+        if not 0 < size <= min(file_bytes, MAX_HEADER_BYTES):
+            raise _Failed(
+                "the header",
+                f"the sender announced {size} bytes of it, of a file of {file_bytes} (at most "
+                f"{MAX_HEADER_BYTES} are taken)",
+            )  # (memory for it is taken before a byte arrives)
         data = link.recv_bytes(size)
         if hashlib.sha256(data).hexdigest() != info["header_sha256"]:
             raise _Failed("the header", "its SHA-256 is not the one the sender announced")

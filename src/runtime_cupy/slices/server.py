@@ -277,6 +277,13 @@ class SliceServer:
             served = self._sources.get(paths)
         if served is None:
             raise TransferError(f"this server does not serve {paths[0] if paths else '-'}")
+        arch = served.header.string("general.architecture")
+        blocks = served.header.integer(f"{arch}.block_count")
+        if not 0 <= parts.layer_start < parts.layer_end_exclusive <= blocks:
+            raise TransferError(
+                f"asked for blocks [{parts.layer_start}, {parts.layer_end_exclusive}) of a "
+                f"model of {blocks}"
+            )  # (the slice's header holds them as uint32: past that its thread died)
         if request["source_key"] != served.content.key:
             raise TransferError(
                 f"the source changed since the stage was started: it is now "

@@ -18,7 +18,7 @@ import contextlib
 from runplan.content import tensor_sha256
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
-from runplan.shards import ShardKeys, SliceParts, slice_tensor_names
+from runplan.shards import ShardKeys, SliceParts, model_id_problem, slice_tensor_names
 from runtime_cupy.slices.cache import CacheEntry
 from runtime_cupy.slices.digests import DigestStore, hashes_match
 
@@ -36,6 +36,10 @@ def header_problem(header: GgufHeader, parts: SliceParts, source_key: str) -> st
     for key, got, want in checks:
         if got != want:
             return f"{key} is {got!r}, this stage asked for {want!r}"
+    model_id = header.string(ShardKeys.MODEL_ID, "model")
+    problem = model_id_problem(model_id)
+    if problem is not None:  # the entry's file is named after it
+        return f"{ShardKeys.MODEL_ID} {model_id!r} cannot name a file: {problem}"
     names = tuple(header.tensors)
     if slice_tensor_names(names, parts) != names:
         return "it names tensors that are not this stage's"
