@@ -148,6 +148,7 @@ class ChainOrchestrator(TokenLinks):
         self._chunks: deque[TokenRecord] = deque()  # prompt records waiting for token-in
         self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
+        self.broken_stage: int | None = None  # the stage it names, if it names one
         #: Batches each stage reported (stage index -> rows -> batches). Replaced, never
         #: changed in place: another thread may read it whole at any time.
         self.batch_counts: dict[int, dict[int, int]] = {}
@@ -173,7 +174,7 @@ class ChainOrchestrator(TokenLinks):
         handle = RunHandle(plan, machine, on_token)
         self.runs[run_id] = handle
         if self.broken is not None:
-            self._end_unstarted(handle, StopReason.FAULTED, self.broken)
+            self._end_unstarted(handle, self.fault_finished())
         elif self._fits(plan) and not any(h.queued for h in self.runs.values()):
             self._start(handle)
         else:
@@ -216,17 +217,22 @@ class ChainOrchestrator(TokenLinks):
         if handle is None:
             return
         if handle.queued:
-            self._end_unstarted(handle, StopReason.CANCELLED, None)
+            self._end_unstarted(handle, fsm.RunFinished(StopReason.CANCELLED, (), None, None, ()))
         else:
             self._feed(handle, fsm.Cancel(detail or "the caller cancelled"))
 
-    def _end_unstarted(
-        self, handle: RunHandle, outcome: StopReason, fault: FaultReason | None
-    ) -> None:
-        """A run that never started ends with ``outcome``: nothing was provisioned."""
+    def _end_unstarted(self, handle: RunHandle, finished: fsm.RunFinished) -> None:
+        """A run that never started ends so: nothing was provisioned."""
         handle.queued = False
-        handle.finished = fsm.RunFinished(outcome, (), fault, None, ())
+        handle.finished = finished
         self._retire(handle)
+
+    def fault_finished(self) -> fsm.RunFinished:
+        """How a run the chain had not started ends once the chain is broken: faulted
+        with the chain's fault and the stage it names, as the runs in flight end (runs
+        waiting for KV memory once named no stage, blaming the orchestrator)."""
+        assert self.broken is not None
+        return fsm.RunFinished(StopReason.FAULTED, (), self.broken, self.broken_stage, ())
 
     def _retire(self, handle: RunHandle) -> None:
         if self.runs.pop(handle.run_id, None) is None:
@@ -292,10 +298,12 @@ class ChainOrchestrator(TokenLinks):
         """Every run in flight gets ``event``; runs still held end with ``reason``."""
         if self.broken is None:
             self.broken = reason
+            if isinstance(event, (fsm.StageDied, fsm.StageSilent)):
+                self.broken_stage = event.stage_index
         self.trace("chain_fault", {"reason": str(reason)})
         for handle in list(self.runs.values()):
             if handle.queued:
-                self._end_unstarted(handle, StopReason.FAULTED, reason)
+                self._end_unstarted(handle, self.fault_finished())
             else:
                 self._feed(handle, event)
 

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("runtime_cupy.process.chain_runner")
 
 
+class ChainClosing(RuntimeError):
+    """A run handed over as its chain closes (or after it closed): it never ran."""
+
+
 class RunHandoffs:
     """The runs handed to a ``ChainRunner`` and back, its base: what the runner holds of
     them is set by ``ChainRunner.__init__``."""
@@ -59,10 +63,10 @@ class RunHandoffs:
         broken = self.orchestrator.broken
         if broken is not None and not self._closing:
             log.info("run %s: the chain is dead: %s", run_label(run.run_id), self.dead)
-            run._ended_unstarted(fsm.RunFinished(StopReason.FAULTED, (), broken, None, ()))
+            run._ended_unstarted(self.orchestrator.fault_finished())
         else:
             run._refused(
-                RuntimeError(f"the chain is closing{f': {self.dead}' if self.dead else ''}")
+                ChainClosing(f"the chain is closing{f': {self.dead}' if self.dead else ''}")
             )
 
     def cancel(self, run_id: str, why: str = "cancelled") -> None:
@@ -101,7 +105,7 @@ class RunHandoffs:
         o = self.orchestrator
         for run in adds:
             if self._closing:
-                run._refused(RuntimeError("the chain is closing"))
+                run._refused(ChainClosing("the chain is closing"))
                 continue
             if run.plan.token_out.ring_spec != self.template.token_out.ring_spec:
                 run._refused(
@@ -185,7 +189,7 @@ class RunHandoffs:
         broken = self.orchestrator.broken
         for run in self.kv_waits.take_all():
             if broken is not None and not self._closing:
-                run._ended_unstarted(fsm.RunFinished(StopReason.FAULTED, (), broken, None, ()))
+                run._ended_unstarted(self.orchestrator.fault_finished())
             else:
                 finished = fsm.RunFinished(StopReason.CANCELLED, (), None, None, ())
                 run._ended_unstarted(finished)

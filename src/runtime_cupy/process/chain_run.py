@@ -81,6 +81,9 @@ class ChainRun:
         # why its caller cancelled it (set before the runner hears of it): a run that a
         # stage refused for KV memory meanwhile is not held, nor offered again
         self.cancelled: str | None = None
+        #: why a callback of its caller's raised (loop's thread): it is cancelled so,
+        #: and hears of no more tokens (it once ended the loop, and every run with it)
+        self.callback_failed: str | None = None
         self._done = threading.Event()
 
     @property
@@ -114,11 +117,23 @@ class ChainRun:
     def _token(self, run_id: str, sequence: int, token_id: int) -> None:
         self.token_times.append(time.monotonic())
         handle = self.handle
+        logits = None
         if self.on_logits is not None and handle is not None and handle.logits:
             # Handed over, not kept: a long answer's logits would fill the memory.
-            self.on_logits(handle.logits.pop())
-        if self.on_token is not None:
-            self.on_token(token_id)
+            logits = handle.logits.pop()
+        if self.callback_failed is not None:
+            return
+        name = "on_logits"
+        try:
+            if logits is not None and self.on_logits is not None:
+                self.on_logits(logits)
+            name = "on_token"
+            if self.on_token is not None:
+                self.on_token(token_id)
+        except Exception as exc:  # the caller's: this run ends, the chain and others go on
+            self.callback_failed = f"its {name} raised {type(exc).__name__}: {exc}"
+            log.exception("run %s: %s", run_label(self.run_id), self.callback_failed)
+            self.cancel(self.callback_failed)
 
     def _end(self) -> None:
         handle = self.handle

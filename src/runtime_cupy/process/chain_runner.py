@@ -49,7 +49,7 @@ from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost
-from runtime_cupy.process.chain_handoffs import RunHandoffs
+from runtime_cupy.process.chain_handoffs import ChainClosing, RunHandoffs
 from runtime_cupy.process.chain_run import ChainRun, OnLogits, OnToken
 from runtime_cupy.process.chain_stages import ChainStages, RunnerChannels, RunnerStage
 from runtime_cupy.process.control_channel import ChannelBroken
@@ -374,7 +374,7 @@ class ChainRunner(ChainStages, RunHandoffs):
             adds, self._adds = self._adds, []
             self._over = True
         for run in adds:
-            run._refused(RuntimeError("the chain is closing"))
+            run._refused(ChainClosing("the chain is closing"))
         for stage in self.stages:  # what waits to leave goes, then the channel closes
             with contextlib.suppress(OSError):
                 stage.handle.channel.flush()

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from runplan import SamplingConfig
 from runtime_cupy.serve.chain import WarmChain, WarmResult
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import alive, run_resources, wait_gone
@@ -176,3 +177,66 @@ def test_a_stage_killed_with_four_runs_in_flight(tiny: str) -> None:
         assert again.restarted == (0, 1)
         assert run_resources(chain_id) == []  # the broken chain's links, by name
         assert not any(alive(p) for p in pids)
+
+
+def test_a_callers_token_callback_that_raises_ends_its_run_alone(tiny: str) -> None:
+    """A caller's ``on_token`` raised on the loop's thread: the loop ended, every run
+    with it (reported cancelled), the chain still said ready and each later run was
+    refused as "the chain is closing". Now that run is cancelled, naming what its
+    callback raised; the others and the next run complete."""
+    with WarmChain(tiny, stages=2, context=64, max_concurrent=4) as chain:
+        alone = [_generate(chain, r) for r in REQUESTS[:2]]
+        heard: list[int] = []
+
+        def raising(token: int) -> None:
+            heard.append(token)
+            raise RuntimeError("a bug in the caller's callback")
+
+        runs: list[Any] = []
+        bad = {"prompt": [1, 2, 3], "max_tokens": 30}
+        calls: list[Callable[[], WarmResult]] = [
+            lambda r=r: _generate(chain, r)  # type: ignore[misc]
+            for r in REQUESTS[:2]
+        ]
+        calls.append(lambda: _generate(chain, bad, on_token=raising, on_run=runs.append))
+        results = _at_once(calls)
+        for solo, run in zip(alone, results[:2], strict=True):
+            assert run.result.outcome == "completed", run.result.fault
+            assert run.result.tokens == solo.result.tokens
+        assert results[2].result.outcome == "cancelled"
+        assert heard == [results[2].result.tokens[0]]  # no callback after the one that raised
+        assert runs[0].callback_failed == (
+            "its on_token raised RuntimeError: a bug in the caller's callback"
+        )
+        assert chain.ready and chain.restarts == 0
+        again = _generate(chain, REQUESTS[0])
+        assert again.result.tokens == alone[0].result.tokens
+
+
+def test_runs_waiting_for_kv_memory_name_the_stage_of_the_chains_fault(tiny: str) -> None:
+    """A stage killed with 2 runs in flight and 4 waiting for KV memory: every run ends
+    faulted naming that stage (the waiting ones named none, and blamed the
+    orchestrator)."""
+    with WarmChain(tiny, stages=2, context=40, max_concurrent=2) as chain:
+        chain.start()
+        pids = chain.pids()
+        started = threading.Event()
+        runs = [
+            chain.submit(
+                [5 + i] * 10,
+                max_tokens=30,
+                sampling=SamplingConfig(),
+                on_token=lambda t: started.set(),
+            )
+            for i in range(6)
+        ]
+        assert started.wait(60)
+        assert sum(r.waiting_for_memory for r in runs) == 4
+        os.kill(pids[1], signal.SIGKILL)
+        for run in runs:
+            assert run.wait(60) is not None
+            result = chain.result(run).result
+            fault = result.fault or ""
+            assert result.outcome == "faulted", fault
+            assert result.fault_stage == 1, fault
+            assert "stage-1" in fault and "SIGKILL" in fault and "orchestrator" not in fault, fault

@@ -26,6 +26,7 @@ import httpx2
 import openai
 import pytest
 
+from runtime_cupy.process.chain_handoffs import ChainClosing
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
 from tests.support.hosts import FaultyHost
@@ -357,3 +358,27 @@ def test_a_stop_answers_every_request_at_once_and_the_server_ends(
     assert len(ended) == 2, ended
     assert all(", 0 tokens" in line or ", 1 tokens" in line for line in ended), ended
     assert any(", 1 tokens" in line for line in ended), ended
+
+
+class ClosingChain(WarmChain):
+    """A chain that closed as a request's run was handed over (the runner refuses it
+    with ``ChainClosing``: the loop had returned for good)."""
+
+    def generate(self, prompt_ids: Sequence[int], **kwargs: Any) -> Any:
+        raise ChainClosing("the chain is closing")
+
+
+def test_a_run_handed_over_as_the_chain_closes_is_a_503_not_a_500(tiny_chat: str) -> None:
+    """The runner's refusal was a bare ``RuntimeError``, which the server did not expect:
+    a 500 "internal error" with a traceback in the log."""
+    server = InProcessServer(Engine(ClosingChain(tiny_chat, stages=2, context=128)))
+    try:
+        server.engine.start()
+        assert server.engine.wait_started(120), server.engine.failure
+        body = {"model": "tiny-chat", "messages": MSG, "max_tokens": 3}
+        r = httpx2.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "stages_unavailable", r.text
+        assert "the chain is closing" in r.json()["error"]["message"], r.text
+    finally:
+        server.stop()
