@@ -4,10 +4,12 @@ streamed as tokens arrive."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, TextIO
 
 from runplan.arguments import positive_int
+from runtime_core.own_files import open_own_file
 from runtime_core.tokenizer import Tokenizer
 
 
@@ -25,15 +27,16 @@ def token_ids(text: str) -> list[int]:
 def writable_file(text: str) -> Path:
     """An ``argparse`` type: a file this process can create or overwrite, checked when
     the command line is read, so that a run never ends in a failed write. Leaves no
-    file behind where there was none."""
+    file behind where there was none. A file of this user's or a device only
+    (``own_files``): another user's link, FIFO or file planted at a name in ``/tmp``
+    was written through, or hung the run."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a directory")
-    existed = path.exists()
+    existed = os.path.lexists(path)
     try:
-        with open(path, "a"):
-            pass
-    except OSError as exc:
+        os.close(open_own_file(path, "the trace", append=True, devices=True))
+    except OSError as exc:  # FileRefused's names what is there
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
     if not existed:
         path.unlink()

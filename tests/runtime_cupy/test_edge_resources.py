@@ -6,7 +6,10 @@ allows it, and the media are chosen as asked."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -26,9 +29,9 @@ from runtime_cupy.edges import choice, shm
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.port import EdgeSetupError
 from runtime_cupy.edges.shm import ShmMedium, segment_name, signal_paths
-from runtime_cupy.hosts.local import FileRendezvous
+from runtime_cupy.hosts.local import FileRendezvous, local_medium
 from runtime_cupy.process.launcher import ProcessRun
-from runtime_cupy.process.names import NameTaken, NotPrivate, edge_dir
+from runtime_cupy.process.names import NameTaken, NotPrivate, edge_dir, remove_edge_dir
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import SHM, alive, run_resources
@@ -232,4 +235,77 @@ def test_a_strangers_segment_under_a_hop_s_name_is_left_to_it_and_the_rest_is_fr
         for hop in (0, 2):
             (SHM / segment_name(run_id, hop)).unlink(missing_ok=True)
             shutil.rmtree(edge_dir(run_id, hop), ignore_errors=True)
+    assert run_resources(run_id) == []
+
+
+def test_a_temp_folder_that_is_a_file_faults_the_setup_and_its_cleanup_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TMPDIR`` a file: the consumer's setup fails naming the path, and removing the
+    edge's folder (which could not be made) is no error: it raised
+    ``NotADirectoryError`` out of the chain's cleanup, a traceback and no ``--json``."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    monkeypatch.setenv("TMPDIR", str(afile))
+    run_id = f"test-{uuid.uuid4().hex}"
+    with pytest.raises(NotADirectoryError, match=str(edge_dir(run_id, 1))):
+        ShmMedium().create(run_id, 1, RingSpec(2, 64, 256), b"")
+    remove_edge_dir(run_id, 1)  # no error
+    ShmMedium().remove(run_id, 1)
+
+
+def test_a_fifo_on_a_full_temp_folder_is_no_space_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``os.mkfifo``'s error names no path: "No space left on device" alone was the
+    fault of a chain whose ``/tmp`` had no inode left."""
+
+    def full(path: object, mode: int = 0o666) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "mkfifo", full)
+    run_id = f"test-{uuid.uuid4().hex}"
+    data, _ = signal_paths(run_id, 1)
+    with pytest.raises(shm.NoSpace, match=f"no room for the edge's FIFO {data}: .* inodes"):
+        ShmMedium().create(run_id, 1, RingSpec(2, 64, 256), b"")
+    assert run_resources(run_id) == []
+
+
+def test_a_read_only_shared_memory_folder_is_no_error_for_a_cleanup(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``/dev/shm`` read-only: removing a segment that could never be made raised
+    ``OSError`` (EROFS) out of a TCP chain's cleanup after its run completed."""
+
+    def read_only(name: str) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(shm._posixshmem, "shm_unlink", read_only)
+    assert shm.unlink_segment(segment_name(f"test-{uuid.uuid4().hex}", 1)) is False
+    assert "left the shared-memory segment" not in caplog.text  # none was there
+
+
+def test_a_producer_out_of_descriptors_faults_its_setup_at_once_naming_it() -> None:
+    """A TCP producer whose process has no descriptor left took it for a consumer not
+    there yet: it tried again every few milliseconds (an INFO line each) until the
+    readiness bound, whose fault named neither the stage's want nor the edge."""
+    run_id = f"test-{uuid.uuid4().hex}"
+    spec = RingSpec(2, 64, 256)
+    consumer, producer = local_medium("tcp"), local_medium("tcp")
+    ring = consumer.create(run_id, 1, spec, b"k" * 32)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        with pytest.raises(EdgeSetupError, match=r"edge 1: OSError: .*Too many open files"):
+            producer.attach(run_id, 1, spec, b"k" * 32)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        ring.close()
+        consumer.remove(run_id, 1)
     assert run_resources(run_id) == []

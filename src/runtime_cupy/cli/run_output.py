@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from runtime_core.own_files import open_own_file
 from runtime_cupy.api import GenerateResult
 from runtime_cupy.process.tracing import chrome_trace
 from runtime_cupy.slices.progress import describe, figures
@@ -25,8 +27,8 @@ def _write_trace(path: Path, result: GenerateResult, err: Console) -> str | None
     returned), and nothing half-written left there (what was there stays if the file
     cannot be opened)."""
     text = json.dumps(chrome_trace(list(result.trace or ())))
-    try:
-        out = path.open("w")
+    try:  # a file of this user's or a device (``own_files``: not another's link or FIFO)
+        out = os.fdopen(open_own_file(path, "the trace", devices=True), "w")
     except OSError as exc:
         return _trace_not_written(path, exc, err)
     try:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from runplan.plan import RingSpec
+from runtime_core.own_files import describe
 from runtime_core.ring import ring_bytes
 from runtime_cupy.edges.port import EdgeSetupError, ProcessRing
 from runtime_cupy.process.names import (
@@ -58,7 +59,6 @@ from runtime_cupy.process.names import (
     NameTaken,
     check_private,
     check_stat,
-    describe,
     edge_dir,
     edge_tag,
     make_edge_dir,
@@ -125,6 +125,22 @@ def _free_bytes() -> str:
     except OSError:
         return "free space unknown"
     return f"{st.f_bavail * st.f_frsize} bytes free in {SHM_DIR}"
+
+
+def _make_fifo(path: Path) -> None:
+    """Make the FIFO ``path`` (mode 0600); ``NoSpace`` naming it and the room left where
+    its file system has none (``os.mkfifo``'s own error names no path)."""
+    try:
+        os.mkfifo(path, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                st = os.statvfs(path.parent)
+                room = f"{st.f_favail} inodes and {st.f_bavail * st.f_frsize} bytes free there"
+            except OSError:
+                room = "free space unknown"
+            raise NoSpace(f"no room for the edge's FIFO {path}: {room} ({exc.strerror})") from None
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 # -- shared memory ---------------------------------------------------------------------
@@ -221,6 +237,10 @@ def unlink_segment(name: str) -> bool:
             describe(SHM_DIR / name),
         )
         return False
+    except OSError as exc:  # a read-only /dev/shm (EROFS): no segment could be made
+        if os.path.lexists(SHM_DIR / name):
+            log.warning("left the shared-memory segment /%s: %s", name, exc.strerror or exc)
+        return False
     return True
 
 
@@ -295,7 +315,7 @@ class ShmRing(ProcessRing):
         signals: list[FifoSignal] = []
         try:
             for path in (data_path, space_path):
-                os.mkfifo(path, 0o600)
+                _make_fifo(path)
                 signals.append(FifoSignal(path))
             segment = Segment.create(segment_name(run_id, edge_id), ring_bytes(spec))
         except BaseException:

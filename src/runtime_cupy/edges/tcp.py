@@ -44,6 +44,7 @@ Frames are an 8-byte head ``kind:u8 pad:3 value:u32``, the body, the seal's tag:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 
@@ -57,6 +58,10 @@ from runtime_cupy.edges.tcp_producer import Connector, TcpSendRing
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, Protection
 from runtime_cupy.process.names import NotPrivate
 from runtime_cupy.process.streams import StreamBroken
+
+#: Errors of this process's own want, not of a consumer not there yet: a producer that
+#: meets one ends its edge's setup at once, naming it.
+EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
 
@@ -121,9 +126,13 @@ class TcpMedium:
             self._drop(name)
             raise EdgeSetupError(f"edge {edge_id}: {exc}") from None
         except (ConnectionError, OSError, StreamBroken) as exc:
+            self._drop(name)
+            if isinstance(exc, OSError) and exc.errno in EXHAUSTED:
+                # This process's own want (descriptors, memory), which trying again every
+                # few milliseconds until the ready bound would not cure, nor name.
+                raise EdgeSetupError(f"edge {edge_id}: {type(exc).__name__}: {exc}") from None
             # Not there (yet, or any more), or turned away with strangers: again later.
             log.info("edge %d: consumer not reachable yet: %s", edge_id, exc)
-            self._drop(name)
             return None
         except ValueError as exc:  # what the rendezvous holds is no address
             self._drop(name)

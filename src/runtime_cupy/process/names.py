@@ -36,6 +36,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from runtime_core.own_files import describe, describe_stat
+
 #: The prefix of every shared-memory segment and edge folder of this runtime.
 PREFIX = "gpp-"
 #: Random bytes in a run id the runtime makes.
@@ -94,25 +96,6 @@ def edge_dir(run_id: str, edge_id: int) -> Path:
     return temp_root() / f"{PREFIX}{edge_tag(run_id, edge_id)}"
 
 
-def describe(path: Path | str) -> str:
-    """What is at ``path``, for a message: its type, owner and mode."""
-    try:
-        return _describe_stat(os.lstat(path))
-    except OSError as exc:
-        return f"unreadable ({exc.strerror})"
-
-
-def _describe_stat(st: os.stat_result) -> str:
-    kinds = (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISREG, "a file"),
-    )
-    kind = next((name for test, name in kinds if test(st.st_mode)), "a special file")
-    return f"{kind} of uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
-
-
 def make_edge_dir(run_id: str, edge_id: int) -> Path:
     """Make the edge's folder, mode 0700; ``NameTaken`` if anything is there already."""
     folder = edge_dir(run_id, edge_id)
@@ -154,7 +137,7 @@ def check_stat(st: os.stat_result, path: Path | str, kind: str) -> os.stat_resul
     mode = stat.S_IMODE(st.st_mode)
     if not _KIND_TESTS[kind](st.st_mode) or st.st_uid != os.geteuid() or mode & 0o077:
         raise NotPrivate(
-            f"{path} is {_describe_stat(st)}, not a private {kind} of this user "
+            f"{path} is {describe_stat(st)}, not a private {kind} of this user "
             f"(uid {os.geteuid()}): refused"
         )
     return st
@@ -167,6 +150,6 @@ def remove_edge_dir(run_id: str, edge_id: int) -> None:
     try:
         if stat.S_ISLNK(os.lstat(folder).st_mode):
             return
-    except FileNotFoundError:
-        return
+    except OSError:  # none there; or no folder could be made there (TMPDIR a file, or
+        return  # not searchable: ENOTDIR, EACCES), so none was: the cleanup goes on
     shutil.rmtree(folder, ignore_errors=True)

@@ -19,7 +19,7 @@ import os
 import stat
 from pathlib import Path
 
-from runtime_cupy.process.names import describe
+from runtime_core.own_files import describe
 
 
 def _above_problem(path: Path, st: os.stat_result) -> str | None:

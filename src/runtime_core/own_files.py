@@ -1,0 +1,107 @@
+"""Files a user names for this process to write (a stage's log, a trace), opened with
+the care a shared folder asks for: ``/tmp`` (mode 1777) lets anyone put something at a
+name first.
+
+- A symbolic link there would have this process write into the file it points to
+  (another user's, or root's): it is not followed, unless it is this user's or root's
+  and ``devices`` allows it (``/dev/stderr`` is root's link to a descriptor).
+- A FIFO would hold the open until someone reads it (a run, and ``serve`` with it,
+  hung): the open does not wait, and a FIFO with a reader is refused once open.
+- Another user's file would receive what is written: a regular file must be this
+  user's. A character device (``/dev/null``, ``/dev/full``), which no unprivileged
+  user can make, is written to where ``devices`` allows it.
+
+Anything else is refused, naming the path and what is there (``FileRefused``); a file
+made here is mode 0600.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class FileRefused(OSError):
+    """What lies at a path this process was to write is not a file it may write."""
+
+
+def describe(path: Path | str) -> str:
+    """What is at ``path``, for a message: its type, owner and mode."""
+    try:
+        return describe_stat(os.lstat(path))
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+
+
+def describe_stat(st: os.stat_result) -> str:
+    kinds = (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISREG, "a file"),
+    )
+    kind = next((name for test, name in kinds if test(st.st_mode)), "a special file")
+    return f"{kind} of uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def _follows(path: Path, devices: bool) -> bool:
+    """Whether the open may follow a link at ``path``: this user's or root's, where
+    ``devices`` allows it."""
+    if not devices:
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISLNK(st.st_mode) and st.st_uid in (os.geteuid(), 0)
+
+
+def open_own_file(
+    path: Path,
+    what: str,
+    *,
+    append: bool = False,
+    devices: bool = False,
+    refused: type[FileRefused] = FileRefused,
+) -> int:
+    """A blocking descriptor writing ``path`` (``what`` it is, for the message),
+    emptied unless ``append``: a regular file of this user's (made, mode 0600, where
+    nothing is there), or with ``devices`` a character device; ``refused`` (a
+    ``FileRefused``) naming what is there otherwise."""
+    flags = _FLAGS | (os.O_APPEND if append else 0)
+    if not _follows(path, devices):
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR) or (
+            exc.errno == errno.EACCES and os.path.islink(path)
+        ):  # ELOOP: a symbolic link (EACCES: creating through one, in a sticky
+            # folder); ENXIO: a FIFO no one reads; EISDIR: a folder
+            raise refused(
+                exc.errno, f"{path} is {describe(path)}: {_allowed(what, devices)}"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        own = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+        if not (own or (devices and stat.S_ISCHR(st.st_mode))):
+            raise refused(
+                errno.EPERM,
+                f"{path} is {describe_stat(st)}: {_allowed(what, devices)} (uid {os.geteuid()})",
+            )
+        os.set_blocking(fd, True)
+        if not append and stat.S_ISREG(st.st_mode):
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _allowed(what: str, devices: bool) -> str:
+    return f"{what} goes to a file of this user's{' or a device' if devices else ''} only"
