@@ -149,6 +149,10 @@ class ChainHealth:
             )
             log.warning("the chain is broken (%s): starting it again", why)
             self.trouble = self.trouble or why
+            if self.policy is not None and self.replacer.lost is None:
+                # broken with no stream to recover (idle): what it lost is placed again
+                # now, not once the same plan failed to start on a node that is gone
+                self.replacer.lose(runner, (), why)
         marks: dict[str, float] = {}
         keep: tuple[int, ...] = ()
         if self.replacer.lost is not None:

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 # The warm chain's: its log lines keep their logger.
 log = logging.getLogger("runtime_cupy.serve.chain")
 
+#: How long a run waits for a chain broken under runs in flight to be whole again: the
+#: fault ends those runs within a stop's bound, and their streams' recovery (a new
+#: chain started and bound) holds the chain's heal lock, which the wait takes too.
+HEAL_WAIT_S = 60.0
 #: ``on_run(run)``: the run about to start, for its caller to cancel.
 OnRun = Callable[[ChainRun], None]
 
@@ -147,15 +151,29 @@ class ChainRuns:
         and top-p), just before its ``on_token``; the result then holds none."""
         if self._closed:
             raise ChainError("the chain is closed")
-        restarted: tuple[int, ...] = ()
-        with self._heal_lock:  # a chain broken while no run is in flight starts again
-            if not self.ready and self.in_flight == 0:
-                restarted = self._heal()
+        restarted = self._whole_again()
         if not self.ready:
             raise ChainError(self.trouble or "the chain is not up")
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         outcome = self._run(tuple(prompt_ids), max_tokens, sampling, on_token, on_run, on_logits)
         return attrs.evolve(outcome, restarted=restarted)
+
+    def _whole_again(self) -> tuple[int, ...]:
+        """Before a run: a chain broken while no run is in flight starts again (the
+        stage indices started); one broken with runs in flight, which its fault is
+        ending (and their streams may recover), is waited for, for ``HEAL_WAIT_S`` at
+        most: a request that came just after a loss once failed at once ("the chain
+        is not up") while the streams in flight recovered."""
+        deadline = time.monotonic() + HEAL_WAIT_S
+        while True:
+            with self._heal_lock:
+                if self.ready or self._closed:
+                    return ()
+                if self.in_flight == 0:
+                    return self._heal()
+            if time.monotonic() >= deadline:
+                return ()
+            time.sleep(0.02)
 
     def _run(
         self,

@@ -187,6 +187,8 @@ class Replacer:
         process or a departed node explains them: ``explained_loss``) by ``cause``."""
         live = [n.node_id for n in self.live_pool().nodes]
         lost = explained_loss(runner, lost_stages, live)
+        if not lost:  # nothing known lost (a chain fault with every stage there)
+            return
         nodes = sorted({runner.template.stages[i].node_id for i in lost})
         log.warning("lost stages %s on %s: %s", list(lost), nodes, cause)
         self.lost = lost

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from runtime_cupy.process.control_channel import encode_frame
 from runtime_cupy.serve.chain import WarmChain
 from tests.support.hosts import LosingHost, TapHost
 from tests.support.hygiene import alive, run_resources, wait_gone
+from tests.support.servers import wait_for
 
 pytestmark = pytest.mark.process
 
@@ -260,6 +262,67 @@ def test_a_spare_lost_while_the_new_chain_comes_up_is_passed_over(tiny: str) -> 
         assert tuple(seen) == unbroken.tokens
         assert [s.node_id for s in chain.template.stages] == ["n0", "s1"]
         assert "s0" not in host.started_on[host.started_on.index("s0") + 1 :]
+
+
+def test_a_node_lost_while_the_chain_is_idle_is_placed_again_before_the_next_run(
+    tiny: str,
+) -> None:
+    """Stage 1's node lost with no run in flight: the next request finds the chain
+    placed again on the spare, keeping the other stages (it once started the same plan
+    again, failed on the gone node, and only the request after it was placed again)."""
+    unbroken = generate(tiny, PROMPT, stages=3, max_tokens=TOKENS)
+    host = LosingHost()
+    memory = 8 << 30
+    nodes = (NodeSpec("n0", memory), NodeSpec("n1", memory), NodeSpec("n2", memory))
+    with WarmChain(
+        tiny, stages=3, context=64, recover=True, host=host, nodes=nodes,
+        spares=(NodeSpec("s0", memory),),
+    ) as chain:  # fmt: skip
+        pids = chain.pids()
+        host.lost.add("n1")
+        os.kill(pids[1], signal.SIGKILL)
+        wait_for(lambda: not chain.ready, 10.0, "the chain to see its loss")
+        run = chain.generate(PROMPT, max_tokens=TOKENS)
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == unbroken.tokens
+        assert [s.node_id for s in chain.template.stages] == ["n0", "s0", "n2"]
+        assert host.started_on == ["n0", "n1", "n2", "s0"], "the others were kept"
+
+
+def test_a_request_that_comes_just_after_a_loss_waits_for_the_recovery(tiny: str) -> None:
+    """Stage 1 killed mid-stream, and another request made at once (before the chain's
+    fault has ended the stream's run): it waits while the stream recovers, then runs on
+    the new chain (it once failed at once: "the chain is not up")."""
+    unbroken = generate(tiny, PROMPT, stages=2, max_tokens=TOKENS)
+    with WarmChain(tiny, stages=2, context=64, recover=True) as chain:
+        pids = chain.pids()
+        late: list[Any] = []
+
+        def request() -> None:
+            while chain.ready:  # from the moment the chain knows it is broken
+                time.sleep(0)
+            try:
+                late.append(chain.generate(PROMPT, max_tokens=TOKENS))
+            except Exception as exc:
+                late.append(exc)
+
+        seen: list[int] = []
+        thread = threading.Thread(target=request)
+
+        def on_token(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 3:
+                os.kill(pids[1], signal.SIGKILL)
+                thread.start()
+
+        run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
+        thread.join(120)
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == unbroken.tokens
+        (other,) = late
+        assert not isinstance(other, Exception), other
+        assert other.result.outcome == "completed", other.result.fault
+        assert other.result.tokens == unbroken.tokens
 
 
 def test_a_chain_with_logprobs_hands_over_every_tokens_logits_across_a_recovery(
