@@ -46,9 +46,10 @@ def writable_file(text: str) -> Path:
 class IncrementalText:
     """The text of generated tokens, piece by piece as they arrive: ``push(token)``
     returns the new part of the decoded text. The end of the text is held back while it
-    may still change: an incomplete UTF-8 sequence (U+FFFD) and trailing whitespace,
-    which a detokenizer that cleans up spaces may drop once punctuation follows
-    (``held``: that whitespace, as the text stands now).
+    may still change: an incomplete UTF-8 sequence (U+FFFD), trailing whitespace, which
+    a detokenizer that cleans up spaces may drop once punctuation follows, and there a
+    space before an apostrophe at the end (``held``: what is held back, as the text
+    stands now).
     ``finish(text)`` returns what is left of the final ``text`` (``None`` when a
     character already returned changed after all)."""
 
@@ -66,6 +67,8 @@ class IncrementalText:
         full = self.tokenizer.decode(self.ids).rstrip("\ufffd")
         self.chars = len(full)
         text = full.rstrip()
+        if self.tokenizer.vocab.clean_spaces:
+            text = _before_open_apostrophe(text)
         new = ""
         if text.startswith(self.shown) and len(text) > len(self.shown):
             new, self.shown = text[len(self.shown) :], text
@@ -77,6 +80,15 @@ class IncrementalText:
             return None
         rest, self.shown = text[len(self.shown) :], text
         return rest
+
+
+def _before_open_apostrophe(text: str) -> str:
+    """``text`` without a space and apostrophe at its end (``" '"``, ``" 'r"``), whose
+    space the clean-up of a vocabulary that cleans up spaces drops once a space, ``s``,
+    ``m``, ``re`` or ``ve`` follows (``tokenizer._clean_spaces``): shown, that space
+    could not be taken back ("rock '" then "rock'n'roll" left the stream at "rock '")."""
+    at = text.rfind(" '")
+    return text[:at] if at >= 0 and at >= len(text) - 3 else text
 
 
 class TextStream:
