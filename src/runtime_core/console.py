@@ -195,8 +195,10 @@ def encode_prompt(text: str, tokenizer: Tokenizer, *, chat: bool) -> list[int]:
     """A prompt's text encoded as ``--prompt`` is (a user turn in the model's chat
     template with ``chat``)."""
     if chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
+        return tokenizer.encode_chat(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
         )
     return tokenizer.encode(text, add_special=True, parse_special=True)
 

@@ -289,6 +289,19 @@ class Tokenizer:
             **variables,
         )
 
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered chat template's ``text``, as llama.cpp's server and
+        llama-cpp-python encode it: with BOS and EOS as the file's flags say, a BOS the
+        template wrote at the start (EOS at the end) left out where the flags add one
+        (Llama 3's and Gemma's templates write ``bos_token``: two BOS tokens)."""
+        v = self.vocab
+        bos, eos = self._text_or_empty(v.bos_id), self._text_or_empty(v.eos_id)
+        if v.add_bos and bos and text.startswith(bos):
+            text = text[len(bos) :]
+        if v.add_eos and eos and text.endswith(eos):
+            text = text[: -len(eos)]
+        return self.encode(text, add_special=True, parse_special=True)
+
     def _text_or_empty(self, token_id: int | None) -> str:
         return "" if token_id is None else self.vocab.tokens[token_id]
 

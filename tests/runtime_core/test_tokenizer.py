@@ -163,6 +163,30 @@ def test_a_template_sees_bos_eos_and_extra_variables(vocab_path: Write) -> None:
     assert out == "<|endoftext|><|im_end|>"
 
 
+@pytest.mark.parametrize(("add_bos", "add_eos"), [(True, True), (True, False), (False, False)])
+def test_a_chat_prompt_has_the_bos_and_eos_its_template_or_flags_give_once(
+    vocab_path: Write, add_bos: bool, add_eos: bool
+) -> None:
+    """A template that writes ``bos_token`` (Llama 3's, Gemma's) on a file that adds BOS
+    gave two BOS tokens; as llama.cpp's server, the template's own BOS at the start (and
+    EOS at the end) is left out where the flags add one."""
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}{{ eos_token }}"
+    spec = VocabSpec(
+        f"chat-bos-{add_bos}-{add_eos}", pre="qwen2", add_bos=add_bos, add_eos=add_eos,
+        chat_template=template,
+    )  # fmt: skip
+    tok = Tokenizer.from_gguf(vocab_path(spec))
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    ids = tok.encode_chat(text)
+    bos, eos = tok.vocab.bos_id, tok.vocab.eos_id
+    assert ids[:2].count(bos) == 1 and ids[0] == bos, ids
+    assert ids[-2:].count(eos) == 1 and ids[-1] == eos, ids
+    assert ids[1:-1] == tok.encode("[hi]", add_special=False, parse_special=True)
+    gemma = Tokenizer.from_gguf(vocab_path(SPECS["spm-gemma3"]))
+    prompt = gemma.encode_chat(gemma.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert prompt[0] == gemma.vocab.bos_id != prompt[1]
+
+
 def test_raise_exception_and_broken_templates_are_chat_template_errors(vocab_path: Write) -> None:
     raising = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     tok = Tokenizer.from_gguf(vocab_path(VocabSpec("raise", pre="qwen2", chat_template=raising)))

@@ -42,7 +42,7 @@ def chat_text(tokenizer: Tokenizer, messages: Sequence[Message]) -> str:
 
 def chat_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
     """The prompt of a conversation, as ``python -m runtime_cupy --chat`` encodes it."""
-    return tokenizer.encode(chat_text(tokenizer, messages), add_special=True, parse_special=True)
+    return tokenizer.encode_chat(chat_text(tokenizer, messages))
 
 
 @frozen
@@ -98,7 +98,7 @@ def prepare(chain: WarmChain, request: CompletionRequest) -> Prepared:
                 f"the chat template refused the messages: {exc}", param="messages"
             ) from None
         _check_size(chain, text, param)
-        ids = tok.encode(text, add_special=True, parse_special=True)
+        ids = tok.encode_chat(text)
     elif isinstance(request.prompt, str):
         _check_size(chain, request.prompt, param)
         ids = tok.encode(request.prompt, add_special=True, parse_special=True)
