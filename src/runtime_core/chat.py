@@ -2,22 +2,34 @@
 
 The environment is the one Hugging Face's ``apply_chat_template`` uses (and
 llama-cpp-python's Jinja2 formatter copies): sandboxed and immutable, blocks
-trimmed, ``loopcontrols``, a ``tojson`` filter that keeps non-ASCII text, and the
-globals ``raise_exception`` and ``strftime_now``. A template sees ``messages``,
-``add_generation_prompt``, ``bos_token``, ``eos_token`` and any extra variables
-(``tools``, ...).
+trimmed, ``loopcontrols``, ``{% generation %}`` blocks (rendered as their body), a
+``tojson`` filter that keeps non-ASCII text, and the globals ``raise_exception`` and
+``strftime_now``. A template sees ``messages``, ``add_generation_prompt``,
+``bos_token``, ``eos_token``, ``tools`` and ``documents`` (``None`` unless given) and
+any extra variables.
+
+A template is a file's, so possibly a stranger's: whatever it raises is a
+``ChatTemplateError``, and it is bounded: at most ``RENDER_SECONDS`` of rendering (a
+check on each line of its compiled code: three nested loops of ``range(100000)`` ran
+for ever) and ``MAX_RENDER_CHARS`` of text (``'x' * 3000000000`` is refused before it
+is made, and a power of more than ``MAX_EXPONENT_BITS`` bits too).
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from types import FrameType
 from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from runplan.picklable_error import PicklableError
@@ -57,10 +69,61 @@ def _tojson(
     )
 
 
+#: The longest a template renders, and the most text it makes.
+RENDER_SECONDS = 10.0
+MAX_RENDER_CHARS = 32 << 20
+#: The largest power a template computes (``2 ** 4096`` and below).
+MAX_EXPONENT_BITS = 4096
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (Hugging Face's mark of the assistant's
+    tokens): its body, rendered as if unmarked."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's own declaration)
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _size(value: Any) -> int | None:
+    return len(value) if isinstance(value, (str, list, tuple)) else None
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with repetition and powers bounded before they are computed."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                size = _size(seq)
+                if size is not None and isinstance(count, int) and size * count > MAX_RENDER_CHARS:
+                    raise ChatTemplateError(
+                        f"the chat template repeats a sequence of {size} {count} times: more than "
+                        f"{MAX_RENDER_CHARS}"
+                    )
+        if (
+            operator == "**"
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and abs(left) > 1
+            and right * abs(left).bit_length() > MAX_EXPONENT_BITS
+        ):
+            raise ChatTemplateError(
+                f"the chat template computes {left} ** {right}: past {MAX_EXPONENT_BITS} bits"
+            )
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    env = _BoundedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _Generation],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -85,15 +148,58 @@ def render_chat_template(
         if not isinstance(message, Mapping) or "role" not in message:
             raise ChatTemplateError(f"message {i} is not a mapping with a 'role': {message!r}")
     compiled = _compile(template)
+    context = {"tools": None, "documents": None, **variables}
+    deadline = _Deadline(time.monotonic() + RENDER_SECONDS)
+    before = sys.gettrace()
+    sys.settrace(deadline.trace)
     try:
-        return compiled.render(
+        out: list[str] = []
+        size = 0
+        for piece in compiled.generate(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
-            **variables,
-        )
+            **context,
+        ):
+            size += len(piece)
+            if size > MAX_RENDER_CHARS:
+                raise ChatTemplateError(
+                    f"the chat template made more than {MAX_RENDER_CHARS} characters"
+                )
+            out.append(piece)
+        return "".join(out)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+    except (
+        ArithmeticError,
+        LookupError,
+        TypeError,
+        ValueError,
+        RecursionError,
+        MemoryError,
+    ) as exc:
+        raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.settrace(before)
+
+
+class _Deadline:
+    """A trace function that ends a template's rendering past ``at`` (monotonic): it
+    looks at each line of the template's compiled code only (``<template>``), so the
+    rest of the interpreter runs untraced."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != "<template>":
+            return None
+        return self._line
+
+    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and time.monotonic() > self.at:
+            raise ChatTemplateError(f"the chat template rendered for more than {RENDER_SECONDS} s")
+        return self._line
