@@ -129,6 +129,9 @@ MORE_CORPUS = [
     "\U00013460 \U00010d40\U00010d41 \u1b4e\u1b4f new in Unicode 16",
     "\ue000 private \U000f0000 use \ufffd replacement \ufeff bom",
     "\U0001f9d1\u200d\U0001f4bb \u263a\ufe0f \u00a9\u00ae\u2122",
+    # whitespace beyond ASCII beside CJK and punctuation (llama.cpp's literal ranges
+    # never hold it: deepseek's pre-tokenizers once cut these otherwise)
+    "x \u3000 y\u3000\u3001 \u4e2d\u2009\u6587 a\u2002\u3000b x  \u3000",
 ]
 CORPUS = PRE_CORPUS + MORE_CORPUS
 

@@ -106,8 +106,11 @@ GPT4O = (
 )
 THREE_DIGITS = "[0-9][0-9][0-9]"
 
-# CJK ideographs, U+0800..U+9FA5 (llama.cpp's "[一-龥ࠀ-一]"), and Hangul.
-_CJK = "[\u0800-\u9fa5\uac00-\ud7ff]+"
+# CJK ideographs, U+0800..U+9FA5 (llama.cpp's "[一-龥ࠀ-一]"), and Hangul, less the
+# whitespace in that range (U+1680, U+2000..U+200A, U+3000, ...): llama.cpp runs these
+# regexes on a copy of the text whose non-ASCII whitespace is U+000B, which no literal
+# range holds (so "中\u2009文" is three pieces, and " \u3000" one).
+_CJK = f"[\u0800-\u9fa5\uac00-\ud7ff&&[^{_WS}]]+"
 # deepseek-coder: line breaks, letter runs, punctuation runs (each with one optional
 # whitespace before), CJK runs, single numbers, cut in turn.
 DEEPSEEK_CODER = ("[\\r\\n]", f"{S}?{L}+", f"{S}?{P}+", _CJK, N)
@@ -141,7 +144,7 @@ _DEEPSEEK_LETTER = (
 DEEPSEEK_LLM = (
     "[\\r\\n]",
     f"{S}?{_DEEPSEEK_LETTER}+",
-    f"{S}?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    f"{S}?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3001-\u3002]+",  # (U+3000: _CJK)
     f"{S}+\\z",
     _CJK,
     f"{N}+",
