@@ -284,6 +284,9 @@ class ChainOrchestrator(TokenLinks):
         message = event.message
         assert isinstance(message, StageStopped)
         problem = fsm.stage_message_problem(handle.machine, event)
+        if problem is None and message.stage_index in handle.machine.stopped:
+            # a duplicate (or a copy reordered after it): its batches are counted once
+            problem = f"stage {message.stage_index} already stopped this run"
         bad = [c for c in message.batches if c.rows < 1 or c.batches < 1]
         if problem is not None or bad:
             reason = problem or f"batch counts below 1: {bad}"

@@ -135,3 +135,11 @@ def test_records_dropped_with_a_stopped_run_are_no_order_violation() -> None:
     # and its next chunk arrives after: discarded at once, not fed out of order.
     _result, _sim, violations = run_scenario(scenario(930))
     assert violations == []
+
+
+@pytest.mark.parametrize("seed", [5150, 1298])
+def test_a_duplicated_stage_stopped_counts_its_batches_once(seed: int) -> None:
+    # Seeds 5150 and 1298: a StageStopped duplicated (and reordered) on its way: its
+    # batches were counted twice ("node-1 ran batches {1: 1}, reported {1: 2}").
+    _result, _sim, violations = run_scenario(scenario(seed))
+    assert violations == []
