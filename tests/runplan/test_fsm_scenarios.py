@@ -361,3 +361,22 @@ def test_a_silent_stage_faults_the_run_naming_it_and_is_not_waited_for() -> None
     orch, actions = o.step(orch, o.StageSilent(0, 9_000))
     assert orch.outcome is StopReason.CANCELLED and orch.state is o.State.TEARING_DOWN
     assert orch.awaiting_stop == frozenset({1, 2})
+
+
+def test_a_provision_whose_ring_has_no_slot_is_refused_not_raised_on_later() -> None:
+    """A ring of 0 slots passes the wire; the stage machine took it, and its next step
+    (an object loaded) raised ``ValueError`` from ``shared_batches``, where ``step``
+    never raises."""
+    plan = small_plan(2)
+    msg = provision_all(plan)[0]
+    for end in ("inbound", "outbound"):
+        edge = getattr(msg, end)
+        bad = attrs.evolve(msg, **{end: attrs.evolve(edge, ring_spec=attrs.evolve(
+            edge.ring_spec, slot_count=0))})  # fmt: skip
+        m, actions = s.step(
+            s.StageMachine.new(bad.node_id, ORCHESTRATOR), s.Received(ORCHESTRATOR, bad)
+        )
+        assert m.state is s.State.UNPROVISIONED
+        (reject,) = _of(actions, s.Reject)
+        assert reject.reason is s.RejectReason.INVALID_PROVISION
+        assert f"its {end} ring has 0 slots" in reject.detail

@@ -39,6 +39,14 @@ def _provision_problem(m: StageMachine, e: Received) -> tuple[RejectReason, str]
         and (msg.sampling is not None) == msg.is_last
     ):
         return RejectReason.INVALID_PROVISION, "stage index, layer range or edges contradict"
+    for end, edge in (("inbound", msg.inbound), ("outbound", msg.outbound)):
+        ring = edge.ring_spec
+        if min(ring.slot_count, ring.slot_bytes, ring.alignment) < 1:
+            # (a ring of no slot once passed here and raised ValueError from a later step)
+            return RejectReason.INVALID_PROVISION, (
+                f"its {end} ring has {ring.slot_count} slots of {ring.slot_bytes} bytes, "
+                f"aligned to {ring.alignment}: each must be at least 1"
+            )
     return None
 
 
