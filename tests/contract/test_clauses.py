@@ -15,7 +15,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import runplan.testing
-from runplan import RunPlan, check_plan, plan_run, provision_all
+from runplan import (
+    Placement,
+    RunPlan,
+    StageAssignment,
+    check_plan,
+    plan_run,
+    provision_all,
+)
 from runplan.contract import (
     CLAUSE,
     CLAUSES,
@@ -223,3 +230,29 @@ def test_assert_contract_passes_a_whole_plan_and_lists_every_broken_clause() -> 
     for v in broken:
         assert v.clause.quote() in str(caught.value)
     assert CLAUSE["every_edge_id_is_unique_within_the_run"] in [v.clause for v in broken]
+
+
+def test_a_plan_that_is_not_its_explicit_placement_breaks_formation() -> None:
+    """A planner that swapped the nodes of an explicit placement, or moved its cut,
+    passed every clause: the plan must be its placement's rows."""
+    from tests.support.strategies import small_plan_inputs
+
+    facts, config, pool = small_plan_inputs(2)
+    node0, node1 = (n.node_id for n in pool.nodes[:2])
+    placement = Placement(
+        assignments=(StageAssignment(0, node0, 0, 1), StageAssignment(1, node1, 1, 4))
+    )
+    inputs = PlanInputs(facts, config, pool, 2, placement)
+    plan = plan_run(facts, config, pool, stage_count=2, placement=placement)
+    assert isinstance(plan, RunPlan)
+    name = "planner_emits_exactly_one_runplan_or_a_typed_rejection"
+    assert check_contract(plan, inputs=inputs).verdict(name).outcome is Outcome.HOLDS
+    nodes = (node1, node0)
+    swapped = attrs.evolve(
+        plan, stages=tuple(attrs.evolve(st, node_id=nodes[st.stage_index]) for st in plan.stages)
+    )
+    verdict = check_contract(swapped, inputs=inputs).verdict(name)
+    assert verdict.outcome is Outcome.BROKEN
+    assert f"stage 0 is on {node1!r} over blocks [0, 1); the placement assigns it {node0!r}" in (
+        str(verdict.problems)
+    )

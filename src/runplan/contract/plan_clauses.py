@@ -10,7 +10,15 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from runplan.contract.subject import Subject
-from runplan.plan import EdgeEndpoint, EdgeKind, OrchestratorEndpoint, StageEndpoint, StagePlan
+from runplan.placement import Placement, PlacementStrategy
+from runplan.plan import (
+    EdgeEndpoint,
+    EdgeKind,
+    OrchestratorEndpoint,
+    RunPlan,
+    StageEndpoint,
+    StagePlan,
+)
 from runplan.validate import id_problem
 from runplan.wire import WireError, dumps, loads
 
@@ -36,7 +44,8 @@ def short(values: list[int], limit: int = 8) -> str:
 
 
 def one_plan_or_rejection(s: Subject) -> Iterator[str]:
-    """Over a plan: it is the plan of its inputs (when given); run-wide settings that
+    """Over a plan: it is the plan of its inputs (when given: its config's settings, an
+    explicit placement's rows); run-wide settings that
     ``check_plan`` rejects (the chain's settings among them) are reported here (the
     planner should have rejected)."""
     yield from _chain_settings(s)
@@ -52,6 +61,28 @@ def one_plan_or_rejection(s: Subject) -> Iterator[str]:
     ):
         if planned != configured:
             yield f"the plan's {name} is {planned!r}; the config says {configured!r}"
+    yield from _explicit_rows(s.inputs.placement, p)
+
+
+def _explicit_rows(placement: Placement, p: RunPlan) -> Iterator[str]:
+    """An explicit placement is the plan's stages, row for row: each stage on the node
+    and over the blocks its assignment names (a planner that swapped two nodes, or
+    moved a cut, passed every clause)."""
+    if placement.strategy is not PlacementStrategy.EXPLICIT:
+        return
+    stages = {st.stage_index: st for st in p.stages}
+    for row in placement.assignments:
+        st = stages.get(row.stage_index)
+        if st is None:
+            continue  # a missing stage: its own clause
+        planned = (st.node_id, st.layer_start, st.layer_end_exclusive)
+        asked = (row.node_id, row.layer_start, row.layer_end_exclusive)
+        if planned != asked:
+            yield (
+                f"stage {row.stage_index} is on {planned[0]!r} over blocks "
+                f"[{planned[1]}, {planned[2]}); the placement assigns it {asked[0]!r} over "
+                f"[{asked[1]}, {asked[2]})"
+            )
 
 
 def _chain_settings(s: Subject) -> Iterator[str]:
