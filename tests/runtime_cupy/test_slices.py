@@ -544,6 +544,18 @@ def test_the_server_admits_only_its_stages_and_only_the_source_it_serves(
                            rf"of a model of {UNTIED.n_layers}"):  # fmt: skip
             untied.resolve(untied.fetcher(tmp_path / "host"), SliceParts(start, end, False, False))
     assert _entries_and_tmp(tmp_path / "host") == ([], [])
+    # A stage admitted with its plan's slice is sent that slice only (it once got any
+    # parts it asked for: the whole model, to a stage holding two blocks)
+    key3 = slice_key(untied.secret, "node3")
+    untied.server.expect(3, "node3", key3, "host3", parts=MIDDLE)
+    whole = SliceParts(0, UNTIED.n_layers, True, True)
+    asked = rf"stage 3 asked for blocks 0-{UNTIED.n_layers - 1}, the token embedding, the output"
+    with pytest.raises(
+        SliceTransferFailed, match=asked + " norm and head; its plan gives it blocks 2-3"
+    ):
+        untied.resolve(untied.fetcher(tmp_path / "host", stage=3), whole)
+    got = untied.resolve(untied.fetcher(tmp_path / "host", stage=3))
+    _same_tensors(got.paths[0], untied, MIDDLE)
 
 
 @pytest.mark.parametrize(

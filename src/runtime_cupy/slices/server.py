@@ -144,6 +144,7 @@ class SliceServer:
         self._sources: dict[tuple[str, ...], _Served] = {}
         self._admitted: dict[int, Admission] = {}
         self._who: dict[int, tuple[str, str | None]] = {}
+        self._parts: dict[int, SliceParts | None] = {}
         self._transfers: dict[int, StageTransfer] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -189,12 +190,16 @@ class SliceServer:
         host: str | None = None,
         *,
         encrypt: bool = False,
+        parts: SliceParts | None = None,
     ) -> None:
         """Admit stage ``stage_index`` (``node_id``, on ``host``) with its slice key;
-        ``encrypt``: its slice travels encrypted (its launch's ``encrypt_edges``)."""
+        ``encrypt``: its slice travels encrypted (its launch's ``encrypt_edges``);
+        ``parts``: the slice its plan gives it, the only one it is sent (``None``:
+        any)."""
         with self._lock:
             self._admitted[stage_index] = Admission(key, protection_for(encrypt))
             self._who[stage_index] = (node_id, host)
+            self._parts[stage_index] = parts
 
     def transfers(self) -> tuple[StageTransfer, ...]:
         with self._lock:
@@ -275,8 +280,14 @@ class SliceServer:
         parts = SliceParts(**request["parts"])
         with self._lock:
             served = self._sources.get(paths)
+            planned = self._parts.get(index)
         if served is None:
             raise TransferError(f"this server does not serve {paths[0] if paths else '-'}")
+        if planned is not None and parts != planned:
+            raise TransferError(
+                f"stage {index} asked for {parts.describe()}; its plan gives it "
+                f"{planned.describe()}"
+            )  # (each host receives only its slice)
         arch = served.header.string("general.architecture")
         blocks = served.header.integer(f"{arch}.block_count")
         if not 0 <= parts.layer_start < parts.layer_end_exclusive <= blocks:

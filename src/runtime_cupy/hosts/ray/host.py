@@ -277,6 +277,7 @@ class RayHost:
             slice_key(secret, launch.node_id),
             node.host.label,
             encrypt=launch.encrypt_edges,
+            parts=launch.parts,
         )
         return attrs.evolve(launch, slices=SliceOrigin(self._slices.address, key))
 
