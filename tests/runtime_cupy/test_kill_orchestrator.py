@@ -146,3 +146,19 @@ def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_before_ready(
     assert left == [], f"stage processes still running: {left}"
     log = (tmp_path / "driver.log").read_text()
     assert run_resources(driver.chain_id) == [], log
+
+
+@EDGES
+def test_a_stage_killed_just_before_its_orchestrator_leaves_nothing_behind(
+    tiny: str, tmp_path: Path, edges: str
+) -> None:
+    """Stage 1 SIGKILLed, then the orchestrator at once (before it frees the chain by
+    name): stage 1's inbound ring, which only stage 1 or the orchestrator freed, was left
+    for good; the stage before it now frees it as its own outbound link."""
+    driver = Driver(tiny, {}, tmp_path / "driver.log", edges)
+    driver.until("token", 2)
+    assert len(driver.pids) == 3
+    os.kill(driver.pids[1], signal.SIGKILL)
+    driver.kill()
+    assert wait_gone(driver.pids, STOP_MS / 1000 + 8) == []
+    assert run_resources(driver.chain_id) == []

@@ -9,9 +9,10 @@ stage owns and exits.
 
 Resources. The stage makes its inbound link's ring once, when the first run comes
 (EDGES_AND_WORKERS.md §3), and frees it when it ends, never its outbound link, which
-belongs to the next stage. Only when the orchestrator is lost does the last stage also
-free token-out, whose owner is gone; so a chain whose orchestrator was killed leaves
-nothing behind. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
+belongs to the next stage. Only when the orchestrator is lost does a stage also free
+its outbound link, whose owner may be gone (token-out's, the orchestrator; the next
+stage, killed just before it); so a chain whose orchestrator was killed leaves nothing
+behind. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
 and SIGHUP (its terminal gone with the orchestrator) stop the stage as a lost
 orchestrator does.
 
@@ -147,15 +148,16 @@ class OrchestratorLoss:
 
     def _remove_resources(self) -> None:
         """Free what this stage owns: its inbound link's resources on this host, and, if
-        the orchestrator is lost and this is the last stage, token-out's (idempotent,
-        any thread)."""
+        the orchestrator is lost, its outbound link's too, whose owner may be gone with
+        it (token-out's, the last stage's; the next stage's inbound ring, when that
+        stage was killed just before the orchestrator: it leaked, and no one was left
+        to free it by name). Idempotent, any thread."""
         links = self.links
         links.remove_inbound()
         place = self._place()
         if (self.lost is not None or self._lost_flag.is_set()) and place is not None:
-            index, count = place
-            if index == count - 1:
-                links.remove_hops((count,))
+            index, _count = place
+            links.remove_hops((index + 1,))
 
     def _place(self) -> tuple[int, int] | None:
         """This stage's index and the chain's stage count, as the launcher said them, else
