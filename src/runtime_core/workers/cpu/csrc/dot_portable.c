@@ -172,12 +172,16 @@ void dequant_chunk(const uint8_t *row, int t, int64_t c, float *v) {
 /* ---- 8-bit activations ------------------------------------------------------------------ */
 
 /* C's roundf for |v| < 2^31: to the nearest integer, halves away from zero */
-static inline int round_away(float v) {
-    int i = (int)v;            /* toward zero */
-    float frac = v - (float)i; /* exact */
-    if (frac >= 0.5f) return i + 1;
-    if (frac <= -0.5f) return i - 1;
-    return i;
+static inline int32_t round_away(float v) {
+    /* toward zero; past int32 (NaN, an infinity: a block whose scale's inverse
+     * overflows, its largest magnitude below about 4e-37) x86's conversion gives
+     * INT32_MIN, as the vector sets' does, here without C's undefined behaviour; the
+     * step up or down wraps as theirs does */
+    uint32_t i = (v > -2147483904.0f && v < 2147483648.0f) ? (uint32_t)(int32_t)v : 0x80000000u;
+    float frac = v - (float)(int32_t)i; /* exact */
+    if (frac >= 0.5f) i += 1u;
+    else if (frac <= -0.5f) i -= 1u;
+    return (int32_t)i;
 }
 
 /* llama.cpp's nearest_int: to the nearest integer, halves to even (|v| < 2^22) */
@@ -248,15 +252,15 @@ void quantize_row(int fmt, const float *x, int64_t n, int8_t *q, float *d, float
         }
         float dc = amax / 127.0f;
         float id = dc != 0.0f ? 1.0f / dc : 0.0f;
-        int sum = 0;
+        uint32_t sum = 0; /* wraps, as the vector sets' sums (only past int32 above) */
         for (int l = 0; l < 32; ++l) {
-            int qi = round_away(v[l] * id);
-            qc[l] = (int8_t)qi;
-            sum += qi;
+            int32_t qi = round_away(v[l] * id);
+            qc[l] = (int8_t)(uint8_t)(uint32_t)qi;
+            sum += (uint32_t)qi;
         }
         d[c] = half_value(dc);
-        if (fmt == FMT_Q8_1) s[c] = half_value((float)sum * dc);
-        g[c] = sum;
+        if (fmt == FMT_Q8_1) s[c] = half_value((float)(int32_t)sum * dc);
+        g[c] = (int32_t)sum;
     }
 }
 
