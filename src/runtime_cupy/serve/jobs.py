@@ -106,11 +106,14 @@ class Job:
             self._run = run
             cancel = self.cancelled
             interrupted = self.interrupted
+            stopped = self.stopped
         self.submitted.set()
         if cancel:
             run.cancel("the client went away")
         elif interrupted:
             run.cancel(SHUTTING_DOWN)
+        elif stopped:  # a replay after a loss, of an answer a stop string had ended: it
+            run.cancel("a stop string")  # ran to its end unseen, and the answer waited
 
     def _detach(self) -> None:
         """The run is over: nothing cancels it any more."""
