@@ -77,11 +77,16 @@ class _Q8:
         self.d = cupy.zeros(rows * n // CHUNK, dtype=cupy.float32)
         self.s = cupy.zeros(rows * n // CHUNK, dtype=cupy.float32)
 
-    def rows(self, first: int, end: int) -> tuple[Any, Any, Any]:
-        """Views of rows ``first .. end``."""
-        m = self.n // CHUNK
+    def rows(self, first: int, end: int, n: int | None = None) -> tuple[Any, Any, Any]:
+        """Views of rows ``first .. end`` of ``n`` values each (at most ``self.n``: a
+        mixture's experts are narrower than its shared expert, and the rows of a
+        narrower product lie at its own stride, as its writer and its reader both take
+        them; at ``self.n``'s, a batch's later rows were read from the wrong place)."""
+        n = self.n if n is None else n
+        assert n <= self.n and n % CHUNK == 0, (n, self.n)
+        m = n // CHUNK
         return (
-            self.q[first * self.n : end * self.n],
+            self.q[first * n : end * n],
             self.d[first * m : end * m],
             self.s[first * m : end * m],
         )
@@ -303,7 +308,7 @@ class DeviceOps(DeviceExpertOps):
             out = y if nr == rows else y[r0 : r0 + nr]
             if eight and self._eight_bit(r0):
                 assert q8 is not None
-                xq, xd, xs = q8.rows(r0, r0 + nr)
+                xq, xd, xs = q8.rows(r0, r0 + nr, part.n_in)
                 self._launch(
                     f"matvec_q8_{part.qtype}", grid, block,
                     raw, part.row_bytes, n_chunks, part.n_out, xq, xd, xs, out, bias, int(acc),
@@ -404,7 +409,7 @@ class DeviceOps(DeviceExpertOps):
             return
         q8 = self.bq8.get("act")
         for r0, nr in _row_chunks(rows):
-            xq, xd, xs = q8.rows(r0, r0 + nr) if q8 else (None, None, None)
+            xq, xd, xs = q8.rows(r0, r0 + nr, f) if q8 else (None, None, None)
             self._launch(
                 f"{kernel}_q8", (cdiv(f // CHUNK, 8), nr), 256, h[r0 : r0 + nr],
                 act[r0 : r0 + nr], f, xq, xd, xs,

@@ -153,6 +153,22 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 seed=13,
             ),
         ),
+        # ... and a shared expert wider than an expert (as Qwen1.5-MoE's, 5632 against
+        # 1408): the experts' 8-bit rows lie at their own stride in a buffer sized for the
+        # shared expert's (a batch's later rows were read at the wider one's)
+        "qwen2moe-wide-Q8_0": write_model(
+            folder / "qwen2moe-wide.gguf",
+            ModelShape(
+                arch="qwen2moe",
+                n_layers=2,
+                tied=False,
+                experts=4,
+                experts_used=2,
+                shared_ffn=256,
+                quant="Q8_0",
+                seed=13,
+            ),
+        ),
     }
 
 
@@ -301,7 +317,9 @@ def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
     assert_batched_as_alone(provs, prompts, 5, (0, 3))
 
 
-@pytest.mark.parametrize("name", ["qwen3moe-Q8_0", "llama-moe-F32", "qwen2moe-Q8_0"])
+@pytest.mark.parametrize(
+    "name", ["qwen3moe-Q8_0", "llama-moe-F32", "qwen2moe-Q8_0", "qwen2moe-wide-Q8_0"]
+)
 def test_a_mixture_of_experts_batched_computes_what_each_run_computes_alone(
     models: dict[str, Path], name: str
 ) -> None:
