@@ -187,8 +187,8 @@ class Engine:
             self._queue.clear()
             running = list(self._running)
             self._cond.notify_all()
-        for job in waiting:
-            self._answers.deliver(job, Failed(503, SHUTTING_DOWN, "shutting_down"))
+        for job in waiting:  # counted, as the running ones are: their tallies close
+            self._answers.finish(job, "cancelled", Failed(503, SHUTTING_DOWN, "shutting_down"))
         for job in running:
             job.interrupt()
         if self._thread.ident is not None:  # started: it closes the chain as it ends
@@ -248,9 +248,10 @@ class Engine:
                 self._closing = True
                 waiting = list(self._queue)
                 self._queue.clear()
+            outcome = "faulted" if self.failure else "cancelled"
             for job in waiting:
                 reason = self.failure or SHUTTING_DOWN
-                self._answers.deliver(job, Failed(503, reason, "unavailable"))
+                self._answers.finish(job, outcome, Failed(503, reason, "unavailable"))
 
     def _fail_waiting(self) -> None:
         """The chain could not be started again: the requests waiting get a 503."""
@@ -266,7 +267,8 @@ class Engine:
             self._answers.run(job)
         except Exception as exc:  # a bug: the request gets an error, the server goes on
             log.exception("request #%d failed", job.number)
-            self._answers.deliver(job, Failed(500, f"internal error: {exc}", "internal_error"))
+            failed = Failed(500, f"internal error: {exc}", "internal_error")
+            self._answers.finish(job, "faulted", failed)
         finally:
             job.submitted.set()
             with self._cond:

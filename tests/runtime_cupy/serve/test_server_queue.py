@@ -347,6 +347,13 @@ def test_a_stop_answers_every_request_at_once_and_the_server_ends(
         assert answer["error"]["code"] == "shutting_down", answers
     status, text = answers["stream"]
     assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
+    # Each of the three counted once, cancelled: the queued one too (its tally never
+    # closed, so it was never counted)
+    counted = [
+        line for line in engine.metrics.render().decode().splitlines()
+        if line.startswith('gguf_pipeline_requests_total{endpoint="chat",outcome="cancelled"}')
+    ]  # fmt: skip
+    assert counted and float(counted[0].split()[-1]) == 3.0, counted
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     assert "shutting down" in events[-1]["error"]["message"], events[-1]
     assert events[-1]["error"]["code"] == "shutting_down", events[-1]
@@ -355,6 +362,9 @@ def test_a_stop_answers_every_request_at_once_and_the_server_ends(
     # two prompts may share that step (both runs then had one) or not (the other, whose
     # prompt waits in the delayed step 1, had none).
     ended = [r.getMessage() for r in caplog.records if "finished: cancelled" in r.getMessage()]
+    queued = [line for line in ended if "the run was cancelled" not in line]
+    assert len(queued) == 1 and ", 0 tokens (the server is shutting down)" in queued[0], ended
+    ended = [line for line in ended if line not in queued]
     assert len(ended) == 2, ended
     assert all(", 0 tokens" in line or ", 1 tokens" in line for line in ended), ended
     assert any(", 1 tokens" in line for line in ended), ended
