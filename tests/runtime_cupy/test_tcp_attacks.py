@@ -24,7 +24,7 @@ from runplan.plan import Layout, ObjectKind, ObjectSpec
 from runplan.record_header import HeaderCheck, HeaderDType
 from runtime_core.edge_ends import ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
-from runtime_cupy.edges import tcp_door
+from runtime_cupy.edges import tcp_consumer, tcp_door
 from runtime_cupy.edges.tcp import TcpMedium, TcpReceiveRing, TcpSendRing, split_address
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, ENCRYPTED, Protection
 from runtime_cupy.process.keys import edge_key, new_secret
@@ -190,6 +190,29 @@ def test_a_relay_without_the_key_cannot_change_replay_inject_or_reorder_a_record
             _send_and_receive(pair, 5, both_in_flight=attack.startswith("reorder"))
         assert relay.done, "the relay never got to its attack"
         assert pair.ring.published == 2  # records 0 and 1; nothing of the attack was loaded
+    finally:
+        relay.close()
+        pair.close()
+
+
+@pytest.mark.parametrize("protection", [AUTHENTICATED, ENCRYPTED], ids=["hmac", "aes-gcm"])
+def test_a_frame_whose_length_grew_on_the_way_closes_the_edge_when_it_stalls(
+    protection: Protection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay adds 64 to the last record's length: the consumer waited for bytes its
+    producer never sends (it waits for this record's credit), and the run ended only at
+    its token bound, 120 s later, naming no link (a warm chain with ``--recover`` never
+    ended). Now the edge closes ``FRAME_STALL_S`` (0.5 here) after the last byte."""
+    monkeypatch.setattr(tcp_consumer, "FRAME_STALL_S", 0.5)
+    pair = Pair(protection)
+    relay = pair.relay("inflate@2")
+    try:
+        began = time.monotonic()
+        stalled = r"a frame announced with \d+ bytes stopped after \d+ of them .*: nothing more"
+        with pytest.raises(EdgeClosed, match=stalled + r" for 0.5 s \(its length changed"):
+            _send_and_receive(pair, 3)
+        assert time.monotonic() - began < 10
+        assert relay.done and pair.ring.published == 2
     finally:
         relay.close()
         pair.close()

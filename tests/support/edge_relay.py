@@ -13,7 +13,10 @@ does what ``attack`` says to what flows:
   the payload changed and a made-up seal;
 - ``reorder@K``: records ``K`` and ``K + 1`` swapped (only where the producer sends
   ``K + 1`` before ``K`` is consumed: two in flight);
-- ``reorder-credits@K``: the consumer's frames ``K`` and ``K + 1`` (its credits) swapped.
+- ``reorder-credits@K``: the consumer's frames ``K`` and ``K + 1`` (its credits) swapped;
+- ``inflate@K``: record ``K``'s head announcing 64 bytes more than its body holds (the
+  head is sealed with the body, so the consumer learns of it only once those bytes
+  came, which its producer never sends).
 
 It reads the wire as the edge writes it: the producer's HELLO then CONFIRM, the
 consumer's CHALLENGE; then frames of an 8-byte head ``kind:u8 pad:3 value:u32``, a
@@ -46,7 +49,7 @@ from runtime_cupy.edges.tcp_frames import FRAME, RECORD
 
 #: Seal tags by the HELLO's protection code.
 _TAGS = {0: 0, 1: 32, 2: 16}
-ATTACKS = ("pass", "change", "replay", "inject", "reorder", "reorder-credits")
+ATTACKS = ("pass", "change", "replay", "inject", "reorder", "reorder-credits", "inflate")
 
 
 def _changed(body: bytes) -> bytes:
@@ -166,8 +169,12 @@ class Relay:
         self, index: int, head: bytes, body: bytes, tag: bytes, previous: bytes | None
     ) -> bytes:
         frame = head + body + tag
-        if index != self.at or self.kind not in ("change", "replay", "inject"):
+        if index != self.at or self.kind not in ("change", "replay", "inject", "inflate"):
             return frame
+        if self.kind == "inflate":
+            kind, value = FRAME.unpack(head)
+            self.done.append(f"announced record {index} with {value + 64} bytes of {value}")
+            return FRAME.pack(kind, value + 64) + body + tag
         if self.kind == "change":
             self.done.append(f"changed record {index}")
             return head + _changed(body) + tag

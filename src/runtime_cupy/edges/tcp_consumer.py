@@ -19,6 +19,7 @@ from runtime_cupy.edges.tcp_frames import (
     CREDIT,
     DETACH_DRAIN_S,
     FRAME,
+    FRAME_STALL_S,
     LEAVE,
     PUBLISHED,
     RECORD,
@@ -80,6 +81,7 @@ class TcpReceiveRing(ConsumerDoor, ProcessRing):
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         self._body: memoryview | None = None  # the slot a record is being read into
         self._body_got = 0
+        self._byte_at = 0.0  # time.monotonic() of the stream's last byte
 
     @property
     def connected(self) -> bool:
@@ -133,6 +135,8 @@ class TcpReceiveRing(ConsumerDoor, ProcessRing):
         for fd, pending in self._pending.items():
             entries.append((fd, IN | (OUT if pending.out.wants_write else 0)))
         conn, out = self._conn, self._out
+        if conn is not None and not self._done:
+            self._check_stall(time.monotonic())
         if conn is not None and out is not None:
             events = (IN if want and not self._done else 0) | (OUT if out.wants_write else 0)
             if events or not self._done:
@@ -154,6 +158,28 @@ class TcpReceiveRing(ConsumerDoor, ProcessRing):
                 self._pump()
 
     # -- the stream ---------------------------------------------------------------------
+    def _check_stall(self, now: float) -> None:
+        """Close the edge on a frame begun that has had no byte for ``FRAME_STALL_S``: a
+        length changed on the way had the consumer wait, for ever, for bytes its
+        producer never sends (waiting in turn for the credit this frame would return),
+        and the run end only at its token bound, naming no link."""
+        if (self._frame is None and not self._head_got) or now - self._byte_at < FRAME_STALL_S:
+            return
+        if self._frame is None:
+            what = f"a frame's head stopped after {self._head_got} of {FRAME.size} bytes"
+        else:
+            body = self._body
+            announced = len(body) if body is not None else 0
+            got = self._body_got if body is not None else 0
+            what = (
+                f"a frame announced with {announced} bytes stopped after {got} of them and "
+                f"{self._tag_got} of its seal's"
+            )
+        self._fail(
+            f"{what}: nothing more for {FRAME_STALL_S:g} s (its length changed on the way, "
+            "or its producer stopped mid-frame)"
+        )
+
     def _pump(self) -> None:
         """Read what the stream holds into the ring's slots: a record that came with its
         head is copied from the read buffer; the rest of a larger one is read straight
@@ -168,6 +194,7 @@ class TcpReceiveRing(ConsumerDoor, ProcessRing):
                 if body is not None and len(body) - self._body_got >= len(scratch):
                     n = conn.recv_into(body[self._body_got :])
                     if n:
+                        self._byte_at = time.monotonic()
                         self._body_got += n
                         self._frame_progress()
                         continue
@@ -178,6 +205,8 @@ class TcpReceiveRing(ConsumerDoor, ProcessRing):
             except OSError as exc:
                 self._fail(f"the producer's connection broke: {exc}")
                 return
+            if n:
+                self._byte_at = time.monotonic()
             if n == 0:
                 if not self._left or self._frame is not None or self._head_got:
                     self._fail("the producer's connection ended")

@@ -17,6 +17,10 @@ U64 = struct.Struct("<Q")
 PUBLISHED, RELEASED, CLOSED = 0, 1, 2  # the ring's counters, as runtime_core.ring orders them
 #: How long a process letting go of an end waits for its last frames to leave.
 DETACH_DRAIN_S = 0.5
+#: How long a frame begun may go without a byte more: its producer writes it whole, so
+#: only a length changed on the way (the head is sealed with the body, checked once
+#: both are in) or a producer stopped mid-frame leaves one waiting.
+FRAME_STALL_S = 10.0
 
 
 def split_address(address: str) -> tuple[str, int]:
