@@ -6,6 +6,7 @@ process and the disk of a fetch run on its own (``tests.support.fetch_slice``)."
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -714,3 +715,36 @@ def test_a_slice_the_stage_refuses_after_its_header_is_named_on_both_sides(
     (transfer,) = [t for t in _settled(untied.server) if t.stage_index == 1]
     assert transfer.error is not None and "tensors" not in transfer.error, transfer
     assert transfer.error in str(failed.value), (transfer.error, str(failed.value))
+
+
+class _TimedOut:
+    """A socket whose kernel gave up on its peer (``ETIMEDOUT``: nothing acknowledged
+    within the connection's user timeout), under a 60 s bound of its own."""
+
+    def __init__(self, kernel: bool) -> None:
+        self.kernel = kernel
+
+    def gettimeout(self) -> float:
+        return 60.0
+
+    def _raise(self, *args: object) -> None:
+        if self.kernel:
+            raise TimeoutError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT))
+        raise TimeoutError("timed out")
+
+    recv_into = sendall = _raise
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "bound"])
+def test_a_silent_link_names_whose_bound_ran_out(kernel: bool) -> None:
+    """The kernel's ``ETIMEDOUT`` is a ``TimeoutError`` too: a link cut 6 s before was said
+    to have been silent "for 60 s", the socket's own bound."""
+    from runtime_cupy.slices.protocol import Link, LinkSilent
+
+    link = Link(_TimedOut(kernel))  # type: ignore[arg-type]
+    for call in (lambda: link.recv_into(memoryview(bytearray(4))), lambda: link.send_raw(b"x")):
+        with pytest.raises(LinkSilent) as caught:
+            call()
+        said = str(caught.value)
+        assert ("the connection timed out" in said) is kernel, said
+        assert ("for 60 s" in said) is not kernel, said

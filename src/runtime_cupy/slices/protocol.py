@@ -145,15 +145,24 @@ class Link:
         ends the link (``LinkSilent``)."""
         self.sock.settimeout(seconds)
 
-    def _silent(self, what: str) -> LinkSilent:
+    def _silent(self, what: str, exc: TimeoutError) -> LinkSilent:
+        """The link went silent: the socket's own bound ran out, or (``ETIMEDOUT``,
+        which Python raises as ``TimeoutError`` too) the kernel's: the peer acknowledged
+        nothing for the connection's user timeout (``keep_alive``), which then names the
+        time (the socket's bound, 60 s, was once named for a link cut 6 s before)."""
+        if exc.errno is not None:  # the kernel's, not the socket's bound
+            return LinkSilent(
+                f"the peer {what}: the connection timed out ({exc.strerror}: nothing "
+                "acknowledged within its user timeout): the link went silent"
+            )
         bound = self.sock.gettimeout()
         return LinkSilent(f"the peer {what} for {bound:g} s: the link went silent")
 
     def send_raw(self, data: Any) -> None:
         try:
             self.sock.sendall(data)
-        except TimeoutError:
-            raise self._silent("took nothing of what was sent") from None
+        except TimeoutError as exc:
+            raise self._silent("took nothing of what was sent", exc) from None
         self.sent += len(memoryview(data).cast("B"))
 
     def recv_into(self, view: memoryview) -> int:
@@ -164,8 +173,8 @@ class Link:
         while done < len(view):
             try:
                 n = self.sock.recv_into(view[done:])
-            except TimeoutError:
-                raise self._silent(f"sent nothing after {done} of {len(view)} bytes") from None
+            except TimeoutError as exc:
+                raise self._silent(f"sent nothing after {done} of {len(view)} bytes", exc) from None
             except OSError as exc:
                 raise TransferError(
                     f"the connection broke after {done} of {len(view)} bytes ({exc})"
@@ -258,8 +267,8 @@ class Link:
         while views:
             try:
                 n = self.sock.sendmsg(views)
-            except TimeoutError:
-                raise self._silent("took nothing of what was sent") from None
+            except TimeoutError as exc:
+                raise self._silent("took nothing of what was sent", exc) from None
             self.sent += n
             while views and n >= len(views[0]):
                 n -= len(views.pop(0))
