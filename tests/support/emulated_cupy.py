@@ -95,15 +95,26 @@ class _Graph:
             op()
 
 
+#: The streams made current (``with stream:``), innermost last: none is the default
+#: stream, which a stage's non-blocking stream does not wait for.
+CURRENT_STREAMS: list[_Stream] = []
+#: Allocations made while the default stream was current (``DEFAULT_STREAM_ALLOCATIONS
+#: [0]``): on a GPU CuPy takes them from, and clears them on, the default stream's pool,
+#: unordered against the stage's stream (memory its kernels still read could be handed
+#: out and cleared meanwhile).
+DEFAULT_STREAM_ALLOCATIONS = [0]
+
+
 class _Stream:
     def __init__(self, non_blocking: bool = False) -> None:
         self.ptr = 0
 
     def __enter__(self) -> _Stream:
+        CURRENT_STREAMS.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        CURRENT_STREAMS.remove(self)
 
     def synchronize(self) -> None:
         assert RECORDER.active is None, "a capturing stream cannot be synchronized"
@@ -145,6 +156,8 @@ ALLOCATIONS: dict[int, weakref.ref[FakeArray]] = {}
 def _checked_alloc(fn: Callable[..., Any]) -> Callable[..., FakeArray]:
     def alloc(*args: Any, **kwargs: Any) -> FakeArray:
         assert RECORDER.active is None, "no allocation while a graph is captured"
+        if not CURRENT_STREAMS:
+            DEFAULT_STREAM_ALLOCATIONS[0] += 1
         arr = _dev(fn(*args, **kwargs))
         key = id(arr)
         ALLOCATIONS[key] = weakref.ref(arr, lambda _: ALLOCATIONS.pop(key, None))

@@ -147,7 +147,10 @@ class DeviceBackend(KeptSteps):
         ops = self._ops()
         if any(step.cache is None for step in steps):
             raise RuntimeError("no KV cache: a step runs for an open run")
-        with self.device:
+        # The stage's stream current for the whole step: CuPy hands out (and clears) memory
+        # on the stream current at allocation, and this one is non-blocking, so a buffer
+        # made on the default stream could take memory a queued copy here still reads.
+        with self.device, self.stream:
             if self.use_graph and len(steps) == 1 and steps[0].rows == 1 and not steps[0].prompt:
                 self.kept = [self._decode(steps[0])]
             else:

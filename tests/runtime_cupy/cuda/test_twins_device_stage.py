@@ -31,6 +31,7 @@ from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 from tests.support.chain import Chain, provisions
 from tests.support.emulated_cupy import (
+    DEFAULT_STREAM_ALLOCATIONS,
     DEVICE_OPS,
     DEVICE_STAGE,
     EmulatedCudaWorker,
@@ -333,6 +334,28 @@ def test_a_mixture_of_experts_batched_computes_what_each_run_computes_alone(
     }
 
     assert_batched_as_alone(provs, prompts, 4, (0, 2))
+
+
+@pytest.mark.parametrize("name", ["qwen2-Q4_K", "qwen2moe-wide-Q8_0"])
+def test_a_steps_allocations_are_on_the_stages_stream(models: dict[str, Path], name: str) -> None:
+    """Every buffer a step makes (scratch products, 8-bit rows, token rows) comes while
+    the stage's stream is current: the stream is non-blocking, and CuPy hands out and
+    clears memory on the stream current at allocation, so one made on the default stream
+    (several were) could take memory a queued copy of the stage's stream still reads."""
+    prompts = {"run-0": PROMPT, "run-1": [9, 8, 7, 6, 5, 4, 3]}
+    provs = {
+        r: provisions(models[name], 1, max_seq_len=32, run_id=r, max_concurrent_runs=2)
+        for r in prompts
+    }
+    chain = Chain.bind(provs["run-0"], EmulatedCudaWorker)
+    try:
+        for r in prompts:
+            chain.open(provs[r])
+        DEFAULT_STREAM_ALLOCATIONS[0] = 0
+        chain.generate_batched(prompts, 3, 2)
+        assert DEFAULT_STREAM_ALLOCATIONS[0] == 0
+    finally:
+        chain.release()
 
 
 def test_decode_steps_replay_one_captured_graph(models: dict[str, Path]) -> None:
