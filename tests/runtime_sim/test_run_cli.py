@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,6 +94,8 @@ def test_a_missing_model_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[s
 class _CleaningTokenizer:
     """Decodes like a byte-level detokenizer: a space before punctuation is removed, and
     the first byte of a two-byte character alone decodes as U+FFFD."""
+
+    vocab = SimpleNamespace(clean_spaces=True)  # (the clean-up's flag, as a vocabulary's)
 
     def decode(self, ids: list[int]) -> str:
         pieces = {1: "Hello", 2: " ", 3: ".", 4: " World", 5: "!", 6: "<c3>", 7: "<a9>"}
