@@ -106,6 +106,18 @@ IQ4 = RandomModel(
 )
 
 
+QWEN2MOE = ModelShape(
+    arch="qwen2moe",
+    n_layers=2,
+    tied=False,
+    experts=4,
+    experts_used=2,
+    shared_ffn=128,
+    quant="Q8_0",
+    seed=13,
+)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("emulated")
@@ -141,34 +153,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             folder / "llama-moe.gguf", ModelShape(n_layers=2, experts=4, experts_used=2, seed=7)
         ),
         # qwen2moe's gated shared expert beside the mixture, its weights not renormalized
-        "qwen2moe-Q8_0": write_model(
-            folder / "qwen2moe.gguf",
-            ModelShape(
-                arch="qwen2moe",
-                n_layers=2,
-                tied=False,
-                experts=4,
-                experts_used=2,
-                shared_ffn=128,
-                quant="Q8_0",
-                seed=13,
-            ),
-        ),
+        "qwen2moe-Q8_0": write_model(folder / "qwen2moe.gguf", QWEN2MOE),
         # ... and a shared expert wider than an expert (as Qwen1.5-MoE's, 5632 against
         # 1408): the experts' 8-bit rows lie at their own stride in a buffer sized for the
         # shared expert's (a batch's later rows were read at the wider one's)
         "qwen2moe-wide-Q8_0": write_model(
-            folder / "qwen2moe-wide.gguf",
-            ModelShape(
-                arch="qwen2moe",
-                n_layers=2,
-                tied=False,
-                experts=4,
-                experts_used=2,
-                shared_ffn=256,
-                quant="Q8_0",
-                seed=13,
-            ),
+            folder / "qwen2moe-wide.gguf", attrs.evolve(QWEN2MOE, shared_ffn=256)
         ),
     }
 
