@@ -348,18 +348,21 @@ class DeviceOps(DeviceExpertOps):
         )  # fmt: skip
 
     def _wrapping_cache(self, layer: int, seg: Segment) -> tuple[Any, Any]:
-        """Caches of every position of the segment's rows, holding its run's ring's
-        positions before them (the older ones no row sees)."""
+        """A ring for this step only, long enough for every position a row of the
+        segment sees: its run's ring's positions before the rows (the window's) and the
+        rows' own, position p in slot p % length as in the run's ring (the kernels'
+        rule), so the step holds at most a window and its rows, however far the run is."""
         ring_k, ring_v = seg.cache.k[layer], seg.cache.v[layer]
         size, end = ring_k.shape[1], seg.pos + seg.rows
-        k = cupy.empty((ring_k.shape[0], end, ring_k.shape[2]), ring_k.dtype)
-        v = cupy.empty((ring_v.shape[0], end, ring_v.shape[2]), ring_v.dtype)
         start = max(0, seg.pos - size)
+        length = end - start  # distinct positions start .. end - 1: distinct slots
+        k = cupy.empty((ring_k.shape[0], length, ring_k.shape[2]), ring_k.dtype)
+        v = cupy.empty((ring_v.shape[0], length, ring_v.shape[2]), ring_v.dtype)
         if start < seg.pos:
             with self.stream:  # the index array too: the stage's stream does not wait for others
-                held = cupy.arange(start, seg.pos) % size
-                k[:, start : seg.pos] = ring_k[:, held]
-                v[:, start : seg.pos] = ring_v[:, held]
+                held = cupy.arange(start, seg.pos)
+                k[:, held % length] = ring_k[:, held % size]
+                v[:, held % length] = ring_v[:, held % size]
         return k, v
 
     def attention(self, layer: int, seg: Segment) -> None:
@@ -384,8 +387,8 @@ class DeviceOps(DeviceExpertOps):
             size, end = ring_k.shape[1], seg.pos + rows
             with self.stream:
                 kept = cupy.arange(max(seg.pos, end - size), end)
-                ring_k[:, kept % size] = k[:, kept]
-                ring_v[:, kept % size] = v[:, kept]
+                ring_k[:, kept % size] = k[:, kept % k.shape[1]]
+                ring_v[:, kept % size] = v[:, kept % k.shape[1]]
             self.step_kv = None
 
     def _quantize(self, x: Any, xq: Any, xd: Any, xs: Any, n_chunks: int) -> None:

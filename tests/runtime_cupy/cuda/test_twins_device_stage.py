@@ -308,6 +308,44 @@ def test_each_run_keeps_rings_of_its_own_as_the_planner_counts_them(
     assert_batched_as_alone(provs, prompts, 5, (0, 3))
 
 
+def test_a_chunk_far_into_a_run_holds_its_window_not_the_runs_positions(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk that wraps a sliding block's ring takes a ring of its own for
+    the step: at most the window's positions before its rows and the rows, not every
+    position since the run began (a long run's chunk took memory no one counted). Chunks of 3
+    over a 14-token prompt (the last ones at positions 9 and 12, past the 4-position
+    window) give what the whole prompt gives, bit for bit."""
+    path = models["gemma3-window"]
+    lengths: list[int] = []
+    wrap = DEVICE_OPS.DeviceOps._wrapping_cache
+
+    def recorded(self: Any, layer: int, seg: Any) -> tuple[Any, Any]:
+        k, v = wrap(self, layer, seg)
+        lengths.append(k.shape[1])
+        assert k.shape[1] <= 4 + seg.rows, (seg.pos, seg.rows, k.shape)
+        return k, v
+
+    monkeypatch.setattr(DEVICE_OPS.DeviceOps, "_wrapping_cache", recorded)
+    prompt = [5, 77, 300, 12, 9, 41, 9, 8, 7, 6, 5, 4, 3, 2]
+    provs = provisions(path, 1, max_seq_len=32, worker=CUDA_CAPABILITIES)
+    run_id = provs[0].run_id
+
+    def generate(chunk: int) -> list[TokenOutput]:
+        chain = Chain.bind(provs, EmulatedCudaWorker)
+        try:
+            chain.open(provs)
+            return chain.generate_batched({run_id: prompt}, 3, chunk)[run_id]
+        finally:
+            chain.release()
+
+    whole = generate(0)
+    assert max(lengths) == len(prompt)  # the whole prompt's rows
+    lengths.clear()
+    assert_same(generate(3), whole)
+    assert max(lengths) == 4 + 3  # the chunks past the window: 4 held, 3 rows
+
+
 @pytest.mark.parametrize(
     "name", ["qwen3moe-Q8_0", "llama-moe-F32", "qwen2moe-Q8_0", "qwen2moe-wide-Q8_0"]
 )
