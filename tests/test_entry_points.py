@@ -270,3 +270,22 @@ def test_the_commands_run_without_the_extras(package: str) -> None:
     done = _python(_WITHOUT_EXTRAS, package)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
+
+
+@pytest.mark.parametrize(("package", "_module"), COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_version_names_the_installed_distribution(package: str, _module: str) -> None:
+    """``--version`` prints the installed distribution's version (what pip reads) on
+    standard output and exits 0, without asking for the command's required words."""
+    from importlib import metadata
+
+    done = subprocess.run(
+        [sys.executable, "-m", package, "--version"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"python -m {package} (gguf-pipeline {metadata.version('gguf-pipeline')})"
+    )

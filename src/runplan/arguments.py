@@ -8,6 +8,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import NoReturn
 
 from runplan.json_errors import USAGE_ERROR, error_json, print_json
@@ -38,6 +39,25 @@ class OneLineParser(argparse.ArgumentParser):
         if self._wants_json:
             print_json(error_json(USAGE_ERROR, line))
         sys.exit(2)
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the installed distribution's version, then exit 0."""
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s (gguf-pipeline {installed_version()})",
+        help="print the installed version of gguf-pipeline and exit",
+    )
+
+
+def installed_version() -> str:
+    """The version of the installed ``gguf-pipeline`` distribution (``unknown`` where
+    the packages run from a source tree that was never installed)."""
+    try:
+        return metadata.version("gguf-pipeline")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def asks_for_json(parser: argparse.ArgumentParser, given: Sequence[str]) -> bool:

@@ -15,6 +15,7 @@ from rich.table import Table
 from runplan import wire
 from runplan.arguments import (
     OneLineParser,
+    add_version,
     human_bytes,
     parse_nodes,
     parse_size,
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan pipeline-parallel runs of a GGUF model (reading GGUF headers "
         "only), and check plans against the RunPlan contract.",
     )
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p: argparse.ArgumentParser) -> None:

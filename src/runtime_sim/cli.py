@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from runplan.arguments import OneLineParser, non_negative_int, positive_int
+from runplan.arguments import OneLineParser, add_version, non_negative_int, positive_int
 from runplan.gguf_error import GgufError
 from runplan.json_errors import (
     RUN_FAULTED,
@@ -286,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a GGUF model through a simulated pipeline, or explore seeded "
         "fault scenarios and check every guarantee.",
     )
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from runplan.arguments import OneLineParser
+from runplan.arguments import OneLineParser, add_version
 from runplan.config import run_positions
 from runplan.json_errors import (
     cancelled_json,
@@ -232,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         "API over warm stages), 'python -m runtime_cupy chat --help' (a terminal chat) and "
         "'python -m runtime_cupy cache list|clear' (this host's cache of model slices).",
     )
+    add_version(run)
     add_generation_arguments(run, stages_help="stage processes (default: 3)", prompts_file=True)
     add_worker(run)
     add_devices(run)
