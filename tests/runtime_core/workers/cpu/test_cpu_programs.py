@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -346,6 +347,111 @@ def test_a_matrix_and_a_cache_are_made_once() -> None:
     with pytest.raises(RuntimeError, match="a Matrix is made once"):
         m.__init__([(rows.view(np.uint8).reshape(-1), "F32", 2, 64, 0)])  # type: ignore[misc]
     assert (m.n_out, m.n_in) == (4, 32)
+
+
+def test_a_matrix_being_made_or_failed_is_taken_by_no_call() -> None:
+    """A part's sizes may run Python (an ``__index__``) while the matrix is half made;
+    a call recorded then would be checked against sizes the matrix does not end with.
+    Such a call is refused, and a matrix whose making failed is never made again (its
+    sizes could change under a program that took it): both raise, and nothing runs."""
+    rows = np.ones((8, 32), np.float32).view(np.uint8).reshape(-1)
+    x, y = np.ones((1, 32), np.float32), np.zeros((1, 8), np.float32)
+    p = _kernels.Program()
+    m = _kernels.Matrix.__new__(_kernels.Matrix)
+    refused: list[str] = []
+
+    class Rows:
+        def __index__(self) -> int:
+            with pytest.raises(ValueError, match="being made") as info:
+                p.linear(m, 1, x, None, None, None, None, False, False, y, None, False, 1)
+            refused.append(str(info.value))
+            return -1  # the second part is refused: the making fails
+
+    with pytest.raises(ValueError, match="part 1"):
+        m.__init__([(rows, "F32", 8, 32, 0), (rows, "F32", Rows(), 32, 8)])  # type: ignore[misc]
+    assert len(refused) == 1 and len(p) == 0
+    with pytest.raises(RuntimeError, match="a Matrix is made once"):
+        m.__init__([(rows, "F32", 8, 32, 0)])  # type: ignore[misc]
+    with pytest.raises(ValueError, match="its making failed"):
+        p.linear(m, 1, x, None, None, None, None, False, False, y, None, False, 1)
+
+
+def test_a_matrix_repacking_without_the_gil_is_taken_by_no_other_thread() -> None:
+    """Repacking a part lets other threads run; one that records a product with the
+    matrix then (its first part in, 8 outputs) is refused, so no program keeps a call
+    checked against 8 outputs for a matrix that ends with thousands."""
+    n_in = 4096
+    row_bytes = n_in // 32 * 34  # Q8_0
+    part0, part1 = np.zeros(8 * row_bytes, np.uint8), np.zeros(8192 * row_bytes, np.uint8)
+    x, y = np.ones((1, n_in), np.float32), np.zeros((1, 8), np.float32)
+    q8 = (np.zeros(n_in, np.int8), np.zeros(n_in // 32, np.float32),
+          np.zeros(n_in // 32, np.float32), np.zeros(n_in // 16, np.int32))  # fmt: skip
+    m = _kernels.Matrix.__new__(_kernels.Matrix)
+    p = _kernels.Program()
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def record() -> None:
+        while not stop.is_set() and not seen:
+            if m.n_out == 8:  # the first part made, the second being repacked
+                try:
+                    p.linear(m, 1, x, *q8, True, True, y, None, False, 1)
+                    seen.append("recorded")
+                except ValueError as exc:
+                    seen.append(str(exc))
+
+    spy = threading.Thread(target=record)
+    spy.start()
+    try:
+        m.__init__([(part0, "Q8_0", 8, n_in, 0), (part1, "Q8_0", 8192, n_in, 8)], repack=True)  # type: ignore[misc]
+    finally:
+        stop.set()
+        spy.join(10)
+    assert m.n_out == 8200
+    assert seen and "being made" in seen[0], seen
+    assert len(p) == 0
+
+
+def test_a_failing_cache_is_read_by_no_run() -> None:
+    """A block's heads may run Python (an ``__index__``) that hands the cache being made
+    to a run; the run finds no block of it (the cache's blocks are published once all
+    are checked and held), so the failure that releases its arrays frees nothing a run
+    reads."""
+    heads = (1, 1, HD, HD, 8, False)
+    qkv, out = np.ones((1, 3 * HD), np.float32), np.zeros((1, HD), np.float32)
+    p = _kernels.Program()
+    k = np.zeros((1, 8, HD), np.float32)
+    p.attention(qkv, 1, k, k, 0, heads, 0.1, out, 1, slot=(0, 0))
+    cache = _kernels.KvCache.__new__(_kernels.KvCache)
+    runs: list[str] = []
+
+    class Heads:
+        def __index__(self) -> int:
+            with pytest.raises(ValueError, match="block 0") as info:
+                p.run([0], [cache])
+            runs.append(str(info.value))
+            return -1
+
+    with pytest.raises(ValueError, match="heads"):
+        cache.__init__([k, k], [k, k], [heads, (Heads(), 1, HD, HD, 8, False)])  # type: ignore[misc]
+    assert len(runs) == 1 and len(cache) == 0
+
+
+def test_a_part_or_heads_not_a_tuple_is_a_type_error_naming_it() -> None:
+    rows = np.zeros((4, 32), np.float32).view(np.uint8).reshape(-1)
+    with pytest.raises(TypeError, match=r"part 0 is a tuple .* not list"):
+        _kernels.Matrix([[rows, "F32", 4, 32, 0]])
+    k = np.zeros((1, 8, HD), np.float32)
+    with pytest.raises(TypeError, match=r"heads is a tuple .* not NoneType"):
+        _kernels.KvCache([k], [k], [None])
+
+
+def test_a_soft_cap_error_shows_its_value() -> None:
+    x = np.ones(32, np.float32)
+    with pytest.raises(ValueError, match=r"a soft cap of 0: it must be finite and above 0"):
+        _kernels.softcap(x, 0.0, 1)
+    with pytest.raises(ValueError, match=r"a soft cap of -inf"):
+        _kernels.softcap(x, float("-inf"), 1)
 
 
 def test_a_call_recorded_while_another_is_parsed_is_kept_beside_it() -> None:

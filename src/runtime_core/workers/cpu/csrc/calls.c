@@ -103,6 +103,11 @@ int parse_heads(PyObject *t, Heads *hd) {
     /* bounded so that no product of the sizes overflows (n_kv * ring * head < 2^61) */
     long long nh, nkv, hk, hv, ms;
     int half;
+    if (!PyTuple_Check(t)) { /* PyArg_ParseTuple would say SystemError */
+        PyErr_Format(PyExc_TypeError, "heads is a tuple (n_heads, n_kv, head_dim_k, head_dim_v, "
+                     "max_seq, kv_half), not %.100s", Py_TYPE(t)->tp_name);
+        return -1;
+    }
     if (!PyArg_ParseTuple(t, "LLLLLp;heads is (n_heads, n_kv, head_dim_k, head_dim_v, max_seq, kv_half)",
                           &nh, &nkv, &hk, &hv, &ms, &half))
         return -1;
@@ -118,8 +123,7 @@ int parse_heads(PyObject *t, Heads *hd) {
 
 static const void *ptr(const Buf *b) { return b->held ? b->view.buf : NULL; }
 
-/* rows of a call (1..MAX_ROWS), and a length (1..MAX_LENGTH): 0, or -1 with ValueError */
-static int check_rows(long long rows, long long n) {
+int check_rows(long long rows, long long n) {
     if (rows < 1 || rows > MAX_ROWS || n < 1 || n > MAX_LENGTH) {
         PyErr_Format(PyExc_ValueError, "%lld rows of %lld (1..%lld rows of 1..%lld)", rows, n,
                      (long long)MAX_ROWS, (long long)MAX_LENGTH);
@@ -260,7 +264,9 @@ static int parse_elems(PyObject *args, PyObject *kwds, CallKind kind, const char
         return -1;
     if (!(c->isa = isa_named(isa_name)) || check_threads(threads) < 0) return -1;
     if (kind == CALL_SOFTCAP && (!(value > 0.0f) || isinf(value))) {
-        PyErr_Format(PyExc_ValueError, "soft cap %g", (double)value);
+        char text[32]; /* PyErr_Format has no %g */
+        snprintf(text, sizeof text, "%g", (double)value);
+        PyErr_Format(PyExc_ValueError, "a soft cap of %s: it must be finite and above 0", text);
         return -1;
     }
     if (get_buf(xo, &c->bufs[0], "f", 1, 1, what) < 0) return -1;
@@ -442,8 +448,10 @@ int parse_attention(PyObject *args, PyObject *kwds, Call *c) {
                                      &kso, &vso, &isa_name, to_f32, &softcap))
         return -1;
     if (!(softcap >= 0.0f) || isinf(softcap)) { /* NaN too */
-        PyErr_Format(PyExc_ValueError, "a soft cap of %g: it must be finite and not negative",
-                     (double)softcap);
+        char text[32]; /* PyErr_Format has no %g */
+        snprintf(text, sizeof text, "%g", (double)softcap);
+        PyErr_Format(PyExc_ValueError, "a soft cap of %s: it must be finite and not negative",
+                     text);
         return -1;
     }
     Heads *hd = &c->a.kv.hd;

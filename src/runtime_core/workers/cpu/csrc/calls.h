@@ -47,6 +47,8 @@ int get_rows(PyObject *obj, Buf *b, const char *fmt, int writable, Py_ssize_t ro
 /* get_buf, or nothing held for None */
 int get_opt(PyObject *obj, Buf *b, const char *fmt, Py_ssize_t items, const char *name);
 int check_threads(int threads);
+/* rows of a call (1..MAX_ROWS), and a length (1..MAX_LENGTH): 0, or -1 with ValueError */
+int check_rows(long long rows, long long n);
 /* the set called name (NULL: the best the host runs); NULL and ValueError if the host
  * runs none of that name (module.c) */
 const Isa *isa_named(const char *name);
@@ -57,7 +59,8 @@ int parse_heads(PyObject *t, Heads *hd);
 
 typedef struct {
     PyObject_HEAD
-    int made;    /* initialized, or being initialized: never again */
+    int made;    /* initialized, or being initialized: never again (a failed one stays unusable) */
+    int ready;   /* made whole: only then may calls take it (as_matrix) */
     int n_parts;
     int fmt; /* the activation format every part takes */
     int64_t n_in, n_out;

@@ -205,10 +205,15 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
     self->n_in = -1;
     self->n_out = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject *data;
+        PyObject *data, *item = PyTuple_GET_ITEM(fast, i);
         const char *qname;
         long long n_out, n_in, offset;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(fast, i), "OsLLL;a part is (rows, qtype, n_out, n_in, offset)",
+        if (!PyTuple_Check(item)) { /* PyArg_ParseTuple would say SystemError */
+            PyErr_Format(PyExc_TypeError, "part %zd is a tuple (rows, qtype, n_out, n_in, "
+                         "offset), not %.100s", i, Py_TYPE(item)->tp_name);
+            goto fail;
+        }
+        if (!PyArg_ParseTuple(item, "OsLLL;a part is (rows, qtype, n_out, n_in, offset)",
                               &data, &qname, &n_out, &n_in, &offset))
             goto fail;
         int t = qtype_code(qname);
@@ -238,9 +243,9 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
         int64_t row_bytes = n_in / be * QTYPE_BLOCK_BYTES[t];
         Buf *b = &self->views[self->n_parts];
         if (get_buf(data, b, "B", 0, -1, "matrix rows") < 0) goto fail;
-        if (b->view.len != row_bytes * n_out) {
-            PyErr_Format(PyExc_ValueError, "part %zd: %zd bytes, %lld rows of %lld %s elements are %lld",
-                         i, b->view.len, n_out, n_in, qname, (long long)(row_bytes * n_out));
+        if (b->view.len % row_bytes || b->view.len / row_bytes != n_out) { /* no product: it may wrap */
+            PyErr_Format(PyExc_ValueError, "part %zd: %zd bytes, not %lld rows of %lld %s elements "
+                         "(%lld bytes each)", i, b->view.len, n_out, n_in, qname, (long long)row_bytes);
             release(b);
             goto fail;
         }
@@ -268,11 +273,11 @@ static int Matrix_init(MatrixObject *self, PyObject *args, PyObject *kwds) {
         if (offset + n_out > self->n_out) self->n_out = offset + n_out;
     }
     Py_DECREF(fast);
+    self->ready = 1; /* not before: parsing a part may run Python, repacking lets threads run */
     return 0;
 fail:
     Py_DECREF(fast);
-    drop_parts(self);
-    self->made = 0;
+    drop_parts(self); /* never ready, and never made again: a call may hold it */
     return -1;
 }
 
@@ -329,8 +334,10 @@ MatrixObject *as_matrix(PyObject *obj) {
         return NULL;
     }
     MatrixObject *m = (MatrixObject *)obj;
-    if (m->n_parts < 1) {
-        PyErr_SetString(PyExc_ValueError, "the Matrix was never initialized");
+    if (!m->ready) {
+        PyErr_SetString(PyExc_ValueError,
+                        m->made ? "the Matrix is being made, or its making failed"
+                                : "the Matrix was never initialized");
         return NULL;
     }
     return m;
@@ -355,7 +362,8 @@ static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kwds) {
         if (strcmp(fname, FORMAT_NAMES[f]) == 0) fmt = f;
     if (fmt < 0) return PyErr_Format(PyExc_ValueError, "no 8-bit activation format %s", fname);
     int block = fmt == FMT_Q8_K ? 256 : 32;
-    if (rows < 1 || n < block || n % block)
+    if (check_rows(rows, n) < 0) return NULL; /* so rows * n cannot wrap */
+    if (n < block || n % block)
         return PyErr_Format(PyExc_ValueError, "rows of %lld values are not blocks of %d", n, block);
     Buf x = {0}, q = {0}, d = {0}, s = {0}, g = {0};
     PyObject *result = NULL;
@@ -366,9 +374,11 @@ static PyObject *py_quantize(PyObject *self, PyObject *args, PyObject *kwds) {
         goto done;
     Q8Out out = {(int8_t *)q.view.buf, (float *)d.view.buf, (float *)s.view.buf, (int32_t *)g.view.buf,
                  n};
+    Py_BEGIN_ALLOW_THREADS /* the buffers are held: nothing here needs the interpreter */
     const FpEnv caller = fp_env_enter();
     quantize_rows(isa, fmt, (const float *)x.view.buf, rows, n, out, 1);
     fp_env_leave(caller);
+    Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
     release(&x); release(&q); release(&d); release(&s); release(&g);

@@ -25,13 +25,14 @@
 
 typedef struct {
     PyObject_HEAD
-    int n_layers;
+    int n_layers; /* the blocks a run may read: set once every block is checked and held */
+    int held;     /* the blocks whose buffers are held (n_layers, or fewer while made) */
     Buf *k, *v;
     Heads *hd;
 } KvCacheObject;
 
 static void KvCache_clear(KvCacheObject *self) {
-    for (int i = 0; i < self->n_layers; ++i) {
+    for (int i = 0; i < self->held; ++i) {
         release(&self->k[i]);
         release(&self->v[i]);
     }
@@ -40,7 +41,7 @@ static void KvCache_clear(KvCacheObject *self) {
     PyMem_Free(self->hd);
     self->k = self->v = NULL;
     self->hd = NULL;
-    self->n_layers = 0;
+    self->n_layers = self->held = 0;
 }
 
 static void KvCache_dealloc(KvCacheObject *self) {
@@ -75,16 +76,23 @@ static int KvCache_init(KvCacheObject *self, PyObject *args, PyObject *kwds) {
         PyErr_NoMemory();
         goto done;
     }
+    /* every heads entry first: parsing one may run Python (an __index__), which may hand
+     * this cache to a run on another thread; a run reads no block until n_layers says so,
+     * and this cache's buffers are taken (no Python runs) only once all are parsed */
+    for (Py_ssize_t i = 0; i < n; ++i)
+        if (parse_heads(PyTuple_GET_ITEM(h, i), &self->hd[i]) < 0) goto done;
     for (Py_ssize_t i = 0; i < n; ++i) {
-        Heads *hd = &self->hd[i];
-        if (parse_heads(PyTuple_GET_ITEM(h, i), hd) < 0) goto done;
+        const Heads *hd = &self->hd[i];
         const char *f = hd->kv_half ? "e|H" : "f";
-        self->n_layers = (int)i + 1; /* releases what is taken if a later entry fails */
         if (get_buf(PyTuple_GET_ITEM(k, i), &self->k[i], f, 1,
-                    hd->n_kv * hd->max_seq * hd->hd_k, "k_cache") < 0 ||
-            get_buf(PyTuple_GET_ITEM(v, i), &self->v[i], f, 1,
-                    hd->n_kv * hd->max_seq * hd->hd_v, "v_cache") < 0)
+                    hd->n_kv * hd->max_seq * hd->hd_k, "k_cache") < 0)
             goto done;
+        if (get_buf(PyTuple_GET_ITEM(v, i), &self->v[i], f, 1,
+                    hd->n_kv * hd->max_seq * hd->hd_v, "v_cache") < 0) {
+            release(&self->k[i]);
+            goto done;
+        }
+        self->held = (int)i + 1; /* released if a later entry fails */
     }
     self->n_layers = (int)n;
     rc = 0;
