@@ -31,6 +31,8 @@ class GgufSource:
         return len(self.paths) > 1
 
     def __str__(self) -> str:
+        if not self.paths:  # never made by a reader; a plan from elsewhere may hold it
+            return "(no file)"
         if len(self.paths) == 1:
             return self.paths[0]
         return f"{self.paths[0]} (+{len(self.paths) - 1} more shards)"

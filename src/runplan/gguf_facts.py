@@ -18,6 +18,7 @@ from runplan.tensor_names import (
     OUTPUT_TENSOR,
     block_index,
 )
+from runplan.validate import U32_MAX
 
 __all__ = [
     "BLOCK_TENSOR",
@@ -70,6 +71,11 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     hidden = header.dimension(f"{arch}.embedding_length")
     heads = model_integer(header, f"{arch}.attention.head_count", num_layers)
     heads_kv = model_integer(header, f"{arch}.attention.head_count_kv", num_layers, heads)
+    for key, count in (("head_count", heads), ("head_count_kv", heads_kv)):
+        if not 0 <= count <= U32_MAX:  # llama.cpp's uint32_t; 0 an architecture's own
+            raise GgufError(
+                first, f"{count}: it must be in 0..{U32_MAX}", f"{arch}.attention.{key}"
+            )
     default_head_dim = hidden // heads if heads > 0 else 0
     head_dim_k = header.dimension(f"{arch}.attention.key_length", default=default_head_dim)
     head_dim_v = header.dimension(f"{arch}.attention.value_length", default=default_head_dim)
@@ -80,6 +86,13 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         raise GgufError(first, f"the model has no {EMBEDDING_TENSOR!r} tensor")
     embedding = tensors[EMBEDDING_TENSOR]
     vocab = vocab_size(header, arch)
+    if embedding.shape != (hidden, vocab):  # what llama.cpp's loader requires of it
+        raise GgufError(
+            first,
+            f"{EMBEDDING_TENSOR!r} has shape {list(embedding.shape)}; the model's "
+            f"embedding_length {hidden} and vocabulary of {vocab} tokens make it "
+            f"{[hidden, vocab]}",
+        )
     eos = special_token_id(header, "eos", vocab)
     if eos is None:
         raise GgufError(

@@ -62,6 +62,8 @@ class GgufHeader:
     held_blocks: frozenset[int] | None = None
     source_paths: tuple[str, ...] = ()
     model_id: str | None = None  # the source's, when its file names do not say it
+    #: each key's field's end in the first file (``field_bytes``), found once
+    _field_ends: dict[int, int] | None = attrs.field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.source_paths:
@@ -120,7 +122,7 @@ class GgufHeader:
             _check_shard_of(cls((p,), [reader], {}), p, entry, manifest)
             infos = _tensor_infos(p, reader, index)
             blocks = {b for b in (block_index(i.name) for i in infos) if b is not None}
-            if blocks != set(entry.parts.blocks):
+            if not _is_range(blocks, entry.parts.blocks):
                 raise GgufError(
                     p,
                     f"holds blocks {_spans(blocks)}; its manifest says "
@@ -151,7 +153,7 @@ class GgufHeader:
         return key in self._readers[0].fields
 
     def keys(self) -> list[str]:
-        return [k for k in self._readers[0].fields if not k.startswith("GGUF.")]
+        return list(self._readers[0].fields)
 
     def value_type(self, key: str) -> GGUFValueType:
         return self._field(key).types[0]  # type: ignore[no-any-return]
@@ -273,9 +275,10 @@ class GgufHeader:
         and value."""
         reader = self._readers[0]
         field = self._field(key)
-        later = [f.offset for f in reader.fields.values() if f.offset > field.offset]
-        end = min(later, default=reader.kv_end)
-        return bytes(reader.data[field.offset : end])
+        if self._field_ends is None:  # once: a file's keys each read (content keys) is n, not n**2
+            starts = sorted({f.offset for f in reader.fields.values()})
+            self._field_ends = dict(zip(starts, [*starts[1:], reader.kv_end], strict=True))
+        return bytes(reader.data[field.offset : self._field_ends[field.offset]])
 
     def writer_value(self, key: str) -> tuple[GGUFValueType, Any, GGUFValueType | None]:
         """``key``'s value as ``gguf.GGUFWriter.add_key_value`` takes it to write the
@@ -340,17 +343,31 @@ def _spans(blocks: set[int]) -> str:
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "none"
 
 
+def _is_range(blocks: set[int], expected: range) -> bool:
+    """Whether ``blocks`` is ``expected`` (a step-1 range), without making a set of the
+    range: a manifest may claim any count."""
+    return len(blocks) == len(expected) and (
+        not blocks or (min(blocks) == expected.start and max(blocks) == expected.stop - 1)
+    )
+
+
 def _check_whole(path: str, manifest: ShardManifest) -> None:
     """``GgufError`` unless the manifest's shards together hold every block, the token
     embedding and the output (a manifest with a shard's entry taken out once read as
     the whole model, its missing blocks weighing nothing to the planner, and failed
-    only as stages loaded, blaming another shard)."""
-    held = {b for e in manifest.shards for b in e.parts.blocks}
-    missing = [b for b in range(manifest.block_count) if b not in held]
-    if missing:
+    only as stages loaded, blaming another shard). Spans, not blocks, are walked: a
+    hostile manifest's count may be any size."""
+    first, missing, reached = None, 0, 0  # blocks before `reached` are held or counted
+    spans = sorted((e.parts.layer_start, e.parts.layer_end_exclusive) for e in manifest.shards)
+    for start, end in [*spans, (manifest.block_count, manifest.block_count)]:
+        if start > reached:
+            first = reached if first is None else first
+            missing += start - reached
+        reached = max(reached, end)
+    if first is not None:
         raise GgufError(
             path,
-            f"no shard holds block {missing[0]} ({len(missing)} of its "
+            f"no shard holds block {first} ({missing} of its "
             f"{manifest.block_count} blocks are in none): the whole model needs them all",
         )
     for part in ("embedding", "output"):

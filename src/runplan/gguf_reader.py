@@ -34,6 +34,7 @@ MAX_DIMS = 4
 # info (name length, dimension count, type, offset) take.
 _MIN_KV_BYTES = 8 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+_HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key-value count
 _ITEMSIZE: dict[Any, int] = {}  # numpy type -> bytes, for the bounds check of every read
 
 
@@ -58,6 +59,7 @@ class HeaderReader(GGUFReader):
         self.string_arrays: dict[int, StringArray] = {}
         self.tensor_infos: list[RawTensorInfo] = []
         self.kv_end = 0  # where the key-value pairs end (and the tensor infos begin)
+        self.header_numbers: dict[str, Any] = {}  # the package's GGUF.version, ... fields
         super().__init__(path, "r")
 
     # The base class keeps the file as an ``np.memmap``, whose every slice pays for
@@ -96,6 +98,16 @@ class HeaderReader(GGUFReader):
 
     def _remaining(self, offs: int) -> int:
         return len(self._data) - offs
+
+    def _push_field(self, field: Any, skip_sum: bool = False) -> int:
+        """The package files the header's own numbers (version, counts) among the keys,
+        under names a file's key may also have (``GGUF.version``, which llama.cpp
+        reads as any key): those are kept apart (``header_numbers``), so ``fields``
+        holds the file's keys, all of them, and only them."""
+        if field.offset < _HEADER_BYTES:  # magic, version and the two counts
+            self.header_numbers[field.name] = field
+            return 0 if skip_sum else sum(int(part.nbytes) for part in field.parts)
+        return int(super()._push_field(field, skip_sum))
 
     def _build_fields(self, offs: int, count: int) -> int:
         count = int(count)

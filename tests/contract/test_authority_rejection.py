@@ -135,3 +135,21 @@ def test_a_worker_reading_rows_in_blocks_of_fewer_than_one_element_rejects(
     result = _run(inputs, config=attrs.evolve(inputs.config, worker=worker))
     assert isinstance(result, InconsistentModelFacts)
     assert result.field == "worker" and f"row_multiple {multiple}" in result.reason
+
+
+@given(valid_plan_inputs(), st.data())
+def test_a_stage_naming_no_file_is_rejected_not_an_index_error(
+    inputs: PlanInputs, data: st.DataObject
+) -> None:
+    """A plan from elsewhere (JSON) whose stage's source lists no path: ``check_plan``
+    once raised ``IndexError`` describing it; it is an inconsistent plan."""
+    from runplan import GgufSource
+
+    plan = _run(inputs)
+    assert isinstance(plan, RunPlan)
+    i = data.draw(st.integers(0, len(plan.stages) - 1))
+    stage = attrs.evolve(plan.stages[i], gguf_source=GgufSource(paths=()))
+    broken = attrs.evolve(plan, stages=(*plan.stages[:i], stage, *plan.stages[i + 1 :]))
+    result = check_plan(broken)
+    assert isinstance(result, InconsistentPlan)
+    assert "(no file)" in str(result)

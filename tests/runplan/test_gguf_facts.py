@@ -334,3 +334,81 @@ def test_a_path_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
         pytest.skip(f"this file system refuses a non-UTF-8 name: {exc}")
     with pytest.raises(ModelNotFound, match="not UTF-8"):
         resolve_model(os.fsdecode(odd))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "kind"),
+    [
+        ("llama.attention.head_count_kv", -1, GGUFValueType.INT32),
+        ("llama.attention.head_count", 2**64 - 1, GGUFValueType.UINT64),
+        ("llama.attention.head_count", 2**40, GGUFValueType.UINT64),
+    ],
+)
+def test_a_head_count_outside_32_bits_is_refused_naming_it(
+    tmp_path: Path, key: str, value: int, kind: GGUFValueType
+) -> None:
+    """llama.cpp holds head counts as ``uint32_t``: -1 once gave a KV cache of -2 KiB a
+    block, 2**40 a plan every stage then refused at load (its tensors' shapes)."""
+    path = write_model(tmp_path / "m.gguf", ModelShape(), override_keys={key: (value, kind)})
+    with pytest.raises(GgufError, match=rf"{value}: it must be in 0\.\.4294967295") as info:
+        facts_of(str(path))
+    assert info.value.key == key
+
+
+def test_a_vocab_size_short_of_the_embedding_is_refused_naming_both(tmp_path: Path) -> None:
+    """``llama.vocab_size`` below the token embedding's rows: llama.cpp's loader refuses
+    the embedding's shape; the plan once passed and every stage refused it at load."""
+    ok = write_model(tmp_path / "ok.gguf", ModelShape(n_layers=1))
+    rows = GgufHeader.read(str(ok)).tensors["token_embd.weight"].shape
+    bad = write_model(
+        tmp_path / "bad.gguf",
+        ModelShape(n_layers=1),
+        override_keys={"llama.vocab_size": (rows[1] - 6, GGUFValueType.UINT32)},
+    )
+    with pytest.raises(
+        GgufError, match=rf"has shape \[{rows[0]}, {rows[1]}\].*{rows[1] - 6} tokens"
+    ):
+        facts_of(str(bad))
+
+
+def test_a_block_index_of_thousands_of_digits_is_a_gguf_error(tiny: Path, tmp_path: Path) -> None:
+    """Python refuses to read an integer of more than 4300 digits (``ValueError``); a
+    tensor named ``blk.<5000 digits>.*`` is no block tensor, and the file is refused."""
+    data = bytearray(tiny.read_bytes())
+    name = b"blk.0.attn_norm.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name)
+    long = b"blk." + b"1" * 5000 + b".attn_norm.weight"
+    data[at : at + 8 + len(name)] = struct.pack("<Q", len(long)) + long
+    bad = tmp_path / "long.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GgufError, match=r"is not named blk\.<block>\.<name>|blk\.0\."):
+        facts_of(str(bad))
+
+
+def test_keys_named_like_the_packages_header_fields_are_keys(tmp_path: Path) -> None:
+    """The gguf package files the header's version and counts among the keys as
+    ``GGUF.version``, ``GGUF.tensor_count``, ``GGUF.kv_count``; a file's own key of such a
+    name (llama.cpp reads it as any key) was refused as a duplicate, and other
+    ``GGUF.*`` keys were left out of the header's keys (so a split lost them)."""
+    path = write_model(
+        tmp_path / "m.gguf", ModelShape(), extra_keys={"GGUF.version": "mine", "GGUF.note": 7}
+    )
+    header = GgufHeader.read(str(path))
+    assert {"GGUF.version", "GGUF.note"} <= set(header.keys())
+    assert header.string("GGUF.version") == "mine"
+    assert not {"GGUF.tensor_count", "GGUF.kv_count"} & set(header.keys())
+    assert facts_of(str(path)).num_layers == ModelShape().n_layers
+
+
+def test_field_bytes_are_each_keys_stored_bytes(smollm2_path: str) -> None:
+    """Each key's stored bytes (key, type, value: what content keys and split shards
+    hash and copy) against the gguf package's reading of the same field, every key."""
+    from gguf import GGUFReader
+
+    header = GgufHeader.read(smollm2_path)
+    theirs = GGUFReader(smollm2_path).fields
+    keys = header.keys()
+    assert keys == [k for k in theirs if not k.startswith("GGUF.")]
+    for key in keys:
+        want = b"".join(bytes(part.tobytes()) for part in theirs[key].parts)
+        assert header.field_bytes(key) == want, key

@@ -173,6 +173,8 @@ def test_a_manifest_that_does_not_match_its_shards_is_refused_naming_the_file(
     with pytest.raises(GgufError, match=rf"{ShardKeys.LAYER_START}.*its manifest says"):
         model_facts_from_gguf(bad)
     no_embedding = {**entries[0], "parts": {**entries[0]["parts"], "embedding": False}}
+    n = doc["block_count"]
+    far_end = {**entries[-1], "parts": {**entries[-1]["parts"], "layer_end_exclusive": 10**12}}
     for broken, match in (
         ({**doc, "version": 9}, "version 9"),
         ({**doc, "shards": []}, "names no shard"),
@@ -187,6 +189,15 @@ def test_a_manifest_that_does_not_match_its_shards_is_refused_naming_the_file(
         # an entry taken out: read as the whole model, its blocks once weighed nothing
         ({**doc, "shards": [entries[0], entries[2]]}, "no shard holds block"),
         ({**doc, "shards": [no_embedding, *entries[1:]]}, "no shard holds the embedding"),
+        # a count of 10**12 blocks once made a set of each (memory without end): spans
+        (
+            {**doc, "block_count": 10**12},
+            rf"no shard holds block {n} \({10**12 - n} of its {10**12} blocks",
+        ),
+        (
+            {**doc, "block_count": 10**12, "shards": [*entries[:-1], far_end]},
+            "its manifest says",
+        ),
     ):
         (bad / MANIFEST_NAME).write_text(json.dumps(broken))
         with pytest.raises(GgufError, match=match):
