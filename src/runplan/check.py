@@ -37,6 +37,7 @@ from runplan.validate import (
     check_activation_family,
     check_alignment,
     check_dtype,
+    check_end_tokens,
     check_extent,
     check_id,
     check_max_tokens,
@@ -115,10 +116,9 @@ def _check_model(m: GgufModelPlan) -> PlanRejection | None:
         value = getattr(m, name)
         if not 1 <= value <= most:
             return InconsistentModelFacts(name, str(value), f"must be in 1..2**{bits}-1")
-    if not 0 <= m.eos_token_id < m.vocab_size:
-        return InconsistentModelFacts(
-            "eos_token_id", str(m.eos_token_id), f"outside vocab 0..{m.vocab_size - 1}"
-        )
+    rejection = check_end_tokens(m.eos_token_id, m.eog_token_ids, m.vocab_size)
+    if rejection:
+        return rejection
     rejection = check_model_strings(m.model_id, m.architecture, m.gguf_source.paths)
     if rejection:
         return rejection

@@ -78,6 +78,14 @@ class ModelFacts:
     layer_rope_freq_bases: tuple[float, ...] = float_tuple_field(default=())
     # {arch}.expert_count: a mixture of that many experts in every block (0: none)
     expert_count: int = int_field(default=0)
+    # Every id that ends generation (``runplan.end_tokens``: the end-of-sequence id, end
+    # of turn, ...), sorted; empty when unknown, and then ``eos_token_id`` alone.
+    eog_token_ids: tuple[int, ...] = int_tuple_field(default=())
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The ids a run ends at: ``eog_token_ids`` and ``eos_token_id``."""
+        return frozenset((self.eos_token_id, *self.eog_token_ids))
 
     def kv_bytes_per_token_per_layer(self, width_bytes: int) -> int:
         """KV-cache bytes that one position of one block takes at ``width_bytes``."""

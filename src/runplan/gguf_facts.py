@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from runplan.block_values import model_integer
+from runplan.end_tokens import header_end_of_generation_ids
 from runplan.facts import GgufSource, ModelFacts
 from runplan.gguf_error import GgufError
 from runplan.gguf_files import model_id_for
@@ -133,6 +134,7 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         head_dim_v=head_dim_v,
         vocab_size=vocab,
         eos_token_id=eos,
+        eog_token_ids=header_end_of_generation_ids(header, eos, vocab),
         expert_count=expert_count(header, arch),
         context_length=context_length,
         max_seq_len=context_length if max_seq_len is None else max_seq_len,

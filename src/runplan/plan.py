@@ -10,6 +10,7 @@ from attrs import frozen
 from runplan._fields import (
     bool_field,
     int_field,
+    int_tuple_field,
     kv_width_field,
     str_field,
     tuple_field,
@@ -129,6 +130,14 @@ class GgufModelPlan:
     eos_token_id: int = int_field()
     vocab_size: int = int_field()
     kv_dtype_width_bytes: int = kv_width_field()
+    #: every id that ends generation (``ModelFacts.eog_token_ids``: end of turn, ...;
+    #: the spec's EOS policy read as llama.cpp reads it); empty: ``eos_token_id`` alone
+    eog_token_ids: tuple[int, ...] = int_tuple_field(default=())
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The ids a run ends at: ``eog_token_ids`` and ``eos_token_id``."""
+        return frozenset((self.eos_token_id, *self.eog_token_ids))
 
 
 @frozen

@@ -215,6 +215,7 @@ def _model_plan(facts: ModelFacts, config: RuntimeConfig) -> GgufModelPlan:
         dtype_width_bytes=config.activation_dtype_width_bytes,
         max_seq_len=facts.max_seq_len,
         eos_token_id=facts.eos_token_id,
+        eog_token_ids=facts.eog_token_ids,
         vocab_size=facts.vocab_size,
         kv_dtype_width_bytes=kv_width(config.worker, config.activation_dtype_width_bytes),
     )

@@ -257,11 +257,28 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
             return InconsistentModelFacts(
                 f"layer_windows[{i}]", str(window), "a window is 0 (global) or a position count"
             )
-    if not 0 <= facts.eos_token_id < facts.vocab_size:
-        return InconsistentModelFacts(
-            "eos_token_id", str(facts.eos_token_id), f"outside vocab 0..{facts.vocab_size - 1}"
-        )
+    rejection = check_end_tokens(facts.eos_token_id, facts.eog_token_ids, facts.vocab_size)
+    if rejection:
+        return rejection
     return check_model_strings(facts.model_id, facts.architecture, facts.gguf_source.paths)
+
+
+def check_end_tokens(
+    eos_token_id: int, eog_token_ids: tuple[int, ...], vocab_size: int
+) -> PlanRejection | None:
+    """The ids that end generation are in the vocabulary, the others once each."""
+    if not 0 <= eos_token_id < vocab_size:
+        return InconsistentModelFacts(
+            "eos_token_id", str(eos_token_id), f"outside vocab 0..{vocab_size - 1}"
+        )
+    for i, token in enumerate(eog_token_ids):
+        if not 0 <= token < vocab_size:
+            return InconsistentModelFacts(
+                f"eog_token_ids[{i}]", str(token), f"outside vocab 0..{vocab_size - 1}"
+            )
+    if len(set(eog_token_ids)) != len(eog_token_ids):
+        return InconsistentModelFacts("eog_token_ids", str(list(eog_token_ids)), "an id repeats")
+    return None
 
 
 def _check_elements(facts: ModelFacts) -> PlanRejection | None:

@@ -62,6 +62,8 @@ class Interrupted:
     stop: tuple[str, ...] = tuple_field(str, default=())
     stream_offset: int = int_field(default=0)
     recoveries: int = int_field(default=0)
+    #: ids besides eos_token_id that end a stream (the plan's: end of turn, ...)
+    eog_token_ids: tuple[int, ...] = int_tuple_field(default=())
 
     @classmethod
     def of_plan(
@@ -81,6 +83,7 @@ class Interrupted:
             sampling=plan.sampling,
             delivered=tuple(delivered),
             stop=tuple(stop),
+            eog_token_ids=plan.model.eog_token_ids,
         )
 
     @classmethod
@@ -97,6 +100,7 @@ class Interrupted:
             stop=replay.stop,
             stream_offset=replay.stream_offset,
             recoveries=replay.recoveries,
+            eog_token_ids=plan.model.eog_token_ids,
         )
 
     @property
@@ -104,7 +108,11 @@ class Interrupted:
         """The stream had ended before the fault: its end-of-sequence token or its last
         token was delivered."""
         d = self.delivered
-        return len(d) >= self.max_tokens or (bool(d) and d[-1] == self.eos_token_id)
+        return len(d) >= self.max_tokens or (bool(d) and self.ends_stream(d[-1]))
+
+    def ends_stream(self, token_id: int) -> bool:
+        """Whether ``token_id`` ends the stream: EOS or another end of generation."""
+        return token_id == self.eos_token_id or token_id in self.eog_token_ids
 
 
 class ReplayRefusal(enum.Enum):
@@ -174,7 +182,7 @@ def replay_of(interrupted: Interrupted, run_id: str, max_seq_len: int) -> Replay
             f"{k} of max_tokens {i.max_tokens} delivered"
             + (
                 ", the last the end-of-sequence token"
-                if k and i.delivered[-1] == i.eos_token_id
+                if k and i.ends_stream(i.delivered[-1])
                 else ""
             ),
         )

@@ -16,6 +16,13 @@ from typing import Any
 import numpy as np
 from attrs import field, frozen
 
+from runplan.end_tokens import (
+    EOG_EXCEPTIONS,
+    EOG_TEXTS,
+    FIM_OLD_KEYS,
+    FIM_TEXTS,
+    end_of_generation_ids,
+)
 from runplan.gguf_facts import SPECIAL_TOKEN_DEFAULTS, special_token_id
 from runplan.gguf_header import GgufHeader
 from runplan.picklable_error import PicklableError
@@ -83,42 +90,6 @@ _TYPE_ATTR = {
 SUPPORTED_MODELS = ("gpt2", "llama")
 assert set(SPECIAL_TOKEN_DEFAULTS) == set(SUPPORTED_MODELS)
 
-# Tokens llama.cpp marks as control by their text, whatever their type in the file:
-# end of generation (and end of turn / message), and fill-in-the-middle markers when
-# the file does not name those ids.
-_EOG_TEXTS = frozenset(
-    {
-        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
-        "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
-        "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
-        "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
-    }
-)  # fmt: skip
-_FIM_TEXTS = {
-    "tokenizer.ggml.fim_pre_token_id": (
-        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
-        "▁<PRE>", "<|code_prefix|>", "<|prefix|>",
-    ),
-    "tokenizer.ggml.fim_suf_token_id": (
-        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
-        "▁<SUF>", "<|code_suffix|>", "<|suffix|>",
-    ),
-    "tokenizer.ggml.fim_mid_token_id": (
-        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
-        "▁<MID>", "<|code_middle|>", "<|middle|>",
-    ),
-    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "tokenizer.ggml.fim_rep_token_id": (
-        "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
-    ),
-    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
-}  # fmt: skip
-# Old names of three of the keys above.
-_FIM_OLD_KEYS = {
-    "tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_token_id",
-    "tokenizer.ggml.fim_suf_token_id": "tokenizer.ggml.suffix_token_id",
-    "tokenizer.ggml.fim_mid_token_id": "tokenizer.ggml.middle_token_id",
-}
 # Tokens llama.cpp always renders as text (gpt-oss's channel markers).
 _ALWAYS_USER_DEFINED = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
 
@@ -263,49 +234,30 @@ def _mark_by_text(
     header: GgufHeader, tokens: list[str], ids: dict[str, int], attrs: list[int], eos_id: int | None
 ) -> frozenset[int]:
     """Mark the tokens llama.cpp recognises by their text; return the end-of-generation
-    ids."""
+    ids (``runplan.end_tokens``)."""
 
-    def control(found: Iterable[str]) -> list[int]:
-        out = []
+    def control(found: Iterable[str]) -> None:
         for text in found:
             i = ids.get(text)
             if i is not None:
                 attrs[i] |= Attr.CONTROL
-                out.append(i)
-        return out
 
-    eog: set[int | None] = set(control(_EOG_TEXTS))
-    for key, texts in _FIM_TEXTS.items():
-        old = _FIM_OLD_KEYS.get(key)
-        if header.has(key) or (old is not None and header.has(old)):
-            found: list[int | None] = [_in_range(header, key, old, len(tokens))]
-        else:
-            found = list(control(texts))
-        if key.endswith(("pad_token_id", "rep_token_id", "sep_token_id")):
-            eog.update(i for i in found if i is not None)
+    control(EOG_TEXTS)
+    for key, texts in FIM_TEXTS.items():
+        old = FIM_OLD_KEYS.get(key)
+        if not (header.has(key) or (old is not None and header.has(old))):
+            control(texts)
     for i, attr in enumerate(attrs):
         if attr & Attr.CONTROL and "unused" in tokens[i]:
             attrs[i] = attr | Attr.UNUSED
     for text in _ALWAYS_USER_DEFINED:
         if text in ids:
             attrs[ids[text]] = Attr.USER_DEFINED
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if header.has(key):
-            eog.add(_in_range(header, key, None, len(tokens)))
-    eog.add(eos_id)
-    eog.discard(None)
-    eog_texts = {tokens[i] for i in eog if i is not None}
-    if "<|end|>" in eog_texts and (
-        {"<|return|>", "<|call|>"} <= eog_texts or {"<|calls|>", "<|flush|>"} <= eog_texts
-    ):
-        end = ids["<|end|>"]
-        eog.discard(end)
-        attrs[end] = Attr.USER_DEFINED
-    if "<|tool_response>" in eog_texts and "</s>" in eog_texts:
-        s = ids["</s>"]
-        eog.discard(s)
-        attrs[s] = Attr.NORMAL
-    return frozenset(i for i in eog if i is not None)
+    eog = end_of_generation_ids(header, tokens, ids, eos_id)
+    for (text, _), shown in zip(EOG_EXCEPTIONS, (Attr.USER_DEFINED, Attr.NORMAL), strict=True):
+        if text in ids and ids[text] not in eog:  # llama.cpp's exception took it out
+            attrs[ids[text]] = shown
+    return eog
 
 
 def _strip_by_name(header: GgufHeader, ids: dict[str, int], attrs: list[int], pre: str) -> None:
@@ -337,8 +289,3 @@ def _strip_by_name(header: GgufHeader, ids: dict[str, int], attrs: list[int], pr
             mark(text, Attr.RSTRIP, on=False, required=True)
     elif "modern-bert" in name:
         mark("[MASK]", Attr.LSTRIP)
-
-
-def _in_range(header: GgufHeader, key: str, old: str | None, n: int) -> int | None:
-    value = header.integer(key if header.has(key) else str(old))
-    return value if 0 <= value < n else None

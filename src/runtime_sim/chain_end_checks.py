@@ -146,12 +146,13 @@ class EndChecks:
                 )
 
     def _isolation(self, i: int, run: Any) -> None:
-        """Run ``i``'s caller got exactly its run's tokens (EOS excluded), each as its last
-        stage made it for that run and sequence."""
+        """Run ``i``'s caller got exactly its run's tokens (the one that ended it, EOS or
+        another end of generation, excluded), each as its last stage made it for that run
+        and sequence."""
         run_id = run.last_id
         consumed = self.consumed.get(run_id, {})
         made = self.made.get(run_id, {})
-        eos = self.sim.runs[i].plan.model.eos_token_id
+        ends = self.sim.runs[i].plan.model.end_token_ids
         for sequence, token in sorted(consumed.items()):
             if made.get(sequence) != token:
                 self.fail(
@@ -160,7 +161,7 @@ class EndChecks:
                     f"{run_id!r} consumed token {token} at {sequence}; its last stage made "
                     f"{made.get(sequence)}",
                 )
-        expected = [(run_id, s, t) for s, t in sorted(consumed.items()) if t != eos]
+        expected = [(run_id, s, t) for s, t in sorted(consumed.items()) if t not in ends]
         got = list(run.delivered)
         if got != expected[: len(got)] or (run.outcome == "completed" and got != expected):
             self.fail(

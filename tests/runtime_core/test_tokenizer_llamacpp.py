@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from runplan.end_tokens import header_end_of_generation_ids
+from runplan.gguf_header import GgufHeader
 from runtime_core.tokenizer import ChatTemplateError, Tokenizer
 from tests.fixtures.gguf_vocab import SPECS
 from tests.runtime_core.conftest import MAIN_FIXTURES, alias_names, recorded
@@ -122,6 +124,10 @@ def test_file_facts_match_llama_cpp(name: str, recorded_tokenizer: Get) -> None:
     assert tok.bos_id == (meta["bos_id"] if meta["bos_id"] >= 0 else None)
     assert tok.eos_id == (meta["eos_id"] if meta["eos_id"] >= 0 else None)
     assert sorted(tok.eog_ids) == meta["eog_ids"]
+    # the planner's reading of the same header (what ends a run) is llama.cpp's too
+    header = GgufHeader.read(tok.vocab.path)
+    eos = meta["eos_id"] if meta["eos_id"] >= 0 else None
+    assert list(header_end_of_generation_ids(header, eos, meta["n_vocab"])) == meta["eog_ids"]
 
 
 def test_the_fixtures_cover_every_model_and_required_pre_tokenizer() -> None:

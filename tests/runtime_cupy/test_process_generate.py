@@ -175,3 +175,32 @@ def test_the_cuda_worker_without_cupy_is_a_typed_error(tiny: str) -> None:
         pytest.skip("CuPy is installed here")
     with pytest.raises(runtime_cupy.WorkerUnavailable, match="CuPy"):
         generate(tiny, [1], stages=1, worker="cuda")
+
+
+def test_an_end_of_turn_other_than_eos_ends_the_answer(smollm2_path: str, tmp_path: Path) -> None:
+    """A chat model whose ``eos_token_id`` is not the token that ends its turns (Phi-3's
+    ``<|endoftext|>`` beside ``<|end|>``; here SmolLM2 with its eos set to
+    ``<|endoftext|>``, its turns still ending with ``<|im_end|>``): the answer ends at
+    the end of turn, as llama.cpp's does (it once ran on into a made-up dialogue)."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    from runtime_core.tokenizer import Tokenizer
+
+    changed = tmp_path / "eos0.gguf"
+    shutil.copyfile(smollm2_path, changed)
+    reader = GGUFReader(changed, "r+")
+    reader.fields["tokenizer.ggml.eos_token_id"].parts[-1][0] = 0  # <|endoftext|>
+    del reader
+    tok = Tokenizer.from_gguf(changed)
+    assert tok.token_text(0) == "<|endoftext|>" and tok.eos_id == 0
+    prompt = tok.encode_chat(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    stock = generate(smollm2_path, prompt, max_tokens=40)
+    assert stock.outcome == "completed" and len(stock.tokens) < 40  # ended at <|im_end|>
+    ours = generate(changed, prompt, max_tokens=40)
+    assert ours.outcome == "completed"
+    assert ours.tokens == stock.tokens
+    assert tok.eog_ids >= {0, tok.vocab.ids["<|im_end|>"]}
+    assert ours.plan.model.end_token_ids == tok.eog_ids
+    _assert_clean(ours)

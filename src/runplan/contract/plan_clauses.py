@@ -420,6 +420,9 @@ def consistent_facts(s: Subject) -> Iterator[str]:
             yield f"the model's {name} is {getattr(m, name)}"
     if not 0 <= m.eos_token_id < m.vocab_size:
         yield f"eos token {m.eos_token_id} is outside the vocabulary 0..{m.vocab_size - 1}"
+    for token in m.eog_token_ids:
+        if not 0 <= token < m.vocab_size:
+            yield f"end token {token} is outside the vocabulary 0..{m.vocab_size - 1}"
     if len(s.plan.stages) > m.num_layers >= 1:
         yield f"{len(s.plan.stages)} stages for a model of {m.num_layers} layers"
     if not m.gguf_source.paths or not all(m.gguf_source.paths):
@@ -442,6 +445,7 @@ def consistent_facts(s: Subject) -> Iterator[str]:
         "hidden_dim",
         "max_seq_len",
         "eos_token_id",
+        "eog_token_ids",
         "vocab_size",
     ):
         if getattr(m, name) != getattr(f, name):

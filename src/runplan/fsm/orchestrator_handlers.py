@@ -245,7 +245,7 @@ def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
     if not 0 <= e.token_id < m.vocab_size:
         return _fault(m, FaultKind.EDGE_FAULT, f"token id {e.token_id} outside the vocabulary")
     consumed = m.consumed + (e.token_id,)  # noqa: RUF005 (one copy, not two: a run grows it per token)
-    eos = e.token_id == m.eos_token_id
+    eos = m.ends_run(e.token_id)  # EOS, or another end of generation (end of turn, ...)
     delivered: tuple[Action, ...] = () if eos else (DeliverToken(e.sequence, e.token_id),)
     if eos or len(consumed) >= m.max_tokens:
         return _teardown(_evolve(m, consumed=consumed), StopReason.COMPLETED, actions=delivered)

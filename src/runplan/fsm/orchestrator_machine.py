@@ -37,6 +37,8 @@ class OrchestratorMachine:
     fault_stage: int | None = None
     refused: frozenset[int] = frozenset()  # stages that refused the provision
     prefill_chunk: int = 0  # rows per chunk of the prompt (0: one record)
+    #: ids besides eos_token_id that end the run (the plan's eog_token_ids: end of turn, ...)
+    eog_token_ids: frozenset[int] = frozenset()
 
     @classmethod
     def for_plan(cls, plan: RunPlan, prompt: tuple[int, ...]) -> OrchestratorMachine:
@@ -55,12 +57,18 @@ class OrchestratorMachine:
             vocab_size=plan.model.vocab_size,
             timeouts=plan.timeouts,
             prefill_chunk=plan.prefill_chunk,
+            eog_token_ids=frozenset(plan.model.eog_token_ids),
         )
 
     @property
     def tokens(self) -> tuple[int, ...]:
-        """Generated tokens, EOS excluded."""
-        return tuple(t for t in self.consumed if t != self.eos_token_id)
+        """Generated tokens, the one that ended the run (EOS, end of turn) excluded."""
+        return tuple(t for t in self.consumed if not self.ends_run(t))
+
+    def ends_run(self, token_id: int) -> bool:
+        """Whether ``token_id`` ends the run (not delivered): EOS or another end of
+        generation."""
+        return token_id == self.eos_token_id or token_id in self.eog_token_ids
 
     @property
     def awaiting_stop(self) -> frozenset[int]:
