@@ -17,6 +17,7 @@ iterator is exhausted or closed. Each run samples with its own sampler from ``se
 
 from __future__ import annotations
 
+import operator
 import os
 import queue
 from collections.abc import Generator, Sequence
@@ -56,6 +57,11 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_tokens: int, facts: Mode
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise BatchError(f"prompt {i} holds no tokens", i)
+        for j, t in enumerate(prompt):
+            try:
+                operator.index(t)  # 5.9 or "5" is no token id (int() ran 5.9 as 5)
+            except TypeError:
+                raise BatchError(f"prompt {i}: token {j} is {t!r}, not an integer", i) from None
         outside = next((j for j, t in enumerate(prompt) if not 0 <= t < facts.vocab_size), None)
         if outside is not None:
             raise BatchError(

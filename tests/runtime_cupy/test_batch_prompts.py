@@ -40,6 +40,24 @@ def test_a_token_outside_the_vocabulary_is_refused_naming_its_prompt(tiny: str) 
     assert info.value.index == 2
 
 
+@pytest.mark.parametrize("bad", [5.9, "5", None])
+def test_a_token_that_is_no_integer_is_refused_naming_its_prompt(tiny: str, bad: object) -> None:
+    """``int(5.9)`` once ran the prompt [5, ...] and reported it completed; a string
+    raised a bare ``TypeError`` naming no prompt. (``generate`` already refused both.)"""
+    with pytest.raises(BatchError, match=rf"prompt 1: token 1 is {bad!r}, not an integer"):
+        generate_batch(tiny, [[1], [2, bad]])  # type: ignore[list-item]
+
+
+@pytest.mark.process
+def test_a_warm_chain_refuses_a_token_that_is_no_integer(tiny: str) -> None:
+    from runtime_cupy.serve.chain import WarmChain
+
+    with WarmChain(tiny, stages=1, context=32, max_concurrent=1) as chain:
+        with pytest.raises(TypeError, match="'float' object cannot be interpreted"):
+            chain.generate([5.9, 17.7, 3.2], max_tokens=2)  # type: ignore[list-item]
+        assert chain.generate([5, 17, 3], max_tokens=2).result.tokens  # still serving
+
+
 def test_a_prompt_too_long_for_the_context_is_refused_naming_it(tiny: str) -> None:
     context = model_facts_from_gguf(tiny).context_length
     prompts = [[1, 2], [3] * (context - 2), [4]]  # context - 2 + 4 - 1 positions

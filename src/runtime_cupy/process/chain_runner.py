@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import threading
 import time
@@ -221,7 +222,8 @@ class ChainRunner(ChainStages, RunHandoffs):
         ``RunRefused``) or faulted (the chain is dead or closing). ``on_done(run)``
         when it ended (from the loop's thread); ``on_logits`` takes each token's logits
         (a plan that returns them), which the run's outcome then does not hold."""
-        run = ChainRun(self, plan, tuple(int(t) for t in prompt), on_token, on_done, on_logits)
+        ids = tuple(operator.index(t) for t in prompt)  # 5.9 is refused, not run as 5
+        run = ChainRun(self, plan, ids, on_token, on_done, on_logits)
         with self._lock:
             late = self._over
             if not late:
