@@ -22,6 +22,7 @@ from runplan import (
 )
 from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
+from runplan.fsm.orchestrator_machine import check_prompt
 from runplan.messages import StageReady
 from runplan.models import resolve_model
 from runtime_core.gguf_slice import check_whole_model
@@ -202,6 +203,7 @@ def generate(
         cluster=cluster,
         kv_dtype=kv_dtype,
     )
+    check_prompt(plan, prompt)  # PromptError here, before any stage process starts
     tokenizer = tokenizer or Tokenizer.from_gguf(path)
 
     def events(kind: str, fields: dict[str, Any]) -> None:

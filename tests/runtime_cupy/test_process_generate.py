@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -204,3 +205,24 @@ def test_an_end_of_turn_other_than_eos_ends_the_answer(smollm2_path: str, tmp_pa
     assert tok.eog_ids >= {0, tok.vocab.ids["<|im_end|>"]}
     assert ours.plan.model.end_token_ids == tok.eog_ids
     _assert_clean(ours)
+
+
+@pytest.mark.parametrize("prompt", [[], [1, 10**8]], ids=["empty", "outside"])
+def test_a_prompt_no_run_can_take_is_refused_before_any_stage_starts(
+    tiny: str, prompt: list[int]
+) -> None:
+    """An empty prompt or an id outside the vocabulary: ``PromptError`` before a stage
+    process starts (it started every stage, then killed them after seconds)."""
+    from runplan.fsm.orchestrator_machine import PromptError
+    from runtime_cupy.hosts.local import LocalProcessHost
+
+    class Counting(LocalProcessHost):
+        started = 0
+
+        def start(self, launch: Any, secret: bytes) -> Any:
+            Counting.started += 1
+            return super().start(launch, secret)
+
+    with pytest.raises(PromptError):
+        generate(tiny, prompt, host=Counting())
+    assert Counting.started == 0
