@@ -289,3 +289,31 @@ def test_version_names_the_installed_distribution(package: str, _module: str) ->
     assert done.stdout.strip() == (
         f"python -m {package} (gguf-pipeline {metadata.version('gguf-pipeline')})"
     )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["runplan", "facts", "--json"],
+        ["runtime_sim", "explore", "--rules"],
+        ["runtime_cupy", "plan", "--json"],
+    ],
+    ids=" ".join,
+)
+def test_a_reader_that_went_away_ends_the_command_quietly(command: list[str]) -> None:
+    """Standard output's reader gone before the command writes (``| head -c0``, a pager
+    quit): exit 141, as a shell reports a process SIGPIPE ended, and no
+    ``BrokenPipeError`` traceback (there were one or two, exit 1)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the interpreter has even started the command
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err, err

@@ -23,7 +23,9 @@ when the command succeeded. docs/json-output.md is the page users read.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -112,6 +114,23 @@ def cancelled_exit(exc: KeyboardInterrupt) -> int:
         print_json(cancelled_json(signal_name))
     sys.stderr.write("cancelled\n")
     return cancelled_status(signal_name)
+
+
+#: The exit status of a command whose standard output's reader went away (``cmd | head``
+#: once ``head`` read enough): a shell's status for a process that SIGPIPE ended.
+READER_GONE = 128 + 13
+
+
+def reader_gone_exit() -> int:
+    """A package's ``__main__`` for a ``BrokenPipeError`` no command met: standard
+    output's reader went away. No traceback, and nothing more written there (it goes to
+    ``/dev/null``, so that the interpreter's flush at exit does not fail again); the
+    exit status ``READER_GONE``."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return READER_GONE
 
 
 _PRINTED = threading.Event()  # set once this process printed its document (``printed``)

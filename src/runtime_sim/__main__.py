@@ -15,4 +15,8 @@ except KeyboardInterrupt as exc:  # while the modules load (or past the command'
     from runplan.json_errors import cancelled_exit
 
     status = cancelled_exit(exc)
+except BrokenPipeError:  # standard output's reader went away (``| head``)
+    from runplan.json_errors import reader_gone_exit
+
+    status = reader_gone_exit()
 sys.exit(status)

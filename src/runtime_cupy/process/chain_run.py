@@ -132,7 +132,10 @@ class ChainRun:
                 self.on_token(token_id)
         except Exception as exc:  # the caller's: this run ends, the chain and others go on
             self.callback_failed = f"its {name} raised {type(exc).__name__}: {exc}"
-            log.exception("run %s: %s", run_label(self.run_id), self.callback_failed)
+            if isinstance(exc, BrokenPipeError):  # where it writes, no one reads: no bug
+                log.info("run %s: %s", run_label(self.run_id), self.callback_failed)
+            else:
+                log.exception("run %s: %s", run_label(self.run_id), self.callback_failed)
             self.cancel(self.callback_failed)
 
     def _end(self) -> None:
