@@ -252,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             guarded_listener,
         )
         from runtime_cupy.serve.engine import Engine
+        from runtime_cupy.serve.host_header import loopback_names
         from runtime_cupy.serve.shutdown import StoppingServer
     except ImportError as exc:
         print(f"error: serving needs the serve extra: pip install 'gguf-pipeline[serve]' ({exc})",
@@ -273,7 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     guard = ConnectionGuard(ConnectionLimits(connections, args.client_timeout))
     sock = guarded_listener(sock, guard)
     config = uvicorn.Config(
-        build_app(engine, api_key=api_key, client_timeout_s=args.client_timeout),
+        build_app(
+            engine,
+            api_key=api_key,
+            client_timeout_s=args.client_timeout,
+            host_names=loopback_names(args.host),
+        ),
         http=bounded_h11(guard),
         backlog=BACKLOG,
         timeout_keep_alive=max(1, math.ceil(args.client_timeout)),

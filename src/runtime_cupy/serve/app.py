@@ -18,7 +18,9 @@ field), 401 without the right ``Authorization: Bearer`` key (when the server has
 does not arrive within the client timeout, 413 for a body over ``MAX_BODY_BYTES``, 415
 for a body of another type than JSON or of none (``_check_json_type``: what a web page
 can make a browser send to localhost unasked), 429 when the queue is full, 500 / 503 when the
-pipeline cannot answer. A bug is logged with its traceback and answered 500 without it.
+pipeline cannot answer; a server on a loopback address answers 400 ``invalid_host`` to a
+``Host`` that is not a loopback name (``host_header``: DNS rebinding). A bug is logged
+with its traceback and answered 500 without it.
 
 A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
 on the event loop: ``/health`` and the streams of other requests go on meanwhile.
@@ -34,6 +36,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -42,6 +45,7 @@ from starlette.types import Receive, Scope, Send
 from runtime_cupy.serve import openai_format as fmt
 from runtime_cupy.serve.engine import Engine, QueueFull, ShuttingDown
 from runtime_cupy.serve.events import Event, Failed, Finished, Piece
+from runtime_cupy.serve.host_header import LoopbackHosts
 from runtime_cupy.serve.jobs import Job
 from runtime_cupy.serve.requests import (
     CompletionRequest,
@@ -374,9 +378,14 @@ async def _bug(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    engine: Engine, *, api_key: str | None = None, client_timeout_s: float = CLIENT_TIMEOUT_S
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    client_timeout_s: float = CLIENT_TIMEOUT_S,
+    host_names: frozenset[str] | None = None,
 ) -> Starlette:
-    """The application; the engine is started and closed by whoever runs it."""
+    """The application; the engine is started and closed by whoever runs it.
+    ``host_names``: the ``Host`` names it answers (``host_header``; ``None``: any)."""
     api = Api(engine, api_key=api_key, client_timeout_s=client_timeout_s)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
@@ -386,6 +395,9 @@ def build_app(
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
+    checks = [] if host_names is None else [Middleware(LoopbackHosts, names=host_names)]
     return Starlette(
-        routes=routes, exception_handlers={HTTPException: _http_error, Exception: _bug}
+        routes=routes,
+        middleware=checks,
+        exception_handlers={HTTPException: _http_error, Exception: _bug},
     )
