@@ -29,7 +29,7 @@ from runtime_cupy.edges import choice, shm
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.port import EdgeSetupError
 from runtime_cupy.edges.shm import ShmMedium, segment_name, signal_paths
-from runtime_cupy.hosts.local import FileRendezvous, local_medium
+from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, local_medium
 from runtime_cupy.process.launcher import ProcessRun
 from runtime_cupy.process.names import NameTaken, NotPrivate, edge_dir, remove_edge_dir
 from tests.runtime_cupy.test_process_cli import _env
@@ -233,6 +233,55 @@ def test_a_strangers_segment_under_a_hop_s_name_is_left_to_it_and_the_rest_is_fr
     finally:
         squat.unlink(missing_ok=True)
         for hop in (0, 2):
+            (SHM / segment_name(run_id, hop)).unlink(missing_ok=True)
+            shutil.rmtree(edge_dir(run_id, hop), ignore_errors=True)
+    assert run_resources(run_id) == []
+
+
+def test_a_root_cleanup_leaves_a_strangers_folder_and_segments_logged_and_frees_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Root may remove anything: its cleanup removed a stranger's (uid 65534) folder,
+    with what was in it, and segment squatted under a chain's hop names, silently. It
+    leaves them to their owner, logged naming them and their owner, as an unprivileged
+    cleanup does, and frees every hop its own processes made."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make resources of another user (chown) and clean up as root")
+    run_id = f"test-{uuid.uuid4().hex}"
+    ours, theirs = (0, 4), (1, 2, 3)
+    victim = Path(tempfile.mkdtemp()) / "victim.txt"
+    victim.write_text("root's")
+    squats = [
+        edge_dir(run_id, 1),  # hop 1: a folder, with a file of the stranger's in it
+        SHM / segment_name(run_id, 2),  # hop 2: a segment
+        SHM / segment_name(run_id, 3),  # hop 3: a link to a file of root's
+    ]
+    try:
+        for hop in ours:
+            edge_dir(run_id, hop).mkdir(mode=0o700)
+            os.close(os.open(SHM / segment_name(run_id, hop), os.O_CREAT | os.O_EXCL, 0o600))
+        squats[0].mkdir(mode=0o777)
+        (squats[0] / "strangers-file").write_text("theirs")
+        os.close(os.open(squats[1], os.O_CREAT | os.O_EXCL, 0o666))
+        squats[2].symlink_to(victim)
+        for path in (*squats, squats[0] / "strangers-file"):
+            os.lchown(path, 65534, 65534)
+        with caplog.at_level("WARNING"):
+            LocalProcessHost().cleanup(run_id, (*ours, *theirs))
+        assert sorted(run_resources(run_id)) == sorted(str(p) for p in squats)
+        assert (squats[0] / "strangers-file").read_text() == "theirs"
+        assert victim.read_text() == "root's"
+        assert f"left the folder {squats[0]} of edge 1 (a folder of uid 65534" in caplog.text
+        assert f"left the shared-memory segment /{squats[1].name} (a file of uid 65534" in (
+            caplog.text
+        )
+        assert f"/{squats[2].name} (a symbolic link of uid 65534" in caplog.text
+    finally:
+        shutil.rmtree(squats[0], ignore_errors=True)
+        for path in (*squats[1:], victim):
+            path.unlink(missing_ok=True)
+        victim.parent.rmdir()
+        for hop in ours:
             (SHM / segment_name(run_id, hop)).unlink(missing_ok=True)
             shutil.rmtree(edge_dir(run_id, hop), ignore_errors=True)
     assert run_resources(run_id) == []

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from runplan.plan import RingSpec
-from runtime_core.own_files import describe
+from runtime_core.own_files import describe, describe_stat
 from runtime_core.ring import ring_bytes
 from runtime_cupy.edges.port import EdgeSetupError, ProcessRing
 from runtime_cupy.process.names import (
@@ -222,10 +222,23 @@ def _reserve(fd: int, name: str, size: int) -> None:
 
 
 def unlink_segment(name: str) -> bool:
-    """Remove a segment's name; ``False`` if there was none, or if this user cannot
-    remove it: another user's, made under an edge's name before its consumer (a
-    stranger's squat, which the consumer refused: ``NameTaken``), left to its owner and
-    logged, so that the rest of a cleanup goes on."""
+    """Remove a segment's name; ``False`` if there was none, or if it is not this user's:
+    another user's, made under an edge's name before its consumer (a stranger's squat,
+    which the consumer refused: ``NameTaken``), is left to its owner and logged, also
+    where this user could remove it (root), so that the rest of a cleanup goes on and
+    frees only what this user's processes made. Where the system shows no segment as a
+    file (macOS), one this user cannot remove is left alike."""
+    try:
+        st: os.stat_result | None = os.lstat(SHM_DIR / name)
+    except OSError:  # none there, or no folder that shows segments: the unlink says
+        st = None
+    if st is not None and st.st_uid != os.geteuid():
+        log.warning(
+            "left the shared-memory segment /%s (%s): not this user's to remove",
+            name,
+            describe_stat(st),
+        )
+        return False
     try:
         _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
@@ -399,8 +412,8 @@ class ShmMedium:
 
 
 def remove_edge(run_id: str, edge_id: int) -> None:
-    """Unlink an edge's segment and its folder of FIFOs, whoever made them (missing ones
-    are fine)."""
+    """Unlink an edge's segment and its folder of FIFOs, whichever of this user's
+    processes made them (missing ones are fine; another user's are left, logged)."""
     unlink_segment(segment_name(run_id, edge_id))
     remove_edge_dir(run_id, edge_id)
 

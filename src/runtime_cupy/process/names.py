@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import secrets
 import shutil
@@ -37,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runtime_core.own_files import describe, describe_stat
+
+log = logging.getLogger("runtime_cupy.process.names")
 
 #: The prefix of every shared-memory segment and edge folder of this runtime.
 PREFIX = "gpp-"
@@ -144,12 +147,24 @@ def check_stat(st: os.stat_result, path: Path | str, kind: str) -> os.stat_resul
 
 
 def remove_edge_dir(run_id: str, edge_id: int) -> None:
-    """Remove the edge's folder and what is in it, whoever made it (missing is fine; a
-    symbolic link in its place is left alone)."""
+    """Remove the edge's folder and what is in it, if it is this user's (missing is fine;
+    a symbolic link in its place is left alone). Another user's, made under the edge's
+    name before its consumer (a stranger's squat, which the consumer refused:
+    ``NameTaken``), is left to its owner and logged, also where this user could remove
+    it (root): a cleanup frees only what this user's processes made."""
     folder = edge_dir(run_id, edge_id)
     try:
-        if stat.S_ISLNK(os.lstat(folder).st_mode):
-            return
+        st = os.lstat(folder)
     except OSError:  # none there; or no folder could be made there (TMPDIR a file, or
         return  # not searchable: ENOTDIR, EACCES), so none was: the cleanup goes on
+    if st.st_uid != os.geteuid():
+        log.warning(
+            "left the folder %s of edge %d (%s): not this user's to remove",
+            folder,
+            edge_id,
+            describe_stat(st),
+        )
+        return
+    if stat.S_ISLNK(st.st_mode):
+        return
     shutil.rmtree(folder, ignore_errors=True)
