@@ -88,6 +88,47 @@ def test_another_users_file_is_refused_and_left_as_it_was(tmp_path: Path) -> Non
     assert theirs.read_bytes() == b"theirs\n"
 
 
+def test_a_file_with_another_name_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """A hard link planted at the name (where the system lets a user link a file of
+    root's) reaches the other file: it was emptied and overwritten, root's too."""
+    victim = tmp_path / "victim.conf"
+    victim.write_bytes(b"important\n")
+    planted = tmp_path / "trace.json"
+    os.link(victim, planted)
+    for kwargs in ({"devices": True}, {"append": True}):
+        with pytest.raises(FileRefused, match=f"{planted} is a file of uid .* with 2 names"):
+            open_own_file(planted, "the trace", **kwargs)
+    assert victim.read_bytes() == b"important\n"
+
+
+def test_a_folder_that_is_another_users_link_is_refused_naming_it(tmp_path: Path) -> None:
+    """A folder on the way to the name that is a symbolic link: this user's (or root's)
+    is followed; another user's (in a sticky ``/tmp`` whose system follows it) was, and
+    the trace overwrote a file of root's wherever it pointed."""
+    private = tmp_path / "rootonly"
+    private.mkdir(mode=0o700)
+    (private / "trace.json").write_bytes(b"private\n")
+    link = tmp_path / "mytraces"
+    link.symlink_to(private)
+    _write(link / "trace.json", b"mine\n", devices=True)  # this user's own link
+    (tmp_path / "x").mkdir()
+    _write(tmp_path / "x" / ".." / "mytraces" / "new.json", b"new\n")
+    assert (private / "trace.json").read_bytes() == b"mine\n"
+    assert (private / "new.json").read_bytes() == b"new\n"
+    if not ROOT:
+        pytest.skip("another user's link is made with lchown, as root")
+    os.lchown(link, NOBODY, NOBODY)
+    deeper = tmp_path / "deeper"
+    deeper.symlink_to("mytraces")  # root's link to the stranger's: still reaches it
+    for path in (link / "trace.json", deeper / "trace.json", link / "fresh.json"):
+        with pytest.raises(
+            FileRefused, match=f"the folder {link} on its way is a symbolic link of uid {NOBODY}"
+        ):
+            open_own_file(path, "the trace", devices=True)
+    assert (private / "trace.json").read_bytes() == b"mine\n"
+    assert not (private / "fresh.json").exists()
+
+
 @pytest.mark.skipif(not Path("/dev/null").is_char_device(), reason="no /dev/null")
 def test_a_device_is_written_to_only_where_devices_are_allowed() -> None:
     _write(Path("/dev/null"), b"gone\n", devices=True)
