@@ -30,7 +30,8 @@ from runtime_core.ring import LocalRing, Ring, RingError
 
 class LinkFault(RuntimeError):
     """A link that cannot be read: a record whose header does not parse or whose payload
-    overruns its slot. A fault of the chain, not of one run."""
+    overruns its slot, or a ring whose counters another hand changed. A fault of the
+    chain, not of one run."""
 
 
 @frozen
@@ -97,8 +98,9 @@ class LinkReceiver:
 
     def try_take(self) -> Taken | None:
         """The next record, its payload copied and its slot released; ``None`` if none
-        is published. ``LinkFault`` (the slot kept) for a record that cannot be read;
-        ``EdgeClosed`` once the link is closed."""
+        is published. ``LinkFault`` (the slot kept) for a record that cannot be read, or
+        whose slot cannot be released (the shared ``released`` counter changed by
+        another process of this user's); ``EdgeClosed`` once the link is closed."""
         slot = self.ring.try_acquire()
         if slot is None:
             return None
@@ -113,7 +115,10 @@ class LinkReceiver:
                 f"a record of {header.extent_bytes} bytes overruns its slot of {len(view)}"
             )
         payload = bytes(view[OBJECT_HEADER_BYTES:end])
-        self.ring.release(slot)
+        try:
+            self.ring.release(slot)
+        except RingError as exc:  # only this end writes the counter: another hand did
+            raise LinkFault(f"its released counter was changed: {exc}") from None
         return Taken(header, payload)
 
     def close(self) -> None:

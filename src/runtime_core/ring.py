@@ -216,7 +216,10 @@ class Ring:
         ctr = self._ctr
         n = ctr[_RELEASED]
         if n >= self._acquired or index != n % self._slot_count:
-            raise RingError(f"slot {index} is not the oldest acquired slot")
+            raise RingError(
+                f"slot {index} is not the oldest acquired slot (the released counter "
+                f"reads {n}, {self._acquired} records acquired)"
+            )
         ctr[_RELEASED] = n + 1
         self._space.notify()
 

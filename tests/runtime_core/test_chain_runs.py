@@ -6,6 +6,7 @@ KV reservation is freed after every outcome."""
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,7 +19,10 @@ from runplan import RunPlan, SamplingConfig, Timeouts
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.messages import BatchCount, FaultKind, StageStopped, StopReason
+from runplan.plan import RingSpec
 from runtime_core.chain_orchestrator import RunHandle, RunRefused
+from runtime_core.links import LocalLinks
+from runtime_core.ring import Ring, ring_bytes
 from runtime_core.workers.interface import (
     BatchStep,
     KvCacheUnavailable,
@@ -541,6 +545,44 @@ def test_a_closed_link_ends_every_run(model: Path) -> None:
     chain.pump()
     assert_every_run_faulted(handles, FaultKind.EDGE_FAULT, "link", "closed")
     assert {h.finished.fault_stage for h in handles.values()} <= {1, 2}
+    assert_nothing_held(chain)
+
+
+class _SharedCounterLinks(LocalLinks):
+    """A chain's links whose rings keep their counters in their buffers, as a ring in
+    shared memory does, where another process of the stages' user can change them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: dict[int, bytearray] = {}
+
+    def new_ring(self, hop: int, spec: RingSpec) -> Ring:
+        self.buffers[hop] = bytearray(ring_bytes(spec))
+        return Ring(spec, self.buffers[hop])
+
+
+def test_a_released_counter_changed_by_another_hand_ends_every_run_naming_the_link(
+    model: Path,
+) -> None:
+    """Only a ring's consumer writes its ``released`` counter: one changed under it (by
+    another process of the user, in shared memory) made the consumer's next release
+    raise ``RingError``, which nothing caught (the stage process's traceback, and a run
+    faulted as a stage that died). It is the link's fault, naming it."""
+    links = _SharedCounterLinks()
+    chain = ChainRuns(3, reference, links=links)
+    handles = run_all(chain, model, range(3))
+    for _ in range(5):
+        chain._round()
+    struct.pack_into("<Q", links.buffers[2], 8, 1 << 40)  # stage 2's inbound link
+    chain.pump()
+    assert_every_run_faulted(
+        handles,
+        FaultKind.EDGE_FAULT,
+        "hop 2",
+        "released counter was changed",
+        "reads 1099511627776",
+    )
+    assert {h.finished.fault_stage for h in handles.values()} == {2}
     assert_nothing_held(chain)
 
 

@@ -58,7 +58,8 @@ class _Outbox:
 
 class ChainRuns:
     """Stages of one chain (``stage_count``, nodes ``node-0..`` or ``node_ids``) over
-    workers from ``make(stage_index)``, and the orchestrator of its runs."""
+    workers from ``make(stage_index)``, and the orchestrator of its runs; its links are
+    ``links`` (default: a ``LocalLinks``)."""
 
     def __init__(
         self,
@@ -67,10 +68,11 @@ class ChainRuns:
         *,
         stopped_runs: frozenset[str] = frozenset(),
         node_ids: Sequence[str] = (),
+        links: LocalLinks | None = None,
     ) -> None:
         self.node_ids = list(node_ids) or [f"node-{i}" for i in range(stage_count)]
         assert len(self.node_ids) == stage_count, (self.node_ids, stage_count)
-        self.links = LocalLinks()
+        self.links = links if links is not None else LocalLinks()
         self.to_orchestrator: deque[tuple[str, bytes]] = deque()
         self.to_stages: deque[tuple[str, bytes]] = deque()
         self.stage_timers = [ManualTimers() for _ in range(stage_count)]
