@@ -40,6 +40,7 @@ class Driver:
         log: Path,
         edges: str = "shm",
         step_ms: int = 20_000,
+        trace: bool = False,
     ) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
@@ -56,6 +57,7 @@ class Driver:
                 str(STOP_MS),
                 edges,
                 str(step_ms),
+                *(["trace"] if trace else []),
             ],
             stdout=subprocess.PIPE,
             stderr=self._err,
@@ -130,6 +132,28 @@ def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_mid_decode(
     ), said
     assert all("; since " in line and " heard from it " in line for line in said), said
     assert "not stopped within" in log
+
+
+def test_a_killed_orchestrator_s_stages_remove_their_trace_folders(
+    tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A traced run: each stage writes its trace into a folder the orchestrator made
+    (``gguf-pipeline-trace-*``), which it removes once it has read it. SIGKILLed, it
+    removes none: the stages wrote their traces there as they stopped, and the folders
+    stayed in the temp folder. A stage whose orchestrator is gone removes its own (stage
+    1, stuck in a long step, as its watchdog ends it)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the driver's and its stages'
+    driver = Driver(tiny, {1: ["step-delay=2:60"]}, tmp_path / "driver.log", trace=True)
+    driver.until("token", 2)
+    driver.until_logged("step 2 delayed")
+    assert len(list(temp.glob("gguf-pipeline-trace-*"))) == 3
+    driver.kill()
+    assert wait_gone(driver.pids, STOP_MS / 1000 + 8) == []
+    assert list(temp.glob("gguf-pipeline-trace-*")) == []
+    assert run_resources(driver.chain_id) == []
+    assert list(temp.iterdir()) == []  # nothing else either
 
 
 @EDGES

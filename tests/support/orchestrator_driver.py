@@ -1,14 +1,15 @@
 r"""An orchestrator in a process of its own, for tests that kill or interrupt it:
 
     python tests/support/orchestrator_driver.py \
-        MODEL STAGES MAX_TOKENS FAULTS_JSON STOP_MS EDGES [STEP_MS]
+        MODEL STAGES MAX_TOKENS FAULTS_JSON STOP_MS EDGES [STEP_MS [trace]]
 
 Prints one JSON object per line to standard output as the run goes: ``{"run_id"}``,
 ``{"spawned": pid}`` per stage, ``{"ready": index}`` per ready stage, ``{"token": id}``
 per token, and at the end ``{"outcome", "fault", "tokens", "returncodes"}``; exits 0
 when the run completed, 1 when it faulted, 130 when it was cancelled. ``FAULTS_JSON``
 maps stage indices to the faults ``tests.support.hosts.FaultyHost`` plays there;
-``STEP_MS`` is the timeouts' ``step_ms`` (20 s when not given)."""
+``STEP_MS`` is the timeouts' ``step_ms`` (20 s when not given); ``trace``: the stages
+keep a trace (``ProcessRun(trace=True)``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def say(**fields: object) -> None:
 def main() -> int:
     model, stages, max_tokens, faults, stop_ms, edges = sys.argv[1:7]
     step_ms = int(sys.argv[7]) if len(sys.argv) > 7 else 20_000
+    trace = sys.argv[8:] == ["trace"]
     prompt = [1, 2, 3]
     timeouts = Timeouts(ready_ms=20_000, step_ms=step_ms, edge_wait_ms=20_000, stop_ms=int(stop_ms))
     plan, devices = plan_for(
@@ -57,6 +59,7 @@ def main() -> int:
         on_event=on_event,
         host=FaultyHost({int(k): v for k, v in json.loads(faults).items()}),
         edges=edges,
+        trace=trace,
     )
     say(run_id=plan.run_id, chain_id=run.chain_id)
     result = run.run()

@@ -51,7 +51,7 @@ from runtime_cupy.process.names import (
     remove_edge_dir,
     run_label,
 )
-from runtime_cupy.process.tracing import Event, read_events
+from runtime_cupy.process.tracing import TRACE_FOLDER_PREFIX, Event, read_events
 
 #: Where TCP consumers of this host listen.
 LOOPBACK = "127.0.0.1"
@@ -294,7 +294,7 @@ class LocalProcessHost:
         out = 2  # this process's standard error
         try:
             if launch.trace:
-                folder = Path(tempfile.mkdtemp(prefix="gguf-pipeline-trace-"))
+                folder = Path(tempfile.mkdtemp(prefix=TRACE_FOLDER_PREFIX))
                 trace_file = folder / f"stage-{launch.stage_index}.json"
             args = self.arguments(launch, theirs.fileno(), life_r, trace_file)
             if self.log_dir is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -68,6 +69,8 @@ class OrchestratorLoss:
     if TYPE_CHECKING:
 
         def _drain_control(self) -> None: ...
+
+        def save_trace(self) -> None: ...
 
     def _check_lost(self) -> None:
         if self._lost_flag.is_set() and self.lost is None:
@@ -113,6 +116,7 @@ class OrchestratorLoss:
         else:
             log.error("not stopped within %.1f s of the loss: exiting now", self.stop_s)
         self._remove_resources()
+        self.save_trace()  # the orchestrator is gone: removed, with its folder
         with contextlib.suppress(Exception):
             logging.shutdown()
         os._exit(EXIT_LOST)
@@ -136,6 +140,22 @@ class OrchestratorLoss:
             else f"last heard from it {max(0.0, mono - heard):.1f} s before"
         )
         return f"{why}; since {since}, {last}"
+
+    def orchestrator_gone(self) -> bool:
+        """Whether the process that started this stage is gone (any thread): its
+        lifeline hangs up (no write end is left open), or this process has another
+        parent now. Not the control channel's end: the orchestrator closes that first
+        when it closes the chain, and reads the stage's trace once the stage exited."""
+        if os.getppid() != self.parent_pid:
+            return True
+        if self.lifeline_fd is None:
+            return False
+        poller = select.poll()
+        poller.register(self.lifeline_fd, select.POLLIN)
+        try:
+            return any(events & select.POLLHUP for _, events in poller.poll(0))
+        except OSError:
+            return False
 
     def notice_loss(self, why: str) -> None:
         """From another thread or a signal handler: the loop stops at its next turn."""

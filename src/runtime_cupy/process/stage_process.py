@@ -23,7 +23,6 @@ orchestrator was lost while runs were held, 2 on bad usage.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import select
@@ -249,9 +248,7 @@ def main(
     try:
         code = stage.run()
     finally:
-        if args.trace_file is not None:
-            with contextlib.suppress(OSError):
-                trace.write(args.trace_file)
+        stage.save_trace()  # or, its orchestrator gone, the file and its folder removed
     log.info("exiting with status %d", code)
     return code
 

@@ -3,14 +3,17 @@
 events as log lines and Chrome trace events (``tracing.TraceLog``), each part of a run's
 setup timed (the shard a ``bind`` span only when the worker read weights, a
 ``weights reused`` instant when a later run reuses them), and the trace written when
-each run ends, before its ``StageStopped``.
+each run ends, before its ``StageStopped``, and when the stage exits: for the
+orchestrator to read, or, once it is gone (``orchestrator_gone``), removed with its
+folder, which no one else would remove (a SIGKILLed orchestrator left one per stage in
+the temp folder).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runplan.fsm import stage as fsm
 from runtime_core.workers.interface import Worker
@@ -32,6 +35,10 @@ class StageTraces:
     _setup_at: int
     _bound: bool
     _batch: list[tuple[str, int, int]]
+
+    if TYPE_CHECKING:
+
+        def orchestrator_gone(self) -> bool: ...
 
     # -- trace and logs --------------------------------------------------------------
     def _on_trace(self, kind: str, fields: dict[str, Any]) -> None:
@@ -102,8 +109,18 @@ class StageTraces:
     def run_ended(self) -> None:
         """A run is over (its StageStopped about to leave): the trace events so far are
         written now, for the orchestrator to read once it hears."""
-        if self.trace.enabled and self.trace_file is not None:
-            try:
+        self.save_trace()
+
+    def save_trace(self) -> None:
+        """Write the trace events since the last save to the trace file, for the
+        orchestrator to read, and forget them; once the orchestrator is gone, no one
+        will read them: the file and its folder are removed instead."""
+        if not self.trace.enabled or self.trace_file is None:
+            return
+        try:
+            if self.orchestrator_gone():
+                self.trace.discard(self.trace_file)
+            else:
                 self.trace.flush(self.trace_file)
-            except OSError as exc:
-                log.warning("cannot write the run's trace: %s", exc)
+        except OSError as exc:
+            log.warning("cannot write the run's trace: %s", exc)

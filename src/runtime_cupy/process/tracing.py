@@ -4,10 +4,14 @@ Every process records its own events with timestamps of the monotonic clock, whi
 processes of one host share: the orchestrator keeps them in memory, a stage writes them
 to a file when it exits (a warm stage, which serves many runs, also when each run ends,
 before it reports ``StageStopped``), and the launcher merges them into one trace with
-one track per process (the orchestrator and each stage)."""
+one track per process (the orchestrator and each stage). A stage's file lies in a
+folder of its own that the launcher made (``TRACE_FOLDER_PREFIX``) and removes once
+the stage has exited; a stage whose orchestrator is gone, so that no one will read its
+file, removes the file and the folder itself (``TraceLog.discard``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -15,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 Event = dict[str, Any]
+
+#: The start of the name of the temporary folder a launcher makes for a stage's trace.
+TRACE_FOLDER_PREFIX = "gguf-pipeline-trace-"
 
 
 def now_us() -> int:
@@ -74,9 +81,25 @@ class TraceLog:
 
     def write(self, path: Path) -> None:
         """Write the events whole (a reader never sees half a file)."""
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp = self._partial(path)
         tmp.write_text(json.dumps(self.metadata() + self.events))
         os.replace(tmp, path)
+
+    def discard(self, path: Path) -> None:
+        """Forget the events and remove ``path`` (with any half-written copy of this
+        process's), and its folder where a launcher made it for the trace
+        (``TRACE_FOLDER_PREFIX``) and nothing else is left in it: what no one will read."""
+        self.events = []
+        for name in (path, self._partial(path)):
+            with contextlib.suppress(FileNotFoundError):
+                name.unlink()
+        if path.parent.name.startswith(TRACE_FOLDER_PREFIX):
+            with contextlib.suppress(OSError):  # not empty, or gone: left as it is
+                path.parent.rmdir()
+
+    @staticmethod
+    def _partial(path: Path) -> Path:
+        return path.with_name(f".{path.name}.{os.getpid()}")
 
     def flush(self, path: Path) -> None:
         """Write the events recorded since the last flush and forget them (a stage that
