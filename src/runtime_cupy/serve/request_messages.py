@@ -91,21 +91,22 @@ def _content(param: str, value: Any, role: str) -> str:
         where = f"{param}[{i}]"
         if not isinstance(part, dict):
             raise wrong(where, part, "an object")
-        for key in part:
-            if key not in ("type", "text"):
-                raise unknown(f"{where}.{key}")
-        if part.get("type") != "text":
+        if part.get("type") != "text":  # first: a refusal part's own keys are not unknown
             raise RequestError(
                 f"{where}.type is {show(part.get('type'))}; this server reads text parts only",
                 param=f"{where}.type",
                 code="unsupported_value",
             )
+        for key in part:
+            if key not in ("type", "text"):
+                raise unknown(f"{where}.{key}")
         parts.append(required_string(f"{where}.text", part.get("text")))
     return "".join(parts)
 
 
-def prompt(param: str, value: Any) -> str | tuple[int, ...]:
-    """Text, token ids, or an array holding exactly one of them."""
+def prompt(param: str, value: Any, *, inner: bool = False) -> str | tuple[int, ...]:
+    """Text, token ids, or an array holding exactly one of them (``inner``: that one,
+    which holds no array in turn)."""
     if value is None:
         raise RequestError(f"you must provide {param}", param=param, code="missing_required")
     if isinstance(value, str):
@@ -114,13 +115,15 @@ def prompt(param: str, value: Any) -> str | tuple[int, ...]:
         raise wrong(param, value, "a string, an array of token ids, or an array of one")
     nested = bool(value) and (isinstance(value[0], list) or all(isinstance(v, str) for v in value))
     if nested:
+        if inner:  # [["a"]] or [[[1]]]: no prompt shape of OpenAI's
+            raise wrong(param, value, "a string or an array of token ids")
         if len(value) != 1:
             raise RequestError(
                 f"{param} holds {len(value)} prompts: this server takes one per request",
                 param=param,
                 code="unsupported_value",
             )
-        return prompt(f"{param}[0]", value[0])
+        return prompt(f"{param}[0]", value[0], inner=True)
     ids = []
     for i, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int):

@@ -72,6 +72,8 @@ def seed(param: str, value: Any) -> int | None:
     """An integer in ``0..2**64-1``; null or -1 (llama.cpp's "random") is a new seed."""
     if value is None or (type(value) is int and value == -1):
         return None
+    if type(value) is int and value < 0:
+        raise out_of_range(param, value, f"in 0..{SEED_MAX}, or -1 (or null) for a random seed")
     checked = integer(0, SEED_MAX)(param, value)
     assert checked is not None
     return int(checked)

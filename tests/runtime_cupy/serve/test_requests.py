@@ -147,6 +147,12 @@ def test_an_assistant_message_sent_back_as_the_client_holds_it_is_taken() -> Non
         ({**DUMPED_ASSISTANT, "tool_calls": [{"id": "c"}]}, "messages[1].tool_calls", "no tools"),
         ({**DUMPED_ASSISTANT, "tool_calls": False}, "messages[1].tool_calls", "hold none"),
         ({"role": "user", "content": "x", "refusal": None}, "messages[1].refusal", "Unrecognized"),
+        # OpenAI's refusal part: its type is what this server cannot read, not its key
+        (
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+            "messages[1].content[0].type",
+            "text parts only",
+        ),
         # a tool's answer: named by its role, not by the tool_call_id this server never reads
         ({"role": "tool", "content": "4", "tool_call_id": "c"}, "messages[1].role", "'tool'"),
     ],
@@ -194,3 +200,29 @@ def test_a_message_name_reaches_the_chat_template() -> None:
     with pytest.raises(RequestError) as info:
         parse_chat(_chat({"role": "user", "content": "Hi", "name": 7}))
     assert info.value.param == "messages[0].name"
+
+
+@pytest.mark.parametrize("prompt", [[["a"]], [[["a"]]], [[[1, 2]]], [["a", "b"]]])
+def test_a_prompt_nested_past_one_array_is_refused(prompt: Any) -> None:
+    """OpenAI's prompt is text, token ids, or an array of those; ``[["a"]]`` and deeper
+    were read as the text ``a`` at any depth."""
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+    with pytest.raises(RequestError) as info:
+        parse_completion(body)
+    assert info.value.param == "prompt[0]", info.value.message
+    assert parse_completion(json.dumps({"model": "m", "prompt": ["a"]}).encode()).prompt == "a"
+
+
+@pytest.mark.parametrize("seed", [-2, -(2**63)])
+def test_a_negative_seed_other_than_minus_one_names_what_is_taken(seed: int) -> None:
+    body = json.dumps({"model": "m", "prompt": "x", "seed": seed}).encode()
+    with pytest.raises(RequestError, match=r"or -1 \(or null\) for a random seed") as info:
+        parse_completion(body)
+    assert info.value.param == "seed"
+    for random in (-1, None):
+        assert (
+            parse_completion(
+                json.dumps({"model": "m", "prompt": "x", "seed": random}).encode()
+            ).seed
+            is None
+        )
