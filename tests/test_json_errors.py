@@ -391,3 +391,13 @@ def test_cancelled_simulated_runs_keep_the_runs_that_ended(
     (run,) = json.loads(out)["runs"]
     assert run["index"] in (0, 1, 2)
     assert (run["outcome"], len(run["tokens"])) == ("completed", 2)
+
+
+def test_a_max_seq_len_past_the_context_names_the_flag(
+    files: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It named a prompt of 0 tokens and ``max_tokens``, flags no one gave."""
+    assert _cupy_plan(["--model", files["model"], "--max-seq-len", "100000000", "--json"]) == 2
+    error = _error_of(capsys.readouterr().out)
+    assert error["message"].startswith("--max-seq-len 100000000 is past the model's context")
+    assert "max_tokens" not in error["message"]

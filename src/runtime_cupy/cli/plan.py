@@ -62,9 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(args: argparse.Namespace) -> tuple[Any, tuple[StageNode, ...] | None]:
     from runtime_cupy.api import plan_for
 
+    context = model_facts_from_gguf(resolve_model(args.model)).context_length
     if args.max_seq_len is None:
-        context = model_facts_from_gguf(resolve_model(args.model)).context_length
         args.max_seq_len = min(DEFAULT_SEQ_LEN, context)
+    elif args.max_seq_len > context:  # named here: the planner's words are a run's
+        raise ValueError(
+            f"--max-seq-len {args.max_seq_len} is past the model's context length {context}"
+        )
 
     cluster = None
     if args.ray_address is not None:
