@@ -174,6 +174,17 @@ def add_generation_arguments(
     )
 
 
+def check_generation_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags of ``add_generation_arguments`` that contradict each other: ``--chat`` with
+    ``--prompt-ids`` (the template renders text; ids are tokens already: it was dropped
+    without a word). One line and exit status 2."""
+    if args.chat and getattr(args, "prompt_ids", None) is not None:
+        parser.error(
+            "argument --chat: the chat template wraps a text prompt (--prompt or "
+            "--prompts-file); --prompt-ids are tokens already"
+        )
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """``--temperature``, ``--top-k``, ``--top-p`` and ``--seed``."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")

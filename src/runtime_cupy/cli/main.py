@@ -60,6 +60,7 @@ from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
+    check_generation_arguments,
     generation_options,
     prompt_ids,
 )
@@ -278,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _subcommand(given[0], given[1:])
     parser = build_parser()
     args = parser.parse_args(given)
+    check_generation_arguments(parser, args)
     check_worker_arguments(parser, args)
     configure_logs(args.verbose)
     # Whatever else writes to stdout goes to stderr, Ray's driver too until it is left.
