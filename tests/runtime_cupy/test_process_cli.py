@@ -252,6 +252,8 @@ def test_recover_and_trace_take_one_prompt_not_a_file(
         (["--stages", "0"], "'0'"),
         (["--max-recoveries", "-1"], "--max-recoveries: '-1' is negative"),
         (["--max-recoveries", "two"], "--max-recoveries: 'two' is not an integer"),
+        # taken and ignored before: a lost stage ended the run all the same
+        (["--max-recoveries", "2"], "--max-recoveries: 2 recoveries need --recover"),
     ],
 )
 def test_a_bad_flag_is_one_line_naming_it_before_any_process_starts(

@@ -180,10 +180,22 @@ def add_recovery(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-recoveries",
         type=non_negative_int,
-        default=DEFAULT_MAX_RECOVERIES,
+        default=None,
         help=f"recoveries per stream with --recover, then the fault ends it "
         f"(default {DEFAULT_MAX_RECOVERIES})",
     )
+
+
+def check_recovery_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--max-recoveries`` without ``--recover`` (it was taken and did nothing) is a
+    usage error; without the flag, its default."""
+    if args.max_recoveries is not None and not args.recover:
+        parser.error(
+            f"argument --max-recoveries: {args.max_recoveries} recoveries need --recover "
+            "(without it a lost stage ends the run)"
+        )
+    if args.max_recoveries is None:
+        args.max_recoveries = DEFAULT_MAX_RECOVERIES
 
 
 def add_verbose(parser: argparse.ArgumentParser) -> None:
@@ -261,6 +273,7 @@ def check_chain_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     status 2). (With ``--ray-address`` the chain refuses ``--gpus`` whatever the
     worker.)"""
     check_worker_arguments(parser, args)
+    check_recovery_arguments(parser, args)
     if args.gpus is not None and args.worker != "cuda" and args.ray_address is None:
         parser.error(
             f"argument --gpus: {','.join(map(str, args.gpus))} names GPUs, but the "

@@ -76,6 +76,7 @@ from runtime_cupy.cli.arguments import (
     add_recovery,
     add_verbose,
     add_worker,
+    check_recovery_arguments,
     check_worker_arguments,
     configure_logs,
     stage_options,
@@ -281,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(given)
     check_generation_arguments(parser, args)
     check_worker_arguments(parser, args)
+    check_recovery_arguments(parser, args)
     configure_logs(args.verbose)
     # Whatever else writes to stdout goes to stderr, Ray's driver too until it is left.
     with json_stdout(args.json), left_at_the_end():
