@@ -63,7 +63,7 @@ def test_text_streams_to_stdout_and_a_trace_is_written(
 ) -> None:
     trace = tmp_path / "trace.json"
     code = main(
-        ["--model", tiny, "--stages", "2", "--prompt-ids", "11,12,13,14,15",
+        ["--model", tiny, "--stages", "2", "--prompt-ids", "1,2,3,4,5",
          "--max-tokens", "4", "--trace", str(trace)]
     )  # fmt: skip
     assert code == 0

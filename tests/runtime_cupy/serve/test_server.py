@@ -509,7 +509,7 @@ def test_a_body_a_web_page_could_send_unasked_is_415_and_json_is_served(
     # body with no type (fetch of a Blob without one), to localhost without a CORS
     # preflight; as JSON they would run its requests.
     url = f"{server.base_url}/v1/completions"
-    body = b'{"model": "tiny-chat", "prompt": "Hi", "max_tokens": 1}'
+    body = b'{"model": "tiny-chat", "prompt": "Say hi", "max_tokens": 1}'
     for kind in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
                  "multipart/form-data; boundary=x", None):  # fmt: skip
         headers = {**AUTH, **({"Content-Type": kind} if kind else {})}

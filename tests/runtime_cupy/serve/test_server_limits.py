@@ -64,7 +64,7 @@ def test_idle_connections_past_the_descriptor_limit_leave_clients_and_restarts_w
         server.wait_ready()
         held += _strangers(server.address, STRANGERS)
         half = socket.create_connection(server.address, timeout=30)
-        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # and no more
         held.append(half)
         assert server.health() == 200
         assert _answered(server) == 200
@@ -78,8 +78,8 @@ def test_idle_connections_past_the_descriptor_limit_leave_clients_and_restarts_w
 
         slow = socket.create_connection(server.address, timeout=30)
         slow.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100\r\n\r\n{"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
         )
         assert slow.recv(4096).startswith(b"HTTP/1.1 408 "), "a late body is a 408"
         slow.close()

@@ -30,7 +30,8 @@ def _started(tiny_chat: str, tmp_path: Path, sigint_ignored: bool) -> ServerProc
 def _answers(server: ServerProcess) -> bool:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
-    done = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
+    # (the random model's greedy answer to "Hello" is <|endoftext|>, an end of generation)
+    done = client.completions.create(model=model, prompt="Say hi", max_tokens=3, temperature=0)
     return done.usage is not None and done.usage.completion_tokens == 3
 
 
