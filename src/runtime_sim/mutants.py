@@ -45,6 +45,7 @@ class Mutation(enum.Enum):
     BATCHES_REPORTED_TWICE = "BATCHES_REPORTED_TWICE"  # a stop reports batches reported before
     # a recovery's (issue 25)
     REPLAY_RESTARTS_SAMPLER = "REPLAY_RESTARTS_SAMPLER"  # a replay draws from the start
+    REPLAY_DROPS_DELIVERED = "REPLAY_DROPS_DELIVERED"  # a replay's prompt lacks the delivered
     STALE_RUN_ACCEPTED = "STALE_RUN_ACCEPTED"  # a re-placed chain's stages forget stale ids
     REUSES_LOST_HOST = "REUSES_LOST_HOST"  # the runner re-places onto the host it lost
     FORGETS_A_RUN = "FORGETS_A_RUN"  # the runner neither replays nor ends one recovered run
@@ -54,6 +55,7 @@ class Mutation(enum.Enum):
 RECOVERY_MUTATIONS = frozenset(
     {
         Mutation.REPLAY_RESTARTS_SAMPLER,
+        Mutation.REPLAY_DROPS_DELIVERED,
         Mutation.STALE_RUN_ACCEPTED,
         Mutation.REUSES_LOST_HOST,
         Mutation.FORGETS_A_RUN,
@@ -201,6 +203,25 @@ class RestartsSampler(Recoverer):
         return attrs.evolve(replay, sampling=fresh), attrs.evolve(plan, sampling=fresh)
 
 
+class DropsDelivered(Recoverer):
+    """A replay's prompt is its run's prompt alone: the tokens its stream delivered are
+    not fed back (its sampler still resumes after them)."""
+
+    def replay(
+        self,
+        interrupted: Interrupted,
+        run_id: str,
+        base: RuntimeConfig,
+        lost_nodes: Sequence[str],
+        placement: Placement,
+    ) -> tuple[Replay, RunPlan] | ReplayRefused:
+        planned = super().replay(interrupted, run_id, base, lost_nodes, placement)
+        if isinstance(planned, ReplayRefused):
+            return planned
+        replay, plan = planned
+        return attrs.evolve(replay, prompt=interrupted.prompt), plan
+
+
 class AcceptsStaleRuns(TracedChainStage):
     """A stage that is not told the run ids of the chains before its own."""
 
@@ -256,6 +277,8 @@ def parts_for(mutation: Mutation) -> Parts:
         return Parts(stage_controller=ReorderedSteps, mutant=name)
     if mutation is Mutation.REPLAY_RESTARTS_SAMPLER:
         return Parts(recoverer=RestartsSampler, mutant=name)
+    if mutation is Mutation.REPLAY_DROPS_DELIVERED:
+        return Parts(recoverer=DropsDelivered, mutant=name)
     if mutation is Mutation.STALE_RUN_ACCEPTED:
         return Parts(stage_controller=AcceptsStaleRuns, mutant=name)
     if mutation is Mutation.REUSES_LOST_HOST:

@@ -5,6 +5,10 @@
   its sequence 0, chain after chain) is, token for token, what its run produces
   unbroken (alone on a fault-free chain, same seed, same worker): all of it when the
   stream completed, a prefix when a fault or a recovery ended it.
+- **Replay's prompt**: every replay's run is given its stream's prompt plus every token
+  the stream's caller received before it, in order (a model continues the stream only
+  from that context; the synthetic worker's tokens do not depend on it, so the
+  unbroken stream alone cannot show a replay that drops or shortens it).
 - **One outcome, as the policy decides**: for every run a chain's end found ended, the
   checker asks the recovery policy itself (the action's, the runtime's value) with what
   it reads of the stream: a ``Recover`` must be followed by exactly one run of the
@@ -32,11 +36,20 @@ from runtime_sim.chain_rules import Violation
 from runtime_sim.links import ORCHESTRATOR
 
 STREAM_UNBROKEN = "recovery: every stream holds its unbroken run's tokens, recovered or not"
+REPLAY_PROMPT = (
+    "recovery: every replay's prompt is its stream's prompt plus the tokens delivered before it"
+)
 STREAM_ONE_OUTCOME = "recovery: every stream ends with one outcome, as the recovery policy decides"
 STALE_NEVER_ACCEPTED = "recovery: no stale run id is ever accepted again"
 LOST_HOST_UNUSED = "recovery: a re-placed chain places no stage on a lost host"
 
-RECOVERY_RULES = (STREAM_UNBROKEN, STREAM_ONE_OUTCOME, STALE_NEVER_ACCEPTED, LOST_HOST_UNUSED)
+RECOVERY_RULES = (
+    STREAM_UNBROKEN,
+    REPLAY_PROMPT,
+    STREAM_ONE_OUTCOME,
+    STALE_NEVER_ACCEPTED,
+    LOST_HOST_UNUSED,
+)
 
 #: Runs one run alone on a fault-free chain (same seed, same worker): its tokens.
 Unbroken = Callable[[RunSpec], tuple[int, ...]]
@@ -52,6 +65,7 @@ def check_recovery(run: RecoveryRun, unbroken: Unbroken) -> list[Violation]:
     received = _received(run, out)
     for stream, got in zip(run.streams, received, strict=True):
         _unbroken(stream, tuple(got), unbroken, out)
+    _replay_prompts(run, out)
     _outcomes(run, out)
     stale: set[str] = set()
     lost: set[str] = set()
@@ -108,6 +122,38 @@ def _unbroken(
                 f"got {list(got)}; unbroken {list(alone)}",
             )
         )
+
+
+def _replay_prompts(run: RecoveryRun, out: list[Violation]) -> None:
+    """Each run of a re-placed chain was given its stream's prompt plus the tokens its
+    stream's caller received on the chains before."""
+    had: list[list[int]] = [[] for _ in run.streams]  # each stream's tokens so far
+    for n, epoch in enumerate(run.epochs):
+        for s, spec, r in zip(epoch.streams, epoch.sim.runs, epoch.result.runs, strict=True):
+            if n:
+                stream = run.streams[s]
+                expected = tuple(stream.spec.prompt) + tuple(had[s])
+                given = tuple(spec.prompt)
+                if given != expected:
+                    at = _first_difference(given, expected)
+                    out.append(
+                        Violation(
+                            REPLAY_PROMPT,
+                            0,
+                            f"chain {n}: replay {r.run_id!r} of stream {s} was given a prompt "
+                            f"of {len(given)} tokens; expected {len(stream.spec.prompt)} + "
+                            f"{len(had[s])} delivered, first differing at position {at}",
+                        )
+                    )
+            had[s].extend(token for _run_id, _sequence, token in r.delivered)
+
+
+def _first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The first position where ``a`` and ``b`` differ (the shorter's length when one
+    is a prefix of the other)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def _outcomes(run: RecoveryRun, out: list[Violation]) -> None:

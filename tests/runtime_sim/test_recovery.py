@@ -17,6 +17,7 @@ from runtime_sim.chain_recovery import RecoveryAction, dead_hosts
 from runtime_sim.explore import MUTANT_RULES, run_recovering, solo
 from runtime_sim.faults import Fault, FaultKind, FaultPlan
 from runtime_sim.mutants import RECOVERY_MUTATIONS, Mutation
+from runtime_sim.recovery_checker import REPLAY_PROMPT
 from runtime_sim.scenarios import (
     EXPLORE_CAPABILITIES,
     Scenario,
@@ -245,6 +246,8 @@ def test_each_recovery_mutant_is_caught_by_the_rule_its_bug_breaks() -> None:
     cases = {
         # the replay restarts its draws: the stream repeats its start
         Mutation.REPLAY_RESTARTS_SAMPLER: recovering(1, (kill(1),), spares=1),
+        # the replay is given the run's prompt without the tokens its stream delivered
+        Mutation.REPLAY_DROPS_DELIVERED: recovering(1, (kill(1),), spares=1),
         # the new chain's stages take a stale run's late provision
         Mutation.STALE_RUN_ACCEPTED: recovering(1, (kill(1),), spares=1),
         # no spare: the runner puts the stage back on the host it lost
@@ -258,6 +261,21 @@ def test_each_recovery_mutant_is_caught_by_the_rule_its_bug_breaks() -> None:
         assert clean == [], mutation
         _run, violations = run_recovering(s, mutation)
         assert MUTANT_RULES[mutation] in {v.rule for v in violations}, (mutation, violations)
+
+
+def test_a_replay_given_its_prompt_without_the_delivered_tokens_breaks_the_prompt_rule() -> None:
+    # The synthetic worker's tokens do not depend on the prompt: the stream stays
+    # unbroken, and only the replay's prompt shows the lost context.
+    s = recovering(2, (kill(1),), spares=1)
+    run, clean = run_recovering(s)
+    assert clean == []
+    replays = run.epochs[1].sim.runs
+    assert [len(r.prompt) for r in replays] == [5 + 2, 5 + 2]  # prompt + 2 delivered
+    _run, violations = run_recovering(s, Mutation.REPLAY_DROPS_DELIVERED)
+    rules = {v.rule for v in violations}
+    assert rules == {REPLAY_PROMPT}, violations
+    details = sorted(v.detail for v in violations)
+    assert len(details) == 2 and "expected 5 + 2 delivered" in details[0], details
 
 
 def test_the_same_seed_gives_byte_identical_traces_of_every_chain() -> None:
