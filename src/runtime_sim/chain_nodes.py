@@ -360,11 +360,9 @@ class ChainStageNode(Node):
         for fault in sim.faults.faults:
             if fault.stage != self.index:
                 continue
-            if (
-                fault.kind is FaultKind.SLOW_STEP
-                and (sim.run_id(fault.run), fault.sequence) in runs
-            ):
-                duration += 2 * sim.plan.timeouts.step_limit_ms(rows) * 1000
+            slow = sim.run_id(fault.run)
+            if fault.kind is FaultKind.SLOW_STEP and (slow, fault.sequence) in runs:
+                duration += 2 * self._step_limit_us(slow, rows)
             if (fault.kind is FaultKind.KILL_MID_PREFILL and 0 in sequences) or (
                 fault.kind is FaultKind.KILL_MID_DECODE and fault.sequence in sequences
             ):
@@ -381,6 +379,15 @@ class ChainStageNode(Node):
                 name = "step " + " ".join(f"{r}:{q}" for r, q, _ in steps)
             sim.trace.add(now, self.node_id, "span", name, duration, rows, steps)
         self._batch = sim.clock.after(duration, self._end_batch)
+
+    def _step_limit_us(self, run_id: str, rows: int) -> int:
+        """The longest step timer this stage armed for a step of ``run_id`` in a batch
+        of ``rows`` rows (the step's rows are at most the batch's): its provision's
+        ``batch_step_limit_ms``, armed at the record's load, before the batch."""
+        provision = self.controller.runs[run_id].provision
+        assert provision is not None
+        t = provision.timeouts
+        return t.batch_step_limit_ms(rows, provision.batch_rows, provision.shared_batches) * 1000
 
     def _end_batch(self) -> None:
         self._batch = None

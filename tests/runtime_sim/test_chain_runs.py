@@ -80,6 +80,21 @@ def test_a_run_fault_ends_that_run_alone_and_the_others_keep_their_solo_tokens()
     assert all(kv == 0 for kv in result.kv_reserved) and all(h == () for h in result.held)
 
 
+def test_a_slow_step_outlasts_the_step_timer_its_stage_armed_and_ends_its_run() -> None:
+    # The stage's step timer is its batch's limit (``batch_step_limit_ms``), longer than
+    # one step's alone: the slow step must outlast that one, and the stage end the run.
+    for runs in (1, 3):
+        s = chain(runs, faults=(Fault(FaultKind.SLOW_STEP, stage=1, sequence=2, run=0),))
+        result, _sim, violations = run_scenario(s)
+        assert violations == []
+        slow = result.runs[0]
+        assert slow.outcome == "faulted" and slow.finished is not None, slow
+        fault = slow.finished.fault
+        assert fault is not None and fault.kind is RunFaultKind.TIMEOUT, fault
+        assert slow.finished.fault_stage == 1 and fault.detail == "step 2 ran out of time"
+        assert slow.tokens == solo(s)(s.runs[0])[:2]
+
+
 def test_a_stage_lost_with_four_runs_in_flight_ends_all_four_naming_it() -> None:
     s = chain(4, faults=(Fault(FaultKind.KILL_MID_DECODE, stage=1, sequence=2),))
     result, _sim, violations = run_scenario(s)
