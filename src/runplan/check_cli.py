@@ -19,7 +19,7 @@ from typing import Any
 
 from runplan import wire
 from runplan.contract import SECTIONS, ContractReport, Outcome, Verdict, check_contract
-from runplan.json_errors import error_json, print_json, rejection_fields
+from runplan.json_errors import CONTRACT_BROKEN, error_json, print_json, rejection_fields
 from runplan.messages import ProvisionStage
 from runplan.plan import RunPlan
 from runplan.rejections import PlanRejection
@@ -188,7 +188,9 @@ def _verdict_json(v: Verdict) -> dict[str, Any]:
 
 
 def report_json(report: ContractReport, plan: RunPlan, source: str) -> dict[str, Any]:
-    return {
+    """The report as one object; with the error ``ContractBroken`` beside it when a
+    clause is broken (``message``: the broken clauses by name, and the summary)."""
+    doc: dict[str, Any] = {
         "holds": report.holds,
         "source": source,
         "run_id": plan.run_id,
@@ -199,3 +201,8 @@ def report_json(report: ContractReport, plan: RunPlan, source: str) -> dict[str,
         "rejection": _rejection_json(report.rejection),
         "summary": _summary(report),
     }
+    if report.broken:
+        names = ", ".join(v.clause.name for v in report.broken)
+        message = f"contract broken: {names} ({_summary(report)})"
+        doc |= error_json(CONTRACT_BROKEN, message)
+    return doc

@@ -15,6 +15,10 @@ kinds add typed fields beside them:
   fields (``tokens``, ``text``, ``outcome``, ``fault``, ...) stand beside ``error``;
 - ``Cancelled`` (Ctrl-C or SIGTERM ended the command): nothing more; a run's result
   (outcome ``cancelled``, the tokens so far) stands beside it where there is one.
+- ``ContractBroken`` (``runplan check``: a clause of the contract is broken),
+  ``Violations`` (``runtime_sim explore``: a scenario broke a rule) and
+  ``MutantsMissed`` (``runtime_sim explore --self-test``: a mutant went uncaught):
+  nothing more; the command's report stands beside ``error``.
 
 Other keys may stand beside ``error`` in a command's object (a faulted run's result;
 ``runplan plan`` and ``split`` keep their ``rejection`` object); ``error`` is absent
@@ -42,6 +46,12 @@ USAGE_ERROR = "UsageError"
 RUN_FAULTED = "RunFaulted"
 #: The ``type`` of a command that Ctrl-C (or SIGTERM) ended.
 CANCELLED = "Cancelled"
+#: The ``type`` of a plan ``runplan check`` found breaking a clause of the contract.
+CONTRACT_BROKEN = "ContractBroken"
+#: The ``type`` of explored scenarios that broke a rule (``runtime_sim explore``).
+VIOLATIONS = "Violations"
+#: The ``type`` of a self-test that missed a mutant (``runtime_sim explore --self-test``).
+MUTANTS_MISSED = "MutantsMissed"
 
 
 def error_json(kind: str, message: str, **fields: Any) -> dict[str, Any]:

@@ -18,7 +18,9 @@ from rich.table import Table
 from runplan.arguments import OneLineParser, add_version, non_negative_int, positive_int
 from runplan.gguf_error import GgufError
 from runplan.json_errors import (
+    MUTANTS_MISSED,
     RUN_FAULTED,
+    VIOLATIONS,
     cancelled_json,
     cancelled_status,
     cancelled_with,
@@ -236,31 +238,37 @@ def _cmd_explore(args: argparse.Namespace) -> int:
         return 0
     if args.self_test:
         results = self_test()
+        missed = [r.mutation.value for r in results if not r.caught]
         if args.json:
-            print_json(
-                {
-                    "mutants": [
-                        {
-                            "mutation": r.mutation.value,
-                            "caught": r.caught,
-                            "seed": r.seed,
-                            "rules": list(r.rules),
-                        }
-                        for r in results
-                    ]
-                }
-            )
+            doc: dict[str, Any] = {
+                "mutants": [
+                    {
+                        "mutation": r.mutation.value,
+                        "caught": r.caught,
+                        "seed": r.seed,
+                        "rules": list(r.rules),
+                    }
+                    for r in results
+                ]
+            }
+            if missed:
+                message = f"{len(missed)} of {len(results)} mutants missed: {', '.join(missed)}"
+                doc |= error_json(MUTANTS_MISSED, message)
+            print_json(doc)
         else:
             for r in results:
                 verdict = "caught" if r.caught else "MISSED"
                 out.print(
                     f"{r.mutation.value:<24} {verdict}  {', '.join(r.rules)}", highlight=False
                 )
-        return 0 if all(r.caught for r in results) else EXIT_VIOLATION
+        return EXIT_VIOLATION if missed else 0
     began = time.perf_counter()
     outcomes = explore(args.start, args.seeds, max_runs=args.max_runs)
     if args.json:
-        print_json(report(args.start, outcomes))  # report_json's bytes
+        rep = report(args.start, outcomes)  # report_json's bytes
+        if rep["violations"]:
+            rep |= error_json(VIOLATIONS, _violations_message(rep))
+        print_json(rep)
     else:
         rep = report(args.start, outcomes)
         spent = time.perf_counter() - began
@@ -278,6 +286,18 @@ def _cmd_explore(args: argparse.Namespace) -> int:
                 highlight=False,
             )
     return EXIT_VIOLATION if any(o.violations for o in outcomes) else 0
+
+
+def _violations_message(rep: dict[str, Any]) -> str:
+    """One line for an explore report's violations: how many, over which seeds, and the
+    first (its seed reproduces it)."""
+    found = rep["violations"]
+    first = found[0]
+    seeds = f"{rep['start']}..{rep['start'] + rep['seeds'] - 1}"
+    return (
+        f"{len(found)} violation{'s' if len(found) > 1 else ''} over seeds {seeds}; first: "
+        f"seed {first['seed']}: {first['rule']}: {first['detail']}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -72,7 +72,7 @@ def test_plans_from_plan_run_pass(
     provisions = provision_all(plan) if given_too else None
     assert _check(tmp_path, _document(plan, provisions), "--json") == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["holds"] is True
+    assert out["holds"] is True and "error" not in out
     assert out["provisions"] == ("given" if given_too else "derived")
     assert [c["name"] for c in out["clauses"]] == [c.name for c in CLAUSES]
     verdicts = {c["name"]: c["verdict"] for c in out["clauses"]}
@@ -124,6 +124,9 @@ def test_a_tampered_plan_names_the_broken_clause_and_exits_2(
     assert _check(tmp_path, _document(t.plan, t.provisions), "--json") == 2
     out = json.loads(capsys.readouterr().out)
     assert out["holds"] is False
+    # a failing command's object has an error (docs/json-output.md), the report beside it
+    assert out["error"]["type"] == "ContractBroken" and set(out["error"]) == {"type", "message"}
+    assert t.breaks in out["error"]["message"] and out["summary"] in out["error"]["message"]
     (verdict,) = [c for c in out["clauses"] if c["name"] == t.breaks]
     assert verdict["verdict"] == "broken" and (verdict["problems"] or verdict["rejection"])
     if t.rejection is not None:

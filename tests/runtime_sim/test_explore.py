@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
+import runtime_sim.cli
 from runtime_sim.chain_driver import PLAIN
 from runtime_sim.cli import main
 from runtime_sim.explore import (
     CHECKED_RULES,
     MUTANT_RULES,
+    MutantResult,
+    Outcome,
     explore,
     report,
     report_json,
     run_scenario,
     self_test,
 )
-from runtime_sim.faults import FaultKind
+from runtime_sim.faults import FaultKind, FaultPlan
 from runtime_sim.mutants import Mutation, parts_for
 from runtime_sim.scenarios import scenario
 from tests.support.import_graph import import_graph
@@ -94,6 +98,40 @@ def test_explore_cli_json_and_exit_status(capsys: object) -> None:
     assert rep["seeds"] == 10 and rep["start"] == 5 and rep["violations"] == []
     assert "wall" not in out and "seconds" not in out
     assert main(["explore", "--self-test"]) == 0
+
+
+def test_explore_json_with_a_violation_or_a_missed_mutant_has_an_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The explorer run with a built-in mutant: its scenarios break a rule.
+    s = attrs.evolve(scenario(3), eos_after=None, faults=FaultPlan(), recovery=None)
+    _result, _sim, violations = run_scenario(s, Mutation.SKIP_STOP_RUN)
+    assert violations
+    broken = Outcome(3, ("completed",), 1, tuple(violations), (), 1, 1)
+
+    def mutated(start: int, count: int, *, max_runs: int = 6) -> list[Outcome]:
+        return [broken]
+
+    monkeypatch.setattr(runtime_sim.cli, "explore", mutated)
+    assert main(["explore", "--seeds", "1", "--start", "3", "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["violations"]) == len(violations)  # the report, the error beside it
+    assert rep["error"]["type"] == "Violations" and set(rep["error"]) == {"type", "message"}
+    first = violations[0]
+    assert rep["error"]["message"] == (
+        f"{len(violations)} violation{'s' if len(violations) > 1 else ''} over seeds 3..3; "
+        f"first: seed 3: {first.rule}: {first.detail}"
+    )
+
+    missed = [MutantResult(Mutation.SKIP_STOP_RUN, False, None, ())]
+    monkeypatch.setattr(runtime_sim.cli, "self_test", lambda: missed)
+    assert main(["explore", "--self-test", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["mutants"][0]["caught"] is False
+    assert doc["error"] == {
+        "type": "MutantsMissed",
+        "message": "1 of 1 mutants missed: SKIP_STOP_RUN",
+    }
 
 
 def test_a_negative_first_seed_is_a_usage_error(capsys: object) -> None:
