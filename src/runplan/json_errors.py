@@ -15,6 +15,8 @@ kinds add typed fields beside them:
   fields (``tokens``, ``text``, ``outcome``, ``fault``, ...) stand beside ``error``;
 - ``Cancelled`` (Ctrl-C or SIGTERM ended the command): nothing more; a run's result
   (outcome ``cancelled``, the tokens so far) stands beside it where there is one.
+- ``TraceNotWritten`` (a run's ``--trace`` file could not be written): nothing more;
+  the run's result stands beside it.
 - ``ContractBroken`` (``runplan check``: a clause of the contract is broken),
   ``Violations`` (``runtime_sim explore``: a scenario broke a rule) and
   ``MutantsMissed`` (``runtime_sim explore --self-test``: a mutant went uncaught):
@@ -46,6 +48,8 @@ USAGE_ERROR = "UsageError"
 RUN_FAULTED = "RunFaulted"
 #: The ``type`` of a command that Ctrl-C (or SIGTERM) ended.
 CANCELLED = "Cancelled"
+#: The ``type`` of a run's ``--trace`` file that could not be written.
+TRACE_NOT_WRITTEN = "TraceNotWritten"
 #: The ``type`` of a plan ``runplan check`` found breaking a clause of the contract.
 CONTRACT_BROKEN = "ContractBroken"
 #: The ``type`` of explored scenarios that broke a rule (``runtime_sim explore``).

@@ -20,6 +20,7 @@ from runplan.gguf_error import GgufError
 from runplan.json_errors import (
     MUTANTS_MISSED,
     RUN_FAULTED,
+    TRACE_NOT_WRITTEN,
     VIOLATIONS,
     cancelled_json,
     cancelled_status,
@@ -40,6 +41,7 @@ from runtime_core.console import (
 from runtime_core.interrupt import cancellable, signal_named, sigterm_interrupts
 from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
+from runtime_core.trace_file import write_trace
 from runtime_core.workers.registry import CORE_WORKERS
 from runtime_sim.api import DEFAULT_WORKER, GenerateResult, generate, generate_runs
 from runtime_sim.explore import CHECKED_RULES, explore, report, self_test
@@ -96,18 +98,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
             err.print("cancelled", highlight=False)
         return cancelled_status(signal_name)
     stream.finish(result.text)
-    if args.trace is not None:
-        _write_trace(args.trace, result)
-    if args.json:
+    untraced: str | None = None  # why the trace could not be written
+    if args.json:  # the trace first: its error is the object's (the result is printed)
+        untraced = _write_trace(args.trace, result)
         doc = _result_json(result, len(prompt))
         if result.outcome == "cancelled":
             doc |= cancelled_json()
         elif result.outcome != "completed":
             doc |= fault_json(result.fault)
+        elif untraced:
+            doc |= error_json(TRACE_NOT_WRITTEN, untraced)
         print_json(doc)
     else:
         _print_summary(plain_console(soft_wrap=True), result, len(prompt))
-    return 0 if result.outcome == "completed" else 1
+        # after the result: a trace that cannot be written (a full disk) loses nothing else
+        untraced = _write_trace(args.trace, result)
+    return 0 if result.outcome == "completed" and not untraced else 1
 
 
 def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt: list[int]) -> int:
@@ -134,9 +140,9 @@ def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt:
         so_far = {"runs": [ended[i] for i in sorted(ended)]} if args.json else None
         return cancelled_with(so_far, cancellation.signal_name)
     rate = many.simulated_tokens_per_s
-    if args.trace is not None:
-        _write_trace(args.trace, many.runs[0])  # every run's shares the chain's trace
-    if args.json:
+    untraced: str | None = None  # why the trace could not be written
+    if args.json:  # the trace first: its error is the object's (the runs are printed)
+        untraced = _write_trace(args.trace, many.runs[0])  # every run's is the chain's
         doc = {
             "runs": [{"index": i} | _result_json(r, len(prompt)) for i, r in enumerate(many.runs)],
             "simulated_tokens_per_s": None if rate is None else round(rate, 2),
@@ -148,6 +154,8 @@ def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt:
                 RUN_FAULTED,
                 f"{len(failed)} of {len(many.runs)} runs faulted: {failed[0].fault or '-'}",
             )
+        elif untraced:
+            doc |= error_json(TRACE_NOT_WRITTEN, untraced)
         print_json(doc)
     else:
         console = plain_console(soft_wrap=True)
@@ -161,13 +169,25 @@ def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt:
             f"in all; wall {many.wall_s:.2f} s",
             highlight=False,
         )
-    return 0 if all(r.outcome == "completed" for r in many.runs) else 1
+        # after the runs: a trace that cannot be written (a full disk) loses nothing else
+        untraced = _write_trace(args.trace, many.runs[0])
+    return 0 if all(r.outcome == "completed" for r in many.runs) and not untraced else 1
 
 
-def _write_trace(path: Path, result: GenerateResult) -> None:
+def _write_trace(path: Path | None, result: GenerateResult) -> str | None:
+    """The chain's trace in ``path`` (``--trace``; ``None``: none asked for); else one
+    line on standard error saying why (and returned), nothing half-written left
+    (``runtime_core.trace_file``)."""
+    if path is None:
+        return None
     trace = result.trace
     actors = [ORCHESTRATOR, *[s.node_id for s in result.plan.stages]]
-    path.write_text(json.dumps(chrome_trace(trace.entries if trace else [], actors)))
+    message = write_trace(path, json.dumps(chrome_trace(trace.entries if trace else [], actors)))
+    if message is not None:
+        plain_console(stderr=True, soft_wrap=True).print(
+            labelled("error", "bold red", message), highlight=False
+        )
+    return message
 
 
 def _timings(result: GenerateResult, prompt_len: int) -> dict[str, Any]:

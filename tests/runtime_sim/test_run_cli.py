@@ -4,13 +4,16 @@ trace, and clear errors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+import runtime_sim.cli
 from runtime_sim.cli import main
 from tests.fixtures.gguf_models import ModelShape, write_model
 
@@ -195,3 +198,56 @@ def test_the_cpu_worker_runs_as_the_readme_says(
         assert main([*args, "--worker", worker]) == 0
         tokens[worker] = json.loads(capsys.readouterr().out)["tokens"]
     assert tokens["cpu"] == tokens["numpy"] and tokens["cpu"]
+
+
+def _run(tiny: str, *argv: str) -> int:
+    return main(["run", "--model", tiny, "--prompt-ids", "1,2", "--max-tokens", "2", *argv])
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
+@pytest.mark.parametrize("runs", ["1", "2"])
+def test_a_trace_that_cannot_be_written_costs_nothing_of_the_result(
+    tiny: str, runs: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk (``/dev/full``): the result is printed, then one line naming the
+    trace's path (with ``--json``, the object's error); exit status 1, no traceback."""
+    assert _run(tiny, "--runs", runs, "--trace", "/dev/full", "--json") == 1
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    outcomes = [r["outcome"] for r in doc["runs"]] if runs == "2" else [doc["outcome"]]
+    assert outcomes == ["completed"] * int(runs)
+    assert doc["error"]["type"] == "TraceNotWritten", doc
+    assert doc["error"]["message"] == "cannot write the trace to /dev/full: No space left on device"
+    # the line as the command's other errors are (``error`` in red, then the message)
+    assert captured.err.strip().splitlines()[-1] == f"error {doc['error']['message']}"
+    assert "Traceback" not in captured.err
+    assert _run(tiny, "--runs", runs, "--trace", "/dev/full") == 1
+    captured = capsys.readouterr()
+    assert "completed" in captured.out  # the result first
+    assert captured.err.strip().splitlines()[-1].startswith("error cannot write the trace")
+    assert "Traceback" not in captured.err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's link is made with lchown, as root")
+def test_a_link_another_user_plants_during_the_run_is_not_written_through(
+    tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The name checked when the command line was read is another user's link to a file
+    of this user's by the time the trace is written: refused, the file left as it was."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    trace = tmp_path / "trace.json"
+    real = runtime_sim.cli.generate
+
+    def planted(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        trace.symlink_to(victim)  # as another user would, in a shared folder
+        os.lchown(trace, 65534, 65534)
+        return result
+
+    monkeypatch.setattr(runtime_sim.cli, "generate", planted)
+    assert _run(tiny, "--trace", str(trace), "--json") == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["outcome"] == "completed" and doc["error"]["type"] == "TraceNotWritten"
+    assert "a symbolic link of uid 65534" in doc["error"]["message"], doc
+    assert victim.read_text() == "precious\n" and trace.is_symlink()

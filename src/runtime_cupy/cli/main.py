@@ -49,6 +49,7 @@ from rich.console import Console
 from runplan.arguments import OneLineParser, add_version
 from runplan.config import run_positions
 from runplan.json_errors import (
+    TRACE_NOT_WRITTEN,
     cancelled_json,
     cancelled_status,
     error_json,
@@ -150,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
         elif result.outcome == "cancelled":
             doc |= cancelled_json(result.interrupted_by)
         elif untraced:
-            doc |= error_json("TraceNotWritten", untraced)
+            doc |= error_json(TRACE_NOT_WRITTEN, untraced)
         write_json(doc)
     else:
         _print_summary(plain_console(soft_wrap=True), result, len(prompt), args.worker)

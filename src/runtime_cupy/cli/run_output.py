@@ -6,9 +6,7 @@ why it cannot be written, nothing half-written left)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from runtime_core.own_files import open_own_file
+from runtime_core.trace_file import write_trace
 from runtime_cupy.api import GenerateResult
 from runtime_cupy.process.tracing import chrome_trace
 from runtime_cupy.slices.progress import describe, figures
@@ -24,27 +22,10 @@ from runtime_cupy.slices.progress import describe, figures
 
 def _write_trace(path: Path, result: GenerateResult, err: Console) -> str | None:
     """The run's trace in ``path`` (``None``); else one line on ``err`` saying why (and
-    returned), and nothing half-written left there (what was there stays if the file
-    cannot be opened)."""
-    text = json.dumps(chrome_trace(list(result.trace or ())))
-    try:  # a file of this user's or a device (``own_files``: not another's link or FIFO)
-        out = os.fdopen(open_own_file(path, "the trace", devices=True), "w")
-    except OSError as exc:
-        return _trace_not_written(path, exc, err)
-    try:
-        with out:
-            out.write(text)
-    except OSError as exc:
-        if path.is_file():  # a file half-written (not a device named: /dev/full)
-            with contextlib.suppress(OSError):
-                path.unlink()
-        return _trace_not_written(path, exc, err)
-    return None
-
-
-def _trace_not_written(path: Path, exc: OSError, err: Console) -> str:
-    message = f"cannot write the trace to {path}: {exc.strerror or exc}"
-    err.print(f"error: {message}", highlight=False)
+    returned), nothing half-written left (``runtime_core.trace_file``)."""
+    message = write_trace(path, json.dumps(chrome_trace(list(result.trace or ()))))
+    if message is not None:
+        err.print(f"error: {message}", highlight=False)
     return message
 
 
