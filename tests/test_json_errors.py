@@ -72,6 +72,8 @@ CASES: list[tuple[str, Main, list[str], int, str]] = [
      ["--model", "{model}", "--prompt-ids", "1", "--stages", "0"], 2, "UsageError"),
     ("runtime_cupy: --chat with --prompt-ids", cupy_main,
      ["--model", "{model}", "--prompt-ids", "1", "--chat"], 2, "UsageError"),
+    ("runtime_sim run: --chat with --prompt-ids", sim_main,
+     ["run", "--model", "{model}", "--prompt-ids", "1", "--chat"], 2, "UsageError"),
     ("runtime_cupy plan: missing model", _cupy_plan, ["--model", "{missing}"], 2, "ModelNotFound"),
     ("runtime_cupy plan: refused", _cupy_plan,
      ["--model", "{model}", "--stages", "9"], 2, "PlanRejected"),

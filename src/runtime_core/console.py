@@ -180,8 +180,8 @@ def check_generation_arguments(parser: argparse.ArgumentParser, args: argparse.N
     without a word). One line and exit status 2."""
     if args.chat and getattr(args, "prompt_ids", None) is not None:
         parser.error(
-            "argument --chat: the chat template wraps a text prompt (--prompt or "
-            "--prompts-file); --prompt-ids are tokens already"
+            "argument --chat: the chat template wraps a text prompt; --prompt-ids are "
+            "tokens already"
         )
 
 

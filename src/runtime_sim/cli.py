@@ -35,6 +35,7 @@ from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
+    check_generation_arguments,
     generation_options,
     prompt_ids,
 )
@@ -388,7 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        check_generation_arguments(parser, args)
     try:
         with sigterm_interrupts():  # SIGTERM cancels the command as Ctrl-C does
             code: int = args.func(args)
