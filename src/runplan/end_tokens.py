@@ -67,6 +67,16 @@ def key_id(header: GgufHeader, key: str, old: str | None, n: int) -> int | None:
     return value if 0 <= value < n else None
 
 
+def fim_key_id(header: GgufHeader, key: str, n: int) -> int | None:
+    """The id the file names under a fill-in-the-middle ``key`` (or its old name),
+    ``None`` where it names none in ``0..n-1``: then llama.cpp finds the token by its
+    text (``FIM_TEXTS``), as for a key the file lacks."""
+    old = FIM_OLD_KEYS.get(key)
+    if header.has(key) or (old is not None and header.has(old)):
+        return key_id(header, key, old, n)
+    return None
+
+
 def end_of_generation_ids(
     header: GgufHeader, tokens: Sequence[str], ids: Mapping[str, int], eos_id: int | None
 ) -> frozenset[int]:
@@ -76,10 +86,10 @@ def end_of_generation_ids(
     for key, texts in FIM_TEXTS.items():
         if not key.endswith(("pad_token_id", "rep_token_id", "sep_token_id")):
             continue
-        old = FIM_OLD_KEYS.get(key)
-        if header.has(key) or (old is not None and header.has(old)):
-            eog.add(key_id(header, key, old, len(tokens)))
-        else:
+        named = fim_key_id(header, key, len(tokens))
+        if named is not None:
+            eog.add(named)
+        else:  # no key, or one outside the vocabulary: by its text
             eog.update(ids.get(text) for text in texts)
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if header.has(key):

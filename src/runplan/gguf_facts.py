@@ -87,12 +87,16 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         raise GgufError(first, f"the model has no {EMBEDDING_TENSOR!r} tensor")
     embedding = tensors[EMBEDDING_TENSOR]
     vocab = vocab_size(header, arch)
-    if embedding.shape != (hidden, vocab):  # what llama.cpp's loader requires of it
+    # what llama.cpp's loader requires of it: its rows are the token list's (llama.cpp
+    # sizes the vocabulary by the list, whatever {arch}.vocab_size says)
+    listed = header.has("tokenizer.ggml.tokens")
+    rows = header.array_length("tokenizer.ggml.tokens") if listed else vocab
+    if embedding.shape != (hidden, rows):
         raise GgufError(
             first,
             f"{EMBEDDING_TENSOR!r} has shape {list(embedding.shape)}; the model's "
-            f"embedding_length {hidden} and vocabulary of {vocab} tokens make it "
-            f"{[hidden, vocab]}",
+            f"embedding_length {hidden} and vocabulary of {rows} tokens make it "
+            f"{[hidden, rows]}",
         )
     eos = special_token_id(header, "eos", vocab)
     if eos is None:

@@ -19,9 +19,9 @@ from attrs import field, frozen
 from runplan.end_tokens import (
     EOG_EXCEPTIONS,
     EOG_TEXTS,
-    FIM_OLD_KEYS,
     FIM_TEXTS,
     end_of_generation_ids,
+    fim_key_id,
 )
 from runplan.gguf_facts import SPECIAL_TOKEN_DEFAULTS, special_token_id
 from runplan.gguf_header import GgufHeader
@@ -244,8 +244,7 @@ def _mark_by_text(
 
     control(EOG_TEXTS)
     for key, texts in FIM_TEXTS.items():
-        old = FIM_OLD_KEYS.get(key)
-        if not (header.has(key) or (old is not None and header.has(old))):
+        if fim_key_id(header, key, len(tokens)) is None:  # found by its text
             control(texts)
     for i, attr in enumerate(attrs):
         if attr & Attr.CONTROL and "unused" in tokens[i]:

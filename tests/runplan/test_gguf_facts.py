@@ -355,19 +355,31 @@ def test_a_head_count_outside_32_bits_is_refused_naming_it(
     assert info.value.key == key
 
 
-def test_a_vocab_size_short_of_the_embedding_is_refused_naming_both(tmp_path: Path) -> None:
-    """``llama.vocab_size`` below the token embedding's rows: llama.cpp's loader refuses
-    the embedding's shape; the plan once passed and every stage refused it at load."""
+def test_the_embedding_has_a_row_per_listed_token_whatever_vocab_size_says(
+    tmp_path: Path,
+) -> None:
+    """llama.cpp sizes the embedding by the token list, whatever ``llama.vocab_size``
+    says: a key below the list with an embedding of the list's rows loads there (and
+    plans here, as before); an embedding short of the list is refused there at load, and
+    here by the facts, naming both (the plan once passed and every stage refused it)."""
     ok = write_model(tmp_path / "ok.gguf", ModelShape(n_layers=1))
-    rows = GgufHeader.read(str(ok)).tensors["token_embd.weight"].shape
-    bad = write_model(
-        tmp_path / "bad.gguf",
+    header = GgufHeader.read(str(ok))
+    hidden, rows = header.tensors["token_embd.weight"].shape
+    assert rows == header.array_length("tokenizer.ggml.tokens")
+    smaller_key = write_model(
+        tmp_path / "key.gguf",
         ModelShape(n_layers=1),
-        override_keys={"llama.vocab_size": (rows[1] - 6, GGUFValueType.UINT32)},
+        override_keys={"llama.vocab_size": (rows - 6, GGUFValueType.UINT32)},
     )
-    with pytest.raises(
-        GgufError, match=rf"has shape \[{rows[0]}, {rows[1]}\].*{rows[1] - 6} tokens"
-    ):
+    assert facts_of(str(smaller_key)).vocab_size == rows - 6
+    tokens = [*GgufHeader.read(str(ok)).strings("tokenizer.ggml.tokens"), *"abcdef"]
+    bad = write_model(  # six tokens more than the embedding's rows
+        tmp_path / "short.gguf",
+        ModelShape(n_layers=1),
+        override_keys={"tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY)},
+    )
+    shown = rf"has shape \[{hidden}, {rows}\].*vocabulary of {rows + 6} tokens"
+    with pytest.raises(GgufError, match=shown):
         facts_of(str(bad))
 
 

@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine,
             api_key=api_key,
             client_timeout_s=args.client_timeout,
-            host_names=loopback_names(args.host),
+            host_names=loopback_names(sock.getsockname()[0]),  # as bound: 127.1 too
         ),
         http=bounded_h11(guard),
         backlog=BACKLOG,

@@ -5,6 +5,9 @@ name (``serve.host_header``): a web page whose name DNS rebinding made resolve t
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import httpx2
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -13,6 +16,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from runtime_cupy.serve.host_header import LOOPBACK_NAMES, LoopbackHosts, loopback_names
+from tests.support.servers import ServerProcess
 
 
 def _client(names: frozenset[str]) -> TestClient:
@@ -51,3 +55,21 @@ def test_only_a_loopback_address_checks_hosts() -> None:
     assert loopback_names("127.0.0.5") == LOOPBACK_NAMES | {"127.0.0.5"}
     for address in ("0.0.0.0", "::", "192.168.1.7", "my-host.lan"):
         assert loopback_names(address) is None
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("spelled", ["127.1", "LOCALHOST"])
+def test_a_server_bound_to_loopback_however_spelled_checks_the_host(
+    tiny_chat: str, tmp_path: Path, spelled: str
+) -> None:
+    """``--host 127.1`` binds 127.0.0.1 as well; the check once went by the flag's
+    text, which it could not read as loopback, and checked nothing."""
+    args = ["--model", tiny_chat, "--stages", "1", "--port", "0", "--context", "64"]
+    server = ServerProcess([*args, "--host", spelled], tmp_path / "server.log")
+    try:
+        server.wait_listening()
+        evil = httpx2.get(f"{server.base_url}/health", headers={"Host": "evil.example"})
+        assert evil.status_code == 400 and "invalid_host" in evil.text
+        assert httpx2.get(f"{server.base_url}/health").status_code in (200, 503)
+    finally:
+        server.stop()
