@@ -423,6 +423,8 @@ def consistent_facts(s: Subject) -> Iterator[str]:
     for token in m.eog_token_ids:
         if not 0 <= token < m.vocab_size:
             yield f"end token {token} is outside the vocabulary 0..{m.vocab_size - 1}"
+    if len(set(m.eog_token_ids)) != len(m.eog_token_ids):
+        yield f"end tokens {list(m.eog_token_ids)} repeat an id"
     if len(s.plan.stages) > m.num_layers >= 1:
         yield f"{len(s.plan.stages)} stages for a model of {m.num_layers} layers"
     if not m.gguf_source.paths or not all(m.gguf_source.paths):

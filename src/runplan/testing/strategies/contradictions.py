@@ -200,6 +200,10 @@ def inconsistent_facts_inputs(draw: st.DrawFn) -> Contradiction:
                 ("a block size missing", attrs.evolve(f, block_bytes=f.block_bytes[:-1])),
                 ("a block of 0 bytes", attrs.evolve(f, block_bytes=(0, *f.block_bytes[1:]))),
                 ("eos outside the vocabulary", attrs.evolve(f, eos_token_id=f.vocab_size)),
+                (
+                    "an end token outside the vocabulary",
+                    attrs.evolve(f, eog_token_ids=(f.eos_token_id, f.vocab_size)),
+                ),
                 ("an empty vocabulary", attrs.evolve(f, vocab_size=0)),
                 ("max_seq_len 0", attrs.evolve(f, max_seq_len=0)),
             ]

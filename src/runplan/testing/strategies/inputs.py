@@ -61,7 +61,8 @@ def model_facts(draw: st.DrawFn, *, max_layers: int = 48) -> ModelFacts:
         head_dim_k=head_dim,
         head_dim_v=head_dim,
         vocab_size=vocab,
-        eos_token_id=draw(st.integers(0, vocab - 1)),
+        eos_token_id=(eos := draw(st.integers(0, vocab - 1))),
+        eog_token_ids=tuple(sorted({eos, *draw(st.lists(st.integers(0, vocab - 1), max_size=3))})),
         context_length=context,
         max_seq_len=draw(st.integers(1, context)),
         quant_types=tuple(
