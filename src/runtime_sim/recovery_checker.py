@@ -191,6 +191,7 @@ def _outcomes(run: RecoveryRun, out: list[Violation]) -> None:
                 delivered=finished.tokens,
                 stream_offset=offset[s],
                 recoveries=n,
+                eog_token_ids=plan.model.eog_token_ids,
             )
             offset[s] += len(finished.tokens)
             decision = policy.decide(interrupted, finished, chain_fault=chain_fault)
