@@ -82,11 +82,6 @@ class ModelFacts:
     # of turn, ...), sorted; empty when unknown, and then ``eos_token_id`` alone.
     eog_token_ids: tuple[int, ...] = int_tuple_field(default=())
 
-    @property
-    def end_token_ids(self) -> frozenset[int]:
-        """The ids a run ends at: ``eog_token_ids`` and ``eos_token_id``."""
-        return frozenset((self.eos_token_id, *self.eog_token_ids))
-
     def kv_bytes_per_token_per_layer(self, width_bytes: int) -> int:
         """KV-cache bytes that one position of one block takes at ``width_bytes``."""
         return self.head_count_kv * (self.head_dim_k + self.head_dim_v) * width_bytes

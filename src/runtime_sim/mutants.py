@@ -183,9 +183,8 @@ class BatchesReportedTwice(TracedChainStage):
         return tuple(BatchCount(rows, batches) for rows, batches in ran)
 
 
-class RestartsSampler(Recoverer):
-    """A replay's sampler starts over (``tokens_delivered`` 0) instead of resuming
-    after the tokens its stream delivered."""
+class _AlteredReplay(Recoverer):
+    """A recoverer whose replays ``alter`` changes after planning them as it should."""
 
     def replay(
         self,
@@ -198,27 +197,32 @@ class RestartsSampler(Recoverer):
         planned = super().replay(interrupted, run_id, base, lost_nodes, placement)
         if isinstance(planned, ReplayRefused):
             return planned
-        replay, plan = planned
+        return self.alter(interrupted, *planned)
+
+    def alter(
+        self, interrupted: Interrupted, replay: Replay, plan: RunPlan
+    ) -> tuple[Replay, RunPlan]:
+        raise NotImplementedError
+
+
+class RestartsSampler(_AlteredReplay):
+    """A replay's sampler starts over (``tokens_delivered`` 0) instead of resuming
+    after the tokens its stream delivered."""
+
+    def alter(
+        self, interrupted: Interrupted, replay: Replay, plan: RunPlan
+    ) -> tuple[Replay, RunPlan]:
         fresh = attrs.evolve(plan.sampling, tokens_delivered=0)
         return attrs.evolve(replay, sampling=fresh), attrs.evolve(plan, sampling=fresh)
 
 
-class DropsDelivered(Recoverer):
+class DropsDelivered(_AlteredReplay):
     """A replay's prompt is its run's prompt alone: the tokens its stream delivered are
     not fed back (its sampler still resumes after them)."""
 
-    def replay(
-        self,
-        interrupted: Interrupted,
-        run_id: str,
-        base: RuntimeConfig,
-        lost_nodes: Sequence[str],
-        placement: Placement,
-    ) -> tuple[Replay, RunPlan] | ReplayRefused:
-        planned = super().replay(interrupted, run_id, base, lost_nodes, placement)
-        if isinstance(planned, ReplayRefused):
-            return planned
-        replay, plan = planned
+    def alter(
+        self, interrupted: Interrupted, replay: Replay, plan: RunPlan
+    ) -> tuple[Replay, RunPlan]:
         return attrs.evolve(replay, prompt=interrupted.prompt), plan
 
 

@@ -22,7 +22,7 @@ class OrchestratorMachine:
     provisions: tuple[ProvisionStage, ...]
     prompt: tuple[int, ...]
     max_tokens: int
-    eos_token_id: int
+    end_token_ids: frozenset[int]  # EOS and the other ends of generation (the plan's)
     vocab_size: int
     timeouts: Timeouts
     provisioned: frozenset[int] = frozenset()
@@ -37,8 +37,6 @@ class OrchestratorMachine:
     fault_stage: int | None = None
     refused: frozenset[int] = frozenset()  # stages that refused the provision
     prefill_chunk: int = 0  # rows per chunk of the prompt (0: one record)
-    #: ids besides eos_token_id that end the run (the plan's eog_token_ids: end of turn, ...)
-    eog_token_ids: frozenset[int] = frozenset()
 
     @classmethod
     def for_plan(cls, plan: RunPlan, prompt: tuple[int, ...]) -> OrchestratorMachine:
@@ -53,11 +51,10 @@ class OrchestratorMachine:
             provisions=provision_all(plan),
             prompt=tuple(prompt),
             max_tokens=plan.max_tokens,
-            eos_token_id=plan.model.eos_token_id,
+            end_token_ids=plan.model.end_token_ids,
             vocab_size=plan.model.vocab_size,
             timeouts=plan.timeouts,
             prefill_chunk=plan.prefill_chunk,
-            eog_token_ids=frozenset(plan.model.eog_token_ids),
         )
 
     @property
@@ -68,7 +65,7 @@ class OrchestratorMachine:
     def ends_run(self, token_id: int) -> bool:
         """Whether ``token_id`` ends the run (not delivered): EOS or another end of
         generation."""
-        return token_id == self.eos_token_id or token_id in self.eog_token_ids
+        return token_id in self.end_token_ids
 
     @property
     def awaiting_stop(self) -> frozenset[int]:
