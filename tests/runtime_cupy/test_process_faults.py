@@ -119,7 +119,7 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str, signum: int, st
     learn_run_ids([doc["run_id"]])
     name = signal.Signals(signum).name
     assert doc["outcome"] == "cancelled" and doc["tokens"] == []
-    assert doc["interrupted_by"] == name
+    assert doc["interrupted_by"] == name and doc["recoveries"] == 0  # as a run's object
     assert doc["error"] == {"type": "Cancelled", "message": f"cancelled by {name}"}
     assert err.strip().splitlines()[-1] == "cancelled"
     assert f"{name}: stopping the run (interrupt again to stop waiting)" in err, err
@@ -163,7 +163,7 @@ def test_ctrl_c_in_a_recovering_run_is_one_json_object(
     doc = json.loads(out)  # exactly one JSON object
     name = signal.Signals(signum).name
     assert doc["outcome"] == "cancelled" and doc["fault"] is None
-    assert doc["interrupted_by"] == name
+    assert doc["interrupted_by"] == name and doc["recoveries"] == 0  # as a run's object
     assert doc["error"] == {"type": "Cancelled", "message": f"cancelled by {name}"}
     assert err.strip().splitlines()[-1] == "cancelled"
     assert wait_gone(pids, 10) == []

@@ -86,7 +86,7 @@ from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.cli.prompts_file import _run_batch
 from runtime_cupy.cli.run_output import _print_summary, _result_json, _write_trace
 from runtime_cupy.hosts.ray.session import left_at_the_end
-from runtime_cupy.serve.chain import ChainError
+from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.slices.progress import SliceBars
 from runtime_cupy.slices.server import StageTransfer
 
@@ -123,10 +123,14 @@ def _run(args: argparse.Namespace) -> int:
     recoveries = 0
     try:
         if args.recover:
+            chain = _recovering_chain(args, path, prompt)
             try:
-                result, recoveries = _generate_recovering(args, path, prompt, stream)
+                result = _generate_recovering(args, chain, prompt, stream)
             except KeyboardInterrupt as exc:  # the chain is closed: what came, "cancelled"
-                return _cancelled(args, stream, tokenizer, err, signal_of(exc))
+                return _cancelled(
+                    args, stream, tokenizer, err, signal_of(exc), chain.recoveries.count
+                )
+            recoveries = chain.recoveries.count
         else:
             result = generate(
                 path,
@@ -166,14 +170,10 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_FAULTED
 
 
-def _generate_recovering(
-    args: argparse.Namespace, path: str, prompt: list[int], stream: TextStream
-) -> tuple[GenerateResult, int]:
-    """The run on a warm chain that recovers from a lost stage (``--recover``), and the
-    times it was recovered."""
-    from runtime_cupy.serve.chain import WarmChain
-
-    chain = WarmChain(
+def _recovering_chain(args: argparse.Namespace, path: str, prompt: list[int]) -> WarmChain:
+    """The warm chain of one ``--recover`` run: it recovers from a lost stage and counts
+    the times (``chain.recoveries``)."""
+    return WarmChain(
         path,
         stages=args.stages,
         **stage_options(args),
@@ -183,6 +183,12 @@ def _generate_recovering(
         recover=True,
         max_recoveries=args.max_recoveries,
     )
+
+
+def _generate_recovering(
+    args: argparse.Namespace, chain: WarmChain, prompt: list[int], stream: TextStream
+) -> GenerateResult:
+    """The run of a ``--recover`` run on its warm chain, started here and closed after."""
     # SIGTERM tears the chain down as Ctrl-C does; taken after the chain is made, which
     # connects to a Ray cluster (--ray-address), whose driver sets its own handler.
     with sigterm_interrupts():
@@ -199,7 +205,7 @@ def _generate_recovering(
             )
         finally:
             chain.close()
-    return run.result, chain.recoveries.count
+    return run.result
 
 
 def _cancelled(
@@ -208,17 +214,19 @@ def _cancelled(
     tokenizer: Tokenizer,
     err: Console,
     signal_name: str,
+    recoveries: int,
 ) -> int:
     """Ctrl-C or SIGTERM (``signal_name``) ended a ``--recover`` run (its warm chain,
     closed, gives no result): the tokens streamed so far, with ``--json`` as one object
-    of the result's fields, and ``cancelled`` (130; 143 for SIGTERM), as a run without
-    ``--recover`` ends."""
+    of the result's fields and the times the run was recovered, and ``cancelled`` (130;
+    143 for SIGTERM), as a run without ``--recover`` ends."""
     text = tokenizer.decode(stream.ids)
     stream.finish(text)
     if args.json:
         write_json(
             {"tokens": list(stream.ids), "text": text, "outcome": "cancelled", "fault": None,
-             "interrupted_by": signal_name} | cancelled_json(signal_name)
+             "interrupted_by": signal_name, "recoveries": recoveries}
+            | cancelled_json(signal_name)
         )  # fmt: skip
     err.print("cancelled", highlight=False)
     return cancelled_status(signal_name)
