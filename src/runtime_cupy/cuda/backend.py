@@ -126,7 +126,10 @@ class DeviceBackend(KeptSteps):
             return parked
         if parked is not None:
             self._drop(parked)
-        with self.device:
+        # on the stage's stream: CuPy allocates and zero-fills on the current stream, and
+        # the non-blocking stage stream would not wait for a fill on the default one (its
+        # first step's keys could be written before the zeros)
+        with self.device, self.stream:
             return ops.new_cache(positions)
 
     def free_cache(self, cache: Any) -> None:

@@ -366,8 +366,8 @@ def test_a_mixture_of_experts_batched_computes_what_each_run_computes_alone(
 
 @pytest.mark.parametrize("name", ["qwen2-Q4_K", "qwen2moe-wide-Q8_0"])
 def test_a_steps_allocations_are_on_the_stages_stream(models: dict[str, Path], name: str) -> None:
-    """Every buffer a step makes (scratch products, 8-bit rows, token rows) comes while
-    the stage's stream is current: the stream is non-blocking, and CuPy hands out and
+    """Every buffer a run's opening and its steps make (its KV cache, scratch products,
+    8-bit rows, token rows) comes while the stage's stream is current: the stream is non-blocking, and CuPy hands out and
     clears memory on the stream current at allocation, so one made on the default stream
     (several were) could take memory a queued copy of the stage's stream still reads."""
     prompts = {"run-0": PROMPT, "run-1": [9, 8, 7, 6, 5, 4, 3]}
@@ -377,9 +377,9 @@ def test_a_steps_allocations_are_on_the_stages_stream(models: dict[str, Path], n
     }
     chain = Chain.bind(provs["run-0"], EmulatedCudaWorker)
     try:
-        for r in prompts:
-            chain.open(provs[r])
         DEFAULT_STREAM_ALLOCATIONS[0] = 0
+        for r in prompts:  # each run's cache, zero-filled where it is made
+            chain.open(provs[r])
         chain.generate_batched(prompts, 3, 2)
         assert DEFAULT_STREAM_ALLOCATIONS[0] == 0
     finally:
