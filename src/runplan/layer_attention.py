@@ -43,12 +43,13 @@ class SlidingRule:
     period: int  # every period-th block is global (no ``sliding_window_pattern``)
     window: int  # positions, without ``attention.sliding_window`` (0: no block slides)
     swa_base_is_global: bool  # no ``rope.freq_base_swa``: the global base (else 10000)
+    swa_unscaled: bool  # sliding blocks rotate without ``rope.scaling`` (else with it)
 
 
 #: Architectures whose sliding-window attention llama.cpp runs, with their defaults.
 SLIDING_WINDOWS: Mapping[str, SlidingRule] = {
-    "gemma3": SlidingRule(period=6, window=0, swa_base_is_global=False),
-    "gemma2": SlidingRule(period=2, window=4096, swa_base_is_global=True),
+    "gemma3": SlidingRule(period=6, window=0, swa_base_is_global=False, swa_unscaled=True),
+    "gemma2": SlidingRule(period=2, window=4096, swa_base_is_global=True, swa_unscaled=False),
 }
 
 #: llama.cpp's rotary base when a file names none (``rope.freq_base``, and for

@@ -52,7 +52,7 @@ from runplan.block_values import model_integer, per_block_integers
 from runplan.gguf_error import GgufError
 from runplan.gguf_facts import block_count, expert_count
 from runplan.gguf_header import GgufHeader
-from runplan.layer_attention import layer_attention, number
+from runplan.layer_attention import SLIDING_WINDOWS, layer_attention, number
 from runtime_core.architectures import (
     ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -178,8 +178,11 @@ class ModelConfig:
             _same_for_sliding_blocks(header, arch, head_dim_k, head_dim_v, rope.n_dims)
         swa_bases = {a.rope_freq_base for a in attention if a.sliding}
         rope_swa = rope
-        if swa_bases:  # llama.cpp's sliding blocks: their base, no scaling (YaRN's terms kept)
-            rope_swa = attrs.evolve(rope, freq_base=swa_bases.pop(), freq_scale=1.0)
+        if swa_bases:  # llama.cpp's sliding blocks: their base; gemma3's without the
+            # scaling's factor (YaRN's terms kept), gemma2's with it (llama.cpp's default)
+            rope_swa = attrs.evolve(rope, freq_base=swa_bases.pop())
+            if SLIDING_WINDOWS[arch].swa_unscaled:
+                rope_swa = attrs.evolve(rope_swa, freq_scale=1.0)
         config = cls(
             architecture=arch,
             spec=spec,
