@@ -192,6 +192,15 @@ def test_sigterm_as_a_command_first_imports_a_module_is_the_cancelled_object(
     _cancelled_by_sigterm(done.returncode, done.stdout, done.stderr)
 
 
+@pytest.mark.parametrize("package", [package for package, _ in COMMANDS])
+def test_sigterm_as_c_code_imports_a_module_is_the_cancelled_object(package: str) -> None:
+    """NumPy's C code imports ``datetime`` (PyCapsule_Import) and turns the exception
+    the handler raised there into an ``ImportError``: the command still ends cancelled
+    by SIGTERM (it ended with exit 1 and NumPy's traceback, standard output empty)."""
+    done = _python(_TERMINATED_IMPORT, package, "datetime", "kill", "run", "--json")
+    _cancelled_by_sigterm(done.returncode, done.stdout, done.stderr)
+
+
 def test_sigterm_from_outside_while_the_runtime_loads_is_the_cancelled_object() -> None:
     """A supervisor's SIGTERM to ``python -m runtime_cupy ... --json`` as soon as it
     starts, held until the first import of NumPy (the package imported the runtime, and

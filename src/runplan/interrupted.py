@@ -29,9 +29,24 @@ class Interrupted(PicklableError, KeyboardInterrupt):
         self.signal_name = signal_name
 
 
+#: the signals ``raise_interrupted`` raised in this process, in order
+_RAISED: list[str] = []
+
+
 def raise_interrupted(signum: int, _frame: FrameType | None) -> None:
-    """A signal handler: ``Interrupted`` naming the signal ``signum``."""
-    raise Interrupted(signal.Signals(signum).name)
+    """A signal handler: ``Interrupted`` naming the signal ``signum`` (and noted, for
+    ``raised_before``)."""
+    name = signal.Signals(signum).name
+    _RAISED.append(name)
+    raise Interrupted(name)
+
+
+def raised_before() -> Interrupted | None:
+    """An ``Interrupted`` for the last signal ``raise_interrupted`` raised in this
+    process, None if none: for a ``__main__`` whose command ended with another error
+    after one, which C code that caught it put in its place (NumPy's, importing a
+    module, turns it into an ``ImportError``)."""
+    return Interrupted(_RAISED[-1]) if _RAISED else None
 
 
 def sigterm_as_ctrl_c() -> None:

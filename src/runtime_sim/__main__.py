@@ -4,7 +4,7 @@ load ends it as a cancelled command (``runplan.json_errors.cancelled_exit``)."""
 
 import sys
 
-from runplan.interrupted import sigterm_as_ctrl_c
+from runplan.interrupted import raised_before, sigterm_as_ctrl_c
 
 sigterm_as_ctrl_c()  # first: SIGTERM from here on cancels the command as Ctrl-C does
 try:
@@ -19,4 +19,10 @@ except BrokenPipeError:  # standard output's reader went away (``| head``)
     from runplan.json_errors import reader_gone_exit
 
     status = reader_gone_exit()
+except Exception:  # after a SIGTERM that C code turned into another error: cancelled
+    if (interrupted := raised_before()) is None:
+        raise
+    from runplan.json_errors import cancelled_exit
+
+    status = cancelled_exit(interrupted)
 sys.exit(status)
