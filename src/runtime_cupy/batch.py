@@ -17,6 +17,7 @@ iterator is exhausted or closed. Each run samples with its own sampler from ``se
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 import queue
@@ -143,18 +144,25 @@ def _results(
     max_tokens: int,
     sampling: SamplingConfig,
 ) -> Generator[tuple[int, GenerateResult], None, None]:
+    """Every prompt on ``chain``, at most its ``max_concurrent`` submitted at once (the
+    chain admits runs by their KV bytes, so short prompts beside a long one would all
+    run): the next prompt in order is submitted as a run ends."""
     ended: queue.SimpleQueue[ChainRun] = queue.SimpleQueue()
+    waiting = iter(enumerate(prompts))
+    runs: dict[int, int] = {}  # id of a submitted run -> its prompt's index
+
+    def submit_next() -> None:
+        for index, prompt in itertools.islice(waiting, 1):
+            run = chain.submit(prompt, max_tokens=max_tokens, sampling=sampling, on_done=ended.put)
+            runs[id(run)] = index
+
     try:
         chain.start()
-        runs = {
-            id(run): i
-            for i, run in enumerate(
-                chain.submit(p, max_tokens=max_tokens, sampling=sampling, on_done=ended.put)
-                for p in prompts
-            )
-        }
-        for _ in range(len(runs)):
+        for _ in range(min(chain.max_concurrent, len(prompts))):
+            submit_next()
+        for _ in range(len(prompts)):
             run = ended.get()
+            submit_next()
             yield runs[id(run)], chain.result(run).result
     finally:
         chain.close()

@@ -61,6 +61,39 @@ def test_every_prompt_at_once_gives_its_tokens_alone(
     assert run_resources(chain_id) == []
 
 
+def test_max_concurrent_bounds_the_prompts_in_flight(
+    tiny: str, alone: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_concurrent=2``: at most two runs submitted and not yet ended at any moment,
+    though the KV budget of two runs of the longest prompt admits more of the short
+    ones (it ran all five at once); the next prompt starts as a run ends."""
+    from runtime_cupy import batch
+    from runtime_cupy.serve.chain import WarmChain
+
+    in_flight: list[int] = [0]
+    peak: list[int] = [0]
+
+    class Counted(WarmChain):
+        def submit(self, *args: object, on_done: object = None, **kwargs: object) -> object:
+            if on_done is None:  # the chain's own (its warm-up), not a prompt's
+                return super().submit(*args, **kwargs)  # type: ignore[arg-type]
+
+            def ended(run: object) -> None:
+                in_flight[0] -= 1
+                on_done(run)  # type: ignore[operator]
+
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+            return super().submit(*args, on_done=ended, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batch, "WarmChain", Counted)
+    results = dict(
+        generate_batch(tiny, PROMPTS, stages=2, max_tokens=7, worker="numpy", max_concurrent=2)
+    )
+    assert [results[i].tokens for i in range(len(PROMPTS))] == alone
+    assert peak[0] == 2
+
+
 def test_the_prompts_file_prints_one_json_line_per_prompt(
     tiny: str, tmp_path: Path, alone: list[tuple[int, ...]]
 ) -> None:
