@@ -326,3 +326,39 @@ def test_a_reader_that_went_away_ends_the_command_quietly(command: list[str]) ->
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err
     assert "Traceback" not in err, err
+
+
+# (package, a command line that writes standard output): --version, --help and a --json
+# command of each package
+FULL_OUTPUT = [
+    ("runplan", ["--version"]),
+    ("runplan", ["--help"]),
+    ("runplan", ["facts", "smollm2-135m", "--json"]),
+    ("runtime_cupy", ["--version"]),
+    ("runtime_cupy", ["plan", "--model", "smollm2-135m", "--json"]),
+    ("runtime_sim", ["--version"]),
+]
+
+
+@pytest.mark.parametrize(("package", "argv"), FULL_OUTPUT)
+def test_standard_output_on_a_full_device_is_one_error_line(package: str, argv: list[str]) -> None:
+    """Standard output on ``/dev/full`` (a full disk): exit 1 and one line naming it on
+    standard error (it was a traceback, or for ``--version`` exit 0 and the text lost:
+    argparse drops the write's error)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("this host has no /dev/full")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", package, *argv],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+    assert (done.returncode, done.stderr) == (
+        1,
+        "error: cannot write standard output: No space left on device\n",
+    )

@@ -9,7 +9,10 @@ import re
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 from runplan.json_errors import USAGE_ERROR, error_json, print_json
 from runplan.pool import NodeSpec
@@ -32,6 +35,13 @@ class OneLineParser(argparse.ArgumentParser):
         given = sys.argv[1:] if args is None else list(args)
         self._wants_json = any(asks_for_json(p, given) for p in _parsers(self))
         return super().parse_known_args(given, namespace)
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        """``--help``'s and ``--version``'s text, its write's error raised (argparse
+        drops an ``OSError``: ``--version > /dev/full`` exited 0, its text lost) for the
+        package's ``__main__`` (``runplan.command_main``) to report."""
+        if message:
+            (file or sys.stderr).write(message)
 
     def error(self, message: str) -> NoReturn:
         line = f"{self.prog}: error: {message} (see {self.prog} --help)"

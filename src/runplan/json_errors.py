@@ -147,6 +147,17 @@ def reader_gone_exit() -> int:
     return READER_GONE
 
 
+def output_failed_exit(exc: OSError) -> int:
+    """A package's ``__main__`` for an ``OSError`` of a write no command met (standard
+    output on a full disk, ``/dev/full``): one line on standard error naming it, no
+    traceback, nothing more written to standard output (``/dev/null`` from now on, as
+    ``reader_gone_exit`` does); exit status 1."""
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"error: cannot write standard output: {exc.strerror or exc}\n")
+    reader_gone_exit()
+    return 1
+
+
 _PRINTED = threading.Event()  # set once this process printed its document (``printed``)
 
 

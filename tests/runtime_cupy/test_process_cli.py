@@ -266,3 +266,22 @@ def test_a_bad_flag_is_one_line_naming_it_before_any_process_starts(
     assert captured.out == ""  # nothing ran
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and flags[0] in lines[0] and needle in lines[0], lines
+
+
+def test_a_run_that_never_started_prints_no_none_timings(tiny: str, tmp_path: Path) -> None:
+    """A run whose links cannot be made (``TMPDIR`` a folder that does not exist) faults
+    before its first token: its summary line shows ``-`` for the timings it never had
+    (it printed ``None``), beside the one line naming the fault."""
+    env = {**_env(), "TMPDIR": str(tmp_path / "absent")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--prompt-ids", "1,2",
+         "--max-tokens", "2", "--worker", "numpy"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    summary = next(line for line in proc.stdout.splitlines() if "tokens, faulted" in line)
+    assert "None" not in summary and "load - s" in summary, summary

@@ -111,7 +111,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int, wo
     console.print(table)
     for transfer in result.slices:
         console.print(describe(transfer), highlight=False)
-    t = _timings(result, prompt_len)
+    t = {k: "-" if v is None else v for k, v in _timings(result, prompt_len).items()}
     status = result.outcome + (f" ({result.fault})" if result.fault else "")
     console.print(
         f"{len(result.tokens)} tokens, {status}. time to first token {t['ttft_ms']} ms, "

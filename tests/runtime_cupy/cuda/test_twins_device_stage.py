@@ -367,9 +367,10 @@ def test_a_mixture_of_experts_batched_computes_what_each_run_computes_alone(
 @pytest.mark.parametrize("name", ["qwen2-Q4_K", "qwen2moe-wide-Q8_0"])
 def test_a_steps_allocations_are_on_the_stages_stream(models: dict[str, Path], name: str) -> None:
     """Every buffer a run's opening and its steps make (its KV cache, scratch products,
-    8-bit rows, token rows) comes while the stage's stream is current: the stream is non-blocking, and CuPy hands out and
-    clears memory on the stream current at allocation, so one made on the default stream
-    (several were) could take memory a queued copy of the stage's stream still reads."""
+    8-bit rows, token rows) comes while the stage's stream is current: the stream is
+    non-blocking, and CuPy hands out and clears memory on the stream current at
+    allocation, so one made on the default stream (several were) could take memory a
+    queued copy of the stage's stream still reads, or clear what the stream wrote."""
     prompts = {"run-0": PROMPT, "run-1": [9, 8, 7, 6, 5, 4, 3]}
     provs = {
         r: provisions(models[name], 1, max_seq_len=32, run_id=r, max_concurrent_runs=2)

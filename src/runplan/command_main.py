@@ -1,0 +1,61 @@
+"""``run_command``: each package's ``python -m`` entry (``runplan/__main__.py`` says why
+it is shaped so). SIGTERM is Ctrl-C from its first line on; then the command's module is
+imported and its ``main`` run, and whatever no command met ends it as one line, never a
+traceback:
+
+- Ctrl-C or SIGTERM (the modules loading, or past the command's own care): cancelled
+  (``runplan.json_errors.cancelled_exit``: 130, 143);
+- standard output's reader gone (``| head``): ``READER_GONE`` (141);
+- standard output that cannot be written (a full disk, ``/dev/full``, an I/O error):
+  ``error: cannot write standard output: ...``, exit 1 (what the command printed is
+  flushed before the exit, so a failed write is seen here and not lost at the
+  interpreter's exit: ``--version > /dev/full`` exited 0);
+- any other error after a SIGTERM that C code turned into it (NumPy's import of
+  ``datetime`` makes an ``ImportError`` of it): cancelled by SIGTERM.
+
+Standard library only, as ``runplan.interrupted``: nothing else is imported before the
+handler is set.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import sys
+from typing import NoReturn
+
+from runplan.interrupted import raised_before, sigterm_as_ctrl_c
+
+#: errors of a write that the output's device refused (not a fault of the command)
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG})
+
+
+def run_command(module: str) -> NoReturn:
+    """Run ``module``'s ``main()`` as ``python -m``'s command and exit with its status."""
+    sigterm_as_ctrl_c()  # first: SIGTERM from here on cancels the command as Ctrl-C does
+    try:
+        try:
+            status = importlib.import_module(module).main()
+        finally:  # what the command printed, written now (--help, --version: SystemExit)
+            sys.stdout.flush()
+    except KeyboardInterrupt as exc:  # while the modules load (or past the command's care)
+        from runplan.json_errors import cancelled_exit
+
+        status = cancelled_exit(exc)
+    except BrokenPipeError:  # standard output's reader went away (``| head``)
+        from runplan.json_errors import reader_gone_exit
+
+        status = reader_gone_exit()
+    except OSError as exc:
+        if exc.errno not in OUTPUT_ERRNOS:
+            raise
+        from runplan.json_errors import output_failed_exit
+
+        status = output_failed_exit(exc)
+    except Exception:  # after a SIGTERM that C code turned into another error: cancelled
+        if (interrupted := raised_before()) is None:
+            raise
+        from runplan.json_errors import cancelled_exit
+
+        status = cancelled_exit(interrupted)
+    sys.exit(status)
