@@ -15,7 +15,7 @@ import pytest
 
 from runplan.config import Timeouts
 from runtime_cupy import GenerateResult, generate
-from tests.support.hosts import FaultyHost
+from tests.support.hosts import FaultyHost, TapHost
 from tests.support.hygiene import alive, run_resources
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
@@ -133,4 +133,26 @@ def test_kill_a_stage_during_decode(tiny: str, tmp_path: Path, edges: str) -> No
         on_event=killer.on_event,
     )
     assert len(result.tokens) == 3  # sequences 0, 1, 2 came back; 3 never did
+    _assert_faulted_and_clean(result, 0, killer)
+
+
+def test_a_killed_stage_is_the_fault_though_its_neighbours_link_broke_first(
+    tiny: str, tmp_path: Path
+) -> None:
+    """Stage 0 killed during decode on TCP edges, its control channel's close reaching
+    the runner 3 s late (a tap holds it): stage 1's report of its inbound link reset
+    comes first, and the fault is still stage 0's death (it was stage 1's edge_fault
+    whenever the report won the race, about one run in twelve without the tap)."""
+    killer = Killer(0, tmp_path, "step 3 begins")
+    host = TapHost(log_dir=tmp_path, faults={0: ["step-delay=3:30"]}, eof_delay_s=3.0)
+    result = generate(
+        tiny,
+        [1, 2, 3],
+        stages=3,
+        max_tokens=8,
+        timeouts=TIMEOUTS,
+        host=host,
+        edges="tcp",
+        on_event=killer.on_event,
+    )
     _assert_faulted_and_clean(result, 0, killer)

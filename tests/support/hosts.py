@@ -25,6 +25,7 @@ import select
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,16 @@ class ControlTap:
     gives it the key of a chain the stage joins (the frames after ``JoinChain`` are
     signed with it, those before with the old one)."""
 
-    def __init__(self, stage_sock: socket.socket, key: bytes, stage_id: str, orch_id: str) -> None:
+    def __init__(
+        self,
+        stage_sock: socket.socket,
+        key: bytes,
+        stage_id: str,
+        orch_id: str,
+        eof_delay_s: float = 0.0,
+    ) -> None:
         stage_sock.setblocking(True)
+        self.eof_delay_s = eof_delay_s  # the stage's end of file passed on this much later
         self.keys, self.stage_id, self.orch_id = [key], stage_id, orch_id
         self._stage = stage_sock
         self.launcher_sock, self._launcher = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -186,6 +195,8 @@ class ControlTap:
                 except OSError:
                     data = b""
                 if not data:
+                    if source is self._stage and self.eof_delay_s:
+                        time.sleep(self.eof_delay_s)  # a channel whose close comes late
                     poller.unregister(fd)
                     open_ends -= 1
                     with contextlib.suppress(OSError):
@@ -239,12 +250,18 @@ def _frame(
 
 class TapHost(LocalProcessHost):
     """The local-process host (or ``FaultyHost``'s faults, with ``faults``) with a
-    ``ControlTap`` on each stage's channel (``taps[i]``); ``secret`` is the stages'."""
+    ``ControlTap`` on each stage's channel (``taps[i]``); ``secret`` is the stages'.
+    ``eof_delay_s``: each tap passes its stage's end of file on that much later."""
 
     def __init__(
-        self, *, log_dir: Path | None = None, faults: Mapping[int, Sequence[str]] | None = None
+        self,
+        *,
+        log_dir: Path | None = None,
+        faults: Mapping[int, Sequence[str]] | None = None,
+        eof_delay_s: float = 0.0,
     ) -> None:
         super().__init__(log_dir=log_dir)
+        self.eof_delay_s = eof_delay_s
         self.inner = FaultyHost(faults or {}, log_dir=log_dir)
         self.taps: dict[int, ControlTap] = {}
         self.secret = b""
@@ -254,7 +271,7 @@ class TapHost(LocalProcessHost):
         self.secret = secret
         old = handle.channel
         key = control_key(secret, launch.node_id)
-        tap = ControlTap(old.sock, key, launch.node_id, launch.orchestrator_id)
+        tap = ControlTap(old.sock, key, launch.node_id, launch.orchestrator_id, self.eof_delay_s)
         handle.channel = ControlChannel(tap.launcher_sock, old.key, old.local_id, old.peer_id)
         self.taps[launch.stage_index] = tap
         hand_secret = handle.hand_secret

@@ -14,6 +14,13 @@ Faults of the stages. A stage whose control channel reaches end of file has died
 (however it died, SIGKILL included): ``StageDied``, and a stage that sends nothing, not
 even a heartbeat, for ``timeouts.heartbeat_ms`` is killed and is ``StageSilent``; either
 one is a fault of the chain (``chain_runner`` says what follows).
+
+A death is heard before the link it broke. A stage whose neighbour died sees its link
+to it break (a TCP reset) and reports an ``EDGE_FAULT``, which can reach the runner
+before the dead stage's control channel closes: that report waits until the stages at
+either end of the reporter's links have been looked at (``EDGE_PEER_WAIT_S`` at most),
+and a neighbour found gone is the chain's fault (``process_died``, naming it) before the
+broken link is heard (it was the healthy neighbour's ``edge_fault``, one run in twelve).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import attrs
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
-from runplan.messages import JoinChain, ProvisionStage, StopRun
+from runplan.messages import FaultKind, JoinChain, ProvisionStage, StageFault, StopRun
 from runplan.shards import SliceParts
 from runtime_core.chain_orchestrator import ChainOrchestrator
 from runtime_core.kv_waits import KvWaits
@@ -42,6 +49,10 @@ if TYPE_CHECKING:
 
 # The chain runner's: its log lines keep their logger.
 log = logging.getLogger("runtime_cupy.process.chain_runner")
+
+#: How long a stage's report of a broken link waits for a neighbour's death to show
+#: (its process reaped), at most: a killed process is reaped within milliseconds.
+EDGE_PEER_WAIT_S = 0.25
 
 
 @attrs.define(eq=False)
@@ -269,6 +280,19 @@ class ChainStages:
                 if not stage.gone and stage.handle.channel.heard_s is None:
                     self._stage_silent(stage, self.template.timeouts.ready_ms / 1000.0)
 
+    def _hear_deaths_first(self, reporter: RunnerStage) -> None:
+        """``reporter`` says a link broke: a stage at the other end of one of its links
+        that is gone (within ``EDGE_PEER_WAIT_S``) is heard dead first, the cause."""
+        peers = [s for s in self.stages if not s.gone and abs(s.index - reporter.index) == 1]
+        deadline = time.monotonic() + EDGE_PEER_WAIT_S
+        while peers:
+            gone = [s for s in peers if s.handle.exited()]
+            for peer in gone:
+                self._stage_died(peer)
+            if gone or time.monotonic() >= deadline:
+                return
+            time.sleep(0.005)
+
     def _read_control(self, stage: RunnerStage) -> None:
         channel = stage.handle.channel
         for item in channel.receive():
@@ -283,6 +307,10 @@ class ChainStages:
                 log.info("received %s from %r", name, item.sender)
                 self.trace.instant(f"recv {name}", sender=item.sender)
                 self._emit("received", sender=item.sender, message=item.message)
+                if isinstance(item.message, StageFault) and (
+                    item.message.reason.kind is FaultKind.EDGE_FAULT
+                ):
+                    self._hear_deaths_first(stage)
                 run = self._runs.get(str(getattr(item.message, "run_id", "")))
                 self.kv_waits.heard(item.message, run, self.orchestrator.kv_reserved())
                 self.orchestrator.handle(fsm.Received(item.sender, item.message))
