@@ -51,6 +51,7 @@ __all__ = [
     "TokenizerError",
     "UnknownPreTokenizer",
     "UnknownTokenizerModel",
+    "read_text",
 ]
 
 _SPACE = "\u2581"  # SentencePiece's visible space
@@ -170,10 +171,7 @@ class Tokenizer:
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """``text`` cut into raw fragments and special token ids."""
-        # A lone surrogate has no UTF-8; it becomes U+FFFD, as invalid UTF-8 does in
-        # llama.cpp's pre-tokenizer.
-        if _has_surrogate(text):
-            text = _SURROGATE.sub("\ufffd", text)
+        text = read_text(text)
         fragments: list[str | int] = [text] if text else []
         for token, token_id, attr in self._specials:
             if attr & _SPECIAL and not parse_special:
@@ -377,6 +375,15 @@ class Tokenizer:
 def _known(token_id: int | None) -> int:
     assert token_id is not None  # Vocab refuses add_bos / add_eos without the id
     return token_id
+
+
+def read_text(text: str) -> str:
+    """``text`` as ``Tokenizer.encode`` reads it: a lone surrogate, which has no UTF-8,
+    becomes U+FFFD, as invalid UTF-8 does in llama.cpp's pre-tokenizer (a text that
+    quotes a prompt back, such as a completion's echo, is this one)."""
+    if _has_surrogate(text):
+        return _SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def _has_surrogate(text: str) -> bool:

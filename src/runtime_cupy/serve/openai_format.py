@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from runtime_core.tokenizer import Tokenizer
+from runtime_core.tokenizer import Tokenizer, read_text
 from runtime_cupy.serve.events import Failed, Finished
 from runtime_cupy.serve.jobs import Job
 from runtime_cupy.serve.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
@@ -83,12 +83,13 @@ def chat_response(
 
 def echoed(job: Job, tokenizer: Tokenizer) -> str:
     """What a completion's text starts with: its prompt's text where the request asked
-    for ``echo`` (the prompt as given, or its token ids' text), else nothing."""
+    for ``echo`` (the prompt as the model read it: as given, a lone surrogate, which
+    UTF-8 cannot hold, as U+FFFD; or its token ids' text), else nothing."""
     request = job.prepared.request
     if not request.echo:
         return ""
     if isinstance(request.prompt, str):
-        return request.prompt
+        return read_text(request.prompt)
     return tokenizer.decode(request.prompt)
 
 

@@ -186,6 +186,31 @@ def test_a_completion_with_echo_starts_with_its_prompt(
     assert [c.text for c in by_ids.choices] == [tokenizer.decode(ids) + t for t in texts]
 
 
+def test_an_echoed_prompt_is_the_text_the_model_read(
+    server: ServerProcess, tokenizer: Tokenizer
+) -> None:
+    """A prompt holding a lone surrogate (half an emoji: what a JavaScript client that
+    cut a string sends; the openai client cannot send one) is echoed as the model read
+    it, the surrogate as U+FFFD, whole and streamed (once a 500, and a stream cut
+    short with no chunk)."""
+    url = f"{server.base_url}/v1/completions"
+    headers = {**AUTH, "Content-Type": "application/json"}
+    ask = b'"model": "tiny-chat", "prompt": "Hello \\ud83c", "max_tokens": 2, "echo": true'
+    read = "Hello \ufffd"
+    assert tokenizer.encode("Hello \ud83c") == tokenizer.encode(read)
+    r = httpx2.post(url, content=b"{" + ask + b"}", headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(read), r.text
+    with httpx2.stream(
+        "POST", url, content=b"{" + ask + b', "stream": true}', headers=headers
+    ) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]", lines
+    first = json.loads(lines[0][len("data: ") :])
+    assert first["choices"][0]["text"] == read, lines
+
+
 def test_n_choices_are_n_runs_choice_i_seeded_seed_plus_i(client: openai.OpenAI) -> None:
     """``n`` choices, whole and streamed: choice ``i`` is what one choice of seed
     ``seed + i`` is (``prompts.choice_seed``), and the usage counts the prompt once and
