@@ -107,9 +107,10 @@ def prepare(chain: WarmChain, request: CompletionRequest) -> Prepared:
         vocab = len(tok.vocab.tokens)
         for i, token in enumerate(ids):
             if token >= vocab:
+                where = f"{request.prompt_param}[{i}]"
                 raise RequestError(
-                    f"prompt[{i}] is {token}, outside the vocabulary 0..{vocab - 1}",
-                    param=f"prompt[{i}]",
+                    f"{where} is {token}, outside the vocabulary 0..{vocab - 1}",
+                    param=where,
                     code="invalid_value",
                 )
     if not ids:

@@ -113,8 +113,7 @@ def prompt(param: str, value: Any, *, inner: bool = False) -> str | tuple[int, .
         return value
     if not isinstance(value, list):
         raise wrong(param, value, "a string, an array of token ids, or an array of one")
-    nested = bool(value) and (isinstance(value[0], list) or all(isinstance(v, str) for v in value))
-    if nested:
+    if _nested(value):
         if inner:  # [["a"]] or [[[1]]]: no prompt shape of OpenAI's
             raise wrong(param, value, "a string or an array of token ids")
         if len(value) != 1:
@@ -132,3 +131,14 @@ def prompt(param: str, value: Any, *, inner: bool = False) -> str | tuple[int, .
             raise out_of_range(f"{param}[{i}]", token, "a token id (>= 0)")
         ids.append(token)
     return tuple(ids)
+
+
+def prompt_ids_param(param: str, value: Any) -> str:
+    """Where in the body a checked prompt (``prompt``'s ``value``) has its token ids:
+    ``param``, or ``param[0]`` for an array of one."""
+    return f"{param}[0]" if isinstance(value, list) and _nested(value) else param
+
+
+def _nested(value: list[Any]) -> bool:
+    """Whether a prompt's array holds prompts (texts, or arrays of ids) rather than ids."""
+    return bool(value) and (isinstance(value[0], list) or all(isinstance(v, str) for v in value))

@@ -33,7 +33,7 @@ from typing import Any
 from attrs import frozen
 
 from runtime_cupy.serve.request_errors import RequestError, show, type_name, unknown
-from runtime_cupy.serve.request_messages import Message, messages, prompt
+from runtime_cupy.serve.request_messages import Message, messages, prompt, prompt_ids_param
 from runtime_cupy.serve.request_rules import (
     MAX_CHOICES,
     Rule,
@@ -78,6 +78,8 @@ class CompletionRequest:
     model: str
     messages: tuple[Message, ...] = ()
     prompt: str | tuple[int, ...] = ""
+    #: Where the prompt's token ids are in the body (``prompt[0]`` in an array of one).
+    prompt_param: str = "prompt"
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"  # the field it came in (max_completion_tokens)
     temperature: float = 1.0
@@ -219,8 +221,9 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def _fields(body: bytes, rules: Mapping[str, Rule], neutral: frozenset[str]) -> dict[str, Any]:
-    obj = json_object(body)
+def _fields(
+    obj: dict[str, Any], rules: Mapping[str, Rule], neutral: frozenset[str]
+) -> dict[str, Any]:
     for key in obj:
         if key not in rules and key not in neutral:
             raise unknown(key)
@@ -258,7 +261,7 @@ def _common(values: dict[str, Any]) -> dict[str, Any]:
 
 def parse_chat(body: bytes) -> CompletionRequest:
     """A ``/v1/chat/completions`` body; ``RequestError`` naming what is wrong."""
-    v = _fields(body, CHAT_FIELDS, _CHAT_NEUTRAL)
+    v = _fields(json_object(body), CHAT_FIELDS, _CHAT_NEUTRAL)
     limit = v["max_completion_tokens"]
     if limit is not None and v["max_tokens"] is not None and limit != v["max_tokens"]:
         raise RequestError(
@@ -284,7 +287,8 @@ def parse_chat(body: bytes) -> CompletionRequest:
 
 def parse_completion(body: bytes) -> CompletionRequest:
     """A ``/v1/completions`` body; ``RequestError`` naming what is wrong."""
-    v = _fields(body, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
+    obj = json_object(body)
+    v = _fields(obj, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
     if v["echo"] and v["logprobs"] is not None:
         raise RequestError(
             "echo with logprobs asks for the prompt's log probabilities, which this server "
@@ -295,6 +299,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     return CompletionRequest(
         endpoint="completion",
         prompt=v["prompt"],
+        prompt_param=prompt_ids_param("prompt", obj["prompt"]),
         max_tokens=v["max_tokens"],
         logprobs=v["logprobs"],
         echo=v["echo"],

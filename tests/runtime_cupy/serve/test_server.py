@@ -506,6 +506,21 @@ def test_a_bad_request_gets_its_4xx_naming_the_field(
     assert "Traceback" not in r.text
 
 
+@pytest.mark.parametrize(
+    ("prompt", "where"),
+    [([1, 10**9], "prompt[1]"), ([[1, 10**9]], "prompt[0][1]"), ([[1, -4]], "prompt[0][1]")],
+)
+def test_a_bad_token_id_is_named_where_the_body_has_it(
+    server: ServerProcess, prompt: list[Any], where: str
+) -> None:
+    """In an array of one as in a flat one (once ``prompt[1]`` for ``[[1, 10**9]]``)."""
+    r = httpx2.post(f"{server.base_url}/v1/completions", json=completion(prompt=prompt),
+                    headers=AUTH)  # fmt: skip
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == where, error
+    assert error["message"].startswith(f"{where} is "), error
+
+
 def test_the_openai_client_gets_400s_for_what_were_500s(client: openai.OpenAI) -> None:
     for sampling in ({"temperature": 10**400}, {"top_p": -(10**400)}):
         with pytest.raises(openai.BadRequestError) as info:
