@@ -66,8 +66,10 @@ def type_name(value: Any) -> str:
 
 
 def wrong(param: str, value: Any, expected: str) -> RequestError:
+    """``param`` holds a value of the wrong type: its type and the value (null once)."""
+    given = type_name(value) if value is None else f"{type_name(value)} {show(value)}"
     return RequestError(
-        f"{param} must be {expected}, not {type_name(value)} {show(value)}",
+        f"{param} must be {expected}, not {given}",
         param=param,
         code="invalid_type",
     )

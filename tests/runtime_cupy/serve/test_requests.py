@@ -226,3 +226,18 @@ def test_a_negative_seed_other_than_minus_one_names_what_is_taken(seed: int) -> 
             ).seed
             is None
         )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt": "x", "stop": [None]}, "stop[0] must be a string, not null"),
+        ({"prompt": [None]}, "prompt[0] must be a token id (an integer), not null"),
+        ({"prompt": [1, "2"]}, 'prompt[1] must be a token id (an integer), not string "2"'),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_named_once(fields: dict[str, Any], message: str) -> None:
+    """Its type, then the value; a null is both (once "not null null")."""
+    with pytest.raises(RequestError) as info:
+        parse_completion(json.dumps({"model": "m", **fields}).encode())
+    assert info.value.message == message
