@@ -14,7 +14,8 @@
 
 Every error is an OpenAI error object with a status: 400 for a bad body (naming the
 field), 401 without the right ``Authorization: Bearer`` key (when the server has one;
-``/health`` needs none), 404 for an unknown model or path, 405, 408 for a body that
+``/health`` needs none), 404 for an unknown model or path (one with a trailing slash
+too: no redirect), 405, 408 for a body that
 does not arrive within the client timeout, 413 for a body over ``MAX_BODY_BYTES``, 415
 for a body of another type than JSON or of none (``_check_json_type``: what a web page
 can make a browser send to localhost unasked), 429 when the queue is full, 500 / 503 when the
@@ -396,8 +397,12 @@ def build_app(
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
     checks = [] if host_names is None else [Middleware(LoopbackHosts, names=host_names)]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=checks,
         exception_handlers={HTTPException: _http_error, Exception: _bug},
     )
+    # A path with a slash too many (/v1/completions/) is a 404 with an error object,
+    # not Starlette's bare redirect (307, no body) that a client does not follow.
+    app.router.redirect_slashes = False
+    return app

@@ -533,6 +533,8 @@ def test_the_openai_client_gets_400s_for_what_were_500s(client: openai.OpenAI) -
 def test_the_rest_of_the_http_surface_is_4xx_too(server: ServerProcess) -> None:
     base = server.base_url
     assert httpx2.get(f"{base}/v1/nothing", headers=AUTH).status_code == 404
+    slash = httpx2.post(f"{base}/v1/chat/completions/", json={}, headers=AUTH)  # once a 307
+    assert slash.status_code == 404 and slash.json()["error"]["code"] == "not_found", slash
     wrong = httpx2.get(f"{base}/v1/completions", headers=AUTH)  # a 405 says what is allowed
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST", wrong.headers
     assert httpx2.get(f"{base}/v1/models/gpt-4o", headers=AUTH).status_code == 404
