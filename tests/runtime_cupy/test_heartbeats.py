@@ -110,7 +110,8 @@ def test_a_stage_stopped_before_its_first_word_is_killed_when_the_run_is_not_rea
     """Stopped the moment it is spawned (before it beats once), stage 1 holds no step:
     when the run's ready timer (4 s) runs out, a stage that has not said a word is
     taken for silent and killed, so the run's teardown does not wait out the stop bound
-    (here 15 + 2 x 20 s) for it: the run ends in seconds, where it took a minute."""
+    (here 15 + 2 x 20 s) for it: the run ends in seconds, where it took a minute. The
+    fault names that stage (it blamed the orchestrator: "stages [1] not ready in time")."""
     stopped: list[int] = []
     silent: list[int] = []
 
@@ -132,7 +133,8 @@ def test_a_stage_stopped_before_its_first_word_is_killed_when_the_run_is_not_rea
     )
     took = time.monotonic() - began
     assert stopped, "stage 1 was never spawned"
-    assert result.outcome == "faulted" and "not ready in time" in str(result.fault)
+    assert result.outcome == "faulted" and result.fault_stage == 1, result.fault
+    assert "stage_silent: stage 1 on 'stage-1': not a word since it" in str(result.fault)
     assert silent == [1]  # the stage that never spoke, killed when the ready timer ran out
     assert took < 40, f"the run took {took:.1f} s: it waited out the stop bound"
     codes = {s.stage_index: s.returncode for s in result.stages}

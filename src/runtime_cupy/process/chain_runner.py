@@ -347,9 +347,9 @@ class ChainRunner(ChainStages, RunHandoffs):
                 self.links.ready(fd, events)
         for run_id, timer in self.timers.expired(time.monotonic()):
             log.warning("run %s: orchestrator timer %s ran out", run_label(run_id), timer.name)
-            o.handle(RunTimerFired(run_id, timer))
-            if timer is fsm.Timer.READY:
+            if timer is fsm.Timer.READY:  # first: the silent stage is the fault, named
                 self._silence_the_unheard()
+            o.handle(RunTimerFired(run_id, timer))
         self._check_silence(time.monotonic())  # after reading: what waited was heard
         if not ready:
             for stage in self.stages:  # a stage gone without closing its channel
