@@ -25,7 +25,8 @@ gets its slice from this host (``runtime_cupy.slices``), logged as it moves
 With ``recover=True`` a run a lost stage process, host or link interrupted is not
 failed: the chain is re-placed over the live nodes and the run replayed on it, its
 tokens continuing its caller's stream (``serve.recovery``; at most ``max_recoveries``
-per stream).
+per stream), unless the model's files changed since the stages started
+(``chain_errors.SourceChanged``: the stages kept would hold the old weights).
 
 ``generate``, ``ready`` and a run's ``cancel`` may be called from any thread; ``start``,
 ``recover`` and ``close`` from the owner's.
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -224,6 +226,8 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         self._warm = False  # every stage bound by a run since the chain started
         self._closed = False
         self._trouble: str | None = None
+        self._source = None  # the model's files as they were when the stages started
+        self._sources = weakref.WeakKeyDictionary()  # those each chain's stages read
         self.restarts = 0  # stages started again after the chain broke
         self.kept: tuple[int, ...] = ()  # stages the last start kept (weights and process)
         #: When the last start of the chain had the broken one stopped, placed the

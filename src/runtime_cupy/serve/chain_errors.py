@@ -1,5 +1,6 @@
 """The errors of a warm chain (``serve.chain.WarmChain``): ``ChainError``, it cannot
-serve, and ``Unplaced``, it lost stages and no placement is left over the live nodes.
+serve; ``Unplaced``, it lost stages and no placement is left over the live nodes; and
+``SourceChanged``, it lost stages and its model's files changed since its stages started.
 """
 
 from __future__ import annotations
@@ -24,3 +25,15 @@ class Unplaced(PicklableError, ChainError):
         self.unplaceable = unplaceable
         self.live = tuple(live)
         super().__init__(unplaced(unplaceable, self.live))
+
+
+class SourceChanged(PicklableError, ChainError):
+    """The chain lost stages and its model's files changed since its stages started
+    (``changes``: each file and what of it changed, ``chain_source.SourceFiles``): the
+    stages a re-placement keeps hold the old weights, a stage started again would read
+    the new file, so no stream is replayed on it. The next start of the chain starts
+    every stage again, on the files as they are then."""
+
+    def __init__(self, changes: str) -> None:
+        self.changes = changes
+        super().__init__(f"{changes}: the stages kept would hold the old weights")

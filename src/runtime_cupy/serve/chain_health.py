@@ -2,7 +2,9 @@
 is): whether it is ``ready`` and, until it is whole again, its ``trouble``; the chain
 started again after a fault (``_heal``: the broken runner stopped, a new one started in
 a thread of its own and bound by one short run), and re-placed over the live nodes after
-a loss (issue 25, ``serve.recovery.Replacer``), keeping the stages it can.
+a loss (issue 25, ``serve.recovery.Replacer``), keeping the stages it can: none when the
+model's files changed since the stages started (``chain_source``), and a stream's
+recovery is then refused (``SourceChanged``).
 
 A fault of the chain (a stage that died or went silent, a link cut) ends every run in
 flight, each naming the stage, its node, its host and the cause; the chain is then
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -26,7 +29,8 @@ from runtime_core.recovery import RecoveryPolicy
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.process.chain_runner import ChainRunner
-from runtime_cupy.serve.chain_errors import ChainError, Unplaced
+from runtime_cupy.serve.chain_errors import ChainError, SourceChanged, Unplaced
+from runtime_cupy.serve.chain_source import SourceFiles
 from runtime_cupy.serve.recovery import Recoveries, Replacer, kept_stages
 
 if TYPE_CHECKING:
@@ -92,6 +96,8 @@ class ChainHealth:
     _warm: bool
     _closed: bool
     _trouble: str | None
+    _source: SourceFiles | None
+    _sources: weakref.WeakKeyDictionary[ChainRunner, SourceFiles]
     restarts: int
     kept: tuple[int, ...]
     heal_marks: dict[str, float]
@@ -164,6 +170,10 @@ class ChainHealth:
             marks["placed"] = time.monotonic()
             if runner is not None:
                 keep = kept_stages(runner.template, new)
+        changed = self._source.changes() if keep and self._source is not None else None
+        if changed is not None:  # the kept stages' weights are not the files' any more
+            log.warning("%s: every stage starts again", changed)
+            keep = ()
         kept = self._stop_runner(keep)
         if runner is not None:
             self.restarts += len(runner.template.stages) - len(kept)
@@ -186,6 +196,10 @@ class ChainHealth:
             run_ids=self._run_ids,
         )
         self._warm = False
+        if not kept:  # every stage reads the files as they are now
+            self._source = SourceFiles.now(self.facts.gguf_source.paths)
+        if self._source is not None:  # what this chain's stages read
+            self._sources[runner] = self._source
         try:
             runner.start()
         except OSError as exc:
@@ -227,10 +241,17 @@ class ChainHealth:
         """Re-place the chain ``lost_from`` was after it lost ``lost_stages`` (by
         ``cause``) and bring the new chain up, unless another stream did already (any
         thread). ``ChainError`` when there is no placement over the live nodes (its
-        rejection named) or the new chain cannot be started or bound."""
+        rejection named) or the new chain cannot be started or bound; ``SourceChanged``
+        when the model's files changed since the stages started (the chain is left
+        broken: its next start starts every stage again)."""
         with self._heal_lock:
             if self._closed:
                 raise ChainError("the chain is closed")
+            # the files lost_from's stages read (a chain started since may read others)
+            source = self._sources.get(lost_from)
+            changed = source.changes() if source is not None else None
+            if changed is not None:
+                raise SourceChanged(changed)
             if self._runner is not lost_from and self.ready:
                 return  # another stream's recovery brought the new chain up
             if self._runner is not lost_from:  # a newer chain, itself broken or never up

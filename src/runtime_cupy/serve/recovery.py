@@ -269,7 +269,11 @@ def run_stream(
         try:
             chain.replace(last.run.runner, lost, cause)
         except Exception as exc:  # ChainError: unplaceable, or the new chain did not bind
+            from runtime_cupy.serve.chain_errors import SourceChanged  # (it imports this)
+
             not_recovered = str(exc)
+            if isinstance(exc, SourceChanged):
+                break  # the model's files changed: no replay holds the stream's model
             if interrupted.recoveries + 1 < policy.max_recoveries and chain.placeable:
                 interrupted = attrs.evolve(interrupted, recoveries=interrupted.recoveries + 1)
                 continue  # the new chain was lost in turn while binding: once more
