@@ -20,7 +20,7 @@ from runplan.shards import ShardKeys, SliceParts
 from runtime_cupy.cli.main import main
 from runtime_cupy.slices.cache import CacheError, SliceCache, default_limit, default_root
 from runtime_cupy.slices.fetch import SliceTransferFailed
-from tests.runtime_cupy.test_slices import UNTIED, Source
+from tests.runtime_cupy.test_slices import TIED, UNTIED, Source
 
 PARTS = [
     SliceParts(0, 2, True, False),
@@ -66,14 +66,45 @@ def test_least_recently_used_entries_go_first_past_the_limit(
     # The first is used again: the second is now the least recently used.
     os.utime(entries[1].manifest, (entries[0].last_used - 10,) * 2)
     source.resolve(source.fetcher(cache), PARTS[0])
-    limit = sum(e.bytes for e in entries) + 1024  # room for two entries of this size, not 3
+    # room for two entries of about this size (the last holds the head), not 3
+    limit = 2 * max(e.bytes for e in entries) + 2**16
     fetcher = source.fetcher(cache)
     fetcher.cache = SliceCache(cache, limit=limit)
     source.resolve(fetcher, PARTS[2])
     kept = [e.parts for e in SliceCache(cache, limit=None).entries()]
     assert sorted(kept, key=lambda p: p.layer_start) == [PARTS[0], PARTS[2]]
+    assert SliceCache(cache, limit=None).total_bytes() <= limit
     with pytest.raises(CacheError, match="does not fit the cache's limit"):
         SliceCache(cache, limit=10).make_room(11)
+
+
+def test_a_slice_that_copies_from_an_entry_leaves_the_cache_within_its_limit(
+    tmp_path: Path,
+) -> None:
+    """The last stage's slice of a tied model copies the embedding from the first
+    stage's entry, which is kept while the slice is received; once the slice is in, the
+    entry it copied from goes (least recently used) where both do not fit the limit. The
+    cache once ended over its limit, by the entry kept."""
+    (tmp_path / "src").mkdir()
+    tied = Source(tmp_path / "src", TIED)
+    first, last = SliceParts(0, 2, True, False), SliceParts(2, 4, False, True)
+    try:
+        sizes = tmp_path / "sizes"  # the two entries' sizes, with no limit
+        for stage, parts in enumerate((first, last)):
+            tied.resolve(tied.fetcher(sizes, stage=stage), parts)
+        size = {e.parts: e.bytes for e in SliceCache(sizes, limit=None).entries()}
+        limit = size[last] + size[first] // 2  # the last slice fits, not both
+        cache = tmp_path / "host"
+        tied.resolve(tied.fetcher(cache, stage=0), first)
+        fetcher = tied.fetcher(cache, stage=1)
+        fetcher.cache = SliceCache(cache, limit=limit)
+        tied.resolve(fetcher, last)
+        assert fetcher.last["tensor_bytes_copied"] > 0, "the embedding was copied"
+    finally:
+        tied.server.close()
+    left = SliceCache(cache, limit=None)
+    assert [e.parts for e in left.entries()] == [last]
+    assert left.total_bytes() <= limit
 
 
 def test_cache_list_and_clear(

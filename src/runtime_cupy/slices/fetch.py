@@ -252,6 +252,9 @@ class SliceFetcher:
             made = self.cache.entry(source_key, parts)
             if made is not None:
                 remember_sound(made, self.digests)
+            # The entries it copied from were kept while it came in: now they go, least
+            # recently used first, where the cache is over its limit with the new entry.
+            self.cache.make_room(0, (made,) if made is not None else ())
             link.send({"ok": True, "bytes": link.received})
             self._record(
                 "received",
