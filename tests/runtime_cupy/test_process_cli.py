@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -209,6 +210,23 @@ def test_with_recover_the_json_counts_the_recoveries(smollm2_path: str) -> None:
     doc = json.loads(out)
     assert doc["recoveries"] == 1 and doc["tokens"] == list(unbroken.tokens), doc
     assert wait_gone(list(pids.values()), 5) == []
+
+
+def test_with_recover_the_timings_count_the_chains_start(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--recover --json``: ``load_s`` and ``wall_s`` count the chain's start and bind,
+    as a run without ``--recover`` counts its stages' (they once held only the run on
+    the chain already warm: a load of a few ms). A few tokens of the tiny model take
+    little of the time the stage processes take to start."""
+    began = time.perf_counter()
+    code = main(["--model", tiny, "--stages", "2", "--prompt-ids", "7,8,9", "--max-tokens",
+                 "4", "--worker", "numpy", "--recover", "--json"])  # fmt: skip
+    took = time.perf_counter() - began
+    assert code == 0
+    timings = json.loads(capsys.readouterr().out)["timings"]
+    assert took / 2 < timings["wall_s"] <= took, (timings, took)
+    assert timings["wall_s"] / 2 < timings["load_s"] <= timings["wall_s"], timings
 
 
 def test_max_concurrent_takes_a_prompts_file(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 
+import attrs
 from rich.console import Console
 
 from runplan.arguments import OneLineParser, add_version
@@ -188,12 +190,16 @@ def _recovering_chain(args: argparse.Namespace, path: str, prompt: list[int]) ->
 def _generate_recovering(
     args: argparse.Namespace, chain: WarmChain, prompt: list[int], stream: TextStream
 ) -> GenerateResult:
-    """The run of a ``--recover`` run on its warm chain, started here and closed after."""
+    """The run of a ``--recover`` run on its warm chain, started here and closed after;
+    its ``load_s`` and ``wall_s`` count the chain's start and bind, as a run without
+    ``--recover`` counts its stages' start and load."""
     # SIGTERM tears the chain down as Ctrl-C does; taken after the chain is made, which
     # connects to a Ray cluster (--ray-address), whose driver sets its own handler.
     with sigterm_interrupts():
         try:
+            began = time.perf_counter()
             chain.start()
+            start_s = time.perf_counter() - began
             run = chain.generate(
                 prompt,
                 max_tokens=args.max_tokens,
@@ -205,7 +211,10 @@ def _generate_recovering(
             )
         finally:
             chain.close()
-    return run.result
+    result = run.result
+    return attrs.evolve(
+        result, load_s=start_s + (result.load_s or 0.0), wall_s=start_s + result.wall_s
+    )
 
 
 def _cancelled(
