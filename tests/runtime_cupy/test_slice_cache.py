@@ -20,6 +20,7 @@ from runplan.shards import ShardKeys, SliceParts
 from runtime_cupy.cli.main import main
 from runtime_cupy.slices.cache import CacheError, SliceCache, default_limit, default_root
 from runtime_cupy.slices.fetch import SliceTransferFailed
+from runtime_cupy.slices.transfer_log import TRANSFER_LOG, append
 from tests.runtime_cupy.test_slices import TIED, UNTIED, Source
 
 PARTS = [
@@ -125,9 +126,23 @@ def test_cache_list_and_clear(
     assert doc["total_bytes"] == entry["bytes"] > source.slice_bytes(PARTS[1])
     assert main(["cache", "list"]) == 0
     assert "blocks 2-3" in capsys.readouterr().out
+    assert (cache / TRANSFER_LOG).exists()
     assert main(["cache", "clear", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["removed"] == 1
     assert SliceCache(cache, limit=None).entries() == []
+    assert not (cache / TRANSFER_LOG).exists(), "clear removes the transfer log"
+
+
+def test_the_transfer_log_keeps_its_newest_lines(tmp_path: Path) -> None:
+    """Past its bound the log is written again with its newest whole lines in half of
+    it: a line on every resolve (cache hits too) once grew it without end."""
+    lines = [{"n": n, "pad": "x" * 50} for n in range(200)]
+    for line in lines:
+        append(tmp_path, line, limit=4000)
+        assert (tmp_path / TRANSFER_LOG).stat().st_size <= 4000 + 100
+    kept = [json.loads(x) for x in (tmp_path / TRANSFER_LOG).read_text().splitlines()]
+    assert 20 < len(kept) < 70 and kept == lines[-len(kept) :]
+    assert list(tmp_path.iterdir()) == [tmp_path / TRANSFER_LOG], "no file left beside it"
 
 
 def test_a_damaged_entry_is_listed_never_used_and_cleared(

@@ -39,7 +39,6 @@ from runtime_cupy.slices import server as server_module
 from runtime_cupy.slices.cache import SliceCache
 from runtime_cupy.slices.digests import DigestStore
 from runtime_cupy.slices.fetch import (
-    TRANSFER_LOG,
     SliceFetcher,
     SliceOrigin,
     SliceTransferFailed,
@@ -47,6 +46,7 @@ from runtime_cupy.slices.fetch import (
 from runtime_cupy.slices.progress import SliceBars, SliceLog, describe, figures
 from runtime_cupy.slices.protocol import Refused, open_as_stage
 from runtime_cupy.slices.server import SliceServer, StageTransfer
+from runtime_cupy.slices.transfer_log import TRANSFER_LOG
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.faulty_link import FaultyLink
 

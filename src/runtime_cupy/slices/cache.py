@@ -10,6 +10,7 @@
     <cache>/tmp/                       entries being written (never read as entries)
     <cache>/locks/<key>.lock           held (flock) while a slice of that source is fetched
     <cache>/digests/<paths>.json       what hashing a local file found (``digests``)
+    <cache>/transfers.jsonl            a line per slice resolved (``transfer_log``)
 
 ``<key>`` is the first 32 hex digits of the source's content key (``runplan.content``),
 ``<parts>`` what the slice holds (``SliceParts.label``: ``L0-9.embd``). An entry is
@@ -23,7 +24,9 @@ write in it could hand a stage other weights.
 
 Least recently used entries go first when the cache would grow past its limit
 (``$GGUF_PIPELINE_CACHE_LIMIT``, ``50GiB`` style; none by default): every use of an
-entry touches its manifest. ``python -m runtime_cupy cache list|clear``
+entry touches its manifest; the entries a new one copies tensors from are kept while it
+comes in, and go after it where both do not fit. The transfer log, at most 1 MiB, is
+not counted. ``python -m runtime_cupy cache list|clear``
 (``cli.cache``) shows and empties it.
 """
 
@@ -43,6 +46,7 @@ from attrs import frozen
 from runplan.arguments import parse_size
 from runplan.shards import MANIFEST_NAME, ManifestError, ShardManifest, SliceParts, read_manifest
 from runtime_cupy.slices.private_root import make_root, root_problem
+from runtime_cupy.slices.transfer_log import TRANSFER_LOG
 
 CACHE_VARIABLE = "GGUF_PIPELINE_CACHE"
 LIMIT_VARIABLE = "GGUF_PIPELINE_CACHE_LIMIT"
@@ -263,8 +267,8 @@ class SliceCache:
         shutil.rmtree(doomed, ignore_errors=True)
 
     def clear(self) -> tuple[int, int]:
-        """Remove every entry (damaged ones too), and what fetches no longer running left
-        in ``tmp/``; the entries and bytes removed."""
+        """Remove every entry (damaged ones too), what fetches no longer running left
+        in ``tmp/``, and the transfer log; the entries and bytes removed."""
         count = size = 0
         for entry in self.entries():
             self.remove(entry)
@@ -282,6 +286,8 @@ class SliceCache:
             with self.try_lock(key) as held:
                 if held or name.startswith("gone-"):
                     shutil.rmtree(self.tmp / name, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            (self.private_root() / TRANSFER_LOG).unlink()
         return count, size
 
     # -- writing ---------------------------------------------------------------------

@@ -27,8 +27,9 @@ the server sends the slice with another protection than the stage asked for) is 
 ``SliceTransferFailed`` naming this host, the tensor and the cause, which the stage
 reports as its setup fault; what was written is removed.
 
-Each fetch appends one line to ``<cache>/transfers.jsonl``: what came from where, how
-many bytes this host read from the socket, and whether it asked for them encrypted.
+Each fetch appends one line to ``<cache>/transfers.jsonl`` (``transfer_log``, kept
+small): what came from where, how many bytes this host read from the socket, and
+whether it asked for them encrypted.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import mmap
 import os
@@ -65,6 +65,7 @@ from runplan.shards import (
 )
 from runtime_core.workers.interface import WorkerError
 from runtime_cupy.edges.tcp_seal import protection_for
+from runtime_cupy.slices import transfer_log
 from runtime_cupy.slices.cache import CacheEntry, CacheError, SliceCache
 from runtime_cupy.slices.digests import DigestStore, hashes_match, metadata_matches
 from runtime_cupy.slices.protocol import (
@@ -83,7 +84,6 @@ log = logging.getLogger("runtime_cupy.slices")
 MAX_HEADER_BYTES = 1 << 30
 #: Bytes received between looks at the hashes of tensors already in.
 CHUNK = 8 << 20
-TRANSFER_LOG = "transfers.jsonl"
 
 
 class SliceTransferFailed(WorkerError):
@@ -483,11 +483,8 @@ class SliceFetcher:
             **fields,
         }
         self.last = line
-        with (
-            contextlib.suppress(OSError),
-            open(self.cache.private_root() / TRANSFER_LOG, "a") as f,
-        ):
-            f.write(json.dumps(line, sort_keys=True) + "\n")
+        with contextlib.suppress(OSError):
+            transfer_log.append(self.cache.private_root(), line)
 
 
 def _sha256(mapped: mmap.mmap, offset: int, size: int) -> str:
