@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from runplan.contract.subject import PlanInputs
 from runplan.dtypes import DTypeFamily
-from runplan.placement import Placement, StageAssignment
+from runplan.placement import Placement, PlacementStrategy, StageAssignment
 from runplan.pool import NodeSpec
 from runplan.rejections import (
     DuplicateNode,
@@ -56,20 +56,48 @@ def _placed(inputs: PlanInputs, rows: Sequence[StageAssignment], **changes: Any)
     return attrs.evolve(inputs, placement=Placement(assignments=tuple(rows)), **changes)
 
 
+def _stage_nodes(inputs: PlanInputs) -> list[str]:
+    """The node each stage is placed on, in stage order, whatever the placement's kind."""
+    if inputs.placement.strategy is PlacementStrategy.EXPLICIT:
+        return [row.node_id for row in _rows(inputs)]
+    return list(inputs.placement.nodes)
+
+
+def _stage_indices_asked(inputs: PlanInputs) -> bool:
+    """Whether the placement says which stage each node hosts: a by-memory placement
+    lists its nodes, and the planner chooses their order."""
+    return inputs.placement.strategy is not PlacementStrategy.BY_MEMORY
+
+
+def _renoded(inputs: PlanInputs, nodes: Sequence[str], **changes: Any) -> PlanInputs:
+    """``inputs`` with stage ``i`` placed on ``nodes[i]``, the placement's kind kept."""
+    placement = inputs.placement
+    if placement.strategy is PlacementStrategy.EXPLICIT:
+        rows = [attrs.evolve(row, node_id=n) for row, n in zip(_rows(inputs), nodes, strict=True)]
+        return _placed(inputs, rows, **changes)
+    return attrs.evolve(inputs, placement=attrs.evolve(placement, nodes=tuple(nodes)), **changes)
+
+
 @st.composite
 def unknown_node_inputs(draw: st.DrawFn) -> Contradiction:
-    inputs = draw(_explicit())
+    """A stage placed on a node the pool lacks, by an explicit row or in the node list of
+    an even or by-memory placement (whose stage the rejection names only where the
+    placement says: not for by-memory, whose order is the planner's)."""
+    inputs = draw(valid_plan_inputs())
     known = {n.node_id for n in inputs.pool.nodes} | {inputs.pool.orchestrator_node_id}
     stranger = draw(st.text(min_size=1, max_size=8).filter(lambda s: s not in known))
-    rows = _rows(inputs)
-    i = draw(st.integers(0, len(rows) - 1))
-    rows[i] = attrs.evolve(rows[i], node_id=stranger)
+    nodes = _stage_nodes(inputs)
+    i = draw(st.integers(0, len(nodes) - 1))
+    nodes[i] = stranger
+    values: dict[str, Any] = {"node_id": stranger}
+    if _stage_indices_asked(inputs):
+        values["stage_index"] = i
     return Contradiction(
-        _placed(inputs, rows),
+        _renoded(inputs, nodes),
         UnknownNode,
         "unknown_node_id_rejects",
         f"stage {i} placed on {stranger!r}, a node not in the pool",
-        {"node_id": stranger, "stage_index": i},
+        values,
     )
 
 
@@ -91,26 +119,30 @@ def duplicate_stage_inputs(draw: st.DrawFn) -> Contradiction:
 
 @st.composite
 def duplicate_node_inputs(draw: st.DrawFn) -> Contradiction:
-    """One node given two stages, or a stage on the orchestrator's node."""
-    inputs = draw(_explicit())
-    rows = _rows(inputs)
+    """One node given two stages, or a stage on the orchestrator's node, by explicit rows
+    or in the node list of an even or by-memory placement."""
+    inputs = draw(valid_plan_inputs())
+    nodes = _stage_nodes(inputs)
     clause = "duplicate_stage_assignment_rejects"
-    if len(rows) >= 2 and draw(st.booleans()):
-        a, b = sorted(draw(st.sets(st.integers(0, len(rows) - 1), min_size=2, max_size=2)))
-        rows[b] = attrs.evolve(rows[b], node_id=rows[a].node_id)
+    if len(nodes) >= 2 and draw(st.booleans()):
+        a, b = sorted(draw(st.sets(st.integers(0, len(nodes) - 1), min_size=2, max_size=2)))
+        nodes[b] = nodes[a]
+        values: dict[str, Any] = {"node_id": nodes[a]}
+        if _stage_indices_asked(inputs):
+            values["stage_indices"] = (a, b)
         return Contradiction(
-            _placed(inputs, rows),
+            _renoded(inputs, nodes),
             DuplicateNode,
             clause,
-            f"stages {a} and {b} both placed on {rows[a].node_id!r}",
-            {"node_id": rows[a].node_id, "stage_indices": (a, b)},
+            f"stages {a} and {b} both placed on {nodes[a]!r}",
+            values,
         )
     orch = inputs.pool.orchestrator_node_id
     pool = attrs.evolve(inputs.pool, nodes=(*inputs.pool.nodes, NodeSpec(orch, PLENTY)))
-    i = draw(st.integers(0, len(rows) - 1))
-    rows[i] = attrs.evolve(rows[i], node_id=orch)
+    i = draw(st.integers(0, len(nodes) - 1))
+    nodes[i] = orch
     return Contradiction(
-        _placed(inputs, rows, pool=pool),
+        _renoded(inputs, nodes, pool=pool),
         DuplicateNode,
         clause,
         f"stage {i} placed on the orchestrator's node",
