@@ -256,3 +256,65 @@ def test_a_plan_that_is_not_its_explicit_placement_breaks_formation() -> None:
     assert f"stage 0 is on {node1!r} over blocks [0, 1); the placement assigns it {node0!r}" in (
         str(verdict.problems)
     )
+
+
+def test_a_plan_whose_stages_are_not_on_its_even_placement_s_nodes_breaks_formation() -> None:
+    """An even placement puts stage ``i`` on ``nodes[i]``: a planner that reversed the
+    nodes passed every clause."""
+    from tests.support.strategies import small_plan_inputs
+
+    facts, config, pool = small_plan_inputs(2)
+    node0, node1 = (n.node_id for n in pool.nodes[:2])
+    inputs = PlanInputs(facts, config, pool, 2, Placement.even((node0, node1)))
+    name = "planner_emits_exactly_one_runplan_or_a_typed_rejection"
+    plan = plan_run(facts, config, pool, **inputs.kwargs())
+    assert isinstance(plan, RunPlan)
+    assert check_contract(plan, inputs=inputs).verdict(name).outcome is Outcome.HOLDS
+    reversed_plan = plan_run(
+        facts, config, pool, stage_count=2, placement=Placement.even((node1, node0))
+    )
+    assert isinstance(reversed_plan, RunPlan)
+    verdict = check_contract(reversed_plan, inputs=inputs).verdict(name)
+    assert verdict.outcome is Outcome.BROKEN
+    assert f"stage 0 is on {node1!r}; the even placement of nodes" in str(verdict.problems)
+
+
+def test_a_plan_with_a_stage_on_a_node_its_by_memory_placement_lacks_breaks_formation() -> None:
+    """A by-memory placement's nodes in another order keep the clause (the order is the
+    planner's: docs/examples/contract_ci puts the biggest first); a node it does not list
+    breaks it."""
+    from tests.support.strategies import small_plan_inputs
+
+    facts, config, pool = small_plan_inputs(3)
+    node0, node1, node2 = (n.node_id for n in pool.nodes[:3])
+    inputs = PlanInputs(facts, config, pool, 2, Placement.by_memory((node0, node1)))
+    name = "planner_emits_exactly_one_runplan_or_a_typed_rejection"
+    for nodes, outcome in (((node1, node0), Outcome.HOLDS), ((node0, node2), Outcome.BROKEN)):
+        plan = plan_run(facts, config, pool, stage_count=2, placement=Placement.by_memory(nodes))
+        assert isinstance(plan, RunPlan)
+        verdict = check_contract(plan, inputs=inputs).verdict(name)
+        assert verdict.outcome is outcome, verdict.problems
+    assert f"stage 1 is on {node2!r}, a node the by-memory placement" in str(verdict.problems)
+
+
+def test_a_plan_whose_cuts_are_not_an_even_placement_s_breaks_formation() -> None:
+    """An even placement gives the first ``num_layers % n`` stages one block more."""
+    from tests.support.strategies import small_plan_inputs
+
+    facts, config, pool = small_plan_inputs(2)
+    nodes = tuple(n.node_id for n in pool.nodes[:2])
+    inputs = PlanInputs(facts, config, pool, 2, Placement.even(nodes))
+    plan = plan_run(facts, config, pool, **inputs.kwargs())
+    assert isinstance(plan, RunPlan)
+    first, second = plan.stages
+    moved = attrs.evolve(
+        plan,
+        stages=(
+            attrs.evolve(first, layer_end_exclusive=first.layer_end_exclusive - 1),
+            attrs.evolve(second, layer_start=second.layer_start - 1),
+        ),
+    )
+    name = "planner_emits_exactly_one_runplan_or_a_typed_rejection"
+    verdict = check_contract(moved, inputs=inputs).verdict(name)
+    assert verdict.outcome is Outcome.BROKEN
+    assert "the even placement of" in str(verdict.problems)

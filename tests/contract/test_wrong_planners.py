@@ -17,11 +17,13 @@ from runplan import (
     PlanRejection,
     RunPlan,
     RuntimeConfig,
+    StageAssignment,
     plan_run,
 )
 from runplan.contract import Planner
+from runplan.layers import split_even
 from runplan.testing.strategies import PLENTY
-from runplan.testing.suite import test_authority
+from runplan.testing.suite import test_authority, test_formation
 
 
 def trusts_listed_nodes(
@@ -49,6 +51,19 @@ def trusts_listed_nodes(
     return plan_run(facts, config, pool, stage_count=stage_count, placement=placement)
 
 
+def reverses_listed_nodes(
+    facts: ModelFacts,
+    config: RuntimeConfig,
+    pool: NodePool,
+    stage_count: int,
+    placement: Placement,
+) -> RunPlan | PlanRejection:
+    """Plans an even or by-memory placement with its nodes in reverse order."""
+    if placement.strategy is not PlacementStrategy.EXPLICIT:
+        placement = attrs.evolve(placement, nodes=placement.nodes[::-1])
+    return plan_run(facts, config, pool, stage_count=stage_count, placement=placement)
+
+
 def _fails(suite_test: object, planner: Planner) -> None:
     with pytest.raises(AssertionError, match="is broken"):
         suite_test(runplan_planner=planner)  # type: ignore[operator]
@@ -62,13 +77,27 @@ def test_a_planner_that_plans_on_duplicate_nodes_of_an_even_placement_fails() ->
     _fails(test_authority.test_duplicate_stage_assignment_rejects, trusts_listed_nodes)
 
 
-def test_the_wrong_planner_plans_what_plan_run_plans_of_explicit_rows() -> None:
-    """The planner above is wrong only where the suite must look: explicit rows."""
+def test_a_planner_that_reverses_the_nodes_of_an_even_placement_fails() -> None:
+    _fails(
+        test_formation.test_planner_emits_exactly_one_runplan_or_a_typed_rejection,
+        reverses_listed_nodes,
+    )
+
+
+@pytest.mark.parametrize("planner", [trusts_listed_nodes, reverses_listed_nodes])
+def test_the_wrong_planners_plan_what_plan_run_plans_of_explicit_rows(planner: Planner) -> None:
+    """Each planner above is wrong only on even and by-memory placements."""
     from tests.support.strategies import small_plan_inputs
 
     facts, config, pool = small_plan_inputs(2)
-    nodes = tuple(n.node_id for n in pool.nodes[:2])
+    nodes = [n.node_id for n in pool.nodes[:2]]
     placement = Placement.even(nodes)
-    plan = trusts_listed_nodes(facts, config, pool, 2, placement)
+    explicit = Placement(
+        assignments=tuple(
+            StageAssignment(i, nodes[i], start, end)
+            for i, (start, end) in enumerate(split_even(facts.num_layers, 2))
+        )
+    )
+    plan = planner(facts, config, pool, stage_count=2, placement=explicit)
     assert isinstance(plan, RunPlan)
     assert plan == plan_run(facts, config, pool, stage_count=2, placement=placement)

@@ -44,8 +44,8 @@ def short(values: list[int], limit: int = 8) -> str:
 
 
 def one_plan_or_rejection(s: Subject) -> Iterator[str]:
-    """Over a plan: it is the plan of its inputs (when given: its config's settings, an
-    explicit placement's rows); run-wide settings that
+    """Over a plan: it is the plan of its inputs (when given: its config's settings, the
+    stages its placement puts on each node); run-wide settings that
     ``check_plan`` rejects (the chain's settings among them) are reported here (the
     planner should have rejected)."""
     yield from _chain_settings(s)
@@ -61,16 +61,24 @@ def one_plan_or_rejection(s: Subject) -> Iterator[str]:
     ):
         if planned != configured:
             yield f"the plan's {name} is {planned!r}; the config says {configured!r}"
-    yield from _explicit_rows(s.inputs.placement, p)
+    yield from _placement_kept(s.inputs.placement, s.inputs.facts.num_layers, p)
 
 
-def _explicit_rows(placement: Placement, p: RunPlan) -> Iterator[str]:
-    """An explicit placement is the plan's stages, row for row: each stage on the node
-    and over the blocks its assignment names (a planner that swapped two nodes, or
-    moved a cut, passed every clause)."""
-    if placement.strategy is not PlacementStrategy.EXPLICIT:
-        return
+def _placement_kept(placement: Placement, num_layers: int, p: RunPlan) -> Iterator[str]:
+    """The plan's stages are where its placement puts them (a planner that swapped two
+    nodes, or moved a cut, passed every clause)."""
     stages = {st.stage_index: st for st in p.stages}
+    if placement.strategy is PlacementStrategy.EXPLICIT:
+        yield from _explicit_rows(placement, stages)
+    elif placement.strategy is PlacementStrategy.EVEN:
+        yield from _even_stages(placement, num_layers, stages)
+    else:
+        yield from _listed_nodes(placement, p)
+
+
+def _explicit_rows(placement: Placement, stages: dict[int, StagePlan]) -> Iterator[str]:
+    """An explicit placement is the plan's stages, row for row: each stage on the node
+    and over the blocks its assignment names."""
     for row in placement.assignments:
         st = stages.get(row.stage_index)
         if st is None:
@@ -82,6 +90,44 @@ def _explicit_rows(placement: Placement, p: RunPlan) -> Iterator[str]:
                 f"stage {row.stage_index} is on {planned[0]!r} over blocks "
                 f"[{planned[1]}, {planned[2]}); the placement assigns it {asked[0]!r} over "
                 f"[{asked[1]}, {asked[2]})"
+            )
+
+
+def _even_stages(
+    placement: Placement, num_layers: int, stages: dict[int, StagePlan]
+) -> Iterator[str]:
+    """An even placement puts stage ``i`` on ``nodes[i]`` and gives the first
+    ``num_layers % len(nodes)`` stages one block more than the others."""
+    n = len(placement.nodes)
+    base, extra = divmod(num_layers, max(n, 1))
+    start = 0
+    for i, node_id in enumerate(placement.nodes):
+        end = start + base + (1 if i < extra else 0)
+        st = stages.get(i)
+        if st is not None and st.node_id != node_id:
+            yield (
+                f"stage {i} is on {st.node_id!r}; the even placement of nodes "
+                f"{placement.nodes!r} puts it on {node_id!r}"
+            )
+        if st is not None and (st.layer_start, st.layer_end_exclusive) != (start, end):
+            yield (
+                f"stage {i} is over blocks [{st.layer_start}, {st.layer_end_exclusive}); "
+                f"the even placement of {num_layers} blocks on {n} nodes gives it "
+                f"[{start}, {end})"
+            )
+        start = end
+
+
+def _listed_nodes(placement: Placement, p: RunPlan) -> Iterator[str]:
+    """A by-memory placement puts every stage on a node it lists, in the order the
+    planner chooses (a service may put its biggest node first: the example service of
+    docs/contract-ci.md does)."""
+    listed = set(placement.nodes)
+    for st in p.stages:
+        if st.node_id not in listed:
+            yield (
+                f"stage {st.stage_index} is on {st.node_id!r}, a node the by-memory "
+                f"placement of nodes {placement.nodes!r} does not list"
             )
 
 
