@@ -4,7 +4,9 @@ and every control message (``runplan.messages.ControlMessage``).
 The encoding is canonical JSON (sorted keys, no spaces, UTF-8) of the message's
 fields, tagged with ``"type"``. Decoding is strict: an unknown type, a missing or extra
 key, a value of the wrong JSON type, a negative or over-64-bit integer, a non-finite
-number or invalid UTF-8 raise ``WireError`` and nothing else.
+number or invalid UTF-8 raise ``WireError`` and nothing else. A key is missing even
+where its field has a default (``dumps`` writes every field), except the keys of
+``OPTIONAL_KEYS``, which messages written before them lack.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import json
 import math
 from typing import Any, TypeAlias, get_args, get_origin
 
+import attrs
 import cattrs
+from cattrs.gen import make_dict_structure_fn
 from cattrs.strategies import configure_tagged_union
 
 from runplan.messages import (
@@ -47,6 +51,12 @@ WireMessage: TypeAlias = (
 MESSAGE_TYPES: tuple[type, ...] = get_args(WireMessage)
 
 _TAG = "type"
+
+#: The keys a message may lack, each read as its field's default: the KV cache's width
+#: (``kv_dtype_width_bytes`` of a plan's and a provision's model), which plans and
+#: provisions written before it was carried lack; read as the activations' width, the
+#: width the planner counted the cache at then.
+OPTIONAL_KEYS = frozenset({"kv_dtype_width_bytes"})
 
 
 class WireError(ValueError):
@@ -117,8 +127,27 @@ def _enum_hook(t: Any) -> Any:
     return structure
 
 
+def _complete_hook(cl: type, converter: cattrs.Converter) -> Any:
+    """cattrs's hook for the attrs class ``cl``, which first requires every key but those
+    of ``OPTIONAL_KEYS`` (cattrs fills in a missing key that has a default)."""
+    inner = make_dict_structure_fn(cl, converter)
+    required = tuple(f.name for f in attrs.fields(cl) if f.name not in OPTIONAL_KEYS)
+
+    def structure(value: Any, _type: Any) -> Any:
+        if type(value) is not dict:
+            raise TypeError(f"expected a {cl.__name__} object, got {type(value).__name__}")
+        missing = [key for key in required if key not in value]
+        if missing:
+            keys = "the key" if len(missing) == 1 else "the keys"
+            raise ValueError(f"{cl.__name__} lacks {keys} {', '.join(map(repr, missing))}")
+        return inner(value, _type)
+
+    return structure
+
+
 def _make_converter() -> cattrs.Converter:
     conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=False)
+    conv.register_structure_hook_factory(attrs.has, lambda cl: _complete_hook(cl, conv))
     conv.register_structure_hook(int, _strict_int)
     conv.register_structure_hook(float, _strict_float)
     conv.register_structure_hook(str, _strict_str)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from runplan import RunPlan, plan_run, provision_all
 from runplan.messages import StageReady
-from runplan.wire import MESSAGE_TYPES, WireError, dumps, loads
+from runplan.wire import MESSAGE_TYPES, OPTIONAL_KEYS, WireError, dumps, loads
 from tests.support.strategies import PlanInputs, message_strategies, small_plan, valid_plan_inputs
 
 
@@ -194,3 +194,37 @@ def test_what_dumps_encodes_loads_takes_back(run_id: str, stage_index: int, node
         assert bad_int or bad_text
         return
     assert loads(data) == msg
+
+
+def _object_keys(raw: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The path of every key of every object in ``raw`` (decoded JSON)."""
+    found: list[tuple[Any, ...]] = []
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            found.append((*path, key))
+            found += _object_keys(value, (*path, key))
+    elif isinstance(raw, list):
+        for i, value in enumerate(raw):
+            found += _object_keys(value, (*path, i))
+    return found
+
+
+@given(messages(), st.data())
+def test_a_missing_key_is_a_wire_error_even_where_its_field_has_a_default(
+    msg: Any, data: st.DataObject
+) -> None:
+    """``dumps`` writes every field: a message without one is malformed, sampling,
+    timeouts, end tokens and the like included, but for the KV cache's width that
+    messages written before it lack (``OPTIONAL_KEYS``)."""
+    raw = json.loads(dumps(msg))
+    path = data.draw(st.sampled_from([p for p in _object_keys(raw) if p[-1] != "type"]))
+    holder = raw
+    for step in path[:-1]:
+        holder = holder[step]
+    del holder[path[-1]]
+    damaged = json.dumps(raw).encode()
+    if path[-1] in OPTIONAL_KEYS:
+        assert loads(damaged) is not None
+    else:
+        with pytest.raises(WireError, match=f"lacks the key {path[-1]!r}"):
+            loads(damaged)
