@@ -57,9 +57,13 @@ def plan_even(
     orchestrator: str,
     nodes: tuple[NodeSpec, ...],
     placement: str = "even",
+    *,
+    stage_count: int | None = None,
 ) -> RunPlan:
     """One stage per node, layers split evenly (``placement="memory"``: in proportion
-    to node memory); ``PlanRejected`` if the planner says no."""
+    to node memory); ``PlanRejected`` if the planner says no. ``stage_count``: the
+    stages the caller asked for (by default one per node), which the planner checks, so
+    that a count below 1, for which no node was made, is refused naming that count."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r} (one of {', '.join(PLACEMENTS)})")
     ids = [n.node_id for n in nodes]
@@ -67,7 +71,7 @@ def plan_even(
         facts,
         config,
         NodePool(orchestrator, nodes),
-        stage_count=len(nodes),
+        stage_count=len(nodes) if stage_count is None else stage_count,
         placement=Placement.even(ids) if placement == "even" else Placement.by_memory(ids),
     )
     if isinstance(result, PlanRejection):

@@ -111,9 +111,8 @@ def plan_for(
         worker=worker_capabilities,
         max_concurrent_runs=max_concurrent_runs,
     )
-    if len(nodes) != stages:
-        raise ValueError(f"{len(nodes)} nodes placed for {stages} stages")
-    return plan_even(facts, config, ORCHESTRATOR, nodes, placement), devices
+    # The planner refuses a stage count below 1, or other than the cluster's nodes.
+    return plan_even(facts, config, ORCHESTRATOR, nodes, placement, stage_count=stages), devices
 
 
 def generate(

@@ -79,7 +79,7 @@ def plan_for(
         prompt_tokens=prompt_len,
         max_concurrent_runs=concurrent_runs,
     )
-    return plan_even(facts, config, ORCHESTRATOR, nodes)
+    return plan_even(facts, config, ORCHESTRATOR, nodes, stage_count=stages)
 
 
 def generate(

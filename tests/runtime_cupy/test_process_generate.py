@@ -167,6 +167,15 @@ def test_more_stages_than_layers_is_a_plan_rejection(tiny: str) -> None:
     assert err.value.rejection.code == "invalid_stage_count"
 
 
+@pytest.mark.parametrize("stages", [0, -1])
+def test_fewer_than_one_stage_is_a_plan_rejection_naming_the_count(tiny: str, stages: int) -> None:
+    with pytest.raises(runtime_cupy.PlanRejected) as err:
+        generate(tiny, [1], stages=stages)
+    assert err.value.rejection.code == "invalid_stage_count"
+    assert err.value.rejection.stage_count == stages
+    assert f"stage_count {stages}:" in str(err.value)
+
+
 def test_the_cuda_worker_without_cupy_is_a_typed_error(tiny: str) -> None:
     try:
         import cupy  # type: ignore[import-not-found, unused-ignore]  # noqa: F401

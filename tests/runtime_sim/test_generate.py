@@ -76,6 +76,15 @@ def test_more_stages_than_layers_is_a_plan_rejection(tiny: Path) -> None:
     assert err.value.rejection.code == "invalid_stage_count"
 
 
+@pytest.mark.parametrize("stages", [0, -1, -7])
+def test_fewer_than_one_stage_is_a_plan_rejection_naming_the_count(tiny: Path, stages: int) -> None:
+    with pytest.raises(PlanRejected) as err:
+        generate(tiny, [1], stages=stages)
+    assert err.value.rejection.code == "invalid_stage_count"
+    assert err.value.rejection.stage_count == stages
+    assert f"stage_count {stages}:" in str(err.value)
+
+
 def test_a_prompt_past_the_context_is_refused(tiny: Path) -> None:
     with pytest.raises(ValueError, match="context length"):
         generate(tiny, [1] * 250, max_tokens=10)
