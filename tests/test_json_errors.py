@@ -397,6 +397,30 @@ def test_cancelled_simulated_runs_keep_the_runs_that_ended(
     assert (run["outcome"], len(run["tokens"])) == ("completed", 2)
 
 
+@pytest.mark.parametrize(
+    ("main", "argv"),
+    [
+        (_sim, ["--max-tokens", "100000"]),
+        (cupy_main, ["--prompt-ids", "1,2", "--max-tokens", "100000"]),
+    ],
+    ids=["runtime_sim run", "runtime_cupy"],
+)
+def test_a_run_past_the_context_is_the_planner_s_invalid_config(
+    files: dict[str, str], capsys: pytest.CaptureFixture[str], main: Main, argv: list[str]
+) -> None:
+    """As ``runplan plan`` refuses a run its ``max_seq_len`` cannot hold: a ValueError
+    without a code once."""
+    assert main(["--model", files["model"], *argv, "--json"]) == 2
+    error = _error_of(capsys.readouterr().out)
+    assert (error["type"], error["code"], error["field"]) == (
+        "PlanRejected",
+        "invalid_config",
+        "prompt_tokens",
+    )
+    assert "2 prompt tokens + max_tokens 100000 need 100001 positions" in error["message"]
+    assert "the model's context length is" in error["message"]
+
+
 def test_a_max_seq_len_past_the_context_names_the_flag(
     files: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:

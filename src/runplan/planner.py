@@ -160,24 +160,33 @@ def _check_config(config: RuntimeConfig) -> PlanRejection | None:
 
 
 def _check_run_shape(facts: ModelFacts, config: RuntimeConfig) -> PlanRejection | None:
-    """A run must fit ``max_seq_len`` (``run_positions``: its last token is not fed back;
-    a prompt of unknown length, 0, has at least 1 token)."""
-    n = config.prompt_tokens
-    need = run_positions(n, config.max_tokens)
-    if need <= facts.max_seq_len:
+    """A run must fit ``max_seq_len``."""
+    return run_too_long(config.prompt_tokens, config.max_tokens, facts.max_seq_len)
+
+
+def run_too_long(
+    prompt_tokens: int, max_tokens: int, positions: int, what: str = "max_seq_len"
+) -> InvalidConfig | None:
+    """The rejection of a run that does not fit ``positions`` (``run_positions``: its
+    last token is not fed back; a prompt of unknown length, 0, has at least 1 token), or
+    ``None``. ``what`` names the limit: ``max_seq_len``, or the model's context length
+    for a runtime that sizes ``max_seq_len`` for the run."""
+    n = prompt_tokens
+    need = run_positions(n, max_tokens)
+    if need <= positions:
         return None
     if n > 0:
         return InvalidConfig(
             "prompt_tokens",
             str(n),
-            f"{n} prompt tokens + max_tokens {config.max_tokens} need "
-            f"{need} positions; max_seq_len is {facts.max_seq_len}",
+            f"{n} prompt tokens + max_tokens {max_tokens} need {need} positions; "
+            f"{what} is {positions}",
         )
     return InvalidConfig(
         "max_tokens",
-        str(config.max_tokens),
-        f"a prompt of at least 1 token + max_tokens {config.max_tokens} need {need} "
-        f"positions; max_seq_len is {facts.max_seq_len}",
+        str(max_tokens),
+        f"a prompt of at least 1 token + max_tokens {max_tokens} need {need} "
+        f"positions; {what} is {positions}",
     )
 
 

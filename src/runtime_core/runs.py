@@ -18,6 +18,7 @@ from runplan import (
 )
 from runplan.config import run_positions
 from runplan.picklable_error import PicklableError
+from runplan.planner import run_too_long
 
 
 class PlanRejected(PicklableError, ValueError):
@@ -31,20 +32,20 @@ class PlanRejected(PicklableError, ValueError):
 def facts_for_run(model_path: str, *, prompt_len: int, max_tokens: int) -> ModelFacts:
     """The model's facts with ``max_seq_len`` just long enough for the prompt and the
     tokens asked for (``run_positions``: the last token generated is not fed back);
-    ``ValueError`` past the model's context length. A ``max_tokens`` below 1 is left
-    to the run's config check (``PlanRejected`` naming it), not made a ``max_seq_len``
-    the facts' check would name instead."""
+    past the model's context length, ``PlanRejected`` with the planner's rejection of a
+    run too long for its ``max_seq_len`` (``invalid_config``, naming the prompt's tokens
+    or ``max_tokens``). A ``max_tokens`` below 1 is left to the run's config check
+    (``PlanRejected`` naming it), not made a ``max_seq_len`` the facts' check would name
+    instead."""
     facts = model_facts_from_gguf(model_path)
     if max_tokens < 1:
         return facts
-    needed = run_positions(prompt_len, max_tokens)
-    if needed > facts.context_length:
-        raise ValueError(
-            f"a prompt of {prompt_len} tokens and max_tokens {max_tokens} need {needed} "
-            f"positions (the last token generated is not fed back), past the model's "
-            f"context length {facts.context_length}"
-        )
-    return attrs.evolve(facts, max_seq_len=needed)
+    rejection = run_too_long(
+        prompt_len, max_tokens, facts.context_length, "the model's context length"
+    )
+    if rejection is not None:
+        raise PlanRejected(rejection)
+    return attrs.evolve(facts, max_seq_len=run_positions(prompt_len, max_tokens))
 
 
 #: What ``placement`` takes: layers split evenly, or in proportion to node memory.

@@ -10,7 +10,7 @@ import pytest
 
 from runplan import model_facts_from_gguf
 from runplan.config import run_positions
-from runtime_core.runs import facts_for_run
+from runtime_core.runs import PlanRejected, facts_for_run
 from runtime_cupy.batch import BatchError, check_prompts
 from runtime_sim.api import generate
 
@@ -33,8 +33,9 @@ def test_generate_and_batches_take_a_run_that_just_fills_the_context(tiny: str) 
 def test_one_position_more_is_refused_by_each(tiny: str) -> None:
     context = model_facts_from_gguf(tiny).context_length
     prompt = [3] * (context - 2)
-    with pytest.raises(ValueError, match=rf"need {context + 1} positions"):
+    with pytest.raises(PlanRejected, match=rf"need {context + 1} positions") as refused:
         facts_for_run(tiny, prompt_len=len(prompt), max_tokens=4)
+    assert refused.value.rejection.code == "invalid_config"
     with pytest.raises(BatchError, match=rf"needs {context + 1} positions") as info:
         check_prompts([[1], prompt], 4, model_facts_from_gguf(tiny))
     assert info.value.index == 1
