@@ -26,6 +26,7 @@ first piece, and byte-level vocabularies may clean up spaces before punctuation.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -147,7 +148,10 @@ class Tokenizer:
         """Token ids of ``text``, as llama.cpp's ``llama_tokenize``. ``add_special``
         adds BOS / EOS as the file's flags say; ``parse_special`` turns control and
         unknown tokens written in the text (such as ``<|im_start|>``) into their ids
-        instead of spelling them out. User-defined tokens are always recognised."""
+        instead of spelling them out. User-defined tokens are always recognised.
+        ``TypeError`` for a ``text`` that is not a ``str`` (bytes included)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, not {type(text).__name__}: {text!r:.60}")
         v = self.vocab
         out: list[int] = []
         if add_special and v.add_bos:
@@ -219,7 +223,12 @@ class Tokenizer:
     ) -> bytes:
         """The bytes of ``ids``: ``decode`` before UTF-8 decoding. ``special`` renders
         control tokens; ``remove_special`` drops a leading BOS and a trailing EOS when
-        the file adds them."""
+        the file adds them. ``TypeError`` for ``ids`` that are not an iterable of
+        integers (a string included)."""
+        if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+            raise TypeError(
+                f"ids must be an iterable of token ids, not {type(ids).__name__}: {ids!r:.60}"
+            )
         v = self.vocab
         seq = [self._check(i) for i in ids]
         strip_space = v.add_space_prefix
@@ -305,6 +314,12 @@ class Tokenizer:
 
     # -- building ---------------------------------------------------------------------
     def _check(self, token_id: int) -> int:
+        try:
+            token_id = operator.index(token_id)  # numpy's integers too; not 1.0 nor "1"
+        except TypeError:
+            raise TypeError(
+                f"token id {token_id!r} is a {type(token_id).__name__}, not an integer"
+            ) from None
         if not 0 <= token_id < len(self.vocab.tokens):
             raise TokenizerError(f"token id {token_id} is outside 0..{self.n_vocab - 1}")
         return token_id

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -98,6 +99,32 @@ def test_a_phi3_file_without_the_tokens_llama_cpp_needs_is_refused(vocab_path: W
     # llama.cpp fails to load a model named phi-3 whose vocabulary lacks </s>.
     with pytest.raises(TokenizerError, match="needs the token '</s>'"):
         Tokenizer.from_gguf(vocab_path(VocabSpec("bpe-phi-3", pre="gpt-2")))
+
+
+@pytest.mark.parametrize("text", [None, b"Hi", 3])
+def test_encoding_what_is_not_a_str_is_a_type_error_naming_it(
+    smollm2: Tokenizer, text: object
+) -> None:
+    with pytest.raises(TypeError, match=f"text must be a str, not {type(text).__name__}"):
+        smollm2.encode(text)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("ids", "says"),
+    [
+        ("abc", "ids must be an iterable of token ids, not str"),
+        (b"ab", "ids must be an iterable of token ids, not bytes"),
+        (None, "ids must be an iterable of token ids, not NoneType"),
+        ([1, 1.0], "token id 1.0 is a float, not an integer"),
+        ([1, "2"], "token id '2' is a str, not an integer"),
+    ],
+)
+def test_decoding_what_is_not_token_ids_is_a_type_error_naming_it(
+    smollm2: Tokenizer, ids: object, says: str
+) -> None:
+    with pytest.raises(TypeError, match=says):
+        smollm2.decode(ids)  # type: ignore[arg-type]
+    assert smollm2.decode([np.int64(1)]) == smollm2.decode([1])  # numpy's integers are ids
 
 
 def test_decoding_an_id_outside_the_vocabulary_is_a_typed_error(smollm2: Tokenizer) -> None:
