@@ -54,7 +54,8 @@ def model_facts_from_gguf(
     set). Reads headers only. ``max_seq_len`` defaults to the model's context length.
 
     Raises ``GgufError`` naming the file (and the key) when a file is not GGUF, is
-    truncated or malformed, or lacks a key or tensor a model needs.
+    truncated or malformed, or lacks a key or tensor a model needs (an empty path
+    too); ``TypeError`` for a path that is not a ``str`` or a path-like of one.
     """
     header = GgufHeader.read(path)
     return facts_from_header(header, max_seq_len=max_seq_len)

@@ -74,7 +74,9 @@ class GgufHeader:
         """The header of the source ``path`` names: a GGUF file, any file of a split
         set, or a shard manifest (``manifest.json`` or its folder). Through a manifest,
         ``parts`` reads only the shards a stage holding those parts needs (``None``:
-        every shard)."""
+        every shard). ``TypeError`` for a path that is not a ``str`` or a path-like of
+        one (bytes paths are not read); ``GgufError`` for an empty path."""
+        path = _path_text(path)
         manifest = manifest_path(path)
         if manifest is not None:
             return cls._read_shards(manifest, parts)
@@ -373,3 +375,18 @@ def _check_whole(path: str, manifest: ShardManifest) -> None:
     for part in ("embedding", "output"):
         if not any(getattr(e.parts, part) for e in manifest.shards):
             raise GgufError(path, f"no shard holds the {part}: the whole model needs it")
+
+
+def _path_text(path: object) -> str:
+    """``path`` as text, refused before anything reads it where it is no path: a bytes
+    path once failed inside (in ``str.endswith``), and an empty one was read as the
+    current folder (``os.path.abspath("")``)."""
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else path
+    if not isinstance(text, str):
+        raise TypeError(
+            f"a GGUF path must be a str or an os.PathLike of one, not {type(path).__name__}: "
+            f"{path!r:.80}"
+        )
+    if not text:
+        raise GgufError("''", "an empty path names no file")
+    return text

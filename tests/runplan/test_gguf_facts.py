@@ -182,6 +182,18 @@ def test_a_directory_or_missing_file_is_a_gguf_error(tmp_path: Path) -> None:
         facts_of(tmp_path)
 
 
+def test_an_empty_path_is_a_gguf_error_not_the_current_folder() -> None:
+    with pytest.raises(GgufError, match="an empty path names no file") as refused:
+        facts_of("")
+    assert os.getcwd() not in str(refused.value)
+
+
+@pytest.mark.parametrize("path", [b"model.gguf", None, 3])
+def test_a_path_that_is_not_text_is_a_type_error_naming_it(path: object) -> None:
+    with pytest.raises(TypeError, match=f"a GGUF path must be a str .*, not {type(path).__name__}"):
+        facts_of(path)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "key",
     [
