@@ -318,3 +318,25 @@ def test_a_plan_whose_cuts_are_not_an_even_placement_s_breaks_formation() -> Non
     verdict = check_contract(moved, inputs=inputs).verdict(name)
     assert verdict.outcome is Outcome.BROKEN
     assert "the even placement of" in str(verdict.problems)
+
+
+def test_assert_rejected_names_a_mistake_in_the_test_itself() -> None:
+    """A clause name that is none, a value of a field the rejection lacks, or a code
+    where the class belongs: a ``ValueError`` or ``TypeError`` naming it, not a bare
+    ``KeyError`` nor an ``AssertionError`` that blames the planner."""
+    unknown_node = REJECTIONS["unknown_node"]
+    rejection = unknown_node("zz", 1)
+    clause = "unknown_node_id_rejects"
+    runplan.testing.assert_rejected(
+        rejection, unknown_node, clause=clause, values={"node_id": "zz"}
+    )
+    with pytest.raises(
+        ValueError, match="no clause named 'unknown_node_id_reject' \\(did you mean"
+    ):
+        runplan.testing.assert_rejected(rejection, unknown_node, clause="unknown_node_id_reject")
+    with pytest.raises(ValueError, match="UnknownNode has no field 'nosuch'"):
+        runplan.testing.assert_rejected(
+            rejection, unknown_node, clause=clause, values={"nosuch": None}
+        )
+    with pytest.raises(TypeError, match="not 'unknown_node'"):
+        runplan.testing.assert_rejected(rejection, "unknown_node", clause=clause)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ clause, which a typed rejection keeps). ``assert_unknown_node_id_rejects`` needs
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -90,7 +91,26 @@ def assert_rejected(
     values: Mapping[str, Any] | None = None,
 ) -> None:
     """``result`` is a rejection of type ``expected`` carrying ``values`` (by field);
-    else an ``AssertionError`` quoting ``clause`` (a clause name)."""
+    else an ``AssertionError`` quoting ``clause`` (a clause name). ``ValueError`` for a
+    clause name that is none, or a key of ``values`` that is no field of ``expected``,
+    and ``TypeError`` for an ``expected`` that is no rejection class: mistakes in the
+    test, not in the planner."""
+    if clause not in CLAUSE:
+        close = difflib.get_close_matches(str(clause), CLAUSE, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"no clause named {clause!r}{hint} (runplan.contract.CLAUSE's keys)")
+    if not (isinstance(expected, type) and issubclass(expected, PlanRejection)):
+        raise TypeError(
+            f"expected must be a PlanRejection class (runplan.rejections.REJECTIONS), "
+            f"not {expected!r}"
+        )
+    names = attrs.fields_dict(expected)
+    unknown = [key for key in (values or {}) if key not in names]
+    if unknown:
+        raise ValueError(
+            f"{expected.__name__} has no field {unknown[0]!r} to compare "
+            f"(its fields: {', '.join(names)})"
+        )
     quote = CLAUSE[clause].quote()
     if not isinstance(result, expected):
         raise AssertionError(
@@ -99,10 +119,10 @@ def assert_rejected(
         )
     fields = attrs.asdict(result, recurse=False)
     for key, want in (values or {}).items():
-        if fields.get(key) != want:
+        if fields[key] != want:
             raise AssertionError(
                 f"{quote}: the {expected.__name__} rejection carries {key}="
-                f"{fields.get(key)!r}, not the offending {want!r}: {result}"
+                f"{fields[key]!r}, not the offending {want!r}: {result}"
             )
 
 
