@@ -130,7 +130,7 @@ def _enum_hook(t: Any) -> Any:
 def _complete_hook(cl: type, converter: cattrs.Converter) -> Any:
     """cattrs's hook for the attrs class ``cl``, which first requires every key but those
     of ``OPTIONAL_KEYS`` (cattrs fills in a missing key that has a default)."""
-    inner = make_dict_structure_fn(cl, converter)
+    inner: Any = make_dict_structure_fn(cl, converter)
     required = tuple(f.name for f in attrs.fields(cl) if f.name not in OPTIONAL_KEYS)
 
     def structure(value: Any, _type: Any) -> Any:
