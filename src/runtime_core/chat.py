@@ -11,8 +11,9 @@ any extra variables.
 A template is a file's, so possibly a stranger's: whatever it raises is a
 ``ChatTemplateError``, and it is bounded: at most ``RENDER_SECONDS`` of rendering (a
 check on each line of its compiled code: three nested loops of ``range(100000)`` ran
-for ever) and ``MAX_RENDER_CHARS`` of text (``'x' * 3000000000`` is refused before it
-is made, and a power of more than ``MAX_EXPONENT_BITS`` bits too).
+for ever) and ``MAX_RENDER_CHARS`` of text, in its output and in each value it makes
+on the way (``'x' * 3000000000`` and ``'x'.ljust(3000000000)`` are refused before they
+are made: ``runtime_core.chat_sandbox``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,24 @@ import jinja2
 import jinja2.ext
 from jinja2 import nodes
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from runplan.picklable_error import PicklableError
+from runtime_core.chat_sandbox import (
+    MAX_EXPONENT_BITS,
+    MAX_RENDER_CHARS,
+    BoundedEnvironment,
+    ChatTemplateError,
+)
 from runtime_core.tokenizer_vocab import TokenizerError
+
+__all__ = [
+    "MAX_EXPONENT_BITS",
+    "MAX_RENDER_CHARS",
+    "RENDER_SECONDS",
+    "ChatTemplateError",
+    "NoChatTemplate",
+    "render_chat_template",
+]
 
 
 class NoChatTemplate(PicklableError, TokenizerError):
@@ -42,11 +57,6 @@ class NoChatTemplate(PicklableError, TokenizerError):
     def __init__(self, path: str) -> None:
         self.path = path
         super().__init__(f"{path}: the file has no chat template (tokenizer.chat_template)")
-
-
-class ChatTemplateError(TokenizerError):
-    """The chat template failed: a syntax error, an error while rendering, or the
-    template's own ``raise_exception(message)``."""
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -69,11 +79,8 @@ def _tojson(
     )
 
 
-#: The longest a template renders, and the most text it makes.
+#: The longest a template renders.
 RENDER_SECONDS = 10.0
-MAX_RENDER_CHARS = 32 << 20
-#: The largest power a template computes (``2 ** 4096`` and below).
-MAX_EXPONENT_BITS = 4096
 
 
 class _Generation(jinja2.ext.Extension):
@@ -87,40 +94,9 @@ class _Generation(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
-def _size(value: Any) -> int | None:
-    return len(value) if isinstance(value, (str, list, tuple)) else None
-
-
-class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, with repetition and powers bounded before they are computed."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                size = _size(seq)
-                if size is not None and isinstance(count, int) and size * count > MAX_RENDER_CHARS:
-                    raise ChatTemplateError(
-                        f"the chat template repeats a sequence of {size} {count} times: more than "
-                        f"{MAX_RENDER_CHARS}"
-                    )
-        if (
-            operator == "**"
-            and isinstance(left, int)
-            and isinstance(right, int)
-            and abs(left) > 1
-            and right * abs(left).bit_length() > MAX_EXPONENT_BITS
-        ):
-            raise ChatTemplateError(
-                f"the chat template computes {left} ** {right}: past {MAX_EXPONENT_BITS} bits"
-            )
-        return super().call_binop(context, operator, left, right)
-
-
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = _BoundedEnvironment(
+    env = BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _Generation],
@@ -128,6 +104,7 @@ def _compile(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.bound_filters()
     try:
         return env.from_string(template)
     except jinja2.TemplateError as exc:

@@ -41,6 +41,81 @@ def test_what_a_template_raises_or_makes_past_its_bounds_is_typed(
     assert time.monotonic() - began < 5
 
 
+BIG = 1500000000
+
+
+@pytest.mark.parametrize(
+    ("template", "match"),
+    [
+        (f"{{{{ 'x'.ljust({BIG})|length }}}}", r"'x'\.ljust\(\.\.\.\): 1500000000 characters"),
+        (f"{{{{ 'x'.rjust({BIG}) }}}}", r"'x'\.rjust"),
+        (f"{{{{ ('x' ~ 'y').center({BIG}) }}}}", r"'xy'\.center"),
+        (f"{{{{ 'x'.zfill({BIG}) }}}}", r"'x'\.zfill"),
+        (f"{{{{ '\t'.expandtabs({BIG}) }}}}", r"expandtabs"),
+        ("{{ ('a' * 1000000)|replace('a', 'b' * 100) }}", "the filter replace"),
+        ("{{ 'aaaa'.replace('a', 'b' * 10000000) }}", r"'aaaa'\.replace"),
+        (f"{{{{ '%*s' % ({BIG}, 'x') }}}}", "the formatting '%\\*s'"),
+        (f"{{{{ '%{BIG}s' % 'x' }}}}", "formatting"),
+        (f"{{{{ '%.{BIG}f' % 1.0 }}}}", "formatting"),
+        (f"{{{{ '%*s'|format({BIG}, 'x') }}}}", "the filter format"),
+        (f"{{{{ '{{:>{BIG}}}'.format('x') }}}}", r"\.format\(\.\.\.\)"),
+        (f"{{{{ '{{:>{{}}}}'.format('x', {BIG}) }}}}", r"\.format\(\.\.\.\)"),
+        (f"{{{{ '{{a:>{{w}}}}'.format_map({{'a': 'x', 'w': {BIG}}}) }}}}", r"format_map"),
+        (f"{{{{ 'x'|center({BIG}) }}}}", "the filter center"),
+        ("{{ ('a\n' * 1000000)|indent(1000) }}", "the filter indent"),
+        ("{{ ('a ' * 1000000)|wordwrap(1, wrapstring='x' * 100) }}", "the filter wordwrap"),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+            "a join with ~: 67108864 characters",
+        ),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+            "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+            "a sum with +",
+        ),
+        ("{{ (['x' * 1000000] * 40)|join }}", r"repeats a sequence of 1 40 times"),
+        ("{{ ([1] * 1000000)|join('x' * 40) }}", "the filter join"),
+        ("{{ ('x' * 40).join(['y'] * 1000000) }}", r"'x{40}'\.join"),
+        ("{{ (' ab' * 10000000).split(' ')|length }}", r"'( ab){13} '\.split\(\.\.\.\): 190000016"),
+        ("{{ range(100000)|map('center', 30000000)|list|length }}", "the filter list"),
+        (f"{{{{ [1]|batch({BIG}, 'x')|list }}}}", "the filter batch"),
+        (f"{{{{ [1]|slice({BIG})|list }}}}", "the filter slice"),
+        (f"{{{{ lipsum({BIG}) }}}}", "lipsum"),
+        (
+            "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}"
+            "{% endfor %}{{ ns.n }}",
+            "multiplies",
+        ),
+    ],
+)
+def test_what_a_template_asks_to_make_past_its_bounds_is_refused_before_it_is_made(
+    template: str, match: str
+) -> None:
+    """Once made in full: ``'x'.ljust(1500000000)`` allocated 1.5 GB (only the output was
+    bounded), and ``ns.s ~ ns.s`` doubled in a loop until memory ran out."""
+    began = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=match):
+        render_chat_template(template, MESSAGES)
+    assert time.monotonic() - began < 5
+
+
+def test_bounded_operations_make_what_they_made_below_the_bounds() -> None:
+    rendered = render_chat_template(
+        "{{ 'x'.ljust(3) }}|{{ 'a\tb'.expandtabs(2) }}|{{ '%-3s|%.2f' % ('a', 1) }}|"
+        "{{ '{:>3}{}'.format('a', 'b') }}|{{ 'ab'|center(4) }}|{{ 'a\nb'|indent(2) }}|"
+        "{{ [1, 2]|join(', ') }}|{{ ', '.join(['x', 'y']) }}|{{ 'a' ~ 1 ~ none }}|"
+        "{{ [1] + [2] }}|{{ 'ab' + 'c' }}|{{ 'ab'|replace('a', 'xy') }}|{{ 7 % 3 }}|"
+        "{{ range(3)|map('string')|list }}|{{ '%(a)s' % {'a': 'q'} }}|{{ 3 * 4 }}|"
+        "{{ 'a b'.split() }}{{ 'a,b'.split(',') }}",
+        MESSAGES,
+    )
+    assert rendered == (
+        "x  |a b|a  |1.00|  ab| ab |a\n  b|1, 2|x, y|a1None|[1, 2]|abc|xyb|1|['0', '1', '2']|q|12|"
+        "['a', 'b']['a', 'b']"
+    )
+
+
 def test_a_template_that_renders_for_ever_is_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three nested loops of ``range(100000)`` (10**15 turns, no output) once rendered
     for ever, holding a server thread; now past ``RENDER_SECONDS`` (0.3 here)."""
