@@ -1,5 +1,6 @@
-"""The files of a GGUF source: the shards of a llama.cpp split set, named by any of
-their file names (``split_paths``, ``model_id_for``); each file opened as a GGUF file
+"""The files of a GGUF source: the shards of a llama.cpp split set (a file whose
+``split.count`` is more than 1), named by any of their file names (``split_paths``,
+``model_id_for``); each file opened as a GGUF file
 (``_open``: a regular file, little-endian, a header that parses); and each shard
 checked to be the one its split set (``_check_shard``) or its manifest
 (``_check_shard_of``) names."""
@@ -22,15 +23,26 @@ if TYPE_CHECKING:
 _SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-def split_paths(path: str | os.PathLike[str]) -> tuple[str, ...]:
-    """The files of the source ``path`` belongs to: itself, or every shard of its
-    llama.cpp split set (``name-00002-of-00003.gguf`` names the set too)."""
+def split_paths(path: str | os.PathLike[str], count: int) -> tuple[str, ...]:
+    """The files of the source ``path`` belongs to, whose ``split.count`` is ``count``
+    (as llama.cpp, a split set is one whose file says it has more than one shard):
+    itself, or every shard of its llama.cpp split set, named by llama.cpp's pattern
+    (``name-00002-of-00003.gguf`` names the set too)."""
     p = os.fspath(path)
+    if count <= 1:
+        return (p,)
     m = _SPLIT_RE.match(p)
     if m is None:
-        return (p,)
-    count = int(m["count"])
-    if count < 1 or not 1 <= int(m["no"]) <= count:
+        raise GgufError(
+            p,
+            f"is {count}: the file is a shard of a split set of {count} files, but its name "
+            f"does not end in -NNNNN-of-{count:05d}.gguf as llama.cpp names a split set's "
+            "files (name them so, and give any of them)",
+            "split.count",
+        )
+    if int(m["count"]) != count:
+        raise GgufError(p, f"is {count}; the file name says {int(m['count'])}", "split.count")
+    if not 1 <= int(m["no"]) <= count:
         raise GgufError(p, f"split file name says shard {m['no']} of {m['count']}")
     return tuple(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1))
 

@@ -80,8 +80,12 @@ class GgufHeader:
         manifest = manifest_path(path)
         if manifest is not None:
             return cls._read_shards(manifest, parts)
-        paths = tuple(os.path.abspath(p) for p in split_paths(path))
-        readers = [_open(p) for p in paths]
+        given = os.path.abspath(path)
+        reader = _open(given)
+        alone = cls((given,), [reader], {})
+        count = alone.integer("split.count") if alone.has("split.count") else 1
+        paths = split_paths(given, count)
+        readers = [reader if p == given else _open(p) for p in paths]
         tensors: dict[str, TensorInfo] = {}
         for index, (p, reader) in enumerate(zip(paths, readers, strict=True)):
             if len(paths) > 1:

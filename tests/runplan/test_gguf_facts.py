@@ -141,6 +141,24 @@ def test_a_split_set_with_a_missing_shard_is_a_gguf_error(tmp_path: Path) -> Non
     assert err.value.path == str(shards[-1].resolve())
 
 
+def test_a_split_set_is_what_split_count_says_not_what_the_name_says(tmp_path: Path) -> None:
+    """As llama.cpp: a file is a shard of a split set when its ``split.count`` is more
+    than 1. Before, the name decided: a whole model named ``solo-00001-of-00002.gguf``
+    was refused (``solo-00002-of-00002.gguf: no such file``), and the first shard of a
+    set renamed off the pattern was read alone, refused for a block count."""
+    shape = ModelShape(n_layers=3)
+    solo = write_model(tmp_path / "solo-00001-of-00002.gguf", shape)
+    assert facts_of(solo).gguf_source.paths == (str(solo.resolve()),)
+    write_model(tmp_path / "parts.gguf", shape, split_max_tensors=10)
+    shards = sorted(tmp_path.glob("parts-*-of-*.gguf"))
+    renamed = shards[0].rename(tmp_path / "parts_part1.gguf")
+    with pytest.raises(GgufError) as err:
+        facts_of(renamed)
+    assert err.value.key == "split.count"
+    assert f"a split set of {len(shards)} files" in str(err.value)
+    assert f"-NNNNN-of-{len(shards):05d}.gguf" in str(err.value)
+
+
 def _corrupt(src: Path, dst: Path, data: bytes) -> Path:
     dst.write_bytes(data)
     return dst
