@@ -225,7 +225,9 @@ class GgufHeader:
             raise GgufError(self.paths[0], f"expected a bool, found {_describe(field)}", key)
         return bool(field.parts[-1][0])
 
-    def string(self, key: str, default: str | None = None) -> str:
+    def string(self, key: str, default: str | None = None, *, replace: bool = False) -> str:
+        """A string; ``replace``: invalid UTF-8 in it replaced (for a name only shown),
+        else refused."""
         if not self.has(key):
             if default is not None:
                 return default
@@ -233,6 +235,8 @@ class GgufHeader:
         field = self._field(key)
         if field.types[0] != GGUFValueType.STRING:
             raise GgufError(self.paths[0], f"expected a string, found {_describe(field)}", key)
+        if replace:
+            return field.parts[-1].tobytes().decode("utf-8", errors="replace")
         return self._decode(key, field.parts[-1])
 
     def strings(self, key: str) -> list[str]:

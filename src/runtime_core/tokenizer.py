@@ -283,8 +283,11 @@ class Tokenizer:
     ) -> str:
         """Render the file's ``tokenizer.chat_template`` for ``messages`` (dicts with
         ``role`` and ``content``). Raises ``NoChatTemplate`` for a file without one
-        and ``ChatTemplateError`` when the template raises or fails."""
+        and ``ChatTemplateError`` when the template cannot be read (not UTF-8), raises
+        or fails."""
         template = self.vocab.chat_template
+        if self.vocab.chat_template_error is not None:
+            raise ChatTemplateError(self.vocab.chat_template_error)
         if template is None:
             raise NoChatTemplate(self.vocab.path)
         return render_chat_template(

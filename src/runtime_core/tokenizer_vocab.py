@@ -23,6 +23,7 @@ from runplan.end_tokens import (
     end_of_generation_ids,
     fim_key_id,
 )
+from runplan.gguf_error import GgufError
 from runplan.gguf_facts import SPECIAL_TOKEN_DEFAULTS, special_token_id
 from runplan.gguf_header import GgufHeader
 from runplan.picklable_error import PicklableError
@@ -117,6 +118,9 @@ class Vocab:
     ignore_merges: bool
     chat_template: str | None = field(repr=False)
     ids: dict[str, int] = field(repr=False, eq=False)  # token text -> id
+    #: why ``tokenizer.chat_template`` cannot be read (not UTF-8, not a string), said
+    #: when it is rendered; ``chat_template`` is then ``None``
+    chat_template_error: str | None = field(default=None, repr=False)
 
     @property
     def is_spm(self) -> bool:
@@ -164,7 +168,10 @@ class Vocab:
 
         eog_ids = _mark_by_text(header, tokens, ids, attrs, eos_id)
         _strip_by_name(header, ids, attrs, pre_name)
-        template = header.string("tokenizer.chat_template", "") or None
+        try:  # checked when rendered: a file's chat template is not needed to run it
+            template, template_error = header.string("tokenizer.chat_template", "") or None, None
+        except GgufError as exc:
+            template, template_error = None, str(exc)
         return cls(
             path=path,
             model=model,
@@ -184,6 +191,7 @@ class Vocab:
             clean_spaces=clean_spaces,
             ignore_merges=ignore_merges,
             chat_template=template,
+            chat_template_error=template_error,
             ids=ids,
         )
 
@@ -261,7 +269,7 @@ def _mark_by_text(
 
 def _strip_by_name(header: GgufHeader, ids: dict[str, int], attrs: list[int], pre: str) -> None:
     """The whitespace-stripping attributes llama.cpp gives by model or file name."""
-    name = header.string("general.name", "").lower()
+    name = header.string("general.name", "", replace=True).lower()
     arch = header.string("general.architecture", "")
 
     def mark(text: str, bit: int, on: bool = True, required: bool = False) -> None:

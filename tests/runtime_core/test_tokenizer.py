@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,7 +19,7 @@ from runtime_core.tokenizer import (
     UnknownPreTokenizer,
     UnknownTokenizerModel,
 )
-from tests.fixtures.gguf_models import bytes_to_unicode
+from tests.fixtures.gguf_models import ModelShape, bytes_to_unicode, write_model
 from tests.fixtures.gguf_vocab import SPECS, VocabSpec
 from tests.runtime_core.conftest import CHAT_FIXTURE, fixture
 from tests.support.strategies import tokenizer_texts
@@ -145,6 +146,24 @@ def test_a_file_without_a_chat_template_raises_no_chat_template(
 
 
 # -- chat templates -------------------------------------------------------------------
+def test_invalid_utf8_in_the_name_or_the_chat_template_refuses_only_the_chat(
+    tmp_path: Path,
+) -> None:
+    """As llama.cpp and the planner: ``general.name`` is shown only (invalid UTF-8
+    replaced), and ``tokenizer.chat_template`` is read when rendered. Before, either
+    refused the whole model, even a run without ``--chat``."""
+    path = write_model(
+        tmp_path / "m.gguf",
+        ModelShape(),
+        override_keys={
+            "general.name": (b"tiny\xff\xfe", GGUFValueType.STRING),
+            "tokenizer.chat_template": (b"{{ messages }}\xff", GGUFValueType.STRING),
+        },
+    )
+    tok = Tokenizer.from_gguf(path)
+    assert tok.decode(tok.encode("hi there")).endswith("hi there")
+    with pytest.raises(ChatTemplateError, match=r"'tokenizer\.chat_template'.*not valid UTF-8"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_smollm2_chat_template_renders_as_llama_cpp_python_renders_it(
