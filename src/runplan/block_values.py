@@ -6,7 +6,8 @@ An array must hold integers (llama.cpp takes arrays of UINT32 and INT32), one pe
 block; anything else is a ``GgufError`` naming the key. Feed-forward sizes may differ
 between blocks; head counts are read as one number for the model, so an array of head
 counts that differ between blocks is refused naming the key and its values (no worker
-runs blocks of different head counts).
+runs blocks of different head counts). Feed-forward sizes are each in 1..2**32-1
+(``per_block_dimensions``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from gguf import GGUFValueType
 
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
+from runplan.validate import U32_MAX
 
 #: The array item types llama.cpp's ``get_arr`` takes for a per-block integer.
 _ITEM_TYPES = (np.dtype(np.uint32), np.dtype(np.int32))
@@ -39,6 +41,19 @@ def per_block_integers(
             key,
         )
     return tuple(int(v) for v in values)
+
+
+def per_block_dimensions(header: GgufHeader, key: str, n_blocks: int) -> tuple[int, ...]:
+    """``per_block_integers`` that size a block (a feed-forward length): each in
+    1..2**32-1, as ``GgufHeader.dimension`` has a model's sizes; else ``GgufError``
+    naming the key, the value and, in an array, its block."""
+    values = per_block_integers(header, key, n_blocks)
+    per_block = header.value_type(key) == GGUFValueType.ARRAY
+    for block, value in enumerate(values):
+        if not 1 <= value <= U32_MAX:
+            where = f"block {block}'s " if per_block else ""
+            raise GgufError(header.paths[0], f"{where}{value}: it must be in 1..{U32_MAX}", key)
+    return values
 
 
 def model_integer(header: GgufHeader, key: str, n_blocks: int, default: int | None = None) -> int:

@@ -48,7 +48,7 @@ import attrs
 import numpy as np
 from attrs import frozen
 
-from runplan.block_values import model_integer, per_block_integers
+from runplan.block_values import model_integer, per_block_dimensions
 from runplan.gguf_error import GgufError
 from runplan.gguf_facts import block_count, expert_count
 from runplan.gguf_header import GgufHeader
@@ -294,8 +294,8 @@ def _ffn_dims(
     own = experts[0] and ARCHITECTURES[arch].expert_ffn_length
     key = f"{arch}.expert_feed_forward_length"
     if own and header.has(key):
-        return per_block_integers(header, key, n_layers)
-    dims = per_block_integers(header, f"{arch}.feed_forward_length", n_layers)
+        return per_block_dimensions(header, key, n_layers)
+    dims = per_block_dimensions(header, f"{arch}.feed_forward_length", n_layers)
     if own:
         return tuple(d // experts[1] for d in dims)
     return dims

@@ -42,10 +42,25 @@ UNRUNNABLE: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
         "llama.attention.layer_norm_rms_epsilon",
     ),
     "feed-forward length the tensors do not have": (
-        {"override_keys": {"llama.feed_forward_length": (0, GGUFValueType.UINT32)}},
+        {"override_keys": {"llama.feed_forward_length": (96, GGUFValueType.UINT32)}},
         UnsupportedModel,
         "blk.0.ffn_gate.weight",
     ),
+    # once refused blaming a tensor's shape, not the key
+    **{
+        f"feed-forward length {name}": (
+            {"override_keys": {"llama.feed_forward_length": value}},
+            GgufError,
+            f"llama.feed_forward_length'): {shown}: it must be in 1..4294967295",
+        )
+        for name, value, shown in (
+            ("0", (0, GGUFValueType.UINT32), "0"),
+            ("-1", (-1, GGUFValueType.INT32), "-1"),
+            ("2**40", (2**40, GGUFValueType.UINT64), str(2**40)),
+            ("-2**63", (-(2**63), GGUFValueType.INT64), str(-(2**63))),
+            ("0 in a block", ([128, 0, 128, 128], GGUFValueType.ARRAY), "block 1's 0"),
+        )
+    },
     "missing block tensor of the last stage": (
         {"drop_tensors": ("blk.3.ffn_down.weight",)},
         UnsupportedModel,
