@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runplan.gguf_error import GgufError
-from runplan.gguf_reader import HeaderReader
+from runplan.gguf_reader import HeaderReader, NotUtf8Name
 from runplan.shards import ShardEntry, ShardKeys, ShardManifest
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ def _open(path: str) -> HeaderReader:
         )
     try:
         return HeaderReader(path)
+    except NotUtf8Name as exc:
+        raise GgufError(path, str(exc)) from None
     except (
         ValueError,
         IndexError,

@@ -14,7 +14,9 @@ The package's parsing of a header is kept, with these changes:
 
 Every failure is a ``ValueError`` (or an ``IndexError``, ``KeyError``,
 ``UnicodeDecodeError`` from the package's own code), which ``gguf_files`` turns into a
-``GgufError`` naming the file.
+``GgufError`` naming the file. A key or tensor name that is not UTF-8 is a
+``NotUtf8Name``: the package decodes names as it parses, so such a file, which llama.cpp
+reads, cannot be read here, and is refused saying so (not as a malformed header).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ _MIN_KV_BYTES = 8 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 _HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key-value count
 _ITEMSIZE: dict[Any, int] = {}  # numpy type -> bytes, for the bounds check of every read
+
+
+class NotUtf8Name(ValueError):
+    """A metadata key's or a tensor's name that is not UTF-8."""
 
 
 @frozen
@@ -116,7 +122,15 @@ class HeaderReader(GGUFReader):
                 f"the header claims {count} key-value pairs; the {self._remaining(offs)} "
                 "bytes left cannot hold them"
             )
-        return int(super()._build_fields(offs, count))
+        try:
+            return int(super()._build_fields(offs, count))
+        except UnicodeDecodeError as exc:
+            after = f"after the key {list(self.fields)[-1]!r}" if self.fields else "the first key"
+            raise NotUtf8Name(
+                f"a metadata key name that is not UTF-8: {bytes(exc.object)!r} (byte "
+                f"{exc.start}), {after}; llama.cpp reads such a key, the gguf package "
+                "this reader uses does not"
+            ) from None
 
     def _get_field_parts(
         self, orig_offs: int, raw_type: int
@@ -172,7 +186,12 @@ class HeaderReader(GGUFReader):
             )
         names: set[str] = set()
         for index in range(count):
-            field = self._get_tensor_info_field(offs)
+            try:
+                field = self._get_tensor_info_field(offs)
+            except UnicodeDecodeError as exc:
+                raise NotUtf8Name(
+                    f"tensor {index}'s name is not UTF-8: {bytes(exc.object)!r} (byte {exc.start})"
+                ) from None
             offs += sum(int(part.nbytes) for part in field.parts)
             _len, _name, n_dims, dims, raw_dtype, offset = field.parts
             name = field.name

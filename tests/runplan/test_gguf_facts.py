@@ -193,6 +193,23 @@ def test_a_big_endian_file_is_a_gguf_error_not_byte_swapped_weights(tmp_path: Pa
     assert err.value.path == str(path)
 
 
+def test_a_name_that_is_not_utf8_is_refused_saying_so(tmp_path: Path) -> None:
+    """The gguf package decodes key and tensor names as it parses (llama.cpp reads a
+    key whose name is not UTF-8); such a file was refused as a "malformed or truncated
+    header: 'utf-8' codec can't decode byte 0xff in position 7"."""
+    path = write_model(tmp_path / "m.gguf", ModelShape(n_layers=1), extra_keys={"zz.key_X": 1})
+    data = path.read_bytes()
+    key = _corrupt(path, tmp_path / "key.gguf", data.replace(b"zz.key_X", b"zz.key_\xff"))
+    with pytest.raises(GgufError) as err:
+        facts_of(key)
+    assert "a metadata key name that is not UTF-8: b'zz.key_\\xff' (byte 7)" in str(err.value)
+    assert "malformed" not in str(err.value)
+    name = b"output_norm.weight"
+    tensor = _corrupt(path, tmp_path / "tensor.gguf", data.replace(name, b"\xff" + name[1:]))
+    with pytest.raises(GgufError, match="name is not UTF-8: b'\\\\xffutput_norm"):
+        facts_of(tensor)
+
+
 def test_a_directory_or_missing_file_is_a_gguf_error(tmp_path: Path) -> None:
     with pytest.raises(GgufError, match="no such file"):
         facts_of(tmp_path / "absent.gguf")
