@@ -236,7 +236,8 @@ class GgufHeader:
         if field.types[0] != GGUFValueType.STRING:
             raise GgufError(self.paths[0], f"expected a string, found {_describe(field)}", key)
         if replace:
-            return field.parts[-1].tobytes().decode("utf-8", errors="replace")
+            text: str = field.parts[-1].tobytes().decode("utf-8", errors="replace")
+            return text
         return self._decode(key, field.parts[-1])
 
     def strings(self, key: str) -> list[str]:

@@ -110,7 +110,7 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _replaced(s: str | bytes, old: Any, new: Any, count: Any) -> int:
+def _replaced(s: Any, old: Any, new: Any, count: Any) -> int:
     """The most characters ``s.replace(old, new, count)`` makes."""
     if not isinstance(old, type(s)) or not isinstance(new, type(s)):
         return len(s)
@@ -160,7 +160,8 @@ def _str_method_chars(method: Any, args: tuple[Any, ...], kwargs: Mapping[str, A
         return max(len(s), _int(first))
     if name == "expandtabs":
         tab = _int(first if args else kwargs.get("tabsize", 8))
-        return len(s) + s.count("\t" if isinstance(s, str) else b"\t") * max(tab, 0)
+        tabs: int = s.count("\t" if isinstance(s, str) else b"\t")
+        return len(s) + tabs * max(tab, 0)
     if name == "replace" and len(args) >= 2:
         count = args[2] if len(args) > 2 else kwargs.get("count", -1)
         return _replaced(s, args[0], args[1], count)
@@ -312,7 +313,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         if isinstance(__obj, types.BuiltinMethodType) and isinstance(
             getattr(__obj, "__self__", None), (str, bytes)
         ):
-            what = f"{__obj.__self__[:40]!r}.{__obj.__name__}(...)"
+            what = f"{__obj.__self__[:40]!r}.{__obj.__name__}(...)"  # type: ignore[index]
             if __obj.__name__ == "join" and args:
                 if not isinstance(args[0], (list, tuple)):
                     args = (list(_drawn(iter(args[0]), what)), *args[1:])
@@ -333,6 +334,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
                 _bound(what, _format_chars(fmt, (), args[0]))
             else:
                 _bound(what, _format_chars(fmt, args, kwargs))
-            return _checked(what, wrapped(*args, **kwargs))
+            made: str = _checked(what, wrapped(*args, **kwargs))
+            return made
 
         return bounded
