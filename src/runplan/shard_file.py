@@ -4,24 +4,24 @@ copied as stored, and the shard's own keys, written with ``gguf.GGUFWriter``.
 ``shard_header`` is the header of such a file (magic, key-value pairs, tensor infos,
 padding up to the first tensor's data) as bytes: what a slice transfer sends before the
 tensors (``runtime_cupy.slices``). ``write_shard`` writes a whole shard file from the
-source's memory map, under a temporary name renamed into place once complete.
+source's memory map, under a partial file of its own renamed into place once complete.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from runplan.content import CUT_KEY_PREFIXES, SourceContent
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
 from runplan.shards import ShardKeys, SliceParts
+from runplan.whole_file import whole_file
 
 #: ``progress(done_bytes, total_bytes)`` while a shard's tensors are written.
 WriteProgress = Callable[[int, int], None]
@@ -105,6 +105,17 @@ def shard_header(
         return path.read_bytes()
 
 
+def padded_data_bytes(header: GgufHeader, names: Sequence[str]) -> int:
+    """Bytes of a shard's data section holding ``names``: each tensor's data padded to
+    the source's alignment, as ``GGUFWriter`` writes them (the last one too)."""
+    align = _alignment(header)
+    return sum(-(-header.tensors[n].n_bytes // align) * align for n in names)
+
+
+def _alignment(header: GgufHeader) -> int:
+    return header.integer("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+
+
 def write_shard(
     header: GgufHeader,
     names: Sequence[str],
@@ -115,50 +126,27 @@ def write_shard(
     path: str | os.PathLike[str],
     progress: WriteProgress | None = None,
 ) -> int:
-    """Write the shard of ``names`` to ``path`` (through ``path.partial``, renamed into
-    place once whole); its size in bytes. ``OSError`` (a full disk ...) leaves nothing
-    at ``path``."""
-    target = Path(path)
-    partial = target.with_name(target.name + ".partial")
-    writer = _writer(header, names, parts, source_key, tensor_sha256, model_id)
+    """Write the shard of ``names`` to ``path`` (through a partial file of its own,
+    renamed into place once whole: ``runplan.whole_file``); its size in bytes. The
+    header is ``shard_header``'s; the tensors are written here, through a Python file,
+    whose every short write raises (``GGUFWriter``'s numpy ``tofile`` dropped a buffered
+    tail on a full disk without a word). ``OSError`` (a full disk ...) names ``path``
+    and leaves nothing there."""
+    head = shard_header(header, names, parts, source_key, tensor_sha256, model_id)
+    size = len(head) + padded_data_bytes(header, names)
+    align = _alignment(header)
     total = sum(header.tensors[n].n_bytes for n in names)
     done = 0
-    try:
-        _write_header(writer, partial)
+    with whole_file(path, size) as out:
+        out.write(head)
         for name in names:
-            writer.write_tensor_data(header.tensor_bytes(name))
-            done += header.tensors[name].n_bytes
+            n_bytes = header.tensors[name].n_bytes
+            out.write(memoryview(header.tensor_bytes(name)))
+            out.write(bytes(-n_bytes % align))
+            done += n_bytes
             if progress is not None:
                 progress(done, total)
-        writer.flush()
-        assert writer.fout is not None
-        os.fsync(writer.fout[0].fileno())
-        writer.close()
-        os.replace(partial, target)
-    except BaseException as exc:
-        writer.close()
-        # the file and the room left as the write failed (numpy's short write says
-        # neither), before the partial file goes
-        error = _write_error(partial, exc) if isinstance(exc, OSError) else None
-        with contextlib.suppress(OSError):
-            partial.unlink()
-        if error is not None:
-            raise error from exc
-        raise
-    return target.stat().st_size
-
-
-def _write_error(partial: Path, exc: OSError) -> OSError:
-    """``exc`` (a shard's write failing) naming the file and the bytes its file system
-    has free: numpy's ``tofile`` on a full disk says only "552960 requested and 450752
-    written"."""
-    try:
-        stat = os.statvfs(partial.parent)
-        room = f"; its file system has {stat.f_bavail * stat.f_frsize} bytes free"
-    except OSError:
-        room = ""
-    message = f"writing {str(partial)!r}: {exc.strerror or exc}{room}"
-    return OSError(exc.errno, message) if exc.errno is not None else OSError(message)
+    return size
 
 
 def recorded_problem(header: GgufHeader, content: SourceContent) -> str | None:

@@ -15,7 +15,6 @@ one part of ``runplan`` that does more than read headers.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +43,7 @@ from runplan.shards import (
     model_id_problem,
     slice_tensor_names,
 )
+from runplan.whole_file import whole_file
 
 #: The memory of each node when no pool is given: the split is then by layers only.
 UNBOUNDED = 2**62
@@ -143,14 +143,8 @@ def split_model(
         placement=placement,
     )
     target = folder / MANIFEST_NAME
-    partial = folder / (MANIFEST_NAME + ".partial")
-    try:
-        partial.write_text(manifest_json(manifest))
-        os.replace(partial, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            partial.unlink()
-        raise
+    with whole_file(target) as file:
+        file.write(manifest_json(manifest).encode("utf-8"))
     return SplitResult(str(target), manifest, tuple(sizes))
 
 

@@ -31,7 +31,7 @@ from runplan.content import SourceContent
 from runplan.gguf_error import GgufError
 from runplan.gguf_files import model_id_for
 from runplan.gguf_header import GgufHeader
-from runplan.shard_file import shard_header
+from runplan.shard_file import padded_data_bytes, shard_header
 from runplan.shards import SliceParts, slice_tensor_names
 from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices.digests import DigestStore
@@ -366,10 +366,3 @@ class SliceServer:
             with contextlib.suppress(OSError):
                 link.sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(2.0)
-
-
-def padded_data_bytes(header: GgufHeader, names: tuple[str, ...]) -> int:
-    """Bytes of a shard's data section holding ``names``: each tensor's data padded to
-    the source's alignment, as ``GGUFWriter`` writes them (the last one too)."""
-    align = header.integer("general.alignment", 32)
-    return sum(-(-header.tensors[n].n_bytes // align) * align for n in names)

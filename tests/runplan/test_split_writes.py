@@ -1,0 +1,121 @@
+"""How ``split`` writes its files (``runplan.whole_file``): each through a partial file
+of its own, whole or not at all, with errors naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runplan.cli import main
+from runplan.content import source_content
+from runplan.gguf_header import GgufHeader
+from runplan.shard_file import write_shard
+from runplan.shards import MANIFEST_NAME, SliceParts, slice_tensor_names
+from tests.fixtures.gguf_models import ModelShape, write_model
+
+SHAPE = ModelShape(n_layers=5, tied=True, rope_freqs=True, quant="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("src") / "tiny.gguf", SHAPE)
+
+
+def _split(model: Path, out: Path, *extra: str) -> int:
+    return main(["split", str(model), "--stages", "2", "--out", str(out), "--json", *extra])
+
+
+def test_a_symlink_planted_at_a_partial_files_name_is_not_written_through(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``NAME.partial`` was a fixed name opened with ``wb``: a symlink there (another
+    user's, in a shared folder) had split overwrite the file it points at."""
+    out = tmp_path / "out"
+    out.mkdir()
+    victims = []
+    for name in ("tiny.stage-0-of-2.gguf", MANIFEST_NAME):
+        victim = tmp_path / f"victim-{name}"
+        victim.write_text("precious")
+        (out / f"{name}.partial").symlink_to(victim)
+        victims.append(victim)
+    assert _split(model, out) == 0, capsys.readouterr()
+    assert [v.read_text() for v in victims] == ["precious", "precious"]
+    assert json.loads((out / MANIFEST_NAME).read_text())["model_id"] == "tiny"
+    assert (out / "tiny.stage-0-of-2.gguf").read_bytes()[:4] == b"GGUF"
+    assert sorted(p.name for p in out.glob("*.partial")) == [
+        "manifest.json.partial",
+        "tiny.stage-0-of-2.gguf.partial",
+    ]  # the planted links, left as they were
+
+
+def test_two_writers_of_one_shard_each_write_a_file_of_their_own(
+    model: Path, tmp_path: Path
+) -> None:
+    """Two splits into one ``--out`` shared one ``.partial`` (a fixed name): the second
+    truncated and rewrote the first's file, which then went on writing into the second's
+    shard, and failed renaming a partial file that was gone."""
+    header = GgufHeader.read(model)
+    content = source_content(header)
+    first, second = SliceParts(0, 2, True, False), SliceParts(2, 5, False, True)
+
+    def write(parts: SliceParts, path: Path, during: object = None) -> int:
+        names = slice_tensor_names(header.tensors, parts)
+        return write_shard(
+            header, names, parts, content.key, content.tensor_sha256, "tiny", path, during
+        )
+
+    alone = tmp_path / "alone.gguf"
+    write(first, alone)
+    target = tmp_path / "shared.gguf"
+    interleaved: list[int] = []
+
+    def other_writer(done: int, total: int) -> None:
+        if not interleaved:  # once, with the first writer's file half written
+            interleaved.append(write(second, target))
+
+    size = write(first, target, other_writer)
+    assert interleaved, "the second writer never ran"
+    assert target.read_bytes() == alone.read_bytes()  # the last renamed, whole
+    assert size == alone.stat().st_size
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def _split_under_file_size_limit(
+    model: Path, out: Path, limit: int
+) -> subprocess.CompletedProcess[str]:
+    """``split`` with every file it writes limited to ``limit`` bytes (``RLIMIT_FSIZE``;
+    Python ignores ``SIGXFSZ``): a write past it fails as on a full disk, short."""
+    code = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+        "from runplan.cli import main\n"
+        f"sys.exit(main(['split', {str(model)!r}, '--stages', '2', '--out', {str(out)!r},"
+        " '--json']))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, env=os.environ
+    )
+
+
+def test_a_shard_cut_short_by_a_full_disk_is_an_error_naming_it_and_leaves_nothing(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk during a shard's last bytes: ``GGUFWriter``'s numpy ``tofile`` dropped
+    the buffered tail without a word, and the short shard was renamed into place (split
+    exited 0). A larger short write said only "8704 requested and 8056 written"."""
+    whole = tmp_path / "whole"
+    assert _split(model, whole) == 0
+    size = (whole / "tiny.stage-0-of-2.gguf").stat().st_size
+    for short in (48, 9000):  # within the last buffer; a write larger than it
+        out = tmp_path / f"short-{short}"
+        proc = _split_under_file_size_limit(model, out, size - short)
+        assert proc.returncode == 1, (proc.stdout, proc.stderr)
+        message = json.loads(proc.stdout)["error"]["message"]
+        assert f"writing {str(out / 'tiny.stage-0-of-2.gguf')!r}" in message, message
+        assert "File too large" in message and "bytes free" in message, message
+        assert not list(out.iterdir())  # no shard, no partial file, no manifest
