@@ -39,7 +39,7 @@ def whole_file(target: str | os.PathLike[str], size: int | None = None) -> Itera
             held = os.fstat(out.fileno()).st_size
         if size is not None and held != size:
             raise OSError(errno.ENOSPC, f"{held} of its {size} bytes written")
-        os.replace(partial, target)
+        _rename(partial, target)
     except BaseException as exc:
         error = _write_error(target, exc) if isinstance(exc, OSError) else None
         with contextlib.suppress(OSError):
@@ -60,6 +60,12 @@ def _create(target: Path) -> tuple[BinaryIO, Path]:
             raise _write_error(target, exc) from exc
         return os.fdopen(fd, "wb"), partial
     raise _write_error(target, FileExistsError(errno.EEXIST, "no fresh partial file name"))
+
+
+def _rename(partial: Path, target: Path) -> None:
+    if target.is_dir() and not target.is_symlink():
+        raise IsADirectoryError(errno.EISDIR, "a folder of that name is in the way")
+    os.replace(partial, target)
 
 
 def _write_error(target: Path, exc: OSError) -> OSError:

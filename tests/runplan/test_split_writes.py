@@ -119,3 +119,19 @@ def test_a_shard_cut_short_by_a_full_disk_is_an_error_naming_it_and_leaves_nothi
         assert f"writing {str(out / 'tiny.stage-0-of-2.gguf')!r}" in message, message
         assert "File too large" in message and "bytes free" in message, message
         assert not list(out.iterdir())  # no shard, no partial file, no manifest
+
+
+def test_a_folder_where_a_file_goes_is_named_as_in_the_way(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder at a shard's name was reported as the partial file failing to be
+    written, with the file system's free bytes; the manifest's failure named only its
+    partial file."""
+    for name in ("tiny.stage-1-of-2.gguf", MANIFEST_NAME):
+        out = tmp_path / name.replace(".", "-")
+        (out / name).mkdir(parents=True)
+        assert _split(model, out) == 1
+        message = json.loads(capsys.readouterr().out)["error"]["message"]
+        assert f"writing {str(out / name)!r}: a folder of that name is in the way" in message
+        assert "bytes free" not in message and ".partial" not in message, message
+        assert not list(out.glob("*.partial"))
