@@ -135,3 +135,26 @@ def _check_shard_of(
         raise GgufError(
             path, f"is {blocks}; its manifest says {manifest.block_count}", f"{arch}.block_count"
         )
+
+
+def metadata_difference(
+    first: GgufHeader, first_path: str, shard: GgufHeader, path: str
+) -> tuple[str, str] | None:
+    """The first key whose pair (key, type and value bytes) ``shard`` at ``path`` stores
+    otherwise than ``first`` at ``first_path``, or holds where the other does not,
+    outside the shard keys (``split.*``, ``gguf_pipeline.*``), and what differs; or
+    ``None``. The shards of one source hold its metadata as stored: each stage takes its
+    hyperparameters from its own first shard."""
+    from runplan.content import CUT_KEY_PREFIXES  # here: runplan.content imports this module
+
+    model_keys = {k for k in first.keys() if not k.startswith(CUT_KEY_PREFIXES)}  # noqa: SIM118
+    keys = {k for k in shard.keys() if not k.startswith(CUT_KEY_PREFIXES)}  # noqa: SIM118
+    for key in sorted(keys ^ model_keys):
+        return key, f"{key} is in {path if key in keys else first_path} only, of its shards"
+    for key in sorted(keys):
+        if shard.field_bytes(key) != first.field_bytes(key):
+            return key, (
+                f"{key} is stored otherwise in {path} than in {first_path}: a shard's "
+                "metadata changed after it was split"
+            )
+    return None

@@ -21,7 +21,13 @@ import numpy.typing as npt
 from gguf import GGUFValueType
 
 from runplan.gguf_error import GgufError
-from runplan.gguf_files import _check_shard, _check_shard_of, _open, split_paths
+from runplan.gguf_files import (
+    _check_shard,
+    _check_shard_of,
+    _open,
+    metadata_difference,
+    split_paths,
+)
 from runplan.gguf_reader import HeaderReader
 from runplan.gguf_tensors import TensorInfo, _tensor_infos
 from runplan.shards import (
@@ -122,10 +128,17 @@ class GgufHeader:
             raise GgufError(path, f"no shard holds {parts.describe() if parts else 'anything'}")
         paths = tuple(os.path.join(folder, e.file) for e in entries)
         readers = [_open(p) for p in paths]
+        # each stage takes its hyperparameters from its first shard: every shard must
+        # hold the same metadata as stored (the facts read every shard)
+        reference = cls((paths[0],), [readers[0]], {})
         tensors: dict[str, TensorInfo] = {}
         held: set[int] = set()
         for index, (p, reader, entry) in enumerate(zip(paths, readers, entries, strict=True)):
-            _check_shard_of(cls((p,), [reader], {}), p, entry, manifest)
+            shard = cls((p,), [reader], {})
+            _check_shard_of(shard, p, entry, manifest)
+            difference = metadata_difference(reference, paths[0], shard, p)
+            if difference is not None:
+                raise GgufError(p, difference[1], difference[0])
             infos = _tensor_infos(p, reader, index)
             blocks = {b for b in (block_index(i.name) for i in infos) if b is not None}
             if not _is_range(blocks, entry.parts.blocks):

@@ -19,6 +19,7 @@ from gguf import GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType, GG
 
 from runplan.content import CUT_KEY_PREFIXES, SourceContent
 from runplan.gguf_error import GgufError
+from runplan.gguf_files import metadata_difference
 from runplan.gguf_header import GgufHeader
 from runplan.shards import ShardKeys, SliceParts
 from runplan.whole_file import whole_file
@@ -171,17 +172,10 @@ def recorded_problem(header: GgufHeader, content: SourceContent) -> str | None:
                     "the file changed after it was split"
                 )
     first_path, first = shards[0]
-    model_keys = {k for k in first.keys() if not k.startswith(CUT_KEY_PREFIXES)}  # noqa: SIM118
     for path, shard in shards[1:]:  # the key hashes the first's metadata: each holds it
-        keys = {k for k in shard.keys() if not k.startswith(CUT_KEY_PREFIXES)}  # noqa: SIM118
-        for key in sorted(keys ^ model_keys):
-            return f"{key} is in {path if key in keys else first_path} only, of its shards"
-        for key in sorted(keys):
-            if shard.field_bytes(key) != first.field_bytes(key):
-                return (
-                    f"{key} is stored otherwise in {path} than in {first_path}: a shard's "
-                    "metadata changed after it was split"
-                )
+        difference = metadata_difference(first, first_path, shard, path)
+        if difference is not None:
+            return difference[1]
     for path, shard in shards:
         source = shard.string(ShardKeys.SOURCE, "")
         if content.key != source:

@@ -1,0 +1,64 @@
+"""Shards changed after ``split`` wrote them: refused where they are read (headers only)
+and where they are split again (every tensor hashed), naming the file and what differs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from runplan import GgufError, model_facts_from_gguf
+from runplan.cli import main
+from runplan.shards import MANIFEST_NAME, SliceParts
+from runtime_core.gguf_slice import open_stage_slice
+from tests.fixtures.gguf_models import ModelShape, write_model
+
+SHAPE = ModelShape(n_layers=5, tied=True, rope_freqs=True, quant="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = write_model(tmp_path_factory.mktemp("src") / "tiny.gguf", SHAPE)
+    out = tmp_path_factory.mktemp("shards") / "tiny-3"
+    assert main(["split", str(model), "--stages", "3", "--out", str(out)]) == 0
+    return out
+
+
+def _entries(folder: Path) -> list[dict[str, object]]:
+    entries: list[dict[str, object]] = json.loads((folder / MANIFEST_NAME).read_text())["shards"]
+    return entries
+
+
+def _edit_in_place(path: Path, key: str, value: float) -> None:
+    """``key``'s value in ``path`` overwritten with ``value``, same type and size."""
+    reader = gguf.GGUFReader(path)
+    field = reader.fields[key]
+    offset = field.offset + sum(p.nbytes for p in field.parts[:-1])
+    data = np.array([value], field.parts[-1].dtype).tobytes()
+    del reader
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_a_shard_whose_metadata_was_edited_is_refused_naming_it_and_the_key(
+    shards: Path, tmp_path: Path
+) -> None:
+    """Each stage takes its hyperparameters from its own first shard: stage 1's
+    ``rope.freq_base`` edited ran on silently, its output otherwise; only the slice
+    server, hashing every tensor, refused it."""
+    bad = tmp_path / "bad"
+    shutil.copytree(shards, bad)
+    entry = _entries(bad)[1]
+    shard = bad / str(entry["file"])
+    _edit_in_place(shard, "llama.rope.freq_base", 10.0)
+    match = rf"{shard}.*llama\.rope\.freq_base.*stored otherwise in {shard} than in .*stage-0-of-3"
+    with pytest.raises(GgufError, match=match):
+        model_facts_from_gguf(bad)
+    parts = SliceParts(**entry["parts"])  # type: ignore[arg-type]
+    with pytest.raises(GgufError, match=match):  # a stage reading shards 0 and 1
+        open_stage_slice(bad, 0, parts.layer_start + 1, is_first=True, is_last=False)
