@@ -27,13 +27,14 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.content import source_content
 from runplan.facts import ModelFacts
+from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
 from runplan.placement import Placement
 from runplan.plan import RunPlan
 from runplan.planner import plan_run
 from runplan.pool import NodePool, NodeSpec
 from runplan.rejections import PlanRejection
-from runplan.shard_file import write_shard
+from runplan.shard_file import recorded_problem, write_shard
 from runplan.shards import (
     MANIFEST_NAME,
     ShardEntry,
@@ -95,7 +96,9 @@ def split_model(
     progress: SplitProgress | None = None,
 ) -> SplitResult:
     """Write one shard per stage of ``plan`` and the manifest into ``out`` (``ValueError``
-    for a model id that cannot name a file, before anything is written)."""
+    for a model id that cannot name a file, before anything is written; ``GgufError``
+    for shards read through a manifest that no longer hold what they record, once
+    hashed, before any shard is written)."""
     problem = model_id_problem(plan.model.model_id)
     if problem is not None:
         raise ValueError(f"model id {plan.model.model_id!r} cannot name the shards: {problem}")
@@ -109,6 +112,9 @@ def split_model(
             progress("hash", done, total)
 
     content = source_content(header, progress=hashed)
+    problem = recorded_problem(header, content)
+    if problem is not None:  # split again, the damage would be recorded as the source
+        raise GgufError(header.source_paths[0], f"will not split it again: {problem}")
     entries: list[ShardEntry] = []
     sizes: list[int] = []
     for stage in plan.stages:

@@ -62,3 +62,26 @@ def test_a_shard_whose_metadata_was_edited_is_refused_naming_it_and_the_key(
     parts = SliceParts(**entry["parts"])  # type: ignore[arg-type]
     with pytest.raises(GgufError, match=match):  # a stage reading shards 0 and 1
         open_stage_slice(bad, 0, parts.layer_start + 1, is_first=True, is_last=False)
+
+
+def test_shards_whose_tensor_changed_are_not_split_again(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``split`` of a manifest hashes every tensor: a shard's flipped byte was written
+    into fresh shards recording the damaged bytes, and the slice server's check
+    (``recorded_problem``) then passed."""
+    bad = tmp_path / "bad"
+    shutil.copytree(shards, bad)
+    shard = bad / str(_entries(bad)[2]["file"])
+    tensor = next(t for t in gguf.GGUFReader(shard).tensors if t.name.startswith("blk."))
+    with open(shard, "r+b") as f:
+        f.seek(tensor.data_offset)
+        byte = f.read(1)
+        f.seek(tensor.data_offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = tmp_path / "again"
+    assert main(["split", str(bad), "--stages", "2", "--out", str(out), "--json"]) == 1
+    message = json.loads(capsys.readouterr().out)["error"]["message"]
+    assert f"{bad / MANIFEST_NAME}: will not split it again: tensor {tensor.name!r}" in message
+    assert str(shard) in message and "changed after it was split" in message, message
+    assert not out.exists() or not list(out.iterdir())
