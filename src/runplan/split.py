@@ -66,8 +66,11 @@ def split_plan(
     placement: str,
 ) -> RunPlan | PlanRejection:
     """The plan whose stages the shards follow: ``nodes`` (or ``stages`` nodes of
-    unbounded memory), weights counted as stored."""
-    pool_nodes = nodes or tuple(NodeSpec(f"stage-{i}", UNBOUNDED) for i in range(stages))
+    unbounded memory), weights counted as stored. Past one node more than the model's
+    layers, no node is made: the planner refuses such a count before it looks at the
+    pool (``--stages 30000000`` made as many nodes first, minutes and gigabytes)."""
+    count = min(stages, facts.num_layers + 1)
+    pool_nodes = nodes or tuple(NodeSpec(f"stage-{i}", UNBOUNDED) for i in range(count))
     config = RuntimeConfig(
         run_id="split",
         max_tokens=1,

@@ -7,15 +7,19 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
+from runplan import model_facts_from_gguf
 from runplan.cli import main
 from runplan.content import source_content
 from runplan.gguf_header import GgufHeader
+from runplan.rejections import InvalidStageCount
 from runplan.shard_file import write_shard
 from runplan.shards import MANIFEST_NAME, SliceParts, slice_tensor_names
+from runplan.split import split_plan
 from tests.fixtures.gguf_models import ModelShape, write_model
 
 SHAPE = ModelShape(n_layers=5, tied=True, rope_freqs=True, quant="Q8_0")
@@ -135,3 +139,24 @@ def test_a_folder_where_a_file_goes_is_named_as_in_the_way(
         assert f"writing {str(out / name)!r}: a folder of that name is in the way" in message
         assert "bytes free" not in message and ".partial" not in message, message
         assert not list(out.glob("*.partial"))
+
+
+def test_a_stage_count_past_the_layers_is_refused_before_a_node_is_made_for_each(
+    model: Path,
+) -> None:
+    """``--stages 30000000`` made one node of unbounded memory per stage before the
+    planner refused the count: minutes and gigabytes."""
+    facts = model_facts_from_gguf(model)
+    tracemalloc.start()
+    try:
+        plan = split_plan(facts, 10**6, None, "even")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(plan, InvalidStageCount), plan
+    assert (plan.stage_count, plan.num_layers, plan.reason) == (
+        10**6,
+        SHAPE.n_layers,
+        "more stages than layers",
+    )
+    assert peak < 4 << 20, peak  # a million nodes took hundreds of MiB
