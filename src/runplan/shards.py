@@ -244,11 +244,20 @@ def model_id_problem(model_id: str) -> str | None:
     folder (a manifest's ``../x`` wrote shards outside ``--out``)."""
     if not model_id:
         return "it is empty"
-    bad = sorted({c for c in model_id if c in "/\\" or ord(c) < 32 or ord(c) == 127})
-    if bad:
-        return f"it holds {', '.join(repr(c) for c in bad)}, which a file name cannot"
+    problem = _characters_problem(model_id)
+    if problem is not None:
+        return problem
     if len(model_id.encode("utf-8", "surrogatepass")) > MODEL_ID_MAX_BYTES:
         return f"it is longer than {MODEL_ID_MAX_BYTES} bytes"
+    return None
+
+
+def _characters_problem(name: str) -> str | None:
+    """Whether ``name`` holds a character no file name here may: a folder's separator
+    (``/``, ``\\``) or a control character (a terminal escape, printed with the name)."""
+    bad = sorted({c for c in name if c in "/\\" or ord(c) < 32 or ord(c) == 127})
+    if bad:
+        return f"it holds {', '.join(repr(c) for c in bad)}, which a file name cannot"
     return None
 
 
@@ -263,6 +272,9 @@ def _check_manifest(path: str, manifest: ShardManifest) -> None:
         name = entry.file
         if not name or Path(name).name != name or name in (".", ".."):
             raise ManifestError(path, f"shard file {name!r} is not a file name in its folder")
+        problem = _characters_problem(name)
+        if problem is not None:
+            raise ManifestError(path, f"shard file {name!r} cannot name a file: {problem}")
         if name in seen:
             raise ManifestError(path, f"shard file {name!r} is named twice")
         seen.add(name)

@@ -180,6 +180,11 @@ def test_a_manifest_that_does_not_match_its_shards_is_refused_naming_the_file(
         ({**doc, "shards": []}, "names no shard"),
         ({**doc, "extra": 1}, "malformed"),
         ({**doc, "shards": [{**entries[0], "file": "../x.gguf"}]}, "not a file name"),
+        # a terminal escape in a shard's name was printed raw in the error naming it
+        (
+            {**doc, "shards": [{**entries[0], "file": "\x1b[2Jx.gguf"}, *entries[1:]]},
+            r"shard file '\\x1b\[2Jx\.gguf' cannot name a file: it holds '\\x1b'",
+        ),
         # shards and received slices are named after the model id: "../x" wrote them
         # outside --out, and outside a host's slice cache
         ({**doc, "model_id": "../../escaped"}, r"model_id '\.\./\.\./escaped' cannot name"),
