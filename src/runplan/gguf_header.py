@@ -38,6 +38,7 @@ from runplan.shards import (
     manifest_path,
     read_manifest,
     shards_for,
+    slice_tensor_names,
 )
 from runplan.tensor_names import block_index
 from runplan.validate import U32_MAX
@@ -318,6 +319,28 @@ class GgufHeader:
         if item == GGUFValueType.STRING:
             return kind, self._readers[0].raw_strings(field), item
         return kind, self.array(key).tolist(), item
+
+    def path_for(self, name: str) -> str:
+        """The file that holds tensor ``name``, or should: for shards read through a
+        manifest, the first shard read whose parts take it (``slice_tensor_names``, by
+        the shard's own keys), else the manifest; else the first file."""
+        info = self.tensors.get(name)
+        if info is not None:
+            return self.paths[info.file_index]
+        if self.source_paths == self.paths:
+            return self.paths[0]
+        names = [*self.tensors, name]
+        for path, reader in zip(self.paths, self._readers, strict=True):
+            shard = type(self)((path,), [reader], {})
+            parts = SliceParts(
+                shard.integer(ShardKeys.LAYER_START),
+                shard.integer(ShardKeys.LAYER_END),
+                shard.boolean(ShardKeys.EMBEDDING, False),
+                shard.boolean(ShardKeys.OUTPUT, False),
+            )
+            if name in slice_tensor_names(names, parts):
+                return path
+        return self.source_paths[0]
 
     # -- tensor data (for loaders; the planner never calls these) ----------------
     def tensor_bytes(self, name: str) -> npt.NDArray[np.uint8]:

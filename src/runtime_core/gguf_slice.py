@@ -257,7 +257,9 @@ def open_stage_slice(
         info = tensors.get(name)
         if info is None:
             if spec.required:
-                raise UnsupportedModel(path, "a tensor the stage needs is missing", tensor=name)
+                # the shard that should hold it, not the stage's first
+                where = header.path_for(name)
+                raise UnsupportedModel(where, "a tensor the stage needs is missing", tensor=name)
             continue
         if info.shape != spec.shape:
             raise UnsupportedModel(

@@ -4,6 +4,7 @@ and where they are split again (every tensor hashed), naming the file and what d
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,10 @@ import pytest
 
 from runplan import GgufError, model_facts_from_gguf
 from runplan.cli import main
-from runplan.shards import MANIFEST_NAME, SliceParts
+from runplan.gguf_header import GgufHeader
+from runplan.shard_file import write_shard
+from runplan.shards import MANIFEST_NAME, ShardKeys, SliceParts
+from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_stage_slice
 from tests.fixtures.gguf_models import ModelShape, write_model
 
@@ -85,3 +89,32 @@ def test_shards_whose_tensor_changed_are_not_split_again(
     assert f"{bad / MANIFEST_NAME}: will not split it again: tensor {tensor.name!r}" in message
     assert str(shard) in message and "changed after it was split" in message, message
     assert not out.exists() or not list(out.iterdir())
+
+
+def test_a_tensor_missing_from_a_shard_is_blamed_on_that_shard(
+    shards: Path, tmp_path: Path
+) -> None:
+    """A stage reading shards 0 and 1, shard 1 rewritten (its own keys) without one of
+    its block's tensors: the error named shard 0, the stage's first file."""
+    bad = tmp_path / "bad"
+    shutil.copytree(shards, bad)
+    entry = _entries(bad)[1]
+    shard = bad / str(entry["file"])
+    parts = SliceParts(**entry["parts"])  # type: ignore[arg-type]
+    header = GgufHeader.read(shard)
+    dropped = f"blk.{parts.layer_start}.attn_q.weight"
+    recorded = dict(zip(header.tensors, header.strings(ShardKeys.TENSOR_SHA256), strict=True))
+    write_shard(
+        header,
+        [n for n in header.tensors if n != dropped],
+        parts,
+        header.string(ShardKeys.SOURCE),
+        recorded,
+        header.string(ShardKeys.MODEL_ID),
+        tmp_path / "rewritten.gguf",
+    )
+    del header
+    os.replace(tmp_path / "rewritten.gguf", shard)
+    with pytest.raises(UnsupportedModel, match="a tensor the stage needs is missing") as exc:
+        open_stage_slice(bad, 0, parts.layer_start + 1, is_first=True, is_last=False)
+    assert (exc.value.path, exc.value.tensor) == (str(shard), dropped)
