@@ -31,6 +31,7 @@ from runplan.shards import (
     MANIFEST_NAME,
     ManifestError,
     ShardKeys,
+    SliceParts,
     model_id_problem,
     read_manifest,
 )
@@ -195,11 +196,17 @@ def shard_facts(path: str) -> dict[str, Any] | None:
             manifest = read_manifest(manifest_file)
         except ManifestError:
             return doc
-        names = [e.file for e in manifest.shards]
-        if os.path.basename(path) in names:
-            doc["manifest"] = manifest_file
-            doc["stage_index"] = names.index(os.path.basename(path))
-            doc["stage_count"] = len(names)
+        parts = SliceParts(
+            doc["layer_start"], doc["layer_end_exclusive"], doc["embedding"], doc["output"]
+        )
+        for index, entry in enumerate(manifest.shards):
+            # the manifest names this shard: its name, and its keys (a file of another
+            # model's, or another stage's, at that name is not the shard it names)
+            named = entry.file == os.path.basename(path)
+            if named and entry.parts == parts and manifest.source == doc["source"]:
+                doc["manifest"] = manifest_file
+                doc["stage_index"] = index
+                doc["stage_count"] = len(manifest.shards)
     return doc
 
 

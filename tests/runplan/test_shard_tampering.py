@@ -118,3 +118,30 @@ def test_a_tensor_missing_from_a_shard_is_blamed_on_that_shard(
     with pytest.raises(UnsupportedModel, match="a tensor the stage needs is missing") as exc:
         open_stage_slice(bad, 0, parts.layer_start + 1, is_first=True, is_last=False)
     assert (exc.value.path, exc.value.tensor) == (str(shard), dropped)
+
+
+def test_facts_on_a_shard_names_its_manifest_only_where_it_is_the_shard_named(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The manifest beside a shard was said to name it on its file name alone: another
+    stage's shard, or another model's, at that name was called stage i of n."""
+    swapped = tmp_path / "swapped"
+    shutil.copytree(shards, swapped)
+    first, second = (swapped / str(e["file"]) for e in _entries(swapped)[1:])
+    first.rename(tmp_path / "x.gguf")
+    second.rename(first)
+    (tmp_path / "x.gguf").rename(second)
+    other = tmp_path / "other"
+    shutil.copytree(shards, other)
+    doc = json.loads((other / MANIFEST_NAME).read_text())
+    (other / MANIFEST_NAME).write_text(json.dumps({**doc, "source": "sha256:" + "0" * 64}))
+    for file in (first, second, other / str(_entries(other)[1]["file"])):
+        assert main(["facts", str(file), "--json"]) == 0
+        facts = json.loads(capsys.readouterr().out)["shard"]
+        assert (facts["manifest"], facts["stage_index"], facts["stage_count"]) == (
+            None,
+            None,
+            None,
+        ), file
+    assert main(["facts", str(shards / str(_entries(shards)[1]["file"])), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shard"]["stage_index"] == 1
