@@ -65,8 +65,16 @@ def add_split_parser(sub: Any, model_args: Callable[[argparse.ArgumentParser], N
         default="even",
         help="split layers evenly (default), or in proportion to node memory (with --nodes)",
     )
-    p.add_argument("--out", type=Path, required=True, help="the folder to write into")
+    p.add_argument("--out", type=_out_folder, required=True, help="the folder to write into")
     p.set_defaults(func=cmd_split)
+
+
+def _out_folder(text: str) -> Path:
+    """``--out``: a folder. An empty one (an unset variable) is refused: ``Path("")`` is
+    the current folder, which split then wrote into."""
+    if not text:
+        raise argparse.ArgumentTypeError("'' names no folder (give '.' for this one)")
+    return Path(text)
 
 
 def _usage_error(args: argparse.Namespace, message: str) -> int:

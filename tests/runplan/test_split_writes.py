@@ -160,3 +160,19 @@ def test_a_stage_count_past_the_layers_is_refused_before_a_node_is_made_for_each
         "more stages than layers",
     )
     assert peak < 4 << 20, peak  # a million nodes took hundreds of MiB
+
+
+def test_an_empty_out_is_a_usage_error_not_the_current_folder(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out ""`` (an unset variable) was ``Path("")``, the current folder: the shards
+    and a manifest were written there."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(SystemExit) as exc:
+        main(["split", str(model), "--stages", "2", "--out", ""])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "argument --out: '' names no folder" in err, err
+    assert not list(here.iterdir())
