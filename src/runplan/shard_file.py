@@ -142,7 +142,7 @@ def write_shard(
         out.write(head)
         for name in names:
             n_bytes = header.tensors[name].n_bytes
-            out.write(memoryview(header.tensor_bytes(name)))
+            out.write(header.tensor_bytes(name).data)
             out.write(bytes(-n_bytes % align))
             done += n_bytes
             if progress is not None:

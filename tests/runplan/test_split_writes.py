@@ -17,7 +17,7 @@ from runplan.cli import main
 from runplan.content import source_content
 from runplan.gguf_header import GgufHeader
 from runplan.rejections import InvalidStageCount
-from runplan.shard_file import write_shard
+from runplan.shard_file import WriteProgress, write_shard
 from runplan.shards import MANIFEST_NAME, SliceParts, slice_tensor_names
 from runplan.split import split_plan
 from tests.fixtures.gguf_models import ModelShape, write_model
@@ -67,7 +67,7 @@ def test_two_writers_of_one_shard_each_write_a_file_of_their_own(
     content = source_content(header)
     first, second = SliceParts(0, 2, True, False), SliceParts(2, 5, False, True)
 
-    def write(parts: SliceParts, path: Path, during: object = None) -> int:
+    def write(parts: SliceParts, path: Path, during: WriteProgress | None = None) -> int:
         names = slice_tensor_names(header.tensors, parts)
         return write_shard(
             header, names, parts, content.key, content.tensor_sha256, "tiny", path, during
