@@ -42,6 +42,10 @@ RAISED: dict[tuple[str, str], tuple[tuple[Any, ...], dict[str, Any]]] = {
         {"refusal": next(iter(Refusal)), "protection": 1},
     ),
     ("runtime_cupy.process.control_channel", "_UnreadableFrame"): (("s1", 7, "bad"), {}),
+    ("runtime_cupy.serve.chain_errors", "SourceChanged"): (
+        ("/m.gguf changed since the chain's stages started: inode 5 -> 9",),
+        {},
+    ),
     ("runtime_cupy.serve.chain_errors", "Unplaced"): (
         (Unplaceable(("n1",), (1,), UnknownNode("n1", 1)), ["n0"]),
         {},
