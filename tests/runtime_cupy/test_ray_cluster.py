@@ -19,6 +19,8 @@ import shutil
 import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -279,6 +281,38 @@ def test_a_stage_stopped_mid_decode_is_named_silent_with_its_host(cluster: Any, 
 def test_no_cluster_at_the_address_is_a_clear_error() -> None:
     with pytest.raises(ClusterError, match=r"no Ray cluster at 127\.0\.0\.1:1"):
         connect("127.0.0.1:1")
+
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.0 400 Bad request\r\n\r\n"])
+def test_a_listener_that_is_not_a_ray_head_is_a_clear_error_at_once(
+    answer: bytes | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port where something other than a Ray head listens (a silent listener, an HTTP
+    server): refused within the probe's bound, naming the address (``ray.init`` retried
+    for minutes). The head's own answer (gRPC's SETTINGS frame) is the cluster tests'."""
+    from runtime_cupy.hosts.ray import session
+
+    monkeypatch.setattr(session, "PROBE_S", 1.0)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+        def answers() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(64)
+                if answer is not None:
+                    conn.sendall(answer)
+                time.sleep(3)
+
+        thread = threading.Thread(target=answers, daemon=True)
+        thread.start()
+        began = time.monotonic()
+        with pytest.raises(ClusterError, match=f"no Ray cluster at {address}: what listens"):
+            connect(address)
+        assert time.monotonic() - began < 2.5
+        thread.join(5)
 
 
 def test_serve_refuses_what_a_cluster_cannot_take(

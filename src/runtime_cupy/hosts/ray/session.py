@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -86,15 +87,45 @@ def left_at_the_end() -> Iterator[None]:
             ray.shutdown()
 
 
+#: The client's first bytes on an HTTP/2 connection (RFC 9113, section 3.4): the preface
+#: and an empty SETTINGS frame (length 0, type 4, no flags, stream 0).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4  # a frame's type, its fourth byte
+
+
 def _reachable(address: str) -> None:
-    """Refuse at once an address where nothing listens (Ray itself retries for minutes)."""
+    """Refuse at once an address where no Ray head answers (Ray itself retries for
+    minutes): where nothing listens, or where what listens does not speak gRPC, as a
+    head's GCS does. A gRPC server answers a client's HTTP/2 preface with its SETTINGS
+    frame; a server of another protocol (an HTTP/1 server, a raylet's other port, a
+    silent listener) sends something else or nothing within ``PROBE_S``. Not probed where
+    Ray's links use TLS (``RAY_USE_TLS``), whose handshake comes first."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise ClusterError(f"bad Ray address {address!r}: write auto or HOST:PORT")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S) as conn:
+            if os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
+                return
+            conn.sendall(_H2_PREFACE)
+            frame = b""
+            while len(frame) < 9:
+                got = conn.recv(9 - len(frame))
+                if not got:
+                    break
+                frame += got
+    except TimeoutError:
+        raise ClusterError(
+            f"no Ray cluster at {address}: what listens there did not answer as a Ray "
+            f"head's GCS does (gRPC) within {PROBE_S:.0f} s"
+        ) from None
     except OSError as exc:
         raise ClusterError(f"no Ray cluster at {address}: {exc}") from None
+    if len(frame) < 9 or frame[3] != _H2_SETTINGS:
+        raise ClusterError(
+            f"no Ray cluster at {address}: what listens there is not a Ray head's GCS (it "
+            f"answered {frame[:16]!r} to gRPC's HTTP/2 preface)"
+        )
 
 
 def raylet_answers(address: str, port: int, timeout_s: float = RAYLET_PROBE_S) -> bool:
