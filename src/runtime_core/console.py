@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 from runplan.arguments import positive_int
 from runtime_core.own_files import open_own_file
-from runtime_core.tokenizer import Tokenizer
+from runtime_core.tokenizer import Tokenizer, clean_up_spaces
 
 
 def token_ids(text: str) -> list[int]:
@@ -49,7 +49,9 @@ class IncrementalText:
     may still change: an incomplete UTF-8 sequence (U+FFFD), trailing whitespace, which
     a detokenizer that cleans up spaces may drop once punctuation follows, and there a
     space before an apostrophe at the end (``held``: what is held back, as the text
-    stands now).
+    stands now). Such a vocabulary's clean-up is applied to the text once its trailing
+    whitespace is cut: cleaned up with it, ``"' '"`` showed ``"'"`` and ``"' '?"``
+    (``"''?"``) then no longer began with what was shown.
     ``finish(text)`` returns what is left of the final ``text`` (``None`` when a
     character already returned changed after all)."""
 
@@ -66,13 +68,15 @@ class IncrementalText:
         self.ids.append(token_id)
         full = self.tokenizer.decode(self.ids).rstrip("\ufffd")
         self.chars = len(full)
-        text = full.rstrip()
         if self.tokenizer.vocab.clean_spaces:
-            text = _before_open_apostrophe(text)
+            raw = self.tokenizer.decode(self.ids, clean_up=False).rstrip("\ufffd")
+            text = _before_open_apostrophe(clean_up_spaces(raw.rstrip()))
+        else:
+            text = full.rstrip()
         new = ""
         if text.startswith(self.shown) and len(text) > len(self.shown):
             new, self.shown = text[len(self.shown) :], text
-        self.held = full[len(text) :] if text == self.shown else ""
+        self.held = full[len(text) :] if text == self.shown and full.startswith(text) else ""
         return new
 
     def finish(self, text: str) -> str | None:
@@ -83,12 +87,18 @@ class IncrementalText:
 
 
 def _before_open_apostrophe(text: str) -> str:
-    """``text`` without a space and apostrophe at its end (``" '"``, ``" 'r"``), whose
-    space the clean-up of a vocabulary that cleans up spaces drops once a space, ``s``,
-    ``m``, ``re`` or ``ve`` follows (``tokenizer._clean_spaces``): shown, that space
-    could not be taken back ("rock '" then "rock'n'roll" left the stream at "rock '")."""
-    at = text.rfind(" '")
-    return text[:at] if at >= 0 and at >= len(text) - 3 else text
+    """``text`` without a space and apostrophe at its end (``" '"``, ``" 'r"``), and
+    without the whitespace before them, whose space the clean-up of a vocabulary that
+    cleans up spaces drops once a space, ``s``, ``m``, ``re`` or ``ve`` follows
+    (``tokenizer._clean_spaces``): shown, that space could not be taken back ("rock '"
+    then "rock'n'roll" left the stream at "rock '"). Cut again while the end so left
+    is one too (``" ' '"``)."""
+    while True:
+        text = text.rstrip()
+        at = text.rfind(" '")
+        if at < 0 or at < len(text) - 3:
+            return text
+        text = text[:at]
 
 
 class TextStream:

@@ -210,21 +210,33 @@ class Tokenizer:
 
     # -- decoding -----------------------------------------------------------------
     def decode(
-        self, ids: Iterable[int], *, special: bool = False, remove_special: bool = False
+        self,
+        ids: Iterable[int],
+        *,
+        special: bool = False,
+        remove_special: bool = False,
+        clean_up: bool = True,
     ) -> str:
         """The text of ``ids`` (invalid UTF-8 replaced by U+FFFD), as llama.cpp's
         ``llama_detokenize(remove_special, unparse_special=special)``."""
-        return self.decode_bytes(ids, special=special, remove_special=remove_special).decode(
-            "utf-8", "replace"
-        )
+        return self.decode_bytes(
+            ids, special=special, remove_special=remove_special, clean_up=clean_up
+        ).decode("utf-8", "replace")
 
     def decode_bytes(
-        self, ids: Iterable[int], *, special: bool = False, remove_special: bool = False
+        self,
+        ids: Iterable[int],
+        *,
+        special: bool = False,
+        remove_special: bool = False,
+        clean_up: bool = True,
     ) -> bytes:
         """The bytes of ``ids``: ``decode`` before UTF-8 decoding. ``special`` renders
         control tokens; ``remove_special`` drops a leading BOS and a trailing EOS when
-        the file adds them. ``TypeError`` for ``ids`` that are not an iterable of
-        integers (a string included)."""
+        the file adds them; ``clean_up=False`` leaves out the clean-up of spaces of a
+        vocabulary that cleans them up (``clean_up_spaces``: a text still growing is
+        cleaned up once its end is known). ``TypeError`` for ``ids`` that are not an
+        iterable of integers (a string included)."""
         if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
             raise TypeError(
                 f"ids must be an iterable of token ids, not {type(ids).__name__}: {ids!r:.60}"
@@ -244,7 +256,7 @@ class Tokenizer:
                 piece = piece[1:]
             strip_space = False
             out += piece
-        return _clean_spaces(out) if v.clean_spaces else bytes(out)
+        return _clean_spaces(out) if v.clean_spaces and clean_up else bytes(out)
 
     def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
         """The bytes one token stands for (llama.cpp's ``token_to_piece``)."""
@@ -423,6 +435,14 @@ def _unmap_bytes(text: str) -> bytes:
         else:
             out += f"[UNK_BYTE_0x{c.encode().hex()}{text}]".encode()
     return bytes(out)
+
+
+def clean_up_spaces(text: str) -> str:
+    """``text`` cleaned up as ``Tokenizer.decode`` cleans up the text of a vocabulary
+    that cleans up spaces (``_clean_spaces``)."""
+    return _clean_spaces(bytearray(text.encode("utf-8", "surrogatepass"))).decode(
+        "utf-8", "surrogatepass"
+    )
 
 
 def _clean_spaces(buf: bytearray) -> bytes:

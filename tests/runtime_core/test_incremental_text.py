@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from runtime_core.console import IncrementalText
 from runtime_core.tokenizer import Tokenizer
@@ -42,3 +44,35 @@ def test_the_streamed_text_is_the_decode_whatever_the_clean_up_rewrites(
     for text in texts:
         ids = tokenizer.encode(text, add_special=False, parse_special=False)
         assert _streamed(tokenizer, ids) == tokenizer.decode(ids), text
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_a_space_the_clean_up_keeps_for_now_is_not_shown_before_the_clean_up(
+    vocab_path: Callable[[VocabSpec], Path], name: str
+) -> None:
+    """On a vocabulary that cleans up spaces, the clean-up ran over the text with its
+    trailing whitespace: "' '" showed "'" (its trailing space cut after the clean-up had
+    dropped the one before), then "' '?" was no longer "'" and more, and nothing more of
+    "' '?' Yes." was shown."""
+    tokenizer = Tokenizer.from_gguf(vocab_path(SPECS[name]))
+    for text in ["' ' ?' Yes.", "' ' ?", "x ' ' 's", "a  ' re", "b   ' ve!"]:
+        ids = tokenizer.encode(text, add_special=False, parse_special=False)
+        assert _streamed(tokenizer, ids) == tokenizer.decode(ids), text
+
+
+#: Single tokens the clean-up's rules are made of, for sequences drawn token by token.
+PIECES = [" ", "  ", "'", "?", ".", ",", "!", "s", "m", "r", "e", "v", "t", "x", "\n", "é"]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(picks=st.lists(st.integers(0, 10**6), max_size=14))
+def test_every_token_sequence_streams_its_whole_decode(
+    vocab_path: Callable[[VocabSpec], Path], name: str, picks: list[int]
+) -> None:
+    """Whatever tokens come (not only those an encode gives), what is streamed and then
+    the rest at the end add up to the whole decode."""
+    tokenizer = Tokenizer.from_gguf(vocab_path(SPECS[name]))
+    pool = sorted({i for p in PIECES for i in tokenizer.encode(p, add_special=False)})
+    ids = [pool[p % len(pool)] for p in picks]
+    assert _streamed(tokenizer, ids) == tokenizer.decode(ids)

@@ -9,6 +9,7 @@ import pytest
 from runplan.models import resolve_model
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.serve.text import Answer
+from tests.fixtures.gguf_vocab import SPECS, write_vocab
 
 #: What SmolLM2 says after "The capital of France is", one token a piece.
 PIECES = (" Paris", ".", "\n", "\n", "The")
@@ -52,3 +53,18 @@ def test_whitespace_held_back_is_sent_once_something_follows(tokenizer: Tokenize
     pieces = [answer.push(token) for token in ids(tokenizer)]
     assert pieces == [" Paris", ".", "", "", "\n\nThe"]
     assert not answer.stopped and answer.content == "".join(PIECES)
+
+
+@pytest.mark.parametrize("text", ["' ' ?' Yes.", "x ' ' 's fine", "a  ' re here."])
+def test_an_answer_on_a_vocabulary_that_cleans_up_spaces_is_its_whole_decode(
+    tmp_path_factory: pytest.TempPathFactory, text: str
+) -> None:
+    """Llama 3's vocabulary cleans up spaces: "' ' ?' Yes." was sent as "'" and "'",
+    the rest of the answer lost (a character shown changed under the clean-up)."""
+    path = write_vocab(tmp_path_factory.mktemp("vocab") / "llama3.gguf", SPECS["bpe-llama3"])
+    llama3 = Tokenizer.from_gguf(path)
+    tokens = llama3.encode(text, add_special=False, parse_special=False)
+    answer = Answer(llama3, [])
+    pieces = [answer.push(token) for token in tokens]
+    pieces.append(answer.finish(llama3.decode(tokens)))
+    assert "".join(pieces) == answer.content == llama3.decode(tokens)
