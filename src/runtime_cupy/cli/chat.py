@@ -11,10 +11,12 @@ Ctrl-D) leaves; Ctrl-C stops the answer being written (what was written stays in
 conversation) and the chat goes on; SIGTERM ends the chat (its stages closed, exit
 143). A conversation that leaves an answer less room
 than ``--max-tokens`` (or half the context, where that is less) loses its oldest turns
-(the system prompt stays), with a note. The answer goes to standard output; everything
-else to standard error.
+(the system prompt stays), with a note; a message too long for the context, or one the
+chat template refuses, is forgotten and the conversation kept as it was. The answer goes
+to standard output; everything else to standard error.
 
-Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad input,
+Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad input
+(a model without a chat template, or one that fails, before the stages start),
 130 for a Ctrl-C while they start, 143 for SIGTERM.
 """
 
@@ -32,6 +34,7 @@ from runplan.json_errors import cancelled_status
 from runplan.validate import check_sampling
 from runtime_core.console import TextStream, add_sampling_arguments
 from runtime_core.interrupt import signal_of
+from runtime_core.tokenizer import TokenizerError
 from runtime_cupy.cli.arguments import (
     EXIT_INPUT,
     INPUT_ERRORS,
@@ -41,7 +44,7 @@ from runtime_cupy.cli.arguments import (
     configure_logs,
 )
 from runtime_cupy.serve.chain import ChainError, WarmChain
-from runtime_cupy.serve.prompts import chat_prompt
+from runtime_cupy.serve.prompts import chat_prompt, chat_text
 from runtime_cupy.serve.requests import Message
 
 if TYPE_CHECKING:
@@ -78,24 +81,30 @@ class Chat:
     def reset(self) -> None:
         self.turns = []
 
-    def _messages(self) -> list[Message]:
+    def _messages(self, turns: Sequence[Message]) -> list[Message]:
         head = [Message("system", self.system)] if self.system else []
-        return head + self.turns
+        return head + list(turns)
 
-    def _prompt(self) -> list[int]:
-        """The conversation's prompt, its oldest turns dropped (the system prompt stays)
-        while it leaves the answer less room than it may take: ``max_tokens``, or half
-        the context where that is less (a long conversation keeps room for a real answer,
-        not one token)."""
+    def check_template(self) -> None:
+        """Render a first turn: ``TokenizerError`` (``NoChatTemplate``,
+        ``ChatTemplateError``) for a model whose chat template is missing or fails, found
+        before its stages start."""
+        chat_text(self.chain.tokenizer, self._messages([Message("user", "Hello")]))
+
+    def _prompt(self, turns: list[Message]) -> tuple[list[int], list[Message]]:
+        """The prompt of the conversation ``turns`` and the turns it holds: the oldest
+        dropped (the system prompt stays) while it leaves the answer less room than it
+        may take: ``max_tokens``, or half the context where that is less (a long
+        conversation keeps room for a real answer, not one token). ``turns`` is left as
+        it is: a message then refused keeps the conversation it came to."""
         tok = self.chain.tokenizer
         wanted = max(1, min(self.max_tokens, self.chain.context // 2))
-        ids = chat_prompt(tok, self._messages())
-        while self._room(ids) < wanted and len(self.turns) > 1:  # the question asked stays
-            pair = self.turns[0].role == "user" and self.turns[1].role == "assistant"
-            self.turns = self.turns[2:] if pair and len(self.turns) > 2 else self.turns[1:]
-            self.err.write("(the conversation outgrew the context: its oldest turn is dropped)\n")
-            ids = chat_prompt(tok, self._messages())
-        return ids
+        ids = chat_prompt(tok, self._messages(turns))
+        while self._room(ids) < wanted and len(turns) > 1:  # the question asked stays
+            pair = turns[0].role == "user" and turns[1].role == "assistant"
+            turns = turns[2:] if pair and len(turns) > 2 else turns[1:]
+            ids = chat_prompt(tok, self._messages(turns))
+        return ids, turns
 
     def _room(self, ids: Sequence[int]) -> int:
         """The most tokens an answer to the prompt ``ids`` may have in the context (a run
@@ -103,15 +112,21 @@ class Chat:
         return self.chain.context - max(len(ids), 1) + 1
 
     def say(self, text: str) -> str | None:
-        """One turn: the answer's text (``None`` if the turn failed: it is forgotten)."""
-        self.turns.append(Message("user", text))
-        ids = self._prompt()
+        """One turn: the answer's text (``None`` if the turn failed: it is forgotten, and
+        the conversation is as it was before it)."""
+        try:
+            ids, turns = self._prompt([*self.turns, Message("user", text)])
+        except TokenizerError as exc:  # the chat template raised for this conversation
+            self.err.write(f"error: {exc}\n")
+            return None
         room = self._room(ids)
         if room < 1:
-            self.turns.pop()
             self.err.write(f"error: the message needs {len(ids)} tokens; the context holds "
                            f"{self.chain.context}\n")  # fmt: skip
             return None
+        if len(turns) <= len(self.turns):
+            self.err.write("(the conversation outgrew the context: its oldest turn is dropped)\n")
+        self.turns = turns
         stream = TextStream(self.chain.tokenizer, self.out)
         runs: list[ChainRun] = []
         try:
@@ -130,7 +145,11 @@ class Chat:
                 self.turns.pop()  # the question is forgotten
                 raise
             runs[-1].cancel("stopped by Ctrl-C")
-            result = self.chain.result(runs[-1]).result  # a second Ctrl-C stops waiting
+            try:
+                result = self.chain.result(runs[-1]).result
+            except KeyboardInterrupt:  # a second Ctrl-C stops waiting: no answer to keep
+                self.turns.pop()  # (two user turns in a row fail a template that alternates)
+                raise
         if result.outcome == "faulted":
             self.out.write("\n")
             self.err.write(f"error: {result.fault}\n")
@@ -211,13 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     try:
-        print(f"starting {args.stages} stage processes of {chain.model_id} ...", file=sys.stderr)
-        try:
-            chain.start()
-        except ChainError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        print(f"ready ({HELP})", file=sys.stderr)
         chat = Chat(
             chain,
             system=args.system,
@@ -227,6 +239,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             top_p=args.top_p,
             seed=args.seed,
         )
+        try:  # before any stage starts (a model without a template failed the first turn)
+            chat.check_template()
+        except TokenizerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_INPUT
+        print(f"starting {args.stages} stage processes of {chain.model_id} ...", file=sys.stderr)
+        try:
+            chain.start()
+        except ChainError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"ready ({HELP})", file=sys.stderr)
         _loop(chat)
         return 0
     except KeyboardInterrupt as exc:  # Ctrl-C while the stages start, SIGTERM: 130, 143

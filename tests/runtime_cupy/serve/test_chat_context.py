@@ -15,6 +15,7 @@ import pytest
 
 from runplan.config import run_positions
 from runplan.interrupted import Interrupted
+from runtime_core.chat import ChatTemplateError, NoChatTemplate
 from runtime_cupy.cli import chat as chat_cli
 from runtime_cupy.serve.requests import Message
 
@@ -223,3 +224,76 @@ def test_a_message_longer_than_the_context_is_refused_and_forgotten() -> None:
     assert chat.say("a" * 65) is None
     assert chain.asked == [] and chat.turns == []
     assert "needs 65 tokens; the context holds 64" in chat.err.getvalue()
+
+
+def test_a_refused_message_keeps_the_conversation_it_came_to() -> None:
+    """The oldest turns were dropped for good while room was sought for a message that
+    was then refused: the model forgot the whole conversation."""
+    chat, chain = _chat(64, 32)
+    assert chat.say("a" * 20) == _Chain.ANSWER
+    assert chat.say("b" * 70) is None  # longer than the context, whatever is dropped
+    assert [(m.role, m.content) for m in chat.turns] == [("user", "a" * 20), ("assistant", "ok")]
+    assert "oldest turn" not in chat.err.getvalue()
+    assert chat.say("c" * 5) == _Chain.ANSWER
+    assert chain.asked[-1] == (27, 32)  # 20 + 2 + 5: the first turn is still there
+
+
+def test_a_chat_template_that_raises_forgets_the_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template's error went up through the chat's loop, a traceback."""
+
+    def alternate(tokenizer: object, messages: Sequence[Message]) -> list[int]:
+        if len(messages) > 1 and messages[-1].role == messages[-2].role:
+            raise ChatTemplateError("Conversation roles must alternate user/assistant")
+        return [0] * sum(len(m.content) for m in messages)
+
+    monkeypatch.setattr(chat_cli, "chat_prompt", alternate)
+    chat, chain = _chat(64, 16)
+    chat.turns = [Message("user", "left without an answer")]
+    assert chat.say("a question") is None
+    assert "error: Conversation roles must alternate" in chat.err.getvalue()
+    assert chain.asked == [] and [m.content for m in chat.turns] == ["left without an answer"]
+
+
+class _InterruptedTwice(_Interrupted):
+    def result(self, run: object) -> _Run:
+        raise KeyboardInterrupt  # while the cancelled run is awaited
+
+
+def test_a_second_ctrl_c_forgets_the_question_left_without_an_answer() -> None:
+    """It kept the question: the next one followed it, two user turns in a row, which a
+    template whose roles alternate (Gemma's) refuses."""
+    chain = _InterruptedTwice(64, at_run=True)
+    chat = chat_cli.Chat(chain, max_tokens=16, out=io.StringIO(), err=io.StringIO())
+    chat.turns = [Message("user", "first"), Message("assistant", "ok")]
+    with pytest.raises(KeyboardInterrupt):
+        chat.say("a question")
+    assert chain.cancelled == ["stopped by Ctrl-C"]
+    assert [m.content for m in chat.turns] == ["first", "ok"]
+
+
+class _NoTemplate:
+    def apply_chat_template(self, *args: object, **kwargs: object) -> str:
+        raise NoChatTemplate("m.gguf")
+
+
+def test_a_model_without_a_chat_template_is_refused_before_its_stages_start(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stages started, and the first message ended the chat in a traceback."""
+
+    class Unstarted(_Chain):
+        closed = False
+
+        def start(self) -> None:
+            raise AssertionError("the stages started")
+
+        def close(self) -> None:
+            self.closed = True
+
+    chain = Unstarted(64)
+    chain.tokenizer = _NoTemplate()
+    monkeypatch.setattr(chat_cli, "chain_from", lambda args: chain)
+    assert chat_cli.main(["--worker", "cpu"]) == chat_cli.EXIT_INPUT
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "m.gguf: the file has no chat template" in lines[0], lines
+    assert chain.closed
