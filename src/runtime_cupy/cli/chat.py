@@ -23,6 +23,7 @@ Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
@@ -208,11 +209,20 @@ def _loop(chat: Chat) -> None:
                 raise
 
 
+def _read_any_bytes(stdin: TextIO) -> None:
+    """Bytes typed or piped in that are not in the locale's encoding read as U+FFFD, as
+    the tokenizer reads invalid UTF-8: under a strict UTF-8 locale they ended the chat
+    in a ``UnicodeDecodeError``."""
+    if isinstance(stdin, io.TextIOWrapper):
+        stdin.reconfigure(errors="replace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_chain_arguments(parser, args)
     configure_logs(args.verbose)
+    _read_any_bytes(sys.stdin)
     if args.max_tokens < 1:
         print(f"error: --max-tokens {args.max_tokens} is not at least 1", file=sys.stderr)
         return EXIT_INPUT

@@ -297,3 +297,39 @@ def test_a_model_without_a_chat_template_is_refused_before_its_stages_start(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "m.gguf: the file has no chat template" in lines[0], lines
     assert chain.closed
+
+
+class _Templated:
+    def apply_chat_template(self, *args: object, **kwargs: object) -> str:
+        return ""
+
+
+def test_bytes_not_in_utf_8_on_stdin_are_read_as_replacement_characters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under a strict UTF-8 locale, ``input()`` raised ``UnicodeDecodeError`` for them:
+    the chat ended in a traceback."""
+
+    class Started(_Chain):
+        model_id = "m"
+
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    chain = Started(64)
+    chain.tokenizer = _Templated()
+    said: list[str] = []
+
+    def prompt(tokenizer: object, messages: Sequence[Message]) -> list[int]:
+        said.append(messages[-1].content)
+        return [0]
+
+    monkeypatch.setattr(chat_cli, "chain_from", lambda args: chain)
+    monkeypatch.setattr(chat_cli, "chat_prompt", prompt)
+    piped = io.TextIOWrapper(io.BytesIO(b"Hi\n\xff\xfe hello\n"), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", piped)
+    assert chat_cli.main(["--worker", "cpu"]) == 0
+    assert said == ["Hi", "\ufffd\ufffd hello"]
