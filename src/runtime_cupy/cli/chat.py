@@ -23,6 +23,7 @@ Exit status: 0 after ``/exit``, 1 if the stages could not be started, 2 for bad 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import sys
 from collections.abc import Sequence
@@ -217,12 +218,21 @@ def _read_any_bytes(stdin: TextIO) -> None:
         stdin.reconfigure(errors="replace")
 
 
+def _edit_lines() -> None:
+    """``input()`` through GNU readline where Python has it: in a terminal without it,
+    a line is read in canonical mode, and one pasted longer than 4095 bytes was cut
+    there without a word."""
+    with contextlib.suppress(ImportError):  # without it, the terminal's line editing
+        import readline  # noqa: F401 (imported for what it does to input())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_chain_arguments(parser, args)
     configure_logs(args.verbose)
     _read_any_bytes(sys.stdin)
+    _edit_lines()
     if args.max_tokens < 1:
         print(f"error: --max-tokens {args.max_tokens} is not at least 1", file=sys.stderr)
         return EXIT_INPUT

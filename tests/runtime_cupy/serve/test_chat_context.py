@@ -7,6 +7,11 @@ prompt, and the answer is asked for at most the room that is left."""
 from __future__ import annotations
 
 import io
+import os
+import pty
+import select
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -333,3 +338,30 @@ def test_bytes_not_in_utf_8_on_stdin_are_read_as_replacement_characters(
     monkeypatch.setattr("sys.stdin", piped)
     assert chat_cli.main(["--worker", "cpu"]) == 0
     assert said == ["Hi", "\ufffd\ufffd hello"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a pseudo-terminal needs fork")
+def test_a_line_longer_than_the_terminal_s_own_buffer_is_read_whole() -> None:
+    """In a terminal, ``input()`` without readline reads in canonical mode: a pasted line
+    past 4095 bytes was cut there without a word."""
+    script = (
+        "from runtime_cupy.cli.chat import _edit_lines\n"
+        "_edit_lines()\n"
+        "print('GOT', len(input('> ')))\n"
+    )
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat's reading of a line, on the pseudo-terminal
+        os.execv(sys.executable, [sys.executable, "-c", script])
+    try:
+        out = b""
+        deadline = time.monotonic() + 30
+        for end in (b"> ", b"GOT"):  # the prompt (reading has begun), then the length
+            while end not in out or not out.endswith((b"> ", b"\n")):
+                assert time.monotonic() < deadline, out[-200:]
+                if select.select([fd], [], [], 0.2)[0]:
+                    out += os.read(fd, 65536)
+            if end == b"> ":
+                os.write(fd, b"ab " * 1700 + b"\n")  # 5101 bytes
+    finally:
+        os.waitpid(pid, 0)
+    assert b"GOT 5100" in out, out[-200:]
