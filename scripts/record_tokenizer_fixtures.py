@@ -132,6 +132,18 @@ MORE_CORPUS = [
     # whitespace beyond ASCII beside CJK and punctuation (llama.cpp's literal ranges
     # never hold it: deepseek's pre-tokenizers once cut these otherwise)
     "x \u3000 y\u3000\u3001 \u4e2d\u2009\u6587 a\u2002\u3000b x  \u3000",
+    # bytes SmolLM2 has no token for: llama.cpp emits nothing for them and merges
+    # nothing across them
+    " \x04<",
+    "<\x04<",
+    "..\x06..",
+    "==\x13==",
+    "--\x14--",
+    "**\x16**",
+    "))\x1d))",
+    "a\x04b",
+    "\x04",
+    " \x04 \x06 <\x13>",
 ]
 CORPUS = PRE_CORPUS + MORE_CORPUS
 

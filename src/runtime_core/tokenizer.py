@@ -90,7 +90,8 @@ class Tokenizer:
         specials.sort(key=lambda i: -len(vocab.tokens[i].encode()))
         self._specials = [(vocab.tokens[i], i, vocab.attrs[i]) for i in specials]
         # Ids past the vocabulary stand for strings llama.cpp can merge through but
-        # not emit; each maps to what llama.cpp emits instead.
+        # not emit; each maps to what llama.cpp emits instead (nothing, for a byte
+        # with no token). ``encode`` never returns one.
         self._fallback: dict[int, list[int]] = {}
         self._hf = self._build_spm() if vocab.is_spm else self._build_bpe()
         self._pieces: dict[tuple[int, bool], bytes] = {}
@@ -348,6 +349,13 @@ class Tokenizer:
         v = self.vocab
         assert v.pre is not None
         vocab = dict(self._ids)
+        for char in _BYTE_CHARS:
+            if char not in vocab:
+                # A byte with no token (SmolLM2 has none for 0x04): llama.cpp keeps it as
+                # a symbol while it merges, which no merge crosses, and emits nothing for
+                # it; left out of the vocabulary, it was dropped before merging, and its
+                # neighbours merged across it (" \x04<" one token, not two).
+                self._extend(vocab, char, [])
         merges = list(v.merges)
         try:
             bpe = models.BPE(vocab, merges, ignore_merges=v.ignore_merges)
