@@ -5,8 +5,9 @@ by piece: no character shown is ever taken back, on every generated vocabulary
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -76,3 +77,32 @@ def test_every_token_sequence_streams_its_whole_decode(
     pool = sorted({i for p in PIECES for i in tokenizer.encode(p, add_special=False)})
     ids = [pool[p % len(pool)] for p in picks]
     assert _streamed(tokenizer, ids) == tokenizer.decode(ids)
+
+
+class _Counting(Tokenizer):
+    """A tokenizer that counts the tokens it is asked to decode."""
+
+    decoded = 0
+
+    def decode_bytes(self, ids: Iterable[int], **kwargs: Any) -> bytes:
+        ids = list(ids)
+        self.decoded += len(ids)
+        return super().decode_bytes(ids, **kwargs)
+
+    def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
+        self.decoded += 1
+        return super().token_bytes(token_id, special=special)
+
+
+@pytest.mark.parametrize("name", ["bpe-llama3", "spm-llama"])
+def test_each_token_is_decoded_once_however_long_the_text(
+    vocab_path: Callable[[VocabSpec], Path], name: str
+) -> None:
+    """Each token decoded the whole text so far: 4000 tokens took 7.6 s."""
+    text = "The quick brown fox jumps over the lazy dog, and it's fine. " * 60
+    counting = _Counting(Tokenizer.from_gguf(vocab_path(SPECS[name])).vocab)
+    ids = counting.encode(text, add_special=False, parse_special=False)
+    stream = IncrementalText(counting)
+    streamed = "".join(stream.push(token) for token in ids)
+    assert counting.decoded <= 2 * len(ids), (counting.decoded, len(ids))
+    assert streamed + (stream.finish(counting.decode(ids)) or "") == counting.decode(ids)
