@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -99,12 +99,25 @@ class _CleaningTokenizer:
     the first byte of a two-byte character alone decodes as U+FFFD."""
 
     vocab = SimpleNamespace(clean_spaces=True)  # (the clean-up's flag, as a vocabulary's)
+    pieces: ClassVar[dict[int, bytes]] = {
+        1: b"Hello",
+        2: b" ",
+        3: b".",
+        4: b" World",
+        5: b"!",
+        6: b"\xc3",
+        7: b"\xa9",
+    }
 
-    def decode(self, ids: list[int]) -> str:
-        pieces = {1: "Hello", 2: " ", 3: ".", 4: " World", 5: "!", 6: "<c3>", 7: "<a9>"}
-        text = "".join(pieces[i] for i in ids)
-        text = text.replace("<c3><a9>", "\u00e9").replace("<c3>", "\ufffd")
-        return text.replace(" .", ".").replace(" !", "!")
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.pieces[token_id]
+
+    def decode_bytes(self, ids: list[int], *, clean_up: bool = True) -> bytes:
+        data = b"".join(self.pieces[i] for i in ids)
+        return data.replace(b" .", b".").replace(b" !", b"!") if clean_up else data
+
+    def decode(self, ids: list[int], *, clean_up: bool = True) -> str:
+        return self.decode_bytes(ids, clean_up=clean_up).decode("utf-8", "replace")
 
 
 def test_streamed_text_survives_space_cleanup_and_partial_characters() -> None:
