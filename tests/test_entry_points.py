@@ -362,3 +362,25 @@ def test_standard_output_on_a_full_device_is_one_error_line(package: str, argv: 
         1,
         "error: cannot write standard output: No space left on device\n",
     )
+
+
+# A fresh interpreter where the command fails with an I/O error of a device that is not
+# standard output (a terminal gone under standard input); then ``python -m PACKAGE``.
+_DEVICE_GONE = """
+import errno, importlib, runpy, sys
+
+def main():
+    raise OSError(errno.EIO, "Input/output error")
+
+importlib.import_module(sys.argv[2]).main = main
+sys.argv = [sys.argv[1], *sys.argv[3:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize(("package", "cli"), COMMANDS)
+def test_an_io_error_elsewhere_is_not_named_for_standard_output(package: str, cli: str) -> None:
+    """An ``EIO`` of standard input's terminal, gone: one line, exit 1, not blamed on
+    standard output, which works (it said "cannot write standard output")."""
+    done = _python(_DEVICE_GONE, package, cli)
+    assert (done.returncode, done.stderr, done.stdout) == (1, "error: Input/output error\n", "")

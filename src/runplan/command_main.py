@@ -9,7 +9,9 @@ traceback:
 - standard output that cannot be written (a full disk, ``/dev/full``, an I/O error):
   ``error: cannot write standard output: ...``, exit 1 (what the command printed is
   flushed before the exit, so a failed write is seen here and not lost at the
-  interpreter's exit: ``--version > /dev/full`` exited 0);
+  interpreter's exit: ``--version > /dev/full`` exited 0); another error of a device
+  (a full disk, a terminal gone under standard input) is ``error: ...``, naming the
+  file where Python does, exit 1;
 - any other error after a SIGTERM that C code turned into it (NumPy's import of
   ``datetime`` makes an ``ImportError`` of it): cancelled by SIGTERM.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -28,6 +31,17 @@ from runplan.interrupted import raised_before, sigterm_as_ctrl_c
 
 #: errors of a write that the output's device refused (not a fault of the command)
 OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG})
+
+
+def _output_failed() -> bool:
+    """Whether standard output is what cannot be written: a write of no bytes to it
+    fails (``/dev/full``, a terminal gone); one to a file on a full disk does not, and
+    the error is then not named for standard output."""
+    try:
+        os.write(sys.stdout.fileno(), b"")
+    except (OSError, ValueError):  # ValueError: no file descriptor (closed, replaced)
+        return True
+    return False
 
 
 def run_command(module: str) -> NoReturn:
@@ -51,7 +65,7 @@ def run_command(module: str) -> NoReturn:
             raise
         from runplan.json_errors import output_failed_exit
 
-        status = output_failed_exit(exc)
+        status = output_failed_exit(exc, stdout=_output_failed())
     except Exception:  # after a SIGTERM that C code turned into another error: cancelled
         if (interrupted := raised_before()) is None:
             raise

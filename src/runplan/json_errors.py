@@ -147,14 +147,18 @@ def reader_gone_exit() -> int:
     return READER_GONE
 
 
-def output_failed_exit(exc: OSError) -> int:
-    """A package's ``__main__`` for an ``OSError`` of a write no command met (standard
-    output on a full disk, ``/dev/full``): one line on standard error naming it, no
-    traceback, nothing more written to standard output (``/dev/null`` from now on, as
-    ``reader_gone_exit`` does); exit status 1."""
+def output_failed_exit(exc: OSError, *, stdout: bool) -> int:
+    """A package's ``__main__`` for an ``OSError`` of a device no command met (a full
+    disk, ``/dev/full``, a terminal gone): one line on standard error naming it, no
+    traceback; where standard output is what failed (``stdout``), it says so, and
+    nothing more is written there (``/dev/null`` from now on, as ``reader_gone_exit``
+    does); exit status 1."""
+    what = "cannot write standard output" if stdout else (exc.filename or "")
+    line = f"error: {what}: {exc.strerror or exc}" if what else f"error: {exc.strerror or exc}"
     with contextlib.suppress(OSError):
-        sys.stderr.write(f"error: cannot write standard output: {exc.strerror or exc}\n")
-    reader_gone_exit()
+        sys.stderr.write(line + "\n")
+    if stdout:
+        reader_gone_exit()
     return 1
 
 

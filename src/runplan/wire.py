@@ -52,11 +52,13 @@ MESSAGE_TYPES: tuple[type, ...] = get_args(WireMessage)
 
 _TAG = "type"
 
-#: The keys a message may lack, each read as its field's default: the KV cache's width
-#: (``kv_dtype_width_bytes`` of a plan's and a provision's model), which plans and
-#: provisions written before it was carried lack; read as the activations' width, the
-#: width the planner counted the cache at then.
-OPTIONAL_KEYS = frozenset({"kv_dtype_width_bytes"})
+#: The keys a message may lack, each read as its field's default, because plans and
+#: provisions written before the field was carried lack them: the KV cache's width
+#: (``kv_dtype_width_bytes`` of a plan's and a provision's model; read as the
+#: activations' width, the width the planner counted the cache at then) and the model's
+#: end-of-generation ids (``eog_token_ids``; read as none: ``eos_token_id`` alone ends a
+#: run, as it did then).
+OPTIONAL_KEYS = frozenset({"kv_dtype_width_bytes", "eog_token_ids"})
 
 
 class WireError(ValueError):

@@ -13,8 +13,11 @@ is refused too; and a filter or call given an iterator (``range(N)|map(...)``) s
 drawing from it once what it drew passes it. ``**`` and ``*`` on integers are bounded
 to ``MAX_EXPONENT_BITS`` bits.
 
-Sizes are counted by ``size``: the characters of a string (or bytes), through lists,
-tuples and dicts, each item as ``ITEM_CHARS`` more.
+Sizes are counted by ``size``: the characters of a string (or bytes), an integer's
+decimal digits, through lists, tuples and dicts, each item as ``ITEM_CHARS`` more.
+A value a template prints (``{{ x }}``) and each piece of a ``~`` is counted before it
+is made into text; the filters that make a list of a string's characters (``list``,
+``sort``, ``unique``, ``batch``, ``slice``) count its characters as items.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def size(value: Any) -> int:
         item = stack.pop()
         if isinstance(item, (str, bytes)):
             total += len(item)
+        elif isinstance(item, int):  # its decimal digits (and a sign)
+            total += item.bit_length() * 3 // 10 + 2
         elif isinstance(item, (list, tuple)):
             total += ITEM_CHARS * len(item)
             if total <= MAX_RENDER_CHARS:
@@ -111,13 +116,17 @@ def _int(value: Any) -> int:
 
 
 def _replaced(s: Any, old: Any, new: Any, count: Any) -> int:
-    """The most characters ``s.replace(old, new, count)`` makes."""
-    if not isinstance(old, type(s)) or not isinstance(new, type(s)):
+    """The most characters ``s.replace(old, new, count)`` makes (a ``str`` subclass's,
+    such as markupsafe's ``Markup``, which escapes ``new``: each of its characters as up
+    to 6)."""
+    kind: Any = str if isinstance(s, str) else bytes
+    if not isinstance(old, kind) or not isinstance(new, kind):
         return len(s)
-    times = s.count(old) if old else len(s) + 1
+    times: int = kind.count(s, old) if old else len(s) + 1
     if _int(count) >= 0 and count is not None:
         times = min(times, count)
-    return len(s) + times * max(0, len(new) - len(old))
+    grown = len(new) * (1 if type(s) in (str, bytes) else 6)
+    return len(s) + times * max(0, grown - len(old))
 
 
 def _format_chars(fmt: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
@@ -226,8 +235,13 @@ def _wrapped_chars(
     return len(str(s)) * (1 + len(wrap)) if isinstance(wrap, str) and len(wrap) > 1 else 0
 
 
+def _items_chars(value: Any, *_: Any, **__: Any) -> int:
+    """A string made a list of its characters: each an item (``ITEM_CHARS``)."""
+    return ITEM_CHARS * len(value) if isinstance(value, (str, bytes)) else 0
+
+
 def _grouped_chars(value: Any, count: Any, fill_with: Any = None) -> int:
-    return _int(count) * (1 + size(fill_with))
+    return _items_chars(value) + _int(count) * (1 + size(fill_with))
 
 
 #: The filters that can make more than they are given: how much, from their arguments.
@@ -240,6 +254,9 @@ _FILTER_CHARS: dict[str, Callable[..., int]] = {
     "format": lambda value, *args, **kwargs: _percent_chars(str(value), kwargs or args),
     "batch": _grouped_chars,
     "slice": _grouped_chars,
+    "list": _items_chars,
+    "sort": _items_chars,
+    "unique": _items_chars,
 }
 
 
@@ -256,7 +273,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, finalize=self.printed, **kwargs)
         self.globals["lipsum"] = _lipsum
 
     def bound_filters(self) -> None:
@@ -265,10 +282,21 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             self.filters[name] = _bounded_filter(name, func, _FILTER_CHARS.get(name))
 
     def join_bounded(self, values: Iterable[Any]) -> str:
-        """``~``: the values as strings, joined."""
-        pieces = [str(v) for v in values]
+        """``~``: the values as strings, joined, each counted before it is made text."""
+        pieces = []
+        total = 0
+        for value in values:
+            total += size(value)
+            _bound("a join with ~", total)
+            pieces.append(str(value))
         _bound("a join with ~", sum(len(p) for p in pieces))
         return "".join(pieces)
+
+    @staticmethod
+    def printed(value: Any) -> Any:
+        """``finalize``: what a template prints, counted before it is made text."""
+        _bound("printing a value", size(value))
+        return value
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
@@ -310,7 +338,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         what = f"the call {getattr(__obj, '__name__', type(__obj).__name__)}"
-        if isinstance(__obj, types.BuiltinMethodType) and isinstance(
+        # a str's or bytes' method, its subclasses' too (markupsafe's Markup, which
+        # |safe and |e make, has Python methods of its own)
+        if isinstance(__obj, (types.BuiltinMethodType, types.MethodType)) and isinstance(
             getattr(__obj, "__self__", None), (str, bytes)
         ):
             what = f"{__obj.__self__[:40]!r}.{__obj.__name__}(...)"  # type: ignore[index]

@@ -113,20 +113,37 @@ _LOOSE = frozenset(b" '\t\n\v\f\r\x1c\x1d\x1e\x1f")
 
 def _firm_end(data: bytearray, start: int) -> int:
     """The last place ``p`` in ``data`` past ``start`` where the text of ``data[:p]``
-    is final: the bytes on either side are ASCII and no whitespace, and none of the four
-    before it nor the one after is a space or an apostrophe, so that decoding, the
-    clean-up of spaces (whose rules reach two bytes across a place at most) and the
-    stream's cuts at the end (whitespace, an open apostrophe) all treat what comes
-    before and after it apart; ``start`` where there is none."""
+    is final: a character (UTF-8) ends there and another begins, neither whitespace,
+    and none of the four bytes before it nor the one after is a space or an apostrophe,
+    so that decoding, the clean-up of spaces (ASCII's; its rules reach two bytes across
+    a place at most) and the stream's cuts at the end (whitespace, an open apostrophe)
+    all treat what comes before and after it apart; ``start`` where there is none."""
     for p in range(len(data) - 1, start + 4, -1):
         a, b = data[p - 1], data[p]
+        if 0x80 <= b < 0xC0 or a in _LOOSE or b in _LOOSE:
+            continue  # within a character, or beside whitespace
         near = data[p - 4 : p]
-        if (
-            a < 0x80 and b < 0x80 and a not in _LOOSE and b not in _LOOSE
-            and 0x20 not in near and 0x27 not in near
-        ):  # fmt: skip
+        if 0x20 in near or 0x27 in near:
+            continue
+        if (a < 0x80 and b < 0x80) or _apart(data, p):
             return p
     return start
+
+
+def _apart(data: bytearray, p: int) -> bool:
+    """Whether whole characters end at ``p`` and begin there (strict UTF-8, the one
+    before beginning within the four bytes before ``p``), neither of them whitespace."""
+    for q in range(p - 1, max(p - 5, -1), -1):
+        if not 0x80 <= data[q] < 0xC0:  # the last character's first byte
+            break
+    else:
+        return False
+    try:
+        before = bytes(data[q:p]).decode()
+        after = bytes(data[p : p + 4]).decode(errors="ignore")[:1]
+    except UnicodeDecodeError:
+        return False
+    return len(before) == 1 and after != "" and not before.isspace() and not after.isspace()
 
 
 def _before_open_apostrophe(text: str) -> str:

@@ -82,6 +82,14 @@ BIG = 1500000000
         (f"{{{{ [1]|batch({BIG}, 'x')|list }}}}", "the filter batch"),
         (f"{{{{ [1]|slice({BIG})|list }}}}", "the filter slice"),
         (f"{{{{ lipsum({BIG}) }}}}", "lipsum"),
+        # markupsafe's Markup (|safe, |e) has Python methods of its own
+        ("{{ ('x'|safe).ljust(200000000) }}", r"Markup\('x'\)\.ljust\(\.\.\.\)"),
+        ("{{ ('1'|e).zfill(200000000) }}", r"Markup\('1'\)\.zfill"),
+        ("{{ (('a' * 40)|safe).replace('a', 'b' * 10000000) }}", r"\.replace\(\.\.\.\)"),
+        # a string's characters as a list's items; big integers printed or joined
+        ("{{ ('x' * 4000000)|list|length }}", "the filter list: 64000000"),
+        ("{{ [(2 ** 2000) * (2 ** 2000)] * 200000 }}", "repeats a sequence of 1 200000"),
+        ("{{ [(2 ** 2000) * (2 ** 2000)] * 200000 ~ '' }}", "repeats a sequence of 1 200000"),
         (
             "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}"
             "{% endfor %}{{ ns.n }}",
