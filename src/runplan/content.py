@@ -24,9 +24,8 @@ from attrs import frozen
 
 from runplan.cpus import usable_cpus
 from runplan.gguf_header import GgufHeader
+from runplan.shards import CUT_KEY_PREFIXES
 
-#: Metadata that says how a model is cut into files, not what the model is.
-CUT_KEY_PREFIXES = ("split.", "gguf_pipeline.")
 KEY_PREFIX = "sha256:"
 _LABEL = b"gguf-pipeline/source-content/1\x00"
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from runplan.gguf_error import GgufError
 from runplan.gguf_reader import HeaderReader, NotUtf8Name
-from runplan.shards import ShardEntry, ShardKeys, ShardManifest
+from runplan.shards import CUT_KEY_PREFIXES, ShardEntry, ShardKeys, ShardManifest
 
 if TYPE_CHECKING:
     from runplan.gguf_header import GgufHeader
@@ -145,8 +145,6 @@ def metadata_difference(
     outside the shard keys (``split.*``, ``gguf_pipeline.*``), and what differs; or
     ``None``. The shards of one source hold its metadata as stored: each stage takes its
     hyperparameters from its own first shard."""
-    from runplan.content import CUT_KEY_PREFIXES  # here: runplan.content imports this module
-
     model_keys = {k for k in first.keys() if not k.startswith(CUT_KEY_PREFIXES)}  # noqa: SIM118
     keys = {k for k in shard.keys() if not k.startswith(CUT_KEY_PREFIXES)}  # noqa: SIM118
     for key in sorted(keys ^ model_keys):

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from runplan.content import CUT_KEY_PREFIXES, SourceContent
+from runplan.content import SourceContent
 from runplan.gguf_error import GgufError
 from runplan.gguf_files import metadata_difference
 from runplan.gguf_header import GgufHeader
-from runplan.shards import ShardKeys, SliceParts
+from runplan.shards import CUT_KEY_PREFIXES, ShardKeys, SliceParts
 from runplan.whole_file import whole_file
 
 #: ``progress(done_bytes, total_bytes)`` while a shard's tensors are written.

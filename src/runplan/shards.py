@@ -45,6 +45,9 @@ MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
 #: Every key of ours in a shard's metadata starts with this.
 SHARD_PREFIX = "gguf_pipeline.shard."
+#: Metadata that says how a model is cut into files (llama.cpp's split sets, our
+#: shards), not what the model is.
+CUT_KEY_PREFIXES = ("split.", "gguf_pipeline.")
 
 
 class ShardKeys:

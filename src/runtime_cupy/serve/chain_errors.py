@@ -9,7 +9,16 @@ from collections.abc import Sequence
 
 from runplan.picklable_error import PicklableError
 from runplan.replacement import Unplaceable
-from runtime_cupy.serve.recovery import unplaced
+
+
+def unplaced(new: Unplaceable, live: Sequence[str]) -> str:
+    """Why a chain that lost stages cannot be placed again, naming the live nodes it had
+    (none: no live node at all)."""
+    if not live:
+        over = "no live node is left"
+    else:
+        over = f"{len(live)} live node{'s' if len(live) > 1 else ''} ({', '.join(live)})"
+    return f"the chain lost a stage and cannot be placed again over {over}: {new}"
 
 
 class ChainError(RuntimeError):

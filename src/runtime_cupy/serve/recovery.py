@@ -44,6 +44,7 @@ from runtime_core.replay import Interrupted, Replay, ReplayRefused, replay_of
 from runtime_cupy.hosts.port import KnowsLiveNodes, StageHost
 from runtime_cupy.process.chain_run import ChainRun, OnLogits, RunOutcome
 from runtime_cupy.process.chain_runner import ORCHESTRATOR, ChainRunner
+from runtime_cupy.serve.chain_errors import SourceChanged, unplaced
 
 if TYPE_CHECKING:
     from runtime_cupy.serve.chain import OnRun, WarmChain, WarmResult
@@ -100,16 +101,6 @@ def describe_placement(replacement: Replacement) -> str:
     ]
     how = "the lost ranges on spare nodes" if replacement.on_spares else "placed afresh"
     return f"{'; '.join(rows)} ({how})"
-
-
-def unplaced(new: Unplaceable, live: Sequence[str]) -> str:
-    """Why a chain that lost stages cannot be placed again, naming the live nodes it had
-    (none: no live node at all)."""
-    if not live:
-        over = "no live node is left"
-    else:
-        over = f"{len(live)} live node{'s' if len(live) > 1 else ''} ({', '.join(live)})"
-    return f"the chain lost a stage and cannot be placed again over {over}: {new}"
 
 
 def kept_stages(old: RunPlan, new: Replacement) -> tuple[int, ...]:
@@ -269,8 +260,6 @@ def run_stream(
         try:
             chain.replace(last.run.runner, lost, cause)
         except Exception as exc:  # ChainError: unplaceable, or the new chain did not bind
-            from runtime_cupy.serve.chain_errors import SourceChanged  # (it imports this)
-
             not_recovered = str(exc)
             if isinstance(exc, SourceChanged):
                 break  # the model's files changed: no replay holds the stream's model

@@ -50,11 +50,12 @@ from typing import Any
 from attrs import frozen
 
 from runplan import GgufSource
-from runplan.content import CUT_KEY_PREFIXES, hash_threads
+from runplan.content import hash_threads
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
 from runplan.picklable_error import PicklableError
 from runplan.shards import (
+    CUT_KEY_PREFIXES,
     MANIFEST_NAME,
     ShardEntry,
     ShardKeys,
