@@ -246,15 +246,17 @@ class ChainStages:
 
     def _stage_silent(self, stage: RunnerStage, silent_s: float) -> None:
         stage.gone = True
-        stage.handle.kill()
         event = fsm.StageSilent(
             stage.index, int(silent_s * 1000), stage.handle.channel.heard_s is not None
         )
         why = event.why()
+        # the cause first, then the kill: a thread that sees the process gone (the warm
+        # chain's health) reads why (it read "gone" when it looked in between)
+        self.dead = self.dead or f"stage {stage.index} on {stage.node_id!r}: {why}"
+        stage.handle.kill()
         log.warning("stage %d (%s) is silent: %s; killed", stage.index, stage.node_id, why)
         self.trace.instant("stage silent", stage=stage.index, why=why)
         self._emit("stage_silent", stage_index=stage.index, silent_s=silent_s)
-        self.dead = self.dead or f"stage {stage.index} on {stage.node_id!r}: {why}"
         self.orchestrator.handle(event)
 
     def _check_silence(self, now: float) -> None:
