@@ -161,21 +161,6 @@ class DigestStore:
             self._save(identity, {**doc, "verified": [*marks, mark]})
 
 
-def metadata_matches(local: GgufHeader, sent: GgufHeader, skip: Iterable[str]) -> str | None:
-    """``None`` when every key-value pair of ``sent`` (a slice's header) but ``skip``'s
-    prefixes is stored as ``local`` stores it and ``local`` has no other; else the
-    first key that differs."""
-    prefixes = tuple(skip)
-    mine = {k for k in local.keys() if not k.startswith(prefixes)}  # noqa: SIM118
-    theirs = {k for k in sent.keys() if not k.startswith(prefixes)}  # noqa: SIM118
-    for key in sorted(mine ^ theirs):
-        return key
-    for key in sorted(theirs):
-        if local.field_bytes(key) != sent.field_bytes(key):
-            return key
-    return None
-
-
 def hashes_match(local: Mapping[str, str], sent: Mapping[str, str]) -> str | None:
     """``None`` when the hashes agree; else the first tensor that differs."""
     for name in sent:

@@ -52,10 +52,10 @@ from attrs import frozen
 from runplan import GgufSource
 from runplan.content import hash_threads
 from runplan.gguf_error import GgufError
+from runplan.gguf_files import metadata_difference
 from runplan.gguf_header import GgufHeader
 from runplan.picklable_error import PicklableError
 from runplan.shards import (
-    CUT_KEY_PREFIXES,
     MANIFEST_NAME,
     ShardEntry,
     ShardKeys,
@@ -68,7 +68,7 @@ from runtime_core.workers.interface import WorkerError
 from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices import transfer_log
 from runtime_cupy.slices.cache import CacheEntry, CacheError, SliceCache
-from runtime_cupy.slices.digests import DigestStore, hashes_match, metadata_matches
+from runtime_cupy.slices.digests import DigestStore, hashes_match
 from runtime_cupy.slices.protocol import (
     HEADER_WAIT_S,
     STALL_S,
@@ -315,7 +315,8 @@ class SliceFetcher:
 
     def _local_matches(self, local: GgufHeader, sent: GgufHeader, expected: dict[str, str]) -> bool:
         path = local.source_paths[0]
-        differs = metadata_matches(local, sent, CUT_KEY_PREFIXES)
+        difference = metadata_difference(local, path, sent, "the slice's header")
+        differs = None if difference is None else difference[0]
         if differs is None:
             missing = [n for n in expected if n not in local.tensors]
             if missing:

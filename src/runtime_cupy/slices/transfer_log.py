@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import Any
+
+from runplan.whole_file import whole_file
 
 TRANSFER_LOG = "transfers.jsonl"
 #: The most bytes the log holds before it is trimmed to its newest half.
@@ -39,10 +40,5 @@ def _trim(path: Path, keep: int) -> None:
         f.seek(max(0, f.seek(0, os.SEEK_END) - keep))
         tail = f.read()
     start = tail.find(b"\n") + 1 if len(tail) >= keep else 0  # a line cut short goes
-    fresh = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    try:
-        fresh.write_bytes(tail[start:])
-        os.replace(fresh, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            fresh.unlink()
+    with whole_file(path) as out:
+        out.write(tail[start:])
