@@ -209,6 +209,10 @@ def test_with_recover_the_json_counts_the_recoveries(smollm2_path: str) -> None:
     assert proc.wait(120) == 0
     doc = json.loads(out)
     assert doc["recoveries"] == 1 and doc["tokens"] == list(unbroken.tokens), doc
+    # the stages that ran it last, each as it ended (reaped at the chain's close): the
+    # killed stage 0's replacement, not the killed process (once: every status null)
+    assert [s["exit_status"] for s in doc["stages"]] == [0, 0], doc["stages"]
+    assert doc["stages"][0]["pid"] != pids[0], (doc["stages"], pids)
     assert wait_gone(list(pids.values()), 5) == []
 
 

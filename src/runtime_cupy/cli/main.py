@@ -209,11 +209,17 @@ def _generate_recovering(
                 seed=args.seed,
                 on_token=stream,
             )
+            handles = chain.handles()  # the stages that ran it last (after any recovery)
         finally:
             chain.close()
     result = run.result
     return attrs.evolve(
-        result, load_s=start_s + (result.load_s or 0.0), wall_s=start_s + result.wall_s
+        result,
+        load_s=start_s + (result.load_s or 0.0),
+        wall_s=start_s + result.wall_s,
+        # read after the close, which reaped them: how each ended, as a run without
+        # --recover reports its stages
+        stages=tuple(h.info() for h in handles) or result.stages,
     )
 
 
