@@ -202,6 +202,24 @@ def test_node_ids_and_run_ids_print_as_given_not_as_markup(
     assert repr(node) in capsys.readouterr().err  # the rejection names the node as it is
 
 
+def test_a_table_written_to_a_pipe_keeps_its_cells_whole(
+    model: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a terminal (a file, a pipe, a script reading the table): the cells are whole
+    (rich cut them to its 80 columns: ``stage-0-a…``), as wide as the table needs;
+    ``COLUMNS``, where set, bounds them as a terminal's width does."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    nodes = [f"host-{i}-with-a-long-name.rack-{i}.example.internal" for i in range(3)]
+    argv = ["plan", model, "--nodes", ",".join(f"{n}=1GiB" for n in nodes)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in nodes) and "…" not in out, out
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 60, out
+
+
 def test_a_path_with_markup_prints_as_given(
     model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
