@@ -28,7 +28,7 @@ from runplan.facts import ModelFacts
 from runplan.gguf_error import GgufError
 from runplan.gguf_facts import model_facts_from_gguf
 from runplan.json_errors import exception_json, print_json, rejection_fields, rejection_json
-from runplan.models import DEFAULT_MODEL, ModelNotFound, resolve_model
+from runplan.models import DEFAULT_MODEL, MODEL_HELP, ModelNotFound, resolve_model
 from runplan.placement import Placement
 from runplan.plan import RunPlan
 from runplan.planner import device_memory, plan_run
@@ -239,8 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
             "model",
             nargs="?",
             default=DEFAULT_MODEL,
-            help=f"a GGUF file, any file of a split set, a folder of shards (or its "
-            f"manifest.json), or a bundled model name (default: {DEFAULT_MODEL})",
+            help=MODEL_HELP,
         )
         p.add_argument(
             "--max-seq-len",

@@ -26,6 +26,12 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+# What a command's model argument takes, for its --help.
+MODEL_HELP = (
+    "a GGUF file, any file of a split set, a folder of shards written by `python -m "
+    "runplan split` (or its manifest.json), or a bundled model name (default: "
+    f"{DEFAULT_MODEL})"
+)
 
 
 class ModelNotFound(FileNotFoundError):

@@ -195,12 +195,12 @@ def add_generation_arguments(
     """The flags both runtimes' ``run`` commands take: the model, the stage count, the
     prompt, sampling, ``--json`` and ``--trace`` (``prompts_file``: also
     ``--prompts-file``, in place of one prompt)."""
-    from runplan.models import DEFAULT_MODEL
+    from runplan.models import DEFAULT_MODEL, MODEL_HELP
 
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
+        help=MODEL_HELP,
     )
     parser.add_argument("--stages", type=positive_int, default=3, help=stages_help)
     what = parser.add_mutually_exclusive_group(required=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from runplan.arguments import non_negative_int, parse_size, positive_int
 from runplan.gguf_error import GgufError
-from runplan.models import DEFAULT_MODEL, ModelNotFound
+from runplan.models import DEFAULT_MODEL, MODEL_HELP, ModelNotFound
 from runtime_core.recovery import DEFAULT_MAX_RECOVERIES
 from runtime_core.runs import PLACEMENTS, PlanRejected
 from runtime_core.tokenizer import TokenizerError
@@ -86,7 +86,7 @@ def add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"a GGUF file or a bundled model name (default: {DEFAULT_MODEL})",
+        help=MODEL_HELP,
     )
 
 
