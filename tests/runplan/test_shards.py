@@ -5,6 +5,7 @@ place a file of some blocks is accepted), and by each stage from its own shard."
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -224,6 +225,13 @@ def test_split_follows_a_memory_placement_and_refuses_what_the_planner_refuses(
     assert [s["node_id"] for s in doc["shards"]] == ["a", "b"]
     assert ranges[1][1] - ranges[1][0] > ranges[0][1] - ranges[0][0]  # b has more memory
     assert ranges[0][0] == 0 and ranges[-1][1] == SHAPE.n_layers
+    # the object docs/planner.md describes: every key, each true of the files written
+    assert set(doc) == {"manifest", "model_id", "source", "shards"}, doc
+    assert Path(doc["manifest"]) == out / MANIFEST_NAME and doc["source"].startswith("sha256:")
+    for shard in doc["shards"]:
+        assert Path(shard["file"]).parent == out and shard["tensor_bytes"] > 0
+        assert shard["file_bytes"] == os.path.getsize(shard["file"]) > shard["tensor_bytes"]
+    assert [(s["embedding"], s["output"]) for s in doc["shards"]] == [(True, False), (False, True)]
     assert main(["split", str(model), "--stages", "9", "--out", str(tmp_path / "x")]) == 2
     assert "invalid_stage_count" in capsys.readouterr().err
     assert main(["split", str(model), "--out", str(tmp_path / "y")]) == 2
