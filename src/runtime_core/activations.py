@@ -50,11 +50,31 @@ def bf16_to_float32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+class ActivationOverflow(ValueError):
+    """Activations past the largest finite value of the edge's dtype (float16's 65504):
+    on the edge they would be infinite, and the next stages' numbers NaN."""
+
+
 def encode(x: npt.NDArray[np.float32], dtype: np.dtype[np.generic]) -> npt.NDArray[np.generic]:
-    """A new array of float32 activations ``x`` in the edge dtype ``dtype``."""
+    """A new array of float32 activations ``x`` in the edge dtype ``dtype``. Finite
+    values past float16's range are refused (``ActivationOverflow``), not made
+    infinite (bfloat16 and float32 hold float32's range)."""
     if dtype == np.uint16:
         return float32_to_bf16(x)
-    return np.array(x, dtype=dtype, copy=True)
+    with np.errstate(over="ignore"):  # an overflow is found below, and named
+        out = np.array(x, dtype=dtype, copy=True)
+    if dtype == _F16 and not np.isfinite(out).all():
+        lost = np.isinf(out) & np.isfinite(x)
+        if lost.any():
+            at = np.argwhere(lost)[0]
+            row, col = int(at[0]), int(at[-1])
+            raise ActivationOverflow(
+                f"activation {float(x[row, col]):.6g} (row {row}, element {col}) is past "
+                f"float16's largest value, {float(np.finfo(np.float16).max):g}: this "
+                "edge's float16 activations cannot carry it (float32 or bfloat16 edges "
+                "can)"
+            )
+    return out
 
 
 def decode(data: npt.NDArray[np.generic], dtype: np.dtype[np.generic]) -> npt.NDArray[np.float32]:

@@ -71,3 +71,23 @@ def test_edges_carry_the_plan_dtype_and_decode_to_new_float32(
 def test_u32_is_no_activation_dtype() -> None:
     with pytest.raises(ValueError):
         activations.edge_dtype(DTypeFamily.UINT, 4)
+
+
+def test_an_f16_edge_refuses_finite_values_past_its_range_naming_one() -> None:
+    """A float16 edge cannot carry a finite activation past 65504 (Gemma 3's hidden
+    states pass it): the value would reach the next stage infinite and make its numbers
+    NaN, a fault that named only the logits. It is refused, naming the value and where
+    it is. A value that rounds to 65504, and values already infinite or NaN (the stage's
+    own, which the next stage or the head reports), pass as before; bfloat16 and
+    float32 edges carry float32's range."""
+    f16 = activations.edge_dtype(DTypeFamily.FLOAT, 2)
+    x = np.zeros((2, 4), np.float32)
+    x[1, 2] = -70000.0
+    with pytest.raises(activations.ActivationOverflow, match=r"-70000 \(row 1, element 2\)"):
+        activations.encode(x, f16)
+    for dtype in (np.float32, np.uint16):
+        back = activations.decode(activations.encode(x, np.dtype(dtype)), np.dtype(dtype))
+        assert np.isfinite(back).all() and abs(back[1, 2] + 70000.0) <= 70000.0 * 2.0**-8
+    edge_values = np.array([[65504.0, 65519.0, -np.inf, np.nan]], np.float32)
+    out = activations.encode(edge_values, f16)
+    assert out[0, 0] == out[0, 1] == 65504 and np.isneginf(out[0, 2]) and np.isnan(out[0, 3])
