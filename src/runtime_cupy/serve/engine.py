@@ -126,7 +126,9 @@ class Engine:
             would_wait = max(0, waiting + len(choices) - free)
             if would_wait > self.max_queue and (self._running or self._queue):
                 raise QueueFull(
-                    f"{waiting} requests wait (--max-queue {self.max_queue}) and "
+                    # the queue holds choices (a request of n choices is n of them)
+                    f"{waiting} {'choice waits' if waiting == 1 else 'choices wait'} "
+                    f"(--max-queue {self.max_queue}) and "
                     + (f"this one's {len(choices)} choices" if len(choices) > 1 else "this one")
                     + f" would make {would_wait} wait ({free} of --max-concurrent "
                     f"{self.chain.max_concurrent} free)"

@@ -148,6 +148,8 @@ def test_a_full_queue_answers_429(slow: InProcessServer) -> None:
     assert info.value.status_code == 429
     body = info.value.body
     assert isinstance(body, dict) and body["code"] == "queue_full"
+    # what waits is counted in choices, as --max-queue counts them (it said "requests")
+    assert body["message"].startswith("the server is busy: 1 choice waits (--max-queue 1)"), body
     first.join(60)
     second.join(60)
     assert len(done) == 2
