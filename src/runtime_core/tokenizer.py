@@ -279,7 +279,7 @@ class Tokenizer:
                 return text.replace(_SPACE, " ").encode()
             return _unmap_bytes(text)
         if attr & Attr.BYTE:
-            return bytes([int(text[3:5], 16)])
+            return bytes([_byte_of(text)])
         return b""  # unused and undefined tokens render as nothing
 
     # -- chat templates -------------------------------------------------------------
@@ -357,16 +357,16 @@ class Tokenizer:
                 # neighbours merged across it (" \x04<" one token, not two).
                 self._extend(vocab, char, [])
         merges = list(v.merges)
-        try:
-            bpe = models.BPE(vocab, merges, ignore_merges=v.ignore_merges)
-        except Exception:  # a merge names a string that is not a token
-            needed = {t for a, b in merges for t in (a, b, a + b)}
-            for text in sorted(needed - vocab.keys()):
-                # llama.cpp emits a symbol that is not a token as the tokens of its
-                # single bytes, where there are such tokens.
-                singles = (chr(b) for b in text.encode() if b < 0x80)
-                self._extend(vocab, text, [self._ids[c] for c in singles if c in self._ids])
-            bpe = models.BPE(vocab, merges, ignore_merges=v.ignore_merges)
+        # A merge that names a string that is not a token (a part, or what it makes):
+        # the string is made a symbol first, as the tokenizers package refuses such a
+        # merge (and panics, past any `except Exception`, where what it makes is longer
+        # than every token). llama.cpp emits such a symbol as the tokens of its single
+        # bytes, where there are such tokens.
+        needed = {t for a, b in merges for t in (a, b, a + b)}
+        for text in sorted(needed - vocab.keys()):
+            singles = (chr(b) for b in text.encode() if b < 0x80)
+            self._extend(vocab, text, [self._ids[c] for c in singles if c in self._ids])
+        bpe = models.BPE(vocab, merges, ignore_merges=v.ignore_merges)
         hf = HfTokenizer(bpe)
         splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in v.pre.regexes]
         hf.pre_tokenizer = pre_tokenizers.Sequence(
@@ -511,3 +511,17 @@ def _space_before_contraction(buf: bytearray, i: int, n: int) -> tuple[bool, int
     if x1 in b"td" or i + 2 >= n:
         return False, i
     return (x1, buf[i + 2]) in ((ord("r"), ord("e")), (ord("v"), ord("e"))), i
+
+
+def _byte_of(text: str) -> int:
+    """The byte a token typed BYTE stands for: the hexadecimal number of its text's
+    fourth and fifth bytes in UTF-8 (``<0x41>``: 0x41), read as llama.cpp reads them
+    (``strtol`` of those two bytes, base 16, cast to a byte: the hex digits they begin
+    with, after blanks and a sign; 0 where none), so a file whose BYTE tokens are not
+    ``<0xXX>`` decodes as llama.cpp decodes it rather than failing mid-run."""
+    digits = text.encode()[3:5].decode(errors="replace").lstrip(" \t\n\v\f\r")
+    negative = digits[:1] == "-"
+    digits = digits[1:] if digits[:1] in ("-", "+") else digits
+    hex_digits = len(digits) - len(digits.lstrip("0123456789abcdefABCDEF"))
+    value = int(digits[:hex_digits], 16) if hex_digits else 0
+    return (-value if negative else value) & 0xFF

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFValueType
+from gguf import GGUFReader, GGUFValueType
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -345,3 +345,65 @@ def test_min_token_count_counts_a_long_text_without_tokenizing_it(smollm2: Token
     bound = smollm2.min_token_count(text)
     assert bound == -(-len(text.encode()) // smollm2.longest_token_bytes) > 100
     assert bound <= len(smollm2.encode(text, add_special=False))
+
+
+# -- vocabularies other tools may write --------------------------------------------------
+def _string_array(path: Path, key: str) -> list[str]:
+    field = GGUFReader(path).fields[key]
+    return [bytes(field.parts[i]).decode() for i in field.data]
+
+
+def test_a_merge_longer_than_every_token_loads_and_merges_as_llama_cpp(
+    tmp_path: Path,
+) -> None:
+    """A merge of two tokens whose result is no token and longer than every token: the
+    tokenizers package panics on it (a ``pyo3_runtime.PanicException``, which no
+    ``except Exception`` catches), so the file failed with a Rust backtrace. It loads,
+    and encodes as llama.cpp 0.3.36 encodes it (the ids below: its ``tokenize`` of this
+    file, recorded once): the merge joins words of one pre-token only, its result
+    emitted as the tokens of its bytes."""
+    base = write_model(tmp_path / "base.gguf", ModelShape())
+    merges = _string_array(base, "tokenizer.ggml.merges")
+    longest = "Ġparallel"  # the longest word token of this vocabulary
+    assert max(map(len, _string_array(base, "tokenizer.ggml.tokens"))) < 2 * len(longest)
+    path = write_model(
+        tmp_path / "merge.gguf",
+        ModelShape(),
+        override_keys={
+            "tokenizer.ggml.merges": ([*merges, f"{longest} {longest}"], GGUFValueType.ARRAY)
+        },
+    )
+    tok = Tokenizer.from_gguf(path)
+    llama_cpp = {
+        "hello parallel parallel": [257, 108, 108, 111, 314, 314],
+        " parallel parallelparallel": [314, 314, 112, 97, 114, 97, 108, 108, 275],
+        "parallelparallel x": [112, 97, 114, 97, 108, 108, 275, 112, 97, 114, 97, 108, 108,
+                               275, 32, 120],
+    }  # fmt: skip
+    assert {text: tok.encode(text, add_special=False) for text in llama_cpp} == llama_cpp
+
+
+def test_byte_tokens_whose_text_is_not_hex_decode_as_llama_cpp(tmp_path: Path) -> None:
+    """Tokens typed BYTE whose text is not ``<0xXX>`` (a file from another tool): the
+    run failed at the first one it decoded (``int('ZZ', 16)``, mid-stream). llama.cpp
+    reads its byte with ``strtol`` of the text's fourth and fifth bytes; the bytes
+    below are llama.cpp 0.3.36's ``detokenize`` of each, recorded once."""
+    base = write_model(tmp_path / "base.gguf", ModelShape())
+    tokens = _string_array(base, "tokenizer.ggml.tokens")
+    field = GGUFReader(base).fields["tokenizer.ggml.token_type"]
+    types = [int(field.parts[i][0]) for i in field.data]
+    llama_cpp = {"<0xZZ>": b"\x00", "<0x-1>": b"\xff", "<0x4a>": b"J", "<0>": b"\x00",
+                 "<0x+f>": b"\x0f", "<0x a>": b"\n", "Ġstagx": b"\x00"}  # fmt: skip
+    ids = range(300, 300 + len(llama_cpp))
+    for i, text in zip(ids, llama_cpp, strict=True):
+        tokens[i], types[i] = text, 6  # BYTE
+    path = write_model(
+        tmp_path / "bytes.gguf",
+        ModelShape(),
+        override_keys={
+            "tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY),
+            "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY),
+        },
+    )
+    tok = Tokenizer.from_gguf(path)
+    assert [tok.token_bytes(i) for i in ids] == list(llama_cpp.values())
