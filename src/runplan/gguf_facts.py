@@ -69,6 +69,8 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     naming it."""
     first = header.paths[0]
     arch = header.string("general.architecture")
+    if not arch:  # every key of the model is named by it ("{arch}.block_count")
+        raise GgufError(first, "is empty: the file names no architecture", "general.architecture")
     num_layers = block_count(header, arch)
     hidden = header.dimension(f"{arch}.embedding_length")
     heads = model_integer(header, f"{arch}.attention.head_count", num_layers)
@@ -101,11 +103,17 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
         )
     eos = special_token_id(header, "eos", vocab)
     if eos is None:
+        eos_key = "tokenizer.ggml.eos_token_id"
+        why = (
+            f"{header.integer(eos_key)} is outside the vocabulary of {vocab} tokens"
+            if header.has(eos_key)
+            else "missing"
+        )
         raise GgufError(
             first,
-            "missing, and the file's tokenizer model has no default end-of-sequence id "
+            f"{why}, and the file's tokenizer model has no default end-of-sequence id "
             "in its vocabulary",
-            "tokenizer.ggml.eos_token_id",
+            eos_key,
         )
 
     block_bytes = [0] * num_layers
@@ -183,6 +191,8 @@ def block_count(header: GgufHeader, arch: str) -> int:
     key = f"{arch}.block_count"
     n = header.integer(key)
     first = header.paths[0]
+    if n < 1:  # before the tensors, which would name a block "outside 0..-1"
+        raise GgufError(first, f"{n} blocks: a model has at least one", key)
     blocks: set[int] = set()
     for name in header.tensors:
         block = block_index(name)
@@ -193,8 +203,6 @@ def block_count(header: GgufHeader, arch: str) -> int:
         if block >= n:
             raise GgufError(first, f"tensor {name!r} names a block outside 0..{n - 1}", key)
         blocks.add(block)
-    if n < 1:
-        raise GgufError(first, f"{n} blocks: a model has at least one", key)
     if header.held_blocks is not None:  # some shards, through their manifest
         if blocks != header.held_blocks:
             raise GgufError(first, "the shards do not hold the blocks their manifest says", key)
@@ -238,6 +246,8 @@ def vocab_size(header: GgufHeader, arch: str) -> int:
     key = f"{arch}.vocab_size"
     if header.has(key):
         size = header.integer(key)
+        if size < 1:
+            raise GgufError(header.paths[0], f"{size}: a vocabulary holds at least 1 token", key)
         if header.has("tokenizer.ggml.tokens"):
             tokens = header.array_length("tokenizer.ggml.tokens")
             if tokens < size:  # the model could sample ids no token spells

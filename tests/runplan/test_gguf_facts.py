@@ -471,3 +471,25 @@ def test_field_bytes_are_each_keys_stored_bytes(smollm2_path: str) -> None:
     for key in keys:
         want = b"".join(bytes(part.tobytes()) for part in theirs[key].parts)
         assert header.field_bytes(key) == want, key
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "kind", "said"),
+    [
+        ("llama.block_count", -1, GGUFValueType.INT32, "-1 blocks: a model has at least one"),
+        ("llama.block_count", 0, GGUFValueType.UINT32, "0 blocks: a model has at least one"),
+        ("general.architecture", "", GGUFValueType.STRING, "is empty: the file names no arch"),
+        ("llama.vocab_size", 0, GGUFValueType.UINT32, "0: a vocabulary holds at least 1 token"),
+        # the key is there: its value is out of the vocabulary the file's key makes
+        ("llama.vocab_size", 1, GGUFValueType.UINT32, r"\d+ is outside the vocabulary of 1 "),
+    ],
+)
+def test_a_bad_value_is_named_not_what_it_breaks_later(
+    tmp_path: Path, key: str, value: object, kind: GGUFValueType, said: str
+) -> None:
+    """Each once blamed something else: a block count of -1 or 0 "a tensor names a
+    block outside 0..-2"; an empty architecture "'.block_count': required key is
+    missing"; a vocabulary of 1 an end-of-sequence id "missing" that the file holds."""
+    path = write_model(tmp_path / "m.gguf", ModelShape(), override_keys={key: (value, kind)})
+    with pytest.raises(GgufError, match=said):
+        facts_of(str(path))
