@@ -572,3 +572,31 @@ def test_connecting_keeps_the_commands_sigterm_handler(monkeypatch: pytest.Monke
         assert signal.getsignal(signal.SIGTERM) is rays_exit
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_auto_with_no_cluster_here_says_how_to_start_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--ray-address auto`` with no cluster on this machine (and no ``RAY_ADDRESS``) is
+    refused in our flags' terms: Ray's own text tells the user to set an ``--address``
+    flag that our commands do not have."""
+    import ray
+
+    from runtime_cupy.hosts.ray import session
+
+    def no_instance(**_k: object) -> None:
+        raise ConnectionError(
+            "Could not find any running Ray instance. Please specify the one to connect to "
+            "by setting `--address` flag or `RAY_ADDRESS` environment variable."
+        )
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_instance)
+    with pytest.raises(ClusterError) as refused:
+        session.connect("auto")
+    said = str(refused.value)
+    assert "no Ray cluster is running on this machine" in said, said
+    assert "ray start --head" in said and "--ray-address HOST:PORT" in said, said
+    assert "`--address`" not in said, said
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")  # Ray's cluster, not this machine's
+    with pytest.raises(ClusterError, match="cannot connect to the Ray cluster at 'auto'"):
+        session.connect("auto")

@@ -29,6 +29,11 @@ log = logging.getLogger("runtime_cupy.hosts.ray")
 PROBE_S = 5.0
 #: How long a raylet may take to accept a connection before its node counts as gone.
 RAYLET_PROBE_S = 1.0
+#: Why ``--ray-address auto`` found no cluster (``RAY_ADDRESS`` not set), in our flags' terms.
+NO_CLUSTER_HERE = (
+    "no Ray cluster is running on this machine (--ray-address auto): start one with "
+    "`ray start --head`, or give --ray-address HOST:PORT of a running cluster's head"
+)
 
 
 def connect(address: str) -> None:
@@ -51,6 +56,9 @@ def connect(address: str) -> None:
                 namespace="gguf-pipeline",
             )
     except (ConnectionError, RuntimeError, ValueError) as exc:
+        found_none = isinstance(exc, ConnectionError) and not os.environ.get("RAY_ADDRESS")
+        if address == "auto" and found_none:  # Ray's own text names its CLI's --address
+            raise ClusterError(NO_CLUSTER_HERE) from None
         raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
 
 
