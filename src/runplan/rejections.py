@@ -122,10 +122,16 @@ class InconsistentModelFacts(PlanRejection):
 class InvalidExtent(PlanRejection):
     code: ClassVar[str] = "invalid_extent"
     _template: ClassVar[str] = "{what} = {value} (expected {expected}): {reason}"
+    #: The text where the facts expect no value (``expected`` None): the bound alone is broken.
+    _template_unbound: ClassVar[str] = "{what} = {value}: {reason}"
     what: str = str_field()  # e.g. "edge 2 object_spec.max_extent"
     value: int = int_field()
     expected: int | None = typed_field(_OptInt)
     reason: str = str_field()
+
+    def __str__(self) -> str:
+        template = self._template if self.expected is not None else self._template_unbound
+        return f"{self.code}: " + template.format(**self.values())
 
 
 @frozen(str=False)

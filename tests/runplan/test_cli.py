@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from runplan.cli import main, parse_nodes, parse_size
+from runplan.rejections import InvalidExtent
 from runplan.wire import loads
 from tests.fixtures.gguf_models import ModelShape, write_model
 
@@ -275,3 +276,20 @@ def test_memory_the_wire_cannot_carry_is_a_rejection_naming_the_node(
     rejection = _json(capsys)["rejection"]
     assert rejection["code"] == "invalid_config"
     assert rejection["field"] == "nodes[0].memory_bytes"
+
+
+def test_an_extent_with_no_expected_value_is_told_without_one(
+    model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An extent past the header's u64 that no fact fixes prints its value and reason, not
+    "(expected None)"; its JSON keeps ``expected``, null."""
+    nodes = ["--nodes", "a=1GiB", "--max-seq-len", "9" * 23]
+    assert main(["plan", model, *nodes]) == 2
+    err = capsys.readouterr().err
+    assert "invalid_extent" in err and "overflows the header's u64 extent" in err, err
+    assert "expected" not in err, err
+    assert main(["plan", model, *nodes, "--json"]) == 2
+    rejection = _json(capsys)["rejection"]
+    assert rejection["code"] == "invalid_extent" and rejection["expected"] is None
+    assert "expected" not in rejection["message"], rejection
+    assert "(expected 4)" in str(InvalidExtent("edge 2", 8, 4, "does not follow the facts"))
