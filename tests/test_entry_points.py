@@ -306,6 +306,7 @@ def test_version_names_the_installed_distribution(package: str, _module: str) ->
         ["runplan", "facts", "--json"],
         ["runtime_sim", "explore", "--rules"],
         ["runtime_cupy", "plan", "--json"],
+        ["runplan.fsm", "--help"],
     ],
     ids=" ".join,
 )
@@ -329,7 +330,7 @@ def test_a_reader_that_went_away_ends_the_command_quietly(command: list[str]) ->
 
 
 # (package, a command line that writes standard output): --version, --help and a --json
-# command of each package
+# command of each package, and the diagrams' --help
 FULL_OUTPUT = [
     ("runplan", ["--version"]),
     ("runplan", ["--help"]),
@@ -337,6 +338,7 @@ FULL_OUTPUT = [
     ("runtime_cupy", ["--version"]),
     ("runtime_cupy", ["plan", "--model", "smollm2-135m", "--json"]),
     ("runtime_sim", ["--version"]),
+    ("runplan.fsm", ["--help"]),
 ]
 
 

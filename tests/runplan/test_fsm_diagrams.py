@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runplan.fsm.__main__ import DIAGRAMS, main, render
+from runplan.fsm.diagrams import DIAGRAMS, main, render
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
