@@ -166,7 +166,12 @@ def parse_nodes(text: str) -> tuple[NodeSpec, ...]:
             raise argparse.ArgumentTypeError(
                 f"bad node {item!r}: write NODE=SIZE or NODE=SIZE@DEVICE, e.g. gpu0=80GiB"
             )
-        size, _, device = rest.partition("@")
+        size, at, device = rest.partition("@")
+        if at and not device.strip():
+            raise argparse.ArgumentTypeError(
+                f"bad node {item!r}: no device after @: write NODE=SIZE@DEVICE, e.g. "
+                "gpu1=24GiB@cuda:1, or NODE=SIZE for a node of its own"
+            )
         nodes.append(NodeSpec(node_id, parse_size(size), device or None))
     return tuple(nodes)
 

@@ -168,6 +168,20 @@ def test_bad_node_syntax_is_a_usage_error(model: str) -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("nodes", ["a=1GiB@", "a=1GiB@cuda:0,b=1GiB@"])
+def test_an_empty_device_is_a_usage_error_naming_the_node(
+    model: str, nodes: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``NODE=SIZE@`` with nothing after the ``@`` was taken as a node of its own."""
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", model, "--nodes", nodes])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    bad = nodes.rsplit(",", maxsplit=1)[-1]
+    assert len(lines) == 1 and "--nodes" in lines[0] and repr(bad) in lines[0], lines
+    assert "no device after @" in lines[0], lines
+
+
 @pytest.mark.parametrize("value", ["-5", "0", "many"])
 def test_a_bad_max_seq_len_is_one_line_naming_it(
     model: str, value: str, capsys: pytest.CaptureFixture[str]
