@@ -21,18 +21,23 @@ def _modules_in_src() -> set[tuple[str, str]]:
     }
 
 
-def _modules_on_the_page() -> set[tuple[str, str]]:
-    listed = set()
+def _rows_on_the_page() -> dict[tuple[str, str], str]:
+    """Each module row of the page, (folder, module) -> its description."""
+    rows = {}
     folder = None
     for line in PAGE.read_text().splitlines():
         heading = re.fullmatch(r"### `([\w/]+)/`", line)
         if heading:
             folder = heading.group(1)
             continue
-        row = re.match(r"\| `([\w]+\.py)` \|", line)
+        row = re.match(r"\| `([\w]+\.py)` \|(.*)\|$", line)
         if row and folder is not None:
-            listed.add((folder, row.group(1)))
-    return listed
+            rows[(folder, row.group(1))] = row.group(2).strip()
+    return rows
+
+
+def _modules_on_the_page() -> set[tuple[str, str]]:
+    return set(_rows_on_the_page())
 
 
 def test_the_architecture_page_names_every_module_of_src_and_no_other() -> None:
@@ -46,3 +51,15 @@ def test_the_architecture_page_names_every_module_of_src_and_no_other() -> None:
 def test_the_page_is_read_at_all() -> None:
     assert ("runtime_core/workers", "interface.py") in _modules_on_the_page()
     assert len(_modules_on_the_page()) > 100
+
+
+def test_each_module_row_says_what_the_module_holds() -> None:
+    """A row carries its docstring's first line: not nothing, and not only the name of the
+    module's folder or package (``__main__.py`` rows were empty, ``__init__.py`` ones
+    the package's name)."""
+    bare = sorted(
+        f"{folder}/{module}: {said!r}"
+        for (folder, module), said in _rows_on_the_page().items()
+        if said.strip("`") in ("", folder, folder.rsplit("/", 1)[-1])
+    )
+    assert not bare, f"architecture rows that say nothing of their module: {bare}"
