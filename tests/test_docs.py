@@ -63,3 +63,13 @@ def test_each_module_row_says_what_the_module_holds() -> None:
         if said.strip("`") in ("", folder, folder.rsplit("/", 1)[-1])
     )
     assert not bare, f"architecture rows that say nothing of their module: {bare}"
+
+
+def test_the_benchmarks_page_lists_every_script() -> None:
+    """docs/index.md says the benchmarks page lists every script: each of
+    ``benchmarks/`` has a row of its table."""
+    table = (ROOT / "docs" / "benchmarks.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert len(scripts) > 20, scripts
+    missing = [name for name in scripts if f"| `benchmarks/{name}` |" not in table]
+    assert not missing, f"benchmarks/ scripts with no row in docs/benchmarks.md: {missing}"
