@@ -65,6 +65,27 @@ def test_each_module_row_says_what_the_module_holds() -> None:
     assert not bare, f"architecture rows that say nothing of their module: {bare}"
 
 
+def _tree_block() -> str:
+    """The page's block of the tree beside ``src/`` (its ``## Tests, benchmarks, docs``)."""
+    section = PAGE.read_text().partition("## Tests, benchmarks, docs")[2]
+    return section.partition("```text\n")[2].partition("```")[0]
+
+
+def test_the_tree_names_every_folder_of_tests() -> None:
+    """Each folder of ``tests/`` is named in the tree (``<package>`` stands for the
+    packages' own): ``tests/fuzz/``, behind ``make fuzz``, was not."""
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    folders = {
+        p.name
+        for p in (ROOT / "tests").iterdir()
+        if p.is_dir() and p.name not in packages and not p.name.startswith(("_", "."))
+    }
+    block = _tree_block()
+    assert "tests/<package>/" in block and "tests/support/" in block, block
+    unnamed = sorted(name for name in folders if f"tests/{name}/" not in block)
+    assert not unnamed, f"folders of tests/ the architecture page's tree does not name: {unnamed}"
+
+
 def test_the_benchmarks_page_lists_every_script() -> None:
     """docs/index.md says the benchmarks page lists every script: each of
     ``benchmarks/`` has a row of its table."""
