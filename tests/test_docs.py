@@ -1,6 +1,8 @@
 """The docs site's architecture page is the project's living inventory: it names every
 module of ``src/`` under its folder, and no module that is not there (a page that
-falls behind a change fails here, in the same commit). ``make docs`` builds the site
+falls behind a change fails here, in the same commit): each row says what its module
+holds, and the page's tree names every folder of ``tests/``; the benchmarks page has a
+row for every script of ``benchmarks/``. ``make docs`` builds the site
 with ``mkdocs build --strict``: a broken link or an anchor that is not there fails it."""
 
 from __future__ import annotations
