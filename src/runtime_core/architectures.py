@@ -166,12 +166,15 @@ _BASE = ArchSpec(
     final_logit_softcap=None,
     attn_logit_softcap=None,
     rope_freqs=True,
+    # llama.cpp's llama loader takes rope_factors_long / _short where the file's rope
+    # scaling is LongRoPE (as granite's; those of llama's shape below take none)
+    longrope=True,
     experts=Presence.OPTIONAL,
 )
 
 
 def _like_llama(**changes: Any) -> ArchSpec:
-    return attrs.evolve(_BASE, **{"experts": Presence.ABSENT, **changes})
+    return attrs.evolve(_BASE, **{"experts": Presence.ABSENT, "longrope": False, **changes})
 
 
 _GEMMA3 = _like_llama(
