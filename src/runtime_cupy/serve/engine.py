@@ -235,9 +235,9 @@ class Engine:
                 thread = threading.Thread(
                     target=self._run_job, args=(job,), name=f"request-{job.number}", daemon=True
                 )
-                self._job_threads.add(thread)
                 log.info("request #%d (%s) started", job.number, job.id)
-                thread.start()
+                if not self._start_job_thread(job, thread):
+                    continue
                 # The next request starts once this one's run has joined the chain (or
                 # ended before it could): runs join in the order requests were admitted.
                 while not job.submitted.wait(IDLE_CHECK_S) and thread.is_alive():
@@ -254,6 +254,30 @@ class Engine:
             for job in waiting:
                 reason = self.failure or SHUTTING_DOWN
                 self._answers.finish(job, outcome, Failed(503, reason, "unavailable"))
+
+    def _start_job_thread(self, job: Job, thread: threading.Thread) -> bool:
+        """Start ``job``'s thread; whether it started. A thread the host cannot start
+        (``RuntimeError: can't start new thread``: a limit on threads, processes or
+        address space) ends that request alone with a 503 naming the cause, and the
+        runner goes on serving: only started threads are joined as it ends."""
+        with self._cond:
+            self._job_threads.add(thread)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            with self._cond:
+                self._job_threads.discard(thread)
+                self._running.discard(job)
+                self._cond.notify_all()
+            job.submitted.set()
+            reason = (
+                f"the server could not start a thread for the request ({exc}): a limit on "
+                "threads, processes or address space (ulimit -u, ulimit -v, pids.max) is reached"
+            )
+            log.error("request #%d (%s): %s", job.number, job.id, reason)
+            self._answers.finish(job, "faulted", Failed(503, reason, "unavailable"))
+            return False
+        return True
 
     def _fail_waiting(self) -> None:
         """The chain could not be started again: the requests waiting get a 503."""
