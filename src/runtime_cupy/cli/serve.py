@@ -53,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runplan.arguments import OneLineParser, non_negative_int, positive_int
+from runtime_core.bounded_lines import LinesRefused, read_lines
 from runtime_cupy.cli.arguments import (
     EXIT_INPUT,
     INPUT_ERRORS,
@@ -66,6 +67,9 @@ from runtime_cupy.cli.arguments import (
 from runtime_cupy.serve.chain import ChainError
 
 API_KEY_VARIABLE = "GGUF_PIPELINE_API_KEY"
+#: The most bytes of ``--api-key-file``'s first line read for the key (``/dev/zero``, or
+#: a large file with no line feed, was read whole into memory).
+KEY_LINE_LIMIT = 4096
 #: How long a stop waits for the stages to stop before it leaves (each stage process
 #: also stops on its own once this process is gone: its lifeline).
 CLOSE_BOUND_S = 30.0
@@ -143,9 +147,10 @@ class KeyRefused(ValueError):
 
 def api_key_from(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
     """The key every request must carry: from ``GGUF_PIPELINE_API_KEY`` or the first
-    line of ``--api-key-file`` (``None``: neither gives one); ``KeyRefused`` for a key
-    on the command line, two sources, a file that cannot be read, an empty key, or one
-    with a character a Bearer token cannot carry."""
+    line of ``--api-key-file`` (``None``: neither gives one; only that line is read, up
+    to ``KEY_LINE_LIMIT`` bytes); ``KeyRefused`` for a key on the command line, two
+    sources, a file that cannot be read or whose first line is longer, an empty key, or
+    one with a character a Bearer token cannot carry."""
     if args.api_key is not None:
         raise KeyRefused(
             "--api-key is refused: a key on the command line is visible to every user of "
@@ -159,11 +164,12 @@ def api_key_from(args: argparse.Namespace, environ: Mapping[str, str]) -> str | 
     if path is not None:
         where = f"--api-key-file {str(path)!r}"
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            lines = read_lines(path, line_limit=KEY_LINE_LIMIT, total_limit=KEY_LINE_LIMIT + 1,
+                               max_lines=1)  # fmt: skip
+            key = next((line.strip() for _, line in lines), "")
+        except (OSError, LinesRefused) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise KeyRefused(f"{where}: cannot read the key ({why})") from None
-        key = text.splitlines()[0].strip() if text.strip() else ""
     elif variable is not None:
         where, key = API_KEY_VARIABLE, variable.strip()
     else:

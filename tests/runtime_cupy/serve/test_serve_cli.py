@@ -14,6 +14,7 @@ import pytest
 from runtime_cupy.cli import serve as cli
 from runtime_cupy.cli.serve import (
     API_KEY_VARIABLE,
+    KEY_LINE_LIMIT,
     KeyRefused,
     api_key_from,
     build_parser,
@@ -110,6 +111,27 @@ def test_the_key_comes_from_the_environment_or_a_file_never_empty(tmp_path: Path
             api_key_from(args, environ)
         assert words in str(info.value), (environ, str(info.value))
         assert "k-3" not in str(info.value)
+
+
+def test_only_a_bounded_first_line_of_the_key_file_is_read(
+    tiny_chat: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The key is the first line, read up to ``KEY_LINE_LIMIT`` bytes: a longer line, or
+    ``/dev/zero`` (read whole before: a ``MemoryError`` traceback), is refused, exit 2;
+    what follows the key's line is never read."""
+    keyfile = tmp_path / "key"
+    with keyfile.open("wb") as f:
+        f.write(b"k-4\n" + b"\xff" * (8 * KEY_LINE_LIMIT))  # not text, and never read
+    assert api_key_from(_args("--api-key-file", str(keyfile)), {}) == "k-4"
+    long = tmp_path / "long"
+    long.write_text("k" * (KEY_LINE_LIMIT + 1) + "\n")
+    for path in (long, Path("/dev/zero")):
+        with pytest.raises(KeyRefused) as info:
+            api_key_from(_args("--api-key-file", str(path)), {})
+        assert f"longer than {KEY_LINE_LIMIT} bytes" in str(info.value), info.value
+        code, err = _run(["--model", tiny_chat, "--api-key-file", str(path)], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"--api-key-file '{path}': cannot read the key" in err, err
 
 
 def test_an_empty_key_in_the_environment_stops_the_server_before_it_starts(
