@@ -5,6 +5,7 @@ last two once failed the whole batch with the chain's message, naming no prompt)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from runplan import model_facts_from_gguf
 from runtime_cupy import generate_batch
 from runtime_cupy.batch import BatchError
 from runtime_cupy.cli.main import main
+from runtime_cupy.cli.prompts_file import PROMPT_LINE_LIMIT
 
 
 def test_no_prompt_or_an_empty_one_is_refused(tiny: str) -> None:
@@ -84,3 +86,20 @@ def test_the_prompts_file_names_the_line_of_a_prompt_no_batch_can_run(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err, err
+
+
+def test_the_prompts_file_is_read_within_bounds_and_never_waits(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``/dev/zero`` (read whole before: a ``MemoryError`` traceback) is refused at the
+    line bound; a FIFO, which held the command until something wrote to it, is refused
+    at once; each names the file, exit 2."""
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    for path, needle in (
+        ("/dev/zero", f"line 1 is longer than {PROMPT_LINE_LIMIT} bytes"),
+        (str(fifo), "it is a FIFO or socket, not a file"),
+    ):
+        assert main(["--model", tiny, "--prompts-file", path, "--max-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"--prompts-file '{path}': {needle}" in err and "Traceback" not in err, err

@@ -15,6 +15,7 @@ from typing import Any
 from runplan.json_errors import RUN_FAULTED, cancelled_with, error_json
 from runplan.models import resolve_model
 from runplan.terminal import plain_console
+from runtime_core.bounded_lines import LinesRefused, read_lines
 from runtime_core.console import encode_prompt, generation_options
 from runtime_core.interrupt import cancellable
 from runtime_core.tokenizer import Tokenizer
@@ -22,9 +23,15 @@ from runtime_cupy.batch import BatchError, generate_batch
 from runtime_cupy.cli.arguments import EXIT_FAULTED, stage_options
 from runtime_cupy.cli.json_stdout import write_json
 
+#: The most bytes of one line of ``--prompts-file``, and of the whole file (``/dev/zero``,
+#: or any file without line feeds, was read whole into memory).
+PROMPT_LINE_LIMIT = 16 << 20
+PROMPTS_FILE_LIMIT = 256 << 20
+
 
 class PromptsFileError(ValueError):
-    """A line of ``--prompts-file`` that is no prompt, named by its line number."""
+    """A line of ``--prompts-file`` that is no prompt, named by its line number, or a
+    file that is not read (past a bound, not UTF-8, a FIFO: ``_read_prompts``)."""
 
 
 def _read_prompts(
@@ -33,14 +40,19 @@ def _read_prompts(
     """Each line of a JSON Lines file: ``{"prompt": TEXT}`` (encoded as ``--prompt``
     is) or ``{"prompt_ids": [IDS]}``; blank lines skipped; and each prompt's line
     number. Lines end at a line feed only (JSON text may hold U+2028 and the like raw);
-    a byte-order mark at the start is skipped."""
+    a byte-order mark at the start is skipped. A line of more than ``PROMPT_LINE_LIMIT``
+    bytes, a file of more than ``PROMPTS_FILE_LIMIT``, text that is not UTF-8, a FIFO
+    or a socket is refused (``runtime_core.bounded_lines``)."""
     prompts, numbers = [], []
-    try:
-        lines = path.read_text(encoding="utf-8-sig").split("\n")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PromptsFileError(f"--prompts-file {str(path)!r}: {exc}") from None
-    for number, raw in enumerate(lines, 1):
-        line = raw.removesuffix("\r")
+    lines = read_lines(path, line_limit=PROMPT_LINE_LIMIT, total_limit=PROMPTS_FILE_LIMIT,
+                       fifo=False)  # fmt: skip
+    while True:
+        try:
+            number, line = next(lines)
+        except StopIteration:
+            break
+        except (OSError, LinesRefused) as exc:
+            raise PromptsFileError(f"--prompts-file {str(path)!r}: {exc}") from None
         if not line.strip():
             continue
         numbers.append(number)
