@@ -18,7 +18,13 @@ import pytest
 from runplan.gguf_header import GgufHeader
 from runplan.shards import ShardKeys, SliceParts
 from runtime_cupy.cli.main import main
-from runtime_cupy.slices.cache import CacheError, SliceCache, default_limit, default_root
+from runtime_cupy.slices.cache import (
+    CacheError,
+    SliceCache,
+    default_limit,
+    default_root,
+    key_folder,
+)
 from runtime_cupy.slices.fetch import SliceTransferFailed
 from runtime_cupy.slices.transfer_log import TRANSFER_LOG, append
 from tests.runtime_cupy.test_slices import TIED, UNTIED, Source
@@ -307,3 +313,21 @@ def test_the_cache_folder_is_made_private_and_one_open_to_others_is_refused(
         os.umask(before)
     for folder in (deeper, deeper.parent, deeper.parent.parent):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+
+
+def test_a_lock_file_that_cannot_be_made_is_a_transfer_failure_naming_it(
+    source: Source, tmp_path: Path
+) -> None:
+    """The lock file's open failing (a file system out of inodes: ENOSPC; here a folder
+    at its name: EISDIR) is the cache's error, as a folder that cannot be made is: the
+    usual ``SliceTransferFailed``, not a raw ``OSError`` out of ``resolve``."""
+    cache = tmp_path / "cache"
+    fetcher = source.fetcher(cache)
+    lock = cache / "locks" / f"{key_folder(fetcher.origin.source_key)}.lock"
+    lock.mkdir(parents=True)
+    with pytest.raises(SliceTransferFailed) as failed:
+        source.resolve(fetcher, PARTS[1])
+    text = str(failed.value)
+    assert f"the cache: cannot make the lock file {lock}: Is a directory" in text, text
+    assert text.endswith("no cache entry was made"), text
+    assert isinstance(failed.value.__cause__, CacheError)

@@ -322,9 +322,13 @@ class SliceCache:
     def lock(self, source_key: str, timeout_s: float | None = None) -> Iterator[None]:
         """Hold the lock of a source's slices (one fetch of a source at a time on this
         host: a second stage waits, then finds what the first brought). The kernel
-        releases it when the process dies."""
+        releases it when the process dies. ``CacheError`` naming the lock file where it
+        cannot be made or opened (a file system out of inodes, say)."""
         path = self.folder(self.locks) / f"{key_folder(source_key)}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise CacheError(f"cannot make the lock file {path}: {exc.strerror}") from exc
         try:
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             while True:
