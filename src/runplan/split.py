@@ -5,7 +5,8 @@ The plan is ``plan_run``'s for the node pool given (``--nodes``, as ``plan`` tak
 or for ``N`` nodes of unbounded memory; the stages' layer ranges decide the shards.
 Shard ``i`` holds what stage ``i`` loads (``runplan.shards.slice_tensor_names``) and is
 written with ``gguf.GGUFWriter`` (``runplan.shard_file``); ``DIR/manifest.json`` names
-them, and is written last: a folder with a manifest is whole. ``--model DIR`` (or the
+them, and is written last: a folder with a manifest is whole (an earlier split's
+manifest there is removed before the first shard is written over). ``--model DIR`` (or the
 manifest) then loads each stage from its own shard, and ``facts`` on a shard says what
 it holds.
 
@@ -16,6 +17,7 @@ one part of ``runplan`` that does more than read headers.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,7 @@ def split_model(
     problem = recorded_problem(header, content)
     if problem is not None:  # split again, the damage would be recorded as the source
         raise GgufError(header.source_paths[0], f"will not split it again: {problem}")
+    _drop_manifest(folder / MANIFEST_NAME)
     entries: list[ShardEntry] = []
     sizes: list[int] = []
     for stage in plan.stages:
@@ -155,6 +158,28 @@ def split_model(
     with whole_file(target) as file:
         file.write(manifest_json(manifest).encode("utf-8"))
     return SplitResult(str(target), manifest, tuple(sizes))
+
+
+def _drop_manifest(path: Path) -> None:
+    """Remove an earlier split's manifest before the first shard is written over: a
+    split cut short would leave it naming shards of two splits, in a folder that its
+    manifest says is whole. A regular file is removed, or a symbolic link itself (never
+    what it points to); anything else is left for the manifest's own write to refuse.
+    ``OSError`` naming the manifest where it cannot be removed (nothing written yet)."""
+    try:
+        kind = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(kind) or stat.S_ISLNK(kind)):
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"cannot remove the earlier split's manifest {path}: {exc.strerror}"
+        ) from exc
 
 
 class _Bars:

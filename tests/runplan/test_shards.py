@@ -262,3 +262,41 @@ def test_split_of_a_file_whose_name_cannot_name_shards_is_a_usage_error(
     assert main(["split", str(odd), "--stages", "2", "--out", str(out)]) == 2
     assert "model id 'a\\\\b' cannot name the shards" in capsys.readouterr().err
     assert not out.exists()
+
+
+class _CutShort(Exception):
+    pass
+
+
+def test_a_split_cut_short_leaves_no_earlier_manifest_over_mixed_shards(
+    model: Path, tmp_path: Path
+) -> None:
+    """A folder with a manifest is whole: a re-split into it removes the earlier split's
+    manifest before its first shard is written over, so one cut short (here at its first
+    shard's first progress report, as Ctrl-C would) leaves no manifest naming shards of
+    two splits (it left the earlier one, whose hashes the new shards then failed). A link
+    at the manifest's name is removed itself, never what it points to."""
+    out = tmp_path / "out"
+    assert main(["split", str(model), "--stages", "3", "--out", str(out)]) == 0
+    facts = model_facts_from_gguf(model)
+    plan = split_plan(facts, 3, None, "memory")
+    assert isinstance(plan, RunPlan)
+
+    def cut(what: str, done: int, total: int) -> None:
+        if what != "hash":
+            assert not os.path.lexists(out / MANIFEST_NAME), "a shard is written over"
+            raise _CutShort(what)
+
+    with pytest.raises(_CutShort):
+        split_model(str(model), plan, out, progress=cut)
+    assert not os.path.lexists(out / MANIFEST_NAME)
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    os.symlink(kept, out / MANIFEST_NAME)
+    with pytest.raises(_CutShort):
+        split_model(str(model), plan, out, progress=cut)
+    assert not os.path.lexists(out / MANIFEST_NAME) and kept.read_text() == "{}"
+    split_model(str(model), plan, out)  # whole again
+    assert [s["file"] for s in _manifest(out)["shards"]] == sorted(  # type: ignore[index]
+        p.name for p in out.glob("*.gguf")
+    )
