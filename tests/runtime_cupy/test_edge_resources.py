@@ -320,6 +320,28 @@ def test_a_fifo_on_a_full_temp_folder_is_no_space_naming_it(
     assert run_resources(run_id) == []
 
 
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_shared_memory_folder_out_of_inodes_is_no_space_naming_it(
+    monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """``shm_open`` failing for want of an inode (bytes to spare) was an untyped
+    ``OSError`` naming the segment alone; it is ``NoSpace`` naming ``/dev/shm`` and what
+    it has free, as a segment too big for it is, and nothing of the edge is left."""
+
+    def no_inode(name: str, flags: int, mode: int = 0o777) -> int:
+        raise OSError(code, os.strerror(code), name)
+
+    monkeypatch.setattr(shm._posixshmem, "shm_open", no_inode)
+    run_id = f"test-{uuid.uuid4().hex}"
+    name = segment_name(run_id, 1)
+    words = (
+        f"no room for the shared-memory segment /{name}: .* inodes and .* bytes free in /dev/shm"
+    )
+    with pytest.raises(shm.NoSpace, match=words):
+        ShmMedium().create(run_id, 1, RingSpec(2, 64, 256), b"")
+    assert run_resources(run_id) == []
+
+
 def test_a_read_only_shared_memory_folder_is_no_error_for_a_cleanup(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -134,13 +134,18 @@ def _make_fifo(path: Path) -> None:
         os.mkfifo(path, 0o600)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            try:
-                st = os.statvfs(path.parent)
-                room = f"{st.f_favail} inodes and {st.f_bavail * st.f_frsize} bytes free there"
-            except OSError:
-                room = "free space unknown"
+            room = _room(path.parent)
             raise NoSpace(f"no room for the edge's FIFO {path}: {room} ({exc.strerror})") from None
         raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+
+def _room(folder: Path) -> str:
+    """The inodes and bytes free in ``folder``'s file system, for a ``NoSpace``."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return "free space unknown"
+    return f"{st.f_favail} inodes and {st.f_bavail * st.f_frsize} bytes free in {folder}"
 
 
 # -- shared memory ---------------------------------------------------------------------
@@ -157,7 +162,8 @@ class Segment:
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
         """A new zero-filled segment, mode 0600, every page reserved; ``NameTaken`` if
-        the name exists, ``NoSpace`` if the file system cannot hold ``size`` bytes."""
+        the name exists, ``NoSpace`` if the file system cannot hold ``size`` bytes or
+        has no inode left for the segment's name."""
         flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
         try:
             fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
@@ -165,6 +171,12 @@ class Segment:
             raise NameTaken(
                 f"the shared-memory segment /{name} exists before its consumer made it "
                 f"({describe(SHM_DIR / name)}): refused, never reused"
+            ) from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise NoSpace(
+                f"no room for the shared-memory segment /{name}: {_room(SHM_DIR)} ({exc.strerror})"
             ) from None
         try:
             _reserve(fd, name, size)
