@@ -18,3 +18,10 @@ class GgufError(PicklableError, ValueError):
         self.key = key
         where = f" (key {key!r})" if key is not None else ""
         super().__init__(f"{self.path}{where}: {message}")
+
+
+class GgufUnmapped(GgufError):
+    """A GGUF file that could not be mapped for want of memory or address space
+    (``ENOMEM``): a fault of this host's resources, not of the file (``runtime_cupy``
+    exits 1 for it, not 2 as for bad input). Names the address-space limit
+    (``RLIMIT_AS``) where one is set."""

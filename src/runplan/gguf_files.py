@@ -7,14 +7,16 @@ checked to be the one its split set (``_check_shard``) or its manifest
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runplan.gguf_error import GgufError
+from runplan.gguf_error import GgufError, GgufUnmapped
 from runplan.gguf_reader import HeaderReader, NotUtf8Name
+from runplan.resource_limits import with_limit
 from runplan.shards import CUT_KEY_PREFIXES, ShardEntry, ShardKeys, ShardManifest
 
 if TYPE_CHECKING:
@@ -94,6 +96,9 @@ def _open(path: str) -> HeaderReader:
     ) as exc:
         raise GgufError(path, f"malformed or truncated header: {exc}") from exc
     except OSError as exc:
+        if exc.errno == errno.ENOMEM:  # the host's memory or this process's limit
+            why = with_limit(f"cannot be mapped: {exc.strerror}", exc.errno)
+            raise GgufUnmapped(path, why) from exc
         raise GgufError(path, f"cannot be mapped: {exc.strerror}") from exc
 
 

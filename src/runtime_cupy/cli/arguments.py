@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from runplan.arguments import non_negative_int, parse_size, positive_int
-from runplan.gguf_error import GgufError
+from runplan.gguf_error import GgufError, GgufUnmapped
 from runplan.models import DEFAULT_MODEL, MODEL_HELP, ModelNotFound
 from runtime_core.recovery import DEFAULT_MAX_RECOVERIES
 from runtime_core.runs import PLACEMENTS, PlanRejected
@@ -34,6 +34,10 @@ from runtime_cupy.workers import (
 EXIT_FAULTED = 1
 EXIT_INPUT = 2
 
+#: What a sound command line meets where this host's resources are short (a model that
+#: cannot be mapped under an address-space limit): exit 1, caught before ``INPUT_ERRORS``
+#: (of which it is a kind).
+RESOURCE_ERRORS = (GgufUnmapped,)
 #: What a command line that cannot be run raises before any process starts.
 INPUT_ERRORS = (ClusterError, GgufError, ModelNotFound, PlanRejected, TokenizerError,
                 ValueError, WorkerUnavailable)  # fmt: skip

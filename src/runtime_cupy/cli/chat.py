@@ -40,6 +40,7 @@ from runtime_core.tokenizer import TokenizerError
 from runtime_cupy.cli.arguments import (
     EXIT_INPUT,
     INPUT_ERRORS,
+    RESOURCE_ERRORS,
     add_chain_arguments,
     chain_from,
     check_chain_arguments,
@@ -246,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INPUT
     try:
         chain = chain_from(args)
+    except RESOURCE_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except INPUT_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT

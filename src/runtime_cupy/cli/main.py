@@ -74,6 +74,7 @@ from runtime_cupy.cli.arguments import (
     EXIT_FAULTED,
     EXIT_INPUT,
     INPUT_ERRORS,
+    RESOURCE_ERRORS,
     add_cluster,
     add_devices,
     add_recovery,
@@ -312,6 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with json_stdout(args.json), left_at_the_end():
         try:
             return _run(args)
+        except RESOURCE_ERRORS as exc:
+            _error(args, exc)
+            return EXIT_FAULTED
         except INPUT_ERRORS as exc:
             _error(args, exc)
             return EXIT_INPUT

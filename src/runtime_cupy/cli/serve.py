@@ -57,6 +57,7 @@ from runtime_core.bounded_lines import LinesRefused, read_lines
 from runtime_cupy.cli.arguments import (
     EXIT_INPUT,
     INPUT_ERRORS,
+    RESOURCE_ERRORS,
     add_chain_arguments,
     chain_from,
     check_chain_arguments,
@@ -270,6 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         connections = connection_room(args.stages, args.max_connections, overhead)
         chain = chain_from(args)
         sock = _listen(args.host, args.port)
+    except RESOURCE_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except INPUT_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT

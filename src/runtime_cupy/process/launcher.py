@@ -50,6 +50,7 @@ from attrs import frozen
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import FaultKind, FaultReason
+from runplan.resource_limits import with_limit
 from runtime_cupy.hosts.local import LocalProcessHost, describe_exit
 from runtime_cupy.hosts.port import MovesSlices, StageHost, StageProcessInfo
 from runtime_cupy.process.chain_run import ChainRun, RunOutcome
@@ -192,11 +193,12 @@ class ProcessRun:
     def _start(self) -> fsm.RunFinished | None:
         """Start the chain's stages; the run's end, faulted with ``SETUP_FAILURE``, if
         one cannot be started (``OSError``: no descriptor left for its pipes, no memory
-        for its process, ...; those started are stopped by ``close``)."""
+        for its process, ...; the limit met named where one is: ``resource_limits``;
+        those started are stopped by ``close``)."""
         try:
             self.runner.start()
         except OSError as exc:
-            detail = f"the stages could not be started: {exc}"
+            detail = with_limit(f"the stages could not be started: {exc}", exc.errno)
             log.warning("%s", detail)
             reason = FaultReason(FaultKind.SETUP_FAILURE, detail)
             return fsm.RunFinished(fsm.Outcome.FAULTED, (), reason, None, ())

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from runplan import ModelFacts, NodeSpec, Placement, RunPlan, RuntimeConfig, SamplingConfig
 from runplan.replacement import Replacement, Unplaceable
+from runplan.resource_limits import with_limit
 from runtime_core.recovery import RecoveryPolicy
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.port import StageHandle, StageHost
@@ -203,7 +204,7 @@ class ChainHealth:
         try:
             runner.start()
         except OSError as exc:
-            self.trouble = f"the stages could not be started: {exc}"
+            self.trouble = with_limit(f"the stages could not be started: {exc}", exc.errno)
             self._lost_coming_up(runner, self.trouble)
             runner.close()
             raise ChainError(self.trouble) from exc

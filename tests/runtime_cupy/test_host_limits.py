@@ -1,0 +1,66 @@
+"""A limit of this process that a run meets is named, with its value, and the exit
+status says the host's resources, not the input, fell short (1, not 2):
+
+- an address-space limit (``ulimit -v``) too small to map the model: the model "cannot
+  be mapped: Cannot allocate memory" was exit 2 (bad input), the limit not named;
+- a descriptor limit (``ulimit -n``) too small for the stages' pipes: "[Errno 24] Too
+  many open files" alone.
+
+Each runs ``python -m runtime_cupy`` with the limit set in the child alone."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+from runplan.resource_limits import limit_note
+from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.runtime_cupy.test_process_cli import _env
+
+#: Room for the interpreter and its modules, far from the model's mapping.
+ADDRESS_SPACE = 3 << 30
+#: The model's size: its header is a tiny model's, the rest a hole (a sparse file).
+MODEL_BYTES = 64 << 30
+
+
+def _run(argv: list[str], limit: int, value: int) -> subprocess.CompletedProcess[str]:
+    def limited() -> None:
+        resource.setrlimit(limit, (value, value))
+
+    return subprocess.run(
+        [sys.executable, "-m", "runtime_cupy", *argv, "--json"],
+        capture_output=True, text=True, check=False, env=_env(), timeout=120,
+        preexec_fn=limited,
+    )  # fmt: skip
+
+
+def test_a_model_past_the_address_space_limit_is_a_fault_naming_the_limit(
+    tmp_path: Path,
+) -> None:
+    model = write_model(tmp_path / "large.gguf", ModelShape(n_layers=2))
+    with open(model, "r+b") as f:
+        f.truncate(MODEL_BYTES)
+    argv = ["--model", str(model), "--prompt-ids", "1,2", "--max-tokens", "1"]
+    proc = _run(argv, resource.RLIMIT_AS, ADDRESS_SPACE)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    error = json.loads(proc.stdout)["error"]
+    assert error["type"] == "GgufUnmapped", error
+    words = "cannot be mapped: Cannot allocate memory; the address-space limit (RLIMIT_AS, "
+    assert words + f"ulimit -v) is {ADDRESS_SPACE} bytes" in error["message"], error
+
+
+def test_stages_past_the_descriptor_limit_are_a_fault_naming_the_limit(tiny: str) -> None:
+    argv = ["--model", tiny, "--stages", "4", "--prompt-ids", "1,2", "--max-tokens", "1"]
+    proc = _run(argv, resource.RLIMIT_NOFILE, 20)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    doc = json.loads(proc.stdout)
+    fault = doc["fault"]
+    assert "the stages could not be started: [Errno 24] Too many open files" in fault, fault
+    assert fault.endswith("; the descriptor limit (ulimit -n) is 20"), fault
+
+
+def test_no_limit_no_note() -> None:
+    assert limit_note(None) == "" and limit_note(0) == ""
