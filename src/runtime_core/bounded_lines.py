@@ -5,9 +5,9 @@ byte past it (``/dev/zero``, or any file with no line feed in it, was read whole
 memory: a ``MemoryError`` traceback, or the machine's memory taken).
 
 Lines end at a line feed only (JSON text may hold U+2028 and the like raw), and a
-``\\r`` before it is dropped; a UTF-8 byte-order mark at the start is skipped. Where
-``fifo`` is false, a FIFO or socket is refused once open (the open does not wait for a
-writer), as is a folder; a character device is read, within the bounds.
+``\\r`` before it is dropped; a UTF-8 byte-order mark at the start is skipped. A folder
+is refused; a FIFO (``--prompts-file <(command)``) and a character device are read,
+within the bounds.
 """
 
 from __future__ import annotations
@@ -32,21 +32,15 @@ def read_lines(
     line_limit: int,
     total_limit: int,
     max_lines: int | None = None,
-    fifo: bool = True,
 ) -> Iterator[tuple[int, str]]:
     """Each line of ``path`` and its number (from 1), decoded as UTF-8, up to
     ``max_lines`` of them (``None``: every line); ``LinesRefused`` past a bound, for
-    text that is not UTF-8, or for what ``fifo`` refuses (see the module); ``OSError``
-    for a file that cannot be opened or read."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if fifo else os.O_NONBLOCK)
-    fd = os.open(path, flags)
+    text that is not UTF-8, or for a folder; ``OSError`` for a file that cannot be
+    opened or read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        kind = os.fstat(fd).st_mode
-        if stat.S_ISDIR(kind):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
             raise LinesRefused("it is a folder, not a file")
-        if not fifo and (stat.S_ISFIFO(kind) or stat.S_ISSOCK(kind)):
-            raise LinesRefused("it is a FIFO or socket, not a file (a read could wait for ever)")
-        os.set_blocking(fd, True)
         file = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

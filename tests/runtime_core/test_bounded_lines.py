@@ -5,6 +5,7 @@ for is never read."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,10 +52,14 @@ def test_only_the_lines_asked_for_are_read(tmp_path: Path) -> None:
     assert list(read_lines(f, line_limit=8, total_limit=9, max_lines=1)) == [(1, "key")]
 
 
-def test_a_fifo_is_refused_at_once_where_asked_and_a_folder_always(tmp_path: Path) -> None:
+def test_a_fifo_is_read_as_it_comes_and_a_folder_refused(tmp_path: Path) -> None:
+    """A FIFO (``--prompts-file <(command)``) is read, within the bounds, as its writer
+    writes it; a folder is refused."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(LinesRefused, match="it is a FIFO or socket, not a file"):
-        list(read_lines(fifo, line_limit=8, total_limit=64, fifo=False))
+    writer = threading.Thread(target=lambda: fifo.write_bytes(b"a\nbc\n"))
+    writer.start()
+    assert list(read_lines(fifo, line_limit=8, total_limit=64)) == [(1, "a"), (2, "bc")]
+    writer.join(10)
     with pytest.raises(LinesRefused, match="it is a folder, not a file"):
         _lines(tmp_path)

@@ -31,7 +31,7 @@ PROMPTS_FILE_LIMIT = 256 << 20
 
 class PromptsFileError(ValueError):
     """A line of ``--prompts-file`` that is no prompt, named by its line number, or a
-    file that is not read (past a bound, not UTF-8, a FIFO: ``_read_prompts``)."""
+    file that is not read (past a bound, not UTF-8, a folder: ``_read_prompts``)."""
 
 
 def _read_prompts(
@@ -41,11 +41,10 @@ def _read_prompts(
     is) or ``{"prompt_ids": [IDS]}``; blank lines skipped; and each prompt's line
     number. Lines end at a line feed only (JSON text may hold U+2028 and the like raw);
     a byte-order mark at the start is skipped. A line of more than ``PROMPT_LINE_LIMIT``
-    bytes, a file of more than ``PROMPTS_FILE_LIMIT``, text that is not UTF-8, a FIFO
-    or a socket is refused (``runtime_core.bounded_lines``)."""
+    bytes, a file of more than ``PROMPTS_FILE_LIMIT`` or text that is not UTF-8 is
+    refused (``runtime_core.bounded_lines``); a FIFO (``<(command)``) is read."""
     prompts, numbers = [], []
-    lines = read_lines(path, line_limit=PROMPT_LINE_LIMIT, total_limit=PROMPTS_FILE_LIMIT,
-                       fifo=False)  # fmt: skip
+    lines = read_lines(path, line_limit=PROMPT_LINE_LIMIT, total_limit=PROMPTS_FILE_LIMIT)
     while True:
         try:
             number, line = next(lines)
