@@ -8,6 +8,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from runplan import Placement, RunPlan, WorkerCapabilities, check_plan, plan_run
+from runplan.memory import kv_budget_bytes, plan_stage_memory, stage_memory
 from runplan.rejections import (
     InconsistentModelFacts,
     InconsistentPlan,
@@ -60,11 +61,33 @@ def test_a_mixture_of_experts_rejects_for_a_worker_that_runs_none(
 def test_stages_that_do_not_fit_their_device_reject(
     inputs: PlanInputs, data: st.DataObject
 ) -> None:
+    """The victim's node gets less than its stage holds with no blocks at all (the weights
+    every stage at its place holds, its inbound ring, an explicit KV budget): placement
+    ``memory`` moves blocks off a small node, so less than the planned stage's need alone
+    may still fit the smaller stage it plans then."""
     plan = _run(inputs)
     assert isinstance(plan, RunPlan), plan
-    victim = data.draw(st.sampled_from(plan.stages)).node_id
+    index = data.draw(st.integers(0, len(plan.stages) - 1))
+    stage = plan.stages[index]
+    start = stage.layer_start
+    bare = stage_memory(
+        inputs.facts,
+        inputs.config.worker,
+        layer_start=start,
+        layer_end_exclusive=start,
+        first=index == 0,
+        last=index == len(plan.stages) - 1,
+        kv_budget_bytes=kv_budget_bytes(
+            inputs.facts, inputs.config, layer_start=start, layer_end_exclusive=start
+        ),
+        inbound_ring_bytes=plan_stage_memory(inputs.facts, inputs.config.worker, plan)[
+            index
+        ].ring_bytes,
+    )
+    memory = data.draw(st.integers(0, bare.total - 1))
+    victim = stage.node_id
     nodes = tuple(
-        attrs.evolve(n, memory_bytes=data.draw(st.integers(0, 1024))) if n.node_id == victim else n
+        attrs.evolve(n, memory_bytes=memory) if n.node_id == victim else n
         for n in inputs.pool.nodes
     )
     result = _run(inputs, pool=attrs.evolve(inputs.pool, nodes=nodes))
