@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from runtime_core.batching import BatchScheduler, Candidate
@@ -127,3 +127,37 @@ def test_a_decode_offered_every_batch_never_misses_two_in_a_row(
         batch = s.choose([decode("d", 1000 + t), *chunks.values()])
         missed = 0 if "d" in runs(batch) else missed + 1
         assert missed < 2
+
+
+@given(
+    st.integers(1, 8),
+    st.integers(1, 8),
+    st.lists(
+        st.tuples(
+            st.integers(0, 3),
+            st.lists(st.tuples(st.sampled_from("pqrs"), st.integers(1, 8)), max_size=4),
+        ),
+        max_size=12,
+    ),
+)
+@example(4, 4, [(1, [("p", 4)])] * 6)  # the oldest prompt left out must be the one owed
+def test_a_prefill_offered_every_batch_never_misses_four_in_a_row(
+    max_rows: int, rows: int, offers: list[tuple[int, list[tuple[str, int]]]]
+) -> None:
+    """The prompt "o" beside decodes and newer prompts waits three batches at most: a
+    prompt owed before it may go first (on the decodes' turn, then leading a batch),
+    and then "o" is owed, and may wait the decodes' turn before it leads. Its record
+    stays the one loaded first until it is chosen; the next chunk is loaded then."""
+    s = BatchScheduler(max_rows)
+    mine = prefill("o", 0, min(rows, max_rows))
+    missed = 0
+    for t, (decodes, offered) in enumerate(offers, start=1):
+        others = {run: prefill(run, t, min(n, max_rows)) for run, n in offered}
+        ds = [decode(f"d{i}", 1000 + 10 * t + i) for i in range(decodes)]
+        batch = s.choose([*ds, mine, *others.values()])
+        if "o" in runs(batch):
+            missed = 0
+            mine = prefill("o", t, mine.rows)  # its next chunk, loaded now
+        else:
+            missed += 1
+        assert missed < 4
