@@ -1,6 +1,7 @@
 """An answer's text as it streams (``serve.text``), on SmolLM2's tokenizer: a stop
 string is found at the token that ends it, also when it ends in whitespace, which the
-text holds back until something follows (it may change once punctuation does)."""
+text holds back until something follows (it may change once punctuation does); what
+could begin a stop string is held back, the longest such end of any of them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from runplan.models import resolve_model
 from runtime_core.tokenizer import Tokenizer
-from runtime_cupy.serve.text import Answer
+from runtime_cupy.serve.text import Answer, StopStrings
 from tests.fixtures.gguf_vocab import SPECS, write_vocab
 
 #: What SmolLM2 says after "The capital of France is", one token a piece.
@@ -53,6 +54,14 @@ def test_whitespace_held_back_is_sent_once_something_follows(tokenizer: Tokenize
     pieces = [answer.push(token) for token in ids(tokenizer)]
     assert pieces == [" Paris", ".", "", "", "\n\nThe"]
     assert not answer.stopped and answer.content == "".join(PIECES)
+
+
+def test_text_is_held_back_by_the_longest_start_of_any_stop_string() -> None:
+    """ "zabc" ends with the start of both "abcd" (3 characters) and "cx" (1): all 3 are
+    held, so "abcd" split as "zabc" and "d" is found and never sent."""
+    stops = StopStrings(["abcd", "cx"])
+    assert [stops.feed(piece) for piece in ("zabc", "d", "e")] == ["z", "", ""]
+    assert stops.stopped and stops.flush() == ""
 
 
 @pytest.mark.parametrize("text", ["' ' ?' Yes.", "x ' ' 's fine", "a  ' re here."])
