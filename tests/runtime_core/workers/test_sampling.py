@@ -216,3 +216,14 @@ def test_the_workers_sampler_picks_the_references_token_at_each_boundary_of_its_
                 if 0.0 <= u < 1.0:
                     want = _Drawn(config, float(u)).sample(logits)
                     assert device_sampling.sample(np, logits, config, float(u)) == want, u
+
+
+@pytest.mark.parametrize("u", [0.0, 0.25, 0.5, 0.75, 0.999])
+def test_top_p_keeps_tokens_until_their_probability_reaches_it(u: float) -> None:
+    """As llama.cpp: the smallest set whose cumulative probability is at least top_p.
+    Logits [0, 0] are probabilities [0.5, 0.5], and top_p 0.5 keeps token 0 alone, so
+    both samplers take it whatever the draw."""
+    logits = np.zeros(2, np.float32)
+    config = SamplingConfig(temperature=1.0, top_p=0.5, seed=0)
+    assert _Drawn(config, u).sample(logits) == 0
+    assert device_sampling.sample(np, logits, config, u) == 0
