@@ -241,3 +241,35 @@ def test_a_value_of_the_wrong_type_is_named_once(fields: dict[str, Any], message
     with pytest.raises(RequestError) as info:
         parse_completion(json.dumps({"model": "m", **fields}).encode())
     assert info.value.message == message
+
+
+def _body(endpoint: str, **fields: Any) -> bytes:
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    if endpoint == "completion":
+        base = {"model": "m", "prompt": "x"}
+    return json.dumps({**base, **fields}).encode()
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_an_integer_sent_as_a_whole_float_is_that_integer(endpoint: str) -> None:
+    """A JSON number is a float to many clients: 16.0 (Python's ``json.dumps`` of a
+    float) is the integer 16; 16.5 and true are no integers, named."""
+    request = PARSERS[endpoint](_body(endpoint, max_tokens=16.0))
+    assert request.max_tokens == 16 and type(request.max_tokens) is int
+    for bad, words in ((16.5, "number 16.5"), (True, "boolean true")):
+        with pytest.raises(RequestError) as info:
+            PARSERS[endpoint](_body(endpoint, max_tokens=bad))
+        assert info.value.param == "max_tokens"
+        assert info.value.message == f"max_tokens must be an integer, not {words}"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+@pytest.mark.parametrize("user", [5, ["u"], {"id": "u"}, False])
+def test_a_user_that_is_not_a_string_is_refused_naming_it(endpoint: str, user: Any) -> None:
+    """``user`` changes no answer, but it is a string (or null)."""
+    for taken in ("user-1234", None):
+        assert PARSERS[endpoint](_body(endpoint, user=taken)).max_tokens is None
+    with pytest.raises(RequestError) as info:
+        PARSERS[endpoint](_body(endpoint, user=user))
+    assert info.value.status == 400 and info.value.param == "user"
+    assert info.value.message.startswith("user must be a string, not ")
