@@ -179,13 +179,9 @@ class ReceiveEnd:
         payload = view[OBJECT_HEADER_BYTES : OBJECT_HEADER_BYTES + header.extent_bytes]
         return Record(slot, header, payload)
 
-    def try_receive(self) -> Record | None:
-        """The next record, or ``None`` if none is published. A refused record raises
-        ``EdgeFaultError`` and stays unreleased: nothing of it is consumed."""
-        slot = self.ring.try_acquire()
-        return None if slot is None else self._read(slot)
-
     def receive(self, timeout_s: float) -> Record:
+        """The next record, waiting for it up to ``timeout_s``. A refused record raises
+        ``EdgeFaultError`` and stays unreleased: nothing of it is consumed."""
         return self._read(self.ring.wait_acquire(timeout_s))
 
     def release(self, record: Record) -> None:
