@@ -75,7 +75,7 @@ print("cuda runtime", cupy.cuda.runtime.runtimeGetVersion(), "driver",
       cupy.cuda.runtime.driverGetVersion(), "devices", cupy.cuda.runtime.getDeviceCount())
 import gguf, cattrs, attrs
 print("gguf", gguf.__file__, "cattrs", getattr(cattrs, "__version__", "?"))
-from runtime_cupy.cuda.kernels import cuda_device_problem
+from tests.support.cuda_device import cuda_device_problem
 print("cuda_device_problem:", cuda_device_problem())
 PYEOF
     } >"$OUT/env_$PHASE.txt"

@@ -59,12 +59,12 @@ from runplan.models import resolve_model
 from runtime_core.gguf_slice import EMBEDDING, OUTPUT
 from runtime_core.model_config import ModelConfig
 from runtime_core.workers.interface import BatchStep, TokenOutput
-from runtime_cupy.cuda.kernels import cuda_device_problem
 from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, CudaWorker
 
 # The in-process chain and the random-model writer live with the tests (tests/support).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support.chain import Chain, provisions
+from tests.support.cuda_device import cuda_device_problem
 from tests.support.random_model import LLAMA3_8B, write_random_model
 
 MODELS = ("smollm2", "llama8b-q4_0", "llama8b-q4_k")

@@ -13,6 +13,7 @@ import pytest
 from runtime_core.workers.cpu.worker import CpuWorker
 from runtime_core.workers.interface import Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
+from tests.support.cuda_device import cuda_device_problem
 
 MakeWorker = Callable[[], Worker]
 
@@ -27,13 +28,6 @@ def _gpu_cuda() -> Worker:
     from runtime_cupy.cuda.worker import CudaWorker
 
     return CudaWorker()
-
-
-def gpu_problem() -> str | None:
-    """Why this host cannot run the CUDA worker on a GPU (``None``: it can)."""
-    from runtime_cupy.cuda.kernels import cuda_device_problem
-
-    return cuda_device_problem()
 
 
 WORKERS: dict[str, MakeWorker] = {
@@ -54,7 +48,7 @@ def worker_for(name: str, workers: dict[str, MakeWorker] = WORKERS) -> MakeWorke
     """The worker ``name`` of ``workers``; a test of the GPU worker is skipped, naming
     why, on a host without a GPU it can use."""
     if name == "cuda-gpu":
-        problem = gpu_problem()
+        problem = cuda_device_problem()
         if problem is not None:
             pytest.skip(problem)
     return workers[name]

@@ -184,23 +184,3 @@ class KernelSet:
             raise ValueError(f"{name}: empty grid {grid3}")
         converted = tuple(_arg(c, a) for c, a in zip(codes, args, strict=True))
         self.function(name)(grid3, (block,), converted, shared_mem=shared_mem, stream=stream)
-
-
-def cuda_device_problem() -> str | None:
-    """Why no kernel can run here (a sentence for a skip or an error), or ``None`` when
-    CuPy imports and sees at least one CUDA device. Imports CuPy only if it is installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("cupy") is None:
-        return "no CUDA device: cupy is not importable (not installed)"
-    try:
-        import cupy
-    except Exception as exc:  # a broken install: say how it broke
-        return f"no CUDA device: cupy is not importable ({type(exc).__name__}: {exc})"
-    try:
-        count = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception as exc:  # no driver, no device
-        return f"no CUDA device: cupy.cuda.runtime.getDeviceCount() failed ({exc})"
-    if count == 0:
-        return "no CUDA device: cupy.cuda.runtime.getDeviceCount() == 0"
-    return None

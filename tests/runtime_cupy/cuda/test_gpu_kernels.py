@@ -28,8 +28,9 @@ from runplan.quant_types import (
     block_elems,
     row_bytes,
 )
-from runtime_cupy.cuda.kernels import KernelSet, cuda_device_problem
+from runtime_cupy.cuda.kernels import KernelSet
 from tests.support import twins
+from tests.support.cuda_device import cuda_device_problem
 from tests.support.kernel_twins import KERNEL_TWINS
 from tests.support.random_blocks import random_rows
 

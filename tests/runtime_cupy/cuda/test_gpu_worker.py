@@ -43,10 +43,10 @@ from runplan import SamplingConfig
 from runplan.gguf_header import GgufHeader
 from runtime_core.workers.interface import TokenOutput, Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
-from runtime_cupy.cuda.kernels import cuda_device_problem
 from runtime_cupy.cuda.worker import CUDA_CAPABILITIES, CudaWorker
 from tests.fixtures.llamacpp_fixtures import load_doc, load_logits, model_file, runnable_by
 from tests.support.chain import Chain, provisions
+from tests.support.cuda_device import cuda_device_problem
 from tests.support.numerics import (
     common_prefix,
     cosine,
