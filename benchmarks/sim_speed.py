@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 from runtime_core.workers.interface import Worker
 from runtime_sim.chain_driver import ChainSimulation, RunSpec
 from runtime_sim.clock import derive_rng
 from runtime_sim.explore import run_scenario
 from runtime_sim.faults import random_fault_plan
-from runtime_sim.scenarios import Scenario, synthetic_facts, synthetic_plan
+from runtime_sim.scenarios import Scenario, synthetic_facts
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import stored_stage_costs
+
+# The synthetic plan of one call lives with the tests (tests/support).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.synthetic_plans import synthetic_plan
 
 
 def events_per_second(tokens: int, trace: bool) -> tuple[int, float]:

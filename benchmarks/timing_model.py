@@ -34,7 +34,7 @@ from runplan import SamplingConfig, Timeouts
 from runplan.models import resolve_model
 from runtime_sim.api import generate, plan_for
 from runtime_sim.chain_driver import ChainSimulation, RunSpec, SimSettings
-from runtime_sim.scenarios import synthetic_facts, synthetic_plan
+from runtime_sim.scenarios import synthetic_facts
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import (
     LinkProfile,
@@ -46,6 +46,7 @@ from runtime_sim.timing import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.support.synthetic_plans import synthetic_plan
 
 
 def _best(fn: object, repeat: int) -> float:

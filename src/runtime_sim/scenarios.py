@@ -123,36 +123,6 @@ def synthetic_pool(stages: int, spares: int = 0) -> NodePool:
     return NodePool(ORCHESTRATOR, tuple(nodes))
 
 
-def synthetic_plan(
-    facts: ModelFacts,
-    stages: int,
-    *,
-    max_tokens: int,
-    run_id: str = "explore",
-    slot_count: int = 2,
-    timeouts: Timeouts | None = None,
-    prompt_tokens: int = 0,
-    seed: int = 0,
-    max_concurrent_runs: int = 1,
-    max_batch_rows: int = 512,
-    prefill_chunk: int = 0,
-    capabilities: WorkerCapabilities = SYNTHETIC_CAPABILITIES,
-) -> RunPlan:
-    config = synthetic_config(
-        max_tokens=max_tokens,
-        run_id=run_id,
-        slot_count=slot_count,
-        timeouts=timeouts,
-        prompt_tokens=prompt_tokens,
-        seed=seed,
-        max_concurrent_runs=max_concurrent_runs,
-        max_batch_rows=max_batch_rows,
-        prefill_chunk=prefill_chunk,
-        capabilities=capabilities,
-    )
-    return synthetic_plan_of(facts, config, stages)
-
-
 def synthetic_plan_of(facts: ModelFacts, config: RuntimeConfig, stages: int) -> RunPlan:
     """The plan of ``config`` on the explorer's first ``stages`` nodes."""
     result = plan_run(facts, config, synthetic_pool(stages), stage_count=stages)

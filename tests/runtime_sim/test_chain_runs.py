@@ -12,14 +12,10 @@ from runtime_sim.chain_driver import ChainSimulation, RunSpec
 from runtime_sim.chain_rules import KV_FREED
 from runtime_sim.explore import run_scenario, solo
 from runtime_sim.faults import Fault, FaultKind, FaultPlan
-from runtime_sim.scenarios import (
-    EXPLORE_CAPABILITIES,
-    Scenario,
-    synthetic_facts,
-    synthetic_plan,
-)
+from runtime_sim.scenarios import EXPLORE_CAPABILITIES, Scenario, synthetic_facts
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import stored_stage_costs
+from tests.support.synthetic_plans import synthetic_plan
 
 
 def chain(

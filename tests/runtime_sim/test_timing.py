@@ -7,9 +7,10 @@ import pytest
 
 from runplan import Timeouts
 from runtime_sim.chain_driver import ChainSimulation, RunSpec
-from runtime_sim.scenarios import synthetic_facts, synthetic_plan
+from runtime_sim.scenarios import synthetic_facts
 from runtime_sim.synthetic import SyntheticWorker
 from runtime_sim.timing import LinkProfile, NodeProfile, StageCost, TimingModel, stored_stage_costs
+from tests.support.synthetic_plans import synthetic_plan
 
 
 @pytest.mark.parametrize(("layers", "stages", "prompt"), [(8, 1, 4), (32, 4, 16), (80, 16, 64)])
