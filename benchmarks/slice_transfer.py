@@ -13,7 +13,7 @@ folder on hosts 2 and 3.
 
 1. **Link speed** (interleaved rounds, medians): host 1 serves the whole model as one
    stage's slice (``runtime_cupy.slices.server.SliceServer``) and, on another port, the
-   very same bytes (the slice's header and tensors, from the same memory map) as a raw
+   very same bytes (the slice's header and tensors, from the same file) as a raw
    TCP copy; host 2 fetches the slice into an empty cache (handshake, SHA-256 of every
    tensor, space reserved, fsync, renamed into place) or receives the raw copy into a
    file on the same file system (then fsync). MB/s = bytes read off the socket over the
@@ -67,6 +67,23 @@ CHUNK = 8 << 20
 # -- the processes on the hosts ---------------------------------------------------------
 
 
+def slice_of(path: str, digests: Any, parts: Any) -> tuple[Any, tuple[str, ...], bytes]:
+    """What the slice server sends a stage holding ``parts`` of the model at ``path``
+    (offered with ``digests``, a ``DigestStore``): the model's header, the slice's
+    tensor names and the slice's GGUF header."""
+    from runplan.gguf_files import model_id_for
+    from runplan.gguf_header import GgufHeader
+    from runplan.shard_file import shard_header
+    from runplan.shards import slice_tensor_names
+
+    header = GgufHeader.read(path)
+    content = digests.content(header)  # the server's, already keyed when offered
+    names = slice_tensor_names(header.tensors, parts)
+    model_id = header.model_id or model_id_for(path)
+    head = shard_header(header, names, parts, content.key, content.tensor_sha256, model_id)
+    return header, names, head
+
+
 def serve(args: argparse.Namespace) -> int:
     """Host 1: the slice server and a raw sender of the same bytes, until stdin closes."""
     from runplan import GgufSource
@@ -81,7 +98,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.sealed_chunk:  # the chunk size this process's server seals the bytes in
         protocol.SEALED_CHUNK = int(args.sealed_chunk)
     secret = new_secret()
-    server = SliceServer(args.bind, DigestStore(SliceCache().digests))
+    digests = DigestStore(SliceCache().digests)
+    server = SliceServer(args.bind, digests)
     source = GgufSource((args.model,))
     key = server.offer(source)
     server.expect(1, "bench", slice_key(secret, "bench"))  # as without --encrypt-edges
@@ -89,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
     whole = GgufHeader.read(args.model)
     n_layers = whole.integer(f"{whole.string('general.architecture')}.block_count")
     parts = SliceParts(0, n_layers, True, True)
-    header, names, head = server.slice_of(source, parts)
+    header, names, head = slice_of(args.model, digests, parts)
     raw = socket.socket()
     raw.bind((args.bind, 0))
     raw.listen(4)

@@ -172,16 +172,6 @@ class SliceServer:
                 served = self._sources.setdefault(paths, served)
         return served.content.key
 
-    def slice_of(
-        self, source: GgufSource, parts: SliceParts
-    ) -> tuple[GgufHeader, tuple[str, ...], bytes]:
-        """What a stage holding ``parts`` of an offered source gets: the source's header,
-        the slice's tensor names and the slice's GGUF header (``KeyError`` if not
-        offered)."""
-        served = self._sources[tuple(source.paths)]
-        names, data = served.slice(parts)
-        return served.header, names, data
-
     def expect(
         self,
         stage_index: int,
