@@ -12,8 +12,10 @@ of its largest (the llama IQ4_XS model's prompt: llama.cpp's best two 0.01 apart
 float activations' logits up to 0.1 from its 8-bit activations' ones). Greedy tokens
 equal llama.cpp's on all 16 steps for F32, F16 and BF16 unless llama.cpp's two largest
 logits come to a near-tie (``numerics.NEAR_TIE``), and for every type at least up to
-the first near-tie. Where all 16 tokens agree, the logits of the last (decode) step
-meet the same cosine thresholds.
+the first near-tie. The logits of the last (decode) step, with llama.cpp's own tokens
+fed back (ours may part from its after a near-tie), meet the same cosine thresholds,
+but for 0.999 on a quantized model whose greedy tokens part from llama.cpp's
+(``PARTED_THRESHOLD``).
 
 llama.cpp's CPU GELU (gemma3) is a table of float16 values indexed by the input
 rounded to float16, about 1e-3 from the exact function: its F32 logits stand up to
@@ -64,6 +66,12 @@ MODELS: list[dict[str, Any]] = DOC["models"]
 N_TOKENS: int = DOC["greedy_tokens"]
 EXACT_TYPES = ("F32", "F16")
 EXACT_GREEDY_TYPES = ("F32", "F16", "BF16")
+#: The decode step's cosine on a quantized model whose greedy tokens part from
+#: llama.cpp's: those are the models whose float activations stand furthest from
+#: llama.cpp's 8-bit ones (they flipped a near-tie), and 15 steps of that in the KV
+#: cache take them to 0.9993 (tiny-llama-moe-Q4_K, tiny-smollm3-Q4_K). The CPU worker,
+#: which rounds its activations as llama.cpp does, meets 0.9999996 on every model.
+PARTED_THRESHOLD = 0.999
 
 
 def arch_of(entry: dict[str, Any]) -> str:
@@ -72,6 +80,7 @@ def arch_of(entry: dict[str, Any]) -> str:
 
 
 _runs: dict[str, list[TokenOutput]] = {}
+_forced: dict[str, list[TokenOutput]] = {}
 
 
 def run(entry: dict[str, Any], model_dir: Path) -> list[TokenOutput]:
@@ -82,6 +91,21 @@ def run(entry: dict[str, Any], model_dir: Path) -> list[TokenOutput]:
         _runs[name] = chain.generate(DOC["prompt"], N_TOKENS)
         chain.release()
     return _runs[name]
+
+
+def run_on_theirs(entry: dict[str, Any], model_dir: Path) -> list[TokenOutput]:
+    """Our outputs on the model of ``entry`` (one stage) fed llama.cpp's greedy tokens
+    back, not ours: each step sees the inputs of llama.cpp's, even after our tokens
+    part from its at a near-tie."""
+    name = entry["name"]
+    if name not in _forced:
+        chain = Chain.bind(provisions(model_file(entry, model_dir), 1, max_seq_len=64))
+        outs = [chain.step(0, np.array(DOC["prompt"], dtype=np.uint32))]
+        for k, token in enumerate(entry["greedy"][: N_TOKENS - 1], start=1):
+            outs.append(chain.step(k, np.array([token], dtype=np.uint32)))
+        chain.release()
+        _forced[name] = outs
+    return _forced[name]
 
 
 def threshold(entry: dict[str, Any]) -> float:
@@ -268,12 +292,13 @@ def test_greedy_tokens_match_llamacpp_up_to_a_near_tie(
 
 @pytest.mark.parametrize("entry", MODELS, ids=[m["name"] for m in MODELS])
 def test_decode_step_logits_match_llamacpp(entry: dict[str, Any], model_dir: Path) -> None:
-    outs = run(entry, model_dir)
-    if [o.token_id for o in outs] != entry["greedy"][:N_TOKENS]:
-        pytest.skip("the greedy tokens part at a near-tie: the last steps saw other inputs")
+    outs = run_on_theirs(entry, model_dir)
+    assert len(outs) == N_TOKENS
+    parted = [o.token_id for o in run(entry, model_dir)] != entry["greedy"][:N_TOKENS]
     ours = logits_of(outs[-1])
     theirs = LOGITS[f"{entry['name']}/last_step"]
-    assert cosine(ours, theirs) >= threshold(entry)
+    exact = entry["type"] in EXACT_TYPES
+    assert cosine(ours, theirs) >= (PARTED_THRESHOLD if parted and not exact else threshold(entry))
     assert same_pick_up_to_a_near_tie(ours, theirs)
 
 
@@ -293,7 +318,7 @@ def test_gemma3_runs_past_its_window_with_a_global_block_and_matches_llamacpp_th
     assert len(DOC["prompt"]) + N_TOKENS > max(sliding)
     assert len(set(facts.layer_rope_freq_bases)) == 2  # one base per kind of block
     outs = run(entry, model_dir)
-    assert [o.token_id for o in outs] == entry["greedy"][:N_TOKENS]  # no skipped decode check
+    assert [o.token_id for o in outs] == entry["greedy"][:N_TOKENS]
     assert cosine(logits_of(outs[-1]), LOGITS[f"{entry['name']}/last_step"]) >= threshold(entry)
 
 
