@@ -7,7 +7,14 @@ import attrs
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from runplan import Placement, RunPlan, WorkerCapabilities, check_plan, plan_run
+from runplan import (
+    Placement,
+    PlacementStrategy,
+    RunPlan,
+    WorkerCapabilities,
+    check_plan,
+    plan_run,
+)
 from runplan.memory import kv_budget_bytes, plan_stage_memory, stage_memory
 from runplan.rejections import (
     InconsistentModelFacts,
@@ -61,14 +68,16 @@ def test_a_mixture_of_experts_rejects_for_a_worker_that_runs_none(
 def test_stages_that_do_not_fit_their_device_reject(
     inputs: PlanInputs, data: st.DataObject
 ) -> None:
-    """The victim's node gets less than its stage holds with no blocks at all (the weights
-    every stage at its place holds, its inbound ring, an explicit KV budget): placement
-    ``memory`` moves blocks off a small node, so less than the planned stage's need alone
+    """The victim's node gets less than its stage needs (down to one byte less). Under
+    placement ``memory`` it gets less than its stage holds with no blocks at all (the
+    weights every stage at its place holds, its inbound ring, an explicit KV budget):
+    that placement moves blocks off a small node, so less than the planned stage's need
     may still fit the smaller stage it plans then."""
     plan = _run(inputs)
     assert isinstance(plan, RunPlan), plan
     index = data.draw(st.integers(0, len(plan.stages) - 1))
     stage = plan.stages[index]
+    use = plan_stage_memory(inputs.facts, inputs.config.worker, plan)[index]
     start = stage.layer_start
     bare = stage_memory(
         inputs.facts,
@@ -80,11 +89,11 @@ def test_stages_that_do_not_fit_their_device_reject(
         kv_budget_bytes=kv_budget_bytes(
             inputs.facts, inputs.config, layer_start=start, layer_end_exclusive=start
         ),
-        inbound_ring_bytes=plan_stage_memory(inputs.facts, inputs.config.worker, plan)[
-            index
-        ].ring_bytes,
+        inbound_ring_bytes=use.ring_bytes,
     )
-    memory = data.draw(st.integers(0, bare.total - 1))
+    by_memory = inputs.placement.strategy is PlacementStrategy.BY_MEMORY
+    bound = (bare if by_memory else use).total
+    memory = bound - data.draw(st.integers(1, bound))  # often just short of it
     victim = stage.node_id
     nodes = tuple(
         attrs.evolve(n, memory_bytes=memory) if n.node_id == victim else n
