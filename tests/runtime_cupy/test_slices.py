@@ -748,3 +748,21 @@ def test_a_silent_link_names_whose_bound_ran_out(kernel: bool) -> None:
         said = str(caught.value)
         assert ("the connection timed out" in said) is kernel, said
         assert ("for 60 s" in said) is not kernel, said
+
+
+def test_a_stage_admitted_again_on_another_host_is_named_by_it(
+    untied: Source, tmp_path: Path
+) -> None:
+    """A recovery admits a lost stage again on its new host: its next transfer names
+    that node and host (it kept the first admission's record, so the slice log, the
+    bars and ``/health`` blamed the lost host for the new one's transfer)."""
+    untied.resolve(untied.fetcher(tmp_path / "first"))
+    (first,) = _settled(untied.server)
+    assert (first.node_id, first.host) == ("node1", "host1")
+    key = slice_key(untied.secret, "node9")
+    untied.server.expect(1, "node9", key, "host9")
+    origin = SliceOrigin(untied.server.address, untied.key)
+    fetcher = SliceFetcher(origin, 1, key, SliceCache(tmp_path / "second", limit=None))
+    untied.resolve(fetcher)
+    (second,) = _settled(untied.server)
+    assert (second.state, second.node_id, second.host) == ("done", "node9", "host9"), second

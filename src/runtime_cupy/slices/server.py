@@ -185,11 +185,13 @@ class SliceServer:
         """Admit stage ``stage_index`` (``node_id``, on ``host``) with its slice key;
         ``encrypt``: its slice travels encrypted (its launch's ``encrypt_edges``);
         ``parts``: the slice its plan gives it, the only one it is sent (``None``:
-        any)."""
+        any). A transfer recorded for an earlier admission of the stage (a host a
+        recovery replaced) is dropped: the next one names this node and host."""
         with self._lock:
             self._admitted[stage_index] = Admission(key, protection_for(encrypt))
             self._who[stage_index] = (node_id, host)
             self._parts[stage_index] = parts
+            self._transfers.pop(stage_index, None)
 
     def transfers(self) -> tuple[StageTransfer, ...]:
         with self._lock:
