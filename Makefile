@@ -138,12 +138,12 @@ avxvnni-as-evex: $(STAMP)
 		tests/runtime_core/workers/cpu/test_cpu_avxvnni_as_evex.py
 
 # The CPU worker on processors this machine is not: llama.cpp's fixtures and the kernels'
-# tests in an interpreter under QEMU's user-mode emulator, as a Sandy Bridge (no AVX2:
-# the portable kernels) and a Haswell (AVX2, no AVX-512). Needs qemu-x86_64 7.2 or later
+# tests in an interpreter under QEMU's user-mode emulator, as a Westmere (no AVX) and a
+# Sandy Bridge (no AVX2: the portable kernels on both) and a Haswell (AVX2, no AVX-512). Needs qemu-x86_64 7.2 or later
 # (Debian's qemu-user); NumPy's OpenBLAS takes its generic kernels there. Not part of
 # `make test` (which runs tests/runtime_core/workers/cpu/test_cpu_other_processors.py,
 # skipped without QEMU); minutes on a quiet host.
-OTHER_CPUS ?= SandyBridge Haswell-noTSX
+OTHER_CPUS ?= Westmere SandyBridge Haswell-noTSX
 OTHER_CPU_TESTS ?= tests/runtime_core/workers/cpu/test_cpu_llamacpp.py \
 	tests/runtime_core/workers/cpu/test_cpu_kernels.py \
 	tests/runtime_core/workers/cpu/test_cpu_exp32.py \
