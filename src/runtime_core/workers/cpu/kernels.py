@@ -25,6 +25,8 @@ from types import ModuleType
 from runplan.cpus import usable_cpus
 
 THREADS_VARIABLE = "OMP_NUM_THREADS"
+#: The most threads a product runs on (the kernels' own bound, csrc/calls.c).
+MAX_THREADS = 1024
 
 
 class KernelsUnavailable(RuntimeError):

@@ -30,7 +30,13 @@ from typing import ClassVar
 from runplan import WorkerCapabilities
 from runplan.config import REFERENCE_ARCHITECTURES
 from runplan.quant_types import CHUNK, QUANT_TYPES
-from runtime_core.workers.cpu.kernels import checked_isa, default_threads, load
+from runtime_core.workers.cpu.kernels import (
+    MAX_THREADS,
+    THREADS_VARIABLE,
+    checked_isa,
+    default_threads,
+    load,
+)
 from runtime_core.workers.interface import TraceEvent
 from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWorker
 
@@ -69,10 +75,16 @@ class CpuWorker(StageWorker):
         if threads is not None and (isinstance(threads, bool) or threads < 1):
             raise ValueError(f"threads {threads!r} is not a positive count")
         self.threads = threads if threads is not None else default_threads()
+        # where the count came from, for the bind's error past the kernels' bound
+        self._threads_from = "threads" if threads is not None else THREADS_VARIABLE
         self.isa = checked_isa(isa)  # the set's name (None only where nothing is built)
 
     def _make_backend(self, spec: BackendSpec) -> StageBackend:
         load()  # KernelsUnavailable (a RuntimeError: WorkerError at bind) if not built
+        if self.threads > MAX_THREADS:  # the kernels' error named only "threads"
+            raise ValueError(
+                f"{self._threads_from} {self.threads}: the CPU worker runs 1..{MAX_THREADS} threads"
+            )
         from runtime_core.workers.cpu.backend import CpuBackend
 
         return CpuBackend(spec, self.threads, checked_isa(self.isa))

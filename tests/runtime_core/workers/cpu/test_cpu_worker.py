@@ -144,6 +144,22 @@ def test_the_threads_default_to_the_launchers_share(monkeypatch: pytest.MonkeyPa
     assert CpuWorker().threads >= 1
 
 
+@pytest.mark.parametrize(("env", "arg", "named"), [("5000", None, "OMP_NUM_THREADS 5000"),
+                                                    (None, 2000, "threads 2000")])  # fmt: skip
+def test_threads_past_the_kernels_bound_are_refused_at_bind_naming_their_source(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, env: str | None, arg: int | None, named: str
+) -> None:
+    """The kernels run 1..1024 threads: past it, the bind said "threads 5000 is not in
+    1..1024", naming neither the variable nor the argument it came from."""
+    if env is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    path = write_model(folder / "t.gguf", ModelShape(n_layers=1))
+    w = CpuWorker(threads=arg)
+    w.configure(provisions(path)[0])
+    with pytest.raises(WorkerError, match=f"{named}: the CPU worker runs 1..1024 threads"):
+        w.bind(provisions(path)[0].gguf_source)
+
+
 # ---- the worker interface -------------------------------------------------------------------
 
 
