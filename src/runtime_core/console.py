@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from runplan.arguments import positive_int
+from runplan.gguf_error import GgufError
+from runplan.gguf_header import GgufHeader
+from runplan.models import resolve_model
 from runtime_core.own_files import open_own_file
 from runtime_core.tokenizer import Tokenizer, clean_up_spaces
 
@@ -247,12 +250,41 @@ def add_generation_arguments(
 def check_generation_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flags of ``add_generation_arguments`` that contradict each other: ``--chat`` with
     ``--prompt-ids`` (the template renders text; ids are tokens already: it was dropped
-    without a word). One line and exit status 2."""
+    without a word); a ``--trace`` that is a file of the model (the trace replaced the
+    model). One line and exit status 2."""
     if args.chat and getattr(args, "prompt_ids", None) is not None:
         parser.error(
             "argument --chat: the chat template wraps a text prompt; --prompt-ids are "
             "tokens already"
         )
+    if args.trace is not None and (model_file := _model_file_at(args.trace, args.model)):
+        parser.error(
+            f"argument --trace: {str(args.trace)!r} is the model's file {model_file}: "
+            "the trace would overwrite it"
+        )
+
+
+def _model_file_at(trace: Path, model: str) -> str | None:
+    """The file of the model ``model`` names (the GGUF file, any file of its split set,
+    its shards or their manifest) that ``trace`` is, by device and inode (another name,
+    a link); ``None`` when it is none of them, or the model cannot be read (the run
+    then fails before any trace is written)."""
+    try:
+        at = os.stat(trace)
+    except OSError:  # no file there yet: not the model's
+        return None
+    try:
+        header = GgufHeader.read(resolve_model(model))
+    except (GgufError, OSError, ValueError):
+        return None
+    for path in dict.fromkeys((*header.source_paths, *header.paths)):
+        try:
+            there = os.stat(path)
+        except OSError:
+            continue
+        if (there.st_dev, there.st_ino) == (at.st_dev, at.st_ino):
+            return path
+    return None
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -187,6 +187,40 @@ def test_a_trace_path_is_checked_without_leaving_a_file(tiny: str, tmp_path: Pat
     assert writable_file(str(fresh)) == fresh and not fresh.exists()
 
 
+def test_a_trace_naming_a_file_of_the_model_is_refused_and_the_model_kept(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--trace`` naming the model's file (by another path too), one of its shards or
+    their manifest: exit 2, one line naming the file, the model as it was (the
+    trace replaced the model, exit 0)."""
+    from runplan import model_facts_from_gguf
+    from runplan.split import split_model, split_plan
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(Path(tiny).read_bytes())
+    (tmp_path / "sub").mkdir()
+    other_name = tmp_path / "sub" / ".." / "model.gguf"  # the same file, by device and inode
+    plan = split_plan(model_facts_from_gguf(model), 2, None, "even")
+    split_model(str(model), plan, tmp_path / "shards")  # type: ignore[arg-type]
+    shard = next((tmp_path / "shards").glob("*.stage-1-of-2.gguf"))
+    cases = [
+        (str(model), str(model), model),
+        (str(model), str(other_name), model),
+        (str(tmp_path / "shards"), str(shard), shard),
+        (str(tmp_path / "shards"), str(tmp_path / "shards" / "manifest.json"), None),
+    ]
+    for source, trace, kept in cases:
+        before = kept.read_bytes() if kept else None
+        with pytest.raises(SystemExit) as exc:
+            main(["run", "--model", source, "--prompt-ids", "1", "--stages", "1",
+                  "--trace", trace])  # fmt: skip
+        assert exc.value.code == 2, trace
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--trace" in err[0] and "the model's file" in err[0], err
+        if kept:
+            assert kept.read_bytes() == before
+
+
 def test_several_runs_of_one_prompt_through_one_chain_each_equal_to_alone(
     tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
