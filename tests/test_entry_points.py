@@ -386,3 +386,36 @@ def test_an_io_error_elsewhere_is_not_named_for_standard_output(package: str, cl
     standard output, which works (it said "cannot write standard output")."""
     done = _python(_DEVICE_GONE, package, cli)
     assert (done.returncode, done.stderr, done.stdout) == (1, "error: Input/output error\n", "")
+
+
+def _closing(redirect: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m ARGV`` with one standard descriptor closed by the shell (``>&-``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    return subprocess.run(
+        ["sh", "-c", f'exec "$0" -m "$@" {redirect}', sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(("package", "_module"), COMMANDS)
+def test_a_closed_standard_output_is_one_error_line(package: str, _module: str) -> None:
+    """Standard output closed (``>&-``): one line, exit 1, before the command starts (an
+    ``AttributeError`` traceback: Python's ``sys.stdout`` is then ``None``)."""
+    done = _closing(">&-", package, "--version")
+    assert (done.returncode, done.stderr) == (1, "error: standard output is closed\n")
+
+
+def test_a_closed_standard_input_or_error_is_dev_null() -> None:
+    """Standard input closed (``<&-``): read as empty, the command's own error; standard
+    error closed (``2>&-``): the command's status, its error lost (both were an
+    ``AttributeError`` traceback)."""
+    done = _closing("<&-", "runplan", "check", "-", "--json")
+    assert done.returncode == 1, done.stderr
+    assert json.loads(done.stdout)["error"]["type"] == "UnreadableInput"
+    assert "Traceback" not in done.stderr
+    done = _closing("2>&-", "runplan", "facts", "/nonexistent/model.gguf")
+    assert (done.returncode, done.stdout) == (1, ""), done

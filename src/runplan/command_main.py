@@ -15,6 +15,12 @@ traceback:
 - any other error after a SIGTERM that C code turned into it (NumPy's import of
   ``datetime`` makes an ``ImportError`` of it): cancelled by SIGTERM.
 
+A standard stream whose descriptor is closed (``<&-``, ``2>&-``: Python's ``sys.stdin``
+is then ``None``, and the command's first use of it an ``AttributeError`` traceback)
+is ``/dev/null`` from before the command starts (``_reopen_closed``); where standard
+output is the one closed (``>&-``), the command does not start: ``error: standard
+output is closed``, exit 1 (a whole run was made, and its text lost).
+
 Standard library only, as ``runplan.interrupted``: nothing else is imported before the
 handler is set.
 """
@@ -44,9 +50,36 @@ def _output_failed() -> bool:
     return False
 
 
+#: each standard stream: its descriptor, its ``sys`` name, the mode it is opened in
+_STREAMS = ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w"))
+
+
+def _reopen_closed() -> bool:
+    """``/dev/null`` on each standard descriptor that is closed, and as its ``sys``
+    stream (``None`` there); whether standard output was one of them."""
+    closed = []
+    for fd, name, mode in _STREAMS:
+        try:
+            os.fstat(fd)
+        except OSError:  # EBADF: closed
+            closed.append(name)
+            null = os.open(os.devnull, os.O_RDONLY if mode == "r" else os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            errors = "backslashreplace" if name == "stderr" else None
+            stream = open(fd, mode, encoding="utf-8", errors=errors, closefd=False)  # noqa: SIM115
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
+    return "stdout" in closed
+
+
 def run_command(module: str) -> NoReturn:
     """Run ``module``'s ``main()`` as ``python -m``'s command and exit with its status."""
     sigterm_as_ctrl_c()  # first: SIGTERM from here on cancels the command as Ctrl-C does
+    if _reopen_closed():  # ``>&-``: nothing the command printed could be seen
+        sys.stderr.write("error: standard output is closed\n")
+        sys.exit(1)
     try:
         try:
             status = importlib.import_module(module).main()
