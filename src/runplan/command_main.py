@@ -39,6 +39,14 @@ from runplan.interrupted import raised_before, sigterm_as_ctrl_c
 OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG})
 
 
+def output_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that the output refused (its reader gone, a full disk,
+    ``/dev/full``, an I/O error: ``OUTPUT_ERRNOS``), not a fault of the command."""
+    return isinstance(exc, BrokenPipeError) or (
+        isinstance(exc, OSError) and exc.errno in OUTPUT_ERRNOS
+    )
+
+
 def _output_failed() -> bool:
     """Whether standard output is what cannot be written: a write of no bytes to it
     fails (``/dev/full``, a terminal gone); one to a file on a full disk does not, and

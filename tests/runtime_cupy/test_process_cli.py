@@ -103,6 +103,29 @@ def test_a_trace_that_cannot_be_written_costs_nothing_of_the_result(
     assert Path("/dev/full").is_char_device()
 
 
+def test_a_full_standard_output_during_a_run_is_one_error_line(tiny: str) -> None:
+    """Tokens streamed to ``/dev/full``: exit 1 and the one line naming standard output,
+    with no traceback before it (the failed write in ``on_token`` was logged as a bug,
+    its traceback with it)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("this host has no /dev/full")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "1",
+             "--prompt-ids", "7,8,9", "--max-tokens", "8", "--worker", "numpy"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            env=_env(),
+            timeout=120,
+        )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (
+        1,
+        "error: cannot write standard output: No space left on device\n",
+    )
+
+
 def test_a_killed_stage_exits_non_zero_with_one_line_naming_it(smollm2_path: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "runtime_cupy", "--model", smollm2_path, "--stages", "3",

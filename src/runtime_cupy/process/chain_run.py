@@ -19,6 +19,7 @@ import numpy.typing as npt
 from attrs import frozen
 
 from runplan import RunPlan
+from runplan.command_main import output_refused
 from runplan.fsm import orchestrator as fsm
 from runtime_core.chain_orchestrator import RunHandle
 from runtime_cupy.process.names import run_label
@@ -132,7 +133,7 @@ class ChainRun:
                 self.on_token(token_id)
         except Exception as exc:  # the caller's: this run ends, the chain and others go on
             self.callback_failed = f"its {name} raised {type(exc).__name__}: {exc}"
-            if isinstance(exc, BrokenPipeError):  # where it writes, no one reads: no bug
+            if output_refused(exc):  # where it writes, no one reads or no room: no bug
                 log.info("run %s: %s", run_label(self.run_id), self.callback_failed)
             else:
                 log.exception("run %s: %s", run_label(self.run_id), self.callback_failed)
