@@ -34,7 +34,9 @@ stop on their own once this process is gone). With ``--ray-address`` the
 stages live on the hosts of that Ray cluster (this process its driver), placed as
 ``python -m runtime_cupy --ray-address`` places them.
 
-Exit status: 0 after a stop, 1 if the stages could not be started, 2 for bad input.
+Exit status: 130 after Ctrl-C and 143 after SIGTERM (128 + the signal's number, as a
+run and a chat end; whenever it comes: the modules loading, the stages starting, or
+serving), 1 if the stages could not be started, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runplan.arguments import OneLineParser, non_negative_int, positive_int
+from runplan.json_errors import cancelled_status
 from runtime_core.bounded_lines import LinesRefused, read_lines
 from runtime_cupy.cli.arguments import (
     EXIT_INPUT,
@@ -232,10 +235,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _noted(signum: int, _frame: object) -> None:
-    log.info("%s: stopping", signal.Signals(signum).name)
-
-
 def _configure_logs(verbose: bool) -> None:
     configure_logs(verbose)
     logging.getLogger("runtime_cupy.serve").setLevel(logging.INFO)
@@ -315,8 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # uvicorn handles SIGINT / SIGTERM while it runs, then raises the signal again under
     # the handlers it found: these, so that the stages are closed before we leave. One
     # ignored at the start (SIGINT in a script's background job) stays ignored.
+    stopped_by: list[int] = []  # the signal that stopped it
+
+    def noted(signum: int, _frame: object) -> None:
+        stopped_by.append(signum)
+        log.info("%s: stopping", signal.Signals(signum).name)
+
     previous = {
-        s: signal.signal(s, _noted)
+        s: signal.signal(s, noted)
         for s in (signal.SIGINT, signal.SIGTERM)
         if signal.getsignal(s) != signal.SIG_IGN
     }
@@ -331,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not engine.close(CLOSE_BOUND_S):  # stages still starting: the close waits on them
             log.warning("the stages did not stop within %.0f s: leaving them (each stops "
                         "once this process is gone)", CLOSE_BOUND_S)  # fmt: skip
+    if stopped_by:  # as a run or a chat that a signal ended: 130, 143
+        return cancelled_status(signal.Signals(stopped_by[0]).name)
     if engine.failure is not None:
         print(f"error: the stages could not be started: {engine.failure}", file=sys.stderr)
         return EXIT_FAILED

@@ -209,7 +209,10 @@ class Engine:
                 return
             finally:
                 self._started.set()
-            log.info("ready: %d stages, pids %s", len(self.chain.pids()), self.chain.pids())
+            with self._cond:
+                stopping = self._closing
+            if not stopping:  # a stop that came while they started said "stopping" already
+                log.info("ready: %d stages, pids %s", len(self.chain.pids()), self.chain.pids())
             limit = self.chain.max_concurrent
             while True:
                 with self._cond:

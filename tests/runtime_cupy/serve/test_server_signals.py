@@ -41,7 +41,7 @@ def test_ctrl_c_stops_the_server_and_its_stages(tiny_chat: str, tmp_path: Path) 
         pids = list(server.stage_pids().values())
         assert len(pids) == 2, server.log()
         server.proc.send_signal(signal.SIGINT)
-        assert server.proc.wait(30) == 0, server.log()
+        assert server.proc.wait(30) == 130, server.log()  # 128 + SIGINT, as a run
         assert not wait_gone(pids, 10.0), "stage processes outlived the server"
         assert "SIGINT: stopping" in server.log()
     finally:
@@ -60,5 +60,25 @@ def test_started_with_sigint_ignored_it_serves_through_one(tiny_chat: str, tmp_p
         assert list(server.stage_pids().values()) == pids  # the same stages, none restarted
         assert "SIGINT" not in server.log()
     finally:
-        assert server.stop() == 0, server.log()
+        assert server.stop() == 143, server.log()  # 128 + SIGTERM
     assert not wait_gone(pids, 10.0), "stage processes outlived the server"
+
+
+def test_sigterm_while_the_stages_start_is_143_and_no_ready_after_stopping(
+    smollm2_path: str, tmp_path: Path
+) -> None:
+    """SIGTERM once the server listens, its stages still starting: exit 143, as once it
+    serves (it was 0 there, 143 before it listened), and no ``ready`` logged after
+    ``stopping`` (the stages' start, done meanwhile, said so)."""
+    args = ["--model", smollm2_path, "--stages", "3", "--port", "0"]
+    server = ServerProcess(args, tmp_path / "server.log")
+    try:
+        server.wait_listening()
+        server.health()  # answered: uvicorn runs, its handlers set (503: still starting)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 143, server.log()
+        log = server.log()
+        assert "SIGTERM: stopping" in log, log
+        assert "ready:" not in log.split("SIGTERM: stopping", 1)[1], log
+    finally:
+        server.stop()
