@@ -8,8 +8,9 @@ The stages start and bind once (``serve.chain.WarmChain``); then each line typed
 user turn: the model's chat template over the whole conversation so far, the answer
 streamed as it is generated. ``/reset`` starts a new conversation, ``/exit`` (or
 Ctrl-D) leaves; Ctrl-C stops the answer being written (what was written stays in the
-conversation) and the chat goes on; SIGTERM ends the chat (its stages closed, exit
-143). A conversation that leaves an answer less room
+conversation) and the chat goes on; SIGTERM ends the chat (its stages closed,
+``cancelled`` on standard error, exit 143; so does a Ctrl-C while the stages start,
+exit 130). A conversation that leaves an answer less room
 than ``--max-tokens`` (or half the context, where that is less) loses its oldest turns
 (the system prompt stays), with a note; a message too long for the context, or one the
 chat template refuses, is forgotten and the conversation kept as it was. The answer goes
@@ -278,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _loop(chat)
         return 0
     except KeyboardInterrupt as exc:  # Ctrl-C while the stages start, SIGTERM: 130, 143
+        print("cancelled", file=sys.stderr)  # as a run says it
         return cancelled_status(signal_of(exc))
     finally:
         chain.close()

@@ -161,6 +161,23 @@ def test_a_conversation_in_the_terminal(tiny_chat: str) -> None:
             os.waitpid(term.pid, 0)
 
 
+def test_sigterm_at_the_prompt_says_cancelled(tiny_chat: str) -> None:
+    """SIGTERM ends the chat with ``cancelled`` on its last line, as a run says it, and
+    exit 143 (it ended with no word)."""
+    argv = [sys.executable, "-m", "runtime_cupy", "chat", "--model", tiny_chat,
+            "--stages", "2", "--worker", WORKER, "--max-tokens", "8"]  # fmt: skip
+    term = Terminal(argv)
+    try:
+        term.read_until(b"> ", 0)
+        os.kill(term.pid, signal.SIGTERM)
+        assert term.wait() == 143, term.text()
+        assert term.text().rstrip().splitlines()[-1] == "cancelled", term.text()
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(term.pid, signal.SIGKILL)
+            os.waitpid(term.pid, 0)
+
+
 def _stage_paths(pid: int) -> set[str]:
     """The chain resources (``gpp-*`` rings and folders) a stage process holds open."""
     paths = set()
