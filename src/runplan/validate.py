@@ -94,7 +94,9 @@ def check_sampling(sampling: SamplingConfig) -> PlanRejection | None:
     if not (math.isfinite(t) and t >= 0.0):
         return InvalidConfig("sampling.temperature", repr(t), "must be finite and >= 0")
     if not 0 <= sampling.top_k <= U32_MAX:
-        return InvalidConfig("sampling.top_k", str(sampling.top_k), "must be >= 0 (0: off)")
+        return InvalidConfig(
+            "sampling.top_k", str(sampling.top_k), f"must be in 0..{U32_MAX} (0: off)"
+        )
     p = sampling.top_p
     if not (math.isfinite(p) and 0.0 < p <= 1.0):
         return InvalidConfig("sampling.top_p", repr(p), "must be in (0, 1] (1: off)")

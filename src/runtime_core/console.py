@@ -290,8 +290,12 @@ def _model_file_at(trace: Path, model: str) -> str | None:
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """``--temperature``, ``--top-k``, ``--top-p`` and ``--seed``."""
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="keep the k likeliest (0: off, the default)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus mass (1: off, the default)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
 
 

@@ -198,7 +198,9 @@ def test_sigterm_ends_the_chat_loop_where_ctrl_c_goes_on(
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [(["--temperature", "-1"], "sampling.temperature"), (["--top-p", "0"], "sampling.top_p"),
-     (["--seed", "-1"], "sampling.seed"), (["--temperature", "nan"], "sampling.temperature")],
+     (["--seed", "-1"], "sampling.seed"), (["--temperature", "nan"], "sampling.temperature"),
+     (["--top-k", "4294967296"], "sampling.top_k = 4294967296: must be in 0..4294967295 (0: off)"),
+     (["--top-k", "-1"], "must be in 0..4294967295 (0: off)")],
 )  # fmt: skip
 def test_a_bad_sampling_flag_is_refused_before_any_stage_starts(
     flags: list[str], needle: str, capsys: pytest.CaptureFixture[str], monkeypatch: Any
@@ -212,6 +214,12 @@ def test_a_bad_sampling_flag_is_refused_before_any_stage_starts(
     assert chat_cli.main(["--worker", "cpu", *flags]) == chat_cli.EXIT_INPUT == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_the_sampling_flags_help_names_their_defaults() -> None:
+    text = " ".join(chat_cli.build_parser().format_help().split())
+    assert "keep the k likeliest (0: off, the default)" in text
+    assert "nucleus mass (1: off, the default)" in text
 
 
 def test_the_question_asked_is_never_dropped() -> None:
