@@ -188,10 +188,19 @@ _CONVERTER = _converter()
 
 def manifest_path(path: str | os.PathLike[str]) -> str | None:
     """The manifest ``path`` names (a folder holding ``manifest.json``, or a ``.json``
-    file), or ``None`` when it names something else (a GGUF file)."""
+    file), or ``None`` when it names something else (a GGUF file). A folder whose
+    ``manifest.json`` cannot be looked at (a folder this user may not read: mode 000)
+    names it too, so that reading it says why (it was "is a directory, not a GGUF
+    file")."""
     p = os.fspath(path)
     if os.path.isdir(p):
         candidate = os.path.join(p, MANIFEST_NAME)
+        try:
+            os.stat(candidate)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError:  # EACCES: ``read_manifest`` says "cannot be read: ..."
+            return candidate
         return candidate if os.path.isfile(candidate) else None
     return p if p.endswith(".json") else None
 

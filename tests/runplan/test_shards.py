@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import attrs
@@ -300,3 +302,35 @@ def test_a_split_cut_short_leaves_no_earlier_manifest_over_mixed_shards(
     assert [s["file"] for s in _manifest(out)["shards"]] == sorted(  # type: ignore[index]
         p.name for p in out.glob("*.gguf")
     )
+
+
+def test_a_shard_folder_this_user_cannot_read_says_so(shards: Path, tmp_path: Path) -> None:
+    """A shard folder of mode 000: "cannot be read: Permission denied", naming it (it
+    was "is a directory, not a GGUF file"). Root reads it anyway: there the command runs
+    without the capabilities that let it (``setpriv``)."""
+    folder = tmp_path / "locked"
+    shutil.copytree(shards, folder)
+    drop: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root reads a mode-000 folder, and setpriv, to drop that, is absent")
+        drop = [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    folder.chmod(0)
+    try:
+        listing = "import os, sys; os.listdir(sys.argv[1])"
+        probe = subprocess.run([*drop, sys.executable, "-c", listing, str(folder)],
+                               capture_output=True, check=False)  # fmt: skip
+        if probe.returncode == 0:
+            pytest.skip("this process cannot drop its capability to read a mode-000 folder")
+        done = subprocess.run(
+            [*drop, sys.executable, "-m", "runplan", "facts", str(folder), "--json"],
+            capture_output=True, text=True, env=env, timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        folder.chmod(0o755)
+    assert done.returncode == 1, done.stderr
+    message = json.loads(done.stdout)["error"]["message"]
+    assert message == f"{folder / MANIFEST_NAME}: cannot be read: Permission denied", message
