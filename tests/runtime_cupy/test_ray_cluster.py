@@ -283,6 +283,14 @@ def test_no_cluster_at_the_address_is_a_clear_error() -> None:
         connect("127.0.0.1:1")
 
 
+@pytest.mark.parametrize("port", ["0", "65536", "99999", "0099999"])
+def test_a_port_outside_1_to_65535_is_refused_naming_it(port: str) -> None:
+    """A port no socket has: refused naming it (99999 was probed as 99999 mod 65536)."""
+    with pytest.raises(ClusterError) as exc:
+        connect(f"127.0.0.1:{port}")
+    assert str(exc.value) == f"bad Ray address '127.0.0.1:{port}': port {port} is not in 1..65535"
+
+
 @pytest.mark.parametrize("answer", [None, b"HTTP/1.0 400 Bad request\r\n\r\n"])
 def test_a_listener_that_is_not_a_ray_head_is_a_clear_error_at_once(
     answer: bytes | None, monkeypatch: pytest.MonkeyPatch

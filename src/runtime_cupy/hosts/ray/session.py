@@ -109,8 +109,10 @@ def _reachable(address: str) -> None:
     silent listener) sends something else or nothing within ``PROBE_S``. Not probed where
     Ray's links use TLS (``RAY_USE_TLS``), whose handshake comes first."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
+    if not sep or not (port.isascii() and port.isdigit()) or not host:
         raise ClusterError(f"bad Ray address {address!r}: write auto or HOST:PORT")
+    if not 1 <= int(port) <= 65535:  # the socket took 99999 as port 99999 mod 65536
+        raise ClusterError(f"bad Ray address {address!r}: port {port} is not in 1..65535")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S) as conn:
             if os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
