@@ -5,6 +5,7 @@ the ``Cancelled`` object on standard output (none after the command's own)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -419,3 +420,25 @@ def test_a_closed_standard_input_or_error_is_dev_null() -> None:
     assert "Traceback" not in done.stderr
     done = _closing("2>&-", "runplan", "facts", "/nonexistent/model.gguf")
     assert (done.returncode, done.stdout) == (1, ""), done
+
+
+@pytest.mark.parametrize(
+    ("cli", "argv", "needle"),
+    [
+        ("runtime_cupy.cli.main", ["serv", "--port", "8080"],
+         "unknown command 'serv' (commands: plan, serve, chat, cache)"),
+        ("runtime_sim.cli", ["rnu", "--prompt", "hi"], "invalid choice: 'rnu'"),
+        ("runplan.cli", ["fact", "x"], "invalid choice: 'fact'"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_command_is_named(
+    cli: str, argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first argument that is no command and no flag: exit 2, one line naming it
+    (``runtime_cupy serv`` said that one of --prompt, --prompt-ids, --prompts-file is
+    required)."""
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(cli).main(argv)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines

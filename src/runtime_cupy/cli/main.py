@@ -304,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if given and given[0] in SUBCOMMANDS:
         return _subcommand(given[0], given[1:])
     parser = build_parser()
+    if given and not given[0].startswith("-"):  # a mistyped command (it said --prompt is due)
+        parser.error(f"unknown command {given[0]!r} (commands: {', '.join(SUBCOMMANDS)})")
     args = parser.parse_args(given)
     check_generation_arguments(parser, args)
     check_worker_arguments(parser, args)
