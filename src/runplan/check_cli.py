@@ -4,7 +4,8 @@ over a plan read off the wire, with pass or what broke it.
 The input is one JSON document: a ``RunPlan`` as ``runplan.wire`` encodes it, or an
 object ``{"plan": <RunPlan>, "provisions": [<ProvisionStage>, ...]}`` (provisions
 optional; ``python -m runplan plan --json`` writes such an object, with a ``memory``
-key that is ignored). Without provisions, those derived with ``provision_all`` are
+key that is ignored, and ``python -m runtime_cupy plan --json`` one with a ``stages``
+key, ignored too). Without provisions, those derived with ``provision_all`` are
 checked. Exit status: 0 when every clause holds, 2 when one is broken, 1 when the
 input cannot be read.
 """
@@ -28,7 +29,10 @@ EXIT_BROKEN = 2
 EXIT_INPUT = 1
 #: Largest document read: a plan and one provision per stage.
 MAX_DOCUMENT_BYTES = 4 * wire.MAX_MESSAGE_BYTES
-_DOCUMENT_KEYS = frozenset({"plan", "provisions", "memory"})
+#: the keys of a document object; ``memory`` (``runplan plan --json``'s) and ``stages``
+#: (``runtime_cupy plan --json``'s: each stage's memory and host) describe the plan and
+#: are not checked
+_DOCUMENT_KEYS = frozenset({"plan", "provisions", "memory", "stages"})
 
 
 class UnreadableInput(Exception):
@@ -99,7 +103,7 @@ def read_document(path: str) -> tuple[RunPlan, tuple[ProvisionStage, ...] | None
         )
     extra = sorted(set(doc) - _DOCUMENT_KEYS)
     if extra:
-        raise UnreadableInput(f"unknown key {extra[0]!r} (known: plan, provisions, memory)")
+        raise UnreadableInput(f"unknown key {extra[0]!r} (known: plan, provisions, memory, stages)")
     plan = _message(_encode(doc["plan"]), RunPlan, "plan")
     if "provisions" not in doc:
         return plan, None

@@ -95,6 +95,22 @@ def test_the_plan_commands_json_read_from_standard_input_passes(
     assert text.rstrip().endswith("32 clauses: 31 pass, 0 broken, 1 not checked")
 
 
+def test_the_runtime_plan_commands_json_passes(
+    smollm2_path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``python -m runtime_cupy plan --json`` prints: its ``stages`` key (each
+    stage's memory and host) describes the plan and is not checked (it was refused:
+    "unknown key 'stages'")."""
+    from runtime_cupy.cli.main import main as runtime_main
+
+    assert runtime_main(["plan", "--model", smollm2_path, "--stages", "2", "--json"]) == 0
+    document = tmp_path / "plan.json"
+    document.write_text(capsys.readouterr().out)
+    assert "stages" in json.loads(document.read_text())
+    assert main(["check", str(document), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["holds"] is True
+
+
 def _tampered(kind: str) -> Tampering:
     """A tampering of ``kind`` of a three-stage plan, drawn by Hypothesis."""
     plan = small_plan(3)
