@@ -35,7 +35,7 @@ from runplan.shards import (
     model_id_problem,
     read_manifest,
 )
-from runplan.split import _Bars, split_model, split_plan
+from runplan.split import _Bars, missing_folders, removed_if_empty, split_model, split_plan
 from runplan.tensor_names import block_index
 from runplan.terminal import labelled, plain_console
 
@@ -92,13 +92,16 @@ class OutputFolderError(OSError):
     as a file that cannot be read)."""
 
 
-def _writable(out: Path) -> None:
-    """Make the ``--out`` folder, before any work, or say why it cannot be."""
+def _writable(out: Path) -> list[Path]:
+    """Make the ``--out`` folder, before any work, or say why it cannot be; the folders
+    made (``runplan.split.missing_folders``)."""
+    made = missing_folders(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         what = "is a file, not a folder" if out.exists() else f"cannot be made: {exc}"
         raise OutputFolderError(f"--out {str(out)!r} {what}") from None
+    return made
 
 
 def cmd_split(args: argparse.Namespace) -> int:
@@ -120,9 +123,10 @@ def cmd_split(args: argparse.Namespace) -> int:
         else:
             err.print(labelled("rejected", "bold red", str(plan)), highlight=False)
         return EXIT_REJECTED
-    _writable(args.out)  # after the plan: a refused split makes no folder
+    made = _writable(args.out)  # after the plan: a refused split makes no folder
     bars = _Bars(err)
-    with bars.progress:
+    # cancelled or failed before a shard is written: no empty folder left of it
+    with removed_if_empty(made), bars.progress:
         try:
             result = split_model(path, plan, args.out, placement=args.placement, progress=bars)
         except OSError as exc:  # the source's read or a shard's write: the error names it

@@ -16,9 +16,10 @@ one part of ``runplan`` that does more than read headers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +104,50 @@ def split_model(
     """Write one shard per stage of ``plan`` and the manifest into ``out`` (``ValueError``
     for a model id that cannot name a file, before anything is written; ``GgufError``
     for shards read through a manifest that no longer hold what they record, once
-    hashed, before any shard is written)."""
+    hashed, before any shard is written). The folders of ``out`` that it makes are
+    removed again where it fails or is cancelled (Ctrl-C) while they are empty: an
+    empty folder was left, named as the split's."""
     problem = model_id_problem(plan.model.model_id)
     if problem is not None:
         raise ValueError(f"model id {plan.model.model_id!r} cannot name the shards: {problem}")
     folder = Path(out)
+    made = missing_folders(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    with removed_if_empty(made):
+        return _write_split(model_path, plan, folder, placement, progress)
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """The folders ``folder.mkdir(parents=True)`` makes: those of its path not there
+    yet, deepest first."""
+    missing = []
+    for each in (folder, *folder.parents):
+        if os.path.lexists(each):
+            break
+        missing.append(each)
+    return missing
+
+
+@contextlib.contextmanager
+def removed_if_empty(made: list[Path]) -> Iterator[None]:
+    """Where the block fails or is cancelled, the folders ``made`` (deepest first) are
+    removed while they are empty; one that holds anything stays."""
+    try:
+        yield
+    except BaseException:
+        for each in made:
+            with contextlib.suppress(OSError):  # not empty (or gone): it stays
+                each.rmdir()
+        raise
+
+
+def _write_split(
+    model_path: str,
+    plan: RunPlan,
+    folder: Path,
+    placement: str,
+    progress: SplitProgress | None,
+) -> SplitResult:
     header = GgufHeader.read(model_path)
     model_id = plan.model.model_id
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -16,10 +18,11 @@ from runplan import model_facts_from_gguf
 from runplan.cli import main
 from runplan.content import source_content
 from runplan.gguf_header import GgufHeader
+from runplan.plan import RunPlan
 from runplan.rejections import InvalidStageCount
 from runplan.shard_file import WriteProgress, write_shard
 from runplan.shards import MANIFEST_NAME, SliceParts, slice_tensor_names
-from runplan.split import split_plan
+from runplan.split import split_model, split_plan
 from tests.fixtures.gguf_models import ModelShape, write_model
 
 SHAPE = ModelShape(n_layers=5, tied=True, rope_freqs=True, quant="Q8_0")
@@ -122,7 +125,7 @@ def test_a_shard_cut_short_by_a_full_disk_is_an_error_naming_it_and_leaves_nothi
         message = json.loads(proc.stdout)["error"]["message"]
         assert f"writing {str(out / 'tiny.stage-0-of-2.gguf')!r}" in message, message
         assert "File too large" in message and "bytes free" in message, message
-        assert not list(out.iterdir())  # no shard, no partial file, no manifest
+        assert not out.exists()  # no shard, no partial file, no manifest: not its folder
 
 
 def test_a_folder_where_a_file_goes_is_named_as_in_the_way(
@@ -176,3 +179,45 @@ def test_an_empty_out_is_a_usage_error_not_the_current_folder(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "argument --out: '' names no folder" in err, err
     assert not list(here.iterdir())
+
+
+def test_a_split_cancelled_before_its_first_shard_removes_the_folders_it_made(
+    model: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C while the source is hashed: the folders of ``--out`` this split made, still
+    empty, go again (it left them); a folder that was there stays."""
+    plan = split_plan(model_facts_from_gguf(model), 2, None, "even")
+    assert isinstance(plan, RunPlan)
+
+    def cancelled(_what: str, _done: int, _total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        split_model(str(model), plan, tmp_path / "made" / "out", progress=cancelled)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "there").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        split_model(str(model), plan, tmp_path / "there", progress=cancelled)
+    assert os.listdir(tmp_path) == ["there"]
+
+
+def test_runplan_split_cancelled_before_its_first_shard_leaves_no_folder(
+    smollm2_path: str, tmp_path: Path
+) -> None:
+    """``python -m runplan split`` cancelled (Ctrl-C) as it begins: exit 130 and no
+    ``--out`` folder (it made it first, and left it empty)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    out = tmp_path / "made" / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runplan", "split", smollm2_path, "--stages", "3",
+         "--out", str(out), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    while not out.is_dir():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert os.listdir(tmp_path) == []
