@@ -30,9 +30,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
+try:  # the folder is checked first, and said wrong in one line, without it too
+    import llama_cpp
+except ImportError:
+    llama_cpp = None
 
-LIB = Path(llama_cpp.__file__).parent / "lib"
 KEYS_U32 = ("gguf_pipeline.shard.layer_start", "gguf_pipeline.shard.layer_end_exclusive")
 KEYS_BOOL = ("gguf_pipeline.shard.embedding", "gguf_pipeline.shard.output")
 KEYS_STR = ("gguf_pipeline.shard.source", "gguf_pipeline.shard.model_id")
@@ -43,7 +45,7 @@ class GgufInitParams(ctypes.Structure):
 
 
 def _ggml() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(LIB / "libggml-base.so"))
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
     sigs: dict[str, tuple[Any, list[Any]]] = {
         "gguf_init_from_file": (ctypes.c_void_p, [ctypes.c_char_p, GgufInitParams]),
         "gguf_free": (None, [ctypes.c_void_p]),
@@ -123,12 +125,30 @@ def load_vocab_only(path: Path) -> dict[str, Any]:
         llama_cpp.llama_model_free(model)
 
 
+def _manifest(p: argparse.ArgumentParser, folder: Path) -> dict[str, Any]:
+    """The manifest of the shards in ``folder``; one line and exit status 2 where there
+    is none to read (a folder missing, a file: a traceback)."""
+    path = folder / "manifest.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        p.error(f"{str(folder)!r}: no shard manifest to read there ({exc.strerror}): give a "
+                "folder python -m runplan split wrote")  # fmt: skip
+    except ValueError as exc:  # UnicodeDecodeError too
+        p.error(f"{str(path)!r}: not a JSON shard manifest ({exc})")
+    if not isinstance(doc, dict) or not isinstance(doc.get("shards"), list):
+        p.error(f"{str(path)!r}: not a shard manifest (no list of shards)")
+    return doc
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder", type=Path, help="a folder written by python -m runplan split")
     p.add_argument("--record", type=Path, default=None, help="write what llama.cpp read here")
     args = p.parse_args()
-    manifest = json.loads((args.folder / "manifest.json").read_text())
+    manifest = _manifest(p, args.folder)
+    if llama_cpp is None:
+        p.error("reading the shards with llama.cpp needs llama-cpp-python")
     lib = _ggml()
     shards = []
     for entry in manifest["shards"]:

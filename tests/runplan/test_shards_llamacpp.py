@@ -6,6 +6,8 @@ here the same split, made now and read by the gguf package, must show the same."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -47,3 +49,20 @@ def test_split_writes_what_llama_cpp_read(shards: Path) -> None:
             assert (len(got) if isinstance(got, list) else got) == value, key
         header = GgufHeader.read(shards / read["file"])
         assert header.array_length("tokenizer.ggml.tokens") == read["n_vocab"]
+
+
+@pytest.mark.parametrize("what", ["missing", "a file"])
+def test_the_script_says_a_folder_without_a_manifest_in_one_line(tmp_path: Path, what: str) -> None:
+    """``scripts/check_shards_llamacpp.py`` given a folder that is missing or a file: one
+    line naming it, exit 2 (a ``FileNotFoundError`` traceback), with llama-cpp-python or
+    without it (checked before it is needed)."""
+    folder = tmp_path / "shards"
+    if what == "a file":
+        folder.write_text("x\n")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "check_shards_llamacpp.py"
+    done = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"error: {str(folder)!r}: no shard manifest to read there" in last, done.stderr
+    assert "Traceback" not in done.stderr
