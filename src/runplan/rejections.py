@@ -75,6 +75,17 @@ class InvalidStageCount(PlanRejection):
     placed_stages: int | None = typed_field(_OptInt)
     reason: str = str_field()
 
+    def __str__(self) -> str:
+        """The template's, naming only the counts that are known (it said ``placed
+        stages None`` of a plan not placed yet)."""
+        known = [
+            f"{label} {value}"
+            for label, value in (("layers", self.num_layers), ("placed stages", self.placed_stages))
+            if value is not None
+        ]
+        counts = f" ({', '.join(known)})" if known else ""
+        return f"{self.code}: stage_count {self.stage_count}: {self.reason}{counts}"
+
 
 @frozen(str=False)
 class InvalidLayerRange(PlanRejection):

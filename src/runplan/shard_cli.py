@@ -15,7 +15,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from runplan.arguments import human_bytes, parse_nodes
+from runplan.arguments import human_bytes, parse_nodes, positive_int
 from runplan.gguf_facts import model_facts_from_gguf
 from runplan.gguf_header import GgufHeader
 from runplan.json_errors import (
@@ -51,7 +51,9 @@ def add_split_parser(sub: Any, model_args: Callable[[argparse.ArgumentParser], N
         "stage loads) and DIR/manifest.json naming them; then run with --model DIR.",
     )
     model_args(p)
-    p.add_argument("--stages", type=int, default=None, help="stages (default: one per node)")
+    p.add_argument(
+        "--stages", type=positive_int, default=None, help="stages (default: one per node)"
+    )
     p.add_argument(
         "--nodes",
         type=parse_nodes,
@@ -107,8 +109,6 @@ def _writable(out: Path) -> list[Path]:
 def cmd_split(args: argparse.Namespace) -> int:
     if args.stages is None and args.nodes is None:
         return _usage_error(args, "give --stages or --nodes")
-    if args.stages is not None and args.stages < 1:
-        return _usage_error(args, f"--stages {args.stages} is not >= 1")
     path = resolve_model(args.model)
     facts = model_facts_from_gguf(path, max_seq_len=args.max_seq_len)
     problem = model_id_problem(facts.model_id)

@@ -95,14 +95,31 @@ def test_stages_of_a_shared_device_are_shown_against_its_smallest_node(
     assert out.count(f"{100.0 * used / 2**30:.1f}%") == 2, out
 
 
+@pytest.mark.parametrize("command", ["plan", "split"])
 def test_a_stage_count_below_one_is_a_usage_error(
-    model: str, capsys: pytest.CaptureFixture[str]
+    command: str, model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """One validator and one message for both (split said ``--stages 0 is not >= 1``)."""
+    out = ["--out", str(tmp_path / "out")] if command == "split" else []
     with pytest.raises(SystemExit) as exc:
-        main(["plan", model, "--nodes", "a=1GiB", "--stages", "0", "--json"])
+        main([command, model, "--nodes", "a=1GiB", "--stages", "0", *out, "--json"])
     assert exc.value.code == 2
     error = _json(capsys)["error"]
-    assert error["type"] == "UsageError" and "--stages" in error["message"], error
+    assert error["type"] == "UsageError", error
+    assert "argument --stages: '0' is not a positive integer" in error["message"], error
+
+
+def test_a_stage_count_rejection_names_only_the_counts_it_knows() -> None:
+    """A plan not placed yet has no placed stages: not ``placed stages None``."""
+    from runplan.rejections import InvalidStageCount
+
+    assert str(InvalidStageCount(40, 30, None, "more stages than layers")) == (
+        "invalid_stage_count: stage_count 40: more stages than layers (layers 30)"
+    )
+    assert str(InvalidStageCount(2, 30, 3, "not the number of placed stages")) == (
+        "invalid_stage_count: stage_count 2: not the number of placed stages "
+        "(layers 30, placed stages 3)"
+    )
 
 
 def test_plan_table(model: str, capsys: pytest.CaptureFixture[str]) -> None:

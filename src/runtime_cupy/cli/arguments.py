@@ -43,6 +43,12 @@ INPUT_ERRORS = (ClusterError, GgufError, ModelNotFound, PlanRejected, TokenizerE
                 ValueError, WorkerUnavailable)  # fmt: skip
 
 
+def stage_processes(n: int) -> str:
+    """``n`` stage processes, counted in words: ``1 stage process``, ``3 stage
+    processes``."""
+    return f"{n} stage process" if n == 1 else f"{n} stage processes"
+
+
 def gpu_list(text: str) -> list[int]:
     """An ``argparse`` type: ``0,1`` as a list of GPU indices."""
     try:

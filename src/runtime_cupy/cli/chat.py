@@ -46,6 +46,7 @@ from runtime_cupy.cli.arguments import (
     chain_from,
     check_chain_arguments,
     configure_logs,
+    stage_processes,
 )
 from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.serve.prompts import chat_prompt, chat_text
@@ -269,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except TokenizerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_INPUT
-        print(f"starting {args.stages} stage processes of {chain.model_id} ...", file=sys.stderr)
+        print(f"starting {stage_processes(args.stages)} of {chain.model_id} ...", file=sys.stderr)
         try:
             chain.start()
         except ChainError as exc:

@@ -84,6 +84,7 @@ from runtime_cupy.cli.arguments import (
     check_worker_arguments,
     configure_logs,
     stage_options,
+    stage_processes,
 )
 from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.cli.prompts_file import _run_batch
@@ -108,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_gguf(path)
     prompt = prompt_ids(args, tokenizer)
     stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
-    status = err.status(f"starting {args.stages} stage processes")
+    status = err.status(f"starting {stage_processes(args.stages)}")
     ready: set[int] = set()
     bars = SliceBars(err)
 

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from runtime_core.trace_file import write_trace
 from runtime_cupy.api import GenerateResult
+from runtime_cupy.cli.arguments import stage_processes
 from runtime_cupy.process.tracing import chrome_trace
 from runtime_cupy.slices.progress import describe, figures
 
@@ -90,7 +91,7 @@ def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
 
 def _print_summary(console: Console, result: GenerateResult, prompt_len: int, worker: str) -> None:
     console.print(
-        f"{result.plan.model.model_id} through {result.plan.stage_count} stage processes "
+        f"{result.plan.model.model_id} through {stage_processes(result.plan.stage_count)} "
         f"({worker} worker, edges: {', '.join(sorted(set(result.media))) or '-'})",
         highlight=False,
     )

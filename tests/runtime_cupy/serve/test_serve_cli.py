@@ -157,3 +157,16 @@ def test_logprobs_is_off_unless_asked_and_reaches_the_chain() -> None:
         chain = chain_from(args)  # planned, not started
         assert chain.logprobs is wanted
         assert chain.template.return_logits is wanted
+
+
+def test_stage_processes_are_counted_in_words() -> None:
+    """What ``runtime_cupy`` and ``chat`` say as the stages start, and a run's summary
+    (it said "starting 1 stage processes")."""
+    from runtime_cupy.cli.arguments import stage_processes
+
+    assert stage_processes(1) == "1 stage process"
+    assert [stage_processes(n) for n in (0, 2, 3)] == [
+        "0 stage processes",
+        "2 stage processes",
+        "3 stage processes",
+    ]
