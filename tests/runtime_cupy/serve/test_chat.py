@@ -163,12 +163,16 @@ def test_a_conversation_in_the_terminal(tiny_chat: str) -> None:
 
 def test_sigterm_at_the_prompt_says_cancelled(tiny_chat: str) -> None:
     """SIGTERM ends the chat with ``cancelled`` on its last line, as a run says it, and
-    exit 143 (it ended with no word)."""
+    exit 143 (it ended with no word). Sent once the prompt waits for a key: one that
+    comes between readline printing ``> `` and its wait for a key is not seen until a
+    key comes (CPython's readline checks for signals only when its ``select`` is
+    interrupted)."""
     argv = [sys.executable, "-m", "runtime_cupy", "chat", "--model", tiny_chat,
             "--stages", "2", "--worker", WORKER, "--max-tokens", "8"]  # fmt: skip
     term = Terminal(argv)
     try:
         term.read_until(b"> ", 0)
+        time.sleep(0.5)  # readline in its select() by now
         os.kill(term.pid, signal.SIGTERM)
         assert term.wait() == 143, term.text()
         assert term.text().rstrip().splitlines()[-1] == "cancelled", term.text()
