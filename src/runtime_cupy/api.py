@@ -148,7 +148,9 @@ def generate(
     reference worker; or ``cuda``) over its layers.
 
     ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
-    ``on_token(id)`` streams each generated token as the orchestrator consumes it.
+    ``on_token(id)`` streams each generated token as the orchestrator consumes it; one
+    that raises ends the run, and once every process is reaped ``generate`` raises what
+    it raised (as ``runtime_sim.generate`` does).
     ``tokenizer`` saves loading the file's tokenizer again when the caller has it.
     ``gpus`` are the CUDA worker's GPUs (stage ``i`` on ``gpus[i % len(gpus)]``);
     ``timeouts`` bound every wait; ``log_dir`` keeps each stage's log (of the default

@@ -106,7 +106,9 @@ def generate(
     by default (``WorkerUnavailable`` where its kernels are not built).
 
     ``model_path`` is a GGUF file or a bundled model name (``smollm2-135m``).
-    ``on_token(id)`` streams each generated token as the orchestrator consumes it.
+    ``on_token(id)`` streams each generated token as the orchestrator consumes it; what
+    it raises ends the run and ``generate`` raises it (as ``runtime_cupy.generate`` does,
+    once its processes are reaped).
     ``tokenizer`` saves loading the file's tokenizer again when the caller has it.
     Raises ``PlanRejected`` when the planner refuses the run, ``GgufError`` or
     ``TokenizerError`` for a file it cannot read, before anything runs.

@@ -85,6 +85,9 @@ class ChainRun:
         #: why a callback of its caller's raised (loop's thread): it is cancelled so,
         #: and hears of no more tokens (it once ended the loop, and every run with it)
         self.callback_failed: str | None = None
+        #: what that callback raised, ``KeyboardInterrupt`` and ``SystemExit`` included,
+        #: for its caller to raise again in its own thread (``raise_callback_error``)
+        self.callback_error: BaseException | None = None
         self._done = threading.Event()
 
     @property
@@ -131,13 +134,40 @@ class ChainRun:
             name = "on_token"
             if self.on_token is not None:
                 self.on_token(token_id)
-        except Exception as exc:  # the caller's: this run ends, the chain and others go on
+        except BaseException as exc:  # the caller's: this run ends, the chain and others go on
+            # KeyboardInterrupt and SystemExit too: they once ended the loop, and with it
+            # every run in flight; they are its caller's to raise (raise_callback_error)
             self.callback_failed = f"its {name} raised {type(exc).__name__}: {exc}"
-            if output_refused(exc):  # where it writes, no one reads or no room: no bug
+            self.callback_error = exc
+            if output_refused(exc) or not isinstance(exc, Exception):
+                # where it writes, no one reads or no room; or its caller is stopping: no bug
                 log.info("run %s: %s", run_label(self.run_id), self.callback_failed)
             else:
                 log.exception("run %s: %s", run_label(self.run_id), self.callback_failed)
             self.cancel(self.callback_failed)
+
+    def raise_callback_error(self) -> None:
+        """Raise what its ``on_token`` or ``on_logits`` raised, if one did (the run then
+        ended cancelled): for its caller's thread, once the run ended."""
+        if self.callback_error is not None:
+            raise self.callback_error
+
+    def wait_for_caller(self, on_run: Callable[[ChainRun], None] | None) -> RunOutcome:
+        """Its caller's wait (``WarmChain.generate``): ``on_run(self)``, then its outcome;
+        whatever ends the wait early (Ctrl-C, an ``on_run`` that raises) cancels it, which
+        else went on streaming to a caller gone, in its place and KV memory, until it
+        ended. Raises what refused it, or what its callbacks raised."""
+        try:
+            if on_run is not None:
+                on_run(self)
+            outcome = self.wait()
+        except BaseException as exc:
+            if not self.done:
+                self.cancel(f"its caller stopped waiting ({type(exc).__name__})")
+            raise
+        self.raise_callback_error()
+        assert outcome is not None  # wait() without a bound returns the outcome or raises
+        return outcome
 
     def _end(self) -> None:
         handle = self.handle

@@ -172,6 +172,8 @@ class ProcessRun:
                 runner.close()
         finally:
             self._restore_signals(previous)
+        if run is not None:  # its on_token raised: the run torn down, its caller hears it
+            run.raise_callback_error()
         outcome = run.wait(0) if run is not None else None
         finished = outcome.finished if outcome is not None else unstarted
         return ProcessRunResult(

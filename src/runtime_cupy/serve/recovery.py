@@ -236,9 +236,7 @@ def run_stream(
     run = chain.submit(
         prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token, on_logits=on_logits
     )
-    if on_run is not None:
-        on_run(run)
-    outcome = _wait(run)
+    outcome = run.wait_for_caller(on_run)
     segments = [_Segment(run, outcome, None)]
     interrupted = Interrupted.of_plan(run.plan, prompt, outcome.tokens)
     not_recovered: str | None = None
@@ -290,9 +288,7 @@ def run_stream(
             replay.stream_offset,
             replay.recoveries,
         )
-        if on_run is not None:
-            on_run(run)
-        outcome = _wait(run)
+        outcome = run.wait_for_caller(on_run)
         marks = chain.heal_marks
         chain.recoveries.recovered(
             RecoveryTimes(
@@ -310,12 +306,6 @@ def run_stream(
         interrupted = Interrupted.of_replay(replay, run.plan, outcome.tokens)
         not_recovered = None
     return _stream_result(chain, segments, time.perf_counter() - began, not_recovered)
-
-
-def _wait(run: ChainRun) -> RunOutcome:
-    outcome = run.wait()
-    assert outcome is not None  # wait() without a bound returns the outcome or raises
-    return outcome
 
 
 def _stream_result(

@@ -179,38 +179,53 @@ def test_a_stage_killed_with_four_runs_in_flight(tiny: str) -> None:
         assert not any(alive(p) for p in pids)
 
 
-def test_a_callers_token_callback_that_raises_ends_its_run_alone(tiny: str) -> None:
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt, SystemExit])
+def test_a_callers_token_callback_that_raises_ends_its_run_alone(
+    tiny: str, error: type[BaseException]
+) -> None:
     """A caller's ``on_token`` raised on the loop's thread: the loop ended, every run
     with it (reported cancelled), the chain still said ready and each later run was
-    refused as "the chain is closing". Now that run is cancelled, naming what its
-    callback raised; the others and the next run complete."""
+    refused as "the chain is closing"; a ``KeyboardInterrupt`` or ``SystemExit`` did so
+    after the ``Exception`` case was caught. Now that run alone is cancelled, naming what
+    its callback raised, and its caller's ``generate`` raises it in the caller's thread;
+    the others and the next run complete."""
     with WarmChain(tiny, stages=2, context=64, max_concurrent=4) as chain:
         alone = [_generate(chain, r) for r in REQUESTS[:2]]
         heard: list[int] = []
 
         def raising(token: int) -> None:
             heard.append(token)
-            raise RuntimeError("a bug in the caller's callback")
+            raise error("a bug in the caller's callback")
 
         runs: list[Any] = []
-        bad = {"prompt": [1, 2, 3], "max_tokens": 30}
+        raised: list[BaseException] = []
+
+        def bad() -> WarmResult:
+            request = {"prompt": [1, 2, 3], "max_tokens": 30}
+            try:
+                _generate(chain, request, on_token=raising, on_run=runs.append)
+            except BaseException as exc:  # the callback's, raised in this thread
+                raised.append(exc)
+            return chain.result(runs[0])
+
         calls: list[Callable[[], WarmResult]] = [
             lambda r=r: _generate(chain, r)  # type: ignore[misc]
             for r in REQUESTS[:2]
         ]
-        calls.append(lambda: _generate(chain, bad, on_token=raising, on_run=runs.append))
-        results = _at_once(calls)
+        results = _at_once([*calls, bad])
         for solo, run in zip(alone, results[:2], strict=True):
             assert run.result.outcome == "completed", run.result.fault
             assert run.result.tokens == solo.result.tokens
+        assert [(type(e), str(e)) for e in raised] == [(error, "a bug in the caller's callback")]
         assert results[2].result.outcome == "cancelled"
         assert heard == [results[2].result.tokens[0]]  # no callback after the one that raised
         assert runs[0].callback_failed == (
-            "its on_token raised RuntimeError: a bug in the caller's callback"
+            f"its on_token raised {error.__name__}: a bug in the caller's callback"
         )
         assert chain.ready and chain.restarts == 0
-        again = _generate(chain, REQUESTS[0])
-        assert again.result.tokens == alone[0].result.tokens
+        again = [_generate(chain, r) for r in REQUESTS[:2]]
+        for solo, run_again in zip(alone, again, strict=True):
+            assert run_again.result.tokens == solo.result.tokens
 
 
 def test_runs_waiting_for_kv_memory_name_the_stage_of_the_chains_fault(tiny: str) -> None:
