@@ -62,7 +62,7 @@ from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.chain_runner import ChainRunner
 from runtime_cupy.process.keys import new_secret
 from runtime_cupy.serve.chain_errors import ChainError, Unplaced
-from runtime_cupy.serve.chain_health import ChainHealth
+from runtime_cupy.serve.chain_health import ChainHealth, stop_dropped
 from runtime_cupy.serve.chain_plans import ChainPlans, new_serve_run_id
 from runtime_cupy.serve.chain_runs import ChainRuns, OnRun, WarmResult
 from runtime_cupy.serve.recovery import Recoveries, Replacer
@@ -221,6 +221,13 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         self._heal_lock = threading.RLock()  # one thread starts the chain again
         self._runner: ChainRunner | None = None
         self._thread: threading.Thread | None = None
+        self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # the chain's
+        # the running chain, for a finalizer that holds no reference to self: a chain
+        # dropped without close() once kept its stages, links and thread until exit
+        self._running: list[tuple[ChainRunner, threading.Thread]] = []
+        dropped = weakref.finalize(self, stop_dropped, self._running)
+        dropped.atexit = False  # at exit the host reaps the stages (the finalizer's thread
+        # would be cut short)
         self._closing: ChainRunner | None = None  # a runner being stopped
         self._batches_before: dict[int, dict[int, int]] = {}  # of the chains stopped
         self._warm = False  # every stage bound by a run since the chain started
@@ -250,7 +257,9 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
     # -- the chain -----------------------------------------------------------------
     def start(self) -> None:
         """Start the chain and bind every stage's slice (one run of one token);
-        ``ChainError`` if they cannot be."""
+        ``ChainError`` if they cannot be. Interrupted (Ctrl-C), the stages started are
+        stopped and reaped, and ``start`` may be called again."""
+        self._not_on_chain_thread("start")
         if self._closed:
             raise ChainError("the chain is closed")
         with self._heal_lock:
@@ -295,7 +304,10 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
     # -- the end -------------------------------------------------------------------
     def close(self) -> None:
         """Stop the chain: runs cancelled, every stage's channel closed and the stage
-        reaped (killed after a grace), the links freed. Idempotent."""
+        reaped (killed after a grace), the links freed. Idempotent. ``ChainError`` from
+        the chain's own thread (a run's callback), which it would wait for. A chain
+        dropped without ``close`` is stopped so when it is collected."""
+        self._not_on_chain_thread("close")
         self._closed = True
         self._stop_runner()
 

@@ -54,6 +54,21 @@ def added_counts(
     return out
 
 
+def stop_dropped(running: list[tuple[ChainRunner, threading.Thread]]) -> None:
+    """A chain collected without ``close()`` (``WarmChain``'s finalizer): its running
+    chain stopped, its stages reaped and its links freed, from a thread of its own (the
+    collection may happen on any thread, the chain's own included, which it joins)."""
+
+    def stop(runner: ChainRunner, thread: threading.Thread) -> None:
+        runner.request_close()
+        thread.join()
+        runner.close()
+
+    for runner, thread in running:
+        threading.Thread(target=stop, args=(runner, thread), name="chain-dropped").start()
+    running.clear()
+
+
 def _serve_chain(runner: ChainRunner, keep_broken: bool) -> None:
     """The chain's thread: its loop until it is closed or broken and its runs ended,
     then its end (a broken chain's stages reaped and its links freed at once), unless
@@ -92,6 +107,8 @@ class ChainHealth:
     _heal_lock: threading.RLock
     _runner: ChainRunner | None
     _thread: threading.Thread | None
+    _threads: weakref.WeakSet[threading.Thread]
+    _running: list[tuple[ChainRunner, threading.Thread]]
     _closing: ChainRunner | None
     _batches_before: dict[int, dict[int, int]]
     _warm: bool
@@ -121,6 +138,16 @@ class ChainHealth:
             on_logits: OnLogits | None = None,
         ) -> WarmResult: ...
 
+    def _not_on_chain_thread(self, call: str) -> None:
+        """``ChainError`` when ``call`` comes from the chain's own thread (an ``on_token``
+        or ``on_logits``, an ``on_done``), which it would wait for: it hung for good, and
+        every run and ``close`` with it."""
+        if threading.current_thread() in self._threads:
+            raise ChainError(
+                f"{call}() called from the chain's own thread (a run's callback), which it "
+                "would wait for: call it from another thread (submit() does not wait)"
+            )
+
     @property
     def ready(self) -> bool:
         """The chain started, bound, and not broken (any thread)."""
@@ -148,7 +175,7 @@ class ChainHealth:
         runner = self._runner
         # whole: no chain fault and no stage known gone (a stage the runner has just
         # marked gone, while it waits to say how it died, is not whole yet not dead)
-        if lost is None and runner is not None and runner.whole:
+        if lost is None and runner is not None and runner.whole and self._warm:
             return ()
         if runner is not None:
             why = runner.dead or next(
@@ -208,12 +235,17 @@ class ChainHealth:
             self._lost_coming_up(runner, self.trouble)
             runner.close()
             raise ChainError(self.trouble) from exc
+        except BaseException:  # Ctrl-C: the stages started so far are reaped
+            runner.close()
+            raise
         keep_broken = self.policy is not None
         thread = threading.Thread(
             target=_serve_chain, args=(runner, keep_broken), name="chain", daemon=True
         )
         with self._lock:
             self._runner, self._thread = runner, thread
+            self._running[:] = [(runner, thread)]
+        self._threads.add(thread)
         self.chain_id = runner.chain_id
         thread.start()
         marks["started"] = time.monotonic()
@@ -223,8 +255,11 @@ class ChainHealth:
                          handle.stage_index, handle.node_id, handle.info().pid)  # fmt: skip
         try:
             self._bind_all()
-        except ChainError as exc:
-            self._lost_coming_up(runner, str(exc))
+        except BaseException as exc:
+            # not only ChainError: a Ctrl-C, or a run id refused, once left the stages
+            # running unbound, and each later start returned at once, never ready
+            if isinstance(exc, ChainError):
+                self._lost_coming_up(runner, str(exc))
             self._stop_runner()  # the next start makes a new chain
             raise
         marks["bound"] = time.monotonic()
@@ -292,6 +327,7 @@ class ChainHealth:
         with self._lock:
             runner, thread = self._runner, self._thread
             self._runner = self._thread = None
+            self._running.clear()
             self._closing = runner
         if runner is None:
             return {}
@@ -333,6 +369,7 @@ class ChainHealth:
     def recover(self) -> tuple[int, ...]:
         """Start the chain again when it broke (after a chain fault, so that the next
         request finds it warm); the stage indices started."""
+        self._not_on_chain_thread("recover")
         if self._closed:
             return ()
         with self._heal_lock:

@@ -65,6 +65,14 @@ def _drop_logits(logits: Any) -> None:
     """A run's logits that nobody takes."""
 
 
+def check_callbacks(**callbacks: object) -> None:
+    """``TypeError`` naming a callback given that cannot be called (``on_token=5`` once
+    started its run, which its first token then cancelled)."""
+    for name, callback in callbacks.items():
+        if callback is not None and not callable(callback):
+            raise TypeError(f"{name} must be callable or None, not {callback!r}")
+
+
 class ChainRuns:
     """The runs of a ``WarmChain``, its base: what they take of the chain is set by
     ``WarmChain.__init__``."""
@@ -94,6 +102,8 @@ class ChainRuns:
         def in_flight(self) -> int: ...
 
         def _heal(self, lost: str | None = None) -> tuple[int, ...]: ...
+
+        def _not_on_chain_thread(self, call: str) -> None: ...
 
         def plan(
             self,
@@ -148,7 +158,15 @@ class ChainRuns:
         raises for a prompt it cannot run (``PromptError``) and the planner for settings
         it refuses (``PlanRejected``); a run that faults or is cancelled returns with
         that outcome. ``on_logits``: each token's raw logits (before temperature, top-k
-        and top-p), just before its ``on_token``; the result then holds none."""
+        and top-p), just before its ``on_token``; the result then holds none.
+        ``on_token`` and ``on_logits`` run on the chain's thread: one that raises
+        (``KeyboardInterrupt`` and ``SystemExit`` included) ends its run alone, cancelled,
+        and ``generate`` raises it again in its caller's thread. From the chain's thread
+        (in a callback) it raises ``ChainError`` at once: it would wait for the thread it
+        runs on (``submit`` does not wait). Whatever ends the call early (Ctrl-C, an
+        ``on_run`` that raises) cancels the run."""
+        self._not_on_chain_thread("generate")
+        check_callbacks(on_token=on_token, on_run=on_run, on_logits=on_logits)
         if self._closed:
             raise ChainError("the chain is closed")
         restarted = self._whole_again()
@@ -193,9 +211,7 @@ class ChainRuns:
         run = self.submit(
             prompt, max_tokens=max_tokens, sampling=sampling, on_token=on_token, on_logits=on_logits
         )
-        if on_run is not None:
-            on_run(run)
-        run.wait()
+        run.wait_for_caller(on_run)
         return self.result(run, time.perf_counter() - began)
 
     def submit(
@@ -211,7 +227,8 @@ class ChainRuns:
         """Hand one run to the chain and return at once (any thread): ``run.wait()``,
         then ``result(run)``. ``on_done(run)`` when it ended (from the chain's thread).
         Raises ``ChainError`` when the chain is not up, ``PlanRejected`` for settings the
-        planner refuses."""
+        planner refuses, ``TypeError`` for a callback that cannot be called."""
+        check_callbacks(on_token=on_token, on_done=on_done, on_logits=on_logits)
         runner = self._runner
         if runner is None:
             raise ChainError(self.trouble or "the chain is not up")
