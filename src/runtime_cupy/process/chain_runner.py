@@ -223,6 +223,9 @@ class ChainRunner(ChainStages, RunHandoffs):
         when it ended (from the loop's thread); ``on_logits`` takes each token's logits
         (a plan that returns them), which the run's outcome then does not hold."""
         ids = tuple(operator.index(t) for t in prompt)  # 5.9 is refused, not run as 5
+        flag = next((j for j, t in enumerate(prompt) if isinstance(t, bool)), None)
+        if flag is not None:  # True ran as token 1
+            raise TypeError(f"prompt token {flag} is {prompt[flag]!r}, not a token id")
         run = ChainRun(self, plan, ids, on_token, on_done, on_logits)
         with self._lock:
             late = self._over

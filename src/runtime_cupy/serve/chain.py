@@ -6,7 +6,8 @@ stage through the host port (a local process each by default, or whatever host i
 given), the chain's links made once, the chain's loop in a thread of its own; then one
 short run binds every stage's slice, and the chain is ``ready``. Each
 ``generate(...)`` is one run of the MVP on it, from any thread and as many at once as
-the stages' KV budget holds (``max_concurrent``; more wait, first come first started):
+the stages' KV budget holds (sized by ``max_concurrent`` full-length runs, which shorter
+runs outnumber; more wait for memory, first come first started):
 a new run id, a plan of the same stages (same nodes, layer ranges, GGUF source, cache
 length, budget and batch settings), ``ProvisionStage`` to every stage, the readiness
 barrier, the prompt, teardown. The stages' workers keep the weights they bound, so a
@@ -29,7 +30,10 @@ per stream), unless the model's files changed since the stages started
 (``chain_errors.SourceChanged``: the stages kept would hold the old weights).
 
 ``generate``, ``ready`` and a run's ``cancel`` may be called from any thread; ``start``,
-``recover`` and ``close`` from the owner's.
+``recover`` and ``close`` from the owner's. None of ``generate``, ``start``, ``recover``
+and ``close`` may be called from a run's callback (``on_token``, ``on_logits``,
+``on_done``), which runs on the chain's own thread: each would wait for that thread, and
+raises ``ChainError`` at once (``submit`` does not wait).
 
 ``WarmChain`` is made here, from three bases of their own modules: ``chain_plans``
 (``ChainPlans``: its runs' plans), ``chain_health`` (``ChainHealth``: ready or not, why,
@@ -84,7 +88,8 @@ __all__ = [
 
 log = logging.getLogger("runtime_cupy.serve.chain")
 
-#: Runs in flight at once when not told (the stages' KV budget holds as many).
+#: Full-length runs each stage's KV budget holds when not told (it sizes the budget; it
+#: does not bound the runs in flight).
 DEFAULT_MAX_CONCURRENT = 4
 #: Rows of a prompt per prefill record: a long prompt goes through the stages in chunks
 #: of this many rows, each batched with the decode rows of the runs in flight, so that
@@ -94,6 +99,16 @@ DEFAULT_MAX_CONCURRENT = 4
 #: chunk took ~1 s a stage, a 16-row one ~0.45 s (docs/benchmarks.md), and the prompt as
 #: a whole took no longer in chunks of 16.
 DEFAULT_PREFILL_CHUNK = 16
+
+
+def whole_number(name: str, value: object, least: int | None) -> int:
+    """``value`` of the argument ``name``: an integer (not a bool), at least ``least``
+    (``None``: any); ``TypeError`` or ``ValueError`` naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, not {value!r}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} {value} is not at least {least}")
+    return value
 
 
 class WarmChain(ChainPlans, ChainHealth, ChainRuns):
@@ -117,7 +132,13 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
     callers that take them (``generate``'s ``on_logits``). ``nodes``: the
     stages' nodes (one each) instead of this machine's (``place_stages``). ``kv_dtype``
     (``f32``, ``f16``; default: the worker's own): the runs' KV caches in that dtype,
-    counted so in every plan and KV budget (``workers.capabilities``). Raises
+    counted so in every plan and KV budget (``workers.capabilities``).
+    ``max_concurrent``: the full-length runs (caches of the whole ``context``) each
+    stage's KV budget holds, without ``kv_budget_bytes`` (the spec's
+    ``max_concurrent_runs``): it sizes the budget, and does not bound the runs in
+    flight; shorter runs fit more at once, and a run the budget has no room for waits
+    for another's end (``kv_waits``). The server (``serve.engine``) bounds its requests
+    in flight by it (``--max-concurrent``). Raises
     ``ClusterError`` for a cluster that cannot be reached or has no room, before any
     process starts."""
 
@@ -150,6 +171,15 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         kv_dtype: str | None = None,
     ) -> None:
         self.logprobs = logprobs
+        stages = whole_number("stages", stages, 1)  # -2 was named "stage_count 0"
+        if context is not None:  # '64' gave "'<' not supported"; its range below
+            context = whole_number("context", context, None)
+        if max_concurrent is not None:
+            max_concurrent = whole_number("max_concurrent", max_concurrent, 1)
+        spares = tuple(spares)
+        for spare in spares:
+            if not isinstance(spare, NodeSpec):
+                raise TypeError(f"spares holds {spare!r}, not a NodeSpec")
         if nodes is not None and (ray_address is not None or len(nodes) != stages):
             raise ValueError(
                 f"nodes names the {stages} stages' nodes (one each), on this machine or "
@@ -214,8 +244,6 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         if kv_budget_bytes is not None and kv_budget_bytes < 1:
             raise ValueError(f"kv_budget_bytes {kv_budget_bytes} is not at least 1")
         self.kv_budget_bytes = kv_budget_bytes or 0  # 0: max_concurrent full-length runs
-        if max_concurrent is not None and max_concurrent < 1:
-            raise ValueError(f"max_concurrent {max_concurrent} is not at least 1")
         self.max_concurrent = max_concurrent or DEFAULT_MAX_CONCURRENT
         self._lock = threading.Lock()  # guards the runner for readers on other threads
         self._heal_lock = threading.RLock()  # one thread starts the chain again
