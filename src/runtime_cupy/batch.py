@@ -21,7 +21,7 @@ import itertools
 import operator
 import os
 import queue
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 
 from runplan import ModelFacts, SamplingConfig, model_facts_from_gguf
 from runplan.config import run_positions
@@ -49,11 +49,31 @@ class BatchError(PicklableError, ValueError):
         self.index = index
 
 
+def listed(prompts: Iterable[Iterable[int]]) -> list[tuple[int, ...]]:
+    """``prompts`` taken once, each as a tuple: a generator of prompts was used up by the
+    checks and the batch then failed "max() arg is an empty sequence", and a 2-D array
+    "the truth value of an array ... is ambiguous". ``BatchError`` naming what is no
+    iterable of prompts, or the prompt that is no sequence of tokens."""
+    try:
+        whole = list(prompts)
+    except TypeError:
+        raise BatchError(
+            f"prompts must be an iterable of prompts, not {type(prompts).__name__}"
+        ) from None
+    out: list[tuple[int, ...]] = []
+    for i, prompt in enumerate(whole):
+        try:
+            out.append(tuple(prompt))
+        except TypeError:
+            raise BatchError(f"prompt {i} is {prompt!r}, not a sequence of token ids", i) from None
+    return out
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], max_tokens: int, facts: ModelFacts) -> None:
     """``BatchError`` naming the first prompt the model cannot run: before a chain
     starts, so that one prompt does not fail the batch with the chain's message, which
     names no prompt."""
-    if not prompts:
+    if len(prompts) == 0:
         raise BatchError("no prompts")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
@@ -82,7 +102,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_tokens: int, facts: Mode
 
 def generate_batch(
     model_path: str | os.PathLike[str],
-    prompts: Sequence[Sequence[int]],
+    prompts: Iterable[Iterable[int]],
     *,
     stages: int = 1,
     max_tokens: int = 16,
@@ -100,12 +120,15 @@ def generate_batch(
     kv_dtype: str | None = None,
 ) -> Generator[tuple[int, GenerateResult], None, None]:
     """Generate up to ``max_tokens`` tokens after each of ``prompts`` on one chain;
-    yields ``(index, result)`` as each run ends. ``BatchError`` (``check_prompts``) for
-    no prompts or one the model cannot run, before any process starts; the planner's
-    and the chain's errors as ``runtime_cupy.generate`` raises them."""
+    yields ``(index, result)`` as each run ends. ``prompts``: any iterable of prompts (a
+    list, a generator, a 2-D array), each a sequence of token ids, taken once.
+    ``BatchError`` (``listed``, ``check_prompts``) for no prompts or one the model cannot
+    run, before any process starts; the planner's and the chain's errors as
+    ``runtime_cupy.generate`` raises them."""
     path = str(resolve_model(model_path))
-    check_prompts(prompts, max_tokens, model_facts_from_gguf(path))
-    longest = max(len(p) for p in prompts)
+    taken = listed(prompts)
+    check_prompts(taken, max_tokens, model_facts_from_gguf(path))
+    longest = max(len(p) for p in taken)
     context = max(2, run_positions(longest, max_tokens))  # WarmChain's least is 2
 
     def chain_of(runs: int) -> WarmChain:  # PlanRejected before any process starts
@@ -126,7 +149,7 @@ def generate_batch(
     if max_concurrent is not None:
         chain = chain_of(max_concurrent)
     else:
-        runs = min(len(prompts), DEFAULT_BATCH_RUNS)
+        runs = min(len(taken), DEFAULT_BATCH_RUNS)
         while True:
             try:
                 chain = chain_of(runs)
@@ -135,7 +158,7 @@ def generate_batch(
                 if runs == 1 or not isinstance(e.rejection, InsufficientMemory):
                     raise
                 runs //= 2
-    return _results(chain, prompts, max_tokens, SamplingConfig(temperature, top_k, top_p, seed))
+    return _results(chain, taken, max_tokens, SamplingConfig(temperature, top_k, top_p, seed))
 
 
 def _results(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runplan import model_facts_from_gguf
@@ -99,3 +100,27 @@ def test_the_prompts_file_is_read_within_bounds(
         assert main(["--model", tiny, "--prompts-file", path, "--max-tokens", "2"]) == 2
         err = capsys.readouterr().err
         assert f"--prompts-file '{path}': {needle}" in err and "Traceback" not in err, err
+
+
+@pytest.mark.process
+def test_prompts_may_come_as_any_iterable_of_token_sequences(tiny: str) -> None:
+    """A generator of prompts was used up by the checks ("max() arg is an empty
+    sequence"), a 2-D array failed "the truth value of an array ... is ambiguous"."""
+    rows = [[5, 77, 30], [3, 4, 9]]
+    alone = dict(generate_batch(tiny, rows, max_tokens=3))
+    for prompts in ((list(r) for r in rows), np.array(rows, dtype=np.int64)):
+        got = dict(generate_batch(tiny, prompts, max_tokens=3))
+        assert {i: r.tokens for i, r in got.items()} == {i: r.tokens for i, r in alone.items()}
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [(5, "prompts must be an iterable of prompts, not int"),
+     ([[1, 2], 7], "prompt 1 is 7, not a sequence of token ids")],
+)  # fmt: skip
+def test_prompts_that_are_no_iterable_of_sequences_are_refused_naming_them(
+    tiny: str, prompts: object, message: str
+) -> None:
+    with pytest.raises(BatchError) as info:
+        generate_batch(tiny, prompts)  # type: ignore[arg-type]
+    assert str(info.value) == message
