@@ -136,7 +136,11 @@
 
 #define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 0)
 #define X8_CALL_IQ4_NL(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 1)
+#if X8_AVX2 /* one row: its own loop (x8_b32_kernels.h) */
+#define X8_CALL_Q4_0(N) ((N) == 1 ? XN(q4_0_row)(grp, nc, x, jk, ok) : XN(q4_body)(grp, gs, nc, x, jk, ok, N, 0))
+#else
 #define X8_CALL_Q4_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 0)
+#endif
 #define X8_CALL_Q4_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 1)
 #define X8_CALL_Q5_0(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 4)
 #define X8_CALL_Q5_1(N) XN(q4_body)(grp, gs, nc, x, jk, ok, N, 5)
