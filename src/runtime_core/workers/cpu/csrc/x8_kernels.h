@@ -126,7 +126,10 @@
             const int64_t jk = j0 + k;                                                          \
             float(*ok)[XL] = out + k;                                                           \
             switch (nj - k) {                                                                   \
-            case 1: XN(k_body)(grp, gs, nc, x, jk, ok, 1, KIND); break;                         \
+            case 1:                                                                             \
+                if (X8_Q4_K_ROW && (KIND) == X8_Q4_K) X8_Q4_K_ROW_CALL;                          \
+                else XN(k_body)(grp, gs, nc, x, jk, ok, 1, KIND);                                \
+                break;                                                                          \
             case 2: XN(k_body)(grp, gs, nc, x, jk, ok, 2, KIND); break;                         \
             case 3: XN(k_body)(grp, gs, nc, x, jk, ok, 3, KIND); break;                         \
             default: XN(k_body)(grp, gs, nc, x, jk, ok, 4, KIND); break;                        \
@@ -134,6 +137,11 @@
         }                                                                                       \
     }
 
+#if X8_AVX2 /* Q4_K's one row: its own loop (x8_k_kernels.h) */
+#define X8_Q4_K_ROW_CALL XN(q4_k_row)(grp, nc, x, jk, ok)
+#else
+#define X8_Q4_K_ROW_CALL ((void)0)
+#endif
 #define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 0)
 #define X8_CALL_IQ4_NL(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 1)
 #if X8_AVX2 /* one row: its own loop (x8_b32_kernels.h) */
@@ -212,6 +220,8 @@ __attribute__((unused)) static void XN(fill_tiled)(XN(fn) * table) {
 #undef X8_K_ENTRY
 #undef X8_K_ENTRY_CH
 #undef X8_K_TILE
+#undef X8_Q4_K_ROW
+#undef X8_Q4_K_ROW_CALL
 #undef X8_EMBED
 #undef X8_CALL_Q8_0
 #undef X8_CALL_IQ4_NL
