@@ -421,6 +421,80 @@ X8_INL void XN(q4_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t
                           f_add(f_add(acc[4], acc[5]), f_add(acc[6], acc[7])))); /* XN(finish)'s */
 }
 
+/* Q6_K's product of one activation row on AVX2 (k_body's NJ 1: the same integer sums,
+ * the same float terms in the same order), with k6_isum's 16-bit sums (a tile's, there
+ * decoded once for its rows): each group's words (q + 32 <= 63 times |x| <= 128) summed
+ * in 16 bits two at a time (2 * 2 * 63 * 128 < 2^15), then times the group's scale s by
+ * vpmaddwd with (s, s) (one vpshufb of its sign-extended int32), where k_word_sums takes
+ * vpmaddubsw, vpmaddwd by ones and an addition a word and vpmulld a group; the offset's
+ * 32 * sum_j s_j g_j once a super-block by vpmaddwd of the scale pairs (s_2m, s_2m+1) and
+ * the group sums' int16 pairs, each broadcast from memory. About 520 operations on the
+ * vector ports a super-block where k_body took 650. The 8B shape's head is Q6_K in its
+ * Q4_0 and Q4_K_S files (108 of a step's 600 MB). In the second-level cache (256 and 512
+ * x 4096, 1 row, as Q4_K's above) 20.3-21.4 GB/s before, 23.2-23.6 after (AVX-512's
+ * 29.3). */
+X8_INL void XN(q6_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j, float (*out)[XL]) {
+    const VI m4 = v_set1_8(0x0F), two = v_set1_8(0x30);
+    /* the low 16 bits of each int32 lane twice */
+    const VI twice = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                      0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const int8_t *xq0 = x->q + j * x->qs;
+    const int32_t *xg0 = x->g + j * 2 * nc;
+    const float *xd = x->d + j * nc;
+    VF acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = f_zero();
+    for (int64_t sb = 0; sb < nc / 8; ++sb) {
+        const uint8_t *b = grp + sb * 1680;
+        const int8_t *xq = xq0 + 256 * sb;
+        const int32_t *xg = xg0 + 16 * sb;
+#pragma GCC unroll 27
+        for (int l = 0; l < 27; ++l) _mm_prefetch((const char *)b + X8_AHEAD(1680) + 64 * l, _MM_HINT_T1);
+        VI sc[16]; /* group j's scale, int32 lanes */
+#pragma GCC unroll 16
+        for (int g = 0; g < 16; ++g) sc[g] = XN(ld_i8_i32)(b + 16 + 8 * g, 0);
+        /* the offset: 32 sum_j s_j g_j, the group sums as int16 pairs (g0 g1) (g2 g3) (g8
+         * g9) (g10 g11) (g4 g5) (g6 g7) (g12 g13) (g14 g15) (k6_isum's), each broadcast */
+        int32_t gp[8] __attribute__((aligned(32)));
+        _mm256_store_si256((__m256i *)gp, _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)xg),
+                                                             _mm256_loadu_si256((const __m256i *)(xg + 8))));
+        __asm__("" : "+m"(gp)); /* read back from memory, not shuffled out of a register */
+        static const int lane_of_pair[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+        VI corr = v_zero();
+#pragma GCC unroll 8
+        for (int m = 0; m < 8; ++m) {
+            const VI pair = _mm256_blend_epi16(sc[2 * m], v_slli32(sc[2 * m + 1], 16), 0xAA);
+            corr = v_add32(corr, v_madd16(pair, v_set1_32(gp[lane_of_pair[m]])));
+        }
+        VI isum = v_sub32(v_zero(), v_slli32(corr, 5));
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) { /* groups 4p + h (lo: sub-block 2p), 4p + 2 + h (hi) */
+                const VI slo = _mm256_shuffle_epi8(sc[4 * p + h], twice);
+                const VI shi = _mm256_shuffle_epi8(sc[4 * p + 2 + h], twice);
+#pragma GCC unroll 2
+                for (int half = 0; half < 2; ++half) { /* words w0, w0 + 1 */
+                    const int w0 = 4 * h + 2 * half;
+                    /* their high bits: word 2k's in bits 0-1 (lo), 2-3 (hi); 2k + 1's 4-5, 6-7 */
+                    const VI hb = XN(ld)(b + 1168 + 128 * p + 32 * (w0 >> 1), 0);
+                    const VI v0 = XN(ld)(b + 144 + 256 * p + 32 * w0, 0);
+                    const VI v1 = XN(ld)(b + 144 + 256 * p + 32 * w0 + 32, 0);
+                    const VI lo0 = v_or(v_and(v0, m4), v_and(v_slli16(hb, 4), two));
+                    const VI hi0 = v_or(v_and(v_srli16(v0, 4), m4), v_and(v_slli16(hb, 2), two));
+                    const VI lo1 = v_or(v_and(v1, m4), v_and(hb, two));
+                    const VI hi1 = v_or(v_and(v_srli16(v1, 4), m4), v_and(v_srli16(hb, 2), two));
+                    const int8_t *xp = xq + 64 * p + 4 * w0;
+                    const VI plo = v_add16(v_maddubs(lo0, XN(bcast)(xp)), v_maddubs(lo1, XN(bcast)(xp + 4)));
+                    const VI phi = v_add16(v_maddubs(hi0, XN(bcast)(xp + 32)), v_maddubs(hi1, XN(bcast)(xp + 36)));
+                    isum = v_add32(isum, v_add32(v_madd16(plo, slo), v_madd16(phi, shi)));
+                }
+            }
+        const VF xdv = f_set1(xd[sb]);
+        acc[sb & 7] = f_add(acc[sb & 7], f_mul(f_mul(xdv, XN(ld_halves)(b, 0)), f_cvt(isum)));
+    }
+    f_store(out[0], f_add(f_add(f_add(acc[0], acc[1]), f_add(acc[2], acc[3])),
+                          f_add(f_add(acc[4], acc[5]), f_add(acc[6], acc[7])))); /* XN(finish)'s */
+}
 #define X8_Q4_K_ROW 1
 #else
 #define X8_Q4_K_ROW 0

@@ -128,6 +128,7 @@
             switch (nj - k) {                                                                   \
             case 1:                                                                             \
                 if (X8_Q4_K_ROW && (KIND) == X8_Q4_K) X8_Q4_K_ROW_CALL;                          \
+                else if (X8_Q4_K_ROW && (KIND) == X8_Q6_K) X8_Q6_K_ROW_CALL;                     \
                 else XN(k_body)(grp, gs, nc, x, jk, ok, 1, KIND);                                \
                 break;                                                                          \
             case 2: XN(k_body)(grp, gs, nc, x, jk, ok, 2, KIND); break;                         \
@@ -139,8 +140,10 @@
 
 #if X8_AVX2 /* Q4_K's one row: its own loop (x8_k_kernels.h) */
 #define X8_Q4_K_ROW_CALL XN(q4_k_row)(grp, nc, x, jk, ok)
+#define X8_Q6_K_ROW_CALL XN(q6_k_row)(grp, nc, x, jk, ok)
 #else
 #define X8_Q4_K_ROW_CALL ((void)0)
+#define X8_Q6_K_ROW_CALL ((void)0)
 #endif
 #define X8_CALL_Q8_0(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 0)
 #define X8_CALL_IQ4_NL(N) XN(q8_0_body)(grp, gs, nc, x, jk, ok, N, 1)
@@ -222,6 +225,7 @@ __attribute__((unused)) static void XN(fill_tiled)(XN(fn) * table) {
 #undef X8_K_TILE
 #undef X8_Q4_K_ROW
 #undef X8_Q4_K_ROW_CALL
+#undef X8_Q6_K_ROW_CALL
 #undef X8_EMBED
 #undef X8_CALL_Q8_0
 #undef X8_CALL_IQ4_NL
