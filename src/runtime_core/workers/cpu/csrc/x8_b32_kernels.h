@@ -198,7 +198,8 @@ X8_INL void XN(q4_0_blk)(const uint8_t *b, const int8_t *xq, float d, const int3
     const VF dw = XN(ld_halves)(b, 0);
     VI s16 = v_zero();
     for (int w = 0; w < 4; ++w) {
-        const VI v = XN(ld)(b + 16 + 32 * w, 0);
+        VI v = XN(ld)(b + 16 + 32 * w, 0);
+        X8_KEEP(v); /* loaded once (GCC loaded it again for the low nibbles' vpand) */
         const VI lo = v_and(v, m4), hi = v_and(v_srli16(v, 4), m4);
         s16 = v_add16(s16, v_add16(v_maddubs(lo, XN(bcast)(xq + 4 * w)), v_maddubs(hi, XN(bcast)(xq + 16 + 4 * w))));
     }

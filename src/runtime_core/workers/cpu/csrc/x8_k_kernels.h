@@ -390,7 +390,8 @@ X8_INL void XN(q4_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t
             VI plo, phi;
 #pragma GCC unroll 8
             for (int w = 0; w < 8; ++w) {
-                const VI v = XN(ld)(b + 160 + 256 * p + 32 * w, 0);
+                VI v = XN(ld)(b + 160 + 256 * p + 32 * w, 0);
+                X8_KEEP(v); /* loaded once (GCC loaded it again for the low nibbles' vpand) */
                 const VI lo = v_maddubs(v_and(v, m4), XN(bcast)(xq + 64 * p + 4 * w));
                 const VI hi = v_maddubs(v_and(v_srli16(v, 4), m4), XN(bcast)(xq + 64 * p + 32 + 4 * w));
                 plo = w ? v_add16(plo, lo) : lo;
@@ -476,9 +477,12 @@ X8_INL void XN(q6_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t
                 for (int half = 0; half < 2; ++half) { /* words w0, w0 + 1 */
                     const int w0 = 4 * h + 2 * half;
                     /* their high bits: word 2k's in bits 0-1 (lo), 2-3 (hi); 2k + 1's 4-5, 6-7 */
-                    const VI hb = XN(ld)(b + 1168 + 128 * p + 32 * (w0 >> 1), 0);
-                    const VI v0 = XN(ld)(b + 144 + 256 * p + 32 * w0, 0);
-                    const VI v1 = XN(ld)(b + 144 + 256 * p + 32 * w0 + 32, 0);
+                    VI hb = XN(ld)(b + 1168 + 128 * p + 32 * (w0 >> 1), 0);
+                    VI v0 = XN(ld)(b + 144 + 256 * p + 32 * w0, 0);
+                    VI v1 = XN(ld)(b + 144 + 256 * p + 32 * w0 + 32, 0);
+                    X8_KEEP(hb); /* each loaded once, as Q4_K's */
+                    X8_KEEP(v0);
+                    X8_KEEP(v1);
                     const VI lo0 = v_or(v_and(v0, m4), v_and(v_slli16(hb, 4), two));
                     const VI hi0 = v_or(v_and(v_srli16(v0, 4), m4), v_and(v_slli16(hb, 2), two));
                     const VI lo1 = v_or(v_and(v1, m4), v_and(hb, two));
