@@ -188,11 +188,22 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
  * line at a time (2.25 a block, not 3): 53 instructions a block where q4_body's NJ 1 took
  * 75, of which 36 on the vector ports (8 vpmaddubsw, 7 vpaddw, 12 to split the nibbles,
  * the float term's 6): about the floor of vpmaddubsw's way, as the ports are what bound
- * it (an Intel Xeon, Emerald Rapids, ~3 GHz: 13.5 cycles a block, 14.4 before; AVX-512's
- * pair kernel 9). Its rate is what a decode step reads at on such a core: in the
- * second-level cache (512 x 4096, 1 row, every call timed alone, the fastest of 1800 in
- * turn with the build before: a script not kept) 25.5-26.7 GB/s before, 27.9-28.7 after,
- * where the machine's read bandwidth is about 31 GB/s a core. */
+ * it (an Intel Xeon, Emerald Rapids, ~3 GHz: 13.5 cycles a block, 14.4 before;
+ * avx512-intel's two groups per 512-bit vector 9). Its rate is what a decode step reads
+ * at on such a core: in the second-level cache (512 x 4096, 1 row, every call timed
+ * alone, the fastest of 1800 in turn with the build before: a script not kept) 25.5-26.7
+ * GB/s before, 27.9-28.7 after (each word loaded once: 28.0), where the machine's read
+ * bandwidth is about 31 GB/s a core on a quiet host. A decode step's products of the 8B
+ * shape's Q4_0 (`benchmarks/cpu_builds_ab.py OLD@avx2 NEW@avx2 --model MODEL --threads T
+ * --rows 1 --rounds 21`, two runs; the host's memory then reading 10-12 GB/s a core,
+ * so mostly bound by it) 1 thread 0.960, 0.982 of the time, 2 threads 0.996, 0.997, the
+ * same bits. avx512-zen4's one row of Q4_0 is this (AVX2's entry): not measured on Zen 4.
+ * Tried and left: the pass's 18
+ * prefetches spread over its 8 blocks (2 or 3 each, as q4_body's, in case 18 at once
+ * took the fill buffers), and Q4_K's 19 and Q6_K's 27 likewise: in cache within 1 %, a
+ * decode step's products of the 8B shape's Q4_0 (`benchmarks/cpu_builds_ab.py OLD@avx2
+ * NEW@avx2 --model MODEL --threads 1 --rows 1 --rounds 15`, the host's memory then
+ * reading 12 GB/s a core) 0.987 against this one's 1.006. */
 X8_INL void XN(q4_0_blk)(const uint8_t *b, const int8_t *xq, float d, const int32_t *g, VF *acc) {
     const VI m4 = v_set1_8(0x0F);
     const VF dw = XN(ld_halves)(b, 0);

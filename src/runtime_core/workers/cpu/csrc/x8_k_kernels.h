@@ -361,9 +361,15 @@ X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
  * memory (k_terms: vpermd each), and the prefetch one instruction a cache line (k_body: a
  * loop of them). In the second-level cache (512 x 4096, 1 row, every call timed alone,
  * the fastest of 1800 in turn with the build before: a script not kept; an Intel Xeon,
- * Emerald Rapids) 23.4-24.1 GB/s before, 27.1-27.4 after (AVX-512's 30.9). Tried and
+ * Emerald Rapids) 23.4-24.1 GB/s before, 27.8-28.8 after (avx512-intel's 30.9). Tried and
  * left: the pairs' first word's products as the 16-bit sums' start (no vpaddw with
- * zero; no faster), the words' 16-bit sums without X8_KEEP (26.4 -> 25.3 GB/s). */
+ * zero; no faster), the words' 16-bit sums without X8_KEEP (26.4 -> 25.3 GB/s). A decode
+ * step's products of the 8B shape's Q4_K_S (its Q6_K head by q6_k_row below;
+ * `benchmarks/cpu_builds_ab.py OLD@avx2 NEW@avx2 --model MODEL --threads T --rows 1
+ * --rounds 21`, two runs, the host's memory reading 10-12 GB/s a core) 1 thread 0.913,
+ * 0.929 of the time, 2 threads 0.956, 0.901. The avxvnni and avx512 sets (and
+ * avx512-zen4) take this kernel for Q4_K's one row (AVX2's entry: dot_avxvnni.c,
+ * dot_avx512.c): that step at 1 thread 0.915 and 0.947. */
 X8_INL void XN(q4_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j, float (*out)[XL]) {
     const VI m4 = v_set1_8(0x0F);
     /* slo: rows 0-3 (low half), 4-7 (high half) byte r (< 8) twice as int16; shi byte 8 + r */
@@ -432,7 +438,7 @@ X8_INL void XN(q4_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t
  * the group sums' int16 pairs, each broadcast from memory. About 520 operations on the
  * vector ports a super-block where k_body took 650. The 8B shape's head is Q6_K in its
  * Q4_0 and Q4_K_S files (108 of a step's 600 MB). In the second-level cache (256 and 512
- * x 4096, 1 row, as Q4_K's above) 20.3-21.4 GB/s before, 23.2-23.6 after (AVX-512's
+ * x 4096, 1 row, as Q4_K's above) 20.3-21.4 GB/s before, 23.8-23.9 after (avx512-intel's
  * 29.3). */
 X8_INL void XN(q6_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j, float (*out)[XL]) {
     const VI m4 = v_set1_8(0x0F), two = v_set1_8(0x30);
