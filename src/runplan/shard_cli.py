@@ -94,16 +94,13 @@ class OutputFolderError(OSError):
     as a file that cannot be read)."""
 
 
-def _writable(out: Path) -> list[Path]:
-    """Make the ``--out`` folder, before any work, or say why it cannot be; the folders
-    made (``runplan.split.missing_folders``)."""
-    made = missing_folders(out)
+def _writable(out: Path) -> None:
+    """Make the ``--out`` folder, before any work, or say why it cannot be."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         what = "is a file, not a folder" if out.exists() else f"cannot be made: {exc}"
         raise OutputFolderError(f"--out {str(out)!r} {what}") from None
-    return made
 
 
 def cmd_split(args: argparse.Namespace) -> int:
@@ -123,14 +120,18 @@ def cmd_split(args: argparse.Namespace) -> int:
         else:
             err.print(labelled("rejected", "bold red", str(plan)), highlight=False)
         return EXIT_REJECTED
-    made = _writable(args.out)  # after the plan: a refused split makes no folder
-    bars = _Bars(err)
-    # cancelled or failed before a shard is written: no empty folder left of it
-    with removed_if_empty(made), bars.progress:
-        try:
-            result = split_model(path, plan, args.out, placement=args.placement, progress=bars)
-        except OSError as exc:  # the source's read or a shard's write: the error names it
-            raise OutputFolderError(f"cannot split into --out {str(args.out)!r}: {exc}") from None
+    # after the plan: a refused split makes no folder; cancelled or failed before a shard
+    # is written (from the moment the folders are made): no empty folder left of it
+    with removed_if_empty(missing_folders(args.out)):
+        _writable(args.out)
+        bars = _Bars(err)
+        with bars.progress:
+            try:
+                result = split_model(path, plan, args.out, placement=args.placement, progress=bars)
+            except OSError as exc:  # the source's read or a shard's write: names it
+                raise OutputFolderError(
+                    f"cannot split into --out {str(args.out)!r}: {exc}"
+                ) from None
     manifest = result.manifest
     if args.json:
         doc = {

@@ -159,7 +159,11 @@ def _write_split(
     problem = recorded_problem(header, content)
     if problem is not None:  # split again, the damage would be recorded as the source
         raise GgufError(header.source_paths[0], f"will not split it again: {problem}")
-    _drop_manifest(folder / MANIFEST_NAME)
+    names_written = [
+        shard_file_name(model_id, s.stage_index, plan.stage_count) for s in plan.stages
+    ]
+    if any(os.path.lexists(folder / n) for n in names_written):  # an earlier split's, over
+        _drop_manifest(folder / MANIFEST_NAME)
     entries: list[ShardEntry] = []
     sizes: list[int] = []
     for stage in plan.stages:
@@ -200,10 +204,12 @@ def _write_split(
 
 
 def _drop_manifest(path: Path) -> None:
-    """Remove an earlier split's manifest before the first shard is written over: a
-    split cut short would leave it naming shards of two splits, in a folder that its
-    manifest says is whole. A regular file is removed, or a symbolic link itself (never
-    what it points to); anything else is left for the manifest's own write to refuse.
+    """Remove an earlier split's manifest before the first of its shards is written over
+    (only then: a split whose shards have other names leaves it, and its whole split,
+    until its own manifest replaces it): a split cut short would leave it naming shards
+    of two splits, in a folder that its manifest says is whole. A regular file is
+    removed, or a symbolic link itself (never what it points to); anything else is left
+    for the manifest's own write to refuse.
     ``OSError`` naming the manifest where it cannot be removed (nothing written yet)."""
     try:
         kind = os.lstat(path).st_mode

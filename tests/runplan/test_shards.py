@@ -304,6 +304,29 @@ def test_a_split_cut_short_leaves_no_earlier_manifest_over_mixed_shards(
     )
 
 
+def test_a_split_of_other_shard_names_cut_short_leaves_the_earlier_split_whole(
+    model: Path, tmp_path: Path
+) -> None:
+    """The earlier manifest goes only where a shard of it is written over: a re-split
+    into the folder with another stage count (names ``-of-2`` beside ``-of-3``), cut
+    short, leaves the earlier split and its manifest as they were (the manifest was
+    removed before any shard was written, and the folder no longer a model)."""
+    out = tmp_path / "out"
+    assert main(["split", str(model), "--stages", "3", "--out", str(out)]) == 0
+    before = (out / MANIFEST_NAME).read_bytes()
+    plan = split_plan(model_facts_from_gguf(model), 2, None, "even")
+    assert isinstance(plan, RunPlan)
+
+    def cut(what: str, done: int, total: int) -> None:
+        if what != "hash":
+            raise _CutShort(what)
+
+    with pytest.raises(_CutShort):
+        split_model(str(model), plan, out, progress=cut)
+    assert (out / MANIFEST_NAME).read_bytes() == before
+    assert model_facts_from_gguf(out).num_layers == SHAPE.n_layers
+
+
 def test_a_shard_folder_this_user_cannot_read_says_so(shards: Path, tmp_path: Path) -> None:
     """A shard folder of mode 000: "cannot be read: Permission denied", naming it (it
     was "is a directory, not a GGUF file"). Root reads it anyway: there the command runs

@@ -336,8 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not engine.close(CLOSE_BOUND_S):  # stages still starting: the close waits on them
             log.warning("the stages did not stop within %.0f s: leaving them (each stops "
                         "once this process is gone)", CLOSE_BOUND_S)  # fmt: skip
-    if stopped_by:  # as a run or a chat that a signal ended: 130, 143
-        return cancelled_status(signal.Signals(stopped_by[0]).name)
+    # as a run or a chat that a signal ended: 130, 143; the first that came (uvicorn
+    # raises those it caught again, the last first)
+    first = server.first_signal if server.first_signal is not None else next(iter(stopped_by), None)
+    if first is not None:
+        return cancelled_status(signal.Signals(first).name)
     if engine.failure is not None:
         print(f"error: the stages could not be started: {engine.failure}", file=sys.stderr)
         return EXIT_FAILED

@@ -35,6 +35,9 @@ class StoppingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
         super().__init__(config)
         self.engine = engine
+        #: the first signal that told it to exit (uvicorn raises those it caught again
+        #: once it stops, the last first)
+        self.first_signal: int | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -47,5 +50,7 @@ class StoppingServer(uvicorn.Server):
             yield
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.first_signal is None:
+            self.first_signal = sig
         super().handle_exit(sig, frame)
         self.engine.close(timeout_s=0)  # starts the close; the server's loop goes on
