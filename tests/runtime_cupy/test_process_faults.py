@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from runplan.config import Timeouts
+from runplan.resource_limits import with_limit
 from runtime_cupy import generate
 from runtime_cupy.cli.main import main as cli_main
 from runtime_cupy.hosts.local import LocalProcessHost, LocalStageHandle
@@ -225,9 +226,8 @@ def test_a_stage_that_cannot_be_started_faults_the_run_and_stops_the_others(
 ) -> None:
     result = generate(tiny, [1, 2], stages=3, max_tokens=4, host=_NoDescriptors())
     assert result.outcome == "faulted", result
-    assert result.fault == (
-        "orchestrator (node orchestrator): setup_failure: the stages could not be "
-        "started: [Errno 24] Too many open files"
+    assert result.fault == "orchestrator (node orchestrator): setup_failure: " + with_limit(
+        "the stages could not be started: [Errno 24] Too many open files", errno.EMFILE
     )
     assert result.tokens == ()
     started = [s.pid for s in result.stages if s.pid is not None]
@@ -253,7 +253,9 @@ def test_stages_that_cannot_be_started_are_one_error_from_the_cli(
     error = json.loads(capsys.readouterr().out)["error"]
     assert error == {
         "type": "ChainError",
-        "message": "the stages could not be started: [Errno 24] Too many open files",
+        "message": with_limit(
+            "the stages could not be started: [Errno 24] Too many open files", errno.EMFILE
+        ),
     }
 
 

@@ -90,7 +90,7 @@ def test_idle_connections_past_the_descriptor_limit_leave_clients_and_restarts_w
             conn.close()
         code = server.stop()
     log = server.log()
-    assert code == 0, log
+    assert code == 143, log  # stopped by SIGTERM, as a run is (128 + 15)
     assert "Traceback" not in log and "Too many open files" not in log, log
     assert len(log.splitlines()) < 40, log
     assert "closed a connection that sent no whole request within 1 s" in log
