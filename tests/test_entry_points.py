@@ -56,16 +56,16 @@ COMMANDS = [
 ]
 
 
-def _python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``argv`` with this checkout's packages first on the path, its output captured."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     return subprocess.run(
-        [sys.executable, "-c", script, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
+        argv, capture_output=True, text=True, env=env, timeout=timeout, check=False
     )
+
+
+def _python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return _run([sys.executable, "-c", script, *args], 60)
 
 
 @pytest.mark.parametrize(("package", "cli"), COMMANDS)
@@ -391,15 +391,7 @@ def test_an_io_error_elsewhere_is_not_named_for_standard_output(package: str, cl
 
 def _closing(redirect: str, *argv: str) -> subprocess.CompletedProcess[str]:
     """``python -m ARGV`` with one standard descriptor closed by the shell (``>&-``)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    return subprocess.run(
-        ["sh", "-c", f'exec "$0" -m "$@" {redirect}', sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    return _run(["sh", "-c", f'exec "$0" -m "$@" {redirect}', sys.executable, *argv], 120)
 
 
 @pytest.mark.parametrize(("package", "_module"), COMMANDS)
