@@ -241,8 +241,11 @@ def special_token_id(header: GgufHeader, kind: str, n_vocab: int) -> int | None:
 
 
 def vocab_size(header: GgufHeader, arch: str) -> int:
-    """``{arch}.vocab_size``, else the number of tokens, else the token embedding's
-    second dimension (``GgufError`` when there is none of them)."""
+    """The number of tokens in ``tokenizer.ggml.tokens`` (``{arch}.vocab_size`` only
+    checked against it: llama.cpp sizes the embedding and head by the list, so a key
+    below the list is ignored, and one above it refused), else ``{arch}.vocab_size``,
+    else the token embedding's second dimension (``GgufError`` when there is none of
+    them)."""
     key = f"{arch}.vocab_size"
     if header.has(key):
         size = header.integer(key)
@@ -256,6 +259,7 @@ def vocab_size(header: GgufHeader, arch: str) -> int:
                     f"{key} is {size} but tokenizer.ggml.tokens holds {tokens} tokens",
                     key=key,
                 )
+            return tokens
         return size
     if header.has("tokenizer.ggml.tokens"):
         return header.array_length("tokenizer.ggml.tokens")

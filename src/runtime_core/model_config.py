@@ -415,13 +415,16 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, spec: ArchSpec) -> RopeC
     scaling = header.string(type_key) if header.has(type_key) else "linear"
     if scaling not in ("none", "linear", "yarn", "longrope"):
         raise UnsupportedModel(path, f"rope scaling {scaling!r} is not supported", key=type_key)
-    factor = _float(header, f"{arch}.rope.scaling.factor", 0.0)
-    if factor == 0.0:
-        factor = _float(header, f"{arch}.rope.scale_linear", 0.0)
+    # as llama.cpp: the older rope.scale_linear only where rope.scaling.factor is absent
+    # (a factor of 0 present means no scaling)
+    factor_key = f"{arch}.rope.scaling.factor"
+    if not header.has(factor_key):
+        factor_key = f"{arch}.rope.scale_linear"
+    factor = _float(header, factor_key, 0.0)
     # negative, or so small that positions times 1 / factor pass float32's largest
     if factor < 0.0 or (factor > 0.0 and 1.0 / factor > float(np.finfo(np.float32).max)):
         raise UnsupportedModel(
-            path, f"rope scaling factor {factor}", key=f"{arch}.rope.scaling.factor"
+            path, f"rope scaling factor {factor}", key=factor_key
         )
     one = np.float32(1.0)
     freq_scale = one if scaling == "none" or factor == 0.0 else one / np.float32(factor)

@@ -354,3 +354,21 @@ def test_only_smollm3_leaves_every_fourth_block_unrotated(tmp_path: Path, arch: 
     rotates = [arch != "smollm3" or (il + 1) % 4 != 0 for il in range(9)]
     assert list(config.layer_rotary) == rotates
     assert config.rope.n_dims > 0
+
+
+@pytest.mark.parametrize(
+    ("keys", "freq_scale"),
+    [
+        ({"llama.rope.scale_linear": 4.0}, 0.25),  # the older key alone
+        ({"llama.rope.scaling.factor": 0.0, "llama.rope.scale_linear": 4.0}, 1.0),
+        ({"llama.rope.scaling.factor": 2.0, "llama.rope.scale_linear": 4.0}, 0.5),
+    ],
+)
+def test_the_older_linear_scale_is_read_only_without_the_scaling_factor(
+    tmp_path: Path, keys: dict[str, float], freq_scale: float
+) -> None:
+    """llama.cpp reads ``rope.scaling.factor`` and, only where the key is absent,
+    ``rope.scale_linear``; a factor of 0 present is no scaling (it once let the older
+    key scale the positions by 4)."""
+    path = write_model(tmp_path / "m.gguf", SHAPE, extra_keys=keys)
+    assert _config(path).rope.freq_scale == np.float32(freq_scale)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
+import runtime_sim
 from runplan import GgufError, NodePool, NodeSpec, RunPlan, RuntimeConfig, plan_run
 from runplan import model_facts_from_gguf as facts_of
 from runplan.gguf_header import GgufHeader
@@ -406,8 +407,9 @@ def test_the_embedding_has_a_row_per_listed_token_whatever_vocab_size_says(
     tmp_path: Path,
 ) -> None:
     """llama.cpp sizes the embedding by the token list, whatever ``llama.vocab_size``
-    says: a key below the list with an embedding of the list's rows loads there (and
-    plans here, as before); an embedding short of the list is refused there at load, and
+    says: a key below the list with an embedding of the list's rows loads there, and
+    runs here with the list's vocabulary (the facts once took the key's, and every stage
+    refused the embedding); an embedding short of the list is refused there at load, and
     here by the facts, naming both (the plan once passed and every stage refused it)."""
     ok = write_model(tmp_path / "ok.gguf", ModelShape(n_layers=1))
     header = GgufHeader.read(str(ok))
@@ -418,7 +420,9 @@ def test_the_embedding_has_a_row_per_listed_token_whatever_vocab_size_says(
         ModelShape(n_layers=1),
         override_keys={"llama.vocab_size": (rows - 6, GGUFValueType.UINT32)},
     )
-    assert facts_of(str(smaller_key)).vocab_size == rows - 6
+    assert facts_of(str(smaller_key)).vocab_size == rows
+    ran = runtime_sim.generate(str(smaller_key), [1, 2, 3], max_tokens=2, return_logits=True)
+    assert ran.outcome == "completed" and ran.logits[0].shape == (rows,)
     tokens = [*GgufHeader.read(str(ok)).strings("tokenizer.ggml.tokens"), *"abcdef"]
     bad = write_model(  # six tokens more than the embedding's rows
         tmp_path / "short.gguf",
@@ -480,8 +484,6 @@ def test_field_bytes_are_each_keys_stored_bytes(smollm2_path: str) -> None:
         ("llama.block_count", 0, GGUFValueType.UINT32, "0 blocks: a model has at least one"),
         ("general.architecture", "", GGUFValueType.STRING, "is empty: the file names no arch"),
         ("llama.vocab_size", 0, GGUFValueType.UINT32, "0: a vocabulary holds at least 1 token"),
-        # the key is there: its value is out of the vocabulary the file's key makes
-        ("llama.vocab_size", 1, GGUFValueType.UINT32, r"\d+ is outside the vocabulary of 1 "),
     ],
 )
 def test_a_bad_value_is_named_not_what_it_breaks_later(
@@ -489,7 +491,8 @@ def test_a_bad_value_is_named_not_what_it_breaks_later(
 ) -> None:
     """Each once blamed something else: a block count of -1 or 0 "a tensor names a
     block outside 0..-2"; an empty architecture "'.block_count': required key is
-    missing"; a vocabulary of 1 an end-of-sequence id "missing" that the file holds."""
+    missing". (A ``vocab_size`` of 1 beside a longer token list once made the file's
+    end-of-sequence id "missing"; the list sizes the vocabulary now, as llama.cpp's.)"""
     path = write_model(tmp_path / "m.gguf", ModelShape(), override_keys={key: (value, kind)})
     with pytest.raises(GgufError, match=said):
         facts_of(str(path))
