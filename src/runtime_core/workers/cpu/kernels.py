@@ -25,7 +25,7 @@ from types import ModuleType
 from runplan.cpus import usable_cpus
 
 THREADS_VARIABLE = "OMP_NUM_THREADS"
-#: The most threads a product runs on (the kernels' own bound, csrc/calls.c).
+#: The most threads a product runs on (the kernels' own bound: POOL_MAX_THREADS, csrc/pool.h).
 MAX_THREADS = 1024
 
 

@@ -31,6 +31,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -68,3 +69,40 @@ def test_a_worker_left_in_the_last_job_never_takes_an_item_of_the_next(tmp_path:
     assert counts["ends_before_tickets"] == "0" and counts["early_ends"] == "0"
     assert counts["wrong_cells"] == "0" and counts["stray_items"] == "0"
     assert int(counts["jobs"]) > 1000 and int(counts["looks"]) > 0
+
+
+#: a product on 1000 threads in a fresh interpreter (the pool lives as long as its process):
+#: the pool's workers it added, and whether its bits are the 1-thread product's
+MANY_THREADS = """
+import os, numpy as np
+from runtime_core.workers.cpu import _kernels
+from tests.support.random_blocks import random_rows
+rows = 32768  # items enough for 1000 threads (a job's items are groups of rows)
+raw = random_rows(np.random.default_rng(0), "Q8_0", rows, 256, scale=0.1)
+m = _kernels.Matrix([(raw, "Q8_0", rows, 256, 0)])
+x = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+one, many = np.zeros((64, rows), np.float32), np.zeros((64, rows), np.float32)
+_kernels.linear(m, 64, x, None, None, None, None, False, False, one, None, False, 1)
+before = len(os.listdir("/proc/self/task"))
+_kernels.linear(m, 64, x, None, None, None, None, False, False, many, None, False, 1000)
+print(len(os.listdir("/proc/self/task")) - before, np.array_equal(one, many))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_a_product_runs_on_as_many_threads_as_the_worker_accepts() -> None:
+    """The worker takes 1..1024 threads (``kernels.MAX_THREADS``); the pool stopped at 256
+    participants without a word (255 workers and the caller), so a stage given 384
+    cores of a two-socket host ran on 256."""
+    proc = subprocess.run(
+        [sys.executable, "-c", MANY_THREADS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])},
+    )
+    assert proc.returncode == 0, proc.stderr
+    added, same = proc.stdout.split()
+    assert int(added) == 999 and same == "True"

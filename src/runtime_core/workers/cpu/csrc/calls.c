@@ -1,6 +1,7 @@
 /* calls.c: the kernels' calls parsed from Python's arguments, checked, run (calls.h). */
 #include "calls.h"
 #include "fp_env.h"
+#include "pool.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -92,8 +93,8 @@ int get_opt(PyObject *obj, Buf *b, const char *fmt, Py_ssize_t items, const char
 }
 
 int check_threads(int threads) {
-    if (threads < 1 || threads > 1024) {
-        PyErr_Format(PyExc_ValueError, "threads %d is not in 1..1024", threads);
+    if (threads < 1 || threads > POOL_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads %d is not in 1..%d", threads, POOL_MAX_THREADS);
         return -1;
     }
     return 0;

@@ -27,7 +27,6 @@ void pool_run(int threads, int64_t n, pool_fn fn, void *ctx) {
 #include <stdatomic.h>
 #include <time.h>
 
-#define MAX_THREADS 256
 #define LINE 64
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -87,7 +86,7 @@ static struct {
     _Atomic(void *) ctx;
     _Atomic int64_t n;
     _Atomic int parts; /* participants 0 (the caller) .. parts - 1 */
-    Range range[MAX_THREADS];
+    Range range[POOL_MAX_THREADS];
 } P = {.job_lock = PTHREAD_MUTEX_INITIALIZER};
 
 static long now_ns(void) {
@@ -182,7 +181,7 @@ static void grow(int want) {
         pthread_atfork(NULL, NULL, after_fork_in_child);
         hooked = 1;
     }
-    while (P.n_workers < want && P.n_workers < MAX_THREADS - 1) {
+    while (P.n_workers < want && P.n_workers < POOL_MAX_THREADS - 1) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);

@@ -30,6 +30,7 @@
 #define POOL_SPIN_NS 100000L /* 100 us */
 #endif
 #define POOL_MIN_WORK 65536   /* below this, one thread */
+#define POOL_MAX_THREADS 1024 /* participants of a job at most (calls.c refuses more) */
 
 typedef void (*pool_fn)(void *ctx, int64_t item);
 
