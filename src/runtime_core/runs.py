@@ -1,7 +1,12 @@
 """What both runtimes do to plan a run on one host: read the model's facts once, size
-the KV cache for the prompt and the tokens asked for, and plan an even split."""
+the KV cache for the prompt and the tokens asked for, and plan an even split; and the
+prompt token ids every entry point takes."""
 
 from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
@@ -27,6 +32,26 @@ class PlanRejected(PicklableError, ValueError):
     def __init__(self, rejection: PlanRejection) -> None:
         self.rejection = rejection
         super().__init__(str(rejection))
+
+
+def token_id(value: Any) -> int:
+    """``value`` as a token id (a NumPy integer as its value); ``TypeError`` for a bool
+    (``True`` ran as token 1) or what is no integer (``int(5.9)`` ran as 5)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is a bool, not a token id")
+    return operator.index(value)
+
+
+def token_ids(prompt: Iterable[object]) -> tuple[int, ...]:
+    """``prompt``'s token ids (``token_id``), checked before anything runs;
+    ``TypeError`` naming the first that is none by its position."""
+    ids: list[int] = []
+    for j, t in enumerate(prompt):
+        try:
+            ids.append(token_id(t))
+        except TypeError:
+            raise TypeError(f"prompt token {j} is {t!r}, not a token id") from None
+    return tuple(ids)
 
 
 def facts_for_run(model_path: str, *, prompt_len: int, max_tokens: int) -> ModelFacts:

@@ -4,7 +4,6 @@ return its tokens and text, with the signature and result fields of
 
 from __future__ import annotations
 
-import operator
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from runplan.fsm.orchestrator_machine import check_prompt
 from runplan.messages import StageReady
 from runplan.models import resolve_model
 from runtime_core.gguf_slice import check_whole_model
-from runtime_core.runs import facts_for_run, plan_even
+from runtime_core.runs import facts_for_run, plan_even, token_ids
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.port import StageHost, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
@@ -173,8 +172,9 @@ def generate(
     ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a prompt it
     cannot run, ``GgufError`` for a file it cannot read, ``WorkerUnavailable`` for a
     worker this host cannot run, ``ValueError`` for edges that cannot be,
-    ``ClusterError`` for a cluster that cannot be reached or has no room; all before
-    any process starts.
+    ``ClusterError`` for a cluster that cannot be reached or has no room, ``TypeError``
+    for a prompt token that is no token id (5.9, ``True``); all before any process
+    starts.
     """
     path = resolve_model(model_path)
     cluster = ray_host = None
@@ -188,7 +188,7 @@ def generate(
         cluster = session.stage_nodes(worker, stages)
         host = ray_host = RayHost(cluster, session.orchestrator_address())
         ray_host.on_slice_change = on_slice
-    prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
+    prompt = token_ids(prompt_ids)  # refuses 1.9 and True, keeps numpy ints
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     plan, devices = plan_for(
         path,

@@ -18,7 +18,6 @@ iterator is exhausted or closed. Each run samples with its own sampler from ``se
 from __future__ import annotations
 
 import itertools
-import operator
 import os
 import queue
 from collections.abc import Generator, Iterable, Sequence
@@ -28,7 +27,7 @@ from runplan.config import run_positions
 from runplan.models import resolve_model
 from runplan.picklable_error import PicklableError
 from runplan.rejections import InsufficientMemory
-from runtime_core.runs import PlanRejected
+from runtime_core.runs import PlanRejected, token_id
 from runtime_cupy.api import GenerateResult
 from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.serve.chain import WarmChain
@@ -40,9 +39,9 @@ DEFAULT_BATCH_RUNS = 64
 
 
 class BatchError(PicklableError, ValueError):
-    """Prompts that no batch can run (none; one with no tokens, with a token outside the
-    vocabulary, or too long for the context with ``max_tokens``), named; ``index``: the
-    prompt's (``None``: the batch's)."""
+    """Prompts that no batch can run (none; one with no tokens, with a token that is no
+    token id or is outside the vocabulary, or too long for the context with
+    ``max_tokens``), named; ``index``: the prompt's (``None``: the batch's)."""
 
     def __init__(self, message: str, index: int | None = None) -> None:
         super().__init__(message)
@@ -80,9 +79,9 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_tokens: int, facts: Mode
             raise BatchError(f"prompt {i} holds no tokens", i)
         for j, t in enumerate(prompt):
             try:
-                operator.index(t)  # 5.9 or "5" is no token id (int() ran 5.9 as 5)
+                token_id(t)  # 5.9, "5" or True is no token id (5.9 ran as 5, True as 1)
             except TypeError:
-                raise BatchError(f"prompt {i}: token {j} is {t!r}, not an integer", i) from None
+                raise BatchError(f"prompt {i}: token {j} is {t!r}, not a token id", i) from None
         outside = next((j for j, t in enumerate(prompt) if not 0 <= t < facts.vocab_size), None)
         if outside is not None:
             raise BatchError(

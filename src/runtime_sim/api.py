@@ -4,7 +4,6 @@ return its tokens and text."""
 
 from __future__ import annotations
 
-import operator
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +21,7 @@ from runplan import (
 )
 from runplan.fsm import orchestrator as ofsm
 from runplan.models import resolve_model
-from runtime_core.runs import facts_for_run, plan_even
+from runtime_core.runs import facts_for_run, plan_even, token_ids
 from runtime_core.tokenizer import Tokenizer
 from runtime_core.workers.registry import CORE_WORKERS
 from runtime_sim.chain_driver import ChainSimulation, RunResult, RunSpec, SimSettings
@@ -111,10 +110,11 @@ def generate(
     once its processes are reaped).
     ``tokenizer`` saves loading the file's tokenizer again when the caller has it.
     Raises ``PlanRejected`` when the planner refuses the run, ``GgufError`` or
-    ``TokenizerError`` for a file it cannot read, before anything runs.
+    ``TokenizerError`` for a file it cannot read, ``TypeError`` for a prompt token that
+    is no token id (5.9, ``True``), before anything runs.
     """
     path = resolve_model(model_path)
-    prompt = tuple(operator.index(t) for t in prompt_ids)  # refuses 1.9, keeps numpy ints
+    prompt = token_ids(prompt_ids)  # refuses 1.9 and True, keeps numpy ints
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     plan = plan_for(
         path,
@@ -168,7 +168,7 @@ def generate_runs(
     if runs < 1:
         raise ValueError(f"runs {runs} is not at least 1")
     path = resolve_model(model_path)
-    prompt = tuple(operator.index(t) for t in prompt_ids)
+    prompt = token_ids(prompt_ids)
     plans = [
         plan_for(
             path,

@@ -42,12 +42,31 @@ def test_a_token_outside_the_vocabulary_is_refused_naming_its_prompt(tiny: str) 
     assert info.value.index == 2
 
 
-@pytest.mark.parametrize("bad", [5.9, "5", None])
-def test_a_token_that_is_no_integer_is_refused_naming_its_prompt(tiny: str, bad: object) -> None:
+@pytest.mark.parametrize("bad", [5.9, "5", None, True, np.bool_(False)])
+def test_a_token_that_is_no_integer_is_refused_naming_its_prompt(
+    tiny: str, bad: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``int(5.9)`` once ran the prompt [5, ...] and reported it completed; a string
-    raised a bare ``TypeError`` naming no prompt. (``generate`` already refused both.)"""
-    with pytest.raises(BatchError, match=rf"prompt 1: token 1 is {bad!r}, not an integer"):
+    raised a bare ``TypeError`` naming no prompt; ``True`` passed the check and failed
+    the batch once its chain had started, naming no prompt."""
+    from runtime_cupy.serve.chain import WarmChain
+
+    def no_chain(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a chain started")
+
+    monkeypatch.setattr(WarmChain, "__init__", no_chain)
+    with pytest.raises(BatchError, match=rf"prompt 1: token 1 is {bad!r}, not a token id"):
         generate_batch(tiny, [[1], [2, bad]])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("bad", [True, 1.0])
+def test_generate_refuses_a_token_that_is_no_token_id(tiny: str, bad: object) -> None:
+    """``True`` ran as token 1, before any process starts as after."""
+    from runtime_cupy import generate
+
+    with pytest.raises(TypeError) as info:
+        generate(tiny, [bad, 2], max_tokens=2)
+    assert str(info.value) == f"prompt token 0 is {bad!r}, not a token id"
 
 
 @pytest.mark.process
@@ -55,7 +74,7 @@ def test_a_warm_chain_refuses_a_token_that_is_no_integer(tiny: str) -> None:
     from runtime_cupy.serve.chain import WarmChain
 
     with WarmChain(tiny, stages=1, context=32, max_concurrent=1) as chain:
-        with pytest.raises(TypeError, match="'float' object cannot be interpreted"):
+        with pytest.raises(TypeError, match=r"prompt token 0 is 5\.9, not a token id"):
             chain.generate([5.9, 17.7, 3.2], max_tokens=2)  # type: ignore[list-item]
         assert chain.generate([5, 17, 3], max_tokens=2).result.tokens  # still serving
 

@@ -90,6 +90,17 @@ def test_a_prompt_past_the_context_is_refused(tiny: Path) -> None:
         generate(tiny, [1] * 250, max_tokens=10)
 
 
+@pytest.mark.parametrize("bad", [True, False, 1.0, "1"])
+def test_a_prompt_token_that_is_no_token_id_is_refused_naming_it(tiny: Path, bad: object) -> None:
+    """``True`` and ``False`` once ran as tokens 1 and 0 (``operator.index`` takes bools)."""
+    from runtime_sim.api import generate_runs
+
+    for run in (generate, lambda *a, **k: generate_runs(*a, runs=2, **k)):
+        with pytest.raises(TypeError) as info:
+            run(tiny, [5, bad], max_tokens=2)
+        assert str(info.value) == f"prompt token 1 is {bad!r}, not a token id"
+
+
 @pytest.mark.parametrize("worker", ["numpy", "cpu"])
 def test_sampled_runs_through_one_chain_each_sample_as_they_would_alone(
     tiny: Path, worker: str

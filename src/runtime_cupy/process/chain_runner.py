@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import os
 import threading
 import time
@@ -46,6 +45,7 @@ from runplan.fsm import orchestrator as fsm
 from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunTimerFired
 from runtime_core.kv_waits import KvWaits
+from runtime_core.runs import token_ids
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.hosts.local import LocalProcessHost
@@ -222,10 +222,7 @@ class ChainRunner(ChainStages, RunHandoffs):
         ``RunRefused``) or faulted (the chain is dead or closing). ``on_done(run)``
         when it ended (from the loop's thread); ``on_logits`` takes each token's logits
         (a plan that returns them), which the run's outcome then does not hold."""
-        ids = tuple(operator.index(t) for t in prompt)  # 5.9 is refused, not run as 5
-        flag = next((j for j, t in enumerate(prompt) if isinstance(t, bool)), None)
-        if flag is not None:  # True ran as token 1
-            raise TypeError(f"prompt token {flag} is {prompt[flag]!r}, not a token id")
+        ids = token_ids(prompt)  # 5.9 is refused, not run as 5, and True as 1
         run = ChainRun(self, plan, ids, on_token, on_done, on_logits)
         with self._lock:
             late = self._over
