@@ -37,7 +37,8 @@ def _node_ids(nodes: Iterable[str]) -> tuple[str, ...]:
 @frozen
 class Placement:
     """``Placement(assignments=...)``, ``Placement.even(nodes)`` or
-    ``Placement.by_memory(nodes)``."""
+    ``Placement.by_memory(nodes)``. Each strategy reads one of ``assignments`` and
+    ``nodes``; ``plan_run`` rejects the other given (``invalid_config``)."""
 
     assignments: tuple[StageAssignment, ...] = tuple_field(StageAssignment, default=())
     strategy: PlacementStrategy = typed_field(PlacementStrategy, default=PlacementStrategy.EXPLICIT)

@@ -266,6 +266,9 @@ def _place(
     placement: Placement,
     rings: dict[EdgeKind, RingSpec],
 ) -> list[_Row] | PlanRejection:
+    unread = _unread_field(placement)
+    if unread:
+        return unread
     if placement.strategy is PlacementStrategy.EXPLICIT:
         return _place_explicit(facts, pool, nodes, stage_count, placement)
 
@@ -282,6 +285,31 @@ def _place(
     else:
         ranges = _split_by_memory(facts, config, nodes, node_ids, rings)
     return [(i, node_ids[i], start, end) for i, (start, end) in enumerate(ranges)]
+
+
+def _unread_field(placement: Placement) -> InvalidConfig | None:
+    """A field the placement's strategy does not read, given anyway: an explicit
+    placement's ``nodes``, or an even or by-memory placement's ``assignments`` (the
+    plan would follow the strategy and silently drop what they say)."""
+    strategy = placement.strategy
+    if strategy is PlacementStrategy.EXPLICIT and placement.nodes:
+        return InvalidConfig(
+            "placement.nodes",
+            repr(placement.nodes),
+            "an explicit placement names its nodes in its assignments",
+        )
+    if strategy is not PlacementStrategy.EXPLICIT and placement.assignments:
+        rows = tuple(
+            (a.stage_index, a.node_id, a.layer_start, a.layer_end_exclusive)
+            for a in placement.assignments
+        )
+        return InvalidConfig(
+            "placement.assignments",
+            repr(rows),
+            f"a {strategy.value} placement places its nodes itself (explicit rows are "
+            "the EXPLICIT strategy's)",
+        )
+    return None
 
 
 def _split_by_memory(

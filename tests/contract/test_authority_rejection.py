@@ -11,6 +11,7 @@ from runplan import (
     Placement,
     PlacementStrategy,
     RunPlan,
+    StageAssignment,
     WorkerCapabilities,
     check_plan,
     plan_run,
@@ -20,6 +21,7 @@ from runplan.rejections import (
     InconsistentModelFacts,
     InconsistentPlan,
     InsufficientMemory,
+    InvalidConfig,
     UnsupportedModel,
 )
 from runplan.testing.suite.test_authority import *  # noqa: F403
@@ -122,6 +124,36 @@ def test_block_bytes_or_a_weight_width_past_what_a_host_holds_reject(
     result = _run(inputs, config=attrs.evolve(inputs.config, worker=wide), placement=placement)
     assert isinstance(result, InconsistentModelFacts) and result.field == "worker", result
     assert "at most 8" in result.reason
+
+
+@given(valid_plan_inputs(), st.data())
+def test_a_placement_field_its_strategy_does_not_read_rejects(
+    inputs: PlanInputs, data: st.DataObject
+) -> None:
+    """ARCHITECTURE.md: every contradiction of a placement comes back as a rejection.
+    An even placement with explicit rows, an explicit one with a node list, or a
+    by-memory one with rows naming a node the pool lacks once planned by the strategy,
+    the other field dropped."""
+    placement = inputs.placement
+    if placement.strategy is PlacementStrategy.EXPLICIT:
+        listed = tuple(data.draw(st.lists(st.text(min_size=1, max_size=8), min_size=1)))
+        changed = attrs.evolve(placement, nodes=listed)
+        field, value = "placement.nodes", repr(listed)
+    else:
+        plan = _run(inputs)
+        assert isinstance(plan, RunPlan), plan
+        rows = tuple(
+            StageAssignment(s.stage_index, s.node_id, s.layer_start, s.layer_end_exclusive)
+            for s in plan.stages
+        )  # even the rows the strategy itself gives
+        ghost = data.draw(st.booleans())
+        if ghost:
+            rows = (attrs.evolve(rows[0], node_id="ghost"), *rows[1:])
+        changed = attrs.evolve(placement, assignments=rows)
+        field, value = "placement.assignments", f"(0, {rows[0].node_id!r}, "
+    result = _run(inputs, placement=changed)
+    assert isinstance(result, InvalidConfig), result
+    assert result.field == field and value in result.value, result
 
 
 @given(valid_plan_inputs(), st.sampled_from([-1, 2**64]))
