@@ -3,6 +3,10 @@
 Value classes check the *types* of their fields and nothing else: a combination of
 values that contradicts the contract is for ``plan_run`` and ``check_plan`` to
 reject, so a plan read off the wire or built by hand can still be checked.
+
+Converters and defaults are module-level functions, never lambdas: a field's
+``TypeError`` carries its ``attrs.Attribute``, and pickling it (a process pool, a Ray
+task) pickles them too.
 """
 
 from __future__ import annotations
@@ -23,20 +27,20 @@ def int_field(**kwargs: Any) -> Any:
     return attrs.field(validator=[v.instance_of(int), _not_bool], **kwargs)
 
 
+def _activation_width(self: Any) -> Any:
+    return self.dtype_width_bytes
+
+
 def kv_width_field() -> Any:
     """The KV cache's element width (``kv_dtype_width_bytes``): by default, where a plan
     or message written without it is read, the activations' (``dtype_width_bytes``, a
     field before it), as the planner counted the cache then."""
-    return int_field(default=attrs.Factory(lambda self: self.dtype_width_bytes, takes_self=True))
+    return int_field(default=attrs.Factory(_activation_width, takes_self=True))
 
 
 def float_field(**kwargs: Any) -> Any:
-    """A ``float`` field; an ``int`` is converted."""
-    return attrs.field(
-        converter=lambda x: float(x) if isinstance(x, int) and not isinstance(x, bool) else x,
-        validator=v.instance_of(float),
-        **kwargs,
-    )
+    """A ``float`` field; an ``int`` is converted (``bool`` is not, and is refused)."""
+    return attrs.field(converter=_float_member, validator=v.instance_of(float), **kwargs)
 
 
 def str_field(**kwargs: Any) -> Any:
