@@ -207,7 +207,8 @@ class InsufficientMemory(PlanRejection):
 @frozen(str=False)
 class InvalidConfig(PlanRejection):
     """A run-wide setting no run can have (run id, max tokens, ring slots, sampling,
-    timeouts, a placement field its strategy does not read)."""
+    timeouts, worker capabilities no worker has, a placement field its strategy does
+    not read)."""
 
     code: ClassVar[str] = "invalid_config"
     _template: ClassVar[str] = "{field} = {value}: {reason}"

@@ -322,9 +322,39 @@ def check_model_strings(
     return None
 
 
+def check_worker_capabilities(worker: WorkerCapabilities) -> PlanRejection | None:
+    """Capabilities no worker can have (``RuntimeConfig.worker`` is a run-wide setting):
+    ``invalid_config`` naming ``worker.<field>`` and its value."""
+    weight = worker.weight_bytes_per_element
+    if not 0 <= weight <= MAX_WEIGHT_BYTES_PER_ELEMENT:
+        return InvalidConfig(
+            "worker.weight_bytes_per_element",
+            str(weight),
+            f"a worker holds a weight in 0 (as stored) to {MAX_WEIGHT_BYTES_PER_ELEMENT} "
+            "(float64) bytes",
+        )
+    kv = worker.kv_bytes_per_element
+    if kv and kv not in VALID_WIDTHS[DTypeFamily.FLOAT]:
+        return InvalidConfig(
+            "worker.kv_bytes_per_element",
+            str(kv),
+            f"a KV element of {kv} bytes: a worker holds its KV cache in float32 (4) or "
+            "float16 (2), or in the activations' width (0)",
+        )
+    if worker.row_multiple < 1:
+        return InvalidConfig(
+            "worker.row_multiple", str(worker.row_multiple), "must be at least 1 (1: any length)"
+        )
+    return None
+
+
 def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection | None:
-    """The worker runs the model's architecture and quant types, and the facts say
-    what the memory check needs to count the weights as the worker holds them."""
+    """The worker's capabilities are possible ones (``check_worker_capabilities``), it
+    runs the model's architecture and quant types, and the facts say what the memory
+    check needs to count the weights as the worker holds them."""
+    rejection = check_worker_capabilities(worker)
+    if rejection:
+        return rejection
     bad_quants = tuple(q for q in facts.quant_types if q not in worker.quant_types)
     experts = facts.expert_count > 0 and not worker.experts
     if facts.architecture not in worker.architectures or bad_quants or experts:
@@ -334,31 +364,6 @@ def check_worker(facts: ModelFacts, worker: WorkerCapabilities) -> PlanRejection
             unsupported_quant_types=bad_quants,
             supported_architectures=tuple(worker.architectures),
             supported_quant_types=tuple(worker.quant_types),
-        )
-    if worker.weight_bytes_per_element < 0 or worker.kv_bytes_per_element < 0:
-        return InconsistentModelFacts(
-            "worker", worker.name, "bytes per weight or KV element must not be negative"
-        )
-    if worker.weight_bytes_per_element > MAX_WEIGHT_BYTES_PER_ELEMENT:
-        return InconsistentModelFacts(
-            "worker",
-            worker.name,
-            f"{worker.weight_bytes_per_element} bytes per weight element: a worker holds a "
-            f"weight in at most {MAX_WEIGHT_BYTES_PER_ELEMENT} (float64)",
-        )
-    if (
-        worker.kv_bytes_per_element
-        and worker.kv_bytes_per_element not in VALID_WIDTHS[DTypeFamily.FLOAT]
-    ):
-        return InconsistentModelFacts(
-            "worker",
-            worker.name,
-            f"a KV element of {worker.kv_bytes_per_element} bytes: a worker holds its KV "
-            "cache in float32 (4) or float16 (2), or in the activations' width (0)",
-        )
-    if worker.row_multiple < 1:
-        return InconsistentModelFacts(
-            "worker", worker.name, f"row_multiple {worker.row_multiple} is not at least 1"
         )
     if worker.weight_bytes_per_element > 0 and not facts.block_elements:
         return InconsistentModelFacts(

@@ -122,8 +122,8 @@ def test_block_bytes_or_a_weight_width_past_what_a_host_holds_reject(
     assert isinstance(result, InconsistentModelFacts) and result.field == "block_bytes[0]"
     wide = attrs.evolve(inputs.config.worker, weight_bytes_per_element=huge)
     result = _run(inputs, config=attrs.evolve(inputs.config, worker=wide), placement=placement)
-    assert isinstance(result, InconsistentModelFacts) and result.field == "worker", result
-    assert "at most 8" in result.reason
+    assert isinstance(result, InvalidConfig), result
+    assert (result.field, result.value) == ("worker.weight_bytes_per_element", str(huge))
 
 
 @given(valid_plan_inputs(), st.data())
@@ -191,14 +191,28 @@ def test_facts_without_element_counts_reject_for_a_worker_that_dequantizes(
     assert result.field == "block_elements"
 
 
-@given(valid_plan_inputs(), st.integers(max_value=0))
-def test_a_worker_reading_rows_in_blocks_of_fewer_than_one_element_rejects(
-    inputs: PlanInputs, multiple: int
+@given(
+    valid_plan_inputs(),
+    st.sampled_from(["row_multiple", "weight_bytes_per_element", "kv_bytes_per_element"]),
+    st.data(),
+)
+def test_worker_capabilities_no_worker_has_are_an_invalid_config_naming_them(
+    inputs: PlanInputs, field: str, data: st.DataObject
 ) -> None:
-    worker = attrs.evolve(inputs.config.worker, row_multiple=multiple)
+    """A row multiple below 1, a weight of fewer than 0 or more than 8 bytes, a KV
+    element neither 0 (the activations'), 2 nor 4 bytes: a run-wide setting no run can
+    have (``invalid_config``), naming ``worker.<field>`` and the value (they were
+    ``inconsistent_model_facts`` naming "worker" and the worker's name)."""
+    bad = {
+        "row_multiple": st.integers(max_value=0),
+        "weight_bytes_per_element": st.integers(max_value=-1) | st.integers(min_value=9),
+        "kv_bytes_per_element": st.integers().filter(lambda n: n not in (0, 2, 4)),
+    }
+    value = data.draw(bad[field])
+    worker = attrs.evolve(inputs.config.worker, **{field: value})
     result = _run(inputs, config=attrs.evolve(inputs.config, worker=worker))
-    assert isinstance(result, InconsistentModelFacts)
-    assert result.field == "worker" and f"row_multiple {multiple}" in result.reason
+    assert isinstance(result, InvalidConfig), result
+    assert (result.field, result.value) == (f"worker.{field}", str(value))
 
 
 @given(valid_plan_inputs(), st.data())

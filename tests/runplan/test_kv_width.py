@@ -27,7 +27,7 @@ from runplan.check import check_plan
 from runplan.contract import ContractReport, check_contract
 from runplan.contract.subject import PlanInputs
 from runplan.provision import provision_all
-from runplan.rejections import InconsistentModelFacts, InvalidDtypeWidth
+from runplan.rejections import InvalidConfig, InvalidDtypeWidth
 from runplan.validate import check_worker
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.chain import plan_for
@@ -83,13 +83,14 @@ def test_the_checker_refuses_a_width_no_cache_has(model: Path, width: int) -> No
     assert "model kv dtype" in str(rejection) and str(width) in str(rejection)
 
 
-@pytest.mark.parametrize("kv_bytes", [1, 3, 8])
+@pytest.mark.parametrize("kv_bytes", [1, 3, 8, -2])
 def test_the_planner_refuses_a_worker_whose_kv_element_no_cache_has(
     model: Path, kv_bytes: int
 ) -> None:
     worker = attrs.evolve(CPU_LIKE, kv_bytes_per_element=kv_bytes)
     rejection = check_worker(model_facts_from_gguf(model), worker)
-    assert isinstance(rejection, InconsistentModelFacts), rejection
+    assert isinstance(rejection, InvalidConfig), rejection
+    assert (rejection.field, rejection.value) == ("worker.kv_bytes_per_element", str(kv_bytes))
     assert f"a KV element of {kv_bytes} bytes" in str(rejection)
     with pytest.raises(AssertionError, match=f"a KV element of {kv_bytes} bytes"):
         plan_for(model, 2, worker=worker)  # the planner's rejection
