@@ -23,6 +23,7 @@ from runplan import (
 )
 from runplan.config import run_positions
 from runplan.picklable_error import PicklableError
+from runplan.plan import U64_MAX
 from runplan.planner import run_too_long
 
 
@@ -52,6 +53,14 @@ def token_ids(prompt: Iterable[object]) -> tuple[int, ...]:
         except TypeError:
             raise TypeError(f"prompt token {j} is {t!r}, not a token id") from None
     return tuple(ids)
+
+
+def run_seed(seed: int, index: int) -> int:
+    """The sampling seed of run ``index`` of several started from ``seed``: ``seed +
+    index`` modulo 2**64, so that run 0 samples what one run of ``seed`` samples and a
+    seed near 2**64 - 1 gives every run a seed of its own. A ``seed`` outside
+    ``0..2**64-1`` is left as it is, for the planner to refuse by name."""
+    return (seed + index) % (U64_MAX + 1) if 0 <= seed <= U64_MAX else seed
 
 
 def facts_for_run(model_path: str, *, prompt_len: int, max_tokens: int) -> ModelFacts:

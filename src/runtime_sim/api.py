@@ -21,7 +21,7 @@ from runplan import (
 )
 from runplan.fsm import orchestrator as ofsm
 from runplan.models import resolve_model
-from runtime_core.runs import facts_for_run, plan_even, token_ids
+from runtime_core.runs import facts_for_run, plan_even, run_seed, token_ids
 from runtime_core.tokenizer import Tokenizer
 from runtime_core.workers.registry import CORE_WORKERS
 from runtime_sim.chain_driver import ChainSimulation, RunResult, RunSpec, SimSettings
@@ -161,7 +161,7 @@ def generate_runs(
     on_run_end: Callable[[int, GenerateResult], None] | None = None,
 ) -> ConcurrentResult:
     """``runs`` runs of ``prompt_ids`` in flight at once through one chain of ``stages``
-    simulated stages (run ``i`` samples with seed ``seed + i``), batched on each stage
+    simulated stages (run ``i`` samples with seed ``seed + i`` modulo 2**64), batched on each stage
     as the chain controllers batch them. ``on_run_end(i, result)`` as run ``i`` ends,
     while the others go on (what a Ctrl-C then leaves a caller; ``wall_s``: so far).
     Raises as ``generate`` does."""
@@ -176,7 +176,7 @@ def generate_runs(
             prompt_len=len(prompt),
             max_tokens=max_tokens,
             sampling=SamplingConfig(
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=run_seed(seed, i)
             ),
             return_logits=False,
             run_id=f"sim-run-{i}",

@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=1,
         help="runs of the prompt in flight at once through the chain, run i sampling "
-        "with seed + i (1)",
+        "with seed + i modulo 2**64 (1)",
     )
     run.set_defaults(func=_cmd_run)
 

@@ -117,6 +117,22 @@ def test_sampled_runs_through_one_chain_each_sample_as_they_would_alone(
     assert len({r.tokens for r in many.runs}) > 1  # the seeds differ, and so do the runs
 
 
+def test_run_seeds_wrap_past_the_last_seed(tiny: Path) -> None:
+    """Run ``i`` samples with ``seed + i`` modulo 2**64: a seed of 2**64 - 1 once made
+    run 1's 2**64, which the planner refused; a seed out of range is still refused."""
+    from runtime_sim.api import generate_runs
+
+    options = {"max_tokens": 4, "temperature": 0.9}
+    top = 2**64 - 1
+    many = generate_runs(tiny, [1, 2], runs=2, seed=top, **options)  # type: ignore[arg-type]
+    assert [r.outcome for r in many.runs] == ["completed"] * 2
+    for run, seed in zip(many.runs, (top, 0), strict=True):
+        assert run.tokens == generate(tiny, [1, 2], seed=seed, **options).tokens  # type: ignore[arg-type]
+    for bad in (-1, 2**64):
+        with pytest.raises(PlanRejected, match=rf"sampling.seed = {bad}:"):
+            generate_runs(tiny, [1, 2], runs=2, seed=bad, **options)  # type: ignore[arg-type]
+
+
 def test_each_run_of_several_is_reported_as_it_ends(tiny: Path) -> None:
     """``on_run_end(i, result)``: once for each run, its result then the one returned
     at the end (what a Ctrl-C after it leaves the caller)."""

@@ -17,6 +17,7 @@ import attrs
 from attrs import frozen
 
 from runtime_core.chat import ChatTemplateError, NoChatTemplate
+from runtime_core.runs import run_seed
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.serve.requests import CompletionRequest, Message, RequestError
 
@@ -67,8 +68,9 @@ class Prepared:
 def choice_seed(seed: int, index: int) -> int:
     """The sampler's seed of choice ``index`` of a request of ``seed`` (its own, or a
     random one when it gave none): ``seed + index`` modulo 2**64, so choice 0 samples
-    what the same request with ``n = 1`` samples, and each choice its own stream."""
-    return (seed + index) % 2**64
+    what the same request with ``n = 1`` samples, and each choice its own stream
+    (``runtime_core.runs.run_seed``, as ``runtime_sim``'s ``--runs``)."""
+    return run_seed(seed, index)
 
 
 def prepare(chain: WarmChain, request: CompletionRequest) -> Prepared:
