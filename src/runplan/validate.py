@@ -158,8 +158,10 @@ def check_batching(config: RuntimeConfig) -> PlanRejection | None:
 
 
 def check_slot_count(slot_count: int, what: str) -> PlanRejection | None:
-    if not 1 <= slot_count <= U32_MAX:
+    if slot_count < 1:
         return InvalidConfig(what, str(slot_count), "a ring needs at least one slot")
+    if slot_count > U32_MAX:
+        return InvalidConfig(what, str(slot_count), f"must be in 1..{U32_MAX}")
     return None
 
 

@@ -70,7 +70,10 @@ def facts_for_run(model_path: str, *, prompt_len: int, max_tokens: int) -> Model
     run too long for its ``max_seq_len`` (``invalid_config``, naming the prompt's tokens
     or ``max_tokens``). A ``max_tokens`` below 1 is left to the run's config check
     (``PlanRejected`` naming it), not made a ``max_seq_len`` the facts' check would name
-    instead."""
+    instead; and one that is no int (``numpy.int64(2)``) a ``TypeError`` naming it."""
+    for name, value in (("max_tokens", max_tokens), ("prompt_len", prompt_len)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
     facts = model_facts_from_gguf(model_path)
     if max_tokens < 1:
         return facts

@@ -121,6 +121,9 @@ def test_the_memory_check_counts_the_weights_once_and_the_kv_budget() -> None:
         ({"prefill_chunk": 600}, "prefill_chunk", "max_batch_rows (512)"),
         ({"prefill_chunk": 9, "max_batch_rows": 8}, "prefill_chunk", "max_batch_rows (8)"),
         ({"prefill_chunk": -1}, "prefill_chunk", "0.."),
+        ({"ring_slot_count": 0}, "ring_slot_count", "0: a ring needs at least one slot"),
+        # a u32 on the wire: it was "needs at least one slot" too
+        ({"ring_slot_count": 2**40}, "ring_slot_count", f"{2**40}: must be in 1..{2**32 - 1}"),
     ],
 )
 def test_a_setting_no_run_can_have_is_invalid_config(

@@ -117,6 +117,13 @@ def test_sampled_runs_through_one_chain_each_sample_as_they_would_alone(
     assert len({r.tokens for r in many.runs}) > 1  # the seeds differ, and so do the runs
 
 
+@pytest.mark.parametrize("max_tokens", [np.int64(2), 2.0, True])
+def test_a_max_tokens_that_is_no_int_is_refused_naming_it(tiny: Path, max_tokens: object) -> None:
+    """``np.int64(2)`` was refused naming ``max_seq_len``, which the caller never gave."""
+    with pytest.raises(TypeError, match=r"^max_tokens must be an int, not "):
+        generate(tiny, [1], max_tokens=max_tokens)  # type: ignore[arg-type]
+
+
 def test_run_seeds_wrap_past_the_last_seed(tiny: Path) -> None:
     """Run ``i`` samples with ``seed + i`` modulo 2**64: a seed of 2**64 - 1 once made
     run 1's 2**64, which the planner refused; a seed out of range is still refused."""

@@ -56,6 +56,7 @@ import attrs
 from runplan import NodeSpec, Placement, SamplingConfig, model_facts_from_gguf
 from runplan.config import Timeouts
 from runplan.models import resolve_model
+from runplan.plan import U64_MAX
 from runtime_core.gguf_slice import check_whole_model
 from runtime_core.recovery import DEFAULT_MAX_RECOVERIES, RecoveryPolicy
 from runtime_core.runs import PLACEMENTS
@@ -245,6 +246,8 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
             raise ValueError(f"kv_budget_bytes {kv_budget_bytes} is not at least 1")
         self.kv_budget_bytes = kv_budget_bytes or 0  # 0: max_concurrent full-length runs
         self.max_concurrent = max_concurrent or DEFAULT_MAX_CONCURRENT
+        if self.kv_budget_bytes > U64_MAX:  # a u64 in every plan and provision
+            raise ValueError(f"kv_budget_bytes {self.kv_budget_bytes} is past 2**64 - 1")
         self._lock = threading.Lock()  # guards the runner for readers on other threads
         self._heal_lock = threading.RLock()  # one thread starts the chain again
         self._runner: ChainRunner | None = None

@@ -24,6 +24,7 @@ from runplan import (
 from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.plan import OrchestratorEndpoint
+from runplan.validate import U32_MAX
 from runtime_core.runs import PlanRejected, plan_even
 from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.port import StageHost
@@ -55,7 +56,9 @@ class ChainPlans:
 
     def _runs_in_budget(self) -> int:
         """How many full-length runs (the whole context) the smallest stage's KV budget
-        holds; ``ValueError`` naming the stage when it holds none."""
+        holds, at most ``max_concurrent_runs``' 2**32 - 1 (a budget past any host's
+        memory then refused by the planner naming it, not a run count never given);
+        ``ValueError`` naming the stage when it holds none."""
         budget, self.kv_budget_bytes = self.kv_budget_bytes, 0
         self.max_concurrent = 1
         try:  # one full-length run's cache on each stage: the planner's figures
@@ -70,7 +73,7 @@ class ChainPlans:
                 f"a KV budget of {budget} bytes holds no full-length run on stage {index}: "
                 f"one needs {need} bytes (a smaller context needs less)"
             )
-        return runs
+        return min(runs, U32_MAX)
 
     @property
     def context(self) -> int:

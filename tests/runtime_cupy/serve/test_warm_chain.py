@@ -25,6 +25,7 @@ import pytest
 from runplan.config import SamplingConfig
 from runplan.messages import StopReason, StopRun
 from runplan.provision import provision_all
+from runtime_core.runs import PlanRejected
 from runtime_cupy import generate
 from runtime_cupy.cli.arguments import add_chain_arguments, chain_from
 from runtime_cupy.process.launcher import ProcessRun
@@ -210,6 +211,20 @@ def test_max_concurrent_defaults_to_the_full_length_runs_the_smallest_stage_s_bu
     assert WarmChain(tiny, stages=2, context=64).max_concurrent == 4  # neither: as before
     with pytest.raises(ValueError, match=r"holds no full-length run on stage \d: one needs"):
         WarmChain(tiny, stages=2, context=64, kv_budget_bytes=min(needs) - 1)
+
+
+def test_a_kv_budget_past_u64_or_any_host_is_refused_naming_it(tiny: str) -> None:
+    """No process starts. A budget past 2**64 - 1, or one holding more full-length runs
+    than ``max_concurrent_runs`` counts (2**32 - 1), was refused naming
+    ``max_concurrent_runs``, which the caller never gave."""
+    with pytest.raises(ValueError) as info:
+        WarmChain(tiny, stages=1, context=64, kv_budget_bytes=2**80)
+    assert str(info.value) == f"kv_budget_bytes {2**80} is past 2**64 - 1"
+    for budget in (2**63, 2**64 - 1):
+        with pytest.raises(PlanRejected) as refused:
+            WarmChain(tiny, stages=1, context=64, kv_budget_bytes=budget)
+        assert refused.value.rejection.code == "insufficient_memory", refused.value
+        assert refused.value.rejection.bytes_needed > budget
 
 
 def test_the_chain_flags_give_its_kv_budget_and_prefill_chunk(tiny: str) -> None:
