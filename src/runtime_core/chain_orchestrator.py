@@ -146,6 +146,7 @@ class ChainOrchestrator(TokenLinks):
         self.token_out: LinkReceiver | None = None
         self._decodes: deque[TokenRecord] = deque()  # fed-back tokens waiting for token-in
         self._chunks: deque[TokenRecord] = deque()  # prompt records waiting for token-in
+        self.records_sent = 0  # token-in records written so far
         self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
         self.broken_stage: int | None = None  # the stage it names, if it names one

@@ -174,6 +174,7 @@ class ChainStageController(StageSetup, StageDataPath):
         self.broken: FaultReason | None = None  # a chain fault: the links cannot be used
         self._loads = 0  # records taken off the inbound link so far
         self._outputs: deque[StepOutput] = deque()
+        self.records_published = 0  # outputs written on the outbound link so far
         self._release: list[str] = []
         self.batches = 0  # worker calls so far
         # Rows of the latest batch (for traces and logs), and the batches run over the

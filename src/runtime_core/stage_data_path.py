@@ -89,6 +89,9 @@ class StageDataPath:
     broken: FaultReason | None
     _loads: int
     _outputs: deque[StepOutput]
+    #: outputs written on the outbound link so far: a runtime bounding one wait on a
+    #: full ring (``Timeouts.edge_wait_ms``) starts it again when this grows
+    records_published: int
     batches: int
     last_batch_rows: int
     batch_counts: dict[int, int]
@@ -234,7 +237,8 @@ class StageDataPath:
 
     def try_publish_outputs(self) -> bool:
         """Write the batch's outputs, in order; each run's step is complete when its
-        output is out. ``False`` while the outbound ring is full."""
+        output is out. ``False`` while the outbound ring is full (``records_published``
+        counts those written, this call's too)."""
         while self._outputs:
             out = self._outputs[0]
             slot = self.runs.get(out.run_id)
@@ -266,6 +270,7 @@ class StageDataPath:
                     return False
                 if not sent:
                     return False
+                self.records_published += 1
                 if self.trace is not no_trace:
                     fields = {"run_id": out.run_id, "sequence": out.sequence, "rows": out.rows}
                     self.trace("published", fields)

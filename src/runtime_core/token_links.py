@@ -78,6 +78,9 @@ class TokenLinks:
     token_out: LinkReceiver | None
     _decodes: deque[TokenRecord]
     _chunks: deque[TokenRecord]
+    #: token-in records written so far: a runtime bounding one wait on a full ring
+    #: (``Timeouts.edge_wait_ms``) starts it again when this grows
+    records_sent: int
     broken: FaultReason | None
 
     if TYPE_CHECKING:
@@ -152,7 +155,7 @@ class TokenLinks:
 
     def try_inject(self) -> bool:
         """Write the waiting token-in records (fed-back tokens first); ``False`` while
-        the link is full."""
+        the link is full (``records_sent`` counts those written, this call's too)."""
         while (queue := self._next_record()) is not None and self.token_in is not None:
             record = queue[0]
             handle = self.runs.get(record.run_id)
@@ -176,6 +179,7 @@ class TokenLinks:
             if not sent:
                 return False
             queue.popleft()
+            self.records_sent += 1
             if record.sequence == 0:
                 handle.unsent_chunks -= 1
             if self.trace is not no_trace:

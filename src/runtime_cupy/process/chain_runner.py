@@ -57,6 +57,7 @@ from runtime_cupy.process.control_channel import ChannelBroken
 from runtime_cupy.process.keys import chain_id, new_secret
 from runtime_cupy.process.names import new_run_id, run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
+from runtime_cupy.process.ring_wait import RingWait
 from runtime_cupy.process.timers import RunDeadlines
 from runtime_cupy.process.tracing import Event, TraceLog
 
@@ -150,7 +151,7 @@ class ChainRunner(ChainStages, RunHandoffs):
         os.set_blocking(self._wake_w, False)
         self._waiter = Watch()
         self._open_at = 0.0
-        self._inject_since: float | None = None
+        self._inject_wait = RingWait()  # for a token-in slot
         self.closed = False
         #: Why the chain cannot serve any more (a chain fault), once it cannot.
         self.dead: str | None = None
@@ -276,7 +277,7 @@ class ChainRunner(ChainStages, RunHandoffs):
             if o.inject_pending:
                 self._inject(now)
             else:
-                self._inject_since = None
+                self._inject_wait.clear()
             while o.wants_tokens and o.poll_tokens():
                 pass
             self._end_runs()
@@ -293,15 +294,17 @@ class ChainRunner(ChainStages, RunHandoffs):
             self._wait()
 
     def _inject(self, now: float) -> None:
+        """Write what waits for token-in; a full ring is backpressure for one wait
+        (``edge_wait_ms``), begun again by every record written."""
         o = self.orchestrator
         if o.try_inject():
-            self._inject_since = None
-            return
-        if self._inject_since is None:
-            self._inject_since = now
-        elif now - self._inject_since > self.template.timeouts.edge_wait_ms / 1000.0:
-            self._inject_since = None
+            self._inject_wait.clear()
+        elif self._inject_wait.refused(now, o.records_sent, self._edge_wait_s):
             o.link_fault("token-in: no free slot in time")
+
+    @property
+    def _edge_wait_s(self) -> float:
+        return self.template.timeouts.edge_wait_ms / 1000.0
 
     def _wait(self) -> None:
         o = self.orchestrator
@@ -327,8 +330,9 @@ class ChainRunner(ChainStages, RunHandoffs):
                 until = min(until, heard + bound)
         if o.links_pending:
             until = min(until, self._open_at)
-        if self._inject_since is not None:
-            until = min(until, self._inject_since + self.template.timeouts.edge_wait_ms / 1000.0)
+        inject_due = self._inject_wait.due(self._edge_wait_s)
+        if inject_due is not None:
+            until = min(until, inject_due)
         ready = self._waiter.poll(tuple(entries), (until - now) * 1000.0)
         for fd, events in ready:
             if fd == self._wake_r:

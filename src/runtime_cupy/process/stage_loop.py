@@ -66,6 +66,7 @@ from runtime_cupy.process.control_channel import (
 from runtime_cupy.process.keys import chain_id, control_key
 from runtime_cupy.process.names import run_label
 from runtime_cupy.process.poller import IN, OUT, TROUBLE, Entry, Watch
+from runtime_cupy.process.ring_wait import RingWait
 from runtime_cupy.process.stage_loss import EXIT_LOST, EXIT_STOPPED, OrchestratorLoss
 from runtime_cupy.process.stage_traces import StageTraces
 from runtime_cupy.process.timers import RunDeadlines
@@ -181,7 +182,7 @@ class StageProcess(StageTraces, OrchestratorLoss):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._attach_at = 0.0
-        self._output_since: float | None = None
+        self._output_wait = RingWait()  # for an outbound slot
         self._setup_at = 0  # now_us() when setup began, then when its last part ended
         self._bound = False  # the worker bound the chain's weights
         self._held_when_lost = False
@@ -286,12 +287,12 @@ class StageProcess(StageTraces, OrchestratorLoss):
                 progress = True
             if c.output_pending:
                 if c.try_publish_outputs():
-                    self._output_since = None
+                    self._output_wait.clear()
                     progress = True
                 else:
                     self._bound_output_wait(time.monotonic())
             else:
-                self._output_since = None
+                self._output_wait.clear()
             if c.release_pending:
                 c.run_release()
                 progress = True
@@ -301,13 +302,10 @@ class StageProcess(StageTraces, OrchestratorLoss):
         return (chain.timeouts.edge_wait_ms if chain is not None else 10_000) / 1000.0
 
     def _bound_output_wait(self, now: float) -> None:
-        """A full outbound ring is backpressure, for at most the edge wait bound."""
-        if self._output_since is None:
-            self._output_since = now
-            return
+        """A full outbound ring is backpressure, for one wait of at most the edge wait
+        bound, begun again by every output written."""
         bound = self._edge_wait_s()
-        if now - self._output_since > bound:
-            self._output_since = None
+        if self._output_wait.refused(now, self.controller.records_published, bound):
             self.controller.output_stuck(int(bound * 1000))
 
     def _wait(self) -> None:
@@ -325,8 +323,9 @@ class StageProcess(StageTraces, OrchestratorLoss):
             until = due
         if c.links_pending and self._attach_at < until:
             until = self._attach_at
-        if self._output_since is not None:
-            until = min(until, self._output_since + self._edge_wait_s())
+        output_due = self._output_wait.due(self._edge_wait_s())
+        if output_due is not None:
+            until = min(until, output_due)
         ready = self._waiter.poll(entries, (until - now) * 1000.0)
         if not ready and os.getppid() != self.parent_pid:  # idle: a last look at the parent
             self._lose("the parent process is gone")
