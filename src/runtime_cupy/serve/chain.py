@@ -177,6 +177,10 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
             context = whole_number("context", context, None)
         if max_concurrent is not None:
             max_concurrent = whole_number("max_concurrent", max_concurrent, 1)
+        # 2.5 fell through to attrs inside RuntimeConfig; its range: the plan's
+        prefill_chunk = whole_number("prefill_chunk", prefill_chunk, None)
+        if kv_budget_bytes is not None:  # 3e7 was named max_concurrent_runs by attrs
+            kv_budget_bytes = whole_number("kv_budget_bytes", kv_budget_bytes, 1)
         spares = tuple(spares)
         for spare in spares:
             if not isinstance(spare, NodeSpec):
@@ -242,8 +246,6 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         self._run_ids = run_ids or new_serve_run_id
         self._secrets = secrets or new_secret
         self.prefill_chunk = prefill_chunk
-        if kv_budget_bytes is not None and kv_budget_bytes < 1:
-            raise ValueError(f"kv_budget_bytes {kv_budget_bytes} is not at least 1")
         self.kv_budget_bytes = kv_budget_bytes or 0  # 0: max_concurrent full-length runs
         self.max_concurrent = max_concurrent or DEFAULT_MAX_CONCURRENT
         if self.kv_budget_bytes > U64_MAX:  # a u64 in every plan and provision

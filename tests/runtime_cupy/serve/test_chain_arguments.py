@@ -1,7 +1,9 @@
 """A warm chain's arguments refused at the call, typed and naming the argument
 (``serve.chain.WarmChain``): before, ``stages=-2`` was named "stage_count 0",
 ``stages=True`` ran one stage, ``context='64'`` and ``max_concurrent='2'`` gave "'<' not
-supported", ``spares=[1]`` an ``AttributeError``, ``on_token=5`` started its run (its
+supported", ``prefill_chunk=2.5`` and ``kv_budget_bytes=3e7`` an attrs ``TypeError`` from
+inside ``RuntimeConfig`` (the latter naming ``max_concurrent_runs``), ``spares=[1]`` an
+``AttributeError``, ``on_token=5`` started its run (its
 first token cancelled it), ``on_run=5`` raised only once its run was submitted, and a
 prompt token ``True`` ran as token 1.
 """
@@ -29,6 +31,10 @@ PROMPT = [5, 77, 30, 12, 9]
         ({"max_concurrent": "2"}, TypeError, "max_concurrent must be an integer, not '2'"),
         ({"max_concurrent": 0}, ValueError, "max_concurrent 0 is not at least 1"),
         ({"spares": [1]}, TypeError, "spares holds 1, not a NodeSpec"),
+        ({"prefill_chunk": 2.5}, TypeError, "prefill_chunk must be an integer, not 2.5"),
+        ({"prefill_chunk": "16"}, TypeError, "prefill_chunk must be an integer, not '16'"),
+        ({"kv_budget_bytes": 3e7}, TypeError, "kv_budget_bytes must be an integer, not 30000000.0"),
+        ({"kv_budget_bytes": 0}, ValueError, "kv_budget_bytes 0 is not at least 1"),
     ],
 )
 def test_a_bad_argument_is_refused_naming_it(
