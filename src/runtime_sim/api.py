@@ -21,6 +21,7 @@ from runplan import (
 )
 from runplan.fsm import orchestrator as ofsm
 from runplan.models import resolve_model
+from runtime_core.gguf_slice import check_whole_model
 from runtime_core.runs import facts_for_run, plan_even, run_seed, token_ids
 from runtime_core.tokenizer import Tokenizer
 from runtime_core.workers.registry import CORE_WORKERS
@@ -66,15 +67,19 @@ def plan_for(
 ) -> RunPlan:
     """The plan of a simulated run of ``worker``: one node per stage, layers split
     evenly, a KV cache just long enough for the prompt and the tokens asked for (each
-    stage's budget holds ``concurrent_runs`` such caches)."""
+    stage's budget holds ``concurrent_runs`` such caches). A file no stage could run is
+    refused here, as every stage would refuse it (``check_whole_model``: ``GgufError``
+    or ``UnsupportedModel`` naming the key or tensor), before anything runs."""
     facts = facts_for_run(model_path, prompt_len=prompt_len, max_tokens=max_tokens)
+    capabilities = CORE_WORKERS.capabilities(worker)
+    check_whole_model(model_path, facts.num_layers, capabilities)
     nodes = tuple(NodeSpec(f"stage-{i}", 64 * 2**30) for i in range(stages))
     config = RuntimeConfig(
         run_id=run_id,
         max_tokens=max_tokens,
         sampling=sampling,
         return_logits=return_logits,
-        worker=CORE_WORKERS.capabilities(worker),
+        worker=capabilities,
         prompt_tokens=prompt_len,
         max_concurrent_runs=concurrent_runs,
     )
@@ -110,8 +115,9 @@ def generate(
     once its processes are reaped).
     ``tokenizer`` saves loading the file's tokenizer again when the caller has it.
     Raises ``PlanRejected`` when the planner refuses the run, ``GgufError`` or
-    ``TokenizerError`` for a file it cannot read, ``TypeError`` for a prompt token that
-    is no token id (5.9, ``True``), before anything runs.
+    ``TokenizerError`` for a file it cannot read, ``GgufError`` or ``UnsupportedModel``
+    for one every stage would refuse (``check_whole_model``), ``TypeError`` for a prompt
+    token that is no token id (5.9, ``True``), before anything runs.
     """
     path = resolve_model(model_path)
     prompt = token_ids(prompt_ids)  # refuses 1.9 and True, keeps numpy ints

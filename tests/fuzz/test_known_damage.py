@@ -11,6 +11,7 @@ Where a field is is read off the gguf package's own reading of the file
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,20 +122,36 @@ def test_a_string_value_that_is_not_utf8_is_a_gguf_error_naming_the_key(
             assert str(bad) in str(exc) and "UTF-8" in str(exc)
 
 
-@pytest.mark.parametrize("key", ["general.architecture", "tokenizer.ggml.pre"])
+#: A key read by the stages alone (a NaN epsilon): before, ``runtime_sim.generate`` and
+#: ``generate_runs`` ran the chain and gave back a faulted run, its command line exit 1.
+STAGE_KEY = "llama.attention.layer_norm_rms_epsilon"
+GENERATE_KEYS = ["general.architecture", "tokenizer.ggml.pre", STAGE_KEY]
+
+
+def damaged(model: Path, tmp_path: Path, key: str) -> Path:
+    """A copy of ``model`` whose ``key`` no reader can take: a string that is not UTF-8,
+    or for ``STAGE_KEY`` a NaN."""
+    if key == STAGE_KEY:
+        nan = (float("nan"), GGUFValueType.FLOAT32)
+        return write_model(tmp_path / "bad.gguf", SHAPE, override_keys={key: nan})
+    return patched(model, tmp_path / "bad.gguf", key, b"\xff")
+
+
+@pytest.mark.parametrize("key", GENERATE_KEYS)
 def test_both_runtimes_generate_raise_the_gguf_error(model: Path, tmp_path: Path, key: str) -> None:
-    bad = patched(model, tmp_path / "bad.gguf", key, b"\xff")
-    for generate in (runtime_sim.generate, runtime_cupy.generate):
-        with pytest.raises(GgufError) as err, time_limit(60, generate.__module__):
+    bad = damaged(model, tmp_path, key)
+    sim_runs = functools.partial(runtime_sim.generate_runs, runs=2)
+    for generate in (runtime_sim.generate, sim_runs, runtime_cupy.generate):
+        with pytest.raises(GgufError) as err, time_limit(60, str(generate)):
             generate(bad, [1, 2, 3], stages=1, max_tokens=1)
         assert err.value.key == key and str(bad) in str(err.value)
 
 
-@pytest.mark.parametrize("key", ["general.architecture", "tokenizer.ggml.pre"])
+@pytest.mark.parametrize("key", GENERATE_KEYS)
 def test_every_command_line_says_it_in_one_line(
     model: Path, tmp_path: Path, key: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bad = str(patched(model, tmp_path / "bad.gguf", key, b"\xff"))
+    bad = str(damaged(model, tmp_path, key))
     run = ["--model", bad, "--prompt-ids", "1,2,3", "--stages", "1", "--max-tokens", "1"]
     assert sim_main(["run", *run]) == 2
     _one_error_line(capsys, bad, key)
