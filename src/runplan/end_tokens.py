@@ -110,7 +110,7 @@ def header_end_of_generation_ids(
     ``n_vocab``); the end-of-sequence id alone when the file holds no token list."""
     if not header.has("tokenizer.ggml.tokens"):
         return () if eos_id is None else (eos_id,)
-    tokens = header.strings("tokenizer.ggml.tokens")
+    tokens = header.strings("tokenizer.ggml.tokens", keep_bytes=True)  # as the tokenizer
     ids: dict[str, int] = {}
     for i, text in enumerate(tokens):
         ids.setdefault(text, i)  # the first of equal texts (the tokenizer refuses those)

@@ -254,15 +254,17 @@ class GgufHeader:
             return text
         return self._decode(key, field.parts[-1])
 
-    def strings(self, key: str) -> list[str]:
-        """An array of strings (invalid UTF-8 in an element replaced, as llama.cpp's
-        tokens are bytes)."""
+    def strings(self, key: str, *, keep_bytes: bool = False) -> list[str]:
+        """An array of strings, invalid UTF-8 in an element replaced with U+FFFD, or
+        with ``keep_bytes`` kept as lone surrogates (``surrogateescape``: the vocabulary's
+        tokens, which llama.cpp keeps as bytes: two that differ stay two, and a token's
+        bytes come back with ``encode("utf-8", "surrogateescape")``)."""
         field = self._field(key)
         if field.types[:2] != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
             raise GgufError(
                 self.paths[0], f"expected an array of strings, found {_describe(field)}", key
             )
-        return self._readers[0].strings(field)
+        return self._readers[0].strings(field, "surrogateescape" if keep_bytes else "replace")
 
     def array(self, key: str) -> npt.NDArray[Any]:
         """An array of numbers as one read-only NumPy array."""

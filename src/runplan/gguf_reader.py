@@ -210,9 +210,10 @@ class HeaderReader(GGUFReader):
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         self.tensors = []
 
-    def strings(self, field: Any) -> list[str]:
-        """The strings of an array-of-strings field, invalid UTF-8 replaced."""
-        return [str(raw, "utf-8", "replace") for raw in self.raw_strings(field)]
+    def strings(self, field: Any, errors: str = "replace") -> list[str]:
+        """The strings of an array-of-strings field, invalid UTF-8 replaced (``errors``:
+        how ``bytes.decode`` takes it; ``surrogateescape`` keeps the bytes)."""
+        return [str(raw, "utf-8", errors) for raw in self.raw_strings(field)]
 
     def raw_strings(self, field: Any) -> list[bytes]:
         """The strings of an array-of-strings field, as the file stores them."""

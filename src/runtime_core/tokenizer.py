@@ -87,7 +87,7 @@ class Tokenizer:
         self._ids = vocab.ids
         # Special tokens cut out of the text before merging, longest (in bytes) first.
         specials = [i for i, a in enumerate(vocab.attrs) if a & (_SPECIAL | Attr.USER_DEFINED)]
-        specials.sort(key=lambda i: -len(vocab.tokens[i].encode()))
+        specials.sort(key=lambda i: -len(_token_bytes(vocab.tokens[i])))
         self._specials = [(vocab.tokens[i], i, vocab.attrs[i]) for i in specials]
         # Ids past the vocabulary stand for strings llama.cpp can merge through but
         # not emit; each maps to what llama.cpp emits instead (nothing, for a byte
@@ -99,9 +99,7 @@ class Tokenizer:
         # SentencePiece "▁" is 3 for one space, a byte-level stand-in 1 or 2 for one
         # byte, a byte token 6 for one), and whether some token also takes the
         # whitespace beside it (LSTRIP / RSTRIP), which no bound can count.
-        self.longest_token_bytes = max(
-            (len(t.encode("utf-8", "surrogatepass")) for t in vocab.tokens), default=1
-        )
+        self.longest_token_bytes = max((len(_token_bytes(t)) for t in vocab.tokens), default=1)
         self._strips = any(a & (Attr.LSTRIP | Attr.RSTRIP) for _, _, a in self._specials)
 
     @classmethod
@@ -128,6 +126,8 @@ class Tokenizer:
         return self.vocab.eog_ids
 
     def token_text(self, token_id: int) -> str:
+        """The token's text in the file: bytes that are not UTF-8 as lone surrogates
+        (``surrogateescape``: llama.cpp keeps token texts as bytes)."""
         return self.vocab.tokens[self._check(token_id)]
 
     # -- encoding -----------------------------------------------------------------
@@ -273,10 +273,10 @@ class Tokenizer:
         if attr & _SPECIAL and not special:
             return b""
         if attr & (_SPECIAL | Attr.USER_DEFINED):
-            return text.encode()
+            return _token_bytes(text)
         if attr & Attr.NORMAL:
             if self.vocab.is_spm:
-                return text.replace(_SPACE, " ").encode()
+                return _token_bytes(text.replace(_SPACE, " "))
             return _unmap_bytes(text)
         if attr & Attr.BYTE:
             return bytes([_byte_of(text)])
@@ -348,7 +348,7 @@ class Tokenizer:
     def _build_bpe(self) -> HfTokenizer:
         v = self.vocab
         assert v.pre is not None
-        vocab = dict(self._ids)
+        vocab = _text_tokens(self._ids)
         for char in _BYTE_CHARS:
             if char not in vocab:
                 # A byte with no token (SmolLM2 has none for 0x04): llama.cpp keeps it as
@@ -376,9 +376,11 @@ class Tokenizer:
 
     def _build_spm(self) -> HfTokenizer:
         v = self.vocab
-        vocab = dict(self._ids)
+        vocab = _text_tokens(self._ids)
         candidates: list[tuple[float, int, int, str, str]] = []
         for token_id, text in enumerate(v.tokens):
+            if text not in vocab:
+                continue  # not UTF-8: no text merges into it
             for cut in range(1, len(text)):
                 a, b = text[:cut], text[cut:]
                 if (a in vocab or len(a) == 1) and (b in vocab or len(b) == 1):
@@ -432,6 +434,19 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
+def _token_bytes(text: str) -> bytes:
+    """A token's text as the file holds it: bytes that are not UTF-8 were kept as lone
+    surrogates (``GgufHeader.strings(keep_bytes=True)``)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _text_tokens(ids: Mapping[str, int]) -> dict[str, int]:
+    """The tokens a text can merge into: those whose bytes are UTF-8 (a token of other
+    bytes is never the text of a character string, nor can the tokenizers package take
+    it); each of them still decodes to its bytes."""
+    return {text: i for text, i in ids.items() if not _has_surrogate(text)}
+
+
 def _unmap_bytes(text: str) -> bytes:
     """A byte-level token's bytes. A character that stands for no byte comes out as
     llama.cpp writes it: ``[UNK_BYTE_0x`` + its UTF-8 in hex + the token + ``]``."""
@@ -441,7 +456,7 @@ def _unmap_bytes(text: str) -> bytes:
         if b is not None:
             out.append(b)
         else:
-            out += f"[UNK_BYTE_0x{c.encode().hex()}{text}]".encode()
+            out += b"[UNK_BYTE_0x%s%s]" % (_token_bytes(c).hex().encode(), _token_bytes(text))
     return bytes(out)
 
 
@@ -519,7 +534,7 @@ def _byte_of(text: str) -> int:
     (``strtol`` of those two bytes, base 16, cast to a byte: the hex digits they begin
     with, after blanks and a sign; 0 where none), so a file whose BYTE tokens are not
     ``<0xXX>`` decodes as llama.cpp decodes it rather than failing mid-run."""
-    digits = text.encode()[3:5].decode(errors="replace").lstrip(" \t\n\v\f\r")
+    digits = _token_bytes(text)[3:5].decode(errors="replace").lstrip(" \t\n\v\f\r")
     negative = digits[:1] == "-"
     digits = digits[1:] if digits[:1] in ("-", "+") else digits
     hex_digits = len(digits) - len(digits.lstrip("0123456789abcdefABCDEF"))

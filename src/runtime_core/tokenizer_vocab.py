@@ -197,7 +197,8 @@ class Vocab:
 
 
 def _tokens(header: GgufHeader, path: str) -> list[str]:
-    tokens = header.strings("tokenizer.ggml.tokens")
+    # a token's bytes kept (llama.cpp's tokens are bytes): invalid UTF-8 as surrogates
+    tokens = header.strings("tokenizer.ggml.tokens", keep_bytes=True)
     if "" in tokens:  # llama.cpp gives empty tokens a placeholder text
         tokens = [text or f"[EMPTY_{i}]" for i, text in enumerate(tokens)]
     return tokens

@@ -20,7 +20,7 @@ from runtime_core.tokenizer import (
     UnknownTokenizerModel,
 )
 from tests.fixtures.gguf_models import ModelShape, bytes_to_unicode, write_model
-from tests.fixtures.gguf_vocab import SPECS, VocabSpec
+from tests.fixtures.gguf_vocab import SPECS, VocabSpec, write_vocab
 from tests.runtime_core.conftest import CHAT_FIXTURE, fixture
 from tests.support.strategies import tokenizer_texts
 
@@ -308,6 +308,22 @@ def test_decode_never_raises_on_ids_in_range(
 
 def test_a_lone_surrogate_is_encoded_as_the_replacement_character(smollm2: Tokenizer) -> None:
     assert smollm2.encode("a\ud800b") == smollm2.encode("a\ufffdb")
+
+
+def test_tokens_that_are_not_utf8_keep_their_bytes(tmp_path: Path) -> None:
+    """llama.cpp keeps a token's text as bytes: two SentencePiece tokens of bytes that
+    are not UTF-8 are two tokens, each decoding to its own bytes (before: both read as
+    U+FFFD, the file refused for a "duplicate token"; one alone decoded as EF BF BD)."""
+    more = (b"\xe4\xb8", b"\xe4\xb9")
+    tok = Tokenizer.from_gguf(write_vocab(tmp_path / "v.gguf", SPECS["spm-llama"], more))
+    first, second = tok.n_vocab - 2, tok.n_vocab - 1
+    assert tok.decode_bytes([first]) == b"\xe4\xb8"
+    assert tok.decode_bytes([second]) == b"\xe4\xb9"
+    continued = tok.vocab.ids["<0xAD>"]
+    assert tok.decode_bytes([first, continued]) == "\u4e2d".encode()
+    assert tok.decode([first, continued]) == "\u4e2d"
+    assert tok.encode("\u4e2d", add_special=False)  # no text merges into them
+    assert tok.longest_token_bytes >= 2
 
 
 @pytest.fixture(scope="module")
