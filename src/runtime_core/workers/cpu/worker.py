@@ -25,6 +25,7 @@ Options (``CpuWorker(...)``):
 
 from __future__ import annotations
 
+import operator
 from typing import ClassVar
 
 from runplan import WorkerCapabilities
@@ -42,10 +43,10 @@ from runtime_core.workers.stage_worker import BackendSpec, StageBackend, StageWo
 
 #: Every architecture the reference worker runs (``runtime_core.architectures``: the
 #: kernels implement each optional step; a new architecture needs its operations here,
-#: not only in the reference worker), every one of the 13 weight types; weights as
-#: stored and a KV cache in the activation dtype, or the one the runtime's ``kv_dtype``
-#: sets (a sliding block's only as long as its window), as the planner's memory check
-#: counts them.
+#: not only in the reference worker), every one of the 15 weight types
+#: (``QUANT_TYPES``); weights as stored and a KV cache in the activation dtype, or the
+#: one the runtime's ``kv_dtype`` sets (a sliding block's only as long as its window),
+#: as the planner's memory check counts them.
 CPU_CAPABILITIES = WorkerCapabilities(
     name="cpu",
     architectures=REFERENCE_ARCHITECTURES,
@@ -72,8 +73,8 @@ class CpuWorker(StageWorker):
         trace: TraceEvent | None = None,
     ) -> None:
         super().__init__(matvec=matvec, kv_dtype=kv_dtype, trace=trace)
-        if threads is not None and (isinstance(threads, bool) or threads < 1):
-            raise ValueError(f"threads {threads!r} is not a positive count")
+        if threads is not None:  # 2.5, 2.0 and "2" passed here and failed at bind
+            threads = _thread_count(threads)
         self.threads = threads if threads is not None else default_threads()
         # where the count came from, for the bind's error past the kernels' bound
         self._threads_from = "threads" if threads is not None else THREADS_VARIABLE
@@ -88,3 +89,15 @@ class CpuWorker(StageWorker):
         from runtime_core.workers.cpu.backend import CpuBackend
 
         return CpuBackend(spec, self.threads, checked_isa(self.isa))
+
+
+def _thread_count(threads: object) -> int:
+    """``threads`` as a count of threads: an integer (not a bool) of at least 1, else a
+    ``ValueError`` naming it."""
+    try:
+        count = operator.index(threads)  # type: ignore[arg-type]  # numpy's integers too
+    except TypeError:
+        count = 0
+    if isinstance(threads, bool) or count < 1:
+        raise ValueError(f"threads {threads!r} is not a positive count")
+    return count

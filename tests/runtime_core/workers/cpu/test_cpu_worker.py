@@ -21,6 +21,7 @@ the planner, how it holds a model, and what it computes however a run is split.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,11 @@ def test_options_are_checked() -> None:
         CpuWorker(matvec="int4")
     with pytest.raises(ValueError, match="kv_dtype"):
         CpuWorker(kv_dtype="f8")
-    with pytest.raises(ValueError, match="threads 0"):
-        CpuWorker(threads=0)
+    for threads in (0, -1, True, 2.5, 2.0, "2"):
+        # 2.5, 2.0 and "2" passed here, then failed at bind with a bare TypeError
+        with pytest.raises(ValueError, match=re.escape(f"threads {threads!r} is not a positive")):
+            CpuWorker(threads=threads)  # type: ignore[arg-type]
+    assert CpuWorker(threads=np.int64(2)).threads == 2
     known = r"portable, avx2, avxvnni, avx512bw, avx512, avx512-zen4, avx512-intel \("
     with pytest.raises(ValueError, match=f"isa 'avx9000' is not one of {known}"):
         CpuWorker(isa="avx9000")
