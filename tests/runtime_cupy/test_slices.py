@@ -766,3 +766,28 @@ def test_a_stage_admitted_again_on_another_host_is_named_by_it(
     untied.resolve(fetcher)
     (second,) = _settled(untied.server)
     assert (second.state, second.node_id, second.host) == ("done", "node9", "host9"), second
+
+
+def test_a_lost_hosts_connection_ending_late_leaves_the_new_hosts_transfer_as_it_is(
+    untied: Source, tmp_path: Path
+) -> None:
+    """The lost host's connection (an earlier admission of the stage) ends after the
+    stage's new host has its slice: the new transfer stays ``done`` (the old connection's
+    failure overwrote it, with the lost host's error, and its progress mixed in)."""
+    lost = open_as_stage(untied.server.address, 1, slice_key(untied.secret, "node1"))
+    try:
+        lost.send({"source": [str(untied.path)], "source_key": untied.key,
+                   "parts": attrs.asdict(MIDDLE)})  # fmt: skip
+        lost.recv_bytes(int(lost.receive()["header_bytes"]))
+        key = slice_key(untied.secret, "node9")
+        untied.server.expect(1, "node9", key, "host9")  # a recovery admits it again
+        origin = SliceOrigin(untied.server.address, untied.key)
+        untied.resolve(SliceFetcher(origin, 1, key, SliceCache(tmp_path / "new", limit=None)))
+        (new,) = _settled(untied.server)
+        assert (new.state, new.node_id, new.host) == ("done", "node9", "host9"), new
+    finally:
+        lost.close()  # the lost host's connection ends: the server's send fails
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert untied.server.transfers() == (new,)
+        time.sleep(0.05)

@@ -24,6 +24,7 @@ from runplan.plan import Layout, ObjectKind, ObjectSpec
 from runplan.record_header import HeaderCheck, HeaderDType
 from runtime_core.edge_ends import ReceiveEnd, SendEnd
 from runtime_core.ring import EdgeClosed, EdgeTimeout
+from runtime_cupy.edges import strangers as strangers_module
 from runtime_cupy.edges import tcp_consumer, tcp_door
 from runtime_cupy.edges.tcp import TcpMedium, TcpReceiveRing, TcpSendRing, split_address
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, ENCRYPTED, Protection
@@ -265,7 +266,7 @@ def test_a_flood_of_strangers_never_pushes_the_producer_out(refusals: Refusals) 
     host, port = split_address(pair.consumer_address)
     assert pair.producer_medium.attach(pair.run_id, EDGE, RING, pair.key) is None  # connecting
     pair.serve(0.05)  # its connection is accepted
-    idle = [_begin(host, port) for _ in range(tcp_door.MAX_STRANGERS + 16)]
+    idle = [_begin(host, port) for _ in range(strangers_module.MAX_STRANGERS + 16)]
     flooder = threading.Thread(target=flood, args=(host, port, 4.0), daemon=True)
     flooder.start()
     try:
@@ -306,8 +307,8 @@ def test_a_flood_of_strangers_is_summed_up_in_the_log_not_logged_one_by_one(
     # Each stranger sends what is no handshake and is turned away at once: the first
     # LOGGED_REFUSALS are logged one by one, the rest are summed up (here when the edge
     # stops listening, as the summary's interval is long).
-    monkeypatch.setattr(tcp_door, "REFUSAL_SUMMARY_S", 3600.0)
-    strangers = tcp_door.LOGGED_REFUSALS + 20
+    monkeypatch.setattr(strangers_module, "REFUSAL_SUMMARY_S", 3600.0)
+    strangers = strangers_module.LOGGED_REFUSALS + 20
     pair = Pair()
     assert pair.consumer_address is not None
     address = split_address(pair.consumer_address)
@@ -318,11 +319,11 @@ def test_a_flood_of_strangers_is_summed_up_in_the_log_not_logged_one_by_one(
                 sock.sendall(b"GET / HTTP/1.1\r\n" + b"x" * 200)
                 pair.serve(0.02)
         deadline = time.monotonic() + 10
-        while len(refusals.reasons) < tcp_door.LOGGED_REFUSALS:
+        while len(refusals.reasons) < strangers_module.LOGGED_REFUSALS:
             assert time.monotonic() < deadline, refusals.reasons
             pair.serve(0.05)
         pair.serve(0.5)  # the rest are refused too, but not logged one by one
-        assert len(refusals.reasons) == tcp_door.LOGGED_REFUSALS
+        assert len(refusals.reasons) == strangers_module.LOGGED_REFUSALS
         pair.attach()  # the producer gets in: the port closes, the flood is summed up
         summaries = [r.getMessage() for r in caplog.records if "more connections" in r.message]
         why = "not a producer's handshake of this protocol (first bytes b'GET /')"
@@ -356,7 +357,7 @@ def test_a_port_with_no_descriptor_to_accept_with_rests_instead_of_spinning(
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         failed = [r for r in caplog.records if "accept failed" in r.getMessage()]
-        assert 1 <= len(failed) <= serving_s / tcp_door.ACCEPT_PAUSE_S + 2, len(failed)
+        assert 1 <= len(failed) <= serving_s / strangers_module.ACCEPT_PAUSE_S + 2, len(failed)
         assert [r.levelno for r in failed].count(logging.WARNING) == 1
         for sock in strangers:
             sock.sendall(b"GET / HTTP/1.1\r\n\r\n")

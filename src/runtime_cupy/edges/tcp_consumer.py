@@ -12,7 +12,8 @@ from runplan.plan import OBJECT_HEADER_BYTES, RingSpec
 from runplan.record_header import EXTENT_OFFSET
 from runtime_core.ring import EdgeClosed, ring_bytes
 from runtime_cupy.edges.port import ProcessRing, Rendezvous
-from runtime_cupy.edges.tcp_door import ConsumerDoor, _Pending
+from runtime_cupy.edges.strangers import StrangerLog
+from runtime_cupy.edges.tcp_door import ConsumerDoor, _Pending, log
 from runtime_cupy.edges.tcp_frames import (
     CLOSE,
     CLOSED,
@@ -60,10 +61,7 @@ class TcpReceiveRing(ConsumerDoor, ProcessRing):
         self._listener: socket.socket | None = listener
         self._rendezvous = rendezvous
         self._pending: dict[int, _Pending] = {}  # by descriptor, oldest first
-        self._refusals = 0  # connections turned away so far
-        self._unsummed: dict[str, int] = {}  # refusals not yet in a summary, by reason
-        self._summed_since = 0.0  # time.monotonic() of the first refusal not summed up
-        self._accept_failures = 0  # accepts that failed so far (the first logged)
+        self._strangers = StrangerLog(log, f"edge {edge_id}")  # its refusals, accepts failed
         self._rests_until = 0.0  # time.monotonic() until which the port goes unwatched
         self._conn: socket.socket | None = None
         self._out: Outbox | None = None

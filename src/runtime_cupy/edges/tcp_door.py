@@ -15,7 +15,8 @@ run's setup bound, so any number of strangers only delays it.
 An ``accept`` that fails (no descriptor left in this process or this host, no memory)
 leaves the connection queued and the port readable: the oldest stranger is turned away
 (after a last look), its descriptor free for the next try, and the port goes unwatched
-for ``ACCEPT_PAUSE_S`` (watched at once, a loop would spin on it and log each turn)."""
+for ``ACCEPT_PAUSE_S``. ``MAX_STRANGERS``, ``ACCEPT_PAUSE_S`` and the refusals' log are
+those of every port strangers knock on (``strangers``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import time
 
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.port import Rendezvous
+from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, MAX_STRANGERS, StrangerLog
 from runtime_cupy.edges.tcp_frames import peer_of
 from runtime_cupy.edges.tcp_seal import FrameSeal, Protection
 from runtime_cupy.process.poller import IN, OUT, TROUBLE
@@ -33,8 +35,6 @@ from runtime_cupy.process.streams import Outbox, StreamBroken, keep_alive
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
 
-#: Connections not proven yet that a consumer keeps open at once.
-MAX_STRANGERS = 64
 #: Connections whose HELLO proved the key, waiting for their CONFIRM, kept at once.
 MAX_PROVEN = 4
 #: Seconds a stranger has to prove the key (its HELLO), and a proven one to CONFIRM.
@@ -44,16 +44,6 @@ CONFIRM_S = 30.0
 #: the owner's loop (the poll brings it back for the rest: a flood never holds it).
 LISTEN_BACKLOG = 128
 ACCEPTS_PER_TURN = 32
-#: Seconds the port goes unwatched after an ``accept`` that failed (EMFILE, ...).
-ACCEPT_PAUSE_S = 0.05
-#: Refusals an edge logs one by one (WARNING); past them, a flood is summed up in one
-#: WARNING every ``REFUSAL_SUMMARY_S`` (each refusal still at DEBUG), so strangers on the
-#: port cannot fill the stage's log.
-LOGGED_REFUSALS = 16
-REFUSAL_SUMMARY_S = 10.0
-#: Reasons a summary counts one by one (a reason may name what a stranger sent, so a
-#: flood could make them many); the rest are counted together.
-SUMMED_REASONS = 8
 
 
 class _Pending:
@@ -86,10 +76,7 @@ class ConsumerDoor:
     _listener: socket.socket | None
     _rendezvous: Rendezvous
     _pending: dict[int, _Pending]
-    _refusals: int
-    _unsummed: dict[str, int]
-    _summed_since: float
-    _accept_failures: int
+    _strangers: StrangerLog
     _rests_until: float
     _conn: socket.socket | None
     _out: Outbox | None
@@ -119,10 +106,7 @@ class ConsumerDoor:
     def _accept_failed(self, exc: OSError) -> None:
         """The connection stays queued, the port readable: free the oldest stranger's
         descriptor (after a last look) and rest the port for ``ACCEPT_PAUSE_S``."""
-        self._accept_failures += 1
-        level = logging.WARNING if self._accept_failures == 1 else logging.DEBUG
-        log.log(level, "edge %d: accept failed (%d so far): %s; the port rests %g s after each",
-                self.edge_id, self._accept_failures, exc, ACCEPT_PAUSE_S)  # fmt: skip
+        self._strangers.accept_failed(exc)
         strangers = [p for p in self._pending.values() if p.hello is None]
         if strangers:
             self._push_out(strangers[0], f"turned away to free a descriptor ({exc.strerror})")
@@ -154,37 +138,9 @@ class ConsumerDoor:
             self._refuse(stranger, why)
 
     def _refuse(self, pending: _Pending, why: str) -> None:
-        self._refusals += 1
-        if self._refusals <= LOGGED_REFUSALS:
-            log.warning(
-                "edge %d: refused a connection from %s: %s", self.edge_id, pending.peer, why
-            )
-        else:
-            log.debug("edge %d: refused a connection from %s: %s", self.edge_id, pending.peer, why)
-            now = time.monotonic()
-            unsummed = self._unsummed
-            if not unsummed:
-                self._summed_since = now  # a summary's interval begins
-            if why not in unsummed and len(unsummed) >= SUMMED_REASONS:
-                why = "for other reasons"
-            unsummed[why] = unsummed.get(why, 0) + 1
-            if now - self._summed_since >= REFUSAL_SUMMARY_S:
-                self._sum_up()
+        self._strangers.refused(pending.peer, why)
         self._pending.pop(pending.sock.fileno(), None)
         pending.sock.close()
-
-    def _sum_up(self) -> None:
-        """One WARNING for the refusals not logged one by one since the last summary,
-        counted by reason."""
-        unsummed, self._unsummed = self._unsummed, {}
-        if unsummed:
-            log.warning(
-                "edge %d: refused %d more connections (%d in all): %s",
-                self.edge_id,
-                sum(unsummed.values()),
-                self._refusals,
-                "; ".join(f"{n} {why}" for why, n in unsummed.items()),
-            )
 
     def _handshake(self, pending: _Pending, events: int) -> None:
         if events & OUT:
@@ -263,4 +219,4 @@ class ConsumerDoor:
                 self._rendezvous.withdraw(self.run_id, self.edge_id)
         for pending in list(self._pending.values()):
             self._refuse(pending, "the edge has its producer, or is closed")
-        self._sum_up()
+        self._strangers.sum_up()

@@ -5,7 +5,9 @@ another host the slice of the model that stage holds (``protocol`` has the wire)
 file, ``digests``); ``expect(stage_index, node_id, key, encrypt=...)`` admits a stage
 (its slice key, ``keys.slice_key``, and whether its launch encrypts: then its slice
 travels encrypted, and a stage that asks otherwise is refused, ``protocol``). Each
-connection runs on a thread of its own: the handshake, the slice's header
+connection runs on a thread of its own (at most ``edges.strangers.MAX_STRANGERS`` of
+them mid-handshake, the oldest turned away past them; an ``accept`` that fails rests the
+port, as a TCP edge's door does): the handshake, the slice's header
 (``runplan.shard_file.shard_header``, made once per slice), then the tensors the stage
 asked for, read through the source's memory map and handed to the kernel in large
 pieces (``sendall`` of the mapped pages: no copy loop of ours; sealed chunks of them
@@ -33,6 +35,7 @@ from runplan.gguf_files import model_id_for
 from runplan.gguf_header import GgufHeader
 from runplan.shard_file import padded_data_bytes, shard_header
 from runplan.shards import SliceParts, slice_tensor_names
+from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, MAX_STRANGERS, StrangerLog
 from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices.digests import DigestStore
 from runtime_cupy.slices.protocol import (
@@ -145,7 +148,10 @@ class SliceServer:
         self._admitted: dict[int, Admission] = {}
         self._who: dict[int, tuple[str, str | None]] = {}
         self._parts: dict[int, SliceParts | None] = {}
+        self._generations: dict[int, int] = {}  # admissions of each stage so far
         self._transfers: dict[int, StageTransfer] = {}
+        self._strangers: dict[socket.socket, object] = {}  # mid-handshake, oldest first
+        self._door = StrangerLog(log, "slice server")
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._links: set[Link] = set()
@@ -186,11 +192,13 @@ class SliceServer:
         ``encrypt``: its slice travels encrypted (its launch's ``encrypt_edges``);
         ``parts``: the slice its plan gives it, the only one it is sent (``None``:
         any). A transfer recorded for an earlier admission of the stage (a host a
-        recovery replaced) is dropped: the next one names this node and host."""
+        recovery replaced) is dropped: the next one names this node and host, and what
+        a connection of an earlier admission still does is no longer recorded."""
         with self._lock:
             self._admitted[stage_index] = Admission(key, protection_for(encrypt))
             self._who[stage_index] = (node_id, host)
             self._parts[stage_index] = parts
+            self._generations[stage_index] = self._generations.get(stage_index, 0) + 1
             self._transfers.pop(stage_index, None)
 
     def transfers(self) -> tuple[StageTransfer, ...]:
@@ -211,8 +219,13 @@ class SliceServer:
             return time.monotonic()
         return max(times, default=None)
 
-    def _update(self, index: int, **fields: object) -> StageTransfer:
+    def _update(self, index: int, generation: int, **fields: object) -> StageTransfer | None:
+        """Record what stage ``index``'s transfer did, unless its connection came for an
+        earlier admission of the stage (``generation``: a host a recovery replaced, whose
+        old connection ends late): that one no longer speaks for the stage."""
         with self._lock:
+            if self._generations.get(index) != generation:
+                return None
             current = self._transfers.get(index)
             if current is None:
                 node_id, host = self._who.get(index, (f"stage {index}", None))
@@ -225,6 +238,10 @@ class SliceServer:
 
     # -- connections ---------------------------------------------------------------------
     def _accept(self) -> None:
+        """Take each connection to a thread of its own (the handshake, then the slice).
+        Past ``MAX_STRANGERS`` connections mid-handshake, the oldest is turned away; an
+        ``accept`` that fails (``EMFILE``, ...), or a thread that cannot start, turns the
+        oldest away too and rests the port ``ACCEPT_PAUSE_S`` (``edges.strangers``)."""
         poller = select.poll()
         poller.register(self._sock.fileno(), select.POLLIN)
         while not self._closed.is_set():
@@ -232,32 +249,73 @@ class SliceServer:
                 if not poller.poll(200):
                     continue
                 conn, peer = self._sock.accept()
-            except OSError:
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                self._door.accept_failed(exc)
+                self._turn_away_oldest(f"turned away to free a descriptor ({exc.strerror})")
+                self._closed.wait(ACCEPT_PAUSE_S)
+                continue
+            with self._lock:
+                self._strangers[conn] = peer
+            try:
+                threading.Thread(
+                    target=self._serve, args=(conn, peer), name="slice-send", daemon=True
+                ).start()
+            except RuntimeError as exc:  # no thread left in this process
+                with self._lock:
+                    del self._strangers[conn]
+                conn.close()
+                self._door.refused(peer, f"no thread to serve it ({exc})")
+                self._turn_away_oldest(f"turned away to free a thread ({exc})")
+                self._closed.wait(ACCEPT_PAUSE_S)
+                continue
+            while len(self._strangers) > MAX_STRANGERS:
+                self._turn_away_oldest("pushed out by newer connections before it proved the key")
+
+    def _turn_away_oldest(self, why: str) -> None:
+        """End the handshake of the oldest connection still in one (its thread then
+        closes it, freeing its descriptor and its thread)."""
+        with self._lock:
+            if not self._strangers:
                 return
-            threading.Thread(
-                target=self._serve, args=(conn, peer), name="slice-send", daemon=True
-            ).start()
+            conn = next(iter(self._strangers))
+            peer = self._strangers.pop(conn)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._door.refused(peer, why)
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         with self._lock:
             admitted = dict(self._admitted)
+            generations = dict(self._generations)
         try:
             link, index = open_as_server(conn, admitted)
         except Refused as exc:
-            log.warning("refused a slice connection from %s: %s", peer, exc)
-            conn.close()
+            with self._lock:
+                ours = self._strangers.pop(conn, None) is not None  # else turned away
+                conn.close()
+            if ours:
+                self._door.refused(peer, str(exc))
             if isinstance(exc, ProtectionMismatch):  # the stage proved its key
                 now = time.monotonic()
-                self._update(exc.stage_index, state="failed", error=str(exc), ended_s=now)
+                generation = generations[exc.stage_index]
+                self._update(
+                    exc.stage_index, generation, state="failed", error=str(exc), ended_s=now
+                )
             return
         with self._lock:
+            self._strangers.pop(conn, None)
             self._links.add(link)
+        generation = generations[index]
         try:
-            self._send_slice(link, index)
+            self._send_slice(link, index, generation)
         except (TransferError, OSError, GgufError, ValueError, KeyError, TypeError) as exc:
             reason = str(exc) or type(exc).__name__
             log.warning("slice of stage %d: %s", index, reason)
-            self._update(index, state="failed", error=reason, ended_s=time.monotonic())
+            self._update(index, generation, state="failed", error=reason, ended_s=time.monotonic())
             with contextlib.suppress(OSError):
                 link.send({"error": reason})
         finally:
@@ -265,7 +323,7 @@ class SliceServer:
                 self._links.discard(link)
             link.close()
 
-    def _send_slice(self, link: Link, index: int) -> None:
+    def _send_slice(self, link: Link, index: int, generation: int) -> None:
         link.sock.settimeout(FRAME_WAIT_S)
         request = link.receive()
         paths = tuple(str(p) for p in request["source"])
@@ -297,6 +355,7 @@ class SliceServer:
         began = time.monotonic()
         self._update(
             index,
+            generation,
             state="connected",
             header_bytes=len(header_data),
             tensor_bytes=0,
@@ -316,7 +375,7 @@ class SliceServer:
             }
         )
         link.send_bytes(header_data)
-        self._update(index, sent_bytes=len(header_data))
+        self._update(index, generation, sent_bytes=len(header_data))
         answer = link.receive()
         if "tensors" not in answer:  # the stage refused the slice after its header
             raise TransferError(str(answer.get("error", "the stage gave up")))
@@ -327,6 +386,7 @@ class SliceServer:
             )
         self._update(
             index,
+            generation,
             state="sending" if wanted else "local",
             tensor_bytes=sum(tensors[n].n_bytes for n in wanted),
         )
@@ -339,13 +399,15 @@ class SliceServer:
                 piece = view[start : start + CHUNK]
                 link.send_bytes(piece)
                 sent += len(piece)
-                self._update(index, sent_bytes=sent)
+                self._update(index, generation, sent_bytes=sent)
         done = link.receive()
         ended = time.monotonic()
         if not done.get("ok"):
             raise TransferError(str(done.get("error", "the stage gave up")))
         state = "local" if done.get("local") or not wanted else "done"
-        self._update(index, state=state, received_bytes=int(done["bytes"]), ended_s=ended)
+        self._update(
+            index, generation, state=state, received_bytes=int(done["bytes"]), ended_s=ended
+        )
         log.info("slice of stage %d: %d bytes in %.2f s (%s)", index, sent, ended - began, state)
 
     def close(self) -> None:

@@ -1,0 +1,134 @@
+"""Strangers on the slice server's port: a flood of connections that never prove a key,
+an ``accept`` that fails for want of a descriptor, a thread that cannot start. None of
+them stops the server: a stage holding its key is served afterwards."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runplan import GgufSource
+from runplan.shards import SliceParts
+from runtime_cupy.edges import strangers as strangers_module
+from runtime_cupy.process.keys import new_secret, slice_key
+from runtime_cupy.slices import server as server_module
+from runtime_cupy.slices.cache import SliceCache
+from runtime_cupy.slices.digests import DigestStore
+from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin
+from runtime_cupy.slices.server import SliceServer
+from tests.fixtures.gguf_models import ModelShape, write_model
+
+PARTS = SliceParts(1, 3, False, False)
+
+
+class Served:
+    """A small model on a slice server, gone from its path on "this host"."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = write_model(folder / "model.gguf", ModelShape(n_layers=4, hidden=64, ffn=128))
+        self.server = SliceServer("127.0.0.1", DigestStore(folder / "orchestrator"))
+        self.content = self.server.offer(GgufSource((str(self.path),)))
+        self.key = slice_key(new_secret(), "node1")
+        self.server.expect(1, "node1", self.key, "host1")
+        os.rename(self.path, folder / "kept-by-the-server.gguf")
+        self.host, port = self.server.address.rsplit(":", 1)
+        self.port = int(port)
+
+    def stage_is_served(self, cache: Path) -> None:
+        origin = SliceOrigin(self.server.address, self.content)
+        fetcher = SliceFetcher(origin, 1, self.key, SliceCache(cache, limit=None))
+        fetcher.resolve(GgufSource((str(self.path),)), PARTS)
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection((self.host, self.port), timeout=5)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    got = Served(tmp_path)
+    yield got
+    got.server.close()
+
+
+def _closed_by_server(sock: socket.socket, wait_s: float) -> bool:
+    sock.settimeout(wait_s)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_past_max_strangers_the_oldest_is_turned_away_and_the_stage_is_served(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connections that say nothing hold a thread each for the handshake's bound: past
+    ``MAX_STRANGERS`` of them the oldest goes (there was no bound: a thread each)."""
+    monkeypatch.setattr(server_module, "MAX_STRANGERS", 4)
+    idle = [served.connect() for _ in range(10)]
+    try:
+        assert all(_closed_by_server(sock, 5.0) for sock in idle[:6])
+        assert not any(_closed_by_server(sock, 0.2) for sock in idle[6:])
+        served.stage_is_served(tmp_path / "cache")
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_an_accept_without_a_descriptor_rests_the_port_and_the_stage_is_served_after(
+    served: Served, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Strangers wait in the backlog while this process has no descriptor left: each
+    accept fails, the port rests ``ACCEPT_PAUSE_S`` after each, with one warning; with
+    descriptors again the server goes on (its accept thread ended at the first failure:
+    no stage was ever served again)."""
+    caplog.set_level(logging.DEBUG, logger="runtime_cupy.slices")
+    waiting = [socket.socket() for _ in range(3)]  # their descriptors taken beforehand
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    serving_s = 0.5
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        try:
+            for sock in waiting:
+                sock.connect((served.host, served.port))
+            time.sleep(serving_s)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        failed = [r for r in caplog.records if "accept failed" in r.getMessage()]
+        assert 1 <= len(failed) <= serving_s / strangers_module.ACCEPT_PAUSE_S + 3, len(failed)
+        assert [r.levelno for r in failed].count(logging.WARNING) == 1
+        served.stage_is_served(tmp_path / "cache")
+    finally:
+        for sock in waiting:
+            sock.close()
+
+
+def test_a_connection_no_thread_can_serve_is_closed_and_the_stage_is_served_after(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Thread.start`` raising (no thread left in this process) closes that connection
+    and the server goes on (it ended the accept thread)."""
+    failures = [RuntimeError("can't start new thread")]
+
+    class Scarce(threading.Thread):
+        def start(self) -> None:
+            if self.name == "slice-send" and failures:
+                raise failures.pop()
+            super().start()
+
+    monkeypatch.setattr(server_module.threading, "Thread", Scarce)
+    with served.connect() as unserved:
+        assert _closed_by_server(unserved, 5.0)
+    monkeypatch.undo()
+    served.stage_is_served(tmp_path / "cache")
