@@ -8,13 +8,18 @@ supervisor (what a stage published is withdrawn when it is gone)."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import resource
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
 
 from runtime_cupy.edges import handshake as hs
+from runtime_cupy.edges import strangers as strangers_module
 from runtime_cupy.hosts.ray import control_link
 from runtime_cupy.hosts.ray.cluster import (
     ClusterError,
@@ -166,6 +171,95 @@ def test_strangers_that_connect_and_hold_the_control_port_hold_no_stage_up() -> 
         slow.close()
         listener.close()
     assert outcomes == ["stage: connected"]
+
+
+def _accept_in_a_thread(
+    listener: control_link.ControlListener, key: bytes
+) -> tuple[threading.Thread, list[object]]:
+    got: list[object] = []
+
+    def accept() -> None:
+        try:
+            got.append(listener.accept(1, key, 30, lambda: None))
+        except Exception as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    return thread, got
+
+
+def test_past_max_strangers_the_oldest_knock_goes_and_the_refusals_are_summed_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Idle connections each hold a descriptor for ``HANDSHAKE_S``: past
+    ``MAX_STRANGERS`` the oldest is refused (there was no bound), and past the first
+    refusals the rest are summed up in one warning (one warning each)."""
+    monkeypatch.setattr(control_link, "MAX_STRANGERS", 4)
+    monkeypatch.setattr(strangers_module, "LOGGED_REFUSALS", 2)
+    caplog.set_level(logging.WARNING, logger="runtime_cupy.hosts.ray")
+    key = control_key(new_secret(), "10.0.0.2/cpu0")
+    listener = control_link.ControlListener("127.0.0.1")
+    host, port = listener.address.rsplit(":", 1)
+    thread, got = _accept_in_a_thread(listener, key)
+    idle = [socket.create_connection((host, int(port))) for _ in range(10)]
+    try:
+        for sock in idle[:6]:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""
+        control_link.connect(listener.address, 1, key, 5).close()
+        thread.join(30)
+        assert isinstance(got[0], socket.socket), got
+        got[0].close()
+    finally:
+        for sock in idle:
+            sock.close()
+        listener.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("refused a connection from" in m for m in said) == 2, said
+    summary = [m for m in said if "more connections" in m]
+    # six pushed out by the strangers after them, a seventh by the stage's connection
+    assert len(summary) == 1, said
+    assert summary[0].endswith("refused 5 more connections (7 in all): 5 pushed out by newer "
+                               "connections"), said  # fmt: skip
+
+
+def test_an_accept_without_a_descriptor_rests_the_control_port_and_the_stage_gets_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Strangers wait in the backlog while this process has no descriptor left: each
+    accept fails, the port rests ``ACCEPT_PAUSE_S`` after each, with one warning, and
+    the stage that connects once descriptors are back gets in (the ``EMFILE`` escaped:
+    the stage "could not be started: Too many open files")."""
+    caplog.set_level(logging.DEBUG, logger="runtime_cupy.hosts.ray")
+    key = control_key(new_secret(), "10.0.0.2/cpu0")
+    listener = control_link.ControlListener("127.0.0.1")
+    host, port = listener.address.rsplit(":", 1)
+    waiting = [socket.socket() for _ in range(3)]  # their descriptors taken beforehand
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    serving_s = 0.5
+    thread, got = _accept_in_a_thread(listener, key)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        try:
+            for sock in waiting:
+                sock.connect((host, int(port)))
+            time.sleep(serving_s)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        control_link.connect(listener.address, 1, key, 5).close()
+        thread.join(30)
+        assert isinstance(got[0], socket.socket), got
+        got[0].close()
+    finally:
+        for sock in waiting:
+            sock.close()
+        listener.close()
+    failed = [r for r in caplog.records if "accept failed" in r.getMessage()]
+    assert 1 <= len(failed) <= serving_s / strangers_module.ACCEPT_PAUSE_S + 3, len(failed)
+    assert [r.levelno for r in failed].count(logging.WARNING) == 1
 
 
 def test_no_control_connection_ends_when_the_supervisor_says_why() -> None:

@@ -10,8 +10,11 @@ stage's control key (``keys.control_key``), for the stage index it claims; the
 orchestrator proves the same back. A stranger on the port (garbage, a wrong key, a
 handshake left half done, a stage other than the one awaited) is refused, logged and
 changes nothing: every connection's handshake goes on beside the others', each within
-``HANDSHAKE_S``, so one that says nothing holds no stage up. Both ends get
-keepalive and ``TCP_USER_TIMEOUT`` (``streams.keep_alive``): a host that goes silent
+``HANDSHAKE_S``, so one that says nothing holds no stage up. As on every port strangers
+knock on (``edges.strangers``): past ``MAX_STRANGERS`` handshakes under way the oldest is
+refused; an ``accept`` that fails (``EMFILE``, ``ENOMEM``, ...) refuses the oldest and
+rests the port ``ACCEPT_PAUSE_S``; refusals past the first few are summed up in the log.
+Both ends get keepalive and ``TCP_USER_TIMEOUT`` (``streams.keep_alive``): a host that goes silent
 without a FIN breaks the channel within ``streams.SILENT_PEER_S``. Frames are then
 those of ``control.ControlChannel``, numbered and MAC'd per stage.
 """
@@ -26,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from runtime_cupy.edges import handshake as hs
+from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, MAX_STRANGERS, StrangerLog
 from runtime_cupy.process.streams import keep_alive
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
@@ -121,6 +125,7 @@ class ControlListener:
             raise
         port = self._sock.getsockname()[1]
         self.address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
+        self._strangers = StrangerLog(log, f"control port {self.address}")
 
     def accept(
         self, stage_index: int, key: bytes, timeout_s: float, gone: Callable[[], str | None]
@@ -134,13 +139,15 @@ class ControlListener:
         behind it)."""
         deadline = time.monotonic() + timeout_s
         poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLIN)
-        knocks: dict[int, _Knock] = {}
+        listening = self._sock.fileno()
+        poller.register(listening, select.POLLIN)
+        knocks: dict[int, _Knock] = {}  # oldest first
+        rests_until: float | None = None  # the port unwatched until then
 
         def refuse(fd: int, why: object) -> None:
             knock = knocks.pop(fd)
             poller.unregister(fd)
-            log.warning("refused a control connection from %s: %s", knock.peer, why)
+            self._strangers.refused(knock.peer, str(why))
             knock.conn.close()
 
         try:
@@ -154,15 +161,32 @@ class ControlListener:
                     raise ControlLinkError(f"no control connection within {timeout_s:.0f} s")
                 for fd in [fd for fd, k in knocks.items() if now - k.since > HANDSHAKE_S]:
                     refuse(fd, f"no handshake within {HANDSHAKE_S:g} s")
-                for fd, _events in poller.poll(min(left, 0.2) * 1000.0):
-                    if fd == self._sock.fileno():
+                wait_s = min(left, 0.2)
+                if rests_until is not None:
+                    if now < rests_until:
+                        wait_s = min(wait_s, rests_until - now)
+                    else:
+                        rests_until = None
+                        poller.register(listening, select.POLLIN)
+                for fd, _events in poller.poll(wait_s * 1000.0):
+                    if fd == listening:
                         try:
                             conn, peer = self._sock.accept()
                         except (BlockingIOError, InterruptedError):
                             continue
+                        except OSError as exc:  # EMFILE, ENOMEM, ...: passing
+                            self._strangers.accept_failed(exc)
+                            if knocks:
+                                oldest = next(iter(knocks))
+                                refuse(oldest, f"turned away to free a descriptor ({exc.strerror})")
+                            poller.unregister(listening)
+                            rests_until = time.monotonic() + ACCEPT_PAUSE_S
+                            continue
                         conn.setblocking(False)
                         knocks[conn.fileno()] = _Knock(conn, peer, time.monotonic())
                         poller.register(conn.fileno(), select.POLLIN)
+                        while len(knocks) > MAX_STRANGERS:
+                            refuse(next(iter(knocks)), "pushed out by newer connections")
                         continue
                     knock = knocks.get(fd)
                     if knock is None:
@@ -181,6 +205,7 @@ class ControlListener:
         finally:
             for knock in knocks.values():
                 knock.conn.close()
+            self._strangers.sum_up()
 
     def close(self) -> None:
         self._sock.close()
