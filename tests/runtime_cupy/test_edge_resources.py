@@ -31,7 +31,13 @@ from runtime_cupy.edges.port import EdgeSetupError
 from runtime_cupy.edges.shm import ShmMedium, segment_name, signal_paths
 from runtime_cupy.hosts.local import FileRendezvous, LocalProcessHost, local_medium
 from runtime_cupy.process.launcher import ProcessRun
-from runtime_cupy.process.names import NameTaken, NotPrivate, edge_dir, remove_edge_dir
+from runtime_cupy.process.names import (
+    NameTaken,
+    NoSpace,
+    NotPrivate,
+    edge_dir,
+    remove_edge_dir,
+)
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import SHM, alive, run_resources
@@ -318,6 +324,32 @@ def test_a_fifo_on_a_full_temp_folder_is_no_space_naming_it(
     with pytest.raises(shm.NoSpace, match=f"no room for the edge's FIFO {data}: .* inodes"):
         ShmMedium().create(run_id, 1, RingSpec(2, 64, 256), b"")
     assert run_resources(run_id) == []
+
+
+@pytest.mark.parametrize("call", ["mkstemp", "write"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_an_address_file_on_a_full_temp_folder_is_no_space_naming_it(
+    monkeypatch: pytest.MonkeyPatch, call: str, code: int
+) -> None:
+    """A TCP consumer's address file on a temp folder with no inode (``mkstemp``) or no
+    byte (``os.write``) left was a bare ``OSError`` naming no file and no room; it is
+    ``NoSpace`` naming the file and what its folder has free, and no partial file is
+    left."""
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(tempfile if call == "mkstemp" else os, call, full)
+    run_id = f"test-{uuid.uuid4().hex}"
+    path = edge_dir(run_id, 1) / "addr"
+    try:
+        with pytest.raises(
+            NoSpace, match=f"no room for the edge's address file {path}: .* inodes and .* bytes"
+        ):
+            FileRendezvous().publish(run_id, 1, "127.0.0.1:4242")
+        assert os.listdir(path.parent) == []
+    finally:
+        remove_edge_dir(run_id, 1)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])

@@ -57,11 +57,13 @@ from runtime_cupy.edges.port import EdgeSetupError, ProcessRing
 from runtime_cupy.process.names import (
     PREFIX,
     NameTaken,
+    NoSpace,
     check_private,
     check_stat,
     edge_dir,
     edge_tag,
     make_edge_dir,
+    no_space,
     remove_edge_dir,
 )
 from runtime_cupy.process.poller import IN, Entry
@@ -102,10 +104,6 @@ def shm_supported(machine: str | None = None) -> bool:
     return (machine or platform.machine()).lower() in ORDERED_MACHINES
 
 
-class NoSpace(EdgeSetupError):
-    """The shared-memory file system has no room for a ring (a setup fault)."""
-
-
 def segment_name(run_id: str, edge_id: int) -> str:
     """The shared-memory name of an edge's ring (without the leading slash)."""
     name = f"{PREFIX}{edge_tag(run_id, edge_id)}"
@@ -133,19 +131,10 @@ def _make_fifo(path: Path) -> None:
     try:
         os.mkfifo(path, 0o600)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            room = _room(path.parent)
-            raise NoSpace(f"no room for the edge's FIFO {path}: {room} ({exc.strerror})") from None
+        full = no_space(exc, f"the edge's FIFO {path}", path.parent)
+        if full is not None:
+            raise full from None
         raise OSError(exc.errno, exc.strerror, str(path)) from None
-
-
-def _room(folder: Path) -> str:
-    """The inodes and bytes free in ``folder``'s file system, for a ``NoSpace``."""
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return "free space unknown"
-    return f"{st.f_favail} inodes and {st.f_bavail * st.f_frsize} bytes free in {folder}"
 
 
 # -- shared memory ---------------------------------------------------------------------
@@ -173,11 +162,10 @@ class Segment:
                 f"({describe(SHM_DIR / name)}): refused, never reused"
             ) from None
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            full = no_space(exc, f"the shared-memory segment /{name}", SHM_DIR)
+            if full is None:
                 raise
-            raise NoSpace(
-                f"no room for the shared-memory segment /{name}: {_room(SHM_DIR)} ({exc.strerror})"
-            ) from None
+            raise full from None
         try:
             _reserve(fd, name, size)
             mapping = mmap.mmap(fd, size)

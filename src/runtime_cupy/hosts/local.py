@@ -48,6 +48,7 @@ from runtime_cupy.process.names import (
     check_stat,
     edge_dir,
     make_edge_dir,
+    no_space,
     remove_edge_dir,
     run_label,
 )
@@ -77,7 +78,8 @@ class FileRendezvous:
     (``names.NotPrivate`` otherwise), so no stranger on the host can point a producer at
     an address of its own. The publishing process keeps the file open until it
     withdraws it, so that the file shows as in use (``/proc/<pid>/fd``) for as long as
-    its consumer listens."""
+    its consumer listens. A file system too full to hold the file is ``names.NoSpace``,
+    naming it and the room left."""
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, int], int] = {}
@@ -89,14 +91,20 @@ class FileRendezvous:
         path = self._path(run_id, edge_id)
         if (run_id, edge_id) not in self._held:
             make_edge_dir(run_id, edge_id)  # NameTaken if it exists
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".addr.")
         try:
-            os.write(fd, address.encode("utf-8"))
-            os.replace(tmp, path)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".addr.")
+            try:
+                os.write(fd, address.encode("utf-8"))
+                os.replace(tmp, path)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as exc:  # no inode for the file, or no byte for the address
+            full = no_space(exc, f"the edge's address file {path}", path.parent)
+            if full is not None:
+                raise full from None
             raise
         self._let_go(run_id, edge_id)
         self._held[(run_id, edge_id)] = fd

@@ -22,12 +22,15 @@ Exclusive. Each edge's files live in its own folder, ``<tmp>/gpp-<tag>/`` (``<tm
 a name that is taken is a setup fault naming it (``NameTaken``), and
 the other end trusts a folder, FIFO or file of the edge only when it is what its
 consumer made: of its type (never a symbolic link), this user's, and closed to
-everyone else (``check_private``, else ``NotPrivate``).
+everyone else (``check_private``, else ``NotPrivate``). A file system with no room for
+one of them (no byte, no inode, the quota spent) is a setup fault naming it and what is
+left there (``NoSpace``, ``no_space``).
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import logging
 import os
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runtime_core.own_files import describe, describe_stat
+from runtime_cupy.edges.port import EdgeSetupError
 
 log = logging.getLogger("runtime_cupy.process.names")
 
@@ -59,6 +63,29 @@ class NameTaken(FileExistsError):
 class NotPrivate(PermissionError):
     """A resource of an edge that its consumer cannot have made (another owner, a mode
     open to others, a link, another type): never used."""
+
+
+class NoSpace(EdgeSetupError):
+    """A file system with no room for a resource of an edge (a ring's segment, its
+    FIFOs, its address file): a setup fault naming it and the room left."""
+
+
+def _room_left(folder: Path) -> str:
+    """The inodes and bytes free in ``folder``'s file system, for a ``NoSpace``."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return "free space unknown"
+    return f"{st.f_favail} inodes and {st.f_bavail * st.f_frsize} bytes free in {folder}"
+
+
+def no_space(exc: OSError, what: str, folder: Path) -> NoSpace | None:
+    """``NoSpace`` naming ``what`` and the room left in ``folder`` where ``exc`` says
+    its file system is full (``ENOSPC``, ``EDQUOT``: a bare ``OSError`` names neither);
+    ``None`` for any other error."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return NoSpace(f"no room for {what}: {_room_left(folder)} ({exc.strerror})")
 
 
 def new_run_id(kind: str = "run") -> str:
