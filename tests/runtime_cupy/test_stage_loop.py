@@ -5,8 +5,10 @@ runs keep asking for (``Timeouts.stop_limit_ms`` counts on that)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
+import time
 from typing import Any
 
 from runplan.fsm import stage as fsm
@@ -14,6 +16,7 @@ from runplan.messages import StopReason, StopRun
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.edges.links import ProcessLinks
 from runtime_cupy.hosts.local import local_medium
+from runtime_cupy.process import backoff
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.keys import control_key, new_secret
 from runtime_cupy.process.stage_loop import StageProcess
@@ -49,23 +52,27 @@ class BusyController:
         self.handled.append((self.batches, event))
 
 
+def _stage(secret: bytes, stage_end: socket.socket) -> StageProcess:
+    medium = local_medium("shm")
+    return StageProcess(
+        stage_index=0,
+        node_id=NODE,
+        orchestrator_id=ORCHESTRATOR,
+        channel=ControlChannel(stage_end, control_key(secret, NODE), NODE, ORCHESTRATOR),
+        links=ProcessLinks(medium, medium, secret, "chain-test-loop"),
+        worker=ReferenceWorker(),
+        stop_s=1.0,
+        trace=TraceLog("stage-0", enabled=False),
+    )
+
+
 def test_a_stage_with_a_batch_after_every_batch_reads_its_stop_run_between_them() -> None:
     secret = new_secret()
     key = control_key(secret, NODE)
     stage_end, orchestrator_end = socket.socketpair()
     with stage_end, orchestrator_end:
         orchestrator = ControlChannel(orchestrator_end, key, ORCHESTRATOR, NODE)
-        medium = local_medium("shm")
-        stage = StageProcess(
-            stage_index=0,
-            node_id=NODE,
-            orchestrator_id=ORCHESTRATOR,
-            channel=ControlChannel(stage_end, key, NODE, ORCHESTRATOR),
-            links=ProcessLinks(medium, medium, secret, "chain-test-loop"),
-            worker=ReferenceWorker(),
-            stop_s=1.0,
-            trace=TraceLog("stage-0", enabled=False),
-        )
+        stage = _stage(secret, stage_end)
         busy = BusyController(batches=5)
         stage.controller = busy  # type: ignore[assignment]
         stop = StopRun("run-1", StopReason.CANCELLED)
@@ -79,3 +86,46 @@ def test_a_stage_with_a_batch_after_every_batch_reads_its_stop_run_between_them(
         received = [(n, e) for n, e in busy.handled if isinstance(e, fsm.Received)]
         assert [e.message for _, e in received] == [stop]
         assert received[0][0] < 1, busy.handled  # before the next batch, not after all
+
+
+class Attaching(BusyController):
+    """Stands in for a stage's controller whose neighbour's ring is not there: each try
+    to attach fails until ``attach_at`` tries, then links are pending again."""
+
+    def __init__(self, attach_at: int) -> None:
+        super().__init__(batches=0)
+        self.links_pending = True
+        self.attach_at = attach_at
+        self.tries: list[float] = []
+
+    def try_attach_links(self) -> bool:
+        self.tries.append(time.monotonic())
+        return len(self.tries) == self.attach_at  # then pending again (a chain joined)
+
+
+def test_a_stage_waiting_for_its_neighbours_ring_backs_off_and_tries_at_once_after_a_success() -> (
+    None
+):
+    """A neighbour slow to start (a large model loading: up to the readiness bound)
+    gives nothing to wait on: the stage tried to attach every 2 ms (hundreds a second);
+    it now waits twice as long after each failure, up to ``backoff.CEILING_S``, and tries
+    at once after a success."""
+    secret = new_secret()
+    stage_end, orchestrator_end = socket.socketpair()
+    with stage_end, orchestrator_end:
+        stage = _stage(secret, stage_end)
+        attaching = Attaching(attach_at=4)
+        stage.controller = attaching  # type: ignore[assignment]
+        try:
+            began = time.monotonic()
+            while time.monotonic() - began < 1.0:
+                stage._pump()
+                stage._wait()
+        finally:
+            os.close(stage._wake_r)
+            os.close(stage._wake_w)
+    tries = attaching.tries
+    assert tries[4] - tries[3] < 0.05  # at once after the success
+    gaps = [b - a for a, b in itertools.pairwise(tries[4:])]
+    assert len(tries) < 30, len(tries)  # in 1 s: the waits grew to 0.1 s (it made ~400)
+    assert max(gaps) < backoff.CEILING_S * 1.5 + 0.05, gaps

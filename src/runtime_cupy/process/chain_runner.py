@@ -50,6 +50,7 @@ from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost
+from runtime_cupy.process.backoff import Backoff
 from runtime_cupy.process.chain_handoffs import ChainClosing, RunHandoffs
 from runtime_cupy.process.chain_run import ChainRun, OnLogits, OnToken
 from runtime_cupy.process.chain_stages import ChainStages, RunnerChannels, RunnerStage
@@ -64,7 +65,6 @@ from runtime_cupy.process.tracing import Event, TraceLog
 log = logging.getLogger("runtime_cupy.process.chain_runner")
 
 ORCHESTRATOR = "orchestrator"
-RETRY_S = 0.002  # retry opening the token links
 IDLE_WAKE_S = 0.5  # look at the stage processes at least this often
 EXIT_GRACE_S = 3.0  # after the chain closed, how long stages get to exit before a kill
 REAP_S = 5.0  # how long to wait for a killed stage
@@ -150,7 +150,7 @@ class ChainRunner(ChainStages, RunHandoffs):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._waiter = Watch()
-        self._open_at = 0.0
+        self._open = Backoff()  # tries to open the token links
         self._inject_wait = RingWait()  # for a token-in slot
         self.closed = False
         #: Why the chain cannot serve any more (a chain fault), once it cannot.
@@ -272,8 +272,11 @@ class ChainRunner(ChainStages, RunHandoffs):
                 for run_id in list(o.runs):
                     o.cancel(run_id, "the chain is closing")
             now = time.monotonic()
-            if o.links_pending and now >= self._open_at and not o.try_open_links():
-                self._open_at = now + RETRY_S
+            if o.links_pending and self._open.due(now):
+                if o.try_open_links():
+                    self._open.succeeded()
+                else:
+                    self._open.failed(now)
             if o.inject_pending:
                 self._inject(now)
             else:
@@ -329,7 +332,7 @@ class ChainRunner(ChainStages, RunHandoffs):
             if not stage.gone and heard is not None:
                 until = min(until, heard + bound)
         if o.links_pending:
-            until = min(until, self._open_at)
+            until = min(until, self._open.at)
         inject_due = self._inject_wait.due(self._edge_wait_s)
         if inject_due is not None:
             until = min(until, inject_due)

@@ -56,6 +56,7 @@ from runtime_core.chain_stage import ChainStageController, RunTimerFired
 from runtime_core.workers.interface import Worker
 from runtime_cupy.edges.links import ProcessLinks
 from runtime_cupy.edges.port import EdgeMedium
+from runtime_cupy.process.backoff import Backoff
 from runtime_cupy.process.control_channel import (
     ChannelBroken,
     ControlChannel,
@@ -72,7 +73,6 @@ from runtime_cupy.process.stage_traces import StageTraces
 from runtime_cupy.process.timers import RunDeadlines
 from runtime_cupy.process.tracing import TraceLog, now_us
 
-ATTACH_RETRY_S = 0.002  # retry attaching to the consumer's ring
 IDLE_WAKE_S = 1.0  # wake at least this often (parent check)
 
 # The stage process's: its log lines keep their logger.
@@ -181,7 +181,7 @@ class StageProcess(StageTraces, OrchestratorLoss):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._attach_at = 0.0
+        self._attach = Backoff()  # tries to attach to the neighbours' rings
         self._output_wait = RingWait()  # for an outbound slot
         self._setup_at = 0  # now_us() when setup began, then when its last part ended
         self._bound = False  # the worker bound the chain's weights
@@ -266,11 +266,12 @@ class StageProcess(StageTraces, OrchestratorLoss):
                 progress = True
             if c.links_pending:
                 now = time.monotonic()
-                if now >= self._attach_at:
+                if self._attach.due(now):
                     if c.try_attach_links():
+                        self._attach.succeeded()
                         progress = True
                     else:
-                        self._attach_at = now + ATTACH_RETRY_S
+                        self._attach.failed(now)
             while c.wants_input and c.poll_inbound():
                 progress = True
             if c.batch_ready:
@@ -321,8 +322,8 @@ class StageProcess(StageTraces, OrchestratorLoss):
         due = self.timers.next_due()
         if due is not None and due < until:
             until = due
-        if c.links_pending and self._attach_at < until:
-            until = self._attach_at
+        if c.links_pending and self._attach.at < until:
+            until = self._attach.at
         output_due = self._output_wait.due(self._edge_wait_s())
         if output_due is not None:
             until = min(until, output_due)
