@@ -65,7 +65,7 @@ def test_a_full_dev_shm_is_a_named_setup_fault_that_leaves_nothing(
     assert lines == [f"error: run faulted: {fault}"], proc.stderr[-3000:]
     assert all(s["exit_status"] == 0 for s in doc["stages"]), doc["stages"]  # none died
     assert left.read_text() == ""  # no segment left in that /dev/shm
-    assert run_resources(doc["run_id"]) == []  # nor an edge folder in /tmp
+    assert run_resources(doc["chain_id"]) == []  # nor an edge folder in /tmp
 
 
 def test_a_full_temp_folder_is_a_named_setup_fault_that_leaves_nothing(
@@ -97,4 +97,4 @@ def test_a_full_temp_folder_is_a_named_setup_fault_that_leaves_nothing(
     assert f"No space left on device: '{full}/gpp-" in doc["fault"], doc["fault"]
     assert doc["timings"]["wall_s"] < 60, doc["timings"]
     assert left.read_text() == ""  # no edge folder left in that temp folder
-    assert run_resources(doc["run_id"]) == []  # nor a segment in /dev/shm
+    assert run_resources(doc["chain_id"]) == []  # nor a segment in /dev/shm

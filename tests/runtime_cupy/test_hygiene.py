@@ -4,6 +4,7 @@ host, and not those another process is using (``hygiene.users``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -151,3 +152,30 @@ def test_a_run_made_in_the_tests_process_is_in_its_ledger(tiny: str) -> None:
     assert result.outcome == "completed"
     # A run's resources are its chain's links, named from the chain id.
     assert result.chain_id in hygiene.current_ledger.run_ids
+
+
+@pytest.mark.process
+def test_a_cli_runs_leftovers_are_found_from_the_chain_id_its_json_names(tiny: str) -> None:
+    """A run's links are named from its chain's id, not its run id: the leftover checks
+    of the tests that run the command line looked for names made from ``run_id``, which
+    no run makes, and could not fail. A link left as the run's would be (its process
+    gone, its names there) is found from ``chain_id``."""
+    from tests.runtime_cupy.test_process_cli import _env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "2",
+         "--prompt-ids", "1,2", "--max-tokens", "2", "--worker", "numpy", "--json"],
+        capture_output=True, text=True, check=False, env=_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    hygiene.learn_chain_ids([doc["chain_id"]])
+    assert doc["chain_id"].startswith("chain-") and hygiene.current_ledger.leftovers() == []
+    ring = ShmMedium().create(doc["chain_id"], 1, RingSpec(2, 64, 256), b"")
+    try:
+        ring.close()  # left behind as a killed stage's ring of the chain's hop 1
+        left = hygiene.current_ledger.leftovers()
+        assert left == run_resources(doc["chain_id"]) and len(left) >= 2, left
+        assert run_resources(doc["run_id"]) == []  # what the checks looked for
+    finally:
+        remove_run(doc["chain_id"], [1])

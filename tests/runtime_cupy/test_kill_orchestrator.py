@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.hygiene import alive, learn_run_ids, run_resources, wait_gone
+from tests.support.hygiene import alive, learn_chain_ids, run_resources, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -86,10 +86,9 @@ class Driver:
                 pytest.fail(f"no {key!r} from the driver in {timeout_s} s")
             if "run_id" in item:
                 self.run_id = item["run_id"]
-                learn_run_ids([self.run_id])
             if "chain_id" in item:
                 self.chain_id = item["chain_id"]
-                learn_run_ids([self.chain_id])
+                learn_chain_ids([self.chain_id])
             if "spawned" in item:
                 self.pids.append(item["spawned"])
             seen += key in item

@@ -23,7 +23,7 @@ from runtime_cupy.cli.main import main
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.runtime_cupy.test_process_faults import _children, cli_process
 from tests.support.hosts import FaultyHost
-from tests.support.hygiene import learn_run_ids, wait_gone
+from tests.support.hygiene import learn_chain_ids, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -47,7 +47,7 @@ def test_json_is_the_only_thing_on_stdout(tiny: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # exactly one object: json.loads refuses anything more
-    learn_run_ids([doc["run_id"]])
+    learn_chain_ids([doc["chain_id"]])
     assert doc["outcome"] == "completed" and doc["fault"] is None
     assert doc["tokens"] == list(
         runtime_sim.generate(tiny, [7, 8, 9], stages=3, max_tokens=5).tokens
@@ -160,7 +160,7 @@ def test_a_faulted_run_with_json_is_its_result_and_an_error(
     doc = json.loads(capsys.readouterr().out)
     assert doc["outcome"] == "faulted" and doc["fault"].startswith("stage 1 (node stage-1): ")
     assert doc["error"] == {"type": "RunFaulted", "message": f"run faulted: {doc['fault']}"}
-    learn_run_ids([doc["run_id"]])
+    learn_chain_ids([doc["chain_id"]])
 
 
 def test_a_model_without_a_chat_template_is_a_clear_error(

@@ -26,7 +26,7 @@ from runtime_cupy.hosts.port import StageLaunch
 from runtime_cupy.process.names import temp_root
 from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
 from tests.support.hosts import FaultyHost
-from tests.support.hygiene import alive, learn_run_ids, run_resources, wait_gone
+from tests.support.hygiene import alive, learn_chain_ids, run_resources, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -117,7 +117,7 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str, signum: int, st
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == status, err
     doc = json.loads(out)  # still exactly one JSON object on stdout
-    learn_run_ids([doc["run_id"]])
+    learn_chain_ids([doc["chain_id"]])
     name = signal.Signals(signum).name
     assert doc["outcome"] == "cancelled" and doc["tokens"] == []
     assert doc["interrupted_by"] == name and doc["recoveries"] == 0  # as a run's object

@@ -32,7 +32,7 @@ from runtime_cupy.process.keys import edge_key, new_secret
 from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.test_process_cli import _env
 from tests.support.hosts import FaultyHost
-from tests.support.hygiene import alive, learn_run_ids, run_resources
+from tests.support.hygiene import alive, learn_chain_ids, run_resources
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -59,7 +59,7 @@ def test_the_cli_takes_edges_tcp(tiny: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    learn_run_ids([doc["run_id"]])
+    learn_chain_ids([doc["chain_id"]])
     assert doc["tokens"] == list(
         runtime_sim.generate(tiny, [7, 8, 9], stages=2, max_tokens=4).tokens
     )

@@ -353,7 +353,7 @@ def test_the_cli_runs_on_the_cluster_and_its_json_names_each_stages_host(
     hosts = [s["host"] for s in doc["stages"]]
     assert len(set(hosts)) == 2 and set(hosts) <= labels, hosts
     assert [s["node_id"] for s in doc["stages"]] == [f"{h}/cpu0" for h in hosts]
-    _assert_clean(doc["run_id"])
+    _assert_clean(doc["chain_id"])
 
 
 # -- warm stages on the cluster: python -m runtime_cupy serve --ray-address ---------------

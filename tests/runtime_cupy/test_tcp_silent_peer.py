@@ -17,7 +17,7 @@ import pytest
 
 from runtime_cupy.process.streams import SILENT_PEER_S
 from tests.runtime_cupy.test_process_cli import _env
-from tests.support.hygiene import learn_run_ids, run_resources
+from tests.support.hygiene import learn_chain_ids, run_resources
 
 #: A network namespace and real stage processes (make fast leaves these out).
 pytestmark = [pytest.mark.netns, pytest.mark.process]
@@ -46,7 +46,7 @@ def test_a_link_cut_mid_decode_is_noticed_within_the_bound(tiny: str) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    learn_run_ids([doc["run_id"]])
+    learn_chain_ids([doc["chain_id"]])
     assert doc["outcome"] == "faulted", doc
     assert doc["tokens"] == 2  # nothing after the cut
     assert "timed out" in doc["fault"] or "broke" in doc["fault"], doc
@@ -54,4 +54,4 @@ def test_a_link_cut_mid_decode_is_noticed_within_the_bound(tiny: str) -> None:
     # slack; the run's own step and edge timeouts are 60 s.
     assert doc["after_cut_s"] < SILENT_PEER_S + 3 + 20, doc
     assert all(code == 0 for code in doc["returncodes"]), doc  # each stopped on StopRun
-    assert run_resources(doc["run_id"]) == []
+    assert run_resources(doc["chain_id"]) == []

@@ -28,7 +28,7 @@ TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"
 class RunLedger:
     """The run ids one test used: every ``ProcessRun`` made in the test's process (the
     orchestrator of each run, cold or warm), and those a test learned from a process it
-    started (``learn``: a driver's or the CLI's JSON naming its run). A server process
+    started (``learn``: a driver's or the CLI's JSON naming its chain). A server process
     logs only its runs' labels (``names.run_label``), never their ids."""
 
     run_ids: set[str] = attrs.field(factory=set)
@@ -49,9 +49,11 @@ class RunLedger:
 current_ledger = RunLedger()
 
 
-def learn_run_ids(run_ids: Iterable[str]) -> None:
-    """Count runs that a process this test started orchestrated as the test's own."""
-    current_ledger.learn(run_ids)
+def learn_chain_ids(chain_ids: Iterable[str]) -> None:
+    """Count the chains that a process this test started orchestrated as the test's own:
+    their ids (``chain_id`` in the command line's ``--json``), which name their links'
+    resources; a run's id names none of a chain's."""
+    current_ledger.learn(chain_ids)
 
 
 def _state(stat: Path) -> str:

@@ -43,6 +43,7 @@ def main() -> int:
     finished = result.finished
     print(json.dumps({
         "run_id": plan.run_id,
+        "chain_id": result.chain_id,
         "outcome": finished.outcome.value.lower() if finished else None,
         "fault": str(finished.fault) if finished and finished.fault else None,
         "tokens": len(result.tokens),

@@ -56,6 +56,7 @@ def _result_json(result: GenerateResult, prompt_len: int) -> dict[str, Any]:
     procs = {s.stage_index: s for s in result.stages}
     return {
         "run_id": result.plan.run_id,
+        "chain_id": result.chain_id,
         "tokens": list(result.tokens),
         "text": result.text,
         "outcome": result.outcome,
