@@ -324,9 +324,8 @@ class StageProcess(StageTraces, OrchestratorLoss):
             until = due
         if c.links_pending and self._attach.at < until:
             until = self._attach.at
-        output_due = self._output_wait.due(self._edge_wait_s())
-        if output_due is not None:
-            until = min(until, output_due)
+        if self._output_wait.since is not None:
+            until = min(until, self._output_wait.since + self._edge_wait_s())
         ready = self._waiter.poll(entries, (until - now) * 1000.0)
         if not ready and os.getppid() != self.parent_pid:  # idle: a last look at the parent
             self._lose("the parent process is gone")
