@@ -423,9 +423,7 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, spec: ArchSpec) -> RopeC
     factor = _float(header, factor_key, 0.0)
     # negative, or so small that positions times 1 / factor pass float32's largest
     if factor < 0.0 or (factor > 0.0 and 1.0 / factor > float(np.finfo(np.float32).max)):
-        raise UnsupportedModel(
-            path, f"rope scaling factor {factor}", key=factor_key
-        )
+        raise UnsupportedModel(path, f"rope scaling factor {factor}", key=factor_key)
     one = np.float32(1.0)
     freq_scale = one if scaling == "none" or factor == 0.0 else one / np.float32(factor)
     attn_key = f"{arch}.rope.scaling.attn_factor"
