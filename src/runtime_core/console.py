@@ -56,10 +56,14 @@ class IncrementalText:
     whitespace is cut: cleaned up with it, ``"' '"`` showed ``"'"`` and ``"' '?"``
     (``"''?"``) then no longer began with what was shown.
     ``finish(text)`` returns what is left of the final ``text`` (``None`` when a
-    character already returned changed after all)."""
+    character already returned changed after all). ``continues``: the text goes on from
+    a prompt (a server's answer), so its first token keeps the space a vocabulary with a
+    space prefix puts before it (``Tokenizer.decode``'s ``continues``, which the final
+    text is decoded with too); else it begins a text, as the command line prints it."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, continues: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.continues = continues
         self.ids: list[int] = []
         self.shown = ""
         self.held = ""
@@ -76,10 +80,11 @@ class IncrementalText:
 
     def push(self, token_id: int) -> str:
         tok = self.tokenizer
-        # the first token's bytes as decode gives them (a space prefix dropped)
-        self._bytes += tok.decode_bytes([token_id], clean_up=False) if not self.ids else (
-            tok.token_bytes(token_id)
-        )  # fmt: skip
+        # the first token's bytes as decode gives them (a space prefix dropped), unless
+        # the text continues a prompt: then each token's bytes as they are
+        self._bytes += tok.decode_bytes([token_id], clean_up=False) if not (
+            self.ids or self.continues
+        ) else tok.token_bytes(token_id)  # fmt: skip
         self.ids.append(token_id)
         end = _firm_end(self._bytes, self._firm)
         if end > self._firm:

@@ -217,11 +217,16 @@ class Tokenizer:
         special: bool = False,
         remove_special: bool = False,
         clean_up: bool = True,
+        continues: bool = False,
     ) -> str:
         """The text of ``ids`` (invalid UTF-8 replaced by U+FFFD), as llama.cpp's
         ``llama_detokenize(remove_special, unparse_special=special)``."""
         return self.decode_bytes(
-            ids, special=special, remove_special=remove_special, clean_up=clean_up
+            ids,
+            special=special,
+            remove_special=remove_special,
+            clean_up=clean_up,
+            continues=continues,
         ).decode("utf-8", "replace")
 
     def decode_bytes(
@@ -231,20 +236,24 @@ class Tokenizer:
         special: bool = False,
         remove_special: bool = False,
         clean_up: bool = True,
+        continues: bool = False,
     ) -> bytes:
         """The bytes of ``ids``: ``decode`` before UTF-8 decoding. ``special`` renders
         control tokens; ``remove_special`` drops a leading BOS and a trailing EOS when
         the file adds them; ``clean_up=False`` leaves out the clean-up of spaces of a
         vocabulary that cleans them up (``clean_up_spaces``: a text still growing is
-        cleaned up once its end is known). ``TypeError`` for ``ids`` that are not an
-        iterable of integers (a string included)."""
+        cleaned up once its end is known); ``continues``: the text goes on from another
+        (a completion from its prompt), so a vocabulary that adds a space prefix keeps
+        the space of the first token, as llama.cpp's server sends each token's piece
+        (``" fox"`` after ``"The quick brown"``, not ``"fox"``). ``TypeError`` for
+        ``ids`` that are not an iterable of integers (a string included)."""
         if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
             raise TypeError(
                 f"ids must be an iterable of token ids, not {type(ids).__name__}: {ids!r:.60}"
             )
         v = self.vocab
         seq = [self._check(i) for i in ids]
-        strip_space = v.add_space_prefix
+        strip_space = v.add_space_prefix and not continues
         if remove_special and v.add_bos and seq and seq[0] == v.bos_id:
             strip_space = False
             seq = seq[1:]

@@ -23,10 +23,10 @@ POOL = [*"aZ09 \n.,!?'-", "é", "中", "😀", "\u3000", "'s", " '", "' ", "'m",
         " the", "  ", "\n\n"]  # fmt: skip
 
 
-def _streamed(tokenizer: Tokenizer, ids: list[int]) -> str:
-    text = IncrementalText(tokenizer)
+def _streamed(tokenizer: Tokenizer, ids: list[int], *, continues: bool = False) -> str:
+    text = IncrementalText(tokenizer, continues=continues)
     pieces = [text.push(token) for token in ids]
-    rest = text.finish(tokenizer.decode(ids))
+    rest = text.finish(tokenizer.decode(ids, continues=continues))
     assert rest is not None, f"a character shown changed: {pieces}"
     return "".join(pieces) + rest
 
@@ -67,16 +67,18 @@ PIECES = [" ", "  ", "'", "?", ".", ",", "!", "s", "m", "r", "e", "v", "t", "x",
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(picks=st.lists(st.integers(0, 10**6), max_size=14))
+@given(picks=st.lists(st.integers(0, 10**6), max_size=14), continues=st.booleans())
 def test_every_token_sequence_streams_its_whole_decode(
-    vocab_path: Callable[[VocabSpec], Path], name: str, picks: list[int]
+    vocab_path: Callable[[VocabSpec], Path], name: str, picks: list[int], continues: bool
 ) -> None:
     """Whatever tokens come (not only those an encode gives), what is streamed and then
-    the rest at the end add up to the whole decode."""
+    the rest at the end add up to the whole decode, a text's start or the continuation
+    of a prompt (``continues``: the first token's space prefix kept)."""
     tokenizer = Tokenizer.from_gguf(vocab_path(SPECS[name]))
     pool = sorted({i for p in PIECES for i in tokenizer.encode(p, add_special=False)})
     ids = [pool[p % len(pool)] for p in picks]
-    assert _streamed(tokenizer, ids) == tokenizer.decode(ids)
+    whole = tokenizer.decode(ids, continues=continues)
+    assert _streamed(tokenizer, ids, continues=continues) == whole
 
 
 class _Counting(Tokenizer):

@@ -106,7 +106,7 @@ class Answers:
             self.finish(job, "cancelled", None, tokens=answer.tokens)
             return
         if job.stopped or result.outcome == "completed":
-            rest = answer.finish(None if job.stopped else result.text)
+            rest = answer.finish(None if job.stopped else result.tokens)
             stopped = job.stopped or answer.stopped or len(result.tokens) < p.max_tokens
             tokens = answer.tokens if job.stopped else len(result.tokens)
             if rest:

@@ -63,10 +63,16 @@ class StopStrings:
 
 
 class Answer:
-    """One answer's text: tokens in, pieces to send out, cut at a stop string."""
+    """One answer's text: tokens in, pieces to send out, cut at a stop string. It goes
+    on from its prompt, as llama.cpp's server answers, a completion and a chat answer
+    alike: each token's piece with the space before it (a SentencePiece vocabulary's
+    first token included: ``" fox"`` after ``"The quick brown"``), so that an echoed
+    prompt and its answer do not run together and a stop string may begin with that
+    space (``IncrementalText``'s ``continues``)."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
-        self.text = IncrementalText(tokenizer)
+        self.tokenizer = tokenizer
+        self.text = IncrementalText(tokenizer, continues=True)
         self.stops = StopStrings(stops)
         self.sent: list[str] = []
         self.tokens = 0  # tokens taken in before the answer stopped
@@ -88,12 +94,12 @@ class Answer:
             self.sent.append(piece)
         return piece
 
-    def finish(self, final_text: str | None = None) -> str:
-        """The rest to send once the run is over; ``final_text`` is the decoded text of
-        every generated token (``None``: the run was cut short, keep what came)."""
+    def finish(self, tokens: Sequence[int] | None = None) -> str:
+        """The rest to send once the run is over; ``tokens``: every generated token
+        (``None``: the run was cut short, keep what came)."""
         rest = ""
-        if final_text is not None and not self.stops.stopped:
-            tail = self.text.finish(final_text)
+        if tokens is not None and not self.stops.stopped:
+            tail = self.text.finish(self.tokenizer.decode(tokens, continues=True))
             rest = self.stops.feed(tail or "")
         rest += self.stops.flush()
         if rest:

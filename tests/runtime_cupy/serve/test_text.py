@@ -75,5 +75,40 @@ def test_an_answer_on_a_vocabulary_that_cleans_up_spaces_is_its_whole_decode(
     tokens = llama3.encode(text, add_special=False, parse_special=False)
     answer = Answer(llama3, [])
     pieces = [answer.push(token) for token in tokens]
-    pieces.append(answer.finish(llama3.decode(tokens)))
+    pieces.append(answer.finish(tokens))
     assert "".join(pieces) == answer.content == llama3.decode(tokens)
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A SentencePiece vocabulary that adds a space prefix (Llama 2, Mistral, Phi-3)."""
+    path = write_vocab(tmp_path_factory.mktemp("vocab") / "spm.gguf", SPECS["spm-llama"])
+    return Tokenizer.from_gguf(path)
+
+
+def continuation(spm: Tokenizer, prompt: str, answer: str) -> list[int]:
+    whole = spm.encode(prompt + answer, add_special=False)
+    start = spm.encode(prompt, add_special=False)
+    assert whole[: len(start)] == start
+    return whole[len(start) :]
+
+
+def test_an_answer_goes_on_from_its_prompt_its_first_space_kept(spm: Tokenizer) -> None:
+    """On a vocabulary with a space prefix, "The quick brown" then the tokens of " fox
+    jumps" answered "fox jumps" (the first token decoded as a text's start): an echoed
+    completion read "The quick brownfox jumps". llama.cpp's server sends each token's
+    piece, the first one's space with it."""
+    tokens = continuation(spm, "The quick brown", " fox jumps")
+    answer = Answer(spm, [])
+    pieces = [answer.push(token) for token in tokens]
+    pieces.append(answer.finish(tokens))
+    assert "".join(pieces) == answer.content == " fox jumps"
+    assert pieces[0] == " fox"
+
+
+def test_a_stop_string_may_begin_with_the_first_tokens_space(spm: Tokenizer) -> None:
+    tokens = continuation(spm, "The quick brown", " fox jumps")
+    answer = Answer(spm, [" fox"])
+    pieces = [answer.push(token) for token in tokens]
+    assert answer.stopped and answer.tokens == 1
+    assert answer.finish(tokens) == "" and answer.content == "" and not any(pieces)
