@@ -11,8 +11,11 @@ over token by token (``WarmChain.generate``'s ``on_logits``) and keeps none.
 - ``/v1/completions`` (``logprobs`` 0-5): ``{"tokens", "token_logprobs",
   "top_logprobs": [{token: logprob}, ...], "text_offset"}``.
 
-A token's text is the bytes it stands for (special tokens as written), read as UTF-8
-(a token holding part of a character shows U+FFFD; ``bytes`` holds the exact bytes).
+A token's text is the bytes it stands for (special tokens as written), read as UTF-8;
+a token whose bytes are not whole characters (part of an emoji's) is named by its bytes,
+as OpenAI names it: ``bytes:\\xf0\\x9f`` (``bytes`` holds them too). Read as UTF-8,
+every such token was U+FFFD: a completion's ``top_logprobs``, keyed by text, kept one
+of them, the least likely one's value.
 """
 
 from __future__ import annotations
@@ -59,8 +62,13 @@ def token_logprob(logits: npt.NDArray[np.float32], token_id: int, top: int) -> T
 
 
 def _text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token's name (its text, or ``bytes:\\x..`` where its bytes are not whole
+    characters) and its bytes."""
     data = tokenizer.token_bytes(token_id, special=True)
-    return data.decode("utf-8", "replace"), data
+    try:
+        return data.decode("utf-8"), data
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
 
 
 def _chat_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:

@@ -67,3 +67,33 @@ def test_a_completions_text_offsets_count_the_characters_decoded_before_each_tok
     assert [e.offset for e in entries.entries] == want
     assert completion_logprobs(tokenizer, entries.entries)["text_offset"] == want
     assert want == sorted(want) and want[-1] < len("Hi 🎉🎉 and ü!")
+
+
+def test_tokens_of_part_of_a_character_are_named_by_their_bytes(smollm2_path: str) -> None:
+    """Byte tokens of an emoji's first bytes all read U+FFFD: a completion's
+    ``top_logprobs``, keyed by text, kept one of them (the least likely one's value)
+    and showed fewer alternatives than asked. They are named by their bytes, as
+    OpenAI names them (``bytes:\\xf0\\x9f``), in ``tokens``, the keys and chat's
+    ``token``."""
+    from runtime_core.tokenizer import Tokenizer
+    from runtime_cupy.serve.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+
+    tokenizer = Tokenizer.from_gguf(smollm2_path)
+    ids = tokenizer.encode("🎉😀", add_special=False)
+    partial = sorted({i for i in ids if b"\xef\xbf\xbd" in _replaced(tokenizer, i)})[:2]
+    assert len(partial) == 2
+    (other,) = tokenizer.encode(" the", add_special=False)
+    top = ((partial[0], -0.5), (other, -1.0), (partial[1], -4.0))
+    entry = TokenLogprob(partial[0], -0.5, top)
+    names = ["bytes:" + "".join(f"\\x{b:02x}" for b in tokenizer.token_bytes(i)) for i in partial]
+    out = completion_logprobs(tokenizer, [entry])
+    assert out["tokens"] == [names[0]]
+    assert out["top_logprobs"] == [{names[0]: -0.5, " the": -1.0, names[1]: -4.0}]
+    (chat,) = chat_logprobs(tokenizer, [entry])["content"]
+    assert chat["token"] == names[0] and chat["bytes"] == list(tokenizer.token_bytes(partial[0]))
+    assert [t["token"] for t in chat["top_logprobs"]] == [names[0], " the", names[1]]
+
+
+def _replaced(tokenizer: object, token_id: int) -> bytes:
+    data: bytes = tokenizer.token_bytes(token_id)  # type: ignore[attr-defined]
+    return data.decode("utf-8", "replace").encode()
