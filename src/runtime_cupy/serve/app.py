@@ -15,13 +15,14 @@
 Every error is an OpenAI error object with a status: 400 for a bad body (naming the
 field), 401 without the right ``Authorization: Bearer`` key (when the server has one;
 ``/health`` needs none), 404 for an unknown model or path (one with a trailing slash
-too: no redirect), 405, 408 for a body that
-does not arrive within the client timeout, 413 for a body over ``MAX_BODY_BYTES``, 415
-for a body of another type than JSON or of none (``_check_json_type``: what a web page
-can make a browser send to localhost unasked), 429 when the queue is full, 500 / 503 when the
-pipeline cannot answer; a server on a loopback address answers 400 ``invalid_host`` to a
-``Host`` that is not a loopback name (``host_header``: DNS rebinding). A bug is logged
-with its traceback and answered 500 without it.
+too: no redirect), 405, 408 for a body that does not arrive within the client timeout,
+413 for a body over ``MAX_BODY_BYTES``, 415 for a body of another type than JSON or of
+none (``_check_json_type``: what a web page can make a browser send to localhost
+unasked), 429 when the queue is full, 500 / 503 when the pipeline cannot answer, 503
+once the server stops (a body still arriving too: ``stopping``); a server on a loopback
+address answers 400 ``invalid_host`` to a ``Host`` that is not a loopback name
+(``host_header``: DNS rebinding). A bug is logged with its traceback and answered 500
+without it.
 
 A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
 on the event loop: ``/health`` and the streams of other requests go on meanwhile.
@@ -47,7 +48,7 @@ from runtime_cupy.serve import openai_format as fmt
 from runtime_cupy.serve.engine import Engine, QueueFull, ShuttingDown
 from runtime_cupy.serve.events import Event, Failed, Finished, Piece
 from runtime_cupy.serve.host_header import LoopbackHosts
-from runtime_cupy.serve.jobs import Job
+from runtime_cupy.serve.jobs import SHUTTING_DOWN, Job
 from runtime_cupy.serve.requests import (
     CompletionRequest,
     RequestError,
@@ -150,6 +151,21 @@ class Api:
         size = int(request.headers.get("content-length") or 0)
         if size > MAX_BODY_BYTES:
             raise RequestError(f"the body is over {MAX_BODY_BYTES} bytes", status=413)
+        # A stop while the body comes answers 503 at once (``ShuttingDown``): it was held
+        # through uvicorn's graceful wait, then cut (a bare 500, an ASGI traceback).
+        reading = asyncio.ensure_future(self._read_body(request))
+        stopping = asyncio.ensure_future(self.engine.stopping.wait())
+        try:
+            await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stopping, reading):
+                task.cancel()  # (nothing, for the one done)
+            await asyncio.gather(stopping, reading, return_exceptions=True)
+        if reading.cancelled():
+            raise ShuttingDown(SHUTTING_DOWN)
+        return reading.result()
+
+    async def _read_body(self, request: Request) -> bytes:
         chunks, total = [], 0
         try:
             async with asyncio.timeout(self.client_timeout_s):
@@ -198,6 +214,8 @@ class Api:
             return _error(exc)
         except ClientDisconnect:
             return Response(status_code=400)
+        except ShuttingDown as exc:
+            return self._shutting_down(endpoint, exc)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
@@ -217,11 +235,14 @@ class Api:
                                  type="rate_limit_error")  # fmt: skip
             return _error(error, {"Retry-After": "1"})
         except ShuttingDown as exc:
-            self.engine.metrics.request(endpoint, "rejected")
-            return _failed(Failed(503, str(exc), "shutting_down"))
+            return self._shutting_down(endpoint, exc)
         if req.stream:
             return _EventStream(self._stream(jobs, events))
         return await self._whole(request, jobs, events)
+
+    def _shutting_down(self, endpoint: str, exc: ShuttingDown) -> Response:
+        self.engine.metrics.request(endpoint, "rejected")
+        return _failed(Failed(503, str(exc), "shutting_down"))
 
     async def _whole(
         self, request: Request, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]

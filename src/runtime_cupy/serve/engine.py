@@ -40,6 +40,7 @@ from runtime_cupy.serve.jobs import SHUTTING_DOWN, Job, Tally
 from runtime_cupy.serve.metrics import Metrics, RecoveryMetrics
 from runtime_cupy.serve.prompts import Prepared, prepare
 from runtime_cupy.serve.requests import CompletionRequest
+from runtime_cupy.serve.stopping import Stopping
 
 log = logging.getLogger("runtime_cupy.serve")
 
@@ -70,6 +71,8 @@ class Engine:
         self._numbers = 0
         self._running: set[Job] = set()
         self._closing = False
+        #: set once the engine closes: a request still reading its body is answered 503
+        self.stopping = Stopping()
         self.failure: str | None = None  # why the chain could not start, once it could not
         self._backoff = 0.0  # seconds between tries to start broken stages again
         self._retry_at = 0.0
@@ -173,7 +176,8 @@ class Engine:
         is cancelled and its client told (``Job.interrupt``), then the chain closes, on a
         thread of its own (once, from any thread: a signal's handler may start it).
         Whether all of it ended within ``timeout_s`` (``None``: wait for it; 0: start it
-        and return)."""
+        and return). The application's handlers hear of it at once (``stopping``)."""
+        self.stopping.set()
         with self._cond:
             if self._closer is None:
                 self._closer = threading.Thread(target=self._close, name="close", daemon=True)

@@ -7,8 +7,9 @@ goes on for thousands of tokens would be cut that way. ``StoppingServer`` starts
 ``Engine.close`` the moment it is told to exit (on a thread of its own: a signal's
 handler must not wait on the engine's locks): each waiting request is answered 503 and
 each running one's run cancelled, its client told (503 "the server is shutting down",
-or an error event on its stream), so the connections end at once and the graceful wait
-has nothing left to wait for.
+or an error event on its stream), and a request still reading its body is answered 503
+too (``Engine.stopping``, which the close sets), so the connections end at once and the
+graceful wait has nothing left to wait for.
 
 A signal the server was started with ignored stays ignored (a non-interactive shell
 starts its background jobs with SIGINT ignored, so that a Ctrl-C meant for the script

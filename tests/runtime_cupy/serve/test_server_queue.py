@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -121,6 +122,37 @@ def test_a_request_after_the_stop_began_is_answered_503_not_429(tiny_chat: str) 
         assert error["code"] == "shutting_down" and "shutting down" in error["message"], error
         counted = metrics(server.base_url)
         assert counted["gguf_pipeline_requests_total{endpoint=chat,outcome=rejected}"] == 1
+    finally:
+        server.stop()
+
+
+def test_a_stop_while_a_body_arrives_answers_503_at_once(tiny_chat: str) -> None:
+    """SIGTERM while a client still sends its body: the request was held through
+    uvicorn's graceful wait (here 5 s, as in the command), then cut: a bare text/plain
+    500 and an ASGI traceback. It is answered 503 ``shutting_down`` at once."""
+    engine = Engine(WarmChain(tiny_chat, stages=2, context=128))
+    server = InProcessServer(engine, graceful_s=5)
+    try:
+        host, port = server.sock.getsockname()[:2]
+        with socket.create_connection((host, port), timeout=30) as client:
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 60\r\n\r\n{"model":'
+            )
+            time.sleep(0.5)  # the handler is reading the body
+            began = time.monotonic()
+            server.server.handle_exit(signal.SIGTERM, None)
+            answer = b""
+            while data := client.recv(4096):
+                answer += data
+            took = time.monotonic() - began
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer
+        error = json.loads(body)["error"]
+        assert error["code"] == "shutting_down" and "shutting down" in error["message"], error
+        assert took < 3.0, took  # not after the graceful wait
+        server.thread.join(10)
+        assert not server.thread.is_alive(), "the server did not end"
     finally:
         server.stop()
 
