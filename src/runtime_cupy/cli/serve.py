@@ -10,10 +10,10 @@ Every option is checked before anything starts: a bad one is one line naming it 
 its value, exit status 2 (a port outside 0..65535, a log folder that is not a
 writable folder, GPUs for a worker that runs on the CPU, ...). The stage processes
 then start and bind once; the server listens at once (``GET /health`` says 503 until
-every stage is ready) and serves the requests on them as they arrived: up to
-``--max-concurrent`` run at once (each joins the stages' batches at their next step and
-leaves them when it ends), at most ``--max-queue`` more wait their turn, and more than
-that get 429.
+every stage is ready) and serves the requests on them as they arrived, each of a
+request's ``n`` choices a run of its own: up to ``--max-concurrent`` runs at once (each
+joins the stages' batches at their next step and leaves them when it ends), at most
+``--max-queue`` more wait their turn, and a request that would make more wait gets 429.
 
 The key comes from ``GGUF_PIPELINE_API_KEY`` or the first line of ``--api-key-file``;
 without either, no key is asked for. A key on the command line is visible to every
@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a GGUF model over an OpenAI-compatible HTTP API "
         "(POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
         "GET /metrics) from warm stage processes started and bound once: up to "
-        "--max-concurrent requests run at once, batched by the stages, the others wait "
-        "in arrival order.",
+        "--max-concurrent runs at once (a request's n choices are n runs), batched by "
+        "the stages, the others wait in arrival order.",
     )
     add_chain_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=non_negative_int,
         default=16,
-        help="requests that may wait while --max-concurrent run; more get 429 (16)",
+        help="runs that may wait while --max-concurrent run (a request's n choices are n "
+        "runs); a request that would make more wait gets 429 (16)",
     )
     p.add_argument(
         "--max-connections",

@@ -170,3 +170,14 @@ def test_stage_processes_are_counted_in_words() -> None:
         "2 stage processes",
         "3 stage processes",
     ]
+
+
+def test_the_help_counts_runs_not_requests() -> None:
+    """--max-queue and --max-concurrent count choices (a request of ``n`` is ``n`` runs):
+    the help said "requests", and a request of n=5 beside one running one got 429 from a
+    --max-queue 3 server with no request waiting."""
+    text = " ".join(build_parser().format_help().split())
+    assert "--max-concurrent requests" not in text
+    assert "requests that may wait" not in text
+    assert "a request's n choices are n runs" in text
+    assert "runs that may wait while --max-concurrent run" in text
