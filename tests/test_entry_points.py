@@ -308,13 +308,19 @@ def test_version_names_the_installed_distribution(package: str, _module: str) ->
         ["runtime_sim", "explore", "--rules"],
         ["runtime_cupy", "plan", "--json"],
         ["runplan.fsm", "--help"],
+        # text through rich (``runplan.terminal.CommandConsole``): rich's own console
+        # raised SystemExit(1) where its reader had gone
+        ["runplan", "facts"],
+        ["runtime_cupy", "plan"],
+        ["runtime_sim", "explore", "--seeds", "1"],
     ],
     ids=" ".join,
 )
 def test_a_reader_that_went_away_ends_the_command_quietly(command: list[str]) -> None:
     """Standard output's reader gone before the command writes (``| head -c0``, a pager
     quit): exit 141, as a shell reports a process SIGPIPE ended, and no
-    ``BrokenPipeError`` traceback (there were one or two, exit 1)."""
+    ``BrokenPipeError`` traceback (there were one or two, exit 1), whether the command
+    writes with ``print`` or with rich (a table, a line)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     proc = subprocess.Popen(
         [sys.executable, "-m", *command],

@@ -1,9 +1,11 @@
 """What the command lines of every package print with rich: text that users and files
 give (node ids, run ids, devices, paths, model names, messages naming them) is shown as
-it is, never read as rich markup (``[bold]``, ``[/]``) or emoji codes (``:smile:``)."""
+it is, never read as rich markup (``[bold]``, ``[/]``) or emoji codes (``:smile:``); a
+reader gone away ends the command as any write's does (``CommandConsole``)."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 from rich.console import Console
@@ -15,11 +17,22 @@ from rich.text import Text
 UNBOUNDED_COLUMNS = 1 << 16
 
 
+class CommandConsole(Console):
+    """rich's console for a command line: where its reader went away (``| head``, a
+    pager quit) it raises ``BrokenPipeError``, which the command's ``__main__`` ends as
+    a shell reports SIGPIPE (141, ``runplan.command_main``); rich's own raised
+    ``SystemExit(1)``, so a command printing a table exited 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more from this console
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
+
+
 def plain_console(*, stderr: bool = False, soft_wrap: bool = False) -> Console:
     """A console whose strings (table cells and titles among them) print literally, and
     whole where it writes to a file or a pipe (a terminal's width cuts them; so does
     ``COLUMNS`` where set)."""
-    console = Console(stderr=stderr, soft_wrap=soft_wrap, markup=False, emoji=False)
+    console = CommandConsole(stderr=stderr, soft_wrap=soft_wrap, markup=False, emoji=False)
     if not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = UNBOUNDED_COLUMNS
     return console

@@ -31,7 +31,7 @@ from runplan.json_errors import (
     print_json,
 )
 from runplan.models import ModelNotFound, resolve_model
-from runplan.terminal import labelled, plain_console
+from runplan.terminal import CommandConsole, labelled, plain_console
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
@@ -54,7 +54,7 @@ EXIT_INPUT = 2
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    err = Console(stderr=True)
+    err = CommandConsole(stderr=True)
     path = resolve_model(args.model)
     tokenizer = Tokenizer.from_gguf(path)
     prompt = prompt_ids(args, tokenizer)
@@ -250,7 +250,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int) ->
 
 
 def _cmd_explore(args: argparse.Namespace) -> int:
-    out = Console()
+    out = plain_console(soft_wrap=True)
     if args.rules:
         if args.json:
             print_json({"rules": list(CHECKED_RULES)})
@@ -301,11 +301,8 @@ def _cmd_explore(args: argparse.Namespace) -> int:
             highlight=False,
         )
         for v in rep["violations"]:
-            out.print(
-                f"[red]violation[/] seed {v['seed']}: {v['rule']}: {v['detail']} "
-                f"(faults {v['faults']})",
-                highlight=False,
-            )
+            detail = f"seed {v['seed']}: {v['rule']}: {v['detail']} (faults {v['faults']})"
+            out.print(labelled("violation", "red", detail), highlight=False)
     return EXIT_VIOLATION if any(o.violations for o in outcomes) else 0
 
 
@@ -408,6 +405,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal_name = signal_named(exc)
         if getattr(args, "json", False):
             print_json(cancelled_json(signal_name))
-        Console(stderr=True).print("cancelled")
+        CommandConsole(stderr=True).print("cancelled")
         return cancelled_status(signal_name)
     return code

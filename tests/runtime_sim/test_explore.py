@@ -134,6 +134,25 @@ def test_explore_json_with_a_violation_or_a_missed_mutant_has_an_error(
     }
 
 
+def test_explore_text_lines_are_whole_in_a_pipe(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Written to a pipe or a file, explore's text was cut into 80-column lines (a bare
+    rich console): one record became two or three lines, half of it for ``grep``. And
+    its violations' label was rich markup, which a seed's detail could break."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    s = attrs.evolve(scenario(3), eos_after=None, faults=FaultPlan(), recovery=None)
+    _result, _sim, violations = run_scenario(s, Mutation.SKIP_STOP_RUN)
+    broken = Outcome(3, ("completed",), 1, tuple(violations), (), 1, 1)
+    monkeypatch.setattr(runtime_sim.cli, "explore", lambda *_a, **_k: [broken])
+    assert main(["explore", "--seeds", "1", "--start", "3"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + len(violations), lines
+    assert lines[0].startswith("seeds 3..3: ") and len(lines[0]) > 80, lines[0]
+    first = violations[0]
+    assert lines[1].startswith(f"violation seed 3: {first.rule}: {first.detail} (faults ")
+
+
 def test_a_negative_first_seed_is_a_usage_error(capsys: object) -> None:
     """A seed is a u64 everywhere else: ``--start -1`` once ran seeds -1..1."""
     with pytest.raises(SystemExit) as exc:

@@ -59,7 +59,7 @@ from runplan.json_errors import (
     fault_json,
 )
 from runplan.models import resolve_model
-from runplan.terminal import labelled, plain_console
+from runplan.terminal import CommandConsole, labelled, plain_console
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
@@ -329,5 +329,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal_name = signal_named(exc)  # SIGTERM while the model is read, ...
             if args.json:
                 write_json(cancelled_json(signal_name))
-            Console(stderr=True).print("cancelled")
+            CommandConsole(stderr=True).print("cancelled")
             return cancelled_status(signal_name)

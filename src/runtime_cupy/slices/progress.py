@@ -22,6 +22,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from runplan.terminal import CommandConsole
 from runtime_cupy.slices.server import StageTransfer
 
 log = logging.getLogger("runtime_cupy.slices")
@@ -98,7 +99,7 @@ class SliceBars:
             DownloadColumn(binary_units=True),
             TransferSpeedColumn(),
             TimeRemainingColumn(),
-            console=console or Console(stderr=True),
+            console=console or CommandConsole(stderr=True),
         )
         self._tasks: dict[int, TaskID] = {}
         self._lock = threading.Lock()
