@@ -159,7 +159,8 @@ def generate(
     ``shm`` or ``tcp`` (TCP on one host too). ``host`` starts the stages (default: one
     OS process per stage on this machine, ``hosts.local.LocalProcessHost``).
     ``ray_address`` (``auto`` or ``HOST:PORT``) runs the stages on the live hosts of a
-    Ray cluster instead (``hosts.ray``; this process becomes its driver), ``placement``
+    Ray cluster instead (``hosts.ray``; this process becomes its driver; ``ValueError``
+    with a ``host``, ``gpus`` or ``log_dir`` beside it), ``placement``
     splits the layers ``even`` or by ``memory``; a stage on a host that lacks the model
     gets its slice from this host (``runtime_cupy.slices``), and ``on_slice(transfer)``
     sees each one move (on other threads). Every frame on a TCP edge is authenticated;
@@ -179,11 +180,10 @@ def generate(
     path = resolve_model(model_path)
     cluster = ray_host = None
     if ray_address is not None:
-        if host is not None:
-            raise ValueError("give either host or ray_address, not both")
         from runtime_cupy.hosts.ray import session
         from runtime_cupy.hosts.ray.host import RayHost
 
+        session.refuse_own_stage_options(host, gpus, log_dir)
         session.connect(ray_address)
         cluster = session.stage_nodes(worker, stages)
         host = ray_host = RayHost(cluster, session.orchestrator_address())

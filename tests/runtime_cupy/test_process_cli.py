@@ -276,6 +276,21 @@ def test_the_prompts_file_takes_the_gpus_named(
     assert "GPUs [0] were named" in capsys.readouterr().err
 
 
+def test_a_single_run_on_a_cluster_refuses_gpus(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--ray-address A --gpus N`` ran on the cluster's GPUs, ``--gpus`` dropped
+    without a word (serve, chat and ``--recover`` refuse it): refused, exit 2, before
+    connecting (no cluster listens at the address, which would be another error)."""
+    argv = ["--model", tiny, "--prompt-ids", "1,2", "--ray-address", "127.0.0.1:1", "--gpus", "7"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "give no host, gpus (--gpus) or log_dir (--log-dir)" in err, err
+    assert "no Ray cluster" not in err, err
+    with pytest.raises(ValueError, match="give no host, gpus"):
+        generate(tiny, [1, 2], ray_address="127.0.0.1:1", gpus=[7])
+
+
 @pytest.mark.parametrize("flags", [["--recover"], ["--trace", "t.json"]])
 def test_recover_and_trace_take_one_prompt_not_a_file(
     tiny: str, tmp_path: Path, flags: list[str], capsys: pytest.CaptureFixture[str]

@@ -190,12 +190,10 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
                 f"nodes names the {stages} stages' nodes (one each), on this machine or "
                 f"where the host puts them, not on a Ray cluster; {len(nodes)} given"
             )
-        if ray_address is not None and (host, gpus, log_dir) != (None, None, None):
-            raise ValueError(
-                "the stages on a Ray cluster (--ray-address) take its live hosts and GPUs "
-                "and log to Ray's worker logs: give no host, gpus (--gpus) or log_dir "
-                "(--log-dir) with it"
-            )
+        if ray_address is not None:
+            from runtime_cupy.hosts.ray.session import refuse_own_stage_options
+
+            refuse_own_stage_options(host, gpus, log_dir)
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown placement {placement!r} (one of {', '.join(PLACEMENTS)})")
         self.path = resolve_model(model)

@@ -36,6 +36,19 @@ NO_CLUSTER_HERE = (
 )
 
 
+def refuse_own_stage_options(host: object, gpus: object, log_dir: object) -> None:
+    """Stages on a cluster take its live hosts and GPUs and log to Ray's worker logs:
+    ``ValueError`` for a host, GPUs or a log folder given beside the cluster's address
+    (each command, ``generate`` and ``WarmChain``, before it connects: ``--gpus`` was
+    dropped without a word by a single run)."""
+    if (host, gpus, log_dir) != (None, None, None):
+        raise ValueError(
+            "the stages on a Ray cluster (--ray-address) take its live hosts and GPUs "
+            "and log to Ray's worker logs: give no host, gpus (--gpus) or log_dir "
+            "(--log-dir) with it"
+        )
+
+
 def connect(address: str) -> None:
     """Connect this process to the cluster at ``address`` (``auto``: the one this
     machine belongs to; or ``HOST:PORT`` of its head); ``ClusterError`` if there is none."""
