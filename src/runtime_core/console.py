@@ -234,7 +234,8 @@ def add_generation_arguments(
     parser.add_argument(
         "--chat",
         action="store_true",
-        help="wrap the prompt in the model's chat template as a user turn",
+        help="wrap the prompt in the model's chat template as a user turn (a text "
+        "prompt, not token ids)",
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (32)")
     add_sampling_arguments(parser)

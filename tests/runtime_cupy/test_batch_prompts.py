@@ -107,6 +107,20 @@ def test_the_prompts_file_names_the_line_of_a_prompt_no_batch_can_run(
     assert needle in err and "Traceback" not in err, err
 
 
+def test_chat_refuses_a_prompts_file_line_of_token_ids(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--chat`` wraps the file's text lines in the chat template; a line of ids ran
+    unwrapped without a word (``--chat --prompt-ids`` is refused): refused, naming it."""
+    file = tmp_path / "prompts.jsonl"
+    file.write_text('\n{"prompt_ids": [1, 2, 3]}\n{"prompt": "Hi"}\n')
+    argv = ["--model", tiny, "--prompts-file", str(file), "--max-tokens", "2", "--chat"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts-file '{file}' line 2: --chat wraps a text prompt" in err, err
+    assert "Traceback" not in err, err
+
+
 def test_the_prompts_file_is_read_within_bounds(
     tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -38,11 +38,13 @@ def _read_prompts(
     path: Path, tokenizer: Tokenizer, chat: bool
 ) -> tuple[list[list[int]], list[int]]:
     """Each line of a JSON Lines file: ``{"prompt": TEXT}`` (encoded as ``--prompt``
-    is) or ``{"prompt_ids": [IDS]}``; blank lines skipped; and each prompt's line
-    number. Lines end at a line feed only (JSON text may hold U+2028 and the like raw);
-    a byte-order mark at the start is skipped. A line of more than ``PROMPT_LINE_LIMIT``
-    bytes, a file of more than ``PROMPTS_FILE_LIMIT`` or text that is not UTF-8 is
-    refused (``runtime_core.bounded_lines``); a FIFO (``<(command)``) is read."""
+    is) or ``{"prompt_ids": [IDS]}`` (refused with ``chat``, as ``--chat --prompt-ids``
+    is: the template wraps a text, and the ids ran unwrapped without a word); blank
+    lines skipped; and each prompt's line number. Lines end at a line feed only (JSON
+    text may hold U+2028 and the like raw); a byte-order mark at the start is skipped.
+    A line of more than ``PROMPT_LINE_LIMIT`` bytes, a file of more than
+    ``PROMPTS_FILE_LIMIT`` or text that is not UTF-8 is refused
+    (``runtime_core.bounded_lines``); a FIFO (``<(command)``) is read."""
     prompts, numbers = [], []
     lines = read_lines(path, line_limit=PROMPT_LINE_LIMIT, total_limit=PROMPTS_FILE_LIMIT)
     while True:
@@ -68,6 +70,11 @@ def _read_prompts(
             and isinstance(item.get("prompt_ids"), list)
             and all(type(t) is int and t >= 0 for t in item["prompt_ids"])
         ):
+            if chat:
+                raise PromptsFileError(
+                    f"{where}: --chat wraps a text prompt in the chat template; "
+                    '{"prompt_ids": [IDS]} are tokens already'
+                )
             prompts.append(list(item["prompt_ids"]))
         else:
             raise PromptsFileError(
