@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -44,6 +45,12 @@ def writable_file(text: str) -> Path:
     if not existed:
         path.unlink()
     return path
+
+
+def shown_figures(figures: Mapping[str, object]) -> dict[str, object]:
+    """A run's figures as a summary line shows them: ``-`` for one there is none of (a
+    run of one token has no decode rate), never Python's ``None``."""
+    return {k: "-" if v is None else v for k, v in figures.items()}
 
 
 class IncrementalText:

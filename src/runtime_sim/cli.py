@@ -38,6 +38,7 @@ from runtime_core.console import (
     check_generation_arguments,
     generation_options,
     prompt_ids,
+    shown_figures,
 )
 from runtime_core.interrupt import cancellable, signal_named, sigterm_interrupts
 from runtime_core.runs import PlanRejected
@@ -239,7 +240,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int) ->
     for s in result.plan.stages:
         table.add_row(str(s.stage_index), s.node_id, f"{s.layer_start}-{s.layer_end_exclusive - 1}")
     console.print(table)
-    t = _timings(result, prompt_len)
+    t = shown_figures(_timings(result, prompt_len))
     status = result.outcome + (f" ({result.fault})" if result.fault else "")
     console.print(
         f"{len(result.tokens)} tokens, {status}. tokens/s predicted "

@@ -82,6 +82,17 @@ def test_text_streams_to_stdout_and_a_trace_is_written(
     assert all(e["dur"] > 0 for e in waits)
 
 
+def test_a_figure_there_is_none_of_is_a_dash_in_the_summary(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One token has no decode step: the summary said "simulated None" (runtime_cupy's
+    says "-")."""
+    argv = ["run", "--model", tiny, "--prompt-ids", "1,2", "--stages", "1", "--max-tokens", "1"]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "None" not in last and "simulated -," in last, last
+
+
 def test_a_model_without_a_chat_template_is_a_clear_error(
     tiny: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from runtime_core.console import shown_figures
 from runtime_core.trace_file import write_trace
 from runtime_cupy.api import GenerateResult
 from runtime_cupy.cli.arguments import stage_processes
@@ -113,7 +114,7 @@ def _print_summary(console: Console, result: GenerateResult, prompt_len: int, wo
     console.print(table)
     for transfer in result.slices:
         console.print(describe(transfer), highlight=False)
-    t = {k: "-" if v is None else v for k, v in _timings(result, prompt_len).items()}
+    t = shown_figures(_timings(result, prompt_len))
     status = result.outcome + (f" ({result.fault})" if result.fault else "")
     console.print(
         f"{len(result.tokens)} tokens, {status}. time to first token {t['ttft_ms']} ms, "
