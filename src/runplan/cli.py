@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=sorted(k for k in DTYPES_BY_NAME if k != "u32"),
         default="f32",
-        help="activation and KV-cache dtype (default: f32, as the CPU worker runs)",
+        help="the activations' dtype (default: f32, as the CPU worker runs); the KV "
+        "caches' too with --weights stored and no --kv-dtype",
     )
     plan.add_argument(
         "--weights",
@@ -298,8 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("f32", "f16"),
         default=None,
         help="the KV caches' dtype, counted so and carried in the plan "
-        "(model.kv_dtype_width_bytes) for the workers to hold them in (default: as --weights "
-        "says)",
+        "(model.kv_dtype_width_bytes) for the workers to hold them in (default: f32 with "
+        "--weights f32, the activations' --dtype with --weights stored)",
     )
     plan.add_argument("--run-id", default="run-1", help="the run id (default: run-1)")
     plan.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")

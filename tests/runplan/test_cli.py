@@ -65,7 +65,8 @@ def test_plan_json_is_a_plan_the_wire_reads(model: str, capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     ("flags", "width"),
     [((), 4), (("--weights", "stored", "--dtype", "f16"), 2), (("--kv-dtype", "f16"), 2),
-     (("--weights", "stored", "--dtype", "f16", "--kv-dtype", "f32"), 4)],
+     (("--weights", "stored", "--dtype", "f16", "--kv-dtype", "f32"), 4),
+     (("--dtype", "f16"), 4)],  # the activations' dtype only, with --weights f32
 )  # fmt: skip
 def test_plan_kv_dtype_is_counted_and_carried(
     model: str, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], width: int
@@ -78,6 +79,17 @@ def test_plan_kv_dtype_is_counted_and_carried(
     f32 = loads(json.dumps(_json(capsys)["plan"]).encode())
     for ours, wide in zip(plan.stages, f32.stages, strict=True):
         assert ours.kv_bytes * 4 == wide.kv_bytes * width
+
+
+def test_plan_help_says_what_dtype_sets(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help said "--dtype: activation and KV-cache dtype"; with --weights f32 (the
+    default) the KV caches stay f32 whatever --dtype says."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "activation and KV-cache dtype" not in text
+    assert "the KV caches' too with --weights stored and no --kv-dtype" in text
+    assert "default: f32 with --weights f32, the activations' --dtype with --weights stored" in text
 
 
 def test_stages_of_a_shared_device_are_shown_against_its_smallest_node(
