@@ -22,7 +22,6 @@ from runplan import (
 from runplan.config import Timeouts
 from runplan.dtypes import DTypeFamily
 from runplan.fsm.orchestrator_machine import check_prompt
-from runplan.messages import StageReady
 from runplan.models import resolve_model
 from runtime_core.gguf_slice import check_whole_model
 from runtime_core.runs import facts_for_run, plan_even, token_ids
@@ -30,6 +29,7 @@ from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.port import StageHost, StageProcessInfo
 from runtime_cupy.hosts.ray.cluster import StageNode
 from runtime_cupy.hosts.this_machine import place_stages
+from runtime_cupy.process.chain_runner import ready_stage
 from runtime_cupy.process.launcher import ORCHESTRATOR, OnEvent, ProcessRun, ProcessRunResult
 from runtime_cupy.process.names import new_run_id
 from runtime_cupy.process.tracing import Event
@@ -208,9 +208,8 @@ def generate(
     tokenizer = tokenizer or Tokenizer.from_gguf(path)
 
     def events(kind: str, fields: dict[str, Any]) -> None:
-        message = fields.get("message")
-        if on_load is not None and kind == "received" and isinstance(message, StageReady):
-            on_load(message.stage_index, 1, 1)
+        if on_load is not None and (stage := ready_stage(kind, fields)) is not None:
+            on_load(stage, 1, 1)
         if on_event is not None:
             on_event(kind, fields)
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from runplan import ModelFacts, SamplingConfig, model_facts_from_gguf
 from runplan.config import run_positions
@@ -28,10 +29,13 @@ from runplan.models import resolve_model
 from runplan.picklable_error import PicklableError
 from runplan.rejections import InsufficientMemory
 from runtime_core.runs import PlanRejected, token_id
-from runtime_cupy.api import GenerateResult
+from runtime_cupy.api import GenerateResult, LoadProgress
 from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.workers import DEFAULT_WORKER
+
+if TYPE_CHECKING:
+    from runtime_cupy.slices.server import StageTransfer
 
 #: Prompts in flight at once by default (fewer where the hosts' memory holds fewer runs'
 #: caches): a batch of decode rows this long reads each weight once for all of them.
@@ -117,13 +121,17 @@ def generate_batch(
     placement: str = "even",
     max_concurrent: int | None = None,
     kv_dtype: str | None = None,
+    on_load: LoadProgress | None = None,
+    on_slice: Callable[[StageTransfer], None] | None = None,
 ) -> Generator[tuple[int, GenerateResult], None, None]:
     """Generate up to ``max_tokens`` tokens after each of ``prompts`` on one chain;
     yields ``(index, result)`` as each run ends. ``prompts``: any iterable of prompts (a
     list, a generator, a 2-D array), each a sequence of token ids, taken once.
     ``BatchError`` (``listed``, ``check_prompts``) for no prompts or one the model cannot
     run, before any process starts; the planner's and the chain's errors as
-    ``runtime_cupy.generate`` raises them."""
+    ``runtime_cupy.generate`` raises them. ``on_load`` and ``on_slice`` see the chain's
+    stages start as ``generate``'s do (each stage bound; each slice moving to a Ray
+    host)."""
     path = str(resolve_model(model_path))
     taken = listed(prompts)
     check_prompts(taken, max_tokens, model_facts_from_gguf(path))
@@ -157,6 +165,9 @@ def generate_batch(
                 if runs == 1 or not isinstance(e.rejection, InsufficientMemory):
                     raise
                 runs //= 2
+    chain.on_load = on_load
+    if on_slice is not None:
+        chain.show_slices(on_slice)
     return _results(chain, taken, max_tokens, SamplingConfig(temperature, top_k, top_p, seed))
 
 

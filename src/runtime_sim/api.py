@@ -165,12 +165,14 @@ def generate_runs(
     tokenizer: Tokenizer | None = None,
     worker: str = DEFAULT_WORKER,
     on_run_end: Callable[[int, GenerateResult], None] | None = None,
+    on_load: LoadProgress | None = None,
 ) -> ConcurrentResult:
     """``runs`` runs of ``prompt_ids`` in flight at once through one chain of ``stages``
     simulated stages (run ``i`` samples with seed ``seed + i`` modulo 2**64), batched on each stage
     as the chain controllers batch them. ``on_run_end(i, result)`` as run ``i`` ends,
-    while the others go on (what a Ctrl-C then leaves a caller; ``wall_s``: so far).
-    Raises as ``generate`` does."""
+    while the others go on (what a Ctrl-C then leaves a caller; ``wall_s``: so far);
+    ``on_load`` sees each stage load, as ``generate``'s does. Raises as ``generate``
+    does."""
     if runs < 1:
         raise ValueError(f"runs {runs} is not at least 1")
     path = resolve_model(model_path)
@@ -205,6 +207,7 @@ def generate_runs(
         trace=trace,
         worker=worker,
         on_run_end=ended,
+        on_load=on_load,
     )
     wall = time.perf_counter() - start
     each = tuple(

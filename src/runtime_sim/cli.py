@@ -12,7 +12,14 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from runplan.arguments import OneLineParser, add_version, non_negative_int, positive_int
@@ -45,7 +52,13 @@ from runtime_core.runs import PlanRejected
 from runtime_core.tokenizer import Tokenizer, TokenizerError
 from runtime_core.trace_file import write_trace
 from runtime_core.workers.registry import CORE_WORKERS
-from runtime_sim.api import DEFAULT_WORKER, GenerateResult, generate, generate_runs
+from runtime_sim.api import (
+    DEFAULT_WORKER,
+    GenerateResult,
+    LoadProgress,
+    generate,
+    generate_runs,
+)
 from runtime_sim.explore import CHECKED_RULES, explore, report, self_test
 from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
@@ -60,23 +73,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_gguf(path)
     prompt = prompt_ids(args, tokenizer)
     if args.runs > 1:
-        return _run_many(args, path, tokenizer, prompt)
+        return _run_many(args, path, tokenizer, prompt, err)
     stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
-    progress = Progress(
-        TextColumn("loading stage {task.fields[stage]}"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        console=err,
-        transient=True,
-    )
-    tasks: dict[int, Any] = {}
-
-    def on_load(stage: int, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = progress.add_task("load", total=total, stage=stage)
-        progress.update(tasks[stage], completed=done)
-
+    progress, on_load = _load_bars(err)
     try:
         with progress:
             result = generate(
@@ -118,7 +117,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if result.outcome == "completed" and not untraced else 1
 
 
-def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt: list[int]) -> int:
+def _load_bars(err: Console) -> tuple[Progress, LoadProgress]:
+    """A bar on ``err`` for each stage as it loads (``loading stage N``), gone once the
+    display ends; and the ``on_load`` that moves them."""
+    progress = Progress(
+        TextColumn("loading stage {task.fields[stage]}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    )
+    tasks: dict[int, TaskID] = {}
+
+    def on_load(stage: int, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = progress.add_task("load", total=total, stage=stage)
+        progress.update(tasks[stage], completed=done)
+
+    return progress, on_load
+
+
+def _run_many(
+    args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt: list[int], err: Console
+) -> int:
     """``--runs N``: N runs of the prompt in flight at once through one chain; Ctrl-C or
     SIGTERM ends them, the runs that had ended printed beside ``Cancelled`` (``runs``,
     each with its ``index``; with ``--json``)."""
@@ -128,7 +150,8 @@ def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt:
     def on_run_end(index: int, result: GenerateResult) -> None:
         ended[index] = {"index": index} | _result_json(result, len(prompt))
 
-    with cancellable() as cancellation:
+    progress, on_load = _load_bars(err)  # as one run shows its stages load
+    with cancellable() as cancellation, progress:
         many = generate_runs(
             path,
             prompt,
@@ -137,6 +160,7 @@ def _run_many(args: argparse.Namespace, path: str, tokenizer: Tokenizer, prompt:
             worker=args.worker,
             **options,
             on_run_end=on_run_end,
+            on_load=on_load,
         )
     if cancellation.signal_name is not None:
         so_far = {"runs": [ended[i] for i in sorted(ended)]} if args.json else None

@@ -6,6 +6,7 @@ last two once failed the whole batch with the chain's message, naming no prompt)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from runtime_cupy import generate_batch
 from runtime_cupy.batch import BatchError
 from runtime_cupy.cli.main import main
 from runtime_cupy.cli.prompts_file import PROMPT_LINE_LIMIT
+from runtime_cupy.cli.stages_starting import StagesStarting
 
 
 def test_no_prompt_or_an_empty_one_is_refused(tiny: str) -> None:
@@ -144,6 +146,37 @@ def test_prompts_may_come_as_any_iterable_of_token_sequences(tiny: str) -> None:
     for prompts in ((list(r) for r in rows), np.array(rows, dtype=np.int64)):
         got = dict(generate_batch(tiny, prompts, max_tokens=3))
         assert {i: r.tokens for i, r in got.items()} == {i: r.tokens for i, r in alone.items()}
+
+
+@pytest.mark.process
+def test_a_batch_shows_its_stages_start_as_one_run_does(
+    tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--prompts-file`` showed nothing on standard error until its first result:
+    ``generate_batch`` took no ``on_load`` (nor ``on_slice``). Each stage bound is seen
+    once, as the chain starts, and the command hands the batch the display's own."""
+    from runtime_cupy.cli import prompts_file
+
+    seen: list[int] = []
+    done = dict(
+        generate_batch(
+            tiny, [[1, 2], [3]], stages=2, max_tokens=2,
+            on_load=lambda stage, _d, _t: seen.append(stage), on_slice=lambda _t: None,
+        )
+    )  # fmt: skip
+    assert sorted(seen) == [0, 1] and sorted(done) == [0, 1]
+    handed: dict[str, Any] = {}
+
+    def batch(*args: object, **kwargs: Any) -> Any:
+        handed.update(kwargs)
+        return generate_batch(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prompts_file, "generate_batch", batch)
+    file = tmp_path / "prompts.jsonl"
+    file.write_text('{"prompt_ids": [1, 2]}\n')
+    assert main(["--model", tiny, "--prompts-file", str(file), "--max-tokens", "2"]) == 0
+    assert getattr(handed["on_load"], "__func__", None) is StagesStarting.on_load
+    assert getattr(handed["on_slice"], "__func__", None) is StagesStarting.on_slice
 
 
 @pytest.mark.parametrize(

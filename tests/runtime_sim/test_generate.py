@@ -4,6 +4,7 @@ number of stages, and llama.cpp's greedy tokens."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -157,3 +158,19 @@ def test_each_run_of_several_is_reported_as_it_ends(tiny: Path) -> None:
             final.tokens, final.text, final.outcome
         )  # fmt: skip
         assert result.outcome == "completed" and result.tokens
+
+
+def test_several_runs_show_their_stages_load_as_one_run_does(tiny: Path) -> None:
+    """``runtime_sim run --runs N`` showed nothing until its runs ended: ``generate_runs``
+    took no ``on_load``. Each stage's load is seen, to its end, as ``generate`` sees it."""
+    from runtime_sim.api import generate_runs
+
+    def loads(call: Any) -> dict[int, tuple[int, int]]:
+        seen: dict[int, tuple[int, int]] = {}
+        call(on_load=lambda stage, done, total: seen.__setitem__(stage, (done, total)))
+        return seen
+
+    many = loads(lambda **kw: generate_runs(tiny, [1, 2], runs=2, stages=2, max_tokens=2, **kw))
+    one = loads(lambda **kw: generate(tiny, [1, 2], stages=2, max_tokens=2, **kw))
+    assert many == one and sorted(many) == [0, 1]
+    assert all(done == total > 0 for done, total in many.values())

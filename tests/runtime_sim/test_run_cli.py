@@ -313,3 +313,26 @@ def test_a_link_another_user_plants_during_the_run_is_not_written_through(
     assert doc["outcome"] == "completed" and doc["error"]["type"] == "TraceNotWritten"
     assert "a symbolic link of uid 65534" in doc["error"]["message"], doc
     assert victim.read_text() == "precious\n" and trace.is_symlink()
+
+
+def test_several_runs_show_the_stages_load_bars(
+    tiny: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--runs N`` shows each stage's load as one run does (it showed nothing until
+    the runs ended): the bars' ``on_load`` reaches ``generate_runs``."""
+    seen: list[int] = []
+    real = runtime_sim.cli.generate_runs
+
+    def runs(*args: Any, on_load: Any = None, **kwargs: Any) -> Any:
+        assert on_load is not None
+
+        def load(stage: int, done: int, total: int) -> None:
+            seen.append(stage)
+            on_load(stage, done, total)
+
+        return real(*args, on_load=load, **kwargs)
+
+    monkeypatch.setattr(runtime_sim.cli, "generate_runs", runs)
+    argv = ["run", "--model", tiny, "--prompt-ids", "1,2", "--stages", "2", "--max-tokens", "2"]
+    assert main([*argv, "--runs", "2"]) == 0
+    assert sorted(set(seen)) == [0, 1]

@@ -84,15 +84,13 @@ from runtime_cupy.cli.arguments import (
     check_worker_arguments,
     configure_logs,
     stage_options,
-    stage_processes,
 )
 from runtime_cupy.cli.json_stdout import json_stdout, write_json
 from runtime_cupy.cli.prompts_file import _run_batch
 from runtime_cupy.cli.run_output import _print_summary, _result_json, _write_trace
+from runtime_cupy.cli.stages_starting import StagesStarting
 from runtime_cupy.hosts.ray.session import left_at_the_end
 from runtime_cupy.serve.chain import ChainError, WarmChain
-from runtime_cupy.slices.progress import SliceBars
-from runtime_cupy.slices.server import StageTransfer
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -109,25 +107,12 @@ def _run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_gguf(path)
     prompt = prompt_ids(args, tokenizer)
     stream = TextStream(tokenizer, sys.stderr if args.json else sys.stdout)
-    status = err.status(f"starting {stage_processes(args.stages)}")
-    ready: set[int] = set()
-    bars = SliceBars(err)
-
-    def on_slice(transfer: StageTransfer) -> None:
-        status.stop()  # one live display at a time: the bars
-        bars(transfer)
-
-    def on_load(stage: int, _done: int, _total: int) -> None:
-        ready.add(stage)
-        status.update(f"stages ready: {len(ready)} of {args.stages}")
-        if len(ready) == args.stages:
-            status.stop()
-
-    status.start()
     recoveries = 0
-    try:
+    with StagesStarting(err, args.stages) as starting:
         if args.recover:
             chain = _recovering_chain(args, path, prompt)
+            chain.on_load = starting.on_load
+            chain.show_slices(starting.on_slice)
             try:
                 result = _generate_recovering(args, chain, prompt, stream)
             except KeyboardInterrupt as exc:  # the chain is closed: what came, "cancelled"
@@ -141,14 +126,11 @@ def _run(args: argparse.Namespace) -> int:
                 prompt,
                 **generation_options(args),
                 on_token=stream,
-                on_load=on_load,
+                on_load=starting.on_load,
                 tokenizer=tokenizer,
                 **stage_options(args),
-                on_slice=on_slice,
+                on_slice=starting.on_slice,
             )
-    finally:
-        status.stop()
-        bars.stop()
     stream.finish(result.text)
     untraced: str | None = None  # why the trace could not be written
     if args.json:  # the trace first: its error is the object's (the result is printed)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
 
 from runplan.json_errors import RUN_FAULTED, cancelled_with, error_json
 from runplan.models import resolve_model
@@ -19,9 +22,11 @@ from runtime_core.bounded_lines import LinesRefused, read_lines
 from runtime_core.console import encode_prompt, generation_options
 from runtime_core.interrupt import cancellable
 from runtime_core.tokenizer import Tokenizer
+from runtime_cupy.api import GenerateResult
 from runtime_cupy.batch import BatchError, generate_batch
 from runtime_cupy.cli.arguments import EXIT_FAULTED, stage_options
 from runtime_cupy.cli.json_stdout import write_json
+from runtime_cupy.cli.stages_starting import StagesStarting
 
 #: The most bytes of one line of ``--prompts-file``, and of the whole file (``/dev/zero``,
 #: or any file without line feeds, was read whole into memory).
@@ -95,18 +100,33 @@ def _run_batch(args: argparse.Namespace) -> int:
     prompts, lines = _read_prompts(args.prompts_file, tokenizer, args.chat)
     options = generation_options(args)
     options.pop("trace")
-    faulted = 0
-    try:
-        batch = generate_batch(
-            path, prompts, **options, **stage_options(args), max_concurrent=args.max_concurrent
-        )
-    except BatchError as exc:  # a prompt the model cannot run: named by its line
-        if exc.index is None:
-            raise
-        where = f"--prompts-file {str(args.prompts_file)!r} line {lines[exc.index]}"
-        raise PromptsFileError(f"{where}: {exc}") from None
-    results: list[dict[str, Any]] = []
     err = plain_console(stderr=True, soft_wrap=True)
+    starting = StagesStarting(err, args.stages)  # as a single run shows its stages start
+    with starting:
+        try:
+            batch = generate_batch(
+                path, prompts, **options, **stage_options(args),
+                max_concurrent=args.max_concurrent,
+                on_load=starting.on_load, on_slice=starting.on_slice,
+            )  # fmt: skip
+        except BatchError as exc:  # a prompt the model cannot run: named by its line
+            if exc.index is None:
+                raise
+            where = f"--prompts-file {str(args.prompts_file)!r} line {lines[exc.index]}"
+            raise PromptsFileError(f"{where}: {exc}") from None
+        return _results(args, batch, prompts, lines, err)
+
+
+def _results(
+    args: argparse.Namespace,
+    batch: Generator[tuple[int, GenerateResult], None, None],
+    prompts: list[list[int]],
+    lines: list[int],
+    err: Console,
+) -> int:
+    """The batch's results as its prompts end (``_run_batch``), its exit status."""
+    faulted = 0
+    results: list[dict[str, Any]] = []
     # SIGTERM ends the batch as Ctrl-C does; taken once the chain is made, which connects
     # to a Ray cluster (--ray-address), whose driver sets its own handler. The prompts
     # that ended stay the batch's.

@@ -42,6 +42,7 @@ from typing import Any
 
 from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
+from runplan.messages import StageReady
 from runplan.plan import EdgePlan, OrchestratorEndpoint
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunTimerFired
 from runtime_core.kv_waits import KvWaits
@@ -71,6 +72,13 @@ REAP_S = 5.0  # how long to wait for a killed stage
 
 #: ``on_event(kind, fields)``: what the runner did (spawned, state, injected, ...).
 OnEvent = Callable[[str, dict[str, Any]], None]
+
+
+def ready_stage(kind: str, fields: Mapping[str, Any]) -> int | None:
+    """The stage an ``on_event`` says is ready for its run (its ``StageReady``
+    received: its slice loaded and bound), else ``None``."""
+    message = fields.get("message")
+    return message.stage_index if kind == "received" and isinstance(message, StageReady) else None
 
 
 class ChainRunner(ChainStages, RunHandoffs):

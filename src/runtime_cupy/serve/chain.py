@@ -76,6 +76,7 @@ from runtime_cupy.workers import DEFAULT_WORKER, capabilities
 
 if TYPE_CHECKING:
     from runtime_cupy.hosts.ray.host import RayHost
+    from runtime_cupy.slices.server import StageTransfer
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENT",
@@ -263,6 +264,7 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         self._batches_before: dict[int, dict[int, int]] = {}  # of the chains stopped
         self._warm = False  # every stage bound by a run since the chain started
         self._closed = False
+        self.on_load: Callable[[int, int, int], None] | None = None  # ChainHealth's
         self._trouble: str | None = None
         self._source = None  # the model's files as they were when the stages started
         self._sources = weakref.WeakKeyDictionary()  # those each chain's stages read
@@ -284,6 +286,13 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         self.template = template
         choose = {e.edge_id: self._medium(template, e) for e in template.edges}
         del choose  # ValueError now for edges that cannot be
+
+    def show_slices(self, on_slice: Callable[[StageTransfer], None]) -> None:
+        """``on_slice(transfer)`` as each stage's slice moves to a Ray host without the
+        model (in place of the log lines; on other threads): a command's bars. Nothing
+        on one host."""
+        if self._ray_host is not None:
+            self._ray_host.on_slice_change = on_slice
 
     # -- the chain -----------------------------------------------------------------
     def start(self) -> None:

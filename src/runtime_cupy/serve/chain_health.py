@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runplan import ModelFacts, NodeSpec, Placement, RunPlan, RuntimeConfig, SamplingConfig
 from runplan.replacement import Replacement, Unplaceable
@@ -29,7 +29,7 @@ from runplan.resource_limits import with_limit
 from runtime_core.recovery import RecoveryPolicy
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.port import StageHandle, StageHost
-from runtime_cupy.process.chain_runner import ChainRunner
+from runtime_cupy.process.chain_runner import ChainRunner, OnEvent, ready_stage
 from runtime_cupy.serve.chain_errors import ChainError, SourceChanged, Unplaced
 from runtime_cupy.serve.chain_source import SourceFiles
 from runtime_cupy.serve.recovery import Recoveries, Replacer, kept_stages
@@ -67,6 +67,19 @@ def stop_dropped(running: list[tuple[ChainRunner, threading.Thread]]) -> None:
     for runner, thread in running:
         threading.Thread(target=stop, args=(runner, thread), name="chain-dropped").start()
     running.clear()
+
+
+def _weakly(method: Callable[[str, dict[str, Any]], None]) -> OnEvent:
+    """``method`` of a chain as its runner's ``on_event``, holding no reference to the
+    chain (the runner's thread would keep a dropped chain alive, never collected)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(kind: str, fields: dict[str, Any]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(kind, fields)
+
+    return call
 
 
 def _serve_chain(runner: ChainRunner, keep_broken: bool) -> None:
@@ -121,6 +134,9 @@ class ChainHealth:
     heal_marks: dict[str, float]
     bind_run: WarmResult | None
     chain_id: str
+    #: ``on_load(stage, 1, 1)`` as each stage is bound while the chain starts (a
+    #: command's progress: ``runtime_cupy.api.generate``'s ``on_load``)
+    on_load: Callable[[int, int, int], None] | None
 
     if TYPE_CHECKING:
 
@@ -222,6 +238,7 @@ class ChainHealth:
             kept=kept,
             generation=len(self.recoveries.replacements),
             run_ids=self._run_ids,
+            on_event=_weakly(self._starting),
         )
         self._warm = False
         if not kept:  # every stage reads the files as they are now
@@ -352,6 +369,15 @@ class ChainHealth:
                 if runner is not None:
                     counts = added_counts(counts, runner.batch_counts())
         return counts
+
+    def _starting(self, kind: str, fields: dict[str, Any]) -> None:
+        """The chain's events as it starts: each stage bound, to ``on_load`` (the chain's
+        thread; none once it is warm, when each run's stages say they are ready)."""
+        on_load = self.on_load
+        if on_load is not None and not self._warm:
+            stage = ready_stage(kind, fields)
+            if stage is not None:
+                on_load(stage, 1, 1)
 
     def _bind_all(self) -> None:
         """One run of one token: every stage binds its slice; ``ChainError`` naming the
