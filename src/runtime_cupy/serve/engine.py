@@ -183,6 +183,8 @@ class Engine:
                 self._closer = threading.Thread(target=self._close, name="close", daemon=True)
                 self._closer.start()
             closer = self._closer
+        if closer.ident is None:  # a signal's handler, run while this thread starts it
+            return False
         closer.join(timeout_s)
         return not closer.is_alive()
 
