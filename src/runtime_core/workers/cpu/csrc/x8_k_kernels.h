@@ -369,7 +369,17 @@ X8_INL void XN(k_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *
  * --rounds 21`, two runs, the host's memory reading 10-12 GB/s a core) 1 thread 0.913,
  * 0.929 of the time, 2 threads 0.956, 0.901. The avxvnni and avx512 sets (and
  * avx512-zen4) take this kernel for Q4_K's one row (AVX2's entry: dot_avxvnni.c,
- * dot_avx512.c): that step at 1 thread 0.915 and 0.947. */
+ * dot_avx512.c): that step at 1 thread 0.915 and 0.947.
+ * Its prefetch runs 24 super-blocks ahead (Q4_K_ROW_AHEAD), not k_body's 8: on AMD Zen 4
+ * (EPYC family 25, model 17; avx512-zen4 takes this kernel), with 8 ahead a decode step's
+ * products of the 8B shape's Q4_K_S took 1.035-1.043 of k_body's time from memory (three
+ * runs, 1 thread), though 0.87 of it in the second-level cache: the faster loop caught up
+ * with its prefetches. `cpu_builds_ab.py EIGHT OLD SIXTEEN TWENTYFOUR --model MODEL
+ * --threads T --rows 1 --rounds 21`, over 8 ahead: 1 thread k_body 0.962 and 0.920, 16
+ * ahead 0.969 and 0.934, 24 ahead 0.944 and 0.914; 2 threads 0.973, 0.977, 0.952 (the
+ * same bits). 4 ahead and the first level (8 ahead) were slower still (`cpu_x8_loop.py`,
+ * 114688 x 4096: 1.19x and 2.0x the time). Not measured on Intel. */
+#define Q4_K_ROW_AHEAD (3 * X8_AHEAD(1184))
 X8_INL void XN(q4_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t j, float (*out)[XL]) {
     const VI m4 = v_set1_8(0x0F);
     /* slo: rows 0-3 (low half), 4-7 (high half) byte r (< 8) twice as int16; shi byte 8 + r */
@@ -387,7 +397,7 @@ X8_INL void XN(q4_k_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t
         const int8_t *xq = xq0 + 256 * sb;
         const int32_t *xg = xg0 + 16 * sb;
 #pragma GCC unroll 19
-        for (int l = 0; l < 19; ++l) _mm_prefetch((const char *)b + X8_AHEAD(1184) + 64 * l, _MM_HINT_T1);
+        for (int l = 0; l < 19; ++l) _mm_prefetch((const char *)b + Q4_K_ROW_AHEAD + 64 * l, _MM_HINT_T1);
         VI isum = v_zero();
 #pragma GCC unroll 4
         for (int p = 0; p < 4; ++p) {
