@@ -97,33 +97,22 @@ class Timeouts:
     batches of at most ``runs`` runs and rings of ``slots`` slots. A step, from its
     record's load on a stage to its output's load on the next:
 
-    - its record waits for the records of other runs loaded before it, at most
-      ``held - 1`` (``held_runs``: a record has a row at least, a position of its run's
-      cache not yet computed, and the rest of the stage's KV budget holds ``held - 1``
-      positions of the smallest cache): a queue of other runs' prompt chunks, or more
-      decodes than a batch holds. The scheduler serves the oldest prefill record left
-      out within two batches (it leads the next batch, or the one after when that is
-      the decodes' turn), decodes in load order before prefills: ``2 * (held - 1)``
-      batches of this stage (``queued_batches``);
-    - its record may then be left out of one batch (its rows did not fit beside a
-      prefill record owed the batch) before its own batch runs: 2 batches of this
-      stage;
+    - its record may be left out of one batch (its rows did not fit beside a prefill
+      record owed the batch) before its own batch runs: 2 batches of this stage;
     - its own batch writes one output per run, ``runs`` in all, in batch order on the
       one ring to the next stage, which holds ``slots``; the next stage takes what the
       ring holds between its batches, so the last output is taken after the next
       stage's batch in progress and ``ceil(runs / slots) - 1`` more of its batches (it
       frees ``slots`` each): ``ceil(runs / slots)`` batches of the next stage.
 
-    The orchestrator's token timer counts such steps, from the record's injection
-    (``token_limit_ms``): ``2 * (held - 1) + 2 + ceil(runs / slots)`` batches a step
-    (seen overrun without the first term: 8 runs whose prompts queue 3 chunks each on
-    stage 0). A stage's step timer, armed when the record joins a batch, counts one
-    step without the records ahead: ``shared_batches``, ``2 + ceil(runs / slots)``
-    (3 while a batch's outputs fit the ring; seen overrun with a fixed 3: 8 runs on
-    2-slot rings, 4 batches of the next stage to take one batch's outputs). ``runs`` is
-    the most runs one batch may hold: at most one record a run, each of at least one
-    row, so at most ``max_batch_rows``, and at most ``held`` (``batch_runs``: runs of
-    short caches fill what a long run's leaves, and share its batches)."""
+    That is ``2 + ceil(runs / slots)`` batches a step (3 while a batch's outputs fit
+    the ring; seen overrun with a fixed 3: 8 runs on 2-slot rings, 4 batches of the
+    next stage to take one batch's outputs). ``runs`` is the most runs one batch may
+    hold: at most one record a run, each of at least one row, so at most
+    ``max_batch_rows``, and at most this run and the runs the rest of a stage's KV
+    budget holds of the smallest cache a run may reserve (``batch_runs``: runs of short
+    caches fill what a long run's leaves, and share its batches). The orchestrator's
+    token timer counts such steps (``token_limit_ms``); a stage's step timer one."""
 
     #: Worker calls a stage may finish before it releases a run it was told to stop.
     STOP_BATCHES = 2
@@ -177,62 +166,30 @@ def run_positions(prompt_tokens: int, max_tokens: int) -> int:
 
 
 def shared_batches(batch_runs: int, ring_slots: int) -> int:
-    """Batches a step of a run sharing batches may wait through once its record joins
-    a batch (``Timeouts``): ``2 + ceil(batch_runs / ring_slots)`` for batches of at most
-    ``batch_runs`` runs whose outputs go out on rings of ``ring_slots`` slots."""
+    """Batches a step of a run sharing batches may wait through (``Timeouts``):
+    ``2 + ceil(batch_runs / ring_slots)`` for batches of at most ``batch_runs`` runs
+    whose outputs go out on rings of ``ring_slots`` slots."""
     if batch_runs < 1 or ring_slots < 1:
         raise ValueError(f"batch_runs {batch_runs} and ring_slots {ring_slots} must be at least 1")
     return 2 + -(-batch_runs // ring_slots)
 
 
-def queued_batches(held_runs: int) -> int:
-    """Batches a record may wait on a stage for the records of other runs loaded before
-    it (``Timeouts``): two for each, ``2 * (held_runs - 1)``, on a stage that may hold
-    ``held_runs`` records at once (``held_runs``)."""
-    if held_runs < 1:
-        raise ValueError(f"held_runs {held_runs} is not at least 1")
-    return 2 * (held_runs - 1)
-
-
-def held_runs(kv_bytes: int, kv_budget_bytes: int, kv_positions: int) -> int:
-    """The most records (and runs) a stage may hold at once beside (and with) a run
-    whose cache takes ``kv_bytes`` for ``kv_positions`` positions: this run's, and a
-    record for each position the rest of the stage's budget holds of the smallest cache
-    a run may reserve (a record has a row at least, a position of its run's cache not
-    yet computed; at least 1).
-
-    That smallest cache holds one position on each of the stage's blocks, at least
-    ``ceil(kv_bytes / kv_positions)`` bytes (a block keeps a position per position of a
-    run, or its window's when that is shorter). A cache of unknown size (``kv_bytes``
-    or ``kv_positions`` 0) bounds nothing: 0."""
-    if kv_bytes <= 0 or kv_positions <= 0:
-        return 0
-    smallest = -(-kv_bytes // kv_positions)
-    return 1 + max(0, kv_budget_bytes - kv_bytes) // smallest
-
-
 def batch_runs(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int, kv_positions: int) -> int:
     """The most runs one batch on a stage may hold beside (and with) a run whose cache
     takes ``kv_bytes`` for ``kv_positions`` positions: a record a run of at least one
-    row, so ``max_batch_rows``; and no more than the runs the stage may hold
-    (``held_runs``: runs of short caches fill what a long run's cache leaves of the
-    budget, and share its batches, not only as many runs as the budget holds of its own
-    size)."""
-    held = held_runs(kv_bytes, kv_budget_bytes, kv_positions)
-    return max(1, min(max_batch_rows, held) if held else max_batch_rows)
+    row, so ``max_batch_rows``; and no more than this run and the runs the rest of the
+    stage's budget holds of the smallest cache a run may reserve (at least 1).
 
-
-def token_step_batches(
-    max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int, kv_positions: int, ring_slots: int
-) -> int:
-    """Batches one step of a token may take on a stage, from its record's load
-    (``Timeouts``): ``queued_batches`` and ``shared_batches`` of a run whose cache takes
-    ``kv_bytes`` for ``kv_positions`` positions on a stage of ``kv_budget_bytes`` whose
-    outputs go out on rings of ``ring_slots`` slots (a cache of unknown size: as many
-    records as a batch's runs)."""
-    runs = batch_runs(max_batch_rows, kv_bytes, kv_budget_bytes, kv_positions)
-    held = held_runs(kv_bytes, kv_budget_bytes, kv_positions) or runs
-    return queued_batches(held) + shared_batches(runs, ring_slots)
+    That smallest cache holds one position on each of the stage's blocks, at least
+    ``ceil(kv_bytes / kv_positions)`` bytes (a block keeps a position per position of a
+    run, or its window's when that is shorter): a run of a long cache shares its
+    batches with as many short runs as fill what its cache leaves of the budget, not
+    only with as many runs as the budget holds of its own size."""
+    if kv_bytes <= 0 or kv_positions <= 0:
+        return max(1, max_batch_rows)
+    smallest = -(-kv_bytes // kv_positions)
+    others = max(0, kv_budget_bytes - kv_bytes) // smallest
+    return max(1, min(max_batch_rows, 1 + others))
 
 
 def shared_batch_rows(max_batch_rows: int, kv_bytes: int, kv_budget_bytes: int) -> int:

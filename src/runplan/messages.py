@@ -19,14 +19,7 @@ from runplan._fields import (
     tuple_field,
     typed_field,
 )
-from runplan.config import (
-    SamplingConfig,
-    Timeouts,
-    batch_runs,
-    shared_batch_rows,
-    shared_batches,
-    token_step_batches,
-)
+from runplan.config import SamplingConfig, Timeouts, batch_runs, shared_batch_rows, shared_batches
 from runplan.dtypes import DTypeFamily
 from runplan.facts import GgufSource
 from runplan.plan import EdgeKind, ObjectSpec, RingSpec
@@ -99,26 +92,12 @@ class ProvisionStage:
 
     @property
     def shared_batches(self) -> int:
-        """Batches a step of this run on the stage may wait through when it shares them,
-        once its record joins a batch (``Timeouts``; the stage's step timer): its
-        batches' outputs go out on the outbound ring."""
+        """Batches a step of this run on the stage may wait through when it shares them
+        (``Timeouts``): its batches' outputs go out on the outbound ring."""
         runs = batch_runs(
             self.max_batch_rows, self.kv_bytes, self.kv_budget_bytes, self.kv_positions
         )
         return shared_batches(runs, self.outbound.ring_spec.slot_count)
-
-    @property
-    def token_batches(self) -> int:
-        """Batches a step of this run on the stage may take from its record's load
-        when it shares them (``Timeouts``; the orchestrator's token timer): the records
-        of other runs the stage may hold ahead of it too (``queued_batches``)."""
-        return token_step_batches(
-            self.max_batch_rows,
-            self.kv_bytes,
-            self.kv_budget_bytes,
-            self.kv_positions,
-            self.outbound.ring_spec.slot_count,
-        )
 
     @property
     def is_first(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from attrs import frozen
 
 from runplan import RunPlan
-from runplan.config import shared_batch_rows, token_step_batches
+from runplan.config import batch_runs, shared_batch_rows, shared_batches
 from runtime_sim.chain_driver import RunSpec
 from runtime_sim.chain_ring_rules import NO_OVERWRITE, PUBLISH_ORDER, RELEASE_AT_LOAD
 
@@ -92,7 +92,7 @@ def time_bound_us(plan: RunPlan) -> int:
     slots = min(e.ring_spec.slot_count for e in plan.edges)
     most, positions = plan.max_batch_rows, plan.kv_positions
     batches = max(
-        token_step_batches(most, s.kv_bytes, s.kv_budget_bytes, positions, slots)
+        shared_batches(batch_runs(most, s.kv_bytes, s.kv_budget_bytes, positions), slots)
         for s in plan.stages
     )
     longest, size = plan.model.max_seq_len, plan.prefill_chunk

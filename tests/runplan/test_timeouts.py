@@ -7,14 +7,7 @@ import attrs
 import pytest
 
 from runplan import RunPlan, plan_run
-from runplan.config import (
-    Timeouts,
-    batch_runs,
-    held_runs,
-    queued_batches,
-    shared_batches,
-    token_step_batches,
-)
+from runplan.config import Timeouts, batch_runs, shared_batches
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.provision import provision_all
@@ -89,24 +82,6 @@ def test_shared_batches_count_the_next_stage_s_batches_that_take_a_batch_s_outpu
     assert batch_runs(16, 100, 800, 10) == 16
 
 
-def test_a_token_s_step_counts_two_batches_for_each_record_a_stage_may_hold_ahead() -> None:
-    """From its record's load, a step waits for the records of other runs loaded before
-    it (a queue of prompt chunks, decodes beyond a batch), two batches each: at most
-    ``held - 1``, a record a row at least, a position of what the rest of the budget
-    holds of the smallest cache (before: not counted, and 8 runs' prompts of 3 chunks
-    each overran their token timers)."""
-    assert held_runs(100, 800, 1) == 8
-    assert held_runs(100, 800, 10) == 1 + 70
-    assert held_runs(100, 50, 10) == 1
-    assert held_runs(0, 800, 10) == 0  # a cache of unknown size bounds nothing
-    assert queued_batches(1) == 0  # a run alone waits behind nothing
-    assert queued_batches(25) == 48  # 8 runs' prompts queued: 21 chunks ahead at most
-    with pytest.raises(ValueError, match="held_runs 0"):
-        queued_batches(0)
-    assert token_step_batches(4, 100, 800, 10, 2) == 2 * 70 + shared_batches(4, 2)
-    assert token_step_batches(4, 0, 800, 10, 2) == 2 * 3 + shared_batches(4, 2)
-
-
 def test_a_long_run_shares_its_batches_with_the_short_runs_its_budget_leaves_room_for() -> None:
     """A run of 32 positions on stages whose budget holds two such caches: one more of
     its size, or 32 of one position beside it, each a batch's run."""
@@ -120,9 +95,7 @@ def test_a_stage_and_the_orchestrator_time_a_step_by_the_batches_it_may_share(ru
     decoded token: a record's own rows for a run alone, else ``shared_batches`` batches
     of ``max_batch_rows`` rows a step (the stage's KV budget holds other runs): 8 runs
     a batch at most (its rows; shorter runs may fill the budget beside full-length
-    ones), their outputs over 4 of the next stage's batches (2-slot rings); the token
-    timer, from the record's load, two batches more for each record the stage may hold
-    ahead of it (``queued_batches``)."""
+    ones), their outputs over 4 of the next stage's batches (2-slot rings)."""
     facts, config, pool = small_plan_inputs(2)
     config = attrs.evolve(config, max_concurrent_runs=runs, max_batch_rows=8)
     plan = plan_run(facts, config, pool, stage_count=2)
@@ -143,11 +116,8 @@ def test_a_stage_and_the_orchestrator_time_a_step_by_the_batches_it_may_share(ru
     assert config.ring_slot_count == 2
     assert {p.shared_batches for p in provisions} == {3 if alone else 6}
     assert step_ms == [t.step_limit_ms(2) if alone else 6 * t.step_limit_ms(8)]
-    first = provisions[0]
-    held = held_runs(first.kv_bytes, first.kv_budget_bytes, first.kv_positions)
-    assert held == 1 if alone else held > 8
     machine = ofsm.OrchestratorMachine.for_plan(plan, (1, 2))
-    decode = t.step_limit_ms(1) if alone else (6 + 2 * (held - 1)) * t.step_limit_ms(8)
+    decode = t.step_limit_ms(1) if alone else 6 * t.step_limit_ms(8)
     assert machine._token_ms(1) == 2 * decode
 
 

@@ -15,8 +15,7 @@ from typing import Any
 import attrs
 import pytest
 
-from runplan import RunPlan, SamplingConfig, Timeouts, provision_all
-from runplan.config import held_runs
+from runplan import RunPlan, SamplingConfig, Timeouts
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.messages import BatchCount, FaultKind, StageStopped, StopReason
@@ -171,9 +170,7 @@ def test_each_step_s_time_limit_is_that_of_its_batch(model: Path, runs: int) -> 
     (``max_batch_rows``), and a token waits through ``Timeouts.shared_batches`` batches
     a step: 16 runs a batch at most (its rows: runs shorter than this one may fill what
     its cache leaves of the KV budget), whose outputs the next stage takes over 8 of its
-    batches (2-slot rings), 2 + 8; the token timer, from the record's load, two batches
-    more for each record the stage may hold ahead of it (``held_runs``: a position each
-    of what the budget leaves)."""
+    batches (2-slot rings), 2 + 8."""
     chain = ChainRuns(3, reference)
     chain.stages[0].timers = chain.stage_timers[0] = stage_0 = RecordingTimers()
     chain.orchestrator.timers = chain.orchestrator_timers = orchestrator = RecordingTimers()
@@ -191,14 +188,10 @@ def test_each_step_s_time_limit_is_that_of_its_batch(model: Path, runs: int) -> 
         assert tokens[0] == t.step_limit_ms(3) * (3 + 4 - 1)
         assert set(tokens[1:]) == {t.step_limit_ms(1) * 3}
     else:
-        first = provision_all(p)[0]
-        held = held_runs(first.kv_bytes, first.kv_budget_bytes, first.kv_positions)
-        assert held > 16
-        batches = 10 + 2 * (held - 1)
         assert set(steps) == {10 * t.step_limit_ms(16)}
         assert len(steps) == 4 + N - 1
-        assert tokens[0] == batches * t.step_limit_ms(16) * (3 + 4 - 1)
-        assert set(tokens[1:]) == {batches * t.step_limit_ms(16) * 3}
+        assert tokens[0] == 10 * t.step_limit_ms(16) * (3 + 4 - 1)
+        assert set(tokens[1:]) == {10 * t.step_limit_ms(16) * 3}
 
 
 def _timed_chain(
@@ -246,32 +239,6 @@ def test_batches_that_take_just_under_their_rows_limit_run_out_no_timer(model: P
     _run_timed(chain, clock)
     assert all(h.finished and h.finished.outcome is StopReason.COMPLETED for h in handles)
     assert max(max(stage.batch_counts) for stage in chain.stages) > 1  # runs shared batches
-    assert _overruns(timers) == []
-
-
-def test_prompts_queued_behind_other_runs_prompts_run_out_no_timer(model: Path) -> None:
-    """Eight runs whose prompts come at once, each in 3 chunks that fill a batch (4
-    rows), every batch taking 1 ms less than its rows may: the last run's chunks wait on
-    stage 0 behind the 21 chunks of the others, each batch within its limit. The token
-    timer counts the records a stage may hold ahead of a step (``held_runs``): no timer
-    runs out (before: runs 4 to 7 overran theirs, allowed 4 batches a step)."""
-    tight = Timeouts(step_ms=100, step_row_ms=10)
-    clock = Clock()
-    took = lambda rows: tight.step_limit_ms(rows) - 1  # noqa: E731
-    chain = ChainRuns(3, lambda i: TimedWorker(ReferenceWorker(), clock, i, took))
-    timers = [ClockTimers(clock, i) for i in range(3)] + [ClockTimers(clock, None)]
-    for stage, stage_timers in zip(chain.stages, timers, strict=False):
-        stage.timers = stage_timers
-    chain.orchestrator.timers = timers[3]
-    handles = [
-        chain.add(
-            attrs.evolve(plan(model, k, prefill_chunk=4, max_batch_rows=4), timeouts=tight),
-            PROMPTS[2] + [6],  # 12 tokens: 3 chunks of 4
-        )
-        for k in range(8)
-    ]
-    _run_timed(chain, clock)
-    assert all(h.finished and h.finished.outcome is StopReason.COMPLETED for h in handles)
     assert _overruns(timers) == []
 
 

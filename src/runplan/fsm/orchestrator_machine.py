@@ -85,10 +85,9 @@ class OrchestratorMachine:
 
     @property
     def shared_batches(self) -> int:
-        """Batches a step of the run may take on a stage it shares, from its record's
-        load (the most of any stage's, ``ProvisionStage.token_batches``: the records of
-        other runs ahead of it too)."""
-        return max((p.token_batches for p in self.provisions), default=1)
+        """Batches a step of the run may wait through on a stage it shares (the most of
+        any stage's, ``ProvisionStage.shared_batches``)."""
+        return max((p.shared_batches for p in self.provisions), default=1)
 
     @property
     def prompt_record_rows(self) -> int:
