@@ -350,7 +350,8 @@ class Tokenizer:
         return token_id
 
     def _extend(self, vocab: dict[str, int], text: str, fallback: list[int]) -> None:
-        new_id = len(vocab)
+        # past every id of the file: tokens that are not UTF-8 are not in ``vocab``
+        new_id = self.n_vocab + len(self._fallback)
         vocab[text] = new_id
         self._fallback[new_id] = fallback
 

@@ -324,6 +324,14 @@ def test_tokens_that_are_not_utf8_keep_their_bytes(tmp_path: Path) -> None:
     assert tok.decode([first, continued]) == "\u4e2d"
     assert tok.encode("\u4e2d", add_special=False)  # no text merges into them
     assert tok.longest_token_bytes >= 2
+    # a character of no token of its own is its bytes' tokens, never the file's last
+    # ids (the symbols made for the text's merges once took their ids)
+    plain = Tokenizer.from_gguf(write_vocab(tmp_path / "plain.gguf", SPECS["spm-llama"]))
+    for text in ("\u00fc", "a\u00fcb", "\u4e2d"):
+        ids = tok.encode(text, add_special=False)
+        assert ids == plain.encode(text, add_special=False)
+        assert first not in ids and second not in ids
+        assert tok.decode_bytes(ids) == plain.decode_bytes(ids)
 
 
 @pytest.fixture(scope="module")
