@@ -95,7 +95,7 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -
     return {
         "tokens": [_text(tokenizer, e.token_id)[0] for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{_text(tokenizer, i)[0]: lp for i, lp in e.top} for e in entries],
+        "top_logprobs": [_top_by_name(tokenizer, e.top) for e in entries],
         "text_offset": [e.offset for e in entries],
     }
 
@@ -137,3 +137,13 @@ class AnswerLogprobs:
             return None, 0
         kept = tuple(self.entries[:tokens])
         return kept, max(0, len(kept) - self.sent)
+
+
+def _top_by_name(tokenizer: Tokenizer, top: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """A completion step's alternatives keyed by name, the most likely first: two tokens
+    of the same bytes (a SentencePiece byte token beside the normal token of that byte)
+    share a name, and the more likely one's value stands (it was the less likely one's)."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(_text(tokenizer, token_id)[0], logprob)
+    return out

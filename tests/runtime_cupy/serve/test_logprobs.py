@@ -5,10 +5,14 @@ included by id; more alternatives asked than the vocabulary holds gives them all
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from runtime_cupy.serve.logprobs import token_logprob
+from runtime_core.tokenizer import Tokenizer
+from runtime_cupy.serve.logprobs import TokenLogprob, completion_logprobs, token_logprob
+from tests.fixtures.gguf_vocab import SPECS, write_vocab
 
 
 def _expected(z: np.ndarray, top: int) -> list[tuple[int, float]]:
@@ -97,3 +101,16 @@ def test_tokens_of_part_of_a_character_are_named_by_their_bytes(smollm2_path: st
 def _replaced(tokenizer: object, token_id: int) -> bytes:
     data: bytes = tokenizer.token_bytes(token_id)  # type: ignore[attr-defined]
     return data.decode("utf-8", "replace").encode()
+
+
+def test_alternatives_of_the_same_bytes_keep_the_more_likely_value(tmp_path: Path) -> None:
+    """On a SentencePiece vocabulary a byte has a ``<0xXX>`` token beside its normal
+    token: the two share a name, and a completion's ``top_logprobs`` (keyed by name)
+    kept the less likely one's value."""
+    tok = Tokenizer.from_gguf(write_vocab(tmp_path / "spm.gguf", SPECS["spm-llama"]))
+    normal, byte = tok.vocab.ids["a"], tok.vocab.ids["<0x61>"]
+    assert tok.token_bytes(normal) == tok.token_bytes(byte) == b"a"
+    entry = TokenLogprob(normal, -0.1, ((normal, -0.1), (byte, -3.0)))
+    assert completion_logprobs(tok, [entry])["top_logprobs"] == [{"a": -0.1}]
+    flipped = TokenLogprob(byte, -0.2, ((byte, -0.2), (normal, -2.0)))
+    assert completion_logprobs(tok, [flipped])["top_logprobs"] == [{"a": -0.2}]
