@@ -71,6 +71,7 @@ class Engine:
         self._numbers = 0
         self._running: set[Job] = set()
         self._closing = False
+        self._closer_started = False  # the closing thread's start() returned
         #: set once the engine closes: a request still reading its body is answered 503
         self.stopping = Stopping()
         self.failure: str | None = None  # why the chain could not start, once it could not
@@ -182,8 +183,9 @@ class Engine:
             if self._closer is None:
                 self._closer = threading.Thread(target=self._close, name="close", daemon=True)
                 self._closer.start()
+                self._closer_started = True
             closer = self._closer
-        if closer.ident is None:  # a signal's handler, run while this thread starts it
+        if not self._closer_started:  # a signal's handler, run while this thread starts it
             return False
         closer.join(timeout_s)
         return not closer.is_alive()
