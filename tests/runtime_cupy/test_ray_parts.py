@@ -221,7 +221,50 @@ def test_past_max_strangers_the_oldest_knock_goes_and_the_refusals_are_summed_up
     # six pushed out by the strangers after them, a seventh by the stage's connection
     assert len(summary) == 1, said
     assert summary[0].endswith("refused 5 more connections (7 in all): 5 pushed out by newer "
-                               "connections"), said  # fmt: skip
+                               "connections before it proved the key"), said  # fmt: skip
+
+
+def _proven_knock(address: str, key: bytes) -> tuple[socket.socket, bytes, bytes]:
+    """A stage's connection whose HELLO proved its key: the socket, its nonces."""
+    host, port = control_link._split(address)
+    sock = socket.create_connection((host, port), timeout=5)
+    nonce_p = hs.new_nonce()
+    sock.sendall(hs.hello(key, 1, control_link.CONTROL, nonce_p))
+    head = sock.recv(hs.REPLY_HEAD_BYTES, socket.MSG_WAITALL)
+    reply = head + sock.recv(hs.reply_bytes(head) - len(head), socket.MSG_WAITALL)
+    return sock, nonce_p, hs.read_reply(key, 1, control_link.CONTROL, nonce_p, reply)
+
+
+def test_a_knock_that_proved_its_key_is_not_pushed_out_by_strangers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Strangers past ``MAX_STRANGERS`` that come after the stage's HELLO push out the
+    oldest strangers, not the stage's connection (it was the oldest knock, refused;
+    ``accept`` then waited on for a stage already let in); past ``MAX_PROVEN`` proven
+    knocks (a HELLO replayed) the oldest proven one goes."""
+    monkeypatch.setattr(control_link, "MAX_STRANGERS", 4)
+    monkeypatch.setattr(control_link, "MAX_PROVEN", 1)
+    key = control_key(new_secret(), "10.0.0.2/cpu0")
+    listener = control_link.ControlListener("127.0.0.1")
+    host, port = listener.address.rsplit(":", 1)
+    thread, got = _accept_in_a_thread(listener, key)
+    replayed, _nonce_p, _nonce_c = _proven_knock(listener.address, key)
+    stage, nonce_p, nonce_c = _proven_knock(listener.address, key)
+    idle = [socket.create_connection((host, int(port))) for _ in range(6)]
+    try:
+        replayed.settimeout(5)
+        assert replayed.recv(1) == b""  # the oldest proven one, past MAX_PROVEN
+        for sock in idle[:2]:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""
+        stage.sendall(hs.confirm(key, 1, control_link.CONTROL, nonce_c, nonce_p))
+        thread.join(30)
+        assert isinstance(got[0], socket.socket), got
+        got[0].close()
+    finally:
+        for sock in [replayed, stage, *idle]:
+            sock.close()
+        listener.close()
 
 
 def test_an_accept_without_a_descriptor_rests_the_control_port_and_the_stage_gets_in(

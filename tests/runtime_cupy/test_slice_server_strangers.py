@@ -17,12 +17,14 @@ import pytest
 
 from runplan import GgufSource
 from runplan.shards import SliceParts
+from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges import strangers as strangers_module
 from runtime_cupy.process.keys import new_secret, slice_key
 from runtime_cupy.slices import server as server_module
 from runtime_cupy.slices.cache import SliceCache
 from runtime_cupy.slices.digests import DigestStore
 from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin
+from runtime_cupy.slices.protocol import AUTHENTICATED
 from runtime_cupy.slices.server import SliceServer
 from tests.fixtures.gguf_models import ModelShape, write_model
 
@@ -81,6 +83,30 @@ def test_past_max_strangers_the_oldest_is_turned_away_and_the_stage_is_served(
         served.stage_is_served(tmp_path / "cache")
     finally:
         for sock in idle:
+            sock.close()
+
+
+def test_a_stage_that_proved_its_key_is_no_stranger_to_push_out(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage whose HELLO proved its key, its CONFIRM not sent yet, stays when more
+    than ``MAX_STRANGERS`` strangers come after it (it was pushed out as the oldest
+    stranger), and its session is open once it confirms."""
+    monkeypatch.setattr(server_module, "MAX_STRANGERS", 4)
+    code = AUTHENTICATED.code
+    stage = served.connect()
+    nonce_p = hs.new_nonce()
+    stage.sendall(hs.hello(served.key, 1, code, nonce_p))
+    head = stage.recv(hs.REPLY_HEAD_BYTES, socket.MSG_WAITALL)
+    reply = head + stage.recv(hs.reply_bytes(head) - len(head), socket.MSG_WAITALL)
+    nonce_c = hs.read_reply(served.key, 1, code, nonce_p, reply)
+    idle = [served.connect() for _ in range(6)]
+    try:
+        assert all(_closed_by_server(sock, 5.0) for sock in idle[:2])
+        stage.sendall(hs.confirm(served.key, 1, code, nonce_c, nonce_p))
+        assert not _closed_by_server(stage, 0.5)  # open, waiting for its request
+    finally:
+        for sock in [stage, *idle]:
             sock.close()
 
 

@@ -27,7 +27,7 @@ import time
 
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.port import Rendezvous
-from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, MAX_STRANGERS, StrangerLog
+from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, MAX_PROVEN, MAX_STRANGERS, StrangerLog
 from runtime_cupy.edges.tcp_frames import peer_of
 from runtime_cupy.edges.tcp_seal import FrameSeal, Protection
 from runtime_cupy.process.poller import IN, OUT, TROUBLE
@@ -35,8 +35,6 @@ from runtime_cupy.process.streams import Outbox, StreamBroken, keep_alive
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
 
-#: Connections whose HELLO proved the key, waiting for their CONFIRM, kept at once.
-MAX_PROVEN = 4
 #: Seconds a stranger has to prove the key (its HELLO), and a proven one to CONFIRM.
 HELLO_S = 10.0
 CONFIRM_S = 30.0

@@ -334,11 +334,17 @@ def _mismatch(index: int, stage: str, server: str, address: str = "") -> str:
     )
 
 
-def open_as_server(sock: socket.socket, admitted: Mapping[int, Admission]) -> tuple[Link, int]:
+def open_as_server(
+    sock: socket.socket,
+    admitted: Mapping[int, Admission],
+    on_proven: Callable[[], None] = lambda: None,
+) -> tuple[Link, int]:
     """The server's end of the handshake with a stage holding one of the ``admitted``
     (stage index -> its key and protection): its link and the stage's index.
     ``ProtectionMismatch`` for one of them that asks for another protection, ``Refused``
-    otherwise (the stage told why where the handshake says so)."""
+    otherwise (the stage told why where the handshake says so). ``on_proven`` is called
+    once the stage's HELLO proves its key, before the challenge is sent (it may raise
+    ``Refused`` to end the handshake there)."""
     sock.settimeout(HANDSHAKE_S)
     link = Link(sock)
     try:
@@ -361,6 +367,7 @@ def open_as_server(sock: socket.socket, admitted: Mapping[int, Admission]) -> tu
                 if exc.refusal is not hs.Refusal.OTHER_EDGE:
                     refusal = exc
                 continue
+            on_proven()
             nonce_c = hs.new_nonce()
             link.send_raw(hs.challenge(key, index, protection.code, hello.nonce_p, nonce_c))
             data = _read_message(link, hs.CONFIRM_BYTES, hs.check_confirm_prefix)

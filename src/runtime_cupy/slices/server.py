@@ -150,7 +150,7 @@ class SliceServer:
         self._parts: dict[int, SliceParts | None] = {}
         self._generations: dict[int, int] = {}  # admissions of each stage so far
         self._transfers: dict[int, StageTransfer] = {}
-        self._strangers: dict[socket.socket, object] = {}  # mid-handshake, oldest first
+        self._strangers: dict[socket.socket, object] = {}  # key not proven yet, oldest first
         self._door = StrangerLog(log, "slice server")
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -239,7 +239,9 @@ class SliceServer:
     # -- connections ---------------------------------------------------------------------
     def _accept(self) -> None:
         """Take each connection to a thread of its own (the handshake, then the slice).
-        Past ``MAX_STRANGERS`` connections mid-handshake, the oldest is turned away; an
+        Past ``MAX_STRANGERS`` connections mid-handshake that have not proven the key
+        (a stage's HELLO proves it, and its connection is no stranger then), the oldest
+        is turned away; an
         ``accept`` that fails (``EMFILE``, ...), or a thread that cannot start, turns the
         oldest away too and rests the port ``ACCEPT_PAUSE_S`` (``edges.strangers``)."""
         poller = select.poll()
@@ -291,11 +293,22 @@ class SliceServer:
         with self._lock:
             admitted = dict(self._admitted)
             generations = dict(self._generations)
+        proven: list[bool] = []
+
+        def leave_strangers() -> None:
+            """The key proven: no longer a stranger (none to push out), unless it was
+            turned away already."""
+            with self._lock:
+                if self._strangers.pop(conn, None) is None:
+                    raise Refused("turned away before it proved the key")
+            proven.append(True)
+
         try:
-            link, index = open_as_server(conn, admitted)
+            link, index = open_as_server(conn, admitted, leave_strangers)
         except Refused as exc:
             with self._lock:
-                ours = self._strangers.pop(conn, None) is not None  # else turned away
+                # else turned away (and logged so) already
+                ours = self._strangers.pop(conn, None) is not None or bool(proven)
                 conn.close()
             if ours:
                 self._door.refused(peer, str(exc))

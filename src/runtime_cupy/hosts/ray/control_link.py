@@ -11,9 +11,11 @@ orchestrator proves the same back. A stranger on the port (garbage, a wrong key,
 handshake left half done, a stage other than the one awaited) is refused, logged and
 changes nothing: every connection's handshake goes on beside the others', each within
 ``HANDSHAKE_S``, so one that says nothing holds no stage up. As on every port strangers
-knock on (``edges.strangers``): past ``MAX_STRANGERS`` handshakes under way the oldest is
-refused; an ``accept`` that fails (``EMFILE``, ``ENOMEM``, ...) refuses the oldest and
-rests the port ``ACCEPT_PAUSE_S``; refusals past the first few are summed up in the log.
+knock on (``edges.strangers``): past ``MAX_STRANGERS`` handshakes under way whose HELLO
+has not proven the key the oldest of them is refused (one that proved it is never pushed
+out by strangers; past ``MAX_PROVEN`` of those, replayed HELLOs, the oldest proven one
+goes); an ``accept`` that fails (``EMFILE``, ``ENOMEM``, ...) refuses the oldest stranger
+and rests the port ``ACCEPT_PAUSE_S``; refusals past the first few are summed up in the log.
 Both ends get keepalive and ``TCP_USER_TIMEOUT`` (``streams.keep_alive``): a host that goes silent
 without a FIN breaks the channel within ``streams.SILENT_PEER_S``. Frames are then
 those of ``control.ControlChannel``, numbered and MAC'd per stage.
@@ -29,7 +31,12 @@ import time
 from collections.abc import Callable
 
 from runtime_cupy.edges import handshake as hs
-from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, MAX_STRANGERS, StrangerLog
+from runtime_cupy.edges.strangers import (
+    ACCEPT_PAUSE_S,
+    MAX_PROVEN,
+    MAX_STRANGERS,
+    StrangerLog,
+)
 from runtime_cupy.process.streams import keep_alive
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
@@ -150,6 +157,16 @@ class ControlListener:
             self._strangers.refused(knock.peer, str(why))
             knock.conn.close()
 
+        def make_room() -> None:
+            """Push out the oldest knocks that have not proven the key past
+            ``MAX_STRANGERS``, and the oldest proven ones past ``MAX_PROVEN``."""
+            strangers = [fd for fd, k in knocks.items() if k.nonce_c is None]
+            proven = [fd for fd, k in knocks.items() if k.nonce_c is not None]
+            for fd in strangers[: max(0, len(strangers) - MAX_STRANGERS)]:
+                refuse(fd, "pushed out by newer connections before it proved the key")
+            for fd in proven[: max(0, len(proven) - MAX_PROVEN)]:
+                refuse(fd, "pushed out by newer connections that proved the key")
+
         try:
             while True:
                 why = gone()
@@ -176,17 +193,17 @@ class ControlListener:
                             continue
                         except OSError as exc:  # EMFILE, ENOMEM, ...: passing
                             self._strangers.accept_failed(exc)
-                            if knocks:
-                                oldest = next(iter(knocks))
-                                refuse(oldest, f"turned away to free a descriptor ({exc.strerror})")
+                            strangers = [fd for fd, k in knocks.items() if k.nonce_c is None]
+                            if strangers:
+                                why = f"turned away to free a descriptor ({exc.strerror})"
+                                refuse(strangers[0], why)
                             poller.unregister(listening)
                             rests_until = time.monotonic() + ACCEPT_PAUSE_S
                             continue
                         conn.setblocking(False)
                         knocks[conn.fileno()] = _Knock(conn, peer, time.monotonic())
                         poller.register(conn.fileno(), select.POLLIN)
-                        while len(knocks) > MAX_STRANGERS:
-                            refuse(next(iter(knocks)), "pushed out by newer connections")
+                        make_room()
                         continue
                     knock = knocks.get(fd)
                     if knock is None:
@@ -196,12 +213,14 @@ class ControlListener:
                     except (OSError, hs.HandshakeRefused) as exc:
                         refuse(fd, exc)
                         continue
-                    if done:
-                        del knocks[fd]
-                        conn = knock.conn
-                        conn.setblocking(True)
-                        keep_alive(conn)
-                        return conn
+                    if not done:
+                        make_room()  # one more proven, maybe
+                        continue
+                    del knocks[fd]
+                    conn = knock.conn
+                    conn.setblocking(True)
+                    keep_alive(conn)
+                    return conn
         finally:
             for knock in knocks.values():
                 knock.conn.close()
