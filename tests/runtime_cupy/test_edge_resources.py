@@ -17,6 +17,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -322,6 +323,31 @@ def test_a_fifo_on_a_full_temp_folder_is_no_space_naming_it(
     run_id = f"test-{uuid.uuid4().hex}"
     data, _ = signal_paths(run_id, 1)
     with pytest.raises(shm.NoSpace, match=f"no room for the edge's FIFO {data}: .* inodes"):
+        ShmMedium().create(run_id, 1, RingSpec(2, 64, 256), b"")
+    assert run_resources(run_id) == []
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_an_edge_folder_on_a_full_temp_folder_is_no_space_naming_it(
+    monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """The edge's folder, made first (by a TCP consumer's address file and the shm
+    medium alike), on a temp folder with no inode left was a bare ``OSError``: it is
+    ``NoSpace`` naming the folder and what its temp folder has free."""
+    real_mkdir = Path.mkdir
+
+    def full(self: Path, *args: Any, **kwargs: Any) -> None:
+        if self.name.startswith("gpp-"):
+            raise OSError(code, os.strerror(code), str(self))
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", full)
+    run_id = f"test-{uuid.uuid4().hex}"
+    folder = edge_dir(run_id, 1)
+    words = f"no room for the folder {folder} of edge 1: .* inodes and .* bytes free in "
+    with pytest.raises(NoSpace, match=words):
+        FileRendezvous().publish(run_id, 1, "127.0.0.1:4242")
+    with pytest.raises(NoSpace, match=words):
         ShmMedium().create(run_id, 1, RingSpec(2, 64, 256), b"")
     assert run_resources(run_id) == []
 

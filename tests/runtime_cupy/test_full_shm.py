@@ -94,7 +94,8 @@ def test_a_full_temp_folder_is_a_named_setup_fault_that_leaves_nothing(
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     doc = json.loads(proc.stdout)
     assert doc["outcome"] == "faulted", doc
-    assert f"No space left on device: '{full}/gpp-" in doc["fault"], doc["fault"]
+    assert f"no room for the folder {full}/gpp-" in doc["fault"], doc["fault"]
+    assert " inodes and " in doc["fault"] and f" bytes free in {full} " in doc["fault"]
     assert doc["timings"]["wall_s"] < 60, doc["timings"]
     assert left.read_text() == ""  # no edge folder left in that temp folder
     assert run_resources(doc["chain_id"]) == []  # nor a segment in /dev/shm

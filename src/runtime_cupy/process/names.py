@@ -66,8 +66,8 @@ class NotPrivate(PermissionError):
 
 
 class NoSpace(EdgeSetupError):
-    """A file system with no room for a resource of an edge (a ring's segment, its
-    FIFOs, its address file): a setup fault naming it and the room left."""
+    """A file system with no room for a resource of an edge (its folder, a ring's
+    segment, its FIFOs, its address file): a setup fault naming it and the room left."""
 
 
 def _room_left(folder: Path) -> str:
@@ -127,7 +127,8 @@ def edge_dir(run_id: str, edge_id: int) -> Path:
 
 
 def make_edge_dir(run_id: str, edge_id: int) -> Path:
-    """Make the edge's folder, mode 0700; ``NameTaken`` if anything is there already."""
+    """Make the edge's folder, mode 0700; ``NameTaken`` if anything is there already,
+    ``NoSpace`` if its file system has no room for it."""
     folder = edge_dir(run_id, edge_id)
     try:
         folder.mkdir(mode=0o700)
@@ -136,6 +137,11 @@ def make_edge_dir(run_id: str, edge_id: int) -> Path:
             f"the folder {folder} of edge {edge_id} exists before its consumer made it "
             f"({describe(folder)}): refused, never reused"
         ) from None
+    except OSError as exc:
+        full = no_space(exc, f"the folder {folder} of edge {edge_id}", folder.parent)
+        if full is not None:
+            raise full from None
+        raise
     return folder
 
 
