@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import resource
 import socket
 import threading
 import time
@@ -35,6 +33,7 @@ from runtime_cupy.hosts.ray.rendezvous import (
     serve_rendezvous,
 )
 from runtime_cupy.process.keys import control_key, new_secret
+from tests.support.descriptors import no_descriptor_left
 
 
 def _node(node_id: str, address: str, port: int, *, head: bool = False, **res: float) -> Any:
@@ -279,19 +278,13 @@ def test_an_accept_without_a_descriptor_rests_the_control_port_and_the_stage_get
     listener = control_link.ControlListener("127.0.0.1")
     host, port = listener.address.rsplit(":", 1)
     waiting = [socket.socket() for _ in range(3)]  # their descriptors taken beforehand
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    lowest_free = os.dup(0)
-    os.close(lowest_free)
     serving_s = 0.5
     thread, got = _accept_in_a_thread(listener, key)
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
-        try:
+        with no_descriptor_left():
             for sock in waiting:
                 sock.connect((host, int(port)))
             time.sleep(serving_s)
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         control_link.connect(listener.address, 1, key, 5).close()
         thread.join(30)
         assert isinstance(got[0], socket.socket), got

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import socket
 import threading
 import time
@@ -27,6 +26,7 @@ from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin
 from runtime_cupy.slices.protocol import AUTHENTICATED
 from runtime_cupy.slices.server import SliceServer
 from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.support.descriptors import no_descriptor_left
 
 PARTS = SliceParts(1, 3, False, False)
 
@@ -119,18 +119,12 @@ def test_an_accept_without_a_descriptor_rests_the_port_and_the_stage_is_served_a
     no stage was ever served again)."""
     caplog.set_level(logging.DEBUG, logger="runtime_cupy.slices")
     waiting = [socket.socket() for _ in range(3)]  # their descriptors taken beforehand
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    lowest_free = os.dup(0)
-    os.close(lowest_free)
     serving_s = 0.5
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
-        try:
+        with no_descriptor_left():
             for sock in waiting:
                 sock.connect((served.host, served.port))
             time.sleep(serving_s)
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         failed = [r for r in caplog.records if "accept failed" in r.getMessage()]
         assert 1 <= len(failed) <= serving_s / strangers_module.ACCEPT_PAUSE_S + 3, len(failed)
         assert [r.levelno for r in failed].count(logging.WARNING) == 1

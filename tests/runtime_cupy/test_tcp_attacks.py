@@ -8,8 +8,6 @@ that stays silent is turned away once its time is up."""
 from __future__ import annotations
 
 import logging
-import os
-import resource
 import socket
 import threading
 import time
@@ -29,6 +27,7 @@ from runtime_cupy.edges import tcp_consumer, tcp_door
 from runtime_cupy.edges.tcp import TcpMedium, TcpReceiveRing, TcpSendRing, split_address
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, ENCRYPTED, Protection
 from runtime_cupy.process.keys import edge_key, new_secret
+from tests.support.descriptors import no_descriptor_left
 from tests.support.edge_peers import flood
 from tests.support.edge_relay import Relay
 
@@ -346,16 +345,10 @@ def test_a_port_with_no_descriptor_to_accept_with_rests_instead_of_spinning(
     assert pair.consumer_address is not None
     strangers = [socket.create_connection(split_address(pair.consumer_address)) for _ in range(3)]
     caplog.set_level(logging.DEBUG, logger="runtime_cupy.edges.tcp")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    lowest_free = os.dup(0)
-    os.close(lowest_free)
     serving_s = 0.5
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
-        try:
+        with no_descriptor_left():
             pair.serve(serving_s)
-        finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         failed = [r for r in caplog.records if "accept failed" in r.getMessage()]
         assert 1 <= len(failed) <= serving_s / strangers_module.ACCEPT_PAUSE_S + 2, len(failed)
         assert [r.levelno for r in failed].count(logging.WARNING) == 1
