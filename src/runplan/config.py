@@ -112,7 +112,10 @@ class Timeouts:
     ``max_batch_rows``, and at most this run and the runs the rest of a stage's KV
     budget holds of the smallest cache a run may reserve (``batch_runs``: runs of short
     caches fill what a long run's leaves, and share its batches). The orchestrator's
-    token timer counts such steps (``token_limit_ms``); a stage's step timer one."""
+    token timer counts such steps (``token_limit_ms``), and starts again when it runs out
+    after the chain delivered tokens to any run (a record behind other runs' prefill
+    chunks, or among more decoding runs than a batch holds, waits through more); a
+    stage's step timer one."""
 
     #: Worker calls a stage may finish before it releases a run it was told to stop.
     STOP_BATCHES = 2

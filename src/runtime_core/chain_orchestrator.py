@@ -15,6 +15,9 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
   budget is refused at once (``RunRefused``): it could never run.
 - Token-in and token-out, their records and their faults: ``token_links``
   (``TokenLinks``, this orchestrator's base).
+- A run's token timer that runs out is fed with the tokens the chain delivered to
+  any run since it started (``tokens_delivered``): the run's machine starts it again
+  while the chain delivers tokens, and faults the run once none came for its bound.
 - Control messages (``StageReady``, ``StageFault``, ``StageStopped``,
   ``ProvisionRefused``) go to their run's machine; one for no held run is rejected.
   The batches a ``StageStopped`` reports (the stage's since its previous one, by rows)
@@ -105,6 +108,7 @@ class RunHandle:
     needs_links: bool = False  # attached to the token links once they are open
     unsent_chunks: int = 0  # chunks of the prompt not yet on token-in
     check: HeaderCheck | None = None  # token-out records of this run
+    token_timer_from: int = 0  # the chain's tokens_delivered when its token timer started
 
     @property
     def run_id(self) -> str:
@@ -147,6 +151,7 @@ class ChainOrchestrator(TokenLinks):
         self._decodes: deque[TokenRecord] = deque()  # fed-back tokens waiting for token-in
         self._chunks: deque[TokenRecord] = deque()  # prompt records waiting for token-in
         self.records_sent = 0  # token-in records written so far
+        self.tokens_delivered = 0  # token-out records fed to their runs so far
         self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
         self.broken_stage: int | None = None  # the stage it names, if it names one
@@ -275,7 +280,10 @@ class ChainOrchestrator(TokenLinks):
         elif isinstance(event, RunTimerFired):
             handle = self.runs.get(event.run_id)
             if handle is not None and not handle.queued:
-                self._feed(handle, fsm.TimerFired(event.timer))
+                delivered = 0
+                if event.timer is fsm.Timer.TOKEN:
+                    delivered = self.tokens_delivered - handle.token_timer_from
+                self._feed(handle, fsm.TimerFired(event.timer, delivered))
         else:
             raise TypeError(f"{type(event).__name__} is not an event of a chain's orchestrator")
 
@@ -337,6 +345,8 @@ class ChainOrchestrator(TokenLinks):
         elif isinstance(action, fsm.CancelTimer):
             self.timers.cancel(run_id, action.timer)
         elif isinstance(action, fsm.StartTimer):
+            if action.timer is fsm.Timer.TOKEN:
+                handle.token_timer_from = self.tokens_delivered
             self.timers.start(run_id, action.timer, action.ms)
         elif isinstance(action, fsm.InjectTokens):
             self._queue(handle, action)

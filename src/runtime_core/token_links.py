@@ -81,6 +81,9 @@ class TokenLinks:
     #: token-in records written so far: a runtime bounding one wait on a full ring
     #: (``Timeouts.edge_wait_ms``) starts it again when this grows
     records_sent: int
+    #: tokens taken off token-out and fed to their runs, every run's: a run's token
+    #: timer that runs out after this grew starts again (``fsm.TimerFired.delivered``)
+    tokens_delivered: int
     broken: FaultReason | None
 
     if TYPE_CHECKING:
@@ -234,6 +237,7 @@ class TokenLinks:
             handle.logits.append(logits)
         if self.trace is not no_trace:
             self.trace("consumed", {"run_id": h.run_id, "sequence": h.sequence, "token_id": token})
+        self.tokens_delivered += 1
         self._feed(handle, fsm.TokenConsumed(h.sequence, token))
         return True
 

@@ -380,3 +380,18 @@ def test_a_provision_whose_ring_has_no_slot_is_refused_not_raised_on_later() -> 
         (reject,) = _of(actions, s.Reject)
         assert reject.reason is s.RejectReason.INVALID_PROVISION
         assert f"its {end} ring has 0 slots" in reject.detail
+
+
+def test_a_token_timer_run_out_while_the_chain_delivered_tokens_starts_again() -> None:
+    # Other runs' tokens came since the timer started: the chain is alive and this
+    # run's record waits behind theirs; the timer starts again with the same bound.
+    plan = small_plan(2, max_tokens=10, eos=0)
+    m, _ = o.step(_running(plan), o.TokenConsumed(0, 5))
+    decode_ms = 2 * plan.timeouts.step_limit_ms(1)
+    again, actions = o.step(m, o.TimerFired(o.Timer.TOKEN, delivered=3))
+    assert again == m and actions == (o.StartTimer(o.Timer.TOKEN, decode_ms),)
+    # None came for a whole bound: the chain is stuck, the run faults.
+    stuck, actions = o.step(again, o.TimerFired(o.Timer.TOKEN))
+    assert stuck.state is o.State.TEARING_DOWN and stuck.outcome is StopReason.FAULTED
+    assert stuck.fault == FaultReason(FaultKind.TIMEOUT, "token 1 not produced in time")
+    assert _of(actions, o.SendStopRun)

@@ -230,7 +230,7 @@ def orchestrator_event_strategies(plan: RunPlan) -> dict[Any, st.SearchStrategy[
         K.STAGE_DIED: st.builds(o.StageDied, st.integers(0, n), st.text(max_size=5)),
         K.STAGE_SILENT: st.builds(o.StageSilent, st.integers(0, n), st.integers(0, 10**7)),
         K.READY_TIMEOUT: st.just(o.TimerFired(o.Timer.READY)),
-        K.TOKEN_TIMEOUT: st.just(o.TimerFired(o.Timer.TOKEN)),
+        K.TOKEN_TIMEOUT: st.builds(o.TimerFired, st.just(o.Timer.TOKEN), st.integers(0, 2)),
         K.STOP_TIMEOUT: st.just(o.TimerFired(o.Timer.STOP)),
         K.CANCEL: st.builds(o.Cancel, st.text(max_size=5)),
     }

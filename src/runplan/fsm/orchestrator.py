@@ -15,6 +15,12 @@ provision with ``ProvisionRefused``: the run faults (``KV_CACHE_UNAVAILABLE``), 
 stage, which keeps nothing of it, gets no ``StopRun`` and is not waited for. The prompt
 may travel in chunks (``InjectTokens.chunk_rows``, the plan's ``prefill_chunk``); the
 token timer of sequence 0 then covers every chunk through the pipeline.
+
+The token timer bounds the wait for the run's next token. With other runs in flight
+its record may wait through more batches than the bound counts (behind their prefill
+chunks, or among more decoding runs than a batch holds), so when it runs out and the
+chain delivered tokens to any run since it started (``TimerFired.delivered``), the
+timer starts again; a chain that delivered none for the whole bound faults the run.
 """
 
 from __future__ import annotations
@@ -187,7 +193,10 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.RUNNING, _K.STAGE_DIED): _T(_stage_died, _R),
     (_S.RUNNING, _K.STAGE_SILENT): _T(_stage_silent, _R),
     (_S.RUNNING, _K.ENDPOINT_FAULT): _T(_endpoint_fault, _FAULT),
-    (_S.RUNNING, _K.TOKEN_TIMEOUT): _T(_token_timeout, _FAULT),
+    (_S.RUNNING, _K.TOKEN_TIMEOUT): _T(
+        _token_timeout,
+        {_S.RUNNING: "the chain delivered tokens meanwhile: the timer starts again", **_FAULT},
+    ),
     (_S.RUNNING, _K.CANCEL): _T(_cancel, _CANCEL),
     (_S.RUNNING, _K.OTHER_MESSAGE): _T(_reject_message, {_S.RUNNING: ""}),
     (_S.TEARING_DOWN, _K.STAGE_STOPPED): _T(

@@ -231,7 +231,12 @@ def _ready_timeout(m: OrchestratorMachine, _e: TimerFired) -> _Result:
     return _fault(m, FaultKind.TIMEOUT, f"stages {missing} not ready in time")
 
 
-def _token_timeout(m: OrchestratorMachine, _e: TimerFired) -> _Result:
+def _token_timeout(m: OrchestratorMachine, e: TimerFired) -> _Result:
+    """The token's bound ran out. If the chain delivered tokens (to any run) since the
+    timer started, it is alive and the token waits behind other runs' records: the
+    timer starts again with the same bound. A chain that delivered none is stuck."""
+    if e.delivered > 0:
+        return m, (StartTimer(_TOKEN, m._token_ms(m.injected)),)
     return _fault(m, FaultKind.TIMEOUT, f"token {m.injected} not produced in time")
 
 

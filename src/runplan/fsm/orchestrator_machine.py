@@ -101,7 +101,8 @@ class OrchestratorMachine:
         through the stages), each within the limit of the rows of the longest record
         (the prompt, or its first chunk; a decoded token's record has one row) or, with
         other runs sharing the stages, of the largest batch, waiting through
-        ``shared_batches`` batches a step."""
+        ``shared_batches`` batches a step. When it runs out while the chain delivered
+        tokens to other runs, it starts again (``TimerFired.delivered``)."""
         stages = len(self.node_ids)
         if sequence != 0:
             return self.timeouts.token_limit_ms(stages, 1, 1, self.batch_rows, self.shared_batches)

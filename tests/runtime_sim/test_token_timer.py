@@ -1,0 +1,87 @@
+"""A run's token timer under load (CONCURRENT_RUNS.md §3, §6): a run whose record waits
+behind other runs' records (their prefill chunks, or more decoding runs than a batch
+holds) through more batches than its bound counts is not faulted while the chain
+delivers tokens to any run; a chain that delivers none still faults every run, within
+its bound of its timer's last start (two bounds of the chain's last token at most)."""
+
+from __future__ import annotations
+
+from runplan import RunPlan, Timeouts
+from runplan.fsm import orchestrator as ofsm
+from runplan.messages import FaultKind as RunFaultKind
+from runtime_sim.chain_checker import check
+from runtime_sim.chain_driver import ChainResult, ChainSimulation
+from runtime_sim.faults import Fault, FaultKind
+from runtime_sim.timing import NodeProfile, TimingModel
+from tests.support.slow_chain import slow_chain
+
+#: Tight bounds: a step of one row may take 110 ms.
+TIMEOUTS = Timeouts(ready_ms=2_000, step_ms=100, step_row_ms=10, edge_wait_ms=2_000, stop_ms=500)
+#: Slow stages: every batch takes a little over 100 ms, within the step limit of each
+#: batch (110 ms for a row), so that a record waiting through a few more batches than
+#: the bound counts outlasts it.
+SLOW = TimingModel(node=NodeProfile(step_overhead_us=100_000))
+
+
+def busy_chain(
+    runs: int, *, faults: tuple[Fault, ...] = (), **chain: int
+) -> tuple[ChainResult, ChainSimulation]:
+    """``runs`` runs of 4 tokens each on slow stages (``slow_chain``'s keywords)."""
+    return slow_chain(runs, timeouts=TIMEOUTS, timing=SLOW, faults=faults, **chain)
+
+
+def bound_us(plan: RunPlan, prompt: tuple[int, ...], sequence: int) -> int:
+    """The bound the run's machine arms its token timer with for ``sequence``."""
+    return ofsm.OrchestratorMachine.for_plan(plan, prompt)._token_ms(sequence) * 1000
+
+
+def longest_wait_over_bound(result: ChainResult, sim: ChainSimulation) -> int:
+    """How far the longest wait for a token (from the previous token, or from the
+    readiness barrier for token 0) outlasted that token's bound, in microseconds."""
+    over = []
+    for spec, run in zip(sim.runs, result.runs, strict=True):
+        assert run.ready_us is not None
+        starts = (run.ready_us, *run.token_times_us[:-1])
+        for k, (start, end) in enumerate(zip(starts, run.token_times_us, strict=True)):
+            over.append(end - start - bound_us(spec.plan, spec.prompt, k))
+    return max(over)
+
+
+def test_decodes_among_more_runs_than_a_batch_holds_outlast_the_bound_and_complete() -> None:
+    # One row a batch, six runs: each run's record waits through the other runs' batches.
+    result, sim = busy_chain(6, max_batch_rows=1, prompt_tokens=1)
+    assert [r.outcome for r in result.runs] == ["completed"] * 6
+    assert all(len(r.tokens) == 4 for r in result.runs)
+    assert longest_wait_over_bound(result, sim) > 0  # a token waited past its bound
+    assert check(sim, result) == []
+
+
+def test_a_prompt_behind_other_runs_prefill_chunks_outlasts_the_bound_and_completes() -> None:
+    for stages in (1, 2):
+        result, sim = busy_chain(
+            4, stages=stages, max_batch_rows=2, prompt_tokens=8, prefill_chunk=2
+        )
+        assert [r.outcome for r in result.runs] == ["completed"] * 4
+        assert longest_wait_over_bound(result, sim) > 0
+        assert check(sim, result) == []
+
+
+def test_a_chain_that_delivers_no_token_still_faults_every_run_within_its_bound() -> None:
+    # Hop 0's record of sequence 2 stalls far past every timeout, for each run: once
+    # the runs reach it, the chain delivers no token to anyone.
+    stall = (Fault(FaultKind.EDGE_STALL, stage=0, sequence=2),)
+    for runs in (1, 3):
+        result, sim = busy_chain(runs, max_batch_rows=1, prompt_tokens=1, faults=stall)
+        last_token = max(t for r in result.runs for t in r.token_times_us)
+        stop_us = TIMEOUTS.stop_limit_ms(1, 1) * 1000
+        for spec, run in zip(sim.runs, result.runs, strict=True):
+            assert run.finished is not None and run.finished_us is not None, run
+            fault = run.finished.fault
+            assert fault is not None and fault.kind is RunFaultKind.TIMEOUT, fault
+            assert fault.detail == "token 2 not produced in time"
+            assert len(run.token_times_us) == 2
+            bound = bound_us(spec.plan, spec.prompt, 2)
+            # a timer started before the chain's last token runs out once more, at
+            # most, after it: the fault comes within its bound of that start
+            allowed = bound if runs == 1 else 2 * bound
+            assert run.finished_us - last_token <= allowed + stop_us, (run, bound)
