@@ -204,6 +204,7 @@ class ChainStageNode(Node):
         self._attach: Handle | None = None
         self._stuck: Handle | None = None
         self._stuck_since = 0  # when the outbound ring last refused a record
+        self._stuck_published = 0  # the records written then (a record more: a new wait)
         self.controller: TracedChainStage = sim.parts.stage_controller(self, worker, stopped_runs)
 
     @property
@@ -283,8 +284,13 @@ class ChainStageNode(Node):
                 if c.try_publish_outputs():
                     progress = True
                     self._unstick()
-                elif self._stuck is None and c.output_pending:
+                elif c.output_pending and (
+                    self._stuck is None or c.records_published != self._stuck_published
+                ):
+                    # one wait on a full ring, begun again by every record written
+                    self._unstick()
                     self._stuck_since = sim.clock.now_us
+                    self._stuck_published = c.records_published
                     wait_ms = sim.plan.timeouts.edge_wait_ms
                     self._stuck = sim.clock.after(wait_ms * 1000, self._run_stuck)
             if not self.computing and c.batch_ready:
