@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs of the prompt in flight at once through the chain, run i sampling "
         "with seed + i modulo 2**64 (1)",
     )
-    run.set_defaults(func=_cmd_run)
+    run.set_defaults(func=_cmd_run, parser=run)
 
     ex = sub.add_parser(
         "explore",
@@ -414,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
-        check_generation_arguments(parser, args)
+        check_generation_arguments(args.parser, args)  # its errors name `run` and its --help
     try:
         with sigterm_interrupts():  # SIGTERM cancels the command as Ctrl-C does
             code: int = args.func(args)

@@ -336,3 +336,16 @@ def test_several_runs_show_the_stages_load_bars(
     argv = ["run", "--model", tiny, "--prompt-ids", "1,2", "--stages", "2", "--max-tokens", "2"]
     assert main([*argv, "--runs", "2"]) == 0
     assert sorted(set(seen)) == [0, 1]
+
+
+def test_a_refusal_of_runs_flags_together_names_run_and_its_help(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--chat with --prompt-ids is checked after parsing; its error names `run` and
+    points at `run --help` (which lists both flags), as a per-flag error does."""
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--model", tiny, "--chat", "--prompt-ids", "1,2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m runtime_sim run: error: argument --chat" in err, err
+    assert "(see python -m runtime_sim run --help)" in err, err
