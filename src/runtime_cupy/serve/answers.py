@@ -47,6 +47,8 @@ class Answers:
     def finish(self, job: Job, outcome: str, event: Event | None, *, tokens: int = 0) -> None:
         log.info("request #%d (%s) finished: %s, %d tokens%s", job.number, job.id, outcome,
                  tokens, f" ({event.message})" if isinstance(event, Failed) else "")  # fmt: skip
+        if outcome != "completed" and tokens:  # an answered choice's count in answered()
+            self.metrics.generated(tokens)  # a choice left, stopped or faulted: its tokens
         self.count(job, outcome)
         if event is not None:
             self.deliver(job, event)

@@ -7,7 +7,9 @@ registry of the server's own):
   client went away), ``rejected`` (a 4xx: a bad request, a wrong key, a full queue),
   ``faulted`` (the pipeline failed the run);
 - ``gguf_pipeline_prompt_tokens_total`` (a request's prompt once, if a choice was
-  answered), ``gguf_pipeline_completion_tokens_total`` (every choice's tokens);
+  answered), ``gguf_pipeline_completion_tokens_total`` (every choice's tokens: an
+  answered one's when it ends, one its client left, a stop of the server or a fault
+  ended the tokens it was sent);
 - ``gguf_pipeline_time_to_first_token_seconds``: arrival to the first token (queueing
   included), and ``gguf_pipeline_time_per_output_token_seconds``: between the first and
   the last token, per token (histograms, a sample per choice);
@@ -187,6 +189,11 @@ class Metrics:
         """A request ended (all its choices), with ``prompt_tokens`` when answered."""
         self.requests.labels(endpoint, outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
+
+    def generated(self, completion_tokens: int) -> None:
+        """A choice not answered (its client left, the server stopped, a fault) was sent
+        ``completion_tokens`` tokens."""
+        self.completion_tokens.inc(completion_tokens)
 
     def answered(self, completion_tokens: int, ttft_s: float | None, tpot_s: float | None) -> None:
         """A choice was answered: its tokens, and its times (``None``: too few tokens)."""

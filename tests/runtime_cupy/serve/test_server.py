@@ -385,6 +385,34 @@ def test_models_health_and_metrics(client: openai.OpenAI, server: ServerProcess)
     assert after["gguf_pipeline_stages_ready"] == 1
 
 
+def test_the_tokens_of_a_choice_its_client_left_count_as_generated(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    """``completion_tokens_total`` counts every token generated: a stream the client
+    closes mid-way counts the tokens it was sent (they counted nowhere before, so
+    tokens/s read from the counter fell whenever clients hung up)."""
+    tokens = "gguf_pipeline_completion_tokens_total"
+    cancelled = "gguf_pipeline_requests_total{endpoint=completion,outcome=cancelled}"
+    before = metrics(server.base_url, AUTH)
+    stream = client.completions.create(
+        model="tiny-chat", prompt="Go on", max_tokens=CONTEXT - 8, temperature=0, stream=True
+    )
+    pieces = 0
+    for chunk in stream:
+        pieces += bool(chunk.choices and chunk.choices[0].text)
+        if pieces == 6:
+            break
+    stream.close()
+    assert pieces == 6, "the answer ended before the client left"
+    wait_for(
+        lambda: metrics(server.base_url, AUTH).get(cancelled, 0) > before.get(cancelled, 0),
+        30.0,
+        "the stream to count as cancelled",
+    )
+    after = metrics(server.base_url, AUTH)
+    assert after[tokens] >= before[tokens] + pieces  # a piece is a token or more
+
+
 def test_a_request_without_the_right_key_gets_401(server: ServerProcess) -> None:
     wrong = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
