@@ -1,6 +1,7 @@
 """Strangers on the slice server's port: a flood of connections that never prove a key,
-an ``accept`` that fails for want of a descriptor, a thread that cannot start. None of
-them stops the server: a stage holding its key is served afterwards."""
+copies of a stage's HELLO, a holder of a stage's key opening connection after
+connection, an ``accept`` that fails for want of a descriptor, a thread that cannot
+start. None of them stops the server: a stage holding its key is served afterwards."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from runplan.shards import SliceParts
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges import strangers as strangers_module
 from runtime_cupy.process.keys import new_secret, slice_key
+from runtime_cupy.slices import door as door_module
 from runtime_cupy.slices import server as server_module
 from runtime_cupy.slices.cache import SliceCache
 from runtime_cupy.slices.digests import DigestStore
-from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin
-from runtime_cupy.slices.protocol import AUTHENTICATED
+from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin, SliceTransferFailed
+from runtime_cupy.slices.protocol import AUTHENTICATED, TransferError, open_as_stage
 from runtime_cupy.slices.server import SliceServer
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.descriptors import no_descriptor_left
@@ -75,7 +77,7 @@ def test_past_max_strangers_the_oldest_is_turned_away_and_the_stage_is_served(
 ) -> None:
     """Connections that say nothing hold a thread each for the handshake's bound: past
     ``MAX_STRANGERS`` of them the oldest goes (there was no bound: a thread each)."""
-    monkeypatch.setattr(server_module, "MAX_STRANGERS", 4)
+    monkeypatch.setattr(door_module, "MAX_STRANGERS", 4)
     idle = [served.connect() for _ in range(10)]
     try:
         assert all(_closed_by_server(sock, 5.0) for sock in idle[:6])
@@ -92,7 +94,7 @@ def test_a_stage_that_proved_its_key_is_no_stranger_to_push_out(
     """A stage whose HELLO proved its key, its CONFIRM not sent yet, stays when more
     than ``MAX_STRANGERS`` strangers come after it (it was pushed out as the oldest
     stranger), and its session is open once it confirms."""
-    monkeypatch.setattr(server_module, "MAX_STRANGERS", 4)
+    monkeypatch.setattr(door_module, "MAX_STRANGERS", 4)
     code = AUTHENTICATED.code
     stage = served.connect()
     nonce_p = hs.new_nonce()
@@ -152,3 +154,80 @@ def test_a_connection_no_thread_can_serve_is_closed_and_the_stage_is_served_afte
         assert _closed_by_server(unserved, 5.0)
     monkeypatch.undo()
     served.stage_is_served(tmp_path / "cache")
+
+
+def _proven(served: Served, hello: bytes) -> socket.socket:
+    """A connection that sent ``hello`` and got the server's CHALLENGE (or REFUSE)."""
+    sock = served.connect()
+    sock.sendall(hello)
+    head = sock.recv(hs.REPLY_HEAD_BYTES, socket.MSG_WAITALL)
+    sock.recv(hs.reply_bytes(head) - len(head), socket.MSG_WAITALL)
+    return sock
+
+
+def test_copies_of_a_stages_hello_are_held_at_most_max_proven_at_once(
+    served: Served,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A HELLO seen on the network, sent again and again, proves the stage's key each
+    time, and each copy held a thread and a descriptor for the handshake's bound, with
+    no bound on how many (the strangers' cap no longer counted them): past
+    ``MAX_PROVEN`` of a stage's the oldest goes, another stage's handshake is left
+    alone, and the stage is served."""
+    monkeypatch.setattr(door_module, "MAX_PROVEN", 2)
+    caplog.set_level(logging.WARNING, logger="runtime_cupy.slices")
+    code = AUTHENTICATED.code
+    other_key = slice_key(new_secret(), "node2")
+    served.server.expect(2, "node2", other_key, "host2")
+    other = _proven(served, hs.hello(other_key, 2, code, hs.new_nonce()))
+    seen = hs.hello(served.key, 1, code, hs.new_nonce())
+    copies = [_proven(served, seen) for _ in range(5)]
+    try:
+        assert all(_closed_by_server(sock, 3.0) for sock in copies[:3])
+        assert not any(_closed_by_server(sock, 0.2) for sock in [*copies[3:], other])
+        said = [r.getMessage() for r in caplog.records]
+        pushed = [m for m in said if "proved stage 1's key (at most 2 a stage" in m]
+        assert len(pushed) == 3, said
+        served.stage_is_served(tmp_path / "cache")
+    finally:
+        for sock in [other, *copies]:
+            sock.close()
+
+
+def test_a_holder_of_a_stages_key_is_served_on_at_most_served_per_stage_connections(
+    served: Served, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Connections that complete the handshake with a stage's key each held a thread
+    and a descriptor for as long as they stayed, with no bound: past
+    ``SERVED_PER_STAGE`` of one stage the new one is refused, naming the stage and the
+    bound, and once they end the stage is served."""
+    caplog.set_level(logging.WARNING, logger="runtime_cupy.slices")
+    bound = door_module.SERVED_PER_STAGE
+    links = [open_as_stage(served.server.address, 1, served.key) for _ in range(bound)]
+    try:
+        extra = open_as_stage(served.server.address, 1, served.key, header_wait_s=5.0)
+        try:
+            with pytest.raises(TransferError, match=f"stage 1 has {bound} connections served"):
+                extra.receive()
+        finally:
+            extra.close()
+    finally:
+        for link in links:
+            link.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert any(
+        m.startswith("slice server: refused a connection from")
+        and m.endswith(f"stage 1 has {bound} connections served already (at most {bound} a stage)")
+        for m in said
+    ), said
+    deadline = time.monotonic() + 5.0  # the server's ends of those links close
+    while True:
+        try:
+            served.stage_is_served(tmp_path / "cache")
+            break
+        except SliceTransferFailed:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

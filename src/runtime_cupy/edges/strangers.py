@@ -17,8 +17,9 @@ import time
 
 #: Connections not proven yet that a port keeps open at once; past them the oldest goes.
 MAX_STRANGERS = 64
-#: Connections whose HELLO proved the key, waiting for their CONFIRM, kept at once (copies
-#: of a HELLO, replayed, push out the oldest of them; never a stranger).
+#: Connections whose HELLO proved the key, waiting for their CONFIRM, kept at once (of
+#: each stage on the slice server; copies of a HELLO, replayed, push out the oldest of
+#: them; never a stranger).
 MAX_PROVEN = 4
 #: Seconds a port goes unwatched after an ``accept`` that failed (EMFILE, ...).
 ACCEPT_PAUSE_S = 0.05

@@ -337,14 +337,15 @@ def _mismatch(index: int, stage: str, server: str, address: str = "") -> str:
 def open_as_server(
     sock: socket.socket,
     admitted: Mapping[int, Admission],
-    on_proven: Callable[[], None] = lambda: None,
+    on_proven: Callable[[int], None] = lambda index: None,
 ) -> tuple[Link, int]:
     """The server's end of the handshake with a stage holding one of the ``admitted``
     (stage index -> its key and protection): its link and the stage's index.
     ``ProtectionMismatch`` for one of them that asks for another protection, ``Refused``
     otherwise (the stage told why where the handshake says so). ``on_proven`` is called
-    once the stage's HELLO proves its key, before the challenge is sent (it may raise
-    ``Refused`` to end the handshake there)."""
+    with the stage's index once its HELLO proves its key (which a copy of an earlier
+    HELLO does too), before the challenge is sent (it may raise ``Refused`` to end the
+    handshake there)."""
     sock.settimeout(HANDSHAKE_S)
     link = Link(sock)
     try:
@@ -367,7 +368,7 @@ def open_as_server(
                 if exc.refusal is not hs.Refusal.OTHER_EDGE:
                     refusal = exc
                 continue
-            on_proven()
+            on_proven(index)
             nonce_c = hs.new_nonce()
             link.send_raw(hs.challenge(key, index, protection.code, hello.nonce_p, nonce_c))
             data = _read_message(link, hs.CONFIRM_BYTES, hs.check_confirm_prefix)

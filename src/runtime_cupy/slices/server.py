@@ -5,9 +5,10 @@ another host the slice of the model that stage holds (``protocol`` has the wire)
 file, ``digests``); ``expect(stage_index, node_id, key, encrypt=...)`` admits a stage
 (its slice key, ``keys.slice_key``, and whether its launch encrypts: then its slice
 travels encrypted, and a stage that asks otherwise is refused, ``protocol``). Each
-connection runs on a thread of its own (at most ``edges.strangers.MAX_STRANGERS`` of
-them mid-handshake, the oldest turned away past them; an ``accept`` that fails rests the
-port, as a TCP edge's door does): the handshake, the slice's header
+connection runs on a thread of its own, as many at once as ``door`` keeps (strangers,
+copies of a stage's HELLO, and connections of each admitted stage, each bounded; an
+``accept`` that fails rests the port, as a TCP edge's door does): the handshake, the
+slice's header
 (``runplan.shard_file.shard_header``, made once per slice), then the tensors the stage
 asked for, read through the source's memory map and handed to the kernel in large
 pieces (``sendall`` of the mapped pages: no copy loop of ours; sealed chunks of them
@@ -35,9 +36,10 @@ from runplan.gguf_files import model_id_for
 from runplan.gguf_header import GgufHeader
 from runplan.shard_file import padded_data_bytes, shard_header
 from runplan.shards import SliceParts, slice_tensor_names
-from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, MAX_STRANGERS, StrangerLog
+from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, StrangerLog
 from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices.digests import DigestStore
+from runtime_cupy.slices.door import SliceDoor
 from runtime_cupy.slices.protocol import (
     Admission,
     Link,
@@ -150,8 +152,7 @@ class SliceServer:
         self._parts: dict[int, SliceParts | None] = {}
         self._generations: dict[int, int] = {}  # admissions of each stage so far
         self._transfers: dict[int, StageTransfer] = {}
-        self._strangers: dict[socket.socket, object] = {}  # key not proven yet, oldest first
-        self._door = StrangerLog(log, "slice server")
+        self._door = SliceDoor(StrangerLog(log, "slice server"))
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._links: set[Link] = set()
@@ -238,14 +239,14 @@ class SliceServer:
 
     # -- connections ---------------------------------------------------------------------
     def _accept(self) -> None:
-        """Take each connection to a thread of its own (the handshake, then the slice).
-        Past ``MAX_STRANGERS`` connections mid-handshake that have not proven the key
-        (a stage's HELLO proves it, and its connection is no stranger then), the oldest
-        is turned away; an
-        ``accept`` that fails (``EMFILE``, ...), or a thread that cannot start, turns the
-        oldest away too and rests the port ``ACCEPT_PAUSE_S`` (``edges.strangers``)."""
+        """Take each connection to a thread of its own (the handshake, then the slice),
+        as many as the door keeps (``door``: past ``MAX_STRANGERS`` connections that
+        have not proven a key the oldest is turned away). An ``accept`` that fails
+        (``EMFILE``, ...), or a thread that cannot start, turns the oldest stranger away
+        too and rests the port ``ACCEPT_PAUSE_S`` (``edges.strangers``)."""
         poller = select.poll()
         poller.register(self._sock.fileno(), select.POLLIN)
+        door = self._door
         while not self._closed.is_set():
             try:
                 if not poller.poll(200):
@@ -256,62 +257,34 @@ class SliceServer:
             except OSError as exc:
                 if self._closed.is_set():
                     return
-                self._door.accept_failed(exc)
-                self._turn_away_oldest(f"turned away to free a descriptor ({exc.strerror})")
+                door.log.accept_failed(exc)
+                door.turn_away_oldest(f"turned away to free a descriptor ({exc.strerror})")
                 self._closed.wait(ACCEPT_PAUSE_S)
                 continue
-            with self._lock:
-                self._strangers[conn] = peer
+            door.knocked(conn, peer)
             try:
                 threading.Thread(
                     target=self._serve, args=(conn, peer), name="slice-send", daemon=True
                 ).start()
             except RuntimeError as exc:  # no thread left in this process
-                with self._lock:
-                    del self._strangers[conn]
+                if door.left(conn):
+                    door.log.refused(peer, f"no thread to serve it ({exc})")
                 conn.close()
-                self._door.refused(peer, f"no thread to serve it ({exc})")
-                self._turn_away_oldest(f"turned away to free a thread ({exc})")
+                door.turn_away_oldest(f"turned away to free a thread ({exc})")
                 self._closed.wait(ACCEPT_PAUSE_S)
                 continue
-            while len(self._strangers) > MAX_STRANGERS:
-                self._turn_away_oldest("pushed out by newer connections before it proved the key")
-
-    def _turn_away_oldest(self, why: str) -> None:
-        """End the handshake of the oldest connection still in one (its thread then
-        closes it, freeing its descriptor and its thread)."""
-        with self._lock:
-            if not self._strangers:
-                return
-            conn = next(iter(self._strangers))
-            peer = self._strangers.pop(conn)
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        self._door.refused(peer, why)
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         with self._lock:
             admitted = dict(self._admitted)
             generations = dict(self._generations)
-        proven: list[bool] = []
-
-        def leave_strangers() -> None:
-            """The key proven: no longer a stranger (none to push out), unless it was
-            turned away already."""
-            with self._lock:
-                if self._strangers.pop(conn, None) is None:
-                    raise Refused("turned away before it proved the key")
-            proven.append(True)
-
+        door = self._door
         try:
-            link, index = open_as_server(conn, admitted, leave_strangers)
+            link, index = open_as_server(conn, admitted, lambda i: door.proved(conn, i))
         except Refused as exc:
-            with self._lock:
-                # else turned away (and logged so) already
-                ours = self._strangers.pop(conn, None) is not None or bool(proven)
-                conn.close()
-            if ours:
-                self._door.refused(peer, str(exc))
+            if door.left(conn):  # else turned away (and logged so) already
+                door.log.refused(peer, str(exc))
+            conn.close()
             if isinstance(exc, ProtectionMismatch):  # the stage proved its key
                 now = time.monotonic()
                 generation = generations[exc.stage_index]
@@ -319,10 +292,16 @@ class SliceServer:
                     exc.stage_index, generation, state="failed", error=str(exc), ended_s=now
                 )
             return
-        with self._lock:
-            self._strangers.pop(conn, None)
-            self._links.add(link)
         generation = generations[index]
+        try:
+            door.let_in(conn, peer, index, generation)
+        except Refused as exc:
+            with contextlib.suppress(OSError):
+                link.send({"error": f"the slice server refused this connection: {exc}"})
+            link.close()
+            return
+        with self._lock:
+            self._links.add(link)
         try:
             self._send_slice(link, index, generation)
         except (TransferError, OSError, GgufError, ValueError, KeyError, TypeError) as exc:
@@ -334,6 +313,7 @@ class SliceServer:
         finally:
             with self._lock:
                 self._links.discard(link)
+            door.served_ended(conn, index, generation)
             link.close()
 
     def _send_slice(self, link: Link, index: int, generation: int) -> None:
