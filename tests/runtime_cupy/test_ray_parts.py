@@ -266,6 +266,127 @@ def test_a_knock_that_proved_its_key_is_not_pushed_out_by_strangers(
         listener.close()
 
 
+class _Gate:
+    """``gone`` for ``ControlListener.accept`` that holds the listener before its next
+    poll while the gate is shut, so that what the test sends meanwhile is all there at
+    that poll."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._waiting = threading.Event()
+
+    def __call__(self) -> None:
+        self._waiting.set()
+        self._open.wait(30)
+
+    def shut(self) -> None:
+        """Shut it and wait until the listener waits at it."""
+        self._open.clear()
+        self._waiting.clear()
+        assert self._waiting.wait(5)
+
+    def open(self) -> None:
+        time.sleep(0.1)  # what was sent is in the listener's socket buffers
+        self._open.set()
+
+
+def _hello_answer(sock: socket.socket, key: bytes, nonce_p: bytes) -> bytes:
+    head = sock.recv(hs.REPLY_HEAD_BYTES, socket.MSG_WAITALL)
+    reply = head + sock.recv(hs.reply_bytes(head) - len(head), socket.MSG_WAITALL)
+    return hs.read_reply(key, 1, control_link.CONTROL, nonce_p, reply)
+
+
+def test_a_stage_whose_hello_came_with_a_flood_is_looked_at_before_it_is_pushed_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stage connected, then its HELLO and a stranger came at once: the stranger,
+    accepted first, made the knocks without a proven HELLO more than ``MAX_STRANGERS``,
+    and the oldest of them, the stage's, was refused with its HELLO unread. A last look
+    at what it sent proves it, and the stranger goes instead."""
+    monkeypatch.setattr(control_link, "MAX_STRANGERS", 1)
+    key = control_key(new_secret(), "10.0.0.2/cpu0")
+    listener = control_link.ControlListener("127.0.0.1")
+    host, port = control_link._split(listener.address)
+    gate = _Gate()
+    got: list[object] = []
+
+    def accept() -> None:
+        try:
+            got.append(listener.accept(1, key, 30, gate))
+        except Exception as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=accept)
+    stage = socket.create_connection((host, port), timeout=5)
+    thread.start()
+    strangers: list[socket.socket] = []
+    try:
+        gate.shut()  # the stage's connection accepted, a stranger so far
+        nonce_p = hs.new_nonce()
+        stage.sendall(hs.hello(key, 1, control_link.CONTROL, nonce_p))
+        strangers.append(socket.create_connection((host, port), timeout=5))
+        gate.open()
+        nonce_c = _hello_answer(stage, key, nonce_p)
+        stage.sendall(hs.confirm(key, 1, control_link.CONTROL, nonce_c, nonce_p))
+        thread.join(30)
+        assert isinstance(got[0], socket.socket), got
+        got[0].close()
+    finally:
+        gate.open()
+        thread.join(30)
+        for sock in [stage, *strangers]:
+            sock.close()
+        listener.close()
+
+
+def test_a_proven_stage_whose_confirm_came_with_a_replayed_hello_is_let_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stage's CONFIRM, a copy of its HELLO and a stranger came at once: the
+    stranger, accepted first, made the knocks without a proven HELLO too many; the last
+    look at the oldest, the copy, proves it, which makes the proven knocks more than
+    ``MAX_PROVEN``: the oldest of them, the stage's, is looked at too before it is
+    pushed out, and is let in with the CONFIRM it sent."""
+    monkeypatch.setattr(control_link, "MAX_STRANGERS", 1)
+    monkeypatch.setattr(control_link, "MAX_PROVEN", 1)
+    key = control_key(new_secret(), "10.0.0.2/cpu0")
+    listener = control_link.ControlListener("127.0.0.1")
+    host, port = control_link._split(listener.address)
+    gate = _Gate()
+    got: list[object] = []
+
+    def accept() -> None:
+        try:
+            got.append(listener.accept(1, key, 30, gate))
+        except Exception as exc:
+            got.append(exc)
+
+    stage = socket.create_connection((host, port), timeout=5)
+    hello = hs.hello(key, 1, control_link.CONTROL, nonce_p := hs.new_nonce())
+    stage.sendall(hello)  # proven when the copy's connection comes (a last look)
+    copy = socket.create_connection((host, port), timeout=5)
+    thread = threading.Thread(target=accept)
+    thread.start()
+    strangers: list[socket.socket] = []
+    try:
+        nonce_c = _hello_answer(stage, key, nonce_p)
+        gate.shut()
+        stage.sendall(hs.confirm(key, 1, control_link.CONTROL, nonce_c, nonce_p))
+        copy.sendall(hello)
+        strangers.append(socket.create_connection((host, port), timeout=5))
+        gate.open()
+        thread.join(30)
+        assert isinstance(got[0], socket.socket), got
+        got[0].close()
+    finally:
+        gate.open()
+        thread.join(30)
+        for sock in [stage, copy, *strangers]:
+            sock.close()
+        listener.close()
+
+
 def test_an_accept_without_a_descriptor_rests_the_control_port_and_the_stage_gets_in(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

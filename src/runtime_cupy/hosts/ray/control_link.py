@@ -16,6 +16,9 @@ has not proven the key the oldest of them is refused (one that proved it is neve
 out by strangers; past ``MAX_PROVEN`` of those, replayed HELLOs, the oldest proven one
 goes); an ``accept`` that fails (``EMFILE``, ``ENOMEM``, ...) refuses the oldest stranger
 and rests the port ``ACCEPT_PAUSE_S``; refusals past the first few are summed up in the log.
+Each knock is given a last look at what it sent before it is pushed out: a slow stage
+whose HELLO came while strangers flooded the port is proven then, and the next stranger
+goes instead; a proven one whose CONFIRM came is let in.
 Both ends get keepalive and ``TCP_USER_TIMEOUT`` (``streams.keep_alive``): a host that goes silent
 without a FIN breaks the channel within ``streams.SILENT_PEER_S``. Frames are then
 those of ``control.ControlChannel``, numbered and MAC'd per stage.
@@ -157,15 +160,57 @@ class ControlListener:
             self._strangers.refused(knock.peer, str(why))
             knock.conn.close()
 
-        def make_room() -> None:
+        def advance(fd: int) -> socket.socket | None:
+            """Read what knock ``fd`` sent (refused if it proves it wrong); its
+            connection once its handshake is done."""
+            knock = knocks[fd]
+            try:
+                done = knock.advance(stage_index, key)
+            except (OSError, hs.HandshakeRefused) as exc:
+                refuse(fd, exc)
+                return None
+            if not done:
+                return None
+            del knocks[fd]
+            poller.unregister(fd)
+            conn = knock.conn
+            conn.setblocking(True)
+            keep_alive(conn)
+            return conn
+
+        def push_out(
+            proven: bool, why: str, enough: Callable[[], bool] = lambda: False
+        ) -> socket.socket | None:
+            """Refuse the oldest knock that has (``proven``) or has not proven the key,
+            after a last look at what it sent: a stranger whose HELLO came meanwhile
+            is proven, not refused (the next stranger goes instead, unless that is
+            ``enough``), and a proven one whose CONFIRM came is let in (returned)."""
+            for fd in [fd for fd, k in knocks.items() if (k.nonce_c is not None) == proven]:
+                conn = advance(fd)
+                if conn is not None or fd not in knocks:  # let in, or refused by its look
+                    return conn
+                if (knocks[fd].nonce_c is not None) == proven:
+                    refuse(fd, why)
+                    return None
+                if enough():
+                    return None
+            return None
+
+        def count(proven: bool) -> int:
+            return sum((k.nonce_c is not None) == proven for k in knocks.values())
+
+        def make_room() -> socket.socket | None:
             """Push out the oldest knocks that have not proven the key past
-            ``MAX_STRANGERS``, and the oldest proven ones past ``MAX_PROVEN``."""
-            strangers = [fd for fd, k in knocks.items() if k.nonce_c is None]
-            proven = [fd for fd, k in knocks.items() if k.nonce_c is not None]
-            for fd in strangers[: max(0, len(strangers) - MAX_STRANGERS)]:
-                refuse(fd, "pushed out by newer connections before it proved the key")
-            for fd in proven[: max(0, len(proven) - MAX_PROVEN)]:
-                refuse(fd, "pushed out by newer connections that proved the key")
+            ``MAX_STRANGERS``, and the oldest proven ones past ``MAX_PROVEN``, each
+            after a last look; a proven one whose CONFIRM came is let in (returned)."""
+            while count(False) > MAX_STRANGERS:
+                why = "pushed out by newer connections before it proved the key"
+                push_out(False, why, lambda: count(False) <= MAX_STRANGERS)
+            while count(True) > MAX_PROVEN:
+                conn = push_out(True, "pushed out by newer connections that proved the key")
+                if conn is not None:
+                    return conn
+            return None
 
         try:
             while True:
@@ -193,34 +238,25 @@ class ControlListener:
                             continue
                         except OSError as exc:  # EMFILE, ENOMEM, ...: passing
                             self._strangers.accept_failed(exc)
-                            strangers = [fd for fd, k in knocks.items() if k.nonce_c is None]
-                            if strangers:
-                                why = f"turned away to free a descriptor ({exc.strerror})"
-                                refuse(strangers[0], why)
+                            why = f"turned away to free a descriptor ({exc.strerror})"
+                            push_out(False, why)  # (a stranger's look lets no one in)
                             poller.unregister(listening)
                             rests_until = time.monotonic() + ACCEPT_PAUSE_S
                             continue
                         conn.setblocking(False)
                         knocks[conn.fileno()] = _Knock(conn, peer, time.monotonic())
                         poller.register(conn.fileno(), select.POLLIN)
-                        make_room()
+                        let_in = make_room()
+                        if let_in is not None:
+                            return let_in
                         continue
-                    knock = knocks.get(fd)
-                    if knock is None:
+                    if fd not in knocks:
                         continue
-                    try:
-                        done = knock.advance(stage_index, key)
-                    except (OSError, hs.HandshakeRefused) as exc:
-                        refuse(fd, exc)
-                        continue
-                    if not done:
-                        make_room()  # one more proven, maybe
-                        continue
-                    del knocks[fd]
-                    conn = knock.conn
-                    conn.setblocking(True)
-                    keep_alive(conn)
-                    return conn
+                    let_in = advance(fd)
+                    if let_in is None:
+                        let_in = make_room()  # one more proven, maybe
+                    if let_in is not None:
+                        return let_in
         finally:
             for knock in knocks.values():
                 knock.conn.close()
