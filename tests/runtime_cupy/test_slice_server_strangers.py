@@ -21,11 +21,12 @@ from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges import strangers as strangers_module
 from runtime_cupy.process.keys import new_secret, slice_key
 from runtime_cupy.slices import door as door_module
+from runtime_cupy.slices import protocol as protocol_module
 from runtime_cupy.slices import server as server_module
 from runtime_cupy.slices.cache import SliceCache
 from runtime_cupy.slices.digests import DigestStore
 from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin, SliceTransferFailed
-from runtime_cupy.slices.protocol import AUTHENTICATED, TransferError, open_as_stage
+from runtime_cupy.slices.protocol import AUTHENTICATED, Refused, TransferError, open_as_stage
 from runtime_cupy.slices.server import SliceServer
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.descriptors import no_descriptor_left
@@ -231,3 +232,71 @@ def test_a_holder_of_a_stages_key_is_served_on_at_most_served_per_stage_connecti
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_a_stranger_that_trickles_its_hello_gets_no_more_than_the_handshakes_bound(
+    served: Served,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``HANDSHAKE_S`` bounded each read, not the handshake: a byte of a HELLO every
+    little while kept a connection (and its thread) for up to 80 times the bound. It
+    goes once the bound is up, naming it."""
+    monkeypatch.setattr(protocol_module, "HANDSHAKE_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="runtime_cupy.slices")
+    hello = hs.hello(served.key, 1, AUTHENTICATED.code, hs.new_nonce())
+    stop = threading.Event()
+
+    def trickle(sock: socket.socket) -> None:
+        for byte in hello[:12]:
+            if stop.wait(0.3):
+                return
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                return
+
+    with served.connect() as slow:
+        thread = threading.Thread(target=trickle, args=(slow,))
+        thread.start()
+        try:
+            assert _closed_by_server(slow, 2.5)
+        finally:
+            stop.set()
+            thread.join(5)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("took more than 1 s over its handshake" in m for m in said), said
+    served.stage_is_served(tmp_path / "cache")
+
+
+def test_a_stage_whose_server_trickles_its_challenge_gives_up_at_the_handshakes_bound() -> None:
+    """Whoever answers in the server's place (a man in the middle) trickling the
+    CHALLENGE's bytes held the stage for ``timeout_s`` a byte, not for ``timeout_s``."""
+    key = slice_key(new_secret(), "node1")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        stop = threading.Event()
+
+        def trickle() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(hs.HELLO_BYTES, socket.MSG_WAITALL)
+                for byte in hs.challenge(key, 1, AUTHENTICATED.code, bytes(32), bytes(32)):
+                    if stop.wait(0.2):
+                        return
+                    try:
+                        conn.send(bytes([byte]))
+                    except OSError:
+                        return
+
+        thread = threading.Thread(target=trickle)
+        thread.start()
+        began = time.monotonic()
+        try:
+            with pytest.raises(Refused, match="took more than 1 s over its handshake"):
+                open_as_stage(f"127.0.0.1:{port}", 1, key, timeout_s=1.0)
+            assert time.monotonic() - began < 2.0
+        finally:
+            stop.set()
+            thread.join(5)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,7 +54,8 @@ from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, FrameSeal, Protection, protection_named
 from runtime_cupy.process.streams import keep_alive
 
-#: How long the handshake and a control frame may take.
+#: How long the handshake may take (the whole of it: a peer that trickles its bytes gets
+#: no more time than one that sends none), and a control frame.
 HANDSHAKE_S = 10.0
 #: How long a stage waits for the server's first frame after the handshake (the server
 #: may hash a large slice's tensors for its header first).
@@ -164,6 +166,21 @@ class Link:
         except TimeoutError as exc:
             raise self._silent("took nothing of what was sent", exc) from None
         self.sent += len(memoryview(data).cast("B"))
+
+    def recv_some(self, n: int) -> bytes:
+        """What one read brings of at most ``n`` bytes (``TransferError`` if the
+        connection ends, ``LinkSilent`` if nothing comes within the link's bound)."""
+        buf = bytearray(n)
+        try:
+            got = self.sock.recv_into(buf)
+        except TimeoutError as exc:
+            raise self._silent(f"sent nothing of {n} bytes", exc) from None
+        except OSError as exc:
+            raise TransferError(f"the connection broke ({exc})") from exc
+        if got == 0:
+            raise TransferError(f"the connection closed with {n} bytes due")
+        self.received += got
+        return bytes(buf[:got])
 
     def recv_into(self, view: memoryview) -> int:
         """Fill ``view`` (bytes); ``TransferError`` if the connection ends first
@@ -316,11 +333,32 @@ class Link:
         self.sock.close()
 
 
-def _read_message(link: Link, n: int, check: Callable[[bytes], None]) -> bytes:
-    """``n`` bytes, refused by ``check`` on the first byte that proves them wrong."""
+class _Deadline:
+    """When a handshake of ``bound_s`` seconds, begun now, must be done."""
+
+    def __init__(self, bound_s: float) -> None:
+        self.bound_s = bound_s
+        self.at = time.monotonic() + bound_s
+
+
+def _read_message(link: Link, n: int, check: Callable[[bytes], None], deadline: _Deadline) -> bytes:
+    """``n`` bytes, refused by ``check`` on the first bytes that prove them wrong;
+    ``LinkSilent`` once ``deadline`` is past, however the bytes came until then."""
     data = b""
     while len(data) < n:
-        data += link.recv_exact(1) if not data else link.recv_exact(n - len(data))
+        left = deadline.at - time.monotonic()
+        try:
+            if left <= 0:
+                raise LinkSilent("the handshake's time is up")
+            link.sock.settimeout(left)
+            data += link.recv_some(1 if not data else n - len(data))
+        except LinkSilent:
+            if time.monotonic() < deadline.at:
+                raise  # the kernel's bound (the connection's user timeout)
+            raise LinkSilent(
+                f"the peer took more than {deadline.bound_s:g} s over its handshake "
+                f"({len(data)} of {n} bytes of a message came)"
+            ) from None
         check(data)
     return data
 
@@ -346,10 +384,10 @@ def open_as_server(
     with the stage's index once its HELLO proves its key (which a copy of an earlier
     HELLO does too), before the challenge is sent (it may raise ``Refused`` to end the
     handshake there)."""
-    sock.settimeout(HANDSHAKE_S)
+    deadline = _Deadline(HANDSHAKE_S)
     link = Link(sock)
     try:
-        data = _read_message(link, hs.HELLO_BYTES, hs.check_hello_prefix)
+        data = _read_message(link, hs.HELLO_BYTES, hs.check_hello_prefix, deadline)
         refusal = hs.HandshakeRefused("a stage of no slice of this server's", hs.Refusal.OTHER_EDGE)
         for index, admission in admitted.items():
             key, protection = admission.key, admission.protection
@@ -371,7 +409,7 @@ def open_as_server(
             on_proven(index)
             nonce_c = hs.new_nonce()
             link.send_raw(hs.challenge(key, index, protection.code, hello.nonce_p, nonce_c))
-            data = _read_message(link, hs.CONFIRM_BYTES, hs.check_confirm_prefix)
+            data = _read_message(link, hs.CONFIRM_BYTES, hs.check_confirm_prefix, deadline)
             hs.verify_confirm(key, index, protection.code, nonce_c, hello.nonce_p, data)
             seals = protection.seals(key, nonce_c, hello.nonce_p, producer=False)
             link.start_session(protection, seals)
@@ -405,13 +443,15 @@ def open_as_stage(
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except (OSError, ValueError) as exc:
         raise TransferError(f"cannot connect to the slice server at {address}: {exc}") from exc
+    deadline = _Deadline(timeout_s)
     link = Link(sock)
     code = protection.code
     try:
         nonce_p = hs.new_nonce()
         link.send_raw(hs.hello(key, stage_index, code, nonce_p))
-        head = _read_message(link, hs.REPLY_HEAD_BYTES, hs.check_reply_prefix)
-        data = head + link.recv_exact(hs.reply_bytes(head) - len(head))
+        head = _read_message(link, hs.REPLY_HEAD_BYTES, hs.check_reply_prefix, deadline)
+        rest = hs.reply_bytes(head) - len(head)
+        data = head + _read_message(link, rest, lambda _data: None, deadline)
         nonce_c = hs.read_reply(key, stage_index, code, nonce_p, data)
         link.send_raw(hs.confirm(key, stage_index, code, nonce_c, nonce_p))
     except hs.HandshakeRefused as exc:
