@@ -22,6 +22,6 @@ class GgufError(PicklableError, ValueError):
 
 class GgufUnmapped(GgufError):
     """A GGUF file that could not be mapped for want of memory or address space
-    (``ENOMEM``): a fault of this host's resources, not of the file (``runtime_cupy``
-    exits 1 for it, not 2 as for bad input). Names the address-space limit
-    (``RLIMIT_AS``) where one is set."""
+    (``ENOMEM``): a fault of this host's resources, not of the file (every command of
+    ``runtime_cupy`` and ``runtime_sim run`` exit 1 for it, not 2 as for bad input).
+    Names the address-space limit (``RLIMIT_AS``) where one is set."""

@@ -23,7 +23,7 @@ from rich.progress import (
 from rich.table import Table
 
 from runplan.arguments import OneLineParser, add_version, non_negative_int, positive_int
-from runplan.gguf_error import GgufError
+from runplan.gguf_error import GgufError, GgufUnmapped
 from runplan.json_errors import (
     MUTANTS_MISSED,
     RUN_FAULTED,
@@ -64,6 +64,9 @@ from runtime_sim.links import ORCHESTRATOR
 from runtime_sim.trace import chrome_trace
 
 EXIT_VIOLATION = 1
+#: A model this host cannot map for want of memory (``GgufUnmapped``): the host's
+#: resources fell short, not the input (as ``python -m runtime_cupy`` exits for it).
+EXIT_RESOURCES = 1
 EXIT_INPUT = 2
 
 
@@ -418,13 +421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_interrupts():  # SIGTERM cancels the command as Ctrl-C does
             code: int = args.func(args)
+    except GgufUnmapped as exc:  # a GgufError, but the host's fault, not the input's
+        _print_error(args, exc)
+        return EXIT_RESOURCES
     except (GgufError, ModelNotFound, PlanRejected, TokenizerError, ValueError) as exc:
-        if getattr(args, "json", False):
-            print_json(exception_json(exc))
-        else:
-            plain_console(stderr=True, soft_wrap=True).print(
-                labelled("error", "bold red", str(exc)), highlight=False
-            )
+        _print_error(args, exc)
         return EXIT_INPUT
     except KeyboardInterrupt as exc:  # before a run had a result to print
         signal_name = signal_named(exc)
@@ -433,3 +434,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         CommandConsole(stderr=True).print("cancelled")
         return cancelled_status(signal_name)
     return code
+
+
+def _print_error(args: argparse.Namespace, exc: Exception) -> None:
+    if getattr(args, "json", False):
+        print_json(exception_json(exc))
+    else:
+        plain_console(stderr=True, soft_wrap=True).print(
+            labelled("error", "bold red", str(exc)), highlight=False
+        )

@@ -6,7 +6,9 @@ status says the host's resources, not the input, fell short (1, not 2):
 - a descriptor limit (``ulimit -n``) too small for the stages' pipes: "[Errno 24] Too
   many open files" alone.
 
-Each runs ``python -m runtime_cupy`` with the limit set in the child alone."""
+The model that cannot be mapped is exit 1 from ``python -m runtime_cupy plan`` and
+``python -m runtime_sim run`` too (they said 2, as for a bad file). Each runs the
+command with the limit set in the child alone."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import resource
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from runplan.resource_limits import limit_note
 from tests.fixtures.gguf_models import ModelShape, write_model
@@ -26,25 +30,34 @@ ADDRESS_SPACE = 3 << 30
 MODEL_BYTES = 64 << 30
 
 
-def _run(argv: list[str], limit: int, value: int) -> subprocess.CompletedProcess[str]:
+def _run(
+    argv: list[str], limit: int, value: int, module: str = "runtime_cupy"
+) -> subprocess.CompletedProcess[str]:
     def limited() -> None:
         resource.setrlimit(limit, (value, value))
 
     return subprocess.run(
-        [sys.executable, "-m", "runtime_cupy", *argv, "--json"],
+        [sys.executable, "-m", module, *argv, "--json"],
         capture_output=True, text=True, check=False, env=_env(), timeout=120,
         preexec_fn=limited,
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("module", "command"),
+    [("runtime_cupy", []), ("runtime_cupy", ["plan"]), ("runtime_sim", ["run"])],
+    ids=["runtime_cupy", "runtime_cupy-plan", "runtime_sim-run"],
+)
 def test_a_model_past_the_address_space_limit_is_a_fault_naming_the_limit(
-    tmp_path: Path,
+    tmp_path: Path, module: str, command: list[str]
 ) -> None:
     model = write_model(tmp_path / "large.gguf", ModelShape(n_layers=2))
     with open(model, "r+b") as f:
         f.truncate(MODEL_BYTES)
-    argv = ["--model", str(model), "--prompt-ids", "1,2", "--max-tokens", "1"]
-    proc = _run(argv, resource.RLIMIT_AS, ADDRESS_SPACE)
+    argv = [*command, "--model", str(model)]
+    if command != ["plan"]:
+        argv += ["--prompt-ids", "1,2", "--max-tokens", "1"]
+    proc = _run(argv, resource.RLIMIT_AS, ADDRESS_SPACE, module)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
     error = json.loads(proc.stdout)["error"]
     assert error["type"] == "GgufUnmapped", error

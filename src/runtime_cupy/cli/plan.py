@@ -3,7 +3,9 @@ plan a run would get, against the live hosts of a Ray cluster (``--ray-address``
 this host's stage processes, printed as a table (stage, node, host, layers, memory) or,
 with ``--json``, as one JSON object. The planner is ``runplan``'s; the cluster query is
 this runtime's (``hosts.ray.session``). A rejection prints its code and exits 2; a
-cluster that cannot be reached, or a bad input, exits 2 with one line."""
+cluster that cannot be reached, or a bad input, exits 2 with one line; a model this
+host cannot map for want of memory (``GgufUnmapped``) exits 1 with one line, as
+``python -m runtime_cupy`` does."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from runplan.models import resolve_model
 from runplan.terminal import labelled, plain_console
 from runtime_core.runs import PlanRejected, facts_for_run
 from runtime_cupy.cli.arguments import (
+    EXIT_FAULTED,
     INPUT_ERRORS,
+    RESOURCE_ERRORS,
     add_cluster,
     add_model,
     add_stages,
@@ -151,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with json_stdout(args.json), left_at_the_end():  # Ray's driver prints into stdout
         try:
             return _run(args)
+        except RESOURCE_ERRORS as exc:  # the host's fault, caught before INPUT_ERRORS
+            _error(args, exc)
+            return EXIT_FAULTED
         except INPUT_ERRORS as exc:  # PlanRejected among them
             _error(args, exc)
             return EXIT_REJECTED
