@@ -191,8 +191,9 @@ def add_recovery(parser: argparse.ArgumentParser) -> None:
         "--max-recoveries",
         type=non_negative_int,
         default=None,
-        help=f"recoveries per stream with --recover, then the fault ends it "
-        f"(default {DEFAULT_MAX_RECOVERIES})",
+        help=f"recoveries per stream with --recover, then the fault ends it, naming this "
+        f"flag: a new chain lost while it starts counts as one (default "
+        f"{DEFAULT_MAX_RECOVERIES})",
     )
 
 

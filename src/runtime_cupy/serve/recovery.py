@@ -19,7 +19,9 @@ first to get there makes it, the others find the new chain up.
 
 A re-placement the planner refuses (``Unplaceable``) ends the stream with the
 rejection named, and the chain reports it as its trouble (the server unhealthy with
-the reason) until a later ``recover`` places it.
+the reason) until a later ``recover`` places it. A stream whose recoveries are spent,
+its last loss mid-run or while the new chain started, ends with its fault and ``not
+recovered: ... no recovery left (--max-recoveries N)`` (``spent``).
 
 ``Recoveries`` counts them (and their seconds: from the interrupted run's end to the
 replay's first token) for ``/metrics``; the log names the lost node, the cause and the
@@ -210,6 +212,12 @@ class Replacer:
         return nodes, tuple(self.device_of[s.node_id] for s in plan.stages)
 
 
+def spent(policy: RecoveryPolicy) -> str:
+    """What a stream's fault says once its recoveries are spent, whether the last was
+    lost mid-run or while its new chain still started: the limit and its flag."""
+    return f"no recovery left (--max-recoveries {policy.max_recoveries})"
+
+
 @attrs.define
 class _Segment:
     """One run of a stream: the run, how it ended, and its replay (None: the first)."""
@@ -251,6 +259,7 @@ def run_stream(
         if isinstance(decision, End):
             if decision.reason is EndReason.RECOVERIES_SPENT:
                 log.warning("run %s not recovered: %s", decision.run_id, decision.detail)
+                not_recovered = spent(policy)
             break
         lost = decision.lost_stages(last.run.plan.stage_count)
         cause = str(finished.fault)
@@ -261,9 +270,12 @@ def run_stream(
             not_recovered = str(exc)
             if isinstance(exc, SourceChanged):
                 break  # the model's files changed: no replay holds the stream's model
-            if interrupted.recoveries + 1 < policy.max_recoveries and chain.placeable:
+            if not chain.placeable:
+                break
+            if interrupted.recoveries + 1 < policy.max_recoveries:
                 interrupted = attrs.evolve(interrupted, recoveries=interrupted.recoveries + 1)
                 continue  # the new chain was lost in turn while binding: once more
+            not_recovered = f"{not_recovered}; {spent(policy)}"
             break
         replay = replay_of(interrupted, chain.run_id(), chain.context)
         if isinstance(replay, ReplayRefused):

@@ -4,7 +4,8 @@ stage started again on new links; the stages whose node and layers are unchanged
 their process and bound weights and join the new chain's links), and each interrupted
 run is replayed there: the caller's stream goes on and its whole text is the unbroken
 run's, greedy and seeded, with 4 runs in flight, through a second loss during the
-recovery, and through a spare lost while the new chain comes up. A kept stage's control
+recovery, and through a spare lost while the new chain comes up; a stream whose
+recoveries are spent ends with its fault naming ``--max-recoveries``. A kept stage's control
 channel changes keys with the chain's secret: the old secret signs nothing on it any
 more. Nothing of the old chain is left (the ``no_leftovers`` fixture checks every
 chain's resources by its id, the old one's too), and the old run ids stay stale on the
@@ -228,9 +229,42 @@ def test_recoveries_spent_end_the_stream_with_its_fault(tiny: str) -> None:
 
         run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
         assert run.result.outcome == "faulted"
-        assert "SIGKILL" in (run.result.fault or "")
+        fault = run.result.fault or ""
+        assert "SIGKILL" in fault
+        assert fault.endswith("; not recovered: no recovery left (--max-recoveries 1)"), fault
         assert run.result.tokens == tuple(seen) and len(seen) >= 4
         assert chain.recoveries.count == 1
+
+
+def test_recoveries_spent_while_the_new_chain_starts_name_the_limit(tiny: str) -> None:
+    """The last recovery's chain is lost while it starts (its spare's host gone as its
+    stage comes up): the fault names what was lost then and the limit, as a recovery
+    spent mid-run does (it named neither the limit nor its flag)."""
+    host = LosingHost()
+    memory = 8 << 30
+    nodes = (NodeSpec("n0", memory), NodeSpec("n1", memory))
+    spares = (NodeSpec("s0", memory), NodeSpec("s1", memory))
+    with WarmChain(
+        tiny, stages=2, context=64, recover=True, max_recoveries=1, host=host,
+        nodes=nodes, spares=spares,
+    ) as chain:  # fmt: skip
+        pids = chain.pids()
+        host.lose_on_start.add("s0")
+        seen: list[int] = []
+
+        def on_token(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 2:
+                host.lost.add("n1")
+                os.kill(pids[1], signal.SIGKILL)
+
+        run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
+        assert run.result.outcome == "faulted"
+        fault = run.result.fault or ""
+        assert "; not recovered: stage 1 (node 's0'" in fault, fault
+        assert fault.endswith("; no recovery left (--max-recoveries 1)"), fault
+        assert run.result.tokens == tuple(seen) and chain.recoveries.count == 0
+        assert "s1" not in host.started_on  # no try past the limit
 
 
 def test_a_spare_lost_while_the_new_chain_comes_up_is_passed_over(tiny: str) -> None:
