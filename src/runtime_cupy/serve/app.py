@@ -22,7 +22,8 @@ unasked), 429 when the queue is full, 500 / 503 when the pipeline cannot answer,
 once the server stops (a body still arriving too: ``stopping``); a server on a loopback
 address answers 400 ``invalid_host`` to a ``Host`` that is not a loopback name
 (``host_header``: DNS rebinding). A bug is logged with its traceback and answered 500
-without it.
+without it. An answer sent before the request's body came whole (a 413, a 408, ...)
+says ``Connection: close`` and ends its connection (``unread_body``).
 
 A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
 on the event loop: ``/health`` and the streams of other requests go on meanwhile.
@@ -55,6 +56,7 @@ from runtime_cupy.serve.requests import (
     parse_chat,
     parse_completion,
 )
+from runtime_cupy.serve.unread_body import ClosesUnreadBodies
 
 log = logging.getLogger("runtime_cupy.serve")
 
@@ -417,7 +419,9 @@ def build_app(
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    checks = [] if host_names is None else [Middleware(LoopbackHosts, names=host_names)]
+    checks = [Middleware(ClosesUnreadBodies)]  # first: a refused Host's body is unread too
+    if host_names is not None:
+        checks.append(Middleware(LoopbackHosts, names=host_names))
     app = Starlette(
         routes=routes,
         middleware=checks,

@@ -20,6 +20,10 @@ socket it is handed and the protocol class it is given: ``guarded_listener``,
   waits to go is discarded), which the app hears as the client gone (its runs are
   cancelled). A client that stops reading a long stream held its connection, and the
   answer's bytes in this process, for good: a few of them could take every connection.
+- **Closing**: a connection closed while its client still sends a request's body (an
+  answer that did not wait for it: ``unread_body``) lingers (``serve.lingering``): the
+  answer sent and the write side shut, what still comes is thrown away for at most
+  ``LINGER_S``, so that the client reads the answer, not a reset.
 - **Number**: the listening socket (``GuardedListener``) admits a connection only while
   fewer than ``limits.max_connections`` are open (or being set up); past that, the new
   one closes the connection that has waited longest for a request to begin (an idle or
@@ -48,10 +52,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from attrs import frozen
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from runtime_cupy.serve.lingering import LingeringClose
 
 log = logging.getLogger("runtime_cupy.serve.connections")
 
@@ -170,10 +176,20 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # A close while the client still sends its body lingers (``serve.lingering``).
+        self._closing = LingeringClose(transport, self._body_coming, self.loop)
+        self.transport = cast(asyncio.Transport, self._closing)
         self.guard.made(self)
         self._await_request()
 
+    def _body_coming(self) -> bool:
+        """Whether the client may still be sending the body of its request (uvicorn's
+        cycle has not seen its end)."""
+        return self.cycle is not None and self.cycle.more_body
+
     def data_received(self, data: bytes) -> None:
+        if self._closing.lingering:
+            return  # the rest of a body answered already: thrown away
         super().data_received(data)
         if self.waiting_since is not None and self.cycle is not self._cycle_waited:
             self._stop_waiting()  # a request head came whole: its cycle runs
@@ -184,6 +200,7 @@ class BoundedH11Protocol(H11Protocol):
             self._await_request()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._closing.ended()
         self._stop_waiting()
         self._reading()
         self.guard.lost(self)
