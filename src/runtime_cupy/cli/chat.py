@@ -10,7 +10,8 @@ streamed as it is generated. ``/reset`` starts a new conversation, ``/exit`` (or
 Ctrl-D) leaves; Ctrl-C stops the answer being written (what was written stays in the
 conversation) and the chat goes on; SIGTERM ends the chat (its stages closed,
 ``cancelled`` on standard error, exit 143; so does a Ctrl-C while the stages start,
-exit 130). A conversation that leaves an answer less room
+exit 130), at once at the prompt too (``line_input``: one that came while readline
+wrote waited for the Enter key). A conversation that leaves an answer less room
 than ``--max-tokens`` (or half the context, where that is less) loses its oldest turns
 (the system prompt stays), with a note; a message too long for the context, or one the
 chat template refuses, is forgotten and the conversation kept as it was. The answer goes
@@ -48,6 +49,7 @@ from runtime_cupy.cli.arguments import (
     configure_logs,
     stage_processes,
 )
+from runtime_cupy.cli.line_input import read_line
 from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.serve.prompts import chat_prompt, chat_text
 from runtime_cupy.serve.requests import Message
@@ -184,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _loop(chat: Chat) -> None:
     while True:
         try:
-            line = input("> ")
+            line = read_line("> ")  # a signal while readline writes is handled too
         except EOFError:
             print()
             return

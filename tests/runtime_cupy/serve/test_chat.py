@@ -27,6 +27,7 @@ from runtime_cupy import generate
 from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import Message
 from runtime_cupy.workers import DEFAULT_WORKER
+from tests.support.hygiene import wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -163,10 +164,8 @@ def test_a_conversation_in_the_terminal(tiny_chat: str) -> None:
 
 def test_sigterm_at_the_prompt_says_cancelled(tiny_chat: str) -> None:
     """SIGTERM ends the chat with ``cancelled`` on its last line, as a run says it, and
-    exit 143 (it ended with no word). Sent once the prompt waits for a key: one that
-    comes between readline printing ``> `` and its wait for a key is not seen until a
-    key comes (CPython's readline checks for signals only when its ``select`` is
-    interrupted)."""
+    exit 143 (it ended with no word). Sent once the prompt waits for a key (one that
+    comes while readline writes: the next test)."""
     argv = [sys.executable, "-m", "runtime_cupy", "chat", "--model", tiny_chat,
             "--stages", "2", "--worker", WORKER, "--max-tokens", "8"]  # fmt: skip
     term = Terminal(argv)
@@ -176,6 +175,36 @@ def test_sigterm_at_the_prompt_says_cancelled(tiny_chat: str) -> None:
         os.kill(term.pid, signal.SIGTERM)
         assert term.wait() == 143, term.text()
         assert term.text().rstrip().splitlines()[-1] == "cancelled", term.text()
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(term.pid, signal.SIGKILL)
+            os.waitpid(term.pid, 0)
+
+
+def test_sigterm_that_readline_was_writing_through_ends_the_chat(tiny_chat: str) -> None:
+    """SIGTERM that comes while readline is not waiting for a key but writing (the echo
+    of a key, to a terminal whose output Ctrl-S holds): the chat still ends at once, exit
+    143, its stages gone, with no key typed after. The signal interrupted the write, and
+    the chat then waited for the Enter key (CPython's readline handles a signal only
+    when its wait for a key is interrupted)."""
+    argv = [sys.executable, "-m", "runtime_cupy", "chat", "--model", tiny_chat,
+            "--stages", "2", "--worker", WORKER, "--max-tokens", "8"]  # fmt: skip
+    term = Terminal(argv)
+    try:
+        term.read_until(b"> ", 0)
+        stages = children(term.pid)
+        assert len(stages) == 2, stages
+        time.sleep(0.5)  # readline in its select() by now
+        term.type(b"\x13")  # Ctrl-S: the terminal holds the output
+        time.sleep(0.2)
+        term.type(b"h")  # readline's echo of it waits for the terminal
+        time.sleep(0.5)
+        os.kill(term.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        term.type(b"\x11")  # Ctrl-Q: the output goes on (the terminal takes the key)
+        assert term.wait(20) == 143, term.text()
+        assert term.text().rstrip().splitlines()[-1] == "cancelled", term.text()
+        assert not wait_gone(stages, 10.0), "stage processes outlived the chat"
     finally:
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             os.kill(term.pid, signal.SIGKILL)
