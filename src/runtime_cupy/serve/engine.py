@@ -71,7 +71,8 @@ class Engine:
         self._numbers = 0
         self._running: set[Job] = set()
         self._closing = False
-        self._closer_started = False  # the closing thread's start() returned
+        self._closed = threading.Event()  # the close ended (on its thread or the caller's)
+        self._starting_close_on: int | None = None  # the thread in close's first call
         #: set once the engine closes: a request still reading its body is answered 503
         self.stopping = Stopping()
         self.failure: str | None = None  # why the chain could not start, once it could not
@@ -175,36 +176,55 @@ class Engine:
     def close(self, timeout_s: float | None = None) -> bool:
         """Stop taking requests: each waiting one is answered 503, each running one's run
         is cancelled and its client told (``Job.interrupt``), then the chain closes, on a
-        thread of its own (once, from any thread: a signal's handler may start it).
-        Whether all of it ended within ``timeout_s`` (``None``: wait for it; 0: start it
-        and return). The application's handlers hear of it at once (``stopping``)."""
+        thread of its own (once, from any thread: a signal's handler may start it), or,
+        where that thread cannot start (``can't start new thread``: ``ulimit -u``, a
+        cgroup's ``pids.max``), on the caller's, whatever ``timeout_s``. Whether all of
+        it ended within ``timeout_s`` (``None``: wait for it; 0: start it and return).
+        The application's handlers hear of it at once (``stopping``)."""
         self.stopping.set()
         with self._cond:
-            if self._closer is None:
+            if self._starting_close_on == threading.get_ident():
+                return False  # a signal's handler, run while this thread starts the close
+            first = self._closer is None
+            if first:
                 self._closer = threading.Thread(target=self._close, name="close", daemon=True)
-                self._closer.start()
-                self._closer_started = True
-            closer = self._closer
-        if not self._closer_started:  # a signal's handler, run while this thread starts it
-            return False
-        closer.join(timeout_s)
-        return not closer.is_alive()
+                self._starting_close_on = threading.get_ident()
+        if first:
+            try:
+                self._begin_close()
+            finally:
+                self._starting_close_on = None
+        return self._closed.wait(timeout_s)
+
+    def _begin_close(self) -> None:
+        """Start the closing thread; where it cannot start, close on this thread (the
+        chain's processes were left running, every later close returning False)."""
+        assert self._closer is not None
+        try:
+            self._closer.start()
+        except RuntimeError as exc:  # can't start new thread
+            log.warning("closing on the caller's thread: the closing thread cannot start (%s)",
+                        exc)  # fmt: skip
+            self._close()
 
     def _close(self) -> None:
-        with self._cond:
-            self._closing = True
-            waiting = list(self._queue)
-            self._queue.clear()
-            running = list(self._running)
-            self._cond.notify_all()
-        for job in waiting:  # counted, as the running ones are: their tallies close
-            self._answers.finish(job, "cancelled", Failed(503, SHUTTING_DOWN, "shutting_down"))
-        for job in running:
-            job.interrupt()
-        if self._thread.ident is not None:  # started: it closes the chain as it ends
-            self._thread.join()
-        else:
-            self.chain.close()
+        try:
+            with self._cond:
+                self._closing = True
+                waiting = list(self._queue)
+                self._queue.clear()
+                running = list(self._running)
+                self._cond.notify_all()
+            for job in waiting:  # counted, as the running ones are: their tallies close
+                self._answers.finish(job, "cancelled", Failed(503, SHUTTING_DOWN, "shutting_down"))
+            for job in running:
+                job.interrupt()
+            if self._thread.ident is not None:  # started: it closes the chain as it ends
+                self._thread.join()
+            else:
+                self.chain.close()
+        finally:
+            self._closed.set()
 
     # -- the runner thread ----------------------------------------------------------------
     def _serve(self) -> None:

@@ -2,7 +2,11 @@
 thread``: ``ulimit -u``, ``ulimit -v`` or a cgroup's ``pids.max`` reached) is answered
 503 naming the cause, and the runner goes on: the next request is served and
 ``GET /health`` stays true. Before, the runner thread died joining the thread that never
-started, every later request waited for ever, and ``/health`` still said ok."""
+started, every later request waited for ever, and ``/health`` still said ok.
+
+``Engine.close`` whose closing thread cannot start closes on the caller's thread: the
+chain's stage processes end, and every later call says it is closed. Before, the first
+call raised, every later one returned False at once, and the stages were left."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import pytest
 
 from runtime_cupy.serve.chain import WarmChain
 from runtime_cupy.serve.engine import Engine
+from tests.support.hygiene import wait_gone
 from tests.support.servers import metrics, serving
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
@@ -53,3 +58,24 @@ def test_a_request_thread_that_cannot_start_is_a_503_and_the_server_goes_on(
         assert r2.json()["choices"][0]["message"]["content"] is not None
         health = httpx2.get(f"{server.base_url}/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_a_closing_thread_that_cannot_start_closes_on_the_callers_thread(
+    tiny_chat: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(WarmChain(tiny_chat, stages=2, context=128, max_concurrent=1))
+    engine.start()
+    assert engine.wait_started(120), engine.failure
+    stages = list(engine.chain.pids())
+    assert len(stages) == 2
+    start = threading.Thread.start
+
+    def close_refused(thread: threading.Thread) -> None:
+        if thread.name == "close":  # the host's limit, met by the closing thread
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", close_refused)
+    assert engine.close(timeout_s=0)  # closed here, whatever the timeout
+    assert not wait_gone(stages, 10.0), "stage processes outlived the close"
+    assert engine.close(timeout_s=0)  # closed: every later call says so
