@@ -172,16 +172,20 @@ def test_stages_stop_on_their_own_when_the_orchestrator_is_killed_before_ready(
 
 
 @EDGES
-def test_a_stage_killed_just_before_its_orchestrator_leaves_nothing_behind(
-    tiny: str, tmp_path: Path, edges: str
+@pytest.mark.parametrize("killed", [(1,), (2,), (0, 2), (1, 2)], ids=str)
+def test_stages_killed_just_before_their_orchestrator_leave_nothing_behind(
+    tiny: str, tmp_path: Path, edges: str, killed: tuple[int, ...]
 ) -> None:
-    """Stage 1 SIGKILLed, then the orchestrator at once (before it frees the chain by
-    name): stage 1's inbound ring, which only stage 1 or the orchestrator freed, was left
-    for good; the stage before it now frees it as its own outbound link."""
+    """Stages SIGKILLed, then the orchestrator at once (before it frees the chain by
+    name): what they made (a stage's inbound ring; token-out, the orchestrator's) was
+    left for good where its neighbour did not free it as its outbound link (the last
+    stage killed: token-out; stages 1 and 2: token-out and stage 2's). A stage left
+    alive frees every hop of the chain on its host."""
     driver = Driver(tiny, {}, tmp_path / "driver.log", edges)
     driver.until("token", 2)
     assert len(driver.pids) == 3
-    os.kill(driver.pids[1], signal.SIGKILL)
+    for index in killed:
+        os.kill(driver.pids[index], signal.SIGKILL)
     driver.kill()
     assert wait_gone(driver.pids, STOP_MS / 1000 + 8) == []
     assert run_resources(driver.chain_id) == []

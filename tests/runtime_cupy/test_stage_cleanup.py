@@ -1,6 +1,6 @@
-"""A stage whose orchestrator is lost frees, by name, what its chain left on this host: the
-last stage frees token-out (the orchestrator's ring) also when the orchestrator went
-between sending a run's provision and the stage's setup of it. The run's provision then
+"""A stage whose orchestrator is lost frees, by name, what its chain left on this host:
+every hop, token-out (the orchestrator's ring) among them, also when the orchestrator
+went between sending a run's provision and the stage's setup of it. The run's provision then
 goes with the run; the chain's length comes from the stage's launch (``--stage-count``),
 or from the provision the stage held when it heard of the loss."""
 
@@ -14,7 +14,8 @@ import pytest
 from runplan import SamplingConfig
 from runplan.provision import provision_stage
 from runtime_cupy.api import plan_for
-from runtime_cupy.edges.links import ProcessLinks
+from runtime_cupy.edges import links as links_module
+from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.keys import chain_id, control_key
 from runtime_cupy.process.stage_loop import StageProcess
@@ -46,8 +47,8 @@ class NamingMedium:
 
 
 @pytest.mark.parametrize("launched_with_count", [True, False], ids=["launch", "provision"])
-def test_the_last_stage_frees_token_out_when_the_orchestrator_goes_before_setup(
-    tiny: str, launched_with_count: bool
+def test_a_stage_frees_every_hop_when_the_orchestrator_goes_before_setup(
+    tiny: str, launched_with_count: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plan, _ = plan_for(
         tiny, stages=3, prompt_len=3, max_tokens=4, sampling=SamplingConfig(), return_logits=False
@@ -57,6 +58,8 @@ def test_the_last_stage_frees_token_out_when_the_orchestrator_goes_before_setup(
     key = control_key(SECRET, STAGE)
     orchestrator = ControlChannel(theirs, key, ORCHESTRATOR, STAGE)
     inbound, outbound = NamingMedium(), NamingMedium()
+    freed: list[int] = []
+    monkeypatch.setattr(links_module, "remove_edge", lambda _chain, hop: freed.append(hop))
     stage = StageProcess(
         stage_index=2,
         stage_count=3 if launched_with_count else None,
@@ -74,3 +77,4 @@ def test_the_last_stage_frees_token_out_when_the_orchestrator_goes_before_setup(
     assert stage.run() == EXIT_LOST  # it held the run when it heard
     assert outbound.removed == [plan.stage_count]  # token-out, by the chain's name
     assert inbound.removed == []  # its own inbound ring was never made
+    assert freed == list(chain_hops(plan.stage_count))  # what is left of every hop

@@ -32,6 +32,7 @@ from runplan import ProvisionStage, RunPlan
 from runplan.plan import ObjectKind, RingSpec
 from runtime_core.links import LinkReceiver, LinkSender
 from runtime_cupy.edges.port import EdgeMedium, ProcessRing
+from runtime_cupy.edges.shm import remove_edge
 from runtime_cupy.process.keys import edge_key
 from runtime_cupy.process.poller import Entry
 
@@ -134,3 +135,12 @@ class ProcessLinks:
         whose orchestrator is gone frees token-out)."""
         for hop in hops:
             self.outbound_medium.remove(self.chain_id, hop)
+
+    def remove_names(self, hops: Iterable[int]) -> None:
+        """Free what this host holds of ``hops`` under their names, whatever their
+        medium: each hop's segment and folder (a TCP hop's address file is in its
+        folder), asking no rendezvous (a cluster's is the orchestrator's host's to
+        clear). A stage whose orchestrator is gone frees every hop of the chain so:
+        their owners may be gone with it."""
+        for hop in hops:
+            remove_edge(self.chain_id, hop)

@@ -142,7 +142,7 @@ class StageProcess(StageTraces, OrchestratorLoss):
         # ``heartbeat_s``: the orchestrator's bound on this stage's silence (``None``:
         # no heartbeats, for a caller that watches the stage otherwise).
         # ``stage_count``: the chain's length when the launcher said it (else known once a
-        # provision says it): the last stage frees token-out if the orchestrator is lost.
+        # provision says it): a stage frees every hop if the orchestrator is lost.
         # ``secrets`` and ``media``: the next chain's secret from the host and the links'
         # media, for a stage that may join a new chain (``JoinChain``; without them it
         # refuses to).

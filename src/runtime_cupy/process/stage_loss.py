@@ -10,9 +10,10 @@ stage owns and exits.
 Resources. The stage makes its inbound link's ring once, when the first run comes
 (EDGES_AND_WORKERS.md §3), and frees it when it ends, never its outbound link, which
 belongs to the next stage. Only when the orchestrator is lost does a stage also free
-its outbound link, whose owner may be gone (token-out's, the orchestrator; the next
-stage, killed just before it); so a chain whose orchestrator was killed leaves nothing
-behind. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
+every other hop of the chain on its host, whose owner may be gone with the
+orchestrator (token-out's, the orchestrator; another stage, killed just before it); so
+a chain whose orchestrator was killed leaves nothing behind while one of its stages on
+the host lives to notice. SIGINT is ignored (Ctrl-C is the orchestrator's to handle); SIGTERM
 and SIGHUP (its terminal gone with the orchestrator) stop the stage as a lost
 orchestrator does.
 
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from runplan.fsm import stage as fsm
 from runtime_core.chain_stage import ChainStageController
-from runtime_cupy.edges.links import ProcessLinks
+from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.process.control_channel import ControlChannel
 from runtime_cupy.process.tracing import TraceLog
 
@@ -168,16 +169,17 @@ class OrchestratorLoss:
 
     def _remove_resources(self) -> None:
         """Free what this stage owns: its inbound link's resources on this host, and, if
-        the orchestrator is lost, its outbound link's too, whose owner may be gone with
-        it (token-out's, the last stage's; the next stage's inbound ring, when that
-        stage was killed just before the orchestrator: it leaked, and no one was left
-        to free it by name). Idempotent, any thread."""
+        the orchestrator is lost, those of every hop of the chain on this host, whose
+        owners may be gone with it (token-out's, the orchestrator's; another stage's
+        inbound ring, when that stage was killed just before the orchestrator: it
+        leaked, and no one was left to free it by name). Idempotent, any thread."""
         links = self.links
         links.remove_inbound()
         place = self._place()
         if (self.lost is not None or self._lost_flag.is_set()) and place is not None:
-            index, _count = place
-            links.remove_hops((index + 1,))
+            index, count = place
+            links.remove_hops((index + 1,))  # its address withdrawn too (a cluster's)
+            links.remove_names(chain_hops(count))
 
     def _place(self) -> tuple[int, int] | None:
         """This stage's index and the chain's stage count, as the launcher said them, else

@@ -140,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--stage-count",
         type=int,
         default=None,
-        help="the chain's stages (the last stage frees token-out if the orchestrator is lost)",
+        help=(
+            "the chain's stages (a stage whose orchestrator is lost frees every hop of "
+            "the chain on its host)"
+        ),
     )
     p.add_argument("--node-id", required=True)
     p.add_argument("--orchestrator-id", required=True)
