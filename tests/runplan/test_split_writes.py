@@ -92,6 +92,41 @@ def test_two_writers_of_one_shard_each_write_a_file_of_their_own(
     assert not list(tmp_path.glob("*.partial"))
 
 
+def test_a_split_killed_mid_shard_leaves_a_partial_file_the_next_split_removes(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A split SIGKILLed while it writes a shard cannot remove its partial file; each
+    one stayed in ``--out`` for good, however often the split ran again. The next
+    writer of the shard removes it (no process holds its lock); a link planted under
+    such a name is left as it is."""
+    out = tmp_path / "out"
+    code = (
+        "import os, signal\n"
+        "from runplan import model_facts_from_gguf\n"
+        "from runplan.split import split_model, split_plan\n"
+        f"plan = split_plan(model_facts_from_gguf({str(model)!r}), 2, None, 'even')\n"
+        "def progress(what, done, total):\n"
+        "    if what.endswith('.gguf') and done:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"split_model({str(model)!r}, plan, {str(out)!r}, progress=progress)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = list(out.glob("*.partial"))
+    assert [p.name.split(".")[:3] for p in left] == [["tiny", "stage-0-of-2", "gguf"]]
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    planted = out / "tiny.stage-0-of-2.gguf.0123456789abcdef.partial"
+    planted.symlink_to(victim)
+    assert _split(model, out) == 0, capsys.readouterr()
+    assert list(out.glob("*.partial")) == [planted]
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in out.glob("*.gguf")) == [
+        "tiny.stage-0-of-2.gguf",
+        "tiny.stage-1-of-2.gguf",
+    ]
+
+
 def _split_under_file_size_limit(
     model: Path, out: Path, limit: int
 ) -> subprocess.CompletedProcess[str]:
