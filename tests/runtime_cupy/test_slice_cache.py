@@ -218,6 +218,23 @@ def test_what_unfinished_fetches_hold_is_listed(
     assert "of fetches not finished" in capsys.readouterr().out
 
 
+def test_what_a_removal_killed_part_way_left_goes_at_the_next_fetch(
+    source: Source, tmp_path: Path
+) -> None:
+    """An entry removed (replaced, evicted, cleared) is renamed to ``tmp/gone-*`` first,
+    then removed: one killed part-way stayed there for good, counted as a fetch's
+    partial bytes, since a fetch removed only its own source's leftovers."""
+    cache = tmp_path / "host"
+    store = SliceCache(cache, limit=None)
+    gone = store.folder(store.tmp) / "gone-0123456789ab"
+    gone.mkdir()
+    (gone / "shard.gguf").write_bytes(bytes(3000))
+    other = store.new_partial("sha256:" + "f" * 64, PARTS[2])  # another source's fetch
+    source.resolve(source.fetcher(cache), PARTS[1])
+    assert sorted(os.listdir(store.tmp)) == [other.name]
+    assert store.partial_bytes() == 0
+
+
 def test_an_entry_holding_other_parts_than_its_name_is_not_used(
     source: Source, tmp_path: Path
 ) -> None:

@@ -17,7 +17,9 @@
 made in ``tmp/`` and renamed into place only once complete and verified: whatever a
 fetch that broke off, was killed or hit a full disk left behind lies in ``tmp/``, is
 never taken for an entry, and is removed by the next fetch of that source (whose lock
-says no one else writes it).
+says no one else writes it). An entry is removed by renaming it into ``tmp/`` as
+``gone-*`` first; what a removal killed part-way left there goes at the next fetch of
+any source.
 
 The cache is used only where it is this user's alone (``private_root``): whoever can
 write in it could hand a stage other weights.
@@ -51,6 +53,8 @@ from runtime_cupy.slices.transfer_log import TRANSFER_LOG
 CACHE_VARIABLE = "GGUF_PIPELINE_CACHE"
 LIMIT_VARIABLE = "GGUF_PIPELINE_CACHE_LIMIT"
 _KEY_DIGITS = 32
+#: The names in ``tmp/`` of entries being removed (renamed there first, then removed).
+_GONE = "gone-"
 
 
 class CacheError(OSError):
@@ -258,7 +262,7 @@ class SliceCache:
             with contextlib.suppress(OSError):
                 path.unlink()
             return
-        doomed = self.tmp / f"gone-{secrets.token_hex(6)}"
+        doomed = self.tmp / f"{_GONE}{secrets.token_hex(6)}"
         try:
             self.folder(self.tmp)
             os.rename(path, doomed)  # no half-removed entry is ever seen
@@ -284,7 +288,7 @@ class SliceCache:
         for name in _names(self.tmp):
             key = name.split(".", 1)[0]
             with self.try_lock(key) as held:
-                if held or name.startswith("gone-"):
+                if held or name.startswith(_GONE):
                     shutil.rmtree(self.tmp / name, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (self.private_root() / TRANSFER_LOG).unlink()
@@ -300,10 +304,12 @@ class SliceCache:
 
     def remove_stale(self, source_key: str) -> None:
         """Remove what earlier fetches of this source left in ``tmp/`` (call with the
-        source's lock held: no one else writes there)."""
+        source's lock held: no one else writes there), and what removals killed
+        part-way left (``gone-*``: only ever removed, by whoever moved it there, and a
+        second removal beside the first harms neither)."""
         prefix = key_folder(source_key) + "."
         for name in _names(self.tmp):
-            if name.startswith(prefix):
+            if name.startswith((prefix, _GONE)):
                 shutil.rmtree(self.tmp / name, ignore_errors=True)
 
     def commit(self, partial: Path, source_key: str, parts: SliceParts) -> Path:
@@ -311,7 +317,7 @@ class SliceCache:
         target = self.entry_path(source_key, parts)
         self.folder(target.parent)
         if target.exists():
-            doomed = self.tmp / f"gone-{secrets.token_hex(6)}"
+            doomed = self.tmp / f"{_GONE}{secrets.token_hex(6)}"
             os.rename(target, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
         os.rename(partial, target)
