@@ -351,6 +351,24 @@ def test_records_of_files_no_longer_there_are_removed_when_a_record_is_written(
     assert kept == [str(b), str(c)]  # a's record, the old version's and the junk are gone
 
 
+def test_a_record_s_partial_file_a_killed_writer_left_goes_when_it_is_written_again(
+    tmp_path: Path,
+) -> None:
+    """A record was written through a partial file of its own (``.NAME.<random>``),
+    which a writer killed before its rename left in ``digests/`` for good; it is
+    written as every whole file is now (``runplan.whole_file``), whose next writer
+    removes what a dead one left."""
+    store = DigestStore(tmp_path / "digests")
+    a = write_model(tmp_path / "a.gguf", attrs.evolve(UNTIED, seed=3))
+    store.content(GgufHeader.read(a))
+    (record,) = store.folder.glob("*.json")
+    left = record.with_name(f"{record.name}.0123456789abcdef.partial")
+    left.write_text("{")  # what a writer killed before its rename left
+    os.utime(a, ns=(0, 0))  # another identity: the record is written again
+    store.content(GgufHeader.read(a))
+    assert sorted(p.name for p in store.folder.iterdir()) == [record.name]
+
+
 def test_a_file_at_the_path_that_differs_is_not_used(untied: Source, tmp_path: Path) -> None:
     write_model(untied.path, attrs.evolve(UNTIED, seed=7))  # same shapes, other weights
     fetcher = untied.fetcher(tmp_path / "host")

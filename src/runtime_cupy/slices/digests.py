@@ -6,7 +6,8 @@ A record holds the identity of the source's files as they are on disk (path, dev
 inode, size, modification and change times: ``kept_weights.FileIdentity``), so a file
 replaced, touched or written in place is hashed again. Records live in the slice
 cache's ``digests/`` (``cache.SliceCache``), one small JSON file per set of paths,
-written whole (a new file renamed into place): the record of files since changed is
+written whole (``runplan.whole_file``: a partial file renamed into place, one a killed
+writer left removed by the next write of that record): the record of files since changed is
 replaced by that of the files as they are, so the folder holds one record per source
 path hashed here, not one per version of it; and each record written removes those of
 paths that no longer exist (or of another version of this format), so files deleted or
@@ -26,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from runplan.content import SourceContent, content_key, tensor_sha256
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
 from runplan.shard_file import recorded_problem
+from runplan.whole_file import whole_file
 from runtime_core.workers.kept_weights import FileIdentity
 
 _VERSION = 2  # 2: records named by their paths; identities hold ctime
@@ -78,14 +79,11 @@ class DigestStore:
         """Write a record whole; a cache that cannot be written only costs hashing again."""
         doc = {**doc, "version": _VERSION, "identity": identity}
         path = self._path(identity)
-        partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps(doc, sort_keys=True))
-            os.replace(partial, path)
+            with whole_file(path) as out:
+                out.write(json.dumps(doc, sort_keys=True).encode("utf-8"))
         except OSError:
-            with contextlib.suppress(OSError):
-                partial.unlink()
             return
         self._forget_gone(keep=path)
 
