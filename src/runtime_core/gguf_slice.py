@@ -388,14 +388,16 @@ def open_provisioned_slice(
     return stage
 
 
-def rope_factors(config: ModelConfig, names: Collection[str], max_seq_len: int) -> str | None:
-    """Of the tensors ``names`` (a stage's), the per-frequency divisors the rotary angles
-    of a stage whose runs reach ``max_seq_len`` positions take (llama.cpp's
-    ``get_rope_factors``, its context size ours): llama3's ``rope_freqs``; else
-    LongRoPE's long factors where the context passes the original one
-    (``ModelConfig.original_context``), its short ones otherwise; None where there are
-    none of these (or not the one chosen)."""
+def rope_factors(config: ModelConfig, names: Collection[str]) -> str | None:
+    """Of the tensors ``names`` (a stage's), the per-frequency divisors its rotary angles
+    take (llama.cpp's ``get_rope_factors`` at its default context, the trained one):
+    llama3's ``rope_freqs``; else LongRoPE's long factors where the model's context
+    length passes its original one (``ModelConfig.original_context``), its short ones
+    otherwise; None where there are none of these (or not the one chosen). The model
+    alone chooses, never a run's cache length: a run's tokens do not depend on its
+    ``max_tokens`` or on the runs that share its batches."""
     if ROPE_FREQS in names:
         return ROPE_FREQS
-    name = ROPE_FACTORS_LONG if max_seq_len > config.original_context else ROPE_FACTORS_SHORT
+    long = config.context_length > config.original_context
+    name = ROPE_FACTORS_LONG if long else ROPE_FACTORS_SHORT
     return name if name in names else None

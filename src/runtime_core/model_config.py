@@ -108,7 +108,7 @@ class ModelConfig:
     attn_temp_scale: float = 0.0
     attn_temp_length: int = 0
     # llama.cpp's n_ctx_orig_yarn: rope.scaling.original_context_length, else the
-    # context length (LongRoPE's long factors serve a context past it)
+    # context length (LongRoPE's long factors where the context length passes it)
     original_context: int = 0
     # granite: each block's attention and feed-forward outputs times this before their
     # residual sums (0: none); the logits times this (1 / logit_scale; 1: none)

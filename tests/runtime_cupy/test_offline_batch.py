@@ -244,3 +244,22 @@ def test_a_batch_the_host_cannot_hold_at_once_runs_fewer_at_a_time(
     assert {i: r.tokens for i, r in got.items()} == {i: alone[i % len(PROMPTS)] for i in range(10)}
     with pytest.raises(batch.PlanRejected):  # a count given is taken as it is
         generate_batch(tiny, prompts, stages=2, max_tokens=7, worker="numpy", max_concurrent=5)
+
+
+def test_a_longrope_prompts_tokens_do_not_depend_on_the_prompts_beside_it(
+    tmp_path: Path,
+) -> None:
+    """A LongRoPE model (original context 32, context 256): a prompt's tokens are the
+    same alone and beside a prompt whose length takes the batch's context past 32
+    (CONCURRENT_RUNS.md §3). The stages picked the long or short factors by the batch's
+    context (its longest prompt and ``max_tokens``), so the longer prompt changed the
+    shorter one's tokens."""
+    from tests.fixtures.gguf_models import FIXTURE_SHAPES, write_model
+
+    model = tmp_path / "phi3-longrope.gguf"
+    write_model(model, attrs.evolve(FIXTURE_SHAPES["phi3-longrope"], quant="F32"))
+    short = [164, 197, 316, 237, 206, 177, 182, 304, 90, 265, 218, 0]
+    alone = dict(generate_batch(model, [short], max_tokens=6, worker="cpu"))[0]
+    beside = dict(generate_batch(model, [short, list(range(1, 41))], max_tokens=6, worker="cpu"))
+    assert alone.outcome == beside[0].outcome == "completed"
+    assert beside[0].tokens == alone.tokens

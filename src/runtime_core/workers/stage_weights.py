@@ -326,7 +326,7 @@ def load_weights(
         output_norm = vector(OUTPUT_NORM)
         head = linear([stage.head])
     factors = None
-    factors_name = rope_factors(config, stage.tensors, max_seq_len)
+    factors_name = rope_factors(config, stage.tensors)
     for name in (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT):
         if stage.has(name):
             count(name)  # every tensor the stage owns is counted, the one chosen read

@@ -51,7 +51,7 @@ class StageModel(Attention, MixtureOfExperts):
         self.config = c
         self.max_seq_len = max_seq_len
         tables = weights.rope_factor_tables
-        name = rope_factors(c, tables, max_seq_len)
+        name = rope_factors(c, tables)
         factors = None if name is None else tables[name]
         self.rot = rope_rotations(c.rope, max_seq_len, factors)
         self.rot_swa = self.rot
