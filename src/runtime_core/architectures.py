@@ -112,6 +112,10 @@ class ArchSpec:
     rope_freqs: bool  # may carry llama3's rope_freqs.weight
     # may carry LongRoPE's rope_factors_long / rope_factors_short.weight (phi3)
     longrope: bool = False
+    # rotates whole heads: rope.dimension_count other than the key head size is refused,
+    # as llama.cpp's loader refuses it ("invalid n_rot") for llama (and deci, falcon,
+    # llama-embed, which we do not run); False: partial rotary allowed (phi3's)
+    whole_head_rotary: bool = False
     # output.weight: OPTIONAL (the embedding where absent), REQUIRED (qwen2moe: llama.cpp
     # loads no fallback), ABSENT (the head is always the embedding; a file with one is
     # refused, as llama.cpp's tensor count refuses it)
@@ -169,12 +173,16 @@ _BASE = ArchSpec(
     # llama.cpp's llama loader takes rope_factors_long / _short where the file's rope
     # scaling is LongRoPE (as granite's; those of llama's shape below take none)
     longrope=True,
+    whole_head_rotary=True,
     experts=Presence.OPTIONAL,
 )
 
 
 def _like_llama(**changes: Any) -> ArchSpec:
-    return attrs.evolve(_BASE, **{"experts": Presence.ABSENT, "longrope": False, **changes})
+    return attrs.evolve(
+        _BASE,
+        **{"experts": Presence.ABSENT, "longrope": False, "whole_head_rotary": False, **changes},
+    )
 
 
 _GEMMA3 = _like_llama(

@@ -8,7 +8,8 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   ``.attention.key_length`` / ``.value_length`` (default ``hidden / heads``),
   ``.attention.layer_norm_rms_epsilon``.
 - Rotary embedding: ``{arch}.rope.freq_base`` (default 10000),
-  ``.rope.dimension_count`` (default the key head size), ``.rope.scaling.type``
+  ``.rope.dimension_count`` (default the key head size; llama's must be it, as
+  llama.cpp's loader requires: ``ArchSpec.whole_head_rotary``), ``.rope.scaling.type``
   (``none``, ``linear`` or ``yarn``; llama.cpp's default when absent is linear) and
   ``.rope.scaling.factor`` (or the older ``.rope.scale_linear``): positions are
   multiplied by ``1 / factor``, and by 1 when the type is ``none``; YaRN mixes those
@@ -399,16 +400,18 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, spec: ArchSpec) -> RopeC
     path = header.paths[0]
     neox = spec.rope_neox
     n_dims = header.integer(f"{arch}.rope.dimension_count", default=head_dim)
-    if n_dims < 2 or n_dims % 2 or n_dims > head_dim:
+    partial = spec.whole_head_rotary and n_dims != head_dim
+    if partial or n_dims < 2 or n_dims % 2 or n_dims > head_dim:
         size_key = f"{arch}.attention.key_length"
         sized_by = (
             size_key
             if header.has(size_key)
             else f"{arch}.embedding_length / {arch}.attention.head_count"
         )
+        whole = f": the {arch} architecture rotates whole heads" if partial else ""
         raise UnsupportedModel(
             path,
-            f"rotary dimension count {n_dims} for heads of {head_dim} ({sized_by})",
+            f"rotary dimension count {n_dims} for heads of {head_dim} ({sized_by}){whole}",
             key=f"{arch}.rope.dimension_count",
         )
     type_key = f"{arch}.rope.scaling.type"

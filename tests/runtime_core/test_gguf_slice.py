@@ -382,6 +382,12 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (1, 2),
         _unsupported(key="llama.rope.dimension_count"),
     ),
+    # llama.cpp refuses it ("invalid n_rot: 8, expected 16"): llama rotates whole heads
+    "a llama rotary dimension count below its head size": (
+        {"shape": ModelShape(n_layers=N_LAYERS, rope_dims=8)},
+        (1, 2),
+        _unsupported(key="llama.rope.dimension_count"),
+    ),
     "an embedding length of 0": (
         {"override_keys": {"llama.embedding_length": (0, GGUFValueType.UINT32)}},
         (0, 1),
