@@ -431,3 +431,23 @@ def test_byte_tokens_whose_text_is_not_hex_decode_as_llama_cpp(tmp_path: Path) -
     )
     tok = Tokenizer.from_gguf(path)
     assert [tok.token_bytes(i) for i in ids] == list(llama_cpp.values())
+
+
+def test_a_sentencepiece_token_of_a_million_characters_builds_at_once(tmp_path: Path) -> None:
+    """The merges of a SentencePiece vocabulary are its tokens' cuts into two parts that
+    are tokens or single characters: every cut of every token was tried, each copying
+    and hashing the token, so one forged token of 400,000 characters (a 1.2 MB file)
+    took minutes to build. Only cuts into parts of a token's length are tried now, and
+    the merges are the same."""
+    from tests.fuzz.pipeline import MutantTimeout, time_limit
+
+    long = "\u2581" * 400_000
+    path = write_vocab(tmp_path / "v.gguf", SPECS["spm-llama"], (long.encode(),))
+    try:
+        with time_limit(20.0, "Tokenizer.from_gguf"):
+            tok = Tokenizer.from_gguf(path)
+    except MutantTimeout as exc:  # the frame it interrupts may be one pytest cannot show
+        pytest.fail(str(exc), pytrace=False)
+    plain = Tokenizer.from_gguf(write_vocab(tmp_path / "plain.gguf", SPECS["spm-llama"]))
+    for text in ("a  b", "   hello world  ", "\u00fc  x"):
+        assert tok.encode(text) == plain.encode(text)
