@@ -11,6 +11,13 @@ The package's parsing of a header is kept, with these changes:
   for it, so a forged count of 2**60 fails at once. Reading stops at the first
   structure llama.cpp's reader (``gguf.cpp``) refuses: an array of arrays, a tensor
   with more than four dimensions, an empty or repeated tensor name.
+- Bounded: at most ``MAX_KEYS`` key-value pairs and ``MAX_TENSORS`` tensors. llama.cpp
+  reads any number, but its files hold a few dozen pairs (the vocabulary and per-block
+  values are arrays, one pair each) and a few thousand tensors (a mixture's experts
+  stacked in one tensor per block), and the package makes a field of several NumPy
+  views for each: a 6 MB header of 300,000 keys of one-byte values took 8 s and 490
+  MB to read, a 14 MB file of 200,000 one-element tensors 9 s, a file of 100 MB
+  minutes and gigabytes.
 
 Every failure is a ``ValueError`` (or an ``IndexError``, ``KeyError``,
 ``UnicodeDecodeError`` from the package's own code), which ``gguf_files`` turns into a
@@ -37,6 +44,9 @@ MAX_DIMS = 4
 _MIN_KV_BYTES = 8 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 _HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, key-value count
+#: The most key-value pairs and tensors a header is read with (the module's docstring).
+MAX_KEYS = 65_536
+MAX_TENSORS = 65_536
 _ITEMSIZE: dict[Any, int] = {}  # numpy type -> bytes, for the bounds check of every read
 
 
@@ -117,6 +127,11 @@ class HeaderReader(GGUFReader):
 
     def _build_fields(self, offs: int, count: int) -> int:
         count = int(count)
+        if count > MAX_KEYS:
+            raise ValueError(
+                f"the header claims {count} key-value pairs; at most {MAX_KEYS} are read "
+                "(a model's file holds a few dozen)"
+            )
         if count * _MIN_KV_BYTES > self._remaining(offs):
             raise ValueError(
                 f"the header claims {count} key-value pairs; the {self._remaining(offs)} "
@@ -179,6 +194,11 @@ class HeaderReader(GGUFReader):
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
         self.kv_end = int(offs)
         count = int(count)
+        if count > MAX_TENSORS:
+            raise ValueError(
+                f"the header claims {count} tensors; at most {MAX_TENSORS} are read (a "
+                "model's file holds a few thousand)"
+            )
         if count * _MIN_TENSOR_INFO_BYTES > self._remaining(offs):
             raise ValueError(
                 f"the header claims {count} tensors; the {self._remaining(offs)} bytes "
