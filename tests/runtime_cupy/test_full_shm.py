@@ -71,8 +71,9 @@ def test_a_full_dev_shm_is_a_named_setup_fault_that_leaves_nothing(
 def test_a_full_temp_folder_is_a_named_setup_fault_that_leaves_nothing(
     tiny: str, tmp_path: Path
 ) -> None:
-    """``$TMPDIR`` a tmpfs with room for one edge's folder (the folder and its two
-    FIFOs): the next edge's consumer cannot make its folder there and the run faults at
+    """``$TMPDIR`` a tmpfs with room for the registry of live chains (its folder and the
+    chain's entry) and one edge's folder (the folder and its two FIFOs): the next edge's
+    consumer cannot make its folder there and the run faults at
     once naming it, not at the readiness bound (120 s) with a stage that waited for a
     ring whose folder it looked for in ``/tmp``, where ``tempfile`` had moved on to."""
     reason = _no_namespace()
@@ -81,7 +82,7 @@ def test_a_full_temp_folder_is_a_named_setup_fault_that_leaves_nothing(
     full, left = tmp_path / "tmp", tmp_path / "left"
     full.mkdir()
     script = (
-        f'mount -t tmpfs -o size=64k,nr_inodes=4 tmpfs "{full}" && "$@"; code=$?; '
+        f'mount -t tmpfs -o size=64k,nr_inodes=6 tmpfs "{full}" && "$@"; code=$?; '
         f'ls -A "{full}" > "{left}"; exit $code'
     )
     cli = [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "2",

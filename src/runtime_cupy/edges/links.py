@@ -14,6 +14,12 @@ derived from the chain and the hop (``keys.edge_key``), and its counters per lin
 direction, so a replayed, reordered or injected frame is that link's fault; its
 consumer's credit is the ring's free slots (backpressure).
 
+A process lists the hop it makes in its chain's entry of this host's registry of live
+chains (``live_chains``), and holds the entry, before it makes the hop's names, until
+it lets go of its links (``detach``): a chain all of whose processes on the host were
+killed at once leaves its names to the next process that makes a hop here, which frees
+them.
+
 ``ProcessLinks`` is both ``runtime_core.chain_stage.ChainTransport`` (a stage: its
 inbound hop, whose ring it makes, and its outbound hop) and
 ``runtime_core.token_links.OrchestratorLinks`` (the orchestrator: token-out,
@@ -31,9 +37,11 @@ from collections.abc import Iterable
 from runplan import ProvisionStage, RunPlan
 from runplan.plan import ObjectKind, RingSpec
 from runtime_core.links import LinkReceiver, LinkSender
+from runtime_cupy.edges.live_chains import LiveChain
 from runtime_cupy.edges.port import EdgeMedium, ProcessRing
 from runtime_cupy.edges.shm import remove_edge
 from runtime_cupy.process.keys import edge_key
+from runtime_cupy.process.names import edge_dir
 from runtime_cupy.process.poller import Entry
 
 
@@ -60,6 +68,7 @@ class ProcessLinks:
         self.inbound_hop: int | None = None  # the hop this process made (it frees it)
         self.outbound_hop: int | None = None
         self._owners: dict[int, ProcessRing] = {}
+        self._entry: LiveChain | None = None  # the chain's, held while it has a hop here
 
     def _key(self, hop: int) -> bytes:
         return edge_key(self._secret, self.chain_id, hop)
@@ -67,6 +76,8 @@ class ProcessLinks:
     def _receiver(self, hop: int, spec: RingSpec) -> LinkReceiver:
         if self._receive is not None:
             raise RuntimeError(f"hop {self.inbound_hop} is this process's inbound link already")
+        if self._entry is None:  # listed and held before any of its names exists
+            self._entry = LiveChain.hold(self.chain_id, edge_dir(self.chain_id, hop))
         ring = self.inbound_medium.create(self.chain_id, hop, spec, self._key(hop))
         self._receive, self.inbound_hop = ring, hop
         return LinkReceiver(ring)
@@ -118,12 +129,22 @@ class ProcessLinks:
             ring.ready(fd, events)
 
     def detach(self) -> None:
-        """Let go of both ends without closing them."""
+        """Let go of both ends without closing them, and of the chain's entry of the
+        registry of live chains (the last process of the chain on this host to let go
+        frees what it lists)."""
         rings, self._receive, self._send = (self._receive, self._send), None, None
         self._owners.clear()
         for ring in rings:
             if ring is not None:
                 ring.detach()
+        self.release_entry()
+
+    def release_entry(self) -> None:
+        """Let go of the chain's entry of the registry of live chains alone (idempotent,
+        any thread): a stage leaving through its watchdog, its names freed."""
+        entry, self._entry = self._entry, None
+        if entry is not None:
+            entry.release()
 
     def remove_inbound(self) -> None:
         """Free the resources of the hop this process made (idempotent, any thread)."""

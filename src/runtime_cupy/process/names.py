@@ -185,16 +185,21 @@ def remove_edge_dir(run_id: str, edge_id: int) -> None:
     name before its consumer (a stranger's squat, which the consumer refused:
     ``NameTaken``), is left to its owner and logged, also where this user could remove
     it (root): a cleanup frees only what this user's processes made."""
-    folder = edge_dir(run_id, edge_id)
+    remove_own_folder(edge_dir(run_id, edge_id), f"edge {edge_id}")
+
+
+def remove_own_folder(folder: Path, what: str) -> None:
+    """Remove ``folder`` (the folder of ``what``, for the log) and what is in it, as
+    ``remove_edge_dir`` says: only if it is this user's and no symbolic link."""
     try:
         st = os.lstat(folder)
     except OSError:  # none there; or no folder could be made there (TMPDIR a file, or
         return  # not searchable: ENOTDIR, EACCES), so none was: the cleanup goes on
     if st.st_uid != os.geteuid():
         log.warning(
-            "left the folder %s of edge %d (%s): not this user's to remove",
+            "left the folder %s of %s (%s): not this user's to remove",
             folder,
-            edge_id,
+            what,
             describe_stat(st),
         )
         return

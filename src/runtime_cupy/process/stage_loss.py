@@ -5,7 +5,8 @@ for every run held: the stage stops them and ends, sending nothing more; it logs
 loss once, naming what closed, since when, and when the orchestrator was last heard
 from. A watchdog thread waits on the lifeline; if the loop has not finished within the
 stop bound after the loss (a batch that runs on), it removes the chain's resources this
-stage owns and exits.
+stage owns, lets go of the chain's entry of the registry of live chains
+(``edges.live_chains``), and exits.
 
 Resources. The stage makes its inbound link's ring once, when the first run comes
 (EDGES_AND_WORKERS.md §3), and frees it when it ends, never its outbound link, which
@@ -117,6 +118,7 @@ class OrchestratorLoss:
         else:
             log.error("not stopped within %.1f s of the loss: exiting now", self.stop_s)
         self._remove_resources()
+        self.links.release_entry()  # the last of the chain here frees it, and the registry
         self.save_trace()  # the orchestrator is gone: removed, with its folder
         with contextlib.suppress(Exception):
             logging.shutdown()
