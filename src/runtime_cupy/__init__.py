@@ -5,7 +5,9 @@ control channels (``control``), clean teardown on any fault.
 
 ``generate(...)`` has ``runtime_sim.generate``'s signature and result fields, plus
 runtime options (``worker="cpu" | "numpy" | "cuda"``, ``gpus``, ``timeouts``, ``log_dir``,
-``edges="auto" | "shm" | "tcp"``, ``host``). ``generate_batch(model, prompts, ...)``
+``edges="auto" | "shm" | "tcp"``, ``host``; ``handle_signals``: SIGINT / SIGTERM cancel
+the run, the command line's; by default Ctrl-C tears it down and reaches the caller).
+``generate_batch(model, prompts, ...)``
 runs many prompts on one chain, up to ``max_concurrent`` in flight at once (by default
 as many as the hosts' memory holds, at most 64), and yields each result as it completes.
 The CUDA worker (``runtime_cupy.cuda.worker``) is imported only when asked for, and

@@ -62,7 +62,7 @@ class GenerateResult:
     encrypted_edges: bool = False  # TCP edges encrypted their frames (else authenticated)
     chain_id: str = ""  # the chain that ran it: names its links (one per hop) on its hosts
     slices: tuple[StageTransfer, ...] = ()  # stages that asked for their slice of the model
-    interrupted_by: str | None = None  # the signal that cancelled the run: SIGINT, SIGTERM
+    interrupted_by: str | None = None  # the signal that cancelled it (handle_signals)
 
 
 def plan_for(
@@ -141,6 +141,7 @@ def generate(
     encrypt_edges: bool = False,
     on_slice: Callable[[StageTransfer], None] | None = None,
     kv_dtype: str | None = None,
+    handle_signals: bool = False,
 ) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens after ``prompt_ids`` through ``stages``
     stage processes, each running ``worker`` (``cpu``, the default; ``numpy``, the
@@ -169,6 +170,12 @@ def generate(
     default: the worker's own, float32 on the CPU worker): the stages' KV caches in
     that dtype, counted so by the planner. A run that faults or is
     cancelled returns with that outcome, every process reaped and every resource freed.
+    Signals stay the caller's: Ctrl-C's ``KeyboardInterrupt`` (or what the caller's own
+    SIGTERM handler does) tears the run down, then reaches the caller, as with
+    ``runtime_sim.generate`` (a second Ctrl-C meanwhile stops waiting for the stages).
+    ``handle_signals`` (the command line's): called from the main thread, SIGINT and
+    SIGTERM cancel the run instead, which returns ``cancelled`` naming the signal
+    (``interrupted_by``).
     Raises
     ``PlanRejected`` when the planner refuses the run, ``PromptError`` for a prompt it
     cannot run, ``GgufError`` for a file it cannot read, ``WorkerUnavailable`` for a
@@ -226,6 +233,7 @@ def generate(
         host=host,
         edges=edges,
         encrypt_edges=encrypt_edges,
+        handle_signals=handle_signals,
     )
     if ray_host is not None and cluster is not None:
         ray_host.prepare(n.node_id for n in cluster)  # their start-ups overlap

@@ -36,7 +36,7 @@ from runtime_cupy.process.keys import BadSecret, control_key, new_secret, parse_
 from runtime_cupy.process.launcher import ProcessRun
 from tests.runtime_cupy.test_kill_orchestrator import ROOT
 from tests.support.hosts import TapHost
-from tests.support.hygiene import run_resources
+from tests.support.hygiene import run_resources, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -443,10 +443,45 @@ def test_the_secret_parses_only_whole() -> None:
             parse_secret(bad)
 
 
+def test_a_run_leaves_the_callers_signals_alone_and_ctrl_c_reaches_it_after_teardown(
+    tiny: str,
+) -> None:
+    """By default a run in the main thread takes over no signal: the program's own
+    SIGTERM handler runs (a service's shutdown), and Ctrl-C's ``KeyboardInterrupt``
+    reaches the caller once every stage is reaped and every link freed (the run once
+    swallowed both, ending ``cancelled``, and the program went on)."""
+    prompt = [4, 5, 6]
+    heard: list[str] = []
+    pids: list[int] = []
+
+    def note(token: int) -> None:
+        if not heard:
+            os.kill(os.getpid(), signal.SIGTERM)  # the program's handler: heard
+        elif heard == ["SIGTERM"]:
+            heard.append("Ctrl-C")
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def spawned(kind: str, fields: dict[str, object]) -> None:
+        if kind == "spawned":
+            pids.append(int(str(fields["pid"])))
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: heard.append("SIGTERM"))
+    try:
+        run = ProcessRun(_plan(tiny, prompt), prompt, on_token=note, on_event=spawned)
+        with pytest.raises(KeyboardInterrupt):
+            run.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert heard == ["SIGTERM", "Ctrl-C"]
+    assert len(pids) == 2 and wait_gone(pids, 0) == []  # reaped before it was raised
+    assert run_resources(run.chain_id) == []
+
+
 @pytest.mark.parametrize("ignored", [False, True], ids=["default", "SIGINT ignored"])
 def test_a_run_takes_the_signals_this_process_does_not_ignore(tiny: str, ignored: bool) -> None:
-    """During a run SIGINT and SIGTERM cancel it (the launcher's handler); a SIGINT this
-    process ignores (a script's background job) stays ignored; both given back after."""
+    """With ``handle_signals`` (the command line's), SIGINT and SIGTERM cancel the run
+    during it (the launcher's handler); a SIGINT this process ignores (a script's
+    background job) stays ignored; both given back after."""
     prompt = [4, 5, 6]
     seen: list[tuple[object, object]] = []
 
@@ -457,7 +492,8 @@ def test_a_run_takes_the_signals_this_process_does_not_ignore(tiny: str, ignored
     before = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignored else None
     try:
         outside = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-        result = ProcessRun(_plan(tiny, prompt), prompt, on_token=note).run()
+        run = ProcessRun(_plan(tiny, prompt), prompt, on_token=note, handle_signals=True)
+        result = run.run()
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == outside
     finally:
         if before is not None:

@@ -6,7 +6,8 @@ r"""An orchestrator in a process of its own, for tests that kill or interrupt it
 Prints one JSON object per line to standard output as the run goes: ``{"run_id"}``,
 ``{"spawned": pid}`` per stage, ``{"ready": index}`` per ready stage, ``{"token": id}``
 per token, and at the end ``{"outcome", "fault", "tokens", "returncodes"}``; exits 0
-when the run completed, 1 when it faulted, 130 when it was cancelled. ``FAULTS_JSON``
+when the run completed, 1 when it faulted, 130 when it was cancelled (SIGINT and
+SIGTERM cancel it, as the command line's run: ``handle_signals``). ``FAULTS_JSON``
 maps stage indices to the faults ``tests.support.hosts.FaultyHost`` plays there;
 ``STEP_MS`` is the timeouts' ``step_ms`` (20 s when not given); ``trace``: the stages
 keep a trace (``ProcessRun(trace=True)``)."""
@@ -60,6 +61,7 @@ def main() -> int:
         host=FaultyHost({int(k): v for k, v in json.loads(faults).items()}),
         edges=edges,
         trace=trace,
+        handle_signals=True,  # as the command line's: SIGINT / SIGTERM cancel the run
     )
     say(run_id=plan.run_id, chain_id=run.chain_id)
     result = run.run()

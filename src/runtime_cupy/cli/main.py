@@ -130,6 +130,7 @@ def _run(args: argparse.Namespace) -> int:
                 tokenizer=tokenizer,
                 **stage_options(args),
                 on_slice=starting.on_slice,
+                handle_signals=True,  # Ctrl-C and SIGTERM: a cancelled run, 130 / 143
             )
     stream.finish(result.text)
     untraced: str | None = None  # why the trace could not be written

@@ -9,10 +9,14 @@ hands the chain the run, drives the chain's loop in this thread until the run en
 and the next injected until EOS or ``max_tokens``), then closes the chain: every stage
 reaped (killed after a short grace) and every resource of the chain's links freed by
 name through the host, also those whose owner was killed, whatever happened (an
-exception too). SIGINT / SIGTERM cancel the run; a second one stops waiting for the
-stages. A signal this process ignores stays ignored (a non-interactive shell starts its
-background jobs with SIGINT ignored, so that a Ctrl-C meant for the script in the
-foreground does not reach them; Python keeps it ignored too).
+exception too). The caller's signal handlers stay: Ctrl-C's ``KeyboardInterrupt``
+(or whatever the caller's own handler raises) tears the run down and then goes on to the
+caller (a second one meanwhile stops waiting for the stages). With
+``handle_signals`` (the command line's), SIGINT / SIGTERM in the main thread cancel the
+run instead, which ends ``cancelled`` naming the signal (``interrupted_by``); a second
+one stops waiting for the stages. A signal this process ignores stays ignored (a
+non-interactive shell starts its background jobs with SIGINT ignored, so that a Ctrl-C
+meant for the script in the foreground does not reach them; Python keeps it ignored too).
 
 Each link moves its bytes through shared memory when both ends share a machine and
 through TCP otherwise (``edges``: ``auto``), or through the medium asked for
@@ -86,7 +90,7 @@ class ProcessRunResult:
     media: tuple[str, ...] = ()  # how each edge moved its bytes, in plan order
     encrypted_edges: bool = False  # TCP links encrypted their frames (else authenticated)
     chain_id: str = ""  # names the run's links (one per hop) on its hosts
-    interrupted_by: str | None = None  # the signal that cancelled the run: SIGINT, SIGTERM
+    interrupted_by: str | None = None  # the signal that cancelled it (handle_signals)
 
 
 class ProcessRun:
@@ -96,7 +100,8 @@ class ProcessRun:
     (``None``: none). ``host`` starts the stages (default: ``LocalProcessHost`` with
     ``log_dir`` and ``log_level``); ``edges`` is ``auto``, ``shm`` or ``tcp``.
     ``encrypt_edges``: TCP links encrypt their frames (AES-256-GCM), not only
-    authenticate them."""
+    authenticate them. ``handle_signals``: SIGINT / SIGTERM cancel the run while it runs
+    in the main thread (the command line's; by default the caller's handlers act)."""
 
     def __init__(
         self,
@@ -113,8 +118,10 @@ class ProcessRun:
         log_level: str | None = None,
         trace: bool = False,
         encrypt_edges: bool = False,
+        handle_signals: bool = False,
     ) -> None:
         self.plan = plan
+        self.handle_signals = handle_signals
         self.encrypt_edges = encrypt_edges
         self.prompt = tuple(int(t) for t in prompt)
         if host is not None and (log_dir is not None or log_level is not None):
@@ -169,7 +176,12 @@ class ProcessRun:
                         events += runner.trace_events()
             finally:
                 runner.request_close(abandon=len(self._cancel) > 1)
-                runner.close()
+                try:
+                    runner.close()
+                except BaseException:  # interrupted again while it waits: stop waiting
+                    runner.request_close(abandon=True)
+                    runner.close()
+                    raise
         finally:
             self._restore_signals(previous)
         if run is not None:  # its on_token raised: the run torn down, its caller hears it
@@ -207,7 +219,7 @@ class ProcessRun:
         return None
 
     def _install_signals(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
             return {}
 
         def handler(signum: int, _frame: FrameType | None) -> None:
