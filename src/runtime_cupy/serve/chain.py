@@ -345,7 +345,9 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
     def close(self) -> None:
         """Stop the chain: runs cancelled, every stage's channel closed and the stage
         reaped (killed after a grace), the links freed. Idempotent. ``ChainError`` from
-        the chain's own thread (a run's callback), which it would wait for. A chain
+        the chain's own thread (a run's callback), which it would wait for. Interrupted
+        (Ctrl-C) while it waits for the stages' stops, it stops waiting: the stages are
+        killed and reaped and the links freed before the interrupt goes on. A chain
         dropped without ``close`` is stopped so when it is collected."""
         self._not_on_chain_thread("close")
         self._closed = True

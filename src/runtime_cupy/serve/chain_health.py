@@ -340,7 +340,10 @@ class ChainHealth:
 
     def _stop_runner(self, keep: Sequence[int] = ()) -> dict[int, StageHandle]:
         """Stop the running chain; the live stages of ``keep`` are handed over (left
-        running, for the next chain to keep) and returned by index."""
+        running, for the next chain to keep) and returned by index. Interrupted while
+        it waits for the stages' stops (Ctrl-C), it stops waiting: every stage is
+        stopped (killed after a short grace, none kept) and the links freed before the
+        interrupt goes on."""
         with self._lock:
             runner, thread = self._runner, self._thread
             self._runner = self._thread = None
@@ -349,8 +352,17 @@ class ChainHealth:
         if runner is None:
             return {}
         runner.request_close()
-        if thread is not None:
-            thread.join()
+        try:
+            if thread is not None:
+                thread.join()
+        except BaseException:  # the runner's state was cleared: none would stop it later
+            runner.request_close(abandon=True)
+            if thread is not None:
+                thread.join()
+            runner.close()
+            with self._lock:
+                self._closing = None
+            raise
         kept = runner.hand_over(keep) if keep else {}
         runner.close()
         with self._lock:  # its batches stay counted

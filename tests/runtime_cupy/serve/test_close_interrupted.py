@@ -1,0 +1,53 @@
+"""``WarmChain(recover=True).close()`` interrupted (Ctrl-C) while it waits for a stage
+that does not answer (SIGSTOPped, a run in flight): it once forgot the chain before it
+waited, so the interrupt left the stage processes, their descriptors and the links'
+segments for the life of the process, and a second ``close()`` did nothing. Now the
+interrupted close stops waiting, kills and reaps the stages and frees the links before
+the interrupt goes on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+import pytest
+
+from runplan import SamplingConfig
+from runtime_cupy.serve.chain import WarmChain
+from tests.support.hygiene import run_resources, wait_gone
+
+#: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
+pytestmark = pytest.mark.process
+
+
+@pytest.mark.parametrize("recover", [False, True], ids=["plain", "recover"])
+def test_ctrl_c_during_close_still_reaps_the_stages_and_frees_the_links(
+    tiny: str, recover: bool
+) -> None:
+    chain = WarmChain(tiny, stages=2, context=64, max_concurrent=1, recover=recover)
+    chain.start()
+    pids, chain_id = list(chain.pids()), chain.chain_id
+    stopped = threading.Event()
+
+    def stop_the_last_stage(_token: int) -> None:
+        if not stopped.is_set():
+            os.kill(pids[1], signal.SIGSTOP)  # alive and silent: its stop never comes
+            stopped.set()
+
+    chain.submit([1, 2], max_tokens=40, sampling=SamplingConfig(), on_token=stop_the_last_stage)
+    assert stopped.wait(30)
+    ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            chain.close()
+        assert wait_gone(pids, 0) == []  # reaped before the interrupt went on
+        assert run_resources(chain_id) == []
+        chain.close()  # again: nothing left to do
+    finally:
+        ctrl_c.cancel()
+        for pid in wait_gone(pids, 0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
