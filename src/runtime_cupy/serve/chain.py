@@ -33,7 +33,9 @@ per stream), unless the model's files changed since the stages started
 ``recover`` and ``close`` from the owner's. None of ``generate``, ``start``, ``recover``
 and ``close`` may be called from a run's callback (``on_token``, ``on_logits``,
 ``on_done``), which runs on the chain's own thread: each would wait for that thread, and
-raises ``ChainError`` at once (``submit`` does not wait).
+raises ``ChainError`` at once (``submit`` does not wait). A chain is its maker process's:
+in a forked child those and ``submit`` raise ``ChainError`` naming that process, and
+``close`` (or the child's copy collected) stops nothing of the owner's.
 
 ``WarmChain`` is made here, from three bases of their own modules: ``chain_plans``
 (``ChainPlans``: its runs' plans), ``chain_health`` (``ChainHealth``: ready or not, why,
@@ -45,6 +47,7 @@ started again and re-placed) and ``chain_runs`` (``ChainRuns``: ``generate``, ``
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -257,7 +260,8 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         # the running chain, for a finalizer that holds no reference to self: a chain
         # dropped without close() once kept its stages, links and thread until exit
         self._running: list[tuple[ChainRunner, threading.Thread]] = []
-        dropped = weakref.finalize(self, stop_dropped, self._running)
+        self._owner = os.getpid()  # a forked child's copy stops nothing of it
+        dropped = weakref.finalize(self, stop_dropped, self._running, self._owner)
         dropped.atexit = False  # at exit the host reaps the stages (the finalizer's thread
         # would be cut short)
         self._closing: ChainRunner | None = None  # a runner being stopped
@@ -348,7 +352,14 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         the chain's own thread (a run's callback), which it would wait for. Interrupted
         (Ctrl-C) while it waits for the stages' stops, it stops waiting: the stages are
         killed and reaped and the links freed before the interrupt goes on. A chain
-        dropped without ``close`` is stopped so when it is collected."""
+        dropped without ``close`` is stopped so when it is collected. In a forked child
+        of the process that made the chain, ``close`` (and the collection) stop nothing:
+        the child's copy is closed, the owner's stages and links left to the owner."""
+        if os.getpid() != self._owner:  # no lock: a thread may have held it at the fork
+            self._closed = True
+            self._runner = self._thread = None
+            self._running.clear()
+            return
         self._not_on_chain_thread("close")
         self._closed = True
         self._stop_runner()

@@ -17,6 +17,7 @@ says why.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -54,10 +55,15 @@ def added_counts(
     return out
 
 
-def stop_dropped(running: list[tuple[ChainRunner, threading.Thread]]) -> None:
+def stop_dropped(running: list[tuple[ChainRunner, threading.Thread]], owner: int) -> None:
     """A chain collected without ``close()`` (``WarmChain``'s finalizer): its running
     chain stopped, its stages reaped and its links freed, from a thread of its own (the
-    collection may happen on any thread, the chain's own included, which it joins)."""
+    collection may happen on any thread, the chain's own included, which it joins). In a
+    forked child of ``owner`` (the process that made the chain) nothing is stopped: the
+    stages and links are the owner's."""
+    if os.getpid() != owner:
+        running.clear()
+        return
 
     def stop(runner: ChainRunner, thread: threading.Thread) -> None:
         runner.request_close()
@@ -126,6 +132,7 @@ class ChainHealth:
     _batches_before: dict[int, dict[int, int]]
     _warm: bool
     _closed: bool
+    _owner: int  # the process that made the chain (os.getpid())
     _trouble: str | None
     _source: SourceFiles | None
     _sources: weakref.WeakKeyDictionary[ChainRunner, SourceFiles]
@@ -154,10 +161,23 @@ class ChainHealth:
             on_logits: OnLogits | None = None,
         ) -> WarmResult: ...
 
+    def _in_owner(self, call: str) -> None:
+        """``ChainError`` when ``call`` comes from a forked child of the process that made
+        the chain (a pre-fork server's worker): the stages, links and the chain's thread
+        are that process's (a child that used or closed its copy once faulted the owner's
+        runs, killed its stages and unlinked its links)."""
+        if os.getpid() != self._owner:
+            raise ChainError(
+                f"{call}() called in process {os.getpid()}, a fork of process {self._owner}, "
+                "whose chain this is: a forked copy of a chain cannot use its stages "
+                "(make a chain in this process)"
+            )
+
     def _not_on_chain_thread(self, call: str) -> None:
         """``ChainError`` when ``call`` comes from the chain's own thread (an ``on_token``
         or ``on_logits``, an ``on_done``), which it would wait for: it hung for good, and
-        every run and ``close`` with it."""
+        every run and ``close`` with it; or from a forked child (``_in_owner``)."""
+        self._in_owner(call)
         if threading.current_thread() in self._threads:
             raise ChainError(
                 f"{call}() called from the chain's own thread (a run's callback), which it "

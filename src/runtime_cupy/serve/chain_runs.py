@@ -105,6 +105,8 @@ class ChainRuns:
 
         def _not_on_chain_thread(self, call: str) -> None: ...
 
+        def _in_owner(self, call: str) -> None: ...
+
         def plan(
             self,
             run_id: str,
@@ -126,6 +128,7 @@ class ChainRuns:
     ) -> ChainRun:
         """Hand the chain the replay of an interrupted run (``ChainError`` when the chain
         is not up); ``on_logits``: its tokens' raw logits, as ``submit``'s."""
+        self._in_owner("submit_replay")
         runner = self._runner
         if runner is None or not self.ready:
             raise ChainError(self.trouble or "the chain is not up")
@@ -227,7 +230,9 @@ class ChainRuns:
         """Hand one run to the chain and return at once (any thread): ``run.wait()``,
         then ``result(run)``. ``on_done(run)`` when it ended (from the chain's thread).
         Raises ``ChainError`` when the chain is not up, ``PlanRejected`` for settings the
-        planner refuses, ``TypeError`` for a callback that cannot be called."""
+        planner refuses, ``TypeError`` for a callback that cannot be called; in a forked
+        child of the process that made the chain, ``ChainError`` naming that process."""
+        self._in_owner("submit")
         check_callbacks(on_token=on_token, on_done=on_done, on_logits=on_logits)
         runner = self._runner
         if runner is None:
