@@ -24,6 +24,7 @@ from runplan.fsm import orchestrator as fsm
 from runplan.messages import FaultKind, StopReason
 from runtime_core.chain_orchestrator import ChainOrchestrator, RunRefused
 from runtime_core.kv_waits import KvWaits
+from runtime_cupy.process.chain_error import ChainClosing
 from runtime_cupy.process.names import run_label
 
 if TYPE_CHECKING:
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
 
 # The chain runner's: its log lines keep their logger.
 log = logging.getLogger("runtime_cupy.process.chain_runner")
-
-
-class ChainClosing(RuntimeError):
-    """A run handed over as its chain closes (or after it closed): it never ran."""
 
 
 class RunHandoffs:

@@ -52,7 +52,8 @@ from runtime_cupy.edges.links import ProcessLinks, chain_hops
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost
 from runtime_cupy.process.backoff import Backoff
-from runtime_cupy.process.chain_handoffs import ChainClosing, RunHandoffs
+from runtime_cupy.process.chain_error import ChainClosing
+from runtime_cupy.process.chain_handoffs import RunHandoffs
 from runtime_cupy.process.chain_run import ChainRun, OnLogits, OnToken
 from runtime_cupy.process.chain_stages import ChainStages, RunnerChannels, RunnerStage
 from runtime_cupy.process.control_channel import ChannelBroken

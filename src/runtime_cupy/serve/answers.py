@@ -9,7 +9,6 @@ import logging
 import time
 
 from runtime_core.runs import PlanRejected
-from runtime_cupy.process.chain_handoffs import ChainClosing
 from runtime_cupy.serve.chain import ChainError, WarmChain, WarmResult
 from runtime_cupy.serve.events import Event, Failed, Finished, Piece
 from runtime_cupy.serve.jobs import SHUTTING_DOWN, Job
@@ -83,7 +82,7 @@ class Answers:
                 on_run=job._attach,
                 on_logits=answer_logprobs.logits if r.logprobs is not None else None,
             )
-        except (ChainError, ChainClosing) as exc:  # closing: handed over as it closed
+        except ChainError as exc:  # ChainClosing too: handed over as it closed
             self.finish(job, "faulted", Failed(503, str(exc), "stages_unavailable"))
             return
         except (PlanRejected, ValueError) as exc:  # refused settings a check let through

@@ -40,7 +40,8 @@ in a forked child those and ``submit`` raise ``ChainError`` naming that process,
 ``WarmChain`` is made here, from three bases of their own modules: ``chain_plans``
 (``ChainPlans``: its runs' plans), ``chain_health`` (``ChainHealth``: ready or not, why,
 started again and re-placed) and ``chain_runs`` (``ChainRuns``: ``generate``, ``submit``,
-``result``); its errors are ``chain_errors``'s. ``ChainError``, ``Unplaced``, ``WarmResult`` and
+``result``); its errors are ``chain_errors``'s. ``ChainError``, ``ChainClosing`` (a
+``ChainError``: a run handed over as the chain closes), ``Unplaced``, ``WarmResult`` and
 ``OnRun`` are importable from here too.
 """
 
@@ -69,7 +70,7 @@ from runtime_cupy.hosts.port import StageHandle, StageHost
 from runtime_cupy.hosts.this_machine import place_stages
 from runtime_cupy.process.chain_runner import ChainRunner
 from runtime_cupy.process.keys import new_secret
-from runtime_cupy.serve.chain_errors import ChainError, Unplaced
+from runtime_cupy.serve.chain_errors import ChainClosing, ChainError, Unplaced
 from runtime_cupy.serve.chain_health import ChainHealth, stop_dropped
 from runtime_cupy.serve.chain_plans import ChainPlans, new_serve_run_id
 from runtime_cupy.serve.chain_runs import ChainRuns, OnRun, WarmResult
@@ -84,6 +85,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_PREFILL_CHUNK",
+    "ChainClosing",
     "ChainError",
     "OnRun",
     "Unplaced",

@@ -1,6 +1,8 @@
 """The errors of a warm chain (``serve.chain.WarmChain``): ``ChainError``, it cannot
-serve; ``Unplaced``, it lost stages and no placement is left over the live nodes; and
-``SourceChanged``, it lost stages and its model's files changed since its stages started.
+serve (``process.chain_error``'s, which the chain runner raises too: ``ChainClosing``, a
+run handed over as the chain closes, is one); ``Unplaced``, it lost stages and no
+placement is left over the live nodes; and ``SourceChanged``, it lost stages and its
+model's files changed since its stages started.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from collections.abc import Sequence
 
 from runplan.picklable_error import PicklableError
 from runplan.replacement import Unplaceable
+from runtime_cupy.process.chain_error import ChainClosing, ChainError
+
+__all__ = ["ChainClosing", "ChainError", "SourceChanged", "Unplaced", "unplaced"]
 
 
 def unplaced(new: Unplaceable, live: Sequence[str]) -> str:
@@ -19,10 +24,6 @@ def unplaced(new: Unplaceable, live: Sequence[str]) -> str:
     else:
         over = f"{len(live)} live node{'s' if len(live) > 1 else ''} ({', '.join(live)})"
     return f"the chain lost a stage and cannot be placed again over {over}: {new}"
-
-
-class ChainError(RuntimeError):
-    """The chain cannot serve: its stages could not be started or bound."""
 
 
 class Unplaced(PicklableError, ChainError):

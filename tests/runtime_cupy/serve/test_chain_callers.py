@@ -12,6 +12,8 @@
   next one returned at once, never ready, the stages left running until ``close``.
 - A chain dropped without ``close`` is stopped when it is collected: its stages ran on
   until the interpreter exited.
+- A ``generate`` that races ``close`` raises ``ChainClosing``, a ``ChainError`` (it was a
+  bare ``RuntimeError`` that a caller's ``except ChainError`` missed).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import pytest
 
 from runtime_cupy import generate
-from runtime_cupy.serve.chain import ChainError, WarmChain
+from runtime_cupy.serve.chain import ChainClosing, ChainError, WarmChain
 from runtime_cupy.serve.chain_plans import new_serve_run_id
 from runtime_sim import generate as simulate
 from tests.support.hygiene import alive, wait_gone
@@ -180,3 +182,38 @@ def test_a_chain_dropped_without_close_is_stopped_when_collected(tiny: str) -> N
     for thread in set(threading.enumerate()) - before:  # its loop's, and the finalizer's
         thread.join(10.0)
         assert not thread.is_alive(), thread.name
+
+
+def test_a_generate_that_races_close_raises_a_chain_error(
+    tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chain = WarmChain(tiny, stages=2, context=64, max_concurrent=1)
+    chain.start()
+    planning, closed = threading.Event(), threading.Event()
+    plan = chain.plan
+
+    def plan_as_the_chain_closes(*args: Any, **kwargs: Any) -> Any:
+        planning.set()  # the run is being planned: close() now
+        assert closed.wait(30)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(chain, "plan", plan_as_the_chain_closes)
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            chain.generate(PROMPT, max_tokens=2)
+        except BaseException as exc:
+            raised.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        assert planning.wait(30)
+        chain.close()
+    finally:
+        closed.set()
+        caller.join(30)
+        chain.close()
+    (exc,) = raised
+    assert type(exc) is ChainClosing and isinstance(exc, ChainError), repr(exc)
