@@ -78,6 +78,8 @@ simt-asan: $(STAMP)
 #      sanitizer, with its runtime loaded first:
 #      LD_PRELOAD=$(cc -print-file-name=libasan.so) (libtsan.so for threads), leak
 #      checks off (an interpreter frees little at exit).
+#   A test's child interpreter that loads the kernels takes the tree its parent loaded
+#   them from (tests/support/kernels_tree.py), so it runs the sanitized build too.
 SANITIZE_TESTS ?= tests/runtime_core/workers/cpu
 CC ?= cc
 SANITIZE_FLAGS_address := -fsanitize=address,undefined -fno-sanitize-recover=undefined

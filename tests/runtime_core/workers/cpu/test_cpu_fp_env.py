@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from runtime_core.workers.cpu import _kernels
+from tests.support.kernels_tree import kernels_pythonpath
 from tests.support.mxcsr import DAZ, FTZ, ROUNDING, ROUNDING_BITS, mxcsr_set
 
 pytestmark = pytest.mark.skipif(
@@ -140,11 +141,9 @@ def test_the_kernels_loaded_in_another_environment_compute_the_same_bits(
     f = gate.size // 4
     h = np.concatenate([gate[: 4 * f].reshape(4, f), np.full((4, f), 1.5, np.float32)], 1)
     np.save(tmp_path / "h.npy", h)
-    src = str(Path(_kernels.__file__).resolve().parents[3])  # and tests.support's root
-    root = str(Path(__file__).resolve().parents[4])
     subprocess.run(
         [sys.executable, "-c", _IMPORTED_UNDER, str(tmp_path / "h.npy"), str(tmp_path / "out.npy")],
-        check=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join([src, root])},
+        check=True, timeout=120, env={**os.environ, "PYTHONPATH": kernels_pythonpath()},
     )  # fmt: skip
     gelu, silu = np.empty((4, f), np.float32), np.empty((4, f), np.float32)
     _kernels.geglu(h, gelu, 4, f, 1)
