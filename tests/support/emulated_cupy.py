@@ -1,6 +1,7 @@
 """A stand-in for CuPy on a CPU, and the CUDA worker's device backend running on it.
 
-``FakeCupy``: NumPy arrays as device memory, ``memcpyAsync`` as a memory copy, streams
+``FakeCupy``: NumPy arrays as device memory, ``memcpyAsync`` and ``memsetAsync`` as
+memory copies and fills (recorded while a graph is captured), streams
 that record a graph when they capture and replay it on launch; it refuses what a GPU
 would fault on or a capture cannot record. ``EmulatedKernels``: the kernels' real
 source (``kernels/*.cu``) run on the SIMT emulator (``tests/support/simt``), in a
@@ -149,6 +150,10 @@ def _memcpy_async(dst: int, src: int, n: int, kind: int, stream: int) -> None:
     RECORDER.run_or_record(lambda: ctypes.memmove(dst, src, n))
 
 
+def _memset_async(ptr: int, value: int, n: int, stream: int) -> None:
+    RECORDER.run_or_record(lambda: ctypes.memset(ptr, value, n))
+
+
 #: Every live "device" allocation, for the memory pool's ``used_bytes``.
 ALLOCATIONS: dict[int, weakref.ref[FakeArray]] = {}
 
@@ -195,7 +200,9 @@ class FakeCupy(types.ModuleType):
         )
         pool = _Pool()
         self.get_default_memory_pool = lambda: pool
-        runtime = types.SimpleNamespace(memcpyAsync=_memcpy_async, deviceSynchronize=lambda: None)
+        runtime = types.SimpleNamespace(
+            memcpyAsync=_memcpy_async, memsetAsync=_memset_async, deviceSynchronize=lambda: None
+        )
         self.cuda = types.SimpleNamespace(Device=_Device, Stream=_Stream, runtime=runtime)
 
     def __getattr__(self, name: str) -> Any:

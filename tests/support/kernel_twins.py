@@ -371,6 +371,16 @@ def _f32_to_f16(v: npt.NDArray[np.float32]) -> npt.NDArray[np.float16]:
         return v.astype(np.float16)
 
 
+def _f32_to_f16_counted(grid: tuple[int, ...], block: int, args: Sequence[Any]) -> None:
+    """``f32_to_f16``: the conversion, and the count of finite values made infinite
+    added to ``overflowed[0]``."""
+    x, out, n, overflowed = args
+    _convert(np.float32, np.float16, _f32_to_f16)(grid, block, (x, out, n))
+    v = _flat(x, np.float32)[:n]
+    lost = np.isinf(_flat(out, np.float16)[:n]) & np.isfinite(v)
+    _flat(overflowed, np.uint32)[0] += np.uint32(lost.sum())
+
+
 def _bf16_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
@@ -397,7 +407,7 @@ KERNEL_TWINS: dict[str, KernelTwin] = {
     "attention_f16": _attention(True),
     "argmax_partial": _argmax_partial,
     "argmax_final": _argmax_final,
-    "f32_to_f16": _convert(np.float32, np.float16, _f32_to_f16),
+    "f32_to_f16": _f32_to_f16_counted,
     "f16_to_f32": _convert(np.float16, np.float32, lambda v: v.astype(np.float32)),
     "f32_to_bf16": _convert(np.float32, np.uint16, float32_to_bf16),
     "bf16_to_f32": _convert(np.uint16, np.float32, _bf16_to_f32),

@@ -34,7 +34,7 @@ from runtime_core.workers.forward_program import (
     segments_of,
 )
 from runtime_core.workers.interface import Progress
-from runtime_core.workers.kept_steps import Kept, KeptSteps
+from runtime_core.workers.kept_steps import Kept, KeptSteps, edge_rows
 from runtime_core.workers.stage_weights import Experts, Linear, StageWeights, load_weights
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep, StageBackend
 from runtime_cupy.cuda.worker import CudaWorker
@@ -288,8 +288,8 @@ class TwinBackend(KeptSteps):
             )
         forward_blocks(ops, w, segments)
         if not self.spec.is_last:
-            out = activations.encode(ops.bufs["x"][:rows], self.spec.edge_dtype)
-            self.kept = [Kept(activations=out[seg.start : seg.end]) for seg in segments]
+            ranges = [(seg.start, seg.end) for seg in segments]
+            self.kept = edge_rows(ops.bufs["x"][:rows], ranges, self.spec.edge_dtype)
             return
         heads = [seg.end - 1 for seg, step in zip(segments, steps, strict=True) if step.head]
         self.kept = [Kept() for _ in steps]

@@ -17,6 +17,14 @@ step can be captured once as a CUDA graph and replayed: position and token id ar
 from ``state`` (device memory, written before each replay), the attention kernels loop
 over the context length they read there. Any other batch allocates its row buffers for
 the step and runs eagerly.
+
+Edges. A float16 edge refuses activations past float16's range, as every worker's does
+(``runtime_core.activations.encode``): the conversion kernel counts the finite values it
+made infinite in a counter allocated at bind time (cleared by the step, in the graph
+too), read back with the step's outputs; only when it counted one are the step's
+float32 rows copied to the host, where ``kept_steps.edge_rows`` (``encode``) names the
+first such value of each run's rows, and those runs' steps fail with its
+``ActivationOverflow`` (the others' outputs stand).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from runtime_core.workers.forward_program import (
     segments_of,
 )
 from runtime_core.workers.interface import Progress, TraceEvent
-from runtime_core.workers.kept_steps import Kept, KeptSteps
+from runtime_core.workers.kept_steps import Kept, KeptSteps, edge_rows
 from runtime_core.workers.stage_weights import StageWeights, load_weights
 from runtime_core.workers.stage_worker import BackendSpec, BackendStep
 from runtime_cupy.cuda.ops import DeviceCache, DeviceOps, cdiv, kernels_for
@@ -95,6 +103,7 @@ class DeviceBackend(KeptSteps):
         self._parked: DeviceCache | None = None  # the cache of the run that ended last
         self._edge_in: Any = None
         self._edge_out: Any = None
+        self._overflowed: Any = None  # f32_to_f16's count of values made infinite
         self._host_state = np.zeros(2, dtype=np.int32)
         self.kept: list[Kept] = []  # the outputs of the last batch's steps
 
@@ -114,6 +123,7 @@ class DeviceBackend(KeptSteps):
             edge = self.spec.edge_dtype
             self._edge_in = cupy.zeros((1, h), dtype=edge)
             self._edge_out = cupy.zeros((1, h), dtype=edge)
+            self._overflowed = cupy.zeros(1, dtype=cupy.uint32)
             cupy.cuda.Device().synchronize()
 
     def new_cache(self, positions: int) -> DeviceCache:
@@ -175,7 +185,7 @@ class DeviceBackend(KeptSteps):
             cache.graph = self._capture(Segment(0, 1, step.pos, cache), step.prompt)
         cache.graph.launch(stream=self.stream)
         if not self.spec.is_last:
-            return Kept(activations=self._out(self._edge_out))
+            return self._outputs(ops.one["x"], self._edge_out, [(0, 1)])[0]
         if not step.head:
             self.stream.synchronize()
             return Kept()
@@ -211,7 +221,7 @@ class DeviceBackend(KeptSteps):
         if not self.spec.is_last:
             out = cupy.empty((rows, ops.w.config.hidden_dim), self.spec.edge_dtype)
             self._convert_out(ops.buf["x"], out)
-            return [Kept(activations=self._out(out[seg.start : seg.end])) for seg in segments]
+            return self._outputs(ops.buf["x"], out, [(seg.start, seg.end) for seg in segments])
         tokens = cupy.asnumpy(ops.token_out, stream=self.stream)
         kept: list[Kept] = []
         k = 0
@@ -236,16 +246,24 @@ class DeviceBackend(KeptSteps):
         else:
             target.set(np.ascontiguousarray(data), stream=self.stream)
 
-    def _out(self, rows: Any) -> Any:
-        """Output activations: a device copy (``device_io``) or a host one."""
-        if self.device_io:
-            with self.stream:
-                copy = rows.copy()
+    def _outputs(self, x: Any, out: Any, ranges: Sequence[tuple[int, int]]) -> list[Kept]:
+        """Each run's output activations, rows ``ranges`` of ``out`` (the edge's, converted
+        from the float32 rows ``x``): a device copy (``device_io``) or a host one; a run
+        whose rows a float16 edge cannot hold keeps its ``ActivationOverflow`` instead."""
+        with self.stream:
+            if self.device_io:
+                copies = [out[start:end].copy() for start, end in ranges]
+            else:
+                copies = [cupy.asnumpy(out[start:end], stream=self.stream) for start, end in ranges]
+            counted = None
+            if self.spec.edge_dtype == np.float16:
+                counted = cupy.asnumpy(self._overflowed, stream=self.stream)
             self.stream.synchronize()
-            return copy
-        host = cupy.asnumpy(rows, stream=self.stream)
-        self.stream.synchronize()
-        return host
+            if counted is None or not counted[0]:
+                return [Kept(activations=copy) for copy in copies]
+            host = cupy.asnumpy(x[: ranges[-1][1]], stream=self.stream)
+            self.stream.synchronize()
+        return edge_rows(host, ranges, self.spec.edge_dtype, copies)
 
     def _kept_logits(self, logits: Any, k: int) -> Any:
         """A copy of head row ``k`` of ``logits`` that the next step does not overwrite."""
@@ -278,7 +296,7 @@ class DeviceBackend(KeptSteps):
         self._parked = None
         self.ops = None
         self.weights = None
-        self._edge_in = self._edge_out = self._input = None
+        self._edge_in = self._edge_out = self._input = self._overflowed = None
         self.stream = None
         with self.device:
             cupy.get_default_memory_pool().free_all_blocks()
@@ -331,13 +349,21 @@ class DeviceBackend(KeptSteps):
         self._convert(src, x, {np.float16: "f16_to_f32", np.uint16: "bf16_to_f32"})
 
     def _convert_out(self, x: Any, dst: Any) -> None:
-        self._convert(x, dst, {np.float16: "f32_to_f16", np.uint16: "f32_to_bf16"})
+        """``x`` into the edge's dtype; to float16, counting in ``_overflowed`` (cleared
+        first, on the stream: a captured graph clears it too) the values made infinite."""
+        if self.spec.edge_dtype == np.float16:
+            flag = self._overflowed
+            cupy.cuda.runtime.memsetAsync(flag.data.ptr, 0, flag.nbytes, self.stream.ptr)
+            self._convert(x, dst, {np.float16: "f32_to_f16"}, flag)
+        else:
+            self._convert(x, dst, {np.uint16: "f32_to_bf16"})
 
-    def _convert(self, src: Any, dst: Any, names: dict[type, str]) -> None:
+    def _convert(self, src: Any, dst: Any, names: dict[type, str], *more: Any) -> None:
         edge = self.spec.edge_dtype
         n = int(src.size)
         if edge == np.float32:
             cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n * 4, _D2D, self.stream.ptr)
             return
         name = names[edge.type]
-        self.k.launch(name, min(cdiv(n, 256), 4096), 256, (src, dst, n), stream=self.stream)
+        grid = min(cdiv(n, 256), 4096)
+        self.k.launch(name, grid, 256, (src, dst, n, *more), stream=self.stream)

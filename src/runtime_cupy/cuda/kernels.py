@@ -64,7 +64,7 @@ KERNELS: dict[str, dict[str, str]] = {
     "attention.cu": {"attention_f32": _ATTENTION, "attention_f16": _ATTENTION},
     "sample.cu": {"argmax_partial": "p i p p p", "argmax_final": "p p p i p"},
     "convert.cu": {
-        "f32_to_f16": "p p l",
+        "f32_to_f16": "p p l p",
         "f16_to_f32": "p p l",
         "f32_to_bf16": "p p l",
         "bf16_to_f32": "p p l",

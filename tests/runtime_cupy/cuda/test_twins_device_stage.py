@@ -16,6 +16,7 @@ CuPy's own behaviour and a GPU's timing.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 
 from runplan import SamplingConfig
-from runtime_core.workers.interface import TokenOutput, Worker
+from runtime_core.workers.interface import BatchStep, StepFailure, TokenOutput, Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
 from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
@@ -649,3 +650,75 @@ def test_graph_use_is_a_construction_option_and_changes_no_bit(models: dict[str,
         assert isinstance(got, TokenOutput) and isinstance(want, TokenOutput)
         assert got.logits is not None and want.logits is not None
         np.testing.assert_array_equal(got.logits, want.logits)
+
+
+#: Hidden states past float16's range: granite's embedding scale on a random tiny model
+#: (token 3's first-stage row passes 65504 at any position; the others' stay below).
+OVERFLOWING = ModelShape(
+    arch="granite",
+    n_layers=2,
+    embedding_scale=2e5,
+    logit_scale=1.0,
+    residual_scale=1.0,
+    attention_scale=0.125,
+)
+
+
+def overflow_script(
+    path: Path, make: Callable[[], Worker], after: Callable[[Chain], None] = lambda _: None
+) -> list[dict[str, Any]]:
+    """Two runs on a 2-stage chain with float16 edges: a batch of both prompts (run-0's
+    row of token 3 overflows), then run-1's decode rows alone (a captured graph's
+    replays): a row that fits, token 3's, then the same position again with a row that
+    fits. Each batch's outcome per run: its failure's message, or its result's type."""
+    prompts = {"run-0": [5, 3, 8], "run-1": [305, 177, 126, 54, 8]}
+    provs = {
+        r: provisions(path, 2, max_seq_len=16, dtype="f16", run_id=r, max_concurrent_runs=2)
+        for r in prompts
+    }
+    chain = Chain.bind(provs["run-0"], make)
+    try:
+        for r in prompts:
+            chain.open(provs[r])
+        decodes = ((1, 177), (2, 3), (2, 126))  # (sequence, token)
+        batches = [[BatchStep(r, 0, 0, 1, np.array(p, np.uint32)) for r, p in prompts.items()]]
+        batches += [[BatchStep("run-1", s, 0, 1, np.array([t], np.uint32))] for s, t in decodes]
+        outcomes = []
+        for steps in batches:
+            results = chain.step_batch(steps)
+            outcomes.append(
+                {
+                    r: out.detail if isinstance(out, StepFailure) else type(out).__name__
+                    for r, out in results.items()
+                }
+            )
+        after(chain)
+        return outcomes
+    finally:
+        chain.release()
+
+
+@pytest.mark.parametrize("device_io", [False, True])
+def test_a_float16_edge_refuses_activations_past_its_range(tmp_path: Path, device_io: bool) -> None:
+    """A stage's rows past 65504 fail that run's step at the edge with the twin's (every
+    worker's) ActivationOverflow message, naming value, row and element, eagerly and in
+    the captured graph's replays; the other run of the batch, and the next step (the
+    graph clears the conversion's counter), go on. They were sent on as infinities,
+    and the last stage failed on "NaN or infinite" logits."""
+    path = write_model(tmp_path / "granite.gguf", OVERFLOWING)
+    events = Events()
+
+    def cleared(chain: Chain) -> None:  # by the last replay, whose row fit
+        backend: Any = chain.workers[0]._held.backend
+        assert backend._overflowed.tolist() == [0]
+
+    device = overflow_script(
+        path, lambda: EmulatedCudaWorker(device_io=device_io, trace=events), cleared
+    )
+    assert events == ["graph captured"] * 2  # run-1's decode rows: each stage's graph
+    twin = overflow_script(path, TwinWorker)
+    overflow = "step {} failed: activation .* is past float16's largest value, 65504"
+    assert re.fullmatch(overflow.format(0) + ".*", twin[0]["run-0"])
+    assert re.fullmatch(overflow.format(2) + ".*", twin[2]["run-1"])
+    assert twin[0]["run-1"] == twin[1]["run-1"] == twin[3]["run-1"] == "TokenOutput"
+    assert device == twin
