@@ -20,7 +20,6 @@ from runplan import (
     SamplingConfig,
 )
 from runplan.config import Timeouts
-from runplan.dtypes import DTypeFamily
 from runplan.fsm.orchestrator_machine import check_prompt
 from runplan.models import resolve_model
 from runtime_core.gguf_slice import check_whole_model
@@ -34,7 +33,7 @@ from runtime_cupy.process.launcher import ORCHESTRATOR, OnEvent, ProcessRun, Pro
 from runtime_cupy.process.names import new_run_id
 from runtime_cupy.process.tracing import Event
 from runtime_cupy.slices.server import StageTransfer
-from runtime_cupy.workers import DEFAULT_WORKER, capabilities
+from runtime_cupy.workers import DEFAULT_WORKER, activation_dtype, capabilities
 
 #: ``progress(stage_index, done, total)``. Stage processes load on their own and
 #: report readiness only, so it is called once per stage, with ``done == total == 1``.
@@ -98,12 +97,12 @@ def plan_for(
         nodes, devices = place_stages(stages, worker, gpus)
     else:
         nodes, devices = tuple(n.spec for n in cluster), tuple(n.device for n in cluster)
-    half = worker == "cuda"  # the CUDA worker moves f16 activations
+    family, width = activation_dtype(worker, facts.architecture)
     config = RuntimeConfig(
         run_id=run_id or new_run_id("run"),
         max_tokens=max_tokens,
-        activation_dtype_family=DTypeFamily.FLOAT,
-        activation_dtype_width_bytes=2 if half else 4,
+        activation_dtype_family=family,
+        activation_dtype_width_bytes=width,
         sampling=sampling,
         return_logits=return_logits,
         timeouts=timeouts or Timeouts(),

@@ -4,7 +4,8 @@ compiled kernels on any host, the default; ``numpy``, the readable oracle) and `
 (``runtime_cupy.cuda.worker.CudaWorker``, imported only when asked for, so that nothing
 here imports CuPy). A CUDA stage sees one GPU: the launcher sets its
 ``CUDA_VISIBLE_DEVICES``, so the worker uses device 0 of what it sees; a CPU stage
-uses its share of the host's cores (the launcher's ``OMP_NUM_THREADS``)."""
+uses its share of the host's cores (the launcher's ``OMP_NUM_THREADS``). A run's
+activations between stages are in ``activation_dtype``'s dtype for its worker and model."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from runplan import WorkerCapabilities
+from runplan import DTypeFamily, WorkerCapabilities
 from runtime_core.workers.interface import TraceEvent, Worker
 from runtime_core.workers.registry import CORE_WORKERS, WorkerUnavailable
 from runtime_core.workers.stage_worker import KV_OF_WIDTH, KV_WIDTHS
@@ -72,18 +73,38 @@ def capabilities(name: str, kv_dtype: str | None = None) -> WorkerCapabilities:
     return attrs.evolve(caps, kv_bytes_per_element=width)
 
 
+#: Architectures whose hidden states pass float16's largest value (65504) in released
+#: models (gemma2's and gemma3's residual streams do): on the CUDA worker's 2-byte
+#: edges they travel as bfloat16, which holds float32's range.
+BFLOAT16_EDGE_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+
+
+def activation_dtype(worker: str, architecture: str) -> tuple[DTypeFamily, int]:
+    """The dtype of a run's activations between stages (the plan's
+    ``activation_dtype_family`` and ``activation_dtype_width_bytes``): float32 for the
+    CPU workers; 2 bytes for ``cuda``: bfloat16 for ``BFLOAT16_EDGE_ARCHITECTURES``,
+    else float16 (a value past 65504 then fails its run's step: ``ActivationOverflow``)."""
+    if worker != "cuda":
+        return DTypeFamily.FLOAT, 4
+    if architecture in BFLOAT16_EDGE_ARCHITECTURES:
+        return DTypeFamily.BFLOAT, 2
+    return DTypeFamily.FLOAT, 2
+
+
 def make_worker(name: str, trace: TraceEvent | None = None) -> Worker:
     """A new worker of kind ``name``, its own events going to ``trace``."""
     return REGISTRY.make_worker(name, trace)
 
 
 __all__ = [
+    "BFLOAT16_EDGE_ARCHITECTURES",
     "DEFAULT_WORKER",
     "INSTALL_CUPY",
     "KV_WIDTHS",
     "REGISTRY",
     "WORKERS",
     "WorkerUnavailable",
+    "activation_dtype",
     "capabilities",
     "make_worker",
     "worker_class",

@@ -3,8 +3,9 @@
 Weights stay quantized on the device in their GGUF block layout; the kernels of
 ``kernels/*.cu`` dequantize them as they multiply (``forward_program.py`` has the sequence
 of a step). The residual stream inside a stage is float32; activations leave and
-enter the stage in the plan's dtype (f16 by default for CUDA, f32 or bf16 when the
-plan says so). The last stage computes the logits, the greedy token (or, with a
+enter the stage in the plan's dtype (the process runtime plans CUDA runs with f16, bf16
+for gemma2 and gemma3: ``runtime_cupy.workers.activation_dtype``; f32 when a plan says
+so). The last stage computes the logits, the greedy token (or, with a
 temperature, the reference sampler's draw) on the device; only the id comes back,
 and the logits only when the run asks for them.
 

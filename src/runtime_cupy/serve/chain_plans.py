@@ -22,7 +22,6 @@ from runplan import (
     plan_run,
 )
 from runplan.config import Timeouts
-from runplan.dtypes import DTypeFamily
 from runplan.plan import OrchestratorEndpoint
 from runplan.validate import U32_MAX
 from runtime_core.runs import PlanRejected, plan_even
@@ -30,6 +29,7 @@ from runtime_cupy.edges.choice import choose_medium
 from runtime_cupy.hosts.port import StageHost
 from runtime_cupy.process.chain_runner import ORCHESTRATOR
 from runtime_cupy.process.names import new_run_id
+from runtime_cupy.workers import activation_dtype
 
 
 def new_serve_run_id() -> str:
@@ -113,12 +113,12 @@ class ChainPlans:
         """A run's settings: the chain's (whether its tokens carry logits, ``logprobs``,
         included: the chain's token link is made for one kind of record, by the plan it
         starts with, a re-placed chain's too) and the run's own."""
-        half = self.worker == "cuda"  # the CUDA worker moves f16 activations
+        family, width = activation_dtype(self.worker, self.facts.architecture)
         return RuntimeConfig(
             run_id=run_id,
             max_tokens=max_tokens,
-            activation_dtype_family=DTypeFamily.FLOAT,
-            activation_dtype_width_bytes=2 if half else 4,
+            activation_dtype_family=family,
+            activation_dtype_width_bytes=width,
             sampling=sampling,
             timeouts=self.timeouts,
             worker=self.capabilities,
