@@ -114,8 +114,10 @@ class Timeouts:
     caches fill what a long run's leaves, and share its batches). The orchestrator's
     token timer counts such steps (``token_limit_ms``), and starts again when it runs out
     after the chain delivered tokens to any run (a record behind other runs' prefill
-    chunks, or among more decoding runs than a batch holds, waits through more); a
-    stage's step timer one."""
+    chunks, or among more decoding runs than a batch holds, waits through more), at
+    most as many times a token as a stage's budget holds runs of the run's cache size
+    (``OrchestratorMachine.token_restart_limit``): a record lost while other runs go on
+    faults its run within that many bounds and one; a stage's step timer one."""
 
     #: Worker calls a stage may finish before it releases a run it was told to stop.
     STOP_BATCHES = 2

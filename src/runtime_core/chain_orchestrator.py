@@ -17,7 +17,9 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
   (``TokenLinks``, this orchestrator's base).
 - A run's token timer that runs out is fed with the tokens the chain delivered to
   any run since it started (``tokens_delivered``): the run's machine starts it again
-  while the chain delivers tokens, and faults the run once none came for its bound.
+  while the chain delivers tokens, a limited number of times a token
+  (``token_restart_limit``), and faults the run once none came for its bound or the
+  restarts are spent.
 - Control messages (``StageReady``, ``StageFault``, ``StageStopped``,
   ``ProvisionRefused``) go to their run's machine; one for no held run is rejected.
   The batches a ``StageStopped`` reports (the stage's since its previous one, by rows)

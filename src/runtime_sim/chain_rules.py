@@ -106,5 +106,5 @@ def time_bound_us(plan: RunPlan) -> int:
 def chain_bound_us(runs: tuple[RunSpec, ...]) -> int:
     """When every run must have ended: the last arrival, then each run's bound in turn
     (a run may wait for every other to free its cache, or to take its tokens: its token
-    timer starts again while the chain delivers tokens)."""
+    timer starts again while the chain delivers tokens, a limited number of times)."""
     return max(r.arrival_us for r in runs) + sum(time_bound_us(r.plan) for r in runs)

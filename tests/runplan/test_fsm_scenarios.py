@@ -389,9 +389,39 @@ def test_a_token_timer_run_out_while_the_chain_delivered_tokens_starts_again() -
     m, _ = o.step(_running(plan), o.TokenConsumed(0, 5))
     decode_ms = 2 * plan.timeouts.step_limit_ms(1)
     again, actions = o.step(m, o.TimerFired(o.Timer.TOKEN, delivered=3))
-    assert again == m and actions == (o.StartTimer(o.Timer.TOKEN, decode_ms),)
+    assert again == attrs.evolve(m, token_restarts=1)
+    assert actions == (o.StartTimer(o.Timer.TOKEN, decode_ms),)
     # None came for a whole bound: the chain is stuck, the run faults.
     stuck, actions = o.step(again, o.TimerFired(o.Timer.TOKEN))
     assert stuck.state is o.State.TEARING_DOWN and stuck.outcome is StopReason.FAULTED
     assert stuck.fault == FaultReason(FaultKind.TIMEOUT, "token 1 not produced in time")
     assert _of(actions, o.SendStopRun)
+
+
+def test_a_token_timer_starts_again_a_limited_number_of_times_a_token() -> None:
+    # Each stage's budget holds 3 caches of this run's size: the timer of one token
+    # starts again 3 times at most while other runs get tokens; a consumed token
+    # resets the count. Past it the token's record is taken for lost: the run faults.
+    small = small_plan(2, max_tokens=10, eos=0)
+    stages = tuple(attrs.evolve(st_, kv_budget_bytes=3 * st_.kv_bytes) for st_ in small.stages)
+    plan = attrs.evolve(small, stages=stages)
+    m = _running(plan)
+    assert m.token_restart_limit == 3
+    fired = o.TimerFired(o.Timer.TOKEN, delivered=1)
+    for _ in range(2):
+        m, actions = o.step(m, fired)
+        assert _of(actions, o.StartTimer) and m.state is o.State.RUNNING
+    assert m.token_restarts == 2
+    m, _ = o.step(m, o.TokenConsumed(0, 5))
+    assert m.token_restarts == 0
+    for _ in range(3):
+        m, actions = o.step(m, fired)
+        assert _of(actions, o.StartTimer) and m.state is o.State.RUNNING
+    lost, actions = o.step(m, fired)
+    assert lost.state is o.State.TEARING_DOWN and lost.outcome is StopReason.FAULTED
+    detail = (
+        "token 1 not produced in time (its timer started again 3 times while other runs got tokens)"
+    )
+    assert lost.fault == FaultReason(FaultKind.TIMEOUT, detail)
+    assert _of(actions, o.SendStopRun)
+    assert all(a.timer is not o.Timer.TOKEN for a in _of(actions, o.StartTimer))

@@ -2,18 +2,27 @@
 behind other runs' records (their prefill chunks, or more decoding runs than a batch
 holds) through more batches than its bound counts is not faulted while the chain
 delivers tokens to any run; a chain that delivers none still faults every run, within
-its bound of its timer's last start (two bounds of the chain's last token at most)."""
+its bound of its timer's last start (two bounds of the chain's last token at most); a
+run whose record is lost while other runs go on faults within its restarts' bounds."""
 
 from __future__ import annotations
 
+import pytest
+
 from runplan import RunPlan, Timeouts
 from runplan.fsm import orchestrator as ofsm
+from runplan.fsm.orchestrator import InjectTokens
 from runplan.messages import FaultKind as RunFaultKind
+from runtime_core.chain_orchestrator import RunHandle
+from runtime_core.token_links import TokenLinks
 from runtime_sim.chain_checker import check
-from runtime_sim.chain_driver import ChainResult, ChainSimulation
+from runtime_sim.chain_driver import ChainResult, ChainSimulation, RunSpec, SimSettings
 from runtime_sim.faults import Fault, FaultKind
-from runtime_sim.timing import NodeProfile, TimingModel
+from runtime_sim.scenarios import EXPLORE_CAPABILITIES, synthetic_facts
+from runtime_sim.synthetic import SyntheticWorker
+from runtime_sim.timing import NodeProfile, TimingModel, stored_stage_costs
 from tests.support.slow_chain import slow_chain
+from tests.support.synthetic_plans import synthetic_plan
 
 #: Tight bounds: a step of one row may take 110 ms.
 TIMEOUTS = Timeouts(ready_ms=2_000, step_ms=100, step_row_ms=10, edge_wait_ms=2_000, stop_ms=500)
@@ -85,3 +94,63 @@ def test_a_chain_that_delivers_no_token_still_faults_every_run_within_its_bound(
             # most, after it: the fault comes within its bound of that start
             allowed = bound if runs == 1 else 2 * bound
             assert run.finished_us - last_token <= allowed + stop_us, (run, bound)
+
+
+def test_a_lost_record_faults_its_run_within_its_restarts_while_another_run_delivers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # run-0's record of token 2 never goes onto token-in; run-1 keeps getting tokens
+    # for far longer than run-0's bound. run-0's timer starts again while it does, as
+    # many times as a stage's budget holds runs of run-0's cache (2: it reserves the
+    # whole context), then run-0 faults alone: not once run-1 ends.
+    facts = synthetic_facts(6, 64, 512, 10**6, 1 + 400)
+    specs = []
+    for i, (max_tokens, prompt_tokens) in enumerate(((4, 0), (300, 1))):
+        plan = synthetic_plan(
+            facts,
+            1,
+            max_tokens=max_tokens,
+            run_id=f"run-{i}",
+            prompt_tokens=prompt_tokens,
+            seed=100 + i,
+            max_concurrent_runs=2,
+            max_batch_rows=2,
+            timeouts=TIMEOUTS,
+            capabilities=EXPLORE_CAPABILITIES,
+        )
+        specs.append(RunSpec(plan, (10 + i,)))
+    queue = TokenLinks._queue
+
+    def lose_run_0_token_2(self: TokenLinks, handle: RunHandle, action: InjectTokens) -> None:
+        if not (handle.run_id == "run-0" and action.sequence == 2):
+            queue(self, handle, action)
+
+    monkeypatch.setattr(TokenLinks, "_queue", lose_run_0_token_2)
+    model = specs[0].plan.model
+    costs = stored_stage_costs(specs[0].plan, facts.block_bytes, model.vocab_size * 32)
+    timing = TimingModel(node=NodeProfile(step_overhead_us=50_000))
+    sim = ChainSimulation(
+        tuple(specs),
+        [SyntheticWorker(model.vocab_size, model.eos_token_id)],
+        costs,
+        seed=7,
+        settings=SimSettings(timing=timing),
+    )
+    result = sim.run()
+    lost, busy = result.runs
+    assert lost.finished is not None and lost.finished_us is not None
+    assert busy.outcome == "completed" and len(busy.tokens) == 300
+    # token 2 was injected when token 1 came: the first bound and the limit's restarts
+    bound = bound_us(specs[0].plan, specs[0].prompt, 2)
+    waited = lost.finished_us - lost.token_times_us[-1]
+    stop_us = TIMEOUTS.stop_limit_ms(1, 2) * 1000
+    assert waited <= 3 * bound + stop_us, (waited, bound)
+    assert busy.token_times_us[-1] > lost.finished_us + 10 * bound  # it went on long after
+    fault = lost.finished.fault
+    assert fault is not None and fault.kind is RunFaultKind.TIMEOUT, fault
+    assert fault.detail == (
+        "token 2 not produced in time (its timer started again 2 times while other runs "
+        "got tokens)"
+    )
+    machine = ofsm.OrchestratorMachine.for_plan(specs[0].plan, specs[0].prompt)
+    assert machine.token_restart_limit == 2

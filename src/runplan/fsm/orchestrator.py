@@ -20,7 +20,9 @@ The token timer bounds the wait for the run's next token. With other runs in fli
 its record may wait through more batches than the bound counts (behind their prefill
 chunks, or among more decoding runs than a batch holds), so when it runs out and the
 chain delivered tokens to any run since it started (``TimerFired.delivered``), the
-timer starts again; a chain that delivered none for the whole bound faults the run.
+timer starts again, ``token_restart_limit`` times a token at most (the count resets
+when the token is consumed); a chain that delivered none for the whole bound, or a
+token past its restarts (its record lost while other runs go on), faults the run.
 """
 
 from __future__ import annotations
@@ -195,7 +197,11 @@ TABLE: Mapping[tuple[State, EventKind], Transition[State]] = {
     (_S.RUNNING, _K.ENDPOINT_FAULT): _T(_endpoint_fault, _FAULT),
     (_S.RUNNING, _K.TOKEN_TIMEOUT): _T(
         _token_timeout,
-        {_S.RUNNING: "the chain delivered tokens meanwhile: the timer starts again", **_FAULT},
+        {
+            _S.RUNNING: "the chain delivered tokens meanwhile: the timer starts again "
+            "(token_restart_limit times a token)",
+            **_FAULT,
+        },
     ),
     (_S.RUNNING, _K.CANCEL): _T(_cancel, _CANCEL),
     (_S.RUNNING, _K.OTHER_MESSAGE): _T(_reject_message, {_S.RUNNING: ""}),

@@ -99,7 +99,8 @@ class TimerFired:
     """A timer of the run ran out. ``delivered``, for the token timer: the tokens the
     chain delivered to any of its runs since this timer was started (the runtime
     counts them; 0 for the other timers). A chain that delivers tokens is alive: the
-    run's token waits behind other runs' records, and its timer starts again."""
+    run's token may wait behind other runs' records, and its timer starts again
+    (``OrchestratorMachine.token_restart_limit`` times a token at most)."""
 
     timer: Timer
     delivered: int = 0

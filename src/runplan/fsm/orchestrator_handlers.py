@@ -233,11 +233,16 @@ def _ready_timeout(m: OrchestratorMachine, _e: TimerFired) -> _Result:
 
 def _token_timeout(m: OrchestratorMachine, e: TimerFired) -> _Result:
     """The token's bound ran out. If the chain delivered tokens (to any run) since the
-    timer started, it is alive and the token waits behind other runs' records: the
-    timer starts again with the same bound. A chain that delivered none is stuck."""
-    if e.delivered > 0:
+    timer started, it is alive and the token may wait behind other runs' records: the
+    timer starts again with the same bound, ``token_restart_limit`` times a token at
+    most. A chain that delivered none is stuck; a token past its restarts is lost."""
+    if e.delivered > 0 and m.token_restarts < m.token_restart_limit:
+        m = _evolve(m, token_restarts=m.token_restarts + 1)
         return m, (StartTimer(_TOKEN, m._token_ms(m.injected)),)
-    return _fault(m, FaultKind.TIMEOUT, f"token {m.injected} not produced in time")
+    detail = f"token {m.injected} not produced in time"
+    if e.delivered > 0:
+        detail += f" (its timer started again {m.token_restarts} times while other runs got tokens)"
+    return _fault(m, FaultKind.TIMEOUT, detail)
 
 
 def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
@@ -254,7 +259,7 @@ def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
     delivered: tuple[Action, ...] = () if eos else (DeliverToken(e.sequence, e.token_id),)
     if eos or len(consumed) >= m.max_tokens:
         return _teardown(_evolve(m, consumed=consumed), StopReason.COMPLETED, actions=delivered)
-    m = _evolve(m, consumed=consumed, injected=e.sequence + 1)
+    m = _evolve(m, consumed=consumed, injected=e.sequence + 1, token_restarts=0)
     return m, (
         *delivered,
         CancelTimer(_TOKEN),

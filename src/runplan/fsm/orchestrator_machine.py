@@ -37,6 +37,7 @@ class OrchestratorMachine:
     fault_stage: int | None = None
     refused: frozenset[int] = frozenset()  # stages that refused the provision
     prefill_chunk: int = 0  # rows per chunk of the prompt (0: one record)
+    token_restarts: int = 0  # times the token timer of ``injected`` started again
 
     @classmethod
     def for_plan(cls, plan: RunPlan, prompt: tuple[int, ...]) -> OrchestratorMachine:
@@ -90,6 +91,22 @@ class OrchestratorMachine:
         return max((p.shared_batches for p in self.provisions), default=1)
 
     @property
+    def token_restart_limit(self) -> int:
+        """Times the token timer of one token may start again while the chain delivers
+        other runs' tokens (``TimerFired.delivered``): the runs of this run's cache
+        size a stage's KV budget holds, this one included (the most of any stage's; at
+        least 1). The runs in flight are no more where each reserves no less (a server
+        holds at most its budget's full-length runs). A stage serves decode records in
+        the order they were loaded, and prefill records so too, an owed one leading
+        every other batch at most: each other run puts its one decode record, or its
+        prompt's next chunk, ahead of this run's before it is served, a batch or two
+        each, while each bound counts at least 3 batches a stage (``shared_batches``).
+        Past the limit the run faults ``TIMEOUT`` however many tokens other runs get
+        (its record was lost): within ``limit + 1`` bounds of the token's injection."""
+        runs = (p.kv_budget_bytes // p.kv_bytes for p in self.provisions if p.kv_bytes > 0)
+        return max(1, max(runs, default=1))
+
+    @property
     def prompt_record_rows(self) -> int:
         """Rows of the run's longest record: the prompt, or its first chunk."""
         chunked = self.prefill_chunks > 1
@@ -102,7 +119,8 @@ class OrchestratorMachine:
         (the prompt, or its first chunk; a decoded token's record has one row) or, with
         other runs sharing the stages, of the largest batch, waiting through
         ``shared_batches`` batches a step. When it runs out while the chain delivered
-        tokens to other runs, it starts again (``TimerFired.delivered``)."""
+        tokens to other runs, it starts again (``TimerFired.delivered``), at most
+        ``token_restart_limit`` times a token."""
         stages = len(self.node_ids)
         if sequence != 0:
             return self.timeouts.token_limit_ms(stages, 1, 1, self.batch_rows, self.shared_batches)
