@@ -14,6 +14,10 @@ lines use it
 ``runplan.interrupted``'s (re-exported here), whose handler each package's ``__main__``
 sets first thing (``sigterm_as_ctrl_c``): this one replaces it within the block and
 gives it back.
+
+``to_the_end(action, on_interrupt)`` runs a teardown to its end however often the user
+interrupts it: after each interrupt ``on_interrupt()`` (stop waiting) and the action
+again; the first interrupt is handed back for the caller to raise once it is done.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from runplan.interrupted import Interrupted
@@ -36,6 +40,7 @@ __all__ = [
     "signal_named",
     "signal_of",
     "sigterm_interrupts",
+    "to_the_end",
 ]
 
 
@@ -49,6 +54,28 @@ def signal_named(exc: KeyboardInterrupt) -> str | None:
     ``None``: a Ctrl-C's ``Cancelled`` object says ``cancelled``, as it always has."""
     name = signal_of(exc)
     return None if name == "SIGINT" else name
+
+
+def to_the_end(
+    action: Callable[[], None], on_interrupt: Callable[[], None]
+) -> BaseException | None:
+    """Call ``action()`` until it returns: each interrupt that breaks into it (Ctrl-C's
+    ``KeyboardInterrupt``, ``Interrupted``, or whatever else a signal handler raises
+    that is no ``Exception``: ``SystemExit``) is held, then ``on_interrupt()`` and
+    ``action()`` run again (``action`` does again only what it has not done). The first
+    interrupt is returned (``None`` if none came), for the caller to raise once the work
+    is done; an ``Exception`` goes on at once, as from a plain call."""
+    first: BaseException | None = None
+    while True:
+        try:
+            if first is not None:
+                on_interrupt()
+            action()
+            return first
+        except Exception:
+            raise
+        except BaseException as exc:  # an interrupt: held, the work goes on
+            first = first or exc
 
 
 @contextlib.contextmanager

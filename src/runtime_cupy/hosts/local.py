@@ -222,8 +222,10 @@ class LocalStageHandle:
 
     def close(self) -> None:
         self.channel.close()
-        with contextlib.suppress(OSError):
-            os.close(self._lifeline)
+        lifeline, self._lifeline = self._lifeline, -1  # closed once: idempotent
+        if lifeline >= 0:
+            with contextlib.suppress(OSError):
+                os.close(lifeline)
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()

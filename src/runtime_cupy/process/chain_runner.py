@@ -16,7 +16,8 @@ and leaves when it ends.
 The caller's handle of a run (``ChainRun``, ``RunOutcome``) is ``chain_run``'s; the
 stages, started or kept from a re-placed chain and watched, are ``chain_stages``'s
 (``ChainStages``, a base of the runner); the runs handed in and back, and those that wait
-for KV memory, are ``chain_handoffs``'s (``RunHandoffs``, the other base).
+for KV memory, are ``chain_handoffs``'s (``RunHandoffs``, another base); the close is
+``chain_close``'s (``ChainClose``, the third).
 
 Faults. A run's own fault ends that run alone. A stage whose control channel reaches end
 of file has died (however it died, SIGKILL included): ``StageDied``, and a stage that
@@ -24,10 +25,10 @@ sends nothing, not even a heartbeat, for ``timeouts.heartbeat_ms`` is killed and
 ``StageSilent``; either one, or a token link that breaks or stays full past
 ``edge_wait_ms``, is a fault of the chain: every run in flight ends ``FAULTED`` naming
 the stage, its node, its host and the cause, and the chain is ``dead``: its owner makes
-a new one (``serve.chain.WarmChain``). ``close()`` cancels what runs, waits for the
-stages' ``StageStopped`` (each run's stop bound), closes the control channels (the
-stages exit), reaps every stage (killed after a grace), and frees every resource of the
-chain's links by name through the host, also those whose owner was killed.
+a new one (``serve.chain.WarmChain``). ``close()`` (``chain_close``'s) cancels what runs,
+waits for the stages' ``StageStopped``, closes the control channels, reaps every stage
+(killed after a grace) and frees every resource of the chain's links by name, to its end
+however often Ctrl-C breaks into it.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ from runtime_core.chain_orchestrator import ChainOrchestrator, RunTimerFired
 from runtime_core.kv_waits import KvWaits
 from runtime_core.runs import token_ids
 from runtime_cupy.edges.choice import choose_medium
-from runtime_cupy.edges.links import ProcessLinks, chain_hops
+from runtime_cupy.edges.links import ProcessLinks
 from runtime_cupy.hosts.local import LocalProcessHost
 from runtime_cupy.hosts.port import JoinsChains, StageHandle, StageHost
 from runtime_cupy.process.backoff import Backoff
-from runtime_cupy.process.chain_error import ChainClosing
+from runtime_cupy.process.chain_close import ChainClose
 from runtime_cupy.process.chain_handoffs import RunHandoffs
 from runtime_cupy.process.chain_run import ChainRun, OnLogits, OnToken
 from runtime_cupy.process.chain_stages import ChainStages, RunnerChannels, RunnerStage
@@ -68,8 +69,6 @@ log = logging.getLogger("runtime_cupy.process.chain_runner")
 
 ORCHESTRATOR = "orchestrator"
 IDLE_WAKE_S = 0.5  # look at the stage processes at least this often
-EXIT_GRACE_S = 3.0  # after the chain closed, how long stages get to exit before a kill
-REAP_S = 5.0  # how long to wait for a killed stage
 
 #: ``on_event(kind, fields)``: what the runner did (spawned, state, injected, ...).
 OnEvent = Callable[[str, dict[str, Any]], None]
@@ -82,7 +81,7 @@ def ready_stage(kind: str, fields: Mapping[str, Any]) -> int | None:
     return message.stage_index if kind == "received" and isinstance(message, StageReady) else None
 
 
-class ChainRunner(ChainStages, RunHandoffs):
+class ChainRunner(ChainStages, RunHandoffs, ChainClose):
     """The stages of ``template``'s layout (every run on the chain has the same stage
     facts: nodes, layer ranges, GGUF source, cache length, budgets) and the loop of the
     runs on them. ``worker`` is the registry's name of the stages' worker; ``devices[i]``
@@ -162,6 +161,8 @@ class ChainRunner(ChainStages, RunHandoffs):
         self._open = Backoff()  # tries to open the token links
         self._inject_wait = RingWait()  # for a token-in slot
         self.closed = False
+        self._closed_steps = set()  # of close() (chain_close): each done once
+        self._reaped = set()  # the stages close() reaped, by index
         #: Why the chain cannot serve any more (a chain fault), once it cannot.
         self.dead: str | None = None
 
@@ -373,52 +374,6 @@ class ChainRunner(ChainStages, RunHandoffs):
                     self._stage_died(stage)
 
     # -- the end ---------------------------------------------------------------------------
-    def close(self) -> None:
-        """Cancel what runs (waiting for the stages' stops unless abandoned), then stop
-        every stage, reap it (killed after a grace) and free the chain's links by name.
-        From the loop's thread, once ``loop`` returned (or was never run). Idempotent."""
-        if self.closed:
-            return
-        if self._runs or self._adds:
-            self.request_close()
-            with contextlib.suppress(Exception):
-                self.loop()
-        self.closed = True
-        for run in list(self._runs.values()):  # the loop broke off: they end unfinished
-            run._end()
-        self._runs.clear()
-        self._end_held()
-        with self._lock:
-            adds, self._adds = self._adds, []
-            self._over = True
-        for run in adds:
-            run._refused(ChainClosing("the chain is closing"))
-        for stage in self.stages:  # what waits to leave goes, then the channel closes
-            with contextlib.suppress(OSError):
-                stage.handle.channel.flush()
-            with contextlib.suppress(OSError):
-                stage.handle.channel.close()
-        deadline = time.monotonic() + EXIT_GRACE_S
-        for stage in self.stages:
-            stage.handle.wait(deadline - time.monotonic())
-        for stage in self.stages:
-            if not stage.handle.exited():
-                log.warning("stage %d (%s) did not exit: killing it", stage.index, stage.node_id)
-                stage.handle.kill()
-        for stage in self.stages:
-            stage.handle.wait(REAP_S)
-            self._stage_events += stage.handle.trace_events()
-            stage.handle.close()
-        self.orchestrator.close()
-        self.links.detach()
-        self._waiter.forget()
-        self.host.cleanup(self.chain_id, chain_hops(self.template.stage_count))
-        with self._lock:
-            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
     def trace_events(self) -> list[Event]:
         """The Chrome trace events of the orchestrator and of every stage since the last
         call (the first call's: since the chain started)."""

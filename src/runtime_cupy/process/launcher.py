@@ -11,7 +11,8 @@ reaped (killed after a short grace) and every resource of the chain's links free
 name through the host, also those whose owner was killed, whatever happened (an
 exception too). The caller's signal handlers stay: Ctrl-C's ``KeyboardInterrupt``
 (or whatever the caller's own handler raises) tears the run down and then goes on to the
-caller (a second one meanwhile stops waiting for the stages). With
+caller (a second one meanwhile stops waiting for the stages: they are killed at once;
+more meanwhile are held until every stage is reaped and the links freed). With
 ``handle_signals`` (the command line's), SIGINT / SIGTERM in the main thread cancel the
 run instead, which ends ``cancelled`` naming the signal (``interrupted_by``); a second
 one stops waiting for the stages. A signal this process ignores stays ignored (a
@@ -174,14 +175,12 @@ class ProcessRun:
                     runner.loop(until=lambda: run.done)
                     if runner.trace.enabled:  # what each stage wrote when the run ended
                         events += runner.trace_events()
-            finally:
-                runner.request_close(abandon=len(self._cancel) > 1)
+            finally:  # interrupted (again and again) while it waits: it stops waiting,
+                # finishes and raises the first interrupt after
                 try:
+                    runner.request_close(abandon=len(self._cancel) > 1)
+                finally:
                     runner.close()
-                except BaseException:  # interrupted again while it waits: stop waiting
-                    runner.request_close(abandon=True)
-                    runner.close()
-                    raise
         finally:
             self._restore_signals(previous)
         if run is not None:  # its on_token raised: the run torn down, its caller hears it

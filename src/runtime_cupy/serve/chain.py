@@ -353,7 +353,8 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
         reaped (killed after a grace), the links freed. Idempotent. ``ChainError`` from
         the chain's own thread (a run's callback), which it would wait for. Interrupted
         (Ctrl-C) while it waits for the stages' stops, it stops waiting: the stages are
-        killed and reaped and the links freed before the interrupt goes on. A chain
+        killed at once and reaped and the links freed before the interrupt goes on
+        (further interrupts meanwhile are held until then). A chain
         dropped without ``close`` is stopped so when it is collected. In a forked child
         of the process that made the chain, ``close`` (and the collection) stop nothing:
         the child's copy is closed, the owner's stages and links left to the owner."""

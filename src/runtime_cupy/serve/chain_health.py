@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from runplan import ModelFacts, NodeSpec, Placement, RunPlan, RuntimeConfig, SamplingConfig
 from runplan.replacement import Replacement, Unplaceable
 from runplan.resource_limits import with_limit
+from runtime_core.interrupt import to_the_end
 from runtime_core.recovery import RecoveryPolicy
 from runtime_core.tokenizer import Tokenizer
 from runtime_cupy.hosts.port import StageHandle, StageHost
@@ -362,8 +363,8 @@ class ChainHealth:
         """Stop the running chain; the live stages of ``keep`` are handed over (left
         running, for the next chain to keep) and returned by index. Interrupted while
         it waits for the stages' stops (Ctrl-C), it stops waiting: every stage is
-        stopped (killed after a short grace, none kept) and the links freed before the
-        interrupt goes on."""
+        stopped (killed at once, none kept) and the links freed before the interrupt
+        goes on; further interrupts meanwhile are held until then."""
         with self._lock:
             runner, thread = self._runner, self._thread
             self._runner = self._thread = None
@@ -372,22 +373,20 @@ class ChainHealth:
         if runner is None:
             return {}
         runner.request_close()
+        # the runner's state was cleared: none would stop it later, so an interrupt
+        # (Ctrl-C, again and again) stops the waiting, not the stopping
+        interrupt = None
+        if thread is not None:
+            interrupt = to_the_end(thread.join, lambda: runner.request_close(abandon=True))
+        kept = runner.hand_over(keep) if keep and interrupt is None else {}
         try:
-            if thread is not None:
-                thread.join()
-        except BaseException:  # the runner's state was cleared: none would stop it later
-            runner.request_close(abandon=True)
-            if thread is not None:
-                thread.join()
-            runner.close()
-            with self._lock:
+            runner.close()  # raises its own first interrupt once done
+        finally:
+            with self._lock:  # its batches stay counted
+                self._batches_before = added_counts(self._batches_before, runner.batch_counts())
                 self._closing = None
-            raise
-        kept = runner.hand_over(keep) if keep else {}
-        runner.close()
-        with self._lock:  # its batches stay counted
-            self._batches_before = added_counts(self._batches_before, runner.batch_counts())
-            self._closing = None
+        if interrupt is not None:
+            raise interrupt
         return kept
 
     def batch_counts(self) -> dict[int, dict[int, int]]:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -48,6 +49,48 @@ def test_ctrl_c_during_close_still_reaps_the_stages_and_frees_the_links(
         chain.close()  # again: nothing left to do
     finally:
         ctrl_c.cancel()
+        for pid in wait_gone(pids, 0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("recover", [False, True], ids=["plain", "recover"])
+def test_ctrl_c_again_during_the_interrupted_close_still_reaps_everything(
+    tiny: str, recover: bool
+) -> None:
+    """A second Ctrl-C 1.5 s after the first, while the interrupted close stopped the
+    stages: it once escaped the stop part-way (the stage that did not answer waited
+    3 s for, never killed; with ``recover=True`` for the life of the process), and the
+    chain had forgotten its runner, so a later ``close()`` did nothing. Now no wait
+    outlasts the first interrupt, more are held until the stages are reaped, and a
+    second ``close()`` has nothing left to do."""
+    chain = WarmChain(tiny, stages=2, context=64, max_concurrent=1, recover=recover)
+    chain.start()
+    pids, chain_id = list(chain.pids()), chain.chain_id
+    stopped = threading.Event()
+
+    def stop_the_last_stage(_token: int) -> None:
+        if not stopped.is_set():
+            os.kill(pids[1], signal.SIGSTOP)
+            stopped.set()
+
+    chain.submit([1, 2], max_tokens=40, sampling=SamplingConfig(), on_token=stop_the_last_stage)
+    assert stopped.wait(30)
+    timers = [threading.Timer(s, os.kill, (os.getpid(), signal.SIGINT)) for s in (1.0, 2.5)]
+    try:
+        for timer in timers:
+            timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            chain.close()
+        while any(t.is_alive() for t in timers):  # the Ctrl-Cs after it: the user's
+            with contextlib.suppress(KeyboardInterrupt):
+                time.sleep(0.05)
+        chain.close()  # again: nothing left to do
+        assert wait_gone(pids, 0) == []
+        assert run_resources(chain_id) == []
+    finally:
+        for timer in timers:
+            timer.cancel()
         for pid in wait_gone(pids, 0):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
