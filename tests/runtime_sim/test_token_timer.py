@@ -149,8 +149,7 @@ def test_a_lost_record_faults_its_run_within_its_restarts_while_another_run_deli
     fault = lost.finished.fault
     assert fault is not None and fault.kind is RunFaultKind.TIMEOUT, fault
     assert fault.detail == (
-        "token 2 not produced in time (its timer started again 2 times while other runs "
-        "got tokens)"
+        "token 2 not produced in time (its timer started again 2 times while other runs got tokens)"
     )
     machine = ofsm.OrchestratorMachine.for_plan(specs[0].plan, specs[0].prompt)
     assert machine.token_restart_limit == 2
