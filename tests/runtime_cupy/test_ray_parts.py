@@ -291,6 +291,42 @@ class _Gate:
         self._open.set()
 
 
+class _GatedAccept:
+    """A control port accepting stage 1 (proving ``key``) on a thread of its own, once
+    ``thread`` is started, held before each poll while its ``gate`` is shut."""
+
+    def __init__(self) -> None:
+        self.key = control_key(new_secret(), "10.0.0.2/cpu0")
+        self.listener = control_link.ControlListener("127.0.0.1")
+        self.host, self.port = control_link._split(self.listener.address)
+        self.gate = _Gate()
+        self.got: list[object] = []
+        self.thread = threading.Thread(target=self._accept)
+
+    def _accept(self) -> None:
+        try:
+            self.got.append(self.listener.accept(1, self.key, 30, self.gate))
+        except Exception as exc:
+            self.got.append(exc)
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection((self.host, self.port), timeout=5)
+
+    def let_in(self) -> None:
+        """The accept ended with a socket (the stage let in), closed here."""
+        self.thread.join(30)
+        assert isinstance(self.got[0], socket.socket), self.got
+        self.got[0].close()
+
+    def close(self, *socks: socket.socket) -> None:
+        self.gate.open()
+        if self.thread.ident is not None:  # started
+            self.thread.join(30)
+        for sock in socks:
+            sock.close()
+        self.listener.close()
+
+
 def _hello_answer(sock: socket.socket, key: bytes, nonce_p: bytes) -> bytes:
     head = sock.recv(hs.REPLY_HEAD_BYTES, socket.MSG_WAITALL)
     reply = head + sock.recv(hs.reply_bytes(head) - len(head), socket.MSG_WAITALL)
@@ -305,39 +341,22 @@ def test_a_stage_whose_hello_came_with_a_flood_is_looked_at_before_it_is_pushed_
     and the oldest of them, the stage's, was refused with its HELLO unread. A last look
     at what it sent proves it, and the stranger goes instead."""
     monkeypatch.setattr(control_link, "MAX_STRANGERS", 1)
-    key = control_key(new_secret(), "10.0.0.2/cpu0")
-    listener = control_link.ControlListener("127.0.0.1")
-    host, port = control_link._split(listener.address)
-    gate = _Gate()
-    got: list[object] = []
-
-    def accept() -> None:
-        try:
-            got.append(listener.accept(1, key, 30, gate))
-        except Exception as exc:
-            got.append(exc)
-
-    thread = threading.Thread(target=accept)
-    stage = socket.create_connection((host, port), timeout=5)
-    thread.start()
+    port = _GatedAccept()
+    key, gate = port.key, port.gate
+    stage = port.connect()
+    port.thread.start()
     strangers: list[socket.socket] = []
     try:
         gate.shut()  # the stage's connection accepted, a stranger so far
         nonce_p = hs.new_nonce()
         stage.sendall(hs.hello(key, 1, control_link.CONTROL, nonce_p))
-        strangers.append(socket.create_connection((host, port), timeout=5))
+        strangers.append(port.connect())
         gate.open()
         nonce_c = _hello_answer(stage, key, nonce_p)
         stage.sendall(hs.confirm(key, 1, control_link.CONTROL, nonce_c, nonce_p))
-        thread.join(30)
-        assert isinstance(got[0], socket.socket), got
-        got[0].close()
+        port.let_in()
     finally:
-        gate.open()
-        thread.join(30)
-        for sock in [stage, *strangers]:
-            sock.close()
-        listener.close()
+        port.close(stage, *strangers)
 
 
 def test_a_proven_stage_whose_confirm_came_with_a_replayed_hello_is_let_in(
@@ -350,41 +369,24 @@ def test_a_proven_stage_whose_confirm_came_with_a_replayed_hello_is_let_in(
     pushed out, and is let in with the CONFIRM it sent."""
     monkeypatch.setattr(control_link, "MAX_STRANGERS", 1)
     monkeypatch.setattr(control_link, "MAX_PROVEN", 1)
-    key = control_key(new_secret(), "10.0.0.2/cpu0")
-    listener = control_link.ControlListener("127.0.0.1")
-    host, port = control_link._split(listener.address)
-    gate = _Gate()
-    got: list[object] = []
-
-    def accept() -> None:
-        try:
-            got.append(listener.accept(1, key, 30, gate))
-        except Exception as exc:
-            got.append(exc)
-
-    stage = socket.create_connection((host, port), timeout=5)
+    port = _GatedAccept()
+    key, gate = port.key, port.gate
+    stage = port.connect()
     hello = hs.hello(key, 1, control_link.CONTROL, nonce_p := hs.new_nonce())
     stage.sendall(hello)  # proven when the copy's connection comes (a last look)
-    copy = socket.create_connection((host, port), timeout=5)
-    thread = threading.Thread(target=accept)
-    thread.start()
+    copy = port.connect()
+    port.thread.start()
     strangers: list[socket.socket] = []
     try:
         nonce_c = _hello_answer(stage, key, nonce_p)
         gate.shut()
         stage.sendall(hs.confirm(key, 1, control_link.CONTROL, nonce_c, nonce_p))
         copy.sendall(hello)
-        strangers.append(socket.create_connection((host, port), timeout=5))
+        strangers.append(port.connect())
         gate.open()
-        thread.join(30)
-        assert isinstance(got[0], socket.socket), got
-        got[0].close()
+        port.let_in()
     finally:
-        gate.open()
-        thread.join(30)
-        for sock in [stage, copy, *strangers]:
-            sock.close()
-        listener.close()
+        port.close(stage, copy, *strangers)
 
 
 def test_an_accept_without_a_descriptor_rests_the_control_port_and_the_stage_gets_in(

@@ -187,13 +187,7 @@ def _open_registry(folder: Path, make: bool = True) -> int | None:
     except OSError:  # a link (ELOOP), or not a folder
         log.warning("the registry of live chains %s is %s: refused", folder, describe(folder))
         return None
-    try:
-        check_stat(os.fstat(fd), folder, "folder")
-    except NotPrivate as exc:
-        os.close(fd)
-        log.warning("the registry of live chains: %s", exc)
-        return None
-    return fd
+    return _private(fd, folder, "folder", "the registry of live chains:")
 
 
 def _take(registry: int, path: Path) -> int | None:
@@ -256,11 +250,17 @@ def _open_entry(registry: int, name: str) -> int | None:
     except OSError:
         log.warning("the entry %s of live chains is %s: refused", path, describe(path))
         return None
+    return _private(fd, path, "file", "the entry of live chains")
+
+
+def _private(fd: int, path: Path, kind: str, what: str) -> int | None:
+    """``fd`` (``path``, a ``kind``) if it is this user's closed to others; else
+    closed, logged after ``what``, and ``None``."""
     try:
-        check_stat(os.fstat(fd), path, "file")
+        check_stat(os.fstat(fd), path, kind)
     except NotPrivate as exc:
         os.close(fd)
-        log.warning("the entry of live chains %s", exc)
+        log.warning("%s %s", what, exc)
         return None
     return fd
 

@@ -23,22 +23,32 @@ from tests.support.hygiene import run_resources, wait_gone
 pytestmark = pytest.mark.process
 
 
-@pytest.mark.parametrize("recover", [False, True], ids=["plain", "recover"])
-def test_ctrl_c_during_close_still_reaps_the_stages_and_frees_the_links(
+def _a_chain_whose_last_stage_is_stopped(
     tiny: str, recover: bool
-) -> None:
+) -> tuple[WarmChain, list[int], str]:
+    """A warm chain of 2 stages whose last one was SIGSTOPped at a run's first token
+    (alive and silent: its stop never comes), the run in flight; its stages' pids and
+    its chain id."""
     chain = WarmChain(tiny, stages=2, context=64, max_concurrent=1, recover=recover)
     chain.start()
-    pids, chain_id = list(chain.pids()), chain.chain_id
+    pids = list(chain.pids())
     stopped = threading.Event()
 
     def stop_the_last_stage(_token: int) -> None:
         if not stopped.is_set():
-            os.kill(pids[1], signal.SIGSTOP)  # alive and silent: its stop never comes
+            os.kill(pids[1], signal.SIGSTOP)
             stopped.set()
 
     chain.submit([1, 2], max_tokens=40, sampling=SamplingConfig(), on_token=stop_the_last_stage)
     assert stopped.wait(30)
+    return chain, pids, chain.chain_id
+
+
+@pytest.mark.parametrize("recover", [False, True], ids=["plain", "recover"])
+def test_ctrl_c_during_close_still_reaps_the_stages_and_frees_the_links(
+    tiny: str, recover: bool
+) -> None:
+    chain, pids, chain_id = _a_chain_whose_last_stage_is_stopped(tiny, recover)
     ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     try:
         ctrl_c.start()
@@ -64,18 +74,7 @@ def test_ctrl_c_again_during_the_interrupted_close_still_reaps_everything(
     chain had forgotten its runner, so a later ``close()`` did nothing. Now no wait
     outlasts the first interrupt, more are held until the stages are reaped, and a
     second ``close()`` has nothing left to do."""
-    chain = WarmChain(tiny, stages=2, context=64, max_concurrent=1, recover=recover)
-    chain.start()
-    pids, chain_id = list(chain.pids()), chain.chain_id
-    stopped = threading.Event()
-
-    def stop_the_last_stage(_token: int) -> None:
-        if not stopped.is_set():
-            os.kill(pids[1], signal.SIGSTOP)
-            stopped.set()
-
-    chain.submit([1, 2], max_tokens=40, sampling=SamplingConfig(), on_token=stop_the_last_stage)
-    assert stopped.wait(30)
+    chain, pids, chain_id = _a_chain_whose_last_stage_is_stopped(tiny, recover)
     timers = [threading.Timer(s, os.kill, (os.getpid(), signal.SIGINT)) for s in (1.0, 2.5)]
     try:
         for timer in timers:

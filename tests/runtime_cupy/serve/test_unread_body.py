@@ -74,16 +74,22 @@ def _head_of(data: bytes) -> list[bytes]:
     return data.split(b"\r\n\r\n", 1)[0].lower().split(b"\r\n")
 
 
+def _closed_413(data: bytes, took: float) -> None:
+    """``data`` is a 413 that says ``Connection: close``, and the connection ended
+    within the linger after it (``took`` s)."""
+    head = _head_of(data)
+    assert head[0].startswith(b"http/1.1 413"), data[:200]
+    assert b"connection: close" in head, data[:400]
+    assert took < LINGER_S + 1, took
+
+
 def test_a_body_announced_too_large_is_413_and_its_connection_closed(
     address: tuple[str, int],
 ) -> None:
     with socket.create_connection(address, timeout=10) as conn:
         conn.sendall(HEAD + f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode() + b"{" * 1000)
         data, took = _answer_and_end(conn, KEEP_ALIVE_S / 2)
-    head = _head_of(data)
-    assert head[0].startswith(b"http/1.1 413"), data[:200]
-    assert b"connection: close" in head, data[:400]
-    assert took < LINGER_S + 1, took
+    _closed_413(data, took)
 
 
 def test_a_chunked_body_sent_whole_past_the_bound_reads_the_413_not_a_reset(
@@ -97,10 +103,7 @@ def test_a_chunked_body_sent_whole_past_the_bound_reads_the_413_not_a_reset(
         for _ in range(9):
             conn.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
         data, took = _answer_and_end(conn, KEEP_ALIVE_S / 2)
-    head = _head_of(data)
-    assert head[0].startswith(b"http/1.1 413"), data[:200]
-    assert b"connection: close" in head, data[:400]
-    assert took < LINGER_S + 1, took
+    _closed_413(data, took)
 
 
 def test_httpx_gets_the_413_with_connection_close_and_its_next_request_is_answered(
