@@ -236,6 +236,21 @@ def test_recoveries_spent_end_the_stream_with_its_fault(tiny: str) -> None:
         assert chain.recoveries.count == 1
 
 
+def _losing_n1_at_the_second_token(
+    host: LosingHost, stage_pid: int, seen: list[int]
+) -> Callable[[int], None]:
+    """An ``on_token`` that keeps the tokens in ``seen`` and, at the second, loses node
+    ``n1``'s host and kills its stage (``stage_pid``)."""
+
+    def on_token(token: int) -> None:
+        seen.append(token)
+        if len(seen) == 2:
+            host.lost.add("n1")
+            os.kill(stage_pid, signal.SIGKILL)
+
+    return on_token
+
+
 def test_recoveries_spent_while_the_new_chain_starts_name_the_limit(tiny: str) -> None:
     """The last recovery's chain is lost while it starts (its spare's host gone as its
     stage comes up): the fault names what was lost then and the limit, as a recovery
@@ -251,12 +266,7 @@ def test_recoveries_spent_while_the_new_chain_starts_name_the_limit(tiny: str) -
         pids = chain.pids()
         host.lose_on_start.add("s0")
         seen: list[int] = []
-
-        def on_token(token: int) -> None:
-            seen.append(token)
-            if len(seen) == 2:
-                host.lost.add("n1")
-                os.kill(pids[1], signal.SIGKILL)
+        on_token = _losing_n1_at_the_second_token(host, pids[1], seen)
 
         run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
         assert run.result.outcome == "faulted"
@@ -283,12 +293,7 @@ def test_a_spare_lost_while_the_new_chain_comes_up_is_passed_over(tiny: str) -> 
         pids = chain.pids()
         host.lose_on_start.add("s0")
         seen: list[int] = []
-
-        def on_token(token: int) -> None:
-            seen.append(token)
-            if len(seen) == 2:
-                host.lost.add("n1")
-                os.kill(pids[1], signal.SIGKILL)
+        on_token = _losing_n1_at_the_second_token(host, pids[1], seen)
 
         run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token, **SEEDED)
         assert run.result.outcome == "completed", run.result.fault
