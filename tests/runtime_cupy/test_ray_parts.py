@@ -18,6 +18,7 @@ import pytest
 
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges import strangers as strangers_module
+from runtime_cupy.edges.handshake_read import HandshakeTimeUp
 from runtime_cupy.hosts.ray import control_link
 from runtime_cupy.hosts.ray.cluster import (
     ClusterError,
@@ -419,6 +420,41 @@ def test_an_accept_without_a_descriptor_rests_the_control_port_and_the_stage_get
     failed = [r for r in caplog.records if "accept failed" in r.getMessage()]
     assert 1 <= len(failed) <= serving_s / strangers_module.ACCEPT_PAUSE_S + 3, len(failed)
     assert [r.levelno for r in failed].count(logging.WARNING) == 1
+
+
+def test_a_supervisor_whose_orchestrator_trickles_its_challenge_gives_up_at_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The supervisor's ``HANDSHAKE_S`` bounded each read, not the handshake: whoever
+    answers in the orchestrator's place (a man in the middle) sending its CHALLENGE a
+    byte at a time, each before a read's bound ran out, held the stage's start for 72
+    times the bound. The whole handshake now ends at the bound, naming it."""
+    monkeypatch.setattr(control_link, "HANDSHAKE_S", 0.5)
+    key = control_key(new_secret(), "10.0.0.2/cpu0")
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def trickle() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(hs.HELLO_BYTES, socket.MSG_WAITALL)
+                for byte in hs.challenge(key, 1, control_link.CONTROL, bytes(32), bytes(32)):
+                    if stop.wait(0.2):
+                        return
+                    try:
+                        conn.send(bytes([byte]))
+                    except OSError:
+                        return
+
+        thread = threading.Thread(target=trickle)
+        thread.start()
+        try:
+            with pytest.raises(HandshakeTimeUp, match=r"more than 0.5 s over its handshake"):
+                control_link.connect(f"127.0.0.1:{port}", 1, key, 5)
+        finally:
+            stop.set()
+            thread.join(30)
 
 
 def test_no_control_connection_ends_when_the_supervisor_says_why() -> None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,6 +50,12 @@ from attrs import frozen
 
 from runplan.picklable_error import PicklableError
 from runtime_cupy.edges import handshake as hs
+from runtime_cupy.edges.handshake_read import (
+    HandshakeClosed,
+    HandshakeDeadline,
+    HandshakeTimeUp,
+    read_message,
+)
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, FrameSeal, Protection, protection_named
 from runtime_cupy.process.streams import keep_alive
 
@@ -333,33 +338,23 @@ class Link:
         self.sock.close()
 
 
-class _Deadline:
-    """When a handshake of ``bound_s`` seconds, begun now, must be done."""
-
-    def __init__(self, bound_s: float) -> None:
-        self.bound_s = bound_s
-        self.at = time.monotonic() + bound_s
-
-
-def _read_message(link: Link, n: int, check: Callable[[bytes], None], deadline: _Deadline) -> bytes:
-    """``n`` bytes, refused by ``check`` on the first bytes that prove them wrong;
-    ``LinkSilent`` once ``deadline`` is past, however the bytes came until then."""
-    data = b""
-    while len(data) < n:
-        left = deadline.at - time.monotonic()
-        try:
-            if left <= 0:
-                raise LinkSilent("the handshake's time is up")
-            link.sock.settimeout(left)
-            data += link.recv_some(1 if not data else n - len(data))
-        except LinkSilent:
-            if time.monotonic() < deadline.at:
-                raise  # the kernel's bound (the connection's user timeout)
-            raise LinkSilent(
-                f"the peer took more than {deadline.bound_s:g} s over its handshake "
-                f"({len(data)} of {n} bytes of a message came)"
-            ) from None
-        check(data)
+def _read_message(
+    link: Link, n: int, check: Callable[[bytes], None], deadline: HandshakeDeadline
+) -> bytes:
+    """``n`` bytes of the handshake (``edges.handshake_read``), counted as the link's:
+    ``LinkSilent`` once ``deadline`` is past or the kernel's bound runs out,
+    ``TransferError`` if the connection ends first."""
+    try:
+        data = read_message(link.sock, n, check, deadline)
+    except HandshakeTimeUp as exc:
+        raise LinkSilent(str(exc)) from None
+    except TimeoutError as exc:  # the kernel's (the connection's user timeout)
+        raise link._silent(f"sent nothing of {n} bytes", exc) from None
+    except HandshakeClosed as exc:
+        raise TransferError(str(exc)) from None
+    except OSError as exc:
+        raise TransferError(f"the connection broke ({exc})") from exc
+    link.received += len(data)
     return data
 
 
@@ -384,7 +379,7 @@ def open_as_server(
     with the stage's index once its HELLO proves its key (which a copy of an earlier
     HELLO does too), before the challenge is sent (it may raise ``Refused`` to end the
     handshake there)."""
-    deadline = _Deadline(HANDSHAKE_S)
+    deadline = HandshakeDeadline(HANDSHAKE_S)
     link = Link(sock)
     try:
         data = _read_message(link, hs.HELLO_BYTES, hs.check_hello_prefix, deadline)
@@ -443,7 +438,7 @@ def open_as_stage(
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except (OSError, ValueError) as exc:
         raise TransferError(f"cannot connect to the slice server at {address}: {exc}") from exc
-    deadline = _Deadline(timeout_s)
+    deadline = HandshakeDeadline(timeout_s)
     link = Link(sock)
     code = protection.code
     try:

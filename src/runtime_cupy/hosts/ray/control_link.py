@@ -10,12 +10,15 @@ stage's control key (``keys.control_key``), for the stage index it claims; the
 orchestrator proves the same back. A stranger on the port (garbage, a wrong key, a
 handshake left half done, a stage other than the one awaited) is refused, logged and
 changes nothing: every connection's handshake goes on beside the others', each within
-``HANDSHAKE_S``, so one that says nothing holds no stage up. As on every port strangers
-knock on (``edges.strangers``): past ``MAX_STRANGERS`` handshakes under way whose HELLO
-has not proven the key the oldest of them is refused (one that proved it is never pushed
-out by strangers; past ``MAX_PROVEN`` of those, replayed HELLOs, the oldest proven one
-goes); an ``accept`` that fails (``EMFILE``, ``ENOMEM``, ...) refuses the oldest stranger
-and rests the port ``ACCEPT_PAUSE_S``; refusals past the first few are summed up in the log.
+``HANDSHAKE_S``, so one that says nothing holds no stage up. The supervisor's side has
+``HANDSHAKE_S`` for its whole handshake too (``edges.handshake_read``): an orchestrator,
+or a man in the middle, that trickles its answer a byte at a time ends it at the bound.
+As on every port strangers knock on (``edges.strangers``): past ``MAX_STRANGERS``
+handshakes under way whose HELLO has not proven the key the oldest of them is refused
+(one that proved it is never pushed out by strangers; past ``MAX_PROVEN`` of those,
+replayed HELLOs, the oldest proven one goes); an ``accept`` that fails (``EMFILE``,
+``ENOMEM``, ...) refuses the oldest stranger and rests the port ``ACCEPT_PAUSE_S``;
+refusals past the first few are summed up in the log.
 Each knock is given a last look at what it sent before it is pushed out: a slow stage
 whose HELLO came while strangers flooded the port is proven then, and the next stranger
 goes instead; a proven one whose CONFIRM came is let in.
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable
 
 from runtime_cupy.edges import handshake as hs
+from runtime_cupy.edges.handshake_read import HandshakeDeadline, read_message
 from runtime_cupy.edges.strangers import (
     ACCEPT_PAUSE_S,
     MAX_PROVEN,
@@ -44,7 +48,7 @@ from runtime_cupy.process.streams import keep_alive
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
-#: How long one connection may take over its handshake.
+#: How long one connection may take over its whole handshake (either end).
 HANDSHAKE_S = 10.0
 #: The handshake's protection code for a control link (its frames are
 #: ``control.ControlChannel``'s, numbered and MAC'd).
@@ -53,17 +57,6 @@ CONTROL = 0
 
 class ControlLinkError(ConnectionError):
     """No authentic control connection came (in time)."""
-
-
-def _recv_exact(sock: socket.socket, n: int, check: Callable[[bytes], None]) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ControlLinkError(f"the peer closed the connection after {len(data)} bytes")
-        data += chunk
-        check(data)
-    return data
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -267,16 +260,22 @@ class ControlListener:
 
 
 def connect(address: str, stage_index: int, key: bytes, timeout_s: float) -> socket.socket:
-    """The supervisor's side: connect to the orchestrator and prove the stage's key."""
+    """The supervisor's side: connect to the orchestrator (within ``timeout_s``) and
+    prove the stage's key, the whole handshake within ``HANDSHAKE_S``
+    (``edges.handshake_read``: ``HandshakeTimeUp`` past it, however the orchestrator's
+    answer trickled in; ``HandshakeClosed`` if it closes first; ``hs.HandshakeRefused``
+    for a refusal or an answer that does not prove the key)."""
     host, port = _split(address)
     sock = socket.create_connection((host, port), timeout=timeout_s)
     try:
+        deadline = HandshakeDeadline(HANDSHAKE_S)
         sock.settimeout(HANDSHAKE_S)
         nonce_p = hs.new_nonce()
         sock.sendall(hs.hello(key, stage_index, CONTROL, nonce_p))
-        head = _recv_exact(sock, hs.REPLY_HEAD_BYTES, hs.check_reply_prefix)
-        rest = _recv_exact(sock, hs.reply_bytes(head) - len(head), lambda _data: None)
-        nonce_c = hs.read_reply(key, stage_index, CONTROL, nonce_p, head + rest)
+        head = read_message(sock, hs.REPLY_HEAD_BYTES, hs.check_reply_prefix, deadline)
+        rest = hs.reply_bytes(head) - len(head)
+        rest_data = read_message(sock, rest, lambda _data: None, deadline)
+        nonce_c = hs.read_reply(key, stage_index, CONTROL, nonce_p, head + rest_data)
         sock.sendall(hs.confirm(key, stage_index, CONTROL, nonce_c, nonce_p))
         sock.settimeout(None)
         keep_alive(sock)
