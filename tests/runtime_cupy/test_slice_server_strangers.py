@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -300,3 +301,41 @@ def test_a_stage_whose_server_trickles_its_challenge_gives_up_at_the_handshakes_
         finally:
             stop.set()
             thread.join(5)
+
+
+def test_a_stage_whose_hello_came_with_a_flood_is_looked_at_before_it_is_pushed_out(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stage's HELLO was in its connection, its thread not at it yet (held here, as
+    a busy process holds it), when strangers past ``MAX_STRANGERS`` came: the stage's,
+    the oldest, was turned away with its HELLO unread. A last look at what it sent
+    proves it, and the oldest stranger goes instead."""
+    monkeypatch.setattr(door_module, "MAX_STRANGERS", 2)
+    held = threading.Event()
+    handshake = server_module.open_as_server
+
+    def when_let_go(*args: Any, **kwargs: Any) -> Any:
+        held.wait(30)
+        return handshake(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "open_as_server", when_let_go)
+    code = AUTHENTICATED.code
+    stage = served.connect()
+    strangers: list[socket.socket] = []
+    try:
+        nonce_p = hs.new_nonce()
+        stage.sendall(hs.hello(served.key, 1, code, nonce_p))
+        time.sleep(0.1)  # the HELLO is in the server's end of the connection
+        strangers.extend(served.connect() for _ in range(3))
+        assert _closed_by_server(strangers[0], 5.0)  # the oldest stranger, not the stage
+        held.set()
+        head = stage.recv(hs.REPLY_HEAD_BYTES, socket.MSG_WAITALL)
+        reply = head + stage.recv(hs.reply_bytes(head) - len(head), socket.MSG_WAITALL)
+        nonce_c = hs.read_reply(served.key, 1, code, nonce_p, reply)
+        stage.sendall(hs.confirm(served.key, 1, code, nonce_c, nonce_p))
+        assert not _closed_by_server(stage, 0.5)  # open, waiting for its request
+        assert not any(_closed_by_server(sock, 0.2) for sock in strangers[1:])
+    finally:
+        held.set()
+        for sock in [stage, *strangers]:
+            sock.close()

@@ -4,10 +4,13 @@ before each read's time would run out, gets no more time than one that sends non
 
 Every end that reads a handshake from a blocking socket reads it here: a slice's stage
 and its server (``slices.protocol``), and a stage's supervisor opening its control
-channel (``hosts.ray.control_link``)."""
+channel (``hosts.ray.control_link``). A server whose connections each have a thread of
+their own waits for a HELLO without reading it (``await_message``), so that its door
+can give the connection a last look (``peek_waiting``) before it turns it away."""
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -71,3 +74,54 @@ def read_message(
         data += chunk
         check(data)
     return data
+
+
+def await_message(
+    sock: socket.socket,
+    n: int,
+    check: Callable[[bytes], None],
+    deadline: HandshakeDeadline,
+) -> bytes:
+    """The first ``n`` bytes waiting on ``sock`` once all of them have come, left unread
+    there (``read_message`` then takes them), so that a last look at the connection by
+    another thread (``peek_waiting``) sees them too until they are taken; refused by
+    ``check`` as they come, ``HandshakeTimeUp`` and ``HandshakeClosed`` as
+    ``read_message``. Each wait is for one byte more than has come (``SO_RCVLOWAT``),
+    so it never spins on bytes already there."""
+    seen = b""
+    try:
+        while len(seen) < n:
+            left = deadline.left()
+            if left <= 0:
+                raise deadline.time_up(len(seen), n)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, len(seen) + 1)
+            sock.settimeout(left)
+            try:
+                waiting = sock.recv(n, socket.MSG_PEEK)
+            except TimeoutError as exc:
+                if exc.errno is not None:
+                    raise
+                raise deadline.time_up(len(seen), n) from None
+            if len(waiting) <= len(seen):  # readable with nothing more: the peer closed
+                raise HandshakeClosed(
+                    f"the peer closed the connection after {len(waiting)} of {n} bytes of a "
+                    f"handshake message"
+                )
+            seen = waiting
+            check(seen)
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    return seen
+
+
+def peek_waiting(sock: socket.socket, n: int) -> bytes:
+    """What of the first ``n`` bytes is waiting on ``sock`` now, left there; never waits
+    (``b""`` for none, or for a connection that failed or is closed)."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return b""
+        return sock.recv(n, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (OSError, ValueError):
+        return b""

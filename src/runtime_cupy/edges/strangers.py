@@ -7,13 +7,20 @@ An ``accept`` that fails with anything but ``BlockingIOError`` or ``InterruptedE
 (``EMFILE``, ``ENFILE``, ``ENOMEM``, ``ENOBUFS``, ``ECONNABORTED``, ...) is passing: the
 connection stays queued, the port readable. Each owner then turns its oldest stranger
 away (its descriptor free for the next try) and leaves the port unwatched for
-``ACCEPT_PAUSE_S`` (watched at once, a loop would spin on it and log each turn)."""
+``ACCEPT_PAUSE_S`` (watched at once, a loop would spin on it and log each turn).
+
+A connection is turned away only after a last look at what it sent
+(``turn_away_oldest``): one whose HELLO came in while the port was crowded, not read
+yet, is proven then and stays, and the next oldest goes instead."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 #: Connections not proven yet that a port keeps open at once; past them the oldest goes.
 MAX_STRANGERS = 64
@@ -30,6 +37,35 @@ REFUSAL_SUMMARY_S = 10.0
 #: Reasons a summary counts one by one (a reason may name what a stranger sent, so a
 #: flood could make them many); the rest are counted together.
 SUMMED_REASONS = 8
+
+_Conn = TypeVar("_Conn")
+
+
+class Look(enum.Enum):
+    """What a last look at a connection found."""
+
+    SAME = "same"  # still what it was: it is turned away
+    GONE = "gone"  # the look ended it (refused for what it sent, or let in): room made
+    MOVED = "moved"  # what it sent proved it: no longer one of those to turn away
+
+
+def turn_away_oldest(
+    oldest_first: Iterable[_Conn],
+    look: Callable[[_Conn], Look],
+    turn_away: Callable[[_Conn], None],
+    enough: Callable[[], bool] = lambda: False,
+) -> None:
+    """Turn away the oldest of ``oldest_first`` after a last ``look`` at each: the first
+    that it finds ``SAME`` goes (``turn_away``); one it found ``GONE`` made the room;
+    one it found ``MOVED`` (proven meanwhile) stays, and the next is looked at, unless
+    that is ``enough`` (one fewer of them was what was wanted)."""
+    for conn in oldest_first:
+        seen = look(conn)
+        if seen is Look.SAME:
+            turn_away(conn)
+            return
+        if seen is Look.GONE or enough():
+            return
 
 
 class StrangerLog:

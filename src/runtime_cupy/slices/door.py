@@ -8,7 +8,10 @@ only that its sender held the key once: a copy of one, replayed by whoever saw i
 the network, is proven too, though it can never CONFIRM. So:
 
 - strangers: at most ``MAX_STRANGERS`` (``edges.strangers``); past them the oldest is
-  turned away;
+  turned away, after a last look at what it sent (``look``): a stage whose HELLO came
+  in while strangers crowded the port, its thread not at it yet, is proven then and
+  stays, and the next oldest goes instead (``edges.strangers.turn_away_oldest``, as at
+  the Ray control port);
 - proven: at most ``MAX_PROVEN`` of each stage (copies of its HELLO, each held up to
   the handshake's bound); past them that stage's oldest proven one is turned away (a
   stage's own CONFIRM follows its HELLO within a round trip), and no copy of one
@@ -28,8 +31,15 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Callable
 
-from runtime_cupy.edges.strangers import MAX_PROVEN, MAX_STRANGERS, StrangerLog
+from runtime_cupy.edges.strangers import (
+    MAX_PROVEN,
+    MAX_STRANGERS,
+    Look,
+    StrangerLog,
+    turn_away_oldest,
+)
 from runtime_cupy.slices.protocol import Refused
 
 #: Connections of one admission of a stage served at once (its slice's transfer, and
@@ -39,55 +49,87 @@ SERVED_PER_STAGE = 2
 
 class SliceDoor:
     """The connections of one slice server, by what they proved; refusals logged
-    through ``log``. Safe from any thread."""
+    through ``log``; ``look``: a last look at a stranger, the stage whose key the HELLO
+    waiting on it proves (``protocol.hello_proves``), never waiting. Safe from any
+    thread."""
 
-    def __init__(self, log: StrangerLog) -> None:
+    def __init__(
+        self, log: StrangerLog, look: Callable[[socket.socket], int | None] = lambda c: None
+    ) -> None:
         self.log = log
+        self._look = look
         self._lock = threading.Lock()
         self._strangers: dict[socket.socket, object] = {}  # oldest first: its peer
         self._proven: dict[socket.socket, tuple[object, int]] = {}  # oldest first
         self._served: dict[tuple[int, int], set[socket.socket]] = {}  # (stage, admission)
 
     def knocked(self, conn: socket.socket, peer: object) -> None:
-        """A connection accepted: a stranger; past ``MAX_STRANGERS`` the oldest goes."""
+        """A connection accepted: a stranger; past ``MAX_STRANGERS`` the oldest goes,
+        after a last look."""
         with self._lock:
             self._strangers[conn] = peer
         while self.strangers() > MAX_STRANGERS:
-            self.turn_away_oldest("pushed out by newer connections before it proved the key")
+            self.turn_away_oldest(
+                "pushed out by newer connections before it proved the key", MAX_STRANGERS
+            )
 
     def strangers(self) -> int:
         with self._lock:
             return len(self._strangers)
 
-    def turn_away_oldest(self, why: str) -> None:
-        """End the handshake of the oldest stranger, if there is one."""
+    def turn_away_oldest(self, why: str, enough: int | None = None) -> None:
+        """End the handshake of the oldest stranger, if there is one, after a last look
+        at what it sent: one whose HELLO proves an admitted stage's key is proven then,
+        and the next oldest goes instead, unless the strangers left are ``enough``
+        (``None``: one must go, to free what it holds)."""
+        said: list[tuple[object, str]] = []
         with self._lock:
-            if not self._strangers:
-                return
-            conn = next(iter(self._strangers))
-            peer = self._strangers.pop(conn)
-            _shut(conn)
-        self.log.refused(peer, why)
+
+            def look(conn: socket.socket) -> Look:
+                index = self._look(conn)
+                if index is None:
+                    return Look.SAME
+                said.extend(self._prove(conn, index))
+                return Look.MOVED
+
+            def away(conn: socket.socket) -> None:
+                said.append((self._strangers.pop(conn), why))
+                _shut(conn)
+
+            def done() -> bool:
+                return enough is not None and len(self._strangers) <= enough
+
+            turn_away_oldest(list(self._strangers), look, away, done)
+        for peer, reason in said:
+            self.log.refused(peer, reason)
 
     def proved(self, conn: socket.socket, index: int) -> None:
-        """``conn``'s HELLO proved stage ``index``'s key: no stranger now; past
-        ``MAX_PROVEN`` of that stage's proven connections the oldest goes. ``Refused``
-        if ``conn`` was turned away already."""
+        """``conn``'s HELLO proved stage ``index``'s key: no stranger now (a last look
+        may have found that first); past ``MAX_PROVEN`` of that stage's proven
+        connections the oldest goes. ``Refused`` if ``conn`` was turned away already."""
         with self._lock:
-            peer = self._strangers.pop(conn, None)
-            if peer is None:
+            if conn in self._proven:  # proven by a last look
+                self._proven[conn] = (self._proven[conn][0], index)
+                return
+            if conn not in self._strangers:
                 raise Refused("turned away before it proved the key")
-            self._proven[conn] = (peer, index)
-            stage = [c for c, (_, i) in self._proven.items() if i == index]
-            out = [(c, self._proven.pop(c)[0]) for c in stage[: max(0, len(stage) - MAX_PROVEN)]]
-            for old, _peer in out:
-                _shut(old)
-        for _old, old_peer in out:
-            self.log.refused(
-                old_peer,
-                f"pushed out by newer connections that proved stage {index}'s key "
-                f"(at most {MAX_PROVEN} a stage before they confirm it)",
-            )
+            said = self._prove(conn, index)
+        for peer, reason in said:
+            self.log.refused(peer, reason)
+
+    def _prove(self, conn: socket.socket, index: int) -> list[tuple[object, str]]:
+        """(Lock held.) Stranger ``conn`` proven for stage ``index``: the stage's oldest
+        proven connections past ``MAX_PROVEN`` shut, and each (peer, why) to log."""
+        self._proven[conn] = (self._strangers.pop(conn), index)
+        stage = [c for c, (_, i) in self._proven.items() if i == index]
+        out = [(c, self._proven.pop(c)[0]) for c in stage[: max(0, len(stage) - MAX_PROVEN)]]
+        why = (
+            f"pushed out by newer connections that proved stage {index}'s key "
+            f"(at most {MAX_PROVEN} a stage before they confirm it)"
+        )
+        for old, _peer in out:
+            _shut(old)
+        return [(peer, why) for _old, peer in out]
 
     def let_in(self, conn: socket.socket, peer: object, index: int, admission: int) -> None:
         """``conn`` confirmed stage ``index``'s key (of its ``admission``-th admission):

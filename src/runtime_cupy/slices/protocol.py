@@ -54,6 +54,8 @@ from runtime_cupy.edges.handshake_read import (
     HandshakeClosed,
     HandshakeDeadline,
     HandshakeTimeUp,
+    await_message,
+    peek_waiting,
     read_message,
 )
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, FrameSeal, Protection, protection_named
@@ -339,13 +341,18 @@ class Link:
 
 
 def _read_message(
-    link: Link, n: int, check: Callable[[bytes], None], deadline: HandshakeDeadline
+    link: Link,
+    n: int,
+    check: Callable[[bytes], None],
+    deadline: HandshakeDeadline,
+    read: Callable[..., bytes] = read_message,
 ) -> bytes:
-    """``n`` bytes of the handshake (``edges.handshake_read``), counted as the link's:
+    """``n`` bytes of the handshake (``edges.handshake_read``), counted as the link's
+    (``read``: ``await_message`` leaves them unread, and they count when taken):
     ``LinkSilent`` once ``deadline`` is past or the kernel's bound runs out,
     ``TransferError`` if the connection ends first."""
     try:
-        data = read_message(link.sock, n, check, deadline)
+        data = read(link.sock, n, check, deadline)
     except HandshakeTimeUp as exc:
         raise LinkSilent(str(exc)) from None
     except TimeoutError as exc:  # the kernel's (the connection's user timeout)
@@ -354,8 +361,27 @@ def _read_message(
         raise TransferError(str(exc)) from None
     except OSError as exc:
         raise TransferError(f"the connection broke ({exc})") from exc
-    link.received += len(data)
+    if read is read_message:
+        link.received += len(data)
     return data
+
+
+def hello_proves(sock: socket.socket, admitted: Mapping[int, Admission]) -> int | None:
+    """A last look at a connection whose handshake has not proven a key yet (the slice
+    server's door, before it turns the connection away): the index of the stage of
+    ``admitted`` whose key the whole HELLO waiting on it proves, else ``None``. It
+    reads nothing (``open_as_server`` leaves a HELLO unread until its stage is proven)
+    and never waits."""
+    data = peek_waiting(sock, hs.HELLO_BYTES)
+    if len(data) < hs.HELLO_BYTES:
+        return None
+    for index, admission in admitted.items():
+        try:
+            hs.verify_hello(admission.key, index, admission.protection.code, data)
+        except hs.HandshakeRefused:
+            continue
+        return index
+    return None
 
 
 def _mismatch(index: int, stage: str, server: str, address: str = "") -> str:
@@ -378,11 +404,17 @@ def open_as_server(
     otherwise (the stage told why where the handshake says so). ``on_proven`` is called
     with the stage's index once its HELLO proves its key (which a copy of an earlier
     HELLO does too), before the challenge is sent (it may raise ``Refused`` to end the
-    handshake there)."""
+    handshake there). The HELLO is left unread on ``sock`` until then, so that a last
+    look at the connection (``hello_proves``) sees it while it is a stranger."""
     deadline = HandshakeDeadline(HANDSHAKE_S)
     link = Link(sock)
+
+    def take_hello() -> None:
+        _read_message(link, hs.HELLO_BYTES, lambda _data: None, deadline)
+
     try:
-        data = _read_message(link, hs.HELLO_BYTES, hs.check_hello_prefix, deadline)
+        check = hs.check_hello_prefix
+        data = _read_message(link, hs.HELLO_BYTES, check, deadline, await_message)
         refusal = hs.HandshakeRefused("a stage of no slice of this server's", hs.Refusal.OTHER_EDGE)
         for index, admission in admitted.items():
             key, protection = admission.key, admission.protection
@@ -390,6 +422,7 @@ def open_as_server(
                 hello = hs.verify_hello(key, index, protection.code, data)
             except hs.HandshakeRefused as exc:
                 if exc.refusal is hs.Refusal.OTHER_PROTECTION:
+                    take_hello()
                     link.send_raw(hs.refuse(exc.refusal, protection.code))
                     theirs = protection_named(exc.protection)
                     raise ProtectionMismatch(
@@ -402,6 +435,7 @@ def open_as_server(
                     refusal = exc
                 continue
             on_proven(index)
+            take_hello()
             nonce_c = hs.new_nonce()
             link.send_raw(hs.challenge(key, index, protection.code, hello.nonce_p, nonce_c))
             data = _read_message(link, hs.CONFIRM_BYTES, hs.check_confirm_prefix, deadline)
@@ -411,6 +445,7 @@ def open_as_server(
             sock.settimeout(None)
             keep_alive(sock)
             return link, index
+        take_hello()
         link.send_raw(hs.refuse(refusal.refusal or hs.Refusal.OTHER_EDGE))
         raise refusal
     except Refused:

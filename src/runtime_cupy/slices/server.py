@@ -6,8 +6,9 @@ file, ``digests``); ``expect(stage_index, node_id, key, encrypt=...)`` admits a 
 (its slice key, ``keys.slice_key``, and whether its launch encrypts: then its slice
 travels encrypted, and a stage that asks otherwise is refused, ``protocol``). Each
 connection runs on a thread of its own, as many at once as ``door`` keeps (strangers,
-copies of a stage's HELLO, and connections of each admitted stage, each bounded; an
-``accept`` that fails rests the port, as a TCP edge's door does): the handshake, the
+copies of a stage's HELLO, and connections of each admitted stage, each bounded, a
+stranger turned away only after a last look at what it sent; an ``accept`` that fails
+rests the port, as a TCP edge's door does): the handshake, the
 slice's header
 (``runplan.shard_file.shard_header``, made once per slice), then the tensors the stage
 asked for, read through the source's memory map and handed to the kernel in large
@@ -46,6 +47,7 @@ from runtime_cupy.slices.protocol import (
     ProtectionMismatch,
     Refused,
     TransferError,
+    hello_proves,
     open_as_server,
 )
 
@@ -152,7 +154,11 @@ class SliceServer:
         self._parts: dict[int, SliceParts | None] = {}
         self._generations: dict[int, int] = {}  # admissions of each stage so far
         self._transfers: dict[int, StageTransfer] = {}
-        self._door = SliceDoor(StrangerLog(log, "slice server"))
+        # A last look at a stranger reads the admissions without the lock (each
+        # admission makes a new dict): it runs on the accept thread, under the door's.
+        self._door = SliceDoor(
+            StrangerLog(log, "slice server"), lambda conn: hello_proves(conn, self._admitted)
+        )
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._links: set[Link] = set()
@@ -196,7 +202,8 @@ class SliceServer:
         recovery replaced) is dropped: the next one names this node and host, and what
         a connection of an earlier admission still does is no longer recorded."""
         with self._lock:
-            self._admitted[stage_index] = Admission(key, protection_for(encrypt))
+            admission = Admission(key, protection_for(encrypt))
+            self._admitted = {**self._admitted, stage_index: admission}
             self._who[stage_index] = (node_id, host)
             self._parts[stage_index] = parts
             self._generations[stage_index] = self._generations.get(stage_index, 0) + 1

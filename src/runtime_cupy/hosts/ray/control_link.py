@@ -42,7 +42,9 @@ from runtime_cupy.edges.strangers import (
     ACCEPT_PAUSE_S,
     MAX_PROVEN,
     MAX_STRANGERS,
+    Look,
     StrangerLog,
+    turn_away_oldest,
 )
 from runtime_cupy.process.streams import keep_alive
 
@@ -178,16 +180,19 @@ class ControlListener:
             after a last look at what it sent: a stranger whose HELLO came meanwhile
             is proven, not refused (the next stranger goes instead, unless that is
             ``enough``), and a proven one whose CONFIRM came is let in (returned)."""
-            for fd in [fd for fd, k in knocks.items() if (k.nonce_c is not None) == proven]:
+            let_in: list[socket.socket] = []
+
+            def look(fd: int) -> Look:
                 conn = advance(fd)
+                if conn is not None:
+                    let_in.append(conn)
                 if conn is not None or fd not in knocks:  # let in, or refused by its look
-                    return conn
-                if (knocks[fd].nonce_c is not None) == proven:
-                    refuse(fd, why)
-                    return None
-                if enough():
-                    return None
-            return None
+                    return Look.GONE
+                return Look.SAME if (knocks[fd].nonce_c is not None) == proven else Look.MOVED
+
+            oldest_first = [fd for fd, k in knocks.items() if (k.nonce_c is not None) == proven]
+            turn_away_oldest(oldest_first, look, lambda fd: refuse(fd, why), enough)
+            return let_in[0] if let_in else None
 
         def count(proven: bool) -> int:
             return sum((k.nonce_c is not None) == proven for k in knocks.values())
