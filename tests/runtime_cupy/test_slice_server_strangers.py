@@ -339,3 +339,33 @@ def test_a_stage_whose_hello_came_with_a_flood_is_looked_at_before_it_is_pushed_
         held.set()
         for sock in [stage, *strangers]:
             sock.close()
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _serving_threads() -> int:
+    return sum(t.name == "slice-send" for t in threading.enumerate())
+
+
+def test_closing_the_server_turns_away_every_connection_not_served_yet(served: Served) -> None:
+    """Connections mid-handshake (strangers, a copy of a stage's HELLO) outlived
+    ``close`` with a thread and a descriptor each until the handshake's bound ran out
+    (one that proved a key then was served by the closed server): they are turned away
+    at once, and their threads end, their descriptors closed."""
+    descriptors, threads = _descriptors(), _serving_threads()
+    idle = [served.connect() for _ in range(3)]
+    copy = _proven(served, hs.hello(served.key, 1, AUTHENTICATED.code, hs.new_nonce()))
+    ours = [*idle, copy]
+    try:
+        served.server.close()
+        assert all(_closed_by_server(sock, 5.0) for sock in ours)
+        deadline = time.monotonic() + 5.0
+        while _serving_threads() > threads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _serving_threads() == threads
+        assert _descriptors() == descriptors + len(ours) - 1  # its ends closed, its port
+    finally:
+        for sock in ours:
+            sock.close()

@@ -24,7 +24,8 @@ With ``S`` stages admitted, the server holds at most ``MAX_STRANGERS + S x
 (MAX_PROVEN + SERVED_PER_STAGE)`` connections, one thread each (and a recovery's lost
 host's, admitted before, until they end).
 
-Turning a connection away shuts it down; its thread then ends and closes it."""
+Turning a connection away shuts it down; its thread then ends and closes it. When the
+server closes, every connection not served yet is turned away (``close``)."""
 
 from __future__ import annotations
 
@@ -62,12 +63,17 @@ class SliceDoor:
         self._strangers: dict[socket.socket, object] = {}  # oldest first: its peer
         self._proven: dict[socket.socket, tuple[object, int]] = {}  # oldest first
         self._served: dict[tuple[int, int], set[socket.socket]] = {}  # (stage, admission)
+        self._closed = False
 
     def knocked(self, conn: socket.socket, peer: object) -> None:
         """A connection accepted: a stranger; past ``MAX_STRANGERS`` the oldest goes,
         after a last look."""
         with self._lock:
             self._strangers[conn] = peer
+            if self._closed:  # knocked as the server closed
+                self._strangers.pop(conn)
+                _shut(conn)
+                return
         while self.strangers() > MAX_STRANGERS:
             self.turn_away_oldest(
                 "pushed out by newer connections before it proved the key", MAX_STRANGERS
@@ -164,6 +170,19 @@ class SliceDoor:
                 served.discard(conn)
                 if not served:
                     del self._served[(index, admission)]
+
+    def close(self) -> None:
+        """The server closes: every connection not served yet is turned away (its
+        thread then ends and closes it; one that knocks after is turned away at once),
+        so none of them outlives the server for the handshake's bound, or is served by a
+        closed server."""
+        with self._lock:
+            self._closed = True
+            conns = [*self._strangers, *self._proven]
+            self._strangers.clear()
+            self._proven.clear()
+            for conn in conns:
+                _shut(conn)
 
 
 def _shut(conn: socket.socket) -> None:

@@ -411,9 +411,12 @@ class SliceServer:
         log.info("slice of stage %d: %d bytes in %.2f s (%s)", index, sent, ended - began, state)
 
     def close(self) -> None:
+        """Stop listening, turn away every connection not served yet (``door``) and
+        end those being served."""
         self._closed.set()
         with contextlib.suppress(OSError):
             self._sock.close()
+        self._door.close()
         with self._lock:
             links = list(self._links)
         for link in links:
