@@ -27,7 +27,14 @@ import time
 
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.port import Rendezvous
-from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, MAX_PROVEN, MAX_STRANGERS, StrangerLog
+from runtime_cupy.edges.strangers import (
+    ACCEPT_PAUSE_S,
+    MAX_PROVEN,
+    MAX_STRANGERS,
+    Look,
+    StrangerLog,
+    turn_away_oldest,
+)
 from runtime_cupy.edges.tcp_frames import peer_of
 from runtime_cupy.edges.tcp_seal import FrameSeal, Protection
 from runtime_cupy.process.poller import IN, OUT, TROUBLE
@@ -105,9 +112,7 @@ class ConsumerDoor:
         """The connection stays queued, the port readable: free the oldest stranger's
         descriptor (after a last look) and rest the port for ``ACCEPT_PAUSE_S``."""
         self._strangers.accept_failed(exc)
-        strangers = [p for p in self._pending.values() if p.hello is None]
-        if strangers:
-            self._push_out(strangers[0], f"turned away to free a descriptor ({exc.strerror})")
+        self._push_out(f"turned away to free a descriptor ({exc.strerror})")
         self._rests_until = time.monotonic() + ACCEPT_PAUSE_S
 
     def _expire(self, now: float) -> None:
@@ -120,20 +125,33 @@ class ConsumerDoor:
         """Turn away strangers beyond ``MAX_STRANGERS`` (oldest first, after a last look
         at each) and proven connections beyond ``MAX_PROVEN``."""
         self._expire(time.monotonic())
-        strangers = [p for p in self._pending.values() if p.hello is None]
-        while len(strangers) > MAX_STRANGERS and self._listener is not None:
-            self._push_out(
-                strangers.pop(0), "pushed out by newer connections before it proved the key"
-            )
+        why = "pushed out by newer connections before it proved the key"
+        while self._count_strangers() > MAX_STRANGERS and self._listener is not None:
+            self._push_out(why, MAX_STRANGERS)
         proven = [p for p in self._pending.values() if p.hello is not None]
         for oldest in proven[: max(0, len(proven) - MAX_PROVEN)]:
             self._refuse(oldest, "pushed out by newer connections that proved the key")
 
-    def _push_out(self, stranger: _Pending, why: str) -> None:
-        """Turn a stranger away unless a last look at what it sent proves it."""
-        self._advance(stranger)
-        if stranger.sock.fileno() in self._pending and stranger.hello is None:
-            self._refuse(stranger, why)
+    def _count_strangers(self) -> int:
+        return sum(p.hello is None for p in self._pending.values())
+
+    def _push_out(self, why: str, enough: int | None = None) -> None:
+        """Turn the oldest stranger away after a last look at what it sent
+        (``strangers.turn_away_oldest``): one it proves stays, and the next goes,
+        unless the strangers left are ``enough`` (``None``: one must go)."""
+
+        def look(stranger: _Pending) -> Look:
+            fd = stranger.sock.fileno()
+            self._advance(stranger)
+            if self._pending.get(fd) is not stranger:  # refused, or let in
+                return Look.GONE
+            return Look.SAME if stranger.hello is None else Look.MOVED
+
+        def done() -> bool:
+            return enough is not None and self._count_strangers() <= enough
+
+        strangers = [p for p in self._pending.values() if p.hello is None]
+        turn_away_oldest(strangers, look, lambda p: self._refuse(p, why), done)
 
     def _refuse(self, pending: _Pending, why: str) -> None:
         self._strangers.refused(pending.peer, why)
