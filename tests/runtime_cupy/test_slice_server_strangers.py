@@ -369,3 +369,28 @@ def test_closing_the_server_turns_away_every_connection_not_served_yet(served: S
     finally:
         for sock in ours:
             sock.close()
+
+
+def test_the_refusals_not_logged_one_by_one_are_summed_up_when_the_server_closes(
+    served: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past ``LOGGED_REFUSALS`` refusals are logged at DEBUG and summed up in a WARNING
+    by the next refusal ``REFUSAL_SUMMARY_S`` later, or when the port closes: the slice
+    server never summed them up when it closed, so a burst of strangers turned away
+    past the first few was counted in no WARNING."""
+    monkeypatch.setattr(door_module, "MAX_STRANGERS", 1)
+    monkeypatch.setattr(strangers_module, "LOGGED_REFUSALS", 2)
+    caplog.set_level(logging.WARNING, logger="runtime_cupy.slices")
+    idle = [served.connect() for _ in range(7)]
+    try:
+        assert all(_closed_by_server(sock, 5.0) for sock in idle[:6])
+        served.server.close()
+    finally:
+        for sock in idle:
+            sock.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("refused a connection from" in m for m in said) == 2, said
+    assert [m for m in said if "more connections" in m] == [
+        "slice server: refused 4 more connections (6 in all): 4 pushed out by newer "
+        "connections before it proved the key"
+    ], said

@@ -175,7 +175,7 @@ class SliceDoor:
         """The server closes: every connection not served yet is turned away (its
         thread then ends and closes it; one that knocks after is turned away at once),
         so none of them outlives the server for the handshake's bound, or is served by a
-        closed server."""
+        closed server; the refusals not logged one by one are summed up."""
         with self._lock:
             self._closed = True
             conns = [*self._strangers, *self._proven]
@@ -183,6 +183,7 @@ class SliceDoor:
             self._proven.clear()
             for conn in conns:
                 _shut(conn)
+        self.log.sum_up()
 
 
 def _shut(conn: socket.socket) -> None:
