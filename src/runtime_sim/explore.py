@@ -27,6 +27,7 @@ from runtime_sim.chain_recovery import (
 from runtime_sim.chain_ring_rules import RELEASE_AT_LOAD
 from runtime_sim.chain_rules import (
     ALL_RULES,
+    BATCH_INVARIANCE,
     BATCHES_REPORTED,
     ISOLATION,
     READY_AFTER_SETUP,
@@ -227,6 +228,7 @@ MUTANT_RULES: dict[Mutation, str] = {
     Mutation.CROSS_RUN_LEAK: ISOLATION,
     Mutation.REORDERED_STEPS: STEP_ORDER,
     Mutation.BATCHES_REPORTED_TWICE: BATCHES_REPORTED,
+    Mutation.MIXED_ROWS: BATCH_INVARIANCE,
     Mutation.REPLAY_RESTARTS_SAMPLER: STREAM_UNBROKEN,
     Mutation.REPLAY_DROPS_DELIVERED: REPLAY_PROMPT,
     Mutation.STALE_RUN_ACCEPTED: STALE_NEVER_ACCEPTED,

@@ -6,8 +6,9 @@ knows of them."""
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -25,6 +26,7 @@ from runtime_core.links import LinkSender
 from runtime_core.records import token_payload
 from runtime_core.recovery import ChainRecovery
 from runtime_core.replay import Interrupted, Replay, ReplayRefused
+from runtime_core.workers.interface import BatchStep, StepResult, Worker
 from runtime_sim.chain_driver import ChainSimulation, Parts
 from runtime_sim.chain_links import ChainRing
 from runtime_sim.chain_nodes import TracedChainStage
@@ -43,6 +45,7 @@ class Mutation(enum.Enum):
     CROSS_RUN_LEAK = "CROSS_RUN_LEAK"  # one run's token goes to another run's caller
     REORDERED_STEPS = "REORDERED_STEPS"  # a batch takes one run's records out of order
     BATCHES_REPORTED_TWICE = "BATCHES_REPORTED_TWICE"  # a stop reports batches reported before
+    MIXED_ROWS = "MIXED_ROWS"  # a batch hands one run's rows to another run's step
     # a recovery's (issue 25)
     REPLAY_RESTARTS_SAMPLER = "REPLAY_RESTARTS_SAMPLER"  # a replay draws from the start
     REPLAY_DROPS_DELIVERED = "REPLAY_DROPS_DELIVERED"  # a replay's prompt lacks the delivered
@@ -173,6 +176,34 @@ class ReorderedSteps(TracedChainStage):
         super().run_batch()
 
 
+class _MixingWorker:
+    """A worker whose batches give two steps of the same shape each other's rows (its
+    first such pair)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def execute_batch(self, steps: Sequence[BatchStep]) -> tuple[StepResult, ...]:
+        mixed = list(steps)
+        for i, (a, b) in enumerate(itertools.pairwise(steps)):
+            if a.data.shape == b.data.shape:
+                mixed[i : i + 2] = [attrs.evolve(a, data=b.data), attrs.evolve(b, data=a.data)]
+                break
+        return tuple(self.inner.execute_batch(mixed))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class MixedRows(TracedChainStage):
+    """A stage whose batches compute one run's step on another run's rows: each run's
+    records are in order and each output labelled right, but what it carries is not
+    that run's."""
+
+    def __init__(self, node: Any, worker: Any, stopped_runs: frozenset[str]) -> None:
+        super().__init__(node, cast(Worker, _MixingWorker(worker)), stopped_runs)
+
+
 class BatchesReportedTwice(TracedChainStage):
     """Each ``StageStopped`` reports every batch the stage ran, not those since the last
     one."""
@@ -291,4 +322,6 @@ def parts_for(mutation: Mutation) -> Parts:
         return Parts(recoverer=ForgetsARun, mutant=name)
     if mutation is Mutation.BATCHES_REPORTED_TWICE:
         return Parts(stage_controller=BatchesReportedTwice, mutant=name)
+    if mutation is Mutation.MIXED_ROWS:
+        return Parts(stage_controller=MixedRows, mutant=name)
     return Parts(stage_controller=ReadyBeforeBind, mutant=name)

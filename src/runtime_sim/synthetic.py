@@ -2,10 +2,17 @@
 it lets the simulator run plans for models of any size (80 layers on 16 stages) in
 milliseconds of real time. It keeps the worker interface's rules of a chain of runs
 (each run's cursor and share of the KV budget, ``runtime_core.workers.worker_runs``): a run's
-token at sequence ``k`` depends on its seed and its stream's position ``k`` only, whatever its
-batch. A replay (``SamplingConfig.tokens_delivered = d``: the stream already delivered ``d``
-tokens) continues the stream: its token at sequence ``k`` is the stream's token ``d + k``, as
-a resumed sampler continues its draws (``Sampler.resumed``)."""
+token at sequence ``k`` depends on its seed, its stream's position ``k`` and the token its
+step's last row stands for (the token fed back, or the prompt's last), whatever its batch.
+That token travels through every stage: the first writes each row's token id into the
+row's first columns, a byte a column (``carry``: exact in every edge dtype), the others
+pass what they read on (``carried``). So a batch that hands one run's rows to another
+run's step changes that run's tokens, as it would a model's (the checker's batch
+invariance, CONCURRENT_RUNS.md §3). A replay (``SamplingConfig.tokens_delivered = d``: the
+stream already delivered ``d`` tokens) continues the stream: its token at sequence ``k`` is
+the stream's token ``d + k``, as a resumed sampler continues its draws
+(``Sampler.resumed``): its prompt ends with the last token delivered, the one the
+interrupted run's step ``d`` was fed."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
+import numpy.typing as npt
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.quant_types import QUANT_TYPES
@@ -47,9 +55,38 @@ SYNTHETIC_CAPABILITIES = WorkerCapabilities(
 )
 
 
-def pseudo_token(seed: int, sequence: int, vocab: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{sequence}".encode(), digest_size=8).digest()
+#: Columns of a row of activations that carry its token id, a byte each.
+ID_COLUMNS = 4
+
+
+def pseudo_token(seed: int, sequence: int, fed: int, vocab: int) -> int:
+    """The token at stream position ``sequence`` of a run of ``seed`` whose step's last
+    row stands for token ``fed``."""
+    digest = hashlib.blake2b(f"{seed}:{sequence}:{fed}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % vocab
+
+
+def carry(
+    ids: npt.NDArray[np.integer], hidden: int, dtype: np.dtype[np.generic]
+) -> npt.NDArray[np.generic]:
+    """Rows of activations that stand for token ``ids``: each id's bytes, low first, in
+    the row's first ``ID_COLUMNS`` columns (values 0..255, exact in float32, float16 and
+    bfloat16 bit patterns), zeros elsewhere."""
+    rows = np.zeros((len(ids), hidden), dtype=dtype)
+    n = min(ID_COLUMNS, hidden)
+    shifts = np.arange(n, dtype=np.uint64) * np.uint64(8)
+    rows[:, :n] = (np.asarray(ids, np.uint64)[:, None] >> shifts) & np.uint64(0xFF)
+    return rows
+
+
+def carried(rows: npt.NDArray[np.generic]) -> npt.NDArray[np.uint64]:
+    """The token ids rows of activations stand for (``carry``'s inverse)."""
+    n = min(ID_COLUMNS, rows.shape[1])
+    shifts = np.arange(n, dtype=np.uint64) * np.uint64(8)
+    ids: npt.NDArray[np.uint64] = (rows[:, :n].astype(np.uint64) << shifts).sum(
+        axis=1, dtype=np.uint64
+    )
+    return ids
 
 
 class SyntheticWorker(SingleRunSteps):
@@ -123,13 +160,14 @@ class SyntheticWorker(SingleRunSteps):
         if isinstance(pos, StepFailure):
             return pos
         cursor.advance(step, rows)
+        fed = np.asarray(step.data, np.uint64) if p.is_first else carried(step.data)
         if not p.is_last:
             if self._rows_of is None:
                 model = p.model
                 dtype = edge_dtype(model.dtype_family, model.dtype_width_bytes)
                 self._rows_of = (model.hidden_dim, dtype)
             hidden, dtype = self._rows_of
-            return np.zeros((rows, hidden), dtype=dtype)
+            return carry(fed, hidden, dtype)
         if step.sequence == 0 and not step.is_last_chunk:
             return None
         # The stream's position: a replay's sequence 0 is its stream's token d.
@@ -140,7 +178,7 @@ class SyntheticWorker(SingleRunSteps):
             token = self.eos_token_id
         else:
             seed = p.sampling.seed if p.sampling is not None else 0
-            token = pseudo_token(seed, position, self.vocab_size)
+            token = pseudo_token(seed, position, int(fed[-1]), self.vocab_size)
             if token == self.eos_token_id:
                 token = (token + 1) % self.vocab_size
         logits = None

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from runplan import provision_all
 from runplan.messages import FaultKind as RunFaultKind
+from runtime_core.workers.interface import BatchStep
 from runtime_sim.chain_checker import check
 from runtime_sim.chain_driver import ChainSimulation, RunSpec
-from runtime_sim.chain_rules import KV_FREED
+from runtime_sim.chain_rules import BATCH_INVARIANCE, KV_FREED
 from runtime_sim.explore import run_scenario, solo
 from runtime_sim.faults import Fault, FaultKind, FaultPlan
+from runtime_sim.mutants import Mutation
 from runtime_sim.scenarios import EXPLORE_CAPABILITIES, Scenario, synthetic_facts
-from runtime_sim.synthetic import SyntheticWorker
+from runtime_sim.synthetic import SyntheticWorker, carried
 from runtime_sim.timing import stored_stage_costs
 from tests.support.synthetic_plans import synthetic_plan
 
@@ -133,6 +138,34 @@ def test_batching_pays_in_virtual_time_and_chunks_keep_the_tokens() -> None:
 
     # Weights are read once per batch: eight runs' decode rows cost little more than one.
     assert tokens_per_s(eight) > 3 * tokens_per_s(one)
+
+
+def test_a_batch_that_computes_a_run_s_step_on_another_run_s_rows_breaks_batch_invariance() -> None:
+    """The synthetic worker's tokens follow the rows each step is given (every row
+    carries its token through the stages): a stage whose batches hand one run's rows to
+    another run's step changes their tokens, and the checker names it. Its rule once
+    could not fail: a synthetic token was its seed's and position's alone."""
+    s = chain(4, max_tokens=6)
+    _result, _sim, clean = run_scenario(s)
+    assert clean == []
+    _result, _sim, violations = run_scenario(s, Mutation.MIXED_ROWS)
+    assert BATCH_INVARIANCE in {v.rule for v in violations}, violations
+
+
+def test_a_synthetic_stage_passes_on_the_tokens_its_rows_stand_for() -> None:
+    s = chain(1, stages=3)
+    provisions = provision_all(s.plan)
+    model = s.plan.model
+    workers = [SyntheticWorker(model.vocab_size, model.eos_token_id) for _ in provisions]
+    for w, p in zip(workers, provisions, strict=True):
+        w.configure(p)
+        w.bind(p.gguf_source)
+        w.open_run(p)
+    ids = np.array(s.runs[0].prompt, dtype=np.uint32)
+    first = workers[0].execute_batch([BatchStep(s.plan.run_id, 0, 0, 1, ids)])[0]
+    assert isinstance(first, np.ndarray) and carried(first).tolist() == ids.tolist()
+    second = workers[1].execute_batch([BatchStep(s.plan.run_id, 0, 0, 1, first)])[0]
+    assert isinstance(second, np.ndarray) and np.array_equal(second, first)
 
 
 class _LeakyWorker(SyntheticWorker):
