@@ -57,5 +57,7 @@ class Placement:
         stage past its node's memory, the split whose largest share is least), counting the
         per-layer byte sizes read from the GGUF, the KV cache, and the embedding and
         output head on the first and last stage. Nodes sharing a device share its
-        memory equally."""
+        memory equally; where that split still leaves a device past its memory as the
+        memory check counts it (its stages together), any split that fits
+        (``runplan.layers.fitting_split``)."""
         return cls(strategy=PlacementStrategy.BY_MEMORY, nodes=_node_ids(nodes))

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from itertools import accumulate
 
 from runplan.config import RuntimeConfig, WorkerCapabilities, run_positions
 from runplan.facts import ModelFacts
-from runplan.layers import Range, split_by_capacity, split_even
+from runplan.layers import Range, fitting_split, split_by_capacity, split_even
 from runplan.memory import (
     StageMemory,
     block_weight_bytes,
@@ -336,7 +337,20 @@ def _split_by_memory(
             + config.kv_budget_bytes
         )
     layer_cost = [b + runs * k for b, k in zip(block_weight_bytes(facts, worker), kv, strict=True)]
-    return split_by_capacity(layer_cost, fixed, capacity)
+    ranges = split_by_capacity(layer_cost, fixed, capacity)
+    # The memory check's own accounting (``device_memory``): each device holds its
+    # stages together, within the least memory_bytes of the nodes naming it.
+    devices = [nodes[nid].device_key for nid in node_ids]
+    held: dict[tuple[str, str], int] = {}
+    for nid, key in zip(node_ids, devices, strict=True):
+        held[key] = min(held.get(key, nodes[nid].memory_bytes), nodes[nid].memory_bytes)
+    prefix = [0, *accumulate(layer_cost)]
+    used: Counter[tuple[str, str]] = Counter()
+    for key, (start, end), cost in zip(devices, ranges, fixed, strict=True):
+        used[key] += cost + prefix[end] - prefix[start]
+    if all(used[key] <= held[key] for key in used):
+        return ranges
+    return fitting_split(layer_cost, fixed, devices, held) or ranges
 
 
 def _place_explicit(
