@@ -8,6 +8,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
+from fractions import Fraction
 from importlib import metadata
 from typing import TYPE_CHECKING, NoReturn
 
@@ -140,20 +141,33 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+#: digits of a size's whole part past which it is too large (a float's range, which
+#: sizes were once read in: past it, no plan can count the bytes anyway)
+_MAX_SIZE_DIGITS = 308
+
+
+#: fractional digits of a size read: a byte count's fraction of a unit (``u = 10**a *
+#: 2**b``, ``b <= 40``) ends within 40 digits, so the digits past these never move the
+#: whole bytes a size holds
+_SIZE_FRACTION_DIGITS = 64
 
 
 def parse_size(text: str) -> int:
-    """``80GiB``, ``24GB``, ``512MiB``, ``1000`` (bytes) -> bytes."""
+    """``80GiB``, ``24GB``, ``512MiB``, ``1000`` (bytes) -> the whole bytes it holds,
+    counted exactly (``1.001GB`` is 1,001,000,000 bytes, ``18446744073709551615``
+    itself: a float made them a byte less, and ``2**64 - 1`` ``2**64``)."""
     m = _SIZE_RE.match(text)
     unit = m[2].lower() if m else ""
     if m is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(
             f"bad size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
         )
-    value = float(m[1]) * _UNITS[unit]
-    if not math.isfinite(value):  # more digits than a float holds
+    whole, _, fraction = m[1].partition(".")
+    if len(whole.lstrip("0")) > _MAX_SIZE_DIGITS:  # more digits than a float held
         raise argparse.ArgumentTypeError(f"size {text!r} is too large")
-    return int(value)
+    digits = fraction[:_SIZE_FRACTION_DIGITS]
+    value = Fraction(int(whole + digits), 10 ** len(digits)) * _UNITS[unit]
+    return math.floor(value)
 
 
 def parse_nodes(text: str) -> tuple[NodeSpec, ...]:

@@ -321,6 +321,31 @@ def test_memory_the_wire_cannot_carry_is_a_rejection_naming_the_node(
     assert rejection["field"] == "nodes[0].memory_bytes"
 
 
+@pytest.mark.parametrize(
+    ("size", "bytes_"),
+    [
+        ("1.001GB", 1_001_000_000),  # a float read 1,000,999,999
+        ("9007199254740993", 2**53 + 1),  # and 2**53
+        ("18446744073709551615", 2**64 - 1),  # and 2**64, which no plan carries
+        ("1.1GiB", 1_181_116_006),  # 1,181,116,006.4: the whole bytes
+        ("0.0000000000009094947017729282379150390625TiB", 1),  # 2**-40 TiB
+        ("1." + "0" * 5000 + "1GB", 10**9),  # digits past any unit's fraction
+    ],
+)
+def test_a_size_is_counted_to_the_byte(size: str, bytes_: int) -> None:
+    assert parse_size(size) == bytes_
+
+
+def test_the_most_memory_a_plan_carries_plans(
+    model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``2**64 - 1`` bytes, written out: once read as a float, 2**64, and refused
+    (invalid_config) naming a number the command line did not hold."""
+    assert main(["plan", model, "--nodes", f"a={2**64 - 1},b=1GiB", "--json"]) == 0
+    memory = _json(capsys)["memory"]
+    assert memory[0]["device_bytes_available"] == 2**64 - 1
+
+
 def test_an_extent_with_no_expected_value_is_told_without_one(
     model: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
