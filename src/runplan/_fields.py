@@ -11,6 +11,7 @@ task) pickles them too.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -85,8 +86,14 @@ def int_tuple_field(**kwargs: Any) -> Any:
 
 
 def _float_member(value: object) -> object:
+    """An ``int`` as a ``float``; one past a float's range as an infinity of its sign
+    (``float()`` raised ``OverflowError``, naming no field), which ``plan_run`` rejects
+    naming the field as it does any value out of range."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
     return value
 
 

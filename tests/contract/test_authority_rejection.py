@@ -231,3 +231,23 @@ def test_a_stage_naming_no_file_is_rejected_not_an_index_error(
     result = check_plan(broken)
     assert isinstance(result, InconsistentPlan)
     assert "(no file)" in str(result)
+
+
+@given(
+    valid_plan_inputs(),
+    st.sampled_from(["temperature", "top_p"]),
+    st.integers(min_value=2**1024) | st.integers(max_value=-(2**1024)),
+)
+def test_a_sampling_number_past_a_float_is_an_invalid_config_naming_it(
+    inputs: PlanInputs, field: str, value: int
+) -> None:
+    """An int sampling value is a float field's type; one past a float's range once
+    raised ``OverflowError`` ("int too large to convert to float", naming no field) from
+    the value class. It is infinite, and rejected as any value out of range."""
+    from runplan import SamplingConfig
+
+    sampling = attrs.evolve(inputs.config.sampling, **{field: value})
+    assert isinstance(sampling, SamplingConfig)
+    result = _run(inputs, config=attrs.evolve(inputs.config, sampling=sampling))
+    assert isinstance(result, InvalidConfig), result
+    assert result.field == f"sampling.{field}"
