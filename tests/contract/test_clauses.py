@@ -320,6 +320,22 @@ def test_a_plan_whose_cuts_are_not_an_even_placement_s_breaks_formation() -> Non
     assert "the even placement of" in str(verdict.problems)
 
 
+def test_assert_rejected_compares_a_list_to_the_tuple_a_rejection_carries() -> None:
+    """Values written as lists (as ``--json`` prints a rejection's tuples) once failed
+    the assertion, blaming the planner: "carries stage_indices=(0, 1), not the
+    offending [0, 1]"."""
+    duplicate_node = REJECTIONS["duplicate_node"]
+    rejection = duplicate_node("a", (0, 1), "one node hosts one stage")
+    clause = "duplicate_stage_assignment_rejects"
+    runplan.testing.assert_rejected(
+        rejection, duplicate_node, clause=clause, values={"stage_indices": [0, 1]}
+    )
+    with pytest.raises(AssertionError, match="not the offending \\[1, 0\\]"):
+        runplan.testing.assert_rejected(
+            rejection, duplicate_node, clause=clause, values={"stage_indices": [1, 0]}
+        )
+
+
 def test_assert_rejected_names_a_mistake_in_the_test_itself() -> None:
     """A clause name that is none, a value of a field the rejection lacks, or a code
     where the class belongs: a ``ValueError`` or ``TypeError`` naming it, not a bare

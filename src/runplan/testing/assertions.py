@@ -90,7 +90,8 @@ def assert_rejected(
     clause: str,
     values: Mapping[str, Any] | None = None,
 ) -> None:
-    """``result`` is a rejection of type ``expected`` carrying ``values`` (by field);
+    """``result`` is a rejection of type ``expected`` carrying ``values`` (by field; a
+    list and the tuple a rejection carries compare equal, as ``--json`` prints tuples);
     else an ``AssertionError`` quoting ``clause`` (a clause name). ``ValueError`` for a
     clause name that is none, or a key of ``values`` that is no field of ``expected``,
     and ``TypeError`` for an ``expected`` that is no rejection class: mistakes in the
@@ -119,11 +120,19 @@ def assert_rejected(
         )
     fields = attrs.asdict(result, recurse=False)
     for key, want in (values or {}).items():
-        if fields[key] != want:
+        if _as_lists(fields[key]) != _as_lists(want):
             raise AssertionError(
                 f"{quote}: the {expected.__name__} rejection carries {key}="
                 f"{fields[key]!r}, not the offending {want!r}: {result}"
             )
+
+
+def _as_lists(value: object) -> object:
+    """``value`` with its tuples as lists: a rejection carries tuples, and ``--json``
+    prints them as lists, which a test may compare them to."""
+    if isinstance(value, tuple | list):
+        return [_as_lists(v) for v in value]
+    return value
 
 
 # -- one per clause, in the spec's order ---------------------------------------------
