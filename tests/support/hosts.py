@@ -13,6 +13,10 @@ the production launcher, stage or channel):
   (``OSError``, as a departed host), and loses a node when the test says so, or the
   moment a stage starts there (``lose_on_start``: a host gone while its stage comes up
   and binds its slice).
+- ``UnjoinableHost``: the local-process host whose stages cannot be handed a new
+  chain's secret (``OSError``, as a Ray stage's supervisor that does not answer within
+  its bound), and which keeps every stage handle it started and notes which were
+  closed.
 - ``DetourHost``: the local-process host whose orchestrator, producing to one edge over
   TCP, is told a relay's address (``edge_relay.Relay``, holding no key) instead of its
   consumer's: a man in the middle of that edge.
@@ -311,6 +315,32 @@ class LosingHost(LocalProcessHost):
         if launch.node_id in self.lose_on_start:
             self.lost.add(launch.node_id)
             handle.kill()
+        return handle
+
+
+class UnjoinableHost(LocalProcessHost):
+    """No stage of this host can join a new chain: ``hand_secret`` raises ``OSError``.
+    ``started``: every stage handle, in start order; ``closed``: those closed."""
+
+    def __init__(self, *, log_dir: Path | None = None) -> None:
+        super().__init__(log_dir=log_dir)
+        self.started: list[LocalStageHandle] = []
+        self.closed: list[LocalStageHandle] = []
+
+    def start(self, launch: StageLaunch, secret: bytes) -> LocalStageHandle:
+        handle = super().start(launch, secret)
+        self.started.append(handle)
+        close = handle.close
+
+        def closing() -> None:
+            self.closed.append(handle)
+            close()
+
+        def refused(secret: bytes) -> None:
+            raise OSError(f"stage {launch.stage_index}'s host cannot hand it a secret")
+
+        handle.close = closing  # type: ignore[method-assign]
+        handle.hand_secret = refused  # type: ignore[method-assign]
         return handle
 
 

@@ -8,7 +8,9 @@ from the broken runner (``hand_over``, which its ``close`` then leaves alone). `
 starts only the other stages; to each kept one it hands the new chain's secret through
 its host (``hosts.port.JoinsChains``) and sends ``JoinChain``: the stage lets go of the
 old chain's links and makes the new chain's, its process, worker and weights kept. The
-old chain's links are freed by name when the broken runner closes, as ever.
+old chain's links are freed by name when the broken runner closes, as ever. A kept
+stage that does not join (its join failed, or the start broke off before it) is this
+runner's to stop and reap at ``close``, as a stage it started.
 
 Faults of the stages. A stage whose control channel reaches end of file has died
 (however it died, SIGKILL included): ``StageDied``, and a stage that sends nothing, not
@@ -119,8 +121,28 @@ class ChainStages:
 
     def start(self) -> None:
         """Start every stage of the chain but the kept ones, which join it (``OSError``
-        if one cannot be started or joined; those started are then stopped by
-        ``close``)."""
+        if one cannot be started or joined; those started, and the kept ones that did
+        not join, are then stopped by ``close``)."""
+        try:
+            self._start_stages()
+        except BaseException:
+            self._take_in_unjoined()
+            raise
+
+    def _take_in_unjoined(self) -> None:
+        """The kept stages that did not join (their join failed, or the start broke off
+        before it reached them) become this runner's stages, so that ``close`` stops
+        and reaps them and lets go of their handles: no one else holds them (the broken
+        runner handed them over), and a dropped handle kept its lifeline's descriptor,
+        and on a Ray host its supervisor, for the life of the process."""
+        joined = {s.index for s in self.stages}
+        for index, handle in sorted(self.kept.items()):
+            if index not in joined:
+                stage = RunnerStage(handle, broken="it did not join the chain")
+                self.stages.append(stage)
+                self.stage_by_node[stage.node_id] = stage
+
+    def _start_stages(self) -> None:
         plan = self.template
         for stage in plan.stages:
             if stage.stage_index in self.kept:

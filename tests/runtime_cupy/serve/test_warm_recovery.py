@@ -32,7 +32,7 @@ from runtime_cupy import generate
 from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.process.control_channel import encode_frame
 from runtime_cupy.serve.chain import WarmChain
-from tests.support.hosts import LosingHost, TapHost
+from tests.support.hosts import LosingHost, TapHost, UnjoinableHost
 from tests.support.hygiene import alive, run_resources, wait_gone
 from tests.support.servers import wait_for
 
@@ -134,6 +134,32 @@ def test_a_stage_killed_mid_stream_is_replaced_and_the_others_keep_their_weights
     assert (tmp_path / "stage-1.log").read_text().count("bound weights in") == 2, (
         "the lost stage's range was bound twice: by the killed process and the new one"
     )
+
+
+def test_a_kept_stage_that_cannot_join_is_stopped_and_reaped(tiny: str) -> None:
+    """Stage 1 SIGKILLed mid-stream; stage 0 is kept, but its host cannot hand it the
+    new chain's secret (a Ray supervisor that does not answer in time): the new chain's
+    start fails, and the kept stage, handed over by the broken chain, is stopped, reaped
+    and let go of with it (its handle was dropped unclosed: its lifeline's descriptor
+    left open for the life of the process, its process neither stopped nor reaped, and
+    on a Ray host its supervisor never released); the next start starts both stages and
+    the stream goes on, token for token."""
+    unbroken = generate(tiny, PROMPT, stages=2, max_tokens=TOKENS, **SEEDED)
+    host = UnjoinableHost()
+    with WarmChain(tiny, stages=2, context=64, recover=True, host=host) as chain:
+        first = chain.pids()
+        seen: list[int] = []
+        run = chain.generate(
+            PROMPT, max_tokens=TOKENS, on_token=kill_after(chain, 1, 2, seen), **SEEDED
+        )
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == unbroken.tokens and tuple(seen) == unbroken.tokens
+        kept = host.started[0]
+        assert kept.pid == first[0]
+        assert kept in host.closed, "the kept stage that did not join was let go of"
+        assert kept.proc.returncode is not None, "and reaped"
+        assert not wait_gone([first[0]], 10.0)
+        assert first[0] not in chain.pids() and chain.kept == ()
 
 
 def test_a_stage_killed_between_tokens_without_recover_ends_the_run(tiny: str) -> None:
