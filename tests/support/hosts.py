@@ -4,7 +4,7 @@ the production launcher, stage or channel):
 - ``FaultyHost``: the local-process host whose stages of given indices run
   ``tests.support.faulty_stage`` (a setup or a step that is slow or fails).
 - ``GatedHost``: ``FaultyHost`` whose faults play once, and whose stage starts wait
-  while the test holds its gate.
+  while the test holds its gate (``started``: every stage handle it started).
 - ``TapHost``: any local host with a ``ControlTap`` on every stage's control channel,
   which records the frames both ways and writes what a test gives it, in between
   whole frames, as a writer on the wire would.
@@ -96,6 +96,7 @@ class GatedHost(FaultyHost):
         self._open.set()
         self.waiting = threading.Event()  # a start is held at the gate now
         self._started: set[int] = set()
+        self.started: list[LocalStageHandle] = []  # every stage handle, in start order
 
     def hold(self) -> None:
         self._open.clear()
@@ -114,7 +115,9 @@ class GatedHost(FaultyHost):
             self.waiting.set()
             self._open.wait(120.0)
             self.waiting.clear()
-        return super().start(launch, secret)
+        handle = super().start(launch, secret)
+        self.started.append(handle)
+        return handle
 
 
 class ControlTap:

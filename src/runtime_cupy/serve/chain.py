@@ -350,7 +350,8 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
     # -- the end -------------------------------------------------------------------
     def close(self) -> None:
         """Stop the chain: runs cancelled, every stage's channel closed and the stage
-        reaped (killed after a grace), the links freed. Idempotent. ``ChainError`` from
+        reaped (killed after a grace), the links freed; a chain a recovery is starting
+        meanwhile is stopped as it comes up. Idempotent. ``ChainError`` from
         the chain's own thread (a run's callback), which it would wait for. Interrupted
         (Ctrl-C) while it waits for the stages' stops, it stops waiting: the stages are
         killed at once and reaped and the links freed before the interrupt goes on

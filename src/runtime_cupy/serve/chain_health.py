@@ -281,8 +281,13 @@ class ChainHealth:
             target=_serve_chain, args=(runner, keep_broken), name="chain", daemon=True
         )
         with self._lock:
-            self._runner, self._thread = runner, thread
-            self._running[:] = [(runner, thread)]
+            closed = self._closed
+            if not closed:
+                self._runner, self._thread = runner, thread
+                self._running[:] = [(runner, thread)]
+        if closed:  # closed while its stages started: close() found no chain to stop
+            runner.close()
+            raise ChainError("the chain is closed")
         self._threads.add(thread)
         self.chain_id = runner.chain_id
         thread.start()
@@ -306,6 +311,11 @@ class ChainHealth:
         return tuple(i for i in range(len(self.layout)) if i not in kept)
 
     # -- re-placement (issue 25: serve.recovery.Replacer) -----------------------------
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called: no chain comes up again (a recovery ends)."""
+        return self._closed
+
     @property
     def placeable(self) -> bool:
         """The last re-placement found a plan (or none was needed)."""

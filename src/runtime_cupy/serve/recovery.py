@@ -270,6 +270,8 @@ def run_stream(
             not_recovered = str(exc)
             if isinstance(exc, SourceChanged):
                 break  # the model's files changed: no replay holds the stream's model
+            if chain.closed:
+                break  # closed meanwhile: no recovery was spent, none will come
             if not chain.placeable:
                 break
             if interrupted.recoveries + 1 < policy.max_recoveries:

@@ -32,7 +32,7 @@ from runtime_cupy import generate
 from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.process.control_channel import encode_frame
 from runtime_cupy.serve.chain import WarmChain
-from tests.support.hosts import LosingHost, TapHost, UnjoinableHost
+from tests.support.hosts import GatedHost, LosingHost, TapHost, UnjoinableHost
 from tests.support.hygiene import alive, run_resources, wait_gone
 from tests.support.servers import wait_for
 
@@ -160,6 +160,46 @@ def test_a_kept_stage_that_cannot_join_is_stopped_and_reaped(tiny: str) -> None:
         assert kept.proc.returncode is not None, "and reaped"
         assert not wait_gone([first[0]], 10.0)
         assert first[0] not in chain.pids() and chain.kept == ()
+
+
+def test_a_chain_closed_while_a_recovery_starts_it_again_leaves_nothing(tiny: str) -> None:
+    """``close()`` while a stream's recovery starts the new chain (its stage's start held
+    at the host's gate): the new chain is stopped as it comes up and nothing of it is
+    left (it came up after ``close()`` had found no chain to stop: its stage processes
+    and links ran on under the closed chain), and the stream ends faulted, naming the
+    close, not recoveries spent."""
+    host = GatedHost({})
+    chain = WarmChain(tiny, stages=2, context=64, recover=True, host=host)
+    chain.start()
+    try:
+        first = chain.pids()
+        seen: list[int] = []
+        results: list[Any] = []
+
+        def on_token(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 2:
+                host.hold()  # the recovery's start waits at the gate
+                os.kill(first[1], signal.SIGKILL)
+
+        stream = threading.Thread(
+            target=lambda: results.append(
+                chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
+            )
+        )
+        stream.start()
+        assert host.waiting.wait(60), "the recovery started no stage"
+        chain.close()
+    finally:
+        host.release()
+    stream.join(60)
+    assert not stream.is_alive() and len(results) == 1
+    result = results[0].result
+    assert result.outcome == "faulted" and result.tokens == tuple(seen)
+    assert (result.fault or "").endswith("; not recovered: the chain is closed"), result.fault
+    assert chain.handles() == ()
+    started = [handle.pid for handle in host.started]
+    assert len(started) == 3 and not wait_gone(started, 10.0), "no stage process is left"
 
 
 def test_a_stage_killed_between_tokens_without_recover_ends_the_run(tiny: str) -> None:
