@@ -11,6 +11,10 @@ through the official ``openai`` client against ``serve`` (uvicorn in this proces
   break is its loss, not stage 0's) and the cluster's membership no longer lists host
   2; the stream completes as unbroken, the spare holds stage 1 and host 2 none; once
   mended, nothing of the old stage is left on host 2.
+- Pause every process of host 2 mid-stream (SIGSTOP: a frozen host, its sockets still
+  open): stage 1 falls silent and is killed, the spare takes its range, the stream
+  completes as unbroken; once host 2 goes on (SIGCONT), nothing of the old stage is
+  left there.
 - Either way stage 0 keeps its process on host 1 (and its bound weights): it joins
   the new chain's links.
 - Without a spare, on nodes with room for one stage each: the request ends with the
@@ -21,7 +25,9 @@ Root only (skipped with the reason elsewhere); each test's hosts go when it ends
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,14 +79,30 @@ def stage_pids_on(hosts: TestHosts, i: int) -> list[int]:
     return [p for p in hosts.pids(i) if p != hosts.anchor(i)]
 
 
+def pause(pids: list[int]) -> list[int]:
+    """SIGSTOP to ``pids`` (a host frozen); those it reached."""
+    paused = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+            paused.append(pid)
+    return paused
+
+
+def resume(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 GREEDY: dict[str, Any] = {"temperature": 0}
 SEEDED: dict[str, Any] = {"temperature": 0.9, "seed": 5}
 
 
 @pytest.mark.parametrize(
     ("loss", "sampling"),
-    [("killed", GREEDY), ("killed", SEEDED), ("cut", GREEDY)],
-    ids=["killed-greedy", "killed-seeded", "cut-greedy"],
+    [("killed", GREEDY), ("killed", SEEDED), ("cut", GREEDY), ("paused", SEEDED)],
+    ids=["killed-greedy", "killed-seeded", "cut-greedy", "paused-seeded"],
 )
 def test_a_lost_host_s_stage_goes_to_the_spare_and_the_stream_goes_on(
     hosts: TestHosts, model: str, loss: str, sampling: dict[str, Any]
@@ -99,20 +121,27 @@ def test_a_lost_host_s_stage_goes_to_the_spare_and_the_stream_goes_on(
             survivor = stage_pids_on(hosts, 1)
             assert old and survivor, "stage 0 runs on host 1, stage 1 on host 2"
             pieces: list[str] = []
+            paused: list[int] = []
             for chunk in c.completions.create(**ask, stream=True):
                 if not pieces:
-                    hosts.lose(2) if loss == "killed" else hosts.cut(2)
+                    if loss == "killed":
+                        hosts.lose(2)
+                    elif loss == "cut":
+                        hosts.cut(2)
+                    else:
+                        paused = pause(old)
                 pieces.append(chunk.choices[0].text)
             assert "".join(pieces) == unbroken
-            # Stage 1 lost (killed, or silent behind the cut cable, which explains its
-            # link's break): its range on the spare; stage 0 keeps its process and weights.
+            # Stage 1 lost (killed, or silent behind the cut cable or frozen, which explains
+            # its link's break): its range on the spare; stage 0 keeps its process and
+            # weights.
             assert [s.node_id for s in chain.template.stages] == ["stage-0", "spare-0"]
             assert chain.kept == (0,)
             assert stage_pids_on(hosts, 1) == survivor, "the surviving host's stage is the same"
             assert stage_pids_on(hosts, 3), "the spare holds a stage"
             assert metrics(server.base_url)["gguf_pipeline_recoveries_total"] == 1
-            if loss == "cut":
-                hosts.mend(2)
+            if loss in ("cut", "paused"):
+                hosts.mend(2) if loss == "cut" else resume(paused)
                 wait_for(lambda: not set(stage_pids_on(hosts, 2)) & set(old), 10, "old stage gone")
                 assert hosts.on_host(2, "ls -A /dev/shm").split() == []
             else:
