@@ -37,6 +37,7 @@ from tokenizers import Tokenizer as HfTokenizer
 
 from runplan.gguf_header import GgufHeader
 from runtime_core.chat import ChatTemplateError, NoChatTemplate, render_chat_template
+from runtime_core.tokenizer_cuts import token_cuts
 from runtime_core.tokenizer_vocab import (
     Attr,
     TokenizerError,
@@ -387,27 +388,12 @@ class Tokenizer:
     def _build_spm(self) -> HfTokenizer:
         v = self.vocab
         vocab = _text_tokens(self._ids)
-        candidates: list[tuple[float, int, int, str, str]] = []
-        # A part is a token or one character: only cuts whose both parts have such a
-        # length are tried (trying every cut of a forged token of a million characters
-        # took minutes: each cut copies and hashes the token's characters), and a part
-        # that is a token is kept as the token's own string, not a copy of it.
-        lengths = {len(text) for text in vocab} | {1}
-        cuts = sorted(lengths)
-        own = {text: text for text in vocab}
-        for token_id, text in enumerate(v.tokens):
-            if text not in vocab:
-                continue  # not UTF-8: no text merges into it
-            n = len(text)
-            for cut in cuts:
-                if cut >= n:
-                    break
-                if n - cut not in lengths:
-                    continue
-                a, b = text[:cut], text[cut:]
-                a, b = own.get(a, a), own.get(b, b)
-                if (a in vocab or cut == 1) and (b in vocab or n - cut == 1):
-                    candidates.append((-v.scores[token_id], token_id, cut, a, b))
+        # A part is a token or one character, found without trying every cut (a
+        # vocabulary of many token lengths built in time cubic in their number).
+        candidates = [
+            (-v.scores[vocab[text]], vocab[text], cut, a, b)
+            for text, cut, a, b in token_cuts(vocab)
+        ]
         candidates.sort()
         for _, _, _, a, b in candidates:
             for c in (a, b):
