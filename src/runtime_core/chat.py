@@ -10,10 +10,12 @@ any extra variables.
 
 A template is a file's, so possibly a stranger's: whatever it raises is a
 ``ChatTemplateError``, and it is bounded: at most ``RENDER_SECONDS`` of rendering (a
-check on each line of its compiled code: three nested loops of ``range(100000)`` ran
-for ever) and ``MAX_RENDER_CHARS`` of text, in its output and in each value it makes
-on the way (``'x' * 3000000000`` and ``'x'.ljust(3000000000)`` are refused before they
-are made: ``runtime_core.chat_sandbox``).
+check on each line of Python it runs, its compiled code and the filters and methods it
+calls: three nested loops of ``range(100000)`` ran for ever, ``urlize`` of a long text
+for minutes; a call into C, such as a regular expression, ends before the check) and
+``MAX_RENDER_CHARS`` of text, in its output and in each value it makes on the way
+(``'x' * 3000000000`` and ``'x'.ljust(3000000000)`` are refused before they are made:
+``runtime_core.chat_sandbox``).
 """
 
 from __future__ import annotations
@@ -165,15 +167,14 @@ def render_chat_template(
 
 class _Deadline:
     """A trace function that ends a template's rendering past ``at`` (monotonic): it
-    looks at each line of the template's compiled code only (``<template>``), so the
-    rest of the interpreter runs untraced."""
+    looks at each line of every frame the rendering runs, the template's compiled code
+    and the Python code it calls (a filter such as ``urlize``, ``wordwrap`` or
+    ``striptags`` given a long text ran for minutes in one call, its lines untraced)."""
 
     def __init__(self, at: float) -> None:
         self.at = at
 
     def trace(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename != "<template>":
-            return None
         return self._line
 
     def _line(self, frame: FrameType, event: str, arg: Any) -> Any:

@@ -139,6 +139,21 @@ def test_a_template_that_renders_for_ever_is_ended(monkeypatch: pytest.MonkeyPat
     assert render_chat_template("{{ messages[0].content }}", MESSAGES) == "hi"  # (untraced after)
 
 
+@pytest.mark.parametrize("filtered", ["urlize", "striptags", "title"])
+def test_a_filter_that_runs_long_in_one_call_is_ended(
+    monkeypatch: pytest.MonkeyPatch, filtered: str
+) -> None:
+    """Only the template's own lines were traced, so one call of a filter written in
+    Python ran to its end: ``urlize`` of a text of 2,000,000 characters (well within
+    ``MAX_RENDER_CHARS``) rendered for 25 s, of one of 32,000,000 for minutes. Each
+    line the rendering runs is checked now (``RENDER_SECONDS``: 0.3 here)."""
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.3)
+    long = "{{ ('<a> b ' * 1000000)|" + filtered + "|length }}"
+    with pytest.raises(ChatTemplateError, match=r"rendered for more than 0\.3 s"):
+        render_chat_template(long, MESSAGES)
+    assert render_chat_template("{{ messages[0].content|title }}", MESSAGES) == "Hi"
+
+
 def test_generation_blocks_and_tools_are_as_hugging_face_gives_them() -> None:
     marked = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
     assert render_chat_template(marked, MESSAGES) == "hi"
