@@ -94,6 +94,8 @@ class Tokenizer:
         # not emit; each maps to what llama.cpp emits instead (nothing, for a byte
         # with no token). ``encode`` never returns one.
         self._fallback: dict[int, list[int]] = {}
+        # Bytes of text that may come out as no token at all (``_build_bpe``).
+        self._vanishing: set[int] = set()
         self._hf = self._build_spm() if vocab.is_spm else self._build_bpe()
         self._pieces: dict[tuple[int, bool], bytes] = {}
         # The most bytes of text one token stands for (its own text's UTF-8 bytes: a
@@ -102,6 +104,9 @@ class Tokenizer:
         # whitespace beside it (LSTRIP / RSTRIP), which no bound can count.
         self.longest_token_bytes = max((len(_token_bytes(t)) for t in vocab.tokens), default=1)
         self._strips = any(a & (Attr.LSTRIP | Attr.RSTRIP) for _, _, a in self._specials)
+        # the bytes ``min_token_count`` does not count
+        strips = set(_C_SPACE.encode()) if self._strips else set()
+        self._uncounted = bytes(sorted(self._vanishing | strips))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -135,13 +140,14 @@ class Tokenizer:
     def min_token_count(self, text: str) -> int:
         """A lower bound on ``len(encode(text, add_special=False))``, found without
         tokenizing (so that a text too long for a context is refused by its size): no
-        token stands for more bytes of text than ``longest_token_bytes``. In a
-        vocabulary whose special tokens take the whitespace beside them along, the
-        whitespace is not counted."""
+        token stands for more bytes of text than ``longest_token_bytes``. Bytes that
+        may come out as no token are not counted: in a byte-level vocabulary, a byte
+        with no token (SmolLM2 has none for 0x04: ``"\\x04" * 2000`` is no token,
+        once counted as at least 13), or one within a symbol that only merges make;
+        in a vocabulary whose special tokens take the whitespace beside them along,
+        the whitespace."""
         data = text.encode("utf-8", "surrogatepass")  # a lone surrogate: 3, as U+FFFD
-        size = len(data)
-        if self._strips:
-            size -= sum(data.count(c) for c in _C_SPACE.encode())
+        size = len(data.translate(None, self._uncounted)) if self._uncounted else len(data)
         return -(-size // max(1, self.longest_token_bytes))
 
     def encode(
@@ -367,6 +373,7 @@ class Tokenizer:
                 # it; left out of the vocabulary, it was dropped before merging, and its
                 # neighbours merged across it (" \x04<" one token, not two).
                 self._extend(vocab, char, [])
+                self._vanishing.add(_CHAR_BYTES[char])
         merges = list(v.merges)
         # A merge that names a string that is not a token (a part, or what it makes):
         # the string is made a symbol first, as the tokenizers package refuses such a
@@ -377,6 +384,12 @@ class Tokenizer:
         for text in sorted(needed - vocab.keys()):
             singles = (chr(b) for b in text.encode() if b < 0x80)
             self._extend(vocab, text, [self._ids[c] for c in singles if c in self._ids])
+            # the bytes such a symbol emits no token for
+            self._vanishing.update(
+                _CHAR_BYTES[c]
+                for c in text
+                if c in _CHAR_BYTES and not (c < "\x80" and c in self._ids)
+            )
         bpe = models.BPE(vocab, merges, ignore_merges=v.ignore_merges)
         hf = HfTokenizer(bpe)
         splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in v.pre.regexes]

@@ -363,6 +363,41 @@ def test_min_token_count_is_a_lower_bound_on_the_tokens(
             assert bound <= len(tok.encode(text, add_special=False, parse_special=parse_special))
 
 
+@pytest.mark.parametrize("text", ["\x04" * 2000, "a" + "\x06\x13\x14\x16\x1d" * 1000 + "b"])
+def test_min_token_count_leaves_out_bytes_that_are_no_token(smollm2: Tokenizer, text: str) -> None:
+    """SmolLM2 has no token for the bytes 0x04, 0x06, 0x13, 0x14, 0x16 and 0x1d: they come
+    out as nothing (as llama.cpp's), but were counted, so 2,000 of them made a "lower
+    bound" of 13 tokens for none, and a server refused such a prompt as too long."""
+    assert smollm2.min_token_count(text) <= len(smollm2.encode(text, add_special=False))
+
+
+def test_min_token_count_leaves_out_the_bytes_a_merge_made_symbol_drops(tmp_path: Path) -> None:
+    """A byte-level vocabulary of the 256 bytes whose merges make "ĠĠ" and "ĠĠĠĠ", no
+    tokens: llama.cpp emits such a symbol as its ASCII bytes' tokens, so a run of spaces
+    comes out as nothing at all (as llama.cpp's), but was counted (8 spaces: at least
+    4 tokens)."""
+    from gguf import GGUFWriter
+
+    path = tmp_path / "v.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    table = bytes_to_unicode()
+    writer.add_token_list([table[b] for b in range(256)])
+    writer.add_token_merges(["\u0120 \u0120", "\u0120\u0120 \u0120\u0120"])
+    writer.add_bos_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tok = Tokenizer.from_gguf(path)
+    for text in (" " * 8, "a" + " " * 2000 + "b"):
+        assert tok.min_token_count(text) <= len(tok.encode(text, add_special=False))
+    assert tok.encode(" " * 8) == []
+
+
 def test_min_token_count_counts_a_long_text_without_tokenizing_it(smollm2: Tokenizer) -> None:
     longest = max(range(smollm2.n_vocab), key=lambda i: len(smollm2.token_text(i).encode()))
     text = smollm2.decode([longest]) * 1000

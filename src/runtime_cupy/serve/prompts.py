@@ -142,7 +142,8 @@ def prepare(chain: WarmChain, request: CompletionRequest) -> Prepared:
 
 def _check_size(chain: WarmChain, text: str, param: str) -> None:
     """Refuse, before tokenizing it, a text that holds more tokens than the context
-    whatever they are: its bytes over ``context * longest_token_bytes``."""
+    whatever they are: its bytes over ``context * longest_token_bytes``, those that may
+    come out as no token not counted (``Tokenizer.min_token_count``)."""
     tok, context = chain.tokenizer, chain.context
     fewest = tok.min_token_count(text)
     if fewest > context:
@@ -152,7 +153,8 @@ def _check_size(chain: WarmChain, text: str, param: str) -> None:
             f"This model's maximum context length is {context} tokens; the prompt "
             f"({param}) holds at least {fewest}: it has {size} bytes, and a prompt "
             f"over {limit} bytes ({context} tokens of at most {tok.longest_token_bytes} "
-            "bytes) is refused before it is tokenized",
+            "bytes; bytes that may come out as no token not counted) is refused before it "
+            "is tokenized",
             param=param,
             code="context_length_exceeded",
         )
