@@ -115,7 +115,7 @@ class Timeouts:
     token timer counts such steps (``token_limit_ms``), and starts again when it runs out
     after the chain delivered tokens to any run (a record behind other runs' prefill
     chunks, or among more decoding runs than a batch holds, waits through more), at
-    most as many times a token as a stage's budget holds runs of the run's cache size
+    most as many times a token as runs were in flight on the chain while it waited
     (``OrchestratorMachine.token_restart_limit``): a record lost while other runs go on
     faults its run within that many bounds and one; a stage's step timer one."""
 

@@ -16,8 +16,9 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
 - Token-in and token-out, their records and their faults: ``token_links``
   (``TokenLinks``, this orchestrator's base).
 - A run's token timer that runs out is fed with the tokens the chain delivered to
-  any run since it started (``tokens_delivered``): the run's machine starts it again
-  while the chain delivers tokens, a limited number of times a token
+  any run since it started (``tokens_delivered``) and the most runs in flight at once
+  meanwhile (``running``): the run's machine starts it again while the chain
+  delivers tokens, as many times a token as there were runs in flight
   (``token_restart_limit``), and faults the run once none came for its bound or the
   restarts are spent.
 - Control messages (``StageReady``, ``StageFault``, ``StageStopped``,
@@ -111,6 +112,7 @@ class RunHandle:
     unsent_chunks: int = 0  # chunks of the prompt not yet on token-in
     check: HeaderCheck | None = None  # token-out records of this run
     token_timer_from: int = 0  # the chain's tokens_delivered when its token timer started
+    token_timer_runs: int = 1  # the most runs in flight since its token timer started
 
     @property
     def run_id(self) -> str:
@@ -155,6 +157,7 @@ class ChainOrchestrator(TokenLinks):
         self.records_sent = 0  # token-in records written so far
         self.tokens_delivered = 0  # token-out records fed to their runs so far
         self._reserved: dict[int, int] = {}  # stage index -> KV bytes of runs in flight
+        self.running = 0  # runs started and not yet ended (held runs excluded)
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
         self.broken_stage: int | None = None  # the stage it names, if it names one
         #: Batches each stage reported (stage index -> rows -> batches). Replaced, never
@@ -198,6 +201,9 @@ class ChainOrchestrator(TokenLinks):
 
     def _start(self, handle: RunHandle) -> None:
         handle.queued = False
+        self.running += 1
+        for other in self.runs.values():  # each token timer running sees one more run
+            other.token_timer_runs = max(other.token_timer_runs, self.running)
         for s in handle.plan.stages:
             self._reserved[s.stage_index] = self._reserved.get(s.stage_index, 0) + s.kv_bytes
         edge = handle.plan.token_out
@@ -248,6 +254,7 @@ class ChainOrchestrator(TokenLinks):
         self._drop_records(handle.run_id)
         if handle.check is not None:  # it started: its id is kept, its reservation goes
             self.done.add(handle.run_id)
+            self.running -= 1
             for s in handle.plan.stages:
                 self._reserved[s.stage_index] -= s.kv_bytes
         self.trace("finished", {"run_id": handle.run_id, "outcome": _outcome(handle)})
@@ -282,10 +289,11 @@ class ChainOrchestrator(TokenLinks):
         elif isinstance(event, RunTimerFired):
             handle = self.runs.get(event.run_id)
             if handle is not None and not handle.queued:
-                delivered = 0
+                delivered, runs = 0, 1
                 if event.timer is fsm.Timer.TOKEN:
                     delivered = self.tokens_delivered - handle.token_timer_from
-                self._feed(handle, fsm.TimerFired(event.timer, delivered))
+                    runs = handle.token_timer_runs
+                self._feed(handle, fsm.TimerFired(event.timer, delivered, runs))
         else:
             raise TypeError(f"{type(event).__name__} is not an event of a chain's orchestrator")
 
@@ -349,6 +357,7 @@ class ChainOrchestrator(TokenLinks):
         elif isinstance(action, fsm.StartTimer):
             if action.timer is fsm.Timer.TOKEN:
                 handle.token_timer_from = self.tokens_delivered
+                handle.token_timer_runs = self.running
             self.timers.start(run_id, action.timer, action.ms)
         elif isinstance(action, fsm.InjectTokens):
             self._queue(handle, action)

@@ -398,29 +398,32 @@ def test_a_token_timer_run_out_while_the_chain_delivered_tokens_starts_again() -
     assert _of(actions, o.SendStopRun)
 
 
-def test_a_token_timer_starts_again_a_limited_number_of_times_a_token() -> None:
-    # Each stage's budget holds 3 caches of this run's size: the timer of one token
-    # starts again 3 times at most while other runs get tokens; a consumed token
-    # resets the count. Past it the token's record is taken for lost: the run faults.
+def test_a_token_timer_starts_again_as_many_times_as_runs_were_in_flight() -> None:
+    # Each stage's budget holds 100 caches of this run's size, but the runtime saw 3
+    # runs in flight while the token waited (TimerFired.runs; the most of any of its
+    # bounds counts, 2 later does not lower it): the timer of one token starts again
+    # 3 times at most while other runs get tokens; a consumed token resets the count
+    # and the runs. Past it the token's record is taken for lost: the run faults.
     small = small_plan(2, max_tokens=10, eos=0)
-    stages = tuple(attrs.evolve(st_, kv_budget_bytes=3 * st_.kv_bytes) for st_ in small.stages)
+    stages = tuple(attrs.evolve(st_, kv_budget_bytes=100 * st_.kv_bytes) for st_ in small.stages)
     plan = attrs.evolve(small, stages=stages)
     m = _running(plan)
-    assert m.token_restart_limit == 3
-    fired = o.TimerFired(o.Timer.TOKEN, delivered=1)
-    for _ in range(2):
-        m, actions = o.step(m, fired)
+    assert m.token_restart_limit == 1  # no other run seen yet
+    for runs in (3, 2):
+        m, actions = o.step(m, o.TimerFired(o.Timer.TOKEN, delivered=1, runs=runs))
         assert _of(actions, o.StartTimer) and m.state is o.State.RUNNING
-    assert m.token_restarts == 2
+    assert (m.token_restarts, m.token_runs, m.token_restart_limit) == (2, 3, 3)
     m, _ = o.step(m, o.TokenConsumed(0, 5))
-    assert m.token_restarts == 0
+    assert (m.token_restarts, m.token_runs) == (0, 1)
+    fired = o.TimerFired(o.Timer.TOKEN, delivered=1, runs=3)
     for _ in range(3):
         m, actions = o.step(m, fired)
         assert _of(actions, o.StartTimer) and m.state is o.State.RUNNING
     lost, actions = o.step(m, fired)
     assert lost.state is o.State.TEARING_DOWN and lost.outcome is StopReason.FAULTED
     detail = (
-        "token 1 not produced in time (its timer started again 3 times while other runs got tokens)"
+        "token 1 not produced in time (its timer started again 3 times while other runs got "
+        "tokens, 3 runs in flight at most)"
     )
     assert lost.fault == FaultReason(FaultKind.TIMEOUT, detail)
     assert _of(actions, o.SendStopRun)

@@ -3,7 +3,8 @@ behind other runs' records (their prefill chunks, or more decoding runs than a b
 holds) through more batches than its bound counts is not faulted while the chain
 delivers tokens to any run; a chain that delivers none still faults every run, within
 its bound of its timer's last start (two bounds of the chain's last token at most); a
-run whose record is lost while other runs go on faults within its restarts' bounds."""
+run whose record is lost while other runs go on faults within its restarts' bounds, as
+many as the runs in flight, whatever the runs' caches."""
 
 from __future__ import annotations
 
@@ -96,16 +97,15 @@ def test_a_chain_that_delivers_no_token_still_faults_every_run_within_its_bound(
             assert run.finished_us - last_token <= allowed + stop_us, (run, bound)
 
 
-def test_a_lost_record_faults_its_run_within_its_restarts_while_another_run_delivers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # run-0's record of token 2 never goes onto token-in; run-1 keeps getting tokens
-    # for far longer than run-0's bound. run-0's timer starts again while it does, as
-    # many times as a stage's budget holds runs of run-0's cache (2: it reserves the
-    # whole context), then run-0 faults alone: not once run-1 ends.
+def lose_run_0_token_2(
+    monkeypatch: pytest.MonkeyPatch, runs: tuple[tuple[int, int, int], ...]
+) -> tuple[ChainResult, tuple[RunSpec, ...]]:
+    """Runs of ``(max_tokens, prompt_tokens, arrival_us)`` on one slow stage whose KV
+    budget holds 2 full-length caches, run to their ends, run-0's record of token 2
+    never going onto token-in."""
     facts = synthetic_facts(6, 64, 512, 10**6, 1 + 400)
     specs = []
-    for i, (max_tokens, prompt_tokens) in enumerate(((4, 0), (300, 1))):
+    for i, (max_tokens, prompt_tokens, arrival_us) in enumerate(runs):
         plan = synthetic_plan(
             facts,
             1,
@@ -118,14 +118,14 @@ def test_a_lost_record_faults_its_run_within_its_restarts_while_another_run_deli
             timeouts=TIMEOUTS,
             capabilities=EXPLORE_CAPABILITIES,
         )
-        specs.append(RunSpec(plan, (10 + i,)))
+        specs.append(RunSpec(plan, (10 + i,), arrival_us))
     queue = TokenLinks._queue
 
-    def lose_run_0_token_2(self: TokenLinks, handle: RunHandle, action: InjectTokens) -> None:
+    def lose(self: TokenLinks, handle: RunHandle, action: InjectTokens) -> None:
         if not (handle.run_id == "run-0" and action.sequence == 2):
             queue(self, handle, action)
 
-    monkeypatch.setattr(TokenLinks, "_queue", lose_run_0_token_2)
+    monkeypatch.setattr(TokenLinks, "_queue", lose)
     model = specs[0].plan.model
     costs = stored_stage_costs(specs[0].plan, facts.block_bytes, model.vocab_size * 32)
     timing = TimingModel(node=NodeProfile(step_overhead_us=50_000))
@@ -136,20 +136,97 @@ def test_a_lost_record_faults_its_run_within_its_restarts_while_another_run_deli
         seed=7,
         settings=SimSettings(timing=timing),
     )
-    result = sim.run()
-    lost, busy = result.runs
+    return sim.run(), tuple(specs)
+
+
+def check_lost(result: ChainResult, specs: tuple[RunSpec, ...], runs_seen: int) -> None:
+    """run-0 faulted ``TIMEOUT`` alone, its timer having started again ``runs_seen``
+    times (the runs in flight while token 2 waited), within that many bounds and one of
+    token 2's injection; every other run completed, going on long after."""
+    lost, *busy = result.runs
     assert lost.finished is not None and lost.finished_us is not None
-    assert busy.outcome == "completed" and len(busy.tokens) == 300
+    for spec, run in zip(specs[1:], busy, strict=True):
+        assert run.outcome == "completed" and len(run.tokens) == spec.plan.max_tokens
     # token 2 was injected when token 1 came: the first bound and the limit's restarts
     bound = bound_us(specs[0].plan, specs[0].prompt, 2)
     waited = lost.finished_us - lost.token_times_us[-1]
     stop_us = TIMEOUTS.stop_limit_ms(1, 2) * 1000
-    assert waited <= 3 * bound + stop_us, (waited, bound)
-    assert busy.token_times_us[-1] > lost.finished_us + 10 * bound  # it went on long after
+    assert waited <= (runs_seen + 1) * bound + stop_us, (waited, bound)
+    last = max(r.token_times_us[-1] for r in busy)
+    assert last > lost.finished_us + 10 * bound  # they went on long after
     fault = lost.finished.fault
     assert fault is not None and fault.kind is RunFaultKind.TIMEOUT, fault
     assert fault.detail == (
-        "token 2 not produced in time (its timer started again 2 times while other runs got tokens)"
+        f"token 2 not produced in time (its timer started again {runs_seen} times while "
+        f"other runs got tokens, {runs_seen} runs in flight at most)"
     )
-    machine = ofsm.OrchestratorMachine.for_plan(specs[0].plan, specs[0].prompt)
-    assert machine.token_restart_limit == 2
+
+
+def test_a_lost_record_faults_its_run_within_its_restarts_while_another_run_delivers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # run-0's record of token 2 never goes onto token-in; run-1 keeps getting tokens
+    # for far longer than run-0's bound. run-0's timer starts again while it does, as
+    # many times as runs were in flight (2), then run-0 faults alone: not once run-1
+    # ends.
+    result, specs = lose_run_0_token_2(monkeypatch, ((4, 0, 0), (300, 1, 0)))
+    check_lost(result, specs, 2)
+
+
+def test_a_lost_record_among_short_runs_faults_within_the_runs_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Three runs of short caches (a stage's budget holds 2 x 401 positions: 160 caches
+    # of run-0's 5), run-2 arriving after run-0's token 2 was injected: run-0's timer
+    # starts again 3 times, the most runs in flight while token 2 waited, not as many
+    # times as the budget holds runs of its cache (it then waited until the others
+    # ended, 28 bounds).
+    result, specs = lose_run_0_token_2(monkeypatch, ((4, 1, 0), (150, 1, 0), (150, 1, 600_000)))
+    assert result.runs[2].arrival_us > result.runs[0].token_times_us[-1]
+    check_lost(result, specs, 3)
+
+
+def test_a_long_run_among_more_short_runs_than_its_budget_counts_completes() -> None:
+    # run-0 reserves the whole context (a stage's budget holds 2 such caches) and shares
+    # one-row batches with 10 runs of one-position prompts, which fill the rest of the
+    # budget: its token waits through more than 3 bounds (2 restarts) behind theirs.
+    # Its timer starts again as many times as runs are in flight, not as many as the
+    # budget holds runs of its size (it was faulted TIMEOUT with no fault at all).
+    facts = synthetic_facts(6, 64, 512, 10**6, 64)
+    specs = []
+    for i in range(11):
+        plan = synthetic_plan(
+            facts,
+            1,
+            max_tokens=4,
+            run_id=f"run-{i}",
+            prompt_tokens=0 if i == 0 else 1,
+            seed=100 + i,
+            max_concurrent_runs=2,
+            max_batch_rows=1,
+            timeouts=TIMEOUTS,
+            capabilities=EXPLORE_CAPABILITIES,
+        )
+        specs.append(RunSpec(plan, (10 + i,)))
+    stage = specs[0].plan.stages[0]
+    assert stage.kv_budget_bytes // stage.kv_bytes == 2
+    model = specs[0].plan.model
+    costs = stored_stage_costs(specs[0].plan, facts.block_bytes, model.vocab_size * 32)
+    sim = ChainSimulation(
+        tuple(specs),
+        [SyntheticWorker(model.vocab_size, model.eos_token_id)],
+        costs,
+        seed=7,
+        settings=SimSettings(timing=SLOW),
+    )
+    result = sim.run()
+    assert [r.outcome for r in result.runs] == ["completed"] * 11
+    long = result.runs[0]
+    assert long.ready_us is not None
+    starts = (long.ready_us, *long.token_times_us[:-1])
+    waits = [
+        (end - start) / bound_us(specs[0].plan, specs[0].prompt, k)
+        for k, (start, end) in enumerate(zip(starts, long.token_times_us, strict=True))
+    ]
+    assert max(waits) > 3, waits  # past the bound and 2 restarts
+    assert check(sim, result) == []

@@ -20,8 +20,9 @@ The token timer bounds the wait for the run's next token. With other runs in fli
 its record may wait through more batches than the bound counts (behind their prefill
 chunks, or among more decoding runs than a batch holds), so when it runs out and the
 chain delivered tokens to any run since it started (``TimerFired.delivered``), the
-timer starts again, ``token_restart_limit`` times a token at most (the count resets
-when the token is consumed); a chain that delivered none for the whole bound, or a
+timer starts again, ``token_restart_limit`` times a token at most (the most runs in
+flight while it waited, ``TimerFired.runs``; the count resets when the token is
+consumed); a chain that delivered none for the whole bound, or a
 token past its restarts (its record lost while other runs go on), faults the run.
 """
 

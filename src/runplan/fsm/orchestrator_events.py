@@ -96,14 +96,17 @@ class StageSilent:
 
 @frozen
 class TimerFired:
-    """A timer of the run ran out. ``delivered``, for the token timer: the tokens the
-    chain delivered to any of its runs since this timer was started (the runtime
-    counts them; 0 for the other timers). A chain that delivers tokens is alive: the
-    run's token may wait behind other runs' records, and its timer starts again
-    (``OrchestratorMachine.token_restart_limit`` times a token at most)."""
+    """A timer of the run ran out. For the token timer, what the runtime counted since
+    this timer was started (0 and 1 for the other timers): ``delivered``, the tokens
+    the chain delivered to any of its runs; ``runs``, the most runs the chain held in
+    flight at once, this one included. A chain that delivers tokens is alive: the run's
+    token may wait behind other runs' records, and its timer starts again, as many
+    times a token at most as there were runs in flight while it waited
+    (``OrchestratorMachine.token_restart_limit``)."""
 
     timer: Timer
     delivered: int = 0
+    runs: int = 1
 
 
 @frozen

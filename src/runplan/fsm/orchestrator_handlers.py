@@ -235,13 +235,19 @@ def _token_timeout(m: OrchestratorMachine, e: TimerFired) -> _Result:
     """The token's bound ran out. If the chain delivered tokens (to any run) since the
     timer started, it is alive and the token may wait behind other runs' records: the
     timer starts again with the same bound, ``token_restart_limit`` times a token at
-    most. A chain that delivered none is stuck; a token past its restarts is lost."""
+    most (the most runs in flight while it waited). A chain that delivered none is
+    stuck; a token past its restarts is lost."""
+    if e.runs > m.token_runs:
+        m = _evolve(m, token_runs=e.runs)
     if e.delivered > 0 and m.token_restarts < m.token_restart_limit:
         m = _evolve(m, token_restarts=m.token_restarts + 1)
         return m, (StartTimer(_TOKEN, m._token_ms(m.injected)),)
     detail = f"token {m.injected} not produced in time"
     if e.delivered > 0:
-        detail += f" (its timer started again {m.token_restarts} times while other runs got tokens)"
+        detail += (
+            f" (its timer started again {m.token_restarts} times while other runs got "
+            f"tokens, {m.token_runs} runs in flight at most)"
+        )
     return _fault(m, FaultKind.TIMEOUT, detail)
 
 
@@ -259,7 +265,7 @@ def _token(m: OrchestratorMachine, e: TokenConsumed) -> _Result:
     delivered: tuple[Action, ...] = () if eos else (DeliverToken(e.sequence, e.token_id),)
     if eos or len(consumed) >= m.max_tokens:
         return _teardown(_evolve(m, consumed=consumed), StopReason.COMPLETED, actions=delivered)
-    m = _evolve(m, consumed=consumed, injected=e.sequence + 1, token_restarts=0)
+    m = _evolve(m, consumed=consumed, injected=e.sequence + 1, token_restarts=0, token_runs=1)
     return m, (
         *delivered,
         CancelTimer(_TOKEN),

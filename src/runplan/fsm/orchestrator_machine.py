@@ -38,6 +38,7 @@ class OrchestratorMachine:
     refused: frozenset[int] = frozenset()  # stages that refused the provision
     prefill_chunk: int = 0  # rows per chunk of the prompt (0: one record)
     token_restarts: int = 0  # times the token timer of ``injected`` started again
+    token_runs: int = 1  # the most runs in flight while ``injected`` waited (TimerFired.runs)
 
     @classmethod
     def for_plan(cls, plan: RunPlan, prompt: tuple[int, ...]) -> OrchestratorMachine:
@@ -93,18 +94,17 @@ class OrchestratorMachine:
     @property
     def token_restart_limit(self) -> int:
         """Times the token timer of one token may start again while the chain delivers
-        other runs' tokens (``TimerFired.delivered``): the runs of this run's cache
-        size a stage's KV budget holds, this one included (the most of any stage's; at
-        least 1). The runs in flight are no more where each reserves no less (a server
-        holds at most its budget's full-length runs). A stage serves decode records in
-        the order they were loaded, and prefill records so too, an owed one leading
-        every other batch at most: each other run puts its one decode record, or its
-        prompt's next chunk, ahead of this run's before it is served, a batch or two
-        each, while each bound counts at least 3 batches a stage (``shared_batches``).
-        Past the limit the run faults ``TIMEOUT`` however many tokens other runs get
-        (its record was lost): within ``limit + 1`` bounds of the token's injection."""
-        runs = (p.kv_budget_bytes // p.kv_bytes for p in self.provisions if p.kv_bytes > 0)
-        return max(1, max(runs, default=1))
+        other runs' tokens (``TimerFired.delivered``): the most runs the chain held in
+        flight while the token waited, this one included (``TimerFired.runs``, kept in
+        ``token_runs``; at least 1). A stage serves decode records in the order they
+        were loaded, and prefill records so too, an owed one leading every other batch
+        at most: each other run in flight puts its one decode record, or its prompt's
+        next chunk, ahead of this run's before it is served, a batch or two each, while
+        each bound counts at least 3 batches a stage (``shared_batches``). Past the
+        limit the run faults ``TIMEOUT`` however many tokens other runs get (its record
+        was lost): within ``runs + 1`` bounds of the token's injection, however short
+        the runs' caches are (not the runs a stage's KV budget could hold of them)."""
+        return max(1, self.token_runs)
 
     @property
     def prompt_record_rows(self) -> int:
