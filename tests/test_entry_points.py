@@ -249,6 +249,78 @@ def _sigterm_once_it_says(word: str, script: str, *args: str) -> None:
     _cancelled_by_sigterm(proc.returncode, stdout, stderr)
 
 
+# A fresh interpreter where the command prints its JSON and returns 0, and this process
+# is sent the signal SIG while the interpreter exits: from a non-daemon thread it joins
+# ("thread"), from an exit function ("exit function"), or as the modules are torn down
+# ("teardown", where Python's handlers are gone); then ``python -m PACKAGE``.
+_SIGNALLED_AS_IT_EXITS = """
+import atexit, importlib, os, runpy, signal, sys, threading, time
+from runplan.json_errors import print_json
+
+SIG, WHEN = getattr(signal, sys.argv[3]), sys.argv[4]
+kill, pid, sleep = os.kill, os.getpid(), time.sleep  # kept: at teardown names are gone
+
+def signal_now():
+    kill(pid, SIG)
+    sleep(2)  # a handler that exits, exits at once
+
+class AtTeardown:
+    def __del__(self):
+        signal_now()
+
+def main():
+    print_json({"outcome": "completed"})
+    if WHEN == "thread":
+        threading.Thread(target=lambda: (sleep(0.2), signal_now())).start()
+    elif WHEN == "exit function":
+        atexit.register(signal_now)
+    return 0
+
+if WHEN == "teardown":
+    keep = AtTeardown()
+importlib.import_module(sys.argv[2]).main = main
+sys.argv = [sys.argv[1], *sys.argv[5:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["thread", "exit function", "teardown"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_once_the_command_returned_keeps_its_status(sig: str, when: str) -> None:
+    """Its output written, the command's status stands: no kill by the signal's default
+    action (-2, -15, during the teardown), no traceback (from the join or the exit
+    function it broke into), no ``cancelled``."""
+    done = _python(_SIGNALLED_AS_IT_EXITS, "runplan", "runplan.cli", sig, when, "--json")
+    assert (done.returncode, done.stderr) == (0, ""), (done.returncode, done.stderr)
+    assert done.stdout.count("\n") == 1
+    assert json.loads(done.stdout) == {"outcome": "completed"}
+
+
+# A fresh interpreter that prints a line (not flushed) and exits with status 3 through
+# ``exit_with``, where a SIGTERM's ``Interrupted`` is raised as it sets its handlers (the
+# command's handler still in place: Python runs it inside ``signal.getsignal``).
+_SIGNALLED_AS_THE_HANDLERS_ARE_SET = """
+import signal, sys
+from runplan.interrupted import Interrupted
+from runplan.late_signals import exit_with
+
+getsignal = signal.getsignal
+
+def interrupted_once(signum):
+    signal.getsignal = getsignal
+    raise Interrupted("SIGTERM")
+
+signal.getsignal = interrupted_once
+sys.stdout.write("the command's output\\n")
+exit_with(3)
+"""
+
+
+def test_a_signal_as_the_late_handlers_are_set_keeps_the_status() -> None:
+    done = _python(_SIGNALLED_AS_THE_HANDLERS_ARE_SET)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "the command's output\n", "")
+
+
 # A fresh interpreter where the optional extras' packages cannot be imported, as in a
 # venv of the default dependencies only; then every command's --help.
 _WITHOUT_EXTRAS = """

@@ -9,11 +9,15 @@ whenever it comes (the modules loading, the model being read, any command), the 
 ends as cancelled, exit 143, ``Cancelled`` by SIGTERM with ``--json``; a command's own
 handlers take it while they hold. Before that line Python has imported only the package
 (its ``__init__`` imports no module of its own but ``runplan.lazy_exports``; each public
-name's module is imported on first use), ``runplan.command_main`` and
-``runplan.interrupted``, standard library all three: the first few hundredths of a
-second of the process, the interpreter's start included, where the signal's default
-action ends it (and a Ctrl-C prints Python's traceback). The ``Cancelled`` object's
-module is imported when it is needed, so that nothing else comes before the handler.
+name's module is imported on first use), ``runplan.command_main``,
+``runplan.interrupted`` and ``runplan.late_signals``, standard library all four: the
+first few hundredths of a second of the process, the interpreter's start included,
+where the signal's default action ends it (and a Ctrl-C prints Python's traceback).
+The ``Cancelled`` object's module is imported when it is needed, so that nothing else
+comes before the handler.
+
+Once the command has its exit status, its output written, a Ctrl-C or SIGTERM is too
+late to cancel anything and leaves that status as it is (``runplan.late_signals``).
 ``runplan.command_main.run_command`` is this entry, shared by the three packages (what
 else it ends without a traceback: there)."""
 

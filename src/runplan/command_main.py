@@ -15,6 +15,12 @@ traceback:
 - any other error after a SIGTERM that C code turned into it (NumPy's import of
   ``datetime`` makes an ``ImportError`` of it): cancelled by SIGTERM.
 
+Once the status is decided (the command returned it, or one of the above, its output
+flushed), a Ctrl-C or SIGTERM is too late to cancel anything: the process exits with
+that status, at once if the interpreter's exit is still joining threads or running
+exit functions (``runplan.late_signals``); before, one during the interpreter's
+teardown killed it (-15, -2), a completed run's JSON already printed.
+
 A standard stream whose descriptor is closed (``<&-``, ``2>&-``: Python's ``sys.stdin``
 is then ``None``, and the command's first use of it an ``AttributeError`` traceback)
 is ``/dev/null`` from before the command starts (``_reopen_closed``); where standard
@@ -27,6 +33,7 @@ handler is set.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import importlib
 import os
@@ -34,6 +41,7 @@ import sys
 from typing import NoReturn
 
 from runplan.interrupted import raised_before, sigterm_as_ctrl_c
+from runplan.late_signals import exit_with, ignore_at_teardown
 
 #: errors of a write that the output's device refused (not a fault of the command)
 OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG})
@@ -85,6 +93,7 @@ def _reopen_closed() -> bool:
 def run_command(module: str) -> NoReturn:
     """Run ``module``'s ``main()`` as ``python -m``'s command and exit with its status."""
     sigterm_as_ctrl_c()  # first: SIGTERM from here on cancels the command as Ctrl-C does
+    atexit.register(ignore_at_teardown)  # the first exit function, so the last to run
     if _reopen_closed():  # ``>&-``: nothing the command printed could be seen
         sys.stderr.write("error: standard output is closed\n")
         sys.exit(1)
@@ -93,6 +102,8 @@ def run_command(module: str) -> NoReturn:
             status = importlib.import_module(module).main()
         finally:  # what the command printed, written now (--help, --version: SystemExit)
             sys.stdout.flush()
+    except SystemExit as exc:  # --help, --version, a usage error: the status it names
+        status = exc.code
     except KeyboardInterrupt as exc:  # while the modules load (or past the command's care)
         from runplan.json_errors import cancelled_exit
 
@@ -113,4 +124,4 @@ def run_command(module: str) -> NoReturn:
         from runplan.json_errors import cancelled_exit
 
         status = cancelled_exit(interrupted)
-    sys.exit(status)
+    exit_with(status)  # a Ctrl-C or SIGTERM from here on is too late: this status stands

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Tokens a run asks for: with the tiny model's context of 256 a run of 250 could end
-#: within the 1.5 s the test waits on a quiet host, and a signal after its end (its
-#: handlers given back, the command not yet gone) killed it (-15, nothing written).
+#: within the 1.5 s the test waits on a quiet host, and a signal after its end is too
+#: late to cancel it (it exits 0; it once killed it, -15, as the interpreter exited).
 MAX_TOKENS = 4000
 
 
