@@ -5,6 +5,7 @@ plan, a bad flag value, an unreadable input, a faulted run)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import pytest
 
 import runtime_sim.cli
 from runplan.cli import main as runplan_main
+from runplan.json_errors import documents_printed, print_json
 from runtime_cupy.cli.main import main as cupy_main
 from runtime_sim.cli import main as sim_main
 from tests.fixtures.gguf_models import ModelShape, write_model
@@ -315,6 +317,52 @@ def test_ctrl_c_before_a_process_run_is_one_error_object(
     monkeypatch.setattr(runtime_cupy.cli.main, "resolve_model", interrupted)
     assert cupy_main(["--model", files["model"], "--prompt-ids", "1", "--json"]) == 130
     assert _error_of(capsys.readouterr().out) == {"type": "Cancelled", "message": "cancelled"}
+
+
+def test_a_document_a_signal_interrupts_as_it_is_flushed_counts_as_printed() -> None:
+    """Python raises a signal's ``KeyboardInterrupt`` as the flush returns, the document
+    written: it counts, so that no ``Cancelled`` object follows it."""
+
+    class FlushedThenInterrupted(io.StringIO):
+        def flush(self) -> None:
+            super().flush()
+            raise KeyboardInterrupt
+
+    out = FlushedThenInterrupted()
+    before = documents_printed()
+    with pytest.raises(KeyboardInterrupt):
+        print_json({"outcome": "completed"}, out)
+    assert documents_printed() == before + 1
+    assert out.getvalue() == '{"outcome": "completed"}\n'
+
+
+@pytest.mark.parametrize("command", ["runtime_cupy", "runtime_sim"])
+def test_ctrl_c_right_after_a_run_printed_its_object_prints_no_second_one(
+    files: dict[str, str],
+    command: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A Ctrl-C that comes once the run's object is printed, before the command returns
+    (its handlers given back): ``cancelled`` and 130, and standard output still that one
+    object (the command's own except printed the ``Cancelled`` object after it)."""
+    import runtime_cupy.cli.main
+
+    def printed_then_interrupted(args: Any) -> int:
+        write = runtime_cupy.cli.main.write_json if command == "runtime_cupy" else print_json
+        write({"outcome": "completed"})
+        raise KeyboardInterrupt
+
+    argv = ["--model", files["model"], "--prompt-ids", "1", "--json"]
+    if command == "runtime_cupy":
+        monkeypatch.setattr(runtime_cupy.cli.main, "_run", printed_then_interrupted)
+        status = cupy_main(argv)
+    else:
+        monkeypatch.setattr(runtime_sim.cli, "_cmd_run", printed_then_interrupted)
+        status = sim_main(["run", *argv])
+    out, err = capsys.readouterr()
+    assert (status, err.splitlines()[-1:]) == (130, ["cancelled"]), err
+    assert out.count("\n") == 1 and json.loads(out) == {"outcome": "completed"}, out
 
 
 @pytest.mark.parametrize(

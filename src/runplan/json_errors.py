@@ -117,17 +117,32 @@ def cancelled_with(
     return cancelled_status(signal_name)
 
 
+def cancelled_command(
+    signal_name: str | None,
+    *,
+    as_json: bool,
+    since: int = 0,
+    write: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    """A command that Ctrl-C or ``signal_name`` (SIGTERM) cancelled where no result of
+    its own says so: with ``as_json``, the ``Cancelled`` object, written by ``write``
+    (``print_json``), unless a JSON document was printed since ``documents_printed()``
+    was ``since`` (the command's result, printed just before the signal came: standard
+    output stays that one object); ``cancelled`` on standard error; the exit status."""
+    if as_json and documents_printed() == since:
+        (write or print_json)(cancelled_json(signal_name))
+    sys.stderr.write("cancelled\n")
+    return cancelled_status(signal_name)
+
+
 def cancelled_exit(exc: KeyboardInterrupt) -> int:
     """A package's ``__main__`` for a Ctrl-C (or SIGTERM raised as
     ``runplan.interrupted.Interrupted``, named by its ``signal_name``) that no command
     met: with ``--json`` as written on the command line, the ``Cancelled`` object on
     standard output unless a JSON document was printed already; ``cancelled`` on
-    standard error; the exit status."""
+    standard error; the exit status (``cancelled_command``)."""
     signal_name = getattr(exc, "signal_name", None)
-    if "--json" in sys.argv[1:] and not printed():
-        print_json(cancelled_json(signal_name))
-    sys.stderr.write("cancelled\n")
-    return cancelled_status(signal_name)
+    return cancelled_command(signal_name, as_json="--json" in sys.argv[1:])
 
 
 #: The exit status of a command whose standard output's reader went away (``cmd | head``
@@ -162,20 +177,42 @@ def output_failed_exit(exc: OSError, *, stdout: bool) -> int:
     return 1
 
 
-_PRINTED = threading.Event()  # set once this process printed its document (``printed``)
+class _Printed:
+    """The JSON documents this process printed with ``print_json``, counted (any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+
+
+_PRINTED = _Printed()
 
 
 def print_json(doc: Any, out: TextIO | None = None) -> None:
     """One JSON document and a line feed on ``out`` (standard output, ``sys.stdout``),
-    flushed; ``printed()`` is true from then on."""
+    flushed; counted in ``documents_printed()`` from then on, also where a signal
+    interrupts it (Python raises its ``KeyboardInterrupt`` as the flush returns: the
+    document was written, and no ``Cancelled`` object may follow it)."""
     stream = sys.stdout if out is None else out
-    stream.write(json.dumps(doc, sort_keys=True) + "\n")
-    stream.flush()
-    _PRINTED.set()
+    try:
+        stream.write(json.dumps(doc, sort_keys=True) + "\n")
+        stream.flush()
+    finally:
+        _PRINTED.add()
+
+
+def documents_printed() -> int:
+    """How many JSON documents this process printed with ``print_json``: a command that
+    notes it as it begins knows whether it printed its own since (``cancelled_command``)."""
+    return _PRINTED.count
 
 
 def printed() -> bool:
     """Whether this process printed a JSON document with ``print_json``: a package's
     ``__main__``, which prints the ``Cancelled`` object for a Ctrl-C that no command
     met (one while the modules load), prints none after the command's own."""
-    return _PRINTED.is_set()
+    return documents_printed() > 0

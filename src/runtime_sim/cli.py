@@ -29,9 +29,11 @@ from runplan.json_errors import (
     RUN_FAULTED,
     TRACE_NOT_WRITTEN,
     VIOLATIONS,
+    cancelled_command,
     cancelled_json,
     cancelled_status,
     cancelled_with,
+    documents_printed,
     error_json,
     exception_json,
     fault_json,
@@ -414,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    began = documents_printed()  # the JSON documents printed before this command's
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
@@ -427,12 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (GgufError, ModelNotFound, PlanRejected, TokenizerError, ValueError) as exc:
         _print_error(args, exc)
         return EXIT_INPUT
-    except KeyboardInterrupt as exc:  # before a run had a result to print
-        signal_name = signal_named(exc)
-        if getattr(args, "json", False):
-            print_json(cancelled_json(signal_name))
-        CommandConsole(stderr=True).print("cancelled")
-        return cancelled_status(signal_name)
+    except KeyboardInterrupt as exc:  # before a run had a result to print, or just after
+        as_json = getattr(args, "json", False)
+        return cancelled_command(signal_named(exc), as_json=as_json, since=began)
     return code
 
 

@@ -52,14 +52,16 @@ from runplan.arguments import OneLineParser, add_version
 from runplan.config import run_positions
 from runplan.json_errors import (
     TRACE_NOT_WRITTEN,
+    cancelled_command,
     cancelled_json,
     cancelled_status,
+    documents_printed,
     error_json,
     exception_json,
     fault_json,
 )
 from runplan.models import resolve_model
-from runplan.terminal import CommandConsole, labelled, plain_console
+from runplan.terminal import labelled, plain_console
 from runtime_core.console import (
     TextStream,
     add_generation_arguments,
@@ -284,6 +286,7 @@ def _error(args: argparse.Namespace, exc: Exception) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    began = documents_printed()  # the JSON documents printed before this command's
     given = list(sys.argv[1:] if argv is None else argv)
     if given and given[0] in SUBCOMMANDS:
         return _subcommand(given[0], given[1:])
@@ -308,9 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ChainError as exc:  # --recover's or --prompts-file's stages could not start
             _error(args, exc)
             return EXIT_FAULTED
-        except KeyboardInterrupt as exc:  # before a run (or a batch) had a result to print
-            signal_name = signal_named(exc)  # SIGTERM while the model is read, ...
-            if args.json:
-                write_json(cancelled_json(signal_name))
-            CommandConsole(stderr=True).print("cancelled")
-            return cancelled_status(signal_name)
+        except KeyboardInterrupt as exc:  # before a run (or a batch) had a result to print,
+            # or just after it printed one (SIGTERM while the model is read, ...)
+            return cancelled_command(
+                signal_named(exc), as_json=args.json, since=began, write=write_json
+            )
