@@ -30,6 +30,7 @@ from runplan.gguf_files import (
 )
 from runplan.gguf_reader import HeaderReader
 from runplan.gguf_tensors import TensorInfo, _tensor_infos
+from runplan.key_types import llamacpp_type
 from runplan.shards import (
     ManifestError,
     ShardKeys,
@@ -55,8 +56,9 @@ class GgufHeader:
     The typed accessors (``integer``, ``number``, ``boolean``, ``string``, ``strings``,
     ``array``) check a key's GGUF type before they read its value, and raise
     ``GgufError`` naming the file and the key for a value of another type (an array
-    where a number belongs is refused without being read) or a string that is not
-    UTF-8.
+    where a number belongs is refused without being read; a model key llama.cpp reads
+    as exactly one type, ``key_types``, stored as another, as llama.cpp refuses it) or a
+    string that is not UTF-8.
 
     ``paths`` are the files read; ``source_paths`` what names the source (the manifest
     for shards, else ``paths``). ``held_blocks`` is ``None`` when the files hold every
@@ -191,6 +193,8 @@ class GgufHeader:
         return field.parts[-1].tolist()[0]
 
     def integer(self, key: str, default: int | None = None) -> int:
+        """An integer value: of any integer type, or for a key of ``key_types``' table
+        of the one type llama.cpp reads it as (UINT32)."""
         if not self.has(key):
             if default is not None:
                 return default
@@ -198,6 +202,7 @@ class GgufHeader:
         field = self._field(key)
         if field.types[0] not in _INTEGER_TYPES:
             raise GgufError(self.paths[0], f"expected an integer, found {_describe(field)}", key)
+        self._check_llamacpp_type(key, field)
         return int(field.parts[-1][0])
 
     def dimension(self, key: str, default: int | None = None) -> int:
@@ -213,9 +218,10 @@ class GgufHeader:
         return value
 
     def number(self, key: str, default: float | None = None) -> float:
-        """An integer or floating-point value, as a float: finite and within float32's
-        range (llama.cpp holds its hyperparameters as ``float``: a FLOAT64 of 1e300 would
-        be infinite there, and in the float32 arithmetic of every worker)."""
+        """An integer or floating-point value, as a float (for a key of ``key_types``'
+        table a FLOAT32 only, as llama.cpp reads it): finite and within float32's range
+        (llama.cpp holds its hyperparameters as ``float``, and every worker computes in
+        float32)."""
         if not self.has(key):
             if default is not None:
                 return default
@@ -223,6 +229,7 @@ class GgufHeader:
         field = self._field(key)
         if field.types[0] not in _INTEGER_TYPES | _FLOAT_TYPES:
             raise GgufError(self.paths[0], f"expected a number, found {_describe(field)}", key)
+        self._check_llamacpp_type(key, field)
         value = float(field.parts[-1][0])
         if not math.isfinite(value):
             raise GgufError(self.paths[0], f"expected a finite number, found {value}", key)
@@ -281,6 +288,18 @@ class GgufHeader:
         if field.types[0] != GGUFValueType.ARRAY:
             raise GgufError(self.paths[0], f"expected an array, found {_describe(field)}", key)
         return _array_count(field)
+
+    def _check_llamacpp_type(self, key: str, field: Any) -> None:
+        """A key llama.cpp reads as one GGUF type (``key_types``) stored as another is
+        refused, as llama.cpp refuses it, naming the key, both types and the value."""
+        expected = llamacpp_type(key)
+        if expected is not None and field.types[0] != expected:
+            raise GgufError(
+                self.paths[0],
+                f"expected a {expected.name} (llama.cpp reads this key as one and refuses "
+                f"another type), found {_describe(field)}",
+                key,
+            )
 
     def _field(self, key: str) -> Any:
         field = self._readers[0].fields.get(key)

@@ -294,11 +294,11 @@ def test_a_number_no_forward_pass_can_take_is_a_gguf_error_naming_the_key(
 @pytest.mark.parametrize(
     ("key", "value", "vtype", "match"),
     [
-        ("llama.rope.freq_base", 1e300, GGUFValueType.FLOAT64, "past float32's range"),
-        ("llama.attention.layer_norm_rms_epsilon", 1e300, GGUFValueType.FLOAT64, "float32"),
-        ("llama.rope.scaling.attn_factor", -1e300, GGUFValueType.FLOAT64, "float32"),
+        ("llama.rope.freq_base", 1e300, GGUFValueType.FLOAT64, "expected a FLOAT32"),
+        ("llama.attention.layer_norm_rms_epsilon", 1e300, GGUFValueType.FLOAT64, "FLOAT32"),
+        ("llama.rope.scaling.attn_factor", -1e300, GGUFValueType.FLOAT64, "FLOAT32"),
         ("llama.rope.freq_base", 1e-45, GGUFValueType.FLOAT32, "angle passes float32"),
-        ("llama.expert_count", -3, GGUFValueType.INT32, "must not be negative"),
+        ("llama.expert_count", -3, GGUFValueType.INT32, "found a INT32 (-3)"),
     ],
 )
 def test_a_value_past_what_llamacpp_holds_is_a_gguf_error_naming_the_key(
@@ -307,7 +307,8 @@ def test_a_value_past_what_llamacpp_holds_is_a_gguf_error_naming_the_key(
     """llama.cpp holds its float hyperparameters as float32: a FLOAT64 of 1e300 (finite
     as a double) loaded, then was infinite in the workers' float32 arithmetic (a
     meaningless token, or NaN logits naming no key); a denormal rotary base made its
-    angles infinite; a negative expert count read as none."""
+    angles infinite; a negative expert count read as none. (llama.cpp reads a FLOAT64
+    or an INT32 there as no value at all: ``key_types``.)"""
     path = write_model(tmp_path / "m.gguf", SHAPE, override_keys={key: (value, vtype)})
     exc = outcomes(path)["slice"]
     assert isinstance(exc, GgufError) and exc.key == key and match in str(exc), exc

@@ -390,15 +390,24 @@ def test_a_path_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
         ("llama.attention.head_count_kv", -1, GGUFValueType.INT32),
         ("llama.attention.head_count", 2**64 - 1, GGUFValueType.UINT64),
         ("llama.attention.head_count", 2**40, GGUFValueType.UINT64),
+        ("llama.attention.head_count_kv", [-1] * 4, GGUFValueType.ARRAY),
     ],
 )
 def test_a_head_count_outside_32_bits_is_refused_naming_it(
-    tmp_path: Path, key: str, value: int, kind: GGUFValueType
+    tmp_path: Path, key: str, value: int | list[int], kind: GGUFValueType
 ) -> None:
     """llama.cpp holds head counts as ``uint32_t``: -1 once gave a KV cache of -2 KiB a
-    block, 2**40 a plan every stage then refused at load (its tensors' shapes)."""
+    block, 2**40 a plan every stage then refused at load (its tensors' shapes). A count
+    stored as another type than UINT32 is refused as llama.cpp refuses it (naming the
+    type and the value); one per block, an array of INT32 (as llama.cpp reads them), by
+    its range."""
     path = write_model(tmp_path / "m.gguf", ModelShape(), override_keys={key: (value, kind)})
-    with pytest.raises(GgufError, match=rf"{value}: it must be in 0\.\.4294967295") as info:
+    said = (
+        r"-1: it must be in 0\.\.4294967295"
+        if isinstance(value, list)
+        else rf"found a {kind.name} \({value}\)"
+    )
+    with pytest.raises(GgufError, match=said) as info:
         facts_of(str(path))
     assert info.value.key == key
 
@@ -480,7 +489,7 @@ def test_field_bytes_are_each_keys_stored_bytes(smollm2_path: str) -> None:
 @pytest.mark.parametrize(
     ("key", "value", "kind", "said"),
     [
-        ("llama.block_count", -1, GGUFValueType.INT32, "-1 blocks: a model has at least one"),
+        ("llama.block_count", -1, GGUFValueType.INT32, r"expected a UINT32.*INT32 \(-1\)"),
         ("llama.block_count", 0, GGUFValueType.UINT32, "0 blocks: a model has at least one"),
         ("general.architecture", "", GGUFValueType.STRING, "is empty: the file names no arch"),
         ("llama.vocab_size", 0, GGUFValueType.UINT32, "0: a vocabulary holds at least 1 token"),

@@ -55,10 +55,22 @@ UNRUNNABLE: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
         )
         for name, value, shown in (
             ("0", (0, GGUFValueType.UINT32), "0"),
-            ("-1", (-1, GGUFValueType.INT32), "-1"),
-            ("2**40", (2**40, GGUFValueType.UINT64), str(2**40)),
-            ("-2**63", (-(2**63), GGUFValueType.INT64), str(-(2**63))),
             ("0 in a block", ([128, 0, 128, 128], GGUFValueType.ARRAY), "block 1's 0"),
+            ("-1 in a block", ([128, -1, 128, 128], GGUFValueType.ARRAY), "block 1's -1"),
+        )
+    },
+    # stored as another type than llama.cpp's UINT32, which llama.cpp refuses
+    **{
+        f"feed-forward length {name}": (
+            {"override_keys": {"llama.feed_forward_length": value}},
+            GgufError,
+            f"llama.feed_forward_length'): expected a UINT32 (llama.cpp reads this key as "
+            f"one and refuses another type), found a {value[1].name} ({value[0]})",
+        )
+        for name, value in (
+            ("-1", (-1, GGUFValueType.INT32)),
+            ("2**40", (2**40, GGUFValueType.UINT64)),
+            ("-2**63", (-(2**63), GGUFValueType.INT64)),
         )
     },
     "missing block tensor of the last stage": (
