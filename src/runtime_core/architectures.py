@@ -116,6 +116,11 @@ class ArchSpec:
     # as llama.cpp's loader refuses it ("invalid n_rot") for llama (and deci, falcon,
     # llama-embed, which we do not run); False: partial rotary allowed (phi3's)
     whole_head_rotary: bool = False
+    # the query and the attention output are embedding_length wide: llama.cpp's loader
+    # sizes attn_q (attn_qkv's query rows) and attn_output by it, not by head_count *
+    # key_length (qwen2, qwen2moe, phi3), so a file whose heads are another width is
+    # refused there by its tensors' shapes, and here by its keys (``model_config``)
+    hidden_wide_attention: bool = False
     # output.weight: OPTIONAL (the embedding where absent), REQUIRED (qwen2moe: llama.cpp
     # loads no fallback), ABSENT (the head is always the embedding; a file with one is
     # refused, as llama.cpp's tensor count refuses it)
@@ -216,6 +221,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
         _like_llama(
             name="qwen2",
             rope_neox=True,
+            hidden_wide_attention=True,
             qkv_bias=Presence.REQUIRED,
             ffn_bias=Presence.ABSENT,
             rope_freqs=False,
@@ -298,6 +304,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
         _like_llama(
             name="qwen2moe",
             rope_neox=True,
+            hidden_wide_attention=True,
             output_bias=Presence.ABSENT,
             ffn_bias=Presence.ABSENT,
             rope_freqs=False,
@@ -318,6 +325,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
         _like_llama(
             name="phi3",
             rope_neox=True,
+            hidden_wide_attention=True,
             qkv_layouts=(QkvLayout.FUSED, QkvLayout.SEPARATE),
             output_bias=Presence.ABSENT,
             ffn_bias=Presence.ABSENT,

@@ -7,6 +7,9 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   or one per block, all the same: ``runplan.block_values``),
   ``.attention.key_length`` / ``.value_length`` (default ``hidden / heads``),
   ``.attention.layer_norm_rms_epsilon``.
+- qwen2's, qwen2moe's and phi3's heads fill ``embedding_length`` exactly (``heads *
+  key_length`` and ``heads * value_length``): llama.cpp sizes their query and attention
+  output by it (``ArchSpec.hidden_wide_attention``), so another width is refused.
 - Rotary embedding: ``{arch}.rope.freq_base`` (default 10000),
   ``.rope.dimension_count`` (default the key head size; llama's must be it, as
   llama.cpp's loader requires: ``ArchSpec.whole_head_rotary``), ``.rope.scaling.type``
@@ -173,6 +176,8 @@ class ModelConfig:
             )
         head_dim_k = header.dimension(f"{arch}.attention.key_length", default=hidden // heads)
         head_dim_v = header.dimension(f"{arch}.attention.value_length", default=hidden // heads)
+        if spec.hidden_wide_attention:
+            _heads_as_wide_as_hidden(header, arch, hidden, heads, head_dim_k, head_dim_v)
         rope = _rope(header, arch, head_dim_k, spec)
         attention = layer_attention(header, arch, n_layers)
         if any(a.sliding for a in attention):
@@ -228,6 +233,29 @@ class ModelConfig:
         # block's rotary where the file turns it off)
         granite = _granite_scales(header, arch, spec, n_layers)
         return attrs.evolve(config, **granite) if granite else config
+
+
+def _heads_as_wide_as_hidden(
+    header: GgufHeader, arch: str, hidden: int, heads: int, head_dim_k: int, head_dim_v: int
+) -> None:
+    """An architecture whose query and attention output llama.cpp sizes by
+    ``embedding_length`` (``ArchSpec.hidden_wide_attention``): its heads' keys and values
+    fill it exactly, else ``UnsupportedModel`` naming the head size's key (``head_count``
+    where the file sets no head size) and the widths, as llama.cpp refuses the file
+    ("tensor 'blk.0.attn_q.weight' has wrong shape")."""
+    for kind, size in (("key_length", head_dim_k), ("value_length", head_dim_v)):
+        if heads * size == hidden:
+            continue
+        key = f"{arch}.attention.{kind}"
+        if not header.has(key):
+            key = f"{arch}.attention.head_count"
+        raise UnsupportedModel(
+            header.paths[0],
+            f"{heads} heads of {size} ({kind}) are {heads * size} wide; the {arch} "
+            f"architecture's query and attention output are embedding_length ({hidden}) "
+            "wide (llama.cpp sizes its attn_q and attn_output by it)",
+            key=key,
+        )
 
 
 def _query_scale(spec: ArchSpec, n_layers: int, hidden: int, heads: int, head_dim: int) -> float:
