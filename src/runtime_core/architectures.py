@@ -114,7 +114,10 @@ class ArchSpec:
     longrope: bool = False
     # rotates whole heads: rope.dimension_count other than the key head size is refused,
     # as llama.cpp's loader refuses it ("invalid n_rot") for llama (and deci, falcon,
-    # llama-embed, which we do not run); False: partial rotary allowed (phi3's)
+    # llama-embed, which we do not run), and its graph for every other architecture here
+    # but the gemmas and phi3 (``GGML_ASSERT(n_embd_head == n_rot)`` in
+    # ``models/{qwen2,qwen3,smollm3,mistral3,granite,exaone,qwen2moe,qwen3moe}.cpp``: the
+    # process aborts); False: partial rotary allowed (phi3's; the gemmas')
     whole_head_rotary: bool = False
     # the query and the attention output are embedding_length wide: llama.cpp's loader
     # sizes attn_q (attn_qkv's query rows) and attn_output by it, not by head_count *
@@ -186,7 +189,7 @@ _BASE = ArchSpec(
 def _like_llama(**changes: Any) -> ArchSpec:
     return attrs.evolve(
         _BASE,
-        **{"experts": Presence.ABSENT, "longrope": False, "whole_head_rotary": False, **changes},
+        **{"experts": Presence.ABSENT, "longrope": False, **changes},
     )
 
 
@@ -204,6 +207,7 @@ _GEMMA3 = _like_llama(
     sliding_window=True,
     final_logit_softcap=0.0,
     rope_freqs=False,
+    whole_head_rotary=False,
 )
 
 #: The architectures the NumPy reference worker runs. Mistral and Llama 3.x files are
@@ -333,6 +337,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             queries_scaled=True,
             rope_freqs=False,
             longrope=True,
+            whole_head_rotary=False,
         ),
     )
 }

@@ -11,8 +11,9 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   key_length`` and ``heads * value_length``): llama.cpp sizes their query and attention
   output by it (``ArchSpec.hidden_wide_attention``), so another width is refused.
 - Rotary embedding: ``{arch}.rope.freq_base`` (default 10000),
-  ``.rope.dimension_count`` (default the key head size; llama's must be it, as
-  llama.cpp's loader requires: ``ArchSpec.whole_head_rotary``), ``.rope.scaling.type``
+  ``.rope.dimension_count`` (default the key head size; it must be it but for the
+  gemmas and phi3, as llama.cpp's loader (llama's) or graph (the others') requires:
+  ``ArchSpec.whole_head_rotary``), ``.rope.scaling.type``
   (``none``, ``linear`` or ``yarn``; llama.cpp's default when absent is linear) and
   ``.rope.scaling.factor`` (or the older ``.rope.scale_linear``): positions are
   multiplied by ``1 / factor``, and by 1 when the type is ``none``; YaRN mixes those
