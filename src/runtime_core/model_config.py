@@ -169,7 +169,13 @@ class ModelConfig:
         hidden = header.dimension(f"{arch}.embedding_length")
         heads = model_integer(header, f"{arch}.attention.head_count", n_layers)
         heads_kv = model_integer(header, f"{arch}.attention.head_count_kv", n_layers, heads)
-        if heads < 1 or heads_kv < 1 or heads % heads_kv:
+        if heads < 1:  # (the key/value heads' key names a count of its own)
+            raise GgufError(
+                path,
+                f"{heads} attention heads: the {arch} architecture has at least one",
+                f"{arch}.attention.head_count",
+            )
+        if heads_kv < 1 or heads % heads_kv:
             raise GgufError(
                 path,
                 f"{heads} attention heads cannot share {heads_kv} key/value heads",

@@ -388,6 +388,13 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (1, 2),
         _unsupported(key="llama.rope.dimension_count"),
     ),
+    # once named head_count_kv (whose 2 heads are fine): "0 attention heads cannot share
+    # 2 key/value heads"
+    "a head count of 0": (
+        {"override_keys": {"llama.attention.head_count": (0, GGUFValueType.UINT32)}},
+        (0, 1),
+        {"error": GgufError, "tensor": None, "key": "llama.attention.head_count"},
+    ),
     "an embedding length of 0": (
         {"override_keys": {"llama.embedding_length": (0, GGUFValueType.UINT32)}},
         (0, 1),
@@ -429,6 +436,8 @@ def test_a_file_the_stage_cannot_run_raises_a_typed_error_naming_it(
     assert str(path) in message
     if isinstance(info.value, UnsupportedModel):
         assert (info.value.tensor, info.value.key) == (want["tensor"], want["key"])
+    elif isinstance(info.value, GgufError) and want["key"] is not None:
+        assert info.value.key == want["key"]  # not only in the message: head_count_kv holds it
     named = want["tensor"] or want["key"]
     if named is not None:
         assert named in message
