@@ -215,9 +215,10 @@ _GEMMA3 = _like_llama(
 #: architectures (``MOE_ARCHITECTURES``) are refused by name. Q/K/V biases are optional
 #: wherever llama.cpp's loader takes them (``create_tensor_qkv``); qwen2 requires them,
 #: as it always has here (every qwen2 file has them); an output bias only llama (and
-#: qwen2, as before) may have: llama.cpp loads none for the others, so a file with one is
-#: not theirs. Feed-forward biases (gate, up, down, each optional) only llama, as
-#: llama.cpp's loader takes them (``TENSOR_NOT_REQUIRED``) for llama alone of these.
+#: mistral3 and granite, loaded as llama) may have: llama.cpp loads none for the others
+#: (qwen2's neither: "wrong number of tensors"), so a file with one is not theirs.
+#: Feed-forward biases (gate, up, down, each optional) llama's (and mistral3's and
+#: granite's), as llama.cpp's loader takes them (``TENSOR_NOT_REQUIRED``).
 ARCHITECTURES: Mapping[str, ArchSpec] = {
     spec.name: spec
     for spec in (
@@ -227,6 +228,7 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             rope_neox=True,
             hidden_wide_attention=True,
             qkv_bias=Presence.REQUIRED,
+            output_bias=Presence.ABSENT,
             ffn_bias=Presence.ABSENT,
             rope_freqs=False,
         ),
