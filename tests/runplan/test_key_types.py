@@ -63,7 +63,7 @@ ROWS: list[tuple[str, str, int | float, GGUFValueType, str]] = [
 ]
 
 
-def _write(tmp_path: Path, arch: str, key: str, value: Any, vtype: GGUFValueType) -> Path:
+def write_row(tmp_path: Path, arch: str, key: str, value: Any, vtype: GGUFValueType) -> Path:
     return write_model(
         tmp_path / f"{arch}.gguf", ModelShape(arch=arch), override_keys={key: (value, vtype)}
     )
@@ -76,7 +76,7 @@ def test_a_key_of_another_type_than_llamacpp_reads_is_a_gguf_error_naming_it(
     key = key.format(a=arch)
     expected = llamacpp_type(key)
     assert expected is not None and expected != vtype
-    path = _write(tmp_path, arch, key, value, vtype)
+    path = write_row(tmp_path, arch, key, value, vtype)
     with pytest.raises(GgufError) as info:
         READERS[reader](path)
     assert info.value.key == key
@@ -97,7 +97,7 @@ def test_the_same_value_of_llamacpps_type_is_read(
     if expected == U32 and value < 0:  # no UINT32 holds it; the file's own id instead
         value = 322
     stored = float(value) if expected == F32 else int(value)
-    READERS[reader](_write(tmp_path, arch, key, stored, expected))
+    READERS[reader](write_row(tmp_path, arch, key, stored, expected))
 
 
 @pytest.mark.parametrize(
