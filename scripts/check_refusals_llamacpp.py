@@ -6,10 +6,12 @@ take because it runs them) against llama.cpp itself.
 
 Writes each row's file of ``tests/runplan/test_key_types.py`` (a key of another type
 than llama.cpp reads), ``tests/runtime_core/test_hidden_wide_attention.py`` (heads that
-do not fill ``embedding_length``) and ``tests/runtime_core/test_whole_head_rotary.py``
-(a rotary over half of each head), loads it with llama-cpp-python in a process of its
-own (some refusals are ``GGML_ASSERT`` aborts) and evaluates three tokens. Prints a line
-per row; exits 1 where llama.cpp disagrees with the table. CI never runs it (the
+do not fill ``embedding_length``), ``tests/runtime_core/test_value_heads.py`` (value
+heads of another size than the key heads) and
+``tests/runtime_core/test_whole_head_rotary.py`` (a rotary over half of each head),
+loads it with llama-cpp-python in a process of its own (some refusals are
+``GGML_ASSERT`` aborts) and evaluates three tokens. Prints a line per row; exits 1
+where llama.cpp disagrees with the table. CI never runs it (the
 tests need no llama.cpp); run it when llama.cpp moves.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from tests.fixtures.gguf_models import write_model
 from tests.runplan import test_key_types as key_types
 from tests.runtime_core import test_hidden_wide_attention as wide
+from tests.runtime_core import test_value_heads as values
 from tests.runtime_core import test_whole_head_rotary as rotary
 
 LOAD = (
@@ -34,7 +37,7 @@ LOAD = (
 
 
 def rows(folder: Path) -> Iterator[tuple[str, Path, bool]]:
-    """(what, file, llama.cpp runs it) for each row of the three tables."""
+    """(what, file, llama.cpp runs it) for each row of the four tables."""
     for i, (arch, key_form, value, vtype, _) in enumerate(key_types.ROWS):
         key = key_form.format(a=arch)
         here = folder / f"types{i}"
@@ -50,6 +53,10 @@ def rows(folder: Path) -> Iterator[tuple[str, Path, bool]]:
     for arch, changes in wide.TAKEN:
         path = write_model(folder / f"taken-{arch}.gguf", wide.shape(arch, changes))
         yield f"{arch} heads not filling embedding_length", path, True
+    for arch in sorted(values.ARCHITECTURES):
+        here = folder / f"values-{arch}"
+        here.mkdir()
+        yield f"{arch} value heads twice the key heads", values.wide_values(here, arch), False
     for arch, runs in rotary.PARTIAL_ROTARY_RUNS.items():
         here = folder / f"rotary-{arch}"
         here.mkdir()

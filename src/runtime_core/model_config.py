@@ -7,6 +7,8 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   or one per block, all the same: ``runplan.block_values``),
   ``.attention.key_length`` / ``.value_length`` (default ``hidden / heads``),
   ``.attention.layer_norm_rms_epsilon``.
+- Value heads are as wide as key heads (``value_length`` = ``key_length``): llama.cpp's
+  loaders of every architecture here size the attention output by the key heads.
 - qwen2's, qwen2moe's and phi3's heads fill ``embedding_length`` exactly (``heads *
   key_length`` and ``heads * value_length``): llama.cpp sizes their query and attention
   output by it (``ArchSpec.hidden_wide_attention``), so another width is refused.
@@ -183,8 +185,9 @@ class ModelConfig:
             )
         head_dim_k = header.dimension(f"{arch}.attention.key_length", default=hidden // heads)
         head_dim_v = header.dimension(f"{arch}.attention.value_length", default=hidden // heads)
+        _values_as_wide_as_keys(header, arch, head_dim_k, head_dim_v)
         if spec.hidden_wide_attention:
-            _heads_as_wide_as_hidden(header, arch, hidden, heads, head_dim_k, head_dim_v)
+            _heads_as_wide_as_hidden(header, arch, hidden, heads, head_dim_k)
         rope = _rope(header, arch, head_dim_k, spec)
         attention = layer_attention(header, arch, n_layers)
         if any(a.sliding for a in attention):
@@ -242,27 +245,49 @@ class ModelConfig:
         return attrs.evolve(config, **granite) if granite else config
 
 
+def _values_as_wide_as_keys(
+    header: GgufHeader, arch: str, head_dim_k: int, head_dim_v: int
+) -> None:
+    """Value heads as wide as the key heads, for every architecture we run: llama.cpp's
+    loaders size the attention output by the key heads (or the keys by the value heads:
+    qwen3's), so it refuses a file whose ``value_length`` differs by its tensors' shapes;
+    else ``UnsupportedModel`` naming ``value_length`` (``key_length`` where the file sets
+    only that one, the value heads then ``embedding_length / head_count``)."""
+    if head_dim_v == head_dim_k:
+        return
+    key = f"{arch}.attention.value_length"
+    if not header.has(key):
+        key = f"{arch}.attention.key_length"
+    raise UnsupportedModel(
+        header.paths[0],
+        f"value heads of {head_dim_v} where the key heads are {head_dim_k}: the {arch} "
+        "architecture's are the same size (llama.cpp sizes its attention output by the "
+        "key heads, and refuses the tensors of such a file)",
+        key=key,
+    )
+
+
 def _heads_as_wide_as_hidden(
-    header: GgufHeader, arch: str, hidden: int, heads: int, head_dim_k: int, head_dim_v: int
+    header: GgufHeader, arch: str, hidden: int, heads: int, head_dim: int
 ) -> None:
     """An architecture whose query and attention output llama.cpp sizes by
-    ``embedding_length`` (``ArchSpec.hidden_wide_attention``): its heads' keys and values
-    fill it exactly, else ``UnsupportedModel`` naming the head size's key (``head_count``
-    where the file sets no head size) and the widths, as llama.cpp refuses the file
-    ("tensor 'blk.0.attn_q.weight' has wrong shape")."""
-    for kind, size in (("key_length", head_dim_k), ("value_length", head_dim_v)):
-        if heads * size == hidden:
-            continue
-        key = f"{arch}.attention.{kind}"
-        if not header.has(key):
-            key = f"{arch}.attention.head_count"
-        raise UnsupportedModel(
-            header.paths[0],
-            f"{heads} heads of {size} ({kind}) are {heads * size} wide; the {arch} "
-            f"architecture's query and attention output are embedding_length ({hidden}) "
-            "wide (llama.cpp sizes its attn_q and attn_output by it)",
-            key=key,
-        )
+    ``embedding_length`` (``ArchSpec.hidden_wide_attention``): its heads fill it exactly
+    (the value heads are as wide: ``_values_as_wide_as_keys``), else ``UnsupportedModel``
+    naming ``key_length`` (``head_count`` where the file sets no head size) and the
+    widths, as llama.cpp refuses the file ("tensor 'blk.0.attn_q.weight' has wrong
+    shape")."""
+    if heads * head_dim == hidden:
+        return
+    key = f"{arch}.attention.key_length"
+    if not header.has(key):
+        key = f"{arch}.attention.head_count"
+    raise UnsupportedModel(
+        header.paths[0],
+        f"{heads} heads of {head_dim} are {heads * head_dim} wide; the {arch} "
+        f"architecture's query and attention output are embedding_length ({hidden}) "
+        "wide (llama.cpp sizes its attn_q and attn_output by it)",
+        key=key,
+    )
 
 
 def _query_scale(spec: ArchSpec, n_layers: int, hidden: int, heads: int, head_dim: int) -> float:

@@ -1,11 +1,12 @@
 """Architectures whose query and attention output llama.cpp sizes by
 ``embedding_length`` (``ArchSpec.hidden_wide_attention``: qwen2, qwen2moe, phi3): a file
-whose heads are another width (``head_count * key_length`` or ``* value_length`` other
-than ``embedding_length``) is refused before any process, naming the head size's key,
-as llama.cpp refuses it ("tensor 'blk.0.attn_q.weight' has wrong shape; expected 64,
-64, got 64, 96"). Before, such a file planned and ran here, its attention as wide as
-its tensors. The architectures that size them by the heads (llama, qwen3, gemma3)
-take such a file, as llama.cpp does. (Checked against llama-cpp-python 0.3.36.)"""
+whose heads are another width (``head_count * key_length`` other than
+``embedding_length``; value heads are as wide as key heads: ``test_value_heads``) is
+refused before any process, naming the head size's key, as llama.cpp refuses it
+("tensor 'blk.0.attn_q.weight' has wrong shape; expected 64, 64, got 64, 96"). Before,
+such a file planned and ran here, its attention as wide as its tensors. The
+architectures that size them by the heads (llama, qwen3, gemma3) take such a file, as
+llama.cpp does. (Checked against llama-cpp-python 0.3.36.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import Any
 
 import attrs
 import pytest
-from gguf import GGUFValueType
 
 from runplan import model_facts_from_gguf
 from runplan.config import WorkerCapabilities
@@ -27,7 +27,6 @@ from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 WIDER = {"heads": 6, "heads_kv": 2, "key_length": 16}
 #: 3 heads of 64 // 3 = 21: queries 63 wide, no head size key
 NARROWER = {"heads": 3, "heads_kv": 3}
-VALUES_WIDER = {"override_keys": {"qwen2.attention.value_length": (32, GGUFValueType.UINT32)}}
 
 #: (architecture, shape changes, write_model's other arguments, the key named)
 REFUSED: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
@@ -36,7 +35,6 @@ REFUSED: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
     ("qwen2moe", WIDER, {}, "qwen2moe.attention.key_length"),
     ("qwen2", NARROWER, {}, "qwen2.attention.head_count"),
     ("phi3", NARROWER, {}, "phi3.attention.head_count"),
-    ("qwen2", {}, VALUES_WIDER, "qwen2.attention.value_length"),
 ]
 #: The same widths where llama.cpp sizes the attention by the heads: run there and here.
 TAKEN = [("llama", WIDER), ("qwen3", WIDER), ("gemma3", WIDER)]
