@@ -46,6 +46,7 @@ from collections.abc import Callable
 from runplan.plan import OBJECT_HEADER_BYTES
 from runplan.record_header import HeaderDType, HeaderError, ObjectHeader
 from runtime_cupy.edges.tcp_frames import FRAME, RECORD
+from tests.support.serving_threads import ServingThreads
 
 #: Seal tags by the HELLO's protection code.
 _TAGS = {0: 0, 1: 32, 2: 16}
@@ -105,9 +106,8 @@ class Relay:
         self.records: list[bytes] = []  # record bodies as they crossed, in order
         self.done: list[str] = []  # what the attack did
         self._tag = 0
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._threads = ServingThreads(self.listener)
+        self._threads.start(self._accept)
 
     def _accept(self) -> None:
         while True:
@@ -121,11 +121,10 @@ class Relay:
                 down.close()
                 continue
             up.settimeout(None)
-            with self._lock:
-                self.connections += 1
-                self._socks += [down, up]
-            threading.Thread(target=self._to_consumer, args=(down, up), daemon=True).start()
-            threading.Thread(target=self._to_producer, args=(up, down), daemon=True).start()
+            self._threads.keep(down, up)
+            self.connections += 1
+            self._threads.start(self._to_consumer, down, up)
+            self._threads.start(self._to_producer, up, down)
 
     # -- producer -> consumer -----------------------------------------------------------
     def _to_consumer(self, src: socket.socket, dst: socket.socket) -> None:
@@ -220,10 +219,8 @@ class Relay:
             sock.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
-        self.listener.close()
-        with self._lock:
-            for sock in self._socks:
-                sock.close()
+        """Stop listening, end every connection and join every thread of the relay."""
+        self._threads.close()
 
     def report(self) -> dict[str, object]:
         return {

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
+
+from tests.support.serving_threads import ServingThreads
 
 
 class FaultyLink:
@@ -35,9 +36,8 @@ class FaultyLink:
         self._listener.bind(("127.0.0.1", 0))
         self._listener.listen(8)
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._threads = ServingThreads(self._listener)
+        self._threads.start(self._accept)
 
     def _accept(self) -> None:
         while True:
@@ -46,11 +46,10 @@ class FaultyLink:
             except OSError:
                 return
             server = socket.create_connection(self.target)
-            with self._lock:
-                self._socks += [client, server]
-                self.connections += 1
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+            self._threads.keep(client, server)
+            self.connections += 1
+            self._threads.start(self._pump, client, server, False)
+            self._threads.start(self._pump, server, client, True)
 
     def _pump(self, source: socket.socket, sink: socket.socket, from_server: bool) -> None:
         began = time.monotonic()
@@ -82,10 +81,5 @@ class FaultyLink:
                 s.close()
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            socks = list(self._socks)
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.close()
+        """Stop listening, end every connection and join every thread of the link."""
+        self._threads.close()
