@@ -76,6 +76,7 @@ from runtime_cupy.slices.protocol import (
     TransferError,
     open_as_stage,
 )
+from runtime_cupy.slices.stage_frames import SliceRequest
 from runtime_cupy.slices.verify import entry_problem, header_problem, remember_sound
 
 log = logging.getLogger("runtime_cupy.slices")
@@ -214,18 +215,7 @@ class SliceFetcher:
                 protection=protection_for(self.encrypt),
                 header_wait_s=self.header_wait_s,
             )
-            link.send(
-                {
-                    "source": list(source.paths),
-                    "source_key": source_key,
-                    "parts": {
-                        "layer_start": parts.layer_start,
-                        "layer_end_exclusive": parts.layer_end_exclusive,
-                        "embedding": parts.embedding,
-                        "output": parts.output,
-                    },
-                }
-            )
+            link.send(SliceRequest(tuple(source.paths), source_key, parts).frame())
             where = "the header"
             info = link.receive()
             link.bound_silence(self.stall_s)  # the bytes flow now: a stall ends the fetch

@@ -50,6 +50,7 @@ from runtime_cupy.slices.protocol import (
     hello_proves,
     open_as_server,
 )
+from runtime_cupy.slices.stage_frames import SliceRequest, done_bytes, wanted_tensors
 
 log = logging.getLogger("runtime_cupy.slices")
 
@@ -325,9 +326,8 @@ class SliceServer:
 
     def _send_slice(self, link: Link, index: int, generation: int) -> None:
         link.sock.settimeout(FRAME_WAIT_S)
-        request = link.receive()
-        paths = tuple(str(p) for p in request["source"])
-        parts = SliceParts(**request["parts"])
+        request = SliceRequest.read(link.receive())
+        paths, parts = request.paths, request.parts
         with self._lock:
             served = self._sources.get(paths)
             planned = self._parts.get(index)
@@ -345,10 +345,10 @@ class SliceServer:
                 f"asked for blocks [{parts.layer_start}, {parts.layer_end_exclusive}) of a "
                 f"model of {blocks}"
             )  # (the slice's header holds them as uint32: past that its thread died)
-        if request["source_key"] != served.content.key:
+        if request.source_key != served.content.key:
             raise TransferError(
                 f"the source changed since the stage was started: it is now "
-                f"{served.content.key}, the stage asked for {request['source_key']}"
+                f"{served.content.key}, the stage asked for {request.source_key}"
             )
         names, header_data = served.slice(parts)
         tensors = served.header.tensors
@@ -377,9 +377,9 @@ class SliceServer:
         link.send_bytes(header_data)
         self._update(index, generation, sent_bytes=len(header_data))
         answer = link.receive()
-        if "tensors" not in answer:  # the stage refused the slice after its header
+        wanted = wanted_tensors(answer)
+        if wanted is None:  # the stage refused the slice after its header
             raise TransferError(str(answer.get("error", "the stage gave up")))
-        wanted = set(answer["tensors"])
         if not wanted <= set(names):
             raise TransferError(
                 f"asked for tensors not in its slice: {sorted(wanted - set(names))}"
@@ -402,12 +402,11 @@ class SliceServer:
                 self._update(index, generation, sent_bytes=sent)
         done = link.receive()
         ended = time.monotonic()
-        if not done.get("ok"):
+        received = done_bytes(done)
+        if received is None:
             raise TransferError(str(done.get("error", "the stage gave up")))
         state = "local" if done.get("local") or not wanted else "done"
-        self._update(
-            index, generation, state=state, received_bytes=int(done["bytes"]), ended_s=ended
-        )
+        self._update(index, generation, state=state, received_bytes=received, ended_s=ended)
         log.info("slice of stage %d: %d bytes in %.2f s (%s)", index, sent, ended - began, state)
 
     def close(self) -> None:
