@@ -83,6 +83,29 @@ def test_the_next_run_frees_what_a_chain_killed_whole_left(tiny: str, temp: Path
 
 
 @pytest.mark.process
+def test_the_next_run_frees_the_trace_folders_a_traced_chain_killed_whole_left(
+    tiny: str, temp: Path
+) -> None:
+    """A ``--trace`` run's folders (``gguf-pipeline-trace-*``), which its orchestrator
+    removes once it read its stages' traces, and a stage whose orchestrator is gone its
+    own: every process of the run SIGKILLed at once, they stayed for good. The next
+    run on the host frees them, as it frees the chain's links."""
+    driver = Driver(tiny, {1: ["step-delay=2:60"]}, temp.parent / "driver.log", trace=True)
+    driver.until("token", 2)
+    driver.until_logged("step 2 delayed")
+    traces = sorted(temp.glob("gguf-pipeline-trace-*"))
+    assert len(traces) == 3
+    os.kill(driver.proc.pid, signal.SIGSTOP)  # frees nothing when its stages die
+    for pid in driver.pids:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_gone(driver.pids, 10) == []
+    driver.kill()
+    assert sorted(temp.glob("gguf-pipeline-trace-*")) == traces  # no one left to free them
+    _one_run(tiny)
+    assert list(temp.iterdir()) == []
+
+
+@pytest.mark.process
 def test_a_run_beside_a_live_chain_frees_none_of_its_names(tiny: str, temp: Path) -> None:
     driver = Driver(tiny, {1: ["step-delay=2:60"]}, temp.parent / "driver.log")
     driver.until("token", 2)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -52,7 +51,9 @@ from runtime_cupy.process.names import (
     remove_edge_dir,
     run_label,
 )
-from runtime_cupy.process.tracing import TRACE_FOLDER_PREFIX, Event, read_events
+from runtime_cupy.process.trace_folders import TraceFolder
+from runtime_cupy.process.trace_folders import sweep as sweep_trace_folders
+from runtime_cupy.process.tracing import Event, read_events
 
 #: Where TCP consumers of this host listen.
 LOOPBACK = "127.0.0.1"
@@ -162,6 +163,7 @@ class LocalStageHandle:
         proc: subprocess.Popen[bytes],
         channel: ControlChannel,
         lifeline: int,
+        trace_folder: TraceFolder | None,
         trace_file: Path | None,
     ) -> None:
         self.stage_index = launch.stage_index
@@ -170,6 +172,7 @@ class LocalStageHandle:
         self.proc = proc
         self.channel = channel
         self._lifeline = lifeline
+        self._trace_folder = trace_folder
         self._trace_file = trace_file
 
     @property
@@ -217,7 +220,8 @@ class LocalStageHandle:
             path.unlink()
         if self.exited():  # nothing more will come: the folder goes
             self._trace_file = None
-            shutil.rmtree(path.parent, ignore_errors=True)
+            if self._trace_folder is not None:
+                self._trace_folder.remove()
         return events
 
     def close(self) -> None:
@@ -303,9 +307,11 @@ class LocalProcessHost:
         trace_file = folder = None
         out = 2  # this process's standard error
         try:
-            if launch.trace:
-                folder = Path(tempfile.mkdtemp(prefix=TRACE_FOLDER_PREFIX))
-                trace_file = folder / f"stage-{launch.stage_index}.json"
+            if launch.trace:  # (what a killed launcher's stages left is freed first)
+                folder = TraceFolder.make()
+                trace_file = folder.path / f"stage-{launch.stage_index}.json"
+            else:
+                sweep_trace_folders()
             args = self.arguments(launch, theirs.fileno(), life_r, trace_file)
             if self.log_dir is not None:
                 out = open_stage_log(self.log_dir / f"stage-{launch.stage_index}.log")
@@ -327,7 +333,7 @@ class LocalProcessHost:
             ours.close()
             os.close(life_w)
             if folder is not None:  # no stage writes its trace there
-                shutil.rmtree(folder, ignore_errors=True)
+                folder.remove()
             raise
         finally:
             theirs.close()
@@ -337,7 +343,7 @@ class LocalProcessHost:
         assert proc.stdin is not None
         key = control_key(secret, launch.node_id)
         channel = ControlChannel(ours, key, launch.orchestrator_id, launch.node_id)
-        handle = LocalStageHandle(launch, proc, channel, life_w, trace_file)
+        handle = LocalStageHandle(launch, proc, channel, life_w, folder, trace_file)
         # The pipe stays open: a new chain's secret goes the same way (JoinsChains).
         with contextlib.suppress(OSError):  # a stage that died at once shows at its socket
             handle.hand_secret(secret)

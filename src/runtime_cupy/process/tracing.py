@@ -22,6 +22,8 @@ Event = dict[str, Any]
 
 #: The start of the name of the temporary folder a launcher makes for a stage's trace.
 TRACE_FOLDER_PREFIX = "gguf-pipeline-trace-"
+#: The file in such a folder that its launcher holds locked (``process.trace_folders``).
+TRACE_FOLDER_LOCK = ".held"
 
 
 def now_us() -> int:
@@ -94,6 +96,8 @@ class TraceLog:
             with contextlib.suppress(FileNotFoundError):
                 name.unlink()
         if path.parent.name.startswith(TRACE_FOLDER_PREFIX):
+            with contextlib.suppress(FileNotFoundError):  # its launcher's lock: gone too
+                (path.parent / TRACE_FOLDER_LOCK).unlink()
             with contextlib.suppress(OSError):  # not empty, or gone: left as it is
                 path.parent.rmdir()
 
