@@ -1,6 +1,7 @@
 """What every port strangers may knock on shares (a TCP edge's door, the slice server,
-the Ray host's control port): how many connections it keeps mid-handshake at once, how
-long it rests after an ``accept`` that failed, and its refusals logged so that a flood
+the Ray host's control port): how many connections the kernel queues for its
+``accept``, how many it keeps mid-handshake at once, how long it rests after an
+``accept`` that failed, and its refusals logged so that a flood
 cannot fill a log (``StrangerLog``).
 
 An ``accept`` that fails with anything but ``BlockingIOError`` or ``InterruptedError``
@@ -22,6 +23,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+#: Connections the kernel queues for a port's ``accept`` (``listen``'s backlog). Past
+#: them a connection's SYN is dropped and its client waits out TCP's retries (1, 3, 7,
+#: 15 s after its first try): a burst of strangers past a backlog of 16 held a stage's
+#: connect for 1 s, under a flood for 7 s of its 10 s bound.
+LISTEN_BACKLOG = 128
 #: Connections not proven yet that a port keeps open at once; past them the oldest goes.
 MAX_STRANGERS = 64
 #: Connections whose HELLO proved the key, waiting for their CONFIRM, kept at once (of

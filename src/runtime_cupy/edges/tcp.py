@@ -51,8 +51,8 @@ import socket
 from runplan.plan import RingSpec
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.port import EdgeSetupError, Rendezvous
+from runtime_cupy.edges.strangers import LISTEN_BACKLOG
 from runtime_cupy.edges.tcp_consumer import TcpReceiveRing
-from runtime_cupy.edges.tcp_door import LISTEN_BACKLOG
 from runtime_cupy.edges.tcp_frames import FRAME, RECORD, split_address
 from runtime_cupy.edges.tcp_producer import Connector, TcpSendRing
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, Protection

@@ -45,9 +45,8 @@ log = logging.getLogger("runtime_cupy.edges.tcp")
 #: Seconds a stranger has to prove the key (its HELLO), and a proven one to CONFIRM.
 HELLO_S = 10.0
 CONFIRM_S = 30.0
-#: Connections the kernel queues for ``accept``, and those taken from it at one turn of
-#: the owner's loop (the poll brings it back for the rest: a flood never holds it).
-LISTEN_BACKLOG = 128
+#: Connections taken from the kernel's queue (``strangers.LISTEN_BACKLOG``) at one turn
+#: of the owner's loop (the poll brings it back for the rest: a flood never holds it).
 ACCEPTS_PER_TURN = 32
 
 

@@ -37,7 +37,7 @@ from runplan.gguf_files import model_id_for
 from runplan.gguf_header import GgufHeader
 from runplan.shard_file import padded_data_bytes, shard_header
 from runplan.shards import SliceParts, slice_tensor_names
-from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, StrangerLog
+from runtime_cupy.edges.strangers import ACCEPT_PAUSE_S, LISTEN_BACKLOG, StrangerLog
 from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices.digests import DigestStore
 from runtime_cupy.slices.door import SliceDoor
@@ -142,7 +142,7 @@ class SliceServer:
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.bind((bind_host, 0))
-            self._sock.listen(16)
+            self._sock.listen(LISTEN_BACKLOG)
         except BaseException:
             self._sock.close()
             raise

@@ -40,6 +40,7 @@ from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.handshake_read import HandshakeDeadline, read_message
 from runtime_cupy.edges.strangers import (
     ACCEPT_PAUSE_S,
+    LISTEN_BACKLOG,
     MAX_PROVEN,
     MAX_STRANGERS,
     Look,
@@ -124,7 +125,7 @@ class ControlListener:
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.bind((bind_host, 0))
-            self._sock.listen(16)
+            self._sock.listen(LISTEN_BACKLOG)
         except BaseException:
             self._sock.close()
             raise
