@@ -24,6 +24,10 @@ expert the slowest dimension) in place of the feed-forward matrices.
 
 Shapes are llama.cpp's ``ne``: fastest-varying dimension first, so a matrix stored as
 ``(n_in, n_out)`` dequantizes to a NumPy ``(n_out, n_in)`` array (one row per output).
+A stored shape matches the one the model implies as llama.cpp matches them, trailing
+dimensions of size 1 aside (``ggml_shape``, on both sides: a mixture of one expert's
+tensors end in a 1 a converter may drop or keep); the slice holds each tensor with the
+model's shape.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from gguf import GGMLQuantizationType, quants
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
 from runplan.gguf_facts import vocab_size
 from runplan.gguf_header import GgufHeader
-from runplan.gguf_tensors import TensorInfo
+from runplan.gguf_tensors import TensorInfo, ggml_shape
 from runplan.shards import SliceParts
 from runtime_core.architectures import FfnLayout, Presence, QkvLayout
 from runtime_core.errors import UnsupportedModel
@@ -149,7 +153,10 @@ class StageSlice:
     is_last: bool
     vocab_size: int
     head: str | None  # the head tensor's name on the last stage
-    tensors: Mapping[str, TensorInfo]  # exactly the tensors this stage owns
+    #: exactly the tensors this stage owns, each with the shape the model gives it
+    #: (``block_specs``'s, which the stored one equals up to trailing 1s: a mixture of
+    #: one expert's ``ffn_gate_inp`` is ``(n_embd, 1)`` here, ``(n_embd,)`` in the header)
+    tensors: Mapping[str, TensorInfo]
     _header: GgufHeader | None
 
     @property
@@ -261,7 +268,7 @@ def open_stage_slice(
                 where = header.path_for(name)
                 raise UnsupportedModel(where, "a tensor the stage needs is missing", tensor=name)
             continue
-        if info.shape != spec.shape:
+        if info.shape != ggml_shape(spec.shape):  # llama.cpp's test: trailing 1s aside
             raise UnsupportedModel(
                 path,
                 f"shape {list(info.shape)} where the model's metadata implies {list(spec.shape)}",
@@ -282,7 +289,7 @@ def open_stage_slice(
                 f"8-bit in blocks of {caps.row_multiple})",
                 tensor=name,
             )
-        owned[name] = info
+        owned[name] = attrs.evolve(info, shape=spec.shape)
     return StageSlice(
         path=path,
         config=config,

@@ -7,6 +7,11 @@ llama.cpp refuses is a typed error naming the tensor.
   before comparing it, so they are the tensor without them. Checked with
   llama-cpp-python 0.3.36 (greedy, the same tokens as the plain file's); a 1 before a
   larger dimension (``[1, n_embd]``, ``[n_in, 1, n_out]``) it refuses, and so do we.
+- A mixture of one expert: its stacked experts' tensors and its router end in a
+  dimension of size 1 (the expert count), which the file stores or not; either way it
+  runs (llama.cpp runs it: llama-cpp-python 0.3.36, the same greedy token) to the
+  tokens of the dense model of that expert's matrices (the router's softmax over one
+  expert weighs it 1).
 - Head counts as arrays of one per block (llama.cpp's ``get_key_or_arr``): the same
   tokens as the numbers (llama.cpp's too). Counts that differ between blocks, an array
   of another length or of floats are a ``GgufError`` naming the key.
@@ -16,8 +21,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
-from gguf import GGUFValueType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from runplan import GgufError, model_facts_from_gguf
 from runplan.gguf_header import GgufHeader
@@ -121,6 +127,62 @@ def test_a_dimension_of_size_one_before_a_larger_one_is_refused_naming_the_tenso
     with pytest.raises(UnsupportedModel, match=rf"shape \[{read}\] where") as info:
         open_stage_slice(bad, 0, 2, is_first=True, is_last=True)
     assert info.value.tensor == tensor
+
+
+def _dense_twin(moe: Path, out: Path) -> Path:
+    """The dense model of a mixture of one expert: ``moe``'s keys but its expert counts,
+    its tensors but the routers, each expert matrix as the plain one of its block."""
+    reader = GGUFReader(moe)
+    writer = GGUFWriter(out, "llama")
+    writer.kv_data[0].clear()
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or "expert" in field.name:
+            continue
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            item = field.types[1]
+            values = [field.parts[i] for i in field.data]
+            items = [bytes(v) if item == GGUFValueType.STRING else v.tolist()[0] for v in values]
+            writer.add_key_value(field.name, items, kind, item)
+        else:
+            value = field.parts[-1]
+            scalar = bytes(value) if kind == GGUFValueType.STRING else value.tolist()[0]
+            writer.add_key_value(field.name, scalar, kind)
+    for tensor in reader.tensors:
+        if "ffn_gate_inp" in tensor.name:
+            continue
+        data = np.array(tensor.data)
+        if "_exps" in tensor.name:
+            data = data.reshape(data.shape[-2:])  # the one expert's matrix
+        writer.add_tensor(tensor.name.replace("_exps", ""), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("stored", ["with the 1", "without it"])
+def test_a_mixture_of_one_expert_runs_as_the_dense_model_of_its_expert(
+    tmp_path: Path, make: MakeWorker, stored: str
+) -> None:
+    shape = ModelShape(n_layers=2, experts=1, experts_used=1, seed=28)
+    moe = write_model(tmp_path / "moe.gguf", shape)
+    dense = _dense_twin(moe, tmp_path / "dense.gguf")
+    if stored == "without it":
+        tensors = GgufHeader.read(moe).tensors
+        moe = write_model(tmp_path / "moe-2d.gguf", shape, stored_shapes={
+            name: info.shape for name, info in tensors.items() if "_exps" in name or "_inp" in name
+        })  # fmt: skip
+    header = GgufHeader.read(moe)
+    assert header.tensors["blk.0.ffn_gate_inp.weight"].shape == (64,)
+    assert model_facts_from_gguf(moe).num_layers == 2
+    with open_stage_slice(moe, 0, 2, is_first=True, is_last=True) as stage:
+        assert stage.tensors["blk.0.ffn_gate_inp.weight"].shape == (64, 1)
+        assert stage.tensors["blk.1.ffn_down_exps.weight"].shape == (128, 64, 1)
+        assert stage.dequantize("blk.1.ffn_down_exps.weight").shape == (1, 64, 128)
+    want = [o.token_id for o in run(provisions(dense, 2), make, PROMPT, N)]
+    assert [o.token_id for o in run(provisions(moe, 2), make, PROMPT, N)] == want
 
 
 def _head_arrays(heads: list[int], heads_kv: list[int]) -> dict[str, tuple[object, GGUFValueType]]:
