@@ -8,7 +8,8 @@ stage needs (llama3's ``rope_freqs.weight``). ``open_stage_slice`` reads the hea
 (a split set reads as one file; of a shard manifest, only the shards holding the
 stage's parts, ``runplan.shards``) and checks every owned tensor's presence, shape
 and type before anything is loaded, so a bad file fails as a whole with a typed
-error (``UnsupportedModel`` or ``GgufError``) and nothing half-loaded. Other stages'
+error (``UnsupportedModel`` or ``GgufError``) and nothing half-loaded; an error about
+a tensor names the file of the source that holds it (or, missing, should). Other stages'
 tensors are never read or checked. Data is read through the file's memory map, one
 tensor at a time, and dequantized with the gguf package.
 
@@ -225,11 +226,11 @@ def open_stage_slice(
         )
     tensors = header.tensors
     vocab = vocab_size(header, config.architecture)
-    _refuse_tensors_outside_the_model(path, config, tensors)
+    _refuse_tensors_outside_the_model(header, config)
     specs: dict[str, TensorSpec] = {}
     for layer in range(layer_start, layer_end_exclusive):
         specs.update(block_specs(config, layer, qkv_layout(config, layer, tensors)))
-        _refuse_unknown_block_tensors(path, config, layer, tensors, specs)
+        _refuse_unknown_block_tensors(header, config, layer, specs)
     h = config.hidden_dim
     head = None
     if is_first:
@@ -237,7 +238,7 @@ def open_stage_slice(
     if is_last:
         if OUTPUT not in tensors and config.spec.head is Presence.REQUIRED:
             raise UnsupportedModel(
-                path,
+                header.path_for(OUTPUT),
                 f"missing: the {config.architecture} architecture's head is a tensor of "
                 "its own (llama.cpp takes no embedding in its place)",
                 tensor=OUTPUT,
@@ -248,42 +249,46 @@ def open_stage_slice(
     if ROPE_FREQS in tensors:
         if not config.spec.rope_freqs:
             raise UnsupportedModel(
-                path, f"not a tensor of the {config.architecture} architecture", tensor=ROPE_FREQS
+                header.path_for(ROPE_FREQS),
+                f"not a tensor of the {config.architecture} architecture",
+                tensor=ROPE_FREQS,
             )
         specs[ROPE_FREQS] = TensorSpec((config.rope.n_dims // 2,), True)
     for name in (ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT):
         if name in tensors:
             if not config.spec.longrope:
                 raise UnsupportedModel(
-                    path, f"not a tensor of the {config.architecture} architecture", tensor=name
+                    header.path_for(name),
+                    f"not a tensor of the {config.architecture} architecture",
+                    tensor=name,
                 )
             specs[name] = TensorSpec((config.rope.n_dims // 2,), True)
 
     owned: dict[str, TensorInfo] = {}
     for name, spec in specs.items():
         info = tensors.get(name)
+        # the file that holds it (or should): of a split set or shards, not the first
+        where = header.path_for(name)
         if info is None:
             if spec.required:
-                # the shard that should hold it, not the stage's first
-                where = header.path_for(name)
                 raise UnsupportedModel(where, "a tensor the stage needs is missing", tensor=name)
             continue
         if info.shape != ggml_shape(spec.shape):  # llama.cpp's test: trailing 1s aside
             raise UnsupportedModel(
-                path,
+                where,
                 f"shape {list(info.shape)} where the model's metadata implies {list(spec.shape)}",
                 tensor=name,
             )
         if info.ggml_type not in caps.quant_types:
             raise UnsupportedModel(
-                path,
+                where,
                 f"quant type {info.ggml_type} is not one the {caps.name} worker runs "
                 f"({', '.join(caps.quant_types)})",
                 tensor=name,
             )
         if len(info.shape) > 1 and info.shape[0] % caps.row_multiple:
             raise UnsupportedModel(
-                path,
+                where,
                 f"rows of {info.shape[0]} elements: the {caps.name} worker reads a matrix's "
                 f"rows {caps.row_multiple} elements at a time (its activations are made "
                 f"8-bit in blocks of {caps.row_multiple})",
@@ -330,18 +335,17 @@ def _block_tensor_names(layer: int, tensors: Mapping[str, TensorInfo]) -> Iterat
 MODEL_TENSORS = (EMBEDDING, OUTPUT, OUTPUT_NORM, ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)
 
 
-def _refuse_tensors_outside_the_model(
-    path: str, config: ModelConfig, tensors: Mapping[str, TensorInfo]
-) -> None:
+def _refuse_tensors_outside_the_model(header: GgufHeader, config: ModelConfig) -> None:
     """Refuse a tensor outside the blocks that is not one of ``MODEL_TENSORS`` (another
     variant's, such as an embedding norm, whose computation would be missing): llama.cpp
     refuses such a file too (its count of tensors); so is ``output.weight`` where the
     architecture's head is always the embedding (gemma, gemma2). Names only, so every
     stage refuses the same file. (A block past the block count is ``block_count``'s
-    ``GgufError``.)"""
+    ``GgufError``.) Each refusal names the file that holds the tensor."""
+    tensors = header.tensors
     if OUTPUT in tensors and config.spec.head is Presence.ABSENT:
         raise UnsupportedModel(
-            path,
+            header.path_for(OUTPUT),
             f"the {config.architecture} architecture's head is the embedding: llama.cpp "
             "loads no output tensor for it",
             tensor=OUTPUT,
@@ -349,23 +353,19 @@ def _refuse_tensors_outside_the_model(
     for name in tensors:
         if not name.startswith("blk.") and name not in MODEL_TENSORS:
             raise UnsupportedModel(
-                path,
+                header.path_for(name),
                 f"not a tensor of the {config.architecture} architecture as this worker runs it",
                 tensor=name,
             )
 
 
 def _refuse_unknown_block_tensors(
-    path: str,
-    config: ModelConfig,
-    layer: int,
-    tensors: Mapping[str, TensorInfo],
-    specs: Mapping[str, TensorSpec],
+    header: GgufHeader, config: ModelConfig, layer: int, specs: Mapping[str, TensorSpec]
 ) -> None:
-    for name in _block_tensor_names(layer, tensors):
+    for name in _block_tensor_names(layer, header.tensors):
         if name not in specs:
             raise UnsupportedModel(
-                path,
+                header.path_for(name),
                 f"not a tensor of the {config.architecture} architecture as this worker runs it",
                 tensor=name,
             )

@@ -3,6 +3,7 @@ files it cannot run, nothing half-loaded, other stages' tensors never touched.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,10 @@ from gguf import GGUFValueType
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runplan import GgufError, GgufSource
+from runplan import GgufError, GgufSource, PlanRejection, model_facts_from_gguf
 from runplan.gguf_header import GgufHeader
+from runplan.shards import read_manifest
+from runplan.split import split_model, split_plan
 from runtime_core.errors import UnsupportedModel
 from runtime_core.gguf_slice import open_stage_slice
 from runtime_core.workers.interface import WorkerError
@@ -447,6 +450,50 @@ def test_a_file_the_stage_cannot_run_raises_a_typed_error_naming_it(
     named = want["tensor"] or want["key"]
     if named is not None:
         assert named in message
+
+
+#: Cases of ``BROKEN`` whose tensor lies past the first file of a split set of files of
+#: 7 tensors (blocks 2 and 3; ``extra_tensors`` are written last).
+IN_A_LATER_FILE = [
+    "wrong shape",
+    "quant type the worker does not run",
+    "tensor outside the architecture",
+    "a tensor outside the blocks that llama.cpp does not load",
+    "gemma with gemma2's post-attention norm",
+]
+
+
+@pytest.mark.parametrize("case", IN_A_LATER_FILE)
+def test_an_error_about_a_tensor_names_the_file_of_a_split_set_that_holds_it(
+    tmp_path: Path, case: str
+) -> None:
+    """Not the set's first file, which the error named whatever file held the tensor."""
+    kwargs = dict(BROKEN[case][0])
+    shape = kwargs.pop("shape", ModelShape(n_layers=N_LAYERS))
+    first = write_model(tmp_path / "parts.gguf", shape, split_max_tensors=7, **kwargs)
+    _, (start, end), want = BROKEN[case]
+    header = GgufHeader.read(first)
+    holder = header.paths[header.tensors[want["tensor"]].file_index]
+    assert holder != str(first)
+    for layers in ((start, end), (0, N_LAYERS)):
+        with pytest.raises(UnsupportedModel) as info:
+            open_stage_slice(first, *layers, is_first=layers[0] == 0, is_last=end == N_LAYERS)
+        assert (info.value.path, info.value.tensor) == (holder, want["tensor"])
+        assert str(info.value).startswith(f"{holder} (tensor {want['tensor']!r})")
+
+
+@pytest.mark.parametrize("case", ["wrong shape", "gemma with gemma2's post-attention norm"])
+def test_an_error_about_a_tensor_names_the_shard_that_holds_it(tmp_path: Path, case: str) -> None:
+    """Of a model cut in two by ``python -m runplan split`` (blocks 2 and 3 in the second
+    shard), read whole through its manifest."""
+    path = write_broken(tmp_path, case)
+    plan = split_plan(model_facts_from_gguf(path), 2, None, "even")
+    assert not isinstance(plan, PlanRejection)
+    manifest = split_model(str(path), plan, tmp_path / "cut").manifest_path
+    second = os.path.join(tmp_path, "cut", read_manifest(manifest).shards[1].file)
+    with pytest.raises(UnsupportedModel) as info:
+        open_stage_slice(manifest, 0, N_LAYERS, is_first=True, is_last=True)
+    assert (info.value.path, info.value.tensor) == (second, BROKEN[case][2]["tensor"])
 
 
 @pytest.mark.parametrize(
