@@ -29,6 +29,7 @@ PACKAGES = ("runplan", "runtime_core", "runtime_cupy", "runtime_sim")
 #: each error with its own ``__init__`` (module, name) -> arguments to raise it with
 RAISED: dict[tuple[str, str], tuple[tuple[Any, ...], dict[str, Any]]] = {
     ("runplan.gguf_error", "GgufError"): (("m.gguf", "truncated"), {"key": "general.name"}),
+    ("runplan.gguf_reader", "BadKey"): (("general.alignment", "3: not a power of two"), {}),
     ("runplan.interrupted", "Interrupted"): (("SIGTERM",), {}),
     ("runplan.lazy_exports", "DuplicateExport"): (("pkg", "x", ("pkg.a", "pkg.b")), {}),
     ("runplan.shards", "ManifestError"): (("m.json", "not JSON"), {}),

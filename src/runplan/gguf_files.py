@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runplan.gguf_error import GgufError, GgufUnmapped
-from runplan.gguf_reader import HeaderReader, NotUtf8Name
+from runplan.gguf_reader import BadKey, HeaderReader, NotUtf8Name
 from runplan.resource_limits import with_limit
 from runplan.shards import CUT_KEY_PREFIXES, ShardEntry, ShardKeys, ShardManifest
 
@@ -86,6 +86,8 @@ def _open(path: str) -> HeaderReader:
         return HeaderReader(path)
     except NotUtf8Name as exc:
         raise GgufError(path, str(exc)) from None
+    except BadKey as exc:
+        raise GgufError(path, str(exc), exc.key) from None
     except (
         ValueError,
         IndexError,

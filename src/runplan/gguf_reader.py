@@ -10,7 +10,9 @@ The package's parsing of a header is kept, with these changes:
   and every count is checked against the bytes left before anything is read or made
   for it, so a forged count of 2**60 fails at once. Reading stops at the first
   structure llama.cpp's reader (``gguf.cpp``) refuses: an array of arrays, a tensor
-  with more than four dimensions, an empty or repeated tensor name.
+  with more than four dimensions, an empty or repeated tensor name; a repeated key or a
+  ``general.alignment`` that is not a ``UINT32`` power of two is a ``BadKey`` naming
+  the key.
 - Bounded: at most ``MAX_KEYS`` key-value pairs and ``MAX_TENSORS`` tensors. llama.cpp
   reads any number, but its files hold a few dozen pairs (the vocabulary and per-block
   values are arrays, one pair each) and a few thousand tensors (a mixture's experts
@@ -37,8 +39,11 @@ import numpy.typing as npt
 from attrs import frozen
 from gguf import GGUFReader, GGUFValueType
 
+from runplan.picklable_error import PicklableError
+
 #: llama.cpp's GGML_MAX_DIMS.
 MAX_DIMS = 4
+ALIGNMENT_KEY = "general.alignment"
 # The fewest bytes a key-value pair (key length, type, a one-byte value) and a tensor
 # info (name length, dimension count, type, offset) take.
 _MIN_KV_BYTES = 8 + 4 + 1
@@ -52,6 +57,16 @@ _ITEMSIZE: dict[Any, int] = {}  # numpy type -> bytes, for the bounds check of e
 
 class NotUtf8Name(ValueError):
     """A metadata key's or a tensor's name that is not UTF-8."""
+
+
+class BadKey(PicklableError, ValueError):
+    """A key-value pair the header cannot be read with, naming the key (``key``): a
+    key stored twice, or a ``general.alignment`` that is not a ``UINT32`` power of two
+    (llama.cpp's reader refuses both)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(message)
 
 
 @frozen
@@ -123,6 +138,13 @@ class HeaderReader(GGUFReader):
         if field.offset < _HEADER_BYTES:  # magic, version and the two counts
             self.header_numbers[field.name] = field
             return 0 if skip_sum else sum(int(part.nbytes) for part in field.parts)
+        first = self.fields.get(field.name)
+        if first is not None:
+            raise BadKey(
+                field.name,
+                f"stored twice, at bytes {first.offset} and {field.offset} (llama.cpp "
+                "refuses a repeated key)",
+            )
         return int(super()._push_field(field, skip_sum))
 
     def _build_fields(self, offs: int, count: int) -> int:
@@ -191,8 +213,25 @@ class HeaderReader(GGUFReader):
             offs += 8 + length
         return offs
 
+    def _check_alignment(self) -> None:
+        """The package's test of ``general.alignment`` (a ``UINT32``, a power of two),
+        made before it, so that the refusal names the key and its value."""
+        field = self.fields.get(ALIGNMENT_KEY)
+        if field is None:
+            return
+        if field.types != [GGUFValueType.UINT32]:
+            kind = "/".join(t.name for t in field.types)
+            raise BadKey(ALIGNMENT_KEY, f"stored as {kind}: llama.cpp reads it only as a UINT32")
+        value = int(field.parts[-1][0])
+        if value == 0 or value & (value - 1):
+            raise BadKey(
+                ALIGNMENT_KEY,
+                f"{value}: the data's alignment must be a power of two (1, 2, 4, ...)",
+            )
+
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
         self.kv_end = int(offs)
+        self._check_alignment()
         count = int(count)
         if count > MAX_TENSORS:
             raise ValueError(

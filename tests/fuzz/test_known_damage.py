@@ -314,6 +314,46 @@ def test_a_value_past_what_llamacpp_holds_is_a_gguf_error_naming_the_key(
     assert isinstance(exc, GgufError) and exc.key == key and match in str(exc), exc
 
 
+# ---- keys llama.cpp's reader refuses -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "vtype", "says"),
+    [
+        (0, GGUFValueType.UINT32, "0: the data's alignment must be a power of two"),
+        (3, GGUFValueType.UINT32, "3: the data's alignment must be a power of two"),
+        (48, GGUFValueType.UINT32, "48: the data's alignment must be a power of two"),
+        (2**31 + 1, GGUFValueType.UINT32, f"{2**31 + 1}: the data's alignment"),
+        (64, GGUFValueType.UINT64, "stored as UINT64: llama.cpp reads it only as a UINT32"),
+        (32, GGUFValueType.INT32, "stored as INT32: llama.cpp"),
+        ([32], GGUFValueType.ARRAY, "stored as ARRAY/INT32: llama.cpp"),
+    ],
+)
+def test_an_alignment_llamacpp_refuses_is_a_gguf_error_naming_the_key_and_value(
+    tmp_path: Path, value: Any, vtype: GGUFValueType, says: str
+) -> None:
+    """``general.alignment`` must be a UINT32 power of two: the gguf package's refusal
+    ('Invalid alignment: must be a non-zero power of two') named neither the key nor
+    the value."""
+    path = write_model(
+        tmp_path / "m.gguf", SHAPE, override_keys={"general.alignment": (value, vtype)}
+    )
+    for reader, exc in outcomes(path).items():
+        assert isinstance(exc, GgufError), (reader, exc)
+        assert exc.key == "general.alignment" and says in str(exc), (reader, exc)
+
+
+def test_a_key_stored_twice_is_a_gguf_error_naming_it(tmp_path: Path) -> None:
+    """llama.cpp refuses a repeated key; so do we, naming it (``GgufError.key``)."""
+    path = write_model(tmp_path / "m.gguf", SHAPE, extra_keys={"general.namf": "again"})
+    data = path.read_bytes()
+    assert data.count(b"general.namf") == 1
+    path.write_bytes(data.replace(b"general.namf", b"general.name"))
+    for reader, exc in outcomes(path).items():
+        assert isinstance(exc, GgufError) and exc.key == "general.name", (reader, exc)
+        assert "stored twice" in str(exc), exc
+
+
 # ---- where tensor data lies ----------------------------------------------------------------
 
 
