@@ -10,9 +10,10 @@ The package's parsing of a header is kept, with these changes:
   and every count is checked against the bytes left before anything is read or made
   for it, so a forged count of 2**60 fails at once. Reading stops at the first
   structure llama.cpp's reader (``gguf.cpp``) refuses: an array of arrays, a tensor
-  with more than four dimensions, an empty or repeated tensor name; a repeated key or a
-  ``general.alignment`` that is not a ``UINT32`` power of two is a ``BadKey`` naming
-  the key.
+  with more than four dimensions, an empty or repeated tensor name. A key-value pair
+  that cannot be read (a value of no GGUF type, an array of arrays, a value past the end
+  of the file), a repeated key or a ``general.alignment`` that is not a ``UINT32`` power
+  of two is a ``BadKey`` naming the key.
 - Bounded: at most ``MAX_KEYS`` key-value pairs and ``MAX_TENSORS`` tensors. llama.cpp
   reads any number, but its files hold a few dozen pairs (the vocabulary and per-block
   values are arrays, one pair each) and a few thousand tensors (a mixture's experts
@@ -159,26 +160,47 @@ class HeaderReader(GGUFReader):
                 f"the header claims {count} key-value pairs; the {self._remaining(offs)} "
                 "bytes left cannot hold them"
             )
+        for _ in range(count):  # one pair at a time: a value that fails names its key
+            start = offs
+            try:
+                offs = int(super()._build_fields(offs, 1))
+            except UnicodeDecodeError as exc:
+                after = (
+                    f"after the key {list(self.fields)[-1]!r}" if self.fields else "the first key"
+                )
+                raise NotUtf8Name(
+                    f"a metadata key name that is not UTF-8: {bytes(exc.object)!r} (byte "
+                    f"{exc.start}), {after}; llama.cpp reads such a key, the gguf package "
+                    "this reader uses does not"
+                ) from None
+            except BadKey:
+                raise
+            except (ValueError, IndexError, OverflowError, struct.error) as exc:
+                key = self._key_at(start)
+                if key is None:  # the key itself is what cannot be read
+                    raise
+                raise BadKey(key, f"malformed or truncated value: {exc}") from None
+        return offs
+
+    def _key_at(self, offs: int) -> str | None:
+        """The name of the key whose pair starts at ``offs``, if it reads (the package's
+        own string reading), else ``None``."""
         try:
-            return int(super()._build_fields(offs, count))
-        except UnicodeDecodeError as exc:
-            after = f"after the key {list(self.fields)[-1]!r}" if self.fields else "the first key"
-            raise NotUtf8Name(
-                f"a metadata key name that is not UTF-8: {bytes(exc.object)!r} (byte "
-                f"{exc.start}), {after}; llama.cpp reads such a key, the gguf package "
-                "this reader uses does not"
-            ) from None
+            _length, name = self._get_str(offs)
+            return bytes(name).decode("utf-8")
+        except (ValueError, IndexError, OverflowError):
+            return None
 
     def _get_field_parts(
         self, orig_offs: int, raw_type: int
     ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[GGUFValueType]]:
-        if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
+        if _value_type(raw_type) != GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         offs = orig_offs
         raw_itype = self._get(offs, np.uint32)
         alen = self._get(offs + 4, np.uint64)
         offs += 12
-        itype = GGUFValueType(int(raw_itype[0]))
+        itype = _value_type(raw_itype[0], "an array's item type")
         count = int(alen[0])
         remaining = self._remaining(offs)
         if itype == GGUFValueType.STRING:
@@ -288,3 +310,12 @@ class HeaderReader(GGUFReader):
             out.append(bytes(buf[offs + 8 : offs + 8 + n]))
             offs += 8 + n
         return out
+
+
+def _value_type(raw: Any, what: str = "a value type") -> GGUFValueType:
+    """``raw`` as a ``GGUFValueType``; else ``ValueError`` naming the number stored."""
+    try:
+        return GGUFValueType(int(raw))
+    except ValueError:
+        known = f"{min(GGUFValueType).value}..{max(GGUFValueType).value}"
+        raise ValueError(f"{what} of {int(raw)}, none of GGUF's ({known})") from None

@@ -343,6 +343,35 @@ def test_an_alignment_llamacpp_refuses_is_a_gguf_error_naming_the_key_and_value(
         assert exc.key == "general.alignment" and says in str(exc), (reader, exc)
 
 
+@pytest.mark.parametrize(
+    ("label", "value", "key", "says"),
+    [  # the field patched (a ``structure`` label), its value, the key named, what is said
+        ("tokenizer.ggml.token_type: item type", 9, "tokenizer.ggml.token_type",
+         "an array of ARRAY (llama.cpp reads no arrays of arrays)"),
+        ("tokenizer.ggml.token_type: item type", 13, "tokenizer.ggml.token_type",
+         "an array's item type of 13, none of GGUF's (0..12)"),
+        ("general.name: value type", 13, "general.name", "a value type of 13, none of GGUF's"),
+        ("tokenizer.ggml.merges: item count", 2**40, "tokenizer.ggml.merges",
+         f"string array of {2**40} items runs past the end of the file"),
+        ("tokenizer.ggml.token_type: item count", 2**40, "tokenizer.ggml.token_type",
+         f"array of {2**40} INT32 runs past the end of the file"),
+        ("general.name: string length", 2**40, "general.name", "run past the end of the file"),
+        ("tokenizer.ggml.tokens[1]: length", 2**40, "tokenizer.ggml.tokens",
+         "string 1 of an array of 323, at byte"),
+    ],
+)  # fmt: skip
+def test_a_value_that_cannot_be_read_is_a_gguf_error_naming_its_key(
+    model: Path, tmp_path: Path, label: str, value: int, key: str, says: str
+) -> None:
+    """A value of no GGUF type, an array of arrays, a value or string past the end of
+    the file: the refusal named the file and what was wrong, not the key whose value it
+    was (``GgufError.key`` None)."""
+    bad = patched(model, tmp_path / "bad.gguf", label, value)
+    for reader, exc in outcomes(bad).items():
+        assert isinstance(exc, GgufError) and exc.key == key, (reader, exc)
+        assert says in str(exc), (reader, exc)
+
+
 def test_a_key_stored_twice_is_a_gguf_error_naming_it(tmp_path: Path) -> None:
     """llama.cpp refuses a repeated key; so do we, naming it (``GgufError.key``)."""
     path = write_model(tmp_path / "m.gguf", SHAPE, extra_keys={"general.namf": "again"})
