@@ -1,7 +1,8 @@
 """What the command lines of every package print with rich: text that users and files
 give (node ids, run ids, devices, paths, model names, messages naming them) is shown as
 it is, never read as rich markup (``[bold]``, ``[/]``) or emoji codes (``:smile:``); a
-reader gone away ends the command as any write's does (``CommandConsole``)."""
+reader of standard output gone away ends the command as any write's does, one of
+standard error only silences it (``CommandConsole``)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,19 @@ UNBOUNDED_COLUMNS = 1 << 16
 
 
 class CommandConsole(Console):
-    """rich's console for a command line: where its reader went away (``| head``, a
-    pager quit) it raises ``BrokenPipeError``, which the command's ``__main__`` ends as
-    a shell reports SIGPIPE (141, ``runplan.command_main``); rich's own raised
-    ``SystemExit(1)``, so a command printing a table exited 1."""
+    """rich's console for a command line: where the reader of standard output went away
+    (``| head``, a pager quit) it raises ``BrokenPipeError``, which the command's
+    ``__main__`` ends as a shell reports SIGPIPE (141, ``runplan.command_main``); rich's
+    own raised ``SystemExit(1)``, so a command printing a table exited 1. Where the
+    reader of standard error went away, the console goes quiet and the command goes on:
+    its result (``--json``'s object on standard output) and its exit status are what
+    they would have been (a run's ``error: run faulted`` line made it 141, the
+    object printed or not)."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True  # nothing more from this console
-        raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
+        if not self.stderr:
+            raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
 
 
 def plain_console(*, stderr: bool = False, soft_wrap: bool = False) -> Console:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -177,11 +178,27 @@ def _before_open_apostrophe(text: str) -> str:
 
 
 class TextStream:
-    """Prints generated text as tokens arrive (``IncrementalText``)."""
+    """Prints generated text as tokens arrive (``IncrementalText``). Written to standard
+    error (``--json``: the text beside the object that standard output carries), it
+    stops writing once that stream's reader went away (``BrokenPipeError``), and the
+    run goes on: the reader gone was not standard output's, whose object is still owed
+    (it ended the command, 141, the run cancelled and no object printed)."""
 
     def __init__(self, tokenizer: Tokenizer, out: TextIO) -> None:
         self.text = IncrementalText(tokenizer)
         self.out = out
+        self._reader_gone = False
+
+    def _write(self, text: str) -> None:
+        if self._reader_gone:
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except BrokenPipeError:
+            if self.out is not sys.stderr:
+                raise  # standard output's reader: the command ends (141)
+            self._reader_gone = True
 
     @property
     def ids(self) -> list[int]:
@@ -191,17 +208,15 @@ class TextStream:
     def __call__(self, token_id: int) -> None:
         new = self.text.push(token_id)
         if new:
-            self.out.write(new)
-            self.out.flush()
+            self._write(new)
 
     def finish(self, text: str) -> None:
         """Write the rest of the final ``text`` and a newline."""
         rest = self.text.finish(text)
         if rest is not None:
-            self.out.write(rest + "\n")
+            self._write(rest + "\n")
         else:  # a character already printed changed after all: print the whole text again
-            self.out.write("\n" + text + "\n")
-        self.out.flush()
+            self._write("\n" + text + "\n")
 
 
 def add_generation_arguments(
