@@ -1,12 +1,14 @@
 """What limit of this process a failed system call may have met, for its message: a
 descriptor limit (``EMFILE``: ``ulimit -n``) or an address-space limit (``ENOMEM``
-under ``RLIMIT_AS``: ``ulimit -v``). "[Errno 24] Too many open files" or "Cannot
-allocate memory" alone leaves a user to guess that a limit of theirs, not the machine,
-ran out, and which."""
+under ``RLIMIT_AS``: ``ulimit -v``); a process or thread refused (``EAGAIN``): processes
+or threads ran out, under the process limit (``ulimit -u``) where one is set. "[Errno
+24] Too many open files" or "Cannot allocate memory" alone leaves a user to guess that
+a limit of theirs, not the machine, ran out, and which."""
 
 from __future__ import annotations
 
 import errno
+import os
 import resource
 
 
@@ -29,8 +31,29 @@ def limit_note(code: int | None) -> str:
     return ""
 
 
-def with_limit(text: str, code: int | None) -> str:
+def process_limit_note() -> str:
+    """``"the process limit (RLIMIT_NPROC, ulimit -u, threads included) is 64"`` where
+    one binds this process (root is not held to it), else ``""``."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if soft != resource.RLIM_INFINITY and os.geteuid() != 0:
+            return f"the process limit (RLIMIT_NPROC, ulimit -u, threads included) is {soft}"
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
+def processes_note() -> str:
+    """What a process refused (``EAGAIN`` of ``fork``) means, and the process limit
+    where one binds (``process_limit_note``)."""
+    note = process_limit_note()
+    ran_out = "this host's or user's processes or threads ran out"
+    return f"{ran_out}; {note}" if note else ran_out
+
+
+def with_limit(text: str, code: int | None, *, spawning: bool = False) -> str:
     """``text``, followed by ``limit_note(code)`` where there is one: ``"...; the
-    descriptor limit (ulimit -n) is 20"``."""
-    note = limit_note(code)
+    descriptor limit (ulimit -n) is 20"``; where ``text`` says a process or thread
+    could not be made (``spawning``), an ``EAGAIN`` is followed by ``processes_note``."""
+    note = processes_note() if spawning and code == errno.EAGAIN else limit_note(code)
     return f"{text}; {note}" if note else text

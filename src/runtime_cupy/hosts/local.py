@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from runplan.cpus import usable_cpus
+from runtime_core.threads import LIMIT_REACHED
 from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.hosts.port import StageLaunch, StageProcessInfo
@@ -51,6 +52,7 @@ from runtime_cupy.process.names import (
     remove_edge_dir,
     run_label,
 )
+from runtime_cupy.process.stage_loss import EXIT_NO_THREAD
 from runtime_cupy.process.trace_folders import TraceFolder
 from runtime_cupy.process.trace_folders import sweep as sweep_trace_folders
 from runtime_cupy.process.tracing import Event, read_events
@@ -68,6 +70,8 @@ def describe_exit(returncode: int | None) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
+    if returncode == EXIT_NO_THREAD:  # its log's last line says which, and the limit
+        return f"exited with status {returncode} (it could not start a thread: {LIMIT_REACHED})"
     return f"exited with status {returncode}"
 
 

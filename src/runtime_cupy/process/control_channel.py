@@ -66,6 +66,7 @@ from runplan import wire
 from runplan.messages import ControlMessage, JoinChain
 from runplan.picklable_error import PicklableError
 from runplan.plan import RunPlan
+from runtime_core.threads import start_thread
 from runtime_cupy.process.keys import KEY_BYTES
 from runtime_cupy.process.poller import IN, OUT, Entry
 from runtime_cupy.process.streams import Outbox, StreamBroken
@@ -437,7 +438,8 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        self._thread.start()
+        """Beats from now on; ``ThreadUnavailable`` where its thread cannot start."""
+        start_thread(self._thread, "the heartbeat thread")
         return self
 
     def _run(self) -> None:

@@ -211,7 +211,7 @@ class ProcessRun:
         try:
             self.runner.start()
         except OSError as exc:
-            detail = with_limit(f"the stages could not be started: {exc}", exc.errno)
+            detail = with_limit(f"the stages could not be started: {exc}", exc.errno, spawning=True)
             log.warning("%s", detail)
             reason = FaultReason(FaultKind.SETUP_FAILURE, detail)
             return fsm.RunFinished(fsm.Outcome.FAULTED, (), reason, None, ())

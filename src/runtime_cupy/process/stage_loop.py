@@ -53,6 +53,7 @@ from runplan.messages import (
     StageStopped,
 )
 from runtime_core.chain_stage import ChainStageController, RunTimerFired
+from runtime_core.threads import start_thread
 from runtime_core.workers.interface import Worker
 from runtime_cupy.edges.links import ProcessLinks
 from runtime_cupy.edges.port import EdgeMedium
@@ -223,13 +224,16 @@ class StageProcess(StageTraces, OrchestratorLoss):
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> int:
-        if self.lifeline_fd is not None:
-            watchdog = threading.Thread(target=self._watch, name="lifeline", daemon=True)
-            watchdog.start()
+        """The loop, to its exit status; ``ThreadUnavailable`` where its watchdog or
+        heartbeat thread cannot be started (its channel closed, nothing of the chain's
+        made yet)."""
         heartbeat = None
-        if self.heartbeat_s is not None:
-            heartbeat = Heartbeat(self.channel, self.heartbeat_s).start()
         try:
+            if self.lifeline_fd is not None:
+                watchdog = threading.Thread(target=self._watch, name="lifeline", daemon=True)
+                start_thread(watchdog, "the stage's lifeline watchdog thread")
+            if self.heartbeat_s is not None:
+                heartbeat = Heartbeat(self.channel, self.heartbeat_s).start()
             while True:
                 self._check_lost()
                 self._pump()

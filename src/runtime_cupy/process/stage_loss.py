@@ -19,7 +19,8 @@ and SIGHUP (its terminal gone with the orchestrator) stop the stage as a lost
 orchestrator does.
 
 Exit status of the loop: ``EXIT_STOPPED`` after the channel closed while no run was
-held, ``EXIT_LOST`` after the orchestrator was lost while runs were held.
+held, ``EXIT_LOST`` after the orchestrator was lost while runs were held (the stage
+process's ``EXIT_NO_THREAD`` where it could not start its threads).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from runtime_cupy.process.tracing import TraceLog
 
 EXIT_STOPPED = 0
 EXIT_LOST = 3
+#: The stage process could not start a thread of its own (``runtime_core.threads``):
+#: threads, processes or address space ran out on its host; its log's last line says.
+EXIT_NO_THREAD = 4
 
 # The stage process's: its log lines keep their logger.
 log = logging.getLogger("runtime_cupy.process.stage_process")

@@ -17,7 +17,10 @@ the loss (a batch that runs on), it removes the chain's resources this stage own
 exits.
 
 Exit status: 0 after the channel closed while no run was held, 3 after the
-orchestrator was lost while runs were held, 2 on bad usage.
+orchestrator was lost while runs were held, 2 on bad usage, 4 when it could not start
+its lifeline watchdog or heartbeat thread (threads, processes or address space ran out
+on its host: its log's last line says which thread and the values of ``ulimit -u`` and
+``ulimit -v`` where set; it was a ``RuntimeError`` traceback and status 1).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from runplan import GgufSource, ProvisionStage, WorkerCapabilities
+from runtime_core.threads import ThreadUnavailable
 from runtime_core.workers.interface import BatchStep, Progress, TraceEvent, Worker, WorkerError
 from runtime_cupy.edges.links import ProcessLinks
 from runtime_cupy.edges.port import MEDIA
@@ -44,6 +48,7 @@ from runtime_cupy.process.control_channel import (
 )
 from runtime_cupy.process.keys import BadSecret, chain_id, control_key, parse_secret, slice_key
 from runtime_cupy.process.stage_loop import MakeMedium, NextSecret, StageProcess
+from runtime_cupy.process.stage_loss import EXIT_NO_THREAD
 from runtime_cupy.process.tracing import TraceLog
 from runtime_cupy.slices.fetch import SliceFetcher, SliceOrigin
 from runtime_cupy.slices.worker import sliced
@@ -250,6 +255,9 @@ def main(
     log.info("started (run %s)", args.run_label)
     try:
         code = stage.run()
+    except ThreadUnavailable as exc:  # processes or threads ran out on this host
+        log.error("%s", exc)
+        code = EXIT_NO_THREAD
     finally:
         stage.save_trace()  # or, its orchestrator gone, the file and its folder removed
     log.info("exiting with status %d", code)

@@ -269,7 +269,9 @@ class ChainHealth:
         try:
             runner.start()
         except OSError as exc:
-            self.trouble = with_limit(f"the stages could not be started: {exc}", exc.errno)
+            self.trouble = with_limit(
+                f"the stages could not be started: {exc}", exc.errno, spawning=True
+            )
             self._lost_coming_up(runner, self.trouble)
             runner.close()
             raise ChainError(self.trouble) from exc

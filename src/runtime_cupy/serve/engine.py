@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from runtime_core.threads import thread_refused
 from runtime_cupy.serve.answers import Answers
 from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.serve.events import Failed, Sink
@@ -301,10 +302,7 @@ class Engine:
                 self._running.discard(job)
                 self._cond.notify_all()
             job.submitted.set()
-            reason = (
-                f"the server could not start a thread for the request ({exc}): a limit on "
-                "threads, processes or address space (ulimit -u, ulimit -v, pids.max) is reached"
-            )
+            reason = thread_refused("the server could not start a thread for the request", exc)
             log.error("request #%d (%s): %s", job.number, job.id, reason)
             self._answers.finish(job, "faulted", Failed(503, reason, "unavailable"))
             return False
