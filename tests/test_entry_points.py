@@ -512,3 +512,47 @@ def test_a_mistyped_command_is_named(
     assert exc.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], lines
+
+
+# A fresh interpreter whose address space is limited to what it holds now and 64 MiB
+# more, and where the command's ``main`` asks for 1 GiB (a tokenizer's vocabulary read
+# under a small ``ulimit -v`` raised MemoryError so); then ``python -m PACKAGE``.
+_OUT_OF_MEMORY = """
+import importlib, resource, runpy, sys
+
+def main():
+    return len(bytearray(1 << 30))
+
+with open("/proc/self/statm") as f:
+    held = int(f.read().split()[0]) * resource.getpagesize()
+importlib.import_module(sys.argv[2]).main = main
+limit = held + (64 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+print(limit, file=sys.stderr, flush=True)
+sys.argv = [sys.argv[1], *sys.argv[3:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["text", "json"])
+@pytest.mark.parametrize(("package", "cli"), COMMANDS)
+def test_a_command_out_of_memory_says_so_naming_the_limit(
+    package: str, cli: str, json_flag: list[str]
+) -> None:
+    """A ``MemoryError`` no command met: one line naming the address-space limit and
+    exit 1 (the host fell short, as for a model that cannot be mapped), with ``--json``
+    the ``OutOfMemory`` object; it was a ``MemoryError`` traceback and, with ``--json``,
+    nothing on standard output."""
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("needs /proc/self/statm to size the address-space limit")
+    done = _python(_OUT_OF_MEMORY, package, cli, *json_flag)
+    limit, _, rest = done.stderr.partition("\n")
+    message = (
+        "this process ran out of memory; the address-space limit (RLIMIT_AS, ulimit -v) "
+        f"is {limit} bytes"
+    )
+    assert (done.returncode, rest) == (1, f"error: {message}\n"), done.stderr
+    if json_flag:
+        assert json.loads(done.stdout) == {"error": {"type": "OutOfMemory", "message": message}}
+    else:
+        assert done.stdout == ""

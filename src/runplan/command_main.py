@@ -6,6 +6,9 @@ traceback:
 - Ctrl-C or SIGTERM (the modules loading, or past the command's own care): cancelled
   (``runplan.json_errors.cancelled_exit``: 130, 143);
 - standard output's reader gone (``| head``): ``READER_GONE`` (141);
+- out of memory (``MemoryError``, as under a small ``ulimit -v``): ``error: this process
+  ran out of memory; the address-space limit (RLIMIT_AS, ulimit -v) is N bytes`` (the
+  limit where one is set), with ``--json`` the ``OutOfMemory`` object, exit 1;
 - standard output that cannot be written (a full disk, ``/dev/full``, an I/O error):
   ``error: cannot write standard output: ...``, exit 1 (what the command printed is
   flushed before the exit, so a failed write is seen here and not lost at the
@@ -108,6 +111,10 @@ def run_command(module: str) -> NoReturn:
         from runplan.json_errors import cancelled_exit
 
         status = cancelled_exit(exc)
+    except MemoryError:  # the process ran out of memory (``ulimit -v``) where none met it
+        from runplan.json_errors import out_of_memory_exit
+
+        status = out_of_memory_exit()
     except BrokenPipeError:  # standard output's reader went away (``| head``)
         from runplan.json_errors import reader_gone_exit
 

@@ -15,6 +15,9 @@ kinds add typed fields beside them:
   fields (``tokens``, ``text``, ``outcome``, ``fault``, ...) stand beside ``error``;
 - ``Cancelled`` (Ctrl-C or SIGTERM ended the command): nothing more; a run's result
   (outcome ``cancelled``, the tokens so far) stands beside it where there is one.
+- ``OutOfMemory`` (the command's process ran out of memory, ``MemoryError``, where
+  nothing in the command met it: the address-space limit, ``ulimit -v``, named where
+  one is set): nothing more;
 - ``TraceNotWritten`` (a run's ``--trace`` file could not be written): nothing more;
   the run's result stands beside it.
 - ``ContractBroken`` (``runplan check``: a clause of the contract is broken),
@@ -48,6 +51,8 @@ USAGE_ERROR = "UsageError"
 RUN_FAULTED = "RunFaulted"
 #: The ``type`` of a command that Ctrl-C (or SIGTERM) ended.
 CANCELLED = "Cancelled"
+#: The ``type`` of a command that ran out of memory where no command met it.
+OUT_OF_MEMORY = "OutOfMemory"
 #: The ``type`` of a run's ``--trace`` file that could not be written.
 TRACE_NOT_WRITTEN = "TraceNotWritten"
 #: The ``type`` of a plan ``runplan check`` found breaking a clause of the contract.
@@ -143,6 +148,25 @@ def cancelled_exit(exc: KeyboardInterrupt) -> int:
     standard error; the exit status (``cancelled_command``)."""
     signal_name = getattr(exc, "signal_name", None)
     return cancelled_command(signal_name, as_json="--json" in sys.argv[1:])
+
+
+def out_of_memory_exit() -> int:
+    """A package's ``__main__`` for a ``MemoryError`` no command met (a tokenizer's
+    vocabulary read under a small ``ulimit -v``: it was a traceback, and no object with
+    ``--json``): with ``--json`` as written on the command line, the ``OutOfMemory``
+    object unless a JSON document was printed already; one line on standard error
+    naming the address-space limit where one is set; exit status 1, as for the host's
+    other shortages."""
+    import errno
+
+    from runplan.resource_limits import with_limit
+
+    message = with_limit("this process ran out of memory", errno.ENOMEM)
+    if "--json" in sys.argv[1:] and not printed():
+        print_json(error_json(OUT_OF_MEMORY, message))
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"error: {message}\n")
+    return 1
 
 
 #: The exit status of a command whose standard output's reader went away (``cmd | head``
