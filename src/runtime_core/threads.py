@@ -38,6 +38,12 @@ def thread_refused(subject: str, exc: RuntimeError) -> str:
     return "; ".join([text, *notes])
 
 
+def is_thread_refused(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is ``Thread.start``'s word that the kernel refused the thread (not
+    another ``RuntimeError``: a thread started twice, a defect)."""
+    return str(exc) == _REFUSED
+
+
 def start_thread(thread: threading.Thread, what: str) -> None:
     """Start ``thread`` (``what`` it is, for the message); ``ThreadUnavailable`` where
     the kernel refuses it. Another ``RuntimeError`` (a thread started twice) is raised
@@ -45,6 +51,6 @@ def start_thread(thread: threading.Thread, what: str) -> None:
     try:
         thread.start()
     except RuntimeError as exc:
-        if str(exc) != _REFUSED:
+        if not is_thread_refused(exc):
             raise
         raise ThreadUnavailable(thread_refused(f"cannot start {what}", exc)) from None

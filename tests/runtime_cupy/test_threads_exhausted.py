@@ -135,3 +135,27 @@ def test_a_thread_refused_names_the_limits_set() -> None:
         f"x (can't start new thread): {LIMIT_REACHED}; the address-space limit "
         f"(RLIMIT_AS, ulimit -v) is {1 << 40} bytes\n"
     ), done.stderr
+
+
+def test_a_cli_with_no_thread_left_is_a_named_setup_fault(tiny: str) -> None:
+    """The CLI alone in a group of one task (its main thread; the prompt given as ids,
+    which the tokenizer's thread pool would otherwise encode): the display of the
+    stages starting has no thread for its refresh and goes without it (it was a
+    ``RuntimeError`` traceback, exit 1 and no object), and the first stage cannot be
+    forked: a setup fault naming what ran out."""
+    _skip_without_cgroup()
+    argv = [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "2",
+            "--prompt-ids", "1,2,3", "--max-tokens", "4", "--worker", "numpy",
+            "--json"]  # fmt: skip
+    with pids_cgroup(1) as (_, join):
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, env={**_env(), **ONE_THREAD},
+            preexec_fn=join, timeout=120, check=False,
+        )  # fmt: skip
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    fault = "the stages could not be started: [Errno 11] Resource temporarily unavailable; "
+    assert fault + RAN_OUT in doc["fault"], doc["fault"]
+    assert [s["pid"] for s in doc["stages"]] == [None, None], doc["stages"]
+    assert run_resources(doc["chain_id"]) == []

@@ -1,7 +1,10 @@
 """What a command shows on standard error while its stages start (a run's, or the chain
 of a prompts file's batch): ``starting N stage processes``, then ``stages ready: k of
 N`` as each stage is bound, and each slice's bar as it travels to a Ray host without the
-model (one live display at a time: the bars take the line's place)."""
+model (one live display at a time: the bars take the line's place). Where the host has
+no thread left for the display's refresh, the stages start without it, and the run
+meets the shortage where it counts, naming it (it was a ``RuntimeError`` traceback
+before any stage started)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from types import TracebackType
 
 from rich.console import Console
 
+from runtime_core.threads import is_thread_refused
 from runtime_cupy.cli.arguments import stage_processes
 from runtime_cupy.slices.progress import SliceBars
 from runtime_cupy.slices.server import StageTransfer
@@ -36,7 +40,12 @@ class StagesStarting:
             self.status.stop()
 
     def __enter__(self) -> StagesStarting:
-        self.status.start()
+        try:
+            self.status.start()
+        except RuntimeError as exc:  # its refresh thread refused: the stages start unseen
+            if not is_thread_refused(exc):
+                raise
+            self.status.stop()  # what the display took back (the thread was never started)
         return self
 
     def __exit__(
