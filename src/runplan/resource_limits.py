@@ -57,3 +57,11 @@ def with_limit(text: str, code: int | None, *, spawning: bool = False) -> str:
     could not be made (``spawning``), an ``EAGAIN`` is followed by ``processes_note``."""
     note = processes_note() if spawning and code == errno.EAGAIN else limit_note(code)
     return f"{text}; {note}" if note else text
+
+
+def error_with_limit(exc: BaseException) -> str:
+    """``exc`` as a fault's detail names it, ``"OSError: [Errno 24] Too many open
+    files"``, followed for an ``OSError`` by ``limit_note`` of its ``errno`` where there
+    is one (``"...; the descriptor limit (ulimit -n) is 18"``)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return with_limit(text, exc.errno) if isinstance(exc, OSError) else text

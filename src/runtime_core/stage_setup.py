@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from runplan import ProvisionStage
 from runplan.fsm import stage as fsm
 from runplan.messages import FaultReason
+from runplan.resource_limits import error_with_limit
 from runtime_core.batching import BatchScheduler
 from runtime_core.controller_trace import Trace, no_trace
 from runtime_core.links import LinkReceiver, LinkSender
@@ -86,7 +87,7 @@ class StageSetup:
                 )
                 return
             except Exception as exc:  # any failure of setup is the run's fault to report
-                self._feed(slot, fsm.SetupFailed(part, f"{type(exc).__name__}: {exc}"))
+                self._feed(slot, fsm.SetupFailed(part, error_with_limit(exc)))
                 return
             if self.trace is not no_trace:
                 self.trace("setup_done", {"run_id": p.run_id, "part": part.value})
@@ -129,7 +130,7 @@ class StageSetup:
             except Exception as exc:
                 for slot in waiting:
                     slot.needs_outbound = False
-                    detail = f"{type(exc).__name__}: {exc}"
+                    detail = error_with_limit(exc)
                     self._feed(slot, fsm.SetupFailed(fsm.SetupPart.OUTBOUND, detail))
                 return False
             if end is None:

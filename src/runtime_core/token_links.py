@@ -32,6 +32,7 @@ from runplan import RunPlan
 from runplan.fsm import orchestrator as fsm
 from runplan.messages import FaultKind, FaultReason
 from runplan.record_header import HeaderDType, HeaderRejection
+from runplan.resource_limits import error_with_limit
 from runtime_core.controller_trace import Trace, no_trace
 from runtime_core.links import LinkFault, LinkReceiver, LinkSender
 from runtime_core.recent_runs import RecentRuns
@@ -141,7 +142,7 @@ class TokenLinks:
             if self.token_in is None:
                 self.token_in = self.links.open_token_in(plan)
         except Exception as exc:
-            reason = FaultReason(FaultKind.EDGE_FAULT, f"token links: {type(exc).__name__}: {exc}")
+            reason = FaultReason(FaultKind.EDGE_FAULT, f"token links: {error_with_limit(exc)}")
             self._chain_fault(reason, fsm.EndpointFault(str(reason.detail)))
             return False
         if self.token_in is None:

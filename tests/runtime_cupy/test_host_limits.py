@@ -77,3 +77,24 @@ def test_stages_past_the_descriptor_limit_are_a_fault_naming_the_limit(tiny: str
 
 def test_no_limit_no_note() -> None:
     assert limit_note(None) == "" and limit_note(0) == ""
+
+
+def test_every_fault_of_a_descriptor_limit_names_it_until_a_run_fits(tiny: str) -> None:
+    """``ulimit -n`` raised one at a time from a limit the stages' pipes pass, until a
+    run completes: wherever the run meets the limit first (the stages' pipes, the
+    orchestrator's token links, a stage's edges), its fault names the limit and its
+    value. The token links' said "OSError: [Errno 24] Too many open files" alone."""
+    argv = ["--model", tiny, "--stages", "2", "--prompt-ids", "1,2", "--max-tokens", "1",
+            "--worker", "numpy"]  # fmt: skip
+    faults = []
+    for limit in range(12, 64):
+        proc = _run(argv, resource.RLIMIT_NOFILE, limit)
+        doc = json.loads(proc.stdout)
+        if doc["outcome"] == "completed":
+            break
+        assert proc.returncode == 1, (limit, proc.returncode, proc.stderr[-2000:])
+        faults.append(doc["fault"])
+        assert doc["fault"].endswith(f"; the descriptor limit (ulimit -n) is {limit}"), doc
+    else:
+        raise AssertionError(f"no run completed with up to 63 descriptors: {faults[-1]}")
+    assert faults, "the first limit tried left room for a whole run"
