@@ -296,6 +296,41 @@ def test_a_signal_once_the_command_returned_keeps_its_status(sig: str, when: str
     assert json.loads(done.stdout) == {"outcome": "completed"}
 
 
+# A fresh interpreter where the command prints its JSON and returns 0, and one of the
+# modules' objects would take ten minutes to be finalized (a C extension's cleanup that
+# hangs): the modules' teardown, where no handler of this process can run and a signal
+# could only kill it or be ignored, does not come (``end_after_exit_functions``).
+_A_TEARDOWN_THAT_HANGS = """
+import importlib, runpy, sys, time
+from runplan.json_errors import print_json
+
+sleep = time.sleep  # kept: at teardown names are gone
+
+class HangsAtTeardown:
+    def __del__(self):
+        sys.stderr.write("torn down\\n")
+        sleep(600)
+
+keep = HangsAtTeardown()
+
+def main():
+    print_json({"outcome": "completed"})
+    return 0
+
+importlib.import_module(sys.argv[2]).main = main
+sys.argv = [sys.argv[1], *sys.argv[3:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_command_with_its_status_ends_without_the_modules_teardown() -> None:
+    """Its status decided, the process ends after its exit functions with that status:
+    a teardown that would hang (and where a SIGTERM was ignored) never starts."""
+    done = _python(_A_TEARDOWN_THAT_HANGS, "runplan", "runplan.cli", "--json")
+    assert (done.returncode, done.stderr) == (0, ""), (done.returncode, done.stderr)
+    assert json.loads(done.stdout) == {"outcome": "completed"}
+
+
 # A fresh interpreter that prints a line (not flushed) and exits with status 3 through
 # ``exit_with``, where a SIGTERM's ``Interrupted`` is raised as it sets its handlers (the
 # command's handler still in place: Python runs it inside ``signal.getsignal``).

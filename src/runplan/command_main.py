@@ -21,7 +21,8 @@ traceback:
 Once the status is decided (the command returned it, or one of the above, its output
 flushed), a Ctrl-C or SIGTERM is too late to cancel anything: the process exits with
 that status, at once if the interpreter's exit is still joining threads or running
-exit functions (``runplan.late_signals``); before, one during the interpreter's
+exit functions, and the modules' teardown, where a signal would take its default
+action, is not done (``runplan.late_signals``); before, one during the interpreter's
 teardown killed it (-15, -2), a completed run's JSON already printed.
 
 A standard stream whose descriptor is closed (``<&-``, ``2>&-``: Python's ``sys.stdin``
@@ -44,7 +45,7 @@ import sys
 from typing import NoReturn
 
 from runplan.interrupted import raised_before, sigterm_as_ctrl_c
-from runplan.late_signals import exit_with, ignore_at_teardown
+from runplan.late_signals import end_after_exit_functions, exit_with
 
 #: errors of a write that the output's device refused (not a fault of the command)
 OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG})
@@ -96,7 +97,7 @@ def _reopen_closed() -> bool:
 def run_command(module: str) -> NoReturn:
     """Run ``module``'s ``main()`` as ``python -m``'s command and exit with its status."""
     sigterm_as_ctrl_c()  # first: SIGTERM from here on cancels the command as Ctrl-C does
-    atexit.register(ignore_at_teardown)  # the first exit function, so the last to run
+    atexit.register(end_after_exit_functions)  # the first exit function, the last to run
     if _reopen_closed():  # ``>&-``: nothing the command printed could be seen
         sys.stderr.write("error: standard output is closed\n")
         sys.exit(1)

@@ -13,9 +13,15 @@ standard error, ``Exception ignored in: <module 'threading'>``).
   ``status``, standard output and error flushed (``os._exit``; the join or exit
   function it broke into goes no further, as when the signal killed it); then
   ``sys.exit(status)``.
-- ``ignore_at_teardown()``, registered as the first exit function so that it runs last:
-  from there to the process's end, where no Python handler can run any more, the two
-  signals are ignored (a signal this process ignored from its start stays so).
+- ``end_after_exit_functions()``, registered as the first exit function so that it
+  runs last: where ``exit_with`` decided the status, the process ends there with it,
+  its standard streams flushed (``os._exit``), and the modules' teardown does not
+  happen: no window is left where Python has given the signals their default action
+  back, and none where they would have to be ignored (a teardown that hung, a C
+  extension's cleanup, would then end on SIGKILL alone). What the teardown would
+  have done, objects of the modules finalized, is nothing a command leaves to it: its
+  files are closed, its stages reaped, ``weakref.finalize`` and every other exit
+  function run before this one.
 
 Standard library only, none of it a module ``runplan.command_main`` does not load
 already: that module imports it before SIGTERM's handler is set."""
@@ -47,10 +53,16 @@ def _flush_standard_streams() -> None:
             stream.flush()
 
 
+#: The exit code ``exit_with`` decided, for ``end_after_exit_functions`` (none: the
+#: process ends as Python ends it).
+_decided: list[int] = []
+
+
 def exit_with(status: str | int | None) -> NoReturn:
     """``sys.exit(status)``, a Ctrl-C or SIGTERM from now on ending the process at once
     with the same exit code, its standard streams flushed."""
     code = _exit_code(status)
+    _decided.append(code)
 
     def handler(_signum: int, _frame: FrameType | None) -> None:
         _flush_standard_streams()
@@ -65,8 +77,10 @@ def exit_with(status: str | int | None) -> NoReturn:
     sys.exit(status)
 
 
-def ignore_at_teardown() -> None:
-    """The two signals ignored from now on (the last exit function: the interpreter's
-    teardown, where Python gives them their default action back, follows)."""
-    for signum in ENDING:
-        signal.signal(signum, signal.SIG_IGN)
+def end_after_exit_functions() -> None:
+    """The process ended with the status ``exit_with`` decided, if it decided one, its
+    standard streams flushed (the last exit function: the modules' teardown, where a
+    signal would take its default action, does not follow)."""
+    if _decided:
+        _flush_standard_streams()
+        os._exit(_decided[-1])
