@@ -495,8 +495,9 @@ def test_a_sentencepiece_vocabulary_of_many_token_lengths_builds_in_near_linear_
     13 MB file): trying each token's cuts at every token length, each cut copied and
     hashed, took time cubic in the number of lengths (a minute); the cuts into parts
     that are tokens are found from the tokens sorted now (0.3 s on an idle machine,
-    1 to 2 s on a busy one; the bound is ten times that, and the cubic search ran six
-    times past it on the idle machine)."""
+    1 to 2 s on a busy one). The bound is a guard against the cubic search, not a
+    measure: fifteen times the busy machine's time, half the cubic search's on the idle
+    one."""
     import random
 
     from runplan.gguf_header import GgufHeader
@@ -517,7 +518,7 @@ def test_a_sentencepiece_vocabulary_of_many_token_lengths_builds_in_near_linear_
         GgufHeader.read(write_vocab(tmp_path / "v.gguf", SPECS["spm-llama"], more))
     )
     try:
-        with time_limit(10.0, "Tokenizer(vocab)"):
+        with time_limit(30.0, "Tokenizer(vocab)"):
             tok = Tokenizer(vocab)
     except MutantTimeout as exc:  # the frame it interrupts may be one pytest cannot show
         pytest.fail(str(exc), pytrace=False)
