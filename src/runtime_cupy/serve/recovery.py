@@ -95,14 +95,24 @@ class Recoveries:
             self.replacements.append(replacement)
 
 
-def describe_placement(replacement: Replacement) -> str:
-    """The new chain's stages as the log shows them."""
+def describe_placement(old: RunPlan, replacement: Replacement) -> str:
+    """The new chain's stages as the log shows them, and how each lost range was placed
+    (``old``: the plan that lost them): on a spare node, or its stage started again on
+    its own node (a process lost, its node live), or the whole model placed afresh."""
     rows = [
         f"stage {s.stage_index} on {s.node_id!r} (layers {s.layer_start}..{s.layer_end_exclusive})"
         for s in replacement.plan.stages
     ]
-    how = "the lost ranges on spare nodes" if replacement.on_spares else "placed afresh"
-    return f"{'; '.join(rows)} ({how})"
+    if not replacement.on_spares:
+        return f"{'; '.join(rows)} (placed afresh)"
+    hows = []
+    for i in replacement.lost_stages:
+        was, now = old.stages[i].node_id, replacement.plan.stages[i].node_id
+        if now == was:
+            hows.append(f"stage {i} started again on its own node {now!r}")
+        else:
+            hows.append(f"stage {i}'s range on spare node {now!r}")
+    return f"{'; '.join(rows)} ({'; '.join(hows)})"
 
 
 def kept_stages(old: RunPlan, new: Replacement) -> tuple[int, ...]:
@@ -202,7 +212,7 @@ class Replacer:
         self.unplaceable = None
         self.lost = None
         log.warning("lost nodes %s; new placement: %s", list(new.lost_nodes),
-                    describe_placement(new))  # fmt: skip
+                    describe_placement(template, new))  # fmt: skip
         self.recoveries.placed(new)
         return new
 

@@ -52,3 +52,33 @@ def test_no_placement_over_the_live_nodes_is_one_typed_error_naming_them(
     assert message.startswith(f"the chain lost a stage and cannot be placed again over {said}: ")
     assert "no placement after losing stages" in message, message
     assert chain.trouble == message and not chain.placeable
+
+
+@pytest.mark.parametrize(
+    ("spares", "said"),
+    [
+        ((), "(stage 1 started again on its own node 'n1')"),
+        (("s0",), "(stage 1's range on spare node 's0')"),
+    ],
+)
+def test_the_placement_log_says_where_a_lost_range_went(
+    tiny: str, spares: tuple[str, ...], said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lost stage whose node is still live and no spare there: its stage starts again
+    on its own node, and the log says so (it said "the lost ranges on spare nodes")."""
+    nodes = tuple(NodeSpec(f"n{i}", 2**40) for i in range(3))
+    chain = WarmChain(
+        tiny,
+        stages=3,
+        context=64,
+        host=_Cluster(("n0", "n1", "n2", *spares)),
+        nodes=nodes,
+        spares=tuple(NodeSpec(s, 2**40) for s in spares),
+        recover=True,
+    )
+    chain.replacer.lost = (1,)  # its process died; its node is live
+    with caplog.at_level("WARNING", logger="runtime_cupy.serve.recovery"):
+        chain._place_again()
+    placed = [r.getMessage() for r in caplog.records if "new placement" in r.getMessage()]
+    assert len(placed) == 1 and placed[0].endswith(said), placed
+    assert "spare" not in placed[0] or spares, placed
