@@ -589,10 +589,89 @@ def test_another_gpu_of_a_stages_machine_is_a_spare(monkeypatch: pytest.MonkeyPa
     host = RayHost(placed[:1], "10.0.0.9")
     known = [(placed[0].spec, placed[0].device)]
     monkeypatch.setattr(session, "hosts", lambda: hosts)
-    monkeypatch.setattr(session, "stage_nodes", lambda _w, n: gpu_stage_nodes(hosts, n, memory))
+    monkeypatch.setattr(session, "gpu_memory", lambda _h, _s: session.GpuMemory(memory, {}))
     live = [(spec.node_id, device) for spec, device in host.live_nodes(known, "cuda")]
     assert live[0] == (placed[0].spec.node_id, 0)
     assert ("10.0.0.1/gpu1", 1) in live and ("10.0.0.2/gpu0", 0) in live, live
+
+
+def test_a_gpu_host_that_does_not_report_its_memory_is_placed_around(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A re-placement asks each GPU host its GPUs' memory within the chain's silence
+    bound (``RayHost.silence_s``): a host that did not answer (paused: its raylet's port
+    still takes connections) is placed around as a lost host is, its stages' nodes and
+    its GPUs left out; the recovery waited 120 s for it, then failed with Ray's untyped
+    ``GetTimeoutError``."""
+    from runtime_cupy.hosts.ray import session
+    from runtime_cupy.hosts.ray.host import RayHost
+
+    hosts = live_hosts([_node("a", "10.0.0.1", 1, GPU=1), _node("b", "10.0.0.2", 1, GPU=2)])
+    memory = {"a": {0: 8 << 30}, "b": {0: 8 << 30, 1: 8 << 30}}
+    placed = gpu_stage_nodes(hosts, 2, memory)  # a's gpu0, b's gpu0
+    host = RayHost(placed, "10.0.0.9", silence_s=0.5)
+    known = [(n.spec, n.device) for n in placed]
+    asked: list[float] = []
+
+    def b_paused(of: tuple[Any, ...], within_s: float) -> Any:
+        asked.append(within_s)
+        return session.GpuMemory({"a": memory["a"]}, {"b": "host 10.0.0.2 did not report"})
+
+    monkeypatch.setattr(session, "hosts", lambda: hosts)
+    monkeypatch.setattr(session, "gpu_memory", b_paused)
+    live = [(spec.node_id, device) for spec, device in host.live_nodes(known, "cuda")]
+    assert live == [("10.0.0.1/gpu0", 0)] and asked == [0.5], (live, asked)
+
+
+def test_a_chain_whose_gpu_hosts_are_all_silent_ends_with_a_typed_error_naming_them(
+    tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No GPU host answered the memory query within the bound: nothing is left to place
+    the chain on, and the re-placement is ``Unplaced`` (a ``ChainError``; the stream
+    ends with it), naming the lost stages' nodes on those hosts, at once."""
+    from runtime_cupy.hosts.ray import session
+    from runtime_cupy.hosts.ray.host import RayHost
+    from runtime_cupy.serve.chain import Unplaced, WarmChain
+    from runtime_cupy.serve.recovery import Recoveries, Replacer
+
+    hosts = live_hosts([_node("a", "10.0.0.1", 1, GPU=1), _node("b", "10.0.0.2", 1, GPU=1)])
+    placed = gpu_stage_nodes(hosts, 2, {"a": {0: 1 << 40}, "b": {0: 1 << 40}})
+    ray_host = RayHost(placed, "10.0.0.9", silence_s=0.5)
+    silent = {h.ray_node_id: f"host {h.label} did not report" for h in hosts}
+    monkeypatch.setattr(session, "hosts", lambda: hosts)
+    monkeypatch.setattr(session, "gpu_memory", lambda _h, _s: session.GpuMemory({}, silent))
+    nodes = tuple(n.spec for n in placed)
+    chain = WarmChain(tiny, stages=2, context=64, host=ray_host, nodes=nodes, recover=True)
+    chain.replacer = Replacer(ray_host, "cuda", nodes, (0, 0), (), Recoveries())
+    chain.replacer.lost = (1,)  # as Replacer.lose leaves it after the loss
+    with pytest.raises(Unplaced) as info:
+        chain._place_again()
+    message = str(info.value)
+    assert "no live node is left" in message, message
+    assert "'10.0.0.1/gpu0', '10.0.0.2/gpu0'" in message, message
+
+
+def test_a_first_placement_passes_a_silent_gpu_host_over_and_names_it_when_none_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``session.stage_nodes`` for the CUDA worker: a GPU host that did not report its
+    memory within the bound is passed over; with none left, one ``ClusterError`` naming
+    each silent host (it was Ray's ``GetTimeoutError`` after 120 s)."""
+    from runtime_cupy.hosts.ray import session
+
+    hosts = live_hosts([_node("a", "10.0.0.1", 1, GPU=1), _node("b", "10.0.0.2", 1, GPU=1)])
+    said = {"b": "host 10.0.0.2 did not report its GPUs' memory within 120 s"}
+    monkeypatch.setattr(session, "hosts", lambda: hosts)
+    monkeypatch.setattr(
+        session, "gpu_memory", lambda _h, _s: session.GpuMemory({"a": {0: 8 << 30}}, said)
+    )
+    placed = [n.node_id for n in session.stage_nodes("cuda", 2)]
+    assert placed == ["10.0.0.1/gpu0", "10.0.0.1/gpu0.1"], placed
+    said = {**said, "a": "host 10.0.0.1 could not report its GPUs' memory: gone"}
+    monkeypatch.setattr(session, "gpu_memory", lambda _h, _s: session.GpuMemory({}, said))
+    with pytest.raises(ClusterError, match="no live node of the cluster that has one") as info:
+        session.stage_nodes("cuda", 1)
+    assert all(why in str(info.value) for why in said.values()), info.value
 
 
 def test_a_node_whose_raylet_does_not_answer_is_not_live() -> None:

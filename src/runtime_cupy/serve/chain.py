@@ -227,7 +227,10 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
             verbose = logging.getLogger("runtime_cupy.hosts.ray").isEnabledFor(logging.INFO)
             level = "INFO" if verbose else "WARNING"
             host = self._ray_host = RayHost(
-                cluster, session.orchestrator_address(), log_level=level
+                cluster,
+                session.orchestrator_address(),
+                log_level=level,
+                silence_s=(timeouts or Timeouts()).heartbeat_ms / 1000,
             )
             self._ray_host.on_slice_change = SliceLog()  # serve logs slices as they move
         elif nodes is not None:

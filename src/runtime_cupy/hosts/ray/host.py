@@ -49,10 +49,11 @@ from typing import Any
 import attrs
 
 from runplan import NodeSpec
+from runplan.config import Timeouts
 from runtime_cupy.edges.media import every_medium, open_medium
 from runtime_cupy.edges.port import EdgeMedium, remove_edges
 from runtime_cupy.hosts.port import StageLaunch
-from runtime_cupy.hosts.ray.cluster import StageNode
+from runtime_cupy.hosts.ray.cluster import StageNode, gpu_stage_nodes
 from runtime_cupy.hosts.ray.control_link import ControlLinkError, ControlListener
 from runtime_cupy.hosts.ray.liveness import HeadProbe, RayletWatch
 from runtime_cupy.hosts.ray.rendezvous import KvRendezvous
@@ -115,8 +116,13 @@ class RayHost:
         *,
         log_level: str = "WARNING",
         start_timeout_s: float = START_TIMEOUT_S,
+        silence_s: float = Timeouts().heartbeat_ms / 1000,
     ) -> None:
         self.nodes = {n.node_id: n for n in nodes}
+        #: How long a host may be silent before a re-placement counts it lost (the
+        #: chain's bound on a stage's silence, ``Timeouts.heartbeat_ms``): a GPU host
+        #: that does not report its GPUs' memory within it is placed around.
+        self.silence_s = silence_s
         self.orchestrator_address = orchestrator_address
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
@@ -178,13 +184,21 @@ class RayHost:
     ) -> tuple[tuple[NodeSpec, int | None], ...]:
         """The ``known`` nodes whose host is live, then one node per live host of the
         cluster (per GPU for the CUDA worker) as the stages were placed
-        (``session.stage_nodes``), each now a node this host can start a stage on."""
+        (``session.stage_nodes``), each now a node this host can start a stage on. For
+        the CUDA worker a host is live once it reported its GPUs' memory within
+        ``silence_s`` (``session.gpu_memory``): a paused host, whose raylet's port
+        still takes connections, is placed around as a lost one is."""
         from runtime_cupy.hosts.ray import session
 
         live = session.hosts()
+        if worker == "cuda":
+            memory = session.gpu_memory(live, self.silence_s)
+            live = tuple(h for h in live if h.ray_node_id not in memory.silent)
+            slots = sum(h.gpus for h in live)
+            found = gpu_stage_nodes(live, slots, memory.of) if slots else ()
+        else:
+            found = session.stage_nodes(worker, len(live)) if live else ()
         up = {h.ray_node_id for h in live}
-        slots = sum(h.gpus for h in live) if worker == "cuda" else len(live)
-        found = session.stage_nodes(worker, max(1, slots)) if live else ()
         out = [
             (spec, device)
             for spec, device in known

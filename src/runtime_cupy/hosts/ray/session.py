@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from attrs import frozen
+
 from runtime_cupy.hosts.ray.cluster import (
     ClusterError,
     RayHostInfo,
@@ -22,6 +24,7 @@ from runtime_cupy.hosts.ray.cluster import (
     gpu_stage_nodes,
     live_hosts,
 )
+from runtime_cupy.hosts.ray.stage_handle import _short
 
 log = logging.getLogger("runtime_cupy.hosts.ray")
 
@@ -29,6 +32,9 @@ log = logging.getLogger("runtime_cupy.hosts.ray")
 PROBE_S = 5.0
 #: How long a raylet may take to accept a connection before its node counts as gone.
 RAYLET_PROBE_S = 1.0
+#: How long a GPU host may take to report its GPUs' memory when a run is first placed
+#: (a re-placement after a loss gives it the chain's silence bound instead).
+GPU_MEMORY_S = 120.0
 #: Why ``--ray-address auto`` found no cluster (``RAY_ADDRESS`` not set), in our flags' terms.
 NO_CLUSTER_HERE = (
     "no Ray cluster is running on this machine (--ray-address auto): start one with "
@@ -206,28 +212,70 @@ def _gpu_memory_there() -> dict[int, int]:
     return gpu_memory_bytes()
 
 
-def gpu_memory(of: tuple[RayHostInfo, ...]) -> dict[str, dict[int, int]]:
-    """Each GPU host's GPUs' memory, as ``nvidia-smi`` on that host reports it."""
+@frozen
+class GpuMemory:
+    """What the GPU hosts asked said of their GPUs' memory: ``of[ray_node_id][index]``,
+    bytes, of each host that answered; ``silent``: each host that did not (not within
+    the bound, or its task failed) and why."""
+
+    of: dict[str, dict[int, int]]
+    silent: dict[str, str]  # ray node id -> why it counts as lost (naming its host)
+
+
+def gpu_memory(of: tuple[RayHostInfo, ...], within_s: float) -> GpuMemory:
+    """Each GPU host's GPUs' memory, as ``nvidia-smi`` on that host reports it, asked all
+    at once (a Ray task on each, ``_gpu_memory_there``); a host that does not answer
+    within ``within_s`` (paused, cut off: its raylet's port still takes connections) or
+    whose task failed is ``silent``, and its task is cancelled."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task: Any = ray.remote(_gpu_memory_there)
-    refs = {
-        h.ray_node_id: task.options(
+    gpu_hosts = [h for h in of if h.gpus]
+    refs = [
+        task.options(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(h.ray_node_id, soft=False),
         ).remote()
-        for h in of
-        if h.gpus
-    }
-    return {node: dict(ray.get(ref, timeout=120)) for node, ref in refs.items()}
+        for h in gpu_hosts
+    ]
+    ready: list[Any] = []
+    if refs:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, within_s))
+    answered = {id(r) for r in ready}
+    memory: dict[str, dict[int, int]] = {}
+    silent: dict[str, str] = {}
+    for host, ref in zip(gpu_hosts, refs, strict=True):
+        if id(ref) not in answered:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+            silent[host.ray_node_id] = (
+                f"host {host.label} did not report its GPUs' memory within {within_s:g} s"
+            )
+            continue
+        try:
+            memory[host.ray_node_id] = dict(ray.get(ref))
+        except Exception as exc:  # its worker or its node died
+            why = _short(exc)
+            silent[host.ray_node_id] = f"host {host.label} could not report its GPUs' memory: {why}"
+    for why in silent.values():
+        log.warning("%s: taken as lost for this placement", why)
+    return GpuMemory(memory, silent)
 
 
-def stage_nodes(worker: str, stages: int) -> tuple[StageNode, ...]:
-    """Where the ``stages`` stages of ``worker`` go in the live cluster."""
+def stage_nodes(worker: str, stages: int, within_s: float = GPU_MEMORY_S) -> tuple[StageNode, ...]:
+    """Where the ``stages`` stages of ``worker`` go in the live cluster (a GPU host that
+    does not report its GPUs' memory within ``within_s`` is passed over)."""
     if stages < 1:
         raise ClusterError(f"a run has at least one stage, not {stages}")
     live = hosts()
-    if worker == "cuda":
-        return gpu_stage_nodes(live, stages, gpu_memory(live))
-    return cpu_stage_nodes(live, stages)
+    if worker != "cuda":
+        return cpu_stage_nodes(live, stages)
+    memory = gpu_memory(live, within_s)
+    answering = tuple(h for h in live if h.ray_node_id not in memory.silent)
+    if memory.silent and not any(h.gpus for h in answering):
+        raise ClusterError(
+            "the CUDA worker needs GPUs; no live node of the cluster that has one answered: "
+            + "; ".join(memory.silent.values())
+        )
+    return gpu_stage_nodes(answering, stages, memory.of)
