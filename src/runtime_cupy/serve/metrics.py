@@ -208,7 +208,8 @@ class Metrics:
 
 
 class RecoveryMetrics:
-    """``gguf_pipeline_recoveries_total`` (streams replayed after a loss) and
+    """``gguf_pipeline_recoveries_total`` (streams replayed after a loss, each counted
+    as its replay's first token arrives) and
     ``gguf_pipeline_recovery_seconds_total`` (their time from the interrupted run's end
     to the replay's first token), read when scraped."""
 

@@ -24,8 +24,8 @@ its last loss mid-run or while the new chain started, ends with its fault and ``
 recovered: ... no recovery left (--max-recoveries N)`` (``spent``).
 
 ``Recoveries`` counts them (and their seconds: from the interrupted run's end to the
-replay's first token) for ``/metrics``; the log names the lost node, the cause and the
-new placement.
+replay's first token) for ``/metrics``, each as its replay's first token arrives; the
+log names the lost node, the cause and the new placement.
 """
 
 from __future__ import annotations
@@ -222,6 +222,19 @@ class Replacer:
         return nodes, tuple(self.device_of[s.node_id] for s in plan.stages)
 
 
+def _times(lost_at: float, marks: dict[str, float], first_token_s: float) -> RecoveryTimes:
+    """A recovery's times: the loss detected at ``lost_at``, the chain's start (its
+    ``heal_marks``), the replay's first token at ``first_token_s``."""
+    return RecoveryTimes(
+        ended_s=lost_at,
+        stopped_s=marks.get("stopped", lost_at),
+        placed_s=marks.get("placed", lost_at),
+        started_s=marks.get("started", lost_at),
+        bound_s=marks.get("bound", lost_at),
+        first_token_s=first_token_s,
+    )
+
+
 def spent(policy: RecoveryPolicy) -> str:
     """What a stream's fault says once its recoveries are spent, whether the last was
     lost mid-run or while its new chain still started: the limit and its flag."""
@@ -295,8 +308,12 @@ def run_stream(
             break
         first = threading.Event()
 
-        def forward(token_id: int, first: threading.Event = first) -> None:
-            first.set()
+        def forward(
+            token_id: int, first: threading.Event = first, lost_at: float = lost_at
+        ) -> None:
+            if not first.is_set():  # the stream goes on: recovered (counted for /metrics)
+                first.set()
+                chain.recoveries.recovered(_times(lost_at, chain.heal_marks, time.monotonic()))
             if on_token is not None:
                 on_token(token_id)
 
@@ -313,19 +330,6 @@ def run_stream(
             replay.recoveries,
         )
         outcome = run.wait_for_caller(on_run)
-        marks = chain.heal_marks
-        chain.recoveries.recovered(
-            RecoveryTimes(
-                ended_s=lost_at,
-                stopped_s=marks.get("stopped", lost_at),
-                placed_s=marks.get("placed", lost_at),
-                started_s=marks.get("started", lost_at),
-                bound_s=marks.get("bound", lost_at),
-                first_token_s=outcome.token_times_s[0]
-                if outcome.token_times_s
-                else outcome.ended_s,
-            )
-        )
         segments.append(_Segment(run, outcome, replay))
         interrupted = Interrupted.of_replay(replay, run.plan, outcome.tokens)
         not_recovered = None

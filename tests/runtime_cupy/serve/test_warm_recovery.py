@@ -281,6 +281,30 @@ def test_a_second_loss_during_the_recovery(tiny: str) -> None:
         assert len(chain.recoveries.replacements) == 2
 
 
+def test_a_recovery_is_counted_as_its_replays_first_token_arrives(tiny: str) -> None:
+    """``Recoveries`` (``/metrics``' ``gguf_pipeline_recoveries_total``) counts a stream
+    recovered once its replay's first token arrives, while the stream goes on: it was
+    counted only once the replay ended (a scrape during a long recovered answer said
+    none), and a replay that ended before any token was counted with its end taken for
+    its first token."""
+    with WarmChain(tiny, stages=2, context=64, recover=True) as chain:
+        pids = chain.pids()
+        seen: list[int] = []
+        counted: list[int] = []
+
+        def on_token(token: int) -> None:
+            seen.append(token)
+            counted.append(chain.recoveries.count)
+            if len(seen) == 2:
+                os.kill(pids[1], signal.SIGKILL)
+
+        run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
+        assert run.result.outcome == "completed", run.result.fault
+        assert counted[:2] == [0, 0] and counted == sorted(counted) and counted[-1] == 1, counted
+        (times,) = chain.recoveries.times
+        assert times.ended_s <= times.bound_s <= times.first_token_s
+
+
 def test_recoveries_spent_end_the_stream_with_its_fault(tiny: str) -> None:
     with WarmChain(tiny, stages=2, context=64, recover=True, max_recoveries=1) as chain:
         first = chain.pids()
