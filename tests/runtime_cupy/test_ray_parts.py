@@ -695,24 +695,56 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _GrpcListener:
+    """A listener that answers each connection's HTTP/2 preface with an empty SETTINGS
+    frame, as a raylet's gRPC server does."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(64)
+                conn.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+
+    def close(self) -> None:
+        self.sock.close()
+        self._thread.join(10)
+
+
 def test_the_clusters_hosts_are_the_nodes_whose_raylet_answers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``session.hosts``: of the nodes Ray calls alive, those whose raylet accepts a
-    connection now (the live pool of a recovery, the nodes of a new run)."""
+    """``session.hosts``: of the nodes Ray calls alive, those whose raylet answers now
+    (the live pool of a recovery, the nodes of a new run): it accepts a connection and
+    answers gRPC's preface. A paused raylet (SIGSTOP: its port still takes connections,
+    the kernel accepts them, but nothing answers) is not live: it was, and a recovery
+    started a stage again on its host and waited for it until Ray called the node dead."""
     import ray
 
     from runtime_cupy.hosts.ray import session
 
-    with socket.socket() as raylet:
-        raylet.bind(("127.0.0.1", 0))
-        raylet.listen()
-        nodes = [
-            _node("up", "127.0.0.1", raylet.getsockname()[1], head=True),
-            _node("dead", "127.0.0.1", _closed_port()),
-        ]
-        monkeypatch.setattr(ray, "nodes", lambda: nodes)
-        assert [h.ray_node_id for h in session.hosts()] == ["up"]
+    raylet = _GrpcListener()
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as paused:
+            nodes = [
+                _node("up", "127.0.0.1", raylet.port, head=True),
+                _node("dead", "127.0.0.1", _closed_port()),
+                _node("paused", "127.0.0.1", paused.getsockname()[1]),
+            ]
+            monkeypatch.setattr(ray, "nodes", lambda: nodes)
+            assert [h.ray_node_id for h in session.hosts()] == ["up"]
+            assert not session.raylet_answers("127.0.0.1", paused.getsockname()[1], 0.2)
+    finally:
+        raylet.close()
 
 
 def test_a_stage_start_on_a_node_whose_raylet_is_gone_ends_naming_it() -> None:
@@ -855,7 +887,9 @@ def test_a_chains_cleanup_asks_the_head_once_for_every_stage(
 
 
 def test_the_head_answers_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``session.head_answers``: whether the cluster's GCS accepts a connection."""
+    """``session.head_answers``: whether the cluster's GCS answers (a connection, and
+    gRPC's preface answered); a paused one, whose port still takes connections, does
+    not."""
     import ray
 
     from runtime_cupy.hosts.ray import session
@@ -866,11 +900,15 @@ def test_the_head_answers_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "get_runtime_context", lambda: Context)
     Context.gcs_address = f"127.0.0.1:{_closed_port()}"
     assert not session.head_answers()
-    with socket.socket() as gcs:
-        gcs.bind(("127.0.0.1", 0))
-        gcs.listen()
-        Context.gcs_address = f"127.0.0.1:{gcs.getsockname()[1]}"
+    gcs = _GrpcListener()
+    try:
+        Context.gcs_address = f"127.0.0.1:{gcs.port}"
         assert session.head_answers()
+    finally:
+        gcs.close()
+    with socket.create_server(("127.0.0.1", 0)) as paused:
+        Context.gcs_address = f"127.0.0.1:{paused.getsockname()[1]}"
+        assert not session.head_answers(0.2)
 
 
 class _Unreachable:

@@ -120,6 +120,27 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 
 _H2_SETTINGS = 4  # a frame's type, its fourth byte
 
 
+def _first_frame(conn: socket.socket) -> bytes | None:
+    """What the server at the other end of ``conn`` answers to gRPC's HTTP/2 preface: up
+    to a frame header's 9 bytes (``TimeoutError`` past the socket's timeout), or ``None``
+    where Ray's links use TLS (``RAY_USE_TLS``), whose handshake comes first: not asked."""
+    if os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
+        return None
+    conn.sendall(_H2_PREFACE)
+    frame = b""
+    while len(frame) < 9:
+        got = conn.recv(9 - len(frame))
+        if not got:
+            break
+        frame += got
+    return frame
+
+
+def _is_settings(frame: bytes) -> bool:
+    """Whether ``frame`` begins with the header of an HTTP/2 SETTINGS frame."""
+    return len(frame) >= 9 and frame[3] == _H2_SETTINGS
+
+
 def _reachable(address: str) -> None:
     """Refuse at once an address where no Ray head answers (Ray itself retries for
     minutes): where nothing listens, or where what listens does not speak gRPC, as a
@@ -134,15 +155,7 @@ def _reachable(address: str) -> None:
         raise ClusterError(f"bad Ray address {address!r}: port {port} is not in 1..65535")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S) as conn:
-            if os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
-                return
-            conn.sendall(_H2_PREFACE)
-            frame = b""
-            while len(frame) < 9:
-                got = conn.recv(9 - len(frame))
-                if not got:
-                    break
-                frame += got
+            frame = _first_frame(conn)
     except TimeoutError:
         raise ClusterError(
             f"no Ray cluster at {address}: what listens there did not answer as a Ray "
@@ -150,7 +163,7 @@ def _reachable(address: str) -> None:
         ) from None
     except OSError as exc:
         raise ClusterError(f"no Ray cluster at {address}: {exc}") from None
-    if len(frame) < 9 or frame[3] != _H2_SETTINGS:
+    if frame is not None and not _is_settings(frame):
         raise ClusterError(
             f"no Ray cluster at {address}: what listens there is not a Ray head's GCS (it "
             f"answered {frame[:16]!r} to gRPC's HTTP/2 preface)"
@@ -158,21 +171,25 @@ def _reachable(address: str) -> None:
 
 
 def raylet_answers(address: str, port: int, timeout_s: float = RAYLET_PROBE_S) -> bool:
-    """Whether a raylet accepts a connection at ``address:port`` within ``timeout_s``
-    (a port not known, 0, is taken as answering)."""
+    """Whether the gRPC server at ``address:port`` (a raylet's, a head's GCS) answers
+    within ``timeout_s``: it accepts a connection and answers gRPC's HTTP/2 preface with
+    its SETTINGS frame (under TLS: it accepts a connection). A paused process (SIGSTOP)
+    does not answer, though its port still takes connections: the kernel accepts them.
+    A port not known, 0, is taken as answering."""
     if port <= 0:
         return True
     try:
-        socket.create_connection((address.strip("[]"), port), timeout=timeout_s).close()
-    except OSError:
+        with socket.create_connection((address.strip("[]"), port), timeout=timeout_s) as conn:
+            frame = _first_frame(conn)
+    except OSError:  # TimeoutError too: silent within timeout_s
         return False
-    return True
+    return frame is None or _is_settings(frame)
 
 
 def head_answers(timeout_s: float = RAYLET_PROBE_S) -> bool:
-    """Whether the cluster's head (its GCS) accepts a connection within ``timeout_s``:
-    with the head gone every call of Ray's through it (its key-value store, ending an
-    actor) blocks until Ray ends this process, 60 s later."""
+    """Whether the cluster's head (its GCS) answers within ``timeout_s``
+    (``raylet_answers``): with the head gone every call of Ray's through it (its
+    key-value store, ending an actor) blocks until Ray ends this process, 60 s later."""
     import ray
 
     host, _, port = str(ray.get_runtime_context().gcs_address).rpartition(":")
