@@ -96,3 +96,30 @@ def test_the_benchmarks_page_lists_every_script() -> None:
     assert len(scripts) > 20, scripts
     missing = [name for name in scripts if f"| `benchmarks/{name}` |" not in table]
     assert not missing, f"benchmarks/ scripts with no row in docs/benchmarks.md: {missing}"
+
+
+def _make_bench_scripts() -> set[str]:
+    """The scripts the Makefile's ``bench`` target runs."""
+    recipe = (ROOT / "Makefile").read_text().partition("\nbench:")[2].partition("\n\n")[0]
+    return set(re.findall(r"benchmarks/([\w]+\.(?:py|sh))", recipe))
+
+
+def _scripts_make_bench_leaves_out() -> set[str]:
+    """The scripts the benchmarks page says ``make bench`` leaves out (its paragraph
+    below the table, up to the first ``;``: the scripts after it run there)."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    paragraph = page.partition("`make bench` runs them all but")[2].partition("\n\n")[0]
+    return set(re.findall(r"`([\w]+\.(?:py|sh))`", paragraph.partition(";")[0]))
+
+
+def test_make_bench_runs_every_script_but_those_the_page_leaves_out() -> None:
+    """Each script of ``benchmarks/`` is either run by ``make bench`` or named by the
+    benchmarks page as left out, never both: the page's list of those left out lacked
+    ``gpu_check.sh`` (and its first lines said ``make bench`` ran every script)."""
+    scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    run, left_out = _make_bench_scripts(), _scripts_make_bench_leaves_out()
+    assert len(run) > 20 and len(left_out) > 5, (run, left_out)
+    assert not run - scripts, f"make bench runs scripts benchmarks/ lacks: {sorted(run - scripts)}"
+    assert not run & left_out, f"said to be left out, but make bench runs: {sorted(run & left_out)}"
+    unsaid = sorted(scripts - run - left_out)
+    assert not unsaid, f"make bench leaves out, and docs/benchmarks.md does not say so: {unsaid}"
