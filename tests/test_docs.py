@@ -1,9 +1,11 @@
 """The docs site's architecture page is the project's living inventory: it names every
 module of ``src/`` under its folder, and no module that is not there (a page that
 falls behind a change fails here, in the same commit): each row says what its module
-holds, and the page's tree names every folder of ``tests/``; the benchmarks page has a
-row for every script of ``benchmarks/``. ``make docs`` builds the site
-with ``mkdocs build --strict``: a broken link or an anchor that is not there fails it."""
+holds, quoting only names the module holds, every file the page names is there, and
+the page's tree names every folder of ``tests/``; the benchmarks page has a row for
+every script of ``benchmarks/``, and says which ``make bench`` leaves out. ``make docs``
+builds the site with ``mkdocs build --strict``: a broken link or an anchor that is
+not there fails it."""
 
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def test_the_page_is_read_at_all() -> None:
 
 
 def test_each_module_row_says_what_the_module_holds() -> None:
-    """A row carries its docstring's first line: not nothing, and not only the name of the
+    """A row says what its module holds: not nothing, and not only the name of the
     module's folder or package (``__main__.py`` rows were empty, ``__init__.py`` ones
     the package's name)."""
     bare = sorted(
@@ -123,3 +125,43 @@ def test_make_bench_runs_every_script_but_those_the_page_leaves_out() -> None:
     assert not run & left_out, f"said to be left out, but make bench runs: {sorted(run & left_out)}"
     unsaid = sorted(scripts - run - left_out)
     assert not unsaid, f"make bench leaves out, and docs/benchmarks.md does not say so: {unsaid}"
+
+
+def _source_files() -> list[Path]:
+    return [p for p in SRC.rglob("*") if p.is_file() and p.suffix in (".py", ".c", ".h", ".cu")]
+
+
+def _names_a_file(named: str, sources: list[Path]) -> bool:
+    """Whether ``named`` (``process/launcher.py``, ``csrc/pool.c``, ``tests/x.py``) is a
+    file of the checkout: from the root, or the end of a path under ``src/``."""
+    return (ROOT / named).is_file() or any(p.as_posix().endswith("/" + named) for p in sources)
+
+
+def test_every_file_the_page_names_is_there() -> None:
+    """Every ``.py``, ``.c`` and ``.h`` file the page names in backticks (its parts, a
+    token's path, the rows) is a file of the checkout: a module renamed or removed
+    leaves no path to it behind."""
+    sources = _source_files()
+    named = set(re.findall(r"`([\w/]+\.(?:py|c|h|cu))`", PAGE.read_text()))
+    assert len(named) > 100, named
+    gone = sorted(name for name in named if not _names_a_file(name, sources))
+    assert not gone, f"files the architecture page names that are not there: {gone}"
+
+
+def test_each_row_names_only_what_its_module_holds() -> None:
+    """The names a row quotes (``ChainClose``, ``exit_with``, ``run_command``, ...) are
+    in its module's source (a file it names is a file of the checkout): a name
+    renamed or moved out leaves the row that quotes it false."""
+    sources = _source_files()
+    stale = []
+    for (folder, module), said in _rows_on_the_page().items():
+        text = (SRC / folder / module).read_text()
+        for quoted in re.findall(r"``?([^`]+?)``?", said):
+            if re.fullmatch(r"[\w/]+\.(?:py|c|h|cu)", quoted):
+                if not _names_a_file(quoted, sources):
+                    stale.append(f"{folder}/{module}: {quoted}")
+                continue
+            for name in re.findall(r"\b[A-Za-z_]\w{2,}(?:\.\w+)*", quoted):
+                if not re.search(rf"\b{re.escape(name.rsplit('.', 1)[-1])}\b", text):
+                    stale.append(f"{folder}/{module}: {name} (in {quoted!r})")
+    assert not stale, f"names rows quote that their modules do not hold: {stale}"
