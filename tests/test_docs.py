@@ -165,3 +165,13 @@ def test_each_row_names_only_what_its_module_holds() -> None:
                 if not re.search(rf"\b{re.escape(name.rsplit('.', 1)[-1])}\b", text):
                     stale.append(f"{folder}/{module}: {name} (in {quoted!r})")
     assert not stale, f"names rows quote that their modules do not hold: {stale}"
+
+
+def test_the_tree_names_every_c_program_of_benchmarks() -> None:
+    """Each file of ``benchmarks/csrc/`` is named in the tree: it said the folder held
+    the C loop of ``cpu_x8_loop.py``, and ``read_probe.c`` (``cpu_decode.py``'s and
+    ``cpu_step_products.py``'s read bandwidth) was not named."""
+    programs = sorted(p.name for p in (ROOT / "benchmarks" / "csrc").iterdir() if p.is_file())
+    assert programs, "benchmarks/csrc/ holds no file"
+    unnamed = [name for name in programs if name not in _tree_block()]
+    assert not unnamed, f"files of benchmarks/csrc/ the architecture page does not name: {unnamed}"
