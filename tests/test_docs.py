@@ -175,3 +175,54 @@ def test_the_tree_names_every_c_program_of_benchmarks() -> None:
     assert programs, "benchmarks/csrc/ holds no file"
     unnamed = [name for name in programs if name not in _tree_block()]
     assert not unnamed, f"files of benchmarks/csrc/ the architecture page does not name: {unnamed}"
+
+
+def _metrics_served() -> set[str]:
+    """Every metric family and sample name ``GET /metrics`` serves, a stage's series
+    and the recovery counters included (``serve.metrics`` over values of its own)."""
+    from runtime_cupy.serve.metrics import Metrics, RecoveryMetrics
+    from runtime_cupy.serve.recovery import Recoveries
+
+    metrics = Metrics(
+        queued=lambda: 0,
+        started=lambda: (0, 0),
+        ready=lambda: True,
+        restarts=lambda: 0,
+        kv=lambda: ((0, 1, 2),),
+        batches=lambda: {0: {1: 1}},
+    )
+    metrics.registry.register(RecoveryMetrics(Recoveries))
+    families = list(metrics.registry.collect())
+    return {f.name for f in families} | {s.name for f in families for s in f.samples}
+
+
+def test_every_metric_the_docs_name_is_served() -> None:
+    """Each ``gguf_pipeline_*`` name of README.md and docs/ is a metric family or a
+    series ``/metrics`` serves: a metric renamed leaves no dashboard query in the docs
+    that finds nothing."""
+    served = _metrics_served()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {name for page in pages for name in re.findall(r"gguf_pipeline_\w+", page.read_text())}
+    assert len(named) > 5, named
+    assert not named - served, (
+        f"metrics the docs name that /metrics lacks: {sorted(named - served)}"
+    )
+
+
+def test_the_planners_page_lists_every_rejection_code() -> None:
+    """docs/planner.md's table of rejection codes holds every ``code`` a rejection
+    carries and no other (the base's ``rejected`` aside, which no rejection is)."""
+    from runplan import PlanRejection, rejections
+
+    codes = {
+        cls.code
+        for cls in vars(rejections).values()
+        if isinstance(cls, type) and issubclass(cls, PlanRejection) and cls is not PlanRejection
+    }
+    page = (ROOT / "docs" / "planner.md").read_text().partition("## Rejection codes")[2]
+    table = set(re.findall(r"\| `(\w+)` \|$", page.partition("\n## ")[0], re.M))
+    assert len(codes) > 10, codes
+    assert codes == table, (
+        f"codes the page lacks: {sorted(codes - table)}; "
+        f"codes no rejection has: {sorted(table - codes)}"
+    )
