@@ -160,14 +160,30 @@ def parse_size(text: str) -> int:
     unit = m[2].lower() if m else ""
     if m is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(
-            f"bad size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+            f"bad size {_shown(text)}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
         )
     whole, _, fraction = m[1].partition(".")
-    if len(whole.lstrip("0")) > _MAX_SIZE_DIGITS:  # more digits than a float held
-        raise argparse.ArgumentTypeError(f"size {text!r} is too large")
+    whole = whole.lstrip("0")  # leading zeros count for nothing (nor toward int's limit)
+    if len(whole) > _MAX_SIZE_DIGITS:  # more digits than a float held
+        raise argparse.ArgumentTypeError(
+            f"size {_shown(text)} is too large: more than {_MAX_SIZE_DIGITS} digits before its unit"
+        )
     digits = fraction[:_SIZE_FRACTION_DIGITS]
-    value = Fraction(int(whole + digits), 10 ** len(digits)) * _UNITS[unit]
+    value = Fraction(int(whole + digits or "0"), 10 ** len(digits)) * _UNITS[unit]
     return math.floor(value)
+
+
+#: characters of a bad size an error shows: a size of thousands of digits is shown by
+#: its ends (``'99999...999GiB' (5003 characters)``)
+_SHOWN_CHARACTERS = 40
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted, its middle left out where it is longer than an error can show."""
+    if len(text) <= _SHOWN_CHARACTERS:
+        return repr(text)
+    half = _SHOWN_CHARACTERS // 2
+    return f"{text[:half] + '...' + text[-half:]!r} ({len(text)} characters)"
 
 
 def parse_nodes(text: str) -> tuple[NodeSpec, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -301,7 +302,7 @@ def test_a_refused_split_makes_no_out_folder(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("size", ["9" * 400 + "GiB", "9" * 310])
+@pytest.mark.parametrize("size", ["9" * 400 + "GiB", "9" * 310, "9" * 5000 + "GB"])
 def test_a_size_too_large_for_a_number_is_one_line_naming_it(
     model: str, size: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -310,6 +311,17 @@ def test_a_size_too_large_for_a_number_is_one_line_naming_it(
     assert exc.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--nodes" in lines[0] and "too large" in lines[0], lines
+
+
+@pytest.mark.parametrize("size", ["9" * 5000 + "GiB", "x" * 5000])
+def test_a_bad_size_of_thousands_of_characters_is_named_shortened(size: str) -> None:
+    """A size past int's 4300 digits is a size error (not Python's ValueError, which
+    argparse words "invalid parse_nodes value"), and names the value by its ends."""
+    with pytest.raises(argparse.ArgumentTypeError) as exc:
+        parse_size(size)
+    message = str(exc.value)
+    assert "size" in message and f"({len(size)} characters)" in message, message
+    assert len(message) < 200, message
 
 
 def test_memory_the_wire_cannot_carry_is_a_rejection_naming_the_node(
@@ -330,6 +342,9 @@ def test_memory_the_wire_cannot_carry_is_a_rejection_naming_the_node(
         ("1.1GiB", 1_181_116_006),  # 1,181,116,006.4: the whole bytes
         ("0.0000000000009094947017729282379150390625TiB", 1),  # 2**-40 TiB
         ("1." + "0" * 5000 + "1GB", 10**9),  # digits past any unit's fraction
+        ("0" * 5000 + "1GB", 10**9),  # leading zeros past int's 4300 digits
+        ("0" * 5000 + "GB", 0),
+        ("0" * 5000 + ".5KiB", 512),
     ],
 )
 def test_a_size_is_counted_to_the_byte(size: str, bytes_: int) -> None:
