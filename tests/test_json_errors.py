@@ -20,7 +20,7 @@ import pytest
 
 import runtime_sim.cli
 from runplan.cli import main as runplan_main
-from runplan.json_errors import documents_printed, print_json
+from runplan.json_errors import cancelled_command, documents_printed, print_json
 from runtime_cupy.cli.main import main as cupy_main
 from runtime_sim.cli import main as sim_main
 from tests.fixtures.gguf_models import ModelShape, write_model
@@ -334,6 +334,20 @@ def test_a_document_a_signal_interrupts_as_it_is_flushed_counts_as_printed() -> 
         print_json({"outcome": "completed"}, out)
     assert documents_printed() == before + 1
     assert out.getvalue() == '{"outcome": "completed"}\n'
+
+
+def test_a_document_json_cannot_hold_is_not_counted_as_printed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``print_json`` of a value JSON cannot hold raises before anything is written: no
+    document counts, so a Ctrl-C that follows still prints the ``Cancelled`` object."""
+    out = io.StringIO()
+    before = documents_printed()
+    with pytest.raises(TypeError):
+        print_json({"x": object()}, out)
+    assert (documents_printed(), out.getvalue()) == (before, "")
+    assert cancelled_command(None, as_json=True, since=before) == 130
+    assert _error_of(capsys.readouterr().out) == {"type": "Cancelled", "message": "cancelled"}
 
 
 @pytest.mark.parametrize("command", ["runtime_cupy", "runtime_sim"])

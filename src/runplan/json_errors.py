@@ -220,10 +220,13 @@ def print_json(doc: Any, out: TextIO | None = None) -> None:
     """One JSON document and a line feed on ``out`` (standard output, ``sys.stdout``),
     flushed; counted in ``documents_printed()`` from then on, also where a signal
     interrupts it (Python raises its ``KeyboardInterrupt`` as the flush returns: the
-    document was written, and no ``Cancelled`` object may follow it)."""
+    document was written, and no ``Cancelled`` object may follow it). A ``doc`` JSON
+    cannot hold raises ``json.dumps``' ``TypeError`` or ``ValueError`` before anything is
+    written, and is not counted."""
     stream = sys.stdout if out is None else out
+    line = json.dumps(doc, sort_keys=True) + "\n"
     try:
-        stream.write(json.dumps(doc, sort_keys=True) + "\n")
+        stream.write(line)
         stream.flush()
     finally:
         _PRINTED.add()
