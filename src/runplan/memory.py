@@ -11,16 +11,25 @@ positions, or a sliding-window block's window when that is shorter:
 ``kv_positions``. Weights count as stored in the file, or as
 ``weight_bytes_per_element`` per element for a worker that dequantizes them (the NumPy
 reference worker holds float32); the KV cache in the activation dtype, or
-``kv_bytes_per_element`` when the worker says so.
+``kv_bytes_per_element`` when the worker says so. A device holds the stages of the
+nodes that name it together, within the least memory those nodes state
+(``device_loads``): the split of ``Placement.by_memory`` and the plan's memory check
+count it alike.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 from attrs import frozen
 
 from runplan.config import RuntimeConfig, WorkerCapabilities
 from runplan.facts import ModelFacts
 from runplan.plan import RunPlan
+from runplan.pool import NodeSpec
+
+#: what memory is accounted under (``NodeSpec.device_key``)
+DeviceKey = tuple[str, str]
 
 
 @frozen
@@ -148,3 +157,20 @@ def plan_stage_memory(
             )
         )
     return tuple(out)
+
+
+def device_loads(
+    nodes: Mapping[str, NodeSpec], node_ids: Sequence[str], loads: Sequence[int]
+) -> tuple[dict[DeviceKey, int], dict[DeviceKey, int]]:
+    """Per device (``NodeSpec.device_key``), stage ``i`` on ``node_ids[i]`` holding
+    ``loads[i]`` bytes: what its stages need together, and what they are held to, the
+    smallest ``memory_bytes`` of the nodes naming it. The one accounting of the
+    planner's split (``Placement.by_memory``) and of its memory check."""
+    needed: dict[DeviceKey, int] = {}
+    available: dict[DeviceKey, int] = {}
+    for node_id, load in zip(node_ids, loads, strict=True):
+        node = nodes[node_id]
+        key = node.device_key
+        needed[key] = needed.get(key, 0) + load
+        available[key] = min(available.get(key, node.memory_bytes), node.memory_bytes)
+    return needed, available

@@ -13,6 +13,7 @@ from runplan.layers import Range, fitting_split, split_by_capacity, split_even
 from runplan.memory import (
     StageMemory,
     block_weight_bytes,
+    device_loads,
     fixed_weight_bytes,
     kv_budget_bytes,
     kv_bytes_per_layer,
@@ -338,18 +339,17 @@ def _split_by_memory(
         )
     layer_cost = [b + runs * k for b, k in zip(block_weight_bytes(facts, worker), kv, strict=True)]
     ranges = split_by_capacity(layer_cost, fixed, capacity)
-    # The memory check's own accounting (``device_memory``): each device holds its
-    # stages together, within the least memory_bytes of the nodes naming it.
-    devices = [nodes[nid].device_key for nid in node_ids]
-    held: dict[tuple[str, str], int] = {}
-    for nid, key in zip(node_ids, devices, strict=True):
-        held[key] = min(held.get(key, nodes[nid].memory_bytes), nodes[nid].memory_bytes)
+    # The memory check's own accounting (``device_loads``, as ``device_memory``): each
+    # device holds its stages together, within the least memory_bytes of the nodes
+    # naming it.
     prefix = [0, *accumulate(layer_cost)]
-    used: Counter[tuple[str, str]] = Counter()
-    for key, (start, end), cost in zip(devices, ranges, fixed, strict=True):
-        used[key] += cost + prefix[end] - prefix[start]
+    loads = [
+        cost + prefix[end] - prefix[start] for (start, end), cost in zip(ranges, fixed, strict=True)
+    ]
+    used, held = device_loads(nodes, node_ids, loads)
     if all(used[key] <= held[key] for key in used):
         return ranges
+    devices = [nodes[nid].device_key for nid in node_ids]
     return fitting_split(layer_cost, fixed, devices, held) or ranges
 
 
@@ -503,13 +503,8 @@ def device_memory(
     its stages need together and what they are held to: the smallest ``memory_bytes``
     of the run's nodes that name it."""
     memory = plan_stage_memory(facts, worker, plan)
-    needed: dict[tuple[str, str], int] = {}
-    available: dict[tuple[str, str], int] = {}
-    for stage, use in zip(plan.stages, memory, strict=True):
-        node = nodes[stage.node_id]
-        key = node.device_key
-        needed[key] = needed.get(key, 0) + use.total
-        available[key] = min(available.get(key, node.memory_bytes), node.memory_bytes)
+    node_ids = [stage.node_id for stage in plan.stages]
+    needed, available = device_loads(nodes, node_ids, [use.total for use in memory])
     return memory, needed, available
 
 

@@ -21,7 +21,7 @@ from runplan import (
     plan_run,
 )
 from runplan.layers import fitting_split, split_by_capacity, split_even
-from runplan.memory import plan_stage_memory
+from runplan.memory import device_loads, plan_stage_memory
 
 
 def _uniform_facts(num_layers: int, block_bytes: int) -> ModelFacts:
@@ -316,8 +316,15 @@ def test_by_memory_plans_wherever_an_explicit_split_on_its_nodes_fits(
     devices = data.draw(st.lists(st.sampled_from([None, "d", "e"]), min_size=n, max_size=n))
     shared = {d: data.draw(st.integers(1, 300)) * 10**6 for d in ("d", "e")}
     nodes = [f"n{i}" for i in range(n)]
+    # nodes naming one device may state more than the least of them, which holds them
     specs = tuple(
-        NodeSpec(nodes[i], shared[d] if d else data.draw(st.integers(1, 300)) * 10**6, d)
+        NodeSpec(
+            nodes[i],
+            shared[d] + data.draw(st.sampled_from([0, 0, 100])) * 10**6
+            if d
+            else data.draw(st.integers(1, 300)) * 10**6,
+            d,
+        )
         for i, d in enumerate(devices)
     )
     pool = NodePool("orch", specs)
@@ -325,3 +332,17 @@ def test_by_memory_plans_wherever_an_explicit_split_on_its_nodes_fits(
     if not isinstance(plan, RunPlan):
         assert plan.code == "insufficient_memory"
         assert not _fitting_explicit(facts, pool, nodes), plan
+
+
+def test_device_loads_sums_a_devices_stages_within_its_least_memory() -> None:
+    """The one accounting of by_memory's split and of the memory check: stages on nodes
+    naming one device add up, held to the least ``memory_bytes`` those nodes state; a
+    node of its own holds its own stage."""
+    nodes = {
+        "a": NodeSpec("a", 100, "gpu"),
+        "b": NodeSpec("b", 50),
+        "c": NodeSpec("c", 80, "gpu"),
+    }
+    needed, available = device_loads(nodes, ["a", "b", "c"], [10, 20, 30])
+    assert needed == {("device", "gpu"): 40, ("node", "b"): 20}
+    assert available == {("device", "gpu"): 80, ("node", "b"): 50}
