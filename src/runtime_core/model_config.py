@@ -7,15 +7,12 @@ Keys follow llama.cpp (``llama-model.cpp``, ``llama-context.cpp``):
   or one per block, all the same: ``runplan.block_values``),
   ``.attention.key_length`` / ``.value_length`` (default ``hidden / heads``),
   ``.attention.layer_norm_rms_epsilon``.
-- Value heads are as wide as key heads (``value_length`` = ``key_length``): llama.cpp's
-  loaders of every architecture here size the attention output by the key heads.
-- qwen2's, qwen2moe's and phi3's heads fill ``embedding_length`` exactly (``heads *
-  key_length`` and ``heads * value_length``): llama.cpp sizes their query and attention
-  output by it (``ArchSpec.hidden_wide_attention``), so another width is refused.
+- Heads that llama.cpp refuses are refused by its rules, in ``runtime_core.head_shapes``:
+  no head, value heads of another size than the key heads, qwen2's, qwen2moe's and
+  phi3's heads not filling ``embedding_length``, a rotary width the heads do not hold.
 - Rotary embedding: ``{arch}.rope.freq_base`` (default 10000),
   ``.rope.dimension_count`` (default the key head size; it must be it but for the
-  gemmas and phi3, as llama.cpp's loader (llama's) or graph (the others') requires:
-  ``ArchSpec.whole_head_rotary``), ``.rope.scaling.type``
+  gemmas and phi3: ``head_shapes.rotary_within_heads``), ``.rope.scaling.type``
   (``none``, ``linear`` or ``yarn``; llama.cpp's default when absent is linear) and
   ``.rope.scaling.factor`` (or the older ``.rope.scale_linear``): positions are
   multiplied by ``1 / factor``, and by 1 when the type is ``none``; YaRN mixes those
@@ -70,6 +67,12 @@ from runtime_core.architectures import (
 )
 from runtime_core.errors import UnsupportedModel
 from runtime_core.f32_math import log_f32
+from runtime_core.head_shapes import (
+    head_counts,
+    heads_as_wide_as_hidden,
+    rotary_within_heads,
+    values_as_wide_as_keys,
+)
 
 
 @frozen
@@ -171,23 +174,12 @@ class ModelConfig:
         hidden = header.dimension(f"{arch}.embedding_length")
         heads = model_integer(header, f"{arch}.attention.head_count", n_layers)
         heads_kv = model_integer(header, f"{arch}.attention.head_count_kv", n_layers, heads)
-        if heads < 1:  # (the key/value heads' key names a count of its own)
-            raise GgufError(
-                path,
-                f"{heads} attention heads: the {arch} architecture has at least one",
-                f"{arch}.attention.head_count",
-            )
-        if heads_kv < 1 or heads % heads_kv:
-            raise GgufError(
-                path,
-                f"{heads} attention heads cannot share {heads_kv} key/value heads",
-                f"{arch}.attention.head_count_kv",
-            )
+        head_counts(header, arch, heads, heads_kv)
         head_dim_k = header.dimension(f"{arch}.attention.key_length", default=hidden // heads)
         head_dim_v = header.dimension(f"{arch}.attention.value_length", default=hidden // heads)
-        _values_as_wide_as_keys(header, arch, head_dim_k, head_dim_v)
+        values_as_wide_as_keys(header, arch, head_dim_k, head_dim_v)
         if spec.hidden_wide_attention:
-            _heads_as_wide_as_hidden(header, arch, hidden, heads, head_dim_k)
+            heads_as_wide_as_hidden(header, arch, hidden, heads, head_dim_k)
         rope = _rope(header, arch, head_dim_k, spec)
         attention = layer_attention(header, arch, n_layers)
         if any(a.sliding for a in attention):
@@ -243,51 +235,6 @@ class ModelConfig:
         # block's rotary where the file turns it off)
         granite = _granite_scales(header, arch, spec, n_layers)
         return attrs.evolve(config, **granite) if granite else config
-
-
-def _values_as_wide_as_keys(
-    header: GgufHeader, arch: str, head_dim_k: int, head_dim_v: int
-) -> None:
-    """Value heads as wide as the key heads, for every architecture we run: llama.cpp's
-    loaders size the attention output by the key heads (or the keys by the value heads:
-    qwen3's), so it refuses a file whose ``value_length`` differs by its tensors' shapes;
-    else ``UnsupportedModel`` naming ``value_length`` (``key_length`` where the file sets
-    only that one, the value heads then ``embedding_length / head_count``)."""
-    if head_dim_v == head_dim_k:
-        return
-    key = f"{arch}.attention.value_length"
-    if not header.has(key):
-        key = f"{arch}.attention.key_length"
-    raise UnsupportedModel(
-        header.paths[0],
-        f"value heads of {head_dim_v} where the key heads are {head_dim_k}: the {arch} "
-        "architecture's are the same size (llama.cpp sizes its attention output by the "
-        "key heads, and refuses the tensors of such a file)",
-        key=key,
-    )
-
-
-def _heads_as_wide_as_hidden(
-    header: GgufHeader, arch: str, hidden: int, heads: int, head_dim: int
-) -> None:
-    """An architecture whose query and attention output llama.cpp sizes by
-    ``embedding_length`` (``ArchSpec.hidden_wide_attention``): its heads fill it exactly
-    (the value heads are as wide: ``_values_as_wide_as_keys``), else ``UnsupportedModel``
-    naming ``key_length`` (``head_count`` where the file sets no head size) and the
-    widths, as llama.cpp refuses the file ("tensor 'blk.0.attn_q.weight' has wrong
-    shape")."""
-    if heads * head_dim == hidden:
-        return
-    key = f"{arch}.attention.key_length"
-    if not header.has(key):
-        key = f"{arch}.attention.head_count"
-    raise UnsupportedModel(
-        header.paths[0],
-        f"{heads} heads of {head_dim} are {heads * head_dim} wide; the {arch} "
-        f"architecture's query and attention output are embedding_length ({hidden}) "
-        "wide (llama.cpp sizes its attn_q and attn_output by it)",
-        key=key,
-    )
 
 
 def _query_scale(spec: ArchSpec, n_layers: int, hidden: int, heads: int, head_dim: int) -> float:
@@ -460,20 +407,7 @@ def _rope(header: GgufHeader, arch: str, head_dim: int, spec: ArchSpec) -> RopeC
     path = header.paths[0]
     neox = spec.rope_neox
     n_dims = header.integer(f"{arch}.rope.dimension_count", default=head_dim)
-    partial = spec.whole_head_rotary and n_dims != head_dim
-    if partial or n_dims < 2 or n_dims % 2 or n_dims > head_dim:
-        size_key = f"{arch}.attention.key_length"
-        sized_by = (
-            size_key
-            if header.has(size_key)
-            else f"{arch}.embedding_length / {arch}.attention.head_count"
-        )
-        whole = f": the {arch} architecture rotates whole heads" if partial else ""
-        raise UnsupportedModel(
-            path,
-            f"rotary dimension count {n_dims} for heads of {head_dim} ({sized_by}){whole}",
-            key=f"{arch}.rope.dimension_count",
-        )
+    rotary_within_heads(header, arch, spec, head_dim, n_dims)
     type_key = f"{arch}.rope.scaling.type"
     scaling = header.string(type_key) if header.has(type_key) else "linear"
     if scaling not in ("none", "linear", "yarn", "longrope"):
