@@ -38,6 +38,7 @@ from tokenizers import Tokenizer as HfTokenizer
 from runplan.gguf_header import GgufHeader
 from runtime_core.chat import ChatTemplateError, NoChatTemplate, render_chat_template
 from runtime_core.tokenizer_cuts import token_cuts
+from runtime_core.tokenizer_merge import merged_ids
 from runtime_core.tokenizer_vocab import (
     Attr,
     TokenizerError,
@@ -209,9 +210,8 @@ class Tokenizer:
         return fragments
 
     def _merge(self, fragment: str) -> list[int]:
-        # ``encode_batch`` lets go of the interpreter while it merges (``encode`` holds
-        # it): a long text tokenized in a thread does not stop the others.
-        ids: list[int] = self._hf.encode_batch([fragment], add_special_tokens=False)[0].ids
+        # the interpreter let go while it merges, where the host has the threads for it
+        ids = merged_ids(self._hf, fragment)
         if self._fallback and any(i >= self.n_vocab for i in ids):
             ids = [j for i in ids for j in self._fallback.get(i, (i,))]
         return ids

@@ -137,21 +137,30 @@ def test_a_thread_refused_names_the_limits_set() -> None:
     ), done.stderr
 
 
-def test_a_cli_with_no_thread_left_is_a_named_setup_fault(tiny: str) -> None:
-    """The CLI alone in a group of one task (its main thread; the prompt given as ids,
-    which the tokenizer's thread pool would otherwise encode): the display of the
-    stages starting has no thread for its refresh and goes without it (it was a
-    ``RuntimeError`` traceback, exit 1 and no object), and the first stage cannot be
-    forked: a setup fault naming what ran out."""
+@pytest.mark.parametrize(
+    "prompt", [("--prompt-ids", "1,2,3"), ("--prompt", "hello world")], ids=["ids", "text"]
+)
+def test_a_cli_with_no_thread_left_is_a_named_setup_fault(
+    tiny: str, prompt: tuple[str, str]
+) -> None:
+    """The CLI alone in a group of one task (its main thread): a text prompt is encoded
+    without the tokenizers library's thread pool, which cannot be built (it was a
+    ``PanicException`` traceback with a Rust backtrace, exit 1 and no object); the
+    display of the stages starting has no thread for its refresh and goes without it
+    (it was a ``RuntimeError`` traceback, exit 1 and no object), and the first stage
+    cannot be forked: a setup fault naming what ran out."""
     _skip_without_cgroup()
     argv = [sys.executable, "-m", "runtime_cupy", "--model", tiny, "--stages", "2",
-            "--prompt-ids", "1,2,3", "--max-tokens", "4", "--worker", "numpy",
-            "--json"]  # fmt: skip
+            *prompt, "--max-tokens", "4", "--worker", "numpy", "--json"]  # fmt: skip
+    env = {**_env(), **ONE_THREAD}
+    del env["TOKENIZERS_PARALLELISM"]  # the library tries its pool, as by default
     with pids_cgroup(1) as (_, join):
         proc = subprocess.run(
-            argv, capture_output=True, text=True, env={**_env(), **ONE_THREAD},
-            preexec_fn=join, timeout=120, check=False,
+            argv, capture_output=True, text=True, env=env, preexec_fn=join, timeout=120,
+            check=False,
         )  # fmt: skip
+    if prompt[0] == "--prompt":  # encoded where the library's pool was refused
+        assert "thread pool" in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
