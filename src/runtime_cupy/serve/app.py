@@ -21,9 +21,11 @@ none (``_check_json_type``: what a web page can make a browser send to localhost
 unasked), 429 when the queue is full, 500 / 503 when the pipeline cannot answer, 503
 once the server stops (a body still arriving too: ``stopping``); a server on a loopback
 address answers 400 ``invalid_host`` to a ``Host`` that is not a loopback name
-(``host_header``: DNS rebinding). A bug is logged with its traceback and answered 500
-without it. An answer sent before the request's body came whole (a 413, a 408, ...)
-says ``Connection: close`` and ends its connection (``unread_body``).
+(``host_header``: DNS rebinding); bytes that are no HTTP/1.1 request get a 400
+``invalid_http_request`` error object from the protocol (``connections``). A bug is
+logged with its traceback and answered 500 without it. An answer sent before the
+request's body came whole (a 413, a 408, ...) says ``Connection: close`` and ends its
+connection (``unread_body``).
 
 A body is parsed and its prompt tokenized in a thread (``asyncio.to_thread``), never
 on the event loop: ``/health`` and the streams of other requests go on meanwhile.

@@ -20,6 +20,9 @@ socket it is handed and the protocol class it is given: ``guarded_listener``,
   waits to go is discarded), which the app hears as the client gone (its runs are
   cancelled). A client that stops reading a long stream held its connection, and the
   answer's bytes in this process, for good: a few of them could take every connection.
+- **Malformed requests**: bytes h11 cannot read as a request are answered 400 with
+  an OpenAI error object (``invalid_http_request``), as every other error, not
+  uvicorn's ``text/plain`` line.
 - **Closing**: a connection closed while its client still sends a request's body (an
   answer that did not wait for it: ``unread_body``) lingers (``serve.lingering``): the
   answer sent and the write side shut, what still comes is thrown away for at most
@@ -47,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import socket
 import threading
@@ -54,16 +58,24 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
+import h11
 from attrs import frozen
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from runtime_cupy.serve.lingering import LingeringClose
+from runtime_cupy.serve.request_errors import RequestError
 
 log = logging.getLogger("runtime_cupy.serve.connections")
 
 #: Loggers whose records ``QuietLog`` rate-limits.
 NOISY_LOGGERS = ("asyncio", "uvicorn.error", log.name)
 _REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+#: The answer's body to bytes that are no HTTP/1.1 request (``BoundedH11Protocol``).
+MALFORMED = RequestError(
+    "the request is not valid HTTP/1.1 (a malformed request line, header or chunk, a "
+    "Content-Length that is no length, or no Host header)",
+    code="invalid_http_request",
+).body()
 
 
 #: How many connections may be closing to make room at one time.
@@ -230,6 +242,23 @@ class BoundedH11Protocol(H11Protocol):
                 self.guard.limits.client_timeout_s,
             )
             self.transport.abort()  # close() would wait for the client to read it all
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are no HTTP/1.1 request (h11 refused them), as
+        every other error of this server: an OpenAI error object, 400, and the
+        connection closed. (uvicorn's own was ``text/plain``, 'Invalid HTTP request
+        received.', which no OpenAI client reads as an error object.)"""
+        body = json.dumps(MALFORMED).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        events = (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                  h11.Data(data=body), h11.EndOfMessage())  # fmt: skip
+        for event in events:
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
 
     def evict(self) -> None:
         """Close now: a newer connection needs the room."""

@@ -12,6 +12,7 @@ connections is ``test_server_limits.py``):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -147,5 +148,55 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped() -> None:
         assert not guard.open
     finally:
         client.close()
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_bytes_that_are_no_http_request_get_an_openai_error_object() -> None:
+    """What h11 cannot read as a request (no ``Host``, a ``Content-Length`` that is no
+    length, a malformed request line or chunk) is answered 400 with an OpenAI error
+    object, as every other error of the server, and the connection closed. (It was
+    uvicorn's ``text/plain`` 'Invalid HTTP request received.'.)"""
+    guard = ConnectionGuard(ConnectionLimits(4, 5.0))
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = guarded_listener(_listen("127.0.0.1", 0), guard)
+    config = uvicorn.Config(app, http=bounded_h11(guard), lifespan="off", log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    malformed = [
+        b"GET / HTTP/1.1\r\n\r\n",  # no Host
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"NOT HTTP\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n",  # after a good request
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for data in malformed:
+            with socket.create_connection(sock.getsockname(), timeout=10) as client:
+                client.sendall(data)
+                answer = b""
+                while chunk := client.recv(65536):  # until the server closes
+                    answer += chunk
+            start = answer.find(b"HTTP/1.1 400 ")  # (after the good request's answer)
+            assert start >= 0, (data, answer)
+            head, _, body = answer[start:].partition(b"\r\n\r\n")
+            headers = head.decode().lower()
+            assert "content-type: application/json" in headers, (data, answer)
+            assert "connection: close" in headers, (data, answer)
+            error = json.loads(body)["error"]
+            assert error["type"] == "invalid_request_error", (data, error)
+            assert error["code"] == "invalid_http_request", (data, error)
+            assert error["param"] is None and "HTTP/1.1" in error["message"], (data, error)
+    finally:
         server.should_exit = True
         thread.join(10)
