@@ -31,7 +31,8 @@ socket it is handed and the protocol class it is given: ``guarded_listener``,
   fewer than ``limits.max_connections`` are open (or being set up); past that, the new
   one closes the connection that has waited longest for a request to begin (an idle or
   trickling one: a client whose request runs is never dropped), up to
-  ``EVICTION_SLACK`` closes at a time, or else is answered 503 and closed at once. So
+  ``EVICTION_SLACK`` closes at a time, or else is answered 503 (an OpenAI error
+  object, ``too_many_connections``) and closed at once. So
   the connections never hold more than ``max_connections + EVICTION_SLACK + 1``
   descriptors (``cli.serve`` sizes that from ``RLIMIT_NOFILE``, beside the descriptors
   kept for the stages), ``accept`` never runs out of them, and strangers holding
@@ -69,13 +70,42 @@ log = logging.getLogger("runtime_cupy.serve.connections")
 
 #: Loggers whose records ``QuietLog`` rate-limits.
 NOISY_LOGGERS = ("asyncio", "uvicorn.error", log.name)
-_REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-#: The answer's body to bytes that are no HTTP/1.1 request (``BoundedH11Protocol``).
+
+
+def _error_answer(error: RequestError) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The headers and body of an answer that is ``error``'s OpenAI error object and
+    closes its connection."""
+    body = json.dumps(error.body()).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    return headers, body
+
+
+#: The answer of a connection past the most (``GuardedListener``).
+_REFUSAL_HEADERS, _REFUSAL_BODY = _error_answer(
+    RequestError(
+        "the server holds as many connections as it may (--max-connections), each with "
+        "a request: try again later",
+        status=503,
+        code="too_many_connections",
+        type="server_error",
+    )
+)
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    + b"".join(name + b": " + value + b"\r\n" for name, value in _REFUSAL_HEADERS)
+    + b"\r\n"
+    + _REFUSAL_BODY
+)
+#: The error of bytes that are no HTTP/1.1 request (``BoundedH11Protocol``).
 MALFORMED = RequestError(
     "the request is not valid HTTP/1.1 (a malformed request line, header or chunk, a "
     "Content-Length that is no length, or no Host header)",
     code="invalid_http_request",
-).body()
+)
 
 
 #: How many connections may be closing to make room at one time.
@@ -248,12 +278,7 @@ class BoundedH11Protocol(H11Protocol):
         every other error of this server: an OpenAI error object, 400, and the
         connection closed. (uvicorn's own was ``text/plain``, 'Invalid HTTP request
         received.', which no OpenAI client reads as an error object.)"""
-        body = json.dumps(MALFORMED).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
+        headers, body = _error_answer(MALFORMED)
         events = (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
                   h11.Data(data=body), h11.EndOfMessage())  # fmt: skip
         for event in events:

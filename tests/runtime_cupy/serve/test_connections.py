@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import select
 import socket
 import threading
 import time
 from typing import Any
 
+import pytest
 import uvicorn
 
 from runtime_cupy.cli.serve import _listen
@@ -200,3 +202,35 @@ def test_bytes_that_are_no_http_request_get_an_openai_error_object() -> None:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_connection_past_the_most_gets_a_503_with_an_openai_error_object() -> None:
+    """A connection the guard cannot admit (every open one has a request) is answered
+    503 with an OpenAI error object and closed. (It was a 503 with no body.)"""
+    guard = ConnectionGuard(ConnectionLimits(1, 5.0))
+    assert guard.admit()  # the one place, taken (a connection being set up)
+    listener = guarded_listener(_listen("127.0.0.1", 0), guard)
+    listener.setblocking(False)
+    try:
+        with socket.create_connection(listener.getsockname(), timeout=10) as client:
+            deadline = time.monotonic() + 10
+            while not select.select([client], [], [], 0.01)[0]:  # until it is answered
+                with pytest.raises(BlockingIOError):  # refused (or not yet come)
+                    listener.accept()
+                assert time.monotonic() < deadline, "the connection was never answered"
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+                if b"\r\n\r\n" in answer:
+                    head, _, body = answer.partition(b"\r\n\r\n")
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    if len(body) >= length:
+                        break
+    finally:
+        listener.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), answer
+    assert b"content-type: application/json" in head.lower(), answer
+    error = json.loads(body)["error"]
+    assert error["code"] == "too_many_connections" and error["type"] == "server_error", error
+    assert "--max-connections" in error["message"], error
