@@ -4,7 +4,8 @@ completions APIs, as the official clients parse them.
 A streamed answer is server-sent events: (a completion asked with ``echo``: its
 prompt's text first, a chunk per choice) one ``data: <chunk JSON>`` event per piece of
 text, a last chunk with the ``finish_reason``, a chunk with ``usage`` when the request
-asked for it (``stream_options.include_usage``), then ``data: [DONE]``. An error after
+asked for it (``stream_options.include_usage``: every other chunk then carries
+``"usage": null``, as OpenAI's do), then ``data: [DONE]``. An error after
 the stream began is one ``data: {"error": ...}`` event before ``[DONE]``.
 """
 
@@ -41,6 +42,16 @@ def error_body(failed: Failed) -> dict[str, Any]:
 
 def _head(job: Job, model: str, obj: str) -> dict[str, Any]:
     return {"id": job.id, "object": obj, "created": job.created, "model": model}
+
+
+def _chunk_head(job: Job, model: str, obj: str) -> dict[str, Any]:
+    """A chunk's head: with ``stream_options.include_usage``, every chunk but the last
+    carries ``"usage": null`` (OpenAI's API reference: "All other chunks will also
+    include a usage field, but with a null value"), the last one the usage."""
+    head = _head(job, model, obj)
+    if job.prepared.request.include_usage:
+        head["usage"] = None
+    return head
 
 
 # -- whole answers ------------------------------------------------------------------------
@@ -124,7 +135,7 @@ def chat_chunk(
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
-        **_head(job, model, "chat.completion.chunk"),
+        **_chunk_head(job, model, "chat.completion.chunk"),
         "choices": [
             {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
@@ -140,7 +151,7 @@ def completion_chunk(
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
-        **_head(job, model, "text_completion"),
+        **_chunk_head(job, model, "text_completion"),
         "choices": [
             {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
@@ -149,7 +160,7 @@ def completion_chunk(
 
 def usage_chunk(job: Job, model: str, dones: Sequence[Finished]) -> dict[str, Any]:
     obj = "chat.completion.chunk" if job.prepared.request.endpoint == "chat" else "text_completion"
-    return {**_head(job, model, obj), "choices": [], "usage": _usage_of(dones)}
+    return {**_chunk_head(job, model, obj), "choices": [], "usage": _usage_of(dones)}
 
 
 def piece_chunk(
