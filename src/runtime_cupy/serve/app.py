@@ -21,7 +21,9 @@ none (``_check_json_type``: what a web page can make a browser send to localhost
 unasked), 429 when the queue is full, 500 / 503 when the pipeline cannot answer, 503
 once the server stops (a body still arriving too: ``stopping``); a server on a loopback
 address answers 400 ``invalid_host`` to a ``Host`` that is not a loopback name
-(``host_header``: DNS rebinding); bytes that are no HTTP/1.1 request get a 400
+(``host_header``: DNS rebinding; a target in absolute form,
+``GET http://localhost:8000/v1/models``, names the path and the host:
+``request_target``); bytes that are no HTTP/1.1 request get a 400
 ``invalid_http_request`` error object from the protocol (``connections``). A bug is
 logged with its traceback and answered 500 without it. An answer sent before the
 request's body came whole (a 413, a 408, ...) says ``Connection: close`` and ends its
@@ -52,6 +54,7 @@ from runtime_cupy.serve.engine import Engine, QueueFull, ShuttingDown
 from runtime_cupy.serve.events import Event, Failed, Finished, Piece
 from runtime_cupy.serve.host_header import LoopbackHosts
 from runtime_cupy.serve.jobs import SHUTTING_DOWN, Job
+from runtime_cupy.serve.request_target import AbsoluteTargets
 from runtime_cupy.serve.requests import (
     CompletionRequest,
     RequestError,
@@ -422,6 +425,7 @@ def build_app(
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
     checks = [Middleware(ClosesUnreadBodies)]  # first: a refused Host's body is unread too
+    checks.append(Middleware(AbsoluteTargets))  # before the Host check: it names the host
     if host_names is not None:
         checks.append(Middleware(LoopbackHosts, names=host_names))
     app = Starlette(
