@@ -44,7 +44,7 @@ class Answers:
             self.metrics.request(job.prepared.request.endpoint, request, prompt_tokens=prompt)
 
     def finish(self, job: Job, outcome: str, event: Event | None, *, tokens: int = 0) -> None:
-        log.info("request #%d (%s) finished: %s, %d tokens%s", job.number, job.id, outcome,
+        log.info("request #%d (%s) finished: %s, %d tokens%s", job.number, job.label, outcome,
                  tokens, f" ({event.message})" if isinstance(event, Failed) else "")  # fmt: skip
         if outcome != "completed" and tokens:  # an answered choice's count in answered()
             self.metrics.generated(tokens)  # a choice left, stopped or faulted: its tokens

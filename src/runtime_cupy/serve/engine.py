@@ -37,7 +37,7 @@ from runtime_core.threads import thread_refused
 from runtime_cupy.serve.answers import Answers
 from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.serve.events import Failed, Sink
-from runtime_cupy.serve.jobs import SHUTTING_DOWN, Job, Tally
+from runtime_cupy.serve.jobs import SHUTTING_DOWN, Job, Tally, answer_id
 from runtime_cupy.serve.metrics import Metrics, RecoveryMetrics
 from runtime_cupy.serve.prompts import Prepared, prepare
 from runtime_cupy.serve.requests import CompletionRequest
@@ -141,15 +141,17 @@ class Engine:
                 )
             jobs = []
             tally = Tally(len(choices))
+            answer = answer_id(choices[0].request.endpoint) if choices else None
             for prepared in choices:
                 self._numbers += 1
-                job = Job(self, prepared, self._numbers, sink_of(prepared.index), tally)
+                sink = sink_of(prepared.index)
+                job = Job(self, prepared, self._numbers, sink, tally, answer)
                 self._queue.append(job)
                 jobs.append(job)
                 log.info(
                     "request #%d (%s) queued: %d prompt tokens, up to %d tokens; %d waiting",
                     job.number,
-                    job.id,
+                    job.label,
                     len(prepared.prompt_ids),
                     prepared.max_tokens,
                     len(self._queue),
@@ -171,7 +173,7 @@ class Engine:
                 self._queue.remove(job)
             except ValueError:
                 return
-        log.info("request #%d (%s) left the queue: the client went away", job.number, job.id)
+        log.info("request #%d (%s) left the queue: the client went away", job.number, job.label)
         self._answers.count(job, "cancelled")
 
     def close(self, timeout_s: float | None = None) -> bool:
@@ -267,7 +269,7 @@ class Engine:
                 thread = threading.Thread(
                     target=self._run_job, args=(job,), name=f"request-{job.number}", daemon=True
                 )
-                log.info("request #%d (%s) started", job.number, job.id)
+                log.info("request #%d (%s) started", job.number, job.label)
                 if not self._start_job_thread(job, thread):
                     continue
                 # The next request starts once this one's run has joined the chain (or
@@ -303,7 +305,7 @@ class Engine:
                 self._cond.notify_all()
             job.submitted.set()
             reason = thread_refused("the server could not start a thread for the request", exc)
-            log.error("request #%d (%s): %s", job.number, job.id, reason)
+            log.error("request #%d (%s): %s", job.number, job.label, reason)
             self._answers.finish(job, "faulted", Failed(503, reason, "unavailable"))
             return False
         return True

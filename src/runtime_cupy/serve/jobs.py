@@ -49,14 +49,27 @@ class Tally:
             return self.OUTCOME_RANK[self._worst], self._answered
 
 
+def answer_id(endpoint: str) -> str:
+    """A new id of an answer (every choice's chunks and the whole answer carry it)."""
+    kind = "chatcmpl" if endpoint == "chat" else "cmpl"
+    return f"{kind}-{uuid.uuid4().hex[:24]}"
+
+
 class Job:
-    """One admitted choice of a request. ``cancel()`` from any thread."""
+    """One admitted choice of a request. ``cancel()`` from any thread. ``id``: the
+    answer's, the same for every choice of a request (``answer_id``; a new one when
+    not given)."""
 
     def __init__(
-        self, engine: Engine, prepared: Prepared, number: int, sink: Sink, tally: Tally
+        self,
+        engine: Engine,
+        prepared: Prepared,
+        number: int,
+        sink: Sink,
+        tally: Tally,
+        id: str | None = None,
     ) -> None:
-        kind = "chatcmpl" if prepared.request.endpoint == "chat" else "cmpl"
-        self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
+        self.id = id if id is not None else answer_id(prepared.request.endpoint)
         self.number = number
         self.prepared = prepared
         self.sink = sink
@@ -71,6 +84,14 @@ class Job:
         self.stopped = False  # a stop string came: the run ends early, the answer is whole
         #: set once the job's run has joined the chain, or the job ended before it could
         self.submitted = threading.Event()
+
+    @property
+    def label(self) -> str:
+        """What the log calls it: the answer's id, and the choice's index where there
+        are several (``chatcmpl-...[1]``; one word, as a log reader splits them)."""
+        if self.prepared.request.n == 1:
+            return self.id
+        return f"{self.id}[{self.prepared.index}]"
 
     @property
     def waiting_for_memory(self) -> bool:
@@ -101,7 +122,7 @@ class Job:
             run.cancel(SHUTTING_DOWN)
 
     def _attach(self, run: ChainRun) -> None:
-        log.info("request #%d (%s) runs as %s", self.number, self.id, run_label(run.plan.run_id))
+        log.info("request #%d (%s) runs as %s", self.number, self.label, run_label(run.plan.run_id))
         with self._lock:
             self._run = run
             cancel = self.cancelled
