@@ -24,8 +24,10 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+from gguf import GGUFReader
 
 from runplan import SamplingConfig
+from runplan.gguf_header import GgufHeader
 from runtime_core.workers.interface import BatchStep, StepFailure, TokenOutput, Worker
 from runtime_core.workers.reference.worker import ReferenceWorker
 from runtime_cupy.cuda.worker import CUDA_CAPABILITIES
@@ -119,6 +121,25 @@ QWEN2MOE = ModelShape(
 )
 
 
+def _one_expert(path: Path, shape: ModelShape, stored: str) -> Path:
+    """A mixture of one expert (``shape``): its router and stacked experts' tensors end in
+    the expert count's dimension of 1, stored ``"with the 1"`` (as the writer stores a
+    stack of one) or ``"without it"`` (as a converter may); the slice holds either with
+    the model's shape, and each worker indexes the one expert."""
+    written = write_model(path, shape)
+    stored_shapes = {
+        name: info.shape
+        for name, info in GgufHeader.read(written).tensors.items()
+        if "_exps" in name or name.endswith("ffn_gate_inp.weight")
+    }
+    if stored == "without it":
+        written = write_model(path, shape, stored_shapes=stored_shapes)
+    dims = {t.name: len(t.shape) for t in GGUFReader(written).tensors}
+    padded = 1 if stored == "with the 1" else 0
+    assert all(dims[name] == len(shape) + padded for name, shape in stored_shapes.items())
+    return written
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("emulated")
@@ -160,6 +181,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # shared expert's (a batch's later rows were read at the wider one's)
         "qwen2moe-wide-Q8_0": write_model(
             folder / "qwen2moe-wide.gguf", attrs.evolve(QWEN2MOE, shared_ffn=256)
+        ),
+        # mixtures of one expert (the router's softmax weighs it 1), the experts' and
+        # router's trailing dimension of 1 stored or not; qwen2moe's with its wider
+        # shared expert
+        "qwen3moe-one-expert": _one_expert(
+            folder / "qwen3moe-1.gguf",
+            ModelShape(arch="qwen3moe", n_layers=2, experts=1, experts_used=1, quant="Q8_0"),
+            "with the 1",
+        ),
+        "qwen2moe-one-expert": _one_expert(
+            folder / "qwen2moe-1.gguf",
+            attrs.evolve(QWEN2MOE, experts=1, experts_used=1, shared_ffn=256),
+            "without it",
         ),
     }
 
@@ -230,6 +264,8 @@ def logits(out: TokenOutput) -> np.ndarray:
         "qwen3moe-Q8_0",
         "llama-moe-F32",
         "qwen2moe-Q8_0",
+        "qwen3moe-one-expert",
+        "qwen2moe-one-expert",
     ],
 )
 def test_the_device_backend_computes_what_the_twin_worker_computes(
@@ -348,7 +384,15 @@ def test_a_chunk_far_into_a_run_holds_its_window_not_the_runs_positions(
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3moe-Q8_0", "llama-moe-F32", "qwen2moe-Q8_0", "qwen2moe-wide-Q8_0"]
+    "name",
+    [
+        "qwen3moe-Q8_0",
+        "llama-moe-F32",
+        "qwen2moe-Q8_0",
+        "qwen2moe-wide-Q8_0",
+        "qwen3moe-one-expert",
+        "qwen2moe-one-expert",
+    ],
 )
 def test_a_mixture_of_experts_batched_computes_what_each_run_computes_alone(
     models: dict[str, Path], name: str
