@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import sys
@@ -50,6 +49,7 @@ from tests.support.ray_checks import (  # noqa: E402
     supervisors,
     wait_until,
 )
+from tests.support.ray_local_cluster import local_cluster  # noqa: E402
 from tests.support.servers import ServerProcess, metrics, wait_for  # noqa: E402
 
 #: A Ray cluster of its own and real stage processes (make fast leaves these out).
@@ -60,34 +60,8 @@ PROMPT = [1, 2, 3]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False},
-    )
-    session = Path(c.head_node.get_session_dir_path())
-    try:
-        for _ in range(2):
-            c.add_node(num_cpus=1)
-        c.wait_for_nodes()
-        connect(c.address)
+    with local_cluster(nodes=2) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        _remove_session(session)
-
-
-def _remove_session(session: Path) -> None:
-    """Ray keeps each session's folder (logs, sockets) under its temp dir: the
-    cluster's goes with it, and the temp dir too once empty."""
-    shutil.rmtree(session, ignore_errors=True)
-    latest = session.parent / "session_latest"
-    if latest.is_symlink() and not latest.exists():
-        latest.unlink()
-    with contextlib.suppress(OSError):
-        session.parent.rmdir()
 
 
 def _raylets(cluster: Any) -> dict[int, str]:

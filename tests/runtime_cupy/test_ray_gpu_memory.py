@@ -7,7 +7,6 @@ own that reports a GPU (no GPU is needed: the task's function is replaced)."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from runtime_cupy.hosts.ray.cluster import gpu_stage_nodes  # noqa: E402
 from runtime_cupy.hosts.ray.host import RayHost  # noqa: E402
 from tests.support.hygiene import alive  # noqa: E402
 from tests.support.ray_checks import wait_until  # noqa: E402
+from tests.support.ray_local_cluster import local_cluster  # noqa: E402
 
 #: A Ray cluster of its own (make fast leaves these out).
 pytestmark = [pytest.mark.ray, pytest.mark.process]
@@ -29,21 +29,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.process]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "num_gpus": 1, "include_dashboard": False},
-    )
-    where = Path(c.head_node.get_session_dir_path())
-    try:
-        c.wait_for_nodes()
-        session.connect(c.address)
+    with local_cluster(num_gpus=1) as c:  # a GPU Ray counts: none is used
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        shutil.rmtree(where, ignore_errors=True)
 
 
 def _pid() -> int:

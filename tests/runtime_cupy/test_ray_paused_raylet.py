@@ -7,10 +7,8 @@ spent. A cluster of its own, of two Ray nodes on this machine."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +19,7 @@ from runtime_cupy.hosts.ray import session  # noqa: E402
 from runtime_cupy.hosts.ray.cluster import cpu_stage_nodes  # noqa: E402
 from runtime_cupy.hosts.ray.host import RayHost  # noqa: E402
 from tests.support.ray_checks import wait_until  # noqa: E402
+from tests.support.ray_local_cluster import local_cluster  # noqa: E402
 
 #: A Ray cluster of its own (make fast leaves these out).
 pytestmark = [pytest.mark.ray, pytest.mark.process]
@@ -28,19 +27,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.process]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    where = Path(c.head_node.get_session_dir_path())
-    try:
-        c.add_node(num_cpus=1)
-        c.wait_for_nodes()
-        session.connect(c.address)
+    with local_cluster(nodes=1) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_a_node_whose_raylet_is_paused_is_placed_around(cluster: Any) -> None:
