@@ -39,8 +39,12 @@ def loopback_names(address: str) -> frozenset[str] | None:
 
 def host_name(value: bytes) -> str:
     """The name of a ``Host`` header's value, its port left out (``[::1]:8000`` ->
-    ``[::1]``), in lower case."""
+    ``[::1]``), in lower case; a value naming userinfo (``localhost:1@evil.example``,
+    which RFC 9110 §4.2.4 calls an error: an absolute-form target's authority) whole,
+    no loopback name."""
     text = value.decode("latin-1").strip().lower()
+    if "@" in text:
+        return text
     if text.startswith("["):
         return text[: text.find("]") + 1] if "]" in text else text
     return text.rpartition(":")[0] if ":" in text else text

@@ -63,6 +63,17 @@ def test_an_absolute_target_s_host_is_the_one_checked() -> None:
     assert "rebind.attacker.example" in body["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("target", "host"),
+    [(b"http://localhost:1@evil.example/v1/models", b"evil.example"),
+     (b"/v1/models", b"localhost:1@evil.example")],
+)  # fmt: skip
+def test_a_host_naming_userinfo_is_refused(target: bytes, host: bytes) -> None:
+    """``localhost:1@evil.example`` names the host evil.example: it read as localhost."""
+    status, body = _get(target, host=host)
+    assert status == 400 and body["error"]["code"] == "invalid_host", body
+
+
 def test_an_origin_form_target_is_left_as_it_is() -> None:
     scope = {"type": "http", "path": "/v1/models", "raw_path": b"/v1/models",
              "headers": [(b"host", b"localhost")]}  # fmt: skip
