@@ -24,7 +24,8 @@ its last loss mid-run or while the new chain started, ends with its fault and ``
 recovered: ... no recovery left (--max-recoveries N)`` (``spent``).
 
 ``Recoveries`` counts them (and their seconds: from the interrupted run's end to the
-replay's first token) for ``/metrics``, each as its replay's first token arrives; the
+replay's first token) for ``/metrics``, each as its replay's first token arrives (a
+replay that ends completed with none, as it ends); the
 log names the lost node, the cause and the new placement.
 """
 
@@ -40,6 +41,7 @@ import attrs
 from attrs import frozen
 
 from runplan import ModelFacts, NodePool, NodeSpec, RunPlan, RuntimeConfig, SamplingConfig
+from runplan.messages import StopReason
 from runplan.replacement import Replacement, Unplaceable, replace_lost
 from runtime_core.recovery import End, EndReason, RecoveryPolicy
 from runtime_core.replay import Interrupted, Replay, ReplayRefused, replay_of
@@ -330,6 +332,11 @@ def run_stream(
             replay.recoveries,
         )
         outcome = run.wait_for_caller(on_run)
+        ended = outcome.finished
+        if not first.is_set() and ended is not None and ended.outcome is StopReason.COMPLETED:
+            first.set()  # ended well with no token (the stream's last was the interrupted
+            # run's, the next ends generation): recovered too, its end its first token
+            chain.recoveries.recovered(_times(lost_at, chain.heal_marks, outcome.ended_s))
         segments.append(_Segment(run, outcome, replay))
         interrupted = Interrupted.of_replay(replay, run.plan, outcome.tokens)
         not_recovered = None

@@ -32,6 +32,7 @@ from runtime_cupy import generate
 from runtime_cupy.process.chain_run import ChainRun
 from runtime_cupy.process.control_channel import encode_frame
 from runtime_cupy.serve.chain import WarmChain
+from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.hosts import GatedHost, LosingHost, TapHost, UnjoinableHost
 from tests.support.hygiene import alive, run_resources, wait_gone
 from tests.support.servers import wait_for
@@ -301,6 +302,36 @@ def test_a_recovery_is_counted_as_its_replays_first_token_arrives(tiny: str) -> 
         run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
         assert run.result.outcome == "completed", run.result.fault
         assert counted[:2] == [0, 0] and counted == sorted(counted) and counted[-1] == 1, counted
+        (times,) = chain.recoveries.times
+        assert times.ended_s <= times.bound_s <= times.first_token_s
+
+
+def test_a_recovery_whose_replay_ends_well_with_no_token_is_counted(tmp_path: Path) -> None:
+    """The stream's next token ends generation (an end-of-turn id, not delivered) and a
+    stage is lost just before it: the replay ends completed with no token delivered; the
+    stream was recovered all the same (counted, its end taken for its first token). It
+    went uncounted once recoveries were counted at the replay's first token."""
+    plain = write_model(tmp_path / "plain.gguf", ModelShape(n_layers=4))
+    with WarmChain(str(plain), stages=2, context=64) as chain:
+        tokens = chain.generate(PROMPT, max_tokens=TOKENS).result.tokens
+    k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    ending = {"tokenizer.ggml.eot_token_id": int(tokens[k])}  # ends the stream after k
+    model = write_model(tmp_path / "ending.gguf", ModelShape(n_layers=4), extra_keys=ending)
+    with WarmChain(str(model), stages=2, context=64, recover=True) as chain:
+        pids = chain.pids()
+        seen: list[int] = []
+
+        def on_token(token: int) -> None:
+            seen.append(token)
+            if len(seen) == k:
+                os.kill(pids[1], signal.SIGKILL)
+                assert not wait_gone([pids[1]], 30.0)
+
+        run = chain.generate(PROMPT, max_tokens=TOKENS, on_token=on_token)
+        assert run.result.outcome == "completed", run.result.fault
+        assert run.result.tokens == tokens[:k] == tuple(seen)
+        assert chain.pids()[1] != pids[1], "stage 1 started again: the stream was replayed"
+        assert chain.recoveries.count == 1
         (times,) = chain.recoveries.times
         assert times.ended_s <= times.bound_s <= times.first_token_s
 
