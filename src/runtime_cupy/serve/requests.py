@@ -289,6 +289,13 @@ def parse_completion(body: bytes) -> CompletionRequest:
     """A ``/v1/completions`` body; ``RequestError`` naming what is wrong."""
     obj = json_object(body)
     v = _fields(obj, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
+    if obj.get("best_of") is not None and v["n"] > obj["best_of"]:  # as OpenAI refuses it
+        raise RequestError(
+            f"best_of is {show(obj['best_of'])} and n is {v['n']}: best_of, the candidates "
+            "the n choices are picked from, must be at least n (or null)",
+            param="best_of",
+            code="invalid_value",
+        )
     if v["echo"] and v["logprobs"] is not None:
         raise RequestError(
             "echo with logprobs asks for the prompt's log probabilities, which this server "

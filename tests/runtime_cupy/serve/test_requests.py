@@ -213,6 +213,18 @@ def test_a_prompt_nested_past_one_array_is_refused(prompt: Any) -> None:
     assert parse_completion(json.dumps({"model": "m", "prompt": ["a"]}).encode()).prompt == "a"
 
 
+def test_best_of_below_n_is_refused_as_openai_refuses_it() -> None:
+    """``best_of: 1`` (the one value served: no candidates beyond the choices) with
+    ``n: 2`` asked for two choices picked from one; it was answered with two."""
+    body = json.dumps({"model": "m", "prompt": "x", "n": 2, "best_of": 1}).encode()
+    with pytest.raises(RequestError, match="must be at least n") as info:
+        parse_completion(body)
+    assert info.value.param == "best_of"
+    for fine in ({"n": 1, "best_of": 1}, {"n": 2, "best_of": None}, {"n": 2}):
+        body = json.dumps({"model": "m", "prompt": "x", **fine}).encode()
+        assert parse_completion(body).n == fine["n"]
+
+
 @pytest.mark.parametrize("seed", [-2, -(2**63)])
 def test_a_negative_seed_other_than_minus_one_names_what_is_taken(seed: int) -> None:
     body = json.dumps({"model": "m", "prompt": "x", "seed": seed}).encode()
