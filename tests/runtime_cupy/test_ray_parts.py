@@ -35,6 +35,7 @@ from runtime_cupy.hosts.ray.rendezvous import (
 )
 from runtime_cupy.process.keys import control_key, new_secret
 from tests.support.descriptors import no_descriptor_left
+from tests.support.trickle import trickle
 
 
 def _node(node_id: str, address: str, port: int, *, head: bool = False, **res: float) -> Any:
@@ -435,19 +436,14 @@ def test_a_supervisor_whose_orchestrator_trickles_its_challenge_gives_up_at_the_
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
 
-        def trickle() -> None:
+        def serve_slowly() -> None:
             conn, _ = listener.accept()
             with conn:
                 conn.recv(hs.HELLO_BYTES, socket.MSG_WAITALL)
-                for byte in hs.challenge(key, 1, control_link.CONTROL, bytes(32), bytes(32)):
-                    if stop.wait(0.2):
-                        return
-                    try:
-                        conn.send(bytes([byte]))
-                    except OSError:
-                        return
+                challenge = hs.challenge(key, 1, control_link.CONTROL, bytes(32), bytes(32))
+                trickle(conn, challenge, 0.2, stop)
 
-        thread = threading.Thread(target=trickle)
+        thread = threading.Thread(target=serve_slowly)
         thread.start()
         try:
             with pytest.raises(HandshakeTimeUp, match=r"more than 0.5 s over its handshake"):

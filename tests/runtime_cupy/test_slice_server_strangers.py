@@ -31,6 +31,7 @@ from runtime_cupy.slices.protocol import AUTHENTICATED, Refused, TransferError, 
 from runtime_cupy.slices.server import SliceServer
 from tests.fixtures.gguf_models import ModelShape, write_model
 from tests.support.descriptors import no_descriptor_left
+from tests.support.trickle import trickle
 
 PARTS = SliceParts(1, 3, False, False)
 
@@ -249,17 +250,8 @@ def test_a_stranger_that_trickles_its_hello_gets_no_more_than_the_handshakes_bou
     hello = hs.hello(served.key, 1, AUTHENTICATED.code, hs.new_nonce())
     stop = threading.Event()
 
-    def trickle(sock: socket.socket) -> None:
-        for byte in hello[:12]:
-            if stop.wait(0.3):
-                return
-            try:
-                sock.send(bytes([byte]))
-            except OSError:
-                return
-
     with served.connect() as slow:
-        thread = threading.Thread(target=trickle, args=(slow,))
+        thread = threading.Thread(target=trickle, args=(slow, hello[:12], 0.3, stop))
         thread.start()
         try:
             assert _closed_by_server(slow, 2.5)
@@ -282,20 +274,13 @@ def test_a_stage_whose_server_trickles_its_challenge_gives_up_at_the_handshakes_
         port = listener.getsockname()[1]
         stop = threading.Event()
 
-        def trickle() -> None:
+        def serve_slowly() -> None:
             conn, _ = listener.accept()
             with conn:
                 conn.recv(hs.HELLO_BYTES, socket.MSG_WAITALL)
-                for byte in challenge:
-                    if stop.wait(0.2):
-                        return
-                    try:
-                        conn.send(bytes([byte]))
-                    except OSError:
-                        return
-                    sent.append(byte)
+                sent.extend(challenge[: trickle(conn, challenge, 0.2, stop)])
 
-        thread = threading.Thread(target=trickle)
+        thread = threading.Thread(target=serve_slowly)
         thread.start()
         try:
             with pytest.raises(Refused, match="took more than 1 s over its handshake"):
