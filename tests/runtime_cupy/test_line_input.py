@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 import pytest
 
@@ -82,6 +83,20 @@ def test_signals_while_the_watch_is_set_up_or_taken_down_leave_nothing_behind(
     blocking it there would not change). The handlers raise only within ``read_line``
     (elsewhere the test itself would be interrupted)."""
     raised: list[int] = []
+    # A handler that ran within a garbage collector's callback, a ``__del__`` or a weak
+    # reference's callback (read_line's threads have those; hypothesis adds a collector
+    # callback) raised where CPython reports the exception as unraisable and goes on: a
+    # CI run saw one in a read_line that then returned. Those are counted apart.
+    swallowed: list[BaseException] = []
+
+    def unraisable(report: Any) -> None:
+        if isinstance(report.exc_value, (Interrupted, KeyboardInterrupt)):
+            swallowed.append(report.exc_value)
+        else:
+            hook(report)
+
+    hook = sys.unraisablehook
+    monkeypatch.setattr(sys, "unraisablehook", unraisable)
 
     def raising(signum: int, frame: FrameType | None) -> None:
         if _inside_read_line():
@@ -105,14 +120,16 @@ def test_signals_while_the_watch_is_set_up_or_taken_down_leave_nothing_behind(
     sender = threading.Thread(target=send)
     try:
         sender.start()
-        ended = []  # of each line: whether read_line raised; whether a handler raised in it
+        # of each line: whether read_line raised; whether a handler raised in it where the
+        # raise was not swallowed by CPython
+        ended = []
         for _ in range(1500):
-            before = len(raised)
+            before = len(raised) - len(swallowed)
             try:
                 read_line("> ")
-                ended.append((False, len(raised) > before))
+                ended.append((False, len(raised) - len(swallowed) > before))
             except KeyboardInterrupt:
-                ended.append((True, len(raised) > before))
+                ended.append((True, len(raised) - len(swallowed) > before))
         stop.set()
         sender.join()
         assert (True, True) in ended

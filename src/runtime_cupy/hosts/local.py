@@ -193,7 +193,15 @@ class LocalStageHandle:
         stdin.flush()
 
     def exited(self) -> bool:
-        return self.proc.poll() is not None
+        if self.proc.poll() is not None:
+            return True
+        # poll() says "running" while another thread holds the Popen's wait lock (the
+        # chain's loop polling the same stage): ask the kernel without reaping instead.
+        try:
+            ended = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped meanwhile by that other thread
+            return True
+        return ended is not None
 
     def wait(self, timeout_s: float) -> bool:
         try:
