@@ -199,6 +199,13 @@ def test_copies_of_a_stages_hello_are_held_at_most_max_proven_at_once(
             sock.close()
 
 
+def _served_of(server: SliceServer, index: int) -> int:
+    """Connections of stage ``index`` the server's door counts served (its state read)."""
+    door = server._door
+    with door._lock:
+        return sum(len(conns) for (i, _), conns in door._served.items() if i == index)
+
+
 def test_a_holder_of_a_stages_key_is_served_on_at_most_served_per_stage_connections(
     served: Served, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -210,6 +217,13 @@ def test_a_holder_of_a_stages_key_is_served_on_at_most_served_per_stage_connecti
     bound = door_module.SERVED_PER_STAGE
     links = [open_as_stage(served.server.address, 1, served.key) for _ in range(bound)]
     try:
+        # A link is open once its CONFIRM is sent; the server lets it in when its thread
+        # reads that. Until then the extra one could be let in first, and one of these
+        # refused (a CI run under load saw the extra one served, waiting for a request).
+        deadline = time.monotonic() + 10.0
+        while _served_of(served.server, 1) < bound and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _served_of(served.server, 1) == bound
         extra = open_as_stage(served.server.address, 1, served.key, header_wait_s=5.0)
         try:
             with pytest.raises(TransferError, match=f"stage 1 has {bound} connections served"):
