@@ -106,6 +106,22 @@ def test_the_next_run_frees_the_trace_folders_a_traced_chain_killed_whole_left(
 
 
 @pytest.mark.process
+def test_a_relative_temp_folder_runs_and_leaves_nothing(
+    tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TMPDIR`` relative to the working folder (which every process of the chain
+    shares): each hop is listed in the registry by its absolute folder, and the run
+    completes and leaves nothing. Every run faulted at its first hop, the registry
+    refusing the relative folder (``ValueError: tmp/gpp-... is not an edge folder``)."""
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TMPDIR", "tmp")
+    _one_run(tiny)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert edge_dir("chain-x", 1).parent == tmp_path / "tmp"
+
+
+@pytest.mark.process
 def test_a_run_beside_a_live_chain_frees_none_of_its_names(tiny: str, temp: Path) -> None:
     driver = Driver(tiny, {1: ["step-delay=2:60"]}, temp.parent / "driver.log")
     driver.until("token", 2)

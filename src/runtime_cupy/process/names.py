@@ -109,15 +109,18 @@ def edge_tag(run_id: str, edge_id: int) -> str:
 def temp_root() -> Path:
     """Where the edges' folders live on this host: the first of ``$TMPDIR``, ``$TEMP``,
     ``$TMP`` that is set, else ``/tmp``, as every process of a chain names it (they share
-    the environment). Not ``tempfile.gettempdir()``: it tries a file there once per
-    process and, if that fails (the folder full, missing or not writable), moves on to
-    another, so two processes of one chain could look for an edge in two places, and
-    its producer wait out the readiness bound for a ring made elsewhere. A folder that
-    cannot hold an edge's is a setup fault naming it (``OSError``) instead."""
+    the environment and the working folder: one that is relative is made absolute
+    against it, as ``tempfile`` does, so that every name of an edge is absolute, as the
+    registry of live chains lists them). Not ``tempfile.gettempdir()``: it tries a file
+    there once per process and, if that fails (the folder full, missing or not
+    writable), moves on to another, so two processes of one chain could look for an
+    edge in two places, and its producer wait out the readiness bound for a ring made
+    elsewhere. A folder that cannot hold an edge's is a setup fault naming it
+    (``OSError``) instead."""
     for name in ("TMPDIR", "TEMP", "TMP"):
         value = os.environ.get(name)
         if value:
-            return Path(value)
+            return Path(os.path.abspath(value))
     return Path("/tmp")
 
 
