@@ -198,6 +198,35 @@ def test_every_process_names_an_edge_s_folder_alike_whatever_its_temp_folder_hol
     assert run_resources(run_id) == []
 
 
+def test_a_stranger_who_sees_an_edge_s_folder_made_cannot_take_its_segment_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer makes its edge's folder, then the segment. A stranger watching the temp
+    folder (inotify) made a segment named as the folder the moment it appeared, before
+    the consumer's: every run it raced faulted (``NameTaken``, or the producer's
+    ``NotPrivate``). The folder's name says nothing of the segment's now: a segment, or a
+    folder, under the other's name changes nothing."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    run_id = f"test-{uuid.uuid4().hex}"
+    spec = RingSpec(2, 64, 256)
+    planted = [SHM / edge_dir(run_id, 1).name, tmp_path / segment_name(run_id, 1)]
+    os.close(os.open(planted[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    planted[1].mkdir(mode=0o700)
+    try:
+        ring = ShmMedium().create(run_id, 1, spec, b"")
+        producer = ShmMedium().attach(run_id, 1, spec, b"")
+        assert producer is not None
+        ring.detach()
+        producer.detach()
+        ShmMedium().remove(run_id, 1)
+        assert run_resources(run_id, [1]) == []
+        assert planted[0].exists() and planted[1].is_dir()  # not the edge's: left
+    finally:
+        planted[0].unlink(missing_ok=True)
+        planted[1].rmdir()
+        ShmMedium().remove(run_id, 1)
+
+
 #: A user of its own for the chain (the squatter is uid 65534): it may read this checkout
 #: and its Python (``dac_override``), not remove another user's file from ``/dev/shm``.
 _CHAIN_USER = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups",

@@ -140,7 +140,7 @@ HOLD = """
 import sys
 from pathlib import Path
 from runtime_cupy.edges.live_chains import LiveChain
-entry = LiveChain.hold(sys.argv[1], Path(sys.argv[2]))
+entry = LiveChain.hold(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
 assert entry is not None
 print("held", flush=True)
 sys.stdin.read()
@@ -156,7 +156,7 @@ def test_an_entry_is_freed_only_once_no_process_holds_it(temp: Path) -> None:
     ring.detach()  # its names stay, as a killed process's would
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, chain, str(edge_dir(chain, 1))],
+        [sys.executable, "-c", HOLD, chain, segment_name(chain, 1), str(edge_dir(chain, 1))],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -180,7 +180,10 @@ class CheckingMedium(ShmMedium):
 
     def create(self, run_id: str, edge_id: int, spec: RingSpec, key: bytes) -> Any:
         path = registry_dir() / entry_name(run_id)
-        assert path.read_bytes().splitlines() == [os.fsencode(edge_dir(run_id, edge_id))]
+        line = (
+            segment_name(run_id, edge_id).encode() + b" " + os.fsencode(edge_dir(run_id, edge_id))
+        )
+        assert path.read_bytes().splitlines() == [line]
         with path.open("rb") as entry, pytest.raises(BlockingIOError):
             fcntl.flock(entry, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert not (SHM_DIR / segment_name(run_id, edge_id)).exists()
@@ -201,6 +204,27 @@ def test_a_hop_is_listed_and_held_before_its_names_are_made(temp: Path, tiny: st
     assert run_resources("chain-checked") == []
 
 
+def test_an_entry_an_earlier_version_wrote_is_freed(temp: Path) -> None:
+    """An entry of a chain killed whole under an earlier version lists each hop's folder
+    alone (its segment was named as it): a sweep frees both."""
+    chain = "chain-earlier"
+    ring = ShmMedium().create(chain, 1, SPEC, b"")
+    ring.detach()  # its names stay, as a killed process's would
+    old_segment = SHM_DIR / edge_dir(chain, 1).name  # the segment as it was named
+    os.close(os.open(old_segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    registry_dir().mkdir(mode=0o700)
+    entry = registry_dir() / entry_name(chain)
+    entry.write_bytes(os.fsencode(edge_dir(chain, 1)) + b"\n")
+    entry.chmod(0o600)
+    try:
+        assert live_chains.sweep() == 1
+        assert not old_segment.exists() and not edge_dir(chain, 1).exists()
+    finally:
+        old_segment.unlink(missing_ok=True)
+        ShmMedium().remove(chain, 1)
+    assert not registry_dir().exists()
+
+
 def test_a_planted_entry_is_refused_not_followed(
     temp: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -218,7 +242,8 @@ def test_a_planted_entry_is_refused_not_followed(
     assert folder.is_dir() and link.is_symlink()
     assert f"the entry {link} of live chains is a symbolic link" in caplog.text
     # The entry is not held through the link either: no registry for that chain.
-    assert LiveChain.hold("chain-planted", edge_dir("chain-planted", 1)) is None
+    names = segment_name("chain-planted", 1), edge_dir("chain-planted", 1)
+    assert LiveChain.hold("chain-planted", *names) is None
     assert folder.is_dir()
 
 

@@ -39,7 +39,7 @@ from runplan.plan import ObjectKind, RingSpec
 from runtime_core.links import LinkReceiver, LinkSender
 from runtime_cupy.edges.live_chains import LiveChain
 from runtime_cupy.edges.port import EdgeMedium, ProcessRing
-from runtime_cupy.edges.shm import remove_edge
+from runtime_cupy.edges.shm import remove_edge, segment_name
 from runtime_cupy.process.keys import edge_key
 from runtime_cupy.process.names import edge_dir
 from runtime_cupy.process.poller import Entry
@@ -77,7 +77,8 @@ class ProcessLinks:
         if self._receive is not None:
             raise RuntimeError(f"hop {self.inbound_hop} is this process's inbound link already")
         if self._entry is None:  # listed and held before any of its names exists
-            self._entry = LiveChain.hold(self.chain_id, edge_dir(self.chain_id, hop))
+            names = segment_name(self.chain_id, hop), edge_dir(self.chain_id, hop)
+            self._entry = LiveChain.hold(self.chain_id, *names)
         ring = self.inbound_medium.create(self.chain_id, hop, spec, self._key(hop))
         self._receive, self.inbound_hop = ring, hop
         return LinkReceiver(ring)

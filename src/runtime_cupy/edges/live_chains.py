@@ -2,8 +2,8 @@
 a chain's links frees what an earlier chain left when every process of it on the host
 was killed at once.
 
-Why. A chain's names on a host (its rings' segments ``/gpp-<tag>``, its edge folders
-``<tmp>/gpp-<tag>/`` with their FIFOs and address files) are freed by its processes
+Why. A chain's names on a host (its rings' segments ``/gpp-<segment tag>``, its edge
+folders ``<tmp>/gpp-<folder tag>/`` with their FIFOs and address files) are freed by its processes
 as they end: the orchestrator's close, a stopping stage its own hop, a stage whose
 orchestrator is gone every hop (``process.stage_loss``). When every process of the
 chain on the host is SIGKILLed at once (``kill -9`` of its process group, the OOM
@@ -15,16 +15,17 @@ The registry. A folder of this user's alone, ``<tmp>/gpp-chains-<uid>-<host>/`` 
 0700, made where missing, removed once empty; one there that is a link, another user's
 or open to others is refused, logged, and the chain runs without the registry), holds
 one entry file per chain (mode 0600, named by 32 hex digits of a labelled SHA-256 of
-the chain's id, which the entry never holds) listing the edge folders that the chain's
-processes make on this host, one absolute path a line (a folder's name is its
-segment's, ``shm``). Each process of the chain that makes a name (a stage its inbound
-hop's, the orchestrator token-out's: ``links.ProcessLinks``) first opens the entry,
-takes a shared ``flock`` on it, checks that what it locked is still the entry (a sweep
-may have removed it in between: then it opens a fresh one), appends its hop's folder,
-and only then makes the names: no name of a chain exists that its entry does not list
-under a lock. It holds the lock until it lets go of its links (``ProcessLinks.detach``;
-a stage leaving through its watchdog, ``release_entry``) or dies: the kernel lets go
-of a killed process's locks.
+the chain's id, which the entry never holds) listing the names that the chain's
+processes make on this host, one hop a line: its ring's segment name (``shm``), a
+space, and the absolute path of its edge folder (a line that is a path alone, as
+earlier versions wrote it, names a folder whose segment has its name). Each process of
+the chain that makes a name (a stage its inbound hop's, the orchestrator token-out's:
+``links.ProcessLinks``) first opens the entry, takes a shared ``flock`` on it, checks
+that what it locked is still the entry (a sweep may have removed it in between: then
+it opens a fresh one), appends its hop's line, and only then makes the names: no name
+of a chain exists that its entry does not list under a lock. It holds the lock until
+it lets go of its links (``ProcessLinks.detach``; a stage leaving through its watchdog,
+``release_entry``) or dies: the kernel lets go of a killed process's locks.
 
 The sweep. Before taking its own entry a process sweeps the registry: an entry whose
 exclusive lock it takes without waiting has no holder left, so every process of its
@@ -69,7 +70,7 @@ log = logging.getLogger("runtime_cupy.edges.live_chains")
 _ENTRY_LABEL = b"gguf-pipeline/live-chain/1\x00"
 #: An entry's name: 32 hex digits (128 bits) of a labelled hash of its chain's id.
 ENTRY_NAME = re.compile(r"[0-9a-f]{32}")
-#: A name an entry may list: an edge folder's (whose segment has the same name).
+#: A name an entry may list: an edge folder's, or its ring segment's.
 EDGE_NAME = re.compile(re.escape(PREFIX) + f"[a-z2-7]{{{TAG_DIGITS}}}")
 #: How often a process opens its entry afresh when a sweep removed it under its lock.
 TRIES = 8
@@ -98,13 +99,16 @@ class LiveChain:
         self._fd = fd  # only the entry stays open: the registry is opened again to free it
 
     @classmethod
-    def hold(cls, chain_id: str, edge_folder: Path) -> LiveChain | None:
-        """Sweep the registry, then hold chain ``chain_id``'s entry with ``edge_folder``
-        (an edge folder that this process is about to make, and the segment of its
-        name) listed in it; ``None``, logged, where there is no registry to hold."""
+    def hold(cls, chain_id: str, segment: str, edge_folder: Path) -> LiveChain | None:
+        """Sweep the registry, then hold chain ``chain_id``'s entry with a hop's names
+        listed in it (``segment``, a ring's shared-memory name, and ``edge_folder``, that
+        this process is about to make); ``None``, logged, where there is no registry to
+        hold."""
+        if not EDGE_NAME.fullmatch(segment):
+            raise ValueError(f"{segment!r} is not an edge's segment name")
         if not edge_folder.is_absolute() or not EDGE_NAME.fullmatch(edge_folder.name):
             raise ValueError(f"{edge_folder} is not an edge folder")
-        line = os.fsencode(edge_folder) + b"\n"
+        line = segment.encode("ascii") + b" " + os.fsencode(edge_folder) + b"\n"
         folder, name = registry_dir(), entry_name(chain_id)
         why = f"its entry was removed under each of {TRIES} tries"
         for _ in range(TRIES):
@@ -287,10 +291,18 @@ def _free(registry: int, name: str, fd: int) -> int:
 
 
 def _remove_names(line: str, entry: str) -> None:
-    """Remove the segment and the folder named by ``line`` of ``entry``."""
-    folder = Path(line)
+    """Remove the segment and the folder named by ``line`` of ``entry``: ``<segment>
+    <folder>``, or ``<folder>`` alone (an earlier version's: its segment has its name)."""
+    if line.startswith("/"):
+        segment, path = Path(line).name, line
+    else:
+        segment, _, path = line.partition(" ")
+    folder = Path(path)
     if not folder.is_absolute() or not EDGE_NAME.fullmatch(folder.name):
         log.warning("the entry %s of live chains lists %r, no edge folder: left", entry, line)
         return
-    unlink_segment(folder.name)
+    if not EDGE_NAME.fullmatch(segment):
+        log.warning("the entry %s of live chains lists %r, no segment name: left", entry, line)
+        return
+    unlink_segment(segment)
     remove_own_folder(folder, "a chain no process holds")

@@ -1,13 +1,14 @@
 """Edges between processes on one host (EDGES_AND_WORKERS.md §2-§3): each edge is the
 ``runtime_core`` ring over a POSIX shared-memory segment, woken through two named FIFOs.
 
-Every resource of an edge is named from ``(run_id, edge_id)`` alone (``names``: the
-edge's tag, unguessable without the run id), so whoever tears a run down finds and frees
-all of it, also what a killed process created:
+Every resource of an edge is named from ``(run_id, edge_id)`` alone (``names``: a tag
+of each resource, unguessable without the run id, and the folder's saying nothing of
+the segment's), so whoever tears a run down finds and frees all of it, also what a
+killed process created:
 
-    segment   /gpp-<tag>                 the ring: 64-byte control block, then slots
-    FIFOs     <tmp>/gpp-<tag>/data        wakes the consumer (published, or closed)
-              <tmp>/gpp-<tag>/space       wakes the producer (released, or closed)
+    segment   /gpp-<segment tag>                 the ring: 64-byte control block, then slots
+    FIFOs     <tmp>/gpp-<folder tag>/data        wakes the consumer (published, or closed)
+              <tmp>/gpp-<folder tag>/space       wakes the producer (released, or closed)
 
 The consumer's end makes the folder (mode 0700, never one that exists), the FIFOs in
 it, then the segment (mode 0600, ``O_EXCL``) with every page of it reserved
@@ -106,7 +107,7 @@ def shm_supported(machine: str | None = None) -> bool:
 
 def segment_name(run_id: str, edge_id: int) -> str:
     """The shared-memory name of an edge's ring (without the leading slash)."""
-    name = f"{PREFIX}{edge_tag(run_id, edge_id)}"
+    name = f"{PREFIX}{edge_tag(run_id, edge_id, 'segment')}"
     assert len(name) + 1 <= MAX_SEGMENT_NAME, name
     return name
 

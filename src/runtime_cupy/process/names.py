@@ -5,19 +5,22 @@ finds and frees all of them, also what a killed process made.
 Unguessable. A run id the runtime makes carries 128 random bits (``new_run_id``), and
 travels only inside the stages' authenticated control frames and the launcher's
 process: a stage's command line shows the run's *label* (``run_label``, a hash of its
-id), never the id itself. Each edge's resources are named by its *tag*: 24 base-32
-digits (120 bits) of a labelled SHA-256 of ``(run_id, edge_id)``. So a stranger on the
+id), never the id itself. Each resource of an edge is named by a *tag* of its own
+(``edge_tag``): 24 base-32 digits (120 bits) of a SHA-256 of ``(run_id, edge_id)``
+under a label per resource (its folder, its ring's segment). So a stranger on the
 host cannot name a resource of a run before the run makes it (to squat the name, or to
 plant a folder or an address of its own there), and the names of one edge (which a
-stranger can list in ``/dev/shm`` and ``/tmp`` once they exist) say nothing about
-another's. 120 bits: a stranger's guess hits with probability 2^-120, and two honest
-edges of all the runs a host will ever hold collide with a probability far below
-that of a hardware fault; and ``/gpp-`` with 24 digits stays two bytes under the 31
-bytes that macOS allows a shared-memory name. Lower-case base 32, because a file
-system may fold case (macOS's ``/tmp``).
+stranger can list in ``/dev/shm`` and ``/tmp`` once they exist, and watch being made)
+say nothing about another's, nor one resource's name about the next one its consumer
+makes: a folder named as its segment told a stranger watching ``/tmp`` the segment's
+name before the consumer made it, in time to take it first. 120 bits: a stranger's
+guess hits with probability 2^-120, and two honest edges of all the runs a host will
+ever hold collide with a probability far below that of a hardware fault; and ``/gpp-``
+with 24 digits stays two bytes under the 31 bytes that macOS allows a shared-memory
+name. Lower-case base 32, because a file system may fold case (macOS's ``/tmp``).
 
-Exclusive. Each edge's files live in its own folder, ``<tmp>/gpp-<tag>/`` (``<tmp>``:
-``temp_root``, the same in every process of a chain), made by the edge's consumer
+Exclusive. Each edge's files live in its own folder, ``<tmp>/gpp-<folder tag>/``
+(``<tmp>``: ``temp_root``, the same in every process of a chain), made by the edge's consumer
 (``make_edge_dir``: ``mkdir`` with mode 0700, never reusing a folder that exists), so
 a name that is taken is a setup fault naming it (``NameTaken``), and
 the other end trusts a folder, FIFO or file of the edge only when it is what its
@@ -51,7 +54,11 @@ PREFIX = "gpp-"
 RUN_ID_BYTES = 16
 #: Base-32 digits of an edge's tag (5 bits each).
 TAG_DIGITS = 24
-_TAG_LABEL = b"gguf-pipeline/resource-name/1\x00"
+#: The resources of an edge named by a tag, each under a label of its own.
+_TAG_LABELS = {
+    "folder": b"gguf-pipeline/resource-name/1\x00",
+    "segment": b"gguf-pipeline/segment-name/1\x00",
+}
 _RUN_LABEL = b"gguf-pipeline/run-label/1\x00"
 
 
@@ -99,9 +106,11 @@ def run_label(run_id: str) -> str:
     return hashlib.sha256(_RUN_LABEL + run_id.encode("utf-8")).hexdigest()[:12]
 
 
-def edge_tag(run_id: str, edge_id: int) -> str:
-    """The 24 base-32 digits that name edge ``edge_id`` of run ``run_id`` on a host."""
-    data = _TAG_LABEL + run_id.encode("utf-8") + b"\x00" + str(edge_id).encode("ascii")
+def edge_tag(run_id: str, edge_id: int, resource: str) -> str:
+    """The 24 base-32 digits that name ``resource`` (``folder``, ``segment``) of edge
+    ``edge_id`` of run ``run_id`` on a host: one tag says nothing of another's."""
+    label = _TAG_LABELS[resource]
+    data = label + run_id.encode("utf-8") + b"\x00" + str(edge_id).encode("ascii")
     digest = hashlib.sha256(data).digest()
     return base64.b32encode(digest).decode("ascii").lower()[:TAG_DIGITS]
 
@@ -126,7 +135,7 @@ def temp_root() -> Path:
 
 def edge_dir(run_id: str, edge_id: int) -> Path:
     """The folder of an edge's files on this host (FIFOs, the rendezvous address)."""
-    return temp_root() / f"{PREFIX}{edge_tag(run_id, edge_id)}"
+    return temp_root() / f"{PREFIX}{edge_tag(run_id, edge_id, 'folder')}"
 
 
 def make_edge_dir(run_id: str, edge_id: int) -> Path:
