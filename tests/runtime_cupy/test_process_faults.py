@@ -146,12 +146,18 @@ def _shared_paths(pids: list[int]) -> set[str]:
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_in_a_recovering_run_is_one_json_object(
-    smollm2_path: str, signum: int, status: int
+    smollm2_path: str, signum: int, status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--recover --json``: Ctrl-C or SIGTERM while the warm chain binds prints the
     run's JSON (outcome ``cancelled``, the tokens so far, the signal) and exits 128 +
     the signal's number; it printed nothing else on standard output, and the chain is
-    torn down: no stage process, no shared memory or FIFO of its links left."""
+    torn down: no stage process, no shared memory or FIFO of its links left, nothing in
+    its temp folder. That folder is the test's own: in the host's, the registry of live
+    chains (which a stage holds open as it lists its link) is shared by every chain of
+    this user there, and stays while another one runs."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the CLI's too (``cli_process``)
     proc = cli_process("--model", smollm2_path, "--stages", "2", "--prompt-ids", "1,2",
                        "--max-tokens", "4", "--recover", "--json")  # fmt: skip
     pids = list(_children(proc.pid, 2).values())
@@ -169,6 +175,7 @@ def test_ctrl_c_in_a_recovering_run_is_one_json_object(
     assert err.strip().splitlines()[-1] == "cancelled"
     assert wait_gone(pids, 10) == []
     assert held and not [p for p in held if os.path.lexists(p.removesuffix(" (deleted)"))]
+    assert list(temp.iterdir()) == []
 
 
 def cli_process(*args: str, text: bool = True) -> subprocess.Popen[Any]:
