@@ -1,7 +1,9 @@
 """A chat template is a file's, possibly a stranger's (``runtime_core.chat``): whatever it
 raises is a ``ChatTemplateError`` (the server answers 400, not 500), its rendering is
 bounded in time and size, and it sees what Hugging Face's ``apply_chat_template`` gives
-(``{% generation %}``, ``tools`` and ``documents`` as ``None``)."""
+(``{% generation %}``, ``tools`` and ``documents`` as ``None``). How long a refusal took
+is this process's CPU time (a loaded machine stretched the wall-clock time of a 1 s
+refusal past 5 s): a bound on work done before the refusal, not a timing."""
 
 from __future__ import annotations
 
@@ -35,10 +37,10 @@ def test_what_a_template_raises_or_makes_past_its_bounds_is_typed(
 ) -> None:
     """Once untyped: ``ZeroDivisionError``, ``TypeError``, ``RecursionError``, and a
     ``MemoryError`` after 10 s of allocating for ``'x' * 3000000000``."""
-    began = time.monotonic()
+    began = time.process_time()
     with pytest.raises(ChatTemplateError, match=match):
         render_chat_template(template, MESSAGES)
-    assert time.monotonic() - began < 5
+    assert time.process_time() - began < 5
 
 
 BIG = 1500000000
@@ -102,10 +104,10 @@ def test_what_a_template_asks_to_make_past_its_bounds_is_refused_before_it_is_ma
 ) -> None:
     """Once made in full: ``'x'.ljust(1500000000)`` allocated 1.5 GB (only the output was
     bounded), and ``ns.s ~ ns.s`` doubled in a loop until memory ran out."""
-    began = time.monotonic()
+    began = time.process_time()
     with pytest.raises(ChatTemplateError, match=match):
         render_chat_template(template, MESSAGES)
-    assert time.monotonic() - began < 5
+    assert time.process_time() - began < 5
 
 
 def test_bounded_operations_make_what_they_made_below_the_bounds() -> None:
@@ -132,10 +134,10 @@ def test_a_template_that_renders_for_ever_is_ended(monkeypatch: pytest.MonkeyPat
         "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}"
         "{% endfor %}{% endfor %}{% endfor %}x"
     )
-    began = time.monotonic()
+    began = time.process_time()
     with pytest.raises(ChatTemplateError, match=r"rendered for more than 0\.3 s"):
         render_chat_template(endless, MESSAGES)
-    assert time.monotonic() - began < 3
+    assert time.process_time() - began < 3
     assert render_chat_template("{{ messages[0].content }}", MESSAGES) == "hi"  # (untraced after)
 
 
