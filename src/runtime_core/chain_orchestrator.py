@@ -24,7 +24,9 @@ out their actions; the runtime calls ``try_open_links()`` while ``links_pending`
 - Control messages (``StageReady``, ``StageFault``, ``StageStopped``,
   ``ProvisionRefused``) go to their run's machine; one for no held run is rejected.
   The batches a ``StageStopped`` reports (the stage's since its previous one, by rows)
-  are added to ``batch_counts`` when it comes from one of its run's stages.
+  are added to ``batch_counts`` when it comes from one of its run's stages, once
+  (``batch_reports``): also when it comes after its run ended without it (its stop
+  bound ran out while that stage was slow to stop).
 - A chain fault ends every run: ``StageDied`` (the runtime's notice that a stage
   process or host is gone, its detail naming stage, node, host and cause) and a broken
   token link go to every run in flight, each ending ``FAULTED`` with that reason; runs
@@ -55,6 +57,7 @@ from runplan.messages import (
 )
 from runplan.picklable_error import PicklableError
 from runplan.record_header import HeaderCheck
+from runtime_core.batch_reports import BatchReports
 from runtime_core.controller_trace import Trace, no_trace
 from runtime_core.links import LinkReceiver, LinkSender
 from runtime_core.recent_runs import RECENT_RUNS_KEPT, RecentRuns
@@ -160,9 +163,9 @@ class ChainOrchestrator(TokenLinks):
         self.running = 0  # runs started and not yet ended (held runs excluded)
         self.broken: FaultReason | None = None  # a chain fault: no run starts any more
         self.broken_stage: int | None = None  # the stage it names, if it names one
-        #: Batches each stage reported (stage index -> rows -> batches). Replaced, never
-        #: changed in place: another thread may read it whole at any time.
-        self.batch_counts: dict[int, dict[int, int]] = {}
+        #: Batches each stage reported, and the stops of ended runs that may still
+        #: report some (``batch_reports``).
+        self.reports = BatchReports(FINISHED_RUNS_KEPT)
 
     # -- runs ----------------------------------------------------------------------------
     def add_run(
@@ -220,6 +223,12 @@ class ChainOrchestrator(TokenLinks):
                     return
                 self._start(handle)
 
+    @property
+    def batch_counts(self) -> dict[int, dict[int, int]]:
+        """Batches each stage reported (stage index -> rows -> batches). Replaced, never
+        changed in place: another thread may read it whole at any time."""
+        return self.reports.counts
+
     def kv_reserved(self) -> dict[int, int]:
         """KV-cache bytes the runs in flight hold on each stage (the planner's figures,
         as the stages reserve them), by stage index."""
@@ -254,6 +263,8 @@ class ChainOrchestrator(TokenLinks):
         self._drop_records(handle.run_id)
         if handle.check is not None:  # it started: its id is kept, its reservation goes
             self.done.add(handle.run_id)
+            m = handle.machine
+            self.reports.awaiting(handle.run_id, {i: m.node_ids[i] for i in m.awaiting_stop})
             self.running -= 1
             for s in handle.plan.stages:
                 self._reserved[s.stage_index] -= s.kv_bytes
@@ -269,6 +280,12 @@ class ChainOrchestrator(TokenLinks):
             handle = self.runs.get(run_id) if isinstance(run_id, str) else None
             if handle is None or handle.queued:
                 reason = "a finished run" if run_id in self.done else "no run of this chain"
+                if isinstance(event.message, StageStopped) and run_id in self.done:
+                    late = self.reports.late(event.sender, event.message)
+                    if late is None:  # its batches counted: the run ended without them
+                        self.trace("late_stop", {"run_id": run_id, "sender": event.sender})
+                        return
+                    reason += f" ({late})"
                 self.trace(
                     "reject",
                     {
@@ -306,15 +323,10 @@ class ChainOrchestrator(TokenLinks):
         if problem is None and message.stage_index in handle.machine.stopped:
             # a duplicate (or a copy reordered after it): its batches are counted once
             problem = f"stage {message.stage_index} already stopped this run"
-        bad = [c for c in message.batches if c.rows < 1 or c.batches < 1]
-        if problem is not None or bad:
-            reason = problem or f"batch counts below 1: {bad}"
-            self.trace("reject", {"sender": event.sender, "reason": f"StageStopped: {reason}"})
-            return
-        counts = dict(self.batch_counts.get(message.stage_index, {}))
-        for c in message.batches:
-            counts[c.rows] = counts.get(c.rows, 0) + c.batches
-        self.batch_counts = {**self.batch_counts, message.stage_index: counts}
+        if problem is None:
+            problem = self.reports.add(message)
+        if problem is not None:
+            self.trace("reject", {"sender": event.sender, "reason": f"StageStopped: {problem}"})
 
     def _chain_fault(self, reason: FaultReason, event: fsm.Event) -> None:
         """Every run in flight gets ``event``; runs still held end with ``reason``."""

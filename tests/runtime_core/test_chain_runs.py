@@ -15,11 +15,12 @@ from typing import Any
 import attrs
 import pytest
 
-from runplan import RunPlan, SamplingConfig, Timeouts
+from runplan import RunPlan, SamplingConfig, Timeouts, wire
 from runplan.fsm import orchestrator as ofsm
 from runplan.fsm import stage as sfsm
 from runplan.messages import BatchCount, FaultKind, StageStopped, StopReason
 from runplan.plan import RingSpec
+from runtime_core.batch_reports import BatchReports
 from runtime_core.chain_orchestrator import RunHandle, RunRefused
 from runtime_core.links import LocalLinks
 from runtime_core.ring import Ring, ring_bytes
@@ -467,6 +468,57 @@ def test_the_orchestrator_learns_each_stage_s_batches_once_from_its_stops(
     chain.orchestrator.handle(ofsm.Received("node-1", forged))
     assert chain.orchestrator.batch_counts == counts
     assert any("StageStopped" in f["reason"] for f in chain.of("reject", "orch"))
+
+
+def test_a_stop_that_comes_after_its_run_ended_still_reports_its_batches_once(
+    model: Path,
+) -> None:
+    """A stage slow to stop a run: the run's stop bound runs out and the run ends without
+    that stage's ``StageStopped``. When it comes, the batches it reports are counted
+    (they were lost: the stage reports each batch once), once however often it is
+    delivered; one from another node, or for a stage that stopped in time, adds
+    nothing."""
+    chain = ChainRuns(3, reference)
+    handle = chain.add(plan(model, 0), PROMPTS[0])
+    while handle.machine.state is not ofsm.State.TEARING_DOWN:
+        assert chain._round()
+    chain.paused.add(2)  # stage 2 took its StopRun but does not release the run yet
+    chain.pump()
+    chain.fire(None, "run-0", ofsm.Timer.STOP)
+    assert handle.finished is not None and handle.finished.outcome is StopReason.COMPLETED
+    assert chain.orchestrator.runs == {}
+    assert 2 not in chain.orchestrator.batch_counts
+    forged = StageStopped("run-0", 2, "node-2", (BatchCount(1, 1000),))
+    chain.orchestrator.handle(ofsm.Received("node-1", forged))
+    stopped_in_time = StageStopped("run-0", 1, "node-1", (BatchCount(1, 1000),))
+    chain.orchestrator.handle(ofsm.Received("node-1", stopped_in_time))
+    assert 2 not in chain.orchestrator.batch_counts
+    assert chain.orchestrator.batch_counts[1] == chain.stages[1].batch_counts
+    chain.paused.clear()
+    chain.stages[2].run_release()  # stage 2 releases the run and reports its batches
+    sender, data = chain.to_orchestrator[-1]
+    late = wire.loads(data)
+    assert sender == "node-2" and isinstance(late, StageStopped) and late.batches
+    chain.pump()
+    for i, stage in enumerate(chain.stages):
+        assert chain.orchestrator.batch_counts[i] == stage.batch_counts, i
+    chain.orchestrator.handle(ofsm.Received("node-2", late))  # delivered twice
+    assert chain.orchestrator.batch_counts[2] == chain.stages[2].batch_counts
+    assert_nothing_held(chain)
+
+
+def test_the_stops_ended_runs_still_owe_are_a_bounded_set() -> None:
+    """The stages an ended run still waited for are kept for the last ``kept`` runs
+    ended so: an older one's late stop is rejected, counted nowhere."""
+    reports = BatchReports(kept=2)
+    for k in range(3):
+        reports.awaiting(f"run-{k}", {1: "node-1"})
+    stop = StageStopped("run-0", 1, "node-1", (BatchCount(2, 3),))
+    assert reports.late("node-1", stop) is not None and reports.counts == {}
+    assert reports.late("node-1", attrs.evolve(stop, run_id="run-2")) is None
+    assert reports.counts == {1: {2: 3}}
+    with pytest.raises(ValueError, match="at least 1"):
+        BatchReports(kept=0)
 
 
 def test_a_step_timeout_ends_only_its_run(model: Path, alone: dict[str, list[int]]) -> None:
