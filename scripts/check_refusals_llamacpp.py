@@ -8,10 +8,12 @@ Writes each row's file of ``tests/runplan/test_key_types.py`` (a key of another 
 than llama.cpp reads), ``tests/runtime_core/test_hidden_wide_attention.py`` (heads that
 do not fill ``embedding_length``), ``tests/runtime_core/test_value_heads.py`` (value
 heads of another size than the key heads) and
-``tests/runtime_core/test_whole_head_rotary.py`` (a rotary over half of each head),
-loads it with llama-cpp-python in a process of its own (some refusals are
-``GGML_ASSERT`` aborts) and evaluates three tokens. Prints a line per row; exits 1
-where llama.cpp disagrees with the table. CI never runs it (the
+``tests/runtime_core/test_whole_head_rotary.py`` (a rotary over half of each head), and
+of the files llama.cpp runs that were once refused here
+(``tests/runtime_core/test_converter_variants.py``: qwen2 without Q/K/V biases), loads
+it with llama-cpp-python in a process of its own (some refusals are ``GGML_ASSERT``
+aborts) and evaluates three tokens. Prints a line per row; exits 1 where llama.cpp
+disagrees with the table. CI never runs it (the
 tests need no llama.cpp); run it when llama.cpp moves.
 """
 
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from tests.fixtures.gguf_models import write_model
 from tests.runplan import test_key_types as key_types
+from tests.runtime_core import test_converter_variants as variants
 from tests.runtime_core import test_hidden_wide_attention as wide
 from tests.runtime_core import test_value_heads as values
 from tests.runtime_core import test_whole_head_rotary as rotary
@@ -37,7 +40,7 @@ LOAD = (
 
 
 def rows(folder: Path) -> Iterator[tuple[str, Path, bool]]:
-    """(what, file, llama.cpp runs it) for each row of the four tables."""
+    """(what, file, llama.cpp runs it) for each row of the tables."""
     for i, (arch, key_form, value, vtype, _) in enumerate(key_types.ROWS):
         key = key_form.format(a=arch)
         here = folder / f"types{i}"
@@ -61,6 +64,10 @@ def rows(folder: Path) -> Iterator[tuple[str, Path, bool]]:
         here = folder / f"rotary-{arch}"
         here.mkdir()
         yield f"{arch} rotary over half of each head", rotary.half_rotary(here, arch), runs
+    for i, case in enumerate(sorted(variants.UNBIASED_QWEN2)):
+        here = folder / f"unbiased{i}"
+        here.mkdir()
+        yield f"qwen2 with {case}", variants.unbiased_qwen2(here, case), True
 
 
 def main() -> int:

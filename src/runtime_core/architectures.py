@@ -213,8 +213,9 @@ _GEMMA3 = _like_llama(
 #: The architectures the NumPy reference worker runs. Mistral and Llama 3.x files are
 #: ``llama``, and so are Mixtral's (``llama`` with experts). The other mixture-of-experts
 #: architectures (``MOE_ARCHITECTURES``) are refused by name. Q/K/V biases are optional
-#: wherever llama.cpp's loader takes them (``create_tensor_qkv``); qwen2 requires them,
-#: as it always has here (every qwen2 file has them); an output bias only llama (and
+#: wherever llama.cpp's loader takes them (``create_tensor_qkv``), each alone: qwen2's
+#: too (Qwen2's own files have all three; a file without some runs in llama.cpp, each
+#: absent bias zero); an output bias only llama (and
 #: mistral3 and granite, loaded as llama) may have: llama.cpp loads none for the others
 #: (qwen2's neither: "wrong number of tensors"), so a file with one is not theirs.
 #: Feed-forward biases (gate, up, down, each optional) llama's (and mistral3's and
@@ -227,7 +228,6 @@ ARCHITECTURES: Mapping[str, ArchSpec] = {
             name="qwen2",
             rope_neox=True,
             hidden_wide_attention=True,
-            qkv_bias=Presence.REQUIRED,
             output_bias=Presence.ABSENT,
             ffn_bias=Presence.ABSENT,
             rope_freqs=False,

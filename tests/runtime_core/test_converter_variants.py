@@ -18,6 +18,10 @@ llama.cpp refuses is a typed error naming the tensor.
 - Head counts as arrays of one per block (llama.cpp's ``get_key_or_arr``): the same
   tokens as the numbers (llama.cpp's too). Counts that differ between blocks, an array
   of another length or of floats are a ``GgufError`` naming the key.
+- A qwen2 file without some or all of its Q/K/V biases (each optional in llama.cpp's
+  loader: llama-cpp-python 0.3.36 runs it, ``scripts/check_refusals_llamacpp.py``): the
+  tokens and logits of the same file with those biases zero. It was refused ("a tensor
+  the stage needs is missing").
 """
 
 from __future__ import annotations
@@ -245,3 +249,50 @@ def test_head_counts_that_are_not_one_per_block_and_the_same_are_named(
         with pytest.raises(GgufError, match=says) as info:
             read()
         assert info.value.key == f"llama.attention.{key}"
+
+
+#: qwen2 files without Q/K/V biases (``unbiased_qwen2``), which llama.cpp runs: which
+#: biases each lacks, by name (``{i}``: every block).
+UNBIASED_QWEN2: dict[str, tuple[str, ...]] = {
+    "no Q/K/V biases": ("attn_q", "attn_k", "attn_v"),
+    "no K bias": ("attn_k",),
+    "no Q and V biases": ("attn_q", "attn_v"),
+}
+UNBIASED_SHAPE = ModelShape(arch="qwen2", n_layers=2, seed=30)
+
+
+def unbiased_qwen2(folder: Path, case: str) -> Path:
+    """The qwen2 model of ``UNBIASED_SHAPE`` without the biases ``case`` names."""
+    dropped = tuple(
+        f"blk.{i}.{name}.bias"
+        for i in range(UNBIASED_SHAPE.n_layers)
+        for name in UNBIASED_QWEN2[case]
+    )
+    return write_model(folder / "unbiased.gguf", UNBIASED_SHAPE, drop_tensors=dropped)
+
+
+def _zeroed(path: Path, out: Path, tensors: set[str]) -> Path:
+    """A copy of ``path`` with the data of ``tensors`` all zeros."""
+    data = bytearray(path.read_bytes())
+    for name, info in GgufHeader.read(path).tensors.items():
+        if name in tensors:
+            data[info.offset : info.offset + info.n_bytes] = bytes(info.n_bytes)
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(UNBIASED_QWEN2))
+def test_a_qwen2_file_without_qkv_biases_runs_as_with_them_zero(
+    tmp_path: Path, make: MakeWorker, case: str
+) -> None:
+    biased = write_model(tmp_path / "biased.gguf", UNBIASED_SHAPE)
+    unbiased = unbiased_qwen2(tmp_path, case)
+    missing = set(GgufHeader.read(biased).tensors) - set(GgufHeader.read(unbiased).tensors)
+    assert missing and all(name.endswith(".bias") for name in missing)
+    zero = _zeroed(biased, tmp_path / "zero.gguf", missing)
+    want = run(provisions(zero, 2), make, PROMPT, N)
+    got = run(provisions(unbiased, 2), make, PROMPT, N)
+    assert [o.token_id for o in got] == [o.token_id for o in want]
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine.logits is not None and theirs.logits is not None
+        np.testing.assert_array_equal(mine.logits, theirs.logits)

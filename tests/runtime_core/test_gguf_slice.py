@@ -130,11 +130,6 @@ BROKEN: dict[str, tuple[dict[str, Any], tuple[int, int], dict[str, Any]]] = {
         (2, 4),
         _unsupported(tensor="output_norm.weight"),
     ),
-    "missing qwen2 bias": (
-        {"shape": ModelShape(arch="qwen2"), "drop_tensors": ("blk.0.attn_k.bias",)},
-        (0, 1),
-        _unsupported(tensor="blk.0.attn_k.bias"),
-    ),
     "wrong shape": (
         {"transpose_tensors": ("blk.2.attn_k.weight",)},
         (2, 3),
