@@ -10,7 +10,8 @@ do not fill ``embedding_length``), ``tests/runtime_core/test_value_heads.py`` (v
 heads of another size than the key heads) and
 ``tests/runtime_core/test_whole_head_rotary.py`` (a rotary over half of each head), and
 of the files llama.cpp runs that were once refused here
-(``tests/runtime_core/test_converter_variants.py``: qwen2 without Q/K/V biases), loads
+(``tests/runtime_core/test_converter_variants.py``: qwen2 without Q/K/V biases;
+``tests/runplan/test_gguf_facts.py``: ``vocab_size`` other than the token list's), loads
 it with llama-cpp-python in a process of its own (some refusals are ``GGML_ASSERT``
 aborts) and evaluates three tokens. Prints a line per row; exits 1 where llama.cpp
 disagrees with the table. CI never runs it (the
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests.fixtures.gguf_models import write_model
+from tests.runplan import test_gguf_facts as gguf_facts
 from tests.runplan import test_key_types as key_types
 from tests.runtime_core import test_converter_variants as variants
 from tests.runtime_core import test_hidden_wide_attention as wide
@@ -68,6 +70,11 @@ def rows(folder: Path) -> Iterator[tuple[str, Path, bool]]:
         here = folder / f"unbiased{i}"
         here.mkdir()
         yield f"qwen2 with {case}", variants.unbiased_qwen2(here, case), True
+    for i, stated in enumerate(gguf_facts.VOCAB_SIZES_BESIDE_THE_LIST):
+        here = folder / f"vocab{i}"
+        here.mkdir()
+        path = gguf_facts.vocab_size_beside_the_list(here, stated)
+        yield f"vocab_size {stated} beside a list of 323 tokens", path, True
 
 
 def main() -> int:

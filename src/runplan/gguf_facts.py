@@ -241,28 +241,19 @@ def special_token_id(header: GgufHeader, kind: str, n_vocab: int) -> int | None:
 
 
 def vocab_size(header: GgufHeader, arch: str) -> int:
-    """The number of tokens in ``tokenizer.ggml.tokens`` (``{arch}.vocab_size`` only
-    checked against it: llama.cpp sizes the embedding and head by the list, so a key
-    below the list is ignored, and one above it refused), else ``{arch}.vocab_size``,
+    """The number of tokens in ``tokenizer.ggml.tokens``, else ``{arch}.vocab_size``,
     else the token embedding's second dimension (``GgufError`` when there is none of
-    them)."""
+    them). llama.cpp sizes the embedding and head by the token list and reads
+    ``{arch}.vocab_size`` only for its type: beside a list the key's value is ignored
+    (0, or above or below the list, as llama.cpp runs such a file), its type checked."""
     key = f"{arch}.vocab_size"
-    if header.has(key):
-        size = header.integer(key)
-        if size < 1:
-            raise GgufError(header.paths[0], f"{size}: a vocabulary holds at least 1 token", key)
-        if header.has("tokenizer.ggml.tokens"):
-            tokens = header.array_length("tokenizer.ggml.tokens")
-            if tokens < size:  # the model could sample ids no token spells
-                raise GgufError(
-                    header.paths[0],
-                    f"{key} is {size} but tokenizer.ggml.tokens holds {tokens} tokens",
-                    key=key,
-                )
-            return tokens
-        return size
+    stated = header.integer(key) if header.has(key) else None  # a UINT32, as llama.cpp's
     if header.has("tokenizer.ggml.tokens"):
         return header.array_length("tokenizer.ggml.tokens")
+    if stated is not None:
+        if stated < 1:
+            raise GgufError(header.paths[0], f"{stated}: a vocabulary holds at least 1 token", key)
+        return stated
     info = header.tensors.get(EMBEDDING_TENSOR)
     if info is None or len(info.shape) != 2:
         raise GgufError(header.paths[0], f"no 2-d {EMBEDDING_TENSOR!r} to size the vocabulary")

@@ -97,7 +97,8 @@ class Reading:
         heads = self.value(f"{arch}.attention.head_count")
         layers = self.value(f"{arch}.block_count")
         tensors = {t.name: t for t in self.reader.tensors}
-        vocab = self.value(f"{arch}.vocab_size", len(self.value("tokenizer.ggml.tokens")))
+        listed = self.value("tokenizer.ggml.tokens")  # the list, whatever vocab_size says
+        vocab = len(listed) if listed is not None else self.value(f"{arch}.vocab_size")
         blocks = [
             [t for n, t in tensors.items() if n.startswith(f"blk.{i}.")] for i in range(layers)
         ]

@@ -351,21 +351,60 @@ def _raised(call: Callable[[], object], seen: list[BaseException]) -> None:
         seen.append(exc)
 
 
-def test_a_vocab_size_past_the_tokens_is_refused_naming_the_key(tmp_path: Path) -> None:
-    """``llama.vocab_size`` larger than ``tokenizer.ggml.tokens``: the model could sample
-    ids no token spells (a run once failed mid-answer on one, naming neither the file
-    nor the key); llama.cpp sizes the vocabulary by the tokens and refuses the tensors."""
+@pytest.mark.parametrize("stated", ["0", "the list's less 5", "the list's and 5", "2**32-1"])
+def test_vocab_size_beside_a_token_list_is_ignored_as_llamacpp_ignores_it(
+    tmp_path: Path, stated: str
+) -> None:
+    """``llama.vocab_size`` other than ``tokenizer.ggml.tokens``' length: llama.cpp sizes
+    the vocabulary, the embedding and the head by the list and runs the file
+    (llama-cpp-python 0.3.36, ``scripts/check_refusals_llamacpp.py``), and so does every
+    reader here, to the tokens and logits of the file that says the list's length. A key
+    of 0 or above the list was refused ("a vocabulary holds at least 1 token",
+    "tokenizer.ggml.tokens holds 323 tokens")."""
     ok = write_model(tmp_path / "ok.gguf", ModelShape(n_layers=1))
     tokens = GgufHeader.read(str(ok)).array_length("tokenizer.ggml.tokens")
-    bad = write_model(
-        tmp_path / "bad.gguf",
+    bad = vocab_size_beside_the_list(tmp_path, stated)
+    assert GgufHeader.read(str(bad)).integer("llama.vocab_size") != tokens
+    assert facts_of(str(bad)).vocab_size == tokens
+    want = runtime_sim.generate(str(ok), [1, 2, 3], max_tokens=3, return_logits=True)
+    got = runtime_sim.generate(str(bad), [1, 2, 3], max_tokens=3, return_logits=True)
+    assert got.outcome == want.outcome == "completed"
+    assert got.tokens == want.tokens
+    for mine, theirs in zip(got.logits, want.logits, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+#: ``llama.vocab_size`` values other than the token list's 323, which llama.cpp runs.
+VOCAB_SIZES_BESIDE_THE_LIST = {
+    "0": 0,
+    "the list's less 5": 318,
+    "the list's and 5": 328,
+    "2**32-1": 2**32 - 1,
+}
+
+
+def vocab_size_beside_the_list(folder: Path, stated: str) -> Path:
+    """A one-block llama file whose ``llama.vocab_size`` is ``stated``'s value."""
+    value = VOCAB_SIZES_BESIDE_THE_LIST[stated]
+    return write_model(
+        folder / "vocab.gguf",
         ModelShape(n_layers=1),
-        override_keys={"llama.vocab_size": (tokens + 5, GGUFValueType.UINT32)},
+        override_keys={"llama.vocab_size": (value, GGUFValueType.UINT32)},
     )
-    with pytest.raises(GgufError, match=r"tokenizer\.ggml\.tokens holds") as info:
-        facts_of(str(bad))
+
+
+def test_vocab_size_without_a_token_list_sizes_the_vocabulary(tmp_path: Path) -> None:
+    """Where the file has no token list, ``llama.vocab_size`` is the vocabulary: 0 is
+    refused naming it."""
+    path = write_model(
+        tmp_path / "m.gguf",
+        ModelShape(n_layers=1),
+        drop_keys=("tokenizer.ggml.tokens",),
+        override_keys={"llama.vocab_size": (0, GGUFValueType.UINT32)},
+    )
+    with pytest.raises(GgufError, match="0: a vocabulary holds at least 1 token") as info:
+        facts_of(str(path))
     assert info.value.key == "llama.vocab_size"
-    assert facts_of(str(ok)).vocab_size == tokens
 
 
 def test_a_path_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
@@ -492,7 +531,6 @@ def test_field_bytes_are_each_keys_stored_bytes(smollm2_path: str) -> None:
         ("llama.block_count", -1, GGUFValueType.INT32, r"expected a UINT32.*INT32 \(-1\)"),
         ("llama.block_count", 0, GGUFValueType.UINT32, "0 blocks: a model has at least one"),
         ("general.architecture", "", GGUFValueType.STRING, "is empty: the file names no arch"),
-        ("llama.vocab_size", 0, GGUFValueType.UINT32, "0: a vocabulary holds at least 1 token"),
     ],
 )
 def test_a_bad_value_is_named_not_what_it_breaks_later(
