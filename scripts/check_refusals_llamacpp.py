@@ -5,7 +5,8 @@ take because it runs them) against llama.cpp itself.
         /work/llamacpp-venv/bin/python
 
 Writes each row's file of ``tests/runplan/test_key_types.py`` (a key of another type
-than llama.cpp reads), ``tests/runtime_core/test_hidden_wide_attention.py`` (heads that
+than llama.cpp reads; a key it reads of every file, and the same key of its type, which
+runs), ``tests/runtime_core/test_hidden_wide_attention.py`` (heads that
 do not fill ``embedding_length``), ``tests/runtime_core/test_value_heads.py`` (value
 heads of another size than the key heads) and
 ``tests/runtime_core/test_whole_head_rotary.py`` (a rotary over half of each head), and
@@ -35,6 +36,8 @@ from tests.runtime_core import test_hidden_wide_attention as wide
 from tests.runtime_core import test_value_heads as values
 from tests.runtime_core import test_whole_head_rotary as rotary
 
+from runplan.key_types import every_file_type
+
 LOAD = (
     "import sys; from llama_cpp import Llama; "
     "m = Llama(model_path=sys.argv[1], n_ctx=64, verbose=False); m.eval([1, 2, 3])"
@@ -52,6 +55,14 @@ def rows(folder: Path) -> Iterator[tuple[str, Path, bool]]:
             key_types.write_row(here, arch, key, value, vtype),
             False,
         )
+    for i, (arch, key_form, value, vtype) in enumerate(key_types.EVERY_FILE_ROWS):
+        key = key_form.format(a=arch)
+        for runs, stored in ((False, vtype), (True, every_file_type(key, arch))):
+            assert stored is not None
+            here = folder / f"every{i}-{stored.name}"
+            here.mkdir()
+            path = key_types.write_every_file_row(here, arch, key, value, stored)
+            yield f"{arch} {key} as {stored.name} {value!r}", path, runs
     for i, (arch, changes, kwargs, key) in enumerate(wide.REFUSED):
         path = write_model(folder / f"wide{i}.gguf", wide.shape(arch, changes), **kwargs)
         yield f"{arch} heads not filling embedding_length ({key})", path, False

@@ -71,6 +71,7 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     arch = header.string("general.architecture")
     if not arch:  # every key of the model is named by it ("{arch}.block_count")
         raise GgufError(first, "is empty: the file names no architecture", "general.architecture")
+    header.check_every_file_types(arch)
     num_layers = block_count(header, arch)
     hidden = header.dimension(f"{arch}.embedding_length")
     heads = model_integer(header, f"{arch}.attention.head_count", num_layers)

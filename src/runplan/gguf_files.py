@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from runplan.gguf_error import GgufError, GgufUnmapped
 from runplan.gguf_reader import BadKey, HeaderReader, NotUtf8Name
+from runplan.key_types import SPLIT_KEYS
 from runplan.resource_limits import with_limit
 from runplan.shards import CUT_KEY_PREFIXES, ShardEntry, ShardKeys, ShardManifest
 
@@ -108,6 +109,7 @@ def _check_shard(shard: GgufHeader, path: str, index: int, count: int) -> None:
     for key, want in (("split.no", index), ("split.count", count)):
         if not shard.has(key):
             raise GgufError(path, "a shard of a split set lacks its split key", key)
+        shard.check_type(key, SPLIT_KEYS[key])  # llama.cpp's: of every shard
         got = shard.integer(key)
         if got != want:
             raise GgufError(path, f"is {got}, expected {want} for this shard", key)

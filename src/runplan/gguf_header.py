@@ -30,7 +30,7 @@ from runplan.gguf_files import (
 )
 from runplan.gguf_reader import HeaderReader
 from runplan.gguf_tensors import TensorInfo, _tensor_infos
-from runplan.key_types import llamacpp_type
+from runplan.key_types import every_file_type, llamacpp_type
 from runplan.shards import (
     ManifestError,
     ShardKeys,
@@ -289,10 +289,29 @@ class GgufHeader:
             raise GgufError(self.paths[0], f"expected an array, found {_describe(field)}", key)
         return _array_count(field)
 
-    def _check_llamacpp_type(self, key: str, field: Any) -> None:
-        """A key llama.cpp reads as one GGUF type (``key_types``) stored as another is
-        refused, as llama.cpp refuses it, naming the key, both types and the value."""
-        expected = llamacpp_type(key)
+    def check_every_file_types(self, arch: str) -> None:
+        """``GgufError`` naming the first key of the file that llama.cpp reads of every
+        file of ``arch`` as one GGUF type (``key_types.every_file_type``) and the file
+        stores as another, as llama.cpp refuses it: read here or not."""
+        for key in self.keys():
+            expected = every_file_type(key, arch)
+            if expected is not None:
+                self.check_type(key, expected)
+
+    def check_type(self, key: str, expected: GGUFValueType) -> None:
+        """``GgufError`` where the file's ``key`` is of another GGUF type than
+        ``expected``, the one llama.cpp reads it as (naming the key, both types and the
+        value)."""
+        self._check_llamacpp_type(key, self._field(key), expected)
+
+    def _check_llamacpp_type(
+        self, key: str, field: Any, expected: GGUFValueType | None = None
+    ) -> None:
+        """A key llama.cpp reads as one GGUF type (``expected``, by default
+        ``key_types``' table) stored as another is refused, as llama.cpp refuses it,
+        naming the key, both types and the value."""
+        if expected is None:
+            expected = llamacpp_type(key)
         if expected is not None and field.types[0] != expected:
             raise GgufError(
                 self.paths[0],

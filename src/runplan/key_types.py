@@ -10,12 +10,20 @@ file llama.cpp refuses (a token id of INT32 -1, a context length stored as UINT6
 refused here too, naming the key, instead of being read as another number.
 
 A per-block key (``block_values``) stored as an array is the exception llama.cpp makes
-too: an array of INT32 or of UINT32 items. Keys outside this table (``split.*``, this
-project's shard keys, ``sliding_window_pattern``) are read as any integer type; so are
+too: an array of INT32 or of UINT32 items. Keys outside this table (this project's
+shard keys, ``sliding_window_pattern``) are read as any integer type; so are
 keys we read for an architecture whose llama.cpp loader does not read them, where a file
 of another type loads there (``expert_gating_func`` and ``expert_shared_count`` of
 qwen3moe and qwen2moe, ``expert_shared_feed_forward_length`` of the mixtures without a
 shared expert): the table holds only keys llama.cpp reads wherever we read them.
+
+Some keys llama.cpp reads of every file, whatever reads them here or whether anything
+does (``EVERY_FILE_KEYS``, ``EVERY_FILE_SUFFIXES``: ``general.file_type``, the
+tokenizer's flags and special token ids, ``rope.scaling.finetuned``, ...): the facts
+check each the file holds (``GgufHeader.check_every_file_types``), so a file llama.cpp
+refuses for one is refused here, naming it, by the planner and every runtime. A split
+set's ``split.no`` and ``split.count`` are UINT16s in each of its shards
+(``SPLIT_KEYS``).
 """
 
 from __future__ import annotations
@@ -67,6 +75,64 @@ FLOAT32_SUFFIXES = frozenset(
         "embedding_scale",
     }
 )
+#: A split set's keys, which llama.cpp reads of each of its shards as UINT16 (``split.no``
+#: only in a set: a file alone may store it of any type).
+SPLIT_KEYS: dict[str, GGUFValueType] = {
+    "split.no": GGUFValueType.UINT16,
+    "split.count": GGUFValueType.UINT16,
+}
+#: Keys llama.cpp reads of every file whatever its architecture, as exactly one type,
+#: refusing a file that stores one as another, whether or not anything here reads the
+#: key (``every_file_type``): the loader's file type and split keys
+#: (``llama-model-loader.cpp``), the generic hyperparameters of ``load_hparams``, the
+#: vocabulary's flags and special token ids (``llama-vocab.cpp``). Checked against
+#: llama-cpp-python 0.3.36 (``scripts/check_refusals_llamacpp.py``).
+EVERY_FILE_KEYS: dict[str, GGUFValueType] = {
+    "general.file_type": GGUFValueType.UINT32,
+    "split.count": GGUFValueType.UINT16,
+    **{
+        f"tokenizer.ggml.{flag}": GGUFValueType.BOOL
+        for flag in (
+            "add_bos_token",
+            "add_eos_token",
+            "add_sep_token",
+            "add_space_prefix",
+            "remove_extra_whitespaces",
+        )
+    },
+    **{
+        f"tokenizer.ggml.{name}_token_id": GGUFValueType.UINT32
+        for name in [
+            "bos",
+            "eos",
+            "eot",
+            "eom",
+            "unknown",
+            "seperator",
+            "padding",
+            "mask",
+            "fim_pre",
+            "fim_suf",
+            "fim_mid",
+            "fim_pad",
+            "fim_rep",
+            "fim_sep",
+            "prefix",
+            "suffix",
+            "middle",
+        ]
+    },
+}
+#: Keys ``{arch}.<suffix>`` llama.cpp reads of every file, as ``EVERY_FILE_KEYS``.
+EVERY_FILE_SUFFIXES: dict[str, GGUFValueType] = {
+    "rope.scaling.finetuned": GGUFValueType.BOOL,
+    "attention.causal": GGUFValueType.BOOL,
+    "pooling_type": GGUFValueType.UINT32,
+    "expert_count": GGUFValueType.UINT32,
+    "expert_used_count": GGUFValueType.UINT32,
+    "expert_group_count": GGUFValueType.UINT32,
+    "expert_group_used_count": GGUFValueType.UINT32,
+}
 #: Prefixes that name no architecture: their keys are not the table's.
 _NOT_ARCHITECTURES = frozenset({"general", "tokenizer", "split", "gguf_pipeline"})
 
@@ -85,3 +151,12 @@ def llamacpp_type(key: str) -> GGUFValueType | None:
     if suffix in FLOAT32_SUFFIXES:
         return GGUFValueType.FLOAT32
     return None
+
+
+def every_file_type(key: str, arch: str) -> GGUFValueType | None:
+    """The one GGUF type llama.cpp reads ``key`` as in every file of architecture
+    ``arch`` (``EVERY_FILE_KEYS``, ``EVERY_FILE_SUFFIXES``), ``None`` for another key."""
+    expected = EVERY_FILE_KEYS.get(key)
+    if expected is None and key.startswith(f"{arch}."):
+        expected = EVERY_FILE_SUFFIXES.get(key[len(arch) + 1 :])
+    return expected

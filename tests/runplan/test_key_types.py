@@ -11,6 +11,7 @@ llama-cpp-python 0.3.36, which refuses every row."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,10 @@ from gguf import GGUFValueType
 
 from runplan import GgufError, model_facts_from_gguf
 from runplan.config import WorkerCapabilities
-from runplan.key_types import llamacpp_type
+from runplan.key_types import every_file_type, llamacpp_type
 from runtime_core.gguf_slice import check_whole_model
 from runtime_core.tokenizer import Tokenizer
-from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.fixtures.gguf_models import FIXTURE_SHAPES, ModelShape, write_model
 
 U32, I32, U16 = GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT16
 U64, I64 = GGUFValueType.UINT64, GGUFValueType.INT64
@@ -110,3 +111,80 @@ def test_the_same_value_of_llamacpps_type_is_read(
 )  # fmt: skip
 def test_keys_outside_the_table_keep_their_own_types(key: str) -> None:
     assert llamacpp_type(key) is None
+
+
+U8, BOOL = GGUFValueType.UINT8, GGUFValueType.BOOL
+#: Keys llama.cpp reads of every file (``key_types.EVERY_FILE_KEYS``, ``_SUFFIXES``),
+#: read here or not, stored as another type: (architecture, key, value stored, its
+#: type). Each file, a fixture of llama.cpp's but that key, ran here; llama.cpp refuses
+#: it ("key general.file_type has wrong type i32 but expected type u32").
+EVERY_FILE_ROWS: list[tuple[str, str, int, GGUFValueType]] = [
+    ("llama", "general.file_type", 0, I32),
+    ("qwen3", "general.file_type", 0, GGUFValueType.UINT16),
+    ("qwen2", "{a}.rope.scaling.finetuned", 1, U8),
+    ("gemma3", "{a}.attention.causal", 1, U8),
+    ("phi3", "{a}.pooling_type", 0, I32),
+    ("smollm3", "{a}.expert_group_used_count", 0, I32),
+    ("exaone", "{a}.expert_group_count", 0, I32),
+    ("granite", "{a}.expert_count", 0, I32),
+    ("mistral3", "tokenizer.ggml.add_sep_token", 0, U8),
+    ("gemma2", "tokenizer.ggml.remove_extra_whitespaces", 0, U8),
+    ("gemma", "tokenizer.ggml.padding_token_id", 0, U64),
+    ("qwen3moe", "tokenizer.ggml.mask_token_id", 0, I32),
+    ("qwen2moe", "tokenizer.ggml.unknown_token_id", 0, I64),
+    ("granitemoe", "tokenizer.ggml.fim_pre_token_id", 0, I32),
+    ("llama", "tokenizer.ggml.prefix_token_id", 0, I32),
+    ("llama", "split.count", 1, U32),
+]
+
+
+def write_every_file_row(
+    folder: Path, arch: str, key: str, value: int, vtype: GGUFValueType
+) -> Path:
+    """``FIXTURE_SHAPES[arch]`` with ``key`` (``{a}``: the architecture) stored as
+    ``value`` of ``vtype``."""
+    return write_model(
+        folder / f"{arch}.gguf",
+        FIXTURE_SHAPES[arch],
+        override_keys={key.format(a=arch): (value, vtype)},
+    )
+
+
+@pytest.mark.parametrize(("arch", "key", "value", "vtype"), EVERY_FILE_ROWS)
+def test_a_key_llamacpp_reads_of_every_file_stored_as_another_type_is_refused(
+    tmp_path: Path, arch: str, key: str, value: int, vtype: GGUFValueType
+) -> None:
+    """Refused by the facts (the planner, and every runtime before a stage starts),
+    naming the key, though nothing here reads it (or reads it of any type)."""
+    key = key.format(a=arch)
+    expected = every_file_type(key, arch)
+    assert expected is not None and expected != vtype
+    path = write_every_file_row(tmp_path, arch, key, value, vtype)
+    with pytest.raises(GgufError) as info:
+        model_facts_from_gguf(path)
+    assert info.value.key == key
+    assert f"expected a {expected.name}" in str(info.value)
+    assert f"found a {vtype.name} ({value!r})" in str(info.value)
+    (tmp_path / "good").mkdir()
+    good = write_every_file_row(tmp_path / "good", arch, key, value, expected)
+    _slice(good)  # of llama.cpp's type, the file is read, and every stage loads it
+
+
+def test_a_split_sets_later_shard_of_split_no_of_another_type_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    """llama.cpp reads every shard's ``split.no`` as a UINT16 (``gguf_get_val_u16``
+    aborts on another); here any integer type was read."""
+    first = write_model(tmp_path / "m.gguf", ModelShape(n_layers=2), split_max_tensors=8)
+    second = first.with_name(first.name.replace("-00001-", "-00002-"))
+    data = bytearray(second.read_bytes())
+    key = b"split.no"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<IH", data, at) == (int(GGUFValueType.UINT16), 1)
+    # the same bytes as a UINT32 would not fit; an INT16 of the same value does
+    struct.pack_into("<I", data, at, int(GGUFValueType.INT16))
+    second.write_bytes(bytes(data))
+    with pytest.raises(GgufError) as info:
+        model_facts_from_gguf(first)
+    assert info.value.key == "split.no"
+    assert str(second) in str(info.value) and "expected a UINT16" in str(info.value)
