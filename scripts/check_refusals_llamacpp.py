@@ -12,8 +12,9 @@ heads of another size than the key heads) and
 ``tests/runtime_core/test_whole_head_rotary.py`` (a rotary over half of each head), and
 of the files llama.cpp runs that were once refused here
 (``tests/runtime_core/test_converter_variants.py``: qwen2 without Q/K/V biases;
-``tests/runplan/test_gguf_facts.py``: ``vocab_size`` other than the token list's), loads
-it with llama-cpp-python in a process of its own (some refusals are ``GGML_ASSERT``
+``tests/runplan/test_gguf_facts.py``: ``vocab_size`` other than the token list's;
+``tests/runtime_core/test_no_context_length.py``: ``context_length`` 0, run at ``n_ctx``
+64), loads it with llama-cpp-python in a process of its own (some refusals are ``GGML_ASSERT``
 aborts) and evaluates three tokens. Prints a line per row; exits 1 where llama.cpp
 disagrees with the table. CI never runs it (the
 tests need no llama.cpp); run it when llama.cpp moves.
@@ -33,6 +34,7 @@ from tests.runplan import test_gguf_facts as gguf_facts
 from tests.runplan import test_key_types as key_types
 from tests.runtime_core import test_converter_variants as variants
 from tests.runtime_core import test_hidden_wide_attention as wide
+from tests.runtime_core import test_no_context_length as no_context
 from tests.runtime_core import test_value_heads as values
 from tests.runtime_core import test_whole_head_rotary as rotary
 
@@ -86,6 +88,9 @@ def rows(folder: Path) -> Iterator[tuple[str, Path, bool]]:
         here.mkdir()
         path = gguf_facts.vocab_size_beside_the_list(here, stated)
         yield f"vocab_size {stated} beside a list of 323 tokens", path, True
+    here = folder / "no-context"
+    here.mkdir()
+    yield "context_length 0", no_context.no_context_length(here), True
 
 
 def main() -> int:

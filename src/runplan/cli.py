@@ -73,7 +73,7 @@ def _cmd_facts(args: argparse.Namespace) -> int:
         ("head dim k / v", f"{facts.head_dim_k} / {facts.head_dim_v}"),
         ("vocab size", str(facts.vocab_size)),
         ("eos token id", str(facts.eos_token_id)),
-        ("context length", str(facts.context_length)),
+        ("context length", str(facts.context_length or "0 (none stated)")),
         ("max seq len", str(facts.max_seq_len)),
         ("quant types", ", ".join(facts.quant_types)),
         (
@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-seq-len",
             type=positive_int,
             default=None,
-            help="positions each stage's KV cache holds (default: the model's context length)",
+            help="positions each stage's KV cache holds (default: the model's context "
+            "length; required for a file that states none, context_length 0)",
         )
         p.add_argument("--json", action="store_true", help="print one JSON object to stdout")
 

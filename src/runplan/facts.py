@@ -57,7 +57,9 @@ class ModelFacts:
     head_dim_v: int = int_field()  # {arch}.attention.value_length (default: hidden / heads)
     vocab_size: int = int_field()
     eos_token_id: int = int_field()  # tokenizer.ggml.eos_token_id
-    context_length: int = int_field()  # {arch}.context_length: what the model was trained for
+    # {arch}.context_length: what the model was trained for; 0: the file states none (a
+    # run must say its length: ``context_limit``)
+    context_length: int = int_field()
     max_seq_len: int = int_field()  # the run's sequence bound (default: context_length)
     quant_types: tuple[str, ...] = tuple_field(str)  # sorted GGML type names in the file
     block_bytes: tuple[int, ...] = int_tuple_field()  # bytes of blk.{i}.* for each block i
@@ -99,3 +101,10 @@ class ModelFacts:
         ``positions`` positions (default ``max_seq_len``)."""
         per_token = self.kv_bytes_per_token_per_layer(width_bytes)
         return tuple(n * per_token for n in self.layer_kv_positions(positions))
+
+
+def context_limit(facts: ModelFacts) -> int | None:
+    """The most positions a run of the model may hold: its context length, ``None``
+    where the file states none (``context_length`` 0, which llama.cpp runs at the
+    context its caller gives, and refuses to size one by)."""
+    return facts.context_length or None

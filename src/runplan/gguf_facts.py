@@ -84,7 +84,7 @@ def facts_from_header(header: GgufHeader, *, max_seq_len: int | None = None) -> 
     default_head_dim = hidden // heads if heads > 0 else 0
     head_dim_k = header.dimension(f"{arch}.attention.key_length", default=default_head_dim)
     head_dim_v = header.dimension(f"{arch}.attention.value_length", default=default_head_dim)
-    context_length = header.dimension(f"{arch}.context_length")
+    context_length = header.integer(f"{arch}.context_length")  # a UINT32; 0: none stated
 
     tensors = header.tensors
     if EMBEDDING_TENSOR not in tensors:

@@ -206,7 +206,6 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
         "head_dim_k",
         "head_dim_v",
         "vocab_size",
-        "context_length",
         "embedding_bytes",
         "output_bytes",
     )
@@ -216,12 +215,18 @@ def check_facts(facts: ModelFacts) -> PlanRejection | None:
             return InconsistentModelFacts(name, str(value), "must be at least 1")
         if value > U64_MAX:
             return InconsistentModelFacts(name, str(value), "does not fit in 64 bits")
-    if facts.shared_bytes < 0:
-        return InconsistentModelFacts("shared_bytes", str(facts.shared_bytes), "is negative")
-    if facts.max_seq_len < 1:
+    for name in ("shared_bytes", "context_length"):  # context_length 0: none stated
+        if getattr(facts, name) < 0:
+            return InconsistentModelFacts(name, str(getattr(facts, name)), "is negative")
+    if facts.context_length > U64_MAX:
         return InconsistentModelFacts(
-            "max_seq_len", str(facts.max_seq_len), "a run needs at least one position"
+            "context_length", str(facts.context_length), "does not fit in 64 bits"
         )
+    if facts.max_seq_len < 1:
+        why = "a run needs at least one position"
+        if facts.context_length == 0:
+            why += " (the model's file states no context length to default to: give one)"
+        return InconsistentModelFacts("max_seq_len", str(facts.max_seq_len), why)
     if facts.num_layers > U32_MAX:
         return InconsistentModelFacts("num_layers", str(facts.num_layers), "exceeds u32")
     if facts.head_count % facts.head_count_kv:

@@ -201,7 +201,7 @@ class ModelConfig:
             n_kv_heads=heads_kv,
             head_dim_k=head_dim_k,
             head_dim_v=head_dim_v,
-            context_length=header.dimension(f"{arch}.context_length"),
+            context_length=header.integer(f"{arch}.context_length"),  # 0: none stated
             rms_eps=_rms_eps(header, f"{arch}.attention.layer_norm_rms_epsilon"),
             rope=rope,
             rope_swa=rope_swa,

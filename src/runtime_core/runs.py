@@ -22,6 +22,7 @@ from runplan import (
     plan_run,
 )
 from runplan.config import run_positions
+from runplan.facts import context_limit
 from runplan.picklable_error import PicklableError
 from runplan.plan import U64_MAX
 from runplan.planner import run_too_long
@@ -77,8 +78,11 @@ def facts_for_run(model_path: str, *, prompt_len: int, max_tokens: int) -> Model
     facts = model_facts_from_gguf(model_path)
     if max_tokens < 1:
         return facts
-    rejection = run_too_long(
-        prompt_len, max_tokens, facts.context_length, "the model's context length"
+    limit = context_limit(facts)  # None: the file states none, the run's own length
+    rejection = (
+        None
+        if limit is None
+        else run_too_long(prompt_len, max_tokens, limit, "the model's context length")
     )
     if rejection is not None:
         raise PlanRejected(rejection)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from runplan import ModelFacts, SamplingConfig, model_facts_from_gguf
 from runplan.config import run_positions
+from runplan.facts import context_limit
 from runplan.models import resolve_model
 from runplan.picklable_error import PicklableError
 from runplan.rejections import InsufficientMemory
@@ -94,7 +95,8 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_tokens: int, facts: Mode
                 i,
             )
         needed = run_positions(len(prompt), max_tokens)
-        if needed > facts.context_length:
+        limit = context_limit(facts)  # None: the file states none
+        if limit is not None and needed > limit:
             raise BatchError(
                 f"prompt {i} holds {len(prompt)} tokens: with max_tokens {max_tokens} it "
                 f"needs {needed} positions (the last token generated is not fed back), "

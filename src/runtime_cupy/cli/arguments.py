@@ -234,7 +234,7 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="positions of each run's KV cache: a request's prompt and its answer hold at "
         "most one token more, the answer's last never being fed back (default: the model's "
-        "context length)",
+        "context length; required for a file that states none, context_length 0)",
     )
     parser.add_argument(
         "--log-dir",

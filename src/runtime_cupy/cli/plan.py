@@ -20,6 +20,7 @@ from rich.table import Table
 from runplan import SamplingConfig, model_facts_from_gguf, wire
 from runplan.arguments import OneLineParser, positive_int
 from runplan.cli import human_bytes
+from runplan.facts import context_limit
 from runplan.json_errors import exception_json
 from runplan.memory import plan_stage_memory
 from runplan.models import resolve_model
@@ -66,10 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(args: argparse.Namespace) -> tuple[Any, tuple[StageNode, ...] | None]:
     from runtime_cupy.api import plan_for
 
-    context = model_facts_from_gguf(resolve_model(args.model)).context_length
-    if args.max_seq_len is None:
-        args.max_seq_len = min(DEFAULT_SEQ_LEN, context)
-    elif args.max_seq_len > context:  # named here: the planner's words are a run's
+    context = context_limit(model_facts_from_gguf(resolve_model(args.model)))
+    if args.max_seq_len is None:  # a file that states no context length: the default
+        args.max_seq_len = DEFAULT_SEQ_LEN if context is None else min(DEFAULT_SEQ_LEN, context)
+    elif context is not None and args.max_seq_len > context:  # the planner's words are a run's
         raise ValueError(
             f"--max-seq-len {args.max_seq_len} is past the model's context length {context}"
         )

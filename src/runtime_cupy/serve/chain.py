@@ -59,6 +59,7 @@ import attrs
 
 from runplan import NodeSpec, Placement, SamplingConfig, model_facts_from_gguf
 from runplan.config import Timeouts
+from runplan.facts import context_limit
 from runplan.models import resolve_model
 from runplan.plan import U64_MAX
 from runtime_core.gguf_slice import check_whole_model
@@ -204,11 +205,16 @@ class WarmChain(ChainPlans, ChainHealth, ChainRuns):
             raise ValueError(f"unknown placement {placement!r} (one of {', '.join(PLACEMENTS)})")
         self.path = resolve_model(model)
         facts = model_facts_from_gguf(self.path)
-        if context is not None and not 1 < context <= facts.context_length:
+        limit = context_limit(facts)
+        if context is None and limit is None:
             raise ValueError(
-                f"context {context} is not in 2..{facts.context_length} (the model's "
-                "context length)"
+                f"{self.path}: the model's file states no context length "
+                f"({facts.architecture}.context_length 0, which llama.cpp runs at the "
+                "context its caller gives): give the context (--context)"
             )
+        if context is not None and not 1 < context <= (limit or context):
+            bound = f"in 2..{limit} (the model's context length)" if limit else "2 or more"
+            raise ValueError(f"context {context} is not {bound}")
         self.facts = attrs.evolve(facts, max_seq_len=context or facts.context_length)
         self.tokenizer = Tokenizer.from_gguf(self.path)
         self.worker = worker
