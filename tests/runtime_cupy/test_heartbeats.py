@@ -13,9 +13,12 @@ sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -25,6 +28,7 @@ from runplan.config import Timeouts
 from runtime_cupy import generate
 from tests.support.hosts import FaultyHost
 from tests.support.hygiene import alive, run_resources
+from tests.support.servers import wait_for
 
 pytestmark = pytest.mark.process
 
@@ -104,35 +108,58 @@ def test_a_pause_of_the_orchestrator_is_not_a_stages_silence(tiny: str) -> None:
     assert run_resources(result.chain_id) == []
 
 
+def _continue(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # (killed meanwhile: a failed test)
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("stage_0", ["prompt", "late"])
 def test_a_stage_stopped_before_its_first_word_is_killed_when_the_run_is_not_ready(
-    tiny: str,
+    tiny: str, tmp_path: Path, stage_0: str
 ) -> None:
     """Stopped the moment it is spawned (before it beats once), stage 1 holds no step:
     when the run's ready timer (4 s) runs out, a stage that has not said a word is
     taken for silent and killed, so the run's teardown does not wait out the stop bound
     (here 15 + 2 x 20 s) for it: the run ends in seconds, where it took a minute. The
-    fault names that stage (it blamed the orchestrator: "stages [1] not ready in time")."""
+    fault names that stage (it blamed the orchestrator: "stages [1] not ready in time").
+
+    The run (and its ready timer) starts once both stages are spawned; the test holds
+    it there until stage 0 is about to beat (its log says it started): a stage 0 slow to
+    start (a loaded host; ``late``: held stopped past the ready bound) had not said a
+    word either when the timer ran out, and was the fault named."""
     stopped: list[int] = []
     silent: list[int] = []
+    began: list[float] = []
+    log = tmp_path / "stage-0.log"
+    ready_ms = 4_000
 
     def on_event(kind: str, fields: dict[str, Any]) -> None:
         if kind == "stage_silent":
             silent.append(int(fields["stage_index"]))
-        if kind == "spawned" and int(fields["stage_index"]) == 1:
-            os.kill(int(fields["pid"]), signal.SIGSTOP)
-            stopped.append(int(fields["pid"]))
+        if kind != "spawned":
+            return
+        index, pid = int(fields["stage_index"]), int(fields["pid"])
+        if index == 0 and stage_0 == "late":
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(2 * ready_ms / 1000, _continue, (pid,)).start()
+        if index == 1:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+            wait_for(lambda: log.exists() and "started (run" in log.read_text(), 60,
+                     "stage 0 to start")  # fmt: skip
+            began.append(time.monotonic())
 
-    began = time.monotonic()
     result = generate(
         tiny,
         [1, 2, 3],
         stages=2,
         max_tokens=4,
-        timeouts=attrs.evolve(TIMEOUTS, ready_ms=4_000),
+        timeouts=attrs.evolve(TIMEOUTS, ready_ms=ready_ms),
+        host=FaultyHost({}, log_dir=tmp_path),
         on_event=on_event,
     )
-    took = time.monotonic() - began
     assert stopped, "stage 1 was never spawned"
+    took = time.monotonic() - began[0]
     assert result.outcome == "faulted" and result.fault_stage == 1, result.fault
     assert "stage_silent: stage 1 on 'stage-1': not a word since it" in str(result.fault)
     assert silent == [1]  # the stage that never spoke, killed when the ready timer ran out
