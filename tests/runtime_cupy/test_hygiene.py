@@ -18,6 +18,7 @@ import pytest
 
 import runtime_cupy
 from runplan import RingSpec
+from runtime_cupy.edges.live_chains import registry_dir
 from runtime_cupy.edges.shm import ShmMedium, remove_run
 from runtime_cupy.process.names import PREFIX
 from tests.support import hygiene
@@ -26,6 +27,7 @@ from tests.support.hygiene import (
     TAG_VARIABLE,
     RunLedger,
     alive,
+    held_links,
     run_resources,
     users,
     wait_gone,
@@ -34,7 +36,7 @@ from tests.support.hygiene import (
 HOLD = """
 import mmap, os, sys, time
 path = sys.argv[1]
-fd = os.open(path, os.O_RDWR)
+fd = os.open(path, os.O_RDONLY if os.path.isdir(path) else os.O_RDWR)
 if path.startswith("/dev/shm/"):
     os.ftruncate(fd, 4096)
     m = mmap.mmap(fd, 4096)
@@ -80,6 +82,37 @@ def test_a_mapped_segment_names_its_mapper() -> None:
             proc.wait()
         assert users(str(segment)) == []
     finally:
+        segment.unlink()
+
+
+def test_held_links_are_a_chains_names_and_not_the_registry_of_live_chains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``held_links``: a chain's entry in the registry of live chains, a file of an edge
+    folder, a segment (mapped) are links their holders hold; the registry's folder is
+    not, which every chain of the user has its entry in and a stage holds open for a
+    moment as it takes its own (sampled then, it counted as the chain's, and was still
+    there after the chain was gone while any other chain lived)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    registry = registry_dir()
+    registry.mkdir(mode=0o700)
+    entry = registry / ("0" * 32)
+    entry.write_bytes(b"")
+    folder = tmp_path / f"{PREFIX}{'a' * 24}"
+    folder.mkdir()
+    (folder / "data").write_bytes(b"")
+    segment = SHM / f"{PREFIX}hygiene-{uuid.uuid4().hex[:8]}"
+    segment.write_bytes(b"")
+    holders = [_hold(registry)]
+    try:
+        assert held_links([holders[0].pid]) == set()
+        holders += [_hold(entry), _hold(folder / "data"), _hold(segment)]
+        links = {str(entry), str(folder / "data"), str(segment)}
+        assert held_links(p.pid for p in holders) == links
+    finally:
+        for proc in holders:
+            proc.kill()
+            proc.wait()
         segment.unlink()
 
 

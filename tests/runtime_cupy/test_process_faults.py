@@ -4,7 +4,6 @@ nothing left in /dev/shm."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -23,10 +22,9 @@ from runtime_cupy import generate
 from runtime_cupy.cli.main import main as cli_main
 from runtime_cupy.hosts.local import LocalProcessHost, LocalStageHandle
 from runtime_cupy.hosts.port import StageLaunch
-from runtime_cupy.process.names import temp_root
 from tests.runtime_cupy.test_kill_orchestrator import ROOT, Driver
 from tests.support.hosts import FaultyHost
-from tests.support.hygiene import alive, learn_chain_ids, run_resources, wait_gone
+from tests.support.hygiene import alive, held_links, learn_chain_ids, run_resources, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -127,23 +125,6 @@ def test_ctrl_c_in_the_cli_is_a_cancelled_run(smollm2_path: str, signum: int, st
     assert wait_gone(list(pids.values()), 5) == []
 
 
-def _shared_paths(pids: list[int]) -> set[str]:
-    """The /dev/shm segments and run folders (FIFOs) that ``pids`` hold open or mapped."""
-    found: set[str] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                if "/dev/shm/" in line:
-                    found.add(line.split(maxsplit=5)[-1])
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith(("/dev/shm/", str(temp_root()))):
-                        found.add(target)
-    return found
-
-
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_in_a_recovering_run_is_one_json_object(
     smollm2_path: str, signum: int, status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -162,7 +143,7 @@ def test_ctrl_c_in_a_recovering_run_is_one_json_object(
                        "--max-tokens", "4", "--recover", "--json")  # fmt: skip
     pids = list(_children(proc.pid, 2).values())
     deadline = time.monotonic() + 30
-    while not (held := _shared_paths(pids)) and time.monotonic() < deadline:
+    while not (held := held_links(pids)) and time.monotonic() < deadline:
         time.sleep(0.01)  # the stages made their links: the chain is up, binding
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
@@ -174,7 +155,7 @@ def test_ctrl_c_in_a_recovering_run_is_one_json_object(
     assert doc["error"] == {"type": "Cancelled", "message": f"cancelled by {name}"}
     assert err.strip().splitlines()[-1] == "cancelled"
     assert wait_gone(pids, 10) == []
-    assert held and not [p for p in held if os.path.lexists(p.removesuffix(" (deleted)"))]
+    assert held and not [p for p in held if os.path.lexists(p)]
     assert list(temp.iterdir()) == []
 
 

@@ -10,6 +10,7 @@ resource on the host, whatever its name, is never this test's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import attrs
 
+from runtime_cupy.edges.live_chains import registry_dir
 from runtime_cupy.edges.shm import segment_name
-from runtime_cupy.process.names import edge_dir
+from runtime_cupy.process.names import PREFIX, edge_dir, temp_root
 
 SHM = Path("/dev/shm")
 TAG_VARIABLE = "GGUF_PIPELINE_TEST_TAG"
@@ -116,6 +118,31 @@ def tagged_processes(tag: str) -> list[int]:
             continue
         if needle in env.split(b"\0") and alive(int(entry.name)):
             found.append(int(entry.name))
+    return found
+
+
+def held_links(pids: Iterable[int]) -> set[str]:
+    """The names of links that ``pids`` map (segments in /dev/shm) or hold open (a
+    segment, an edge folder or a file in it, a chain's entry in the registry of live
+    chains), unlinked ones by their names. Not the registry's folder: every chain of
+    this user on this host has its entry there, and a process opens the folder for a
+    moment as it takes its chain's entry, so it is no chain's own and stays while any
+    other chain lives."""
+    shared = str(registry_dir())
+    ours = (f"{SHM}/{PREFIX}", f"{temp_root()}/{PREFIX}")
+    found: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                name = line.split(maxsplit=5)[-1].removesuffix(" (deleted)")
+                if name.startswith(ours):
+                    found.add(name)
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd).removesuffix(" (deleted)")
+                    if target.startswith(ours) and target != shared:
+                        found.add(target)
     return found
 
 

@@ -27,7 +27,7 @@ from runtime_cupy import generate
 from runtime_cupy.serve.prompts import chat_prompt
 from runtime_cupy.serve.requests import Message
 from runtime_cupy.workers import DEFAULT_WORKER
-from tests.support.hygiene import wait_gone
+from tests.support.hygiene import held_links, wait_gone
 
 #: Real stage processes (the lanes: pyproject's markers; make fast leaves these out).
 pytestmark = pytest.mark.process
@@ -211,17 +211,6 @@ def test_sigterm_that_readline_was_writing_through_ends_the_chat(tiny_chat: str)
             os.waitpid(term.pid, 0)
 
 
-def _stage_paths(pid: int) -> set[str]:
-    """The chain resources (``gpp-*`` rings and folders) a stage process holds open."""
-    paths = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if "/gpp-" in target:
-                paths.add(target)
-    return paths
-
-
 def test_a_closed_terminal_leaves_no_stage_and_no_resource_behind(tiny_chat: str) -> None:
     """The terminal goes away under the chat (a closed window, a dropped ssh session): the
     kernel hangs up its session, SIGHUP to the chat and its stage processes. The stages
@@ -235,7 +224,7 @@ def test_a_closed_terminal_leaves_no_stage_and_no_resource_behind(tiny_chat: str
         assert term.say("hello") != ""  # a run went through: every link is made
         stages = children(term.pid)
         assert len(stages) == 2, stages
-        held = set().union(*(_stage_paths(pid) for pid in stages))
+        held = held_links(stages)
         assert held, "the stages hold their links' resources"
         os.kill(term.pid, signal.SIGKILL)  # the session leader gone: the terminal hangs up
         os.waitpid(term.pid, 0)
