@@ -400,16 +400,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one JSON report (no wall-clock figures: same seeds, same bytes)",
     )
-    ex.add_argument(
+    # --rules runs nothing: beside --self-test it once exited 0 with no mutant run
+    what = ex.add_mutually_exclusive_group()
+    what.add_argument(
         "--self-test",
         action="store_true",
         help="run the built-in mutants; exit 0 only if the checker catches each",
     )
-    ex.add_argument(
+    what.add_argument(
         "--rules",
         action="store_true",
         help="list every rule a scenario is checked against (its kind before the colon) "
-        "and run nothing",
+        "and run nothing (not with --self-test)",
     )
     ex.set_defaults(func=_cmd_explore)
     return parser

@@ -172,6 +172,18 @@ def test_explore_lists_the_rules_it_checks_and_every_violation_is_one(capsys: ob
     assert capsys.readouterr().out.splitlines() == rules  # type: ignore[attr-defined]
 
 
+def test_rules_beside_self_test_is_a_usage_error(capsys: object) -> None:
+    """--rules runs nothing: beside --self-test it once exited 0 with no mutant run,
+    against --self-test's 'exit 0 only if the checker catches each'."""
+    with pytest.raises(SystemExit) as exc:
+        main(["explore", "--self-test", "--rules", "--json"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()  # type: ignore[attr-defined]
+    error = json.loads(captured.out)["error"]
+    assert error["type"] == "UsageError"
+    assert "--rules" in error["message"] and "--self-test" in error["message"]
+
+
 def test_each_mutant_enters_as_one_subclassed_part_and_production_knows_none() -> None:
     # The simulator's own modules never import the mutants: a bug enters only through
     # the Parts port of the one simulation that asks for it.
