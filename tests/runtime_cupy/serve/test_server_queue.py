@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import socket
 import threading
@@ -394,14 +395,19 @@ def test_a_stop_answers_every_request_at_once_and_the_server_ends(
     # The log counts the tokens each cancelled run had (it once said 0 tokens for all): a
     # run whose prompt was in the stage's step 0 had one (the next step is 1.5 s off); the
     # two prompts may share that step (both runs then had one) or not (the other, whose
-    # prompt waits in the delayed step 1, had none).
+    # prompt waits in the delayed step 1, had none). On a loaded machine the exit can
+    # come after step 1 too (a run then had two, the other one): at most one step more.
     ended = [r.getMessage() for r in caplog.records if "finished: cancelled" in r.getMessage()]
     queued = [line for line in ended if "the run was cancelled" not in line]
     assert len(queued) == 1 and ", 0 tokens (the server is shutting down)" in queued[0], ended
     ended = [line for line in ended if line not in queued]
     assert len(ended) == 2, ended
-    assert all(", 0 tokens" in line or ", 1 tokens" in line for line in ended), ended
-    assert any(", 1 tokens" in line for line in ended), ended
+    had = sorted(int(re.findall(r", (\d+) tokens", line)[-1]) for line in ended)
+    assert had[-1] >= 1 and had[-1] - had[0] <= 1 and had[-1] <= 2, ended
+    streamed_tokens = sum(
+        1 for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")
+    )
+    assert streamed_tokens <= had[-1], (streamed_tokens, ended)
 
 
 class ClosingChain(WarmChain):
