@@ -1,13 +1,12 @@
 """A chat template is a file's, possibly a stranger's (``runtime_core.chat``): whatever it
 raises is a ``ChatTemplateError`` (the server answers 400, not 500), its rendering is
 bounded in time and size, and it sees what Hugging Face's ``apply_chat_template`` gives
-(``{% generation %}``, ``tools`` and ``documents`` as ``None``). How long a refusal took
-is this process's CPU time (a loaded machine stretched the wall-clock time of a 1 s
-refusal past 5 s): a bound on work done before the refusal, not a timing."""
+(``{% generation %}``, ``tools`` and ``documents`` as ``None``)."""
 
 from __future__ import annotations
 
 import time
+import tracemalloc
 
 import pytest
 
@@ -15,6 +14,25 @@ from runtime_core import chat
 from runtime_core.chat import ChatTemplateError, render_chat_template
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+
+#: A bound on a hang, never a timing: a rendering that ends is timed by the deadline.
+HANG_S = 60.0
+
+
+def _refused_having_made_little(template: str, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``template`` refused with ``match``, having made at most what one value past
+    ``MAX_RENDER_CHARS`` takes (traced, not timed: a template that makes what it asks
+    takes the gigabytes). ``RENDER_SECONDS`` raised: the render deadline is no part of
+    this, and a checking that takes a second on a loaded host may take ten."""
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 600.0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChatTemplateError, match=match):
+            render_chat_template(template, MESSAGES)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * chat.MAX_RENDER_CHARS, f"it made {peak} bytes on the way"
 
 
 @pytest.mark.parametrize(
@@ -33,14 +51,11 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ],
 )
 def test_what_a_template_raises_or_makes_past_its_bounds_is_typed(
-    template: str, match: str
+    template: str, match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once untyped: ``ZeroDivisionError``, ``TypeError``, ``RecursionError``, and a
     ``MemoryError`` after 10 s of allocating for ``'x' * 3000000000``."""
-    began = time.process_time()
-    with pytest.raises(ChatTemplateError, match=match):
-        render_chat_template(template, MESSAGES)
-    assert time.process_time() - began < 5
+    _refused_having_made_little(template, match, monkeypatch)
 
 
 BIG = 1500000000
@@ -100,14 +115,13 @@ BIG = 1500000000
     ],
 )
 def test_what_a_template_asks_to_make_past_its_bounds_is_refused_before_it_is_made(
-    template: str, match: str
+    template: str, match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once made in full: ``'x'.ljust(1500000000)`` allocated 1.5 GB (only the output was
-    bounded), and ``ns.s ~ ns.s`` doubled in a loop until memory ran out."""
-    began = time.process_time()
-    with pytest.raises(ChatTemplateError, match=match):
-        render_chat_template(template, MESSAGES)
-    assert time.process_time() - began < 5
+    bounded), and ``ns.s ~ ns.s`` doubled in a loop until memory ran out. (Timed once,
+    under 5 s: a loaded 2-core host took 20 s to size a join of 1,000,000 items, and the
+    10 s render deadline refused it first.)"""
+    _refused_having_made_little(template, match, monkeypatch)
 
 
 def test_bounded_operations_make_what_they_made_below_the_bounds() -> None:
@@ -134,10 +148,10 @@ def test_a_template_that_renders_for_ever_is_ended(monkeypatch: pytest.MonkeyPat
         "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}"
         "{% endfor %}{% endfor %}{% endfor %}x"
     )
-    began = time.process_time()
+    began = time.monotonic()
     with pytest.raises(ChatTemplateError, match=r"rendered for more than 0\.3 s"):
         render_chat_template(endless, MESSAGES)
-    assert time.process_time() - began < 3
+    assert time.monotonic() - began < HANG_S  # ended, by the deadline its error names
     assert render_chat_template("{{ messages[0].content }}", MESSAGES) == "hi"  # (untraced after)
 
 
