@@ -293,7 +293,9 @@ def test_a_listener_that_is_not_a_ray_head_is_a_clear_error_at_once(
         began = time.monotonic()
         with pytest.raises(ClusterError, match=f"no Ray cluster at {address}: what listens"):
             connect(address)
-        assert time.monotonic() - began < 2.5
+        # A bound on Ray's minutes of retries, not a timing: the probe's 1 s plus a
+        # loaded host's slack.
+        assert time.monotonic() - began < 30
         thread.join(5)
 
 
