@@ -147,9 +147,20 @@ X8_INL void XN(b4_words)(const uint8_t *b, int64_t gs, const int kind, VI *lo, V
     }
 }
 
-/* a 4- or 5-bit block's integer sum's start for activation row j: -offset * g */
-X8_INL VI XN(b4_init)(const XRows *x, int64_t j, int64_t nc, int64_t c, const int kind) {
-    return X8_B_OFFSET(kind) ? v_set1_32(-X8_B_OFFSET(kind) * x->g[j * 2 * nc + c]) : v_zero();
+/* a 4- or 5-bit block's exact integer sum for an activation row (q4_isum's: its bytes xq,
+ * its sum g), the offset taken back: without VNNI g broadcast from memory, shifted (the
+ * offsets are 8 and 16) and subtracted at the end, 3 instructions (load, vpslld, vpsubd)
+ * where the product set into every lane took 6 (load, neg, shl, vmovd, vpbroadcastd,
+ * vpaddd); with VNNI the product starts the vpdpbusd chain */
+X8_INL VI XN(b4_isum)(const VI *lo, const VI *hi, const int8_t *xq, const int32_t *g, const int kind) {
+#if X8_PAIRS16
+    const VI si = XN(q4_isum)(lo, hi, xq, v_zero(), X8_B_FIVE(kind));
+    if (!X8_B_OFFSET(kind)) return si;
+    return v_sub32(si, v_slli32(XN(bcast)((const int8_t *)g), X8_B_OFFSET(kind) == 8 ? 3 : 4));
+#else
+    const VI init = X8_B_OFFSET(kind) ? v_set1_32(-X8_B_OFFSET(kind) * *g) : v_zero();
+    return XN(q4_isum)(lo, hi, xq, init, X8_B_FIVE(kind));
+#endif
 }
 
 X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0,
@@ -167,8 +178,7 @@ X8_INL void XN(q4_body)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows 
         XN(b4_words)(b, gs, kind, lo, hi);
         for (int k = 0; k < NJ; ++k) {
             const int64_t j = j0 + k;
-            const int8_t *xq = x->q + j * x->qs + 32 * c;
-            const VI si = XN(q4_isum)(lo, hi, xq, XN(b4_init)(x, j, nc, c, kind), X8_B_FIVE(kind));
+            const VI si = XN(b4_isum)(lo, hi, x->q + j * x->qs + 32 * c, x->g + j * 2 * nc + c, kind);
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
             if (has_min) term = f_add(term, f_mul(mw, f_set1(x->s[j * nc + c])));
@@ -246,7 +256,9 @@ X8_INL void XN(q4_0_row)(const uint8_t *grp, int64_t nc, const XRows *x, int64_t
 
 /* Q4_0, Q4_1, Q8_0, IQ4_NL, Q5_0, Q5_1 for a tile of nj (> X8_XT) rows: each block
  * decoded once, then the rows one after another (their running sums in acc, memory):
- * q4_body's and q8_0_body's arithmetic, in their order */
+ * q4_body's and q8_0_body's arithmetic, in their order. The rows' loop unrolled twice:
+ * a loop step and its compare a pair of rows (AVX2's Q4_0 37.5 instructions a row and
+ * block, with b4_isum's offset, where 42 were) */
 X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows *x, int64_t j0, int nj,
                          float (*out)[XL],
                          const int kind /* 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 IQ4_NL, 4 Q5_0, 5 Q5_1 */) {
@@ -263,6 +275,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
         VI u[8], q[8];
         if (signed_q) XN(b32_words)(b, gs, kind == 3, u, q);
         else XN(b4_words)(b, gs, kind, u, u + 4);
+#pragma GCC unroll 2
         for (int k = 0; k < nj; ++k) {
             const int64_t j = j0 + k;
             const int8_t *xq = x->q + j * x->qs + 32 * c;
@@ -281,7 +294,7 @@ X8_INL void XN(b32_tile)(const uint8_t *grp, int64_t gs, int64_t nc, const XRows
                 for (int w = 0; w < 8; ++w) si = v_dot4(si, u[w], v_sign8(XN(bcast)(xq + 4 * w), q[w]));
 #endif
             } else {
-                si = XN(q4_isum)(u, u + 4, xq, XN(b4_init)(x, j, nc, c, kind), X8_B_FIVE(kind));
+                si = XN(b4_isum)(u, u + 4, xq, x->g + j * 2 * nc + c, kind);
             }
             const VF fac = f_mul(dw, f_set1(x->d[j * nc + c]));
             VF term = f_mul(fac, f_cvt(si));
