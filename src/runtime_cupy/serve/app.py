@@ -24,7 +24,8 @@ address answers 400 ``invalid_host`` to a ``Host`` that is not a loopback name
 (``host_header``: DNS rebinding; a target in absolute form,
 ``GET http://localhost:8000/v1/models``, names the path and the host:
 ``request_target``); bytes that are no HTTP/1.1 request get a 400
-``invalid_http_request`` error object from the protocol (``connections``). A bug is
+``invalid_http_request`` error object from the protocol (``connections``), a head too
+large a 431, a transfer coding not served a 501 (``refused_requests``). A bug is
 logged with its traceback and answered 500 without it. An answer sent before the
 request's body came whole (a 413, a 408, ...) says ``Connection: close`` and ends its
 connection (``unread_body``).

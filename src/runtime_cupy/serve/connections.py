@@ -20,9 +20,10 @@ socket it is handed and the protocol class it is given: ``guarded_listener``,
   waits to go is discarded), which the app hears as the client gone (its runs are
   cancelled). A client that stops reading a long stream held its connection, and the
   answer's bytes in this process, for good: a few of them could take every connection.
-- **Malformed requests**: bytes h11 cannot read as a request are answered 400 with
-  an OpenAI error object (``invalid_http_request``), as every other error, not
-  uvicorn's ``text/plain`` line.
+- **Malformed requests**: bytes h11 cannot read as a request are answered with an
+  OpenAI error object, as every other error, not uvicorn's ``text/plain`` 400 line: 400
+  ``invalid_http_request``, 431 for a head too large, 501 for a transfer coding not
+  served (``refused_requests``).
 - **Closing**: a connection closed while its client still sends a request's body (an
   answer that did not wait for it: ``unread_body``) lingers (``serve.lingering``): the
   answer sent and the write side shut, what still comes is thrown away for at most
@@ -51,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import http
 import json
 import logging
 import socket
@@ -61,9 +63,11 @@ from typing import Any, ClassVar, cast
 
 import h11
 from attrs import frozen
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn reads it
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from runtime_cupy.serve.lingering import LingeringClose
+from runtime_cupy.serve.refused_requests import RecordingConnection, refusal
 from runtime_cupy.serve.request_errors import RequestError
 
 log = logging.getLogger("runtime_cupy.serve.connections")
@@ -100,14 +104,6 @@ _REFUSAL = (
     + b"\r\n"
     + _REFUSAL_BODY
 )
-#: The error of bytes that are no HTTP/1.1 request (``BoundedH11Protocol``).
-MALFORMED = RequestError(
-    "the request is not valid HTTP/1.1 (a malformed request line, header or chunk, a "
-    "Content-Length that is no length, or no Host header)",
-    code="invalid_http_request",
-)
-
-
 #: How many connections may be closing to make room at one time.
 EVICTION_SLACK = 8
 #: How long an accepted socket may wait for its protocol before it no longer counts
@@ -210,6 +206,9 @@ class BoundedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # uvicorn's connection, as it makes it, keeping the error it refuses bytes with
+        size = self.config.h11_max_incomplete_event_size
+        self.conn = RecordingConnection(DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size)
         self.waiting_since: float | None = None
         self.evicted = False
         self._deadline: asyncio.TimerHandle | None = None
@@ -275,11 +274,16 @@ class BoundedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are no HTTP/1.1 request (h11 refused them), as
-        every other error of this server: an OpenAI error object, 400, and the
-        connection closed. (uvicorn's own was ``text/plain``, 'Invalid HTTP request
-        received.', which no OpenAI client reads as an error object.)"""
-        headers, body = _error_answer(MALFORMED)
-        events = (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+        every other error of this server: an OpenAI error object, with the status h11's
+        reason calls for (``refused_requests``: 400, 431, 501), and the connection
+        closed. (uvicorn's own was ``text/plain``, 'Invalid HTTP request received.',
+        which no OpenAI client reads as an error object, and a 400 whatever the
+        reason.)"""
+        assert isinstance(self.conn, RecordingConnection)
+        error = refusal(self.conn)
+        headers, body = _error_answer(error)
+        reason = http.HTTPStatus(error.status).phrase.encode()
+        events = (h11.Response(status_code=error.status, headers=headers, reason=reason),
                   h11.Data(data=body), h11.EndOfMessage())  # fmt: skip
         for event in events:
             self.transport.write(self.conn.send(event) or b"")

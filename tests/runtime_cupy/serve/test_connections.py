@@ -12,12 +12,14 @@ connections is ``test_server_limits.py``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -154,11 +156,10 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped() -> None:
         thread.join(10)
 
 
-def test_bytes_that_are_no_http_request_get_an_openai_error_object() -> None:
-    """What h11 cannot read as a request (no ``Host``, a ``Content-Length`` that is no
-    length, a malformed request line or chunk) is answered 400 with an OpenAI error
-    object, as every other error of the server, and the connection closed. (It was
-    uvicorn's ``text/plain`` 'Invalid HTTP request received.'.)"""
+@contextlib.contextmanager
+def _echoing_server() -> Iterator[tuple[str, int]]:
+    """uvicorn with the bounded protocol over an app that reads a request and answers
+    200 ``ok``; its address."""
     guard = ConnectionGuard(ConnectionLimits(4, 5.0))
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -172,6 +173,39 @@ def test_bytes_that_are_no_http_request_get_an_openai_error_object() -> None:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield sock.getsockname()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _refused(address: tuple[str, int], data: bytes, status: int) -> dict[str, Any]:
+    """The error object of the answer to ``data``, which must be ``status``, say
+    ``Connection: close`` and be JSON; the server then closes the connection."""
+    with socket.create_connection(address, timeout=10) as client:
+        client.sendall(data)
+        answer = b""
+        while chunk := client.recv(65536):  # until the server closes
+            answer += chunk
+    start = answer.find(b"HTTP/1.1 %d " % status)  # (after a good request's answer)
+    assert start >= 0, (data[:200], answer)
+    head, _, body = answer[start:].partition(b"\r\n\r\n")
+    headers = head.decode().lower()
+    assert "content-type: application/json" in headers, (data[:200], answer)
+    assert "connection: close" in headers, (data[:200], answer)
+    error: dict[str, Any] = json.loads(body)["error"]
+    return error
+
+
+def test_bytes_that_are_no_http_request_get_an_openai_error_object() -> None:
+    """What h11 cannot read as a request (no ``Host``, a ``Content-Length`` that is no
+    length, a malformed request line or chunk) is answered 400 with an OpenAI error
+    object, as every other error of the server, and the connection closed. (It was
+    uvicorn's ``text/plain`` 'Invalid HTTP request received.'.)"""
     malformed = [
         b"GET / HTTP/1.1\r\n\r\n",  # no Host
         b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
@@ -179,29 +213,29 @@ def test_bytes_that_are_no_http_request_get_an_openai_error_object() -> None:
         b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n\r\n",
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n",  # after a good request
     ]
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with _echoing_server() as address:
         for data in malformed:
-            with socket.create_connection(sock.getsockname(), timeout=10) as client:
-                client.sendall(data)
-                answer = b""
-                while chunk := client.recv(65536):  # until the server closes
-                    answer += chunk
-            start = answer.find(b"HTTP/1.1 400 ")  # (after the good request's answer)
-            assert start >= 0, (data, answer)
-            head, _, body = answer[start:].partition(b"\r\n\r\n")
-            headers = head.decode().lower()
-            assert "content-type: application/json" in headers, (data, answer)
-            assert "connection: close" in headers, (data, answer)
-            error = json.loads(body)["error"]
+            error = _refused(address, data, 400)
             assert error["type"] == "invalid_request_error", (data, error)
             assert error["code"] == "invalid_http_request", (data, error)
             assert error["param"] is None and "HTTP/1.1" in error["message"], (data, error)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+
+
+def test_a_head_too_large_gets_431_and_a_transfer_coding_not_served_501() -> None:
+    """A request whose head does not end within the bytes h11 holds of an incomplete
+    one (16 KiB) is answered 431 (RFC 6585), naming that bound; a ``Transfer-Encoding``
+    other than chunked 501 (RFC 9112 §6.1), naming it: each an OpenAI error object, the
+    connection closed. (Both were a 400 saying the request was no valid HTTP/1.1.)"""
+    big = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40_000  # no end: h11 waits
+    gzip = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"
+    with _echoing_server() as address:
+        error = _refused(address, big, 431)
+        assert error["code"] == "request_header_fields_too_large", error
+        assert "16384 bytes" in error["message"] and "head" in error["message"], error
+        error = _refused(address, gzip, 501)
+        assert error["code"] == "not_implemented", error
+        assert "Transfer-Encoding" in error["message"], error
+        _refused(address, b"GET / HTTP/1.1\r\n\r\n", 400)  # the rest: as before
 
 
 def test_a_connection_past_the_most_gets_a_503_with_an_openai_error_object() -> None:
