@@ -41,8 +41,11 @@ def host_name(value: bytes) -> str:
     """The name of a ``Host`` header's value, its port left out (``[::1]:8000`` ->
     ``[::1]``), in lower case; a value naming userinfo (``localhost:1@evil.example``,
     which RFC 9110 §4.2.4 calls an error: an absolute-form target's authority) whole,
-    no loopback name."""
-    text = value.decode("latin-1").strip().lower()
+    no loopback name. Its bytes are read as UTF-8, as a client writes a name
+    (``bücher.example``), those that are none as escapes (``\\xff``): the refusal quotes
+    the name as it was sent (read as Latin-1, a UTF-8 name came back as mojibake,
+    ``bÃ¼cher.example``)."""
+    text = value.decode("utf-8", "backslashreplace").strip().lower()
     if "@" in text:
         return text
     if text.startswith("["):

@@ -15,7 +15,12 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from runtime_cupy.serve.host_header import LOOPBACK_NAMES, LoopbackHosts, loopback_names
+from runtime_cupy.serve.host_header import (
+    LOOPBACK_NAMES,
+    LoopbackHosts,
+    host_name,
+    loopback_names,
+)
 from tests.support.servers import ServerProcess
 
 
@@ -46,6 +51,16 @@ def test_another_host_is_refused_with_an_openai_error(host: str) -> None:
     error = response.json()["error"]
     assert error["code"] == "invalid_host" and "DNS rebinding" in error["message"]
     assert "served" not in response.text
+
+
+def test_a_refused_host_is_named_as_it_was_sent() -> None:
+    """A ``Host`` written in UTF-8 is quoted back as written, bytes that are no UTF-8
+    as escapes. (Read as Latin-1, ``bücher.example`` came back as ``bÃ¼cher.example``.)"""
+    response = _client(LOOPBACK_NAMES).get("/metrics", headers={"Host": "bücher.example".encode()})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert message.startswith("the Host header names 'bücher.example':"), message
+    assert host_name(b"B\xfccher.example:80") == "b\\xfccher.example"
 
 
 def test_only_a_loopback_address_checks_hosts() -> None:
