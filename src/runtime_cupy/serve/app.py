@@ -102,7 +102,9 @@ def _error(error: RequestError, headers: dict[str, str] | None = None) -> JSONRe
 
 
 def _failed(failed: Failed) -> JSONResponse:
-    return JSONResponse(fmt.error_body(failed), status_code=failed.status)
+    retry = failed.retry_after_s
+    headers = None if retry is None else {"Retry-After": str(retry)}
+    return JSONResponse(fmt.error_body(failed), status_code=failed.status, headers=headers)
 
 
 class _EventStream(StreamingResponse):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -311,13 +312,18 @@ class Engine:
         return True
 
     def _fail_waiting(self) -> None:
-        """The chain could not be started again: the requests waiting get a 503."""
+        """The chain could not be started again: the requests waiting get a 503, whose
+        ``Retry-After`` is the time to the next try (without it, the ``openai`` library
+        retries twice within 2 s, and meets the same 503 while the next try is seconds
+        off)."""
         with self._cond:
             waiting = list(self._queue)
             self._queue.clear()
         reason = self.chain.trouble or "the stages are not up"
+        retry = max(1, math.ceil(self._retry_at - time.monotonic()))
         for job in waiting:
-            self._answers.finish(job, "faulted", Failed(503, reason, "stages_unavailable"))
+            failed = Failed(503, reason, "stages_unavailable", retry_after_s=retry)
+            self._answers.finish(job, "faulted", failed)
 
     def _run_job(self, job: Job) -> None:
         try:

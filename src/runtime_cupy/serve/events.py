@@ -44,12 +44,14 @@ class Finished:
 
 @frozen
 class Failed:
-    """The request could not be answered: an HTTP status and an OpenAI error."""
+    """The request could not be answered: an HTTP status and an OpenAI error;
+    ``retry_after_s``: when it is worth asking again (``Retry-After``), where known."""
 
     status: int
     message: str
     code: str
     type: str = "server_error"
+    retry_after_s: int | None = None
 
 
 Event = Piece | Finished | Failed

@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from runtime_cupy.process.chain_handoffs import ChainClosing
-from runtime_cupy.serve.chain import WarmChain
+from runtime_cupy.serve.chain import ChainError, WarmChain
 from runtime_cupy.serve.engine import Engine
 from tests.support.hosts import FaultyHost
 from tests.support.servers import InProcessServer, idle, metrics, serving, wait_for
@@ -432,3 +432,37 @@ def test_a_run_handed_over_as_the_chain_closes_is_a_503_not_a_500(tiny_chat: str
         assert "the chain is closing" in r.json()["error"]["message"], r.text
     finally:
         server.stop()
+
+
+class UnrecoverableChain(WarmChain):
+    """A chain that, once ``broken``, is not ready and cannot be started again."""
+
+    broken = False
+
+    @property
+    def ready(self) -> bool:
+        return not self.broken and super().ready
+
+    def recover(self) -> tuple[int, ...]:
+        if self.broken:
+            raise ChainError("the stages could not be started again")
+        return super().recover()
+
+
+def test_a_request_the_chain_cannot_be_started_again_for_says_when_to_retry(
+    tiny_chat: str,
+) -> None:
+    """While a broken chain cannot be started again (each next try later, up to a
+    minute), the requests waiting get a 503 with ``Retry-After``: the seconds to the
+    next try, which the ``openai`` client waits before it retries (without it, it
+    retried twice within 2 s, each a 503 again)."""
+    chain = UnrecoverableChain(tiny_chat, stages=2, context=128)
+    body = {"model": "tiny-chat", "messages": MSG, "max_tokens": 3}
+    with serving(Engine(chain)) as server:
+        chain.broken = True
+        for _ in range(2):  # the one that fails the try, and one during the wait
+            r = httpx2.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "stages_unavailable", r.text
+            assert 1 <= int(r.headers["retry-after"]) <= 60, r.headers
+        chain.broken = False
