@@ -109,6 +109,32 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_run(slow: InProcessSer
     assert metrics(slow.base_url)[COMPLETED] == before[COMPLETED] + 1
 
 
+def test_a_client_that_half_closes_after_its_request_has_gone_away(
+    slow: InProcessServer,
+) -> None:
+    """What the docs say of a client that shuts its side for writing once its request
+    is sent (``shutdown(SHUT_WR)``): uvicorn reads it as a close, so the request is
+    cancelled, counted so, and answered nothing."""
+    before = metrics(slow.base_url)
+    body = json.dumps({"model": "tiny-chat", "messages": MSG, "max_tokens": 6}).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    host, port = slow.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as client:
+        client.sendall(head.encode() + body)
+        client.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := client.recv(65536):  # until the server closes
+            answer += chunk
+    assert answer == b""
+    wait_for(lambda: idle(slow.base_url), 30, "the server to be idle")
+    after = metrics(slow.base_url)
+    assert after[CANCELLED] == before[CANCELLED] + 1
+    assert after[COMPLETED] == before[COMPLETED]
+
+
 def test_a_request_after_the_stop_began_is_answered_503_not_429(tiny_chat: str) -> None:
     """A stopping server admits nothing: 503, as the requests it held are answered.
     Before, 429 with ``Retry-After: 1``, which the ``openai`` client retries."""
