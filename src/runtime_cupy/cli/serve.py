@@ -13,7 +13,8 @@ then start and bind once; the server listens at once (``GET /health`` says 503 u
 every stage is ready) and serves the requests on them as they arrived, each of a
 request's ``n`` choices a run of its own: up to ``--max-concurrent`` runs at once (each
 joins the stages' batches at their next step and leaves them when it ends), at most
-``--max-queue`` more wait their turn, and a request that would make more wait gets 429.
+``--max-queue`` more wait their turn, and a request that would make more wait gets 429
+(unless none runs or waits).
 
 The key comes from ``GGUF_PIPELINE_API_KEY`` or the first line of ``--api-key-file``;
 without either, no key is asked for. A key on the command line is visible to every
@@ -114,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key-file",
         type=Path,
         default=None,
-        help="a file whose first line is the Bearer token every request must carry (or "
-        f"{API_KEY_VARIABLE}; default: no key)",
+        help="a file whose first line is the Bearer token every request but GET /health "
+        f"must carry (or {API_KEY_VARIABLE}; default: no key)",
     )
     p.add_argument(
         "--api-key",
@@ -128,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         default=16,
         help="runs that may wait while --max-concurrent run (a request's n choices are n "
-        "runs); a request that would make more wait gets 429 (16)",
+        "runs); a request that would make more wait gets 429, unless none runs or waits "
+        "(16)",
     )
     p.add_argument(
         "--max-connections",
@@ -151,11 +153,11 @@ class KeyRefused(ValueError):
 
 
 def api_key_from(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    """The key every request must carry: from ``GGUF_PIPELINE_API_KEY`` or the first
-    line of ``--api-key-file`` (``None``: neither gives one; only that line is read, up
-    to ``KEY_LINE_LIMIT`` bytes); ``KeyRefused`` for a key on the command line, two
-    sources, a file that cannot be read or whose first line is longer, an empty key, or
-    one with a character a Bearer token cannot carry."""
+    """The key every request but ``GET /health`` must carry: from
+    ``GGUF_PIPELINE_API_KEY`` or the first line of ``--api-key-file`` (``None``: neither
+    gives one; only that line is read, up to ``KEY_LINE_LIMIT`` bytes); ``KeyRefused``
+    for a key on the command line, two sources, a file that cannot be read or whose first
+    line is longer, an empty key, or one with a character a Bearer token cannot carry."""
     if args.api_key is not None:
         raise KeyRefused(
             "--api-key is refused: a key on the command line is visible to every user of "

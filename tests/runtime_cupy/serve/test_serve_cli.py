@@ -181,3 +181,12 @@ def test_the_help_counts_runs_not_requests() -> None:
     assert "requests that may wait" not in text
     assert "a request's n choices are n runs" in text
     assert "runs that may wait while --max-concurrent run" in text
+
+
+def test_the_help_names_what_the_key_and_the_queue_leave_out() -> None:
+    """``/health`` needs no key, and an idle server admits a request of any ``n`` (else
+    one of more choices than --max-queue could never be): the help said "the Bearer
+    token every request must carry" and "a request that would make more wait gets 429"."""
+    text = " ".join(build_parser().format_help().split())
+    assert "the Bearer token every request but GET /health must carry" in text
+    assert "a request that would make more wait gets 429, unless none runs or waits" in text
