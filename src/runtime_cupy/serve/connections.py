@@ -25,9 +25,10 @@ socket it is handed and the protocol class it is given: ``guarded_listener``,
   ``invalid_http_request``, 431 for a head too large, 501 for a transfer coding not
   served (``refused_requests``).
 - **Closing**: a connection closed while its client still sends a request's body (an
-  answer that did not wait for it: ``unread_body``) lingers (``serve.lingering``): the
-  answer sent and the write side shut, what still comes is thrown away for at most
-  ``LINGER_S``, so that the client reads the answer, not a reset.
+  answer that did not wait for it: ``unread_body``), or the rest of a request h11
+  refused (a head too large), lingers (``serve.lingering``): the answer sent and the
+  write side shut, what still comes is thrown away for at most ``LINGER_S``, so that
+  the client reads the answer, not a reset.
 - **Number**: the listening socket (``GuardedListener``) admits a connection only while
   fewer than ``limits.max_connections`` are open (or being set up); past that, the new
   one closes the connection that has waited longest for a request to begin (an idle or
@@ -217,15 +218,20 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        # A close while the client still sends its body lingers (``serve.lingering``).
-        self._closing = LingeringClose(transport, self._body_coming, self.loop)
+        # A close while the client still sends lingers (``serve.lingering``).
+        self._closing = LingeringClose(transport, self._client_sending, self.loop)
         self.transport = cast(asyncio.Transport, self._closing)
         self.guard.made(self)
         self._await_request()
 
-    def _body_coming(self) -> bool:
-        """Whether the client may still be sending the body of its request (uvicorn's
-        cycle has not seen its end)."""
+    def _client_sending(self) -> bool:
+        """Whether the client may still be sending its request: its body (uvicorn's
+        cycle has not seen its end), or anything of one h11 refused (a head too large
+        comes on: a client that sends it whole before it reads got a reset, not the
+        431)."""
+        assert isinstance(self.conn, RecordingConnection)
+        if self.conn.refused is not None:
+            return True
         return self.cycle is not None and self.cycle.more_body
 
     def data_received(self, data: bytes) -> None:

@@ -1,7 +1,8 @@
 """A connection closed while its client still sends a request's body lingers.
 
 An answer that goes out before the request's body came whole (a 413 for a body over
-the bound, a 408: ``unread_body``) closes its connection. Closed at once, the socket
+the bound, a 408: ``unread_body``), or before the rest of a request h11 refused (a 431
+for a head too large: ``refused_requests``), closes its connection. Closed at once, the socket
 still holds what the client sent and the server never read, so the kernel answers the
 client with a reset, and a client that sends its whole body before it reads (curl, a
 raw socket) gets "connection reset" where the answer was. As HTTP servers do (RFC 9112

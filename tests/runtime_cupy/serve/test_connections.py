@@ -238,6 +238,23 @@ def test_a_head_too_large_gets_431_and_a_transfer_coding_not_served_501() -> Non
         _refused(address, b"GET / HTTP/1.1\r\n\r\n", 400)  # the rest: as before
 
 
+def test_a_client_that_sends_a_head_too_large_whole_reads_the_431_not_a_reset() -> None:
+    """The client sends its whole head (8 MiB, more than the kernel's buffers hold)
+    before it reads: the refusal came after the first 16 KiB, and the connection closed
+    at once was reset under the client's send; it lingers, so the client reads the
+    431, then the end of the connection."""
+    piece = b"a" * (1 << 20)
+    with _echoing_server() as address, socket.create_connection(address, timeout=30) as client:
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        for _ in range(8):
+            client.sendall(piece)
+        answer = b""
+        while chunk := client.recv(65536):  # a reset fails the test
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"request_header_fields_too_large" in answer, answer
+
+
 def test_a_connection_past_the_most_gets_a_503_with_an_openai_error_object() -> None:
     """A connection the guard cannot admit (every open one has a request) is answered
     503 with an OpenAI error object and closed. (It was a 503 with no body.)"""
