@@ -158,7 +158,7 @@ def test_a_wait_that_runs_out_is_an_edge_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(EdgeTimeout):
         ring.wait_acquire(0.2)
-    assert 0.15 < time.monotonic() - start < 2.0
+    assert 0.15 < time.monotonic() - start < 10.0  # (the upper bound: on a hang)
     ring.publish(ring.wait_reserve(1.0))
     with pytest.raises(EdgeTimeout):
         ring.wait_reserve(0.1)

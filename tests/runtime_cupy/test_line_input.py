@@ -58,7 +58,7 @@ def test_a_signal_the_wait_did_not_see_still_ends_it(keys: int) -> None:
             read_line("> ")
     finally:
         timer.cancel()
-    assert time.monotonic() - began < 5.0
+    assert time.monotonic() - began < 9.0  # ended before the key the timer types at 10 s
     assert signal.getsignal(signal.SIGTERM) is raise_interrupted
     assert signal.set_wakeup_fd(-1) == -1  # none left set
     time.sleep(0.3)  # a copy sent again now would raise here

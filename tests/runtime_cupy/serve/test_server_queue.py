@@ -155,10 +155,11 @@ def test_a_request_after_the_stop_began_is_answered_503_not_429(tiny_chat: str) 
 
 def test_a_stop_while_a_body_arrives_answers_503_at_once(tiny_chat: str) -> None:
     """SIGTERM while a client still sends its body: the request was held through
-    uvicorn's graceful wait (here 5 s, as in the command), then cut: a bare text/plain
-    500 and an ASGI traceback. It is answered 503 ``shutting_down`` at once."""
+    uvicorn's graceful wait (5 s in the command; 30 s here, so that a loaded host's
+    slowness is not mistaken for it), then cut: a bare text/plain 500 and an ASGI
+    traceback. It is answered 503 ``shutting_down`` at once."""
     engine = Engine(WarmChain(tiny_chat, stages=2, context=128))
-    server = InProcessServer(engine, graceful_s=5)
+    server = InProcessServer(engine, graceful_s=30)
     try:
         host, port = server.sock.getsockname()[:2]
         with socket.create_connection((host, port), timeout=30) as client:
@@ -177,8 +178,8 @@ def test_a_stop_while_a_body_arrives_answers_503_at_once(tiny_chat: str) -> None
         assert head.startswith(b"HTTP/1.1 503"), answer
         error = json.loads(body)["error"]
         assert error["code"] == "shutting_down" and "shutting down" in error["message"], error
-        assert took < 3.0, took  # not after the graceful wait
-        server.thread.join(10)
+        assert took < 20.0, took  # not after the graceful wait
+        server.thread.join(30)
         assert not server.thread.is_alive(), "the server did not end"
     finally:
         server.stop()
