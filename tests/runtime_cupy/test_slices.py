@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -47,7 +48,9 @@ from runtime_cupy.slices.progress import SliceBars, SliceLog, describe, figures
 from runtime_cupy.slices.protocol import Refused, open_as_stage
 from runtime_cupy.slices.server import SliceServer, StageTransfer
 from runtime_cupy.slices.transfer_log import TRANSFER_LOG
+from runtime_cupy.slices.verify import EntryUnreadable
 from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.support.descriptors import no_descriptor_left
 from tests.support.faulty_link import FaultyLink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,6 +265,98 @@ def test_a_damaged_cache_entry_is_not_trusted_and_the_slice_comes_again(
     # The entry it made is known sound: the next run uses it without a connection.
     again = untied.fetcher(cache)
     assert untied.resolve(again) == got and again.last["outcome"] == "cache"
+
+
+def test_an_entry_that_cannot_be_read_now_is_kept_and_the_fetch_fails_naming_why(
+    untied: Source, tmp_path: Path
+) -> None:
+    """No descriptor left as the stage checks its entry: the read's ``EMFILE`` was taken
+    for damage, and the sound entry removed (with the orchestrator gone, the next run
+    had nothing). It is kept; the fetch fails naming why; the next run uses it."""
+    cache = tmp_path / "host"
+    fetcher = untied.fetcher(cache)
+    untied.resolve(fetcher)
+    entry = fetcher.cache.entry(untied.key, MIDDLE)
+    assert entry is not None
+    with no_descriptor_left(), pytest.raises(EntryUnreadable, match="Too many open files"):
+        fetcher._sound(entry)  # (resolve's check, under the source's lock)
+    with no_descriptor_left(), pytest.raises(SliceTransferFailed, match="Too many open files"):
+        untied.resolve(untied.fetcher(cache))
+    assert fetcher.cache.entry(untied.key, MIDDLE) is not None
+    assert _entries_and_tmp(cache)[1] == []
+    untied.server.close()  # nothing to receive from: the cache alone
+    again = untied.fetcher(cache)
+    assert untied.resolve(again).paths[0] == str(entry.path) and again.last["outcome"] == "cache"
+
+
+class _NoThreads:
+    """``ThreadPoolExecutor`` on a host with no thread left: its first ``submit`` gets
+    ``Thread.start``'s own refusal (as in a control group of ``pids.max`` 2)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __enter__(self) -> _NoThreads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def submit(self, *args: object, **kwargs: object) -> object:
+        raise RuntimeError("can't start new thread")
+
+
+def test_a_fetch_on_a_host_with_no_thread_left_is_a_named_fault_that_leaves_nothing(
+    untied: Source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare ``RuntimeError`` came out of ``resolve``: no ``SliceTransferFailed`` naming
+    what ran out, no word to the server, no ``failed`` line in the transfer log."""
+    cache = tmp_path / "host"
+    monkeypatch.setattr(fetch_module, "ThreadPoolExecutor", _NoThreads)
+    fetcher = untied.fetcher(cache)
+    with pytest.raises(SliceTransferFailed, match="no thread left to hash the tensors"):
+        untied.resolve(fetcher)
+    assert fetcher.last["outcome"] == "failed"
+    assert _entries_and_tmp(cache) == ([], [])
+    monkeypatch.undo()
+    again = untied.fetcher(cache)
+    untied.resolve(again)
+    assert again.last["outcome"] == "received"
+
+
+def test_a_partial_entry_a_failed_fetch_cannot_remove_is_named_and_goes_next_time(
+    untied: Source,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The partial entry was removed with its errors ignored, before the link closed:
+    with no descriptor left, it stayed, unsaid (``fetch``'s docstring: removed)."""
+    cache = tmp_path / "host"
+    monkeypatch.setattr(fetch_module, "ThreadPoolExecutor", _NoThreads)
+
+    def refused(path: object, ignore_errors: bool = False) -> None:
+        if not ignore_errors:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    # (the fetch's own removal alone: the server, in this process, would share a patched
+    # shutil)
+    monkeypatch.setattr(fetch_module, "shutil", SimpleNamespace(rmtree=refused))
+    with (
+        caplog.at_level(logging.WARNING, logger="runtime_cupy.slices"),
+        pytest.raises(SliceTransferFailed),
+    ):
+        untied.resolve(untied.fetcher(cache))
+    left = _entries_and_tmp(cache)[1]
+    assert len(left) == 1, left
+    assert any(
+        "could not remove the partial entry" in r.getMessage() and left[0] in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    monkeypatch.undo()
+    again = untied.fetcher(cache)
+    untied.resolve(again)
+    assert again.last["outcome"] == "received" and _entries_and_tmp(cache)[1] == []
 
 
 def test_a_damaged_entry_lends_no_tensor_to_another_stages_slice(

@@ -64,6 +64,7 @@ from runplan.shards import (
     manifest_json,
     slice_tensor_names,
 )
+from runtime_core.threads import ThreadUnavailable, is_thread_refused, thread_refused
 from runtime_core.workers.interface import WorkerError
 from runtime_cupy.edges.tcp_seal import protection_for
 from runtime_cupy.slices import transfer_log
@@ -161,10 +162,13 @@ class SliceFetcher:
                 return self._fetch(source, parts, local, mark, began)
         except CacheError as exc:
             raise self._failure(parts, "the cache", str(exc), began) from exc
+        except RuntimeError as exc:  # no thread left to hash an entry with
+            raise self._failure(parts, "the cache", _no_thread(exc), began) from exc
 
     def _sound(self, entry: CacheEntry | None) -> CacheEntry | None:
         """``entry`` if it holds its slice whole (``verify``), else ``None``: an entry
-        that does not is removed (call with the source's lock held)."""
+        that does not is removed (call with the source's lock held); one that cannot be
+        read now is kept (``verify.EntryUnreadable``, a ``CacheError``)."""
         if entry is None:
             return None
         problem = entry_problem(entry, self.digests)
@@ -262,11 +266,13 @@ class SliceFetcher:
             raise self._failure(parts, exc.where, exc.cause, began, link) from exc
         except (TransferError, OSError, GgufError, ValueError, KeyError) as exc:
             raise self._failure(parts, where, _cause(exc), began, link) from exc
+        except RuntimeError as exc:  # no thread left to hash with
+            raise self._failure(parts, where, _no_thread(exc), began, link) from exc
         finally:
-            if partial is not None:
-                shutil.rmtree(partial, ignore_errors=True)
-            if link is not None:
+            if link is not None:  # first: its descriptor may be the one the removal needs
                 link.close()
+            if partial is not None:
+                _remove_partial(partial)
 
     def _hash_ahead(self, source_key: str, parts: SliceParts, local: GgufHeader | None) -> None:
         """Hash, before the server is asked, what the answer to its header needs: the
@@ -509,3 +515,28 @@ def _cause(exc: BaseException, where: Path | None = None) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or type(exc).__name__
+
+
+def _no_thread(exc: RuntimeError) -> str:
+    """Why ``exc`` ended a fetch: a thread the host refused (``runtime_core.threads``),
+    named so; any other ``RuntimeError`` is a defect, raised as it is."""
+    if isinstance(exc, ThreadUnavailable):
+        return str(exc)
+    if not is_thread_refused(exc):
+        raise exc
+    return thread_refused("no thread left to hash the tensors", exc)
+
+
+def _remove_partial(partial: Path) -> None:
+    """Remove what a failed fetch wrote; where that fails too (no descriptor left), say
+    so: the next fetch of the source removes it (``SliceCache.remove_stale``)."""
+    try:
+        shutil.rmtree(partial)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning(
+            "could not remove the partial entry %s (%s): the next fetch of this source does",
+            partial,
+            exc.strerror or exc,
+        )

@@ -9,17 +9,22 @@ key, a SHA-256 per tensor) and every tensor's bytes hash to the header's SHA-256
 verdict is remembered by the shard file's identity (path, device, inode, size,
 modification time: ``digests``), as the fetch that made the entry remembers it, so an
 entry is hashed again only when its file changed; an entry that fails is not used.
+
+An entry that cannot be read *now* (no descriptor left, no memory, no permission) says
+nothing of its file: that is ``EntryUnreadable``, never a verdict, so that a sound
+entry is not taken for damage and removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 
 from runplan.content import tensor_sha256
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
 from runplan.shards import ShardKeys, SliceParts, model_id_problem, slice_tensor_names
-from runtime_cupy.slices.cache import CacheEntry
+from runtime_cupy.slices.cache import CacheEntry, CacheError
 from runtime_cupy.slices.digests import DigestStore, hashes_match
 
 
@@ -48,6 +53,29 @@ def header_problem(header: GgufHeader, parts: SliceParts, source_key: str) -> st
     return None
 
 
+#: Errors of a read that say nothing of the file read: the process or host ran out of
+#: something, or may not read it now.
+NOT_NOW = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
+    | {errno.EACCES, errno.EPERM}
+)
+
+
+class EntryUnreadable(CacheError):
+    """A cache entry that cannot be read now: whether it is whole is not known, so it
+    is kept (the stage's fetch fails, naming why)."""
+
+
+def _not_now(exc: BaseException) -> OSError | None:
+    """The error in ``exc``'s chain (its causes) that says the read failed for now."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in NOT_NOW:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _mark(entry: CacheEntry) -> str:
     return f"entry|{entry.source}|{entry.parts.label()}"
 
@@ -55,7 +83,8 @@ def _mark(entry: CacheEntry) -> str:
 def entry_problem(entry: CacheEntry, digests: DigestStore, *, hash_now: bool = True) -> str | None:
     """``None`` when ``entry`` holds its slice whole (found so before, or hashed now);
     else what is wrong with it. ``hash_now=False``: only what is known without hashing
-    (an entry not yet found sound is then ``"not verified yet"``)."""
+    (an entry not yet found sound is then ``"not verified yet"``). ``EntryUnreadable``
+    when it cannot be read now (``NOT_NOW``)."""
     try:
         header = GgufHeader.read(entry.shard)
         if digests.verified(header, _mark(entry)):
@@ -66,11 +95,16 @@ def entry_problem(entry: CacheEntry, digests: DigestStore, *, hash_now: bool = T
         if problem is not None:
             return f"its header: {problem}"
         expected = dict(zip(header.tensors, header.strings(ShardKeys.TENSOR_SHA256), strict=True))
-    except (GgufError, ValueError) as exc:
+        bad = hashes_match(tensor_sha256(header), expected)
+    except (GgufError, ValueError, OSError) as exc:
+        now = _not_now(exc)
+        if now is not None:
+            raise EntryUnreadable(
+                f"cannot read the cache entry {entry.path} now: {now.strerror or now}"
+            ) from exc
+        if isinstance(exc, OSError):
+            return f"{entry.shard}: {exc.strerror or exc}"
         return str(exc)
-    except OSError as exc:
-        return f"{entry.shard}: {exc.strerror or exc}"
-    bad = hashes_match(tensor_sha256(header), expected)
     if bad is not None:
         return f"tensor {bad}: its bytes do not hash to the SHA-256 its header holds"
     digests.mark_verified(header, _mark(entry))
