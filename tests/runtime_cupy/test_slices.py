@@ -628,11 +628,27 @@ def test_a_cache_on_a_full_disk_is_a_named_fault_and_the_next_run_succeeds(
     assert len(lines) == 2, out
     failed, after = lines
     assert failed["ok"] is False, failed
-    assert "no space left" in failed["error"] and "tensor blk." in failed["error"], failed
+    # Refused before a tensor travels (once found a tensor in, naming a partial entry's
+    # folder already gone): the cache's folder, the bytes needed and those free.
+    need = untied.slice_bytes(MIDDLE)
+    assert f"need {need} bytes on the disk of the cache {cache}, " in failed["error"], failed
+    assert " are free; no cache entry was made" in failed["error"], failed
     assert "to host 127.0.0.1" in failed["error"], failed
+    assert failed["last"]["outcome"] == "failed", failed
+    assert failed["last"]["socket_bytes"] < need // 4, failed  # the header's frames alone
     assert failed["entries"] == [] and failed["tmp"] == [], failed
     assert after["ok"] is True and after["entries"] == [after["path"]], after
     assert after["last"]["tensor_bytes_received"] == untied.slice_bytes(MIDDLE)
+
+
+def test_a_disk_found_full_a_tensor_in_names_the_cache_not_the_partial_entry() -> None:
+    """Room can still run out after the check (another writer): the error named the
+    partial entry's folder, gone by the time it was read."""
+    full = OSError(errno.ENOSPC, "No space left on device", "/c/tmp/abc.L2-3.1.x/slice.gguf")
+    assert fetch_module._cause(full, Path("/c")) == "no space left on the disk of the cache /c"
+    assert fetch_module._cause(OSError(errno.EIO, "Input/output error"), Path("/c")) == (
+        "Input/output error"
+    )
 
 
 def test_the_server_admits_only_its_stages_and_only_the_source_it_serves(

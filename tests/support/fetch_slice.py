@@ -5,7 +5,7 @@ process killed halfway, a cache on a disk of its own)::
         --stage-index I --node-id N --source PATH --parts START,END,EMBD,OUT --cache DIR
 
 The stages' secret (hex) is read on standard input. Prints one JSON line: ``{"ok":
-true, "path": ..., "last": ...}`` or ``{"ok": false, "error": ...}``, then what the
+true, "path": ..., "last": ...}`` or ``{"ok": false, "error": ..., "last": ...}``, then what the
 cache holds (``entries``) and what is left in its ``tmp/``."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> int:
         source = fetcher.resolve(GgufSource((args.source,)), parts)
         doc = {"ok": True, "path": source.paths[0], "last": fetcher.last}
     except SliceTransferFailed as exc:
-        doc = {"ok": False, "error": str(exc)}
+        doc = {"ok": False, "error": str(exc), "last": fetcher.last}
     doc["entries"] = [str(e.path) for e in cache.entries()]
     doc["tmp"] = sorted(os.listdir(cache.tmp)) if cache.tmp.exists() else []
     print(json.dumps(doc), flush=True)

@@ -237,6 +237,7 @@ class SliceFetcher:
             donors = dict(self._donors(source_key, parts, names, expected))
             wanted = [n for n in names if n not in donors]
             self.cache.make_room(int(info["file_bytes"]), tuple(e for _, e in donors.values()))
+            self._check_room(partial, sent)
             where = "the tensors"
             link.send({"tensors": wanted})
             timing = self._receive_tensors(link, sent, partial, expected, donors)
@@ -265,7 +266,7 @@ class SliceFetcher:
         except _Failed as exc:
             raise self._failure(parts, exc.where, exc.cause, began, link) from exc
         except (TransferError, OSError, GgufError, ValueError, KeyError) as exc:
-            raise self._failure(parts, where, _cause(exc), began, link) from exc
+            raise self._failure(parts, where, _cause(exc, self.cache.root), began, link) from exc
         except RuntimeError as exc:  # no thread left to hash with
             raise self._failure(parts, where, _no_thread(exc), began, link) from exc
         finally:
@@ -273,6 +274,22 @@ class SliceFetcher:
                 link.close()
             if partial is not None:
                 _remove_partial(partial)
+
+    def _check_room(self, partial: Path, sent: GgufHeader) -> None:
+        """The slice's tensors fit the free space of the cache's disk, before a byte of
+        them travels (a full disk was found a tensor in, the bytes before it sent for
+        nothing); ``_Failed`` naming the folder, the bytes needed and those free. (Room
+        found here can still be taken by another writer: a full disk later is named as
+        it comes.)"""
+        need = sum(info.n_bytes for info in sent.tensors.values())
+        disk = os.statvfs(partial)
+        free = disk.f_bavail * disk.f_frsize
+        if need > free:
+            raise _Failed(
+                "the cache",
+                f"the slice's tensors need {need} bytes on the disk of the cache "
+                f"{self.cache.root}, {free} are free",
+            )
 
     def _hash_ahead(self, source_key: str, parts: SliceParts, local: GgufHeader | None) -> None:
         """Hash, before the server is asked, what the answer to its header needs: the
@@ -374,7 +391,7 @@ class SliceFetcher:
                         try:
                             os.posix_fallocate(fd, info.offset, info.n_bytes)
                         except OSError as exc:
-                            raise _Failed(f"tensor {name}", _cause(exc, partial)) from exc
+                            raise _Failed(f"tensor {name}", _cause(exc, self.cache.root)) from exc
                         with (
                             memoryview(mapped) as whole,
                             whole[info.offset : info.offset + info.n_bytes] as view,
@@ -509,9 +526,11 @@ def _check_hashes(
     hashes[:] = waiting
 
 
-def _cause(exc: BaseException, where: Path | None = None) -> str:
+def _cause(exc: BaseException, cache: Path) -> str:
+    """What ``exc`` says went wrong; a full disk names the ``cache`` folder (the file it
+    met is a partial entry's, gone once the fetch has failed)."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return f"no space left on the disk of {exc.filename or where or 'the cache'}"
+        return f"no space left on the disk of the cache {cache}"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc) or type(exc).__name__
