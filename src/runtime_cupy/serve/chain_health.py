@@ -257,7 +257,7 @@ class ChainHealth:
             trace=self.trace,
             secret=self._secrets(),
             kept=kept,
-            generation=len(self.recoveries.replacements),
+            generation=self.recoveries.placements,
             run_ids=self._run_ids,
             on_event=_weakly(self._starting),
         )

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -76,15 +77,23 @@ class RecoveryTimes:
         return self.first_token_s - self.ended_s
 
 
+#: Recoveries a chain keeps the details of (the newest): a server whose stages keep
+#: dying kept every one, a run plan each, for as long as it ran.
+KEPT = 64
+
+
 class Recoveries:
-    """How many streams were recovered and their seconds (any thread)."""
+    """How many streams were recovered and their seconds; how many times the chain was
+    placed again (``placements``, the chain's generation); the newest ``KEPT``
+    replacements and streams' times (any thread)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
         self.seconds = 0.0
-        self.replacements: list[Replacement] = []
-        self.times: list[RecoveryTimes] = []
+        self.placements = 0
+        self.replacements: deque[Replacement] = deque(maxlen=KEPT)
+        self.times: deque[RecoveryTimes] = deque(maxlen=KEPT)
 
     def recovered(self, times: RecoveryTimes) -> None:
         with self._lock:
@@ -94,6 +103,7 @@ class Recoveries:
 
     def placed(self, replacement: Replacement) -> None:
         with self._lock:
+            self.placements += 1
             self.replacements.append(replacement)
 
 
