@@ -16,6 +16,7 @@ from runplan import GgufError, NodePool, NodeSpec, RunPlan, RuntimeConfig, plan_
 from runplan import model_facts_from_gguf as facts_of
 from runplan.gguf_header import GgufHeader
 from tests.fixtures.gguf_models import ModelShape, tiny_bpe, write_model
+from tests.support.same_run import assert_same_run
 
 
 @pytest.fixture(scope="module")
@@ -366,12 +367,7 @@ def test_vocab_size_beside_a_token_list_is_ignored_as_llamacpp_ignores_it(
     bad = vocab_size_beside_the_list(tmp_path, stated)
     assert GgufHeader.read(str(bad)).integer("llama.vocab_size") != tokens
     assert facts_of(str(bad)).vocab_size == tokens
-    want = runtime_sim.generate(str(ok), [1, 2, 3], max_tokens=3, return_logits=True)
-    got = runtime_sim.generate(str(bad), [1, 2, 3], max_tokens=3, return_logits=True)
-    assert got.outcome == want.outcome == "completed"
-    assert got.tokens == want.tokens
-    for mine, theirs in zip(got.logits, want.logits, strict=True):
-        np.testing.assert_array_equal(mine, theirs)
+    assert_same_run(str(ok), str(bad), [1, 2, 3], max_tokens=3)
 
 
 #: ``llama.vocab_size`` values other than the token list's 323, which llama.cpp runs.

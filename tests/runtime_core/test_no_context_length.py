@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from gguf import GGUFValueType
 
@@ -24,6 +23,7 @@ from runtime_core.gguf_slice import check_whole_model
 from runtime_cupy.cli.plan import main as cupy_plan_main
 from runtime_cupy.serve.chain import WarmChain
 from tests.fixtures.gguf_models import ModelShape, write_model
+from tests.support.same_run import assert_same_run
 
 SHAPE = ModelShape(n_layers=2, seed=31)
 
@@ -54,12 +54,7 @@ def test_a_run_of_its_own_length_gives_the_tokens_of_the_file_stating_one(
     files: tuple[Path, Path],
 ) -> None:
     stated, none = files
-    want = runtime_sim.generate(str(stated), [5, 77, 300], max_tokens=6, return_logits=True)
-    got = runtime_sim.generate(str(none), [5, 77, 300], max_tokens=6, return_logits=True)
-    assert got.outcome == want.outcome == "completed"
-    assert got.tokens == want.tokens
-    for mine, theirs in zip(got.logits, want.logits, strict=True):
-        np.testing.assert_array_equal(mine, theirs)
+    assert_same_run(str(stated), str(none), [5, 77, 300], max_tokens=6)
     # a run past what the other file states: no bound here
     long = runtime_sim.generate(str(none), [5] * 300, max_tokens=2)
     assert long.outcome == "completed"
