@@ -11,6 +11,10 @@ import errno
 import os
 import resource
 
+#: The ``errno`` of a call that failed because the process or host ran out of something
+#: (descriptors, memory, buffers), not because of what it was asked.
+EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
 
 def limit_note(code: int | None) -> str:
     """A clause naming the limit an error of ``errno`` ``code`` may have met and its

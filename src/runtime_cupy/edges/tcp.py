@@ -44,11 +44,11 @@ Frames are an 8-byte head ``kind:u8 pad:3 value:u32``, the body, the seal's tag:
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import socket
 
 from runplan.plan import RingSpec
+from runplan.resource_limits import EXHAUSTED
 from runtime_cupy.edges import handshake as hs
 from runtime_cupy.edges.port import EdgeSetupError, Rendezvous
 from runtime_cupy.edges.strangers import LISTEN_BACKLOG
@@ -58,10 +58,6 @@ from runtime_cupy.edges.tcp_producer import Connector, TcpSendRing
 from runtime_cupy.edges.tcp_seal import AUTHENTICATED, Protection
 from runtime_cupy.process.names import NotPrivate
 from runtime_cupy.process.streams import StreamBroken
-
-#: Errors of this process's own want, not of a consumer not there yet: a producer that
-#: meets one ends its edge's setup at once, naming it.
-EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 log = logging.getLogger("runtime_cupy.edges.tcp")
 

@@ -163,7 +163,10 @@ class SliceFetcher:
         except CacheError as exc:
             raise self._failure(parts, "the cache", str(exc), began) from exc
         except RuntimeError as exc:  # no thread left to hash an entry with
-            raise self._failure(parts, "the cache", _no_thread(exc), began) from exc
+            why = _no_thread(exc)
+            if why is None:
+                raise
+            raise self._failure(parts, "the cache", why, began) from exc
 
     def _sound(self, entry: CacheEntry | None) -> CacheEntry | None:
         """``entry`` if it holds its slice whole (``verify``), else ``None``: an entry
@@ -268,7 +271,10 @@ class SliceFetcher:
         except (TransferError, OSError, GgufError, ValueError, KeyError) as exc:
             raise self._failure(parts, where, _cause(exc, self.cache.root), began, link) from exc
         except RuntimeError as exc:  # no thread left to hash with
-            raise self._failure(parts, where, _no_thread(exc), began, link) from exc
+            why = _no_thread(exc)
+            if why is None:
+                raise
+            raise self._failure(parts, where, why, began, link) from exc
         finally:
             if link is not None:  # first: its descriptor may be the one the removal needs
                 link.close()
@@ -536,13 +542,14 @@ def _cause(exc: BaseException, cache: Path) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _no_thread(exc: RuntimeError) -> str:
-    """Why ``exc`` ended a fetch: a thread the host refused (``runtime_core.threads``),
-    named so; any other ``RuntimeError`` is a defect, raised as it is."""
+def _no_thread(exc: RuntimeError) -> str | None:
+    """Why ``exc`` ended a fetch where it is a thread the host refused
+    (``runtime_core.threads``); ``None`` for any other ``RuntimeError`` (a defect, or a
+    fetch's own ``SliceTransferFailed``: raised as it is)."""
     if isinstance(exc, ThreadUnavailable):
         return str(exc)
     if not is_thread_refused(exc):
-        raise exc
+        return None
     return thread_refused("no thread left to hash the tensors", exc)
 
 

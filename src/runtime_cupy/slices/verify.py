@@ -23,6 +23,7 @@ import errno
 from runplan.content import tensor_sha256
 from runplan.gguf_error import GgufError
 from runplan.gguf_header import GgufHeader
+from runplan.resource_limits import EXHAUSTED
 from runplan.shards import ShardKeys, SliceParts, model_id_problem, slice_tensor_names
 from runtime_cupy.slices.cache import CacheEntry, CacheError
 from runtime_cupy.slices.digests import DigestStore, hashes_match
@@ -55,10 +56,7 @@ def header_problem(header: GgufHeader, parts: SliceParts, source_key: str) -> st
 
 #: Errors of a read that say nothing of the file read: the process or host ran out of
 #: something, or may not read it now.
-NOT_NOW = frozenset(
-    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
-    | {errno.EACCES, errno.EPERM}
-)
+NOT_NOW = EXHAUSTED | {errno.EAGAIN, errno.EINTR, errno.EACCES, errno.EPERM}
 
 
 class EntryUnreadable(CacheError):
